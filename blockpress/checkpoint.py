@@ -1,0 +1,182 @@
+"""Hugging Face checkpoints in and out: safetensors (single file or sharded), the reference's tensor names.
+
+Loading builds the model on the meta device and assigns each tensor as it is read, so a checkpoint is
+never held twice. Vision-tower tensors are not used (text-only) but are remembered by file, so `save`
+can copy them through and a saved checkpoint keeps its vision tower.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import ModelConfig
+from .model import DiffusionGemma
+
+DECODER = "model.decoder."
+ENCODER_TEXT = "model.encoder.language_model."
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+_ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not fit the config; the message names the tensor."""
+
+
+@dataclass
+class Passthrough:
+    """Tensors blockpress does not use but must not lose on save: name -> source file."""
+
+    tensors: dict[str, Path] = field(default_factory=dict)
+
+
+def hf_to_local(name: str) -> str | None:
+    """Map a checkpoint tensor name to ours; None for names that are tied copies (nothing to load)."""
+    if name.startswith(DECODER):
+        return name[len(DECODER):]
+    m = _ENCODER_SCALAR.match(name)
+    if m:
+        return f"layers.{m.group(1)}.encoder_layer_scalar"
+    if name.startswith(ENCODER_TEXT) or name == "lm_head.weight":
+        return None  # encoder weights and the LM head are tied to the decoder's
+    raise KeyError(name)
+
+
+def local_to_hf(name: str) -> str:
+    m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", name)
+    if m:
+        return f"{ENCODER_TEXT}layers.{m.group(1)}.layer_scalar"
+    return DECODER + name
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or a torch.dtype, got {dtype!r}")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) that are not in the folder: {missing}")
+        return files
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> tuple[DiffusionGemma, Passthrough]:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a checkpoint folder")
+    config = ModelConfig.from_file(path / "config.json")
+    dtype = resolve_dtype(dtype)
+    files = checkpoint_files(path)
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    passthrough = Passthrough()
+    device = torch.device(device)
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name.startswith(VISION_PREFIXES):
+                    passthrough.tensors[name] = file
+                    continue
+                try:
+                    local = hf_to_local(name)
+                except KeyError:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
+                if local is None:
+                    continue
+                if local not in expected:
+                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
+                shape = tuple(f.get_slice(name).get_shape())
+                want = tuple(expected[local].shape)
+                if shape != want:
+                    raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
+                tensor = f.get_tensor(name)
+                if dtype is None:
+                    dtype = tensor.dtype if tensor.is_floating_point() else None
+                state[local] = tensor.to(dtype) if dtype is not None and tensor.dtype != dtype else tensor
+    if passthrough.tensors:
+        warnings.warn(
+            f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "
+            "they are kept when the model is saved", stacklevel=2,
+        )
+    for local in expected:
+        if local not in state and local.endswith("layer_scalar"):
+            state[local] = torch.ones(1, dtype=dtype, device=device)  # the reference initialises missing scalars to 1
+    missing = [local_to_hf(k) for k in expected if k not in state]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_buffers()
+    model.to(device)
+    return model, passthrough
+
+
+def save_model(
+    model: DiffusionGemma,
+    path: str | Path,
+    passthrough: Passthrough | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save(path / "config.json")
+    tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if passthrough:
+        by_file: dict[Path, list[str]] = {}
+        for name, file in passthrough.tensors.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in names:
+                    tensors[name] = f.get_tensor(name)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    for old in path.glob("model*.safetensors*"):
+        old.unlink()
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,345 @@
+"""Model configuration: DiffusionGemma's `config.json`, read, validated and written back.
+
+The Hugging Face layout nests the text model under `text_config`; blockpress keeps that split
+(`ModelConfig` holds a `TextConfig`) so a config read from a checkpoint writes back unchanged.
+Per-layer attention shapes (sliding layers vs full layers) are resolved once into `LayerSpec`s.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+SUPPORTED_ROPE_TYPES = ("default", "proportional")
+
+
+class ConfigError(ValueError):
+    """A config.json that blockpress cannot run; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The attention shape of one layer, resolved from `layer_types` and `per_layer_config`."""
+
+    kind: str  # SLIDING or FULL
+    head_dim: int
+    num_kv_heads: int
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.kind == SLIDING
+
+    @property
+    def values_from_keys(self) -> bool:
+        # Full-attention layers have no v_proj: values are the raw key projection (then v_norm).
+        return not self.is_sliding
+
+
+def _default_layer_types(n: int) -> list[str]:
+    return [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)]
+
+
+def _default_rope() -> dict[str, dict[str, Any]]:
+    return {
+        SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+    }
+
+
+@dataclass
+class TextConfig:
+    """The text backbone. Defaults follow the reference config class (not the released model's sizes)."""
+
+    vocab_size: int = 262_144
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    pad_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    bos_token_id: int | None = 2
+    tie_word_embeddings: bool = True
+    rope_parameters: dict[str, dict[str, Any]] | None = None
+    attention_bias: bool = False
+    sliding_window: int = 512
+    layer_types: list[str] | None = None
+    per_layer_config: dict[str, dict[str, int]] | None = None
+    final_logit_softcapping: float | None = 30.0
+    use_bidirectional_attention: str | None = None
+    num_experts: int | None = 8
+    top_k_experts: int | None = 2
+    moe_intermediate_size: int | None = 256
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = _default_layer_types(self.num_hidden_layers)
+        self.layer_types = list(self.layer_types)
+        if self.rope_parameters is None:
+            self.rope_parameters = _default_rope()
+        elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
+            # A flat rope dict applies to every layer type.
+            self.rope_parameters = {kind: dict(self.rope_parameters) for kind in (SLIDING, FULL)}
+        if self.per_layer_config is None:
+            override: dict[str, int] = {"head_dim": self.global_head_dim}
+            if self.num_global_key_value_heads is not None:
+                override["num_key_value_heads"] = self.num_global_key_value_heads
+            self.per_layer_config = {
+                str(i): dict(override) for i, kind in enumerate(self.layer_types) if kind == FULL
+            }
+        else:
+            self.per_layer_config = {str(k): dict(v) for k, v in self.per_layer_config.items()}
+        self.validate()
+
+    # -- derived -----------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[LayerSpec]:
+        specs = []
+        for i, kind in enumerate(self.layer_types):
+            over = self.per_layer_config.get(str(i), {})
+            specs.append(
+                LayerSpec(
+                    kind=kind,
+                    head_dim=int(over.get("head_dim", self.head_dim)),
+                    num_kv_heads=int(over.get("num_key_value_heads", self.num_key_value_heads)),
+                )
+            )
+        return specs
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    # -- validation --------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, field_name: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"text_config.{field_name}: {msg}")
+
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "sliding_window",
+        ):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
+                 f"expected a positive integer, got {value!r}")
+        for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, name,
+                 f"expected a positive integer (DiffusionGemma layers always have experts), got {value!r}")
+        need(self.top_k_experts <= self.num_experts, "top_k_experts",
+             f"{self.top_k_experts} is more than num_experts={self.num_experts}")
+        need(self.hidden_activation in SUPPORTED_ACTIVATIONS, "hidden_activation",
+             f"{self.hidden_activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        need(not self.attention_bias, "attention_bias", "attention biases are not supported (expected false)")
+        need(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
+             f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)")
+        need(isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0, "rms_norm_eps",
+             f"expected a positive number, got {self.rms_norm_eps!r}")
+        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
+             f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        bad = sorted({k for k in self.layer_types if k not in (SLIDING, FULL)})
+        need(not bad, "layer_types", f"unknown layer type(s) {bad}; expected {SLIDING!r} or {FULL!r}")
+        if self.layer_types[-1] != FULL:
+            warnings.warn("text_config.layer_types: the last layer must be full attention; forcing it",
+                          stacklevel=3)
+            self.layer_types[-1] = FULL
+        for key, over in self.per_layer_config.items():
+            need(key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config[{key!r}]",
+                 f"expected a layer index below {self.num_hidden_layers}")
+            unknown = set(over) - {"head_dim", "num_key_value_heads"}
+            need(not unknown, f"per_layer_config[{key!r}]",
+                 f"unsupported override(s) {sorted(unknown)}; expected head_dim / num_key_value_heads")
+        for i, spec in enumerate(self.layers):
+            need(spec.head_dim > 0 and spec.head_dim % 2 == 0, f"per_layer_config[{i}].head_dim",
+                 f"expected a positive even integer, got {spec.head_dim}")
+            need(spec.num_kv_heads > 0 and self.num_attention_heads % spec.num_kv_heads == 0,
+                 f"per_layer_config[{i}].num_key_value_heads",
+                 f"{spec.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}")
+        for kind in set(self.layer_types):
+            need(kind in self.rope_parameters, "rope_parameters", f"missing an entry for {kind!r}")
+            rope = self.rope_parameters[kind]
+            rope_type = rope.get("rope_type", "default")
+            need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_parameters.{kind}.rope_type",
+                 f"{rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+            theta = rope.get("rope_theta")
+            need(isinstance(theta, (int, float)) and theta > 0, f"rope_parameters.{kind}.rope_theta",
+                 f"expected a positive number, got {theta!r}")
+            if rope_type == "default":
+                need(rope.get("partial_rotary_factor", 1.0) == 1.0,
+                     f"rope_parameters.{kind}.partial_rotary_factor",
+                     "partial rotary factors need rope_type 'proportional'")
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters of the text model (tied embedding counted once). `active`: per token, top-k experts."""
+        h, n = self.hidden_size, 0
+        for spec in self.layers:
+            q = self.num_attention_heads * spec.head_dim
+            kv = spec.num_kv_heads * spec.head_dim
+            n += h * q + h * kv + (0 if spec.values_from_keys else h * kv) + q * h  # q, k, v, o
+            n += 2 * spec.head_dim  # q_norm, k_norm
+            n += 3 * h * self.intermediate_size  # dense MLP
+            n += h * self.num_experts + h + self.num_experts  # router proj, scale, per-expert scale
+            experts = self.top_k_experts if active else self.num_experts
+            n += experts * 3 * h * self.moe_intermediate_size
+            n += 7 * h  # seven RMSNorm scales
+        n += self.vocab_size * h  # tied embedding / LM head
+        n += h  # final norm
+        n += 3 * h * self.intermediate_size + h  # self-conditioning MLP and its pre-norm
+        return n
+
+
+_TEXT_FIELDS = {f.name for f in fields(TextConfig)}
+# Keys the reference writes that carry no meaning for the text computation.
+_IGNORED_TEXT_KEYS = {
+    "model_type", "architectures", "transformers_version", "attention_dropout", "dtype", "torch_dtype",
+    "use_cache", "is_encoder_decoder", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "keys_to_ignore_at_inference",
+}
+
+
+@dataclass
+class ModelConfig:
+    """A whole DiffusionGemma checkpoint config: the text model, the canvas, and pass-through fields."""
+
+    text: TextConfig = field(default_factory=TextConfig)
+    canvas_length: int = 256
+    vision_config: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, written back unchanged
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.canvas_length, int) or self.canvas_length <= 0:
+            raise ConfigError(f"canvas_length: expected a positive integer, got {self.canvas_length!r}")
+
+    # -- presets -------------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> ModelConfig:
+        """A few-thousand-parameter model for tests."""
+        text = dict(
+            vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+            sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+            layer_types=[SLIDING, SLIDING, FULL],
+        )
+        canvas = overrides.pop("canvas_length", 8)
+        text.update(overrides)
+        return cls(text=TextConfig(**text), canvas_length=canvas)
+
+    @classmethod
+    def gemma_26b_a4b(cls) -> ModelConfig:
+        """The released DiffusionGemma 26B-A4B text shape (for speed work with random weights)."""
+        text = TextConfig(
+            vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+            num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
+            moe_intermediate_size=704,
+        )
+        return cls(text=text, canvas_length=256)
+
+    # -- HF format -----------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config: expected a JSON object, got {type(raw).__name__}")
+        raw = copy.deepcopy(raw)
+        model_type = raw.get("model_type")
+        if model_type not in (None, "diffusion_gemma"):
+            raise ConfigError(f"model_type: expected 'diffusion_gemma', got {model_type!r}")
+        text_raw = raw.pop("text_config", None)
+        if text_raw is None:
+            raise ConfigError("text_config: missing; a DiffusionGemma config.json nests the text model there")
+        if not isinstance(text_raw, dict):
+            raise ConfigError(f"text_config: expected a JSON object, got {type(text_raw).__name__}")
+        text_type = text_raw.get("model_type")
+        if text_type not in (None, "diffusion_gemma_text"):
+            raise ConfigError(f"text_config.model_type: expected 'diffusion_gemma_text', got {text_type!r}")
+        kwargs = {}
+        for key, value in text_raw.items():
+            if key in _TEXT_FIELDS:
+                kwargs[key] = value
+            elif key not in _IGNORED_TEXT_KEYS:
+                warnings.warn(f"text_config.{key}: unknown field, ignored", stacklevel=2)
+        try:
+            text = TextConfig(**kwargs)
+        except TypeError as exc:  # a field of the wrong kind that the dataclass itself rejects
+            raise ConfigError(f"text_config: {exc}") from exc
+        canvas_length = raw.pop("canvas_length", 256)
+        vision = raw.pop("vision_config", None)
+        return cls(text=text, canvas_length=canvas_length, vision_config=vision, extra=raw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no config.json; is this a Hugging Face checkpoint folder?") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        text = {f.name: copy.deepcopy(getattr(self.text, f.name)) for f in fields(TextConfig)}
+        # The reference derives the per-layer overrides from these two; it does not store them itself.
+        text.pop("global_head_dim")
+        text.pop("num_global_key_value_heads")
+        text["model_type"] = "diffusion_gemma_text"
+        out = dict(self.extra)
+        out.update(
+            model_type="diffusion_gemma",
+            architectures=["DiffusionGemmaForBlockDiffusion"],
+            text_config=text,
+            canvas_length=self.canvas_length,
+            tie_word_embeddings=True,
+        )
+        if self.vision_config is not None:
+            out["vision_config"] = copy.deepcopy(self.vision_config)
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def num_parameters(self, active: bool = False) -> int:
+        return self.text.num_parameters(active=active)
+
+    def describe(self) -> str:
+        t = self.text
+        full = sum(1 for s in t.layers if not s.is_sliding)
+        return (
+            f"DiffusionGemma: {t.num_hidden_layers} layers ({t.num_hidden_layers - full} sliding/{full} full, "
+            f"window {t.sliding_window}), hidden {t.hidden_size}, heads {t.num_attention_heads}, "
+            f"experts {t.num_experts} top-{t.top_k_experts}, vocab {t.vocab_size}, canvas {self.canvas_length}, "
+            f"params {_human(self.num_parameters())} total / {_human(self.num_parameters(active=True))} active"
+        )
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{1 if n < 10 * size else 0}f}{unit}"
+    return str(n)
+
+
+__all__ = ["ConfigError", "LayerSpec", "ModelConfig", "TextConfig", "SLIDING", "FULL"]

@@ -1,0 +1,176 @@
+"""`LM`: a loaded model with its tokenizer and generation defaults — the object users hold."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cache import KVCache
+from .checkpoint import Passthrough, load_model, resolve_dtype, save_model
+from .config import ModelConfig
+from .model import DiffusionGemma
+
+MODELS_DIR = Path(__file__).parent / "models"
+
+
+def shipped_models() -> list[str]:
+    if not MODELS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").exists())
+
+
+def resolve_path(path_or_name: str | Path) -> Path:
+    """An HF-format folder, or the name of a model shipped inside the package."""
+    path = Path(path_or_name).expanduser()
+    if path.is_dir():
+        return path
+    if isinstance(path_or_name, str) and (MODELS_DIR / path_or_name).is_dir():
+        return MODELS_DIR / path_or_name
+    names = ", ".join(shipped_models()) or "none installed"
+    raise FileNotFoundError(
+        f"model {str(path_or_name)!r}: not a checkpoint folder nor a shipped model name (shipped: {names}); "
+        "blockpress loads Hugging Face folders from disk and never downloads"
+    )
+
+
+def _as_ids(x: torch.Tensor | list, name: str, vocab_size: int, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.long, device=device) if not isinstance(x, torch.Tensor) else x.to(device)
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2 or t.shape[1] == 0:
+        raise ValueError(f"{name}: expected token ids of shape [P] or [B, P] with P > 0, got {list(t.shape)}")
+    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
+    t = t.long()
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
+    return t
+
+
+class LM:
+    def __init__(
+        self,
+        model: DiffusionGemma,
+        tokenizer: Any = None,
+        generation_config: dict[str, Any] | None = None,
+        passthrough: Passthrough | None = None,
+        path: Path | None = None,
+    ):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.generation_config = dict(generation_config or {})
+        self.passthrough = passthrough or Passthrough()
+        self.path = path
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def num_parameters(self, active: bool = True) -> int:
+        return self.config.num_parameters(active=active)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache.allocate(self.config.text, batch_size, capacity, self.dtype, self.device)
+
+    @torch.no_grad()
+    def logits(
+        self,
+        prompt_ids: torch.Tensor | list,
+        canvas_ids: torch.Tensor | list,
+        self_conditioning_logits: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]."""
+        v = self.config.text.vocab_size
+        prompt = _as_ids(prompt_ids, "prompt_ids", v, self.device)
+        canvas = _as_ids(canvas_ids, "canvas_ids", v, self.device)
+        if prompt.shape[0] != canvas.shape[0]:
+            if prompt.shape[0] == 1:
+                prompt = prompt.expand(canvas.shape[0], -1)
+            else:
+                raise ValueError(f"canvas_ids: batch {canvas.shape[0]} does not match prompt_ids batch {prompt.shape[0]}")
+        if attention_mask is not None:
+            attention_mask = torch.as_tensor(attention_mask, device=self.device)
+            if tuple(attention_mask.shape) != tuple(prompt.shape):
+                raise ValueError(
+                    f"attention_mask: expected shape {list(prompt.shape)} (like prompt_ids), got {list(attention_mask.shape)}"
+                )
+        if self_conditioning_logits is not None:
+            want = (*canvas.shape, v)
+            if tuple(self_conditioning_logits.shape) != want:
+                raise ValueError(
+                    f"self_conditioning_logits: expected shape {list(want)}, got {list(self_conditioning_logits.shape)}"
+                )
+            self_conditioning_logits = self_conditioning_logits.to(self.device)
+        cache = self.new_cache(prompt.shape[0], prompt.shape[1] + canvas.shape[1])
+        self.model.encode(prompt, cache, attention_mask=attention_mask)
+        return self.model.denoise(canvas, cache, self_conditioning_logits)
+
+    def save(self, path: str | Path) -> None:
+        """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read."""
+        path = Path(path)
+        save_model(self.model, path, self.passthrough)
+        gen = dict(self.generation_config)
+        text = self.config.text
+        gen.setdefault("bos_token_id", text.bos_token_id)
+        gen.setdefault("eos_token_id", text.eos_token_id)
+        gen.setdefault("pad_token_id", text.pad_token_id)
+        (path / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        if self.tokenizer is not None:
+            self.tokenizer.save(path)
+
+    def __repr__(self) -> str:
+        return f"LM({self.config.describe()}, dtype={self.dtype}, device={self.device})"
+
+
+def _read_generation_config(path: Path) -> dict[str, Any]:
+    file = path / "generation_config.json"
+    if not file.exists():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc})") from None
+
+
+def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> LM:
+    """Load an HF-format DiffusionGemma folder (or a shipped model by name)."""
+    path = resolve_path(path_or_name)
+    model, passthrough = load_model(path, dtype=dtype, device=device)
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from .tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(path)
+    return LM(model, tokenizer, _read_generation_config(path), passthrough, path)
+
+
+def random_model(
+    config: ModelConfig,
+    seed: int = 0,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    tokenizer: Any = None,
+) -> LM:
+    """A randomly initialised model of any size: built on the meta device, then initialised in place."""
+    dtype = resolve_dtype(dtype) or torch.float32
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    model = model.to_empty(device=device).to(dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.init_weights(generator)
+    model.reset_buffers()
+    return LM(model, tokenizer)

@@ -1,0 +1,393 @@
+"""The DiffusionGemma text model: one parameter stack, used two ways.
+
+- `encode`: causal attention over clean tokens (prompt, finished canvases); appends keys/values to
+  the caller's KVCache.
+- `denoise`: bidirectional attention over a canvas, reading the cache plus the canvas' own keys and
+  values; never advances the cache. Decoder-only: self-conditioning on the previous step's logits.
+
+The model knows nothing of sampling. Module and parameter names follow the Hugging Face checkpoint
+(`model.decoder.*`) so that loading is a rename, not a translation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import LayerSpec, ModelConfig, TextConfig
+
+# (layer index, spec, new keys, new values) -> (all keys, all values) that the new queries may read.
+KVSource = Callable[[int, LayerSpec, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; `with_scale=False` is the scale-free variant (v_norm, router...)."""
+
+    def __init__(self, dim: int, eps: float, with_scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.type_as(x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rope_inv_freq(spec: LayerSpec, rope: dict) -> torch.Tensor:
+    """Inverse frequencies for a layer, `head_dim // 2` long.
+
+    "proportional" rotates only the first `partial_rotary_factor` of the angles but keeps the exponent's
+    denominator at the full head_dim; the remaining angles get frequency 0 (cos 1, sin 0: no rotation).
+    """
+    d, theta = spec.head_dim, float(rope["rope_theta"])
+    if rope.get("rope_type", "default") == "proportional":
+        rotated = int(rope.get("partial_rotary_factor", 1.0) * d // 2)
+        inv = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / d)
+        inv = torch.cat([inv, torch.zeros(d // 2 - rotated)])
+        return inv / float(rope.get("factor", 1.0))
+    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+
+
+@dataclass
+class Rope:
+    cos: torch.Tensor  # [B, L, 1, D] in the activation dtype
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, L, H, D]
+        return x * self.cos + rotate_half(x) * self.sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        h, d = cfg.hidden_size, spec.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=False)
+        self.v_proj = None if spec.values_from_keys else nn.Linear(h, spec.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv: KVSource, layer_idx: int
+    ) -> torch.Tensor:
+        b, length, _ = x.shape
+        d = self.spec.head_dim
+        q = rope.apply(self.q_norm(self.q_proj(x).view(b, length, -1, d))).transpose(1, 2)
+        k_raw = self.k_proj(x).view(b, length, -1, d)
+        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(b, length, -1, d)
+        k = rope.apply(self.k_norm(k_raw)).transpose(1, 2)
+        v = self.v_norm(v_raw).transpose(1, 2)
+        k, v = kv(layer_idx, self.spec, k, v)
+        # Gemma 4 attention is unscaled: q/k norms already fix the logit scale.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=1.0, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.top_k = cfg.top_k_experts
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.root = cfg.hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] un-normed residual -> (weights [T, k] float32, expert indices [T, k])."""
+        scores = self.proj(self.norm(x) * self.scale * self.root)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[index], index
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows of x (sorted by expert, group ends at `offsets`) times weight[e].T for their expert e.
+
+    weight: [E, out, in] as stored in the checkpoint. Uses torch's grouped GEMM when the shapes allow it
+    (16-byte aligned rows), else one matmul per expert that has tokens.
+    """
+    w = weight.transpose(1, 2)  # [E, in, out], a view
+    aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
+    if aligned and x.dtype in (torch.float32, torch.bfloat16) and hasattr(F, "grouped_mm"):
+        return F.grouped_mm(x, w, offs=offsets)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+class Experts(nn.Module):
+    """All experts' weights as 3-D tensors; tokens are sorted by expert and run as one grouped GEMM."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        tokens, k = index.shape
+        flat = index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = _grouped_linear(x[token_of], self.gate_up_proj, offsets).chunk(2, dim=-1)
+        y = _grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, offsets)
+        y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: TextConfig, spec: LayerSpec):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, spec)
+        self.mlp = MLP(h, cfg.intermediate_size)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+        # The checkpoint stores the decoder's and the encoder's layer scalars separately (buffers are not tied).
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.register_buffer("encoder_layer_scalar", torch.ones(1))
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv: KVSource, idx: int, encoder: bool
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, kv, idx))
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = self.router(flat)  # routed on the un-normed residual
+        moe = self.experts(self.pre_feedforward_layernorm_2(flat), weights, index).view_as(x)
+        x = x + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(moe))
+        return x * (self.encoder_layer_scalar if encoder else self.layer_scalar)
+
+
+class SelfConditioning(nn.Module):
+    """Gated MLP over the soft embedding of the previous step's prediction, added to the canvas embedding."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.pre_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, with_scale=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
+        if soft is None:  # zero signal: the MLP of zeros is exactly zero, skip it
+            return self.post_norm(embeds)
+        s = self.pre_norm(soft)
+        return self.post_norm(embeds + self.down_proj(F.gelu(self.gate_proj(s), approximate="tanh") * self.up_proj(s)))
+
+
+def _cache_source(cache: KVCache, start: int, sliding_from: int) -> KVSource:
+    """Write new keys/values at `start` and read everything the queries may see, as views (no copy)."""
+
+    def source(i: int, spec: LayerSpec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        cache.keys[i][:, :, start:end] = k
+        cache.values[i][:, :, start:end] = v
+        lo = sliding_from if spec.is_sliding else 0
+        return cache.keys[i][:, :, lo:end], cache.values[i][:, :, lo:end]
+
+    return source
+
+
+class DiffusionGemma(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        cfg = config.text
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, spec) for spec in cfg.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg)
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.softcap = cfg.final_logit_softcapping
+        self.window = cfg.sliding_window
+        for kind in set(cfg.layer_types):
+            spec = next(s for s in cfg.layers if s.kind == kind)
+            self.register_buffer(f"inv_freq_{kind}", rope_inv_freq(spec, cfg.rope_parameters[kind]), persistent=False)
+
+    # -- building blocks -----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent buffers (after meta-device construction)."""
+        cfg = self.config.text
+        for kind in set(cfg.layer_types):
+            spec = next(s for s in cfg.layers if s.kind == kind)
+            setattr(self, f"inv_freq_{kind}", rope_inv_freq(spec, cfg.rope_parameters[kind]).to(self.device))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight
+        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, tied LM head, float32 soft-capping."""
+        logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
+        """softmax(logits) @ E, scaled like a token embedding: the self-conditioning input."""
+        w = self.embed_tokens.weight
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
+        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
+        out = {}
+        for kind in set(self.config.text.layer_types):
+            freqs = positions[..., None].float() * getattr(self, f"inv_freq_{kind}")
+            emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+            out[kind] = Rope(emb.cos().to(dtype), emb.sin().to(dtype))
+        return out
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        masks: dict[str, torch.Tensor | None],
+        kv: KVSource,
+        encoder: bool,
+    ) -> torch.Tensor:
+        ropes = self.ropes(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            kind = layer.self_attn.spec.kind
+            x = layer(x, ropes[kind], masks[kind], kv, i, encoder)
+        return x
+
+    # -- the two uses ----------------------------------------------------------------------------------
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        attention_mask: torch.Tensor | None = None,
+        logits: str = "none",
+    ) -> torch.Tensor | None:
+        """Causally encode clean tokens into the cache. `logits`: "none", "last" ([B, V]) or "all"."""
+        b, length = input_ids.shape
+        cache.reserve(length)
+        if attention_mask is not None:
+            cache.mark_padding(attention_mask)
+        start = cache.length
+        end = start + length
+        device = input_ids.device
+        slots = torch.arange(start, end, device=device)
+        positions = (slots[None, :] - cache.pad[:, None]).clamp(min=0)
+        sliding_from = max(0, start - self.window + 1)
+        masks = {}
+        for kind in set(self.config.text.layer_types):
+            lo = sliding_from if kind == "sliding_attention" else 0
+            keys = torch.arange(lo, end, device=device)
+            allowed = keys[None, :] <= slots[:, None]
+            if kind == "sliding_attention":
+                allowed = allowed & (slots[:, None] - keys[None, :] < self.window)
+            if cache.has_padding:
+                # Pad queries attend to themselves only, so no row is fully masked (no NaNs anywhere).
+                allowed = (allowed[None] & cache.valid[:, None, lo:end]) | (keys[None, None, :] == slots[None, :, None])
+                masks[kind] = allowed[:, None]
+            elif length == 1:
+                masks[kind] = None  # a single new query sees every key it is given
+            else:
+                masks[kind] = allowed[None, None]
+        x = self.run_layers(self.embed(input_ids), positions, masks, _cache_source(cache, start, sliding_from), True)
+        cache.length = end
+        if logits == "none":
+            return None
+        return self.head(x[:, -1] if logits == "last" else x)
+
+    def denoise(
+        self,
+        canvas_ids: torch.Tensor,
+        cache: KVCache,
+        self_conditioning_logits: torch.Tensor | None = None,
+        self_conditioning_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Bidirectional pass over the canvas, reading (never advancing) the cache. Returns float32 logits."""
+        b, length = canvas_ids.shape
+        cache.reserve(0, scratch=length)
+        start = cache.length
+        device = canvas_ids.device
+        positions = torch.arange(start, start + length, device=device)[None, :] - cache.pad[:, None]
+        # Sliding layers see the last window-1 encoded tokens and the whole canvas.
+        sliding_from = max(0, start - self.window + 1)
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in set(self.config.text.layer_types):
+            if cache.has_padding:
+                lo = sliding_from if kind == "sliding_attention" else 0
+                seen = torch.cat([cache.valid[:, lo:start], cache.valid.new_ones(b, length)], dim=1)
+                masks[kind] = seen[:, None, None, :]
+            else:
+                masks[kind] = None
+        soft = None
+        if self_conditioning_logits is not None:
+            soft = self.soft_embedding(self_conditioning_logits)
+            if self_conditioning_mask is not None:
+                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        x = self.self_conditioning(self.embed(canvas_ids), soft)
+        x = self.run_layers(x, positions, masks, _cache_source(cache, start, sliding_from), False)
+        return self.head(x)
+
+    # -- initialisation ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        std = self.config.text.initializer_range
+        for p in self.parameters():
+            if p.dim() == 1:  # norm scales, router scales
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+        for layer in self.layers:
+            layer.layer_scalar.fill_(1.0)
+            layer.encoder_layer_scalar.fill_(1.0)

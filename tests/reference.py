@@ -1,0 +1,42 @@
+"""Helpers that build tiny random *reference* (transformers) checkpoints. transformers is test-only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_TEXT = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=6,
+    num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+)
+TINY_VISION = dict(
+    model_type="gemma4_vision", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+)
+
+
+def make_reference(path: Path, seed: int = 0, canvas_length: int = 8, **text_overrides):
+    """Save a tiny random reference checkpoint with perturbed norms/scalars so wiring errors show."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(seed)
+    text = dict(TINY_TEXT, **text_overrides)
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=dict(TINY_VISION), canvas_length=canvas_length)
+    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norm scales, router scale, per-expert scale
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.5, generator=g)
+            else:
+                p.normal_(0.0, 0.15, generator=g)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):  # encoder and decoder scalars differ on purpose
+                b.copy_(0.5 + torch.rand(b.shape, generator=g))
+    model.save_pretrained(path)
+    return model
