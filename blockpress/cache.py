@@ -1,9 +1,9 @@
 """The KV cache: owned by the caller, allocated once, written only by the encoder.
 
 Layout: one key and one value tensor per layer, `[batch, kv_heads, capacity, head_dim]`, plus a
-`[batch, capacity]` validity mask for left padding. Rows of a batch share one length; a row with a
-shorter prompt is left-padded, and its positions are `slot - pad[row]` so it computes exactly what it
-would compute alone.
+`[batch, capacity]` validity mask. Rows of a batch share one slot count; a row with a shorter prompt is
+left-padded, masked slots are never attended, and each row's positions count only its valid slots, so a
+row computes exactly what it would compute alone.
 
 The decoder (denoise) writes the canvas' own keys/values into the slots just past `length` as scratch
 space and never advances `length`: the cache's state is unchanged, and no per-step concatenation is
@@ -24,7 +24,7 @@ class KVCache:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor  # [B, capacity] bool: False on left padding
-    pad: torch.Tensor  # [B] long: left-padding slots of each row (positions are slot - pad)
+    next_pos: torch.Tensor  # [B] long: the position the row's next valid token gets
     length: int = 0  # encoded slots, shared by all rows
     has_padding: bool = False  # host-side flag so unpadded batches skip mask building
 
@@ -45,8 +45,8 @@ class KVCache:
             keys.append(torch.zeros(shape, dtype=dtype, device=device))
             values.append(torch.zeros(shape, dtype=dtype, device=device))
         valid = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)
-        pad = torch.zeros(batch_size, dtype=torch.long, device=device)
-        return cls(keys=keys, values=values, valid=valid, pad=pad)
+        next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return cls(keys=keys, values=values, valid=valid, next_pos=next_pos)
 
     @property
     def batch_size(self) -> int:
@@ -63,7 +63,7 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
         self.valid.fill_(True)
-        self.pad.zero_()
+        self.next_pos.zero_()
         self.has_padding = False
 
     def truncate(self, length: int) -> None:
@@ -71,9 +71,7 @@ class KVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"KVCache.truncate: length must be in [0, {self.length}], got {length}")
         self.length = length
-        if length <= int(self.pad.max()):
-            # Truncated into some row's padding: that padding is gone, the row restarts at slot `length`.
-            self.pad.clamp_(max=length)
+        self.next_pos.copy_(self.valid[:, :length].sum(dim=1))
         self.valid[:, length:] = True
         self.has_padding = bool((~self.valid[:, :length]).any()) if length else False
 
@@ -86,20 +84,39 @@ class KVCache:
                 f"but was allocated with capacity {self.capacity}"
             )
 
-    def mark_padding(self, attention_mask: torch.Tensor) -> None:
-        """Record left padding for the next `attention_mask.shape[1]` slots (1 = token, 0 = pad)."""
-        n = attention_mask.shape[1]
-        self.reserve(n)
-        mask = attention_mask.to(device=self.device, dtype=torch.bool)
-        self.valid[:, self.length : self.length + n] = mask
-        if not bool(mask.all()):
-            if self.length:
-                raise ValueError("attention_mask: padding is only supported on the first (prompt) segment")
-            # Left padding only: every row must be pads followed by tokens.
-            if bool((mask[:, 1:].int() - mask[:, :-1].int() < 0).any()):
-                raise ValueError("attention_mask: expected left padding (zeros before ones in each row)")
-            self.pad.copy_((~mask).sum(dim=1))
-            self.has_padding = True
+    def ensure_capacity(self, capacity: int) -> None:
+        """Grow (by reallocating once, at least doubling) so that `capacity` slots fit. Multi-turn chats use it."""
+        if capacity <= self.capacity:
+            return
+        new = max(capacity, 2 * self.capacity)
+        n = self.length
+        for tensors in (self.keys, self.values):
+            for i, t in enumerate(tensors):
+                grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                grown[:, :, :n] = t[:, :, :n]
+                tensors[i] = grown
+        valid = self.valid.new_ones(self.batch_size, new)
+        valid[:, :n] = self.valid[:, :n]
+        self.valid = valid
+
+    def positions(self, new_tokens: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions [B, L] of the next tokens: each row counts only its valid slots."""
+        if mask is None:
+            return self.next_pos[:, None] + torch.arange(new_tokens, device=self.device)[None, :]
+        return self.next_pos[:, None] + (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    def commit(self, mask: torch.Tensor | None, new_tokens: int) -> None:
+        """Record `new_tokens` encoded slots (mask: 1 = token, 0 = padding that is never attended)."""
+        start = self.length
+        if mask is None:
+            self.next_pos += new_tokens
+        else:
+            mask = mask.to(device=self.device, dtype=torch.bool)
+            self.valid[:, start : start + new_tokens] = mask
+            self.next_pos += mask.sum(dim=1)
+            if not bool(mask.all()):
+                self.has_padding = True
+        self.length = start + new_tokens
 
     def row_state(self, rows: torch.Tensor) -> KVCache:
         """A new cache holding a copy of the given rows (used to split a batch)."""
@@ -107,7 +124,7 @@ class KVCache:
             keys=[k[rows].clone() for k in self.keys],
             values=[v[rows].clone() for v in self.values],
             valid=self.valid[rows].clone(),
-            pad=self.pad[rows].clone(),
+            next_pos=self.next_pos[rows].clone(),
             length=self.length,
             has_padding=self.has_padding,
         )

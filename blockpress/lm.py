@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ import torch
 from .cache import KVCache
 from .checkpoint import Passthrough, load_model, resolve_dtype, save_model
 from .config import ModelConfig
+from .generate import Commit, Done, Draft, GenerationOutput, Request, prompt_to_ids, run, run_ar, template_to_ids
 from .model import DiffusionGemma
+from .sampling import SamplerConfig
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -117,6 +120,124 @@ class LM:
         cache = self.new_cache(prompt.shape[0], prompt.shape[1] + canvas.shape[1])
         self.model.encode(prompt, cache, attention_mask=attention_mask)
         return self.model.denoise(canvas, cache, self_conditioning_logits)
+
+    # -- generation ------------------------------------------------------------------------------------------
+    @property
+    def sampler_defaults(self) -> SamplerConfig:
+        """The checkpoint's generation_config.json, else the reference's defaults."""
+        return SamplerConfig.from_generation_config(self.generation_config)
+
+    def _eos_ids(self) -> list[int]:
+        ids = list(self.config.text.eos_token_ids)
+        raw = self.generation_config.get("eos_token_id")
+        for extra in (raw if isinstance(raw, list) else [raw] if raw is not None else []):
+            if extra not in ids:
+                ids.append(extra)
+        if self.tokenizer is not None:
+            ids += [i for i in self.tokenizer.eos_ids if i not in ids]
+        return ids
+
+    def _request(
+        self,
+        prompt: Any,
+        max_new_tokens: int | None,
+        min_new_tokens: int,
+        sampler: str | SamplerConfig | None,
+        seed: int | None,
+        attention_mask: Any,
+        template: Any,
+        hole_length: int,
+        sampler_options: dict[str, Any],
+    ) -> Request:
+        pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
+        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask, dtype=torch.long)
+            if tuple(mask.shape) != tuple(ids.shape):
+                raise ValueError(f"attention_mask: expected shape {list(ids.shape)} (like the prompt), got {list(mask.shape)}")
+        v = self.config.text.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= v:
+            raise ValueError(f"prompt: token ids must be in [0, {v}), got values in [{int(ids.min())}, {int(ids.max())}]")
+        if max_new_tokens is None:
+            max_new_tokens = int(self.generation_config.get("max_new_tokens", 256))
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
+        if not isinstance(min_new_tokens, int) or not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+        if isinstance(sampler, SamplerConfig):
+            cfg = sampler.with_(**sampler_options)
+        else:
+            cfg = self.sampler_defaults.with_(sampler=sampler, **sampler_options)
+        tmpl = None
+        if template is not None:
+            tmpl = template_to_ids(template, self.tokenizer, ids.shape[0], hole_length)
+            if int(tmpl.max()) >= v:
+                raise ValueError(f"template: token ids must be below the vocabulary size {v}")
+        return Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
+
+    def stream(
+        self,
+        prompt: Any,
+        max_new_tokens: int | None = None,
+        max_denoising_steps: int | None = None,
+        sampler: str | SamplerConfig | None = None,
+        seed: int | None = None,
+        *,
+        min_new_tokens: int = 0,
+        attention_mask: Any = None,
+        template: Any = None,
+        hole_length: int = 8,
+        cache: KVCache | None = None,
+        return_cache: bool = False,
+        drafts: bool = True,
+        **sampler_options: Any,
+    ) -> Iterator[Draft | Commit | Done]:
+        """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`."""
+        req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
+                            hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps))
+        return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
+                   tokenizer=self.tokenizer)
+
+    def generate(self, prompt: Any, max_new_tokens: int | None = None, max_denoising_steps: int | None = None,
+                 sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
+        """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists.
+
+        Keyword options: min_new_tokens, attention_mask, template (constrained canvas), hole_length,
+        cache (continue a conversation), return_cache, and sampler settings (entropy_bound, confidence,
+        t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping).
+        """
+        for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
+            if isinstance(event, Done):
+                return event.output
+        raise RuntimeError("generation ended without a result")  # unreachable: run always ends with Done
+
+    def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
+        """Fill the holes of `template` (text with <|hole|> markers, or ids with -1), keeping every fixed token."""
+        if prompt is None:
+            bos = self.config.text.bos_token_id
+            prompt = [bos if bos is not None else 0]
+        return self.generate(prompt, template=template, **kwargs)
+
+    def generate_ar(
+        self,
+        prompt: Any,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        *,
+        min_new_tokens: int = 0,
+        attention_mask: Any = None,
+        cache: KVCache | None = None,
+        return_cache: bool = False,
+    ) -> GenerationOutput:
+        """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline."""
+        if temperature < 0:
+            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, {})
+        return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
+                      tokenizer=self.tokenizer)
 
     def save(self, path: str | Path) -> None:
         """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read."""

@@ -319,13 +319,20 @@ class DiffusionGemma(nn.Module):
         b, length = input_ids.shape
         cache.reserve(length)
         if attention_mask is not None:
-            cache.mark_padding(attention_mask)
+            attention_mask = attention_mask.to(device=cache.device, dtype=torch.bool)
+            if bool(attention_mask.all()):
+                attention_mask = None
         start = cache.length
         end = start + length
         device = input_ids.device
         slots = torch.arange(start, end, device=device)
-        positions = (slots[None, :] - cache.pad[:, None]).clamp(min=0)
+        positions = cache.positions(length, attention_mask)
         sliding_from = max(0, start - self.window + 1)
+        padded = cache.has_padding or attention_mask is not None
+        valid = cache.valid
+        if attention_mask is not None:
+            valid = valid.clone()
+            valid[:, start:end] = attention_mask
         masks = {}
         for kind in set(self.config.text.layer_types):
             lo = sliding_from if kind == "sliding_attention" else 0
@@ -333,16 +340,16 @@ class DiffusionGemma(nn.Module):
             allowed = keys[None, :] <= slots[:, None]
             if kind == "sliding_attention":
                 allowed = allowed & (slots[:, None] - keys[None, :] < self.window)
-            if cache.has_padding:
+            if padded:
                 # Pad queries attend to themselves only, so no row is fully masked (no NaNs anywhere).
-                allowed = (allowed[None] & cache.valid[:, None, lo:end]) | (keys[None, None, :] == slots[None, :, None])
+                allowed = (allowed[None] & valid[:, None, lo:end]) | (keys[None, None, :] == slots[None, :, None])
                 masks[kind] = allowed[:, None]
             elif length == 1:
                 masks[kind] = None  # a single new query sees every key it is given
             else:
                 masks[kind] = allowed[None, None]
         x = self.run_layers(self.embed(input_ids), positions, masks, _cache_source(cache, start, sliding_from), True)
-        cache.length = end
+        cache.commit(attention_mask, length)
         if logits == "none":
             return None
         return self.head(x[:, -1] if logits == "last" else x)
@@ -358,8 +365,7 @@ class DiffusionGemma(nn.Module):
         b, length = canvas_ids.shape
         cache.reserve(0, scratch=length)
         start = cache.length
-        device = canvas_ids.device
-        positions = torch.arange(start, start + length, device=device)[None, :] - cache.pad[:, None]
+        positions = cache.positions(length)
         # Sliding layers see the last window-1 encoded tokens and the whole canvas.
         sliding_from = max(0, start - self.window + 1)
         masks: dict[str, torch.Tensor | None] = {}

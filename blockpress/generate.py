@@ -1,0 +1,361 @@
+"""The block-diffusion decoding loop, and the autoregressive baseline on the same backbone.
+
+`run` is the one implementation: a generator of events (`Draft` each step when asked, `Commit` each
+canvas, `Done` at the end). `generate` drains it; `stream` hands it to the caller; the CLI and the
+server are built on `stream`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import KVCache
+from .sampling import SamplerConfig, denoise_step, hashed_tokens, init_state
+
+HOLE = "<|hole|>"
+_HOLE_RE = re.compile(r"<\|hole(?::(\d+))?\|>")
+
+
+@dataclass
+class Draft:
+    canvas_index: int
+    step: int  # steps done in this canvas (1-based)
+    tokens: torch.Tensor  # [B, C] current argmax canvas (cpu)
+    accepted: torch.Tensor  # [B] positions accepted at this step
+    done: torch.Tensor  # [B] bool: row has stopped denoising this canvas
+    elapsed: float
+    kind: str = "draft"
+
+
+@dataclass
+class Commit:
+    canvas_index: int
+    tokens: torch.Tensor  # [B, n] committed tokens (cpu), pad after EOS
+    steps: torch.Tensor  # [B] denoising steps this canvas took per row
+    finished: torch.Tensor  # [B] bool: row has ended (EOS or budget)
+    elapsed: float
+    texts: list[str] | None = None  # the committed tokens decoded, when a tokenizer is present
+    kind: str = "commit"
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [B, P + N]: prompt (as given, left padded) + new tokens, pad after EOS
+    prompt_length: int
+    texts: list[str] | None
+    tokens_per_forward: torch.Tensor  # [B] valid new tokens / decoder passes
+    forward_passes: torch.Tensor  # [B] decoder (or AR) forward passes per row
+    num_new_tokens: torch.Tensor  # [B] valid new tokens (up to and including EOS)
+    steps_per_canvas: torch.Tensor  # [B, canvases]
+    encode_seconds: float = 0.0
+    denoise_seconds: float = 0.0
+    cache: KVCache | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_length :]
+
+    @property
+    def seconds(self) -> float:
+        return self.encode_seconds + self.denoise_seconds
+
+
+@dataclass
+class Done:
+    output: GenerationOutput
+    kind: str = "done"
+
+
+@dataclass
+class Request:
+    """A normalised generation request (what `prepare` makes of the user's arguments)."""
+
+    prompt: torch.Tensor  # [B, P]
+    attention_mask: torch.Tensor | None  # [B, P] or None when nothing is padded
+    max_new_tokens: int
+    min_new_tokens: int
+    sampler: SamplerConfig
+    seed: int | None
+    template: torch.Tensor | None  # [B, N] fixed token ids, -1 for holes
+    eos_ids: list[int]
+    pad_id: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if not rows or any(len(r) == 0 for r in rows):
+        raise ValueError("prompt: every prompt must have at least one token")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, (None if bool(mask.all()) else mask)
+
+
+def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """str | list[str] | LongTensor [P] / [B, P] | list of token-id lists -> (ids [B, P], mask or None)."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        if tokenizer is None:
+            raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        rows = [tokenizer.encode(t, add_bos=tokenizer.bos_id is not None) for t in texts]
+        return left_pad(rows, pad_id)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 1:
+            prompt = prompt[None]
+        if prompt.dim() != 2 or prompt.shape[1] == 0:
+            raise ValueError(f"prompt: expected a tensor of shape [P] or [B, P] with P > 0, got {list(prompt.shape)}")
+        if prompt.is_floating_point() or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt: expected integer token ids, got {prompt.dtype}")
+        return prompt.long().cpu(), None
+    if isinstance(prompt, (list, tuple)) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return left_pad([list(prompt)], pad_id)
+        if all(isinstance(r, (list, tuple)) and all(isinstance(t, int) for t in r) for r in prompt):
+            return left_pad([list(r) for r in prompt], pad_id)
+    raise ValueError(
+        "prompt: expected str, list[str], a LongTensor [P] or [B, P], or a list of token-id lists; "
+        f"got {type(prompt).__name__}{' (empty)' if not prompt else ''}"
+    )
+
+
+def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int) -> torch.Tensor:
+    """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes."""
+    if isinstance(template, str):
+        if tokenizer is None:
+            raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
+        ids: list[int] = []
+        pos = 0
+        for m in _HOLE_RE.finditer(template):
+            ids += tokenizer.encode(template[pos : m.start()]) if m.start() > pos else []
+            ids += [-1] * (int(m.group(1)) if m.group(1) else hole_length)
+            pos = m.end()
+        ids += tokenizer.encode(template[pos:]) if pos < len(template) else []
+        t = torch.tensor(ids, dtype=torch.long)
+    else:
+        t = torch.as_tensor(
+            [[-1 if v is None else v for v in row] for row in template]
+            if isinstance(template, (list, tuple)) and template and isinstance(template[0], (list, tuple))
+            else [-1 if v is None else v for v in template],
+            dtype=torch.long,
+        )
+    if t.dim() == 1:
+        t = t[None].expand(batch, -1)
+    if t.dim() != 2 or t.shape[0] != batch or t.shape[1] == 0:
+        raise ValueError(f"template: expected [N] or [{batch}, N] token ids with N > 0, got {list(t.shape)}")
+    if not bool((t < 0).any()):
+        raise ValueError("template: has no holes to fill (use <|hole|> markers or -1 ids)")
+    return t.clone()
+
+
+def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """New tokens up to and including the first EOS (all of them when there is none)."""
+    is_eos = torch.isin(new_tokens, eos)
+    return torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, new_tokens.shape[1])
+
+
+def run(
+    model: Any,
+    req: Request,
+    cache: KVCache | None = None,
+    drafts: bool = False,
+    keep_cache: bool = False,
+    tokenizer: Any = None,
+) -> Iterator[Draft | Commit | Done]:
+    """The block-diffusion loop. See the module docstring of sampling.py for one step."""
+    device = model.device
+    cfg = req.sampler
+    canvas_len = model.config.canvas_length
+    vocab = model.config.text.vocab_size
+    prompt = req.prompt.to(device)
+    b, p = prompt.shape
+    n_new = req.template.shape[1] if req.template is not None else req.max_new_tokens
+    n_canvases = -(-n_new // canvas_len)
+    if cache is None:
+        cache = KVCache.allocate(model.config.text, b, p + n_new + canvas_len, model.dtype, device)
+    elif cache.batch_size != b:
+        raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
+    cache.ensure_capacity(cache.length + p + n_new + canvas_len)
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    row_seed = torch.full((b,), req.seed if req.seed is not None else 0, dtype=torch.long, device=device)
+    eos = torch.tensor(req.eos_ids or [-1], device=device)
+
+    def noise(ci: int, step: int) -> torch.Tensor:
+        if cfg.sampler == "greedy":  # per-row counter-based noise: rows never influence each other
+            return hashed_tokens(row_seed, ci, step, canvas_len, vocab)
+        return torch.randint(0, vocab, (b, canvas_len), device=device, generator=generator)
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.encode(prompt, cache, attention_mask=req.attention_mask)
+    _sync(device)
+    encode_s = time.perf_counter() - t0
+    denoise_s = 0.0
+    start = time.perf_counter()
+
+    new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    passes = torch.zeros(b, dtype=torch.long, device=device)
+    steps_per_canvas = torch.zeros(b, n_canvases, dtype=torch.long, device=device)
+    sc_dtype = model.dtype
+    positions = torch.arange(canvas_len, device=device)
+    for ci in range(n_canvases):
+        lo = ci * canvas_len
+        keep = min(canvas_len, n_new - lo)
+        fixed = None
+        if req.template is not None:
+            fixed = torch.full((b, canvas_len), -1, dtype=torch.long, device=device)
+            fixed[:, :keep] = req.template[:, lo : lo + keep].to(device)
+            # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
+            fixed[:, keep:] = req.pad_id
+        scored = (positions < keep)[None].expand(b, -1)
+        banned = None
+        if req.eos_ids:
+            early = (lo + positions < req.min_new_tokens) | (req.template is not None)
+            if bool(early.any()):
+                banned = torch.zeros(1, canvas_len, vocab, dtype=torch.bool, device=device)
+                banned[0, early.nonzero()[:, 0][:, None], eos[None, :]] = True
+        state = init_state(noise(ci, cfg.max_denoising_steps + 1))
+        if fixed is not None:
+            state.canvas = torch.where(fixed >= 0, fixed, state.canvas)
+        t_canvas = time.perf_counter()
+        for k, step in enumerate(range(cfg.max_denoising_steps, 0, -1), start=1):
+            active = ~(state.done | finished)
+            passes += active
+            steps_per_canvas[:, ci] += active
+            with torch.no_grad():
+                logits = model.denoise(state.canvas, cache, state.sc_logits)
+                state = denoise_step(
+                    cfg, state, logits, step, noise(ci, step), fixed=fixed, scored=scored, banned=banned,
+                    generator=generator, sc_dtype=sc_dtype,
+                )
+            if drafts:
+                yield Draft(ci, k, state.argmax.cpu(), state.accepted.cpu(), state.done.cpu(),
+                            time.perf_counter() - start)
+            if cfg.adaptive_stopping and bool((state.done | finished).all()):
+                break
+        committed = state.argmax[:, :keep]
+        if req.template is None and req.eos_ids:
+            is_eos = torch.isin(committed, eos)
+            after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+            committed = committed.masked_fill(after_eos | finished[:, None], req.pad_id)
+            valid = ~(after_eos | finished[:, None])
+            finished = finished | is_eos.any(-1)
+        else:
+            valid = None
+        new_tokens[:, lo : lo + keep] = committed
+        last = ci == n_canvases - 1 or bool(finished.all())
+        if not last or keep_cache:
+            with torch.no_grad():
+                model.encode(committed, cache, attention_mask=valid)
+        _sync(device)
+        denoise_s += time.perf_counter() - t_canvas
+        done_rows = finished | last
+        yield Commit(ci, committed.cpu(), steps_per_canvas[:, ci].cpu(), done_rows.cpu(), time.perf_counter() - start,
+                     tokenizer.decode_batch(committed.tolist()) if tokenizer is not None else None)
+        if last:
+            break
+
+    num_valid = _count_valid(new_tokens, eos) if req.template is None else torch.full((b,), n_new, device=device)
+    texts = None
+    if tokenizer is not None:
+        texts = tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())])
+    yield Done(
+        GenerationOutput(
+            sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
+            prompt_length=p,
+            texts=texts,
+            tokens_per_forward=(num_valid.float() / passes.clamp(min=1)).cpu(),
+            forward_passes=passes.cpu(),
+            num_new_tokens=num_valid.cpu(),
+            steps_per_canvas=steps_per_canvas.cpu(),
+            encode_seconds=encode_s,
+            denoise_seconds=denoise_s,
+            cache=cache if keep_cache else None,
+        )
+    )
+
+
+def run_ar(
+    model: Any,
+    req: Request,
+    temperature: float = 0.0,
+    cache: KVCache | None = None,
+    keep_cache: bool = False,
+    tokenizer: Any = None,
+) -> GenerationOutput:
+    """Left-to-right decoding with the encoder path and the LM head: the autoregressive baseline."""
+    device = model.device
+    prompt = req.prompt.to(device)
+    b, p = prompt.shape
+    n_new = req.max_new_tokens
+    if cache is None:
+        cache = KVCache.allocate(model.config.text, b, p + n_new + 1, model.dtype, device)
+    elif cache.batch_size != b:
+        raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
+    cache.ensure_capacity(cache.length + p + n_new + 1)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    eos = torch.tensor(req.eos_ids or [-1], device=device)
+    new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    passes = torch.zeros(b, dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        logits = model.encode(prompt, cache, attention_mask=req.attention_mask, logits="last")
+    _sync(device)
+    encode_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for i in range(n_new):
+        if req.eos_ids and i < req.min_new_tokens:
+            logits[:, eos] = float("-inf")
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            token = logits.argmax(-1)
+        token = token.masked_fill(finished, req.pad_id)
+        new_tokens[:, i] = token
+        passes += ~finished
+        finished = finished | torch.isin(token, eos)
+        # Checking for the end costs a host sync: do it every 8 tokens, not every token.
+        stop = i == n_new - 1 or (i % 8 == 7 and bool(finished.all()))
+        if stop and not keep_cache:
+            break
+        with torch.no_grad():
+            logits = model.encode(token[:, None], cache, logits="last")
+        if stop:
+            break
+    _sync(device)
+    decode_s = time.perf_counter() - t1
+    num_valid = _count_valid(new_tokens, eos)
+    texts = None
+    if tokenizer is not None:
+        texts = tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())])
+    return GenerationOutput(
+        sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
+        prompt_length=p,
+        texts=texts,
+        tokens_per_forward=(num_valid.float() / passes.clamp(min=1)).cpu(),
+        forward_passes=passes.cpu(),
+        num_new_tokens=num_valid.cpu(),
+        steps_per_canvas=passes[:, None].cpu(),
+        encode_seconds=encode_s,
+        denoise_seconds=decode_s,
+        cache=cache if keep_cache else None,
+    )

@@ -1,0 +1,219 @@
+"""Samplers: pure tensor functions over one denoising step. No state objects, no host syncs.
+
+One step, for every sampler:
+  temperature(step)  -> logits / T
+  entropy            -> one computation, shared by acceptance and the stopping test
+  candidates         -> sampled tokens (argmax in greedy mode)
+  accept             -> which positions keep their candidate this step (the sampler's rule)
+  renoise            -> every other position gets a fresh uniform token
+  stop               -> argmax stable for `stability_threshold` steps and mean entropy below threshold
+
+Steps count down like the reference: `step` = N..1 is the number of steps remaining.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Everything that decides how a canvas is denoised. Defaults are the reference's."""
+
+    sampler: str = "entropy_bound"
+    max_denoising_steps: int = 48
+    entropy_bound: float = 0.1
+    confidence: float = 0.9  # `confidence` sampler: accept tokens whose top probability reaches this
+    t_max: float = 0.8
+    t_min: float = 0.4
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
+    adaptive_stopping: bool = True  # False: always run max_denoising_steps (benchmarks)
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}: {msg}")
+
+        need(self.sampler in SAMPLERS, "sampler", f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
+        need(isinstance(self.max_denoising_steps, int) and self.max_denoising_steps > 0, "max_denoising_steps",
+             f"expected a positive integer, got {self.max_denoising_steps!r}")
+        need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
+        need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
+        need(self.t_min > 0, "t_min", f"expected > 0, got {self.t_min}")
+        need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
+        need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
+             f"expected an integer >= 0, got {self.stability_threshold!r}")
+        need(self.confidence_threshold > 0, "confidence_threshold", f"expected > 0, got {self.confidence_threshold}")
+
+    @classmethod
+    def from_generation_config(cls, raw: dict[str, Any]) -> SamplerConfig:
+        """Read the relevant keys of a checkpoint's generation_config.json (the reference's layout)."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        sampler_cfg = raw.get("sampler_config")
+        if isinstance(sampler_cfg, dict) and "entropy_bound" in sampler_cfg:
+            kwargs["entropy_bound"] = float(sampler_cfg["entropy_bound"])
+        return cls(**kwargs)
+
+    def to_generation_config(self) -> dict[str, Any]:
+        return {
+            "max_denoising_steps": self.max_denoising_steps,
+            "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": self.entropy_bound},
+            "t_max": self.t_max,
+            "t_min": self.t_min,
+            "stability_threshold": self.stability_threshold,
+            "confidence_threshold": self.confidence_threshold,
+        }
+
+    def with_(self, **changes: Any) -> SamplerConfig:
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def temperature(cfg: SamplerConfig, step: int) -> float:
+    """Linear in the remaining steps: t_max at the first step (step = N), t_min + (t_max - t_min)/N at the last."""
+    return cfg.t_min + (cfg.t_max - cfg.t_min) * (step / cfg.max_denoising_steps)
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of softmax(logits) over the last dim, float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from `probs` [..., V] without torch.multinomial's host sync (exponential race)."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def accept_entropy_bound(ent: torch.Tensor, bound: float) -> torch.Tensor:
+    """Accept the lowest-entropy positions while sum(entropies) - max(entropies) <= bound."""
+    sorted_ent, order = torch.sort(ent, dim=-1)
+    keep_sorted = (torch.cumsum(sorted_ent, dim=-1) - sorted_ent) <= bound
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tensor) -> torch.Tensor:
+    """Accept positions whose top probability >= threshold, and always the single most confident free one."""
+    best = torch.where(free, top_prob, -1.0).argmax(dim=-1, keepdim=True)
+    return (top_prob >= threshold) | torch.zeros_like(free).scatter(-1, best, True)
+
+
+def accept_topk(ent: torch.Tensor, count: int) -> torch.Tensor:
+    """Accept the `count` lowest-entropy positions (a fixed commit schedule)."""
+    order = torch.argsort(ent, dim=-1)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ent.shape[-1], device=ent.device).expand_as(order))
+    return rank < count
+
+
+def topk_count(cfg: SamplerConfig, step: int, free_positions: int) -> int:
+    """How many positions the topk schedule accepts at `step` (N..1): a linear ramp to all at the end."""
+    done = cfg.max_denoising_steps - step + 1
+    return math.ceil(free_positions * done / cfg.max_denoising_steps)
+
+
+def hashed_tokens(seed: torch.Tensor, canvas_index: int, step: int, length: int, vocab: int) -> torch.Tensor:
+    """Counter-based pseudo-random tokens [B, length]: a function of (row seed, canvas, step, position) only.
+
+    Greedy mode uses it so a row's noise never depends on its neighbours in the batch.
+    """
+    pos = torch.arange(length, device=seed.device, dtype=torch.int64)
+    x = seed[:, None] * 0x9E3779B1 + (canvas_index * 1_000_003 + step) * 0x85EBCA6B + pos[None, :] * 0xC2B2AE35
+    x = x & 0x7FFFFFFFFFFF
+    for _ in range(3):  # xorshift-multiply rounds; kept inside 47 bits so int64 never overflows
+        x = (x ^ (x >> 17)) * 0x2545F49
+        x = x & 0x7FFFFFFFFFFF
+    return x % vocab
+
+
+@dataclass
+class CanvasState:
+    """The denoising state of one canvas for a batch. Updated functionally by `denoise_step`."""
+
+    canvas: torch.Tensor  # [B, C] tokens fed to the next decoder pass
+    argmax: torch.Tensor  # [B, C] current best guess (what gets committed)
+    sc_logits: torch.Tensor | None  # [B, C, V] temperature-scaled logits of the last step (self-conditioning)
+    stable_steps: torch.Tensor  # [B] consecutive steps with an unchanged argmax
+    done: torch.Tensor  # [B] bool: adaptive stop reached
+    accepted: torch.Tensor  # [B] accepted positions at the last step (for streaming / stats)
+
+
+def init_state(canvas: torch.Tensor) -> CanvasState:
+    b = canvas.shape[0]
+    zeros = torch.zeros(b, dtype=torch.long, device=canvas.device)
+    return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros)
+
+
+def denoise_step(
+    cfg: SamplerConfig,
+    state: CanvasState,
+    raw_logits: torch.Tensor,
+    step: int,
+    noise: torch.Tensor,
+    fixed: torch.Tensor | None = None,
+    scored: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    sc_dtype: torch.dtype = torch.float32,
+) -> CanvasState:
+    """One step of the sampler. Pure: returns a new state.
+
+    noise:  [B, C] fresh uniform tokens for the positions not accepted this step.
+    fixed:  [B, C] token ids at constrained positions, -1 at free ones (templates, infilling).
+    scored: [B, C] bool, positions that count for the stop test (e.g. within max_new_tokens).
+    banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
+    """
+    logits = raw_logits / temperature(cfg, step)
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
+    free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
+    ent = entropy(logits)
+    ent_free = torch.where(free, ent, 0.0)  # fixed positions are certain
+    argmax = logits.argmax(dim=-1)
+    if cfg.sampler == "greedy":
+        candidates = argmax
+    else:
+        candidates = sample(torch.softmax(logits, dim=-1, dtype=torch.float32), generator)
+
+    if cfg.sampler in ("entropy_bound", "greedy"):
+        accept = accept_entropy_bound(ent_free, cfg.entropy_bound)
+    elif cfg.sampler == "confidence":
+        top = torch.softmax(logits, dim=-1, dtype=torch.float32).amax(dim=-1)
+        accept = accept_confidence(top, cfg.confidence, free)
+    else:  # topk
+        accept = accept_topk(torch.where(free, ent, -1.0), topk_count(cfg, step, state.canvas.shape[1]))
+
+    canvas = torch.where(accept, candidates, noise)
+    if fixed is not None:
+        canvas = torch.where(free, canvas, fixed)
+        argmax = torch.where(free, argmax, fixed)
+
+    same = (argmax == state.argmax).all(dim=-1) & (state.sc_logits is not None)
+    stable_steps = torch.where(same, state.stable_steps + 1, 0)
+    weight = (free if scored is None else free & scored).float()
+    mean_ent = (ent * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)
+    stop = (stable_steps >= cfg.stability_threshold) & (mean_ent < cfg.confidence_threshold)
+    if not cfg.adaptive_stopping:
+        stop = torch.zeros_like(stop)
+
+    # Rows that already stopped keep everything they had (the batch still computes them).
+    done = state.done
+    keep = done[:, None]
+    sc_logits = logits.to(sc_dtype)
+    if state.sc_logits is not None:
+        sc_logits = torch.where(keep[..., None], state.sc_logits, sc_logits)
+    return CanvasState(
+        canvas=torch.where(keep, state.canvas, canvas),
+        argmax=torch.where(keep, state.argmax, argmax),
+        sc_logits=sc_logits,
+        stable_steps=torch.where(done, state.stable_steps, stable_steps),
+        done=done | stop,
+        accepted=torch.where(done, state.accepted, accept.sum(-1)),
+    )

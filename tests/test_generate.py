@@ -1,0 +1,196 @@
+"""The decoding loop's mechanics on tiny random models."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import blockpress
+from blockpress.generate import Commit, Done, Draft
+
+EOS = 1
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+
+
+def rig_head(lm, monkeypatch, token, positions=None, strength=200.0):
+    """Make the decoder's prediction one `token` at the given canvas positions (a test double for a trained model)."""
+    original = lm.model.head
+
+    def head(hidden):
+        logits = original(hidden)
+        if logits.dim() == 3 and logits.shape[1] == lm.config.canvas_length:
+            sel = slice(None) if positions is None else positions
+            logits[:, sel, token] += strength
+        return logits
+
+    monkeypatch.setattr(lm.model, "head", head)
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 24])
+def test_max_new_tokens_exact(lm, n):
+    out = lm.generate([4, 5, 6], max_new_tokens=n, max_denoising_steps=3, seed=0)
+    assert out.new_tokens.shape == (1, n)
+    assert out.sequences.shape == (1, 3 + n)
+    assert out.steps_per_canvas.shape[1] == -(-n // lm.config.canvas_length)
+
+
+def test_eos_pads_after_and_counts(lm, monkeypatch):
+    rig_head(lm, monkeypatch, EOS, positions=3)
+    out = lm.generate([4, 5, 6], max_new_tokens=20, max_denoising_steps=4, seed=0)
+    new = out.new_tokens[0]
+    assert new[3] == EOS and (new[4:] == PAD).all() and (new[:3] != EOS).all()
+    assert out.num_new_tokens.tolist() == [4]
+    # one canvas was enough: generation stopped after the EOS canvas
+    assert out.steps_per_canvas[0, 1:].sum() == 0
+    assert out.tokens_per_forward[0] == pytest.approx(4 / out.forward_passes[0].item())
+
+
+def test_min_new_tokens_blocks_early_eos(lm, monkeypatch):
+    rig_head(lm, monkeypatch, EOS, positions=0)  # a terse model: EOS first
+    out = lm.generate([4, 5], max_new_tokens=16, min_new_tokens=10, max_denoising_steps=3, seed=0)
+    new = out.new_tokens[0]
+    assert (new[:10] != EOS).all() and new[10] != PAD or (new[:10] != PAD).all()
+    assert out.num_new_tokens[0] >= 10
+    plain = lm.generate([4, 5], max_new_tokens=16, max_denoising_steps=3, seed=0)
+    assert plain.new_tokens[0, 0] == EOS and plain.num_new_tokens[0] == 1
+
+
+def test_adaptive_stop_when_confident(lm, monkeypatch):
+    rig_head(lm, monkeypatch, 7)  # every position certain: stable after the 2nd step
+    out = lm.generate([4, 5], max_new_tokens=8, max_denoising_steps=20, seed=0)
+    assert out.steps_per_canvas.tolist() == [[2]]
+    fixed = lm.generate([4, 5], max_new_tokens=8, max_denoising_steps=20, seed=0, adaptive_stopping=False)
+    assert fixed.steps_per_canvas.tolist() == [[20]]
+    assert (out.new_tokens == 7).all()
+
+
+@pytest.mark.parametrize("sampler", ["entropy_bound", "confidence", "topk", "greedy"])
+def test_seed_reproduces(lm, sampler):
+    a = lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=12, max_denoising_steps=4, sampler=sampler, seed=11)
+    b = lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=12, max_denoising_steps=4, sampler=sampler, seed=11)
+    c = lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=12, max_denoising_steps=4, sampler=sampler, seed=12)
+    assert torch.equal(a.sequences, b.sequences)
+    assert not torch.equal(a.sequences, c.sequences)
+
+
+def test_greedy_row_independent_of_neighbours(lm):
+    alone = lm.generate([9, 10, 11, 12], max_new_tokens=12, max_denoising_steps=5, sampler="greedy", seed=3)
+    batch = lm.generate([[20, 21], [9, 10, 11, 12], [30, 31, 32, 33, 34, 35, 36]], max_new_tokens=12,
+                        max_denoising_steps=5, sampler="greedy", seed=3)
+    assert torch.equal(alone.new_tokens[0], batch.new_tokens[1])
+    assert alone.forward_passes[0] == batch.forward_passes[1]
+
+
+def test_cache_reuse_equals_reencoding(lm):
+    first = lm.generate([3, 4, 5, 6], max_new_tokens=10, max_denoising_steps=4, sampler="greedy", seed=5,
+                        return_cache=True)
+    assert first.cache is not None and first.cache.length == 14
+    follow = [7, 8, 9]
+    cont = lm.generate(follow, max_new_tokens=9, max_denoising_steps=4, sampler="greedy", seed=5, cache=first.cache)
+    whole = first.sequences[0].tolist() + follow
+    fresh = lm.generate(whole, max_new_tokens=9, max_denoising_steps=4, sampler="greedy", seed=5)
+    assert torch.equal(cont.new_tokens, fresh.new_tokens)
+
+
+def test_cache_truncate_retry(lm):
+    out = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=3, sampler="greedy", seed=1, return_cache=True)
+    cache = out.cache
+    cache.truncate(3)  # back to just the prompt
+    retry = lm.generate([6], max_new_tokens=8, max_denoising_steps=3, sampler="greedy", seed=1, cache=cache)
+    fresh = lm.generate([3, 4, 5, 6], max_new_tokens=8, max_denoising_steps=3, sampler="greedy", seed=1)
+    assert torch.equal(retry.new_tokens, fresh.new_tokens)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_template_fixed_positions_untouched(lm, data):
+    n = data.draw(st.integers(2, 20))
+    template = data.draw(st.lists(st.one_of(st.just(-1), st.integers(3, 127)), min_size=n, max_size=n))
+    if all(t >= 0 for t in template):
+        template[0] = -1
+    sampler = data.draw(st.sampled_from(["entropy_bound", "greedy", "topk", "confidence"]))
+    out = lm.infill(template, max_denoising_steps=3, sampler=sampler, seed=data.draw(st.integers(0, 99)))
+    new = out.new_tokens[0].tolist()
+    assert len(new) == n
+    for t, got in zip(template, new):
+        if t >= 0:
+            assert got == t
+        else:
+            assert got != EOS  # holes are filled with content, never an end
+
+
+def test_template_longer_than_a_canvas(lm):
+    template = [5] * 3 + [-1] * 12 + [9] * 4  # a 12-token hole across two 8-token canvases
+    out = lm.infill(template, max_denoising_steps=2, seed=0)
+    assert out.new_tokens.shape == (1, 19)
+    assert out.new_tokens[0, :3].tolist() == [5, 5, 5] and out.new_tokens[0, -4:].tolist() == [9] * 4
+
+
+def test_stream_events(lm):
+    events = list(lm.stream([3, 4, 5], max_new_tokens=12, max_denoising_steps=3, seed=2, adaptive_stopping=False))
+    drafts = [e for e in events if isinstance(e, Draft)]
+    commits = [e for e in events if isinstance(e, Commit)]
+    assert isinstance(events[-1], Done)
+    assert len(drafts) == 6 and len(commits) == 2
+    assert [d.step for d in drafts] == [1, 2, 3, 1, 2, 3]
+    out = events[-1].output
+    assert torch.equal(torch.cat([c.tokens for c in commits], 1), out.new_tokens)
+    same = lm.generate([3, 4, 5], max_new_tokens=12, max_denoising_steps=3, seed=2, adaptive_stopping=False)
+    assert torch.equal(same.sequences, out.sequences)
+    assert torch.equal(drafts[-1].tokens[:, :4], out.new_tokens[:, 8:])
+
+
+def test_steps_bounded(lm):
+    out = lm.generate([[3, 4], [5, 6]], max_new_tokens=24, max_denoising_steps=5, seed=0)
+    assert (out.steps_per_canvas <= 5).all() and (out.steps_per_canvas >= 1).all()
+    assert torch.equal(out.forward_passes, out.steps_per_canvas.sum(1))
+
+
+def test_generate_ar_matches_uncached_greedy(lm):
+    out = lm.generate_ar([3, 4, 5], max_new_tokens=6)
+    seq = [3, 4, 5]
+    for i in range(6):
+        cache = lm.new_cache(1, len(seq) + 1)
+        with torch.no_grad():
+            logits = lm.model.encode(torch.tensor([seq]), cache, logits="last")
+        assert out.new_tokens[0, i].item() == logits.argmax(-1).item()
+        seq.append(logits.argmax(-1).item())
+    assert out.forward_passes.tolist() == [6]
+
+
+def test_generate_ar_batch_left_padding(lm):
+    alone = lm.generate_ar([9, 10, 11], max_new_tokens=5)
+    batch = lm.generate_ar([[1, 2, 3, 4, 5, 6], [9, 10, 11]], max_new_tokens=5)
+    assert torch.equal(alone.new_tokens[0], batch.new_tokens[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_denoising_steps=-3), "max_denoising_steps"),
+        (dict(t_min=0.9, t_max=0.3), "t_max"),
+        (dict(sampler="nucleus"), "sampler"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(min_new_tokens=50, max_new_tokens=10), "min_new_tokens"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_bad_arguments(lm, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        lm.generate([3, 4], **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], "text without tokenizer", [[1, 2], "x"], [1000]])
+def test_bad_prompts(lm, prompt):
+    with pytest.raises(ValueError, match="prompt"):
+        lm.generate(prompt, max_new_tokens=4)
+
+
+def test_unknown_option_rejected(lm):
+    with pytest.raises(TypeError):
+        lm.generate([3, 4], max_new_tokens=4, temprature=0.5)

@@ -1,0 +1,145 @@
+"""Sampler pieces against the reference's on identical inputs, plus properties that hold for all inputs."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockpress.sampling import (
+    SamplerConfig,
+    accept_confidence,
+    accept_entropy_bound,
+    accept_topk,
+    denoise_step,
+    entropy,
+    hashed_tokens,
+    init_state,
+    temperature,
+    topk_count,
+)
+
+ref_gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+
+
+def logits_from(seed, b=2, c=12, v=17, scale=4.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(b, c, v, generator=g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), bound=st.floats(0.01, 5.0), scale=st.floats(0.1, 20.0))
+def test_entropy_bound_accept_matches_reference(seed, bound, scale):
+    logits = logits_from(seed, scale=scale)
+    sampler = ref_gen.EntropyBoundSampler(ref_gen.EntropyBoundSamplerConfig(entropy_bound=bound), 12, 17, 10)
+    current = torch.zeros(2, 12, dtype=torch.long)
+    denoiser = torch.ones(2, 12, dtype=torch.long)
+    accepted = sampler.accept_canvas(current, denoiser, logits, 5)
+    ours = accept_entropy_bound(entropy(logits), bound)
+    assert torch.equal(ours, sampler.accepted_token_mask)
+    assert torch.equal(torch.where(ours, denoiser, current), accepted)
+    # re-noise positions: exactly the non-accepted ones
+    renoised = sampler.renoise_canvas(torch.full((2, 12), -5), 5)
+    assert torch.equal(renoised == -5, ours)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_entropy_matches_reference_categorical(seed):
+    logits = logits_from(seed)
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    assert torch.allclose(entropy(logits), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 7, 48])
+def test_temperature_schedule_matches_reference(n):
+    proc = ref_gen.LinearTemperatureScheduleLogitsProcessor(t_min=0.4, t_max=0.8, max_denoising_steps=n)
+    cfg = SamplerConfig(max_denoising_steps=n)
+    x = torch.randn(1, 3, 5)
+    for step in range(n, 0, -1):
+        assert torch.allclose(proc(None, x, step), x / temperature(cfg, step))
+    assert temperature(cfg, n) == pytest.approx(0.8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), stability=st.integers(0, 3), threshold=st.floats(0.01, 3.0))
+def test_stop_decisions_match_reference(seed, stability, threshold):
+    """Feed both the same sequence of (argmax, logits); the per-row stop decisions must agree every step."""
+    g = torch.Generator().manual_seed(seed)
+    crit = ref_gen.StableAndConfidentStoppingCriteria(stability, threshold)
+    cfg = SamplerConfig(max_denoising_steps=8, stability_threshold=stability, confidence_threshold=threshold,
+                        entropy_bound=1e9)
+    sharp = torch.randn(2, 6, 9, generator=g) * 30
+    state = init_state(torch.zeros(2, 6, dtype=torch.long))
+    for step in range(8, 0, -1):
+        # alternate between repeating logits (stable argmax) and fresh ones
+        raw = sharp if step % 3 else torch.randn(2, 6, 9, generator=g) * 8
+        processed = raw / temperature(cfg, step)
+        expected = crit(processed.argmax(-1), processed)
+        new = denoise_step(cfg, state, raw, step, torch.zeros(2, 6, dtype=torch.long))
+        stop_now = new.done & ~state.done
+        # rows that had not stopped before must take exactly the reference's decision
+        live = ~state.done
+        assert torch.equal(stop_now[live], expected[live])
+        state = new
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), thr=st.floats(0.05, 1.0))
+def test_confidence_accepts_at_least_one(seed, thr):
+    probs = torch.softmax(logits_from(seed), -1).amax(-1)
+    free = torch.rand(probs.shape, generator=torch.Generator().manual_seed(seed)) > 0.3
+    free[:, 0] = True
+    acc = accept_confidence(probs, thr, free)
+    assert (acc & free).any(-1).all()
+    assert (acc[probs >= thr]).all()  # every token over the threshold is accepted
+    extra = acc & (probs < thr)
+    assert (extra.sum(-1) <= 1).all()  # ... and at most one below it (the forced one)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), count=st.integers(0, 12))
+def test_topk_accepts_exactly_count_lowest(seed, count):
+    ent = entropy(logits_from(seed))
+    acc = accept_topk(ent, count)
+    assert (acc.sum(-1) == count).all()
+    if 0 < count < 12:
+        assert (ent[acc].view(2, count).amax(-1) <= ent.masked_fill(acc, 1e9).amin(-1)).all()
+
+
+def test_topk_schedule_reaches_all():
+    cfg = SamplerConfig(sampler="topk", max_denoising_steps=5)
+    counts = [topk_count(cfg, s, 12) for s in range(5, 0, -1)]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**40), ci=st.integers(0, 50), step=st.integers(0, 100))
+def test_hashed_noise_is_per_row(seed, ci, step):
+    seeds = torch.tensor([seed, seed + 1, seed])
+    t = hashed_tokens(seeds, ci, step, 64, 1000)
+    assert t.min() >= 0 and t.max() < 1000
+    assert torch.equal(t[0], t[2])  # same row seed -> same noise whatever the neighbours
+    assert torch.equal(t[:1], hashed_tokens(seeds[:1], ci, step, 64, 1000))
+    assert len(set(t[0].tolist())) > 32  # not degenerate
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_denoising_steps=-1), "max_denoising_steps"),
+        (dict(t_min=0.9, t_max=0.5), "t_max"),
+        (dict(sampler="beam"), "sampler"),
+        (dict(entropy_bound=0.0), "entropy_bound"),
+        (dict(stability_threshold=-2), "stability_threshold"),
+        (dict(confidence=1.5), "confidence"),
+    ],
+)
+def test_bad_sampler_settings(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplerConfig(**kwargs)
+
+
+def test_generation_config_roundtrip():
+    cfg = SamplerConfig(entropy_bound=0.3, max_denoising_steps=12, t_min=0.2)
+    again = SamplerConfig.from_generation_config(cfg.to_generation_config())
+    assert again == cfg

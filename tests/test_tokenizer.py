@@ -1,0 +1,369 @@
+"""Tests for blockpress.tokenizer: BPE training, exact round trips, checkpoint loading, chat templates."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import json.decoder
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import processors
+
+from blockpress.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer, train_bpe_tokenizer
+
+SAMPLES = [
+    "",
+    "def f(x):\n    return x + 1\n",
+    "  leading and trailing spaces  ",
+    "tabs\tand\r\nwindows newlines",
+    "unicode: héllo wörld, 日本語, emoji 🙂🚀",
+    "special tokens inline: <bos>a<eos>b<start_of_turn>user\n<|hole|>",
+]
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<|hole|>"]
+
+TWO_TURNS = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+]
+
+HYPOTHESIS = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def _training_lines() -> list[str]:
+    # Real Python source gives BPE something realistic to merge; a few hundred lines keeps it fast.
+    return inspect.getsource(textwrap).splitlines()[:400] + inspect.getsource(json.decoder).splitlines()[:200]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_bpe_tokenizer(_training_lines(), vocab_size=500, special_tokens=SPECIALS)
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("saved_tokenizer")
+    tok.save(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_tok(saved_dir: Path) -> Any:
+    from transformers import AutoTokenizer  # test-only dependency
+
+    return AutoTokenizer.from_pretrained(str(saved_dir))
+
+
+def _write_checkpoint(folder: Path, tok: Tokenizer, **files: dict[str, Any] | str) -> Path:
+    """A checkpoint folder with tok's tokenizer.json and the given extra files (name -> JSON or text)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    for name, content in files.items():
+        filename = name.replace("__", ".")
+        text = content if isinstance(content, str) else json.dumps(content)
+        (folder / filename).write_text(text, encoding="utf-8")
+    return folder
+
+
+# ----------------------------------------------------------------------------------------- training
+
+
+def test_vocab_and_special_token_ids(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 500
+    assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
+    assert [tok.token_to_id(t) for t in SPECIALS] == [0, 1, 2, 3, 4, 5]
+    # Chat generations must stop at <end_of_turn> as well as <eos>.
+    assert tok.eos_ids == [1, 4]
+    assert tok.special_ids == {0, 1, 2, 3, 4, 5}
+    assert tok.chat_template == GEMMA_CHAT_TEMPLATE
+
+
+def test_training_is_deterministic(tok: Tokenizer) -> None:
+    again = train_bpe_tokenizer(_training_lines(), vocab_size=500, special_tokens=SPECIALS)
+    assert again.backend.to_str() == tok.backend.to_str()
+
+
+def test_training_actually_merges(tok: Tokenizer) -> None:
+    # BPE merges should make common source text much shorter than its byte count.
+    text = "    def __init__(self, width=70):\n        return self.width\n"
+    assert len(tok.encode(text)) < len(text.encode("utf-8")) // 2
+
+
+@HYPOTHESIS
+@given(text=st.text())
+def test_encode_decode_round_trip_is_exact(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trip_samples(tok: Tokenizer, text: str) -> None:
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+def test_encode_adds_bos_only_when_asked(tok: Tokenizer) -> None:
+    plain = tok.encode("hello world")
+    assert tok.bos_id not in plain
+    assert tok.encode("hello world", add_bos=True) == [tok.bos_id, *plain]
+    assert tok.decode(tok.encode("hello world", add_bos=True)) == "hello world"
+
+
+def test_decode_skips_special_tokens_by_default(tok: Tokenizer) -> None:
+    ids = tok.encode("<start_of_turn>hi<end_of_turn><eos>")
+    assert ids[0] == tok.token_to_id("<start_of_turn>")
+    assert tok.decode(ids) == "hi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<start_of_turn>hi<end_of_turn><eos>"
+
+
+def test_post_processor_never_adds_special_tokens(tok: Tokenizer) -> None:
+    # Real Gemma tokenizer.json files carry a post-processor that prepends <bos>; encode must ignore it.
+    backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    assert backend.encode("hi", add_special_tokens=True).ids[0] == 2
+    gemma_like = Tokenizer(backend=backend, bos_id=2, eos_ids=[1], pad_id=0)
+    assert gemma_like.encode("hi") == tok.encode("hi")
+    assert gemma_like.encode("hi", add_bos=True) == [2, *tok.encode("hi")]
+
+
+def test_decode_batch(tok: Tokenizer) -> None:
+    batch = [tok.encode(t, add_bos=True) for t in SAMPLES[:3]]
+    assert tok.decode_batch(batch) == SAMPLES[:3]
+
+
+def test_add_bos_without_bos_token_is_an_error(tok: Tokenizer) -> None:
+    no_bos = Tokenizer(backend=tok.backend, eos_ids=[1], pad_id=0)
+    with pytest.raises(ValueError, match="BOS"):
+        no_bos.encode("x", add_bos=True)
+
+
+# ----------------------------------------------------------------------------------- save / load
+
+
+def test_save_from_dir_round_trip(tok: Tokenizer, saved_dir: Path) -> None:
+    loaded = Tokenizer.from_dir(saved_dir)
+    assert (loaded.bos_id, loaded.eos_ids, loaded.pad_id) == (tok.bos_id, tok.eos_ids, tok.pad_id)
+    assert loaded.special_ids == tok.special_ids
+    assert loaded.vocab_size == tok.vocab_size
+    assert loaded.chat_template == tok.chat_template
+    assert loaded.add_bos_token is True
+    for text in SAMPLES:
+        assert loaded.encode(text) == tok.encode(text)
+    assert loaded.apply_chat_template(TWO_TURNS) == tok.apply_chat_template(TWO_TURNS)
+
+
+def test_transformers_loads_saved_tokenizer(hf_tok: Any) -> None:
+    assert (hf_tok.bos_token, hf_tok.eos_token, hf_tok.pad_token) == ("<bos>", "<eos>", "<pad>")
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (2, 1, 0)
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_transformers_encodes_samples_identically(tok: Tokenizer, hf_tok: Any, text: str) -> None:
+    assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text())
+def test_transformers_encodes_identically(tok: Tokenizer, hf_tok: Any, text: str) -> None:
+    assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
+
+
+def test_missing_tokenizer_json_names_the_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "no_tokenizer_here"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as excinfo:
+        Tokenizer.from_dir(folder)
+    assert str(folder) in str(excinfo.value)
+    assert "tokenizer.json" in str(excinfo.value)
+    assert "token ids" in str(excinfo.value)
+
+
+def test_eos_list_in_generation_config_is_read(tok: Tokenizer, tmp_path: Path) -> None:
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        tokenizer_config__json={"bos_token": "<bos>", "pad_token": "<pad>"},
+        generation_config__json={"eos_token_id": [4, 1], "bos_token_id": 2},
+    )
+    loaded = Tokenizer.from_dir(folder)
+    assert loaded.eos_ids == [4, 1]
+    assert loaded.eos_id == 4
+
+
+def test_eos_token_string_comes_first_then_generation_config_ids(tok: Tokenizer, tmp_path: Path) -> None:
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        tokenizer_config__json={"eos_token": {"content": "<eos>", "special": True}},
+        generation_config__json={"eos_token_id": [5, 1]},
+        config__json={"eos_token_id": 3},
+    )
+    assert Tokenizer.from_dir(folder).eos_ids == [1, 5, 3]
+
+
+def test_extra_eos_id_that_is_an_ordinary_token_is_special(tok: Tokenizer, tmp_path: Path) -> None:
+    # A stop id from generation_config.json that tokenizer.json does not mark special must still be
+    # treated as special: reported in special_ids and dropped by decode.
+    stop_id = tok.encode("return")[0]
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        tokenizer_config__json={"eos_token": "<eos>"},
+        generation_config__json={"eos_token_id": [1, stop_id]},
+    )
+    loaded = Tokenizer.from_dir(folder)
+    assert loaded.eos_ids == [1, stop_id]
+    assert stop_id in loaded.special_ids
+    assert loaded.decode([*tok.encode("x = 1"), stop_id]) == "x = 1"
+
+
+def test_config_json_ids_are_fallbacks(tok: Tokenizer, tmp_path: Path) -> None:
+    # No token strings anywhere: ids come from config.json (here nested like multimodal checkpoints).
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        config__json={"text_config": {"bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}},
+    )
+    loaded = Tokenizer.from_dir(folder)
+    assert (loaded.bos_id, loaded.eos_ids, loaded.pad_id) == (2, [1], 0)
+    assert loaded.chat_template is None
+    assert loaded.add_bos_token is False
+
+
+def test_special_tokens_map_and_dict_tokens(tok: Tokenizer, tmp_path: Path) -> None:
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        special_tokens_map__json={
+            "bos_token": {"content": "<bos>", "lstrip": False},
+            "eos_token": "<end_of_turn>",
+            "pad_token": {"content": "<pad>"},
+        },
+        # tokenizer_config.json wins over special_tokens_map.json.
+        tokenizer_config__json={"eos_token": {"content": "<eos>"}},
+    )
+    loaded = Tokenizer.from_dir(folder)
+    assert (loaded.bos_id, loaded.eos_ids, loaded.pad_id) == (2, [1], 0)
+
+
+def test_chat_template_list_takes_default(tok: Tokenizer, tmp_path: Path) -> None:
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        tokenizer_config__json={
+            "bos_token": "<bos>",
+            "chat_template": [
+                {"name": "tool_use", "template": "TOOLS"},
+                {"name": "default", "template": "DEFAULT {{ messages | length }}"},
+            ],
+        },
+    )
+    assert Tokenizer.from_dir(folder).apply_chat_template(TWO_TURNS) == "DEFAULT 2"
+
+
+def test_chat_template_jinja_file_wins(tok: Tokenizer, tmp_path: Path) -> None:
+    folder = _write_checkpoint(
+        tmp_path / "ckpt",
+        tok,
+        tokenizer_config__json={"bos_token": "<bos>", "chat_template": "FROM JSON"},
+        chat_template__jinja="FROM FILE {{ bos_token }}",
+    )
+    assert Tokenizer.from_dir(folder).apply_chat_template(TWO_TURNS) == "FROM FILE <bos>"
+
+
+# ---------------------------------------------------------------------------------- chat templates
+
+
+def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:
+    expected = (
+        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n4.<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert tok.apply_chat_template(TWO_TURNS) == expected
+
+
+def test_chat_template_without_generation_prompt(tok: Tokenizer) -> None:
+    expected = "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4.<end_of_turn>\n"
+    assert tok.apply_chat_template(TWO_TURNS, add_generation_prompt=False) == expected
+
+
+def test_system_message_is_folded_into_first_user_turn(tok: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be terse."}, *TWO_TURNS]
+    expected = (
+        "<bos><start_of_turn>user\nBe terse.\n\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n4.<end_of_turn>\n"
+    )
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == expected
+
+
+CONVERSATIONS = [
+    TWO_TURNS,
+    [{"role": "user", "content": "only one turn"}],
+    [{"role": "system", "content": "sys"}, *TWO_TURNS, {"role": "user", "content": "and 3+3?"}],
+    [{"role": "system", "content": "system alone"}],
+    [{"role": "user", "content": "  spaces, tabs\t and\nnewlines  \n"}, {"role": "model", "content": "ok"}],
+]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_template_matches_transformers(
+    tok: Tokenizer, hf_tok: Any, messages: list[dict[str, str]], add_generation_prompt: bool
+) -> None:
+    ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    theirs = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert ours == theirs
+
+
+def test_tokenized_chat_has_exactly_one_bos(tok: Tokenizer) -> None:
+    ids = tok.apply_chat_template(TWO_TURNS, tokenize=True)
+    assert isinstance(ids, list)
+    assert ids[0] == tok.bos_id
+    assert ids.count(tok.bos_id) == 1
+    assert ids == tok.encode(str(tok.apply_chat_template(TWO_TURNS)))
+    prompt = tok.encode("<start_of_turn>model\n")
+    assert ids[-len(prompt) :] == prompt
+
+
+@pytest.mark.parametrize(
+    ("messages", "pattern"),
+    [
+        ([{"role": "user", "content": "hi"}, {"content": "no role"}], r"Message 1 .*'role'"),
+        ([{"role": "user", "content": 42}], r"Message 0 .*'content'.*int"),
+        ([{"role": "user"}], r"Message 0 .*'content'"),
+        ([{"role": None, "content": "x"}], r"Message 0 .*'role'"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, "text"], r"Message 2 "),
+    ],
+)
+def test_bad_messages_name_the_index(tok: Tokenizer, messages: list[Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        tok.apply_chat_template(messages)
+
+
+def test_template_raise_exception_becomes_value_error(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="system"):
+        tok.apply_chat_template([*TWO_TURNS, {"role": "system", "content": "late"}])
+    with pytest.raises(ValueError, match="Unsupported chat role: tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "{}"}])
+
+
+def test_no_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
+    bare = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0)
+    with pytest.raises(ValueError, match="no chat template"):
+        bare.apply_chat_template(TWO_TURNS)
+
+
+def test_tojson_filter_is_plain_json(tok: Tokenizer) -> None:
+    custom = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="{{ messages[0] | tojson }}")
+    message = {"role": "user", "content": "<b> & 'é'"}
+    assert custom.apply_chat_template([message]) == json.dumps(message, ensure_ascii=False)
