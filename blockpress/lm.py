@@ -12,7 +12,17 @@ import torch
 from .cache import KVCache
 from .checkpoint import Passthrough, load_model, resolve_dtype, save_model
 from .config import ModelConfig
-from .generate import Commit, Done, Draft, GenerationOutput, Request, prompt_to_ids, run, run_ar, template_to_ids
+from .generate import (
+    Commit,
+    Done,
+    Draft,
+    GenerationOutput,
+    Request,
+    prompt_to_ids,
+    run,
+    run_ar,
+    template_to_ids,
+)
 from .model import DiffusionGemma
 from .sampling import SamplerConfig
 

@@ -1,0 +1,108 @@
+"""blockpress `generate` vs the reference transformers `generate`, same random checkpoint, same settings.
+
+Prints one JSON object: tok/s (with and without prefill), tokens per forward, forward passes, and the
+ratio blockpress / reference, measured side by side in one run (this machine is noisy: compare ratios).
+
+    python benchmarks/generate_vs_reference.py --preset small   # ~15M params, canvas 64
+    python benchmarks/generate_vs_reference.py --preset medium  # ~60M params, canvas 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+import warnings
+
+import torch
+
+import blockpress
+from blockpress.config import ModelConfig, TextConfig
+
+PRESETS = {
+    "tiny": dict(text=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                           num_global_key_value_heads=1, sliding_window=32, num_experts=4, top_k_experts=2,
+                           moe_intermediate_size=32), canvas=16),
+    "small": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                            num_global_key_value_heads=1, sliding_window=128, num_experts=8, top_k_experts=2,
+                            moe_intermediate_size=256), canvas=64),
+    "medium": dict(text=dict(vocab_size=16384, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, global_head_dim=128,
+                             num_global_key_value_heads=2, sliding_window=256, num_experts=16, top_k_experts=4,
+                             moe_intermediate_size=384), canvas=128),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    p = PRESETS[name]
+    return ModelConfig(text=TextConfig(**p["text"]), canvas_length=p["canvas"])
+
+
+def time_blockpress(lm, prompt, args):
+    best = None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        out = lm.generate(prompt, max_new_tokens=args.new_tokens, max_denoising_steps=args.steps, seed=0,
+                          adaptive_stopping=False)
+        total = time.perf_counter() - t0
+        row = dict(seconds=total, denoise_seconds=out.denoise_seconds, new_tokens=int(out.new_tokens.numel()),
+                   forward_passes=int(out.forward_passes.sum()), tokens_per_forward=float(out.tokens_per_forward.mean()))
+        best = row if best is None or row["seconds"] < best["seconds"] else best
+    return best
+
+
+def time_reference(ref, prompt, args):
+    best = None
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = ref.generate(prompt, max_new_tokens=args.new_tokens, max_denoising_steps=args.steps,
+                               confidence_threshold=1e-30)  # never confident: fixed steps, like ours
+        total = time.perf_counter() - t0
+        new = out.sequences.shape[1] - prompt.shape[1]
+        n_canvas = -(-args.new_tokens // ref.config.canvas_length)
+        row = dict(seconds=total, new_tokens=int(new * prompt.shape[0]), forward_passes=n_canvas * args.steps,
+                   tokens_per_forward=float(out.tokens_per_forward.float().mean()))
+        best = row if best is None or row["seconds"] < best["seconds"] else best
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--prompt-length", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    cfg = preset_config(args.preset)
+    lm = blockpress.random_model(cfg, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        lm.save(tmp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp).eval()
+    prompt = torch.randint(3, cfg.text.vocab_size, (args.batch, args.prompt_length), generator=torch.Generator().manual_seed(0))
+    ours = time_blockpress(lm, prompt, args)
+    theirs = time_reference(ref, prompt, args)
+    for row in (ours, theirs):
+        row["tok_s"] = row["new_tokens"] / row["seconds"]
+    result = dict(
+        benchmark="generate_vs_reference", preset=args.preset, params=cfg.num_parameters(),
+        active_params=cfg.num_parameters(active=True), batch=args.batch, new_tokens=args.new_tokens,
+        steps=args.steps, canvas=cfg.canvas_length, prompt_length=args.prompt_length, threads=args.threads,
+        blockpress=ours, reference=theirs, speedup=ours["tok_s"] / theirs["tok_s"],
+    )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Task definitions (data generation, tokenization, verification) for block-diffusion models."""

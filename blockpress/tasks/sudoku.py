@@ -1,0 +1,474 @@
+"""Sudoku as a block-diffusion task: parsing, solving, verification, generation and tokenization.
+
+Board format
+------------
+A puzzle or a solution is an 81-character string of digits in row-major order; ``'0'`` marks an empty
+cell. ``parse_puzzle`` also accepts ``'.'`` for empty cells and a 9-line grid form in which whitespace and
+the box-drawing characters ``|``, ``-`` and ``+`` are ignored, so the output of ``format_board`` parses back
+to the same string. Rows, columns and boxes are numbered 1-9 in error messages (boxes row-major), and a
+cell is written ``r<row>c<col>``, also 1-based.
+
+Difficulty
+----------
+Difficulty is defined by the number of givens only: easy >= 40, medium 30-39, hard < 30. Every puzzle
+from ``generate`` has exactly one solution, and the same seed always yields the same puzzle.
+
+Token format
+------------
+The vocabulary is tiny (``SudokuVocab``): pad=0, eos=1, bos=2, digits '0'..'9' -> ids 3..12, sep=13,
+and ``vocab_size`` 16 so that a few ids are left free. The prompt is::
+
+    [bos] + 81 digit ids of the puzzle ('0' = empty) + [sep]      (PROMPT_LEN = 83 tokens)
+
+and the target canvas the model fills in is exactly the 81 digit ids of the solution, with no eos
+(CANVAS_LEN = 81). ``decode_digits`` turns model output back into an 81-character string, mapping any
+non-digit id to '0' and truncating or padding to 81, so a malformed output can still be verified and
+simply scores as wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CANVAS_LEN",
+    "DIFFICULTIES",
+    "PROMPT_LEN",
+    "VOCAB",
+    "Puzzle",
+    "SudokuVocab",
+    "Verdict",
+    "cell_accuracy",
+    "check_puzzle",
+    "count_solutions",
+    "decode_digits",
+    "difficulty_of",
+    "encode_prompt",
+    "encode_solution",
+    "format_board",
+    "generate",
+    "generate_many",
+    "parse_puzzle",
+    "solve",
+    "verify",
+]
+
+DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
+
+_DIGITS = "0123456789"
+# Characters used to draw grids; ignored anywhere in the input so that printed boards parse back.
+_SEPARATORS = frozenset("|-+")
+
+_ROW_OF = tuple(i // 9 for i in range(81))
+_COL_OF = tuple(i % 9 for i in range(81))
+_BOX_OF = tuple((i // 27) * 3 + (i % 9) // 3 for i in range(81))
+_ALL_DIGITS = 0b11_1111_1110  # bit d set <=> digit d (1..9) is present / allowed
+
+
+def _cell_name(i: int) -> str:
+    return f"r{i // 9 + 1}c{i % 9 + 1}"
+
+
+def _units() -> tuple[tuple[str, tuple[int, ...]], ...]:
+    units: list[tuple[str, tuple[int, ...]]] = []
+    for r in range(9):
+        units.append((f"row {r + 1}", tuple(r * 9 + c for c in range(9))))
+    for c in range(9):
+        units.append((f"column {c + 1}", tuple(r * 9 + c for r in range(9))))
+    for b in range(9):
+        r0, c0 = (b // 3) * 3, (b % 3) * 3
+        name = f"box {b + 1} (rows {r0 + 1}-{r0 + 3}, columns {c0 + 1}-{c0 + 3})"
+        units.append((name, tuple(i for i in range(81) if _BOX_OF[i] == b)))
+    return tuple(units)
+
+
+_UNITS = _units()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parsing and display
+# ----------------------------------------------------------------------------------------------------
+
+
+def parse_puzzle(text: str) -> str:
+    """Normalize a puzzle/solution to 81 digits ('0' = empty).
+
+    Accepts digits and '.' (empty); whitespace and the grid characters '|', '-', '+' are ignored
+    wherever they appear, which covers both the one-line form and the 9-line grid form.
+    Raises ValueError naming the first illegal character (and its 0-based position in ``text``) or the
+    number of cells found when it is not 81.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"puzzle must be a str, got {type(text).__name__}")
+    cells: list[str] = []
+    for pos, ch in enumerate(text):
+        if ch in _DIGITS:
+            cells.append(ch)
+        elif ch == ".":
+            cells.append("0")
+        elif ch.isspace() or ch in _SEPARATORS:
+            continue
+        else:
+            raise ValueError(
+                f"illegal character {ch!r} at position {pos} of the input (would be cell {len(cells) + 1}); "
+                "expected digits 0-9 or '.' for an empty cell"
+            )
+    if len(cells) != 81:
+        raise ValueError(f"puzzle has {len(cells)} cells, expected 81")
+    return "".join(cells)
+
+
+def format_board(grid: str) -> str:
+    """Render a board as 9 text rows with box separators; empty cells are shown as '.'."""
+    g = parse_puzzle(grid)
+    lines: list[str] = []
+    for r in range(9):
+        if r in (3, 6):
+            lines.append("------+-------+------")
+        row = g[r * 9 : r * 9 + 9].replace("0", ".")
+        lines.append(" | ".join(" ".join(row[c : c + 3]) for c in (0, 3, 6)))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Solver
+# ----------------------------------------------------------------------------------------------------
+
+
+class _Search:
+    """Backtracking over bitmask candidates, always branching on the most constrained empty cell.
+
+    ``rng`` (optional) shuffles the order in which candidate digits are tried; that is how random full
+    grids are made. The search stops as soon as ``limit`` solutions have been found.
+    """
+
+    def __init__(self, grid: list[int], limit: int, rng: random.Random | None = None) -> None:
+        self.grid = grid
+        self.limit = limit
+        self.rng = rng
+        self.rows = [0] * 9
+        self.cols = [0] * 9
+        self.boxes = [0] * 9
+        self.consistent = True
+        for i, d in enumerate(grid):
+            if d:
+                bit = 1 << d
+                r, c, b = _ROW_OF[i], _COL_OF[i], _BOX_OF[i]
+                if (self.rows[r] | self.cols[c] | self.boxes[b]) & bit:
+                    self.consistent = False
+                self.rows[r] |= bit
+                self.cols[c] |= bit
+                self.boxes[b] |= bit
+        self.empties = [i for i in range(81) if grid[i] == 0]
+        self.count = 0
+        self.first: list[int] | None = None
+
+    def run(self) -> int:
+        # Contradictory givens have no solutions; searching would only find ones that ignore the clash.
+        if self.consistent:
+            self._search(len(self.empties))
+        return self.count
+
+    def _search(self, k: int) -> None:
+        # Invariant: empties[:k] are exactly the cells still empty.
+        if k == 0:
+            self.count += 1
+            if self.first is None:
+                self.first = self.grid.copy()
+            return
+        grid, rows, cols, boxes, empties = self.grid, self.rows, self.cols, self.boxes, self.empties
+        best_pos, best_mask, best_n = -1, 0, 10
+        for pos in range(k):
+            i = empties[pos]
+            mask = _ALL_DIGITS & ~(rows[_ROW_OF[i]] | cols[_COL_OF[i]] | boxes[_BOX_OF[i]])
+            n = mask.bit_count()
+            if n < best_n:
+                best_pos, best_mask, best_n = pos, mask, n
+                if n <= 1:  # forced or dead: no better choice exists
+                    break
+        if best_n == 0:
+            return
+        empties[best_pos], empties[k - 1] = empties[k - 1], empties[best_pos]
+        i = empties[k - 1]
+        r, c, b = _ROW_OF[i], _COL_OF[i], _BOX_OF[i]
+        bits: list[int] = []
+        while best_mask:
+            low = best_mask & -best_mask
+            bits.append(low)
+            best_mask ^= low
+        if self.rng is not None:
+            self.rng.shuffle(bits)
+        for bit in bits:
+            grid[i] = bit.bit_length() - 1
+            rows[r] |= bit
+            cols[c] |= bit
+            boxes[b] |= bit
+            self._search(k - 1)
+            rows[r] ^= bit
+            cols[c] ^= bit
+            boxes[b] ^= bit
+            if self.count >= self.limit:
+                break
+        grid[i] = 0
+
+
+def _count(puzzle: str, limit: int) -> int:
+    """count_solutions for an already-normalized puzzle (skips parsing in the generator's hot loop)."""
+    return _Search([int(ch) for ch in puzzle], limit).run()
+
+
+def count_solutions(puzzle: str, limit: int = 2) -> int:
+    """Number of solutions of ``puzzle``, counting no further than ``limit``.
+
+    Returns 0 for contradictory givens. With the default limit of 2, a result of 1 means "unique".
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    return _count(parse_puzzle(puzzle), limit)
+
+
+def solve(puzzle: str) -> str | None:
+    """A solution of ``puzzle`` (the first one found if there are several), or None if there is none."""
+    search = _Search([int(ch) for ch in parse_puzzle(puzzle)], limit=1)
+    search.run()
+    if search.first is None:
+        return None
+    return "".join(str(d) for d in search.first)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------
+
+
+def _find_conflicts(grid: str) -> list[str]:
+    """One message per (unit, digit) that occurs more than once; empty cells are ignored."""
+    problems: list[str] = []
+    for name, cells in _UNITS:
+        where: dict[str, list[int]] = {}
+        for i in cells:
+            if grid[i] != "0":
+                where.setdefault(grid[i], []).append(i)
+        for digit in sorted(where):
+            found = where[digit]
+            if len(found) > 1:
+                cell_list = ", ".join(_cell_name(i) for i in found)
+                problems.append(f"{name}: digit {digit} appears {len(found)} times ({cell_list})")
+    return problems
+
+
+def check_puzzle(puzzle: str, require_unique: bool = False) -> str:
+    """Return the normalized puzzle, or raise ValueError if it cannot be played.
+
+    Raises for contradictory givens (naming each row/column/box and digit involved), for consistent
+    givens that admit no solution, and, if ``require_unique``, for puzzles with several solutions.
+    """
+    p = parse_puzzle(puzzle)
+    conflicts = _find_conflicts(p)
+    if conflicts:
+        raise ValueError("contradictory givens: " + "; ".join(conflicts))
+    n = _count(p, limit=2)
+    if n == 0:
+        raise ValueError("puzzle has no solution (givens are consistent, but no completion exists)")
+    if require_unique and n > 1:
+        raise ValueError("puzzle has more than one solution")
+    return p
+
+
+@dataclass
+class Verdict:
+    """Result of checking a proposed solution against its puzzle; ``valid`` iff ``errors`` is empty."""
+
+    valid: bool
+    givens_kept: bool
+    complete: bool
+    errors: list[str] = field(default_factory=list)
+
+
+def verify(puzzle: str, solution: str) -> Verdict:
+    """Check ``solution`` against ``puzzle``: givens unchanged, no empty cells, no duplicate in any unit.
+
+    Both arguments must parse (see ``parse_puzzle``); model output should go through ``decode_digits``
+    first, which always yields 81 characters.
+    """
+    p = parse_puzzle(puzzle)
+    s = parse_puzzle(solution)
+    errors: list[str] = []
+    for i in range(81):
+        if p[i] != "0" and s[i] != p[i]:
+            shown = "empty" if s[i] == "0" else s[i]
+            errors.append(f"cell {_cell_name(i)}: given {p[i]} changed to {shown}")
+    givens_kept = not errors
+    errors.extend(_find_conflicts(s))
+    missing = s.count("0")
+    if missing:
+        errors.append(f"incomplete: {missing} empty cell(s)")
+    return Verdict(valid=not errors, givens_kept=givens_kept, complete=missing == 0, errors=errors)
+
+
+def cell_accuracy(solution_pred: str, solution_true: str, puzzle: str) -> float:
+    """Fraction of the cells empty in ``puzzle`` that ``solution_pred`` fills as in ``solution_true``.
+
+    The givens are excluded because a model copies them for free and they would inflate the score.
+    A puzzle with no empty cells scores 1.0 (there was nothing to get wrong).
+    """
+    p = parse_puzzle(puzzle)
+    pred = parse_puzzle(solution_pred)
+    true = parse_puzzle(solution_true)
+    blanks = [i for i in range(81) if p[i] == "0"]
+    if not blanks:
+        return 1.0
+    return sum(pred[i] == true[i] for i in blanks) / len(blanks)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------------
+
+# Range the generator aims for within each band. Easy stops at 40-45 givens so that "easy" stays close
+# to the band edge instead of being trivially full.
+_TARGETS = {"easy": (40, 45), "medium": (30, 39), "hard": (24, 29)}
+_MAX_ATTEMPTS = 64
+
+
+@dataclass(frozen=True)
+class Puzzle:
+    """A generated puzzle with its unique solution. ``seed`` reproduces it via ``generate``."""
+
+    puzzle: str
+    solution: str
+    givens: int
+    difficulty: str
+    seed: int
+
+
+def difficulty_of(puzzle: str) -> str:
+    """'easy' (>= 40 givens), 'medium' (30-39) or 'hard' (< 30)."""
+    givens = 81 - parse_puzzle(puzzle).count("0")
+    if givens >= 40:
+        return "easy"
+    if givens >= 30:
+        return "medium"
+    return "hard"
+
+
+def _check_difficulty(difficulty: str) -> None:
+    if difficulty not in _TARGETS:
+        raise ValueError(f"unknown difficulty {difficulty!r}; expected one of {', '.join(DIFFICULTIES)}")
+
+
+def _derive_seed(*parts: object) -> int:
+    # A hash of the parts' text (not Python's salted hash()) so derived seeds are the same in every run.
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def _random_full_grid(rng: random.Random) -> str:
+    search = _Search([0] * 81, limit=1, rng=rng)
+    search.run()
+    assert search.first is not None  # an empty grid always has a completion
+    return "".join(str(d) for d in search.first)
+
+
+def _remove_cells(solution: str, target: int, rng: random.Random) -> str:
+    """Blank cells in random order, keeping each removal only if the solution stays unique."""
+    grid = list(solution)
+    order = list(range(81))
+    rng.shuffle(order)
+    givens = 81
+    for i in order:
+        if givens <= target:
+            break
+        kept = grid[i]
+        grid[i] = "0"
+        if _count("".join(grid), limit=2) == 1:
+            givens -= 1
+        else:
+            grid[i] = kept
+    return "".join(grid)
+
+
+def generate(seed: int, difficulty: str = "medium") -> Puzzle:
+    """A puzzle with exactly one solution whose givens fall in ``difficulty``'s band; same seed, same puzzle.
+
+    If removal gets stuck above the band (only plausible for 'hard'), the attempt is redone with a seed
+    derived from (seed, difficulty, attempt), so the result is still a pure function of the arguments.
+    """
+    _check_difficulty(difficulty)
+    low, high = _TARGETS[difficulty]
+    for attempt in range(_MAX_ATTEMPTS):
+        rng = random.Random(seed if attempt == 0 else _derive_seed(seed, difficulty, attempt))
+        solution = _random_full_grid(rng)
+        puzzle = _remove_cells(solution, rng.randint(low, high), rng)
+        if difficulty_of(puzzle) == difficulty:
+            givens = 81 - puzzle.count("0")
+            return Puzzle(puzzle=puzzle, solution=solution, givens=givens, difficulty=difficulty, seed=seed)
+    raise RuntimeError(f"no {difficulty} puzzle after {_MAX_ATTEMPTS} attempts for seed {seed}")
+
+
+def generate_many(n: int, seed: int, difficulty: str = "medium") -> list[Puzzle]:
+    """``n`` puzzles, deterministic for ``seed``; puzzle k uses a seed derived from (seed, k).
+
+    Derived (rather than consecutive) seeds keep the lists for seeds s and s+1 from sharing puzzles.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    _check_difficulty(difficulty)
+    return [generate(_derive_seed("many", seed, k), difficulty) for k in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenization
+# ----------------------------------------------------------------------------------------------------
+
+PROMPT_LEN = 83  # bos + 81 cells + sep
+CANVAS_LEN = 81  # the solution digits, nothing else
+
+
+@dataclass(frozen=True)
+class SudokuVocab:
+    """Token ids of the Sudoku task; digits '0'..'9' are ``digit_base`` .. ``digit_base + 9``."""
+
+    pad: int = 0
+    eos: int = 1
+    bos: int = 2
+    digit_base: int = 3
+    sep: int = 13
+    vocab_size: int = 16  # 14 ids used; the rest is spare room
+
+    def digit_id(self, ch: str) -> int:
+        if len(ch) != 1 or ch not in _DIGITS:
+            raise ValueError(f"not a digit: {ch!r}")
+        return self.digit_base + int(ch)
+
+    def id_to_digit(self, token_id: int) -> str | None:
+        """The digit character for ``token_id``, or None if it is not a digit id."""
+        offset = int(token_id) - self.digit_base
+        return _DIGITS[offset] if 0 <= offset <= 9 else None
+
+
+VOCAB = SudokuVocab()
+
+
+def encode_prompt(puzzle: str, vocab: SudokuVocab = VOCAB) -> list[int]:
+    """[bos] + 81 digit ids + [sep]."""
+    return [vocab.bos] + [vocab.digit_id(ch) for ch in parse_puzzle(puzzle)] + [vocab.sep]
+
+
+def encode_solution(solution: str, vocab: SudokuVocab = VOCAB) -> list[int]:
+    """The 81 digit ids of the solution (the canvas has no eos)."""
+    return [vocab.digit_id(ch) for ch in parse_puzzle(solution)]
+
+
+def decode_digits(ids: Iterable[int], vocab: SudokuVocab = VOCAB) -> str:
+    """Map canvas ids to an 81-character digit string; non-digit ids become '0', extra ids are dropped
+    and a short output is padded with '0', so any model output can be passed to ``verify``."""
+    chars: list[str] = []
+    for token_id in ids:
+        if len(chars) == CANVAS_LEN:
+            break
+        chars.append(vocab.id_to_digit(token_id) or "0")
+    return "".join(chars).ljust(CANVAS_LEN, "0")
