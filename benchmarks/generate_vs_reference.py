@@ -18,27 +18,11 @@ import warnings
 import torch
 
 import blockpress
-from blockpress.config import ModelConfig, TextConfig
-
-PRESETS = {
-    "tiny": dict(text=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                           num_global_key_value_heads=1, sliding_window=32, num_experts=4, top_k_experts=2,
-                           moe_intermediate_size=32), canvas=16),
-    "small": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
-                            num_global_key_value_heads=1, sliding_window=128, num_experts=8, top_k_experts=2,
-                            moe_intermediate_size=256), canvas=64),
-    "medium": dict(text=dict(vocab_size=16384, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
-                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, global_head_dim=128,
-                             num_global_key_value_heads=2, sliding_window=256, num_experts=16, top_k_experts=4,
-                             moe_intermediate_size=384), canvas=128),
-}
+from blockpress.config import PRESETS, ModelConfig
 
 
 def preset_config(name: str) -> ModelConfig:
-    p = PRESETS[name]
-    return ModelConfig(text=TextConfig(**p["text"]), canvas_length=p["canvas"])
+    return ModelConfig.preset(name)
 
 
 def time_blockpress(lm, prompt, args):

@@ -248,6 +248,16 @@ class ModelConfig:
         return cls(text=TextConfig(**text), canvas_length=canvas)
 
     @classmethod
+    def preset(cls, name: str) -> ModelConfig:
+        """Named shapes for speed work and demos: tiny, small (~15M), medium (~60M), 26b-a4b."""
+        if name == "26b-a4b":
+            return cls.gemma_26b_a4b()
+        if name not in PRESETS:
+            raise ValueError(f"preset: unknown {name!r}; expected one of {sorted([*PRESETS, '26b-a4b'])}")
+        p = PRESETS[name]
+        return cls(text=TextConfig(**p["text"]), canvas_length=p["canvas"])
+
+    @classmethod
     def gemma_26b_a4b(cls) -> ModelConfig:
         """The released DiffusionGemma 26B-A4B text shape (for speed work with random weights)."""
         text = TextConfig(
@@ -333,6 +343,23 @@ class ModelConfig:
             f"experts {t.num_experts} top-{t.top_k_experts}, vocab {t.vocab_size}, canvas {self.canvas_length}, "
             f"params {_human(self.num_parameters())} total / {_human(self.num_parameters(active=True))} active"
         )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(text=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                           num_global_key_value_heads=1, sliding_window=32, num_experts=4, top_k_experts=2,
+                           moe_intermediate_size=32, layer_types=[SLIDING, FULL]), canvas=16),
+    "small": dict(text=dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+                            num_global_key_value_heads=1, sliding_window=128, num_experts=8, top_k_experts=2,
+                            moe_intermediate_size=256), canvas=64),
+    "medium": dict(text=dict(vocab_size=16384, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, global_head_dim=128,
+                             num_global_key_value_heads=2, sliding_window=256, num_experts=16, top_k_experts=4,
+                             moe_intermediate_size=384, layer_types=[SLIDING, SLIDING, SLIDING, FULL]),
+                   canvas=128),
+}
 
 
 def _human(n: int) -> str:

@@ -88,9 +88,13 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from `probs` [..., V] without torch.multinomial's host sync (exponential race)."""
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    """One draw per row from `probs` [..., V]: inverse CDF, one uniform number per row, no host sync.
+
+    (Drawing V exponentials per row for a Gumbel-style race costs ~10x more on CPU.)
+    """
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand(*probs.shape[:-1], 1, device=probs.device, generator=generator, dtype=cdf.dtype) * cdf[..., -1:]
+    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def accept_entropy_bound(ent: torch.Tensor, bound: float) -> torch.Tensor:

@@ -147,7 +147,12 @@ def test_stream_events(lm):
 
 def test_steps_bounded(lm):
     out = lm.generate([[3, 4], [5, 6]], max_new_tokens=24, max_denoising_steps=5, seed=0)
-    assert (out.steps_per_canvas <= 5).all() and (out.steps_per_canvas >= 1).all()
+    assert (out.steps_per_canvas <= 5).all() and (out.steps_per_canvas[:, 0] >= 1).all()
+    # a row that ended (EOS) takes no more steps in later canvases
+    ended = out.num_new_tokens < 24
+    for row in ended.nonzero()[:, 0].tolist():
+        last = (int(out.num_new_tokens[row]) - 1) // lm.config.canvas_length
+        assert (out.steps_per_canvas[row, last + 1 :] == 0).all()
     assert torch.equal(out.forward_passes, out.steps_per_canvas.sum(1))
 
 

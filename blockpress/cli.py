@@ -1,0 +1,259 @@
+"""The `blockpress` command line: generate, infill, chat, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from typing import Any
+
+DEFAULT_MODEL = "blockpress-code"
+RANDOM_PREFIX = "random-"
+
+
+def load_model(spec: str, dtype: str | None, device: str) -> Any:
+    """An HF folder, a shipped model name, or `random-<preset>` (random weights, byte-level tokenizer)."""
+    import blockpress
+
+    if spec.startswith(RANDOM_PREFIX):
+        from blockpress.tokenizer import train_bpe_tokenizer
+
+        config = blockpress.ModelConfig.preset(spec[len(RANDOM_PREFIX):])
+        tokenizer = train_bpe_tokenizer([""], vocab_size=300)  # bytes + special tokens, no merges
+        if tokenizer.vocab_size > config.text.vocab_size:
+            raise SystemExit(f"--model {spec}: vocabulary too small for a byte-level tokenizer")
+        return blockpress.random_model(config, seed=0, dtype=dtype, device=device, tokenizer=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vision tensors: text-only is the documented behaviour
+        return blockpress.load(spec, dtype=dtype, device=device)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"shipped model name, Hugging Face checkpoint folder, or random-<tiny|small|medium> "
+                        f"(random weights, for speed checks). Default: {DEFAULT_MODEL}")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights dtype (default: the checkpoint's)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="exact number of new tokens at most")
+    g.add_argument("--min-new-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
+    g.add_argument("--steps", type=int, default=None, help="max denoising steps per canvas")
+    g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
+                   help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
+    g.add_argument("--entropy-bound", type=float, default=None, help="entropy_bound sampler's bound")
+    g.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
+    g.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
+    g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
+                entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min)
+
+
+class LiveView:
+    """Redraws the text as the canvas settles: changing tokens dim, settled ones bright, committed plain."""
+
+    def __init__(self, lm: Any, prompt: str):
+        self.lm, self.prompt, self.committed = lm, prompt, ""
+        self.previous: list[int] | None = None
+        sys.stdout.write(prompt + "\x1b[s")
+        sys.stdout.flush()
+
+    def draft(self, tokens: list[int]) -> None:
+        tok = self.lm.tokenizer
+        parts = []
+        for i, t in enumerate(tokens):
+            piece = tok.decode([t])
+            settled = self.previous is not None and self.previous[i] == t
+            parts.append(("\x1b[1;32m" if settled else "\x1b[2;33m") + piece + "\x1b[0m")
+        self.previous = tokens
+        sys.stdout.write("\x1b[u\x1b[J" + self.committed + "".join(parts))
+        sys.stdout.flush()
+
+    def commit(self, text: str) -> None:
+        self.committed += text
+        self.previous = None
+        sys.stdout.write("\x1b[u\x1b[J" + self.committed)
+        sys.stdout.flush()
+
+
+def stats_line(out: Any, seconds: float) -> dict[str, Any]:
+    n = int(out.num_new_tokens.sum())
+    passes = int(out.forward_passes.max())
+    return dict(new_tokens=n, forward_passes=passes, tokens_per_forward=round(float(out.tokens_per_forward.mean()), 3),
+                tok_s=round(n / seconds, 2) if seconds > 0 else None, seconds=round(seconds, 3))
+
+
+def print_stats(stats: dict[str, Any]) -> None:
+    print(f"\n[{stats['new_tokens']} new tokens · {stats['forward_passes']} forward passes · "
+          f"{stats['tokens_per_forward']} tokens/forward · {stats['tok_s']} tok/s]", file=sys.stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockpress.generate import Commit, Done, Draft
+
+    lm = load_model(args.model, args.dtype, args.device)
+    if lm.tokenizer is None:
+        raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    live = sys.stdout.isatty() and not args.no_live and not args.json
+    view = LiveView(lm, args.prompt) if live else None
+    t0 = time.perf_counter()
+    out = None
+    for event in lm.stream(args.prompt, drafts=live, **sampling_kwargs(args)):
+        if isinstance(event, Draft) and view:
+            view.draft(event.tokens[0].tolist())
+        elif isinstance(event, Commit) and view:
+            view.commit(event.texts[0])
+        elif isinstance(event, Done):
+            out = event.output
+    stats = stats_line(out, time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats)))
+    else:
+        if not live:
+            print(args.prompt + out.texts[0])
+        print_stats(stats)
+    return 0
+
+
+def cmd_infill(args: argparse.Namespace) -> int:
+    lm = load_model(args.model, args.dtype, args.device)
+    if lm.tokenizer is None:
+        raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
+    text = args.template if args.template != "-" else sys.stdin.read()
+    kw = sampling_kwargs(args)
+    kw.pop("max_new_tokens")
+    kw.pop("min_new_tokens")
+    t0 = time.perf_counter()
+    out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
+    filled = lm.tokenizer.decode(out.new_tokens[0].tolist())
+    stats = stats_line(out, time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps(dict(text=filled, template=text, **stats)))
+    else:
+        print(filled)
+        print_stats(stats)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    lm = load_model(args.model, args.dtype, args.device)
+    if lm.tokenizer is None or lm.tokenizer.chat_template is None:
+        raise SystemExit(f"--model {args.model}: needs a tokenizer with a chat template for chat")
+    messages: list[dict[str, str]] = []
+    cache = None
+    cached: list[int] = []  # the exact token ids the cache holds
+    print("blockpress chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            user = input("you> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # Reuse the longest common prefix of what is cached and the re-rendered conversation; a reply
+        # that re-tokenizes differently only costs re-encoding from the first difference.
+        common = 0
+        while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
+            common += 1
+        if cache is not None:
+            cache.truncate(common)
+        t0 = time.perf_counter()
+        out = lm.generate([ids[common:]], cache=cache, return_cache=True, **sampling_kwargs(args))
+        cache = out.cache
+        n = int(out.num_new_tokens[0])
+        cached = ids + out.new_tokens[0, :n].tolist()
+        reply = out.texts[0]
+        print("model> " + reply)
+        print_stats(stats_line(out, time.perf_counter() - t0))
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    lm = load_model(args.model, args.dtype, args.device)
+    cfg = lm.config
+    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    info = dict(
+        model=args.model, path=str(lm.path) if lm.path else None, summary=cfg.describe(),
+        parameters_total=lm.num_parameters(active=False), parameters_active=lm.num_parameters(active=True),
+        dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), weights_bytes=weights,
+        canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
+        sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
+        tokenizer=lm.tokenizer is not None, generation_defaults=lm.sampler_defaults.to_generation_config(),
+    )
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k:>20}: {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="blockpress",
+        description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="complete a prompt, showing the canvas as it settles",
+                       description="Complete PROMPT. On a terminal the canvas is drawn live as tokens settle "
+                                   "(dim = still changing, bright = settled); a stats line ends the run.")
+    p.add_argument("prompt", help="the text to continue")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--no-live", action="store_true", help="print only the final text (no live canvas)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, new_tokens, forward_passes, tokens_per_forward, tok_s")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("infill", help="fill the <|hole|> markers of a text, keeping every other token",
+                       description="Fill the holes of TEMPLATE (<|hole|> is a hole of --hole-length tokens, "
+                                   "<|hole:N|> one of N tokens). Fixed text is never changed.")
+    p.add_argument("template", help="text with hole markers, or - to read it from standard input")
+    p.add_argument("--prefix", default="", help="context before the template (encoded, not shown)")
+    p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with the filled text and stats")
+    p.set_defaults(func=cmd_infill)
+
+    p = sub.add_parser("chat", help="multi-turn chat with the model's chat template (cache reused)",
+                       description="A multi-turn REPL. Each turn encodes only the new tokens: the KV cache "
+                                   "of the conversation is kept between turns.")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("info", help="parameters, config summary, dtype, memory",
+                       description="Describe a model: parameters (total and active per token), shape, dtype, memory.")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"blockpress {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

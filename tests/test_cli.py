@@ -1,0 +1,81 @@
+"""The command line, end to end (random-tiny until the shipped model lands)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from blockpress.cli import build_parser, main
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "blockpress.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json(capsys):
+    assert main(["generate", "def f(x):", "--model", "random-tiny", "--max-new-tokens", "20", "--steps", "3",
+                 "--seed", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["new_tokens"] <= 20 and data["forward_passes"] >= 1
+    for key in ("text", "new_tokens", "forward_passes", "tokens_per_forward", "tok_s"):
+        assert key in data
+
+
+def test_generate_plain_prints_text_and_stats():
+    r = run_cli("generate", "abc", "--model", "random-tiny", "--max-new-tokens", "16", "--steps", "2", "--no-live")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("abc") and len(r.stdout.strip()) > 3
+    assert "tokens/forward" in r.stderr and "tok/s" in r.stderr
+
+
+def test_infill_keeps_fixed_text(capsys):
+    assert main(["infill", "left <|hole:5|> right", "--model", "random-tiny", "--steps", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["text"].startswith("left ") and data["text"].endswith(" right")
+
+
+def test_info_json(capsys):
+    assert main(["info", "--model", "random-small", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["parameters_total"] > data["parameters_active"] > 0
+
+
+def test_chat_reuses_cache(monkeypatch, capsys):
+    import blockpress.lm
+
+    seen = []
+    original = blockpress.lm.LM.generate
+
+    def spy(self, prompt, *a, **kw):
+        cache = kw.get("cache")
+        seen.append((len(prompt[0]), cache is not None and cache.length > 0))
+        return original(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
+    lines = iter(["hello there", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    assert main(["chat", "--model", "random-tiny", "--max-new-tokens", "6", "--steps", "2"]) == 0
+    assert len(seen) == 2
+    assert seen[0][1] is False and seen[1][1] is True  # the second turn continues the cache
+    assert seen[1][0] < seen[0][0] + 6 + 20  # ... and does not re-encode the whole conversation
+    assert capsys.readouterr().out.count("model> ") == 2
+
+
+@pytest.mark.parametrize("command", ["generate", "infill", "chat", "info"])
+def test_help_explains(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([command, "--help"])
+    assert exc.value.code == 0
+    assert "--model" in capsys.readouterr().out
+
+
+def test_bad_model_path_is_a_clear_error():
+    r = run_cli("generate", "x", "--model", "/no/such/folder")
+    assert r.returncode == 2
+    assert "not a checkpoint folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_argument_is_a_clear_error():
+    r = run_cli("generate", "x", "--model", "random-tiny", "--steps", "-4")
+    assert r.returncode == 2 and "max_denoising_steps" in r.stderr and "Traceback" not in r.stderr
