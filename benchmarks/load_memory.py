@@ -53,6 +53,8 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-c", CHILD, tmp], capture_output=True, text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["resident_over_disk"] = row["rss_growth_after_touch"] / disk
+        # what the weights themselves add once read (the rest is fixed runtime state, independent of size)
+        row["weights_resident_over_disk"] = (row["rss_growth_after_touch"] - row["rss_growth_after_load"]) / disk
         row["peak_over_disk"] = row["peak_growth_bytes"] / disk
         result["blockpress"] = row
     print(json.dumps(result, indent=2))

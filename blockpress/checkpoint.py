@@ -8,7 +8,9 @@ can copy them through and a saved checkpoint keeps its vision tower.
 from __future__ import annotations
 
 import json
+import mmap
 import re
+import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,52 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class CheckpointError(ValueError):
     """A checkpoint whose tensors do not fit the config; the message names the tensor."""
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class MappedSafetensors:
+    """A safetensors file memory-mapped copy-on-write: tensors are views of the file, read on first touch.
+
+    CPU loading in the file's dtype therefore costs no copy at all, and the weights stay reclaimable
+    page cache until the model writes to them (training), when only the written pages are copied.
+    """
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            try:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self.header = json.loads(f.read(n))
+            except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
+            self.data_start = 8 + n
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.header.pop("__metadata__", None)
+        self.path = path
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r}: unsupported safetensors dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        count = end - begin
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self.map, dtype=torch.uint8, count=count, offset=self.data_start + begin)
+        return flat.view(dtype).view(shape)
 
 
 @dataclass
@@ -99,27 +147,26 @@ def load_model(
     passthrough = Passthrough()
     device = torch.device(device)
     for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name.startswith(VISION_PREFIXES):
-                    passthrough.tensors[name] = file
-                    continue
-                try:
-                    local = hf_to_local(name)
-                except KeyError:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
-                if local is None:
-                    continue
-                if local not in expected:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
-                shape = tuple(f.get_slice(name).get_shape())
-                want = tuple(expected[local].shape)
-                if shape != want:
-                    raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
-                tensor = f.get_tensor(name)
-                if dtype is None:
-                    dtype = tensor.dtype if tensor.is_floating_point() else None
-                state[local] = tensor.to(dtype) if dtype is not None and tensor.dtype != dtype else tensor
+        f = MappedSafetensors(file)
+        for name in f.keys():
+            if name.startswith(VISION_PREFIXES):
+                passthrough.tensors[name] = file
+                continue
+            try:
+                local = hf_to_local(name)
+            except KeyError:
+                raise CheckpointError(f"{file.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
+            if local is None:
+                continue
+            if local not in expected:
+                raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
+            shape, want = f.shape(name), tuple(expected[local].shape)
+            if shape != want:
+                raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
+            tensor = f.tensor(name)
+            if dtype is None and tensor.is_floating_point():
+                dtype = tensor.dtype
+            state[local] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
     if passthrough.tensors:
         warnings.warn(
             f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "

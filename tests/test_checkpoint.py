@@ -159,3 +159,23 @@ def test_random_model_meta_init_any_size():
     # the released shape: ~25B total, ~3.8B active (we only count, never allocate, here)
     assert 24e9 < big.num_parameters() < 27e9
     assert 3.5e9 < big.num_parameters(active=True) < 4.2e9
+
+
+def test_loaded_weights_are_file_backed_and_writable(ref_checkpoint, tmp_path):
+    """CPU loads map the file copy-on-write: no copy at load, and training can still write the weights."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    lm = load_quiet(path)
+    w = lm.model.layers[0].mlp.up_proj.weight
+    before = load_file(path / "model.safetensors")["model.decoder.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(w, before)
+    with torch.no_grad():
+        w.add_(1.0)
+    after = load_file(path / "model.safetensors")["model.decoder.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(after, before)  # the file on disk is untouched
+
+
+def test_truncated_safetensors_is_a_clear_error(ref_checkpoint, tmp_path):
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    (path / "model.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(blockpress.CheckpointError, match="not a safetensors file"):
+        load_quiet(path)
