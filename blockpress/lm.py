@@ -300,7 +300,8 @@ def random_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = DiffusionGemma(config)
-    model = model.to_empty(device=device).to(dtype)
+    # Cast while still on the meta device, so the real allocation happens once, in the final dtype.
+    model = model.to(dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(generator)
     model.reset_buffers()
