@@ -81,10 +81,19 @@ def temperature(cfg: SamplerConfig, step: int) -> float:
     return cfg.t_min + (cfg.t_max - cfg.t_min) * (step / cfg.max_denoising_steps)
 
 
+def log_probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, entropy in nats) of softmax(logits), float32, from one log-softmax.
+
+    Banned tokens (-inf logits) contribute 0, not NaN (0 * -inf).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    probs = logp.exp()
+    return probs, -torch.where(probs > 0, probs * logp, 0.0).sum(dim=-1)
+
+
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of softmax(logits) over the last dim, float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    return log_probs_and_entropy(logits)[1]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -178,19 +187,15 @@ def denoise_step(
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
-    ent = entropy(logits)
+    probs, ent = log_probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
     ent_free = torch.where(free, ent, 0.0)  # fixed positions are certain
     argmax = logits.argmax(dim=-1)
-    if cfg.sampler == "greedy":
-        candidates = argmax
-    else:
-        candidates = sample(torch.softmax(logits, dim=-1, dtype=torch.float32), generator)
+    candidates = argmax if cfg.sampler == "greedy" else sample(probs, generator)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
         accept = accept_entropy_bound(ent_free, cfg.entropy_bound)
     elif cfg.sampler == "confidence":
-        top = torch.softmax(logits, dim=-1, dtype=torch.float32).amax(dim=-1)
-        accept = accept_confidence(top, cfg.confidence, free)
+        accept = accept_confidence(probs.amax(dim=-1), cfg.confidence, free)
     else:  # topk
         accept = accept_topk(torch.where(free, ent, -1.0), topk_count(cfg, step, state.canvas.shape[1]))
 

@@ -199,3 +199,10 @@ def test_bad_prompts(lm, prompt):
 def test_unknown_option_rejected(lm):
     with pytest.raises(TypeError):
         lm.generate([3, 4], max_new_tokens=4, temprature=0.5)
+
+
+def test_banned_eos_keeps_adaptive_stop(lm, monkeypatch):
+    """Banning EOS (min_new_tokens) must not turn entropies into NaN and so disable the early stop."""
+    rig_head(lm, monkeypatch, 7)
+    out = lm.generate([4, 5], max_new_tokens=8, min_new_tokens=8, max_denoising_steps=20, seed=0)
+    assert out.steps_per_canvas.tolist() == [[2]]

@@ -153,3 +153,10 @@ def test_sample_follows_the_distribution():
     freq = torch.bincount(draws, minlength=4).float() / 20000
     assert freq[1] == 0  # zero-probability tokens are never drawn
     assert torch.allclose(freq, probs[0], atol=0.015)
+
+
+def test_entropy_ignores_banned_tokens():
+    logits = torch.tensor([[[2.0, float("-inf"), 0.5, float("-inf")]]])
+    ent = entropy(logits)
+    expected = torch.distributions.Categorical(logits=torch.tensor([2.0, 0.5])).entropy()
+    assert torch.isfinite(ent).all() and torch.allclose(ent[0, 0], expected, atol=1e-6)
