@@ -167,6 +167,34 @@ def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, new_tokens.shape[1])
 
 
+def _output(
+    req: Request,
+    new_tokens: torch.Tensor,
+    num_valid: torch.Tensor,
+    passes: torch.Tensor,
+    steps_per_canvas: torch.Tensor,
+    encode_s: float,
+    decode_s: float,
+    cache: KVCache | None,
+    tokenizer: Any,
+) -> GenerationOutput:
+    texts = None
+    if tokenizer is not None:
+        texts = tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())])
+    return GenerationOutput(
+        sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
+        prompt_length=req.prompt.shape[1],
+        texts=texts,
+        tokens_per_forward=(num_valid.float() / passes.clamp(min=1)).cpu(),
+        forward_passes=passes.cpu(),
+        num_new_tokens=num_valid.cpu(),
+        steps_per_canvas=steps_per_canvas.cpu(),
+        encode_seconds=encode_s,
+        denoise_seconds=decode_s,
+        cache=cache,
+    )
+
+
 def run(
     model: Any,
     req: Request,
@@ -272,23 +300,8 @@ def run(
             break
 
     num_valid = _count_valid(new_tokens, eos) if req.template is None else torch.full((b,), n_new, device=device)
-    texts = None
-    if tokenizer is not None:
-        texts = tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())])
-    yield Done(
-        GenerationOutput(
-            sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
-            prompt_length=p,
-            texts=texts,
-            tokens_per_forward=(num_valid.float() / passes.clamp(min=1)).cpu(),
-            forward_passes=passes.cpu(),
-            num_new_tokens=num_valid.cpu(),
-            steps_per_canvas=steps_per_canvas.cpu(),
-            encode_seconds=encode_s,
-            denoise_seconds=denoise_s,
-            cache=cache if keep_cache else None,
-        )
-    )
+    yield Done(_output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
+                       cache if keep_cache else None, tokenizer))
 
 
 def run_ar(
@@ -344,18 +357,5 @@ def run_ar(
     _sync(device)
     decode_s = time.perf_counter() - t1
     num_valid = _count_valid(new_tokens, eos)
-    texts = None
-    if tokenizer is not None:
-        texts = tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())])
-    return GenerationOutput(
-        sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
-        prompt_length=p,
-        texts=texts,
-        tokens_per_forward=(num_valid.float() / passes.clamp(min=1)).cpu(),
-        forward_passes=passes.cpu(),
-        num_new_tokens=num_valid.cpu(),
-        steps_per_canvas=passes[:, None].cpu(),
-        encode_seconds=encode_s,
-        denoise_seconds=decode_s,
-        cache=cache if keep_cache else None,
-    )
+    return _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
+                   cache if keep_cache else None, tokenizer)
