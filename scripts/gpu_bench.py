@@ -1,0 +1,107 @@
+"""Prepared GPU speed check (issue 7): diffusion vs AR decoding on one checkpoint shape, JSON to a folder.
+
+Default: the DiffusionGemma 26B-A4B shape with random bf16 weights, batch 1, 4,096-token prompt,
+256-token canvas, 16 fixed denoising steps (adaptive stopping off, EOS disabled so the work is fixed),
+then the same weights decoding 256 tokens autoregressively. Sized to finish well inside 8 minutes on
+an H200; on a CPU use --preset tiny for a smoke run.
+
+    python scripts/gpu_bench.py --out $OUT                       # on the GPU machine
+    python scripts/gpu_bench.py --preset tiny --device cpu --prompt-length 16 --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import blockpress
+
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="26b-a4b", help="model shape: 26b-a4b, medium, small, tiny")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt-length", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--ar-tokens", type=int, default=256)
+    ap.add_argument("--out", required=True, help="folder for result.json")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict = {"benchmark": "gpu_bench", "args": vars(args), "torch": torch.__version__}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+
+    def save() -> None:  # after every phase, so a timeout still leaves what was measured
+        (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+
+    cfg = blockpress.ModelConfig.preset(args.preset)
+    cfg.text.eos_token_id = None
+    t0 = time.perf_counter()
+    lm = blockpress.random_model(cfg, seed=0, dtype=args.dtype, device=device)
+    sync(device)
+    result["init_seconds"] = time.perf_counter() - t0
+    result["params_total"], result["params_active"] = cfg.num_parameters(), cfg.num_parameters(active=True)
+    save()
+    v = cfg.text.vocab_size
+    prompt = torch.randint(3, v, (1, args.prompt_length), generator=torch.Generator().manual_seed(0))
+
+    def diffusion() -> blockpress.generate.GenerationOutput:
+        return lm.generate(prompt, max_new_tokens=args.new_tokens, max_denoising_steps=args.steps, seed=0,
+                           adaptive_stopping=False)
+
+    diffusion()  # warm-up (allocator, kernels)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = diffusion()
+    sync(device)
+    total = time.perf_counter() - t0
+    passes = int(out.forward_passes[0])
+    n = int(out.num_new_tokens[0])
+    result["diffusion"] = dict(
+        new_tokens=n, forward_passes=passes, tokens_per_forward=float(out.tokens_per_forward[0]),
+        prefill_ms=out.encode_seconds * 1e3, ms_per_step=out.denoise_seconds * 1e3 / passes,
+        tok_s=n / out.denoise_seconds, tok_s_with_prefill=n / total,
+    )
+    if device.type == "cuda":
+        result["diffusion"]["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    save()
+
+    lm.generate_ar(prompt, max_new_tokens=8)  # warm-up
+    sync(device)
+    ar = lm.generate_ar(prompt, max_new_tokens=args.ar_tokens)
+    sync(device)
+    result["ar"] = dict(new_tokens=int(ar.num_new_tokens[0]), prefill_ms=ar.encode_seconds * 1e3,
+                        tok_s=int(ar.num_new_tokens[0]) / ar.denoise_seconds,
+                        ms_per_token=ar.denoise_seconds * 1e3 / int(ar.num_new_tokens[0]))
+    # Roofline: each decode pass must read at least the active weights once.
+    bytes_per_pass = cfg.num_parameters(active=True) * torch.tensor([], dtype=lm.dtype).element_size()
+    gpu = result.get("gpu", "")
+    bandwidth = next((bw for name, bw in HBM_BYTES_PER_S.items() if name in gpu), None)
+    if bandwidth:
+        result["ar"]["roofline_fraction"] = bytes_per_pass / bandwidth / (result["ar"]["ms_per_token"] / 1e3)
+        result["diffusion"]["weights_roofline_fraction"] = (
+            bytes_per_pass / bandwidth / (result["diffusion"]["ms_per_step"] / 1e3))
+    result["diffusion_over_ar"] = result["diffusion"]["tok_s"] / result["ar"]["tok_s"]
+    save()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
