@@ -118,16 +118,5 @@ class KVCache:
                 self.has_padding = True
         self.length = start + new_tokens
 
-    def row_state(self, rows: torch.Tensor) -> KVCache:
-        """A new cache holding a copy of the given rows (used to split a batch)."""
-        return KVCache(
-            keys=[k[rows].clone() for k in self.keys],
-            values=[v[rows].clone() for v in self.values],
-            valid=self.valid[rows].clone(),
-            next_pos=self.next_pos[rows].clone(),
-            length=self.length,
-            has_padding=self.has_padding,
-        )
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

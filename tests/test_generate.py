@@ -206,3 +206,13 @@ def test_banned_eos_keeps_adaptive_stop(lm, monkeypatch):
     rig_head(lm, monkeypatch, 7)
     out = lm.generate([4, 5], max_new_tokens=8, min_new_tokens=8, max_denoising_steps=20, seed=0)
     assert out.steps_per_canvas.tolist() == [[2]]
+
+
+def test_cache_reset_and_size(lm):
+    out = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=0, return_cache=True)
+    cache = out.cache
+    assert cache.nbytes() == sum(t.numel() * 4 for t in (*cache.keys, *cache.values))
+    cache.reset()
+    assert cache.length == 0 and int(cache.next_pos.max()) == 0 and not cache.has_padding
+    again = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=0, cache=cache)
+    assert torch.equal(again.new_tokens, out.new_tokens)
