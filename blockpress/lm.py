@@ -57,11 +57,14 @@ def _as_ids(x: torch.Tensor | list, name: str, vocab_size: int, device: torch.de
         raise ValueError(f"{name}: expected token ids of shape [P] or [B, P] with P > 0, got {list(t.shape)}")
     if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
-    t = t.long()
-    lo, hi = int(t.min()), int(t.max())
+    check_vocab_range(t, name, vocab_size)
+    return t.long()
+
+
+def check_vocab_range(ids: torch.Tensor, name: str, vocab_size: int) -> None:
+    lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
-    return t
 
 
 class LM:
@@ -166,8 +169,7 @@ class LM:
             if tuple(mask.shape) != tuple(ids.shape):
                 raise ValueError(f"attention_mask: expected shape {list(ids.shape)} (like the prompt), got {list(mask.shape)}")
         v = self.config.text.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= v:
-            raise ValueError(f"prompt: token ids must be in [0, {v}), got values in [{int(ids.min())}, {int(ids.max())}]")
+        check_vocab_range(ids, "prompt", v)
         if max_new_tokens is None:
             max_new_tokens = int(self.generation_config.get("max_new_tokens", 256))
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
