@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 import time
@@ -200,6 +201,91 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_field_help() -> dict[str, str]:
+    """The trailing comment of each TrainConfig field is its --help text (one source of truth)."""
+    import inspect
+
+    from blockpress.train import TrainConfig
+
+    helps = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        name, _, rest = line.strip().partition(":")
+        if "#" in rest and name.isidentifier():
+            helps[name] = rest.split("#", 1)[1].strip()
+    return helps
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from dataclasses import MISSING, fields
+
+    from blockpress.train import TrainConfig
+
+    helps = _train_field_help()
+    g = p.add_argument_group("training settings (flags override --train-config)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        if isinstance(default, bool):
+            g.add_argument(flag, default=None, action=argparse.BooleanOptionalAction,
+                           help=f"{helps.get(f.name, '')} (default: {default})")
+        else:
+            g.add_argument(flag, type=type(default), default=None, help=f"{helps.get(f.name, '')} (default: {default})")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    import blockpress
+    from blockpress.data import TokenShards, load_jsonl, split_heldout
+    from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, init_distributed
+
+    init_distributed()
+    raw: dict[str, Any] = {}
+    if args.train_config:
+        try:
+            raw = json.loads(open(args.train_config).read())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--train-config {args.train_config}: {exc}") from None
+    for f in fields(TrainConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            raw[f.name] = value
+    cfg = TrainConfig.from_dict(raw)
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
+    if args.model:
+        lm = load_model(args.model, args.dtype, args.device)
+    else:
+        mcfg = (blockpress.ModelConfig.from_file(args.config) if args.config.endswith(".json")
+                else blockpress.ModelConfig.preset(args.config))
+        tokenizer = None
+        if args.tokenizer:
+            from blockpress.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_dir(args.tokenizer)
+        lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
+                                     tokenizer=tokenizer)
+    vocab = lm.config.text.vocab_size
+    if args.data.endswith(".jsonl"):
+        examples = load_jsonl(args.data, lm.tokenizer, vocab)
+        train, held = split_heldout(examples, args.heldout)
+        source = ExampleSource(train, cfg.seed)
+        heldout = ExampleSource(held, cfg.seed) if held else None
+    else:
+        files = sorted(glob.glob(args.data))
+        if not files:
+            raise FileNotFoundError(f"--data {args.data}: expected a .jsonl file or a glob of token shards")
+        source = ShardSource(TokenShards(files), cfg, lm.config.canvas_length)
+        heldout = ShardSource(TokenShards(sorted(glob.glob(args.heldout_data))), cfg,
+                              lm.config.canvas_length) if args.heldout_data else None
+    result = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet).train()
+    if not args.quiet:
+        print(json.dumps({"out": args.out, "steps": result.steps, "first_loss": result.losses[0],
+                          "last_loss": result.losses[-1], "eval_losses": result.eval_losses,
+                          "tokens_per_second": round(result.tokens_per_second, 1)}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
@@ -235,6 +321,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser(
+        "train", help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
+        description="Train a fresh model (--config PRESET|config.json) or fine-tune one (--model). DIR receives "
+                    "an HF-format checkpoint and metrics.jsonl. Data lines: {\"prompt\": str, \"response\": str}, "
+                    "{\"messages\": [...]}, or {\"prompt_ids\": [...], \"response_ids\": [...]}; or a glob of "
+                    "token shards for raw-text pretraining. Run under `torchrun --nproc-per-node N` for several "
+                    "processes (DDP).",
+    )
+    p.add_argument("--model", default=None, help="checkpoint folder or shipped name to fine-tune")
+    p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
+    p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
+    p.add_argument("--data", required=True, help="FILE.jsonl, or a glob of token shards (see scripts/)")
+    p.add_argument("--heldout", type=float, default=0.02, help="JSONL: held-out fraction for eval loss")
+    p.add_argument("--heldout-data", default=None, help="shards: glob of held-out token shards")
+    p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
+    p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="weights dtype")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    add_train_args(p)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("info", help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory.")

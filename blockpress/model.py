@@ -307,6 +307,30 @@ class DiffusionGemma(nn.Module):
             x = layer(x, ropes[kind], masks[kind], kv, i, encoder)
         return x
 
+    def causal_masks(
+        self, start: int, end: int, sliding_from: int, valid: torch.Tensor | None
+    ) -> dict[str, torch.Tensor | None]:
+        """Encoder masks for query slots [start, end) over key slots [lo, end): causal, windowed on sliding
+        layers, and (with `valid` [B, slots]) never attending padding."""
+        device = self.device
+        slots = torch.arange(start, end, device=device)
+        masks: dict[str, torch.Tensor | None] = {}
+        for kind in set(self.config.text.layer_types):
+            lo = sliding_from if kind == "sliding_attention" else 0
+            keys = torch.arange(lo, end, device=device)
+            allowed = keys[None, :] <= slots[:, None]
+            if kind == "sliding_attention":
+                allowed = allowed & (slots[:, None] - keys[None, :] < self.window)
+            if valid is not None:
+                # Pad queries attend to themselves only, so no row is fully masked (no NaNs anywhere).
+                allowed = (allowed[None] & valid[:, None, lo:end]) | (keys[None, None, :] == slots[None, :, None])
+                masks[kind] = allowed[:, None]
+            elif end - start == 1:
+                masks[kind] = None  # a single new query sees every key it is given
+            else:
+                masks[kind] = allowed[None, None]
+        return masks
+
     # -- the two uses ----------------------------------------------------------------------------------
     def encode(
         self,
@@ -324,8 +348,6 @@ class DiffusionGemma(nn.Module):
                 attention_mask = None
         start = cache.length
         end = start + length
-        device = input_ids.device
-        slots = torch.arange(start, end, device=device)
         positions = cache.positions(length, attention_mask)
         sliding_from = max(0, start - self.window + 1)
         padded = cache.has_padding or attention_mask is not None
@@ -333,21 +355,7 @@ class DiffusionGemma(nn.Module):
         if attention_mask is not None:
             valid = valid.clone()
             valid[:, start:end] = attention_mask
-        masks = {}
-        for kind in set(self.config.text.layer_types):
-            lo = sliding_from if kind == "sliding_attention" else 0
-            keys = torch.arange(lo, end, device=device)
-            allowed = keys[None, :] <= slots[:, None]
-            if kind == "sliding_attention":
-                allowed = allowed & (slots[:, None] - keys[None, :] < self.window)
-            if padded:
-                # Pad queries attend to themselves only, so no row is fully masked (no NaNs anywhere).
-                allowed = (allowed[None] & valid[:, None, lo:end]) | (keys[None, None, :] == slots[None, :, None])
-                masks[kind] = allowed[:, None]
-            elif length == 1:
-                masks[kind] = None  # a single new query sees every key it is given
-            else:
-                masks[kind] = allowed[None, None]
+        masks = self.causal_masks(start, end, sliding_from, valid if padded else None)
         x = self.run_layers(self.embed(input_ids), positions, masks, _cache_source(cache, start, sliding_from), True)
         cache.commit(attention_mask, length)
         if logits == "none":
@@ -383,6 +391,74 @@ class DiffusionGemma(nn.Module):
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         x = self.run_layers(x, positions, masks, _cache_source(cache, start, sliding_from), False)
+        return self.head(x)
+
+    # -- training: every canvas of a sequence in one forward ----------------------------------------------
+    def encode_sequence(
+        self, ids: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Causal pass over a whole clean sequence, no cache (training).
+
+        Returns (hidden [B, S, H] before the final norm, per-layer (keys, values) for the decoder,
+        positions [B, S]). `valid` [B, S] bool masks padding.
+        """
+        length = ids.shape[1]
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        masks = self.causal_masks(0, length, 0, valid)
+        store: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(self.layers)  # type: ignore[list-item]
+
+        def source(i: int, spec: LayerSpec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            store[i] = (k, v)
+            return k, v
+
+        hidden = self.run_layers(self.embed(ids), positions, masks, source, True)
+        return hidden, store, positions
+
+    def denoise_blocks(
+        self,
+        noisy: torch.Tensor,
+        encoded: list[tuple[torch.Tensor, torch.Tensor]],
+        valid: torch.Tensor,
+        positions: torch.Tensor,
+        prompt_length: int,
+        self_conditioning_logits: torch.Tensor | None = None,
+        self_conditioning_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decoder pass over all noisy canvases at once with a block-causal mask (training).
+
+        noisy [B, n*C]: canvas b sits at slots prompt_length + b*C of the clean sequence. It sees the clean
+        prompt and clean canvases before it (the last window-1 of them on sliding layers, as at inference),
+        plus itself bidirectionally; never its own clean tokens nor later canvases.
+        """
+        b, total = noisy.shape
+        c = self.config.canvas_length
+        if total % c:
+            raise ValueError(f"noisy: length {total} is not a multiple of canvas_length {c}")
+        seq = valid.shape[1]
+        device = noisy.device
+        block = torch.arange(total, device=device) // c
+        start = prompt_length + block * c  # first slot of each query's canvas
+        keys = torch.arange(seq, device=device)
+        own = block[:, None] == block[None, :]
+        masks: dict[str, torch.Tensor] = {}
+        for kind in set(self.config.text.layer_types):
+            seen = keys[None, :] < start[:, None]
+            if kind == "sliding_attention":
+                seen = seen & (keys[None, :] > start[:, None] - self.window)
+            enc = seen[None] & valid[:, None, :]
+            masks[kind] = torch.cat([enc, own[None].expand(b, -1, -1)], dim=2)[:, None]
+
+        def source(i: int, spec: LayerSpec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            ek, ev = encoded[i]
+            return torch.cat([ek, k], dim=2), torch.cat([ev, v], dim=2)
+
+        soft = None
+        if self_conditioning_logits is not None:
+            soft = self.soft_embedding(self_conditioning_logits)
+            if self_conditioning_mask is not None:
+                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        x = self.self_conditioning(self.embed(noisy), soft)
+        x = self.run_layers(x, positions[:, prompt_length:], masks, source, False)
         return self.head(x)
 
     # -- initialisation ------------------------------------------------------------------------------------

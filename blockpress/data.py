@@ -1,0 +1,204 @@
+"""Training data: SFT pairs from JSONL, raw-text corpora as memory-mapped token shards, canvas batches.
+
+A training example is a prompt and a response (token ids). The response is cut into canvases; the
+last canvas is completed with EOS (so the model learns where answers end), and one is always added
+when the response fills its canvases exactly. Batches left-pad prompts so every row's canvases start
+at the same slot; canvases a row does not have are padding, never attended and never scored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Example:
+    prompt: list[int]
+    response: list[int]
+    ends: bool = True  # False for windows cut from running text: no EOS after the response
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # [B, P + N*C] clean tokens: left-padded prompt, then canvases
+    valid: torch.Tensor  # [B, S] bool: real tokens (prompt tokens and the row's own canvases)
+    scored: torch.Tensor  # [B, N*C] bool: canvas positions that carry a diffusion target
+    ar_scored: torch.Tensor  # [B, S] bool: positions whose *next* token is an AR target
+    prompt_length: int
+    canvas_length: int
+
+    @property
+    def canvas_ids(self) -> torch.Tensor:
+        return self.ids[:, self.prompt_length :]
+
+    def rows(self, index: slice | torch.Tensor) -> Batch:
+        return Batch(self.ids[index], self.valid[index], self.scored[index], self.ar_scored[index],
+                     self.prompt_length, self.canvas_length)
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.ids.to(device), self.valid.to(device), self.scored.to(device), self.ar_scored.to(device),
+                     self.prompt_length, self.canvas_length)
+
+
+def make_batch(
+    examples: Sequence[Example], canvas_length: int, pad_id: int, eos_id: int, max_canvases: int | None = None
+) -> Batch:
+    """Lay examples out as [left-padded prompt | canvases]; see the module docstring."""
+    if not examples:
+        raise ValueError("make_batch: no examples")
+    c = canvas_length
+    counts = [len(e.response) // c + 1 if e.ends else max(1, -(-len(e.response) // c)) for e in examples]
+    if max_canvases is not None:
+        counts = [min(n, max_canvases) for n in counts]
+    p = max(len(e.prompt) for e in examples)
+    n = max(counts)
+    b = len(examples)
+    ids = torch.full((b, p + n * c), pad_id, dtype=torch.long)
+    valid = torch.zeros(b, p + n * c, dtype=torch.bool)
+    for i, (e, k) in enumerate(zip(examples, counts)):
+        if not e.prompt:
+            raise ValueError(f"example {i}: empty prompt (it needs at least a BOS token)")
+        ids[i, p - len(e.prompt) : p] = torch.tensor(e.prompt)
+        fill = eos_id if e.ends else pad_id
+        body = (list(e.response) + [fill] * (k * c))[: k * c]
+        ids[i, p : p + k * c] = torch.tensor(body)
+        valid[i, p - len(e.prompt) : p + (k * c if e.ends else min(len(e.response), k * c))] = True
+    scored = valid[:, p:].clone()
+    # AR targets: every real token whose successor is real, up to and including the first EOS of the response.
+    ar = valid.clone()
+    ar[:, :-1] &= valid[:, 1:]
+    ar[:, -1] = False
+    for i, e in enumerate(examples):
+        end = p + min(len(e.response), counts[i] * c)  # slot of the first EOS (or the end of the kept canvases)
+        ar[i, end:] = False  # no next-token target after the EOS
+    return Batch(ids, valid, scored, ar, p, c)
+
+
+# -- JSONL ------------------------------------------------------------------------------------------------
+def _ids_field(obj: dict, key: str, where: str) -> list[int]:
+    value = obj[key]
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{where}: field {key!r} must be a list of integers")
+    return value
+
+
+def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None = None) -> Example:
+    """One JSONL record: {"prompt", "response"} text, {"messages"} chat, or {"prompt_ids", "response_ids"}."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if not ({"prompt_ids", "response_ids", "messages"} & set(obj) or {"prompt", "response"} <= set(obj)):
+        raise ValueError(f"{where}: expected 'prompt'+'response', 'messages', or 'prompt_ids'+'response_ids'")
+    if "prompt_ids" in obj or "response_ids" in obj:
+        for key in ("prompt_ids", "response_ids"):
+            if key not in obj:
+                raise ValueError(f"{where}: has {'prompt_ids' if key == 'response_ids' else 'response_ids'} but no {key!r}")
+        ex = Example(_ids_field(obj, "prompt_ids", where), _ids_field(obj, "response_ids", where))
+    else:
+        if tokenizer is None:
+            raise ValueError(f"{where}: text records need a tokenizer; this model has none (use prompt_ids/response_ids)")
+        eos = tokenizer.eos_id
+        if "messages" in obj:
+            messages = obj["messages"]
+            if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
+                    messages[-1].get("role") not in ("assistant", "model"):
+                raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
+            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+            end = tokenizer.token_to_id("<end_of_turn>")
+            content = messages[-1].get("content")
+            if not isinstance(content, str):
+                raise ValueError(f"{where}: messages[{len(messages) - 1}].content must be a string")
+            response = tokenizer.encode(content) + ([end] if end is not None else [])
+            ex = Example(list(prompt), response)
+        else:
+            for key in ("prompt", "response"):
+                if not isinstance(obj[key], str):
+                    raise ValueError(f"{where}: field {key!r} must be a string")
+            prompt = tokenizer.encode(obj["prompt"], add_bos=tokenizer.bos_id is not None)
+            ex = Example(prompt, tokenizer.encode(obj["response"]) + ([eos] if eos is not None else []))
+    if not ex.prompt:
+        raise ValueError(f"{where}: empty prompt")
+    if vocab_size is not None:
+        bad = [t for t in ex.prompt + ex.response if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return ex
+
+
+def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None) -> list[Example]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file")
+    out = []
+    with path.open() as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            out.append(parse_example(obj, tokenizer, f"{path}:{n}", vocab_size))
+    if not out:
+        raise ValueError(f"{path}: no examples")
+    return out
+
+
+def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """Deterministic held-out split by content hash (stable across runs and machines)."""
+    train, held = [], []
+    for e in examples:
+        h = int(hashlib.sha1(json.dumps([e.prompt, e.response]).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (held if h < fraction else train).append(e)
+    if not train:
+        raise ValueError("split_heldout: the held-out fraction left no training examples")
+    return train, held
+
+
+# -- raw corpora -------------------------------------------------------------------------------------------
+def write_shard(path: str | Path, token_lists: Iterable[list[int]], vocab_size: int) -> int:
+    """Concatenate documents into one flat uint16/uint32 file; returns the token count."""
+    dtype = np.uint16 if vocab_size <= 65_536 else np.uint32
+    total = 0
+    with open(path, "wb") as f:
+        for ids in token_lists:
+            arr = np.asarray(ids, dtype=dtype)
+            f.write(arr.tobytes())
+            total += len(arr)
+    Path(str(path) + ".json").write_text(json.dumps({"dtype": np.dtype(dtype).name, "tokens": total}))
+    return total
+
+
+class TokenShards:
+    """Memory-mapped token files; windows are cut into a random-length prompt and a response."""
+
+    def __init__(self, paths: Sequence[str | Path]):
+        self.arrays = []
+        for p in paths:
+            meta = json.loads(Path(str(p) + ".json").read_text())
+            self.arrays.append(np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r"))
+        self.sizes = np.array([len(a) for a in self.arrays])
+        if self.sizes.sum() == 0:
+            raise ValueError("TokenShards: the shards hold no tokens")
+
+    @property
+    def tokens(self) -> int:
+        return int(self.sizes.sum())
+
+    def sample(self, generator: torch.Generator, prompt_range: tuple[int, int], response_length: int) -> Example:
+        lo, hi = prompt_range
+        plen = int(torch.randint(lo, hi + 1, (), generator=generator))
+        need = plen + response_length
+        weights = torch.tensor(np.maximum(self.sizes - need, 0), dtype=torch.float)
+        if weights.sum() == 0:
+            raise ValueError(f"TokenShards: no shard is longer than a {need}-token window")
+        shard = int(torch.multinomial(weights, 1, generator=generator))
+        start = int(torch.randint(0, int(self.sizes[shard]) - need + 1, (), generator=generator))
+        window = self.arrays[shard][start : start + need].astype(np.int64).tolist()
+        return Example(window[:plen], window[plen:], ends=False)

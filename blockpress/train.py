@@ -1,0 +1,423 @@
+"""Block-diffusion training: the published objective, and a small trainer around it.
+
+Objective (one optimizer step, per example):
+  t ~ U(eps, 1 - eps); each canvas token is replaced by a uniform random token with probability t
+  (the prompt never is). Pass 1 denoises every canvas without gradients; pass 2 denoises them again,
+  fed pass-1 logits as self-conditioning for a random half of the examples (a zero signal for the
+  rest). Loss: flat cross-entropy over every valid canvas token of pass 2 (optionally weighted
+  1/(1 - t)), plus `aux_ar_weight` x next-token cross-entropy on the encoder. All canvases of a sequence
+  run in one forward with a block-causal mask (`DiffusionGemma.denoise_blocks`).
+
+Determinism: the batch and every random draw of step k come from a generator seeded by (seed, k), drawn
+for the whole global batch and then sliced. So gradient accumulation, several processes (torchrun) and
+resuming from a checkpoint all reproduce the losses of one uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .data import Batch, Example, TokenShards, make_batch
+from .lm import LM
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run. `blockpress train --help` lists them with these descriptions."""
+
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 8  # examples per optimizer step (global, across processes)
+    micro_batch_size: int = 0  # examples per forward (0: the whole per-process batch); smaller = accumulation
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
+    warmup_steps: int = 50  # linear warmup steps
+    weight_decay: float = 0.01  # AdamW weight decay (matrices only)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # max gradient norm (0: off)
+    aux_ar_weight: float = 1.0  # weight of the encoder's next-token loss
+    self_conditioning_prob: float = 0.5  # fraction of examples trained with self-conditioning
+    t_eps: float = 1e-3  # t ~ U(t_eps, 1 - t_eps)
+    reweight: bool = False  # weight each example's diffusion loss by 1 / (1 - t)
+    max_canvases: int = 0  # keep at most this many canvases of a response (0: all)
+    eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
+    eval_batches: int = 4  # held-out batches per evaluation
+    save_every: int = 0  # steps between checkpoints (0: only at the end)
+    log_every: int = 10  # steps between metrics.jsonl lines
+    seed: int = 0  # seeds data order, corruption and self-conditioning choices
+    autocast: bool = True  # bfloat16 autocast where the hardware has it (CUDA)
+    lora_rank: int = 0  # >0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights
+    lora_alpha: int = 16  # LoRA scaling numerator
+    prompt_min: int = 8  # raw-text corpora: shortest prompt of a window
+    prompt_max: int = 64  # raw-text corpora: longest prompt of a window
+    response_canvases: int = 1  # raw-text corpora: canvases of response per window
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        for name in ("micro_batch_size", "warmup_steps", "max_canvases", "eval_every", "save_every",
+                     "lora_rank", "eval_batches"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr: expected > 0, got {self.lr}")
+        if not 0 <= self.self_conditioning_prob <= 1:
+            raise ValueError(f"self_conditioning_prob: expected a probability, got {self.self_conditioning_prob}")
+        if not 0 < self.t_eps < 0.5:
+            raise ValueError(f"t_eps: expected in (0, 0.5), got {self.t_eps}")
+        if not 0 < self.prompt_min <= self.prompt_max:
+            raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"train config: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+
+# -- data sources -------------------------------------------------------------------------------------------
+class ExampleSource:
+    """A fixed list of examples, shuffled per epoch by the seed: the batch of step k is a function of k."""
+
+    def __init__(self, examples: Sequence[Example], seed: int):
+        if not examples:
+            raise ValueError("ExampleSource: no examples")
+        self.examples, self.seed = list(examples), seed
+
+    def batch(self, step: int, size: int) -> list[Example]:
+        n = len(self.examples)
+        out = []
+        for i in range(step * size, (step + 1) * size):
+            epoch, j = divmod(i, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            out.append(self.examples[int(perm[j])])
+        return out
+
+
+class ShardSource:
+    """Windows of running text from token shards: a random-length prompt and whole canvases of response."""
+
+    def __init__(self, shards: TokenShards, cfg: TrainConfig, canvas_length: int):
+        self.shards, self.cfg, self.c = shards, cfg, canvas_length
+
+    def batch(self, step: int, size: int) -> list[Example]:
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        return [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max), self.cfg.response_canvases * self.c)
+                for _ in range(size)]
+
+
+# -- the objective --------------------------------------------------------------------------------------------
+@dataclass
+class Noise:
+    """Every random choice of one step for the global batch (sliced by rows like the batch)."""
+
+    t: torch.Tensor  # [B]
+    corrupt: torch.Tensor  # [B, N*C] bool
+    tokens: torch.Tensor  # [B, N*C] replacement tokens
+    self_condition: torch.Tensor  # [B] bool
+
+    def rows(self, index: slice) -> Noise:
+        return Noise(self.t[index], self.corrupt[index], self.tokens[index], self.self_condition[index])
+
+    def to(self, device: torch.device | str) -> Noise:
+        return Noise(self.t.to(device), self.corrupt.to(device), self.tokens.to(device), self.self_condition.to(device))
+
+
+def draw_noise(batch: Batch, vocab_size: int, cfg: TrainConfig, generator: torch.Generator) -> Noise:
+    b, n = batch.canvas_ids.shape
+    t = cfg.t_eps + (1 - 2 * cfg.t_eps) * torch.rand(b, generator=generator)
+    corrupt = torch.rand(b, n, generator=generator) < t[:, None]
+    tokens = torch.randint(0, vocab_size, (b, n), generator=generator)
+    sc = torch.rand(b, generator=generator) < cfg.self_conditioning_prob
+    return Noise(t, corrupt, tokens, sc)
+
+
+class Objective(nn.Module):
+    """The training forward as a module, so DDP can wrap it. Returns summed losses; the caller normalises."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+
+    def forward(self, batch: Batch, noise: Noise) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        noisy = torch.where(noise.corrupt & batch.scored, noise.tokens, batch.canvas_ids)
+        hidden, kv, positions = m.encode_sequence(batch.ids, batch.valid)
+        with torch.no_grad():
+            detached = [(k.detach(), v.detach()) for k, v in kv]
+            first = m.denoise_blocks(noisy, detached, batch.valid, positions, batch.prompt_length)
+        logits = m.denoise_blocks(noisy, kv, batch.valid, positions, batch.prompt_length,
+                                  self_conditioning_logits=first, self_conditioning_mask=noise.self_condition)
+        ce = F.cross_entropy(logits.flatten(0, 1), batch.canvas_ids.flatten(), reduction="none").view_as(noisy)
+        weight = batch.scored.float()
+        if self.cfg.reweight:
+            weight = weight / (1 - noise.t)[:, None]
+        diffusion_sum = (ce * weight).sum()
+        if self.cfg.aux_ar_weight:
+            ar_logits = m.head(hidden[:, :-1][batch.ar_scored[:, :-1]])
+            ar_sum = F.cross_entropy(ar_logits, batch.ids[:, 1:][batch.ar_scored[:, :-1]], reduction="sum")
+        else:
+            ar_sum = diffusion_sum.new_zeros(())
+        return diffusion_sum, ar_sum
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# -- LoRA ----------------------------------------------------------------------------------------------------
+def add_lora(model: nn.Module, rank: int, alpha: int) -> nn.Module:
+    """LoRA adapters (peft) on attention q/k/v/o and the dense MLP; everything else frozen."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    model = inject_adapter_in_model(cfg, model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+    return model
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold the adapters into the base weights and restore plain nn.Linear layers."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent = model.get_submodule(name.rsplit(".", 1)[0])
+            setattr(parent, name.rsplit(".", 1)[1], module.get_base_layer())
+    for p in model.parameters():
+        p.requires_grad = True
+    return model
+
+
+# -- the trainer ------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float] = field(default_factory=list)  # per optimizer step (global mean)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    tokens_per_second: float = 0.0
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_sum(x: torch.Tensor) -> torch.Tensor:
+    if _world()[1] > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+class Trainer:
+    def __init__(
+        self,
+        lm: LM,
+        source: ExampleSource | ShardSource,
+        cfg: TrainConfig,
+        out_dir: str | Path,
+        heldout: ExampleSource | ShardSource | None = None,
+        progress: bool = True,
+        on_step: Callable[[int, float], None] | None = None,
+    ):
+        self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
+        self.out = Path(out_dir)
+        self.progress, self.on_step = progress, on_step
+        self.rank, self.world = _world()
+        if cfg.batch_size % self.world:
+            raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
+        text = lm.config.text
+        self.pad = text.pad_token_id if text.pad_token_id is not None else 0
+        eos = lm._eos_ids()
+        self.eos = eos[0] if eos else self.pad
+        model = lm.model.train()
+        if cfg.lora_rank:
+            model = add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+        self.model = model
+        self.objective: nn.Module = Objective(model, cfg)
+        if self.world > 1:
+            # Buffers (RoPE frequencies, layer scalars) are constants: nothing to broadcast each step.
+            self.objective = nn.parallel.DistributedDataParallel(self.objective, broadcast_buffers=False)
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        )
+        self.step = 0
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def _batch(self, source: ExampleSource | ShardSource, step: int) -> tuple[Batch, Noise]:
+        examples = source.batch(step, self.cfg.batch_size)
+        batch = make_batch(examples, self.lm.config.canvas_length, self.pad, self.eos, self.cfg.max_canvases or None)
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_033 + step * 2 + 1)
+        return batch, draw_noise(batch, self.lm.config.text.vocab_size, self.cfg, g)
+
+    def _autocast(self) -> Any:
+        device = self.lm.device
+        if self.cfg.autocast and device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(device.type, enabled=False)
+
+    def _losses(self, batch: Batch, noise: Noise, train: bool) -> tuple[float, float, int]:
+        """Forward (and backward when training) over this process' rows, in micro-batches."""
+        per_rank = self.cfg.batch_size // self.world
+        rows = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        mine, my_noise = batch.rows(rows), noise.rows(rows)
+        # Normalise by global token counts so that accumulation and processes change nothing.
+        n_diff = float(batch.scored.sum())
+        n_ar = float(batch.ar_scored[:, :-1].sum())
+        micro = self.cfg.micro_batch_size or per_rank
+        sums = torch.zeros(2)
+        device = self.lm.device
+        for lo in range(0, per_rank, micro):
+            part = slice(lo, min(lo + micro, per_rank))
+            b, nz = mine.rows(part).to(device), my_noise.rows(part).to(device)
+            with self._autocast(), torch.set_grad_enabled(train):
+                diff_sum, ar_sum = self.objective(b, nz)
+                loss = diff_sum / max(n_diff, 1) + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1)
+            if train:
+                (loss * self.world).backward()  # DDP averages gradients over processes
+            sums += torch.stack([diff_sum.detach().float().cpu(), ar_sum.detach().float().cpu()])
+        sums = _all_sum(sums)
+        return float(sums[0]) / max(n_diff, 1), float(sums[1]) / max(n_ar, 1), int(batch.valid.sum())
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        batch, noise = self._batch(self.source, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(cfg, self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        diff, ar, tokens = self._losses(batch, noise, train=True)
+        grad_norm = 0.0
+        if cfg.grad_clip:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        self.optimizer.step()
+        self.step += 1
+        return {"step": self.step, "loss": diff + cfg.aux_ar_weight * ar, "diffusion_loss": diff, "ar_loss": ar,
+                "lr": lr_at(cfg, self.step - 1), "grad_norm": grad_norm, "tokens": tokens}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        if self.heldout is None:
+            return float("nan")
+        self.model.eval()
+        total = 0.0
+        for i in range(self.cfg.eval_batches):
+            batch, noise = self._batch(self.heldout, 1_000_000 + i)  # fixed held-out batches
+            diff, ar, _ = self._losses(batch, noise, train=False)
+            total += diff + self.cfg.aux_ar_weight * ar
+        self.model.train()
+        return total / self.cfg.eval_batches
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    def save(self, final: bool = False) -> None:
+        if self.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.cfg.lora_rank and final:
+            self.lm.model = merge_lora(self.model)
+        elif self.cfg.lora_rank:
+            # Intermediate LoRA checkpoints keep the adapters in trainer_state.pt; the folder holds the base.
+            pass
+        if not self.cfg.lora_rank or final:
+            self.lm.save(self.out)
+        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(self.cfg)}
+        if self.cfg.lora_rank and not final:
+            state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
+        torch.save(state, self.out / "trainer_state.pt")
+
+    def resume(self) -> None:
+        """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""
+        from .checkpoint import load_model
+
+        state = torch.load(self.out / "trainer_state.pt", weights_only=False)
+        if self.cfg.lora_rank:
+            self.model.load_state_dict(state["lora"], strict=False)
+        else:
+            loaded, _ = load_model(self.out, dtype=self.lm.dtype, device=self.lm.device)
+            with torch.no_grad():
+                for p, q in zip(self.model.parameters(), loaded.parameters(), strict=True):
+                    p.copy_(q)
+                for p, q in zip(self.model.buffers(), loaded.buffers(), strict=True):
+                    p.copy_(q)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        result = TrainResult(steps=cfg.steps)
+        metrics = None
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            metrics = (self.out / "metrics.jsonl").open("a")
+        bar = None
+        if self.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        t0, seen = time.perf_counter(), 0
+        try:
+            while self.step < cfg.steps:
+                row = self.train_step()
+                seen += row["tokens"]
+                result.losses.append(row["loss"])
+                tok_s = seen / max(time.perf_counter() - t0, 1e-9)
+                row["tok_s"] = tok_s
+                last = self.step == cfg.steps
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                    row["eval_loss"] = self.evaluate()
+                    result.eval_losses.append((self.step, row["eval_loss"]))
+                if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row):
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                if bar:
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}")
+                    bar.update(1)
+                if self.on_step:
+                    self.on_step(self.step, row["loss"])
+                if cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                    self.save()
+            self.save(final=True)
+        finally:
+            if bar:
+                bar.close()
+            if metrics:
+                metrics.close()
+        result.tokens_per_second = seen / max(time.perf_counter() - t0, 1e-9)
+        self.lm.model.eval()
+        return result
+
+
+def init_distributed() -> None:
+    """Join the torchrun process group when launched by torchrun (gloo on CPU, nccl on GPU)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

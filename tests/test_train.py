@@ -1,0 +1,139 @@
+"""Training: the objective's pieces, the overfit test, and that accumulation / resume / LoRA change nothing."""
+
+import json
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.data import Example, make_batch
+from blockpress.train import ExampleSource, TrainConfig, Trainer, draw_noise
+
+EXAMPLES = [Example([2, 5 + i], [10 + i, 11 + i, 12 + i, 13 + i, 20, 21 - i]) for i in range(4)]
+
+
+def tiny_lm(seed=0, **overrides):
+    cfg = blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8, **overrides)
+    return blockpress.random_model(cfg, seed=seed)
+
+
+def run(tmp_path, steps, name="out", lm=None, resume=False, **cfg):
+    lm = lm or tiny_lm()
+    tc = TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup_steps=5, log_every=1, **cfg)
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), tc, tmp_path / name, progress=False)
+    if resume:
+        trainer.resume()
+    return lm, trainer.train()
+
+
+def test_overfit_until_greedy_reproduces(tmp_path):
+    lm, result = run(tmp_path, 300)
+    assert result.losses[-1] < 0.25 * result.losses[0]
+    for e in EXAMPLES:
+        out = lm.generate(e.prompt, max_new_tokens=8, sampler="greedy", seed=0, max_denoising_steps=8)
+        assert out.new_tokens[0, :6].tolist() == e.response
+        assert out.new_tokens[0, 6].item() == 1  # and it learned to end
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 1 and all("loss" in x for x in lines)
+    reloaded = blockpress.load(tmp_path / "out")  # the trained checkpoint loads back
+    assert torch.equal(reloaded.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+
+
+def test_corruption_follows_t():
+    examples = [Example([2], list(range(3, 31)) * 20) for _ in range(6)]
+    batch = make_batch(examples, 8, 0, 1)
+    noise = draw_noise(batch, 32, TrainConfig(), torch.Generator().manual_seed(0))
+    rate = noise.corrupt.float().mean(1)
+    n = noise.corrupt.shape[1]
+    sd = (noise.t * (1 - noise.t) / n).sqrt()
+    assert ((rate - noise.t).abs() <= 4 * sd + 1e-3).all()
+    assert noise.t.min() >= 1e-3 and noise.t.max() <= 1 - 1e-3
+
+
+def test_block_causal_mask_hides_own_and_later_canvases():
+    """Perturb canvas b's clean tokens or later canvases: canvas b's loss must not move; earlier ones must."""
+    lm = tiny_lm(seed=3)
+    ex = [Example([2, 7, 8], list(range(3, 27)))]  # 24 tokens -> 4 canvases of 8 (the last all EOS)
+    batch = make_batch(ex, 8, 0, 1)
+    noise = draw_noise(batch, 32, TrainConfig(self_conditioning_prob=0.0), torch.Generator().manual_seed(1))
+
+    def per_canvas_loss(ids):
+        b = type(batch)(ids, batch.valid, batch.scored, batch.ar_scored, batch.prompt_length, 8)
+        noisy = torch.where(noise.corrupt, noise.tokens, batch.canvas_ids)  # same noisy input every time
+        with torch.no_grad():
+            h, kv, pos = lm.model.encode_sequence(b.ids, b.valid)
+            logits = lm.model.denoise_blocks(noisy, kv, b.valid, pos, b.prompt_length)
+        ce = torch.nn.functional.cross_entropy(logits[0], batch.canvas_ids[0], reduction="none")
+        return ce.view(-1, 8).mean(1)
+
+    base = per_canvas_loss(batch.ids)
+    for target in range(4):
+        ids = batch.ids.clone()
+        s = batch.prompt_length + target * 8
+        ids[0, s : s + 8] = (ids[0, s : s + 8] + 5) % 32  # change canvas `target`'s clean tokens
+        moved = (per_canvas_loss(ids) - base).abs() > 1e-6
+        assert not moved[: target + 1].any()  # itself and earlier canvases: untouched
+        assert moved[target + 1 :].all()  # later canvases do see it
+
+
+def test_grad_accumulation_changes_nothing(tmp_path):
+    _, whole = run(tmp_path, 4, "a")
+    _, micro = run(tmp_path, 4, "b", micro_batch_size=1)
+    assert whole.losses == pytest.approx(micro.losses, rel=1e-5)
+
+
+def test_resume_is_exact(tmp_path):
+    _, straight = run(tmp_path, 6, "straight")
+    lm = tiny_lm()
+    run(tmp_path, 3, "split", lm=lm)
+    _, rest = run(tmp_path, 6, "split", lm=tiny_lm(seed=9), resume=True)  # other init: resume must overwrite
+    assert len(rest.losses) == 3
+    assert straight.losses[3:] == pytest.approx(rest.losses, rel=1e-6)
+
+
+def test_lora_trains_adapters_and_merges_exactly(tmp_path):
+    pytest.importorskip("peft")
+    from blockpress.train import add_lora, merge_lora
+
+    lm = tiny_lm()
+    base = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    model = add_lora(lm.model, rank=4, alpha=8)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any("experts" in n or "router" in n or "self_conditioning" in n for n in trainable)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    lm.model = model
+    prompt, canvas = torch.tensor([[2, 5, 6]]), torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    with_adapters = lm.logits(prompt, canvas)
+    lm.model = merge_lora(model)
+    merged = lm.logits(prompt, canvas)
+    assert (with_adapters - merged).abs().max() < 1e-4
+    assert set(lm.model.state_dict()) == set(base)  # a plain checkpoint again
+    assert not torch.equal(lm.model.state_dict()["layers.0.self_attn.q_proj.weight"], base["layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(lm.model.state_dict()["layers.0.experts.gate_up_proj"], base["layers.0.experts.gate_up_proj"])
+
+
+def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
+    pytest.importorskip("peft")
+    lm, result = run(tmp_path, 5, "lora", lora_rank=4)
+    assert result.losses[-1] < result.losses[0]
+    again = blockpress.load(tmp_path / "lora")
+    assert set(again.model.state_dict()) == set(tiny_lm().model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [(dict(steps=0), "steps"), (dict(lr=-1.0), "lr"), (dict(self_conditioning_prob=2.0), "self_conditioning_prob"),
+     (dict(t_eps=0.7), "t_eps"), (dict(micro_batch_size=-1), "micro_batch_size")],
+)
+def test_bad_train_config(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**kwargs)
+
+
+def test_unknown_train_config_field():
+    with pytest.raises(ValueError, match="lerning_rate"):
+        TrainConfig.from_dict({"lerning_rate": 1e-3})

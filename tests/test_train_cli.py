@@ -1,0 +1,83 @@
+"""`blockpress train` end to end, bad inputs, and two torchrun processes (gloo) matching one process."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import blockpress
+from blockpress.cli import main
+
+
+def write_data(path, n=8):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt_ids": [2, 5 + i, 6], "response_ids": [10 + i] * (3 + i % 5)}) + "\n")
+    return path
+
+
+def losses(out):
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_args(data, out, steps=3):
+    return ["train", "--config", "tiny", "--data", str(data), "--out", str(out), "--steps", str(steps),
+            "--batch-size", "4", "--log-every", "1", "--heldout", "0", "--quiet", "--warmup-steps", "1"]
+
+
+def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "out")) == 0
+    assert len(losses(tmp_path / "out")) == 3
+    lm = blockpress.load(tmp_path / "out")
+    assert lm.config.canvas_length == 16
+
+
+def test_train_config_file_and_flags(tmp_path):
+    data = write_data(tmp_path / "d.jsonl")
+    (tmp_path / "tc.json").write_text(json.dumps({"lr": 1e-3, "steps": 5}))
+    assert main(train_args(data, tmp_path / "out", steps=2) + ["--train-config", str(tmp_path / "tc.json")]) == 0
+    assert len(losses(tmp_path / "out")) == 2  # the flag wins over the file
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "d.jsonl:2: not valid JSON"),
+        (json.dumps({"prompt_ids": [2, 3]}), "response_ids"),
+        (json.dumps({"prompt_ids": [2], "response_ids": [1, "x"]}), "list of integers"),
+        (json.dumps({"prompt_ids": [2], "response_ids": [99999]}), "outside the vocabulary"),
+        (json.dumps({"prompt": "hi", "response": "there"}), "need a tokenizer"),
+        (json.dumps({"foo": 1}), "expected 'prompt'"),
+    ],
+)
+def test_bad_data_lines_name_the_line(tmp_path, capsys, line, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n" + line + "\n")
+    assert main(train_args(data, tmp_path / "out")) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_train_flags(tmp_path, capsys):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "out") + ["--lr", "-1"]) == 2
+    assert "lr" in capsys.readouterr().err
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(train_args(tmp_path / "missing.jsonl", tmp_path / "o")) == 2
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+                    reason="torchrun not available")
+def test_two_processes_match_one(tmp_path):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "one", steps=3)) == 0
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29517", "-m", "blockpress.cli",
+                        *train_args(data, tmp_path / "two", steps=3)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
