@@ -65,11 +65,14 @@ class TrainConfig:
     prompt_min: int = 8  # raw-text corpora: shortest prompt of a window
     prompt_max: int = 64  # raw-text corpora: longest prompt of a window
     response_canvases: int = 1  # raw-text corpora: canvases of response per window
+    max_minutes: float = 0.0  # stop (and save) after this much wall time (0: no limit)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if self.max_minutes < 0:
+            raise ValueError(f"max_minutes: expected >= 0, got {self.max_minutes}")
         for name in ("micro_batch_size", "warmup_steps", "max_canvases", "eval_every", "save_every",
                      "lora_rank", "eval_batches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
@@ -327,7 +330,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         if self.heldout is None:
-            return float("nan")
+            raise ValueError("evaluate: no held-out data was given")
         self.model.eval()
         total = 0.0
         for i in range(self.cfg.eval_batches):
@@ -342,15 +345,13 @@ class Trainer:
         if self.rank != 0:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.cfg.lora_rank and final:
-            self.lm.model = merge_lora(self.model)
-        elif self.cfg.lora_rank:
-            # Intermediate LoRA checkpoints keep the adapters in trainer_state.pt; the folder holds the base.
-            pass
-        if not self.cfg.lora_rank or final:
-            self.lm.save(self.out)
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(self.cfg)}
-        if self.cfg.lora_rank and not final:
+        if not self.cfg.lora_rank:
+            self.lm.save(self.out)
+        elif final:  # LoRA: the final folder is a plain checkpoint with the adapters merged in
+            self.lm.model = merge_lora(self.model)
+            self.lm.save(self.out)
+        else:  # LoRA, mid-run: the adapters live in trainer_state.pt next to the base weights
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
         torch.save(state, self.out / "trainer_state.pt")
 
@@ -387,13 +388,15 @@ class Trainer:
         t0, seen = time.perf_counter(), 0
         try:
             while self.step < cfg.steps:
+                if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+                    break  # the time budget is spent: save what we have
                 row = self.train_step()
                 seen += row["tokens"]
                 result.losses.append(row["loss"])
                 tok_s = seen / max(time.perf_counter() - t0, 1e-9)
                 row["tok_s"] = tok_s
                 last = self.step == cfg.steps
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                if self.heldout is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
                 if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row):
@@ -406,6 +409,14 @@ class Trainer:
                     self.on_step(self.step, row["loss"])
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
+            if self.step < cfg.steps:  # stopped by the time budget: evaluate where we are
+                row = {"step": self.step, "stopped": "max_minutes"}
+                if self.heldout is not None:
+                    row["eval_loss"] = self.evaluate()
+                    result.eval_losses.append((self.step, row["eval_loss"]))
+                if metrics:
+                    metrics.write(json.dumps(row) + "\n")
+            result.steps = self.step
             self.save(final=True)
         finally:
             if bar:

@@ -137,3 +137,11 @@ def test_bad_train_config(kwargs, field):
 def test_unknown_train_config_field():
     with pytest.raises(ValueError, match="lerning_rate"):
         TrainConfig.from_dict({"lerning_rate": 1e-3})
+
+
+def test_time_budget_stops_and_saves(tmp_path):
+    lm, result = run(tmp_path, 1000, "budget", max_minutes=1e-9)
+    assert result.steps < 1000
+    assert (tmp_path / "budget" / "model.safetensors").exists()
+    last = json.loads((tmp_path / "budget" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["stopped"] == "max_minutes"

@@ -1,0 +1,88 @@
+"""Build the blockpress-code corpus from the running interpreter's standard library.
+
+Every machine with Python has it, so the corpus needs no download. Steps:
+  1. collect the stdlib's .py files, its test suite included (no site-packages, no generated tables);
+  2. drop exact duplicates (by content hash);
+  3. hold out whole modules (about 5%, chosen by a stable hash of the module path): never trained on;
+  4. train a byte-level BPE tokenizer on the training files;
+  5. write token shards (documents joined by EOS) and a JSON manifest.
+
+    python scripts/build_code_corpus.py --out corpus/ --vocab-size 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sysconfig
+from pathlib import Path
+
+from blockpress.data import write_shard
+from blockpress.tokenizer import train_bpe_tokenizer
+
+SKIP_PARTS = {"site-packages", "__pycache__", "ensurepip"}
+MAX_BYTES = 200_000  # generated tables (unicode data, encodings) teach nothing about code
+
+
+def stdlib_files(root: Path) -> list[Path]:
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if SKIP_PARTS & set(rel.parts) or rel.parts[0].startswith("encodings"):
+            continue
+        if path.stat().st_size > MAX_BYTES or path.stat().st_size < 200:
+            continue
+        files.append(path)
+    return files
+
+
+def is_heldout(rel: str, fraction: float) -> bool:
+    h = int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return h < fraction
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--heldout", type=float, default=0.05, help="fraction of modules held out")
+    ap.add_argument("--max-files", type=int, default=0, help="use only the first N files (smoke tests)")
+    args = ap.parse_args()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    seen: set[str] = set()
+    train, held = [], []
+    files = stdlib_files(root)
+    for path in files[: args.max_files or None]:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        rel = str(path.relative_to(root))
+        (held if is_heldout(rel, args.heldout) else train).append((rel, text))
+
+    tokenizer = train_bpe_tokenizer((t for _, t in train), vocab_size=args.vocab_size)
+    tokenizer.save(out / "tokenizer")
+    eos = tokenizer.eos_id
+
+    def docs(items):
+        for _, text in items:
+            yield tokenizer.encode(text) + [eos]
+
+    n_train = write_shard(out / "train.bin", docs(train), tokenizer.vocab_size)
+    n_held = write_shard(out / "heldout.bin", docs(held), tokenizer.vocab_size)
+    manifest = {
+        "source": str(root), "train_files": len(train), "heldout_files": len(held),
+        "heldout_modules": [r for r, _ in held], "train_tokens": n_train, "heldout_tokens": n_held,
+        "vocab_size": tokenizer.vocab_size,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    print(json.dumps({k: v for k, v in manifest.items() if k != "heldout_modules"}))
+
+
+if __name__ == "__main__":
+    main()

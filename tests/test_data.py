@@ -1,0 +1,104 @@
+"""Data: JSONL formats, canvas layout, token shards, the corpus script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from blockpress.data import Example, TokenShards, load_jsonl, make_batch, split_heldout, write_shard
+from blockpress.tokenizer import train_bpe_tokenizer
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)
+
+
+def test_canvas_layout_eos_fill_and_padding():
+    batch = make_batch([Example([2, 3], [5, 6, 7]), Example([2], [5] * 9)], canvas_length=4, pad_id=0, eos_id=1)
+    assert batch.prompt_length == 2 and batch.ids.shape == (2, 2 + 3 * 4)
+    # row 0: one canvas, EOS-filled; its two later canvases are padding (not valid, not scored)
+    assert batch.ids[0, 2:6].tolist() == [5, 6, 7, 1]
+    assert batch.scored[0].tolist() == [True] * 4 + [False] * 8
+    # row 1: 9 tokens -> 3 canvases (the last holds 1 token + EOS fill); prompt left-padded
+    assert batch.ids[1, :2].tolist() == [0, 2] and not batch.valid[1, 0]
+    assert batch.ids[1, 2:].tolist() == [5] * 9 + [1] * 3
+    # AR targets stop at the first EOS
+    assert batch.ar_scored[0].nonzero()[-1].item() == 4  # position 4 predicts the EOS at slot 5
+
+
+def test_canvas_exactly_full_gets_an_eos_canvas():
+    batch = make_batch([Example([2], [5, 6, 7, 8])], canvas_length=4, pad_id=0, eos_id=1)
+    assert batch.ids[0, 1:].tolist() == [5, 6, 7, 8, 1, 1, 1, 1]
+
+
+def test_running_text_windows_have_no_eos():
+    batch = make_batch([Example([2], [5, 6, 7, 8, 9, 10], ends=False)], canvas_length=4, pad_id=0, eos_id=1)
+    assert 1 not in batch.ids[0].tolist()
+    assert batch.scored[0].tolist() == [True] * 6 + [False] * 2
+
+
+def test_jsonl_formats(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    lines = [
+        {"prompt": "def f(x):", "response": " return x"},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"prompt_ids": [2, 7], "response_ids": [9, 10]},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    ex = load_jsonl(path, tok, vocab_size=tok.vocab_size)
+    assert len(ex) == 3
+    assert ex[0].prompt[0] == tok.bos_id and ex[0].response[-1] == tok.eos_id
+    assert tok.decode(ex[0].response) == " return x"
+    assert tok.decode(ex[1].prompt, skip_special_tokens=False).endswith("<start_of_turn>model\n")
+    assert ex[1].response[-1] == tok.token_to_id("<end_of_turn>")
+    assert ex[2] == Example([2, 7], [9, 10])
+
+
+def test_messages_must_end_with_assistant(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="d.jsonl:1.*assistant"):
+        load_jsonl(path, tok)
+
+
+def test_heldout_split_is_stable():
+    ex = [Example([2], [i]) for i in range(200)]
+    a_train, a_held = split_heldout(ex, 0.1)
+    b_train, b_held = split_heldout(list(reversed(ex)), 0.1)
+    assert {tuple(e.response) for e in a_held} == {tuple(e.response) for e in b_held}
+    assert 5 <= len(a_held) <= 40 and len(a_train) + len(a_held) == 200
+
+
+def test_shards_roundtrip_and_windows(tmp_path):
+    docs = [[3, 4, 5, 6, 7, 1], list(range(10, 60)) + [1]]
+    n = write_shard(tmp_path / "s.bin", docs, vocab_size=100)
+    shards = TokenShards([tmp_path / "s.bin"])
+    assert n == shards.tokens == 57
+    flat = np.concatenate([np.array(d) for d in docs])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ex = shards.sample(g, (2, 5), 8)
+        window = ex.prompt + ex.response
+        assert 2 <= len(ex.prompt) <= 5 and len(ex.response) == 8 and not ex.ends
+        starts = [i for i in range(len(flat) - len(window) + 1) if flat[i : i + len(window)].tolist() == window]
+        assert starts  # a real contiguous window of the corpus
+
+
+def test_corpus_script_smoke(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_code_corpus.py"), "--out", str(tmp_path),
+                        "--vocab-size", "400", "--max-files", "40", "--heldout", "0.2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["train_files"] > 0 and manifest["heldout_files"] > 0
+    assert manifest["train_tokens"] == TokenShards([tmp_path / "train.bin"]).tokens
+    assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
+    held = set(manifest["heldout_modules"])
+    assert held and all(m.endswith(".py") for m in held)
