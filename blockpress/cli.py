@@ -286,6 +286,38 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sudoku(args: argparse.Namespace) -> int:
+    from blockpress.tasks import sudoku_model
+    from blockpress.tasks.sudoku import format_board
+
+    puzzles = list(args.puzzles)
+    if args.file:
+        puzzles += [line.strip() for line in open(args.file) if line.strip()]
+    if not puzzles:
+        raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
+    puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded
+    lm = load_model(args.model, args.dtype, args.device)
+
+    def show(step: int, boards: list[str]) -> None:
+        print(f"step {step}\n{format_board(boards[0])}\n", file=sys.stderr)
+
+    on_draft = show if args.show_steps and len(puzzles) == 1 else None
+    t0 = time.perf_counter()
+    results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
+                                 on_draft=on_draft)
+    seconds = time.perf_counter() - t0
+    for r in results:
+        if args.json:
+            print(json.dumps({"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps}))
+        else:
+            print(format_board(r.solution))
+            print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps\n")
+    if not args.json:
+        solved = sum(r.valid for r in results)
+        print(f"[{solved}/{len(results)} valid · {len(results) / seconds:.2f} puzzles/s]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
@@ -343,6 +375,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sudoku", help="solve sudoku puzzles with a block-diffusion model",
+                       description="Solve PUZZLE(s): 81 characters each, 0 or . for an empty cell. The givens are "
+                                   "fixed positions of the canvas; the model alone fills the rest (no rules, no "
+                                   "search). Default model: blockpress-sudoku.")
+    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each")
+    p.add_argument("--file", default=None, help="a file with one puzzle per line")
+    p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--steps", type=int, default=None, help="max denoising steps")
+    p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
+                   help="acceptance rule")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--show-steps", action="store_true", help="print the board as the canvas settles (one puzzle)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per puzzle: puzzle, solution, valid, steps")
+    p.set_defaults(func=cmd_sudoku)
 
     p = sub.add_parser("info", help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory.")

@@ -50,6 +50,7 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # max gradient norm (0: off)
     aux_ar_weight: float = 1.0  # weight of the encoder's next-token loss
+    diffusion_weight: float = 1.0  # weight of the diffusion loss (0: train an autoregressive baseline only)
     self_conditioning_prob: float = 0.5  # fraction of examples trained with self-conditioning
     t_eps: float = 1e-3  # t ~ U(t_eps, 1 - t_eps)
     reweight: bool = False  # weight each example's diffusion loss by 1 / (1 - t)
@@ -77,6 +78,8 @@ class TrainConfig:
                      "lora_rank", "eval_batches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
+        if self.diffusion_weight < 0 or self.aux_ar_weight < 0 or not (self.diffusion_weight or self.aux_ar_weight):
+            raise ValueError("diffusion_weight/aux_ar_weight: must be >= 0 and not both 0")
         if self.lr <= 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         if not 0 <= self.self_conditioning_prob <= 1:
@@ -164,6 +167,10 @@ class Objective(nn.Module):
         m = self.model
         noisy = torch.where(noise.corrupt & batch.scored, noise.tokens, batch.canvas_ids)
         hidden, kv, positions = m.encode_sequence(batch.ids, batch.valid)
+        if not self.cfg.diffusion_weight:  # AR baseline: the decoder passes would be wasted work
+            diffusion_sum = hidden.new_zeros((), dtype=torch.float32)
+            ar_logits = m.head(hidden[:, :-1][batch.ar_scored[:, :-1]])
+            return diffusion_sum, F.cross_entropy(ar_logits, batch.ids[:, 1:][batch.ar_scored[:, :-1]], reduction="sum")
         with torch.no_grad():
             detached = [(k.detach(), v.detach()) for k, v in kv]
             first = m.denoise_blocks(noisy, detached, batch.valid, positions, batch.prompt_length)
@@ -304,7 +311,8 @@ class Trainer:
             b, nz = mine.rows(part).to(device), my_noise.rows(part).to(device)
             with self._autocast(), torch.set_grad_enabled(train):
                 diff_sum, ar_sum = self.objective(b, nz)
-                loss = diff_sum / max(n_diff, 1) + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1)
+                loss = (self.cfg.diffusion_weight * diff_sum / max(n_diff, 1)
+                        + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1))
             if train:
                 (loss * self.world).backward()  # DDP averages gradients over processes
             sums += torch.stack([diff_sum.detach().float().cpu(), ar_sum.detach().float().cpu()])
@@ -324,7 +332,8 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         self.optimizer.step()
         self.step += 1
-        return {"step": self.step, "loss": diff + cfg.aux_ar_weight * ar, "diffusion_loss": diff, "ar_loss": ar,
+        return {"step": self.step, "loss": cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar,
+                "diffusion_loss": diff, "ar_loss": ar,
                 "lr": lr_at(cfg, self.step - 1), "grad_norm": grad_norm, "tokens": tokens}
 
     @torch.no_grad()
@@ -336,7 +345,7 @@ class Trainer:
         for i in range(self.cfg.eval_batches):
             batch, noise = self._batch(self.heldout, 1_000_000 + i)  # fixed held-out batches
             diff, ar, _ = self._losses(batch, noise, train=False)
-            total += diff + self.cfg.aux_ar_weight * ar
+            total += self.cfg.diffusion_weight * diff + self.cfg.aux_ar_weight * ar
         self.model.train()
         return total / self.cfg.eval_batches
 

@@ -145,3 +145,10 @@ def test_time_budget_stops_and_saves(tmp_path):
     assert (tmp_path / "budget" / "model.safetensors").exists()
     last = json.loads((tmp_path / "budget" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["stopped"] == "max_minutes"
+
+
+def test_ar_only_baseline_trains_the_encoder(tmp_path):
+    lm, result = run(tmp_path, 150, "ar", diffusion_weight=0.0)
+    assert result.losses[-1] < 0.5 * result.losses[0]
+    out = lm.generate_ar(EXAMPLES[1].prompt, max_new_tokens=7)
+    assert out.new_tokens[0, :6].tolist() == EXAMPLES[1].response

@@ -1,0 +1,66 @@
+"""Sudoku through the model: givens are fixed canvas positions; CLI output; clear errors."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import blockpress
+from blockpress.cli import main
+from blockpress.tasks import sudoku_model
+from blockpress.tasks.sudoku import generate
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+from train_sudoku import sudoku_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_sudoku(tmp_path_factory):
+    cfg = sudoku_config()
+    cfg.text.num_hidden_layers, cfg.text.layer_types, cfg.text.per_layer_config = 2, ["sliding_attention", "full_attention"], None
+    cfg = blockpress.ModelConfig.from_dict(cfg.to_dict())
+    lm = blockpress.random_model(cfg, seed=0)
+    path = tmp_path_factory.mktemp("sudoku")
+    lm.save(path)
+    return path, lm
+
+
+def test_givens_never_change(tiny_sudoku):
+    _, lm = tiny_sudoku
+    puzzles = [generate(s, "medium").puzzle for s in range(3)]
+    for r in sudoku_model.solve(lm, puzzles, max_denoising_steps=3) + sudoku_model.solve_ar(lm, puzzles):
+        assert len(r.solution) == 81
+        assert all(g == "0" or g == s for g, s in zip(r.puzzle, r.solution))
+
+
+def test_cli_json_fields(tiny_sudoku, capsys):
+    path, _ = tiny_sudoku
+    p = generate(1, "easy").puzzle.replace("0", ".")
+    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "2"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert set(row) >= {"puzzle", "solution", "valid", "steps"} and row["steps"] <= 2
+    assert row["puzzle"] == p.replace(".", "0") and isinstance(row["valid"], bool)
+
+
+def test_cli_board_and_show_steps(tiny_sudoku, capsys):
+    path, _ = tiny_sudoku
+    assert main(["sudoku", generate(2, "easy").puzzle, "--model", str(path), "--steps", "2", "--show-steps"]) == 0
+    captured = capsys.readouterr()
+    assert "step 1" in captured.err and "step 2" in captured.err
+    assert captured.out.count("|") >= 18  # a 9x9 board with box separators
+
+
+@pytest.mark.parametrize(
+    "puzzle, message",
+    [
+        ("123", "expected 81"),
+        ("x" * 81, "x"),
+        ("11" + "0" * 79, "row 1"),  # contradictory givens
+    ],
+)
+def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
+    path, _ = tiny_sudoku
+    assert main(["sudoku", puzzle, "--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
