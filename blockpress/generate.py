@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .sampling import SamplerConfig, denoise_step, hashed_tokens, init_state
+from .sampling import SamplerConfig, denoise_step, hashed_tokens, hashed_uniforms, init_state, sample
 
 HOLE = "<|hole|>"
 _HOLE_RE = re.compile(r"<\|hole(?::(\d+))?\|>")
@@ -86,6 +86,18 @@ class Request:
     template: torch.Tensor | None  # [B, N] fixed token ids, -1 for holes
     eos_ids: list[int]
     pad_id: int
+    seeds: list[int] | None = None  # per-row seeds (the server batches requests); default: `seed` for every row
+
+    def row_seeds(self) -> torch.Tensor:
+        """Every row's randomness comes from its own seed alone (see sampling._hash)."""
+        b = self.prompt.shape[0]
+        if self.seeds is not None:
+            if len(self.seeds) != b:
+                raise ValueError(f"seeds: expected {b} per-row seeds, got {len(self.seeds)}")
+            return torch.tensor(self.seeds, dtype=torch.long)
+        if self.seed is not None:
+            return torch.full((b,), self.seed, dtype=torch.long)
+        return torch.randint(0, 2**47, (b,))
 
 
 def _sync(device: torch.device) -> None:
@@ -218,15 +230,11 @@ def run(
         raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
     cache.ensure_capacity(cache.length + p + n_new + canvas_len)
 
-    generator = torch.Generator(device=device)
-    generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-    row_seed = torch.full((b,), req.seed if req.seed is not None else 0, dtype=torch.long, device=device)
+    row_seed = req.row_seeds().to(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
 
     def noise(ci: int, step: int) -> torch.Tensor:
-        if cfg.sampler == "greedy":  # per-row counter-based noise: rows never influence each other
-            return hashed_tokens(row_seed, ci, step, canvas_len, vocab)
-        return torch.randint(0, vocab, (b, canvas_len), device=device, generator=generator)
+        return hashed_tokens(row_seed, ci, step, canvas_len, vocab)
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -270,7 +278,7 @@ def run(
                 logits = model.denoise(state.canvas, cache, state.sc_logits)
                 state = denoise_step(
                     cfg, state, logits, step, noise(ci, step), fixed=fixed, scored=scored, banned=banned,
-                    generator=generator, sc_dtype=sc_dtype,
+                    uniforms=hashed_uniforms(row_seed, ci, step, canvas_len), sc_dtype=sc_dtype,
                 )
             if drafts:
                 yield Draft(ci, k, state.argmax.cpu(), state.accepted.cpu(), state.done.cpu(),
@@ -289,8 +297,13 @@ def run(
         new_tokens[:, lo : lo + keep] = committed
         last = ci == n_canvases - 1 or bool(finished.all())
         if not last or keep_cache:
-            with torch.no_grad():
-                model.encode(committed, cache, attention_mask=valid)
+            enc, enc_mask = committed, valid
+            if valid is not None and b == 1:
+                # One row: keep the cache free of holes (exactly a re-encoded conversation), drop the padding.
+                enc, enc_mask = committed[:, : int(valid[0].sum())], None
+            if enc.shape[1]:
+                with torch.no_grad():
+                    model.encode(enc, cache, attention_mask=enc_mask)
         _sync(device)
         denoise_s += time.perf_counter() - t_canvas
         done_rows = finished | last
@@ -322,8 +335,7 @@ def run_ar(
     elif cache.batch_size != b:
         raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
     cache.ensure_capacity(cache.length + p + n_new + 1)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(req.seed if req.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    row_seed = req.row_seeds().to(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -339,7 +351,7 @@ def run_ar(
             logits[:, eos] = float("-inf")
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            token = sample(probs, hashed_uniforms(row_seed, 0, i, 1)[:, 0])
         else:
             token = logits.argmax(-1)
         token = token.masked_fill(finished, req.pad_id)

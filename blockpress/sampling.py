@@ -96,13 +96,13 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return log_probs_and_entropy(logits)[1]
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from `probs` [..., V]: inverse CDF, one uniform number per row, no host sync.
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per position from `probs` [..., V] given uniforms [...] in [0, 1): inverse CDF, no host sync.
 
-    (Drawing V exponentials per row for a Gumbel-style race costs ~10x more on CPU.)
+    (Drawing V exponentials per position for a Gumbel-style race costs ~10x more on CPU.)
     """
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand(*probs.shape[:-1], 1, device=probs.device, generator=generator, dtype=cdf.dtype) * cdf[..., -1:]
+    u = uniforms.to(cdf.dtype)[..., None] * cdf[..., -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -132,18 +132,33 @@ def topk_count(cfg: SamplerConfig, step: int, free_positions: int) -> int:
     return math.ceil(free_positions * done / cfg.max_denoising_steps)
 
 
-def hashed_tokens(seed: torch.Tensor, canvas_index: int, step: int, length: int, vocab: int) -> torch.Tensor:
-    """Counter-based pseudo-random tokens [B, length]: a function of (row seed, canvas, step, position) only.
+_MASK47 = (1 << 47) - 1
 
-    Greedy mode uses it so a row's noise never depends on its neighbours in the batch.
+
+def _hash(seed: torch.Tensor, stream: int, canvas_index: int, step: int, length: int) -> torch.Tensor:
+    """Counter-based pseudo-random 47-bit integers [B, length] from (row seed, stream, canvas, step, position).
+
+    Every random number of generation comes from here, so a row's output depends on its own seed only:
+    never on its neighbours in a batch, nor on how many rows there are.
     """
     pos = torch.arange(length, device=seed.device, dtype=torch.int64)
-    x = seed[:, None] * 0x9E3779B1 + (canvas_index * 1_000_003 + step) * 0x85EBCA6B + pos[None, :] * 0xC2B2AE35
-    x = x & 0x7FFFFFFFFFFF
+    counter = ((canvas_index * 1_000_003 + step) * 4 + stream) & _MASK47
+    x = (seed[:, None] & _MASK47) * 0x9E3779B1 + counter * 0x85EBCA6B + pos[None, :] * 0xC2B2AE35
+    x = x & _MASK47
     for _ in range(3):  # xorshift-multiply rounds; kept inside 47 bits so int64 never overflows
         x = (x ^ (x >> 17)) * 0x2545F49
-        x = x & 0x7FFFFFFFFFFF
-    return x % vocab
+        x = x & _MASK47
+    return x ^ (x >> 23)
+
+
+def hashed_tokens(seed: torch.Tensor, canvas_index: int, step: int, length: int, vocab: int) -> torch.Tensor:
+    """Uniform random tokens [B, length] (initial canvas and re-noising)."""
+    return _hash(seed, 0, canvas_index, step, length) % vocab
+
+
+def hashed_uniforms(seed: torch.Tensor, canvas_index: int, step: int, length: int) -> torch.Tensor:
+    """Uniform floats in [0, 1) [B, length] (one per position: the sampling draw)."""
+    return (_hash(seed, 1, canvas_index, step, length) >> 23).double() / float(1 << 24)
 
 
 @dataclass
@@ -173,7 +188,7 @@ def denoise_step(
     fixed: torch.Tensor | None = None,
     scored: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
     sc_dtype: torch.dtype = torch.float32,
 ) -> CanvasState:
     """One step of the sampler. Pure: returns a new state.
@@ -182,6 +197,7 @@ def denoise_step(
     fixed:  [B, C] token ids at constrained positions, -1 at free ones (templates, infilling).
     scored: [B, C] bool, positions that count for the stop test (e.g. within max_new_tokens).
     banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
+    uniforms: [B, C] in [0, 1), the sampling draws (not needed in greedy mode; fresh torch.rand if None).
     """
     logits = raw_logits / temperature(cfg, step)
     if banned is not None:
@@ -190,7 +206,10 @@ def denoise_step(
     probs, ent = log_probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
     ent_free = torch.where(free, ent, 0.0)  # fixed positions are certain
     argmax = logits.argmax(dim=-1)
-    candidates = argmax if cfg.sampler == "greedy" else sample(probs, generator)
+    if cfg.sampler == "greedy":
+        candidates = argmax
+    else:
+        candidates = sample(probs, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
         accept = accept_entropy_bound(ent_free, cfg.entropy_bound)
