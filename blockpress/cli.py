@@ -318,6 +318,19 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from blockpress.serve import create_app
+
+    lm = load_model(args.model, args.dtype, args.device)
+    name = args.served_name or (args.model.rstrip("/").split("/")[-1])
+    app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch)
+    print(f"blockpress serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
@@ -393,6 +406,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="one JSON object per puzzle: puzzle, solution, valid, steps")
     p.set_defaults(func=cmd_sudoku)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming)",
+                       description="Serve the model over an OpenAI-compatible API: /v1/chat/completions, "
+                                   "/v1/completions, /v1/models, /health, /metrics. Diffusion settings are "
+                                   "per-request extra body fields (max_denoising_steps, sampler, entropy_bound, "
+                                   "t_min, t_max, min_tokens, drafts, ...).")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--served-name", default=None, help="model id clients use (default: the model's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests that share one denoising batch")
+    p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 429")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("info", help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory.")

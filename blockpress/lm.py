@@ -204,11 +204,18 @@ class LM:
         cache: KVCache | None = None,
         return_cache: bool = False,
         drafts: bool = True,
+        seeds: list[int] | None = None,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
-        """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`."""
+        """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
+
+        `seeds`: one seed per row (overrides `seed`), as a server batching independent requests uses it.
+        """
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps))
+        if seeds is not None:
+            req.seeds = [int(x) for x in seeds]
+            req.row_seeds()  # validates the count now, not mid-generation
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer)
 

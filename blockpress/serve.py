@@ -1,0 +1,390 @@
+"""An OpenAI-compatible HTTP server for block-diffusion models (FastAPI + uvicorn).
+
+Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus text).
+
+One worker thread owns the model. Requests wait in a bounded queue (429 when full); the worker takes
+the oldest one plus every queued request with the same settings (up to `max_batch`) and runs them as
+one batch, so concurrent users share each denoising step. Every row's randomness comes from its own
+seed, so a response is the same whether it ran alone or in a batch.
+
+Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
+confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
+settling canvas too). `temperature` scales the temperature schedule; 0 means the greedy sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .generate import Commit, Done, Draft
+from .sampling import SamplerConfig
+
+# -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=8)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    user: str | None = None
+    # diffusion extras
+    max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
+    sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
+    entropy_bound: float | None = Field(default=None, gt=0.0)
+    confidence: float | None = Field(default=None, gt=0.0, le=1.0)
+    t_min: float | None = Field(default=None, gt=0.0)
+    t_max: float | None = Field(default=None, gt=0.0)
+    stability_threshold: int | None = Field(default=None, ge=0)
+    confidence_threshold: float | None = Field(default=None, gt=0.0)
+    drafts: bool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] = Field(min_length=1)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_body(message: str, kind: str, param: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    min_tokens: int
+    sampler: SamplerConfig
+    seed: int
+    stop: list[str]
+    drafts: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    created: float = field(default_factory=time.perf_counter)
+
+    def key(self) -> tuple:
+        return (self.max_tokens, self.min_tokens, self.sampler)
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class Metrics:
+    BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counters = {"requests_total": 0, "rejected_total": 0, "completion_tokens_total": 0,
+                         "prompt_tokens_total": 0, "forward_passes_total": 0, "batches_total": 0}
+        self.latency: list[float] = []
+
+    def add(self, **values: float) -> None:
+        with self.lock:
+            for k, v in values.items():
+                self.counters[k] += v
+
+    def observe(self, seconds: float) -> None:
+        with self.lock:
+            self.latency.append(seconds)
+
+    def render(self, queue_depth: int) -> str:
+        with self.lock:
+            lines = [f"blockpress_{k} {v}" for k, v in self.counters.items()]
+            lines.append(f"blockpress_queue_depth {queue_depth}")
+            for b in self.BUCKETS:
+                lines.append(f'blockpress_request_seconds_bucket{{le="{b}"}} {sum(x <= b for x in self.latency)}')
+            lines.append(f'blockpress_request_seconds_bucket{{le="+Inf"}} {len(self.latency)}')
+            lines.append(f"blockpress_request_seconds_sum {sum(self.latency)}")
+            lines.append(f"blockpress_request_seconds_count {len(self.latency)}")
+        return "\n".join(lines) + "\n"
+
+
+class Engine:
+    def __init__(self, lm: Any, max_queue: int = 64, max_batch: int = 8):
+        self.lm, self.max_batch = lm, max_batch
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.pending: list[Job] = []  # taken from the queue, waiting for a compatible batch
+        self.metrics = Metrics()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            self.metrics.add(rejected_total=1)
+            raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error") from None
+
+    def depth(self) -> int:
+        return self.queue.qsize() + len(self.pending)
+
+    def _next_batch(self) -> list[Job]:
+        if not self.pending:
+            self.pending.append(self.queue.get())
+        while True:  # drain what is queued now, so it can join this batch
+            try:
+                self.pending.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        self.pending = [j for j in self.pending if not j.cancelled.is_set()]
+        if not self.pending:
+            return []
+        key = self.pending[0].key()
+        batch = [j for j in self.pending if j.key() == key][: self.max_batch]
+        self.pending = [j for j in self.pending if j not in batch]
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch:
+                try:
+                    self._run(batch)
+                except Exception as exc:  # keep serving; the affected requests get a 500-style error event
+                    for job in batch:
+                        job.put(("error", str(exc)))
+
+    def _run(self, batch: list[Job]) -> None:
+        tok = self.lm.tokenizer
+        first = batch[0]
+        self.metrics.add(batches_total=1)
+        texts = [""] * len(batch)
+        stream = self.lm.stream(
+            [j.prompt for j in batch], max_new_tokens=first.max_tokens, min_new_tokens=first.min_tokens,
+            sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
+        )
+        for event in stream:
+            if all(j.cancelled.is_set() for j in batch):
+                return  # every client left: free the engine now
+            if isinstance(event, Draft):
+                for i, job in enumerate(batch):
+                    if job.drafts:
+                        job.put(("draft", texts[i] + tok.decode(event.tokens[i].tolist()), event.step))
+            elif isinstance(event, Commit):
+                for i, job in enumerate(batch):
+                    piece = event.texts[i] if event.texts else tok.decode(event.tokens[i].tolist())
+                    texts[i] += piece
+                    job.put(("delta", piece))
+            elif isinstance(event, Done):
+                out = event.output
+                for i, job in enumerate(batch):
+                    n = int(out.num_new_tokens[i])
+                    ended = n < first.max_tokens or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids())
+                    self.metrics.add(completion_tokens_total=n, prompt_tokens_total=len(job.prompt),
+                                     forward_passes_total=int(out.forward_passes[i]))
+                    self.metrics.observe(time.perf_counter() - job.created)
+                    job.put(("done", out.texts[i], n, int(out.forward_passes[i]), "stop" if ended else "length"))
+
+
+# -- the app --------------------------------------------------------------------------------------------------
+
+
+def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
+               max_context: int | None = None) -> FastAPI:
+    if lm.tokenizer is None:
+        raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
+    app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server")
+    engine = Engine(lm, max_queue, max_batch)
+    app.state.engine = engine
+    context = max_context or lm.config.text.max_position_embeddings
+    defaults = lm.sampler_defaults
+    default_max = int(lm.generation_config.get("max_new_tokens", 256))
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", []) if x != "body"]
+        param = ".".join(loc) or None
+        msg = err.get("msg", "invalid request")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field {param!r}"
+        elif err.get("type") == "json_invalid":
+            msg, param = "the request body is not valid JSON", None
+        return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param),
+                            status_code=400)
+
+    def build_job(body: _Common, prompt: list[int]) -> list[Job]:
+        if body.model not in (model_name, lm.path.name if lm.path else model_name):
+            raise APIError(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
+                           "not_found_error")
+        max_tokens = body.max_completion_tokens or body.max_tokens or default_max
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+        if len(prompt) + max_tokens > context:
+            raise APIError(400, f"messages/prompt: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
+                                f"context of {context} tokens", "max_tokens")
+        if body.top_p not in (None, 1.0):
+            raise APIError(400, "top_p: only 1.0 is supported (block diffusion samples whole canvases)", "top_p")
+        overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
+                                                   "t_min", "t_max", "stability_threshold", "confidence_threshold")}
+        try:
+            cfg = defaults.with_(**overrides)
+            if body.temperature == 0:
+                cfg = cfg.with_(sampler="greedy")
+            elif body.temperature is not None:
+                cfg = cfg.with_(t_min=cfg.t_min * body.temperature, t_max=cfg.t_max * body.temperature)
+        except ValueError as exc:
+            field_name = str(exc).split(":", 1)[0]
+            raise APIError(400, str(exc), field_name) from None
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little")
+        loop = asyncio.get_running_loop()
+        return [Job(prompt, max_tokens, body.min_tokens, cfg, seed + i, stops, body.drafts, loop, asyncio.Queue())
+                for i in range(body.n)]
+
+    async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int):
+        engine.metrics.add(requests_total=1)
+        for job in jobs:
+            engine.submit(job)
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+
+        def choice(i: int, text: str | None, finish: str | None, delta: bool) -> dict:
+            if kind == "chat":
+                key = "delta" if delta else "message"
+                content = {} if text is None else ({"content": text} if delta else {"role": "assistant", "content": text})
+                return {"index": i, key: content, "finish_reason": finish}
+            return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        if body.stream:
+            async def events():
+                try:
+                    for i, job in enumerate(jobs):
+                        sent = ""
+                        while True:
+                            item = await job.events.get()
+                            if item[0] == "error":
+                                yield f"data: {json.dumps(error_body(item[1], 'server_error', None))}\n\n"
+                                return
+                            if item[0] == "draft":
+                                chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
+                                         "choices": [choice(i, None, None, True)],
+                                         "blockpress": {"draft": item[1], "step": item[2]}}
+                                yield f"data: {json.dumps(chunk)}\n\n"
+                                continue
+                            if item[0] == "delta":
+                                text = cut_at_stop(sent + item[1], job.stop)
+                                piece, sent = text[len(sent):], text
+                                if piece:
+                                    chunk = {"id": rid, "object": f"{obj}.chunk", "created": created,
+                                             "model": body.model, "choices": [choice(i, piece, None, True)]}
+                                    yield f"data: {json.dumps(chunk)}\n\n"
+                                continue
+                            _, text, n, passes, finish = item
+                            if cut_at_stop(text, job.stop) != text:
+                                finish = "stop"
+                            chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
+                                     "choices": [choice(i, None if kind == "chat" else "", finish, True)]}
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                            break
+                    yield "data: [DONE]\n\n"
+                finally:
+                    for job in jobs:  # a client that left frees its rows
+                        job.cancelled.set()
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        choices, completion, passes = [], 0, 0
+        for i, job in enumerate(jobs):
+            while True:
+                item = await job.events.get()
+                if item[0] == "error":
+                    raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
+                if item[0] == "done":
+                    break
+            _, text, n, p, finish = item
+            cut = cut_at_stop(text, job.stop)
+            choices.append(choice(i, cut, "stop" if cut != text else finish, False))
+            completion += n
+            passes += p
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion, "forward_passes": passes}
+        return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, "usage": usage}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", "messages") from None
+        return await respond(build_job(body, prompt), body, "chat", len(prompt))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        if isinstance(body.prompt, list):
+            bad = [t for t in body.prompt if not 0 <= t < lm.config.text.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", "prompt")
+            prompt = list(body.prompt)
+        else:
+            prompt = lm.tokenizer.encode(body.prompt, add_bos=lm.tokenizer.bos_id is not None)
+        return await respond(build_job(body, prompt), body, "completion", len(prompt))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "queue_depth": engine.depth()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(engine.depth()))
+
+    return app
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    cut = len(text)
+    for s in stops:
+        if s and s in text:
+            cut = min(cut, text.index(s))
+    return text[:cut]

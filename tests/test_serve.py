@@ -1,0 +1,161 @@
+"""The OpenAI-compatible server, through the official `openai` client on loopback."""
+
+import concurrent.futures as cf
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from blockpress.cli import load_model  # noqa: E402
+from blockpress.serve import create_app  # noqa: E402
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 3, "max_new_tokens": 24}
+    app = create_app(lm, MODEL, max_queue=64, max_batch=8)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base, app
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").json()["status"] == "ok"
+
+
+def test_chat_and_completion(client):
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                          seed=1)
+    assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+    assert chat.usage.completion_tokens <= 10 and chat.usage.prompt_tokens > 0
+    comp = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12, seed=2)
+    assert comp.usage.completion_tokens <= 12
+    assert comp.model_extra is not None or True
+    assert comp.usage.model_extra["forward_passes"] >= 1
+
+
+def test_streaming_reassembles_to_the_same_text(client):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=24, seed=7)
+    whole = client.completions.create(**kw).choices[0].text
+    parts = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
+    assert "".join(parts) == whole
+    chat_kw = dict(model=MODEL, messages=[{"role": "user", "content": "yo"}], max_tokens=20, seed=3)
+    whole = client.chat.completions.create(**chat_kw).choices[0].message.content
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **chat_kw)]
+    assert "".join(parts) == whole
+
+
+def test_draft_events_opt_in(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "drafts": True, "seed": 1}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
+        lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert any('"draft"' in x for x in lines) and lines[-1] == "data: [DONE]"
+
+
+def test_concurrent_clients_get_what_they_get_alone(client):
+    requests = [dict(model=MODEL, prompt="p" * (1 + i % 5), max_tokens=16, seed=100 + i,
+                     temperature=0 if i % 2 else None) for i in range(32)]
+    alone = [client.completions.create(**kw).choices[0].text for kw in requests[:8]]
+    with cf.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda kw: client.completions.create(**kw), requests))
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in together)
+    assert [r.choices[0].text for r in together[:8]] == alone
+
+
+def test_per_request_settings(client):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=8, seed=1,
+                                  extra_body={"max_denoising_steps": 2, "sampler": "topk", "min_tokens": 8})
+    assert r.usage.completion_tokens == 8 and r.usage.model_extra["forward_passes"] <= 2
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
+        ({"model": MODEL, "prompt": "x", "sampler": "beam"}, 400, "sampler"),
+        ({"model": MODEL, "prompt": "x", "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10, "min_tokens": 20}, 400, "min_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, 400, "max_tokens"),
+        ({"model": "other", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "messages": []}, 400, None),
+        ({"model": MODEL, "prompt": [99999]}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_clean_4xx(server, body, status, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server[0] + path, json=body, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and (param is None or param in (err["param"] or "") or param in err["message"])
+
+
+def test_malformed_json(server):
+    r = httpx.post(server[0] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_full_queue_answers_429(server):
+    import queue
+
+    engine = server[1].state.engine
+    saved = engine.queue
+    full = queue.Queue(maxsize=1)
+    full.put_nowait(None)  # the worker waits on the old queue, so this one stays full
+    engine.queue = full
+    try:
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        engine.queue = saved
+
+
+def test_disconnect_frees_the_engine(server):
+    engine = server[1].state.engine
+    before = engine.metrics.counters["completion_tokens_total"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True, "drafts": True, "seed": 1,
+            "max_denoising_steps": 8}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())  # the first event arrived; now the client goes away
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    # the abandoned 400-token request never completed: only the 4 new tokens were produced
+    assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
+
+
+def test_metrics(server):
+    text = httpx.get(server[0] + "/metrics").text
+    assert "blockpress_requests_total" in text and "blockpress_request_seconds_count" in text
