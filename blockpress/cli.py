@@ -8,7 +8,10 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
+
+import torch
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -331,6 +334,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from blockpress.bench import BenchSettings, main_json
+
+    s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
+                      prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
+                      ar=not args.no_ar, dtype=args.dtype, device=args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    text = main_json(s, args.plot)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
@@ -419,6 +437,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="requests that share one denoising batch")
     p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 429")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="speed: diffusion vs AR vs the reference, same random checkpoint",
+                       description="Side-by-side speed of blockpress generate, blockpress generate_ar and the "
+                                   "reference transformers generate (when installed) on one random checkpoint, fixed "
+                                   "steps, EOS off. Prints JSON (tok/s with and without prefill, tokens/forward, "
+                                   "ms/step, prefill ms, peak memory); --plot draws tok/s against batch size.")
+    p.add_argument("--preset", default="small", help="model shape: tiny, small (~15M), medium (~60M), 26b-a4b")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to sweep")
+    p.add_argument("--new-tokens", type=int, default=256, help="new tokens per row")
+    p.add_argument("--steps", type=int, default=48, help="denoising steps per canvas (fixed)")
+    p.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per row")
+    p.add_argument("--repeats", type=int, default=2, help="runs per engine; the best counts")
+    p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
+    p.add_argument("--no-ar", action="store_true", help="skip the AR engine")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--plot", default=None, help="write a PNG of tok/s against batch size here")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory.")

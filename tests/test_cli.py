@@ -79,3 +79,16 @@ def test_bad_model_path_is_a_clear_error():
 def test_bad_argument_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "random-tiny", "--steps", "-4")
     assert r.returncode == 2 and "max_denoising_steps" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "16", "--steps", "2",
+                 "--repeats", "1", "--plot", str(tmp_path / "p.png"), "--out", str(tmp_path / "b.json")]) == 0
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert [r["batch"] for r in data["rows"]] == [1, 2]
+    for row in data["rows"]:
+        for engine in ("blockpress", "blockpress_ar", "reference"):
+            assert row[engine]["tok_s"] > 0 and row[engine]["new_tokens"] == 16 * row["batch"]
+        assert row["blockpress"]["forward_passes"] == 2 * 1  # one 16-token canvas, 2 fixed steps
+    assert (tmp_path / "p.png").stat().st_size > 1000

@@ -1,0 +1,75 @@
+"""Server latency and throughput at several concurrency levels, on loopback (bounded request counts).
+
+Starts `blockpress serve` in-process on 127.0.0.1, then for each concurrency level sends a fixed number
+of chat requests with the official openai client and prints JSON: p50/p95 latency, requests/s and
+completion tokens/s.
+
+    python benchmarks/serve_load.py --model blockpress-code --levels 1 8 32 --requests 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+import openai
+import uvicorn
+
+from blockpress.cli import load_model
+from blockpress.serve import create_app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="blockpress-code")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--requests", type=int, default=32, help="requests per level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=32)
+    args = ap.parse_args()
+    lm = load_model(args.model, "float32", "cpu")
+    app = create_app(lm, "m", max_queue=256, max_batch=args.max_batch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+    prompts = ["def parse_header(line):", "class LRUCache:", "def is_prime(n):", "import os\n\ndef walk(path):"]
+
+    def one(i: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        r = client.completions.create(model="m", prompt=prompts[i % len(prompts)], max_tokens=args.max_tokens, seed=i)
+        return time.perf_counter() - t0, r.usage.completion_tokens
+
+    one(0)  # warm-up
+    result = {"benchmark": "serve_load", "model": args.model, "max_tokens": args.max_tokens, "levels": {}}
+    for level in args.levels:
+        t0 = time.perf_counter()
+        with cf.ThreadPoolExecutor(level) as pool:
+            rows = list(pool.map(one, range(args.requests)))
+        wall = time.perf_counter() - t0
+        lat = sorted(r[0] for r in rows)
+        result["levels"][level] = {
+            "requests": len(rows), "p50_s": statistics.median(lat), "p95_s": lat[int(0.95 * (len(lat) - 1))],
+            "requests_per_s": len(rows) / wall, "completion_tok_s": sum(r[1] for r in rows) / wall,
+        }
+    server.should_exit = True
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

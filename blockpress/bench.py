@@ -1,0 +1,172 @@
+"""Speed harness: engines side by side on the same random checkpoint, JSON out, optional plot.
+
+Engines: blockpress `generate` (block diffusion), blockpress `generate_ar` (the same backbone, one token
+at a time) and, when transformers is installed, the reference `generate`. Adaptive stopping is off and
+EOS is disabled, so every engine does a fixed amount of work and runs compare engines, not luck.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelConfig
+from .lm import LM, random_model
+
+
+@dataclass
+class BenchSettings:
+    preset: str = "small"
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    new_tokens: int = 256
+    steps: int = 48
+    prompt_length: int = 32
+    repeats: int = 2
+    reference: bool = True
+    ar: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def _best(repeats: int, fn, *args: Any) -> dict[str, Any]:
+    best = None
+    for _ in range(repeats):
+        row = fn(*args)
+        best = row if best is None or row["seconds"] < best["seconds"] else best
+    return best
+
+
+def run_bench(s: BenchSettings) -> dict[str, Any]:
+    cfg = ModelConfig.preset(s.preset)
+    cfg.text.eos_token_id = None  # fixed work: random weights would otherwise end at random
+    lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
+    device = lm.device
+    ref = _reference(lm) if s.reference else None
+    out: dict[str, Any] = {"settings": asdict(s), "params": cfg.num_parameters(),
+                           "active_params": cfg.num_parameters(active=True), "canvas": cfg.canvas_length,
+                           "reference_available": ref is not None, "rows": []}
+    for b in s.batch_sizes:
+        prompt = torch.randint(3, cfg.text.vocab_size, (b, s.prompt_length), generator=torch.Generator().manual_seed(b))
+        row: dict[str, Any] = {"batch": b}
+        row["blockpress"] = _best(s.repeats, _diffusion, lm, prompt, s)
+        if s.ar:
+            row["blockpress_ar"] = _best(s.repeats, _ar, lm, prompt, s)
+        if ref is not None:
+            row["reference"] = _best(s.repeats, _reference_run, ref, prompt, s, device)
+            row["speedup_vs_reference"] = row["blockpress"]["tok_s"] / row["reference"]["tok_s"]
+        if s.ar:
+            row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / row["blockpress_ar"]["tok_s"]
+        out["rows"].append(row)
+    return out
+
+
+def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
+    device = lm.device
+    _peak_reset(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    o = lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps, seed=0, adaptive_stopping=False)
+    _sync(device)
+    total = time.perf_counter() - t0
+    n = int(o.num_new_tokens.sum())
+    passes = int(o.forward_passes.max())
+    return {"seconds": total, "new_tokens": n, "forward_passes": passes,
+            "tokens_per_forward": float(o.tokens_per_forward.mean()), "tok_s": n / total,
+            "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
+            "ms_per_step": o.denoise_seconds * 1e3 / passes, "peak_memory_gb": _peak(device)}
+
+
+def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
+    device = lm.device
+    _peak_reset(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    o = lm.generate_ar(prompt, max_new_tokens=s.new_tokens)
+    _sync(device)
+    total = time.perf_counter() - t0
+    n = int(o.num_new_tokens.sum())
+    return {"seconds": total, "new_tokens": n, "forward_passes": int(o.forward_passes.max()), "tokens_per_forward": 1.0,
+            "tok_s": n / total, "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
+            "ms_per_step": o.denoise_seconds * 1e3 / max(1, int(o.forward_passes.max())),
+            "peak_memory_gb": _peak(device)}
+
+
+def _reference(lm: LM) -> Any:
+    try:
+        from transformers import DiffusionGemmaForBlockDiffusion
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm.save(tmp)
+        return DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype).to(lm.device).eval()
+
+
+def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device) -> dict[str, Any]:
+    _peak_reset(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        o = ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
+                         confidence_threshold=1e-30)  # never confident: fixed steps, like ours
+    _sync(device)
+    total = time.perf_counter() - t0
+    n = int((o.sequences.shape[1] - prompt.shape[1]) * prompt.shape[0])
+    tpf = float(o.tokens_per_forward.float().mean())
+    return {"seconds": total, "new_tokens": n, "tokens_per_forward": tpf, "tok_s": n / total,
+            "forward_passes": round(n / prompt.shape[0] / tpf) if tpf else None, "peak_memory_gb": _peak(device)}
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """tok/s against batch size, diffusion vs AR (and the reference when measured)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    batches = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("blockpress", "blockpress diffusion"), ("blockpress_ar", "blockpress AR"),
+                       ("reference", "reference diffusion")):
+        if key in rows[0]:
+            ax.plot(batches, [r[key]["tok_s"] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("new tokens / s")
+    s = result["settings"]
+    ax.set_title(f"{s['preset']} ({result['params'] / 1e6:.0f}M), {s['steps']} steps, {s['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main_json(s: BenchSettings, plot_path: str | None = None) -> str:
+    result = run_bench(s)
+    if plot_path:
+        plot(result, plot_path)
+        result["plot"] = str(plot_path)
+    return json.dumps(result, indent=2)
