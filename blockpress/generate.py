@@ -275,7 +275,7 @@ def run(
             passes += active
             steps_per_canvas[:, ci] += active
             with torch.no_grad():
-                logits = model.denoise(state.canvas, cache, state.sc_logits)
+                logits = model.denoise(state.canvas, cache, self_conditioning_probs=state.sc_probs)
                 state = denoise_step(
                     cfg, state, logits, step, noise(ci, step), fixed=fixed, scored=scored, banned=banned,
                     uniforms=hashed_uniforms(row_seed, ci, step, canvas_len), sc_dtype=sc_dtype,

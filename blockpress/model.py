@@ -279,11 +279,16 @@ class DiffusionGemma(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def soft_embedding(self, logits: torch.Tensor) -> torch.Tensor:
-        """softmax(logits) @ E, scaled like a token embedding: the self-conditioning input."""
+    def soft_embedding(self, logits: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(logits) @ E, scaled like a token embedding: the self-conditioning input.
+
+        The decoding loop passes `probs` it already computed for sampling, saving a softmax over the
+        vocabulary per step.
+        """
         w = self.embed_tokens.weight
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(w.dtype)
-        return (probs @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        if probs is None:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
         out = {}
@@ -368,8 +373,12 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         self_conditioning_logits: torch.Tensor | None = None,
         self_conditioning_mask: torch.Tensor | None = None,
+        self_conditioning_probs: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Bidirectional pass over the canvas, reading (never advancing) the cache. Returns float32 logits."""
+        """Bidirectional pass over the canvas, reading (never advancing) the cache. Returns float32 logits.
+
+        Self-conditioning comes from the previous step's logits, or directly from their softmax (`_probs`).
+        """
         b, length = canvas_ids.shape
         cache.reserve(0, scratch=length)
         start = cache.length
@@ -385,8 +394,8 @@ class DiffusionGemma(nn.Module):
             else:
                 masks[kind] = None
         soft = None
-        if self_conditioning_logits is not None:
-            soft = self.soft_embedding(self_conditioning_logits)
+        if self_conditioning_logits is not None or self_conditioning_probs is not None:
+            soft = self.soft_embedding(self_conditioning_logits, self_conditioning_probs)
             if self_conditioning_mask is not None:
                 soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
         x = self.self_conditioning(self.embed(canvas_ids), soft)

@@ -167,7 +167,7 @@ class CanvasState:
 
     canvas: torch.Tensor  # [B, C] tokens fed to the next decoder pass
     argmax: torch.Tensor  # [B, C] current best guess (what gets committed)
-    sc_logits: torch.Tensor | None  # [B, C, V] temperature-scaled logits of the last step (self-conditioning)
+    sc_probs: torch.Tensor | None  # [B, C, V] softmax of the last step's temperature-scaled logits (self-conditioning)
     stable_steps: torch.Tensor  # [B] consecutive steps with an unchanged argmax
     done: torch.Tensor  # [B] bool: adaptive stop reached
     accepted: torch.Tensor  # [B] accepted positions at the last step (for streaming / stats)
@@ -223,7 +223,7 @@ def denoise_step(
         canvas = torch.where(free, canvas, fixed)
         argmax = torch.where(free, argmax, fixed)
 
-    same = (argmax == state.argmax).all(dim=-1) & (state.sc_logits is not None)
+    same = (argmax == state.argmax).all(dim=-1) & (state.sc_probs is not None)
     stable_steps = torch.where(same, state.stable_steps + 1, 0)
     weight = (free if scored is None else free & scored).float()
     mean_ent = (ent * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)
@@ -234,13 +234,13 @@ def denoise_step(
     # Rows that already stopped keep everything they had (the batch still computes them).
     done = state.done
     keep = done[:, None]
-    sc_logits = logits.to(sc_dtype)
-    if state.sc_logits is not None:
-        sc_logits = torch.where(keep[..., None], state.sc_logits, sc_logits)
+    sc_probs = probs.to(sc_dtype)
+    if state.sc_probs is not None:
+        sc_probs = torch.where(keep[..., None], state.sc_probs, sc_probs)
     return CanvasState(
         canvas=torch.where(keep, state.canvas, canvas),
         argmax=torch.where(keep, state.argmax, argmax),
-        sc_logits=sc_logits,
+        sc_probs=sc_probs,
         stable_steps=torch.where(done, state.stable_steps, stable_steps),
         done=done | stop,
         accepted=torch.where(done, state.accepted, accept.sum(-1)),

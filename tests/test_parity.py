@@ -57,6 +57,12 @@ def test_self_conditioning_logits(lm, ref_checkpoint):
     assert diff <= TOL
     # and self-conditioning really changes the output (the wiring is exercised)
     assert (ours - lm.logits(prompt, canvas)).abs().max() > 1e-2
+    # the decoding loop hands over probabilities it already has: the same logits
+    cache = lm.new_cache(2, 9 + 8)
+    with torch.no_grad():
+        lm.model.encode(prompt, cache)
+        via_probs = lm.model.denoise(canvas, cache, self_conditioning_probs=torch.softmax(sc, -1))
+    assert (via_probs - ours).abs().max().item() <= 1e-5
 
 
 def test_canvas_after_committed_canvases(lm, ref_checkpoint):
