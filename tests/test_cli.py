@@ -6,7 +6,11 @@ import sys
 
 import pytest
 
+import blockpress
 from blockpress.cli import build_parser, main
+
+# The shipped model when the package has it (it does in the repository); random weights otherwise.
+MODEL = "blockpress-code" if "blockpress-code" in blockpress.shipped_models() else "random-tiny"
 
 
 def run_cli(*args):
@@ -14,7 +18,7 @@ def run_cli(*args):
 
 
 def test_generate_json(capsys):
-    assert main(["generate", "def f(x):", "--model", "random-tiny", "--max-new-tokens", "20", "--steps", "3",
+    assert main(["generate", "def f(x):", "--model", MODEL, "--max-new-tokens", "20", "--steps", "3",
                  "--seed", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["new_tokens"] <= 20 and data["forward_passes"] >= 1
@@ -23,22 +27,23 @@ def test_generate_json(capsys):
 
 
 def test_generate_plain_prints_text_and_stats():
-    r = run_cli("generate", "abc", "--model", "random-tiny", "--max-new-tokens", "16", "--steps", "2", "--no-live")
+    r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("abc") and len(r.stdout.strip()) > 3
+    assert r.stdout.startswith("def add(a, b):") and len(r.stdout.strip()) > len("def add(a, b):")
     assert "tokens/forward" in r.stderr and "tok/s" in r.stderr
 
 
 def test_infill_keeps_fixed_text(capsys):
-    assert main(["infill", "left <|hole:5|> right", "--model", "random-tiny", "--steps", "2", "--json"]) == 0
+    assert main(["infill", "left <|hole:5|> right", "--model", MODEL, "--steps", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["text"].startswith("left ") and data["text"].endswith(" right")
 
 
 def test_info_json(capsys):
-    assert main(["info", "--model", "random-small", "--json"]) == 0
+    assert main(["info", "--model", MODEL, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["parameters_total"] > data["parameters_active"] > 0
+    assert data["tokenizer"] is True
 
 
 def test_chat_reuses_cache(monkeypatch, capsys):
@@ -55,7 +60,7 @@ def test_chat_reuses_cache(monkeypatch, capsys):
     monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
     lines = iter(["hello there", "and again", ""])
     monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
-    assert main(["chat", "--model", "random-tiny", "--max-new-tokens", "6", "--steps", "2"]) == 0
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
     assert len(seen) == 2
     assert seen[0][1] is False and seen[1][1] is True  # the second turn continues the cache
     assert seen[1][0] < seen[0][0] + 6 + 20  # ... and does not re-encode the whole conversation
@@ -77,7 +82,7 @@ def test_bad_model_path_is_a_clear_error():
 
 
 def test_bad_argument_is_a_clear_error():
-    r = run_cli("generate", "x", "--model", "random-tiny", "--steps", "-4")
+    r = run_cli("generate", "x", "--model", MODEL, "--steps", "-4")
     assert r.returncode == 2 and "max_denoising_steps" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -92,3 +97,14 @@ def test_bench_json_and_plot(tmp_path, capsys):
             assert row[engine]["tok_s"] > 0 and row[engine]["new_tokens"] == 16 * row["batch"]
         assert row["blockpress"]["forward_passes"] == 2 * 1  # one 16-token canvas, 2 fixed steps
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_shipped_model_is_small_and_complete():
+    if MODEL != "blockpress-code":
+        pytest.skip("blockpress-code is not in this package")
+    lm = blockpress.load("blockpress-code")
+    folder = lm.path
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 25e6
+    assert lm.tokenizer is not None and lm.tokenizer.chat_template
+    assert lm.tokenizer.decode(lm.tokenizer.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+    assert json.loads((folder / "corpus_manifest.json").read_text())["heldout_modules"]
