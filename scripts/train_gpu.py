@@ -4,6 +4,7 @@ Builds the stdlib code corpus (or the sudoku data) on the machine, trains with b
 the HF checkpoint, metrics.jsonl and a summary JSON into --out. Everything it needs ships in the repo.
 
     python scripts/train_gpu.py --task code --minutes 8 --out $OUT
+    python scripts/train_gpu.py --task sudoku --minutes 8 --out $OUT       # then --task sudoku-ar
     python scripts/train_gpu.py --task code --minutes 0.2 --device cpu --steps 3 --out /tmp/x   # smoke run
 """
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=["code"], default="code")
+    ap.add_argument("--task", choices=["code", "sudoku", "sudoku-ar"], default="code")
     ap.add_argument("--minutes", type=float, default=8.0, help="training time budget")
     ap.add_argument("--steps", type=int, default=20000, help="schedule length (the budget usually ends first)")
     ap.add_argument("--batch-size", type=int, default=64)
@@ -29,6 +30,13 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
+    if args.task.startswith("sudoku"):
+        cmd = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(out / "model"),
+               "--puzzles", "200000", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--lr", str(args.lr), "--minutes", str(args.minutes), "--device", args.device]
+        subprocess.run(cmd + (["--ar"] if args.task == "sudoku-ar" else []), check=True)
+        print((out / "model" / "summary.json").read_text())
+        return
     corpus = out / "corpus"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build_code_corpus.py"), "--out", str(corpus)], check=True)
     cmd = [
