@@ -64,3 +64,20 @@ def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
     assert main(["sudoku", puzzle, "--model", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_shipped_model_beats_chance_on_easy_puzzles():
+    """The shipped model fills cells far better than chance (1/9) on a fixed set of fresh easy puzzles.
+
+    (It does not yet solve them exactly: see the benchmark figures in the closing note.)
+    """
+    if "blockpress-sudoku" not in blockpress.shipped_models():
+        pytest.skip("blockpress-sudoku is not in this package")
+    from blockpress.tasks.sudoku import cell_accuracy
+
+    lm = blockpress.load("blockpress-sudoku")
+    truth = [generate(30_000_000 + i, "easy") for i in range(10)]
+    results = sudoku_model.solve(lm, [t.puzzle for t in truth])
+    acc = sum(cell_accuracy(r.solution, t.solution, t.puzzle) for r, t in zip(results, truth)) / len(truth)
+    assert acc > 0.4
+    assert all(r.steps <= 64 for r in results)
