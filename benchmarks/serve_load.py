@@ -12,17 +12,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import socket
 import statistics
-import threading
 import time
 
-import httpx
 import openai
-import uvicorn
 
 from blockpress.cli import load_model
-from blockpress.serve import create_app
+from blockpress.serve import create_app, start_in_background
 
 
 def main() -> None:
@@ -34,19 +30,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=32)
     args = ap.parse_args()
     lm = load_model(args.model, "float32", "cpu")
-    app = create_app(lm, "m", max_queue=256, max_batch=args.max_batch)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=server.run, daemon=True).start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    base, server = start_in_background(create_app(lm, "m", max_queue=256, max_batch=args.max_batch))
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
     prompts = ["def parse_header(line):", "class LRUCache:", "def is_prime(n):", "import os\n\ndef walk(path):"]
 

@@ -388,3 +388,29 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
         if s and s in text:
             cut = min(cut, text.index(s))
     return text[:cut]
+
+
+def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0) -> tuple[str, Any]:
+    """Run `app` with uvicorn on a free loopback port in a daemon thread (tests, benchmarks).
+
+    Returns (base URL, uvicorn server); set `server.should_exit = True` to stop it.
+    """
+    import socket
+
+    import httpx
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    base = f"http://{host}:{port}"
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                return base, server
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise RuntimeError(f"serve: the server did not come up on {base} within {timeout} s")

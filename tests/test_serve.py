@@ -1,9 +1,6 @@
 """The OpenAI-compatible server, through the official `openai` client on loopback."""
 
 import concurrent.futures as cf
-import socket
-import threading
-import time
 
 import httpx
 import pytest
@@ -12,15 +9,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from blockpress.cli import load_model  # noqa: E402
-from blockpress.serve import create_app  # noqa: E402
+from blockpress.serve import create_app, start_in_background  # noqa: E402
 
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +19,9 @@ def server():
     lm = load_model("random-tiny", None, "cpu")
     lm.generation_config = {"max_denoising_steps": 3, "max_new_tokens": 24}
     app = create_app(lm, MODEL, max_queue=64, max_batch=8)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
+    base, srv = start_in_background(app)
     yield base, app
     srv.should_exit = True
-    thread.join(timeout=10)
 
 
 @pytest.fixture()
