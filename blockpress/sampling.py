@@ -81,19 +81,23 @@ def temperature(cfg: SamplerConfig, step: int) -> float:
     return cfg.t_min + (cfg.t_max - cfg.t_min) * (step / cfg.max_denoising_steps)
 
 
-def log_probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities, entropy in nats) of softmax(logits), float32, from one log-softmax.
+def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, entropy in nats) of softmax(logits), float32, from one exponential.
 
-    Banned tokens (-inf logits) contribute 0, not NaN (0 * -inf).
+    Written out (shift, exp, normalise, entropy = log Z - E_p[shifted logit]) because on CPU
+    log_softmax followed by exp costs ~3x as much, and the shift keeps the difference exact for peaked
+    rows. Banned tokens (-inf logits) are clamped to a finite floor: probability 0, entropy term 0, no NaN.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    probs = logp.exp()
-    return probs, -torch.where(probs > 0, probs * logp, 0.0).sum(dim=-1)
+    shifted = (logits.float() - logits.amax(dim=-1, keepdim=True).float()).clamp_(min=-1e30)
+    probs = torch.exp(shifted)
+    z = probs.sum(dim=-1, keepdim=True)
+    probs.div_(z)
+    return probs, z.squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of softmax(logits) over the last dim, float32."""
-    return log_probs_and_entropy(logits)[1]
+    return probs_and_entropy(logits)[1]
 
 
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -203,7 +207,7 @@ def denoise_step(
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
-    probs, ent = log_probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
+    probs, ent = probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
     ent_free = torch.where(free, ent, 0.0)  # fixed positions are certain
     argmax = logits.argmax(dim=-1)
     if cfg.sampler == "greedy":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -19,7 +20,15 @@ import torch
 import blockpress
 from blockpress.config import FULL, SLIDING, ModelConfig, TextConfig
 from blockpress.data import Example
-from blockpress.tasks.sudoku import DIFFICULTIES, VOCAB, encode_prompt, encode_solution, generate
+from blockpress.tasks.sudoku import (
+    DIFFICULTIES,
+    VOCAB,
+    Puzzle,
+    encode_prompt,
+    encode_solution,
+    generate,
+    random_symmetry,
+)
 from blockpress.train import ExampleSource, TrainConfig, Trainer
 
 TEST_SEED = 10_000_000
@@ -36,12 +45,44 @@ def sudoku_config() -> ModelConfig:
     return ModelConfig(text=text, canvas_length=81)
 
 
-def puzzles(n: int, seed0: int) -> list[Example]:
-    out = []
-    for i in range(n):
-        p = generate(seed0 + i, DIFFICULTIES[i % 3])
-        out.append(Example(encode_prompt(p.puzzle), encode_solution(p.solution), ends=False))
+def to_example(puzzle: str, solution: str) -> Example:
+    return Example(encode_prompt(puzzle), encode_solution(solution), ends=False)
+
+
+def base_puzzles(n: int, seed0: int, cache: Path | None = None) -> list[Puzzle]:
+    """Puzzles seed0..seed0+n-1, a third of each difficulty; cached as JSON lines since generation is slow."""
+    if cache is not None and cache.exists():
+        rows = [json.loads(line) for line in cache.read_text().splitlines()]
+        if len(rows) >= n and rows[0]["seed"] == seed0:
+            return [Puzzle(**row) for row in rows[:n]]
+    out = [generate(seed0 + i, DIFFICULTIES[i % 3]) for i in range(n)]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text("".join(json.dumps(p.__dict__) + "\n" for p in out))
     return out
+
+
+def puzzles(n: int, seed0: int) -> list[Example]:
+    return [to_example(p.puzzle, p.solution) for p in base_puzzles(n, seed0)]
+
+
+class AugmentedSource:
+    """Base puzzles in a seeded shuffled order, each seen through a fresh random symmetry of the board
+    (bands, rows, stacks, columns, transpose, digit relabelling): example i of step k is a pure function
+    of (seed, k, i), as the trainer requires for exact resume."""
+
+    def __init__(self, base: list[Puzzle], seed: int):
+        self.order = ExampleSource([to_example(p.puzzle, p.solution) for p in base], seed)
+        self.base = {id(e): p for e, p in zip(self.order.examples, base)}
+        self.seed = seed
+
+    def batch(self, step: int, size: int) -> list[Example]:
+        out = []
+        for i, example in enumerate(self.order.batch(step, size)):
+            p = self.base[id(example)]
+            sym = random_symmetry(random.Random(self.seed * 1_000_003 + step * 4099 + i))
+            out.append(to_example(sym.apply(p.puzzle), sym.apply(p.solution)))
+        return out
 
 
 def main() -> None:
@@ -55,23 +96,30 @@ def main() -> None:
     ap.add_argument("--ar", action="store_true", help="train the autoregressive baseline instead")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-augment", action="store_true", help="train on the generated boards only")
+    ap.add_argument("--puzzle-cache", type=Path, default=None, help="JSON-lines cache of the generated puzzles")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    train = puzzles(args.puzzles, 0)
+    base = base_puzzles(args.puzzles, 0, args.puzzle_cache)
+    source = (ExampleSource([to_example(p.puzzle, p.solution) for p in base], 0) if args.no_augment
+              else AugmentedSource(base, 0))
     held = puzzles(64, TEST_SEED + 5_000_000)
     gen_s = time.perf_counter() - t0
+    t_train = time.perf_counter()
     lm = blockpress.random_model(sudoku_config(), seed=0, device=args.device)
     lm.generation_config = {"max_denoising_steps": 32, "max_new_tokens": 81}
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=100,
                       weight_decay=0.01, log_every=25, eval_every=500, eval_batches=1, save_every=250,
                       max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=0)
-    result = Trainer(lm, ExampleSource(train, 0), cfg, args.out, heldout=ExampleSource(held, 1), progress=False).train()
-    summary = {"ar": args.ar, "puzzles": args.puzzles, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
+    result = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False).train()
+    summary = {"ar": args.ar, "puzzles": args.puzzles, "augment": not args.no_augment,
+               "batch_size": args.batch_size, "lr": args.lr, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
                "params": lm.num_parameters(active=False), "first_loss": result.losses[0],
                "last_loss": result.losses[-1], "eval": result.eval_losses,
-               "train_tok_s": round(result.tokens_per_second, 1)}
+               "train_tok_s": round(result.tokens_per_second, 1),
+               "train_minutes": round((time.perf_counter() - t_train) / 60, 1), "threads": torch.get_num_threads()}
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
 

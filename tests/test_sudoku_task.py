@@ -466,3 +466,34 @@ def test_module_does_not_import_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# --- symmetries ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_symmetry_keeps_solutions_valid_and_puzzles_unique(seed):
+    import random
+
+    from blockpress.tasks.sudoku import count_solutions, random_symmetry, verify
+
+    p = generate(seed % 50, "medium")
+    sym = random_symmetry(random.Random(seed))
+    puzzle, solution = sym.apply(p.puzzle), sym.apply(p.solution)
+    assert sorted(sym.cells) == list(range(81))
+    assert puzzle.count("0") == p.puzzle.count("0")
+    assert verify(puzzle, solution).valid
+    assert count_solutions(puzzle) == 1
+    # Givens land where the transformed solution has them.
+    assert all(a == "0" or a == b for a, b in zip(puzzle, solution))
+
+
+def test_symmetries_differ_by_seed():
+    import random
+
+    from blockpress.tasks.sudoku import random_symmetry
+
+    p = generate(3, "easy")
+    boards = {random_symmetry(random.Random(s)).apply(p.solution) for s in range(20)}
+    assert len(boards) == 20
