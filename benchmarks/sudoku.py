@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--sampler", default=None)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-skip", action="store_true",
+                    help="also decode with stopped puzzles kept in the batch (skip_stopped_rows=False)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
@@ -54,6 +56,8 @@ def main() -> None:
         truth = [generate(TEST_SEED + i, level) for i in range(args.per_difficulty)]
         row = {}
         for name, fn in (("diffusion", lambda b: sudoku_model.solve(lm, b, args.steps, args.sampler)),
+                         ("diffusion_no_skip", (lambda b: sudoku_model.solve(
+                             lm, b, args.steps, args.sampler, skip_stopped_rows=False)) if args.compare_skip else None),
                          ("ar", (lambda b: sudoku_model.solve_ar(ar, b)) if ar else None)):
             if fn is None:
                 continue
@@ -62,6 +66,8 @@ def main() -> None:
             for i in range(0, len(truth), args.batch):
                 results += fn([t.puzzle for t in truth[i : i + args.batch]])
             row[name] = evaluate(results, truth, time.perf_counter() - t0)
+        if "diffusion_no_skip" in row:
+            row["skip_speedup"] = row["diffusion"]["puzzles_per_s"] / row["diffusion_no_skip"]["puzzles_per_s"]
         out[level] = row
     print(json.dumps(out, indent=2))
 

@@ -33,6 +33,7 @@ class BenchSettings:
     ar: bool = True
     dtype: str = "float32"
     device: str = "cpu"
+    compile: bool = False  # also time blockpress through torch.compile (the first repeat pays the compile)
 
 
 def _sync(device: torch.device) -> None:
@@ -78,6 +79,17 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         if s.ar:
             row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / row["blockpress_ar"]["tok_s"]
         out["rows"].append(row)
+    if s.compile:
+        lm.compile()
+        for row in out["rows"]:
+            prompt = torch.randint(3, cfg.text.vocab_size, (row["batch"], s.prompt_length),
+                                   generator=torch.Generator().manual_seed(row["batch"]))
+            row["blockpress_compiled"] = _best(max(2, s.repeats), _diffusion, lm, prompt, s)
+            row["compiled_over_eager"] = row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"]
+            if ref is not None:
+                row["compiled_speedup_vs_reference"] = row["blockpress_compiled"]["tok_s"] / row["reference"]["tok_s"]
+            if s.ar:
+                row["blockpress_ar_compiled"] = _best(max(2, s.repeats), _ar, lm, prompt, s)
     return out
 
 

@@ -118,5 +118,18 @@ class KVCache:
                 self.has_padding = True
         self.length = start + new_tokens
 
+    def rows(self, index: torch.Tensor, scratch: int) -> KVCache:
+        """A new cache holding only the rows `index` (the encoded slots plus `scratch` free ones).
+
+        Decoding uses it to stop computing rows of a batch that have finished their canvas: the copy is
+        made once when the set of active rows shrinks, not once per step.
+        """
+        n = self.length
+        keys = [t.index_select(0, index)[:, :, : n + scratch].clone() for t in self.keys]
+        values = [t.index_select(0, index)[:, :, : n + scratch].clone() for t in self.values]
+        valid = self.valid.index_select(0, index)[:, : n + scratch].clone()
+        has_padding = bool((~valid[:, :n]).any()) if n else False
+        return KVCache(keys, values, valid, self.next_pos.index_select(0, index), n, has_padding)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

@@ -9,17 +9,49 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .cache import KVCache
-from .sampling import SamplerConfig, denoise_step, hashed_tokens, hashed_uniforms, init_state, sample
+from .sampling import (
+    CanvasState,
+    SamplerConfig,
+    denoise_step,
+    hashed_tokens,
+    hashed_uniforms,
+    init_state,
+    put_rows,
+    sample,
+    take_rows,
+)
 
 HOLE = "<|hole|>"
 _HOLE_RE = re.compile(r"<\|hole(?::(\d+))?\|>")
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """What the decoding loops call once per step: the decoder pass, the sampler step and, for the AR
+    baseline, the one-token encoder pass. Plain methods by default; `compiled` wraps the same functions in
+    torch.compile, so the model and the sampler stay ordinary eager code."""
+
+    denoise: Callable[..., torch.Tensor]
+    sampler_step: Callable[..., CanvasState]
+    encode_step: Callable[..., torch.Tensor | None]
+
+    @classmethod
+    def eager(cls, model: Any) -> StepFunctions:
+        return cls(model.denoise, denoise_step, model.encode)
+
+    @classmethod
+    def compiled(cls, model: Any, **options: Any) -> StepFunctions:
+        """torch.compile'd step functions (`options` go to torch.compile, e.g. mode or backend). The first
+        calls compile (tens of seconds on CPU); a changing cache length recompiles once as dynamic."""
+        return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
+                   torch.compile(model.encode, **options))
 
 
 @dataclass
@@ -87,6 +119,7 @@ class Request:
     eos_ids: list[int]
     pad_id: int
     seeds: list[int] | None = None  # per-row seeds (the server batches requests); default: `seed` for every row
+    skip_stopped_rows: bool = True  # shrink the batch as rows stop (False: compute them to the end, for comparison)
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -157,13 +190,21 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int)
             pos = m.end()
         ids += tokenizer.encode(template[pos:]) if pos < len(template) else []
         t = torch.tensor(ids, dtype=torch.long)
+    elif isinstance(template, torch.Tensor):
+        if template.dtype.is_floating_point or template.dtype == torch.bool:
+            raise ValueError(f"template: expected integer token ids (-1 for holes), got a {template.dtype} tensor")
+        t = template.detach().to("cpu", torch.long)
     else:
-        t = torch.as_tensor(
-            [[-1 if v is None else v for v in row] for row in template]
-            if isinstance(template, (list, tuple)) and template and isinstance(template[0], (list, tuple))
-            else [-1 if v is None else v for v in template],
-            dtype=torch.long,
-        )
+        try:
+            t = torch.as_tensor(
+                [[-1 if v is None else v for v in row] for row in template]
+                if isinstance(template, (list, tuple)) and template and isinstance(template[0], (list, tuple))
+                else [-1 if v is None else v for v in template],
+                dtype=torch.long,
+            )
+        except (TypeError, ValueError):
+            raise ValueError("template: expected text with <|hole|> markers, token ids [N] or [B, N] "
+                             f"(-1 or None for holes), got {type(template).__name__}") from None
     if t.dim() == 1:
         t = t[None].expand(batch, -1)
     if t.dim() != 2 or t.shape[0] != batch or t.shape[1] == 0:
@@ -207,6 +248,20 @@ def _output(
     )
 
 
+def _shrink(
+    rows: torch.Tensor,
+    keep: torch.Tensor,
+    work: CanvasState,
+    work_cache: KVCache,
+    fixed: torch.Tensor | None,
+    scored: torch.Tensor,
+    canvas_len: int,
+) -> tuple[torch.Tensor, CanvasState, KVCache, torch.Tensor | None, torch.Tensor]:
+    """Keep the sub-batch positions `keep` of the working rows: their batch rows, state, cache and constraints."""
+    return (rows[keep], take_rows(work, keep), work_cache.rows(keep, canvas_len),
+            None if fixed is None else fixed[keep], scored[keep])
+
+
 def run(
     model: Any,
     req: Request,
@@ -214,8 +269,10 @@ def run(
     drafts: bool = False,
     keep_cache: bool = False,
     tokenizer: Any = None,
+    fns: StepFunctions | None = None,
 ) -> Iterator[Draft | Commit | Done]:
     """The block-diffusion loop. See the module docstring of sampling.py for one step."""
+    fns = fns or StepFunctions.eager(model)
     device = model.device
     cfg = req.sampler
     canvas_len = model.config.canvas_length
@@ -250,6 +307,7 @@ def run(
     steps_per_canvas = torch.zeros(b, n_canvases, dtype=torch.long, device=device)
     sc_dtype = model.dtype
     positions = torch.arange(canvas_len, device=device)
+    all_rows = torch.arange(b, device=device)
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -269,22 +327,43 @@ def run(
         state = init_state(noise(ci, cfg.max_denoising_steps + 1))
         if fixed is not None:
             state.canvas = torch.where(fixed >= 0, fixed, state.canvas)
+        # Denoising runs on the rows still working (`rows`, state `work`, cache `work_cache`). When rows stop
+        # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
+        # every random number is per row, so the survivors compute exactly what they would have.
+        rows = all_rows
+        work, work_cache, work_fixed, work_scored = state, cache, fixed, scored
+        if req.skip_stopped_rows and b > 1 and bool(finished.any()):
+            rows, work, work_cache, work_fixed, work_scored = _shrink(
+                rows, (~finished).nonzero()[:, 0], work, work_cache, fixed, scored, canvas_len)
         t_canvas = time.perf_counter()
         for k, step in enumerate(range(cfg.max_denoising_steps, 0, -1), start=1):
-            active = ~(state.done | finished)
-            passes += active
-            steps_per_canvas[:, ci] += active
+            active = ~(work.done | finished[rows])
+            passes[rows] += active
+            steps_per_canvas[rows, ci] += active
             with torch.no_grad():
-                logits = model.denoise(state.canvas, cache, self_conditioning_probs=state.sc_probs)
-                state = denoise_step(
-                    cfg, state, logits, step, noise(ci, step), fixed=fixed, scored=scored, banned=banned,
-                    uniforms=hashed_uniforms(row_seed, ci, step, canvas_len), sc_dtype=sc_dtype,
+                logits = fns.denoise(work.canvas, work_cache, self_conditioning_probs=work.sc_probs)
+                seeds = row_seed[rows]
+                work = fns.sampler_step(
+                    cfg, work, logits, step, hashed_tokens(seeds, ci, step, canvas_len, vocab), fixed=work_fixed,
+                    scored=work_scored, banned=banned, uniforms=hashed_uniforms(seeds, ci, step, canvas_len),
+                    sc_dtype=sc_dtype,
                 )
             if drafts:
-                yield Draft(ci, k, state.argmax.cpu(), state.accepted.cpu(), state.done.cpu(),
+                view = work if rows is all_rows else put_rows(state, rows, work)
+                yield Draft(ci, k, view.argmax.cpu(), view.accepted.cpu(), view.done.cpu(),
                             time.perf_counter() - start)
-            if cfg.adaptive_stopping and bool((state.done | finished).all()):
-                break
+            if cfg.adaptive_stopping:
+                working = ~(work.done | finished[rows])
+                n_working = int(working.sum())  # the step's one host sync
+                if n_working == 0:
+                    break
+                if req.skip_stopped_rows and n_working < rows.numel():
+                    state = work if rows is all_rows else put_rows(state, rows, work)
+                    rows, work, work_cache, work_fixed, work_scored = _shrink(
+                        rows, working.nonzero()[:, 0], work, work_cache, work_fixed, work_scored, canvas_len)
+        if rows is not all_rows:
+            work = put_rows(state, rows, work)
+        state = work
         committed = state.argmax[:, :keep]
         if req.template is None and req.eos_ids:
             is_eos = torch.isin(committed, eos)
@@ -324,8 +403,10 @@ def run_ar(
     cache: KVCache | None = None,
     keep_cache: bool = False,
     tokenizer: Any = None,
+    fns: StepFunctions | None = None,
 ) -> GenerationOutput:
     """Left-to-right decoding with the encoder path and the LM head: the autoregressive baseline."""
+    fns = fns or StepFunctions.eager(model)
     device = model.device
     prompt = req.prompt.to(device)
     b, p = prompt.shape
@@ -363,7 +444,7 @@ def run_ar(
         if stop and not keep_cache:
             break
         with torch.no_grad():
-            logits = model.encode(token[:, None], cache, logits="last")
+            logits = fns.encode_step(token[:, None], cache, logits="last")
         if stop:
             break
     _sync(device)

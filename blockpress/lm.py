@@ -18,6 +18,7 @@ from .generate import (
     Draft,
     GenerationOutput,
     Request,
+    StepFunctions,
     prompt_to_ids,
     run,
     run_ar,
@@ -81,6 +82,7 @@ class LM:
         self.generation_config = dict(generation_config or {})
         self.passthrough = passthrough or Passthrough()
         self.path = path
+        self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
 
     @property
     def config(self) -> ModelConfig:
@@ -96,6 +98,15 @@ class LM:
 
     def num_parameters(self, active: bool = True) -> int:
         return self.config.num_parameters(active=active)
+
+    def compile(self, **options: Any) -> LM:
+        """Run decoding steps through torch.compile from now on (`options` go to torch.compile).
+
+        Pays where per-op overhead dominates (bf16 on CPU, small batches on GPU); the first generation
+        includes compilation. Returns self.
+        """
+        self.step_functions = StepFunctions.compiled(self.model, **options)
+        return self
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache.allocate(self.config.text, batch_size, capacity, self.dtype, self.device)
@@ -205,6 +216,7 @@ class LM:
         return_cache: bool = False,
         drafts: bool = True,
         seeds: list[int] | None = None,
+        skip_stopped_rows: bool = True,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
@@ -216,15 +228,17 @@ class LM:
         if seeds is not None:
             req.seeds = [int(x) for x in seeds]
             req.row_seeds()  # validates the count now, not mid-generation
+        req.skip_stopped_rows = bool(skip_stopped_rows)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
-                   tokenizer=self.tokenizer)
+                   tokenizer=self.tokenizer, fns=self.step_functions)
 
     def generate(self, prompt: Any, max_new_tokens: int | None = None, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
         """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists.
 
         Keyword options: min_new_tokens, attention_mask, template (constrained canvas), hole_length,
-        cache (continue a conversation), return_cache, and sampler settings (entropy_bound, confidence,
+        cache (continue a conversation), return_cache, seeds (one per row), skip_stopped_rows (default
+        True: a row that has stopped leaves the batch until the next canvas), and sampler settings (entropy_bound, confidence,
         t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping).
         """
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
@@ -256,7 +270,7 @@ class LM:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, {})
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
-                      tokenizer=self.tokenizer)
+                      tokenizer=self.tokenizer, fns=self.step_functions)
 
     def save(self, path: str | Path) -> None:
         """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read."""

@@ -134,8 +134,15 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     """rows of x (sorted by expert, group ends at `offsets`) times weight[e].T for their expert e.
 
     weight: [E, out, in] as stored in the checkpoint. Uses torch's grouped GEMM when the shapes allow it
-    (16-byte aligned rows), else one matmul per expert that has tokens.
+    (16-byte aligned rows), else one matmul per expert that has tokens. Under torch.compile it is one
+    opaque op (grouped_mm has no float32 CPU path in the compiler, and the GEMMs gain nothing from it).
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.blockpress.grouped_linear(x, weight, offsets)
+    return _grouped_linear_eager(x, weight, offsets)
+
+
+def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     w = weight.transpose(1, 2)  # [E, in, out], a view
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
     if aligned and x.dtype in (torch.float32, torch.bfloat16) and hasattr(F, "grouped_mm"):
@@ -147,6 +154,16 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
             out[start:end] = x[start:end] @ w[e]
         start = end
     return out
+
+
+@torch.library.custom_op("blockpress::grouped_linear", mutates_args=())
+def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _grouped_linear_eager(x, weight, offsets)
+
+
+@_grouped_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
 
 
 class Experts(nn.Module):

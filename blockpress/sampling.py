@@ -177,6 +177,23 @@ class CanvasState:
     accepted: torch.Tensor  # [B] accepted positions at the last step (for streaming / stats)
 
 
+def take_rows(state: CanvasState, rows: torch.Tensor) -> CanvasState:
+    """The state of the rows `rows` only (a sub-batch)."""
+    sc = None if state.sc_probs is None else state.sc_probs.index_select(0, rows)
+    return CanvasState(*(t.index_select(0, rows) for t in (state.canvas, state.argmax)), sc,
+                       *(t.index_select(0, rows) for t in (state.stable_steps, state.done, state.accepted)))
+
+
+def put_rows(state: CanvasState, rows: torch.Tensor, sub: CanvasState) -> CanvasState:
+    """`state` with the rows `rows` replaced by the sub-batch state `sub` (a new state; `state` is kept).
+
+    The result carries no self-conditioning probabilities: it is for reading (drafts, the commit), while
+    denoising continues on `sub`, which keeps them.
+    """
+    names = ("canvas", "argmax", "stable_steps", "done", "accepted")
+    return CanvasState(sc_probs=None, **{n: getattr(state, n).index_copy(0, rows, getattr(sub, n)) for n in names})
+
+
 def init_state(canvas: torch.Tensor) -> CanvasState:
     b = canvas.shape[0]
     zeros = torch.zeros(b, dtype=torch.long, device=canvas.device)

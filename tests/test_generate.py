@@ -219,3 +219,49 @@ def test_cache_reset_and_size(lm):
     assert cache.length == 0 and int(cache.next_pos.max()) == 0 and not cache.has_padding
     again = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=0, cache=cache)
     assert torch.equal(again.new_tokens, out.new_tokens)
+
+
+def test_skipping_stopped_rows_changes_nothing(lm):
+    """Rows that stop leave the batch; the others compute exactly what they would have, step for step."""
+    # Adaptive stops at different steps: a fully fixed template row is certain at once, rows with holes are not.
+    template = torch.full((4, 16), 9)
+    template[1, 3:9] = -1
+    template[3, ::2] = -1
+    kw = dict(max_denoising_steps=10, seed=4, template=template)
+    fast = lm.generate([[3, 4, 5]] * 4, **kw)
+    slow = lm.generate([[3, 4, 5]] * 4, skip_stopped_rows=False, **kw)
+    steps = fast.steps_per_canvas.sum(1)
+    assert steps[0] < steps[1] and steps[2] < steps[3]  # the batch did shrink mid-canvas
+    assert torch.equal(fast.sequences, slow.sequences)
+    assert torch.equal(fast.forward_passes, slow.forward_passes)
+    assert torch.equal(fast.steps_per_canvas, slow.steps_per_canvas)
+
+
+def test_skipping_finished_rows_changes_nothing(lm):
+    """Rows that ended with an EOS in an earlier canvas are not denoised in later ones."""
+    prompts = [[3 + i, 4 + 2 * i, 5] for i in range(6)]
+    kw = dict(max_new_tokens=40, max_denoising_steps=6, seed=3)
+    fast = lm.generate(prompts, **kw)
+    slow = lm.generate(prompts, skip_stopped_rows=False, **kw)
+    ended = fast.num_new_tokens < 40
+    assert ended.any() and not ended.all()  # some rows finished early, some did not
+    assert torch.equal(fast.sequences, slow.sequences)
+    assert torch.equal(fast.forward_passes, slow.forward_passes)
+    drafts = [e for e in lm.stream(prompts, **kw) if isinstance(e, Draft)]
+    assert all(d.tokens.shape == (6, lm.config.canvas_length) for d in drafts)
+
+
+def test_compiled_steps_trace_and_match_eager():
+    """`LM.compile` runs the same step functions through torch.compile (traced here with the eager backend,
+    so the test checks tracing without paying for code generation)."""
+    import torch._dynamo
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    kw = dict(max_new_tokens=20, max_denoising_steps=4, seed=2)
+    eager, eager_ar = lm.generate([[3, 4, 5], [6, 7, 8]], **kw), lm.generate_ar([3, 4, 5], max_new_tokens=6)
+    torch._dynamo.reset()
+    lm.compile(backend="eager")
+    assert lm.step_functions is not None
+    compiled = lm.generate([[3, 4, 5], [6, 7, 8]], **kw)
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert torch.equal(lm.generate_ar([3, 4, 5], max_new_tokens=6).sequences, eager_ar.sequences)

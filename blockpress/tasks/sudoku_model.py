@@ -46,6 +46,7 @@ def solve(
     sampler: str | None = None,
     seed: int = 0,
     on_draft: Callable[[int, list[str]], None] | None = None,
+    skip_stopped_rows: bool = True,
 ) -> list[ModelSolution]:
     """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle."""
     puzzles = prepare(puzzles)
@@ -53,7 +54,7 @@ def solve(
     template = [_template(p) for p in puzzles]
     out = None
     for event in lm.stream(prompts, template=template, max_denoising_steps=max_denoising_steps, sampler=sampler,
-                           seed=seed, drafts=on_draft is not None):
+                           seed=seed, drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows):
         if isinstance(event, Draft) and on_draft is not None:
             on_draft(event.step, [decode_digits(row) for row in event.tokens.tolist()])
         elif isinstance(event, Done):
