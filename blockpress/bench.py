@@ -76,6 +76,12 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         if ref is not None:
             row["reference"] = _best(s.repeats, _reference_run, ref, prompt, s, device)
             row["speedup_vs_reference"] = row["blockpress"]["tok_s"] / row["reference"]["tok_s"]
+        if device.type == "cpu":
+            row["gemm_ms_per_step"] = _gemm_ms_per_step(lm, prompt)
+            if ref is not None:
+                # No engine at this precision can beat the reference by more than its step time over the GEMMs'.
+                ref_ms = row["reference"]["seconds"] * 1e3 / row["blockpress"]["forward_passes"]
+                row["speedup_bound_at_this_precision"] = ref_ms / row["gemm_ms_per_step"]
         if s.ar:
             row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / row["blockpress_ar"]["tok_s"]
         out["rows"].append(row)
@@ -107,6 +113,27 @@ def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]
             "tokens_per_forward": float(o.tokens_per_forward.mean()), "tok_s": n / total,
             "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
             "ms_per_step": o.denoise_seconds * 1e3 / passes, "peak_memory_gb": _peak(device)}
+
+
+_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm")
+
+
+def _gemm_ms_per_step(lm: LM, prompt: torch.Tensor, passes: int = 4) -> float:
+    """Time inside matrix multiplications per decoder pass with self-conditioning (CPU profiler, own time):
+    the floor that overhead work cannot lower at this precision."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = lm.new_cache(prompt.shape[0], prompt.shape[1] + lm.config.canvas_length)
+    canvas = torch.randint(3, lm.config.text.vocab_size, (prompt.shape[0], lm.config.canvas_length),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lm.model.encode(prompt, cache)
+        probs = torch.softmax(lm.model.denoise(canvas, cache), dim=-1).to(lm.dtype)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(passes):
+                lm.model.denoise(canvas, cache, self_conditioning_probs=probs)
+    total_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in _GEMMS)
+    return total_us / 1e3 / passes
 
 
 def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:

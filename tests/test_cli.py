@@ -96,6 +96,8 @@ def test_bench_json_and_plot(tmp_path, capsys):
         for engine in ("blockpress", "blockpress_ar", "reference"):
             assert row[engine]["tok_s"] > 0 and row[engine]["new_tokens"] == 16 * row["batch"]
         assert row["blockpress"]["forward_passes"] == 2 * 1  # one 16-token canvas, 2 fixed steps
+        assert row["gemm_ms_per_step"] > 0 and row["speedup_bound_at_this_precision"] > 0
+        assert row["speedup_vs_reference"] == pytest.approx(row["blockpress"]["tok_s"] / row["reference"]["tok_s"])
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
