@@ -47,14 +47,18 @@ def solve(
     seed: int = 0,
     on_draft: Callable[[int, list[str]], None] | None = None,
     skip_stopped_rows: bool = True,
+    **sampler_options: Any,
 ) -> list[ModelSolution]:
-    """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle."""
+    """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle.
+
+    `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
     puzzles = prepare(puzzles)
     prompts = [encode_prompt(p) for p in puzzles]
     template = [_template(p) for p in puzzles]
     out = None
     for event in lm.stream(prompts, template=template, max_denoising_steps=max_denoising_steps, sampler=sampler,
-                           seed=seed, drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows):
+                           seed=seed, drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows,
+                           **sampler_options):
         if isinstance(event, Draft) and on_draft is not None:
             on_draft(event.step, [decode_digits(row) for row in event.tokens.tolist()])
         elif isinstance(event, Done):
