@@ -34,6 +34,7 @@ class BenchSettings:
     dtype: str = "float32"
     device: str = "cpu"
     compile: bool = False  # also time blockpress through torch.compile (the first repeat pays the compile)
+    canvas_lengths: list[int] | None = None  # sweep these canvas lengths (None: the preset's)
 
 
 def _sync(device: torch.device) -> None:
@@ -59,44 +60,58 @@ def _best(repeats: int, fn, *args: Any) -> dict[str, Any]:
 
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
-    cfg = ModelConfig.preset(s.preset)
-    cfg.text.eos_token_id = None  # fixed work: random weights would otherwise end at random
-    lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
-    device = lm.device
-    ref = _reference(lm) if s.reference else None
-    out: dict[str, Any] = {"settings": asdict(s), "params": cfg.num_parameters(),
-                           "active_params": cfg.num_parameters(active=True), "canvas": cfg.canvas_length,
-                           "reference_available": ref is not None, "rows": []}
-    for b in s.batch_sizes:
-        prompt = torch.randint(3, cfg.text.vocab_size, (b, s.prompt_length), generator=torch.Generator().manual_seed(b))
-        row: dict[str, Any] = {"batch": b}
-        row["blockpress"] = _best(s.repeats, _diffusion, lm, prompt, s)
-        if s.ar:
-            row["blockpress_ar"] = _best(s.repeats, _ar, lm, prompt, s)
-        if ref is not None:
-            row["reference"] = _best(s.repeats, _reference_run, ref, prompt, s, device)
-            row["speedup_vs_reference"] = row["blockpress"]["tok_s"] / row["reference"]["tok_s"]
-        if device.type == "cpu":
-            row["gemm_ms_per_step"] = _gemm_ms_per_step(lm, prompt)
-            if ref is not None:
-                # No engine at this precision can beat the reference by more than its step time over the GEMMs'.
-                ref_ms = row["reference"]["seconds"] * 1e3 / row["blockpress"]["forward_passes"]
-                row["speedup_bound_at_this_precision"] = ref_ms / row["gemm_ms_per_step"]
-        if s.ar:
-            row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / row["blockpress_ar"]["tok_s"]
-        out["rows"].append(row)
-    if s.compile:
-        lm.compile()
-        for row in out["rows"]:
-            prompt = torch.randint(3, cfg.text.vocab_size, (row["batch"], s.prompt_length),
-                                   generator=torch.Generator().manual_seed(row["batch"]))
-            row["blockpress_compiled"] = _best(max(2, s.repeats), _diffusion, lm, prompt, s)
-            row["compiled_over_eager"] = row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"]
-            if ref is not None:
-                row["compiled_speedup_vs_reference"] = row["blockpress_compiled"]["tok_s"] / row["reference"]["tok_s"]
-            if s.ar:
-                row["blockpress_ar_compiled"] = _best(max(2, s.repeats), _ar, lm, prompt, s)
+    """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs."""
+    base = ModelConfig.preset(s.preset)
+    canvases = s.canvas_lengths or [base.canvas_length]
+    out: dict[str, Any] = {"settings": asdict(s), "params": base.num_parameters(),
+                           "active_params": base.num_parameters(active=True), "canvas": canvases[0], "rows": []}
+    for canvas in canvases:
+        cfg = ModelConfig.preset(s.preset)
+        cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint
+        cfg.text.eos_token_id = None  # fixed work: random weights would otherwise end at random
+        lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
+        ref = _reference(lm) if s.reference else None
+        out["reference_available"] = ref is not None
+        for b in s.batch_sizes:
+            out["rows"].append(_bench_row(lm, ref, b, s))
+        if s.compile:
+            lm.compile()
+            for row in out["rows"][-len(s.batch_sizes):]:
+                prompt = _prompt(cfg, row["batch"], s)
+                row["blockpress_compiled"] = _best(max(2, s.repeats), _diffusion, lm, prompt, s)
+                row["compiled_over_eager"] = row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"]
+                if ref is not None:
+                    row["compiled_speedup_vs_reference"] = (row["blockpress_compiled"]["tok_s"]
+                                                            / row["reference"]["tok_s"])
+                if s.ar:
+                    row["blockpress_ar_compiled"] = _best(max(2, s.repeats), _ar, lm, prompt, s)
     return out
+
+
+def _prompt(cfg: ModelConfig, batch: int, s: BenchSettings) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(3, cfg.text.vocab_size, (batch, s.prompt_length), generator=g)
+
+
+def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
+    device = lm.device
+    prompt = _prompt(lm.config, b, s)
+    row: dict[str, Any] = {"batch": b, "canvas": lm.config.canvas_length}
+    row["blockpress"] = _best(s.repeats, _diffusion, lm, prompt, s)
+    if s.ar:
+        row["blockpress_ar"] = _best(s.repeats, _ar, lm, prompt, s)
+    if ref is not None:
+        row["reference"] = _best(s.repeats, _reference_run, ref, prompt, s, device)
+        row["speedup_vs_reference"] = row["blockpress"]["tok_s"] / row["reference"]["tok_s"]
+    if device.type == "cpu":
+        row["gemm_ms_per_step"] = _gemm_ms_per_step(lm, prompt)
+        if ref is not None:
+            # No engine at this precision can beat the reference by more than its step time over the GEMMs'.
+            ref_ms = row["reference"]["seconds"] * 1e3 / row["blockpress"]["forward_passes"]
+            row["speedup_bound_at_this_precision"] = ref_ms / row["gemm_ms_per_step"]
+    if s.ar:
+        row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / row["blockpress_ar"]["tok_s"]
+    return row
 
 
 def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
@@ -185,12 +200,16 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    batches = [r["batch"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
+    canvases = sorted({r["canvas"] for r in rows})
     for key, label in (("blockpress", "blockpress diffusion"), ("blockpress_ar", "blockpress AR"),
                        ("reference", "reference diffusion")):
-        if key in rows[0]:
-            ax.plot(batches, [r[key]["tok_s"] for r in rows], marker="o", label=label)
+        for canvas in canvases:
+            mine = [r for r in rows if r["canvas"] == canvas and key in r]
+            if not mine or (key == "blockpress_ar" and canvas != canvases[0]):
+                continue  # AR does not depend on the canvas: one line
+            suffix = f", canvas {canvas}" if len(canvases) > 1 and key != "blockpress_ar" else ""
+            ax.plot([r["batch"] for r in mine], [r[key]["tok_s"] for r in mine], marker="o", label=label + suffix)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("new tokens / s")

@@ -339,7 +339,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
-                      ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile)
+                      ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
+                      canvas_lengths=args.canvas_lengths)
     if args.threads:
         torch.set_num_threads(args.threads)
     text = main_json(s, args.plot)
@@ -445,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "ms/step, prefill ms, peak memory); --plot draws tok/s against batch size.")
     p.add_argument("--preset", default="small", help="model shape: tiny, small (~15M), medium (~60M), 26b-a4b")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to sweep")
+    p.add_argument("--canvas-lengths", type=int, nargs="+", default=None,
+                   help="canvas lengths to sweep (same weights; default: the preset's)")
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per row")
     p.add_argument("--steps", type=int, default=48, help="denoising steps per canvas (fixed)")
     p.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per row")

@@ -101,6 +101,17 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_bench_canvas_sweep(tmp_path):
+    assert main(["bench", "--preset", "tiny", "--canvas-lengths", "4", "16", "--new-tokens", "16", "--steps", "2",
+                 "--repeats", "1", "--no-ar", "--out", str(tmp_path / "b.json")]) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["canvas"] for r in rows] == [4, 16]
+    # 16 new tokens are four 4-token canvases or one 16-token canvas, 2 fixed steps each.
+    assert [r["blockpress"]["forward_passes"] for r in rows] == [8, 2]
+    assert [r["reference"]["new_tokens"] for r in rows] == [16, 16]
+    assert all("blockpress_ar" not in r for r in rows)
+
+
 def test_shipped_model_is_small_and_complete():
     if MODEL != "blockpress-code":
         pytest.skip("blockpress-code is not in this package")
