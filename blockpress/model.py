@@ -180,7 +180,9 @@ class Experts(nn.Module):
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        # A scatter-add, not bincount: its output shape is static, so torch.compile keeps the layer in one graph.
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=flat.device)
+        counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = _grouped_linear(x[token_of], self.gate_up_proj, offsets).chunk(2, dim=-1)
         y = _grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, offsets)
