@@ -66,18 +66,22 @@ def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
     assert message in err and "Traceback" not in err
 
 
-def test_shipped_model_beats_chance_on_easy_puzzles():
-    """The shipped model fills cells far better than chance (1/9) on a fixed set of fresh easy puzzles.
+def test_shipped_model_solves_easy_puzzles():
+    """The shipped model, alone (no rules in the decoder), solves fresh easy puzzles it never saw.
 
-    (It does not yet solve them exactly: see the benchmark figures in the closing note.)
+    Thresholds sit below what the packaged model measures here (7 of 10 solved, 95% of empty cells right),
+    with room for platform numerics; an untrained model scores 0 and ~11% (chance).
     """
     if "blockpress-sudoku" not in blockpress.shipped_models():
         pytest.skip("blockpress-sudoku is not in this package")
-    from blockpress.tasks.sudoku import cell_accuracy
+    from blockpress.tasks.sudoku import cell_accuracy, verify
 
     lm = blockpress.load("blockpress-sudoku")
     truth = [generate(30_000_000 + i, "easy") for i in range(10)]
     results = sudoku_model.solve(lm, [t.puzzle for t in truth])
     acc = sum(cell_accuracy(r.solution, t.solution, t.puzzle) for r, t in zip(results, truth)) / len(truth)
-    assert acc > 0.4
-    assert all(r.steps <= 64 for r in results)
+    assert acc > 0.85
+    assert sum(r.valid for r in results) >= 5
+    assert all(r.valid == verify(t.puzzle, r.solution).valid for r, t in zip(results, truth))
+    steps = lm.generation_config["max_denoising_steps"]
+    assert all(1 <= r.steps <= steps for r in results)
