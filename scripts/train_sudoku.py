@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-augment", action="store_true", help="train on the generated boards only")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer, step)")
     ap.add_argument("--puzzle-cache", type=Path, default=None, help="JSON-lines cache of the generated puzzles")
     args = ap.parse_args()
     if args.threads:
@@ -113,7 +114,10 @@ def main() -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=100,
                       weight_decay=0.01, log_every=25, eval_every=500, eval_batches=1, save_every=250,
                       max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=0)
-    result = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False).train()
+    trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
+    if args.resume:
+        trainer.resume()
+    result = trainer.train()
     summary = {"ar": args.ar, "puzzles": args.puzzles, "augment": not args.no_augment,
                "batch_size": args.batch_size, "lr": args.lr, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
                "params": lm.num_parameters(active=False), "first_loss": result.losses[0],
