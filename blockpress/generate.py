@@ -248,18 +248,23 @@ def _output(
     )
 
 
-def _shrink(
-    rows: torch.Tensor,
-    keep: torch.Tensor,
-    work: CanvasState,
-    work_cache: KVCache,
-    fixed: torch.Tensor | None,
-    scored: torch.Tensor,
-    canvas_len: int,
-) -> tuple[torch.Tensor, CanvasState, KVCache, torch.Tensor | None, torch.Tensor]:
-    """Keep the sub-batch positions `keep` of the working rows: their batch rows, state, cache and constraints."""
-    return (rows[keep], take_rows(work, keep), work_cache.rows(keep, canvas_len),
-            None if fixed is None else fixed[keep], scored[keep])
+@dataclass
+class _Working:
+    """The rows of a batch still denoising the current canvas, with everything indexed to them once."""
+
+    rows: torch.Tensor  # [b'] their indices in the full batch
+    state: CanvasState
+    cache: KVCache
+    fixed: torch.Tensor | None
+    scored: torch.Tensor
+    seeds: torch.Tensor
+    finished: torch.Tensor  # [b'] ended with an EOS in an earlier canvas
+
+    def shrink(self, keep: torch.Tensor, canvas_len: int) -> _Working:
+        """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink)."""
+        return _Working(self.rows[keep], take_rows(self.state, keep), self.cache.rows(keep, canvas_len),
+                        None if self.fixed is None else self.fixed[keep], self.scored[keep], self.seeds[keep],
+                        self.finished[keep])
 
 
 def run(
@@ -327,43 +332,37 @@ def run(
         state = init_state(noise(ci, cfg.max_denoising_steps + 1))
         if fixed is not None:
             state.canvas = torch.where(fixed >= 0, fixed, state.canvas)
-        # Denoising runs on the rows still working (`rows`, state `work`, cache `work_cache`). When rows stop
+        # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
         # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
         # every random number is per row, so the survivors compute exactly what they would have.
-        rows = all_rows
-        work, work_cache, work_fixed, work_scored = state, cache, fixed, scored
+        w = _Working(all_rows, state, cache, fixed, scored, row_seed, finished)
         if req.skip_stopped_rows and b > 1 and bool(finished.any()):
-            rows, work, work_cache, work_fixed, work_scored = _shrink(
-                rows, (~finished).nonzero()[:, 0], work, work_cache, fixed, scored, canvas_len)
+            w = w.shrink((~finished).nonzero()[:, 0], canvas_len)
         t_canvas = time.perf_counter()
         for k, step in enumerate(range(cfg.max_denoising_steps, 0, -1), start=1):
-            active = ~(work.done | finished[rows])
-            passes[rows] += active
-            steps_per_canvas[rows, ci] += active
+            active = ~(w.state.done | w.finished)
+            passes[w.rows] += active
+            steps_per_canvas[w.rows, ci] += active
             with torch.no_grad():
-                logits = fns.denoise(work.canvas, work_cache, self_conditioning_probs=work.sc_probs)
-                seeds = row_seed[rows]
-                work = fns.sampler_step(
-                    cfg, work, logits, step, hashed_tokens(seeds, ci, step, canvas_len, vocab), fixed=work_fixed,
-                    scored=work_scored, banned=banned, uniforms=hashed_uniforms(seeds, ci, step, canvas_len),
+                logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+                w.state = fns.sampler_step(
+                    cfg, w.state, logits, step, hashed_tokens(w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
+                    scored=w.scored, banned=banned, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
                     sc_dtype=sc_dtype,
                 )
             if drafts:
-                view = work if rows is all_rows else put_rows(state, rows, work)
+                view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
                 yield Draft(ci, k, view.argmax.cpu(), view.accepted.cpu(), view.done.cpu(),
                             time.perf_counter() - start)
             if cfg.adaptive_stopping:
-                working = ~(work.done | finished[rows])
+                working = ~(w.state.done | w.finished)
                 n_working = int(working.sum())  # the step's one host sync
                 if n_working == 0:
                     break
-                if req.skip_stopped_rows and n_working < rows.numel():
-                    state = work if rows is all_rows else put_rows(state, rows, work)
-                    rows, work, work_cache, work_fixed, work_scored = _shrink(
-                        rows, working.nonzero()[:, 0], work, work_cache, work_fixed, work_scored, canvas_len)
-        if rows is not all_rows:
-            work = put_rows(state, rows, work)
-        state = work
+                if req.skip_stopped_rows and n_working < w.rows.numel():
+                    state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+                    w = w.shrink(working.nonzero()[:, 0], canvas_len)
+        state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
         committed = state.argmax[:, :keep]
         if req.template is None and req.eos_ids:
             is_eos = torch.isin(committed, eos)
