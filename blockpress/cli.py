@@ -254,8 +254,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None:
             raw[f.name] = value
     cfg = TrainConfig.from_dict(raw)
+    if args.resume and args.model is None and args.config is None:
+        args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
+    if args.resume and not (Path(args.out) / "trainer_state.pt").is_file():
+        raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
     if args.model:
         lm = load_model(args.model, args.dtype, args.device)
     else:
@@ -281,7 +285,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         source = ShardSource(TokenShards(files), cfg, lm.config.canvas_length)
         heldout = ShardSource(TokenShards(sorted(glob.glob(args.heldout_data))), cfg,
                               lm.config.canvas_length) if args.heldout_data else None
-    result = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet).train()
+    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet)
+    if args.resume:
+        trainer.resume()
+    result = trainer.train()
     if not args.quiet:
         print(json.dumps({"out": args.out, "steps": result.steps, "first_loss": result.losses[0],
                           "last_loss": result.losses[-1], "eval_losses": result.eval_losses,
@@ -405,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
+                   "step); --steps sets the new end of the cosine schedule")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 

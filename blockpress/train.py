@@ -61,6 +61,7 @@ class TrainConfig:
     log_every: int = 10  # steps between metrics.jsonl lines
     seed: int = 0  # seeds data order, corruption and self-conditioning choices
     autocast: bool = True  # bfloat16 autocast where the hardware has it (CUDA)
+    cpu_autocast: bool = False  # bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)
     lora_rank: int = 0  # >0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights
     lora_alpha: int = 16  # LoRA scaling numerator
     prompt_min: int = 8  # raw-text corpora: shortest prompt of a window
@@ -293,6 +294,8 @@ class Trainer:
         device = self.lm.device
         if self.cfg.autocast and device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.cfg.cpu_autocast and device.type == "cpu":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
         return torch.autocast(device.type, enabled=False)
 
     def _losses(self, batch: Batch, noise: Noise, train: bool) -> tuple[float, float, int]:

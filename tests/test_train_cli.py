@@ -43,6 +43,33 @@ def test_train_config_file_and_flags(tmp_path):
     assert len(losses(tmp_path / "out")) == 2  # the flag wins over the file
 
 
+def test_resume_continues_the_run_exactly(tmp_path):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "whole", steps=5)) == 0
+    assert main(train_args(data, tmp_path / "split", steps=2)) == 0
+    # --resume without --model/--config continues from the run's own checkpoint, to the new --steps
+    assert main([a for a in train_args(data, tmp_path / "split", steps=5) if a not in ("--config", "tiny")]
+                + ["--resume"]) == 0
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
+
+
+def test_resume_without_state_is_a_clear_error(tmp_path, capsys):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "nothing") + ["--resume"]) == 2
+    assert "trainer_state.pt" in capsys.readouterr().err
+
+
+def test_cpu_autocast_trains_in_bfloat16_close_to_float32(tmp_path):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "fp32")) == 0
+    assert main(train_args(data, tmp_path / "bf16") + ["--cpu-autocast"]) == 0
+    fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
+    assert fp32 != bf16  # autocast really changed the arithmetic
+    assert bf16 == pytest.approx(fp32, rel=0.05)
+    assert blockpress.load(tmp_path / "bf16").model.embed_tokens.weight.dtype == blockpress.load(
+        tmp_path / "fp32").model.embed_tokens.weight.dtype  # weights stay in their own dtype
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
