@@ -1,0 +1,121 @@
+"""Code completion as a task: held-out functions from Python source, and what counts as a parseable body.
+
+Shared by `benchmarks/code_model.py` (the test split) and `scripts/tune_code_sampler.py` (a validation split
+of the same held-out modules, disjoint from the test functions), so both judge completions the same way.
+
+A completion is judged as a function body: the prompt is the source up to and including the `def` line(s);
+the body is cut where it ends (the first non-blank line indented no deeper than the `def`) or at the last
+complete line, and it must hold at least one statement that is not a comment.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTEXT_LINES = 20  # source lines before the def that the prompt keeps
+
+
+@dataclass(frozen=True)
+class Function:
+    module: str  # path relative to the source root
+    prefix: str  # up to CONTEXT_LINES lines of context, ending with the def line(s)
+    header: str  # the def line(s) alone (decorators excluded)
+    body: str  # the original body (2-15 lines)
+
+    @property
+    def indent(self) -> int:
+        return len(self.header) - len(self.header.lstrip())
+
+
+def functions_in(source: str, module: str) -> list[Function]:
+    """Functions whose body starts on its own line and spans 2-15 lines, in source order."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        body_start = node.body[0].lineno - 1
+        if node.body[0].lineno == node.lineno or not 2 <= node.end_lineno - body_start <= 15:
+            continue
+        prefix = "".join(lines[max(0, node.lineno - 1 - CONTEXT_LINES) : body_start])
+        header = "".join(lines[node.lineno - 1 : body_start])
+        out.append(Function(module, prefix, header, "".join(lines[body_start : node.end_lineno])))
+    return out
+
+
+def heldout_functions(root: str | Path, modules: list[str], seed: int) -> list[Function]:
+    """Every eligible function of `modules` (paths under `root`), shuffled by `seed`.
+
+    The benchmark takes the first N (the test split); tuning takes a slice after them (validation)."""
+    out: list[Function] = []
+    for rel in modules:
+        try:
+            source = (Path(root) / rel).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        out.extend(functions_in(source, rel))
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def cut_body(completion: str, indent: int) -> str:
+    """The body: up to the first non-blank line indented no deeper than the def, or the last full line."""
+    kept = []
+    for line in completion.split("\n")[:-1]:  # the last piece may be a line cut off mid-way
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
+def parses(header: str, body: str) -> bool:
+    """Does `header + body` parse as Python, with at least one statement in the body?"""
+    if not any(line.strip() and not line.strip().startswith("#") for line in body.splitlines()):
+        return False
+    try:
+        ast.parse(textwrap.dedent(header + body + "\n"))
+        return True
+    except SyntaxError:
+        return False
+
+
+def completion_parses(function: Function, completion: str) -> bool:
+    return parses(function.header, cut_body(completion, function.indent))
+
+
+@dataclass(frozen=True)
+class InfillCase:
+    before: str  # context and body lines above the hole
+    target: str  # the line to recover
+    hole: list[int]  # the target's tokens (the hole has exactly this length)
+    suffix: list[int]  # tokens after the hole that fit on the canvas
+
+
+def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, seed: int) -> list[InfillCase]:
+    """One body line per function becomes a hole of its own token length; the following lines stay fixed."""
+    rng = random.Random(seed)
+    cases = []
+    for f in functions:
+        lines = f.body.split("\n")
+        candidates = [i for i, line in enumerate(lines[:-1]) if line.strip() and not line.strip().startswith("#")]
+        if not candidates:
+            continue
+        i = rng.choice(candidates)
+        before = f.prefix + "\n".join(lines[:i]) + ("\n" if i else "")
+        hole = tokenizer.encode(lines[i])
+        suffix = tokenizer.encode("\n" + "\n".join(lines[i + 1 :]))
+        room = canvas - len(hole)
+        if room < 4 or not hole:
+            continue
+        cases.append(InfillCase(before, lines[i], hole, suffix[:room]))
+        if len(cases) >= limit:
+            break
+    return cases

@@ -1,0 +1,67 @@
+"""Pick blockpress-code's decoding defaults on a validation split (never the benchmark's test functions).
+
+Validation functions come from the same held-out modules as `benchmarks/code_model.py` (never trained on),
+taken after the benchmark's first --test-functions of the shuffled list, so the two sets are disjoint.
+Prints one JSON line per setting (parseable rate, tokens per forward) and the best.
+
+    python scripts/tune_code_sampler.py --model runs/code --functions 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+import warnings
+from pathlib import Path
+
+import torch
+
+import blockpress
+from blockpress.tasks.code import completion_parses, heldout_functions
+
+SETTINGS = [
+    {},  # the checkpoint's generation_config.json
+    {"sampler": "entropy_bound", "t_max": 0.4, "t_min": 0.1},
+    {"sampler": "entropy_bound", "t_max": 0.2, "t_min": 0.05, "entropy_bound": 0.3},
+    {"sampler": "confidence", "confidence": 0.9, "t_max": 0.4, "t_min": 0.1},
+    {"sampler": "topk", "t_max": 0.4, "t_min": 0.1},
+    {"sampler": "greedy"},
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="blockpress-code")
+    ap.add_argument("--manifest", default=None, help="corpus manifest.json (default: the model's own)")
+    ap.add_argument("--functions", type=int, default=40)
+    ap.add_argument("--test-functions", type=int, default=100, help="the benchmark's test split, skipped here")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = blockpress.load(args.model, dtype="float32")
+    manifest = Path(args.manifest) if args.manifest else Path(lm.path) / "corpus_manifest.json"
+    modules = json.loads(manifest.read_text())["heldout_modules"]
+    funcs = heldout_functions(sysconfig.get_paths()["stdlib"], modules, seed=0)
+    funcs = funcs[args.test_functions : args.test_functions + args.functions]
+    prompts = [lm.tokenizer.encode(f.prefix, add_bos=True)[-256:] for f in funcs]
+    rows = []
+    for setting in SETTINGS:
+        ok = new = passes = 0
+        for i, (f, prompt) in enumerate(zip(funcs, prompts)):
+            out = lm.generate([prompt], max_new_tokens=args.max_new_tokens, seed=1_000 + i, **setting)
+            ok += completion_parses(f, out.texts[0])
+            new += int(out.num_new_tokens[0])
+            passes += int(out.forward_passes[0])
+        row = {"setting": setting or "generation_config", "parseable": ok / len(funcs),
+               "tokens_per_forward": new / max(1, passes)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"best": max(rows, key=lambda r: (r["parseable"], r["tokens_per_forward"]))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The code-completion task's judging rules: which functions are eligible, where a body ends, what parses."""
+
+import textwrap
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from blockpress.tasks.code import (
+    Function,
+    completion_parses,
+    cut_body,
+    functions_in,
+    heldout_functions,
+    infill_cases,
+)
+
+SOURCE = textwrap.dedent('''\
+    import os
+
+
+    def one_liner(x): return x
+
+
+    class Box:
+        def __init__(self, items):
+            self.items = list(items)
+            self.size = len(self.items)
+
+        def short(self):
+            return 1
+
+    async def fetch(url):
+        data = await get(url)
+        return data.decode()
+''')
+
+
+def test_functions_in_keeps_multiline_bodies_with_their_context():
+    found = {f.header.strip(): f for f in functions_in(SOURCE, "m.py")}
+    assert set(found) == {"def __init__(self, items):", "async def fetch(url):"}  # one-liners and 1-line bodies out
+    init = found["def __init__(self, items):"]
+    assert init.prefix.endswith(init.header) and "class Box:" in init.prefix
+    assert init.body == "        self.items = list(items)\n        self.size = len(self.items)\n"
+    assert init.indent == 4 and found["async def fetch(url):"].indent == 0
+    assert functions_in("def broken(:\n", "b.py") == []
+
+
+def test_heldout_functions_is_a_seeded_shuffle(tmp_path):
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text(SOURCE)
+    first = heldout_functions(tmp_path, ["a.py", "b.py", "missing.py"], seed=3)
+    assert len(first) == 4 and first == heldout_functions(tmp_path, ["a.py", "b.py"], seed=3)
+    assert {f.module for f in first} == {"a.py", "b.py"}
+
+
+def test_cut_body_stops_at_dedent_or_at_the_last_complete_line():
+    completion = "        x = 1\n\n        return x\n    def other(self):\n        pass\n"
+    assert cut_body(completion, 4) == "        x = 1\n\n        return x"
+    assert cut_body("        x = 1\n        y = (", 4) == "        x = 1"  # the unfinished last line is dropped
+
+
+def test_parses_needs_a_statement_and_valid_syntax():
+    header = "    def f(self):\n"
+    assert completion_parses(Function("m", header, header, ""), "        return self.x\n")
+    assert not completion_parses(Function("m", header, header, ""), "        return (self.x\n        y\n")
+    assert not completion_parses(Function("m", header, header, ""), "        # only a comment\n")
+    assert not completion_parses(Function("m", header, header, ""), "no newline at all")
+
+
+@given(st.lists(st.sampled_from(["x = 1", "y = x + 2", "return y", "if x:", "pass", "print((x)"]), max_size=6))
+def test_cut_body_never_keeps_a_line_at_or_above_the_def_indent(lines):
+    completion = "".join(f"        {line}\n" for line in lines) + "    def g(self):\n        pass\n"
+    body = cut_body(completion, 4)
+    assert all(not line.strip() or line.startswith("        ") for line in body.split("\n"))
+    assert "def g" not in body
+
+
+class CharTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_infill_cases_hole_is_one_body_line_and_fits_the_canvas():
+    funcs = functions_in(SOURCE, "m.py")
+    cases = infill_cases(funcs, CharTokenizer(), canvas=64, limit=10, seed=0)
+    assert cases
+    for case in cases:
+        assert "".join(map(chr, case.hole)) == case.target and case.target.strip()
+        assert len(case.hole) + len(case.suffix) <= 64
+        assert case.before.endswith("\n")
