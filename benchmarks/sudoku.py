@@ -2,7 +2,8 @@
 
 Test puzzles are generated from seeds starting at 10,000,000 (training uses seeds below the puzzle
 count), so none was trained on. Prints JSON: exact-solve rate, cell accuracy on the empty cells, mean
-denoising steps and puzzles/s for each engine and difficulty. The model alone decides (no rules).
+denoising steps and puzzles/s for each engine and difficulty. The model alone decides (no rules);
+`--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry.
 
     python benchmarks/sudoku.py --model blockpress-sudoku --ar-model runs/sudoku-ar --per-difficulty 50
 """
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--sampler", default=None)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rules", action="store_true",
+                    help="also decode with the rule-aware option (reported separately as diffusion_rules)")
     ap.add_argument("--compare-skip", action="store_true",
                     help="also decode with stopped puzzles kept in the batch (skip_stopped_rows=False)")
     args = ap.parse_args()
@@ -58,6 +61,8 @@ def main() -> None:
         for name, fn in (("diffusion", lambda b: sudoku_model.solve(lm, b, args.steps, args.sampler)),
                          ("diffusion_no_skip", (lambda b: sudoku_model.solve(
                              lm, b, args.steps, args.sampler, skip_stopped_rows=False)) if args.compare_skip else None),
+                         ("diffusion_rules", (lambda b: sudoku_model.solve(
+                             lm, b, args.steps, args.sampler, rules=True)) if args.rules else None),
                          ("ar", (lambda b: sudoku_model.solve_ar(ar, b)) if ar else None)):
             if fn is None:
                 continue

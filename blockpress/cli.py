@@ -314,7 +314,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                                 on_draft=on_draft)
+                                 on_draft=on_draft, rules=args.rules)
     seconds = time.perf_counter() - t0
     for r in results:
         if args.json:
@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sudoku", help="solve sudoku puzzles with a block-diffusion model",
                        description="Solve PUZZLE(s): 81 characters each, 0 or . for an empty cell. The givens are "
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
-                                   "search). Default model: blockpress-sudoku.")
+                                   "search), unless --rules. Default model: blockpress-sudoku.")
     p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each")
     p.add_argument("--file", default=None, help="a file with one puzzle per line")
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
@@ -431,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="acceptance rule")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--show-steps", action="store_true", help="print the board as the canvas settles (one puzzle)")
+    p.add_argument("--rules", action="store_true",
+                   help="rule-aware decoding: each step, a cell may not take a digit that a settled cell in its row, "
+                        "column or box holds (candidate filtering only, no search)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per puzzle: puzzle, solution, valid, steps")
     p.set_defaults(func=cmd_sudoku)

@@ -120,6 +120,9 @@ class Request:
     pad_id: int
     seeds: list[int] | None = None  # per-row seeds (the server batches requests); default: `seed` for every row
     skip_stopped_rows: bool = True  # shrink the batch as rows stop (False: compute them to the end, for comparison)
+    # Optional rule over the canvas: (draft tokens [b, C], settled [b, C] bool) -> banned tokens [b, C, V] bool,
+    # called once per step before sampling. A pure tensor function (no host sync); `b` is the rows still working.
+    constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -248,6 +251,17 @@ def _output(
     )
 
 
+def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A constraint's result must be a bool mask [b, C, V] (or broadcastable to it): checked by shape, no sync."""
+    b, c = canvas.shape
+    if not isinstance(banned, torch.Tensor) or banned.dtype != torch.bool or banned.dim() != 3:
+        raise ValueError(f"constraint: expected a bool tensor [{b}, {c}, {vocab}] of banned tokens, got "
+                         f"{type(banned).__name__ if not isinstance(banned, torch.Tensor) else f'{banned.dtype} {list(banned.shape)}'}")
+    if any(n not in (1, want) for n, want in zip(banned.shape, (b, c, vocab))):
+        raise ValueError(f"constraint: expected shape [{b}, {c}, {vocab}] (or broadcastable), got {list(banned.shape)}")
+    return banned
+
+
 @dataclass
 class _Working:
     """The rows of a batch still denoising the current canvas, with everything indexed to them once."""
@@ -329,9 +343,7 @@ def run(
             if bool(early.any()):
                 banned = torch.zeros(1, canvas_len, vocab, dtype=torch.bool, device=device)
                 banned[0, early.nonzero()[:, 0][:, None], eos[None, :]] = True
-        state = init_state(noise(ci, cfg.max_denoising_steps + 1))
-        if fixed is not None:
-            state.canvas = torch.where(fixed >= 0, fixed, state.canvas)
+        state = init_state(noise(ci, cfg.max_denoising_steps + 1), fixed)
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
         # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
         # every random number is per row, so the survivors compute exactly what they would have.
@@ -345,9 +357,13 @@ def run(
             steps_per_canvas[w.rows, ci] += active
             with torch.no_grad():
                 logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+                ban = banned
+                if req.constraint is not None:
+                    ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
+                    ban = ruled if banned is None else ruled | banned
                 w.state = fns.sampler_step(
                     cfg, w.state, logits, step, hashed_tokens(w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
-                    scored=w.scored, banned=banned, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
+                    scored=w.scored, banned=ban, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
                     sc_dtype=sc_dtype,
                 )
             if drafts:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,18 +217,25 @@ class LM:
         drafts: bool = True,
         seeds: list[int] | None = None,
         skip_stopped_rows: bool = True,
+        constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
 
         `seeds`: one seed per row (overrides `seed`), as a server batching independent requests uses it.
+        `constraint(draft [b, C], settled [b, C]) -> banned [b, C, V]`: a rule applied every step before
+        sampling, e.g. sudoku's "no digit twice in a unit" (`settled`: positions holding an accepted or fixed
+        token; the rest of the draft is noise).
         """
+        if constraint is not None and not callable(constraint):
+            raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps))
         if seeds is not None:
             req.seeds = [int(x) for x in seeds]
             req.row_seeds()  # validates the count now, not mid-generation
         req.skip_stopped_rows = bool(skip_stopped_rows)
+        req.constraint = constraint
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
@@ -238,7 +245,8 @@ class LM:
 
         Keyword options: min_new_tokens, attention_mask, template (constrained canvas), hole_length,
         cache (continue a conversation), return_cache, seeds (one per row), skip_stopped_rows (default
-        True: a row that has stopped leaves the batch until the next canvas), and sampler settings (entropy_bound, confidence,
+        True: a row that has stopped leaves the batch until the next canvas), constraint (a per-step rule, see
+        `stream`), and sampler settings (entropy_bound, confidence,
         t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping).
         """
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):

@@ -175,13 +175,14 @@ class CanvasState:
     stable_steps: torch.Tensor  # [B] consecutive steps with an unchanged argmax
     done: torch.Tensor  # [B] bool: adaptive stop reached
     accepted: torch.Tensor  # [B] accepted positions at the last step (for streaming / stats)
+    settled: torch.Tensor  # [B, C] bool: positions holding an accepted or fixed token (the rest is noise)
 
 
 def take_rows(state: CanvasState, rows: torch.Tensor) -> CanvasState:
     """The state of the rows `rows` only (a sub-batch)."""
     sc = None if state.sc_probs is None else state.sc_probs.index_select(0, rows)
     return CanvasState(*(t.index_select(0, rows) for t in (state.canvas, state.argmax)), sc,
-                       *(t.index_select(0, rows) for t in (state.stable_steps, state.done, state.accepted)))
+                       *(t.index_select(0, rows) for t in (state.stable_steps, state.done, state.accepted, state.settled)))
 
 
 def put_rows(state: CanvasState, rows: torch.Tensor, sub: CanvasState) -> CanvasState:
@@ -190,14 +191,19 @@ def put_rows(state: CanvasState, rows: torch.Tensor, sub: CanvasState) -> Canvas
     The result carries no self-conditioning probabilities: it is for reading (drafts, the commit), while
     denoising continues on `sub`, which keeps them.
     """
-    names = ("canvas", "argmax", "stable_steps", "done", "accepted")
+    names = ("canvas", "argmax", "stable_steps", "done", "accepted", "settled")
     return CanvasState(sc_probs=None, **{n: getattr(state, n).index_copy(0, rows, getattr(sub, n)) for n in names})
 
 
-def init_state(canvas: torch.Tensor) -> CanvasState:
+def init_state(canvas: torch.Tensor, fixed: torch.Tensor | None = None) -> CanvasState:
+    """The state before the first step: `canvas` is noise, except at the `fixed` positions (>= 0)."""
     b = canvas.shape[0]
     zeros = torch.zeros(b, dtype=torch.long, device=canvas.device)
-    return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros)
+    settled = torch.zeros_like(canvas, dtype=torch.bool)
+    if fixed is not None:
+        settled = fixed >= 0
+        canvas = torch.where(settled, fixed, canvas)
+    return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros, settled)
 
 
 def denoise_step(
@@ -265,4 +271,5 @@ def denoise_step(
         stable_steps=torch.where(done, state.stable_steps, stable_steps),
         done=done | stop,
         accepted=torch.where(done, state.accepted, accept.sum(-1)),
+        settled=torch.where(keep, state.settled, accept | ~free),
     )

@@ -265,3 +265,45 @@ def test_compiled_steps_trace_and_match_eager():
     compiled = lm.generate([[3, 4, 5], [6, 7, 8]], **kw)
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch.equal(lm.generate_ar([3, 4, 5], max_new_tokens=6).sequences, eager_ar.sequences)
+
+
+def test_constraint_bans_tokens_every_step_and_sees_settled_positions(lm, monkeypatch):
+    """A per-step rule: the banned token never appears (though the model wants it everywhere); the rule sees
+    the draft and the settled positions."""
+    rig_head(lm, monkeypatch, 7)
+    vocab = lm.config.text.vocab_size
+    seen = []
+
+    def no_token_7(draft, settled):
+        seen.append((draft.clone(), settled.clone()))
+        banned = torch.zeros(1, 1, vocab, dtype=torch.bool)
+        banned[..., 7] = True
+        return banned
+
+    c = lm.config.canvas_length
+    template = torch.full((2, c), 9)
+    template[:, 2 : c - 2] = -1
+    out = lm.generate([[3, 4, 5]] * 2, template=template, max_denoising_steps=6, seed=1, sampler="topk",
+                      constraint=no_token_7, adaptive_stopping=False)
+    assert not (out.new_tokens == 7).any()
+    first_draft, first_settled = seen[0]
+    assert torch.equal(first_settled, template >= 0)  # before the first step only the fixed slots are settled
+    assert torch.equal(first_draft[template >= 0], template[template >= 0])
+    last_settled = seen[-1][1]  # topk has accepted some free positions by the last step
+    assert (last_settled & (template < 0)).any() and last_settled[template >= 0].all()
+    assert len(seen) == 6  # once per step
+    unruled = lm.generate([[3, 4, 5]] * 2, template=template, max_denoising_steps=6, seed=1, sampler="topk",
+                          adaptive_stopping=False)
+    assert (unruled.new_tokens[template < 0] == 7).all()  # without the rule the rigged model writes 7s
+
+
+@pytest.mark.parametrize("result, message", [
+    (lambda d, s: None, "bool tensor"),
+    (lambda d, s: torch.zeros(d.shape[0], d.shape[1], 5, dtype=torch.bool), "shape"),
+    (lambda d, s: torch.zeros(*d.shape, 64), "bool tensor"),
+])
+def test_bad_constraint_is_a_clear_error(lm, result, message):
+    with pytest.raises(ValueError, match=f"constraint.*{message}"):
+        lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, constraint=result)
+    with pytest.raises(ValueError, match="constraint: expected a function"):
+        lm.generate([3, 4], max_new_tokens=8, constraint="rules")

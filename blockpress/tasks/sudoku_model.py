@@ -1,6 +1,9 @@
 """Solving sudoku with a block-diffusion model: the givens are fixed positions of a constrained canvas.
 
-The model alone decides every empty cell: no candidate filtering, no search, no rules in the decoder.
+By default the model alone decides every empty cell: no candidate filtering, no search, no rules in the
+decoder. `rules=True` is the rule-aware option, reported separately: each step, a cell may not take a digit
+that a settled peer (a given, or a cell accepted at the last step, in its row, column or box) already
+holds. It filters candidates only; there is still no search and no backtracking.
 `solve_ar` decodes the same kind of model left to right (the autoregressive baseline).
 """
 
@@ -14,6 +17,37 @@ import torch
 
 from ..generate import Commit, Done, Draft
 from .sudoku import VOCAB, check_puzzle, decode_digits, encode_prompt, parse_puzzle, verify
+
+_DIGIT_IDS = torch.tensor([VOCAB.digit_id(str(d)) for d in range(1, 10)])
+
+
+def _peers() -> torch.Tensor:
+    """[81, 81] float: 1 where two different cells share a row, a column or a box."""
+    cell = torch.arange(81)
+    row, col = cell // 9, cell % 9
+    box = (row // 3) * 3 + col // 3
+    same = (row[:, None] == row[None]) | (col[:, None] == col[None]) | (box[:, None] == box[None])
+    return (same & (cell[:, None] != cell[None])).float()
+
+
+def rules_constraint(vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The rule-aware decoding constraint: only digits, and none a settled peer already holds.
+
+    A cell whose every digit is held by its peers (the settled cells contradict each other) is left to the
+    model rather than forced into a non-digit.
+    """
+    peers = _peers()
+
+    def constraint(draft: torch.Tensor, settled: torch.Tensor) -> torch.Tensor:
+        digits = _DIGIT_IDS.to(draft.device)
+        held = ((draft[..., None] == digits) & settled[..., None]).float()  # [b, 81, 9]
+        taken = torch.einsum("ij,bjd->bid", peers.to(draft.device), held) > 0
+        taken &= ~taken.all(dim=-1, keepdim=True)
+        banned = torch.ones(*draft.shape, vocab_size, dtype=torch.bool, device=draft.device)
+        banned[..., digits] = taken
+        return banned
+
+    return constraint
 
 
 @dataclass
@@ -47,10 +81,12 @@ def solve(
     seed: int = 0,
     on_draft: Callable[[int, list[str]], None] | None = None,
     skip_stopped_rows: bool = True,
+    rules: bool = False,
     **sampler_options: Any,
 ) -> list[ModelSolution]:
     """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle.
 
+    `rules`: the rule-aware option (see the module docstring); off, the model alone decides.
     `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
     puzzles = prepare(puzzles)
     prompts = [encode_prompt(p) for p in puzzles]
@@ -58,6 +94,7 @@ def solve(
     out = None
     for event in lm.stream(prompts, template=template, max_denoising_steps=max_denoising_steps, sampler=sampler,
                            seed=seed, drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows,
+                           constraint=rules_constraint(lm.config.text.vocab_size) if rules else None,
                            **sampler_options):
         if isinstance(event, Draft) and on_draft is not None:
             on_draft(event.step, [decode_digits(row) for row in event.tokens.tolist()])
