@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sysconfig
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
 import blockpress
-from blockpress.tasks.code import completion_parses, heldout_functions, infill_cases
+from blockpress.tasks.code import completion_parses, infill_cases, model_heldout_functions
 
 
 def main() -> None:
@@ -45,10 +43,8 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
-    manifest = Path(args.manifest) if args.manifest else Path(lm.path) / "corpus_manifest.json"
-    modules = json.loads(manifest.read_text())["heldout_modules"]
     tok = lm.tokenizer
-    funcs = heldout_functions(sysconfig.get_paths()["stdlib"], modules, args.seed)[args.skip : args.skip + args.functions]
+    funcs = model_heldout_functions(lm.path, args.manifest, args.seed)[args.skip : args.skip + args.functions]
     options = json.loads(args.sampler_options) if args.sampler_options else {}
     result: dict = {"benchmark": "code_model", "model": args.model, "functions": len(funcs),
                     "params": lm.num_parameters(active=False), "active_params": lm.num_parameters(active=True),

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sysconfig
 import warnings
-from pathlib import Path
 
 import torch
 
 import blockpress
-from blockpress.tasks.code import completion_parses, heldout_functions
+from blockpress.tasks.code import completion_parses, model_heldout_functions
 
 SETTINGS = [
     {},  # the checkpoint's generation_config.json
@@ -44,9 +42,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
-    manifest = Path(args.manifest) if args.manifest else Path(lm.path) / "corpus_manifest.json"
-    modules = json.loads(manifest.read_text())["heldout_modules"]
-    funcs = heldout_functions(sysconfig.get_paths()["stdlib"], modules, seed=0)
+    funcs = model_heldout_functions(lm.path, args.manifest, seed=0)
     funcs = funcs[args.test_functions : args.test_functions + args.functions]
     prompts = [lm.tokenizer.encode(f.prefix, add_bos=True)[-256:] for f in funcs]
     rows = []

@@ -88,3 +88,17 @@ def test_infill_cases_hole_is_one_body_line_and_fits_the_canvas():
         assert "".join(map(chr, case.hole)) == case.target and case.target.strip()
         assert len(case.hole) + len(case.suffix) <= 64
         assert case.before.endswith("\n")
+
+
+def test_model_heldout_functions_reads_the_manifest(tmp_path):
+    import json
+
+    import pytest
+
+    from blockpress.tasks.code import model_heldout_functions
+
+    with pytest.raises(FileNotFoundError, match="corpus_manifest.json"):
+        model_heldout_functions(tmp_path)
+    (tmp_path / "corpus_manifest.json").write_text(json.dumps({"heldout_modules": ["copyreg.py"]}))
+    funcs = model_heldout_functions(tmp_path)
+    assert funcs and {f.module for f in funcs} == {"copyreg.py"}

@@ -66,6 +66,19 @@ def heldout_functions(root: str | Path, modules: list[str], seed: int) -> list[F
     return out
 
 
+def model_heldout_functions(model_dir: str | Path, manifest: str | Path | None = None, seed: int = 0) -> list[Function]:
+    """`heldout_functions` over this interpreter's stdlib, for the modules a model's corpus held out
+    (its shipped `corpus_manifest.json`, or `manifest`)."""
+    import json
+    import sysconfig
+
+    path = Path(manifest) if manifest else Path(model_dir) / "corpus_manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no corpus manifest (pass --manifest, the corpus build's manifest.json)")
+    modules = json.loads(path.read_text())["heldout_modules"]
+    return heldout_functions(sysconfig.get_paths()["stdlib"], modules, seed)
+
+
 def cut_body(completion: str, indent: int) -> str:
     """The body: up to the first non-blank line indented no deeper than the def, or the last full line."""
     kept = []
