@@ -2,7 +2,8 @@
 
 Figures (JSON):
 - parseable: fraction of generated function bodies that `ast.parse` accepts. The prompt is the function's
-  source up to its `def` line. The completion is cut where the body ends (the first non-blank line indented
+  source up to its `def` line, without the newline that ends it (BPE merges a newline with the indentation
+  after it, so the model writes both; see `blockpress.tasks.code`). The completion is cut where the body ends (the first non-blank line indented
   no deeper than the `def`) or at the last complete line, and must hold at least one statement.
 - infill_exact: exact-match rate of single-line infills. One body line becomes a hole of its own token
   length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
@@ -53,7 +54,7 @@ def main() -> None:
     for engine in ("diffusion", "ar"):
         ok, new, passes, seconds, examples = 0, 0, 0, 0.0, []
         for i, f in enumerate(funcs):
-            prompt = tok.encode(f.prefix, add_bos=True)[-256:]
+            prompt = tok.encode(f.prompt_text, add_bos=True)[-256:]
             t0 = time.perf_counter()
             if engine == "diffusion":
                 out = lm.generate([prompt], max_new_tokens=args.max_new_tokens, seed=args.seed + i, **options)
@@ -78,7 +79,7 @@ def main() -> None:
         got = tok.decode(out.new_tokens[0, : len(case.hole)].tolist())
         hits_diff += got.strip() == case.target.strip()
         ar = lm.generate_ar([prompt], max_new_tokens=len(case.hole))
-        hits_ar += tok.decode(ar.new_tokens[0].tolist()).split("\n")[0].strip() == case.target.strip()
+        hits_ar += tok.decode(ar.new_tokens[0].tolist()).lstrip("\n").split("\n")[0].strip() == case.target.strip()
     result["infill_cases"] = len(cases)
     result["diffusion"]["infill_exact"] = hits_diff / max(1, len(cases))
     result["ar"]["infill_exact"] = hits_ar / max(1, len(cases))

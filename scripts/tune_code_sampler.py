@@ -21,10 +21,12 @@ from blockpress.tasks.code import completion_parses, model_heldout_functions
 SETTINGS = [
     {},  # the checkpoint's generation_config.json
     {"sampler": "entropy_bound", "t_max": 0.4, "t_min": 0.1},
-    {"sampler": "entropy_bound", "t_max": 0.2, "t_min": 0.05, "entropy_bound": 0.3},
-    {"sampler": "confidence", "confidence": 0.9, "t_max": 0.4, "t_min": 0.1},
-    {"sampler": "topk", "t_max": 0.4, "t_min": 0.1},
+    {"sampler": "entropy_bound", "entropy_bound": 0.03, "t_max": 0.3, "t_min": 0.05},
     {"sampler": "greedy"},
+    {"sampler": "greedy", "entropy_bound": 0.02},
+    {"sampler": "confidence", "confidence": 0.9, "t_max": 0.4, "t_min": 0.1},
+    {"sampler": "topk", "max_denoising_steps": 16, "t_max": 0.3, "t_min": 0.05},  # 2 tokens a step (canvas 32)
+    {"sampler": "topk", "max_denoising_steps": 32, "t_max": 0.3, "t_min": 0.05},  # 1 token a step
 ]
 
 
@@ -44,7 +46,7 @@ def main() -> None:
         lm = blockpress.load(args.model, dtype="float32")
     funcs = model_heldout_functions(lm.path, args.manifest, seed=0)
     funcs = funcs[args.test_functions : args.test_functions + args.functions]
-    prompts = [lm.tokenizer.encode(f.prefix, add_bos=True)[-256:] for f in funcs]
+    prompts = [lm.tokenizer.encode(f.prompt_text, add_bos=True)[-256:] for f in funcs]
     rows = []
     for setting in SETTINGS:
         ok = new = passes = 0

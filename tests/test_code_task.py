@@ -42,6 +42,7 @@ def test_functions_in_keeps_multiline_bodies_with_their_context():
     assert init.prefix.endswith(init.header) and "class Box:" in init.prefix
     assert init.body == "        self.items = list(items)\n        self.size = len(self.items)\n"
     assert init.indent == 4 and found["async def fetch(url):"].indent == 0
+    assert init.prompt_text + "\n" == init.prefix  # the model writes the newline (and indentation) itself
     assert functions_in("def broken(:\n", "b.py") == []
 
 
@@ -85,9 +86,11 @@ def test_infill_cases_hole_is_one_body_line_and_fits_the_canvas():
     cases = infill_cases(funcs, CharTokenizer(), canvas=64, limit=10, seed=0)
     assert cases
     for case in cases:
-        assert "".join(map(chr, case.hole)) == case.target and case.target.strip()
+        assert "".join(map(chr, case.hole)) == "\n" + case.target and case.target.strip()
         assert len(case.hole) + len(case.suffix) <= 64
-        assert case.before.endswith("\n")
+        assert not case.before.endswith("\n")
+        whole = case.before + "".join(map(chr, case.hole + case.suffix))
+        assert whole in SOURCE  # before + hole + suffix is the source text, cut at the canvas' end
 
 
 def test_model_heldout_functions_reads_the_manifest(tmp_path):

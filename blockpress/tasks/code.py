@@ -30,6 +30,13 @@ class Function:
     def indent(self) -> int:
         return len(self.header) - len(self.header.lstrip())
 
+    @property
+    def prompt_text(self) -> str:
+        """The prefix without its final newline. Byte-level BPE merges a newline with the indentation after
+        it ("\n        " is one token), so a prompt ending in a bare "\n" token tells the model that the next
+        line starts at column 0. The model writes the newline and the body's indentation itself."""
+        return self.prefix[:-1] if self.prefix.endswith("\n") else self.prefix
+
 
 def functions_in(source: str, module: str) -> list[Function]:
     """Functions whose body starts on its own line and spans 2-15 lines, in source order."""
@@ -106,14 +113,16 @@ def completion_parses(function: Function, completion: str) -> bool:
 
 @dataclass(frozen=True)
 class InfillCase:
-    before: str  # context and body lines above the hole
+    before: str  # context and body lines above the hole, without the newline that ends them
     target: str  # the line to recover
-    hole: list[int]  # the target's tokens (the hole has exactly this length)
+    hole: list[int]  # the tokens of "\n" + target (the hole has exactly this length)
     suffix: list[int]  # tokens after the hole that fit on the canvas
 
 
 def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, seed: int) -> list[InfillCase]:
-    """One body line per function becomes a hole of its own token length; the following lines stay fixed."""
+    """One body line per function becomes a hole of its own token length; the following lines stay fixed.
+
+    The newline before the target belongs to the hole, as running text tokenizes it (see `prompt_text`)."""
     rng = random.Random(seed)
     cases = []
     for f in functions:
@@ -122,8 +131,8 @@ def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, 
         if not candidates:
             continue
         i = rng.choice(candidates)
-        before = f.prefix + "\n".join(lines[:i]) + ("\n" if i else "")
-        hole = tokenizer.encode(lines[i])
+        before = f.prompt_text + "".join("\n" + line for line in lines[:i])
+        hole = tokenizer.encode("\n" + lines[i])
         suffix = tokenizer.encode("\n" + "\n".join(lines[i + 1 :]))
         room = canvas - len(hole)
         if room < 4 or not hole:
