@@ -131,14 +131,15 @@ def test_rules_option_keeps_givens_and_only_fills_digits(tiny_sudoku, capsys):
 
 
 def test_shipped_model_with_rules_solves_medium_puzzles():
-    """The rule-aware option (reported separately from the model alone) on fresh medium puzzles.
+    """The rule-aware option (reported separately from the model alone) on 16 fresh medium puzzles.
 
-    It measures 5 of 8 here against 2 of 8 for the model alone; the threshold leaves room for numerics.
+    It measures 7 solved against 4 for the model alone here (bf16 weights; 9 against 4 in float32); the
+    thresholds leave room for platform numerics.
     """
     if "blockpress-sudoku" not in blockpress.shipped_models():
         pytest.skip("blockpress-sudoku is not in this package")
     lm = blockpress.load("blockpress-sudoku")
-    puzzles = [generate(30_000_000 + i, "medium").puzzle for i in range(8)]
+    puzzles = [generate(30_000_000 + i, "medium").puzzle for i in range(16)]
     alone = sum(r.valid for r in sudoku_model.solve(lm, puzzles))
     ruled = sum(r.valid for r in sudoku_model.solve(lm, puzzles, rules=True))
-    assert ruled >= 3 and ruled >= alone
+    assert ruled >= 5 and ruled > alone
