@@ -255,8 +255,8 @@ def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Te
     """A constraint's result must be a bool mask [b, C, V] (or broadcastable to it): checked by shape, no sync."""
     b, c = canvas.shape
     if not isinstance(banned, torch.Tensor) or banned.dtype != torch.bool or banned.dim() != 3:
-        raise ValueError(f"constraint: expected a bool tensor [{b}, {c}, {vocab}] of banned tokens, got "
-                         f"{type(banned).__name__ if not isinstance(banned, torch.Tensor) else f'{banned.dtype} {list(banned.shape)}'}")
+        got = f"{banned.dtype} {list(banned.shape)}" if isinstance(banned, torch.Tensor) else type(banned).__name__
+        raise ValueError(f"constraint: expected a bool tensor [{b}, {c}, {vocab}] of banned tokens, got {got}")
     if any(n not in (1, want) for n, want in zip(banned.shape, (b, c, vocab))):
         raise ValueError(f"constraint: expected shape [{b}, {c}, {vocab}] (or broadcastable), got {list(banned.shape)}")
     return banned

@@ -30,18 +30,17 @@ def _peers() -> torch.Tensor:
     return (same & (cell[:, None] != cell[None])).float()
 
 
-def rules_constraint(vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The rule-aware decoding constraint: only digits, and none a settled peer already holds.
 
     A cell whose every digit is held by its peers (the settled cells contradict each other) is left to the
     model rather than forced into a non-digit.
     """
-    peers = _peers()
+    peers, digits = _peers().to(device), _DIGIT_IDS.to(device)  # moved once, not every step
 
     def constraint(draft: torch.Tensor, settled: torch.Tensor) -> torch.Tensor:
-        digits = _DIGIT_IDS.to(draft.device)
         held = ((draft[..., None] == digits) & settled[..., None]).float()  # [b, 81, 9]
-        taken = torch.einsum("ij,bjd->bid", peers.to(draft.device), held) > 0
+        taken = torch.einsum("ij,bjd->bid", peers, held) > 0
         taken &= ~taken.all(dim=-1, keepdim=True)
         banned = torch.ones(*draft.shape, vocab_size, dtype=torch.bool, device=draft.device)
         banned[..., digits] = taken
@@ -94,7 +93,7 @@ def solve(
     out = None
     for event in lm.stream(prompts, template=template, max_denoising_steps=max_denoising_steps, sampler=sampler,
                            seed=seed, drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows,
-                           constraint=rules_constraint(lm.config.text.vocab_size) if rules else None,
+                           constraint=rules_constraint(lm.config.text.vocab_size, lm.device) if rules else None,
                            **sampler_options):
         if isinstance(event, Draft) and on_draft is not None:
             on_draft(event.step, [decode_digits(row) for row in event.tokens.tolist()])
