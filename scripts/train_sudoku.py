@@ -99,6 +99,11 @@ def main() -> None:
     ap.add_argument("--no-augment", action="store_true", help="train on the generated boards only")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer, step)")
     ap.add_argument("--puzzle-cache", type=Path, default=None, help="JSON-lines cache of the generated puzzles")
+    ap.add_argument("--init-from", default=None,
+                    help="start from these weights (a model name or folder) with a fresh optimizer and schedule")
+    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--aux-ar-weight", type=float, default=1.0, help="weight of the encoder's next-token loss")
+    ap.add_argument("--cpu-autocast", action="store_true", help="bf16 autocast on CPUs with native bf16")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,16 +114,21 @@ def main() -> None:
     held = puzzles(64, TEST_SEED + 5_000_000)
     gen_s = time.perf_counter() - t0
     t_train = time.perf_counter()
-    lm = blockpress.random_model(sudoku_config(), seed=0, device=args.device)
+    if args.init_from and args.resume:
+        ap.error("--init-from and --resume: choose one")
+    lm = (blockpress.load(args.init_from, dtype=torch.float32, device=args.device) if args.init_from
+          else blockpress.random_model(sudoku_config(), seed=0, device=args.device))
     lm.generation_config = {"max_denoising_steps": 32, "max_new_tokens": 81}
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=100,
-                      weight_decay=0.01, log_every=25, eval_every=500, eval_batches=1, save_every=250,
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                      weight_decay=0.01, aux_ar_weight=1.0 if args.ar else args.aux_ar_weight,
+                      cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1, save_every=250,
                       max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=0)
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
         trainer.resume()
     result = trainer.train()
-    summary = {"ar": args.ar, "puzzles": args.puzzles, "augment": not args.no_augment,
+    summary = {"ar": args.ar, "init_from": args.init_from, "aux_ar_weight": cfg.aux_ar_weight,
+               "puzzles": args.puzzles, "augment": not args.no_augment,
                "batch_size": args.batch_size, "lr": args.lr, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
                "params": lm.num_parameters(active=False), "first_loss": result.losses[0],
                "last_loss": result.losses[-1], "eval": result.eval_losses,
