@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from blockpress.healing import heal, strip_prefix
+
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
 
@@ -65,8 +67,9 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 class LiveView:
     """Redraws the text as the canvas settles: changing tokens dim, settled ones bright, committed plain."""
 
-    def __init__(self, lm: Any, prompt: str):
+    def __init__(self, lm: Any, prompt: str, healed_prefix: str = ""):
         self.lm, self.prompt, self.committed = lm, prompt, ""
+        self.healed_prefix = healed_prefix  # the first draft token repeats it (token healing): not drawn twice
         self.previous: list[int] | None = None
         sys.stdout.write(prompt + "\x1b[s")
         sys.stdout.flush()
@@ -76,6 +79,8 @@ class LiveView:
         parts = []
         for i, t in enumerate(tokens):
             piece = tok.decode([t])
+            if i == 0 and not self.committed and self.healed_prefix:
+                piece = strip_prefix(piece, self.healed_prefix)
             settled = self.previous is not None and self.previous[i] == t
             parts.append(("\x1b[1;32m" if settled else "\x1b[2;33m") + piece + "\x1b[0m")
         self.previous = tokens
@@ -102,16 +107,18 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockpress.generate import Commit, Done, Draft
+    from blockpress.generate import Commit, Done, Draft, encode_texts
 
     lm = load_model(args.model, args.dtype, args.device)
     if lm.tokenizer is None:
         raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
     live = sys.stdout.isatty() and not args.no_live and not args.json
-    view = LiveView(lm, args.prompt) if live else None
+    healing = not args.no_token_healing
+    prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
+    view = LiveView(lm, args.prompt, prefix) if live else None
     t0 = time.perf_counter()
     out = None
-    for event in lm.stream(args.prompt, drafts=live, **sampling_kwargs(args)):
+    for event in lm.stream(args.prompt, drafts=live, token_healing=healing, **sampling_kwargs(args)):
         if isinstance(event, Draft) and view:
             view.draft(event.tokens[0].tolist())
         elif isinstance(event, Commit) and view:
@@ -371,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--no-live", action="store_true", help="print only the final text (no live canvas)")
+    p.add_argument("--no-token-healing", action="store_true",
+                   help="keep the prompt's last token as typed (by default the model may re-choose it when a "
+                        "longer token could have merged there, e.g. a trailing newline before indentation)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, new_tokens, forward_passes, tokens_per_forward, tok_s")
     p.set_defaults(func=cmd_generate)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
+from .healing import strip_prefix
 from .sampling import (
     CanvasState,
     SamplerConfig,
@@ -123,6 +124,10 @@ class Request:
     # Optional rule over the canvas: (draft tokens [b, C], settled [b, C] bool) -> banned tokens [b, C, V] bool,
     # called once per step before sampling. A pure tensor function (no host sync); `b` is the rows still working.
     constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Token healing (see healing.py): per row, the tokens the first new token may be [B, V], and the text
+    # each row's output must drop because the prompt already holds it.
+    first_allowed: torch.Tensor | None = None
+    heal_prefixes: list[str] | None = None
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -153,14 +158,17 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, (None if bool(mask.all()) else mask)
 
 
+def encode_texts(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """Text prompts as token ids, BOS first when the tokenizer has one."""
+    return [tokenizer.encode(t, add_bos=tokenizer.bos_id is not None) for t in texts]
+
+
 def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """str | list[str] | LongTensor [P] / [B, P] | list of token-id lists -> (ids [B, P], mask or None)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
         if tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        rows = [tokenizer.encode(t, add_bos=tokenizer.bos_id is not None) for t in texts]
-        return left_pad(rows, pad_id)
+        return left_pad(encode_texts([prompt] if isinstance(prompt, str) else prompt, tokenizer), pad_id)
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 1:
             prompt = prompt[None]
@@ -236,7 +244,7 @@ def _output(
 ) -> GenerationOutput:
     texts = None
     if tokenizer is not None:
-        texts = tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())])
+        texts = _heal_texts(req, tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]))
     return GenerationOutput(
         sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
         prompt_length=req.prompt.shape[1],
@@ -249,6 +257,13 @@ def _output(
         denoise_seconds=decode_s,
         cache=cache,
     )
+
+
+def _heal_texts(req: Request, texts: list[str]) -> list[str]:
+    """Drop the healed prefix that the prompt already holds from each row's first text."""
+    if not req.heal_prefixes:
+        return texts
+    return [strip_prefix(t, p) for t, p in zip(texts, req.heal_prefixes)]
 
 
 def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -327,6 +342,7 @@ def run(
     sc_dtype = model.dtype
     positions = torch.arange(canvas_len, device=device)
     all_rows = torch.arange(b, device=device)
+    first_allowed = None if req.first_allowed is None else req.first_allowed.to(device)
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -357,6 +373,8 @@ def run(
             steps_per_canvas[w.rows, ci] += active
             with torch.no_grad():
                 logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+                if ci == 0 and req.first_allowed is not None:
+                    logits[:, 0].masked_fill_(~first_allowed[w.rows], float("-inf"))
                 ban = banned
                 if req.constraint is not None:
                     ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
@@ -401,8 +419,12 @@ def run(
         _sync(device)
         denoise_s += time.perf_counter() - t_canvas
         done_rows = finished | last
+        texts = None
+        if tokenizer is not None:
+            texts = tokenizer.decode_batch(committed.tolist())
+            texts = _heal_texts(req, texts) if ci == 0 else texts
         yield Commit(ci, committed.cpu(), steps_per_canvas[:, ci].cpu(), done_rows.cpu(), time.perf_counter() - start,
-                     tokenizer.decode_batch(committed.tolist()) if tokenizer is not None else None)
+                     texts)
         if last:
             break
 
@@ -445,6 +467,8 @@ def run_ar(
     for i in range(n_new):
         if req.eos_ids and i < req.min_new_tokens:
             logits[:, eos] = float("-inf")
+        if i == 0 and req.first_allowed is not None:
+            logits = logits.masked_fill(~req.first_allowed.to(device), float("-inf"))
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             token = sample(probs, hashed_uniforms(row_seed, 0, i, 1)[:, 0])

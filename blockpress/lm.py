@@ -19,11 +19,14 @@ from .generate import (
     GenerationOutput,
     Request,
     StepFunctions,
+    encode_texts,
+    left_pad,
     prompt_to_ids,
     run,
     run_ar,
     template_to_ids,
 )
+from .healing import Healed, allowed_first_tokens, heal
 from .model import DiffusionGemma
 from .sampling import SamplerConfig
 
@@ -172,9 +175,20 @@ class LM:
         template: Any,
         hole_length: int,
         sampler_options: dict[str, Any],
+        token_healing: bool = False,
     ) -> Request:
         pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
-        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
+        healed: list[Healed] | None = None
+        if token_healing:
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            if self.tokenizer is None or not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
+                raise ValueError("token_healing: needs a text prompt (str or list[str]) and a model with a tokenizer")
+            if template is not None:
+                raise ValueError("token_healing: not with a template (the canvas' first tokens are fixed there)")
+            healed = [heal(self.tokenizer, row) for row in encode_texts(texts, self.tokenizer)]
+            ids, mask = left_pad([h.ids for h in healed], pad_id)
+        else:
+            ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
         if attention_mask is not None:
             mask = torch.as_tensor(attention_mask, dtype=torch.long)
             if tuple(mask.shape) != tuple(ids.shape):
@@ -198,7 +212,11 @@ class LM:
             tmpl = template_to_ids(template, self.tokenizer, ids.shape[0], hole_length)
             if int(tmpl.max()) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
-        return Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
+        req = Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
+        if healed is not None and any(h.prefix for h in healed):
+            req.heal_prefixes = [h.prefix for h in healed]
+            req.first_allowed = allowed_first_tokens(self.tokenizer, req.heal_prefixes, v)
+        return req
 
     def stream(
         self,
@@ -218,6 +236,7 @@ class LM:
         seeds: list[int] | None = None,
         skip_stopped_rows: bool = True,
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        token_healing: bool = False,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
@@ -226,11 +245,13 @@ class LM:
         `constraint(draft [b, C], settled [b, C]) -> banned [b, C, V]`: a rule applied every step before
         sampling, e.g. sudoku's "no digit twice in a unit" (`settled`: positions holding an accepted or fixed
         token; the rest of the draft is noise).
+        `token_healing`: for text prompts, let the model re-choose the prompt's last token when a longer token
+        could have merged there (a trailing newline before indentation, say); texts start after the prompt.
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
-                            hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps))
+                            hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing)
         if seeds is not None:
             req.seeds = [int(x) for x in seeds]
             req.row_seeds()  # validates the count now, not mid-generation
@@ -246,7 +267,7 @@ class LM:
         Keyword options: min_new_tokens, attention_mask, template (constrained canvas), hole_length,
         cache (continue a conversation), return_cache, seeds (one per row), skip_stopped_rows (default
         True: a row that has stopped leaves the batch until the next canvas), constraint (a per-step rule, see
-        `stream`), and sampler settings (entropy_bound, confidence,
+        `stream`), token_healing (see `stream`), and sampler settings (entropy_bound, confidence,
         t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping).
         """
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
@@ -272,11 +293,13 @@ class LM:
         attention_mask: Any = None,
         cache: KVCache | None = None,
         return_cache: bool = False,
+        token_healing: bool = False,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline."""
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
-        req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, {})
+        req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, {},
+                            token_healing)
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

@@ -83,6 +83,7 @@ class Tokenizer:
     _compiled_template: tuple[str, jinja2.Template] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
 
@@ -228,6 +229,14 @@ class Tokenizer:
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+
+    def token_texts(self) -> list[str]:
+        """Every id's text on its own (special tokens as ""), computed once: what token healing matches on."""
+        if self._token_texts is None:
+            special = self.special_ids
+            texts = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+            self._token_texts = ["" if i in special else t for i, t in enumerate(texts)]
+        return self._token_texts
 
     # -------------------------------------------------------------------------------- chat templates
 

@@ -1,0 +1,115 @@
+"""Token healing: the prompt's last token is re-chosen by the model when a longer token could merge there."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blockpress
+from blockpress.generate import Commit, Done
+from blockpress.healing import allowed_first_tokens, heal, strip_prefix
+from blockpress.lm import resolve_path
+from blockpress.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif("blockpress-code" not in blockpress.shipped_models(),
+                                reason="blockpress-code is not in this package")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_dir(resolve_path("blockpress-code"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return blockpress.load("blockpress-code", dtype="float32")
+
+
+def test_trailing_newline_is_healed(tok):
+    # The code tokenizer merges a newline with the indentation after it, so a bare "\n" is healable.
+    ids = tok.encode("def add(a, b):\n")
+    healed = heal(tok, ids)
+    assert healed.prefix == "\n"
+    assert healed.ids == ids[:-1]
+
+
+def test_unextendable_last_token_is_kept(tok):
+    texts = tok.token_texts()
+    # A token no other token extends: healing it would only cost a forward's worth of freedom.
+    leaf = next(i for i, t in enumerate(texts)
+                if t.strip() and not any(len(u) > len(t) and u.startswith(t) for u in texts))
+    ids = [tok.encode("x = ")[0], leaf]
+    assert heal(tok, ids).ids == ids
+    assert heal(tok, ids).prefix == ""
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(alphabet="abc ():=\n\t_1.\"'", min_size=2, max_size=40))
+def test_healing_loses_no_text(tok, text):
+    ids = tok.encode(text)
+    healed = heal(tok, ids)
+    if healed.prefix:
+        assert healed.ids == ids[:-1]
+        assert tok.decode(healed.ids) + healed.prefix == tok.decode(ids)
+    else:
+        assert healed.ids == ids
+
+
+def test_allowed_tokens_are_exactly_the_extensions(tok):
+    texts = tok.token_texts()
+    mask = allowed_first_tokens(tok, ["\n", ""], tok.vocab_size)
+    assert mask.shape == (2, tok.vocab_size)
+    assert bool(mask[1].all())  # a row that was not healed is unconstrained
+    for i, t in enumerate(texts):
+        assert bool(mask[0, i]) == t.startswith("\n"), (i, t)
+    assert int(mask[0].sum()) > 1
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_generation_starts_with_the_healed_text(lm, engine):
+    prompt = "def add(a, b):\n"
+    tok = lm.tokenizer
+    kwargs = dict(max_new_tokens=8, seed=0, token_healing=True)
+    out = lm.generate(prompt, **kwargs) if engine == "diffusion" else lm.generate_ar(prompt, **kwargs)
+    healed = heal(tok, tok.encode(prompt, add_bos=tok.bos_id is not None))
+    # The prompt lost its last token; the first new token puts that text back (and maybe more).
+    assert out.sequences[0, : out.prompt_length].tolist() == healed.ids
+    first = tok.token_texts()[int(out.new_tokens[0, 0])]
+    assert first.startswith("\n")
+    # texts start after the original prompt: prompt + text is the whole decoded sequence.
+    whole = tok.decode(out.sequences[0, : out.prompt_length + int(out.num_new_tokens[0])].tolist())
+    assert prompt + out.texts[0] == whole
+
+
+def test_batch_heals_each_row_on_its_own(lm):
+    prompts = ["def f(x):\n", "x = 1"]
+    out = lm.generate(prompts, max_new_tokens=8, seed=0, token_healing=True)
+    tok = lm.tokenizer
+    for row, prompt in enumerate(prompts):
+        healed = heal(tok, tok.encode(prompt, add_bos=tok.bos_id is not None))
+        first = tok.token_texts()[int(out.new_tokens[row, 0])]
+        assert first.startswith(healed.prefix)
+        valid = out.sequences[row, out.prompt_length - len(healed.ids):]
+        whole = tok.decode(valid[: len(healed.ids) + int(out.num_new_tokens[row])].tolist())
+        assert prompt + out.texts[row] == whole
+
+
+def test_streamed_commits_match_the_final_text(lm):
+    events = list(lm.stream("def add(a, b):\n", max_new_tokens=40, seed=1, token_healing=True, drafts=False))
+    commits = [e.texts[0] for e in events if isinstance(e, Commit)]
+    done = next(e for e in events if isinstance(e, Done))
+    assert len(commits) == 2
+    # The first commit drops the healed "\n" just as the final text does; nothing is lost or repeated.
+    assert "".join(commits) == done.output.texts[0]
+
+
+def test_strip_prefix():
+    assert strip_prefix("\n    return x", "\n") == "    return x"
+    assert strip_prefix("", "\n") == ""  # a row that ended at once has nothing to strip
+
+
+def test_healing_needs_a_text_prompt(lm):
+    with pytest.raises(ValueError, match="token_healing"):
+        lm.generate(torch.tensor([5, 6, 7]), max_new_tokens=4, token_healing=True)
+    with pytest.raises(ValueError, match="token_healing"):
+        lm.generate("x = <|hole|>", template="a <|hole|>", token_healing=True)
