@@ -8,6 +8,8 @@ Figures (JSON):
 - infill_exact: exact-match rate of single-line infills. One body line becomes a hole of its own token
   length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
 - tokens_per_forward and tok/s at the model's default settings.
+- trailing_newline: parseable rate when the prompt ends with the `def` line's newline, as people type it,
+  with and without token healing (`--healing-functions` of the same functions; 0 skips it).
 
     python benchmarks/code_model.py --model blockpress-code --functions 100
 """
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip", type=int, default=0, help="start after this many functions of the shuffled list "
                     "(the test split is the first --functions; scripts/tune_code_sampler.py validates after it)")
+    ap.add_argument("--healing-functions", type=int, default=40,
+                    help="functions for the trailing-newline / token-healing comparison (0: skip)")
     ap.add_argument("--sampler-options", default=None, help="JSON object of diffusion sampler settings "
                     "(default: the model's generation_config.json)")
     args = ap.parse_args()
@@ -70,6 +74,21 @@ def main() -> None:
                 examples.append({"prefix_tail": f.prefix[-120:], "completion": text[:300], "parses": good})
         result[engine] = {"parseable": ok / max(1, len(funcs)), "tokens_per_forward": new / max(1, passes),
                           "tok_s": new / max(seconds, 1e-9), "examples": examples}
+
+    if args.healing_functions:
+        # The prompt as typed ends with the newline; healing lets the model merge it with the indentation.
+        trailing: dict = {}
+        for engine in ("diffusion", "ar"):
+            for healing in (False, True):
+                ok = 0
+                for i, f in enumerate(funcs[: args.healing_functions]):
+                    prompt = tok.encode(f.prompt_text + "\n", add_bos=True)[-256:]
+                    kw = dict(max_new_tokens=args.max_new_tokens, token_healing=healing)
+                    out = (lm.generate([prompt], seed=args.seed + i, **kw, **options) if engine == "diffusion"
+                           else lm.generate_ar([prompt], **kw))
+                    ok += completion_parses(f, "\n" + out.texts[0])
+                trailing.setdefault(engine, {})["healed" if healing else "plain"] = ok / args.healing_functions
+        result["trailing_newline"] = dict(functions=min(args.healing_functions, len(funcs)), **trailing)
 
     cases = infill_cases(funcs, tok, lm.config.canvas_length, args.infills, args.seed)
     hits_diff = hits_ar = 0

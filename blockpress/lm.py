@@ -19,7 +19,6 @@ from .generate import (
     GenerationOutput,
     Request,
     StepFunctions,
-    encode_texts,
     left_pad,
     prompt_to_ids,
     run,
@@ -178,21 +177,20 @@ class LM:
         token_healing: bool = False,
     ) -> Request:
         pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
-        healed: list[Healed] | None = None
-        if token_healing:
-            texts = [prompt] if isinstance(prompt, str) else prompt
-            if self.tokenizer is None or not (isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts)):
-                raise ValueError("token_healing: needs a text prompt (str or list[str]) and a model with a tokenizer")
-            if template is not None:
-                raise ValueError("token_healing: not with a template (the canvas' first tokens are fixed there)")
-            healed = [heal(self.tokenizer, row) for row in encode_texts(texts, self.tokenizer)]
-            ids, mask = left_pad([h.ids for h in healed], pad_id)
-        else:
-            ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
+        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
         if attention_mask is not None:
             mask = torch.as_tensor(attention_mask, dtype=torch.long)
             if tuple(mask.shape) != tuple(ids.shape):
                 raise ValueError(f"attention_mask: expected shape {list(ids.shape)} (like the prompt), got {list(mask.shape)}")
+        healed: list[Healed] | None = None
+        if token_healing:
+            if self.tokenizer is None:
+                raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
+            if template is not None:
+                raise ValueError("token_healing: not with a template (the canvas' first tokens are fixed there)")
+            rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
+            healed = [heal(self.tokenizer, row) for row in rows]
+            ids, mask = left_pad([h.ids for h in healed], pad_id)
         v = self.config.text.vocab_size
         check_vocab_range(ids, "prompt", v)
         if max_new_tokens is None:
@@ -245,8 +243,8 @@ class LM:
         `constraint(draft [b, C], settled [b, C]) -> banned [b, C, V]`: a rule applied every step before
         sampling, e.g. sudoku's "no digit twice in a unit" (`settled`: positions holding an accepted or fixed
         token; the rest of the draft is noise).
-        `token_healing`: for text prompts, let the model re-choose the prompt's last token when a longer token
-        could have merged there (a trailing newline before indentation, say); texts start after the prompt.
+        `token_healing`: let the model re-choose each prompt's last token when a longer token could have merged
+        there (a trailing newline before indentation, say); needs a tokenizer; texts start after the prompt.
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")

@@ -108,8 +108,19 @@ def test_strip_prefix():
     assert strip_prefix("", "\n") == ""  # a row that ended at once has nothing to strip
 
 
-def test_healing_needs_a_text_prompt(lm):
-    with pytest.raises(ValueError, match="token_healing"):
-        lm.generate(torch.tensor([5, 6, 7]), max_new_tokens=4, token_healing=True)
-    with pytest.raises(ValueError, match="token_healing"):
-        lm.generate("x = <|hole|>", template="a <|hole|>", token_healing=True)
+def test_id_prompts_heal_like_text(lm):
+    tok = lm.tokenizer
+    prompt = "def add(a, b):\n"
+    ids = tok.encode(prompt, add_bos=True)
+    by_text = lm.generate(prompt, max_new_tokens=8, seed=3, token_healing=True)
+    by_ids = lm.generate(torch.tensor(ids), max_new_tokens=8, seed=3, token_healing=True)
+    assert torch.equal(by_text.sequences, by_ids.sequences)
+    assert by_text.texts == by_ids.texts
+
+
+def test_healing_errors_are_clear(lm):
+    tiny = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
+    with pytest.raises(ValueError, match="token_healing: needs a model with a tokenizer"):
+        tiny.generate(torch.tensor([5, 6, 7]), max_new_tokens=4, token_healing=True)
+    with pytest.raises(ValueError, match="token_healing: not with a template"):
+        lm.generate("x = ", template="a <|hole|>", token_healing=True)
