@@ -9,7 +9,7 @@ seed, so a response is the same whether it ran alone or in a batch.
 
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
-settling canvas too). `temperature` scales the temperature schedule; 0 means the greedy sampler.
+settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` scales the temperature schedule; 0 means the greedy sampler.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class _Common(BaseModel):
     stability_threshold: int | None = Field(default=None, ge=0)
     confidence_threshold: float | None = Field(default=None, gt=0.0)
     drafts: bool = False
+    token_healing: bool = False
 
 
 class Message(BaseModel):
@@ -98,13 +99,14 @@ class Job:
     seed: int
     stop: list[str]
     drafts: bool
+    token_healing: bool
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
 
     def key(self) -> tuple:
-        return (self.max_tokens, self.min_tokens, self.sampler)
+        return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing)
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -193,6 +195,7 @@ class Engine:
         stream = self.lm.stream(
             [j.prompt for j in batch], max_new_tokens=first.max_tokens, min_new_tokens=first.min_tokens,
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
+            token_healing=first.token_healing,
         )
         for event in stream:
             if all(j.cancelled.is_set() for j in batch):
@@ -274,7 +277,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little")
         loop = asyncio.get_running_loop()
-        return [Job(prompt, max_tokens, body.min_tokens, cfg, seed + i, stops, body.drafts, loop, asyncio.Queue())
+        return [Job(prompt, max_tokens, body.min_tokens, cfg, seed + i, stops, body.drafts, body.token_healing, loop,
+                    asyncio.Queue())
                 for i in range(body.n)]
 
     async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int):

@@ -139,3 +139,11 @@ def test_disconnect_frees_the_engine(server):
 def test_metrics(server):
     text = httpx.get(server[0] + "/metrics").text
     assert "blockpress_requests_total" in text and "blockpress_request_seconds_count" in text
+
+
+def test_token_healing_field(client, server):
+    lm = server[1].state.engine.lm
+    r = client.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=8, seed=5,
+                                  extra_body={"token_healing": True})
+    direct = lm.generate("def f(x):\n", max_new_tokens=8, seeds=[5], token_healing=True)
+    assert r.choices[0].text == direct.texts[0]
