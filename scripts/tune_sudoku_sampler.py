@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--model", default="blockpress-sudoku")
     ap.add_argument("--per-difficulty", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
@@ -43,7 +44,7 @@ def main() -> None:
     truth = {level: [generate(VALIDATION_SEED + i, level) for i in range(args.per_difficulty)]
              for level in ("medium", "hard")}
     out = []
-    for setting in SETTINGS:
+    for setting in json.loads(args.settings) if args.settings else SETTINGS:
         options = {k: v for k, v in setting.items() if k not in ("sampler", "max_denoising_steps")}
         row = dict(setting)
         for level, puzzles in truth.items():
