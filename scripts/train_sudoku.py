@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--init-from", default=None,
                     help="start from these weights (a model name or folder) with a fresh optimizer and schedule")
     ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0, help="data order, board symmetries and noise (change it when continuing)")
     ap.add_argument("--aux-ar-weight", type=float, default=1.0, help="weight of the encoder's next-token loss")
     ap.add_argument("--cpu-autocast", action="store_true", help="bf16 autocast on CPUs with native bf16")
     args = ap.parse_args()
@@ -109,8 +110,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     base = base_puzzles(args.puzzles, 0, args.puzzle_cache)
-    source = (ExampleSource([to_example(p.puzzle, p.solution) for p in base], 0) if args.no_augment
-              else AugmentedSource(base, 0))
+    source = (ExampleSource([to_example(p.puzzle, p.solution) for p in base], args.seed) if args.no_augment
+              else AugmentedSource(base, args.seed))
     held = puzzles(64, TEST_SEED + 5_000_000)
     gen_s = time.perf_counter() - t0
     t_train = time.perf_counter()
@@ -122,7 +123,7 @@ def main() -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       weight_decay=0.01, aux_ar_weight=1.0 if args.ar else args.aux_ar_weight,
                       cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1, save_every=250,
-                      max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=0)
+                      max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=args.seed)
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
         trainer.resume()
