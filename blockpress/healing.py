@@ -30,7 +30,7 @@ def heal(tokenizer: Tokenizer, ids: Sequence[int]) -> Healed:
         return Healed(ids, "")
     texts = tokenizer.token_texts()
     last = texts[ids[-1]] if 0 <= ids[-1] < len(texts) else ""
-    if not last or not any(len(t) > len(last) and t.startswith(last) for t in texts):
+    if last not in tokenizer.extendable_texts():
         return Healed(ids, "")
     return Healed(ids[:-1], last)
 

@@ -84,6 +84,7 @@ class Tokenizer:
         default=None, init=False, repr=False, compare=False
     )
     _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
 
@@ -237,6 +238,16 @@ class Tokenizer:
             texts = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
             self._token_texts = ["" if i in special else t for i, t in enumerate(texts)]
         return self._token_texts
+
+    def extendable_texts(self) -> frozenset[str]:
+        """Token texts that a longer token's text starts with (could have merged further), computed once.
+
+        In sorted order every string that starts with `s` follows `s` directly, so comparing each distinct
+        text with the next one finds them all in one pass."""
+        if self._extendable is None:
+            distinct = sorted(set(self.token_texts()) - {""})
+            self._extendable = frozenset(a for a, b in zip(distinct, distinct[1:]) if b.startswith(a))
+        return self._extendable
 
     # -------------------------------------------------------------------------------- chat templates
 
