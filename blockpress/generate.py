@@ -342,7 +342,7 @@ def run(
     sc_dtype = model.dtype
     positions = torch.arange(canvas_len, device=device)
     all_rows = torch.arange(b, device=device)
-    first_allowed = None if req.first_allowed is None else req.first_allowed.to(device)
+    first_banned = None if req.first_allowed is None else ~req.first_allowed.to(device)  # token healing
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -373,8 +373,8 @@ def run(
             steps_per_canvas[w.rows, ci] += active
             with torch.no_grad():
                 logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
-                if ci == 0 and req.first_allowed is not None:
-                    logits[:, 0].masked_fill_(~first_allowed[w.rows], float("-inf"))
+                if ci == 0 and first_banned is not None:
+                    logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
                 ban = banned
                 if req.constraint is not None:
                     ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
