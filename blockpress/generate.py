@@ -21,9 +21,9 @@ from .sampling import (
     CanvasState,
     SamplerConfig,
     denoise_step,
-    hashed_tokens,
     hashed_uniforms,
     init_state,
+    noise_tokens,
     put_rows,
     sample,
     take_rows,
@@ -324,8 +324,8 @@ def run(
     row_seed = req.row_seeds().to(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
 
-    def noise(ci: int, step: int) -> torch.Tensor:
-        return hashed_tokens(row_seed, ci, step, canvas_len, vocab)
+    if cfg.noise_token_id is not None and cfg.noise_token_id >= vocab:
+        raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {vocab})")
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -359,7 +359,7 @@ def run(
             if bool(early.any()):
                 banned = torch.zeros(1, canvas_len, vocab, dtype=torch.bool, device=device)
                 banned[0, early.nonzero()[:, 0][:, None], eos[None, :]] = True
-        state = init_state(noise(ci, cfg.max_denoising_steps + 1), fixed)
+        state = init_state(noise_tokens(cfg, row_seed, ci, cfg.max_denoising_steps + 1, canvas_len, vocab), fixed)
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
         # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
         # every random number is per row, so the survivors compute exactly what they would have.
@@ -380,7 +380,7 @@ def run(
                     ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                     ban = ruled if banned is None else ruled | banned
                 w.state = fns.sampler_step(
-                    cfg, w.state, logits, step, hashed_tokens(w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
+                    cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
                     scored=w.scored, banned=ban, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
                     sc_dtype=sc_dtype,
                 )

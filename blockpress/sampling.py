@@ -5,7 +5,8 @@ One step, for every sampler:
   entropy            -> one computation, shared by acceptance and the stopping test
   candidates         -> sampled tokens (argmax in greedy mode)
   accept             -> which positions keep their candidate this step (the sampler's rule)
-  renoise            -> every other position gets a fresh uniform token
+  renoise            -> every other position gets a fresh uniform token (or, for a model trained with
+                        absorbing noise, the one noise token: `noise_token_id`)
   stop               -> argmax stable for `stability_threshold` steps and mean entropy below threshold
 
 Steps count down like the reference: `step` = N..1 is the number of steps remaining.
@@ -35,6 +36,9 @@ class SamplerConfig:
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
     adaptive_stopping: bool = True  # False: always run max_denoising_steps (benchmarks)
+    # None: noise is uniform random tokens (DiffusionGemma's recipe). An id: noise is that one token, for
+    # models trained with absorbing ("masked") noise (TrainConfig.noise_token_id); it must match training.
+    noise_token_id: int | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -51,6 +55,8 @@ class SamplerConfig:
         need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
              f"expected an integer >= 0, got {self.stability_threshold!r}")
         need(self.confidence_threshold > 0, "confidence_threshold", f"expected > 0, got {self.confidence_threshold}")
+        need(self.noise_token_id is None or (isinstance(self.noise_token_id, int) and self.noise_token_id >= 0),
+             "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any]) -> SamplerConfig:
@@ -63,7 +69,8 @@ class SamplerConfig:
         return cls(**kwargs)
 
     def to_generation_config(self) -> dict[str, Any]:
-        return {
+        extra = {} if self.noise_token_id is None else {"noise_token_id": self.noise_token_id}
+        return extra | {
             "max_denoising_steps": self.max_denoising_steps,
             "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": self.entropy_bound},
             "t_max": self.t_max,
@@ -158,6 +165,14 @@ def _hash(seed: torch.Tensor, stream: int, canvas_index: int, step: int, length:
 def hashed_tokens(seed: torch.Tensor, canvas_index: int, step: int, length: int, vocab: int) -> torch.Tensor:
     """Uniform random tokens [B, length] (initial canvas and re-noising)."""
     return _hash(seed, 0, canvas_index, step, length) % vocab
+
+
+def noise_tokens(cfg: SamplerConfig, seed: torch.Tensor, canvas_index: int, step: int, length: int,
+                 vocab: int) -> torch.Tensor:
+    """The noise of one step [B, length]: uniform tokens, or the model's one noise token (absorbing noise)."""
+    if cfg.noise_token_id is None:
+        return hashed_tokens(seed, canvas_index, step, length, vocab)
+    return torch.full((seed.shape[0], length), cfg.noise_token_id, dtype=torch.long, device=seed.device)
 
 
 def hashed_uniforms(seed: torch.Tensor, canvas_index: int, step: int, length: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Objective (one optimizer step, per example):
   t ~ U(eps, 1 - eps); each canvas token is replaced by a uniform random token with probability t
-  (the prompt never is). Pass 1 denoises every canvas without gradients; pass 2 denoises them again,
+  (the prompt never is); with `noise_token_id` set, by that one token instead (absorbing noise). Pass 1 denoises every canvas without gradients; pass 2 denoises them again,
   fed pass-1 logits as self-conditioning for a random half of the examples (a zero signal for the
   rest). Loss: flat cross-entropy over every valid canvas token of pass 2 (optionally weighted
   1/(1 - t)), plus `aux_ar_weight` x next-token cross-entropy on the encoder. All canvases of a sequence
@@ -53,6 +53,7 @@ class TrainConfig:
     diffusion_weight: float = 1.0  # weight of the diffusion loss (0: train an autoregressive baseline only)
     self_conditioning_prob: float = 0.5  # fraction of examples trained with self-conditioning
     t_eps: float = 1e-3  # t ~ U(t_eps, 1 - t_eps)
+    noise_token_id: int = -1  # -1: corrupt to uniform random tokens (published recipe); else to this one token (absorbing noise)
     reweight: bool = False  # weight each example's diffusion loss by 1 / (1 - t)
     max_canvases: int = 0  # keep at most this many canvases of a response (0: all)
     eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
@@ -87,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"self_conditioning_prob: expected a probability, got {self.self_conditioning_prob}")
         if not 0 < self.t_eps < 0.5:
             raise ValueError(f"t_eps: expected in (0, 0.5), got {self.t_eps}")
+        if not isinstance(self.noise_token_id, int) or self.noise_token_id < -1:
+            raise ValueError(f"noise_token_id: expected -1 (uniform noise) or a token id, got {self.noise_token_id!r}")
         if not 0 < self.prompt_min <= self.prompt_max:
             raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")
 
@@ -152,6 +155,8 @@ def draw_noise(batch: Batch, vocab_size: int, cfg: TrainConfig, generator: torch
     t = cfg.t_eps + (1 - 2 * cfg.t_eps) * torch.rand(b, generator=generator)
     corrupt = torch.rand(b, n, generator=generator) < t[:, None]
     tokens = torch.randint(0, vocab_size, (b, n), generator=generator)
+    if cfg.noise_token_id >= 0:  # drawn anyway, so the other draws stay the same whichever noise is used
+        tokens = torch.full_like(tokens, cfg.noise_token_id)
     sc = torch.rand(b, generator=generator) < cfg.self_conditioning_prob
     return Noise(t, corrupt, tokens, sc)
 
@@ -264,6 +269,13 @@ class Trainer:
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
         text = lm.config.text
+        if cfg.noise_token_id >= text.vocab_size:
+            raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
+        # The saved model must decode with the noise it was trained on.
+        if cfg.noise_token_id >= 0:
+            lm.generation_config["noise_token_id"] = cfg.noise_token_id
+        else:
+            lm.generation_config.pop("noise_token_id", None)
         self.pad = text.pad_token_id if text.pad_token_id is not None else 0
         eos = lm._eos_ids()
         self.eos = eos[0] if eos else self.pad

@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0, help="data order, board symmetries and noise (change it when continuing)")
     ap.add_argument("--aux-ar-weight", type=float, default=1.0, help="weight of the encoder's next-token loss")
+    ap.add_argument("--noise", choices=("uniform", "empty"), default="uniform",
+                    help="corruption: uniform random tokens (DiffusionGemma's recipe) or the empty-cell digit 0 "
+                         "(absorbing noise; the model then decodes with noise_token_id set)")
     ap.add_argument("--cpu-autocast", action="store_true", help="bf16 autocast on CPUs with native bf16")
     args = ap.parse_args()
     if args.threads:
@@ -123,12 +126,13 @@ def main() -> None:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       weight_decay=0.01, aux_ar_weight=1.0 if args.ar else args.aux_ar_weight,
                       cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1, save_every=250,
-                      max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=args.seed)
+                      max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=args.seed,
+                      noise_token_id=VOCAB.digit_id("0") if args.noise == "empty" else -1)
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
         trainer.resume()
     result = trainer.train()
-    summary = {"ar": args.ar, "init_from": args.init_from, "aux_ar_weight": cfg.aux_ar_weight,
+    summary = {"ar": args.ar, "init_from": args.init_from, "noise": args.noise, "aux_ar_weight": cfg.aux_ar_weight,
                "puzzles": args.puzzles, "augment": not args.no_augment,
                "batch_size": args.batch_size, "lr": args.lr, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
                "params": lm.num_parameters(active=False), "first_loss": result.losses[0],

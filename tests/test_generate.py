@@ -307,3 +307,41 @@ def test_bad_constraint_is_a_clear_error(lm, result, message):
         lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, constraint=result)
     with pytest.raises(ValueError, match="constraint: expected a function"):
         lm.generate([3, 4], max_new_tokens=8, constraint="rules")
+
+
+@pytest.mark.parametrize("sampler", ["topk", "entropy_bound"])
+def test_absorbing_noise_feeds_the_noise_token_wherever_nothing_is_settled(lm, sampler):
+    """noise_token_id: the canvas the decoder sees holds that token at every unsettled position, every step
+    (uniform noise would scatter other tokens there), and the settled positions grow."""
+    vocab, c = lm.config.text.vocab_size, lm.config.canvas_length
+    seen = []
+
+    def spy(draft, settled):
+        seen.append((draft.clone(), settled.clone()))
+        return torch.zeros(1, 1, vocab, dtype=torch.bool)
+
+    lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=c, max_denoising_steps=6, seed=2, sampler=sampler,
+                noise_token_id=9, constraint=spy, adaptive_stopping=False)
+    assert len(seen) == 6
+    for draft, settled in seen:
+        assert (draft[~settled] == 9).all()
+    assert not seen[0][1].any() and seen[-1][1].sum() > 0
+    uniform = []
+    lm.generate([[3, 4, 5]], max_new_tokens=c, max_denoising_steps=2, seed=2,
+                constraint=lambda d, s: uniform.append(d.clone()) or torch.zeros(1, 1, vocab, dtype=torch.bool))
+    assert (uniform[0] != 9).any()
+
+
+def test_absorbing_noise_is_read_from_generation_config_and_saved(lm, tmp_path):
+    lm2 = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm2.generation_config["noise_token_id"] = 9
+    assert lm2.sampler_defaults.noise_token_id == 9
+    lm2.save(tmp_path / "m")
+    assert blockpress.load(tmp_path / "m").sampler_defaults.noise_token_id == 9
+    assert lm.sampler_defaults.noise_token_id is None  # DiffusionGemma's uniform noise by default
+
+
+@pytest.mark.parametrize("value, message", [(-2, "token id >= 0"), (10**6, "outside the vocabulary")])
+def test_bad_noise_token_is_a_clear_error(lm, value, message):
+    with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):
+        lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, noise_token_id=value)

@@ -152,3 +152,24 @@ def test_ar_only_baseline_trains_the_encoder(tmp_path):
     assert result.losses[-1] < 0.5 * result.losses[0]
     out = lm.generate_ar(EXAMPLES[1].prompt, max_new_tokens=7)
     assert out.new_tokens[0, :6].tolist() == EXAMPLES[1].response
+
+
+def test_absorbing_noise_corrupts_to_one_token_and_the_model_remembers(tmp_path):
+    """noise_token_id: the same positions are corrupted as with uniform noise (same draws), all to that token;
+    the trained checkpoint decodes with it."""
+    batch = make_batch(EXAMPLES, 8, 0, 1)
+    uniform = draw_noise(batch, 32, TrainConfig(), torch.Generator().manual_seed(4))
+    absorbing = draw_noise(batch, 32, TrainConfig(noise_token_id=30), torch.Generator().manual_seed(4))
+    assert torch.equal(uniform.corrupt, absorbing.corrupt) and uniform.corrupt.any()
+    assert (absorbing.tokens == 30).all() and not (uniform.tokens == 30).all()
+    lm, result = run(tmp_path, 3, noise_token_id=30)
+    assert lm.generation_config["noise_token_id"] == 30
+    assert blockpress.load(tmp_path / "out").sampler_defaults.noise_token_id == 30
+    lm, _ = run(tmp_path, 1, name="uniform", lm=lm)  # trained on uniform noise again: the saved model forgets it
+    assert blockpress.load(tmp_path / "uniform").sampler_defaults.noise_token_id is None
+
+
+@pytest.mark.parametrize("value, message", [(-2, "expected -1"), (32, "outside the vocabulary")])
+def test_bad_noise_token_id_in_training(tmp_path, value, message):
+    with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):
+        run(tmp_path, 1, noise_token_id=value)
