@@ -14,7 +14,6 @@ Steps count down like the reference: `step` = N..1 is the number of steps remain
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -130,17 +129,19 @@ def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tens
     return (top_prob >= threshold) | torch.zeros_like(free).scatter(-1, best, True)
 
 
-def accept_topk(ent: torch.Tensor, count: int) -> torch.Tensor:
-    """Accept the `count` lowest-entropy positions (a fixed commit schedule)."""
+def accept_topk(ent: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """Accept the `count` lowest-entropy positions (an int, or [B, 1] per row): a fixed commit schedule."""
     order = torch.argsort(ent, dim=-1)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ent.shape[-1], device=ent.device).expand_as(order))
     return rank < count
 
 
-def topk_count(cfg: SamplerConfig, step: int, free_positions: int) -> int:
-    """How many positions the topk schedule accepts at `step` (N..1): a linear ramp to all at the end."""
+def topk_count(cfg: SamplerConfig, step: int, free_positions: int | torch.Tensor) -> int | torch.Tensor:
+    """How many free positions the topk schedule accepts at `step` (N..1): a linear ramp to all at the end.
+
+    `free_positions` may be a tensor (per row): rows of a constrained canvas have different numbers of holes."""
     done = cfg.max_denoising_steps - step + 1
-    return math.ceil(free_positions * done / cfg.max_denoising_steps)
+    return (free_positions * done + cfg.max_denoising_steps - 1) // cfg.max_denoising_steps
 
 
 _MASK47 = (1 << 47) - 1
@@ -258,7 +259,9 @@ def denoise_step(
     elif cfg.sampler == "confidence":
         accept = accept_confidence(probs.amax(dim=-1), cfg.confidence, free)
     else:  # topk
-        accept = accept_topk(torch.where(free, ent, -1.0), topk_count(cfg, step, state.canvas.shape[1]))
+        # The ramp runs over each row's free positions; fixed ones sort first (entropy -1) and are always in.
+        n_free = free.sum(-1, keepdim=True)
+        accept = accept_topk(torch.where(free, ent, -1.0), topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
 
     canvas = torch.where(accept, candidates, noise)
     if fixed is not None:

@@ -110,6 +110,29 @@ def test_topk_schedule_reaches_all():
     cfg = SamplerConfig(sampler="topk", max_denoising_steps=5)
     counts = [topk_count(cfg, s, 12) for s in range(5, 0, -1)]
     assert counts == sorted(counts) and counts[-1] == 12 and counts[0] >= 1
+    per_row = topk_count(cfg, 3, torch.tensor([[12], [5], [0]]))  # step 3 of 5: 3/5 of each row's holes
+    assert per_row.flatten().tolist() == [8, 3, 0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.integers(1, 12), holes=st.lists(st.integers(0, 16), min_size=2, max_size=2))
+def test_topk_ramps_over_each_rows_free_positions(seed, steps, holes):
+    """With fixed positions, step k of N accepts ceil(k * holes / N) free positions in each row (its own
+    number of holes), the most certain ones; the fixed positions always hold their token."""
+    g = torch.Generator().manual_seed(seed)
+    c, vocab = 16, 11
+    fixed = torch.randint(0, vocab, (2, c), generator=g)
+    for row, n in enumerate(holes):
+        fixed[row, torch.randperm(c, generator=g)[:n]] = -1
+    cfg = SamplerConfig(sampler="topk", max_denoising_steps=steps, adaptive_stopping=False)
+    state = init_state(torch.full((2, c), vocab - 1), fixed)
+    for k, step in enumerate(range(steps, 0, -1), start=1):
+        raw = torch.randn(2, c, vocab, generator=g) * 3
+        state = denoise_step(cfg, state, raw, step, torch.full((2, c), vocab - 1), fixed=fixed)
+        free = fixed < 0
+        for row, n in enumerate(holes):
+            assert int((state.settled[row] & free[row]).sum()) == -(-k * n // steps)
+        assert torch.equal(state.canvas[~free], fixed[~free])
 
 
 @settings(max_examples=30, deadline=None)
