@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=10, help="prompts decoded together")
+    ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
@@ -48,7 +49,7 @@ def main() -> None:
     funcs = funcs[args.test_functions : args.test_functions + args.functions]
     prompts = [lm.tokenizer.encode(f.prompt_text, add_bos=True)[-256:] for f in funcs]
     rows = []
-    for setting in SETTINGS:
+    for setting in json.loads(args.settings) if args.settings else SETTINGS:
         ok = new = passes = 0
         # Batched (left-padded, one seed per row): every row computes what it would alone, only faster.
         for lo in range(0, len(funcs), args.batch):
