@@ -70,7 +70,7 @@ def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
 def test_shipped_model_solves_easy_puzzles():
     """The shipped model, alone (no rules in the decoder), solves fresh easy puzzles it never saw.
 
-    Thresholds sit below what the packaged model measures here (9 of 10 solved, 99% of empty cells right),
+    Thresholds sit below what the packaged model measures here (10 of 10 solved, 100% of empty cells right),
     with room for platform numerics; an untrained model scores 0 and ~11% (chance).
     """
     if "blockpress-sudoku" not in blockpress.shipped_models():
@@ -133,9 +133,9 @@ def test_rules_option_keeps_givens_and_only_fills_digits(tiny_sudoku, capsys):
 def test_shipped_model_with_rules_solves_more_hard_puzzles():
     """The rule-aware option (reported separately from the model alone) on 16 fresh hard puzzles.
 
-    It measures 5 solved against 1 for the model alone here, and 71-72% of empty cells right against 62%
-    (bf16 and float32 weights alike); the thresholds leave room for platform numerics. (On medium puzzles
-    the model alone now solves 11 of these 16 and the rules add nothing there.)
+    It measures 3 solved against 0 for the model alone here, and 74% of empty cells right against 68%; the
+    thresholds leave room for platform numerics. (On medium puzzles the model alone solves 11 of these 16
+    and the rules 12.)
     """
     if "blockpress-sudoku" not in blockpress.shipped_models():
         pytest.skip("blockpress-sudoku is not in this package")
@@ -149,5 +149,5 @@ def test_shipped_model_with_rules_solves_more_hard_puzzles():
     def accuracy(results):
         return sum(cell_accuracy(r.solution, t.solution, t.puzzle) for r, t in zip(results, truth)) / len(truth)
 
-    assert sum(r.valid for r in ruled) >= 3 and sum(r.valid for r in ruled) > sum(r.valid for r in alone)
+    assert sum(r.valid for r in ruled) >= 2 and sum(r.valid for r in ruled) > sum(r.valid for r in alone)
     assert accuracy(ruled) > accuracy(alone) + 0.03
