@@ -68,7 +68,11 @@ class SamplerConfig:
         return cls(**kwargs)
 
     def to_generation_config(self) -> dict[str, Any]:
-        extra = {} if self.noise_token_id is None else {"noise_token_id": self.noise_token_id}
+        """The reference's generation_config layout, plus blockpress's own keys where they differ from the
+        defaults (the reference ignores keys it does not know)."""
+        default = SamplerConfig()
+        extra = {name: getattr(self, name) for name in ("sampler", "confidence", "adaptive_stopping", "noise_token_id")
+                 if getattr(self, name) != getattr(default, name)}
         return extra | {
             "max_denoising_steps": self.max_denoising_steps,
             "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": self.entropy_bound},

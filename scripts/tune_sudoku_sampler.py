@@ -27,6 +27,8 @@ SETTINGS = [
     {"sampler": "confidence", "confidence": 0.9, "max_denoising_steps": 81},
     {"sampler": "topk", "max_denoising_steps": 48},
     {"sampler": "topk", "max_denoising_steps": 81},
+    # Temperature 1: the self-conditioning input then matches training (softmax of untempered logits).
+    {"sampler": "topk", "max_denoising_steps": 81, "t_max": 1.0, "t_min": 1.0},
 ]
 
 

@@ -162,10 +162,17 @@ def test_bad_sampler_settings(kwargs, field):
         SamplerConfig(**kwargs)
 
 
-def test_generation_config_roundtrip():
-    cfg = SamplerConfig(entropy_bound=0.3, max_denoising_steps=12, t_min=0.2)
-    again = SamplerConfig.from_generation_config(cfg.to_generation_config())
-    assert again == cfg
+@pytest.mark.parametrize("cfg", [
+    SamplerConfig(entropy_bound=0.3, max_denoising_steps=12, t_min=0.2),
+    SamplerConfig(sampler="topk", max_denoising_steps=81, t_max=1.0, t_min=1.0, noise_token_id=3),
+    SamplerConfig(sampler="confidence", confidence=0.7, adaptive_stopping=False),
+])
+def test_generation_config_roundtrip(cfg):
+    out = cfg.to_generation_config()
+    assert SamplerConfig.from_generation_config(out) == cfg
+    if cfg.sampler == "entropy_bound":  # the reference's own layout, nothing of ours added
+        assert set(out) == {"max_denoising_steps", "sampler_config", "t_max", "t_min", "stability_threshold",
+                            "confidence_threshold"}
 
 
 def test_sample_follows_the_distribution():
