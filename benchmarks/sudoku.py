@@ -5,7 +5,10 @@ count), so none was trained on. Prints JSON: exact-solve rate, cell accuracy on 
 denoising steps and puzzles/s for each engine and difficulty. The model alone decides (no rules);
 `--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry.
 
-    python benchmarks/sudoku.py --model blockpress-sudoku --ar-model runs/sudoku-ar --per-difficulty 50
+    python benchmarks/sudoku.py --model blockpress-sudoku --per-difficulty 50 --rules
+
+The AR baseline (3,767 steps / 94 min of `scripts/train_sudoku.py --ar`, bf16 weights) is kept in
+benchmarks/baselines/sudoku-ar, so a fresh clone reproduces the side-by-side table.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import json
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -37,7 +41,8 @@ def evaluate(results, truth, seconds):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="blockpress-sudoku")
-    ap.add_argument("--ar-model", default=None, help="the AR baseline checkpoint (same backbone, AR-trained)")
+    ap.add_argument("--ar-model", default=str(Path(__file__).parent / "baselines" / "sudoku-ar"),
+                    help="the AR baseline checkpoint (same backbone, AR-trained; default: the one kept here; '' skips it)")
     ap.add_argument("--per-difficulty", type=int, default=50)
     ap.add_argument("--steps", type=int, default=None, help="max denoising steps (default: the model's)")
     ap.add_argument("--sampler", default=None)
