@@ -5,6 +5,12 @@ place. The code tokenizer, for one, merges a newline with the indentation after 
 "\\n" hands the model a bare newline, which in training meant "the next line starts at column 0". Healing
 drops that last token and requires the first new token to start with its text ("\\n" may become
 "\\n    "), so the model picks the merge itself. The returned text starts after the original prompt.
+
+Only a whitespace-only last token is healed. Healing punctuation measured harmful on a block-diffusion
+canvas: the model fills the positions after the healed token in parallel, conditioned on a prompt that now
+stops mid-syntax ("def f(n" wants more arguments, not the "):" it is forced to start with). On 40 held-out
+functions whose prompts end in "):" or ":", the shipped code model parsed 67.5% unhealed and 42.5% healed;
+on prompts that end in a newline, healing lifts it from 0% to 60%.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ class Healed:
 
 
 def heal(tokenizer: Tokenizer, ids: Sequence[int]) -> Healed:
-    """Back off the last token when a longer vocabulary token starts with its text (it could have merged)."""
+    """Back off a whitespace-only last token when a longer vocabulary token starts with its text (it could
+    have merged, like "\\n" into "\\n    ")."""
     ids = list(ids)
     if len(ids) < 2:  # nothing would be left to condition on
         return Healed(ids, "")
     texts = tokenizer.token_texts()
     last = texts[ids[-1]] if 0 <= ids[-1] < len(texts) else ""
-    if last not in tokenizer.extendable_texts():
+    if not last or last.strip() or last not in tokenizer.extendable_texts():
         return Healed(ids, "")
     return Healed(ids[:-1], last)
 
