@@ -243,8 +243,9 @@ class LM:
         `constraint(draft [b, C], settled [b, C]) -> banned [b, C, V]`: a rule applied every step before
         sampling, e.g. sudoku's "no digit twice in a unit" (`settled`: positions holding an accepted or fixed
         token; the rest of the draft is noise).
-        `token_healing`: let the model re-choose each prompt's last token when a longer token could have merged
-        there (a trailing newline before indentation, say); needs a tokenizer; texts start after the prompt.
+        `token_healing`: let the model re-choose each prompt's whitespace-only last token when a longer token
+        could have merged there (a trailing newline before indentation, say; see healing.py for why punctuation
+        is left alone); needs a tokenizer; texts start after the prompt.
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
