@@ -28,13 +28,20 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--noise", choices=["absorbing", "uniform"], default="absorbing",
+                    help="absorbing: corrupt to one noise token (<|hole|> for code, the empty-cell 0 for sudoku), as the "
+                         "shipped models were trained last; uniform: DiffusionGemma's random tokens")
     args = ap.parse_args()
     out = Path(args.out)
     if args.task.startswith("sudoku"):
         cmd = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(out / "model"),
                "--puzzles", "200000", "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--lr", str(args.lr), "--minutes", str(args.minutes), "--device", args.device]
-        subprocess.run(cmd + (["--ar"] if args.task == "sudoku-ar" else []), check=True)
+        if args.task == "sudoku-ar":
+            cmd += ["--ar"]
+        elif args.noise == "absorbing":
+            cmd += ["--noise", "empty"]
+        subprocess.run(cmd, check=True)
         print((out / "model" / "summary.json").read_text())
         return
     corpus = out / "corpus"
@@ -48,10 +55,14 @@ def main() -> None:
         "--log-every", "20", "--eval-every", "500", "--save-every", "500", "--max-minutes", str(args.minutes),
         "--quiet",
     ]
+    if args.noise == "absorbing":
+        from blockpress.tokenizer import Tokenizer
+
+        cmd += ["--noise-token-id", str(Tokenizer.from_dir(corpus / "tokenizer").token_to_id("<|hole|>"))]
     subprocess.run(cmd, check=True)
     lines = [json.loads(x) for x in (out / "model" / "metrics.jsonl").read_text().splitlines()]
     summary = {"task": args.task, "steps": max(x["step"] for x in lines),
-               "last_loss": next(x["loss"] for x in reversed(lines) if "loss" in x),
+               "last_loss": next((x["loss"] for x in reversed(lines) if "loss" in x), None),  # None: stopped before a log
                "eval": [(x["step"], x["eval_loss"]) for x in lines if "eval_loss" in x],
                "tok_s": next((x["tok_s"] for x in reversed(lines) if "tok_s" in x), None)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
