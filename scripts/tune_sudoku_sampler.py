@@ -29,6 +29,8 @@ SETTINGS = [
     {"sampler": "topk", "max_denoising_steps": 81},
     # Temperature 1: the self-conditioning input then matches training (softmax of untempered logits).
     {"sampler": "topk", "max_denoising_steps": 81, "t_max": 1.0, "t_min": 1.0},
+    # A hot start (the shipped default): adaptive stopping no longer commits the grid after a few steps.
+    {"sampler": "topk", "max_denoising_steps": 81, "t_max": 3.0, "t_min": 1.0},
 ]
 
 
