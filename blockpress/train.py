@@ -4,8 +4,9 @@ Objective (one optimizer step, per example):
   t ~ U(eps, 1 - eps); each canvas token is replaced by a uniform random token with probability t
   (the prompt never is); with `noise_token_id` set, by that one token instead (absorbing noise).
   Pass 1 denoises every canvas without gradients; pass 2 denoises them again, fed pass-1 logits as
-  self-conditioning for a random half of the examples (a zero signal for the rest). Loss: flat cross-entropy over every valid canvas token of pass 2 (optionally weighted
-  1/(1 - t)), plus `aux_ar_weight` x next-token cross-entropy on the encoder. All canvases of a sequence
+  self-conditioning for a random half of the examples (a zero signal for the rest). Loss: flat
+  cross-entropy over every valid canvas token of pass 2 (optionally weighted 1/(1 - t)), plus
+  `aux_ar_weight` x next-token cross-entropy on the encoder. All canvases of a sequence
   run in one forward with a block-causal mask (`DiffusionGemma.denoise_blocks`).
 
 Determinism: the batch and every random draw of step k come from a generator seeded by (seed, k), drawn
