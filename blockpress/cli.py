@@ -53,6 +53,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
     g.add_argument("--entropy-bound", type=float, default=None, help="entropy_bound sampler's bound")
+    g.add_argument("--rank-by", choices=["entropy", "margin"], default=None,
+                   help="topk sampler: accept the lowest-entropy positions first, or those with the widest gap "
+                        "between their two most likely tokens")
     g.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
     g.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
@@ -61,7 +64,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                 max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min)
+                entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by)
 
 
 class LiveView:
@@ -321,7 +324,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                                 on_draft=on_draft, rules=args.rules)
+                                 on_draft=on_draft, rules=args.rules, rank_by=args.rank_by)
     seconds = time.perf_counter() - t0
     for r in results:
         if args.json:
@@ -439,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="max denoising steps")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule")
+    p.add_argument("--rank-by", choices=["entropy", "margin"], default=None,
+                   help="topk sampler: which cells count as most certain (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--show-steps", action="store_true", help="print the board as the canvas settles (one puzzle)")
     p.add_argument("--rules", action="store_true",

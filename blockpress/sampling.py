@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
+RANKINGS = ("entropy", "margin")
+CANDIDATES = ("sample", "argmax")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,16 @@ class SamplerConfig:
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
     adaptive_stopping: bool = True  # False: always run max_denoising_steps (benchmarks)
+    # `topk` sampler: which positions count as most certain. "entropy": lowest entropy. "margin": largest gap
+    # between the two most likely tokens, which puts a near tie between two candidates last however peaked
+    # it is (on sudoku, a cell with two possible digits).
+    rank_by: str = "entropy"
+    # "sample": a candidate is drawn from the tempered softmax (the reference). "argmax": the most likely token
+    # (the `greedy` sampler always uses it), while the temperature still shapes ranking and self-conditioning.
+    candidates: str = "sample"
+    # False: every position is re-decided at every step (DiffusionGemma). True: an accepted token stays, like a
+    # given, for the rest of the canvas (masked-diffusion decoding); the topk ramp then counts kept positions.
+    keep_accepted: bool = False
     # None: noise is uniform random tokens (DiffusionGemma's recipe). An id: noise is that one token, for
     # models trained with absorbing ("masked") noise (TrainConfig.noise_token_id); it must match training.
     noise_token_id: int | None = None
@@ -49,6 +61,10 @@ class SamplerConfig:
              f"expected a positive integer, got {self.max_denoising_steps!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
+        need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")
+        need(self.candidates in CANDIDATES, "candidates",
+             f"unknown candidate rule {self.candidates!r}; expected one of {CANDIDATES}")
+        need(isinstance(self.keep_accepted, bool), "keep_accepted", f"expected a bool, got {self.keep_accepted!r}")
         need(self.t_min > 0, "t_min", f"expected > 0, got {self.t_min}")
         need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
         need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
@@ -71,7 +87,8 @@ class SamplerConfig:
         """The reference's generation_config layout, plus blockpress's own keys where they differ from the
         defaults (the reference ignores keys it does not know)."""
         default = SamplerConfig()
-        extra = {name: getattr(self, name) for name in ("sampler", "confidence", "adaptive_stopping", "noise_token_id")
+        extra = {name: getattr(self, name) for name in ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates",
+                                             "keep_accepted")
                  if getattr(self, name) != getattr(default, name)}
         return extra | {
             "max_denoising_steps": self.max_denoising_steps,
@@ -133,11 +150,17 @@ def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tens
     return (top_prob >= threshold) | torch.zeros_like(free).scatter(-1, best, True)
 
 
-def accept_topk(ent: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """Accept the `count` lowest-entropy positions (an int, or [B, 1] per row): a fixed commit schedule."""
-    order = torch.argsort(ent, dim=-1)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(ent.shape[-1], device=ent.device).expand_as(order))
+def accept_topk(uncertainty: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """Accept the `count` least uncertain positions (an int, or [B, 1] per row): a fixed commit schedule."""
+    order = torch.argsort(uncertainty, dim=-1)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return rank < count
+
+
+def top2_margin(probs: torch.Tensor) -> torch.Tensor:
+    """p(most likely token) - p(second most likely) per position, in [0, 1]."""
+    top2 = probs.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
 
 
 def topk_count(cfg: SamplerConfig, step: int, free_positions: int | torch.Tensor) -> int | torch.Tensor:
@@ -250,22 +273,27 @@ def denoise_step(
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
+    # Positions already decided: the givens, and with keep_accepted every token accepted at an earlier step.
+    held = state.settled | ~free if cfg.keep_accepted else ~free
+    kept = held & free
     probs, ent = probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
-    ent_free = torch.where(free, ent, 0.0)  # fixed positions are certain
-    argmax = logits.argmax(dim=-1)
-    if cfg.sampler == "greedy":
+    ent_open = torch.where(held, 0.0, ent)  # decided positions are certain
+    argmax = torch.where(kept, state.canvas, logits.argmax(dim=-1))
+    if cfg.sampler == "greedy" or cfg.candidates == "argmax":
         candidates = argmax
     else:
-        candidates = sample(probs, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
+        draws = sample(probs, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
+        candidates = torch.where(kept, state.canvas, draws)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
-        accept = accept_entropy_bound(ent_free, cfg.entropy_bound)
+        accept = accept_entropy_bound(ent_open, cfg.entropy_bound) | kept
     elif cfg.sampler == "confidence":
-        accept = accept_confidence(probs.amax(dim=-1), cfg.confidence, free)
+        accept = accept_confidence(torch.where(kept, 1.0, probs.amax(dim=-1)), cfg.confidence, free & ~kept) | kept
     else:  # topk
-        # The ramp runs over each row's free positions; fixed ones sort first (entropy -1) and are always in.
+        # The ramp runs over each row's free positions; decided ones sort first (-1) and are always in.
+        uncertainty = ent if cfg.rank_by == "entropy" else 1.0 - top2_margin(probs)
         n_free = free.sum(-1, keepdim=True)
-        accept = accept_topk(torch.where(free, ent, -1.0), topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
+        accept = accept_topk(torch.where(held, -1.0, uncertainty), topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
 
     canvas = torch.where(accept, candidates, noise)
     if fixed is not None:
@@ -275,7 +303,7 @@ def denoise_step(
     same = (argmax == state.argmax).all(dim=-1) & (state.sc_probs is not None)
     stable_steps = torch.where(same, state.stable_steps + 1, 0)
     weight = (free if scored is None else free & scored).float()
-    mean_ent = (ent * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)
+    mean_ent = (ent_open * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)
     stop = (stable_steps >= cfg.stability_threshold) & (mean_ent < cfg.confidence_threshold)
     if not cfg.adaptive_stopping:
         stop = torch.zeros_like(stop)

@@ -136,6 +136,86 @@ def test_topk_ramps_over_each_rows_free_positions(seed, steps, holes):
 
 
 @settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.integers(2, 8))
+def test_topk_margin_accepts_the_widest_gaps(seed, steps):
+    """rank_by="margin": the accepted free positions are those with the largest gap between the two most
+    likely tokens (of the tempered softmax), not the lowest entropy."""
+    g = torch.Generator().manual_seed(seed)
+    c, vocab = 16, 9
+    fixed = torch.randint(0, vocab, (2, c), generator=g)
+    fixed[:, torch.randperm(c, generator=g)[:10]] = -1
+    cfg = SamplerConfig(sampler="topk", max_denoising_steps=steps, rank_by="margin", adaptive_stopping=False)
+    raw = torch.randn(2, c, vocab, generator=g) * 3
+    state = denoise_step(cfg, init_state(torch.zeros(2, c, dtype=torch.long), fixed), raw, steps,
+                         torch.zeros(2, c, dtype=torch.long), fixed=fixed)
+    top2 = torch.softmax(raw / temperature(cfg, steps), -1).topk(2, -1).values
+    margin = top2[..., 0] - top2[..., 1]
+    free = fixed < 0
+    for row in range(2):
+        took, left = state.settled[row] & free[row], ~state.settled[row] & free[row]
+        assert int(took.sum()) == -(-10 // steps)
+        if left.any():
+            assert margin[row][took].min() >= margin[row][left].max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.integers(2, 10), sampler=st.sampled_from(["topk", "entropy_bound", "confidence"]),
+       candidates=st.sampled_from(["sample", "argmax"]))
+def test_keep_accepted_never_changes_an_accepted_token(seed, steps, sampler, candidates):
+    """keep_accepted: a token accepted at one step stays, in the canvas and in the answer, at every later step
+    however the logits move; the givens stay too. topk still follows its ramp over the free positions."""
+    g = torch.Generator().manual_seed(seed)
+    c, vocab, noise_id = 16, 11, 10
+    fixed = torch.randint(0, vocab - 1, (2, c), generator=g)
+    fixed[:, torch.randperm(c, generator=g)[:12]] = -1
+    free = fixed < 0
+    cfg = SamplerConfig(sampler=sampler, max_denoising_steps=steps, keep_accepted=True, candidates=candidates,
+                        adaptive_stopping=False, entropy_bound=0.5, confidence=0.5)
+    noise = torch.full((2, c), noise_id)
+    state = init_state(noise.clone(), fixed)
+    for k, step in enumerate(range(steps, 0, -1), start=1):
+        before = state
+        raw = torch.randn(2, c, vocab, generator=g) * 3
+        raw[..., noise_id] = -1e4  # never a candidate: a settled position must hold a real token
+        state = denoise_step(cfg, state, raw, step, noise, fixed=fixed)
+        held = before.settled
+        assert torch.equal(state.canvas[held], before.canvas[held])
+        assert torch.equal(state.argmax[held & free], before.canvas[held & free])
+        assert (state.settled >= held).all()
+        assert torch.equal(state.canvas[~free], fixed[~free])
+        if sampler == "topk":
+            assert ((state.settled & free).sum(-1) == -(-k * 12 // steps)).all()
+    assert (state.canvas[state.settled] != noise_id).all()
+
+
+def test_argmax_candidates_with_sampling_temperature():
+    """candidates="argmax": every accepted token is the most likely one, whatever the uniforms draw."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(3, 20, 13, generator=g)
+    cfg = SamplerConfig(sampler="topk", max_denoising_steps=1, candidates="argmax", t_max=3.0, t_min=3.0)
+    state = denoise_step(cfg, init_state(torch.zeros(3, 20, dtype=torch.long)), raw, 1, torch.zeros(3, 20, dtype=torch.long),
+                         uniforms=torch.rand(3, 20, generator=g))
+    assert state.settled.all() and torch.equal(state.canvas, raw.argmax(-1))
+    sampled = denoise_step(cfg.with_(candidates="sample"), init_state(torch.zeros(3, 20, dtype=torch.long)), raw, 1,
+                           torch.zeros(3, 20, dtype=torch.long), uniforms=torch.rand(3, 20, generator=g))
+    assert not torch.equal(sampled.canvas, raw.argmax(-1))  # at T 3 the draws differ somewhere: the option matters
+
+
+def test_margin_and_entropy_rank_a_two_way_tie_differently():
+    """Two positions: a near tie between two tokens (low entropy, no margin) and one clear favourite among
+    many (higher entropy, a wide margin). Entropy accepts the tie first; margin the favourite."""
+    tie = torch.log(torch.tensor([0.5, 0.5, 1e-6, 1e-6, 1e-6, 1e-6]))
+    spread = torch.log(torch.tensor([0.5, 0.1, 0.1, 0.1, 0.1, 0.1]))
+    raw = torch.stack([tie, spread])[None]  # [1, 2, 6]
+    accepted = {}
+    for rank_by in ("entropy", "margin"):
+        cfg = SamplerConfig(sampler="topk", max_denoising_steps=2, rank_by=rank_by, t_max=1.0, t_min=1.0)
+        state = denoise_step(cfg, init_state(torch.zeros(1, 2, dtype=torch.long)), raw, 2, torch.zeros(1, 2, dtype=torch.long))
+        accepted[rank_by] = state.settled[0].tolist()
+    assert accepted == {"entropy": [True, False], "margin": [False, True]}
+
+
+@settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**40), ci=st.integers(0, 50), step=st.integers(0, 100))
 def test_hashed_noise_is_per_row(seed, ci, step):
     seeds = torch.tensor([seed, seed + 1, seed])
@@ -155,6 +235,9 @@ def test_hashed_noise_is_per_row(seed, ci, step):
         (dict(entropy_bound=0.0), "entropy_bound"),
         (dict(stability_threshold=-2), "stability_threshold"),
         (dict(confidence=1.5), "confidence"),
+        (dict(rank_by="variance"), "rank_by"),
+        (dict(candidates="beam"), "candidates"),
+        (dict(keep_accepted="yes"), "keep_accepted"),
     ],
 )
 def test_bad_sampler_settings(kwargs, field):
@@ -166,6 +249,8 @@ def test_bad_sampler_settings(kwargs, field):
     SamplerConfig(entropy_bound=0.3, max_denoising_steps=12, t_min=0.2),
     SamplerConfig(sampler="topk", max_denoising_steps=81, t_max=1.0, t_min=1.0, noise_token_id=3),
     SamplerConfig(sampler="confidence", confidence=0.7, adaptive_stopping=False),
+    SamplerConfig(sampler="topk", rank_by="margin", t_max=3.0, t_min=1.0, noise_token_id=3),
+    SamplerConfig(sampler="topk", candidates="argmax", keep_accepted=True, adaptive_stopping=False),
 ])
 def test_generation_config_roundtrip(cfg):
     out = cfg.to_generation_config()
