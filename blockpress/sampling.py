@@ -47,6 +47,10 @@ class SamplerConfig:
     # False: every position is re-decided at every step (DiffusionGemma). True: an accepted token stays, like a
     # given, for the rest of the canvas (masked-diffusion decoding); the topk ramp then counts kept positions.
     keep_accepted: bool = False
+    # False: the decoder never sees its previous prediction (as in the share of training examples drawn without
+    # self-conditioning). With keep_accepted this is plain masked-diffusion decoding: an unsettled position
+    # carries only the noise token, not the last step's full guess, so revealed tokens can change the rest.
+    self_conditioning: bool = True
     # None: noise is uniform random tokens (DiffusionGemma's recipe). An id: noise is that one token, for
     # models trained with absorbing ("masked") noise (TrainConfig.noise_token_id); it must match training.
     noise_token_id: int | None = None
@@ -65,6 +69,8 @@ class SamplerConfig:
         need(self.candidates in CANDIDATES, "candidates",
              f"unknown candidate rule {self.candidates!r}; expected one of {CANDIDATES}")
         need(isinstance(self.keep_accepted, bool), "keep_accepted", f"expected a bool, got {self.keep_accepted!r}")
+        need(isinstance(self.self_conditioning, bool), "self_conditioning",
+             f"expected a bool, got {self.self_conditioning!r}")
         need(self.t_min > 0, "t_min", f"expected > 0, got {self.t_min}")
         need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
         need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
@@ -88,7 +94,7 @@ class SamplerConfig:
         defaults (the reference ignores keys it does not know)."""
         default = SamplerConfig()
         extra = {name: getattr(self, name) for name in ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates",
-                                             "keep_accepted")
+                                             "keep_accepted", "self_conditioning")
                  if getattr(self, name) != getattr(default, name)}
         return extra | {
             "max_denoising_steps": self.max_denoising_steps,

@@ -345,3 +345,22 @@ def test_absorbing_noise_is_read_from_generation_config_and_saved(lm, tmp_path):
 def test_bad_noise_token_is_a_clear_error(lm, value, message):
     with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):
         lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, noise_token_id=value)
+
+
+@pytest.mark.parametrize("self_conditioning", [True, False])
+def test_self_conditioning_can_be_switched_off(lm, monkeypatch, self_conditioning):
+    """self_conditioning=False: the decoder never receives the previous step's prediction (as the training
+    examples drawn without it); on, it does from the second step of every canvas."""
+    received = []
+    original = lm.model.denoise
+
+    def spy(canvas, cache, self_conditioning_probs=None, **kw):
+        received.append(self_conditioning_probs is not None)
+        return original(canvas, cache, self_conditioning_probs=self_conditioning_probs, **kw)
+
+    monkeypatch.setattr(lm.model, "denoise", spy)
+    c = lm.config.canvas_length
+    out = lm.generate([[3, 4, 5]], max_new_tokens=2 * c, max_denoising_steps=3, seed=1, adaptive_stopping=False,
+                      self_conditioning=self_conditioning, min_new_tokens=2 * c)
+    assert out.sequences.shape[1] == 3 + 2 * c
+    assert received == ([False, True, True] * 2 if self_conditioning else [False] * 6)

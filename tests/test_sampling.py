@@ -238,6 +238,7 @@ def test_hashed_noise_is_per_row(seed, ci, step):
         (dict(rank_by="variance"), "rank_by"),
         (dict(candidates="beam"), "candidates"),
         (dict(keep_accepted="yes"), "keep_accepted"),
+        (dict(self_conditioning=0), "self_conditioning"),
     ],
 )
 def test_bad_sampler_settings(kwargs, field):
@@ -250,7 +251,8 @@ def test_bad_sampler_settings(kwargs, field):
     SamplerConfig(sampler="topk", max_denoising_steps=81, t_max=1.0, t_min=1.0, noise_token_id=3),
     SamplerConfig(sampler="confidence", confidence=0.7, adaptive_stopping=False),
     SamplerConfig(sampler="topk", rank_by="margin", t_max=3.0, t_min=1.0, noise_token_id=3),
-    SamplerConfig(sampler="topk", candidates="argmax", keep_accepted=True, adaptive_stopping=False),
+    SamplerConfig(sampler="topk", candidates="argmax", keep_accepted=True, adaptive_stopping=False,
+                  self_conditioning=False),
 ])
 def test_generation_config_roundtrip(cfg):
     out = cfg.to_generation_config()
