@@ -44,6 +44,17 @@ def test_cli_json_fields(tiny_sudoku, capsys):
     assert row["puzzle"] == p.replace(".", "0") and isinstance(row["valid"], bool)
 
 
+@pytest.mark.parametrize("rank_by", ["entropy", "margin"])
+def test_cli_rank_by_is_the_samplers(tiny_sudoku, capsys, rank_by):
+    """--rank-by reaches the sampler: the CLI's grid is the one `solve` gives with that ranking."""
+    path, lm = tiny_sudoku
+    p = generate(3, "hard").puzzle
+    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "4", "--sampler", "topk", "--rank-by", rank_by]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    expected = sudoku_model.solve(lm, [p], max_denoising_steps=4, sampler="topk", rank_by=rank_by)[0]
+    assert row["solution"] == expected.solution and row["steps"] == expected.steps
+
+
 def test_cli_board_and_show_steps(tiny_sudoku, capsys):
     path, _ = tiny_sudoku
     assert main(["sudoku", generate(2, "easy").puzzle, "--model", str(path), "--steps", "2", "--show-steps"]) == 0
