@@ -93,9 +93,9 @@ class SamplerConfig:
         """The reference's generation_config layout, plus blockpress's own keys where they differ from the
         defaults (the reference ignores keys it does not know)."""
         default = SamplerConfig()
-        extra = {name: getattr(self, name) for name in ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates",
-                                             "keep_accepted", "self_conditioning")
-                 if getattr(self, name) != getattr(default, name)}
+        ours = ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates", "keep_accepted",
+                "self_conditioning")
+        extra = {name: getattr(self, name) for name in ours if getattr(self, name) != getattr(default, name)}
         return extra | {
             "max_denoising_steps": self.max_denoising_steps,
             "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": self.entropy_bound},
