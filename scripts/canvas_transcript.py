@@ -2,7 +2,7 @@
 
 Tokens that changed since the previous step are wrapped in [brackets]; settled ones are bare.
 
-    python scripts/canvas_transcript.py "def fibonacci(n):" --steps 12
+    python scripts/canvas_transcript.py $'import os\n\ndef list_files(path):'
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ SETTINGS = [
     {"sampler": "confidence", "confidence": 0.9, "t_max": 0.4, "t_min": 0.1},
     {"sampler": "topk", "max_denoising_steps": 16, "t_max": 0.3, "t_min": 0.05},  # 2 tokens a step (canvas 32)
     {"sampler": "topk", "max_denoising_steps": 32, "t_max": 0.3, "t_min": 0.05},  # 1 token a step
+    # The previous default: every token re-decided each step, self-conditioning on. The shipped one (first row)
+    # keeps accepted tokens and feeds no prediction back.
+    {"sampler": "greedy", "entropy_bound": 0.02, "keep_accepted": False, "self_conditioning": True},
 ]
 
 

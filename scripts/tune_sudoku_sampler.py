@@ -31,6 +31,11 @@ SETTINGS = [
     {"sampler": "topk", "max_denoising_steps": 81, "t_max": 1.0, "t_min": 1.0},
     # A hot start (the shipped default): adaptive stopping no longer commits the grid after a few steps.
     {"sampler": "topk", "max_denoising_steps": 81, "t_max": 3.0, "t_min": 1.0},
+    # The shipped default: the same, ranking cells by the margin between their two most likely digits.
+    {"sampler": "topk", "max_denoising_steps": 81, "t_max": 3.0, "t_min": 1.0, "rank_by": "margin"},
+    # Masked-diffusion decoding: a digit once accepted stays, and no prediction is fed back.
+    {"sampler": "topk", "max_denoising_steps": 81, "t_max": 1.0, "t_min": 1.0, "rank_by": "margin",
+     "candidates": "argmax", "keep_accepted": True, "self_conditioning": False},
 ]
 
 
