@@ -372,8 +372,7 @@ def run(
             passes[w.rows] += active
             steps_per_canvas[w.rows, ci] += active
             with torch.no_grad():
-                sc = w.state.sc_probs if cfg.self_conditioning else None
-                logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=sc)
+                logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
                 if ci == 0 and first_banned is not None:
                     logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
                 ban = banned

@@ -292,21 +292,22 @@ def denoise_step(
         candidates = torch.where(kept, state.canvas, draws)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
-        accept = accept_entropy_bound(ent_open, cfg.entropy_bound) | kept
+        accept = accept_entropy_bound(ent_open, cfg.entropy_bound)
     elif cfg.sampler == "confidence":
-        accept = accept_confidence(torch.where(kept, 1.0, probs.amax(dim=-1)), cfg.confidence, free & ~kept) | kept
+        accept = accept_confidence(probs.amax(dim=-1), cfg.confidence, free & ~kept)
     else:  # topk
         # The ramp runs over each row's free positions; decided ones sort first (-1) and are always in.
         uncertainty = ent if cfg.rank_by == "entropy" else 1.0 - top2_margin(probs)
         n_free = free.sum(-1, keepdim=True)
         accept = accept_topk(torch.where(held, -1.0, uncertainty), topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
+    accept = accept | kept  # a kept token stays whatever the rule says
 
     canvas = torch.where(accept, candidates, noise)
     if fixed is not None:
         canvas = torch.where(free, canvas, fixed)
         argmax = torch.where(free, argmax, fixed)
 
-    same = (argmax == state.argmax).all(dim=-1) & (state.sc_probs is not None)
+    same = (argmax == state.argmax).all(dim=-1) & (step < cfg.max_denoising_steps)  # the first step has no "before"
     stable_steps = torch.where(same, state.stable_steps + 1, 0)
     weight = (free if scored is None else free & scored).float()
     mean_ent = (ent_open * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)
@@ -317,8 +318,8 @@ def denoise_step(
     # Rows that already stopped keep everything they had (the batch still computes them).
     done = state.done
     keep = done[:, None]
-    sc_probs = probs.to(sc_dtype)
-    if state.sc_probs is not None:
+    sc_probs = probs.to(sc_dtype) if cfg.self_conditioning else None  # off: nothing to keep for the next pass
+    if sc_probs is not None and state.sc_probs is not None:
         sc_probs = torch.where(keep[..., None], state.sc_probs, sc_probs)
     return CanvasState(
         canvas=torch.where(keep, state.canvas, canvas),
