@@ -144,8 +144,13 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 
 def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     w = weight.transpose(1, 2)  # [E, in, out], a view
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        # Autocast has no rule for grouped_mm: cast as it would for a matmul (CUDA's kernel is bf16-only).
+        dtype = torch.get_autocast_dtype("cuda")
+        x, w = x.to(dtype), w.to(dtype)
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
-    if aligned and x.dtype in (torch.float32, torch.bfloat16) and hasattr(F, "grouped_mm"):
+    grouped_dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16)
+    if aligned and x.dtype in grouped_dtypes and x.dtype == w.dtype and hasattr(F, "grouped_mm"):
         return F.grouped_mm(x, w, offs=offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     start = 0

@@ -70,6 +70,8 @@ class TrainConfig:
     prompt_max: int = 64  # raw-text corpora: longest prompt of a window
     response_canvases: int = 1  # raw-text corpora: canvases of response per window
     max_minutes: float = 0.0  # stop (and save) after this much wall time (0: no limit)
+    time_schedule: bool = False  # with max_minutes: the cosine decay follows the elapsed fraction of the budget
+    data_workers: int = 0  # processes building batches ahead of the optimizer (0: built in the training loop)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
@@ -77,8 +79,10 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.max_minutes < 0:
             raise ValueError(f"max_minutes: expected >= 0, got {self.max_minutes}")
+        if self.time_schedule and not self.max_minutes:
+            raise ValueError("time_schedule: needs max_minutes > 0 (the budget the schedule spans)")
         for name in ("micro_batch_size", "warmup_steps", "max_canvases", "eval_every", "save_every",
-                     "lora_rank", "eval_batches"):
+                     "lora_rank", "eval_batches", "data_workers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
         if self.diffusion_weight < 0 or self.aux_ar_weight < 0 or not (self.diffusion_weight or self.aux_ar_weight):
@@ -196,10 +200,12 @@ class Objective(nn.Module):
         return diffusion_sum, ar_sum
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
+def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio over the steps, or over the wall-clock budget
+    (`time_fraction` of it spent) when that ends first: a run cut short by max_minutes still anneals."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    progress = max((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), time_fraction)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -228,6 +234,29 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad = True
     return model
+
+
+class StepBatches(torch.utils.data.Dataset):
+    """The training batch of step k, as a dataset indexed by k: the examples of the source, padded into canvases,
+    with every random draw of the step (seeded by the run's seed and k)."""
+
+    def __init__(self, source: ExampleSource | ShardSource, cfg: TrainConfig, canvas_length: int, vocab_size: int,
+                 pad: int, eos: int):
+        self.source, self.cfg, self.canvas_length, self.vocab_size = source, cfg, canvas_length, vocab_size
+        self.pad, self.eos = pad, eos
+
+    def __len__(self) -> int:
+        return self.cfg.steps
+
+    def __getitem__(self, step: int) -> tuple[Batch, Noise]:
+        examples = self.source.batch(step, self.cfg.batch_size)
+        batch = make_batch(examples, self.canvas_length, self.pad, self.eos, self.cfg.max_canvases or None)
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_033 + step * 2 + 1)
+        return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
+
+
+def _one_thread(_worker: int) -> None:
+    torch.set_num_threads(1)  # batch building is light; the optimizer's process owns the cores
 
 
 # -- the trainer ------------------------------------------------------------------------------------------
@@ -298,10 +327,8 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------
     def _batch(self, source: ExampleSource | ShardSource, step: int) -> tuple[Batch, Noise]:
-        examples = source.batch(step, self.cfg.batch_size)
-        batch = make_batch(examples, self.lm.config.canvas_length, self.pad, self.eos, self.cfg.max_canvases or None)
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_033 + step * 2 + 1)
-        return batch, draw_noise(batch, self.lm.config.text.vocab_size, self.cfg, g)
+        return StepBatches(source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
+                           self.pad, self.eos)[step]
 
     def _autocast(self) -> Any:
         device = self.lm.device
@@ -335,11 +362,13 @@ class Trainer:
         sums = _all_sum(sums)
         return float(sums[0]) / max(n_diff, 1), float(sums[1]) / max(n_ar, 1), int(batch.valid.sum())
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self, prepared: tuple[Batch, Noise] | None = None, time_fraction: float = 0.0) -> dict[str, float]:
+        """One optimizer step on the batch of `self.step` (`prepared`: that batch, built ahead by a worker)."""
         cfg = self.cfg
-        batch, noise = self._batch(self.source, self.step)
+        batch, noise = prepared if prepared is not None else self._batch(self.source, self.step)
+        lr = lr_at(cfg, self.step, time_fraction)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(cfg, self.step)
+            group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         diff, ar, tokens = self._losses(batch, noise, train=True)
         grad_norm = 0.0
@@ -350,7 +379,7 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar,
                 "diffusion_loss": diff, "ar_loss": ar,
-                "lr": lr_at(cfg, self.step - 1), "grad_norm": grad_norm, "tokens": tokens}
+                "lr": lr, "grad_norm": grad_norm, "tokens": tokens}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -364,6 +393,17 @@ class Trainer:
             total += self.cfg.diffusion_weight * diff + self.cfg.aux_ar_weight * ar
         self.model.train()
         return total / self.cfg.eval_batches
+
+    def _prefetch(self) -> Any:
+        """Batches of steps self.step, self.step + 1, ... built by `data_workers` processes, a few steps ahead.
+        Each is a pure function of its step, so the run is the same as with batches built in the loop."""
+        data = StepBatches(self.source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
+                           self.pad, self.eos)
+        steps = range(self.step, self.cfg.steps)
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.Subset(data, steps), batch_size=None, num_workers=self.cfg.data_workers,
+            prefetch_factor=4, worker_init_fn=_one_thread, multiprocessing_context="fork", persistent_workers=False)
+        return iter(loader)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(self, final: bool = False) -> None:
@@ -411,11 +451,14 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         t0, seen = time.perf_counter(), 0
+        prefetched = self._prefetch() if cfg.data_workers else None
         try:
             while self.step < cfg.steps:
-                if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+                spent = (time.perf_counter() - t0) / 60 / cfg.max_minutes if cfg.max_minutes else 0.0
+                if spent > 1:
                     break  # the time budget is spent: save what we have
-                row = self.train_step()
+                row = self.train_step(next(prefetched) if prefetched else None,
+                                      spent if cfg.time_schedule else 0.0)
                 seen += row["tokens"]
                 result.losses.append(row["loss"])
                 tok_s = seen / max(time.perf_counter() - t0, 1e-9)

@@ -34,12 +34,15 @@ from blockpress.train import ExampleSource, TrainConfig, Trainer
 TEST_SEED = 10_000_000
 
 
-def sudoku_config() -> ModelConfig:
+def sudoku_config(layers: int = 6, hidden: int = 128) -> ModelConfig:
+    """The shipped shape is the default; every sixth layer attends globally (all of them see the whole board:
+    the sliding window, 256, is longer than prompt plus canvas)."""
     text = TextConfig(
-        vocab_size=VOCAB.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=32,
-        num_global_key_value_heads=2, sliding_window=256, num_experts=4, top_k_experts=2,
-        moe_intermediate_size=128, layer_types=[SLIDING] * 5 + [FULL], max_position_embeddings=512,
+        vocab_size=VOCAB.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32, global_head_dim=32,
+        num_global_key_value_heads=max(1, hidden // 64), sliding_window=256, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=hidden, layer_types=[FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)],
+        max_position_embeddings=512,
         pad_token_id=VOCAB.pad, eos_token_id=VOCAB.eos, bos_token_id=VOCAB.bos,
     )
     return ModelConfig(text=text, canvas_length=81)
@@ -49,13 +52,29 @@ def to_example(puzzle: str, solution: str) -> Example:
     return Example(encode_prompt(puzzle), encode_solution(solution), ends=False)
 
 
-def base_puzzles(n: int, seed0: int, cache: Path | None = None) -> list[Puzzle]:
-    """Puzzles seed0..seed0+n-1, a third of each difficulty; cached as JSON lines since generation is slow."""
+def _generate(seed: int) -> Puzzle:
+    return generate(seed, DIFFICULTIES[seed % 3])
+
+
+def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1) -> list[Puzzle]:
+    """Puzzles seed0..seed0+n-1, a third of each difficulty; cached as JSON lines. A cache that holds the first
+    puzzles is extended, so a bigger run reuses a smaller one's work."""
+    have: list[Puzzle] = []
     if cache is not None and cache.exists():
         rows = [json.loads(line) for line in cache.read_text().splitlines()]
-        if len(rows) >= n and rows[0]["seed"] == seed0:
-            return [Puzzle(**row) for row in rows[:n]]
-    out = [generate(seed0 + i, DIFFICULTIES[i % 3]) for i in range(n)]
+        if rows and rows[0]["seed"] == seed0:
+            have = [Puzzle(**row) for row in rows[:n]]
+    if len(have) >= n:
+        return have
+    seeds = range(seed0 + len(have), seed0 + n)
+    if workers > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            new = pool.map(_generate, seeds, chunksize=256)
+    else:
+        new = [_generate(s) for s in seeds]
+    out = have + new
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text("".join(json.dumps(p.__dict__) + "\n" for p in out))
@@ -108,11 +127,22 @@ def main() -> None:
                     help="corruption: uniform random tokens (DiffusionGemma's recipe) or the empty-cell digit 0 "
                          "(absorbing noise; the model then decodes with noise_token_id set)")
     ap.add_argument("--cpu-autocast", action="store_true", help="bf16 autocast on CPUs with native bf16")
+    ap.add_argument("--layers", type=int, default=6, help="layers of a fresh model (not with --init-from)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size of a fresh model, a multiple of 64")
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="anneal the learning rate over --minutes rather than --steps (GPU runs sized by time)")
+    ap.add_argument("--data-workers", type=int, default=0, help="processes building batches ahead of the GPU")
+    ap.add_argument("--puzzle-workers", type=int, default=1, help="processes generating puzzles")
+    ap.add_argument("--no-autocast", action="store_true", help="train in float32 on a GPU too")
+    ap.add_argument("--only-puzzles", action="store_true", help="generate (and cache) the puzzles, then stop")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    base = base_puzzles(args.puzzles, 0, args.puzzle_cache)
+    base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers)
+    if args.only_puzzles:
+        print(json.dumps({"puzzles": len(base), "seconds": round(time.perf_counter() - t0, 1)}))
+        return
     source = (ExampleSource([to_example(p.puzzle, p.solution) for p in base], args.seed) if args.no_augment
               else AugmentedSource(base, args.seed))
     held = puzzles(64, TEST_SEED + 5_000_000)
@@ -121,12 +151,13 @@ def main() -> None:
     if args.init_from and args.resume:
         ap.error("--init-from and --resume: choose one")
     lm = (blockpress.load(args.init_from, dtype=torch.float32, device=args.device) if args.init_from
-          else blockpress.random_model(sudoku_config(), seed=0, device=args.device))
+          else blockpress.random_model(sudoku_config(args.layers, args.hidden), seed=0, device=args.device))
     lm.generation_config = {"max_denoising_steps": 32, "max_new_tokens": 81}
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                       weight_decay=0.01, aux_ar_weight=1.0 if args.ar else args.aux_ar_weight,
                       cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1, save_every=250,
                       max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=args.seed,
+                      time_schedule=args.time_schedule, data_workers=args.data_workers, autocast=not args.no_autocast,
                       noise_token_id=VOCAB.digit_id("0") if args.noise == "empty" else -1)
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
@@ -135,7 +166,7 @@ def main() -> None:
     summary = {"ar": args.ar, "init_from": args.init_from, "noise": args.noise, "aux_ar_weight": cfg.aux_ar_weight,
                "puzzles": args.puzzles, "augment": not args.no_augment,
                "batch_size": args.batch_size, "lr": args.lr, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
-               "params": lm.num_parameters(active=False), "first_loss": result.losses[0],
+               "params": lm.num_parameters(active=False), "device": args.device, "first_loss": result.losses[0],
                "last_loss": result.losses[-1], "eval": result.eval_losses,
                "train_tok_s": round(result.tokens_per_second, 1),
                "train_minutes": round((time.perf_counter() - t_train) / 60, 1), "threads": torch.get_num_threads()}

@@ -4,10 +4,12 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import blockpress
 from blockpress.data import Example, make_batch
-from blockpress.train import ExampleSource, TrainConfig, Trainer, draw_noise
+from blockpress.train import ExampleSource, TrainConfig, Trainer, draw_noise, lr_at
 
 EXAMPLES = [Example([2, 5 + i], [10 + i, 11 + i, 12 + i, 13 + i, 20, 21 - i]) for i in range(4)]
 
@@ -127,7 +129,8 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, field",
     [(dict(steps=0), "steps"), (dict(lr=-1.0), "lr"), (dict(self_conditioning_prob=2.0), "self_conditioning_prob"),
-     (dict(t_eps=0.7), "t_eps"), (dict(micro_batch_size=-1), "micro_batch_size")],
+     (dict(t_eps=0.7), "t_eps"), (dict(micro_batch_size=-1), "micro_batch_size"),
+     (dict(time_schedule=True), "time_schedule"), (dict(data_workers=-1), "data_workers")],
 )
 def test_bad_train_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -145,6 +148,24 @@ def test_time_budget_stops_and_saves(tmp_path):
     assert (tmp_path / "budget" / "model.safetensors").exists()
     last = json.loads((tmp_path / "budget" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["stopped"] == "max_minutes"
+
+
+def test_batches_built_by_workers_change_nothing(tmp_path):
+    _, inline = run(tmp_path, 4, "inline")
+    _, workers = run(tmp_path, 4, "workers", data_workers=2)
+    assert inline.losses == pytest.approx(workers.losses, rel=1e-6)
+
+
+@given(step=st.integers(0, 400), fraction=st.floats(0.0, 1.0), later=st.floats(0.0, 1.0))
+def test_time_schedule_anneals_over_the_budget(step, fraction, later):
+    cfg = TrainConfig(steps=10_000, lr=1e-3, warmup_steps=20, max_minutes=5.0, time_schedule=True)
+    lr = lr_at(cfg, step, fraction)
+    if step < cfg.warmup_steps:  # warmup counts steps whatever the clock says
+        assert lr == lr_at(cfg, step)
+    else:
+        assert lr <= lr_at(cfg, step) + 1e-12  # the clock only ever brings the decay forward
+        assert lr_at(cfg, step, max(fraction, later)) <= lr + 1e-12  # and more time spent never raises it
+        assert lr_at(cfg, step, 1.0) == pytest.approx(cfg.lr * cfg.min_lr_ratio)  # a spent budget sits at the floor
 
 
 def test_ar_only_baseline_trains_the_encoder(tmp_path):

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One prepared GPU session for issues 5, 6 and 7, sized for a 15-minute H200 lease (about 9 minutes of run).
+#
+#   Phase A (BENCH_S s): the 26B-A4B speed check, the GPU to itself (scripts/gpu_bench.py), while the CPU
+#            cores generate more sudoku puzzles (seeded; extends .gpu/sudoku-puzzles.jsonl).
+#   Phase B (TRAIN_MIN min): three trainings side by side on the GPU, each annealing its learning rate over
+#            the time budget: blockpress-code and blockpress-sudoku continued from the shipped weights, the
+#            sudoku AR baseline continued with the same budget, and a deeper sudoku model (12 layers) from scratch. A run that dies in its first minute is retried once
+#            with batches built in the loop and no autocast.
+#   Then every checkpoint is cast to bf16 and tarred into $OUT (at most 8 files of 16 MiB come back).
+#
+# Needs .gpu/corpus (the code corpus built here: the device has another Python, so another stdlib) and
+# .gpu/sudoku-puzzles.jsonl, carried with the call. Smoke run on a CPU:
+#   OUT=/tmp/s DEVICE=cpu BENCH_PRESET=tiny PROMPT_LENGTH=16 PUZZLES=13000 bash scripts/gpu_session.sh 60 0.3
+set -u
+OUT=${OUT:?set OUT to the output folder}
+BENCH_S=${1:-200}
+TRAIN_MIN=${2:-4.5}
+DEVICE=${DEVICE:-cuda}
+BENCH_PRESET=${BENCH_PRESET:-26b-a4b}
+PROMPT_LENGTH=${PROMPT_LENGTH:-4096}
+PUZZLES=${PUZZLES:-150000}
+WORKERS=${WORKERS:-3}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PY=${PY:-python3}
+W=${WORK:-/tmp/gpu_session}
+rm -rf "$W" && mkdir -p "$W" "$OUT"
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/session.log"; }
+
+log "start: device $DEVICE, bench ${BENCH_S}s, training ${TRAIN_MIN} min"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+  $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"; } >>"$OUT/session.log" 2>&1
+
+# -- phase A ---------------------------------------------------------------------------------------------------
+cp .gpu/sudoku-puzzles.jsonl "$W/puzzles.jsonl"
+$PY scripts/train_sudoku.py --out "$W/unused" --puzzles "$PUZZLES" --puzzle-cache "$W/puzzles.jsonl" \
+    --puzzle-workers "$(( $(nproc) > 4 ? $(nproc) - 2 : 1 ))" --only-puzzles >"$W/puzzles.log" 2>&1 &
+PUZZLE_PID=$!
+timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$DEVICE" \
+    --prompt-length "$PROMPT_LENGTH" --out "$W/bench" --compile-mode default \
+    --compile-if-under-s "$(( BENCH_S / 2 ))" >"$W/bench.log" 2>&1
+log "bench exit $?"
+cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null || tail -30 "$W/bench.log" >>"$OUT/session.log"
+wait $PUZZLE_PID
+log "puzzles: $(tail -1 "$W/puzzles.log")"
+NPUZ=$(wc -l <"$W/puzzles.jsonl")
+
+# -- phase B ---------------------------------------------------------------------------------------------------
+code_run() {  # $1: extra flags
+  $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
+    --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \
+    --steps 1000000 --batch-size 128 --lr 8e-4 --warmup-steps 100 --prompt-min 16 --prompt-max 128 \
+    --response-canvases 2 --log-every 50 --eval-every 1000 --eval-batches 8 --save-every 0 \
+    --max-minutes "$TRAIN_MIN" --time-schedule --noise-token-id 5 --seed 21 --quiet "$@"
+}
+sudoku_run() {  # $1: out name, then flags
+  local name=$1; shift
+  $PY scripts/train_sudoku.py --out "$W/$name" --noise empty --aux-ar-weight 0.25 --puzzles "$NPUZ" \
+    --puzzle-cache "$W/puzzles.jsonl" --batch-size 256 --steps 1000000 --minutes "$TRAIN_MIN" --time-schedule \
+    --device "$DEVICE" "$@"
+}
+with_retry() {  # $1: name, then the command; a run that fails within 60 s is retried with safe settings
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$W/$name.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ] && [ $(( SECONDS - t0 )) -lt 60 ]; then
+    log "$name failed early (exit $rc), retrying without workers or autocast: $(tail -3 "$W/$name.log" | tr '\n' ' ')"
+    mv "$W/$name.log" "$W/$name.first.log"
+    "$@" --data-workers 0 --no-autocast >"$W/$name.log" 2>&1
+    rc=$?
+  fi
+  log "$name exit $rc"
+}
+with_retry code code_run --data-workers "$WORKERS" &
+with_retry sudoku sudoku_run sudoku --init-from blockpress-sudoku --lr 1e-3 --seed 31 --data-workers "$WORKERS" &
+with_retry sudoku-ar sudoku_run sudoku-ar --ar --init-from benchmarks/baselines/sudoku-ar --lr 1e-3 --seed 31 \
+    --data-workers "$WORKERS" &
+with_retry sudoku-deep sudoku_run sudoku-deep --layers 12 --hidden 128 --lr 2e-3 --warmup-steps 200 --seed 41 \
+    --data-workers "$WORKERS" &
+wait
+
+# -- pack ------------------------------------------------------------------------------------------------------
+for name in code sudoku sudoku-ar sudoku-deep; do
+  if [ -f "$W/$name/model.safetensors" ]; then
+    $PY -c "import sys, torch, blockpress; blockpress.load(sys.argv[1], dtype=torch.bfloat16).save(sys.argv[2])" \
+      "$W/$name" "$W/pack/$name" >>"$OUT/session.log" 2>&1
+    cp "$W/$name"/metrics.jsonl "$W/$name"/summary.json "$W/$name.log" "$W/pack/$name/" 2>/dev/null
+    tar -C "$W/pack" -cf "$W/$name.tar" "$name" && split -b 15m -d "$W/$name.tar" "$OUT/$name.tar."
+  fi
+  log "$name: $(tail -2 "$W/$name.log" | tr '\n' ' ' | cut -c1-600)"
+done
+log "done"
