@@ -130,6 +130,10 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
+# torch's grouped GEMM: F.grouped_mm where public, else the private op of the same signature, else None.
+GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """rows of x (sorted by expert, group ends at `offsets`) times weight[e].T for their expert e.
 
@@ -150,8 +154,8 @@ def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
         x, w = x.to(dtype), w.to(dtype)
     aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
     grouped_dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16)
-    if aligned and x.dtype in grouped_dtypes and x.dtype == w.dtype and hasattr(F, "grouped_mm"):
-        return F.grouped_mm(x, w, offs=offsets)
+    if aligned and x.dtype in grouped_dtypes and x.dtype == w.dtype and GROUPED_MM is not None:
+        return GROUPED_MM(x, w, offs=offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     start = 0
     for e, end in enumerate(offsets.tolist()):

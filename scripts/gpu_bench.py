@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import blockpress
+from blockpress.model import GROUPED_MM
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -26,6 +28,35 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def profile_ops(fn: Callable[[], object], device: torch.device, top: int = 15) -> dict:
+    """The busiest ops of one call of fn (device time on a GPU, CPU time otherwise) and the most frequent ones,
+    with the host syncs counted: what the next speed change should go after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    events = prof.key_averages()
+
+    def own_ms(e: object) -> float:
+        if device.type == "cuda":
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3
+        return e.self_cpu_time_total / 1e3
+
+    def row(e: object) -> dict:
+        return {"op": e.key, "count": e.count, "self_ms": round(own_ms(e), 3), "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
+
+    counts = {e.key: e.count for e in events}
+    return {
+        "by_time": [row(e) for e in sorted(events, key=lambda e: -own_ms(e))[:top]],
+        "by_count": [row(e) for e in sorted(events, key=lambda e: -e.count)[:top]],
+        "host_syncs": sum(n for k, n in counts.items() if k in ("aten::item", "aten::_local_scalar_dense",
+                                                                 "cudaStreamSynchronize", "cudaDeviceSynchronize")),
+        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
+    }
 
 
 def main() -> None:
@@ -42,12 +73,15 @@ def main() -> None:
                     help="torch.compile mode for the compiled phase ('none' skips it; 'reduce-overhead' = CUDA graphs)")
     ap.add_argument("--compile-if-under-s", type=float, default=240.0,
                     help="run the compiled phase only if the eager phases took less than this (time limits)")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="record the busiest and most frequent ops of each engine (torch.profiler)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device(args.device)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"benchmark": "gpu_bench", "args": vars(args), "torch": torch.__version__}
+    result: dict = {"benchmark": "gpu_bench", "args": vars(args), "torch": torch.__version__,
+                    "grouped_mm": getattr(GROUPED_MM, "__name__", None)}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
 
@@ -105,6 +139,14 @@ def main() -> None:
             bytes_per_pass / bandwidth / (result["diffusion"]["ms_per_step"] / 1e3))
     result["diffusion_over_ar"] = result["diffusion"]["tok_s"] / result["ar"]["tok_s"]
     save()
+    if args.profile:  # a short trace of each engine (4 denoising steps; 8 AR tokens)
+        result["profile"] = {
+            "diffusion_4_steps": profile_ops(lambda: lm.generate(prompt, max_new_tokens=args.new_tokens,
+                                                                 max_denoising_steps=4, seed=0,
+                                                                 adaptive_stopping=False), device),
+            "ar_8_tokens": profile_ops(lambda: lm.generate_ar(prompt, max_new_tokens=8), device),
+        }
+        save()
 
     # The same two engines through torch.compile (LM.compile). Eager figures are already saved, so a
     # failure or a timeout here loses nothing.
