@@ -54,6 +54,63 @@ class StepFunctions:
         return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
                    torch.compile(model.encode, **options))
 
+    @classmethod
+    def cuda_graphs(cls, model: Any) -> StepFunctions:
+        """The decoder pass replayed from CUDA graphs (GraphedDenoise); the sampler and the encoder stay eager."""
+        return cls(GraphedDenoise(model), denoise_step, model.encode)
+
+
+class GraphedDenoise:
+    """`model.denoise` replayed from a captured CUDA graph. At batch 1 a pass is thousands of small kernels whose
+    launch cost, paid by Python on every step, outweighs the GPU work; a graph pays it once per canvas.
+
+    One graph per (canvas shape, cache state) and self-conditioning on or off: a new canvas, whose cache has
+    grown, or a batch that shrank when rows stopped, captures anew and frees the old graphs. Inputs are copied
+    into the graph's own buffers; the logits it returns live in the graph's memory and are overwritten by the
+    next call, so a caller uses them before calling again (the decoding loop does)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.state_key: tuple | None = None
+        self.graphs: dict[tuple | None, tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self.pool: Any = None
+        self.captures = 0
+
+    def __call__(self, canvas_ids: torch.Tensor, cache: Any,
+                 self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
+        # The cache's length and buffers are baked into a graph; id() alone could be reused by a new cache.
+        key = (tuple(canvas_ids.shape), cache.length, id(cache), cache.keys[0].data_ptr())
+        if key != self.state_key:
+            self.graphs.clear()
+            self.state_key = key
+        probs = self_conditioning_probs
+        sc_key = None if probs is None else (probs.dtype, tuple(probs.shape))
+        if sc_key not in self.graphs:
+            self.graphs[sc_key] = self.capture(canvas_ids.clone(), cache, None if probs is None else probs.clone())
+            self.captures += 1
+        graph, canvas, static_probs, logits = self.graphs[sc_key]
+        canvas.copy_(canvas_ids)
+        if static_probs is not None:
+            static_probs.copy_(probs)
+        graph.replay()
+        return logits
+
+    def capture(self, canvas: torch.Tensor, cache: Any,
+                probs: torch.Tensor | None) -> tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(graph, its canvas input, its self-conditioning input, its logits output)."""
+        device = canvas.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # a warm-up pass keeps lazy initialisation (cuBLAS handles) out of the graph
+            self.model.denoise(canvas, cache, self_conditioning_probs=probs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.denoise(canvas, cache, self_conditioning_probs=probs)
+        return graph, canvas, probs, logits
+
 
 @dataclass
 class Draft:

@@ -110,6 +110,14 @@ class LM:
         self.step_functions = StepFunctions.compiled(self.model, **options)
         return self
 
+    def cuda_graphs(self) -> LM:
+        """Replay each decoder pass from a CUDA graph from now on (captured once per canvas; see GraphedDenoise).
+        Needs a CUDA model. Returns self."""
+        if self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs: needs a model on a CUDA device; this one is on {self.device}")
+        self.step_functions = StepFunctions.cuda_graphs(self.model)
+        return self
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache.allocate(self.config.text, batch_size, capacity, self.dtype, self.device)
 

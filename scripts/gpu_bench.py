@@ -73,6 +73,8 @@ def main() -> None:
                     help="torch.compile mode for the compiled phase ('none' skips it; 'reduce-overhead' = CUDA graphs)")
     ap.add_argument("--compile-if-under-s", type=float, default=240.0,
                     help="run the compiled phase only if the eager phases took less than this (time limits)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time diffusion with CUDA-graph replay of the decoder (CUDA only)")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="record the busiest and most frequent ops of each engine (torch.profiler)")
     args = ap.parse_args()
@@ -108,7 +110,7 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
-    out = diffusion()
+    out = eager_out = diffusion()
     sync(device)
     total = time.perf_counter() - t0
     passes = int(out.forward_passes[0])
@@ -146,6 +148,26 @@ def main() -> None:
                                                                  adaptive_stopping=False), device),
             "ar_8_tokens": profile_ops(lambda: lm.generate_ar(prompt, max_new_tokens=8), device),
         }
+        save()
+
+    # Diffusion with each decoder pass replayed from a CUDA graph (LM.cuda_graphs): same kernels, no per-op launches.
+    if device.type == "cuda" and args.cuda_graphs:
+        try:
+            lm.cuda_graphs()
+            diffusion()  # captures
+            sync(device)
+            t0 = time.perf_counter()
+            graphed = diffusion()
+            sync(device)
+            total = time.perf_counter() - t0
+            n = int(graphed.num_new_tokens[0])
+            result["diffusion_cuda_graphs"] = dict(
+                ms_per_step=graphed.denoise_seconds * 1e3 / int(graphed.forward_passes[0]),
+                tok_s=n / graphed.denoise_seconds, tok_s_with_prefill=n / total,
+                same_tokens_as_eager=bool(torch.equal(graphed.sequences, eager_out.sequences)))
+        except Exception as exc:  # recorded, not raised, like the compiled phase
+            result["cuda_graphs_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        lm.step_functions = None
         save()
 
     # The same two engines through torch.compile (LM.compile). Eager figures are already saved, so a

@@ -46,6 +46,10 @@ log "puzzles: $(tail -1 "$W/puzzles.log")"
 NPUZ=$(wc -l <"$W/puzzles.jsonl")
 
 # -- phase B ---------------------------------------------------------------------------------------------------
+# Seen on an H200 (2026-11-30), four runs side by side with 16 CPU threads each: 2.3-3.2 steps/s per sudoku run
+# and 2.9 per code run; one sudoku run alone (4 threads, 10 data workers): 7.8 steps/s. The aggregate is about
+# the same, so the step, not the GPU, is the limit; two CPU threads per run leave the cores to the data workers.
+export OMP_NUM_THREADS=2
 code_run() {  # $1: extra flags
   $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \

@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockpress
-from blockpress.generate import Commit, Done, Draft
+from blockpress.generate import Commit, Done, Draft, GraphedDenoise, StepFunctions
+from blockpress.sampling import denoise_step
 
 EOS = 1
 PAD = 0
@@ -265,6 +266,43 @@ def test_compiled_steps_trace_and_match_eager():
     compiled = lm.generate([[3, 4, 5], [6, 7, 8]], **kw)
     assert torch.equal(compiled.sequences, eager.sequences)
     assert torch.equal(lm.generate_ar([3, 4, 5], max_new_tokens=6).sequences, eager_ar.sequences)
+
+
+class ReplayedDenoise(GraphedDenoise):
+    """GraphedDenoise with its CUDA capture swapped for an eager stand-in that honours the same contract:
+    the inputs are the captured buffers, and each replay overwrites the one logits tensor it returned."""
+
+    def capture(self, canvas, cache, probs):
+        logits = self.model.denoise(canvas, cache, self_conditioning_probs=probs)
+        model = self.model
+
+        class Replay:
+            def replay(self):
+                logits.copy_(model.denoise(canvas, cache, self_conditioning_probs=probs))
+
+        return Replay(), canvas, probs, logits
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=20, max_denoising_steps=4, seed=2),
+                                dict(max_new_tokens=24, max_denoising_steps=6, seed=3, sampler="greedy",
+                                     entropy_bound=5.0)])
+def test_graphed_denoise_bookkeeping_matches_eager(kw):
+    """The CUDA-graph path's buffers and cache keys, checked on CPU: same tokens as eager decoding over several
+    canvases, with self-conditioning on and off and rows that stop early; a new graph for each canvas."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    prompts = [[3, 4, 5], [6, 7, 8, 9]]
+    eager = lm.generate(prompts, **kw)
+    replayed = ReplayedDenoise(lm.model)
+    lm.step_functions = StepFunctions(replayed, denoise_step, lm.model.encode)
+    out = lm.generate(prompts, **kw)
+    assert torch.equal(out.sequences, eager.sequences)
+    canvases = -(-kw["max_new_tokens"] // lm.config.canvas_length)
+    assert replayed.captures >= canvases and len(replayed.graphs) <= 2
+
+
+def test_cuda_graphs_need_a_cuda_model(lm):
+    with pytest.raises(ValueError, match="cuda_graphs: needs a model on a CUDA device"):
+        lm.cuda_graphs()
 
 
 def test_constraint_bans_tokens_every_step_and_sees_settled_positions(lm, monkeypatch):
