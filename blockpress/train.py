@@ -322,6 +322,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            fused=lm.device.type == "cuda",  # one kernel for every parameter: a small model's step is launch-bound
         )
         self.step = 0
 

@@ -50,6 +50,8 @@ NPUZ=$(wc -l <"$W/puzzles.jsonl")
 # and 2.9 per code run; one sudoku run alone (4 threads, 10 data workers): 7.8 steps/s. The aggregate is about
 # the same, so the step, not the GPU, is the limit; two CPU threads per run leave the cores to the data workers.
 export OMP_NUM_THREADS=2
+$PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 --out "$OUT/train_profile.json" \
+    >"$W/train_profile.log" 2>&1 || tail -5 "$W/train_profile.log" >>"$OUT/session.log"
 code_run() {  # $1: extra flags
   $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \

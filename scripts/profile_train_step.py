@@ -1,0 +1,82 @@
+"""Where a training step's time goes: ms per step, then one step under torch.profiler, as JSON.
+
+A small model's step is bound by per-op host overhead, not by the GPU: this counts the ops, the host syncs
+(`aten::item`) and the busiest kernels, so the next speed change goes after the right thing. Uses the sudoku
+task (no corpus needed) and the shipped blockpress-sudoku weights.
+
+    python scripts/profile_train_step.py --device cuda --batch-size 256 --out $OUT/train_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import blockpress  # noqa: E402
+from blockpress.train import TrainConfig, Trainer  # noqa: E402
+from train_sudoku import AugmentedSource, _generate  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after two warm-up steps)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    puzzles = [_generate(seed) for seed in range(64)]
+    lm = blockpress.load("blockpress-sudoku", dtype=torch.float32, device=device)
+    cfg = TrainConfig(steps=1000, batch_size=args.batch_size, noise_token_id=3, aux_ar_weight=0.25, log_every=1000)
+    trainer = Trainer(lm, AugmentedSource(puzzles, 0), cfg, Path("/tmp/profile_train_step"), progress=False)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(2):
+        trainer.train_step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.train_step()
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step()
+        sync()
+    events = prof.key_averages()
+
+    def own_ms(e: object) -> float:
+        if device.type == "cuda":
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3
+        return e.self_cpu_time_total / 1e3
+
+    counts = {e.key: e.count for e in events}
+    result = {
+        "device": str(device), "batch_size": args.batch_size, "ms_per_step": round(ms, 2),
+        "aten_ops_per_step": sum(n for k, n in counts.items() if k.startswith("aten::")),
+        "host_syncs": counts.get("aten::item", 0) + counts.get("cudaStreamSynchronize", 0),
+        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
+        "by_count": [{"op": e.key, "count": e.count} for e in sorted(events, key=lambda e: -e.count)[:15]],
+        "by_time": [{"op": e.key, "count": e.count, "self_ms": round(own_ms(e), 3)}
+                    for e in sorted(events, key=lambda e: -own_ms(e))[:15]],
+    }
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
