@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from train_sudoku import AugmentedSource, _generate  # noqa: E402
+
 import blockpress  # noqa: E402
 from blockpress.train import TrainConfig, Trainer  # noqa: E402
-from train_sudoku import AugmentedSource, _generate  # noqa: E402
 
 
 def main() -> None:
