@@ -51,6 +51,38 @@ def _peak(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
 
 
+def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
+    """One call of fn under torch.profiler: its busiest ops (device time on a GPU, CPU time otherwise), its most
+    frequent ones, and the counts of aten ops, host syncs and kernel launches. What the next speed change
+    should go after."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    events = prof.key_averages()
+
+    def own_ms(e: Any) -> float:
+        if device.type == "cuda":
+            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3
+        return e.self_cpu_time_total / 1e3
+
+    def row(e: Any) -> dict[str, Any]:
+        return {"op": e.key, "count": e.count, "self_ms": round(own_ms(e), 3),
+                "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
+
+    counts = {e.key: e.count for e in events}
+    return {
+        "by_time": [row(e) for e in sorted(events, key=lambda e: -own_ms(e))[:top]],
+        "by_count": [row(e) for e in sorted(events, key=lambda e: -e.count)[:top]],
+        "aten_ops": sum(n for k, n in counts.items() if k.startswith("aten::")),
+        "host_syncs": counts.get("aten::item", 0) + counts.get("cudaStreamSynchronize", 0)
+        + counts.get("cudaDeviceSynchronize", 0),
+        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
+    }
+
+
 def _best(repeats: int, fn, *args: Any) -> dict[str, Any]:
     best = None
     for _ in range(repeats):

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import blockpress
+from blockpress.bench import profile_ops
 from blockpress.model import GROUPED_MM
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
@@ -28,35 +28,6 @@ HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def profile_ops(fn: Callable[[], object], device: torch.device, top: int = 15) -> dict:
-    """The busiest ops of one call of fn (device time on a GPU, CPU time otherwise) and the most frequent ones,
-    with the host syncs counted: what the next speed change should go after."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-        sync(device)
-    events = prof.key_averages()
-
-    def own_ms(e: object) -> float:
-        if device.type == "cuda":
-            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3
-        return e.self_cpu_time_total / 1e3
-
-    def row(e: object) -> dict:
-        return {"op": e.key, "count": e.count, "self_ms": round(own_ms(e), 3), "cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
-
-    counts = {e.key: e.count for e in events}
-    return {
-        "by_time": [row(e) for e in sorted(events, key=lambda e: -own_ms(e))[:top]],
-        "by_count": [row(e) for e in sorted(events, key=lambda e: -e.count)[:top]],
-        "host_syncs": sum(n for k, n in counts.items() if k in ("aten::item", "aten::_local_scalar_dense",
-                                                                 "cudaStreamSynchronize", "cudaDeviceSynchronize")),
-        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
-    }
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_sudoku import AugmentedSource, _generate  # noqa: E402
 
 import blockpress  # noqa: E402
+from blockpress.bench import profile_ops  # noqa: E402
 from blockpress.train import TrainConfig, Trainer  # noqa: E402
 
 
@@ -50,29 +51,8 @@ def main() -> None:
         trainer.train_step()
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        trainer.train_step()
-        sync()
-    events = prof.key_averages()
-
-    def own_ms(e: object) -> float:
-        if device.type == "cuda":
-            return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 1e3
-        return e.self_cpu_time_total / 1e3
-
-    counts = {e.key: e.count for e in events}
-    result = {
-        "device": str(device), "batch_size": args.batch_size, "ms_per_step": round(ms, 2),
-        "aten_ops_per_step": sum(n for k, n in counts.items() if k.startswith("aten::")),
-        "host_syncs": counts.get("aten::item", 0) + counts.get("cudaStreamSynchronize", 0),
-        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
-        "by_count": [{"op": e.key, "count": e.count} for e in sorted(events, key=lambda e: -e.count)[:15]],
-        "by_time": [{"op": e.key, "count": e.count, "self_ms": round(own_ms(e), 3)}
-                    for e in sorted(events, key=lambda e: -own_ms(e))[:15]],
-    }
+    trace = profile_ops(trainer.train_step, device)
+    result = {"device": str(device), "batch_size": args.batch_size, "ms_per_step": round(ms, 2), **trace}
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text)
