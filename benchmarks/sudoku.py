@@ -7,7 +7,8 @@ denoising steps and puzzles/s for each engine and difficulty. The model alone de
 
     python benchmarks/sudoku.py --model blockpress-sudoku --per-difficulty 50 --rules
 
-The AR baseline (3,767 steps / 94 min of `scripts/train_sudoku.py --ar`, bf16 weights) is kept in
+The AR baseline (`scripts/train_sudoku.py --ar`: 3,767 CPU steps at batch 32, then 876 H200 steps at batch 256;
+bf16 weights; its summary.json has the budget) is kept in
 benchmarks/baselines/sudoku-ar, so a fresh clone reproduces the side-by-side table.
 """
 
