@@ -56,8 +56,9 @@ class StepFunctions:
 
     @classmethod
     def cuda_graphs(cls, model: Any) -> StepFunctions:
-        """The decoder pass replayed from CUDA graphs (GraphedDenoise); the sampler and the encoder stay eager."""
-        return cls(GraphedDenoise(model), denoise_step, model.encode)
+        """The decoder pass and the AR one-token encoder pass replayed from CUDA graphs (GraphedDenoise,
+        GraphedEncodeStep); the sampler stays eager."""
+        return cls(GraphedDenoise(model), denoise_step, GraphedEncodeStep(model))
 
 
 class GraphedDenoise:
@@ -110,6 +111,53 @@ class GraphedDenoise:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.model.denoise(canvas, cache, self_conditioning_probs=probs)
         return graph, canvas, probs, logits
+
+
+class GraphedEncodeStep:
+    """The AR loop's one-token encoder pass (`encode(token, cache, logits="last")`) replayed from one CUDA graph
+    per cache: `model.encode_one` keeps every shape fixed, so the graph captured at the first token serves all
+    the others. Anything else (a prompt, a mask) runs eagerly. The logits live in the graph's memory and are
+    overwritten by the next call."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.key: tuple | None = None
+        self.graph: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.captures = 0
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+                 logits: str = "none") -> torch.Tensor | None:
+        if input_ids.shape[1] != 1 or attention_mask is not None or logits != "last":
+            return self.model.encode(input_ids, cache, attention_mask=attention_mask, logits=logits)
+        cache.reserve(1)
+        key = (tuple(input_ids.shape), id(cache), cache.keys[0].data_ptr(), cache.capacity)
+        if key != self.key:
+            self.graph = None  # free the old graph's memory before capturing the new one
+            slot = torch.full((1,), cache.length, dtype=torch.long, device=input_ids.device)
+            self.graph = self.capture(input_ids.clone(), cache, slot)
+            self.key = key
+            self.captures += 1
+        graph, token, slot, out = self.graph
+        token.copy_(input_ids)
+        slot.fill_(cache.length)
+        graph.replay()
+        cache.commit(None, 1)
+        return out
+
+    def capture(self, token: torch.Tensor, cache: Any,
+                slot: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(graph, its token input, its slot input, its logits output). The warm-up pass writes the slot that
+        the first replay then writes again with the same values."""
+        device = token.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.model.encode_one(token, cache, slot)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.model.encode_one(token, cache, slot)
+        return graph, token, slot, out
 
 
 @dataclass

@@ -111,8 +111,8 @@ class LM:
         return self
 
     def cuda_graphs(self) -> LM:
-        """Replay each decoder pass from a CUDA graph from now on (captured once per canvas; see GraphedDenoise).
-        Needs a CUDA model. Returns self."""
+        """Replay each decoder pass (captured once per canvas) and each AR token's encoder pass (captured once per
+        cache) from CUDA graphs from now on; see GraphedDenoise and GraphedEncodeStep. Needs a CUDA model."""
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graphs: needs a model on a CUDA device; this one is on {self.device}")
         self.step_functions = StepFunctions.cuda_graphs(self.model)

@@ -395,6 +395,24 @@ class DiffusionGemma(nn.Module):
             return None
         return self.head(x[:, -1] if logits == "last" else x)
 
+    def encode_one(self, token_ids: torch.Tensor, cache: KVCache, slot: torch.Tensor) -> torch.Tensor:
+        """`encode(token_ids, cache, logits="last")` for one token per row, with every shape fixed: the slot
+        to write is a tensor ([1], = cache.length) and attention spans the cache's whole capacity under a mask,
+        so one CUDA graph serves every position. The caller commits the slot afterwards. Returns [B, V]."""
+        keys = torch.arange(cache.capacity, device=cache.device)
+        seen = (keys <= slot) & cache.valid  # [B, capacity]; slots past `length` are valid, so the token sees itself
+        near = slot - keys < self.window
+        masks = {kind: (seen & near if kind == "sliding_attention" else seen)[:, None, None, :]
+                 for kind in set(self.config.text.layer_types)}
+
+        def source(i: int, spec: LayerSpec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cache.keys[i].index_copy_(2, slot, k)
+            cache.values[i].index_copy_(2, slot, v)
+            return cache.keys[i], cache.values[i]
+
+        x = self.run_layers(self.embed(token_ids), cache.next_pos[:, None], masks, source, True)
+        return self.head(x[:, -1])
+
     def denoise(
         self,
         canvas_ids: torch.Tensor,

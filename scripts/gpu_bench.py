@@ -97,7 +97,7 @@ def main() -> None:
 
     lm.generate_ar(prompt, max_new_tokens=8)  # warm-up
     sync(device)
-    ar = lm.generate_ar(prompt, max_new_tokens=args.ar_tokens)
+    ar = eager_ar = lm.generate_ar(prompt, max_new_tokens=args.ar_tokens)
     sync(device)
     result["ar"] = dict(new_tokens=int(ar.num_new_tokens[0]), prefill_ms=ar.encode_seconds * 1e3,
                         tok_s=int(ar.num_new_tokens[0]) / ar.denoise_seconds,
@@ -121,7 +121,7 @@ def main() -> None:
         }
         save()
 
-    # Diffusion with each decoder pass replayed from a CUDA graph (LM.cuda_graphs): same kernels, no per-op launches.
+    # Both engines with their passes replayed from CUDA graphs (LM.cuda_graphs): same kernels, no per-op launches.
     if device.type == "cuda" and args.cuda_graphs:
         try:
             lm.cuda_graphs()
@@ -136,6 +136,18 @@ def main() -> None:
                 ms_per_step=graphed.denoise_seconds * 1e3 / int(graphed.forward_passes[0]),
                 tok_s=n / graphed.denoise_seconds, tok_s_with_prefill=n / total,
                 same_tokens_as_eager=bool(torch.equal(graphed.sequences, eager_out.sequences)))
+            save()
+            lm.generate_ar(prompt, max_new_tokens=8)  # captures
+            sync(device)
+            graphed_ar = lm.generate_ar(prompt, max_new_tokens=args.ar_tokens)
+            sync(device)
+            n = int(graphed_ar.num_new_tokens[0])
+            result["ar_cuda_graphs"] = dict(
+                tok_s=n / graphed_ar.denoise_seconds, ms_per_token=graphed_ar.denoise_seconds * 1e3 / n,
+                same_tokens_as_eager=bool(torch.equal(graphed_ar.sequences, eager_ar.sequences)))
+            if bandwidth:
+                result["ar_cuda_graphs"]["roofline_fraction"] = (
+                    bytes_per_pass / bandwidth / (result["ar_cuda_graphs"]["ms_per_token"] / 1e3))
         except Exception as exc:  # recorded, not raised, like the compiled phase
             result["cuda_graphs_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         lm.step_functions = None

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockpress
-from blockpress.generate import Commit, Done, Draft, GraphedDenoise, StepFunctions
+from blockpress.generate import Commit, Done, Draft, GraphedDenoise, GraphedEncodeStep, StepFunctions
 from blockpress.sampling import denoise_step
 
 EOS = 1
@@ -298,6 +298,53 @@ def test_graphed_denoise_bookkeeping_matches_eager(kw):
     assert torch.equal(out.sequences, eager.sequences)
     canvases = -(-kw["max_new_tokens"] // lm.config.canvas_length)
     assert replayed.captures >= canvases and len(replayed.graphs) <= 2
+
+
+class ReplayedEncodeStep(GraphedEncodeStep):
+    """GraphedEncodeStep with an eager stand-in for the CUDA capture (same buffers, same contract)."""
+
+    def capture(self, token, cache, slot):
+        model = self.model
+        out = model.encode_one(token, cache, slot)
+
+        class Replay:
+            def replay(self):
+                out.copy_(model.encode_one(token, cache, slot))
+
+        return Replay(), token, slot, out
+
+
+def test_encode_one_matches_encode_at_every_position():
+    """The fixed-shape one-token encoder pass (what a CUDA graph replays) against the ordinary one: left-padded
+    rows, and more tokens than the sliding window, so both masks are exercised."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=4)
+    model, cfg = lm.model, lm.config.text
+    prompt = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    a, b = (lm.new_cache(2, 32) for _ in range(2))
+    with torch.no_grad():
+        model.encode(prompt, a, attention_mask=mask)
+        model.encode(prompt, b, attention_mask=mask)
+        for t in range(3, 3 + 2 * cfg.sliding_window):
+            token = torch.tensor([[t % 100 + 3], [(7 * t) % 100 + 3]])
+            want = model.encode(token, a, logits="last")
+            got = model.encode_one(token, b, torch.tensor([b.length]))
+            b.commit(None, 1)
+            assert torch.allclose(got, want, atol=1e-5)
+    assert a.length == b.length and torch.equal(a.next_pos, b.next_pos)
+    for ka, kb in zip(a.keys, b.keys):
+        assert torch.allclose(ka[:, :, : a.length], kb[:, :, : b.length], atol=1e-6)
+
+
+def test_graphed_ar_step_bookkeeping_matches_eager():
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=5)
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    eager = lm.generate_ar(prompts, max_new_tokens=20)
+    replayed = ReplayedEncodeStep(lm.model)
+    lm.step_functions = StepFunctions(lm.model.denoise, denoise_step, replayed)
+    out = lm.generate_ar(prompts, max_new_tokens=20)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert replayed.captures == 1  # one graph serves every token of the run
 
 
 def test_cuda_graphs_need_a_cuda_model(lm):
