@@ -34,6 +34,7 @@ class BenchSettings:
     dtype: str = "float32"
     device: str = "cpu"
     compile: bool = False  # also time blockpress through torch.compile (the first repeat pays the compile)
+    cuda_graphs: bool = False  # also time blockpress with its passes replayed from CUDA graphs (CUDA only)
     canvas_lengths: list[int] | None = None  # sweep these canvas lengths (None: the preset's)
 
 
@@ -93,6 +94,8 @@ def _best(repeats: int, fn, *args: Any) -> dict[str, Any]:
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs."""
+    if s.cuda_graphs and torch.device(s.device).type != "cuda":
+        raise ValueError(f"cuda_graphs: needs a CUDA device, got device {s.device!r}")
     base = ModelConfig.preset(s.preset)
     canvases = s.canvas_lengths or [base.canvas_length]
     out: dict[str, Any] = {"settings": asdict(s), "params": base.num_parameters(),
@@ -106,17 +109,21 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         out["reference_available"] = ref is not None
         for b in s.batch_sizes:
             out["rows"].append(_bench_row(lm, ref, b, s))
-        if s.compile:
-            lm.compile()
+        variants = [("compiled", lm.compile)] if s.compile else []
+        variants += [("cuda_graphs", lm.cuda_graphs)] if s.cuda_graphs else []
+        for name, enable in variants:
+            lm.step_functions = None
+            enable()
             for row in out["rows"][-len(s.batch_sizes):]:
                 prompt = _prompt(cfg, row["batch"], s)
-                row["blockpress_compiled"] = _best(max(2, s.repeats), _diffusion, lm, prompt, s)
-                row["compiled_over_eager"] = row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"]
+                row[f"blockpress_{name}"] = _best(max(2, s.repeats), _diffusion, lm, prompt, s)
+                row[f"{name}_over_eager"] = row[f"blockpress_{name}"]["tok_s"] / row["blockpress"]["tok_s"]
                 if ref is not None:
-                    row["compiled_speedup_vs_reference"] = (row["blockpress_compiled"]["tok_s"]
-                                                            / row["reference"]["tok_s"])
+                    row[f"{name}_speedup_vs_reference"] = (row[f"blockpress_{name}"]["tok_s"]
+                                                           / row["reference"]["tok_s"])
                 if s.ar:
-                    row["blockpress_ar_compiled"] = _best(max(2, s.repeats), _ar, lm, prompt, s)
+                    row[f"blockpress_ar_{name}"] = _best(max(2, s.repeats), _ar, lm, prompt, s)
+        lm.step_functions = None
     return out
 
 
@@ -234,13 +241,16 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     canvases = sorted({r["canvas"] for r in rows})
-    for key, label in (("blockpress", "blockpress diffusion"), ("blockpress_ar", "blockpress AR"),
-                       ("reference", "reference diffusion")):
+    lines = [("blockpress", "blockpress diffusion"), ("blockpress_ar", "blockpress AR")]
+    for name, label in (("compiled", "compiled"), ("cuda_graphs", "CUDA graphs")):
+        lines += [(f"blockpress_{name}", f"blockpress diffusion, {label}"), (f"blockpress_ar_{name}", f"blockpress AR, {label}")]
+    for key, label in (*lines, ("reference", "reference diffusion")):
+        is_ar = key.startswith("blockpress_ar")
         for canvas in canvases:
             mine = [r for r in rows if r["canvas"] == canvas and key in r]
-            if not mine or (key == "blockpress_ar" and canvas != canvases[0]):
+            if not mine or (is_ar and canvas != canvases[0]):
                 continue  # AR does not depend on the canvas: one line
-            suffix = f", canvas {canvas}" if len(canvases) > 1 and key != "blockpress_ar" else ""
+            suffix = f", canvas {canvas}" if len(canvases) > 1 and not is_ar else ""
             ax.plot([r["batch"] for r in mine], [r[key]["tok_s"] for r in mine], marker="o", label=label + suffix)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")

@@ -357,7 +357,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
                       ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
-                      canvas_lengths=args.canvas_lengths)
+                      cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths)
     if args.threads:
         torch.set_num_threads(args.threads)
     text = main_json(s, args.plot)
@@ -486,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--compile", action="store_true",
                    help="also time blockpress through torch.compile (compilation takes tens of seconds on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time blockpress with each pass replayed from a CUDA graph (CUDA devices only)")
     p.add_argument("--plot", default=None, help="write a PNG of tok/s against batch size here")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_bench)

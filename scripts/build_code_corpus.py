@@ -19,7 +19,7 @@ import sysconfig
 from pathlib import Path
 
 from blockpress.data import write_shard
-from blockpress.tokenizer import train_bpe_tokenizer
+from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
 
 SKIP_PARTS = {"site-packages", "__pycache__", "ensurepip"}
 MAX_BYTES = 200_000  # generated tables (unicode data, encodings) teach nothing about code
@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--heldout", type=float, default=0.05, help="fraction of modules held out")
     ap.add_argument("--max-files", type=int, default=0, help="use only the first N files (smoke tests)")
+    ap.add_argument("--tokenizer", default=None,
+                    help="encode with this folder's tokenizer instead of training one (e.g. blockpress/models/"
+                         "blockpress-code, to rebuild the corpus that model was trained on)")
     args = ap.parse_args()
     root = Path(sysconfig.get_paths()["stdlib"])
     out = Path(args.out)
@@ -65,7 +68,10 @@ def main() -> None:
         rel = str(path.relative_to(root))
         (held if is_heldout(rel, args.heldout) else train).append((rel, text))
 
-    tokenizer = train_bpe_tokenizer((t for _, t in train), vocab_size=args.vocab_size)
+    if args.tokenizer:
+        tokenizer = Tokenizer.from_dir(args.tokenizer)
+    else:
+        tokenizer = train_bpe_tokenizer((t for _, t in train), vocab_size=args.vocab_size)
     tokenizer.save(out / "tokenizer")
     eos = tokenizer.eos_id
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU session for issues 5, 6 and 7, sized for a 15-minute H200 lease (about 9 minutes of run).
+# One prepared GPU session for issues 5, 6 and 7, sized for a 15-minute H200 lease (about 9.5 minutes of run:
+# call it with timeout_s 590 and nothing else, as `OUT=$OUT bash scripts/gpu_session.sh`).
 #
-#   Phase A (BENCH_S s): the 26B-A4B speed check, the GPU to itself (scripts/gpu_bench.py), while the CPU
-#            cores generate more sudoku puzzles (seeded; extends .gpu/sudoku-puzzles.jsonl).
+#   Phase A (BENCH_S s + 90 s): the 26B-A4B speed check, the GPU to itself (scripts/gpu_bench.py), then a
+#            batch-size sweep with its plot (`blockpress bench`), while the CPU cores generate more sudoku
+#            puzzles (seeded; extends .gpu/sudoku-puzzles.jsonl). Then one training step is profiled.
 #   Phase B (TRAIN_MIN min): three trainings side by side on the GPU, each annealing its learning rate over
 #            the time budget: blockpress-code and blockpress-sudoku continued from the shipped weights, the
 #            sudoku AR baseline continued with the same budget. A run that dies in its first minute is retried once
@@ -10,21 +12,25 @@
 #   Then every checkpoint is cast to bf16 and tarred into $OUT (at most 8 files of 16 MiB come back).
 #
 # Needs .gpu/corpus (the code corpus built here: the device has another Python, so another stdlib) and
-# .gpu/sudoku-puzzles.jsonl, carried with the call. Smoke run on a CPU:
-#   OUT=/tmp/s DEVICE=cpu BENCH_PRESET=tiny PROMPT_LENGTH=16 PUZZLES=13000 bash scripts/gpu_session.sh 60 0.3
+# .gpu/sudoku-puzzles.jsonl, carried with the call (scripts/prepare_gpu_session.sh builds both). Smoke run on a CPU:
+#   OUT=/tmp/s DEVICE=cpu BENCH_PRESET=tiny BATCH_PRESET=tiny PROMPT_LENGTH=16 PUZZLES=12300 CODE_BATCH=8 \
+#     SUDOKU_BATCH=8 WORKERS=1 PY=.venv/bin/python bash scripts/gpu_session.sh 60 0.3
 set -u
 OUT=${OUT:?set OUT to the output folder}
-BENCH_S=${1:-200}
-TRAIN_MIN=${2:-4.5}
+BENCH_S=${1:-170}
+TRAIN_MIN=${2:-3.5}
 DEVICE=${DEVICE:-cuda}
 BENCH_PRESET=${BENCH_PRESET:-26b-a4b}
 PROMPT_LENGTH=${PROMPT_LENGTH:-4096}
 PUZZLES=${PUZZLES:-150000}
+BATCH_PRESET=${BATCH_PRESET:-medium}
+CODE_BATCH=${CODE_BATCH:-512}
+SUDOKU_BATCH=${SUDOKU_BATCH:-1024}
 WORKERS=${WORKERS:-4}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 W=${WORK:-/tmp/gpu_session}
-rm -rf "$W" && mkdir -p "$W" "$OUT"
+rm -rf "$W" && mkdir -p "$W/extra" "$OUT"
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/session.log"; }
 
 log "start: device $DEVICE, bench ${BENCH_S}s, training ${TRAIN_MIN} min"
@@ -41,6 +47,11 @@ timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$
     --compile-if-under-s "$(( BENCH_S / 2 ))" >"$W/bench.log" 2>&1
 log "bench exit $?"
 cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null || tail -30 "$W/bench.log" >>"$OUT/session.log"
+# Batch-size sweep on a mid-size shape (diffusion vs AR vs the reference, eager and CUDA graphs) and its plot.
+timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVICE" --dtype bfloat16 --batch-sizes 1 4 16 64 \
+    --steps 16 --new-tokens 256 --repeats 1 $( [ "$DEVICE" = cuda ] && echo --cuda-graphs ) \
+    --out "$W/extra/bench_batch.json" --plot "$W/extra/bench_batch.png" >"$W/bench_batch.log" 2>&1
+log "batch sweep exit $?"
 wait $PUZZLE_PID
 log "puzzles: $(tail -1 "$W/puzzles.log")"
 NPUZ=$(wc -l <"$W/puzzles.jsonl")
@@ -52,19 +63,20 @@ NPUZ=$(wc -l <"$W/puzzles.jsonl")
 # and two CPU threads per run leave the cores to the data workers. (A 12-layer sudoku model from scratch
 # reached only loss 0.41 against 0.25 in that budget, so the session no longer trains one.)
 export OMP_NUM_THREADS=2
-$PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 --out "$OUT/train_profile.json" \
+$PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 --out "$W/extra/train_profile.json" \
     >"$W/train_profile.log" 2>&1 || tail -5 "$W/train_profile.log" >>"$OUT/session.log"
+tar -C "$W" -cf "$OUT/extra.tar" extra  # the sweep and the profile, one file (at most 8 come back)
 code_run() {  # $1: extra flags
   $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \
-    --steps 1000000 --batch-size 512 --lr 1e-3 --warmup-steps 100 --prompt-min 16 --prompt-max 128 \
+    --steps 1000000 --batch-size "$CODE_BATCH" --lr 1e-3 --warmup-steps 100 --prompt-min 16 --prompt-max 128 \
     --response-canvases 2 --log-every 50 --eval-every 1000 --eval-batches 8 --save-every 0 \
     --max-minutes "$TRAIN_MIN" --time-schedule --noise-token-id 5 --seed 21 --quiet "$@"
 }
 sudoku_run() {  # $1: out name, then flags
   local name=$1; shift
   $PY scripts/train_sudoku.py --out "$W/$name" --noise empty --aux-ar-weight 0.25 --puzzles "$NPUZ" \
-    --puzzle-cache "$W/puzzles.jsonl" --batch-size 1024 --steps 1000000 --minutes "$TRAIN_MIN" --time-schedule \
+    --puzzle-cache "$W/puzzles.jsonl" --batch-size "$SUDOKU_BATCH" --steps 1000000 --minutes "$TRAIN_MIN" --time-schedule \
     --device "$DEVICE" "$@"
 }
 with_retry() {  # $1: name, then the command; a run that fails within 60 s is retried with safe settings

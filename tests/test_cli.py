@@ -106,6 +106,28 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_bench_variants_add_their_own_columns(monkeypatch):
+    """--compile (and --cuda-graphs on a GPU) add a column per engine; torch.compile itself is stubbed out here."""
+    from blockpress.bench import BenchSettings, run_bench
+    from blockpress.lm import LM
+
+    enabled = []
+    monkeypatch.setattr(LM, "compile", lambda self, **options: enabled.append("compile") or self)
+    out = run_bench(BenchSettings(preset="tiny", batch_sizes=[1, 2], new_tokens=8, steps=2, repeats=1,
+                                  reference=False, compile=True))
+    assert enabled == ["compile"]
+    for row in out["rows"]:
+        assert row["blockpress_compiled"]["new_tokens"] == 8 * row["batch"]
+        assert row["compiled_over_eager"] == pytest.approx(row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"])
+        assert row["blockpress_ar_compiled"]["tok_s"] > 0
+        assert "blockpress_cuda_graphs" not in row
+
+
+def test_bench_cuda_graphs_on_cpu_is_a_clear_error():
+    r = run_cli("bench", "--preset", "tiny", "--cuda-graphs", "--new-tokens", "8", "--steps", "2")
+    assert r.returncode == 2 and "cuda_graphs: needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bench_canvas_sweep(tmp_path):
     assert main(["bench", "--preset", "tiny", "--canvas-lengths", "4", "16", "--new-tokens", "16", "--steps", "2",
                  "--repeats", "1", "--no-ar", "--out", str(tmp_path / "b.json")]) == 0
