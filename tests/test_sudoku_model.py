@@ -141,12 +141,12 @@ def test_rules_option_keeps_givens_and_only_fills_digits(tiny_sudoku, capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[0])["puzzle"] == puzzles[0]
 
 
-def test_shipped_model_with_rules_solves_more_hard_puzzles():
-    """The rule-aware option (reported separately from the model alone) on 16 fresh hard puzzles.
+def test_shipped_model_solves_hard_puzzles_alone_and_with_rules():
+    """The shipped model on 16 fresh hard puzzles, alone and with the rule-aware option (reported separately).
 
-    It measures 6 solved against 3 for the model alone here, and 76.6% of empty cells right against 73.9%;
-    the thresholds leave room for platform numerics. (On medium puzzles the model alone solves 13 of these
-    16 and the rules 15.)
+    Measured here: 9 solved alone (83.8% of empty cells right) and 9 with the rules (79.4%); on the 50-per-
+    difficulty test set the rules solve more (60% against 42% of hard puzzles), on these 16 they tie. The
+    thresholds leave room for platform numerics; the previous weights solved 3 alone and 6 with the rules.
     """
     if "blockpress-sudoku" not in blockpress.shipped_models():
         pytest.skip("blockpress-sudoku is not in this package")
@@ -160,5 +160,7 @@ def test_shipped_model_with_rules_solves_more_hard_puzzles():
     def accuracy(results):
         return sum(cell_accuracy(r.solution, t.solution, t.puzzle) for r, t in zip(results, truth)) / len(truth)
 
-    assert sum(r.valid for r in ruled) >= 4 and sum(r.valid for r in ruled) > sum(r.valid for r in alone)
-    assert accuracy(ruled) > accuracy(alone) + 0.01
+    assert sum(r.valid for r in alone) >= 7 and sum(r.valid for r in ruled) >= 7
+    assert accuracy(alone) > 0.78 and accuracy(ruled) > 0.74
+    # A solved grid is the unique solution, whichever way it was decoded.
+    assert all(r.solution == t.solution for r, t in zip(alone + ruled, truth + truth) if r.valid)
