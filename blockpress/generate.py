@@ -61,6 +61,20 @@ class StepFunctions:
         return cls(GraphedDenoise(model), denoise_step, GraphedEncodeStep(model))
 
 
+def _capture_graph(fn: Callable[[], torch.Tensor], device: torch.device, pool: Any = None) -> tuple[Any, torch.Tensor]:
+    """(CUDA graph of fn, the tensor fn returns inside it). fn runs once first on a side stream, so lazy
+    initialisation (cuBLAS handles, workspaces) stays out of the graph."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class GraphedDenoise:
     """`model.denoise` replayed from a captured CUDA graph. At batch 1 a pass is thousands of small kernels whose
     launch cost, paid by Python on every step, outweighs the GPU work; a graph pays it once per canvas.
@@ -99,17 +113,10 @@ class GraphedDenoise:
     def capture(self, canvas: torch.Tensor, cache: Any,
                 probs: torch.Tensor | None) -> tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(graph, its canvas input, its self-conditioning input, its logits output)."""
-        device = canvas.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # a warm-up pass keeps lazy initialisation (cuBLAS handles) out of the graph
-            self.model.denoise(canvas, cache, self_conditioning_probs=probs)
-        torch.cuda.current_stream(device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.denoise(canvas, cache, self_conditioning_probs=probs)
+        graph, logits = _capture_graph(lambda: self.model.denoise(canvas, cache, self_conditioning_probs=probs),
+                                       canvas.device, self.pool)
         return graph, canvas, probs, logits
 
 
@@ -148,15 +155,7 @@ class GraphedEncodeStep:
                 slot: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(graph, its token input, its slot input, its logits output). The warm-up pass writes the slot that
         the first replay then writes again with the same values."""
-        device = token.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            self.model.encode_one(token, cache, slot)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.model.encode_one(token, cache, slot)
+        graph, out = _capture_graph(lambda: self.model.encode_one(token, cache, slot), token.device)
         return graph, token, slot, out
 
 

@@ -327,9 +327,12 @@ class Trainer:
         self.step = 0
 
     # -- one step ------------------------------------------------------------------------------------------
-    def _batch(self, source: ExampleSource | ShardSource, step: int) -> tuple[Batch, Noise]:
+    def _batches(self, source: ExampleSource | ShardSource) -> StepBatches:
         return StepBatches(source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
-                           self.pad, self.eos)[step]
+                           self.pad, self.eos)
+
+    def _batch(self, source: ExampleSource | ShardSource, step: int) -> tuple[Batch, Noise]:
+        return self._batches(source)[step]
 
     def _autocast(self) -> Any:
         device = self.lm.device
@@ -398,11 +401,9 @@ class Trainer:
     def _prefetch(self) -> Any:
         """Batches of steps self.step, self.step + 1, ... built by `data_workers` processes, a few steps ahead.
         Each is a pure function of its step, so the run is the same as with batches built in the loop."""
-        data = StepBatches(self.source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
-                           self.pad, self.eos)
         steps = range(self.step, self.cfg.steps)
         loader = torch.utils.data.DataLoader(
-            torch.utils.data.Subset(data, steps), batch_size=None, num_workers=self.cfg.data_workers,
+            torch.utils.data.Subset(self._batches(self.source), steps), batch_size=None, num_workers=self.cfg.data_workers,
             prefetch_factor=4, worker_init_fn=_one_thread, multiprocessing_context="fork", persistent_workers=False)
         return iter(loader)
 
