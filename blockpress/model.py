@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,53 @@ def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
 @_grouped_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _grouped_weight_grad_eager(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    """[E, out, in]: grad[rows of e].T @ x[rows of e] for every expert e (zeros for one without rows)."""
+    aligned = all((n * x.element_size()) % 16 == 0 for n in (grad.shape[1], x.shape[1]))
+    if aligned and grad.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16) and GROUPED_MM is not None \
+            and (x.dtype == torch.bfloat16 or not x.is_cuda):
+        return GROUPED_MM(grad.t(), x, offs=offsets)
+    out = x.new_zeros(experts, grad.shape[1], x.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[e] = grad[start:end].t() @ x[start:end]
+        start = end
+    return out
+
+
+@torch.library.custom_op("blockpress::grouped_weight_grad", mutates_args=())
+def _grouped_weight_grad_op(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    return _grouped_weight_grad_eager(grad, x, offsets, experts)
+
+
+@_grouped_weight_grad_op.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    return x.new_empty(experts, grad.shape[1], x.shape[1])
+
+
+def _grouped_linear_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, offsets = inputs
+    ctx.save_for_backward(x, weight, offsets)
+
+
+def _grouped_linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    """y = x @ weight[e].T per group: dx = grad @ weight[e] (the same op, weight transposed), dweight[e] =
+    grad.T @ x over the group's rows. Under CUDA autocast the forward ran in bf16: grads return in each input's dtype."""
+    x, weight, offsets = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        w = weight.to(grad.dtype).transpose(1, 2)
+        grad_x = torch.ops.blockpress.grouped_linear(grad, w, offsets).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = torch.ops.blockpress.grouped_weight_grad(grad, x.to(grad.dtype), offsets, weight.shape[0])
+        grad_w = grad_w.to(weight.dtype)
+    return grad_x, grad_w, None
+
+
+_grouped_linear_op.register_autograd(_grouped_linear_backward, setup_context=_grouped_linear_setup)
 
 
 class Experts(nn.Module):

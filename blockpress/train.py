@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -72,6 +73,7 @@ class TrainConfig:
     max_minutes: float = 0.0  # stop (and save) after this much wall time (0: no limit)
     time_schedule: bool = False  # with max_minutes: the cosine decay follows the elapsed fraction of the budget
     data_workers: int = 0  # processes building batches ahead of the optimizer (0: built in the training loop)
+    compile: bool = False  # torch.compile the training forward and backward (the first steps pay the compile)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
@@ -179,9 +181,7 @@ class Objective(nn.Module):
         noisy = torch.where(noise.corrupt & batch.scored, noise.tokens, batch.canvas_ids)
         hidden, kv, positions = m.encode_sequence(batch.ids, batch.valid)
         if not self.cfg.diffusion_weight:  # AR baseline: the decoder passes would be wasted work
-            diffusion_sum = hidden.new_zeros((), dtype=torch.float32)
-            ar_logits = m.head(hidden[:, :-1][batch.ar_scored[:, :-1]])
-            return diffusion_sum, F.cross_entropy(ar_logits, batch.ids[:, 1:][batch.ar_scored[:, :-1]], reduction="sum")
+            return hidden.new_zeros((), dtype=torch.float32), self._ar_sum(hidden, batch)
         with torch.no_grad():
             detached = [(k.detach(), v.detach()) for k, v in kv]
             first = m.denoise_blocks(noisy, detached, batch.valid, positions, batch.prompt_length)
@@ -192,12 +192,15 @@ class Objective(nn.Module):
         if self.cfg.reweight:
             weight = weight / (1 - noise.t)[:, None]
         diffusion_sum = (ce * weight).sum()
-        if self.cfg.aux_ar_weight:
-            ar_logits = m.head(hidden[:, :-1][batch.ar_scored[:, :-1]])
-            ar_sum = F.cross_entropy(ar_logits, batch.ids[:, 1:][batch.ar_scored[:, :-1]], reduction="sum")
-        else:
-            ar_sum = diffusion_sum.new_zeros(())
+        ar_sum = self._ar_sum(hidden, batch) if self.cfg.aux_ar_weight else diffusion_sum.new_zeros(())
         return diffusion_sum, ar_sum
+
+    def _ar_sum(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The encoder's next-token loss, summed over the scored positions. Unscored targets are ignored rather
+        than selected out, so every shape is static and torch.compile keeps the step in one graph."""
+        targets = batch.ids[:, 1:].masked_fill(~batch.ar_scored[:, :-1], -100)
+        logits = self.model.head(hidden[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
@@ -266,6 +269,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # per optimizer step (global mean)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_second: float = 0.0
+    compile_error: str | None = None  # set when cfg.compile was on and the run fell back to eager
 
 
 def _world() -> tuple[int, int]:
@@ -317,6 +321,11 @@ class Trainer:
         if self.world > 1:
             # Buffers (RoPE frequencies, layer scalars) are constants: nothing to broadcast each step.
             self.objective = nn.parallel.DistributedDataParallel(self.objective, broadcast_buffers=False)
+        self.eager_objective = self.objective
+        if cfg.compile:
+            # A small model's step is bound by per-op overhead, on a GPU as on a CPU: fused kernels pay.
+            self.objective = torch.compile(self.objective)
+        self.compile_error: str | None = None  # why compilation failed, when the run fell back to eager
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -374,7 +383,18 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        diff, ar, tokens = self._losses(batch, noise, train=True)
+        try:
+            diff, ar, tokens = self._losses(batch, noise, train=True)
+        except Exception as err:  # noqa: BLE001 - any compiler failure; eager errors are re-raised below
+            if self.objective is self.eager_objective:
+                raise
+            # A compiler bug must not cost the run: say so once, then train the same step eagerly.
+            self.compile_error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            warnings.warn(f"compile: torch.compile failed ({self.compile_error}); training continues eagerly",
+                          stacklevel=2)
+            self.objective = self.eager_objective
+            self.optimizer.zero_grad(set_to_none=True)
+            diff, ar, tokens = self._losses(batch, noise, train=True)
         grad_norm = 0.0
         if cfg.grad_clip:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -462,6 +482,8 @@ class Trainer:
                 row = self.train_step(next(prefetched) if prefetched else None,
                                       spent if cfg.time_schedule else 0.0)
                 seen += row["tokens"]
+                if self.compile_error and result.compile_error is None:
+                    result.compile_error = row["compile_error"] = self.compile_error
                 result.losses.append(row["loss"])
                 tok_s = seen / max(time.perf_counter() - t0, 1e-9)
                 row["tok_s"] = tok_s
@@ -469,7 +491,7 @@ class Trainer:
                 if self.heldout is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
-                if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row):
+                if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row or "compile_error" in row):
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
                 if bar:

@@ -2,9 +2,10 @@
 # One prepared GPU session for issues 5, 6 and 7, sized for a 15-minute H200 lease (about 9.5 minutes of run:
 # call it with timeout_s 590 and nothing else, as `OUT=$OUT bash scripts/gpu_session.sh`).
 #
-#   Phase A (BENCH_S s + 90 s): the 26B-A4B speed check, the GPU to itself (scripts/gpu_bench.py), then a
-#            batch-size sweep with its plot (`blockpress bench`), while the CPU cores generate more sudoku
-#            puzzles (seeded; extends .gpu/sudoku-puzzles.jsonl). Then one training step is profiled.
+#   Phase A (BENCH_S s + 90 s + at most 150 s): the 26B-A4B speed check, the GPU to itself
+#            (scripts/gpu_bench.py), then a batch-size sweep with its plot (`blockpress bench`), while the CPU
+#            cores generate more sudoku puzzles (seeded; extends .gpu/sudoku-puzzles.jsonl). Then one training
+#            step is profiled, eager and under torch.compile.
 #   Phase B (TRAIN_MIN min): three trainings side by side on the GPU, each annealing its learning rate over
 #            the time budget: blockpress-code and blockpress-sudoku continued from the shipped weights, the
 #            sudoku AR baseline continued with the same budget. A run that dies in its first minute is retried once
@@ -17,7 +18,7 @@
 #     SUDOKU_BATCH=8 WORKERS=1 PY=.venv/bin/python bash scripts/gpu_session.sh 60 0.3
 set -u
 OUT=${OUT:?set OUT to the output folder}
-BENCH_S=${1:-170}
+BENCH_S=${1:-150}
 TRAIN_MIN=${2:-3.5}
 DEVICE=${DEVICE:-cuda}
 BENCH_PRESET=${BENCH_PRESET:-26b-a4b}
@@ -63,21 +64,23 @@ NPUZ=$(wc -l <"$W/puzzles.jsonl")
 # and two CPU threads per run leave the cores to the data workers. (A 12-layer sudoku model from scratch
 # reached only loss 0.41 against 0.25 in that budget, so the session no longer trains one.)
 export OMP_NUM_THREADS=2
-$PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 --out "$W/extra/train_profile.json" \
-    >"$W/train_profile.log" 2>&1 || tail -5 "$W/train_profile.log" >>"$OUT/session.log"
+# The profile also times the step under torch.compile (compile seconds, speedup); COMPILE=1 trains that way.
+timeout 150 $PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 --compile \
+    --out "$W/extra/train_profile.json" >"$W/train_profile.log" 2>&1 || tail -5 "$W/train_profile.log" >>"$OUT/session.log"
+COMPILE_FLAG=$( [ "${COMPILE:-0}" = 1 ] && echo --compile )
 tar -C "$W" -cf "$OUT/extra.tar" extra  # the sweep and the profile, one file (at most 8 come back)
 code_run() {  # $1: extra flags
   $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \
     --steps 1000000 --batch-size "$CODE_BATCH" --lr 1e-3 --warmup-steps 100 --prompt-min 16 --prompt-max 128 \
     --response-canvases 2 --log-every 50 --eval-every 1000 --eval-batches 8 --save-every 0 \
-    --max-minutes "$TRAIN_MIN" --time-schedule --noise-token-id 5 --seed 21 --quiet "$@"
+    --max-minutes "$TRAIN_MIN" --time-schedule --noise-token-id 5 --seed 21 --quiet $COMPILE_FLAG "$@"
 }
 sudoku_run() {  # $1: out name, then flags
   local name=$1; shift
   $PY scripts/train_sudoku.py --out "$W/$name" --noise empty --aux-ar-weight 0.25 --puzzles "$NPUZ" \
     --puzzle-cache "$W/puzzles.jsonl" --batch-size "$SUDOKU_BATCH" --steps 1000000 --minutes "$TRAIN_MIN" --time-schedule \
-    --device "$DEVICE" "$@"
+    --device "$DEVICE" $COMPILE_FLAG "$@"
 }
 with_retry() {  # $1: name, then the command; a run that fails within 60 s is retried with safe settings
   local name=$1; shift

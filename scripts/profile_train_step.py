@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after two warm-up steps)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--compile", action="store_true", help="also time the step under torch.compile (TrainConfig.compile): "
+                    "compile seconds, ms per step, and whether it fell back to eager")
     args = ap.parse_args()
     device = torch.device(args.device)
     puzzles = [_generate(seed) for seed in range(64)]
@@ -53,6 +56,21 @@ def main() -> None:
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     trace = profile_ops(trainer.train_step, device)
     result = {"device": str(device), "batch_size": args.batch_size, "ms_per_step": round(ms, 2), **trace}
+    if args.compile:
+        compiled = Trainer(lm, AugmentedSource(puzzles, 0), replace(cfg, compile=True), Path("/tmp/profile_train_step"),
+                           progress=False)
+        t0 = time.perf_counter()
+        for _ in range(2):  # the first step compiles; the second runs what was compiled
+            compiled.train_step()
+        sync()
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            compiled.train_step()
+        sync()
+        compiled_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        result["compiled"] = {"compile_s": round(compile_s, 1), "ms_per_step": round(compiled_ms, 2),
+                              "speedup": round(ms / compiled_ms, 3), "compile_error": compiled.compile_error}
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text)

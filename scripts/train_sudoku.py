@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--puzzle-workers", type=int, default=1, help="processes generating puzzles")
     ap.add_argument("--no-autocast", action="store_true", help="train in float32 on a GPU too")
     ap.add_argument("--only-puzzles", action="store_true", help="generate (and cache) the puzzles, then stop")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the training step (falls back to eager, "
+                    "with a warning, if compilation fails)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -158,7 +160,7 @@ def main() -> None:
                       cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1, save_every=250,
                       max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=args.seed,
                       time_schedule=args.time_schedule, data_workers=args.data_workers, autocast=not args.no_autocast,
-                      noise_token_id=VOCAB.digit_id("0") if args.noise == "empty" else -1)
+                      noise_token_id=VOCAB.digit_id("0") if args.noise == "empty" else -1, compile=args.compile)
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
         trainer.resume()
@@ -169,7 +171,8 @@ def main() -> None:
                "params": lm.num_parameters(active=False), "device": args.device, "first_loss": result.losses[0],
                "last_loss": result.losses[-1], "eval": result.eval_losses,
                "train_tok_s": round(result.tokens_per_second, 1),
-               "train_minutes": round((time.perf_counter() - t_train) / 60, 1), "threads": torch.get_num_threads()}
+               "train_minutes": round((time.perf_counter() - t_train) / 60, 1), "threads": torch.get_num_threads(),
+               "compile": args.compile, "compile_error": result.compile_error}
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
 

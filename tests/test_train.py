@@ -194,3 +194,50 @@ def test_absorbing_noise_corrupts_to_one_token_and_the_model_remembers(tmp_path)
 def test_bad_noise_token_id_in_training(tmp_path, value, message):
     with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):
         run(tmp_path, 1, noise_token_id=value)
+
+
+def test_compiled_training_matches_eager(tmp_path):
+    _, eager = run(tmp_path, 3, "eager")
+    _, compiled = run(tmp_path, 3, "compiled", compile=True)
+    assert compiled.compile_error is None
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-4)
+
+
+def test_a_failed_compile_falls_back_to_eager_and_says_so(tmp_path, monkeypatch):
+    def broken_compile(module, **options):
+        def call(*args, **kwargs):
+            raise RuntimeError("backend exploded\nstack trace")
+        return call
+
+    _, eager = run(tmp_path, 3, "eager")
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.warns(UserWarning, match="backend exploded"):
+        _, fell_back = run(tmp_path, 3, "fell_back", compile=True)
+    assert fell_back.compile_error == "RuntimeError: backend exploded"
+    assert fell_back.losses == eager.losses
+    rows = [json.loads(line) for line in (tmp_path / "fell_back" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["compile_error"] == "RuntimeError: backend exploded"
+
+
+@pytest.mark.parametrize("width", [16, 6])  # 16: torch's grouped GEMM; 6 floats: unaligned rows, the per-expert loop
+def test_grouped_linear_op_gradients(width):
+    """The experts' op (what torch.compile sees) has the same gradients as plain autograd through its pieces."""
+    from blockpress.model import _grouped_linear_eager
+
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([3, 9, 9, 21], dtype=torch.int32)  # the third expert has no rows
+    x = torch.randn(21, width, generator=g, requires_grad=True)
+    w = torch.randn(4, 2 * width, width, generator=g, requires_grad=True)
+    upstream = torch.randn(21, 2 * width, generator=g)
+    torch.ops.blockpress.grouped_linear(x, w, offsets).backward(upstream)
+    got = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    rows = [torch.arange(a, b) for a, b in zip([0, 3, 9, 9], offsets.tolist())]
+    expected = torch.cat([x[r] @ w[e].T for e, r in enumerate(rows)])
+    expected.backward(upstream)
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], w.grad)
+    assert not got[1][2].any()  # no rows, no gradient
+    assert _grouped_linear_eager(x, w, offsets).shape == (21, 2 * width)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.blockpress.grouped_linear(a, b, offsets), (xd, wd))
