@@ -12,6 +12,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,13 @@ class BenchSettings:
     compile: bool = False  # also time blockpress through torch.compile (the first repeat pays the compile)
     cuda_graphs: bool = False  # also time blockpress with its passes replayed from CUDA graphs (CUDA only)
     canvas_lengths: list[int] | None = None  # sweep these canvas lengths (None: the preset's)
+    quantize: str | None = None  # also time blockpress with the projections quantized ("int8" or "fp8"), last
+
+    def __post_init__(self) -> None:
+        if self.quantize is not None:
+            from .quantize import _check_scheme
+
+            _check_scheme(self.quantize)
 
 
 def _sync(device: torch.device) -> None:
@@ -111,12 +119,16 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             out["rows"].append(_bench_row(lm, ref, b, s))
         variants = [("compiled", lm.compile)] if s.compile else []
         variants += [("cuda_graphs", lm.cuda_graphs)] if s.cuda_graphs else []
+        # In place, so last; then the model is rebuilt for the next canvas length.
+        variants += [(s.quantize, partial(lm.quantize, s.quantize))] if s.quantize else []
         for name, enable in variants:
             lm.step_functions = None
             enable()
             for row in out["rows"][-len(s.batch_sizes):]:
                 prompt = _prompt(cfg, row["batch"], s)
                 row[f"blockpress_{name}"] = _best(max(2, s.repeats), _diffusion, lm, prompt, s)
+                if name == s.quantize:
+                    row[f"{name}_weights_bytes"] = lm.weights_bytes()
                 row[f"{name}_over_eager"] = row[f"blockpress_{name}"]["tok_s"] / row["blockpress"]["tok_s"]
                 if ref is not None:
                     row[f"{name}_speedup_vs_reference"] = (row[f"blockpress_{name}"]["tok_s"]
@@ -242,7 +254,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     canvases = sorted({r["canvas"] for r in rows})
     lines = [("blockpress", "blockpress diffusion"), ("blockpress_ar", "blockpress AR")]
-    for name, label in (("compiled", "compiled"), ("cuda_graphs", "CUDA graphs")):
+    for name, label in (("compiled", "compiled"), ("cuda_graphs", "CUDA graphs"), ("int8", "int8"), ("fp8", "fp8")):
         lines += [(f"blockpress_{name}", f"blockpress diffusion, {label}"), (f"blockpress_ar_{name}", f"blockpress AR, {label}")]
     for key, label in (*lines, ("reference", "reference diffusion")):
         is_ar = key.startswith("blockpress_ar")

@@ -19,8 +19,9 @@ DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
 
 
-def load_model(spec: str, dtype: str | None, device: str) -> Any:
-    """An HF folder, a shipped model name, or `random-<preset>` (random weights, byte-level tokenizer)."""
+def load_model(spec: str, dtype: str | None, device: str, quantize: str | None = None) -> Any:
+    """An HF folder, a shipped model name, or `random-<preset>` (random weights, byte-level tokenizer);
+    `quantize`: "int8" or "fp8" (see blockpress.quantize)."""
     import blockpress
 
     if spec.startswith(RANDOM_PREFIX):
@@ -30,10 +31,15 @@ def load_model(spec: str, dtype: str | None, device: str) -> Any:
         tokenizer = train_bpe_tokenizer([""], vocab_size=300)  # bytes + special tokens, no merges
         if tokenizer.vocab_size > config.text.vocab_size:
             raise SystemExit(f"--model {spec}: vocabulary too small for a byte-level tokenizer")
-        return blockpress.random_model(config, seed=0, dtype=dtype, device=device, tokenizer=tokenizer)
+        lm = blockpress.random_model(config, seed=0, dtype=dtype, device=device, tokenizer=tokenizer)
+        return lm.quantize(quantize) if quantize else lm
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vision tensors: text-only is the documented behaviour
-        return blockpress.load(spec, dtype=dtype, device=device)
+        return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize)
+
+
+QUANTIZE_HELP = ("quantize the projections after loading: int8 (weights; on a CPU use --dtype bfloat16) or fp8 "
+                 "(weights and activations, for GPUs with FP8 tensor cores). Default: none")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +49,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--quantize", choices=["int8", "fp8"], default=None, help=QUANTIZE_HELP)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +119,7 @@ def print_stats(stats: dict[str, Any]) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
 
-    lm = load_model(args.model, args.dtype, args.device)
+    lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None:
         raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
     live = sys.stdout.isatty() and not args.no_live and not args.json
@@ -139,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_infill(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, args.dtype, args.device)
+    lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None:
         raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     text = args.template if args.template != "-" else sys.stdin.read()
@@ -159,7 +166,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, args.dtype, args.device)
+    lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None or lm.tokenizer.chat_template is None:
         raise SystemExit(f"--model {args.model}: needs a tokenizer with a chat template for chat")
     messages: list[dict[str, str]] = []
@@ -195,13 +202,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, args.dtype, args.device)
+    lm = load_model(args.model, args.dtype, args.device, args.quantize)
     cfg = lm.config
-    weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    weights = lm.weights_bytes()
     info = dict(
         model=args.model, path=str(lm.path) if lm.path else None, summary=cfg.describe(),
         parameters_total=lm.num_parameters(active=False), parameters_active=lm.num_parameters(active=True),
-        dtype=str(lm.dtype).replace("torch.", ""), device=str(lm.device), weights_bytes=weights,
+        dtype=str(lm.dtype).replace("torch.", ""), quantization=lm.quantization, device=str(lm.device),
+        weights_bytes=weights,
         canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
         tokenizer=lm.tokenizer is not None, generation_defaults=lm.sampler_defaults.to_generation_config(),
@@ -316,7 +324,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
     puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded
-    lm = load_model(args.model, args.dtype, args.device)
+    lm = load_model(args.model, args.dtype, args.device, args.quantize)
 
     def show(step: int, boards: list[str]) -> None:
         print(f"step {step}\n{format_board(boards[0])}\n", file=sys.stderr)
@@ -343,7 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from blockpress.serve import create_app
 
-    lm = load_model(args.model, args.dtype, args.device)
+    lm = load_model(args.model, args.dtype, args.device, args.quantize)
     name = args.served_name or (args.model.rstrip("/").split("/")[-1])
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch)
     print(f"blockpress serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -357,7 +365,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
                       ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
-                      cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths)
+                      cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize)
     if args.threads:
         torch.set_num_threads(args.threads)
     text = main_json(s, args.plot)
@@ -439,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--quantize", choices=["int8", "fp8"], default=None, help=QUANTIZE_HELP)
     p.add_argument("--steps", type=int, default=None, help="max denoising steps")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule")
@@ -488,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time blockpress through torch.compile (compilation takes tens of seconds on CPU)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time blockpress with each pass replayed from a CUDA graph (CUDA devices only)")
+    p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+                   help="also time blockpress (diffusion and AR) with the projections quantized; last, on the same "
+                        "checkpoint")
     p.add_argument("--plot", default=None, help="write a PNG of tok/s against batch size here")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_bench)

@@ -110,6 +110,25 @@ class LM:
         self.step_functions = StepFunctions.compiled(self.model, **options)
         return self
 
+    def quantize(self, scheme: str) -> LM:
+        """Quantize the model's projections in place: "int8" (weights) or "fp8" (weights and activations, for
+        GPUs with FP8 tensor cores); see blockpress.quantize. Returns self."""
+        from .quantize import quantize
+
+        quantize(self.model, scheme)
+        self.step_functions = None  # compiled or captured steps hold the old modules
+        return self
+
+    @property
+    def quantization(self) -> str | None:
+        from .quantize import quantization_of
+
+        return quantization_of(self.model)
+
+    def weights_bytes(self) -> int:
+        """Bytes of every parameter and buffer (quantized weights are buffers)."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
     def cuda_graphs(self) -> LM:
         """Replay each decoder pass (captured once per canvas) and each AR token's encoder pass (captured once per
         cache) from CUDA graphs from now on; see GraphedDenoise and GraphedEncodeStep. Needs a CUDA model."""
@@ -312,6 +331,9 @@ class LM:
 
     def save(self, path: str | Path) -> None:
         """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read."""
+        if self.quantization is not None:
+            raise ValueError(f"save: the model is quantized ({self.quantization}); save the unquantized weights and "
+                             "quantize after loading (blockpress.load(..., quantize=...))")
         path = Path(path)
         save_model(self.model, path, self.passthrough)
         gen = dict(self.generation_config)
@@ -337,8 +359,13 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{file}: not valid JSON ({exc})") from None
 
 
-def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> LM:
-    """Load an HF-format DiffusionGemma folder (or a shipped model by name)."""
+def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+         quantize: str | None = None) -> LM:
+    """Load an HF-format DiffusionGemma folder (or a shipped model by name); `quantize`: "int8" or "fp8"."""
+    if quantize is not None:
+        from .quantize import _check_scheme
+
+        _check_scheme(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
     model, passthrough = load_model(path, dtype=dtype, device=device)
     tokenizer = None
@@ -346,7 +373,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    return LM(model, tokenizer, _read_generation_config(path), passthrough, path)
+    lm = LM(model, tokenizer, _read_generation_config(path), passthrough, path)
+    return lm.quantize(quantize) if quantize is not None else lm
 
 
 def random_model(

@@ -229,6 +229,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -238,13 +239,17 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         token_of = order // k
         # A scatter-add, not bincount: its output shape is static, so torch.compile keeps the layer in one graph.
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.long, device=flat.device)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
         counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = _grouped_linear(x[token_of], self.gate_up_proj, offsets).chunk(2, dim=-1)
-        y = _grouped_linear(F.gelu(gate, approximate="tanh") * up, self.down_proj, offsets)
+        gate, up = self.project(x[token_of], "gate_up_proj", offsets).chunk(2, dim=-1)
+        y = self.project(F.gelu(gate, approximate="tanh") * up, "down_proj", offsets)
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def project(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of x (sorted by expert) through their expert's `name` projection (a quantized model overrides it)."""
+        return _grouped_linear(x, getattr(self, name), offsets)
 
 
 class Layer(nn.Module):

@@ -46,6 +46,9 @@ def main() -> None:
                     help="run the compiled phase only if the eager phases took less than this (time limits)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="also time diffusion with CUDA-graph replay of the decoder (CUDA only)")
+    ap.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                    help="last phase: quantize the model to FP8 in place (blockpress.quantize) and time it again, "
+                         "with its logits' error against the unquantized weights")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="record the busiest and most frequent ops of each engine (torch.profiler)")
     args = ap.parse_args()
@@ -173,6 +176,37 @@ def main() -> None:
             result["ar_compiled"] = dict(tok_s=int(ar.num_new_tokens[0]) / ar.denoise_seconds)
         except Exception as exc:  # recorded, not raised: the eager figures stand on their own
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+        save()
+    # FP8 weights and activations (vLLM's published setting), in place, so last: error, memory, speed.
+    if args.fp8:
+        try:
+            lm.step_functions = None
+            probe_prompt, probe_canvas = prompt[:, :512], torch.randint(3, v, (1, cfg.canvas_length),
+                                                                         generator=torch.Generator().manual_seed(1))
+            before = lm.logits(probe_prompt, probe_canvas)
+            bytes_before = lm.weights_bytes()
+            lm.quantize("fp8")
+            after = lm.logits(probe_prompt, probe_canvas)
+            result["fp8"] = dict(
+                weights_gb=lm.weights_bytes() / 1e9, weights_gb_before=bytes_before / 1e9,
+                logits_max_abs_error=float((after - before).abs().max()), logits_max_abs=float(before.abs().max()),
+                top1_agreement=float((after.argmax(-1) == before.argmax(-1)).float().mean()),
+                grouped_experts=all(getattr(m, "grouped_fp8", True) for m in lm.model.modules()))
+            save()
+            diffusion()  # warm-up
+            sync(device)
+            out = diffusion()
+            sync(device)
+            n = int(out.num_new_tokens[0])
+            result["fp8"].update(ms_per_step=out.denoise_seconds * 1e3 / int(out.forward_passes[0]),
+                                 tok_s=n / out.denoise_seconds,
+                                 grouped_experts=all(getattr(m, "grouped_fp8", True) for m in lm.model.modules()))
+            save()
+            ar = lm.generate_ar(prompt, max_new_tokens=min(64, args.ar_tokens))
+            sync(device)
+            result["fp8"]["ar_tok_s"] = int(ar.num_new_tokens[0]) / ar.denoise_seconds
+        except Exception as exc:  # recorded, not raised
+            result["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         save()
     print(json.dumps(result, indent=2))
 

@@ -21,6 +21,10 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert data["ar"]["new_tokens"] == 6
     assert data["diffusion"]["tok_s"] > 0 and data["diffusion_over_ar"] > 0
     assert "diffusion_compiled" not in data and "compile_error" not in data
+    fp8 = data["fp8"]  # the last phase: the same model quantized in place
+    assert "fp8_error" not in data and fp8["tok_s"] > 0 and fp8["ar_tok_s"] > 0
+    assert fp8["weights_gb"] < 0.6 * fp8["weights_gb_before"]
+    assert 0 < fp8["logits_max_abs_error"] < fp8["logits_max_abs"] and fp8["top1_agreement"] > 0.5
     for trace in data["profile"].values():  # where the next speed change should look
         assert trace["by_time"] and all(row["count"] >= 1 and row["self_ms"] >= 0 for row in trace["by_time"])
         assert any(row["op"] == "aten::mm" or row["op"] == "aten::addmm" for row in trace["by_count"] + trace["by_time"])

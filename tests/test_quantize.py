@@ -1,0 +1,154 @@
+"""Quantization as a model transform: error bounds per weight, every projection swapped (and nothing else),
+the shipped sudoku model still solving puzzles, memory, and clear errors."""
+
+import copy
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blockpress
+from blockpress.cli import main
+from blockpress.model import Experts, Router
+from blockpress.quantize import (
+    FP8_MAX,
+    QuantizedExperts,
+    QuantizedLinear,
+    dequantize_weight,
+    quantize,
+    quantize_weight,
+    quantized_matmul,
+)
+from blockpress.tasks import sudoku_model
+from blockpress.tasks.sudoku import generate
+
+
+def tiny_lm(seed=0):
+    return blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8), seed=seed)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 40), seed=st.integers(0, 2**16), magnitude=st.floats(1e-3, 1e3),
+       zero_row=st.booleans())
+def test_round_trip_error_is_bounded(rows, cols, seed, magnitude, zero_row):
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * magnitude
+    if zero_row:
+        w[0] = 0
+    q8, s8 = quantize_weight(w, "int8")
+    assert q8.dtype == torch.int8 and s8.shape == (rows,)
+    err8 = (dequantize_weight(q8, s8, torch.float32) - w).abs()
+    assert (err8 <= s8[:, None] / 2 * (1 + 1e-5) + 1e-30).all()  # rounding: half a step
+    qf, sf = quantize_weight(w, "fp8")
+    errf = (dequantize_weight(qf, sf, torch.float32) - w).abs()
+    # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal steps of 2^-9 of the scale near zero.
+    assert (errf <= w.abs() * 2**-4 + sf[:, None] * 2**-9 * (1 + 1e-5) + 1e-30).all()
+    assert torch.isfinite(s8).all() and torch.isfinite(sf).all()
+    if zero_row:
+        assert not dequantize_weight(q8, s8, torch.float32)[0].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matmul_is_the_dequantized_matmul(dtype):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 32, generator=g).to(dtype), torch.randn(24, 32, generator=g)
+    q, scale = quantize_weight(w, "int8")
+    expected = x.float() @ dequantize_weight(q, scale, torch.float32).T
+    got = quantized_matmul(x, q, scale, "int8")
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 activations: their own rounding
+    assert (got.float() - expected).abs().max() <= tol * expected.abs().max()
+
+
+def test_fp8_matmul_error_comes_from_both_roundings_only():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(7, 64, generator=g), torch.randn(48, 64, generator=g)
+    q, scale = quantize_weight(w, "fp8")
+    got = quantized_matmul(x, q, scale, "fp8")
+    exact_weights = x @ dequantize_weight(q, scale, torch.float32).T
+    # Activations rounded to e4m3 per row: each product is off by <= 2^-4 of |x| plus a subnormal step.
+    x_step = x.abs().amax(-1, keepdim=True) / FP8_MAX * 2**-9
+    bound = (x.abs() * 2**-4 + x_step) @ dequantize_weight(q, scale, torch.float32).abs().T
+    assert ((got - exact_weights).abs() <= bound + 1e-4).all()
+    assert (got - x @ w.T).abs().max() < 0.15 * (x @ w.T).abs().max()
+
+
+def _dequantized_copy(lm, scheme):
+    """The model with every projection replaced by its quantize-dequantize round trip, left unquantized."""
+    twin = copy.deepcopy(lm)
+    with torch.no_grad():
+        for module in [twin.model.self_conditioning, *twin.model.layers]:
+            for parent in module.modules():
+                for child in parent.children():
+                    if isinstance(child, torch.nn.Linear) and not isinstance(parent, Router):
+                        child.weight.copy_(dequantize_weight(*quantize_weight(child.weight, scheme), torch.float32))
+                    elif isinstance(child, Experts):
+                        for p in (child.gate_up_proj, child.down_proj):
+                            p.copy_(dequantize_weight(*quantize_weight(p, scheme), torch.float32))
+    return twin
+
+
+def test_int8_model_is_the_model_with_rounded_weights():
+    """Every projection (attention, dense MLP, experts, self-conditioning) is swapped; the router and the
+    embedding are not: the quantized model's logits are those of the float model with round-tripped weights."""
+    lm = tiny_lm()
+    twin = _dequantized_copy(lm, "int8")
+    lm.quantize("int8")
+    kinds = {type(m) for m in lm.model.modules()}
+    assert QuantizedLinear in kinds and QuantizedExperts in kinds and torch.nn.Linear in kinds  # the router's
+    assert lm.quantization == "int8"
+    prompt, canvas = torch.randint(3, 64, (2, 6)), torch.randint(3, 64, (2, 8))
+    sc = torch.randn(2, 8, 64)
+    torch.testing.assert_close(lm.logits(prompt, canvas, sc), twin.logits(prompt, canvas, sc), rtol=1e-4, atol=1e-4)
+    plain = tiny_lm().logits(prompt, canvas, sc)
+    assert not torch.allclose(plain, twin.logits(prompt, canvas, sc), atol=1e-6)  # rounding did change something
+
+
+def test_quantized_generation_and_memory():
+    lm = tiny_lm()
+    before = lm.weights_bytes()
+    lm.quantize("fp8")
+    assert lm.weights_bytes() < 0.5 * before  # float32 projections become one byte each (plus scales)
+    out = lm.generate(torch.randint(3, 64, (2, 5)), max_new_tokens=8, max_denoising_steps=4, seed=0)
+    assert out.sequences.shape == (2, 13)
+    ar = lm.generate_ar(torch.randint(3, 64, (1, 5)), max_new_tokens=4)
+    assert ar.sequences.shape == (1, 9)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_quantized_shipped_sudoku_model_still_solves_easy_puzzles(scheme):
+    """Thresholds as for the unquantized model's CI test (it solves 10 of these 10 here)."""
+    if "blockpress-sudoku" not in blockpress.shipped_models():
+        pytest.skip("blockpress-sudoku is not in this package")
+    lm = blockpress.load("blockpress-sudoku", quantize=scheme)
+    truth = [generate(30_000_000 + i, "easy") for i in range(6)]
+    results = sudoku_model.solve(lm, [t.puzzle for t in truth])
+    assert sum(r.solution == t.solution for r, t in zip(results, truth)) >= 4
+
+
+def test_quantize_errors(tmp_path):
+    with pytest.raises(ValueError, match="scheme: unknown quantization 'int4'"):
+        tiny_lm().quantize("int4")
+    with pytest.raises(ValueError, match="scheme"):
+        blockpress.load(tmp_path / "missing", quantize="nf4")  # the scheme is checked before the path
+    lm = tiny_lm().quantize("int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(lm.model, "fp8")
+    with pytest.raises(ValueError, match="save: the model is quantized"):
+        lm.save(tmp_path / "q")
+    assert not (tmp_path / "q").exists()
+
+
+def test_cli_info_and_bench_quantized(capsys):
+    assert main(["info", "--model", "random-tiny", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["info", "--model", "random-tiny", "--quantize", "int8", "--json"]) == 0
+    quantized = json.loads(capsys.readouterr().out)
+    assert plain["quantization"] is None and quantized["quantization"] == "int8"
+    assert quantized["weights_bytes"] < plain["weights_bytes"]
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--repeats", "1",
+                 "--no-reference", "--quantize", "int8"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["blockpress_int8"]["new_tokens"] == 8 and row["blockpress_ar_int8"]["tok_s"] > 0
+    assert 0 < row["int8_weights_bytes"]
