@@ -132,8 +132,12 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    quantize: str | None = None,
 ) -> tuple[DiffusionGemma, Passthrough]:
+    """The model of an HF-format folder. With `quantize` ("int8", "fp8"; see blockpress.quantize) each projection
+    is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
+    quantized model plus one tensor."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a checkpoint folder")
@@ -142,6 +146,10 @@ def load_model(
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = DiffusionGemma(config)
+        if quantize is not None:
+            from .quantize import quantize as quantize_model
+
+            quantize_model(model, quantize)  # on the meta device: only the layout (quantized buffers, scales)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     passthrough = Passthrough()
@@ -166,6 +174,11 @@ def load_model(
             tensor = f.tensor(name)
             if dtype is None and tensor.is_floating_point():
                 dtype = tensor.dtype
+            if f"{local}_scale" in expected:  # a quantized projection: quantize on the target device, then drop
+                from .quantize import quantize_weight
+
+                state[local], state[f"{local}_scale"] = quantize_weight(tensor.to(device), quantize)
+                continue
             state[local] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
     if passthrough.tensors:
         warnings.warn(
@@ -175,7 +188,9 @@ def load_model(
     for local in expected:
         if local not in state and local.endswith("layer_scalar"):
             state[local] = torch.ones(1, dtype=dtype, device=device)  # the reference initialises missing scalars to 1
-    missing = [local_to_hf(k) for k in expected if k not in state]
+    # A quantized projection's scale is missing exactly when its weight is: name the weight only.
+    missing = [local_to_hf(k) for k in expected
+               if k not in state and not (k.endswith("_scale") and k.removesuffix("_scale") in expected)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{path}: missing tensor(s) {shown}")

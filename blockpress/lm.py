@@ -361,20 +361,20 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
 
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          quantize: str | None = None) -> LM:
-    """Load an HF-format DiffusionGemma folder (or a shipped model by name); `quantize`: "int8" or "fp8"."""
+    """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8" or "fp8")
+    quantizes each projection as it is read, so the full-precision weights are never all in memory."""
     if quantize is not None:
         from .quantize import _check_scheme
 
         _check_scheme(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
-    model, passthrough = load_model(path, dtype=dtype, device=device)
+    model, passthrough = load_model(path, dtype=dtype, device=device, quantize=quantize)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    lm = LM(model, tokenizer, _read_generation_config(path), passthrough, path)
-    return lm.quantize(quantize) if quantize is not None else lm
+    return LM(model, tokenizer, _read_generation_config(path), passthrough, path)
 
 
 def random_model(

@@ -84,6 +84,24 @@ def test_missing_tensor_named(ref_checkpoint, tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(blockpress.CheckpointError, match=r"layers\.1\.self_attn\.q_proj\.weight"):
         load_quiet(path)
+    with pytest.raises(blockpress.CheckpointError, match=r"layers\.1\.self_attn\.q_proj\.weight\b(?!_scale)"):
+        load_quiet(path, quantize="int8")  # the scale is missing too, but the weight is what the file lacks
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_quantizing_while_loading_is_quantizing_after(ref_checkpoint, scheme):
+    """load(quantize=) quantizes each tensor as it is read (the full-precision model never exists at once) and
+    gives exactly the model that quantizing after a plain load gives."""
+    during = load_quiet(ref_checkpoint[0], quantize=scheme)
+    after = load_quiet(ref_checkpoint[0]).quantize(scheme)
+    assert during.quantization == after.quantization == scheme
+    state_during, state_after = during.model.state_dict(), after.model.state_dict()
+    assert state_during.keys() == state_after.keys()
+    for name, tensor in state_during.items():
+        assert tensor.dtype == state_after[name].dtype, name
+        assert torch.equal(tensor.float(), state_after[name].float()), name
+    prompt, canvas = torch.randint(3, 64, (1, 5)), torch.randint(3, 64, (1, 8))
+    assert torch.equal(during.logits(prompt, canvas), after.logits(prompt, canvas))
 
 
 def test_wrong_shape_named(ref_checkpoint, tmp_path):
