@@ -146,6 +146,7 @@ def load_model(
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = DiffusionGemma(config)
+        shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # as stored in the checkpoint
         if quantize is not None:
             from .quantize import quantize as quantize_model
 
@@ -168,7 +169,7 @@ def load_model(
                 continue
             if local not in expected:
                 raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
-            shape, want = f.shape(name), tuple(expected[local].shape)
+            shape, want = f.shape(name), shapes[local]
             if shape != want:
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
             tensor = f.tensor(name)

@@ -38,8 +38,9 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
         return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize)
 
 
-QUANTIZE_HELP = ("quantize the projections after loading: int8 (weights; on a CPU use --dtype bfloat16) or fp8 "
-                 "(weights and activations, for GPUs with FP8 tensor cores). Default: none")
+QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CPU use --dtype bfloat16), fp8 "
+                 "(weights and activations, for GPUs with FP8 tensor cores) or int4 (weights, groups of 32: for "
+                 "memory, not speed). Default: none")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -49,7 +50,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    p.add_argument("--quantize", choices=["int8", "fp8"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -447,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--quantize", choices=["int8", "fp8"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
     p.add_argument("--steps", type=int, default=None, help="max denoising steps")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule")
@@ -497,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time blockpress through torch.compile (compilation takes tens of seconds on CPU)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time blockpress with each pass replayed from a CUDA graph (CUDA devices only)")
-    p.add_argument("--quantize", choices=["int8", "fp8"], default=None,
+    p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None,
                    help="also time blockpress (diffusion and AR) with the projections quantized; last, on the same "
                         "checkpoint")
     p.add_argument("--plot", default=None, help="write a PNG of tok/s against batch size here")

@@ -11,21 +11,27 @@ the router stay in the model's dtype. model.py is untouched: the swap is the who
   dynamic, as vLLM serves DiffusionGemma), multiplied by `torch._scaled_mm` (FP8 tensor cores on Hopper). A CPU
   runs the same arithmetic, slowly: it is there so that the numerics are tested without a GPU.
 
-Either halves the bytes of bf16 weights (int8 quarters float32 ones).
+- "int4": weights only, symmetric 4-bit, two to a byte, one bfloat16 scale per group of 32 inputs (4.5 bits a
+  weight: the 26B-A4B fits in 18 GB, as published). Weights are dequantized per call (the experts' all at once,
+  then the usual grouped GEMM): it buys memory, not speed.
+
+int8 and fp8 halve the bytes of bf16 weights (int8 quarters float32 ones).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import DiffusionGemma, Experts, Router
+from .model import DiffusionGemma, Experts, Router, _grouped_linear
 
-SCHEMES = ("int8", "fp8")
+SCHEMES = ("int8", "fp8", "int4")
 INT8_MAX = 127.0
+INT4_GROUP = 32  # inputs sharing one int4 scale
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
@@ -39,6 +45,8 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, to
     """(quantized weight, float32 scale per output channel) of weight [..., out, in]: w ~ q * scale[..., None]."""
     _check_scheme(scheme)
     w = weight.detach().float()
+    if scheme == "int4":
+        return _quantize_int4(w)
     top = INT8_MAX if scheme == "int8" else FP8_MAX
     scale = w.abs().amax(dim=-1).clamp(min=1e-12) / top  # an all-zero row keeps a finite scale
     scaled = w / scale[..., None]
@@ -47,12 +55,31 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, to
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [..., out, in/2]: two 4-bit codes each, bfloat16 scales [..., out, in/group]). The group is 32
+    inputs, or gcd(in, 32) for sizes that 32 does not divide (dequantizing reads it off the shapes)."""
+    if w.shape[-1] % 2:
+        raise ValueError(f"quantize: int4 packs two weights a byte and needs even input sizes; a projection has "
+                         f"shape {list(w.shape)}")
+    groups = w.unflatten(-1, (-1, math.gcd(w.shape[-1], INT4_GROUP)))
+    # The scale is rounded to bf16 first and the codes use the rounded scale, so |error| <= scale / 2.
+    scale = (groups.abs().amax(dim=-1).clamp(min=1e-12) / 7).to(torch.bfloat16)
+    codes = (groups / scale.float()[..., None]).round().clamp(-8, 7).to(torch.int16) + 8  # 0..15
+    codes = codes.flatten(-2).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
+
+
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if q.dtype == torch.uint8:  # int4, packed
+        codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).float() - 8
+        return (codes.unflatten(-1, (scale.shape[-1], -1)) * scale.float()[..., None]).flatten(-2).to(dtype)
     return (q.float() * scale[..., None]).to(dtype)
 
 
 def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """x [N, in] times the quantized weight q [out, in] transposed, in x's dtype."""
+    if scheme == "int4":
+        return F.linear(x, dequantize_weight(q, scale, x.dtype))
     if scheme == "int8":
         if x.device.type == "cpu" and x.dtype == torch.bfloat16:
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
@@ -105,6 +132,8 @@ class QuantizedExperts(Experts):
 
     def project(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
         q, scale = getattr(self, name), getattr(self, f"{name}_scale")
+        if self.scheme == "int4":  # every expert's weight at once: one transient bf16 copy per projection
+            return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), offsets)
         if self.scheme == "fp8" and x.is_cuda and x.dtype == torch.bfloat16 and self.grouped_fp8:
             try:  # one FP8 grouped GEMM for all experts (CUTLASS, SM90): no per-expert launches, no host sync
                 xq, x_scale = _fp8_rows(x)

@@ -49,6 +49,46 @@ def test_round_trip_error_is_bounded(rows, cols, seed, magnitude, zero_row):
         assert not dequantize_weight(q8, s8, torch.float32)[0].any()
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 5), groups=st.integers(1, 4), seed=st.integers(0, 2**16), magnitude=st.floats(1e-3, 1e3))
+def test_int4_round_trip_error_is_half_a_step_of_its_group(rows, groups, seed, magnitude):
+    w = torch.randn(rows, 32 * groups, generator=torch.Generator().manual_seed(seed)) * magnitude
+    q, scale = quantize_weight(w, "int4")
+    assert q.dtype == torch.uint8 and q.shape == (rows, 16 * groups) and scale.shape == (rows, groups)
+    err = (dequantize_weight(q, scale, torch.float32) - w).abs().unflatten(-1, (groups, 32))
+    assert (err <= scale.float()[..., None] / 2 * (1 + 1e-5)).all()
+    # Every one of the 16 codes is reachable: the group's largest magnitude maps to +-7.
+    codes = torch.stack([q & 15, q >> 4], -1)
+    assert codes.max() <= 15 and ((codes == 15) | (codes == 1)).any()
+
+
+def test_int4_groups_shrink_to_divide_the_input_and_odd_inputs_are_refused():
+    w = torch.randn(4, 48, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_weight(w, "int4")
+    assert scale.shape == (4, 3)  # groups of gcd(48, 32) = 16
+    assert ((dequantize_weight(q, scale, torch.float32) - w).abs().unflatten(-1, (3, 16))
+            <= scale.float()[..., None] / 2 * (1 + 1e-5)).all()
+    with pytest.raises(ValueError, match="even input sizes"):
+        quantize_weight(torch.randn(4, 7), "int4")
+
+
+def test_26b_a4b_footprints():
+    """Counted on the meta device (nothing allocated): the published claim that 4-bit fits in 18 GB."""
+    from blockpress.model import DiffusionGemma
+
+    def gigabytes(scheme):
+        with torch.device("meta"):
+            model = DiffusionGemma(blockpress.ModelConfig.preset("26b-a4b")).to(torch.bfloat16)
+            if scheme:
+                quantize(model, scheme)
+        return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 1e9
+
+    bf16, fp8, int4 = gigabytes(None), gigabytes("fp8"), gigabytes("int4")
+    assert 45 < bf16 < 55  # ~25.2B parameters in 2 bytes
+    assert fp8 < 0.55 * bf16
+    assert int4 < 18 and int4 < 0.32 * bf16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_matmul_is_the_dequantized_matmul(dtype):
     g = torch.Generator().manual_seed(0)
@@ -89,15 +129,16 @@ def _dequantized_copy(lm, scheme):
     return twin
 
 
-def test_int8_model_is_the_model_with_rounded_weights():
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_weight_only_model_is_the_model_with_rounded_weights(scheme):
     """Every projection (attention, dense MLP, experts, self-conditioning) is swapped; the router and the
     embedding are not: the quantized model's logits are those of the float model with round-tripped weights."""
     lm = tiny_lm()
-    twin = _dequantized_copy(lm, "int8")
-    lm.quantize("int8")
+    twin = _dequantized_copy(lm, scheme)
+    lm.quantize(scheme)
     kinds = {type(m) for m in lm.model.modules()}
     assert QuantizedLinear in kinds and QuantizedExperts in kinds and torch.nn.Linear in kinds  # the router's
-    assert lm.quantization == "int8"
+    assert lm.quantization == scheme
     prompt, canvas = torch.randint(3, 64, (2, 6)), torch.randint(3, 64, (2, 8))
     sc = torch.randn(2, 8, 64)
     torch.testing.assert_close(lm.logits(prompt, canvas, sc), twin.logits(prompt, canvas, sc), rtol=1e-4, atol=1e-4)
@@ -116,7 +157,7 @@ def test_quantized_generation_and_memory():
     assert ar.sequences.shape == (1, 9)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_quantized_shipped_sudoku_model_still_solves_easy_puzzles(scheme):
     """Thresholds as for the unquantized model's CI test (it solves 10 of these 10 here)."""
     if "blockpress-sudoku" not in blockpress.shipped_models():
@@ -128,8 +169,8 @@ def test_quantized_shipped_sudoku_model_still_solves_easy_puzzles(scheme):
 
 
 def test_quantize_errors(tmp_path):
-    with pytest.raises(ValueError, match="scheme: unknown quantization 'int4'"):
-        tiny_lm().quantize("int4")
+    with pytest.raises(ValueError, match="scheme: unknown quantization 'int3'"):
+        tiny_lm().quantize("int3")
     with pytest.raises(ValueError, match="scheme"):
         blockpress.load(tmp_path / "missing", quantize="nf4")  # the scheme is checked before the path
     lm = tiny_lm().quantize("int8")
