@@ -254,7 +254,9 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     canvases = sorted({r["canvas"] for r in rows})
     lines = [("blockpress", "blockpress diffusion"), ("blockpress_ar", "blockpress AR")]
-    for name, label in (("compiled", "compiled"), ("cuda_graphs", "CUDA graphs"), ("int8", "int8"), ("fp8", "fp8")):
+    variants = (("compiled", "compiled"), ("cuda_graphs", "CUDA graphs"), ("int8", "int8"), ("fp8", "fp8"),
+                ("int4", "int4"))
+    for name, label in variants:
         lines += [(f"blockpress_{name}", f"blockpress diffusion, {label}"), (f"blockpress_ar_{name}", f"blockpress AR, {label}")]
     for key, label in (*lines, ("reference", "reference diffusion")):
         is_ar = key.startswith("blockpress_ar")

@@ -56,6 +56,12 @@ def main() -> None:
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     trace = profile_ops(trainer.train_step, device)
     result = {"device": str(device), "batch_size": args.batch_size, "ms_per_step": round(ms, 2), **trace}
+
+    def save() -> None:  # after each part, so a time limit during compilation keeps the eager profile
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
+    save()
     if args.compile:
         compiled = Trainer(lm, AugmentedSource(puzzles, 0), replace(cfg, compile=True), Path("/tmp/profile_train_step"),
                            progress=False)
@@ -71,10 +77,8 @@ def main() -> None:
         compiled_ms = (time.perf_counter() - t0) * 1e3 / args.steps
         result["compiled"] = {"compile_s": round(compile_s, 1), "ms_per_step": round(compiled_ms, 2),
                               "speedup": round(ms / compiled_ms, 3), "compile_error": compiled.compile_error}
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+    save()
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
