@@ -47,17 +47,19 @@ def main() -> None:
     ap.add_argument("--per-difficulty", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
+    ap.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None,
+                    help="quantize the model while loading (blockpress.quantize)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lm = blockpress.load(args.model, dtype="float32")
+        lm = blockpress.load(args.model, dtype="float32", quantize=args.quantize)
     truth = {level: [generate(VALIDATION_SEED + i, level) for i in range(args.per_difficulty)]
              for level in ("medium", "hard")}
     out = []
     for setting in json.loads(args.settings) if args.settings else SETTINGS:
         options = {k: v for k, v in setting.items() if k not in ("sampler", "max_denoising_steps")}
-        row = dict(setting)
+        row = dict(setting, quantize=args.quantize, weights_bytes=lm.weights_bytes())
         for level, puzzles in truth.items():
             solved = sudoku_model.solve(lm, [p.puzzle for p in puzzles], setting["max_denoising_steps"],
                                         setting["sampler"], **options)
