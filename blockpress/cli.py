@@ -49,7 +49,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(random weights, for speed checks). Default: {DEFAULT_MODEL}")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu); meta with "
+                   "random-<preset> builds nothing: `info` then counts parameters and bytes of any size")
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
 
 

@@ -137,6 +137,11 @@ class LM:
         self.step_functions = StepFunctions.cuda_graphs(self.model)
         return self
 
+    def _check_runnable(self) -> None:
+        if self.device.type == "meta":
+            raise ValueError("device: this model is on the meta device (shapes only, for counting parameters and "
+                             "bytes); build or load it on cpu or cuda to run it")
+
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache.allocate(self.config.text, batch_size, capacity, self.dtype, self.device)
 
@@ -149,6 +154,7 @@ class LM:
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]."""
+        self._check_runnable()
         v = self.config.text.vocab_size
         prompt = _as_ids(prompt_ids, "prompt_ids", v, self.device)
         canvas = _as_ids(canvas_ids, "canvas_ids", v, self.device)
@@ -203,6 +209,7 @@ class LM:
         sampler_options: dict[str, Any],
         token_healing: bool = False,
     ) -> Request:
+        self._check_runnable()
         pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
         if attention_mask is not None:
@@ -384,13 +391,18 @@ def random_model(
     device: str | torch.device = "cpu",
     tokenizer: Any = None,
 ) -> LM:
-    """A randomly initialised model of any size: built on the meta device, then initialised in place."""
+    """A randomly initialised model of any size: built on the meta device, then initialised in place.
+
+    device="meta" stops before allocating: shapes and dtypes only, to count parameters and bytes (`info`)."""
     dtype = resolve_dtype(dtype) or torch.float32
     device = torch.device(device)
     with torch.device("meta"):
         model = DiffusionGemma(config)
     # Cast while still on the meta device, so the real allocation happens once, in the final dtype.
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if device.type == "meta":
+        return LM(model, tokenizer)
+    model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(generator)
     model.reset_buffers()
