@@ -85,6 +85,9 @@ def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sche
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
             return torch._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        raise ValueError(f"quantize: fp8 on CUDA computes in bfloat16 (row-wise scaled GEMM); this model runs in "
+                         f"{x.dtype}: load it with dtype='bfloat16'")
     xq, x_scale = _fp8_rows(x)
     return torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
 
