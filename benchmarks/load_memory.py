@@ -24,14 +24,14 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 before_peak, before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss()
-lm = blockpress.load(path)
+lm = blockpress.load(path, quantize=None if sys.argv[2] == "none" else sys.argv[2])
 after_load = rss()
 # touch every weight: one forward pass (the point where a lazy load has really read the file)
-for p in lm.model.parameters():
-    p.data.sum()
+for p in (*lm.model.parameters(), *lm.model.buffers()):
+    p.data.float().sum()
 after_touch = rss()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-n = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+n = lm.weights_bytes()
 print(json.dumps({"rss_growth_after_load": after_load - before, "rss_growth_after_touch": after_touch - before,
                   "peak_growth_bytes": peak - max(before_peak, before), "weights_bytes": n}))
 """
@@ -41,6 +41,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantize", choices=["none", "int8", "fp8", "int4"], default="none",
+                    help="quantize while loading (the resident weights are then the quantized ones)")
     args = ap.parse_args()
     import blockpress
 
@@ -49,8 +51,10 @@ def main() -> None:
         lm.save(tmp)
         disk = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
         del lm
-        result = {"benchmark": "load_memory", "preset": args.preset, "dtype": args.dtype, "disk_bytes": disk}
-        out = subprocess.run([sys.executable, "-c", CHILD, tmp], capture_output=True, text=True, check=True)
+        result = {"benchmark": "load_memory", "preset": args.preset, "dtype": args.dtype, "quantize": args.quantize,
+                  "disk_bytes": disk}
+        out = subprocess.run([sys.executable, "-c", CHILD, tmp, args.quantize], capture_output=True, text=True,
+                             check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["resident_over_disk"] = row["rss_growth_after_touch"] / disk
         # what the weights themselves add once read (the rest is fixed runtime state, independent of size)

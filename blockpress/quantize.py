@@ -42,8 +42,14 @@ def _check_scheme(scheme: str) -> None:
 
 
 def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quantized weight, float32 scale per output channel) of weight [..., out, in]: w ~ q * scale[..., None]."""
+    """(quantized weight, float32 scale per output channel) of weight [..., out, in]: w ~ q * scale[..., None].
+
+    Stacked weights (experts) go one matrix at a time, so the float32 temporaries are one expert's, not all
+    of them (a layer of the 26B-A4B's experts is 2 GB in float32)."""
     _check_scheme(scheme)
+    if weight.dim() > 2 and weight.device.type != "meta":
+        parts = [quantize_weight(w, scheme) for w in weight]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
     w = weight.detach().float()
     if scheme == "int4":
         return _quantize_int4(w)
