@@ -197,3 +197,16 @@ def test_info_counts_the_26b_on_the_meta_device(capsys):
         meta.generate(torch.tensor([[3, 4]]), max_new_tokens=4)
     with pytest.raises(ValueError, match="meta device"):
         meta.logits(torch.tensor([[3, 4]]), torch.tensor([[5, 6]]))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_stacked_expert_weights_quantize_matrix_by_matrix(scheme):
+    """[E, out, in] goes one expert at a time (bounded temporaries): each expert gets its own scales, as if alone."""
+    w = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0)) * torch.tensor([0.01, 1.0, 100.0])[:, None, None]
+    q, scale = quantize_weight(w, scheme)
+    assert q.shape[:2] == (3, 8) and scale.shape[:2] == (3, 8)
+    for e in range(3):
+        q_e, scale_e = quantize_weight(w[e], scheme)
+        assert torch.equal(q[e].view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(scale[e], scale_e)
+    rel = (dequantize_weight(q, scale, torch.float32) - w).abs().amax(dim=(1, 2)) / w.abs().amax(dim=(1, 2))
+    assert (rel < 0.1).all()  # the small expert is not crushed by the large one's scale
