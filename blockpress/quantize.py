@@ -150,7 +150,7 @@ class QuantizedExperts(Experts):
             except (RuntimeError, NotImplementedError) as err:
                 self.grouped_fp8 = False
                 warnings.warn(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0][:200]}); experts run one GEMM each", stacklevel=2)
+                              f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each", stacklevel=2)
         out = x.new_empty(x.shape[0], q.shape[1])
         start = 0
         for e, end in enumerate(offsets.tolist()):  # one host sync per layer; experts without rows cost nothing

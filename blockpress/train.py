@@ -389,7 +389,7 @@ class Trainer:
             if self.objective is self.eager_objective:
                 raise
             # A compiler bug must not cost the run: say so once, then train the same step eagerly.
-            self.compile_error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            self.compile_error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
             warnings.warn(f"compile: torch.compile failed ({self.compile_error}); training continues eagerly",
                           stacklevel=2)
             self.objective = self.eager_objective
