@@ -88,7 +88,7 @@ def test_missing_tensor_named(ref_checkpoint, tmp_path):
         load_quiet(path, quantize="int8")  # the scale is missing too, but the weight is what the file lacks
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
 def test_quantizing_while_loading_is_quantizing_after(ref_checkpoint, scheme):
     """load(quantize=) quantizes each tensor as it is read (the full-precision model never exists at once) and
     gives exactly the model that quantizing after a plain load gives."""
