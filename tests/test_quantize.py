@@ -210,3 +210,12 @@ def test_stacked_expert_weights_quantize_matrix_by_matrix(scheme):
         assert torch.equal(q[e].view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(scale[e], scale_e)
     rel = (dequantize_weight(q, scale, torch.float32) - w).abs().amax(dim=(1, 2)) / w.abs().amax(dim=(1, 2))
     assert (rel < 0.1).all()  # the small expert is not crushed by the large one's scale
+
+
+def test_cli_generate_quantized(capsys):
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    assert main(["generate", "def f(x):", "--model", "blockpress-code", "--dtype", "bfloat16", "--quantize", "int8",
+                 "--max-new-tokens", "8", "--steps", "2", "--seed", "0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert 1 <= data["new_tokens"] <= 8 and data["forward_passes"] >= 1 and isinstance(data["text"], str)
