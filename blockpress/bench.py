@@ -37,13 +37,13 @@ class BenchSettings:
     compile: bool = False  # also time blockpress through torch.compile (the first repeat pays the compile)
     cuda_graphs: bool = False  # also time blockpress with its passes replayed from CUDA graphs (CUDA only)
     canvas_lengths: list[int] | None = None  # sweep these canvas lengths (None: the preset's)
-    quantize: str | None = None  # also time blockpress with the projections quantized ("int8" or "fp8"), last
+    quantize: str | None = None  # also time blockpress with the projections quantized ("int8", "fp8", "int4"), last
 
     def __post_init__(self) -> None:
         if self.quantize is not None:
-            from .quantize import _check_scheme
+            from .quantize import check_scheme
 
-            _check_scheme(self.quantize)
+            check_scheme(self.quantize)
 
 
 def _sync(device: torch.device) -> None:

@@ -135,7 +135,7 @@ def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
     quantize: str | None = None,
 ) -> tuple[DiffusionGemma, Passthrough]:
-    """The model of an HF-format folder. With `quantize` ("int8", "fp8"; see blockpress.quantize) each projection
+    """The model of an HF-format folder. With `quantize` ("int8", "fp8", "int4"; see blockpress.quantize) each projection
     is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
     quantized model plus one tensor."""
     path = Path(path)

@@ -21,7 +21,7 @@ RANDOM_PREFIX = "random-"
 
 def load_model(spec: str, dtype: str | None, device: str, quantize: str | None = None) -> Any:
     """An HF folder, a shipped model name, or `random-<preset>` (random weights, byte-level tokenizer);
-    `quantize`: "int8" or "fp8" (see blockpress.quantize)."""
+    `quantize`: "int8", "fp8" or "int4" (see blockpress.quantize)."""
     import blockpress
 
     if spec.startswith(RANDOM_PREFIX):

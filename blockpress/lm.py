@@ -111,8 +111,8 @@ class LM:
         return self
 
     def quantize(self, scheme: str) -> LM:
-        """Quantize the model's projections in place: "int8" (weights) or "fp8" (weights and activations, for
-        GPUs with FP8 tensor cores); see blockpress.quantize. Returns self."""
+        """Quantize the model's projections in place: "int8" (weights), "fp8" (weights and activations, for
+        GPUs with FP8 tensor cores) or "int4" (weights, for memory); see blockpress.quantize. Returns self."""
         from .quantize import quantize
 
         quantize(self.model, scheme)
@@ -368,12 +368,12 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
 
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          quantize: str | None = None) -> LM:
-    """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8" or "fp8")
+    """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
     quantizes each projection as it is read, so the full-precision weights are never all in memory."""
     if quantize is not None:
-        from .quantize import _check_scheme
+        from .quantize import check_scheme
 
-        _check_scheme(quantize)  # before reading gigabytes
+        check_scheme(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
     model, passthrough = load_model(path, dtype=dtype, device=device, quantize=quantize)
     tokenizer = None

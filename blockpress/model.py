@@ -153,17 +153,26 @@ def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
         # Autocast has no rule for grouped_mm: cast as it would for a matmul (CUDA's kernel is bf16-only).
         dtype = torch.get_autocast_dtype("cuda")
         x, w = x.to(dtype), w.to(dtype)
-    aligned = all((n * x.element_size()) % 16 == 0 for n in (weight.shape[1], weight.shape[2]))
-    grouped_dtypes = (torch.bfloat16,) if x.is_cuda else (torch.float32, torch.bfloat16)
-    if aligned and x.dtype in grouped_dtypes and x.dtype == w.dtype and GROUPED_MM is not None:
+    if _grouped_mm_applies(x, w, weight.shape[1], weight.shape[2]):
         return GROUPED_MM(x, w, offs=offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w[e]
-        start = end
+    for e, start, end in expert_groups(offsets):
+        out[start:end] = x[start:end] @ w[e]
     return out
+
+
+def _grouped_mm_applies(a: torch.Tensor, b: torch.Tensor, *sizes: int) -> bool:
+    """Can torch's grouped GEMM take these operands: one dtype it supports on this device (CUDA: bf16 only),
+    and the given row sizes 16-byte aligned?"""
+    supported = (torch.bfloat16,) if a.is_cuda else (torch.float32, torch.bfloat16)
+    return (GROUPED_MM is not None and a.dtype == b.dtype and a.dtype in supported
+            and all((n * a.element_size()) % 16 == 0 for n in sizes))
+
+
+def expert_groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows, from the group ends `offsets` (one host sync)."""
+    ends = offsets.tolist()
+    return [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends)) if end > start]
 
 
 @torch.library.custom_op("blockpress::grouped_linear", mutates_args=())
@@ -178,16 +187,11 @@ def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
 
 def _grouped_weight_grad_eager(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
     """[E, out, in]: grad[rows of e].T @ x[rows of e] for every expert e (zeros for one without rows)."""
-    aligned = all((n * x.element_size()) % 16 == 0 for n in (grad.shape[1], x.shape[1]))
-    if aligned and grad.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16) and GROUPED_MM is not None \
-            and (x.dtype == torch.bfloat16 or not x.is_cuda):
+    if _grouped_mm_applies(grad, x, grad.shape[1], x.shape[1]):
         return GROUPED_MM(grad.t(), x, offs=offsets)
     out = x.new_zeros(experts, grad.shape[1], x.shape[1])
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[e] = grad[start:end].t() @ x[start:end]
-        start = end
+    for e, start, end in expert_groups(offsets):
+        out[e] = grad[start:end].t() @ x[start:end]
     return out
 
 

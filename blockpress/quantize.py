@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import DiffusionGemma, Experts, Router, _grouped_linear
+from .model import DiffusionGemma, Experts, Router, _grouped_linear, expert_groups
 
 SCHEMES = ("int8", "fp8", "int4")
 INT8_MAX = 127.0
@@ -36,7 +36,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 
-def _check_scheme(scheme: str) -> None:
+def check_scheme(scheme: str) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: unknown quantization {scheme!r}; expected one of {SCHEMES}")
 
@@ -46,7 +46,7 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, to
 
     Stacked weights (experts) go one matrix at a time, so the float32 temporaries are one expert's, not all
     of them (a layer of the 26B-A4B's experts is 2 GB in float32)."""
-    _check_scheme(scheme)
+    check_scheme(scheme)
     if weight.dim() > 2 and weight.device.type != "meta":
         parts = [quantize_weight(w, scheme) for w in weight]
         return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
@@ -152,17 +152,14 @@ class QuantizedExperts(Experts):
                 warnings.warn(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                               f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each", stacklevel=2)
         out = x.new_empty(x.shape[0], q.shape[1])
-        start = 0
-        for e, end in enumerate(offsets.tolist()):  # one host sync per layer; experts without rows cost nothing
-            if end > start:
-                out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], self.scheme)
-            start = end
+        for e, start, end in expert_groups(offsets):  # experts without rows cost nothing
+            out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], self.scheme)
         return out
 
 
 def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     """Quantize `model` in place (see the module docstring) and return it."""
-    _check_scheme(scheme)
+    check_scheme(scheme)
     if quantization_of(model) is not None:
         raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
     if scheme == "fp8" and not hasattr(torch, "_scaled_mm"):
