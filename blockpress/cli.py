@@ -130,7 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     view = LiveView(lm, args.prompt, prefix) if live else None
     t0 = time.perf_counter()
     out = None
-    for event in lm.stream(args.prompt, drafts=live, token_healing=healing, **sampling_kwargs(args)):
+    for event in lm.stream(args.prompt, drafts=live, token_healing=healing, stop=args.stop, **sampling_kwargs(args)):
         if isinstance(event, Draft) and view:
             view.draft(event.tokens[0].tolist())
         elif isinstance(event, Commit) and view:
@@ -394,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-token-healing", action="store_true",
                    help="keep the prompt's last token as typed (by default the model may re-choose it when a "
                         "longer token could have merged there, e.g. a trailing newline before indentation)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the completion where TEXT appears, leaving TEXT out (repeatable; e.g. "
+                        "--stop $'\\n\\n' for one paragraph or function)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, new_tokens, forward_passes, tokens_per_forward, tok_s")
     p.set_defaults(func=cmd_generate)

@@ -232,6 +232,8 @@ class Request:
     # each row's output must drop because the prompt already holds it.
     first_allowed: torch.Tensor | None = None
     heal_prefixes: list[str] | None = None
+    # Stop strings, one list per row: a row ends at the token that completes one of them (see `stop_rows`).
+    stops: list[list[str]] | None = None
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -349,6 +351,8 @@ def _output(
     texts = None
     if tokenizer is not None:
         texts = _heal_texts(req, tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]))
+        if req.stops:
+            texts = [cut_at_stop(t, stops) for t, stops in zip(texts, req.stops)]
     return GenerationOutput(
         sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
         prompt_length=req.prompt.shape[1],
@@ -368,6 +372,65 @@ def _heal_texts(req: Request, texts: list[str]) -> list[str]:
     if not req.heal_prefixes:
         return texts
     return [strip_prefix(t, p) for t, p in zip(texts, req.heal_prefixes)]
+
+
+def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
+    """`stop`: a string, a list of strings (every row), or one list of strings per row -> one list per row."""
+    if stop is None or stop == []:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        rows = [list(stop)] * batch
+    elif isinstance(stop, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in stop):
+        if len(stop) != batch:
+            raise ValueError(f"stop: expected one list of stop strings per row ({batch}), got {len(stop)}")
+        rows = [list(r) for r in stop]
+    else:
+        raise ValueError(f"stop: expected a string, a list of strings or one list per row, got {stop!r}")
+    if any(not isinstance(s, str) or not s for r in rows for s in r):
+        raise ValueError("stop: stop strings must be non-empty strings")
+    return rows if any(rows) else None
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` up to (not including) the earliest stop string it holds."""
+    cut = len(text)
+    for s in stops:
+        if s and s in text:
+            cut = min(cut, text.index(s))
+    return text[:cut]
+
+
+def _first_stop(tokenizer: Any, row: list[int], checked: int, prefix: str, stops: list[str]) -> int | None:
+    """The fewest tokens of `row` whose text holds a stop string (None: no stop yet). The first `checked`
+    tokens were searched before, so the answer lies after them; bisection, as a prefix that holds a stop
+    keeps holding it."""
+
+    def holds(m: int) -> bool:
+        text = strip_prefix(tokenizer.decode(row[:m]), prefix)
+        return any(s in text for s in stops)
+
+    if len(row) <= checked or not holds(len(row)):
+        return None
+    lo, hi = checked, len(row)  # holds(lo) is False, holds(hi) is True
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+    return hi
+
+
+def stop_rows(req: Request, tokenizer: Any, tokens: list[list[int] | None], checked: list[int]) -> dict[int, int]:
+    """Rows whose text now holds a stop string -> how many tokens they keep (through the one completing it).
+    `tokens`: each row's valid new tokens so far (None: skip the row); `checked`: see `_first_stop`."""
+    hits = {}
+    for r, row in enumerate(tokens):
+        if row is None or not req.stops or not req.stops[r]:
+            continue
+        m = _first_stop(tokenizer, row, checked[r], req.heal_prefixes[r] if req.heal_prefixes else "", req.stops[r])
+        if m is not None:
+            hits[r] = m
+    return hits
 
 
 def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -447,6 +510,8 @@ def run(
     positions = torch.arange(canvas_len, device=device)
     all_rows = torch.arange(b, device=device)
     first_banned = None if req.first_allowed is None else ~req.first_allowed.to(device)  # token healing
+    stopping = bool(req.stops) and tokenizer is not None and req.template is None
+    stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -502,14 +567,23 @@ def run(
                     w = w.shrink(working.nonzero()[:, 0], canvas_len)
         state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
         committed = state.argmax[:, :keep]
-        if req.template is None and req.eos_ids:
-            is_eos = torch.isin(committed, eos)
-            after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-            committed = committed.masked_fill(after_eos | finished[:, None], req.pad_id)
-            valid = ~(after_eos | finished[:, None])
-            finished = finished | is_eos.any(-1)
-        else:
-            valid = None
+        valid = None
+        if req.template is None and (req.eos_ids or stopping):
+            valid = (~finished)[:, None].repeat(1, keep)
+            ended_before = finished
+            if req.eos_ids:
+                is_eos = torch.isin(committed, eos)
+                valid = valid & ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
+                finished = finished | is_eos.any(-1)
+            if stopping:
+                finished = finished.clone()
+                counts, host, earlier = valid.sum(-1).tolist(), committed.tolist(), new_tokens[:, :lo].tolist()
+                rows = [None if ended_before[r] else earlier[r] + host[r][: counts[r]] for r in range(b)]
+                for r, m in stop_rows(req, tokenizer, rows, [lo] * b).items():
+                    valid[r, m - lo :] = False
+                    finished[r] = True
+                    stop_len[r] = m
+            committed = committed.masked_fill(~valid, req.pad_id)
         new_tokens[:, lo : lo + keep] = committed
         last = ci == n_canvases - 1 or bool(finished.all())
         if not last or keep_cache:
@@ -532,7 +606,8 @@ def run(
         if last:
             break
 
-    num_valid = _count_valid(new_tokens, eos) if req.template is None else torch.full((b,), n_new, device=device)
+    num_valid = (torch.minimum(_count_valid(new_tokens, eos), stop_len) if req.template is None
+                 else torch.full((b,), n_new, device=device))
     yield Done(_output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
                        cache if keep_cache else None, tokenizer))
 
@@ -562,6 +637,9 @@ def run_ar(
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     passes = torch.zeros(b, dtype=torch.long, device=device)
+    stopping = bool(req.stops) and tokenizer is not None
+    stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
+    stopped, checked = [False] * b, [0] * b
     t0 = time.perf_counter()
     with torch.no_grad():
         logits = model.encode(prompt, cache, attention_mask=req.attention_mask, logits="last")
@@ -583,7 +661,15 @@ def run_ar(
         passes += ~finished
         finished = finished | torch.isin(token, eos)
         # Checking for the end costs a host sync: do it every 8 tokens, not every token.
-        stop = i == n_new - 1 or (i % 8 == 7 and bool(finished.all()))
+        check = i == n_new - 1 or i % 8 == 7
+        if check and stopping:
+            counts, host = _count_valid(new_tokens[:, : i + 1], eos).tolist(), new_tokens[:, : i + 1].tolist()
+            hits = stop_rows(req, tokenizer, [None if stopped[r] else host[r][: counts[r]] for r in range(b)], checked)
+            checked = counts
+            for r, m in hits.items():
+                new_tokens[r, m:] = req.pad_id
+                finished[r], stop_len[r], stopped[r] = True, m, True
+        stop = i == n_new - 1 or (check and bool(finished.all()))
         if stop and not keep_cache:
             break
         with torch.no_grad():
@@ -592,6 +678,6 @@ def run_ar(
             break
     _sync(device)
     decode_s = time.perf_counter() - t1
-    num_valid = _count_valid(new_tokens, eos)
+    num_valid = torch.minimum(_count_valid(new_tokens, eos), stop_len)
     return _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
                    cache if keep_cache else None, tokenizer)

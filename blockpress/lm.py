@@ -20,6 +20,7 @@ from .generate import (
     Request,
     StepFunctions,
     left_pad,
+    normalize_stops,
     prompt_to_ids,
     run,
     run_ar,
@@ -250,6 +251,14 @@ class LM:
             req.first_allowed = allowed_first_tokens(self.tokenizer, req.heal_prefixes, v)
         return req
 
+    def _stops(self, stop: Any, req: Request) -> list[list[str]] | None:
+        stops = normalize_stops(stop, req.prompt.shape[0])
+        if stops and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a model with a tokenizer (to read the text)")
+        if stops and req.template is not None:
+            raise ValueError("stop: not with a template (a constrained canvas has a fixed length)")
+        return stops
+
     def stream(
         self,
         prompt: Any,
@@ -269,6 +278,7 @@ class LM:
         skip_stopped_rows: bool = True,
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         token_healing: bool = False,
+        stop: str | list[str] | list[list[str]] | None = None,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
@@ -280,6 +290,9 @@ class LM:
         `token_healing`: let the model re-choose each prompt's whitespace-only last token when a longer token
         could have merged there (a trailing newline before indentation, say; see healing.py for why punctuation
         is left alone); needs a tokenizer; texts start after the prompt.
+        `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
+        first holds one; its tokens end at the token that completes it, and its final text stops just before it
+        (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included.
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
@@ -290,6 +303,7 @@ class LM:
             req.row_seeds()  # validates the count now, not mid-generation
         req.skip_stopped_rows = bool(skip_stopped_rows)
         req.constraint = constraint
+        req.stops = self._stops(stop, req)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
@@ -327,12 +341,15 @@ class LM:
         cache: KVCache | None = None,
         return_cache: bool = False,
         token_healing: bool = False,
+        stop: str | list[str] | list[list[str]] | None = None,
     ) -> GenerationOutput:
-        """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline."""
+        """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
+        `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string)."""
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, {},
                             token_healing)
+        req.stops = self._stops(stop, req)
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

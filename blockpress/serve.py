@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .generate import Commit, Done, Draft
+from .generate import Commit, Done, Draft, cut_at_stop
 from .sampling import SamplerConfig
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
@@ -195,7 +195,7 @@ class Engine:
         stream = self.lm.stream(
             [j.prompt for j in batch], max_new_tokens=first.max_tokens, min_new_tokens=first.min_tokens,
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
-            token_healing=first.token_healing,
+            token_healing=first.token_healing, stop=[j.stop for j in batch],
         )
         for event in stream:
             if all(j.cancelled.is_set() for j in batch):
@@ -274,7 +274,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         except ValueError as exc:
             field_name = str(exc).split(":", 1)[0]
             raise APIError(400, str(exc), field_name) from None
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little")
         loop = asyncio.get_running_loop()
         return [Job(prompt, max_tokens, body.min_tokens, cfg, seed + i, stops, body.drafts, body.token_healing, loop,
@@ -384,14 +384,6 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         return PlainTextResponse(engine.metrics.render(engine.depth()))
 
     return app
-
-
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    cut = len(text)
-    for s in stops:
-        if s and s in text:
-            cut = min(cut, text.index(s))
-    return text[:cut]
 
 
 def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0) -> tuple[str, Any]:

@@ -31,6 +31,18 @@ def test_generate_json(capsys):
         assert key in data
 
 
+def test_generate_stop(capsys):
+    base = ["generate", "def f(x):", "--model", MODEL, "--max-new-tokens", "40", "--steps", "3", "--seed", "1",
+            "--json"]
+    assert main(base) == 0
+    whole = json.loads(capsys.readouterr().out)
+    stop = whole["text"][3:5]
+    assert main(base + ["--stop", stop, "--stop", "\x00never"]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["text"] == whole["text"][: whole["text"].index(stop)]
+    assert cut["new_tokens"] < whole["new_tokens"]
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr

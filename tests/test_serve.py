@@ -147,3 +147,18 @@ def test_token_healing_field(client, server):
                                   extra_body={"token_healing": True})
     direct = lm.generate("def f(x):\n", max_new_tokens=8, seeds=[5], token_healing=True)
     assert r.choices[0].text == direct.texts[0]
+
+
+def test_stop_ends_the_request_early_and_cuts_the_text(client):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=24, seed=7)
+    whole = client.completions.create(**kw)
+    text = whole.choices[0].text
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = client.completions.create(stop=[stop, "\x00never"], **kw)
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    # The engine ended the row at the stop: fewer tokens were generated, not merely hidden.
+    assert cut.usage.completion_tokens < whole.usage.completion_tokens
+    parts = [c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw)]
+    assert "".join(parts) == cut.choices[0].text
