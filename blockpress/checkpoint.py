@@ -113,6 +113,23 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or a torch.dtype, got {dtype!r}")
 
 
+def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype to compute in when the caller names none: the checkpoint's own, except half precision on a CPU
+    that only emulates it. Without AVX512-BF16 / AMX (an AVX2 CPU, say) bf16 matmuls take a scalar fallback:
+    measured 33x slower than float32 for a [1024, 256] x [256, 512] product on an AVX2 EPYC, and 8x slower
+    training steps. The float32 copy holds the same values; only the rounding of the arithmetic differs."""
+    return dtype if device.type != "cpu" or cpu_computes_natively(dtype) else torch.float32
+
+
+def cpu_computes_natively(dtype: torch.dtype) -> bool:
+    """Does this CPU have matmul instructions for `dtype` (oneDNN's check: AVX512-BF16 / AVX512-FP16 / AMX)?"""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -174,7 +191,7 @@ def load_model(
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
             tensor = f.tensor(name)
             if dtype is None and tensor.is_floating_point():
-                dtype = tensor.dtype
+                dtype = native_dtype(tensor.dtype, device)
             if f"{local}_scale" in expected:  # a quantized projection: quantize on the target device, then drop
                 from .quantize import quantize_weight
 

@@ -386,7 +386,9 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          quantize: str | None = None) -> LM:
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
-    quantizes each projection as it is read, so the full-precision weights are never all in memory."""
+    quantizes each projection as it is read, so the full-precision weights are never all in memory.
+    `dtype=None` keeps the checkpoint's dtype, except that bf16 / fp16 weights load as float32 on a CPU without
+    native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype)."""
     if quantize is not None:
         from .quantize import check_scheme
 

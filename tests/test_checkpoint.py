@@ -197,3 +197,17 @@ def test_truncated_safetensors_is_a_clear_error(ref_checkpoint, tmp_path):
     (path / "model.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(blockpress.CheckpointError, match="not a safetensors file"):
         load_quiet(path)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_half_precision_loads_as_float32_where_the_cpu_only_emulates_it(ref_checkpoint, tmp_path, monkeypatch, native):
+    from blockpress import checkpoint
+
+    lm16 = load_quiet(ref_checkpoint[0], dtype="bfloat16")
+    lm16.save(tmp_path / "m")
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: native)
+    lm = load_quiet(tmp_path / "m")
+    assert lm.dtype == (torch.bfloat16 if native else torch.float32)
+    # The same values either way: only the arithmetic's precision changes.
+    assert all(torch.equal(p.float(), q.float()) for p, q in zip(lm.model.parameters(), lm16.model.parameters()))
+    assert load_quiet(tmp_path / "m", dtype="bfloat16").dtype == torch.bfloat16  # an explicit dtype wins

@@ -241,3 +241,17 @@ def test_grouped_linear_op_gradients(width):
     assert _grouped_linear_eager(x, w, offsets).shape == (21, 2 * width)
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: torch.ops.blockpress.grouped_linear(a, b, offsets), (xd, wd))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cpu_autocast_warns_where_bf16_is_emulated(tmp_path, monkeypatch, native):
+    import warnings
+
+    import blockpress.train as train
+
+    monkeypatch.setattr(train, "cpu_computes_natively", lambda dtype: native)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, cpu_autocast=True),
+                tmp_path, progress=False)
+    assert any("cpu_autocast" in str(w.message) for w in caught) == (not native)
