@@ -100,13 +100,28 @@ def _best(repeats: int, fn, *args: Any) -> dict[str, Any]:
     return best
 
 
+def machine(device: str) -> dict[str, Any]:
+    """What the figures depend on beyond the settings: a CPU's vector ISA decides whether bf16 is native
+    (a bf16 matmul measured 33x slower than float32 on an AVX2-only CPU)."""
+    from .checkpoint import cpu_computes_natively
+
+    dev = torch.device(device)
+    info: dict[str, Any] = {"torch": torch.__version__, "device": str(dev), "threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+    else:
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["native_bf16"] = cpu_computes_natively(torch.bfloat16)
+    return info
+
+
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs."""
     if s.cuda_graphs and torch.device(s.device).type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, got device {s.device!r}")
     base = ModelConfig.preset(s.preset)
     canvases = s.canvas_lengths or [base.canvas_length]
-    out: dict[str, Any] = {"settings": asdict(s), "params": base.num_parameters(),
+    out: dict[str, Any] = {"settings": asdict(s), "machine": machine(s.device), "params": base.num_parameters(),
                            "active_params": base.num_parameters(active=True), "canvas": canvases[0], "rows": []}
     for canvas in canvases:
         cfg = ModelConfig.preset(s.preset)

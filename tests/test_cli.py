@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import blockpress
 from blockpress.cli import build_parser, main
@@ -109,6 +110,8 @@ def test_bench_json_and_plot(tmp_path, capsys):
                  "--repeats", "1", "--plot", str(tmp_path / "p.png"), "--out", str(tmp_path / "b.json")]) == 0
     data = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch"] for r in data["rows"]] == [1, 2]
+    assert data["machine"]["device"] == "cpu" and isinstance(data["machine"]["native_bf16"], bool)
+    assert data["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     for row in data["rows"]:
         for engine in ("blockpress", "blockpress_ar", "reference"):
             assert row[engine]["tok_s"] > 0 and row[engine]["new_tokens"] == 16 * row["batch"]
