@@ -228,6 +228,9 @@ class Request:
     # Optional rule over the canvas: (draft tokens [b, C], settled [b, C] bool) -> banned tokens [b, C, V] bool,
     # called once per step before sampling. A pure tensor function (no host sync); `b` is the rows still working.
     constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Optional transform of each step's logits: (logits [b, C, V], the working rows' batch indices [b]) -> logits
+    # of the same shape, before sampling. A pure tensor function, for rules that mix rows (ensembles of views).
+    logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # Token healing (see healing.py): per row, the tokens the first new token may be [B, V], and the text
     # each row's output must drop because the prompt already holds it.
     first_allowed: torch.Tensor | None = None
@@ -542,6 +545,12 @@ def run(
             steps_per_canvas[w.rows, ci] += active
             with torch.no_grad():
                 logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+                if req.logits_processor is not None:
+                    processed = req.logits_processor(logits, w.rows)
+                    if not isinstance(processed, torch.Tensor) or processed.shape != logits.shape:
+                        got = list(processed.shape) if isinstance(processed, torch.Tensor) else type(processed).__name__
+                        raise ValueError(f"logits_processor: expected logits of shape {list(logits.shape)}, got {got}")
+                    logits = processed
                 if ci == 0 and first_banned is not None:
                     logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
                 ban = banned

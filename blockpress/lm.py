@@ -277,6 +277,7 @@ class LM:
         seeds: list[int] | None = None,
         skip_stopped_rows: bool = True,
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         token_healing: bool = False,
         stop: str | list[str] | list[list[str]] | None = None,
         **sampler_options: Any,
@@ -287,6 +288,9 @@ class LM:
         `constraint(draft [b, C], settled [b, C]) -> banned [b, C, V]`: a rule applied every step before
         sampling, e.g. sudoku's "no digit twice in a unit" (`settled`: positions holding an accepted or fixed
         token; the rest of the draft is noise).
+        `logits_processor(logits [b, C, V], rows [b]) -> logits`: transforms every step's logits before
+        sampling; `rows` are the working rows' indices in the batch (all of them with skip_stopped_rows=False),
+        so it may combine rows, e.g. sudoku's ensemble of symmetric views (tasks/sudoku_model.py).
         `token_healing`: let the model re-choose each prompt's whitespace-only last token when a longer token
         could have merged there (a trailing newline before indentation, say; see healing.py for why punctuation
         is left alone); needs a tokenizer; texts start after the prompt.
@@ -296,6 +300,9 @@ class LM:
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
+        if logits_processor is not None and not callable(logits_processor):
+            raise ValueError("logits_processor: expected a function (logits, rows) -> logits, got "
+                             f"{type(logits_processor).__name__}")
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing)
         if seeds is not None:
@@ -303,6 +310,7 @@ class LM:
             req.row_seeds()  # validates the count now, not mid-generation
         req.skip_stopped_rows = bool(skip_stopped_rows)
         req.constraint = constraint
+        req.logits_processor = logits_processor
         req.stops = self._stops(stop, req)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)

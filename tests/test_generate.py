@@ -394,6 +394,36 @@ def test_bad_constraint_is_a_clear_error(lm, result, message):
         lm.generate([3, 4], max_new_tokens=8, constraint="rules")
 
 
+def test_logits_processor_sees_the_working_rows_and_its_logits_are_sampled(lm):
+    """The processor's output is what the sampler uses (here it favours a token per row); it is told which
+    batch rows it sees, every step."""
+    vocab = lm.config.text.vocab_size
+    seen = []
+
+    def favour(logits, rows):
+        seen.append(rows.clone())
+        out = torch.full_like(logits, -30.0)
+        out[torch.arange(len(rows)), :, 11 + rows] = 30.0  # row r writes token 11 + r
+        return out
+
+    out = lm.generate([[3, 4, 5]] * 3, max_new_tokens=lm.config.canvas_length, max_denoising_steps=4, seed=2,
+                      logits_processor=favour, skip_stopped_rows=False)
+    assert all(torch.equal(rows, torch.arange(3)) for rows in seen) and len(seen) >= 1
+    for r in range(3):
+        assert (out.new_tokens[r] == 11 + r).all() and 11 + r < vocab
+
+
+@pytest.mark.parametrize("result, message", [
+    (lambda x, rows: None, "expected logits of shape"),
+    (lambda x, rows: x[:, :1], "expected logits of shape"),
+])
+def test_bad_logits_processor_is_a_clear_error(lm, result, message):
+    with pytest.raises(ValueError, match=f"logits_processor: {message}"):
+        lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, logits_processor=result)
+    with pytest.raises(ValueError, match="logits_processor: expected a function"):
+        lm.generate([3, 4], max_new_tokens=8, logits_processor=3)
+
+
 @pytest.mark.parametrize("sampler", ["topk", "entropy_bound"])
 def test_absorbing_noise_feeds_the_noise_token_wherever_nothing_is_settled(lm, sampler):
     """noise_token_id: the canvas the decoder sees holds that token at every unsettled position, every step

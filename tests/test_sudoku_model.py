@@ -164,3 +164,53 @@ def test_shipped_model_solves_hard_puzzles_alone_and_with_rules():
     assert accuracy(alone) > 0.78 and accuracy(ruled) > 0.74
     # A solved grid is the unique solution, whichever way it was decoded.
     assert all(r.solution == t.solution for r, t in zip(alone + ruled, truth + truth) if r.valid)
+
+
+def _as_view(orig: torch.Tensor, view) -> torch.Tensor:
+    """Logits over the original board [81, V] as `view` shows them: cell i shows original cell view.cells[i],
+    and digit d is written view.digits[d]."""
+    from blockpress.tasks.sudoku import VOCAB
+
+    out = torch.empty_like(orig)
+    for t in range(orig.shape[1]):
+        d = VOCAB.id_to_digit(t)
+        out[:, VOCAB.digit_id(view.digits[int(d)]) if d is not None else t] = orig[list(view.cells), t]
+    return out
+
+
+@pytest.mark.parametrize("n, seed", [(1, 0), (3, 5), (8, 1)])
+def test_ensemble_of_views_is_equivariant(n, seed):
+    """Views whose logits are exact symmetric images of one board's agree already: pooling changes nothing
+    but the normalisation. Different boards in one batch never mix."""
+    views = sudoku_model.symmetric_views(n, seed)
+    assert views[0].cells == tuple(range(81)) and views[0].digits == "0123456789"
+    g = torch.Generator().manual_seed(seed)
+    boards = torch.randn(2, 81, 16, generator=g)
+    logits = torch.stack([_as_view(boards[b], v) for b in range(2) for v in views])
+    pooled = sudoku_model.ensemble_processor(views, 16)(logits, torch.arange(2 * n))
+    assert torch.allclose(pooled, torch.log_softmax(logits, -1), atol=1e-5)
+
+
+def test_ensemble_pools_disagreeing_views_in_the_original_frame():
+    """Two views that disagree: each ends up with the average of both, read in its own frame."""
+    views = sudoku_model.symmetric_views(2, 3)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(81, 16, generator=g), torch.randn(81, 16, generator=g)  # original-frame beliefs
+    logits = torch.stack([_as_view(a, views[0]), _as_view(b, views[1])])
+    pooled = sudoku_model.ensemble_processor(views, 16)(logits, torch.arange(2))
+    mean = (torch.log_softmax(a, -1) + torch.log_softmax(b, -1)) / 2
+    assert torch.allclose(pooled[0], _as_view(mean, views[0]), atol=1e-5)
+    assert torch.allclose(pooled[1], _as_view(mean, views[1]), atol=1e-5)
+
+
+def test_ensemble_solve_keeps_givens_and_reports_the_board_as_given(tiny_sudoku):
+    _, lm = tiny_sudoku
+    puzzles = [generate(40_000_000 + i, "medium").puzzle for i in range(2)]
+    boards = []
+    results = sudoku_model.solve(lm, puzzles, max_denoising_steps=3, ensemble=4,
+                                 on_draft=lambda step, b: boards.append(b))
+    for p, r in zip(puzzles, results):
+        assert all(pc == rc for pc, rc in zip(p, r.solution) if pc != "0")
+    assert all(len(b) == 2 for b in boards)  # drafts show the identity view of each puzzle only
+    with pytest.raises(ValueError, match="ensemble: expected a number of views"):
+        sudoku_model.solve(lm, puzzles, ensemble=0)

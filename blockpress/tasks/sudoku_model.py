@@ -4,11 +4,16 @@ By default the model alone decides every empty cell: no candidate filtering, no 
 decoder. `rules=True` is the rule-aware option, reported separately: each step, a cell may not take a digit
 that a settled peer (a given, or a cell accepted at the last step, in its row, column or box) already
 holds. It filters candidates only; there is still no search and no backtracking.
+`ensemble=N` is another option, also reported separately: the puzzle is denoised as N symmetric views at
+once (the identity and N - 1 relabelled, permuted boards, as in training), and every step each view samples
+from the views' averaged log-probabilities mapped into its own frame. No rules and no search: the model's
+answers, pooled over board symmetries it was trained to respect (test-time augmentation); N times the work.
 `solve_ar` decodes the same kind of model left to right (the autoregressive baseline).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +21,16 @@ from typing import Any
 import torch
 
 from ..generate import Commit, Done, Draft
-from .sudoku import VOCAB, check_puzzle, decode_digits, encode_prompt, parse_puzzle, verify
+from .sudoku import (
+    VOCAB,
+    Symmetry,
+    check_puzzle,
+    decode_digits,
+    encode_prompt,
+    parse_puzzle,
+    random_symmetry,
+    verify,
+)
 
 _DIGIT_IDS = torch.tensor([VOCAB.digit_id(str(d)) for d in range(1, 10)])
 
@@ -47,6 +61,42 @@ def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Cal
         return banned
 
     return constraint
+
+
+def symmetric_views(n: int, seed: int = 0) -> list[Symmetry]:
+    """The identity, then n - 1 seeded random symmetries of the board."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"ensemble: expected a number of views >= 1, got {n!r}")
+    rng = random.Random(seed)
+    return [Symmetry(tuple(range(81)), "0123456789")] + [random_symmetry(rng) for _ in range(n - 1)]
+
+
+def ensemble_processor(views: Sequence[Symmetry], vocab_size: int,
+                       device: torch.device | str = "cpu") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A logits_processor for a batch laid out as puzzle-major groups of len(views) rows (row p * V + v is view
+    v of puzzle p): each step, every view's log-probabilities are mapped back to the original board (cells and
+    digits), averaged over the views, and mapped into each view's frame again."""
+    v = len(views)
+    cells = torch.tensor([view.cells for view in views])  # view cell i shows original cell cells[v, i]
+    tokens = torch.arange(vocab_size).repeat(v, 1)  # original token t appears in view v as tokens[v, t]
+    for k, view in enumerate(views):
+        for d in range(10):
+            tokens[k, VOCAB.digit_id(str(d))] = VOCAB.digit_id(view.digits[d])
+    to_orig = (torch.arange(v)[:, None, None], torch.argsort(cells, dim=1)[:, :, None], tokens[:, None, :])
+    to_view = (cells[:, :, None], torch.argsort(tokens, dim=1)[:, None, :])
+    to_orig = tuple(t.to(device) for t in to_orig)
+    to_view = tuple(t.to(device) for t in to_view)
+
+    def process(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        n, c, vocab = logits.shape
+        if n % v or c != 81 or vocab != vocab_size:
+            raise ValueError(f"ensemble: expected groups of {v} views of 81 cells over {vocab_size} tokens, "
+                             f"got logits {list(logits.shape)}")
+        grouped = logits.view(n // v, v, c, vocab)
+        pooled = torch.log_softmax(grouped[:, to_orig[0], to_orig[1], to_orig[2]].float(), dim=-1).mean(dim=1)
+        return pooled[:, to_view[0], to_view[1]].reshape(n, c, vocab).to(logits.dtype)
+
+    return process
 
 
 @dataclass
@@ -81,30 +131,38 @@ def solve(
     on_draft: Callable[[int, list[str]], None] | None = None,
     skip_stopped_rows: bool = True,
     rules: bool = False,
+    ensemble: int = 1,
     **sampler_options: Any,
 ) -> list[ModelSolution]:
     """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle.
 
     `rules`: the rule-aware option (see the module docstring); off, the model alone decides.
+    `ensemble`: denoise each puzzle as this many symmetric views with pooled predictions (module docstring).
     `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
     puzzles = prepare(puzzles)
-    prompts = [encode_prompt(p) for p in puzzles]
-    template = [_template(p) for p in puzzles]
+    views = symmetric_views(ensemble, seed)
+    boards = [view.apply(p) for p in puzzles for view in views]  # puzzle-major: row p * V + v
+    processor = None
+    if ensemble > 1:
+        processor = ensemble_processor(views, lm.config.text.vocab_size, lm.device)
+        skip_stopped_rows = False  # the processor pools whole groups of views
     out = None
-    for event in lm.stream(prompts, template=template, max_denoising_steps=max_denoising_steps, sampler=sampler,
-                           seed=seed, drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows,
+    for event in lm.stream([encode_prompt(b) for b in boards], template=[_template(b) for b in boards],
+                           max_denoising_steps=max_denoising_steps, sampler=sampler, seed=seed,
+                           drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows,
                            constraint=rules_constraint(lm.config.text.vocab_size, lm.device) if rules else None,
-                           **sampler_options):
+                           logits_processor=processor, **sampler_options):
         if isinstance(event, Draft) and on_draft is not None:
-            on_draft(event.step, [decode_digits(row) for row in event.tokens.tolist()])
+            on_draft(event.step, [decode_digits(row) for row in event.tokens[:: len(views)].tolist()])
         elif isinstance(event, Done):
             out = event.output
         elif isinstance(event, Commit):
             pass
     results = []
     for i, p in enumerate(puzzles):
-        grid = decode_digits(out.new_tokens[i].tolist())
-        results.append(ModelSolution(p, grid, verify(p, grid).valid, int(out.steps_per_canvas[i].sum())))
+        row = i * len(views)  # the identity view: the board as given
+        grid = decode_digits(out.new_tokens[row].tolist())
+        results.append(ModelSolution(p, grid, verify(p, grid).valid, int(out.steps_per_canvas[row].sum())))
     return results
 
 
