@@ -3,7 +3,8 @@
 Test puzzles are generated from seeds starting at 10,000,000 (training uses seeds below the puzzle
 count), so none was trained on. Prints JSON: exact-solve rate, cell accuracy on the empty cells, mean
 denoising steps and puzzles/s for each engine and difficulty. The model alone decides (no rules);
-`--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry.
+`--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry;
+`--ensemble N` adds N pooled symmetric views (no rules, no search) as `diffusion_ensemble`.
 
     python benchmarks/sudoku.py --model blockpress-sudoku --per-difficulty 50 --rules
 
@@ -53,6 +54,8 @@ def main() -> None:
                     help="also decode with the rule-aware option (reported separately as diffusion_rules)")
     ap.add_argument("--compare-skip", action="store_true",
                     help="also decode with stopped puzzles kept in the batch (skip_stopped_rows=False)")
+    ap.add_argument("--ensemble", type=int, default=0,
+                    help="also decode each puzzle as N pooled symmetric views (reported separately as diffusion_ensemble)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
@@ -69,6 +72,8 @@ def main() -> None:
                              lm, b, args.steps, args.sampler, skip_stopped_rows=False)) if args.compare_skip else None),
                          ("diffusion_rules", (lambda b: sudoku_model.solve(
                              lm, b, args.steps, args.sampler, rules=True)) if args.rules else None),
+                         ("diffusion_ensemble", (lambda b: sudoku_model.solve(
+                             lm, b, args.steps, args.sampler, ensemble=args.ensemble)) if args.ensemble > 1 else None),
                          ("ar", (lambda b: sudoku_model.solve_ar(ar, b)) if ar else None)):
             if fn is None:
                 continue

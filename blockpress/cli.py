@@ -334,7 +334,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                                 on_draft=on_draft, rules=args.rules, rank_by=args.rank_by)
+                                 on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble)
     seconds = time.perf_counter() - t0
     for r in results:
         if args.json:
@@ -463,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rules", action="store_true",
                    help="rule-aware decoding: each step, a cell may not take a digit that a settled cell in its row, "
                         "column or box holds (candidate filtering only, no search)")
+    p.add_argument("--ensemble", type=int, default=1, metavar="N",
+                   help="denoise each puzzle as N symmetric views of the board (relabelled digits, permuted rows "
+                        "and columns) that pool their predictions every step; no rules, no search; N times the work")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per puzzle: puzzle, solution, valid, steps")
     p.set_defaults(func=cmd_sudoku)

@@ -214,3 +214,12 @@ def test_ensemble_solve_keeps_givens_and_reports_the_board_as_given(tiny_sudoku)
     assert all(len(b) == 2 for b in boards)  # drafts show the identity view of each puzzle only
     with pytest.raises(ValueError, match="ensemble: expected a number of views"):
         sudoku_model.solve(lm, puzzles, ensemble=0)
+
+
+def test_cli_ensemble(tiny_sudoku, capsys):
+    path, lm = tiny_sudoku
+    p = generate(2, "medium").puzzle
+    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "2", "--seed", "4", "--ensemble", "3"]) == 0
+    row = json.loads(capsys.readouterr().out.strip())
+    direct = sudoku_model.solve(blockpress.load(path), [p], max_denoising_steps=2, seed=4, ensemble=3)[0]
+    assert row["solution"] == direct.solution and row["steps"] == direct.steps
