@@ -513,8 +513,9 @@ def run(
     positions = torch.arange(canvas_len, device=device)
     all_rows = torch.arange(b, device=device)
     first_banned = None if req.first_allowed is None else ~req.first_allowed.to(device)  # token healing
-    stopping = bool(req.stops) and tokenizer is not None and req.template is None
+    stopping = bool(req.stops) and tokenizer is not None  # a template never has stops (LM._stops refuses)
     stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
+    stopped = [False] * b  # rows ended by a stop string (the server's finish_reason)
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -590,8 +591,7 @@ def run(
                 rows = [None if ended_before[r] else earlier[r] + host[r][: counts[r]] for r in range(b)]
                 for r, m in stop_rows(req, tokenizer, rows, [lo] * b).items():
                     valid[r, m - lo :] = False
-                    finished[r] = True
-                    stop_len[r] = m
+                    finished[r], stop_len[r], stopped[r] = True, m, True
             committed = committed.masked_fill(~valid, req.pad_id)
         new_tokens[:, lo : lo + keep] = committed
         last = ci == n_canvases - 1 or bool(finished.all())
@@ -617,8 +617,10 @@ def run(
 
     num_valid = (torch.minimum(_count_valid(new_tokens, eos), stop_len) if req.template is None
                  else torch.full((b,), n_new, device=device))
-    yield Done(_output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
-                       cache if keep_cache else None, tokenizer))
+    out = _output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
+                  cache if keep_cache else None, tokenizer)
+    out.extra["stopped"] = stopped
+    yield Done(out)
 
 
 def run_ar(
@@ -688,5 +690,7 @@ def run_ar(
     _sync(device)
     decode_s = time.perf_counter() - t1
     num_valid = torch.minimum(_count_valid(new_tokens, eos), stop_len)
-    return _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
-                   cache if keep_cache else None, tokenizer)
+    out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
+                  cache if keep_cache else None, tokenizer)
+    out.extra["stopped"] = stopped
+    return out

@@ -213,7 +213,8 @@ class Engine:
                 out = event.output
                 for i, job in enumerate(batch):
                     n = int(out.num_new_tokens[i])
-                    ended = n < first.max_tokens or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids())
+                    ended = (n < first.max_tokens or out.extra["stopped"][i]
+                             or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
                     self.metrics.add(completion_tokens_total=n, prompt_tokens_total=len(job.prompt),
                                      forward_passes_total=int(out.forward_passes[i]))
                     self.metrics.observe(time.perf_counter() - job.created)
@@ -320,9 +321,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                              "model": body.model, "choices": [choice(i, piece, None, True)]}
                                     yield f"data: {json.dumps(chunk)}\n\n"
                                 continue
-                            _, text, n, passes, finish = item
-                            if cut_at_stop(text, job.stop) != text:
-                                finish = "stop"
+                            finish = item[4]  # the engine ended stopped rows and cut their text
                             chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
                                      "choices": [choice(i, None if kind == "chat" else "", finish, True)]}
                             yield f"data: {json.dumps(chunk)}\n\n"
@@ -342,9 +341,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
                 if item[0] == "done":
                     break
-            _, text, n, p, finish = item
-            cut = cut_at_stop(text, job.stop)
-            choices.append(choice(i, cut, "stop" if cut != text else finish, False))
+            _, text, n, p, finish = item  # the engine ended stopped rows and cut their text
+            choices.append(choice(i, text, finish, False))
             completion += n
             passes += p
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

@@ -108,3 +108,12 @@ def test_normalize_stops_shapes():
     assert normalize_stops(None, 2) is None and normalize_stops([], 3) is None
     assert normalize_stops("x", 2) == [["x"], ["x"]]
     assert normalize_stops([["a"], ["b", "c"]], 2) == [["a"], ["b", "c"]]
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_outputs_say_which_rows_a_stop_string_ended(lm, full, engine):
+    """Even a stop completed by the very last token counts (the server's finish_reason "stop")."""
+    text = full[engine][0].texts[0]
+    out = run(lm, engine, PROMPTS[0], stop=[text[-3:], "\x00never"])
+    assert out.extra["stopped"] == [True]
+    assert run(lm, engine, PROMPTS[0], stop="\x00never").extra["stopped"] == [False]
