@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import cpu_computes_natively
 from .config import ModelConfig
 from .lm import LM, random_model
 
@@ -103,8 +104,6 @@ def _best(repeats: int, fn, *args: Any) -> dict[str, Any]:
 def machine(device: str) -> dict[str, Any]:
     """What the figures depend on beyond the settings: a CPU's vector ISA decides whether bf16 is native
     (a bf16 matmul measured 33x slower than float32 on an AVX2-only CPU)."""
-    from .checkpoint import cpu_computes_natively
-
     dev = torch.device(device)
     info: dict[str, Any] = {"torch": torch.__version__, "device": str(dev), "threads": torch.get_num_threads()}
     if dev.type == "cuda":
