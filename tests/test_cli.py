@@ -191,3 +191,19 @@ def test_shipped_code_model_has_learned_held_out_python():
     assert sum(completion_parses(f, text) for f, text in zip(funcs, out.texts)) >= CODE_AR_PARSE_MIN
     out = lm.generate(prompts, max_new_tokens=48, seed=0)  # block diffusion, the checkpoint's own decoding
     assert sum(completion_parses(f, text) for f, text in zip(funcs, out.texts)) >= CODE_DIFFUSION_PARSE_MIN
+
+
+def test_bench_engines_take_turns_and_keep_their_fastest_run():
+    from blockpress.bench import _best_interleaved
+
+    calls, times = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+
+    def engine(name):
+        def run():
+            calls.append(name)
+            return {"seconds": next(times[name]), "name": name}
+        return run
+
+    best = _best_interleaved(3, {"a": engine("a"), "b": engine("b")})
+    assert calls == ["a", "b"] * 3
+    assert best == {"a": {"seconds": 1.0, "name": "a"}, "b": {"seconds": 4.0, "name": "b"}}
