@@ -13,6 +13,7 @@ import argparse
 import json
 import random
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,17 +53,20 @@ def to_example(puzzle: str, solution: str) -> Example:
     return Example(encode_prompt(puzzle), encode_solution(solution), ends=False)
 
 
-def _generate(seed: int) -> Puzzle:
-    return generate(seed, DIFFICULTIES[seed % 3])
+def _generate(seed: int, levels: tuple[str, ...] = DIFFICULTIES) -> Puzzle:
+    return generate(seed, levels[seed % len(levels)])
 
 
-def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1) -> list[Puzzle]:
-    """Puzzles seed0..seed0+n-1, a third of each difficulty; cached as JSON lines. A cache that holds the first
-    puzzles is extended, so a bigger run reuses a smaller one's work."""
+def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1,
+                 levels: tuple[str, ...] = DIFFICULTIES) -> list[Puzzle]:
+    """Puzzles seed0..seed0+n-1, the `levels` in turn (by default a third of each difficulty); cached as JSON
+    lines. A cache that holds the first puzzles of the same levels is extended, so a bigger run reuses a smaller
+    one's work."""
     have: list[Puzzle] = []
     if cache is not None and cache.exists():
         rows = [json.loads(line) for line in cache.read_text().splitlines()]
-        if rows and rows[0]["seed"] == seed0:
+        if rows and rows[0]["seed"] == seed0 and all(r["difficulty"] == levels[i % len(levels)]
+                                                     for i, r in enumerate(rows[: len(levels)])):
             have = [Puzzle(**row) for row in rows[:n]]
     if len(have) >= n:
         return have
@@ -71,9 +75,9 @@ def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1
         import multiprocessing
 
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            new = pool.map(_generate, seeds, chunksize=256)
+            new = pool.map(partial(_generate, levels=levels), seeds, chunksize=256)
     else:
-        new = [_generate(s) for s in seeds]
+        new = [_generate(s, levels) for s in seeds]
     out = have + new
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +112,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--puzzles", type=int, default=20000)
+    ap.add_argument("--levels", default=",".join(DIFFICULTIES),
+                    help="difficulties to train on, comma-separated, taken in turn (e.g. medium,hard once easy "
+                    "puzzles are solved: no compute spent on them)")
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--minutes", type=float, default=0.0)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -141,7 +148,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers)
+    levels = tuple(args.levels.split(","))
+    if not levels or any(level not in DIFFICULTIES for level in levels):
+        ap.error(f"--levels: expected a comma-separated subset of {','.join(DIFFICULTIES)}, got {args.levels!r}")
+    base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers, levels)
     if args.only_puzzles:
         print(json.dumps({"puzzles": len(base), "seconds": round(time.perf_counter() - t0, 1)}))
         return
@@ -166,7 +176,7 @@ def main() -> None:
         trainer.resume()
     result = trainer.train()
     summary = {"ar": args.ar, "init_from": args.init_from, "noise": args.noise, "aux_ar_weight": cfg.aux_ar_weight,
-               "puzzles": args.puzzles, "augment": not args.no_augment,
+               "puzzles": args.puzzles, "levels": list(levels), "augment": not args.no_augment,
                "batch_size": args.batch_size, "lr": args.lr, "puzzle_generation_s": round(gen_s, 1), "steps": result.steps,
                "params": lm.num_parameters(active=False), "device": args.device, "first_loss": result.losses[0],
                "last_loss": result.losses[-1], "eval": result.eval_losses,

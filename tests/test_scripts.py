@@ -68,6 +68,22 @@ def test_train_sudoku_gpu_flags_smoke(tmp_path):
     assert trained.config.text.num_hidden_layers == 2 and trained.config.text.hidden_size == 64
 
 
+def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_path):
+    cache = tmp_path / "puzzles.jsonl"
+    script = str(ROOT / "scripts" / "train_sudoku.py")
+    run = [sys.executable, script, "--out", str(tmp_path / "x"), "--puzzles", "4", "--puzzle-cache", str(cache),
+           "--only-puzzles"]
+    assert subprocess.run(run, capture_output=True, text=True, timeout=300).returncode == 0
+    r = subprocess.run([*run, "--levels", "medium,hard"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in cache.read_text().splitlines()]
+    # The all-levels cache is not reused for another mix: the puzzles are generated again, medium and hard in turn.
+    assert [x["difficulty"] for x in rows] == ["medium", "hard", "medium", "hard"]
+    assert all(x["givens"] < 40 for x in rows)
+    r = subprocess.run([*run, "--levels", "medium,expert"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--levels" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_tune_code_sampler_smoke():
     import blockpress
 
