@@ -145,9 +145,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             enable()
             for row in out["rows"][-len(s.batch_sizes):]:
                 prompt = _prompt(cfg, row["batch"], s)
-                engines = {f"blockpress_{name}": partial(_diffusion, lm, prompt, s)}
-                if s.ar:
-                    engines[f"blockpress_ar_{name}"] = partial(_ar, lm, prompt, s)
+                engines = _blockpress_engines(lm, prompt, s, suffix=f"_{name}")
                 for fn in engines.values():
                     fn()  # the first run compiles or captures: not timed
                 row.update(_best_interleaved(s.repeats, engines))
@@ -166,13 +164,20 @@ def _prompt(cfg: ModelConfig, batch: int, s: BenchSettings) -> torch.Tensor:
     return torch.randint(3, cfg.text.vocab_size, (batch, s.prompt_length), generator=g)
 
 
+def _blockpress_engines(lm: LM, prompt: torch.Tensor, s: BenchSettings,
+                        suffix: str = "") -> dict[str, Callable[[], dict[str, Any]]]:
+    """blockpress diffusion, and AR unless switched off, as named zero-argument runs (names end in `suffix`)."""
+    engines = {f"blockpress{suffix}": partial(_diffusion, lm, prompt, s)}
+    if s.ar:
+        engines[f"blockpress_ar{suffix}"] = partial(_ar, lm, prompt, s)
+    return engines
+
+
 def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
     device = lm.device
     prompt = _prompt(lm.config, b, s)
     row: dict[str, Any] = {"batch": b, "canvas": lm.config.canvas_length}
-    engines = {"blockpress": partial(_diffusion, lm, prompt, s)}
-    if s.ar:
-        engines["blockpress_ar"] = partial(_ar, lm, prompt, s)
+    engines = _blockpress_engines(lm, prompt, s)
     if ref is not None:
         engines["reference"] = partial(_reference_run, ref, prompt, s, device)
     row.update(_best_interleaved(s.repeats, engines))

@@ -149,7 +149,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     levels = tuple(args.levels.split(","))
-    if not levels or any(level not in DIFFICULTIES for level in levels):
+    if any(level not in DIFFICULTIES for level in levels):
         ap.error(f"--levels: expected a comma-separated subset of {','.join(DIFFICULTIES)}, got {args.levels!r}")
     base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers, levels)
     if args.only_puzzles:
