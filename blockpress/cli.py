@@ -62,9 +62,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
     g.add_argument("--entropy-bound", type=float, default=None, help="entropy_bound sampler's bound")
-    g.add_argument("--rank-by", choices=["entropy", "margin"], default=None,
-                   help="topk sampler: accept the lowest-entropy positions first, or those with the widest gap "
-                        "between their two most likely tokens")
+    g.add_argument("--rank-by", choices=["entropy", "margin", "position"], default=None,
+                   help="the order positions are accepted in (topk, entropy_bound, greedy): lowest entropy first, "
+                        "widest gap between the two most likely tokens first, or left to right")
     g.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
     g.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
-RANKINGS = ("entropy", "margin")
+RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
 
 
@@ -37,9 +37,12 @@ class SamplerConfig:
     stability_threshold: int = 1
     confidence_threshold: float = 0.005
     adaptive_stopping: bool = True  # False: always run max_denoising_steps (benchmarks)
-    # `topk` sampler: which positions count as most certain. "entropy": lowest entropy. "margin": largest gap
-    # between the two most likely tokens, which puts a near tie between two candidates last however peaked
-    # it is (on sudoku, a cell with two possible digits).
+    # The order in which positions are accepted. "entropy": lowest entropy first. "margin": largest gap between
+    # the two most likely tokens first, which puts a near tie between two candidates last however peaked it is
+    # (on sudoku, a cell with two possible digits). "position": left to right, so a step accepts the leftmost
+    # open position and as many open ones after it as the rule allows, never one past a gap; text then grows
+    # in order while still taking several tokens a step where the model is sure.
+    # topk takes its count in this order; entropy_bound and greedy add entropies up in it.
     rank_by: str = "entropy"
     # "sample": a candidate is drawn from the tempered softmax (the reference). "argmax": the most likely token
     # (the `greedy` sampler always uses it), while the temperature still shapes ranking and self-conditioning.
@@ -143,11 +146,16 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def accept_entropy_bound(ent: torch.Tensor, bound: float) -> torch.Tensor:
-    """Accept the lowest-entropy positions while sum(entropies) - max(entropies) <= bound."""
-    sorted_ent, order = torch.sort(ent, dim=-1)
-    keep_sorted = (torch.cumsum(sorted_ent, dim=-1) - sorted_ent) <= bound
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+def accept_entropy_bound(ent: torch.Tensor, bound: float, rank: torch.Tensor | None = None) -> torch.Tensor:
+    """Accept positions in order of `rank` (default: the entropies themselves, lowest first) while the
+    entropies taken so far, less the last one, sum to <= bound: the first in order is always accepted."""
+    if rank is None:
+        ordered, order = torch.sort(ent, dim=-1)
+    else:  # stable, so equal keys (the decided positions) keep their left-to-right order
+        order = torch.argsort(rank, dim=-1, stable=True)
+        ordered = ent.gather(-1, order)
+    keep_ordered = (torch.cumsum(ordered, dim=-1) - ordered) <= bound
+    return torch.zeros_like(keep_ordered).scatter(-1, order, keep_ordered)
 
 
 def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tensor) -> torch.Tensor:
@@ -167,6 +175,15 @@ def top2_margin(probs: torch.Tensor) -> torch.Tensor:
     """p(most likely token) - p(second most likely) per position, in [0, 1]."""
     top2 = probs.topk(2, dim=-1).values
     return top2[..., 0] - top2[..., 1]
+
+
+def _uncertainty(rank_by: str, ent: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """[B, C] sort key, lowest accepted first: entropy, 1 - top-2 margin, or the position itself."""
+    if rank_by == "entropy":
+        return ent
+    if rank_by == "margin":
+        return 1.0 - top2_margin(probs)
+    return torch.arange(ent.shape[-1], device=ent.device, dtype=ent.dtype).expand_as(ent)
 
 
 def topk_count(cfg: SamplerConfig, step: int, free_positions: int | torch.Tensor) -> int | torch.Tensor:
@@ -292,14 +309,16 @@ def denoise_step(
         candidates = torch.where(kept, state.canvas, draws)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
-        accept = accept_entropy_bound(ent_open, cfg.entropy_bound)
+        # Decided positions rank first (-1) and add no entropy, so they never use up the bound.
+        rank = None if cfg.rank_by == "entropy" else torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs))
+        accept = accept_entropy_bound(ent_open, cfg.entropy_bound, rank)
     elif cfg.sampler == "confidence":
         accept = accept_confidence(probs.amax(dim=-1), cfg.confidence, free & ~kept)
     else:  # topk
         # The ramp runs over each row's free positions; decided ones sort first (-1) and are always in.
-        uncertainty = ent if cfg.rank_by == "entropy" else 1.0 - top2_margin(probs)
         n_free = free.sum(-1, keepdim=True)
-        accept = accept_topk(torch.where(held, -1.0, uncertainty), topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
+        accept = accept_topk(torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs)),
+                             topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
     accept = accept | kept  # a kept token stays whatever the rule says
 
     canvas = torch.where(accept, candidates, noise)

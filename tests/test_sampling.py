@@ -188,6 +188,37 @@ def test_keep_accepted_never_changes_an_accepted_token(seed, steps, sampler, can
     assert (state.canvas[state.settled] != noise_id).all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.integers(2, 8), sampler=st.sampled_from(["greedy", "entropy_bound", "topk"]),
+       bound=st.floats(0.01, 3.0), keep=st.booleans())
+def test_position_order_accepts_a_left_to_right_run(seed, steps, sampler, bound, keep):
+    """rank_by="position": at every step the free positions accepted so far are a prefix of the row's free
+    positions (givens may sit anywhere), the step takes at least one more while any are left, and under the
+    entropy rule it takes exactly those whose entropies to their left, in order, sum to <= bound."""
+    g = torch.Generator().manual_seed(seed)
+    c, vocab = 14, 9
+    fixed = torch.randint(0, vocab, (2, c), generator=g)
+    fixed[:, torch.randperm(c, generator=g)[:10]] = -1
+    free = fixed < 0
+    cfg = SamplerConfig(sampler=sampler, max_denoising_steps=steps, rank_by="position", entropy_bound=bound,
+                        keep_accepted=True, self_conditioning=keep, adaptive_stopping=False)
+    state = init_state(torch.zeros(2, c, dtype=torch.long), fixed)
+    for step in range(steps, 0, -1):
+        raw = torch.randn(2, c, vocab, generator=g) * 3
+        before = state.settled & free
+        state = denoise_step(cfg, state, raw, step, torch.zeros(2, c, dtype=torch.long), fixed=fixed)
+        ent = entropy(raw / temperature(cfg, step))
+        for row in range(2):
+            took = (state.settled & free)[row][free[row]].tolist()  # free positions only, left to right
+            n = sum(took)
+            assert took == [True] * n + [False] * (len(took) - n)
+            assert n > int(before[row].sum()) or n == len(took)
+            if sampler != "topk":
+                open_ent = ent[row][free[row] & ~before[row]].tolist()
+                expect = sum(1 for k in range(len(open_ent)) if sum(open_ent[:k]) <= bound)
+                assert n - int(before[row].sum()) == expect
+
+
 def test_argmax_candidates_with_sampling_temperature():
     """candidates="argmax": every accepted token is the most likely one, whatever the uniforms draw."""
     g = torch.Generator().manual_seed(0)
