@@ -65,6 +65,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rank-by", choices=["entropy", "margin", "position"], default=None,
                    help="the order positions are accepted in (topk, entropy_bound, greedy): lowest entropy first, "
                         "widest gap between the two most likely tokens first, or left to right")
+    g.add_argument("--presence-penalty", type=float, default=None,
+                   help="OpenAI's: lower a token's logit once it appears in the new text (-2 to 2)")
+    g.add_argument("--frequency-penalty", type=float, default=None,
+                   help="OpenAI's: lower a token's logit for each time it appears in the new text (-2 to 2)")
     g.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
     g.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
@@ -73,7 +77,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                 max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by)
+                entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 class LiveView:

@@ -24,6 +24,7 @@ from .sampling import (
     hashed_uniforms,
     init_state,
     noise_tokens,
+    penalize_repeats,
     put_rows,
     sample,
     take_rows,
@@ -516,6 +517,8 @@ def run(
     stopping = bool(req.stops) and tokenizer is not None  # a template never has stops (LM._stops refuses)
     stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
     stopped = [False] * b  # rows ended by a stop string (the server's finish_reason)
+    penalized = bool(cfg.presence_penalty or cfg.frequency_penalty)
+    history = torch.zeros(b, vocab, device=device) if penalized else None  # committed new tokens, counted per row
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -552,6 +555,8 @@ def run(
                         got = list(processed.shape) if isinstance(processed, torch.Tensor) else type(processed).__name__
                         raise ValueError(f"logits_processor: expected logits of shape {list(logits.shape)}, got {got}")
                     logits = processed
+                if penalized:
+                    logits = penalize_repeats(cfg, logits, history[w.rows], w.state.canvas, w.state.settled & w.scored)
                 if ci == 0 and first_banned is not None:
                     logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
                 ban = banned
@@ -594,6 +599,9 @@ def run(
                     finished[r], stop_len[r], stopped[r] = True, m, True
             committed = committed.masked_fill(~valid, req.pad_id)
         new_tokens[:, lo : lo + keep] = committed
+        if penalized:
+            history.scatter_add_(1, committed, torch.ones_like(committed, dtype=history.dtype) if valid is None
+                                 else valid.to(history.dtype))
         last = ci == n_canvases - 1 or bool(finished.all())
         if not last or keep_cache:
             enc, enc_mask = committed, valid
@@ -651,6 +659,9 @@ def run_ar(
     stopping = bool(req.stops) and tokenizer is not None
     stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
     stopped, checked = [False] * b, [0] * b
+    cfg = req.sampler
+    penalized = bool(cfg.presence_penalty or cfg.frequency_penalty)
+    history = torch.zeros(b, model.config.text.vocab_size, device=device) if penalized else None
     t0 = time.perf_counter()
     with torch.no_grad():
         logits = model.encode(prompt, cache, attention_mask=req.attention_mask, logits="last")
@@ -662,6 +673,8 @@ def run_ar(
             logits[:, eos] = float("-inf")
         if i == 0 and req.first_allowed is not None:
             logits = logits.masked_fill(~req.first_allowed.to(device), float("-inf"))
+        if penalized:
+            logits = penalize_repeats(cfg, logits, history)
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             token = sample(probs, hashed_uniforms(row_seed, 0, i, 1)[:, 0])
@@ -669,6 +682,8 @@ def run_ar(
             token = logits.argmax(-1)
         token = token.masked_fill(finished, req.pad_id)
         new_tokens[:, i] = token
+        if penalized:
+            history.scatter_add_(1, token[:, None], (~finished).to(history.dtype)[:, None])
         passes += ~finished
         finished = finished | torch.isin(token, eos)
         # Checking for the end costs a host sync: do it every 8 tokens, not every token.

@@ -323,7 +323,8 @@ class LM:
         cache (continue a conversation), return_cache, seeds (one per row), skip_stopped_rows (default
         True: a row that has stopped leaves the batch until the next canvas), constraint (a per-step rule, see
         `stream`), token_healing (see `stream`), and sampler settings (entropy_bound, confidence,
-        t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping).
+        t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping, presence_penalty,
+        frequency_penalty: any field of SamplerConfig).
         """
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
             if isinstance(event, Done):
@@ -350,12 +351,16 @@ class LM:
         return_cache: bool = False,
         token_healing: bool = False,
         stop: str | list[str] | list[list[str]] | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
-        `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string)."""
+        `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
+        `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's)."""
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
-        req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, {},
+        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
                             token_healing)
         req.stops = self._stops(stop, req)
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,

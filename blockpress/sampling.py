@@ -57,6 +57,12 @@ class SamplerConfig:
     # None: noise is uniform random tokens (DiffusionGemma's recipe). An id: noise is that one token, for
     # models trained with absorbing ("masked") noise (TrainConfig.noise_token_id); it must match training.
     noise_token_id: int | None = None
+    # OpenAI's penalties against repeating the text so far: a token's logit drops by presence_penalty once it
+    # appears, and by frequency_penalty for each time it appears. The text so far is this generation's
+    # committed tokens plus, for each canvas position, the other positions' settled tokens (the prompt does
+    # not count, as in OpenAI and vLLM). Applied before the temperature, in [-2, 2] like OpenAI's.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, name: str, msg: str) -> None:
@@ -79,6 +85,9 @@ class SamplerConfig:
         need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
              f"expected an integer >= 0, got {self.stability_threshold!r}")
         need(self.confidence_threshold > 0, "confidence_threshold", f"expected > 0, got {self.confidence_threshold}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and -2.0 <= value <= 2.0, name, f"expected a number in [-2, 2], got {value!r}")
         need(self.noise_token_id is None or (isinstance(self.noise_token_id, int) and self.noise_token_id >= 0),
              "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
 
@@ -97,7 +106,7 @@ class SamplerConfig:
         defaults (the reference ignores keys it does not know)."""
         default = SamplerConfig()
         ours = ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates", "keep_accepted",
-                "self_conditioning")
+                "self_conditioning", "presence_penalty", "frequency_penalty")
         extra = {name: getattr(self, name) for name in ours if getattr(self, name) != getattr(default, name)}
         return extra | {
             "max_denoising_steps": self.max_denoising_steps,
@@ -144,6 +153,32 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(probs, dim=-1)
     u = uniforms.to(cdf.dtype)[..., None] * cdf[..., -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Tensor,
+                     canvas: torch.Tensor | None = None, counted: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits` [b, C, V] (or [b, V]) less the presence and frequency penalties (a new tensor).
+
+    history: [b, V] float, how often each token appears in the text so far (committed tokens).
+    canvas, counted: [b, C] tokens and bool, the canvas positions whose tokens count too; each position sees
+    the counts without its own token, so a settled token is not pushed away from itself.
+    """
+    if not (cfg.presence_penalty or cfg.frequency_penalty):
+        return logits
+    counts = history
+    if canvas is not None and counted is not None:
+        counts = history.scatter_add(-1, canvas, counted.to(history.dtype))
+
+    def penalty(n: torch.Tensor) -> torch.Tensor:
+        return cfg.presence_penalty * (n > 0).to(n.dtype) + cfg.frequency_penalty * n
+
+    bias = penalty(counts).to(logits.dtype)
+    out = logits - (bias[:, None] if logits.dim() == 3 else bias)
+    if canvas is not None and counted is not None:
+        own = counts.gather(-1, canvas)  # [b, C]: the count of each position's own token, itself included
+        give_back = (penalty(own) - penalty(own - 1.0)) * counted.to(own.dtype)
+        out.scatter_add_(-1, canvas[..., None], give_back[..., None].to(out.dtype))
+    return out
 
 
 def accept_entropy_bound(ent: torch.Tensor, bound: float, rank: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ seed, so a response is the same whether it ran alone or in a batch.
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
 settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` scales the temperature schedule; 0 means the greedy sampler.
+OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     seed: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
     user: str | None = None
     # diffusion extras
@@ -265,7 +268,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         if body.top_p not in (None, 1.0):
             raise APIError(400, "top_p: only 1.0 is supported (block diffusion samples whole canvases)", "top_p")
         overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
-                                                   "t_min", "t_max", "stability_threshold", "confidence_threshold")}
+                                                   "t_min", "t_max", "stability_threshold", "confidence_threshold",
+                                                   "presence_penalty", "frequency_penalty")}
         try:
             cfg = defaults.with_(**overrides)
             if body.temperature == 0:

@@ -479,3 +479,53 @@ def test_self_conditioning_can_be_switched_off(lm, monkeypatch, self_conditionin
                       self_conditioning=self_conditioning, min_new_tokens=2 * c)
     assert out.sequences.shape[1] == 3 + 2 * c
     assert received == ([False, True, True] * 2 if self_conditioning else [False] * 6)
+
+
+def _spread_below(lm, prompt, limit):
+    """The test double's precondition: every position's logits span less than `limit`."""
+    logits = lm.logits(torch.tensor([prompt]), torch.randint(5, lm.config.text.vocab_size, (1, lm.config.canvas_length)))
+    return float((logits.amax(-1) - logits.amin(-1)).max()) < limit
+
+
+def test_presence_penalty_keeps_repeats_out(lm):
+    """Penalty 2 against logits that span less than 2: a token once written can never win again. AR: no new
+    token repeats. Diffusion: no canvas repeats a token committed in an earlier canvas; without it, both do."""
+    prompt = [9, 10, 11, 12]
+    assert _spread_below(lm, prompt, 2.0)
+
+    def repeats_across_canvases(tokens):
+        c = lm.config.canvas_length
+        return sum(t in set(tokens[:lo]) for lo in range(c, len(tokens), c) for t in tokens[lo : lo + c])
+
+    ar = lm.generate_ar(prompt, max_new_tokens=24)
+    ar_pen = lm.generate_ar(prompt, max_new_tokens=24, presence_penalty=2.0)
+    plain = ar.new_tokens[0].tolist()
+    new = ar_pen.new_tokens[0, : int(ar_pen.num_new_tokens[0])].tolist()
+    assert len(set(plain)) < len(plain) and len(set(new)) == len(new)
+    kw = dict(max_new_tokens=24, max_denoising_steps=6, sampler="greedy", seed=0)
+    diff = lm.generate(prompt, **kw).new_tokens[0].tolist()
+    out = lm.generate(prompt, presence_penalty=2.0, **kw)
+    pen = out.new_tokens[0, : int(out.num_new_tokens[0])].tolist()
+    assert repeats_across_canvases(diff) > 0 and repeats_across_canvases(pen) == 0
+
+
+@pytest.mark.parametrize("sampler", ["greedy", "topk"])
+def test_penalties_keep_rows_independent(lm, sampler):
+    """The counts are per row and follow the rows as the batch shrinks: a row computes what it would alone."""
+    kw = dict(max_new_tokens=24, max_denoising_steps=5, sampler=sampler, seed=3, presence_penalty=0.5,
+              frequency_penalty=0.7)
+    alone = lm.generate([9, 10, 11, 12], **kw)
+    prompts = [[20, 21], [9, 10, 11, 12], [30, 31, 32, 33, 34, 35, 36]]
+    batch = lm.generate(prompts, **kw)
+    assert torch.equal(alone.new_tokens[0], batch.new_tokens[1])
+    assert not torch.equal(alone.new_tokens[0], lm.generate([9, 10, 11, 12], **{**kw, "frequency_penalty": 0.0}).new_tokens[0])
+    assert torch.equal(batch.sequences, lm.generate(prompts, skip_stopped_rows=False, **kw).sequences)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [2.5, -3.0, "high"])
+def test_bad_penalty_is_a_clear_error(lm, field, value):
+    with pytest.raises(ValueError, match=f"{field}: expected a number in \\[-2, 2\\]"):
+        lm.generate([9, 10], max_new_tokens=4, **{field: value})
+    with pytest.raises(ValueError, match=field):
+        lm.generate_ar([9, 10], max_new_tokens=4, **{field: value})

@@ -14,6 +14,7 @@ from blockpress.sampling import (
     entropy,
     hashed_tokens,
     init_state,
+    penalize_repeats,
     temperature,
     topk_count,
 )
@@ -284,6 +285,7 @@ def test_bad_sampler_settings(kwargs, field):
     SamplerConfig(sampler="topk", rank_by="margin", t_max=3.0, t_min=1.0, noise_token_id=3),
     SamplerConfig(sampler="topk", candidates="argmax", keep_accepted=True, adaptive_stopping=False,
                   self_conditioning=False),
+    SamplerConfig(sampler="greedy", rank_by="position", presence_penalty=0.5, frequency_penalty=-0.25),
 ])
 def test_generation_config_roundtrip(cfg):
     out = cfg.to_generation_config()
@@ -308,3 +310,27 @@ def test_entropy_ignores_banned_tokens():
     ent = entropy(logits)
     expected = torch.distributions.Categorical(logits=torch.tensor([2.0, 0.5])).entropy()
     assert torch.isfinite(ent).all() and torch.allclose(ent[0, 0], expected, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), presence=st.floats(-2, 2), frequency=st.floats(-2, 2), flat=st.booleans())
+def test_penalize_repeats_counts_the_text_so_far_but_not_the_position_itself(seed, presence, frequency, flat):
+    """Against a plain loop: a position's logit for token v drops by presence * [n > 0] + frequency * n, where n
+    counts v in the committed history plus the counted canvas positions other than this one."""
+    g = torch.Generator().manual_seed(seed)
+    b, c, v = 2, 6, 7
+    logits = torch.randn(b, v, generator=g) if flat else torch.randn(b, c, v, generator=g)
+    history = torch.randint(0, 3, (b, v), generator=g).float()
+    canvas = torch.randint(0, v, (b, c), generator=g)
+    counted = torch.rand(b, c, generator=g) < 0.6
+    cfg = SamplerConfig(presence_penalty=presence, frequency_penalty=frequency)
+    out = penalize_repeats(cfg, logits, history) if flat else penalize_repeats(cfg, logits, history, canvas, counted)
+    for row in range(b):
+        for pos in range(1 if flat else c):
+            for tok in range(v):
+                n = float(history[row, tok])
+                if not flat:
+                    n += sum(1 for j in range(c) if j != pos and counted[row, j] and canvas[row, j] == tok)
+                raw = logits[row, tok] if flat else logits[row, pos, tok]
+                got = out[row, tok] if flat else out[row, pos, tok]
+                assert abs(float(got) - (float(raw) - presence * (n > 0) - frequency * n)) < 1e-4

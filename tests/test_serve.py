@@ -79,9 +79,25 @@ def test_per_request_settings(client):
     assert r.usage.completion_tokens == 8 and r.usage.model_extra["forward_passes"] <= 2
 
 
+def test_openai_penalties_reach_the_sampler(client):
+    """presence_penalty / frequency_penalty (sent by many OpenAI clients) are honoured, as the library's own."""
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 3, "max_new_tokens": 24}
+    kw = dict(max_tokens=16, seed=5)
+    texts = {}
+    for pen in (0.0, 2.0):
+        r = client.completions.create(model=MODEL, prompt="ab", presence_penalty=pen, frequency_penalty=pen / 2, **kw)
+        texts[pen] = r.choices[0].text
+        assert texts[pen] == lm.generate("ab", max_new_tokens=16, seed=5, presence_penalty=pen,
+                                         frequency_penalty=pen / 2).texts[0]
+    assert texts[0.0] != texts[2.0]
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
