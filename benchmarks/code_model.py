@@ -7,7 +7,8 @@ Figures (JSON):
   no deeper than the `def`) or at the last complete line, and must hold at least one statement.
 - infill_exact: exact-match rate of single-line infills. One body line becomes a hole of its own token
   length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
-- tokens_per_forward and tok/s at the model's default settings.
+- tokens_per_forward and tok/s at the model's default settings (the AR baseline takes the same repetition
+  penalties).
 - trailing_newline: parseable rate when the prompt ends with the `def` line's newline, as people type it,
   with and without token healing (`--healing-functions` of the same functions; 0 skips it).
 
@@ -25,6 +26,10 @@ import torch
 
 import blockpress
 from blockpress.tasks.code import completion_parses, infill_cases, model_heldout_functions
+
+# Sampler options that mean the same for AR decoding; without --sampler-options both engines read the
+# checkpoint's generation_config.json (penalties included).
+AR_OPTIONS = ("presence_penalty", "frequency_penalty")
 
 
 def main() -> None:
@@ -51,6 +56,7 @@ def main() -> None:
     tok = lm.tokenizer
     funcs = model_heldout_functions(lm.path, args.manifest, args.seed)[args.skip : args.skip + args.functions]
     options = json.loads(args.sampler_options) if args.sampler_options else {}
+    ar_options = {k: v for k, v in options.items() if k in AR_OPTIONS}  # the same penalties for the AR baseline
     result: dict = {"benchmark": "code_model", "model": args.model, "functions": len(funcs),
                     "params": lm.num_parameters(active=False), "active_params": lm.num_parameters(active=True),
                     "sampler_options": options or "generation_config"}
@@ -63,7 +69,7 @@ def main() -> None:
             if engine == "diffusion":
                 out = lm.generate([prompt], max_new_tokens=args.max_new_tokens, seed=args.seed + i, **options)
             else:
-                out = lm.generate_ar([prompt], max_new_tokens=args.max_new_tokens)
+                out = lm.generate_ar([prompt], max_new_tokens=args.max_new_tokens, **ar_options)
             seconds += time.perf_counter() - t0
             text = out.texts[0]
             good = completion_parses(f, text)
@@ -85,7 +91,7 @@ def main() -> None:
                     prompt = tok.encode(f.prompt_text + "\n", add_bos=True)[-256:]
                     kw = dict(max_new_tokens=args.max_new_tokens, token_healing=healing)
                     out = (lm.generate([prompt], seed=args.seed + i, **kw, **options) if engine == "diffusion"
-                           else lm.generate_ar([prompt], **kw))
+                           else lm.generate_ar([prompt], **kw, **ar_options))
                     ok += completion_parses(f, "\n" + out.texts[0])
                 trailing.setdefault(engine, {})["healed" if healing else "plain"] = ok / args.healing_functions
         result["trailing_newline"] = dict(functions=min(args.healing_functions, len(funcs)), **trailing)
@@ -97,7 +103,7 @@ def main() -> None:
         out = lm.infill([-1] * len(case.hole) + case.suffix, prompt=[prompt], seed=args.seed + i, **options)
         got = tok.decode(out.new_tokens[0, : len(case.hole)].tolist())
         hits_diff += got.strip() == case.target.strip()
-        ar = lm.generate_ar([prompt], max_new_tokens=len(case.hole))
+        ar = lm.generate_ar([prompt], max_new_tokens=len(case.hole), **ar_options)
         hits_ar += tok.decode(ar.new_tokens[0].tolist()).lstrip("\n").split("\n")[0].strip() == case.target.strip()
     result["infill_cases"] = len(cases)
     result["diffusion"]["infill_exact"] = hits_diff / max(1, len(cases))

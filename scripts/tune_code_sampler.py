@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=10, help="prompts decoded together")
     ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
+    ap.add_argument("--ar", action="store_true", help="decode with generate_ar (settings: presence_penalty, "
+                    "frequency_penalty, temperature) to compare the AR baseline under the same settings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
@@ -56,9 +58,10 @@ def main() -> None:
         ok = new = passes = 0
         # Batched (left-padded, one seed per row): every row computes what it would alone, only faster.
         for lo in range(0, len(funcs), args.batch):
-            out = lm.generate(prompts[lo : lo + args.batch], max_new_tokens=args.max_new_tokens,
-                              seeds=list(range(1_000 + lo, 1_000 + lo + len(prompts[lo : lo + args.batch]))),
-                              **setting)
+            batch = prompts[lo : lo + args.batch]
+            out = (lm.generate_ar(batch, max_new_tokens=args.max_new_tokens, **setting) if args.ar else
+                   lm.generate(batch, max_new_tokens=args.max_new_tokens,
+                               seeds=list(range(1_000 + lo, 1_000 + lo + len(batch))), **setting))
             ok += sum(completion_parses(f, text) for f, text in zip(funcs[lo : lo + args.batch], out.texts))
             new += int(out.num_new_tokens.sum())
             passes += int(out.forward_passes.sum())

@@ -101,3 +101,20 @@ def test_tune_code_sampler_smoke():
     rows, best = lines[:-1], lines[-1]["best"]
     assert len(rows) >= 2 and all(0 <= x["parseable"] <= 1 and x["tokens_per_forward"] > 0 for x in rows)
     assert best["parseable"] == max(x["parseable"] for x in rows)
+
+
+def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
+    import blockpress
+    import pytest
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tune_code_sampler.py"), "--functions", "2", "--batch", "2",
+         "--max-new-tokens", "8", "--threads", "1", "--ar", "--settings", '[{}, {"frequency_penalty": 0.5}]'],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines()][:-1]
+    assert [x["setting"] for x in rows] == ["generation_config", {"frequency_penalty": 0.5}]
+    assert all(x["tokens_per_forward"] == 1.0 for x in rows)
