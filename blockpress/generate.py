@@ -555,8 +555,9 @@ def run(
                         got = list(processed.shape) if isinstance(processed, torch.Tensor) else type(processed).__name__
                         raise ValueError(f"logits_processor: expected logits of shape {list(logits.shape)}, got {got}")
                     logits = processed
-                if penalized:
-                    logits = penalize_repeats(cfg, logits, history[w.rows], w.state.canvas, w.state.settled & w.scored)
+                if penalized:  # the new text so far: a template's fixed tokens are given, like the prompt
+                    written = w.state.settled & w.scored & (True if w.fixed is None else w.fixed < 0)
+                    logits = penalize_repeats(cfg, logits, history[w.rows], w.state.canvas, written)
                 if ci == 0 and first_banned is not None:
                     logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
                 ban = banned
@@ -600,8 +601,8 @@ def run(
             committed = committed.masked_fill(~valid, req.pad_id)
         new_tokens[:, lo : lo + keep] = committed
         if penalized:
-            history.scatter_add_(1, committed, torch.ones_like(committed, dtype=history.dtype) if valid is None
-                                 else valid.to(history.dtype))
+            written = torch.ones_like(committed, dtype=torch.bool) if valid is None else valid
+            history.scatter_add_(1, committed, (written if fixed is None else written & (fixed[:, :keep] < 0)).to(history.dtype))
         last = ci == n_canvases - 1 or bool(finished.all())
         if not last or keep_cache:
             enc, enc_mask = committed, valid

@@ -59,8 +59,9 @@ class SamplerConfig:
     noise_token_id: int | None = None
     # OpenAI's penalties against repeating the text so far: a token's logit drops by presence_penalty once it
     # appears, and by frequency_penalty for each time it appears. The text so far is this generation's
-    # committed tokens plus, for each canvas position, the other positions' settled tokens (the prompt does
-    # not count, as in OpenAI and vLLM). Applied before the temperature, in [-2, 2] like OpenAI's.
+    # committed tokens plus, for each canvas position, the other positions' settled tokens. Given text does not
+    # count: neither the prompt (as in OpenAI and vLLM) nor a template's fixed tokens. Applied before the
+    # temperature, in [-2, 2] like OpenAI's.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 

@@ -529,3 +529,18 @@ def test_bad_penalty_is_a_clear_error(lm, field, value):
         lm.generate([9, 10], max_new_tokens=4, **{field: value})
     with pytest.raises(ValueError, match=field):
         lm.generate_ar([9, 10], max_new_tokens=4, **{field: value})
+
+
+def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch):
+    """A template's fixed tokens are given text, like the prompt: they do not count as repeats. The head prefers
+    token 40 by 1.5 (more than the logits' spread); the template holds 40 three times around one hole."""
+    assert _spread_below(lm, [3, 4, 5], 1.5)
+    rig_head(lm, monkeypatch, 40, strength=1.5)
+    template = torch.tensor([[40, 9, 40, -1, 40, 9, 9, 9]])
+    out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0)
+    assert out.new_tokens[0, 3] == 40
+    # Written text does count: with two holes, only one of them may take 40.
+    template = torch.tensor([[-1, 9, 9, -1, 9, 9, 9, 9]])
+    out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0,
+                    keep_accepted=True)
+    assert (out.new_tokens[0, [0, 3]] == 40).sum() == 1

@@ -104,8 +104,9 @@ def test_tune_code_sampler_smoke():
 
 
 def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
-    import blockpress
     import pytest
+
+    import blockpress
 
     if "blockpress-code" not in blockpress.shipped_models():
         pytest.skip("blockpress-code is not in this package")
