@@ -600,9 +600,11 @@ def run(
                     finished[r], stop_len[r], stopped[r] = True, m, True
             committed = committed.masked_fill(~valid, req.pad_id)
         new_tokens[:, lo : lo + keep] = committed
-        if penalized:
+        if penalized:  # count what this canvas wrote: its valid tokens, not a template's givens
             written = torch.ones_like(committed, dtype=torch.bool) if valid is None else valid
-            history.scatter_add_(1, committed, (written if fixed is None else written & (fixed[:, :keep] < 0)).to(history.dtype))
+            if fixed is not None:
+                written = written & (fixed[:, :keep] < 0)
+            history.scatter_add_(1, committed, written.to(history.dtype))
         last = ci == n_canvases - 1 or bool(finished.all())
         if not last or keep_cache:
             enc, enc_mask = committed, valid
