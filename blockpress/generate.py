@@ -517,7 +517,7 @@ def run(
     stopping = bool(req.stops) and tokenizer is not None  # a template never has stops (LM._stops refuses)
     stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
     stopped = [False] * b  # rows ended by a stop string (the server's finish_reason)
-    penalized = bool(cfg.presence_penalty or cfg.frequency_penalty)
+    penalized = cfg.penalizes_repeats
     history = torch.zeros(b, vocab, device=device) if penalized else None  # committed new tokens, counted per row
     for ci in range(n_canvases):
         lo = ci * canvas_len
@@ -663,7 +663,7 @@ def run_ar(
     stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
     stopped, checked = [False] * b, [0] * b
     cfg = req.sampler
-    penalized = bool(cfg.presence_penalty or cfg.frequency_penalty)
+    penalized = cfg.penalizes_repeats
     history = torch.zeros(b, model.config.text.vocab_size, device=device) if penalized else None
     t0 = time.perf_counter()
     with torch.no_grad():

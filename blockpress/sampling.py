@@ -118,6 +118,10 @@ class SamplerConfig:
             "confidence_threshold": self.confidence_threshold,
         }
 
+    @property
+    def penalizes_repeats(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
     def with_(self, **changes: Any) -> SamplerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
@@ -164,7 +168,7 @@ def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Te
     canvas, counted: [b, C] tokens and bool, the canvas positions whose tokens count too; each position sees
     the counts without its own token, so a settled token is not pushed away from itself.
     """
-    if not (cfg.presence_penalty or cfg.frequency_penalty):
+    if not cfg.penalizes_repeats:
         return logits
     counts = history
     if canvas is not None and counted is not None:
