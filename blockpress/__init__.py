@@ -5,6 +5,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig, TextConfig
 from .lm import LM, load, random_model, shipped_models
 from .model import DiffusionGemma
+from .prefix import PrefixCache
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,7 @@ __all__ = [
     "DiffusionGemma",
     "KVCache",
     "ModelConfig",
+    "PrefixCache",
     "TextConfig",
     "load",
     "random_model",

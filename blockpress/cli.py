@@ -358,9 +358,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from blockpress.serve import create_app
 
+    if args.prefix_cache_gb < 0:
+        raise SystemExit(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     name = args.served_name or (args.model.rstrip("/").split("/")[-1])
-    app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch)
+    app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch,
+                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30))
     print(f"blockpress serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -486,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-name", default=None, help="model id clients use (default: the model's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests that share one denoising batch")
     p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 429")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="GiB of recent prompts' keys and values kept, so a prompt that starts like an earlier one "
+                        "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="speed: diffusion vs AR vs the reference, same random checkpoint",

@@ -17,6 +17,7 @@ import torch
 
 from .cache import KVCache
 from .healing import strip_prefix
+from .prefix import PrefixCache, encode_prompts
 from .sampling import (
     CanvasState,
     SamplerConfig,
@@ -238,6 +239,8 @@ class Request:
     heal_prefixes: list[str] | None = None
     # Stop strings, one list per row: a row ends at the token that completes one of them (see `stop_rows`).
     stops: list[list[str]] | None = None
+    # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
+    prefix_cache: PrefixCache | None = None
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -467,6 +470,26 @@ class _Working:
                         self.finished[keep])
 
 
+def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCache | None, room: int,
+                   logits: bool) -> tuple[KVCache, torch.Tensor | None, list[int]]:
+    """Encode the prompt into `cache` (a new one when None), with `room` more slots past what it holds; through
+    `req.prefix_cache` when set. Returns (cache, the last prompt token's logits [B, V] if `logits`, prompt tokens
+    reused per row)."""
+    b = prompt.shape[0]
+    if req.prefix_cache is not None:
+        if cache is not None:
+            raise ValueError("prefix_cache: not together with cache= (a continued conversation already skips what "
+                             "its cache holds)")
+        return encode_prompts(model, prompt, req.attention_mask, req.prefix_cache, room, logits)
+    if cache is None:
+        cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
+    elif cache.batch_size != b:
+        raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
+    cache.ensure_capacity(cache.length + room)
+    last = model.encode(prompt, cache, attention_mask=req.attention_mask, logits="last" if logits else "none")
+    return cache, last, [0] * b
+
+
 def run(
     model: Any,
     req: Request,
@@ -486,12 +509,6 @@ def run(
     b, p = prompt.shape
     n_new = req.template.shape[1] if req.template is not None else req.max_new_tokens
     n_canvases = -(-n_new // canvas_len)
-    if cache is None:
-        cache = KVCache.allocate(model.config.text, b, p + n_new + canvas_len, model.dtype, device)
-    elif cache.batch_size != b:
-        raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
-    cache.ensure_capacity(cache.length + p + n_new + canvas_len)
-
     row_seed = req.row_seeds().to(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
 
@@ -500,7 +517,7 @@ def run(
 
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.encode(prompt, cache, attention_mask=req.attention_mask)
+        cache, _, reused = _encode_prompt(model, req, prompt, cache, p + n_new + canvas_len, logits=False)
     _sync(device)
     encode_s = time.perf_counter() - t0
     denoise_s = 0.0
@@ -631,6 +648,7 @@ def run(
     out = _output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
                   cache if keep_cache else None, tokenizer)
     out.extra["stopped"] = stopped
+    out.extra["reused_prompt_tokens"] = reused
     yield Done(out)
 
 
@@ -649,11 +667,6 @@ def run_ar(
     prompt = req.prompt.to(device)
     b, p = prompt.shape
     n_new = req.max_new_tokens
-    if cache is None:
-        cache = KVCache.allocate(model.config.text, b, p + n_new + 1, model.dtype, device)
-    elif cache.batch_size != b:
-        raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
-    cache.ensure_capacity(cache.length + p + n_new + 1)
     row_seed = req.row_seeds().to(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
@@ -667,7 +680,7 @@ def run_ar(
     history = torch.zeros(b, model.config.text.vocab_size, device=device) if penalized else None
     t0 = time.perf_counter()
     with torch.no_grad():
-        logits = model.encode(prompt, cache, attention_mask=req.attention_mask, logits="last")
+        cache, logits, reused = _encode_prompt(model, req, prompt, cache, p + n_new + 1, logits=True)
     _sync(device)
     encode_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -711,4 +724,5 @@ def run_ar(
     out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
                   cache if keep_cache else None, tokenizer)
     out.extra["stopped"] = stopped
+    out.extra["reused_prompt_tokens"] = reused
     return out

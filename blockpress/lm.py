@@ -28,6 +28,7 @@ from .generate import (
 )
 from .healing import Healed, allowed_first_tokens, heal
 from .model import DiffusionGemma
+from .prefix import PrefixCache
 from .sampling import SamplerConfig
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -69,6 +70,12 @@ def check_vocab_range(ids: torch.Tensor, name: str, vocab_size: int) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
+
+
+def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise ValueError(f"prefix_cache: expected a blockpress.PrefixCache, got {type(prefix_cache).__name__}")
+    return prefix_cache
 
 
 class LM:
@@ -280,6 +287,7 @@ class LM:
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         token_healing: bool = False,
         stop: str | list[str] | list[list[str]] | None = None,
+        prefix_cache: PrefixCache | None = None,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
@@ -297,6 +305,8 @@ class LM:
         `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
         first holds one; its tokens end at the token that completes it, and its final text stops just before it
         (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included.
+        `prefix_cache`: a `PrefixCache` kept across calls; each prompt encodes only what no earlier prompt in
+        it shared (the output's `extra["reused_prompt_tokens"]` says how much was reused, per row).
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
@@ -312,6 +322,7 @@ class LM:
         req.constraint = constraint
         req.logits_processor = logits_processor
         req.stops = self._stops(stop, req)
+        req.prefix_cache = _check_prefix_cache(prefix_cache)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
@@ -353,16 +364,19 @@ class LM:
         stop: str | list[str] | list[list[str]] | None = None,
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
-        `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's)."""
+        `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's).
+        `prefix_cache`: as in `stream`."""
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
                             token_healing)
         req.stops = self._stops(stop, req)
+        req.prefix_cache = _check_prefix_cache(prefix_cache)
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

@@ -11,6 +11,10 @@ Diffusion settings are per request, as extra body fields: max_denoising_steps, s
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
 settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` scales the temperature schedule; 0 means the greedy sampler.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
+
+Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
+one (the same system prompt, the previous turns of a chat) encodes only the rest, and its usage reports the
+reused tokens as `prompt_tokens_details.cached_tokens`, as OpenAI's does.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .generate import Commit, Done, Draft, cut_at_stop
+from .prefix import PrefixCache
 from .sampling import SamplerConfig
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
@@ -121,7 +126,8 @@ class Metrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.counters = {"requests_total": 0, "rejected_total": 0, "completion_tokens_total": 0,
-                         "prompt_tokens_total": 0, "forward_passes_total": 0, "batches_total": 0}
+                         "prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "forward_passes_total": 0,
+                         "batches_total": 0}
         self.latency: list[float] = []
 
     def add(self, **values: float) -> None:
@@ -146,8 +152,8 @@ class Metrics:
 
 
 class Engine:
-    def __init__(self, lm: Any, max_queue: int = 64, max_batch: int = 8):
-        self.lm, self.max_batch = lm, max_batch
+    def __init__(self, lm: Any, max_queue: int = 64, max_batch: int = 8, prefix_cache: PrefixCache | None = None):
+        self.lm, self.max_batch, self.prefix_cache = lm, max_batch, prefix_cache
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.pending: list[Job] = []  # taken from the queue, waiting for a compatible batch
         self.metrics = Metrics()
@@ -198,7 +204,7 @@ class Engine:
         stream = self.lm.stream(
             [j.prompt for j in batch], max_new_tokens=first.max_tokens, min_new_tokens=first.min_tokens,
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
-            token_healing=first.token_healing, stop=[j.stop for j in batch],
+            token_healing=first.token_healing, stop=[j.stop for j in batch], prefix_cache=self.prefix_cache,
         )
         for event in stream:
             if all(j.cancelled.is_set() for j in batch):
@@ -218,21 +224,25 @@ class Engine:
                     n = int(out.num_new_tokens[i])
                     ended = (n < first.max_tokens or out.extra["stopped"][i]
                              or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
+                    reused = out.extra["reused_prompt_tokens"][i]
                     self.metrics.add(completion_tokens_total=n, prompt_tokens_total=len(job.prompt),
-                                     forward_passes_total=int(out.forward_passes[i]))
+                                     forward_passes_total=int(out.forward_passes[i]), cached_prompt_tokens_total=reused)
                     self.metrics.observe(time.perf_counter() - job.created)
-                    job.put(("done", out.texts[i], n, int(out.forward_passes[i]), "stop" if ended else "length"))
+                    job.put(("done", out.texts[i], n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
 # -- the app --------------------------------------------------------------------------------------------------
 
 
 def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
-               max_context: int | None = None) -> FastAPI:
+               max_context: int | None = None, prefix_cache_bytes: int = 1 << 30) -> FastAPI:
+    """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py)."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
+    if prefix_cache_bytes < 0:
+        raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server")
-    engine = Engine(lm, max_queue, max_batch)
+    engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     app.state.engine = engine
     context = max_context or lm.config.text.max_position_embeddings
     defaults = lm.sampler_defaults
@@ -337,7 +347,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        choices, completion, passes = [], 0, 0
+        choices, completion, passes, cached = [], 0, 0, 0
         for i, job in enumerate(jobs):
             while True:
                 item = await job.events.get()
@@ -345,12 +355,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
                 if item[0] == "done":
                     break
-            _, text, n, p, finish = item  # the engine ended stopped rows and cut their text
+            _, text, n, p, finish, reused = item  # the engine ended stopped rows and cut their text
             choices.append(choice(i, text, finish, False))
             completion += n
             passes += p
+            cached = max(cached, reused)  # the n choices share one prompt
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": prompt_tokens + completion, "forward_passes": passes}
+                 "total_tokens": prompt_tokens + completion, "forward_passes": passes,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, "usage": usage}
 
     @app.post("/v1/chat/completions")

@@ -210,3 +210,8 @@ def test_bench_engines_take_turns_and_keep_their_fastest_run():
     best = _best_interleaved(3, {"a": engine("a"), "b": engine("b")})
     assert calls == ["a", "b"] * 3
     assert best == {"a": {"seconds": 1.0, "name": "a"}, "b": {"seconds": 4.0, "name": "b"}}
+
+
+def test_serve_rejects_a_negative_prefix_cache():
+    with pytest.raises(SystemExit, match="--prefix-cache-gb: expected 0"):
+        main(["serve", "--model", "random-tiny", "--prefix-cache-gb", "-1"])

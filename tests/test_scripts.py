@@ -119,3 +119,19 @@ def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
     rows = [json.loads(x) for x in r.stdout.splitlines()][:-1]
     assert [x["setting"] for x in rows] == ["generation_config", {"frequency_penalty": 0.5}]
     assert all(x["tokens_per_forward"] == 1.0 for x in rows)
+
+
+def test_prefix_cache_benchmark_smoke():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefix_cache.py"), "--preset", "tiny",
+                        "--system-tokens", "40", "--user-tokens", "8", "--turns", "3", "--new-tokens", "8",
+                        "--steps", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    chat, shared = data["chat"], data["shared"]
+    # chat: turn k reuses the whole previous prompt and reply; shared: every request after the first reuses the
+    # system prompt
+    assert chat["prefix_cache"]["reused_tokens"] == (40 + 8) + (40 + 8 + 8 + 8)
+    assert shared["prefix_cache"]["reused_tokens"] == 2 * 40 and shared["no_cache"]["reused_tokens"] == 0
+    for w in (chat, shared):
+        assert w["no_cache"]["prompt_tokens"] == w["prefix_cache"]["prompt_tokens"]
+        assert w["encode_ratio"] > 0 and w["total_ratio"] > 0

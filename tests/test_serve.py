@@ -178,3 +178,31 @@ def test_stop_ends_the_request_early_and_cuts_the_text(client):
     assert cut.usage.completion_tokens < whole.usage.completion_tokens
     parts = [c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw)]
     assert "".join(parts) == cut.choices[0].text
+
+
+def test_a_chat_reuses_its_earlier_turns(client, server):
+    """The second turn resends the first: its prompt's shared tokens come from the prefix cache (reported as
+    OpenAI's cached_tokens), and the reply is what a plain generation of the whole prompt gives."""
+    lm, engine = server[1].state.engine.lm, server[1].state.engine
+    turn1 = [{"role": "system", "content": "You answer in one short line, always."},
+             {"role": "user", "content": "name a prime number"}]
+    first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=8, seed=11, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "and another one"}]
+    before = engine.metrics.counters["cached_prompt_tokens_total"]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, seed=12, temperature=0)
+    ids1 = lm.tokenizer.apply_chat_template(turn1, add_generation_prompt=True, tokenize=True)
+    ids2 = lm.tokenizer.apply_chat_template(turn2, add_generation_prompt=True, tokenize=True)
+    shared = next(i for i, (a, b) in enumerate(zip(ids1 + [None], ids2)) if a != b)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert shared > 16 and cached >= shared  # at least the first turn's prompt (an earlier test may share more)
+    assert engine.metrics.counters["cached_prompt_tokens_total"] - before == cached
+    direct = lm.generate([ids2], max_new_tokens=8, seeds=[12], sampler="greedy")
+    assert second.choices[0].message.content == direct.texts[0]
+
+
+def test_prefix_cache_can_be_off():
+    lm = load_model("random-tiny", None, "cpu")
+    assert create_app(lm, MODEL, prefix_cache_bytes=0).state.engine.prefix_cache is None
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        create_app(lm, MODEL, prefix_cache_bytes=-1)

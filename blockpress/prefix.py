@@ -1,0 +1,157 @@
+"""Prompt prefixes kept encoded between calls: a prompt that starts like an earlier one encodes only the rest.
+
+Chat clients resend the whole conversation every turn, and many requests open with the same system prompt,
+so most of a server's prefill is work it has done before. `PrefixCache` keeps the keys and values of recent
+prompts (one row each, least recently used first out, within a byte budget); `encode_prompts` builds a
+batch's cache from them and encodes only each row's unseen tail.
+
+Each row is encoded on its own, right-aligned in the batch cache (left padding only), so its slots hold what
+one encode of its whole prompt would hold: no hole inside a row, which matters because sliding-window layers
+count slots. At least the last prompt token is always encoded, so the AR loop gets its first logits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import KVCache
+
+
+@dataclass
+class _Entry:
+    ids: torch.Tensor  # [n] long, on the CPU
+    keys: list[torch.Tensor]  # per layer [kv_heads, n, head_dim]
+    values: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass
+class PrefixCache:
+    """Encoded prompts of one model, reusable by any later prompt that starts with the same tokens.
+
+    `max_bytes`: the keys and values kept (least recently used prompts go first); `min_tokens`: shorter
+    prompts are not kept. An entry serves every prefix of itself, so a new prompt that extends an entry
+    replaces it. Counters: `lookups` (rows encoded), `hits` (rows that reused something), `reused_tokens`.
+    """
+
+    max_bytes: int = 1 << 30
+    min_tokens: int = 16
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict, repr=False)
+    _next: int = field(default=0, repr=False)
+    _layout: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_bytes, int) or self.max_bytes < 0:
+            raise ValueError(f"max_bytes: expected a non-negative integer, got {self.max_bytes!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+            raise ValueError(f"min_tokens: expected a positive integer, got {self.min_tokens!r}")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def longest(self, ids: torch.Tensor) -> tuple[int | None, int]:
+        """(key of the entry sharing the longest prefix with `ids` [n] long, that prefix's length)."""
+        best, best_n = None, 0
+        for key, entry in self._entries.items():
+            m = min(entry.ids.numel(), ids.numel())
+            if m <= best_n:
+                continue
+            differ = (entry.ids[:m] != ids[:m]).nonzero()
+            n = int(differ[0, 0]) if differ.numel() else m
+            if n > best_n:
+                best, best_n = key, n
+        return best, best_n
+
+    def check_layout(self, cache: KVCache) -> None:
+        """Entries only fit caches of the model that made them: same layers, heads, head size, dtype, device."""
+        layout = (tuple((k.shape[1], k.shape[3]) for k in cache.keys), cache.keys[0].dtype, cache.device)
+        if self._layout is None:
+            self._layout = layout
+        elif layout != self._layout:
+            raise ValueError("prefix_cache: it holds keys and values of another model (layers, heads, dtype or device "
+                             "differ); use one PrefixCache per model")
+
+    def load(self, key: int, n: int, row: KVCache) -> None:
+        """Copy the first `n` tokens of entry `key` into the empty one-row cache `row` (and mark it used)."""
+        entry = self._entries[key]
+        self._entries.move_to_end(key)
+        for src, dst in ((entry.keys, row.keys), (entry.values, row.values)):
+            for s, d in zip(src, dst):
+                d[0, :, :n] = s[:, :n]
+        row.commit(None, n)
+
+    def add(self, ids: torch.Tensor, row: KVCache, replaces: int | None = None) -> None:
+        """Keep the one-row cache `row`, which holds exactly `ids`. Entry `replaces` goes if it is a prefix of
+        `ids` (the new entry serves everything it did)."""
+        n = ids.numel()
+        if n < self.min_tokens:
+            return
+        entry = _Entry(ids.clone(), [k[0, :, :n].clone() for k in row.keys], [v[0, :, :n].clone() for v in row.values])
+        if entry.nbytes > self.max_bytes:
+            return
+        old = self._entries.get(replaces) if replaces is not None else None
+        if old is not None and old.ids.numel() <= n and torch.equal(old.ids, ids[: old.ids.numel()]):
+            del self._entries[replaces]
+        total = self.nbytes
+        while self._entries and total + entry.nbytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            total -= old.nbytes
+        self._entries[self._next] = entry
+        self._next += 1
+
+
+def encode_prompts(
+    model: Any, prompt: torch.Tensor, attention_mask: torch.Tensor | None, prefixes: PrefixCache, capacity: int,
+    logits: bool = False,
+) -> tuple[KVCache, torch.Tensor | None, list[int]]:
+    """Encode a left-padded prompt batch [B, P] into a new cache of `capacity` slots, reusing `prefixes`.
+
+    Returns (the cache, the last prompt token's logits [B, V] when `logits`, tokens reused per row). The cache
+    is what `model.encode(prompt, cache, attention_mask)` would have built: same slots, same positions.
+    """
+    b, p = prompt.shape
+    cache = KVCache.allocate(model.config.text, b, capacity, model.dtype, model.device)
+    prefixes.check_layout(cache)
+    mask = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    last, reused = [], []
+    for i in range(b):
+        ids = prompt[i][mask[i].to(prompt.device)].cpu()
+        off = p - ids.numel()
+        # A one-row view of the batch cache, starting where this row's tokens start: encoding into it writes
+        # the batch cache in place.
+        row = KVCache([k[i : i + 1, :, off:] for k in cache.keys], [v[i : i + 1, :, off:] for v in cache.values],
+                      cache.valid[i : i + 1, off:], cache.next_pos[i : i + 1])
+        key, shared = prefixes.longest(ids)
+        n = min(shared, ids.numel() - 1)  # the last token is always encoded (its logits start the AR loop)
+        prefixes.lookups += 1
+        if n > 0:
+            prefixes.load(key, n, row)
+            prefixes.hits += 1
+            prefixes.reused_tokens += n
+        out = model.encode(ids[n:][None].to(prompt.device), row, logits="last" if logits else "none")
+        if logits:
+            last.append(out)
+        if shared < ids.numel():  # an entry that already holds all of `ids` serves it as it is
+            prefixes.add(ids, row, replaces=key)
+        cache.valid[i, :off] = False
+        reused.append(n)
+    cache.length = p
+    cache.has_padding = bool((~mask).any())
+    return cache, torch.cat(last) if logits else None, reused

@@ -1,0 +1,123 @@
+"""Prompt prefixes kept encoded between calls (prefix.py): same cache, same output, less encoding."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import blockpress
+from blockpress import PrefixCache
+from blockpress.generate import left_pad
+from blockpress.prefix import encode_prompts
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def lm():
+    # sliding_window 8: prompts longer than the window check that a reused row's slots line up exactly
+    return blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+
+
+def ids_from(draw_list):
+    return [5 + (t % 100) for t in draw_list]
+
+
+prompts = st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=30), min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), earlier=prompts, later=prompts)
+def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
+    """After any earlier prompts, a batch's cache (keys, values, validity, positions) and last logits are what
+    one plain encode builds; each row reuses its longest shared prefix but always encodes its last token."""
+    earlier = [ids_from(r) for r in earlier]
+    # later prompts often extend or branch off earlier ones
+    later = [data.draw(st.sampled_from(earlier))[: data.draw(st.integers(0, 30))] + ids_from(r) for r in later]
+    pc = PrefixCache(min_tokens=1)
+    model = lm.model
+    with torch.no_grad():
+        for batch in (earlier, later):
+            prompt, mask = left_pad(batch, PAD)
+            room = prompt.shape[1] + 8
+            want_cache = lm.new_cache(len(batch), room)
+            want = model.encode(prompt, want_cache, attention_mask=mask, logits="last")
+            before = [(max((_lcp(e, r) for e in _stored(pc)), default=0)) for r in batch]
+            got_cache, got, reused = encode_prompts(model, prompt, mask, pc, room, logits=True)
+            assert reused == [min(b, len(r) - 1) for b, r in zip(before, batch)]
+            assert got_cache.length == want_cache.length and got_cache.has_padding == want_cache.has_padding
+            assert torch.equal(got_cache.valid, want_cache.valid) and torch.equal(got_cache.next_pos, want_cache.next_pos)
+            v = want_cache.valid[:, : want_cache.length]
+            for a, b in zip((*got_cache.keys, *got_cache.values), (*want_cache.keys, *want_cache.values)):
+                n = want_cache.length
+                torch.testing.assert_close(a[:, :, :n].transpose(1, 2)[v], b[:, :, :n].transpose(1, 2)[v],
+                                           rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _stored(pc):
+    return [e.ids.tolist() for e in pc._entries.values()]
+
+
+def _lcp(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_generation_is_unchanged_and_reuses_what_it_can(lm):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(5, 120, (40,), generator=g).tolist()
+    turn1, turn2, other = base[:30], base + [7, 8, 9], base[:10] + [11] * 12
+    kw = dict(max_new_tokens=20, max_denoising_steps=4, seed=3)
+    plain = lm.generate([turn1, turn2, other], **kw)
+    pc = PrefixCache(min_tokens=4)
+    first = lm.generate([turn1], prefix_cache=pc, **kw)
+    assert first.extra["reused_prompt_tokens"] == [0] and len(pc) == 1
+    again = lm.generate([turn1, turn2, other], prefix_cache=pc, **kw)
+    assert again.extra["reused_prompt_tokens"] == [29, 30, 10]
+    assert torch.equal(again.sequences, plain.sequences)
+    # turn2 extends turn1, so its entry replaced turn1's; `other` branched off and has its own
+    assert sorted(len(e) for e in _stored(pc)) == [22, 43]
+    assert pc.hits == 3 and pc.reused_tokens == 69
+    ar_plain = lm.generate_ar([turn1, turn2, other], max_new_tokens=12)
+    ar = lm.generate_ar([turn1, turn2, other], max_new_tokens=12, prefix_cache=pc)
+    assert ar.extra["reused_prompt_tokens"] == [29, 42, 21] and torch.equal(ar.sequences, ar_plain.sequences)
+    assert plain.extra["reused_prompt_tokens"] == [0, 0, 0]
+
+
+def test_budget_min_tokens_and_lru(lm):
+    one = PrefixCache(min_tokens=5)
+    lm.generate([list(range(5, 9))], max_new_tokens=4, max_denoising_steps=1, prefix_cache=one)
+    assert len(one) == 0  # 4 tokens: below min_tokens
+    lm.generate([list(range(5, 25))], max_new_tokens=4, max_denoising_steps=1, prefix_cache=one)
+    per_prompt = one.nbytes
+    assert len(one) == 1 and per_prompt > 0
+    lm.generate([list(range(5, 25))], max_new_tokens=4, max_denoising_steps=1, prefix_cache=one)
+    assert len(one) == 1 and one.nbytes == per_prompt  # the same prompt is not kept twice
+    two = PrefixCache(max_bytes=2 * per_prompt, min_tokens=5)
+    a, b, c = ([t] * 20 for t in (30, 40, 50))
+    for p in (a, b, a, c):  # a is used again after b, so b is the least recently used when c comes
+        lm.generate([p], max_new_tokens=4, max_denoising_steps=1, prefix_cache=two)
+    assert sorted(e[0] for e in _stored(two)) == [30, 50] and two.nbytes <= two.max_bytes
+    tiny = PrefixCache(max_bytes=per_prompt - 1, min_tokens=5)
+    lm.generate([a], max_new_tokens=4, max_denoising_steps=1, prefix_cache=tiny)
+    assert len(tiny) == 0  # larger than the whole budget: not kept
+
+
+def test_clear_errors(lm):
+    with pytest.raises(ValueError, match="prefix_cache: expected a blockpress.PrefixCache"):
+        lm.generate([5, 6], max_new_tokens=4, prefix_cache={})
+    out = lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, return_cache=True)
+    with pytest.raises(ValueError, match="prefix_cache: not together with cache="):
+        lm.generate([8], max_new_tokens=4, cache=out.cache, prefix_cache=PrefixCache())
+    with pytest.raises(ValueError, match="max_bytes"):
+        PrefixCache(max_bytes=-1)
+    with pytest.raises(ValueError, match="min_tokens"):
+        PrefixCache(min_tokens=0)
+    pc = PrefixCache(min_tokens=1)
+    lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
+    other = blockpress.random_model(blockpress.ModelConfig.tiny(head_dim=16), seed=0)
+    with pytest.raises(ValueError, match="another model"):
+        other.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
