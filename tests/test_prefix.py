@@ -36,15 +36,19 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
     later = [data.draw(st.sampled_from(earlier))[: data.draw(st.integers(0, 30))] + ids_from(r) for r in later]
     pc = PrefixCache(min_tokens=1)
     model = lm.model
+    seen: list[list[int]] = []  # every prompt so far, in order: a row also reuses the rows before it in its batch
     with torch.no_grad():
         for batch in (earlier, later):
             prompt, mask = left_pad(batch, PAD)
             room = prompt.shape[1] + 8
             want_cache = lm.new_cache(len(batch), room)
             want = model.encode(prompt, want_cache, attention_mask=mask, logits="last")
-            before = [(max((_lcp(e, r) for e in _stored(pc)), default=0)) for r in batch]
+            expected = []
+            for r in batch:
+                expected.append(min(max((_lcp(e, r) for e in seen), default=0), len(r) - 1))
+                seen.append(r)
             got_cache, got, reused = encode_prompts(model, prompt, mask, pc, room, logits=True)
-            assert reused == [min(b, len(r) - 1) for b, r in zip(before, batch)]
+            assert reused == expected
             assert got_cache.length == want_cache.length and got_cache.has_padding == want_cache.has_padding
             assert torch.equal(got_cache.valid, want_cache.valid) and torch.equal(got_cache.next_pos, want_cache.next_pos)
             v = want_cache.valid[:, : want_cache.length]
@@ -55,7 +59,7 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def _stored(pc):
+def _stored(pc):  # the token ids of every entry
     return [e.ids.tolist() for e in pc._entries.values()]
 
 
