@@ -8,7 +8,9 @@ EOS is disabled, so every engine does a fixed amount of work and runs compare en
 from __future__ import annotations
 
 import json
+import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -53,13 +55,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_reset(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+def _rss_bytes() -> int | None:
+    """The process's resident memory (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def _peak(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+class PeakMemory:
+    """Peak memory of one engine run. CUDA: the allocator's peak (`peak_memory_gb`, weights included). CPU has no
+    allocator statistics, so a thread samples the resident memory every `interval` s: `peak_rss_growth_gb` is
+    the most the run added to what was resident when it started (caches, logits, the step's work)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.005):
+        self.device, self.interval = device, interval
+        self.start = self.peak = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.start = self.peak = _rss_bytes()
+            if self.start is not None:
+                self._thread = threading.Thread(target=self._sample, daemon=True)
+                self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes() or 0)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self.peak = max(self.peak, _rss_bytes() or 0)
+
+    def figures(self) -> dict[str, float | None]:
+        if self.device.type == "cuda":
+            return {"peak_memory_gb": torch.cuda.max_memory_allocated(self.device) / 1e9}
+        growth = None if self.start is None else (self.peak - self.start) / 1e9
+        return {"peak_memory_gb": None, "peak_rss_growth_gb": growth}
 
 
 def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
@@ -196,18 +236,18 @@ def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
 
 def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
     device = lm.device
-    _peak_reset(device)
-    _sync(device)
-    t0 = time.perf_counter()
-    o = lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps, seed=0, adaptive_stopping=False)
-    _sync(device)
-    total = time.perf_counter() - t0
+    with PeakMemory(device) as mem:
+        _sync(device)
+        t0 = time.perf_counter()
+        o = lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps, seed=0, adaptive_stopping=False)
+        _sync(device)
+        total = time.perf_counter() - t0
     n = int(o.num_new_tokens.sum())
     passes = int(o.forward_passes.max())
     return {"seconds": total, "new_tokens": n, "forward_passes": passes,
             "tokens_per_forward": float(o.tokens_per_forward.mean()), "tok_s": n / total,
             "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
-            "ms_per_step": o.denoise_seconds * 1e3 / passes, "peak_memory_gb": _peak(device)}
+            "ms_per_step": o.denoise_seconds * 1e3 / passes, **mem.figures()}
 
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm")
@@ -233,17 +273,17 @@ def _gemm_ms_per_step(lm: LM, prompt: torch.Tensor, passes: int = 4) -> float:
 
 def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
     device = lm.device
-    _peak_reset(device)
-    _sync(device)
-    t0 = time.perf_counter()
-    o = lm.generate_ar(prompt, max_new_tokens=s.new_tokens)
-    _sync(device)
-    total = time.perf_counter() - t0
+    with PeakMemory(device) as mem:
+        _sync(device)
+        t0 = time.perf_counter()
+        o = lm.generate_ar(prompt, max_new_tokens=s.new_tokens)
+        _sync(device)
+        total = time.perf_counter() - t0
     n = int(o.num_new_tokens.sum())
     return {"seconds": total, "new_tokens": n, "forward_passes": int(o.forward_passes.max()), "tokens_per_forward": 1.0,
             "tok_s": n / total, "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
             "ms_per_step": o.denoise_seconds * 1e3 / max(1, int(o.forward_passes.max())),
-            "peak_memory_gb": _peak(device)}
+            **mem.figures()}
 
 
 def _reference(lm: LM) -> Any:
@@ -258,18 +298,17 @@ def _reference(lm: LM) -> Any:
 
 
 def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device) -> dict[str, Any]:
-    _peak_reset(device)
-    _sync(device)
-    t0 = time.perf_counter()
-    with torch.no_grad():
+    with PeakMemory(device) as mem, torch.no_grad():
+        _sync(device)
+        t0 = time.perf_counter()
         o = ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
                          confidence_threshold=1e-30)  # never confident: fixed steps, like ours
-    _sync(device)
-    total = time.perf_counter() - t0
+        _sync(device)
+        total = time.perf_counter() - t0
     n = int((o.sequences.shape[1] - prompt.shape[1]) * prompt.shape[0])
     tpf = float(o.tokens_per_forward.float().mean())
     return {"seconds": total, "new_tokens": n, "tokens_per_forward": tpf, "tok_s": n / total,
-            "forward_passes": round(n / prompt.shape[0] / tpf) if tpf else None, "peak_memory_gb": _peak(device)}
+            "forward_passes": round(n / prompt.shape[0] / tpf) if tpf else None, **mem.figures()}
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:

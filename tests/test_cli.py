@@ -121,7 +121,21 @@ def test_bench_json_and_plot(tmp_path, capsys):
         assert row["blockpress"]["forward_passes"] == 2 * 1  # one 16-token canvas, 2 fixed steps
         assert row["gemm_ms_per_step"] > 0 and row["speedup_bound_at_this_precision"] > 0
         assert row["speedup_vs_reference"] == pytest.approx(row["blockpress"]["tok_s"] / row["reference"]["tok_s"])
+        for engine in ("blockpress", "blockpress_ar", "reference"):  # a CPU run reports resident memory instead
+            assert row[engine]["peak_memory_gb"] is None and row[engine]["peak_rss_growth_gb"] >= 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_peak_memory_on_cpu_sees_what_a_run_allocates():
+    from blockpress.bench import PeakMemory
+
+    with PeakMemory(torch.device("cpu"), interval=0.001) as mem:
+        block = torch.ones(64, 1024, 1024)  # 256 MB, written, then freed before the block ends
+        del block
+    with PeakMemory(torch.device("cpu"), interval=0.001) as idle:
+        pass
+    assert mem.figures()["peak_rss_growth_gb"] >= 0.2
+    assert 0 <= idle.figures()["peak_rss_growth_gb"] < 0.05
 
 
 def test_bench_variants_add_their_own_columns(monkeypatch):
