@@ -99,6 +99,38 @@ class KVCache:
         valid[:, :n] = self.valid[:, :n]
         self.valid = valid
 
+    def end_rows(self, ends: torch.Tensor) -> None:
+        """Row r keeps its slots before `ends[r]`; the later ones (what it encoded after it ended, pads) become
+        padding, moved to the left (`compact`). A single row is truncated instead."""
+        if self.batch_size == 1:
+            self.truncate(int(ends[0]))
+            return
+        n = self.length
+        self.valid[:, :n] &= torch.arange(n, device=self.device)[None, :] < ends.to(self.device)[:, None]
+        self.next_pos.copy_(self.valid[:, :n].sum(dim=1))
+        self.has_padding = bool((~self.valid[:, :n]).any())
+        self.compact()
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the end of the encoded ones, in order, so padding is only on the left.
+
+        A batch leaves holes behind a row that ended before the others (its later slots are invalid). Sliding
+        windows count slots, so tokens encoded after such a hole (the next turn of a conversation) would see
+        fewer earlier tokens than they do alone; after compacting they see exactly what they would. Keys already
+        hold their rotary positions, so moving them changes nothing else.
+        """
+        n = self.length
+        valid = self.valid[:, :n]
+        if n == 0 or not bool((valid[:, :-1] & ~valid[:, 1:]).any()):  # already left-padded
+            return
+        order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)  # invalid slots first, each kind in order
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                index = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                t[:, :, :n] = t[:, :, :n].gather(2, index)
+        self.valid[:, :n] = valid.gather(1, order)
+        self.has_padding = True
+
     def positions(self, new_tokens: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Positions [B, L] of the next tokens: each row counts only its valid slots."""
         if mask is None:

@@ -645,6 +645,8 @@ def run(
 
     num_valid = (torch.minimum(_count_valid(new_tokens, eos), stop_len) if req.template is None
                  else torch.full((b,), n_new, device=device))
+    if keep_cache:
+        cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
     out = _output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
                   cache if keep_cache else None, tokenizer)
     out.extra["stopped"] = stopped
@@ -681,6 +683,7 @@ def run_ar(
     t0 = time.perf_counter()
     with torch.no_grad():
         cache, logits, reused = _encode_prompt(model, req, prompt, cache, p + n_new + 1, logits=True)
+    start = cache.length
     _sync(device)
     encode_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -721,6 +724,8 @@ def run_ar(
     _sync(device)
     decode_s = time.perf_counter() - t1
     num_valid = torch.minimum(_count_valid(new_tokens, eos), stop_len)
+    if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
+        cache.end_rows(start + num_valid)
     out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
                   cache if keep_cache else None, tokenizer)
     out.extra["stopped"] = stopped

@@ -101,6 +101,78 @@ def test_cache_reuse_equals_reencoding(lm):
     assert torch.equal(cont.new_tokens, fresh.new_tokens)
 
 
+def _end_row0_at(position):
+    """A logits_processor that makes the batch's row 0 write EOS at canvas `position` of its first canvas."""
+    def processor(logits, rows):
+        logits = logits.clone()
+        first = rows == 0
+        logits[first, position] = -1e4
+        logits[first, position, EOS] = 1e4
+        return logits
+    return processor
+
+
+def test_a_batched_conversation_continues_each_row_as_alone(lm):
+    """Row 0 ends in its first canvas while row 1 goes on: row 0's cache has a hole that sliding windows (8 slots
+    here) would count. Compacted, both rows' second turns are what each conversation gives alone."""
+    prompts, follow = [list(range(5, 15)), list(range(20, 33))], [list(range(40, 50)), list(range(50, 60))]
+    kw = dict(max_denoising_steps=3, sampler="greedy")
+    first = lm.generate(prompts, max_new_tokens=16, seed=1, return_cache=True, logits_processor=_end_row0_at(3), **kw)
+    assert first.num_new_tokens.tolist() == [4, 16]
+    second = lm.generate(follow, max_new_tokens=8, seed=2, cache=first.cache, **kw)
+    for r in range(2):
+        alone = lm.generate([prompts[r]], max_new_tokens=16, seed=1, return_cache=True,
+                            logits_processor=_end_row0_at(3) if r == 0 else None, **kw)
+        assert torch.equal(alone.new_tokens[0], first.new_tokens[r])
+        again = lm.generate([follow[r]], max_new_tokens=8, seed=2, cache=alone.cache, **kw)
+        assert torch.equal(again.new_tokens[0], second.new_tokens[r])
+
+
+def test_an_ar_conversation_keeps_no_pads_in_its_cache(lm, monkeypatch):
+    """AR rows that end go on encoding pads until every row has ended (the end is checked every 8 tokens): the
+    returned cache must hold each row's text only, so a next turn sees what a fresh encode would."""
+    original = lm.model.head
+    calls = {"n": 0}
+
+    def head(hidden):  # row 0's third new token is EOS
+        logits = original(hidden)
+        if hidden.dim() == 2:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                logits[0] = -1e4
+                logits[0, EOS] = 1e4
+        return logits
+
+    prompts, follow = [list(range(5, 15)), list(range(20, 33))], [list(range(40, 50)), list(range(50, 60))]
+    with monkeypatch.context() as m:
+        m.setattr(lm.model, "head", head)
+        first = lm.generate_ar(prompts, max_new_tokens=12, return_cache=True)
+        calls["n"] = 0
+        alone0 = lm.generate_ar([prompts[0]], max_new_tokens=12, return_cache=True)
+    assert first.num_new_tokens.tolist() == [3, 12] and alone0.num_new_tokens.tolist() == [3]
+    assert alone0.cache.length == 10 + 3  # prompt + its text up to EOS: no pads
+    second = lm.generate_ar(follow, max_new_tokens=6, cache=first.cache)
+    alone1 = lm.generate_ar([prompts[1]], max_new_tokens=12, return_cache=True)
+    for r, alone in enumerate((alone0, alone1)):
+        fresh = lm.generate_ar([prompts[r] + first.new_tokens[r, : int(first.num_new_tokens[r])].tolist() + follow[r]],
+                               max_new_tokens=6)
+        again = lm.generate_ar([follow[r]], max_new_tokens=6, cache=alone.cache)
+        assert torch.equal(second.new_tokens[r], fresh.new_tokens[0])
+        assert torch.equal(again.new_tokens[0], fresh.new_tokens[0])
+
+
+def test_compact_moves_padding_left_and_keeps_order():
+    cfg = blockpress.ModelConfig.tiny().text
+    cache = blockpress.KVCache.allocate(cfg, 2, 8)
+    for t in (*cache.keys, *cache.values):
+        t.copy_(torch.arange(8.0)[None, None, :, None].expand_as(t))
+    cache.commit(torch.tensor([[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 1]]), 6)
+    cache.compact()
+    assert cache.valid[:, :6].tolist() == [[False, False, False, True, True, True], [False, True, True, True, True, True]]
+    assert cache.keys[0][0, 0, 3:6, 0].tolist() == [0.0, 1.0, 3.0] and cache.keys[0][1, 0, 1:6, 0].tolist() == [1, 2, 3, 4, 5]
+    assert cache.next_pos.tolist() == [3, 5] and cache.has_padding
+
+
 def test_cache_truncate_retry(lm):
     out = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=3, sampler="greedy", seed=1, return_cache=True)
     cache = out.cache
