@@ -7,8 +7,8 @@ EOS is disabled, so every engine does a fixed amount of work and runs compare en
 
 from __future__ import annotations
 
+import ctypes
 import json
-import os
 import tempfile
 import threading
 import time
@@ -55,51 +55,64 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _rss_bytes() -> int | None:
-    """The process's resident memory (Linux /proc; None elsewhere)."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_reader() -> Callable[[], int] | None:
+    """Bytes the C heap has handed out and not taken back (glibc's mallinfo2: torch's CPU tensors live there),
+    or None where there is no glibc. Unlike the resident size it falls when memory is freed, so a run that
+    reuses what an earlier one freed is still counted."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
         return None
+    mallinfo2.restype = _MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    return in_use
 
 
 class PeakMemory:
-    """Peak memory of one engine run. CUDA: the allocator's peak (`peak_memory_gb`, weights included). CPU has no
-    allocator statistics, so a thread samples the resident memory every `interval` s: `peak_rss_growth_gb` is
-    the most the run added to what was resident when it started (caches, logits, the step's work)."""
+    """Peak memory of one engine run. CUDA: the allocator's peak (`peak_memory_gb`, weights included). On a CPU a
+    thread samples the C heap's bytes in use every `interval` s: `peak_memory_growth_gb` is the most the run
+    held beyond what was in use when it started (caches, logits, the step's work; None without glibc)."""
 
-    def __init__(self, device: torch.device, interval: float = 0.005):
+    def __init__(self, device: torch.device, interval: float = 0.002):
         self.device, self.interval = device, interval
-        self.start = self.peak = None
+        self.read = None if device.type == "cuda" else _heap_reader()
+        self.start = self.peak = 0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.start = self.peak = _rss_bytes()
-            if self.start is not None:
-                self._thread = threading.Thread(target=self._sample, daemon=True)
-                self._thread.start()
+        elif self.read is not None:
+            self.start = self.peak = self.read()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._done.wait(self.interval):
-            self.peak = max(self.peak, _rss_bytes() or 0)
+            self.peak = max(self.peak, self.read())
 
     def __exit__(self, *exc: Any) -> None:
         self._done.set()
         if self._thread is not None:
             self._thread.join()
-            self.peak = max(self.peak, _rss_bytes() or 0)
 
     def figures(self) -> dict[str, float | None]:
         if self.device.type == "cuda":
             return {"peak_memory_gb": torch.cuda.max_memory_allocated(self.device) / 1e9}
-        growth = None if self.start is None else (self.peak - self.start) / 1e9
-        return {"peak_memory_gb": None, "peak_rss_growth_gb": growth}
+        growth = None if self.read is None else (self.peak - self.start) / 1e9
+        return {"peak_memory_gb": None, "peak_memory_growth_gb": growth}
 
 
 def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
