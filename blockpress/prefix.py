@@ -123,35 +123,59 @@ def encode_prompts(
 ) -> tuple[KVCache, torch.Tensor | None, list[int]]:
     """Encode a left-padded prompt batch [B, P] into a new cache of `capacity` slots, reusing `prefixes`.
 
-    Returns (the cache, the last prompt token's logits [B, V] when `logits`, tokens reused per row). The cache
-    is what `model.encode(prompt, cache, attention_mask)` would have built: same slots, same positions.
+    Returns (the cache, the last prompt token's logits [B, V] when `logits`, tokens reused per row). For a
+    left-padded batch (as blockpress pads) the cache is what `model.encode(prompt, cache, attention_mask)` would
+    have built: same slots, same positions. Padding anywhere else ends up on the left.
+    Rows that share nothing with the kept prompts are encoded together, as one batch (per-row calls cost a
+    small model more than the tokens); the others then each encode their own tail, and may also reuse what
+    those fresh rows just added.
     """
     b, p = prompt.shape
+    device = prompt.device
     cache = KVCache.allocate(model.config.text, b, capacity, model.dtype, model.device)
     prefixes.check_layout(cache)
-    mask = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    last, reused = [], []
+    mask = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool().to(device)
+    ids = [prompt[i][mask[i]].cpu() for i in range(b)]
+    # One-row views of the batch cache, each starting where its row's tokens start: encoding into a view writes
+    # the batch cache in place.
+    views = [KVCache([k[i : i + 1, :, p - x.numel():] for k in cache.keys],
+                     [v[i : i + 1, :, p - x.numel():] for v in cache.values],
+                     cache.valid[i : i + 1, p - x.numel():], cache.next_pos[i : i + 1]) for i, x in enumerate(ids)]
+    last: list[torch.Tensor | None] = [None] * b
+    reused = [0] * b
+    fresh = [i for i in range(b) if min(prefixes.longest(ids[i])[1], ids[i].numel() - 1) == 0]
+    if fresh:
+        width = max(ids[i].numel() for i in fresh)
+        rows = torch.tensor(fresh, device=device)
+        tokens = torch.zeros(len(fresh), width, dtype=torch.long)
+        valid = torch.zeros(len(fresh), width, dtype=torch.bool)
+        for j, i in enumerate(fresh):  # left-padded again: the caller's padding may be anywhere
+            tokens[j, width - ids[i].numel():] = ids[i]
+            valid[j, width - ids[i].numel():] = True
+        sub = KVCache.allocate(model.config.text, len(fresh), width, model.dtype, model.device)
+        out = model.encode(tokens.to(device), sub, attention_mask=valid.to(device), logits="last" if logits else "none")
+        for dst, src in zip((*cache.keys, *cache.values), (*sub.keys, *sub.values)):
+            dst[rows, :, p - width : p] = src[:, :, :width]
+        cache.next_pos[rows] = sub.next_pos
+        for j, i in enumerate(fresh):
+            last[i] = None if out is None else out[j : j + 1]
+            prefixes.add(ids[i], views[i])
     for i in range(b):
-        ids = prompt[i][mask[i].to(prompt.device)].cpu()
-        off = p - ids.numel()
-        # A one-row view of the batch cache, starting where this row's tokens start: encoding into it writes
-        # the batch cache in place.
-        row = KVCache([k[i : i + 1, :, off:] for k in cache.keys], [v[i : i + 1, :, off:] for v in cache.values],
-                      cache.valid[i : i + 1, off:], cache.next_pos[i : i + 1])
-        key, shared = prefixes.longest(ids)
-        n = min(shared, ids.numel() - 1)  # the last token is always encoded (its logits start the AR loop)
         prefixes.lookups += 1
+        if i in fresh:
+            continue
+        key, shared = prefixes.longest(ids[i])
+        n = min(shared, ids[i].numel() - 1)  # the last token is always encoded (its logits start the AR loop)
         if n > 0:
-            prefixes.load(key, n, row)
+            prefixes.load(key, n, views[i])
             prefixes.hits += 1
             prefixes.reused_tokens += n
-        out = model.encode(ids[n:][None].to(prompt.device), row, logits="last" if logits else "none")
-        if logits:
-            last.append(out)
-        if shared < ids.numel():  # an entry that already holds all of `ids` serves it as it is
-            prefixes.add(ids, row, replaces=key)
-        cache.valid[i, :off] = False
-        reused.append(n)
+        last[i] = model.encode(ids[i][n:][None].to(device), views[i], logits="last" if logits else "none")
+        if shared < ids[i].numel():  # an entry that already holds all of `ids` serves it as it is
+            prefixes.add(ids[i], views[i], replaces=key)
+        reused[i] = n
+    lengths = torch.tensor([x.numel() for x in ids], device=cache.device)
+    cache.valid[:, :p] = torch.arange(p, device=cache.device)[None, :] >= p - lengths[:, None]
     cache.length = p
-    cache.has_padding = bool((~mask).any())
-    return cache, torch.cat(last) if logits else None, reused
+    cache.has_padding = bool((lengths < p).any())
+    return cache, torch.cat(last) if logits else None, reused  # type: ignore[arg-type]

@@ -36,17 +36,22 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
     later = [data.draw(st.sampled_from(earlier))[: data.draw(st.integers(0, 30))] + ids_from(r) for r in later]
     pc = PrefixCache(min_tokens=1)
     model = lm.model
-    seen: list[list[int]] = []  # every prompt so far, in order: a row also reuses the rows before it in its batch
+    seen: list[list[int]] = []  # every prompt kept so far
     with torch.no_grad():
         for batch in (earlier, later):
             prompt, mask = left_pad(batch, PAD)
             room = prompt.shape[1] + 8
             want_cache = lm.new_cache(len(batch), room)
             want = model.encode(prompt, want_cache, attention_mask=mask, logits="last")
-            expected = []
-            for r in batch:
-                expected.append(min(max((_lcp(e, r) for e in seen), default=0), len(r) - 1))
-                seen.append(r)
+            # Rows that share nothing with the kept prompts are encoded first, together; the others then reuse
+            # what they can, those fresh rows and the rows before them included.
+            fresh = [i for i, r in enumerate(batch) if _reuse(seen, r) == 0]
+            seen += [batch[i] for i in fresh]
+            expected = [0] * len(batch)
+            for i, r in enumerate(batch):
+                if i not in fresh:
+                    expected[i] = _reuse(seen, r)
+                    seen.append(r)
             got_cache, got, reused = encode_prompts(model, prompt, mask, pc, room, logits=True)
             assert reused == expected
             assert got_cache.length == want_cache.length and got_cache.has_padding == want_cache.has_padding
@@ -61,6 +66,10 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
 
 def _stored(pc):  # the token ids of every entry
     return [e.ids.tolist() for e in pc._entries.values()]
+
+
+def _reuse(seen, r):  # what a row reuses: its longest shared prefix, all but its last token at most
+    return min(max((_lcp(e, r) for e in seen), default=0), len(r) - 1)
 
 
 def _lcp(a, b):
