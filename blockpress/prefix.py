@@ -159,7 +159,9 @@ def encode_prompts(
         cache.next_pos[rows] = sub.next_pos
         for j, i in enumerate(fresh):
             last[i] = None if out is None else out[j : j + 1]
-            prefixes.add(ids[i], views[i])
+            key, shared = prefixes.longest(ids[i])  # a row of this batch may have added the same prompt already
+            if shared < ids[i].numel():
+                prefixes.add(ids[i], views[i], replaces=key)
     for i in range(b):
         prefixes.lookups += 1
         if i in fresh:

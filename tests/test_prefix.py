@@ -109,6 +109,9 @@ def test_budget_min_tokens_and_lru(lm):
     assert len(one) == 1 and per_prompt > 0
     lm.generate([list(range(5, 25))], max_new_tokens=4, max_denoising_steps=1, prefix_cache=one)
     assert len(one) == 1 and one.nbytes == per_prompt  # the same prompt is not kept twice
+    pair = PrefixCache(min_tokens=5)
+    lm.generate([list(range(30, 50))] * 2, max_new_tokens=4, max_denoising_steps=1, prefix_cache=pair)
+    assert len(pair) == 1 and pair.nbytes == per_prompt  # nor twice from one batch
     two = PrefixCache(max_bytes=2 * per_prompt, min_tokens=5)
     a, b, c = ([t] * 20 for t in (30, 40, 50))
     for p in (a, b, a, c):  # a is used again after b, so b is the least recently used when c comes
