@@ -49,6 +49,7 @@ class PrefixCache:
     _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict, repr=False)
     _next: int = field(default=0, repr=False)
     _layout: tuple | None = field(default=None, repr=False)
+    _bytes: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_bytes, int) or self.max_bytes < 0:
@@ -61,10 +62,11 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._bytes  # kept as a count, so another thread (a server's /metrics) can read it any time
 
     def clear(self) -> None:
         self._entries.clear()
+        self._bytes = 0
 
     def longest(self, ids: torch.Tensor) -> tuple[int | None, int]:
         """(key of the entry sharing the longest prefix with `ids` [n] long, that prefix's length)."""
@@ -108,12 +110,11 @@ class PrefixCache:
             return
         old = self._entries.get(replaces) if replaces is not None else None
         if old is not None and old.ids.numel() <= n and torch.equal(old.ids, ids[: old.ids.numel()]):
-            del self._entries[replaces]
-        total = self.nbytes
-        while self._entries and total + entry.nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            total -= old.nbytes
+            self._bytes -= self._entries.pop(replaces).nbytes
+        while self._entries and self._bytes + entry.nbytes > self.max_bytes:
+            self._bytes -= self._entries.popitem(last=False)[1].nbytes
         self._entries[self._next] = entry
+        self._bytes += entry.nbytes
         self._next += 1
 
 

@@ -139,10 +139,10 @@ class Metrics:
         with self.lock:
             self.latency.append(seconds)
 
-    def render(self, queue_depth: int) -> str:
+    def render(self, gauges: dict[str, float]) -> str:
         with self.lock:
             lines = [f"blockpress_{k} {v}" for k, v in self.counters.items()]
-            lines.append(f"blockpress_queue_depth {queue_depth}")
+            lines += [f"blockpress_{k} {v}" for k, v in gauges.items()]
             for b in self.BUCKETS:
                 lines.append(f'blockpress_request_seconds_bucket{{le="{b}"}} {sum(x <= b for x in self.latency)}')
             lines.append(f'blockpress_request_seconds_bucket{{le="+Inf"}} {len(self.latency)}')
@@ -395,7 +395,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(engine.metrics.render(engine.depth()))
+        gauges = {"queue_depth": engine.depth()}
+        if engine.prefix_cache is not None:
+            gauges.update(prefix_cache_entries=len(engine.prefix_cache), prefix_cache_bytes=engine.prefix_cache.nbytes)
+        return PlainTextResponse(engine.metrics.render(gauges))
 
     return app
 

@@ -93,6 +93,7 @@ def test_generation_is_unchanged_and_reuses_what_it_can(lm):
     assert torch.equal(again.sequences, plain.sequences)
     # turn2 extends turn1, so its entry replaced turn1's; `other` branched off and has its own
     assert sorted(len(e) for e in _stored(pc)) == [22, 43]
+    assert pc.nbytes == sum(e.nbytes for e in pc._entries.values())
     assert pc.hits == 3 and pc.reused_tokens == 69
     ar_plain = lm.generate_ar([turn1, turn2, other], max_new_tokens=12)
     ar = lm.generate_ar([turn1, turn2, other], max_new_tokens=12, prefix_cache=pc)
@@ -117,6 +118,7 @@ def test_budget_min_tokens_and_lru(lm):
     for p in (a, b, a, c):  # a is used again after b, so b is the least recently used when c comes
         lm.generate([p], max_new_tokens=4, max_denoising_steps=1, prefix_cache=two)
     assert sorted(e[0] for e in _stored(two)) == [30, 50] and two.nbytes <= two.max_bytes
+    assert two.nbytes == sum(e.nbytes for e in two._entries.values())  # the running count stays true
     tiny = PrefixCache(max_bytes=per_prompt - 1, min_tokens=5)
     lm.generate([a], max_new_tokens=4, max_denoising_steps=1, prefix_cache=tiny)
     assert len(tiny) == 0  # larger than the whole budget: not kept

@@ -197,6 +197,9 @@ def test_a_chat_reuses_its_earlier_turns(client, server):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert shared > 16 and cached >= shared  # at least the first turn's prompt (an earlier test may share more)
     assert engine.metrics.counters["cached_prompt_tokens_total"] - before == cached
+    metrics = dict(line.split(" ") for line in httpx.get(server[0] + "/metrics").text.splitlines() if "{" not in line)
+    assert int(metrics["blockpress_prefix_cache_entries"]) >= 1
+    assert int(metrics["blockpress_prefix_cache_bytes"]) == engine.prefix_cache.nbytes > 0
     direct = lm.generate([ids2], max_new_tokens=8, seeds=[12], sampler="greedy")
     assert second.choices[0].message.content == direct.texts[0]
 
