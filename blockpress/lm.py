@@ -258,6 +258,17 @@ class LM:
             req.first_allowed = allowed_first_tokens(self.tokenizer, req.heal_prefixes, v)
         return req
 
+    def _check_context(self, req: Request, cache: KVCache | None) -> None:
+        """Positions past max_position_embeddings were never trained, and an absurd max_new_tokens would first
+        allocate a cache that long: refuse with a clear error instead."""
+        limit = self.config.text.max_position_embeddings
+        held = 0 if cache is None else int(cache.next_pos.max())
+        n = req.template.shape[1] if req.template is not None else req.max_new_tokens
+        if held + req.prompt.shape[1] + n > limit:
+            where = f"{held} cached + " if held else ""
+            raise ValueError(f"max_new_tokens: {where}{req.prompt.shape[1]} prompt + {n} new tokens exceed the model's "
+                             f"context of {limit} tokens (max_position_embeddings)")
+
     def _stops(self, stop: Any, req: Request) -> list[list[str]] | None:
         stops = normalize_stops(stop, req.prompt.shape[0])
         if stops and self.tokenizer is None:
@@ -323,6 +334,7 @@ class LM:
         req.logits_processor = logits_processor
         req.stops = self._stops(stop, req)
         req.prefix_cache = _check_prefix_cache(prefix_cache)
+        self._check_context(req, cache)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
@@ -377,6 +389,7 @@ class LM:
                             token_healing)
         req.stops = self._stops(stop, req)
         req.prefix_cache = _check_prefix_cache(prefix_cache)
+        self._check_context(req, cache)
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

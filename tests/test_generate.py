@@ -616,3 +616,16 @@ def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch):
     out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0,
                     keep_accepted=True)
     assert (out.new_tokens[0, [0, 3]] == 40).sum() == 1
+
+
+def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64), seed=0)
+    with pytest.raises(ValueError, match=r"max_new_tokens: 3 prompt \+ 62 new tokens exceed the model's context of 64"):
+        lm.generate([5, 6, 7], max_new_tokens=62)
+    with pytest.raises(ValueError, match="context of 64"):
+        lm.generate_ar([5, 6, 7], max_new_tokens=10**9)
+    assert lm.generate([5, 6, 7], max_new_tokens=61, max_denoising_steps=1, seed=0).new_tokens.shape[1] == 61  # fits
+    out = lm.generate([5, 6, 7], max_new_tokens=20, max_denoising_steps=1, seed=0, return_cache=True)
+    held = int(out.cache.next_pos[0])
+    with pytest.raises(ValueError, match=rf"{held} cached \+ 1 prompt \+ {64 - held} new"):
+        lm.generate([8], max_new_tokens=64 - held, cache=out.cache)
