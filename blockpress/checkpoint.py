@@ -113,6 +113,22 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or a torch.dtype, got {dtype!r}")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here, or a clear error (before any weights are read)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {device!r} is not a torch device (expected cpu, cuda, cuda:N, mps or meta)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but this torch sees no CUDA GPU "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device: {device!r} asked for, but MPS is not available here")
+    return dev
+
+
 def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype to compute in when the caller names none: the checkpoint's own, except half precision on a CPU
     that only emulates it. Without AVX512-BF16 / AMX (an AVX2 CPU, say) bf16 matmuls take a scalar fallback:
@@ -160,6 +176,7 @@ def load_model(
         raise FileNotFoundError(f"{path}: not a checkpoint folder")
     config = ModelConfig.from_file(path / "config.json")
     dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = DiffusionGemma(config)
@@ -171,7 +188,6 @@ def load_model(
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     passthrough = Passthrough()
-    device = torch.device(device)
     for file in files:
         f = MappedSafetensors(file)
         for name in f.keys():

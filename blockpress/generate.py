@@ -306,9 +306,13 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int)
     if isinstance(template, str):
         if tokenizer is None:
             raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
+        if not isinstance(hole_length, int) or hole_length < 1:
+            raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")
         ids: list[int] = []
         pos = 0
         for m in _HOLE_RE.finditer(template):
+            if m.group(1) and int(m.group(1)) < 1:
+                raise ValueError(f"template: {m.group(0)} holds no token; a hole needs a length of 1 or more")
             ids += tokenizer.encode(template[pos : m.start()]) if m.start() > pos else []
             ids += [-1] * (int(m.group(1)) if m.group(1) else hole_length)
             pos = m.end()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .checkpoint import Passthrough, load_model, resolve_dtype, save_model
+from .checkpoint import Passthrough, load_model, resolve_device, resolve_dtype, save_model
 from .config import ModelConfig
 from .generate import (
     Commit,
@@ -454,7 +454,7 @@ def random_model(
 
     device="meta" stops before allocating: shapes and dtypes only, to count parameters and bytes (`info`)."""
     dtype = resolve_dtype(dtype) or torch.float32
-    device = torch.device(device)
+    device = resolve_device(device)
     with torch.device("meta"):
         model = DiffusionGemma(config)
     # Cast while still on the meta device, so the real allocation happens once, in the final dtype.

@@ -123,6 +123,12 @@ class SamplerConfig:
         return bool(self.presence_penalty or self.frequency_penalty)
 
     def with_(self, **changes: Any) -> SamplerConfig:
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            hint = (" (the temperature follows a schedule from t_max down to t_min: set those, or sampler='greedy')"
+                    if "temperature" in unknown else "")
+            raise ValueError(f"{unknown[0]}: not a sampler setting{hint}; the settings are "
+                             f"{', '.join(f.name for f in fields(self))}")
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 

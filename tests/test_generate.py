@@ -273,8 +273,32 @@ def test_bad_prompts(lm, prompt):
 
 
 def test_unknown_option_rejected(lm):
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="temprature: not a sampler setting; the settings are sampler, "):
         lm.generate([3, 4], max_new_tokens=4, temprature=0.5)
+    with pytest.raises(ValueError, match="temperature: .* from t_max down to t_min"):  # a habit from AR engines
+        lm.generate([3, 4], max_new_tokens=4, temperature=0.5)
+
+
+@pytest.mark.parametrize("template, hole_length, message", [
+    ("a <|hole|> b", 0, "hole_length: expected a positive integer"),
+    ("a <|hole|> b", 2.5, "hole_length: expected a positive integer"),
+    ("a <|hole:0|> b", 8, r"template: <\|hole:0\|> holds no token"),
+])
+def test_bad_hole_lengths(template, hole_length, message):
+    from blockpress.cli import load_model
+
+    with pytest.raises(ValueError, match=message):
+        load_model("random-tiny", None, "cpu").infill(template, hole_length=hole_length)
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "not a torch device"), ("cuda:7", "device: 'cuda:7' asked for")])
+def test_bad_devices(device, message):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that GPU")
+    with pytest.raises(ValueError, match=message):
+        blockpress.random_model(blockpress.ModelConfig.tiny(), device=device)
+    with pytest.raises(ValueError, match=message):
+        blockpress.load("blockpress-sudoku", device=device)
 
 
 def test_banned_eos_keeps_adaptive_stop(lm, monkeypatch):
