@@ -345,7 +345,8 @@ class LM:
         Keyword options: min_new_tokens, attention_mask, template (constrained canvas), hole_length,
         cache (continue a conversation), return_cache, seeds (one per row), skip_stopped_rows (default
         True: a row that has stopped leaves the batch until the next canvas), constraint (a per-step rule, see
-        `stream`), token_healing (see `stream`), and sampler settings (entropy_bound, confidence,
+        `stream`), token_healing (see `stream`), prefix_cache (a `PrefixCache`: reuse earlier prompts' encoding,
+        see `stream`), and sampler settings (entropy_bound, confidence,
         t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping, presence_penalty,
         frequency_penalty: any field of SamplerConfig).
         """
