@@ -129,6 +129,31 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on `device` now (Linux MemAvailable; CUDA's free memory), or None."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse, with the figures, an allocation that cannot fit: the alternative is the OOM killer, which ends the
+    process without a word."""
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what}: needs {nbytes / 1e9:.1f} GB on {device} but {free / 1e9:.1f} GB are available "
+                         "(a smaller dtype, a quantized load, or device='meta' to count without allocating)")
+
+
 def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype to compute in when the caller names none: the checkpoint's own, except half precision on a CPU
     that only emulates it. Without AVX512-BF16 / AMX (an AVX2 CPU, say) bf16 matmuls take a scalar fallback:

@@ -209,7 +209,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, args.dtype, args.device, args.quantize)
+    # Random weights tell nothing that shapes do not: count them on the meta device (any size, no memory).
+    device = "meta" if args.model.startswith(RANDOM_PREFIX) else args.device
+    lm = load_model(args.model, args.dtype, device, args.quantize)
     cfg = lm.config
     weights = lm.weights_bytes()
     info = dict(

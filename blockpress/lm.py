@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .checkpoint import Passthrough, load_model, resolve_device, resolve_dtype, save_model
+from .checkpoint import Passthrough, check_fits, load_model, resolve_device, resolve_dtype, save_model
 from .config import ModelConfig
 from .generate import (
     Commit,
@@ -462,6 +462,8 @@ def random_model(
     model = model.to(dtype)
     if device.type == "meta":
         return LM(model, tokenizer)
+    nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    check_fits(nbytes, device, f"random_model: {config.describe()} in {str(dtype).replace('torch.', '')}")
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(generator)

@@ -65,6 +65,25 @@ def test_info_json(capsys):
     assert data["tokenizer"] is True
 
 
+def test_info_on_a_random_26b_counts_without_allocating(capsys):
+    assert main(["info", "--model", "random-26b-a4b", "--dtype", "bfloat16", "--json"]) == 0  # 50 GB if allocated
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "meta" and 25e9 < data["parameters_total"] < 26e9
+    assert 3.7e9 < data["parameters_active"] < 3.9e9 and data["weights_bytes"] == pytest.approx(2 * data["parameters_total"], rel=0.01)
+
+
+def test_weights_that_cannot_fit_are_refused_before_allocating(monkeypatch, capsys):
+    import blockpress.checkpoint
+
+    monkeypatch.setattr(blockpress.checkpoint, "available_bytes", lambda device: 10_000)
+    with pytest.raises(ValueError, match=r"random_model: .* needs 0\.0 GB on cpu but 0\.0 GB are available"):
+        blockpress.random_model(blockpress.ModelConfig.tiny())
+    assert main(["generate", "x", "--model", "random-small", "--no-live"]) == 2  # the CLI: a one-line error
+    assert "random_model: " in capsys.readouterr().err
+    monkeypatch.setattr(blockpress.checkpoint, "available_bytes", lambda device: None)  # unknown: no check
+    assert blockpress.random_model(blockpress.ModelConfig.tiny()).num_parameters() > 0
+
+
 def test_chat_reuses_cache(monkeypatch, capsys):
     import blockpress.lm
 
