@@ -12,6 +12,10 @@ confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens,
 settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` scales the temperature schedule; 0 means the greedy sampler.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
 
+Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` makes the answer exactly
+`max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length); the extra field `template`
+takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text.
+
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
 one (the same system prompt, the previous turns of a chat) encodes only the rest, and its usage reports the
 reused tokens as `prompt_tokens_details.cached_tokens`, as OpenAI's does.
@@ -33,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .generate import Commit, Done, Draft, cut_at_stop
+from .generate import Commit, Done, Draft, cut_at_stop, template_to_ids
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
 
@@ -83,6 +87,10 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] = Field(min_length=1)
+    # OpenAI's insert mode: the completion fills exactly max_tokens tokens between the prompt and this text
+    suffix: str | None = None
+    # blockpress: text with <|hole|> / <|hole:N|> markers after the prompt; the answer is the filled text
+    template: str | None = None
 
 
 class APIError(Exception):
@@ -112,9 +120,18 @@ class Job:
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
+    # A constrained canvas (`suffix` or `template`): its token ids, -1 in the holes, and how many of its leading
+    # tokens are the answer (suffix mode: the holes before the suffix; None: all of it, a filled template).
+    canvas: list[int] | None = None
+    answer_tokens: int | None = None
 
     def key(self) -> tuple:
-        return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing)
+        return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing,
+                None if self.canvas is None else len(self.canvas))
+
+    @property
+    def holes(self) -> int:
+        return sum(t < 0 for t in self.canvas) if self.canvas is not None else 0
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -201,10 +218,12 @@ class Engine:
         first = batch[0]
         self.metrics.add(batches_total=1)
         texts = [""] * len(batch)
+        consumed = [0] * len(batch)  # canvas tokens committed so far (suffix mode streams only the answer's)
         stream = self.lm.stream(
             [j.prompt for j in batch], max_new_tokens=first.max_tokens, min_new_tokens=first.min_tokens,
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
             token_healing=first.token_healing, stop=[j.stop for j in batch], prefix_cache=self.prefix_cache,
+            template=None if first.canvas is None else [j.canvas for j in batch],
         )
         for event in stream:
             if all(j.cancelled.is_set() for j in batch):
@@ -215,20 +234,29 @@ class Engine:
                         job.put(("draft", texts[i] + tok.decode(event.tokens[i].tolist()), event.step))
             elif isinstance(event, Commit):
                 for i, job in enumerate(batch):
-                    piece = event.texts[i] if event.texts else tok.decode(event.tokens[i].tolist())
+                    tokens = event.tokens[i].tolist()
+                    piece = event.texts[i] if event.texts else tok.decode(tokens)
+                    if job.answer_tokens is not None and consumed[i] + len(tokens) > job.answer_tokens:
+                        piece = tok.decode(tokens[: max(0, job.answer_tokens - consumed[i])])
+                    consumed[i] += len(tokens)
                     texts[i] += piece
                     job.put(("delta", piece))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
                     n = int(out.num_new_tokens[i])
-                    ended = (n < first.max_tokens or out.extra["stopped"][i]
+                    ended = (n < first.max_tokens or out.extra["stopped"][i] or job.canvas is not None
                              or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
+                    text = out.texts[i]
+                    if job.canvas is not None:  # what the model wrote: the holes
+                        n = job.holes
+                        if job.answer_tokens is not None:
+                            text = tok.decode(out.new_tokens[i, : job.answer_tokens].tolist())
                     reused = out.extra["reused_prompt_tokens"][i]
                     self.metrics.add(completion_tokens_total=n, prompt_tokens_total=len(job.prompt),
                                      forward_passes_total=int(out.forward_passes[i]), cached_prompt_tokens_total=reused)
                     self.metrics.observe(time.perf_counter() - job.created)
-                    job.put(("done", out.texts[i], n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
+                    job.put(("done", text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
 # -- the app --------------------------------------------------------------------------------------------------
@@ -383,7 +411,31 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             prompt = list(body.prompt)
         else:
             prompt = lm.tokenizer.encode(body.prompt, add_bos=lm.tokenizer.bos_id is not None)
-        return await respond(build_job(body, prompt), body, "completion", len(prompt))
+        jobs = build_job(body, prompt)
+        if body.suffix is not None or body.template is not None:
+            canvas, answer = constrained_canvas(body, jobs[0].max_tokens)
+            if len(prompt) + len(canvas) > context:
+                raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas)}-token canvas exceed the "
+                                    f"context of {context} tokens", "prompt")
+            for job in jobs:
+                job.canvas, job.answer_tokens = canvas, answer
+        return await respond(jobs, body, "completion", len(prompt))
+
+    def constrained_canvas(body: CompletionRequest, max_tokens: int) -> tuple[list[int], int | None]:
+        """The canvas of a `suffix` or `template` request: token ids with -1 in the holes, and the answer's length
+        (suffix: the max_tokens holes before the suffix; template: None, the whole filled text)."""
+        given = "suffix" if body.suffix is not None else "template"
+        for other, clash in (("template", body.suffix is not None and body.template is not None),
+                             ("stop", bool(body.stop)), ("token_healing", body.token_healing)):
+            if clash:
+                raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
+                                    "tokens)", other)
+        if body.suffix is not None:
+            return [-1] * max_tokens + lm.tokenizer.encode(body.suffix), max_tokens
+        try:
+            return template_to_ids(body.template, lm.tokenizer, 1, 8)[0].tolist(), None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "template") from None
 
     @app.get("/v1/models")
     async def models():

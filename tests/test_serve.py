@@ -209,3 +209,41 @@ def test_prefix_cache_can_be_off():
     assert create_app(lm, MODEL, prefix_cache_bytes=0).state.engine.prefix_cache is None
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         create_app(lm, MODEL, prefix_cache_bytes=-1)
+
+
+def test_suffix_fills_exactly_max_tokens_before_it(client, server):
+    """OpenAI's insert mode on the constrained canvas: the answer is max_tokens tokens that lead into the suffix,
+    what the library's own template generation gives; streamed, it reassembles to the same text."""
+    lm = server[1].state.engine.lm
+    kw = dict(model=MODEL, prompt="def area(r):\n    return ", suffix="\n\nprint(area(2))\n", max_tokens=6, seed=4)
+    r = client.completions.create(**kw)
+    prompt = lm.tokenizer.encode(kw["prompt"], add_bos=lm.tokenizer.bos_id is not None)
+    direct = lm.generate([prompt], template=[[-1] * 6 + lm.tokenizer.encode(kw["suffix"])], seeds=[4])
+    assert r.choices[0].text == lm.tokenizer.decode(direct.new_tokens[0, :6].tolist())
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == r.choices[0].text
+
+
+def test_template_answers_with_the_filled_text(client, server):
+    lm = server[1].state.engine.lm
+    kw = dict(model=MODEL, prompt="# a point\n", max_tokens=16, seed=9,
+              extra_body={"template": "x = <|hole:3|>\ny = <|hole:2|>\n"})
+    r = client.completions.create(**kw)
+    text = r.choices[0].text
+    assert text.startswith("x = ") and "\ny = " in text and text.endswith("\n")  # every fixed piece kept
+    prompt = lm.tokenizer.encode(kw["prompt"], add_bos=lm.tokenizer.bos_id is not None)
+    assert text == lm.generate([prompt], template=kw["extra_body"]["template"], seeds=[9]).texts[0]
+    assert r.usage.completion_tokens == 5
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"suffix": "b", "template": "<|hole|>"}, "template"),
+    ({"suffix": "b", "stop": ["\n"]}, "stop"),
+    ({"template": "<|hole|>", "token_healing": True}, "token_healing"),
+    ({"template": "no holes here"}, "template"),
+    ({"template": "a <|hole:0|> b"}, "template"),
+])
+def test_bad_infill_requests(server, body, param):
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "a", **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
