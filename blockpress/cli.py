@@ -424,10 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="multi-turn chat with the model's chat template (cache reused)",
                        description="A multi-turn REPL. Each turn encodes only the new tokens: the KV cache "
-                                   "of the conversation is kept between turns.")
+                                   "of the conversation is kept between turns. A reply is never empty: "
+                                   "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn).")
     add_model_args(p)
     add_sampling_args(p)
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
     p = sub.add_parser(
         "train", help="train or fine-tune a model (block diffusion + auxiliary AR loss)",

@@ -16,6 +16,8 @@ Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` m
 `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text.
 
+Chat replies default to `min_tokens: 1`, so a reply is never empty unless the request sends 0.
+
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
 one (the same system prompt, the previous turns of a chat) encodes only the rest, and its usage reports the
 reused tokens as `prompt_tokens_details.cached_tokens`, as OpenAI's does.
@@ -83,6 +85,9 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    # A reply is never empty unless asked: an end-of-turn token may not come first (a block-diffusion canvas that
+    # puts one at position 0 otherwise answers terse prompts with nothing). 0 allows it.
+    min_tokens: int = Field(default=1, ge=0)
 
 
 class CompletionRequest(_Common):

@@ -105,6 +105,12 @@ def test_chat_reuses_cache(monkeypatch, capsys):
     assert capsys.readouterr().out.count("model> ") == 2
 
 
+def test_chat_replies_are_never_empty_by_default():
+    assert build_parser().parse_args(["chat"]).min_new_tokens == 1
+    assert build_parser().parse_args(["chat", "--min-new-tokens", "0"]).min_new_tokens == 0
+    assert build_parser().parse_args(["generate", "x"]).min_new_tokens == 0
+
+
 @pytest.mark.parametrize("command", ["generate", "infill", "chat", "info"])
 def test_help_explains(command, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -200,7 +200,7 @@ def test_a_chat_reuses_its_earlier_turns(client, server):
     metrics = dict(line.split(" ") for line in httpx.get(server[0] + "/metrics").text.splitlines() if "{" not in line)
     assert int(metrics["blockpress_prefix_cache_entries"]) >= 1
     assert int(metrics["blockpress_prefix_cache_bytes"]) == engine.prefix_cache.nbytes > 0
-    direct = lm.generate([ids2], max_new_tokens=8, seeds=[12], sampler="greedy")
+    direct = lm.generate([ids2], max_new_tokens=8, seeds=[12], sampler="greedy", min_new_tokens=1)  # chat's default
     assert second.choices[0].message.content == direct.texts[0]
 
 
@@ -247,3 +247,25 @@ def test_template_answers_with_the_filled_text(client, server):
 def test_bad_infill_requests(server, body, param):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "a", **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_chat_reply_is_never_empty_unless_asked(client, server, monkeypatch):
+    """A model that puts its end-of-turn token first would answer with nothing: chat bans it at the first position
+    by default (min_tokens 1); min_tokens=0 allows it again, and completions keep 0."""
+    lm = server[1].state.engine.lm
+    eos = lm._eos_ids()[0]
+    original = lm.model.head
+
+    letter = lm.tokenizer.encode("a")[-1]
+
+    def head(hidden):  # every canvas position prefers EOS, then the letter a
+        logits = original(hidden)
+        logits[..., eos] += 50.0
+        logits[..., letter] += 40.0
+        return logits
+
+    monkeypatch.setattr(lm.model, "head", head)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=1)
+    assert client.chat.completions.create(**kw).choices[0].message.content == "a"
+    assert client.chat.completions.create(**kw, extra_body={"min_tokens": 0}).choices[0].message.content == ""
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=8, seed=1).choices[0].text == ""
