@@ -146,18 +146,22 @@ def encode_prompts(
     reused = [0] * b
     fresh = [i for i in range(b) if min(prefixes.longest(ids[i])[1], ids[i].numel() - 1) == 0]
     if fresh:
-        width = max(ids[i].numel() for i in fresh)
-        rows = torch.tensor(fresh, device=device)
-        tokens = torch.zeros(len(fresh), width, dtype=torch.long)
-        valid = torch.zeros(len(fresh), width, dtype=torch.bool)
-        for j, i in enumerate(fresh):  # left-padded again: the caller's padding may be anywhere
-            tokens[j, width - ids[i].numel():] = ids[i]
-            valid[j, width - ids[i].numel():] = True
-        sub = KVCache.allocate(model.config.text, len(fresh), width, model.dtype, model.device)
-        out = model.encode(tokens.to(device), sub, attention_mask=valid.to(device), logits="last" if logits else "none")
-        for dst, src in zip((*cache.keys, *cache.values), (*sub.keys, *sub.values)):
-            dst[rows, :, p - width : p] = src[:, :, :width]
-        cache.next_pos[rows] = sub.next_pos
+        from .generate import left_pad  # generate imports this module
+
+        # Left-padded again: the caller's padding may be anywhere.
+        tokens, valid = left_pad([ids[i].tolist() for i in fresh], pad_id=0)
+        width = tokens.shape[1]
+        valid = None if valid is None else valid.to(device)
+        mode = "last" if logits else "none"
+        if len(fresh) == b and width == p:  # every row is new (the common case): encode in place, as without reuse
+            out = model.encode(tokens.to(device), cache, attention_mask=valid, logits=mode)
+        else:  # a sub-batch of its own, then its slots copied into the right rows, right-aligned
+            rows = torch.tensor(fresh, device=device)
+            sub = KVCache.allocate(model.config.text, len(fresh), width, model.dtype, model.device)
+            out = model.encode(tokens.to(device), sub, attention_mask=valid, logits=mode)
+            for dst, src in zip((*cache.keys, *cache.values), (*sub.keys, *sub.values)):
+                dst[rows, :, p - width : p] = src[:, :, :width]
+            cache.next_pos[rows] = sub.next_pos
         for j, i in enumerate(fresh):
             last[i] = None if out is None else out[j : j + 1]
             key, shared = prefixes.longest(ids[i])  # a row of this batch may have added the same prompt already
