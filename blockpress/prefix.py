@@ -137,11 +137,13 @@ def encode_prompts(
     prefixes.check_layout(cache)
     mask = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool().to(device)
     ids = [prompt[i][mask[i]].cpu() for i in range(b)]
-    # One-row views of the batch cache, each starting where its row's tokens start: encoding into a view writes
-    # the batch cache in place.
-    views = [KVCache([k[i : i + 1, :, p - x.numel():] for k in cache.keys],
-                     [v[i : i + 1, :, p - x.numel():] for v in cache.values],
-                     cache.valid[i : i + 1, p - x.numel():], cache.next_pos[i : i + 1]) for i, x in enumerate(ids)]
+
+    def view(i: int) -> KVCache:
+        """Row i of the batch cache from where its tokens start: encoding into it writes the batch cache in place."""
+        off = p - ids[i].numel()
+        return KVCache([k[i : i + 1, :, off:] for k in cache.keys], [v[i : i + 1, :, off:] for v in cache.values],
+                       cache.valid[i : i + 1, off:], cache.next_pos[i : i + 1])
+
     last: list[torch.Tensor | None] = [None] * b
     reused = [0] * b
     fresh = [i for i in range(b) if min(prefixes.longest(ids[i])[1], ids[i].numel() - 1) == 0]
@@ -166,20 +168,21 @@ def encode_prompts(
             last[i] = None if out is None else out[j : j + 1]
             key, shared = prefixes.longest(ids[i])  # a row of this batch may have added the same prompt already
             if shared < ids[i].numel():
-                prefixes.add(ids[i], views[i], replaces=key)
+                prefixes.add(ids[i], view(i), replaces=key)
     for i in range(b):
         prefixes.lookups += 1
         if i in fresh:
             continue
         key, shared = prefixes.longest(ids[i])
         n = min(shared, ids[i].numel() - 1)  # the last token is always encoded (its logits start the AR loop)
+        row = view(i)
         if n > 0:
-            prefixes.load(key, n, views[i])
+            prefixes.load(key, n, row)
             prefixes.hits += 1
             prefixes.reused_tokens += n
-        last[i] = model.encode(ids[i][n:][None].to(device), views[i], logits="last" if logits else "none")
+        last[i] = model.encode(ids[i][n:][None].to(device), row, logits="last" if logits else "none")
         if shared < ids[i].numel():  # an entry that already holds all of `ids` serves it as it is
-            prefixes.add(ids[i], views[i], replaces=key)
+            prefixes.add(ids[i], row, replaces=key)
         reused[i] = n
     lengths = torch.tensor([x.numel() for x in ids], device=cache.device)
     cache.valid[:, :p] = torch.arange(p, device=cache.device)[None, :] >= p - lengths[:, None]
