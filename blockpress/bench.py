@@ -247,20 +247,26 @@ def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
     return row
 
 
-def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
-    device = lm.device
-    with PeakMemory(device) as mem:
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float, dict[str, float | None]]:
+    """(fn's result, its wall seconds with the device synchronised, its peak-memory figures)."""
+    with PeakMemory(device) as mem, torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
-        o = lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps, seed=0, adaptive_stopping=False)
+        out = fn()
         _sync(device)
-        total = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+    return out, seconds, mem.figures()
+
+
+def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
+    o, total, memory = _timed(lambda: lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
+                                                  seed=0, adaptive_stopping=False), lm.device)
     n = int(o.num_new_tokens.sum())
     passes = int(o.forward_passes.max())
     return {"seconds": total, "new_tokens": n, "forward_passes": passes,
             "tokens_per_forward": float(o.tokens_per_forward.mean()), "tok_s": n / total,
             "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
-            "ms_per_step": o.denoise_seconds * 1e3 / passes, **mem.figures()}
+            "ms_per_step": o.denoise_seconds * 1e3 / passes, **memory}
 
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm")
@@ -285,18 +291,11 @@ def _gemm_ms_per_step(lm: LM, prompt: torch.Tensor, passes: int = 4) -> float:
 
 
 def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings) -> dict[str, Any]:
-    device = lm.device
-    with PeakMemory(device) as mem:
-        _sync(device)
-        t0 = time.perf_counter()
-        o = lm.generate_ar(prompt, max_new_tokens=s.new_tokens)
-        _sync(device)
-        total = time.perf_counter() - t0
+    o, total, memory = _timed(lambda: lm.generate_ar(prompt, max_new_tokens=s.new_tokens), lm.device)
     n = int(o.num_new_tokens.sum())
     return {"seconds": total, "new_tokens": n, "forward_passes": int(o.forward_passes.max()), "tokens_per_forward": 1.0,
             "tok_s": n / total, "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
-            "ms_per_step": o.denoise_seconds * 1e3 / max(1, int(o.forward_passes.max())),
-            **mem.figures()}
+            "ms_per_step": o.denoise_seconds * 1e3 / max(1, int(o.forward_passes.max())), **memory}
 
 
 def _reference(lm: LM) -> Any:
@@ -311,17 +310,14 @@ def _reference(lm: LM) -> Any:
 
 
 def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device) -> dict[str, Any]:
-    with PeakMemory(device) as mem, torch.no_grad():
-        _sync(device)
-        t0 = time.perf_counter()
-        o = ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
-                         confidence_threshold=1e-30)  # never confident: fixed steps, like ours
-        _sync(device)
-        total = time.perf_counter() - t0
+    o, total, memory = _timed(lambda: ref.generate(prompt.to(device), max_new_tokens=s.new_tokens,
+                                                   max_denoising_steps=s.steps,
+                                                   confidence_threshold=1e-30),  # never confident: fixed steps
+                              device)
     n = int((o.sequences.shape[1] - prompt.shape[1]) * prompt.shape[0])
     tpf = float(o.tokens_per_forward.float().mean())
     return {"seconds": total, "new_tokens": n, "tokens_per_forward": tpf, "tok_s": n / total,
-            "forward_passes": round(n / prompt.shape[0] / tpf) if tpf else None, **mem.figures()}
+            "forward_passes": round(n / prompt.shape[0] / tpf) if tpf else None, **memory}
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
