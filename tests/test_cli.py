@@ -165,19 +165,34 @@ def test_peak_memory_on_cpu_sees_what_a_run_allocates():
 
 def test_bench_variants_add_their_own_columns(monkeypatch):
     """--compile (and --cuda-graphs on a GPU) add a column per engine; torch.compile itself is stubbed out here."""
+    import blockpress.bench as bench
     from blockpress.bench import BenchSettings, run_bench
     from blockpress.lm import LM
 
-    enabled = []
+    enabled, reference_runs = [], []
     monkeypatch.setattr(LM, "compile", lambda self, **options: enabled.append("compile") or self)
-    out = run_bench(BenchSettings(preset="tiny", batch_sizes=[1, 2], new_tokens=8, steps=2, repeats=1,
-                                  reference=False, compile=True))
+    real_reference_run = bench._reference_run
+
+    def counted(*args, **kwargs):
+        row = real_reference_run(*args, **kwargs)
+        reference_runs.append(row["seconds"])
+        return row
+
+    monkeypatch.setattr(bench, "_reference_run", counted)
+    out = run_bench(BenchSettings(preset="tiny", batch_sizes=[1, 2], new_tokens=8, steps=2, repeats=1, compile=True))
     assert enabled == ["compile"]
-    for row in out["rows"]:
+    # Per batch size: one timed run and one memory run beside the eager engines, the same beside the compiled ones.
+    assert len(reference_runs) == 8
+    for i, row in enumerate(out["rows"]):
         assert row["blockpress_compiled"]["new_tokens"] == 8 * row["batch"]
         assert row["compiled_over_eager"] == pytest.approx(row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"])
         assert row["blockpress_ar_compiled"]["tok_s"] > 0
         assert "blockpress_cuda_graphs" not in row
+        # Every ratio is against the reference's fastest run, whichever phase it came from.
+        assert row["reference"]["seconds"] == min(reference_runs[2 * i], reference_runs[4 + 2 * i])
+        for key in ("blockpress", "blockpress_compiled"):
+            ratio = "speedup_vs_reference" if key == "blockpress" else "compiled_speedup_vs_reference"
+            assert row[ratio] == pytest.approx(row[key]["tok_s"] / row["reference"]["tok_s"])
 
 
 def test_bench_cuda_graphs_on_cpu_is_a_clear_error():
@@ -238,17 +253,20 @@ def test_shipped_code_model_has_learned_held_out_python():
 def test_bench_engines_take_turns_and_keep_their_fastest_run():
     from blockpress.bench import _best_interleaved
 
-    calls, times = [], {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+    calls, times = [], {"a": iter([3.0, 1.0, 2.0, 9.0]), "b": iter([5.0, 6.0, 4.0, 9.0])}
 
     def engine(name):
-        def run():
-            calls.append(name)
-            return {"seconds": next(times[name]), "name": name}
+        def run(memory=False):
+            calls.append((name, memory))
+            row = {"seconds": next(times[name]), "name": name}
+            return {**row, "peak_memory_gb": 0.5} if memory else row
         return run
 
     best = _best_interleaved(3, {"a": engine("a"), "b": engine("b")})
-    assert calls == ["a", "b"] * 3
-    assert best == {"a": {"seconds": 1.0, "name": "a"}, "b": {"seconds": 4.0, "name": "b"}}
+    # Timed runs never carry the memory sampler; one untimed run each afterwards measures memory.
+    assert calls == [("a", False), ("b", False)] * 3 + [("a", True), ("b", True)]
+    assert best == {"a": {"seconds": 1.0, "name": "a", "peak_memory_gb": 0.5},
+                    "b": {"seconds": 4.0, "name": "b", "peak_memory_gb": 0.5}}
 
 
 def test_serve_rejects_a_negative_prefix_cache():

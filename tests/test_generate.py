@@ -364,6 +364,29 @@ def test_compiled_steps_trace_and_match_eager():
     assert torch.equal(lm.generate_ar([3, 4, 5], max_new_tokens=6).sequences, eager_ar.sequences)
 
 
+def test_compiled_bf16_on_cpu_hands_the_experts_to_grouped_mm():
+    """In bf16 on a CPU the compiler gets torch's grouped GEMM itself (no custom-op dispatch per call); float32
+    keeps the custom op. Either way the tokens equal eager decoding's."""
+    import torch._dynamo
+
+    for dtype, native in (("bfloat16", True), ("float32", False)):
+        lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1, dtype=dtype)
+        kw = dict(max_new_tokens=12, max_denoising_steps=3, seed=2)
+        eager = lm.generate([[3, 4, 5]], **kw)
+        targets: list[str] = []
+
+        def recording(gm, example_inputs, targets=targets):
+            targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        torch._dynamo.reset()
+        lm.compile(backend=recording)
+        assert torch.equal(lm.generate([[3, 4, 5]], **kw).sequences, eager.sequences)
+        assert any("_grouped_mm" in t for t in targets) == native
+        assert any("blockpress.grouped_linear" in t for t in targets) != native
+    torch._dynamo.reset()
+
+
 class ReplayedDenoise(GraphedDenoise):
     """GraphedDenoise with its CUDA capture swapped for an eager stand-in that honours the same contract:
     the inputs are the captured buffers, and each replay overwrites the one logits tensor it returned."""
