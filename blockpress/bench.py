@@ -366,7 +366,10 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     ax.set_xlabel("batch size")
     ax.set_ylabel("new tokens / s")
     s = result["settings"]
-    ax.set_title(f"{s['preset']} ({result['params'] / 1e6:.0f}M), {s['steps']} steps, {s['device']}")
+    threads = result.get("machine", {}).get("threads")
+    where = f"{s['device']}, {threads} threads" if s["device"] == "cpu" and threads else s["device"]
+    ax.set_title(f"{s['preset']} ({result['params'] / 1e6:.0f}M, {s['dtype']}), {s['new_tokens']} new tokens, "
+                 f"{s['steps']} steps a canvas, {where}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -140,12 +140,11 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 
     weight: [E, out, in] as stored in the checkpoint. Uses torch's grouped GEMM when the shapes allow it
     (16-byte aligned rows), else one matmul per expert that has tokens. Under torch.compile it is one
-    opaque op (grouped_mm has no float32 CPU path in the compiler, and the GEMMs gain nothing from it),
-    except in bf16 on a CPU, where the compiler takes grouped_mm itself and saves the custom op's dispatch.
+    opaque op (the compiler's grouped_mm takes bf16 only, and a float32 GEMM gains nothing from it), except
+    when both are bf16: then the compiler takes grouped_mm itself and the custom op's dispatch is saved.
     """
     if torch.compiler.is_compiling():
-        if x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _grouped_mm_applies(
-                x, weight, weight.shape[1], weight.shape[2]):
+        if x.dtype == weight.dtype == torch.bfloat16 and _grouped_mm_applies(x, weight, *weight.shape[1:]):
             return GROUPED_MM(x, weight.transpose(1, 2), offs=offsets)
         return torch.ops.blockpress.grouped_linear(x, weight, offsets)
     return _grouped_linear_eager(x, weight, offsets)
