@@ -466,6 +466,23 @@ def test_graphed_ar_step_bookkeeping_matches_eager():
     assert replayed.captures == 1  # one graph serves every token of the run
 
 
+def test_captured_passes_have_no_host_sync_in_bf16():
+    """A CUDA graph cannot hold a host sync (`.item()`, `.tolist()`, `nonzero`, any shape read from data). The
+    passes that `cuda_graphs` captures run on the meta device, in the dtype a GPU runs, where every such
+    sync raises: so a sync slipped into the decoder or the AR step fails here, not first on a GPU."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=3, dtype="bfloat16", device="meta")
+    m, c, v = lm.model, lm.config.canvas_length, lm.config.text.vocab_size
+    with torch.no_grad():
+        cache = lm.new_cache(2, 4 + c)
+        m.encode(torch.zeros(2, 4, dtype=torch.long, device="meta"), cache)
+        canvas = torch.zeros(2, c, dtype=torch.long, device="meta")
+        assert m.denoise(canvas, cache).shape == (2, c, v)
+        probs = torch.empty(2, c, v, dtype=torch.bfloat16, device="meta")
+        assert m.denoise(canvas, cache, self_conditioning_probs=probs).shape == (2, c, v)
+        slot = torch.full((1,), cache.length, dtype=torch.long, device="meta")
+        assert m.encode_one(torch.zeros(2, 1, dtype=torch.long, device="meta"), cache, slot).shape == (2, v)
+
+
 def test_cuda_graphs_need_a_cuda_model(lm):
     with pytest.raises(ValueError, match="cuda_graphs: needs a model on a CUDA device"):
         lm.cuda_graphs()
