@@ -45,6 +45,13 @@ class BenchSettings:
     quantize: str | None = None  # also time blockpress with the projections quantized ("int8", "fp8", "int4"), last
 
     def __post_init__(self) -> None:
+        for name in ("batch_sizes", "canvas_lengths"):
+            values = getattr(self, name)
+            if values is not None and (not values or not all(isinstance(v, int) and v > 0 for v in values)):
+                raise ValueError(f"{name}: expected positive integers, got {values!r}")
+        for name in ("new_tokens", "steps", "prompt_length", "repeats"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.quantize is not None:
             from .quantize import check_scheme
 

@@ -362,6 +362,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.prefix_cache_gb < 0:
         raise SystemExit(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
+        if value < 1:
+            raise SystemExit(f"{flag}: expected a positive integer, got {value}")
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     name = args.served_name or (args.model.rstrip("/").split("/")[-1])
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch,
@@ -378,6 +381,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
                       ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
                       cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize)
+    if args.threads < 0:
+        raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():  # found now, not after minutes of benchmarking
+            raise ValueError(f"{flag}: no folder {str(Path(path).parent)!r} to write {path!r} into")
     if args.threads:
         torch.set_num_threads(args.threads)
     text = main_json(s, args.plot)

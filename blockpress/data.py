@@ -152,6 +152,8 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
 
 def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
     """Deterministic held-out split by content hash (stable across runs and machines)."""
+    if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
+        raise ValueError(f"heldout: expected a fraction in [0, 1), got {fraction!r}")
     train, held = [], []
     for e in examples:
         h = int(hashlib.sha1(json.dumps([e.prompt, e.response]).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF

@@ -19,6 +19,7 @@ from .cache import KVCache
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
+    MIN_TEMPERATURE,
     CanvasState,
     SamplerConfig,
     denoise_step,
@@ -301,8 +302,10 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int) -> tuple[torch.Tenso
     )
 
 
-def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int) -> torch.Tensor:
-    """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes."""
+def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
+                    max_length: int | None = None) -> torch.Tensor:
+    """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes.
+    `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
     if isinstance(template, str):
         if tokenizer is None:
             raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
@@ -314,7 +317,11 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int)
             if m.group(1) and int(m.group(1)) < 1:
                 raise ValueError(f"template: {m.group(0)} holds no token; a hole needs a length of 1 or more")
             ids += tokenizer.encode(template[pos : m.start()]) if m.start() > pos else []
-            ids += [-1] * (int(m.group(1)) if m.group(1) else hole_length)
+            n = int(m.group(1)) if m.group(1) else hole_length
+            if max_length is not None and len(ids) + n > max_length:
+                raise ValueError(f"template: {m.group(0)} takes the template past the model's context of "
+                                 f"{max_length} tokens")
+            ids += [-1] * n
             pos = m.end()
         ids += tokenizer.encode(template[pos:]) if pos < len(template) else []
         t = torch.tensor(ids, dtype=torch.long)
@@ -699,7 +706,7 @@ def run_ar(
         if penalized:
             logits = penalize_repeats(cfg, logits, history)
         if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
+            probs = torch.softmax(logits / max(temperature, MIN_TEMPERATURE), dim=-1)
             token = sample(probs, hashed_uniforms(row_seed, 0, i, 1)[:, 0])
         else:
             token = logits.argmax(-1)

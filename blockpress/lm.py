@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,13 @@ def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
         raise ValueError(f"prefix_cache: expected a blockpress.PrefixCache, got {type(prefix_cache).__name__}")
     return prefix_cache
 
+
+
+def check_seed(seed: Any, name: str) -> Any:
+    """A seed is None or an integer in [0, 2**63): the per-row seeds live in an int64 tensor."""
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}")
+    return seed
 
 class LM:
     def __init__(
@@ -241,15 +249,15 @@ class LM:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
         if not isinstance(min_new_tokens, int) or not 0 <= min_new_tokens <= max_new_tokens:
             raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed: expected a non-negative integer, got {seed!r}")
+        check_seed(seed, "seed")
         if isinstance(sampler, SamplerConfig):
             cfg = sampler.with_(**sampler_options)
         else:
             cfg = self.sampler_defaults.with_(sampler=sampler, **sampler_options)
         tmpl = None
         if template is not None:
-            tmpl = template_to_ids(template, self.tokenizer, ids.shape[0], hole_length)
+            tmpl = template_to_ids(template, self.tokenizer, ids.shape[0], hole_length,
+                                   self.config.text.max_position_embeddings)
             if int(tmpl.max()) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
         req = Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
@@ -327,7 +335,7 @@ class LM:
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing)
         if seeds is not None:
-            req.seeds = [int(x) for x in seeds]
+            req.seeds = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
             req.row_seeds()  # validates the count now, not mid-generation
         req.skip_stopped_rows = bool(skip_stopped_rows)
         req.constraint = constraint
@@ -383,8 +391,9 @@ class LM:
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
         `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's).
         `prefix_cache`: as in `stream`."""
-        if temperature < 0:
-            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+                and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
                             token_healing)

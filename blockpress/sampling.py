@@ -14,6 +14,7 @@ Steps count down like the reference: `step` = N..1 is the number of steps remain
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -73,11 +74,17 @@ class SamplerConfig:
         need(self.sampler in SAMPLERS, "sampler", f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
         need(isinstance(self.max_denoising_steps, int) and self.max_denoising_steps > 0, "max_denoising_steps",
              f"expected a positive integer, got {self.max_denoising_steps!r}")
+        for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
+            value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+                 f"expected a finite number, got {value!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
         need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")
         need(self.candidates in CANDIDATES, "candidates",
              f"unknown candidate rule {self.candidates!r}; expected one of {CANDIDATES}")
+        need(isinstance(self.adaptive_stopping, bool), "adaptive_stopping",
+             f"expected a bool, got {self.adaptive_stopping!r}")
         need(isinstance(self.keep_accepted, bool), "keep_accepted", f"expected a bool, got {self.keep_accepted!r}")
         need(isinstance(self.self_conditioning, bool), "self_conditioning",
              f"expected a bool, got {self.self_conditioning!r}")
@@ -132,9 +139,15 @@ class SamplerConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
+# Below this a temperature is greedy for any logits a model gives, and dividing by a smaller one overflows
+# float32 (a logit of 30 over 1e-45 is inf, and inf - inf is NaN: every token lost).
+MIN_TEMPERATURE = 1e-6
+
+
 def temperature(cfg: SamplerConfig, step: int) -> float:
-    """Linear in the remaining steps: t_max at the first step (step = N), t_min + (t_max - t_min)/N at the last."""
-    return cfg.t_min + (cfg.t_max - cfg.t_min) * (step / cfg.max_denoising_steps)
+    """Linear in the remaining steps: t_max at the first step (step = N), t_min + (t_max - t_min)/N at the last;
+    never below MIN_TEMPERATURE."""
+    return max(MIN_TEMPERATURE, cfg.t_min + (cfg.t_max - cfg.t_min) * (step / cfg.max_denoising_steps))
 
 
 def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

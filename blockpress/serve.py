@@ -58,7 +58,7 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=8)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
@@ -274,6 +274,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     if prefix_cache_bytes < 0:
         raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
+    for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
+        if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
+            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server")
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     app.state.engine = engine
@@ -325,7 +328,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
         seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little")
         loop = asyncio.get_running_loop()
-        return [Job(prompt, max_tokens, body.min_tokens, cfg, seed + i, stops, body.drafts, body.token_healing, loop,
+        return [Job(prompt, max_tokens, body.min_tokens, cfg, (seed + i) % 2**63, stops, body.drafts, body.token_healing, loop,
                     asyncio.Queue())
                 for i in range(body.n)]
 
@@ -438,7 +441,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         if body.suffix is not None:
             return [-1] * max_tokens + lm.tokenizer.encode(body.suffix), max_tokens
         try:
-            return template_to_ids(body.template, lm.tokenizer, 1, 8)[0].tolist(), None
+            return template_to_ids(body.template, lm.tokenizer, 1, 8, context)[0].tolist(), None
         except ValueError as exc:
             raise APIError(400, str(exc), "template") from None
 

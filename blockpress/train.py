@@ -77,7 +77,12 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training forward and backward (the first steps pay the compile)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size"):
+        for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently
+            value = getattr(self, f.name)
+            if f.type in ("float", float) and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                   and math.isfinite(value)):
+                raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
+        for name in ("steps", "batch_size", "log_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.max_minutes < 0:
@@ -92,6 +97,15 @@ class TrainConfig:
             raise ValueError("diffusion_weight/aux_ar_weight: must be >= 0 and not both 0")
         if self.lr <= 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        # A negative clip norm flips the gradients (the loss climbs); a negative decay or end ratio grows weights.
+        for name in ("grad_clip", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio: expected in [0, 1], got {self.min_lr_ratio}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.self_conditioning_prob <= 1:
             raise ValueError(f"self_conditioning_prob: expected a probability, got {self.self_conditioning_prob}")
         if not 0 < self.t_eps < 0.5:

@@ -272,3 +272,28 @@ def test_bench_engines_take_turns_and_keep_their_fastest_run():
 def test_serve_rejects_a_negative_prefix_cache():
     with pytest.raises(SystemExit, match="--prefix-cache-gb: expected 0"):
         main(["serve", "--model", "random-tiny", "--prefix-cache-gb", "-1"])
+
+
+@pytest.mark.parametrize("flag", ["--max-batch", "--max-queue"])
+def test_serve_rejects_an_empty_batch_or_queue(flag):
+    """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""
+    from blockpress.cli import load_model
+    from blockpress.serve import create_app
+
+    with pytest.raises(SystemExit, match=f"{flag}: expected a positive integer, got 0"):
+        main(["serve", "--model", "random-tiny", flag, "0"])
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(ValueError, match=f"{name}: expected a positive integer"):
+        create_app(load_model("random-tiny", None, "cpu"), **{name: 0})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "0"], "batch_sizes: expected positive integers"),
+    (["--canvas-lengths", "0"], "canvas_lengths: expected positive integers"),
+    (["--repeats", "0"], "repeats: expected a positive integer"),
+    (["--threads", "-1"], "--threads: expected 0"),
+    (["--out", "/no/such/folder/b.json"], "--out: no folder"),
+])
+def test_bench_bad_arguments_fail_before_running(args, message):
+    r = run_cli("bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", *args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -272,6 +272,29 @@ def test_bad_prompts(lm, prompt):
         lm.generate(prompt, max_new_tokens=4)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seed=2**63), r"seed: expected an integer in \[0, 2\*\*63\)"),
+    (dict(seed=-1), "seed: expected an integer"),
+    (dict(seed=True), "seed: expected an integer"),
+    (dict(seeds=[1, "a"]), r"seeds\[1\]: expected an integer"),
+    (dict(seeds=[-1, 2]), r"seeds\[0\]: expected an integer"),
+])
+def test_bad_seeds(lm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lm.generate([[3, 4], [5, 6]], max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7", None])
+def test_bad_ar_temperatures(lm, value):
+    with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
+        lm.generate_ar([3, 4], max_new_tokens=4, temperature=value)
+
+
+def test_a_vanishing_ar_temperature_decodes_greedily(lm):
+    greedy = lm.generate_ar([3, 4], max_new_tokens=6)
+    assert torch.equal(lm.generate_ar([3, 4], max_new_tokens=6, temperature=1e-300).sequences, greedy.sequences)
+
+
 def test_unknown_option_rejected(lm):
     with pytest.raises(ValueError, match="temprature: not a sampler setting; the settings are sampler, "):
         lm.generate([3, 4], max_new_tokens=4, temprature=0.5)
@@ -283,6 +306,9 @@ def test_unknown_option_rejected(lm):
     ("a <|hole|> b", 0, "hole_length: expected a positive integer"),
     ("a <|hole|> b", 2.5, "hole_length: expected a positive integer"),
     ("a <|hole:0|> b", 8, r"template: <\|hole:0\|> holds no token"),
+    # Checked before the holes are laid out: a billion -1s took minutes, 10**23 overflowed inside Python.
+    ("a <|hole:999999999|> b", 8, r"template: <\|hole:999999999\|> takes the template past the model's context"),
+    ("a <|hole:99999999999999999999999|>", 8, "past the model's context"),
 ])
 def test_bad_hole_lengths(template, hole_length, message):
     from blockpress.cli import load_model

@@ -271,11 +271,29 @@ def test_hashed_noise_is_per_row(seed, ci, step):
         (dict(candidates="beam"), "candidates"),
         (dict(keep_accepted="yes"), "keep_accepted"),
         (dict(self_conditioning=0), "self_conditioning"),
+        (dict(t_max=float("inf")), "t_max: expected a finite number"),
+        (dict(t_min=float("nan")), "t_min: expected a finite number"),
+        (dict(entropy_bound="0.1"), "entropy_bound: expected a finite number"),
+        (dict(confidence=True), "confidence: expected a finite number"),
+        (dict(adaptive_stopping="no"), "adaptive_stopping: expected a bool"),
     ],
 )
 def test_bad_sampler_settings(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplerConfig(**kwargs)
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """1e-45 underflows a float32 division (30 / 1e-45 = inf, and inf - inf = NaN lost every token); below
+    MIN_TEMPERATURE the sampler divides by MIN_TEMPERATURE, which is greedy for any logits."""
+    from blockpress.sampling import MIN_TEMPERATURE
+
+    cfg = SamplerConfig(t_min=1e-45, t_max=1e-45)
+    assert temperature(cfg, 3) == MIN_TEMPERATURE
+    logits = torch.tensor([[[30.0, 29.0, -30.0, 0.0]]])
+    state = init_state(torch.tensor([[2]]))
+    out = denoise_step(cfg.with_(sampler="entropy_bound"), state, logits, 1, torch.tensor([[2]]))
+    assert out.argmax.tolist() == [[0]] and bool(out.accepted.all())
 
 
 @pytest.mark.parametrize("cfg", [

@@ -130,7 +130,11 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
     "kwargs, field",
     [(dict(steps=0), "steps"), (dict(lr=-1.0), "lr"), (dict(self_conditioning_prob=2.0), "self_conditioning_prob"),
      (dict(t_eps=0.7), "t_eps"), (dict(micro_batch_size=-1), "micro_batch_size"),
-     (dict(time_schedule=True), "time_schedule"), (dict(data_workers=-1), "data_workers")],
+     (dict(time_schedule=True), "time_schedule"), (dict(data_workers=-1), "data_workers"),
+     # Each of these trained without a word before: NaN weights, a climbing loss, a negative end of schedule.
+     (dict(lr=float("inf")), "lr: expected a finite number"), (dict(grad_clip=-1.0), "grad_clip"),
+     (dict(min_lr_ratio=-5.0), "min_lr_ratio"), (dict(weight_decay=-1.0), "weight_decay"),
+     (dict(beta2=1.0), "beta2"), (dict(log_every=0), "log_every"), (dict(lr="3e-4"), "lr: expected a finite")],
 )
 def test_bad_train_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
