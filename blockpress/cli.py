@@ -273,8 +273,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     raw: dict[str, Any] = {}
     if args.train_config:
         try:
-            raw = json.loads(open(args.train_config).read())
-        except (OSError, json.JSONDecodeError) as exc:
+            raw = json.loads(Path(args.train_config).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"--train-config {args.train_config}: {exc}") from None
     for f in fields(TrainConfig):
         value = getattr(args, f.name)
@@ -329,7 +329,11 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
     puzzles = list(args.puzzles)
     if args.file:
-        puzzles += [line.strip() for line in open(args.file) if line.strip()]
+        try:
+            lines = Path(args.file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
+            raise ValueError(f"--file {args.file}: cannot read puzzles from it ({exc})") from None
+        puzzles += [line.strip() for line in lines if line.strip()]
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
     puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded

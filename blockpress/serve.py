@@ -406,8 +406,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except ValueError as exc:
-            raise APIError(400, f"messages: {exc}", "messages") from None
+        except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
+            broken = str(exc).startswith("chat_template:")
+            raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
+                           "server_error" if broken else "invalid_request_error") from None
         return await respond(build_job(body, prompt), body, "chat", len(prompt))
 
     @app.post("/v1/completions")

@@ -212,6 +212,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids for `text`; BOS is prepended only when asked, never by the post-processor."""
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str to tokenize, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 (a command line or stdin) arrive as surrogates
+            bad = text[exc.start].encode("utf-8", "surrogateescape")
+            raise ValueError(f"text: not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start})") from None
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
@@ -269,15 +276,18 @@ class Tokenizer:
                 "chat_template.jinja); set Tokenizer.chat_template, e.g. to GEMMA_CHAT_TEMPLATE."
             )
         _validate_messages(messages)
-        rendered = self._template().render(
-            messages=messages,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
-            add_generation_prompt=add_generation_prompt,
-            raise_exception=_raise_template_error,
-            **template_vars,
-        )
+        try:
+            rendered = self._template().render(
+                messages=messages,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                pad_token=self.pad_token or "",
+                add_generation_prompt=add_generation_prompt,
+                raise_exception=_raise_template_error,
+                **template_vars,
+            )
+        except (jinja2.TemplateError, TypeError) as exc:  # the checkpoint's template is broken, or breaks on these messages
+            raise ValueError(f"chat_template: rendering failed: {type(exc).__name__}: {exc}") from None
         if tokenize:
             return self.encode(rendered, add_bos=False)
         return rendered

@@ -269,3 +269,14 @@ def test_a_chat_reply_is_never_empty_unless_asked(client, server, monkeypatch):
     assert client.chat.completions.create(**kw).choices[0].message.content == "a"
     assert client.chat.completions.create(**kw, extra_body={"min_tokens": 0}).choices[0].message.content == ""
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=8, seed=1).choices[0].text == ""
+
+
+def test_a_broken_chat_template_is_a_json_server_error(server, monkeypatch):
+    """The checkpoint's template failing is the server's fault: a 500 in OpenAI's error layout, not a bare 500."""
+    lm = server[1].state.engine.lm
+    monkeypatch.setattr(lm.tokenizer, "chat_template", "{{ messages[0].nope.x }}")
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and error["message"].startswith("chat_template: rendering failed")

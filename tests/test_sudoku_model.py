@@ -78,6 +78,25 @@ def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
     assert message in err and "Traceback" not in err
 
 
+def test_a_model_that_is_not_a_sudoku_model_is_refused(capsys):
+    """blockpress-code would print its token ids as a board (zeros inside, valid: false, exit 0)."""
+    puzzle = generate(7, "easy").puzzle
+    assert main(["sudoku", puzzle, "--model", "blockpress-code", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "model: not a sudoku model: its vocabulary has" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="not a sudoku model"):
+        sudoku_model.solve_ar(blockpress.random_model(blockpress.ModelConfig.tiny()), [puzzle])
+
+
+def test_an_unreadable_puzzle_file_is_a_clear_error(tmp_path, capsys):
+    binary = tmp_path / "puzzles.bin"
+    binary.write_bytes(b"\xff\xfe" * 50)
+    for path in (tmp_path, binary, tmp_path / "missing.txt"):
+        assert main(["sudoku", "--file", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--file {path}: cannot read puzzles from it" in err and "Traceback" not in err
+
+
 def test_shipped_model_solves_easy_puzzles():
     """The shipped model, alone (no rules in the decoder), solves fresh easy puzzles it never saw.
 
@@ -212,8 +231,9 @@ def test_ensemble_solve_keeps_givens_and_reports_the_board_as_given(tiny_sudoku)
     for p, r in zip(puzzles, results):
         assert all(pc == rc for pc, rc in zip(p, r.solution) if pc != "0")
     assert all(len(b) == 2 for b in boards)  # drafts show the identity view of each puzzle only
-    with pytest.raises(ValueError, match="ensemble: expected a number of views"):
-        sudoku_model.solve(lm, puzzles, ensemble=0)
+    for views in (0, 65):
+        with pytest.raises(ValueError, match=f"ensemble: expected 1 to 64 views, got {views}"):
+            sudoku_model.solve(lm, puzzles, ensemble=views)
 
 
 def test_cli_ensemble(tiny_sudoku, capsys):

@@ -363,6 +363,25 @@ def test_no_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
         bare.apply_chat_template(TWO_TURNS)
 
 
+@pytest.mark.parametrize("template, cause", [
+    ("{{ messages[0].nope.x }}", "UndefinedError"),
+    ("{% for m in messages %}", "TemplateSyntaxError"),
+    ("{{ messages | no_such_filter }}", "TemplateAssertionError"),
+])
+def test_a_broken_chat_template_is_a_clear_error(tok: Tokenizer, template: str, cause: str) -> None:
+    broken = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template=template)
+    with pytest.raises(ValueError, match=f"chat_template: rendering failed: {cause}"):
+        broken.apply_chat_template(TWO_TURNS)
+
+
+def test_text_that_was_not_utf8_is_a_clear_error(tok: Tokenizer) -> None:
+    """Bytes that are not UTF-8 on a command line or stdin reach Python as lone surrogates."""
+    with pytest.raises(ValueError, match="text: not valid UTF-8 \\(byte 0xff at character 2\\)"):
+        tok.encode(b"ab\xff".decode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match="text: expected a str"):
+        tok.encode(b"ab")
+
+
 def test_tojson_filter_is_plain_json(tok: Tokenizer) -> None:
     custom = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="{{ messages[0] | tojson }}")
     message = {"role": "user", "content": "<b> & 'é'"}

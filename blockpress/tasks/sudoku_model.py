@@ -65,8 +65,8 @@ def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Cal
 
 def symmetric_views(n: int, seed: int = 0) -> list[Symmetry]:
     """The identity, then n - 1 seeded random symmetries of the board."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"ensemble: expected a number of views >= 1, got {n!r}")
+    if not isinstance(n, int) or not 1 <= n <= 64:  # each view is a row of the batch; 8 already add little over 4
+        raise ValueError(f"ensemble: expected 1 to 64 views, got {n!r}")
     rng = random.Random(seed)
     return [Symmetry(tuple(range(81)), "0123456789")] + [random_symmetry(rng) for _ in range(n - 1)]
 
@@ -111,6 +111,15 @@ def _template(puzzle: str) -> list[int]:
     return [-1 if ch == "0" else VOCAB.digit_id(ch) for ch in puzzle]
 
 
+def check_sudoku_model(lm: Any) -> None:
+    """A sudoku model reads and writes the task's token ids (VOCAB); any other model would print noise as a board."""
+    vocab = lm.config.text.vocab_size
+    if vocab != VOCAB.vocab_size:
+        raise ValueError(f"model: not a sudoku model: its vocabulary has {vocab} tokens, a sudoku model's has "
+                         f"{VOCAB.vocab_size} (digits 0-9 as ids {VOCAB.digit_base}-{VOCAB.digit_base + 9}); "
+                         "use blockpress-sudoku or a model trained with scripts/train_sudoku.py")
+
+
 def prepare(puzzles: Sequence[str]) -> list[str]:
     """Parse and check each puzzle (clear errors for bad length, characters, contradictions, no solution)."""
     out = []
@@ -139,6 +148,7 @@ def solve(
     `rules`: the rule-aware option (see the module docstring); off, the model alone decides.
     `ensemble`: denoise each puzzle as this many symmetric views with pooled predictions (module docstring).
     `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
+    check_sudoku_model(lm)
     puzzles = prepare(puzzles)
     views = symmetric_views(ensemble, seed)
     boards = [view.apply(p) for p in puzzles for view in views]  # puzzle-major: row p * V + v
@@ -169,6 +179,7 @@ def solve(
 @torch.no_grad()
 def solve_ar(lm: Any, puzzles: Sequence[str]) -> list[ModelSolution]:
     """Left-to-right greedy decoding of the solution, givens forced (the AR baseline, same conditions)."""
+    check_sudoku_model(lm)
     puzzles = prepare(puzzles)
     model = lm.model
     b = len(puzzles)
