@@ -8,12 +8,14 @@ can copy them through and a saved checkpoint keeps its vision tower.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import re
 import struct
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -48,16 +50,45 @@ class MappedSafetensors:
     """
 
     def __init__(self, path: Path):
+        size = path.stat().st_size
         with open(path, "rb") as f:
             try:
                 (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8:  # checked before reading: a damaged length would ask for exabytes
+                    raise ValueError(f"its header claims {n} bytes but the file has {size}")
                 self.header = json.loads(f.read(n))
-            except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                if not isinstance(self.header, dict):
+                    raise ValueError("its header is not a JSON object")
+            except (struct.error, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
             self.data_start = 8 + n
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self.header.pop("__metadata__", None)
         self.path = path
+        for name, info in self.header.items():
+            self._check_entry(name, info, size - self.data_start)
+
+    def _check_entry(self, name: str, info: Any, data_bytes: int) -> None:
+        """Every entry names a dtype, a shape and offsets that lie in the file and match dtype x shape: a damaged
+        or truncated file is refused here, naming the tensor, not by torch on first touch."""
+        def bad(why: str) -> CheckpointError:
+            return CheckpointError(f"{self.path}: tensor {name!r}: {why}; the file is damaged or truncated")
+
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise bad("expected dtype, shape and data_offsets in its header entry")
+        dtype, shape, offsets = _ST_DTYPES.get(info["dtype"]), info["shape"], info["data_offsets"]
+        if dtype is None:
+            raise bad(f"unsupported safetensors dtype {info['dtype']!r}")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise bad(f"shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"data_offsets {offsets!r} are not [begin, end]")
+        if offsets[1] > data_bytes:
+            raise bad(f"its data ends at byte {offsets[1]} but the file holds {data_bytes} bytes of data")
+        expected = math.prod(shape) * dtype.itemsize
+        if offsets[1] - offsets[0] != expected:
+            raise bad(f"{offsets[1] - offsets[0]} bytes of data, but {info['dtype']} {shape} needs {expected}")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -66,10 +97,8 @@ class MappedSafetensors:
         return tuple(self.header[name]["shape"])
 
     def tensor(self, name: str) -> torch.Tensor:
-        info = self.header[name]
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"tensor {name!r}: unsupported safetensors dtype {info['dtype']}")
+        info = self.header[name]  # checked on opening
+        dtype = _ST_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         shape = tuple(info["shape"])
         count = end - begin
@@ -231,6 +260,9 @@ def load_model(
             if shape != want:
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
             tensor = f.tensor(name)
+            if not tensor.is_floating_point():  # every text weight is stored in a float type (quantizing comes after)
+                raise CheckpointError(f"{file.name}: tensor {name!r}: dtype {tensor.dtype} in the checkpoint, "
+                                      "expected a floating-point type")
             if dtype is None and tensor.is_floating_point():
                 dtype = native_dtype(tensor.dtype, device)
             if f"{local}_scale" in expected:  # a quantized projection: quantize on the target device, then drop

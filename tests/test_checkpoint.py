@@ -199,6 +199,51 @@ def test_truncated_safetensors_is_a_clear_error(ref_checkpoint, tmp_path):
         load_quiet(path)
 
 
+def _rewrite_header(path, edit):
+    """Rewrite a safetensors file's JSON header through `edit(header)`, keeping its data bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _first_tensor(header):
+    return header[next(k for k in header if k != "__metadata__" and "up_proj" in k)]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "holds .* bytes of data"),
+    (lambda p: p.write_bytes((2**62).to_bytes(8, "little") + p.read_bytes()[8:]), "its header claims"),
+    (lambda p: p.write_bytes(bytes(range(256)) * 20), "not a safetensors file"),
+    (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(data_offsets=[0, 4])), "needs"),
+    (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).pop("data_offsets")), "expected dtype, shape and data_offsets"),
+    (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="I64")), "needs|expected a floating-point"),
+    (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="Q3")), "unsupported safetensors dtype"),
+    (lambda p: _rewrite_header(p, lambda h: h.clear() or h.update(x=[1])), "expected dtype, shape"),
+])
+def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, message):
+    """Truncated files, a header length of 2**62, random bytes, wrong offsets, dtypes or entries: each one is a
+    CheckpointError naming the file (and the tensor), before torch touches the data."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    damage(path / "model.safetensors")
+    with pytest.raises(blockpress.CheckpointError, match=message) as caught:
+        load_quiet(path)
+    assert "model.safetensors" in str(caught.value)
+
+
+def test_an_integer_tensor_where_weights_are_floats_is_a_clear_error(ref_checkpoint, tmp_path):
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    file = path / "model.safetensors"
+    state = load_file(file)
+    name = next(k for k in state if "up_proj" in k)
+    state[name] = state[name].to(torch.int32) if state[name].element_size() == 4 else state[name].to(torch.int16)
+    save_file(state, file)
+    with pytest.raises(blockpress.CheckpointError, match=f"tensor '{name}': dtype torch.int.* expected a floating-point"):
+        load_quiet(path)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_half_precision_loads_as_float32_where_the_cpu_only_emulates_it(ref_checkpoint, tmp_path, monkeypatch, native):
     from blockpress import checkpoint
