@@ -155,6 +155,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device: {device!r} asked for, but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device: {device!r} asked for, but MPS is not available here")
+    backend = getattr(torch, dev.type, None)  # xpu, hpu, ...: torch.<type>.is_available() where torch has one
+    if dev.type not in ("cpu", "cuda", "mps", "meta") and not (backend is not None and getattr(
+            backend, "is_available", lambda: False)()):
+        raise ValueError(f"device: {device!r} asked for, but this torch ({torch.__version__}) has no {dev.type} "
+                         "device available")
     return dev
 
 

@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         print(f"blockpress {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

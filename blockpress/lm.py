@@ -86,6 +86,7 @@ def check_seed(seed: Any, name: str) -> Any:
         raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}")
     return seed
 
+
 class LM:
     def __init__(
         self,
@@ -428,9 +429,24 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
     if not file.exists():
         return {}
     try:
-        return json.loads(file.read_text())
+        raw = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file}: not valid JSON ({exc})") from None
+    # Checked now, naming the file: a wrong type would otherwise fail at the first generate, deep in the sampler.
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = raw.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{file}: {key}: expected a token id or a list of them, got {value!r}")
+    if "max_new_tokens" in raw and not (isinstance(raw["max_new_tokens"], int) and raw["max_new_tokens"] > 0):
+        raise ValueError(f"{file}: max_new_tokens: expected a positive integer, got {raw['max_new_tokens']!r}")
+    try:
+        SamplerConfig.from_generation_config(raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{file}: {exc}") from None
+    return raw
 
 
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",

@@ -106,7 +106,7 @@ class SamplerConfig:
         kwargs = {k: v for k, v in raw.items() if k in known}
         sampler_cfg = raw.get("sampler_config")
         if isinstance(sampler_cfg, dict) and "entropy_bound" in sampler_cfg:
-            kwargs["entropy_bound"] = float(sampler_cfg["entropy_bound"])
+            kwargs["entropy_bound"] = sampler_cfg["entropy_bound"]  # checked like the rest in __post_init__
         return cls(**kwargs)
 
     def to_generation_config(self) -> dict[str, Any]:

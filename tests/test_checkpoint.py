@@ -122,6 +122,23 @@ def test_unexpected_tensor_named(ref_checkpoint, tmp_path):
         load_quiet(path)
 
 
+@pytest.mark.parametrize("content, message", [
+    ([1], "expected a JSON object, got list"),
+    ({"entropy_bound": "0.1"}, "entropy_bound: expected a finite number"),
+    ({"t_min": "0.4"}, "t_min: expected a finite number"),
+    ({"sampler_config": {"entropy_bound": "abc"}}, "entropy_bound: expected a finite number"),
+    ({"max_new_tokens": "abc"}, "max_new_tokens: expected a positive integer"),
+    ({"eos_token_id": "abc"}, "eos_token_id: expected a token id"),
+    ({"eos_token_id": [1, "a"]}, "eos_token_id: expected a token id"),
+])
+def test_bad_generation_config_is_named_on_load(ref_checkpoint, tmp_path, content, message):
+    """A wrong type in generation_config.json failed at the first generate, or in `info`, with a bare TypeError."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    (path / "generation_config.json").write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=f"generation_config.json: {message}"):
+        load_quiet(path)
+
+
 def test_garbage_config(ref_checkpoint, tmp_path):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     (path / "config.json").write_text("{not json")

@@ -317,7 +317,8 @@ def test_bad_hole_lengths(template, hole_length, message):
         load_model("random-tiny", None, "cpu").infill(template, hole_length=hole_length)
 
 
-@pytest.mark.parametrize("device, message", [("tpu", "not a torch device"), ("cuda:7", "device: 'cuda:7' asked for")])
+@pytest.mark.parametrize("device, message", [("tpu", "not a torch device"), ("cuda:7", "device: 'cuda:7' asked for"),
+                                             ("xpu", "has no xpu device available")])
 def test_bad_devices(device, message):
     if device.startswith("cuda") and torch.cuda.device_count() > 7:
         pytest.skip("this machine has that GPU")
