@@ -283,6 +283,8 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int) -> tuple[torch.Tenso
         if tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
         return left_pad(encode_texts([prompt] if isinstance(prompt, str) else prompt, tokenizer), pad_id)
+    if not isinstance(prompt, (torch.Tensor, str, list, tuple)) and hasattr(prompt, "__array__"):
+        prompt = torch.as_tensor(prompt)  # a numpy array of ids: read like a tensor
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 1:
             prompt = prompt[None]
@@ -292,14 +294,22 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int) -> tuple[torch.Tenso
             raise ValueError(f"prompt: expected integer token ids, got {prompt.dtype}")
         return prompt.long().cpu(), None
     if isinstance(prompt, (list, tuple)) and prompt:
-        if all(isinstance(t, int) for t in prompt):
-            return left_pad([list(prompt)], pad_id)
-        if all(isinstance(r, (list, tuple)) and all(isinstance(t, int) for t in r) for r in prompt):
-            return left_pad([list(r) for r in prompt], pad_id)
+        rows = [prompt] if all(_is_id(t) for t in prompt) else prompt
+        if all(isinstance(r, (list, tuple)) and all(_is_id(t) for t in r) for r in rows):
+            for r in rows:
+                for t in r:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
+                    if not 0 <= t < 2**63:
+                        raise ValueError(f"prompt: token id {t} is not a token id (expected 0 <= id < vocab_size)")
+            return left_pad([list(r) for r in rows], pad_id)
+    empty = isinstance(prompt, (list, tuple, str)) and not prompt
     raise ValueError(
         "prompt: expected str, list[str], a LongTensor [P] or [B, P], or a list of token-id lists; "
-        f"got {type(prompt).__name__}{' (empty)' if not prompt else ''}"
+        f"got {type(prompt).__name__}{' (empty)' if empty else ''}"
     )
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)  # True is an int to Python, never a token id
 
 
 def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,

@@ -56,7 +56,12 @@ def resolve_path(path_or_name: str | Path) -> Path:
 
 
 def _as_ids(x: torch.Tensor | list, name: str, vocab_size: int, device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(x, dtype=torch.long, device=device) if not isinstance(x, torch.Tensor) else x.to(device)
+    if not isinstance(x, torch.Tensor):
+        try:  # no dtype forced: 1.5 or True must be refused below, not truncated to a token id
+            x = torch.as_tensor(x)
+        except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+            raise ValueError(f"{name}: expected token ids ([P] or [B, P] integers), could not read them ({exc})") from None
+    t = x.to(device)
     if t.dim() == 1:
         t = t[None]
     if t.dim() != 2 or t.shape[1] == 0:
@@ -77,7 +82,6 @@ def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: expected a blockpress.PrefixCache, got {type(prefix_cache).__name__}")
     return prefix_cache
-
 
 
 def check_seed(seed: Any, name: str) -> Any:
@@ -186,8 +190,15 @@ class LM:
                 raise ValueError(
                     f"attention_mask: expected shape {list(prompt.shape)} (like prompt_ids), got {list(attention_mask.shape)}"
                 )
+        context = self.config.text.max_position_embeddings
+        if prompt.shape[1] + canvas.shape[1] > context:
+            raise ValueError(f"canvas_ids: {prompt.shape[1]} prompt + {canvas.shape[1]} canvas tokens exceed the "
+                             f"model's context of {context} tokens")
         if self_conditioning_logits is not None:
             want = (*canvas.shape, v)
+            if not isinstance(self_conditioning_logits, torch.Tensor):
+                raise ValueError(f"self_conditioning_logits: expected a float tensor of shape {list(want)}, "
+                                 f"got {type(self_conditioning_logits).__name__}")
             if tuple(self_conditioning_logits.shape) != want:
                 raise ValueError(
                     f"self_conditioning_logits: expected shape {list(want)}, got {list(self_conditioning_logits.shape)}"

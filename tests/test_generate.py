@@ -1,5 +1,6 @@
 """The decoding loop's mechanics on tiny random models."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -266,10 +267,30 @@ def test_bad_arguments(lm, kwargs, field):
         lm.generate([3, 4], **kwargs)
 
 
-@pytest.mark.parametrize("prompt", [[], [[]], "text without tokenizer", [[1, 2], "x"], [1000]])
+@pytest.mark.parametrize("prompt", [[], [[]], "text without tokenizer", [[1, 2], "x"], [1000], [True, False],
+                                    [[1, 2**70]], np.array([1.5, 2.0]), 3.5])
 def test_bad_prompts(lm, prompt):
     with pytest.raises(ValueError, match="prompt"):
         lm.generate(prompt, max_new_tokens=4)
+
+
+def test_numpy_prompts_read_like_tensors(lm):
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    assert torch.equal(lm.generate(np.array([[3, 4, 5]]), **kw).sequences, lm.generate([[3, 4, 5]], **kw).sequences)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_ids=[1.5, 2], canvas_ids=[1, 4]), "prompt_ids: expected integer token ids, got torch.float32"),
+    (dict(prompt_ids=[1, 2], canvas_ids=np.array([1.0, 4.0])), "canvas_ids: expected integer token ids"),
+    (dict(prompt_ids=[1, 2], canvas_ids=[[1], [2, 3]]), "canvas_ids: expected token ids .* could not read them"),
+    (dict(prompt_ids=[1, 2], canvas_ids=[1, 4], self_conditioning_logits=[[0.0]]),
+     "self_conditioning_logits: expected a float tensor"),
+    (dict(prompt_ids=[1] * 10, canvas_ids=[1] * 20), "10 prompt \\+ 20 canvas tokens exceed the model's context of 16"),
+])
+def test_bad_logits_arguments(kwargs, message):
+    short = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=16), seed=0)
+    with pytest.raises(ValueError, match=message):
+        short.logits(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, message", [
