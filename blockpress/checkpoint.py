@@ -135,11 +135,15 @@ def local_to_hf(name: str) -> str:
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in DTYPES:
+    """None, or one of the dtypes the model computes in (float8 is a quantization scheme, not a weights dtype)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or a torch.dtype, got {dtype!r}")
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    hint = "; for 8-bit weights use quantize='fp8' or 'int8'" if isinstance(dtype, torch.dtype) else ""
+    raise ValueError(f"dtype: expected one of {sorted(DTYPES)} (or the torch dtype), got {dtype!r}{hint}")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

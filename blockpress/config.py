@@ -86,6 +86,16 @@ class TextConfig:
     moe_intermediate_size: int | None = 256
 
     def __post_init__(self) -> None:
+        for name in ("rope_parameters", "per_layer_config"):  # read as dicts just below
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"text_config.{name}: expected an object (a dict), got {value!r}")
+        if self.per_layer_config is not None:
+            for key, over in self.per_layer_config.items():
+                if not (isinstance(over, dict) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                       for v in over.values())):
+                    raise ConfigError(f"text_config.per_layer_config[{key!r}]: expected an object of integers, "
+                                      f"got {over!r}")
         if self.layer_types is None:
             self.layer_types = _default_layer_types(self.num_hidden_layers)
         self.layer_types = list(self.layer_types)
@@ -145,6 +155,20 @@ class TextConfig:
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
                  f"expected a positive integer, got {value!r}")
+        need(isinstance(self.max_position_embeddings, int) and self.max_position_embeddings > 0,
+             "max_position_embeddings", f"expected a positive integer, got {self.max_position_embeddings!r}")
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            need(value is None or (isinstance(value, int) and 0 <= value < self.vocab_size), name,
+                 f"expected a token id in [0, vocab_size={self.vocab_size}), got {value!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+        need(self.eos_token_id is None or all(isinstance(i, int) and 0 <= i < self.vocab_size for i in eos),
+             "eos_token_id", f"expected a token id (or a list of them) in [0, {self.vocab_size}), got {self.eos_token_id!r}")
+        cap = self.final_logit_softcapping
+        need(cap is None or (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0),
+             "final_logit_softcapping", f"expected null or a positive number, got {cap!r}")
+        need(isinstance(self.initializer_range, (int, float)) and self.initializer_range >= 0, "initializer_range",
+             f"expected a number >= 0, got {self.initializer_range!r}")
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, name,
@@ -181,12 +205,16 @@ class TextConfig:
         for kind in set(self.layer_types):
             need(kind in self.rope_parameters, "rope_parameters", f"missing an entry for {kind!r}")
             rope = self.rope_parameters[kind]
+            need(isinstance(rope, dict), f"rope_parameters.{kind}", f"expected an object, got {rope!r}")
             rope_type = rope.get("rope_type", "default")
             need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_parameters.{kind}.rope_type",
                  f"{rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
             theta = rope.get("rope_theta")
             need(isinstance(theta, (int, float)) and theta > 0, f"rope_parameters.{kind}.rope_theta",
                  f"expected a positive number, got {theta!r}")
+            factor = rope.get("partial_rotary_factor", 1.0)
+            need(isinstance(factor, (int, float)) and 0 < factor <= 1, f"rope_parameters.{kind}.partial_rotary_factor",
+                 f"expected a fraction in (0, 1], got {factor!r}")
             if rope_type == "default":
                 need(rope.get("partial_rotary_factor", 1.0) == 1.0,
                      f"rope_parameters.{kind}.partial_rotary_factor",

@@ -43,6 +43,8 @@ def shipped_models() -> list[str]:
 
 def resolve_path(path_or_name: str | Path) -> Path:
     """An HF-format folder, or the name of a model shipped inside the package."""
+    if not isinstance(path_or_name, (str, Path)) or not str(path_or_name).strip():
+        raise ValueError(f"model: expected a checkpoint folder or a shipped model name, got {path_or_name!r}")
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return path
@@ -490,6 +492,10 @@ def random_model(
     """A randomly initialised model of any size: built on the meta device, then initialised in place.
 
     device="meta" stops before allocating: shapes and dtypes only, to count parameters and bytes (`info`)."""
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
+                         f"ModelConfig.from_dict(...)), got {type(config).__name__}")
+    check_seed(seed, "seed")
     dtype = resolve_dtype(dtype) or torch.float32
     device = resolve_device(device)
     with torch.device("meta"):

@@ -103,7 +103,7 @@ class SamplerConfig:
     def from_generation_config(cls, raw: dict[str, Any]) -> SamplerConfig:
         """Read the relevant keys of a checkpoint's generation_config.json (the reference's layout)."""
         known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in known}
+        kwargs = {k: v for k, v in raw.items() if k in known and v is not None}  # null: unset, the default holds
         sampler_cfg = raw.get("sampler_config")
         if isinstance(sampler_cfg, dict) and "entropy_bound" in sampler_cfg:
             kwargs["entropy_bound"] = sampler_cfg["entropy_bound"]  # checked like the rest in __post_init__

@@ -157,6 +157,19 @@ def test_garbage_config(ref_checkpoint, tmp_path):
         (lambda c: c.update(canvas_length=0), "canvas_length"),
         (lambda c: c.update(model_type="llama"), "model_type"),
         (lambda c: c.pop("text_config"), "text_config"),
+        # Each of these failed later with a bare AttributeError, TypeError or a torch error.
+        (lambda c: c["text_config"].update(per_layer_config=[1]), "per_layer_config: expected an object"),
+        (lambda c: c["text_config"].update(per_layer_config={"0": {"head_dim": "x"}}), "per_layer_config"),
+        (lambda c: c["text_config"].update(rope_parameters=5), "rope_parameters: expected an object"),
+        (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(partial_rotary_factor=2.0),
+         "partial_rotary_factor: expected a fraction"),
+        (lambda c: c["text_config"].update(max_position_embeddings="big"), "max_position_embeddings"),
+        (lambda c: c["text_config"].update(max_position_embeddings=-5), "max_position_embeddings"),
+        (lambda c: c["text_config"].update(final_logit_softcapping="30"), "final_logit_softcapping"),
+        (lambda c: c["text_config"].update(eos_token_id="x"), "eos_token_id"),
+        (lambda c: c["text_config"].update(pad_token_id=10**6), r"pad_token_id: expected a token id in \[0, vocab_size"),
+        (lambda c: c["text_config"].update(bos_token_id=999), "bos_token_id"),
+        (lambda c: c["text_config"].update(initializer_range=-1), "initializer_range"),
     ],
 )
 def test_bad_config_fields_named(ref_checkpoint, edit, field):
