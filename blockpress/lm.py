@@ -283,6 +283,8 @@ class LM:
     def _check_context(self, req: Request, cache: KVCache | None) -> None:
         """Positions past max_position_embeddings were never trained, and an absurd max_new_tokens would first
         allocate a cache that long: refuse with a clear error instead."""
+        if cache is not None:
+            self._check_cache(cache, req.prompt.shape[0])
         limit = self.config.text.max_position_embeddings
         held = 0 if cache is None else int(cache.next_pos.max())
         n = req.template.shape[1] if req.template is not None else req.max_new_tokens
@@ -290,6 +292,20 @@ class LM:
             where = f"{held} cached + " if held else ""
             raise ValueError(f"max_new_tokens: {where}{req.prompt.shape[1]} prompt + {n} new tokens exceed the model's "
                              f"context of {limit} tokens (max_position_embeddings)")
+
+    def _check_cache(self, cache: Any, batch: int) -> None:
+        """A conversation's cache continues only the model (and batch) that built it: same layers, heads, head
+        sizes, dtype and device."""
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache: expected the KVCache of an earlier call (return_cache=True), got "
+                             f"{type(cache).__name__}")
+        want = [(spec.num_kv_heads, spec.head_dim) for spec in self.config.text.layers]
+        have = [(k.shape[1], k.shape[3]) for k in cache.keys]
+        if have != want or cache.keys[0].dtype != self.dtype or cache.device != self.device:
+            raise ValueError(f"cache: built by another model (layers, heads, dtype or device differ: "
+                             f"{cache.keys[0].dtype} on {cache.device}, this model is {self.dtype} on {self.device})")
+        if cache.keys[0].shape[0] != batch:
+            raise ValueError(f"cache: holds {cache.keys[0].shape[0]} rows, the prompt has {batch}")
 
     def _stops(self, stop: Any, req: Request) -> list[list[str]] | None:
         stops = normalize_stops(stop, req.prompt.shape[0])

@@ -741,3 +741,22 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
     held = int(out.cache.next_pos[0])
     with pytest.raises(ValueError, match=rf"{held} cached \+ 1 prompt \+ {64 - held} new"):
         lm.generate([8], max_new_tokens=64 - held, cache=out.cache)
+
+
+def test_a_cache_from_elsewhere_is_a_clear_error(lm):
+    """A conversation's cache continues only the model and batch that built it (before: AttributeErrors, torch's
+    dtype errors, or silently attention over another model's keys)."""
+    out = lm.generate([3, 4, 5], max_new_tokens=4, max_denoising_steps=2, return_cache=True)
+    with pytest.raises(ValueError, match="cache: expected the KVCache of an earlier call"):
+        lm.generate([6], max_new_tokens=4, cache="x")
+    bf16 = blockpress.random_model(lm.config, seed=0, dtype="bfloat16")
+    other = blockpress.random_model(blockpress.ModelConfig.tiny(head_dim=16), seed=0)
+    for model in (bf16, other):
+        with pytest.raises(ValueError, match="cache: built by another model"):
+            model.generate([6], max_new_tokens=4, cache=out.cache)
+        with pytest.raises(ValueError, match="cache: built by another model"):
+            model.generate_ar([6], max_new_tokens=4, cache=out.cache)
+    with pytest.raises(ValueError, match="cache: holds 1 rows, the prompt has 2"):
+        lm.generate([[6], [7]], max_new_tokens=4, cache=out.cache)
+    again = lm.generate([6], max_new_tokens=4, max_denoising_steps=2, cache=out.cache)  # the right one still works
+    assert again.sequences.shape == (1, 5)
