@@ -354,6 +354,8 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
         t = t[None].expand(batch, -1)
     if t.dim() != 2 or t.shape[0] != batch or t.shape[1] == 0:
         raise ValueError(f"template: expected [N] or [{batch}, N] token ids with N > 0, got {list(t.shape)}")
+    if bool((t < -1).any()):
+        raise ValueError(f"template: ids are token ids or -1 for a hole, got {int(t.min())}")
     if not bool((t < 0).any()):
         raise ValueError("template: has no holes to fill (use <|hole|> markers or -1 ids)")
     return t.clone()

@@ -74,6 +74,18 @@ def _as_ids(x: torch.Tensor | list, name: str, vocab_size: int, device: torch.de
     return t.long()
 
 
+def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
+    """An attention mask: 1 for a real token, 0 for padding, shaped like the prompt, a real token in every row."""
+    t = torch.as_tensor(mask)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"attention_mask: expected shape {list(shape)} (like {like}), got {list(t.shape)}")
+    if t.is_floating_point() or t.is_complex() or not bool(((t == 0) | (t == 1)).all()):
+        raise ValueError("attention_mask: expected 0 (padding) and 1 (token) only")
+    if not bool(t.bool().any(-1).all()):
+        raise ValueError("attention_mask: every row needs at least one token (a 1)")
+    return t.long()
+
+
 def check_vocab_range(ids: torch.Tensor, name: str, vocab_size: int) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
@@ -187,11 +199,7 @@ class LM:
             else:
                 raise ValueError(f"canvas_ids: batch {canvas.shape[0]} does not match prompt_ids batch {prompt.shape[0]}")
         if attention_mask is not None:
-            attention_mask = torch.as_tensor(attention_mask, device=self.device)
-            if tuple(attention_mask.shape) != tuple(prompt.shape):
-                raise ValueError(
-                    f"attention_mask: expected shape {list(prompt.shape)} (like prompt_ids), got {list(attention_mask.shape)}"
-                )
+            attention_mask = _check_mask(attention_mask, prompt.shape, "prompt_ids").to(self.device)
         context = self.config.text.max_position_embeddings
         if prompt.shape[1] + canvas.shape[1] > context:
             raise ValueError(f"canvas_ids: {prompt.shape[1]} prompt + {canvas.shape[1]} canvas tokens exceed the "
@@ -243,9 +251,7 @@ class LM:
         pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
         if attention_mask is not None:
-            mask = torch.as_tensor(attention_mask, dtype=torch.long)
-            if tuple(mask.shape) != tuple(ids.shape):
-                raise ValueError(f"attention_mask: expected shape {list(ids.shape)} (like the prompt), got {list(mask.shape)}")
+            mask = _check_mask(attention_mask, ids.shape, "the prompt")
         healed: list[Healed] | None = None
         if token_healing:
             if self.tokenizer is None:
@@ -257,6 +263,7 @@ class LM:
             ids, mask = left_pad([h.ids for h in healed], pad_id)
         v = self.config.text.vocab_size
         check_vocab_range(ids, "prompt", v)
+        asked = max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = int(self.generation_config.get("max_new_tokens", 256))
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -274,6 +281,9 @@ class LM:
                                    self.config.text.max_position_embeddings)
             if int(tmpl.max()) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
+            if asked is not None and asked != tmpl.shape[1]:  # it would be ignored: the template sets the length
+                raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
+                                 f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
         req = Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
         if healed is not None and any(h.prefix for h in healed):
             req.heal_prefixes = [h.prefix for h in healed]

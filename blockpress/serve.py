@@ -225,7 +225,8 @@ class Engine:
         texts = [""] * len(batch)
         consumed = [0] * len(batch)  # canvas tokens committed so far (suffix mode streams only the answer's)
         stream = self.lm.stream(
-            [j.prompt for j in batch], max_new_tokens=first.max_tokens, min_new_tokens=first.min_tokens,
+            [j.prompt for j in batch], min_new_tokens=first.min_tokens,
+            max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
             token_healing=first.token_healing, stop=[j.stop for j in batch], prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],

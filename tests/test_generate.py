@@ -760,3 +760,28 @@ def test_a_cache_from_elsewhere_is_a_clear_error(lm):
         lm.generate([[6], [7]], max_new_tokens=4, cache=out.cache)
     again = lm.generate([6], max_new_tokens=4, max_denoising_steps=2, cache=out.cache)  # the right one still works
     assert again.sequences.shape == (1, 5)
+
+
+@pytest.mark.parametrize("mask, message", [
+    ([[0, 0]], "every row needs at least one token"),
+    ([[5, 5]], "expected 0 \\(padding\\) and 1 \\(token\\) only"),
+    ([[0.5, 1.0]], "expected 0 \\(padding\\) and 1 \\(token\\) only"),
+    ([[1, 1, 1]], "expected shape \\[1, 2\\]"),
+])
+def test_bad_attention_masks(lm, mask, message):
+    """Values other than 0/1 were read as truthy (5) or truncated (0.5 -> 0); an all-padding row encoded nothing."""
+    with pytest.raises(ValueError, match=f"attention_mask: {message}"):
+        lm.generate([[3, 4]], max_new_tokens=4, attention_mask=mask)
+    with pytest.raises(ValueError, match=f"attention_mask: {message}"):
+        lm.logits([[3, 4]], [[5, 6]], attention_mask=mask)
+
+
+def test_a_template_sets_the_length():
+    from blockpress.cli import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    with pytest.raises(ValueError, match="max_new_tokens: the template sets the length \\(4 tokens\\)"):
+        lm.infill("a<|hole:3|>", max_new_tokens=1)
+    assert lm.infill("a<|hole:3|>", max_new_tokens=4, max_denoising_steps=2).new_tokens.shape[1] == 4
+    with pytest.raises(ValueError, match="template: ids are token ids or -1 for a hole, got -5"):
+        lm.infill([3, -5, -1], max_denoising_steps=2)
