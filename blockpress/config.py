@@ -333,7 +333,9 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no config.json; is this a Hugging Face checkpoint folder?") from None
+            what = ("no such file" if path.name != "config.json"
+                    else "no config.json; is this a Hugging Face checkpoint folder?")
+            raise FileNotFoundError(f"{path}: {what}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(raw)

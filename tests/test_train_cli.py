@@ -95,6 +95,25 @@ def test_bad_train_flags(tmp_path, capsys):
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
     assert "--model" in capsys.readouterr().err
     assert main(train_args(tmp_path / "missing.jsonl", tmp_path / "o")) == 2
+    capsys.readouterr()
+    # Each of these was a traceback or a misleading message before.
+    nope = str(tmp_path / "nope.json")
+    (tmp_path / "a_file").write_text("x")
+    for extra, message in ((["--config", nope], f"{nope}: no such file"),
+                           (["--log-every", "0"], "log_every: expected a positive integer"),
+                           (["--heldout", "-0.5"], "heldout: expected a fraction in [0, 1)"),
+                           (["--grad-clip", "-1"], "grad_clip: expected >= 0"),
+                           (["--lr", "inf"], "lr: expected a finite number")):
+        args = train_args(data, tmp_path / "o")
+        if extra[0] == "--config":
+            args[args.index("--config") + 1] = extra[1]
+        else:
+            args += extra
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (extra, err)
+    assert main(train_args(data, tmp_path / "a_file")) == 2  # --out is a file: one line, no traceback
+    assert "a_file" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
