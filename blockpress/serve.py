@@ -291,10 +291,17 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        err = errors[0]
         loc = [str(x) for x in err.get("loc", []) if x != "body"]
         param = ".".join(loc) or None
         msg = err.get("msg", "invalid request")
+        # A field of several types (prompt: str | list[int]) fails once per type, each under the type's tag:
+        # name the field and every form it takes, not "prompt.str: Input should be a valid string".
+        field_errors = [[str(x) for x in e.get("loc", []) if x != "body"] for e in errors]
+        forms = list(dict.fromkeys(e[1] for e in field_errors if len(e) > 1 and e[0] == loc[0])) if loc else []
+        if len(forms) > 1:
+            param, msg = loc[0], f"expected {' or '.join(forms)}"
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field {param!r}"
         elif err.get("type") == "json_invalid":

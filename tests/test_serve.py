@@ -118,6 +118,22 @@ def test_bad_requests_get_clean_4xx(server, body, status, param):
     assert err["message"] and (param is None or param in (err["param"] or "") or param in err["message"])
 
 
+@pytest.mark.parametrize("body, param, forms", [
+    ({"prompt": [[1, 2]]}, "prompt", ["str", "list[int]"]),
+    ({"prompt": 5}, "prompt", ["str", "list[int]"]),
+    ({"prompt": "x", "stop": [1, 2]}, "stop", ["str", "list[str]"]),
+    ({"prompt": "x", "seed": 2**64}, "seed", None),
+])
+def test_a_field_of_several_types_names_them_all(server, body, param, forms):
+    """Before: "prompt.str: Input should be a valid string", silent about the list form also accepted."""
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == param
+    for form in forms or []:
+        assert form in err["message"]
+
+
 def test_malformed_json(server):
     r = httpx.post(server[0] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
