@@ -213,9 +213,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+            raw = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+            raise CheckpointError(f"{index}: not a valid safetensors index (expected an object with a "
+                                  "\"weight_map\" of tensor name -> shard file name)")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:

@@ -263,6 +263,14 @@ def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, 
     assert "model.safetensors" in str(caught.value)
 
 
+@pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", "{}", '{"weight_map": {"x": 3}}', "{nope"])
+def test_a_bad_shard_index_is_a_clear_error(ref_checkpoint, tmp_path, index):
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    (path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(blockpress.CheckpointError, match="model.safetensors.index.json: not a valid safetensors index"):
+        load_quiet(path)
+
+
 def test_an_integer_tensor_where_weights_are_floats_is_a_clear_error(ref_checkpoint, tmp_path):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     file = path / "model.safetensors"
