@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from .generate import (
 from .healing import Healed, allowed_first_tokens, heal
 from .model import DiffusionGemma
 from .prefix import PrefixCache
-from .sampling import SamplerConfig
+from .sampling import SamplerConfig, is_finite_number
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -431,8 +430,7 @@ class LM:
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
         `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's).
         `prefix_cache`: as in `stream`."""
-        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-                and math.isfinite(temperature) and temperature >= 0):
+        if not (is_finite_number(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,

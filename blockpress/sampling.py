@@ -20,6 +20,12 @@ from typing import Any
 
 import torch
 
+
+def is_finite_number(value: Any) -> bool:
+    """A real, finite int or float: not a string from a JSON file, not a bool, not inf or NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
 RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
@@ -76,7 +82,7 @@ class SamplerConfig:
              f"expected a positive integer, got {self.max_denoising_steps!r}")
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
-            need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+            need(is_finite_number(value), name,
                  f"expected a finite number, got {value!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")

@@ -34,6 +34,7 @@ from torch import nn
 from .checkpoint import cpu_computes_natively
 from .data import Batch, Example, TokenShards, make_batch
 from .lm import LM
+from .sampling import is_finite_number
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
@@ -79,8 +80,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently
             value = getattr(self, f.name)
-            if f.type in ("float", float) and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                                   and math.isfinite(value)):
+            if f.type in ("float", float) and not is_finite_number(value):
                 raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
         for name in ("steps", "batch_size", "log_every"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
