@@ -509,8 +509,30 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
     elif cache.batch_size != b:
         raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
     cache.ensure_capacity(cache.length + room)
-    last = model.encode(prompt, cache, attention_mask=req.attention_mask, logits="last" if logits else "none")
+    mask = req.attention_mask
+    if cache.length and mask is not None and not bool(mask.all()):
+        return cache, _encode_continuation(model, prompt, mask.to(prompt.device).bool(), cache, logits), [0] * b
+    last = model.encode(prompt, cache, attention_mask=mask, logits="last" if logits else "none")
     return cache, last, [0] * b
+
+
+def _encode_continuation(model: Any, prompt: torch.Tensor, mask: torch.Tensor, cache: KVCache,
+                         logits: bool) -> torch.Tensor | None:
+    """A left-padded batch of next turns, appended to a conversation's cache so that each row is exactly what it
+    would be alone. Left padding here would leave a gap between a row's history and its new tokens, and sliding
+    windows count slots: so every row's tokens but its last are written right after its history (padding on the
+    right), the padding is moved to the far left (`compact`), and the last tokens follow as one column."""
+    rows = [prompt[i][mask[i]] for i in range(prompt.shape[0])]
+    width = max(r.numel() for r in rows) - 1
+    if width:
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=prompt.device)
+        head = torch.zeros(len(rows), width, dtype=torch.bool, device=prompt.device)
+        for i, r in enumerate(rows):
+            ids[i, : r.numel() - 1], head[i, : r.numel() - 1] = r[:-1], True
+        model.encode(ids, cache, attention_mask=head)  # a row with one new token encodes only padding here
+        cache.compact()
+    last = torch.stack([r[-1] for r in rows])[:, None]
+    return model.encode(last, cache, logits="last" if logits else "none")
 
 
 def run(

@@ -251,6 +251,8 @@ class LM:
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
         if attention_mask is not None:
             mask = _check_mask(attention_mask, ids.shape, "the prompt")
+            if bool((mask[:, :-1] > mask[:, 1:]).any()):  # padding after a token: decoding needs it on the left
+                ids, mask = left_pad([r[m.bool()].tolist() for r, m in zip(ids, mask)], pad_id)
         healed: list[Healed] | None = None
         if token_healing:
             if self.tokenizer is None:

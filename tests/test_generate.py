@@ -785,3 +785,38 @@ def test_a_template_sets_the_length():
     assert lm.infill("a<|hole:3|>", max_new_tokens=4, max_denoising_steps=2).new_tokens.shape[1] == 4
     with pytest.raises(ValueError, match="template: ids are token ids or -1 for a hole, got -5"):
         lm.infill([3, -5, -1], max_denoising_steps=2)
+
+
+@given(st.lists(st.integers(1, 6), min_size=2, max_size=3), st.lists(st.integers(1, 6), min_size=3, max_size=3),
+       st.booleans())
+@settings(max_examples=6, deadline=None)
+def test_a_batch_continues_each_conversation_as_it_would_alone(first, second, ar):
+    """Follow-up turns of different lengths are left-padded in the batch; each row's continuation still equals
+    that conversation run alone (before, the padded row's window counted the gap after its history). Greedy AR
+    and diffusion (per-row seeds) alike; an 8-slot sliding window makes gaps matter."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=4)
+    b = len(first)
+    turn1 = [list(range(3, 3 + n)) for n in first]
+    turn2 = [list(range(20, 20 + n)) for n in second[:b]]
+    if ar:
+        run = lambda p, **kw: lm.generate_ar(p, max_new_tokens=5, **kw)  # noqa: E731
+    else:
+        run = lambda p, **kw: lm.generate(p, max_new_tokens=5, max_denoising_steps=2, **kw)  # noqa: E731
+    seeds = {"seeds": list(range(b))} if not ar else {}
+    one = run(turn1, return_cache=True, **seeds)
+    two = run(turn2, cache=one.cache, **seeds)
+    for i in range(b):
+        alone_seed = {"seed": i} if not ar else {}
+        a1 = run([turn1[i]], return_cache=True, **alone_seed)
+        a2 = run([turn2[i]], cache=a1.cache, **alone_seed)
+        assert one.new_tokens[i].tolist() == a1.new_tokens[0].tolist()
+        assert two.new_tokens[i].tolist() == a2.new_tokens[0].tolist(), (i, first, second)
+
+
+def test_right_padding_reads_like_left_padding(lm):
+    """A right-padded attention_mask (the other padding habit) gave the AR engine a gap before its first token."""
+    left = lm.generate_ar([[5, 6, 7], [1, 2, 3, 4, 5]], max_new_tokens=6)
+    right = lm.generate_ar([[5, 6, 7, 0, 0], [1, 2, 3, 4, 5]], attention_mask=[[1, 1, 1, 0, 0], [1] * 5], max_new_tokens=6)
+    assert torch.equal(right.new_tokens, left.new_tokens)
+    alone = lm.generate_ar([[5, 6, 7]], max_new_tokens=6)
+    assert torch.equal(right.new_tokens[0], alone.new_tokens[0])
