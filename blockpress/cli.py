@@ -188,16 +188,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not user.strip():
             break
         messages.append({"role": "user", "content": user})
-        ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        # Reuse the longest common prefix of what is cached and the re-rendered conversation; a reply
-        # that re-tokenizes differently only costs re-encoding from the first difference.
-        common = 0
-        while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
-            common += 1
-        if cache is not None:
-            cache.truncate(common)
-        t0 = time.perf_counter()
-        out = lm.generate([ids[common:]], cache=cache, return_cache=True, **sampling_kwargs(args))
+        try:
+            ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            # Reuse the longest common prefix of what is cached and the re-rendered conversation; a reply
+            # that re-tokenizes differently only costs re-encoding from the first difference.
+            common = 0
+            while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
+                common += 1
+            if cache is not None:
+                cache.truncate(common)
+                cached = cached[:common]
+            t0 = time.perf_counter()
+            out = lm.generate([ids[common:]], cache=cache, return_cache=True, **sampling_kwargs(args))
+        except ValueError as exc:  # one bad turn (too long, text that is not UTF-8) must not end the conversation
+            messages.pop()
+            print(f"error: {exc}; that message was dropped, the conversation goes on", file=sys.stderr)
+            continue
         cache = out.cache
         n = int(out.num_new_tokens[0])
         cached = ids + out.new_tokens[0, :n].tolist()

@@ -301,7 +301,8 @@ class LM:
         n = req.template.shape[1] if req.template is not None else req.max_new_tokens
         if held + req.prompt.shape[1] + n > limit:
             where = f"{held} cached + " if held else ""
-            raise ValueError(f"max_new_tokens: {where}{req.prompt.shape[1]} prompt + {n} new tokens exceed the model's "
+            blame = "prompt" if held + req.prompt.shape[1] >= limit else "max_new_tokens"  # which one to shorten
+            raise ValueError(f"{blame}: {where}{req.prompt.shape[1]} prompt + {n} new tokens exceed the model's "
                              f"context of {limit} tokens (max_position_embeddings)")
 
     def _check_cache(self, cache: Any, batch: int) -> None:

@@ -105,6 +105,20 @@ def test_chat_reuses_cache(monkeypatch, capsys):
     assert capsys.readouterr().out.count("model> ") == 2
 
 
+def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
+    """A message longer than the context used to end the whole session; now it is dropped and the chat goes on,
+    and the next turn still continues the cache of the turns before."""
+    from blockpress.cli import load_model
+
+    too_long = "x " * load_model(MODEL, None, "cpu").config.text.max_position_embeddings
+    lines = iter(["hello there", too_long, "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("model> ") == 2
+    assert "error: prompt:" in captured.err and "that message was dropped" in captured.err
+
+
 def test_chat_replies_are_never_empty_by_default():
     assert build_parser().parse_args(["chat"]).min_new_tokens == 1
     assert build_parser().parse_args(["chat", "--min-new-tokens", "0"]).min_new_tokens == 0

@@ -736,6 +736,8 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
         lm.generate([5, 6, 7], max_new_tokens=62)
     with pytest.raises(ValueError, match="context of 64"):
         lm.generate_ar([5, 6, 7], max_new_tokens=10**9)
+    with pytest.raises(ValueError, match=r"prompt: 70 prompt \+ 4 new tokens exceed"):  # the prompt is what to cut
+        lm.generate([5] * 70, max_new_tokens=4)
     assert lm.generate([5, 6, 7], max_new_tokens=61, max_denoising_steps=1, seed=0).new_tokens.shape[1] == 61  # fits
     out = lm.generate([5, 6, 7], max_new_tokens=20, max_denoising_steps=1, seed=0, return_cache=True)
     held = int(out.cache.next_pos[0])
