@@ -466,6 +466,14 @@ class Trainer:
         from .checkpoint import load_model
 
         state = torch.load(self.out / "trainer_state.pt", weights_only=False)
+        rank = state.get("config", {}).get("lora_rank", 0)
+        if rank != self.cfg.lora_rank:  # the optimizer state fits only the same set of trained weights
+            ran = f"LoRA adapters of rank {rank} (give --lora-rank {rank})" if rank else "all weights (no --lora-rank)"
+            raise ValueError(f"--resume: the run in {self.out} trained {ran}; lora_rank={self.cfg.lora_rank} "
+                             "cannot continue it")
+        if rank and "lora" not in state:
+            raise ValueError(f"--resume: the LoRA run in {self.out} finished and merged its adapters into the "
+                             f"checkpoint; fine-tune that with --model {self.out} instead")
         if self.cfg.lora_rank:
             self.model.load_state_dict(state["lora"], strict=False)
         else:
@@ -475,8 +483,15 @@ class Trainer:
                     p.copy_(q)
                 for p, q in zip(self.model.buffers(), loaded.buffers(), strict=True):
                     p.copy_(q)
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as exc:  # e.g. another LoRA rank: torch's "parameter group that doesn't match"
+            raise ValueError(f"--resume: the saved optimizer state does not fit this run's trained weights (was it "
+                             f"trained with another --lora-rank?): {exc}") from None
         self.step = state["step"]
+        if self.step >= self.cfg.steps:
+            raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "
+                             f"{self.cfg.steps}; give a larger --steps to train on")
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:

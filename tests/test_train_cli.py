@@ -59,6 +59,24 @@ def test_resume_without_state_is_a_clear_error(tmp_path, capsys):
     assert "trainer_state.pt" in capsys.readouterr().err
 
 
+def test_resume_mismatches_are_clear_errors(tmp_path, capsys):
+    """Each was a traceback (IndexError, KeyError 'lora') or torch's optimizer message before."""
+    pytest.importorskip("peft")
+    data = write_data(tmp_path / "d.jsonl")
+    resume = lambda out, *extra: main([a for a in train_args(data, out, steps=3) if a not in ("--config", "tiny")]  # noqa: E731
+                                      + ["--resume", *extra])
+    assert main(train_args(data, tmp_path / "full", steps=3)) == 0
+    assert main(train_args(data, tmp_path / "lora", steps=2) + ["--lora-rank", "2"]) == 0
+    capsys.readouterr()
+    for out, extra, message in ((tmp_path / "full", [], "already at step 3 of --steps 3"),
+                                (tmp_path / "full", ["--lora-rank", "2"], "trained all weights (no --lora-rank)"),
+                                (tmp_path / "lora", [], "trained LoRA adapters of rank 2 (give --lora-rank 2)"),
+                                (tmp_path / "lora", ["--lora-rank", "2"], "finished and merged its adapters")):
+        assert resume(out, *extra) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
 def test_cpu_autocast_trains_in_bfloat16_close_to_float32(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "fp32")) == 0
