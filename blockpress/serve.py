@@ -432,6 +432,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         jobs = build_job(body, prompt)
         if body.suffix is not None or body.template is not None:
             canvas, answer = constrained_canvas(body, jobs[0].max_tokens)
+            holes = sum(1 for t in canvas if t < 0)
+            if holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
+                raise APIError(400, f"template: its holes hold {holes} tokens, more than max_tokens "
+                                    f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
             if len(prompt) + len(canvas) > context:
                 raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas)}-token canvas exceed the "
                                     f"context of {context} tokens", "prompt")

@@ -259,6 +259,8 @@ def test_template_answers_with_the_filled_text(client, server):
     ({"template": "<|hole|>", "token_healing": True}, "token_healing"),
     ({"template": "no holes here"}, "template"),
     ({"template": "a <|hole:0|> b"}, "template"),
+    # Holes beyond max_tokens ran anyway: <|hole:99999|> held the engine for minutes.
+    ({"template": "<|hole:2000|>", "max_tokens": 4}, "template"),
 ])
 def test_bad_infill_requests(server, body, param):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "a", **body}, timeout=60)
