@@ -12,6 +12,7 @@ count slots. At least the last prompt token is always encoded, so the AR loop ge
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,12 +50,13 @@ class PrefixCache:
     _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict, repr=False)
     _next: int = field(default=0, repr=False)
     _layout: tuple | None = field(default=None, repr=False)
+    _model: Any = field(default=None, repr=False)  # a weak reference to the model whose keys and values these are
     _bytes: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_bytes, int) or self.max_bytes < 0:
+        if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 0:
             raise ValueError(f"max_bytes: expected a non-negative integer, got {self.max_bytes!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 1:
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 1:
             raise ValueError(f"min_tokens: expected a positive integer, got {self.min_tokens!r}")
 
     def __len__(self) -> int:
@@ -65,8 +67,10 @@ class PrefixCache:
         return self._bytes  # kept as a count, so another thread (a server's /metrics) can read it any time
 
     def clear(self) -> None:
+        """Forget every entry, and the model they belonged to: the cache may then serve another one."""
         self._entries.clear()
         self._bytes = 0
+        self._layout = self._model = None
 
     def longest(self, ids: torch.Tensor) -> tuple[int | None, int]:
         """(key of the entry sharing the longest prefix with `ids` [n] long, that prefix's length)."""
@@ -81,14 +85,15 @@ class PrefixCache:
                 best, best_n = key, n
         return best, best_n
 
-    def check_layout(self, cache: KVCache) -> None:
-        """Entries only fit caches of the model that made them: same layers, heads, head size, dtype, device."""
+    def check_model(self, model: Any, cache: KVCache) -> None:
+        """Entries only fit the model that made them: the same model object (another one with the same shapes
+        has other weights, so its keys differ) and the same layout (layers, heads, head size, dtype, device)."""
         layout = (tuple((k.shape[1], k.shape[3]) for k in cache.keys), cache.keys[0].dtype, cache.device)
         if self._layout is None:
-            self._layout = layout
-        elif layout != self._layout:
-            raise ValueError("prefix_cache: it holds keys and values of another model (layers, heads, dtype or device "
-                             "differ); use one PrefixCache per model")
+            self._layout, self._model = layout, weakref.ref(model)
+        elif layout != self._layout or self._model() is not model:
+            raise ValueError("prefix_cache: it holds keys and values of another model (another model object, or "
+                             "other layers, heads, dtype or device); use one PrefixCache per model, or clear() it")
 
     def load(self, key: int, n: int, row: KVCache) -> None:
         """Copy the first `n` tokens of entry `key` into the empty one-row cache `row` (and mark it used)."""
@@ -134,7 +139,7 @@ def encode_prompts(
     b, p = prompt.shape
     device = prompt.device
     cache = KVCache.allocate(model.config.text, b, capacity, model.dtype, model.device)
-    prefixes.check_layout(cache)
+    prefixes.check_model(model, cache)
     mask = torch.ones_like(prompt, dtype=torch.bool) if attention_mask is None else attention_mask.bool().to(device)
     ids = [prompt[i][mask[i]].cpu() for i in range(b)]
 

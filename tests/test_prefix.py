@@ -139,3 +139,12 @@ def test_clear_errors(lm):
     other = blockpress.random_model(blockpress.ModelConfig.tiny(head_dim=16), seed=0)
     with pytest.raises(ValueError, match="another model"):
         other.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
+    # The same shapes but other weights: its keys differ, so reusing them would be silently wrong.
+    twin = blockpress.random_model(lm.config, seed=123)
+    with pytest.raises(ValueError, match="another model"):
+        twin.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
+    pc.clear()  # forgets the model too: the twin may use it now
+    assert twin.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc).sequences.shape[1] == 7
+    for bad in (dict(max_bytes=True), dict(min_tokens=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            PrefixCache(**bad)
