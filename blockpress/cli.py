@@ -307,6 +307,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
     if args.data.endswith(".jsonl"):
+        if args.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
+            raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
+                             "--heldout fraction of --data")
         examples = load_jsonl(args.data, lm.tokenizer, vocab)
         train, held = split_heldout(examples, args.heldout)
         source = ExampleSource(train, cfg.seed)

@@ -93,6 +93,9 @@ class TrainConfig:
                      "lora_rank", "eval_batches", "data_workers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"micro_batch_size: {self.micro_batch_size} is more than batch_size {self.batch_size} "
+                             "(a micro-batch is a slice of the batch)")
         if self.diffusion_weight < 0 or self.aux_ar_weight < 0 or not (self.diffusion_weight or self.aux_ar_weight):
             raise ValueError("diffusion_weight/aux_ar_weight: must be >= 0 and not both 0")
         if self.lr <= 0:

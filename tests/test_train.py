@@ -134,7 +134,8 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
      # Each of these trained without a word before: NaN weights, a climbing loss, a negative end of schedule.
      (dict(lr=float("inf")), "lr: expected a finite number"), (dict(grad_clip=-1.0), "grad_clip"),
      (dict(min_lr_ratio=-5.0), "min_lr_ratio"), (dict(weight_decay=-1.0), "weight_decay"),
-     (dict(beta2=1.0), "beta2"), (dict(log_every=0), "log_every"), (dict(lr="3e-4"), "lr: expected a finite")],
+     (dict(beta2=1.0), "beta2"), (dict(log_every=0), "log_every"), (dict(lr="3e-4"), "lr: expected a finite"),
+     (dict(batch_size=2, micro_batch_size=4), "micro_batch_size: 4 is more than batch_size 2")],
 )
 def test_bad_train_config(kwargs, field):
     with pytest.raises(ValueError, match=field):

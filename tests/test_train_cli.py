@@ -121,7 +121,8 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--log-every", "0"], "log_every: expected a positive integer"),
                            (["--heldout", "-0.5"], "heldout: expected a fraction in [0, 1)"),
                            (["--grad-clip", "-1"], "grad_clip: expected >= 0"),
-                           (["--lr", "inf"], "lr: expected a finite number")):
+                           (["--lr", "inf"], "lr: expected a finite number"),
+                           (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data")):
         args = train_args(data, tmp_path / "o")
         if extra[0] == "--config":
             args[args.index("--config") + 1] = extra[1]
