@@ -46,6 +46,12 @@ from .sampling import SamplerConfig
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # OpenAI's: one last chunk, before [DONE], with the request's usage
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -57,7 +63,7 @@ class _Common(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=8)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -341,6 +347,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 for i in range(body.n)]
 
     async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int):
+        if body.stream_options is not None and not body.stream:  # checked before any job is queued
+            raise APIError(400, "stream_options: only with stream: true", "stream_options")
         engine.metrics.add(requests_total=1)
         for job in jobs:
             engine.submit(job)
@@ -355,8 +363,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 return {"index": i, key: content, "finish_reason": finish}
             return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
 
+        def usage(completion: int, passes: int, cached: int) -> dict:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion, "forward_passes": passes,
+                    "prompt_tokens_details": {"cached_tokens": cached}}
+
         if body.stream:
             async def events():
+                totals = [0, 0, 0]  # completion tokens, forward passes, cached prompt tokens
                 try:
                     for i, job in enumerate(jobs):
                         sent = ""
@@ -379,11 +393,16 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                              "model": body.model, "choices": [choice(i, piece, None, True)]}
                                     yield f"data: {json.dumps(chunk)}\n\n"
                                 continue
-                            finish = item[4]  # the engine ended stopped rows and cut their text
+                            _, _, n, p, finish, reused = item  # the engine ended stopped rows and cut their text
+                            totals = [totals[0] + n, totals[1] + p, max(totals[2], reused)]
                             chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
                                      "choices": [choice(i, None if kind == "chat" else "", finish, True)]}
                             yield f"data: {json.dumps(chunk)}\n\n"
                             break
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
+                                 "choices": [], "usage": usage(*totals)}
+                        yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     for job in jobs:  # a client that left frees its rows
@@ -404,10 +423,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             completion += n
             passes += p
             cached = max(cached, reused)  # the n choices share one prompt
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": prompt_tokens + completion, "forward_passes": passes,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
-        return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices, "usage": usage}
+        return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
+                "usage": usage(completion, passes, cached)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):

@@ -56,6 +56,23 @@ def test_streaming_reassembles_to_the_same_text(client):
     assert "".join(parts) == whole
 
 
+def test_stream_usage_on_request(client, server):
+    """OpenAI's stream_options.include_usage: one last chunk with no choices and the usage a plain request reports."""
+    for create, kw in ((client.completions.create, dict(prompt="abc", max_tokens=12, seed=7, n=2)),
+                       (client.chat.completions.create, dict(messages=[{"role": "user", "content": "yo"}],
+                                                             max_tokens=10, seed=3))):
+        plain = create(model=MODEL, **kw).usage
+        chunks = list(create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw))
+        assert chunks[-1].choices == [] and all(c.choices for c in chunks[:-1])
+        got = chunks[-1].usage
+        assert (got.prompt_tokens, got.completion_tokens, got.total_tokens) == (
+            plain.prompt_tokens, plain.completion_tokens, plain.total_tokens)
+        assert all(c.usage is None for c in create(model=MODEL, stream=True, **kw))  # only when asked
+    r = httpx.post(server[0] + "/v1/completions", timeout=30,
+                   json={"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
 def test_draft_events_opt_in(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "drafts": True, "seed": 1}
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
