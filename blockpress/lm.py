@@ -368,6 +368,10 @@ class LM:
         (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included.
         `prefix_cache`: a `PrefixCache` kept across calls; each prompt encodes only what no earlier prompt in
         it shared (the output's `extra["reused_prompt_tokens"]` says how much was reused, per row).
+        `cache`: continue the conversation a `return_cache=True` output holds. It is extended in place (no copy):
+        afterwards it holds this turn too, so continuing twice from one cache continues the second time from
+        the first continuation, and a stream abandoned midway leaves part of a turn in it. To branch or retry,
+        note `cache.length` before and `cache.truncate(that_length)` after.
         """
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")

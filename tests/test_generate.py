@@ -822,3 +822,15 @@ def test_right_padding_reads_like_left_padding(lm):
     assert torch.equal(right.new_tokens, left.new_tokens)
     alone = lm.generate_ar([[5, 6, 7]], max_new_tokens=6)
     assert torch.equal(right.new_tokens[0], alone.new_tokens[0])
+
+
+def test_a_continued_cache_grows_in_place_and_truncate_rewinds_it(lm):
+    """What the `cache` docstring promises: continuing extends the cache itself; truncate() to the length noted
+    before gives a retry exactly the first continuation."""
+    one = lm.generate([3, 4, 5], max_new_tokens=4, max_denoising_steps=2, return_cache=True, seed=1)
+    before = one.cache.length
+    first = lm.generate([6, 7], max_new_tokens=4, max_denoising_steps=2, cache=one.cache, seed=2)
+    assert one.cache.length > before
+    one.cache.truncate(before)
+    again = lm.generate([6, 7], max_new_tokens=4, max_denoising_steps=2, cache=one.cache, seed=2)
+    assert torch.equal(again.sequences, first.sequences)
