@@ -224,8 +224,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 if name == s.quantize:
                     row[f"{name}_weights_bytes"] = lm.weights_bytes()
                 row[f"{name}_over_eager"] = row[f"blockpress_{name}"]["tok_s"] / row["blockpress"]["tok_s"]
-        for row in out["rows"][-len(s.batch_sizes):]:
-            if ref is not None:
+        if ref is not None:
+            for row in out["rows"][-len(s.batch_sizes):]:
                 _add_ratios(row, [name for name, _ in variants])
         lm.step_functions = None
     return out

@@ -60,6 +60,16 @@ class KVCache:
     def device(self) -> torch.device:
         return self.valid.device
 
+    @property
+    def layout(self) -> tuple:
+        """What ties a cache to a model's shape: (kv heads, head size) per layer, dtype, device."""
+        return tuple((k.shape[1], k.shape[3]) for k in self.keys), self.keys[0].dtype, self.device
+
+    @staticmethod
+    def layout_for(config: TextConfig, dtype: torch.dtype, device: torch.device) -> tuple:
+        """The `layout` of a cache that `allocate(config, ..., dtype, device)` builds."""
+        return tuple((spec.num_kv_heads, spec.head_dim) for spec in config.layers), dtype, torch.device(device)
+
     def reset(self) -> None:
         self.length = 0
         self.valid.fill_(True)

@@ -504,10 +504,8 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
             raise ValueError("prefix_cache: not together with cache= (a continued conversation already skips what "
                              "its cache holds)")
         return encode_prompts(model, prompt, req.attention_mask, req.prefix_cache, room, logits)
-    if cache is None:
+    if cache is None:  # a given cache was checked against the model and the batch by LM._check_cache
         cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
-    elif cache.batch_size != b:
-        raise ValueError(f"cache: holds {cache.batch_size} rows but the prompt has {b}")
     cache.ensure_capacity(cache.length + room)
     mask = req.attention_mask
     if cache.length and mask is not None and not bool(mask.all()):

@@ -311,13 +311,11 @@ class LM:
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected the KVCache of an earlier call (return_cache=True), got "
                              f"{type(cache).__name__}")
-        want = [(spec.num_kv_heads, spec.head_dim) for spec in self.config.text.layers]
-        have = [(k.shape[1], k.shape[3]) for k in cache.keys]
-        if have != want or cache.keys[0].dtype != self.dtype or cache.device != self.device:
+        if cache.layout != KVCache.layout_for(self.config.text, self.dtype, self.device):
             raise ValueError(f"cache: built by another model (layers, heads, dtype or device differ: "
                              f"{cache.keys[0].dtype} on {cache.device}, this model is {self.dtype} on {self.device})")
-        if cache.keys[0].shape[0] != batch:
-            raise ValueError(f"cache: holds {cache.keys[0].shape[0]} rows, the prompt has {batch}")
+        if cache.batch_size != batch:
+            raise ValueError(f"cache: holds {cache.batch_size} rows, the prompt has {batch}")
 
     def _stops(self, stop: Any, req: Request) -> list[list[str]] | None:
         stops = normalize_stops(stop, req.prompt.shape[0])

@@ -88,10 +88,9 @@ class PrefixCache:
     def check_model(self, model: Any, cache: KVCache) -> None:
         """Entries only fit the model that made them: the same model object (another one with the same shapes
         has other weights, so its keys differ) and the same layout (layers, heads, head size, dtype, device)."""
-        layout = (tuple((k.shape[1], k.shape[3]) for k in cache.keys), cache.keys[0].dtype, cache.device)
         if self._layout is None:
-            self._layout, self._model = layout, weakref.ref(model)
-        elif layout != self._layout or self._model() is not model:
+            self._layout, self._model = cache.layout, weakref.ref(model)
+        elif cache.layout != self._layout or self._model() is not model:
             raise ValueError("prefix_cache: it holds keys and values of another model (another model object, or "
                              "other layers, heads, dtype or device); use one PrefixCache per model, or clear() it")
 
