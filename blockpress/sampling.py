@@ -82,8 +82,7 @@ class SamplerConfig:
              f"expected a positive integer, got {self.max_denoising_steps!r}")
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
-            need(is_finite_number(value), name,
-                 f"expected a finite number, got {value!r}")
+            need(is_finite_number(value), name, f"expected a finite number, got {value!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
         need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")

@@ -363,14 +363,20 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 return {"index": i, key: content, "finish_reason": finish}
             return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
 
-        def usage(completion: int, passes: int, cached: int) -> dict:
+        def tally(totals: tuple[int, int, int], done: tuple) -> tuple[int, int, int]:
+            """(completion tokens, forward passes, cached prompt tokens) with one finished choice added."""
+            _, _, n, p, _, reused = done
+            return totals[0] + n, totals[1] + p, max(totals[2], reused)  # the n choices share one prompt
+
+        def usage(totals: tuple[int, int, int]) -> dict:
+            completion, passes, cached = totals
             return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                     "total_tokens": prompt_tokens + completion, "forward_passes": passes,
                     "prompt_tokens_details": {"cached_tokens": cached}}
 
         if body.stream:
             async def events():
-                totals = [0, 0, 0]  # completion tokens, forward passes, cached prompt tokens
+                totals = (0, 0, 0)
                 try:
                     for i, job in enumerate(jobs):
                         sent = ""
@@ -393,15 +399,15 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                              "model": body.model, "choices": [choice(i, piece, None, True)]}
                                     yield f"data: {json.dumps(chunk)}\n\n"
                                 continue
-                            _, _, n, p, finish, reused = item  # the engine ended stopped rows and cut their text
-                            totals = [totals[0] + n, totals[1] + p, max(totals[2], reused)]
+                            finish = item[4]  # the engine ended stopped rows and cut their text
+                            totals = tally(totals, item)
                             chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
                                      "choices": [choice(i, None if kind == "chat" else "", finish, True)]}
                             yield f"data: {json.dumps(chunk)}\n\n"
                             break
                     if body.stream_options is not None and body.stream_options.include_usage:
                         chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
-                                 "choices": [], "usage": usage(*totals)}
+                                 "choices": [], "usage": usage(totals)}
                         yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
@@ -410,7 +416,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        choices, completion, passes, cached = [], 0, 0, 0
+        choices, totals = [], (0, 0, 0)
         for i, job in enumerate(jobs):
             while True:
                 item = await job.events.get()
@@ -418,13 +424,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
                 if item[0] == "done":
                     break
-            _, text, n, p, finish, reused = item  # the engine ended stopped rows and cut their text
-            choices.append(choice(i, text, finish, False))
-            completion += n
-            passes += p
-            cached = max(cached, reused)  # the n choices share one prompt
+            choices.append(choice(i, item[1], item[4], False))  # the engine ended stopped rows and cut their text
+            totals = tally(totals, item)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
-                "usage": usage(completion, passes, cached)}
+                "usage": usage(totals)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -449,15 +452,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         jobs = build_job(body, prompt)
         if body.suffix is not None or body.template is not None:
             canvas, answer = constrained_canvas(body, jobs[0].max_tokens)
-            holes = sum(1 for t in canvas if t < 0)
-            if holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
-                raise APIError(400, f"template: its holes hold {holes} tokens, more than max_tokens "
+            for job in jobs:  # not queued yet: a refusal below drops them
+                job.canvas, job.answer_tokens = canvas, answer
+            if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
+                raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                                     f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
             if len(prompt) + len(canvas) > context:
                 raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas)}-token canvas exceed the "
                                     f"context of {context} tokens", "prompt")
-            for job in jobs:
-                job.canvas, job.answer_tokens = canvas, answer
         return await respond(jobs, body, "completion", len(prompt))
 
     def constrained_canvas(body: CompletionRequest, max_tokens: int) -> tuple[list[int], int | None]:
