@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import re
 import struct
 import warnings
@@ -207,6 +208,40 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
     if dtype == torch.float16:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     return True
+
+
+def hf_hub_cache() -> Path:
+    """Where `huggingface_hub` keeps downloads, by its own rules: HF_HUB_CACHE, else HF_HOME/hub, else
+    XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    if env.get("HF_HOME"):
+        return Path(env["HF_HOME"]).expanduser() / "hub"
+    xdg = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return xdg / "huggingface" / "hub"
+
+
+def hf_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The folder of a model `hf download` (or transformers) already fetched into the local cache, or None.
+
+    `repo_id` is "owner/name"; `revision` is a branch or tag the cache holds a ref for, or a commit hash (or
+    its unique prefix) of a cached snapshot. Nothing is downloaded.
+    """
+    parts = repo_id.split("/")
+    if len(parts) != 2 or not all(parts) or any(part in (".", "..") for part in parts):
+        return None
+    snapshots = hf_hub_cache() / f"models--{parts[0]}--{parts[1]}" / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = snapshots.parent / "refs" / revision
+    if ref.is_file():
+        commit = ref.read_text().strip()
+        return snapshots / commit if (snapshots / commit).is_dir() else None
+    matches = [p for p in snapshots.iterdir() if p.is_dir() and p.name.startswith(revision)]
+    if revision == "main" and not matches:  # a cache copied without its refs: take the newest snapshot
+        matches = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[-1:]
+    return matches[0] if len(matches) == 1 else None
 
 
 def checkpoint_files(path: Path) -> list[Path]:

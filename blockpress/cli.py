@@ -45,8 +45,9 @@ QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CP
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"shipped model name, Hugging Face checkpoint folder, or random-<tiny|small|medium> "
-                        f"(random weights, for speed checks). Default: {DEFAULT_MODEL}")
+                   help=f"shipped model name, Hugging Face checkpoint folder, a repo id already in the Hugging Face "
+                        f"cache (owner/name[@revision]), or random-<tiny|small|medium> (random weights, for speed "
+                        f"checks). Default: {DEFAULT_MODEL}")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu); meta with "
@@ -459,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "token shards for raw-text pretraining. Run under `torchrun --nproc-per-node N` for several "
                     "processes (DDP).",
     )
-    p.add_argument("--model", default=None, help="checkpoint folder or shipped name to fine-tune")
+    p.add_argument("--model", default=None, help="checkpoint folder, shipped name or cached repo id to fine-tune")
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
     p.add_argument("--data", required=True, help="FILE.jsonl, or a glob of token shards (see scripts/)")

@@ -10,7 +10,16 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .checkpoint import Passthrough, check_fits, load_model, resolve_device, resolve_dtype, save_model
+from .checkpoint import (
+    Passthrough,
+    check_fits,
+    hf_cached_snapshot,
+    hf_hub_cache,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    save_model,
+)
 from .config import ModelConfig
 from .generate import (
     Commit,
@@ -41,7 +50,8 @@ def shipped_models() -> list[str]:
 
 
 def resolve_path(path_or_name: str | Path) -> Path:
-    """An HF-format folder, or the name of a model shipped inside the package."""
+    """An HF-format folder, the name of a model shipped inside the package, or a Hugging Face repo id
+    ("owner/name", or "owner/name@revision") that is already in the local Hugging Face cache."""
     if not isinstance(path_or_name, (str, Path)) or not str(path_or_name).strip():
         raise ValueError(f"model: expected a checkpoint folder or a shipped model name, got {path_or_name!r}")
     path = Path(path_or_name).expanduser()
@@ -49,10 +59,15 @@ def resolve_path(path_or_name: str | Path) -> Path:
         return path
     if isinstance(path_or_name, str) and (MODELS_DIR / path_or_name).is_dir():
         return MODELS_DIR / path_or_name
+    repo_id, _, revision = str(path_or_name).partition("@")
+    snapshot = hf_cached_snapshot(repo_id, revision or "main")
+    if snapshot is not None:
+        return snapshot
     names = ", ".join(shipped_models()) or "none installed"
     raise FileNotFoundError(
-        f"model {str(path_or_name)!r}: not a checkpoint folder nor a shipped model name (shipped: {names}); "
-        "blockpress loads Hugging Face folders from disk and never downloads"
+        f"model {str(path_or_name)!r}: not a checkpoint folder, a shipped model name (shipped: {names}) nor a "
+        f"model in the Hugging Face cache ({hf_hub_cache()}); blockpress never downloads: fetch it first, "
+        "e.g. `hf download google/diffusiongemma-26B-A4B-it`"
     )
 
 

@@ -1,14 +1,17 @@
 """Checkpoints: save -> reference from_pretrained, sharding, dtype, and clear errors for bad folders."""
 
 import json
+import os
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import blockpress
+from blockpress.checkpoint import hf_hub_cache
 from blockpress.config import ConfigError, ModelConfig
 
 
@@ -182,6 +185,67 @@ def test_bad_config_fields_named(ref_checkpoint, edit, field):
 def test_not_a_folder_or_name():
     with pytest.raises(FileNotFoundError, match="never downloads"):
         blockpress.load("no-such-model-anywhere")
+
+
+def fake_hub_cache(root, checkpoint, repo_id="acme/tiny-dg", commits=("a1b2c3d4e5",), refs=None):
+    """Lay a checkpoint out as huggingface_hub's cache does: blobs, snapshots/<commit>/ of symlinks, refs/."""
+    owner, name = repo_id.split("/")
+    repo = root / f"models--{owner}--{name}"
+    (repo / "blobs").mkdir(parents=True)
+    for commit in commits:
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        for f in checkpoint.iterdir():
+            blob = repo / "blobs" / f"{commit}-{f.name}"
+            shutil.copy(f, blob)
+            (repo / "snapshots" / commit / f.name).symlink_to(blob)
+    for ref, commit in (refs or {"main": commits[-1]}).items():
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return repo
+
+
+def test_a_repo_id_loads_from_the_hugging_face_cache(lm, ref_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    fake_hub_cache(tmp_path, ref_checkpoint[0], commits=("0123abcd", "4567ef01"), refs={"main": "4567ef01", "v1": "0123abcd"})
+    prompt, canvas = torch.tensor([[3, 4, 5]]), torch.tensor([[6, 7, 8, 9]])
+    want = lm.logits(prompt, canvas)
+    for name, commit in [("acme/tiny-dg", "4567ef01"), ("acme/tiny-dg@v1", "0123abcd"), ("acme/tiny-dg@0123", "0123abcd")]:
+        cached = load_quiet(name)
+        assert cached.path == tmp_path / "models--acme--tiny-dg" / "snapshots" / commit
+        torch.testing.assert_close(cached.logits(prompt, canvas), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["acme/tiny-dg@v9", "acme/other", "acme/tiny-dg/extra", "../tiny-dg"])
+def test_a_repo_id_not_in_the_cache_says_where_it_looked(ref_checkpoint, tmp_path, monkeypatch, name):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    fake_hub_cache(tmp_path, ref_checkpoint[0])
+    with pytest.raises(FileNotFoundError) as err:
+        blockpress.load(name)
+    assert str(tmp_path) in str(err.value) and "hf download" in str(err.value)
+
+
+def test_a_cache_without_refs_takes_the_newest_snapshot(ref_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    repo = fake_hub_cache(tmp_path, ref_checkpoint[0], commits=("old", "new"), refs={})
+    os.utime(repo / "snapshots" / "old", (1, 1))
+    assert load_quiet("acme/tiny-dg").path == repo / "snapshots" / "new"
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"HF_HUB_CACHE": "/a/hub", "HF_HOME": "/b"}, "/a/hub"),
+        ({"HF_HOME": "/b", "XDG_CACHE_HOME": "/c"}, "/b/hub"),
+        ({"XDG_CACHE_HOME": "/c"}, "/c/huggingface/hub"),
+        ({}, "~/.cache/huggingface/hub"),
+    ],
+)
+def test_the_hub_cache_follows_huggingface_hubs_variables(monkeypatch, env, want):
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert hf_hub_cache() == Path(want).expanduser()
 
 
 def test_config_roundtrip(ref_checkpoint):
