@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import blockpress
 from blockpress.tasks import sudoku_model
@@ -65,7 +66,8 @@ def main() -> None:
     out = {"benchmark": "sudoku", "model": args.model, "ar_model": args.ar_model,
            "params": lm.num_parameters(active=False), "per_difficulty": args.per_difficulty}
     for level in DIFFICULTIES:
-        truth = [generate(TEST_SEED + i, level) for i in range(args.per_difficulty)]
+        truth = [generate(TEST_SEED + i, level)
+                 for i in tqdm(range(args.per_difficulty), desc=f"{level} puzzles", unit="puzzle", leave=False)]
         row = {}
         for name, fn in (("diffusion", lambda b: sudoku_model.solve(lm, b, args.steps, args.sampler)),
                          ("diffusion_no_skip", (lambda b: sudoku_model.solve(
@@ -79,7 +81,8 @@ def main() -> None:
                 continue
             t0 = time.perf_counter()
             results = []
-            for i in range(0, len(truth), args.batch):
+            # progress on stderr: an ensemble of 200 puzzles a difficulty runs for many minutes on a CPU
+            for i in tqdm(range(0, len(truth), args.batch), desc=f"{level} {name}", unit="batch", leave=False):
                 results += fn([t.puzzle for t in truth[i : i + args.batch]])
             row[name] = evaluate(results, truth, time.perf_counter() - t0)
         if "diffusion_no_skip" in row:

@@ -135,3 +135,21 @@ def test_prefix_cache_benchmark_smoke():
     for w in (chat, shared):
         assert w["no_cache"]["prompt_tokens"] == w["prefix_cache"]["prompt_tokens"]
         assert w["encode_ratio"] > 0 and w["total_ratio"] > 0
+
+
+def test_sudoku_benchmark_smoke():
+    """The side-by-side table's script on the shipped model and the kept AR baseline: every engine, every
+    difficulty, figures in range (the puzzles are fresh, so the rates are not fixed; the easy ones the model
+    solves, as tests/test_sudoku_model.py checks on its own set)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sudoku.py"), "--per-difficulty", "2", "--batch", "2",
+                        "--steps", "40", "--rules", "--ensemble", "2", "--threads", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["per_difficulty"] == 2 and data["params"] > 1_000_000
+    for level in ("easy", "medium", "hard"):
+        assert set(data[level]) == {"diffusion", "diffusion_rules", "diffusion_ensemble", "ar"}
+        for figures in data[level].values():
+            assert 0 <= figures["exact"] <= 1 and 0 < figures["cell_accuracy"] <= 1
+            assert figures["puzzles_per_s"] > 0
+        assert all(0 < data[level][k]["mean_steps"] <= 40 for k in ("diffusion", "diffusion_rules", "diffusion_ensemble"))
