@@ -63,6 +63,20 @@ def test_cli_board_and_show_steps(tiny_sudoku, capsys):
     assert captured.out.count("|") >= 18  # a 9x9 board with box separators
 
 
+def test_cli_hints_at_the_stronger_decodings_only_when_a_grid_is_invalid(tiny_sudoku, capsys):
+    path, lm = tiny_sudoku
+    p = generate(3, "hard").puzzle  # random weights in 2 steps: not solved
+    assert not sudoku_model.solve(lm, [p], max_denoising_steps=2)[0].valid
+    for flags, hinted in (([], True), (["--ensemble", "2"], False), (["--rules"], False)):
+        assert main(["sudoku", p, "--model", str(path), "--steps", "2", *flags]) == 0
+        err = capsys.readouterr().err
+        assert "[0/1 valid" in err and ("hint: --ensemble 8" in err) == hinted
+    solved = generate(3, "hard").solution  # every cell given: nothing to hint at
+    assert main(["sudoku", solved, "--model", str(path), "--steps", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "[1/1 valid" in err and "hint" not in err
+
+
 @pytest.mark.parametrize(
     "puzzle, message",
     [
@@ -243,3 +257,14 @@ def test_cli_ensemble(tiny_sudoku, capsys):
     row = json.loads(capsys.readouterr().out.strip())
     direct = sudoku_model.solve(blockpress.load(path), [p], max_denoising_steps=2, seed=4, ensemble=3)[0]
     assert row["solution"] == direct.solution and row["steps"] == direct.steps
+
+
+def test_a_complete_grid_is_its_own_answer_beside_open_ones(tiny_sudoku):
+    _, lm = tiny_sudoku
+    full, other = generate(4, "easy"), generate(5, "easy")
+    results = sudoku_model.solve(lm, [full.solution, other.puzzle, full.solution], max_denoising_steps=2)
+    assert [r.puzzle for r in results] == [full.solution, other.puzzle, full.solution]
+    assert results[0] == results[2] and results[0].solution == full.solution and results[0].valid
+    assert results[0].steps == 0 and 0 < results[1].steps <= 2
+    alone = sudoku_model.solve(lm, [other.puzzle], max_denoising_steps=2)[0]
+    assert results[1] == alone  # the complete grids did not change the open puzzle's decoding
