@@ -6,7 +6,7 @@ denoising steps and puzzles/s for each engine and difficulty. The model alone de
 `--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry;
 `--ensemble N` adds N pooled symmetric views (no rules, no search) as `diffusion_ensemble`.
 
-    python benchmarks/sudoku.py --model blockpress-sudoku --per-difficulty 50 --rules
+    python benchmarks/sudoku.py --model blockpress-sudoku --per-difficulty 200 --rules --ensemble 8
 
 The AR baseline (`scripts/train_sudoku.py --ar`: 3,767 CPU steps at batch 32, then 876 H200 steps at batch 256;
 bf16 weights; its summary.json has the budget) is kept in
@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--model", default="blockpress-sudoku")
     ap.add_argument("--ar-model", default=str(Path(__file__).parent / "baselines" / "sudoku-ar"),
                     help="the AR baseline checkpoint (same backbone, AR-trained; default: the one kept here; '' skips it)")
-    ap.add_argument("--per-difficulty", type=int, default=50)
+    ap.add_argument("--per-difficulty", type=int, default=200,
+                    help="fresh puzzles per difficulty (default 200: one puzzle is half a point)")
     ap.add_argument("--steps", type=int, default=None, help="max denoising steps (default: the model's)")
     ap.add_argument("--sampler", default=None)
     ap.add_argument("--batch", type=int, default=25)
