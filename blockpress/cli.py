@@ -374,6 +374,12 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_name(model: str) -> str:
+    """The model id clients send: a folder's own name; a shipped name or a cached repo id as given (a hub model
+    keeps its "owner/name", as vLLM serves it)."""
+    return Path(model).expanduser().name if Path(model).expanduser().is_dir() else model
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -385,7 +391,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value < 1:
             raise SystemExit(f"{flag}: expected a positive integer, got {value}")
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
-    name = args.served_name or (args.model.rstrip("/").split("/")[-1])
+    name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30))
     print(f"blockpress serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -315,3 +315,13 @@ def test_a_broken_chat_template_is_a_json_server_error(server, monkeypatch):
     assert r.status_code == 500
     error = r.json()["error"]
     assert error["type"] == "server_error" and error["message"].startswith("chat_template: rendering failed")
+
+
+def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
+    from blockpress.cli import served_name
+
+    (tmp_path / "my-ckpt").mkdir()
+    assert served_name(str(tmp_path / "my-ckpt") + "/") == "my-ckpt"
+    # a cached hub model keeps its repo id, which clients send as `model`; a shipped name stays as it is
+    assert served_name("google/diffusiongemma-26B-A4B-it") == "google/diffusiongemma-26B-A4B-it"
+    assert served_name("blockpress-code") == "blockpress-code"
