@@ -223,7 +223,8 @@ def hf_hub_cache() -> Path:
 
 
 def hf_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
-    """The folder of a model `hf download` (or transformers) already fetched into the local cache, or None.
+    """The folder of a model `hf download` (or transformers) already fetched into the local cache; None when the
+    cache holds nothing of that repo, a clear error when it holds the repo but not that revision.
 
     `repo_id` is "owner/name"; `revision` is a branch or tag the cache holds a ref for, or a commit hash (or
     its unique prefix) of a cached snapshot. Nothing is downloaded.
@@ -231,17 +232,36 @@ def hf_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     parts = repo_id.split("/")
     if len(parts) != 2 or not all(parts) or any(part in (".", "..") for part in parts):
         return None
-    snapshots = hf_hub_cache() / f"models--{parts[0]}--{parts[1]}" / "snapshots"
+    repo = hf_hub_cache() / f"models--{parts[0]}--{parts[1]}"
+    snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
-    ref = snapshots.parent / "refs" / revision
+    held = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+    ref = repo / "refs" / revision
     if ref.is_file():
         commit = ref.read_text().strip()
-        return snapshots / commit if (snapshots / commit).is_dir() else None
-    matches = [p for p in snapshots.iterdir() if p.is_dir() and p.name.startswith(revision)]
-    if revision == "main" and not matches:  # a cache copied without its refs: take the newest snapshot
-        matches = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[-1:]
-    return matches[0] if len(matches) == 1 else None
+        if commit not in held:
+            raise FileNotFoundError(f"{repo_id}@{revision}: the cache's {ref} names snapshot {commit!r}, which "
+                                    f"{snapshots} does not hold (an interrupted download? fetch it again)")
+        return snapshots / commit
+    matches = [name for name in held if name.startswith(revision)]
+    if revision == "main" and not matches and held:  # a cache copied without its refs: take the newest snapshot
+        matches = [max(held, key=lambda name: (snapshots / name).stat().st_mtime)]
+    if len(matches) != 1:
+        refs = sorted(str(r.relative_to(repo / "refs")) for r in (repo / "refs").rglob("*") if r.is_file()) \
+            if (repo / "refs").is_dir() else []
+        why = f"matches {len(matches)} snapshots" if matches else "names no ref or snapshot"
+        raise FileNotFoundError(f"{repo_id}@{revision}: {why} in the cache ({repo}; refs: {refs}, snapshots: {held})")
+    return snapshots / matches[0]
+
+
+def check_links(path: Path) -> None:
+    """A Hugging Face cache snapshot is a folder of links into blobs/; a link whose blob is gone (an interrupted
+    download) would otherwise read as an absent optional file and change what loads."""
+    broken = sorted(p.name for p in path.iterdir() if p.is_symlink() and not p.exists())
+    if broken:
+        raise FileNotFoundError(f"{path}: {broken} link to files that are not there (an interrupted download? "
+                                "fetch the model again)")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -276,6 +296,7 @@ def load_model(
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a checkpoint folder")
+    check_links(path)
     config = ModelConfig.from_file(path / "config.json")
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
@@ -348,7 +369,13 @@ def save_model(
     """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    links = sorted(p.name for p in path.iterdir() if p.is_symlink())
+    if links:  # writing through them would change blobs that other revisions (and their hashes) share
+        raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), as "
+                         "a Hugging Face cache snapshot does; save to a folder of your own")
     model.config.save(path / "config.json")
+    # safetensors creates its files private (0600); give them the mode config.json got from the umask
+    mode = (path / "config.json").stat().st_mode & 0o777
     tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if passthrough:
         by_file: dict[Path, list[str]] = {}
@@ -372,11 +399,13 @@ def save_model(
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+        os.chmod(path / "model.safetensors", mode)
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata=meta)
+        os.chmod(path / fname, mode)
         weight_map.update(dict.fromkeys(shard, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import sys
 import time
@@ -273,7 +272,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     import blockpress
-    from blockpress.data import TokenShards, load_jsonl, split_heldout
+    from blockpress.data import TokenShards, load_jsonl, shard_files, split_heldout
     from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, init_distributed
 
     init_distributed()
@@ -294,6 +293,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
     if args.resume and not (Path(args.out) / "trainer_state.pt").is_file():
         raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
+    if args.model and args.tokenizer:
+        raise ValueError("--tokenizer: only for a fresh model (--config); a checkpoint given by --model brings its own")
     if args.model:
         lm = load_model(args.model, args.dtype, args.device)
     else:
@@ -304,6 +305,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             from blockpress.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(args.tokenizer)
+            if tokenizer.vocab_size > mcfg.text.vocab_size:  # its ids past the model's vocabulary would crash the embedding
+                raise ValueError(f"--tokenizer {args.tokenizer}: {tokenizer.vocab_size} tokens, more than the model's "
+                                 f"vocab_size of {mcfg.text.vocab_size} (--config {args.config})")
         lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
@@ -311,16 +315,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
             raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
                              "--heldout fraction of --data")
-        examples = load_jsonl(args.data, lm.tokenizer, vocab)
+        examples = load_jsonl(args.data, lm.tokenizer, vocab,
+                              context=(lm.config.canvas_length, lm.config.text.max_position_embeddings))
         train, held = split_heldout(examples, args.heldout)
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:
-        files = sorted(glob.glob(args.data))
-        if not files:
-            raise FileNotFoundError(f"--data {args.data}: expected a .jsonl file or a glob of token shards")
-        source = ShardSource(TokenShards(files), cfg, lm.config.canvas_length)
-        heldout = ShardSource(TokenShards(sorted(glob.glob(args.heldout_data))), cfg,
+        source = ShardSource(TokenShards(shard_files(args.data, "--data"), vocab), cfg, lm.config.canvas_length)
+        heldout = ShardSource(TokenShards(shard_files(args.heldout_data, "--heldout-data"), vocab), cfg,
                               lm.config.canvas_length) if args.heldout_data else None
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet)
     if args.resume:

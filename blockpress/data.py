@@ -8,6 +8,7 @@ at the same slot; canvases a row does not have are padding, never attended and n
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -131,20 +132,39 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
     return ex
 
 
-def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None) -> list[Example]:
+def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
+               context: tuple[int, int] | None = None) -> list[Example]:
+    """Every record of a JSONL file as an Example; errors name the file and line. `context`: (canvas length,
+    the model's max positions), to refuse an example that would not fit before a batch allocates it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
     out = []
-    with path.open() as f:
-        for n, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            out.append(parse_example(obj, tokenizer, f"{path}:{n}", vocab_size))
+                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+            try:
+                ex = parse_example(obj, tokenizer, where, vocab_size)
+            except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
+                message = str(exc)
+                raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+            if context is not None:
+                canvas, positions = context
+                length = len(ex.prompt) + (len(ex.response) // canvas + 1) * canvas  # whole canvases, EOS included
+                if length > positions:
+                    raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
+                                     f"{canvas}), more than the model's context of {positions}")
+            out.append(ex)
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
@@ -177,14 +197,50 @@ def write_shard(path: str | Path, token_lists: Iterable[list[int]], vocab_size: 
     return total
 
 
+SHARD_DTYPES = ("uint16", "uint32")  # what write_shard writes: token ids are unsigned integers
+
+
+def shard_files(pattern: str, flag: str) -> list[str]:
+    """The token shards a glob names (their .json sidecars are not shards), or a clear error."""
+    files = sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
+    if not files:
+        raise FileNotFoundError(f"{flag} {pattern}: no token shards match (expected a .jsonl file or a glob of "
+                                ".bin shards, each with its .json sidecar)")
+    return files
+
+
+def _open_shard(path: Path, vocab_size: int | None) -> np.ndarray:
+    """Memory-map one shard after checking its sidecar against the file: a dtype write_shard writes, a token
+    count that matches the bytes, and (given vocab_size) ids the model has."""
+    sidecar = Path(str(path) + ".json")
+    try:
+        meta = json.loads(sidecar.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read its sidecar {sidecar.name} ({exc}); shards come from "
+                         "write_shard (scripts/build_code_corpus.py)") from None
+    dtype = meta.get("dtype") if isinstance(meta, dict) else None
+    if dtype not in SHARD_DTYPES:
+        raise ValueError(f"{sidecar}: \"dtype\" must be one of {list(SHARD_DTYPES)}, got {dtype!r}")
+    itemsize = np.dtype(dtype).itemsize
+    size = path.stat().st_size
+    if size == 0 or size % itemsize:
+        raise ValueError(f"{path}: {size} bytes is not a whole number (> 0) of {dtype} tokens")
+    tokens = meta.get("tokens")
+    if tokens is not None and tokens != size // itemsize:
+        raise ValueError(f"{sidecar}: says {tokens!r} tokens, but {path.name} holds {size // itemsize} {dtype} tokens")
+    array = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    if vocab_size is not None:
+        top = int(array.max())  # one pass over the file, once: an out-of-range id would fail deep in torch
+        if top >= vocab_size:
+            raise ValueError(f"{path}: holds token id {top}, outside the model's vocabulary of {vocab_size}")
+    return array
+
+
 class TokenShards:
     """Memory-mapped token files; windows are cut into a random-length prompt and a response."""
 
-    def __init__(self, paths: Sequence[str | Path]):
-        self.arrays = []
-        for p in paths:
-            meta = json.loads(Path(str(p) + ".json").read_text())
-            self.arrays.append(np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r"))
+    def __init__(self, paths: Sequence[str | Path], vocab_size: int | None = None):
+        self.arrays = [_open_shard(Path(p), vocab_size) for p in paths]
         self.sizes = np.array([len(a) for a in self.arrays])
         if self.sizes.sum() == 0:
             raise ValueError("TokenShards: the shards hold no tokens")

@@ -82,7 +82,7 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.type in ("float", float) and not is_finite_number(value):
                 raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
-        for name in ("steps", "batch_size", "log_every"):
+        for name in ("steps", "batch_size", "log_every", "response_canvases"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.max_minutes < 0:

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from blockpress.data import Example, TokenShards, load_jsonl, make_batch, split_heldout, write_shard
+from blockpress.data import (
+    Example,
+    TokenShards,
+    load_jsonl,
+    make_batch,
+    shard_files,
+    split_heldout,
+    write_shard,
+)
 from blockpress.tokenizer import train_bpe_tokenizer
 
 ROOT = Path(__file__).parent.parent
@@ -102,3 +110,53 @@ def test_corpus_script_smoke(tmp_path):
     assert (tmp_path / "tokenizer" / "tokenizer.json").exists()
     held = set(manifest["heldout_modules"])
     assert held and all(m.endswith(".py") for m in held)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda b, j: j.write_text('{"dtype": "float32", "tokens": 57}'), r'"dtype" must be one of'),
+        (lambda b, j: j.write_text('{"dtype": "int8"}'), r'"dtype" must be one of'),
+        (lambda b, j: j.write_text('{"dtype": "uint16", "tokens": 114}'), "says 114 tokens, but s.bin holds 57"),
+        (lambda b, j: j.write_text("{}"), r'"dtype" must be one of'),
+        (lambda b, j: j.write_text("[1]"), r'"dtype" must be one of'),
+        (lambda b, j: j.unlink(), "cannot read its sidecar"),
+        (lambda b, j: b.write_bytes(b.read_bytes()[:-1]), "not a whole number"),
+        (lambda b, j: (b.write_bytes(b""), j.write_text('{"dtype": "uint16"}')), "0 bytes"),
+        (lambda b, j: (b.write_bytes(np.array([3, 4, 60000], dtype=np.uint16).tobytes()),
+                       j.write_text('{"dtype": "uint16", "tokens": 3}')), "token id 60000, outside the model's vocabulary of 100"),
+    ],
+)
+def test_bad_shards_are_refused_naming_the_file(tmp_path, edit, message):
+    """A sidecar naming the wrong dtype used to train on the bytes read as that dtype, silently."""
+    write_shard(tmp_path / "s.bin", [[3, 4, 5, 6, 7, 1], list(range(10, 60)) + [1]], vocab_size=100)
+    edit(tmp_path / "s.bin", tmp_path / "s.bin.json")
+    with pytest.raises(ValueError, match=message) as err:
+        TokenShards([tmp_path / "s.bin"], vocab_size=100)
+    assert "s.bin" in str(err.value)
+
+
+def test_a_shard_glob_skips_sidecars_and_says_when_nothing_matches(tmp_path):
+    write_shard(tmp_path / "a.bin", [[3, 4, 5]], vocab_size=100)
+    write_shard(tmp_path / "b.bin", [[6, 7]], vocab_size=100)
+    assert shard_files(str(tmp_path / "*"), "--data") == [str(tmp_path / "a.bin"), str(tmp_path / "b.bin")]
+    with pytest.raises(FileNotFoundError, match="--heldout-data .*nomatch.*no token shards match"):
+        shard_files(str(tmp_path / "nomatch*"), "--heldout-data")
+
+
+def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    good = json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n"
+    path.write_bytes(good.encode() + b'{"prompt": "caf\xff", "response": "x"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not valid UTF-8"):
+        load_jsonl(path, tok)
+    path.write_text(good + json.dumps({"messages": [{"role": "banana", "content": "hi"},
+                                                    {"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:2: "):
+        load_jsonl(path, tok)
+    # 30 prompt tokens + one 16-token canvas fit a context of 64; 60 + 16 do not
+    path.write_text(good + json.dumps({"prompt_ids": [2] * 30, "response_ids": [3] * 5}) + "\n")
+    assert len(load_jsonl(path, tok, context=(16, 64))) == 2
+    path.write_text(good + json.dumps({"prompt_ids": [2] * 60, "response_ids": [3] * 5}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:2: prompt and response take 76 positions .* context of 64"):
+        load_jsonl(path, tok, context=(16, 64))

@@ -10,6 +10,7 @@ import pytest
 
 import blockpress
 from blockpress.cli import main
+from blockpress.lm import MODELS_DIR
 
 
 def write_data(path, n=8):
@@ -122,7 +123,10 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--heldout", "-0.5"], "heldout: expected a fraction in [0, 1)"),
                            (["--grad-clip", "-1"], "grad_clip: expected >= 0"),
                            (["--lr", "inf"], "lr: expected a finite number"),
-                           (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data")):
+                           (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data"),
+                           (["--response-canvases", "0"], "response_canvases: expected a positive integer"),
+                           (["--tokenizer", str(MODELS_DIR / "blockpress-code")],
+                            "8192 tokens, more than the model's vocab_size of 512 (--config tiny)")):
         args = train_args(data, tmp_path / "o")
         if extra[0] == "--config":
             args[args.index("--config") + 1] = extra[1]
@@ -133,6 +137,11 @@ def test_bad_train_flags(tmp_path, capsys):
         assert message in err and "Traceback" not in err, (extra, err)
     assert main(train_args(data, tmp_path / "a_file")) == 2  # --out is a file: one line, no traceback
     assert "a_file" in capsys.readouterr().err
+    # a checkpoint brings its own tokenizer: --tokenizer beside --model was silently ignored
+    args = train_args(data, tmp_path / "o")
+    args[args.index("--config") : args.index("--config") + 2] = ["--model", "random-tiny", "--tokenizer", "x"]
+    assert main(args) == 2
+    assert "--tokenizer: only for a fresh model" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
