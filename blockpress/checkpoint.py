@@ -251,7 +251,8 @@ def hf_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
         refs = sorted(str(r.relative_to(repo / "refs")) for r in (repo / "refs").rglob("*") if r.is_file()) \
             if (repo / "refs").is_dir() else []
         why = f"matches {len(matches)} snapshots" if matches else "names no ref or snapshot"
-        raise FileNotFoundError(f"{repo_id}@{revision}: {why} in the cache ({repo}; refs: {refs}, snapshots: {held})")
+        raise FileNotFoundError(f"{repo_id}@{revision}: {why} in the cache ({repo}; refs: {refs}, snapshots: {held}); "
+                                f"blockpress never downloads: `hf download {repo_id} --revision {revision}` fetches it")
     return snapshots / matches[0]
 
 

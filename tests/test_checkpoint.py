@@ -232,6 +232,50 @@ def test_a_cache_without_refs_takes_the_newest_snapshot(ref_checkpoint, tmp_path
 
 
 @pytest.mark.parametrize(
+    "name, message",
+    [
+        ("acme/tiny-dg@v9", "names no ref or snapshot"),
+        ("acme/tiny-dg@0", "matches 2 snapshots"),  # an ambiguous commit prefix
+        ("acme/tiny-dg@gone", "names snapshot 'ffff0000', which"),  # an interrupted download
+    ],
+)
+def test_a_revision_the_cache_cannot_give_says_why(ref_checkpoint, tmp_path, monkeypatch, name, message):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    fake_hub_cache(tmp_path, ref_checkpoint[0], commits=("0123abcd", "0456ef01"),
+                   refs={"main": "0456ef01", "gone": "ffff0000"})
+    with pytest.raises(FileNotFoundError, match=message):
+        blockpress.load(name)
+
+
+@pytest.mark.parametrize("broken", ["generation_config.json", "tokenizer.json", "model.safetensors"])
+def test_a_snapshot_with_a_dangling_link_is_refused_not_half_loaded(ref_checkpoint, tmp_path, monkeypatch, broken):
+    """A missing generation_config.json or tokenizer.json is optional, so a link to a lost blob used to load a
+    model with other decoding defaults or no tokenizer, silently."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(ref_checkpoint[0], checkpoint)
+    (checkpoint / "tokenizer.json").write_text("{}")  # the tiny reference has none: any file will do as a blob
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = fake_hub_cache(tmp_path / "hub", checkpoint)
+    blob = (repo / "snapshots" / "a1b2c3d4e5" / broken).resolve()
+    blob.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"\['{broken}'\] link to files that are not there"):
+        blockpress.load("acme/tiny-dg")
+
+
+def test_saving_into_a_cache_snapshot_is_refused_and_saved_files_are_readable(lm, ref_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = fake_hub_cache(tmp_path / "hub", ref_checkpoint[0])
+    cached = load_quiet("acme/tiny-dg")
+    blobs = {f: f.read_bytes() for f in (repo / "blobs").iterdir()}
+    with pytest.raises(ValueError, match="holds links .* as a Hugging Face cache snapshot does"):
+        cached.save(cached.path)
+    assert {f: f.read_bytes() for f in (repo / "blobs").iterdir()} == blobs  # no blob was written through
+    cached.save(tmp_path / "mine")
+    config_mode = (tmp_path / "mine" / "config.json").stat().st_mode & 0o777
+    assert (tmp_path / "mine" / "model.safetensors").stat().st_mode & 0o777 == config_mode
+
+
+@pytest.mark.parametrize(
     "env, want",
     [
         ({"HF_HUB_CACHE": "/a/hub", "HF_HOME": "/b"}, "/a/hub"),
