@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import tempfile
 import threading
 import time
@@ -52,6 +51,10 @@ class BenchSettings:
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if self.canvas_lengths is not None and max(self.canvas_lengths) > self.new_tokens:
+            # a canvas denoises all its positions, kept or not: a longer one only times waste
+            raise ValueError(f"canvas_lengths: expected at most new_tokens ({self.new_tokens}) each, got "
+                             f"{self.canvas_lengths!r}")
         if self.quantize is not None:
             from .quantize import check_scheme
 
@@ -346,6 +349,9 @@ def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: tor
             "forward_passes": round(n / prompt.shape[0] / tpf) if tpf else None, **figures}
 
 
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp")  # matplotlib writes these without extras
+
+
 def plot(result: dict[str, Any], path: str | Path) -> None:
     """tok/s against batch size, diffusion vs AR (and the reference when measured)."""
     import matplotlib
@@ -382,11 +388,3 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def main_json(s: BenchSettings, plot_path: str | None = None) -> str:
-    result = run_bench(s)
-    if plot_path:
-        plot(result, plot_path)
-        result["plot"] = str(plot_path)
-    return json.dumps(result, indent=2)

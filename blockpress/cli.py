@@ -402,7 +402,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from blockpress.bench import BenchSettings, main_json
+    from blockpress.bench import PLOT_FORMATS, BenchSettings, plot, run_bench
 
     s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
@@ -410,15 +410,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize)
     if args.threads < 0:
         raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+    # Found now, not after minutes of benchmarking.
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path and not Path(path).resolve().parent.is_dir():  # found now, not after minutes of benchmarking
+        if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{flag}: no folder {str(Path(path).parent)!r} to write {path!r} into")
+        if path and Path(path).is_dir():
+            raise ValueError(f"{flag}: {path!r} is a folder; give a file name")
+    if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
+                         f"got {args.plot!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    text = main_json(s, args.plot)
+    result = run_bench(s)
+    if args.plot:
+        result["plot"] = str(args.plot)
+    text = json.dumps(result, indent=2)
+    print(text)  # first: whatever fails after this, the figures are on screen
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(text)
+    if args.plot:
+        plot(result, args.plot)
     return 0
 
 

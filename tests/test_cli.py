@@ -307,6 +307,9 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     (["--repeats", "0"], "repeats: expected a positive integer"),
     (["--threads", "-1"], "--threads: expected 0"),
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
+    (["--out", "/tmp"], "--out: '/tmp' is a folder"),
+    (["--plot", "/tmp/b.txt"], "--plot: expected a file ending in one of .png"),
+    (["--canvas-lengths", "100000"], "canvas_lengths: expected at most new_tokens (8) each"),
 ])
 def test_bench_bad_arguments_fail_before_running(args, message):
     r = run_cli("bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", *args)
