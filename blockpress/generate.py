@@ -7,6 +7,7 @@ server are built on `stream`.
 
 from __future__ import annotations
 
+import numbers
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from .sampling import (
     denoise_step,
     hashed_uniforms,
     init_state,
+    is_int,
     noise_tokens,
     penalize_repeats,
     put_rows,
@@ -34,6 +36,7 @@ from .sampling import (
 
 HOLE = "<|hole|>"
 _HOLE_RE = re.compile(r"<\|hole(?::(\d+))?\|>")
+_NEAR_HOLE_RE = re.compile(r"<\|\s*hole[^|>]*\|?>", re.IGNORECASE)  # what a mistyped marker looks like
 
 
 @dataclass(frozen=True)
@@ -319,8 +322,14 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
     if isinstance(template, str):
         if tokenizer is None:
             raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
-        if not isinstance(hole_length, int) or hole_length < 1:
+        if not is_int(hole_length) or hole_length < 1:
             raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")
+        if not template:
+            raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
+        near = next((m for m in _NEAR_HOLE_RE.finditer(template) if not _HOLE_RE.fullmatch(m.group(0))), None)
+        if near is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
+            raise ValueError(f"template: {near.group(0)!r} looks like a hole marker but is not one; write <|hole|> "
+                             "or <|hole:N|> (no spaces, lower case)")
         ids: list[int] = []
         pos = 0
         for m in _HOLE_RE.finditer(template):
@@ -335,21 +344,25 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
             pos = m.end()
         ids += tokenizer.encode(template[pos:]) if pos < len(template) else []
         t = torch.tensor(ids, dtype=torch.long)
-    elif isinstance(template, torch.Tensor):
-        if template.dtype.is_floating_point or template.dtype == torch.bool:
-            raise ValueError(f"template: expected integer token ids (-1 for holes), got a {template.dtype} tensor")
-        t = template.detach().to("cpu", torch.long)
+    elif isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
+        t = torch.as_tensor(template)
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"template: expected integer token ids (-1 for holes), got a {t.dtype} tensor")
+        t = t.detach().to("cpu", torch.long)
     else:
+        expected = "text with <|hole|> markers, token ids [N] or [B, N] (-1 or None for holes)"
+        nested = isinstance(template, (list, tuple)) and bool(template) and isinstance(template[0], (list, tuple))
         try:
-            t = torch.as_tensor(
-                [[-1 if v is None else v for v in row] for row in template]
-                if isinstance(template, (list, tuple)) and template and isinstance(template[0], (list, tuple))
-                else [-1 if v is None else v for v in template],
-                dtype=torch.long,
-            )
-        except (TypeError, ValueError):
-            raise ValueError("template: expected text with <|hole|> markers, token ids [N] or [B, N] "
-                             f"(-1 or None for holes), got {type(template).__name__}") from None
+            rows = [[-1 if v is None else v for v in row] for row in (template if nested else [template])]
+        except TypeError:
+            raise ValueError(f"template: expected {expected}, got {type(template).__name__}") from None
+        odd = next((v for row in rows for v in row if isinstance(v, bool) or not isinstance(v, numbers.Integral)), None)
+        if odd is not None:  # torch would truncate 7.9 to 7 and read True as 1, silently
+            raise ValueError(f"template: expected integer token ids (-1 or None for holes), got {odd!r}")
+        try:
+            t = torch.as_tensor(rows if nested else rows[0], dtype=torch.long)
+        except (ValueError, RuntimeError):
+            raise ValueError(f"template: expected {expected}, got rows of different lengths") from None
     if t.dim() == 1:
         t = t[None].expand(batch, -1)
     if t.dim() != 2 or t.shape[0] != batch or t.shape[1] == 0:

@@ -38,7 +38,7 @@ from .generate import (
 from .healing import Healed, allowed_first_tokens, heal
 from .model import DiffusionGemma
 from .prefix import PrefixCache
-from .sampling import SamplerConfig, is_finite_number
+from .sampling import SamplerConfig, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -282,9 +282,9 @@ class LM:
         asked = max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = int(self.generation_config.get("max_new_tokens", 256))
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
-        if not isinstance(min_new_tokens, int) or not 0 <= min_new_tokens <= max_new_tokens:
+        if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
             raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
         check_seed(seed, "seed")
         if isinstance(sampler, SamplerConfig):
@@ -394,6 +394,9 @@ class LM:
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing)
         if seeds is not None:
+            if not isinstance(seeds, (list, tuple)):
+                raise ValueError(f"seeds: expected a list of one seed per row, got {type(seeds).__name__} "
+                                 "(one seed for the whole batch is `seed`)")
             req.seeds = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
             req.row_seeds()  # validates the count now, not mid-generation
         req.skip_stopped_rows = bool(skip_stopped_rows)
@@ -417,6 +420,9 @@ class LM:
         t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping, presence_penalty,
         frequency_penalty: any field of SamplerConfig).
         """
+        if "drafts" in kwargs:  # generate returns the end result only; the drafts are stream()'s
+            raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
+                             "the canvas settle")
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
             if isinstance(event, Done):
                 return event.output

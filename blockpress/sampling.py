@@ -26,6 +26,11 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (True would pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
 RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
@@ -78,7 +83,7 @@ class SamplerConfig:
                 raise ValueError(f"{name}: {msg}")
 
         need(self.sampler in SAMPLERS, "sampler", f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
-        need(isinstance(self.max_denoising_steps, int) and self.max_denoising_steps > 0, "max_denoising_steps",
+        need(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
              f"expected a positive integer, got {self.max_denoising_steps!r}")
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler

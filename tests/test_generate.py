@@ -330,12 +330,41 @@ def test_unknown_option_rejected(lm):
     # Checked before the holes are laid out: a billion -1s took minutes, 10**23 overflowed inside Python.
     ("a <|hole:999999999|> b", 8, r"template: <\|hole:999999999\|> takes the template past the model's context"),
     ("a <|hole:99999999999999999999999|>", 8, "past the model's context"),
+    ("a <|hole|> b", True, "hole_length: expected a positive integer"),
+    # typos of a marker stayed in the text as fixed tokens, silently
+    ("x = <|hole: 3|> + 1", 8, r"template: '<\|hole: 3\|>' looks like a hole marker but is not one"),
+    ("x = <|HOLE|> + 1", 8, "looks like a hole marker"),
+    ("x = <| hole |> + 1", 8, "looks like a hole marker"),
+    ("", 8, "template: empty text"),
+    # ids: torch truncated 7.9 to 7 and read True as 1 (EOS), silently
+    ([7.9, -1], 8, "template: expected integer token ids .* got 7.9"),
+    ([True, -1], 8, "got True"),
+    ([[3, -1], [4]], 8, "rows of different lengths"),
+    (np.array([3.0, -1.0]), 8, "got a torch.float64 tensor"),
 ])
 def test_bad_hole_lengths(template, hole_length, message):
     from blockpress.cli import load_model
 
     with pytest.raises(ValueError, match=message):
         load_model("random-tiny", None, "cpu").infill(template, hole_length=hole_length)
+
+
+def test_integer_templates_of_every_kind_read_alike(lm):
+    want = lm.infill([5, -1, 6], max_denoising_steps=2, seed=3).sequences
+    for template in (np.array([5, -1, 6]), torch.tensor([5, -1, 6]), [5, None, 6], (np.int64(5), -1, 6)):
+        assert torch.equal(lm.infill(template, max_denoising_steps=2, seed=3).sequences, want)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seeds=5), "seeds: expected a list of one seed per row, got int"),
+    (dict(drafts=True), r"drafts: .*lm.stream\(..., drafts=True\)"),
+    (dict(max_new_tokens=True), "max_new_tokens: expected a positive integer, got True"),
+    (dict(min_new_tokens=False), "min_new_tokens: expected an integer"),
+    (dict(max_denoising_steps=True), "max_denoising_steps"),
+])
+def test_bool_counts_and_misplaced_options_are_clear_errors(lm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lm.generate([3, 4], **{"max_new_tokens": 4, **kwargs})
 
 
 @pytest.mark.parametrize("device, message", [("tpu", "not a torch device"), ("cuda:7", "device: 'cuda:7' asked for"),
