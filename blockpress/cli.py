@@ -158,8 +158,17 @@ def cmd_infill(args: argparse.Namespace) -> int:
         raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     text = args.template if args.template != "-" else sys.stdin.read()
     kw = sampling_kwargs(args)
-    kw.pop("max_new_tokens")
-    kw.pop("min_new_tokens")
+    for flag in ("max_new_tokens", "min_new_tokens"):
+        if kw.pop(flag) not in (None, 0):  # an infill's length is its template's
+            raise ValueError(f"--{flag.replace('_', '-')}: an infill is as long as its template; size the holes "
+                             "with <|hole:N|> or --hole-length")
+    if args.hole_length < 1:
+        raise ValueError(f"--hole-length: expected a positive integer, got {args.hole_length}")
+    for flag, value in (("--prefix", args.prefix), ("template", text)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates
+            raise ValueError(f"{flag}: not valid UTF-8 (at character {exc.start})") from None
     t0 = time.perf_counter()
     out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
     filled = lm.tokenizer.decode(out.new_tokens[0].tolist())
@@ -337,7 +346,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
     from blockpress.tasks import sudoku_model
-    from blockpress.tasks.sudoku import format_board
+    from blockpress.tasks.sudoku import format_board, split_puzzle_file
 
     puzzles = list(args.puzzles)
     if args.file:
@@ -345,7 +354,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             lines = Path(args.file).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
             raise ValueError(f"--file {args.file}: cannot read puzzles from it ({exc})") from None
-        puzzles += [line.strip() for line in lines if line.strip()]
+        puzzles += split_puzzle_file("\n".join(lines), f"--file {args.file}")
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
     puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded

@@ -58,6 +58,17 @@ def test_infill_keeps_fixed_text(capsys):
     assert data["text"].startswith("left ") and data["text"].endswith(" right")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--max-new-tokens", "9"], "--max-new-tokens: an infill is as long as its template"),
+    (["--min-new-tokens", "2"], "--min-new-tokens: an infill is as long as its template"),
+    (["--hole-length", "0"], "--hole-length: expected a positive integer, got 0"),
+    (["--prefix", "caf\udcff"], "--prefix: not valid UTF-8"),
+])
+def test_infill_flags_that_cannot_apply_are_named(capsys, args, message):
+    assert main(["infill", "left <|hole|> right", "--model", MODEL, "--steps", "2", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_info_json(capsys):
     assert main(["info", "--model", MODEL, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

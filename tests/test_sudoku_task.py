@@ -28,6 +28,7 @@ from blockpress.tasks.sudoku import (
     generate_many,
     parse_puzzle,
     solve,
+    split_puzzle_file,
     verify,
 )
 
@@ -497,3 +498,21 @@ def test_symmetries_differ_by_seed():
     p = generate(3, "easy")
     boards = {random_symmetry(random.Random(s)).apply(p.solution) for s in range(20)}
     assert len(boards) == 20
+
+
+def test_a_puzzle_file_takes_lines_grids_and_comments():
+    a, b = generate(11, "easy"), generate(12, "medium")
+    grid = "\n".join(" ".join(b.puzzle[r * 9 : r * 9 + 9]).replace("0", ".") for r in range(9))
+    text = f"# two puzzles\n\n{a.puzzle}\n# the second as a grid\n{grid}\n"
+    assert [parse_puzzle(p) for p in split_puzzle_file(text)] == [a.puzzle, b.puzzle]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0" * 80 + "\n" + "0" * 5 + "\n", "f lines 1-2: 85 cells where a puzzle has 81"),
+    ("0" * 81 + "\n" + "0" * 9 + "\n", "f lines 2-end: 9 cells left over"),
+    ("0" * 81 + "\n" + "0" * 40 + "x" + "0" * 40 + "\n", "f line 2: illegal character 'x'"),
+    ("0" * 82 + "\n", "f line 1: 82 cells"),
+])
+def test_a_bad_puzzle_file_names_its_lines(text, message):
+    with pytest.raises(ValueError, match=message):
+        split_puzzle_file(text, "f")

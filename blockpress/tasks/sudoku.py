@@ -53,6 +53,7 @@ __all__ = [
     "generate",
     "generate_many",
     "parse_puzzle",
+    "split_puzzle_file",
     "random_symmetry",
     "solve",
     "verify",
@@ -93,6 +94,37 @@ _UNITS = _units()
 # ----------------------------------------------------------------------------------------------------
 # Parsing and display
 # ----------------------------------------------------------------------------------------------------
+
+
+def split_puzzle_file(text: str, name: str = "file") -> list[str]:
+    """The puzzles of a file: one per line (81 cells) or as 9-line grids, with blank lines and '#' comments
+    skipped. Each puzzle comes back as its raw text (parse_puzzle reads it); a group of lines that does not
+    make 81 cells is an error naming its lines."""
+    puzzles: list[str] = []
+    group: list[str] = []
+    first = 0
+    count = 0
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        odd = next((ch for ch in line if not (ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS)), None)
+        if odd is not None:
+            raise ValueError(f"{name} line {n}: illegal character {odd!r}; expected digits 0-9 or '.' for an empty "
+                             "cell ('#' starts a comment line)")
+        if not group:
+            first = n
+        group.append(line)
+        count += sum(ch in _DIGITS or ch == "." for ch in line)
+        if count >= 81:
+            if count > 81:
+                where = f"line {n}" if first == n else f"lines {first}-{n}"
+                raise ValueError(f"{name} {where}: {count} cells where a puzzle has 81 (one puzzle a line, or a "
+                                 "9-line grid)")
+            puzzles.append("\n".join(group))
+            group, count = [], 0
+    if group:
+        raise ValueError(f"{name} lines {first}-end: {count} cells left over, not a whole puzzle of 81")
+    return puzzles
 
 
 def parse_puzzle(text: str) -> str:
