@@ -325,7 +325,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
                              "--heldout fraction of --data")
         examples = load_jsonl(args.data, lm.tokenizer, vocab,
-                              context=(lm.config.canvas_length, lm.config.text.max_position_embeddings))
+                              context=(lm.config.canvas_length, lm.config.text.max_position_embeddings,
+                                       cfg.max_canvases or None))
         train, held = split_heldout(examples, args.heldout)
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None

@@ -133,9 +133,10 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
 
 
 def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
-               context: tuple[int, int] | None = None) -> list[Example]:
+               context: tuple[int, int, int | None] | None = None) -> list[Example]:
     """Every record of a JSONL file as an Example; errors name the file and line. `context`: (canvas length,
-    the model's max positions), to refuse an example that would not fit before a batch allocates it."""
+    the model's max positions, the most canvases a response keeps or None), to refuse an example that would not
+    fit before a batch allocates it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
@@ -159,8 +160,9 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
                 message = str(exc)
                 raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
             if context is not None:
-                canvas, positions = context
-                length = len(ex.prompt) + (len(ex.response) // canvas + 1) * canvas  # whole canvases, EOS included
+                canvas, positions, max_canvases = context
+                canvases = len(ex.response) // canvas + 1  # whole canvases, the EOS included (make_batch)
+                length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
                 if length > positions:
                     raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
                                      f"{canvas}), more than the model's context of {positions}")
