@@ -515,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
                                    "search), unless --rules. Default model: blockpress-sudoku.")
     p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each")
-    p.add_argument("--file", default=None, help="a file with one puzzle per line")
+    p.add_argument("--file", default=None,
+                   help="a file of puzzles: one per line, or 9-line grids; blank lines and '#' comments skipped")
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
