@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -228,8 +229,10 @@ class Engine:
         tok = self.lm.tokenizer
         first = batch[0]
         self.metrics.add(batches_total=1)
-        texts = [""] * len(batch)
-        consumed = [0] * len(batch)  # canvas tokens committed so far (suffix mode streams only the answer's)
+        texts = [""] * len(batch)  # each row's text so far, decoded over all its committed tokens
+        written: list[list[int]] = [[] for _ in batch]  # those tokens (suffix mode: only the answer's)
+        healed = [0] * len(batch)  # characters of the healed prompt token that the first tokens repeat
+        consumed = [0] * len(batch)  # canvas tokens committed so far
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=first.min_tokens,
             max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
@@ -247,12 +250,16 @@ class Engine:
             elif isinstance(event, Commit):
                 for i, job in enumerate(batch):
                     tokens = event.tokens[i].tolist()
-                    piece = event.texts[i] if event.texts else tok.decode(tokens)
-                    if job.answer_tokens is not None and consumed[i] + len(tokens) > job.answer_tokens:
-                        piece = tok.decode(tokens[: max(0, job.answer_tokens - consumed[i])])
-                    consumed[i] += len(tokens)
-                    texts[i] += piece
-                    job.put(("delta", piece))
+                    if event.canvas_index == 0 and event.texts:  # the commit's text drops the healed prefix
+                        healed[i] = len(tok.decode(tokens)) - len(event.texts[i])
+                    if job.answer_tokens is not None:
+                        tokens = tokens[: max(0, job.answer_tokens - consumed[i])]
+                    consumed[i] += len(event.tokens[i])
+                    written[i] += tokens
+                    # Decoded whole, not canvas by canvas: a character whose bytes straddle two canvases
+                    # would otherwise come out as two replacement characters.
+                    texts[i] = tok.decode(written[i])[healed[i]:]
+                    job.put(("text", texts[i]))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
@@ -269,6 +276,15 @@ class Engine:
                                      forward_passes_total=int(out.forward_passes[i]), cached_prompt_tokens_total=reused)
                     self.metrics.observe(time.perf_counter() - job.created)
                     job.put(("done", text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
+
+
+def settled_text(text: str, stops: Sequence[str]) -> str:
+    """The part of a growing text that later tokens cannot change: cut at a stop string, then without a trailing
+    replacement character (a character whose bytes are still arriving) and without a tail that could be the
+    start of a stop string (the next tokens may complete it)."""
+    text = cut_at_stop(text, stops).rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
 
 
 # -- the app --------------------------------------------------------------------------------------------------
@@ -391,14 +407,18 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                          "blockpress": {"draft": item[1], "step": item[2]}}
                                 yield f"data: {json.dumps(chunk)}\n\n"
                                 continue
-                            if item[0] == "delta":
-                                text = cut_at_stop(sent + item[1], job.stop)
-                                piece, sent = text[len(sent):], text
+                            if item[0] in ("text", "done"):
+                                # The chunks must add up to the plain answer: send only text no later event can
+                                # take back, and the rest with the final text.
+                                text = item[1] if item[0] == "done" else settled_text(item[1], job.stop)
+                                piece = text[len(sent):] if text.startswith(sent) else ""
                                 if piece:
+                                    sent = text
                                     chunk = {"id": rid, "object": f"{obj}.chunk", "created": created,
                                              "model": body.model, "choices": [choice(i, piece, None, True)]}
                                     yield f"data: {json.dumps(chunk)}\n\n"
-                                continue
+                                if item[0] == "text":
+                                    continue
                             finish = item[4]  # the engine ended stopped rows and cut their text
                             totals = tally(totals, item)
                             chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,

@@ -4,12 +4,15 @@ import concurrent.futures as cf
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from blockpress.cli import load_model  # noqa: E402
-from blockpress.serve import create_app, start_in_background  # noqa: E402
+from blockpress.generate import cut_at_stop  # noqa: E402
+from blockpress.serve import create_app, settled_text, start_in_background  # noqa: E402
 
 MODEL = "tiny"
 
@@ -54,6 +57,33 @@ def test_streaming_reassembles_to_the_same_text(client):
     whole = client.chat.completions.create(**chat_kw).choices[0].message.content
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **chat_kw)]
     assert "".join(parts) == whole
+
+
+def test_streamed_chunks_add_up_across_canvas_boundaries(client, server):
+    """Two ways a stream differed from the plain answer: a stop string split across two canvases had its first
+    part sent already, and a character whose bytes straddle a canvas boundary came out as replacement
+    characters (each canvas was decoded alone)."""
+    def both(**kw):
+        whole = client.completions.create(model=MODEL, **kw).choices[0].text
+        parts = [c.choices[0].text for c in client.completions.create(model=MODEL, stream=True, **kw)]
+        return whole, "".join(parts)
+
+    # "€" is three bytes of the byte-level vocabulary: with 15 a's before it, the first canvas (16) ends inside it
+    whole, streamed = both(prompt="x", extra_body={"template": "a" * 15 + "€€<|hole:4|>"}, max_tokens=40, seed=1)
+    assert streamed == whole and whole.startswith("a" * 15 + "€€")
+    for seed in range(40):  # stops the model writes across a canvas boundary (the tiny canvas is 16 tokens)
+        text = client.completions.create(model=MODEL, prompt="hello", max_tokens=40, seed=seed).choices[0].text
+        stop = text[14:17] if len(text) > 17 else "zz"
+        whole, streamed = both(prompt="hello", max_tokens=40, seed=seed, stop=stop)
+        assert streamed == whole, (seed, stop)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("ab\ufffd", max_size=12), st.text("ab", max_size=6), st.lists(st.text("ab", min_size=1, max_size=3), max_size=3))
+def test_settled_text_is_never_taken_back(text, more, stops):
+    """Whatever tokens come next, the text a stream has sent stays the start of the answer's text."""
+    sent = settled_text(text, stops)
+    assert cut_at_stop(text.rstrip("\ufffd") + more, stops).startswith(sent)
 
 
 def test_stream_usage_on_request(client, server):
