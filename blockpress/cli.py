@@ -104,8 +104,10 @@ class LiveView:
         sys.stdout.write("\x1b[u\x1b[J" + self.committed + "".join(parts))
         sys.stdout.flush()
 
-    def commit(self, text: str) -> None:
-        self.committed += text
+    def commit(self, text: str, whole: bool = False) -> None:
+        """Add a canvas's text, or (`whole`) redraw the answer's final text: canvases decoded one by one can
+        split a character between them, and a stop string can cut the last one."""
+        self.committed = text if whole else self.committed + text
         self.previous = None
         sys.stdout.write("\x1b[u\x1b[J" + self.committed)
         sys.stdout.flush()
@@ -142,6 +144,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             view.commit(event.texts[0])
         elif isinstance(event, Done):
             out = event.output
+            if view:
+                view.commit(out.texts[0], whole=True)
     stats = stats_line(out, time.perf_counter() - t0)
     if args.json:
         print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats)))

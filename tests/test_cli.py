@@ -45,6 +45,21 @@ def test_generate_stop(capsys):
     assert cut["new_tokens"] < whole["new_tokens"]
 
 
+def test_the_live_view_ends_on_the_answers_text(capsys, monkeypatch):
+    """On a terminal the canvas is redrawn step by step; the screen must end on the same text --json gives
+    (canvases decoded one by one split characters between them, and a stop could cut the last one)."""
+    base = ["generate", "hello", "--model", "random-tiny", "--max-new-tokens", "40", "--steps", "2"]
+    for seed in ("1", "2", "3"):
+        assert main(base + ["--seed", seed, "--json"]) == 0
+        want = json.loads(capsys.readouterr().out)["text"]
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+        assert main(base + ["--seed", seed]) == 0
+        monkeypatch.undo()
+        screen = capsys.readouterr().out
+        assert "\x1b[2m" in screen or "\x1b[" in screen  # it did draw
+        assert screen.rsplit("\x1b[u\x1b[J", 1)[1] == want
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr
