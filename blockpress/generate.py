@@ -393,9 +393,12 @@ def _output(
 ) -> GenerationOutput:
     texts = None
     if tokenizer is not None:
-        texts = _heal_texts(req, tokenizer.decode_batch([row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]))
+        rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
+        texts = _heal_texts(req, tokenizer.decode_batch(rows))
         if req.stops:
-            texts = [cut_at_stop(t, stops) for t, stops in zip(texts, req.stops)]
+            prefixes = req.heal_prefixes or [""] * len(rows)
+            texts = [cut_at_stop(t, stops, stop_floor(tokenizer, row, req.min_new_tokens, prefix))
+                     for t, stops, row, prefix in zip(texts, req.stops, rows, prefixes)]
     return GenerationOutput(
         sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
         prompt_length=req.prompt.shape[1],
@@ -436,23 +439,32 @@ def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
     return rows if any(rows) else None
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` up to (not including) the earliest stop string it holds."""
+def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0) -> str:
+    """`text` up to (not including) the earliest stop string it holds that ends past its first `floor`
+    characters (the text of the min_new_tokens, where a stop does not count: vLLM's min_tokens)."""
     cut = len(text)
     for s in stops:
-        if s and s in text:
-            cut = min(cut, text.index(s))
+        at = text.find(s, max(0, floor - len(s) + 1)) if s else -1
+        if at >= 0:
+            cut = min(cut, at)
     return text[:cut]
 
 
-def _first_stop(tokenizer: Any, row: list[int], checked: int, prefix: str, stops: list[str]) -> int | None:
-    """The fewest tokens of `row` whose text holds a stop string (None: no stop yet). The first `checked`
-    tokens were searched before, so the answer lies after them; bisection, as a prefix that holds a stop
-    keeps holding it."""
+def stop_floor(tokenizer: Any, row: list[int], min_new_tokens: int, prefix: str) -> int:
+    """How many characters of a row's text its first min_new_tokens tokens make: no stop string ends in them."""
+    return len(strip_prefix(tokenizer.decode(row[:min_new_tokens]), prefix)) if min_new_tokens else 0
+
+
+def _first_stop(tokenizer: Any, row: list[int], checked: int, prefix: str, stops: list[str],
+                min_new_tokens: int = 0) -> int | None:
+    """The fewest tokens of `row` whose text holds a stop string ending past the min_new_tokens' text (None:
+    no stop yet). The first `checked` tokens were searched before, so the answer lies after them; bisection,
+    as a prefix that holds a stop keeps holding it."""
+    floor = stop_floor(tokenizer, row, min_new_tokens, prefix)
 
     def holds(m: int) -> bool:
         text = strip_prefix(tokenizer.decode(row[:m]), prefix)
-        return any(s in text for s in stops)
+        return len(cut_at_stop(text, stops, floor)) < len(text)
 
     if len(row) <= checked or not holds(len(row)):
         return None
@@ -470,7 +482,8 @@ def stop_rows(req: Request, tokenizer: Any, tokens: list[list[int] | None], chec
     for r, row in enumerate(tokens):
         if row is None or not req.stops or not req.stops[r]:
             continue
-        m = _first_stop(tokenizer, row, checked[r], req.heal_prefixes[r] if req.heal_prefixes else "", req.stops[r])
+        m = _first_stop(tokenizer, row, checked[r], req.heal_prefixes[r] if req.heal_prefixes else "", req.stops[r],
+                        req.min_new_tokens)
         if m is not None:
             hits[r] = m
     return hits

@@ -259,7 +259,9 @@ class Engine:
                     # Decoded whole, not canvas by canvas: a character whose bytes straddle two canvases
                     # would otherwise come out as two replacement characters.
                     texts[i] = tok.decode(written[i])[healed[i]:]
-                    job.put(("text", texts[i]))
+                    # the text of the first min_tokens tokens, where no stop string ends (as in the engine)
+                    floor = len(tok.decode(written[i][: first.min_tokens])[healed[i]:]) if first.min_tokens else 0
+                    job.put(("text", texts[i], floor))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
@@ -278,11 +280,12 @@ class Engine:
                     job.put(("done", text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
-def settled_text(text: str, stops: Sequence[str]) -> str:
-    """The part of a growing text that later tokens cannot change: cut at a stop string, then without a trailing
-    replacement character (a character whose bytes are still arriving) and without a tail that could be the
-    start of a stop string (the next tokens may complete it)."""
-    text = cut_at_stop(text, stops).rstrip("\ufffd")
+def settled_text(text: str, stops: Sequence[str], floor: int = 0) -> str:
+    """The part of a growing text that later tokens cannot change: cut at a stop string (one ending past the
+    first `floor` characters), then without a trailing replacement character (a character whose bytes are
+    still arriving) and without a tail that could be the start of a stop string (the next tokens may complete
+    it)."""
+    text = cut_at_stop(text, stops, floor).rstrip("\ufffd")
     hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
     return text[: len(text) - hold]
 
@@ -410,7 +413,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                             if item[0] in ("text", "done"):
                                 # The chunks must add up to the plain answer: send only text no later event can
                                 # take back, and the rest with the final text.
-                                text = item[1] if item[0] == "done" else settled_text(item[1], job.stop)
+                                text = item[1] if item[0] == "done" else settled_text(item[1], job.stop, item[2])
                                 piece = text[len(sent):] if text.startswith(sent) else ""
                                 if piece:
                                     sent = text

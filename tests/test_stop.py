@@ -117,3 +117,23 @@ def test_outputs_say_which_rows_a_stop_string_ended(lm, full, engine):
     out = run(lm, engine, PROMPTS[0], stop=[text[-3:], "\x00never"])
     assert out.extra["stopped"] == [True]
     assert run(lm, engine, PROMPTS[0], stop="\x00never").extra["stopped"] == [False]
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_a_stop_inside_the_min_new_tokens_does_not_count(lm, engine):
+    """vLLM's min_tokens: no stop string ends in the first min_new_tokens tokens' text. Before, a stop there cut
+    the answer short (an empty chat reply, though chat asks for at least one token)."""
+    k = 10
+    ref = run(lm, engine, PROMPTS[1], min_new_tokens=k)
+    text = ref.texts[0]
+    floor = len(lm.tokenizer.decode(ref.new_tokens[0, :k].tolist()))
+    stop = text[floor - 3 : floor - 1]  # ends inside the first k tokens' text
+    out = run(lm, engine, PROMPTS[1], min_new_tokens=k, stop=stop)
+    assert out.texts[0] == cut_at_stop(text, [stop], floor)
+    assert out.texts[0].startswith(text[:floor]) and len(out.texts[0]) >= floor
+
+
+@given(st.text("ab", max_size=10), st.lists(st.text("ab", min_size=1, max_size=3), max_size=3), st.integers(0, 12))
+def test_cut_at_stop_ignores_only_stops_ending_in_the_floor(text, stops, floor):
+    counted = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
+    assert cut_at_stop(text, stops, floor) == text[: min(counted, default=len(text))]
