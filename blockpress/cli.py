@@ -131,6 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None:
         raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    if args.prompt == "-":  # as infill's template
+        args.prompt = sys.stdin.read()
     live = sys.stdout.isatty() and not args.no_live and not args.json
     healing = not args.no_token_healing
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
@@ -457,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete a prompt, showing the canvas as it settles",
                        description="Complete PROMPT. On a terminal the canvas is drawn live as tokens settle "
                                    "(dim = still changing, bright = settled); a stats line ends the run.")
-    p.add_argument("prompt", help="the text to continue")
+    p.add_argument("prompt", help="the text to continue, or - to read it from standard input")
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--no-live", action="store_true", help="print only the final text (no live canvas)")

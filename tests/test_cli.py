@@ -1,5 +1,6 @@
 """The command line, end to end (random-tiny until the shipped model lands)."""
 
+import io
 import json
 import subprocess
 import sys
@@ -58,6 +59,16 @@ def test_the_live_view_ends_on_the_answers_text(capsys, monkeypatch):
         screen = capsys.readouterr().out
         assert "\x1b[2m" in screen or "\x1b[" in screen  # it did draw
         assert screen.rsplit("\x1b[u\x1b[J", 1)[1] == want
+
+
+def test_generate_reads_the_prompt_from_stdin_given_a_dash(capsys, monkeypatch):
+    base = ["generate", "--model", "random-tiny", "--max-new-tokens", "8", "--steps", "2", "--seed", "4", "--json"]
+    assert main(base[:1] + ["def add(a, b):"] + base[1:]) == 0
+    want = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def add(a, b):"))
+    assert main(base[:1] + ["-"] + base[1:]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["prompt"] == "def add(a, b):" and got["text"] == want["text"]
 
 
 def test_generate_plain_prints_text_and_stats():
