@@ -300,6 +300,8 @@ class LM:
             if asked is not None and asked != tmpl.shape[1]:  # it would be ignored: the template sets the length
                 raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
                                  f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
+        if cfg.sampler == "greedy" and seed is None:
+            seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
         req = Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
         if healed is not None and any(h.prefix for h in healed):
             req.heal_prefixes = [h.prefix for h in healed]

@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import Commit, Done, Draft, cut_at_stop, template_to_ids
 from .prefix import PrefixCache
@@ -189,12 +190,17 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
         self.thread.start()
 
-    def submit(self, job: Job) -> None:
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's choices, all or none (a half-queued request would run choices nobody receives)."""
+        if len(jobs) > self.queue.maxsize:
+            raise APIError(400, f"n: {len(jobs)} choices can never fit the server's queue of {self.queue.maxsize}",
+                           "n")
+        # Only this event loop's thread puts (the engine thread only takes), so the room cannot shrink meanwhile.
+        if self.queue.maxsize - self.queue.qsize() < len(jobs):
             self.metrics.add(rejected_total=1)
-            raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error") from None
+            raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error")
+        for job in jobs:
+            self.queue.put_nowait(job)
 
     def depth(self) -> int:
         return self.queue.qsize() + len(self.pending)
@@ -229,12 +235,13 @@ class Engine:
         tok = self.lm.tokenizer
         first = batch[0]
         self.metrics.add(batches_total=1)
+        min_tokens = first.min_tokens if first.canvas is None else 0  # a canvas's length is fixed: no minimum
         texts = [""] * len(batch)  # each row's text so far, decoded over all its committed tokens
         written: list[list[int]] = [[] for _ in batch]  # those tokens (suffix mode: only the answer's)
         healed = [0] * len(batch)  # characters of the healed prompt token that the first tokens repeat
         consumed = [0] * len(batch)  # canvas tokens committed so far
         stream = self.lm.stream(
-            [j.prompt for j in batch], min_new_tokens=first.min_tokens,
+            [j.prompt for j in batch], min_new_tokens=min_tokens,
             max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
             token_healing=first.token_healing, stop=[j.stop for j in batch], prefix_cache=self.prefix_cache,
@@ -260,7 +267,7 @@ class Engine:
                     # would otherwise come out as two replacement characters.
                     texts[i] = tok.decode(written[i])[healed[i]:]
                     # the text of the first min_tokens tokens, where no stop string ends (as in the engine)
-                    floor = len(tok.decode(written[i][: first.min_tokens])[healed[i]:]) if first.min_tokens else 0
+                    floor = len(tok.decode(written[i][:min_tokens])[healed[i]:]) if min_tokens else 0
                     job.put(("text", texts[i], floor))
             elif isinstance(event, Done):
                 out = event.output
@@ -314,6 +321,13 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # An unknown route or method in OpenAI's error shape, not FastAPI's {"detail": ...}
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(exc.detail), kind, None), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -327,7 +341,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         forms = list(dict.fromkeys(e[1] for e in field_errors if len(e) > 1 and e[0] == loc[0])) if loc else []
         if len(forms) > 1:
             param, msg = loc[0], f"expected {' or '.join(forms)}"
-        if err.get("type") == "extra_forbidden":
+        if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
+            msg = "the request body must be a JSON object"
+        elif err.get("type") == "extra_forbidden":
             msg = f"unknown field {param!r}"
         elif err.get("type") == "json_invalid":
             msg, param = "the request body is not valid JSON", None
@@ -359,18 +375,23 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             field_name = str(exc).split(":", 1)[0]
             raise APIError(400, str(exc), field_name) from None
         stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
-        seed = body.seed if body.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6], "little")
+        if body.seed is not None:
+            seed = body.seed
+        elif cfg.sampler == "greedy":  # temperature 0: the same answer every time, so no random starting canvas
+            seed = 0
+        else:
+            seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
         loop = asyncio.get_running_loop()
-        return [Job(prompt, max_tokens, body.min_tokens, cfg, (seed + i) % 2**63, stops, body.drafts, body.token_healing, loop,
-                    asyncio.Queue())
+        step = 0 if cfg.sampler == "greedy" else 1  # greedy choices are one answer n times, as OpenAI's
+        return [Job(prompt, max_tokens, body.min_tokens, cfg, (seed + i * step) % 2**63, stops, body.drafts,
+                    body.token_healing, loop, asyncio.Queue())
                 for i in range(body.n)]
 
     async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int):
         if body.stream_options is not None and not body.stream:  # checked before any job is queued
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
         engine.metrics.add(requests_total=1)
-        for job in jobs:
-            engine.submit(job)
+        engine.submit(jobs)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -501,9 +522,18 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         except ValueError as exc:
             raise APIError(400, str(exc), "template") from None
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # OpenAI's retrieve; a hub model's id holds a slash
+        if model_id != model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server has {model_name!r}", "model",
+                           "not_found_error")
+        return model_card
 
     @app.get("/health")
     async def health():

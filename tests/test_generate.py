@@ -863,3 +863,12 @@ def test_a_continued_cache_grows_in_place_and_truncate_rewinds_it(lm):
     one.cache.truncate(before)
     again = lm.generate([6, 7], max_new_tokens=4, max_denoising_steps=2, cache=one.cache, seed=2)
     assert torch.equal(again.sequences, first.sequences)
+
+
+def test_greedy_without_a_seed_gives_the_same_answer_every_time(lm):
+    """The starting canvas of uniform noise is random: greedy without a seed used to differ run to run."""
+    a = lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, sampler="greedy")
+    b = lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, sampler="greedy")
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.sequences, lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, sampler="greedy",
+                                                seed=0).sequences)

@@ -205,6 +205,49 @@ def test_full_queue_answers_429(server):
         engine.queue = saved
 
 
+def test_a_request_is_queued_whole_or_not_at_all(server):
+    """n choices that did not all fit used to get a 429 while the choices queued before it ran for nobody."""
+    import queue
+
+    engine = server[1].state.engine
+    saved = engine.queue
+    room = queue.Queue(maxsize=3)
+    room.put_nowait(None)  # two places left; the worker waits on the old queue
+    engine.queue = room
+    try:
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 3})
+        assert r.status_code == 429 and room.qsize() == 1  # nothing of it was queued
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # it could never fit: not "retry later"
+    finally:
+        engine.queue = saved
+
+
+def test_temperature_zero_is_the_same_answer_every_time(client):
+    kw = dict(model=MODEL, prompt="hello", max_tokens=16, temperature=0)
+    texts = {client.completions.create(**kw).choices[0].text for _ in range(3)}
+    assert len(texts) == 1
+    assert len({c.text for c in client.completions.create(n=2, **kw).choices}) == 1
+
+
+def test_min_tokens_beside_a_template_is_not_a_server_error(server):
+    body = {"model": MODEL, "prompt": "# p\n", "template": "x = <|hole:4|>\n", "max_tokens": 100, "min_tokens": 80}
+    r = httpx.post(server[0] + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith("x = ")
+
+
+def test_unknown_routes_and_models_answer_in_openais_error_shape(client, server):
+    assert client.models.retrieve(MODEL).id == MODEL
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
+                                 ("GET", "/v1/models/other", 404)):
+        r = httpx.request(method, server[0] + path)
+        assert r.status_code == status and set(r.json()["error"]) >= {"message", "type"}, (path, r.text)
+    for content in (b"", b"[1, 2]"):
+        r = httpx.post(server[0] + "/v1/completions", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
+
+
 def test_disconnect_frees_the_engine(server):
     engine = server[1].state.engine
     before = engine.metrics.counters["completion_tokens_total"]
