@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
+from .quantize import quantization_of
 
 
 @dataclass
@@ -88,11 +89,14 @@ class PrefixCache:
     def check_model(self, model: Any, cache: KVCache) -> None:
         """Entries only fit the model that made them: the same model object (another one with the same shapes
         has other weights, so its keys differ) and the same layout (layers, heads, head size, dtype, device)."""
+        # Quantizing swaps the model's projections in place: same object, same layout, other keys and values.
+        layout = (cache.layout, quantization_of(model))
         if self._layout is None:
-            self._layout, self._model = cache.layout, weakref.ref(model)
-        elif cache.layout != self._layout or self._model() is not model:
-            raise ValueError("prefix_cache: it holds keys and values of another model (another model object, or "
-                             "other layers, heads, dtype or device); use one PrefixCache per model, or clear() it")
+            self._layout, self._model = layout, weakref.ref(model)
+        elif layout != self._layout or self._model() is not model:
+            raise ValueError("prefix_cache: it holds keys and values of another model (another model object, "
+                             "other layers, heads, dtype or device, or the model was quantized since); use one "
+                             "PrefixCache per model, or clear() it")
 
     def load(self, key: int, n: int, row: KVCache) -> None:
         """Copy the first `n` tokens of entry `key` into the empty one-row cache `row` (and mark it used)."""

@@ -148,3 +148,17 @@ def test_clear_errors(lm):
     for bad in (dict(max_bytes=True), dict(min_tokens=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PrefixCache(**bad)
+
+
+def test_a_cache_filled_before_quantizing_is_not_reused_after():
+    """Quantizing swaps the projections in place (same object, same layout): the old keys were reused silently."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    pc = PrefixCache(min_tokens=1)
+    lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
+    lm.quantize("int8")
+    with pytest.raises(ValueError, match="the model was quantized since"):
+        lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
+    pc.clear()
+    fresh = lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, seed=1)
+    assert torch.equal(lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, seed=1, prefix_cache=pc).sequences,
+                       fresh.sequences)
