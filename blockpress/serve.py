@@ -43,7 +43,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, cut_at_stop, template_to_ids
+from .generate import Commit, Done, Draft, cut_at_stop, stop_floor, template_to_ids
+from .healing import heal, strip_prefix
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
 
@@ -240,7 +241,8 @@ class Engine:
         min_tokens = first.min_tokens if first.canvas is None else 0  # a canvas's length is fixed: no minimum
         texts = [""] * len(batch)  # each row's text so far, decoded over all its committed tokens
         written: list[list[int]] = [[] for _ in batch]  # those tokens (suffix mode: only the answer's)
-        healed = [0] * len(batch)  # characters of the healed prompt token that the first tokens repeat
+        # The healed prompt token's text, which the first new tokens repeat (the LM heals each prompt the same way)
+        prefixes = [heal(tok, j.prompt).prefix if first.token_healing else "" for j in batch]
         consumed = [0] * len(batch)  # canvas tokens committed so far
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
@@ -255,21 +257,21 @@ class Engine:
             if isinstance(event, Draft):
                 for i, job in enumerate(batch):
                     if job.drafts:
-                        job.put(("draft", texts[i] + tok.decode(event.tokens[i].tolist()), event.step))
+                        draft = tok.decode(event.tokens[i].tolist())
+                        draft = strip_prefix(draft, prefixes[i]) if not texts[i] and not written[i] else draft
+                        job.put(("draft", texts[i] + draft, event.step))
             elif isinstance(event, Commit):
                 for i, job in enumerate(batch):
                     tokens = event.tokens[i].tolist()
-                    if event.canvas_index == 0 and event.texts:  # the commit's text drops the healed prefix
-                        healed[i] = len(tok.decode(tokens)) - len(event.texts[i])
                     if job.answer_tokens is not None:
                         tokens = tokens[: max(0, job.answer_tokens - consumed[i])]
                     consumed[i] += len(event.tokens[i])
                     written[i] += tokens
                     # Decoded whole, not canvas by canvas: a character whose bytes straddle two canvases
                     # would otherwise come out as two replacement characters.
-                    texts[i] = tok.decode(written[i])[healed[i]:]
+                    texts[i] = strip_prefix(tok.decode(written[i]), prefixes[i])
                     # the text of the first min_tokens tokens, where no stop string ends (as in the engine)
-                    floor = len(tok.decode(written[i][:min_tokens])[healed[i]:]) if min_tokens else 0
+                    floor = stop_floor(tok, written[i], min_tokens, prefixes[i])
                     job.put(("text", texts[i], floor))
             elif isinstance(event, Done):
                 out = event.output

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, through the official `openai` client on loopback."""
 
 import concurrent.futures as cf
+import json
 
 import httpx
 import pytest
@@ -402,3 +403,27 @@ def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
     # a cached hub model keeps its repo id, which clients send as `model`; a shipped name stays as it is
     assert served_name("google/diffusiongemma-26B-A4B-it") == "google/diffusiongemma-26B-A4B-it"
     assert served_name("blockpress-code") == "blockpress-code"
+
+
+def test_drafts_do_not_repeat_the_healed_prompt_token():
+    """With token healing the first new tokens repeat the dropped prompt token's text ("\\n"); the answer drops
+    it, and so must the drafts streamed before it (they started with it)."""
+    lm = load_model("blockpress-code", None, "cpu")
+    lm.generation_config = dict(lm.generation_config, max_denoising_steps=4)
+    base, srv = start_in_background(create_app(lm, "code", prefix_cache_bytes=0))
+    try:
+        body = {"model": "code", "prompt": "def f(x):\n", "max_tokens": 16, "seed": 1, "stream": True, "drafts": True,
+                "token_healing": True}
+        drafts, text = [], ""
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "blockpress" in chunk:
+                        drafts.append(chunk["blockpress"]["draft"])
+                    else:
+                        text += chunk["choices"][0]["text"] or ""
+        assert drafts and text.startswith("    ") and not text.startswith("\n")
+        assert all(d.startswith("    ") and not d.startswith("\n") for d in drafts), drafts[:2]
+    finally:
+        srv.should_exit = True
