@@ -391,7 +391,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     body.token_healing, loop, asyncio.Queue())
                 for i in range(body.n)]
 
-    async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int):
+    async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int, request: Request):
         if body.stream_options is not None and not body.stream:  # checked before any job is queued
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
         engine.metrics.add(requests_total=1)
@@ -465,9 +465,19 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             return StreamingResponse(events(), media_type="text/event-stream")
 
         choices, totals = [], (0, 0, 0)
+        checked = time.monotonic()
         for i, job in enumerate(jobs):
             while True:
-                item = await job.events.get()
+                try:
+                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except TimeoutError:
+                    item = ("wait",)
+                if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
+                    checked = time.monotonic()
+                    if await request.is_disconnected():  # the client left: free its rows, as a stream does
+                        for j in jobs:
+                            j.cancelled.set()
+                        raise APIError(499, "the client closed the connection", kind="client_closed")
                 if item[0] == "error":
                     raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
                 if item[0] == "done":
@@ -478,7 +488,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 "usage": usage(totals)}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
+    async def chat(body: ChatRequest, request: Request):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -486,10 +496,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
                            "server_error" if broken else "invalid_request_error") from None
-        return await respond(build_job(body, prompt), body, "chat", len(prompt))
+        return await respond(build_job(body, prompt), body, "chat", len(prompt), request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         if isinstance(body.prompt, list):
             bad = [t for t in body.prompt if not 0 <= t < lm.config.text.vocab_size]
             if bad:
@@ -508,7 +518,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             if len(prompt) + len(canvas) > context:
                 raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas)}-token canvas exceed the "
                                     f"context of {context} tokens", "prompt")
-        return await respond(jobs, body, "completion", len(prompt))
+        return await respond(jobs, body, "completion", len(prompt), request)
 
     def constrained_canvas(body: CompletionRequest, max_tokens: int) -> tuple[list[int], int | None]:
         """The canvas of a `suffix` or `template` request: token ids with -1 in the holes, and the answer's length

@@ -263,6 +263,20 @@ def test_disconnect_frees_the_engine(server):
     assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
 
 
+def test_a_plain_request_whose_client_left_frees_the_engine(server):
+    engine = server[1].state.engine
+    before = engine.metrics.counters["completion_tokens_total"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "n": 8, "seed": 1,
+            "max_denoising_steps": 8}  # no early EOS: it would run for many seconds
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v1/completions", json=body, timeout=0.3)  # the client gives up and closes
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    # none of the abandoned 8 x 2,000 tokens completed: only the 4 new ones were counted
+    assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
+
+
 def test_metrics(server):
     text = httpx.get(server[0] + "/metrics").text
     assert "blockpress_requests_total" in text and "blockpress_request_seconds_count" in text
