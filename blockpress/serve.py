@@ -285,9 +285,9 @@ class Engine:
                         if job.answer_tokens is not None:
                             text = tok.decode(out.new_tokens[i, : job.answer_tokens].tolist())
                     reused = out.extra["reused_prompt_tokens"][i]
-                    self.metrics.add(completion_tokens_total=n, prompt_tokens_total=len(job.prompt),
-                                     forward_passes_total=int(out.forward_passes[i]), cached_prompt_tokens_total=reused)
-                    self.metrics.observe(time.perf_counter() - job.created)
+                    # (the prompt and the latency count once per request, in `respond`, not once per choice)
+                    self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]),
+                                     cached_prompt_tokens_total=reused)
                     job.put(("done", text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
@@ -391,6 +391,11 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     body.token_healing, loop, asyncio.Queue())
                 for i in range(body.n)]
 
+    def finished(jobs: list[Job], prompt_tokens: int) -> None:
+        """A request's every choice is answered: its prompt and its latency, once."""
+        engine.metrics.add(prompt_tokens_total=prompt_tokens)
+        engine.metrics.observe(time.perf_counter() - jobs[0].created)
+
     async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int, request: Request):
         if body.stream_options is not None and not body.stream:  # checked before any job is queued
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
@@ -453,6 +458,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                      "choices": [choice(i, None if kind == "chat" else "", finish, True)]}
                             yield f"data: {json.dumps(chunk)}\n\n"
                             break
+                    finished(jobs, prompt_tokens)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
                                  "choices": [], "usage": usage(totals)}
@@ -484,6 +490,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     break
             choices.append(choice(i, item[1], item[4], False))  # the engine ended stopped rows and cut their text
             totals = tally(totals, item)
+        finished(jobs, prompt_tokens)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
                 "usage": usage(totals)}
 

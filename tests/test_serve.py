@@ -277,6 +277,19 @@ def test_a_plain_request_whose_client_left_frees_the_engine(server):
     assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
 
 
+def test_metrics_count_a_request_once_however_many_choices(client, server):
+    counters, latency = server[1].state.engine.metrics.counters, server[1].state.engine.metrics.latency
+    before = (counters["requests_total"], len(latency), counters["prompt_tokens_total"])
+    for stream in (False, True):
+        kw = dict(model=MODEL, prompt="abc", max_tokens=8, n=3, seed=5)
+        if stream:
+            list(client.completions.create(stream=True, **kw))
+        else:
+            prompt_tokens = client.completions.create(**kw).usage.prompt_tokens
+    after = (counters["requests_total"], len(latency), counters["prompt_tokens_total"])
+    assert [a - b for a, b in zip(after, before)] == [2, 2, 2 * prompt_tokens]
+
+
 def test_metrics(server):
     text = httpx.get(server[0] + "/metrics").text
     assert "blockpress_requests_total" in text and "blockpress_request_seconds_count" in text
