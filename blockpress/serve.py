@@ -244,6 +244,7 @@ class Engine:
         # The healed prompt token's text, which the first new tokens repeat (the LM heals each prompt the same way)
         prefixes = [heal(tok, j.prompt).prefix if first.token_healing else "" for j in batch]
         consumed = [0] * len(batch)  # canvas tokens committed so far
+        floors: list[int | None] = [None] * len(batch)  # characters of the first min_tokens tokens, once known
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
             max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
@@ -270,9 +271,11 @@ class Engine:
                     # Decoded whole, not canvas by canvas: a character whose bytes straddle two canvases
                     # would otherwise come out as two replacement characters.
                     texts[i] = strip_prefix(tok.decode(written[i]), prefixes[i])
-                    # the text of the first min_tokens tokens, where no stop string ends (as in the engine)
-                    floor = stop_floor(tok, written[i], min_tokens, prefixes[i])
-                    job.put(("text", texts[i], floor))
+                    # The text of the first min_tokens tokens, where no stop string ends (as in the engine): all
+                    # of it until that many are written, then fixed, so decoded once.
+                    if floors[i] is None and len(written[i]) >= min_tokens:
+                        floors[i] = stop_floor(tok, written[i], min_tokens, prefixes[i])
+                    job.put(("text", texts[i], len(texts[i]) if floors[i] is None else floors[i]))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
