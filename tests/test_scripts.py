@@ -121,6 +121,24 @@ def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
     assert all(x["tokens_per_forward"] == 1.0 for x in rows)
 
 
+def test_rerank_code_candidates_smoke():
+    import pytest
+
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "rerank_code_candidates.py"), "--functions", "2", "--candidates", "2",
+         "--max-new-tokens", "8", "--threads", "1"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    rates = json.loads(r.stdout)["parseable"]
+    # "any draft parses" is the ceiling of every way of choosing one draft.
+    assert all(0 <= rates[k] <= rates["any"] <= 1 for k in ("greedy", "best_total", "best_mean"))
+
+
 def test_prefix_cache_benchmark_smoke():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefix_cache.py"), "--preset", "tiny",
                         "--system-tokens", "40", "--user-tokens", "8", "--turns", "3", "--new-tokens", "8",
