@@ -8,6 +8,20 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 
+def run_code_model_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """Run scripts/<name> on the shipped code model (skipped where the package does not ship it)."""
+    import pytest
+
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--threads", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def test_gpu_bench_smoke_on_cpu(tmp_path):
     r = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--preset", "tiny", "--device", "cpu",
@@ -85,18 +99,7 @@ def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_
 
 
 def test_tune_code_sampler_smoke():
-    import blockpress
-
-    if "blockpress-code" not in blockpress.shipped_models():
-        import pytest
-
-        pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "tune_code_sampler.py"), "--functions", "2", "--batch", "2",
-         "--max-new-tokens", "8", "--threads", "1"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stderr
+    r = run_code_model_script("tune_code_sampler.py", "--functions", "2", "--batch", "2", "--max-new-tokens", "8")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     rows, best = lines[:-1], lines[-1]["best"]
     assert len(rows) >= 2 and all(0 <= x["parseable"] <= 1 and x["tokens_per_forward"] > 0 for x in rows)
@@ -104,36 +107,16 @@ def test_tune_code_sampler_smoke():
 
 
 def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
-    import pytest
-
-    import blockpress
-
-    if "blockpress-code" not in blockpress.shipped_models():
-        pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "tune_code_sampler.py"), "--functions", "2", "--batch", "2",
-         "--max-new-tokens", "8", "--threads", "1", "--ar", "--settings", '[{}, {"frequency_penalty": 0.5}]'],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stderr
+    r = run_code_model_script("tune_code_sampler.py", "--functions", "2", "--batch", "2", "--max-new-tokens", "8",
+                              "--ar", "--settings", '[{}, {"frequency_penalty": 0.5}]')
     rows = [json.loads(x) for x in r.stdout.splitlines()][:-1]
     assert [x["setting"] for x in rows] == ["generation_config", {"frequency_penalty": 0.5}]
     assert all(x["tokens_per_forward"] == 1.0 for x in rows)
 
 
 def test_rerank_code_candidates_smoke():
-    import pytest
-
-    import blockpress
-
-    if "blockpress-code" not in blockpress.shipped_models():
-        pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "rerank_code_candidates.py"), "--functions", "2", "--candidates", "2",
-         "--max-new-tokens", "8", "--threads", "1"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert r.returncode == 0, r.stderr
+    r = run_code_model_script("rerank_code_candidates.py", "--functions", "2", "--candidates", "2",
+                              "--max-new-tokens", "8")
     rates = json.loads(r.stdout)["parseable"]
     # "any draft parses" is the ceiling of every way of choosing one draft.
     assert all(0 <= rates[k] <= rates["any"] <= 1 for k in ("greedy", "best_total", "best_mean"))
