@@ -128,6 +128,27 @@ def hf_to_local(name: str) -> str | None:
     raise KeyError(name)
 
 
+def tied_source(name: str) -> str:
+    """The decoder tensor that a tied copy (an encoder text weight or the LM head) stands for."""
+    return DECODER + ("embed_tokens.weight" if name == "lm_head.weight" else name[len(ENCODER_TEXT):])
+
+
+def check_untied_copies(copies: dict[str, Path], sources: dict[str, Path]) -> None:
+    """blockpress runs the encoder, the decoder and the LM head on one set of weights, as DiffusionGemma is
+    released. A checkpoint saved with tie_word_embeddings=false stores them apart; it loads only when every copy
+    equals its decoder tensor, since otherwise its encoder or head would be silently replaced."""
+    for name, file in copies.items():
+        source = tied_source(name)
+        if source not in sources:
+            raise CheckpointError(f"tie_word_embeddings is false, and {name!r} has no decoder tensor {source!r}")
+        copy, original = MappedSafetensors(file).tensor(name), MappedSafetensors(sources[source]).tensor(source)
+        if copy.shape != original.shape or not torch.equal(copy, original):
+            raise CheckpointError(
+                f"tie_word_embeddings is false and {name!r} differs from {source!r}: this checkpoint's encoder or "
+                "LM head has weights of its own, and blockpress runs the encoder, the decoder and the LM head on "
+                "the decoder's weights (tied, as DiffusionGemma is released)")
+
+
 def local_to_hf(name: str) -> str:
     m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", name)
     if m:
@@ -312,6 +333,8 @@ def load_model(
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     passthrough = Passthrough()
+    copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
+    sources: dict[str, Path] = {}
     for file in files:
         f = MappedSafetensors(file)
         for name in f.keys():
@@ -323,7 +346,9 @@ def load_model(
             except KeyError:
                 raise CheckpointError(f"{file.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
             if local is None:
+                copies[name] = file
                 continue
+            sources[name] = file
             if local not in expected:
                 raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
             shape, want = f.shape(name), shapes[local]
@@ -341,6 +366,8 @@ def load_model(
                 state[local], state[f"{local}_scale"] = quantize_weight(tensor.to(device), quantize)
                 continue
             state[local] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+    if config.extra.get("tie_word_embeddings", True) is False or not config.text.tie_word_embeddings:
+        check_untied_copies(copies, sources)
     if passthrough.tensors:
         warnings.warn(
             f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "

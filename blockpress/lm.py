@@ -239,11 +239,14 @@ class LM:
         return SamplerConfig.from_generation_config(self.generation_config)
 
     def _eos_ids(self) -> list[int]:
-        ids = list(self.config.text.eos_token_ids)
+        """The ids that end a row. generation_config.json's `eos_token_id`, when it names any, is the whole set,
+        as in the reference; a checkpoint without one (save_pretrained writes none) stops on the model's and the
+        tokenizer's EOS ids instead of running every row to max_new_tokens."""
         raw = self.generation_config.get("eos_token_id")
-        for extra in (raw if isinstance(raw, list) else [raw] if raw is not None else []):
-            if extra not in ids:
-                ids.append(extra)
+        listed = raw if isinstance(raw, list) else [raw] if raw is not None else []
+        if listed:
+            return list(dict.fromkeys(listed))
+        ids = list(self.config.text.eos_token_ids)
         if self.tokenizer is not None:
             ids += [i for i in self.tokenizer.eos_ids if i not in ids]
         return ids
@@ -481,7 +484,13 @@ class LM:
         gen.setdefault("bos_token_id", text.bos_token_id)
         gen.setdefault("eos_token_id", text.eos_token_id)
         gen.setdefault("pad_token_id", text.pad_token_id)
-        (path / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        reference, own = split_generation_config(gen)
+        (path / "generation_config.json").write_text(json.dumps(reference, indent=2, sort_keys=True) + "\n")
+        own_file = path / BLOCKPRESS_GENERATION_FILE
+        if own:
+            own_file.write_text(json.dumps(own, indent=2, sort_keys=True) + "\n")
+        elif own_file.exists():  # left from an earlier save into this folder; it would override the settings
+            own_file.unlink()
         if self.tokenizer is not None:
             self.tokenizer.save(path)
 
@@ -489,17 +498,48 @@ class LM:
         return f"LM({self.config.describe()}, dtype={self.dtype}, device={self.device})"
 
 
-def _read_generation_config(path: Path) -> dict[str, Any]:
-    file = path / "generation_config.json"
-    if not file.exists():
-        return {}
+# The keys the reference's generation config takes; it refuses any other ("Unexpected kwargs"), so blockpress's
+# own settings (sampler, penalties, noise token, ...) live beside it in BLOCKPRESS_GENERATION_FILE.
+REFERENCE_GENERATION_KEYS = frozenset({
+    "max_new_tokens", "max_length", "return_dict_in_generate", "max_denoising_steps", "sampler_config", "t_min",
+    "t_max", "stability_threshold", "confidence_threshold", "cache_implementation", "cache_config",
+    "disable_compile", "bos_token_id", "pad_token_id", "eos_token_id", "_commit_hash", "_from_model_config",
+    "transformers_version",
+})
+BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
+
+
+def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what generation_config.json may hold, blockpress's own keys). A top-level `entropy_bound` (a blockpress
+    spelling) becomes the reference's `sampler_config`, unless one is already there."""
+    reference = {k: v for k, v in gen.items() if k in REFERENCE_GENERATION_KEYS}
+    own = {k: v for k, v in gen.items() if k not in REFERENCE_GENERATION_KEYS}
+    if "entropy_bound" in own and "sampler_config" not in reference:
+        reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": own.pop("entropy_bound")}
+    return reference, own
+
+
+def _read_json_object(file: Path) -> dict[str, Any]:
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file}: not valid JSON ({exc})") from None
-    # Checked now, naming the file: a wrong type would otherwise fail at the first generate, deep in the sampler.
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _read_generation_config(path: Path) -> dict[str, Any]:
+    """generation_config.json with blockpress's own settings (BLOCKPRESS_GENERATION_FILE) over it. Folders saved
+    before the split hold those in generation_config.json itself; they read the same."""
+    files = [f for f in (path / "generation_config.json", path / BLOCKPRESS_GENERATION_FILE) if f.exists()]
+    if not files:
+        return {}
+    raw: dict[str, Any] = {}
+    for f in files:
+        raw.update(_read_json_object(f))
+    file = " + ".join(str(f) for f in files)
+    # Checked now, naming the file: a wrong type would otherwise fail at the first generate, deep in the sampler.
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         value = raw.get(key)
         ids = value if isinstance(value, list) else [value]

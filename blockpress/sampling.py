@@ -98,7 +98,8 @@ class SamplerConfig:
         need(isinstance(self.keep_accepted, bool), "keep_accepted", f"expected a bool, got {self.keep_accepted!r}")
         need(isinstance(self.self_conditioning, bool), "self_conditioning",
              f"expected a bool, got {self.self_conditioning!r}")
-        need(self.t_min > 0, "t_min", f"expected > 0, got {self.t_min}")
+        # 0 is allowed, as in the reference: the schedule's last step is still t_max / N (see `temperature`).
+        need(self.t_min >= 0, "t_min", f"expected >= 0, got {self.t_min}")
         need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
         need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
              f"expected an integer >= 0, got {self.stability_threshold!r}")
@@ -121,7 +122,7 @@ class SamplerConfig:
 
     def to_generation_config(self) -> dict[str, Any]:
         """The reference's generation_config layout, plus blockpress's own keys where they differ from the
-        defaults (the reference ignores keys it does not know)."""
+        defaults (`LM.save` writes those to a file of their own: the reference refuses keys it does not know)."""
         default = SamplerConfig()
         ours = ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates", "keep_accepted",
                 "self_conditioning", "presence_penalty", "frequency_penalty")
@@ -163,15 +164,16 @@ def temperature(cfg: SamplerConfig, step: int) -> float:
 def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities, entropy in nats) of softmax(logits), float32, from one exponential.
 
-    Written out (shift, exp, normalise, entropy = log Z - E_p[shifted logit]) because on CPU
-    log_softmax followed by exp costs ~3x as much, and the shift keeps the difference exact for peaked
-    rows. Banned tokens (-inf logits) are clamped to a finite floor: probability 0, entropy term 0, no NaN.
+    The probabilities are torch.softmax's, bit for bit what the reference feeds back for self-conditioning: a
+    hand-written softmax differs in the last bit, and over a canvas of steps that feedback grows it into other
+    tokens. The entropy reuses them: the top token's shifted logit is 0, so log Z = -log(max p), and
+    H = log Z - E_p[shifted logit] (log_softmax then exp would cost ~3x on CPU). Banned tokens (-inf logits) are
+    clamped to a finite floor: probability 0, entropy term 0, no NaN.
     """
-    shifted = (logits.float() - logits.amax(dim=-1, keepdim=True).float()).clamp_(min=-1e30)
-    probs = torch.exp(shifted)
-    z = probs.sum(dim=-1, keepdim=True)
-    probs.div_(z)
-    return probs, z.squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
+    lf = logits.float()
+    probs = torch.softmax(lf, dim=-1)
+    shifted = (lf - lf.amax(dim=-1, keepdim=True)).clamp_(min=-1e30)
+    return probs, -probs.amax(dim=-1).log() - torch.linalg.vecdot(probs, shifted)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

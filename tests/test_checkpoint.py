@@ -402,3 +402,96 @@ def test_half_precision_loads_as_float32_where_the_cpu_only_emulates_it(ref_chec
     # The same values either way: only the arithmetic's precision changes.
     assert all(torch.equal(p.float(), q.float()) for p, q in zip(lm.model.parameters(), lm16.model.parameters()))
     assert load_quiet(tmp_path / "m", dtype="bfloat16").dtype == torch.bfloat16  # an explicit dtype wins
+
+
+def _untied_reference(path, same_weights: bool):
+    """A reference checkpoint saved with tie_word_embeddings=false: its encoder and LM head are stored apart."""
+    from reference import TINY_TEXT, TINY_VISION
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(0)
+    cfg = DiffusionGemmaConfig(text_config=dict(TINY_TEXT), vision_config=dict(TINY_VISION), canvas_length=8,
+                               tie_word_embeddings=False)
+    ref = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.2)
+        if same_weights:  # the copies hold the decoder's values
+            decoder = dict(ref.model.decoder.named_parameters())
+            for name, p in ref.model.encoder.language_model.named_parameters():
+                p.copy_(decoder[name])
+            ref.lm_head.weight.copy_(ref.model.decoder.embed_tokens.weight)
+    ref.save_pretrained(path)
+    names = load_file(path / "model.safetensors").keys()
+    assert "lm_head.weight" in names and any(n.startswith("model.encoder.language_model.layers") for n in names)
+    return ref
+
+
+def test_untied_checkpoint_with_weights_of_its_own_is_refused(tmp_path):
+    _untied_reference(tmp_path, same_weights=False)
+    with pytest.raises(Exception, match="tie_word_embeddings is false and .* differs from"):
+        load_quiet(tmp_path)
+
+
+def test_untied_checkpoint_whose_copies_equal_the_decoder_loads_exactly(tmp_path):
+    ref = _untied_reference(tmp_path, same_weights=True)
+    g = torch.Generator().manual_seed(1)
+    prompt, canvas = torch.randint(0, 96, (2, 9), generator=g), torch.randint(0, 96, (2, 8), generator=g)
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas).logits
+    assert (load_quiet(tmp_path).logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("listed, want", [([7, 3], [7, 3]), (None, [1])])
+def test_eos_ids_are_generation_configs_when_it_names_them(tmp_path, listed, want):
+    """As in the reference, generation_config.json's eos_token_id is the whole set; without one, the model's."""
+    lm = blockpress.random_model(ModelConfig.preset("tiny"), seed=0)
+    lm.save(tmp_path)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.pop("eos_token_id", None)
+    if listed is not None:
+        gen["eos_token_id"] = listed
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    assert load_quiet(tmp_path)._eos_ids() == want
+
+
+@pytest.mark.parametrize("name", blockpress.shipped_models())
+def test_shipped_generation_configs_load_in_the_reference(name):
+    """The reference's generation config refuses keys it does not know; blockpress's own live beside it."""
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    lm = load_quiet(name)
+    ref = gen.DiffusionGemmaGenerationConfig.from_pretrained(lm.path)
+    defaults = lm.sampler_defaults
+    assert ref.max_denoising_steps == defaults.max_denoising_steps
+    assert (ref.t_min, ref.t_max) in ((None, None), (defaults.t_min, defaults.t_max))
+    assert ref.sampler_config is None or ref.sampler_config.entropy_bound == defaults.entropy_bound
+
+
+def test_saved_sampler_settings_split_between_the_two_files(tmp_path):
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    lm = blockpress.random_model(ModelConfig.preset("tiny"), seed=0)
+    settings = dict(sampler="greedy", entropy_bound=0.03, keep_accepted=True, frequency_penalty=0.5,
+                    noise_token_id=5, t_min=0.2, t_max=0.6, max_denoising_steps=12)
+    lm.generation_config.update(settings)
+    lm.save(tmp_path / "a")
+    ref = gen.DiffusionGemmaGenerationConfig.from_pretrained(tmp_path / "a")  # raised "Unexpected kwargs" before
+    assert (ref.sampler_config.entropy_bound, ref.t_min, ref.t_max, ref.max_denoising_steps) == (0.03, 0.2, 0.6, 12)
+    own = json.loads((tmp_path / "a" / "blockpress_generation_config.json").read_text())
+    assert own == {k: settings[k] for k in ("sampler", "keep_accepted", "frequency_penalty", "noise_token_id")}
+    again = load_quiet(tmp_path / "a")
+    assert again.sampler_defaults == lm.sampler_defaults
+    # Saving settings the reference knows alone leaves no stale file of blockpress's own behind.
+    again.generation_config = {k: v for k, v in again.generation_config.items() if k not in own}
+    again.save(tmp_path / "a")
+    assert not (tmp_path / "a" / "blockpress_generation_config.json").exists()
+    assert load_quiet(tmp_path / "a").sampler_defaults.sampler == "entropy_bound"
+
+
+def test_generation_config_written_before_the_split_reads_the_same(tmp_path):
+    lm = blockpress.random_model(ModelConfig.preset("tiny"), seed=0)
+    lm.save(tmp_path)
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.update(sampler="topk", rank_by="margin", entropy_bound=0.07)  # blockpress's keys, one file, as saved before
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    defaults = load_quiet(tmp_path).sampler_defaults
+    assert (defaults.sampler, defaults.rank_by, defaults.entropy_bound) == ("topk", "margin", 0.07)

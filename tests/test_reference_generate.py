@@ -1,0 +1,102 @@
+"""Whole generations against the reference's own `generate` (the oracle), float32.
+
+The reference draws its randomness from torch's global generator; blockpress from counter-based hashes of
+(seed, canvas, step). To compare the two decoding loops, the reference's three random calls (the starting canvas,
+the re-noising of rejected positions, the multinomial draw) are routed to blockpress's draws for the same
+canvas and step; everything else (temperature schedule, acceptance, self-conditioning, adaptive stopping,
+committing, padding after EOS) is the reference's own code.
+
+One thread, low temperatures: self-conditioning feeds each step's softmax into the next pass, so two correct
+implementations whose GEMMs round differently (multi-threaded, differently shaped) drift apart by ~2x a step
+(5e-6 to 7e-3 over ten steps at two threads on this tiny random model) and a draw near a CDF boundary can
+then flip. On one thread the two passes agree to the bit or nearly, and peaked distributions keep draws off the
+boundaries, so the tokens must be equal.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.sampling import hashed_tokens, hashed_uniforms, sample
+
+G = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from reference import make_reference
+
+    path = tmp_path_factory.mktemp("refgen")
+    ref = make_reference(path, seed=5, sliding_window=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ref, blockpress.load(path)
+
+
+def reference_generate(monkeypatch, ref, prompt: torch.Tensor, seed: int, steps: int, **kwargs) -> torch.Tensor:
+    """The reference's generate, drawing blockpress's random numbers; returns its new tokens."""
+    seeds = torch.full((prompt.shape[0],), seed, dtype=torch.long)
+    at = {"canvas": -1, "step": steps + 1}  # blockpress numbers the starting canvas's draw as step N + 1
+    prepare = G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs
+    schedule = G.LinearTemperatureScheduleLogitsProcessor.__call__
+
+    def new_canvas(*args, **kw):
+        at["canvas"] += 1
+        at["step"] = steps + 1
+        return prepare(*args, **kw)
+
+    def scheduled(self, input_ids, scores, cur_step):
+        at["step"] = int(cur_step)
+        return schedule(self, input_ids, scores, cur_step)
+
+    def noise(self, batch_size, device):
+        return hashed_tokens(seeds[:batch_size], at["canvas"], at["step"], self.canvas_length, self.vocab_size)
+
+    def multinomial(probs, num_samples=1, **kw):
+        uniforms = hashed_uniforms(seeds, at["canvas"], at["step"], probs.shape[0] // len(seeds))
+        return sample(probs, uniforms.reshape(-1))[:, None]
+
+    monkeypatch.setattr(G.DiffusionGemmaGenerationMixin, "_prepare_denoiser_inputs", new_canvas)
+    monkeypatch.setattr(G.LinearTemperatureScheduleLogitsProcessor, "__call__", scheduled)
+    monkeypatch.setattr(G.EntropyBoundSampler, "initialize_canvas", noise)
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    with torch.no_grad():
+        out = ref.generate(prompt, max_denoising_steps=steps, eos_token_id=1, pad_token_id=0, **kwargs)
+    monkeypatch.undo()
+    return out.sequences[:, prompt.shape[1]:]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fixed_steps_match_reference_token_for_token(monkeypatch, models, seed):
+    ref, lm = models
+    prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(seed))
+    want = reference_generate(monkeypatch, ref, prompt, seed, 6, max_new_tokens=16, t_max=0.8, t_min=0.4,
+                              sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1),
+                              stability_threshold=None, confidence_threshold=None)
+    got = lm.generate(prompt, max_new_tokens=16, max_denoising_steps=6, seed=seed, entropy_bound=0.1, t_max=0.8,
+                      t_min=0.4, adaptive_stopping=False)
+    assert torch.equal(got.new_tokens, want)
+
+
+@pytest.mark.parametrize("stability, threshold, seed", [(1, 2.0, 3), (2, 4.0, 2), (1, 4.0, 1)])
+def test_adaptive_stopping_matches_reference_over_canvases(monkeypatch, models, stability, threshold, seed):
+    ref, lm = models
+    prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(seed))
+    want = reference_generate(monkeypatch, ref, prompt, seed, 10, max_new_tokens=16, t_max=0.1, t_min=0.05,
+                              sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1),
+                              stability_threshold=stability, confidence_threshold=threshold)
+    got = lm.generate(prompt, max_new_tokens=16, max_denoising_steps=10, seed=seed, entropy_bound=0.1, t_max=0.1,
+                      t_min=0.05, stability_threshold=stability, confidence_threshold=threshold)
+    assert torch.equal(got.new_tokens, want)
+    if threshold < 4.0:
+        assert int((got.steps_per_canvas < 10).sum()) >= 3  # most canvases stopped early: the rule did act
