@@ -291,27 +291,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, init_distributed
 
     init_distributed()
-    raw: dict[str, Any] = {}
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out}: a file, not a folder")
+    if args.resume and not (out / "trainer_state.pt").is_file():
+        raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
+    if not args.resume and any((out / name).exists() for name in ("trainer_state.pt", "metrics.jsonl")):
+        raise ValueError(f"--out {args.out}: already holds a training run (metrics.jsonl, trainer_state.pt); continue "
+                         "it with --resume, or give another folder")
+    # A resumed run keeps its own settings; --train-config and flags given now override them.
+    raw: dict[str, Any] = resumed_train_config(out) if args.resume else {}
+    saved = dict(raw)
     if args.train_config:
         try:
-            raw = json.loads(Path(args.train_config).read_text())
+            raw.update(json.loads(Path(args.train_config).read_text()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"--train-config {args.train_config}: {exc}") from None
     for f in fields(TrainConfig):
         value = getattr(args, f.name)
         if value is not None:
             raw[f.name] = value
+    changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v}
+    if changed:
+        print("--resume: the run's saved settings, except " +
+              ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), file=sys.stderr)
     cfg = TrainConfig.from_dict(raw)
     if args.resume and args.model is None and args.config is None:
+        if not (out / "config.json").is_file():  # a LoRA run saves only its adapters until the end
+            raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, not a checkpoint; give its base "
+                             "model again with --model")
         args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
-    if args.resume and not (Path(args.out) / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
     if args.model and args.tokenizer:
         raise ValueError("--tokenizer: only for a fresh model (--config); a checkpoint given by --model brings its own")
     if args.model:
-        lm = load_model(args.model, args.dtype, args.device)
+        # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
+        # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
+        # adapters, so its frozen base may stay in its own dtype.
+        lm = load_model(args.model, args.dtype or (None if cfg.lora_rank else "float32"), args.device)
+        if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
+            # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
+            cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
     else:
         mcfg = (blockpress.ModelConfig.from_file(args.config) if args.config.endswith(".json")
                 else blockpress.ModelConfig.preset(args.config))
@@ -334,6 +355,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                               context=(lm.config.canvas_length, lm.config.text.max_position_embeddings,
                                        cfg.max_canvases or None))
         train, held = split_heldout(examples, args.heldout)
+        if args.heldout > 0 and not held:
+            print(f"--heldout {args.heldout}: holds out none of {len(examples)} examples; no held-out loss",
+                  file=sys.stderr)
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:
@@ -343,12 +367,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet)
     if args.resume:
         trainer.resume()
+    if cfg.warmup_steps > cfg.steps:
+        print(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never reaches "
+              f"--lr {cfg.lr}", file=sys.stderr)
     result = trainer.train()
     if not args.quiet:
-        print(json.dumps({"out": args.out, "steps": result.steps, "first_loss": result.losses[0],
-                          "last_loss": result.losses[-1], "eval_losses": result.eval_losses,
+        losses = result.losses or [None]
+        print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
+                          "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,
                           "tokens_per_second": round(result.tokens_per_second, 1)}))
+    if result.stopped == "interrupted":
+        print(f"interrupted at step {result.steps}: saved in {args.out}; continue with --resume", file=sys.stderr)
+        return 130
     return 0
+
+
+def resumed_train_config(out: Path) -> dict[str, Any]:
+    """The settings the run in `out` was started with (train_config.json; older runs: trainer_state.pt)."""
+    from dataclasses import fields
+
+    import torch
+
+    from blockpress.train import TRAIN_CONFIG_FILE, TrainConfig
+
+    file = out / TRAIN_CONFIG_FILE
+    if file.is_file():
+        saved = json.loads(file.read_text())
+    else:
+        saved = torch.load(out / "trainer_state.pt", map_location="cpu", weights_only=False).get("config", {})
+    known = {f.name for f in fields(TrainConfig)}
+    return {k: v for k, v in saved.items() if k in known}
 
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
@@ -508,11 +556,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-data", default=None, help="shards: glob of held-out token shards")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="weights dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="weights dtype while training, and of the saved checkpoint (default: float32, since AdamW "
+                        "on bf16 weights rounds small updates away; with --lora-rank, the model's own)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
-                   "step); --steps sets the new end of the cosine schedule")
+                   "step) with its saved settings; flags given now override them (--steps: the new end of the "
+                   "cosine schedule)")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 

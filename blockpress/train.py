@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,6 +38,8 @@ from .checkpoint import cpu_computes_natively
 from .data import Batch, Example, TokenShards, make_batch
 from .lm import LM
 from .sampling import is_finite_number
+
+TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
@@ -57,7 +62,7 @@ class TrainConfig:
     diffusion_weight: float = 1.0  # weight of the diffusion loss (0: train an autoregressive baseline only)
     self_conditioning_prob: float = 0.5  # fraction of examples trained with self-conditioning
     t_eps: float = 1e-3  # t ~ U(t_eps, 1 - t_eps)
-    noise_token_id: int = -1  # -1: corrupt to uniform random tokens (published recipe); else to this one token (absorbing noise)
+    noise_token_id: int = -1  # -1: corrupt to uniform random tokens (published recipe); else to this one token (absorbing noise); `blockpress train --model` defaults to the model's own
     reweight: bool = False  # weight each example's diffusion loss by 1 / (1 - t)
     max_canvases: int = 0  # keep at most this many canvases of a response (0: all)
     eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
@@ -288,6 +293,7 @@ class TrainResult:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_second: float = 0.0
     compile_error: str | None = None  # set when cfg.compile was on and the run fell back to eager
+    stopped: str | None = None  # why the run ended before cfg.steps: "max_minutes" or "interrupted" (Ctrl-C)
 
 
 def _world() -> tuple[int, int]:
@@ -323,6 +329,12 @@ class Trainer:
         text = lm.config.text
         if cfg.noise_token_id >= text.vocab_size:
             raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
+        trained_on = lm.generation_config.get("noise_token_id")
+        if trained_on is not None and trained_on != cfg.noise_token_id:  # fine-tuning an absorbing-noise model
+            warnings.warn(f"noise_token_id: the model decodes with noise_token_id {trained_on} and this run corrupts "
+                          f"with {cfg.noise_token_id} ({'uniform noise' if cfg.noise_token_id < 0 else 'that token'}); "
+                          "the saved model will decode with the run's. To continue the model's own recipe, set "
+                          f"noise_token_id={trained_on}", stacklevel=2)
         # The saved model must decode with the noise it was trained on.
         if cfg.noise_token_id >= 0:
             lm.generation_config["noise_token_id"] = cfg.noise_token_id
@@ -463,6 +475,8 @@ class Trainer:
         else:  # LoRA, mid-run: the adapters live in trainer_state.pt next to the base weights
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
         torch.save(state, self.out / "trainer_state.pt")
+        # The settings again as JSON: `--resume` reads them without loading the optimizer state.
+        (self.out / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
 
     def resume(self) -> None:
         """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""
@@ -495,6 +509,16 @@ class Trainer:
         if self.step >= self.cfg.steps:
             raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "
                              f"{self.cfg.steps}; give a larger --steps to train on")
+        self._forget_metrics_after(self.step)
+
+    def _forget_metrics_after(self, step: int) -> None:
+        """Drop metrics.jsonl rows past the checkpoint being resumed: those steps run again and log again."""
+        path = self.out / "metrics.jsonl"
+        if self.rank != 0 or not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in kept))
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -511,11 +535,16 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         t0, seen = time.perf_counter(), 0
         prefetched = self._prefetch() if cfg.data_workers else None
+        interrupt = _StopOnInterrupt()
         try:
             while self.step < cfg.steps:
                 spent = (time.perf_counter() - t0) / 60 / cfg.max_minutes if cfg.max_minutes else 0.0
                 if spent > 1:
-                    break  # the time budget is spent: save what we have
+                    result.stopped = "max_minutes"  # the time budget is spent: save what we have
+                    break
+                if interrupt.requested:
+                    result.stopped = "interrupted"
+                    break
                 row = self.train_step(next(prefetched) if prefetched else None,
                                       spent if cfg.time_schedule else 0.0)
                 seen += row["tokens"]
@@ -538,16 +567,20 @@ class Trainer:
                     self.on_step(self.step, row["loss"])
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
-            if self.step < cfg.steps:  # stopped by the time budget: evaluate where we are
-                row = {"step": self.step, "stopped": "max_minutes"}
+            if result.stopped == "max_minutes":  # the run ends here: evaluate where it got to
+                row = {"step": self.step, "stopped": result.stopped}
                 if self.heldout is not None:
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
+            elif result.stopped == "interrupted" and metrics:
+                metrics.write(json.dumps({"step": self.step, "stopped": result.stopped}) + "\n")
             result.steps = self.step
-            self.save(final=True)
+            # An interrupted run is saved to be resumed (a LoRA run keeps its adapters apart, unmerged).
+            self.save(final=result.stopped != "interrupted")
         finally:
+            interrupt.restore()
             if bar:
                 bar.close()
             if metrics:
@@ -555,6 +588,29 @@ class Trainer:
         result.tokens_per_second = seen / max(time.perf_counter() - t0, 1e-9)
         self.lm.model.eval()
         return result
+
+
+class _StopOnInterrupt:
+    """The first Ctrl-C asks the loop to stop after the step it is in (the run is then saved, resumable); a second
+    one interrupts at once. Only the main thread can take signals; elsewhere Ctrl-C keeps its usual effect."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupted: finishing this step and saving (Ctrl-C again to stop at once, unsaved)",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
 
 
 def init_distributed() -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import blockpress
 from blockpress.cli import main
@@ -71,7 +72,8 @@ def test_resume_mismatches_are_clear_errors(tmp_path, capsys):
     capsys.readouterr()
     for out, extra, message in ((tmp_path / "full", [], "already at step 3 of --steps 3"),
                                 (tmp_path / "full", ["--lora-rank", "2"], "trained all weights (no --lora-rank)"),
-                                (tmp_path / "lora", [], "trained LoRA adapters of rank 2 (give --lora-rank 2)"),
+                                (tmp_path / "lora", ["--lora-rank", "0"], "trained LoRA adapters of rank 2 (give --lora-rank 2)"),
+                                (tmp_path / "lora", [], "finished and merged its adapters"),  # its saved rank, 2
                                 (tmp_path / "lora", ["--lora-rank", "2"], "finished and merged its adapters")):
         assert resume(out, *extra) == 2
         err = capsys.readouterr().err
@@ -105,6 +107,94 @@ def test_bad_data_lines_name_the_line(tmp_path, capsys, line, message):
     data.write_text(json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n" + line + "\n")
     assert main(train_args(data, tmp_path / "out")) == 2
     assert message in capsys.readouterr().err
+
+
+def test_resume_keeps_the_runs_own_settings(tmp_path, capsys):
+    """--resume used to train on with the defaults of every setting not given again (uniform noise, another lr)."""
+    data = write_data(tmp_path / "d.jsonl")
+    recipe = ["--lr", "1e-3", "--noise-token-id", "3", "--seed", "7"]
+    assert main(train_args(data, tmp_path / "whole", steps=4) + recipe) == 0
+    assert main(train_args(data, tmp_path / "split", steps=2) + recipe) == 0
+    assert main([a for a in train_args(data, tmp_path / "split", steps=4) if a not in ("--config", "tiny")]
+                + ["--resume"]) == 0
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
+    saved = json.loads((tmp_path / "split" / "train_config.json").read_text())
+    assert (saved["lr"], saved["noise_token_id"], saved["seed"], saved["steps"]) == (1e-3, 3, 7, 4)
+    assert "steps 2 -> 4" in capsys.readouterr().err  # flags given again override, and say so
+
+
+def test_resume_drops_metrics_rows_past_the_checkpoint(tmp_path):
+    data = write_data(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    assert main(train_args(data, out, steps=2)) == 0
+    with (out / "metrics.jsonl").open("a") as f:  # steps logged after the last save, then a crash
+        f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n")
+    assert main([a for a in train_args(data, out, steps=4) if a not in ("--config", "tiny")] + ["--resume"]) == 0
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4] and 9.0 not in losses(out)
+
+
+def test_an_earlier_run_in_out_is_not_overwritten(tmp_path, capsys):
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "out")) == 0
+    before = (tmp_path / "out" / "metrics.jsonl").read_text()
+    assert main(train_args(data, tmp_path / "out")) == 2
+    assert "already holds a training run" in capsys.readouterr().err
+    assert (tmp_path / "out" / "metrics.jsonl").read_text() == before
+
+
+def test_a_lora_run_cut_short_names_its_base_on_resume(tmp_path, capsys):
+    pytest.importorskip("peft")
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "lora", steps=2) + ["--lora-rank", "2", "--save-every", "1"]) == 0
+    mid = tmp_path / "mid"  # what a LoRA run holds before its end: adapters in trainer_state.pt, no checkpoint
+    mid.mkdir()
+    for name in ("trainer_state.pt", "train_config.json", "metrics.jsonl"):
+        shutil.copy(tmp_path / "lora" / name, mid / name)
+    capsys.readouterr()
+    assert main([a for a in train_args(data, mid, steps=3) if a not in ("--config", "tiny")] + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA run's adapters" in err and "--model" in err
+
+
+def test_fine_tuning_keeps_the_models_noise_and_trains_in_float32(tmp_path):
+    """The shipped code model decodes with absorbing noise; fine-tuning it with the default (uniform) noise
+    ruined it. And AdamW on its bf16 weights dropped small updates."""
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "base", steps=1) + ["--noise-token-id", "3", "--dtype", "bfloat16"]) == 0
+    assert blockpress.load(tmp_path / "base").dtype == torch.bfloat16
+    args = [a for a in train_args(data, tmp_path / "tuned", steps=1) if a not in ("--config", "tiny")]
+    assert main(args + ["--model", str(tmp_path / "base")]) == 0
+    tuned = blockpress.load(tmp_path / "tuned")
+    assert tuned.sampler_defaults.noise_token_id == 3 and tuned.dtype == torch.float32
+    assert json.loads((tmp_path / "tuned" / "train_config.json").read_text())["noise_token_id"] == 3
+    args = [a for a in train_args(data, tmp_path / "uniform", steps=1) if a not in ("--config", "tiny")]
+    with pytest.warns(UserWarning, match="decodes with noise_token_id 3"):  # asked for: allowed, and said
+        assert main(args + ["--model", str(tmp_path / "base"), "--noise-token-id", "-1"]) == 0
+    assert blockpress.load(tmp_path / "uniform").sampler_defaults.noise_token_id is None
+
+
+def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path):
+    import signal
+
+    from blockpress.train import ExampleSource, TrainConfig, Trainer
+
+    examples = [blockpress.data.Example([2, 5 + i, 6], [10 + i] * (3 + i % 5)) for i in range(8)]
+    cfg = TrainConfig(steps=4, batch_size=4, log_every=1, warmup_steps=1)
+
+    def trainer(out, on_step=None):
+        lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
+        return Trainer(lm, ExampleSource(examples, 0), cfg, tmp_path / out, progress=False, on_step=on_step)
+
+    whole = trainer("whole").train()
+    ctrl_c = lambda step, loss: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None  # noqa: E731
+    cut = trainer("cut", ctrl_c).train()
+    assert (cut.stopped, cut.steps) == ("interrupted", 2)
+    assert (tmp_path / "cut" / "trainer_state.pt").is_file() and (tmp_path / "cut" / "model.safetensors").is_file()
+    again = trainer("cut")
+    again.resume()
+    rest = again.train()
+    assert cut.losses + rest.losses == pytest.approx(whole.losses, rel=1e-5)
 
 
 def test_bad_train_flags(tmp_path, capsys):
