@@ -7,6 +7,7 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -194,13 +195,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
-    print("blockpress chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    print("blockpress chat — /exit or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
             user = input("you> ")
         except EOFError:
             break
-        if not user.strip():
+        if not user.strip():  # skipped, not an end: piped conversations have blank lines between messages
+            continue
+        if user.strip() in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": user})
         try:
@@ -242,7 +245,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         weights_bytes=weights,
         canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
-        tokenizer=lm.tokenizer is not None, generation_defaults=lm.sampler_defaults.to_generation_config(),
+        tokenizer=lm.tokenizer is not None, generation_defaults=asdict(lm.sampler_defaults),
     )
     if args.json:
         print(json.dumps(info, indent=2))

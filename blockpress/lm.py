@@ -57,6 +57,8 @@ def resolve_path(path_or_name: str | Path) -> Path:
     path = Path(path_or_name).expanduser()
     if path.is_dir():
         return path
+    if path.is_file():  # config.json or model.safetensors given instead of the folder that holds them
+        raise ValueError(f"model {str(path_or_name)!r}: a file; give the checkpoint folder that holds it ({path.parent})")
     if isinstance(path_or_name, str) and (MODELS_DIR / path_or_name).is_dir():
         return MODELS_DIR / path_or_name
     repo_id, _, revision = str(path_or_name).partition("@")
@@ -115,7 +117,9 @@ def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
 def check_seed(seed: Any, name: str) -> Any:
     """A seed is None or an integer in [0, 2**63): the per-row seeds live in an int64 tensor."""
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
-        raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}")
+        hint = (" (one seed per row: seeds=[...]; rows of one prompt with one seed are the same sample)"
+                if isinstance(seed, (list, tuple)) else "")
+        raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}{hint}")
     return seed
 
 

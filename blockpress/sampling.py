@@ -100,6 +100,7 @@ class SamplerConfig:
              f"expected a bool, got {self.self_conditioning!r}")
         # 0 is allowed, as in the reference: the schedule's last step is still t_max / N (see `temperature`).
         need(self.t_min >= 0, "t_min", f"expected >= 0, got {self.t_min}")
+        need(self.t_max >= 0, "t_max", f"expected >= 0, got {self.t_max}")
         need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
         need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
              f"expected an integer >= 0, got {self.stability_threshold!r}")

@@ -133,7 +133,7 @@ def test_chat_reuses_cache(monkeypatch, capsys):
         return original(self, prompt, *a, **kw)
 
     monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
-    lines = iter(["hello there", "and again", ""])
+    lines = iter(["hello there", "", "and again", "/exit"])  # a blank line is skipped, not the end
     monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
     assert len(seen) == 2
@@ -148,7 +148,7 @@ def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
     from blockpress.cli import load_model
 
     too_long = "x " * load_model(MODEL, None, "cpu").config.text.max_position_embeddings
-    lines = iter(["hello there", too_long, "and again", ""])
+    lines = iter(["hello there", too_long, "and again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
     captured = capsys.readouterr()

@@ -872,3 +872,16 @@ def test_greedy_without_a_seed_gives_the_same_answer_every_time(lm):
     assert torch.equal(a.sequences, b.sequences)
     assert torch.equal(a.sequences, lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, sampler="greedy",
                                                 seed=0).sequences)
+
+
+def test_small_argument_mistakes_say_what_to_do(lm, tmp_path):
+    with pytest.raises(ValueError, match=r"seed: .*seeds=\[\.\.\.\]"):  # a list given as `seed`
+        lm.generate([[2, 5, 6]] * 2, max_new_tokens=4, seed=[1, 2])
+    with pytest.raises(ValueError, match="t_max: expected >= 0, got -1"):  # not "must be >= t_min"
+        lm.generate([[2, 5, 6]], max_new_tokens=4, t_max=-1.0)
+    lm.save(tmp_path)
+    with pytest.raises(ValueError, match="a file; give the checkpoint folder"):
+        blockpress.load(tmp_path / "config.json")
+    # t_min 0 is the reference's too: the schedule's last step is still t_max / N
+    out = lm.generate([[2, 5, 6]], max_new_tokens=4, max_denoising_steps=4, t_min=0.0, t_max=0.5, seed=0)
+    assert out.num_new_tokens[0] > 0
