@@ -99,6 +99,10 @@ class TextConfig:
         if self.layer_types is None:
             self.layer_types = _default_layer_types(self.num_hidden_layers)
         self.layer_types = list(self.layer_types)
+        if self.layer_types and self.layer_types[-1] == SLIDING:
+            # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
+            warnings.warn("text_config.layer_types: the last layer must be full attention; forcing it", stacklevel=3)
+            self.layer_types[-1] = FULL
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
@@ -155,7 +159,8 @@ class TextConfig:
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
                  f"expected a positive integer, got {value!r}")
-        need(isinstance(self.max_position_embeddings, int) and self.max_position_embeddings > 0,
+        need(isinstance(self.max_position_embeddings, int) and not isinstance(self.max_position_embeddings, bool)
+             and self.max_position_embeddings > 0,
              "max_position_embeddings", f"expected a positive integer, got {self.max_position_embeddings!r}")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
@@ -171,7 +176,7 @@ class TextConfig:
              f"expected a number >= 0, got {self.initializer_range!r}")
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             value = getattr(self, name)
-            need(isinstance(value, int) and value > 0, name,
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
                  f"expected a positive integer (DiffusionGemma layers always have experts), got {value!r}")
         need(self.top_k_experts <= self.num_experts, "top_k_experts",
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
@@ -180,7 +185,8 @@ class TextConfig:
         need(not self.attention_bias, "attention_bias", "attention biases are not supported (expected false)")
         need(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
              f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)")
-        need(isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0, "rms_norm_eps",
+        need(isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
+             and self.rms_norm_eps > 0, "rms_norm_eps",
              f"expected a positive number, got {self.rms_norm_eps!r}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
@@ -202,6 +208,11 @@ class TextConfig:
             need(spec.num_kv_heads > 0 and self.num_attention_heads % spec.num_kv_heads == 0,
                  f"per_layer_config[{i}].num_key_value_heads",
                  f"{spec.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}")
+        for kind in sorted(set(self.layer_types)):
+            # One rotary table serves each kind of layer (the reference also refuses mixed sizes within a kind).
+            dims = sorted({spec.head_dim for spec in self.layers if spec.kind == kind})
+            need(len(dims) == 1, "per_layer_config", f"the {kind} layers have head_dim {dims}; layers of one kind "
+                 "must share one head_dim")
         for kind in set(self.layer_types):
             need(kind in self.rope_parameters, "rope_parameters", f"missing an entry for {kind!r}")
             rope = self.rope_parameters[kind]
@@ -210,7 +221,8 @@ class TextConfig:
             need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_parameters.{kind}.rope_type",
                  f"{rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
             theta = rope.get("rope_theta")
-            need(isinstance(theta, (int, float)) and theta > 0, f"rope_parameters.{kind}.rope_theta",
+            need(isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0,
+                 f"rope_parameters.{kind}.rope_theta",
                  f"expected a positive number, got {theta!r}")
             factor = rope.get("partial_rotary_factor", 1.0)
             need(isinstance(factor, (int, float)) and 0 < factor <= 1, f"rope_parameters.{kind}.partial_rotary_factor",

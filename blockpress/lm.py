@@ -325,7 +325,9 @@ class LM:
         n = req.template.shape[1] if req.template is not None else req.max_new_tokens
         if held + req.prompt.shape[1] + n > limit:
             where = f"{held} cached + " if held else ""
-            blame = "prompt" if held + req.prompt.shape[1] >= limit else "max_new_tokens"  # which one to shorten
+            # which one to shorten: a template's length is its own, not max_new_tokens
+            blame = ("prompt" if held + req.prompt.shape[1] >= limit else
+                     "template" if req.template is not None else "max_new_tokens")
             raise ValueError(f"{blame}: {where}{req.prompt.shape[1]} prompt + {n} new tokens exceed the model's "
                              f"context of {limit} tokens (max_position_embeddings)")
 

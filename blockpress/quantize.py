@@ -61,12 +61,17 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, to
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def check_quantizable(shape: torch.Size | tuple[int, ...], scheme: str) -> None:
+    """Refuse a weight `scheme` cannot hold, before anything is changed."""
+    if scheme == "int4" and shape[-1] % 2:
+        raise ValueError(f"quantize: int4 packs two weights a byte and needs even input sizes; a projection has "
+                         f"shape {list(shape)}")
+
+
 def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [..., out, in/2]: two 4-bit codes each, bfloat16 scales [..., out, in/group]). The group is 32
     inputs, or gcd(in, 32) for sizes that 32 does not divide (dequantizing reads it off the shapes)."""
-    if w.shape[-1] % 2:
-        raise ValueError(f"quantize: int4 packs two weights a byte and needs even input sizes; a projection has "
-                         f"shape {list(w.shape)}")
+    check_quantizable(w.shape, "int4")
     groups = w.unflatten(-1, (-1, math.gcd(w.shape[-1], INT4_GROUP)))
     # The scale is rounded to bf16 first and the codes use the rounded scale, so |error| <= scale / 2.
     scale = (groups.abs().amax(dim=-1).clamp(min=1e-12) / 7).to(torch.bfloat16)
@@ -87,8 +92,9 @@ def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sche
     if scheme == "int4":
         return F.linear(x, dequantize_weight(q, scale, x.dtype))
     if scheme == "int8":
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16:
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
+            # It reads its input in blocks of 16 columns: other widths crash the process (segfault, torch 2.13).
             return torch._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     if x.is_cuda and x.dtype != torch.bfloat16:
@@ -164,13 +170,15 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
         raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
     if scheme == "fp8" and not hasattr(torch, "_scaled_mm"):
         raise ValueError("scheme: fp8 needs torch._scaled_mm, which this torch lacks")
-    for module in [model.self_conditioning, *model.layers]:
-        for parent in list(module.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and not isinstance(parent, Router):  # routing stays exact
-                    setattr(parent, name, QuantizedLinear(child, scheme))
-                elif type(child) is Experts:
-                    setattr(parent, name, QuantizedExperts(child, scheme))
+    targets = [(parent, name, child) for module in [model.self_conditioning, *model.layers]
+               for parent in module.modules() for name, child in parent.named_children()
+               if (isinstance(child, nn.Linear) and not isinstance(parent, Router))  # routing stays exact
+               or type(child) is Experts]
+    for _, _, child in targets:  # every shape first: a refusal half-way would leave the model half quantized
+        for weight in child.parameters():
+            check_quantizable(weight.shape, scheme)
+    for parent, name, child in targets:
+        setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
     return model
 
 

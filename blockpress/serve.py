@@ -5,9 +5,9 @@ Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics 
 One worker thread owns the model. Requests wait in a bounded queue (429 when full); the worker takes
 the oldest one plus every queued request with the same settings (up to `max_batch`) and runs them as
 one batch, so concurrent users share each denoising step. Every row's randomness comes from its own
-seed, so in float32 a response is the same whether it ran alone or in a batch. In bf16 it can differ: a batch
-left-pads shorter prompts, and the other shapes round differently (logits moved by ~0.1 on blockpress-code),
-which can change a sampled token.
+seed, so in float32 a response is the same whether it ran alone or in a batch, up to rounding (a batch left-pads
+shorter prompts, and the other shapes move logits by ~1e-6, which self-conditioning can grow until a near-tie
+flips; rare). In bf16 the shapes move logits by ~0.1 on blockpress-code, which changes sampled tokens more often.
 
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the

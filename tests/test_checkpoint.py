@@ -173,6 +173,14 @@ def test_garbage_config(ref_checkpoint, tmp_path):
         (lambda c: c["text_config"].update(pad_token_id=10**6), r"pad_token_id: expected a token id in \[0, vocab_size"),
         (lambda c: c["text_config"].update(bos_token_id=999), "bos_token_id"),
         (lambda c: c["text_config"].update(initializer_range=-1), "initializer_range"),
+        # JSON true was read as 1 for these
+        (lambda c: c["text_config"].update(num_experts=True), "num_experts: expected a positive integer"),
+        (lambda c: c["text_config"].update(max_position_embeddings=True), "max_position_embeddings"),
+        (lambda c: c["text_config"].update(rms_norm_eps=True), "rms_norm_eps"),
+        (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(rope_theta=True), "rope_theta"),
+        # one rotary table per kind of layer: a mixed size was a torch shape error at the first forward
+        (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 20}}),
+         r"the full_attention layers have head_dim \[16, 20\]"),
     ],
 )
 def test_bad_config_fields_named(ref_checkpoint, edit, field):
@@ -495,3 +503,12 @@ def test_generation_config_written_before_the_split_reads_the_same(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     defaults = load_quiet(tmp_path).sampler_defaults
     assert (defaults.sampler, defaults.rank_by, defaults.entropy_bound) == ("topk", "margin", 0.07)
+
+
+def test_a_forced_full_last_layer_takes_the_full_layers_shape():
+    """All-sliding layer_types: the reference forces the last layer to full before deriving per-layer shapes."""
+    with pytest.warns(UserWarning, match="last layer must be full"):
+        cfg = ModelConfig.tiny(num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
+    last = cfg.text.layers[-1]
+    assert (last.kind, last.head_dim, last.num_kv_heads) == ("full_attention", cfg.text.global_head_dim,
+                                                             cfg.text.num_global_key_value_heads)

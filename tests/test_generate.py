@@ -763,6 +763,8 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64), seed=0)
     with pytest.raises(ValueError, match=r"max_new_tokens: 3 prompt \+ 62 new tokens exceed the model's context of 64"):
         lm.generate([5, 6, 7], max_new_tokens=62)
+    with pytest.raises(ValueError, match=r"template: 3 prompt \+ 62 new tokens"):  # a template sets its own length
+        lm.infill([-1] * 62, prompt=[5, 6, 7])
     with pytest.raises(ValueError, match="context of 64"):
         lm.generate_ar([5, 6, 7], max_new_tokens=10**9)
     with pytest.raises(ValueError, match=r"prompt: 70 prompt \+ 4 new tokens exceed"):  # the prompt is what to cut
