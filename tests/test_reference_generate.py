@@ -76,27 +76,32 @@ def reference_generate(monkeypatch, ref, prompt: torch.Tensor, seed: int, steps:
     return out.sequences[:, prompt.shape[1]:]
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_fixed_steps_match_reference_token_for_token(monkeypatch, models, seed):
+def both_engines(monkeypatch, models, seed: int, steps: int, t_max: float, t_min: float,
+                 stability: int | None = None, threshold: float | None = None):
+    """(the reference's new tokens, blockpress's output) for one 2-row batch; no stopping rule when
+    `stability` is None."""
     ref, lm = models
     prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(seed))
-    want = reference_generate(monkeypatch, ref, prompt, seed, 6, max_new_tokens=16, t_max=0.8, t_min=0.4,
+    want = reference_generate(monkeypatch, ref, prompt, seed, steps, max_new_tokens=16, t_max=t_max, t_min=t_min,
                               sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1),
-                              stability_threshold=None, confidence_threshold=None)
-    got = lm.generate(prompt, max_new_tokens=16, max_denoising_steps=6, seed=seed, entropy_bound=0.1, t_max=0.8,
-                      t_min=0.4, adaptive_stopping=False)
+                              stability_threshold=stability, confidence_threshold=threshold)
+    stopping = (dict(adaptive_stopping=False) if stability is None
+                else dict(stability_threshold=stability, confidence_threshold=threshold))
+    got = lm.generate(prompt, max_new_tokens=16, max_denoising_steps=steps, seed=seed, entropy_bound=0.1,
+                      t_max=t_max, t_min=t_min, **stopping)
+    return want, got
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fixed_steps_match_reference_token_for_token(monkeypatch, models, seed):
+    want, got = both_engines(monkeypatch, models, seed, 6, t_max=0.8, t_min=0.4)
     assert torch.equal(got.new_tokens, want)
 
 
 @pytest.mark.parametrize("stability, threshold, seed", [(1, 2.0, 3), (2, 4.0, 2), (1, 4.0, 1)])
 def test_adaptive_stopping_matches_reference_over_canvases(monkeypatch, models, stability, threshold, seed):
-    ref, lm = models
-    prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(seed))
-    want = reference_generate(monkeypatch, ref, prompt, seed, 10, max_new_tokens=16, t_max=0.1, t_min=0.05,
-                              sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1),
-                              stability_threshold=stability, confidence_threshold=threshold)
-    got = lm.generate(prompt, max_new_tokens=16, max_denoising_steps=10, seed=seed, entropy_bound=0.1, t_max=0.1,
-                      t_min=0.05, stability_threshold=stability, confidence_threshold=threshold)
+    want, got = both_engines(monkeypatch, models, seed, 10, t_max=0.1, t_min=0.05, stability=stability,
+                             threshold=threshold)
     assert torch.equal(got.new_tokens, want)
     if threshold < 4.0:
         assert int((got.steps_per_canvas < 10).sum()) >= 3  # most canvases stopped early: the rule did act
