@@ -91,6 +91,7 @@ with_retry() {  # $1: name, then the command; a run that fails within 60 s is re
   if [ $rc -ne 0 ] && [ $(( SECONDS - t0 )) -lt 60 ]; then
     log "$name failed early (exit $rc), retrying without workers or autocast: $(tail -3 "$W/$name.log" | tr '\n' ' ')"
     mv "$W/$name.log" "$W/$name.first.log"
+    rm -rf "${W:?}/$name"  # the failed start's folder: `blockpress train` refuses an --out that holds a run
     "$@" --data-workers 0 --no-autocast >"$W/$name.log" 2>&1
     rc=$?
   fi
