@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -46,19 +47,24 @@ QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CP
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"shipped model name, Hugging Face checkpoint folder, a repo id already in the Hugging Face "
-                        f"cache (owner/name[@revision]), or random-<tiny|small|medium> (random weights, for speed "
-                        f"checks). Default: {DEFAULT_MODEL}")
+                        f"cache (owner/name[@revision]), or random-<tiny|small|medium|26b-a4b> (random "
+                        f"weights, for speed checks). Default: {DEFAULT_MODEL}")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights dtype (default: the checkpoint's)")
+                   help="weights dtype (default: the checkpoint's; bf16/fp16 weights load as float32 on a CPU "
+                        "without native half-precision matmuls)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu); meta with "
                    "random-<preset> builds nothing: `info` then counts parameters and bytes of any size")
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
+    """`lengths=False` (infill: the template sets the length) hides the length flags; given anyway, they get an
+    error that says how to size the holes instead of argparse's "unrecognized arguments"."""
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="exact number of new tokens at most")
-    g.add_argument("--min-new-tokens", type=int, default=0, help="no end-of-sequence before this many tokens")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="exact number of new tokens at most" if lengths else argparse.SUPPRESS)
+    g.add_argument("--min-new-tokens", type=int, default=0,
+                   help="no end-of-sequence before this many tokens" if lengths else argparse.SUPPRESS)
     g.add_argument("--steps", type=int, default=None, help="max denoising steps per canvas")
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
@@ -122,7 +128,9 @@ def stats_line(out: Any, seconds: float) -> dict[str, Any]:
 
 
 def print_stats(stats: dict[str, Any]) -> None:
-    print(f"\n[{stats['new_tokens']} new tokens · {stats['forward_passes']} forward passes · "
+    made = (f"{stats['filled_tokens']} filled of {stats['new_tokens']} template tokens" if "filled_tokens" in stats
+            else f"{stats['new_tokens']} new tokens")
+    print(f"\n[{made} · {stats['forward_passes']} forward passes · "
           f"{stats['tokens_per_forward']} tokens/forward · {stats['tok_s']} tok/s]", file=sys.stderr)
 
 
@@ -180,6 +188,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
     filled = lm.tokenizer.decode(out.new_tokens[0].tolist())
     stats = stats_line(out, time.perf_counter() - t0)
+    stats["filled_tokens"] = int(out.num_chosen_tokens.sum())  # the holes; new_tokens counts the whole template
     if args.json:
         print(json.dumps(dict(text=filled, template=text, **stats)))
     else:
@@ -344,6 +353,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             from blockpress.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(args.tokenizer)
+            if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
+                mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
             if tokenizer.vocab_size > mcfg.text.vocab_size:  # its ids past the model's vocabulary would crash the embedding
                 raise ValueError(f"--tokenizer {args.tokenizer}: {tokenizer.vocab_size} tokens, more than the model's "
                                  f"vocab_size of {mcfg.text.vocab_size} (--config {args.config})")
@@ -531,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="", help="context before the template (encoded, not shown)")
     p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")
     add_model_args(p)
-    add_sampling_args(p)
+    add_sampling_args(p, lengths=False)
     p.add_argument("--json", action="store_true", help="print one JSON object with the filled text and stats")
     p.set_defaults(func=cmd_infill)
 
@@ -566,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
                    "step) with its saved settings; flags given now override them (--steps: the new end of the "
-                   "cosine schedule)")
+                   "cosine schedule). Give --data again")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 

@@ -103,7 +103,8 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
         ex = Example(_ids_field(obj, "prompt_ids", where), _ids_field(obj, "response_ids", where))
     else:
         if tokenizer is None:
-            raise ValueError(f"{where}: text records need a tokenizer; this model has none (use prompt_ids/response_ids)")
+            raise ValueError(f"{where}: text records need a tokenizer; this model has none (a fresh model takes "
+                             "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
         eos = tokenizer.eos_id
         if "messages" in obj:
             messages = obj["messages"]

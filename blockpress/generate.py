@@ -192,13 +192,14 @@ class GenerationOutput:
     sequences: torch.Tensor  # [B, P + N]: prompt (as given, left padded) + new tokens, pad after EOS
     prompt_length: int
     texts: list[str] | None
-    tokens_per_forward: torch.Tensor  # [B] valid new tokens / decoder passes
+    tokens_per_forward: torch.Tensor  # [B] new tokens the model chose / decoder passes (a template's fixed ones are given)
     forward_passes: torch.Tensor  # [B] decoder (or AR) forward passes per row
     num_new_tokens: torch.Tensor  # [B] valid new tokens (up to and including EOS)
     steps_per_canvas: torch.Tensor  # [B, canvases]
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     cache: KVCache | None = None
+    num_chosen_tokens: torch.Tensor | None = None  # [B] valid new tokens less a template's fixed ones (its holes)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -399,17 +400,22 @@ def _output(
             prefixes = req.heal_prefixes or [""] * len(rows)
             texts = [cut_at_stop(t, stops, stop_floor(tokenizer, row, req.min_new_tokens, prefix))
                      for t, stops, row, prefix in zip(texts, req.stops, rows, prefixes)]
+    chosen = num_valid
+    if req.template is not None:  # fixed tokens are given, not decoded: count the holes within the valid tokens
+        within = torch.arange(req.template.shape[1], device=num_valid.device) < num_valid[:, None]
+        chosen = ((req.template.to(num_valid.device) < 0) & within).sum(-1)
     return GenerationOutput(
         sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
         prompt_length=req.prompt.shape[1],
         texts=texts,
-        tokens_per_forward=(num_valid.float() / passes.clamp(min=1)).cpu(),
+        tokens_per_forward=(chosen.float() / passes.clamp(min=1)).cpu(),
         forward_passes=passes.cpu(),
         num_new_tokens=num_valid.cpu(),
         steps_per_canvas=steps_per_canvas.cpu(),
         encode_seconds=encode_s,
         denoise_seconds=decode_s,
         cache=cache,
+        num_chosen_tokens=chosen.cpu(),
     )
 
 

@@ -82,6 +82,17 @@ def test_infill_keeps_fixed_text(capsys):
     assert main(["infill", "left <|hole:5|> right", "--model", MODEL, "--steps", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["text"].startswith("left ") and data["text"].endswith(" right")
+    # the 5 hole tokens are what the model wrote: tokens/forward counts them, not the template's fixed ones
+    assert data["filled_tokens"] == 5 < data["new_tokens"]
+    assert data["tokens_per_forward"] == pytest.approx(5 / data["forward_passes"], abs=1e-3)
+
+
+def test_infill_help_lists_no_length_flags(capsys):
+    """An infill is as long as its template: the flags are refused, so the help does not offer them."""
+    with pytest.raises(SystemExit):
+        main(["infill", "--help"])
+    out = capsys.readouterr().out
+    assert "--hole-length" in out and "--max-new-tokens" not in out and "--min-new-tokens" not in out
 
 
 @pytest.mark.parametrize("args, message", [

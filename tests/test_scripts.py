@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 ROOT = Path(__file__).parent.parent
 
 
@@ -154,3 +158,18 @@ def test_sudoku_benchmark_smoke():
             assert 0 <= figures["exact"] <= 1 and 0 < figures["cell_accuracy"] <= 1
             assert figures["puzzles_per_s"] > 0
         assert all(0 < data[level][k]["mean_steps"] <= 40 for k in ("diffusion", "diffusion_rules", "diffusion_ensemble"))
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.floats(0, 100), min_size=1, max_size=40))
+def test_serve_load_p95_is_never_below_the_median(values):
+    """Rounding the rank down reported p95 below p50 for two requests."""
+    import statistics
+
+    pytest.importorskip("openai")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import nearest_rank
+
+    lat = sorted(values)
+    p95 = nearest_rank(lat, 0.95)
+    assert p95 in lat and p95 >= statistics.median(lat) and nearest_rank(lat, 1.0) == lat[-1]

@@ -197,6 +197,17 @@ def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path):
     assert cut.losses + rest.losses == pytest.approx(whole.losses, rel=1e-5)
 
 
+def test_a_fresh_preset_trains_on_text_with_the_tokenizers_vocabulary(tmp_path):
+    """The README's fresh-model line: text JSONL needs a tokenizer, and a preset sizes its vocabulary to it."""
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "response": f"\n    return x + {i}\n"}) + "\n"
+                            for i in range(8)))
+    args = train_args(data, tmp_path / "fresh", steps=1) + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
+    assert main(args) == 0
+    lm = blockpress.load(tmp_path / "fresh")
+    assert lm.config.text.vocab_size == lm.tokenizer.vocab_size == 8192 and lm.config.text.hidden_size == 64
+
+
 def test_bad_train_flags(tmp_path, capsys):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "out") + ["--lr", "-1"]) == 2
@@ -214,9 +225,7 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--grad-clip", "-1"], "grad_clip: expected >= 0"),
                            (["--lr", "inf"], "lr: expected a finite number"),
                            (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data"),
-                           (["--response-canvases", "0"], "response_canvases: expected a positive integer"),
-                           (["--tokenizer", str(MODELS_DIR / "blockpress-code")],
-                            "8192 tokens, more than the model's vocab_size of 512 (--config tiny)")):
+                           (["--response-canvases", "0"], "response_canvases: expected a positive integer")):
         args = train_args(data, tmp_path / "o")
         if extra[0] == "--config":
             args[args.index("--config") + 1] = extra[1]
@@ -225,6 +234,12 @@ def test_bad_train_flags(tmp_path, capsys):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (extra, err)
+    # a config.json's vocabulary is its own: a larger tokenizer is refused (a preset takes the tokenizer's)
+    blockpress.ModelConfig.preset("tiny").save(tmp_path / "tiny.json")
+    args = train_args(data, tmp_path / "o")
+    args[args.index("--config") + 1] = str(tmp_path / "tiny.json")
+    assert main(args + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]) == 2
+    assert "8192 tokens, more than the model's vocab_size of 512" in capsys.readouterr().err
     assert main(train_args(data, tmp_path / "a_file")) == 2  # --out is a file: one line, no traceback
     assert "a_file" in capsys.readouterr().err
     # a checkpoint brings its own tokenizer: --tokenizer beside --model was silently ignored
