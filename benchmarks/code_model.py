@@ -77,7 +77,7 @@ def main() -> None:
             new += int(out.num_new_tokens[0])
             passes += int(out.forward_passes[0])
             if len(examples) < 3:
-                examples.append({"prefix_tail": f.prefix[-120:], "completion": text[:300], "parses": good})
+                examples.append({"prompt_tail": f.prompt_text[-120:], "completion": text[:300], "parses": good})
         result[engine] = {"parseable": ok / max(1, len(funcs)), "tokens_per_forward": new / max(1, passes),
                           "tok_s": new / max(seconds, 1e-9), "examples": examples}
 
