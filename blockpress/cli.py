@@ -188,7 +188,9 @@ def cmd_infill(args: argparse.Namespace) -> int:
     out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
     filled = lm.tokenizer.decode(out.new_tokens[0].tolist())
     stats = stats_line(out, time.perf_counter() - t0)
-    stats["filled_tokens"] = int(out.num_chosen_tokens.sum())  # the holes; new_tokens counts the whole template
+    stats["filled_tokens"] = filled_n = int(out.num_chosen_tokens.sum())  # the holes; new_tokens: the template
+    if stats["seconds"]:
+        stats["tok_s"] = round(filled_n / stats["seconds"], 2)  # what the model wrote, as tokens_per_forward
     if args.json:
         print(json.dumps(dict(text=filled, template=text, **stats)))
     else:
@@ -311,6 +313,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume and any((out / name).exists() for name in ("trainer_state.pt", "metrics.jsonl")):
         raise ValueError(f"--out {args.out}: already holds a training run (metrics.jsonl, trainer_state.pt); continue "
                          "it with --resume, or give another folder")
+    if not args.resume and (out / "config.json").exists():  # e.g. --model X --out X: the run would overwrite it
+        raise ValueError(f"--out {args.out}: already holds a checkpoint (config.json); give another folder")
     # A resumed run keeps its own settings; --train-config and flags given now override them.
     raw: dict[str, Any] = resumed_train_config(out) if args.resume else {}
     saved = dict(raw)

@@ -488,8 +488,10 @@ class LM:
         gen = dict(self.generation_config)
         text = self.config.text
         gen.setdefault("bos_token_id", text.bos_token_id)
-        gen.setdefault("eos_token_id", text.eos_token_id)
         gen.setdefault("pad_token_id", text.pad_token_id)
+        # The set in effect now, written out whole: what a reload stops on is what this model stops on.
+        eos = self._eos_ids()
+        gen["eos_token_id"] = eos if len(eos) != 1 else eos[0]
         reference, own = split_generation_config(gen)
         (path / "generation_config.json").write_text(json.dumps(reference, indent=2, sort_keys=True) + "\n")
         own_file = path / BLOCKPRESS_GENERATION_FILE
@@ -516,12 +518,26 @@ BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
 
 
 def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what generation_config.json may hold, blockpress's own keys). A top-level `entropy_bound` (a blockpress
-    spelling) becomes the reference's `sampler_config`, unless one is already there."""
+    """(what generation_config.json may hold, blockpress's own keys).
+
+    A top-level `entropy_bound` (blockpress's spelling, which wins when both are set) becomes the reference's
+    `sampler_config`. Values the reference would refuse stay in blockpress's file, so the folder still loads in
+    transformers: numbers it wants as floats are written as floats, and a schedule with t_max <= t_min (the
+    reference wants t_max > t_min) is kept out of generation_config.json."""
     reference = {k: v for k, v in gen.items() if k in REFERENCE_GENERATION_KEYS}
     own = {k: v for k, v in gen.items() if k not in REFERENCE_GENERATION_KEYS}
-    if "entropy_bound" in own and "sampler_config" not in reference:
-        reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": own.pop("entropy_bound")}
+    if "entropy_bound" in own:
+        reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig",
+                                       "entropy_bound": float(own.pop("entropy_bound"))}
+    elif isinstance(reference.get("sampler_config"), dict) and "entropy_bound" in reference["sampler_config"]:
+        reference["sampler_config"] = dict(reference["sampler_config"],
+                                           entropy_bound=float(reference["sampler_config"]["entropy_bound"]))
+    for key in ("t_min", "t_max", "confidence_threshold"):
+        if isinstance(reference.get(key), int) and not isinstance(reference[key], bool):
+            reference[key] = float(reference[key])
+    t_min, t_max = reference.get("t_min"), reference.get("t_max")
+    if t_min is not None and t_max is not None and not t_max > t_min:
+        own["t_min"], own["t_max"] = reference.pop("t_min"), reference.pop("t_max")
     return reference, own
 
 

@@ -117,7 +117,8 @@ class SamplerConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known and v is not None}  # null: unset, the default holds
         sampler_cfg = raw.get("sampler_config")
-        if isinstance(sampler_cfg, dict) and "entropy_bound" in sampler_cfg:
+        if isinstance(sampler_cfg, dict) and "entropy_bound" in sampler_cfg and "entropy_bound" not in kwargs:
+            # the reference's spelling; blockpress's own top-level key, when set, is the newer word
             kwargs["entropy_bound"] = sampler_cfg["entropy_bound"]  # checked like the rest in __post_init__
         return cls(**kwargs)
 

@@ -167,9 +167,9 @@ class Tokenizer:
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         _write_json(folder / "tokenizer_config.json", config)
-        if len(self.eos_ids) > 1:
-            gen_path = folder / "generation_config.json"
-            gen_cfg = _read_json(gen_path)
+        gen_path = folder / "generation_config.json"
+        gen_cfg = _read_json(gen_path)
+        if len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg:  # a model's own EOS set (LM.save) stays
             gen_cfg["eos_token_id"] = list(self.eos_ids)
             _write_json(gen_path, gen_cfg)
 

@@ -345,7 +345,8 @@ class Trainer:
                           "runs a scalar fallback: measured 8x slower training steps on an AVX2 CPU than float32",
                           stacklevel=2)
         self.pad = text.pad_token_id if text.pad_token_id is not None else 0
-        eos = lm._eos_ids()
+        # The model's own EOS ends an example (a generation config may list end-of-turn ids before it).
+        eos = [i for i in text.eos_token_ids if i in lm._eos_ids()] or lm._eos_ids()
         self.eos = eos[0] if eos else self.pad
         model = lm.model.train()
         if cfg.lora_rank:
@@ -516,8 +517,14 @@ class Trainer:
         path = self.out / "metrics.jsonl"
         if self.rank != 0 or not path.is_file():
             return
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short when the run was killed mid-write
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                kept.append(line)
         path.write_text("".join(line + "\n" for line in kept))
 
     # -- the loop ----------------------------------------------------------------------------------------------

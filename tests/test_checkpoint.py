@@ -512,3 +512,33 @@ def test_a_forced_full_last_layer_takes_the_full_layers_shape():
     last = cfg.text.layers[-1]
     assert (last.kind, last.head_dim, last.num_kv_heads) == ("full_attention", cfg.text.global_head_dim,
                                                              cfg.text.num_global_key_value_heads)
+
+
+def test_saving_keeps_the_eos_set_a_model_stops_on(tmp_path):
+    """Only the model's id was written when generation_config named none (a reload lost the tokenizer's EOS),
+    and the tokenizer's union overwrote a set that generation_config did name (a reload gained ids)."""
+    from blockpress.tokenizer import Tokenizer
+
+    code = blockpress.lm.MODELS_DIR / "blockpress-code"
+    lm = blockpress.random_model(ModelConfig.tiny(vocab_size=8192), seed=0, tokenizer=Tokenizer.from_dir(code))
+    lm.generation_config.pop("eos_token_id", None)
+    in_memory = lm._eos_ids()
+    assert len(in_memory) > 1  # the model's EOS and the tokenizer's end-of-turn
+    lm.save(tmp_path / "a")
+    assert load_quiet(tmp_path / "a")._eos_ids() == in_memory
+    shipped = load_quiet("blockpress-code")
+    shipped.generation_config["eos_token_id"] = 1  # only <eos> ends a row now
+    shipped.save(tmp_path / "b")
+    assert load_quiet(tmp_path / "b")._eos_ids() == [1]
+
+
+def test_sampler_settings_the_reference_would_refuse_stay_in_blockpress_file(tmp_path):
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    lm = load_quiet("blockpress-code")
+    lm.generation_config.update(entropy_bound=1, t_min=0.5, t_max=0.5, confidence_threshold=1)
+    assert lm.sampler_defaults.entropy_bound == 1  # blockpress's key wins over the shipped sampler_config
+    lm.save(tmp_path)
+    ref = gen.DiffusionGemmaGenerationConfig.from_pretrained(tmp_path)  # refused t_max == t_min and int numbers
+    assert ref.sampler_config.entropy_bound == 1.0 and ref.t_min is None and ref.confidence_threshold == 1.0
+    again = load_quiet(tmp_path).sampler_defaults
+    assert (again.entropy_bound, again.t_min, again.t_max, again.confidence_threshold) == (1, 0.5, 0.5, 1)

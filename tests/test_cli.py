@@ -84,6 +84,7 @@ def test_infill_keeps_fixed_text(capsys):
     assert data["text"].startswith("left ") and data["text"].endswith(" right")
     # the 5 hole tokens are what the model wrote: tokens/forward counts them, not the template's fixed ones
     assert data["filled_tokens"] == 5 < data["new_tokens"]
+    assert data["tok_s"] == pytest.approx(5 / data["seconds"], rel=0.05)  # what the model wrote, per second
     assert data["tokens_per_forward"] == pytest.approx(5 / data["forward_passes"], abs=1e-3)
 
 

@@ -127,8 +127,8 @@ def test_resume_drops_metrics_rows_past_the_checkpoint(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     out = tmp_path / "run"
     assert main(train_args(data, out, steps=2)) == 0
-    with (out / "metrics.jsonl").open("a") as f:  # steps logged after the last save, then a crash
-        f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n")
+    with (out / "metrics.jsonl").open("a") as f:  # steps logged after the last save, then a crash mid-write
+        f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n" + '{"step": 4, "lo')
     assert main([a for a in train_args(data, out, steps=4) if a not in ("--config", "tiny")] + ["--resume"]) == 0
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4] and 9.0 not in losses(out)
@@ -141,6 +141,11 @@ def test_an_earlier_run_in_out_is_not_overwritten(tmp_path, capsys):
     assert main(train_args(data, tmp_path / "out")) == 2
     assert "already holds a training run" in capsys.readouterr().err
     assert (tmp_path / "out" / "metrics.jsonl").read_text() == before
+    # nor a checkpoint: `--model X --out X` would overwrite the model being fine-tuned
+    args = [a for a in train_args(data, tmp_path / "ckpt") if a not in ("--config", "tiny")]
+    blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0).save(tmp_path / "ckpt")
+    assert main(args + ["--model", str(tmp_path / "ckpt")]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
 
 
 def test_a_lora_run_cut_short_names_its_base_on_resume(tmp_path, capsys):
