@@ -327,10 +327,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         value = getattr(args, f.name)
         if value is not None:
             raw[f.name] = value
-    changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v}
-    if changed:
-        print("--resume: the run's saved settings, except " +
-              ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), file=sys.stderr)
     cfg = TrainConfig.from_dict(raw)
     if args.resume and args.model is None and args.config is None:
         if not (out / "config.json").is_file():  # a LoRA run saves only its adapters until the end
@@ -341,6 +337,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
     if args.model and args.tokenizer:
         raise ValueError("--tokenizer: only for a fresh model (--config); a checkpoint given by --model brings its own")
+    changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v}
+    if changed:  # after the arguments are checked: an error there comes alone
+        print("--resume: the run's saved settings, except " +
+              ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), file=sys.stderr)
     if args.model:
         # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
         # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
