@@ -527,11 +527,10 @@ def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     reference = {k: v for k, v in gen.items() if k in REFERENCE_GENERATION_KEYS}
     own = {k: v for k, v in gen.items() if k not in REFERENCE_GENERATION_KEYS}
     if "entropy_bound" in own:
-        reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig",
-                                       "entropy_bound": float(own.pop("entropy_bound"))}
-    elif isinstance(reference.get("sampler_config"), dict) and "entropy_bound" in reference["sampler_config"]:
-        reference["sampler_config"] = dict(reference["sampler_config"],
-                                           entropy_bound=float(reference["sampler_config"]["entropy_bound"]))
+        reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": own.pop("entropy_bound")}
+    sampler = reference.get("sampler_config")
+    if isinstance(sampler, dict) and "entropy_bound" in sampler:
+        reference["sampler_config"] = dict(sampler, entropy_bound=float(sampler["entropy_bound"]))
     for key in ("t_min", "t_max", "confidence_threshold"):
         if isinstance(reference.get(key), int) and not isinstance(reference[key], bool):
             reference[key] = float(reference[key])

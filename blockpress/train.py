@@ -346,7 +346,8 @@ class Trainer:
                           stacklevel=2)
         self.pad = text.pad_token_id if text.pad_token_id is not None else 0
         # The model's own EOS ends an example (a generation config may list end-of-turn ids before it).
-        eos = [i for i in text.eos_token_ids if i in lm._eos_ids()] or lm._eos_ids()
+        stops = lm._eos_ids()
+        eos = [i for i in text.eos_token_ids if i in stops] or stops
         self.eos = eos[0] if eos else self.pad
         model = lm.model.train()
         if cfg.lora_rank:
@@ -574,15 +575,13 @@ class Trainer:
                     self.on_step(self.step, row["loss"])
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
-            if result.stopped == "max_minutes":  # the run ends here: evaluate where it got to
+            if result.stopped:
                 row = {"step": self.step, "stopped": result.stopped}
-                if self.heldout is not None:
+                if result.stopped == "max_minutes" and self.heldout is not None:  # the run ends here: evaluate it
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
-            elif result.stopped == "interrupted" and metrics:
-                metrics.write(json.dumps({"step": self.step, "stopped": result.stopped}) + "\n")
             result.steps = self.step
             # An interrupted run is saved to be resumed (a LoRA run keeps its adapters apart, unmerged).
             self.save(final=result.stopped != "interrupted")
