@@ -389,6 +389,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never reaches "
               f"--lr {cfg.lr}", file=sys.stderr)
     result = trainer.train()
+    if trainer.rank == 0:
+        _plot_training(Path(args.out), quiet=args.quiet)
     if not args.quiet:
         losses = result.losses or [None]
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
@@ -415,6 +417,23 @@ def resumed_train_config(out: Path) -> dict[str, Any]:
         saved = torch.load(out / "trainer_state.pt", map_location="cpu", weights_only=False).get("config", {})
     known = {f.name for f in fields(TrainConfig)}
     return {k: v for k, v in saved.items() if k in known}
+
+
+def _plot_training(out: Path, quiet: bool) -> None:
+    """loss.png beside metrics.jsonl: the curves of the whole run, resumed parts included."""
+    from blockpress.train import plot_metrics
+
+    metrics = out / "metrics.jsonl"
+    if not metrics.is_file():
+        return
+    try:
+        plot_metrics(metrics, out / "loss.png")
+    except ImportError:
+        if not quiet:
+            print("no loss.png: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return
+    if not quiet:
+        print(f"loss curves: {out / 'loss.png'}", file=sys.stderr)
 
 
 def cmd_sudoku(args: argparse.Namespace) -> int:

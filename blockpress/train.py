@@ -596,6 +596,47 @@ class Trainer:
         return result
 
 
+def plot_metrics(metrics: str | Path, path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Draw a run's metrics.jsonl: training losses (and held-out loss) over the steps above, the learning rate
+    below. Returns the series drawn, by label. Needs matplotlib (the `train` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for line in Path(metrics).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short when a run was killed mid-write
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    series = {label: [(r["step"], r[key]) for r in rows if key in r]
+              for key, label in (("loss", "total"), ("diffusion_loss", "diffusion"), ("ar_loss", "encoder AR"),
+                                 ("eval_loss", "held-out total"), ("lr", "learning rate"))}
+    series = {label: points for label, points in series.items() if points}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for label, points in series.items():
+        if label == "learning rate":
+            bottom.plot(*zip(*points), color="gray", linewidth=1)
+        elif label == "held-out total":
+            top.plot(*zip(*points), marker="o", linestyle="--", label=label)
+        else:
+            top.plot(*zip(*points), label=label, linewidth=1)
+    top.set_ylabel("loss")
+    top.grid(alpha=0.3)
+    if top.lines:
+        top.legend()
+    bottom.set_ylabel("learning rate")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series
+
+
 class _StopOnInterrupt:
     """The first Ctrl-C asks the loop to stop after the step it is in (the run is then saved, resumable); a second
     one interrupts at once. Only the main thread can take signals; elsewhere Ctrl-C keeps its usual effect."""

@@ -12,6 +12,7 @@ import torch
 import blockpress
 from blockpress.cli import main
 from blockpress.lm import MODELS_DIR
+from blockpress.train import plot_metrics
 
 
 def write_data(path, n=8):
@@ -36,6 +37,18 @@ def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
     assert len(losses(tmp_path / "out")) == 3
     lm = blockpress.load(tmp_path / "out")
     assert lm.config.canvas_length == 16
+    assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the run's curves
+
+
+def test_plot_metrics_draws_every_logged_series(tmp_path):
+    rows = [{"step": s, "loss": 5.0 - s, "diffusion_loss": 3.0 - s, "ar_loss": 2.0, "lr": 1e-3} for s in (1, 2, 3)]
+    rows[2]["eval_loss"] = 4.5
+    text = "".join(json.dumps(r) + "\n" for r in rows) + json.dumps({"step": 3, "stopped": "interrupted"}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(text + '{"step": 4, "lo')  # a line cut short by a crash
+    series = plot_metrics(tmp_path / "metrics.jsonl", tmp_path / "loss.png")
+    assert series["total"] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    assert series["held-out total"] == [(3, 4.5)] and len(series["learning rate"]) == 3
+    assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
 def test_train_config_file_and_flags(tmp_path):
