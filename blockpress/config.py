@@ -192,6 +192,10 @@ class TextConfig:
              f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
         bad = sorted({k for k in self.layer_types if k not in (SLIDING, FULL)})
         need(not bad, "layer_types", f"unknown layer type(s) {bad}; expected {SLIDING!r} or {FULL!r}")
+        # A window of one token is ill-defined in the reference (its cache keeps the last window - 1 = 0 keys,
+        # sliced as [-0:], i.e. all of them): refuse it rather than compute something else.
+        need(self.sliding_window >= 2 or SLIDING not in self.layer_types, "sliding_window",
+             f"expected at least 2 when layers use sliding attention, got {self.sliding_window}")
         if self.layer_types[-1] != FULL:
             warnings.warn("text_config.layer_types: the last layer must be full attention; forcing it",
                           stacklevel=3)

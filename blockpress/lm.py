@@ -219,8 +219,9 @@ class LM:
         if attention_mask is not None:
             attention_mask = _check_mask(attention_mask, prompt.shape, "prompt_ids").to(self.device)
         context = self.config.text.max_position_embeddings
-        if prompt.shape[1] + canvas.shape[1] > context:
-            raise ValueError(f"canvas_ids: {prompt.shape[1]} prompt + {canvas.shape[1]} canvas tokens exceed the "
+        longest = prompt.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())  # padding: no position
+        if longest + canvas.shape[1] > context:
+            raise ValueError(f"canvas_ids: {longest} prompt + {canvas.shape[1]} canvas tokens exceed the "
                              f"model's context of {context} tokens")
         if self_conditioning_logits is not None:
             want = (*canvas.shape, v)
@@ -321,14 +322,20 @@ class LM:
         if cache is not None:
             self._check_cache(cache, req.prompt.shape[0])
         limit = self.config.text.max_position_embeddings
-        held = 0 if cache is None else int(cache.next_pos.max())
         n = req.template.shape[1] if req.template is not None else req.max_new_tokens
-        if held + req.prompt.shape[1] + n > limit:
-            where = f"{held} cached + " if held else ""
+        # Per row: its own cached positions and its own prompt (left padding takes no position).
+        b = req.prompt.shape[0]
+        held = torch.zeros(b, dtype=torch.long) if cache is None else cache.next_pos.cpu().long().expand(b)
+        lengths = (torch.full((b,), req.prompt.shape[1]) if req.attention_mask is None
+                   else req.attention_mask.sum(-1).cpu()).long()
+        r = int(torch.argmax(held + lengths))
+        h, p = int(held[r]), int(lengths[r])
+        if h + p + n > limit:
+            where = f"{h} cached + " if h else ""
+            row = f" (row {r})" if b > 1 else ""
             # which one to shorten: a template's length is its own, not max_new_tokens
-            blame = ("prompt" if held + req.prompt.shape[1] >= limit else
-                     "template" if req.template is not None else "max_new_tokens")
-            raise ValueError(f"{blame}: {where}{req.prompt.shape[1]} prompt + {n} new tokens exceed the model's "
+            blame = ("prompt" if h + p >= limit else "template" if req.template is not None else "max_new_tokens")
+            raise ValueError(f"{blame}: {where}{p} prompt + {n} new tokens{row} exceed the model's "
                              f"context of {limit} tokens (max_position_embeddings)")
 
     def _check_cache(self, cache: Any, batch: int) -> None:

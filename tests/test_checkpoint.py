@@ -173,6 +173,8 @@ def test_garbage_config(ref_checkpoint, tmp_path):
         (lambda c: c["text_config"].update(pad_token_id=10**6), r"pad_token_id: expected a token id in \[0, vocab_size"),
         (lambda c: c["text_config"].update(bos_token_id=999), "bos_token_id"),
         (lambda c: c["text_config"].update(initializer_range=-1), "initializer_range"),
+        # the reference keeps every key for a one-token window (its slice [-0:]): refused rather than differ
+        (lambda c: c["text_config"].update(sliding_window=1), "sliding_window: expected at least 2"),
         # JSON true was read as 1 for these
         (lambda c: c["text_config"].update(num_experts=True), "num_experts: expected a positive integer"),
         (lambda c: c["text_config"].update(max_position_embeddings=True), "max_position_embeddings"),

@@ -776,6 +776,24 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
         lm.generate([8], max_new_tokens=64 - held, cache=out.cache)
 
 
+def test_the_context_check_counts_each_rows_own_positions():
+    """Left padding takes no position, and each row of a continued batch has its own cached length: a batch
+    whose every row fits is accepted (before: the longest cache plus the padded width, from different rows)."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=40), seed=0)
+    first = lm.generate([list(range(10, 30)), [5, 6]], max_new_tokens=8, max_denoising_steps=1, seed=0,
+                        return_cache=True, min_new_tokens=8)
+    held = first.cache.next_pos.tolist()
+    assert held == [28, 10]
+    fits = [[7, 8], list(range(10, 30))]  # 28 + 2 + 8 and 10 + 20 + 8: both rows 38 <= 40
+    out = lm.generate(fits, cache=first.cache, max_new_tokens=8, max_denoising_steps=1, seed=0)
+    assert out.new_tokens.shape == (2, 8)
+    first = lm.generate([list(range(10, 30)), [5, 6]], max_new_tokens=8, max_denoising_steps=1, seed=0,
+                        return_cache=True, min_new_tokens=8)
+    with pytest.raises(ValueError, match=r"max_new_tokens: 28 cached \+ 2 prompt \+ 11 new tokens \(row 0\)"):
+        lm.generate(fits, cache=first.cache, max_new_tokens=11, max_denoising_steps=1, seed=0)
+    assert lm.logits([[0] * 30 + [5, 6]], [[1] * 8], attention_mask=[[0] * 30 + [1, 1]]).shape[:2] == (1, 8)
+
+
 def test_a_cache_from_elsewhere_is_a_clear_error(lm):
     """A conversation's cache continues only the model and batch that built it (before: AttributeErrors, torch's
     dtype errors, or silently attention over another model's keys)."""
