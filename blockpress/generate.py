@@ -35,8 +35,8 @@ from .sampling import (
 )
 
 HOLE = "<|hole|>"
-_HOLE_RE = re.compile(r"<\|hole(?::(\d+))?\|>")
-_NEAR_HOLE_RE = re.compile(r"<\|\s*hole[^|>]*\|?>", re.IGNORECASE)  # what a mistyped marker looks like
+_HOLE_RE = re.compile(r"<\|hole(?::([0-9]+))?\|>")  # ASCII digits: \d would take "３" or "٣" as well
+_NEAR_HOLE_RE = re.compile(r"<\|\s*hole[^<>\n]{0,16}>", re.IGNORECASE)  # what a mistyped marker looks like
 
 
 @dataclass(frozen=True)
@@ -320,6 +320,15 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
                     max_length: int | None = None) -> torch.Tensor:
     """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes.
     `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
+    if isinstance(template, (list, tuple)) and template and all(isinstance(x, str) for x in template):
+        if len(template) != batch:
+            raise ValueError(f"template: {len(template)} text templates for a batch of {batch} prompts")
+        rows = [template_to_ids(x, tokenizer, 1, hole_length, max_length)[0] for x in template]
+        lengths = [len(r) for r in rows]
+        if len(set(lengths)) > 1:  # one canvas layout per batch: the holes and fixed tokens share positions
+            raise ValueError(f"template: the texts of a batch must come to the same number of tokens, got {lengths} "
+                             "(adjust the hole lengths, or fill them in separate calls)")
+        return torch.stack(rows)
     if isinstance(template, str):
         if tokenizer is None:
             raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
@@ -506,6 +515,13 @@ def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Te
     return banned
 
 
+def _no_choice(logits: torch.Tensor, banned: torch.Tensor | None, open_positions: torch.Tensor) -> torch.Tensor:
+    """Whether any open position's distribution is undefined: a NaN or +inf logit, or no finite unbanned one."""
+    x = logits if banned is None else logits.masked_fill(banned, float("-inf"))
+    bad = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
+    return (bad & open_positions).any()
+
+
 @dataclass
 class _Working:
     """The rows of a batch still denoising the current canvas, with everything indexed to them once."""
@@ -611,6 +627,8 @@ def run(
     stopped = [False] * b  # rows ended by a stop string (the server's finish_reason)
     penalized = cfg.penalizes_repeats
     history = torch.zeros(b, vocab, device=device) if penalized else None  # committed new tokens, counted per row
+    hooked = req.logits_processor is not None or req.constraint is not None
+    trouble = torch.zeros((), dtype=torch.bool, device=device)  # a hook left some open position nothing to draw
     for ci in range(n_canvases):
         lo = ci * canvas_len
         keep = min(canvas_len, n_new - lo)
@@ -643,9 +661,12 @@ def run(
                 logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
                 if req.logits_processor is not None:
                     processed = req.logits_processor(logits, w.rows)
-                    if not isinstance(processed, torch.Tensor) or processed.shape != logits.shape:
-                        got = list(processed.shape) if isinstance(processed, torch.Tensor) else type(processed).__name__
-                        raise ValueError(f"logits_processor: expected logits of shape {list(logits.shape)}, got {got}")
+                    if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
+                            or not processed.dtype.is_floating_point):
+                        got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)
+                               else type(processed).__name__)
+                        raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, "
+                                         f"got {got}")
                     logits = processed
                 if penalized:  # the new text so far: a template's fixed tokens are given, like the prompt
                     written = w.state.settled & w.scored & (True if w.fixed is None else w.fixed < 0)
@@ -656,6 +677,8 @@ def run(
                 if req.constraint is not None:
                     ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                     ban = ruled if banned is None else ruled | banned
+                if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
+                    trouble |= _no_choice(logits, ban, w.scored if w.fixed is None else w.scored & (w.fixed < 0))
                 w.state = fns.sampler_step(
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
                     scored=w.scored, banned=ban, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
@@ -673,6 +696,12 @@ def run(
                 if req.skip_stopped_rows and n_working < w.rows.numel():
                     state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
                     w = w.shrink(working.nonzero()[:, 0], canvas_len)
+        if hooked and bool(trouble):
+            hooks = " / ".join(n for n, f in (("logits_processor", req.logits_processor), ("constraint", req.constraint))
+                               if f is not None)
+            raise ValueError(f"{hooks}: left a position of canvas {ci} with no token to choose "
+                             "(NaN or +inf logits, or every token banned); ban tokens with -inf or a constraint, and "
+                             "favour one with a large finite value")
         state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
         committed = state.argmax[:, :keep]
         valid = None

@@ -114,6 +114,14 @@ def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     return prefix_cache
 
 
+def _template_rows(template: Any) -> int:
+    """How many rows a template holds: a list of texts or of id rows, or a 2-D tensor; else one."""
+    if isinstance(template, (list, tuple)) and template and isinstance(template[0], (str, list, tuple)):
+        return len(template)
+    shape = getattr(template, "shape", ())
+    return int(shape[0]) if len(shape) == 2 else 1
+
+
 def check_seed(seed: Any, name: str) -> Any:
     """A seed is None or an integer in [0, 2**63): the per-row seeds live in an int64 tensor."""
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
@@ -450,7 +458,7 @@ class LM:
         """Fill the holes of `template` (text with <|hole|> markers, or ids with -1), keeping every fixed token."""
         if prompt is None:
             bos = self.config.text.bos_token_id
-            prompt = [bos if bos is not None else 0]
+            prompt = [[bos if bos is not None else 0]] * _template_rows(template)
         return self.generate(prompt, template=template, **kwargs)
 
     def generate_ar(

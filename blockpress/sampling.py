@@ -277,8 +277,11 @@ def _hash(seed: torch.Tensor, stream: int, canvas_index: int, step: int, length:
     never on its neighbours in a batch, nor on how many rows there are.
     """
     pos = torch.arange(length, device=seed.device, dtype=torch.int64)
-    counter = ((canvas_index * 1_000_003 + step) * 4 + stream) & _MASK47
-    x = (seed[:, None] & _MASK47) * 0x9E3779B1 + counter * 0x85EBCA6B + pos[None, :] * 0xC2B2AE35
+    # Python ints are unbounded: mask the counter's product before it meets int64 (long generations overflowed).
+    # Only the low 47 bits matter, and int64 addition keeps them, so this draws the numbers it always did.
+    counter = (((canvas_index * 1_000_003 + step) * 4 + stream) * 0x85EBCA6B) & _MASK47
+    folded = (seed ^ (seed >> 47)) & _MASK47  # seeds differing only above bit 47 draw differently too
+    x = folded[:, None] * 0x9E3779B1 + counter + pos[None, :] * 0xC2B2AE35
     x = x & _MASK47
     for _ in range(3):  # xorshift-multiply rounds; kept inside 47 bits so int64 never overflows
         x = (x ^ (x >> 17)) * 0x2545F49

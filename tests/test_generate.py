@@ -335,6 +335,9 @@ def test_unknown_option_rejected(lm):
     ("x = <|hole: 3|> + 1", 8, r"template: '<\|hole: 3\|>' looks like a hole marker but is not one"),
     ("x = <|HOLE|> + 1", 8, "looks like a hole marker"),
     ("x = <| hole |> + 1", 8, "looks like a hole marker"),
+    ("x = <|hole|:3> + 1", 8, "looks like a hole marker"),
+    ("x = <|hole:３|> + 1", 8, "looks like a hole marker"),  # not ASCII digits: \d took it as a 3-token hole
+    (["a = <|hole:2|>", "bb = <|hole:5|> + 1"], 8, r"the texts of a batch must come to the same number of tokens"),
     ("", 8, "template: empty text"),
     # ids: torch truncated 7.9 to 7 and read True as 1 (EOS), silently
     ([7.9, -1], 8, "template: expected integer token ids .* got 7.9"),
@@ -347,6 +350,21 @@ def test_bad_hole_lengths(template, hole_length, message):
 
     with pytest.raises(ValueError, match=message):
         load_model("random-tiny", None, "cpu").infill(template, hole_length=hole_length)
+
+
+def test_a_batch_of_templates_without_a_prompt():
+    """Text templates of one length in a list, and id rows, fill row by row; with no prompt each row starts
+    from BOS (before: a list of texts was 'expected integer token ids', a batch of ids wanted a prompt batch)."""
+    from blockpress.cli import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    ids = lm.infill([[7, -1, 8], [9, 10, -1]], max_denoising_steps=2, seed=0).new_tokens
+    assert ids.shape == (2, 3) and ids[0, [0, 2]].tolist() == [7, 8] and ids[1, :2].tolist() == [9, 10]
+    texts = ["a = <|hole:2|>\n", "b = <|hole:2|>\n"]
+    out = lm.infill(texts, max_denoising_steps=2, seed=0)
+    assert [t[:4] for t in out.texts] == ["a = ", "b = "] and all(t.endswith("\n") for t in out.texts)
+    with pytest.raises(ValueError, match="2 text templates for a batch of 3 prompts"):
+        lm.infill(texts, prompt=["x", "y", "z"])
 
 
 def test_integer_templates_of_every_kind_read_alike(lm):
@@ -626,9 +644,28 @@ def test_logits_processor_sees_the_working_rows_and_its_logits_are_sampled(lm):
         assert (out.new_tokens[r] == 11 + r).all() and 11 + r < vocab
 
 
+def test_a_constraint_that_bans_everything_is_a_clear_error(lm):
+    ban_all = lambda draft, settled: torch.ones(1, 1, lm.config.text.vocab_size, dtype=torch.bool)  # noqa: E731
+    with pytest.raises(ValueError, match="^constraint: left a position of canvas 0 with no token"):
+        lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, constraint=ban_all)
+    # a hole's EOS is banned already: a constraint allowing only EOS leaves it nothing (it filled pads before)
+    only_eos = torch.ones(1, 1, lm.config.text.vocab_size, dtype=torch.bool)
+    only_eos[..., EOS] = False
+    with pytest.raises(ValueError, match="no token to choose"):
+        lm.infill([5, -1, 6], max_denoising_steps=2, constraint=lambda d, s: only_eos)
+    boost = lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, seed=0,  # a finite boost forces a token
+                        logits_processor=lambda x, rows: x.index_fill(-1, torch.tensor([9]), 1e4))
+    assert (boost.new_tokens == 9).all()
+
+
 @pytest.mark.parametrize("result, message", [
-    (lambda x, rows: None, "expected logits of shape"),
-    (lambda x, rows: x[:, :1], "expected logits of shape"),
+    (lambda x, rows: None, "expected float logits of shape"),
+    (lambda x, rows: x[:, :1], "expected float logits of shape"),
+    (lambda x, rows: x.long(), r"expected float logits of shape .* got torch.int64"),
+    # each of these drew token 0 (pad) everywhere, silently
+    (lambda x, rows: x.index_fill(-1, torch.tensor([9]), float("inf")), "left a position .* no token to choose"),
+    (lambda x, rows: torch.full_like(x, float("nan")), "left a position .* no token to choose"),
+    (lambda x, rows: torch.full_like(x, float("-inf")), "left a position .* no token to choose"),
 ])
 def test_bad_logits_processor_is_a_clear_error(lm, result, message):
     with pytest.raises(ValueError, match=f"logits_processor: {message}"):

@@ -259,6 +259,17 @@ def test_hashed_noise_is_per_row(seed, ci, step):
     assert len(set(t[0].tolist())) > 32  # not degenerate
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), ci=st.integers(0, 10**7), step=st.integers(0, 1000))
+def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
+    """Any int64 seed and any canvas index draw (long generations overflowed a Python int into int64), and
+    seeds that differ only above the hash's 47 bits draw differently."""
+    t = hashed_tokens(torch.tensor([seed]), ci, step, 64, 1000)
+    assert t.min() >= 0 and t.max() < 1000
+    assert not torch.equal(t, hashed_tokens(torch.tensor([seed ^ (1 << 50)]), ci, step, 64, 1000))
+    assert not torch.equal(t, hashed_tokens(torch.tensor([seed]), ci + 1, step, 64, 1000))
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
