@@ -116,7 +116,14 @@ class TextConfig:
                 str(i): dict(override) for i, kind in enumerate(self.layer_types) if kind == FULL
             }
         else:
-            self.per_layer_config = {str(k): dict(v) for k, v in self.per_layer_config.items()}
+            # transformers writes the keys zero-padded to the widest index ("05" of 30 layers) and reads int(key)
+            layers: dict[str, dict[str, int]] = {}
+            for k, v in self.per_layer_config.items():
+                key = str(int(k)) if str(k).isdigit() else str(k)  # other keys: refused by validate, as given
+                if key in layers:
+                    raise ConfigError(f"text_config.per_layer_config: two entries for layer {key}")
+                layers[key] = dict(v)
+            self.per_layer_config = layers
         self.validate()
 
     # -- derived -----------------------------------------------------------------------------------

@@ -169,9 +169,9 @@ class GraphedEncodeStep:
 class Draft:
     canvas_index: int
     step: int  # steps done in this canvas (1-based)
-    tokens: torch.Tensor  # [B, C] current argmax canvas (cpu)
+    tokens: torch.Tensor  # [B, n] current argmax of the canvas positions kept (cpu); pad for rows that ended
     accepted: torch.Tensor  # [B] positions accepted at this step
-    done: torch.Tensor  # [B] bool: row has stopped denoising this canvas
+    done: torch.Tensor  # [B] bool: row has stopped denoising this canvas (or ended in an earlier one)
     elapsed: float
     kind: str = "draft"
 
@@ -684,9 +684,10 @@ def run(
                     scored=w.scored, banned=ban, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
                     sc_dtype=sc_dtype,
                 )
-            if drafts:
+            if drafts:  # the positions kept, and nothing for rows that ended in an earlier canvas
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
-                yield Draft(ci, k, view.argmax.cpu(), view.accepted.cpu(), view.done.cpu(),
+                tokens = view.argmax[:, :keep].masked_fill(finished[:, None], req.pad_id)
+                yield Draft(ci, k, tokens.cpu(), view.accepted.cpu(), (view.done | finished).cpu(),
                             time.perf_counter() - start)
             if cfg.adaptive_stopping:
                 working = ~(w.state.done | w.finished)

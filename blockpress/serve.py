@@ -248,7 +248,9 @@ class Engine:
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
             max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
-            sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
+            # A draft every step, forwarded only where asked: the loop below then sees each step, so clients that
+            # leave free the engine within a step rather than when the canvas commits (a long canvas took minutes).
+            sampler=first.sampler, seeds=[j.seed for j in batch], drafts=True,
             token_healing=first.token_healing, stop=[j.stop for j in batch], prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )

@@ -439,8 +439,17 @@ def test_skipping_finished_rows_changes_nothing(lm):
     assert ended.any() and not ended.all()  # some rows finished early, some did not
     assert torch.equal(fast.sequences, slow.sequences)
     assert torch.equal(fast.forward_passes, slow.forward_passes)
-    drafts = [e for e in lm.stream(prompts, **kw) if isinstance(e, Draft)]
-    assert all(d.tokens.shape == (6, lm.config.canvas_length) for d in drafts)
+    c = lm.config.canvas_length
+    for skip in (True, False):
+        drafts = [e for e in lm.stream(prompts, skip_stopped_rows=skip, **kw) if isinstance(e, Draft)]
+        assert all(d.tokens.shape == (6, c) for d in drafts)
+        # a row that ended in an earlier canvas drafts nothing (before: noise, or live denoising) and is done
+        for d in drafts:
+            gone = fast.num_new_tokens <= d.canvas_index * c
+            assert (d.tokens[gone] == lm.config.text.pad_token_id).all() and d.done[gone].all()
+        assert any((fast.num_new_tokens <= d.canvas_index * c).any() for d in drafts)
+    short = [e for e in lm.stream(prompts, max_new_tokens=c + 3, max_denoising_steps=2, seed=3) if isinstance(e, Draft)]
+    assert {d.tokens.shape[1] for d in short} == {c, 3}  # only the positions kept
 
 
 def test_compiled_steps_trace_and_match_eager():

@@ -141,3 +141,24 @@ def test_bf16_matches_reference_in_bf16(ref_checkpoint):
     print(f"bf16 max|diff| vs reference bf16 = {diff:.3f} (reference bf16 vs fp32: {spread:.3f})")
     assert ours.dtype == torch.float32
     assert diff <= max(0.25, 0.5 * spread)
+
+
+def test_a_checkpoint_with_ten_layers_or_more(tmp_path):
+    """transformers saves per_layer_config keys zero-padded to the widest index ("05" of 12 layers, as the
+    released 30-layer model's "05"... "29"); they name the same layers (before: the full layers took the
+    sliding shape and the config was refused)."""
+    import json
+
+    from reference import make_reference
+
+    kinds = ["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 5 + ["full_attention"]
+    ref = make_reference(tmp_path, seed=3, num_hidden_layers=12, layer_types=kinds)
+    keys = sorted(json.loads((tmp_path / "config.json").read_text())["text_config"]["per_layer_config"])
+    assert keys == ["05", "11"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = blockpress.load(tmp_path)
+    assert [s.head_dim for s in lm.config.text.layers] == [8] * 5 + [16] + [8] * 5 + [16]
+    g = torch.Generator().manual_seed(7)
+    prompt, canvas = ids(g, 1, 9), ids(g, 1, 8)
+    assert (lm.logits(prompt, canvas) - ref_logits(ref, prompt, canvas)).abs().max().item() <= TOL

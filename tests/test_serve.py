@@ -277,6 +277,23 @@ def test_a_plain_request_whose_client_left_frees_the_engine(server):
     assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
 
 
+def test_a_client_that_leaves_mid_canvas_frees_the_engine_within_a_step(server, monkeypatch):
+    """Without drafts a stream has events only per canvas: a client that left was noticed when its canvas
+    committed (minutes for a long one). Now every step is a chance to stop."""
+    engine = server[1].state.engine
+    calls = []
+    denoise = engine.lm.model.denoise
+    monkeypatch.setattr(engine.lm.model, "denoise", lambda *a, **k: (calls.append(1), denoise(*a, **k))[1])
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "min_tokens": 8, "seed": 1, "max_denoising_steps": 1024,
+            "stability_threshold": 2000}  # one canvas of 1,024 steps: adaptive stopping never fires
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v1/completions", json=body, timeout=0.3)
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
+                   timeout=60)
+    assert r.status_code == 200
+    assert 0 < len(calls) < 1024  # the abandoned canvas stopped part way
+
+
 def test_metrics_count_a_request_once_however_many_choices(client, server):
     counters, latency = server[1].state.engine.metrics.counters, server[1].state.engine.metrics.latency
     before = (counters["requests_total"], len(latency), counters["prompt_tokens_total"])
