@@ -30,6 +30,7 @@ ENCODER_TEXT = "model.encoder.language_model."
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 class CheckpointError(ValueError):
@@ -97,6 +98,13 @@ class MappedSafetensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def dtype(self, name: str) -> torch.dtype:
+        return _ST_DTYPES[self.header[name]["dtype"]]
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self.header[name]["data_offsets"]
+        return end - begin
+
     def tensor(self, name: str) -> torch.Tensor:
         info = self.header[name]  # checked on opening
         dtype = _ST_DTYPES[info["dtype"]]
@@ -160,11 +168,15 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """None, or one of the dtypes the model computes in (float8 is a quantization scheme, not a weights dtype)."""
     if dtype is None:
         return None
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
+    if isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+        name = DTYPE_ALIASES.get(name, name)
+        if name in DTYPES:
+            return DTYPES[name]
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    hint = "; for 8-bit weights use quantize='fp8' or 'int8'" if isinstance(dtype, torch.dtype) else ""
+    eight_bit = isinstance(dtype, torch.dtype) and dtype.itemsize == 1
+    hint = "; for 8-bit weights use quantize='fp8' or 'int8'" if eight_bit else ""
     raise ValueError(f"dtype: expected one of {sorted(DTYPES)} (or the torch dtype), got {dtype!r}{hint}")
 
 
@@ -212,6 +224,20 @@ def check_fits(nbytes: int, device: torch.device, what: str) -> None:
     if free is not None and nbytes > free:
         raise ValueError(f"{what}: needs {nbytes / 1e9:.1f} GB on {device} but {free / 1e9:.1f} GB are available "
                          "(a smaller dtype, a quantized load, or device='meta' to count without allocating)")
+
+
+def stored_dtype(files: list[MappedSafetensors]) -> torch.dtype:
+    """The dtype the text weights are stored in: the one holding most of their bytes. (safetensors lists tensors
+    widest dtype first, so a bf16 checkpoint with a few float32 scalars starts with those, and taking the first
+    one loaded 26B weights in float32, twice the memory.) A dtype the model does not compute in (float64, fp8
+    stored without scales) reads as float32."""
+    stored: dict[torch.dtype, int] = {}
+    for f in files:
+        for name in f.keys():
+            if not name.startswith(VISION_PREFIXES) and f.dtype(name).is_floating_point:
+                stored[f.dtype(name)] = stored.get(f.dtype(name), 0) + f.nbytes(name)
+    most = max(stored, key=stored.__getitem__) if stored else torch.float32
+    return most if most in DTYPES.values() else torch.float32
 
 
 def native_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -335,8 +361,19 @@ def load_model(
     passthrough = Passthrough()
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
-    for file in files:
-        f = MappedSafetensors(file)
+    opened = [MappedSafetensors(file) for file in files]
+    stored = stored_dtype(opened)
+    if dtype is None:
+        dtype = native_dtype(stored, device)
+    if device.type != "cpu" or dtype != stored or quantize is not None:
+        # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate.
+        params = {name for name, _ in model.named_parameters()}
+        nbytes = sum(t.numel() * (dtype.itemsize if name in params else t.element_size())
+                     for name, t in expected.items())
+        check_fits(nbytes, device, f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}"
+                   + (f", {quantize}" if quantize else ""))
+    for f in opened:
+        file = f.path
         for name in f.keys():
             if name.startswith(VISION_PREFIXES):
                 passthrough.tensors[name] = file
@@ -358,8 +395,6 @@ def load_model(
             if not tensor.is_floating_point():  # every text weight is stored in a float type (quantizing comes after)
                 raise CheckpointError(f"{file.name}: tensor {name!r}: dtype {tensor.dtype} in the checkpoint, "
                                       "expected a floating-point type")
-            if dtype is None and tensor.is_floating_point():
-                dtype = native_dtype(tensor.dtype, device)
             if f"{local}_scale" in expected:  # a quantized projection: quantize on the target device, then drop
                 from .quantize import quantize_weight
 
@@ -401,7 +436,7 @@ def save_model(
     if links:  # writing through them would change blobs that other revisions (and their hashes) share
         raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), as "
                          "a Hugging Face cache snapshot does; save to a folder of your own")
-    model.config.save(path / "config.json")
+    model.config.save(path / "config.json", dtype=model.dtype)
     # safetensors creates its files private (0600); give them the mode config.json got from the umask
     mode = (path / "config.json").stat().st_mode & 0o777
     tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}

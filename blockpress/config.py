@@ -363,7 +363,8 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(raw)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, dtype: Any = None) -> dict[str, Any]:
+        """The config.json of this model; `dtype` (a torch dtype) is the one its weights are saved in."""
         text = {f.name: copy.deepcopy(getattr(self.text, f.name)) for f in fields(TextConfig)}
         # The reference derives the per-layer overrides from these two; it does not store them itself.
         text.pop("global_head_dim")
@@ -379,10 +380,13 @@ class ModelConfig:
         )
         if self.vision_config is not None:
             out["vision_config"] = copy.deepcopy(self.vision_config)
+        if dtype is not None:  # transformers loads in this dtype: the one read, whatever the file said before
+            out.pop("torch_dtype", None)
+            out["dtype"] = str(dtype).removeprefix("torch.")
         return out
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+    def save(self, path: str | Path, dtype: Any = None) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(dtype), indent=2, sort_keys=True) + "\n")
 
     def num_parameters(self, active: bool = False) -> int:
         return self.text.num_parameters(active=active)

@@ -146,6 +146,7 @@ class LM:
         self.passthrough = passthrough or Passthrough()
         self.path = path
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
+        self._rebuild_steps: Callable[[DiffusionGemma], StepFunctions] = StepFunctions.eager  # after a quantize
 
     @property
     def config(self) -> ModelConfig:
@@ -168,7 +169,8 @@ class LM:
         Pays where per-op overhead dominates (bf16 on CPU, small batches on GPU); the first generation
         includes compilation. Returns self.
         """
-        self.step_functions = StepFunctions.compiled(self.model, **options)
+        self._rebuild_steps = lambda model: StepFunctions.compiled(model, **options)
+        self.step_functions = self._rebuild_steps(self.model)
         return self
 
     def quantize(self, scheme: str) -> LM:
@@ -177,7 +179,8 @@ class LM:
         from .quantize import quantize
 
         quantize(self.model, scheme)
-        self.step_functions = None  # compiled or captured steps hold the old modules
+        if self.step_functions is not None:  # compiled or captured steps hold the old modules: make them anew
+            self.step_functions = self._rebuild_steps(self.model)
         return self
 
     @property
@@ -195,7 +198,8 @@ class LM:
         cache) from CUDA graphs from now on; see GraphedDenoise and GraphedEncodeStep. Needs a CUDA model."""
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graphs: needs a model on a CUDA device; this one is on {self.device}")
-        self.step_functions = StepFunctions.cuda_graphs(self.model)
+        self._rebuild_steps = StepFunctions.cuda_graphs
+        self.step_functions = self._rebuild_steps(self.model)
         return self
 
     def _check_runnable(self) -> None:

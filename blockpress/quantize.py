@@ -95,13 +95,25 @@ def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sche
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
             # It reads its input in blocks of 16 columns: other widths crash the process (segfault, torch 2.13).
-            return torch._weight_int8pack_mm(x.contiguous(), q, scale.to(x.dtype))
+            return _int8pack_mm(x, q, scale.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     if x.is_cuda and x.dtype != torch.bfloat16:
         raise ValueError(f"quantize: fp8 on CUDA computes in bfloat16 (row-wise scaled GEMM); this model runs in "
                          f"{x.dtype}: load it with dtype='bfloat16'")
     xq, x_scale = _fp8_rows(x)
     return torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
+
+
+@torch.library.custom_op("blockpress::int8pack_mm", mutates_args=())
+def _int8pack_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """torch's packed int8 GEMM as one opaque op: inductor cannot lower the aten op on a fused input (an
+    InductorError under `lm.compile()`, torch 2.13), and gains nothing from seeing inside it."""
+    return torch._weight_int8pack_mm(x.contiguous(), q, scale)
+
+
+@_int8pack_mm.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])
 
 
 def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -326,6 +326,9 @@ class Trainer:
         self.rank, self.world = _world()
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
+        if lm.quantization is not None:  # its projections are frozen buffers, and saving it is refused at the end
+            raise ValueError(f"train: the model is quantized ({lm.quantization}); train the unquantized weights "
+                             "(load without quantize) and quantize the result")
         text = lm.config.text
         if cfg.noise_token_id >= text.vocab_size:
             raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")

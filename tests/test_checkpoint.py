@@ -67,6 +67,52 @@ def test_dtypes(ref_checkpoint, dtype):
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
+def test_saved_config_names_the_dtype_saved(ref_checkpoint, tmp_path):
+    """A float32 checkpoint read as bf16 and saved says bfloat16, so transformers loads it at that precision
+    (before: the old "float32", twice the memory)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    load_quiet(ref_checkpoint[0], dtype="bfloat16").save(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "bf16")
+    assert ref.model.decoder.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_dtype_names_people_type():
+    from blockpress.checkpoint import resolve_dtype
+
+    for name, want in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("half", torch.float16),
+                       ("torch.float32", torch.float32), ("BFloat16", torch.bfloat16), (torch.float16, torch.float16)):
+        assert resolve_dtype(name) == want
+    with pytest.raises(ValueError, match=r"dtype: expected one of .* got torch.float64$"):
+        resolve_dtype(torch.float64)  # no 8-bit hint for a wider dtype
+    with pytest.raises(ValueError, match="quantize='fp8'"):
+        resolve_dtype(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="got 'float128'"):
+        resolve_dtype("float128")
+
+
+@pytest.mark.parametrize("stray", [torch.float32, torch.float64])
+def test_dtype_none_is_the_dtype_of_most_weights(ref_checkpoint, tmp_path, stray):
+    """A bf16 checkpoint with its scalars in another dtype loads as bf16 (where this CPU computes it natively):
+    safetensors lists the widest dtype first, and the first tensor decided (float32 at twice the memory, or
+    float64)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from blockpress.checkpoint import native_dtype
+
+    src = ref_checkpoint[0]
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    tensors = {k: v.to(stray if k.endswith("layer_scalar") else torch.bfloat16)
+               for k, v in load_file(src / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors")
+    lm = load_quiet(tmp_path)
+    assert lm.dtype == native_dtype(torch.bfloat16, torch.device("cpu"))
+    assert all(p.dtype == lm.dtype for p in lm.model.parameters())
+
+
 def test_vision_tensors_warn_once(ref_checkpoint):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

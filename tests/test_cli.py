@@ -133,6 +133,19 @@ def test_weights_that_cannot_fit_are_refused_before_allocating(monkeypatch, caps
     assert blockpress.random_model(blockpress.ModelConfig.tiny()).num_parameters() > 0
 
 
+def test_a_checkpoint_that_cannot_fit_is_refused_before_reading(monkeypatch):
+    """Loading converts (float32 from bf16, quantized) or copies to a GPU: checked first, like random_model. A
+    CPU load in the file's own dtype maps the file and allocates nothing, so it is not refused."""
+    import blockpress.checkpoint
+
+    monkeypatch.setattr(blockpress.checkpoint, "available_bytes", lambda device: 10_000)
+    with pytest.raises(ValueError, match=r"load: .*blockpress-code.* in float32: needs 0\.0 GB on cpu"):
+        blockpress.load("blockpress-code", dtype="float32")
+    with pytest.raises(ValueError, match=r"in bfloat16, int8: needs"):
+        blockpress.load("blockpress-code", dtype="bfloat16", quantize="int8")
+    assert blockpress.load("blockpress-code", dtype="bfloat16").dtype == torch.bfloat16  # mapped, not copied
+
+
 def test_chat_reuses_cache(monkeypatch, capsys):
     import blockpress.lm
 

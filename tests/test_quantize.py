@@ -87,6 +87,30 @@ def test_int8_matmul_is_the_dequantized_matmul(dtype, width):
     assert (got.float() - expected).abs().max() <= tol * expected.abs().max()
 
 
+def test_int8_bf16_projection_compiles_with_inductor():
+    """The packed int8 kernel behind a fused input: inductor could not lower the aten op (InductorError under
+    lm.compile() for int8 + bf16 on a CPU, the README's suggested pairing); it is now one opaque op."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(torch.nn.Linear(64, 48, bias=False), "int8")
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+
+    def step(x):
+        return layer(torch.nn.functional.gelu(x) * 2)
+
+    assert torch.equal(torch.compile(step)(x), step(x))
+
+
+def test_quantizing_a_compiled_model_keeps_it_compiled():
+    """compile() then quantize(): the steps are compiled again over the quantized modules (before: dropped to
+    eager without a word)."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).compile(backend="eager")
+    lm.quantize("int8")
+    assert lm.step_functions is not None and "int8" in repr(lm.model.layers[0].self_attn.q_proj)
+    eager = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).quantize("int8")
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    assert torch.equal(lm.generate([3, 4], **kw).sequences, eager.generate([3, 4], **kw).sequences)
+
+
 def test_fp8_matmul_error_comes_from_both_roundings_only():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(7, 64, generator=g), torch.randn(48, 64, generator=g)

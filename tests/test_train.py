@@ -195,6 +195,13 @@ def test_absorbing_noise_corrupts_to_one_token_and_the_model_remembers(tmp_path)
     assert blockpress.load(tmp_path / "uniform").sampler_defaults.noise_token_id is None
 
 
+def test_a_quantized_model_is_refused_before_training(tmp_path):
+    """Its projections are frozen buffers, and saving it is refused: before, every step ran and the save failed."""
+    with pytest.raises(ValueError, match=r"train: the model is quantized \(int8\)"):
+        run(tmp_path, 2, lm=tiny_lm().quantize("int8"))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("value, message", [(-2, "expected -1"), (32, "outside the vocabulary")])
 def test_bad_noise_token_id_in_training(tmp_path, value, message):
     with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):
