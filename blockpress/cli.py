@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
@@ -14,7 +15,8 @@ from typing import Any
 
 import torch
 
-from blockpress.healing import heal, strip_prefix
+from blockpress.healing import heal
+from blockpress.live import LiveView, live_terminal
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -88,38 +90,6 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
-class LiveView:
-    """Redraws the text as the canvas settles: changing tokens dim, settled ones bright, committed plain."""
-
-    def __init__(self, lm: Any, prompt: str, healed_prefix: str = ""):
-        self.lm, self.prompt, self.committed = lm, prompt, ""
-        self.healed_prefix = healed_prefix  # the first draft token repeats it (token healing): not drawn twice
-        self.previous: list[int] | None = None
-        sys.stdout.write(prompt + "\x1b[s")
-        sys.stdout.flush()
-
-    def draft(self, tokens: list[int]) -> None:
-        tok = self.lm.tokenizer
-        parts = []
-        for i, t in enumerate(tokens):
-            piece = tok.decode([t])
-            if i == 0 and not self.committed and self.healed_prefix:
-                piece = strip_prefix(piece, self.healed_prefix)
-            settled = self.previous is not None and self.previous[i] == t
-            parts.append(("\x1b[1;32m" if settled else "\x1b[2;33m") + piece + "\x1b[0m")
-        self.previous = tokens
-        sys.stdout.write("\x1b[u\x1b[J" + self.committed + "".join(parts))
-        sys.stdout.flush()
-
-    def commit(self, text: str, whole: bool = False) -> None:
-        """Add a canvas's text, or (`whole`) redraw the answer's final text: canvases decoded one by one can
-        split a character between them, and a stop string can cut the last one."""
-        self.committed = text if whole else self.committed + text
-        self.previous = None
-        sys.stdout.write("\x1b[u\x1b[J" + self.committed)
-        sys.stdout.flush()
-
-
 def stats_line(out: Any, seconds: float) -> dict[str, Any]:
     n = int(out.num_new_tokens.sum())
     passes = int(out.forward_passes.max())
@@ -142,21 +112,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
     if args.prompt == "-":  # as infill's template
         args.prompt = sys.stdin.read()
-    live = sys.stdout.isatty() and not args.no_live and not args.json
+    live = live_terminal(sys.stdout) and not args.no_live and not args.json
     healing = not args.no_token_healing
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
-    view = LiveView(lm, args.prompt, prefix) if live else None
+    view = LiveView(lm.tokenizer, args.prompt, prefix, color=not os.environ.get("NO_COLOR")) if live else None
     t0 = time.perf_counter()
     out = None
-    for event in lm.stream(args.prompt, drafts=live, token_healing=healing, stop=args.stop, **sampling_kwargs(args)):
-        if isinstance(event, Draft) and view:
-            view.draft(event.tokens[0].tolist())
-        elif isinstance(event, Commit) and view:
-            view.commit(event.texts[0])
-        elif isinstance(event, Done):
-            out = event.output
-            if view:
-                view.commit(out.texts[0], whole=True)
+    try:
+        for event in lm.stream(args.prompt, drafts=live, token_healing=healing, stop=args.stop,
+                               **sampling_kwargs(args)):
+            if isinstance(event, Draft) and view:
+                view.draft(event.tokens[0].tolist())
+            elif isinstance(event, Commit) and view:
+                view.commit(event.texts[0])
+            elif isinstance(event, Done):
+                out = event.output
+                if view:
+                    view.commit(out.texts[0], whole=True)
+    except KeyboardInterrupt:
+        if view:
+            view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line
+        print("interrupted", file=sys.stderr)
+        return 130
     stats = stats_line(out, time.perf_counter() - t0)
     if args.json:
         print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats)))

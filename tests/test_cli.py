@@ -54,11 +54,12 @@ def test_the_live_view_ends_on_the_answers_text(capsys, monkeypatch):
         assert main(base + ["--seed", seed, "--json"]) == 0
         want = json.loads(capsys.readouterr().out)["text"]
         monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+        monkeypatch.setenv("TERM", "xterm")
         assert main(base + ["--seed", seed]) == 0
         monkeypatch.undo()
         screen = capsys.readouterr().out
         assert "\x1b[2m" in screen or "\x1b[" in screen  # it did draw
-        assert screen.rsplit("\x1b[u\x1b[J", 1)[1] == want
+        assert screen.rsplit("\r\x1b[J", 1)[1] == "hello" + want  # the last redraw: the prompt's line and the answer
 
 
 def test_generate_reads_the_prompt_from_stdin_given_a_dash(capsys, monkeypatch):

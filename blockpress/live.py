@@ -1,0 +1,155 @@
+"""The live view of `blockpress generate` on a terminal: the canvas redrawn as it settles.
+
+Changing tokens are dim, settled ones bright, committed text plain. The view redraws one region, the prompt's last
+line and everything after it, by moving the cursor up over the rows it drew last time. (A saved cursor position,
+ESC 7 / ESC[s, does not survive the screen scrolling: each redraw then began lower and left a copy behind.) While
+live, the region is cut to the screen's height, since rows scrolled off cannot be redrawn; the final text is
+written whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import unicodedata
+from typing import Any, TextIO
+
+from .healing import strip_prefix
+
+SETTLED, CHANGING, ELIDED, RESET = "\x1b[1;32m", "\x1b[2;33m", "\x1b[2m", "\x1b[0m"
+# Control characters in model output would move the cursor: drawn as U+FFFD while live (tab and newline stay).
+_CONTROLS = {c: "\ufffd" for c in (*range(32), 127) if c not in (9, 10)}
+
+Piece = tuple[str, str]  # (text, style); style "" is plain
+
+
+def live_terminal(stream: TextIO, env: dict[str, str] | None = None) -> bool:
+    """A terminal that can take cursor movement: a tty whose TERM is not "dumb"."""
+    env = os.environ if env is None else env
+    return stream.isatty() and env.get("TERM", "") != "dumb"
+
+
+def display_width(text: str) -> int:
+    """Terminal cells `text` takes: wide East Asian characters two, combining marks none, tabs to the next stop."""
+    width = 0
+    for ch in text:
+        if ch == "\t":
+            width += 8 - width % 8
+        elif unicodedata.combining(ch):
+            continue
+        else:
+            width += 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+    return width
+
+
+def rows_of(text: str, columns: int) -> int:
+    """Terminal rows `text` takes from column 0, wrapped as xterm does: a wide character that does not fit at
+    the end of a row starts the next one, and a line exactly as wide as the screen takes one row."""
+    rows = 0
+    for line in text.split("\n"):
+        rows += 1
+        col = 0
+        for ch in line:
+            if ch == "\t":  # to the next stop, never past the last column (nor wrapping from it)
+                col = min((col // 8 + 1) * 8, columns - 1)
+                continue
+            cells = display_width(ch)
+            if col + cells > columns:
+                rows += 1
+                col = 0
+            col += cells
+    return rows
+
+
+def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
+    """The last lines of `pieces` that fit in `max_rows` rows, after a dim "…" line when any were left out."""
+    if rows_of("".join(t for t, _ in pieces), columns) <= max_rows:
+        return pieces
+    lines: list[list[Piece]] = [[]]
+    for text, style in pieces:
+        for j, part in enumerate(text.split("\n")):
+            if j:
+                lines.append([])
+            if part:
+                lines[-1].append((part, style))
+    kept: list[list[Piece]] = []
+    used = 1  # the "…" line
+    for line in reversed(lines):
+        need = rows_of("".join(t for t, _ in line), columns)
+        if used + need > max_rows:
+            break
+        kept.insert(0, line)
+        used += need
+    if not kept:  # one line taller than the screen: as many of its last characters as surely fit
+        room, tail = (max_rows - 1) * columns, []
+        for text, style in reversed(lines[-1]):
+            n = 0
+            for ch in reversed(text):
+                cells = 8 if ch == "\t" else display_width(ch)  # a tab takes at most 8
+                if cells > room:
+                    break
+                room -= cells
+                n += 1
+            if n:
+                tail.insert(0, (text[len(text) - n :], style))
+            if n < len(text):
+                break
+        kept = [tail]
+    out: list[Piece] = [("…", ELIDED)]
+    for line in kept:
+        out += [("\n", ""), *line]
+    return out
+
+
+class LiveView:
+    """Redraws the answer as the canvas settles. `draft` shows a step's canvas, `commit` adds a canvas's text (or,
+    `whole`, sets the final text), `abort` leaves the committed text on screen after an interruption."""
+
+    def __init__(self, tokenizer: Any, prompt: str, healed_prefix: str = "", color: bool = True,
+                 out: TextIO | None = None, size: Any = None):
+        self.tokenizer, self.color, self.out = tokenizer, color, out or sys.stdout
+        self.size = size or shutil.get_terminal_size  # () -> (columns, lines)
+        self.healed_prefix = healed_prefix  # the first draft token repeats it (token healing): not drawn twice
+        head, newline, self.tail = prompt.rpartition("\n")
+        self.out.write(head + newline)  # the prompt's earlier lines are written once; its last one is redrawn
+        self.committed = ""
+        self.previous: list[int] | None = None
+        self.rows = 1  # rows the region took when last drawn (the cursor is on its last one)
+        self._draw([], live=True)
+
+    def draft(self, tokens: list[int]) -> None:
+        pieces = []
+        for i, t in enumerate(tokens):
+            piece = self.tokenizer.decode([t])
+            if i == 0 and not self.committed and self.healed_prefix:
+                piece = strip_prefix(piece, self.healed_prefix)
+            settled = self.previous is not None and i < len(self.previous) and self.previous[i] == t
+            pieces.append((piece, SETTLED if settled else CHANGING))
+        self.previous = tokens
+        self._draw([(self.committed, ""), *pieces], live=True)
+
+    def commit(self, text: str, whole: bool = False) -> None:
+        """Add a canvas's text, or (`whole`) show the answer's final text, written out in full: canvases decoded one
+        by one can split a character between them, and a stop string can cut the last one."""
+        self.committed = text if whole else self.committed + text
+        self.previous = None
+        self._draw([(self.committed, "")], live=not whole)
+
+    def abort(self) -> None:
+        """After Ctrl-C: the text committed so far, plainly, and a newline for the shell's prompt."""
+        self._draw([(self.committed, "")], live=False)
+        self.out.write("\n")
+        self.out.flush()
+
+    def _draw(self, pieces: list[Piece], live: bool) -> None:
+        columns, lines = self.size()
+        columns = max(columns, 1)
+        pieces = [(self.tail, ""), *((t.translate(_CONTROLS) if live else t, s) for t, s in pieces if t)]
+        if live:
+            pieces = fit(pieces, columns, max(lines - 1, 2))
+        up = f"\x1b[{self.rows - 1}A" if self.rows > 1 else ""
+        body = "".join(style + text + RESET if style and self.color else text for text, style in pieces)
+        self.out.write(up + "\r\x1b[J" + body)
+        self.out.flush()
+        self.rows = rows_of("".join(t for t, _ in pieces), columns)

@@ -1,0 +1,143 @@
+"""The live terminal view, rendered through a terminal emulator (pyte): what stays on screen is what a plain write
+of the answer leaves, wherever the prompt starts and however long the answer grows."""
+
+import io
+import json
+import os
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockpress.cli import main
+from blockpress.live import LiveView, display_width, fit, rows_of
+
+pyte = pytest.importorskip("pyte")
+
+
+class Chars:
+    """A tokenizer whose token i is the i-th character of an alphabet."""
+
+    def __init__(self, alphabet: str):
+        self.alphabet = alphabet
+
+    def decode(self, ids):
+        return "".join(self.alphabet[i] for i in ids)
+
+
+def screen_after(data: str, columns: int, lines: int, above: int) -> list[str]:
+    """The screen once `data` is written after `above` lines of earlier output (a tty turns \\n into \\r\\n)."""
+    screen = pyte.Screen(columns, lines)
+    stream = pyte.Stream(screen)
+    stream.feed("".join(f"$ earlier output {i}\r\n" for i in range(above)))
+    stream.feed(data.replace("\n", "\r\n"))
+    return screen.display
+
+
+# Narrow characters only where pyte renders: it puts a wide character that does not fit in a row's last cell,
+# where xterm wraps it (rows_of follows xterm; test_widths checks it).
+ALPHABET = "abc xyz\n\t(){}=:"
+texts = st.text(alphabet=ALPHABET, max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=texts, canvases=st.lists(st.lists(st.lists(st.integers(0, len(ALPHABET) - 1), min_size=1, max_size=24),
+                                                min_size=1, max_size=4), min_size=1, max_size=3),
+       columns=st.integers(8, 40), lines=st.integers(3, 12), above=st.integers(0, 14), color=st.booleans())
+def test_the_screen_ends_as_a_plain_write_leaves_it(prompt, canvases, columns, lines, above, color):
+    tok = Chars(ALPHABET)
+    out = io.StringIO()
+    view = LiveView(tok, prompt, color=color, out=out, size=lambda: (columns, lines))
+    final = ""
+    for drafts in canvases:
+        for draft in drafts:
+            view.draft(draft)
+        final += tok.decode(drafts[-1])
+        view.commit(tok.decode(drafts[-1]))
+    view.commit(final, whole=True)
+    assert settled(screen_after(out.getvalue(), columns, lines, above), screen_after(prompt + final, columns, lines, above))
+
+
+def settled(live: list[str], plain: list[str]) -> bool:
+    """The live screen shows what a plain write shows, without stale copies: the same rows, except that a region
+    which grew and shrank again scrolled the screen further, so its end may sit higher, over blank rows."""
+    def strip(rows):
+        rows = [r.rstrip() for r in rows]
+        while rows and not rows[-1]:
+            rows.pop()
+        return rows
+
+    live, plain = strip(live), strip(plain)
+    return live == plain[len(plain) - len(live):] if len(live) <= len(plain) else False
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=texts, columns=st.integers(4, 30), max_rows=st.integers(2, 10))
+def test_fit_keeps_the_last_lines_within_the_rows(text, columns, max_rows):
+    pieces = [(text[: len(text) // 2], ""), (text[len(text) // 2 :], "s")]
+    kept = fit(pieces, columns, max_rows)
+    shown = "".join(t for t, _ in kept)
+    assert rows_of(shown, columns) <= max(max_rows, rows_of(text, columns) if kept == pieces else max_rows)
+    if kept == pieces:
+        assert rows_of(text, columns) <= max_rows
+    else:
+        assert shown.startswith("…\n")
+        body = shown[2:]
+        last_line = text.split("\n")[-1]
+        assert text.endswith(body) or last_line.endswith(body)  # the end of the text, never the start
+
+
+def test_widths():
+    assert display_width("ab\t") == 8 and display_width("中文") == 4 and display_width("e\u0301") == 1
+    assert rows_of("x" * 10, 10) == 1 and rows_of("x" * 11, 10) == 2 and rows_of("a\n\nb", 10) == 3
+    assert rows_of("x" * 9 + "中", 10) == 2 and rows_of("x" * 8 + "中", 10) == 1  # a wide one wraps whole
+    assert rows_of("\t" * 3, 10) == 1 and rows_of("ab\tc", 10) == 1 and rows_of("ab\tcde", 10) == 2
+
+
+def test_the_cli_live_view_leaves_one_copy_of_the_answer(capsys, monkeypatch):
+    """End to end on a terminal at the bottom of a full screen (before: each redraw started lower than the last,
+    leaving copies of the draft once the screen scrolled)."""
+    base = ["generate", "hello", "--model", "random-tiny", "--max-new-tokens", "40", "--steps", "3", "--seed", "2"]
+    assert main(base + ["--json"]) == 0
+    want = json.loads(capsys.readouterr().out)["text"]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr("shutil.get_terminal_size", lambda *a: os.terminal_size((30, 6)))
+    assert main(base) == 0
+    drawn = capsys.readouterr().out
+    assert "\x1b[" in drawn  # it did draw live
+    assert settled(screen_after(drawn, 30, 6, above=10), screen_after("hello" + want, 30, 6, above=10))
+
+
+@pytest.mark.parametrize("env, live, colored", [({"TERM": "dumb"}, False, False), ({"NO_COLOR": "1"}, True, False),
+                                                ({}, True, True)])
+def test_dumb_terminals_and_no_color(capsys, monkeypatch, env, live, colored):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["generate", "hi", "--model", "random-tiny", "--max-new-tokens", "8", "--steps", "2"]) == 0
+    drawn = capsys.readouterr().out
+    assert ("\x1b[J" in drawn) == live and ("\x1b[2;33m" in drawn) == colored
+
+
+def test_ctrl_c_leaves_the_committed_text_and_a_fresh_line(capsys, monkeypatch):
+    import blockpress.lm
+
+    original = blockpress.lm.LM.stream
+
+    def interrupted(self, *args, **kwargs):
+        for n, event in enumerate(original(self, *args, **kwargs)):
+            if n == 3:
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(blockpress.lm.LM, "stream", interrupted)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm")
+    assert main(["generate", "hi", "--model", "random-tiny", "--max-new-tokens", "8", "--steps", "4"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\r\x1b[Jhi\n")  # the draft cleared, nothing committed yet, the line ended
+    assert "interrupted" in captured.err
