@@ -33,7 +33,7 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
         config = blockpress.ModelConfig.preset(spec[len(RANDOM_PREFIX):])
         tokenizer = train_bpe_tokenizer([""], vocab_size=300)  # bytes + special tokens, no merges
         if tokenizer.vocab_size > config.text.vocab_size:
-            raise SystemExit(f"--model {spec}: vocabulary too small for a byte-level tokenizer")
+            raise ValueError(f"--model {spec}: vocabulary too small for a byte-level tokenizer")
         lm = blockpress.random_model(config, seed=0, dtype=dtype, device=device, tokenizer=tokenizer)
         return lm.quantize(quantize) if quantize else lm
     with warnings.catch_warnings():
@@ -109,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None:
-        raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
     if args.prompt == "-":  # as infill's template
         args.prompt = sys.stdin.read()
     live = live_terminal(sys.stdout) and not args.no_live and not args.json
@@ -147,7 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_infill(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None:
-        raise SystemExit(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     text = args.template if args.template != "-" else sys.stdin.read()
     kw = sampling_kwargs(args)
     for flag in ("max_new_tokens", "min_new_tokens"):
@@ -179,7 +179,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None or lm.tokenizer.chat_template is None:
-        raise SystemExit(f"--model {args.model}: needs a tokenizer with a chat template for chat")
+        raise ValueError(f"--model {args.model}: needs a tokenizer with a chat template for chat")
     messages: list[dict[str, str]] = []
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
@@ -466,17 +466,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from blockpress.serve import create_app
 
     if args.prefix_cache_gb < 0:
-        raise SystemExit(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
+        raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if value < 1:
-            raise SystemExit(f"{flag}: expected a positive integer, got {value}")
+            raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
+    sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30))
-    print(f"blockpress serving {name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1", file=sys.stderr)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     return 0
+
+
+def bind_socket(host: str, port: int) -> Any:
+    """A listening socket on host:port, or an error that names them."""
+    import socket
+
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as exc:
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

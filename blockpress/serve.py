@@ -51,14 +51,26 @@ from .sampling import SamplerConfig
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
 
 
+# Strict types, as OpenAI's API: "5" or true is not a max_tokens, 2.0 not an n; NaN is no temperature.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False  # OpenAI's: one last chunk, before [DONE], with the request's usage
 
 
+# The values of unimplemented OpenAI fields that ask for nothing (None always passes).
+NOOP_VALUES: dict[str, tuple] = {
+    "logprobs": (False, 0), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (False, True), "functions": ([],), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
+}
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -85,10 +97,31 @@ class _Common(BaseModel):
     confidence_threshold: float | None = Field(default=None, gt=0.0)
     drafts: bool = False
     token_healing: bool = False
+    # OpenAI fields blockpress does not implement. Clients and proxies often send their no-op values, which pass
+    # (NOOP_VALUES); anything else is refused by name (`unsupported`).
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    logit_bias: dict | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        """The first unimplemented OpenAI field this request uses for real, if any."""
+        for name, noop in NOOP_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and not any(type(value) is type(v) and value == v for v in noop):
+                return name
+        return None
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant"]
     content: str
     name: str | None = None
@@ -363,12 +396,18 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         if body.model not in (model_name, lm.path.name if lm.path else model_name):
             raise APIError(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
                            "not_found_error")
+        field_name = body.unsupported()
+        if field_name:
+            raise APIError(400, f"{field_name}: not supported by this server (block diffusion; its no-op value "
+                                f"{NOOP_VALUES[field_name][0]!r} or null is accepted)", field_name)
         max_tokens = body.max_completion_tokens or body.max_tokens or default_max
         if body.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
         if len(prompt) + max_tokens > context:
-            raise APIError(400, f"messages/prompt: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
-                                f"context of {context} tokens", "max_tokens")
+            # the prompt is what to shorten when it alone leaves no room for one new token
+            param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) >= context else "max_tokens"
+            raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
+                                f"context of {context} tokens", param)
         if body.top_p not in (None, 1.0):
             raise APIError(400, "top_p: only 1.0 is supported (block diffusion samples whole canvases)", "top_p")
         overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
@@ -379,6 +418,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             if body.temperature == 0:
                 cfg = cfg.with_(sampler="greedy")
             elif body.temperature is not None:
+                if cfg.sampler == "greedy" and body.sampler is None:
+                    # A model that decodes greedily by default (blockpress-code) samples when asked for a
+                    # temperature, as OpenAI's API does: greedy is entropy_bound with argmax candidates.
+                    cfg = cfg.with_(sampler="entropy_bound")
                 cfg = cfg.with_(t_min=cfg.t_min * body.temperature, t_max=cfg.t_max * body.temperature)
         except ValueError as exc:
             field_name = str(exc).split(":", 1)[0]
@@ -429,21 +472,33 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     "prompt_tokens_details": {"cached_tokens": cached}}
 
         if body.stream:
+            with_usage = body.stream_options is not None and body.stream_options.include_usage
+            # OpenAI's chunk objects: chat.completion.chunk, and text_completion for the legacy completions
+            chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+            def sse(choices: list[dict], **extra: Any) -> str:
+                chunk = {"id": rid, "object": chunk_object, "created": created, "model": body.model,
+                         "choices": choices, **extra}
+                if with_usage and "usage" not in chunk:
+                    chunk["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
+                return f"data: {json.dumps(chunk)}\n\n"
+
             async def events():
                 totals = (0, 0, 0)
                 try:
                     for i, job in enumerate(jobs):
                         sent = ""
+                        if kind == "chat":  # OpenAI's first delta of a choice names the role
+                            yield sse([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "finish_reason": None}])
                         while True:
                             item = await job.events.get()
                             if item[0] == "error":
                                 yield f"data: {json.dumps(error_body(item[1], 'server_error', None))}\n\n"
                                 return
                             if item[0] == "draft":
-                                chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
-                                         "choices": [choice(i, None, None, True)],
-                                         "blockpress": {"draft": item[1], "step": item[2]}}
-                                yield f"data: {json.dumps(chunk)}\n\n"
+                                yield sse([choice(i, None, None, True)],
+                                          blockpress={"draft": item[1], "step": item[2]})
                                 continue
                             if item[0] in ("text", "done"):
                                 # The chunks must add up to the plain answer: send only text no later event can
@@ -452,22 +507,16 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                 piece = text[len(sent):] if text.startswith(sent) else ""
                                 if piece:
                                     sent = text
-                                    chunk = {"id": rid, "object": f"{obj}.chunk", "created": created,
-                                             "model": body.model, "choices": [choice(i, piece, None, True)]}
-                                    yield f"data: {json.dumps(chunk)}\n\n"
+                                    yield sse([choice(i, piece, None, True)])
                                 if item[0] == "text":
                                     continue
                             finish = item[4]  # the engine ended stopped rows and cut their text
                             totals = tally(totals, item)
-                            chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
-                                     "choices": [choice(i, None if kind == "chat" else "", finish, True)]}
-                            yield f"data: {json.dumps(chunk)}\n\n"
+                            yield sse([choice(i, None if kind == "chat" else "", finish, True)])
                             break
                     finished(jobs, prompt_tokens)
-                    if body.stream_options is not None and body.stream_options.include_usage:
-                        chunk = {"id": rid, "object": f"{obj}.chunk", "created": created, "model": body.model,
-                                 "choices": [], "usage": usage(totals)}
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                    if with_usage:
+                        yield sse([], usage=usage(totals))
                     yield "data: [DONE]\n\n"
                 finally:
                     for job in jobs:  # a client that left frees its rows

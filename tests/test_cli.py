@@ -346,9 +346,28 @@ def test_bench_engines_take_turns_and_keep_their_fastest_run():
                     "b": {"seconds": 4.0, "name": "b", "peak_memory_gb": 0.5}}
 
 
-def test_serve_rejects_a_negative_prefix_cache():
-    with pytest.raises(SystemExit, match="--prefix-cache-gb: expected 0"):
-        main(["serve", "--model", "random-tiny", "--prefix-cache-gb", "-1"])
+def test_serve_rejects_a_negative_prefix_cache(capsys):
+    assert main(["serve", "--model", "random-tiny", "--prefix-cache-gb", "-1"]) == 2
+    assert "blockpress serve: error: --prefix-cache-gb: expected 0" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
+    """The port is bound before the model loads: one clear line, and no "serving" line for a server that never
+    served (before: the line, then uvicorn's error; an out-of-range port a traceback)."""
+    import socket
+
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "--port: expected 0-65535" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err and "serving" not in err
 
 
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue"])
@@ -357,8 +376,7 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     from blockpress.cli import load_model
     from blockpress.serve import create_app
 
-    with pytest.raises(SystemExit, match=f"{flag}: expected a positive integer, got 0"):
-        main(["serve", "--model", "random-tiny", flag, "0"])
+    assert main(["serve", "--model", "random-tiny", flag, "0"]) == 2
     name = flag[2:].replace("-", "_")
     with pytest.raises(ValueError, match=f"{name}: expected a positive integer"):
         create_app(load_model("random-tiny", None, "cpu"), **{name: 0})

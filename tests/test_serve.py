@@ -108,6 +108,28 @@ def test_stream_usage_on_request(client, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
+def sse_chunks(server, path, body):
+    with httpx.stream("POST", server[0] + path, json={"model": MODEL, "stream": True, **body}, timeout=60) as r:
+        lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_stream_chunks_in_openais_shape(server):
+    """As OpenAI sends them: a chat choice's first delta names the role; legacy completion chunks are
+    "text_completion" objects; with include_usage every chunk but the last has "usage": null."""
+    chat = sse_chunks(server, "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "yo"}], "max_tokens": 8, "seed": 3, "n": 2})
+    assert all(c["object"] == "chat.completion.chunk" for c in chat)
+    for i in (0, 1):
+        deltas = [c["choices"][0]["delta"] for c in chat if c["choices"][0]["index"] == i]
+        assert deltas[0] == {"role": "assistant", "content": ""} and all("role" not in d for d in deltas[1:])
+    plain = sse_chunks(server, "/v1/completions", {"prompt": "abc", "max_tokens": 8, "seed": 7,
+                                                   "stream_options": {"include_usage": True}})
+    assert all(c["object"] == "text_completion" for c in plain)
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] > 0
+
+
 def test_draft_events_opt_in(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "drafts": True, "seed": 1}
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
@@ -157,14 +179,26 @@ def test_openai_penalties_reach_the_sampler(client):
         ({"model": MODEL, "prompt": "x", "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10, "min_tokens": 20}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [5] * 131072, "max_tokens": 4}, 400, "prompt"),  # the prompt alone fills the context
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "messages": []}, 400, None),
         ({"model": MODEL, "prompt": [99999]}, 400, "prompt"),
+        # OpenAI's types, strictly: these were read as 5, 1, 2 and a NaN "above 2"
+        ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "n": 2.0}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+        # unimplemented OpenAI fields used for real
+        ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+         "tools"),
+        ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
 )
 def test_bad_requests_get_clean_4xx(server, body, status, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    r = httpx.post(server[0] + path, json=body, timeout=30)
+    r = httpx.post(server[0] + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=30)  # json.dumps, as some clients do, writes NaN (httpx refuses to)
     assert r.status_code == status
     err = r.json()["error"]
     assert err["message"] and (param is None or param in (err["param"] or "") or param in err["message"])
@@ -184,6 +218,19 @@ def test_a_field_of_several_types_names_them_all(server, body, param, forms):
     assert err["param"] == param
     for form in forms or []:
         assert form in err["message"]
+
+
+def test_the_no_op_values_clients_send_are_accepted(server):
+    """Clients and proxies that always send OpenAI's defaults (null tools, logprobs false, a text response format)
+    are served (before: 400 "unknown field" on every request)."""
+    noop = {"tools": None, "tool_choice": "none", "logprobs": False, "top_logprobs": None, "response_format":
+            {"type": "text"}, "logit_bias": {}, "parallel_tool_calls": True}
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **noop})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server[0] + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 4, "echo": False, "best_of": 1, "logprobs": None})
+    assert r.status_code == 200, r.text
 
 
 def test_malformed_json(server):
@@ -357,6 +404,26 @@ def test_a_chat_reuses_its_earlier_turns(client, server):
     assert int(metrics["blockpress_prefix_cache_bytes"]) == engine.prefix_cache.nbytes > 0
     direct = lm.generate([ids2], max_new_tokens=8, seeds=[12], sampler="greedy", min_new_tokens=1)  # chat's default
     assert second.choices[0].message.content == direct.texts[0]
+
+
+def test_a_temperature_samples_even_where_the_model_decodes_greedily():
+    """blockpress-code decodes greedily by default: a request's temperature > 0 still samples (OpenAI's meaning),
+    so n choices differ and seeds matter; temperature 0 stays one answer (before: n identical choices)."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"sampler": "greedy", "max_denoising_steps": 3}
+    with TestClient(create_app(lm, MODEL)) as http:
+        def texts(**kw):
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 16, **kw}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in r.json()["choices"]]
+
+        assert len(set(texts(temperature=1.0, n=3, seed=1))) == 3
+        assert texts(temperature=1.0, seed=1) != texts(temperature=1.0, seed=2)
+        assert texts(temperature=1.0, seed=5) == texts(temperature=1.0, seed=5)
+        assert len(set(texts(temperature=0, n=2))) == 1
 
 
 def test_prefix_cache_can_be_off():
