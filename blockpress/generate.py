@@ -11,7 +11,7 @@ import numbers
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -649,11 +649,16 @@ def run(
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
         # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
         # every random number is per row, so the survivors compute exactly what they would have.
+        # Rows with nothing to write here: ended earlier, or a template canvas without holes (its tokens are given).
+        # They start done (a done row's state is frozen and costs no pass), and leave the batch when it shrinks.
+        idle = finished if fixed is None else finished | (fixed[:, :keep] >= 0).all(-1)
+        state = replace(state, done=state.done | idle)
         w = _Working(all_rows, state, cache, fixed, scored, row_seed, finished)
-        if req.skip_stopped_rows and b > 1 and bool(finished.any()):
-            w = w.shrink((~finished).nonzero()[:, 0], canvas_len)
+        all_idle = fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
+        if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
+            w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
         t_canvas = time.perf_counter()
-        for k, step in enumerate(range(cfg.max_denoising_steps, 0, -1), start=1):
+        for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
             active = ~(w.state.done | w.finished)
             passes[w.rows] += active
             steps_per_canvas[w.rows, ci] += active

@@ -201,6 +201,23 @@ def test_template_fixed_positions_untouched(lm, data):
             assert got != EOS  # holes are filled with content, never an end
 
 
+def test_canvases_without_holes_cost_no_pass(lm):
+    """A stretch of given text is committed as it is: no denoising pass (before: 2 or more a canvas, and a lower
+    tokens_per_forward). In a batch, a row without holes in a canvas waits while the others fill theirs."""
+    c = lm.config.canvas_length
+    template = [5] * (2 * c) + [-1, 6]
+    out = lm.infill(template, max_denoising_steps=6, seed=0)
+    assert out.steps_per_canvas[0, :2].tolist() == [0, 0] and out.steps_per_canvas[0, 2] > 0
+    assert int(out.forward_passes[0]) == int(out.steps_per_canvas[0, 2])
+    assert out.new_tokens[0, : 2 * c].tolist() == [5] * (2 * c) and out.new_tokens[0, -1] == 6
+    rows = [[5] * c + [-1] * c, [-1] * c + [7] * c]
+    both = lm.infill(rows, max_denoising_steps=6, seed=0)
+    assert both.steps_per_canvas[0, 0] == 0 and both.steps_per_canvas[1, 1] == 0
+    for r, row in enumerate(rows):
+        alone = lm.infill(row, max_denoising_steps=6, seed=0)
+        assert torch.equal(alone.new_tokens[0], both.new_tokens[r])
+
+
 def test_template_longer_than_a_canvas(lm):
     template = [5] * 3 + [-1] * 12 + [9] * 4  # a 12-token hole across two 8-token canvases
     out = lm.infill(template, max_denoising_steps=2, seed=0)
