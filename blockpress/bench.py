@@ -329,12 +329,21 @@ def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings, memory: bool = False) ->
 def _reference(lm: LM) -> Any:
     try:
         from transformers import DiffusionGemmaForBlockDiffusion
+        from transformers.utils import logging as hf_logging
     except ImportError:
         return None
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        lm.save(tmp)
-        return DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype).to(lm.device).eval()
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # its load report lists the vision tower we do not save: noise in a benchmark
+    hf_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lm.save(tmp)
+            return DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype).to(lm.device).eval()
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device,

@@ -56,13 +56,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "without native half-precision matmuls)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu); meta with "
                    "random-<preset> builds nothing: `info` then counts parameters and bytes of any size")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
     """`lengths=False` (infill: the template sets the length) hides the length flags; given anyway, they get an
     error that says how to size the holes instead of argparse's "unrecognized arguments"."""
-    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json)")
+    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, and "
+                             "blockpress_generation_config.json over it)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="exact number of new tokens at most" if lengths else argparse.SUPPRESS)
     g.add_argument("--min-new-tokens", type=int, default=0,
@@ -331,9 +334,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                 else blockpress.ModelConfig.preset(args.config))
         tokenizer = None
         if args.tokenizer:
+            from blockpress.lm import resolve_path
             from blockpress.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_dir(args.tokenizer)
+            given = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
+            tokenizer = Tokenizer.from_dir(given.parent if given.is_file() else resolve_path(args.tokenizer))
             if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
                 mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
             if tokenizer.vocab_size > mcfg.text.vocab_size:  # its ids past the model's vocabulary would crash the embedding
@@ -507,8 +512,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
                       ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
                       cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize)
-    if args.threads < 0:
-        raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
     # Found now, not after minutes of benchmarking.
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():
@@ -518,8 +521,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
                          f"got {args.plot!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     result = run_bench(s)
     if args.plot:
         result["plot"] = str(args.plot)
@@ -532,6 +533,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Ends an option's help with its default, unless the help already names one (or there is none to name)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower() or text == argparse.SUPPRESS
+                or action.default is None or action.default is False or action.default == ""
+                or action.default == argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+# Library checks name their arguments; the user typed flags: their errors say which flag to change.
+FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
+           "t_max": "--t-max", "t_min": "--t-min", "entropy_bound": "--entropy-bound", "seed": "--seed",
+           "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+           "rank_by": "--rank-by", "hole_length": "--hole-length"}
+
+
+def as_flags(message: str) -> str:
+    name, sep, rest = message.partition(":")
+    return f"{FLAG_OF[name]}{sep}{rest}" if sep and name in FLAG_OF else message
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
@@ -539,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="complete a prompt, showing the canvas as it settles",
+    p = sub.add_parser("generate", formatter_class=DefaultsFormatter, help="complete a prompt, showing the canvas as it settles",
                        description="Complete PROMPT. On a terminal the canvas is drawn live as tokens settle "
                                    "(dim = still changing, bright = settled); a stats line ends the run.")
     p.add_argument("prompt", help="the text to continue, or - to read it from standard input")
@@ -553,10 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end the completion where TEXT appears, leaving TEXT out (repeatable; e.g. "
                         "--stop $'\\n\\n' for one paragraph or function)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: text, new_tokens, forward_passes, tokens_per_forward, tok_s")
+                   help="print one JSON object: text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, "
+                        "seconds")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("infill", help="fill the <|hole|> markers of a text, keeping every other token",
+    p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",
                        description="Fill the holes of TEMPLATE (<|hole|> is a hole of --hole-length tokens, "
                                    "<|hole:N|> one of N tokens). Fixed text is never changed.")
     p.add_argument("template", help="text with hole markers, or - to read it from standard input")
@@ -567,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with the filled text and stats")
     p.set_defaults(func=cmd_infill)
 
-    p = sub.add_parser("chat", help="multi-turn chat with the model's chat template (cache reused)",
+    p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",
                        description="A multi-turn REPL. Each turn encodes only the new tokens: the KV cache "
                                    "of the conversation is kept between turns. A reply is never empty: "
                                    "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn).")
@@ -575,10 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
-    p = sub.add_parser(
-        "train", help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
-        description="Train a fresh model (--config PRESET|config.json) or fine-tune one (--model). DIR receives "
-                    "an HF-format checkpoint and metrics.jsonl. Data lines: {\"prompt\": str, \"response\": str}, "
+    p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
+        description="Train a fresh model (--config PRESET|config.json) or fine-tune one (--model). --out receives "
+                    "an HF-format checkpoint, metrics.jsonl and loss.png. Data lines: {\"prompt\": str, \"response\": str}, "
                     "{\"messages\": [...]}, or {\"prompt_ids\": [...], \"response_ids\": [...]}; or a glob of "
                     "token shards for raw-text pretraining. Run under `torchrun --nproc-per-node N` for several "
                     "processes (DDP).",
@@ -602,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("sudoku", help="solve sudoku puzzles with a block-diffusion model",
+    p = sub.add_parser("sudoku", formatter_class=DefaultsFormatter, help="solve sudoku puzzles with a block-diffusion model",
                        description="Solve PUZZLE(s): 81 characters each, 0 or . for an empty cell. The givens are "
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
                                    "search), unless --rules. Default model: blockpress-sudoku.")
@@ -619,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-by", choices=["entropy", "margin"], default=None,
                    help="topk sampler: which cells count as most certain (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's choice)")
     p.add_argument("--show-steps", action="store_true", help="print the board as the canvas settles (one puzzle)")
     p.add_argument("--rules", action="store_true",
                    help="rule-aware decoding: each step, a cell may not take a digit that a settled cell in its row, "
@@ -630,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one JSON object per puzzle: puzzle, solution, valid, steps")
     p.set_defaults(func=cmd_sudoku)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming)",
+    p = sub.add_parser("serve", formatter_class=DefaultsFormatter, help="OpenAI-compatible HTTP server (chat, completions, streaming)",
                        description="Serve the model over an OpenAI-compatible API: /v1/chat/completions, "
                                    "/v1/completions, /v1/models, /health, /metrics. Diffusion settings are "
                                    "per-request extra body fields (max_denoising_steps, sampler, entropy_bound, "
@@ -646,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="speed: diffusion vs AR vs the reference, same random checkpoint",
+    p = sub.add_parser("bench", formatter_class=DefaultsFormatter, help="speed: diffusion vs AR vs the reference, same random checkpoint",
                        description="Side-by-side speed of blockpress generate, blockpress generate_ar and the "
                                    "reference transformers generate (when installed) on one random checkpoint, fixed "
                                    "steps, EOS off. Prints JSON (tok/s with and without prefill, tokens/forward, "
@@ -676,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("info", help="parameters, config summary, dtype, memory",
+    p = sub.add_parser("info", formatter_class=DefaultsFormatter, help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory.")
     add_model_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -687,9 +713,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "threads", 0):
+            if args.threads < 0:
+                raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+            torch.set_num_threads(args.threads)
         return args.func(args)
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
-        print(f"blockpress {args.command}: error: {exc}", file=sys.stderr)
+        message = as_flags(str(exc)) if args.command in ("generate", "infill", "chat") else str(exc)
+        print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

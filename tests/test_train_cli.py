@@ -224,6 +224,11 @@ def test_a_fresh_preset_trains_on_text_with_the_tokenizers_vocabulary(tmp_path):
     assert main(args) == 0
     lm = blockpress.load(tmp_path / "fresh")
     assert lm.config.text.vocab_size == lm.tokenizer.vocab_size == 8192 and lm.config.text.hidden_size == 64
+    # its tokenizer.json, or a shipped model's name, name the same tokenizer (a file was "has no tokenizer.json")
+    for given in (MODELS_DIR / "blockpress-code" / "tokenizer.json", "blockpress-code"):
+        out = tmp_path / f"fresh-{len(str(given))}"
+        assert main(train_args(data, out, steps=1) + ["--tokenizer", str(given)]) == 0
+        assert blockpress.load(out).tokenizer.vocab_size == 8192
 
 
 def test_bad_train_flags(tmp_path, capsys):
