@@ -346,6 +346,11 @@ def load_model(
         raise FileNotFoundError(f"{path}: not a checkpoint folder")
     check_links(path)
     config = ModelConfig.from_file(path / "config.json")
+    prequantized = config.extra.get("quantization_config")
+    if prequantized:  # its weights come with scales blockpress does not read: refuse by name, not tensor by tensor
+        method = prequantized.get("quant_method", "?") if isinstance(prequantized, dict) else prequantized
+        raise CheckpointError(f"{path}: a pre-quantized checkpoint (quantization_config: {method}) is not supported; "
+                              "load the unquantized one with quantize='int8', 'fp8' or 'int4' instead")
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     files = checkpoint_files(path)

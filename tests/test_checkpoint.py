@@ -153,6 +153,17 @@ def test_quantizing_while_loading_is_quantizing_after(ref_checkpoint, scheme):
     assert torch.equal(during.logits(prompt, canvas), after.logits(prompt, canvas))
 
 
+def test_a_prequantized_checkpoint_is_named_as_such(ref_checkpoint, tmp_path):
+    """Its scales are tensors blockpress does not read: the error says what the checkpoint is (before: "unexpected
+    tensor ...weight_scale")."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fbgemm_fp8"}
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(blockpress.CheckpointError, match=r"pre-quantized checkpoint \(quantization_config: fbgemm_fp8\)"):
+        load_quiet(path)
+
+
 def test_wrong_shape_named(ref_checkpoint, tmp_path):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     tensors = load_file(path / "model.safetensors")
