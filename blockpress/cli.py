@@ -183,19 +183,28 @@ def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     if lm.tokenizer is None or lm.tokenizer.chat_template is None:
         raise ValueError(f"--model {args.model}: needs a tokenizer with a chat template for chat")
+    lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # a broken template fails now, once
     messages: list[dict[str, str]] = []
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
-    print("blockpress chat — /exit or Ctrl-D to quit", file=sys.stderr)
+    print("blockpress chat — /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
     while True:
         try:
             user = input("you> ")
         except EOFError:
+            print(file=sys.stderr)  # the shell's prompt on a line of its own
             break
+        except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line
+            print(file=sys.stderr)
+            continue
         if not user.strip():  # skipped, not an end: piped conversations have blank lines between messages
             continue
         if user.strip() in ("/exit", "/quit"):
             break
+        if user.strip() == "/reset":
+            messages, cache, cached = [], None, []
+            print("(a new conversation)", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": user})
         try:
             ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -209,9 +218,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 cached = cached[:common]
             t0 = time.perf_counter()
             out = lm.generate([ids[common:]], cache=cache, return_cache=True, **sampling_kwargs(args))
+        except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
+            messages.pop()
+            if cache is not None:
+                cache.truncate(len(cached))  # the stopped turn may have written its prompt into the cache
+            print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
+            continue
         except ValueError as exc:  # one bad turn (too long, text that is not UTF-8) must not end the conversation
             messages.pop()
-            print(f"error: {exc}; that message was dropped, the conversation goes on", file=sys.stderr)
+            full = ""
+            if "exceed the model's context" in str(exc):  # kept as it is, the conversation may never fit again
+                full = (f" (the conversation so far holds {len(cached)} of the model's "
+                        f"{lm.config.text.max_position_embeddings} tokens: /reset starts a new one)")
+            print(f"error: {as_flags(str(exc))}; that message was dropped, the conversation goes on{full}",
+                  file=sys.stderr)
             continue
         cache = out.cache
         n = int(out.num_new_tokens[0])

@@ -8,6 +8,7 @@ trim_blocks/lstrip_blocks), so prompts built here match prompts built there.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
 DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -78,7 +79,8 @@ class Tokenizer:
     eos_ids: list[int] = field(default_factory=list)
     pad_id: int | None = None
     chat_template: str | None = None
-    # Whether the checkpoint expects BOS in front of plain (non-chat) prompts; callers pass it to encode.
+    # tokenizer_config.json's flag, kept and saved for transformers 4. (blockpress puts BOS in front of plain
+    # prompts whenever the tokenizer has one, as Gemma's tokenizers do.)
     add_bos_token: bool = False
     _compiled_template: tuple[str, jinja2.Template] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -166,6 +168,7 @@ class Tokenizer:
         }
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
+            (folder / "chat_template.jinja").unlink(missing_ok=True)  # a stale one would win over it on loading
         _write_json(folder / "tokenizer_config.json", config)
         gen_path = folder / "generation_config.json"
         gen_cfg = _read_json(gen_path)
@@ -276,17 +279,17 @@ class Tokenizer:
                 "chat_template.jinja); set Tokenizer.chat_template, e.g. to GEMMA_CHAT_TEMPLATE."
             )
         _validate_messages(messages)
+        # What transformers passes templates: tools and documents are None unless given (a template testing
+        # `tools is not none` must not see them defined), and the caller's variables win over the tokenizer's.
+        variables = dict(bos_token=self.bos_token or "", eos_token=self.eos_token or "", pad_token=self.pad_token or "",
+                         tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                         raise_exception=_raise_template_error, strftime_now=_strftime_now)
+        variables.update(template_vars)
         try:
-            rendered = self._template().render(
-                messages=messages,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                pad_token=self.pad_token or "",
-                add_generation_prompt=add_generation_prompt,
-                raise_exception=_raise_template_error,
-                **template_vars,
-            )
-        except (jinja2.TemplateError, TypeError) as exc:  # the checkpoint's template is broken, or breaks on these messages
+            rendered = self._template().render(messages=messages, **variables)
+        except TemplateRaised:  # the template's own raise_exception: a message about the conversation
+            raise
+        except Exception as exc:  # the checkpoint's template is broken, or breaks on these messages
             raise ValueError(f"chat_template: rendering failed: {type(exc).__name__}: {exc}") from None
         if tokenize:
             return self.encode(rendered, add_bos=False)
@@ -297,11 +300,14 @@ class Tokenizer:
         assert self.chat_template is not None
         if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
             env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
             )
             # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
             env.filters["tojson"] = _tojson
-            self._compiled_template = (self.chat_template, env.from_string(self.chat_template))
+            try:
+                self._compiled_template = (self.chat_template, env.from_string(self.chat_template))
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"chat_template: not a valid template: {exc} (line {exc.lineno})") from None
         return self._compiled_template[1]
 
     def _token(self, token_id: int | None) -> str | None:
@@ -335,6 +341,11 @@ def train_bpe_tokenizer(
         return backend.token_to_id(token) if token in special_tokens else None
 
     eos_ids = [tid for tid in (special("<eos>"), special("<end_of_turn>")) if tid is not None]
+    bos = special("<bos>")
+    if bos is not None:  # transformers then adds BOS to a plain prompt as blockpress does (blockpress encodes
+        # with add_special_tokens=False and adds it itself, so this changes nothing here)
+        backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                               special_tokens=[("<bos>", bos)])
     return Tokenizer(
         backend=backend,
         bos_id=special("<bos>"),
@@ -400,21 +411,46 @@ def _pick_chat_template(value: Any) -> str | None:
 def _validate_messages(messages: Any) -> None:
     if not isinstance(messages, list):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}.")
+    if not messages:
+        raise ValueError("messages: an empty conversation; give at least one message")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"Message {index} must be a dict, got {type(message).__name__}.")
         for key in ("role", "content"):
             if key not in message:
                 raise ValueError(f"Message {index} has no '{key}' field.")
-            if not isinstance(message[key], str):
-                raise ValueError(
-                    f"Message {index} field '{key}' must be a str, got {type(message[key]).__name__}."
-                )
+        if not isinstance(message["role"], str):
+            raise ValueError(f"Message {index} field 'role' must be a str, got {type(message['role']).__name__}.")
+        # Text, a list of parts ([{"type": "text", "text": ...}], which templates iterate), or None beside
+        # tool_calls: what transformers' templates take.
+        if not (isinstance(message["content"], (str, list)) or message["content"] is None):
+            raise ValueError(f"Message {index} field 'content' must be a str, a list of parts or null, got "
+                             f"{type(message['content']).__name__}.")
+
+
+class TemplateRaised(ValueError):
+    """A chat template's raise_exception(): what it says is about the conversation, not a broken template."""
 
 
 def _raise_template_error(message: str) -> None:
     # Exposed to templates as raise_exception(); a bad conversation is a caller error.
-    raise ValueError(f"Chat template error: {message}")
+    raise TemplateRaised(f"Chat template error: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    """Templates that date their system prompt call strftime_now (transformers provides it)."""
+    return datetime.datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' {% generation %}...{% endgeneration %}: it marks the assistant's text for training masks; a
+    rendered prompt is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[Any]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _tojson(

@@ -180,6 +180,41 @@ def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.out.count("model> ") == 2
     assert "error: prompt:" in captured.err and "that message was dropped" in captured.err
+    assert "/reset starts a new one" in captured.err
+
+
+def test_chat_reset_and_ctrl_c(monkeypatch, capsys):
+    """Ctrl-C stops a reply and keeps the conversation (its cache back to the turns before); /reset starts over;
+    Ctrl-D ends the line for the shell."""
+    import blockpress.lm
+
+    seen = []
+    original = blockpress.lm.LM.generate
+
+    def spy(self, prompt, *a, **kw):
+        cache = kw.get("cache")
+        seen.append(0 if cache is None else cache.length)
+        if len(seen) == 2:
+            original(self, prompt, *a, **{**kw, "max_new_tokens": 2})  # writes this turn into the cache, then
+            raise KeyboardInterrupt                                      # the user stops it
+        return original(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
+    lines = iter(["hello there", "stop this one", "and again", "/reset", "fresh start"])
+
+    def typed(_prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("model> ") == 3 and "(stopped; that message was dropped" in captured.err
+    assert seen[1] == seen[2] > 0  # the third turn found the cache as the first left it
+    assert seen[3] == 0  # after /reset: nothing cached
+    assert captured.err.endswith("\n")
 
 
 def test_chat_replies_are_never_empty_by_default():

@@ -340,6 +340,7 @@ def test_tokenized_chat_has_exactly_one_bos(tok: Tokenizer) -> None:
     [
         ([{"role": "user", "content": "hi"}, {"content": "no role"}], r"Message 1 .*'role'"),
         ([{"role": "user", "content": 42}], r"Message 0 .*'content'.*int"),
+        ([], "an empty conversation"),
         ([{"role": "user"}], r"Message 0 .*'content'"),
         ([{"role": None, "content": "x"}], r"Message 0 .*'role'"),
         ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, "text"], r"Message 2 "),
@@ -364,14 +365,60 @@ def test_no_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("template, cause", [
-    ("{{ messages[0].nope.x }}", "UndefinedError"),
-    ("{% for m in messages %}", "TemplateSyntaxError"),
-    ("{{ messages | no_such_filter }}", "TemplateAssertionError"),
+    ("{{ messages[0].nope.x }}", "rendering failed: UndefinedError"),
+    ("{{ 1 // 0 }}", "rendering failed: ZeroDivisionError"),  # escaped as a bare traceback before
+    ("{% for m in messages %}", "not a valid template"),
+    ("{{ messages | no_such_filter }}", "not a valid template"),
 ])
 def test_a_broken_chat_template_is_a_clear_error(tok: Tokenizer, template: str, cause: str) -> None:
     broken = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template=template)
-    with pytest.raises(ValueError, match=f"chat_template: rendering failed: {cause}"):
+    with pytest.raises(ValueError, match=f"chat_template: {cause}"):
         broken.apply_chat_template(TWO_TURNS)
+
+
+TRANSFORMERS_HABITS = (
+    "{% if tools is none %}no tools{% else %}tools{% endif %}|{% if documents is none %}no docs{% endif %}|"
+    "{{ bos_token }}|{% for m in messages %}{% generation %}{{ m.role }}:"
+    "{% if m.content is string %}{{ m.content }}{% else %}{{ m.content[0].text }}{% endif %}"
+    "{% endgeneration %};{% endfor %}|{{ strftime_now('%Y') | length }}"
+)
+
+
+def test_templates_see_what_transformers_gives_them(tok: Tokenizer, tmp_path: Path) -> None:
+    """tools / documents are None (not undefined), {% generation %} renders its body, strftime_now exists, a
+    caller's variable wins over the tokenizer's, and list contents pass: as in transformers, compared directly."""
+    from transformers import AutoTokenizer
+
+    with_template = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0, chat_template=TRANSFORMERS_HABITS)
+    with_template.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]
+    for kwargs in ({}, {"bos_token": "B"}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+        ours = with_template.apply_chat_template(messages, add_generation_prompt=False, **kwargs)
+        assert ours == hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=False, **kwargs)
+    assert ours.startswith("tools|no docs|<bos>|user:hi;assistant:yo;|4")
+    with pytest.raises(ValueError, match="messages: an empty conversation"):
+        with_template.apply_chat_template([])
+
+
+def test_transformers_adds_bos_to_plain_prompts_as_blockpress_does(tok: Tokenizer, saved_dir: Path) -> None:
+    """A trained tokenizer carries the post-processor Gemma's have, so transformers' encode puts BOS in front of
+    a plain prompt, as blockpress's prompts have it (before: transformers users fed the model a different prompt)."""
+    from transformers import AutoTokenizer
+
+    from blockpress.generate import encode_texts
+    from blockpress.lm import MODELS_DIR
+
+    for folder, ours in ((saved_dir, tok), (MODELS_DIR / "blockpress-code", Tokenizer.from_dir(MODELS_DIR / "blockpress-code"))):
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        for text in ("def f(x):", "hello world", ""):
+            assert hf.encode(text) == encode_texts([text], ours)[0]
+
+
+def test_saving_leaves_no_stale_template_file(tok: Tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "chat_template.jinja").write_text("OLD {{ messages[0].content }}")
+    Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="NEW {{ messages[0].content }}").save(tmp_path)
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "NEW x"
 
 
 def test_text_that_was_not_utf8_is_a_clear_error(tok: Tokenizer) -> None:
