@@ -48,6 +48,13 @@ class KVCache:
         next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         return cls(keys=keys, values=values, valid=valid, next_pos=next_pos)
 
+    def buffers_key(self) -> tuple:
+        """Where every buffer lives, and the host flag that picks the masked path: what a CUDA graph bakes in.
+        A graph captured on one cache replays correctly on any cache with the same key (the same memory), and
+        on no other: id() or the first buffer's address alone can match a new cache whose other buffers moved."""
+        return (self.has_padding, self.valid.data_ptr(), self.next_pos.data_ptr(),
+                *(t.data_ptr() for t in self.keys), *(t.data_ptr() for t in self.values))
+
     @property
     def batch_size(self) -> int:
         return self.valid.shape[0]

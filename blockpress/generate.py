@@ -99,8 +99,8 @@ class GraphedDenoise:
 
     def __call__(self, canvas_ids: torch.Tensor, cache: Any,
                  self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
-        # The cache's length and buffers are baked into a graph; id() alone could be reused by a new cache.
-        key = (tuple(canvas_ids.shape), cache.length, id(cache), cache.keys[0].data_ptr())
+        # The cache's length and buffers are baked into a graph (see KVCache.buffers_key).
+        key = (tuple(canvas_ids.shape), cache.length, cache.buffers_key())
         if key != self.state_key:
             self.graphs.clear()
             self.state_key = key
@@ -143,7 +143,7 @@ class GraphedEncodeStep:
         if input_ids.shape[1] != 1 or attention_mask is not None or logits != "last":
             return self.model.encode(input_ids, cache, attention_mask=attention_mask, logits=logits)
         cache.reserve(1)
-        key = (tuple(input_ids.shape), id(cache), cache.keys[0].data_ptr(), cache.capacity)
+        key = (tuple(input_ids.shape), cache.capacity, cache.buffers_key())
         if key != self.key:
             self.graph = None  # free the old graph's memory before capturing the new one
             slot = torch.full((1,), cache.length, dtype=torch.long, device=input_ids.device)

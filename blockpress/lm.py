@@ -198,6 +198,17 @@ class LM:
         cache) from CUDA graphs from now on; see GraphedDenoise and GraphedEncodeStep. Needs a CUDA model."""
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graphs: needs a model on a CUDA device; this one is on {self.device}")
+        # A graph holds no host sync: the experts must run as one grouped GEMM, which CUDA has in bf16 only
+        # (other dtypes loop over the experts, reading their row counts on the host twice a layer).
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"cuda_graphs: needs bfloat16 weights (the experts' grouped GEMM on CUDA is bf16-only); "
+                             f"this model is {str(self.dtype).removeprefix('torch.')}: load it with dtype='bfloat16'")
+        if self.quantization == "fp8":  # find out now, eagerly, whether the FP8 grouped GEMM runs here
+            c = self.config.canvas_length
+            self.logits(torch.full((1, 1), 3, device=self.device), torch.full((1, c), 3, device=self.device))
+            if not all(getattr(m, "grouped_fp8", True) for m in self.model.modules()):
+                raise ValueError("cuda_graphs: this GPU or torch has no FP8 grouped GEMM, so FP8 experts run one "
+                                 "GEMM each with host syncs; use eager decoding, or int4 / bf16 weights")
         self._rebuild_steps = StepFunctions.cuda_graphs
         self.step_functions = self._rebuild_steps(self.model)
         return self

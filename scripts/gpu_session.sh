@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
-# One prepared GPU session for issues 5, 6 and 7, sized for a 15-minute H200 lease (about 9.5 minutes of run:
-# call it with timeout_s 590 and nothing else, as `OUT=$OUT bash scripts/gpu_session.sh`).
+# One prepared GPU session for issues 5 and 7, sized for a 15-minute H200 lease (about 9.5 minutes of run:
+# call it with timeout_s 590 and nothing else, as `OUT=$OUT bash scripts/gpu_session.sh`). Every phase is
+# fitted to a deadline (DEADLINE s after the start, default 570), and every result is in $OUT as soon as it
+# exists, so a run cut short still returns what it finished.
 #
-#   Phase A (BENCH_S s + 90 s + at most 120 s): the 26B-A4B speed check, the GPU to itself
-#            (scripts/gpu_bench.py: eager, CUDA graphs, then FP8), then a batch-size sweep with its plot
-#            (`blockpress bench`), while the CPU cores generate more sudoku puzzles (seeded; extends
-#            .gpu/sudoku-puzzles.jsonl). Then one training step is profiled, eager and under torch.compile.
-#   Phase B (TRAIN_MIN min): three trainings side by side on the GPU, each annealing its learning rate over
-#            the time budget: blockpress-code and blockpress-sudoku continued from the shipped weights, the
-#            sudoku AR baseline continued with the same budget. A run that dies in its first minute is retried once
-#            with batches built in the loop and no autocast.
-#   Then every checkpoint is cast to bf16 and tarred into $OUT (at most 8 files of 16 MiB come back).
+#   Phase A (BENCH_S s, then at most 90 s): the 26B-A4B speed check, the GPU to itself
+#            (scripts/gpu_bench.py: eager, AR, CUDA graphs, a short profile, then FP8), then a batch-size sweep
+#            with its plot (`blockpress bench`), while the CPU cores generate more sudoku puzzles (seeded;
+#            extends .gpu/sudoku-puzzles.jsonl).
+#   Phase B (at most TRAIN_MIN min, less if the clock says so): three trainings side by side on the GPU, each
+#            annealing its learning rate over its budget: blockpress-code and blockpress-sudoku continued from
+#            the shipped weights, the sudoku AR baseline continued with the same budget. A run that dies in its
+#            first minute is retried once with batches built in the loop and no autocast. Each checkpoint is
+#            cast to bf16 and tarred into $OUT as soon as its run ends (at most 8 files of 16 MiB come back).
+#   Then, if time remains, one training step is profiled (extra.tar).
 #
 # Needs .gpu/corpus (the code corpus built here: the device has another Python, so another stdlib) and
-# .gpu/sudoku-puzzles.jsonl, carried with the call (scripts/prepare_gpu_session.sh builds both). Smoke run on a CPU:
-#   OUT=/tmp/s DEVICE=cpu BENCH_PRESET=tiny BATCH_PRESET=tiny PROMPT_LENGTH=16 PUZZLES=12300 CODE_BATCH=8 \
-#     SUDOKU_BATCH=8 WORKERS=1 PY=.venv/bin/python bash scripts/gpu_session.sh 60 0.3
+# .gpu/sudoku-puzzles.jsonl, carried with the call (scripts/prepare_gpu_session.sh builds both). Smoke run on a
+# CPU (float32: a CPU without native bf16 would crawl; tiny shapes, a short clock):
+#   OUT=/tmp/s DEVICE=cpu BENCH_PRESET=tiny BENCH_DTYPE=float32 BATCH_PRESET=tiny PROMPT_LENGTH=16 NEW_TOKENS=32 \
+#     PUZZLES=12300 CODE_BATCH=8 SUDOKU_BATCH=8 WORKERS=1 DEADLINE=300 PY=.venv/bin/python \
+#     bash scripts/gpu_session.sh 60 0.3
 set -u
 OUT=${OUT:?set OUT to the output folder}
 BENCH_S=${1:-150}
 TRAIN_MIN=${2:-3.3}
+DEADLINE=${DEADLINE:-570}  # seconds after the start by which everything is in $OUT
 DEVICE=${DEVICE:-cuda}
 BENCH_PRESET=${BENCH_PRESET:-26b-a4b}
+BENCH_DTYPE=${BENCH_DTYPE:-bfloat16}
 PROMPT_LENGTH=${PROMPT_LENGTH:-4096}
+NEW_TOKENS=${NEW_TOKENS:-256}
 PUZZLES=${PUZZLES:-150000}
 BATCH_PRESET=${BATCH_PRESET:-medium}
 CODE_BATCH=${CODE_BATCH:-512}
@@ -45,15 +53,19 @@ $PY scripts/train_sudoku.py --out "$W/unused" --puzzles "$PUZZLES" --puzzle-cach
 PUZZLE_PID=$!
 # No compiled phase: it failed under the device's torch 2.11 (InductorError) and took its time; CUDA graphs and
 # the FP8 phase (last, in place) get it instead.
-timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$DEVICE" \
-    --prompt-length "$PROMPT_LENGTH" --out "$W/bench" --compile-mode none >"$W/bench.log" 2>&1
+timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$DEVICE" --dtype "$BENCH_DTYPE" \
+    --prompt-length "$PROMPT_LENGTH" --new-tokens "$NEW_TOKENS" --ar-tokens 64 --out "$W/bench" \
+    --compile-mode none >"$W/bench.log" 2>&1
 log "bench exit $?"
 cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null || tail -30 "$W/bench.log" >>"$OUT/session.log"
-# Batch-size sweep on a mid-size shape (diffusion vs AR vs the reference, eager and CUDA graphs) and its plot.
-timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVICE" --dtype bfloat16 --batch-sizes 1 4 16 64 \
-    --steps 16 --new-tokens 256 --repeats 1 $( [ "$DEVICE" = cuda ] && echo --cuda-graphs ) \
+# Batch-size sweep on a mid-size shape (diffusion vs AR, eager and CUDA graphs; the reference is timed on the
+# CPU here, not in the lease) and its plot, into $OUT at once.
+timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVICE" --dtype "$BENCH_DTYPE" \
+    --batch-sizes 1 4 16 64 --steps 16 --new-tokens 128 --repeats 1 --no-reference \
+    $( [ "$DEVICE" = cuda ] && echo --cuda-graphs ) \
     --out "$W/extra/bench_batch.json" --plot "$W/extra/bench_batch.png" >"$W/bench_batch.log" 2>&1
 log "batch sweep exit $?"
+tar -C "$W" -cf "$OUT/extra.tar" extra 2>/dev/null
 wait $PUZZLE_PID
 log "puzzles: $(tail -1 "$W/puzzles.log")"
 NPUZ=$(wc -l <"$W/puzzles.jsonl")
@@ -65,11 +77,11 @@ NPUZ=$(wc -l <"$W/puzzles.jsonl")
 # and two CPU threads per run leave the cores to the data workers. (A 12-layer sudoku model from scratch
 # reached only loss 0.41 against 0.25 in that budget, so the session no longer trains one.)
 export OMP_NUM_THREADS=2
-# The profile also times the step under torch.compile (compile seconds, speedup); COMPILE=1 trains that way.
-timeout 120 $PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 --compile \
-    --out "$W/extra/train_profile.json" >"$W/train_profile.log" 2>&1 || tail -5 "$W/train_profile.log" >>"$OUT/session.log"
 COMPILE_FLAG=$( [ "${COMPILE:-0}" = 1 ] && echo --compile )
-tar -C "$W" -cf "$OUT/extra.tar" extra  # the sweep and the profile, one file (at most 8 come back)
+# The trainings get what the clock leaves: 75 s are kept for the last evaluation, saving and packing.
+LEFT_MIN=$(awk -v s=$(( DEADLINE - SECONDS - 75 )) 'BEGIN { printf "%.2f", s / 60 }')
+TRAIN_MIN=$(awk -v a="$TRAIN_MIN" -v b="$LEFT_MIN" 'BEGIN { m = (a < b ? a : b); printf "%.2f", (m > 0.3 ? m : 0.3) }')
+log "training for $TRAIN_MIN min (deadline ${DEADLINE}s, now ${SECONDS}s)"
 code_run() {  # $1: extra flags
   $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \
@@ -97,20 +109,28 @@ with_retry() {  # $1: name, then the command; a run that fails within 60 s is re
   fi
   log "$name exit $rc"
 }
-with_retry code code_run --data-workers "$WORKERS" &
-with_retry sudoku sudoku_run sudoku --init-from blockpress-sudoku --lr 1e-3 --seed 31 --data-workers "$WORKERS" &
-with_retry sudoku-ar sudoku_run sudoku-ar --ar --init-from benchmarks/baselines/sudoku-ar --lr 1e-3 --seed 31 \
-    --data-workers "$WORKERS" &
-wait
-
-# -- pack ------------------------------------------------------------------------------------------------------
-for name in code sudoku sudoku-ar; do
+pack() {  # $1: run name. The checkpoint in bf16, its metrics and log, into $OUT as soon as the run ends
+  local name=$1
   if [ -f "$W/$name/model.safetensors" ]; then
     $PY -c "import sys, torch, blockpress; blockpress.load(sys.argv[1], dtype=torch.bfloat16).save(sys.argv[2])" \
-      "$W/$name" "$W/pack/$name" >>"$OUT/session.log" 2>&1
+      "$W/$name" "$W/pack/$name" >>"$W/$name.pack.log" 2>&1
     cp "$W/$name"/metrics.jsonl "$W/$name"/summary.json "$W/$name.log" "$W/pack/$name/" 2>/dev/null
     tar -C "$W/pack" -cf "$W/$name.tar" "$name" && split -b 15m -d "$W/$name.tar" "$OUT/$name.tar."
   fi
-  log "$name: $(tail -2 "$W/$name.log" | tr '\n' ' ' | cut -c1-600)"
-done
-log "done"
+  log "$name: $(tail -c 400 "$W/$name/metrics.jsonl" 2>/dev/null | tail -1 | cut -c1-300) $(tail -2 "$W/$name.log" | tr '\n' ' ' | cut -c1-300)"
+}
+{ with_retry code code_run --data-workers "$WORKERS"; pack code; } &
+{ with_retry sudoku sudoku_run sudoku --init-from blockpress-sudoku --lr 1e-3 --seed 31 --data-workers "$WORKERS"
+  pack sudoku; } &
+{ with_retry sudoku-ar sudoku_run sudoku-ar --ar --init-from benchmarks/baselines/sudoku-ar --lr 1e-3 --seed 31 \
+    --data-workers "$WORKERS"; pack sudoku-ar; } &
+wait
+
+# -- what time remains: one training step profiled (eager; compile would not fit) -------------------------------
+LEFT=$(( DEADLINE - SECONDS - 15 ))
+if [ "$LEFT" -gt 30 ]; then
+  timeout "$(( LEFT < 90 ? LEFT : 90 ))" $PY scripts/profile_train_step.py --device "$DEVICE" --batch-size 256 \
+      --out "$W/extra/train_profile.json" >"$W/train_profile.log" 2>&1 || tail -5 "$W/train_profile.log" >>"$OUT/session.log"
+  tar -C "$W" -cf "$OUT/extra.tar" extra 2>/dev/null
+fi
+log "done at ${SECONDS}s"

@@ -540,6 +540,27 @@ def test_graphed_denoise_bookkeeping_matches_eager(kw):
     assert replayed.captures >= canvases and len(replayed.graphs) <= 2
 
 
+def test_a_graph_is_replayed_only_on_the_memory_it_was_captured_on():
+    """A graph bakes in the address of every cache buffer. Keyed on id(cache) and the first buffer, a new cache
+    that reused those (CPython reuses ids, the CUDA allocator hands back the same block) but whose other buffers
+    moved replayed a graph reading freed memory. The key is now every buffer's address."""
+    from blockpress.cache import KVCache
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    a = lm.new_cache(1, 32)
+    same_memory = KVCache(keys=list(a.keys), values=list(a.values), valid=a.valid, next_pos=a.next_pos)
+    assert same_memory.buffers_key() == a.buffers_key()  # another object, the same memory: the graph is valid
+    moved = KVCache(keys=list(a.keys), values=[*a.values[:-1], a.values[-1].clone()], valid=a.valid,
+                    next_pos=a.next_pos)
+    assert moved.buffers_key() != a.buffers_key()
+    replayed = ReplayedDenoise(lm.model)
+    canvas = torch.zeros(1, lm.config.canvas_length, dtype=torch.long)
+    with torch.no_grad():
+        for cache in (a, same_memory, moved):
+            replayed(canvas, cache)
+    assert replayed.captures == 2  # captured anew for the moved buffer only
+
+
 class ReplayedEncodeStep(GraphedEncodeStep):
     """GraphedEncodeStep with an eager stand-in for the CUDA capture (same buffers, same contract)."""
 
@@ -606,6 +627,14 @@ def test_captured_passes_have_no_host_sync_in_bf16():
 
 def test_cuda_graphs_need_a_cuda_model(lm):
     with pytest.raises(ValueError, match="cuda_graphs: needs a model on a CUDA device"):
+        lm.cuda_graphs()
+
+
+def test_cuda_graphs_need_bf16_experts(lm, monkeypatch):
+    """Float32 experts on CUDA loop over the experts with host syncs, which a capture cannot hold: refused up
+    front, on what would be a CUDA model, rather than failing inside the capture."""
+    monkeypatch.setattr(blockpress.lm.LM, "device", property(lambda self: torch.device("cuda")))
+    with pytest.raises(ValueError, match="cuda_graphs: needs bfloat16 weights .* this model is float32"):
         lm.cuda_graphs()
 
 
