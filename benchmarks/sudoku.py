@@ -1,7 +1,9 @@
 """Sudoku: block diffusion vs an autoregressive baseline, per difficulty, on fresh puzzles.
 
 Test puzzles are generated from seeds starting at 10,000,000 (training uses seeds below the puzzle
-count), so none was trained on. Prints JSON: exact-solve rate, cell accuracy on the empty cells, mean
+count), so none was trained on. Seed i gives one solution grid at every difficulty, with fewer givens the
+harder the level: the three difficulties are paired (the same 200 boards at three clue levels), not 600
+separate puzzles; each level's figure is a fair sample of that level. Prints JSON: exact-solve rate, cell accuracy on the empty cells, mean
 denoising steps and puzzles/s for each engine and difficulty. The model alone decides (no rules);
 `--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry;
 `--ensemble N` adds N pooled symmetric views (no rules, no search) as `diffusion_ensemble`.

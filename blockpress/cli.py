@@ -569,7 +569,10 @@ class DefaultsFormatter(argparse.HelpFormatter):
 FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
            "t_max": "--t-max", "t_min": "--t-min", "entropy_bound": "--entropy-bound", "seed": "--seed",
            "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-           "rank_by": "--rank-by", "hole_length": "--hole-length"}
+           "rank_by": "--rank-by", "hole_length": "--hole-length",
+           # bench's settings
+           "steps": "--steps", "batch_sizes": "--batch-sizes", "canvas_lengths": "--canvas-lengths",
+           "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length"}
 
 
 def as_flags(message: str) -> str:
@@ -739,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         return args.func(args)
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
-        message = as_flags(str(exc)) if args.command in ("generate", "infill", "chat") else str(exc)
+        message = as_flags(str(exc)) if args.command in ("generate", "infill", "chat", "bench") else str(exc)
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

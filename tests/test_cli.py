@@ -418,14 +418,15 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--batch-sizes", "0"], "batch_sizes: expected positive integers"),
-    (["--canvas-lengths", "0"], "canvas_lengths: expected positive integers"),
-    (["--repeats", "0"], "repeats: expected a positive integer"),
+    (["--batch-sizes", "0"], "--batch-sizes: expected positive integers"),
+    (["--canvas-lengths", "0"], "--canvas-lengths: expected positive integers"),
+    (["--repeats", "0"], "--repeats: expected a positive integer"),
+    (["--device", "cuda"], "device: 'cuda' asked for, but this torch sees no CUDA GPU"),  # was torch's assertion
     (["--threads", "-1"], "--threads: expected 0"),
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
     (["--out", "/tmp"], "--out: '/tmp' is a folder"),
     (["--plot", "/tmp/b.txt"], "--plot: expected a file ending in one of .png"),
-    (["--canvas-lengths", "100000"], "canvas_lengths: expected at most new_tokens (8) each"),
+    (["--canvas-lengths", "100000"], "--canvas-lengths: expected at most new_tokens (8) each"),
 ])
 def test_bench_bad_arguments_fail_before_running(args, message):
     r = run_cli("bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", *args)
