@@ -5,6 +5,8 @@ Figures (JSON):
   source up to its `def` line, without the newline that ends it (BPE merges a newline with the indentation
   after it, so the model writes both; see `blockpress.tasks.code`). The completion is cut where the body ends (the first non-blank line indented
   no deeper than the `def`) or at the last complete line, and must hold at least one statement.
+- parseable_without_loops: the same, less bodies that repeat a line (8+ characters) three times or more: a
+  loop that ends on a complete line parses, but it is the model's commonest failure.
 - infill_exact: exact-match rate of single-line infills. One body line becomes a hole of its own token
   length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
 - tokens_per_forward and tok/s at the model's default settings (the AR baseline takes the same repetition
@@ -25,7 +27,12 @@ import warnings
 import torch
 
 import blockpress
-from blockpress.tasks.code import completion_parses, infill_cases, model_heldout_functions
+from blockpress.tasks.code import (
+    completion_parses,
+    completion_parses_without_loops,
+    infill_cases,
+    model_heldout_functions,
+)
 
 # Sampler options that mean the same for AR decoding; without --sampler-options both engines read the
 # checkpoint's generation_config.json (penalties included).
@@ -62,7 +69,7 @@ def main() -> None:
                     "sampler_options": options or "generation_config"}
 
     for engine in ("diffusion", "ar"):
-        ok, new, passes, seconds, examples = 0, 0, 0, 0.0, []
+        ok, strict, new, passes, seconds, examples = 0, 0, 0, 0, 0.0, []
         for i, f in enumerate(funcs):
             prompt = tok.encode(f.prompt_text, add_bos=True)[-256:]
             t0 = time.perf_counter()
@@ -74,11 +81,14 @@ def main() -> None:
             text = out.texts[0]
             good = completion_parses(f, text)
             ok += good
+            strict += completion_parses_without_loops(f, text)
             new += int(out.num_new_tokens[0])
             passes += int(out.forward_passes[0])
             if len(examples) < 3:
                 examples.append({"prompt_tail": f.prompt_text[-120:], "completion": text[:300], "parses": good})
-        result[engine] = {"parseable": ok / max(1, len(funcs)), "tokens_per_forward": new / max(1, passes),
+        result[engine] = {"parseable": ok / max(1, len(funcs)),
+                          "parseable_without_loops": strict / max(1, len(funcs)),
+                          "tokens_per_forward": new / max(1, passes),
                           "tok_s": new / max(seconds, 1e-9), "examples": examples}
 
     if args.healing_functions:

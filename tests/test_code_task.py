@@ -81,6 +81,23 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
 
+def test_a_body_that_loops_parses_but_is_not_counted_by_the_strict_reading():
+    from blockpress.tasks.code import (
+        Function,
+        completion_parses,
+        completion_parses_without_loops,
+        repeats_a_line,
+    )
+
+    f = Function(module="m", prefix="def f(self, attrs):", header="def f(self, attrs):", body="")
+    loop = "\n    self.attrs = attrs\n    self.attrs = attrs\n    self.attrs = attrs\n"
+    fine = "\n    self.attrs = attrs\n    self.name = None\n    return None\n"
+    assert completion_parses(f, loop) and not completion_parses_without_loops(f, loop)
+    assert completion_parses(f, fine) and completion_parses_without_loops(f, fine)
+    assert not repeats_a_line("    pass\n    pass\n    pass\n")  # short lines repeat in real code
+    assert repeats_a_line("a = compute(x)\nb = 1\na = compute(x)\n   a = compute(x)\n")
+
+
 def test_infill_cases_hole_is_one_body_line_and_fits_the_canvas():
     funcs = functions_in(SOURCE, "m.py")
     cases = infill_cases(funcs, CharTokenizer(), canvas=64, limit=10, seed=0)

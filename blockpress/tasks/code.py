@@ -111,6 +111,25 @@ def completion_parses(function: Function, completion: str) -> bool:
     return parses(function.header, cut_body(completion, function.indent))
 
 
+def repeats_a_line(body: str, times: int = 3, shortest: int = 8) -> bool:
+    """Does some line of `body` (stripped, at least `shortest` characters) occur `times` times or more? A model
+    caught in a loop writes the same statement again and again; real code rarely repeats one that long."""
+    counts: dict[str, int] = {}
+    for line in body.splitlines():
+        text = line.strip()
+        if len(text) >= shortest:
+            counts[text] = counts.get(text, 0) + 1
+            if counts[text] >= times:
+                return True
+    return False
+
+
+def completion_parses_without_loops(function: Function, completion: str) -> bool:
+    """A stricter reading of `completion_parses`: the body parses and repeats no line three times."""
+    body = cut_body(completion, function.indent)
+    return parses(function.header, body) and not repeats_a_line(body)
+
+
 @dataclass(frozen=True)
 class InfillCase:
     before: str  # context and body lines above the hole, without the newline that ends them
