@@ -231,8 +231,10 @@ class Engine:
         if len(jobs) > self.queue.maxsize:
             raise APIError(400, f"n: {len(jobs)} choices can never fit the server's queue of {self.queue.maxsize}",
                            "n")
-        # Only this event loop's thread puts (the engine thread only takes), so the room cannot shrink meanwhile.
-        if self.queue.maxsize - self.queue.qsize() < len(jobs):
+        # Waiting jobs are those queued and those the engine took but has not batched yet (`pending`): counting
+        # only the queue let the backlog grow past max_queue. Only this event loop's thread adds (the engine
+        # thread only moves jobs along and takes them), so the room cannot shrink meanwhile.
+        if self.queue.maxsize - self.depth() < len(jobs):
             self.metrics.add(rejected_total=1)
             raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error")
         for job in jobs:
@@ -323,9 +325,8 @@ class Engine:
                         if job.answer_tokens is not None:
                             text = tok.decode(out.new_tokens[i, : job.answer_tokens].tolist())
                     reused = out.extra["reused_prompt_tokens"][i]
-                    # (the prompt and the latency count once per request, in `respond`, not once per choice)
-                    self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]),
-                                     cached_prompt_tokens_total=reused)
+                    # (the prompt, its cached part and the latency count once per request, in `respond`)
+                    self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
                     job.put(("done", text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
@@ -439,16 +440,15 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     body.token_healing, loop, asyncio.Queue())
                 for i in range(body.n)]
 
-    def finished(jobs: list[Job], prompt_tokens: int) -> None:
-        """A request's every choice is answered: its prompt and its latency, once."""
-        engine.metrics.add(prompt_tokens_total=prompt_tokens)
+    def finished(jobs: list[Job], prompt_tokens: int, totals: tuple[int, int, int]) -> None:
+        """A request's every choice is answered: its prompt, the part of it reused, and its latency, once."""
+        engine.metrics.add(requests_total=1, prompt_tokens_total=prompt_tokens, cached_prompt_tokens_total=totals[2])
         engine.metrics.observe(time.perf_counter() - jobs[0].created)
 
     async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int, request: Request):
         if body.stream_options is not None and not body.stream:  # checked before any job is queued
             raise APIError(400, "stream_options: only with stream: true", "stream_options")
-        engine.metrics.add(requests_total=1)
-        engine.submit(jobs)
+        engine.submit(jobs)  # a refused request counts in rejected_total; an answered one in requests_total
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -514,7 +514,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                             totals = tally(totals, item)
                             yield sse([choice(i, None if kind == "chat" else "", finish, True)])
                             break
-                    finished(jobs, prompt_tokens)
+                    finished(jobs, prompt_tokens, totals)
                     if with_usage:
                         yield sse([], usage=usage(totals))
                     yield "data: [DONE]\n\n"
@@ -539,12 +539,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                             j.cancelled.set()
                         raise APIError(499, "the client closed the connection", kind="client_closed")
                 if item[0] == "error":
+                    for j in jobs:  # its other choices would run for nobody
+                        j.cancelled.set()
                     raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
                 if item[0] == "done":
                     break
             choices.append(choice(i, item[1], item[4], False))  # the engine ended stopped rows and cut their text
             totals = tally(totals, item)
-        finished(jobs, prompt_tokens)
+        finished(jobs, prompt_tokens, totals)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
                 "usage": usage(totals)}
 

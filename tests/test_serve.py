@@ -253,6 +253,27 @@ def test_full_queue_answers_429(server):
         engine.queue = saved
 
 
+def test_jobs_taken_but_not_yet_batched_count_against_the_queue():
+    """The engine moves queued jobs into its pending list while it builds batches; counting only the queue let
+    the backlog grow past max_queue (15 waiting with a limit of 3)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    with TestClient(create_app(lm, MODEL, max_queue=3, max_batch=1)) as http:
+        engine = http.app.state.engine
+        waiting = [type("Waiting", (), {"cancelled": threading.Event()})() for _ in range(3)]
+        for job in waiting:
+            job.cancelled.set()  # dropped by the engine at its next batch
+        engine.pending.extend(waiting)  # the engine thread sleeps on its empty queue meanwhile
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 429 and engine.depth() == 3
+        engine.pending.clear()
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
+
+
 def test_a_request_is_queued_whole_or_not_at_all(server):
     """n choices that did not all fit used to get a 429 while the choices queued before it ran for nobody."""
     import queue
@@ -352,6 +373,12 @@ def test_metrics_count_a_request_once_however_many_choices(client, server):
             prompt_tokens = client.completions.create(**kw).usage.prompt_tokens
     after = (counters["requests_total"], len(latency), counters["prompt_tokens_total"])
     assert [a - b for a, b in zip(after, before)] == [2, 2, 2 * prompt_tokens]
+    # the reused part of a prompt counts once a request too (it was once a choice: more than the prompt itself)
+    cached = counters["cached_prompt_tokens_total"]
+    again = client.completions.create(model=MODEL, prompt="abc " * 20, max_tokens=4, n=3, seed=6)
+    again = client.completions.create(model=MODEL, prompt="abc " * 20, max_tokens=4, n=3, seed=6)
+    reused = again.usage.prompt_tokens_details.cached_tokens
+    assert reused > 0 and counters["cached_prompt_tokens_total"] - cached <= reused + again.usage.prompt_tokens
 
 
 def test_metrics(server):
