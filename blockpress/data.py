@@ -122,7 +122,7 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
             for key in ("prompt", "response"):
                 if not isinstance(obj[key], str):
                     raise ValueError(f"{where}: field {key!r} must be a string")
-            prompt = tokenizer.encode(obj["prompt"], add_bos=tokenizer.bos_id is not None)
+            prompt = tokenizer.encode_prompt(obj["prompt"])
             ex = Example(prompt, tokenizer.encode(obj["response"]) + ([eos] if eos is not None else []))
     if not ex.prompt:
         raise ValueError(f"{where}: empty prompt")

@@ -276,17 +276,20 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, (None if bool(mask.all()) else mask)
 
 
-def encode_texts(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
-    """Text prompts as token ids, BOS first when the tokenizer has one."""
-    return [tokenizer.encode(t, add_bos=tokenizer.bos_id is not None) for t in texts]
+def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True) -> list[list[int]]:
+    """Text prompts as token ids, BOS first when the tokenizer has one and `bos` (a conversation's next turn
+    has none: it continues a sequence that has one), and not twice (a rendered chat template brings its own)."""
+    return [tokenizer.encode_prompt(t) if bos else tokenizer.encode(t) for t in texts]
 
 
-def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """str | list[str] | LongTensor [P] / [B, P] | list of token-id lists -> (ids [B, P], mask or None)."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """str | list[str] | LongTensor [P] / [B, P] | list of token-id lists -> (ids [B, P], mask or None). Texts get
+    BOS first when `bos` (see encode_texts); ids are taken as given."""
+    if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
+                                   and all(isinstance(p, str) for p in prompt)):
         if tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
-        return left_pad(encode_texts([prompt] if isinstance(prompt, str) else prompt, tokenizer), pad_id)
+        return left_pad(encode_texts([prompt] if isinstance(prompt, str) else list(prompt), tokenizer, bos), pad_id)
     if not isinstance(prompt, (torch.Tensor, str, list, tuple)) and hasattr(prompt, "__array__"):
         prompt = torch.as_tensor(prompt)  # a numpy array of ids: read like a tensor
     if isinstance(prompt, torch.Tensor):

@@ -59,8 +59,8 @@ def resolve_path(path_or_name: str | Path) -> Path:
         return path
     if path.is_file():  # config.json or model.safetensors given instead of the folder that holds them
         raise ValueError(f"model {str(path_or_name)!r}: a file; give the checkpoint folder that holds it ({path.parent})")
-    if isinstance(path_or_name, str) and (MODELS_DIR / path_or_name).is_dir():
-        return MODELS_DIR / path_or_name
+    if len(Path(path_or_name).parts) == 1 and (MODELS_DIR / Path(path_or_name).name).is_dir():  # str or Path
+        return MODELS_DIR / Path(path_or_name).name
     repo_id, _, revision = str(path_or_name).partition("@")
     snapshot = hf_cached_snapshot(repo_id, revision or "main")
     if snapshot is not None:
@@ -132,6 +132,11 @@ def check_seed(seed: Any, name: str) -> Any:
 
 
 class LM:
+    """A loaded model with its tokenizer and generation settings: `blockpress.load(...)` or `random_model(...)`.
+
+    `generate` / `stream` / `infill` decode by block diffusion, `generate_ar` one token at a time on the same
+    weights, `logits` gives one denoising pass; `compile`, `cuda_graphs` and `quantize` transform it in place."""
+
     def __init__(
         self,
         model: DiffusionGemma,
@@ -161,6 +166,8 @@ class LM:
         return self.model.dtype
 
     def num_parameters(self, active: bool = True) -> int:
+        """Parameters used per token (`active`, the default here: the routed experts only), or all of them
+        (active=False, ModelConfig.num_parameters' default)."""
         return self.config.num_parameters(active=active)
 
     def compile(self, **options: Any) -> LM:
@@ -291,10 +298,13 @@ class LM:
         hole_length: int,
         sampler_options: dict[str, Any],
         token_healing: bool = False,
+        cache: Any = None,
     ) -> Request:
         self._check_runnable()
         pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
-        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id)
+        # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
+        continuing = isinstance(cache, KVCache) and cache.length > 0
+        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing)
         if attention_mask is not None:
             mask = _check_mask(attention_mask, ids.shape, "the prompt")
             if bool((mask[:, :-1] > mask[:, 1:]).any()):  # padding after a token: decoding needs it on the left
@@ -433,14 +443,20 @@ class LM:
             raise ValueError("logits_processor: expected a function (logits, rows) -> logits, got "
                              f"{type(logits_processor).__name__}")
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
-                            hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing)
+                            hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing,
+                            cache)
         if seeds is not None:
             if not isinstance(seeds, (list, tuple)):
                 raise ValueError(f"seeds: expected a list of one seed per row, got {type(seeds).__name__} "
                                  "(one seed for the whole batch is `seed`)")
             req.seeds = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
+            if None in req.seeds:  # one row random, the others seeded: give it a seed of its own
+                raise ValueError(f"seeds[{req.seeds.index(None)}]: expected an integer (each row needs its seed)")
             req.row_seeds()  # validates the count now, not mid-generation
-        req.skip_stopped_rows = bool(skip_stopped_rows)
+        for name, flag in (("skip_stopped_rows", skip_stopped_rows), ("return_cache", return_cache)):
+            if not isinstance(flag, bool):  # "no" would read as True
+                raise ValueError(f"{name}: expected True or False, got {flag!r}")
+        req.skip_stopped_rows = skip_stopped_rows
         req.constraint = constraint
         req.logits_processor = logits_processor
         req.stops = self._stops(stop, req)
@@ -451,15 +467,25 @@ class LM:
 
     def generate(self, prompt: Any, max_new_tokens: int | None = None, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
-        """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists.
+        """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists (ragged
+        rows are left-padded). Text prompts get BOS first (not twice; not on a turn that continues a `cache`).
 
-        Keyword options: min_new_tokens, attention_mask, template (constrained canvas), hole_length,
-        cache (continue a conversation), return_cache, seeds (one per row), skip_stopped_rows (default
-        True: a row that has stopped leaves the batch until the next canvas), constraint (a per-step rule, see
-        `stream`), token_healing (see `stream`), prefix_cache (a `PrefixCache`: reuse earlier prompts' encoding,
-        see `stream`), and sampler settings (entropy_bound, confidence,
-        t_min, t_max, stability_threshold, confidence_threshold, adaptive_stopping, presence_penalty,
-        frequency_penalty: any field of SamplerConfig).
+        `max_new_tokens`: exactly this many new tokens at most (default: the checkpoint's generation config, else
+        256). `max_denoising_steps`: per canvas (default: the checkpoint's, else 48). `sampler`: "entropy_bound"
+        (the reference's), "confidence", "topk" or "greedy", or a whole `SamplerConfig` (which replaces the
+        checkpoint's settings rather than adding to them). `seed`: None draws a fresh one (greedy uses 0).
+
+        Keyword options (see `stream` for the details): min_new_tokens, attention_mask, stop (OpenAI's: a string,
+        a list, or one list per row), template (constrained canvas) and hole_length, cache (continue a
+        conversation) and return_cache, seeds (one per row), skip_stopped_rows (default True: a row that has
+        stopped leaves the batch), constraint and logits_processor (per-step hooks), token_healing, prefix_cache,
+        and any SamplerConfig field (entropy_bound, confidence, t_min, t_max, stability_threshold,
+        confidence_threshold, adaptive_stopping, rank_by, candidates, keep_accepted, self_conditioning,
+        noise_token_id, presence_penalty, frequency_penalty).
+
+        Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
+        and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
+        and denoise seconds, and `cache` when asked.
         """
         if "drafts" in kwargs:  # generate returns the end result only; the drafts are stream()'s
             raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
@@ -471,6 +497,9 @@ class LM:
 
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> markers, or ids with -1), keeping every fixed token."""
+        if template is None:
+            raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
+                             "(for a free continuation use generate)")
         if prompt is None:
             bos = self.config.text.bos_token_id
             prompt = [[bos if bos is not None else 0]] * _template_rows(template)
@@ -501,7 +530,7 @@ class LM:
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
-                            token_healing)
+                            token_healing, cache)
         req.stops = self._stops(stop, req)
         req.prefix_cache = _check_prefix_cache(prefix_cache)
         self._check_context(req, cache)
@@ -513,7 +542,12 @@ class LM:
         if self.quantization is not None:
             raise ValueError(f"save: the model is quantized ({self.quantization}); save the unquantized weights and "
                              "quantize after loading (blockpress.load(..., quantize=...))")
+        if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
+            raise ValueError(f"save: expected a folder path, got {path!r}")
+        self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"save: {str(path)!r} is a file; give a folder")
         save_model(self.model, path, self.passthrough)
         gen = dict(self.generation_config)
         text = self.config.text
@@ -531,10 +565,15 @@ class LM:
             own_file.unlink()
         if self.tokenizer is not None:
             self.tokenizer.save(path)
+        else:  # an earlier model's tokenizer in this folder would load with these weights
+            for name in TOKENIZER_FILES:
+                (path / name).unlink(missing_ok=True)
 
     def __repr__(self) -> str:
         return f"LM({self.config.describe()}, dtype={self.dtype}, device={self.device})"
 
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 # The keys the reference's generation config takes; it refuses any other ("Unexpected kwargs"), so blockpress's
 # own settings (sampler, penalties, noise token, ...) live beside it in BLOCKPRESS_GENERATION_FILE.
@@ -639,6 +678,8 @@ def random_model(
         raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
                          f"ModelConfig.from_dict(...)), got {type(config).__name__}")
     check_seed(seed, "seed")
+    if seed is None:
+        raise ValueError("seed: expected an integer (the weights are a function of it), got None")
     dtype = resolve_dtype(dtype) or torch.float32
     device = resolve_device(device)
     with torch.device("meta"):

@@ -569,7 +569,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", "prompt")
             prompt = list(body.prompt)
         else:
-            prompt = lm.tokenizer.encode(body.prompt, add_bos=lm.tokenizer.bos_id is not None)
+            prompt = lm.tokenizer.encode_prompt(body.prompt)
         jobs = build_job(body, prompt)
         if body.suffix is not None or body.template is not None:
             canvas, answer = constrained_canvas(body, jobs[0].max_tokens)

@@ -229,6 +229,14 @@ class Tokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain prompt's ids: BOS first when the tokenizer has one, but not twice (a rendered chat template,
+        or text that starts with the BOS token, brings its own)."""
+        ids = self.encode(text)
+        if self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id, *ids]
+        return ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         # int() accepts tensors' and numpy arrays' elements as well as plain ints.
         id_list = [int(i) for i in ids]

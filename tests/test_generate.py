@@ -1,5 +1,7 @@
 """The decoding loop's mechanics on tiny random models."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -382,6 +384,23 @@ def test_a_batch_of_templates_without_a_prompt():
     assert [t[:4] for t in out.texts] == ["a = ", "b = "] and all(t.endswith("\n") for t in out.texts)
     with pytest.raises(ValueError, match="2 text templates for a batch of 3 prompts"):
         lm.infill(texts, prompt=["x", "y", "z"])
+
+
+def test_a_text_turn_continuing_a_cache_gets_no_second_bos():
+    """The next turn of a conversation continues a sequence that began with BOS: its text is not given another
+    one mid-way (before: the continuation equalled a fresh call with BOS between the turns). Nor does a prompt
+    that starts with the BOS token's text get two."""
+    from blockpress.cli import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, sampler="greedy", min_new_tokens=8)
+    first = lm.generate("abc", return_cache=True, **kw)
+    second = lm.generate("de", cache=first.cache, **kw)
+    assert second.sequences[0, 0] != lm.tokenizer.bos_id
+    whole = first.sequences[0].tolist() + lm.tokenizer.encode("de")
+    assert torch.equal(second.new_tokens, lm.generate([whole], **kw).new_tokens)
+    bos = lm.tokenizer.bos_token
+    assert lm.generate(bos + "abc", **kw).sequences[0, :2].tolist() == [lm.tokenizer.bos_id, *lm.tokenizer.encode("a")[:1]]
 
 
 def test_integer_templates_of_every_kind_read_alike(lm):
@@ -997,3 +1016,35 @@ def test_small_argument_mistakes_say_what_to_do(lm, tmp_path):
     # t_min 0 is the reference's too: the schedule's last step is still t_max / N
     out = lm.generate([[2, 5, 6]], max_new_tokens=4, max_denoising_steps=4, t_min=0.0, t_max=0.5, seed=0)
     assert out.num_new_tokens[0] > 0
+
+
+def test_small_api_mistakes_are_clear_errors(lm, tmp_path):
+    """Each of these was a TypeError, a RuntimeError, a silent wrong reading or a half-written folder."""
+    with pytest.raises(ValueError, match=r"seeds\[1\]: expected an integer"):
+        lm.generate([[3, 4], [5, 6]], max_new_tokens=4, seeds=[1, None])
+    with pytest.raises(ValueError, match="skip_stopped_rows: expected True or False"):
+        lm.generate([3, 4], max_new_tokens=4, skip_stopped_rows="no")
+    with pytest.raises(ValueError, match="return_cache: expected True or False"):
+        lm.generate([3, 4], max_new_tokens=4, return_cache="no")
+    with pytest.raises(ValueError, match="seed: expected an integer .* got None"):
+        blockpress.random_model(blockpress.ModelConfig.tiny(), seed=None)
+    with pytest.raises(ValueError, match="template: expected text .* got None"):
+        lm.infill(None)
+    with pytest.raises(ValueError, match="save: expected a folder path, got ''"):
+        lm.save("")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file; give a folder"):
+        lm.save(tmp_path / "file")
+    meta = blockpress.random_model(blockpress.ModelConfig.tiny(), device="meta")
+    with pytest.raises(ValueError, match="meta device"):
+        meta.save(tmp_path / "meta")
+    assert not (tmp_path / "meta").exists()
+
+
+def test_saving_over_another_model_leaves_none_of_its_tokenizer(lm, tmp_path):
+    from blockpress.lm import MODELS_DIR
+
+    blockpress.load("blockpress-code").save(tmp_path)
+    lm.save(tmp_path)  # no tokenizer: the 8,192-token one must not stay to load with these 128-token weights
+    assert blockpress.load(tmp_path).tokenizer is None
+    assert blockpress.load(Path("blockpress-code")).path == MODELS_DIR / "blockpress-code"  # a Path names it too
