@@ -102,13 +102,14 @@ class SamplerConfig:
         need(self.t_min >= 0, "t_min", f"expected >= 0, got {self.t_min}")
         need(self.t_max >= 0, "t_max", f"expected >= 0, got {self.t_max}")
         need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
-        need(isinstance(self.stability_threshold, int) and self.stability_threshold >= 0, "stability_threshold",
+        # (bools are ints to Python: True read as 1 here, and as noise token 1 below)
+        need(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
              f"expected an integer >= 0, got {self.stability_threshold!r}")
         need(self.confidence_threshold > 0, "confidence_threshold", f"expected > 0, got {self.confidence_threshold}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            need(isinstance(value, (int, float)) and -2.0 <= value <= 2.0, name, f"expected a number in [-2, 2], got {value!r}")
-        need(self.noise_token_id is None or (isinstance(self.noise_token_id, int) and self.noise_token_id >= 0),
+            need(is_finite_number(value) and -2.0 <= value <= 2.0, name, f"expected a number in [-2, 2], got {value!r}")
+        need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= 0),
              "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
 
     @classmethod

@@ -288,6 +288,11 @@ def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
         (dict(entropy_bound="0.1"), "entropy_bound: expected a finite number"),
         (dict(confidence=True), "confidence: expected a finite number"),
         (dict(adaptive_stopping="no"), "adaptive_stopping: expected a bool"),
+        # bools passed for 1: a stability of one step, a penalty of 1, noise token 1
+        (dict(stability_threshold=True), "stability_threshold: expected an integer"),
+        (dict(presence_penalty=True), "presence_penalty: expected a number"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty: expected a number"),
+        (dict(noise_token_id=True), "noise_token_id: expected None or a token id"),
     ],
 )
 def test_bad_sampler_settings(kwargs, field):
