@@ -15,6 +15,7 @@ Steps count down like the reference: `step` = N..1 is the number of steps remain
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -22,8 +23,8 @@ import torch
 
 
 def is_finite_number(value: Any) -> bool:
-    """A real, finite int or float: not a string from a JSON file, not a bool, not inf or NaN."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A real, finite number (numpy's included): not a string from a JSON file, not a bool, not inf or NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_int(value: Any) -> bool:
@@ -150,7 +151,10 @@ class SamplerConfig:
                     if "temperature" in unknown else "")
             raise ValueError(f"{unknown[0]}: not a sampler setting{hint}; the settings are "
                              f"{', '.join(f.name for f in fields(self))}")
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        kept = {k: v for k, v in changes.items() if v is not None}  # None: not given (the CLI's unset flags)
+        if kept.get("noise_token_id") == -1 and not isinstance(kept["noise_token_id"], bool):
+            kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
+        return replace(self, **kept)
 
 
 # Below this a temperature is greedy for any logits a model gives, and dividing by a smaller one overflows

@@ -300,6 +300,15 @@ def test_bad_sampler_settings(kwargs, field):
         SamplerConfig(**kwargs)
 
 
+def test_settings_people_pass_from_numpy_and_uniform_noise_on_request():
+    import numpy as np
+
+    cfg = SamplerConfig(noise_token_id=5).with_(entropy_bound=np.float32(0.05), t_max=np.float64(1.0))
+    assert cfg.entropy_bound == pytest.approx(0.05) and cfg.noise_token_id == 5  # numpy's float32 was refused
+    assert cfg.with_(noise_token_id=-1).noise_token_id is None  # -1, as in training: uniform noise for one call
+    assert cfg.with_(noise_token_id=None).noise_token_id == 5  # None still means "not given"
+
+
 def test_a_vanishing_temperature_is_greedy_not_nan():
     """1e-45 underflows a float32 division (30 / 1e-45 = inf, and inf - inf = NaN lost every token); below
     MIN_TEMPERATURE the sampler divides by MIN_TEMPERATURE, which is greedy for any logits."""
