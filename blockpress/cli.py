@@ -514,7 +514,10 @@ def bind_socket(host: str, port: int) -> Any:
     import socket
 
     try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # As uvicorn does: IPv4 unless the host is an IPv6 address ("localhost" may list ::1 first, and clients
+        # of http://127.0.0.1 would then be refused).
+        info = next((a for a in found if a[0] == socket.AF_INET), found[0]) if ":" not in host else found[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])

@@ -521,8 +521,8 @@ def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Te
 def _no_choice(logits: torch.Tensor, banned: torch.Tensor | None, open_positions: torch.Tensor) -> torch.Tensor:
     """Whether any open position's distribution is undefined: a NaN or +inf logit, or no finite unbanned one."""
     x = logits if banned is None else logits.masked_fill(banned, float("-inf"))
-    bad = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | ~torch.isfinite(x).any(-1)
-    return (bad & open_positions).any()
+    # One reduction: the largest logit is NaN if any is, +inf if any is, and -inf if every token is banned.
+    return (~torch.isfinite(x.amax(-1)) & open_positions).any()
 
 
 @dataclass
@@ -686,7 +686,8 @@ def run(
                     ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                     ban = ruled if banned is None else ruled | banned
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
-                    trouble |= _no_choice(logits, ban, w.scored if w.fixed is None else w.scored & (w.fixed < 0))
+                    open_positions = (w.scored if w.fixed is None else w.scored & (w.fixed < 0)) & ~w.state.done[:, None]
+                    trouble |= _no_choice(logits, ban, open_positions)
                 w.state = fns.sampler_step(
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
                     scored=w.scored, banned=ban, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),

@@ -36,8 +36,8 @@ def display_width(text: str) -> int:
     for ch in text:
         if ch == "\t":
             width += 8 - width % 8
-        elif unicodedata.combining(ch):
-            continue
+        elif unicodedata.combining(ch) or unicodedata.category(ch) in ("Cf", "Mn", "Me"):
+            continue  # combining marks, zero-width spaces and joiners, variation selectors: no cell
         else:
             width += 2 if unicodedata.east_asian_width(ch) in "WF" else 1
     return width
@@ -145,7 +145,9 @@ class LiveView:
     def _draw(self, pieces: list[Piece], live: bool) -> None:
         columns, lines = self.size()
         columns = max(columns, 1)
-        pieces = [(self.tail, ""), *((t.translate(_CONTROLS) if live else t, s) for t, s in pieces if t)]
+        pieces = [(self.tail, ""), *((t, s) for t, s in pieces if t)]
+        if live:  # control characters would move the cursor and spoil the row count
+            pieces = [(t.translate(_CONTROLS), s) for t, s in pieces]
         if live:
             pieces = fit(pieces, columns, max(lines - 1, 2))
         up = f"\x1b[{self.rows - 1}A" if self.rows > 1 else ""

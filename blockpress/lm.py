@@ -187,7 +187,10 @@ class LM:
 
         quantize(self.model, scheme)
         if self.step_functions is not None:  # compiled or captured steps hold the old modules: make them anew
-            self.step_functions = self._rebuild_steps(self.model)
+            if self._rebuild_steps is StepFunctions.cuda_graphs:
+                self.cuda_graphs()  # with its checks: the quantized experts must still run without host syncs
+            else:
+                self.step_functions = self._rebuild_steps(self.model)
         return self
 
     @property

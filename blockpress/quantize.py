@@ -159,9 +159,11 @@ class QuantizedExperts(Experts):
 
     def project(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
         q, scale = getattr(self, name), getattr(self, f"{name}_scale")
-        if self.scheme == "int4" or (self.scheme == "int8" and x.is_cuda):
-            # Every expert's weight at once (one transient copy per projection), then the grouped GEMM: on CUDA
-            # the per-expert loop below would sync with the host twice a layer, which no CUDA graph can hold.
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.scheme == "int4" or (self.scheme == "int8" and capturing):
+            # Every expert's weight at once (one transient copy per projection), then the grouped GEMM. For int8
+            # only inside a CUDA graph, which cannot hold the loop's host syncs: eagerly, copying all 128 experts
+            # of the 26B-A4B costs more memory traffic than the loop over the experts that have rows.
             return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), offsets)
         if self.scheme == "fp8" and x.is_cuda and x.dtype == torch.bfloat16 and self.grouped_fp8:
             try:  # one FP8 grouped GEMM for all experts (CUTLASS, SM90): no per-expert launches, no host sync

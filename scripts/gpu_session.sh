@@ -26,6 +26,7 @@ OUT=${OUT:?set OUT to the output folder}
 BENCH_S=${1:-150}
 TRAIN_MIN=${2:-3.3}
 DEADLINE=${DEADLINE:-570}  # seconds after the start by which everything is in $OUT
+case $DEADLINE in ''|*[!0-9]*) echo "DEADLINE: expected whole seconds, got '$DEADLINE'" >&2; exit 2;; esac
 DEVICE=${DEVICE:-cuda}
 BENCH_PRESET=${BENCH_PRESET:-26b-a4b}
 BENCH_DTYPE=${BENCH_DTYPE:-bfloat16}
@@ -66,8 +67,15 @@ timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVIC
     --out "$W/extra/bench_batch.json" --plot "$W/extra/bench_batch.png" >"$W/bench_batch.log" 2>&1
 log "batch sweep exit $?"
 tar -C "$W" -cf "$OUT/extra.tar" extra 2>/dev/null
-wait $PUZZLE_PID
-log "puzzles: $(tail -1 "$W/puzzles.log")"
+for _ in $(seq 20); do kill -0 $PUZZLE_PID 2>/dev/null || break; sleep 1; done  # at most 20 s more
+if kill -0 $PUZZLE_PID 2>/dev/null; then
+  kill $PUZZLE_PID; wait $PUZZLE_PID 2>/dev/null
+  [ -n "$(tail -c 1 "$W/puzzles.jsonl")" ] && sed -i '$ d' "$W/puzzles.jsonl"  # a line cut short by the kill
+  log "puzzles: stopped at the deadline's share"
+else
+  wait $PUZZLE_PID
+  log "puzzles: $(tail -1 "$W/puzzles.log")"
+fi
 NPUZ=$(wc -l <"$W/puzzles.jsonl")
 
 # -- phase B ---------------------------------------------------------------------------------------------------
@@ -82,6 +90,13 @@ COMPILE_FLAG=$( [ "${COMPILE:-0}" = 1 ] && echo --compile )
 LEFT_MIN=$(awk -v s=$(( DEADLINE - SECONDS - 75 )) 'BEGIN { printf "%.2f", s / 60 }')
 TRAIN_MIN=$(awk -v a="$TRAIN_MIN" -v b="$LEFT_MIN" 'BEGIN { m = (a < b ? a : b); printf "%.2f", (m > 0.3 ? m : 0.3) }')
 log "training for $TRAIN_MIN min (deadline ${DEADLINE}s, now ${SECONDS}s)"
+if awk -v m="$LEFT_MIN" 'BEGIN { exit !(m < 0.3) }'; then
+  log "no time left to train: done at ${SECONDS}s"
+  exit 0
+fi
+minutes_left() {  # what the clock leaves a run started now, keeping 75 s to evaluate, save and pack
+  awk -v s=$(( DEADLINE - SECONDS - 75 )) 'BEGIN { m = s / 60; printf "%.2f", (m > 0.3 ? m : 0.3) }'
+}
 code_run() {  # $1: extra flags
   $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \
@@ -104,6 +119,8 @@ with_retry() {  # $1: name, then the command; a run that fails within 60 s is re
     log "$name failed early (exit $rc), retrying without workers or autocast: $(tail -3 "$W/$name.log" | tr '\n' ' ')"
     mv "$W/$name.log" "$W/$name.first.log"
     rm -rf "${W:?}/$name"  # the failed start's folder: `blockpress train` refuses an --out that holds a run
+    # this subshell's budget: the retry ends with the others, not a minute later
+    TRAIN_MIN=$(awk -v a="$TRAIN_MIN" -v b="$(minutes_left)" 'BEGIN { printf "%.2f", (a < b ? a : b) }')
     "$@" --data-workers 0 --no-autocast >"$W/$name.log" 2>&1
     rc=$?
   fi
@@ -116,6 +133,7 @@ pack() {  # $1: run name. The checkpoint in bf16, its metrics and log, into $OUT
       "$W/$name" "$W/pack/$name" >>"$W/$name.pack.log" 2>&1
     cp "$W/$name"/metrics.jsonl "$W/$name"/summary.json "$W/$name.log" "$W/pack/$name/" 2>/dev/null
     tar -C "$W/pack" -cf "$W/$name.tar" "$name" && split -b 15m -d "$W/$name.tar" "$OUT/$name.tar."
+    [ -f "$W/$name.tar" ] || tail -5 "$W/$name.pack.log" >>"$OUT/session.log"  # $W does not come back
   fi
   log "$name: $(tail -c 400 "$W/$name/metrics.jsonl" 2>/dev/null | tail -1 | cut -c1-300) $(tail -2 "$W/$name.log" | tr '\n' ' ' | cut -c1-300)"
 }
