@@ -358,7 +358,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             from blockpress.tokenizer import Tokenizer
 
             given = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
-            tokenizer = Tokenizer.from_dir(given.parent if given.is_file() else resolve_path(args.tokenizer))
+            if given.is_file() and given.name != "tokenizer.json":  # its folder's own tokenizer.json would be read
+                raise ValueError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json, the folder that holds "
+                                 "one, or a shipped model's name")
+            try:
+                tokenizer = Tokenizer.from_dir(given.parent if given.is_file() else resolve_path(args.tokenizer))
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from None
             if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
                 mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
             if tokenizer.vocab_size > mcfg.text.vocab_size:  # its ids past the model's vocabulary would crash the embedding
@@ -393,7 +399,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = trainer.train()
     if trainer.rank == 0:
         _plot_training(Path(args.out), quiet=args.quiet)
-    if not args.quiet:
+    if not args.quiet and trainer.rank == 0:  # under torchrun, one summary, not one a process
         losses = result.losses or [None]
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
                           "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,

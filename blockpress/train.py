@@ -543,7 +543,9 @@ class Trainer:
         if self.progress and self.rank == 0:
             from tqdm import tqdm
 
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+            # disable=None: no bar when stderr is not a terminal (a log file would fill with its redraws)
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                       disable=None)
         t0, seen = time.perf_counter(), 0
         prefetched = self._prefetch() if cfg.data_workers else None
         interrupt = _StopOnInterrupt()
@@ -622,16 +624,17 @@ def plot_metrics(metrics: str | Path, path: str | Path) -> dict[str, list[tuple[
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     for label, points in series.items():
         if label == "learning rate":
-            bottom.plot(*zip(*points), color="gray", linewidth=1)
+            bottom.plot(*zip(*points), color="gray", linewidth=1, marker="." if len(points) <= 50 else None)
         elif label == "held-out total":
             top.plot(*zip(*points), marker="o", linestyle="--", label=label)
-        else:
-            top.plot(*zip(*points), label=label, linewidth=1)
+        else:  # markers while there are few points: one logged row is otherwise no line at all
+            top.plot(*zip(*points), label=label, linewidth=1, marker="." if len(points) <= 50 else None)
     top.set_ylabel("loss")
     top.grid(alpha=0.3)
     if top.lines:
         top.legend()
     bottom.set_ylabel("learning rate")
+    bottom.xaxis.get_major_locator().set_params(integer=True)  # steps are whole
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
     fig.tight_layout()

@@ -2,7 +2,8 @@
 
 Weights are stored in bfloat16 (half the bytes; this CPU family computes bf16 natively), with the
 tokenizer, generation defaults, the training metrics and, for code models, the corpus manifest (which
-modules were held out). Fails if the folder would exceed --max-mb.
+modules were held out). The package is built beside the old one, loaded once and size-checked, and only then
+takes its place: a failure (over --max-mb, bad settings, a missing file) leaves the shipped model as it was.
 
     python scripts/package_model.py runs/code blockpress-code --manifest corpus/manifest.json
 """
@@ -11,39 +12,62 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import blockpress
 
 ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "blockpress" / "models"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint")
-    ap.add_argument("name")
+    ap.add_argument("checkpoint", help="the trained checkpoint folder")
+    ap.add_argument("name", help="the model's name in the package: letters, digits, '-', '_' and '.'")
     ap.add_argument("--manifest", default=None, help="corpus manifest.json to ship as corpus_manifest.json")
-    ap.add_argument("--generation", default=None, help="JSON of generation defaults to write")
+    ap.add_argument("--generation", default=None, help="JSON object of generation defaults to write")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-mb", type=float, default=25.0)
     args = ap.parse_args()
-    src = Path(args.checkpoint)
-    dst = ROOT / "blockpress" / "models" / args.name
-    lm = blockpress.load(src, dtype=args.dtype)
+    # A plain folder name: "" or "." would be the models folder itself (replacing every shipped model), ".." outside.
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name) or ".." in args.name:
+        ap.error(f"name: expected a plain folder name (letters, digits, '-', '_', '.'), got {args.name!r}")
+    if args.manifest and not Path(args.manifest).is_file():
+        ap.error(f"--manifest: no file {args.manifest!r}")
+    generation = {}
     if args.generation:
-        lm.generation_config.update(json.loads(args.generation))
-    if dst.exists():
-        shutil.rmtree(dst)
-    lm.save(dst)
-    for extra in ("metrics.jsonl", "summary.json"):
-        if (src / extra).exists():
-            shutil.copy(src / extra, dst / extra)
-    if args.manifest:
-        shutil.copy(args.manifest, dst / "corpus_manifest.json")
-    size = sum(f.stat().st_size for f in dst.iterdir()) / 1e6
-    if size > args.max_mb:
-        raise SystemExit(f"{dst}: {size:.1f} MB is over the {args.max_mb} MB limit")
+        try:
+            generation = json.loads(args.generation)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--generation: not JSON ({exc})")
+        if not isinstance(generation, dict):
+            ap.error(f"--generation: expected a JSON object, got {type(generation).__name__}")
+    src = Path(args.checkpoint)
+    try:
+        lm = blockpress.load(src, dtype=args.dtype)
+        lm.generation_config.update(generation)
+        lm.sampler_defaults  # noqa: B018  (the settings are checked as the packaged model will read them)
+    except (ValueError, OSError) as exc:
+        ap.error(str(exc))
+    dst = MODELS / args.name
+    with tempfile.TemporaryDirectory(dir=MODELS) as tmp:
+        new = Path(tmp) / args.name
+        lm.save(new)
+        for extra in ("metrics.jsonl", "summary.json"):
+            if (src / extra).exists():
+                shutil.copy(src / extra, new / extra)
+        if args.manifest:
+            shutil.copy(args.manifest, new / "corpus_manifest.json")
+        size = sum(f.stat().st_size for f in new.iterdir()) / 1e6
+        if size > args.max_mb:
+            raise SystemExit(f"{args.name}: {size:.1f} MB is over the {args.max_mb} MB limit; the package is unchanged")
+        blockpress.load(new)  # it loads as shipped, or the old one stays
+        if dst.exists():
+            shutil.rmtree(dst)
+        new.rename(dst)
     print(json.dumps({"name": args.name, "path": str(dst), "mb": round(size, 2), "params": lm.num_parameters(False)}))
 
 

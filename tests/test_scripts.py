@@ -173,3 +173,14 @@ def test_serve_load_p95_is_never_below_the_median(values):
     lat = sorted(values)
     p95 = nearest_rank(lat, 0.95)
     assert p95 in lat and p95 >= statistics.median(lat) and nearest_rank(lat, 1.0) == lat[-1]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../escape", "a/b"])
+def test_package_model_refuses_names_outside_the_models_folder(name):
+    """"" or "." named the models folder itself: packaging replaced every shipped model with the new one."""
+    models = ROOT / "blockpress" / "models"
+    before = sorted(p.name for p in models.iterdir())
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "package_model.py"), "blockpress-code", name],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "name: expected a plain folder name" in r.stderr
+    assert sorted(p.name for p in models.iterdir()) == before

@@ -225,6 +225,11 @@ def test_a_fresh_preset_trains_on_text_with_the_tokenizers_vocabulary(tmp_path):
     lm = blockpress.load(tmp_path / "fresh")
     assert lm.config.text.vocab_size == lm.tokenizer.vocab_size == 8192 and lm.config.text.hidden_size == 64
     # its tokenizer.json, or a shipped model's name, name the same tokenizer (a file was "has no tokenizer.json")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text((MODELS_DIR / "blockpress-code" / "tokenizer.json").read_text())
+    (other / "small.json").write_text("{}")  # its folder's tokenizer.json is not it: refused, not swapped in
+    assert main(train_args(data, tmp_path / "refused", steps=1) + ["--tokenizer", str(other / "small.json")]) == 2
     for given in (MODELS_DIR / "blockpress-code" / "tokenizer.json", "blockpress-code"):
         out = tmp_path / f"fresh-{len(str(given))}"
         assert main(train_args(data, out, steps=1) + ["--tokenizer", str(given)]) == 0
