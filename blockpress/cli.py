@@ -330,9 +330,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig.from_dict(raw)
     if args.resume and args.model is None and args.config is None:
         if not (out / "config.json").is_file():  # a LoRA run saves only its adapters until the end
-            raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, not a checkpoint; give its base "
-                             "model again with --model")
-        args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
+            from blockpress.train import lora_base
+
+            args.model = lora_base(out)  # recorded beside the adapters
+            if args.model is None:
+                raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, not a checkpoint; give its base "
+                                 "model again with --model")
+        else:
+            args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
     if args.model and args.tokenizer:

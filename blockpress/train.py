@@ -477,8 +477,10 @@ class Trainer:
         elif final:  # LoRA: the final folder is a plain checkpoint with the adapters merged in
             self.lm.model = merge_lora(self.model)
             self.lm.save(self.out)
-        else:  # LoRA, mid-run: the adapters live in trainer_state.pt next to the base weights
+        else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
+            if self.lm.path is not None:  # which base they adapt: `--resume` takes it from here
+                (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": str(self.lm.path)}) + "\n")
         torch.save(state, self.out / "trainer_state.pt")
         # The settings again as JSON: `--resume` reads them without loading the optimizer state.
         (self.out / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
@@ -497,7 +499,14 @@ class Trainer:
             raise ValueError(f"--resume: the LoRA run in {self.out} finished and merged its adapters into the "
                              f"checkpoint; fine-tune that with --model {self.out} instead")
         if self.cfg.lora_rank:
-            self.model.load_state_dict(state["lora"], strict=False)
+            try:
+                self.model.load_state_dict(state["lora"], strict=False)
+            except RuntimeError as exc:  # adapters of another base: torch's size mismatches, 40 lines of them
+                base = lora_base(self.out)
+                raise ValueError(f"--resume: the LoRA adapters in {self.out} do not fit this base model"
+                                 + (f"; they were trained on --model {base}" if base else "")
+                                 + f" ({str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else exc})"
+                                 ) from None
         else:
             loaded, _ = load_model(self.out, dtype=self.lm.dtype, device=self.lm.device)
             with torch.no_grad():
@@ -641,6 +650,17 @@ def plot_metrics(metrics: str | Path, path: str | Path) -> dict[str, list[tuple[
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return series
+
+
+LORA_BASE_FILE = "lora_base.json"  # a LoRA run cut short: the base model its adapters belong to
+
+
+def lora_base(out: str | Path) -> str | None:
+    """The base model a LoRA run in `out` was adapting, as saved with its adapters; None if not recorded."""
+    try:
+        return json.loads((Path(out) / LORA_BASE_FILE).read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class _StopOnInterrupt:

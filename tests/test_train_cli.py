@@ -175,6 +175,37 @@ def test_a_lora_run_cut_short_names_its_base_on_resume(tmp_path, capsys):
     assert "LoRA run's adapters" in err and "--model" in err and "saved settings" not in err
 
 
+def test_a_lora_run_cut_short_resumes_on_its_own_base_and_refuses_another(tmp_path, capsys):
+    """The adapters record the base they adapt: `--resume` alone takes it (before: "give its base model again"),
+    and another base is a one-line error (before: 40 lines of torch size mismatches)."""
+    pytest.importorskip("peft")
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "base", steps=1)) == 0
+    import blockpress.train
+
+    class StopAtOnce:  # Ctrl-C before the first step: the run saves its adapters, unmerged, to be resumed
+        requested = True
+
+        def restore(self):
+            pass
+
+    mid = tmp_path / "mid"
+    tuned = [a for a in train_args(data, mid, steps=2) if a not in ("--config", "tiny")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(blockpress.train, "_StopOnInterrupt", StopAtOnce)
+        assert main(tuned + ["--model", str(tmp_path / "base"), "--lora-rank", "2"]) == 130
+    assert (mid / "lora_base.json").is_file() and not (mid / "config.json").exists()
+    other = tmp_path / "other"
+    blockpress.random_model(blockpress.ModelConfig.tiny(hidden_size=48), seed=0).save(other)
+    capsys.readouterr()
+    resume = [a for a in train_args(data, mid, steps=3) if a not in ("--config", "tiny")] + ["--resume"]
+    assert main(resume + ["--model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit this base model; they were trained on --model" in err and "Traceback" not in err
+    assert main(resume) == 0  # its own base, found beside the adapters
+    assert blockpress.load(mid).config.text.hidden_size == blockpress.load(tmp_path / "base").config.text.hidden_size
+
+
 def test_fine_tuning_keeps_the_models_noise_and_trains_in_float32(tmp_path):
     """The shipped code model decodes with absorbing noise; fine-tuning it with the default (uniform) noise
     ruined it. And AdamW on its bf16 weights dropped small updates."""
