@@ -234,8 +234,9 @@ def stored_dtype(files: list[MappedSafetensors]) -> torch.dtype:
     stored: dict[torch.dtype, int] = {}
     for f in files:
         for name in f.keys():
-            if not name.startswith(VISION_PREFIXES) and f.dtype(name).is_floating_point:
-                stored[f.dtype(name)] = stored.get(f.dtype(name), 0) + f.nbytes(name)
+            dtype = f.dtype(name)
+            if not name.startswith(VISION_PREFIXES) and dtype.is_floating_point:
+                stored[dtype] = stored.get(dtype, 0) + f.nbytes(name)
     most = max(stored, key=stored.__getitem__) if stored else torch.float32
     return most if most in DTYPES.values() else torch.float32
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +152,7 @@ class LM:
         self.passthrough = passthrough or Passthrough()
         self.path = path
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
-        self._rebuild_steps: Callable[[DiffusionGemma], StepFunctions] = StepFunctions.eager  # after a quantize
+        self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
 
     @property
     def config(self) -> ModelConfig:
@@ -176,8 +177,8 @@ class LM:
         Pays where per-op overhead dominates (bf16 on CPU, small batches on GPU); the first generation
         includes compilation. Returns self.
         """
-        self._rebuild_steps = lambda model: StepFunctions.compiled(model, **options)
-        self.step_functions = self._rebuild_steps(self.model)
+        self.step_functions = StepFunctions.compiled(self.model, **options)
+        self._reapply_steps = partial(self.compile, **options)
         return self
 
     def quantize(self, scheme: str) -> LM:
@@ -186,11 +187,8 @@ class LM:
         from .quantize import quantize
 
         quantize(self.model, scheme)
-        if self.step_functions is not None:  # compiled or captured steps hold the old modules: make them anew
-            if self._rebuild_steps is StepFunctions.cuda_graphs:
-                self.cuda_graphs()  # with its checks: the quantized experts must still run without host syncs
-            else:
-                self.step_functions = self._rebuild_steps(self.model)
+        if self.step_functions is not None and self._reapply_steps is not None:
+            self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
 
     @property
@@ -219,8 +217,8 @@ class LM:
             if not all(getattr(m, "grouped_fp8", True) for m in self.model.modules()):
                 raise ValueError("cuda_graphs: this GPU or torch has no FP8 grouped GEMM, so FP8 experts run one "
                                  "GEMM each with host syncs; use eager decoding, or int4 / bf16 weights")
-        self._rebuild_steps = StepFunctions.cuda_graphs
-        self.step_functions = self._rebuild_steps(self.model)
+        self.step_functions = StepFunctions.cuda_graphs(self.model)
+        self._reapply_steps = self.cuda_graphs
         return self
 
     def _check_runnable(self) -> None:

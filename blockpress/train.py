@@ -503,10 +503,10 @@ class Trainer:
                 self.model.load_state_dict(state["lora"], strict=False)
             except RuntimeError as exc:  # adapters of another base: torch's size mismatches, 40 lines of them
                 base = lora_base(self.out)
-                raise ValueError(f"--resume: the LoRA adapters in {self.out} do not fit this base model"
-                                 + (f"; they were trained on --model {base}" if base else "")
-                                 + f" ({str(exc).splitlines()[1].strip() if len(str(exc).splitlines()) > 1 else exc})"
-                                 ) from None
+                first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+                trained_on = f"; they were trained on --model {base}" if base else ""
+                raise ValueError(f"--resume: the LoRA adapters in {self.out} do not fit this base model{trained_on} "
+                                 f"({first})") from None
         else:
             loaded, _ = load_model(self.out, dtype=self.lm.dtype, device=self.lm.device)
             with torch.no_grad():
@@ -530,14 +530,7 @@ class Trainer:
         path = self.out / "metrics.jsonl"
         if self.rank != 0 or not path.is_file():
             return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short when the run was killed mid-write
-                continue
-            if isinstance(row, dict) and row.get("step", 0) <= step:
-                kept.append(line)
+        kept = [line for line, row in metrics_rows(path) if row.get("step", 0) <= step]
         path.write_text("".join(line + "\n" for line in kept))
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -610,6 +603,20 @@ class Trainer:
         return result
 
 
+def metrics_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, row) of each readable row of a metrics.jsonl, skipping a line cut short when a run was killed
+    mid-write."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append((line, row))
+    return rows
+
+
 def plot_metrics(metrics: str | Path, path: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Draw a run's metrics.jsonl: training losses (and held-out loss) over the steps above, the learning rate
     below. Returns the series drawn, by label. Needs matplotlib (the `train` extra)."""
@@ -618,14 +625,7 @@ def plot_metrics(metrics: str | Path, path: str | Path) -> dict[str, list[tuple[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = []
-    for line in Path(metrics).read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short when a run was killed mid-write
-            continue
-        if isinstance(row, dict) and "step" in row:
-            rows.append(row)
+    rows = [row for _, row in metrics_rows(metrics) if "step" in row]
     series = {label: [(r["step"], r[key]) for r in rows if key in r]
               for key, label in (("loss", "total"), ("diffusion_loss", "diffusion"), ("ar_loss", "encoder AR"),
                                  ("eval_loss", "held-out total"), ("lr", "learning rate"))}
