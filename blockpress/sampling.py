@@ -194,8 +194,11 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     (Drawing V exponentials per position for a Gumbel-style race costs ~10x more on CPU.)
     """
     cdf = torch.cumsum(probs, dim=-1)
-    u = uniforms.to(cdf.dtype)[..., None] * cdf[..., -1:]
-    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    total = cdf[..., -1:]
+    # u strictly below the total (u * total can round up to it), and the first index whose cdf exceeds u
+    # (right=True): a token of probability 0 never has its cdf step above u, so it is never drawn, also at u = 0.
+    u = torch.minimum(uniforms.to(cdf.dtype)[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Tensor,

@@ -349,6 +349,23 @@ def test_sample_follows_the_distribution():
     assert torch.allclose(freq, probs[0], atol=0.015)
 
 
+@settings(max_examples=60, deadline=None)
+@given(zeros=st.lists(st.booleans(), min_size=2, max_size=9), seed=st.integers(0, 10_000),
+       edge=st.sampled_from([0.0, 1 - 2**-24, None]))
+def test_sample_never_draws_a_zero_probability_token(zeros, seed, edge):
+    """At the ends of [0, 1) too: u = 0 used to land on a leading zero-probability token (a banned EOS, a pad),
+    and u * total rounding up to the total on a trailing one."""
+    from blockpress.sampling import sample
+
+    g = torch.Generator().manual_seed(seed)
+    zeros[seed % len(zeros)] = False  # at least one token can be drawn
+    probs = torch.rand(64, len(zeros), generator=g) * torch.tensor([0.0 if z else 1.0 for z in zeros])
+    probs = probs / probs.sum(-1, keepdim=True)
+    u = torch.rand(64, generator=g, dtype=torch.float64) if edge is None else torch.full((64,), edge, dtype=torch.float64)
+    draws = sample(probs, u)
+    assert (probs.gather(-1, draws[:, None]) > 0).all()
+
+
 def test_entropy_ignores_banned_tokens():
     logits = torch.tensor([[[2.0, float("-inf"), 0.5, float("-inf")]]])
     ent = entropy(logits)
