@@ -506,6 +506,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
         if value < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
@@ -516,8 +518,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1", file=sys.stderr)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     return 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
+        server finishing a long request looked hung)."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                print(f"blockpress: stopping; requests in flight get up to {self.config.timeout_graceful_shutdown:g} s "
+                      "to finish (signal again to stop now)", file=sys.stderr)
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def bind_socket(host: str, port: int) -> Any:
@@ -704,6 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-name", default=None, help="model id clients use (default: the model's name)")
     p.add_argument("--max-batch", type=int, default=8, help="requests that share one denoising batch")
     p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0,
                    help="GiB of recent prompts' keys and values kept, so a prompt that starts like an earlier one "
                         "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off)")

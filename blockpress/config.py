@@ -16,8 +16,10 @@ from typing import Any
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "proportional")
+# The tanh approximation of GELU, under the three names transformers gives it (its loader knows no other spelling).
+SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_python_tanh")
+# "linear" is "default" with every frequency divided by `factor` (position interpolation).
+SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 
 
 class ConfigError(ValueError):
@@ -79,7 +81,7 @@ class TextConfig:
     sliding_window: int = 512
     layer_types: list[str] | None = None
     per_layer_config: dict[str, dict[str, int]] | None = None
-    final_logit_softcapping: float | None = 30.0
+    final_logit_softcapping: float = 30.0
     use_bidirectional_attention: str | None = None
     num_experts: int | None = 8
     top_k_experts: int | None = 2
@@ -177,8 +179,9 @@ class TextConfig:
         need(self.eos_token_id is None or all(isinstance(i, int) and 0 <= i < self.vocab_size for i in eos),
              "eos_token_id", f"expected a token id (or a list of them) in [0, {self.vocab_size}), got {self.eos_token_id!r}")
         cap = self.final_logit_softcapping
-        need(cap is None or (isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0),
-             "final_logit_softcapping", f"expected null or a positive number, got {cap!r}")
+        # The reference divides the logits by it unconditionally: a null would load here and then fail there.
+        need(isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0,
+             "final_logit_softcapping", f"expected a positive number, got {cap!r}")
         need(isinstance(self.initializer_range, (int, float)) and self.initializer_range >= 0, "initializer_range",
              f"expected a number >= 0, got {self.initializer_range!r}")
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
@@ -238,10 +241,13 @@ class TextConfig:
             factor = rope.get("partial_rotary_factor", 1.0)
             need(isinstance(factor, (int, float)) and 0 < factor <= 1, f"rope_parameters.{kind}.partial_rotary_factor",
                  f"expected a fraction in (0, 1], got {factor!r}")
-            if rope_type == "default":
+            if rope_type != "proportional":
                 need(rope.get("partial_rotary_factor", 1.0) == 1.0,
                      f"rope_parameters.{kind}.partial_rotary_factor",
                      "partial rotary factors need rope_type 'proportional'")
+            scale = rope.get("factor", 1.0)
+            need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
+                 f"rope_parameters.{kind}.factor", f"expected a positive number, got {scale!r}")
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the text model (tied embedding counted once). `active`: per token, top-k experts."""

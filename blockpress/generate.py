@@ -301,8 +301,8 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True) ->
             raise ValueError(f"prompt: expected integer token ids, got {prompt.dtype}")
         return prompt.long().cpu(), None
     if isinstance(prompt, (list, tuple)) and prompt:
-        rows = [prompt] if all(_is_id(t) for t in prompt) else prompt
-        if all(isinstance(r, (list, tuple)) and all(_is_id(t) for t in r) for r in rows):
+        rows = [prompt] if all(is_int(t) for t in prompt) else prompt
+        if all(isinstance(r, (list, tuple)) and all(is_int(t) for t in r) for r in rows):
             for r in rows:
                 for t in r:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
                     if not 0 <= t < 2**63:
@@ -313,10 +313,6 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True) ->
         "prompt: expected str, list[str], a LongTensor [P] or [B, P], or a list of token-id lists; "
         f"got {type(prompt).__name__}{' (empty)' if empty else ''}"
     )
-
-
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)  # True is an int to Python, never a token id
 
 
 def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,

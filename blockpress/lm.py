@@ -274,6 +274,16 @@ class LM:
         """The checkpoint's generation_config.json, else the reference's defaults."""
         return SamplerConfig.from_generation_config(self.generation_config)
 
+    @property
+    def default_max_new_tokens(self) -> int:
+        """generation_config.json's `max_new_tokens`, else 256 (a null there is "unset", as in the reference)."""
+        value = self.generation_config.get("max_new_tokens")
+        if value is None:
+            return 256
+        if not is_int(value) or value <= 0:
+            raise ValueError(f"generation_config max_new_tokens: expected a positive integer, got {value!r}")
+        return int(value)
+
     def _eos_ids(self) -> list[int]:
         """The ids that end a row. generation_config.json's `eos_token_id`, when it names any, is the whole set,
         as in the reference; a checkpoint without one (save_pretrained writes none) stops on the model's and the
@@ -323,7 +333,7 @@ class LM:
         check_vocab_range(ids, "prompt", v)
         asked = max_new_tokens
         if max_new_tokens is None:
-            max_new_tokens = int(self.generation_config.get("max_new_tokens", 256))
+            max_new_tokens = self.default_max_new_tokens
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
         if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:

@@ -52,12 +52,14 @@ def rope_inv_freq(spec: LayerSpec, rope: dict) -> torch.Tensor:
     denominator at the full head_dim; the remaining angles get frequency 0 (cos 1, sin 0: no rotation).
     """
     d, theta = spec.head_dim, float(rope["rope_theta"])
-    if rope.get("rope_type", "default") == "proportional":
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "proportional":
         rotated = int(rope.get("partial_rotary_factor", 1.0) * d // 2)
         inv = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / d)
         inv = torch.cat([inv, torch.zeros(d // 2 - rotated)])
         return inv / float(rope.get("factor", 1.0))
-    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    return inv / float(rope["factor"]) if rope_type == "linear" else inv
 
 
 @dataclass
@@ -360,12 +362,10 @@ class DiffusionGemma(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, tied LM head, float32 soft-capping."""
         logits = F.linear(self.norm(hidden), self.embed_tokens.weight).float()
-        if self.softcap:
-            if torch.is_grad_enabled():
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            else:  # in place on the fresh float32 logits: out-of-place costs ~2.5x on CPU
-                logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        return logits
+        if torch.is_grad_enabled():
+            return torch.tanh(logits / self.softcap) * self.softcap
+        # in place on the fresh float32 logits: out-of-place costs ~2.5x on CPU
+        return logits.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def soft_embedding(self, logits: torch.Tensor | None = None, probs: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(logits) @ E, scaled like a token embedding: the self-conditioning input.

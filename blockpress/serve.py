@@ -28,7 +28,9 @@ reused tokens as `prompt_tokens_details.cached_tokens`, as OpenAI's does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -91,7 +93,7 @@ class _Common(BaseModel):
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
     entropy_bound: float | None = Field(default=None, gt=0.0)
     confidence: float | None = Field(default=None, gt=0.0, le=1.0)
-    t_min: float | None = Field(default=None, gt=0.0)
+    t_min: float | None = Field(default=None, ge=0.0)
     t_max: float | None = Field(default=None, gt=0.0)
     stability_threshold: int | None = Field(default=None, ge=0)
     confidence_threshold: float | None = Field(default=None, gt=0.0)
@@ -120,11 +122,34 @@ class _Common(BaseModel):
         return None
 
 
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of a request's choice i: the request's own for the first; a hash of both for the rest, so that
+    choice 1 of seed 7 is not the answer to seed 8 (clients often number their requests' seeds)."""
+    if i == 0:
+        return seed
+    x = (seed ^ (i * 0x9E3779B97F4A7C15)) & (2**64 - 1)  # splitmix64's finaliser
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) % 2**63
+
+
+class TextPart(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
 class Message(BaseModel):
     model_config = STRICT
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # "developer" is what OpenAI's newer clients call the system role
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]  # current SDKs send a list of parts: text ones are joined, others refused
     name: str | None = None
+
+    def for_template(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": text, **({"name": self.name} if self.name is not None else {})}
 
 
 class ChatRequest(_Common):
@@ -143,9 +168,10 @@ class CompletionRequest(_Common):
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
 
 def error_body(message: str, kind: str, param: str | None) -> dict:
@@ -169,6 +195,7 @@ class Job:
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
+    copies: int = 1  # choices this job answers: greedy choices are one answer, computed once
     # A constrained canvas (`suffix` or `template`): its token ids, -1 in the holes, and how many of its leading
     # tokens are the answer (suffix mode: the holes before the suffix; None: all of it, a filled template).
     canvas: list[int] | None = None
@@ -186,6 +213,9 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
+log = logging.getLogger("blockpress.serve")
+
+
 class Metrics:
     BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -194,7 +224,11 @@ class Metrics:
         self.counters = {"requests_total": 0, "rejected_total": 0, "completion_tokens_total": 0,
                          "prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "forward_passes_total": 0,
                          "batches_total": 0}
-        self.latency: list[float] = []
+        # Cumulative histogram counts, as Prometheus reads them: a list of every latency grew without end, and
+        # rendering it held the lock the engine thread needs (0.2 s at 200k requests).
+        self.buckets = [0] * len(self.BUCKETS)
+        self.latency_sum = 0.0
+        self.latency_count = 0
 
     def add(self, **values: float) -> None:
         with self.lock:
@@ -203,17 +237,24 @@ class Metrics:
 
     def observe(self, seconds: float) -> None:
         with self.lock:
-            self.latency.append(seconds)
+            for i, bound in enumerate(self.BUCKETS):
+                self.buckets[i] += seconds <= bound
+            self.latency_sum += seconds
+            self.latency_count += 1
 
     def render(self, gauges: dict[str, float]) -> str:
-        with self.lock:
-            lines = [f"blockpress_{k} {v}" for k, v in self.counters.items()]
-            lines += [f"blockpress_{k} {v}" for k, v in gauges.items()]
-            for b in self.BUCKETS:
-                lines.append(f'blockpress_request_seconds_bucket{{le="{b}"}} {sum(x <= b for x in self.latency)}')
-            lines.append(f'blockpress_request_seconds_bucket{{le="+Inf"}} {len(self.latency)}')
-            lines.append(f"blockpress_request_seconds_sum {sum(self.latency)}")
-            lines.append(f"blockpress_request_seconds_count {len(self.latency)}")
+        with self.lock:  # Prometheus's text format, typed so that histogram_quantile and rate() apply
+            lines = []
+            for k, v in self.counters.items():
+                lines += [f"# TYPE blockpress_{k} counter", f"blockpress_{k} {v}"]
+            for k, v in gauges.items():
+                lines += [f"# TYPE blockpress_{k} gauge", f"blockpress_{k} {v}"]
+            lines.append("# TYPE blockpress_request_seconds histogram")
+            for bound, n in zip(self.BUCKETS, self.buckets):
+                lines.append(f'blockpress_request_seconds_bucket{{le="{bound}"}} {n}')
+            lines.append(f'blockpress_request_seconds_bucket{{le="+Inf"}} {self.latency_count}')
+            lines.append(f"blockpress_request_seconds_sum {self.latency_sum}")
+            lines.append(f"blockpress_request_seconds_count {self.latency_count}")
         return "\n".join(lines) + "\n"
 
 
@@ -222,6 +263,11 @@ class Engine:
         self.lm, self.max_batch, self.prefix_cache = lm, max_batch, prefix_cache
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.pending: list[Job] = []  # taken from the queue, waiting for a compatible batch
+        # One lock over the queue and `pending`: a job moving from one to the other is never uncounted, so a
+        # request arriving meanwhile cannot slip past max_queue. `arrived` wakes the engine thread.
+        self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        self.stopping = False
         self.metrics = Metrics()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
         self.thread.start()
@@ -231,43 +277,59 @@ class Engine:
         if len(jobs) > self.queue.maxsize:
             raise APIError(400, f"n: {len(jobs)} choices can never fit the server's queue of {self.queue.maxsize}",
                            "n")
-        # Waiting jobs are those queued and those the engine took but has not batched yet (`pending`): counting
-        # only the queue let the backlog grow past max_queue. Only this event loop's thread adds (the engine
-        # thread only moves jobs along and takes them), so the room cannot shrink meanwhile.
-        if self.queue.maxsize - self.depth() < len(jobs):
-            self.metrics.add(rejected_total=1)
-            raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error")
-        for job in jobs:
-            self.queue.put_nowait(job)
+        with self.lock:
+            # Waiting jobs are those queued and those the engine took but has not batched yet (`pending`).
+            if self.queue.maxsize - self._depth() < len(jobs):
+                self.metrics.add(rejected_total=1)
+                raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error",
+                               headers={"Retry-After": "1"})  # OpenAI's clients back off by it
+            for job in jobs:
+                self.queue.put_nowait(job)
+            self.arrived.notify()
 
     def depth(self) -> int:
+        with self.lock:
+            return self._depth()
+
+    def _depth(self) -> int:
         return self.queue.qsize() + len(self.pending)
 
-    def _next_batch(self) -> list[Job]:
-        if not self.pending:
-            self.pending.append(self.queue.get())
-        while True:  # drain what is queued now, so it can join this batch
-            try:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread once its current batch ends (the app's shutdown calls this)."""
+        with self.lock:
+            self.stopping = True
+            self.arrived.notify()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    def _next_batch(self) -> list[Job] | None:
+        """The next batch (maybe empty: every waiting job was cancelled), or None once the engine is closing."""
+        with self.lock:
+            while not self.pending and self.queue.empty() and not self.stopping:
+                self.arrived.wait()
+            if self.stopping:
+                return None
+            while not self.queue.empty():  # take what is queued now, so it can join this batch
                 self.pending.append(self.queue.get_nowait())
-            except queue.Empty:
-                break
-        self.pending = [j for j in self.pending if not j.cancelled.is_set()]
-        if not self.pending:
-            return []
-        key = self.pending[0].key()
-        batch = [j for j in self.pending if j.key() == key][: self.max_batch]
-        self.pending = [j for j in self.pending if j not in batch]
-        return batch
+            self.pending = [j for j in self.pending if not j.cancelled.is_set()]
+            if not self.pending:
+                return []
+            key = self.pending[0].key()
+            batch = [j for j in self.pending if j.key() == key][: self.max_batch]
+            self.pending = [j for j in self.pending if j not in batch]
+            return batch
 
     def _loop(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch:
-                try:
-                    self._run(batch)
-                except Exception as exc:  # keep serving; the affected requests get a 500-style error event
-                    for job in batch:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._run(batch)
+            except Exception as exc:  # keep serving; the affected requests get a 500-style error event
+                log.exception("serve: a batch of %d failed", len(batch))
+                for job in batch:
+                    try:
                         job.put(("error", str(exc)))
+                    except RuntimeError:  # its event loop is gone (shutdown): nobody is waiting for it
+                        pass
 
     def _run(self, batch: list[Job]) -> None:
         tok = self.lm.tokenizer
@@ -353,16 +415,22 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
         if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
-    app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server")
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        yield
+        await asyncio.to_thread(engine.close)  # the engine thread holds the model: end it with the app
+
+    app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine = engine
     context = max_context or lm.config.text.max_position_embeddings
     defaults = lm.sampler_defaults
-    default_max = int(lm.generation_config.get("max_new_tokens", 256))
+    default_max = lm.default_max_new_tokens
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status)
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -390,6 +458,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             msg = f"unknown field {param!r}"
         elif err.get("type") == "json_invalid":
             msg, param = "the request body is not valid JSON", None
+        elif err.get("type") == "too_short":  # pydantic says "at least 1 item", also of a string
+            msg = "must not be empty"
         return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param),
                             status_code=400)
 
@@ -435,8 +505,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         else:
             seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
         loop = asyncio.get_running_loop()
-        step = 0 if cfg.sampler == "greedy" else 1  # greedy choices are one answer n times, as OpenAI's
-        return [Job(prompt, max_tokens, body.min_tokens, cfg, (seed + i * step) % 2**63, stops, body.drafts,
+        if cfg.sampler == "greedy":  # n greedy choices are one answer n times, as OpenAI's: run it once
+            return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
+                        asyncio.Queue(), copies=body.n)]
+        return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,
                     body.token_healing, loop, asyncio.Queue())
                 for i in range(body.n)]
 
@@ -460,10 +532,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 return {"index": i, key: content, "finish_reason": finish}
             return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
 
-        def tally(totals: tuple[int, int, int], done: tuple) -> tuple[int, int, int]:
-            """(completion tokens, forward passes, cached prompt tokens) with one finished choice added."""
+        def tally(totals: tuple[int, int, int], done: tuple, copies: int) -> tuple[int, int, int]:
+            """(completion tokens, forward passes, cached prompt tokens) with one finished job's choices added."""
             _, _, n, p, _, reused = done
-            return totals[0] + n, totals[1] + p, max(totals[2], reused)  # the n choices share one prompt
+            return totals[0] + n * copies, totals[1] + p, max(totals[2], reused)  # the choices share one prompt
+
+        def indices(k: int) -> range:  # the choice indices job k answers
+            first = sum(j.copies for j in jobs[:k])
+            return range(first, first + jobs[k].copies)
 
         def usage(totals: tuple[int, int, int]) -> dict:
             completion, passes, cached = totals
@@ -486,18 +562,18 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             async def events():
                 totals = (0, 0, 0)
                 try:
-                    for i, job in enumerate(jobs):
-                        sent = ""
+                    for k, job in enumerate(jobs):
+                        sent, mine = "", indices(k)
                         if kind == "chat":  # OpenAI's first delta of a choice names the role
                             yield sse([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None}])
+                                        "finish_reason": None} for i in mine])
                         while True:
                             item = await job.events.get()
                             if item[0] == "error":
                                 yield f"data: {json.dumps(error_body(item[1], 'server_error', None))}\n\n"
                                 return
                             if item[0] == "draft":
-                                yield sse([choice(i, None, None, True)],
+                                yield sse([choice(i, None, None, True) for i in mine],
                                           blockpress={"draft": item[1], "step": item[2]})
                                 continue
                             if item[0] in ("text", "done"):
@@ -507,12 +583,12 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                 piece = text[len(sent):] if text.startswith(sent) else ""
                                 if piece:
                                     sent = text
-                                    yield sse([choice(i, piece, None, True)])
+                                    yield sse([choice(i, piece, None, True) for i in mine])
                                 if item[0] == "text":
                                     continue
                             finish = item[4]  # the engine ended stopped rows and cut their text
-                            totals = tally(totals, item)
-                            yield sse([choice(i, None if kind == "chat" else "", finish, True)])
+                            totals = tally(totals, item, job.copies)
+                            yield sse([choice(i, None if kind == "chat" else "", finish, True) for i in mine])
                             break
                     finished(jobs, prompt_tokens, totals)
                     if with_usage:
@@ -526,7 +602,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
         choices, totals = [], (0, 0, 0)
         checked = time.monotonic()
-        for i, job in enumerate(jobs):
+        for k, job in enumerate(jobs):
             while True:
                 try:
                     item = await asyncio.wait_for(job.events.get(), timeout=0.5)
@@ -544,15 +620,16 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
                 if item[0] == "done":
                     break
-            choices.append(choice(i, item[1], item[4], False))  # the engine ended stopped rows and cut their text
-            totals = tally(totals, item)
+            # the engine ended stopped rows and cut their text
+            choices += [choice(i, item[1], item[4], False) for i in indices(k)]
+            totals = tally(totals, item, job.copies)
         finished(jobs, prompt_tokens, totals)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
                 "usage": usage(totals)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
@@ -648,5 +725,6 @@ def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 
             if httpx.get(base + "/health").status_code == 200:
                 return base, server
         except httpx.HTTPError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     raise RuntimeError(f"serve: the server did not come up on {base} within {timeout} s")

@@ -44,9 +44,10 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert fp8["weights_gb"] < 0.6 * fp8["weights_gb_before"]
     assert 0 < fp8["logits_max_abs_error"] < fp8["logits_max_abs"] and fp8["top1_agreement"] > 0.5
     for trace in data["profile"].values():  # where the next speed change should look
-        assert trace["by_time"] and all(row["count"] >= 1 and row["self_ms"] >= 0 for row in trace["by_time"])
+        assert trace["by_time"] and all(row["count"] >= 1 for row in trace["by_time"])
+        times = [row["self_ms"] for row in trace["by_time"]]
+        assert times == sorted(times, reverse=True) and times[0] > 0
         assert any(row["op"] == "aten::mm" or row["op"] == "aten::addmm" for row in trace["by_count"] + trace["by_time"])
-        assert trace["host_syncs"] >= 0
 
 
 def test_profile_train_step_smoke(tmp_path):
@@ -57,7 +58,7 @@ def test_profile_train_step_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["ms_per_step"] > 0 and data["aten_ops"] > 100
     counts = [row["count"] for row in data["by_count"]]
-    assert counts == sorted(counts, reverse=True) and data["by_time"] and data["host_syncs"] >= 0
+    assert counts == sorted(counts, reverse=True) and data["by_time"]
 
 
 def test_train_sudoku_gpu_flags_smoke(tmp_path):
