@@ -166,7 +166,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: not valid UTF-8 (at character {exc.start})") from None
     t0 = time.perf_counter()
     out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
-    filled = lm.tokenizer.decode(out.new_tokens[0].tolist())
+    filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     stats = stats_line(out, time.perf_counter() - t0)
     stats["filled_tokens"] = filled_n = int(out.num_chosen_tokens.sum())  # the holes; new_tokens: the template
     if stats["seconds"]:

@@ -36,7 +36,8 @@ from .sampling import (
 
 HOLE = "<|hole|>"
 _HOLE_RE = re.compile(r"<\|hole(?::([0-9]+))?\|>")  # ASCII digits: \d would take "３" or "٣" as well
-_NEAR_HOLE_RE = re.compile(r"<\|\s*hole[^<>\n]{0,16}>", re.IGNORECASE)  # what a mistyped marker looks like
+# What a mistyped marker looks like: closed wrongly within a few characters, or not closed at all.
+_NEAR_HOLE_RE = re.compile(r"<\|\s*hole(?:[^<>\n]{0,16}>|[^<>\n]{0,16})", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,8 @@ class Request:
     # each row's output must drop because the prompt already holds it.
     first_allowed: torch.Tensor | None = None
     heal_prefixes: list[str] | None = None
+    # Healed template holes (healing.heal_holes): {(row, position): the tokens that position may be [V]}.
+    hole_allowed: dict[tuple[int, int], torch.Tensor] | None = None
     # Stop strings, one list per row: a row ends at the token that completes one of them (see `stop_rows`).
     stops: list[list[str]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
@@ -335,7 +338,8 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
             raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")
         if not template:
             raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
-        near = next((m for m in _NEAR_HOLE_RE.finditer(template) if not _HOLE_RE.fullmatch(m.group(0))), None)
+        markers = {m.start() for m in _HOLE_RE.finditer(template)}
+        near = next((m for m in _NEAR_HOLE_RE.finditer(template) if m.start() not in markers), None)
         if near is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
             raise ValueError(f"template: {near.group(0)!r} looks like a hole marker but is not one; write <|hole|> "
                              "or <|hole:N|> (no spaces, lower case)")
@@ -383,6 +387,17 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
     return t.clone()
 
 
+def decode_rows(tokenizer: Any, rows: list[list[int]], template: torch.Tensor | None = None) -> list[str]:
+    """Each row's text. Special tokens are dropped, as from any generated text, except at a template's fixed
+    positions (`template` [B, >= len(row)], -1 in the holes): those are what the user wrote (`<eos>`, a chat turn's
+    markers), and a filled template keeps its fixed text as given."""
+    if template is None:
+        return tokenizer.decode_batch(rows)
+    special = tokenizer.special_ids
+    return [tokenizer.decode([t for t, f in zip(row, fixed) if f >= 0 or t not in special], skip_special_tokens=False)
+            for row, fixed in zip(rows, template.tolist())]
+
+
 def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """New tokens up to and including the first EOS (all of them when there is none)."""
     is_eos = torch.isin(new_tokens, eos)
@@ -403,7 +418,7 @@ def _output(
     texts = None
     if tokenizer is not None:
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
-        texts = _heal_texts(req, tokenizer.decode_batch(rows))
+        texts = _heal_texts(req, decode_rows(tokenizer, rows, req.template))
         if req.stops:
             prefixes = req.heal_prefixes or [""] * len(rows)
             texts = [cut_at_stop(t, stops, stop_floor(tokenizer, row, req.min_new_tokens, prefix))
@@ -638,6 +653,12 @@ def run(
             # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
             fixed[:, keep:] = req.pad_id
         scored = (positions < keep)[None].expand(b, -1)
+        hole_banned = None  # [b, C, V]: healed holes' first positions, whose token must extend the fixed text
+        here = [(r, p - lo, ok) for (r, p), ok in (req.hole_allowed or {}).items() if lo <= p < lo + keep]
+        if here:
+            hole_banned = torch.zeros(b, canvas_len, vocab, dtype=torch.bool, device=device)
+            for r, p, ok in here:
+                hole_banned[r, p] = ~ok.to(device)
         banned = None
         if req.eos_ids:
             early = (lo + positions < req.min_new_tokens) | (req.template is not None)
@@ -677,6 +698,8 @@ def run(
                     logits = penalize_repeats(cfg, logits, history[w.rows], w.state.canvas, written)
                 if ci == 0 and first_banned is not None:
                     logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
+                if hole_banned is not None:
+                    logits.masked_fill_(hole_banned[w.rows], float("-inf"))
                 ban = banned
                 if req.constraint is not None:
                     ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
@@ -746,7 +769,7 @@ def run(
         done_rows = finished | last
         texts = None
         if tokenizer is not None:
-            texts = tokenizer.decode_batch(committed.tolist())
+            texts = decode_rows(tokenizer, committed.tolist(), None if fixed is None else fixed[:, : committed.shape[1]])
             texts = _heal_texts(req, texts) if ci == 0 else texts
         yield Commit(ci, committed.cpu(), steps_per_canvas[:, ci].cpu(), done_rows.cpu(), time.perf_counter() - start,
                      texts)

@@ -42,6 +42,24 @@ def heal(tokenizer: Tokenizer, ids: Sequence[int]) -> Healed:
     return Healed(ids[:-1], last)
 
 
+def heal_holes(tokenizer: Tokenizer, template: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, int], str]]:
+    """A template's fixed whitespace-only token right before a hole becomes the hole's first position, whose
+    token must start with that text: "return <|hole|>" encodes its space as a lone " " token, which running text
+    never holds (" x" is one token), and the model then wrote its own leading space after it, or nothing sensible.
+    Returns (the template with those positions opened, {(row, position): the text the token must start with})."""
+    texts, extendable = tokenizer.token_texts(), tokenizer.extendable_texts()
+    opened, prefixes = template.clone(), {}
+    for r, row in enumerate(template.tolist()):
+        for p in range(len(row) - 1):
+            t = row[p]
+            if t >= 0 and row[p + 1] < 0 and 0 <= t < len(texts):
+                text = texts[t]
+                if text and not text.strip() and text in extendable:
+                    opened[r, p] = -1
+                    prefixes[(r, p)] = text
+    return opened, prefixes
+
+
 def allowed_first_tokens(tokenizer: Tokenizer, prefixes: Sequence[str], vocab_size: int) -> torch.Tensor:
     """[B, vocab_size] bool: the tokens each row's first new token may be (all, for a row not healed)."""
     texts = tokenizer.token_texts()

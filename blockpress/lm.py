@@ -37,6 +37,7 @@ from .generate import (
     template_to_ids,
 )
 from .healing import Healed, allowed_first_tokens, heal
+from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .sampling import SamplerConfig, is_finite_number, is_int
@@ -321,11 +322,15 @@ class LM:
             if bool((mask[:, :-1] > mask[:, 1:]).any()):  # padding after a token: decoding needs it on the left
                 ids, mask = left_pad([r[m.bool()].tolist() for r, m in zip(ids, mask)], pad_id)
         healed: list[Healed] | None = None
+        # With a template, healing applies to its holes' edges (the prompt's end is followed by fixed tokens):
+        # always for text templates, whose fixed part is text; for token ids only when asked.
+        heal_holes = template is not None and self.tokenizer is not None and (
+            token_healing or isinstance(template, str) or (isinstance(template, (list, tuple)) and bool(template)
+                                                           and all(isinstance(x, str) for x in template)))
         if token_healing:
             if self.tokenizer is None:
                 raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
-            if template is not None:
-                raise ValueError("token_healing: not with a template (the canvas' first tokens are fixed there)")
+        if token_healing and template is None:
             rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
             healed = [heal(self.tokenizer, row) for row in rows]
             ids, mask = left_pad([h.ids for h in healed], pad_id)
@@ -354,7 +359,14 @@ class LM:
                                  f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
         if cfg.sampler == "greedy" and seed is None:
             seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
+        hole_prefixes = None
+        if heal_holes:
+            tmpl, hole_prefixes = heal_holes_of(self.tokenizer, tmpl)
         req = Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
+        if hole_prefixes:
+            unique = sorted(set(hole_prefixes.values()))
+            masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
+            req.hole_allowed = {pos: masks[prefix] for pos, prefix in hole_prefixes.items()}
         if healed is not None and any(h.prefix for h in healed):
             req.heal_prefixes = [h.prefix for h in healed]
             req.first_allowed = allowed_first_tokens(self.tokenizer, req.heal_prefixes, v)

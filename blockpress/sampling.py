@@ -410,7 +410,10 @@ def denoise_step(
         canvas = torch.where(free, canvas, fixed)
         argmax = torch.where(free, argmax, fixed)
 
-    same = (argmax == state.argmax).all(dim=-1) & (step < cfg.max_denoising_steps)  # the first step has no "before"
+    # Stable and confident where it counts: positions past max_new_tokens are cut away, so their churn must not
+    # hold the canvas (one new token took 24 passes of a 32-token canvas waiting on the 31 it throws away).
+    agree = argmax == state.argmax if scored is None else (argmax == state.argmax) | ~scored
+    same = agree.all(dim=-1) & (step < cfg.max_denoising_steps)  # the first step has no "before"
     stable_steps = torch.where(same, state.stable_steps + 1, 0)
     weight = (free if scored is None else free & scored).float()
     mean_ent = (ent_open * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)

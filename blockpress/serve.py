@@ -348,7 +348,9 @@ class Engine:
             # A draft every step, forwarded only where asked: the loop below then sees each step, so clients that
             # leave free the engine within a step rather than when the canvas commits (a long canvas took minutes).
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=True,
-            token_healing=first.token_healing, stop=[j.stop for j in batch], prefix_cache=self.prefix_cache,
+            # a canvas's holes are healed at their edges (its fixed part is text the client wrote)
+            token_healing=first.token_healing or first.canvas is not None, stop=[j.stop for j in batch],
+            prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
         for event in stream:

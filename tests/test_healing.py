@@ -131,5 +131,7 @@ def test_healing_errors_are_clear(lm):
     tiny = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
     with pytest.raises(ValueError, match="token_healing: needs a model with a tokenizer"):
         tiny.generate(torch.tensor([5, 6, 7]), max_new_tokens=4, token_healing=True)
-    with pytest.raises(ValueError, match="token_healing: not with a template"):
-        lm.generate("x = ", template="a <|hole|>", token_healing=True)
+    # with a template, healing means its holes' edges; the prompt's end is followed by fixed tokens, kept as given
+    both = lm.generate("x = ", template="a <|hole|>", token_healing=True, seed=0)
+    assert both.texts[0].startswith("a") and both.sequences[0, : len(lm.tokenizer.encode_prompt("x = "))].tolist() \
+        == lm.tokenizer.encode_prompt("x = ")

@@ -85,6 +85,31 @@ def test_stop_decisions_match_reference(seed, stability, threshold):
         state = new
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 1000), stability=st.integers(0, 3), threshold=st.floats(0.01, 3.0), kept=st.integers(1, 5))
+def test_a_cut_canvas_stops_on_the_positions_it_keeps(seed, stability, threshold, kept):
+    """A last canvas that max_new_tokens cuts to its first `kept` positions stops as the reference's rule does on
+    those positions alone: the discarded tail's churn (stability) and entropy (confidence) do not count."""
+    g = torch.Generator().manual_seed(seed)
+    crit = ref_gen.StableAndConfidentStoppingCriteria(stability, threshold)
+    cfg = SamplerConfig(max_denoising_steps=8, stability_threshold=stability, confidence_threshold=threshold,
+                        entropy_bound=1e9)
+    scored = (torch.arange(6) < kept).expand(2, 6)
+    sharp = torch.randn(2, 6, 9, generator=g) * 30
+    state = init_state(torch.zeros(2, 6, dtype=torch.long))
+    for step in range(8, 0, -1):
+        raw = sharp.clone()
+        raw[:, kept:] = torch.randn(2, 6 - kept, 9, generator=g) * 8  # the tail never settles
+        if step % 3 == 0:
+            raw = torch.randn(2, 6, 9, generator=g) * 8
+        processed = raw / temperature(cfg, step)
+        expected = crit(processed[:, :kept].argmax(-1), processed[:, :kept])
+        new = denoise_step(cfg, state, raw, step, torch.zeros(2, 6, dtype=torch.long), scored=scored)
+        live = ~state.done
+        assert torch.equal((new.done & ~state.done)[live], expected[live])
+        state = new
+
+
 @settings(max_examples=50, deadline=None)
 @given(seed=st.integers(0, 10_000), thr=st.floats(0.05, 1.0))
 def test_confidence_accepts_at_least_one(seed, thr):
