@@ -452,7 +452,8 @@ class LM:
         is left alone); needs a tokenizer; texts start after the prompt.
         `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
         first holds one; its tokens end at the token that completes it, and its final text stops just before it
-        (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included.
+        (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included; a character
+        whose bytes a canvas edge splits comes out as U+FFFD in both commits (join the tokens, as `Done` does).
         `prefix_cache`: a `PrefixCache` kept across calls; each prompt encodes only what no earlier prompt in
         it shared (the output's `extra["reused_prompt_tokens"]` says how much was reused, per row).
         `cache`: continue the conversation a `return_cache=True` output holds. It is extended in place (no copy):
