@@ -174,9 +174,10 @@ class KVCache:
         made once when the set of active rows shrinks, not once per step.
         """
         n = self.length
-        keys = [t.index_select(0, index)[:, :, : n + scratch].clone() for t in self.keys]
-        values = [t.index_select(0, index)[:, :, : n + scratch].clone() for t in self.values]
-        valid = self.valid.index_select(0, index)[:, : n + scratch].clone()
+        # slice, then select: index_select writes a fresh tensor of just the slots kept (one copy, not two)
+        keys = [t[:, :, : n + scratch].index_select(0, index) for t in self.keys]
+        values = [t[:, :, : n + scratch].index_select(0, index) for t in self.values]
+        valid = self.valid[:, : n + scratch].index_select(0, index)
         has_padding = bool((~valid[:, :n]).any()) if n else False
         return KVCache(keys, values, valid, self.next_pos.index_select(0, index), n, has_padding)
 

@@ -335,9 +335,8 @@ class DiffusionGemma(nn.Module):
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.softcap = cfg.final_logit_softcapping
         self.window = cfg.sliding_window
-        for kind in set(cfg.layer_types):
-            spec = next(s for s in cfg.layers if s.kind == kind)
-            self.register_buffer(f"inv_freq_{kind}", rope_inv_freq(spec, cfg.rope_parameters[kind]), persistent=False)
+        for kind, inv_freq in self._inv_freqs().items():
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
     # -- building blocks -----------------------------------------------------------------------------
     @property
@@ -348,12 +347,15 @@ class DiffusionGemma(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def _inv_freqs(self) -> dict[str, torch.Tensor]:
+        cfg = self.config.text
+        return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
+                for kind in set(cfg.layer_types)}
+
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (after meta-device construction)."""
-        cfg = self.config.text
-        for kind in set(cfg.layer_types):
-            spec = next(s for s in cfg.layers if s.kind == kind)
-            setattr(self, f"inv_freq_{kind}", rope_inv_freq(spec, cfg.rope_parameters[kind]).to(self.device))
+        for kind, inv_freq in self._inv_freqs().items():
+            setattr(self, f"inv_freq_{kind}", inv_freq.to(self.device))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
@@ -377,6 +379,14 @@ class DiffusionGemma(nn.Module):
         if probs is None:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+
+    def _soft_input(self, logits: torch.Tensor | None, probs: torch.Tensor | None,
+                    mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The self-conditioning input (None: no signal), zeroed for the rows `mask` [B] switches off."""
+        if logits is None and probs is None:
+            return None
+        soft = self.soft_embedding(logits, probs)
+        return soft if mask is None else soft * mask.to(soft.dtype)[:, None, None]
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
         out = {}
@@ -499,11 +509,7 @@ class DiffusionGemma(nn.Module):
                 masks[kind] = seen[:, None, None, :]
             else:
                 masks[kind] = None
-        soft = None
-        if self_conditioning_logits is not None or self_conditioning_probs is not None:
-            soft = self.soft_embedding(self_conditioning_logits, self_conditioning_probs)
-            if self_conditioning_mask is not None:
-                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        soft = self._soft_input(self_conditioning_logits, self_conditioning_probs, self_conditioning_mask)
         x = self.self_conditioning(self.embed(canvas_ids), soft)
         x = self.run_layers(x, positions, masks, _cache_source(cache, start, sliding_from), False)
         return self.head(x)
@@ -567,11 +573,7 @@ class DiffusionGemma(nn.Module):
             ek, ev = encoded[i]
             return torch.cat([ek, k], dim=2), torch.cat([ev, v], dim=2)
 
-        soft = None
-        if self_conditioning_logits is not None:
-            soft = self.soft_embedding(self_conditioning_logits)
-            if self_conditioning_mask is not None:
-                soft = soft * self_conditioning_mask.to(soft.dtype)[:, None, None]
+        soft = self._soft_input(self_conditioning_logits, None, self_conditioning_mask)
         x = self.self_conditioning(self.embed(noisy), soft)
         x = self.run_layers(x, positions[:, prompt_length:], masks, source, False)
         return self.head(x)
