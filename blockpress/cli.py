@@ -375,6 +375,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             if tokenizer.vocab_size > mcfg.text.vocab_size:  # its ids past the model's vocabulary would crash the embedding
                 raise ValueError(f"--tokenizer {args.tokenizer}: {tokenizer.vocab_size} tokens, more than the model's "
                                  f"vocab_size of {mcfg.text.vocab_size} (--config {args.config})")
+            if tokenizer.eos_id is None:  # an example's end is learned as this token: without one, answers never end
+                raise ValueError(f"--tokenizer {args.tokenizer}: names no EOS token (eos_token in "
+                                 "tokenizer_config.json); the model learns to end its answers with it")
+            # The saved model's specials must be the tokenizer's: the preset's Gemma ids (pad 0, eos 1, bos 2) would
+            # fill the canvases after an answer with whatever token the tokenizer put there.
+            eos = tokenizer.eos_ids if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
+            mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(
+                mcfg.text, bos_token_id=tokenizer.bos_id, eos_token_id=eos, pad_token_id=tokenizer.pad_id))
         lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size

@@ -319,3 +319,43 @@ def test_two_processes_match_one(tmp_path):
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+
+
+def _sentencepiece_style_tokenizer(folder, eos=True):
+    """A tokenizer whose specials are not Gemma's: <pad>=0, <s>=1, </s>=2 (Llama's order, pad first)."""
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    folder.mkdir()
+    train_bpe_tokenizer(["def f(x): return x"], vocab_size=300, special_tokens=("<pad>", "<s>", "</s>")).backend.save(
+        str(folder / "tokenizer.json"))
+    specials = {"bos_token": "<s>", "pad_token": "<pad>", **({"eos_token": "</s>"} if eos else {})}
+    (folder / "tokenizer_config.json").write_text(json.dumps(specials))
+    return folder
+
+
+def test_a_fresh_model_takes_its_tokenizers_special_ids(tmp_path, capsys):
+    """The preset's Gemma ids (bos 2, eos 1) were saved beside a tokenizer where 1 is <s>: canvases after an
+    answer were filled with BOS, and generation stopped on it."""
+    tok = _sentencepiece_style_tokenizer(tmp_path / "tok")
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"f{i}", "response": f"x + {i}"}) + "\n" for i in range(8)))
+    for config in ("tiny", str(tmp_path / "tiny.json")):  # a preset, and a config.json of the same shape
+        blockpress.ModelConfig.preset("tiny").save(tmp_path / "tiny.json")
+        out = tmp_path / f"fresh{len(config)}"
+        args = train_args(data, out, steps=1)
+        args[args.index("--config") + 1] = config
+        assert main(args + ["--tokenizer", str(tok)]) == 0
+        saved = json.loads((out / "config.json").read_text())
+        text = saved.get("text_config", saved)
+        assert (text["bos_token_id"], text["eos_token_id"], text["pad_token_id"]) == (1, 2, 0)
+        assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    lm = blockpress.load(out)
+    from blockpress.train import ExampleSource, TrainConfig, Trainer
+
+    trainer = Trainer(lm, ExampleSource([blockpress.data.Example([1, 5], [7])], 0), TrainConfig(steps=1, batch_size=1),
+                      tmp_path / "t", progress=False)
+    assert (trainer.eos, trainer.pad) == (2, 0)  # what fills a canvas after the answer
+    no_eos = _sentencepiece_style_tokenizer(tmp_path / "no_eos", eos=False)
+    assert main(train_args(data, tmp_path / "refused", steps=1) + ["--tokenizer", str(no_eos)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {no_eos}: names no EOS token" in err and "Traceback" not in err
