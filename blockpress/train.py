@@ -87,7 +87,8 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.type in ("float", float) and not is_finite_number(value):
                 raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
-        for name in ("steps", "batch_size", "log_every", "response_canvases"):
+        # eval_batches 0 would average over no batches (a ZeroDivisionError after the whole run, nothing saved).
+        for name in ("steps", "batch_size", "log_every", "response_canvases", "eval_batches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.max_minutes < 0:
@@ -95,7 +96,7 @@ class TrainConfig:
         if self.time_schedule and not self.max_minutes:
             raise ValueError("time_schedule: needs max_minutes > 0 (the budget the schedule spans)")
         for name in ("micro_batch_size", "warmup_steps", "max_canvases", "eval_every", "save_every",
-                     "lora_rank", "eval_batches", "data_workers"):
+                     "lora_rank", "data_workers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an integer >= 0, got {getattr(self, name)!r}")
         if self.micro_batch_size > self.batch_size:
@@ -105,6 +106,9 @@ class TrainConfig:
             raise ValueError("diffusion_weight/aux_ar_weight: must be >= 0 and not both 0")
         if self.lr <= 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        # Alpha scales the adapters' output: 0 trains adapters that change nothing, a negative one flips them.
+        if not isinstance(self.lora_alpha, int) or isinstance(self.lora_alpha, bool) or self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha: expected a positive integer, got {self.lora_alpha!r}")
         # A negative clip norm flips the gradients (the loss climbs); a negative decay or end ratio grows weights.
         for name in ("grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
