@@ -310,9 +310,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out}: a file, not a folder")
     if args.resume and not (out / "trainer_state.pt").is_file():
         raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
-    if not args.resume and any((out / name).exists() for name in ("trainer_state.pt", "metrics.jsonl")):
-        raise ValueError(f"--out {args.out}: already holds a training run (metrics.jsonl, trainer_state.pt); continue "
-                         "it with --resume, or give another folder")
+    if not args.resume and (out / "trainer_state.pt").exists():
+        raise ValueError(f"--out {args.out}: already holds a training run (trainer_state.pt); continue it with "
+                         "--resume, or give another folder")
+    # metrics.jsonl alone: a run that stopped before its first save, nothing to resume; this run starts it over.
+    stale_metrics = not args.resume and (out / "metrics.jsonl").is_file()
     if not args.resume and (out / "config.json").exists():  # e.g. --model X --out X: the run would overwrite it
         raise ValueError(f"--out {args.out}: already holds a checkpoint (config.json); give another folder")
     # A resumed run keeps its own settings; --train-config and flags given now override them.
@@ -404,6 +406,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         heldout = ShardSource(TokenShards(shard_files(args.heldout_data, "--heldout-data"), vocab), cfg,
                               lm.config.canvas_length) if args.heldout_data else None
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet)
+    if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
+        print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
+              "trainer_state.pt to resume from)", file=sys.stderr)
+        (out / "metrics.jsonl").unlink()
     if args.resume:
         trainer.resume()
     if cfg.warmup_steps > cfg.steps:

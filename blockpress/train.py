@@ -668,26 +668,31 @@ def lora_base(out: str | Path) -> str | None:
 
 
 class _StopOnInterrupt:
-    """The first Ctrl-C asks the loop to stop after the step it is in (the run is then saved, resumable); a second
-    one interrupts at once. Only the main thread can take signals; elsewhere Ctrl-C keeps its usual effect."""
+    """The first Ctrl-C or SIGTERM (`timeout`, docker stop, Slurm) asks the loop to stop after the step it is in (the
+    run is then saved, resumable); a second one interrupts at once. Only the main thread can take signals; elsewhere
+    they keep their usual effect."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self.previous = None
+        self.previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ninterrupted: finishing this step and saving (Ctrl-C again to stop at once, unsaved)",
+        what = "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
+        print(f"\n{what}: finishing this step and saving (Ctrl-C again to stop at once, unsaved)",
               file=sys.stderr, flush=True)
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-            self.previous = None
+        for sig, handler in self.previous.items():
+            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, handler)
+        self.previous = {}
 
 
 def init_distributed() -> None:

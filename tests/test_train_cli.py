@@ -161,6 +161,18 @@ def test_an_earlier_run_in_out_is_not_overwritten(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
+def test_a_run_that_died_before_its_first_save_can_be_started_again(tmp_path, capsys):
+    """Its --out held only metrics.jsonl: a fresh run said "continue it with --resume", --resume said "no
+    trainer_state.pt"; neither would take it."""
+    data = write_data(tmp_path / "d.jsonl")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + "\n")
+    assert main(train_args(data, out)) == 0
+    assert "replacing the metrics.jsonl of a run that stopped before its first save" in capsys.readouterr().err
+    assert len(losses(out)) == 3 and 99.0 not in losses(out)
+
+
 def test_a_lora_run_cut_short_names_its_base_on_resume(tmp_path, capsys):
     pytest.importorskip("peft")
     data = write_data(tmp_path / "d.jsonl")
@@ -223,10 +235,16 @@ def test_fine_tuning_keeps_the_models_noise_and_trains_in_float32(tmp_path):
     assert blockpress.load(tmp_path / "uniform").sampler_defaults.noise_token_id is None
 
 
-def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])  # SIGTERM: `timeout`, docker stop, Slurm
+def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum):
     import signal
 
     from blockpress.train import ExampleSource, TrainConfig, Trainer
+
+    signum = getattr(signal, signum)
+    def unhandled(*_):  # in place of the default, which would end pytest itself
+        raise AssertionError(f"{signal.Signals(signum).name} reached the default handler: the run was not saved")
+    previous = signal.signal(signal.SIGTERM, unhandled) if signum == signal.SIGTERM else None
 
     examples = [blockpress.data.Example([2, 5 + i, 6], [10 + i] * (3 + i % 5)) for i in range(8)]
     cfg = TrainConfig(steps=4, batch_size=4, log_every=1, warmup_steps=1)
@@ -236,8 +254,12 @@ def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path):
         return Trainer(lm, ExampleSource(examples, 0), cfg, tmp_path / out, progress=False, on_step=on_step)
 
     whole = trainer("whole").train()
-    ctrl_c = lambda step, loss: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None  # noqa: E731
-    cut = trainer("cut", ctrl_c).train()
+    ctrl_c = lambda step, loss: os.kill(os.getpid(), signum) if step == 2 else None  # noqa: E731
+    try:
+        cut = trainer("cut", ctrl_c).train()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     assert (cut.stopped, cut.steps) == ("interrupted", 2)
     assert (tmp_path / "cut" / "trainer_state.pt").is_file() and (tmp_path / "cut" / "model.safetensors").is_file()
     again = trainer("cut")
