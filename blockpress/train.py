@@ -242,13 +242,18 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
 
 # -- LoRA ----------------------------------------------------------------------------------------------------
 def add_lora(model: nn.Module, rank: int, alpha: int) -> nn.Module:
-    """LoRA adapters (peft) on attention q/k/v/o and the dense MLP; everything else frozen."""
+    """LoRA adapters (peft) on attention q/k/v/o and the dense MLP, in float32 whatever the base's dtype;
+    everything else frozen."""
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0)
     model = inject_adapter_in_model(cfg, model)
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
+        if p.requires_grad:
+            # peft creates them in the base layer's dtype: AdamW on bf16 adapters rounds small updates away. Its
+            # forward casts the input to the adapters' dtype and the sum back to the base output's.
+            p.data = p.data.float()
     return model
 
 

@@ -118,6 +118,21 @@ def test_lora_trains_adapters_and_merges_exactly(tmp_path):
     assert torch.equal(lm.model.state_dict()["layers.0.experts.gate_up_proj"], base["layers.0.experts.gate_up_proj"])
 
 
+def test_lora_adapters_train_in_float32_on_a_bfloat16_base(tmp_path):
+    """peft made them in the base layer's dtype: bf16 adapters, whose small AdamW updates round away."""
+    pytest.importorskip("peft")
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), seed=0, dtype="bfloat16")
+    cfg = TrainConfig(steps=2, batch_size=4, lora_rank=4, warmup_steps=1)
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), cfg, tmp_path, progress=False)
+    adapters = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert adapters and {p.dtype for p in adapters.values()} == {torch.float32}
+    assert lm.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16  # the frozen base stays
+    before = {n: p.detach().clone() for n, p in adapters.items()}
+    row = trainer.train_step()
+    assert torch.isfinite(torch.tensor(row["loss"]))
+    assert any(not torch.equal(before[n], p) for n, p in adapters.items())
+
+
 def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
     pytest.importorskip("peft")
     lm, result = run(tmp_path, 5, "lora", lora_rank=4)
