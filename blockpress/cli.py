@@ -388,13 +388,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
-    if args.data.endswith(".jsonl"):
+    if args.data.lower().endswith(".jsonl"):
         if args.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
             raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
                              "--heldout fraction of --data")
-        examples = load_jsonl(args.data, lm.tokenizer, vocab,
-                              context=(lm.config.canvas_length, lm.config.text.max_position_embeddings,
-                                       cfg.max_canvases or None))
+        try:
+            examples = load_jsonl(args.data, lm.tokenizer, vocab,
+                                  context=(lm.config.canvas_length, lm.config.text.max_position_embeddings,
+                                           cfg.max_canvases or None))
+        except OSError as exc:  # missing, a directory, unreadable: the flag's path
+            raise OSError(f"--data {exc}") from None
         train, held = split_heldout(examples, args.heldout)
         if args.heldout > 0 and not held:
             print(f"--heldout {args.heldout}: holds out none of {len(examples)} examples; no held-out loss",

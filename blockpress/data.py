@@ -139,6 +139,8 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
     the model's max positions, the most canvases a response keeps or None), to refuse an example that would not
     fit before a batch allocates it."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory, not a JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
     out = []
@@ -149,6 +151,8 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+            if n == 1:  # a byte-order mark, as some Windows editors write: json.loads refuses it
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:
@@ -205,6 +209,16 @@ SHARD_DTYPES = ("uint16", "uint32")  # what write_shard writes: token ids are un
 
 def shard_files(pattern: str, flag: str) -> list[str]:
     """The token shards a glob names (their .json sidecars are not shards), or a clear error."""
+    path = Path(pattern)
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {pattern}: is a directory; expected a .jsonl file or a glob of token shards "
+                                f"(e.g. {pattern}/*.bin)")
+    if path.is_file() and not Path(f"{pattern}.json").is_file():  # one file, and not a shard: say what would do
+        with path.open("rb") as f:
+            starts = f.read(64).decode("utf-8", "replace").lstrip("\ufeff \t\r\n")
+        rename = f"; it starts with '{{': if it is JSONL, rename it to {path.with_suffix('.jsonl').name}" if starts[:1] == "{" else ""
+        raise ValueError(f"{flag} {pattern}: expected a .jsonl file (one JSON object per line) or token shards from "
+                         f"scripts/build_code_corpus.py (each with its .json sidecar){rename}")
     files = sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
     if not files:
         raise FileNotFoundError(f"{flag} {pattern}: no token shards match (expected a .jsonl file or a glob of "

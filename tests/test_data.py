@@ -144,6 +144,31 @@ def test_a_shard_glob_skips_sidecars_and_says_when_nothing_matches(tmp_path):
         shard_files(str(tmp_path / "nomatch*"), "--heldout-data")
 
 
+def test_data_that_is_neither_jsonl_nor_shards_says_what_was_expected(tmp_path):
+    """Each said "cannot read its sidecar X.json" or "no token shards match" before."""
+    record = json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n"
+    (tmp_path / "data.json").write_text(record)
+    (tmp_path / "code.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "shards").mkdir()
+    for name, end in (("data.json", "; it starts with '{': if it is JSONL, rename it to data.jsonl"),
+                      ("code.txt", " (each with its .json sidecar)"), ("shards", f"(e.g. {tmp_path / 'shards'}/*.bin)")):
+        with pytest.raises(ValueError if name != "shards" else IsADirectoryError) as err:
+            shard_files(str(tmp_path / name), "--data")
+        assert str(err.value).startswith(f"--data {tmp_path / name}: "), err.value
+        assert str(err.value).endswith(end), err.value
+        if name != "shards":
+            assert "expected a .jsonl file (one JSON object per line) or token shards" in str(err.value)
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError, match="dir.jsonl: is a directory"):
+        load_jsonl(tmp_path / "dir.jsonl")
+
+
+def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes("\ufeff".encode() + (json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n").encode() * 2)
+    assert [(e.prompt, e.response) for e in load_jsonl(path)] == [([2], [3])] * 2  # was "Unexpected UTF-8 BOM"
+
+
 def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     good = json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n"

@@ -161,6 +161,16 @@ def test_an_earlier_run_in_out_is_not_overwritten(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
+def test_data_paths_the_user_meant_as_jsonl(tmp_path, capsys):
+    """pr.JSONL was read as a shard glob ("cannot read its sidecar"); dir.jsonl said "no such data file"."""
+    upper = write_data(tmp_path / "pr.JSONL")
+    assert main(train_args(upper, tmp_path / "upper", steps=1)) == 0
+    (tmp_path / "dir.jsonl").mkdir()
+    assert main(train_args(tmp_path / "dir.jsonl", tmp_path / "out", steps=1)) == 2
+    err = capsys.readouterr().err
+    assert f"error: --data {tmp_path / 'dir.jsonl'}: is a directory" in err and "Traceback" not in err
+
+
 def test_a_run_that_died_before_its_first_save_can_be_started_again(tmp_path, capsys):
     """Its --out held only metrics.jsonl: a fresh run said "continue it with --resume", --resume said "no
     trainer_state.pt"; neither would take it."""
