@@ -357,8 +357,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
             cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
     else:
-        mcfg = (blockpress.ModelConfig.from_file(args.config) if args.config.endswith(".json")
-                else blockpress.ModelConfig.preset(args.config))
+        try:
+            mcfg = (blockpress.ModelConfig.from_file(args.config) if args.config.endswith(".json")
+                    else blockpress.ModelConfig.preset(args.config))
+        except (ValueError, OSError) as exc:  # their messages start with the path, or name the preset
+            message = str(exc)
+            raise ValueError(f"--config {message}" if message.startswith(str(Path(args.config)))
+                             else f"--config {args.config}: {message}") from None
         tokenizer = None
         if args.tokenizer:
             from blockpress.lm import resolve_path
@@ -624,9 +629,19 @@ FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens
            "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length"}
 
 
-def as_flags(message: str) -> str:
+def train_flag_of() -> dict[str, str]:
+    """`train`'s settings by name: each TrainConfig field is the flag of the same name, and --heldout."""
+    from dataclasses import fields
+
+    from blockpress.train import TrainConfig
+
+    return {**{f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}, "heldout": "--heldout"}
+
+
+def as_flags(message: str, flag_of: dict[str, str] = FLAG_OF) -> str:
     name, sep, rest = message.partition(":")
-    return f"{FLAG_OF[name]}{sep}{rest}" if sep and name in FLAG_OF else message
+    names = name.split("/")  # a check of two settings together names both: "prompt_min/prompt_max: ..."
+    return "/".join(flag_of[n] for n in names) + sep + rest if sep and all(n in flag_of for n in names) else message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -692,6 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights dtype while training, and of the saved checkpoint (default: float32, since AdamW "
                         "on bf16 weights rounds small updates away; with --lora-rank, the model's own)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
                    "step) with its saved settings; flags given now override them (--steps: the new end of the "
@@ -794,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         message = as_flags(str(exc)) if args.command in ("generate", "infill", "chat", "bench") else str(exc)
+        if args.command == "train":
+            message = as_flags(message, train_flag_of())
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

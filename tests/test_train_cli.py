@@ -302,21 +302,28 @@ def test_a_fresh_preset_trains_on_text_with_the_tokenizers_vocabulary(tmp_path):
 def test_bad_train_flags(tmp_path, capsys):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "out") + ["--lr", "-1"]) == 2
-    assert "lr" in capsys.readouterr().err
+    assert "error: --lr: expected > 0, got -1.0" in capsys.readouterr().err
     assert main(["train", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
     assert "--model" in capsys.readouterr().err
     assert main(train_args(tmp_path / "missing.jsonl", tmp_path / "o")) == 2
-    capsys.readouterr()
+    assert f"error: --data {tmp_path / 'missing.jsonl'}: no such data file" in capsys.readouterr().err
     # Each of these was a traceback or a misleading message before.
     nope = str(tmp_path / "nope.json")
     (tmp_path / "a_file").write_text("x")
-    for extra, message in ((["--config", nope], f"{nope}: no such file"),
-                           (["--log-every", "0"], "log_every: expected a positive integer"),
-                           (["--heldout", "-0.5"], "heldout: expected a fraction in [0, 1)"),
-                           (["--grad-clip", "-1"], "grad_clip: expected >= 0"),
-                           (["--lr", "inf"], "lr: expected a finite number"),
+    # The errors name the flag to change, not TrainConfig's field ("batch_size: expected a positive integer").
+    for extra, message in ((["--config", nope], f"error: --config {nope}: no such file"),
+                           (["--config", "huge"], "error: --config huge: preset: unknown 'huge'"),
+                           (["--log-every", "0"], "error: --log-every: expected a positive integer"),
+                           (["--batch-size", "0"], "error: --batch-size: expected a positive integer"),
+                           (["--heldout", "-0.5"], "error: --heldout: expected a fraction in [0, 1)"),
+                           (["--grad-clip", "-1"], "error: --grad-clip: expected >= 0"),
+                           (["--lr", "inf"], "error: --lr: expected a finite number"),
                            (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data"),
-                           (["--response-canvases", "0"], "response_canvases: expected a positive integer")):
+                           (["--prompt-min", "9", "--prompt-max", "4"], "error: --prompt-min/--prompt-max: need"),
+                           (["--eval-batches", "0"], "error: --eval-batches: expected a positive integer"),
+                           (["--lora-alpha", "0"], "error: --lora-alpha: expected a positive integer"),
+                           (["--threads", "-1"], "error: --threads: expected 0"),
+                           (["--response-canvases", "0"], "error: --response-canvases: expected a positive integer")):
         args = train_args(data, tmp_path / "o")
         if extra[0] == "--config":
             args[args.index("--config") + 1] = extra[1]
