@@ -169,8 +169,11 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
                 canvases = len(ex.response) // canvas + 1  # whole canvases, the EOS included (make_batch)
                 length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
                 if length > positions:
+                    fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
+                    cut = (f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it"
+                           if fits >= 1 else "")
                     raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
-                                     f"{canvas}), more than the model's context of {positions}")
+                                     f"{canvas}), more than the model's context of {positions}{cut}")
             out.append(ex)
     if not out:
         raise ValueError(f"{path}: no examples")

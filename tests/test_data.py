@@ -183,10 +183,11 @@ def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, 
     path.write_text(good + json.dumps({"prompt_ids": [2] * 30, "response_ids": [3] * 5}) + "\n")
     assert len(load_jsonl(path, tok, context=(16, 64, None))) == 2
     path.write_text(good + json.dumps({"prompt_ids": [2] * 60, "response_ids": [3] * 5}) + "\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:2: prompt and response take 76 positions .* context of 64"):
-        load_jsonl(path, tok, context=(16, 64, None))
+    with pytest.raises(ValueError, match=r"d.jsonl:2: prompt and response take 76 positions .* context of 64$"):
+        load_jsonl(path, tok, context=(16, 64, None))  # the prompt leaves no room for a canvas: no --max-canvases
     # a long response fits when the trainer keeps only its first canvases
     path.write_text(good + json.dumps({"prompt_ids": [2] * 30, "response_ids": [3] * 200}) + "\n")
     assert len(load_jsonl(path, tok, context=(16, 64, 2))) == 2
-    with pytest.raises(ValueError, match="take 238 positions"):
+    with pytest.raises(ValueError, match="take 238 positions") as err:
         load_jsonl(path, tok, context=(16, 64, None))
+    assert str(err.value).endswith("; --max-canvases 2 keeps the first 2 canvases of each response and fits it")
