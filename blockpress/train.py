@@ -36,7 +36,7 @@ from torch import nn
 
 from .checkpoint import cpu_computes_natively
 from .data import Batch, Example, TokenShards, make_batch
-from .lm import LM
+from .lm import LM, MODELS_DIR
 from .sampling import is_finite_number
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
@@ -497,7 +497,10 @@ class Trainer:
         else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
             if self.lm.path is not None:  # which base they adapt: `--resume` takes it from here
-                (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": str(self.lm.path)}) + "\n")
+                base = str(self.lm.path)
+                if self.lm.path.resolve().parent == MODELS_DIR.resolve():  # shipped: its folder moves on reinstall
+                    base = self.lm.path.name
+                (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": base}) + "\n")
         torch.save(state, self.out / "trainer_state.pt")
         # The settings again as JSON: `--resume` reads them without loading the optimizer state.
         (self.out / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")

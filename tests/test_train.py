@@ -149,6 +149,22 @@ def test_lora_adapters_train_in_float32_on_a_bfloat16_base(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in adapters.items())
 
 
+def test_a_lora_run_on_a_shipped_model_records_its_name(tmp_path):
+    """lora_base.json held the package's absolute folder, which a reinstall moves: --resume lost its base."""
+    pytest.importorskip("peft")
+    from blockpress.train import lora_base
+
+    lm = blockpress.load("blockpress-code")
+    Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, lora_rank=2), tmp_path / "run",
+            progress=False).save()
+    assert lora_base(tmp_path / "run") == "blockpress-code"
+    folder = tmp_path / "base"  # a base in a folder of its own keeps its path
+    tiny_lm().save(folder)
+    Trainer(blockpress.load(folder), ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, lora_rank=2),
+            tmp_path / "run2", progress=False).save()
+    assert lora_base(tmp_path / "run2") == str(folder)
+
+
 def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
     pytest.importorskip("peft")
     lm, result = run(tmp_path, 5, "lora", lora_rank=4)
