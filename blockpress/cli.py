@@ -484,7 +484,11 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         puzzles += split_puzzle_file("\n".join(lines), f"--file {args.file}")
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
-    puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded
+    with warnings.catch_warnings(record=True) as notes:  # a puzzle the solver could not settle: one line each
+        warnings.simplefilter("always")
+        puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded
+    for note in notes:
+        print(f"note: {note.message}", file=sys.stderr)
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
 
     def show(step: int, boards: list[str]) -> None:
@@ -493,7 +497,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                                 on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble)
+                                 on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
+                                 checked=True)
     seconds = time.perf_counter() - t0
     for r in results:
         if args.json:

@@ -92,6 +92,24 @@ def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
     assert message in err and "Traceback" not in err
 
 
+def test_a_puzzle_the_check_cannot_settle_goes_to_the_model_with_a_note(tiny_sudoku, capsys, monkeypatch):
+    """A 17-given puzzle without a solution kept the check busy for over ten minutes before the model loaded.
+    Past the node budget the check says so and the model tries the puzzle; the CLI checks each puzzle once."""
+    path, _ = tiny_sudoku
+    no_solution = ".....5.8....6.1.43..........1.5........1.6...3.......553.....61........4........."
+    monkeypatch.setattr(sudoku_model, "CHECK_NODES", 50)
+    checked = []
+    real_check = sudoku_model.check_puzzle
+    monkeypatch.setattr(sudoku_model, "check_puzzle", lambda p, **kw: checked.append(p) or real_check(p, **kw))
+    main(["sudoku", no_solution, "--model", str(path), "--json", "--steps", "2"])
+    out, err = capsys.readouterr()
+    assert "note: puzzle 1: the solver could not tell within 50 search nodes whether the puzzle has a solution" in err
+    assert json.loads(out)["valid"] is False and len(checked) == 1
+    monkeypatch.undo()
+    assert main(["sudoku", no_solution, "--model", str(path)]) == 2  # within the real budget: a definite answer
+    assert "puzzle 1: puzzle has no solution" in capsys.readouterr().err
+
+
 def test_a_model_that_is_not_a_sudoku_model_is_refused(capsys):
     """blockpress-code would print its token ids as a board (zeros inside, valid: false, exit 0)."""
     puzzle = generate(7, "easy").puzzle

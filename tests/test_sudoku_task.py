@@ -218,6 +218,26 @@ def test_check_puzzle_rejects_consistent_unsolvable(puzzle: str) -> None:
         check_puzzle(puzzle)
 
 
+# 17 givens, consistent, no solution: plain backtracking on the fewest-candidate cell took over ten minutes
+# (over a million nodes) to prove it; filling naked and hidden singles first, a few thousand nodes.
+NO_SOLUTION_17 = ".....5.8....6.1.43..........1.5........1.6...3.......553.....61........4........."
+
+
+def test_a_17_given_puzzle_without_solution_is_settled_within_the_check_budget() -> None:
+    from blockpress.tasks.sudoku_model import CHECK_NODES
+
+    search = sudoku._Search([int(ch) for ch in parse_puzzle(NO_SOLUTION_17)], limit=2, max_nodes=CHECK_NODES)
+    assert search.run() == 0 and not search.gave_up and search.nodes < CHECK_NODES
+    with pytest.raises(ValueError, match="no solution"):
+        check_puzzle(NO_SOLUTION_17, max_nodes=CHECK_NODES)
+
+
+def test_check_puzzle_does_not_claim_no_solution_when_its_budget_runs_out() -> None:
+    with pytest.raises(sudoku.Undecided, match="could not tell within 50 search nodes whether the puzzle has a solution"):
+        check_puzzle(NO_SOLUTION_17, max_nodes=50)
+    assert check_puzzle(WIKI_PUZZLE, max_nodes=50) == WIKI_PUZZLE  # settled by filling singles, no search
+
+
 def test_shared_last_candidate_has_no_empty_candidate_set() -> None:
     # Guards the construction above: it must be unsolvable without any cell being blocked outright.
     p = SHARED_LAST_CANDIDATE
