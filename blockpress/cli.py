@@ -475,8 +475,12 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     from blockpress.tasks import sudoku_model
     from blockpress.tasks.sudoku import format_board, split_puzzle_file
 
-    puzzles = list(args.puzzles)
-    if args.file:
+    puzzles: list[str] = []
+    for text in args.puzzles:  # - reads them from standard input, as a --file would be read
+        puzzles += split_puzzle_file(sys.stdin.read(), "stdin") if text == "-" else [text]
+    if args.file == "-":
+        puzzles += split_puzzle_file(sys.stdin.read(), "--file -")
+    elif args.file:
         try:
             lines = Path(args.file).read_text().splitlines()
         except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
@@ -495,6 +499,9 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         print(f"step {step}\n{format_board(boards[0])}\n", file=sys.stderr)
 
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
+    if args.show_steps and len(puzzles) > 1:
+        print(f"--show-steps: shows one puzzle's steps; {len(puzzles)} puzzles given, so none are shown",
+              file=sys.stderr)
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
                                  on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
@@ -514,7 +521,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             # against 86.5% for one, at an eighth of the speed.
             print("hint: --ensemble 8 pools the model's predictions over 8 symmetric views of each puzzle (no "
                   "rules; 8x the work); --rules adds candidate filtering", file=sys.stderr)
-    return 0
+    return 0 if all(r.valid for r in results) else 1  # scripts can tell a failed solve without parsing
 
 
 def served_name(model: str) -> str:
@@ -724,10 +731,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sudoku", formatter_class=DefaultsFormatter, help="solve sudoku puzzles with a block-diffusion model",
                        description="Solve PUZZLE(s): 81 characters each, 0 or . for an empty cell. The givens are "
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
-                                   "search), unless --rules. Default model: blockpress-sudoku.")
-    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each")
+                                   "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
+                                   "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
+    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each; - reads them from standard input "
+                   "(as --file does)")
     p.add_argument("--file", default=None,
-                   help="a file of puzzles: one per line, or 9-line grids; blank lines and '#' comments skipped")
+                   help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines and "
+                        "'#' comments skipped")
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")

@@ -1,5 +1,6 @@
 """Sudoku through the model: givens are fixed canvas positions; CLI output; clear errors."""
 
+import io
 import json
 import sys
 from pathlib import Path
@@ -38,8 +39,9 @@ def test_givens_never_change(tiny_sudoku):
 def test_cli_json_fields(tiny_sudoku, capsys):
     path, _ = tiny_sudoku
     p = generate(1, "easy").puzzle.replace("0", ".")
-    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "2"]) == 0
+    code = main(["sudoku", p, "--model", str(path), "--json", "--steps", "2"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert code == (0 if row["valid"] else 1)
     assert set(row) >= {"puzzle", "solution", "valid", "steps"} and row["steps"] <= 2
     assert row["puzzle"] == p.replace(".", "0") and isinstance(row["valid"], bool)
 
@@ -49,26 +51,29 @@ def test_cli_rank_by_is_the_samplers(tiny_sudoku, capsys, rank_by):
     """--rank-by reaches the sampler: the CLI's grid is the one `solve` gives with that ranking."""
     path, lm = tiny_sudoku
     p = generate(3, "hard").puzzle
-    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "4", "--sampler", "topk", "--rank-by", rank_by]) == 0
+    code = main(["sudoku", p, "--model", str(path), "--json", "--steps", "4", "--sampler", "topk", "--rank-by", rank_by])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert code == (0 if row["valid"] else 1)
     expected = sudoku_model.solve(lm, [p], max_denoising_steps=4, sampler="topk", rank_by=rank_by)[0]
     assert row["solution"] == expected.solution and row["steps"] == expected.steps
 
 
 def test_cli_board_and_show_steps(tiny_sudoku, capsys):
     path, _ = tiny_sudoku
-    assert main(["sudoku", generate(2, "easy").puzzle, "--model", str(path), "--steps", "2", "--show-steps"]) == 0
+    code = main(["sudoku", generate(2, "easy").puzzle, "--model", str(path), "--steps", "2", "--show-steps"])
     captured = capsys.readouterr()
+    assert code == (0 if "[1/1 valid" in captured.err else 1)
     assert "step 1" in captured.err and "step 2" in captured.err
     assert captured.out.count("|") >= 18  # a 9x9 board with box separators
 
 
 def test_cli_hints_at_the_stronger_decodings_only_when_a_grid_is_invalid(tiny_sudoku, capsys):
+    """An invalid answer also ends the run with status 1 (it was 0: scripts had to parse the output)."""
     path, lm = tiny_sudoku
     p = generate(3, "hard").puzzle  # random weights in 2 steps: not solved
     assert not sudoku_model.solve(lm, [p], max_denoising_steps=2)[0].valid
     for flags, hinted in (([], True), (["--ensemble", "2"], False), (["--rules"], False)):
-        assert main(["sudoku", p, "--model", str(path), "--steps", "2", *flags]) == 0
+        assert main(["sudoku", p, "--model", str(path), "--steps", "2", *flags]) == 1
         err = capsys.readouterr().err
         assert "[0/1 valid" in err and ("hint: --ensemble 8" in err) == hinted
     solved = generate(3, "hard").solution  # every cell given: nothing to hint at
@@ -92,6 +97,18 @@ def test_bad_puzzles(tiny_sudoku, capsys, puzzle, message):
     assert message in err and "Traceback" not in err
 
 
+def test_cli_reads_puzzles_from_stdin_and_says_when_show_steps_cannot_apply(tiny_sudoku, capsys, monkeypatch):
+    path, _ = tiny_sudoku
+    a, b = generate(5, "easy").puzzle, generate(6, "easy").puzzle
+    for source in (["-"], ["--file", "-"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(f"{a}\n# a comment\n{b.replace('0', '.')}\n"))
+        main(["sudoku", *source, "--model", str(path), "--json", "--steps", "1", "--show-steps"])
+        out, err = capsys.readouterr()
+        assert [json.loads(line)["puzzle"] for line in out.splitlines()] == [a, b]
+        assert "--show-steps: shows one puzzle's steps; 2 puzzles given, so none are shown" in err
+        assert "step 1" not in err
+
+
 def test_a_puzzle_the_check_cannot_settle_goes_to_the_model_with_a_note(tiny_sudoku, capsys, monkeypatch):
     """A 17-given puzzle without a solution kept the check busy for over ten minutes before the model loaded.
     Past the node budget the check says so and the model tries the puzzle; the CLI checks each puzzle once."""
@@ -101,7 +118,7 @@ def test_a_puzzle_the_check_cannot_settle_goes_to_the_model_with_a_note(tiny_sud
     checked = []
     real_check = sudoku_model.check_puzzle
     monkeypatch.setattr(sudoku_model, "check_puzzle", lambda p, **kw: checked.append(p) or real_check(p, **kw))
-    main(["sudoku", no_solution, "--model", str(path), "--json", "--steps", "2"])
+    assert main(["sudoku", no_solution, "--model", str(path), "--json", "--steps", "2"]) == 1
     out, err = capsys.readouterr()
     assert "note: puzzle 1: the solver could not tell within 50 search nodes whether the puzzle has a solution" in err
     assert json.loads(out)["valid"] is False and len(checked) == 1
@@ -188,8 +205,9 @@ def test_rules_option_keeps_givens_and_only_fills_digits(tiny_sudoku, capsys):
     for r in sudoku_model.solve(lm, puzzles, max_denoising_steps=4, rules=True):
         assert all(g == "0" or g == s for g, s in zip(r.puzzle, r.solution))
         assert "0" not in r.solution  # the rule allows digits 1-9 only
-    assert main(["sudoku", puzzles[0], "--model", str(path), "--json", "--steps", "2", "--rules"]) == 0
-    assert json.loads(capsys.readouterr().out.splitlines()[0])["puzzle"] == puzzles[0]
+    code = main(["sudoku", puzzles[0], "--model", str(path), "--json", "--steps", "2", "--rules"])
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert row["puzzle"] == puzzles[0] and code == (0 if row["valid"] else 1)
 
 
 def test_shipped_model_solves_hard_puzzles_alone_and_with_rules():
@@ -271,8 +289,9 @@ def test_ensemble_solve_keeps_givens_and_reports_the_board_as_given(tiny_sudoku)
 def test_cli_ensemble(tiny_sudoku, capsys):
     path, lm = tiny_sudoku
     p = generate(2, "medium").puzzle
-    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "2", "--seed", "4", "--ensemble", "3"]) == 0
+    code = main(["sudoku", p, "--model", str(path), "--json", "--steps", "2", "--seed", "4", "--ensemble", "3"])
     row = json.loads(capsys.readouterr().out.strip())
+    assert code == (0 if row["valid"] else 1)
     direct = sudoku_model.solve(blockpress.load(path), [p], max_denoising_steps=2, seed=4, ensemble=3)[0]
     assert row["solution"] == direct.solution and row["steps"] == direct.steps
 
