@@ -656,11 +656,24 @@ def as_flags(message: str, flag_of: dict[str, str] = FLAG_OF) -> str:
     return "/".join(flag_of[n] for n in names) + sep + rest if sep and all(n in flag_of for n in names) else message
 
 
+def package_version() -> str:
+    """The installed distribution's version; the package's own __version__ when run from a source tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("blockpress")
+    except PackageNotFoundError:
+        import blockpress
+
+        return blockpress.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
         description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
     )
+    ap.add_argument("--version", action="version", version=f"blockpress {package_version()}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", formatter_class=DefaultsFormatter, help="complete a prompt, showing the canvas as it settles",

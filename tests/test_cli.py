@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -432,3 +433,21 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
 def test_bench_bad_arguments_fail_before_running(args, message):
     r = run_cli("bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_version(capsys, monkeypatch):
+    from importlib.metadata import PackageNotFoundError
+
+    import blockpress.cli
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    out = capsys.readouterr().out.strip()
+    assert done.value.code == 0 and out == f"blockpress {blockpress.cli.package_version()}"
+    assert re.fullmatch(r"blockpress \d+\.\d+\.\d+\S*", out)
+
+    def not_installed(name):
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr("importlib.metadata.version", not_installed)  # a source tree: the package's own figure
+    assert blockpress.cli.package_version() == blockpress.__version__
