@@ -165,7 +165,13 @@ def cmd_infill(args: argparse.Namespace) -> int:
         except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates
             raise ValueError(f"{flag}: not valid UTF-8 (at character {exc.start})") from None
     t0 = time.perf_counter()
-    out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
+    try:
+        out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
+    except ValueError as exc:
+        if str(exc).startswith("template: has no holes"):  # the library's message offers -1 ids: not for a command line
+            raise ValueError("template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or "
+                             "<|hole:N|>") from None
+        raise
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     stats = stats_line(out, time.perf_counter() - t0)
     stats["filled_tokens"] = filled_n = int(out.num_chosen_tokens.sum())  # the holes; new_tokens: the template
@@ -635,7 +641,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
 FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
            "t_max": "--t-max", "t_min": "--t-min", "entropy_bound": "--entropy-bound", "seed": "--seed",
            "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-           "rank_by": "--rank-by", "hole_length": "--hole-length",
+           "rank_by": "--rank-by", "hole_length": "--hole-length", "stop": "--stop", "device": "--device",
+           "ensemble": "--ensemble",
            # bench's settings
            "steps": "--steps", "batch_sizes": "--batch-sizes", "canvas_lengths": "--canvas-lengths",
            "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length"}
@@ -838,7 +845,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         return args.func(args)
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
-        message = as_flags(str(exc)) if args.command in ("generate", "infill", "chat", "bench") else str(exc)
+        flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve")
+        message = as_flags(str(exc)) if args.command in flagged else str(exc)
         if args.command == "train":
             message = as_flags(message, train_flag_of())
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)

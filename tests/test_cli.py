@@ -451,3 +451,19 @@ def test_version(capsys, monkeypatch):
 
     monkeypatch.setattr("importlib.metadata.version", not_installed)  # a source tree: the package's own figure
     assert blockpress.cli.package_version() == blockpress.__version__
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "x", "--model", "random-tiny", "--stop", ""], "generate: error: --stop: stop strings must be non-empty"),
+    (["generate", "x", "--model", "random-tiny", "--device", "cuda:99"], "generate: error: --device: 'cuda:99' asked for"),
+    (["info", "--model", "blockpress-sudoku", "--device", "cuda:99"], "info: error: --device: 'cuda:99' asked for"),
+    (["sudoku", "." * 81, "--ensemble", "0"], "sudoku: error: --ensemble: expected 1 to 64 views, got 0"),
+    (["infill", "x = 1", "--model", "random-tiny"],
+     "infill: error: template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or <|hole:N|>"),
+])
+def test_errors_name_the_flag_typed(args, message, capsys):
+    """Library checks name their arguments (stop, device, ensemble) and offer the Python API's -1 ids; the
+    command line's errors name its flags and markers instead."""
+    assert main(args + ["--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "-1 ids" not in err
