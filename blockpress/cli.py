@@ -836,6 +836,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def silence_output() -> None:
+    """Point stdout and stderr at the null device: after a broken pipe, any later write (the interpreter's last
+    flush, an error line) would hit it again and end in a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream without a file descriptor (a test's capture) has nothing to flush there
+            pass
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -843,7 +855,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.threads < 0:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
             torch.set_num_threads(args.threads)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
+        return code
+    except BrokenPipeError:  # as Unix tools do on SIGPIPE: stop quietly, with 128 + 13
+        silence_output()
+        return 141
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve")
         message = as_flags(str(exc)) if args.command in flagged else str(exc)

@@ -467,3 +467,18 @@ def test_errors_name_the_flag_typed(args, message, capsys):
     assert main(args + ["--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert message in err and "-1 ids" not in err
+
+
+@pytest.mark.parametrize("args, broken", [
+    (["info", "--json", "--model", "random-tiny"], "stdout"),
+    (["sudoku", "." * 80 + "1", "--show-steps", "--steps", "2"], "stderr"),
+])
+def test_a_reader_that_goes_away_ends_the_run_quietly(args, broken):
+    """`blockpress info --json | head -c 10` ended in "error: [Errno 32] Broken pipe" and status 2, `sudoku
+    --show-steps P 2>&1 | head -2` in status 1: now status 141, as a tool stopped by SIGPIPE, and no message."""
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", *args, "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    getattr(proc, broken).close()  # before the command writes a byte: python starts in over a second
+    other = proc.stderr if broken == "stdout" else proc.stdout
+    rest = other.read()
+    assert proc.wait(timeout=300) == 141 and rest == b""
