@@ -537,10 +537,6 @@ def served_name(model: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from blockpress.serve import create_app
-
     if args.prefix_cache_gb < 0:
         raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
@@ -550,6 +546,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
+    import uvicorn
+
+    from blockpress.serve import create_app
+
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
     lm = load_model(args.model, args.dtype, args.device, args.quantize)
     name = args.served_name or served_name(args.model)
@@ -836,6 +836,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Optional packages: the extra of pyproject.toml that installs each, and what needs it.
+EXTRA_OF = {"fastapi": ("serve", "blockpress serve"), "uvicorn": ("serve", "blockpress serve"),
+            "peft": ("train", "--lora-rank")}
+
+
 def silence_output() -> None:
     """Point stdout and stderr at the null device: after a broken pipe, any later write (the interpreter's last
     flush, an error line) would hit it again and end in a traceback."""
@@ -858,6 +863,13 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
         sys.stdout.flush()  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
         return code
+    except ImportError as exc:
+        package = (exc.name or "").partition(".")[0]
+        if package not in EXTRA_OF:
+            raise
+        print(f"blockpress {args.command}: error: {package} is not installed (needed for {EXTRA_OF[package][1]}); "
+              f"pip install 'blockpress[{EXTRA_OF[package][0]}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # as Unix tools do on SIGPIPE: stop quietly, with 128 + 13
         silence_output()
         return 141

@@ -482,3 +482,24 @@ def test_a_reader_that_goes_away_ends_the_run_quietly(args, broken):
     other = proc.stderr if broken == "stdout" else proc.stdout
     rest = other.read()
     assert proc.wait(timeout=300) == 141 and rest == b""
+
+
+def test_a_missing_optional_package_names_its_extra(tmp_path, capsys, monkeypatch):
+    """`serve` without fastapi/uvicorn and `train --lora-rank` without peft were ModuleNotFoundError tracebacks."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    monkeypatch.delitem(sys.modules, "blockpress.serve", raising=False)  # nor imported yet
+    assert main(["serve", "--port", "0"]) == 2
+    assert "error: uvicorn is not installed (needed for blockpress serve); pip install 'blockpress[serve]'" in \
+        capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "peft", None)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [2, 5, 6], "response_ids": [10, 11]}) + "\n")
+    assert main(["train", "--model", "random-tiny", "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1",
+                 "--heldout", "0", "--quiet", "--lora-rank", "2"]) == 2
+    assert "error: peft is not installed (needed for --lora-rank); pip install 'blockpress[train]'" in \
+        capsys.readouterr().err
