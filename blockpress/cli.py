@@ -65,9 +65,9 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
     """`lengths=False` (infill: the template sets the length) hides the length flags; given anyway, they get an
     error that says how to size the holes instead of argparse's "unrecognized arguments"."""
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, and "
-                             "blockpress_generation_config.json over it)")
+                             "blockpress_generation_config.json over it; run `blockpress info --model M` to see them)")
     g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="exact number of new tokens at most" if lengths else argparse.SUPPRESS)
+                   help="new tokens to generate (at most: EOS or --stop may end sooner)" if lengths else argparse.SUPPRESS)
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="no end-of-sequence before this many tokens" if lengths else argparse.SUPPRESS)
     g.add_argument("--steps", type=int, default=None, help="max denoising steps per canvas")
@@ -262,7 +262,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         weights_bytes=weights,
         canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
-        tokenizer=lm.tokenizer is not None, generation_defaults=asdict(lm.sampler_defaults),
+        tokenizer=lm.tokenizer is not None,
+        generation_defaults={"max_new_tokens": lm.default_max_new_tokens, **asdict(lm.sampler_defaults)},
     )
     if args.json:
         print(json.dumps(info, indent=2))
@@ -762,9 +763,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
-    p.add_argument("--steps", type=int, default=None, help="max denoising steps")
+    p.add_argument("--steps", type=int, default=None,
+                   help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
-                   help="acceptance rule")
+                   help="acceptance rule (default: the model's; topk for blockpress-sudoku)")
     p.add_argument("--rank-by", choices=["entropy", "margin"], default=None,
                    help="topk sampler: which cells count as most certain (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="random seed")

@@ -503,3 +503,26 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, capsys, monkeypatc
                  "--heldout", "0", "--quiet", "--lora-rank", "2"]) == 2
     assert "error: peft is not installed (needed for --lora-rank); pip install 'blockpress[train]'" in \
         capsys.readouterr().err
+
+
+def help_text(capsys, *args):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+
+
+def test_help_says_where_the_checkpoint_defaults_are(capsys):
+    for command in ("generate", "infill", "chat"):
+        assert "run `blockpress info --model M` to see them" in help_text(capsys, command)
+    assert "--max-new-tokens MAX_NEW_TOKENS new tokens to generate (at most: EOS or --stop may end sooner)" in \
+        help_text(capsys, "generate")
+    shipped = blockpress.load("blockpress-sudoku").sampler_defaults  # sudoku's default model
+    text = help_text(capsys, "sudoku")
+    assert f"max denoising steps (default: the model's; {shipped.max_denoising_steps} for blockpress-sudoku)" in text
+    assert f"acceptance rule (default: the model's; {shipped.sampler} for blockpress-sudoku)" in text
+
+
+def test_info_lists_the_default_length(capsys):
+    """generation_defaults left out max_new_tokens (blockpress-sudoku's generation_config.json says 81)."""
+    assert main(["info", "--model", "blockpress-sudoku", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["generation_defaults"]["max_new_tokens"] == 81
