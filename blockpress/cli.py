@@ -194,9 +194,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
     print("blockpress chat — /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
+    prompt = "you> " if sys.stdin.isatty() else ""  # piped messages: stdout holds the replies alone
     while True:
         try:
-            user = input("you> ")
+            user = input(prompt)
         except EOFError:
             print(file=sys.stderr)  # the shell's prompt on a line of its own
             break
@@ -716,7 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",
                        description="A multi-turn REPL. Each turn encodes only the new tokens: the KV cache "
                                    "of the conversation is kept between turns. A reply is never empty: "
-                                   "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn).")
+                                   "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn). "
+                                   f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
+                                   "code; give --model for a chat model.")
     add_model_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat, min_new_tokens=1)

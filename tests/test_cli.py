@@ -526,3 +526,18 @@ def test_info_lists_the_default_length(capsys):
     """generation_defaults left out max_new_tokens (blockpress-sudoku's generation_config.json says 81)."""
     assert main(["info", "--model", "blockpress-sudoku", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["generation_defaults"]["max_new_tokens"] == 81
+
+
+def test_chat_prompts_only_a_terminal(monkeypatch, capsys):
+    """Piped messages printed "you> " before each reply on stdout ("you> model> ...")."""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stdin, prompted in ((io.StringIO("hello\n"), False), (Terminal("hello\n"), True)):
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert main(["chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("you> model> " if prompted else "model> ") and out.count("you> ") == prompted * 2
+    assert "is a small code model: its replies are code" in help_text(capsys, "chat")
