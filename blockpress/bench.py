@@ -160,6 +160,13 @@ def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
     }
 
 
+def _warm_up(engines: dict[str, Callable[..., dict[str, Any]]]) -> None:
+    """One untimed run of each engine: a first run pays one-time setup (the reference's first took ~3.7 s more on
+    a CPU, so with --repeats 1 the first batch size's figure was ~20x too low; compilation, graph capture)."""
+    for fn in engines.values():
+        fn()
+
+
 def _best_interleaved(repeats: int, engines: dict[str, Callable[..., dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each engine's fastest of `repeats` runs, the engines taking turns (A B C A B C ...): on a shared machine
     a slow minute then costs every engine a run rather than all the runs of one, so ratios stay fair. Then one
@@ -212,8 +219,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             for row in out["rows"][-len(s.batch_sizes):]:
                 prompt = _prompt(cfg, row["batch"], s)
                 engines = _blockpress_engines(variant, prompt, s, suffix=f"_{name}")
-                for fn in engines.values():
-                    fn()  # the first run compiles or captures: not timed
+                _warm_up(engines)  # the first run compiles or captures
                 # The eager engines and the reference take turns with the variant too, so a slow (or quiet) spell
                 # of the shared machine does not skew its ratios; each engine's best run of every phase counts.
                 engines.update(_blockpress_engines(lm, prompt, s))
@@ -278,6 +284,7 @@ def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
     engines = _blockpress_engines(lm, prompt, s)
     if ref is not None:
         engines["reference"] = partial(_reference_run, ref, prompt, s, device)
+    _warm_up(engines)
     row.update(_best_interleaved(s.repeats, engines))
     if device.type == "cpu":
         row["gemm_ms_per_step"] = _gemm_ms_per_step(lm, prompt, rounds=s.repeats)
