@@ -124,13 +124,16 @@ def _template_rows(template: Any) -> int:
     return int(shape[0]) if len(shape) == 2 else 1
 
 
-def check_seed(seed: Any, name: str) -> Any:
-    """A seed is None or an integer in [0, 2**63): the per-row seeds live in an int64 tensor."""
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+def check_seed(seed: Any, name: str) -> int | None:
+    """A seed is None or an integer in [0, 2**63) (numpy's too; returned as an int): the per-row seeds live in
+    an int64 tensor."""
+    if seed is None:
+        return None
+    if not is_int(seed) or not 0 <= seed < 2**63:
         hint = (" (one seed per row: seeds=[...]; rows of one prompt with one seed are the same sample)"
                 if isinstance(seed, (list, tuple)) else "")
         raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}{hint}")
-    return seed
+    return int(seed)
 
 
 class LM:
@@ -343,7 +346,8 @@ class LM:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
         if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
             raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
-        check_seed(seed, "seed")
+        max_new_tokens, min_new_tokens = int(max_new_tokens), int(min_new_tokens)  # numpy integers: plain ints
+        seed = check_seed(seed, "seed")
         if isinstance(sampler, SamplerConfig):
             cfg = sampler.with_(**sampler_options)
         else:
@@ -701,7 +705,7 @@ def random_model(
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
                          f"ModelConfig.from_dict(...)), got {type(config).__name__}")
-    check_seed(seed, "seed")
+    seed = check_seed(seed, "seed")
     if seed is None:
         raise ValueError("seed: expected an integer (the weights are a function of it), got None")
     dtype = resolve_dtype(dtype) or torch.float32

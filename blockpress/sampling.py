@@ -28,8 +28,9 @@ def is_finite_number(value: Any) -> bool:
 
 
 def is_int(value: Any) -> bool:
-    """An int that is not a bool (True would pass for 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's included: np.int64 from an array's arithmetic) that is not a bool (True would pass
+    for 1). Callers keep int(value): a numpy integer overflows silently and is not JSON."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
@@ -112,6 +113,10 @@ class SamplerConfig:
             need(is_finite_number(value) and -2.0 <= value <= 2.0, name, f"expected a number in [-2, 2], got {value!r}")
         need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= 0),
              "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
+        for name in ("max_denoising_steps", "stability_threshold", "noise_token_id"):
+            value = getattr(self, name)  # a numpy integer passes is_int: store a plain int (JSON, no int64 wrap)
+            if value is not None:
+                object.__setattr__(self, name, int(value))
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any]) -> SamplerConfig:

@@ -324,6 +324,21 @@ def test_bad_seeds(lm, kwargs, message):
         lm.generate([[3, 4], [5, 6]], max_new_tokens=4, **kwargs)
 
 
+def test_numpy_integers_are_counts_and_seeds_like_ints(lm):
+    """np.int64 (an array's arithmetic gives them) was refused: "max_new_tokens: expected a positive integer,
+    got np.int64(8)"; likewise seed, seeds, min_new_tokens, max_denoising_steps and generate_ar's seed."""
+    kw = dict(max_new_tokens=8, min_new_tokens=2, max_denoising_steps=3, seed=5)
+    want = lm.generate([[2, 5]], **kw)
+    got = lm.generate([[2, 5]], **{k: np.int64(v) for k, v in kw.items()})
+    assert torch.equal(got.sequences, want.sequences)
+    rows = lm.generate([[2, 5], [2, 5]], max_new_tokens=8, min_new_tokens=2, max_denoising_steps=3, seeds=[np.int64(5), np.uint16(5)])
+    assert torch.equal(rows.sequences, torch.cat([want.sequences] * 2))
+    ar = lm.generate_ar([[2, 5]], max_new_tokens=np.int32(6), temperature=1.0, seed=np.int64(3))
+    assert torch.equal(ar.sequences, lm.generate_ar([[2, 5]], max_new_tokens=6, temperature=1.0, seed=3).sequences)
+    with pytest.raises(ValueError, match="seed: expected an integer"):
+        lm.generate([[2, 5]], max_new_tokens=4, seed=np.int64(-1))
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7", None])
 def test_bad_ar_temperatures(lm, value):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):

@@ -334,6 +334,24 @@ def test_settings_people_pass_from_numpy_and_uniform_noise_on_request():
     assert cfg.with_(noise_token_id=None).noise_token_id == 5  # None still means "not given"
 
 
+@settings(max_examples=30, deadline=None)
+@given(value=st.integers(1, 127), kind=st.sampled_from(["int8", "int32", "int64", "uint8", "uint64"]))
+def test_numpy_integer_counts_are_taken_as_ints(value, kind):
+    """np.int64 (an array's arithmetic gives them) was refused as a step count; it is kept as a plain int, so the
+    config still writes to JSON."""
+    import json
+
+    import numpy as np
+
+    n = getattr(np, kind)(value)
+    cfg = SamplerConfig(max_denoising_steps=n, stability_threshold=n, noise_token_id=n)
+    for got in (cfg.max_denoising_steps, cfg.stability_threshold, cfg.noise_token_id):
+        assert type(got) is int and got == value
+    assert json.loads(json.dumps(cfg.to_generation_config()))["max_denoising_steps"] == value
+    with pytest.raises(ValueError, match="stability_threshold: expected an integer"):
+        SamplerConfig(stability_threshold=np.True_)
+
+
 def test_a_vanishing_temperature_is_greedy_not_nan():
     """1e-45 underflows a float32 division (30 / 1e-45 = inf, and inf - inf = NaN lost every token); below
     MIN_TEMPERATURE the sampler divides by MIN_TEMPERATURE, which is greedy for any logits."""
