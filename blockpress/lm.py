@@ -97,8 +97,10 @@ def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
     t = torch.as_tensor(mask)
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"attention_mask: expected shape {list(shape)} (like {like}), got {list(t.shape)}")
-    if t.is_floating_point() or t.is_complex() or not bool(((t == 0) | (t == 1)).all()):
-        raise ValueError("attention_mask: expected 0 (padding) and 1 (token) only")
+    # Float masks of exactly 0.0 / 1.0 are common (transformers takes them); 0.5 would be truncated to 0 silently.
+    odd = t[(t != 0) & (t != 1)] if not t.is_complex() else t.flatten()
+    if odd.numel():
+        raise ValueError(f"attention_mask: expected 0 (padding) and 1 (token) only, got {odd[0].item()!r}")
     if not bool(t.bool().any(-1).all()):
         raise ValueError("attention_mask: every row needs at least one token (a 1)")
     return t.long()

@@ -945,8 +945,9 @@ def test_a_cache_from_elsewhere_is_a_clear_error(lm):
 
 @pytest.mark.parametrize("mask, message", [
     ([[0, 0]], "every row needs at least one token"),
-    ([[5, 5]], "expected 0 \\(padding\\) and 1 \\(token\\) only"),
-    ([[0.5, 1.0]], "expected 0 \\(padding\\) and 1 \\(token\\) only"),
+    ([[5, 5]], "expected 0 \\(padding\\) and 1 \\(token\\) only, got 5"),
+    ([[0.5, 1.0]], "expected 0 \\(padding\\) and 1 \\(token\\) only, got 0.5"),
+    ([[float("nan"), 1.0]], "expected 0 \\(padding\\) and 1 \\(token\\) only, got nan"),
     ([[1, 1, 1]], "expected shape \\[1, 2\\]"),
 ])
 def test_bad_attention_masks(lm, mask, message):
@@ -955,6 +956,18 @@ def test_bad_attention_masks(lm, mask, message):
         lm.generate([[3, 4]], max_new_tokens=4, attention_mask=mask)
     with pytest.raises(ValueError, match=f"attention_mask: {message}"):
         lm.logits([[3, 4]], [[5, 6]], attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
+def test_a_mask_of_exact_zeros_and_ones_in_any_dtype_reads_like_an_integer_one(lm, dtype):
+    """A float 0.0 / 1.0 mask (as transformers takes) was refused with "expected 0 (padding) and 1 (token) only"."""
+    prompt, mask = [[0, 0, 3, 4], [5, 6, 7, 8]], [[0, 0, 1, 1], [1, 1, 1, 1]]
+    want = lm.generate(prompt, attention_mask=mask, max_new_tokens=4, max_denoising_steps=2, seed=1)
+    got = lm.generate(prompt, attention_mask=torch.tensor(mask, dtype=dtype), max_new_tokens=4, max_denoising_steps=2,
+                      seed=1)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(lm.logits(prompt, [[9], [9]], attention_mask=torch.tensor(mask, dtype=dtype)),
+                       lm.logits(prompt, [[9], [9]], attention_mask=mask))
 
 
 def test_a_template_sets_the_length():
