@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -285,37 +285,77 @@ def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True) -> list
     return [tokenizer.encode_prompt(t) if bos else tokenizer.encode(t) for t in texts]
 
 
+def _as_tensor(x: Any, name: str) -> torch.Tensor:
+    try:  # no dtype forced: 1.5 or True must be refused by the caller, not truncated to a token id
+        return torch.as_tensor(x)
+    except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"{name}: expected integer token ids, could not read them ({exc})") from None
+
+
+def _check_integer_dtype(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
+
+
+def _id_row(row: Any, name: str) -> list[int]:
+    """One row of ids as ints: a list of Python or numpy integers, or a 1-D integer tensor / array."""
+    if not isinstance(row, (torch.Tensor, list, tuple, str)) and hasattr(row, "__array__"):
+        row = _as_tensor(row, name)
+    if isinstance(row, torch.Tensor):
+        if row.dim() != 1:
+            raise ValueError(f"{name}: expected each row of a list to be 1-D token ids, got shape {list(row.shape)}")
+        _check_integer_dtype(row, name)
+        return row.tolist()
+    if not isinstance(row, (list, tuple)):
+        raise ValueError(f"{name}: expected integer token ids, got {row!r}")
+    odd = [t for t in row if not is_int(t)]
+    if odd:  # torch would truncate 1.5 to 1 and read True as 1, silently
+        raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
+    return [int(t) for t in row]
+
+
+def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[list[int]]:
+    """Token ids as people hold them: a tensor or numpy array [P] / [B, P] (-> an int64 tensor [B, P]), a list of
+    ids, or a list of rows that may differ in length, each a list of ids or a 1-D integer tensor / array, the
+    usual way to hold ragged prompts (-> the rows as lists of ints). Python and numpy integers alike, never a
+    bool or a float. Ids are range-checked against the vocabulary by the caller. `also`: what else the caller
+    takes, for the error message."""
+    if isinstance(ids, Mapping):  # a tokenizer's output (transformers' BatchEncoding is a Mapping, not a dict)
+        raise ValueError(f"{name}: got a mapping with keys {list(ids)} (a tokenizer's output?); pass the ids and "
+                         "the mask apart: generate(enc['input_ids'], attention_mask=enc['attention_mask'])")
+    if not isinstance(ids, (torch.Tensor, list, tuple, str)) and hasattr(ids, "__array__"):
+        ids = _as_tensor(ids, name)  # a numpy array: read like a tensor
+    if isinstance(ids, torch.Tensor):
+        t = ids[None] if ids.dim() == 1 else ids
+        if t.dim() != 2 or t.shape[1] == 0:
+            raise ValueError(f"{name}: expected token ids of shape [P] or [B, P] with P > 0, got {list(ids.shape)}")
+        _check_integer_dtype(t, name)
+        return t.long()
+    if isinstance(ids, (list, tuple)) and ids:
+        first = ids[0]
+        nested = not is_int(first) and (isinstance(first, (list, tuple, torch.Tensor)) or hasattr(first, "__array__"))
+        rows = [_id_row(r, name) for r in ids] if nested else [_id_row(ids, name)]
+        if any(not r for r in rows):
+            raise ValueError(f"{name}: every row needs at least one token id")
+        for t in (t for r in rows for t in r):
+            if not 0 <= t < 2**63:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
+                raise ValueError(f"{name}: token id {t} is not a token id (expected 0 <= id < vocab_size)")
+        return rows
+    empty = isinstance(ids, (list, tuple, str)) and not ids
+    raise ValueError(f"{name}: expected {also}token ids [P] or [B, P] (a tensor, an array or lists), or a list of "
+                     f"rows of ids; got {type(ids).__name__}{' (empty)' if empty else ''}")
+
+
 def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """str | list[str] | LongTensor [P] / [B, P] | list of token-id lists -> (ids [B, P], mask or None). Texts get
-    BOS first when `bos` (see encode_texts); ids are taken as given."""
+    """str | list[str] | token ids (see read_token_ids; ragged rows are left-padded) -> (ids [B, P], mask or
+    None). Texts get BOS first when `bos` (see encode_texts); ids are taken as given."""
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
                                    and all(isinstance(p, str) for p in prompt)):
         if tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
         return left_pad(encode_texts([prompt] if isinstance(prompt, str) else list(prompt), tokenizer, bos), pad_id)
-    if not isinstance(prompt, (torch.Tensor, str, list, tuple)) and hasattr(prompt, "__array__"):
-        prompt = torch.as_tensor(prompt)  # a numpy array of ids: read like a tensor
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 1:
-            prompt = prompt[None]
-        if prompt.dim() != 2 or prompt.shape[1] == 0:
-            raise ValueError(f"prompt: expected a tensor of shape [P] or [B, P] with P > 0, got {list(prompt.shape)}")
-        if prompt.is_floating_point() or prompt.dtype == torch.bool:
-            raise ValueError(f"prompt: expected integer token ids, got {prompt.dtype}")
-        return prompt.long().cpu(), None
-    if isinstance(prompt, (list, tuple)) and prompt:
-        rows = [prompt] if all(is_int(t) for t in prompt) else prompt
-        if all(isinstance(r, (list, tuple)) and all(is_int(t) for t in r) for r in rows):
-            for r in rows:
-                for t in r:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
-                    if not 0 <= t < 2**63:
-                        raise ValueError(f"prompt: token id {t} is not a token id (expected 0 <= id < vocab_size)")
-            return left_pad([list(r) for r in rows], pad_id)
-    empty = isinstance(prompt, (list, tuple, str)) and not prompt
-    raise ValueError(
-        "prompt: expected str, list[str], a LongTensor [P] or [B, P], or a list of token-id lists; "
-        f"got {type(prompt).__name__}{' (empty)' if empty else ''}"
-    )
+    ids = read_token_ids(prompt, "prompt", also="str, list[str], ")
+    return (ids.cpu(), None) if isinstance(ids, torch.Tensor) else left_pad(ids, pad_id)
 
 
 def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,

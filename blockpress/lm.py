@@ -32,6 +32,7 @@ from .generate import (
     left_pad,
     normalize_stops,
     prompt_to_ids,
+    read_token_ids,
     run,
     run_ar,
     template_to_ids,
@@ -75,21 +76,17 @@ def resolve_path(path_or_name: str | Path) -> Path:
     )
 
 
-def _as_ids(x: torch.Tensor | list, name: str, vocab_size: int, device: torch.device) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        try:  # no dtype forced: 1.5 or True must be refused below, not truncated to a token id
-            x = torch.as_tensor(x)
-        except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
-            raise ValueError(f"{name}: expected token ids ([P] or [B, P] integers), could not read them ({exc})") from None
-    t = x.to(device)
-    if t.dim() == 1:
-        t = t[None]
-    if t.dim() != 2 or t.shape[1] == 0:
-        raise ValueError(f"{name}: expected token ids of shape [P] or [B, P] with P > 0, got {list(t.shape)}")
-    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
+def _as_ids(x: Any, name: str, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Token ids [B, P] on `device`, read like a prompt's (read_token_ids) but one length per row: no padding."""
+    ids = read_token_ids(x, name)
+    if not isinstance(ids, torch.Tensor):
+        lengths = [len(r) for r in ids]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"{name}: rows of different lengths {lengths}; expected one [B, P] batch of ids")
+        ids = torch.tensor(ids, dtype=torch.long)
+    t = ids.to(device)
     check_vocab_range(t, name, vocab_size)
-    return t.long()
+    return t
 
 
 def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:

@@ -287,7 +287,8 @@ def test_bad_arguments(lm, kwargs, field):
 
 
 @pytest.mark.parametrize("prompt", [[], [[]], "text without tokenizer", [[1, 2], "x"], [1000], [True, False],
-                                    [[1, 2**70]], np.array([1.5, 2.0]), 3.5])
+                                    [[1, 2**70]], np.array([1.5, 2.0]), 3.5, [torch.tensor([[1, 2]])],
+                                    [torch.tensor([1.0, 2.0])], [np.array(["a"])], [[1, 2], [np.float64(3)]], [None], torch.tensor(3)])
 def test_bad_prompts(lm, prompt):
     with pytest.raises(ValueError, match="prompt"):
         lm.generate(prompt, max_new_tokens=4)
@@ -298,10 +299,47 @@ def test_numpy_prompts_read_like_tensors(lm):
     assert torch.equal(lm.generate(np.array([[3, 4, 5]]), **kw).sequences, lm.generate([[3, 4, 5]], **kw).sequences)
 
 
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 95), min_size=1, max_size=5), min_size=1, max_size=4),
+       kinds=st.lists(st.sampled_from(["list", "tuple", "tensor", "int32 tensor", "array", "numpy ints"]),
+                      min_size=4, max_size=4))
+def test_every_container_of_ids_reads_like_lists(rows, kinds):
+    """A list of 1-D tensors or arrays of different lengths (transformers' way to hold ragged prompts) and a list
+    of numpy integers were refused; each row may come in any of them and reads like the plain lists."""
+    from blockpress.generate import prompt_to_ids
+
+    as_kind = {"list": list, "tuple": tuple, "tensor": torch.tensor, "array": np.array,
+               "int32 tensor": lambda r: torch.tensor(r, dtype=torch.int32), "numpy ints": lambda r: list(np.array(r))}
+    given_rows = [as_kind[k](r) for r, k in zip(rows, kinds)]
+    want_ids, want_mask = prompt_to_ids(rows, None, PAD)
+    got_ids, got_mask = prompt_to_ids(given_rows, None, PAD)
+    assert torch.equal(got_ids, want_ids)
+    assert (got_mask is None) == (want_mask is None) and (got_mask is None or torch.equal(got_mask, want_mask))
+    if len(rows) == 1:  # one row may also come unwrapped
+        assert torch.equal(prompt_to_ids(given_rows[0], None, PAD)[0], want_ids)
+
+
+def test_ragged_tensor_prompts_generate_like_padded_lists(lm):
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seeds=[1, 2])
+    want = lm.generate([[2, 5, 6], [2, 7]], **kw)
+    assert torch.equal(lm.generate([torch.tensor([2, 5, 6]), torch.tensor([2, 7])], **kw).sequences, want.sequences)
+    assert torch.equal(lm.generate([np.array([2, 5, 6]), [np.int64(2), np.int64(7)]], **kw).sequences, want.sequences)
+    same = [torch.tensor([2, 5]), torch.tensor([3, 4])]  # logits takes a list of equal rows too
+    assert torch.equal(lm.logits(same, [[9], [9]]), lm.logits([[2, 5], [3, 4]], [[9], [9]]))
+
+
+def test_a_tokenizers_output_dict_says_to_pass_the_mask_apart(lm):
+    enc = {"input_ids": torch.tensor([[0, 2, 5]]), "attention_mask": torch.tensor([[0, 1, 1]])}
+    with pytest.raises(ValueError, match=r"prompt: got a mapping with keys \['input_ids', 'attention_mask'\].*"
+                                         r"attention_mask=enc\['attention_mask'\]"):
+        lm.generate(enc, max_new_tokens=4)
+
+
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(prompt_ids=[1.5, 2], canvas_ids=[1, 4]), "prompt_ids: expected integer token ids, got torch.float32"),
+    (dict(prompt_ids=[1.5, 2], canvas_ids=[1, 4]), "prompt_ids: expected integer token ids, got 1.5"),
     (dict(prompt_ids=[1, 2], canvas_ids=np.array([1.0, 4.0])), "canvas_ids: expected integer token ids"),
-    (dict(prompt_ids=[1, 2], canvas_ids=[[1], [2, 3]]), "canvas_ids: expected token ids .* could not read them"),
+    (dict(prompt_ids=[1, 2], canvas_ids=[[1], [2, 3]]), r"canvas_ids: rows of different lengths \[1, 2\]"),
+    (dict(prompt_ids=torch.tensor([[1.0, 2.0]]), canvas_ids=[1]), "prompt_ids: expected integer token ids, got torch.float32"),
     (dict(prompt_ids=[1, 2], canvas_ids=[1, 4], self_conditioning_logits=[[0.0]]),
      "self_conditioning_logits: expected a float tensor"),
     (dict(prompt_ids=[1] * 10, canvas_ids=[1] * 20), "10 prompt \\+ 20 canvas tokens exceed the model's context of 16"),
