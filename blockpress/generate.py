@@ -897,6 +897,9 @@ def run_ar(
     _sync(device)
     decode_s = time.perf_counter() - t1
     num_valid = torch.minimum(_count_valid(new_tokens, eos), stop_len)
+    # One pass per token kept, as for an EOS row (its EOS counts): stops are found every 8 tokens, and the
+    # passes a stopped row ran past its stop string until then made no token of its.
+    passes = torch.minimum(passes, stop_len)
     if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
         cache.end_rows(start + num_valid)
     out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,

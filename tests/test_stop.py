@@ -49,6 +49,16 @@ def test_stopped_output_is_the_full_output_cut_at_the_stop(lm, full, engine, dat
     assert tokens[:n] == ref.new_tokens[0, :n].tolist()
     assert all(t == lm.config.text.pad_token_id for t in tokens[n:])
     assert int(out.forward_passes[0]) <= int(ref.forward_passes[0])
+    if engine == "ar":  # one pass per token kept: none for the tokens after the stop string
+        assert int(out.forward_passes[0]) == n
+
+
+def test_an_ar_row_that_stops_counts_one_pass_per_token_kept(lm):
+    """Stops are checked every 8 tokens: a batch's stopped rows were charged the passes up to that check
+    ([24, 24] for 23 and 17 tokens)."""
+    out = lm.generate_ar(["def add(a, b):", "x"], max_new_tokens=40, stop="\n\n")
+    assert out.extra["stopped"] == [True, True] and len(set(out.num_new_tokens.tolist())) == 2
+    assert out.forward_passes.tolist() == out.num_new_tokens.tolist()
 
 
 @pytest.mark.parametrize("engine", ["diffusion", "ar"])
