@@ -93,6 +93,10 @@ class SamplerConfig:
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
         need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")
+        # The confidence sampler takes every position over its threshold, in no order: a ranking would be ignored.
+        need(self.sampler != "confidence" or self.rank_by == "entropy", "rank_by",
+             f"the confidence sampler accepts by top probability and ranks nothing, so rank_by={self.rank_by!r} would "
+             "be ignored; rank with sampler='topk', 'entropy_bound' or 'greedy'")
         need(self.candidates in CANDIDATES, "candidates",
              f"unknown candidate rule {self.candidates!r}; expected one of {CANDIDATES}")
         need(isinstance(self.adaptive_stopping, bool), "adaptive_stopping",
@@ -157,6 +161,8 @@ class SamplerConfig:
             raise ValueError(f"{unknown[0]}: not a sampler setting{hint}; the settings are "
                              f"{', '.join(f.name for f in fields(self))}")
         kept = {k: v for k, v in changes.items() if v is not None}  # None: not given (the CLI's unset flags)
+        if kept.get("sampler") == "confidence" and "rank_by" not in kept:
+            kept["rank_by"] = "entropy"  # the default: a checkpoint's ranking, set for its own sampler, means nothing here
         if kept.get("noise_token_id") == -1 and not isinstance(kept["noise_token_id"], bool):
             kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
         return replace(self, **kept)

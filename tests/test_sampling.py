@@ -318,6 +318,9 @@ def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
         (dict(presence_penalty=True), "presence_penalty: expected a number"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty: expected a number"),
         (dict(noise_token_id=True), "noise_token_id: expected None or a token id"),
+        (dict(sampler="confidence", rank_by="margin"), "rank_by: the confidence sampler .* rank_by='margin' would be "
+                                                       "ignored"),
+        (dict(sampler="confidence", rank_by="position"), "rank_by: the confidence sampler"),
     ],
 )
 def test_bad_sampler_settings(kwargs, field):
@@ -350,6 +353,19 @@ def test_numpy_integer_counts_are_taken_as_ints(value, kind):
     assert json.loads(json.dumps(cfg.to_generation_config()))["max_denoising_steps"] == value
     with pytest.raises(ValueError, match="stability_threshold: expected an integer"):
         SamplerConfig(stability_threshold=np.True_)
+
+
+def test_rank_by_with_the_confidence_sampler_is_refused_only_when_given():
+    """The confidence sampler ignored rank_by silently (and the CLI's --rank-by). Given with it, it is refused;
+    a checkpoint's ranking set for its own sampler (sudoku's topk by margin) gives way when confidence is asked."""
+    checkpoint = SamplerConfig(sampler="topk", rank_by="margin")
+    assert checkpoint.with_(sampler="confidence").rank_by == "entropy"
+    assert checkpoint.with_(sampler="confidence", rank_by="entropy").sampler == "confidence"  # the default: fine
+    assert checkpoint.with_(sampler="greedy").rank_by == "margin"
+    with pytest.raises(ValueError, match="rank_by: the confidence sampler"):
+        checkpoint.with_(sampler="confidence", rank_by="margin")
+    with pytest.raises(ValueError, match="rank_by: the confidence sampler"):
+        SamplerConfig(sampler="confidence").with_(rank_by="position")
 
 
 def test_a_vanishing_temperature_is_greedy_not_nan():
