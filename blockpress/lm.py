@@ -135,6 +135,19 @@ def check_seed(seed: Any, name: str) -> int | None:
     return int(seed)
 
 
+def _set_row_seeds(req: Request, seeds: Any) -> None:
+    """`seeds`: None, or one seed per row (overriding `seed`), each row then sampled as it would be alone."""
+    if seeds is None:
+        return
+    if not isinstance(seeds, (list, tuple)):
+        raise ValueError(f"seeds: expected a list of one seed per row, got {type(seeds).__name__} "
+                         "(one seed for the whole batch is `seed`)")
+    req.seeds = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
+    if None in req.seeds:  # one row random, the others seeded: give it a seed of its own
+        raise ValueError(f"seeds[{req.seeds.index(None)}]: expected an integer (each row needs its seed)")
+    req.row_seeds()  # validates the count now, not mid-generation
+
+
 class LM:
     """A loaded model with its tokenizer and generation settings: `blockpress.load(...)` or `random_model(...)`.
 
@@ -472,14 +485,7 @@ class LM:
         req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing,
                             cache)
-        if seeds is not None:
-            if not isinstance(seeds, (list, tuple)):
-                raise ValueError(f"seeds: expected a list of one seed per row, got {type(seeds).__name__} "
-                                 "(one seed for the whole batch is `seed`)")
-            req.seeds = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
-            if None in req.seeds:  # one row random, the others seeded: give it a seed of its own
-                raise ValueError(f"seeds[{req.seeds.index(None)}]: expected an integer (each row needs its seed)")
-            req.row_seeds()  # validates the count now, not mid-generation
+        _set_row_seeds(req, seeds)
         for name, flag in (("skip_stopped_rows", skip_stopped_rows), ("return_cache", return_cache)):
             if not isinstance(flag, bool):  # "no" would read as True
                 raise ValueError(f"{name}: expected True or False, got {flag!r}")
@@ -548,16 +554,18 @@ class LM:
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         prefix_cache: PrefixCache | None = None,
+        seeds: list[int] | None = None,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
         `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's).
-        `prefix_cache`: as in `stream`."""
+        `prefix_cache`, `seeds` (one per row, overriding `seed`; with temperature > 0): as in `stream`."""
         if not (is_finite_number(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
                             token_healing, cache)
+        _set_row_seeds(req, seeds)
         req.stops = self._stops(stop, req)
         req.prefix_cache = _check_prefix_cache(prefix_cache)
         self._check_context(req, cache)

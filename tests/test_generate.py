@@ -264,6 +264,18 @@ def test_generate_ar_matches_uncached_greedy(lm):
     assert out.forward_passes.tolist() == [6]
 
 
+def test_generate_ar_seeds_sample_each_row_as_alone(lm):
+    """generate_ar had no per-row `seeds` (generate has): a batch row now equals that row alone with its seed."""
+    prompts, seeds = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]], [11, 12, 13]
+    batch = lm.generate_ar(prompts, max_new_tokens=10, temperature=2.0, seeds=seeds)
+    for r, (p, s) in enumerate(zip(prompts, seeds)):
+        alone = lm.generate_ar([p], max_new_tokens=10, temperature=2.0, seed=s)
+        assert torch.equal(batch.new_tokens[r], alone.new_tokens[0])
+    assert not torch.equal(batch.new_tokens[0], batch.new_tokens[2])  # same prompt, other seed: another sample
+    with pytest.raises(ValueError, match="seeds: expected 3 per-row seeds, got 2"):
+        lm.generate_ar(prompts, max_new_tokens=4, temperature=1.0, seeds=[1, 2])
+
+
 def test_generate_ar_batch_left_padding(lm):
     alone = lm.generate_ar([9, 10, 11], max_new_tokens=5)
     batch = lm.generate_ar([[1, 2, 3, 4, 5, 6], [9, 10, 11]], max_new_tokens=5)
