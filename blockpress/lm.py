@@ -300,6 +300,20 @@ class LM:
             raise ValueError(f"generation_config max_new_tokens: expected a positive integer, got {value!r}")
         return int(value)
 
+    def _default_new_tokens(self, prompt_length: int) -> int:
+        """max_new_tokens for a call that gives none: generation_config.json's `max_new_tokens`, else its
+        `max_length` less the prompt, as in the reference (which counts the prompt's padded width and what a
+        continued cache holds), else 256."""
+        max_length = self.generation_config.get("max_length")
+        if self.generation_config.get("max_new_tokens") is not None or max_length is None:
+            return self.default_max_new_tokens
+        if not is_int(max_length) or max_length <= 0:
+            raise ValueError(f"generation_config max_length: expected a positive integer, got {max_length!r}")
+        if max_length <= prompt_length:
+            raise ValueError(f"max_length: the generation config's max_length ({max_length}) leaves no room after a "
+                             f"{prompt_length}-token prompt; pass max_new_tokens")
+        return int(max_length) - prompt_length
+
     def _eos_ids(self) -> list[int]:
         """The ids that end a row. generation_config.json's `eos_token_id`, when it names any, is the whole set,
         as in the reference; a checkpoint without one (save_pretrained writes none) stops on the model's and the
@@ -352,7 +366,9 @@ class LM:
         v = self.config.text.vocab_size
         check_vocab_range(ids, "prompt", v)
         asked = max_new_tokens
-        if max_new_tokens is None:
+        if max_new_tokens is None and template is None:
+            max_new_tokens = self._default_new_tokens((cache.length if continuing else 0) + ids.shape[1])
+        elif max_new_tokens is None:  # the template sets the length
             max_new_tokens = self.default_max_new_tokens
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
@@ -503,8 +519,8 @@ class LM:
         """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists (ragged
         rows are left-padded). Text prompts get BOS first (not twice; not on a turn that continues a `cache`).
 
-        `max_new_tokens`: exactly this many new tokens at most (default: the checkpoint's generation config, else
-        256). `max_denoising_steps`: per canvas (default: the checkpoint's, else 48). `sampler`: "entropy_bound"
+        `max_new_tokens`: exactly this many new tokens at most (default: the checkpoint's generation config's
+        max_new_tokens, else its max_length less the prompt's padded width, else 256). `max_denoising_steps`: per canvas (default: the checkpoint's, else 48). `sampler`: "entropy_bound"
         (the reference's), "confidence", "topk" or "greedy", or a whole `SamplerConfig` (which replaces the
         checkpoint's settings rather than adding to them). `seed`: None draws a fresh one (greedy uses 0).
 
@@ -670,8 +686,9 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise ValueError(f"{file}: {key}: expected a token id or a list of them, got {value!r}")
-    if "max_new_tokens" in raw and not (isinstance(raw["max_new_tokens"], int) and raw["max_new_tokens"] > 0):
-        raise ValueError(f"{file}: max_new_tokens: expected a positive integer, got {raw['max_new_tokens']!r}")
+    for key in ("max_new_tokens", "max_length"):  # null: unset, as in the reference
+        if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
+            raise ValueError(f"{file}: {key}: expected a positive integer, got {raw[key]!r}")
     try:
         SamplerConfig.from_generation_config(raw)
     except (ValueError, TypeError) as exc:

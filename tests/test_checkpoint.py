@@ -189,6 +189,8 @@ def test_unexpected_tensor_named(ref_checkpoint, tmp_path):
     ({"t_min": "0.4"}, "t_min: expected a finite number"),
     ({"sampler_config": {"entropy_bound": "abc"}}, "entropy_bound: expected a finite number"),
     ({"max_new_tokens": "abc"}, "max_new_tokens: expected a positive integer"),
+    ({"max_length": 0}, "max_length: expected a positive integer"),
+    ({"max_length": "64"}, "max_length: expected a positive integer"),
     ({"eos_token_id": "abc"}, "eos_token_id: expected a token id"),
     ({"eos_token_id": [1, "a"]}, "eos_token_id: expected a token id"),
 ])

@@ -35,6 +35,31 @@ def rig_head(lm, monkeypatch, token, positions=None, strength=200.0):
     monkeypatch.setattr(lm.model, "head", head)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3), extra=st.integers(1, 20), ar=st.booleans())
+def test_max_length_in_the_generation_config_bounds_the_sequence(lm, lengths, extra, ar):
+    """generation_config.json's max_length was ignored (256 new tokens); as in the reference it now gives
+    max_length less the prompt's padded width new tokens when max_new_tokens is set nowhere."""
+    with_max_length = blockpress.LM(lm.model, None, {"max_length": max(lengths) + extra, "max_denoising_steps": 2})
+    prompts = [list(range(3, 3 + n)) for n in lengths]
+    out = with_max_length.generate_ar(prompts) if ar else with_max_length.generate(prompts, seed=0)
+    assert out.new_tokens.shape[1] == extra and out.sequences.shape[1] == max(lengths) + extra
+
+
+def test_max_length_gives_way_to_max_new_tokens_and_counts_a_continued_cache(lm):
+    gen = {"max_length": 12, "max_denoising_steps": 2}
+    assert blockpress.LM(lm.model, None, gen).generate([3, 4], max_new_tokens=3).new_tokens.shape[1] == 3
+    assert blockpress.LM(lm.model, None, dict(gen, max_new_tokens=5)).generate([3, 4]).new_tokens.shape[1] == 5
+    with_max_length = blockpress.LM(lm.model, None, gen)
+    first = with_max_length.generate([3, 4, 5], seed=0, return_cache=True)
+    assert first.new_tokens.shape[1] == 9
+    with pytest.raises(ValueError, match=r"max_length: the generation config's max_length \(12\) leaves no room after "
+                                         r"a 14-token prompt; pass max_new_tokens"):
+        with_max_length.generate([6, 7], cache=first.cache)  # 12 cached + 2
+    with pytest.raises(ValueError, match="max_length.* after a 12-token prompt"):
+        with_max_length.generate_ar([3] * 12)
+
+
 @pytest.mark.parametrize("n", [1, 5, 8, 13, 24])
 def test_max_new_tokens_exact(lm, n):
     out = lm.generate([4, 5, 6], max_new_tokens=n, max_denoising_steps=3, seed=0)

@@ -105,3 +105,18 @@ def test_adaptive_stopping_matches_reference_over_canvases(monkeypatch, models, 
     assert torch.equal(got.new_tokens, want)
     if threshold < 4.0:
         assert int((got.steps_per_canvas < 10).sum()) >= 3  # most canvases stopped early: the rule did act
+
+
+def test_max_length_in_the_generation_config_matches_reference(monkeypatch, models):
+    """Without max_new_tokens, the reference generates max_length less the prompt's (padded) width, 13 here, in
+    whole canvases (16 tokens); blockpress gives exactly the 13. It read only max_new_tokens and generated 256."""
+    ref, lm = models
+    prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(ref.generation_config, "max_length", 19)
+    want = reference_generate(monkeypatch, ref, prompt, 4, 6, t_max=0.8, t_min=0.4, stability_threshold=None,
+                              sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1))
+    with_max_length = blockpress.LM(lm.model, lm.tokenizer, dict(lm.generation_config, max_length=19))
+    got = with_max_length.generate(prompt, max_denoising_steps=6, seed=4, entropy_bound=0.1, t_max=0.8, t_min=0.4,
+                                   adaptive_stopping=False)
+    assert want.shape[1] == 16 and got.new_tokens.shape[1] == 13
+    assert torch.equal(got.new_tokens, want[:, :13])
