@@ -300,7 +300,7 @@ class LM:
             raise ValueError(f"generation_config max_new_tokens: expected a positive integer, got {value!r}")
         return int(value)
 
-    def _default_new_tokens(self, prompt_length: int) -> int:
+    def default_new_tokens(self, prompt_length: int) -> int:
         """max_new_tokens for a call that gives none: generation_config.json's `max_new_tokens`, else its
         `max_length` less the prompt, as in the reference (which counts the prompt's padded width and what a
         continued cache holds), else 256."""
@@ -367,7 +367,7 @@ class LM:
         check_vocab_range(ids, "prompt", v)
         asked = max_new_tokens
         if max_new_tokens is None and template is None:
-            max_new_tokens = self._default_new_tokens((cache.length if continuing else 0) + ids.shape[1])
+            max_new_tokens = self.default_new_tokens((cache.length if continuing else 0) + ids.shape[1])
         elif max_new_tokens is None:  # the template sets the length
             max_new_tokens = self.default_max_new_tokens
         if not is_int(max_new_tokens) or max_new_tokens <= 0:

@@ -428,7 +428,6 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     app.state.engine = engine
     context = max_context or lm.config.text.max_position_embeddings
     defaults = lm.sampler_defaults
-    default_max = lm.default_max_new_tokens
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -473,7 +472,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         if field_name:
             raise APIError(400, f"{field_name}: not supported by this server (block diffusion; its no-op value "
                                 f"{NOOP_VALUES[field_name][0]!r} or null is accepted)", field_name)
-        max_tokens = body.max_completion_tokens or body.max_tokens or default_max
+        try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
+            max_tokens = body.max_completion_tokens or body.max_tokens or lm.default_new_tokens(len(prompt))
+        except ValueError as exc:
+            raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
         if body.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
         if len(prompt) + max_tokens > context:

@@ -669,3 +669,16 @@ def test_empty_prompt_and_full_queue_say_so(server):
     text = httpx.get(server[0] + "/metrics").text
     assert "# TYPE blockpress_request_seconds histogram" in text and "# TYPE blockpress_requests_total counter" in text
     assert "# TYPE blockpress_queue_depth gauge" in text
+
+
+def test_max_length_in_the_generation_config_bounds_a_request_without_max_tokens():
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_length": 12, "max_denoising_steps": 2}
+    with TestClient(create_app(lm, MODEL)) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "min_tokens": 1, "seed": 0})
+        usage = r.json()["usage"]
+        assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 12
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 20})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "max_length" in r.text
