@@ -364,6 +364,10 @@ class ModelConfig:
         except FileNotFoundError:
             what = ("no such file" if path.name != "config.json"
                     else "no config.json; is this a Hugging Face checkpoint folder?")
+            if path.name == "config.json" and (path.parent / "trainer_state.pt").is_file():
+                # a `blockpress train` run cut short (a LoRA run merges, a full one saves, only when it ends)
+                what = (f"no config.json: a training run that stopped before its final save; finish it with "
+                        f"`blockpress train --resume --out {path.parent}` (--steps N to end it sooner)")
             raise FileNotFoundError(f"{path}: {what}") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None

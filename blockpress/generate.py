@@ -374,7 +374,7 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
     if isinstance(template, str):
         if tokenizer is None:
             raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
-        if not is_int(hole_length) or hole_length < 1:
+        if (not is_int(hole_length) or hole_length < 1) and "<|hole|>" in template:  # only a bare marker reads it
             raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")
         if not template:
             raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")

@@ -386,6 +386,9 @@ class LM:
                                    self.config.text.max_position_embeddings)
             if int(tmpl.max()) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
+            if min_new_tokens:  # it would be ignored: a template's length is fixed and its holes never end early
+                raise ValueError(f"min_new_tokens: not with a template (its {tmpl.shape[1]} tokens are all written, "
+                                 f"no EOS inside), got {min_new_tokens}")
             if asked is not None and asked != tmpl.shape[1]:  # it would be ignored: the template sets the length
                 raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
                                  f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")

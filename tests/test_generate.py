@@ -1203,3 +1203,19 @@ def test_a_space_before_a_hole_is_healed_into_it(code_lm):
     as_ids = ids[0].tolist()  # token ids are kept as given, unless healing is asked for
     assert int(code_lm.infill(as_ids, seed=0).new_tokens[0, p]) == int(ids[0, p])
     assert torch.equal(code_lm.infill(as_ids, seed=0, token_healing=True).new_tokens, out.new_tokens)
+
+
+def test_template_settings_that_cannot_apply(code_lm):
+    """min_new_tokens was accepted and ignored with a template; hole_length was checked with no bare <|hole|>."""
+    with pytest.raises(ValueError, match="min_new_tokens: not with a template"):
+        code_lm.infill("x = <|hole:2|>", min_new_tokens=2)
+    out = code_lm.infill("x =<|hole:2|>", hole_length=0, seed=0, max_denoising_steps=2)
+    assert out.texts[0].startswith("x =") and int(out.num_chosen_tokens[0]) == 2
+    with pytest.raises(ValueError, match="hole_length: expected a positive integer"):
+        code_lm.infill("x = <|hole|>", hole_length=0)
+
+
+def test_a_training_run_cut_short_says_how_to_finish_it(tmp_path):
+    (tmp_path / "trainer_state.pt").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"stopped before its final save; finish it with `blockpress train --resume"):
+        blockpress.load(tmp_path)
