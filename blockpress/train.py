@@ -568,6 +568,8 @@ class Trainer:
             # disable=None: no bar when stderr is not a terminal (a log file would fill with its redraws)
             bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                        disable=None)
+        # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
+        plain = bar is not None and bar.disable
         t0, seen = time.perf_counter(), 0
         prefetched = self._prefetch() if cfg.data_workers else None
         interrupt = _StopOnInterrupt()
@@ -595,6 +597,10 @@ class Trainer:
                 if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row or "compile_error" in row):
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
+                    if plain:
+                        held = f", eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+                        print(f"train: step {self.step}/{cfg.steps}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s",
+                              file=sys.stderr, flush=True)
                 if bar:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}")
                     bar.update(1)
@@ -614,6 +620,7 @@ class Trainer:
             self.save(final=result.stopped != "interrupted")
         finally:
             interrupt.restore()
+            prefetched = None  # a run cut short: the loader's worker processes end now, not at garbage collection
             if bar:
                 bar.close()
             if metrics:

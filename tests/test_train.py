@@ -322,3 +322,13 @@ def test_cpu_autocast_warns_where_bf16_is_emulated(tmp_path, monkeypatch, native
         Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, cpu_autocast=True),
                 tmp_path, progress=False)
     assert any("cpu_autocast" in str(w.message) for w in caught) == (not native)
+
+
+def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys):
+    """tqdm draws no bar into a log file (nohup, `| tee`), which then showed nothing between start and end."""
+    tc = TrainConfig(steps=6, batch_size=2, log_every=2, warmup_steps=0)
+    Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", progress=True).train()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step ")]
+    assert [x.split(",")[0] for x in lines] == ["train: step 2/6", "train: step 4/6", "train: step 6/6"]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [f"{r['loss']:.4f}" for r in rows] == [x.split("loss ")[1].split(",")[0] for x in lines]
