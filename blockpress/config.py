@@ -245,6 +245,8 @@ class TextConfig:
                 need(rope.get("partial_rotary_factor", 1.0) == 1.0,
                      f"rope_parameters.{kind}.partial_rotary_factor",
                      "partial rotary factors need rope_type 'proportional'")
+            need(rope_type != "linear" or "factor" in rope, f"rope_parameters.{kind}.factor",
+                 "rope_type 'linear' needs a factor (the positions are divided by it)")
             scale = rope.get("factor", 1.0)
             need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
                  f"rope_parameters.{kind}.factor", f"expected a positive number, got {scale!r}")

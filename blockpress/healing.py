@@ -46,18 +46,31 @@ def heal_holes(tokenizer: Tokenizer, template: torch.Tensor) -> tuple[torch.Tens
     """A template's fixed whitespace-only token right before a hole becomes the hole's first position, whose
     token must start with that text: "return <|hole|>" encodes its space as a lone " " token, which running text
     never holds (" x" is one token), and the model then wrote its own leading space after it, or nothing sensible.
+    The hole keeps its length: its last position goes, so "<|hole:1|>" is still one token, the one after "return".
     Returns (the template with those positions opened, {(row, position): the text the token must start with})."""
     texts, extendable = tokenizer.token_texts(), tokenizer.extendable_texts()
-    opened, prefixes = template.clone(), {}
+    rows, prefixes = [], {}
     for r, row in enumerate(template.tolist()):
-        for p in range(len(row) - 1):
+        out: list[int] = []
+        p = 0
+        while p < len(row):
             t = row[p]
-            if t >= 0 and row[p + 1] < 0 and 0 <= t < len(texts):
-                text = texts[t]
-                if text and not text.strip() and text in extendable:
-                    opened[r, p] = -1
-                    prefixes[(r, p)] = text
-    return opened, prefixes
+            text = texts[t] if 0 <= t < len(texts) else ""
+            if p + 1 < len(row) and row[p + 1] < 0 and text and not text.strip() and text in extendable:
+                end = p + 1
+                while end < len(row) and row[end] < 0:
+                    end += 1
+                prefixes[(r, len(out))] = text
+                out += [-1] * (end - p - 1)  # the space's position and the hole less one: the same length
+                p = end
+                continue
+            out.append(t)
+            p += 1
+        rows.append(out)
+    if len({len(x) for x in rows}) > 1:
+        raise ValueError(f"template: with the spaces before their holes healed, the rows come to {[len(x) for x in rows]} "
+                         "tokens; a batch shares one layout (fill them in separate calls, or pass token_healing=False)")
+    return torch.tensor(rows, dtype=torch.long), prefixes
 
 
 def allowed_first_tokens(tokenizer: Tokenizer, prefixes: Sequence[str], vocab_size: int) -> torch.Tensor:

@@ -338,7 +338,7 @@ class LM:
         template: Any,
         hole_length: int,
         sampler_options: dict[str, Any],
-        token_healing: bool = False,
+        token_healing: bool | None = None,
         cache: Any = None,
     ) -> Request:
         self._check_runnable()
@@ -353,9 +353,13 @@ class LM:
         healed: list[Healed] | None = None
         # With a template, healing applies to its holes' edges (the prompt's end is followed by fixed tokens):
         # always for text templates, whose fixed part is text; for token ids only when asked.
+        if token_healing not in (None, True, False):  # "no" would read as True
+            raise ValueError(f"token_healing: expected True, False or None, got {token_healing!r}")
+        text_template = isinstance(template, str) or (isinstance(template, (list, tuple)) and bool(template)
+                                                      and all(isinstance(x, str) for x in template))
+        # None (the default): a text template's holes are healed, nothing else; True/False say so for all.
         heal_holes = template is not None and self.tokenizer is not None and (
-            token_healing or isinstance(template, str) or (isinstance(template, (list, tuple)) and bool(template)
-                                                           and all(isinstance(x, str) for x in template)))
+            token_healing is True or (token_healing is None and text_template))
         if token_healing:
             if self.tokenizer is None:
                 raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
@@ -468,7 +472,7 @@ class LM:
         skip_stopped_rows: bool = True,
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-        token_healing: bool = False,
+        token_healing: bool | None = None,
         stop: str | list[str] | list[list[str]] | None = None,
         prefix_cache: PrefixCache | None = None,
         **sampler_options: Any,
@@ -484,7 +488,10 @@ class LM:
         so it may combine rows, e.g. sudoku's ensemble of symmetric views (tasks/sudoku_model.py).
         `token_healing`: let the model re-choose each prompt's whitespace-only last token when a longer token
         could have merged there (a trailing newline before indentation, say; see healing.py for why punctuation
-        is left alone); needs a tokenizer; texts start after the prompt.
+        is left alone); needs a tokenizer; texts start after the prompt. With a template it heals the holes
+        instead: a whitespace-only fixed token right before a hole becomes the hole's first position, whose token
+        must start with it (healing.heal_holes). None, the default: text templates are healed, nothing else; pass
+        False to keep a text template's tokens exactly (a `constraint` that addresses its positions needs that).
         `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
         first holds one; its tokens end at the token that completes it, and its final text stops just before it
         (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included; a character
@@ -602,8 +609,14 @@ class LM:
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise ValueError(f"save: {str(path)!r} is a file; give a folder")
+        # numpy scalars (values a user set) as plain numbers, before any file is written: JSON refuses them
+        gen = {k: v.item() if hasattr(v, "item") and getattr(v, "ndim", None) == 0 else v
+               for k, v in self.generation_config.items()}
+        try:  # anything else JSON cannot hold fails here, with the folder untouched
+            json.dumps(gen)
+        except TypeError as exc:
+            raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
         save_model(self.model, path, self.passthrough)
-        gen = dict(self.generation_config)
         text = self.config.text
         gen.setdefault("bos_token_id", text.bos_token_id)
         gen.setdefault("pad_token_id", text.pad_token_id)

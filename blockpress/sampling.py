@@ -117,10 +117,14 @@ class SamplerConfig:
             need(is_finite_number(value) and -2.0 <= value <= 2.0, name, f"expected a number in [-2, 2], got {value!r}")
         need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= 0),
              "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
+        # numpy numbers pass the checks: store plain ones (they are written as JSON, which has no int64 / float32)
         for name in ("max_denoising_steps", "stability_threshold", "noise_token_id"):
-            value = getattr(self, name)  # a numpy integer passes is_int: store a plain int (JSON, no int64 wrap)
+            value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, int(value))
+        for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty",
+                     "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any]) -> SamplerConfig:

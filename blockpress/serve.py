@@ -39,14 +39,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, cut_at_stop, stop_floor, template_to_ids
-from .healing import heal, strip_prefix
+from .generate import Commit, Done, Draft, cut_at_stop, decode_rows, stop_floor, template_to_ids
+from .healing import heal, heal_holes, strip_prefix
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
 
@@ -278,6 +279,8 @@ class Engine:
             raise APIError(400, f"n: {len(jobs)} choices can never fit the server's queue of {self.queue.maxsize}",
                            "n")
         with self.lock:
+            if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
+                raise APIError(503, "the server is shutting down", kind="server_error")
             # Waiting jobs are those queued and those the engine took but has not batched yet (`pending`).
             if self.queue.maxsize - self._depth() < len(jobs):
                 self.metrics.add(rejected_total=1)
@@ -341,6 +344,8 @@ class Engine:
         # The healed prompt token's text, which the first new tokens repeat (the LM heals each prompt the same way)
         prefixes = [heal(tok, j.prompt).prefix if first.token_healing else "" for j in batch]
         consumed = [0] * len(batch)  # canvas tokens committed so far
+        # A canvas's layout as the LM lays it out (holes healed): its fixed special tokens are text the client wrote
+        layouts = [None if j.canvas is None else heal_holes(tok, torch.tensor([j.canvas]))[0] for j in batch]
         floors: list[int | None] = [None] * len(batch)  # characters of the first min_tokens tokens, once known
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
@@ -371,7 +376,8 @@ class Engine:
                     written[i] += tokens
                     # Decoded whole, not canvas by canvas: a character whose bytes straddle two canvases
                     # would otherwise come out as two replacement characters.
-                    texts[i] = strip_prefix(tok.decode(written[i]), prefixes[i])
+                    layout = None if layouts[i] is None else layouts[i][:, : len(written[i])]
+                    texts[i] = strip_prefix(decode_rows(tok, [written[i]], layout)[0], prefixes[i])
                     # The text of the first min_tokens tokens, where no stop string ends (as in the engine): all
                     # of it until that many are written, then fixed, so decoded once.
                     if floors[i] is None and len(written[i]) >= min_tokens:
@@ -384,8 +390,8 @@ class Engine:
                     ended = (n < first.max_tokens or out.extra["stopped"][i] or job.canvas is not None
                              or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
                     text = out.texts[i]
-                    if job.canvas is not None:  # what the model wrote: the holes
-                        n = job.holes
+                    if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
+                        n = int(out.num_chosen_tokens[i])
                         if job.answer_tokens is not None:
                             text = tok.decode(out.new_tokens[i, : job.answer_tokens].tolist())
                     reused = out.extra["reused_prompt_tokens"][i]

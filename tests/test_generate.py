@@ -1196,7 +1196,9 @@ def test_a_space_before_a_hole_is_healed_into_it(code_lm):
     opened, prefixes = heal_holes(tok, ids)
     assert list(prefixes.values()) == [" "]
     (_, p), = prefixes
-    assert ids[0, p] >= 0 and opened[0, p] == -1 and torch.equal(opened[0, p + 1:], ids[0, p + 1:])
+    # the space's position opens and the hole gives up its last one: the same number of tokens to write
+    assert ids[0, p] >= 0 and opened[0, p] == -1 and torch.equal(opened[0, p + 1:], ids[0, p + 2:])
+    assert int((opened < 0).sum()) == int((ids < 0).sum())
     out = code_lm.infill(text, seed=0)
     assert tok.token_texts()[int(out.new_tokens[0, p])].startswith(" ") and int(out.new_tokens[0, p]) != int(ids[0, p])
     assert out.texts[0].startswith("x = ") and out.texts[0].endswith(" + 1")
@@ -1219,3 +1221,29 @@ def test_a_training_run_cut_short_says_how_to_finish_it(tmp_path):
     (tmp_path / "trainer_state.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"stopped before its final save; finish it with `blockpress train --resume"):
         blockpress.load(tmp_path)
+
+
+def test_healing_keeps_each_hole_its_length_and_can_be_turned_off(code_lm):
+    text = "def f(a, b):\n    return a + <|hole:1|>\n"
+    healed = code_lm.infill(text, seed=0, max_denoising_steps=2)
+    kept = code_lm.infill(text, seed=0, max_denoising_steps=2, token_healing=False)
+    assert int(healed.num_chosen_tokens[0]) == int(kept.num_chosen_tokens[0]) == 1  # <|hole:1|> is one token
+    # the space's position joined the hole and the hole gave up its last: one token fewer in all, as many written
+    assert healed.new_tokens.shape[1] == kept.new_tokens.shape[1] - 1
+    assert healed.texts[0].startswith("def f(a, b):\n    return a + ") and healed.texts[0].endswith("\n")
+    with pytest.raises(ValueError, match="token_healing: expected True, False or None"):
+        code_lm.infill(text, token_healing="no")
+
+
+def test_numpy_values_in_a_generation_config_save_as_json(tmp_path):
+    import json
+
+    import numpy as np
+
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
+    lm.generation_config = {"max_new_tokens": np.int64(6), "entropy_bound": np.float32(0.25)}
+    lm.save(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text())["max_new_tokens"] == 6
+    from blockpress.sampling import SamplerConfig
+
+    assert json.dumps(SamplerConfig(entropy_bound=np.float32(0.5)).to_generation_config())

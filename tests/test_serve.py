@@ -682,3 +682,26 @@ def test_max_length_in_the_generation_config_bounds_a_request_without_max_tokens
         assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 12
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 20})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "max_length" in r.text
+
+
+def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included():
+    """The stream decoded a template's text as generated text (special tokens dropped), the final answer kept the
+    ones the template fixed: the chunks did not add up. Usage counts the healed space as written."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("blockpress-code", "float32", "cpu")
+    body = {"model": MODEL, "prompt": "# x\n", "template": "a<eos> <|hole:3|>b\nc = <|hole:1|>\n", "temperature": 0,
+            "max_denoising_steps": 4}
+    with TestClient(create_app(lm, MODEL)) as http:
+        plain = http.post("/v1/completions", json=body).json()
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    text = plain["choices"][0]["text"]
+    assert text.startswith("a<eos> ") and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    assert plain["usage"]["completion_tokens"] == 4  # the two holes: 3 + 1 tokens, each healed space among them
+    app = create_app(lm, MODEL)
+    with TestClient(app):
+        pass
+    with TestClient(app) as http:  # the engine ended with the first lifespan: a clear 503, not a request that hangs
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
