@@ -396,8 +396,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             # The saved model's specials must be the tokenizer's: the preset's Gemma ids (pad 0, eos 1, bos 2) would
             # fill the canvases after an answer with whatever token the tokenizer put there.
             eos = tokenizer.eos_ids if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
+            # (an id the tokenizer does not name keeps the config's)
+            text = mcfg.text
             mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(
-                mcfg.text, bos_token_id=tokenizer.bos_id, eos_token_id=eos, pad_token_id=tokenizer.pad_id))
+                text, eos_token_id=eos,
+                bos_token_id=text.bos_token_id if tokenizer.bos_id is None else tokenizer.bos_id,
+                pad_token_id=text.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id))
         lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
@@ -866,11 +870,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
             torch.set_num_threads(args.threads)
         code = args.func(args)
-        sys.stdout.flush()  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
+        if sys.stdout is not None:  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
+            sys.stdout.flush()
         return code
     except ImportError as exc:
         package = (exc.name or "").partition(".")[0]
-        if package not in EXTRA_OF:
+        # only a package that is missing: one installed but too old fails with its own message
+        if package not in EXTRA_OF or not isinstance(exc, ModuleNotFoundError) or exc.name != package:
             raise
         print(f"blockpress {args.command}: error: {package} is not installed (needed for {EXTRA_OF[package][1]}); "
               f"pip install 'blockpress[{EXTRA_OF[package][0]}]'", file=sys.stderr)

@@ -87,10 +87,11 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.type in ("float", float) and not is_finite_number(value):
                 raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
-        # eval_batches 0 would average over no batches (a ZeroDivisionError after the whole run, nothing saved).
-        for name in ("steps", "batch_size", "log_every", "response_canvases", "eval_batches"):
+        for name in ("steps", "batch_size", "log_every", "response_canvases"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.eval_batches, int) or self.eval_batches < 0:  # 0: fine where nothing is held out
+            raise ValueError(f"eval_batches: expected an integer >= 0, got {self.eval_batches!r}")
         if self.max_minutes < 0:
             raise ValueError(f"max_minutes: expected >= 0, got {self.max_minutes}")
         if self.time_schedule and not self.max_minutes:
@@ -300,6 +301,10 @@ class StepBatches(torch.utils.data.Dataset):
 
 def _one_thread(_worker: int) -> None:
     torch.set_num_threads(1)  # batch building is light; the optimizer's process owns the cores
+    # A stop signal sent to the whole process group (timeout, Slurm, docker stop) reaches the workers too: they
+    # leave it to the trainer, which saves the run, instead of dying under it mid-save.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 # -- the trainer ------------------------------------------------------------------------------------------
@@ -338,6 +343,8 @@ class Trainer:
         on_step: Callable[[int, float], None] | None = None,
     ):
         self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
+        if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
+            raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
         self.out = Path(out_dir)
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()

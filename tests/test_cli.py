@@ -567,3 +567,21 @@ def test_bench_times_no_engine_on_its_first_run(monkeypatch):
     assert len(first_runs) == len(engines)
     for row in out["rows"]:
         assert all(row[engine]["seconds"] < 1.0 for engine in engines)
+
+
+def test_a_closed_stdout_is_no_crash():
+    """`blockpress info >&-`: print to a closed stdout writes nothing; the new flush met a None stdout."""
+    r = subprocess.run(["sh", "-c", f'"{sys.executable}" -m blockpress.cli info --model {MODEL} --threads 1 >&-'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+
+
+def test_an_installed_but_unusable_optional_package_keeps_its_own_error(monkeypatch, capsys):
+    import blockpress.cli as cli
+
+    def too_old(args):
+        raise ImportError("cannot import name 'inject_adapter_in_model' from 'peft'", name="peft")
+
+    monkeypatch.setattr(cli, "cmd_info", too_old)
+    with pytest.raises(ImportError, match="cannot import name"):
+        main(["info", "--model", MODEL])

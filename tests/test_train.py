@@ -183,8 +183,8 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
      (dict(min_lr_ratio=-5.0), "min_lr_ratio"), (dict(weight_decay=-1.0), "weight_decay"),
      (dict(beta2=1.0), "beta2"), (dict(log_every=0), "log_every"), (dict(lr="3e-4"), "lr: expected a finite"),
      (dict(batch_size=2, micro_batch_size=4), "micro_batch_size: 4 is more than batch_size 2"),
-     # eval_batches 0 divided by zero after the whole run (nothing saved); lora_alpha 0 trained a silent no-op
-     (dict(eval_batches=0), "eval_batches: expected a positive integer"),
+     # lora_alpha 0 trained a silent no-op (eval_batches 0 is refused by the Trainer, where data is held out)
+     (dict(eval_batches=-1), "eval_batches: expected an integer >= 0"),
      (dict(lora_alpha=0), "lora_alpha: expected a positive integer"), (dict(lora_alpha=-8), "lora_alpha")],
 )
 def test_bad_train_config(kwargs, field):

@@ -320,7 +320,9 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--lr", "inf"], "error: --lr: expected a finite number"),
                            (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data"),
                            (["--prompt-min", "9", "--prompt-max", "4"], "error: --prompt-min/--prompt-max: need"),
-                           (["--eval-batches", "0"], "error: --eval-batches: expected a positive integer"),
+                           (["--eval-batches", "0", "--heldout", "0.5"],
+                            "error: --eval-batches: expected a positive integer with held-out data"),
+                           (["--eval-batches", "-1"], "error: --eval-batches: expected an integer >= 0"),
                            (["--lora-alpha", "0"], "error: --lora-alpha: expected a positive integer"),
                            (["--threads", "-1"], "error: --threads: expected 0"),
                            (["--response-canvases", "0"], "error: --response-canvases: expected a positive integer")):
