@@ -715,7 +715,8 @@ class _StopOnInterrupt:
             raise KeyboardInterrupt
         self.requested = True
         what = "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
-        print(f"\n{what}: finishing this step and saving (Ctrl-C again to stop at once, unsaved)",
+        again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
+        print(f"\n{what}: finishing this step and saving ({again} to stop at once, unsaved)",
               file=sys.stderr, flush=True)
 
     def restore(self) -> None:

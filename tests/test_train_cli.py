@@ -246,7 +246,7 @@ def test_fine_tuning_keeps_the_models_noise_and_trains_in_float32(tmp_path):
 
 
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])  # SIGTERM: `timeout`, docker stop, Slurm
-def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum):
+def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum, capsys):
     import signal
 
     from blockpress.train import ExampleSource, TrainConfig, Trainer
@@ -271,6 +271,8 @@ def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum):
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     assert (cut.stopped, cut.steps) == ("interrupted", 2)
+    # what stops it at once: Ctrl-C again at a terminal, a second signal from `kill` or `timeout`
+    assert ("Ctrl-C again" if signum == signal.SIGINT else "a second signal") in capsys.readouterr().err
     assert (tmp_path / "cut" / "trainer_state.pt").is_file() and (tmp_path / "cut" / "model.safetensors").is_file()
     again = trainer("cut")
     again.resume()
