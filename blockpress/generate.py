@@ -358,11 +358,17 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True) ->
     return (ids.cpu(), None) if isinstance(ids, torch.Tensor) else left_pad(ids, pad_id)
 
 
+def is_text_template(template: Any) -> bool:
+    """Text with hole markers, or a batch of such texts (not token ids)."""
+    return isinstance(template, str) or (isinstance(template, (list, tuple)) and bool(template)
+                                         and all(isinstance(x, str) for x in template))
+
+
 def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
                     max_length: int | None = None) -> torch.Tensor:
     """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes.
     `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
-    if isinstance(template, (list, tuple)) and template and all(isinstance(x, str) for x in template):
+    if is_text_template(template) and not isinstance(template, str):
         if len(template) != batch:
             raise ValueError(f"template: {len(template)} text templates for a batch of {batch} prompts")
         rows = [template_to_ids(x, tokenizer, 1, hole_length, max_length)[0] for x in template]

@@ -29,6 +29,7 @@ from .generate import (
     GenerationOutput,
     Request,
     StepFunctions,
+    is_text_template,
     left_pad,
     normalize_stops,
     prompt_to_ids,
@@ -355,11 +356,9 @@ class LM:
         # always for text templates, whose fixed part is text; for token ids only when asked.
         if token_healing not in (None, True, False):  # "no" would read as True
             raise ValueError(f"token_healing: expected True, False or None, got {token_healing!r}")
-        text_template = isinstance(template, str) or (isinstance(template, (list, tuple)) and bool(template)
-                                                      and all(isinstance(x, str) for x in template))
         # None (the default): a text template's holes are healed, nothing else; True/False say so for all.
         heal_holes = template is not None and self.tokenizer is not None and (
-            token_healing is True or (token_healing is None and text_template))
+            token_healing is True or (token_healing is None and is_text_template(template)))
         if token_healing:
             if self.tokenizer is None:
                 raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
