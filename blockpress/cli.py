@@ -178,7 +178,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     if stats["seconds"]:
         stats["tok_s"] = round(filled_n / stats["seconds"], 2)  # what the model wrote, as tokens_per_forward
     if args.json:
-        print(json.dumps(dict(text=filled, template=text, **stats)))
+        print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats)))
     else:
         print(filled)
         print_stats(stats)

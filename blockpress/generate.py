@@ -201,6 +201,8 @@ class GenerationOutput:
     denoise_seconds: float = 0.0
     cache: KVCache | None = None
     num_chosen_tokens: torch.Tensor | None = None  # [B] valid new tokens less a template's fixed ones (its holes)
+    # A template's holes as text, per row in template order (adjacent holes read as one); None without a template
+    fills: list[list[str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -243,8 +245,10 @@ class Request:
     # each row's output must drop because the prompt already holds it.
     first_allowed: torch.Tensor | None = None
     heal_prefixes: list[str] | None = None
-    # Healed template holes (healing.heal_holes): {(row, position): the tokens that position may be [V]}.
+    # Healed template holes (healing.heal_holes): {(row, position): the tokens that position may be [V]}, and
+    # the fixed whitespace each such hole took over, which its fill leaves out.
     hole_allowed: dict[tuple[int, int], torch.Tensor] | None = None
+    hole_prefixes: dict[tuple[int, int], str] | None = None
     # Stop strings, one list per row: a row ends at the token that completes one of them (see `stop_rows`).
     stops: list[list[str]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
@@ -444,6 +448,27 @@ def decode_rows(tokenizer: Any, rows: list[list[int]], template: torch.Tensor | 
             for row, fixed in zip(rows, template.tolist())]
 
 
+def hole_fills(tokenizer: Any, rows: list[list[int]], template: torch.Tensor,
+               prefixes: dict[tuple[int, int], str]) -> list[list[str]]:
+    """Each row's holes (runs of -1 in `template`, the healed layout) decoded on their own. A healed hole's
+    first token starts with the whitespace the template wrote before it (`prefixes`, by (row, position)); that
+    text is the template's, so the fill leaves it out: fixed text + fill reads as the filled template."""
+    out = []
+    for r, (row, layout) in enumerate(zip(rows, template.tolist())):
+        # A hole starts after a fixed token, or where healing opened one (right after another hole, when the
+        # fixed token between them was the whitespace it took over).
+        starts = [p for p, t in enumerate(layout) if t < 0 and (p == 0 or layout[p - 1] >= 0 or (r, p) in prefixes)]
+        holes = []
+        for p in starts:
+            end = p + 1
+            while end < len(layout) and layout[end] < 0 and (r, end) not in prefixes:
+                end += 1
+            if p < len(row):  # a row cut short (an EOS) has no text for the holes after it
+                holes.append(strip_prefix(tokenizer.decode(row[p:end]), prefixes.get((r, p), "")))
+        out.append(holes)
+    return out
+
+
 def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """New tokens up to and including the first EOS (all of them when there is none)."""
     is_eos = torch.isin(new_tokens, eos)
@@ -461,10 +486,12 @@ def _output(
     cache: KVCache | None,
     tokenizer: Any,
 ) -> GenerationOutput:
-    texts = None
+    texts = fills = None
     if tokenizer is not None:
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
         texts = _heal_texts(req, decode_rows(tokenizer, rows, req.template))
+        if req.template is not None:
+            fills = hole_fills(tokenizer, rows, req.template, req.hole_prefixes or {})
         if req.stops:
             prefixes = req.heal_prefixes or [""] * len(rows)
             texts = [cut_at_stop(t, stops, stop_floor(tokenizer, row, req.min_new_tokens, prefix))
@@ -485,6 +512,7 @@ def _output(
         denoise_seconds=decode_s,
         cache=cache,
         num_chosen_tokens=chosen.cpu(),
+        fills=fills,
     )
 
 

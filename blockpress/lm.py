@@ -405,6 +405,7 @@ class LM:
             unique = sorted(set(hole_prefixes.values()))
             masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
             req.hole_allowed = {pos: masks[prefix] for pos, prefix in hole_prefixes.items()}
+            req.hole_prefixes = hole_prefixes
         if healed is not None and any(h.prefix for h in healed):
             req.heal_prefixes = [h.prefix for h in healed]
             req.first_allowed = allowed_first_tokens(self.tokenizer, req.heal_prefixes, v)

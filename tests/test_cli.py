@@ -84,6 +84,7 @@ def test_infill_keeps_fixed_text(capsys):
     assert main(["infill", "left <|hole:5|> right", "--model", MODEL, "--steps", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["text"].startswith("left ") and data["text"].endswith(" right")
+    assert data["text"] == "left " + data["fills"][0] + " right"  # the hole's own text, without the healed space
     # the 5 hole tokens are what the model wrote: tokens/forward counts them, not the template's fixed ones (the
     # space before the hole is healed into it, and the hole keeps its length)
     assert data["filled_tokens"] == 5 < data["new_tokens"]

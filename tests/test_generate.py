@@ -1178,6 +1178,12 @@ def test_a_filled_template_keeps_its_fixed_text_special_tokens_included(code_lm,
     template = fixed[0] + "".join(f"<|hole:{n}|>{text}" for n, text in zip(holes, fixed[1:]))
     out = code_lm.infill(template, seed=0, max_denoising_steps=4)
     assert re.fullmatch(".*?".join(re.escape(t) for t in fixed), out.texts[0], flags=re.S), (template, out.texts[0])
+    # each hole's own text, in order: the fixed pieces and the fills read back as the filled template (a
+    # character split between a hole and fixed text decodes differently alone, hence the U+FFFD guard)
+    fills = out.fills[0]
+    assert len(fills) == len(holes)
+    if "\ufffd" not in out.texts[0] + "".join(fills):
+        assert fixed[0] + "".join(f + t for f, t in zip(fills, fixed[1:])) == out.texts[0]
     commits = [e for e in code_lm.stream([[tok.bos_id]], template=template, seed=0, max_denoising_steps=4)
                if isinstance(e, Commit)]
     joined = "".join(c.texts[0] for c in commits)  # a character split by a canvas edge is two halves: ASCII only
