@@ -186,9 +186,11 @@ def temperature(cfg: SamplerConfig, step: int) -> float:
 def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(probabilities, entropy in nats) of softmax(logits), float32, from one exponential.
 
-    The probabilities are torch.softmax's, bit for bit what the reference feeds back for self-conditioning: a
-    hand-written softmax differs in the last bit, and over a canvas of steps that feedback grows it into other
-    tokens. The entropy reuses them: the top token's shifted logit is 0, so log Z = -log(max p), and
+    The probabilities are torch.softmax's, bit for bit what the reference feeds back for self-conditioning in
+    float32: a hand-written softmax differs in the last bit, and over a canvas of steps that feedback grows it into
+    other tokens. (With bf16 weights the reference rounds the scaled logits to bf16 before its softmax, an error
+    of up to 17-37% on probabilities above 1e-3 at temperatures 0.8-0.4; these are computed from the float32
+    logits and rounded once, so bf16 runs do not match it bit for bit.) The entropy reuses them: the top token's shifted logit is 0, so log Z = -log(max p), and
     H = log Z - E_p[shifted logit] (log_softmax then exp would cost ~3x on CPU). Banned tokens (-inf logits) are
     clamped to a finite floor: probability 0, entropy term 0, no NaN.
     """
