@@ -371,6 +371,10 @@ def load_model(
     stored = stored_dtype(opened)
     if dtype is None:
         dtype = native_dtype(stored, device)
+    if quantize is not None:  # the meta model above could not tell whether the scheme runs where it will live
+        from .quantize import check_runs
+
+        check_runs(quantize, device, dtype)
     if device.type != "cpu" or dtype != stored or quantize is not None:
         # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate.
         params = {name for name, _ in model.named_parameters()}

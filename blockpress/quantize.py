@@ -61,11 +61,39 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, to
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def check_quantizable(shape: torch.Size | tuple[int, ...], scheme: str) -> None:
-    """Refuse a weight `scheme` cannot hold, before anything is changed."""
+def check_quantizable(shape: torch.Size | tuple[int, ...], scheme: str, name: str = "a projection") -> None:
+    """Refuse a weight `scheme` cannot hold, before anything is changed. `name`: the layer, for the message."""
     if scheme == "int4" and shape[-1] % 2:
-        raise ValueError(f"quantize: int4 packs two weights a byte and needs even input sizes; a projection has "
+        raise ValueError(f"quantize: int4 packs two weights a byte and needs even input sizes; {name} has "
                          f"shape {list(shape)}")
+
+
+def check_runs(scheme: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a scheme whose kernels do not run on `device` in `dtype`, before any module is swapped or any weight
+    read: otherwise the first forward fails with torch's own error, after the whole model was loaded.
+
+    Only fp8 can fail: int8 and int4 fall back to plain GEMMs, which run wherever the model does. Whether
+    torch._scaled_mm runs (a GPU below SM89, a torch without the CPU fp8 kernel) is not knowable from torch's
+    attributes, so one tiny product goes through the path the layers use."""
+    if scheme != "fp8" or device.type == "meta":  # a meta model never runs; its real device is checked on load
+        return
+    _check_fp8_dtype(device, dtype)
+    if not hasattr(torch, "_scaled_mm"):
+        raise ValueError("quantize='fp8': needs torch._scaled_mm, which this torch lacks; use 'int8' or 'int4'")
+    q, scale = quantize_weight(torch.ones(16, 16, device=device), "fp8")  # CUDA's FP8 GEMM wants sizes of 16s
+    try:
+        quantized_matmul(torch.ones(1, 16, device=device, dtype=dtype), q, scale, "fp8")
+    except (RuntimeError, NotImplementedError) as err:
+        reason = (str(err).splitlines() or [""])[0][:300]
+        raise ValueError(f"quantize='fp8': torch._scaled_mm does not run on {device} in "
+                         f"{str(dtype).removeprefix('torch.')} with this GPU / torch build ({type(err).__name__}: "
+                         f"{reason}); use 'int8' or 'int4'") from err
+
+
+def _check_fp8_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"quantize='fp8': on CUDA it computes in bfloat16 (row-wise scaled GEMM); this model is "
+                         f"{str(dtype).removeprefix('torch.')}: load it with dtype='bfloat16'")
 
 
 def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,9 +125,7 @@ def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sche
             # It reads its input in blocks of 16 columns: other widths crash the process (segfault, torch 2.13).
             return _int8pack_mm(x, q, scale.to(x.dtype))
         return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
-    if x.is_cuda and x.dtype != torch.bfloat16:
-        raise ValueError(f"quantize: fp8 on CUDA computes in bfloat16 (row-wise scaled GEMM); this model runs in "
-                         f"{x.dtype}: load it with dtype='bfloat16'")
+    _check_fp8_dtype(x.device, x.dtype)  # quantize() refused such a model already; this guards direct calls
     xq, x_scale = _fp8_rows(x)
     return torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
 
@@ -180,20 +206,27 @@ class QuantizedExperts(Experts):
 
 
 def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
-    """Quantize `model` in place (see the module docstring) and return it."""
+    """Quantize `model` in place (see the module docstring) and return it. Every refusal comes before the first
+    module is swapped: a refusal half-way would leave the model half quantized."""
     check_scheme(scheme)
     if quantization_of(model) is not None:
         raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
-    if scheme == "fp8" and not hasattr(torch, "_scaled_mm"):
-        raise ValueError("scheme: fp8 needs torch._scaled_mm, which this torch lacks")
-    targets = [(parent, name, child) for module in [model.self_conditioning, *model.layers]
-               for parent in module.modules() for name, child in parent.named_children()
+    # peft's LoRA layers hold nn.Linear modules (base_layer, lora_A, lora_B) that the swap below would quantize
+    # too; merging them afterwards then fails deep inside peft.
+    lora = next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
+    if lora is not None:
+        raise ValueError(f"quantize: the model holds LoRA adapters (layer {lora!r}); merge them first "
+                         "(blockpress.train.merge_lora), or quantize the merged model")
+    roots = [("self_conditioning", model.self_conditioning), *((f"layers.{i}", m) for i, m in enumerate(model.layers))]
+    targets = [(parent, name, child, f"{path}.{name}") for root, module in roots
+               for path, parent in module.named_modules(prefix=root) for name, child in parent.named_children()
                if (isinstance(child, nn.Linear) and not isinstance(parent, Router))  # routing stays exact
                or type(child) is Experts]
-    for _, _, child in targets:  # every shape first: a refusal half-way would leave the model half quantized
-        for weight in child.parameters():
-            check_quantizable(weight.shape, scheme)
-    for parent, name, child in targets:
+    for _, _, child, qualified in targets:
+        for weight_name, weight in child.named_parameters():  # named as in the state dict
+            check_quantizable(weight.shape, scheme, f"{qualified}.{weight_name}")
+    check_runs(scheme, model.device, model.dtype)
+    for parent, name, child, _ in targets:
         setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
     return model
 

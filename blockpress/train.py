@@ -253,6 +253,11 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
 def add_lora(model: nn.Module, rank: int, alpha: int) -> nn.Module:
     """LoRA adapters (peft) on attention q/k/v/o and the dense MLP, in float32 whatever the base's dtype;
     everything else frozen."""
+    from .quantize import quantization_of
+
+    if quantization_of(model) is not None:  # peft wraps nn.Linear only: its own error names a QuantizedLinear
+        raise ValueError(f"add_lora: the model is quantized ({quantization_of(model)}); add the adapters to the "
+                         "unquantized model, then merge them (merge_lora) before quantizing")
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0)

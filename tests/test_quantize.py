@@ -256,3 +256,60 @@ def test_a_refused_quantization_changes_nothing():
     assert lm.quantization is None  # it was 'int4', half the projections swapped
     assert torch.equal(lm.logits([[2, 5, 6]], [[7] * lm.config.canvas_length]), before)
     lm.quantize("int8")  # and another scheme still applies
+
+
+@pytest.mark.parametrize("overrides, layer", [(dict(intermediate_size=45), "self_conditioning.down_proj.weight"),
+                                              (dict(moe_intermediate_size=15), "layers.0.experts.down_proj")])
+def test_int4_refusal_names_the_layer(overrides, layer):
+    """The refusal named the odd shape only (`a projection has shape [32, 45]`): now the weight, as in the state dict."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(**overrides), seed=0)
+    with pytest.raises(ValueError, match=rf"even input sizes; {layer} has shape"):
+        lm.quantize("int4")
+
+
+def test_fp8_without_a_working_kernel_is_refused_before_anything_changes(monkeypatch, tmp_path):
+    """A torch with _scaled_mm that does not run (a GPU below SM89, no CPU fp8 kernel) failed with torch's
+    RuntimeError at the first forward, after the whole model had loaded; now quantize and load refuse at once."""
+    lm = tiny_lm()
+    lm.save(tmp_path / "m")
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError('"_scaled_mm_cpu" not implemented for Float8_e4m3fn')
+
+    monkeypatch.setattr(torch, "_scaled_mm", no_kernel)
+    refusal = r"quantize='fp8': torch._scaled_mm does not run on cpu in float32 .*_scaled_mm_cpu\" not implemented"
+    with pytest.raises(ValueError, match=refusal):
+        lm.quantize("fp8")
+    assert lm.quantization is None  # nothing was swapped
+    with pytest.raises(ValueError, match=refusal):
+        blockpress.load(tmp_path / "m", quantize="fp8")
+    lm.quantize("int8")  # the other schemes do not need the kernel
+
+
+def test_fp8_dtype_on_cuda_is_checked_when_quantizing():
+    """fp8 on CUDA in float32 / float16 was refused at the first forward (after loading); now by quantize and load
+    (checkpoint.load_model calls the same check). No GPU needed: the dtype is refused before CUDA is touched."""
+    from blockpress.quantize import check_runs
+
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match="quantize='fp8': on CUDA it computes in bfloat16.*dtype='bfloat16'"):
+            check_runs("fp8", torch.device("cuda"), dtype)
+    check_runs("fp8", torch.device("meta"), torch.float32)  # a meta model only counts bytes: nothing to run
+    check_runs("int8", torch.device("cuda"), torch.float32)  # plain GEMMs run in any dtype
+
+
+def test_lora_adapters_must_be_merged_before_quantizing():
+    """quantize swapped peft's base_layer / lora_A / lora_B Linears too; merge_lora then failed inside peft
+    ("result type Float can't be cast to the desired output type Char")."""
+    pytest.importorskip("peft")
+    from blockpress.train import add_lora, merge_lora
+
+    lm = tiny_lm()
+    lm.model = add_lora(lm.model, 4, 8)
+    with pytest.raises(ValueError, match=r"LoRA adapters \(layer 'layers.0.self_attn.q_proj'\); merge them first"):
+        lm.quantize("int8")
+    assert lm.quantization is None
+    lm.model = merge_lora(lm.model)
+    lm.quantize("int8")
+    with pytest.raises(ValueError, match=r"add_lora: the model is quantized \(int8\)"):
+        add_lora(lm.model, 4, 8)
