@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import os
+import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -128,14 +130,52 @@ class PeakMemory:
         return {"peak_memory_gb": None, "peak_memory_growth_gb": growth}
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 pointed at the null device: torch's profiler (kineto) writes "USDT: ...
+    SyncActivityProfilerHandler profiler_start/stop" lines there from C++ on every start and stop, and no setting
+    turns them off (KINETO_LOG_LEVEL does not). Python's own sys.stderr is flushed first and works again after."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_profile(activities: list[Any]) -> Iterator[Any]:
+    """torch.profiler.profile without its start and stop lines on stderr. Only the start and the stop are
+    silenced, not the profiled code between them: its warnings and errors still show."""
+    from torch.profiler import profile
+
+    prof = profile(activities=activities)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
+
+
 def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
     """One call of fn under torch.profiler: its busiest ops (device time on a GPU, CPU time otherwise), its most
     frequent ones, and the counts of aten ops, host syncs and kernel launches. What the next speed change
     should go after."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with quiet_profile(activities) as prof:
         fn()
         _sync(device)
     events = prof.key_averages()
@@ -321,7 +361,7 @@ def _gemm_ms_per_step(lm: LM, prompt: torch.Tensor, passes: int = 4, rounds: int
     least of `rounds` profiles (a shared machine's slow spell doubled a single one): the floor that overhead
     work cannot lower at this precision. Encoder passes (prefill, committed canvases) are left out, so the
     bound derived from it is slightly generous to the reference."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     cache = lm.new_cache(prompt.shape[0], prompt.shape[1] + lm.config.canvas_length)
     canvas = torch.randint(3, lm.config.text.vocab_size, (prompt.shape[0], lm.config.canvas_length),
@@ -331,7 +371,7 @@ def _gemm_ms_per_step(lm: LM, prompt: torch.Tensor, passes: int = 4, rounds: int
         probs = torch.softmax(lm.model.denoise(canvas, cache), dim=-1).to(lm.dtype)
         best = float("inf")
         for _ in range(rounds):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with quiet_profile([ProfilerActivity.CPU]) as prof:
                 for _ in range(passes):
                     lm.model.denoise(canvas, cache, self_conditioning_probs=probs)
             best = min(best, sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in _GEMMS))

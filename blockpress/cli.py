@@ -41,12 +41,28 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
         return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize)
 
 
+def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
+    """load_model, saying so on stderr first: a large checkpoint takes tens of seconds that looked like a hang.
+    `keep`: a line that stays (serve's log, naming where it will listen); otherwise the line is shown only on a
+    terminal and erased once loaded, so it never mixes into the output or a script's stderr."""
+    terminal = sys.stderr is not None and sys.stderr.isatty()
+    if keep:
+        print(keep, file=sys.stderr, flush=True)
+    elif terminal:
+        print(f"loading {args.model} ...", end="", file=sys.stderr, flush=True)
+    try:
+        return load_model(args.model, args.dtype, args.device, args.quantize)
+    finally:
+        if terminal and not keep:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)  # the line erased, loaded or not
+
+
 QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CPU use --dtype bfloat16), fp8 "
                  "(weights and activations, for GPUs with FP8 tensor cores) or int4 (weights, groups of 32: for "
                  "memory, not speed). Default: none")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device, e.g. cpu or cuda (default: cpu)") -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"shipped model name, Hugging Face checkpoint folder, a repo id already in the Hugging Face "
                         f"cache (owner/name[@revision]), or random-<tiny|small|medium|26b-a4b> (random "
@@ -54,20 +70,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's; bf16/fp16 weights load as float32 on a CPU "
                         "without native half-precision matmuls)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu); meta with "
-                   "random-<preset> builds nothing: `info` then counts parameters and bytes of any size")
+    p.add_argument("--device", default="cpu", help=device_help)
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bool = True) -> None:
     """`lengths=False` (infill: the template sets the length) hides the length flags; given anyway, they get an
-    error that says how to size the holes instead of argparse's "unrecognized arguments"."""
+    error that says how to size the holes instead of argparse's "unrecognized arguments". `stop=False`: the
+    command has no --stop, so the help does not name it."""
     g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, and "
                              "blockpress_generation_config.json over it; run `blockpress info --model M` to see them)")
     g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="new tokens to generate (at most: EOS or --stop may end sooner)" if lengths else argparse.SUPPRESS)
+                   help=f"new tokens to generate (at most: EOS{' or --stop' if stop else ''} may end sooner)"
+                   if lengths else argparse.SUPPRESS)
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="no end-of-sequence before this many tokens" if lengths else argparse.SUPPRESS)
     g.add_argument("--steps", type=int, default=None, help="max denoising steps per canvas")
@@ -101,7 +118,7 @@ def stats_line(out: Any, seconds: float) -> dict[str, Any]:
 
 
 def print_stats(stats: dict[str, Any]) -> None:
-    made = (f"{stats['filled_tokens']} filled of {stats['new_tokens']} template tokens" if "filled_tokens" in stats
+    made = (f"{stats['filled_tokens']} filled of {stats['template_tokens']} template tokens" if "filled_tokens" in stats
             else f"{stats['new_tokens']} new tokens")
     print(f"\n[{made} · {stats['forward_passes']} forward passes · "
           f"{stats['tokens_per_forward']} tokens/forward · {stats['tok_s']} tok/s]", file=sys.stderr)
@@ -109,8 +126,9 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
+    from blockpress.healing import strip_prefix
 
-    lm = load_model(args.model, args.dtype, args.device, args.quantize)
+    lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
     if args.prompt == "-":  # as infill's template
@@ -121,25 +139,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     view = LiveView(lm.tokenizer, args.prompt, prefix, color=not os.environ.get("NO_COLOR")) if live else None
     t0 = time.perf_counter()
     out = None
+    # What the canvases committed so far, for a Ctrl-C: the text is decoded whole at the end (a canvas decoded on
+    # its own can split a character), and a finished canvas' trailing pads (after EOS or a stop) are no tokens.
+    pad = lm.config.text.pad_token_id if lm.config.text.pad_token_id is not None else 0  # the engine's padding
+    committed: list[int] = []
+    passes = 0
     try:
         for event in lm.stream(args.prompt, drafts=live, token_healing=healing, stop=args.stop,
                                **sampling_kwargs(args)):
             if isinstance(event, Draft) and view:
                 view.draft(event.tokens[0].tolist())
-            elif isinstance(event, Commit) and view:
-                view.commit(event.texts[0])
+            elif isinstance(event, Commit):
+                row = event.tokens[0].tolist()
+                while bool(event.finished[0]) and row and row[-1] == pad:
+                    row.pop()
+                committed += row
+                passes += int(event.steps[0])
+                if view:
+                    view.commit(event.texts[0])
             elif isinstance(event, Done):
                 out = event.output
                 if view:
                     view.commit(out.texts[0], whole=True)
     except KeyboardInterrupt:
+        # The text committed so far is the run's result, as the README promises: on the live view it stays on
+        # screen; piped or --no-live it goes to stdout like a finished run's, and --json says it was cut short.
+        seconds = time.perf_counter() - t0
+        text = strip_prefix(lm.tokenizer.decode(committed), prefix) if committed else ""
+        n = len(committed)
+        stats = dict(new_tokens=n, forward_passes=passes, tokens_per_forward=round(n / passes, 3) if passes else 0.0,
+                     tok_s=round(n / seconds, 2) if seconds > 0 else None, seconds=round(seconds, 3))
         if view:
             view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line
-        print("interrupted", file=sys.stderr)
+        elif args.json:
+            print(json.dumps(dict(text=text, prompt=args.prompt, **stats, interrupted=True)))
+        else:
+            print(args.prompt + text)
+        print(f"interrupted ({n} new tokens committed)", file=sys.stderr)
         return 130
     stats = stats_line(out, time.perf_counter() - t0)
     if args.json:
-        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats)))
+        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, interrupted=False)))
     else:
         if not live:
             print(args.prompt + out.texts[0])
@@ -148,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_infill(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, args.dtype, args.device, args.quantize)
+    lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     text = args.template if args.template != "-" else sys.stdin.read()
@@ -174,7 +214,10 @@ def cmd_infill(args: argparse.Namespace) -> int:
         raise
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     stats = stats_line(out, time.perf_counter() - t0)
-    stats["filled_tokens"] = filled_n = int(out.num_chosen_tokens.sum())  # the holes; new_tokens: the template
+    # new_tokens: the whole template's length, fixed tokens included (what stats_line counts; kept for scripts that
+    # read it), also named template_tokens; filled_tokens: the holes' tokens, the ones the model chose.
+    stats["template_tokens"] = stats["new_tokens"]
+    stats["filled_tokens"] = filled_n = int(out.num_chosen_tokens.sum())
     if stats["seconds"]:
         stats["tok_s"] = round(filled_n / stats["seconds"], 2)  # what the model wrote, as tokens_per_forward
     if args.json:
@@ -185,16 +228,25 @@ def cmd_infill(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; Ctrl-C stops a reply; any other line "
+             "starting with / is refused (start a message with // to send it with one leading /)")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
-    lm = load_model(args.model, args.dtype, args.device, args.quantize)
+    lm = load_announced(args)
     if lm.tokenizer is None or lm.tokenizer.chat_template is None:
         raise ValueError(f"--model {args.model}: needs a tokenizer with a chat template for chat")
     lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # a broken template fails now, once
+    context = lm.config.text.max_position_embeddings
     messages: list[dict[str, str]] = []
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
-    print("blockpress chat — /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
-    prompt = "you> " if sys.stdin.isatty() else ""  # piped messages: stdout holds the replies alone
+    print("blockpress chat — /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply, // starts a message "
+          "with /", file=sys.stderr)
+    # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
+    # another (a script reads what the model said, not our decoration).
+    interactive = sys.stdin.isatty()
+    prompt, marker = ("you> ", "model> ") if interactive else ("", "")
     while True:
         try:
             user = input(prompt)
@@ -206,15 +258,41 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if not user.strip():  # skipped, not an end: piped conversations have blank lines between messages
             continue
-        if user.strip() in ("/exit", "/quit"):
+        command = user.strip()
+        if command in ("/exit", "/quit"):
             break
-        if user.strip() == "/reset":
+        if command == "/reset":
             messages, cache, cached = [], None, []
             print("(a new conversation)", file=sys.stderr)
+            continue
+        if command.startswith("//"):  # the escape: a message that starts with a slash
+            user = user.replace("/", "", 1)
+        elif command.startswith("/"):  # a mistyped command ("/exit now", "/rest") is not a message to the model
+            print(f"error: unknown command {command!r}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        try:
+            user.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates; the position is the line's
+            bad = user[exc.start].encode("utf-8", "surrogateescape")
+            print(f"error: not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start} of the message); that "
+                  "message was dropped, the conversation goes on", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": user})
         try:
             ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            kw = sampling_kwargs(args)
+            wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
+            room = context - len(ids)  # positions left for the reply
+            if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
+                if len(messages) == 1:  # an empty conversation: the message alone is too long
+                    raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template, and the "
+                                     f"model's context holds {context} (the reply included); shorten it")
+                raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "
+                                 f"model's {context} tokens; /reset starts a new one")
+            if room < wanted:  # a shorter reply than asked, rather than none
+                kw["max_new_tokens"] = room
+                print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "
+                      "/reset starts a new conversation)", file=sys.stderr)
             # Reuse the longest common prefix of what is cached and the re-rendered conversation; a reply
             # that re-tokenizes differently only costs re-encoding from the first difference.
             common = 0
@@ -224,43 +302,86 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 cache.truncate(common)
                 cached = cached[:common]
             t0 = time.perf_counter()
-            out = lm.generate([ids[common:]], cache=cache, return_cache=True, **sampling_kwargs(args))
+            out = lm.generate([ids[common:]], cache=cache, return_cache=True, **kw)
         except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
             messages.pop()
             if cache is not None:
                 cache.truncate(len(cached))  # the stopped turn may have written its prompt into the cache
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
             continue
-        except ValueError as exc:  # one bad turn (too long, text that is not UTF-8) must not end the conversation
+        except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
             messages.pop()
-            full = ""
-            if "exceed the model's context" in str(exc):  # kept as it is, the conversation may never fit again
-                full = (f" (the conversation so far holds {len(cached)} of the model's "
-                        f"{lm.config.text.max_position_embeddings} tokens: /reset starts a new one)")
-            print(f"error: {as_flags(str(exc))}; that message was dropped, the conversation goes on{full}",
-                  file=sys.stderr)
+            print(f"error: {as_flags(str(exc))}; that message was dropped, the conversation goes on", file=sys.stderr)
             continue
         cache = out.cache
         n = int(out.num_new_tokens[0])
         cached = ids + out.new_tokens[0, :n].tolist()
         reply = out.texts[0]
-        print("model> " + reply)
+        print(marker + reply, flush=not interactive)  # flushed when piped: a script waits for each reply
         print_stats(stats_line(out, time.perf_counter() - t0))
         messages.append({"role": "assistant", "content": reply})
     return 0
 
 
+def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The model `args` names, built on the meta device (shapes, dtypes, no memory), as `blockpress.load` would
+    load it on --device, and what its folder stores: the safetensors headers only, never a tensor's data. (Loading
+    to count converted a bf16 checkpoint to float32 on a CPU without native bf16: 101 GB for a 26B.)"""
+    from blockpress.checkpoint import (
+        MappedSafetensors,
+        check_links,
+        checkpoint_files,
+        native_dtype,
+        resolve_device,
+        resolve_dtype,
+        stored_dtype,
+    )
+    from blockpress.config import ModelConfig
+    from blockpress.lm import LM, _read_generation_config, resolve_path
+    from blockpress.model import DiffusionGemma
+
+    device = resolve_device(args.device)  # checked as a load would check it: the figures are for this device
+    if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
+        return load_model(args.model, args.dtype, "meta", args.quantize), dict(checkpoint_dtype=None,
+                                                                              checkpoint_bytes=None)
+    path = resolve_path(args.model)
+    check_links(path)
+    config = ModelConfig.from_file(path / "config.json")
+    try:
+        files = checkpoint_files(path)
+    except FileNotFoundError:  # a folder with config.json alone (weights not fetched yet) is described all the same
+        files = []
+    opened = [MappedSafetensors(f) for f in files]  # reads each header; the data stays on disk
+    stored = stored_dtype(opened) if opened else None
+    declared = config.extra.get("dtype") or config.extra.get("torch_dtype")  # config.json's own word, with no weights
+    dtype = resolve_dtype(args.dtype) or native_dtype(stored or resolve_dtype(declared) or torch.float32, device)
+    with torch.device("meta"):
+        model = DiffusionGemma(config)
+    model = model.to(dtype)
+    if args.quantize:
+        from blockpress.quantize import quantize
+
+        quantize(model, args.quantize)  # the layout only: quantized buffers and their scales
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from blockpress.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(path)
+    lm = LM(model, tokenizer, _read_generation_config(path), path=path)
+    return lm, dict(checkpoint_dtype=str(stored).removeprefix("torch.") if stored else None,
+                    checkpoint_bytes=sum(f.nbytes(n) for f in opened for n in f.keys()) if opened else None)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    # Random weights tell nothing that shapes do not: count them on the meta device (any size, no memory).
-    device = "meta" if args.model.startswith(RANDOM_PREFIX) else args.device
-    lm = load_model(args.model, args.dtype, device, args.quantize)
+    lm, stored = meta_model(args)
     cfg = lm.config
-    weights = lm.weights_bytes()
     info = dict(
         model=args.model, path=str(lm.path) if lm.path else None, summary=cfg.describe(),
         parameters_total=lm.num_parameters(active=False), parameters_active=lm.num_parameters(active=True),
-        dtype=str(lm.dtype).replace("torch.", ""), quantization=lm.quantization, device=str(lm.device),
-        weights_bytes=weights,
+        # the dtype and bytes the weights would take loaded on --device (with --dtype / --quantize)
+        dtype=str(lm.dtype).replace("torch.", ""), quantization=lm.quantization, device=args.device,
+        weights_bytes=lm.weights_bytes(),
+        **stored,  # what the folder's safetensors hold (None: no weights in it)
         canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
         tokenizer=lm.tokenizer is not None,
@@ -505,7 +626,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded
     for note in notes:
         print(f"note: {note.message}", file=sys.stderr)
-    lm = load_model(args.model, args.dtype, args.device, args.quantize)
+    lm = load_announced(args)
 
     def show(step: int, boards: list[str]) -> None:
         print(f"step {step}\n{format_board(boards[0])}\n", file=sys.stderr)
@@ -557,12 +678,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from blockpress.serve import create_app
 
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
-    lm = load_model(args.model, args.dtype, args.device, args.quantize)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    # A big checkpoint loads for tens of seconds before the server answers: say what the wait is.
+    lm = load_announced(args, keep=f"blockpress: loading {args.model} ... (http://{url_host}:{port}/v1 answers "
+                                   "once it is loaded)")
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30))
-    host, port = sock.getsockname()[:2]
-    url_host = f"[{host}]" if ":" in host else host
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1", file=sys.stderr)
     _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     return 0
@@ -695,7 +818,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", help="the text to continue, or - to read it from standard input")
     add_model_args(p)
     add_sampling_args(p)
-    p.add_argument("--no-live", action="store_true", help="print only the final text (no live canvas)")
+    p.add_argument("--no-live", action="store_true",
+                   help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then")
     p.add_argument("--no-token-healing", action="store_true",
                    help="keep the prompt's last token as typed (by default the model may re-choose it when a "
                         "longer token could have merged there, e.g. a trailing newline before indentation)")
@@ -704,7 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--stop $'\\n\\n' for one paragraph or function)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, "
-                        "seconds")
+                        "seconds, interrupted (true after a Ctrl-C: text is what was committed until then, the "
+                        "figures too; exit status 130)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",
@@ -715,7 +840,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")
     add_model_args(p)
     add_sampling_args(p, lengths=False)
-    p.add_argument("--json", action="store_true", help="print one JSON object with the filled text and stats")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text (the filled template), fills (each hole's text), template, "
+                        "template_tokens (the template's length, fixed tokens and holes), new_tokens (the same "
+                        "figure, under its older name), filled_tokens (the holes' tokens: what the model chose), "
+                        "forward_passes, tokens_per_forward and tok_s (both of filled tokens), seconds")
     p.set_defaults(func=cmd_infill)
 
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",
@@ -723,9 +852,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "of the conversation is kept between turns. A reply is never empty: "
                                    "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn). "
                                    f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
-                                   "code; give --model for a chat model.")
+                                   "code; give --model for a chat model. Lines: " + CHAT_HELP + ". On a terminal "
+                                   "the turns are marked you> and model>; with messages piped in, stdout holds the "
+                                   "replies alone, each ending in a newline (stats and notes go to stderr). Near a "
+                                   "full context a reply gets the tokens that still fit (said on stderr).")
     add_model_args(p)
-    add_sampling_args(p)
+    add_sampling_args(p, stop=False)
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
@@ -838,8 +970,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", formatter_class=DefaultsFormatter, help="parameters, config summary, dtype, memory",
-                       description="Describe a model: parameters (total and active per token), shape, dtype, memory.")
-    add_model_args(p)
+                       description="Describe a model: parameters (total and active per token), shape, dtype, memory. "
+                                   "Nothing is loaded: the model is counted on the meta device from config.json and "
+                                   "the safetensors headers (a folder with config.json alone works too). dtype and "
+                                   "weights_bytes: what loading on --device with --dtype / --quantize would take; "
+                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores.")
+    add_model_args(p, device_help="the device the dtype and memory figures are for: bf16/fp16 weights would load "
+                                  "as float32 on a CPU without native half-precision matmuls (default: cpu; "
+                                  "nothing is loaded there)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
     return ap
