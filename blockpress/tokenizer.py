@@ -31,12 +31,37 @@ DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|hole|>",
 )
 
+# Special tokens that tokenizer configs name besides bos/eos/pad (which have ids of their own here).
+NAMED_TOKENS: tuple[str, ...] = ("unk_token", "sep_token", "cls_token", "mask_token")
+
+# Where transformers 5 saves named chat templates other than the default one (as NAME.jinja).
+NAMED_TEMPLATES_DIR = "additional_chat_templates"
+
 # A Gemma-style turn template. A leading system message is folded into the first user turn (Gemma has
 # no system role); if no user turn follows it, it becomes a user turn of its own. "assistant" is
-# rendered as Gemma's "model" role. Every jinja tag strips the whitespace around it, so the layout below
-# is for reading only and the output is exactly the quoted strings, whatever the renderer's settings.
+# rendered as Gemma's "model" role. Content may be a string, a list of parts whose text parts are joined (as
+# Gemma's own templates do; other parts are refused, since this vocabulary has no image tokens), or null / absent
+# (an assistant turn that only calls tools), which renders as nothing. Every jinja tag strips the whitespace around
+# it, so the layout below is for reading only and the output is exactly the quoted strings, whatever the renderer's
+# settings.
 GEMMA_CHAT_TEMPLATE: str = """\
 {{- bos_token -}}
+{%- macro text_of(content) -%}
+    {%- if content is not defined or content is none -%}
+    {%- elif content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part is mapping and part['type'] == 'text' -%}
+                {{- part['text'] -}}
+            {%- else -%}
+                {{- raise_exception('Only text content parts are supported, got: ' ~ part) -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- raise_exception('Message content must be a string or a list of parts, got: ' ~ content) -}}
+    {%- endif -%}
+{%- endmacro -%}
 {%- set ns = namespace(system='') -%}
 {%- for message in messages -%}
     {%- if message['role'] == 'system' -%}
@@ -44,9 +69,9 @@ GEMMA_CHAT_TEMPLATE: str = """\
             {{- raise_exception('Only the first message may have the system role.') -}}
         {%- endif -%}
         {%- if loop.last or messages[1]['role'] != 'user' -%}
-            {{- '<start_of_turn>user\\n' ~ message['content'] ~ '<end_of_turn>\\n' -}}
+            {{- '<start_of_turn>user\\n' ~ text_of(message['content']) ~ '<end_of_turn>\\n' -}}
         {%- else -%}
-            {%- set ns.system = message['content'] ~ '\\n\\n' -%}
+            {%- set ns.system = text_of(message['content']) ~ '\\n\\n' -%}
         {%- endif -%}
     {%- else -%}
         {%- if message['role'] == 'user' -%}
@@ -56,7 +81,7 @@ GEMMA_CHAT_TEMPLATE: str = """\
         {%- else -%}
             {{- raise_exception('Unsupported chat role: ' ~ message['role']) -}}
         {%- endif -%}
-        {{- '<start_of_turn>' ~ role ~ '\\n' ~ ns.system ~ message['content'] ~ '<end_of_turn>\\n' -}}
+        {{- '<start_of_turn>' ~ role ~ '\\n' ~ ns.system ~ text_of(message['content']) ~ '<end_of_turn>\\n' -}}
         {%- set ns.system = '' -%}
     {%- endif -%}
 {%- endfor -%}
@@ -78,12 +103,16 @@ class Tokenizer:
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
     pad_id: int | None = None
-    chat_template: str | None = None
+    # One template, or several by name ({"default": ..., "tool_use": ...}) as tokenizer_config.json may list them.
+    chat_template: str | dict[str, str] | None = None
     # tokenizer_config.json's flag, kept and saved for transformers 4. (blockpress puts BOS in front of plain
     # prompts whenever the tokenizer has one, as Gemma's tokenizers do.)
     add_bos_token: bool = False
-    _compiled_template: tuple[str, jinja2.Template] | None = field(
-        default=None, init=False, repr=False, compare=False
+    # The other special tokens a config names (unk_token, sep_token, cls_token, mask_token, and model-specific names
+    # such as image_token): chat templates see them as variables, as they do in transformers, and save() keeps them.
+    named_tokens: dict[str, str] = field(default_factory=dict)
+    _compiled_templates: dict[str, jinja2.Template] = field(
+        default_factory=dict, init=False, repr=False, compare=False
     )
     _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
@@ -132,11 +161,33 @@ class Tokenizer:
             if tid not in eos_ids:
                 eos_ids.append(tid)
 
-        template_file = folder / "chat_template.jinja"
-        if template_file.is_file():
-            chat_template: str | None = template_file.read_text(encoding="utf-8")
+        # Template files win over tokenizer_config.json's chat_template: chat_template.jinja is the default one,
+        # additional_chat_templates/NAME.jinja the named others (how transformers 5 saves several).
+        templates = {}
+        if (folder / "chat_template.jinja").is_file():
+            templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        for file in sorted((folder / NAMED_TEMPLATES_DIR).glob("*.jinja")):
+            templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+        if list(templates) == ["default"]:
+            chat_template: str | dict[str, str] | None = templates["default"]
+        elif templates:
+            chat_template = templates
         else:
-            chat_template = _pick_chat_template(tok_cfg.get("chat_template"))
+            chat_template = _read_chat_template(tok_cfg.get("chat_template"), folder / "tokenizer_config.json")
+
+        named_tokens = {}
+        for name in NAMED_TOKENS:
+            # special_tokens_map.json wins here, as in transformers (unlike for the ids above).
+            for source in (special_map, tok_cfg):
+                if (content := _token_content(source.get(name))) is not None:
+                    named_tokens[name] = content
+                    break
+        # transformers 5 keeps model-specific named tokens as a dict here (a list is unnamed: not template variables).
+        extra = tok_cfg.get("extra_special_tokens")
+        if isinstance(extra, dict):
+            for name, value in extra.items():
+                if (content := _token_content(value)) is not None:
+                    named_tokens.setdefault(name, content)
 
         return cls(
             backend=backend,
@@ -145,6 +196,7 @@ class Tokenizer:
             pad_id=token_id("pad_token"),
             chat_template=chat_template,
             add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
+            named_tokens=named_tokens,
         )
 
     def save(self, path: str | Path) -> None:
@@ -166,9 +218,25 @@ class Tokenizer:
             "add_bos_token": self.add_bos_token,
             "add_eos_token": False,
         }
-        if self.chat_template is not None:
+        model_specific = {}
+        for name, content in self.named_tokens.items():
+            if name in NAMED_TOKENS:
+                config[name] = content
+            else:
+                model_specific[name] = content
+        if model_specific:  # where transformers reads model-specific named tokens from
+            config["extra_special_tokens"] = model_specific
+        if isinstance(self.chat_template, dict):  # several, by name: the list form transformers reads
+            config["chat_template"] = [{"name": name, "template": text} for name, text in self.chat_template.items()]
+        elif self.chat_template is not None:
             config["chat_template"] = self.chat_template
-            (folder / "chat_template.jinja").unlink(missing_ok=True)  # a stale one would win over it on loading
+        # Template files left from an earlier save would win over the templates written here on loading.
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+        named_dir = folder / NAMED_TEMPLATES_DIR
+        for file in named_dir.glob("*.jinja"):
+            file.unlink()
+        if named_dir.is_dir() and not any(named_dir.iterdir()):
+            named_dir.rmdir()
         _write_json(folder / "tokenizer_config.json", config)
         gen_path = folder / "generation_config.json"
         gen_cfg = _read_json(gen_path)
@@ -238,13 +306,24 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        # int() accepts tensors' and numpy arrays' elements as well as plain ints.
-        id_list = [int(i) for i in ids]
+        """The text of `ids`: python ints, numpy integers, or an integer tensor / array. An id that is not an integer,
+        or is negative, is a ValueError (the backend would coerce it without a word, or overflow)."""
+        id_list = self._id_list(ids)
         if skip_special_tokens:
             # Also drop ids that a config marks special but tokenizer.json does not (e.g. extra EOS ids).
             special = self.special_ids
             id_list = [i for i in id_list if i not in special]
         return self.backend.decode(id_list, skip_special_tokens=skip_special_tokens)
+
+    def _id_list(self, ids: Iterable[int]) -> list[int]:
+        # A tensor or numpy array becomes plain python numbers in one call (floats stay floats, bools stay bools).
+        values = ids.tolist() if hasattr(ids, "tolist") and hasattr(ids, "dtype") else list(ids)
+        if not all(type(v) is int for v in values):  # the usual case is only this one pass
+            values = [_one_id(v, position) for position, v in enumerate(values)]
+        if values and (low := min(values)) < 0:
+            raise ValueError(f"ids: token id {low} at position {values.index(low)} is negative (expected a token id, "
+                             f"0 <= id < vocab_size {self.vocab_size})")
+        return values
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
@@ -272,51 +351,102 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
         tokenize: bool = False,
+        continue_final_message: bool | str = False,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         **template_vars: Any,
     ) -> str | list[int]:
         """Render `messages` with the chat template; with tokenize=True return the prompt's ids.
 
-        Extra keyword arguments become template variables (e.g. `tools` for templates that use them).
-        The template itself is responsible for BOS, so tokenize=True does not add another one.
+        add_generation_prompt (default: True, or False with continue_final_message) ends the prompt with the header of
+        a new assistant turn. continue_final_message=True instead ends the prompt right after the last message's
+        content, so the model carries on writing it (prefilling); a string names another field of the last message
+        to continue, e.g. "reasoning_content". chat_template picks one of the tokenizer's named templates, or is a
+        template's own text; by default "tool_use" is used when there is one and `tools` are given, else "default".
+        `tools` are JSON schemas and `documents` dicts, as transformers' templates expect. Other keyword arguments
+        become template variables. The template itself is responsible for BOS, so tokenize=True adds no other.
         """
-        if self.chat_template is None:
-            raise ValueError(
-                "This tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
-                "chat_template.jinja); set Tokenizer.chat_template, e.g. to GEMMA_CHAT_TEMPLATE."
-            )
+        if not isinstance(continue_final_message, (bool, str)):
+            raise ValueError(f"continue_final_message: expected a bool or a message field's name, got "
+                             f"{type(continue_final_message).__name__}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True; the one "
+                             "continues the last message, the other starts a new assistant turn after it")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        source = self._pick_template(chat_template, tools)
         _validate_messages(messages)
+        _validate_tools_and_documents(tools, documents)
+        chat = [_template_message(message) for message in messages]
         # What transformers passes templates: tools and documents are None unless given (a template testing
-        # `tools is not none` must not see them defined), and the caller's variables win over the tokenizer's.
-        variables = dict(bos_token=self.bos_token or "", eos_token=self.eos_token or "", pad_token=self.pad_token or "",
-                         tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+        # `tools is not none` must not see them defined), the special tokens the tokenizer names (and only those),
+        # and the caller's variables win over the tokenizer's.
+        variables = {name: token for name, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                                     ("pad_token", self.pad_token)) if token is not None}
+        variables.update(self.named_tokens)
+        variables.update(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                          raise_exception=_raise_template_error, strftime_now=_strftime_now)
         variables.update(template_vars)
+        final_text = None
+        if continue_final_message:
+            field_name = "content" if continue_final_message is True else continue_final_message
+            final_text = _mark_continuation(chat[-1], field_name, source)
         try:
-            rendered = self._template().render(messages=messages, **variables)
+            rendered = self._template(source).render(messages=chat, **variables)
         except TemplateRaised:  # the template's own raise_exception: a message about the conversation
             raise
         except Exception as exc:  # the checkpoint's template is broken, or breaks on these messages
             raise ValueError(f"chat_template: rendering failed: {type(exc).__name__}: {exc}") from None
+        if final_text is not None:
+            rendered = _cut_at_continuation(rendered, final_text)
         if tokenize:
             return self.encode(rendered, add_bos=False)
         return rendered
 
-    def _template(self) -> jinja2.Template:
-        # Compile once per template string; recompile if someone swapped chat_template.
-        assert self.chat_template is not None
-        if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
+    def _pick_template(self, chat_template: str | None, tools: Any) -> str:
+        """The template text to render: transformers' choice among named templates."""
+        templates = self.chat_template
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise ValueError(f"chat_template: expected a template name or a template's text, got "
+                                 f"{type(chat_template).__name__}")
+            if isinstance(templates, dict) and chat_template in templates:
+                return templates[chat_template]
+            if "{{" not in chat_template and "{%" not in chat_template:  # a mistyped name, not a template
+                names = sorted(templates) if isinstance(templates, dict) else []
+                raise ValueError(f"chat_template: {chat_template!r} is neither one of this tokenizer's template "
+                                 f"names {names} nor a jinja template")
+            return chat_template
+        if templates is None:
+            raise ValueError(
+                "This tokenizer has no chat template (no chat_template in tokenizer_config.json and no "
+                "chat_template.jinja); set Tokenizer.chat_template, e.g. to GEMMA_CHAT_TEMPLATE."
+            )
+        if isinstance(templates, str):
+            return templates
+        if tools is not None and "tool_use" in templates:
+            return templates["tool_use"]
+        if "default" in templates:
+            return templates["default"]
+        raise ValueError(f"chat_template: this tokenizer's templates are named {sorted(templates)}, none of them "
+                         "'default'; pass chat_template=<one of those names>")
+
+    def _template(self, source: str) -> jinja2.Template:
+        # Compile each template text once (a tokenizer has one or a few; a caller's own texts are few too).
+        if source not in self._compiled_templates:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
             )
             # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
             env.filters["tojson"] = _tojson
             try:
-                self._compiled_template = (self.chat_template, env.from_string(self.chat_template))
+                self._compiled_templates[source] = env.from_string(source)
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"chat_template: not a valid template: {exc} (line {exc.lineno})") from None
-        return self._compiled_template[1]
+        return self._compiled_templates[source]
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -404,16 +534,30 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
-def _pick_chat_template(value: Any) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (take "default")."""
-    if isinstance(value, str):
+def _read_chat_template(value: Any, where: Path) -> str | dict[str, str] | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} (several by name)."""
+    if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
-        for entry in value:
-            if isinstance(entry, dict) and entry.get("name") == "default":
-                template = entry.get("template")
-                return template if isinstance(template, str) else None
-    return None
+        templates = {}
+        for index, entry in enumerate(value):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise ValueError(f"{where}: chat_template[{index}]: expected {{\"name\": str, \"template\": str}}, "
+                                 f"got {entry!r:.80}")
+            templates[entry["name"]] = entry["template"]
+        return templates
+    raise ValueError(f"{where}: chat_template: expected a string or a list of named templates, got "
+                     f"{type(value).__name__}")
+
+
+def _one_id(value: Any, position: int) -> int:
+    """A token id that is not a plain int: a numpy integer or a one-element integer tensor, else an error."""
+    number = value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise ValueError(f"ids: expected integer token ids (python or numpy ints, or an integer tensor), got "
+                         f"{type(value).__name__} {value!r:.40} at position {position}")
+    return int(number)
 
 
 def _validate_messages(messages: Any) -> None:
@@ -424,16 +568,92 @@ def _validate_messages(messages: Any) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"Message {index} must be a dict, got {type(message).__name__}.")
-        for key in ("role", "content"):
-            if key not in message:
-                raise ValueError(f"Message {index} has no '{key}' field.")
+        if "role" not in message:
+            raise ValueError(f"Message {index} has no 'role' field.")
         if not isinstance(message["role"], str):
             raise ValueError(f"Message {index} field 'role' must be a str, got {type(message['role']).__name__}.")
-        # Text, a list of parts ([{"type": "text", "text": ...}], which templates iterate), or None beside
-        # tool_calls: what transformers' templates take.
-        if not (isinstance(message["content"], (str, list)) or message["content"] is None):
+        # Text, a list of parts ([{"type": "text", "text": ...}], which templates iterate), or null / absent (an
+        # assistant turn that only carries tool_calls, as OpenAI's API writes it): what transformers' templates take.
+        content = message.get("content")
+        if not (content is None or isinstance(content, (str, list))):
             raise ValueError(f"Message {index} field 'content' must be a str, a list of parts or null, got "
-                             f"{type(message['content']).__name__}.")
+                             f"{type(content).__name__}.")
+
+
+def _validate_tools_and_documents(tools: Any, documents: Any) -> None:
+    for name, items in (("tools", tools), ("documents", documents)):
+        if items is None:
+            continue
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{name}: expected a list of dicts, got {type(items).__name__}")
+        for index, item in enumerate(items):
+            if isinstance(item, dict):
+                continue
+            if name == "tools" and callable(item):
+                # transformers turns a documented function into a schema; blockpress takes the schema itself.
+                raise ValueError(f"tools[{index}]: got the function {getattr(item, '__name__', item)!r}; pass its JSON "
+                                 "schema instead, {'type': 'function', 'function': {'name': ..., 'description': ..., "
+                                 "'parameters': {...}}} (transformers.utils.get_json_schema(f) writes one)")
+            raise ValueError(f"{name}[{index}]: expected a dict, got {type(item).__name__}")
+
+
+# The names a message's reasoning may come under; templates read the first (gpt-oss's read "thinking").
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as transformers hands it to templates: a copy without the fields that are None (templates test for
+    a field's presence, and print None as "None"), and reasoning under every name templates read."""
+    copy = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((copy[key] for key in REASONING_FIELDS if key in copy), None)
+    if reasoning is not None:
+        # Same key order as transformers gives it (a template may print the whole message as JSON): "thinking" in
+        # front unless the message has its own, "reasoning_content" where the message has it, else last.
+        copy = {"thinking": reasoning, **copy, "reasoning_content": reasoning}
+    return copy
+
+
+# Put after the text to continue, rendered, then cut off with everything after it. The trailing space tells whether
+# the template kept the text's end as it was or stripped it (then the cut strips it too).
+CONTINUE_MARK = "BLOCKPRESS_CONTINUE_FROM_HERE "
+
+
+def _mark_continuation(message: dict[str, Any], field_name: str, template: str) -> str:
+    """Append CONTINUE_MARK to the text of `message[field_name]` (in place: the message is already a copy); return
+    that text, which the rendered prompt must contain."""
+    text = message.get(field_name)
+    if text is None:
+        raise ValueError(f"continue_final_message: the last message has no {field_name!r} to continue")
+    fields = [field_name]
+    if field_name in REASONING_FIELDS:  # copied under each name: mark every copy, the template reads one of them
+        fields = [name for name in REASONING_FIELDS if message.get(name) == text]
+    if not any(name in template for name in fields):
+        raise ValueError(f"continue_final_message: the chat template never reads the message field {field_name!r}")
+    if isinstance(text, list):  # parts: continue the last text part
+        for index in reversed(range(len(text))):
+            part = text[index]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts = list(text)
+                parts[index] = {**part, "text": part["text"] + CONTINUE_MARK}
+                message[field_name] = parts
+                return part["text"]
+        raise ValueError(f"continue_final_message: the last message's {field_name!r} has no text part to continue")
+    if not isinstance(text, str):
+        raise ValueError(f"continue_final_message: the last message's {field_name!r} must be text to continue, got "
+                         f"{type(text).__name__}")
+    for name in fields:
+        message[name] = text + CONTINUE_MARK
+    return text
+
+
+def _cut_at_continuation(rendered: str, final_text: str) -> str:
+    """`rendered` up to where the marked text ends."""
+    anchor = CONTINUE_MARK.rstrip()
+    if anchor not in rendered or final_text.strip() not in rendered:
+        raise ValueError("continue_final_message: the chat template changed or dropped the last message's text, so "
+                         "the prompt has no place to continue it from")
+    at = rendered.rindex(anchor)
+    return rendered[:at] if rendered.startswith(CONTINUE_MARK, at) else rendered[:at].rstrip()
 
 
 class TemplateRaised(ValueError):

@@ -341,7 +341,6 @@ def test_tokenized_chat_has_exactly_one_bos(tok: Tokenizer) -> None:
         ([{"role": "user", "content": "hi"}, {"content": "no role"}], r"Message 1 .*'role'"),
         ([{"role": "user", "content": 42}], r"Message 0 .*'content'.*int"),
         ([], "an empty conversation"),
-        ([{"role": "user"}], r"Message 0 .*'content'"),
         ([{"role": None, "content": "x"}], r"Message 0 .*'role'"),
         ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, "text"], r"Message 2 "),
     ],
@@ -433,3 +432,235 @@ def test_tojson_filter_is_plain_json(tok: Tokenizer) -> None:
     custom = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="{{ messages[0] | tojson }}")
     message = {"role": "user", "content": "<b> & 'é'"}
     assert custom.apply_chat_template([message]) == json.dumps(message, ensure_ascii=False)
+
+
+# ------------------------------------------------------- transformers' chat-template behaviours, compared directly
+
+
+def _with_transformers(tok: Tokenizer, folder: Path, **kwargs: Any) -> tuple[Tokenizer, Any]:
+    """A Tokenizer sharing tok's vocabulary, saved to `folder`, and what transformers loads from there."""
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0, **kwargs)
+    ours.save(folder)
+    return Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(str(folder))
+
+
+def _both(ours: Tokenizer, theirs: Any, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[str, str]:
+    kwargs.setdefault("add_generation_prompt", False)  # the defaults differ; name it for both
+    return ours.apply_chat_template(messages, **kwargs), theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% if m.content is defined %}{{ m.content }}{% else %}(no content){% endif %}"
+    "{% if m.tool_calls is defined %} calls {{ m.tool_calls | tojson }}{% endif %};{% endfor %}"
+)
+TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+
+
+@pytest.mark.parametrize("assistant", [
+    {"role": "assistant", "tool_calls": [TOOL_CALL]},  # OpenAI's shape: no content key at all
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},  # the same, written out as null
+])
+def test_tool_call_messages_without_content_render_as_in_transformers(
+    tok: Tokenizer, tmp_path: Path, assistant: dict[str, Any]
+) -> None:
+    ours, theirs = _with_transformers(tok, tmp_path, chat_template=TOOL_TEMPLATE)
+    messages = [{"role": "user", "content": "w?"}, assistant, {"role": "tool", "content": "sunny"}]
+    mine, expected = _both(ours, theirs, messages)
+    assert mine == expected
+    assert "assistant:(no content) calls" in mine
+
+
+CONTINUE_TEMPLATES = {
+    "gemma": GEMMA_CHAT_TEMPLATE,
+    # Templates that trim the content cut the prompt where the trimmed text ends.
+    "trimming": "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}",
+    "reasoning": "{% for m in messages %}[{{ m.thinking }}]{{ m.content }}<end>{% endfor %}",
+}
+
+
+@pytest.mark.parametrize(("template", "last", "field"), [
+    ("gemma", {"role": "assistant", "content": "The answer is"}, True),
+    ("gemma", {"role": "assistant", "content": [{"type": "text", "text": "Part one."}, {"type": "text", "text": " Pa"}]},
+     True),
+    ("trimming", {"role": "assistant", "content": "The answer is  "}, True),
+    ("reasoning", {"role": "assistant", "reasoning_content": "Let me th", "content": "x"}, "reasoning_content"),
+])
+def test_continue_final_message_matches_transformers(
+    tok: Tokenizer, tmp_path: Path, template: str, last: dict[str, Any], field: bool | str
+) -> None:
+    """The prompt ends where the last message's text ends (before: the template's end-of-turn followed it)."""
+    ours, theirs = _with_transformers(tok, tmp_path, chat_template=CONTINUE_TEMPLATES[template])
+    messages = [{"role": "user", "content": "q"}, last]
+    mine, expected = _both(ours, theirs, messages, continue_final_message=field)
+    assert mine == expected
+    assert mine.endswith(("The answer is", " Pa", "Let me th"))
+    # Without add_generation_prompt, it is off when continuing.
+    assert ours.apply_chat_template(messages, continue_final_message=field) == mine
+    assert ours.apply_chat_template(messages, continue_final_message=field, tokenize=True) == ours.encode(mine)
+
+
+def test_continue_final_message_errors(tok: Tokenizer, tmp_path: Path) -> None:
+    drops_last = "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}"
+    ours, theirs = _with_transformers(tok, tmp_path, chat_template=drops_last)
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]
+    for kwargs, pattern in (
+        ({"add_generation_prompt": True}, "continue_final_message: cannot be combined with add_generation_prompt"),
+        ({}, "continue_final_message: the chat template changed or dropped the last message's text"),
+        ({"continue_final_message": "reasoning_content"}, "the last message has no 'reasoning_content' to continue"),
+    ):
+        kwargs = {"continue_final_message": True, "add_generation_prompt": False, **kwargs}
+        with pytest.raises(ValueError):  # transformers refuses these as well
+            theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+        with pytest.raises(ValueError, match=pattern):
+            ours.apply_chat_template(messages, **kwargs)
+
+
+@pytest.mark.parametrize(("ids", "pattern"), [
+    ([7, -1], r"ids: token id -1 at position 1 is negative \(expected a token id, 0 <= id < vocab_size 500\)"),
+    ([1.5], "ids: expected integer token ids .* got float 1.5 at position 0"),
+    (["3"], "got str '3' at position 0"),
+    ([True], "got bool True at position 0"),
+    ([None], "got NoneType None at position 0"),
+])
+def test_decode_refuses_ids_that_are_not_tokens(tok: Tokenizer, ids: list[Any], pattern: str) -> None:
+    """Before: floats / strings / bools were coerced, -1 overflowed."""
+    with pytest.raises(ValueError, match=pattern):
+        tok.decode(ids)
+
+
+def test_decode_checks_tensors_and_arrays_by_dtype(tok: Tokenizer) -> None:
+    """Integer tensors, arrays and numpy ints decode as before; float and bool ones are refused (before: coerced)."""
+    import numpy as np
+    import torch
+
+    ids = tok.encode("def f(x):")
+    for form in (np.array(ids), torch.tensor(ids), torch.tensor(ids, dtype=torch.int32), [np.int64(i) for i in ids],
+                 list(torch.tensor(ids)), tuple(ids)):
+        assert tok.decode(form) == "def f(x):"
+    assert tok.decode([]) == ""
+    for bad in (torch.tensor([1.0, 2.0]), np.array([1.5]), torch.tensor([True]), [np.float32(3)]):
+        with pytest.raises(ValueError, match="ids: expected integer token ids"):
+            tok.decode(bad)
+
+
+NAMED_TEMPLATES = [{"name": "default", "template": "DEFAULT {{ messages | length }}"},
+                   {"name": "tool_use", "template": "TOOLS {{ tools | length if tools else 0 }} {{ messages[0].content }}"}]
+TOOL_SCHEMA = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("templates", [NAMED_TEMPLATES, NAMED_TEMPLATES[1:]], ids=["with_default", "tool_use_only"])
+def test_named_templates_are_chosen_as_in_transformers(
+    tok: Tokenizer, tmp_path: Path, templates: list[dict[str, str]]
+) -> None:
+    """tool_use when tools are given, default otherwise, either by name (before: always default; a list without
+    default was no template at all)."""
+    from transformers import AutoTokenizer
+
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json={"bos_token": "<bos>",
+                                                                              "chat_template": templates})
+    ours, theirs = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(str(folder))
+    calls: list[dict[str, Any]] = [{"tools": [TOOL_SCHEMA]}, {"chat_template": "tool_use"},
+                                   {"chat_template": "tool_use", "tools": [TOOL_SCHEMA]}]
+    if len(templates) == 2:
+        calls += [{}, {"chat_template": "default", "tools": [TOOL_SCHEMA]}]
+    for kwargs in calls:
+        mine, expected = _both(ours, theirs, TWO_TURNS, **kwargs)
+        assert mine == expected
+    assert ours.apply_chat_template(TWO_TURNS, tools=[TOOL_SCHEMA]) == "TOOLS 1 What is 2+2?"
+    if len(templates) == 1:
+        with pytest.raises(ValueError):
+            theirs.apply_chat_template(TWO_TURNS, tokenize=False)
+        with pytest.raises(ValueError, match=r"chat_template: this tokenizer's templates are named \['tool_use'\]"):
+            ours.apply_chat_template(TWO_TURNS)
+    with pytest.raises(ValueError, match=r"chat_template: 'tool_usee' is neither one of this tokenizer's template"):
+        ours.apply_chat_template(TWO_TURNS, chat_template="tool_usee")
+
+
+def test_named_templates_are_saved_whole(tok: Tokenizer, tmp_path: Path) -> None:
+    """save() keeps every named template (before: only default), for transformers and for from_dir; and the folders
+    transformers 5 writes (chat_template.jinja plus additional_chat_templates/NAME.jinja) load with all of them."""
+    from transformers import AutoTokenizer
+
+    templates = {entry["name"]: entry["template"] for entry in NAMED_TEMPLATES}
+    ours, theirs = _with_transformers(tok, tmp_path / "ours", chat_template=templates)
+    assert ours.chat_template == templates
+    assert theirs.chat_template == templates
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    assert (tmp_path / "theirs" / "additional_chat_templates" / "tool_use.jinja").is_file()
+    assert Tokenizer.from_dir(tmp_path / "theirs").chat_template == templates
+    # Saving a single template over that folder leaves no named files to shadow it.
+    Tokenizer.from_dir(tmp_path / "theirs").save(tmp_path / "theirs")
+    Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="ONE").save(tmp_path / "theirs")
+    assert not (tmp_path / "theirs" / "additional_chat_templates").exists()
+    assert Tokenizer.from_dir(tmp_path / "theirs").chat_template == "ONE"
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "theirs")).chat_template == "ONE"
+
+
+def test_gemma_template_renders_text_parts_and_null_content(tok: Tokenizer, hf_tok: Any) -> None:
+    """Before: a list of parts rendered as its Python repr, and null content as the text "None"."""
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be terse."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Hi, "}, {"type": "text", "text": "what is 2+2?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+    ]
+    expected = ("<bos><start_of_turn>user\nBe terse.\n\nHi, what is 2+2?<end_of_turn>\n"
+                "<start_of_turn>model\n<end_of_turn>\n")
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == expected
+    assert hf_tok.apply_chat_template(messages, tokenize=False) == expected
+    with pytest.raises(ValueError, match="Only text content parts are supported"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image", "url": "x.png"}]}])
+
+
+def test_reasoning_fields_are_aliased_as_in_transformers(tok: Tokenizer, tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }}|{{ m | tojson }};{% endfor %}"
+    ours, theirs = _with_transformers(tok, tmp_path, chat_template=template)
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "reasoning": "because", "content": "a"},
+        {"role": "assistant", "content": "b", "thinking": "hmm"},
+        {"role": "assistant", "reasoning_content": None, "reasoning": "r", "content": "c"},
+    ]
+    mine, expected = _both(ours, theirs, messages)
+    assert mine == expected
+    assert "because|because|" in mine
+
+
+def test_named_special_tokens_reach_templates_and_are_saved(tok: Tokenizer, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    template = "{{ unk_token }}|{{ mask_token }}|{{ image_token }}|{{ sep_token is defined }}|{{ bos_token }}"
+    folder = _write_checkpoint(
+        tmp_path / "ckpt", tok,
+        tokenizer_config__json={"bos_token": "<bos>", "mask_token": "<|hole|>", "chat_template": template,
+                                "extra_special_tokens": {"image_token": "<start_of_turn>"}},
+        special_tokens_map__json={"unk_token": "<pad>", "mask_token": "<eos>"},  # this one wins, as there
+    )
+    ours = Tokenizer.from_dir(folder)
+    mine, expected = _both(ours, AutoTokenizer.from_pretrained(str(folder)), TWO_TURNS)
+    assert mine == expected == "<pad>|<eos>|<start_of_turn>|False|<bos>"
+    ours.save(tmp_path / "saved")
+    assert Tokenizer.from_dir(tmp_path / "saved").named_tokens == ours.named_tokens
+    mine, expected = _both(ours, AutoTokenizer.from_pretrained(str(tmp_path / "saved")), TWO_TURNS)
+    assert mine == expected
+
+
+def test_tools_must_be_json_schemas(tok: Tokenizer) -> None:
+    """transformers turns a function into a schema itself; blockpress says to pass the schema (before: a JSON
+    TypeError from inside the template)."""
+
+    def weather(city: str) -> str:
+        """Get the weather.
+
+        Args:
+            city: The city.
+        """
+        return city
+
+    custom = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="{{ tools | tojson }}")
+    with pytest.raises(ValueError, match=r"tools\[1\]: got the function 'weather'; pass its JSON schema"):
+        custom.apply_chat_template(TWO_TURNS, tools=[TOOL_SCHEMA, weather])
+    with pytest.raises(ValueError, match=r"tools\[0\]: expected a dict, got str"):
+        custom.apply_chat_template(TWO_TURNS, tools=["weather"])
+    assert custom.apply_chat_template(TWO_TURNS, tools=[TOOL_SCHEMA]) == json.dumps([TOOL_SCHEMA])
