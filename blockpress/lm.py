@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -293,7 +295,20 @@ class LM:
 
     @property
     def default_max_new_tokens(self) -> int:
-        """generation_config.json's `max_new_tokens`, else 256 (a null there is "unset", as in the reference)."""
+        """The most new tokens a call that gives no max_new_tokens generates (what `blockpress info` shows):
+        generation_config.json's `max_new_tokens`; else, when it sets `max_length`, max_length - 1, because
+        generate then gives max_length less the prompt's padded width (`default_new_tokens`), and a prompt has
+        at least one token (0: no prompt leaves room, every call must pass max_new_tokens); else 256. A null
+        there is "unset", as in the reference."""
+        max_length = self.generation_config.get("max_length")
+        if self.generation_config.get("max_new_tokens") is not None or max_length is None:
+            return self._max_new_tokens_setting()
+        if is_int(max_length) and max_length == 1:
+            return 0
+        return self.default_new_tokens(1)  # validates max_length too
+
+    def _max_new_tokens_setting(self) -> int:
+        """generation_config.json's `max_new_tokens`, else 256; max_length aside (see default_new_tokens)."""
         value = self.generation_config.get("max_new_tokens")
         if value is None:
             return 256
@@ -307,7 +322,7 @@ class LM:
         continued cache holds), else 256."""
         max_length = self.generation_config.get("max_length")
         if self.generation_config.get("max_new_tokens") is not None or max_length is None:
-            return self.default_max_new_tokens
+            return self._max_new_tokens_setting()
         if not is_int(max_length) or max_length <= 0:
             raise ValueError(f"generation_config max_length: expected a positive integer, got {max_length!r}")
         if max_length <= prompt_length:
@@ -319,14 +334,36 @@ class LM:
         """The ids that end a row. generation_config.json's `eos_token_id`, when it names any, is the whole set,
         as in the reference; a checkpoint without one (save_pretrained writes none) stops on the model's and the
         tokenizer's EOS ids instead of running every row to max_new_tokens."""
+        v = self.config.text.vocab_size
         raw = self.generation_config.get("eos_token_id")
         listed = raw if isinstance(raw, list) else [raw] if raw is not None else []
         if listed:
-            return list(dict.fromkeys(listed))
+            # `load` drops ids past the vocabulary with a warning; one set by hand since is refused, as banning EOS
+            # (before min_new_tokens) would index past the logits
+            bad = [i for i in listed if not (is_int(i) and 0 <= i < v)]
+            if bad:
+                raise ValueError(f"generation_config eos_token_id: expected token ids in [0, {v}) (the vocabulary), "
+                                 f"got {bad[0]!r}")
+            return list(dict.fromkeys(int(i) for i in listed))
         ids = list(self.config.text.eos_token_ids)
         if self.tokenizer is not None:
             ids += [i for i in self.tokenizer.eos_ids if i not in ids]
-        return ids
+        # A tokenizer larger than the model may name an EOS the model can never produce: it could never end a row.
+        return [i for i in ids if i < v]
+
+    def _pad_id(self) -> int:
+        """The id written where a row has no token: the left padding of shorter prompts and every position after
+        a row's EOS. generation_config.json's `pad_token_id` when it names one (the reference pads finished rows
+        with that), else config.json's, else 0. Padding is masked out of attention, so the id changes only what
+        `sequences` and `new_tokens` hold, never what is generated."""
+        pad = self.generation_config.get("pad_token_id")
+        if pad is None:
+            pad = self.config.text.pad_token_id
+            return pad if pad is not None else 0
+        v = self.config.text.vocab_size
+        if not (is_int(pad) and 0 <= pad < v):  # `load` drops one past the vocabulary with a warning
+            raise ValueError(f"generation_config pad_token_id: expected a token id in [0, {v}), got {pad!r}")
+        return int(pad)
 
     def _request(
         self,
@@ -343,11 +380,22 @@ class LM:
         cache: Any = None,
     ) -> Request:
         self._check_runnable()
-        pad_id = self.config.text.pad_token_id if self.config.text.pad_token_id is not None else 0
+        pad_id = self._pad_id()
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
         continuing = isinstance(cache, KVCache) and cache.length > 0
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing)
         if attention_mask is not None:
+            # blockpress pads texts and ragged rows itself, so a caller's mask could only be shaped like the result
+            # by accident, and would then mark some row's tokens as padding (is_text_template: the same test for
+            # "text" as prompt_to_ids')
+            if is_text_template(prompt):
+                raise ValueError("attention_mask: not with text prompts (blockpress tokenizes and left-pads them, "
+                                 "and masks the padding itself); leave attention_mask out")
+            if mask is not None:  # prompt_to_ids padded: a list of id rows of different lengths
+                lengths = [int(n) for n in mask.sum(-1)]
+                raise ValueError(f"attention_mask: not with id rows of different lengths {lengths} (blockpress "
+                                 "left-pads them and masks the padding itself); leave attention_mask out, or pass "
+                                 "equal-length rows (a tensor) with their mask")
             mask = _check_mask(attention_mask, ids.shape, "the prompt")
             if bool((mask[:, :-1] > mask[:, 1:]).any()):  # padding after a token: decoding needs it on the left
                 ids, mask = left_pad([r[m.bool()].tolist() for r, m in zip(ids, mask)], pad_id)
@@ -371,8 +419,8 @@ class LM:
         asked = max_new_tokens
         if max_new_tokens is None and template is None:
             max_new_tokens = self.default_new_tokens((cache.length if continuing else 0) + ids.shape[1])
-        elif max_new_tokens is None:  # the template sets the length
-            max_new_tokens = self.default_max_new_tokens
+        elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
+            max_new_tokens = self._max_new_tokens_setting()
         if not is_int(max_new_tokens) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
         if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
@@ -651,6 +699,10 @@ REFERENCE_GENERATION_KEYS = frozenset({
     "transformers_version",
 })
 BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
+# What a generation config may hold without a warning: the reference's keys (blockpress reads the lengths, the
+# special ids and the sampler's; the rest say how the reference runs, not what it generates) and blockpress's
+# own settings. Anything else (HF's temperature, do_sample, top_k, ...) would look in effect and be ignored.
+KNOWN_GENERATION_KEYS = REFERENCE_GENERATION_KEYS | {f.name for f in fields(SamplerConfig)}
 
 
 def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -686,15 +738,28 @@ def _read_json_object(file: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_generation_config(path: Path) -> dict[str, Any]:
+def _read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     """generation_config.json with blockpress's own settings (BLOCKPRESS_GENERATION_FILE) over it. Folders saved
-    before the split hold those in generation_config.json itself; they read the same."""
+    before the split hold those in generation_config.json itself; they read the same. Warns about keys blockpress
+    does not use, and drops (with a warning) EOS / pad ids at or above `vocab_size`."""
     files = [f for f in (path / "generation_config.json", path / BLOCKPRESS_GENERATION_FILE) if f.exists()]
     if not files:
         return {}
     raw: dict[str, Any] = {}
+    source: dict[str, Path] = {}  # the file each key's value comes from, for the messages
     for f in files:
-        raw.update(_read_json_object(f))
+        content = _read_json_object(f)
+        raw.update(content)
+        source.update(dict.fromkeys(content, f))
+        unused = sorted(k for k in content if k not in KNOWN_GENERATION_KEYS)
+        if unused:
+            hint = ""
+            if {"temperature", "do_sample"} & set(unused):
+                hint = ("; blockpress's temperature follows a schedule from t_max down to t_min (set those, or "
+                        "sampler: \"greedy\" for argmax)")
+            warnings.warn(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
+                          f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}",
+                          stacklevel=3)
     file = " + ".join(str(f) for f in files)
     # Checked now, naming the file: a wrong type would otherwise fail at the first generate, deep in the sampler.
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
@@ -709,6 +774,26 @@ def _read_generation_config(path: Path) -> dict[str, Any]:
         SamplerConfig.from_generation_config(raw)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{file}: {exc}") from None
+    # The reference loads ids past the vocabulary and simply never meets them (no token is one). They are dropped
+    # here the same way, but said: banning EOS before min_new_tokens would index past the logits, and a pad id
+    # there would make `sequences` unusable as the next prompt.
+    eos = raw.get("eos_token_id")
+    listed = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    bad = [i for i in listed if i >= vocab_size]
+    if bad:
+        kept = [i for i in listed if i < vocab_size]
+        fallback = "" if kept else "; rows end on the model's own EOS ids (config.json's, the tokenizer's) instead"
+        warnings.warn(f"{source['eos_token_id']}: eos_token_id: {bad} at or above the vocabulary size {vocab_size}; "
+                      f"ignored, no token can be one{fallback}", stacklevel=3)
+        if kept:
+            raw["eos_token_id"] = kept
+        else:
+            del raw["eos_token_id"]
+    pad = raw.get("pad_token_id")
+    if pad is not None and pad >= vocab_size:
+        warnings.warn(f"{source['pad_token_id']}: pad_token_id: {pad} at or above the vocabulary size {vocab_size}; "
+                      "ignored, padding uses config.json's pad_token_id", stacklevel=3)
+        del raw["pad_token_id"]
     return raw
 
 
@@ -729,7 +814,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    return LM(model, tokenizer, _read_generation_config(path), passthrough, path)
+    return LM(model, tokenizer, _read_generation_config(path, model.config.text.vocab_size), passthrough, path)
 
 
 def random_model(

@@ -132,6 +132,19 @@ class SamplerConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known and v is not None}  # null: unset, the default holds
         sampler_cfg = raw.get("sampler_config")
+        # The reference has one sampler and refuses any other class, other keys or a non-object; falling back to
+        # the defaults would run another sampler than the file names. A missing _cls_name can only mean this one.
+        if sampler_cfg is not None:
+            want = '{"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": <number>}'
+            if not isinstance(sampler_cfg, dict):
+                raise ValueError(f"sampler_config: expected an object {want}, got {sampler_cfg!r}")
+            name = sampler_cfg.get("_cls_name", "EntropyBoundSamplerConfig")
+            if name != "EntropyBoundSamplerConfig":
+                raise ValueError(f"sampler_config: _cls_name {name!r} is not a sampler DiffusionGemma has; expected "
+                                 f"{want}")
+            unknown = sorted(set(sampler_cfg) - {"_cls_name", "entropy_bound"})
+            if unknown:
+                raise ValueError(f"sampler_config: unknown keys {unknown}; expected {want}")
         if isinstance(sampler_cfg, dict) and "entropy_bound" in sampler_cfg and "entropy_bound" not in kwargs:
             # the reference's spelling; blockpress's own top-level key, when set, is the newer word
             kwargs["entropy_bound"] = sampler_cfg["entropy_bound"]  # checked like the rest in __post_init__

@@ -44,7 +44,8 @@ def models(tmp_path_factory):
 
 
 def reference_generate(monkeypatch, ref, prompt: torch.Tensor, seed: int, steps: int, **kwargs) -> torch.Tensor:
-    """The reference's generate, drawing blockpress's random numbers; returns its new tokens."""
+    """The reference's generate, drawing blockpress's random numbers; returns its new tokens. EOS 1 and pad 0
+    unless `kwargs` name others."""
     seeds = torch.full((prompt.shape[0],), seed, dtype=torch.long)
     at = {"canvas": -1, "step": steps + 1}  # blockpress numbers the starting canvas's draw as step N + 1
     prepare = G.DiffusionGemmaGenerationMixin._prepare_denoiser_inputs
@@ -71,7 +72,7 @@ def reference_generate(monkeypatch, ref, prompt: torch.Tensor, seed: int, steps:
     monkeypatch.setattr(G.EntropyBoundSampler, "initialize_canvas", noise)
     monkeypatch.setattr(torch, "multinomial", multinomial)
     with torch.no_grad():
-        out = ref.generate(prompt, max_denoising_steps=steps, eos_token_id=1, pad_token_id=0, **kwargs)
+        out = ref.generate(prompt, max_denoising_steps=steps, **{"eos_token_id": 1, "pad_token_id": 0, **kwargs})
     monkeypatch.undo()
     return out.sequences[:, prompt.shape[1]:]
 
