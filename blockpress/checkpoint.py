@@ -141,20 +141,31 @@ def tied_source(name: str) -> str:
     return DECODER + ("embed_tokens.weight" if name == "lm_head.weight" else name[len(ENCODER_TEXT):])
 
 
-def check_untied_copies(copies: dict[str, Path], sources: dict[str, Path]) -> None:
+def check_tied_copies(copies: dict[str, Path], sources: dict[str, Path], tied: bool) -> None:
     """blockpress runs the encoder, the decoder and the LM head on one set of weights, as DiffusionGemma is
-    released. A checkpoint saved with tie_word_embeddings=false stores them apart; it loads only when every copy
-    equals its decoder tensor, since otherwise its encoder or head would be silently replaced."""
+    released. A checkpoint may store copies anyway (tie_word_embeddings=false always does); it loads only when
+    every copy equals its decoder tensor. A copy that differs is refused whatever the flag says: with the flag
+    false it is the checkpoint's own weight, and with it true transformers unties that pair and runs the stored
+    copy, so dropping it would silently give other logits than the reference."""
     for name, file in copies.items():
         source = tied_source(name)
         if source not in sources:
+            if tied:
+                continue  # nothing to compare with; the missing decoder tensor is reported by name afterwards
             raise CheckpointError(f"tie_word_embeddings is false, and {name!r} has no decoder tensor {source!r}")
         copy, original = MappedSafetensors(file).tensor(name), MappedSafetensors(sources[source]).tensor(source)
-        if copy.shape != original.shape or not torch.equal(copy, original):
+        if copy.shape == original.shape and torch.equal(copy, original):
+            continue
+        if not tied:
             raise CheckpointError(
                 f"tie_word_embeddings is false and {name!r} differs from {source!r}: this checkpoint's encoder or "
                 "LM head has weights of its own, and blockpress runs the encoder, the decoder and the LM head on "
                 "the decoder's weights (tied, as DiffusionGemma is released)")
+        raise CheckpointError(
+            f"tie_word_embeddings is true but the checkpoint stores {name!r}, and it differs from {source!r}: "
+            "transformers then unties the pair and runs the stored copy, while blockpress runs the encoder, the "
+            "decoder and the LM head on the decoder's weights, so loading would give other logits; if the copy is "
+            "stale, remove it from the checkpoint")
 
 
 def local_to_hf(name: str) -> str:
@@ -411,8 +422,8 @@ def load_model(
                 state[local], state[f"{local}_scale"] = quantize_weight(tensor.to(device), quantize)
                 continue
             state[local] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
-    if config.extra.get("tie_word_embeddings", True) is False or not config.text.tie_word_embeddings:
-        check_untied_copies(copies, sources)
+    tied = config.extra.get("tie_word_embeddings", True) is not False and config.text.tie_word_embeddings
+    check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
     if passthrough.tensors:
         warnings.warn(
             f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "

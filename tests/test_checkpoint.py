@@ -611,3 +611,35 @@ def test_sampler_settings_the_reference_would_refuse_stay_in_blockpress_file(tmp
     assert ref.sampler_config.entropy_bound == 1.0 and ref.t_min is None and ref.confidence_threshold == 1.0
     again = load_quiet(tmp_path).sampler_defaults
     assert (again.entropy_bound, again.t_min, again.t_max, again.confidence_threshold) == (1, 0.5, 0.5, 1)
+
+
+def _with_tied_copies(ref_checkpoint, path, copies):
+    """The tiny (tied) reference checkpoint with `copies` (copy name -> decoder tensor name, offset) stored too."""
+    path = copy_ckpt(ref_checkpoint[0], path)
+    tensors = load_file(path / "model.safetensors")
+    for copy, (source, offset) in copies.items():
+        tensors[copy] = tensors[source] + offset
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+
+@pytest.mark.parametrize("copy, source", [
+    ("lm_head.weight", "model.decoder.embed_tokens.weight"),
+    ("model.encoder.language_model.layers.0.mlp.up_proj.weight", "model.decoder.layers.0.mlp.up_proj.weight"),
+])
+def test_a_tied_checkpoint_storing_a_copy_is_checked_against_the_reference(ref_checkpoint, tmp_path, copy, source):
+    """With tie_word_embeddings=true transformers unties a stored copy that differs and runs it (logits 20.9
+    apart from blockpress's), and blockpress dropped the copy without a word. A copy equal to its decoder tensor
+    still loads as the reference; one that differs is refused by name."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    same = _with_tied_copies(ref_checkpoint, tmp_path / "same", {copy: (source, 0.0)})
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(same).eval()
+    prompt, canvas = torch.randint(0, 96, (2, 9)), torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas).logits
+    assert (load_quiet(same).logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+    differs = _with_tied_copies(ref_checkpoint, tmp_path / "differs", {copy: (source, 0.5)})
+    with pytest.raises(blockpress.CheckpointError, match=rf"tie_word_embeddings is true .* {copy!r}.* differs from {source!r}"):
+        load_quiet(differs)
