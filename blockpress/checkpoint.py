@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import ModelConfig
@@ -444,31 +443,56 @@ def load_model(
     return model, passthrough
 
 
+def read_passthrough(passthrough: Passthrough, dest: Path) -> dict[str, torch.Tensor]:
+    """The kept (vision) tensors, from the files they were loaded from. They are views of those files mapped now,
+    so saving over the very folder they came from still writes them (the old files are unlinked, not rewritten
+    in place). A file gone or changed since loading is a clear error before anything is written."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in passthrough.tensors.items():
+        by_file.setdefault(file, []).append(name)
+    gone = sorted(str(file) for file in by_file if not file.is_file())
+    if gone:
+        raise FileNotFoundError(
+            f"save: the {len(passthrough.tensors)} vision tensors kept from the loaded checkpoint are read on saving, "
+            f"and their file(s) {gone} are gone (moved or deleted since loading); nothing was written to {dest}. "
+            "Put the file(s) back, or drop the vision tower and save the text model alone with "
+            "lm.passthrough.tensors.clear()")
+    tensors = {}
+    for file, names in by_file.items():
+        source = MappedSafetensors(file)
+        lost = [name for name in names if name not in source.header]
+        if lost:
+            more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+            raise CheckpointError(f"save: {file} no longer holds the vision tensor {lost[0]!r}{more} it was loaded "
+                                  "with (it changed since loading); nothing was written to "
+                                  f"{dest}. Restore it, or drop the vision tower with lm.passthrough.tensors.clear()")
+        tensors.update({name: source.tensor(name) for name in names})
+    return tensors
+
+
 def save_model(
     model: DiffusionGemma,
     path: str | Path,
     passthrough: Passthrough | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> None:
-    """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`)."""
+    """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`).
+
+    Everything is read and checked before the first file is written, so a save that cannot complete leaves the
+    destination as it was (before, config.json was written and then the passthrough read failed)."""
     path = Path(path)
+    if path.is_dir():
+        links = sorted(p.name for p in path.iterdir() if p.is_symlink())
+        if links:  # writing through them would change blobs that other revisions (and their hashes) share
+            raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), "
+                             "as a Hugging Face cache snapshot does; save to a folder of your own")
+    tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if passthrough:
+        tensors.update(read_passthrough(passthrough, path))
     path.mkdir(parents=True, exist_ok=True)
-    links = sorted(p.name for p in path.iterdir() if p.is_symlink())
-    if links:  # writing through them would change blobs that other revisions (and their hashes) share
-        raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), as "
-                         "a Hugging Face cache snapshot does; save to a folder of your own")
     model.config.save(path / "config.json", dtype=model.dtype)
     # safetensors creates its files private (0600); give them the mode config.json got from the umask
     mode = (path / "config.json").stat().st_mode & 0o777
-    tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if passthrough:
-        by_file: dict[Path, list[str]] = {}
-        for name, file in passthrough.tensors.items():
-            by_file.setdefault(file, []).append(name)
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt") as f:
-                for name in names:
-                    tensors[name] = f.get_tensor(name)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):

@@ -643,3 +643,36 @@ def test_a_tied_checkpoint_storing_a_copy_is_checked_against_the_reference(ref_c
     differs = _with_tied_copies(ref_checkpoint, tmp_path / "differs", {copy: (source, 0.5)})
     with pytest.raises(blockpress.CheckpointError, match=rf"tie_word_embeddings is true .* {copy!r}.* differs from {source!r}"):
         load_quiet(differs)
+
+
+def test_saving_after_the_source_is_gone_writes_nothing_and_says_how_to_proceed(ref_checkpoint, tmp_path):
+    """The vision tensors kept for saving are read from the loaded files: with those deleted, save wrote
+    config.json and then failed (FileNotFoundError), leaving a new folder, or an old one mixed."""
+    source = copy_ckpt(ref_checkpoint[0], tmp_path / "src")
+    lm = load_quiet(source)
+    lm.save(source)  # saving over the folder it came from keeps the vision tower
+    vision = {k: v for k, v in load_file(ref_checkpoint[0] / "model.safetensors").items() if "vision" in k}
+    saved = load_file(source / "model.safetensors")
+    assert vision and all(torch.equal(saved[k], v) for k, v in vision.items())
+    lm = load_quiet(source)
+    shutil.rmtree(source)
+    with pytest.raises(FileNotFoundError, match=r"16 vision tensors .* gone .*nothing was written .*passthrough\.tensors\.clear\(\)"):
+        lm.save(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    old = copy_ckpt(ref_checkpoint[0], tmp_path / "old")
+    before = {f.name: f.read_bytes() for f in old.iterdir()}
+    with pytest.raises(FileNotFoundError, match="gone"):
+        lm.save(old)
+    assert {f.name: f.read_bytes() for f in old.iterdir()} == before
+    changed = copy_ckpt(ref_checkpoint[0], tmp_path / "changed")
+    lm = load_quiet(changed)
+    text_only = {k: v for k, v in load_file(changed / "model.safetensors").items() if "vision" not in k}
+    (changed / "model.safetensors").unlink()  # a new file, not one rewritten under the loaded weights' mapping
+    save_file(text_only, changed / "model.safetensors")
+    with pytest.raises(blockpress.CheckpointError, match=r"no longer holds the vision tensor .* and 15 more .*nothing was written"):
+        lm.save(tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    lm.passthrough.tensors.clear()  # the way out the errors name: the text model alone
+    lm.save(tmp_path / "new")
+    again = load_quiet(tmp_path / "new")
+    assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), lm.model.parameters(), strict=True))
