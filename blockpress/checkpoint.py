@@ -27,6 +27,9 @@ from .model import DiffusionGemma
 DECODER = "model.decoder."
 ENCODER_TEXT = "model.encoder.language_model."
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+# Rotary tables older transformers saved as buffers (per layer or per model, per layer type): derived from the
+# config, which blockpress recomputes its own from, so a checkpoint holding them loads without them.
+_ROTARY_BUFFER = re.compile(r"^(model\.decoder|model\.encoder\.language_model)\.(.+\.)?rotary_emb\.(\w+_)?inv_freq$")
 _ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -375,6 +378,7 @@ def load_model(
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     passthrough = Passthrough()
+    derived: list[str] = []  # rotary tables stored as tensors: recomputed from the config, so skipped
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
     opened = [MappedSafetensors(file) for file in files]
@@ -397,6 +401,9 @@ def load_model(
         for name in f.keys():
             if name.startswith(VISION_PREFIXES):
                 passthrough.tensors[name] = file
+                continue
+            if _ROTARY_BUFFER.match(name):
+                derived.append(name)
                 continue
             try:
                 local = hf_to_local(name)
@@ -428,9 +435,18 @@ def load_model(
             f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "
             "they are kept when the model is saved", stacklevel=2,
         )
-    for local in expected:
-        if local not in state and local.endswith("layer_scalar"):
-            state[local] = torch.ones(1, dtype=dtype, device=device)  # the reference initialises missing scalars to 1
+    if derived:
+        warnings.warn(f"{path}: {len(derived)} derived rotary buffer(s) skipped (e.g. {derived[0]!r}); blockpress "
+                      "computes the rotary tables from the config", stacklevel=2)
+    scalars = [local for local in expected if local not in state and local.endswith("layer_scalar")]
+    for local in scalars:
+        state[local] = torch.ones(1, dtype=dtype, device=device)  # a fresh layer's value (the reference's, decoder)
+    # transformers reports them missing (and sets a decoder one to 1, an encoder one to whatever memory held):
+    # a checkpoint that lost its trained scalars must not pass unseen
+    if scalars:
+        warnings.warn(f"{path}: {len(scalars)} layer_scalar tensor(s) missing (e.g. {local_to_hf(scalars[0])!r}); "
+                      "each is set to 1, the value a fresh layer starts with (transformers reports them missing)",
+                      stacklevel=2)
     # A quantized projection's scale is missing exactly when its weight is: name the weight only.
     missing = [local_to_hf(k) for k in expected
                if k not in state and not (k.endswith("_scale") and k.removesuffix("_scale") in expected)]

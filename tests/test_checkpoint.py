@@ -676,3 +676,51 @@ def test_saving_after_the_source_is_gone_writes_nothing_and_says_how_to_proceed(
     lm.save(tmp_path / "new")
     again = load_quiet(tmp_path / "new")
     assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), lm.model.parameters(), strict=True))
+
+
+def _load_recording(path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm = blockpress.load(path)
+    return lm, [str(w.message) for w in caught if "vision" not in str(w.message)]
+
+
+def test_derived_rotary_buffers_are_skipped_with_one_warning(lm, ref_checkpoint, tmp_path):
+    """Older transformers saved the rotary tables as tensors; transformers loads such a folder, blockpress
+    refused it ("unexpected tensor ...rotary_emb.inv_freq")."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    for name in ("model.decoder.layers.0.self_attn.rotary_emb.inv_freq", "model.decoder.rotary_emb.inv_freq",
+                 "model.encoder.language_model.rotary_emb.sliding_attention_inv_freq"):
+        tensors[name] = torch.ones(4)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    loaded, caught = _load_recording(path)
+    assert len(caught) == 1 and "3 derived rotary buffer(s) skipped" in caught[0], caught
+    prompt, canvas = torch.randint(0, 96, (1, 7)), torch.randint(0, 96, (1, 8))
+    assert torch.equal(loaded.logits(prompt, canvas), lm.logits(prompt, canvas))
+
+
+def test_missing_layer_scalars_warn_and_load_as_the_reference(ref_checkpoint, tmp_path):
+    """They were set to 1 without a word; transformers reports them missing. (It sets a missing decoder scalar to 1
+    too; a missing encoder one it leaves uninitialised, so the logits are compared with decoder scalars missing.)"""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    def without(name, *dropped):
+        path = copy_ckpt(ref_checkpoint[0], tmp_path / name)
+        tensors = load_file(path / "model.safetensors")
+        for key in dropped:
+            del tensors[key]
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        return path
+
+    path = without("decoder", "model.decoder.layers.1.layer_scalar", "model.decoder.layers.3.layer_scalar")
+    loaded, caught = _load_recording(path)
+    assert len(caught) == 1 and "2 layer_scalar tensor(s) missing (e.g. 'model.decoder.layers.1.layer_scalar')" in caught[0]
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path).eval()
+    prompt, canvas = torch.randint(0, 96, (2, 9)), torch.randint(0, 96, (2, 8))
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas).logits
+    assert (loaded.logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+    encoder = "model.encoder.language_model.layers.2.layer_scalar"
+    _, caught = _load_recording(without("encoder", encoder))
+    assert len(caught) == 1 and f"1 layer_scalar tensor(s) missing (e.g. {encoder!r})" in caught[0]
