@@ -15,7 +15,7 @@ import re
 import struct
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -326,6 +326,9 @@ def check_links(path: Path) -> None:
                                 "fetch the model again)")
 
 
+PICKLE_PATTERNS = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt")  # torch.save checkpoints, by name
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -337,6 +340,13 @@ def checkpoint_files(path: Path) -> list[Path]:
         if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
             raise CheckpointError(f"{index}: not a valid safetensors index (expected an object with a "
                                   "\"weight_map\" of tensor name -> shard file name)")
+        for name, shard in weight_map.items():
+            # A name, not a resolved path, is checked: a folder of links (a cache snapshot, one a user made) keeps
+            # loading, while "../other/model.safetensors" or "/abs/x" no longer reads a file outside the folder.
+            parts = PurePosixPath(shard.replace("\\", "/")).parts
+            if not parts or shard.startswith(("/", "\\")) or ".." in parts:
+                raise CheckpointError(f"{index}: tensor {name!r} is mapped to shard {shard!r}, which is not a file "
+                                      f"name inside {path} (an absolute path or '..'); shards must lie in the folder")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -345,6 +355,14 @@ def checkpoint_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.exists():
         return [single]
+    pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in path.glob(pattern))
+    if pickles:  # say what is there, and why it is not read: "no model.safetensors" alone reads as a wrong folder
+        shown = ", ".join(pickles[:3]) + (f" and {len(pickles) - 3} more" if len(pickles) > 3 else "")
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or model.safetensors.index.json, but a PyTorch pickle checkpoint ({shown}); "
+            "blockpress does not load pickles (unpickling can run arbitrary code). If you trust the file, convert it "
+            "once with transformers: DiffusionGemmaForBlockDiffusion.from_pretrained(folder).save_pretrained(new_folder) "
+            "writes model.safetensors, which blockpress loads")
     raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 

@@ -724,3 +724,44 @@ def test_missing_layer_scalars_warn_and_load_as_the_reference(ref_checkpoint, tm
     encoder = "model.encoder.language_model.layers.2.layer_scalar"
     _, caught = _load_recording(without("encoder", encoder))
     assert len(caught) == 1 and f"1 layer_scalar tensor(s) missing (e.g. {encoder!r})" in caught[0]
+
+
+@pytest.mark.parametrize("names", [["pytorch_model.bin"], ["pytorch_model-00001-of-00002.bin",
+                                   "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"], ["model.pt"]])
+def test_a_pickle_checkpoint_is_named_with_how_to_convert_it(ref_checkpoint, tmp_path, names):
+    """It read "no model.safetensors or model.safetensors.index.json", as if the folder were the wrong one."""
+    path = tmp_path / "c"
+    path.mkdir()
+    shutil.copy(ref_checkpoint[0] / "config.json", path / "config.json")
+    for name in names:
+        (path / name).write_bytes(b"not read")  # never unpickled: its name is all that is looked at
+    with pytest.raises(FileNotFoundError, match=rf"pickle checkpoint \({names[0]}.*does not load pickles .*"
+                                                r"from_pretrained\(folder\)\.save_pretrained\(new_folder\)"):
+        blockpress.load(path)
+
+
+def test_shard_names_that_leave_the_folder_are_refused(lm, ref_checkpoint, tmp_path):
+    """A weight_map entry "../other/model.safetensors" (or an absolute path) read a file outside the checkpoint.
+    The name is checked, not where links lead, so folders and shards that are links keep loading."""
+    from blockpress.checkpoint import save_model
+
+    other = copy_ckpt(ref_checkpoint[0], tmp_path / "other")
+    for shard in ("../other/model.safetensors", str(other / "model.safetensors"), "sub/../../other/model.safetensors"):
+        path = tmp_path / "c"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir()
+        shutil.copy(other / "config.json", path / "config.json")
+        names = load_file(other / "model.safetensors").keys()
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+        with pytest.raises(blockpress.CheckpointError, match=rf"mapped to shard '{shard}', which is not a file name inside"):
+            load_quiet(path)
+    sharded = tmp_path / "sharded"
+    save_model(lm.model, sharded, max_shard_bytes=20_000)
+    (tmp_path / "linked").symlink_to(sharded)  # a folder that is a link
+    linked_files = tmp_path / "linked_files"
+    linked_files.mkdir()
+    for f in sharded.iterdir():  # shards that are links to files elsewhere
+        (linked_files / f.name).symlink_to(f)
+    for path in (tmp_path / "linked", linked_files):
+        again = load_quiet(path)
+        assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), lm.model.parameters(), strict=True))
