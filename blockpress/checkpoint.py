@@ -326,6 +326,7 @@ def check_links(path: Path) -> None:
                                 "fetch the model again)")
 
 
+TRAINER_PICKLES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.pt")
 PICKLE_PATTERNS = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt")  # torch.save checkpoints, by name
 
 
@@ -355,7 +356,8 @@ def checkpoint_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.exists():
         return [single]
-    pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in path.glob(pattern))
+    # trainers leave their own pickles beside the weights (training_args.bin, optimizer.pt): not checkpoints
+    pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in path.glob(pattern) if p.name not in TRAINER_PICKLES)
     if pickles:  # say what is there, and why it is not read: "no model.safetensors" alone reads as a wrong folder
         shown = ", ".join(pickles[:3]) + (f" and {len(pickles) - 3} more" if len(pickles) > 3 else "")
         raise FileNotFoundError(

@@ -740,6 +740,18 @@ def test_a_pickle_checkpoint_is_named_with_how_to_convert_it(ref_checkpoint, tmp
         blockpress.load(path)
 
 
+def test_a_trainers_own_pickle_is_not_taken_for_the_checkpoint(ref_checkpoint, tmp_path):
+    """training_args.bin beside missing weights is the trainer's, not a checkpoint: the plain message stays."""
+    path = tmp_path / "c"
+    path.mkdir()
+    shutil.copy(ref_checkpoint[0] / "config.json", path / "config.json")
+    (path / "training_args.bin").write_bytes(b"not read")
+    with pytest.raises(FileNotFoundError) as caught:
+        blockpress.load(path)
+    message = str(caught.value).replace(str(path), "PATH")  # the test's own folder name holds "pickle"
+    assert "no model.safetensors" in message and "pickle" not in message
+
+
 def test_shard_names_that_leave_the_folder_are_refused(lm, ref_checkpoint, tmp_path):
     """A weight_map entry "../other/model.safetensors" (or an absolute path) read a file outside the checkpoint.
     The name is checked, not where links lead, so folders and shards that are links keep loading."""
