@@ -3,10 +3,11 @@ use, sampler_config, EOS ids past the vocabulary, max_length; and prompts that b
 
 import json
 import shutil
-import warnings
 
 import pytest
 import torch
+from test_checkpoint import _load_recording as load_recording  # the LM and its warnings
+from test_reference_generate import one_thread  # noqa: F401  (autouse: one thread, so the engines' draws match)
 
 import blockpress
 from blockpress.lm import resolve_path
@@ -16,15 +17,6 @@ G = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusio
 
 VOCAB = 96  # tests/reference.py's TINY_TEXT
 EOS, PAD = 1, 0  # config.json's, as make_reference writes them
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As in test_reference_generate: one thread keeps the two engines' float32 passes equal, so their draws are."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def folder_with(ref_checkpoint, tmp_path, gen=None, own=None):
@@ -37,14 +29,6 @@ def folder_with(ref_checkpoint, tmp_path, gen=None, own=None):
     if own is not None:
         (path / "blockpress_generation_config.json").write_text(json.dumps(own))
     return path
-
-
-def load_noting(path):
-    """(the loaded LM, the messages of the warnings about its generation config)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        lm = blockpress.load(path)
-    return lm, [str(w.message) for w in caught if "vision tensors ignored" not in str(w.message)]
 
 
 # -- 1. pad_token_id ---------------------------------------------------------------------------------------------
@@ -62,7 +46,7 @@ def test_the_generation_configs_pad_id_fills_after_eos_as_in_the_reference(monke
     # of that canvas and all of the next are padding.
     first = blockpress.load(path).generate(prompt, **options).new_tokens[0].tolist()
     eos = next(t for i, t in enumerate(first[1:7], 1) if t not in first[:i] and t != 3)
-    lm, _ = load_noting(folder_with(ref_checkpoint, tmp_path, {"eos_token_id": eos, "pad_token_id": 3}))
+    lm, _ = load_recording(folder_with(ref_checkpoint, tmp_path, {"eos_token_id": eos, "pad_token_id": 3}))
     got = lm.generate(prompt, **options).new_tokens
     want = reference_generate(monkeypatch, ref, prompt, 1, 6, max_new_tokens=16, t_max=0.8, t_min=0.4,
                               sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1), stability_threshold=None,
@@ -85,7 +69,7 @@ def test_the_generation_configs_pad_id_also_left_pads_and_changes_nothing_genera
 
 def test_a_pad_id_past_the_vocabulary_is_dropped_with_a_warning(ref_checkpoint, tmp_path):
     """The reference would write it into the output; blockpress's output must stay usable as the next prompt."""
-    lm, warned = load_noting(folder_with(ref_checkpoint, tmp_path, {"pad_token_id": 500}))
+    lm, warned = load_recording(folder_with(ref_checkpoint, tmp_path, {"pad_token_id": 500}))
     assert len(warned) == 1 and "generation_config.json: pad_token_id: 500 at or above the vocabulary size 96" in warned[0]
     assert lm._pad_id() == PAD
     lm.generation_config["pad_token_id"] = 500  # set by hand after loading
@@ -102,7 +86,7 @@ def test_generation_config_keys_blockpress_ignores_are_named_at_load(ref_checkpo
     path = folder_with(ref_checkpoint, tmp_path, dict(gen, max_new_tokens=8, pad_token_id=0))
     with pytest.raises(ValueError, match="Unexpected kwargs"):
         G.DiffusionGemmaGenerationConfig.from_pretrained(path)
-    _, warned = load_noting(path)
+    _, warned = load_recording(path)
     names = ", ".join(sorted(gen))
     assert len(warned) == 1 and f"{path / 'generation_config.json'}: {names}: not blockpress settings" in warned[0]
     assert "t_max down to t_min" in warned[0]  # what to set instead of a temperature
@@ -110,21 +94,21 @@ def test_generation_config_keys_blockpress_ignores_are_named_at_load(ref_checkpo
 
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
     path = folder_with(ref_checkpoint, tmp_path, own={"sampler": "greedy", "top_p": 0.9})
-    _, warned = load_noting(path)
+    _, warned = load_recording(path)
     assert warned == [f"{path / 'blockpress_generation_config.json'}: top_p: not blockpress settings, ignored (it reads "
                       "max_new_tokens, max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's "
                       "fields)"]
     # What the reference saves (nulls, return_dict_in_generate, transformers_version) and what LM.save writes
-    assert load_noting(ref_checkpoint[0])[1] == []
+    assert load_recording(ref_checkpoint[0])[1] == []
     lm = blockpress.load(ref_checkpoint[0])
     lm.generation_config.update(sampler="topk", noise_token_id=5, t_min=0.2, max_length=30)
     lm.save(tmp_path / "saved")
-    assert load_noting(tmp_path / "saved")[1] == []
+    assert load_recording(tmp_path / "saved")[1] == []
     # The one sampler_config there is loads in both
     path = folder_with(ref_checkpoint, tmp_path / "entropy", {"sampler_config": {
         "_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.25}})
     assert G.DiffusionGemmaGenerationConfig.from_pretrained(path).sampler_config.entropy_bound == 0.25
-    lm, warned = load_noting(path)
+    lm, warned = load_recording(path)
     assert lm.sampler_defaults.entropy_bound == 0.25 and warned == []
 
 
@@ -141,7 +125,7 @@ def test_a_sampler_config_blockpress_cannot_run_is_refused_like_the_reference(re
     with pytest.raises((ValueError, TypeError, AttributeError)):
         G.DiffusionGemmaGenerationConfig.from_pretrained(path)
     with pytest.raises(ValueError, match=f"generation_config.json: sampler_config: {message}"):
-        load_noting(path)
+        load_recording(path)
 
 
 # -- 3. EOS ids past the vocabulary ---------------------------------------------------------------------------------
@@ -153,7 +137,7 @@ def test_eos_ids_past_the_vocabulary_are_dropped_with_a_warning(ref_checkpoint, 
     path = folder_with(ref_checkpoint, tmp_path, {"eos_token_id": listed})
     reference = G.DiffusionGemmaGenerationConfig.from_pretrained(path)
     assert reference.eos_token_id == listed  # tolerated there
-    lm, warned = load_noting(path)
+    lm, warned = load_recording(path)
     bad = [i for i in (listed if isinstance(listed, list) else [listed]) if i >= VOCAB]
     assert len(warned) == 1
     assert f"generation_config.json: eos_token_id: {bad} at or above the vocabulary size 96" in warned[0]
