@@ -337,7 +337,7 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         stored_dtype,
     )
     from blockpress.config import ModelConfig
-    from blockpress.lm import LM, _read_generation_config, resolve_path
+    from blockpress.lm import LM, read_generation_config, resolve_path
     from blockpress.model import DiffusionGemma
 
     device = resolve_device(args.device)  # checked as a load would check it: the figures are for this device
@@ -367,7 +367,7 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         from blockpress.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    lm = LM(model, tokenizer, _read_generation_config(path), path=path)
+    lm = LM(model, tokenizer, read_generation_config(path, config.text.vocab_size), path=path)
     return lm, dict(checkpoint_dtype=str(stored).removeprefix("torch.") if stored else None,
                     checkpoint_bytes=sum(f.nbytes(n) for f in opened for n in f.keys()) if opened else None)
 

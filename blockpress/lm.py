@@ -738,7 +738,7 @@ def _read_json_object(file: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
+def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     """generation_config.json with blockpress's own settings (BLOCKPRESS_GENERATION_FILE) over it. Folders saved
     before the split hold those in generation_config.json itself; they read the same. Warns about keys blockpress
     does not use, and drops (with a warning) EOS / pad ids at or above `vocab_size`."""
@@ -814,7 +814,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    return LM(model, tokenizer, _read_generation_config(path, model.config.text.vocab_size), passthrough, path)
+    return LM(model, tokenizer, read_generation_config(path, model.config.text.vocab_size), passthrough, path)
 
 
 def random_model(
