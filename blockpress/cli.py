@@ -37,7 +37,8 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
         lm = blockpress.random_model(config, seed=0, dtype=dtype, device=device, tokenizer=tokenizer)
         return lm.quantize(quantize) if quantize else lm
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # vision tensors: text-only is the documented behaviour
+        # vision tensors: text-only is the documented behaviour; every other load warning is the user's to see
+        warnings.filterwarnings("ignore", message=r".*vision tensors ignored")
         return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize)
 
 
@@ -141,7 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = None
     # What the canvases committed so far, for a Ctrl-C: the text is decoded whole at the end (a canvas decoded on
     # its own can split a character), and a finished canvas' trailing pads (after EOS or a stop) are no tokens.
-    pad = lm.config.text.pad_token_id if lm.config.text.pad_token_id is not None else 0  # the engine's padding
+    pad = lm.pad_id  # what the engine writes after a row's end
     committed: list[int] = []
     passes = 0
     try:

@@ -351,7 +351,8 @@ class LM:
         # A tokenizer larger than the model may name an EOS the model can never produce: it could never end a row.
         return [i for i in ids if i < v]
 
-    def _pad_id(self) -> int:
+    @property
+    def pad_id(self) -> int:
         """The id written where a row has no token: the left padding of shorter prompts and every position after
         a row's EOS. generation_config.json's `pad_token_id` when it names one (the reference pads finished rows
         with that), else config.json's, else 0. Padding is masked out of attention, so the id changes only what
@@ -380,7 +381,7 @@ class LM:
         cache: Any = None,
     ) -> Request:
         self._check_runnable()
-        pad_id = self._pad_id()
+        pad_id = self.pad_id
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
         continuing = isinstance(cache, KVCache) and cache.length > 0
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing)

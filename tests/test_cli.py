@@ -766,3 +766,20 @@ def test_profiling_in_bench_keeps_stderr_clean(capfd):
     err = capfd.readouterr().err
     assert "profiler_st" not in err and "USDT" not in err
     assert "said inside" in err and "said after" in err
+
+
+def test_commands_show_the_loads_warnings_but_the_vision_note(tmp_path, capsys):
+    """load_model silenced every warning to hide the vision-tensor note: a `temperature` in generation_config.json
+    (not a blockpress setting, so ignored) went unsaid by generate while info said it."""
+    import shutil
+    import warnings
+
+    folder = tmp_path / "m"
+    shutil.copytree(blockpress.lm.resolve_path("blockpress-code"), folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.5}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["generate", "x = 1", "--model", str(folder), "--max-new-tokens", "4", "--steps", "2",
+                     "--no-live", "--threads", "1"]) == 0
+    assert any("temperature" in str(w.message) for w in caught)
