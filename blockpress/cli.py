@@ -248,6 +248,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # another (a script reads what the model said, not our decoration).
     interactive = sys.stdin.isatty()
     prompt, marker = ("you> ", "model> ") if interactive else ("", "")
+    # Under a UTF-8 locale stdin decodes strictly, and one bad byte would raise out of input() and end the chat;
+    # as surrogates it reaches the per-message check below, which names the byte and goes on.
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             user = input(prompt)

@@ -783,3 +783,18 @@ def test_commands_show_the_loads_warnings_but_the_vision_note(tmp_path, capsys):
         assert main(["generate", "x = 1", "--model", str(folder), "--max-new-tokens", "4", "--steps", "2",
                      "--no-live", "--threads", "1"]) == 0
     assert any("temperature" in str(w.message) for w in caught)
+
+
+def test_chat_survives_a_bad_byte_under_a_utf8_locale():
+    """Under a UTF-8 locale stdin decodes strictly: the UnicodeDecodeError left input() and ended the chat
+    (the in-process tests pass surrogates in directly and never met it)."""
+    import os
+
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # as en_US.UTF-8 sets it (not installed here)
+    r = subprocess.run([sys.executable, "-m", "blockpress.cli", "chat", "--model", MODEL, "--max-new-tokens", "4",
+                        "--steps", "2", "--threads", "1"], input=b"caf\xff\nhello\n", capture_output=True,
+                       timeout=300, env=env)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0, err
+    assert "not valid UTF-8 (byte 0xff at character 3 of the message)" in err
+    assert err.count("tokens/forward") == 1  # the next message was answered
