@@ -39,6 +39,10 @@ class CheckpointError(ValueError):
     """A checkpoint whose tensors do not fit the config; the message names the tensor."""
 
 
+class NoWeights(FileNotFoundError):
+    """A folder with no weight files at all (a config fetched alone): what `blockpress info` can still describe."""
+
+
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -365,7 +369,21 @@ def checkpoint_files(path: Path) -> list[Path]:
             "blockpress does not load pickles (unpickling can run arbitrary code). If you trust the file, convert it "
             "once with transformers: DiffusionGemmaForBlockDiffusion.from_pretrained(folder).save_pretrained(new_folder) "
             "writes model.safetensors, which blockpress loads")
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    raise NoWeights(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_config(path: Path) -> ModelConfig:
+    """A checkpoint folder's config.json, refused here when blockpress cannot run its weights whatever they are."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a checkpoint folder")
+    check_links(path)
+    config = ModelConfig.from_file(path / "config.json")
+    prequantized = config.extra.get("quantization_config")
+    if prequantized:  # its weights come with scales blockpress does not read: refuse by name, not tensor by tensor
+        method = prequantized.get("quant_method", "?") if isinstance(prequantized, dict) else prequantized
+        raise CheckpointError(f"{path}: a pre-quantized checkpoint (quantization_config: {method}) is not supported; "
+                              "load the unquantized one with quantize='int8', 'fp8' or 'int4' instead")
+    return config
 
 
 def load_model(
@@ -376,15 +394,7 @@ def load_model(
     is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
     quantized model plus one tensor."""
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a checkpoint folder")
-    check_links(path)
-    config = ModelConfig.from_file(path / "config.json")
-    prequantized = config.extra.get("quantization_config")
-    if prequantized:  # its weights come with scales blockpress does not read: refuse by name, not tensor by tensor
-        method = prequantized.get("quant_method", "?") if isinstance(prequantized, dict) else prequantized
-        raise CheckpointError(f"{path}: a pre-quantized checkpoint (quantization_config: {method}) is not supported; "
-                              "load the unquantized one with quantize='int8', 'fp8' or 'int4' instead")
+    config = read_config(path)
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     files = checkpoint_files(path)

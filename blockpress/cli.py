@@ -334,14 +334,14 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     to count converted a bf16 checkpoint to float32 on a CPU without native bf16: 101 GB for a 26B.)"""
     from blockpress.checkpoint import (
         MappedSafetensors,
-        check_links,
+        NoWeights,
         checkpoint_files,
         native_dtype,
+        read_config,
         resolve_device,
         resolve_dtype,
         stored_dtype,
     )
-    from blockpress.config import ModelConfig
     from blockpress.lm import LM, read_generation_config, resolve_path
     from blockpress.model import DiffusionGemma
 
@@ -350,11 +350,10 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         return load_model(args.model, args.dtype, "meta", args.quantize), dict(checkpoint_dtype=None,
                                                                               checkpoint_bytes=None)
     path = resolve_path(args.model)
-    check_links(path)
-    config = ModelConfig.from_file(path / "config.json")
+    config = read_config(path)  # the refusals a load makes before reading any weight (a pre-quantized one...)
     try:
         files = checkpoint_files(path)
-    except FileNotFoundError:  # a folder with config.json alone (weights not fetched yet) is described all the same
+    except NoWeights:  # a folder with config.json alone (weights not fetched yet) is described all the same
         files = []
     opened = [MappedSafetensors(f) for f in files]  # reads each header; the data stays on disk
     stored = stored_dtype(opened) if opened else None
@@ -362,7 +361,10 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     dtype = resolve_dtype(args.dtype) or native_dtype(stored or resolve_dtype(declared) or torch.float32, device)
     with torch.device("meta"):
         model = DiffusionGemma(config)
-    model = model.to(dtype)
+    # What a load casts: the tensors a checkpoint stores. The rotary tables (non-persistent) stay float32, as a load
+    # leaves them (model.to(dtype) would cast them too, and count them in the wrong dtype).
+    model.load_state_dict({n: t.to(dtype) if t.is_floating_point() else t for n, t in model.state_dict().items()},
+                          assign=True)
     if args.quantize:
         from blockpress.quantize import quantize
 

@@ -798,3 +798,29 @@ def test_chat_survives_a_bad_byte_under_a_utf8_locale():
     assert r.returncode == 0, err
     assert "not valid UTF-8 (byte 0xff at character 3 of the message)" in err
     assert err.count("tokens/forward") == 1  # the next message was answered
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_info_figures_are_a_loads(capsys, quantize):
+    """info built its meta model by hand and cast the rotary tables too (192 bytes off a real bf16 load)."""
+    extra = ["--quantize", quantize] if quantize else []
+    assert main(["info", "--model", "blockpress-code", "--dtype", "bfloat16", "--json", *extra]) == 0
+    info = json.loads(capsys.readouterr().out)
+    lm = blockpress.load("blockpress-code", dtype="bfloat16", quantize=quantize)
+    assert info["weights_bytes"] == lm.weights_bytes() and info["dtype"] == "bfloat16"
+
+
+def test_info_keeps_a_loads_refusals(tmp_path, capsys):
+    """A pickle checkpoint was described as a folder without weights (checkpoint_bytes null), and a pre-quantized
+    one was counted as if it could run."""
+    import shutil
+
+    shutil.copy(blockpress.lm.resolve_path("blockpress-code") / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 2
+    assert "pickle checkpoint (pytorch_model.bin)" in capsys.readouterr().err
+    (tmp_path / "pytorch_model.bin").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 2
+    assert "pre-quantized checkpoint (quantization_config: gptq)" in capsys.readouterr().err
