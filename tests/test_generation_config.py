@@ -71,7 +71,7 @@ def test_a_pad_id_past_the_vocabulary_is_dropped_with_a_warning(ref_checkpoint, 
     """The reference would write it into the output; blockpress's output must stay usable as the next prompt."""
     lm, warned = load_recording(folder_with(ref_checkpoint, tmp_path, {"pad_token_id": 500}))
     assert len(warned) == 1 and "generation_config.json: pad_token_id: 500 at or above the vocabulary size 96" in warned[0]
-    assert lm._pad_id() == PAD
+    assert lm.pad_id == PAD
     lm.generation_config["pad_token_id"] = 500  # set by hand after loading
     with pytest.raises(ValueError, match=r"generation_config pad_token_id: expected a token id in \[0, 96\), got 500"):
         lm.generate([[5, 6]], max_new_tokens=2)
