@@ -112,10 +112,14 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def stats_line(out: Any, seconds: float) -> dict[str, Any]:
-    n = int(out.num_new_tokens.sum())
-    passes = int(out.forward_passes.max())
-    return dict(new_tokens=n, forward_passes=passes, tokens_per_forward=round(float(out.tokens_per_forward.mean()), 3),
-                tok_s=round(n / seconds, 2) if seconds > 0 else None, seconds=round(seconds, 3))
+    return stats_of(int(out.num_new_tokens.sum()), int(out.forward_passes.max()), float(out.tokens_per_forward.mean()),
+                    seconds)
+
+
+def stats_of(new_tokens: int, passes: int, tokens_per_forward: float, seconds: float) -> dict[str, Any]:
+    """The stats line's figures, from a finished output's counts (stats_line) or from those seen so far."""
+    return dict(new_tokens=new_tokens, forward_passes=passes, tokens_per_forward=round(tokens_per_forward, 3),
+                tok_s=round(new_tokens / seconds, 2) if seconds > 0 else None, seconds=round(seconds, 3))
 
 
 def print_stats(stats: dict[str, Any]) -> None:
@@ -168,8 +172,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - t0
         text = strip_prefix(lm.tokenizer.decode(committed), prefix) if committed else ""
         n = len(committed)
-        stats = dict(new_tokens=n, forward_passes=passes, tokens_per_forward=round(n / passes, 3) if passes else 0.0,
-                     tok_s=round(n / seconds, 2) if seconds > 0 else None, seconds=round(seconds, 3))
+        stats = stats_of(n, passes, n / passes if passes else 0.0, seconds)
         if view:
             view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line
         elif args.json:
