@@ -300,12 +300,10 @@ class LM:
         generate then gives max_length less the prompt's padded width (`default_new_tokens`), and a prompt has
         at least one token (0: no prompt leaves room, every call must pass max_new_tokens); else 256. A null
         there is "unset", as in the reference."""
-        max_length = self.generation_config.get("max_length")
-        if self.generation_config.get("max_new_tokens") is not None or max_length is None:
-            return self._max_new_tokens_setting()
-        if is_int(max_length) and max_length == 1:
+        gen = self.generation_config
+        if gen.get("max_new_tokens") is None and gen.get("max_length") == 1:  # no prompt leaves room
             return 0
-        return self.default_new_tokens(1)  # validates max_length too
+        return self.default_new_tokens(1)  # a prompt has at least one token; validates the settings too
 
     def _max_new_tokens_setting(self) -> int:
         """generation_config.json's `max_new_tokens`, else 256; max_length aside (see default_new_tokens)."""
