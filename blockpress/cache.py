@@ -1,4 +1,6 @@
-"""The KV cache: owned by the caller, allocated once, written only by the encoder.
+"""The KV cache: owned by the caller, allocated once for a generation (a continued conversation grows it with
+`ensure_capacity` only when a turn needs more room); its encoded slots are written only by encoding (the
+encoder, or a prefix cache copying in slots it encoded before).
 
 Layout: one key and one value tensor per layer, `[batch, kv_heads, capacity, head_dim]`, plus a
 `[batch, capacity]` validity mask. Rows of a batch share one slot count; a row with a shorter prompt is
@@ -170,8 +172,8 @@ class KVCache:
     def rows(self, index: torch.Tensor, scratch: int) -> KVCache:
         """A new cache holding only the rows `index` (the encoded slots plus `scratch` free ones).
 
-        Decoding uses it to stop computing rows of a batch that have finished their canvas: the copy is
-        made once when the set of active rows shrinks, not once per step.
+        Decoding uses it to stop computing rows of a batch that have finished their canvas. Each call copies the
+        rows kept, so decoding calls it only when at least half the working rows have stopped.
         """
         n = self.length
         # slice, then select: index_select writes a fresh tensor of just the slots kept (one copy, not two)

@@ -793,10 +793,13 @@ def run(
                             time.perf_counter() - start)
             if cfg.adaptive_stopping:
                 working = ~(w.state.done | w.finished)
-                n_working = int(working.sum())  # the step's one host sync
+                n_working = int(working.sum())  # the step's one host sync (more with drafts or a constraint)
                 if n_working == 0:
                     break
-                if req.skip_stopped_rows and n_working < w.rows.numel():
+                # Shrink only once half the rows have stopped: each shrink copies the cache rows (and, under CUDA
+                # graphs, recaptures), and rows stop on nearby steps, so shrinking on every stop costs more than
+                # computing a few frozen rows does. At most log2(batch) copies a canvas.
+                if req.skip_stopped_rows and n_working <= w.rows.numel() // 2:
                     state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
                     w = w.shrink(working.nonzero()[:, 0], canvas_len)
         if hooked and bool(trouble):

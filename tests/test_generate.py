@@ -559,6 +559,39 @@ def test_skipping_stopped_rows_changes_nothing(lm):
     assert torch.equal(fast.steps_per_canvas, slow.steps_per_canvas)
 
 
+def test_batch_shrinks_only_when_half_its_rows_have_stopped(lm, monkeypatch):
+    """Each shrink copies the cache rows: the batch shrinks when half its working rows have stopped, not on every
+    stop, and the output is still what each row computes alone."""
+    from blockpress.cache import KVCache
+
+    sizes = []
+    copy_rows = KVCache.rows
+
+    def counted(self, index, scratch):
+        sizes.append((self.keys[0].shape[0], index.numel()))
+        return copy_rows(self, index, scratch)
+
+    # Eight rows that become certain on eight different steps: from step r + 1 on, row r's logits favour token 9.
+    calls = []
+
+    def certain_by_row(logits, rows):
+        calls.append(None)
+        sure = rows < len(calls)
+        return logits + 200.0 * (sure[:, None, None] & (torch.arange(logits.shape[-1]) == 9))
+
+    kw = dict(max_new_tokens=16, max_denoising_steps=12, seed=4)
+    slow = lm.generate([[3, 4, 5]] * 8, skip_stopped_rows=False, logits_processor=certain_by_row, **kw)
+    calls.clear()
+    monkeypatch.setattr(KVCache, "rows", counted)
+    fast = lm.generate([[3, 4, 5]] * 8, logits_processor=certain_by_row, **kw)
+    stops = fast.steps_per_canvas[:, 0]
+    assert len(set(stops.tolist())) >= 4  # rows stop on several different steps
+    assert sizes and all(kept <= before // 2 for before, kept in sizes)
+    assert len(sizes) <= 3  # 8 -> <=4 -> <=2 -> 1 at most
+    assert torch.equal(fast.sequences, slow.sequences)
+    assert torch.equal(fast.forward_passes, slow.forward_passes)
+
+
 def test_skipping_finished_rows_changes_nothing(lm):
     """Rows that ended with an EOS in an earlier canvas are not denoised in later ones."""
     prompts = [[3 + i, 4 + 2 * i, 5] for i in range(6)]
