@@ -61,6 +61,11 @@ class SamplerConfig:
     # "sample": a candidate is drawn from the tempered softmax (the reference). "argmax": the most likely token
     # (the `greedy` sampler always uses it), while the temperature still shapes ranking and self-conditioning.
     candidates: str = "sample"
+    # Candidates are drawn at the schedule's temperature times this; acceptance, ranking, stopping and
+    # self-conditioning keep the schedule. This is OpenAI's `temperature` on the server: scaling the whole schedule
+    # instead made every position look certain at a low temperature, so the entropy bound took a whole canvas
+    # of noise in one or two passes (0.05 gave `ospathpathpath...`, worse than both 0 and 1).
+    draw_temperature: float = 1.0
     # False: every position is re-decided at every step (DiffusionGemma). True: an accepted token stays, like a
     # given, for the rest of the canvas (masked-diffusion decoding); the topk ramp then counts kept positions.
     keep_accepted: bool = False
@@ -87,10 +92,12 @@ class SamplerConfig:
         need(self.sampler in SAMPLERS, "sampler", f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
         need(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
              f"expected a positive integer, got {self.max_denoising_steps!r}")
-        for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
+        for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold", "draw_temperature"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
             need(is_finite_number(value), name, f"expected a finite number, got {value!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
+        need(self.draw_temperature > 0, "draw_temperature",
+             f"expected > 0, got {self.draw_temperature} (for the most likely candidates use candidates='argmax')")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
         need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")
         # The confidence sampler takes every position over its threshold, in no order: a ranking would be ignored.
@@ -123,7 +130,7 @@ class SamplerConfig:
             if value is not None:
                 object.__setattr__(self, name, int(value))
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty",
-                     "frequency_penalty"):
+                     "frequency_penalty", "draw_temperature"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
     @classmethod
@@ -149,22 +156,6 @@ class SamplerConfig:
             # the reference's spelling; blockpress's own top-level key, when set, is the newer word
             kwargs["entropy_bound"] = sampler_cfg["entropy_bound"]  # checked like the rest in __post_init__
         return cls(**kwargs)
-
-    def to_generation_config(self) -> dict[str, Any]:
-        """The reference's generation_config layout, plus blockpress's own keys where they differ from the
-        defaults (`LM.save` writes those to a file of their own: the reference refuses keys it does not know)."""
-        default = SamplerConfig()
-        ours = ("sampler", "confidence", "adaptive_stopping", "noise_token_id", "rank_by", "candidates", "keep_accepted",
-                "self_conditioning", "presence_penalty", "frequency_penalty")
-        extra = {name: getattr(self, name) for name in ours if getattr(self, name) != getattr(default, name)}
-        return extra | {
-            "max_denoising_steps": self.max_denoising_steps,
-            "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": self.entropy_bound},
-            "t_max": self.t_max,
-            "t_min": self.t_min,
-            "stability_threshold": self.stability_threshold,
-            "confidence_threshold": self.confidence_threshold,
-        }
 
     @property
     def penalizes_repeats(self) -> bool:
@@ -311,7 +302,8 @@ _MASK47 = (1 << 47) - 1
 def _hash(seed: torch.Tensor, stream: int, canvas_index: int, step: int, length: int) -> torch.Tensor:
     """Counter-based pseudo-random 47-bit integers [B, length] from (row seed, stream, canvas, step, position).
 
-    Every random number of generation comes from here, so a row's output depends on its own seed only:
+    Every random number `generate` draws comes from here (only a direct `denoise_step` call without `uniforms`
+    uses torch's generator), so a row's output depends on its own seed only:
     never on its neighbours in a batch, nor on how many rows there are.
     """
     pos = torch.arange(length, device=seed.device, dtype=torch.int64)
@@ -400,7 +392,7 @@ def denoise_step(
 ) -> CanvasState:
     """One step of the sampler. Pure: returns a new state.
 
-    noise:  [B, C] fresh uniform tokens for the positions not accepted this step.
+    noise:  [B, C] what the positions not accepted this step become: random tokens, or the absorbing noise token.
     fixed:  [B, C] token ids at constrained positions, -1 at free ones (templates, infilling).
     scored: [B, C] bool, positions that count for the stop test (e.g. within max_new_tokens).
     banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
@@ -419,7 +411,10 @@ def denoise_step(
     if cfg.sampler == "greedy" or cfg.candidates == "argmax":
         candidates = argmax
     else:
-        draws = sample(probs, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
+        # A draw temperature other than 1 needs its own softmax; the schedule's `probs` still rank and condition.
+        drawn = probs if cfg.draw_temperature == 1.0 else torch.softmax(
+            logits.float() / max(MIN_TEMPERATURE, cfg.draw_temperature), dim=-1)
+        draws = sample(drawn, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
         candidates = torch.where(kept, state.canvas, draws)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
