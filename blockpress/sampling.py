@@ -310,7 +310,9 @@ def _hash(seed: torch.Tensor, stream: int, canvas_index: int, step: int, length:
     # Python ints are unbounded: mask the counter's product before it meets int64 (long generations overflowed).
     # Only the low 47 bits matter, and int64 addition keeps them, so this draws the numbers it always did.
     counter = (((canvas_index * 1_000_003 + step) * 4 + stream) * 0x85EBCA6B) & _MASK47
-    folded = (seed ^ (seed >> 47)) & _MASK47  # seeds differing only above bit 47 draw differently too
+    # Seeds below 2**47 are themselves; the bits above are spread by an odd multiplier, not xored into the low
+    # bits (that made seed 1 and seed 2**47 draw the same numbers).
+    folded = ((seed & _MASK47) + (seed >> 47) * 0x5DEECE66D) & _MASK47
     x = folded[:, None] * 0x9E3779B1 + counter + pos[None, :] * 0xC2B2AE35
     x = x & _MASK47
     for _ in range(3):  # xorshift-multiply rounds; kept inside 47 bits so int64 never overflows

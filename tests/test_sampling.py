@@ -500,3 +500,16 @@ def test_draw_temperature_changes_the_draws_only():
 def test_bad_draw_temperature_is_refused(value):
     with pytest.raises(ValueError, match="draw_temperature"):
         SamplerConfig(draw_temperature=value)
+
+
+@settings(max_examples=40, deadline=None)
+@given(low=st.integers(0, 2**47 - 1), high=st.integers(1, 2**16 - 1))
+def test_seeds_past_47_bits_draw_their_own_numbers(low, high):
+    """Seeds fold to 47 bits for the hash; seed 1 and seed 2**47 (and the like) drew the same numbers."""
+    from blockpress.sampling import hashed_uniforms
+
+    big = low + (high << 47)
+    seeds = torch.tensor([low, big, big ^ 1, low ^ (big >> 47)])
+    draws = hashed_uniforms(seeds, 0, 3, 16)
+    assert len({tuple(row.tolist()) for row in draws}) == 4
+    assert torch.equal(hashed_uniforms(torch.tensor([low]), 0, 3, 16)[0], draws[0])  # a seed's draws don't move
