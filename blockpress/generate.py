@@ -253,6 +253,8 @@ class Request:
     stops: list[list[str]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
     prefix_cache: PrefixCache | None = None
+    # Asked on the host before every step; True ends the generation there, without a Done (LM.stream).
+    cancelled: Callable[[], bool] | None = None
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -753,6 +755,8 @@ def run(
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
         t_canvas = time.perf_counter()
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
+            if req.cancelled is not None and req.cancelled():
+                return
             active = ~(w.state.done | w.finished)
             passes[w.rows] += active
             steps_per_canvas[w.rows, ci] += active

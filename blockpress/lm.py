@@ -522,6 +522,7 @@ class LM:
         token_healing: bool | None = None,
         stop: str | list[str] | list[list[str]] | None = None,
         prefix_cache: PrefixCache | None = None,
+        cancelled: Callable[[], bool] | None = None,
         **sampler_options: Any,
     ) -> Iterator[Draft | Commit | Done]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
@@ -549,7 +550,11 @@ class LM:
         afterwards it holds this turn too, so continuing twice from one cache continues the second time from
         the first continuation, and a stream abandoned midway leaves part of a turn in it. To branch or retry,
         note `cache.length` before and `cache.truncate(that_length)` after.
+        `cancelled() -> bool`: asked before every step, on the host (no device sync); once it says True the stream
+        ends there, without a `Done` (a server's clients that left free the engine within a step).
         """
+        if cancelled is not None and not callable(cancelled):
+            raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
         if logits_processor is not None and not callable(logits_processor):
@@ -567,6 +572,7 @@ class LM:
         req.logits_processor = logits_processor
         req.stops = self._stops(stop, req)
         req.prefix_cache = _check_prefix_cache(prefix_cache)
+        req.cancelled = cancelled
         self._check_context(req, cache)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
@@ -599,7 +605,8 @@ class LM:
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
             if isinstance(event, Done):
                 return event.output
-        raise RuntimeError("generation ended without a result")  # unreachable: run always ends with Done
+        # run ends with Done unless `cancelled` said so
+        raise RuntimeError("cancelled: generation was cancelled before it finished")
 
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> markers, or ids with -1), keeping every fixed token."""

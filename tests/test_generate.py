@@ -1287,3 +1287,22 @@ def test_numpy_values_in_a_generation_config_save_as_json(tmp_path):
     from blockpress.sampling import SamplerConfig
 
     assert json.dumps(asdict(SamplerConfig(entropy_bound=np.float32(0.5))))
+
+
+def test_a_cancelled_stream_ends_within_a_step_and_the_model_stays_usable(lm):
+    """`cancelled` is asked before every step: a stream ends there (no Done), without drafts to poll."""
+    asked = []
+
+    def cancelled():
+        asked.append(None)
+        return len(asked) > 3
+
+    events = list(lm.stream([3, 4, 5], max_new_tokens=32, max_denoising_steps=6, seed=1, drafts=False,
+                            cancelled=cancelled))
+    assert len(asked) == 4 and not any(isinstance(e, Done) for e in events)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, cancelled=lambda: True)
+    with pytest.raises(ValueError, match="cancelled: expected a function"):
+        lm.generate([3, 4, 5], max_new_tokens=8, cancelled=True)
+    full = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1, cancelled=lambda: False)
+    assert torch.equal(full.sequences, lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1).sequences)
