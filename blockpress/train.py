@@ -250,9 +250,10 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------
-def add_lora(model: nn.Module, rank: int, alpha: int) -> nn.Module:
+def add_lora(model: nn.Module, rank: int, alpha: int, seed: int = 0) -> nn.Module:
     """LoRA adapters (peft) on attention q/k/v/o and the dense MLP, in float32 whatever the base's dtype;
-    everything else frozen."""
+    everything else frozen. `seed` draws lora_A (peft draws it from torch's global generator, which nothing
+    seeded: two runs of one command differed from step 2 on); the caller's global generator is left as it was."""
     from .quantize import quantization_of
 
     if quantization_of(model) is not None:  # peft wraps nn.Linear only: its own error names a QuantizedLinear
@@ -261,7 +262,9 @@ def add_lora(model: nn.Module, rank: int, alpha: int) -> nn.Module:
     from peft import LoraConfig, inject_adapter_in_model
 
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    model = inject_adapter_in_model(cfg, model)
+    with torch.random.fork_rng(devices=[]):  # peft makes the adapters on the CPU, then moves them to the base's device
+        torch.default_generator.manual_seed(seed)
+        model = inject_adapter_in_model(cfg, model)
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
         if p.requires_grad:
@@ -383,7 +386,7 @@ class Trainer:
         self.eos = eos[0] if eos else self.pad
         model = lm.model.train()
         if cfg.lora_rank:
-            model = add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+            model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
         self.model = model
         self.objective: nn.Module = Objective(model, cfg)
         if self.world > 1:
