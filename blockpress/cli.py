@@ -405,35 +405,23 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_field_help() -> dict[str, str]:
-    """The trailing comment of each TrainConfig field is its --help text (one source of truth)."""
-    import inspect
-
-    from blockpress.train import TrainConfig
-
-    helps = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
-        name, _, rest = line.strip().partition(":")
-        if "#" in rest and name.isidentifier():
-            helps[name] = rest.split("#", 1)[1].strip()
-    return helps
-
-
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from dataclasses import MISSING, fields
+    """A flag per TrainConfig field, its help the field's own description (metadata "help")."""
+    import typing
+    from dataclasses import fields
 
     from blockpress.train import TrainConfig
 
-    helps = _train_field_help()
+    types = typing.get_type_hints(TrainConfig)
     g = p.add_argument_group("training settings (flags override --train-config)")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
-        if isinstance(default, bool):
-            g.add_argument(flag, default=None, action=argparse.BooleanOptionalAction,
-                           help=f"{helps.get(f.name, '')} (default: {default})")
+        kind = next((t for t in typing.get_args(types[f.name]) if t is not type(None)), types[f.name])  # X | None: X
+        text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if kind is bool:
+            g.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
-            g.add_argument(flag, type=type(default), default=None, help=f"{helps.get(f.name, '')} (default: {default})")
+            g.add_argument(flag, type=kind, default=None, help=text)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

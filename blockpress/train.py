@@ -44,43 +44,49 @@ TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
+def setting(default: Any, description: str) -> Any:
+    """A TrainConfig field and its description: `blockpress train --help` shows it (field metadata "help")."""
+    return field(default=default, metadata={"help": description})
+
+
 @dataclass
 class TrainConfig:
     """Every knob of a training run. `blockpress train --help` lists them with these descriptions."""
 
-    steps: int = 1000  # optimizer steps
-    batch_size: int = 8  # examples per optimizer step (global, across processes)
-    micro_batch_size: int = 0  # examples per forward (0: the whole per-process batch); smaller = accumulation
-    lr: float = 3e-4  # peak learning rate
-    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
-    warmup_steps: int = 50  # linear warmup steps
-    weight_decay: float = 0.01  # AdamW weight decay (matrices only)
-    beta1: float = 0.9  # AdamW beta1
-    beta2: float = 0.95  # AdamW beta2
-    grad_clip: float = 1.0  # max gradient norm (0: off)
-    aux_ar_weight: float = 1.0  # weight of the encoder's next-token loss
-    diffusion_weight: float = 1.0  # weight of the diffusion loss (0: train an autoregressive baseline only)
-    self_conditioning_prob: float = 0.5  # fraction of examples trained with self-conditioning
-    t_eps: float = 1e-3  # t ~ U(t_eps, 1 - t_eps)
-    noise_token_id: int = -1  # -1: corrupt to uniform random tokens (published recipe); else to this one token (absorbing noise); `blockpress train --model` defaults to the model's own
-    reweight: bool = False  # weight each example's diffusion loss by 1 / (1 - t)
-    max_canvases: int = 0  # keep at most this many canvases of a response (0: all)
-    eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
-    eval_batches: int = 4  # held-out batches per evaluation
-    save_every: int = 0  # steps between checkpoints (0: only at the end)
-    log_every: int = 10  # steps between metrics.jsonl lines
-    seed: int = 0  # seeds data order, corruption and self-conditioning choices
-    autocast: bool = True  # bfloat16 autocast where the hardware has it (CUDA)
-    cpu_autocast: bool = False  # bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)
-    lora_rank: int = 0  # >0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights
-    lora_alpha: int = 16  # LoRA scaling numerator
-    prompt_min: int = 8  # raw-text corpora: shortest prompt of a window
-    prompt_max: int = 64  # raw-text corpora: longest prompt of a window
-    response_canvases: int = 1  # raw-text corpora: canvases of response per window
-    max_minutes: float = 0.0  # stop (and save) after this much wall time (0: no limit)
-    time_schedule: bool = False  # with max_minutes: the cosine decay follows the elapsed fraction of the budget
-    data_workers: int = 0  # processes building batches ahead of the optimizer (0: built in the training loop)
-    compile: bool = False  # torch.compile the training forward and backward (the first steps pay the compile)
+    steps: int = setting(1000, "optimizer steps")
+    batch_size: int = setting(8, "examples per optimizer step (global, across processes)")
+    micro_batch_size: int = setting(0, "examples per forward (0: the whole per-process batch); smaller = accumulation")
+    lr: float = setting(3e-4, "peak learning rate")
+    min_lr_ratio: float = setting(0.1, "the cosine schedule ends at lr * min_lr_ratio")
+    warmup_steps: int = setting(50, "linear warmup steps")
+    weight_decay: float = setting(0.01, "AdamW weight decay (matrices only)")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "max gradient norm (0: off)")
+    aux_ar_weight: float = setting(1.0, "weight of the encoder's next-token loss")
+    diffusion_weight: float = setting(1.0, "weight of the diffusion loss (0: train an autoregressive baseline only)")
+    self_conditioning_prob: float = setting(0.5, "fraction of examples trained with self-conditioning")
+    t_eps: float = setting(1e-3, "t ~ U(t_eps, 1 - t_eps)")
+    noise_token_id: int = setting(-1, "-1: corrupt to uniform random tokens (published recipe); else to this one "
+                                  "token (absorbing noise); `blockpress train --model` defaults to the model's own")
+    reweight: bool = setting(False, "weight each example's diffusion loss by 1 / (1 - t)")
+    max_canvases: int = setting(0, "keep at most this many canvases of a response (0: all)")
+    eval_every: int = setting(0, "steps between held-out evaluations (0: only at the end)")
+    eval_batches: int = setting(4, "held-out batches per evaluation")
+    save_every: int = setting(0, "steps between checkpoints (0: only at the end)")
+    log_every: int = setting(10, "steps between metrics.jsonl lines")
+    seed: int = setting(0, "seeds data order, corruption and self-conditioning choices")
+    autocast: bool = setting(True, "bfloat16 autocast where the hardware has it (CUDA)")
+    cpu_autocast: bool = setting(False, "bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
+    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights")
+    lora_alpha: int = setting(16, "LoRA scaling numerator")
+    prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
+    prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
+    response_canvases: int = setting(1, "raw-text corpora: canvases of response per window")
+    max_minutes: float = setting(0.0, "stop (and save) after this much wall time (0: no limit)")
+    time_schedule: bool = setting(False, "with max_minutes: the cosine decay follows the elapsed fraction of the budget")
+    data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
+    compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently

@@ -402,3 +402,23 @@ def test_a_fresh_model_takes_its_tokenizers_special_ids(tmp_path, capsys):
     assert main(train_args(data, tmp_path / "refused", steps=1) + ["--tokenizer", str(no_eos)]) == 2
     err = capsys.readouterr().err
     assert f"--tokenizer {no_eos}: names no EOS token" in err and "Traceback" not in err
+
+
+def test_train_help_comes_from_the_fields_without_their_source(monkeypatch, capsys):
+    """--help was built by reading TrainConfig's source and parsing its trailing comments: where only .pyc files
+    ship, inspect.getsource fails and `blockpress train` could not even parse its flags."""
+    import dataclasses
+    import inspect
+
+    from blockpress.cli import build_parser
+    from blockpress.train import TrainConfig
+
+    def no_source(obj):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata["help"] and " ".join(f.metadata["help"].split()) in shown, f.name
