@@ -424,6 +424,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, type=kind, default=None, help=text)
 
 
+DEFAULT_HELDOUT = 0.02  # train: the fraction of JSONL examples held out when --heldout is not given
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
@@ -471,6 +474,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
     if args.model and args.tokenizer:
         raise ValueError("--tokenizer: only for a fresh model (--config); a checkpoint given by --model brings its own")
+    if args.resume and saved.get("heldout") is not None and raw.get("heldout") != saved["heldout"]:
+        # another split would score examples the run already trained on as held out (or train on held-out ones)
+        raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout']} of its examples; a resumed "
+                         "run keeps its split (leave --heldout out, or start a new run)")
     changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v}
     if changed:  # after the arguments are checked: an error there comes alone
         print("--resume: the run's saved settings, except " +
@@ -525,25 +532,33 @@ def cmd_train(args: argparse.Namespace) -> int:
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
     if args.data.lower().endswith(".jsonl"):
-        if args.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
+        if cfg.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
             raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
                              "--heldout fraction of --data")
+        if cfg.heldout is None:
+            if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
+                print(f"--resume: the run in {args.out} did not record its --heldout; holding out "
+                      f"{DEFAULT_HELDOUT} (give the value it was started with, if another)", file=sys.stderr)
+            cfg = dataclasses.replace(cfg, heldout=DEFAULT_HELDOUT)  # saved with the run: --resume keeps the split
         try:
             examples = load_jsonl(args.data, lm.tokenizer, vocab,
                                   context=(lm.config.canvas_length, lm.config.text.max_position_embeddings,
                                            cfg.max_canvases or None))
         except OSError as exc:  # missing, a directory, unreadable: the flag's path
             raise OSError(f"--data {exc}") from None
-        train, held = split_heldout(examples, args.heldout)
-        if args.heldout > 0 and not held:
-            print(f"--heldout {args.heldout}: holds out none of {len(examples)} examples; no held-out loss",
+        train, held = split_heldout(examples, cfg.heldout)
+        if cfg.heldout > 0 and not held:
+            print(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out loss",
                   file=sys.stderr)
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:
+        if cfg.heldout is not None:  # it would be ignored: shards have no examples to split
+            raise ValueError("--heldout: for JSONL data (a fraction of its examples); with token shards give the "
+                             "held-out shards with --heldout-data")
         source = ShardSource(TokenShards(shard_files(args.data, "--data"), vocab), cfg, lm.config.canvas_length)
-        heldout = ShardSource(TokenShards(shard_files(args.heldout_data, "--heldout-data"), vocab), cfg,
-                              lm.config.canvas_length) if args.heldout_data else None
+        heldout = ShardSource(TokenShards(shard_files(cfg.heldout_data, "--heldout-data"), vocab), cfg,
+                              lm.config.canvas_length) if cfg.heldout_data else None
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet)
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
@@ -776,12 +791,12 @@ FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens
 
 
 def train_flag_of() -> dict[str, str]:
-    """`train`'s settings by name: each TrainConfig field is the flag of the same name, and --heldout."""
+    """`train`'s settings by name: each TrainConfig field is the flag of the same name."""
     from dataclasses import fields
 
     from blockpress.train import TrainConfig
 
-    return {**{f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}, "heldout": "--heldout"}
+    return {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
 
 
 def as_flags(message: str, flag_of: dict[str, str] = FLAG_OF) -> str:
@@ -869,8 +884,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
     p.add_argument("--data", required=True, help="FILE.jsonl, or a glob of token shards (see scripts/)")
-    p.add_argument("--heldout", type=float, default=0.02, help="JSONL: held-out fraction for eval loss")
-    p.add_argument("--heldout-data", default=None, help="shards: glob of held-out token shards")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,

@@ -87,6 +87,11 @@ class TrainConfig:
     time_schedule: bool = setting(False, "with max_minutes: the cosine decay follows the elapsed fraction of the budget")
     data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
+    # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
+    # split (a Trainer takes its held-out data as an argument).
+    heldout: float | None = setting(None, "JSONL data: the fraction of examples held out for the eval loss, chosen "
+                                          "by content hash (default: 0.02); not for token shards (give heldout_data)")
+    heldout_data: str | None = setting(None, "token shards: a glob of held-out shards for the eval loss")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently
@@ -131,6 +136,10 @@ class TrainConfig:
             raise ValueError(f"t_eps: expected in (0, 0.5), got {self.t_eps}")
         if not isinstance(self.noise_token_id, int) or self.noise_token_id < -1:
             raise ValueError(f"noise_token_id: expected -1 (uniform noise) or a token id, got {self.noise_token_id!r}")
+        if self.heldout is not None and not (is_finite_number(self.heldout) and 0 <= self.heldout < 1):
+            raise ValueError(f"heldout: expected a fraction in [0, 1), got {self.heldout!r}")
+        if self.heldout_data is not None and not (isinstance(self.heldout_data, str) and self.heldout_data):
+            raise ValueError(f"heldout_data: expected a glob of token shards, got {self.heldout_data!r}")
         if not 0 < self.prompt_min <= self.prompt_max:
             raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")
 

@@ -136,6 +136,38 @@ def test_resume_keeps_the_runs_own_settings(tmp_path, capsys):
     assert "steps 2 -> 4" in capsys.readouterr().err  # flags given again override, and say so
 
 
+def test_resume_keeps_the_runs_held_out_split(tmp_path, capsys):
+    """--heldout was not saved with the run: --resume without it held out the default 0.02 instead, trained on
+    another set of examples and reported an eval loss over examples the run had trained on."""
+    data = write_data(tmp_path / "d.jsonl", n=16)
+    for out, steps in ((tmp_path / "whole", 4), (tmp_path / "split", 2)):
+        args = train_args(data, out, steps=steps)
+        args[args.index("--heldout") + 1] = "0.5"
+        assert main(args) == 0
+    assert json.loads((tmp_path / "split" / "train_config.json").read_text())["heldout"] == 0.5
+    resume = [a for a in train_args(data, tmp_path / "split", steps=4) if a not in ("--config", "tiny")]
+    resume = resume[: resume.index("--heldout")] + resume[resume.index("--heldout") + 2 :] + ["--resume"]
+    assert main(resume + ["--heldout", "0.25"]) == 2  # another split is refused, the run left as it was
+    assert "--heldout: the run in" in capsys.readouterr().err
+    assert main(resume) == 0
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
+
+
+def test_heldout_fraction_with_token_shards_is_refused(tmp_path, capsys):
+    """--heldout with shard data was silently ignored (no held-out loss, no word)."""
+    from blockpress.data import write_shard
+
+    write_shard(tmp_path / "s.bin", [list(range(3, 200))], vocab_size=512)
+    args = train_args(tmp_path / "s.bin", tmp_path / "out", steps=1)
+    args[args.index("--heldout") + 1] = "0.3"
+    assert main(args) == 2
+    assert "--heldout: for JSONL data" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", str(tmp_path / "s.bin")]
+    assert main(args) == 0
+    assert "eval_loss" in json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+
+
 def test_resume_drops_metrics_rows_past_the_checkpoint(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     out = tmp_path / "run"
