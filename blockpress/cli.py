@@ -559,7 +559,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         source = ShardSource(TokenShards(shard_files(args.data, "--data"), vocab), cfg, lm.config.canvas_length)
         heldout = ShardSource(TokenShards(shard_files(cfg.heldout_data, "--heldout-data"), vocab), cfg,
                               lm.config.canvas_length) if cfg.heldout_data else None
-    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet)
+    base_dtype = lm.dtype
+    # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
+    merged_dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype)
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)
@@ -577,6 +580,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
                           "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,
                           "tokens_per_second": round(result.tokens_per_second, 1)}))
+    if cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
+        print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a {str(merged_dtype)[6:]} "
+              f"checkpoint (the base was {str(base_dtype)[6:]}; --dtype {str(base_dtype)[6:]} saves that, rounding "
+              "part of the adapters' update away)", file=sys.stderr)
     if result.stopped == "interrupted":
         print(f"interrupted at step {result.steps}: saved in {args.out}; continue with --resume", file=sys.stderr)
         return 130
@@ -888,7 +895,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights dtype while training, and of the saved checkpoint (default: float32, since AdamW "
-                        "on bf16 weights rounds small updates away; with --lora-rank, the model's own)")
+                        "on bf16 weights rounds small updates away; with --lora-rank, the frozen base stays in its "
+                        "own dtype while training and the adapters are merged into a float32 checkpoint)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")

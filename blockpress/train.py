@@ -289,17 +289,27 @@ def add_lora(model: nn.Module, rank: int, alpha: int, seed: int = 0) -> nn.Modul
     return model
 
 
-def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold the adapters into the base weights and restore plain nn.Linear layers."""
+def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Fold the adapters into the base weights and restore plain nn.Linear layers; the model comes back in
+    `dtype`. The sum is taken in float32 whatever the base's dtype: folded into bf16 weights, the update is
+    rounded to the weights' own step (blockpress-code after 10 LoRA steps: 34% of it lost on average), so a bf16
+    base gives a float32 model unless `dtype` asks to round it."""
     from peft.tuners.lora import LoraLayer
 
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            base.weight.data = base.weight.data.float()  # exact; peft's merge then adds the update in float32
             module.merge()
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             setattr(parent, name.rsplit(".", 1)[1], module.get_base_layer())
     for p in model.parameters():
+        p.data = p.data.to(dtype)
         p.requires_grad = True
+    for module in model.modules():  # bf16 layer scalars follow the weights; float32 ones (RoPE frequencies) stay
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                module._buffers[key] = buffer.to(dtype)
     return model
 
 
@@ -364,8 +374,11 @@ class Trainer:
         heldout: ExampleSource | ShardSource | None = None,
         progress: bool = True,
         on_step: Callable[[int, float], None] | None = None,
+        merged_dtype: torch.dtype = torch.float32,
     ):
+        """`merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32 (see merge_lora)."""
         self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
+        self.merged_dtype = merged_dtype
         if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
             raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
         self.out = Path(out_dir)
@@ -522,7 +535,7 @@ class Trainer:
         if not self.cfg.lora_rank:
             self.lm.save(self.out)
         elif final:  # LoRA: the final folder is a plain checkpoint with the adapters merged in
-            self.lm.model = merge_lora(self.model)
+            self.lm.model = merge_lora(self.model, self.merged_dtype)
             self.lm.save(self.out)
         else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}

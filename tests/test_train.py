@@ -174,6 +174,40 @@ def test_a_lora_run_is_reproducible_from_its_seed_alone(tmp_path):
     assert any(not torch.equal(p, seeded[n]) for n, p in lm.model.named_parameters() if "lora_A" in n)
 
 
+def test_a_lora_run_on_a_bfloat16_base_is_merged_in_float32(tmp_path):
+    """The adapters were folded into the bf16 base weights: a third of the trained update rounded away, in a
+    checkpoint whose reported eval loss was that of the unrounded model."""
+    pytest.importorskip("peft")
+    from peft.tuners.lora import LoraLayer
+
+    from blockpress.train import merge_lora
+
+    def trained(name, **kwargs):
+        lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), seed=0,
+                                     dtype="bfloat16")
+        cfg = TrainConfig(steps=3, batch_size=4, lora_rank=4, lr=1e-2, warmup_steps=1)
+        trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), cfg, tmp_path / name, progress=False, **kwargs)
+        for _ in range(3):
+            trainer.train_step()
+        return trainer
+
+    trainer = trained("f32")
+    exact = {name: m.get_base_layer().weight.detach().double() + m.get_delta_weight("default").detach().double()
+             for name, m in trainer.model.named_modules() if isinstance(m, LoraLayer)}
+    trainer.save(final=True)
+    saved = blockpress.load(tmp_path / "f32")
+    assert saved.dtype == torch.float32
+    for name, weight in exact.items():
+        assert (saved.model.get_submodule(name).weight.double() - weight).abs().max() < 1e-6, name
+    rounded = trained("bf16", merged_dtype=torch.bfloat16)  # asked for: the update rounded to bf16, as before
+    rounded.save(final=True)
+    assert blockpress.load(tmp_path / "bf16").dtype == torch.bfloat16
+    buffers = {b.dtype for n, b in rounded.lm.model.named_buffers() if "inv_freq" in n}
+    assert buffers == {torch.float32}  # RoPE frequencies stay float32, as a bf16 load keeps them
+    model = merge_lora(trained("again").model)  # the function's own default: float32 throughout
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_a_lora_run_on_a_shipped_model_records_its_name(tmp_path):
     """lora_base.json held the package's absolute folder, which a reinstall moves: --resume lost its base."""
     pytest.importorskip("peft")
