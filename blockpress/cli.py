@@ -431,7 +431,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     import blockpress
-    from blockpress.data import TokenShards, load_jsonl, shard_files, split_heldout
+    from blockpress.data import is_raw_text, load_jsonl, split_heldout
     from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, init_distributed
 
     init_distributed()
@@ -531,7 +531,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
-    if args.data.lower().endswith(".jsonl"):
+    if args.data.lower().endswith(".jsonl") and not is_raw_text(args.data):
         if cfg.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
             raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
                              "--heldout fraction of --data")
@@ -553,11 +553,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:
-        if cfg.heldout is not None:  # it would be ignored: shards have no examples to split
-            raise ValueError("--heldout: for JSONL data (a fraction of its examples); with token shards give the "
-                             "held-out shards with --heldout-data")
-        source = ShardSource(TokenShards(shard_files(args.data, "--data"), vocab), cfg, lm.config.canvas_length)
-        heldout = ShardSource(TokenShards(shard_files(cfg.heldout_data, "--heldout-data"), vocab), cfg,
+        if cfg.heldout:  # it would be ignored: running text has no examples to split
+            raise ValueError("--heldout: for JSONL examples (a fraction of them); with raw text or token shards "
+                             "give the held-out text or shards with --heldout-data")
+        source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length)
+        heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
                               lm.config.canvas_length) if cfg.heldout_data else None
     base_dtype = lm.dtype
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
@@ -588,6 +588,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"interrupted at step {result.steps}: saved in {args.out}; continue with --resume", file=sys.stderr)
         return 130
     return 0
+
+
+def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int) -> Any:
+    """Running text for `train` as TokenShards: raw text (a .txt/.py/.md file, a folder of them, JSONL lines
+    {"text": ...}) tokenised in memory, or a glob of token shards; errors name `flag`."""
+    from blockpress.data import TokenShards, is_raw_text, load_text, shard_files
+
+    if not is_raw_text(path):
+        return TokenShards(shard_files(path, flag), vocab_size)
+    try:
+        return load_text(path, tokenizer, vocab_size)
+    except (ValueError, OSError) as exc:  # their messages start with the path
+        raise type(exc)(f"{flag} {exc}") from None
 
 
 def resumed_train_config(out: Path) -> dict[str, Any]:
@@ -883,14 +896,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
         description="Train a fresh model (--config PRESET|config.json) or fine-tune one (--model). --out receives "
                     "an HF-format checkpoint, metrics.jsonl and loss.png. Data lines: {\"prompt\": str, \"response\": str}, "
-                    "{\"messages\": [...]}, or {\"prompt_ids\": [...], \"response_ids\": [...]}; or a glob of "
-                    "token shards for raw-text pretraining. Run under `torchrun --nproc-per-node N` for several "
+                    "{\"messages\": [...]}, or {\"prompt_ids\": [...], \"response_ids\": [...]}; or raw text, "
+                    "cut into windows of a random-length prompt and --response-canvases canvases: {\"text\": str} "
+                    "lines, a .txt/.py/.md file or a folder of them, or a glob of token shards. Run under `torchrun --nproc-per-node N` for several "
                     "processes (DDP).",
     )
     p.add_argument("--model", default=None, help="checkpoint folder, shipped name or cached repo id to fine-tune")
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
-    p.add_argument("--data", required=True, help="FILE.jsonl, or a glob of token shards (see scripts/)")
+    p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines), a .txt/.py/.md "
+                   "file, a folder of them, or a glob of token shards (see scripts/)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,

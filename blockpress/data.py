@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,17 +133,12 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
     return ex
 
 
-def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
-               context: tuple[int, int, int | None] | None = None) -> list[Example]:
-    """Every record of a JSONL file as an Example; errors name the file and line. `context`: (canvas length,
-    the model's max positions, the most canvases a response keeps or None), to refuse an example that would not
-    fit before a batch allocates it."""
-    path = Path(path)
+def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
+    """("file:line", the decoded JSON value) of each non-blank line; errors name the file and line."""
     if path.is_dir():
         raise IsADirectoryError(f"{path}: is a directory, not a JSONL file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
-    out = []
     with path.open("rb") as f:
         for n, raw in enumerate(f, start=1):
             where = f"{path}:{n}"
@@ -156,25 +151,35 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-            try:
-                ex = parse_example(obj, tokenizer, where, vocab_size)
-            except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
-                message = str(exc)
-                raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
-            if context is not None:
-                canvas, positions, max_canvases = context
-                canvases = len(ex.response) // canvas + 1  # whole canvases, the EOS included (make_batch)
-                length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
-                if length > positions:
-                    fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
-                    cut = (f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it"
-                           if fits >= 1 else "")
-                    raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
-                                     f"{canvas}), more than the model's context of {positions}{cut}")
-            out.append(ex)
+
+
+def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
+               context: tuple[int, int, int | None] | None = None) -> list[Example]:
+    """Every record of a JSONL file as an Example; errors name the file and line. `context`: (canvas length,
+    the model's max positions, the most canvases a response keeps or None), to refuse an example that would not
+    fit before a batch allocates it."""
+    path = Path(path)
+    out = []
+    for where, obj in jsonl_objects(path):
+        try:
+            ex = parse_example(obj, tokenizer, where, vocab_size)
+        except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
+            message = str(exc)
+            raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+        if context is not None:
+            canvas, positions, max_canvases = context
+            canvases = len(ex.response) // canvas + 1  # whole canvases, the EOS included (make_batch)
+            length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
+            if length > positions:
+                fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
+                cut = (f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it"
+                       if fits >= 1 else "")
+                raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
+                                 f"{canvas}), more than the model's context of {positions}{cut}")
+        out.append(ex)
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
@@ -260,7 +265,17 @@ class TokenShards:
     """Memory-mapped token files; windows are cut into a random-length prompt and a response."""
 
     def __init__(self, paths: Sequence[str | Path], vocab_size: int | None = None):
-        self.arrays = [_open_shard(Path(p), vocab_size) for p in paths]
+        self._hold([_open_shard(Path(p), vocab_size) for p in paths])
+
+    @classmethod
+    def of_tokens(cls, tokens: np.ndarray) -> TokenShards:
+        """One shard held in memory: raw text tokenised as a shard file would hold it (see load_text)."""
+        shards = cls.__new__(cls)
+        shards._hold([tokens])
+        return shards
+
+    def _hold(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
         self.sizes = np.array([len(a) for a in self.arrays])
         if self.sizes.sum() == 0:
             raise ValueError("TokenShards: the shards hold no tokens")
@@ -275,8 +290,64 @@ class TokenShards:
         need = plen + response_length
         weights = torch.tensor(np.maximum(self.sizes - need, 0), dtype=torch.float)
         if weights.sum() == 0:
-            raise ValueError(f"TokenShards: no shard is longer than a {need}-token window")
+            raise ValueError(f"TokenShards: no shard holds a {need}-token window (the longest holds "
+                             f"{int(self.sizes.max())} tokens; a window is a prompt of prompt_min..prompt_max tokens "
+                             "and response_canvases canvases)")
         shard = int(torch.multinomial(weights, 1, generator=generator))
         start = int(torch.randint(0, int(self.sizes[shard]) - need + 1, (), generator=generator))
         window = self.arrays[shard][start : start + need].astype(np.int64).tolist()
         return Example(window[:plen], window[plen:], ends=False)
+
+
+# -- raw text ---------------------------------------------------------------------------------------------
+TEXT_SUFFIXES = (".txt", ".py", ".md")  # files read as raw text, alone or in a folder
+
+
+def is_raw_text(path: str | Path) -> bool:
+    """A folder, a .txt/.py/.md file, or a JSONL file whose first record is {"text": ...}."""
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        return path.is_dir() or path.suffix.lower() in TEXT_SUFFIXES
+    if not path.is_file():  # a folder named x.jsonl is a mistake load_jsonl names
+        return False
+    first = next(jsonl_objects(path), (None, None))[1]
+    return isinstance(first, dict) and "text" in first and not {"prompt", "response", "messages",
+                                                                 "prompt_ids", "response_ids"} & set(first)
+
+
+def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -> TokenShards:
+    """Raw text as one in-memory shard, laid out as write_shard lays out documents (scripts/build_code_corpus.py:
+    each document's tokens, then EOS), so training cuts it into windows as it cuts token shards. `path`: a
+    .txt/.py/.md file, a folder of them (searched recursively), or JSONL lines {"text": ...}."""
+    path = Path(path)
+    if tokenizer is None:
+        raise ValueError(f"{path}: raw text needs a tokenizer; this model has none (a fresh model takes one with "
+                         "--tokenizer FOLDER)")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"{path}: a folder without {'/'.join(TEXT_SUFFIXES)} files (token shards are given "
+                             f"as a glob, e.g. {path}/*.bin)")
+    else:
+        files = [path]
+    texts: list[tuple[str, str]] = []  # (where, text)
+    for file in files:
+        if file.suffix.lower() == ".jsonl":
+            for where, obj in jsonl_objects(file):
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    raise ValueError(f"{where}: expected {{\"text\": string}} like the file's first line")
+                texts.append((where, obj["text"]))
+            continue
+        try:
+            texts.append((str(file), file.read_text(encoding="utf-8")))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    tokens = [tokenizer.encode(text) + eos for _, text in texts if text.strip()]
+    flat = np.fromiter((t for doc in tokens for t in doc), dtype=np.int64)
+    if vocab_size is not None and len(flat) and int(flat.max()) >= vocab_size:
+        raise ValueError(f"{path}: the tokenizer gives id {int(flat.max())}, outside the model's vocabulary of "
+                         f"{vocab_size}")
+    if not len(flat):
+        raise ValueError(f"{path}: no text")
+    return TokenShards.of_tokens(flat)

@@ -89,9 +89,10 @@ class TrainConfig:
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
     # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
     # split (a Trainer takes its held-out data as an argument).
-    heldout: float | None = setting(None, "JSONL data: the fraction of examples held out for the eval loss, chosen "
-                                          "by content hash (default: 0.02); not for token shards (give heldout_data)")
-    heldout_data: str | None = setting(None, "token shards: a glob of held-out shards for the eval loss")
+    heldout: float | None = setting(None, "JSONL examples: the fraction held out for the eval loss, chosen by "
+                                          "content hash (default: 0.02); not for raw text (give heldout_data)")
+    heldout_data: str | None = setting(None, "raw text or token shards: held-out text (as --data takes it) or a "
+                                             "glob of held-out shards for the eval loss")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently

@@ -12,7 +12,9 @@ import torch
 from blockpress.data import (
     Example,
     TokenShards,
+    is_raw_text,
     load_jsonl,
+    load_text,
     make_batch,
     shard_files,
     split_heldout,
@@ -191,3 +193,47 @@ def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, 
     with pytest.raises(ValueError, match="take 238 positions") as err:
         load_jsonl(path, tok, context=(16, 64, None))
     assert str(err.value).endswith("; --max-canvases 2 keeps the first 2 canvases of each response and fits it")
+
+
+def test_raw_text_is_laid_out_as_a_token_shard(tmp_path, tok):
+    """.txt/.py/.md files, a folder of them and {"text": ...} JSONL lines could not be trained on at all."""
+    docs = ["def f(x):\n    return x + 1\n", "# notes\nsome text\n", "plain words\n"]
+    folder = tmp_path / "corpus"
+    (folder / "b").mkdir(parents=True)
+    for name, text in zip(["a.py", "b/b.md", "c.txt"], docs):  # read in sorted order
+        (folder / name).write_text(text)
+    (folder / "skip.bin").write_bytes(b"\x00\xff")  # not text: left out
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    write_shard(tmp_path / "s.bin", [tok.encode(d) + [tok.eos_id] for d in docs], vocab_size=300)
+    expected = TokenShards([tmp_path / "s.bin"]).arrays[0].tolist()  # the layout scripts/build_code_corpus.py writes
+    for given in (folder, tmp_path / "t.jsonl"):
+        assert is_raw_text(given)
+        assert load_text(given, tok, 300).arrays[0].tolist() == expected, given
+    assert load_text(folder / "a.py", tok).arrays[0].tolist() == tok.encode(docs[0]) + [tok.eos_id]
+    g = torch.Generator().manual_seed(0)
+    window = load_text(folder, tok).sample(g, (2, 4), 8)  # cut into windows as shards are
+    assert not window.ends and 2 <= len(window.prompt) <= 4 and len(window.response) == 8
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    assert not is_raw_text(tmp_path / "sft.jsonl") and not is_raw_text(tmp_path / "s.bin")
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"text": "a"}', '{"prompt": "a", "response": "b"}'], r"t.jsonl:2: expected \{\"text\": string\}"),
+    (['{"text": "a"}', '{"text": 3}'], r"t.jsonl:2: expected"),
+    (['{"text": "   "}'], "no text"),
+])
+def test_bad_raw_text_is_named(tmp_path, tok, lines, message):
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_text(tmp_path / "t.jsonl", tok)
+
+
+def test_raw_text_errors(tmp_path, tok):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="a folder without .txt/.py/.md files"):
+        load_text(tmp_path / "empty", tok)
+    (tmp_path / "x.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="x.txt: not valid UTF-8"):
+        load_text(tmp_path / "x.txt", tok)
+    with pytest.raises(ValueError, match="raw text needs a tokenizer"):
+        load_text(tmp_path / "x.txt", None)

@@ -161,7 +161,7 @@ def test_heldout_fraction_with_token_shards_is_refused(tmp_path, capsys):
     args = train_args(tmp_path / "s.bin", tmp_path / "out", steps=1)
     args[args.index("--heldout") + 1] = "0.3"
     assert main(args) == 2
-    assert "--heldout: for JSONL data" in capsys.readouterr().err
+    assert "--heldout: for JSONL examples" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", str(tmp_path / "s.bin")]
     assert main(args) == 0
@@ -454,3 +454,22 @@ def test_train_help_comes_from_the_fields_without_their_source(monkeypatch, caps
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for f in dataclasses.fields(TrainConfig):
         assert f.metadata["help"] and " ".join(f.metadata["help"].split()) in shown, f.name
+
+
+def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
+    """A folder of .py files (and {"text": ...} JSONL, a .txt file) was refused: "is a directory; expected ..."."""
+    source = os.path.dirname(blockpress.__file__)
+    folder = tmp_path / "code"
+    folder.mkdir()
+    for name in ("data.py", "train.py"):
+        shutil.copy(f"{source}/{name}", folder / name)
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": open(f"{source}/cli.py").read()}) + "\n")
+    args = train_args(folder, tmp_path / "out", steps=2)
+    args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", str(tmp_path / "held.jsonl")]
+    args += ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and "eval_loss" in rows[-1]
+    no_tokenizer = train_args(folder, tmp_path / "o2", steps=1)
+    assert main(no_tokenizer) == 2  # a fresh model without --tokenizer cannot read text
+    assert f"--data {folder}: raw text needs a tokenizer" in capsys.readouterr().err
