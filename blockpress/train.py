@@ -541,7 +541,7 @@ class Trainer:
         else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
             if self.lm.path is not None:  # which base they adapt: `--resume` takes it from here
-                base = str(self.lm.path)
+                base = str(self.lm.path.resolve())  # as typed, a relative path broke --resume from another folder
                 if self.lm.path.resolve().parent == MODELS_DIR.resolve():  # shipped: its folder moves on reinstall
                     base = self.lm.path.name
                 (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": base}) + "\n")

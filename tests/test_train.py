@@ -224,6 +224,18 @@ def test_a_lora_run_on_a_shipped_model_records_its_name(tmp_path):
     assert lora_base(tmp_path / "run2") == str(folder)
 
 
+def test_a_lora_run_records_its_bases_absolute_path(tmp_path, monkeypatch):
+    """A base given by a relative path was recorded as typed: --resume from another folder could not find it."""
+    pytest.importorskip("peft")
+    from blockpress.train import lora_base
+
+    tiny_lm().save(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    Trainer(blockpress.load("base"), ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, lora_rank=2),
+            "run", progress=False).save()
+    assert lora_base(tmp_path / "run") == str((tmp_path / "base").resolve())
+
+
 def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
     pytest.importorskip("peft")
     lm, result = run(tmp_path, 5, "lora", lora_rank=4)
