@@ -438,6 +438,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: a file, not a folder")
+    # before the model loads: the folder is made only at the first save, minutes later
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out}: cannot be created ({existing} is "
+                         f"{'not a folder' if not existing.is_dir() else 'not writable'})")
     if args.resume and not (out / "trainer_state.pt").is_file():
         raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
     if not args.resume and (out / "trainer_state.pt").exists():

@@ -376,6 +376,10 @@ def test_bad_train_flags(tmp_path, capsys):
     assert "8192 tokens, more than the model's vocab_size of 512" in capsys.readouterr().err
     assert main(train_args(data, tmp_path / "a_file")) == 2  # --out is a file: one line, no traceback
     assert "a_file" in capsys.readouterr().err
+    # a folder that cannot be made was "[Errno 20] Not a directory", without the flag, after the model loaded
+    assert main(train_args(data, tmp_path / "a_file" / "x")) == 2
+    assert f"error: --out {tmp_path / 'a_file' / 'x'}: cannot be created ({tmp_path / 'a_file'} is not a folder)" \
+        in capsys.readouterr().err
     # a checkpoint brings its own tokenizer: --tokenizer beside --model was silently ignored
     args = train_args(data, tmp_path / "o")
     args[args.index("--config") : args.index("--config") + 2] = ["--model", "random-tiny", "--tokenizer", "x"]
