@@ -182,6 +182,35 @@ def error_body(message: str, kind: str, param: str | None) -> dict:
 # -- the engine ---------------------------------------------------------------------------------------------
 
 
+# What the engine thread tells a request's handler about one job, in order: drafts and texts while it runs, then
+# one JobDone or JobError.
+@dataclass(frozen=True)
+class JobDraft:
+    text: str  # the committed text and the settling canvas after it
+    step: int
+
+
+@dataclass(frozen=True)
+class JobText:
+    text: str  # all the job's text so far (a canvas committed)
+    floor: int  # characters of it where no stop string may end (the first min_tokens tokens' text)
+
+
+@dataclass(frozen=True)
+class JobDone:
+    text: str  # the answer, cut at its stop string
+    tokens: int  # completion tokens
+    passes: int  # forward passes
+    finish: str  # OpenAI's finish_reason: "stop" or "length"
+    reused: int  # prompt tokens the prefix cache held
+
+
+@dataclass(frozen=True)
+class JobError:
+    message: str
+
+
+
 @dataclass
 class Job:
     prompt: list[int]
@@ -210,7 +239,7 @@ class Job:
     def holes(self) -> int:
         return sum(t < 0 for t in self.canvas) if self.canvas is not None else 0
 
-    def put(self, item: Any) -> None:
+    def put(self, item: JobDraft | JobText | JobDone | JobError) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
@@ -330,7 +359,7 @@ class Engine:
                 log.exception("serve: a batch of %d failed", len(batch))
                 for job in batch:
                     try:
-                        job.put(("error", str(exc)))
+                        job.put(JobError(str(exc)))
                     except RuntimeError:  # its event loop is gone (shutdown): nobody is waiting for it
                         pass
 
@@ -366,7 +395,7 @@ class Engine:
                     if job.drafts:
                         draft = tok.decode(event.tokens[i].tolist())
                         draft = strip_prefix(draft, prefixes[i]) if not texts[i] and not written[i] else draft
-                        job.put(("draft", texts[i] + draft, event.step))
+                        job.put(JobDraft(texts[i] + draft, event.step))
             elif isinstance(event, Commit):
                 for i, job in enumerate(batch):
                     tokens = event.tokens[i].tolist()
@@ -382,7 +411,7 @@ class Engine:
                     # of it until that many are written, then fixed, so decoded once.
                     if floors[i] is None and len(written[i]) >= min_tokens:
                         floors[i] = stop_floor(tok, written[i], min_tokens, prefixes[i])
-                    job.put(("text", texts[i], len(texts[i]) if floors[i] is None else floors[i]))
+                    job.put(JobText(texts[i], len(texts[i]) if floors[i] is None else floors[i]))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
@@ -397,7 +426,7 @@ class Engine:
                     reused = out.extra["reused_prompt_tokens"][i]
                     # (the prompt, its cached part and the latency count once per request, in `respond`)
                     self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
-                    job.put(("done", text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
+                    job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
 def settled_text(text: str, stops: Sequence[str], floor: int = 0) -> str:
@@ -542,10 +571,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 return {"index": i, key: content, "finish_reason": finish}
             return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
 
-        def tally(totals: tuple[int, int, int], done: tuple, copies: int) -> tuple[int, int, int]:
+        def tally(totals: tuple[int, int, int], done: JobDone, copies: int) -> tuple[int, int, int]:
             """(completion tokens, forward passes, cached prompt tokens) with one finished job's choices added."""
-            _, _, n, p, _, reused = done
-            return totals[0] + n * copies, totals[1] + p, max(totals[2], reused)  # the choices share one prompt
+            # the choices share one prompt
+            return totals[0] + done.tokens * copies, totals[1] + done.passes, max(totals[2], done.reused)
 
         def indices(k: int) -> range:  # the choice indices job k answers
             first = sum(j.copies for j in jobs[:k])
@@ -579,24 +608,24 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                         "finish_reason": None} for i in mine])
                         while True:
                             item = await job.events.get()
-                            if item[0] == "error":
-                                yield f"data: {json.dumps(error_body(item[1], 'server_error', None))}\n\n"
+                            if isinstance(item, JobError):
+                                yield f"data: {json.dumps(error_body(item.message, 'server_error', None))}\n\n"
                                 return
-                            if item[0] == "draft":
+                            if isinstance(item, JobDraft):
                                 yield sse([choice(i, None, None, True) for i in mine],
-                                          blockpress={"draft": item[1], "step": item[2]})
+                                          blockpress={"draft": item.text, "step": item.step})
                                 continue
-                            if item[0] in ("text", "done"):
-                                # The chunks must add up to the plain answer: send only text no later event can
-                                # take back, and the rest with the final text.
-                                text = item[1] if item[0] == "done" else settled_text(item[1], job.stop, item[2])
-                                piece = text[len(sent):] if text.startswith(sent) else ""
-                                if piece:
-                                    sent = text
-                                    yield sse([choice(i, piece, None, True) for i in mine])
-                                if item[0] == "text":
-                                    continue
-                            finish = item[4]  # the engine ended stopped rows and cut their text
+                            # The chunks must add up to the plain answer: send only text no later event can take
+                            # back, and the rest with the final text.
+                            text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop,
+                                                                                            item.floor)
+                            piece = text[len(sent):] if text.startswith(sent) else ""
+                            if piece:
+                                sent = text
+                                yield sse([choice(i, piece, None, True) for i in mine])
+                            if isinstance(item, JobText):
+                                continue
+                            finish = item.finish  # the engine ended stopped rows and cut their text
                             totals = tally(totals, item, job.copies)
                             yield sse([choice(i, None if kind == "chat" else "", finish, True) for i in mine])
                             break
@@ -617,21 +646,21 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 try:
                     item = await asyncio.wait_for(job.events.get(), timeout=0.5)
                 except TimeoutError:
-                    item = ("wait",)
+                    item = None
                 if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
                     checked = time.monotonic()
                     if await request.is_disconnected():  # the client left: free its rows, as a stream does
                         for j in jobs:
                             j.cancelled.set()
                         raise APIError(499, "the client closed the connection", kind="client_closed")
-                if item[0] == "error":
+                if isinstance(item, JobError):
                     for j in jobs:  # its other choices would run for nobody
                         j.cancelled.set()
-                    raise APIError(500, f"generation failed: {item[1]}", kind="server_error")
-                if item[0] == "done":
+                    raise APIError(500, f"generation failed: {item.message}", kind="server_error")
+                if isinstance(item, JobDone):
                     break
             # the engine ended stopped rows and cut their text
-            choices += [choice(i, item[1], item[4], False) for i in indices(k)]
+            choices += [choice(i, item.text, item.finish, False) for i in indices(k)]
             totals = tally(totals, item, job.copies)
         finished(jobs, prompt_tokens, totals)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
