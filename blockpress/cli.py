@@ -730,6 +730,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _server_class() -> type:
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -741,6 +743,15 @@ def _server_class() -> type:
                 print(f"blockpress: stopping; requests in flight get up to {self.config.timeout_graceful_shutdown:g} s "
                       "to finish (signal again to stop now)", file=sys.stderr)
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them
+            # first, so they get a 503 (a stream: an error event) and the engine stops within a step (a cancel
+            # alone answered a bare 500 and left the engine generating for nobody, and the exit aborted).
+            engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+            if engine is not None:
+                asyncio.get_running_loop().call_later(self.config.timeout_graceful_shutdown, engine.cut)
+            await super().shutdown(sockets)
 
     return Server
 

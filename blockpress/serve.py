@@ -208,6 +208,7 @@ class JobDone:
 @dataclass(frozen=True)
 class JobError:
     message: str
+    status: int = 500  # 503: the server cut the job (it is shutting down)
 
 
 
@@ -298,6 +299,7 @@ class Engine:
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         self.stopping = False
+        self.running: list[Job] = []  # the batch the engine thread is generating
         self.metrics = Metrics()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
         self.thread.start()
@@ -326,11 +328,27 @@ class Engine:
     def _depth(self) -> int:
         return self.queue.qsize() + len(self.pending)
 
+    def cut(self, message: str = "the server is shutting down") -> None:
+        """End every queued and running job now: each gets a 503 error event, and the engine stops its batch
+        within a step (a stop signal's grace period has run out). Jobs that finished meanwhile are unaffected."""
+        with self.lock:
+            jobs = list(self.queue.queue) + self.pending + self.running
+            for job in jobs:
+                job.cancelled.set()
+            self.arrived.notify()
+        for job in jobs:
+            try:
+                job.put(JobError(message, 503))
+            except RuntimeError:  # its event loop is gone: nobody is waiting for it
+                pass
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread once its current batch ends (the app's shutdown calls this)."""
+        """Cut what is still queued or running and stop the engine thread (the app's shutdown calls this).
+        Waiting for a batch nobody would receive held the exit, and an interpreter that finalised while the engine
+        thread was inside torch aborted (rc 134)."""
         with self.lock:
             self.stopping = True
-            self.arrived.notify()
+        self.cut()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
@@ -349,12 +367,14 @@ class Engine:
             key = self.pending[0].key()
             batch = [j for j in self.pending if j.key() == key][: self.max_batch]
             self.pending = [j for j in self.pending if j not in batch]
+            self.running = batch  # under the same lock: a cut never misses a job between the two
             return batch
 
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:
             try:
-                self._run(batch)
+                if not all(j.cancelled.is_set() for j in batch):  # every client left, or a cut, meanwhile
+                    self._run(batch)
             except Exception as exc:  # keep serving; the affected requests get a 500-style error event
                 log.exception("serve: a batch of %d failed", len(batch))
                 for job in batch:
@@ -362,6 +382,9 @@ class Engine:
                         job.put(JobError(str(exc)))
                     except RuntimeError:  # its event loop is gone (shutdown): nobody is waiting for it
                         pass
+            finally:
+                with self.lock:
+                    self.running = []
 
     def _run(self, batch: list[Job]) -> None:
         tok = self.lm.tokenizer
@@ -641,27 +664,30 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
         choices, totals = [], (0, 0, 0)
         checked = time.monotonic()
-        for k, job in enumerate(jobs):
-            while True:
-                try:
-                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except TimeoutError:
-                    item = None
-                if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
-                    checked = time.monotonic()
-                    if await request.is_disconnected():  # the client left: free its rows, as a stream does
-                        for j in jobs:
-                            j.cancelled.set()
-                        raise APIError(499, "the client closed the connection", kind="client_closed")
-                if isinstance(item, JobError):
-                    for j in jobs:  # its other choices would run for nobody
-                        j.cancelled.set()
-                    raise APIError(500, f"generation failed: {item.message}", kind="server_error")
-                if isinstance(item, JobDone):
-                    break
-            # the engine ended stopped rows and cut their text
-            choices += [choice(i, item.text, item.finish, False) for i in indices(k)]
-            totals = tally(totals, item, job.copies)
+        try:
+            for k, job in enumerate(jobs):
+                while True:
+                    try:
+                        item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                    except TimeoutError:
+                        item = None
+                    if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
+                        checked = time.monotonic()
+                        if await request.is_disconnected():  # the client left: free its rows, as a stream does
+                            raise APIError(499, "the client closed the connection", kind="client_closed")
+                    if isinstance(item, JobError):
+                        raise APIError(item.status, item.message if item.status == 503 else
+                                       f"generation failed: {item.message}", kind="server_error")
+                    if isinstance(item, JobDone):
+                        break
+                # the engine ended stopped rows and cut their text
+                choices += [choice(i, item.text, item.finish, False) for i in indices(k)]
+                totals = tally(totals, item, job.copies)
+        finally:
+            # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so): the engine
+            # stops rows that would run for nobody.
+            for j in jobs:
+                j.cancelled.set()
         finished(jobs, prompt_tokens, totals)
         return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
                 "usage": usage(totals)}

@@ -705,3 +705,49 @@ def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included
     with TestClient(app) as http:  # the engine ended with the first lifespan: a clear 503, not a request that hangs
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503
+
+
+def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
+    """A stop signal's grace period running out cancelled the handlers: a non-streamed request got a bare plain-text
+    500, nothing told the engine, which kept generating for nobody until the exit aborted (rc 134); a stream just
+    ended, looking like a short answer. Now every queued or running request is cut with an OpenAI-style 503 (a
+    stream: an error event, no [DONE]) and the engine thread stops within a step."""
+    import threading
+
+    from blockpress.cli import _server_class
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 8}
+    app = create_app(lm, MODEL, max_batch=1)  # one request runs, the other waits in the queue
+    srv = _server_class()(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                                         timeout_graceful_shutdown=0.2))
+    engine = srv.config.app.state.engine
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        thread.join(0.05)
+    base = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "seed": 1}  # many seconds
+
+    def plain():
+        return httpx.post(base + "/v1/completions", json=body, timeout=120)
+
+    def streamed():
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            return [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        answer = pool.submit(plain)
+        while not engine.metrics.counters["batches_total"]:  # the plain request is generating
+            thread.join(0.05)
+        stream = pool.submit(streamed)
+        while engine.depth() < 1:  # the streamed one waits behind it
+            thread.join(0.05)
+        srv.should_exit = True
+        r, lines = answer.result(), stream.result()
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down", r.text
+    assert lines and json.loads(lines[-1])["error"]["message"] == "the server is shutting down"
+    assert "[DONE]" not in lines
+    thread.join(30)
+    assert not thread.is_alive() and not engine.thread.is_alive()
+    assert engine.metrics.counters["completion_tokens_total"] == 0  # neither ran to its end
