@@ -11,7 +11,9 @@ flips; rare). In bf16 the shapes move logits by ~0.1 on blockpress-code, which c
 
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
-settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` scales the temperature schedule; 0 means the greedy sampler.
+settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` T > 0 tempers
+the candidate draws (SamplerConfig.draw_temperature = T: the schedule's temperature times T), while acceptance,
+ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the greedy sampler.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
 
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` makes the answer exactly
@@ -555,7 +557,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                     # A model that decodes greedily by default (blockpress-code) samples when asked for a
                     # temperature, as OpenAI's API does: greedy is entropy_bound with argmax candidates.
                     cfg = cfg.with_(sampler="entropy_bound")
-                cfg = cfg.with_(t_min=cfg.t_min * body.temperature, t_max=cfg.t_max * body.temperature)
+                # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every
+                # position look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
+                cfg = cfg.with_(draw_temperature=body.temperature)
         except ValueError as exc:
             field_name = str(exc).split(":", 1)[0]
             raise APIError(400, str(exc), field_name) from None

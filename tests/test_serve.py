@@ -751,3 +751,14 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
     thread.join(30)
     assert not thread.is_alive() and not engine.thread.is_alive()
     assert engine.metrics.counters["completion_tokens_total"] == 0  # neither ran to its end
+
+
+def test_a_low_temperature_tempers_the_draws_not_the_acceptance(client):
+    """temperature scaled the whole schedule, so at 0.05 every position looked certain and the entropy bound took a
+    canvas of noise in a pass or two (`ospathpathpath...`). It now tempers only the candidate draws: acceptance
+    keeps the schedule, so a temperature near 0 gives the greedy answer, in as many passes."""
+    for seed in (1, 2, 3):
+        kw = dict(model=MODEL, prompt="hello", max_tokens=32, seed=seed, extra_body={"max_denoising_steps": 8})
+        greedy, cold = (client.completions.create(temperature=t, **kw) for t in (0, 1e-3))
+        assert cold.choices[0].text == greedy.choices[0].text
+        assert cold.usage.model_extra["forward_passes"] == greedy.usage.model_extra["forward_passes"]
