@@ -404,17 +404,16 @@ class Engine:
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
             max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
-            # A draft every step, forwarded only where asked: the loop below then sees each step, so clients that
-            # leave free the engine within a step rather than when the canvas commits (a long canvas took minutes).
-            sampler=first.sampler, seeds=[j.seed for j in batch], drafts=True,
+            # Drafts cost device->host copies every step: only when a client asked. Clients that leave still free
+            # the engine within a step (`cancelled` is asked before each), not when the canvas commits.
+            sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
+            cancelled=lambda: all(j.cancelled.is_set() for j in batch),
             # a canvas's holes are healed at their edges (its fixed part is text the client wrote)
             token_healing=first.token_healing or first.canvas is not None, stop=[j.stop for j in batch],
             prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
-        for event in stream:
-            if all(j.cancelled.is_set() for j in batch):
-                return  # every client left: free the engine now
+        for event in stream:  # it ends without Done once every client has left
             if isinstance(event, Draft):
                 for i, job in enumerate(batch):
                     if job.drafts:

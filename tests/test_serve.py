@@ -762,3 +762,18 @@ def test_a_low_temperature_tempers_the_draws_not_the_acceptance(client):
         greedy, cold = (client.completions.create(temperature=t, **kw) for t in (0, 1e-3))
         assert cold.choices[0].text == greedy.choices[0].text
         assert cold.usage.model_extra["forward_passes"] == greedy.usage.model_extra["forward_passes"]
+
+
+def test_drafts_are_made_only_for_requests_that_asked(server, monkeypatch):
+    """The engine streamed a draft every step (three device->host copies) just to notice clients leaving; now it
+    asks for drafts only when a request wants them and hears about cancellation through `cancelled`."""
+    lm = server[1].state.engine.lm
+    asked = []
+    stream = lm.stream
+    monkeypatch.setattr(lm, "stream", lambda *a, **k: (asked.append((k["drafts"], k.get("cancelled"))), stream(*a, **k))[1])
+    for drafts in (False, True):
+        with httpx.stream("POST", server[0] + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "x", "max_tokens": 8, "seed": 1, "stream": True, "drafts": drafts}) as r:
+            lines = [x for x in r.iter_lines() if x.startswith("data: ")]
+        assert any('"draft"' in x for x in lines) == drafts and lines[-1] == "data: [DONE]"
+    assert [d for d, _ in asked] == [False, True] and all(callable(c) for _, c in asked)
