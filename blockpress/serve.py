@@ -17,7 +17,8 @@ ranking and stopping keep the schedule, so a small T approaches the greedy answe
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
 
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` makes the answer exactly
-`max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length); the extra field `template`
+`max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
+joins the hole, as a text template's does); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text.
 
 Chat replies default to `min_tokens: 1`, so a reply is never empty unless the request sends 0.
@@ -170,6 +171,16 @@ class CompletionRequest(_Common):
     template: str | None = None
 
 
+@dataclass(frozen=True)
+class Canvas:
+    """A constrained canvas (`suffix` or `template`) and the prompt it follows."""
+
+    prompt: list[int]  # as the engine takes it: a suffix request's trailing space moves into the hole
+    tokens: list[int]  # token ids, -1 in the holes
+    answer_tokens: int | None  # suffix: the leading tokens that are the answer; None: all of it (a filled template)
+    heal_prefix: str = ""  # the moved space, which the hole's first token starts with (the prompt's, not the answer's)
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
                  headers: dict[str, str] | None = None):
@@ -233,6 +244,9 @@ class Job:
     # tokens are the answer (suffix mode: the holes before the suffix; None: all of it, a filled template).
     canvas: list[int] | None = None
     answer_tokens: int | None = None
+    # Text of the prompt that the answer's first token starts with (token healing, or a suffix's healed space);
+    # not part of the answer.
+    heal_prefix: str = ""
 
     def key(self) -> tuple:
         return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing,
@@ -396,7 +410,7 @@ class Engine:
         texts = [""] * len(batch)  # each row's text so far, decoded over all its committed tokens
         written: list[list[int]] = [[] for _ in batch]  # those tokens (suffix mode: only the answer's)
         # The healed prompt token's text, which the first new tokens repeat (the LM heals each prompt the same way)
-        prefixes = [heal(tok, j.prompt).prefix if first.token_healing else "" for j in batch]
+        prefixes = [j.heal_prefix for j in batch]
         consumed = [0] * len(batch)  # canvas tokens committed so far
         # A canvas's layout as the LM lays it out (holes healed): its fixed special tokens are text the client wrote
         layouts = [None if j.canvas is None else heal_holes(tok, torch.tensor([j.canvas]))[0] for j in batch]
@@ -446,7 +460,8 @@ class Engine:
                     if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
                         n = int(out.num_chosen_tokens[i])
                         if job.answer_tokens is not None:
-                            text = tok.decode(out.new_tokens[i, : job.answer_tokens].tolist())
+                            text = strip_prefix(tok.decode(out.new_tokens[i, : job.answer_tokens].tolist()),
+                                                job.heal_prefix)
                     reused = out.extra["reused_prompt_tokens"][i]
                     # (the prompt, its cached part and the latency count once per request, in `respond`)
                     self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
@@ -570,11 +585,13 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         else:
             seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
         loop = asyncio.get_running_loop()
+        # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
+        prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
         if cfg.sampler == "greedy":  # n greedy choices are one answer n times, as OpenAI's: run it once
             return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
-                        asyncio.Queue(), copies=body.n)]
+                        asyncio.Queue(), copies=body.n, heal_prefix=prefix)]
         return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,
-                    body.token_healing, loop, asyncio.Queue())
+                    body.token_healing, loop, asyncio.Queue(), heal_prefix=prefix)
                 for i in range(body.n)]
 
     def finished(jobs: list[Job], prompt_tokens: int, totals: tuple[int, int, int]) -> None:
@@ -717,20 +734,20 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             prompt = lm.tokenizer.encode_prompt(body.prompt)
         jobs = build_job(body, prompt)
         if body.suffix is not None or body.template is not None:
-            canvas, answer = constrained_canvas(body, jobs[0].max_tokens)
+            canvas = constrained_canvas(body, prompt, jobs[0].max_tokens)
             for job in jobs:  # not queued yet: a refusal below drops them
-                job.canvas, job.answer_tokens = canvas, answer
+                job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
+                job.heal_prefix = canvas.heal_prefix
             if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
                 raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                                     f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
-            if len(prompt) + len(canvas) > context:
-                raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas)}-token canvas exceed the "
-                                    f"context of {context} tokens", "prompt")
+            if len(canvas.prompt) + len(canvas.tokens) > context:
+                raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas exceed "
+                                    f"the context of {context} tokens", "prompt")
         return await respond(jobs, body, "completion", len(prompt), request)
 
-    def constrained_canvas(body: CompletionRequest, max_tokens: int) -> tuple[list[int], int | None]:
-        """The canvas of a `suffix` or `template` request: token ids with -1 in the holes, and the answer's length
-        (suffix: the max_tokens holes before the suffix; template: None, the whole filled text)."""
+    def constrained_canvas(body: CompletionRequest, prompt: list[int], max_tokens: int) -> Canvas:
+        """The canvas of a `suffix` or `template` request after `prompt`."""
         given = "suffix" if body.suffix is not None else "template"
         for other, clash in (("template", body.suffix is not None and body.template is not None),
                              ("stop", bool(body.stop)), ("token_healing", body.token_healing)):
@@ -738,9 +755,16 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
                                     "tokens)", other)
         if body.suffix is not None:
-            return [-1] * max_tokens + lm.tokenizer.encode(body.suffix), max_tokens
+            holes = [-1] * max_tokens + lm.tokenizer.encode(body.suffix)
+            healed = heal(lm.tokenizer, prompt) if isinstance(body.prompt, str) else None
+            if healed is None or not healed.prefix:
+                return Canvas(prompt, holes, max_tokens)
+            # A text prompt's trailing whitespace token ("return " ends in a lone " ") joins the hole, as in a text
+            # template: the hole's first token must start with it (" x" is one token in running text; after a
+            # lone " " the model went on mid-word: "return atures"). The engine heals that position.
+            return Canvas(healed.ids, prompt[-1:] + holes, max_tokens, healed.prefix)
         try:
-            return template_to_ids(body.template, lm.tokenizer, 1, 8, context)[0].tolist(), None
+            return Canvas(prompt, template_to_ids(body.template, lm.tokenizer, 1, 8, context)[0].tolist(), None)
         except ValueError as exc:
             raise APIError(400, str(exc), "template") from None
 

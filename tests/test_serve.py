@@ -777,3 +777,30 @@ def test_drafts_are_made_only_for_requests_that_asked(server, monkeypatch):
             lines = [x for x in r.iter_lines() if x.startswith("data: ")]
         assert any('"draft"' in x for x in lines) == drafts and lines[-1] == "data: [DONE]"
     assert [d for d, _ in asked] == [False, True] and all(callable(c) for _, c in asked)
+
+
+def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
+    """The README's example: "return " encodes its space as a lone " " token, which stayed in the prompt, and the
+    model went on mid-word ("return atures.lower()"). The space now joins the hole, as in a text template: the
+    answer is what the library gives for that healed layout, its first token starts with the space, and the text
+    leaves the space out (it is the prompt's)."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("blockpress-code", "float32", "cpu")
+    tok = lm.tokenizer
+    prompt, suffix = "def area(r):\n    return ", "\n"
+    body = {"model": MODEL, "prompt": prompt, "suffix": suffix, "max_tokens": 8, "temperature": 0}
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:
+        plain = http.post("/v1/completions", json=body).json()
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    ids = tok.encode_prompt(prompt)
+    assert tok.token_texts()[ids[-1]] == " "
+    direct = lm.generate([ids[:-1]], template=[ids[-1:] + [-1] * 8 + tok.encode(suffix)], sampler="greedy", seeds=[0],
+                         token_healing=True)
+    answer = direct.new_tokens[0, :8].tolist()
+    assert tok.token_texts()[answer[0]].startswith(" ")
+    text = plain["choices"][0]["text"]
+    assert text == tok.decode(answer)[1:] and not text.startswith(" ")
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["prompt_tokens"] == len(ids)
