@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -481,6 +481,275 @@ def settled_text(text: str, stops: Sequence[str], floor: int = 0) -> str:
 # -- the app --------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ServerState:
+    """What the request handlers share."""
+
+    lm: Any
+    engine: Engine
+    model_name: str
+    context: int  # the most tokens a prompt and its answer may take
+
+
+@dataclass
+class Usage:
+    """A request's usage so far: completion tokens, forward passes, and prompt tokens the prefix cache held."""
+
+    completion: int = 0
+    passes: int = 0
+    cached: int = 0
+
+    def add(self, done: JobDone, copies: int) -> None:
+        self.completion += done.tokens * copies
+        self.passes += done.passes
+        self.cached = max(self.cached, done.reused)  # the choices share one prompt
+
+
+@dataclass
+class Reply:
+    """One request's answer in the making: its jobs, and what every response object of it says."""
+
+    jobs: list[Job]
+    kind: Literal["chat", "completion"]
+    model: str
+    prompt_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+    def indices(self, k: int) -> range:
+        """The choice indices job k answers."""
+        first = sum(j.copies for j in self.jobs[:k])
+        return range(first, first + self.jobs[k].copies)
+
+    def choice(self, i: int, text: str | None, finish: str | None, delta: bool) -> dict:
+        if self.kind == "chat":
+            key = "delta" if delta else "message"
+            content = {} if text is None else ({"content": text} if delta else {"role": "assistant", "content": text})
+            return {"index": i, key: content, "finish_reason": finish}
+        return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+    def usage(self, totals: Usage) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": totals.completion,
+                "total_tokens": self.prompt_tokens + totals.completion, "forward_passes": totals.passes,
+                "prompt_tokens_details": {"cached_tokens": totals.cached}}
+
+
+def validation_error(exc: RequestValidationError) -> JSONResponse:
+    """A request body that does not fit its model, as OpenAI's 400 naming the field."""
+    errors = exc.errors()
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", []) if x != "body"]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid request")
+    # A field of several types (prompt: str | list[int]) fails once per type, each under the type's tag:
+    # name the field and every form it takes, not "prompt.str: Input should be a valid string".
+    field_errors = [[str(x) for x in e.get("loc", []) if x != "body"] for e in errors]
+    forms = list(dict.fromkeys(e[1] for e in field_errors if len(e) > 1 and e[0] == loc[0])) if loc else []
+    if len(forms) > 1:
+        param, msg = loc[0], f"expected {' or '.join(forms)}"
+    if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        msg = "the request body must be a JSON object"
+    elif err.get("type") == "extra_forbidden":
+        msg = f"unknown field {param!r}"
+    elif err.get("type") == "json_invalid":
+        msg, param = "the request body is not valid JSON", None
+    elif err.get("type") == "too_short":  # pydantic says "at least 1 item", also of a string
+        msg = "must not be empty"
+    return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param),
+                        status_code=400)
+
+
+def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job]:
+    """A request's jobs for one prompt: one per sampled choice, or one for all its greedy choices."""
+    lm, model_name, context = state.lm, state.model_name, state.context
+    if body.model not in (model_name, lm.path.name if lm.path else model_name):
+        raise APIError(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
+                       "not_found_error")
+    field_name = body.unsupported()
+    if field_name:
+        raise APIError(400, f"{field_name}: not supported by this server (block diffusion; its no-op value "
+                            f"{NOOP_VALUES[field_name][0]!r} or null is accepted)", field_name)
+    try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
+        max_tokens = body.max_completion_tokens or body.max_tokens or lm.default_new_tokens(len(prompt))
+    except ValueError as exc:
+        raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+    if len(prompt) + max_tokens > context:
+        # the prompt is what to shorten when it alone leaves no room for one new token
+        param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) >= context else "max_tokens"
+        raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
+                            f"context of {context} tokens", param)
+    if body.top_p not in (None, 1.0):
+        raise APIError(400, "top_p: only 1.0 is supported (block diffusion samples whole canvases)", "top_p")
+    cfg = sampler_config(lm.sampler_defaults, body)
+    stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
+    if body.seed is not None:
+        seed = body.seed
+    elif cfg.sampler == "greedy":  # temperature 0: the same answer every time, so no random starting canvas
+        seed = 0
+    else:
+        seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
+    loop = asyncio.get_running_loop()
+    # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
+    prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
+    if cfg.sampler == "greedy":  # n greedy choices are one answer n times, as OpenAI's: run it once
+        return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
+                    asyncio.Queue(), copies=body.n, heal_prefix=prefix)]
+    return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,
+                body.token_healing, loop, asyncio.Queue(), heal_prefix=prefix)
+            for i in range(body.n)]
+
+
+def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
+    """The checkpoint's sampler settings with the request's diffusion fields and OpenAI temperature applied."""
+    overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
+                                               "t_min", "t_max", "stability_threshold", "confidence_threshold",
+                                               "presence_penalty", "frequency_penalty")}
+    try:
+        cfg = defaults.with_(**overrides)
+        if body.temperature == 0:
+            return cfg.with_(sampler="greedy")
+        if body.temperature is not None:
+            if cfg.sampler == "greedy" and body.sampler is None:
+                # A model that decodes greedily by default (blockpress-code) samples when asked for a
+                # temperature, as OpenAI's API does: greedy is entropy_bound with argmax candidates.
+                cfg = cfg.with_(sampler="entropy_bound")
+            # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every
+            # position look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
+            cfg = cfg.with_(draw_temperature=body.temperature)
+        return cfg
+    except ValueError as exc:
+        raise APIError(400, str(exc), str(exc).split(":", 1)[0]) from None
+
+
+def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list[int], max_tokens: int) -> Canvas:
+    """The canvas of a `suffix` or `template` request after `prompt`."""
+    tok = state.lm.tokenizer
+    given = "suffix" if body.suffix is not None else "template"
+    for other, clash in (("template", body.suffix is not None and body.template is not None),
+                         ("stop", bool(body.stop)), ("token_healing", body.token_healing)):
+        if clash:
+            raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
+                                "tokens)", other)
+    if body.suffix is not None:
+        holes = [-1] * max_tokens + tok.encode(body.suffix)
+        healed = heal(tok, prompt) if isinstance(body.prompt, str) else None
+        if healed is None or not healed.prefix:
+            return Canvas(prompt, holes, max_tokens)
+        # A text prompt's trailing whitespace token ("return " ends in a lone " ") joins the hole, as in a text
+        # template: the hole's first token must start with it (" x" is one token in running text; after a
+        # lone " " the model went on mid-word: "return atures"). The engine heals that position.
+        return Canvas(healed.ids, prompt[-1:] + holes, max_tokens, healed.prefix)
+    try:
+        return Canvas(prompt, template_to_ids(body.template, tok, 1, 8, state.context)[0].tolist(), None)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "template") from None
+
+
+def finished(engine: Engine, reply: Reply, totals: Usage) -> None:
+    """A request's every choice is answered: its prompt, the part of it reused, and its latency, once."""
+    engine.metrics.add(requests_total=1, prompt_tokens_total=reply.prompt_tokens,
+                       cached_prompt_tokens_total=totals.cached)
+    engine.metrics.observe(time.perf_counter() - reply.jobs[0].created)
+
+
+async def respond(engine: Engine, reply: Reply, body: _Common, request: Request) -> Any:
+    """Queue a request's jobs and answer it: one JSON object, or a stream of server-sent events."""
+    if body.stream_options is not None and not body.stream:  # checked before any job is queued
+        raise APIError(400, "stream_options: only with stream: true", "stream_options")
+    engine.submit(reply.jobs)  # a refused request counts in rejected_total; an answered one in requests_total
+    if body.stream:
+        with_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(stream_reply(engine, reply, with_usage), media_type="text/event-stream")
+    return await collect_reply(engine, reply, request)
+
+
+async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncIterator[str]:
+    """A request's server-sent events: OpenAI's chunks, then the usage (when asked) and [DONE]."""
+    # OpenAI's chunk objects: chat.completion.chunk, and text_completion for the legacy completions
+    chunk_object = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
+
+    def sse(choices: list[dict], **extra: Any) -> str:
+        chunk = {"id": reply.id, "object": chunk_object, "created": reply.created, "model": reply.model,
+                 "choices": choices, **extra}
+        if with_usage and "usage" not in chunk:
+            chunk["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    totals = Usage()
+    try:
+        for k, job in enumerate(reply.jobs):
+            sent, mine = "", reply.indices(k)
+            if reply.kind == "chat":  # OpenAI's first delta of a choice names the role
+                yield sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                           for i in mine])
+            while True:
+                item = await job.events.get()
+                if isinstance(item, JobError):
+                    yield f"data: {json.dumps(error_body(item.message, 'server_error', None))}\n\n"
+                    return
+                if isinstance(item, JobDraft):
+                    yield sse([reply.choice(i, None, None, True) for i in mine],
+                              blockpress={"draft": item.text, "step": item.step})
+                    continue
+                # The chunks must add up to the plain answer: send only text no later event can take back, and
+                # the rest with the final text.
+                text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop, item.floor)
+                piece = text[len(sent):] if text.startswith(sent) else ""
+                if piece:
+                    sent = text
+                    yield sse([reply.choice(i, piece, None, True) for i in mine])
+                if isinstance(item, JobText):
+                    continue
+                totals.add(item, job.copies)  # the engine ended stopped rows and cut their text
+                yield sse([reply.choice(i, None if reply.kind == "chat" else "", item.finish, True) for i in mine])
+                break
+        finished(engine, reply, totals)
+        if with_usage:
+            yield sse([], usage=reply.usage(totals))
+        yield "data: [DONE]\n\n"
+    finally:
+        for job in reply.jobs:  # a client that left frees its rows
+            job.cancelled.set()
+
+
+async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
+    """A request's answer as one JSON object, once every job is done."""
+    choices, totals = [], Usage()
+    checked = time.monotonic()
+    try:
+        for k, job in enumerate(reply.jobs):
+            while True:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except TimeoutError:
+                    item = None
+                if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
+                    checked = time.monotonic()
+                    if await request.is_disconnected():  # the client left: free its rows, as a stream does
+                        raise APIError(499, "the client closed the connection", kind="client_closed")
+                if isinstance(item, JobError):
+                    raise APIError(item.status, item.message if item.status == 503 else
+                                   f"generation failed: {item.message}", kind="server_error")
+                if isinstance(item, JobDone):
+                    break
+            # the engine ended stopped rows and cut their text
+            choices += [reply.choice(i, item.text, item.finish, False) for i in reply.indices(k)]
+            totals.add(item, job.copies)
+    finally:
+        # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so): the engine
+        # stops rows that would run for nobody.
+        for j in reply.jobs:
+            j.cancelled.set()
+    finished(engine, reply, totals)
+    return {"id": reply.id, "object": "chat.completion" if reply.kind == "chat" else "text_completion",
+            "created": reply.created, "model": reply.model, "choices": choices, "usage": reply.usage(totals)}
+
+
 def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py)."""
@@ -492,6 +761,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
+    state = ServerState(lm, engine, model_name, max_context or lm.config.text.max_position_embeddings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -500,8 +770,6 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine = engine
-    context = max_context or lm.config.text.max_position_embeddings
-    defaults = lm.sampler_defaults
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -516,201 +784,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        err = errors[0]
-        loc = [str(x) for x in err.get("loc", []) if x != "body"]
-        param = ".".join(loc) or None
-        msg = err.get("msg", "invalid request")
-        # A field of several types (prompt: str | list[int]) fails once per type, each under the type's tag:
-        # name the field and every form it takes, not "prompt.str: Input should be a valid string".
-        field_errors = [[str(x) for x in e.get("loc", []) if x != "body"] for e in errors]
-        forms = list(dict.fromkeys(e[1] for e in field_errors if len(e) > 1 and e[0] == loc[0])) if loc else []
-        if len(forms) > 1:
-            param, msg = loc[0], f"expected {' or '.join(forms)}"
-        if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
-            msg = "the request body must be a JSON object"
-        elif err.get("type") == "extra_forbidden":
-            msg = f"unknown field {param!r}"
-        elif err.get("type") == "json_invalid":
-            msg, param = "the request body is not valid JSON", None
-        elif err.get("type") == "too_short":  # pydantic says "at least 1 item", also of a string
-            msg = "must not be empty"
-        return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param),
-                            status_code=400)
-
-    def build_job(body: _Common, prompt: list[int]) -> list[Job]:
-        if body.model not in (model_name, lm.path.name if lm.path else model_name):
-            raise APIError(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
-                           "not_found_error")
-        field_name = body.unsupported()
-        if field_name:
-            raise APIError(400, f"{field_name}: not supported by this server (block diffusion; its no-op value "
-                                f"{NOOP_VALUES[field_name][0]!r} or null is accepted)", field_name)
-        try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
-            max_tokens = body.max_completion_tokens or body.max_tokens or lm.default_new_tokens(len(prompt))
-        except ValueError as exc:
-            raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
-        if body.min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
-        if len(prompt) + max_tokens > context:
-            # the prompt is what to shorten when it alone leaves no room for one new token
-            param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) >= context else "max_tokens"
-            raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
-                                f"context of {context} tokens", param)
-        if body.top_p not in (None, 1.0):
-            raise APIError(400, "top_p: only 1.0 is supported (block diffusion samples whole canvases)", "top_p")
-        overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
-                                                   "t_min", "t_max", "stability_threshold", "confidence_threshold",
-                                                   "presence_penalty", "frequency_penalty")}
-        try:
-            cfg = defaults.with_(**overrides)
-            if body.temperature == 0:
-                cfg = cfg.with_(sampler="greedy")
-            elif body.temperature is not None:
-                if cfg.sampler == "greedy" and body.sampler is None:
-                    # A model that decodes greedily by default (blockpress-code) samples when asked for a
-                    # temperature, as OpenAI's API does: greedy is entropy_bound with argmax candidates.
-                    cfg = cfg.with_(sampler="entropy_bound")
-                # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every
-                # position look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
-                cfg = cfg.with_(draw_temperature=body.temperature)
-        except ValueError as exc:
-            field_name = str(exc).split(":", 1)[0]
-            raise APIError(400, str(exc), field_name) from None
-        stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
-        if body.seed is not None:
-            seed = body.seed
-        elif cfg.sampler == "greedy":  # temperature 0: the same answer every time, so no random starting canvas
-            seed = 0
-        else:
-            seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
-        loop = asyncio.get_running_loop()
-        # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
-        prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
-        if cfg.sampler == "greedy":  # n greedy choices are one answer n times, as OpenAI's: run it once
-            return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
-                        asyncio.Queue(), copies=body.n, heal_prefix=prefix)]
-        return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,
-                    body.token_healing, loop, asyncio.Queue(), heal_prefix=prefix)
-                for i in range(body.n)]
-
-    def finished(jobs: list[Job], prompt_tokens: int, totals: tuple[int, int, int]) -> None:
-        """A request's every choice is answered: its prompt, the part of it reused, and its latency, once."""
-        engine.metrics.add(requests_total=1, prompt_tokens_total=prompt_tokens, cached_prompt_tokens_total=totals[2])
-        engine.metrics.observe(time.perf_counter() - jobs[0].created)
-
-    async def respond(jobs: list[Job], body: _Common, kind: str, prompt_tokens: int, request: Request):
-        if body.stream_options is not None and not body.stream:  # checked before any job is queued
-            raise APIError(400, "stream_options: only with stream: true", "stream_options")
-        engine.submit(jobs)  # a refused request counts in rejected_total; an answered one in requests_total
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-
-        def choice(i: int, text: str | None, finish: str | None, delta: bool) -> dict:
-            if kind == "chat":
-                key = "delta" if delta else "message"
-                content = {} if text is None else ({"content": text} if delta else {"role": "assistant", "content": text})
-                return {"index": i, key: content, "finish_reason": finish}
-            return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
-
-        def tally(totals: tuple[int, int, int], done: JobDone, copies: int) -> tuple[int, int, int]:
-            """(completion tokens, forward passes, cached prompt tokens) with one finished job's choices added."""
-            # the choices share one prompt
-            return totals[0] + done.tokens * copies, totals[1] + done.passes, max(totals[2], done.reused)
-
-        def indices(k: int) -> range:  # the choice indices job k answers
-            first = sum(j.copies for j in jobs[:k])
-            return range(first, first + jobs[k].copies)
-
-        def usage(totals: tuple[int, int, int]) -> dict:
-            completion, passes, cached = totals
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                    "total_tokens": prompt_tokens + completion, "forward_passes": passes,
-                    "prompt_tokens_details": {"cached_tokens": cached}}
-
-        if body.stream:
-            with_usage = body.stream_options is not None and body.stream_options.include_usage
-            # OpenAI's chunk objects: chat.completion.chunk, and text_completion for the legacy completions
-            chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-            def sse(choices: list[dict], **extra: Any) -> str:
-                chunk = {"id": rid, "object": chunk_object, "created": created, "model": body.model,
-                         "choices": choices, **extra}
-                if with_usage and "usage" not in chunk:
-                    chunk["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
-                return f"data: {json.dumps(chunk)}\n\n"
-
-            async def events():
-                totals = (0, 0, 0)
-                try:
-                    for k, job in enumerate(jobs):
-                        sent, mine = "", indices(k)
-                        if kind == "chat":  # OpenAI's first delta of a choice names the role
-                            yield sse([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None} for i in mine])
-                        while True:
-                            item = await job.events.get()
-                            if isinstance(item, JobError):
-                                yield f"data: {json.dumps(error_body(item.message, 'server_error', None))}\n\n"
-                                return
-                            if isinstance(item, JobDraft):
-                                yield sse([choice(i, None, None, True) for i in mine],
-                                          blockpress={"draft": item.text, "step": item.step})
-                                continue
-                            # The chunks must add up to the plain answer: send only text no later event can take
-                            # back, and the rest with the final text.
-                            text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop,
-                                                                                            item.floor)
-                            piece = text[len(sent):] if text.startswith(sent) else ""
-                            if piece:
-                                sent = text
-                                yield sse([choice(i, piece, None, True) for i in mine])
-                            if isinstance(item, JobText):
-                                continue
-                            finish = item.finish  # the engine ended stopped rows and cut their text
-                            totals = tally(totals, item, job.copies)
-                            yield sse([choice(i, None if kind == "chat" else "", finish, True) for i in mine])
-                            break
-                    finished(jobs, prompt_tokens, totals)
-                    if with_usage:
-                        yield sse([], usage=usage(totals))
-                    yield "data: [DONE]\n\n"
-                finally:
-                    for job in jobs:  # a client that left frees its rows
-                        job.cancelled.set()
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        choices, totals = [], (0, 0, 0)
-        checked = time.monotonic()
-        try:
-            for k, job in enumerate(jobs):
-                while True:
-                    try:
-                        item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                    except TimeoutError:
-                        item = None
-                    if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
-                        checked = time.monotonic()
-                        if await request.is_disconnected():  # the client left: free its rows, as a stream does
-                            raise APIError(499, "the client closed the connection", kind="client_closed")
-                    if isinstance(item, JobError):
-                        raise APIError(item.status, item.message if item.status == 503 else
-                                       f"generation failed: {item.message}", kind="server_error")
-                    if isinstance(item, JobDone):
-                        break
-                # the engine ended stopped rows and cut their text
-                choices += [choice(i, item.text, item.finish, False) for i in indices(k)]
-                totals = tally(totals, item, job.copies)
-        finally:
-            # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so): the engine
-            # stops rows that would run for nobody.
-            for j in jobs:
-                j.cancelled.set()
-        finished(jobs, prompt_tokens, totals)
-        return {"id": rid, "object": obj, "created": created, "model": body.model, "choices": choices,
-                "usage": usage(totals)}
+        return validation_error(exc)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -721,7 +795,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
                            "server_error" if broken else "invalid_request_error") from None
-        return await respond(build_job(body, prompt), body, "chat", len(prompt), request)
+        reply = Reply(build_jobs(state, body, prompt), "chat", body.model, len(prompt))
+        return await respond(engine, reply, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -732,41 +807,19 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             prompt = list(body.prompt)
         else:
             prompt = lm.tokenizer.encode_prompt(body.prompt)
-        jobs = build_job(body, prompt)
+        jobs = build_jobs(state, body, prompt)
         if body.suffix is not None or body.template is not None:
-            canvas = constrained_canvas(body, prompt, jobs[0].max_tokens)
+            canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens)
             for job in jobs:  # not queued yet: a refusal below drops them
                 job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
                 job.heal_prefix = canvas.heal_prefix
             if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
                 raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                                     f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
-            if len(canvas.prompt) + len(canvas.tokens) > context:
+            if len(canvas.prompt) + len(canvas.tokens) > state.context:
                 raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas exceed "
-                                    f"the context of {context} tokens", "prompt")
-        return await respond(jobs, body, "completion", len(prompt), request)
-
-    def constrained_canvas(body: CompletionRequest, prompt: list[int], max_tokens: int) -> Canvas:
-        """The canvas of a `suffix` or `template` request after `prompt`."""
-        given = "suffix" if body.suffix is not None else "template"
-        for other, clash in (("template", body.suffix is not None and body.template is not None),
-                             ("stop", bool(body.stop)), ("token_healing", body.token_healing)):
-            if clash:
-                raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
-                                    "tokens)", other)
-        if body.suffix is not None:
-            holes = [-1] * max_tokens + lm.tokenizer.encode(body.suffix)
-            healed = heal(lm.tokenizer, prompt) if isinstance(body.prompt, str) else None
-            if healed is None or not healed.prefix:
-                return Canvas(prompt, holes, max_tokens)
-            # A text prompt's trailing whitespace token ("return " ends in a lone " ") joins the hole, as in a text
-            # template: the hole's first token must start with it (" x" is one token in running text; after a
-            # lone " " the model went on mid-word: "return atures"). The engine heals that position.
-            return Canvas(healed.ids, prompt[-1:] + holes, max_tokens, healed.prefix)
-        try:
-            return Canvas(prompt, template_to_ids(body.template, lm.tokenizer, 1, 8, context)[0].tolist(), None)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "template") from None
+                                    f"the context of {state.context} tokens", "prompt")
+        return await respond(engine, Reply(jobs, "completion", body.model, len(prompt)), body, request)
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}
 
