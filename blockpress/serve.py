@@ -236,10 +236,11 @@ class Job:
     drafts: bool
     token_healing: bool
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
+    events: asyncio.Queue  # (job, event) pairs; a request's jobs share one, so their choices interleave
     cancelled: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
     copies: int = 1  # choices this job answers: greedy choices are one answer, computed once
+    choices: range = range(1)  # their indices in the response
     # A constrained canvas (`suffix` or `template`): its token ids, -1 in the holes, and how many of its leading
     # tokens are the answer (suffix mode: the holes before the suffix; None: all of it, a filled template).
     canvas: list[int] | None = None
@@ -257,7 +258,7 @@ class Job:
         return sum(t < 0 for t in self.canvas) if self.canvas is not None else 0
 
     def put(self, item: JobDraft | JobText | JobDone | JobError) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self, item))
 
 
 log = logging.getLogger("blockpress.serve")
@@ -515,14 +516,15 @@ class Reply:
     prompt_tokens: int
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(init=False)
+    # every job's events, as they come: a stream sends each choice's text as soon as it is there
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-
-    def indices(self, k: int) -> range:
-        """The choice indices job k answers."""
-        first = sum(j.copies for j in self.jobs[:k])
-        return range(first, first + self.jobs[k].copies)
+        first = 0
+        for job in self.jobs:  # not queued yet
+            job.events, job.choices = self.events, range(first, first + job.copies)
+            first += job.copies
 
     def choice(self, i: int, text: str | None, finish: str | None, delta: bool) -> dict:
         if self.kind == "chat":
@@ -681,33 +683,35 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
         return f"data: {json.dumps(chunk)}\n\n"
 
     totals = Usage()
+    sent = {job.choices.start: "" for job in reply.jobs}  # each job's text sent so far
     try:
-        for k, job in enumerate(reply.jobs):
-            sent, mine = "", reply.indices(k)
-            if reply.kind == "chat":  # OpenAI's first delta of a choice names the role
+        if reply.kind == "chat":  # OpenAI's first delta of a choice names the role
+            for job in reply.jobs:
                 yield sse([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                           for i in mine])
-            while True:
-                item = await job.events.get()
-                if isinstance(item, JobError):
-                    yield f"data: {json.dumps(error_body(item.message, 'server_error', None))}\n\n"
-                    return
-                if isinstance(item, JobDraft):
-                    yield sse([reply.choice(i, None, None, True) for i in mine],
-                              blockpress={"draft": item.text, "step": item.step})
-                    continue
-                # The chunks must add up to the plain answer: send only text no later event can take back, and
-                # the rest with the final text.
-                text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop, item.floor)
-                piece = text[len(sent):] if text.startswith(sent) else ""
-                if piece:
-                    sent = text
-                    yield sse([reply.choice(i, piece, None, True) for i in mine])
-                if isinstance(item, JobText):
-                    continue
+                           for i in job.choices])
+        working = len(reply.jobs)
+        while working:
+            job, item = await reply.events.get()
+            if isinstance(item, JobError):
+                yield f"data: {json.dumps(error_body(item.message, 'server_error', None))}\n\n"
+                return
+            if isinstance(item, JobDraft):
+                yield sse([reply.choice(i, None, None, True) for i in job.choices],
+                          blockpress={"draft": item.text, "step": item.step})
+                continue
+            # The chunks must add up to the plain answer: send only text no later event can take back, and the
+            # rest with the final text.
+            text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop, item.floor)
+            before = sent[job.choices.start]
+            piece = text[len(before):] if text.startswith(before) else ""
+            if piece:
+                sent[job.choices.start] = text
+                yield sse([reply.choice(i, piece, None, True) for i in job.choices])
+            if isinstance(item, JobDone):
                 totals.add(item, job.copies)  # the engine ended stopped rows and cut their text
-                yield sse([reply.choice(i, None if reply.kind == "chat" else "", item.finish, True) for i in mine])
-                break
+                yield sse([reply.choice(i, None if reply.kind == "chat" else "", item.finish, True)
+                           for i in job.choices])
+                working -= 1
         finished(engine, reply, totals)
         if with_usage:
             yield sse([], usage=reply.usage(totals))
@@ -721,25 +725,25 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
     """A request's answer as one JSON object, once every job is done."""
     choices, totals = [], Usage()
     checked = time.monotonic()
+    working = len(reply.jobs)
     try:
-        for k, job in enumerate(reply.jobs):
-            while True:
-                try:
-                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except TimeoutError:
-                    item = None
-                if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
-                    checked = time.monotonic()
-                    if await request.is_disconnected():  # the client left: free its rows, as a stream does
-                        raise APIError(499, "the client closed the connection", kind="client_closed")
-                if isinstance(item, JobError):
-                    raise APIError(item.status, item.message if item.status == 503 else
-                                   f"generation failed: {item.message}", kind="server_error")
-                if isinstance(item, JobDone):
-                    break
-            # the engine ended stopped rows and cut their text
-            choices += [reply.choice(i, item.text, item.finish, False) for i in reply.indices(k)]
-            totals.add(item, job.copies)
+        while working:
+            try:
+                job, item = await asyncio.wait_for(reply.events.get(), timeout=0.5)
+            except TimeoutError:
+                item = None
+            if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
+                checked = time.monotonic()
+                if await request.is_disconnected():  # the client left: free its rows, as a stream does
+                    raise APIError(499, "the client closed the connection", kind="client_closed")
+            if isinstance(item, JobError):
+                raise APIError(item.status, item.message if item.status == 503 else
+                               f"generation failed: {item.message}", kind="server_error")
+            if isinstance(item, JobDone):  # the engine ended stopped rows and cut their text
+                choices += [reply.choice(i, item.text, item.finish, False) for i in job.choices]
+                totals.add(item, job.copies)
+                working -= 1
+        choices.sort(key=lambda c: c["index"])
     finally:
         # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so): the engine
         # stops rows that would run for nobody.

@@ -804,3 +804,16 @@ def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
     assert text == tok.decode(answer)[1:] and not text.startswith(" ")
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
     assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_streamed_choices_interleave(server):
+    """n choices run in one batch, but a stream sent choice 1's chunks only once choice 0 had finished: they now
+    come as the engine commits them, each choice's text still adding up to its plain answer."""
+    body = {"prompt": "x", "max_tokens": 48, "min_tokens": 48, "n": 2, "seed": 3}  # three canvases each, no EOS
+    chunks = sse_chunks(server, "/v1/completions", body)
+    order = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks]
+    assert order.index((1, None)) < order.index((0, "length"))
+    plain = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, **body}, timeout=60).json()
+    for choice in plain["choices"]:
+        i = choice["index"]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) == choice["text"]
