@@ -21,6 +21,9 @@ Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` m
 joins the hole, as a text template's does); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text.
 
+/v1/completions takes OpenAI's prompt forms: a text, token ids, or a list of either (choice j of prompt i has index
+i*n + j; each prompt is answered as it would be alone, and the usage adds up).
+
 Chat replies default to `min_tokens: 1`, so a reply is never empty unless the request sends 0.
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
@@ -164,7 +167,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
+    # OpenAI's forms: one prompt (text or token ids), or a batch of them (choice j of prompt i has index i*n + j)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     # OpenAI's insert mode: the completion fills exactly max_tokens tokens between the prompt and this text
     suffix: str | None = None
     # blockpress: text with <|hole|> / <|hole:N|> markers after the prompt; the answer is the filled text
@@ -241,6 +245,7 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     copies: int = 1  # choices this job answers: greedy choices are one answer, computed once
     choices: range = range(1)  # their indices in the response
+    group: int = 0  # which of the request's prompts it answers
     # A constrained canvas (`suffix` or `template`): its token ids, -1 in the holes, and how many of its leading
     # tokens are the answer (suffix mode: the holes before the suffix; None: all of it, a filled template).
     canvas: list[int] | None = None
@@ -324,8 +329,8 @@ class Engine:
     def submit(self, jobs: list[Job]) -> None:
         """Queue a request's choices, all or none (a half-queued request would run choices nobody receives)."""
         if len(jobs) > self.queue.maxsize:
-            raise APIError(400, f"n: {len(jobs)} choices can never fit the server's queue of {self.queue.maxsize}",
-                           "n")
+            raise APIError(400, f"n: {len(jobs)} choices (n for each prompt) can never fit the server's queue of "
+                                f"{self.queue.maxsize}", "n")
         with self.lock:
             if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
                 raise APIError(503, "the server is shutting down", kind="server_error")
@@ -498,12 +503,16 @@ class Usage:
 
     completion: int = 0
     passes: int = 0
-    cached: int = 0
+    reused: dict[int, int] = field(default_factory=dict)  # by prompt: its choices share it, so count it once
 
-    def add(self, done: JobDone, copies: int) -> None:
-        self.completion += done.tokens * copies
+    def add(self, job: Job, done: JobDone) -> None:
+        self.completion += done.tokens * job.copies
         self.passes += done.passes
-        self.cached = max(self.cached, done.reused)  # the choices share one prompt
+        self.reused[job.group] = max(self.reused.get(job.group, 0), done.reused)
+
+    @property
+    def cached(self) -> int:
+        return sum(self.reused.values())
 
 
 @dataclass
@@ -652,6 +661,43 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         raise APIError(400, str(exc), "template") from None
 
 
+def completion_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
+    """The token ids of a completion request's prompts: one, or OpenAI's batch of texts or of id lists."""
+    one = isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
+    prompts = [body.prompt] if one else body.prompt
+    out = []
+    for i, prompt in enumerate(prompts):
+        name = "prompt" if one else f"prompt[{i}]"
+        if not prompt:
+            raise APIError(400, f"{name}: must not be empty", "prompt")
+        if isinstance(prompt, str):
+            out.append(state.lm.tokenizer.encode_prompt(prompt))
+            continue
+        bad = [t for t in prompt if not 0 <= t < state.lm.config.text.vocab_size]
+        if bad:
+            raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary", "prompt")
+        out.append(list(prompt))
+    return out
+
+
+def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[int]) -> list[Job]:
+    """A completion request's jobs for one prompt, on a constrained canvas when it sends `suffix` or `template`."""
+    jobs = build_jobs(state, body, prompt)
+    if body.suffix is None and body.template is None:
+        return jobs
+    canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens)
+    for job in jobs:  # not queued yet: a refusal below drops them
+        job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
+        job.heal_prefix = canvas.heal_prefix
+    if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
+        raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
+                            f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
+    if len(canvas.prompt) + len(canvas.tokens) > state.context:
+        raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas exceed "
+                            f"the context of {state.context} tokens", "prompt")
+    return jobs
+
+
 def finished(engine: Engine, reply: Reply, totals: Usage) -> None:
     """A request's every choice is answered: its prompt, the part of it reused, and its latency, once."""
     engine.metrics.add(requests_total=1, prompt_tokens_total=reply.prompt_tokens,
@@ -708,7 +754,7 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
                 sent[job.choices.start] = text
                 yield sse([reply.choice(i, piece, None, True) for i in job.choices])
             if isinstance(item, JobDone):
-                totals.add(item, job.copies)  # the engine ended stopped rows and cut their text
+                totals.add(job, item)  # the engine ended stopped rows and cut their text
                 yield sse([reply.choice(i, None if reply.kind == "chat" else "", item.finish, True)
                            for i in job.choices])
                 working -= 1
@@ -741,7 +787,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
                                f"generation failed: {item.message}", kind="server_error")
             if isinstance(item, JobDone):  # the engine ended stopped rows and cut their text
                 choices += [reply.choice(i, item.text, item.finish, False) for i in job.choices]
-                totals.add(item, job.copies)
+                totals.add(job, item)
                 working -= 1
         choices.sort(key=lambda c: c["index"])
     finally:
@@ -804,26 +850,13 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if isinstance(body.prompt, list):
-            bad = [t for t in body.prompt if not 0 <= t < lm.config.text.vocab_size]
-            if bad:
-                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary", "prompt")
-            prompt = list(body.prompt)
-        else:
-            prompt = lm.tokenizer.encode_prompt(body.prompt)
-        jobs = build_jobs(state, body, prompt)
-        if body.suffix is not None or body.template is not None:
-            canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens)
-            for job in jobs:  # not queued yet: a refusal below drops them
-                job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
-                job.heal_prefix = canvas.heal_prefix
-            if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
-                raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
-                                    f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
-            if len(canvas.prompt) + len(canvas.tokens) > state.context:
-                raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas exceed "
-                                    f"the context of {state.context} tokens", "prompt")
-        return await respond(engine, Reply(jobs, "completion", body.model, len(prompt)), body, request)
+        jobs, prompt_tokens = [], 0
+        for i, prompt in enumerate(completion_prompts(state, body)):
+            for job in completion_jobs(state, body, prompt):
+                job.group = i
+                jobs.append(job)
+            prompt_tokens += len(prompt)
+        return await respond(engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}
 

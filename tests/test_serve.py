@@ -204,7 +204,7 @@ def test_bad_requests_get_clean_4xx(server, body, status, param):
 
 
 @pytest.mark.parametrize("body, param, forms", [
-    ({"prompt": [[1, 2]]}, "prompt", ["str", "list[int]"]),
+    ({"prompt": [1.5]}, "prompt", ["str", "list[int]", "list[str]", "list[list[int]]"]),
     ({"prompt": 5}, "prompt", ["str", "list[int]"]),
     ({"prompt": "x", "stop": [1, 2]}, "stop", ["str", "list[str]"]),
     ({"prompt": "x", "seed": 2**64}, "seed", None),
@@ -817,3 +817,25 @@ def test_streamed_choices_interleave(server):
     for choice in plain["choices"]:
         i = choice["index"]
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) == choice["text"]
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(client, server):
+    """OpenAI's /v1/completions takes a list of prompts (LangChain's OpenAI wrapper always sends one); it was refused.
+    Choice j of prompt i has index i*n + j and is that prompt's answer alone; the usage adds up."""
+    prompts = ["abc", "hello there"]
+    kw = dict(model=MODEL, max_tokens=12, n=2, seed=4)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    both = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [c.text for a in alone for c in a.choices]
+    for name in ("prompt_tokens", "completion_tokens"):
+        assert getattr(both.usage, name) == sum(getattr(a.usage, name) for a in alone)
+    ids = [server[1].state.engine.lm.tokenizer.encode_prompt(p) for p in prompts]
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in by_ids.choices] == [c.text for c in both.choices]
+    streamed = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
+    assert [streamed[i] for i in range(4)] == [c.text for c in both.choices]
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": ["a", ""]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt[1]: must not be empty"
