@@ -83,7 +83,6 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -161,6 +160,7 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens (chat only)
     # A reply is never empty unless asked: an end-of-turn token may not come first (a block-diffusion canvas that
     # puts one at position 0 otherwise answers terse prompts with nothing). 0 allows it.
     min_tokens: int = Field(default=1, ge=0)
@@ -548,23 +548,51 @@ class Reply:
                 "prompt_tokens_details": {"cached_tokens": totals.cached}}
 
 
-def validation_error(exc: RequestValidationError) -> JSONResponse:
+def field_path(loc: Sequence[str | int]) -> str:
+    """A field's place as OpenAI writes it: messages[0].content."""
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+
+
+def union_tag(loc: Sequence[str | int], names: frozenset[str]) -> int | None:
+    """Where pydantic put a union member's tag in `loc` ("str" in ("prompt", "str")), if anywhere: the first
+    element that is neither a list index nor a field name."""
+    return next((i for i, x in enumerate(loc) if isinstance(x, str) and x not in names), None)
+
+
+def validation_error(exc: RequestValidationError, content_type: str | None) -> JSONResponse:
     """A request body that does not fit its model, as OpenAI's 400 naming the field."""
-    errors = exc.errors()
-    err = errors[0]
-    loc = [str(x) for x in err.get("loc", []) if x != "body"]
-    param = ".".join(loc) or None
+    names = frozenset(f for m in (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions) for f in m.model_fields)
+    errors = [(e, [x for x in e.get("loc", []) if x != "body"]) for e in exc.errors()]
+    err, loc = errors[0]
+    param = field_path(loc) or None
     msg = err.get("msg", "invalid request")
-    # A field of several types (prompt: str | list[int]) fails once per type, each under the type's tag:
-    # name the field and every form it takes, not "prompt.str: Input should be a valid string".
-    field_errors = [[str(x) for x in e.get("loc", []) if x != "body"] for e in errors]
-    forms = list(dict.fromkeys(e[1] for e in field_errors if len(e) > 1 and e[0] == loc[0])) if loc else []
-    if len(forms) > 1:
-        param, msg = loc[0], f"expected {' or '.join(forms)}"
+    tag = union_tag(loc, names) if err.get("type") != "extra_forbidden" else None  # (an unknown field's name)
+    if tag is not None:
+        # A field of several types (prompt: str | list[int]; a message's content) fails once per type, each under
+        # the type's tag: name the field and every form it takes, not "prompt.str: Input should be a valid
+        # string", and, where the value had one form's shape, what inside it is wrong.
+        field_loc = loc[:tag]
+        members = [(e, x) for e, x in errors if x[:tag] == field_loc and union_tag(x, names) == tag]
+        forms = list(dict.fromkeys(x[tag] for _, x in members))
+        inner = list(dict.fromkeys(x[tag] for _, x in members if len(x) > tag + 1))
+        param, msg = field_path(field_loc), f"expected {' or '.join(forms)}"
+        if len(inner) == 1:  # the value had that form's shape: say what inside it is wrong
+            e, x = next((e, x) for e, x in members if x[tag] == inner[0] and len(x) > tag + 1)
+            where = param + field_path([y for y in x[tag + 1:] if y not in forms])
+            if x[-1] == "type" and "content" in field_loc and e.get("type") == "literal_error":
+                msg += f"; only text parts are supported ({where} is {e.get('input')!r})"
+            else:
+                msg += f"; {where}: {e.get('msg')}"
+        elif err.get("input") is None:
+            msg += ", got null"
     if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
         msg = "the request body must be a JSON object"
+        if "json" not in (content_type or ""):  # FastAPI reads a body as JSON only when the header says so
+            msg += f" sent with Content-Type: application/json (got {content_type or 'no Content-Type'})"
     elif err.get("type") == "extra_forbidden":
         msg = f"unknown field {param!r}"
+        if param == "max_completion_tokens":  # OpenAI's chat field; the legacy completions take max_tokens
+            msg += " (a /v1/chat/completions field; /v1/completions takes max_tokens)"
     elif err.get("type") == "json_invalid":
         msg, param = "the request body is not valid JSON", None
     elif err.get("type") == "too_short":  # pydantic says "at least 1 item", also of a string
@@ -584,7 +612,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
         raise APIError(400, f"{field_name}: not supported by this server (block diffusion; its no-op value "
                             f"{NOOP_VALUES[field_name][0]!r} or null is accepted)", field_name)
     try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
-        max_tokens = body.max_completion_tokens or body.max_tokens or lm.default_new_tokens(len(prompt))
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or lm.default_new_tokens(len(prompt))
     except ValueError as exc:
         raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
     if body.min_tokens > max_tokens:
@@ -833,8 +861,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc, request.headers.get("content-type"))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -871,7 +899,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                            "not_found_error")
         return model_card
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some probes send HEAD
     async def health():
         return {"status": "ok", "queue_depth": engine.depth()}
 

@@ -649,7 +649,7 @@ def test_openai_clients_message_shapes(server):
     assert parts.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
     assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     image = chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
-    assert image.status_code == 400 and "messages.0.content" in image.json()["error"]["message"]
+    assert image.status_code == 400 and image.json()["error"]["param"] == "messages[0].content"
 
 
 def test_empty_prompt_and_full_queue_say_so(server):
@@ -839,3 +839,27 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, server):
     assert [streamed[i] for i in range(4)] == [c.text for c in both.choices]
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": ["a", ""]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"] == "prompt[1]: must not be empty"
+
+
+@pytest.mark.parametrize("body, param, says", [
+    # before: "messages.0.content.str: Input should be a valid string", for an image part as for null
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "only text parts are supported (messages[0].content[0].type is 'image_url')"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content",
+     "expected str or list[TextPart], got null"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'assistant'"),
+    # an OpenAI chat field the legacy completions do not take (it silently won over max_tokens)
+    ({"prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}, "max_completion_tokens", "takes max_tokens"),
+])
+def test_nested_errors_name_the_field_as_openai_writes_it(server, body, param, says):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server[0] + path, json={"model": MODEL, **body}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and says in err["message"], err
+
+
+def test_a_body_not_sent_as_json_names_the_header_and_health_answers_head(server):
+    r = httpx.post(server[0] + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
+                   headers={"content-type": "application/x-www-form-urlencoded"})  # what plain `curl -d` sends
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    assert httpx.head(server[0] + "/health").status_code == 200
