@@ -613,6 +613,48 @@ def _no_choice(logits: torch.Tensor, banned: torch.Tensor | None, open_positions
 
 
 @dataclass
+class _Bans:
+    """Tokens banned at a few (row, position) pairs of a canvas: the first new token under token healing, and a
+    healed template hole's first position (its token must extend the whitespace it took over). Kept sparse: a
+    dense [B, C, V] mask is 64 MiB a row at a 262,144-token vocabulary, and indexing it by the working rows
+    copied it on every step."""
+
+    rows: torch.Tensor  # [n] rows (of the batch, or of the working sub-batch once `take`n)
+    positions: torch.Tensor  # [n] canvas positions
+    banned: torch.Tensor  # [n, V] bool
+
+    @classmethod
+    def of_canvas(cls, req: Request, ci: int, lo: int, keep: int, device: torch.device) -> _Bans | None:
+        """The bans of canvas `ci` (new tokens lo .. lo + keep), or None when it has none."""
+        found: dict[tuple[int, int], torch.Tensor] = {}
+        if ci == 0 and req.first_allowed is not None:
+            found.update({(r, 0): ~ok for r, ok in enumerate(req.first_allowed)})
+        for (r, p), ok in (req.hole_allowed or {}).items():
+            if lo <= p < lo + keep:  # a position named twice takes both bans (one index_put cannot)
+                found[r, p - lo] = found[r, p - lo] | ~ok if (r, p - lo) in found else ~ok
+        if not found:
+            return None
+        rows, positions = zip(*found)
+        return cls(torch.tensor(rows, device=device), torch.tensor(positions, device=device),
+                   torch.stack(list(found.values())).to(device))
+
+    def take(self, keep: torch.Tensor, size: int) -> _Bans | None:
+        """The bans of the sub-batch rows `keep` (of `size` rows), renumbered to them. One host sync, at a shrink."""
+        where = torch.full((size,), -1, dtype=torch.long, device=keep.device)
+        where[keep] = torch.arange(keep.numel(), device=keep.device)
+        rows = where[self.rows]
+        kept = rows >= 0
+        if not bool(kept.any()):
+            return None
+        return _Bans(rows[kept], self.positions[kept], self.banned[kept])
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """-inf at the banned tokens of `logits` [b, C, V] (in place; only the n named rows are read and written)."""
+        at = (self.rows, self.positions)
+        logits.index_put_(at, logits[at].masked_fill(self.banned, float("-inf")))
+
+
+@dataclass
 class _Working:
     """The rows of a batch still denoising the current canvas, with everything indexed to them once."""
 
@@ -621,13 +663,15 @@ class _Working:
     cache: KVCache
     fixed: torch.Tensor | None
     scored: torch.Tensor
+    bans: _Bans | None  # numbered by the sub-batch
     seeds: torch.Tensor
     finished: torch.Tensor  # [b'] ended with an EOS in an earlier canvas
 
     def shrink(self, keep: torch.Tensor, canvas_len: int) -> _Working:
         """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink)."""
         return _Working(self.rows[keep], take_rows(self.state, keep), self.cache.rows(keep, canvas_len),
-                        None if self.fixed is None else self.fixed[keep], self.scored[keep], self.seeds[keep],
+                        None if self.fixed is None else self.fixed[keep], self.scored[keep],
+                        None if self.bans is None else self.bans.take(keep, self.rows.numel()), self.seeds[keep],
                         self.finished[keep])
 
 
@@ -711,7 +755,6 @@ def run(
     sc_dtype = model.dtype
     positions = torch.arange(canvas_len, device=device)
     all_rows = torch.arange(b, device=device)
-    first_banned = None if req.first_allowed is None else ~req.first_allowed.to(device)  # token healing
     stopping = bool(req.stops) and tokenizer is not None  # a template never has stops (LM._stops refuses)
     stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
     stopped = [False] * b  # rows ended by a stop string (the server's finish_reason)
@@ -729,18 +772,11 @@ def run(
             # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
             fixed[:, keep:] = req.pad_id
         scored = (positions < keep)[None].expand(b, -1)
-        hole_banned = None  # [b, C, V]: healed holes' first positions, whose token must extend the fixed text
-        here = [(r, p - lo, ok) for (r, p), ok in (req.hole_allowed or {}).items() if lo <= p < lo + keep]
-        if here:
-            hole_banned = torch.zeros(b, canvas_len, vocab, dtype=torch.bool, device=device)
-            for r, p, ok in here:
-                hole_banned[r, p] = ~ok.to(device)
-        banned = None
+        bans = _Bans.of_canvas(req, ci, lo, keep, device)  # token healing: the first new token, healed holes
+        # EOS may not end a row before min_new_tokens, nor appear in a template's holes: the positions before this.
+        eos_until = 0
         if req.eos_ids:
-            early = (lo + positions < req.min_new_tokens) | (req.template is not None)
-            if bool(early.any()):
-                banned = torch.zeros(1, canvas_len, vocab, dtype=torch.bool, device=device)
-                banned[0, early.nonzero()[:, 0][:, None], eos[None, :]] = True
+            eos_until = canvas_len if req.template is not None else min(canvas_len, max(0, req.min_new_tokens - lo))
         state = init_state(noise_tokens(cfg, row_seed, ci, cfg.max_denoising_steps + 1, canvas_len, vocab), fixed)
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
         # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
@@ -749,7 +785,7 @@ def run(
         # They start done (a done row's state is frozen and costs no pass), and leave the batch when it shrinks.
         idle = finished if fixed is None else finished | (fixed[:, :keep] >= 0).all(-1)
         state = replace(state, done=state.done | idle)
-        w = _Working(all_rows, state, cache, fixed, scored, row_seed, finished)
+        w = _Working(all_rows, state, cache, fixed, scored, bans, row_seed, finished)
         all_idle = fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
         if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
@@ -770,18 +806,20 @@ def run(
                                else type(processed).__name__)
                         raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, "
                                          f"got {got}")
-                    logits = processed
+                    # Contiguous: the bans below write in place, which an expanded view (one row's logits
+                    # for all, say) cannot take.
+                    logits = processed.contiguous()
                 if penalized:  # the new text so far: a template's fixed tokens are given, like the prompt
                     written = w.state.settled & w.scored & (True if w.fixed is None else w.fixed < 0)
                     logits = penalize_repeats(cfg, logits, history[w.rows], w.state.canvas, written)
-                if ci == 0 and first_banned is not None:
-                    logits[:, 0].masked_fill_(first_banned[w.rows], float("-inf"))
-                if hole_banned is not None:
-                    logits.masked_fill_(hole_banned[w.rows], float("-inf"))
-                ban = banned
-                if req.constraint is not None:
-                    ruled = _check_constraint(req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
-                    ban = ruled if banned is None else ruled | banned
+                # Bans are written into the logits (in place: `logits` is this step's own) before the hooks' check and
+                # the sampler, which see -inf there as a ban; -inf stays -inf under the temperature.
+                if w.bans is not None:
+                    w.bans.apply(logits)
+                if eos_until:
+                    logits[:, :eos_until, eos] = float("-inf")
+                ban = None if req.constraint is None else _check_constraint(
+                    req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     open_positions = (w.scored if w.fixed is None else w.scored & (w.fixed < 0)) & ~w.state.done[:, None]
                     trouble |= _no_choice(logits, ban, open_positions)

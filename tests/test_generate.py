@@ -1306,3 +1306,92 @@ def test_a_cancelled_stream_ends_within_a_step_and_the_model_stays_usable(lm):
         lm.generate([3, 4, 5], max_new_tokens=8, cancelled=True)
     full = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1, cancelled=lambda: False)
     assert torch.equal(full.sequences, lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1).sequences)
+
+
+def _holes_request(template, allowed, seeds, length=None, min_new_tokens=0):
+    """A Request as LM.stream makes one for a healed text template (`allowed`: LM's hole_allowed), or with no
+    template (None) for `length` new tokens."""
+    from blockpress.generate import Request
+    from blockpress.sampling import SamplerConfig
+
+    req = Request(torch.tensor([[3, 4, 5]] * len(seeds)), None, length or len(template[0]), min_new_tokens,
+                  SamplerConfig(max_denoising_steps=5), None, None if template is None else torch.tensor(template),
+                  [EOS], PAD, seeds=seeds)
+    req.hole_allowed = allowed
+    return req
+
+
+def _last_output(events):
+    return [e for e in events if isinstance(e, Done)][0].output
+
+
+def test_bans_are_never_a_canvas_by_vocabulary_mask(lm):
+    """Healed holes and the EOS ban (min_new_tokens, a template's holes) were dense [b, C, V] bool masks, built
+    per canvas and indexed by the working rows on every step: 64 MiB a row at Gemma's 262,144 tokens. They are
+    (row, position) lists with a mask each, and the EOS ids' columns."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from blockpress.generate import run
+
+    v = lm.config.text.vocab_size
+    seen = []
+
+    class DenseMasks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() >= 3 and out.shape[-1] == v:
+                seen.append((str(func), list(out.shape)))
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    template = [[5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1, 3], [-1, 6, 7, -1, -1, 9, 10, 11, 12, 13, -1, 3]]
+    allowed = {(r, p): torch.rand(v, generator=g) < 0.3 for r, p in [(0, 1), (0, 9), (1, 0), (1, 3)]}
+    with DenseMasks():
+        out = _last_output(run(lm.model, _holes_request(template, allowed, [1, 2])))
+        _last_output(run(lm.model, _holes_request(None, None, [1, 2], length=12, min_new_tokens=10)))
+    assert seen == []
+    for (r, p), ok in allowed.items():  # and the bans still hold
+        assert ok[int(out.new_tokens[r, p])]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_healed_holes_keep_their_bans_as_the_batch_shrinks(lm, data):
+    """A healed hole's bans follow its row when stopped rows leave the batch: each row draws what it draws alone,
+    from the tokens its holes allow."""
+    from blockpress.generate import run
+
+    v = lm.config.text.vocab_size
+    b = data.draw(st.integers(2, 4), "rows")
+    n = data.draw(st.integers(3, 20), "length")
+    cells = st.lists(st.one_of(st.just(-1), st.integers(2, v - 1)), min_size=n, max_size=n)
+    template = [data.draw(cells.filter(lambda c: -1 in c), "template row") for _ in range(b)]
+    holes = [(r, p) for r in range(b) for p in range(n) if template[r][p] < 0]
+    picked = data.draw(st.lists(st.sampled_from(holes), min_size=1, unique=True), "healed holes")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 99), "mask seed"))
+    allowed = {pos: torch.rand(v, generator=g) < 0.1 for pos in picked}
+    seeds = data.draw(st.lists(st.integers(0, 2**20), min_size=b, max_size=b), "seeds")
+    batch = _last_output(run(lm.model, _holes_request(template, allowed, seeds)))
+    for (r, p), ok in allowed.items():
+        assert ok[int(batch.new_tokens[r, p])]
+    for r in range(b):
+        alone = _last_output(run(lm.model, _holes_request([template[r]], {(0, p): ok for (rr, p), ok in allowed.items()
+                                                                              if rr == r}, [seeds[r]])))
+        assert torch.equal(alone.new_tokens[0], batch.new_tokens[r])
+
+
+def test_a_logits_processor_may_return_a_broadcast_view(lm):
+    """The bans are written into the step's logits in place: a processor's expanded view (one row's logits for
+    every row) is copied first, or one row's healed-hole bans would be written into every row's logits."""
+    from blockpress.generate import run
+
+    v = lm.config.text.vocab_size
+    template = [[5, -1, -1, 6, -1, -1, 7, 8]] * 2
+    allowed = {(1, p): torch.arange(v) % 16 == 3 for p in (1, 2, 4, 5)}  # row 1's holes only
+    outputs = []
+    for share in (lambda x: x[:1].expand_as(x), lambda x: x[:1].repeat(x.shape[0], 1, 1)):
+        req = _holes_request(template, allowed, [1, 1])
+        req.logits_processor = lambda logits, rows, share=share: share(logits)
+        outputs.append(_last_output(run(lm.model, req)).new_tokens)
+    assert torch.equal(outputs[0], outputs[1])
+    assert not bool((outputs[0][0, [1, 2, 4, 5]] % 16 == 3).all())  # row 0 is free to draw other tokens
