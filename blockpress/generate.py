@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -655,6 +655,36 @@ class _Bans:
 
 
 @dataclass
+class _Canvas:
+    """What stays the same over a canvas's steps: where it lies in the new tokens, what is given, what is banned."""
+
+    index: int
+    lo: int  # its first new token
+    keep: int  # the new tokens it holds (the last canvas may hold fewer than canvas_length)
+    fixed: torch.Tensor | None  # [B, C] a template's tokens, -1 in its holes
+    scored: torch.Tensor  # [B, C] bool: the positions within the new tokens
+    bans: _Bans | None  # token healing: the first new token; healed holes
+    eos_until: int  # EOS is banned at the positions before this: min_new_tokens, or all of a template's
+
+    @classmethod
+    def of(cls, req: Request, ci: int, canvas_len: int, device: torch.device) -> _Canvas:
+        b, n_new = req.prompt.shape[0], _new_length(req)
+        lo = ci * canvas_len
+        keep = min(canvas_len, n_new - lo)
+        fixed = None
+        if req.template is not None:
+            fixed = torch.full((b, canvas_len), -1, dtype=torch.long, device=device)
+            fixed[:, :keep] = req.template[:, lo : lo + keep].to(device)
+            # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
+            fixed[:, keep:] = req.pad_id
+        scored = (torch.arange(canvas_len, device=device) < keep)[None].expand(b, -1)
+        eos_until = 0
+        if req.eos_ids:  # no EOS before min_new_tokens, nor in a template's holes (its length is fixed)
+            eos_until = canvas_len if req.template is not None else min(canvas_len, max(0, req.min_new_tokens - lo))
+        return cls(ci, lo, keep, fixed, scored, _Bans.of_canvas(req, ci, lo, keep, device), eos_until)
+
+
+@dataclass
 class _Working:
     """The rows of a batch still denoising the current canvas, with everything indexed to them once."""
 
@@ -673,6 +703,37 @@ class _Working:
                         None if self.fixed is None else self.fixed[keep], self.scored[keep],
                         None if self.bans is None else self.bans.take(keep, self.rows.numel()), self.seeds[keep],
                         self.finished[keep])
+
+
+@dataclass
+class _Stops:
+    """A batch's stop strings, searched in its new tokens (`stop_rows`), and the rows they ended."""
+
+    req: Request
+    tokenizer: Any
+    length: torch.Tensor  # [B] the new tokens each row keeps: through its stop string, or all of them
+    stopped: list[bool]  # the rows a stop string ended (the server's finish_reason)
+
+    @classmethod
+    def of(cls, req: Request, tokenizer: Any, n_new: int, device: torch.device) -> _Stops:
+        b = req.prompt.shape[0]
+        return cls(req, tokenizer, torch.full((b,), n_new, dtype=torch.long, device=device), [False] * b)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.req.stops) and self.tokenizer is not None  # a template never has stops (LM._stops refuses)
+
+    def find(self, tokens: torch.Tensor, counts: list[int], skip: list[bool], checked: list[int],
+             finished: torch.Tensor) -> dict[int, int]:
+        """Rows whose first `counts` new `tokens` [B, n] hold a stop string -> the tokens they keep (through the one
+        completing it); those rows end (`finished` is set in place). Rows in `skip` are not searched; `checked`:
+        the tokens searched before (see `_first_stop`)."""
+        host = tokens.tolist()
+        rows = [None if s else row[:c] for row, c, s in zip(host, counts, skip)]
+        hits = stop_rows(self.req, self.tokenizer, rows, checked)
+        for r, m in hits.items():
+            finished[r], self.length[r], self.stopped[r] = True, m, True
+        return hits
 
 
 def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCache | None, room: int,
@@ -715,124 +776,89 @@ def _encode_continuation(model: Any, prompt: torch.Tensor, mask: torch.Tensor, c
     return model.encode(last, cache, logits="last" if logits else "none")
 
 
-def run(
-    model: Any,
-    req: Request,
-    cache: KVCache | None = None,
-    drafts: bool = False,
-    keep_cache: bool = False,
-    tokenizer: Any = None,
-    fns: StepFunctions | None = None,
-) -> Iterator[Draft | Commit | Done]:
-    """The block-diffusion loop. See the module docstring of sampling.py for one step."""
-    fns = fns or StepFunctions.eager(model)
-    device = model.device
-    cfg = req.sampler
-    canvas_len = model.config.canvas_length
-    vocab = model.config.text.vocab_size
-    prompt = req.prompt.to(device)
-    b, p = prompt.shape
-    n_new = req.template.shape[1] if req.template is not None else req.max_new_tokens
-    n_canvases = -(-n_new // canvas_len)
-    row_seed = req.row_seeds().to(device)
-    eos = torch.tensor(req.eos_ids or [-1], device=device)
+def _new_length(req: Request) -> int:
+    """The new tokens a request writes: its template's, or max_new_tokens."""
+    return req.template.shape[1] if req.template is not None else req.max_new_tokens
 
-    if cfg.noise_token_id is not None and cfg.noise_token_id >= vocab:
-        raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {vocab})")
 
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        cache, _, reused = _encode_prompt(model, req, prompt, cache, p + n_new + canvas_len, logits=False)
-    _sync(device)
-    encode_s = time.perf_counter() - t0
-    denoise_s = 0.0
-    start = time.perf_counter()
+@dataclass
+class _Decoding:
+    """A block-diffusion generation between its canvases: the batch's new tokens and counts so far, and the three
+    things done to each canvas (`denoise`, `commit`, `encode`)."""
 
-    new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
-    finished = torch.zeros(b, dtype=torch.bool, device=device)
-    passes = torch.zeros(b, dtype=torch.long, device=device)
-    steps_per_canvas = torch.zeros(b, n_canvases, dtype=torch.long, device=device)
-    sc_dtype = model.dtype
-    positions = torch.arange(canvas_len, device=device)
-    all_rows = torch.arange(b, device=device)
-    stopping = bool(req.stops) and tokenizer is not None  # a template never has stops (LM._stops refuses)
-    stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
-    stopped = [False] * b  # rows ended by a stop string (the server's finish_reason)
-    penalized = cfg.penalizes_repeats
-    history = torch.zeros(b, vocab, device=device) if penalized else None  # committed new tokens, counted per row
-    hooked = req.logits_processor is not None or req.constraint is not None
-    trouble = torch.zeros((), dtype=torch.bool, device=device)  # a hook left some open position nothing to draw
-    for ci in range(n_canvases):
-        lo = ci * canvas_len
-        keep = min(canvas_len, n_new - lo)
-        fixed = None
-        if req.template is not None:
-            fixed = torch.full((b, canvas_len), -1, dtype=torch.long, device=device)
-            fixed[:, :keep] = req.template[:, lo : lo + keep].to(device)
-            # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
-            fixed[:, keep:] = req.pad_id
-        scored = (positions < keep)[None].expand(b, -1)
-        bans = _Bans.of_canvas(req, ci, lo, keep, device)  # token healing: the first new token, healed holes
-        # EOS may not end a row before min_new_tokens, nor appear in a template's holes: the positions before this.
-        eos_until = 0
-        if req.eos_ids:
-            eos_until = canvas_len if req.template is not None else min(canvas_len, max(0, req.min_new_tokens - lo))
-        state = init_state(noise_tokens(cfg, row_seed, ci, cfg.max_denoising_steps + 1, canvas_len, vocab), fixed)
+    model: Any
+    fns: StepFunctions
+    req: Request
+    cache: KVCache
+    drafts: bool  # yield a Draft after every step
+    seeds: torch.Tensor  # [B]
+    eos: torch.Tensor  # the EOS ids ([-1] when there are none)
+    new_tokens: torch.Tensor  # [B, N]: pad after a row's end
+    finished: torch.Tensor  # [B] bool: the row has ended (EOS, stop string)
+    passes: torch.Tensor  # [B] decoder passes per row
+    steps_per_canvas: torch.Tensor  # [B, canvases]
+    history: torch.Tensor | None  # [B, V]: the committed new tokens counted per row (for the repeat penalties)
+    stops: _Stops
+    start: float  # when denoising began (the events' elapsed time)
+
+    @classmethod
+    def begin(cls, model: Any, req: Request, cache: KVCache, fns: StepFunctions, tokenizer: Any,
+              drafts: bool) -> _Decoding:
+        device, n_new = model.device, _new_length(req)
+        b, vocab = req.prompt.shape[0], model.config.text.vocab_size
+        n_canvases = -(-n_new // model.config.canvas_length)
+        zeros = torch.zeros(b, dtype=torch.long, device=device)
+        return cls(model, fns, req, cache, drafts, req.row_seeds().to(device),
+                   torch.tensor(req.eos_ids or [-1], device=device),
+                   torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.bool(), zeros,
+                   torch.zeros(b, n_canvases, dtype=torch.long, device=device),
+                   torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
+                   _Stops.of(req, tokenizer, n_new, device), time.perf_counter())
+
+    def denoise(self, canvas: _Canvas) -> Generator[Draft, None, CanvasState | None]:
+        """Denoise one canvas, with a Draft after each step when asked: its final state (None: cancelled)."""
+        req, cfg = self.req, self.req.sampler
+        canvas_len, vocab = self.model.config.canvas_length, self.model.config.text.vocab_size
+        b = self.finished.shape[0]
+        all_rows = torch.arange(b, device=self.finished.device)
+        noise = noise_tokens(cfg, self.seeds, canvas.index, cfg.max_denoising_steps + 1, canvas_len, vocab)
+        state = init_state(noise, canvas.fixed)
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
         # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
         # every random number is per row, so the survivors compute exactly what they would have.
         # Rows with nothing to write here: ended earlier, or a template canvas without holes (its tokens are given).
         # They start done (a done row's state is frozen and costs no pass), and leave the batch when it shrinks.
-        idle = finished if fixed is None else finished | (fixed[:, :keep] >= 0).all(-1)
+        idle = self.finished if canvas.fixed is None else self.finished | (canvas.fixed[:, : canvas.keep] >= 0).all(-1)
         state = replace(state, done=state.done | idle)
-        w = _Working(all_rows, state, cache, fixed, scored, bans, row_seed, finished)
-        all_idle = fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
+        w = _Working(all_rows, state, self.cache, canvas.fixed, canvas.scored, canvas.bans, self.seeds, self.finished)
+        all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
         if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
-        t_canvas = time.perf_counter()
+        hooked = req.logits_processor is not None or req.constraint is not None
+        trouble = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # a hook left an open position nothing
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
             if req.cancelled is not None and req.cancelled():
-                return
+                return None
             active = ~(w.state.done | w.finished)
-            passes[w.rows] += active
-            steps_per_canvas[w.rows, ci] += active
+            self.passes[w.rows] += active
+            self.steps_per_canvas[w.rows, canvas.index] += active
             with torch.no_grad():
-                logits = fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
-                if req.logits_processor is not None:
-                    processed = req.logits_processor(logits, w.rows)
-                    if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
-                            or not processed.dtype.is_floating_point):
-                        got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)
-                               else type(processed).__name__)
-                        raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, "
-                                         f"got {got}")
-                    # Contiguous: the bans below write in place, which an expanded view (one row's logits
-                    # for all, say) cannot take.
-                    logits = processed.contiguous()
-                if penalized:  # the new text so far: a template's fixed tokens are given, like the prompt
-                    written = w.state.settled & w.scored & (True if w.fixed is None else w.fixed < 0)
-                    logits = penalize_repeats(cfg, logits, history[w.rows], w.state.canvas, written)
-                # Bans are written into the logits (in place: `logits` is this step's own) before the hooks' check and
-                # the sampler, which see -inf there as a ban; -inf stays -inf under the temperature.
-                if w.bans is not None:
-                    w.bans.apply(logits)
-                if eos_until:
-                    logits[:, :eos_until, eos] = float("-inf")
+                logits = self.logits(canvas, w)
                 ban = None if req.constraint is None else _check_constraint(
                     req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     open_positions = (w.scored if w.fixed is None else w.scored & (w.fixed < 0)) & ~w.state.done[:, None]
                     trouble |= _no_choice(logits, ban, open_positions)
-                w.state = fns.sampler_step(
-                    cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, ci, step, canvas_len, vocab), fixed=w.fixed,
-                    scored=w.scored, banned=ban, uniforms=hashed_uniforms(w.seeds, ci, step, canvas_len),
-                    sc_dtype=sc_dtype,
+                w.state = self.fns.sampler_step(
+                    cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
+                    fixed=w.fixed, scored=w.scored, banned=ban,
+                    uniforms=hashed_uniforms(w.seeds, canvas.index, step, canvas_len), sc_dtype=self.model.dtype,
                 )
-            if drafts:  # the positions kept, and nothing for rows that ended in an earlier canvas
+            if self.drafts:  # the positions kept, and nothing for rows that ended in an earlier canvas
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
-                tokens = view.argmax[:, :keep].masked_fill(finished[:, None], req.pad_id)
-                yield Draft(ci, k, tokens.cpu(), view.accepted.cpu(), (view.done | finished).cpu(),
-                            time.perf_counter() - start)
+                tokens = view.argmax[:, : canvas.keep].masked_fill(self.finished[:, None], req.pad_id)
+                yield Draft(canvas.index, k, tokens.cpu(), view.accepted.cpu(), (view.done | self.finished).cpu(),
+                            time.perf_counter() - self.start)
             if cfg.adaptive_stopping:
                 working = ~(w.state.done | w.finished)
                 n_working = int(working.sum())  # the step's one host sync (more with drafts or a constraint)
@@ -847,61 +873,133 @@ def run(
         if hooked and bool(trouble):
             hooks = " / ".join(n for n, f in (("logits_processor", req.logits_processor), ("constraint", req.constraint))
                                if f is not None)
-            raise ValueError(f"{hooks}: left a position of canvas {ci} with no token to choose "
+            raise ValueError(f"{hooks}: left a position of canvas {canvas.index} with no token to choose "
                              "(NaN or +inf logits, or every token banned); ban tokens with -inf or a constraint, and "
                              "favour one with a large finite value")
-        state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+        return w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+
+    def logits(self, canvas: _Canvas, w: _Working) -> torch.Tensor:
+        """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
+        repeat penalties, with the canvas's bans at -inf."""
+        req, cfg = self.req, self.req.sampler
+        logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+        if req.logits_processor is not None:
+            processed = req.logits_processor(logits, w.rows)
+            if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
+                    or not processed.dtype.is_floating_point):
+                got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)
+                       else type(processed).__name__)
+                raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, got {got}")
+            # Contiguous: the bans below write in place, which an expanded view (one row's logits for all, say)
+            # would spread to every row.
+            logits = processed.contiguous()
+        if self.history is not None:  # the new text so far: a template's fixed tokens are given, like the prompt
+            written = w.state.settled & w.scored & (True if w.fixed is None else w.fixed < 0)
+            logits = penalize_repeats(cfg, logits, self.history[w.rows], w.state.canvas, written)
+        # Bans are written into the logits (in place: `logits` is this step's own) before the hooks' check and
+        # the sampler, which see -inf there as a ban; -inf stays -inf under the temperature.
+        if w.bans is not None:
+            w.bans.apply(logits)
+        if canvas.eos_until:
+            logits[:, : canvas.eos_until, self.eos] = float("-inf")
+        return logits
+
+    def commit(self, canvas: _Canvas, state: CanvasState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write the canvas's tokens into the new tokens, pad after an EOS or a stop string, and count them for the
+        repeat penalties. Returns (the committed tokens [B, keep], the valid ones: None when all are)."""
+        req, lo, keep = self.req, canvas.lo, canvas.keep
         committed = state.argmax[:, :keep]
         valid = None
-        if req.template is None and (req.eos_ids or stopping):
-            valid = (~finished)[:, None].repeat(1, keep)
-            ended_before = finished
+        if req.template is None and (req.eos_ids or self.stops.active):
+            valid = (~self.finished)[:, None].repeat(1, keep)
+            ended_before = self.finished
             if req.eos_ids:
-                is_eos = torch.isin(committed, eos)
+                is_eos = torch.isin(committed, self.eos)
                 valid = valid & ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
-                finished = finished | is_eos.any(-1)
-            if stopping:
-                finished = finished.clone()
-                counts, host, earlier = valid.sum(-1).tolist(), committed.tolist(), new_tokens[:, :lo].tolist()
-                rows = [None if ended_before[r] else earlier[r] + host[r][: counts[r]] for r in range(b)]
-                for r, m in stop_rows(req, tokenizer, rows, [lo] * b).items():
+                self.finished = self.finished | is_eos.any(-1)
+            if self.stops.active:
+                self.finished = self.finished.clone()  # set in place below; `ended_before` may be this tensor
+                b = committed.shape[0]
+                tokens = torch.cat([self.new_tokens[:, :lo], committed], dim=1)
+                hits = self.stops.find(tokens, (lo + valid.sum(-1)).tolist(), ended_before.tolist(), [lo] * b,
+                                       self.finished)
+                for r, m in hits.items():
                     valid[r, m - lo :] = False
-                    finished[r], stop_len[r], stopped[r] = True, m, True
             committed = committed.masked_fill(~valid, req.pad_id)
-        new_tokens[:, lo : lo + keep] = committed
-        if penalized:  # count what this canvas wrote: its valid tokens, not a template's givens
+        self.new_tokens[:, lo : lo + keep] = committed
+        if self.history is not None:  # count what this canvas wrote: its valid tokens, not a template's givens
             written = torch.ones_like(committed, dtype=torch.bool) if valid is None else valid
-            if fixed is not None:
-                written = written & (fixed[:, :keep] < 0)
-            history.scatter_add_(1, committed, written.to(history.dtype))
-        last = ci == n_canvases - 1 or bool(finished.all())
+            if canvas.fixed is not None:
+                written = written & (canvas.fixed[:, :keep] < 0)
+            self.history.scatter_add_(1, committed, written.to(self.history.dtype))
+        return committed, valid
+
+    def encode(self, committed: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Append the committed tokens to the cache, for the next canvas or the next turn."""
+        enc, enc_mask = committed, valid
+        if valid is not None and committed.shape[0] == 1:
+            # One row: keep the cache free of holes (exactly a re-encoded conversation), drop the padding.
+            enc, enc_mask = committed[:, : int(valid[0].sum())], None
+        if enc.shape[1]:
+            with torch.no_grad():
+                self.model.encode(enc, self.cache, attention_mask=enc_mask)
+
+
+def run(
+    model: Any,
+    req: Request,
+    cache: KVCache | None = None,
+    drafts: bool = False,
+    keep_cache: bool = False,
+    tokenizer: Any = None,
+    fns: StepFunctions | None = None,
+) -> Iterator[Draft | Commit | Done]:
+    """The block-diffusion loop. See the module docstring of sampling.py for one step."""
+    device = model.device
+    canvas_len = model.config.canvas_length
+    vocab = model.config.text.vocab_size
+    prompt = req.prompt.to(device)
+    n_new = _new_length(req)
+    n_canvases = -(-n_new // canvas_len)
+    noise_token_id = req.sampler.noise_token_id
+    if noise_token_id is not None and noise_token_id >= vocab:
+        raise ValueError(f"noise_token_id: {noise_token_id} is outside the vocabulary (size {vocab})")
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        cache, _, reused = _encode_prompt(model, req, prompt, cache, prompt.shape[1] + n_new + canvas_len, logits=False)
+    _sync(device)
+    encode_s = time.perf_counter() - t0
+    denoise_s = 0.0
+    dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), tokenizer, drafts)
+    for ci in range(n_canvases):
+        canvas = _Canvas.of(req, ci, canvas_len, device)
+        t_canvas = time.perf_counter()
+        state = yield from dec.denoise(canvas)
+        if state is None:  # cancelled: the stream ends here, without a Done
+            return
+        committed, valid = dec.commit(canvas, state)
+        last = ci == n_canvases - 1 or bool(dec.finished.all())
         if not last or keep_cache:
-            enc, enc_mask = committed, valid
-            if valid is not None and b == 1:
-                # One row: keep the cache free of holes (exactly a re-encoded conversation), drop the padding.
-                enc, enc_mask = committed[:, : int(valid[0].sum())], None
-            if enc.shape[1]:
-                with torch.no_grad():
-                    model.encode(enc, cache, attention_mask=enc_mask)
+            dec.encode(committed, valid)
         _sync(device)
         denoise_s += time.perf_counter() - t_canvas
-        done_rows = finished | last
         texts = None
         if tokenizer is not None:
-            texts = decode_rows(tokenizer, committed.tolist(), None if fixed is None else fixed[:, : committed.shape[1]])
+            texts = decode_rows(tokenizer, committed.tolist(), None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
             texts = _heal_texts(req, texts) if ci == 0 else texts
-        yield Commit(ci, committed.cpu(), steps_per_canvas[:, ci].cpu(), done_rows.cpu(), time.perf_counter() - start,
-                     texts)
+        yield Commit(ci, committed.cpu(), dec.steps_per_canvas[:, ci].cpu(), (dec.finished | last).cpu(),
+                     time.perf_counter() - dec.start, texts)
         if last:
             break
 
-    num_valid = (torch.minimum(_count_valid(new_tokens, eos), stop_len) if req.template is None
-                 else torch.full((b,), n_new, device=device))
+    num_valid = (torch.minimum(_count_valid(dec.new_tokens, dec.eos), dec.stops.length) if req.template is None
+                 else torch.full((prompt.shape[0],), n_new, device=device))
     if keep_cache:
         cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
-    out = _output(req, new_tokens, num_valid, passes, steps_per_canvas, encode_s, denoise_s,
+    out = _output(req, dec.new_tokens, num_valid, dec.passes, dec.steps_per_canvas, encode_s, denoise_s,
                   cache if keep_cache else None, tokenizer)
-    out.extra["stopped"] = stopped
+    out.extra["stopped"] = dec.stops.stopped
     out.extra["reused_prompt_tokens"] = reused
     yield Done(out)
 
@@ -926,9 +1024,8 @@ def run_ar(
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     passes = torch.zeros(b, dtype=torch.long, device=device)
-    stopping = bool(req.stops) and tokenizer is not None
-    stop_len = torch.full((b,), n_new, dtype=torch.long, device=device)  # tokens kept by a row's stop string
-    stopped, checked = [False] * b, [0] * b
+    stops = _Stops.of(req, tokenizer, n_new, device)
+    checked = [0] * b
     cfg = req.sampler
     penalized = cfg.penalizes_repeats
     history = torch.zeros(b, model.config.text.vocab_size, device=device) if penalized else None
@@ -959,13 +1056,11 @@ def run_ar(
         finished = finished | torch.isin(token, eos)
         # Checking for the end costs a host sync: do it every 8 tokens, not every token.
         check = i == n_new - 1 or i % 8 == 7
-        if check and stopping:
-            counts, host = _count_valid(new_tokens[:, : i + 1], eos).tolist(), new_tokens[:, : i + 1].tolist()
-            hits = stop_rows(req, tokenizer, [None if stopped[r] else host[r][: counts[r]] for r in range(b)], checked)
-            checked = counts
-            for r, m in hits.items():
+        if check and stops.active:
+            counts = _count_valid(new_tokens[:, : i + 1], eos).tolist()
+            for r, m in stops.find(new_tokens[:, : i + 1], counts, stops.stopped, checked, finished).items():
                 new_tokens[r, m:] = req.pad_id
-                finished[r], stop_len[r], stopped[r] = True, m, True
+            checked = counts
         stop = i == n_new - 1 or (check and bool(finished.all()))
         if stop and not keep_cache:
             break
@@ -975,14 +1070,14 @@ def run_ar(
             break
     _sync(device)
     decode_s = time.perf_counter() - t1
-    num_valid = torch.minimum(_count_valid(new_tokens, eos), stop_len)
+    num_valid = torch.minimum(_count_valid(new_tokens, eos), stops.length)
     # One pass per token kept, as for an EOS row (its EOS counts): stops are found every 8 tokens, and the
     # passes a stopped row ran past its stop string until then made no token of its.
-    passes = torch.minimum(passes, stop_len)
+    passes = torch.minimum(passes, stops.length)
     if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
         cache.end_rows(start + num_valid)
     out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
                   cache if keep_cache else None, tokenizer)
-    out.extra["stopped"] = stopped
+    out.extra["stopped"] = stops.stopped
     out.extra["reused_prompt_tokens"] = reused
     return out

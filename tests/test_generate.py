@@ -1395,3 +1395,23 @@ def test_a_logits_processor_may_return_a_broadcast_view(lm):
         outputs.append(_last_output(run(lm.model, req)).new_tokens)
     assert torch.equal(outputs[0], outputs[1])
     assert not bool((outputs[0][0, [1, 2, 4, 5]] % 16 == 3).all())  # row 0 is free to draw other tokens
+
+
+def test_one_stop_search_serves_both_loops(code_lm):
+    """`run` and `run_ar` share `_Stops.find`: a row ends at the token completing a stop string, skipped rows
+    are left alone, and the rows it ends are marked finished and stopped."""
+    from blockpress.generate import Request, _Stops
+    from blockpress.sampling import SamplerConfig
+
+    tok = code_lm.tokenizer
+    texts = ["ab\ncd", "abcd", "x\ny"]
+    rows = [tok.encode(t) for t in texts]
+    width = max(map(len, rows))
+    tokens = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
+    req = Request(torch.tensor([[3]] * 3), None, width, 0, SamplerConfig(), 0, None, [EOS], PAD, stops=[["\n"]] * 3)
+    stops = _Stops.of(req, tok, width, torch.device("cpu"))
+    finished = torch.zeros(3, dtype=torch.bool)
+    hits = stops.find(tokens, [len(r) for r in rows], [False, False, True], [0, 0, 0], finished)
+    assert list(hits) == [0] and "\n" in tok.decode(rows[0][: hits[0]]) and "\n" not in tok.decode(rows[0][: hits[0] - 1])
+    assert finished.tolist() == [True, False, False] and stops.stopped == [True, False, False]
+    assert stops.length.tolist() == [hits[0], width, width]
