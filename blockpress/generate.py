@@ -663,6 +663,7 @@ class _Canvas:
     keep: int  # the new tokens it holds (the last canvas may hold fewer than canvas_length)
     fixed: torch.Tensor | None  # [B, C] a template's tokens, -1 in its holes
     scored: torch.Tensor  # [B, C] bool: the positions within the new tokens
+    writable: torch.Tensor  # [B, C] bool: the scored positions not given (the ones this canvas writes)
     bans: _Bans | None  # token healing: the first new token; healed holes
     eos_until: int  # EOS is banned at the positions before this: min_new_tokens, or all of a template's
 
@@ -681,28 +682,34 @@ class _Canvas:
         eos_until = 0
         if req.eos_ids:  # no EOS before min_new_tokens, nor in a template's holes (its length is fixed)
             eos_until = canvas_len if req.template is not None else min(canvas_len, max(0, req.min_new_tokens - lo))
-        return cls(ci, lo, keep, fixed, scored, _Bans.of_canvas(req, ci, lo, keep, device), eos_until)
+        writable = scored if fixed is None else scored & (fixed < 0)
+        return cls(ci, lo, keep, fixed, scored, writable, _Bans.of_canvas(req, ci, lo, keep, device), eos_until)
 
 
 @dataclass
 class _Working:
-    """The rows of a batch still denoising the current canvas, with everything indexed to them once."""
+    """The rows of a batch still denoising the current canvas, with everything indexed to them once (not on
+    every step: only the state changes within a canvas)."""
 
     rows: torch.Tensor  # [b'] their indices in the full batch
     state: CanvasState
     cache: KVCache
     fixed: torch.Tensor | None
     scored: torch.Tensor
+    writable: torch.Tensor  # see _Canvas
     bans: _Bans | None  # numbered by the sub-batch
     seeds: torch.Tensor
     finished: torch.Tensor  # [b'] ended with an EOS in an earlier canvas
+    history: torch.Tensor | None  # [b', V] their committed new tokens, counted (the repeat penalties)
 
     def shrink(self, keep: torch.Tensor, canvas_len: int) -> _Working:
         """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink)."""
-        return _Working(self.rows[keep], take_rows(self.state, keep), self.cache.rows(keep, canvas_len),
-                        None if self.fixed is None else self.fixed[keep], self.scored[keep],
-                        None if self.bans is None else self.bans.take(keep, self.rows.numel()), self.seeds[keep],
-                        self.finished[keep])
+        return _Working(
+            rows=self.rows[keep], state=take_rows(self.state, keep), cache=self.cache.rows(keep, canvas_len),
+            fixed=None if self.fixed is None else self.fixed[keep], scored=self.scored[keep],
+            writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
+            seeds=self.seeds[keep], finished=self.finished[keep],
+            history=None if self.history is None else self.history[keep])
 
 
 @dataclass
@@ -830,7 +837,9 @@ class _Decoding:
         # They start done (a done row's state is frozen and costs no pass), and leave the batch when it shrinks.
         idle = self.finished if canvas.fixed is None else self.finished | (canvas.fixed[:, : canvas.keep] >= 0).all(-1)
         state = replace(state, done=state.done | idle)
-        w = _Working(all_rows, state, self.cache, canvas.fixed, canvas.scored, canvas.bans, self.seeds, self.finished)
+        w = _Working(rows=all_rows, state=state, cache=self.cache, fixed=canvas.fixed, scored=canvas.scored,
+                     writable=canvas.writable, bans=canvas.bans, seeds=self.seeds, finished=self.finished,
+                     history=self.history)
         all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
         if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
@@ -847,8 +856,7 @@ class _Decoding:
                 ban = None if req.constraint is None else _check_constraint(
                     req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
-                    open_positions = (w.scored if w.fixed is None else w.scored & (w.fixed < 0)) & ~w.state.done[:, None]
-                    trouble |= _no_choice(logits, ban, open_positions)
+                    trouble |= _no_choice(logits, ban, w.writable & ~w.state.done[:, None])
                 w.state = self.fns.sampler_step(
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
                     fixed=w.fixed, scored=w.scored, banned=ban,
@@ -893,9 +901,8 @@ class _Decoding:
             # Contiguous: the bans below write in place, which an expanded view (one row's logits for all, say)
             # would spread to every row.
             logits = processed.contiguous()
-        if self.history is not None:  # the new text so far: a template's fixed tokens are given, like the prompt
-            written = w.state.settled & w.scored & (True if w.fixed is None else w.fixed < 0)
-            logits = penalize_repeats(cfg, logits, self.history[w.rows], w.state.canvas, written)
+        if w.history is not None:  # the new text so far: a template's fixed tokens are given, like the prompt
+            logits = penalize_repeats(cfg, logits, w.history, w.state.canvas, w.state.settled & w.writable)
         # Bans are written into the logits (in place: `logits` is this step's own) before the hooks' check and
         # the sampler, which see -inf there as a ban; -inf stays -inf under the temperature.
         if w.bans is not None:

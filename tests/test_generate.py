@@ -1415,3 +1415,25 @@ def test_one_stop_search_serves_both_loops(code_lm):
     assert list(hits) == [0] and "\n" in tok.decode(rows[0][: hits[0]]) and "\n" not in tok.decode(rows[0][: hits[0] - 1])
     assert finished.tolist() == [True, False, False] and stops.stopped == [True, False, False]
     assert stops.length.tolist() == [hits[0], width, width]
+
+
+def test_the_repeat_history_is_indexed_once_a_canvas_not_every_step(lm):
+    """The penalties' history [B, V] only changes at a commit: the working rows' copy of it ([b, V] floats, 1 MiB a
+    row at Gemma's vocabulary) is taken when the batch forms or shrinks, not on every step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    v = lm.config.text.vocab_size
+    copies = []
+
+    class HistoryCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            x = args[0] if args else None
+            if (func is torch.ops.aten.index.Tensor and isinstance(x, torch.Tensor) and x.dim() == 2
+                    and x.shape[-1] == v and x.is_floating_point()):
+                copies.append(list(x.shape))
+            return func(*args, **(kwargs or {}))
+
+    with HistoryCopies():
+        out = lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=16, max_denoising_steps=6, seed=0,
+                          presence_penalty=1.0, adaptive_stopping=False)
+    assert int(out.steps_per_canvas.sum()) == 2 * 2 * 6 and copies == []
