@@ -3,6 +3,11 @@
 Engines: blockpress `generate` (block diffusion), blockpress `generate_ar` (the same backbone, one token
 at a time) and, when transformers is installed, the reference `generate`. Adaptive stopping is off and
 EOS is disabled, so every engine does a fixed amount of work and runs compare engines, not luck.
+
+What each figure of an engine's entry means, per engine, is FIGURES (written into the JSON as "figures"). The
+harness itself times each engine's first encoder call (its prefill) and, for block diffusion, the encoder calls
+over the committed canvases, the device synchronised around each, so the per-step figures mean the same for
+every diffusion engine.
 """
 
 from __future__ import annotations
@@ -27,6 +32,27 @@ import torch
 from .checkpoint import cpu_computes_natively, resolve_device
 from .config import ModelConfig
 from .lm import LM, random_model
+
+# What each figure of an engine's entry in a row means. "Diffusion engines": blockpress `generate` and its
+# variants (the AR ones excepted). "After the prefill": from the end of the first encoder call to the end of the run.
+FIGURES = {
+    "seconds": "wall time of one generate call, the device synchronised (each engine's fastest of --repeats runs)",
+    "new_tokens": "new tokens asked for, all rows together (EOS is off, so all are made)",
+    "tok_s": "new_tokens / seconds",
+    "forward_passes": "diffusion engines: decoder passes per row (canvases x steps); AR: one pass per token, the "
+                      "prefill counted (its logits give each row's first token)",
+    "tokens_per_forward": "new tokens per forward pass and row",
+    "prefill_ms": "the prompt's encoder pass: the engine's first encoder call, timed by the harness",
+    "canvas_encode_ms": "diffusion engines: the encoder passes over the committed canvases (all but the last), in all",
+    "ms_per_step": "diffusion engines: (time after the prefill - canvas_encode_ms) / forward_passes, one decoder "
+                   "pass with its sampler step; AR: time after the prefill / (forward_passes - 1), one one-token "
+                   "encoder pass with its sampling (null for one new token)",
+    "tok_s_without_prefill": "tokens made after the prefill / time after the prefill; diffusion engines: every new "
+                             "token; AR: all but each row's first (null for one new token)",
+    "peak_memory_gb": "CUDA: the allocator's peak over one more untimed run, weights included (null on a CPU)",
+    "peak_memory_growth_gb": "CPU: the most the C heap held beyond its start over one more untimed run (null "
+                             "without glibc)",
+}
 
 
 @dataclass
@@ -242,7 +268,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     base = ModelConfig.preset(s.preset)
     canvases = s.canvas_lengths or [base.canvas_length]
     out: dict[str, Any] = {"settings": asdict(s), "machine": machine(s.device), "params": base.num_parameters(),
-                           "active_params": base.num_parameters(active=True), "canvas": canvases[0], "rows": []}
+                           "active_params": base.num_parameters(active=True), "canvas": canvases[0], "figures": FIGURES,
+                           "rows": []}
     for canvas in canvases:
         cfg = ModelConfig.preset(s.preset)
         cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint
@@ -331,26 +358,107 @@ def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
     return row
 
 
-def _timed(fn: Callable[[], Any], device: torch.device, memory: bool) -> tuple[Any, float, dict[str, float | None]]:
-    """(fn's result, its wall seconds with the device synchronised, its peak-memory figures if `memory`, else {})."""
+@dataclass
+class Timed:
+    """One timed engine run: fn's result, its wall seconds with the device synchronised, when it ended
+    (time.perf_counter), and its peak-memory figures (empty unless asked for)."""
+
+    out: Any
+    seconds: float
+    end: float
+    memory: dict[str, float | None]
+
+
+def _timed(fn: Callable[[], Any], device: torch.device, memory: bool) -> Timed:
     with PeakMemory(device) if memory else contextlib.nullcontext() as mem, torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
         out = fn()
         _sync(device)
-        seconds = time.perf_counter() - t0
-    return out, seconds, mem.figures() if memory else {}
+        end = time.perf_counter()
+    return Timed(out, end - t0, end, mem.figures() if memory else {})
+
+
+@dataclass
+class EncoderCalls:
+    """When each encoder call of one run started and ended (time.perf_counter), the device synchronised around
+    each: the first encodes the prompt (the prefill), a diffusion engine's later ones the canvases it committed.
+    `first_only` times the prefill alone: AR's later encoder calls are its decode steps, and synchronising
+    around each would stall the GPU work that overlaps the host's."""
+
+    device: torch.device
+    first_only: bool = False
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    calls: int = 0
+    _start: float = 0.0
+
+    def before(self) -> None:
+        self.calls += 1
+        if not self.first_only or self.calls == 1:
+            _sync(self.device)
+            self._start = time.perf_counter()
+
+    def after(self) -> None:
+        if not self.first_only or self.calls == 1:
+            _sync(self.device)
+            self.spans.append((self._start, time.perf_counter()))
+
+    def prefill(self) -> tuple[float, float]:
+        """(seconds of the prefill, the moment it ended)."""
+        if not self.spans:
+            raise RuntimeError("bench: the run made no encoder call to time as its prefill")
+        start, end = self.spans[0]
+        return end - start, end
+
+    def canvas_seconds(self) -> float:
+        return sum(end - start for start, end in self.spans[1:])
+
+
+@contextlib.contextmanager
+def _encoder_timed(model: Any, calls: EncoderCalls) -> Iterator[EncoderCalls]:
+    """blockpress's `model.encode` timed into `calls` while the block runs. The decoding loops look it up on the
+    model for each call (the prefill, committed canvases, eager AR steps), so an instance attribute catches them;
+    step functions compiled or graphed before keep their own reference to the method and are not timed."""
+    own = model.__dict__.get("encode")
+    inner = model.encode
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        calls.before()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            calls.after()
+
+    model.encode = encode
+    try:
+        yield calls
+    finally:
+        if own is None:
+            del model.encode
+        else:
+            model.encode = own
 
 
 def _diffusion(lm: LM, prompt: torch.Tensor, s: BenchSettings, memory: bool = False) -> dict[str, Any]:
-    o, total, figures = _timed(lambda: lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
-                                                  seed=0, adaptive_stopping=False), lm.device, memory)
+    calls = EncoderCalls(lm.device)
+    with _encoder_timed(lm.model, calls):
+        run = _timed(lambda: lm.generate(prompt, max_new_tokens=s.new_tokens, max_denoising_steps=s.steps, seed=0,
+                                         adaptive_stopping=False), lm.device, memory)
+    o = run.out
     n = int(o.num_new_tokens.sum())
     passes = int(o.forward_passes.max())
-    return {"seconds": total, "new_tokens": n, "forward_passes": passes,
-            "tokens_per_forward": float(o.tokens_per_forward.mean()), "tok_s": n / total,
-            "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
-            "ms_per_step": o.denoise_seconds * 1e3 / passes, **figures}
+    return {"seconds": run.seconds, "new_tokens": n, "forward_passes": passes,
+            "tokens_per_forward": float(o.tokens_per_forward.mean()), "tok_s": n / run.seconds,
+            **diffusion_step_figures(n, passes, run.end, calls), **run.memory}
+
+
+def diffusion_step_figures(new_tokens: int, decoder_passes: int, end: float, calls: EncoderCalls) -> dict[str, float]:
+    """A diffusion engine's prefill, canvas encodes, time per step and tokens/s after the prefill (see FIGURES)."""
+    prefill_s, prefill_end = calls.prefill()
+    after = end - prefill_end
+    canvases = calls.canvas_seconds()
+    return {"prefill_ms": prefill_s * 1e3, "canvas_encode_ms": canvases * 1e3,
+            "ms_per_step": (after - canvases) * 1e3 / decoder_passes, "tok_s_without_prefill": new_tokens / after}
 
 
 _GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm")
@@ -379,11 +487,20 @@ def _gemm_ms_per_step(lm: LM, prompt: torch.Tensor, passes: int = 4, rounds: int
 
 
 def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings, memory: bool = False) -> dict[str, Any]:
-    o, total, figures = _timed(lambda: lm.generate_ar(prompt, max_new_tokens=s.new_tokens), lm.device, memory)
+    calls = EncoderCalls(lm.device, first_only=True)
+    with _encoder_timed(lm.model, calls):
+        run = _timed(lambda: lm.generate_ar(prompt, max_new_tokens=s.new_tokens), lm.device, memory)
+    o = run.out
     n = int(o.num_new_tokens.sum())
-    return {"seconds": total, "new_tokens": n, "forward_passes": int(o.forward_passes.max()), "tokens_per_forward": 1.0,
-            "tok_s": n / total, "tok_s_without_prefill": n / o.denoise_seconds, "prefill_ms": o.encode_seconds * 1e3,
-            "ms_per_step": o.denoise_seconds * 1e3 / max(1, int(o.forward_passes.max())), **figures}
+    passes = int(o.forward_passes.max())
+    prefill_s, prefill_end = calls.prefill()
+    after = run.end - prefill_end
+    # The prefill's logits give each row its first token: the passes after it are one fewer than the tokens.
+    steps = passes - 1
+    return {"seconds": run.seconds, "new_tokens": n, "forward_passes": passes, "tokens_per_forward": 1.0,
+            "tok_s": n / run.seconds, "prefill_ms": prefill_s * 1e3,
+            "ms_per_step": after * 1e3 / steps if steps else None,
+            "tok_s_without_prefill": (n - prompt.shape[0]) / after if steps else None, **run.memory}
 
 
 def _reference(lm: LM) -> Any:
@@ -408,10 +525,10 @@ def _reference(lm: LM) -> Any:
 
 def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device,
                    memory: bool = False) -> dict[str, Any]:
-    o, total, figures = _timed(lambda: ref.generate(prompt.to(device), max_new_tokens=s.new_tokens,
-                                                   max_denoising_steps=s.steps,
-                                                   confidence_threshold=1e-30),  # never confident: fixed steps
-                              device, memory)
+    run = _timed(lambda: ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
+                                      confidence_threshold=1e-30),  # never confident: fixed steps
+                 device, memory)
+    o, total = run.out, run.seconds
     # It denoises whole canvases, as blockpress does, and returns them whole: count the new tokens asked for, as
     # for blockpress (a last canvas only partly used was credited in full, flattering the reference).
     per_row = min(s.new_tokens, o.sequences.shape[1] - prompt.shape[1])
@@ -419,7 +536,7 @@ def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: tor
     tpf = float(o.tokens_per_forward.float().mean())
     passes = round((o.sequences.shape[1] - prompt.shape[1]) / tpf) if tpf else None  # over all it denoised
     return {"seconds": total, "new_tokens": n, "tokens_per_forward": per_row / passes if passes else None,
-            "tok_s": n / total, "forward_passes": passes, **figures}
+            "tok_s": n / total, "forward_passes": passes, **run.memory}
 
 
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp")  # matplotlib writes these without extras

@@ -824,3 +824,74 @@ def test_info_keeps_a_loads_refusals(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
     assert main(["info", "--model", str(tmp_path), "--json"]) == 2
     assert "pre-quantized checkpoint (quantization_config: gptq)" in capsys.readouterr().err
+
+
+class FakeClock:
+    """time.perf_counter that moves only when a costed call says so: the figures become exact arithmetic."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def costed(monkeypatch, obj, name, clock, seconds):
+    """Each call of obj.name advances `clock` by `seconds`."""
+    real = getattr(obj, name)
+
+    def call(*args, **kwargs):
+        clock.now += seconds
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, call, raising=False)
+
+
+def tiny_bench_model(canvas):
+    cfg = blockpress.ModelConfig.preset("tiny")
+    cfg.canvas_length, cfg.text.eos_token_id = canvas, None  # as bench builds it: fixed work
+    return blockpress.random_model(cfg, seed=0)
+
+
+@pytest.mark.parametrize("batch, new_tokens", [(1, 1), (2, 4), (1, 9)])
+def test_bench_ar_step_time_counts_the_passes_after_the_prefill(monkeypatch, batch, new_tokens):
+    """The prefill's logits give each row its first token, so n new tokens take n - 1 one-token passes after it:
+    ms/step divided by n (0.086 ms "per step" at --new-tokens 1, where one pass took ~8 ms)."""
+    import time
+
+    import blockpress.bench as bench
+
+    lm, clock = tiny_bench_model(4), FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    costed(monkeypatch, lm.model, "encode", clock, 1.0)  # every encoder pass (prefill or one token) takes 1 s
+    s = bench.BenchSettings(preset="tiny", new_tokens=new_tokens, steps=2, canvas_lengths=[1], reference=False)
+    row = bench._ar(lm, torch.randint(3, 50, (batch, 3)), s)
+    assert row["forward_passes"] == new_tokens and row["seconds"] == pytest.approx(new_tokens)
+    assert row["prefill_ms"] == pytest.approx(1000)
+    if new_tokens == 1:  # no pass after the prefill: nothing to divide
+        assert row["ms_per_step"] is None and row["tok_s_without_prefill"] is None
+    else:
+        assert row["ms_per_step"] == pytest.approx(1000)
+        assert row["tok_s_without_prefill"] == pytest.approx(batch)  # one token a row per 1 s pass
+
+
+def test_bench_diffusion_step_time_leaves_out_the_canvas_encodes(monkeypatch):
+    """A decoder step was "decoder pass plus its share of the committed canvases' encoder passes"; the canvas
+    encodes are now their own figure. 8 tokens in 4-token canvases, 2 steps each: prefill, 4 decoder passes,
+    1 encode of the first canvas."""
+    import time
+
+    import blockpress.bench as bench
+
+    lm, clock = tiny_bench_model(4), FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    costed(monkeypatch, lm.model, "encode", clock, 1.0)
+    costed(monkeypatch, lm.model, "denoise", clock, 0.01)
+    s = bench.BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4], reference=False)
+    row = bench._diffusion(lm, torch.randint(3, 50, (1, 3)), s)
+    assert row["forward_passes"] == 4 and row["new_tokens"] == 8
+    assert row["prefill_ms"] == pytest.approx(1000) and row["canvas_encode_ms"] == pytest.approx(1000)
+    assert row["ms_per_step"] == pytest.approx(10)
+    assert row["tok_s_without_prefill"] == pytest.approx(8 / 1.04)
+    assert row["seconds"] == pytest.approx(2.04)
+    assert lm.model.__dict__["encode"].__qualname__.startswith("costed")  # the harness put back what it wrapped
