@@ -4,7 +4,8 @@ Engines: blockpress `generate` (block diffusion), blockpress `generate_ar` (the 
 at a time) and, when transformers is installed, the reference `generate`. Adaptive stopping is off and
 EOS is disabled, so every engine does a fixed amount of work and runs compare engines, not luck.
 
-What each figure of an engine's entry means, per engine, is FIGURES (written into the JSON as "figures"). The
+What each figure of an engine's entry means, per engine, is FIGURES, and ROW_FIGURES a row's own (both written
+into the JSON, as "figures"). The
 harness itself times each engine's first encoder call (its prefill) and, for block diffusion, the encoder calls
 over the committed canvases, the device synchronised around each, so the per-step figures mean the same for
 every diffusion engine.
@@ -33,14 +34,15 @@ from .checkpoint import cpu_computes_natively, resolve_device
 from .config import ModelConfig
 from .lm import LM, random_model
 
-# What each figure of an engine's entry in a row means. "Diffusion engines": blockpress `generate` and its
-# variants (the AR ones excepted). "After the prefill": from the end of the first encoder call to the end of the run.
+# What each figure of an engine's entry in a row means. "Diffusion engines": blockpress `generate`, its variants
+# (the AR ones excepted) and the reference. "After the prefill": from the end of the first encoder call to the end of the run.
 FIGURES = {
     "seconds": "wall time of one generate call, the device synchronised (each engine's fastest of --repeats runs)",
     "new_tokens": "new tokens asked for, all rows together (EOS is off, so all are made)",
     "tok_s": "new_tokens / seconds",
-    "forward_passes": "diffusion engines: decoder passes per row (canvases x steps); AR: one pass per token, the "
-                      "prefill counted (its logits give each row's first token)",
+    "forward_passes": "diffusion engines: decoder passes per row (canvases x steps; the reference's counted over "
+                      "every canvas it denoised); AR: one pass per token, the prefill counted (its logits give each "
+                      "row's first token)",
     "tokens_per_forward": "new tokens per forward pass and row",
     "prefill_ms": "the prompt's encoder pass: the engine's first encoder call, timed by the harness",
     "canvas_encode_ms": "diffusion engines: the encoder passes over the committed canvases (all but the last), in all",
@@ -52,6 +54,21 @@ FIGURES = {
     "peak_memory_gb": "CUDA: the allocator's peak over one more untimed run, weights included (null on a CPU)",
     "peak_memory_growth_gb": "CPU: the most the C heap held beyond its start over one more untimed run (null "
                              "without glibc)",
+}
+# What a row's own figures mean (beside its batch, canvas and one entry per engine).
+ROW_FIGURES = {
+    "speedup_vs_reference": "blockpress tok_s / the reference's tok_s",
+    "step_speedup_vs_reference": "the reference's ms_per_step / blockpress's ms_per_step",
+    "diffusion_over_ar": "blockpress tok_s / blockpress_ar tok_s",
+    "<variant>_over_eager": "blockpress_<variant> tok_s / blockpress tok_s (variants: compiled, cuda_graphs, the "
+                            "--quantize scheme)",
+    "<variant>_speedup_vs_reference": "blockpress_<variant> tok_s / the reference's tok_s",
+    "<scheme>_weights_bytes": "bytes of the quantized model's weights",
+    "gemm_ms_per_step": "CPU: time inside matrix multiplications per blockpress decoder pass (profiler, the least "
+                        "of --repeats)",
+    "speedup_bound_at_this_precision": "CPU: the reference's seconds / (blockpress forward_passes x "
+                                       "gemm_ms_per_step): the most any engine doing blockpress's arithmetic at this "
+                                       "precision could beat the reference by",
 }
 
 
@@ -268,7 +285,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     base = ModelConfig.preset(s.preset)
     canvases = s.canvas_lengths or [base.canvas_length]
     out: dict[str, Any] = {"settings": asdict(s), "machine": machine(s.device), "params": base.num_parameters(),
-                           "active_params": base.num_parameters(active=True), "canvas": canvases[0], "figures": FIGURES,
+                           "active_params": base.num_parameters(active=True), "canvas": canvases[0],
+                           "figures": {"engine": FIGURES, "row": ROW_FIGURES},
                            "rows": []}
     for canvas in canvases:
         cfg = ModelConfig.preset(s.preset)
@@ -323,6 +341,8 @@ def _add_ratios(row: dict[str, Any], variants: list[str]) -> None:
     can pass: the reference's step time over blockpress's time inside matrix multiplications."""
     ref = row["reference"]
     row["speedup_vs_reference"] = row["blockpress"]["tok_s"] / ref["tok_s"]
+    if "ms_per_step" in ref:
+        row["step_speedup_vs_reference"] = ref["ms_per_step"] / row["blockpress"]["ms_per_step"]
     for name in variants:
         row[f"{name}_speedup_vs_reference"] = row[f"blockpress_{name}"]["tok_s"] / ref["tok_s"]
     if "gemm_ms_per_step" in row:
@@ -523,11 +543,27 @@ def _reference(lm: LM) -> Any:
             hf_logging.enable_progress_bar()
 
 
+@contextlib.contextmanager
+def _reference_encoder_timed(ref: Any, calls: EncoderCalls) -> Iterator[EncoderCalls]:
+    """The reference's encoder module timed into `calls` (forward hooks) while the block runs: it encodes the
+    prompt, then each committed canvas, as blockpress does."""
+    encoder = ref.model.encoder
+    hooks = (encoder.register_forward_pre_hook(lambda module, args: calls.before()),
+             encoder.register_forward_hook(lambda module, args, output: calls.after()))
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device,
                    memory: bool = False) -> dict[str, Any]:
-    run = _timed(lambda: ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
-                                      confidence_threshold=1e-30),  # never confident: fixed steps
-                 device, memory)
+    calls = EncoderCalls(device)
+    with _reference_encoder_timed(ref, calls):
+        run = _timed(lambda: ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
+                                          confidence_threshold=1e-30),  # never confident: fixed steps
+                     device, memory)
     o, total = run.out, run.seconds
     # It denoises whole canvases, as blockpress does, and returns them whole: count the new tokens asked for, as
     # for blockpress (a last canvas only partly used was credited in full, flattering the reference).
@@ -535,8 +571,10 @@ def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: tor
     n = per_row * prompt.shape[0]
     tpf = float(o.tokens_per_forward.float().mean())
     passes = round((o.sequences.shape[1] - prompt.shape[1]) / tpf) if tpf else None  # over all it denoised
+    # the same figures as blockpress's, where its encoder was seen (a compiled reference could bypass the hooks)
+    steps = diffusion_step_figures(n, passes, run.end, calls) if passes and calls.spans else {}
     return {"seconds": total, "new_tokens": n, "tokens_per_forward": per_row / passes if passes else None,
-            "tok_s": n / total, "forward_passes": passes, **run.memory}
+            "tok_s": n / total, "forward_passes": passes, **steps, **run.memory}
 
 
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp")  # matplotlib writes these without extras

@@ -895,3 +895,50 @@ def test_bench_diffusion_step_time_leaves_out_the_canvas_encodes(monkeypatch):
     assert row["tok_s_without_prefill"] == pytest.approx(8 / 1.04)
     assert row["seconds"] == pytest.approx(2.04)
     assert lm.model.__dict__["encode"].__qualname__.startswith("costed")  # the harness put back what it wrapped
+
+
+def test_bench_reference_has_the_same_step_figures(monkeypatch):
+    """The reference row had seconds and tok/s only: no prefill, no time per step to set beside blockpress's.
+    Its encoder is timed as blockpress's is: 8 tokens in 4-token canvases, 2 steps each."""
+    import time
+
+    pytest.importorskip("transformers")
+    import blockpress.bench as bench
+
+    lm, clock = tiny_bench_model(4), FakeClock()
+    ref = bench._reference(lm)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    # registered before the harness's hooks, so each pass's cost lands between the harness's two readings
+    ref.model.encoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 1.0))
+    ref.model.decoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 0.01))
+    s = bench.BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4])
+    row = bench._reference_run(ref, torch.randint(3, 50, (1, 3)), s, lm.device)
+    assert row["forward_passes"] == 4 and row["new_tokens"] == 8
+    assert row["prefill_ms"] == pytest.approx(1000) and row["canvas_encode_ms"] == pytest.approx(1000)
+    assert row["ms_per_step"] == pytest.approx(10)
+    assert row["tok_s_without_prefill"] == pytest.approx(8 / 1.04)
+    assert not ref.model.encoder._forward_pre_hooks  # the harness's hooks are gone
+
+
+def test_bench_figures_define_every_figure_reported():
+    """Each engine's entry and each row holds only figures the JSON's "figures" defines, and the reference row
+    now has blockpress's per-step figures."""
+    import re
+
+    from blockpress.bench import BenchSettings, run_bench
+
+    out = run_bench(BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4], repeats=1,
+                                  quantize="int8"))
+    engine, row_figures = out["figures"]["engine"], out["figures"]["row"]
+    names = [re.compile(re.sub(r"<\w+>", r"\\w+", k) + "$") for k in row_figures]
+    engines = {"blockpress", "blockpress_ar", "blockpress_int8", "blockpress_ar_int8", "reference"}
+    for row in out["rows"]:
+        if out["reference_available"]:
+            assert {"prefill_ms", "canvas_encode_ms", "ms_per_step", "tok_s_without_prefill"} <= set(row["reference"])
+            assert row["step_speedup_vs_reference"] == pytest.approx(row["reference"]["ms_per_step"]
+                                                                     / row["blockpress"]["ms_per_step"])
+        for key, value in row.items():
+            if key in engines:
+                assert set(value) <= set(engine), key
+            else:
+                assert key in ("batch", "canvas") or any(n.match(key) for n in names), key
