@@ -291,9 +291,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     base = ModelConfig.preset(s.preset)
     canvases = s.canvas_lengths or [base.canvas_length]
     out: dict[str, Any] = {"settings": asdict(s), "machine": machine(s.device), "params": base.num_parameters(),
-                           "active_params": base.num_parameters(active=True), "canvas": canvases[0],
-                           "figures": {"engine": FIGURES, "row": ROW_FIGURES},
-                           "rows": []}
+                           "active_params": base.num_parameters(active=True), "canvases": canvases,
+                           "figures": {"engine": FIGURES, "row": ROW_FIGURES}, "rows": []}
+    if len(canvases) == 1:  # several: each row has its own (the first alone read as the run's canvas)
+        out["canvas"] = canvases[0]
     for canvas in canvases:
         cfg = ModelConfig.preset(s.preset)
         cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint

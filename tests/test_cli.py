@@ -960,3 +960,14 @@ def test_bench_warns_of_a_canvas_longer_than_the_new_tokens(canvas_lengths, what
         warnings.simplefilter("error")
         BenchSettings(preset="tiny", new_tokens=16)  # the canvas fits: no warning
         BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=[8, 2])
+
+
+def test_bench_top_level_canvas_is_every_canvas_swept():
+    """With --canvas-lengths 4 16 the JSON's top level said "canvas": 4 while half its rows were at 16."""
+    from blockpress.bench import BenchSettings, run_bench
+
+    settings = dict(preset="tiny", new_tokens=4, steps=1, prompt_length=2, repeats=1, reference=False, ar=False)
+    swept = run_bench(BenchSettings(**settings, canvas_lengths=[2, 4]))
+    assert swept["canvases"] == [2, 4] == [r["canvas"] for r in swept["rows"]] and "canvas" not in swept
+    single = run_bench(BenchSettings(**settings, canvas_lengths=[4]))
+    assert single["canvases"] == [4] and single["canvas"] == 4
