@@ -587,12 +587,15 @@ def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: tor
 PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp")  # matplotlib writes these without extras
 
 
-def plot(result: dict[str, Any], path: str | Path) -> None:
-    """tok/s against batch size, diffusion vs AR (and the reference when measured)."""
+def figure(result: dict[str, Any]) -> Any:
+    """tok/s against batch size, diffusion vs AR (and the reference when measured): a matplotlib Figure, its
+    ticks at the batch sizes measured and its legend beside the axes (with a variant or a canvas sweep there are
+    8+ lines, and a legend inside covered them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -611,6 +614,9 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
             suffix = f", canvas {canvas}" if len(canvases) > 1 and not is_ar else ""
             ax.plot([r["batch"] for r in mine], [r[key]["tok_s"] for r in mine], marker="o", label=label + suffix)
     ax.set_xscale("log", base=2)
+    batches = sorted({r["batch"] for r in rows})
+    ax.set_xticks(batches, [str(b) for b in batches])  # the sizes measured, not powers of two
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("batch size")
     ax.set_ylabel("new tokens / s")
     s = result["settings"]
@@ -618,9 +624,16 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     where = (f"{s['device']}, {threads} thread{'s' if threads != 1 else ''}" if s["device"] == "cpu" and threads
              else s["device"])
     ax.set_title(f"{s['preset']} ({result['params'] / 1e6:.2g}M, {s['dtype']}), {s['new_tokens']} new tokens, "
-                 f"{s['steps']} steps a canvas, {where}", fontsize=9)
+                 f"{s['steps']} step{'s' if s['steps'] != 1 else ''} a canvas, {where}", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=8)
+    return fig
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """`figure(result)` written to `path`, in the format its suffix names (PLOT_FORMATS)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
     plt.close(fig)

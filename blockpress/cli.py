@@ -1016,7 +1016,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None,
                    help="also time blockpress (diffusion and AR) with the projections quantized; last, on the same "
                         "checkpoint")
-    p.add_argument("--plot", default=None, help="write a PNG of tok/s against batch size here")
+    p.add_argument("--plot", default=None, help="write a plot of tok/s against batch size here (.png, .svg, .pdf, "
+                                                 ".jpg, .jpeg or .webp: the suffix picks the format)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.set_defaults(func=cmd_bench)
 

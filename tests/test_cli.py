@@ -971,3 +971,34 @@ def test_bench_top_level_canvas_is_every_canvas_swept():
     assert swept["canvases"] == [2, 4] == [r["canvas"] for r in swept["rows"]] and "canvas" not in swept
     single = run_bench(BenchSettings(**settings, canvas_lengths=[4]))
     assert single["canvases"] == [4] and single["canvas"] == 4
+
+
+def test_bench_plot_ticks_the_batch_sizes_and_keeps_the_legend_off_the_lines():
+    """Batch 3 had no tick (log2 ticks at powers of two), and with 8 lines the legend sat over the data."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from blockpress.bench import figure
+
+    engines = ("blockpress", "blockpress_ar", "blockpress_int8", "blockpress_ar_int8", "reference")
+    rows = [{"batch": b, "canvas": c, **{e: {"tok_s": 10.0 * b + c} for e in engines}} for c in (4, 16) for b in (1, 3, 5)]
+    result = {"rows": rows, "params": 190_000, "machine": {"threads": 1},
+              "settings": {"preset": "tiny", "dtype": "float32", "new_tokens": 16, "steps": 1, "device": "cpu"}}
+    fig = figure(result)
+    ax = fig.axes[0]
+    assert list(ax.get_xticks()) == [1, 3, 5] and [t.get_text() for t in ax.get_xticklabels()] == ["1", "3", "5"]
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1 and len(ax.get_legend().get_texts()) == 8
+    assert "1 step a canvas" in ax.get_title()
+    plt.close(fig)
+
+
+def test_bench_help_says_the_plot_format_follows_the_suffix(capsys):
+    """--plot said "write a PNG" while .svg, .pdf, .jpg, .webp were written too."""
+    from blockpress.bench import PLOT_FORMATS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the suffix picks the format" in text and all(f".{f}" in text for f in PLOT_FORMATS)
