@@ -25,6 +25,7 @@ import time
 import warnings
 
 import torch
+from benchmark_args import Formatter, non_negative_int, positive_int
 
 import blockpress
 from blockpress.tasks.code import (
@@ -39,23 +40,28 @@ from blockpress.tasks.code import (
 AR_OPTIONS = ("presence_penalty", "frequency_penalty")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="blockpress-code")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--model", default="blockpress-code", help="a shipped name or a folder")
     ap.add_argument("--manifest", default=None, help="corpus manifest.json listing held-out modules "
                     "(default: the one shipped with the model)")
-    ap.add_argument("--functions", type=int, default=100)
-    ap.add_argument("--infills", type=int, default=100)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip", type=int, default=0, help="start after this many functions of the shuffled list "
+    ap.add_argument("--functions", type=positive_int, default=100, help="held-out functions to complete")
+    ap.add_argument("--infills", type=non_negative_int, default=100, help="single-line infills (0: skip them)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per completion")
+    ap.add_argument("--seed", type=int, default=0, help="shuffles the functions and seeds the sampler")
+    ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
+    ap.add_argument("--skip", type=non_negative_int, default=0,
+                    help="start after this many functions of the shuffled list "
                     "(the test split is the first --functions; scripts/tune_code_sampler.py validates after it)")
-    ap.add_argument("--healing-functions", type=int, default=40,
+    ap.add_argument("--healing-functions", type=non_negative_int, default=40,
                     help="functions for the trailing-newline / token-healing comparison (0: skip)")
     ap.add_argument("--sampler-options", default=None, help="JSON object of diffusion sampler settings "
                     "(default: the model's generation_config.json)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

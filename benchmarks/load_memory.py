@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from benchmark_args import Formatter
+
 PAGE_STEP = 1 << 20  # slack when checking that a reset peak is back at the current size
 
 
@@ -88,14 +90,19 @@ def measure_load(path: str, quantize: str | None) -> dict[str, Any]:
             "peak_from": "VmHWM, reset in the child" if exact else "VmRSS sampled every 1 ms (a lower bound)"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--preset", default="medium", help="random checkpoint shape (tiny, small, medium)")
-    ap.add_argument("--dtype", default="float32", help="dtype the checkpoint is saved in")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="dtype the checkpoint is saved in")
     ap.add_argument("--quantize", choices=["none", "int8", "fp8", "int4"], default="none",
                     help="quantize while loading (the resident weights are then the quantized ones)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the measuring process: load this folder
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     scheme = None if args.quantize == "none" else args.quantize
     if args.child is not None:
         print(json.dumps(measure_load(args.child, scheme)))

@@ -17,6 +17,7 @@ import json
 import time
 
 import torch
+from benchmark_args import Formatter, non_negative_int, positive_int
 
 import blockpress
 from blockpress import ModelConfig, PrefixCache
@@ -42,17 +43,22 @@ def run_workload(lm: blockpress.LM, prompts: list, follow_replies: bool, kw: dic
             "total_s": round(total_s, 4)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--preset", default="small", help="random checkpoint shape (tiny, small, medium)")
-    ap.add_argument("--system-tokens", type=int, default=1024)
-    ap.add_argument("--user-tokens", type=int, default=48, help="tokens of each new user message / question")
-    ap.add_argument("--turns", type=int, default=6, help="chat turns, and independent requests of `shared`")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=16, help="denoising steps per canvas (fixed)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2, help="runs of each engine, alternating; the fastest is kept")
-    args = ap.parse_args()
+    ap.add_argument("--system-tokens", type=non_negative_int, default=1024, help="tokens of the shared system prompt")
+    ap.add_argument("--user-tokens", type=positive_int, default=48, help="tokens of each new user message / question")
+    ap.add_argument("--turns", type=positive_int, default=6, help="chat turns, and independent requests of `shared`")
+    ap.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per request")
+    ap.add_argument("--steps", type=positive_int, default=16, help="denoising steps per canvas (fixed)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
+    ap.add_argument("--repeats", type=positive_int, default=2,
+                    help="runs of each engine, alternating; the fastest is kept")
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.preset(args.preset)
     cfg.text.eos_token_id = None

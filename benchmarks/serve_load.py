@@ -17,6 +17,7 @@ import statistics
 import time
 
 import openai
+from benchmark_args import Formatter, positive_int
 
 from blockpress.cli import load_model
 from blockpress.serve import create_app, start_in_background
@@ -28,14 +29,19 @@ def nearest_rank(sorted_values: list[float], q: float) -> float:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--model", default="blockpress-code", help="a shipped name or a folder")
+    ap.add_argument("--levels", type=positive_int, nargs="+", default=[1, 8, 32],
+                    help="concurrent clients, one run each")
+    ap.add_argument("--requests", type=positive_int, default=32, help="requests per level")
+    ap.add_argument("--max-tokens", type=positive_int, default=64, help="completion tokens per request")
+    ap.add_argument("--max-batch", type=positive_int, default=32, help="the server's largest batch")
+    return ap
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="blockpress-code")
-    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests", type=int, default=32, help="requests per level")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=32)
-    args = ap.parse_args()
+    args = build_parser().parse_args()
     lm = load_model(args.model, "float32", "cpu")
     base, server = start_in_background(create_app(lm, "m", max_queue=256, max_batch=args.max_batch))
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)

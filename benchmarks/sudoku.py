@@ -24,9 +24,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from benchmark_args import Formatter, non_negative_int, positive_int
 from tqdm import tqdm
 
 import blockpress
+from blockpress.sampling import SAMPLERS
 from blockpress.tasks import sudoku_model
 from blockpress.tasks.sudoku import DIFFICULTIES, cell_accuracy, generate
 
@@ -43,24 +45,29 @@ def evaluate(results, truth, seconds):
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="blockpress-sudoku")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--model", default="blockpress-sudoku", help="the diffusion model: a shipped name or a folder")
     ap.add_argument("--ar-model", default=str(Path(__file__).parent / "baselines" / "sudoku-ar"),
                     help="the AR baseline checkpoint (same backbone, AR-trained; default: the one kept here; '' skips it)")
-    ap.add_argument("--per-difficulty", type=int, default=200,
+    ap.add_argument("--per-difficulty", type=positive_int, default=200,
                     help="fresh puzzles per difficulty (default 200: one puzzle is half a point)")
-    ap.add_argument("--steps", type=int, default=None, help="max denoising steps (default: the model's)")
-    ap.add_argument("--sampler", default=None)
-    ap.add_argument("--batch", type=int, default=25)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=None, help="max denoising steps (default: the model's)")
+    ap.add_argument("--sampler", default=None, choices=SAMPLERS, help="the sampler (default: the model's)")
+    ap.add_argument("--batch", type=positive_int, default=25, help="puzzles decoded together")
+    ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
     ap.add_argument("--rules", action="store_true",
                     help="also decode with the rule-aware option (reported separately as diffusion_rules)")
     ap.add_argument("--compare-skip", action="store_true",
                     help="also decode with stopped puzzles kept in the batch (skip_stopped_rows=False)")
-    ap.add_argument("--ensemble", type=int, default=0,
-                    help="also decode each puzzle as N pooled symmetric views (reported separately as diffusion_ensemble)")
-    args = ap.parse_args()
+    ap.add_argument("--ensemble", type=non_negative_int, default=0,
+                    help="also decode each puzzle as N pooled symmetric views (reported separately as "
+                         "diffusion_ensemble; 0 or 1: off)")
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

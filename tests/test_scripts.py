@@ -193,6 +193,7 @@ def test_load_memory_peak_is_the_childs_own():
     growth the child itself held (0.8 MB against 84 MB). Here the parent first holds 600 MB, then frees them."""
     launcher = ("import runpy, sys; x = bytearray(600 << 20); x[::4096] = b'1' * len(x[::4096]); del x; "
                 f"sys.argv = [{str(ROOT / 'benchmarks' / 'load_memory.py')!r}, '--preset', 'tiny']; "
+                f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
                 "runpy.run_path(sys.argv[0], run_name='__main__')")
     r = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -233,3 +234,49 @@ def test_load_memory_shows_the_childs_error(monkeypatch, capsys):
         load_memory.main()
     assert "the loading process failed (exit status 1)" in str(done.value.code)
     assert "ValueError: load: the child broke" in str(done.value.code)
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module (its sibling benchmark_args importable)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("prefix_cache", ["--repeats", "0"], "--repeats: expected a positive integer, got '0'"),  # was KeyError
+    ("prefix_cache", ["--turns", "0"], "--turns: expected a positive integer"),  # was ZeroDivisionError
+    ("prefix_cache", ["--threads", "0"], "--threads: expected a positive integer"),  # was torch's RuntimeError
+    ("prefix_cache", ["--system-tokens", "-1"], "--system-tokens: expected an integer >= 0, got '-1'"),
+    ("sudoku", ["--per-difficulty", "0"], "--per-difficulty: expected a positive integer"),  # was ZeroDivisionError
+    ("sudoku", ["--batch", "x"], "--batch: expected a positive integer, got 'x'"),
+    ("sudoku", ["--ensemble", "-2"], "--ensemble: expected an integer >= 0"),
+    ("code_model", ["--functions", "0"], "--functions: expected a positive integer"),
+    ("code_model", ["--healing-functions", "-1"], "--healing-functions: expected an integer >= 0"),
+    ("serve_load", ["--levels", "1", "0"], "--levels: expected a positive integer"),  # was a ThreadPool traceback
+    ("serve_load", ["--max-batch", "0"], "--max-batch: expected a positive integer"),
+    ("load_memory", ["--dtype", "float64"], "--dtype: invalid choice"),
+])
+def test_benchmark_scripts_refuse_bad_values_by_flag(script, argv, message, capsys):
+    if script == "serve_load":
+        pytest.importorskip("openai")
+    with pytest.raises(SystemExit) as done:
+        benchmark_module(script).build_parser().parse_args(argv)
+    assert done.value.code == 2 and f"error: argument {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["prefix_cache", "sudoku", "code_model", "serve_load", "load_memory"])
+def test_benchmark_scripts_explain_every_option_and_its_default(script):
+    """--functions, --model, --max-batch, ... had no help, and no option showed its default."""
+    if script == "serve_load":
+        pytest.importorskip("openai")
+    parser = benchmark_module(script).build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.help == "==SUPPRESS==" or not action.option_strings:
+            continue
+        assert action.help, action.option_strings
+        if action.default not in (None, False, "") and action.dest != "help":
+            assert "default" in action.help.lower() or f"(default: {action.default})" in text, action.option_strings
+

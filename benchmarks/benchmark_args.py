@@ -1,0 +1,30 @@
+"""What the benchmark scripts share on their command lines: checked number types and the help layout."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from blockpress.cli import DefaultsFormatter
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
+    """The module docstring as written, and each option's default after its help (as `blockpress --help`)."""
+
+
+def _int_at_least(least: int, what: str) -> Callable[[str], int]:
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    check.__name__ = what  # argparse names the type in some of its own messages
+    return check
+
+
+positive_int = _int_at_least(1, "a positive integer")
+non_negative_int = _int_at_least(0, "an integer >= 0")
