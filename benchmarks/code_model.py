@@ -109,7 +109,8 @@ def main() -> None:
                     out = (lm.generate([prompt], seed=args.seed + i, **kw, **options) if engine == "diffusion"
                            else lm.generate_ar([prompt], **kw, **ar_options))
                     ok += completion_parses(f, "\n" + out.texts[0])
-                trailing.setdefault(engine, {})["healed" if healing else "plain"] = ok / args.healing_functions
+                # over the functions used: fewer than asked when --functions is smaller
+                trailing.setdefault(engine, {})["healed" if healing else "plain"] = ok / len(funcs[: args.healing_functions])
         result["trailing_newline"] = dict(functions=min(args.healing_functions, len(funcs)), **trailing)
 
     cases = infill_cases(funcs, tok, lm.config.canvas_length, args.infills, args.seed)

@@ -280,3 +280,19 @@ def test_benchmark_scripts_explain_every_option_and_its_default(script):
         if action.default not in (None, False, "") and action.dest != "help":
             assert "default" in action.help.lower() or f"(default: {action.default})" in text, action.option_strings
 
+
+def test_code_model_trailing_newline_rates_are_over_the_functions_used():
+    """With --functions 1 and --healing-functions 3, a healed success read 1/3: the rate divided by the functions
+    asked for, not the one used."""
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_model.py"), "--functions", "1", "--infills", "0",
+                        "--healing-functions", "3", "--max-new-tokens", "8", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    trailing = json.loads(r.stdout)["trailing_newline"]
+    assert trailing["functions"] == 1
+    rates = [rate for engine in ("diffusion", "ar") for rate in trailing[engine].values()]
+    assert all(rate in (0.0, 1.0) for rate in rates) and any(rates)  # one function: it parses or it does not
