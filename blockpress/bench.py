@@ -311,7 +311,13 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             for row in out["rows"][-len(s.batch_sizes):]:
                 prompt = _prompt(cfg, row["batch"], s)
                 engines = _blockpress_engines(variant, prompt, s, suffix=f"_{name}")
+                if name == "compiled":  # silent minutes otherwise: a user cannot tell compiling from stuck
+                    _note(f"compiling blockpress with torch.compile for batch {row['batch']}, canvas {cfg.canvas_length} "
+                          "(minutes on a CPU, even for the tiny preset)...")
+                started = time.perf_counter()
                 _warm_up(engines)  # the first run compiles or captures
+                if name == "compiled":
+                    _note(f"compiled in {time.perf_counter() - started:.0f} s")
                 # The eager engines and the reference take turns with the variant too, so a slow (or quiet) spell
                 # of the shared machine does not skew its ratios; each engine's best run of every phase counts.
                 engines.update(_blockpress_engines(lm, prompt, s))
@@ -331,6 +337,11 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             if ref is not None:
                 _add_ratios(row, variants)
     return out
+
+
+def _note(message: str) -> None:
+    """A progress line on stderr (stdout carries the JSON)."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
 def _variant(name: str, lm: LM, cfg: ModelConfig, s: BenchSettings) -> LM:

@@ -1010,7 +1010,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--compile", action="store_true",
-                   help="also time blockpress through torch.compile (compilation takes tens of seconds on CPU)")
+                   help="also time blockpress through torch.compile (its first runs compile, for each batch size: "
+                        "minutes on a CPU, even for the tiny preset; a line on stderr says when)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time blockpress with each pass replayed from a CUDA graph (CUDA devices only)")
     p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None,

@@ -1002,3 +1002,22 @@ def test_bench_help_says_the_plot_format_follows_the_suffix(capsys):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "the suffix picks the format" in text and all(f".{f}" in text for f in PLOT_FORMATS)
+
+
+def test_bench_compile_says_it_is_compiling(monkeypatch, capsys):
+    """torch.compile took minutes for the tiny preset on a 2-core CPU (help: "tens of seconds") without a word on
+    stderr. torch.compile itself is stubbed out here."""
+    import blockpress.bench as bench
+    from blockpress.lm import LM
+
+    monkeypatch.setattr(LM, "compile", lambda self, **options: self)
+    bench.run_bench(bench.BenchSettings(preset="tiny", batch_sizes=[1, 2], new_tokens=4, steps=1, prompt_length=2,
+                                        canvas_lengths=[4], repeats=1, reference=False, ar=False, compile=True))
+    err = capsys.readouterr().err
+    assert [line.split(",")[0] for line in err.splitlines() if "compiling" in line] == [
+        "bench: compiling blockpress with torch.compile for batch 1", "bench: compiling blockpress with torch.compile for batch 2"]
+    assert err.count("bench: compiled in") == 2
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tens of seconds" not in text and "minutes on a CPU" in text
