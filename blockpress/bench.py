@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import cpu_computes_natively, resolve_device
+from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
 from .config import ModelConfig
 from .lm import LM, random_model
 
@@ -289,6 +289,7 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
     if s.cuda_graphs and torch.device(s.device).type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, got device {s.device!r}")
     base = ModelConfig.preset(s.preset)
+    _refuse_what_cannot_fit(base, s)
     canvases = s.canvas_lengths or [base.canvas_length]
     out: dict[str, Any] = {"settings": asdict(s), "machine": machine(s.device), "params": base.num_parameters(),
                            "active_params": base.num_parameters(active=True), "canvases": canvases,
@@ -337,6 +338,19 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
             if ref is not None:
                 _add_ratios(row, variants)
     return out
+
+
+def _refuse_what_cannot_fit(cfg: ModelConfig, s: BenchSettings) -> None:
+    """Refuse, with the figures, weights that cannot fit on the device. random_model refuses them too, but its
+    advice (device='meta', to count without allocating) is no way to time a model."""
+    device = resolve_device(s.device)
+    free = available_bytes(device)
+    needed = random_model(cfg, dtype=s.dtype, device="meta").weights_bytes()
+    if free is not None and needed > free:
+        raise ValueError(f"preset: {s.preset} in {s.dtype} needs {needed / 1e9:.1f} GB of weights on {device} but "
+                         f"{free / 1e9:.1f} GB are available; bench times a model it holds: a smaller --preset or "
+                         f"--dtype (`blockpress info --model random-{s.preset} --device meta` counts it without "
+                         "allocating)")
 
 
 def _note(message: str) -> None:

@@ -823,7 +823,8 @@ FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens
            "ensemble": "--ensemble",
            # bench's settings
            "steps": "--steps", "batch_sizes": "--batch-sizes", "canvas_lengths": "--canvas-lengths",
-           "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length"}
+           "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length",
+           "cuda_graphs": "--cuda-graphs"}
 
 
 def train_flag_of() -> dict[str, str]:

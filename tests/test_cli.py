@@ -319,7 +319,7 @@ def test_bench_variants_add_their_own_columns(monkeypatch):
 
 def test_bench_cuda_graphs_on_cpu_is_a_clear_error():
     r = run_cli("bench", "--preset", "tiny", "--cuda-graphs", "--new-tokens", "8", "--steps", "2")
-    assert r.returncode == 2 and "cuda_graphs: needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "--cuda-graphs: needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_canvas_sweep(tmp_path):
@@ -1021,3 +1021,19 @@ def test_bench_compile_says_it_is_compiling(monkeypatch, capsys):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "tens of seconds" not in text and "minutes on a CPU" in text
+
+
+def test_bench_errors_name_the_flags_and_give_advice_bench_can_take(monkeypatch, capsys):
+    """--cuda-graphs on a CPU named the field cuda_graphs; weights too big for the device were refused with
+    random_model's advice, device='meta', which bench refuses."""
+    import blockpress.bench as bench
+
+    assert main(["bench", "--preset", "tiny", "--cuda-graphs", "--new-tokens", "16", "--steps", "1"]) == 2
+    assert "blockpress bench: error: --cuda-graphs: needs a CUDA device" in capsys.readouterr().err
+    too_little = lambda device: 1000  # noqa: E731  (bytes free: less than any preset's weights)
+    monkeypatch.setattr("blockpress.checkpoint.available_bytes", too_little)
+    monkeypatch.setattr(bench, "available_bytes", too_little, raising=False)
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "16", "--steps", "1", "--no-reference"]) == 2
+    err = capsys.readouterr().err
+    assert "GB are available" in err and "a smaller --preset or --dtype" in err and "device='meta'" not in err
+    assert "blockpress info --model random-tiny --device meta" in err
