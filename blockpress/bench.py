@@ -97,21 +97,25 @@ class BenchSettings:
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
-        canvases = self.canvas_lengths or [ModelConfig.preset(self.preset).canvas_length]
-        if max(canvases) > self.new_tokens:
-            # A canvas denoises all its positions, kept or not. What a model of that canvas pays for short replies,
-            # so it is timed, but the comparison with AR (which makes only what it keeps) says so.
-            what = (f"canvas lengths {self.canvas_lengths} (--canvas-lengths)" if self.canvas_lengths
-                    else f"the {self.preset} preset's {canvases[0]}-token canvas")
-            warnings.warn(f"bench: {self.new_tokens} new tokens (--new-tokens) with {what}: a canvas denoises all "
-                          "its positions, kept or not, so the diffusion figures include positions that are dropped "
-                          f"(AR's do not); --new-tokens {max(canvases)} or --canvas-lengths of at most "
-                          f"{self.new_tokens} times only what is kept", stacklevel=3)
+        ModelConfig.preset(self.preset)  # an unknown one: a clear error now
         if self.quantize is not None:
             from .quantize import check_scheme
 
             check_scheme(self.quantize)
         resolve_device(self.device)  # a device this torch lacks: a clear error now, not an assertion inside torch
+
+    def long_canvas(self) -> str | None:
+        """What run_bench says when a canvas (the preset's, or one swept) is longer than the new tokens: a canvas
+        denoises all its positions, kept or not. That is what a model of that canvas pays for short replies, so
+        it is timed, but the comparison with AR, which makes only what it keeps, needs saying. None otherwise."""
+        canvases = self.canvas_lengths or [ModelConfig.preset(self.preset).canvas_length]
+        if max(canvases) <= self.new_tokens:
+            return None
+        what = (f"canvas lengths {self.canvas_lengths} (--canvas-lengths)" if self.canvas_lengths
+                else f"the {self.preset} preset's {canvases[0]}-token canvas")
+        return (f"{self.new_tokens} new tokens (--new-tokens) with {what}: a canvas denoises all its positions, kept "
+                "or not, so the diffusion figures include positions that are dropped (AR's do not); --new-tokens "
+                f"{max(canvases)} or --canvas-lengths of at most {self.new_tokens} times only what is kept")
 
 
 def _sync(device: torch.device) -> None:
@@ -286,6 +290,8 @@ def machine(device: str) -> dict[str, Any]:
 
 def run_bench(s: BenchSettings) -> dict[str, Any]:
     """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs."""
+    if s.long_canvas():
+        _note(s.long_canvas())
     if s.cuda_graphs and torch.device(s.device).type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, got device {s.device!r}")
     base = ModelConfig.preset(s.preset)

@@ -5,7 +5,6 @@ import json
 import re
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -946,20 +945,21 @@ def test_bench_figures_define_every_figure_reported():
 
 @pytest.mark.parametrize("canvas_lengths, what", [(None, "the tiny preset's 16-token canvas"),
                                                   ([4, 32], "canvas lengths [4, 32] (--canvas-lengths)")])
-def test_bench_warns_of_a_canvas_longer_than_the_new_tokens(canvas_lengths, what):
+def test_bench_warns_of_a_canvas_longer_than_the_new_tokens(canvas_lengths, what, capsys):
     """A canvas longer than the new tokens was refused when given with --canvas-lengths (naming new_tokens, not
     the flag) and timed without a word when it was the preset's (medium at --new-tokens 16: 8x the denoising).
-    Both are now timed (what a model of that canvas pays) with the same warning, naming the flags."""
+    Both are now timed (what a model of that canvas pays) with the same line on stderr, naming the flags."""
     from blockpress.bench import BenchSettings
 
-    with pytest.warns(UserWarning, match=re.escape(f"8 new tokens (--new-tokens) with {what}")) as notes:
-        BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=canvas_lengths)
-    longest = max(canvas_lengths or [16])
-    assert f"--new-tokens {longest} or --canvas-lengths of at most 8" in str(notes[0].message)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        BenchSettings(preset="tiny", new_tokens=16)  # the canvas fits: no warning
-        BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=[8, 2])
+    note = BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=canvas_lengths).long_canvas()
+    assert note.startswith(f"8 new tokens (--new-tokens) with {what}: ")
+    assert f"--new-tokens {max(canvas_lengths or [16])} or --canvas-lengths of at most 8" in note
+    assert BenchSettings(preset="tiny", new_tokens=16).long_canvas() is None  # the canvas fits
+    assert BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=[8, 2]).long_canvas() is None
+    # on the command line: one plain line, before anything runs (here the --cuda-graphs refusal on a CPU)
+    sweep = ["--canvas-lengths", *map(str, canvas_lengths)] if canvas_lengths else []
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "8", "--cuda-graphs", *sweep]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"bench: {note}"
 
 
 def test_bench_top_level_canvas_is_every_canvas_swept():
