@@ -427,6 +427,11 @@ class LM:
         max_new_tokens, min_new_tokens = int(max_new_tokens), int(min_new_tokens)  # numpy integers: plain ints
         seed = check_seed(seed, "seed")
         if isinstance(sampler, SamplerConfig):
+            # The noise token is how the model was trained (absorbing noise), not a decoding preference: a config
+            # built to pick a sampler leaves it None, and decoding such a model with uniform noise gave word salad.
+            # None takes the checkpoint's; uniform noise there is asked for with noise_token_id=-1.
+            if sampler.noise_token_id is None:
+                sampler = sampler.with_(noise_token_id=self.sampler_defaults.noise_token_id)
             cfg = sampler.with_(**sampler_options)
         else:
             cfg = self.sampler_defaults.with_(sampler=sampler, **sampler_options)
@@ -584,8 +589,11 @@ class LM:
 
         `max_new_tokens`: exactly this many new tokens at most (default: the checkpoint's generation config's
         max_new_tokens, else its max_length less the prompt's padded width, else 256). `max_denoising_steps`: per canvas (default: the checkpoint's, else 48). `sampler`: "entropy_bound"
-        (the reference's), "confidence", "topk" or "greedy", or a whole `SamplerConfig` (which replaces the
-        checkpoint's settings rather than adding to them). `seed`: None draws a fresh one (greedy uses 0).
+        (the reference's), "confidence", "topk" or "greedy", or a whole `SamplerConfig`, which replaces the
+        checkpoint's settings rather than adding to them, except `noise_token_id`: that says how the model was
+        trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
+        noise_token_id=-1 for uniform noise on a model trained with absorbing noise). `seed`: None draws a fresh
+        one (greedy uses 0).
 
         Keyword options (see `stream` for the details): min_new_tokens, attention_mask, stop (OpenAI's: a string,
         a list, or one list per row), template (constrained canvas) and hole_length, cache (continue a

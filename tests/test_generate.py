@@ -908,6 +908,32 @@ def test_absorbing_noise_is_read_from_generation_config_and_saved(lm, tmp_path):
     assert lm.sampler_defaults.noise_token_id is None  # DiffusionGemma's uniform noise by default
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sampler=st.sampled_from(["entropy_bound", "confidence", "topk", "greedy"]), seed=st.integers(0, 99))
+def test_a_sampler_config_keeps_the_checkpoints_noise_token(lm, sampler, seed):
+    """A SamplerConfig built to pick a sampler left noise_token_id None, which silently decoded an absorbing-noise
+    model (blockpress-code) with uniform noise: word salad. None now takes the checkpoint's noise token, so it
+    decodes as the sampler's name does; noise_token_id=-1 still asks for uniform noise, and an id is that id."""
+    from blockpress.sampling import SamplerConfig
+
+    absorbing = blockpress.LM(lm.model, None, {"noise_token_id": 9})
+    vocab, c = lm.config.text.vocab_size, lm.config.canvas_length
+    kw = dict(max_new_tokens=c, max_denoising_steps=3, seed=seed)
+    by_name = absorbing.generate([[3, 4, 5]], sampler=sampler, **kw)
+    by_config = absorbing.generate([[3, 4, 5]], sampler=SamplerConfig(sampler=sampler), **kw)
+    assert torch.equal(by_config.sequences, by_name.sequences)
+
+    def first_draft(**options):
+        seen = []
+        absorbing.generate([[3, 4, 5]], max_new_tokens=c, max_denoising_steps=1, seed=seed, **options,
+                           constraint=lambda d, s: seen.append(d.clone()) or torch.zeros(1, 1, vocab, dtype=torch.bool))
+        return seen[0]
+
+    assert (first_draft(sampler=SamplerConfig(sampler=sampler)) == 9).all()
+    assert (first_draft(sampler=SamplerConfig(sampler=sampler, noise_token_id=7)) == 7).all()
+    assert (first_draft(sampler=SamplerConfig(sampler=sampler), noise_token_id=-1) != 9).any()  # uniform
+
+
 @pytest.mark.parametrize("value, message", [(-2, "token id >= 0"), (10**6, "outside the vocabulary")])
 def test_bad_noise_token_is_a_clear_error(lm, value, message):
     with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):
