@@ -3,20 +3,29 @@
 from .cache import KVCache
 from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig, TextConfig
+from .generate import Commit, Done, Draft, GenerationOutput
 from .lm import LM, load, random_model, shipped_models
 from .model import DiffusionGemma
 from .prefix import PrefixCache
+from .sampling import SamplerConfig
 
 __version__ = "0.1.0"
 
+# What the README and LM's docstrings tell users to pass or check: SamplerConfig for `sampler`, the events of
+# `stream` (isinstance), GenerationOutput, KVCache and PrefixCache.
 __all__ = [
     "LM",
     "CheckpointError",
+    "Commit",
     "ConfigError",
     "DiffusionGemma",
+    "Done",
+    "Draft",
+    "GenerationOutput",
     "KVCache",
     "ModelConfig",
     "PrefixCache",
+    "SamplerConfig",
     "TextConfig",
     "load",
     "random_model",

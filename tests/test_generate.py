@@ -253,6 +253,21 @@ def test_template_longer_than_a_canvas(lm):
     assert out.new_tokens[0, :3].tolist() == [5, 5, 5] and out.new_tokens[0, -4:].tolist() == [9] * 4
 
 
+def test_what_the_api_names_is_exported_from_blockpress(lm):
+    """`from blockpress import SamplerConfig` was an ImportError, though `sampler=` takes one, and a stream's
+    events could be told apart only through blockpress.generate."""
+    from blockpress import Commit as C
+    from blockpress import Done as D
+    from blockpress import Draft as Dr
+    from blockpress import GenerationOutput, SamplerConfig
+
+    assert all(hasattr(blockpress, name) for name in blockpress.__all__)
+    assert SamplerConfig is blockpress.sampling.SamplerConfig
+    events = list(lm.stream([3, 4], max_new_tokens=4, max_denoising_steps=2, seed=0,
+                            sampler=SamplerConfig(sampler="topk")))
+    assert {type(e) for e in events} == {Dr, C, D} and isinstance(events[-1].output, GenerationOutput)
+
+
 def test_stream_events(lm):
     events = list(lm.stream([3, 4, 5], max_new_tokens=12, max_denoising_steps=3, seed=2, adaptive_stopping=False))
     drafts = [e for e in events if isinstance(e, Draft)]
