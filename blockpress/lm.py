@@ -112,6 +112,26 @@ def check_vocab_range(ids: torch.Tensor, name: str, vocab_size: int) -> None:
         raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
 
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):  # "no" would read as True
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def _check_quantize(scheme: Any) -> str:
+    """One of blockpress.quantize's schemes, named as the user's argument (`quantize`) rather than the internal one."""
+    from .quantize import SCHEMES
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantize: unknown quantization {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    return scheme
+
+
+def _dtype_argument(dtype: Any) -> Any:
+    """"auto" (transformers' spelling of the checkpoint's own dtype) is None here."""
+    return None if isinstance(dtype, str) and dtype.lower() == "auto" else dtype
+
+
 def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: expected a blockpress.PrefixCache, got {type(prefix_cache).__name__}")
@@ -139,9 +159,14 @@ def check_seed(seed: Any, name: str) -> int | None:
 
 
 def _set_row_seeds(req: Request, seeds: Any) -> None:
-    """`seeds`: None, or one seed per row (overriding `seed`), each row then sampled as it would be alone."""
+    """`seeds`: None, or one seed per row (overriding `seed`), each row then sampled as it would be alone: a list,
+    or a 1-D integer array or tensor (each element checked like a list's)."""
     if seeds is None:
         return
+    if hasattr(seeds, "ndim") and hasattr(seeds, "tolist"):  # numpy / torch: np.arange(b) + base, say
+        if seeds.ndim != 1:
+            raise ValueError(f"seeds: expected one seed per row (1-D), got shape {list(seeds.shape)}")
+        seeds = seeds.tolist()  # plain ints (floats and bools stay what they are, and are refused below)
     if not isinstance(seeds, (list, tuple)):
         raise ValueError(f"seeds: expected a list of one seed per row, got {type(seeds).__name__} "
                          "(one seed for the whole batch is `seed`)")
@@ -205,7 +230,7 @@ class LM:
         GPUs with FP8 tensor cores) or "int4" (weights, for memory); see blockpress.quantize. Returns self."""
         from .quantize import quantize
 
-        quantize(self.model, scheme)
+        quantize(self.model, _check_quantize(scheme))
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
@@ -282,6 +307,9 @@ class LM:
                 raise ValueError(
                     f"self_conditioning_logits: expected shape {list(want)}, got {list(self_conditioning_logits.shape)}"
                 )
+            if not self_conditioning_logits.is_floating_point():  # ids instead of logits would run, meaninglessly
+                raise ValueError(f"self_conditioning_logits: expected floating-point logits of shape {list(want)}, "
+                                 f"got {self_conditioning_logits.dtype}")
             self_conditioning_logits = self_conditioning_logits.to(self.device)
         cache = self.new_cache(prompt.shape[0], prompt.shape[1] + canvas.shape[1])
         self.model.encode(prompt, cache, attention_mask=attention_mask)
@@ -569,9 +597,8 @@ class LM:
                             hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing,
                             cache)
         _set_row_seeds(req, seeds)
-        for name, flag in (("skip_stopped_rows", skip_stopped_rows), ("return_cache", return_cache)):
-            if not isinstance(flag, bool):  # "no" would read as True
-                raise ValueError(f"{name}: expected True or False, got {flag!r}")
+        _check_flag("skip_stopped_rows", skip_stopped_rows)
+        _check_flag("return_cache", return_cache)
         req.skip_stopped_rows = skip_stopped_rows
         req.constraint = constraint
         req.logits_processor = logits_processor
@@ -650,6 +677,7 @@ class LM:
         `prefix_cache`, `seeds` (one per row, overriding `seed`; with temperature > 0): as in `stream`."""
         if not (is_finite_number(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+        _check_flag("return_cache", return_cache)
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
                             token_healing, cache)
@@ -815,14 +843,12 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
          quantize: str | None = None) -> LM:
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
     quantizes each projection as it is read, so the full-precision weights are never all in memory.
-    `dtype=None` keeps the checkpoint's dtype, except that bf16 / fp16 weights load as float32 on a CPU without
+    `dtype=None` (or "auto", transformers' spelling) keeps the checkpoint's dtype, except that bf16 / fp16 weights load as float32 on a CPU without
     native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype)."""
     if quantize is not None:
-        from .quantize import check_scheme
-
-        check_scheme(quantize)  # before reading gigabytes
+        _check_quantize(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
-    model, passthrough = load_model(path, dtype=dtype, device=device, quantize=quantize)
+    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device, quantize=quantize)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer
@@ -847,7 +873,7 @@ def random_model(
     seed = check_seed(seed, "seed")
     if seed is None:
         raise ValueError("seed: expected an integer (the weights are a function of it), got None")
-    dtype = resolve_dtype(dtype) or torch.float32
+    dtype = resolve_dtype(_dtype_argument(dtype)) or torch.float32  # "auto" / None: no checkpoint to follow
     device = resolve_device(device)
     with torch.device("meta"):
         model = DiffusionGemma(config)

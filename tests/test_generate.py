@@ -430,6 +430,46 @@ def test_numpy_integers_are_counts_and_seeds_like_ints(lm):
         lm.generate([[2, 5]], max_new_tokens=4, seed=np.int64(-1))
 
 
+@pytest.mark.parametrize("kind", [np.array, torch.tensor])
+def test_seeds_may_be_an_integer_array_or_tensor(lm, kind):
+    """seeds=np.arange(b) + base (or a tensor) was refused ("expected a list"), though numpy integers pass as
+    seeds everywhere else; each element is still checked like a list's."""
+    kw = dict(max_new_tokens=6, max_denoising_steps=2)
+    want = lm.generate([[3, 4], [5, 6]], seeds=[11, 12], **kw)
+    assert torch.equal(lm.generate([[3, 4], [5, 6]], seeds=kind([11, 12]), **kw).sequences, want.sequences)
+    ar = lm.generate_ar([[3, 4], [5, 6]], max_new_tokens=4, temperature=1.0, seeds=kind([11, 12]))
+    assert torch.equal(ar.sequences, lm.generate_ar([[3, 4], [5, 6]], max_new_tokens=4, temperature=1.0,
+                                                    seeds=[11, 12]).sequences)
+    for bad, message in ((kind([[11, 12]]), r"seeds: expected one seed per row \(1-D\), got shape \[1, 2\]"),
+                         (kind([1.0, 2.0]), r"seeds\[0\]: expected an integer"),
+                         (kind([1, -2]), r"seeds\[1\]: expected an integer"),
+                         (kind([1, 2, 3]), "seeds: expected 2 per-row seeds, got 3")):
+        with pytest.raises(ValueError, match=message):
+            lm.generate([[3, 4], [5, 6]], seeds=bad, **kw)
+
+
+def test_argument_spellings_from_elsewhere_are_read_or_named(lm, tmp_path):
+    """generate_ar took return_cache="y" silently (generate refused it); a bad `quantize` was reported as
+    "scheme:"; dtype="auto" (transformers' default) was refused though None means it; integer
+    self_conditioning_logits (ids, not logits) ran."""
+    with pytest.raises(ValueError, match="return_cache: expected True or False, got 'y'"):
+        lm.generate_ar([3, 4], max_new_tokens=4, return_cache="y")
+    lm.save(tmp_path)
+    with pytest.raises(ValueError, match="^quantize: unknown quantization 'INT8'; expected one of int8, fp8, int4"):
+        blockpress.load(tmp_path, quantize="INT8")
+    with pytest.raises(ValueError, match="^quantize: unknown quantization 'int3'"):
+        blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).quantize("int3")
+    assert blockpress.load(tmp_path, dtype="auto").dtype == blockpress.load(tmp_path).dtype == torch.float32
+    assert blockpress.random_model(blockpress.ModelConfig.tiny(), dtype="AUTO").dtype == torch.float32
+    canvas = [[3] * lm.config.canvas_length]
+    shape = [1, lm.config.canvas_length, lm.config.text.vocab_size]
+    logits = lm.logits([[3, 4]], canvas, self_conditioning_logits=torch.zeros(shape))
+    assert logits.shape == tuple(shape)
+    with pytest.raises(ValueError, match=rf"self_conditioning_logits: expected floating-point logits of shape "
+                                         rf"\[1, {shape[1]}, {shape[2]}\], got torch.int64"):
+        lm.logits([[3, 4]], canvas, self_conditioning_logits=torch.zeros(shape, dtype=torch.long))
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7", None])
 def test_bad_ar_temperatures(lm, value):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
