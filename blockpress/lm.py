@@ -356,10 +356,16 @@ class LM:
                              f"{prompt_length}-token prompt; pass max_new_tokens")
         return int(max_length) - prompt_length
 
+    @property
+    def eos_ids(self) -> list[int]:
+        """The ids that end a row (a new list each time: change `generation_config["eos_token_id"]` to change
+        them). generation_config.json's `eos_token_id`, when it names any, is the whole set, as in the reference;
+        a checkpoint without one (save_pretrained writes none) stops on the model's and the tokenizer's EOS ids
+        instead of running every row to max_new_tokens."""
+        return self._eos_ids()
+
     def _eos_ids(self) -> list[int]:
-        """The ids that end a row. generation_config.json's `eos_token_id`, when it names any, is the whole set,
-        as in the reference; a checkpoint without one (save_pretrained writes none) stops on the model's and the
-        tokenizer's EOS ids instead of running every row to max_new_tokens."""
+        """`eos_ids`, computed (callers inside blockpress use this spelling)."""
         v = self.config.text.vocab_size
         raw = self.generation_config.get("eos_token_id")
         listed = raw if isinstance(raw, list) else [raw] if raw is not None else []

@@ -198,3 +198,16 @@ def test_a_mask_with_text_prompts_is_refused(ref_checkpoint):
     for prompt, mask in (("x", [[1] * width]), (["x", "x"], [[1] * width] * 2)):
         with pytest.raises(ValueError, match="attention_mask: not with text prompts"):
             lm.generate(prompt, attention_mask=mask, max_new_tokens=4)
+
+
+def test_eos_ids_are_public_and_read_only(ref_checkpoint, tmp_path):
+    """The set of ids that end a row had only a private spelling (`_eos_ids()`), which the server and the
+    trainer read; `eos_ids` is the public one, a copy that cannot change the model's."""
+    lm, _ = load_recording(folder_with(ref_checkpoint, tmp_path, own={"eos_token_id": [EOS, 7]}))
+    assert lm.eos_ids == lm._eos_ids() == [EOS, 7]
+    lm.eos_ids.append(9)
+    assert lm.eos_ids == [EOS, 7]
+    with pytest.raises(AttributeError):
+        lm.eos_ids = [3]
+    lm.generation_config["eos_token_id"] = 5
+    assert lm.eos_ids == [5]
