@@ -158,11 +158,12 @@ def check_seed(seed: Any, name: str) -> int | None:
     return int(seed)
 
 
-def _set_row_seeds(req: Request, seeds: Any) -> None:
+def _row_seeds(seeds: Any) -> list[int] | None:
     """`seeds`: None, or one seed per row (overriding `seed`), each row then sampled as it would be alone: a list,
-    or a 1-D integer array or tensor (each element checked like a list's)."""
+    or a 1-D integer array or tensor (each element checked like a list's; the count against the batch is
+    Request.row_seeds')."""
     if seeds is None:
-        return
+        return None
     if hasattr(seeds, "ndim") and hasattr(seeds, "tolist"):  # numpy / torch: np.arange(b) + base, say
         if seeds.ndim != 1:
             raise ValueError(f"seeds: expected one seed per row (1-D), got shape {list(seeds.shape)}")
@@ -170,10 +171,10 @@ def _set_row_seeds(req: Request, seeds: Any) -> None:
     if not isinstance(seeds, (list, tuple)):
         raise ValueError(f"seeds: expected a list of one seed per row, got {type(seeds).__name__} "
                          "(one seed for the whole batch is `seed`)")
-    req.seeds = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
-    if None in req.seeds:  # one row random, the others seeded: give it a seed of its own
-        raise ValueError(f"seeds[{req.seeds.index(None)}]: expected an integer (each row needs its seed)")
-    req.row_seeds()  # validates the count now, not mid-generation
+    checked = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
+    if None in checked:  # one row random, the others seeded: give it a seed of its own
+        raise ValueError(f"seeds[{checked.index(None)}]: expected an integer (each row needs its seed)")
+    return checked
 
 
 class LM:
@@ -401,17 +402,23 @@ class LM:
     def _request(
         self,
         prompt: Any,
+        *,
+        cache: KVCache | None,
         max_new_tokens: int | None,
         min_new_tokens: int,
         sampler: str | SamplerConfig | None,
+        sampler_options: dict[str, Any],
         seed: int | None,
         attention_mask: Any,
-        template: Any,
-        hole_length: int,
-        sampler_options: dict[str, Any],
-        token_healing: bool | None = None,
-        cache: Any = None,
+        token_healing: bool | None,
+        stop: Any,
+        template: Any = None,
+        hole_length: int = 8,
+        **fields: Any,
     ) -> Request:
+        """The user's arguments, checked and normalised into a complete Request that also fits the context (and
+        `cache`). `fields`: Request's own fields as the caller checked them (seeds, prefix_cache, and stream's
+        skip_stopped_rows, constraint, logits_processor, cancelled)."""
         self._check_runnable()
         pad_id = self.pad_id
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
@@ -483,18 +490,22 @@ class LM:
                                  f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
         if cfg.sampler == "greedy" and seed is None:
             seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
-        hole_prefixes = None
         if heal_holes:
             tmpl, hole_prefixes = heal_holes_of(self.tokenizer, tmpl)
-        req = Request(ids, mask, max_new_tokens, min_new_tokens, cfg, seed, tmpl, self._eos_ids(), pad_id)
-        if hole_prefixes:
-            unique = sorted(set(hole_prefixes.values()))
-            masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
-            req.hole_allowed = {pos: masks[prefix] for pos, prefix in hole_prefixes.items()}
-            req.hole_prefixes = hole_prefixes
+            if hole_prefixes:
+                unique = sorted(set(hole_prefixes.values()))
+                masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
+                fields.update(hole_allowed={pos: masks[prefix] for pos, prefix in hole_prefixes.items()},
+                              hole_prefixes=hole_prefixes)
         if healed is not None and any(h.prefix for h in healed):
-            req.heal_prefixes = [h.prefix for h in healed]
-            req.first_allowed = allowed_first_tokens(self.tokenizer, req.heal_prefixes, v)
+            heal_prefixes = [h.prefix for h in healed]
+            fields.update(heal_prefixes=heal_prefixes,
+                          first_allowed=allowed_first_tokens(self.tokenizer, heal_prefixes, v))
+        req = Request(prompt=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                      sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id,
+                      stops=self._stops(stop, ids.shape[0], tmpl), **fields)
+        req.row_seeds()  # checks the count of `seeds` now, not mid-generation
+        self._check_context(req, cache)
         return req
 
     def _check_context(self, req: Request, cache: KVCache | None) -> None:
@@ -531,11 +542,11 @@ class LM:
         if cache.batch_size != batch:
             raise ValueError(f"cache: holds {cache.batch_size} rows, the prompt has {batch}")
 
-    def _stops(self, stop: Any, req: Request) -> list[list[str]] | None:
-        stops = normalize_stops(stop, req.prompt.shape[0])
+    def _stops(self, stop: Any, batch: int, template: torch.Tensor | None) -> list[list[str]] | None:
+        stops = normalize_stops(stop, batch)
         if stops and self.tokenizer is None:
             raise ValueError("stop: stop strings need a model with a tokenizer (to read the text)")
-        if stops and req.template is not None:
+        if stops and template is not None:
             raise ValueError("stop: not with a template (a constrained canvas has a fixed length)")
         return stops
 
@@ -599,19 +610,15 @@ class LM:
         if logits_processor is not None and not callable(logits_processor):
             raise ValueError("logits_processor: expected a function (logits, rows) -> logits, got "
                              f"{type(logits_processor).__name__}")
-        req = self._request(prompt, max_new_tokens, min_new_tokens, sampler, seed, attention_mask, template,
-                            hole_length, dict(sampler_options, max_denoising_steps=max_denoising_steps), token_healing,
-                            cache)
-        _set_row_seeds(req, seeds)
         _check_flag("skip_stopped_rows", skip_stopped_rows)
         _check_flag("return_cache", return_cache)
-        req.skip_stopped_rows = skip_stopped_rows
-        req.constraint = constraint
-        req.logits_processor = logits_processor
-        req.stops = self._stops(stop, req)
-        req.prefix_cache = _check_prefix_cache(prefix_cache)
-        req.cancelled = cancelled
-        self._check_context(req, cache)
+        req = self._request(
+            prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, sampler=sampler,
+            sampler_options=dict(sampler_options, max_denoising_steps=max_denoising_steps), seed=seed,
+            attention_mask=attention_mask, token_healing=token_healing, stop=stop, template=template,
+            hole_length=hole_length, seeds=_row_seeds(seeds), prefix_cache=_check_prefix_cache(prefix_cache),
+            skip_stopped_rows=skip_stopped_rows, constraint=constraint, logits_processor=logits_processor,
+            cancelled=cancelled)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
@@ -685,12 +692,10 @@ class LM:
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         _check_flag("return_cache", return_cache)
         penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-        req = self._request(prompt, max_new_tokens, min_new_tokens, None, seed, attention_mask, None, 8, penalties,
-                            token_healing, cache)
-        _set_row_seeds(req, seeds)
-        req.stops = self._stops(stop, req)
-        req.prefix_cache = _check_prefix_cache(prefix_cache)
-        self._check_context(req, cache)
+        req = self._request(prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                            sampler=None, sampler_options=penalties, seed=seed, attention_mask=attention_mask,
+                            token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
+                            prefix_cache=_check_prefix_cache(prefix_cache))
         return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 
