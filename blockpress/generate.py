@@ -220,7 +220,7 @@ class Done:
     kind: str = "done"
 
 
-@dataclass
+@dataclass(frozen=True)  # built whole by LM._request; nothing changes it afterwards
 class Request:
     """A normalised generation request (what `prepare` makes of the user's arguments)."""
 

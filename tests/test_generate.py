@@ -268,6 +268,28 @@ def test_what_the_api_names_is_exported_from_blockpress(lm):
     assert {type(e) for e in events} == {Dr, C, D} and isinstance(events[-1].output, GenerationOutput)
 
 
+def test_the_request_reaches_the_decoder_complete_and_frozen(lm, monkeypatch):
+    """LM built a bare Request and then set its stops, seeds, prefix cache and hooks one by one (in stream,
+    generate_ar and a helper); it is now built whole, and frozen, so nothing can change it half-way."""
+    import dataclasses
+
+    import blockpress.lm as lm_module
+
+    seen = []
+    monkeypatch.setattr(lm_module, "run", lambda model, req, **kw: seen.append(req) or iter(()))
+    monkeypatch.setattr(lm_module, "run_ar", lambda model, req, *a, **kw: seen.append(req))
+    prefixes, rule, hook, stopped = blockpress.PrefixCache(max_bytes=0), lambda d, s: None, lambda x, r: x, lambda: False
+    list(lm.stream([[3, 4], [5, 6]], max_new_tokens=4, seeds=[1, 2], prefix_cache=prefixes, constraint=rule,
+                   logits_processor=hook, cancelled=stopped, skip_stopped_rows=False))
+    lm.generate_ar([[3, 4], [5, 6]], max_new_tokens=4, seeds=[1, 2], prefix_cache=prefixes)
+    stream_req, ar_req = seen
+    assert (stream_req.seeds, stream_req.prefix_cache, stream_req.constraint, stream_req.logits_processor,
+            stream_req.cancelled, stream_req.skip_stopped_rows) == ([1, 2], prefixes, rule, hook, stopped, False)
+    assert (ar_req.seeds, ar_req.prefix_cache) == ([1, 2], prefixes)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stream_req.stops = [["x"], ["y"]]
+
+
 def test_stream_events(lm):
     events = list(lm.stream([3, 4, 5], max_new_tokens=12, max_denoising_steps=3, seed=2, adaptive_stopping=False))
     drafts = [e for e in events if isinstance(e, Draft)]
