@@ -57,7 +57,7 @@ class StepFunctions:
     @classmethod
     def compiled(cls, model: Any, **options: Any) -> StepFunctions:
         """torch.compile'd step functions (`options` go to torch.compile, e.g. mode or backend). The first
-        calls compile (tens of seconds on CPU); a changing cache length recompiles once as dynamic."""
+        calls compile (minutes on a 2-core CPU, even for a tiny model); a changing cache length recompiles once as dynamic."""
         return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
                    torch.compile(model.encode, **options))
 
