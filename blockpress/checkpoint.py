@@ -386,18 +386,74 @@ def read_config(path: Path) -> ModelConfig:
     return config
 
 
-def load_model(
+@dataclass
+class ModelPlan:
+    """What loading a folder will do, decided from config.json and the safetensors headers before any tensor's
+    data is read. `load_model` carries it out; `blockpress info` describes it (`meta_model`), so the two cannot
+    disagree about the dtype, the device checks or the quantized layout."""
+
+    path: Path
+    config: ModelConfig
+    files: list[MappedSafetensors]  # headers read, data still on disk; [] for a folder with config.json alone
+    stored: torch.dtype | None  # the dtype the text weights are stored in (None: no weights)
+    dtype: torch.dtype  # the dtype they load in
+    device: torch.device
+    quantize: str | None
+    model: DiffusionGemma  # on the meta device, quantized modules swapped in; tensors not assigned yet
+    shapes: dict[str, tuple[int, ...]]  # each text weight's local name and shape, as the checkpoint stores it
+    quantized: frozenset[str]  # the local names whose weight is stored quantized (with a `{name}_scale`)
+
+    def convert(self, local: str, tensor: torch.Tensor, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """A stored weight as the loaded model holds it: quantized on `device` (weight and scale) when its layer
+        is, else cast to the plan's dtype there. `device` defaults to the plan's (meta_model passes meta)."""
+        device = device or self.device
+        if local in self.quantized:
+            from .quantize import quantize_weight
+
+            weight, scale = quantize_weight(tensor.to(device), self.quantize)
+            return {local: weight, f"{local}_scale": scale}
+        return {local: tensor.to(device=device, dtype=self.dtype)}
+
+    def meta_model(self) -> DiffusionGemma:
+        """The model as `load_model` would leave it, on the meta device: every tensor's shape and dtype, no memory.
+        Assigns into `self.model`, so a plan is either loaded or described."""
+        meta = torch.device("meta")
+        state: dict[str, torch.Tensor] = {}
+        for local, shape in self.shapes.items():
+            state.update(self.convert(local, torch.empty(shape, dtype=self.stored or self.dtype, device=meta), meta))
+        self.model.load_state_dict(state, strict=True, assign=True)
+        return self.model
+
+
+def declared_dtype(config: ModelConfig) -> torch.dtype | None:
+    """config.json's own `dtype` (or older `torch_dtype`), None when it names none the model computes in."""
+    declared = config.extra.get("dtype") or config.extra.get("torch_dtype")
+    try:
+        return resolve_dtype(declared) if isinstance(declared, str) else None
+    except ValueError:  # "auto", "float64", ...: only a folder without weights reads it, so no refusal
+        return None
+
+
+def plan_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-    quantize: str | None = None,
-) -> tuple[DiffusionGemma, Passthrough]:
-    """The model of an HF-format folder. With `quantize` ("int8", "fp8", "int4"; see blockpress.quantize) each projection
-    is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
-    quantized model plus one tensor."""
+    quantize: str | None = None, *, weights: bool = True,
+) -> ModelPlan:
+    """Everything a load of the folder at `path` decides before reading a tensor, with a load's refusals (a
+    pre-quantized or pickle checkpoint, a device that is not here, an fp8 that does not run there).
+
+    `dtype=None`: the stored one, except half precision on a CPU without native matmuls for it (native_dtype).
+    `weights=False` also plans a folder with config.json alone (what `blockpress info` describes before the
+    weights are fetched); with nothing stored, its dtype is config.json's declared one. A load needs weights."""
     path = Path(path)
     config = read_config(path)
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
-    files = checkpoint_files(path)
+    try:
+        files = checkpoint_files(path)
+    except NoWeights:
+        if weights:
+            raise
+        files = []
     with torch.device("meta"):
         model = DiffusionGemma(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # as stored in the checkpoint
@@ -405,28 +461,42 @@ def load_model(
             from .quantize import quantize as quantize_model
 
             quantize_model(model, quantize)  # on the meta device: only the layout (quantized buffers, scales)
+    quantized = frozenset(name.removesuffix("_scale") for name in model.state_dict()
+                          if name.endswith("_scale") and name.removesuffix("_scale") in shapes)
+    opened = [MappedSafetensors(file) for file in files]  # reads each header; the data stays on disk
+    stored = stored_dtype(opened) if opened else None
+    if dtype is None:
+        dtype = native_dtype(stored or declared_dtype(config) or torch.float32, device)
+    if quantize is not None:  # the meta model above could not tell whether the scheme runs where it will live
+        from .quantize import check_runs
+
+        check_runs(quantize, device, dtype)
+    return ModelPlan(path, config, opened, stored, dtype, device, quantize, model, shapes, quantized)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    quantize: str | None = None,
+) -> tuple[DiffusionGemma, Passthrough]:
+    """The model of an HF-format folder. With `quantize` ("int8", "fp8", "int4"; see blockpress.quantize) each projection
+    is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
+    quantized model plus one tensor."""
+    plan = plan_model(path, dtype, device, quantize)
+    path, config, model, dtype, device = plan.path, plan.config, plan.model, plan.dtype, plan.device
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     passthrough = Passthrough()
     derived: list[str] = []  # rotary tables stored as tensors: recomputed from the config, so skipped
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
-    opened = [MappedSafetensors(file) for file in files]
-    stored = stored_dtype(opened)
-    if dtype is None:
-        dtype = native_dtype(stored, device)
-    if quantize is not None:  # the meta model above could not tell whether the scheme runs where it will live
-        from .quantize import check_runs
-
-        check_runs(quantize, device, dtype)
-    if device.type != "cpu" or dtype != stored or quantize is not None:
+    if device.type != "cpu" or dtype != plan.stored or quantize is not None:
         # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate.
         params = {name for name, _ in model.named_parameters()}
         nbytes = sum(t.numel() * (dtype.itemsize if name in params else t.element_size())
                      for name, t in expected.items())
         check_fits(nbytes, device, f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}"
                    + (f", {quantize}" if quantize else ""))
-    for f in opened:
+    for f in plan.files:
         file = f.path
         for name in f.keys():
             if name.startswith(VISION_PREFIXES):
@@ -445,19 +515,14 @@ def load_model(
             sources[name] = file
             if local not in expected:
                 raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
-            shape, want = f.shape(name), shapes[local]
+            shape, want = f.shape(name), plan.shapes[local]
             if shape != want:
                 raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
             tensor = f.tensor(name)
             if not tensor.is_floating_point():  # every text weight is stored in a float type (quantizing comes after)
                 raise CheckpointError(f"{file.name}: tensor {name!r}: dtype {tensor.dtype} in the checkpoint, "
                                       "expected a floating-point type")
-            if f"{local}_scale" in expected:  # a quantized projection: quantize on the target device, then drop
-                from .quantize import quantize_weight
-
-                state[local], state[f"{local}_scale"] = quantize_weight(tensor.to(device), quantize)
-                continue
-            state[local] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            state.update(plan.convert(local, tensor))  # a quantized projection drops its float copy here
     tied = config.extra.get("tie_word_embeddings", True) is not False and config.text.tie_word_embeddings
     check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
     if passthrough.tensors:

@@ -332,54 +332,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """The model `args` names, built on the meta device (shapes, dtypes, no memory), as `blockpress.load` would
-    load it on --device, and what its folder stores: the safetensors headers only, never a tensor's data. (Loading
-    to count converted a bf16 checkpoint to float32 on a CPU without native bf16: 101 GB for a 26B.)"""
-    from blockpress.checkpoint import (
-        MappedSafetensors,
-        NoWeights,
-        checkpoint_files,
-        native_dtype,
-        read_config,
-        resolve_device,
-        resolve_dtype,
-        stored_dtype,
-    )
+    """The model `args` names, built on the meta device (shapes, dtypes, no memory) by the plan `blockpress.load`
+    carries out on --device (checkpoint.plan_model), and what its folder stores: the safetensors headers only,
+    never a tensor's data. (Loading to count converted a bf16 checkpoint to float32 on a CPU without native bf16:
+    101 GB for a 26B.)"""
+    from blockpress.checkpoint import plan_model, resolve_device
     from blockpress.lm import LM, read_generation_config, resolve_path
-    from blockpress.model import DiffusionGemma
 
-    device = resolve_device(args.device)  # checked as a load would check it: the figures are for this device
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
+        resolve_device(args.device)  # checked as a load would: the figures are for this device
         return load_model(args.model, args.dtype, "meta", args.quantize), dict(checkpoint_dtype=None,
                                                                               checkpoint_bytes=None)
     path = resolve_path(args.model)
-    config = read_config(path)  # the refusals a load makes before reading any weight (a pre-quantized one...)
-    try:
-        files = checkpoint_files(path)
-    except NoWeights:  # a folder with config.json alone (weights not fetched yet) is described all the same
-        files = []
-    opened = [MappedSafetensors(f) for f in files]  # reads each header; the data stays on disk
-    stored = stored_dtype(opened) if opened else None
-    declared = config.extra.get("dtype") or config.extra.get("torch_dtype")  # config.json's own word, with no weights
-    dtype = resolve_dtype(args.dtype) or native_dtype(stored or resolve_dtype(declared) or torch.float32, device)
-    with torch.device("meta"):
-        model = DiffusionGemma(config)
-    # What a load casts: the tensors a checkpoint stores. The rotary tables (non-persistent) stay float32, as a load
-    # leaves them (model.to(dtype) would cast them too, and count them in the wrong dtype).
-    model.load_state_dict({n: t.to(dtype) if t.is_floating_point() else t for n, t in model.state_dict().items()},
-                          assign=True)
-    if args.quantize:
-        from blockpress.quantize import quantize
-
-        quantize(model, args.quantize)  # the layout only: quantized buffers and their scales
+    plan = plan_model(path, args.dtype, args.device, args.quantize, weights=False)  # config.json alone works too
     tokenizer = None
-    if (path / "tokenizer.json").exists():
+    if (path / "tokenizer.json").exists():  # as blockpress.load reads it
         from blockpress.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    lm = LM(model, tokenizer, read_generation_config(path, config.text.vocab_size), path=path)
-    return lm, dict(checkpoint_dtype=str(stored).removeprefix("torch.") if stored else None,
-                    checkpoint_bytes=sum(f.nbytes(n) for f in opened for n in f.keys()) if opened else None)
+    lm = LM(plan.meta_model(), tokenizer, read_generation_config(path, plan.config.text.vocab_size), path=path)
+    return lm, dict(checkpoint_dtype=str(plan.stored).removeprefix("torch.") if plan.stored else None,
+                    checkpoint_bytes=sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files else None)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -1026,7 +999,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", formatter_class=DefaultsFormatter, help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory. "
                                    "Nothing is loaded: the model is counted on the meta device from config.json and "
-                                   "the safetensors headers (a folder with config.json alone works too). dtype and "
+                                   "the safetensors headers, by the plan a load follows (a folder with config.json "
+                                   "alone works too, in the dtype it declares). dtype and "
                                    "weights_bytes: what loading on --device with --dtype / --quantize would take; "
                                    "checkpoint_dtype and checkpoint_bytes: what the folder stores.")
     add_model_args(p, device_help="the device the dtype and memory figures are for: bf16/fp16 weights would load "

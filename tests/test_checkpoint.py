@@ -777,3 +777,18 @@ def test_shard_names_that_leave_the_folder_are_refused(lm, ref_checkpoint, tmp_p
     for path in (tmp_path / "linked", linked_files):
         again = load_quiet(path)
         assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), lm.model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "fp8"])
+@pytest.mark.parametrize("stored, dtype", [("bfloat16", None), ("float32", "bfloat16"), ("float16", "float32")])
+def test_a_plans_meta_model_is_the_loaded_model_on_meta(tmp_path, stored, dtype, quantize):
+    """plan_model is what both a load and `blockpress info` start from: its meta model must hold, tensor for
+    tensor, the names, shapes and dtypes the load leaves (info counts bytes from it)."""
+    from blockpress.checkpoint import load_model, plan_model
+
+    blockpress.random_model(ModelConfig.tiny(), dtype=stored).save(tmp_path)
+    meta = plan_model(tmp_path, dtype, "cpu", quantize).meta_model()
+    loaded, _ = load_model(tmp_path, dtype, "cpu", quantize)
+    described = {n: (t.shape, t.dtype) for n, t in [*meta.named_parameters(), *meta.named_buffers()]}
+    assert described == {n: (t.shape, t.dtype) for n, t in [*loaded.named_parameters(), *loaded.named_buffers()]}
+    assert all(t.device.type == "meta" for t in meta.state_dict().values())

@@ -1037,3 +1037,49 @@ def test_bench_errors_name_the_flags_and_give_advice_bench_can_take(monkeypatch,
     err = capsys.readouterr().err
     assert "GB are available" in err and "a smaller --preset or --dtype" in err and "device='meta'" not in err
     assert "blockpress info --model random-tiny --device meta" in err
+
+
+def info_json(capsys, *args):
+    assert main(["info", "--json", "--threads", "1", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("stored,declared", [("bfloat16", "float32"), ("float32", "bfloat16"), ("float16", "bfloat16")])
+@pytest.mark.parametrize("dtype,quantize", [(None, None), (None, "int8"), ("bfloat16", "int4"), ("float32", None)])
+def test_info_reports_the_dtype_and_bytes_a_load_gives(tmp_path, capsys, stored, declared, dtype, quantize):
+    """info planned the load on its own (its dtype rule fell back to config.json's declared dtype, a load's does
+    not); both now go through checkpoint.plan_model. The folder's files and its config.json disagree here."""
+    blockpress.random_model(blockpress.ModelConfig.tiny(), dtype=stored).save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": declared}))
+    flags = [*(["--dtype", dtype] if dtype else []), *(["--quantize", quantize] if quantize else [])]
+    info = info_json(capsys, "--model", str(tmp_path), *flags)
+    lm = blockpress.load(tmp_path, dtype=dtype, quantize=quantize)
+    assert info["dtype"] == str(lm.dtype).removeprefix("torch.") and info["checkpoint_dtype"] == stored
+    assert info["weights_bytes"] == lm.weights_bytes() and info["quantization"] == lm.quantization
+
+
+def test_info_keeps_a_loads_check_that_the_scheme_runs(tmp_path, monkeypatch, capsys):
+    """info quantized its meta model without asking whether the scheme runs on --device (fp8 in float32 on CUDA
+    does not): it described a load that would be refused. The refusal is stood in for here (no GPU needed)."""
+    import blockpress.quantize
+
+    def refuse(scheme, device, dtype):
+        if device.type != "meta":  # the meta layout itself never runs
+            raise ValueError(f"quantize={scheme!r}: does not run on {device}")
+
+    monkeypatch.setattr(blockpress.quantize, "check_runs", refuse)
+    assert main(["info", "--model", MODEL, "--quantize", "fp8", "--json"]) == 2
+    assert "does not run on cpu" in capsys.readouterr().err
+
+
+def test_info_on_a_config_alone_ignores_a_dtype_it_cannot_compute_in(tmp_path, capsys):
+    """A config.json alone that declared `"dtype": "auto"` was refused with "dtype: expected one of ...", an error
+    about a flag nobody gave; with no weights to go by, the default (float32) is described."""
+    config = json.loads((blockpress.lm.resolve_path(MODEL) / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "auto"}))
+    assert info_json(capsys, "--model", str(tmp_path))["dtype"] == "float32"
+    (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert info_json(capsys, "--model", str(tmp_path), "--device", "meta")["dtype"] == "bfloat16"
