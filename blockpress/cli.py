@@ -191,10 +191,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_template(text: str, hole_length: int) -> None:
+    """The template's marker errors (a typo such as <|HOLE|>, <|hole:0|>, no holes, empty text), found by the
+    library's own parser before the model loads: a large checkpoint takes minutes to load. The fixed text is
+    passed over, not tokenized (no tokenizer yet), so only the model's context is left for the load to check."""
+    from types import SimpleNamespace
+
+    from blockpress.generate import template_to_ids
+
+    untokenized = SimpleNamespace(encode=lambda piece: [0])  # one stand-in id per piece of fixed text
+    try:
+        template_to_ids(text, untokenized, 1, hole_length)
+    except ValueError as exc:
+        if str(exc).startswith("template: has no holes"):  # the library's message offers -1 ids: not for a command line
+            raise ValueError("template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or "
+                             "<|hole:N|>") from None
+        raise
+
+
 def cmd_infill(args: argparse.Namespace) -> int:
-    lm = load_announced(args)
-    if lm.tokenizer is None:
-        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     text = args.template if args.template != "-" else sys.stdin.read()
     kw = sampling_kwargs(args)
     for flag in ("max_new_tokens", "min_new_tokens"):
@@ -208,14 +223,12 @@ def cmd_infill(args: argparse.Namespace) -> int:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates
             raise ValueError(f"{flag}: not valid UTF-8 (at character {exc.start})") from None
+    check_template(text, args.hole_length)
+    lm = load_announced(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     t0 = time.perf_counter()
-    try:
-        out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
-    except ValueError as exc:
-        if str(exc).startswith("template: has no holes"):  # the library's message offers -1 ids: not for a command line
-            raise ValueError("template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or "
-                             "<|hole:N|>") from None
-        raise
+    out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     stats = stats_line(out, time.perf_counter() - t0)
     # new_tokens: the whole template's length, fixed tokens included (what stats_line counts; kept for scripts that

@@ -1083,3 +1083,29 @@ def test_info_on_a_config_alone_ignores_a_dtype_it_cannot_compute_in(tmp_path, c
     assert info_json(capsys, "--model", str(tmp_path))["dtype"] == "float32"
     (tmp_path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     assert info_json(capsys, "--model", str(tmp_path), "--device", "meta")["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("x = <|hole:0|>", "template: <|hole:0|> holds no token"),
+    ("x = <|HOLE|>", "template: '<|HOLE|>' looks like a hole marker but is not one"),
+    ("x = <| hole |>", "template: '<| hole |>' looks like a hole marker but is not one"),
+    ("x = 1", "template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or <|hole:N|>"),
+    ("", "template: empty text"),
+])
+def test_infill_refuses_a_bad_template_before_loading(template, message, monkeypatch, capsys):
+    """infill loaded the model first, so a typo in a marker cost a full load (minutes for a 26B) before its error;
+    sudoku already checked its puzzles first. The library's own parser checks it now, before the load."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    assert main(["infill", template, "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"infill: error: {message}" in err and "-1 ids" not in err
+
+
+def test_infill_still_fills_after_the_early_check(capsys):
+    """The check before the load passes a good template through unchanged (fixed text with a stand-in tokenizer)."""
+    assert main(["infill", "def f(x):\n    return <|hole:3|>\n", "--model", MODEL, "--steps", "2", "--seed", "0",
+                 "--json", "--threads", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].startswith("def f(x):\n    return") and len(out["fills"]) == 1 and out["filled_tokens"] == 3
