@@ -632,6 +632,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     from blockpress.tasks import sudoku_model
     from blockpress.tasks.sudoku import format_board, split_puzzle_file
 
+    if args.puzzles.count("-") + (args.file == "-") > 1:  # the second reader would get an empty stdin, silently
+        raise ValueError("standard input can be read once: give - once (a puzzle argument or --file -)")
     puzzles: list[str] = []
     for text in args.puzzles:  # - reads them from standard input, as a --file would be read
         puzzles += split_puzzle_file(sys.stdin.read(), "stdin") if text == "-" else [text]
@@ -931,7 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
                                    "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
     p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each; - reads them from standard input "
-                   "(as --file does)")
+                   "(as --file - does; standard input is read once)")
     p.add_argument("--file", default=None,
                    help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines and "
                         "'#' comments skipped")

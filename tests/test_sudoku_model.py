@@ -305,3 +305,26 @@ def test_a_complete_grid_is_its_own_answer_beside_open_ones(tiny_sudoku):
     assert results[0].steps == 0 and 0 < results[1].steps <= 2
     alone = sudoku_model.solve(lm, [other.puzzle], max_denoising_steps=2)[0]
     assert results[1] == alone  # the complete grids did not change the open puzzle's decoding
+
+
+def test_solve_takes_one_puzzle_string_as_a_batch_of_one(tiny_sudoku):
+    """`solve(lm, "530070000...")` read the string as a list of 81 one-character puzzles ("puzzle 1: puzzle has 1
+    cells, expected 81"); a str is a batch of one now, as lm.generate takes a str prompt."""
+    _, lm = tiny_sudoku
+    p = generate(7, "easy").puzzle
+    for solver, kw in ((sudoku_model.solve, dict(max_denoising_steps=2)), (sudoku_model.solve_ar, {})):
+        assert solver(lm, p, **kw) == solver(lm, [p], **kw)
+    assert sudoku_model.solve(lm, sudoku_model.prepare(p), max_denoising_steps=2, checked=True)[0].puzzle == p
+    with pytest.raises(ValueError, match="puzzles: expected a puzzle string or a list of them, got bytes"):
+        sudoku_model.solve(lm, p.encode())
+
+
+@pytest.mark.parametrize("source", [["-", "-"], ["-", "--file", "-"]])
+def test_cli_refuses_reading_stdin_twice(source, capsys, monkeypatch):
+    """`sudoku - -`: the second reader met an empty stdin without a word."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(generate(5, "easy").puzzle + "\n"))
+    assert main(["sudoku", *source]) == 2
+    assert "sudoku: error: standard input can be read once: give - once" in capsys.readouterr().err

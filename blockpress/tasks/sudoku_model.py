@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +127,21 @@ def check_sudoku_model(lm: Any) -> None:
 CHECK_NODES = 10_000
 
 
-def prepare(puzzles: Sequence[str]) -> list[str]:
+def puzzle_list(puzzles: str | Sequence[str]) -> list[str]:
+    """The puzzles of a call: a list of puzzle strings, or one string as a batch of one (as lm.generate takes a
+    str prompt). A str is a Sequence too: read as one, its characters became 81 one-cell puzzles."""
+    if isinstance(puzzles, str):
+        return [puzzles]
+    if isinstance(puzzles, (bytes, bytearray)) or not isinstance(puzzles, Iterable):
+        raise ValueError(f"puzzles: expected a puzzle string or a list of them, got {type(puzzles).__name__}")
+    return list(puzzles)
+
+
+def prepare(puzzles: str | Sequence[str]) -> list[str]:
     """Parse and check each puzzle (clear errors for bad length, characters, contradictions, no solution).
     A puzzle the solver cannot settle within CHECK_NODES is kept, with a warning."""
     out = []
-    for i, text in enumerate(puzzles):
+    for i, text in enumerate(puzzle_list(puzzles)):
         try:
             out.append(check_puzzle(parse_puzzle(text), max_nodes=CHECK_NODES))
         except Undecided as exc:
@@ -144,7 +154,7 @@ def prepare(puzzles: Sequence[str]) -> list[str]:
 
 def solve(
     lm: Any,
-    puzzles: Sequence[str],
+    puzzles: str | Sequence[str],
     max_denoising_steps: int | None = None,
     sampler: str | None = None,
     seed: int = 0,
@@ -155,14 +165,15 @@ def solve(
     checked: bool = False,
     **sampler_options: Any,
 ) -> list[ModelSolution]:
-    """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle.
+    """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle. `puzzles`: puzzle
+    strings (81 cells each), or one string; a list of results either way.
 
     `rules`: the rule-aware option (see the module docstring); off, the model alone decides.
     `ensemble`: denoise each puzzle as this many symmetric views with pooled predictions (module docstring).
     `checked`: the puzzles are as prepare() returned them (the CLI checks them before loading the model).
     `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
     check_sudoku_model(lm)
-    puzzles = list(puzzles) if checked else prepare(puzzles)
+    puzzles = puzzle_list(puzzles) if checked else prepare(puzzles)
     views = symmetric_views(ensemble, seed)
     # A grid given complete has nothing to denoise (a canvas needs a hole): it is its own answer, checked.
     open_puzzles = [p for p in puzzles if "0" in p]
@@ -196,7 +207,7 @@ def solve(
 
 
 @torch.no_grad()
-def solve_ar(lm: Any, puzzles: Sequence[str]) -> list[ModelSolution]:
+def solve_ar(lm: Any, puzzles: str | Sequence[str]) -> list[ModelSolution]:
     """Left-to-right greedy decoding of the solution, givens forced (the AR baseline, same conditions)."""
     check_sudoku_model(lm)
     puzzles = prepare(puzzles)
