@@ -1,6 +1,6 @@
 """The decoding loop's mechanics on tiny random models."""
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -1419,8 +1419,7 @@ def _holes_request(template, allowed, seeds, length=None, min_new_tokens=0):
 
     req = Request(torch.tensor([[3, 4, 5]] * len(seeds)), None, length or len(template[0]), min_new_tokens,
                   SamplerConfig(max_denoising_steps=5), None, None if template is None else torch.tensor(template),
-                  [EOS], PAD, seeds=seeds)
-    req.hole_allowed = allowed
+                  [EOS], PAD, seeds=seeds, hole_allowed=allowed)
     return req
 
 
@@ -1493,8 +1492,8 @@ def test_a_logits_processor_may_return_a_broadcast_view(lm):
     allowed = {(1, p): torch.arange(v) % 16 == 3 for p in (1, 2, 4, 5)}  # row 1's holes only
     outputs = []
     for share in (lambda x: x[:1].expand_as(x), lambda x: x[:1].repeat(x.shape[0], 1, 1)):
-        req = _holes_request(template, allowed, [1, 1])
-        req.logits_processor = lambda logits, rows, share=share: share(logits)
+        req = replace(_holes_request(template, allowed, [1, 1]),
+                                  logits_processor=lambda logits, rows, share=share: share(logits))
         outputs.append(_last_output(run(lm.model, req)).new_tokens)
     assert torch.equal(outputs[0], outputs[1])
     assert not bool((outputs[0][0, [1, 2, 4, 5]] % 16 == 3).all())  # row 0 is free to draw other tokens
