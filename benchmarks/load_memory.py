@@ -84,7 +84,8 @@ def measure_load(path: str, quantize: str | None) -> dict[str, Any]:
     for p in (*lm.model.parameters(), *lm.model.buffers()):
         p.data.float().sum()
     after_touch = status("VmRSS")
-    peak = status("VmHWM") if sampler is None else sampler.stop()
+    # (a sampled peak can miss the reading just taken: the touch's temporaries are freed by the time it stops)
+    peak = status("VmHWM") if sampler is None else max(sampler.stop(), after_load, after_touch)
     return {"rss_growth_after_load": after_load - before, "rss_growth_after_touch": after_touch - before,
             "peak_growth_bytes": peak - before, "weights_bytes": lm.weights_bytes(),
             "peak_from": "VmHWM, reset in the child" if exact else "VmRSS sampled every 1 ms (a lower bound)"}

@@ -179,9 +179,9 @@ def test_quantized_shipped_sudoku_model_still_solves_easy_puzzles(scheme):
 
 
 def test_quantize_errors(tmp_path):
-    with pytest.raises(ValueError, match="scheme: unknown quantization 'int3'"):
+    with pytest.raises(ValueError, match="quantize: unknown quantization 'int3'"):
         tiny_lm().quantize("int3")
-    with pytest.raises(ValueError, match="scheme"):
+    with pytest.raises(ValueError, match="quantize: unknown quantization 'nf4'"):
         blockpress.load(tmp_path / "missing", quantize="nf4")  # the scheme is checked before the path
     lm = tiny_lm().quantize("int8")
     with pytest.raises(ValueError, match="already quantized"):
