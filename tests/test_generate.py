@@ -1417,10 +1417,9 @@ def _holes_request(template, allowed, seeds, length=None, min_new_tokens=0):
     from blockpress.generate import Request
     from blockpress.sampling import SamplerConfig
 
-    req = Request(torch.tensor([[3, 4, 5]] * len(seeds)), None, length or len(template[0]), min_new_tokens,
-                  SamplerConfig(max_denoising_steps=5), None, None if template is None else torch.tensor(template),
-                  [EOS], PAD, seeds=seeds, hole_allowed=allowed)
-    return req
+    return Request(torch.tensor([[3, 4, 5]] * len(seeds)), None, length or len(template[0]), min_new_tokens,
+                   SamplerConfig(max_denoising_steps=5), None, None if template is None else torch.tensor(template),
+                   [EOS], PAD, seeds=seeds, hole_allowed=allowed)
 
 
 def _last_output(events):
