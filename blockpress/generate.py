@@ -201,7 +201,8 @@ class GenerationOutput:
     denoise_seconds: float = 0.0
     cache: KVCache | None = None
     num_chosen_tokens: torch.Tensor | None = None  # [B] valid new tokens less a template's fixed ones (its holes)
-    # A template's holes as text, per row in template order (adjacent holes read as one); None without a template
+    # A template's holes as text, per row: one per hole marker, in order (a token-id template: one per run of -1s);
+    # None without a template
     fills: list[list[str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -249,6 +250,9 @@ class Request:
     # the fixed whitespace each such hole took over, which its fill leaves out.
     hole_allowed: dict[tuple[int, int], torch.Tensor] | None = None
     hole_prefixes: dict[tuple[int, int], str] | None = None
+    # Each row's holes as (start, end) spans of `template`, one per marker (Template.holes, healed); None: each run
+    # of -1s is one hole.
+    template_holes: list[list[tuple[int, int]]] | None = None
     # Stop strings, one list per row: a row ends at the token that completes one of them (see `stop_rows`).
     stops: list[list[str]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
@@ -370,46 +374,91 @@ def is_text_template(template: Any) -> bool:
                                          and all(isinstance(x, str) for x in template))
 
 
-def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
-                    max_length: int | None = None) -> torch.Tensor:
-    """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes.
-    `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
-    if is_text_template(template) and not isinstance(template, str):
-        if len(template) != batch:
-            raise ValueError(f"template: {len(template)} text templates for a batch of {batch} prompts")
-        rows = [template_to_ids(x, tokenizer, 1, hole_length, max_length)[0] for x in template]
-        lengths = [len(r) for r in rows]
+@dataclass(frozen=True)
+class Template:
+    """A constrained canvas as `parse_template` reads it: each row's token ids, -1 in the holes, and each row's
+    holes as (start, end) spans of those ids, in order: one per <|hole|> marker (adjacent markers stay apart),
+    or one per run of -1s in a token-id template. Rows may differ in length until the batch is laid out."""
+
+    rows: list[list[int]]
+    holes: list[list[tuple[int, int]]]
+
+    def ids(self, what: str = "the texts of a batch",
+            way_out: str = "adjust the hole lengths, or fill them in separate calls") -> torch.Tensor:
+        """[B, N]: the rows as one layout (`what` and `way_out` word the error when their lengths differ)."""
+        lengths = [len(r) for r in self.rows]
         if len(set(lengths)) > 1:  # one canvas layout per batch: the holes and fixed tokens share positions
-            raise ValueError(f"template: the texts of a batch must come to the same number of tokens, got {lengths} "
-                             "(adjust the hole lengths, or fill them in separate calls)")
-        return torch.stack(rows)
-    if isinstance(template, str):
-        if tokenizer is None:
-            raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
-        if (not is_int(hole_length) or hole_length < 1) and "<|hole|>" in template:  # only a bare marker reads it
+            raise ValueError(f"template: {what} must come to the same number of tokens, got {lengths} ({way_out})")
+        return torch.tensor(self.rows, dtype=torch.long)
+
+
+def hole_runs(row: Sequence[int]) -> list[tuple[int, int]]:
+    """The (start, end) spans of a row's runs of -1: a token-id template's holes."""
+    spans: list[tuple[int, int]] = []
+    for p, t in enumerate(row):
+        if t >= 0:
+            continue
+        if spans and spans[-1][1] == p:
+            spans[-1] = (spans[-1][0], p + 1)
+        else:
+            spans.append((p, p + 1))
+    return spans
+
+
+def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """One text template's ids and hole spans."""
+    if tokenizer is None:
+        raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
+    if not template:
+        raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
+    matches = list(_HOLE_RE.finditer(template))
+    markers = {m.start() for m in matches}
+    near = next((m for m in _NEAR_HOLE_RE.finditer(template) if m.start() not in markers), None)
+    if near is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
+        raise ValueError(f"template: {near.group(0)!r} looks like a hole marker but is not one; write <|hole|> "
+                         "or <|hole:N|> (no spaces, lower case)")
+    ids: list[int] = []
+    holes: list[tuple[int, int]] = []
+    text, pos = "", 0  # the fixed text since the last hole, encoded whole when the next hole (or the end) comes
+    for m in matches:
+        marker, length = m.group(0), m.group(1)
+        text += template[pos : m.start()]
+        pos = m.end()
+        if length is None and (not is_int(hole_length) or hole_length < 1):  # only a bare marker reads it
             raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")
-        if not template:
-            raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
-        markers = {m.start() for m in _HOLE_RE.finditer(template)}
-        near = next((m for m in _NEAR_HOLE_RE.finditer(template) if m.start() not in markers), None)
-        if near is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
-            raise ValueError(f"template: {near.group(0)!r} looks like a hole marker but is not one; write <|hole|> "
-                             "or <|hole:N|> (no spaces, lower case)")
-        ids: list[int] = []
-        pos = 0
-        for m in _HOLE_RE.finditer(template):
-            if m.group(1) and int(m.group(1)) < 1:
-                raise ValueError(f"template: {m.group(0)} holds no token; a hole needs a length of 1 or more")
-            ids += tokenizer.encode(template[pos : m.start()]) if m.start() > pos else []
-            n = int(m.group(1)) if m.group(1) else hole_length
-            if max_length is not None and len(ids) + n > max_length:
-                raise ValueError(f"template: {m.group(0)} takes the template past the model's context of "
-                                 f"{max_length} tokens")
-            ids += [-1] * n
-            pos = m.end()
-        ids += tokenizer.encode(template[pos:]) if pos < len(template) else []
-        t = torch.tensor(ids, dtype=torch.long)
-    elif isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
+        if length is not None and int(length) < 1:
+            raise ValueError(f"template: {marker} holds no token; a hole needs a length of 1 or more")
+        ids += tokenizer.encode(text) if text else []
+        text = ""
+        n = int(length) if length is not None else hole_length
+        if max_length is not None and len(ids) + n > max_length:
+            raise ValueError(f"template: {marker} takes the template past the model's context of "
+                             f"{max_length} tokens")
+        holes.append((len(ids), len(ids) + n))
+        ids += [-1] * n
+    text += template[pos:]
+    ids += tokenizer.encode(text) if text else []
+    return ids, holes
+
+
+def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
+                   max_length: int | None = None) -> Template:
+    """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes, where a
+    run of -1s is one hole.
+    `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
+    if is_text_template(template):
+        texts = [template] if isinstance(template, str) else list(template)
+        if not isinstance(template, str) and len(texts) != batch:
+            raise ValueError(f"template: {len(texts)} text templates for a batch of {batch} prompts")
+        parsed = [_parse_text(x, tokenizer, hole_length, max_length) for x in texts]
+        if isinstance(template, str):
+            parsed *= batch
+        rows, holes = [list(r) for r, _ in parsed], [list(h) for _, h in parsed]
+        if not any(holes):
+            raise ValueError("template: has no holes to fill (use <|hole|> markers or -1 ids)")
+        Template(rows, holes).ids()  # checks the lengths
+        return Template(rows, holes)
+    if isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
         t = torch.as_tensor(template)
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"template: expected integer token ids (-1 for holes), got a {t.dtype} tensor")
@@ -436,7 +485,8 @@ def template_to_ids(template: Any, tokenizer: Any, batch: int, hole_length: int,
         raise ValueError(f"template: ids are token ids or -1 for a hole, got {int(t.min())}")
     if not bool((t < 0).any()):
         raise ValueError("template: has no holes to fill (use <|hole|> markers or -1 ids)")
-    return t.clone()
+    rows = t.tolist()
+    return Template(rows, [hole_runs(r) for r in rows])
 
 
 def decode_rows(tokenizer: Any, rows: list[list[int]], template: torch.Tensor | None = None) -> list[str]:
@@ -450,25 +500,14 @@ def decode_rows(tokenizer: Any, rows: list[list[int]], template: torch.Tensor | 
             for row, fixed in zip(rows, template.tolist())]
 
 
-def hole_fills(tokenizer: Any, rows: list[list[int]], template: torch.Tensor,
+def hole_fills(tokenizer: Any, rows: list[list[int]], holes: list[list[tuple[int, int]]],
                prefixes: dict[tuple[int, int], str]) -> list[list[str]]:
-    """Each row's holes (runs of -1 in `template`, the healed layout) decoded on their own. A healed hole's
-    first token starts with the whitespace the template wrote before it (`prefixes`, by (row, position)); that
-    text is the template's, so the fill leaves it out: fixed text + fill reads as the filled template."""
-    out = []
-    for r, (row, layout) in enumerate(zip(rows, template.tolist())):
-        # A hole starts after a fixed token, or where healing opened one (right after another hole, when the
-        # fixed token between them was the whitespace it took over).
-        starts = [p for p, t in enumerate(layout) if t < 0 and (p == 0 or layout[p - 1] >= 0 or (r, p) in prefixes)]
-        holes = []
-        for p in starts:
-            end = p + 1
-            while end < len(layout) and layout[end] < 0 and (r, end) not in prefixes:
-                end += 1
-            if p < len(row):  # a row cut short (an EOS) has no text for the holes after it
-                holes.append(strip_prefix(tokenizer.decode(row[p:end]), prefixes.get((r, p), "")))
-        out.append(holes)
-    return out
+    """Each row's holes ((start, end) spans of the new tokens, one per marker) decoded on their own. A healed
+    hole's first token starts with the whitespace the template wrote before it (`prefixes`, by (row, position));
+    that text is the template's, so the fill leaves it out: fixed text + fill reads as the filled template."""
+    return [[strip_prefix(tokenizer.decode(row[start:end]), prefixes.get((r, start), ""))
+             for start, end in spans if start < len(row)]  # a row cut short (an EOS) has no text for the holes after it
+            for r, (row, spans) in enumerate(zip(rows, holes))]
 
 
 def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -493,7 +532,8 @@ def _output(
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
         texts = _heal_texts(req, decode_rows(tokenizer, rows, req.template))
         if req.template is not None:
-            fills = hole_fills(tokenizer, rows, req.template, req.hole_prefixes or {})
+            holes = req.template_holes or [hole_runs(r) for r in req.template.tolist()]
+            fills = hole_fills(tokenizer, rows, holes, req.hole_prefixes or {})
         if req.stops:
             prefixes = req.heal_prefixes or [""] * len(rows)
             texts = [cut_at_stop(t, stops, stop_floor(tokenizer, row, req.min_new_tokens, prefix))

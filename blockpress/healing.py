@@ -16,11 +16,15 @@ on prompts that end in a newline, healing lifts it from 0% to 60%.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # generate imports this module
+    from .generate import Template
 
 
 @dataclass(frozen=True)
@@ -42,35 +46,32 @@ def heal(tokenizer: Tokenizer, ids: Sequence[int]) -> Healed:
     return Healed(ids[:-1], last)
 
 
-def heal_holes(tokenizer: Tokenizer, template: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, int], str]]:
+def heal_holes(tokenizer: Tokenizer, template: Template) -> tuple[Template, dict[tuple[int, int], str]]:
     """A template's fixed whitespace-only token right before a hole becomes the hole's first position, whose
     token must start with that text: "return <|hole|>" encodes its space as a lone " " token, which running text
     never holds (" x" is one token), and the model then wrote its own leading space after it, or nothing sensible.
     The hole keeps its length: its last position goes, so "<|hole:1|>" is still one token, the one after "return".
+    A hole right after another (adjacent markers) has no fixed token before it and stays as it is.
     Returns (the template with those positions opened, {(row, position): the text the token must start with})."""
     texts, extendable = tokenizer.token_texts(), tokenizer.extendable_texts()
-    rows, prefixes = [], {}
-    for r, row in enumerate(template.tolist()):
+    rows, holes, prefixes = [], [], {}
+    for r, (row, spans) in enumerate(zip(template.rows, template.holes)):
         out: list[int] = []
+        opened: list[tuple[int, int]] = []
         p = 0
-        while p < len(row):
-            t = row[p]
-            text = texts[t] if 0 <= t < len(texts) else ""
-            if p + 1 < len(row) and row[p + 1] < 0 and text and not text.strip() and text in extendable:
-                end = p + 1
-                while end < len(row) and row[end] < 0:
-                    end += 1
+        for start, end in spans:
+            out += row[p:start]
+            before = row[start - 1] if start > p else -1  # a fixed token (not the end of the hole before)
+            text = texts[before] if 0 <= before < len(texts) else ""
+            if text and not text.strip() and text in extendable:
+                out.pop()  # the space's position becomes the hole's first
                 prefixes[(r, len(out))] = text
-                out += [-1] * (end - p - 1)  # the space's position and the hole less one: the same length
-                p = end
-                continue
-            out.append(t)
-            p += 1
-        rows.append(out)
-    if len({len(x) for x in rows}) > 1:
-        raise ValueError(f"template: with the spaces before their holes healed, the rows come to {[len(x) for x in rows]} "
-                         "tokens; a batch shares one layout (fill them in separate calls, or pass token_healing=False)")
-    return torch.tensor(rows, dtype=torch.long), prefixes
+            opened.append((len(out), len(out) + end - start))
+            out += [-1] * (end - start)
+            p = end
+        rows.append(out + row[p:])
+        holes.append(opened)
+    return replace(template, rows=rows, holes=holes), prefixes
 
 
 def allowed_first_tokens(tokenizer: Tokenizer, prefixes: Sequence[str], vocab_size: int) -> torch.Tensor:

@@ -34,11 +34,11 @@ from .generate import (
     is_text_template,
     left_pad,
     normalize_stops,
+    parse_template,
     prompt_to_ids,
     read_token_ids,
     run,
     run_ar,
-    template_to_ids,
 )
 from .healing import Healed, allowed_first_tokens, heal
 from .healing import heal_holes as heal_holes_of
@@ -476,10 +476,11 @@ class LM:
             cfg = sampler.with_(**sampler_options)
         else:
             cfg = self.sampler_defaults.with_(sampler=sampler, **sampler_options)
-        tmpl = None
+        tmpl = parsed = None
         if template is not None:
-            tmpl = template_to_ids(template, self.tokenizer, ids.shape[0], hole_length,
-                                   self.config.text.max_position_embeddings)
+            parsed = parse_template(template, self.tokenizer, ids.shape[0], hole_length,
+                                    self.config.text.max_position_embeddings)
+            tmpl = parsed.ids()
             if int(tmpl.max()) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
             if min_new_tokens:  # it would be ignored: a template's length is fixed and its holes never end early
@@ -491,12 +492,16 @@ class LM:
         if cfg.sampler == "greedy" and seed is None:
             seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
         if heal_holes:
-            tmpl, hole_prefixes = heal_holes_of(self.tokenizer, tmpl)
+            parsed, hole_prefixes = heal_holes_of(self.tokenizer, parsed)
+            tmpl = parsed.ids("with the spaces before their holes healed, the rows",
+                              "fill them in separate calls, or pass token_healing=False")
             if hole_prefixes:
                 unique = sorted(set(hole_prefixes.values()))
                 masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
                 fields.update(hole_allowed={pos: masks[prefix] for pos, prefix in hole_prefixes.items()},
                               hole_prefixes=hole_prefixes)
+        if parsed is not None:
+            fields.update(template_holes=parsed.holes)
         if healed is not None and any(h.prefix for h in healed):
             heal_prefixes = [h.prefix for h in healed]
             fields.update(heal_prefixes=heal_prefixes,
@@ -657,7 +662,9 @@ class LM:
         raise RuntimeError("cancelled: generation was cancelled before it finished")
 
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
-        """Fill the holes of `template` (text with <|hole|> markers, or ids with -1), keeping every fixed token."""
+        """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, or ids with -1), keeping every
+        fixed token. `fills` holds each hole's text, one per marker in order (per run of -1s in ids); `prompt`:
+        context before the template (default: BOS alone)."""
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")

@@ -52,7 +52,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, cut_at_stop, decode_rows, stop_floor, template_to_ids
+from .generate import Commit, Done, Draft, cut_at_stop, decode_rows, parse_template, stop_floor
 from .healing import heal, heal_holes, strip_prefix
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
@@ -419,7 +419,8 @@ class Engine:
         prefixes = [j.heal_prefix for j in batch]
         consumed = [0] * len(batch)  # canvas tokens committed so far
         # A canvas's layout as the LM lays it out (holes healed): its fixed special tokens are text the client wrote
-        layouts = [None if j.canvas is None else heal_holes(tok, torch.tensor([j.canvas]))[0] for j in batch]
+        layouts = [None if j.canvas is None else torch.tensor(heal_holes(tok, parse_template([j.canvas], tok, 1, 8))[0].rows)
+                   for j in batch]
         floors: list[int | None] = [None] * len(batch)  # characters of the first min_tokens tokens, once known
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
@@ -684,7 +685,7 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         # lone " " the model went on mid-word: "return atures"). The engine heals that position.
         return Canvas(healed.ids, prompt[-1:] + holes, max_tokens, healed.prefix)
     try:
-        return Canvas(prompt, template_to_ids(body.template, tok, 1, 8, state.context)[0].tolist(), None)
+        return Canvas(prompt, parse_template(body.template, tok, 1, 8, state.context).rows[0], None)
     except ValueError as exc:
         raise APIError(400, str(exc), "template") from None
 

@@ -1330,13 +1330,14 @@ def test_a_filled_template_keeps_its_fixed_text_special_tokens_included(code_lm,
 def test_a_space_before_a_hole_is_healed_into_it(code_lm):
     """"x = <|hole:2|>" encoded its space as a lone " " token, which running text never holds; the model then
     wrote a second space ("x =  # XXXXX"). The space's position joins the hole, its token must start with " "."""
-    from blockpress.generate import template_to_ids
+    from blockpress.generate import parse_template
     from blockpress.healing import heal_holes
 
     tok = code_lm.tokenizer
     text = "x = <|hole:2|> + 1"
-    ids = template_to_ids(text, tok, 1, 8)
-    opened, prefixes = heal_holes(tok, ids)
+    parsed = parse_template(text, tok, 1, 8)
+    healed, prefixes = heal_holes(tok, parsed)
+    ids, opened = parsed.ids(), healed.ids()
     assert list(prefixes.values()) == [" "]
     (_, p), = prefixes
     # the space's position opens and the hole gives up its last one: the same number of tokens to write
@@ -1538,3 +1539,22 @@ def test_the_repeat_history_is_indexed_once_a_canvas_not_every_step(lm):
         out = lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=16, max_denoising_steps=6, seed=0,
                           presence_penalty=1.0, adaptive_stopping=False)
     assert int(out.steps_per_canvas.sum()) == 2 * 2 * 6 and copies == []
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_hole_marker_gets_its_own_fill(code_lm, data):
+    """Adjacent markers came back as one fill ("<|hole:2|><|hole:3|>" gave one entry), so zip(markers, fills)
+    paired holes with the wrong text. Fills are one per marker, in order, and with the fixed text between them
+    they read back as the filled template."""
+    piece = st.sampled_from(["", "x = ", "\n", "return ", "a\\", "é ", "f(a, "])
+    fixed = data.draw(st.lists(st.lists(piece, max_size=3).map("".join), min_size=2, max_size=5))
+    holes = data.draw(st.lists(st.integers(1, 3), min_size=len(fixed) - 1, max_size=len(fixed) - 1))
+    template = fixed[0] + "".join(f"<|hole:{n}|>{text}" for n, text in zip(holes, fixed[1:]))
+    out = code_lm.infill(template, seed=0, max_denoising_steps=3)
+    fills = out.fills[0]
+    assert len(fills) == len(holes), (template, fills)
+    if "\ufffd" not in out.texts[0] + "".join(fills):  # a character split between two pieces decodes apart
+        assert fixed[0] + "".join(f + t for f, t in zip(fills, fixed[1:])) == out.texts[0], template
+    # token ids have no markers: a run of -1s is one hole
+    assert len(code_lm.infill([3, -1, -1, 4, -1, 5], seed=0, max_denoising_steps=2).fills[0]) == 2

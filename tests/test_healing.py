@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blockpress
-from blockpress.generate import Commit, Done
-from blockpress.healing import allowed_first_tokens, heal, strip_prefix
+from blockpress.generate import Commit, Done, parse_template
+from blockpress.healing import allowed_first_tokens, heal, heal_holes, strip_prefix
 from blockpress.lm import resolve_path
 from blockpress.tokenizer import Tokenizer
 
@@ -135,3 +135,22 @@ def test_healing_errors_are_clear(lm):
     both = lm.generate("x = ", template="a <|hole|>", token_healing=True, seed=0)
     assert both.texts[0].startswith("a") and both.sequences[0, : len(lm.tokenizer.encode_prompt("x = "))].tolist() \
         == lm.tokenizer.encode_prompt("x = ")
+
+
+@settings(max_examples=40, deadline=None)
+@given(parts=st.lists(st.tuples(st.sampled_from(["", " ", "x = ", "\n", "a +  ", "\t"]), st.integers(1, 4)),
+                      min_size=1, max_size=5))
+def test_healed_holes_keep_each_marker_and_its_length(tok, parts):
+    """Healing opens a space before a hole into it: every marker stays one hole of its own length (an adjacent
+    one has no space before it to take), and the layout shrinks by one position per healed hole."""
+    template = "".join(f"{text}<|hole:{n}|>" for text, n in parts) + "\n"
+    parsed = parse_template(template, tok, 1, 8)
+    healed, prefixes = heal_holes(tok, parsed)
+    assert [e - s for s, e in healed.holes[0]] == [e - s for s, e in parsed.holes[0]] == [n for _, n in parts]
+    assert len(healed.rows[0]) == len(parsed.rows[0]) - len(prefixes)
+    opened = {p for _, p in prefixes}  # each at a hole's start, never one right after another hole
+    assert opened <= {s for s, _ in healed.holes[0]}
+    assert not any(s in opened for (s, _), (text, _) in zip(healed.holes[0], parts) if text == "" and s > 0)
+    fixed = [t for t in healed.rows[0] if t >= 0]  # the fixed tokens that stay, in order
+    assert sum(1 for t in healed.rows[0] if t < 0) == sum(n for _, n in parts) and len(fixed) == len(
+        [t for t in parsed.rows[0] if t >= 0]) - len(prefixes)
