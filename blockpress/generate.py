@@ -35,7 +35,8 @@ from .sampling import (
 )
 
 HOLE = "<|hole|>"
-_HOLE_RE = re.compile(r"<\|hole(?::([0-9]+))?\|>")  # ASCII digits: \d would take "３" or "٣" as well
+# A marker and the backslashes right before it (they escape it): ASCII digits, as \d would take "３" or "٣" as well
+_HOLE_RE = re.compile(r"(\\*)(<\|hole(?::([0-9]+))?\|>)")
 # What a mistyped marker looks like: closed wrongly within a few characters, or not closed at all.
 _NEAR_HOLE_RE = re.compile(r"<\|\s*hole(?:[^<>\n]{0,16}>|[^<>\n]{0,16})", re.IGNORECASE)
 
@@ -406,13 +407,15 @@ def hole_runs(row: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
-    """One text template's ids and hole spans."""
+    """One text template's ids and hole spans. A backslash before a marker keeps it as text: each pair of
+    backslashes right before a marker stands for one, and an odd one left over makes the marker literal
+    (`\\<|hole|>` is the text "<|hole|>", `\\\\<|hole|>` a backslash and then a hole); other backslashes are text."""
     if tokenizer is None:
         raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
     if not template:
         raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
     matches = list(_HOLE_RE.finditer(template))
-    markers = {m.start() for m in matches}
+    markers = {m.start(2) for m in matches}
     near = next((m for m in _NEAR_HOLE_RE.finditer(template) if m.start() not in markers), None)
     if near is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
         raise ValueError(f"template: {near.group(0)!r} looks like a hole marker but is not one; write <|hole|> "
@@ -421,9 +424,12 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
     holes: list[tuple[int, int]] = []
     text, pos = "", 0  # the fixed text since the last hole, encoded whole when the next hole (or the end) comes
     for m in matches:
-        marker, length = m.group(0), m.group(1)
-        text += template[pos : m.start()]
+        slashes, marker, length = m.group(1), m.group(2), m.group(3)
+        text += template[pos : m.start()] + "\\" * (len(slashes) // 2)
         pos = m.end()
+        if len(slashes) % 2:  # escaped: the marker is text
+            text += marker
+            continue
         if length is None and (not is_int(hole_length) or hole_length < 1):  # only a bare marker reads it
             raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")
         if length is not None and int(length) < 1:
@@ -443,8 +449,8 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
 
 def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
                    max_length: int | None = None) -> Template:
-    """A constrained canvas: text with <|hole|> / <|hole:N|> markers, or ids with -1 (or None) for holes, where a
-    run of -1s is one hole.
+    """A constrained canvas: text with <|hole|> / <|hole:N|> markers (a backslash before one keeps it as text,
+    see `_parse_text`), or ids with -1 (or None) for holes, where a run of -1s is one hole.
     `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
     if is_text_template(template):
         texts = [template] if isinstance(template, str) else list(template)

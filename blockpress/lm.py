@@ -662,9 +662,9 @@ class LM:
         raise RuntimeError("cancelled: generation was cancelled before it finished")
 
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
-        """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, or ids with -1), keeping every
-        fixed token. `fills` holds each hole's text, one per marker in order (per run of -1s in ids); `prompt`:
-        context before the template (default: BOS alone)."""
+        """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it
+        as text; or ids with -1), keeping every fixed token. `fills` holds each hole's text, one per marker in
+        order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone)."""
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")

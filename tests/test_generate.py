@@ -1541,16 +1541,26 @@ def test_the_repeat_history_is_indexed_once_a_canvas_not_every_step(lm):
     assert int(out.steps_per_canvas.sum()) == 2 * 2 * 6 and copies == []
 
 
+def _escaped(text, marker_follows):
+    """`text` as a template's fixed part: a backslash before each marker in it (and the backslashes already
+    there doubled), and trailing backslashes doubled when a hole marker comes next."""
+    import re
+
+    text = re.sub(r"(\\*)(<\|hole(?::[0-9]+)?\|>)", lambda m: m.group(1) * 2 + "\\" + m.group(2), text)
+    return text + "\\" * (len(text) - len(text.rstrip("\\"))) if marker_follows else text
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_hole_marker_gets_its_own_fill(code_lm, data):
     """Adjacent markers came back as one fill ("<|hole:2|><|hole:3|>" gave one entry), so zip(markers, fills)
     paired holes with the wrong text. Fills are one per marker, in order, and with the fixed text between them
-    they read back as the filled template."""
-    piece = st.sampled_from(["", "x = ", "\n", "return ", "a\\", "é ", "f(a, "])
+    (escaped markers and backslashes included) they read back as the filled template."""
+    piece = st.sampled_from(["", "x = ", "\n", "return ", "a\\", "<|hole|>", "\\<|hole:2|> ", "é ", "f(a, "])
     fixed = data.draw(st.lists(st.lists(piece, max_size=3).map("".join), min_size=2, max_size=5))
     holes = data.draw(st.lists(st.integers(1, 3), min_size=len(fixed) - 1, max_size=len(fixed) - 1))
-    template = fixed[0] + "".join(f"<|hole:{n}|>{text}" for n, text in zip(holes, fixed[1:]))
+    template = "".join(_escaped(t, i < len(holes)) + (f"<|hole:{n}|>" if i < len(holes) else "")
+                       for i, (t, n) in enumerate(zip(fixed, holes + [0])))
     out = code_lm.infill(template, seed=0, max_denoising_steps=3)
     fills = out.fills[0]
     assert len(fills) == len(holes), (template, fills)
@@ -1558,3 +1568,20 @@ def test_every_hole_marker_gets_its_own_fill(code_lm, data):
         assert fixed[0] + "".join(f + t for f, t in zip(fills, fixed[1:])) == out.texts[0], template
     # token ids have no markers: a run of -1s is one hole
     assert len(code_lm.infill([3, -1, -1, 4, -1, 5], seed=0, max_denoising_steps=2).fills[0]) == 2
+
+
+def test_a_backslash_keeps_a_hole_marker_as_text(code_lm):
+    """Text that mentions the marker (this repo's own docstrings) silently got holes; `\\<|hole|>` keeps it."""
+    from blockpress.generate import parse_template
+
+    tok = code_lm.tokenizer
+    literal = parse_template("x = \\<|hole|> + <|hole:2|>", tok, 1, 8)
+    assert literal.rows[0][:literal.holes[0][0][0]] == tok.encode("x = <|hole|> + ") and literal.holes == [[(
+        len(tok.encode("x = <|hole|> + ")), len(tok.encode("x = <|hole|> + ")) + 2)]]
+    pair = parse_template("a\\\\<|hole:2|>b", tok, 1, 8)  # two backslashes: one, then a hole
+    assert pair.rows[0] == tok.encode("a\\") + [-1, -1] + tok.encode("b")
+    assert parse_template("a\\b<|hole:1|>", tok, 1, 8).rows[0] == tok.encode("a\\b") + [-1]  # elsewhere: text
+    with pytest.raises(ValueError, match="has no holes"):
+        parse_template("only \\<|hole:3|> mentioned", tok, 1, 8)
+    out = code_lm.infill("x = \\<|hole:0|> + <|hole:2|>\n", seed=0, max_denoising_steps=2)  # no "holds no token"
+    assert out.texts[0].startswith("x = <|hole:0|> + ") and len(out.fills[0]) == 1
