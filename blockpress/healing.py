@@ -74,6 +74,17 @@ def heal_holes(tokenizer: Tokenizer, template: Template) -> tuple[Template, dict
     return replace(template, rows=rows, holes=holes), prefixes
 
 
+def heal_into_template(tokenizer: Tokenizer, prompt: Sequence[int], template: Sequence[int]) -> tuple[Healed, list[int]]:
+    """A prompt's whitespace-only last token that `heal` would drop moves to the front of a template that starts
+    with a hole, where heal_holes opens it into that hole, as a text template's own space before a hole: "return "
+    ends in a lone " ", and after it the model went on mid-word ("return atures"). Returns (the prompt without
+    it, and the token's text, which the answer leaves out: the prompt holds it; the template with it in front)."""
+    healed = heal(tokenizer, prompt)
+    if not template or template[0] >= 0 or not healed.prefix:
+        return Healed(list(prompt), ""), list(template)
+    return healed, list(prompt[-1:]) + list(template)
+
+
 def allowed_first_tokens(tokenizer: Tokenizer, prefixes: Sequence[str], vocab_size: int) -> torch.Tensor:
     """[B, vocab_size] bool: the tokens each row's first new token may be (all, for a row not healed)."""
     texts = tokenizer.token_texts()

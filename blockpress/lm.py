@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from .generate import (
     run,
     run_ar,
 )
-from .healing import Healed, allowed_first_tokens, heal
+from .healing import Healed, allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
@@ -492,6 +492,15 @@ class LM:
         if cfg.sampler == "greedy" and seed is None:
             seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
         if heal_holes:
+            if is_text_template(prompt):  # a text prompt's trailing space joins a hole the template starts with
+                rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
+                moved = [heal_into_template(self.tokenizer, row, t) for row, t in zip(rows, parsed.rows)]
+                if any(h.prefix for h, _ in moved):
+                    ids, mask = left_pad([h.ids for h, _ in moved], pad_id)
+                    shifts = [int(bool(h.prefix)) for h, _ in moved]
+                    parsed = replace(parsed, rows=[t for _, t in moved],
+                                     holes=[[(a + k, b + k) for a, b in spans] for spans, k in zip(parsed.holes, shifts)])
+                    fields.update(heal_prefixes=[h.prefix for h, _ in moved])
             parsed, hole_prefixes = heal_holes_of(self.tokenizer, parsed)
             tmpl = parsed.ids("with the spaces before their holes healed, the rows",
                               "fill them in separate calls, or pass token_healing=False")
@@ -593,8 +602,10 @@ class LM:
         could have merged there (a trailing newline before indentation, say; see healing.py for why punctuation
         is left alone); needs a tokenizer; texts start after the prompt. With a template it heals the holes
         instead: a whitespace-only fixed token right before a hole becomes the hole's first position, whose token
-        must start with it (healing.heal_holes). None, the default: text templates are healed, nothing else; pass
-        False to keep a text template's tokens exactly (a `constraint` that addresses its positions needs that).
+        must start with it (healing.heal_holes), and a text prompt's whitespace-only last token joins a hole the
+        template starts with the same way (healing.heal_into_template; texts and fills leave it out). None, the
+        default: text templates are healed, nothing else; pass False to keep a text template's tokens exactly (a
+        `constraint` that addresses its positions needs that) and the prompt as given.
         `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
         first holds one; its tokens end at the token that completes it, and its final text stops just before it
         (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included; a character

@@ -53,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import Commit, Done, Draft, cut_at_stop, decode_rows, parse_template, stop_floor
-from .healing import heal, heal_holes, strip_prefix
+from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
 
@@ -677,13 +677,12 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
                                 "tokens)", other)
     if body.suffix is not None:
         holes = [-1] * max_tokens + tok.encode(body.suffix)
-        healed = heal(tok, prompt) if isinstance(body.prompt, str) else None
-        if healed is None or not healed.prefix:
+        if not isinstance(body.prompt, str):
             return Canvas(prompt, holes, max_tokens)
-        # A text prompt's trailing whitespace token ("return " ends in a lone " ") joins the hole, as in a text
-        # template: the hole's first token must start with it (" x" is one token in running text; after a
-        # lone " " the model went on mid-word: "return atures"). The engine heals that position.
-        return Canvas(healed.ids, prompt[-1:] + holes, max_tokens, healed.prefix)
+        # A text prompt's trailing space joins the hole, as lm.infill does with a text prompt (the engine heals
+        # that position; the answer leaves the space out, the prompt holds it)
+        healed, canvas = heal_into_template(tok, prompt, holes)
+        return Canvas(healed.ids, canvas, max_tokens, healed.prefix)
     try:
         return Canvas(prompt, parse_template(body.template, tok, 1, 8, state.context).rows[0], None)
     except ValueError as exc:

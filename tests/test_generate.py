@@ -1585,3 +1585,25 @@ def test_a_backslash_keeps_a_hole_marker_as_text(code_lm):
         parse_template("only \\<|hole:3|> mentioned", tok, 1, 8)
     out = code_lm.infill("x = \\<|hole:0|> + <|hole:2|>\n", seed=0, max_denoising_steps=2)  # no "holds no token"
     assert out.texts[0].startswith("x = <|hole:0|> + ") and len(out.fills[0]) == 1
+
+
+def test_a_text_prompts_trailing_space_joins_a_leading_hole(code_lm):
+    """lm.infill(template, prompt="...return ") kept the prompt's lone " " token, and the model went on mid-word
+    ("return atures"), token_healing=True or not. The space joins the hole, as a text template's own does: its
+    first token starts with " ", and the text and fill leave it out (the prompt holds it)."""
+    tok = code_lm.tokenizer
+    prompt, template = "def area(r):\n    return ", "<|hole:8|>\n"
+    ids = tok.encode_prompt(prompt)
+    assert tok.token_texts()[ids[-1]] == " "
+    out = code_lm.infill(template, prompt=prompt, sampler="greedy")
+    direct = code_lm.generate([ids[:-1]], template=[ids[-1:] + [-1] * 8 + tok.encode("\n")], sampler="greedy",
+                              token_healing=True)
+    assert torch.equal(out.new_tokens, direct.new_tokens) and out.prompt_length == len(ids) - 1
+    assert tok.token_texts()[int(out.new_tokens[0, 0])].startswith(" ")
+    assert out.texts[0] == direct.texts[0][1:] == out.fills[0][0] + "\n"
+    kept = code_lm.infill(template, prompt=prompt, sampler="greedy", token_healing=False)
+    assert kept.prompt_length == len(ids) and kept.new_tokens.shape == out.new_tokens.shape
+    # a batch heals each row on its own; a template that starts with fixed text leaves the prompt alone
+    both = code_lm.infill([template, "y<|hole:7|>\n"], prompt=[prompt, prompt], sampler="greedy")
+    assert both.texts[0] == out.texts[0] and both.texts[1].startswith("y")
+    assert int((both.sequences[1, :both.prompt_length] != code_lm.pad_id).sum()) == len(ids)

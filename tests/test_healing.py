@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import blockpress
 from blockpress.generate import Commit, Done, parse_template
-from blockpress.healing import allowed_first_tokens, heal, heal_holes, strip_prefix
+from blockpress.healing import allowed_first_tokens, heal, heal_holes, heal_into_template, strip_prefix
 from blockpress.lm import resolve_path
 from blockpress.tokenizer import Tokenizer
 
@@ -154,3 +154,12 @@ def test_healed_holes_keep_each_marker_and_its_length(tok, parts):
     fixed = [t for t in healed.rows[0] if t >= 0]  # the fixed tokens that stay, in order
     assert sum(1 for t in healed.rows[0] if t < 0) == sum(n for _, n in parts) and len(fixed) == len(
         [t for t in parsed.rows[0] if t >= 0]) - len(prefixes)
+
+
+def test_a_prompts_trailing_space_moves_into_a_leading_hole(tok):
+    ids = tok.encode_prompt("def f(r):\n    return ")
+    healed, template = heal_into_template(tok, ids, [-1, -1, 7])
+    assert healed.ids == ids[:-1] and healed.prefix == " " and template == ids[-1:] + [-1, -1, 7]
+    for prompt, canvas in ((ids, [7, -1]), (tok.encode_prompt("def f(r):"), [-1, 7])):  # fixed first; no space
+        healed, template = heal_into_template(tok, prompt, canvas)
+        assert healed.ids == prompt and healed.prefix == "" and template == canvas

@@ -804,6 +804,8 @@ def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
     assert text == tok.decode(answer)[1:] and not text.startswith(" ")
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
     assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["prompt_tokens"] == len(ids)
+    # the library's rule, which the server calls: lm.infill with the same text prompt writes the same hole
+    assert lm.infill("<|hole:8|>" + suffix, prompt=prompt, sampler="greedy", seeds=[0]).fills[0][0] == text
 
 
 def test_streamed_choices_interleave(server):
