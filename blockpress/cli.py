@@ -197,11 +197,11 @@ def check_template(text: str, hole_length: int) -> None:
     passed over, not tokenized (no tokenizer yet), so only the model's context is left for the load to check."""
     from types import SimpleNamespace
 
-    from blockpress.generate import template_to_ids
+    from blockpress.generate import parse_template
 
     untokenized = SimpleNamespace(encode=lambda piece: [0])  # one stand-in id per piece of fixed text
     try:
-        template_to_ids(text, untokenized, 1, hole_length)
+        parse_template(text, untokenized, 1, hole_length)
     except ValueError as exc:
         if str(exc).startswith("template: has no holes"):  # the library's message offers -1 ids: not for a command line
             raise ValueError("template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or "
@@ -872,14 +872,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",
                        description="Fill the holes of TEMPLATE (<|hole|> is a hole of --hole-length tokens, "
-                                   "<|hole:N|> one of N tokens). Fixed text is never changed.")
+                                   "<|hole:N|> one of N tokens). Fixed text is never changed. A backslash keeps "
+                                   "a marker as text: \\<|hole|> is the text <|hole|>, \\\\<|hole|> a backslash "
+                                   "and then a hole.")
     p.add_argument("template", help="text with hole markers, or - to read it from standard input")
     p.add_argument("--prefix", default="", help="context before the template (encoded, not shown)")
     p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")
     add_model_args(p)
     add_sampling_args(p, lengths=False)
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: text (the filled template), fills (each hole's text), template, "
+                   help="print one JSON object: text (the filled template), fills (each hole's text, one per marker, in order), "
+                        "template, "
                         "template_tokens (the template's length, fixed tokens and holes), new_tokens (the same "
                         "figure, under its older name), filled_tokens (the holes' tokens: what the model chose), "
                         "forward_passes, tokens_per_forward and tok_s (both of filled tokens), seconds")
