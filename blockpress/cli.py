@@ -199,7 +199,8 @@ def check_template(text: str, hole_length: int) -> None:
 
     from blockpress.generate import parse_template
 
-    untokenized = SimpleNamespace(encode=lambda piece: [0])  # one stand-in id per piece of fixed text
+    stand_in = lambda piece: [0]  # noqa: E731  (one stand-in id per piece of fixed text)
+    untokenized = SimpleNamespace(encode=stand_in, encode_plain=stand_in)
     try:
         parse_template(text, untokenized, 1, hole_length)
     except ValueError as exc:

@@ -409,7 +409,9 @@ def hole_runs(row: Sequence[int]) -> list[tuple[int, int]]:
 def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
     """One text template's ids and hole spans. A backslash before a marker keeps it as text: each pair of
     backslashes right before a marker stands for one, and an odd one left over makes the marker literal
-    (`\\<|hole|>` is the text "<|hole|>", `\\\\<|hole|>` a backslash and then a hole); other backslashes are text."""
+    (`\\<|hole|>` is the text "<|hole|>", `\\\\<|hole|>` a backslash and then a hole); other backslashes are text.
+    A literal marker is encoded as plain text (`Tokenizer.encode_plain`): where the tokenizer has `<|hole|>` as a
+    special token, that id is the absorbing noise token of models trained with it, not text."""
     if tokenizer is None:
         raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
     if not template:
@@ -427,8 +429,9 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
         slashes, marker, length = m.group(1), m.group(2), m.group(3)
         text += template[pos : m.start()] + "\\" * (len(slashes) // 2)
         pos = m.end()
-        if len(slashes) % 2:  # escaped: the marker is text
-            text += marker
+        if len(slashes) % 2:  # escaped: the marker is text, its own tokens (special tokens split text there anyway)
+            ids += (tokenizer.encode(text) if text else []) + tokenizer.encode_plain(marker)
+            text = ""
             continue
         if length is None and (not is_int(hole_length) or hole_length < 1):  # only a bare marker reads it
             raise ValueError(f"hole_length: expected a positive integer (the length of a bare <|hole|>), got {hole_length!r}")

@@ -116,6 +116,7 @@ class Tokenizer:
     )
     _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _plain_backend: tokenizers.Tokenizer | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
 
@@ -296,6 +297,17 @@ class Tokenizer:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token.")
             ids = [self.bos_id, *ids]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids for `text` read as plain text: a special token's text (`<|hole|>`, `<eos>`) becomes ordinary
+        tokens, not its special id (an escaped hole marker in a template must not become the noise token)."""
+        self.encode(text)  # the same checks
+        if self._plain_backend is None:
+            # A copy with the flag set once: toggling it on the shared backend would race a server's other threads.
+            plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt's ids: BOS first when the tokenizer has one, but not twice (a rendered chat template,

@@ -1576,8 +1576,11 @@ def test_a_backslash_keeps_a_hole_marker_as_text(code_lm):
 
     tok = code_lm.tokenizer
     literal = parse_template("x = \\<|hole|> + <|hole:2|>", tok, 1, 8)
-    assert literal.rows[0][:literal.holes[0][0][0]] == tok.encode("x = <|hole|> + ") and literal.holes == [[(
-        len(tok.encode("x = <|hole|> + ")), len(tok.encode("x = <|hole|> + ")) + 2)]]
+    fixed = tok.encode("x = ") + tok.encode_plain("<|hole|>") + tok.encode(" + ")
+    assert literal.rows[0][: literal.holes[0][0][0]] == fixed and literal.holes == [[(len(fixed), len(fixed) + 2)]]
+    # `<|hole|>` is a special token here, and its id the model's noise token: the literal text is never that id
+    assert tok.encode("<|hole|>") == [code_lm.sampler_defaults.noise_token_id]
+    assert not set(fixed) & tok.special_ids and tok.decode(fixed) == "x = <|hole|> + "
     pair = parse_template("a\\\\<|hole:2|>b", tok, 1, 8)  # two backslashes: one, then a hole
     assert pair.rows[0] == tok.encode("a\\") + [-1, -1] + tok.encode("b")
     assert parse_template("a\\b<|hole:1|>", tok, 1, 8).rows[0] == tok.encode("a\\b") + [-1]  # elsewhere: text
