@@ -253,10 +253,13 @@ class Job:
     # Text of the prompt that the answer's first token starts with (token healing, or a suffix's healed space);
     # not part of the answer.
     heal_prefix: str = ""
+    # The canvas as the engine lays it out, holes healed ([1, L]): jobs batch by this length, since rows whose
+    # canvases are as long before healing can differ after it, and the engine refuses such a batch.
+    layout: torch.Tensor | None = None
 
     def key(self) -> tuple:
         return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing,
-                None if self.canvas is None else len(self.canvas))
+                None if self.layout is None else self.layout.shape[1])
 
     @property
     def holes(self) -> int:
@@ -419,8 +422,7 @@ class Engine:
         prefixes = [j.heal_prefix for j in batch]
         consumed = [0] * len(batch)  # canvas tokens committed so far
         # A canvas's layout as the LM lays it out (holes healed): its fixed special tokens are text the client wrote
-        layouts = [None if j.canvas is None else torch.tensor(heal_holes(tok, parse_template([j.canvas], tok, 1, 8))[0].rows)
-                   for j in batch]
+        layouts = [j.layout for j in batch]
         floors: list[int | None] = [None] * len(batch)  # characters of the first min_tokens tokens, once known
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
@@ -666,8 +668,9 @@ def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
         raise APIError(400, str(exc), str(exc).split(":", 1)[0]) from None
 
 
-def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list[int], max_tokens: int) -> Canvas:
-    """The canvas of a `suffix` or `template` request after `prompt`."""
+def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list[int], max_tokens: int,
+                       from_text: bool) -> Canvas:
+    """The canvas of a `suffix` or `template` request after `prompt` (`from_text`: the client sent it as text)."""
     tok = state.lm.tokenizer
     given = "suffix" if body.suffix is not None else "template"
     for other, clash in (("template", body.suffix is not None and body.template is not None),
@@ -677,7 +680,7 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
                                 "tokens)", other)
     if body.suffix is not None:
         holes = [-1] * max_tokens + tok.encode(body.suffix)
-        if not isinstance(body.prompt, str):
+        if not from_text:
             return Canvas(prompt, holes, max_tokens)
         # A text prompt's trailing space joins the hole, as lm.infill does with a text prompt (the engine heals
         # that position; the answer leaves the space out, the prompt holds it)
@@ -689,8 +692,9 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         raise APIError(400, str(exc), "template") from None
 
 
-def completion_prompts(state: ServerState, body: CompletionRequest) -> list[list[int]]:
-    """The token ids of a completion request's prompts: one, or OpenAI's batch of texts or of id lists."""
+def completion_prompts(state: ServerState, body: CompletionRequest) -> list[tuple[list[int], bool]]:
+    """The token ids of a completion request's prompts (one, or OpenAI's batch of texts or of id lists), each with
+    whether it came as text."""
     one = isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
     prompts = [body.prompt] if one else body.prompt
     out = []
@@ -699,24 +703,26 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> list[list
         if not prompt:
             raise APIError(400, f"{name}: must not be empty", "prompt")
         if isinstance(prompt, str):
-            out.append(state.lm.tokenizer.encode_prompt(prompt))
+            out.append((state.lm.tokenizer.encode_prompt(prompt), True))
             continue
         bad = [t for t in prompt if not 0 <= t < state.lm.config.text.vocab_size]
         if bad:
             raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary", "prompt")
-        out.append(list(prompt))
+        out.append((list(prompt), False))
     return out
 
 
-def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[int]) -> list[Job]:
+def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[int], from_text: bool) -> list[Job]:
     """A completion request's jobs for one prompt, on a constrained canvas when it sends `suffix` or `template`."""
     jobs = build_jobs(state, body, prompt)
     if body.suffix is None and body.template is None:
         return jobs
-    canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens)
+    canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens, from_text)
+    tok = state.lm.tokenizer
+    layout = torch.tensor(heal_holes(tok, parse_template([canvas.tokens], tok, 1, 8))[0].rows)
     for job in jobs:  # not queued yet: a refusal below drops them
         job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
-        job.heal_prefix = canvas.heal_prefix
+        job.heal_prefix, job.layout = canvas.heal_prefix, layout
     if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
         raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                             f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
@@ -879,8 +885,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         jobs, prompt_tokens = [], 0
-        for i, prompt in enumerate(completion_prompts(state, body)):
-            for job in completion_jobs(state, body, prompt):
+        for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
+            for job in completion_jobs(state, body, prompt, from_text):
                 job.group = i
                 jobs.append(job)
             prompt_tokens += len(prompt)

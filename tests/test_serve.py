@@ -806,6 +806,34 @@ def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
     assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["prompt_tokens"] == len(ids)
     # the library's rule, which the server calls: lm.infill with the same text prompt writes the same hole
     assert lm.infill("<|hole:8|>" + suffix, prompt=prompt, sampler="greedy", seeds=[0]).fills[0][0] == text
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:  # a list of texts heals each one too
+        listed = http.post("/v1/completions", json={**body, "prompt": [prompt, prompt]}).json()
+    assert [c["text"] for c in listed["choices"]] == [text, text]
+
+
+def test_suffix_jobs_batch_by_their_healed_canvas_length():
+    """A healed suffix canvas is a token shorter once its space opens into the hole: batched with an unhealed
+    one of the same length before healing, the engine refused the batch and both clients got a 500."""
+    import asyncio
+
+    from blockpress.serve import CompletionRequest, ServerState, completion_jobs, completion_prompts
+
+    lm = load_model("blockpress-code", "float32", "cpu")
+    state = ServerState(lm, None, MODEL, 512)
+    tok = lm.tokenizer
+    healed = CompletionRequest(model=MODEL, prompt="def area(r):\n    return ", suffix="\n", max_tokens=8)
+    suffix = next(s for s in ("\nx", "\n\nx", "\n\n\nx", "\nprint(r)") if len(tok.encode(s)) == 2)
+    plain = CompletionRequest(model=MODEL, prompt="def area(r):\n    return", suffix=suffix, max_tokens=8)
+
+    async def jobs(body):
+        (prompt, from_text), = completion_prompts(state, body)
+        return completion_jobs(state, body, prompt, from_text)[0]
+
+    a, b = asyncio.run(jobs(healed)), asyncio.run(jobs(plain))
+    assert len(a.canvas) == len(b.canvas)  # the same length as sent: the old key put them in one batch
+    assert a.key() != b.key() and a.layout.shape[1] == len(a.canvas) - 1 == b.layout.shape[1] - 1
+    with pytest.raises(ValueError, match="template"):  # what the engine did with the old batch
+        lm.generate([a.prompt, b.prompt], template=[a.canvas, b.canvas], token_healing=True, max_denoising_steps=1)
 
 
 def test_streamed_choices_interleave(server):
