@@ -328,6 +328,9 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
         if not files:
             raise ValueError(f"{path}: a folder without {'/'.join(TEXT_SUFFIXES)} files (token shards are given "
                              f"as a glob, e.g. {path}/*.bin)")
+    elif any(c in str(path) for c in "*?["):  # a glob is for token shards; text is one file or a folder
+        raise ValueError(f"{path}: raw text is given as one file or a folder of them (searched recursively), not "
+                         "a glob; globs are for token shards")
     else:
         files = [path]
     texts: list[tuple[str, str]] = []  # (where, text)

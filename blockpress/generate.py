@@ -465,6 +465,9 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         rows, holes = [list(r) for r, _ in parsed], [list(h) for _, h in parsed]
         if not any(holes):
             raise ValueError("template: has no holes to fill (use <|hole|> markers or -1 ids)")
+        empty = next((i for i, h in enumerate(holes) if not h), None)
+        if empty is not None:  # as a template alone is refused, so is one of a batch (a row given whole is a prompt)
+            raise ValueError(f"template: row {empty} has no holes to fill (use <|hole|> markers)")
         Template(rows, holes).ids()  # checks the lengths
         return Template(rows, holes)
     if isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array

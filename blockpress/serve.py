@@ -246,8 +246,9 @@ class Job:
     copies: int = 1  # choices this job answers: greedy choices are one answer, computed once
     choices: range = range(1)  # their indices in the response
     group: int = 0  # which of the request's prompts it answers
-    # A constrained canvas (`suffix` or `template`): its token ids, -1 in the holes, and how many of its leading
-    # tokens are the answer (suffix mode: the holes before the suffix; None: all of it, a filled template).
+    # A constrained canvas (`suffix` or `template`): its token ids, -1 in the holes, and how many of the new tokens
+    # (of the healed layout) are the answer (suffix mode: the hole before the suffix; None: all of it, a filled
+    # template). A healed suffix canvas starts with the prompt's space, which opens into the hole.
     canvas: list[int] | None = None
     answer_tokens: int | None = None
     # Text of the prompt that the answer's first token starts with (token healing, or a suffix's healed space);
@@ -660,6 +661,8 @@ def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
                 # A model that decodes greedily by default (blockpress-code) samples when asked for a
                 # temperature, as OpenAI's API does: greedy is entropy_bound with argmax candidates.
                 cfg = cfg.with_(sampler="entropy_bound")
+            if cfg.candidates == "argmax":  # a checkpoint's argmax candidates would leave the temperature unused
+                cfg = cfg.with_(candidates="sample")
             # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every
             # position look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
             cfg = cfg.with_(draw_temperature=body.temperature)

@@ -140,7 +140,8 @@ class TrainConfig:
         if self.heldout is not None and not (is_finite_number(self.heldout) and 0 <= self.heldout < 1):
             raise ValueError(f"heldout: expected a fraction in [0, 1), got {self.heldout!r}")
         if self.heldout_data is not None and not (isinstance(self.heldout_data, str) and self.heldout_data):
-            raise ValueError(f"heldout_data: expected a glob of token shards, got {self.heldout_data!r}")
+            raise ValueError(f"heldout_data: expected a path (a glob of token shards, or raw text: a file, a folder, {{'text'}} JSONL), got "
+                             f"{self.heldout_data!r}")
         if not 0 < self.prompt_min <= self.prompt_max:
             raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")
 

@@ -237,3 +237,14 @@ def test_raw_text_errors(tmp_path, tok):
         load_text(tmp_path / "x.txt", tok)
     with pytest.raises(ValueError, match="raw text needs a tokenizer"):
         load_text(tmp_path / "x.txt", None)
+
+
+def test_a_glob_of_text_is_refused_by_name(tmp_path):
+    """`--data "corpus/*.txt"` met a bare FileNotFoundError naming the glob: text is one file or a folder."""
+    (tmp_path / "a.txt").write_text("hello world\n")
+    import blockpress
+
+    tok = blockpress.load("blockpress-code").tokenizer
+    with pytest.raises(ValueError, match="not a glob; globs are for token shards"):
+        load_text(tmp_path / "*.txt", tok)
+    assert load_text(tmp_path, tok).arrays[0].tolist() == tok.encode("hello world\n") + [tok.eos_id]

@@ -1586,6 +1586,8 @@ def test_a_backslash_keeps_a_hole_marker_as_text(code_lm):
     assert parse_template("a\\b<|hole:1|>", tok, 1, 8).rows[0] == tok.encode("a\\b") + [-1]  # elsewhere: text
     with pytest.raises(ValueError, match="has no holes"):
         parse_template("only \\<|hole:3|> mentioned", tok, 1, 8)
+    with pytest.raises(ValueError, match="template: row 1 has no holes"):  # each row of a batch needs one, as alone
+        parse_template(["a = <|hole:2|>\n", "b = x + y\n"], tok, 2, 8)
     out = code_lm.infill("x = \\<|hole:0|> + <|hole:2|>\n", seed=0, max_denoising_steps=2)  # no "holds no token"
     assert out.texts[0].startswith("x = <|hole:0|> + ") and len(out.fills[0]) == 1
 

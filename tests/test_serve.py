@@ -893,3 +893,15 @@ def test_a_body_not_sent_as_json_names_the_header_and_health_answers_head(server
                    headers={"content-type": "application/x-www-form-urlencoded"})  # what plain `curl -d` sends
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
     assert httpx.head(server[0] + "/health").status_code == 200
+
+
+def test_openai_temperature_samples_where_the_checkpoint_takes_argmax_candidates():
+    """A checkpoint with candidates="argmax" ignored OpenAI's temperature: candidates are drawn when one is sent."""
+    from blockpress.sampling import SamplerConfig
+    from blockpress.serve import CompletionRequest, sampler_config
+
+    argmax = SamplerConfig(candidates="argmax")
+    hot = sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x", temperature=0.7))
+    assert hot.candidates == "sample" and hot.draw_temperature == 0.7
+    assert sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x")).candidates == "argmax"
+    assert sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x", temperature=0)).sampler == "greedy"
