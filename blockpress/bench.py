@@ -32,6 +32,7 @@ import torch
 
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
 from .config import ModelConfig
+from .generate import device_sync
 from .lm import LM, random_model
 
 # What each figure of an engine's entry in a row means. "Diffusion engines": blockpress `generate`, its variants
@@ -116,11 +117,6 @@ class BenchSettings:
         return (f"{self.new_tokens} new tokens (--new-tokens) with {what}: a canvas denoises all its positions, kept "
                 "or not, so the diffusion figures include positions that are dropped (AR's do not); --new-tokens "
                 f"{max(canvases)} or --canvas-lengths of at most {self.new_tokens} times only what is kept")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -230,7 +226,7 @@ def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with quiet_profile(activities) as prof:
         fn()
-        _sync(device)
+        device_sync(device)
     events = prof.key_averages()
 
     def own_ms(e: Any) -> float:
@@ -429,10 +425,10 @@ class Timed:
 
 def _timed(fn: Callable[[], Any], device: torch.device, memory: bool) -> Timed:
     with PeakMemory(device) if memory else contextlib.nullcontext() as mem, torch.no_grad():
-        _sync(device)
+        device_sync(device)
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        device_sync(device)
         end = time.perf_counter()
     return Timed(out, end - t0, end, mem.figures() if memory else {})
 
@@ -453,12 +449,12 @@ class EncoderCalls:
     def before(self) -> None:
         self.calls += 1
         if not self.first_only or self.calls == 1:
-            _sync(self.device)
+            device_sync(self.device)
             self._start = time.perf_counter()
 
     def after(self) -> None:
         if not self.first_only or self.calls == 1:
-            _sync(self.device)
+            device_sync(self.device)
             self.spans.append((self._start, time.perf_counter()))
 
     def prefill(self) -> tuple[float, float]:

@@ -273,7 +273,8 @@ class Request:
         return torch.randint(0, 2**47, (b,))
 
 
-def _sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a wall-clock reading covers it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -1027,7 +1028,7 @@ def run(
     t0 = time.perf_counter()
     with torch.no_grad():
         cache, _, reused = _encode_prompt(model, req, prompt, cache, prompt.shape[1] + n_new + canvas_len, logits=False)
-    _sync(device)
+    device_sync(device)
     encode_s = time.perf_counter() - t0
     denoise_s = 0.0
     dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), tokenizer, drafts)
@@ -1041,7 +1042,7 @@ def run(
         last = ci == n_canvases - 1 or bool(dec.finished.all())
         if not last or keep_cache:
             dec.encode(committed, valid)
-        _sync(device)
+        device_sync(device)
         denoise_s += time.perf_counter() - t_canvas
         texts = None
         if tokenizer is not None:
@@ -1092,7 +1093,7 @@ def run_ar(
     with torch.no_grad():
         cache, logits, reused = _encode_prompt(model, req, prompt, cache, p + n_new + 1, logits=True)
     start = cache.length
-    _sync(device)
+    device_sync(device)
     encode_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     for i in range(n_new):
@@ -1127,7 +1128,7 @@ def run_ar(
             logits = fns.encode_step(token[:, None], cache, logits="last")
         if stop:
             break
-    _sync(device)
+    device_sync(device)
     decode_s = time.perf_counter() - t1
     num_valid = torch.minimum(_count_valid(new_tokens, eos), stops.length)
     # One pass per token kept, as for an EOS row (its EOS counts): stops are found every 8 tokens, and the
