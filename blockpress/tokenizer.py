@@ -91,6 +91,18 @@ GEMMA_CHAT_TEMPLATE: str = """\
 """
 
 
+def _checked_text(text: Any) -> str:
+    """`text` if it is a str of valid UTF-8, else a ValueError naming what is wrong."""
+    if not isinstance(text, str):
+        raise ValueError(f"text: expected a str to tokenize, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that were not UTF-8 (a command line or stdin) arrive as surrogates
+        bad = text[exc.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"text: not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start})") from None
+    return text
+
+
 @dataclass
 class Tokenizer:
     """A fast tokenizer plus the special-token ids and chat template a checkpoint declares.
@@ -284,14 +296,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids for `text`; BOS is prepended only when asked, never by the post-processor."""
-        if not isinstance(text, str):
-            raise ValueError(f"text: expected a str to tokenize, got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 (a command line or stdin) arrive as surrogates
-            bad = text[exc.start].encode("utf-8", "surrogateescape")
-            raise ValueError(f"text: not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start})") from None
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode(_checked_text(text), add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token.")
@@ -301,7 +306,7 @@ class Tokenizer:
     def encode_plain(self, text: str) -> list[int]:
         """Token ids for `text` read as plain text: a special token's text (`<|hole|>`, `<eos>`) becomes ordinary
         tokens, not its special id (an escaped hole marker in a template must not become the noise token)."""
-        self.encode(text)  # the same checks
+        _checked_text(text)
         if self._plain_backend is None:
             # A copy with the flag set once: toggling it on the shared backend would race a server's other threads.
             plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
