@@ -181,6 +181,16 @@ def local_to_hf(name: str) -> str:
     return DECODER + name
 
 
+def reference_names(local: str) -> list[str]:
+    """Every name the reference holds blockpress's tensor `local` under: its own (local_to_hf), and for a layer's
+    weight also the encoder's tied copy (the reference's encoder runs modules of its own sharing the decoder's
+    weights; tied_source maps the copy back). Layer scalars are not tied: each side has its own."""
+    name = local_to_hf(local)
+    if not name.startswith(DECODER + "layers.") or name.endswith("layer_scalar"):
+        return [name]
+    return [name, ENCODER_TEXT + name[len(DECODER):]]
+
+
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """None, or one of the dtypes the model computes in (float8 is a quantization scheme, not a weights dtype)."""
     if dtype is None:

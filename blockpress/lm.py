@@ -869,15 +869,27 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
 
 
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-         quantize: str | None = None) -> LM:
+         quantize: str | None = None, adapter: str | Path | None = None) -> LM:
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
     quantizes each projection as it is read, so the full-precision weights are never all in memory.
     `dtype=None` (or "auto", transformers' spelling) keeps the checkpoint's dtype, except that bf16 / fp16 weights load as float32 on a CPU without
-    native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype)."""
+    native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype).
+    `adapter`: a PEFT LoRA folder for this base (`blockpress train --lora-rank`'s <out>/adapter, or peft's own on the
+    reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft); with
+    `quantize`, the merged weights are quantized after (the full-precision model exists once)."""
     if quantize is not None:
         _check_quantize(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
-    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device, quantize=quantize)
+    # an adapter is merged into full-precision weights, then quantized
+    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device,
+                                    quantize=None if adapter is not None else quantize)
+    if adapter is not None:
+        from .quantize import quantize as quantize_model
+        from .train import apply_adapter
+
+        model = apply_adapter(model, adapter)
+        if quantize is not None:
+            quantize_model(model, quantize)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer

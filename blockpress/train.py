@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -34,10 +35,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import cpu_computes_natively
+from .checkpoint import (
+    CheckpointError,
+    MappedSafetensors,
+    cpu_computes_natively,
+    hf_to_local,
+    reference_names,
+    tied_source,
+)
 from .data import Batch, Example, TokenShards, make_batch
 from .lm import LM, MODELS_DIR
-from .sampling import is_finite_number
+from .model import DiffusionGemma
+from .sampling import is_finite_number, is_int
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
 
@@ -78,7 +87,8 @@ class TrainConfig:
     seed: int = setting(0, "seeds data order, corruption and self-conditioning choices")
     autocast: bool = setting(True, "bfloat16 autocast where the hardware has it (CUDA)")
     cpu_autocast: bool = setting(False, "bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
-    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights")
+    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights; "
+                             "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter")
     lora_alpha: int = setting(16, "LoRA scaling numerator")
     prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
     prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
@@ -267,10 +277,12 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------
-def add_lora(model: nn.Module, rank: int, alpha: int, seed: int = 0) -> nn.Module:
-    """LoRA adapters (peft) on attention q/k/v/o and the dense MLP, in float32 whatever the base's dtype;
-    everything else frozen. `seed` draws lora_A (peft draws it from torch's global generator, which nothing
-    seeded: two runs of one command differed from step 2 on); the caller's global generator is left as it was."""
+def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: Sequence[str] = LORA_TARGETS
+             ) -> nn.Module:
+    """LoRA adapters (peft) on `targets` (module names or their ends; default attention q/k/v/o and the dense MLP),
+    in float32 whatever the base's dtype; everything else frozen. `seed` draws lora_A (peft draws it from torch's
+    global generator, which nothing seeded: two runs of one command differed from step 2 on); the caller's global
+    generator is left as it was."""
     from .quantize import quantization_of
 
     if quantization_of(model) is not None:  # peft wraps nn.Linear only: its own error names a QuantizedLinear
@@ -278,7 +290,7 @@ def add_lora(model: nn.Module, rank: int, alpha: int, seed: int = 0) -> nn.Modul
                          "unquantized model, then merge them (merge_lora) before quantizing")
     from peft import LoraConfig, inject_adapter_in_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
     with torch.random.fork_rng(devices=[]):  # peft makes the adapters on the CPU, then moves them to the base's device
         torch.default_generator.manual_seed(seed)
         model = inject_adapter_in_model(cfg, model)
@@ -313,6 +325,116 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
             if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
                 module._buffers[key] = buffer.to(dtype)
     return model
+
+
+ADAPTER_DIR = "adapter"  # a finished LoRA run's adapters, unmerged, as a PEFT folder inside its --out
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")  # peft's saved names, adapter name left out
+# LoRA options that change what an adapter computes, at their plain values: an adapter setting another is refused.
+_PLAIN_LORA = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
+               "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None}
+
+
+def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None) -> None:
+    """`model`'s LoRA adapters (add_lora's) as a PEFT folder, its modules named as the reference model names them,
+    so `peft.PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion, path)` runs them. The reference's encoder
+    has modules of its own sharing the decoder's weights (blockpress runs both on one): each adapter is written for
+    both (checkpoint.reference_names)."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import save_file
+
+    tensors, targets = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            for reference in reference_names(f"{name}.weight"):
+                target = reference.removesuffix(".weight")
+                targets.append(target)
+                for side, layer in (("A", module.lora_A["default"]), ("B", module.lora_B["default"])):
+                    # a copy each: safetensors refuses tensors that share memory
+                    tensors[f"base_model.model.{target}.lora_{side}.weight"] = layer.weight.detach().float().cpu().clone()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,
+               base_model_name_or_path=base).save_pretrained(str(path))
+    save_file(tensors, str(path / ADAPTER_FILES[1]), metadata={"format": "pt"})
+
+
+def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
+    """Merge a PEFT LoRA folder into `model`: adapter_config.json and adapter_model.safetensors, the modules named
+    as the reference model names them (save_adapter's, or peft's own on DiffusionGemmaForBlockDiffusion). The sum
+    is taken in float32 (merge_lora) and the model keeps its dtype. Refused before any weight changes: another peft
+    method or LoRA variant, a module that is not a linear layer of this base, shapes of another rank or base, an
+    encoder module adapted unlike its decoder twin (blockpress runs both on one set of weights)."""
+    path = Path(path)
+    missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"adapter: {path} has no {' or '.join(missing)} (expected a PEFT LoRA folder, as "
+                              f"`blockpress train --lora-rank` writes in <out>/{ADAPTER_DIR})")
+    try:
+        cfg = json.loads((path / ADAPTER_FILES[0]).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: not valid JSON ({exc})") from None
+    cfg = cfg if isinstance(cfg, dict) else {}
+    base = cfg.get("base_model_name_or_path")
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"adapter {path}: {why}" + (f" (it was trained on {base})" if base else ""))
+
+    if cfg.get("peft_type") != "LORA":
+        raise refuse(f"peft_type {cfg.get('peft_type')!r}; blockpress applies LoRA adapters only")
+    variants = [key for key, plain in _PLAIN_LORA.items() if cfg.get(key) not in (plain, None, False, [], {})]
+    if variants:
+        raise refuse(", ".join(f"{key}={cfg[key]!r}" for key in variants) + ": blockpress applies plain LoRA only "
+                     "(W + lora_alpha / r * B @ A)")
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):
+        raise refuse(f"r={rank!r}, lora_alpha={alpha!r} in {ADAPTER_FILES[0]}; expected positive numbers")
+    linear = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    stored = MappedSafetensors(path / ADAPTER_FILES[1])
+    found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # local module -> reference module -> A, B
+    for key in stored.keys():
+        match = _PEFT_KEY.fullmatch(key)
+        if match is None:
+            raise refuse(f"tensor {key!r} is not a LoRA weight (base_model.model.<module>.lora_A/lora_B.weight)")
+        target, side = match.groups()
+        try:  # an encoder module's name maps to its decoder twin's (tied), as checkpoint loading does
+            local = hf_to_local(f"{target}.weight") or hf_to_local(tied_source(f"{target}.weight"))
+        except KeyError:
+            local = None
+        module = local.removesuffix(".weight") if local else None
+        if module not in linear:
+            raise refuse(f"it adapts {target!r}, which is not a linear layer of this base ({model.config.describe()})")
+        found.setdefault(module, {}).setdefault(target, {})[side] = stored.tensor(key)
+    if not found:
+        raise refuse("no LoRA weights in it")
+    for module, by_target in found.items():
+        twins = [name.removesuffix(".weight") for name in reference_names(f"{module}.weight")]
+        absent = [twin for twin in twins if twin not in by_target]
+        if absent:
+            raise refuse(f"it adapts {next(iter(by_target))!r} but not {absent[0]!r}: the reference's encoder and "
+                         "decoder share these weights and blockpress runs both on one module, so both must change alike")
+        layer = model.get_submodule(module)
+        for target, tensors in by_target.items():
+            for side, shape in (("A", (rank, layer.in_features)), ("B", (layer.out_features, rank))):
+                got = tuple(tensors[side].shape) if side in tensors else None
+                if got != shape:
+                    raise refuse(f"{target}.lora_{side}.weight: shape {list(got) if got else 'missing'}; r={rank} on "
+                                 f"this base needs {list(shape)}")
+        first = by_target[twins[0]]
+        unlike = [target for target, tensors in by_target.items()
+                  if not all(torch.equal(tensors[side], first[side]) for side in "AB")]
+        if unlike:
+            raise refuse(f"{unlike[0]!r} is adapted unlike {twins[0]!r}: the reference's encoder and decoder share "
+                         "these weights and blockpress runs both on one module, so both must change alike")
+    dtype = model.dtype
+    model = add_lora(model, rank, alpha, targets=sorted(found))
+    with torch.no_grad():
+        for module, by_target in found.items():
+            layer, tensors = model.get_submodule(module), next(iter(by_target.values()))  # the twins are equal
+            layer.lora_A["default"].weight.copy_(tensors["A"])
+            layer.lora_B["default"].weight.copy_(tensors["B"])
+    return merge_lora(model, dtype)
 
 
 class StepBatches(torch.utils.data.Dataset):
@@ -536,15 +658,15 @@ class Trainer:
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(self.cfg)}
         if not self.cfg.lora_rank:
             self.lm.save(self.out)
-        elif final:  # LoRA: the final folder is a plain checkpoint with the adapters merged in
+        elif final:  # LoRA: the final folder is a plain checkpoint with the adapters merged in, and them apart
+            save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
+                         base_name(self.lm))
             self.lm.model = merge_lora(self.model, self.merged_dtype)
             self.lm.save(self.out)
         else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
-            if self.lm.path is not None:  # which base they adapt: `--resume` takes it from here
-                base = str(self.lm.path.resolve())  # as typed, a relative path broke --resume from another folder
-                if self.lm.path.resolve().parent == MODELS_DIR.resolve():  # shipped: its folder moves on reinstall
-                    base = self.lm.path.name
+            base = base_name(self.lm)
+            if base is not None:  # which base they adapt: `--resume` takes it from here
                 (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": base}) + "\n")
         torch.save(state, self.out / "trainer_state.pt")
         # The settings again as JSON: `--resume` reads them without loading the optimizer state.
@@ -725,6 +847,16 @@ def plot_metrics(metrics: str | Path, path: str | Path) -> dict[str, list[tuple[
 
 
 LORA_BASE_FILE = "lora_base.json"  # a LoRA run cut short: the base model its adapters belong to
+
+
+def base_name(lm: LM) -> str | None:
+    """The base model as a LoRA run records it: its absolute folder (as typed, a relative path broke --resume from
+    another folder), or a shipped model's name (its folder moves on reinstall); None when not loaded from a folder."""
+    if lm.path is None:
+        return None
+    if lm.path.resolve().parent == MODELS_DIR.resolve():
+        return lm.path.name
+    return str(lm.path.resolve())
 
 
 def lora_base(out: str | Path) -> str | None:
