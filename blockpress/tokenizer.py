@@ -31,6 +31,8 @@ DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|hole|>",
 )
 
+# The special tokens that have ids of their own here (Tokenizer.bos_id, eos_id, pad_id).
+ID_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "pad_token")
 # Special tokens that tokenizer configs name besides bos/eos/pad (which have ids of their own here).
 NAMED_TOKENS: tuple[str, ...] = ("unk_token", "sep_token", "cls_token", "mask_token")
 
@@ -188,18 +190,16 @@ class Tokenizer:
         else:
             chat_template = _read_chat_template(tok_cfg.get("chat_template"), folder / "tokenizer_config.json")
 
+        # Every other NAME_token key names a special token, as transformers 5 reads them: the standard ones and
+        # model-specific ones (image_token, ...), at the top level or in an extra_special_tokens dict (a list there is
+        # unnamed: not template variables). special_tokens_map.json wins here, as in transformers (unlike for the ids
+        # above), then the dict, as there.
         named_tokens = {}
-        for name in NAMED_TOKENS:
-            # special_tokens_map.json wins here, as in transformers (unlike for the ids above).
-            for source in (special_map, tok_cfg):
-                if (content := _token_content(source.get(name))) is not None:
-                    named_tokens[name] = content
-                    break
-        # transformers 5 keeps model-specific named tokens as a dict here (a list is unnamed: not template variables).
         extra = tok_cfg.get("extra_special_tokens")
-        if isinstance(extra, dict):
-            for name, value in extra.items():
-                if (content := _token_content(value)) is not None:
+        for source in (special_map, extra if isinstance(extra, dict) else {}, tok_cfg):
+            for name, value in source.items():
+                content = _token_content(value)  # (not add_bos_token's bool)
+                if name.endswith("_token") and name not in ID_TOKENS and content is not None:
                     named_tokens.setdefault(name, content)
 
         return cls(

@@ -646,6 +646,22 @@ def test_named_special_tokens_reach_templates_and_are_saved(tok: Tokenizer, tmp_
     assert mine == expected
 
 
+def test_model_specific_token_names_at_the_top_level_reach_templates(tok: Tokenizer, tmp_path: Path) -> None:
+    """Gemma's configs name boi_token, image_token, ... at the top level; transformers 5 gives templates those names
+    (before: blockpress read model-specific names only from an extra_special_tokens dict, so they were undefined)."""
+    from transformers import AutoTokenizer
+
+    template = "{{ boi_token }}|{{ image_token }}|{{ eoi_token is defined }}|{{ add_bos_token is defined }}"
+    folder = _write_checkpoint(
+        tmp_path / "ckpt", tok,
+        tokenizer_config__json={"chat_template": template, "boi_token": "<start_of_turn>", "add_bos_token": True,
+                                "image_token": "<|hole|>", "extra_special_tokens": {"image_token": "<eos>"}},
+    )
+    ours = Tokenizer.from_dir(folder)
+    mine, expected = _both(ours, AutoTokenizer.from_pretrained(str(folder)), TWO_TURNS)
+    assert mine == expected == "<start_of_turn>|<eos>|False|False"  # the dict wins, as there
+
+
 def test_tools_must_be_json_schemas(tok: Tokenizer) -> None:
     """transformers turns a function into a schema itself; blockpress says to pass the schema (before: a JSON
     TypeError from inside the template)."""
