@@ -8,6 +8,7 @@ trim_blocks/lstrip_blocks), so prompts built here match prompts built there.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -105,6 +106,21 @@ def _checked_text(text: Any) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A checkpoint's tokenizer_config.json and special_tokens_map.json as `Tokenizer.from_dir` read them.
+
+    `Tokenizer.save` writes them back as they were, changing only the settings changed since loading, so that
+    transformers loads the saved folder as it loaded the original (tokenizer class, padding side, model-specific token
+    names, ... are read there, not here).
+    """
+
+    config: dict[str, Any]
+    special_tokens_map: dict[str, Any] | None  # None: the folder had no special_tokens_map.json
+    template_files: bool  # the chat templates came as .jinja files (chat_template.jinja, ...), not in the config
+    settings: dict[str, Any]  # Tokenizer._settings() as loaded: what "changed since loading" is measured against
+
+
 @dataclass
 class Tokenizer:
     """A fast tokenizer plus the special-token ids and chat template a checkpoint declares.
@@ -125,6 +141,8 @@ class Tokenizer:
     # The other special tokens a config names (unk_token, sep_token, cls_token, mask_token, and model-specific names
     # such as image_token): chat templates see them as variables, as they do in transformers, and save() keeps them.
     named_tokens: dict[str, str] = field(default_factory=dict)
+    # The tokenizer files this came from (from_dir), written back by save(); None for one blockpress built itself.
+    files: TokenizerFiles | None = field(default=None, repr=False, compare=False)
     _compiled_templates: dict[str, jinja2.Template] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -202,7 +220,7 @@ class Tokenizer:
                 if name.endswith("_token") and name not in ID_TOKENS and content is not None:
                     named_tokens.setdefault(name, content)
 
-        return cls(
+        tokenizer = cls(
             backend=backend,
             bos_id=token_id("bos_token"),
             eos_ids=eos_ids,
@@ -211,10 +229,20 @@ class Tokenizer:
             add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
             named_tokens=named_tokens,
         )
+        if (folder / "tokenizer_config.json").is_file():  # without one, save() writes a config of its own
+            tokenizer.files = TokenizerFiles(
+                config=tok_cfg,
+                special_tokens_map=special_map if (folder / "special_tokens_map.json").is_file() else None,
+                template_files=bool(templates),
+                settings=tokenizer._settings(),
+            )
+        return tokenizer
 
     def save(self, path: str | Path) -> None:
-        """Write tokenizer.json and tokenizer_config.json so `from_dir` and `transformers` can load them.
+        """Write tokenizer.json and the tokenizer's config files so `from_dir` and `transformers` can load them.
 
+        A tokenizer loaded with `from_dir` gets the files it came with back, changed only where its settings (special
+        tokens, add_bos_token, chat template) were changed since; one blockpress built gets a config of its own.
         When there is more than one EOS id, generation_config.json gets `eos_token_id` as a list (other
         fields of an existing generation_config.json are kept), because tokenizer_config.json can only
         name one eos_token.
@@ -222,40 +250,94 @@ class Tokenizer:
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
-        config: dict[str, Any] = {
-            # Works for transformers 4 and 5 (where it aliases TokenizersBackend).
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self._token(self.bos_id),
-            "eos_token": self._token(self.eos_id),
-            "pad_token": self._token(self.pad_id),
-            "add_bos_token": self.add_bos_token,
-            "add_eos_token": False,
-        }
-        model_specific = {}
-        for name, content in self.named_tokens.items():
-            if name in NAMED_TOKENS:
-                config[name] = content
-            else:
-                model_specific[name] = content
-        if model_specific:  # where transformers reads model-specific named tokens from
-            config["extra_special_tokens"] = model_specific
-        if isinstance(self.chat_template, dict):  # several, by name: the list form transformers reads
-            config["chat_template"] = [{"name": name, "template": text} for name, text in self.chat_template.items()]
-        elif self.chat_template is not None:
-            config["chat_template"] = self.chat_template
+        config, special_map, template_files = self._files_to_save()
         # Template files left from an earlier save would win over the templates written here on loading.
         (folder / "chat_template.jinja").unlink(missing_ok=True)
         named_dir = folder / NAMED_TEMPLATES_DIR
         for file in named_dir.glob("*.jinja"):
             file.unlink()
+        if template_files and self.chat_template is not None:  # the form the templates came in: files
+            templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
+            for name, text in templates.items():
+                file = folder / "chat_template.jinja" if name == "default" else named_dir / f"{name}.jinja"
+                file.parent.mkdir(exist_ok=True)
+                file.write_text(text, encoding="utf-8")
         if named_dir.is_dir() and not any(named_dir.iterdir()):
             named_dir.rmdir()
         _write_json(folder / "tokenizer_config.json", config)
+        if special_map is not None:
+            _write_json(folder / "special_tokens_map.json", special_map)
+        else:  # one left from an earlier save would override the tokens named in the config
+            (folder / "special_tokens_map.json").unlink(missing_ok=True)
         gen_path = folder / "generation_config.json"
         gen_cfg = _read_json(gen_path)
         if len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg:  # a model's own EOS set (LM.save) stays
             gen_cfg["eos_token_id"] = list(self.eos_ids)
             _write_json(gen_path, gen_cfg)
+
+    def _settings(self) -> dict[str, Any]:
+        """What save() writes that may change after loading: the special tokens (by config key), add_bos_token and
+        the chat template(s)."""
+        tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+        return {"tokens": {**tokens, **self.named_tokens}, "add_bos_token": self.add_bos_token,
+                "chat_template": copy.deepcopy(self.chat_template)}
+
+    def _files_to_save(self) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
+        """(tokenizer_config.json, special_tokens_map.json or None for none, whether the templates go in files)."""
+        now = self._settings()
+        if self.files is None:
+            return self._own_config(now["tokens"]), None, False
+        config = copy.deepcopy(self.files.config)
+        special_map = copy.deepcopy(self.files.special_tokens_map)
+        loaded = self.files.settings
+        extra = config.get("extra_special_tokens")
+        for name in [*now["tokens"], *(name for name in loaded["tokens"] if name not in now["tokens"])]:
+            content = now["tokens"].get(name)
+            if content == loaded["tokens"].get(name):
+                continue  # as loaded: kept in whatever form and place the files have it
+            # Where the config has it; a new model-specific name goes where this config keeps such names (a dict of
+            # them, or the top level, which transformers 5 reads too).
+            in_extra_dict = isinstance(extra, dict) and name not in config and name not in ID_TOKENS + NAMED_TOKENS
+            home = extra if in_extra_dict else config
+            in_map = special_map is not None and name in special_map
+            for where in (config, extra if isinstance(extra, dict) else {}, special_map or {}):
+                where.pop(name, None)
+            if content is not None:
+                home[name] = content
+                if in_map:  # it wins over the config in transformers; keep the two saying the same
+                    special_map[name] = content  # type: ignore[index]
+        if now["add_bos_token"] != loaded["add_bos_token"]:
+            config["add_bos_token"] = now["add_bos_token"]
+        if now["chat_template"] != loaded["chat_template"]:
+            config.pop("chat_template", None)
+            if not self.files.template_files and self.chat_template is not None:
+                config["chat_template"] = _config_template(self.chat_template)
+        return config, special_map, self.files.template_files
+
+    def _own_config(self, tokens: dict[str, str | None]) -> dict[str, Any]:
+        """The tokenizer_config.json of a tokenizer blockpress built (trained, or assembled in code)."""
+        # Works for transformers 4 and 5 (where it aliases TokenizersBackend).
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        model_specific = {}
+        for name, content in tokens.items():
+            if name in ID_TOKENS or name in NAMED_TOKENS:
+                config[name] = content
+            else:
+                model_specific[name] = content
+        config.update({
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": False,
+            # Batched prompts are padded on the left, as blockpress pads them: generation continues after the last
+            # token of every row.
+            "padding_side": "left",
+            # decode gives back the text exactly, as blockpress's does (not with spaces before punctuation removed).
+            "clean_up_tokenization_spaces": False,
+        })
+        if model_specific:  # where transformers reads model-specific named tokens from
+            config["extra_special_tokens"] = model_specific
+        if self.chat_template is not None:
+            config["chat_template"] = _config_template(self.chat_template)
+        return config
 
     # -------------------------------------------------------------------------------------- properties
 
@@ -549,6 +631,13 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
+
+
+def _config_template(templates: str | dict[str, str]) -> str | list[dict[str, str]]:
+    """Chat templates as tokenizer_config.json holds them: one as text, several by name as a list."""
+    if isinstance(templates, dict):
+        return [{"name": name, "template": text} for name, text in templates.items()]
+    return templates
 
 
 def _read_chat_template(value: Any, where: Path) -> str | dict[str, str] | None:

@@ -420,6 +420,139 @@ def test_saving_leaves_no_stale_template_file(tok: Tokenizer, tmp_path: Path) ->
     assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "NEW x"
 
 
+# A Gemma-like checkpoint's tokenizer files, as google's are laid out: the class, left padding, model-specific token
+# names at the top level, an unnamed extra_special_tokens list, a special_tokens_map.json and a chat_template.jinja.
+GEMMA_LIKE_ADDED = ["<unk>", "<mask>", "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<|turn>", "<turn|>"]
+GEMMA_LIKE_CONFIG = {
+    "tokenizer_class": "GemmaTokenizer", "padding_side": "left", "add_bos_token": True, "add_eos_token": False,
+    "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
+    "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+    "extra_special_tokens": ["<|turn>", "<turn|>"], "clean_up_tokenization_spaces": False,
+    "model_max_length": 1000000000000000019884624838656,
+}
+GEMMA_LIKE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content | trim }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+GEMMA_LIKE_SAMPLE = "<|turn>user\ndef f(x):  return x<turn|>\n<start_of_image><image_soft_token><end_of_image>"
+
+
+def _gemma_like_checkpoint(folder: Path) -> Path:
+    gemma_like = train_bpe_tokenizer(_training_lines(), vocab_size=512, special_tokens=SPECIALS + GEMMA_LIKE_ADDED)
+    return _write_checkpoint(
+        folder, gemma_like, tokenizer_config__json=GEMMA_LIKE_CONFIG, chat_template__jinja=GEMMA_LIKE_TEMPLATE,
+        special_tokens_map__json={"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"},
+    )
+
+
+def _as_transformers_sees_it(folder: Path) -> dict[str, Any]:
+    """What transformers' AutoTokenizer makes of a folder, as plain values to compare."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    named = hf.special_tokens_map  # transformers 5: the model-specific names (boi_token, ...) too
+    return {
+        "class": type(hf).__name__,
+        "padding_side": hf.padding_side,
+        "named": {name: (token, hf.convert_tokens_to_ids(token)) for name, token in named.items()},
+        "extra": list(zip(hf.extra_special_tokens, hf.extra_special_tokens_ids, strict=True)),
+        "chat_template": hf.chat_template,
+        "encode": hf.encode(GEMMA_LIKE_SAMPLE),
+        "chat": hf.apply_chat_template(TWO_TURNS, tokenize=False, add_generation_prompt=True),
+        "batch": hf(["def", GEMMA_LIKE_SAMPLE], padding=True)["input_ids"],
+        "decode": hf.decode(hf.encode("x , y ."), skip_special_tokens=True),
+    }
+
+
+def _behaviour(ours: Tokenizer) -> dict[str, Any]:
+    return {
+        "ids": (ours.bos_id, ours.eos_ids, ours.pad_id, ours.add_bos_token), "named": ours.named_tokens,
+        "chat_template": ours.chat_template, "encode": ours.encode_prompt(GEMMA_LIKE_SAMPLE),
+        "chat": ours.apply_chat_template(TWO_TURNS),
+    }
+
+
+def test_lm_save_keeps_a_checkpoints_tokenizer_as_transformers_reads_it(tmp_path: Path) -> None:
+    """lm.save wrote tokenizer_config.json from scratch: transformers loaded the saved folder as a plain fast tokenizer
+    padding on the right, without the image token names, the extra special tokens or special_tokens_map.json."""
+    import warnings
+
+    import blockpress
+    from blockpress.config import ModelConfig
+
+    blockpress.random_model(ModelConfig.tiny(vocab_size=512)).save(tmp_path / "ckpt")
+    original = _gemma_like_checkpoint(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = blockpress.load(original)
+    lm.save(tmp_path / "saved")
+    before = _as_transformers_sees_it(original)
+    assert before["class"] == "GemmaTokenizer" and before["padding_side"] == "left"
+    assert before["named"]["image_token"] == ("<image_soft_token>", len(SPECIALS) + 4)
+    assert before["batch"][0][0] == 0  # the short row is padded on the left, with <pad>
+    assert _as_transformers_sees_it(tmp_path / "saved") == before
+    assert (tmp_path / "saved" / "special_tokens_map.json").is_file()
+    again = Tokenizer.from_dir(tmp_path / "saved")
+    assert _behaviour(again) == _behaviour(lm.tokenizer) == _behaviour(Tokenizer.from_dir(original))
+
+
+def test_save_changes_only_the_settings_changed_since_loading(tmp_path: Path) -> None:
+    """Settings changed after loading are saved where the files keep them; everything else stays as loaded."""
+    original = _gemma_like_checkpoint(tmp_path / "ckpt")
+    ours = Tokenizer.from_dir(original)
+    ours.pad_id = ours.token_to_id("<mask>")
+    ours.named_tokens["image_token"] = "<|hole|>"
+    ours.named_tokens["audio_token"] = "<start_of_turn>"
+    del ours.named_tokens["unk_token"]
+    ours.chat_template = "NEW {{ messages[0].content }}"
+    ours.save(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    changed = {"pad_token": "<mask>", "image_token": "<|hole|>", "audio_token": "<start_of_turn>", "unk_token": None}
+    assert {key: config.get(key) for key in changed} == changed
+    assert {key: value for key, value in config.items() if key not in changed} == {
+        key: value for key, value in GEMMA_LIKE_CONFIG.items() if key not in changed}
+    special_map = json.loads((tmp_path / "saved" / "special_tokens_map.json").read_text())
+    assert special_map == {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<mask>"}  # agrees with the config
+    assert (tmp_path / "saved" / "chat_template.jinja").read_text() == ours.chat_template  # the form it came in
+    seen = _as_transformers_sees_it(tmp_path / "saved")
+    assert (seen["class"], seen["padding_side"], seen["chat_template"]) == ("GemmaTokenizer", "left", ours.chat_template)
+    assert seen["named"]["pad_token"] == ("<mask>", ours.pad_id)  # (GemmaTokenizer has an unk_token by default)
+    assert seen["named"]["audio_token"] == ("<start_of_turn>", 3)
+    assert _behaviour(Tokenizer.from_dir(tmp_path / "saved")) == _behaviour(ours)
+
+
+def test_a_template_in_the_config_stays_there(tok: Tokenizer, tmp_path: Path) -> None:
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json={
+        "tokenizer_class": "PreTrainedTokenizerFast", "padding_side": "left", "chat_template": "A {{ bos_token }}",
+        "bos_token": {"content": "<bos>", "lstrip": False, "normalized": False, "rstrip": False, "special": True}})
+    ours = Tokenizer.from_dir(folder)
+    ours.save(tmp_path / "same")
+    assert json.loads((tmp_path / "same" / "tokenizer_config.json").read_text()) == json.loads(
+        (folder / "tokenizer_config.json").read_text())  # the AddedToken form of bos_token too
+    ours.chat_template = {"default": "B", "tool_use": "C"}
+    ours.save(tmp_path / "same")
+    assert not (tmp_path / "same" / "chat_template.jinja").exists()
+    assert Tokenizer.from_dir(tmp_path / "same").chat_template == {"default": "B", "tool_use": "C"}
+
+
+def test_a_tokenizer_blockpress_built_saves_a_complete_config(tok: Tokenizer, saved_dir: Path) -> None:
+    """transformers pads batched prompts on the left as blockpress does (before: on the right), and decodes to the
+    text blockpress decodes to; the shipped model's tokenizer was saved so too."""
+    from transformers import AutoTokenizer
+
+    from blockpress.generate import prompt_to_ids
+    from blockpress.lm import MODELS_DIR
+
+    for folder, ours in ((saved_dir, tok), (MODELS_DIR / "blockpress-code", Tokenizer.from_dir(MODELS_DIR / "blockpress-code"))):
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        texts = ["def f(x):", "x"]
+        assert hf(texts, padding=True)["input_ids"] == prompt_to_ids(texts, ours, pad_id=ours.pad_id)[0].tolist()
+        ids = ours.encode("a , b . c ' d")
+        assert hf.decode(ids) == ours.decode(ids)
+        assert not (folder / "special_tokens_map.json").exists()
+        assert Tokenizer.from_dir(folder).files is not None  # and saving it again keeps that config
+
+
 def test_text_that_was_not_utf8_is_a_clear_error(tok: Tokenizer) -> None:
     """Bytes that are not UTF-8 on a command line or stdin reach Python as lone surrogates."""
     with pytest.raises(ValueError, match="text: not valid UTF-8 \\(byte 0xff at character 2\\)"):
