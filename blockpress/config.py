@@ -271,12 +271,19 @@ class TextConfig:
 
 
 _TEXT_FIELDS = {f.name for f in fields(TextConfig)}
-# Keys the reference writes that carry no meaning for the text computation.
-_IGNORED_TEXT_KEYS = {
+# Keys a text_config may hold that carry no meaning for the text computation: the reference's own, and the generic
+# ones every transformers config writes (PretrainedConfig's attributes in transformers 4 and 5, less the token ids and
+# tie_word_embeddings, which are TextConfig fields; a test checks this against the installed transformers). The
+# generation defaults transformers 4 kept there (temperature, top_k, ...) are not listed: they would look in effect.
+_IGNORED_TEXT_KEYS = frozenset({
     "model_type", "architectures", "transformers_version", "attention_dropout", "dtype", "torch_dtype",
-    "use_cache", "is_encoder_decoder", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
-    "id2label", "label2id", "problem_type", "tokenizer_class", "keys_to_ignore_at_inference",
-}
+    "use_cache", "keys_to_ignore_at_inference",
+    "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "return_dict", "output_hidden_states",
+    "output_attentions", "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "chunk_size_feed_forward",
+    "is_encoder_decoder", "is_decoder", "cross_attention_hidden_size", "add_cross_attention", "tie_encoder_decoder",
+    "finetuning_task", "id2label", "label2id", "task_specific_params", "problem_type", "tokenizer_class", "prefix",
+    "sep_token_id", "decoder_start_token_id",
+})
 
 
 @dataclass

@@ -376,6 +376,23 @@ def test_config_roundtrip(ref_checkpoint):
     assert [s.num_kv_heads for s in cfg.text.layers] == [2, 1, 2, 1]
 
 
+def test_generic_transformers_config_keys_load_without_a_warning(ref_checkpoint):
+    """Every key transformers' PretrainedConfig writes is one blockpress knows (a field) or knows to ignore, so none
+    warns "unknown field" (before: _name_or_path, output_attentions and transformers 4's tie_encoder_decoder did)."""
+    from transformers import PretrainedConfig
+
+    generic = PretrainedConfig().to_dict()
+    generic.update(_name_or_path="", output_attentions=False, tie_encoder_decoder=False)  # in released configs
+    raw = json.loads((ref_checkpoint[0] / "config.json").read_text())
+    raw["text_config"] = {**generic, **raw["text_config"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ModelConfig.from_dict(raw)
+    raw["text_config"]["temperature"] = 0.7  # a setting blockpress does not read still says so
+    with pytest.warns(UserWarning, match="text_config.temperature: unknown field, ignored"):
+        ModelConfig.from_dict(raw)
+
+
 def test_parameter_count_matches_model(lm):
     n = sum(p.numel() for p in lm.model.parameters())
     assert lm.num_parameters(active=False) == n
