@@ -17,6 +17,7 @@ import torch
 
 from blockpress.healing import heal
 from blockpress.live import LiveView, live_terminal
+from blockpress.quantize import SCHEMES
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -74,7 +75,7 @@ def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device,
     p.add_argument("--device", default="cpu", help=device_help)
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
-    p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bool = True) -> None:
@@ -944,7 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
     p.add_argument("--steps", type=int, default=None,
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
@@ -1007,7 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "minutes on a CPU, even for the tiny preset; a line on stderr says when)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time blockpress with each pass replayed from a CUDA graph (CUDA devices only)")
-    p.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None,
+    p.add_argument("--quantize", choices=SCHEMES, default=None,
                    help="also time blockpress (diffusion and AR) with the projections quantized; last, on the same "
                         "checkpoint")
     p.add_argument("--plot", default=None, help="write a plot of tok/s against batch size here (.png, .svg, .pdf, "

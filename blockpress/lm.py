@@ -44,6 +44,7 @@ from .healing import Healed, allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
+from .quantize import check_scheme
 from .sampling import SamplerConfig, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -116,15 +117,6 @@ def _check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):  # "no" would read as True
         raise ValueError(f"{name}: expected True or False, got {value!r}")
     return value
-
-
-def _check_quantize(scheme: Any) -> str:
-    """One of blockpress.quantize's schemes, named as the user's argument (`quantize`) rather than the internal one."""
-    from .quantize import SCHEMES
-
-    if scheme not in SCHEMES:
-        raise ValueError(f"quantize: unknown quantization {scheme!r}; expected one of {', '.join(SCHEMES)}")
-    return scheme
 
 
 def _dtype_argument(dtype: Any) -> Any:
@@ -231,7 +223,7 @@ class LM:
         GPUs with FP8 tensor cores) or "int4" (weights, for memory); see blockpress.quantize. Returns self."""
         from .quantize import quantize
 
-        quantize(self.model, _check_quantize(scheme))
+        quantize(self.model, check_scheme(scheme))
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
@@ -878,7 +870,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft); with
     `quantize`, the merged weights are quantized after (the full-precision model exists once)."""
     if quantize is not None:
-        _check_quantize(quantize)  # before reading gigabytes
+        check_scheme(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
     # an adapter is merged into full-precision weights, then quantized
     model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,11 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 
 
-def check_scheme(scheme: str) -> None:
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme: unknown quantization {scheme!r}; expected one of {SCHEMES}")
+def check_scheme(scheme: Any) -> str:
+    """`scheme` if it is one of SCHEMES; the error names `quantize`, the argument users pass it as everywhere."""
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(f"quantize: unknown quantization {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    return scheme
 
 
 def quantize_weight(weight: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +127,10 @@ def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sche
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
             # It reads its input in blocks of 16 columns: other widths crash the process (segfault, torch 2.13).
             return _int8pack_mm(x, q, scale.to(x.dtype))
+        if x.dtype == torch.float16:
+            # Scaling after the GEMM would leave x @ codes ~1/scale (about 1,000x) too large first: past
+            # float16's 65,504 on real activations. bf16 and float32 have float32's range.
+            return F.linear(x, dequantize_weight(q, scale, x.dtype))
         return F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
     _check_fp8_dtype(x.device, x.dtype)  # quantize() refused such a model already; this guards direct calls
     xq, x_scale = _fp8_rows(x)
@@ -199,10 +206,29 @@ class QuantizedExperts(Experts):
                 self.grouped_fp8 = False
                 warnings.warn(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                               f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each", stacklevel=2)
-        out = x.new_empty(x.shape[0], q.shape[1])
-        for e, start, end in expert_groups(offsets):  # experts without rows cost nothing
-            out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], self.scheme)
-        return out
+        if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
+            return torch.ops.blockpress.quantized_experts(x, q, scale, offsets, self.scheme)
+        return _quantized_experts(x, q, scale, offsets, self.scheme)
+
+
+def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                       scheme: str) -> torch.Tensor:
+    """Each expert's rows of x (sorted by expert, group ends `offsets`) through its own quantized weight."""
+    out = x.new_empty(x.shape[0], q.shape[1])
+    for e, start, end in expert_groups(offsets):  # experts without rows cost nothing
+        out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], scheme)
+    return out
+
+
+@torch.library.custom_op("blockpress::quantized_experts", mutates_args=())
+def _quantized_experts_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                          scheme: str) -> torch.Tensor:
+    return _quantized_experts(x, q, scale, offsets, scheme)
+
+
+@_quantized_experts_op.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, scheme: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[1])
 
 
 def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:

@@ -100,6 +100,41 @@ def test_int8_bf16_projection_compiles_with_inductor():
     assert torch.equal(torch.compile(step)(x), step(x))
 
 
+def test_int8_in_float16_does_not_overflow():
+    """int8 codes times float16 activations, scaled afterwards, were ~1/scale (about 1,000x) too large before the
+    scale: past float16's 65,504 where the true output is ~100 (a probe's MLP-sized layer gave 179 infs)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2816, 704, bias=False)
+    torch.nn.init.normal_(linear.weight, std=0.02)
+    x = torch.randn(4, 2816) * 20
+    expected = linear(x)
+    got = QuantizedLinear(linear.half(), "int8")(x.half()).float()
+    assert got.isfinite().all()
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # int8 weights plus float16 rounding
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_quantized_experts_trace_as_one_graph(scheme):
+    """The per-expert loop syncs with the host (which experts have rows); under torch.compile it split the
+    graph in every MoE layer and recompiled per routing pattern. It is now one opaque op: fullgraph traces."""
+    torch.manual_seed(0)
+    cfg = blockpress.ModelConfig.tiny(vocab_size=64).text
+    plain = Experts(cfg)
+    for weight in plain.parameters():  # Experts allocates its weights uninitialised (a checkpoint fills them)
+        torch.nn.init.normal_(weight, std=0.1)
+    experts = QuantizedExperts(plain.to(torch.bfloat16), scheme)
+    rows = 12
+    x = torch.randn(rows, cfg.hidden_size, dtype=torch.bfloat16)
+    offsets = torch.tensor([3, 3, 9, rows], dtype=torch.int32)  # the second expert has no rows
+    assert experts.num_experts == len(offsets)
+
+    def project(x, offsets):
+        return experts.project(x, "gate_up_proj", offsets)
+
+    compiled = torch.compile(project, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, offsets), project(x, offsets))
+
+
 def test_quantizing_a_compiled_model_keeps_it_compiled():
     """compile() then quantize(): the steps are compiled again over the quantized modules (before: dropped to
     eager without a word)."""
@@ -183,6 +218,10 @@ def test_quantize_errors(tmp_path):
         tiny_lm().quantize("int3")
     with pytest.raises(ValueError, match="quantize: unknown quantization 'nf4'"):
         blockpress.load(tmp_path / "missing", quantize="nf4")  # the scheme is checked before the path
+    from blockpress.bench import BenchSettings
+
+    with pytest.raises(ValueError, match="^quantize: unknown quantization 'int9'"):  # one check, one message
+        BenchSettings(quantize="int9")
     lm = tiny_lm().quantize("int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize(lm.model, "fp8")
