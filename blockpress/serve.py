@@ -26,6 +26,10 @@ i*n + j; each prompt is answered as it would be alone, and the usage adds up).
 
 Chat replies default to `min_tokens: 1`, so a reply is never empty unless the request sends 0.
 
+Tool use: `tools`, an assistant's `tool_calls` and `tool` messages go to the checkpoint's chat template (the one
+renderer, Tokenizer.apply_chat_template), which decides how they read. The reply is text: a model's tool-call syntax
+is its own, so parsing it is left to the client, and `tool_choice` is only "auto" or "none".
+
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
 one (the same system prompt, the previous turns of a chat) encodes only the rest, and its usage reports the
 reused tokens as `prompt_tokens_details.cached_tokens`, as OpenAI's does.
@@ -43,13 +47,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .generate import Commit, Done, Draft, cut_at_stop, decode_rows, parse_template, stop_floor
@@ -76,6 +81,9 @@ NOOP_VALUES: dict[str, tuple] = {
     "parallel_tool_calls": (False, True), "functions": ([],), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
 }
+# Why a field is refused, where it is not simply missing from a block-diffusion engine.
+NOOP_WHY = {"tool_choice": "the reply is returned as text: the server neither forces tool calls nor parses them",
+            "tools": "only /v1/chat/completions renders tools, through the chat template"}
 
 
 class _Common(BaseModel):
@@ -119,9 +127,13 @@ class _Common(BaseModel):
     echo: bool | None = None
     best_of: int | None = None
 
+    implemented: ClassVar[frozenset[str]] = frozenset()  # fields of NOOP_VALUES a request kind does implement
+
     def unsupported(self) -> str | None:
         """The first unimplemented OpenAI field this request uses for real, if any."""
         for name, noop in NOOP_VALUES.items():
+            if name in self.implemented:
+                continue
             value = getattr(self, name)
             if value is not None and not any(type(value) is type(v) and value == v for v in noop):
                 return name
@@ -145,17 +157,84 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema, which the chat template prints
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    arguments: str  # OpenAI's: the arguments as JSON text
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _json_object(cls, text: Any) -> str:
+        # Templates take the arguments as an object (transformers' tool-use form; vLLM parses them too): text
+        # that is not one would print wrongly or break the template.
+        if not isinstance(text, str):
+            raise PydanticCustomError("string_type", "expected the arguments as JSON text (a string, as OpenAI "
+                                      "writes them), got {got}", {"got": type(text).__name__})
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, dict):
+            raise PydanticCustomError("json_object", "expected a JSON object as text, got {text}",
+                                      {"text": repr(text[:80])})
+        return text
+
+
+class ToolCall(BaseModel):
+    model_config = STRICT
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = STRICT
-    # "developer" is what OpenAI's newer clients call the system role
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]  # current SDKs send a list of parts: text ones are joined, others refused
+    # "developer" is what OpenAI's newer clients call the system role; "tool" carries a tool call's result
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # current SDKs send a list of parts: text ones are joined, others refused. Null only beside tool_calls (check).
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, as the client's earlier turn recorded them
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+
+    def check(self, i: int) -> None:
+        """OpenAI's rules between the fields, as a 400 naming messages[i]'s field."""
+        where = f"messages[{i}]"
+        if self.content is None and not self.tool_calls:
+            raise APIError(400, f"{where}.content: expected str or list[TextPart], got null (only an assistant "
+                                "message with tool_calls may leave it out)", f"{where}.content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise APIError(400, f"{where}.tool_calls: only an assistant message has them, not a {self.role!r} one",
+                           f"{where}.tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise APIError(400, f"{where}.tool_call_id: " + ("a tool message names the call it answers" if
+                                self.role == "tool" else f"only a tool message has one, not a {self.role!r} one"),
+                           f"{where}.tool_call_id")
 
     def for_template(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The message as transformers' templates take it (None fields are left out by the tokenizer)."""
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        calls = None if self.tool_calls is None else [
+            {"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                                      "arguments": json.loads(c.function.arguments)}}
+            for c in self.tool_calls]
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text, **({"name": self.name} if self.name is not None else {})}
+        return {"role": role, "content": text, "name": self.name, "tool_calls": calls,
+                "tool_call_id": self.tool_call_id}
 
 
 class ChatRequest(_Common):
@@ -164,6 +243,13 @@ class ChatRequest(_Common):
     # A reply is never empty unless asked: an end-of-turn token may not come first (a block-diffusion canvas that
     # puts one at position 0 otherwise answers terse prompts with nothing). 0 allows it.
     min_tokens: int = Field(default=1, ge=0)
+    # Rendered into the prompt by the chat template, as it renders tool calls and results; the reply stays text.
+    tools: list[Tool] | None = None
+    implemented: ClassVar[frozenset[str]] = frozenset({"tools"})
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as templates take them; [] (what some clients send for none) is none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(_Common):
@@ -565,7 +651,8 @@ def union_tag(loc: Sequence[str | int], names: frozenset[str]) -> int | None:
 
 def validation_error(exc: RequestValidationError, content_type: str | None) -> JSONResponse:
     """A request body that does not fit its model, as OpenAI's 400 naming the field."""
-    names = frozenset(f for m in (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions) for f in m.model_fields)
+    names = frozenset(f for m in (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, Tool, FunctionDef,
+                                  ToolCall, FunctionCall) for f in m.model_fields)
     errors = [(e, [x for x in e.get("loc", []) if x != "body"]) for e in exc.errors()]
     err, loc = errors[0]
     param = field_path(loc) or None
@@ -613,8 +700,9 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
                        "not_found_error")
     field_name = body.unsupported()
     if field_name:
-        raise APIError(400, f"{field_name}: not supported by this server (block diffusion; its no-op value "
-                            f"{NOOP_VALUES[field_name][0]!r} or null is accepted)", field_name)
+        accepted = ", ".join(repr(v) for v in NOOP_VALUES[field_name])
+        raise APIError(400, f"{field_name}: not supported by this server ({NOOP_WHY.get(field_name, 'block diffusion')}"
+                            f"; only {accepted} or null is accepted)", field_name)
     try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or lm.default_new_tokens(len(prompt))
     except ValueError as exc:
@@ -875,9 +963,16 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        messages = [m.for_template() for m in body.messages]
+        for i, message in enumerate(body.messages):
+            message.check(i)
+        messages, tools = [m.for_template() for m in body.messages], body.template_tools()
         try:
-            prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if tools and "tools" not in lm.tokenizer.chat_template_variables(tools=tools):
+                # a template that never reads them would drop them without a word
+                raise APIError(400, "tools: this model's chat template does not use tools; describe them in a "
+                                    "message instead", "tools")
+            prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      tools=tools)
         except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",

@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -144,6 +145,9 @@ class Tokenizer:
     # The tokenizer files this came from (from_dir), written back by save(); None for one blockpress built itself.
     files: TokenizerFiles | None = field(default=None, repr=False, compare=False)
     _compiled_templates: dict[str, jinja2.Template] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _template_variables: dict[str, frozenset[str]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
@@ -533,6 +537,13 @@ class Tokenizer:
         raise ValueError(f"chat_template: this tokenizer's templates are named {sorted(templates)}, none of them "
                          "'default'; pass chat_template=<one of those names>")
 
+    def chat_template_variables(self, chat_template: str | None = None, tools: Any = None) -> frozenset[str]:
+        """The variables that the template apply_chat_template(chat_template=..., tools=...) renders reads (messages,
+        tools, add_generation_prompt, ...): whether it would use `tools` at all, before sending them."""
+        source = self._pick_template(chat_template, tools)
+        self._template(source)
+        return self._template_variables[source]
+
     def _template(self, source: str) -> jinja2.Template:
         # Compile each template text once (a tokenizer has one or a few; a caller's own texts are few too).
         if source not in self._compiled_templates:
@@ -541,10 +552,13 @@ class Tokenizer:
             )
             # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
             env.filters["tojson"] = _tojson
-            try:
-                self._compiled_templates[source] = env.from_string(source)
+            try:  # parsed once: the variables it reads come from the same tree
+                tree = env.parse(source)
+                variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
+                self._compiled_templates[source] = env.from_string(tree)
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"chat_template: not a valid template: {exc} (line {exc.lineno})") from None
+            self._template_variables[source] = variables
         return self._compiled_templates[source]
 
     def _token(self, token_id: int | None) -> str | None:

@@ -888,6 +888,122 @@ def test_nested_errors_name_the_field_as_openai_writes_it(server, body, param, s
     assert r.status_code == 400 and err["param"] == param and says in err["message"], err
 
 
+# A tool-use template in the manner of Gemma 4's: tools in a system turn, an assistant's calls with their arguments
+# as an object (it iterates them: a string would fail), results in "tool" turns naming their call.
+TOOL_TEMPLATE = """{{- bos_token -}}
+{%- if tools -%}<|turn>system
+{% for t in tools %}<|tool>{{ t | tojson }}<tool|>{% endfor %}<turn|>
+{% endif -%}
+{%- for m in messages -%}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}
+{%- if m['tool_call_id'] is defined %} [{{ m['tool_call_id'] }}]{% endif %}
+{% if m['content'] is string %}{{ m['content'] | trim }}{% endif -%}
+{%- for c in m['tool_calls'] or [] -%}<|tool_call>{{ c['id'] }}:{{ c['function']['name'] }}(
+{%- for k, v in c['function']['arguments'] | dictsort %}{{ k }}={{ v | tojson }},{% endfor %})<tool_call|>
+{%- endfor %}<turn|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|turn>model
+{% endif -%}"""
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+TOOL_TURNS = [
+    {"role": "system", "content": "You may call tools."},
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo", "n": [1]}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "rain"}]},
+]
+
+
+def test_a_tool_conversation_renders_as_transformers_renders_it(server, monkeypatch, tmp_path):
+    """Agent loops send tools, an assistant's tool_calls (content null) and tool results: all were refused (400),
+    though the checkpoint's template renders them. Now they reach the template, and the prompt is what transformers
+    makes of the same conversation (arguments as the object the JSON text holds, as its tool-use templates take
+    them); the reply stays text."""
+    from transformers import AutoTokenizer
+
+    app = server[1]
+    lm, engine = app.state.engine.lm, app.state.engine
+    monkeypatch.setattr(lm.tokenizer, "chat_template", TOOL_TEMPLATE)
+    lm.tokenizer.save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    sent = []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda jobs: (sent.append(jobs[0].prompt), submit(jobs))[1])
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": TOOL_TURNS, "tools": TOOLS, "max_tokens": 4, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert isinstance(r.json()["choices"][0]["message"]["content"], str)
+    theirs = [dict(m) for m in TOOL_TURNS]
+    theirs[2] = {**theirs[2], "tool_calls": [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in theirs[2]["tool_calls"]]}
+    theirs[4] = {**theirs[4], "content": "rain"}
+    text = hf.apply_chat_template(theirs, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<|tool_call>c2:weather(city=\"Oslo\",n=[1],)" in text and "<|turn>tool [c1]sunny" in text
+    assert sent == [hf.encode(text, add_special_tokens=False)]
+    # `tools: []` (what some clients send for none) is no tools, as is leaving them out
+    for extra in ({"tools": []}, {}):
+        r = httpx.post(server[0] + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": TOOL_TURNS, "max_tokens": 4, **extra})
+        assert r.status_code == 200, r.text
+    assert sent[-1] == sent[-2] == hf.encode(hf.apply_chat_template(theirs, add_generation_prompt=True,
+                                                                     tokenize=False), add_special_tokens=False)
+
+
+def with_call(**change):
+    """TOOL_TURNS[:3] with the first tool call's fields changed (None: removed)."""
+    call = {**TOOL_TURNS[2]["tool_calls"][0]}
+    function = {**call["function"]}
+    for key, value in change.items():
+        target = function if key in ("name", "arguments") else call
+        target.pop(key) if value is None else target.update({key: value})
+    call["function"] = function
+    return TOOL_TURNS[:2] + [{**TOOL_TURNS[2], "tool_calls": [call]}]
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"messages": with_call(arguments={"city": "Paris"})}, "messages[2].tool_calls[0].function.arguments",
+     "JSON text (a string"),
+    ({"messages": with_call(arguments="Paris")}, "messages[2].tool_calls[0].function.arguments",
+     "expected a JSON object as text, got 'Paris'"),
+    ({"messages": with_call(arguments="[1]")}, "messages[2].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": with_call(id=None)}, "messages[2].tool_calls[0].id", "required"),
+    ({"messages": with_call(name=None)}, "messages[2].tool_calls[0].function.name", "required"),
+    ({"messages": with_call(type="code")}, "messages[2].tool_calls[0].type", "'function'"),
+    ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id", "names the call it answers"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id",
+     "only a tool message"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
+     "only an assistant message"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "got null"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function.name", "required"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice",
+     "neither forces tool calls nor parses them"),
+    ({"prompt": "x", "tools": TOOLS}, "tools", "only /v1/chat/completions"),
+])
+def test_malformed_tool_calls_get_a_400_naming_the_field(server, body, param, says):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server[0] + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and says in err["message"], err
+
+
+def test_tools_are_refused_where_the_chat_template_never_reads_them(server):
+    """The tiny model's Gemma-style template has no place for tools: they would vanish from the prompt unsaid."""
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "tools" and "does not use tools" in err["message"], err
+    # a tool message is the template's to refuse (this one has no tool role): a 400 in its words
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": TOOL_TURNS[3:4]})
+    assert r.status_code == 400 and "tool" in r.json()["error"]["message"], r.text
+
+
 def test_a_body_not_sent_as_json_names_the_header_and_health_answers_head(server):
     r = httpx.post(server[0] + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "x"}),
                    headers={"content-type": "application/x-www-form-urlencoded"})  # what plain `curl -d` sends
