@@ -217,6 +217,9 @@ class Message(BaseModel):
         if self.content is None and not self.tool_calls:
             raise APIError(400, f"{where}.content: expected str or list[TextPart], got null (only an assistant "
                                 "message with tool_calls may leave it out)", f"{where}.content")
+        if self.content == []:  # OpenAI refuses it; a template would render an empty turn
+            raise APIError(400, f"{where}.content: an empty list of parts; send text, or at least one text part",
+                           f"{where}.content")
         if self.tool_calls is not None and self.role != "assistant":
             raise APIError(400, f"{where}.tool_calls: only an assistant message has them, not a {self.role!r} one",
                            f"{where}.tool_calls")

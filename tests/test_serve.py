@@ -980,13 +980,15 @@ def with_call(**change):
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
      "only an assistant message"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "got null"),
+    # OpenAI refuses an empty list of parts (it rendered an empty user turn and answered 200)
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "an empty list of parts"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]},
      "tools[0].function.name", "required"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice",
      "neither forces tool calls nor parses them"),
     ({"prompt": "x", "tools": TOOLS}, "tools", "only /v1/chat/completions"),
 ])
-def test_malformed_tool_calls_get_a_400_naming_the_field(server, body, param, says):
+def test_malformed_tool_calls_and_empty_content_get_a_400_naming_the_field(server, body, param, says):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = httpx.post(server[0] + path, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
     err = r.json()["error"]
