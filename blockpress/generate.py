@@ -20,9 +20,9 @@ from .cache import KVCache
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
-    MIN_TEMPERATURE,
     CanvasState,
     SamplerConfig,
+    candidate_probs,
     denoise_step,
     hashed_uniforms,
     init_state,
@@ -1067,13 +1067,16 @@ def run(
 def run_ar(
     model: Any,
     req: Request,
-    temperature: float = 0.0,
     cache: KVCache | None = None,
     keep_cache: bool = False,
     tokenizer: Any = None,
     fns: StepFunctions | None = None,
 ) -> GenerationOutput:
-    """Left-to-right decoding with the encoder path and the LM head: the autoregressive baseline."""
+    """Left-to-right decoding with the encoder path and the LM head: the autoregressive baseline.
+
+    Of `req.sampler` it uses what the diffusion candidates use too: argmax candidates (greedy), else a draw from
+    `candidate_probs` (draw_temperature, top_k, top_p) of the raw logits, and the penalties. The rest (the
+    acceptance rule, its schedule and stopping) is block diffusion's."""
     fns = fns or StepFunctions.eager(model)
     device = model.device
     prompt = req.prompt.to(device)
@@ -1103,11 +1106,10 @@ def run_ar(
             logits = logits.masked_fill(~req.first_allowed.to(device), float("-inf"))
         if penalized:
             logits = penalize_repeats(cfg, logits, history)
-        if temperature > 0:
-            probs = torch.softmax(logits / max(temperature, MIN_TEMPERATURE), dim=-1)
-            token = sample(probs, hashed_uniforms(row_seed, 0, i, 1)[:, 0])
-        else:
+        if cfg.argmax_candidates:
             token = logits.argmax(-1)
+        else:
+            token = sample(candidate_probs(cfg, logits), hashed_uniforms(row_seed, 0, i, 1)[:, 0])
         token = token.masked_fill(finished, req.pad_id)
         new_tokens[:, i] = token
         if penalized:

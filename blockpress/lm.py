@@ -648,8 +648,8 @@ class LM:
         conversation) and return_cache, seeds (one per row), skip_stopped_rows (default True: a row that has
         stopped leaves the batch), constraint and logits_processor (per-step hooks), token_healing, prefix_cache,
         and any SamplerConfig field (entropy_bound, confidence, t_min, t_max, stability_threshold,
-        confidence_threshold, adaptive_stopping, rank_by, candidates, keep_accepted, self_conditioning,
-        noise_token_id, presence_penalty, frequency_penalty).
+        confidence_threshold, adaptive_stopping, rank_by, candidates, draw_temperature, top_k, top_p, keep_accepted,
+        self_conditioning, noise_token_id, presence_penalty, frequency_penalty).
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
@@ -680,9 +680,12 @@ class LM:
         self,
         prompt: Any,
         max_new_tokens: int | None = None,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         seed: int | None = None,
         *,
+        sampler: SamplerConfig | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
         min_new_tokens: int = 0,
         attention_mask: Any = None,
         cache: KVCache | None = None,
@@ -695,18 +698,39 @@ class LM:
         seeds: list[int] | None = None,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
+
+        Its draws are the diffusion candidates' (sampling.candidate_probs, one implementation for both engines):
+        `temperature` 0 is greedy; T > 0 draws from softmax(logits / T), which is SamplerConfig.draw_temperature
+        (AR has no temperature schedule). `top_k`, `top_p`: as SamplerConfig's, keep the top_k most likely tokens,
+        then the nucleus of top_p. `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens.
+        `sampler`: a SamplerConfig, to decode with the settings a `generate(sampler=...)` run used: its candidate
+        draw (candidates="argmax" or sampler="greedy": greedy; else draw_temperature), top_k, top_p and penalties;
+        its other fields (acceptance rule, schedule, stopping, noise) are block diffusion's and are ignored. The
+        keyword arguments override it. Without it, the checkpoint's settings with greedy draws unless `temperature`
+        says otherwise (a checkpoint's greedy sampler also samples when given a temperature > 0, as on the server).
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
-        `presence_penalty`, `frequency_penalty`: OpenAI's, over the new tokens (default: the checkpoint's).
-        `prefix_cache`, `seeds` (one per row, overriding `seed`; with temperature > 0): as in `stream`."""
-        if not (is_finite_number(temperature) and temperature >= 0):
+        `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`."""
+        if temperature is not None and not (is_finite_number(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+        if sampler is not None and not isinstance(sampler, SamplerConfig):
+            raise ValueError(f"sampler: expected a SamplerConfig (its candidate draw and penalties are used) or None, "
+                             f"got {sampler!r}; generate_ar has no acceptance rule: for greedy pass temperature=0")
         _check_flag("return_cache", return_cache)
-        penalties = dict(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        base = self.sampler_defaults if sampler is None else sampler
+        cfg = base.with_(top_k=top_k, top_p=top_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        if temperature is None and sampler is None:
+            temperature = 0.0  # the baseline's default: greedy
+        if temperature == 0:
+            cfg = cfg.with_(candidates="argmax")
+        elif temperature is not None:
+            # greedy is entropy_bound with argmax candidates; asked for a temperature, it samples (as the server's)
+            cfg = cfg.with_(candidates="sample", draw_temperature=temperature,
+                            sampler="entropy_bound" if cfg.sampler == "greedy" else None)
         req = self._request(prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                            sampler=None, sampler_options=penalties, seed=seed, attention_mask=attention_mask,
+                            sampler=cfg, sampler_options={}, seed=seed, attention_mask=attention_mask,
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
                             prefix_cache=_check_prefix_cache(prefix_cache))
-        return run_ar(self.model, req, temperature, cache=cache, keep_cache=return_cache or cache is not None,
+        return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 
     def save(self, path: str | Path) -> None:

@@ -66,6 +66,13 @@ class SamplerConfig:
     # instead made every position look certain at a low temperature, so the entropy bound took a whole canvas
     # of noise in one or two passes (0.05 gave `ospathpathpath...`, worse than both 0 and 1).
     draw_temperature: float = 1.0
+    # The candidate draw keeps only the top_k most likely tokens (0: all), then, of those, the smallest set of
+    # most likely ones whose probability reaches top_p (the nucleus; 1: all), as in HF's and vLLM's samplers.
+    # Like draw_temperature they shape the draws alone (`candidate_probs`), so the autoregressive baseline
+    # (generate_ar) filters its tokens with the very same settings; argmax candidates are never filtered out.
+    # (top_k counts tokens of one position's draw; the `topk` sampler counts the positions a step accepts.)
+    top_k: int = 0
+    top_p: float = 1.0
     # False: every position is re-decided at every step (DiffusionGemma). True: an accepted token stays, like a
     # given, for the rest of the canvas (masked-diffusion decoding); the topk ramp then counts kept positions.
     keep_accepted: bool = False
@@ -98,6 +105,10 @@ class SamplerConfig:
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         need(self.draw_temperature > 0, "draw_temperature",
              f"expected > 0, got {self.draw_temperature} (for the most likely candidates use candidates='argmax')")
+        need(is_int(self.top_k) and self.top_k >= 0, "top_k",
+             f"expected an integer >= 0 (0: no top-k filter), got {self.top_k!r}")
+        need(is_finite_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+             f"expected a probability in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
         need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")
         # The confidence sampler takes every position over its threshold, in no order: a ranking would be ignored.
@@ -125,12 +136,12 @@ class SamplerConfig:
         need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= 0),
              "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
         # numpy numbers pass the checks: store plain ones (they are written as JSON, which has no int64 / float32)
-        for name in ("max_denoising_steps", "stability_threshold", "noise_token_id"):
+        for name in ("max_denoising_steps", "stability_threshold", "noise_token_id", "top_k"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, int(value))
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty",
-                     "frequency_penalty", "draw_temperature"):
+                     "frequency_penalty", "draw_temperature", "top_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
     @classmethod
@@ -156,6 +167,11 @@ class SamplerConfig:
             # the reference's spelling; blockpress's own top-level key, when set, is the newer word
             kwargs["entropy_bound"] = sampler_cfg["entropy_bound"]  # checked like the rest in __post_init__
         return cls(**kwargs)
+
+    @property
+    def argmax_candidates(self) -> bool:
+        """Candidates are the most likely tokens, not draws (the greedy sampler always takes them)."""
+        return self.sampler == "greedy" or self.candidates == "argmax"
 
     @property
     def penalizes_repeats(self) -> bool:
@@ -220,6 +236,35 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # (right=True): a token of probability 0 never has its cdf step above u, so it is never drawn, also at u = 0.
     u = torch.minimum(uniforms.to(cdf.dtype)[..., None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def top_filter(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """`probs` [..., V] with every token outside the top_k most likely (0: no limit) and then outside the nucleus
+    of those zeroed: the fewest most likely tokens whose probability reaches top_p of what top_k left (1: no limit).
+
+    Not renormalised (`sample` draws in proportion to what is left). The most likely token always stays, and ties
+    are ranked by token id, as argmax ranks them: top_k=1 keeps exactly the argmax token. One stable sort.
+    """
+    if top_k <= 0 and top_p >= 1.0:
+        return probs
+    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    if 0 < top_k < probs.shape[-1]:
+        ordered = ordered.masked_fill(torch.arange(probs.shape[-1], device=probs.device) >= top_k, 0.0)
+    if top_p < 1.0:
+        # a token stays while the more likely ones before it hold less than top_p of the mass (the first always)
+        before = torch.cumsum(ordered, dim=-1) - ordered
+        ordered = ordered.masked_fill(before >= top_p * ordered.sum(-1, keepdim=True), 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, ordered)
+
+
+def candidate_probs(cfg: SamplerConfig, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """What candidates are drawn from (pass to `sample`): softmax(logits / draw_temperature), top_k and top_p
+    filtered. Both engines draw through it: `denoise_step` with the schedule's tempered logits, `run_ar` with the
+    raw ones (AR has no schedule: its temperature is the draw temperature). `probs`: softmax(logits), when the
+    caller has it already (reused at draw_temperature 1)."""
+    if probs is None or cfg.draw_temperature != 1.0:
+        probs = torch.softmax(logits.float() / max(MIN_TEMPERATURE, cfg.draw_temperature), dim=-1)
+    return top_filter(probs, cfg.top_k, cfg.top_p)
 
 
 def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Tensor,
@@ -410,13 +455,12 @@ def denoise_step(
     probs, ent = probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
     ent_open = torch.where(held, 0.0, ent)  # decided positions are certain
     argmax = torch.where(kept, state.canvas, logits.argmax(dim=-1))
-    if cfg.sampler == "greedy" or cfg.candidates == "argmax":
+    if cfg.argmax_candidates:
         candidates = argmax
     else:
-        # A draw temperature other than 1 needs its own softmax; the schedule's `probs` still rank and condition.
-        drawn = probs if cfg.draw_temperature == 1.0 else torch.softmax(
-            logits.float() / max(MIN_TEMPERATURE, cfg.draw_temperature), dim=-1)
-        draws = sample(drawn, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
+        # The draw temperature and filters shape the draws alone; the schedule's `probs` still rank and condition.
+        draws = sample(candidate_probs(cfg, logits, probs),
+                       torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
         candidates = torch.where(kept, state.canvas, draws)
 
     if cfg.sampler in ("entropy_bound", "greedy"):

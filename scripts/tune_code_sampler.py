@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=10, help="prompts decoded together")
     ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
     ap.add_argument("--ar", action="store_true", help="decode with generate_ar (settings: presence_penalty, "
-                    "frequency_penalty, temperature) to compare the AR baseline under the same settings")
+                    "frequency_penalty, temperature, top_k, top_p) to compare the AR baseline under the same settings")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():

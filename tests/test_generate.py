@@ -339,6 +339,50 @@ def test_generate_ar_seeds_sample_each_row_as_alone(lm):
         lm.generate_ar(prompts, max_new_tokens=4, temperature=1.0, seeds=[1, 2])
 
 
+def test_generate_ar_draws_with_the_diffusion_candidates_settings(lm):
+    """generate_ar took a temperature alone: top_k and top_p, and a SamplerConfig's draw settings, could not be
+    given to it as to generate. They filter its draws through the same function (sampling.candidate_probs)."""
+    prompts, seeds = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]], [11, 12, 13]
+    greedy = lm.generate_ar(prompts, max_new_tokens=10)
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):  # only the most likely token is left to draw
+        assert torch.equal(lm.generate_ar(prompts, max_new_tokens=10, temperature=2.0, seeds=seeds, **kw).sequences,
+                           greedy.sequences)
+    kw = dict(max_new_tokens=10, temperature=2.0, top_k=4, top_p=0.8)
+    batch = lm.generate_ar(prompts, seeds=seeds, **kw)
+    assert torch.equal(batch.sequences, lm.generate_ar(prompts, seeds=seeds, **kw).sequences)  # deterministic
+    for r, (p, s) in enumerate(zip(prompts, seeds)):  # each row as alone with its seed
+        assert torch.equal(batch.new_tokens[r], lm.generate_ar([p], seed=s, **kw).new_tokens[0])
+    assert not torch.equal(batch.sequences, greedy.sequences)
+    unfiltered = lm.generate_ar(prompts, max_new_tokens=10, temperature=2.0, seeds=seeds)
+    assert not torch.equal(batch.sequences, unfiltered.sequences)
+    # the same settings as a SamplerConfig (the one a generate run used): its draw, top_k and top_p
+    cfg = blockpress.SamplerConfig(sampler="topk", max_denoising_steps=3, draw_temperature=2.0, top_k=4, top_p=0.8)
+    assert torch.equal(lm.generate_ar(prompts, max_new_tokens=10, sampler=cfg, seeds=seeds).sequences, batch.sequences)
+    # keywords override it; temperature 0, argmax candidates or the greedy sampler decode greedily
+    assert torch.equal(lm.generate_ar(prompts, max_new_tokens=10, sampler=cfg.with_(top_k=9), top_k=4,
+                                      seeds=seeds).sequences, batch.sequences)
+    for greedy_cfg, t in ((cfg, 0.0), (cfg.with_(candidates="argmax"), None), (cfg.with_(sampler="greedy"), None)):
+        assert torch.equal(lm.generate_ar(prompts, max_new_tokens=10, sampler=greedy_cfg, temperature=t,
+                                          seeds=seeds).sequences, greedy.sequences)
+    # a greedy sampler with a temperature samples, as the server's does
+    hot = lm.generate_ar(prompts, max_new_tokens=10, sampler=cfg.with_(sampler="greedy"), temperature=2.0, seeds=seeds)
+    assert torch.equal(hot.sequences, batch.sequences)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_k=-1), "top_k: expected an integer >= 0"), (dict(top_k=1.5), "top_k: expected an integer >= 0"),
+    (dict(top_p=0.0), r"top_p: expected a probability in \(0, 1\]"),
+    (dict(top_p=2.0), r"top_p: expected a probability in \(0, 1\]"),
+    (dict(sampler="topk"), "sampler: expected a SamplerConfig"),
+])
+def test_bad_ar_draw_settings_name_the_argument(lm, kw, message):
+    with pytest.raises(ValueError, match=message):
+        lm.generate_ar([3, 4], max_new_tokens=4, temperature=1.0, **kw)
+    if "sampler" not in kw:  # the diffusion path refuses them alike
+        with pytest.raises(ValueError, match=message):
+            lm.generate([3, 4], max_new_tokens=4, **kw)
+
+
 def test_generate_ar_batch_left_padding(lm):
     alone = lm.generate_ar([9, 10, 11], max_new_tokens=5)
     batch = lm.generate_ar([[1, 2, 3, 4, 5, 6], [9, 10, 11]], max_new_tokens=5)
@@ -492,7 +536,7 @@ def test_argument_spellings_from_elsewhere_are_read_or_named(lm, tmp_path):
         lm.logits([[3, 4]], canvas, self_conditioning_logits=torch.zeros(shape, dtype=torch.long))
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7", None])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7"])
 def test_bad_ar_temperatures(lm, value):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
         lm.generate_ar([3, 4], max_new_tokens=4, temperature=value)

@@ -79,7 +79,7 @@ def test_a_pad_id_past_the_vocabulary_is_dropped_with_a_warning(ref_checkpoint, 
 
 # -- 2. keys blockpress does not use ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gen", [{"temperature": 0.5, "top_k": 5}, {"temperature": 0.0, "do_sample": False}])
+@pytest.mark.parametrize("gen", [{"temperature": 0.5, "repetition_penalty": 1.2}, {"temperature": 0.0, "do_sample": False}])
 def test_generation_config_keys_blockpress_ignores_are_named_at_load(ref_checkpoint, tmp_path, gen):
     """They loaded silently and did nothing: a user believed temperature 0.5 in effect. The reference refuses
     them ("Unexpected kwargs"); blockpress warns, since older folders of its own hold its settings there."""
@@ -93,9 +93,9 @@ def test_generation_config_keys_blockpress_ignores_are_named_at_load(ref_checkpo
 
 
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
-    path = folder_with(ref_checkpoint, tmp_path, own={"sampler": "greedy", "top_p": 0.9})
+    path = folder_with(ref_checkpoint, tmp_path, own={"sampler": "greedy", "top_p": 0.9, "typical_p": 0.9})
     _, warned = load_recording(path)
-    assert warned == [f"{path / 'blockpress_generation_config.json'}: top_p: not blockpress settings, ignored (it reads "
+    assert warned == [f"{path / 'blockpress_generation_config.json'}: typical_p: not blockpress settings, ignored (it reads "
                       "max_new_tokens, max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's "
                       "fields)"]
     # What the reference saves (nulls, return_dict_in_generate, transformers_version) and what LM.save writes

@@ -19,6 +19,7 @@ from blockpress.sampling import (
     penalize_repeats,
     probs_and_entropy,
     temperature,
+    top_filter,
     topk_count,
 )
 
@@ -513,3 +514,67 @@ def test_seeds_past_47_bits_draw_their_own_numbers(low, high):
     draws = hashed_uniforms(seeds, 0, 3, 16)
     assert len({tuple(row.tolist()) for row in draws}) == 4
     assert torch.equal(hashed_uniforms(torch.tensor([low]), 0, 3, 16)[0], draws[0])  # a seed's draws don't move
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), top_p=st.floats(0.01, 1.0), top_k=st.integers(0, 20),
+       scale=st.floats(0.1, 10.0), banned=st.integers(0, 8))
+def test_top_filter_keeps_exactly_the_top_k_nucleus(seed, top_p, top_k, scale, banned):
+    """What top_filter keeps is the nucleus of the top_k most likely tokens: the most likely ones (nothing dropped
+    is likelier than anything kept), holding at least top_p of the top-k mass, and none to spare (without its
+    least likely token the rest holds less); kept probabilities are unchanged. Banned (zero) tokens never stay."""
+    g = torch.Generator().manual_seed(seed)
+    logits = scale * torch.randn(3, 4, 17, generator=g, dtype=torch.float64)
+    logits[..., :banned] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    out = top_filter(probs, top_k, top_p)
+    kept = out > 0
+    assert torch.equal(out[kept], probs[kept]) and not kept[..., :banned].any()
+    for p, keep in zip(probs.reshape(-1, 17), kept.reshape(-1, 17)):
+        n = int(keep.sum())
+        assert 1 <= n <= (top_k or 17)
+        assert not (~keep).any() or p[keep].min() >= p[~keep].max()
+        top = p.sort(descending=True).values[: top_k or 17]
+        top = top[top > 0]
+        total = float(top.sum())
+        assert float(p[keep].sum()) >= top_p * total - 1e-12  # reaches top_p of the top-k mass
+        assert float(p[keep].sum() - p[keep].min()) < top_p * total + 1e-12  # and no token more than needed
+        assert n <= len(top)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_top_k_one_keeps_the_argmax_also_in_a_tie(seed):
+    """top_k=1 is greedy: the one token left is argmax's, also where ties (bf16 logits) make several as likely."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (5, 9), generator=g).float()  # many ties
+    out = top_filter(torch.softmax(logits, -1), top_k=1)
+    assert torch.equal((out > 0).sum(-1), torch.ones(5, dtype=torch.long))
+    assert torch.equal(out.argmax(-1), logits.argmax(-1)) and bool((out.gather(-1, logits.argmax(-1, keepdim=True)) > 0).all())
+
+
+def test_top_filters_change_the_diffusion_draws_only():
+    """top_k and top_p filter the candidate draws, like draw_temperature: acceptance, ranking and
+    self-conditioning keep the schedule's full distribution; top_k=1 draws the argmax candidates."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6, 11) * 3
+    state = init_state(torch.zeros(2, 6, dtype=torch.long))
+    noise = torch.full((2, 6), 10)
+    uniforms = torch.rand(2, 6)
+    base = SamplerConfig(max_denoising_steps=4, entropy_bound=100.0)  # every position accepted
+    plain = denoise_step(base, state, logits, 4, noise, uniforms=uniforms)
+    argmax = denoise_step(base.with_(candidates="argmax"), state, logits, 4, noise, uniforms=uniforms)
+    for cfg in (base.with_(top_k=1), base.with_(top_p=1e-6), base.with_(top_k=3, top_p=0.5)):
+        other = denoise_step(cfg, state, logits, 4, noise, uniforms=uniforms)
+        assert torch.equal(other.accepted, plain.accepted) and torch.equal(other.settled, plain.settled)
+        assert torch.equal(other.sc_probs, plain.sc_probs) and torch.equal(other.argmax, plain.argmax)
+    for cfg in (base.with_(top_k=1), base.with_(top_p=1e-6)):
+        assert torch.equal(denoise_step(cfg, state, logits, 4, noise, uniforms=uniforms).canvas, argmax.canvas)
+    assert not torch.equal(plain.canvas, argmax.canvas)  # the check above means something
+
+
+@pytest.mark.parametrize("field, value", [("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "5"),
+                                          ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_p", "0.9")])
+def test_bad_top_filters_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"{field}: expected"):
+        SamplerConfig(**{field: value})
