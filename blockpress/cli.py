@@ -100,6 +100,11 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
                    help="OpenAI's: lower a token's logit once it appears in the new text (-2 to 2)")
     g.add_argument("--frequency-penalty", type=float, default=None,
                    help="OpenAI's: lower a token's logit for each time it appears in the new text (-2 to 2)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="draw each candidate token from the k most likely only (0: all)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="draw each candidate token from the nucleus: the fewest most likely tokens holding this "
+                        "probability (1: all)")
     g.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
     g.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
@@ -109,7 +114,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                 max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
                 entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, top_k=args.top_k,
+                top_p=args.top_p)
 
 
 def stats_line(out: Any, seconds: float) -> dict[str, Any]:

@@ -14,6 +14,8 @@ confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens,
 settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` T > 0 tempers
 the candidate draws (SamplerConfig.draw_temperature = T: the schedule's temperature times T), while acceptance,
 ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the greedy sampler.
+`top_p` (OpenAI's) and the extra `top_k` filter those draws (SamplerConfig.top_p / top_k: the nucleus, the k most
+likely tokens); where the candidates are argmax (greedy) they change nothing, as the argmax is always kept.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
 
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` makes the answer exactly
@@ -103,6 +105,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     user: str | None = None
     # diffusion extras
+    top_k: int | None = Field(default=None, ge=0)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
     max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
     entropy_bound: float | None = Field(default=None, gt=0.0)
@@ -717,8 +720,6 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
         param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) >= context else "max_tokens"
         raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
                             f"context of {context} tokens", param)
-    if body.top_p not in (None, 1.0):
-        raise APIError(400, "top_p: only 1.0 is supported (block diffusion samples whole canvases)", "top_p")
     cfg = sampler_config(lm.sampler_defaults, body)
     stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
     if body.seed is not None:
@@ -742,7 +743,7 @@ def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
     """The checkpoint's sampler settings with the request's diffusion fields and OpenAI temperature applied."""
     overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
                                                "t_min", "t_max", "stability_threshold", "confidence_threshold",
-                                               "presence_penalty", "frequency_penalty")}
+                                               "presence_penalty", "frequency_penalty", "top_k", "top_p")}
     try:
         cfg = defaults.with_(**overrides)
         if body.temperature == 0:

@@ -1109,3 +1109,15 @@ def test_infill_still_fills_after_the_early_check(capsys):
                  "--json", "--threads", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"].startswith("def f(x):\n    return") and len(out["fills"]) == 1 and out["filled_tokens"] == 3
+
+
+def test_top_k_and_top_p_reach_the_sampler(capsys, monkeypatch):
+    """--top-k and --top-p filter the candidate draws (SamplerConfig.top_k / top_p); bad values are named."""
+    seen = []
+    original = blockpress.LM.stream
+    monkeypatch.setattr(blockpress.LM, "stream", lambda self, *a, **kw: seen.append(kw) or original(self, *a, **kw))
+    base = ["generate", "x", "--model", "random-tiny", "--max-new-tokens", "4", "--steps", "2", "--no-live"]
+    assert main([*base, "--top-k", "3", "--top-p", "0.5"]) == 0
+    assert seen[0]["top_k"] == 3 and seen[0]["top_p"] == 0.5
+    assert main([*base, "--top-p", "1.5"]) == 2
+    assert "top_p: expected a probability in (0, 1]" in capsys.readouterr().err

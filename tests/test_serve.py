@@ -175,6 +175,8 @@ def test_openai_penalties_reach_the_sampler(client):
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
         ({"model": MODEL, "prompt": "x", "sampler": "beam"}, 400, "sampler"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "x", "top_k": -1}, 400, "top_k"),
         ({"model": MODEL, "prompt": "x", "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10, "min_tokens": 20}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, 400, "max_tokens"),
@@ -1023,3 +1025,15 @@ def test_openai_temperature_samples_where_the_checkpoint_takes_argmax_candidates
     assert hot.candidates == "sample" and hot.draw_temperature == 0.7
     assert sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x")).candidates == "argmax"
     assert sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x", temperature=0)).sampler == "greedy"
+
+
+def test_top_p_and_top_k_filter_the_draws_on_the_server():
+    """top_p was refused unless 1.0: it filters the candidate draws now (SamplerConfig.top_p, as generate and
+    generate_ar take it), and the extra top_k likewise."""
+    from blockpress.sampling import SamplerConfig
+    from blockpress.serve import ChatRequest, CompletionRequest, sampler_config
+
+    cfg = sampler_config(SamplerConfig(), CompletionRequest(model=MODEL, prompt="x", temperature=0.7, top_p=0.9, top_k=5))
+    assert (cfg.top_p, cfg.top_k, cfg.draw_temperature) == (0.9, 5, 0.7)
+    chat = ChatRequest(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=0.5)
+    assert sampler_config(SamplerConfig(top_k=3), chat).top_p == 0.5 and sampler_config(SamplerConfig(top_k=3), chat).top_k == 3
