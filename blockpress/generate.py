@@ -297,11 +297,13 @@ def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True) -> list
     return [tokenizer.encode_prompt(t) if bos else tokenizer.encode(t) for t in texts]
 
 
-def _as_tensor(x: Any, name: str) -> torch.Tensor:
+def as_tensor(x: Any, name: str, expected: str = "integer token ids") -> torch.Tensor:
+    """`x` as a tensor, or a ValueError naming `name` and what was `expected` (not torch's "could not infer
+    dtype of NoneType")."""
     try:  # no dtype forced: 1.5 or True must be refused by the caller, not truncated to a token id
         return torch.as_tensor(x)
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
-        raise ValueError(f"{name}: expected integer token ids, could not read them ({exc})") from None
+        raise ValueError(f"{name}: expected {expected}, got a value torch cannot read ({exc})") from None
 
 
 def _check_integer_dtype(t: torch.Tensor, name: str) -> None:
@@ -312,7 +314,7 @@ def _check_integer_dtype(t: torch.Tensor, name: str) -> None:
 def _id_row(row: Any, name: str) -> list[int]:
     """One row of ids as ints: a list of Python or numpy integers, or a 1-D integer tensor / array."""
     if not isinstance(row, (torch.Tensor, list, tuple, str)) and hasattr(row, "__array__"):
-        row = _as_tensor(row, name)
+        row = as_tensor(row, name)
     if isinstance(row, torch.Tensor):
         if row.dim() != 1:
             raise ValueError(f"{name}: expected each row of a list to be 1-D token ids, got shape {list(row.shape)}")
@@ -336,7 +338,7 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
         raise ValueError(f"{name}: got a mapping with keys {list(ids)} (a tokenizer's output?); pass the ids and "
                          "the mask apart: generate(enc['input_ids'], attention_mask=enc['attention_mask'])")
     if not isinstance(ids, (torch.Tensor, list, tuple, str)) and hasattr(ids, "__array__"):
-        ids = _as_tensor(ids, name)  # a numpy array: read like a tensor
+        ids = as_tensor(ids, name)  # a numpy array: read like a tensor
     if isinstance(ids, torch.Tensor):
         t = ids[None] if ids.dim() == 1 else ids
         if t.dim() != 2 or t.shape[1] == 0:

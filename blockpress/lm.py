@@ -31,6 +31,7 @@ from .generate import (
     GenerationOutput,
     Request,
     StepFunctions,
+    as_tensor,
     is_text_template,
     left_pad,
     normalize_stops,
@@ -95,7 +96,7 @@ def _as_ids(x: Any, name: str, vocab_size: int, device: torch.device) -> torch.T
 
 def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
     """An attention mask: 1 for a real token, 0 for padding, shaped like the prompt, a real token in every row."""
-    t = torch.as_tensor(mask)
+    t = as_tensor(mask, "attention_mask", f"a mask of 0 (padding) and 1 (token) shaped like {like}")
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"attention_mask: expected shape {list(shape)} (like {like}), got {list(t.shape)}")
     # Float masks of exactly 0.0 / 1.0 are common (transformers takes them); 0.5 would be truncated to 0 silently.

@@ -1205,9 +1205,14 @@ def test_a_cache_from_elsewhere_is_a_clear_error(lm):
     ([[0.5, 1.0]], "expected 0 \\(padding\\) and 1 \\(token\\) only, got 0.5"),
     ([[float("nan"), 1.0]], "expected 0 \\(padding\\) and 1 \\(token\\) only, got nan"),
     ([[1, 1, 1]], "expected shape \\[1, 2\\]"),
+    # torch cannot read these at all: its TypeError / RuntimeError named no argument
+    ("a", "expected a mask of 0 \\(padding\\) and 1 \\(token\\) shaped like"),
+    ([[None, 1]], "expected a mask of 0 \\(padding\\) and 1 \\(token\\) shaped like"),
+    ([["1", "1"]], "expected a mask of 0 \\(padding\\) and 1 \\(token\\) shaped like"),
 ])
 def test_bad_attention_masks(lm, mask, message):
-    """Values other than 0/1 were read as truthy (5) or truncated (0.5 -> 0); an all-padding row encoded nothing."""
+    """Values other than 0/1 were read as truthy (5) or truncated (0.5 -> 0); an all-padding row encoded nothing;
+    what torch.as_tensor cannot read came out as its own error, naming no argument."""
     with pytest.raises(ValueError, match=f"attention_mask: {message}"):
         lm.generate([[3, 4]], max_new_tokens=4, attention_mask=mask)
     with pytest.raises(ValueError, match=f"attention_mask: {message}"):
