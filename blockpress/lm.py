@@ -131,6 +131,19 @@ def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     return prefix_cache
 
 
+def _check_tokenizer(tokenizer: Any) -> Any:
+    """None or a blockpress Tokenizer: anything else would be accepted and fail at the first text prompt."""
+    if tokenizer is None:
+        return None
+    # imported here, as in `load`: jinja2 and tokenizers are for models that have a tokenizer
+    from .tokenizer import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(f"tokenizer: expected None or a blockpress Tokenizer (blockpress.tokenizer.Tokenizer."
+                         f"from_dir(folder), or another LM's .tokenizer), got {type(tokenizer).__name__}")
+    return tokenizer
+
+
 def _template_rows(template: Any) -> int:
     """How many rows a template holds: a list of texts or of id rows, or a 2-D tensor; else one."""
     if isinstance(template, (list, tuple)) and template and isinstance(template[0], (str, list, tuple)):
@@ -185,7 +198,7 @@ class LM:
         path: Path | None = None,
     ):
         self.model = model.eval()
-        self.tokenizer = tokenizer
+        self.tokenizer = _check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
         self.passthrough = passthrough or Passthrough()
         self.path = path
@@ -928,6 +941,7 @@ def random_model(
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
                          f"ModelConfig.from_dict(...)), got {type(config).__name__}")
+    tokenizer = _check_tokenizer(tokenizer)  # before the weights are allocated
     seed = check_seed(seed, "seed")
     if seed is None:
         raise ValueError("seed: expected an integer (the weights are a function of it), got None")

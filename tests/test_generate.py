@@ -1334,6 +1334,15 @@ def test_small_api_mistakes_are_clear_errors(lm, tmp_path):
     assert not (tmp_path / "meta").exists()
 
 
+@pytest.mark.parametrize("tokenizer", ["abc", Path("tokenizer.json"), 3])
+def test_a_tokenizer_that_is_not_one_is_refused_up_front(lm, tokenizer):
+    """random_model(tokenizer="abc") was accepted, and the first text prompt failed with an AttributeError."""
+    with pytest.raises(ValueError, match="tokenizer: expected None or a blockpress Tokenizer"):
+        blockpress.random_model(blockpress.ModelConfig.tiny(), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="tokenizer: expected None or a blockpress Tokenizer"):
+        blockpress.LM(lm.model, tokenizer)
+
+
 def test_saving_over_another_model_leaves_none_of_its_tokenizer(lm, tmp_path):
     from blockpress.lm import MODELS_DIR
 
