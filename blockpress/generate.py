@@ -660,11 +660,14 @@ def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Te
     return banned
 
 
-def _no_choice(logits: torch.Tensor, banned: torch.Tensor | None, open_positions: torch.Tensor) -> torch.Tensor:
-    """Whether any open position's distribution is undefined: a NaN or +inf logit, or no finite unbanned one."""
+def no_choice(logits: torch.Tensor, banned: torch.Tensor | None = None,
+              open_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether any (open) position's distribution is undefined: a NaN or +inf logit, or no finite unbanned one.
+    A 0-d bool tensor on the logits' device, read when the caller chooses (a denoising step reads none)."""
     x = logits if banned is None else logits.masked_fill(banned, float("-inf"))
     # One reduction: the largest logit is NaN if any is, +inf if any is, and -inf if every token is banned.
-    return (~torch.isfinite(x.amax(-1)) & open_positions).any()
+    undefined = ~torch.isfinite(x.amax(-1))
+    return (undefined if open_positions is None else undefined & open_positions).any()
 
 
 @dataclass
@@ -911,7 +914,7 @@ class _Decoding:
                 ban = None if req.constraint is None else _check_constraint(
                     req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
-                    trouble |= _no_choice(logits, ban, w.writable & ~w.state.done[:, None])
+                    trouble |= no_choice(logits, ban, w.writable & ~w.state.done[:, None])
                 w.state = self.fns.sampler_step(
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
                     fixed=w.fixed, scored=w.scored, banned=ban,

@@ -34,6 +34,7 @@ from .generate import (
     as_tensor,
     is_text_template,
     left_pad,
+    no_choice,
     normalize_stops,
     parse_template,
     prompt_to_ids,
@@ -318,6 +319,10 @@ class LM:
                 raise ValueError(f"self_conditioning_logits: expected floating-point logits of shape {list(want)}, "
                                  f"got {self_conditioning_logits.dtype}")
             self_conditioning_logits = self_conditioning_logits.to(self.device)
+            # the check a logits_processor's output gets: a softmax over NaN / +inf, or over all -inf, is NaN
+            if bool(no_choice(self_conditioning_logits)):
+                raise ValueError("self_conditioning_logits: a position has no distribution (NaN or +inf logits, or "
+                                 "every token -inf); expected finite logits, -inf only for tokens it rules out")
         cache = self.new_cache(prompt.shape[0], prompt.shape[1] + canvas.shape[1])
         self.model.encode(prompt, cache, attention_mask=attention_mask)
         return self.model.denoise(canvas, cache, self_conditioning_logits)

@@ -536,6 +536,20 @@ def test_argument_spellings_from_elsewhere_are_read_or_named(lm, tmp_path):
         lm.logits([[3, 4]], canvas, self_conditioning_logits=torch.zeros(shape, dtype=torch.long))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_self_conditioning_logits_without_a_distribution_are_refused(lm, value):
+    """NaN or +inf self-conditioning logits (or a position whose every token is -inf) gave NaN logits silently,
+    while a logits_processor's are refused; -inf for some tokens is a ban, and stays allowed."""
+    c, v = lm.config.canvas_length, lm.config.text.vocab_size
+    sc = torch.zeros(1, c, v)
+    sc[0, 1, :] = value  # all -inf: softmax NaN; one NaN / +inf is enough for the others
+    with pytest.raises(ValueError, match="self_conditioning_logits: a position has no distribution"):
+        lm.logits([[3, 4]], [[3] * c], self_conditioning_logits=sc)
+    sc[0, 1, :] = 0.0
+    sc[0, 1, 5:] = float("-inf")
+    assert lm.logits([[3, 4]], [[3] * c], self_conditioning_logits=sc).isfinite().all()
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7"])
 def test_bad_ar_temperatures(lm, value):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
