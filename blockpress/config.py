@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .sampling import check_flag
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 # The tanh approximation of GELU, under the three names transformers gives it (its loader knows no other spelling).
@@ -253,6 +255,7 @@ class TextConfig:
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the text model (tied embedding counted once). `active`: per token, top-k experts."""
+        check_flag("active", active)  # "no" would count the active ones
         h, n = self.hidden_size, 0
         for spec in self.layers:
             q = self.num_attention_heads * spec.head_dim

@@ -47,7 +47,7 @@ from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_scheme
-from .sampling import SamplerConfig, is_finite_number, is_int
+from .sampling import SamplerConfig, check_flag, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -113,12 +113,6 @@ def check_vocab_range(ids: torch.Tensor, name: str, vocab_size: int) -> None:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got values in [{lo}, {hi}]")
-
-
-def _check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):  # "no" would read as True
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
-    return value
 
 
 def _dtype_argument(dtype: Any) -> Any:
@@ -453,8 +447,7 @@ class LM:
         healed: list[Healed] | None = None
         # With a template, healing applies to its holes' edges (the prompt's end is followed by fixed tokens):
         # always for text templates, whose fixed part is text; for token ids only when asked.
-        if token_healing not in (None, True, False):  # "no" would read as True
-            raise ValueError(f"token_healing: expected True, False or None, got {token_healing!r}")
+        check_flag("token_healing", token_healing, none=True)
         # None (the default): a text template's holes are healed, nothing else; True/False say so for all.
         heal_holes = template is not None and self.tokenizer is not None and (
             token_healing is True or (token_healing is None and is_text_template(template)))
@@ -637,8 +630,9 @@ class LM:
         if logits_processor is not None and not callable(logits_processor):
             raise ValueError("logits_processor: expected a function (logits, rows) -> logits, got "
                              f"{type(logits_processor).__name__}")
-        _check_flag("skip_stopped_rows", skip_stopped_rows)
-        _check_flag("return_cache", return_cache)
+        check_flag("skip_stopped_rows", skip_stopped_rows)
+        check_flag("return_cache", return_cache)
+        check_flag("drafts", drafts)
         req = self._request(
             prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, sampler=sampler,
             sampler_options=dict(sampler_options, max_denoising_steps=max_denoising_steps), seed=seed,
@@ -734,7 +728,7 @@ class LM:
         if sampler is not None and not isinstance(sampler, SamplerConfig):
             raise ValueError(f"sampler: expected a SamplerConfig (its candidate draw and penalties are used) or None, "
                              f"got {sampler!r}; generate_ar has no acceptance rule: for greedy pass temperature=0")
-        _check_flag("return_cache", return_cache)
+        check_flag("return_cache", return_cache)
         base = self.sampler_defaults if sampler is None else sampler
         cfg = base.with_(top_k=top_k, top_p=top_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         if temperature is None and sampler is None:

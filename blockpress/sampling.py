@@ -33,6 +33,14 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_flag(name: str, value: Any, none: bool = False) -> bool | None:
+    """A boolean flag of the public API: True or False (or None where `none` allows it), never a truthy stand-in:
+    "no" would read as True, and 1 or np.bool_ pass `in (True, False)`."""
+    if not (isinstance(value, bool) or (none and value is None)):
+        raise ValueError(f"{name}: expected True{', False or None' if none else ' or False'}, got {value!r}")
+    return value
+
+
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
 RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
@@ -117,11 +125,8 @@ class SamplerConfig:
              "be ignored; rank with sampler='topk', 'entropy_bound' or 'greedy'")
         need(self.candidates in CANDIDATES, "candidates",
              f"unknown candidate rule {self.candidates!r}; expected one of {CANDIDATES}")
-        need(isinstance(self.adaptive_stopping, bool), "adaptive_stopping",
-             f"expected a bool, got {self.adaptive_stopping!r}")
-        need(isinstance(self.keep_accepted, bool), "keep_accepted", f"expected a bool, got {self.keep_accepted!r}")
-        need(isinstance(self.self_conditioning, bool), "self_conditioning",
-             f"expected a bool, got {self.self_conditioning!r}")
+        for name in ("adaptive_stopping", "keep_accepted", "self_conditioning"):
+            check_flag(name, getattr(self, name))
         # 0 is allowed, as in the reference: the schedule's last step is still t_max / N (see `temperature`).
         need(self.t_min >= 0, "t_min", f"expected >= 0, got {self.t_min}")
         need(self.t_max >= 0, "t_max", f"expected >= 0, got {self.t_max}")

@@ -1348,6 +1348,37 @@ def test_small_api_mistakes_are_clear_errors(lm, tmp_path):
     assert not (tmp_path / "meta").exists()
 
 
+# Every boolean flag of the public API, as a call that takes the value: 1, "no" and np.True_ are not flags ("no" is
+# truthy, and 1 passed `in (True, False)`). None: token_healing's default, and "not given" for a SamplerConfig field
+# passed to generate (the checkpoint's setting holds), so those take it (TAKE_NONE).
+FLAG_CALLS = {
+    "return_cache": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, return_cache=v),
+    "return_cache (AR)": lambda lm, v: lm.generate_ar([3, 4], max_new_tokens=2, return_cache=v),
+    "skip_stopped_rows": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, skip_stopped_rows=v),
+    "drafts": lambda lm, v: next(iter(lm.stream([3, 4], max_new_tokens=2, drafts=v))),
+    "token_healing": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, token_healing=v),
+    "token_healing (AR)": lambda lm, v: lm.generate_ar([3, 4], max_new_tokens=2, token_healing=v),
+    "active": lambda lm, v: lm.num_parameters(active=v),
+    "active (config)": lambda lm, v: lm.config.num_parameters(active=v),
+    "adaptive_stopping": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, adaptive_stopping=v),
+    "keep_accepted": lambda lm, v: blockpress.SamplerConfig(keep_accepted=v),
+    "self_conditioning": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, self_conditioning=v),
+}
+TAKE_NONE = {"token_healing", "token_healing (AR)", "adaptive_stopping", "self_conditioning"}
+
+
+@pytest.mark.parametrize("flag", FLAG_CALLS)
+@pytest.mark.parametrize("value", [1, "no", np.True_, None])
+def test_every_boolean_flag_takes_true_or_false_only(lm, flag, value):
+    """token_healing=1, stream(drafts="no") and num_parameters(active="no") were accepted while return_cache refused
+    1 and "y": every flag now goes through one check."""
+    if value is None and flag in TAKE_NONE:
+        FLAG_CALLS[flag](lm, None)
+        return
+    with pytest.raises(ValueError, match=f"{flag.split(' ')[0]}: expected True"):
+        FLAG_CALLS[flag](lm, value)
+
+
 @pytest.mark.parametrize("tokenizer", ["abc", Path("tokenizer.json"), 3])
 def test_a_tokenizer_that_is_not_one_is_refused_up_front(lm, tokenizer):
     """random_model(tokenizer="abc") was accepted, and the first text prompt failed with an AttributeError."""

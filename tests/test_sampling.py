@@ -315,7 +315,7 @@ def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
         (dict(t_min=float("nan")), "t_min: expected a finite number"),
         (dict(entropy_bound="0.1"), "entropy_bound: expected a finite number"),
         (dict(confidence=True), "confidence: expected a finite number"),
-        (dict(adaptive_stopping="no"), "adaptive_stopping: expected a bool"),
+        (dict(adaptive_stopping="no"), "adaptive_stopping: expected True or False"),
         # bools passed for 1: a stability of one step, a penalty of 1, noise token 1
         (dict(stability_threshold=True), "stability_threshold: expected an integer"),
         (dict(presence_penalty=True), "presence_penalty: expected a number"),
