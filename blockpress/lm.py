@@ -148,13 +148,16 @@ def _template_rows(template: Any) -> int:
 
 
 def check_seed(seed: Any, name: str) -> int | None:
-    """A seed is None or an integer in [0, 2**63) (numpy's too; returned as an int): the per-row seeds live in
+    """A seed is None or an integer in [0, 2**63) (returned as an int): a Python or numpy integer, or a 0-d integer
+    tensor / array (what indexing one gives; `seeds`' elements are read the same way). The per-row seeds live in
     an int64 tensor."""
     if seed is None:
         return None
+    if getattr(seed, "ndim", None) == 0 and hasattr(seed, "tolist"):
+        seed = seed.tolist()  # a plain number (a float or bool stays one, and is refused below)
     if not is_int(seed) or not 0 <= seed < 2**63:
         hint = (" (one seed per row: seeds=[...]; rows of one prompt with one seed are the same sample)"
-                if isinstance(seed, (list, tuple)) else "")
+                if isinstance(seed, (list, tuple)) or getattr(seed, "ndim", 0) else "")
         raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}{hint}")
     return int(seed)
 

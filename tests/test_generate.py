@@ -514,6 +514,28 @@ def test_seeds_may_be_an_integer_array_or_tensor(lm, kind):
             lm.generate([[3, 4], [5, 6]], seeds=bad, **kw)
 
 
+@pytest.mark.parametrize("kind", [np.array, torch.tensor])
+def test_a_seed_is_read_like_an_element_of_seeds(lm, kind):
+    """seed=torch.tensor(3) was refused while seeds=torch.tensor([3]) was accepted: a 0-d integer tensor / array is
+    a seed wherever a seed is taken, and seeds' elements are read by the same check."""
+    kw = dict(max_new_tokens=6, max_denoising_steps=2)
+    want = lm.generate([[3, 4]], seed=11, **kw).sequences
+    assert torch.equal(lm.generate([[3, 4]], seed=kind(11), **kw).sequences, want)
+    assert torch.equal(lm.generate([[3, 4]], seeds=[kind(11)], **kw).sequences, want)
+    ar = lm.generate_ar([[3, 4]], max_new_tokens=4, temperature=1.0, seed=kind(11)).sequences
+    assert torch.equal(ar, lm.generate_ar([[3, 4]], max_new_tokens=4, temperature=1.0, seed=11).sequences)
+    assert torch.equal(blockpress.random_model(blockpress.ModelConfig.tiny(), seed=kind(2)).model.embed_tokens.weight,
+                       blockpress.random_model(blockpress.ModelConfig.tiny(), seed=2).model.embed_tokens.weight)
+    for bad, message in ((kind(1.5), "seed: expected an integer .* got 1.5"),
+                         (kind(True), "seed: expected an integer .* got True"),
+                         (kind(-1), "seed: expected an integer .* got -1"),
+                         (kind([11]), r"seed: expected an integer .* \(one seed per row: seeds=")):
+        with pytest.raises(ValueError, match=message):
+            lm.generate([[3, 4]], seed=bad, **kw)
+    with pytest.raises(ValueError, match=r"seeds\[0\]: expected an integer .* got 1.5"):
+        lm.generate([[3, 4]], seeds=[kind(1.5)], **kw)
+
+
 def test_argument_spellings_from_elsewhere_are_read_or_named(lm, tmp_path):
     """generate_ar took return_cache="y" silently (generate refused it); a bad `quantize` was reported as
     "scheme:"; dtype="auto" (transformers' default) was refused though None means it; integer
