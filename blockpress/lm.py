@@ -47,7 +47,7 @@ from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_scheme
-from .sampling import SamplerConfig, check_flag, is_finite_number, is_int
+from .sampling import TEMPERATURE_HINT, SamplerConfig, check_flag, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -665,7 +665,10 @@ class LM:
         stopped leaves the batch), constraint and logits_processor (per-step hooks), token_healing, prefix_cache,
         and any SamplerConfig field (entropy_bound, confidence, t_min, t_max, stability_threshold,
         confidence_threshold, adaptive_stopping, rank_by, candidates, draw_temperature, top_k, top_p, keep_accepted,
-        self_conditioning, noise_token_id, presence_penalty, frequency_penalty).
+        self_conditioning, noise_token_id, presence_penalty, frequency_penalty). `draw_temperature` is OpenAI's
+        `temperature` (the server maps it there): candidates are drawn at the schedule's temperature (t_max down to
+        t_min) times it, while acceptance keeps the schedule; it needs a sampler that draws candidates (not
+        "greedy" nor candidates="argmax").
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
@@ -858,8 +861,7 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
         if unused:
             hint = ""
             if {"temperature", "do_sample"} & set(unused):
-                hint = ("; blockpress's temperature follows a schedule from t_max down to t_min (set those, or "
-                        "sampler: \"greedy\" for argmax)")
+                hint = f"; {TEMPERATURE_HINT}"
             warnings.warn(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
                           f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}",
                           stacklevel=3)

@@ -42,6 +42,11 @@ def check_flag(name: str, value: Any, none: bool = False) -> bool | None:
 
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
+# For those who ask for a `temperature` (an argument, or HF's key in a generation config): the setting that is one.
+TEMPERATURE_HINT = ("OpenAI's temperature is draw_temperature here (the server maps it there): candidates are drawn "
+                    "at the schedule's temperature times it, where the sampler draws them (not sampler='greedy' nor "
+                    "candidates='argmax'), while acceptance keeps the schedule from t_max down to t_min; "
+                    "sampler='greedy' takes the argmax")
 RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
 
@@ -185,8 +190,7 @@ class SamplerConfig:
     def with_(self, **changes: Any) -> SamplerConfig:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
-            hint = (" (the temperature follows a schedule from t_max down to t_min: set those, or sampler='greedy')"
-                    if "temperature" in unknown else "")
+            hint = f"; {TEMPERATURE_HINT}" if "temperature" in unknown else ""
             raise ValueError(f"{unknown[0]}: not a sampler setting{hint}; the settings are "
                              f"{', '.join(f.name for f in fields(self))}")
         kept = {k: v for k, v in changes.items() if v is not None}  # None: not given (the CLI's unset flags)

@@ -1,6 +1,6 @@
 """The decoding loop's mechanics on tiny random models."""
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -586,8 +586,19 @@ def test_a_vanishing_ar_temperature_decodes_greedily(lm):
 def test_unknown_option_rejected(lm):
     with pytest.raises(ValueError, match="temprature: not a sampler setting; the settings are sampler, "):
         lm.generate([3, 4], max_new_tokens=4, temprature=0.5)
-    with pytest.raises(ValueError, match="temperature: .* from t_max down to t_min"):  # a habit from AR engines
+    # a habit from AR engines and OpenAI: the hint names the setting that is OpenAI's temperature
+    with pytest.raises(ValueError, match="temperature: not a sampler setting; OpenAI's temperature is draw_temperature"):
         lm.generate([3, 4], max_new_tokens=4, temperature=0.5)
+
+
+def test_generate_documents_every_sampler_option():
+    """generate's docstring listed every SamplerConfig field as a keyword option but draw_temperature (OpenAI's
+    temperature, which the README's Python section never named either)."""
+    options = [f.name for f in fields(blockpress.SamplerConfig) if f.name not in ("sampler", "max_denoising_steps")]
+    doc = " ".join(blockpress.LM.generate.__doc__.split())
+    assert [name for name in options if name not in doc] == []
+    python_section = (Path(__file__).parents[1] / "README.md").read_text().split("## Python API")[1].split("\n## ")[0]
+    assert "draw_temperature" in python_section
 
 
 @pytest.mark.parametrize("template, hole_length, message", [

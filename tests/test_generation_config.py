@@ -89,7 +89,7 @@ def test_generation_config_keys_blockpress_ignores_are_named_at_load(ref_checkpo
     _, warned = load_recording(path)
     names = ", ".join(sorted(gen))
     assert len(warned) == 1 and f"{path / 'generation_config.json'}: {names}: not blockpress settings" in warned[0]
-    assert "t_max down to t_min" in warned[0]  # what to set instead of a temperature
+    assert "draw_temperature" in warned[0] and "t_max down to t_min" in warned[0]  # what to set instead
 
 
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
