@@ -7,6 +7,10 @@ Layout: one key and one value tensor per layer, `[batch, kv_heads, capacity, hea
 left-padded, masked slots are never attended, and each row's positions count only its valid slots, so a
 row computes exactly what it would compute alone.
 
+A batch's layout moves: continuing it (and ending rows at different points) compacts each row's slots so its
+padding stays on the left, so slot `i` does not keep holding the token it held. `mark` records what each row
+holds instead, and `truncate(mark)` goes back to exactly that, whatever moved in between.
+
 The decoder (denoise) writes the canvas' own keys/values into the slots just past `length` as scratch
 space and never advances `length`: the cache's state is unchanged, and no per-step concatenation is
 needed. That is why `capacity` must leave room for one canvas past the last encoded token.
@@ -14,11 +18,22 @@ needed. That is why `capacity` must leave room for one canvas past the last enco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
 from .config import TextConfig
+
+
+@dataclass(eq=False)  # compared by identity: a cache keeps its live marks in a WeakSet
+class CacheMark:
+    """Where a cache's conversation ended when `KVCache.mark` was called: each row's token count, which stays
+    true however the slots move (a row's tokens keep their order), and the slot count then."""
+
+    length: int
+    counts: tuple[int, ...]  # [B] the row's valid slots: its conversation's tokens
+    cache: weakref.ref = field(repr=False, compare=False)
 
 
 @dataclass
@@ -29,6 +44,11 @@ class KVCache:
     next_pos: torch.Tensor  # [B] long: the position the row's next valid token gets
     length: int = 0  # encoded slots, shared by all rows
     has_padding: bool = False  # host-side flag so unpadded batches skip mask building
+    # The first slot whose token moved (compaction, going back to a mark) since it was encoded (None: none did):
+    # truncate(int) keeps slots, which are the conversation's start only while they have not moved.
+    moved_from: int | None = field(default=None, repr=False, compare=False)
+    # Marks still on this cache's history: going back below one (then encoding more) drops it.
+    marks: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
 
     @classmethod
     def allocate(
@@ -84,15 +104,62 @@ class KVCache:
         self.valid.fill_(True)
         self.next_pos.zero_()
         self.has_padding = False
+        self._rewound()
 
-    def truncate(self, length: int) -> None:
-        """Forget everything after `length` slots (multi-turn edits, retries). Cheap: no copy."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"KVCache.truncate: length must be in [0, {self.length}], got {length}")
+    def mark(self) -> CacheMark:
+        """Where the conversation ends now, for `truncate` to go back to (branch, retry; as often as wanted). It
+        holds until the cache goes back to before it: then what it marked may be overwritten."""
+        m = CacheMark(self.length, tuple(self.next_pos.tolist()), weakref.ref(self))
+        self.marks.add(m)
+        return m
+
+    def truncate(self, to: int | CacheMark) -> None:
+        """Forget everything after a `mark` (each row goes back to exactly what it held then, whatever moved in
+        between), or after the first `to` slots. Multi-turn edits and retries; no copy unless slots moved.
+
+        A slot count is only the conversation's start while those slots have not moved: a batch's continuation
+        compacts each row's history, so then it is refused (use a mark). A mark is refused once the cache went
+        back to before it (its tokens may have been overwritten), or when it is another cache's."""
+        if isinstance(to, CacheMark):
+            if to.cache() is not self:
+                raise ValueError("KVCache.truncate: this mark was made on another cache")
+            if to not in self.marks:
+                raise ValueError("KVCache.truncate: this mark is gone: the cache went back to before it since "
+                                 "(truncate or reset), so what it marked may have been overwritten")
+            self._left_pad(torch.tensor(to.counts, device=self.device), to.length)
+            self._rewound()
+            return
+        if not isinstance(to, int) or isinstance(to, bool):
+            raise ValueError(f"KVCache.truncate: expected a slot count (int) or a CacheMark, got {type(to).__name__}")
+        if not 0 <= to <= self.length:
+            raise ValueError(f"KVCache.truncate: length must be in [0, {self.length}], got {to}")
+        if to == self.length:
+            return
+        if self.moved_from is not None and to > self.moved_from:
+            raise ValueError(
+                f"KVCache.truncate: slots {self.moved_from} and on moved since they were encoded (continuing a "
+                f"batch compacts each row's history so its padding stays on the left), so the first {to} slots are "
+                "no longer where the conversation stood: note `mark = cache.mark()` and `cache.truncate(mark)`")
+        self._cut(to)
+
+    def _cut(self, length: int) -> None:
+        """Keep the first `length` slots as they are."""
         self.length = length
         self.next_pos.copy_(self.valid[:, :length].sum(dim=1))
         self.valid[:, length:] = True
         self.has_padding = bool((~self.valid[:, :length]).any()) if length else False
+        self._rewound()
+
+    def _rewound(self) -> None:
+        """After the conversation got shorter: slots past the end are gone, and so are the marks past it (what
+        they held will be overwritten)."""
+        if self.moved_from is not None and self.moved_from >= self.length:
+            self.moved_from = None
+        if len(self.marks):
+            held = self.next_pos.tolist()
+            for m in list(self.marks):
+                if any(c > h for c, h in zip(m.counts, held)):
+                    self.marks.discard(m)
 
     def reserve(self, new_tokens: int, scratch: int = 0) -> None:
         """Check that `new_tokens` more slots (plus `scratch` decoder slots) fit, with a clear error."""
@@ -122,13 +189,14 @@ class KVCache:
         """Row r keeps its slots before `ends[r]`; the later ones (what it encoded after it ended, pads) become
         padding, moved to the left (`compact`). A single row is truncated instead."""
         if self.batch_size == 1:
-            self.truncate(int(ends[0]))
+            self._cut(int(ends[0]))
             return
         n = self.length
         self.valid[:, :n] &= torch.arange(n, device=self.device)[None, :] < ends.to(self.device)[:, None]
         self.next_pos.copy_(self.valid[:, :n].sum(dim=1))
         self.has_padding = bool((~self.valid[:, :n]).any())
         self.compact()
+        self._rewound()
 
     def compact(self) -> None:
         """Move each row's valid slots to the end of the encoded ones, in order, so padding is only on the left.
@@ -142,13 +210,38 @@ class KVCache:
         valid = self.valid[:, :n]
         if n == 0 or not bool((valid[:, :-1] & ~valid[:, 1:]).any()):  # already left-padded
             return
-        order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)  # invalid slots first, each kind in order
-        for tensors in (self.keys, self.values):
-            for t in tensors:
-                index = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-                t[:, :, :n] = t[:, :, :n].gather(2, index)
-        self.valid[:, :n] = valid.gather(1, order)
-        self.has_padding = True
+        self._left_pad(valid.sum(dim=1), n)
+
+    def _left_pad(self, counts: torch.Tensor, length: int) -> None:
+        """Keep each row's first `counts[r]` valid slots, in order, moved to the end of the first `length` slots
+        (padding on the left: the layout of a left-padded batch encoded in one pass); forget the rest. In place,
+        and no copy when nothing moves (a single row never does)."""
+        n = self.length
+        old = self.valid[:, :length].clone()  # past n: True, unencoded
+        slots = torch.arange(length, device=self.device)[None, :]
+        rank = slots - (length - counts)[:, None]  # the target slot's place among the row's kept tokens
+        new = rank >= 0
+        changed = new ^ old
+        if n:
+            valid = self.valid[:, :n]
+            keep = valid & (valid.cumsum(dim=1) <= counts[:, None])
+            order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept slots first, in order
+            source = order.gather(1, rank.clamp(0, n - 1))
+            changed |= new & (source != slots)
+        moved = changed.any(dim=0).nonzero()
+        if moved.numel():
+            first = int(moved[0, 0])
+            self.moved_from = first if self.moved_from is None else min(self.moved_from, first)
+            if n:
+                for tensors in (self.keys, self.values):
+                    for t in tensors:
+                        index = source[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+                        t[:, :, :length] = t[:, :, :n].gather(2, index)
+        self.valid[:, :length] = new
+        self.valid[:, length:] = True
+        self.next_pos.copy_(counts)
+        self.length = length
+        self.has_padding = bool((~new).any())
 
     def positions(self, new_tokens: int, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Positions [B, L] of the next tokens: each row counts only its valid slots."""

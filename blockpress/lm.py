@@ -622,7 +622,9 @@ class LM:
         `cache`: continue the conversation a `return_cache=True` output holds. It is extended in place (no copy):
         afterwards it holds this turn too, so continuing twice from one cache continues the second time from
         the first continuation, and a stream abandoned midway leaves part of a turn in it. To branch or retry,
-        note `cache.length` before and `cache.truncate(that_length)` after.
+        `mark = cache.mark()` before and `cache.truncate(mark)` after: each row goes back to exactly what it held
+        (a slot count would not do for a batch: continuing one moves each row's history so its padding stays on
+        the left; `truncate(cache.length noted before)` is refused then).
         `cancelled() -> bool`: asked before every step, on the host (no device sync); once it says True the stream
         ends there, without a `Done` (a server's clients that left free the engine within a step).
         """

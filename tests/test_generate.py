@@ -1748,3 +1748,147 @@ def test_a_text_prompts_trailing_space_joins_a_leading_hole(code_lm):
     both = code_lm.infill([template, "y<|hole:7|>\n"], prompt=[prompt, prompt], sampler="greedy")
     assert both.texts[0] == out.texts[0] and both.texts[1].startswith("y")
     assert int((both.sequences[1, :both.prompt_length] != code_lm.pad_id).sum()) == len(ids)
+
+
+def _turn(lm, ar, prompts, seeds, ends=None, **kw):
+    """One greedy turn of a batch; with `ends`, row r's text is `ends[r]` tokens up to its EOS (in the first
+    canvas), so rows end at different points and leave holes that compaction moves."""
+    eos = lm.config.text.eos_token_ids[0]
+    if not ar:
+        def force(logits, rows):
+            for i, r in enumerate(rows.tolist()):
+                logits[i, ends[r] - 1, eos] = 1e4
+            return logits
+        return lm.generate(prompts, max_new_tokens=kw.pop("max_new_tokens", 8), max_denoising_steps=2,
+                           sampler="greedy", seeds=seeds, logits_processor=force if ends else None, **kw)
+    if not ends:
+        return lm.generate_ar(prompts, max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+    original, calls = lm.model.head, {"n": 0}
+
+    def head(hidden):  # AR: called once per new token, [B, V]
+        logits = original(hidden)
+        for r, end in enumerate(ends):
+            if calls["n"] == end - 1:
+                logits[r, eos] = 1e4
+        calls["n"] += 1
+        return logits
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(lm.model, "head", head)
+        return lm.generate_ar(prompts, max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+
+
+def _check_branch(lm, ar, first_prompts, ends, next_prompts):
+    """A batch continued, taken back to a mark, continued again: the retry is the first try, and each row is its
+    whole conversation encoded fresh, alone; the cache is back exactly where the mark was."""
+    seeds = list(range(10, 10 + len(first_prompts)))
+    first = _turn(lm, ar, first_prompts, seeds, ends, return_cache=True)
+    cache = first.cache
+    mark, length = cache.mark(), cache.length
+    held = cache.valid[:, :length].clone()
+    keys = [t[:, :, :length].clone() for t in cache.keys]
+    try1 = _turn(lm, ar, next_prompts, seeds, max_new_tokens=12, cache=cache)
+    cache.truncate(mark)
+    assert cache.length == length and torch.equal(cache.valid[:, :length], held)
+    assert cache.next_pos.tolist() == held.sum(1).tolist()
+    for k, t in zip(keys, cache.keys):
+        at = held[:, None, :, None].expand_as(k)  # the slots the rows' tokens are in (padding holds anything)
+        assert torch.equal(t[:, :, :length][at], k[at])
+    try2 = _turn(lm, ar, next_prompts, seeds, max_new_tokens=12, cache=cache)
+    assert torch.equal(try2.new_tokens, try1.new_tokens) and torch.equal(try2.num_new_tokens, try1.num_new_tokens)
+    for r in range(len(first_prompts)):
+        said = first.new_tokens[r, : int(first.num_new_tokens[r])].tolist()
+        fresh = _turn(lm, ar, [first_prompts[r] + said + next_prompts[r]], [seeds[r]], max_new_tokens=12)
+        n = int(fresh.num_new_tokens[0])
+        assert int(try1.num_new_tokens[r]) == n
+        assert torch.equal(try1.new_tokens[r, :n], fresh.new_tokens[0, :n])
+    return cache, mark
+
+
+@pytest.mark.parametrize("ar", [False, True])
+def test_a_mark_takes_a_batch_back_to_where_it_was(lm, ar):
+    """stream's docstring told users to truncate(cache.length noted before): a batch's continuation compacts each
+    row's history (padding to the left), so the slots kept were partly left padding and the row lost its last
+    tokens; a retry answered differently, silently. A mark records each row's tokens instead."""
+    first, next_ = [list(range(5, 9)), list(range(20, 29))], [[40, 41], list(range(50, 56))]
+    cache, mark = _check_branch(lm, ar, first, [2, 7], next_)
+    length = mark.length
+    _turn(lm, ar, next_, [10, 11], max_new_tokens=12, cache=cache)
+    later = cache.mark()
+    with pytest.raises(ValueError, match="slots .* moved since they were encoded.*cache.mark"):
+        cache.truncate(length)
+    cache.truncate(mark)  # the same mark twice: a second retry
+    assert cache.length == length
+    with pytest.raises(ValueError, match="this mark is gone"):
+        cache.truncate(later)  # went back to before it
+    other = _turn(lm, ar, first, [10, 11], return_cache=True).cache
+    with pytest.raises(ValueError, match="another cache"):
+        other.truncate(mark)
+    with pytest.raises(ValueError, match="expected a slot count"):
+        cache.truncate(True)
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_a_retry_from_a_mark_is_the_first_try_and_the_conversation_alone(lm, data):
+    b = data.draw(st.integers(2, 3))
+    first = [list(range(3, 3 + data.draw(st.integers(1, 9)))) for _ in range(b)]
+    ends = data.draw(st.lists(st.integers(1, 8), min_size=b, max_size=b))
+    next_ = [list(range(60, 60 + data.draw(st.integers(1, 7)))) for _ in range(b)]
+    _check_branch(lm, data.draw(st.booleans()), first, ends, next_)
+
+
+def test_a_single_row_still_truncates_to_a_slot_count(lm):
+    """One row never moves: truncate(length) keeps working there, and a mark does the same without a copy."""
+    one = lm.generate_ar([[3, 4, 5]], max_new_tokens=5, return_cache=True)
+    length, mark = one.cache.length, one.cache.mark()
+    keys = one.cache.keys[0].clone()
+    lm.generate_ar([[6, 7]], max_new_tokens=5, cache=one.cache)
+    one.cache.truncate(length)
+    assert one.cache.moved_from is None and torch.equal(one.cache.keys[0][:, :, :length], keys[:, :, :length])
+    lm.generate_ar([[6, 7]], max_new_tokens=5, cache=one.cache)
+    one.cache.truncate(mark)
+    assert one.cache.moved_from is None and one.cache.length == length
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_truncate_to_a_mark_restores_each_rows_tokens_whatever_moved(data):
+    """At the cache's level: left-padded commits, a mark, more commits with holes and compactions, then the mark:
+    each row holds exactly the tokens it held at the mark, in order, padding on the left."""
+    cfg = blockpress.ModelConfig.tiny().text
+    b = data.draw(st.integers(1, 3))
+    cache = blockpress.KVCache.allocate(cfg, b, 64)
+    stamp = 0.0
+
+    def commit(width, mask):
+        nonlocal stamp
+        ids = stamp + torch.arange(width * b, dtype=torch.float32).view(b, 1, width, 1)
+        for t in (*cache.keys, *cache.values):  # each slot's content says which token it is
+            t[:, :, cache.length : cache.length + width] = ids
+        stamp += width * b
+        cache.commit(torch.tensor(mask), width)
+
+    def rows():
+        return [cache.keys[0][r, 0, : cache.length, 0][cache.valid[r, : cache.length]].tolist() for r in range(b)]
+
+    def turn():
+        width = data.draw(st.integers(1, 6))
+        lengths = data.draw(st.lists(st.integers(0, width), min_size=b, max_size=b))
+        commit(width, [[i < n for i in range(width)] for n in lengths])  # right padding: holes
+        if data.draw(st.booleans()):
+            cache.compact()
+
+    width = data.draw(st.integers(1, 6))
+    lengths = data.draw(st.lists(st.integers(1, width), min_size=b, max_size=b))
+    commit(width, [[i >= width - n for i in range(width)] for n in lengths])  # left-padded
+    for _ in range(data.draw(st.integers(0, 2))):
+        turn()
+    cache.compact()
+    mark, want, length = cache.mark(), rows(), cache.length
+    valid = cache.valid[:, :length].clone()
+    for _ in range(data.draw(st.integers(1, 3))):
+        turn()
+    cache.truncate(mark)
+    assert cache.length == length and rows() == want and torch.equal(cache.valid[:, :length], valid)
+    assert cache.next_pos.tolist() == [len(r) for r in want] and cache.has_padding == bool((~valid).any())
