@@ -140,15 +140,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
     from blockpress.healing import strip_prefix
 
+    if args.system is not None and not args.chat:
+        raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    if args.chat:
+        check_chat_template(lm, args, "--chat (drop it to continue the prompt as plain text)")
     if args.prompt == "-":  # as infill's template
         args.prompt = sys.stdin.read()
     live = live_terminal(sys.stdout) and not args.no_live and not args.json
-    healing = not args.no_token_healing
+    prompt: Any = args.prompt
+    shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompt, shown = lm.chat_prompt([*system, {"role": "user", "content": args.prompt}]), ""
+    # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token
+    healing = not args.no_token_healing and not args.chat
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
-    view = LiveView(lm.tokenizer, args.prompt, prefix, color=not os.environ.get("NO_COLOR")) if live else None
+    view = LiveView(lm.tokenizer, shown, prefix, color=not os.environ.get("NO_COLOR")) if live else None
     t0 = time.perf_counter()
     out = None
     # What the canvases committed so far, for a Ctrl-C: the text is decoded whole at the end (a canvas decoded on
@@ -157,7 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     committed: list[int] = []
     passes = 0
     try:
-        for event in lm.stream(args.prompt, drafts=live, token_healing=healing, stop=args.stop,
+        for event in lm.stream(prompt, drafts=live, token_healing=healing, stop=args.stop,
                                **sampling_kwargs(args)):
             if isinstance(event, Draft) and view:
                 view.draft(event.tokens[0].tolist())
@@ -185,7 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif args.json:
             print(json.dumps(dict(text=text, prompt=args.prompt, **stats, interrupted=True)))
         else:
-            print(args.prompt + text)
+            print(shown + text)
         print(f"interrupted ({n} new tokens committed)", file=sys.stderr)
         return 130
     stats = stats_line(out, time.perf_counter() - t0)
@@ -193,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, interrupted=False)))
     else:
         if not live:
-            print(args.prompt + out.texts[0])
+            print(shown + out.texts[0])
         print_stats(stats)
     return 0
 
@@ -257,11 +267,17 @@ CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; Ct
              "starting with / is refused (start a message with // to send it with one leading /)")
 
 
+def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> None:
+    """The model can render a conversation (`use` says what needs it); a broken template fails now, once."""
+    if lm.tokenizer is None or lm.tokenizer.chat_template is None:
+        raise ValueError(f"--model {args.model}: has no chat template (chat_template.jinja, or chat_template in "
+                         f"tokenizer_config.json), which {use} needs")
+    lm.chat_prompt([{"role": "user", "content": "hi"}])
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_announced(args)
-    if lm.tokenizer is None or lm.tokenizer.chat_template is None:
-        raise ValueError(f"--model {args.model}: needs a tokenizer with a chat template for chat")
-    lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # a broken template fails now, once
+    check_chat_template(lm, args, "chat")
     context = lm.config.text.max_position_embeddings
     messages: list[dict[str, str]] = []
     cache = None
@@ -308,7 +324,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": user})
         try:
-            ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = lm.chat_prompt(messages)
             kw = sampling_kwargs(args)
             wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
             room = context - len(ids)  # positions left for the reply
@@ -859,16 +875,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", formatter_class=DefaultsFormatter, help="complete a prompt, showing the canvas as it settles",
-                       description="Complete PROMPT. On a terminal the canvas is drawn live as tokens settle "
-                                   "(dim = still changing, bright = settled); a stats line ends the run.")
-    p.add_argument("prompt", help="the text to continue, or - to read it from standard input")
+                       description="Complete PROMPT, or with --chat answer it as a chat message. On a terminal "
+                                   "the canvas is drawn live as tokens settle (dim = still changing, bright = "
+                                   "settled); a stats line ends the run.")
+    p.add_argument("prompt", help="the text to continue (with --chat: the user's message), or - to read it from "
+                                  "standard input")
     add_model_args(p)
     add_sampling_args(p)
+    p.add_argument("--chat", action="store_true",
+                   help="send PROMPT as one user message through the model's chat template and print the reply "
+                        "alone (how an instruction-tuned model such as google/diffusiongemma-26B-A4B-it expects its "
+                        "prompts; without it the text is continued as it is, after BOS)")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message before PROMPT (as the template renders one)")
     p.add_argument("--no-live", action="store_true",
                    help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then")
     p.add_argument("--no-token-healing", action="store_true",
                    help="keep the prompt's last token as typed (by default the model may re-choose it when a "
-                        "longer token could have merged there, e.g. a trailing newline before indentation)")
+                        "longer token could have merged there, e.g. a trailing newline before indentation; never "
+                        "with --chat, whose prompt ends with the template's turn header)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the completion where TEXT appears, leaving TEXT out (repeatable; e.g. "
                         "--stop $'\\n\\n' for one paragraph or function)")

@@ -685,6 +685,35 @@ class LM:
         # run ends with Done unless `cancelled` said so
         raise RuntimeError("cancelled: generation was cancelled before it finished")
 
+    def chat_prompt(self, messages: Any, **template_options: Any) -> list[int] | list[list[int]]:
+        """The ids of a conversation rendered through the checkpoint's chat template, ending with the header of the
+        model's turn: the one rendering that `chat`, `blockpress chat`, `blockpress generate --chat` and the
+        server's /v1/chat/completions prompt with. `messages`: one conversation, a list of {"role", "content"}
+        dicts (-> a list of ids), or a list of conversations (-> one row of ids each). `template_options` go to
+        Tokenizer.apply_chat_template (tools, documents, chat_template, continue_final_message, template
+        variables)."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer (no tokenizer.json in its folder) to render a "
+                             "conversation with; pass token ids to generate")
+        if self.tokenizer.chat_template is None and template_options.get("chat_template") is None:
+            raise ValueError("chat_template: this model's tokenizer has no chat template (no chat_template.jinja, "
+                             "nor chat_template in tokenizer_config.json), so messages cannot be rendered; pass a "
+                             "plain prompt to generate, or set lm.tokenizer.chat_template")
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        rows = [self.tokenizer.apply_chat_template(conversation, tokenize=True, **template_options)
+                for conversation in (messages if batch else [messages])]
+        return rows if batch else rows[0]
+
+    def chat(self, messages: Any, template_options: dict[str, Any] | None = None, **kwargs: Any) -> GenerationOutput:
+        """The model's reply to a conversation (or one reply per conversation of a batch): `generate` on
+        `chat_prompt(messages, **template_options)`, so an instruction-tuned checkpoint is prompted the way it was
+        trained. `kwargs`: generate's (max_new_tokens, seed, sampler, stop, ...). out.texts[0] is the reply."""
+        if template_options is not None and not isinstance(template_options, dict):
+            raise ValueError(f"template_options: expected a dict of apply_chat_template's options (tools=..., ...), "
+                             f"got {type(template_options).__name__}")
+        return self.generate(self.chat_prompt(messages, **(template_options or {})), **kwargs)
+
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it
         as text; or ids with -1), keeping every fixed token. `fills` holds each hole's text, one per marker in

@@ -975,8 +975,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                 # a template that never reads them would drop them without a word
                 raise APIError(400, "tools: this model's chat template does not use tools; describe them in a "
                                     "message instead", "tools")
-            prompt = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      tools=tools)
+            prompt = lm.chat_prompt(messages, tools=tools)  # as `blockpress chat` and lm.chat render them
         except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",

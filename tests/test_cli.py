@@ -1121,3 +1121,43 @@ def test_top_k_and_top_p_reach_the_sampler(capsys, monkeypatch):
     assert seen[0]["top_k"] == 3 and seen[0]["top_p"] == 0.5
     assert main([*base, "--top-p", "1.5"]) == 2
     assert "top_p: expected a probability in (0, 1]" in capsys.readouterr().err
+
+
+def test_generate_chat_prompts_through_the_chat_template(monkeypatch, capsys):
+    """`generate` sent <bos> + the raw text even to an instruction-tuned model; --chat renders it as a user message
+    (after --system's) with the template's generation prompt, and prints the reply alone."""
+    import blockpress.lm
+    from blockpress.cli import load_model
+
+    prompts, original = [], blockpress.lm.LM.stream
+    monkeypatch.setattr(blockpress.lm.LM, "stream", lambda self, prompt, *a, **kw: prompts.append(prompt)
+                        or original(self, prompt, *a, **kw))
+    tok = load_model(MODEL, None, "meta").tokenizer
+    base = ["generate", "Write a haiku.", "--chat", "--model", MODEL, "--max-new-tokens", "8", "--steps", "2",
+            "--seed", "3", "--threads", "1"]
+    for system in (None, "Be brief."):
+        messages = [{"role": "system", "content": system}] * (system is not None) + [
+            {"role": "user", "content": "Write a haiku."}]
+        flags = ["--system", system] if system else []
+        assert main([*base, *flags, "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert prompts[-1] == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        assert got["prompt"] == "Write a haiku."
+        assert got["text"] == load_model(MODEL, None, "cpu").chat(messages, max_new_tokens=8, max_denoising_steps=2,
+                                                                   seed=3).texts[0]
+        assert main([*base, *flags, "--no-live"]) == 0
+        assert capsys.readouterr().out == got["text"] + "\n"  # the reply, not the prompt before it
+
+
+def test_chat_needs_a_chat_template(tmp_path, capsys):
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer([""], vocab_size=300)
+    tokenizer.chat_template = None
+    blockpress.random_model(blockpress.ModelConfig.preset("tiny"), tokenizer=tokenizer).save(tmp_path)
+    for command in (["generate", "hi", "--chat"], ["chat"]):
+        assert main([*command, "--model", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: --model {tmp_path}: has no chat template" in err and command[-1] in err
+    assert main(["generate", "hi", "--system", "x"]) == 2
+    assert "--system: a system message goes with --chat" in capsys.readouterr().err

@@ -1892,3 +1892,44 @@ def test_truncate_to_a_mark_restores_each_rows_tokens_whatever_moved(data):
     cache.truncate(mark)
     assert cache.length == length and rows() == want and torch.equal(cache.valid[:, :length], valid)
     assert cache.next_pos.tolist() == [len(r) for r in want] and cache.has_padding == bool((~valid).any())
+
+
+@pytest.fixture(scope="module")
+def chat_lm():
+    """A tiny random model with a byte-level tokenizer and the Gemma chat template."""
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    return blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,  # a vocabulary for bytes
+                                   tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+
+
+conversations = st.builds(
+    lambda system, turns: ([{"role": "system", "content": system}] if system is not None else [])
+    + [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(turns)],
+    st.none() | st.text(max_size=12), st.lists(st.text(max_size=12), min_size=1, max_size=4).filter(
+        lambda turns: len(turns) % 2 == 1))  # ends with the user's turn
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(conversations, min_size=1, max_size=2), one=st.booleans(), seed=st.integers(0, 2**31))
+def test_chat_is_generate_on_the_rendered_conversation(chat_lm, batch, one, seed):
+    """lm.chat(messages) prompts with the chat template's rendering (text, then tokens) and generates from it as
+    generate would; one conversation or a batch of them."""
+    tok = chat_lm.tokenizer
+    rows = [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True)) for c in batch]
+    messages, ids = (batch[0], rows[0]) if one else (batch, rows)
+    assert chat_lm.chat_prompt(messages) == ids
+    kw = dict(max_new_tokens=6, max_denoising_steps=2, seed=seed)
+    got, want = chat_lm.chat(messages, **kw), chat_lm.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences) and got.texts == want.texts
+
+
+def test_chat_without_a_chat_template_is_a_clear_error(chat_lm, monkeypatch):
+    monkeypatch.setattr(chat_lm.tokenizer, "chat_template", None)
+    with pytest.raises(ValueError, match="^chat_template: this model's tokenizer has no chat template"):
+        chat_lm.chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="^template_options: expected a dict"):
+        chat_lm.chat([{"role": "user", "content": "hi"}], template_options=["tools"])
+    monkeypatch.setattr(chat_lm, "tokenizer", None)
+    with pytest.raises(ValueError, match="^messages: this model has no tokenizer"):
+        chat_lm.chat_prompt([{"role": "user", "content": "hi"}])
