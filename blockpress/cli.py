@@ -285,15 +285,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
     print("blockpress chat — /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply, // starts a message "
           "with /", file=sys.stderr)
     # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
-    # another (a script reads what the model said, not our decoration).
+    # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
+    # message and nothing else: "you> " goes to stderr (input() would write it to stdout), replies get no mark.
     interactive = sys.stdin.isatty()
-    prompt, marker = ("you> ", "model> ") if interactive else ("", "")
+    prompt, marker = ("you> ", "model> ") if interactive and not args.json else ("", "")
+
+    def no_reply(user: str, error: str) -> None:
+        """With --json, a message dropped (said on stderr) still gets its line: a script reads one per message."""
+        if args.json:
+            shown = user.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bad bytes as U+FFFD
+            print(json.dumps(dict(prompt=shown, error=error)), flush=True)
     # Under a UTF-8 locale stdin decodes strictly, and one bad byte would raise out of input() and end the chat;
     # as surrogates it reaches the per-message check below, which names the byte and goes on.
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
+            if interactive and args.json:
+                print("you> ", end="", file=sys.stderr, flush=True)
             user = input(prompt)
         except EOFError:
             print(file=sys.stderr)  # the shell's prompt on a line of its own
@@ -319,8 +328,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             user.encode("utf-8")
         except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates; the position is the line's
             bad = user[exc.start].encode("utf-8", "surrogateescape")
-            print(f"error: not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start} of the message); that "
-                  "message was dropped, the conversation goes on", file=sys.stderr)
+            error = f"not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start} of the message)"
+            print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
+            no_reply(user, error)
             continue
         messages.append({"role": "user", "content": user})
         try:
@@ -353,17 +363,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if cache is not None:
                 cache.truncate(len(cached))  # the stopped turn may have written its prompt into the cache
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
+            no_reply(user, "stopped")
             continue
         except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
             messages.pop()
             print(f"error: {as_flags(str(exc))}; that message was dropped, the conversation goes on", file=sys.stderr)
+            no_reply(user, as_flags(str(exc)))
             continue
         cache = out.cache
         n = int(out.num_new_tokens[0])
         cached = ids + out.new_tokens[0, :n].tolist()
         reply = out.texts[0]
-        print(marker + reply, flush=not interactive)  # flushed when piped: a script waits for each reply
-        print_stats(stats_line(out, time.perf_counter() - t0))
+        stats = stats_line(out, time.perf_counter() - t0)
+        if args.json:
+            print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
+        else:
+            print(marker + reply, flush=not interactive)  # flushed when piped: a script waits for each reply
+            print_stats(stats)
         messages.append({"role": "assistant", "content": reply})
     return 0
 
@@ -928,10 +944,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
                                    "code; give --model for a chat model. Lines: " + CHAT_HELP + ". On a terminal "
                                    "the turns are marked you> and model>; with messages piped in, stdout holds the "
-                                   "replies alone, each ending in a newline (stats and notes go to stderr). Near a "
+                                   "replies alone, each ending in a newline (stats and notes go to stderr); a reply "
+                                   "may hold newlines too, so a script that reads replies gives --json. Near a "
                                    "full context a reply gets the tokens that still fit (said on stderr).")
     add_model_args(p)
     add_sampling_args(p, stop=False)
+    p.add_argument("--json", action="store_true",
+                   help="stdout holds one JSON object per line for each message sent, in order: its reply "
+                        "{text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, seconds}, or "
+                        "{prompt, error} when the message was dropped (too long, stopped with Ctrl-C). E.g. "
+                        "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",

@@ -1149,6 +1149,29 @@ def test_generate_chat_prompts_through_the_chat_template(monkeypatch, capsys):
         assert capsys.readouterr().out == got["text"] + "\n"  # the reply, not the prompt before it
 
 
+def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
+    """Piped replies hold newlines themselves, so plain stdout could not be split into replies; --json gives one
+    line per message sent: its reply, or the error that dropped it."""
+    from blockpress.cli import load_model
+
+    context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
+    lines = ["def add(a, b):", "/help", "x " * context, "now a class"]
+    flags = ["chat", "--model", MODEL, "--max-new-tokens", "24", "--steps", "2", "--seed", "1", "--threads", "1"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(flags) == 0
+    plain = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main([*flags, "--json"]) == 0
+    out = capsys.readouterr().out
+    turns = [json.loads(line) for line in out.splitlines()]
+    assert [t["prompt"] for t in turns] == [lines[0], lines[2], lines[3]]
+    assert turns[1]["error"].startswith("no room for a reply") and "text" not in turns[1]
+    replies_ = [turns[0]["text"], turns[2]["text"]]
+    assert "".join(r + "\n" for r in replies_) == plain and any("\n" in r for r in replies_)
+    for t in (turns[0], turns[2]):
+        assert {"new_tokens", "forward_passes", "tokens_per_forward", "tok_s", "seconds"} <= set(t)
+
+
 def test_chat_needs_a_chat_template(tmp_path, capsys):
     from blockpress.tokenizer import train_bpe_tokenizer
 
