@@ -263,8 +263,10 @@ def cmd_infill(args: argparse.Namespace) -> int:
     return 0
 
 
-CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; Ctrl-C stops a reply; any other line "
-             "starting with / is refused (start a message with // to send it with one leading /)")
+# The chat REPL's commands: one text for /help, for a refused line and for --help.
+CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; /help lists these commands; Ctrl-C stops "
+             "a reply; any other line starting with / is refused (start a message with // to send it with one "
+             "leading /)")
 
 
 def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> None:
@@ -282,8 +284,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
-    print("blockpress chat — /reset starts over, /exit or Ctrl-D quits, Ctrl-C stops a reply, // starts a message "
-          "with /", file=sys.stderr)
+    print("blockpress chat — /help lists the commands, /exit or Ctrl-D quits", file=sys.stderr)
     # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
     # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
     # message and nothing else: "you> " goes to stderr (input() would write it to stdout), replies get no mark.
@@ -315,6 +316,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         command = user.strip()
         if command in ("/exit", "/quit"):
             break
+        if command == "/help":
+            print(CHAT_HELP, file=sys.stderr)
+            continue
         if command == "/reset":
             messages, cache, cached = [], None, []
             print("(a new conversation)", file=sys.stderr)

@@ -1172,6 +1172,17 @@ def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
         assert {"new_tokens", "forward_passes", "tokens_per_forward", "tok_s", "seconds"} <= set(t)
 
 
+def test_chat_help_lists_the_commands(monkeypatch, capsys):
+    """"/help" was refused as an unknown command."""
+    from blockpress.cli import CHAT_HELP
+
+    sent = chat_turns(monkeypatch, ["/help", "/exit"])
+    err = capsys.readouterr().err
+    assert sent == [] and CHAT_HELP in err and "unknown command" not in err
+    for command in ("/help", "/reset", "/exit", "/quit", "//"):
+        assert command in CHAT_HELP
+
+
 def test_chat_needs_a_chat_template(tmp_path, capsys):
     from blockpress.tokenizer import train_bpe_tokenizer
 
