@@ -138,7 +138,6 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
-    from blockpress.healing import strip_prefix
 
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
@@ -161,34 +160,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     view = LiveView(lm.tokenizer, shown, prefix, color=not os.environ.get("NO_COLOR")) if live else None
     t0 = time.perf_counter()
     out = None
-    # What the canvases committed so far, for a Ctrl-C: the text is decoded whole at the end (a canvas decoded on
-    # its own can split a character), and a finished canvas' trailing pads (after EOS or a stop) are no tokens.
-    pad = lm.pad_id  # what the engine writes after a row's end
-    committed: list[int] = []
-    passes = 0
+    # The text and the new tokens committed so far, as the last Commit has them: a Ctrl-C's result.
+    text, n, passes = "", 0, 0
     try:
         for event in lm.stream(prompt, drafts=live, token_healing=healing, stop=args.stop,
                                **sampling_kwargs(args)):
             if isinstance(event, Draft) and view:
                 view.draft(event.tokens[0].tolist())
             elif isinstance(event, Commit):
-                row = event.tokens[0].tolist()
-                while bool(event.finished[0]) and row and row[-1] == pad:
-                    row.pop()
-                committed += row
+                text, n = event.texts_so_far[0], int(event.num_new_tokens[0])
                 passes += int(event.steps[0])
                 if view:
-                    view.commit(event.texts[0])
+                    view.commit(text)
             elif isinstance(event, Done):
                 out = event.output
                 if view:
-                    view.commit(out.texts[0], whole=True)
+                    view.commit(out.texts[0], final=True)
     except KeyboardInterrupt:
         # The text committed so far is the run's result, as the README promises: on the live view it stays on
         # screen; piped or --no-live it goes to stdout like a finished run's, and --json says it was cut short.
         seconds = time.perf_counter() - t0
-        text = strip_prefix(lm.tokenizer.decode(committed), prefix) if committed else ""
-        n = len(committed)
         stats = stats_of(n, passes, n / passes if passes else 0.0, seconds)
         if view:
             view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line

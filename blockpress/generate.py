@@ -185,7 +185,16 @@ class Commit:
     steps: torch.Tensor  # [B] denoising steps this canvas took per row
     finished: torch.Tensor  # [B] bool: row has ended (EOS or budget)
     elapsed: float
-    texts: list[str] | None = None  # the committed tokens decoded, when a tokenizer is present
+    # This canvas's tokens decoded on their own, when a tokenizer is present: a character whose bytes a canvas edge
+    # splits is U+FFFD in both commits, and a stop string is not cut; to show the answer use `texts_so_far`.
+    texts: list[str] | None = None
+    # [B] valid new tokens so far (through an EOS or the token completing a stop string): Done's num_new_tokens
+    num_new_tokens: torch.Tensor | None = None
+    # Each row's text so far as Done's `texts` would read were the generation to end here (when a tokenizer is
+    # present): decoded whole, no pads, the healed prefix left out, a template's fixed text as written, cut at a
+    # stop string. The last Commit's is Done's.
+    texts_so_far: list[str] | None = None
+    fills_so_far: list[list[str]] | None = None  # a template's holes so far, as Done's `fills` (None: no template)
     kind: str = "commit"
 
 
@@ -545,14 +554,7 @@ def _output(
     texts = fills = None
     if tokenizer is not None:
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
-        texts = _heal_texts(req, decode_rows(tokenizer, rows, req.template))
-        if req.template is not None:
-            holes = req.template_holes or [hole_runs(r) for r in req.template.tolist()]
-            fills = hole_fills(tokenizer, rows, holes, req.hole_prefixes or {})
-        if req.stops:
-            prefixes = req.heal_prefixes or [""] * len(rows)
-            texts = [cut_at_stop(t, stops, stop_floor(tokenizer, row, req.min_new_tokens, prefix))
-                     for t, stops, row, prefix in zip(texts, req.stops, rows, prefixes)]
+        texts, fills = answer_texts(req, tokenizer, rows), answer_fills(req, tokenizer, rows)
     chosen = num_valid
     if req.template is not None:  # fixed tokens are given, not decoded: count the holes within the valid tokens
         within = torch.arange(req.template.shape[1], device=num_valid.device) < num_valid[:, None]
@@ -578,6 +580,60 @@ def _heal_texts(req: Request, texts: list[str]) -> list[str]:
     if not req.heal_prefixes:
         return texts
     return [strip_prefix(t, p) for t, p in zip(texts, req.heal_prefixes)]
+
+
+def answer_texts(req: Request, tokenizer: Any, rows: list[list[int]],
+                 floors: Sequence[int | None] | None = None) -> list[str]:
+    """Each row's text as the answer reads, from its valid new tokens `rows` (all of them, or those so far): decoded
+    whole (a template's fixed special tokens kept, see decode_rows), without the healed prefix the prompt holds, and
+    cut before its stop string. `floors`: each row's stop_floor where known (None: worked out here; a row of at
+    most min_new_tokens tokens is all floor, so that costs no second decode)."""
+    texts = _heal_texts(req, decode_rows(tokenizer, rows, req.template))
+    if not req.stops:
+        return texts
+    prefixes = req.heal_prefixes or [""] * len(rows)
+    floors = floors or [None] * len(rows)
+    m = req.min_new_tokens
+    return [cut_at_stop(text, stops, floor if floor is not None
+                        else len(text) if len(row) <= m else stop_floor(tokenizer, row, m, prefix))
+            for text, stops, row, prefix, floor in zip(texts, req.stops, rows, prefixes, floors)]
+
+
+def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[list[str]] | None:
+    """A template's holes as text, per row, from its new tokens `rows` (all of them, or those so far: a hole not
+    yet reached has no text, one reached in part its part); None without a template. See hole_fills."""
+    if req.template is None:
+        return None
+    holes = req.template_holes or [hole_runs(r) for r in req.template.tolist()]
+    return hole_fills(tokenizer, rows, holes, req.hole_prefixes or {})
+
+
+@dataclass
+class _Answers:
+    """Each row's valid new tokens so far, on the host, for the Commit events' `texts_so_far` and `fills_so_far`:
+    decoded whole after every canvas (a character whose bytes straddle two canvases comes out whole), once a canvas
+    (never per step), and only with a tokenizer."""
+
+    req: Request
+    tokenizer: Any
+    rows: list[list[int]]
+    floors: list[int | None]  # a row's stop_floor, decoded once it has its min_new_tokens (it is fixed from then on)
+
+    @classmethod
+    def of(cls, req: Request, tokenizer: Any) -> _Answers:
+        b = req.prompt.shape[0]
+        return cls(req, tokenizer, [[] for _ in range(b)], [None] * b)
+
+    def add(self, committed: list[list[int]], written: list[int]) -> tuple[list[str], list[list[str]] | None]:
+        """A canvas's `committed` tokens, of which each row keeps what takes it to `written` valid tokens (the rest
+        is padding); returns (texts so far, fills so far)."""
+        req, m = self.req, self.req.min_new_tokens
+        for r, (row, new, n) in enumerate(zip(self.rows, committed, written)):
+            row += new[: n - len(row)]
+            if req.stops and m and self.floors[r] is None and len(row) >= m:
+                prefix = req.heal_prefixes[r] if req.heal_prefixes else ""
+                self.floors[r] = stop_floor(self.tokenizer, row, m, prefix)
+        return answer_texts(req, self.tokenizer, self.rows, self.floors), answer_fills(req, self.tokenizer, self.rows)
 
 
 def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
@@ -859,6 +915,7 @@ class _Decoding:
     seeds: torch.Tensor  # [B]
     eos: torch.Tensor  # the EOS ids ([-1] when there are none)
     new_tokens: torch.Tensor  # [B, N]: pad after a row's end
+    written: torch.Tensor  # [B] the valid new tokens so far (through an EOS or a stop string)
     finished: torch.Tensor  # [B] bool: the row has ended (EOS, stop string)
     passes: torch.Tensor  # [B] decoder passes per row
     steps_per_canvas: torch.Tensor  # [B, canvases]
@@ -875,7 +932,8 @@ class _Decoding:
         zeros = torch.zeros(b, dtype=torch.long, device=device)
         return cls(model, fns, req, cache, drafts, req.row_seeds().to(device),
                    torch.tensor(req.eos_ids or [-1], device=device),
-                   torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.bool(), zeros,
+                   torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.clone(), zeros.bool(),
+                   zeros,
                    torch.zeros(b, n_canvases, dtype=torch.long, device=device),
                    torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
                    _Stops.of(req, tokenizer, n_new, device), time.perf_counter())
@@ -970,8 +1028,8 @@ class _Decoding:
         return logits
 
     def commit(self, canvas: _Canvas, state: CanvasState) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the canvas's tokens into the new tokens, pad after an EOS or a stop string, and count them for the
-        repeat penalties. Returns (the committed tokens [B, keep], the valid ones: None when all are)."""
+        """Write the canvas's tokens into the new tokens, pad after an EOS or a stop string, and count them (in
+        `written`, and for the repeat penalties). Returns (the committed tokens [B, keep], the valid ones: None when all are)."""
         req, lo, keep = self.req, canvas.lo, canvas.keep
         committed = state.argmax[:, :keep]
         valid = None
@@ -992,11 +1050,12 @@ class _Decoding:
                     valid[r, m - lo :] = False
             committed = committed.masked_fill(~valid, req.pad_id)
         self.new_tokens[:, lo : lo + keep] = committed
+        self.written = self.written + (keep if valid is None else valid.sum(-1))  # a new tensor: Commit events hold it
         if self.history is not None:  # count what this canvas wrote: its valid tokens, not a template's givens
-            written = torch.ones_like(committed, dtype=torch.bool) if valid is None else valid
+            counted = torch.ones_like(committed, dtype=torch.bool) if valid is None else valid
             if canvas.fixed is not None:
-                written = written & (canvas.fixed[:, :keep] < 0)
-            self.history.scatter_add_(1, committed, written.to(self.history.dtype))
+                counted = counted & (canvas.fixed[:, :keep] < 0)
+            self.history.scatter_add_(1, committed, counted.to(self.history.dtype))
         return committed, valid
 
     def encode(self, committed: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -1037,6 +1096,7 @@ def run(
     encode_s = time.perf_counter() - t0
     denoise_s = 0.0
     dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), tokenizer, drafts)
+    answers = _Answers.of(req, tokenizer) if tokenizer is not None else None
     for ci in range(n_canvases):
         canvas = _Canvas.of(req, ci, canvas_len, device)
         t_canvas = time.perf_counter()
@@ -1049,20 +1109,21 @@ def run(
             dec.encode(committed, valid)
         device_sync(device)
         denoise_s += time.perf_counter() - t_canvas
-        texts = None
-        if tokenizer is not None:
-            texts = decode_rows(tokenizer, committed.tolist(), None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
+        host = committed.cpu()
+        texts = so_far = fills = None
+        if answers is not None:
+            rows = host.tolist()
+            texts = decode_rows(tokenizer, rows, None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
             texts = _heal_texts(req, texts) if ci == 0 else texts
-        yield Commit(ci, committed.cpu(), dec.steps_per_canvas[:, ci].cpu(), (dec.finished | last).cpu(),
-                     time.perf_counter() - dec.start, texts)
+            so_far, fills = answers.add(rows, dec.written.tolist())
+        yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), (dec.finished | last).cpu(),
+                     time.perf_counter() - dec.start, texts, dec.written.cpu(), so_far, fills)
         if last:
             break
 
-    num_valid = (torch.minimum(_count_valid(dec.new_tokens, dec.eos), dec.stops.length) if req.template is None
-                 else torch.full((prompt.shape[0],), n_new, device=device))
     if keep_cache:
         cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
-    out = _output(req, dec.new_tokens, num_valid, dec.passes, dec.steps_per_canvas, encode_s, denoise_s,
+    out = _output(req, dec.new_tokens, dec.written, dec.passes, dec.steps_per_canvas, encode_s, denoise_s,
                   cache if keep_cache else None, tokenizer)
     out.extra["stopped"] = dec.stops.stopped
     out.extra["reused_prompt_tokens"] = reused

@@ -103,8 +103,9 @@ def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
 
 
 class LiveView:
-    """Redraws the answer as the canvas settles. `draft` shows a step's canvas, `commit` adds a canvas's text (or,
-    `whole`, sets the final text), `abort` leaves the committed text on screen after an interruption."""
+    """Redraws the answer as the canvas settles. `draft` shows a step's canvas after the committed text, `commit`
+    sets the committed text (the answer so far, or, `final`, the whole answer), `abort` leaves the committed text on
+    screen after an interruption."""
 
     def __init__(self, tokenizer: Any, prompt: str, healed_prefix: str = "", color: bool = True,
                  out: TextIO | None = None, size: Any = None):
@@ -129,12 +130,12 @@ class LiveView:
         self.previous = tokens
         self._draw([(self.committed, ""), *pieces], live=True)
 
-    def commit(self, text: str, whole: bool = False) -> None:
-        """Add a canvas's text, or (`whole`) show the answer's final text, written out in full: canvases decoded one
-        by one can split a character between them, and a stop string can cut the last one."""
-        self.committed = text if whole else self.committed + text
+    def commit(self, text: str, final: bool = False) -> None:
+        """Show the answer so far (Commit.texts_so_far: decoded whole, so a character whose bytes two canvases share
+        is drawn once it is complete), or (`final`) the whole answer, written out in full rather than redrawn."""
+        self.committed = text
         self.previous = None
-        self._draw([(self.committed, "")], live=not whole)
+        self._draw([(self.committed, "")], live=not final)
 
     def abort(self) -> None:
         """After Ctrl-C: the text committed so far, plainly, and a newline for the shell's prompt."""

@@ -615,8 +615,10 @@ class LM:
         `constraint` that addresses its positions needs that) and the prompt as given.
         `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
         first holds one; its tokens end at the token that completes it, and its final text stops just before it
-        (as OpenAI's `stop`). `Commit` texts are the committed tokens' own text, stop string included; a character
-        whose bytes a canvas edge splits comes out as U+FFFD in both commits (join the tokens, as `Done` does).
+        (as OpenAI's `stop`). A `Commit`'s `texts_so_far` is each row's answer so far, read as `Done`'s `texts` (decoded
+        whole, cut at a stop string; the last Commit's are Done's), `num_new_tokens` its tokens, `fills_so_far` a
+        template's holes so far; its `texts` are this canvas's tokens alone, stop string included, and a character
+        whose bytes a canvas edge splits comes out as U+FFFD in two commits there.
         `prefix_cache`: a `PrefixCache` kept across calls; each prompt encodes only what no earlier prompt in
         it shared (the output's `extra["reused_prompt_tokens"]` says how much was reused, per row).
         `cache`: continue the conversation a `return_cache=True` output holds. It is extended in place (no copy):

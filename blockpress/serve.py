@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, cut_at_stop, decode_rows, parse_template, stop_floor
+from .generate import Commit, Done, Draft, parse_template
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
@@ -301,8 +301,7 @@ class JobDraft:
 
 @dataclass(frozen=True)
 class JobText:
-    text: str  # all the job's text so far (a canvas committed)
-    floor: int  # characters of it where no stop string may end (the first min_tokens tokens' text)
+    text: str  # all the job's text so far (a canvas committed), cut at a stop string as the engine cuts the answer
 
 
 @dataclass(frozen=True)
@@ -357,6 +356,13 @@ class Job:
     @property
     def holes(self) -> int:
         return sum(t < 0 for t in self.canvas) if self.canvas is not None else 0
+
+    def answer(self, texts: list[str], fills: list[list[str]] | None, row: int) -> str:
+        """This job's answer, as row `row` of the engine's `texts` and template `fills` (so far, or final) reads:
+        in suffix mode the hole before the suffix, its fill (the suffix is the client's text); else the text."""
+        if self.answer_tokens is None:
+            return texts[row]
+        return fills[row][0] if fills is not None and fills[row] else ""
 
     def put(self, item: JobDraft | JobText | JobDone | JobError) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self, item))
@@ -509,14 +515,8 @@ class Engine:
         first = batch[0]
         self.metrics.add(batches_total=1)
         min_tokens = first.min_tokens if first.canvas is None else 0  # a canvas's length is fixed: no minimum
-        texts = [""] * len(batch)  # each row's text so far, decoded over all its committed tokens
-        written: list[list[int]] = [[] for _ in batch]  # those tokens (suffix mode: only the answer's)
-        # The healed prompt token's text, which the first new tokens repeat (the LM heals each prompt the same way)
-        prefixes = [j.heal_prefix for j in batch]
-        consumed = [0] * len(batch)  # canvas tokens committed so far
-        # A canvas's layout as the LM lays it out (holes healed): its fixed special tokens are text the client wrote
-        layouts = [j.layout for j in batch]
-        floors: list[int | None] = [None] * len(batch)  # characters of the first min_tokens tokens, once known
+        texts = [""] * len(batch)  # each job's answer so far (the engine's text of all its committed tokens)
+        committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
         stream = self.lm.stream(
             [j.prompt for j in batch], min_new_tokens=min_tokens,
             max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
@@ -534,48 +534,34 @@ class Engine:
                 for i, job in enumerate(batch):
                     if job.drafts:
                         draft = tok.decode(event.tokens[i].tolist())
-                        draft = strip_prefix(draft, prefixes[i]) if not texts[i] and not written[i] else draft
+                        draft = draft if committed else strip_prefix(draft, job.heal_prefix)
                         job.put(JobDraft(texts[i] + draft, event.step))
             elif isinstance(event, Commit):
+                committed = True
                 for i, job in enumerate(batch):
-                    tokens = event.tokens[i].tolist()
-                    if job.answer_tokens is not None:
-                        tokens = tokens[: max(0, job.answer_tokens - consumed[i])]
-                    consumed[i] += len(event.tokens[i])
-                    written[i] += tokens
-                    # Decoded whole, not canvas by canvas: a character whose bytes straddle two canvases
-                    # would otherwise come out as two replacement characters.
-                    layout = None if layouts[i] is None else layouts[i][:, : len(written[i])]
-                    texts[i] = strip_prefix(decode_rows(tok, [written[i]], layout)[0], prefixes[i])
-                    # The text of the first min_tokens tokens, where no stop string ends (as in the engine): all
-                    # of it until that many are written, then fixed, so decoded once.
-                    if floors[i] is None and len(written[i]) >= min_tokens:
-                        floors[i] = stop_floor(tok, written[i], min_tokens, prefixes[i])
-                    job.put(JobText(texts[i], len(texts[i]) if floors[i] is None else floors[i]))
+                    # decoded whole, healed prefix left out, cut at a stop string past the min_tokens' text
+                    texts[i] = job.answer(event.texts_so_far, event.fills_so_far, i)
+                    job.put(JobText(texts[i]))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
                     n = int(out.num_new_tokens[i])
                     ended = (n < first.max_tokens or out.extra["stopped"][i] or job.canvas is not None
                              or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
-                    text = out.texts[i]
+                    text = job.answer(out.texts, out.fills, i)
                     if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
                         n = int(out.num_chosen_tokens[i])
-                        if job.answer_tokens is not None:
-                            text = strip_prefix(tok.decode(out.new_tokens[i, : job.answer_tokens].tolist()),
-                                                job.heal_prefix)
                     reused = out.extra["reused_prompt_tokens"][i]
                     # (the prompt, its cached part and the latency count once per request, in `respond`)
                     self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
                     job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
 
 
-def settled_text(text: str, stops: Sequence[str], floor: int = 0) -> str:
-    """The part of a growing text that later tokens cannot change: cut at a stop string (one ending past the
-    first `floor` characters), then without a trailing replacement character (a character whose bytes are
-    still arriving) and without a tail that could be the start of a stop string (the next tokens may complete
-    it)."""
-    text = cut_at_stop(text, stops, floor).rstrip("\ufffd")
+def settled_text(text: str, stops: Sequence[str]) -> str:
+    """The part of a growing text (already cut at its stop string, as Commit.texts_so_far is) that later tokens
+    cannot change: without a trailing replacement character (a character whose bytes are still arriving) and
+    without a tail that could be the start of a stop string (the next tokens may complete it)."""
+    text = text.rstrip("\ufffd")
     hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
     return text[: len(text) - hold]
 
@@ -876,7 +862,7 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
                 continue
             # The chunks must add up to the plain answer: send only text no later event can take back, and the
             # rest with the final text.
-            text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop, item.floor)
+            text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop)
             before = sent[job.choices.start]
             piece = text[len(before):] if text.startswith(before) else ""
             if piece:

@@ -1933,3 +1933,61 @@ def test_chat_without_a_chat_template_is_a_clear_error(chat_lm, monkeypatch):
     monkeypatch.setattr(chat_lm, "tokenizer", None)
     with pytest.raises(ValueError, match="^messages: this model has no tokenizer"):
         chat_lm.chat_prompt([{"role": "user", "content": "hi"}])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_last_commit_reads_as_done(code_lm, data):
+    """The CLI, the live view and the server each rebuilt the text so far from the Commit events (pads, the healed
+    prefix, stop strings, template layouts, a character split across canvases), each slightly differently. A Commit
+    now carries it: whatever the settings, the last one's text, token count and fills are Done's, and the counts
+    never fall."""
+    templated = data.draw(st.booleans(), label="template")
+    kw: dict = dict(seeds=data.draw(st.lists(st.integers(0, 50), min_size=1, max_size=2), label="seeds"),
+                    max_denoising_steps=data.draw(st.integers(1, 4), label="steps"))
+    b = len(kw["seeds"])
+    if templated:  # a text prompt ending in a space heals into a template that starts with a hole
+        prompt = data.draw(st.sampled_from(["x = ", "def f(a):\n    return ", "# é\n"]), label="prompt")
+        kw["template"] = data.draw(st.sampled_from(["<|hole:3|> + 1\n", "<|hole:40|>\n", "f(<|hole:2|>) = <|hole:30|>",
+                                                    "a 🙂 <|hole:5|>"]), label="template")
+        kw["token_healing"] = data.draw(st.sampled_from([None, False]), label="token_healing")
+    else:
+        prompt = data.draw(st.sampled_from(["def add(a, b):\n", "x = ", "import os", "# 中文\n"]), label="prompt")
+        kw["max_new_tokens"] = data.draw(st.integers(1, 80), label="max_new_tokens")
+        kw["min_new_tokens"] = data.draw(st.integers(0, kw["max_new_tokens"]), label="min_new_tokens")
+        kw["token_healing"] = data.draw(st.booleans(), label="token_healing")
+        kw["stop"] = data.draw(st.sampled_from([None, "\n", " ", "(", ["e", ":"], "return"]), label="stop")
+    eos_at = data.draw(st.none() | st.integers(0, 31), label="EOS at")  # an EOS mid-canvas (in each canvas)
+    with pytest.MonkeyPatch.context() as mp:
+        if eos_at is not None:
+            rig_head(code_lm, mp, EOS, [eos_at], strength=20.0)
+        events = list(code_lm.stream([prompt] * b, drafts=False, **kw))
+    commits = [e for e in events if isinstance(e, Commit)]
+    out = events[-1].output
+    last = commits[-1]
+    assert last.texts_so_far == out.texts
+    assert torch.equal(last.num_new_tokens, out.num_new_tokens)
+    assert last.fills_so_far == out.fills
+    for r, n in enumerate(out.num_new_tokens.tolist()):  # the count, read off the tokens: through an EOS or a stop
+        row = out.new_tokens[r].tolist()
+        assert all(t == code_lm.pad_id for t in row[n:]) and not set(row[: n - 1]) & set(code_lm.eos_ids)
+        assert n == len(row) or row[n - 1] in code_lm.eos_ids or out.extra["stopped"][r]
+    counts = torch.stack([c.num_new_tokens for c in commits])
+    assert bool((counts[1:] >= counts[:-1]).all())
+
+
+def test_a_character_split_between_canvases_commits_whole(code_lm, monkeypatch):
+    """Decoded canvas by canvas, a character whose bytes straddle a canvas edge came out as two U+FFFD; the text so
+    far is decoded whole."""
+    tok = code_lm.tokenizer
+    smile = tok.encode("🙂")
+    assert len(smile) == 4 and all(tok.decode([t]) == "\ufffd" for t in smile)  # one byte a token
+    c = code_lm.config.canvas_length
+    for position, token in zip([c - 2, c - 1, 0, 1], smile):  # two bytes at the end of canvas 0, two at the start of 1
+        rig_head(code_lm, monkeypatch, token, [position])
+    events = list(code_lm.stream("x = ", max_new_tokens=c + 2, min_new_tokens=c + 2, seed=0, drafts=False))
+    commits = [e for e in events if isinstance(e, Commit)]
+    assert len(commits) == 2
+    assert all("🙂" not in e.texts[0] for e in commits)  # each canvas alone holds half of it
+    assert commits[0].texts_so_far[0].endswith("\ufffd")  # its bytes are still arriving
+    assert "🙂" in commits[1].texts_so_far[0] and commits[1].texts_so_far == events[-1].output.texts

@@ -54,8 +54,8 @@ def test_the_screen_ends_as_a_plain_write_leaves_it(prompt, canvases, columns, l
         for draft in drafts:
             view.draft(draft)
         final += tok.decode(drafts[-1])
-        view.commit(tok.decode(drafts[-1]))
-    view.commit(final, whole=True)
+        view.commit(final)
+    view.commit(final, final=True)
     assert settled(screen_after(out.getvalue(), columns, lines, above), screen_after(prompt + final, columns, lines, above))
 
 

@@ -85,8 +85,9 @@ def test_streamed_chunks_add_up_across_canvas_boundaries(client, server):
 @given(st.text("ab\ufffd", max_size=12), st.text("ab", max_size=6), st.lists(st.text("ab", min_size=1, max_size=3), max_size=3),
        st.integers(0, 6))
 def test_settled_text_is_never_taken_back(text, more, stops, floor):
-    """Whatever tokens come next, the text a stream has sent stays the start of the answer's text."""
-    sent = settled_text(text, stops, floor)
+    """Whatever tokens come next, the text a stream has sent stays the start of the answer's text. (The engine's
+    texts so far come cut at a stop string ending past the min_tokens' text, `floor`.)"""
+    sent = settled_text(cut_at_stop(text, stops, floor), stops)
     assert cut_at_stop(text.rstrip("\ufffd") + more, stops, floor).startswith(sent)
 
 
