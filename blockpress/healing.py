@@ -74,15 +74,21 @@ def heal_holes(tokenizer: Tokenizer, template: Template) -> tuple[Template, dict
     return replace(template, rows=rows, holes=holes), prefixes
 
 
-def heal_into_template(tokenizer: Tokenizer, prompt: Sequence[int], template: Sequence[int]) -> tuple[Healed, list[int]]:
-    """A prompt's whitespace-only last token that `heal` would drop moves to the front of a template that starts
-    with a hole, where heal_holes opens it into that hole, as a text template's own space before a hole: "return "
-    ends in a lone " ", and after it the model went on mid-word ("return atures"). Returns (the prompt without
-    it, and the token's text, which the answer leaves out: the prompt holds it; the template with it in front)."""
-    healed = heal(tokenizer, prompt)
-    if not template or template[0] >= 0 or not healed.prefix:
-        return Healed(list(prompt), ""), list(template)
-    return healed, list(prompt[-1:]) + list(template)
+def heal_into_template(tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
+                       template: Template) -> tuple[list[Healed], Template]:
+    """A prompt's whitespace-only last token that `heal` would drop moves to the front of its template row when
+    that starts with a hole, where heal_holes opens it into that hole, as a text template's own space before a hole:
+    "return " ends in a lone " ", and after it the model went on mid-word ("return atures"). Returns (per row, the
+    prompt without it and the token's text, which the answer leaves out: the prompt holds it; the template with it
+    in front, each hole span moved past it)."""
+    healed, rows, holes = [], [], []
+    for prompt, row, spans in zip(prompts, template.rows, template.holes):
+        h = heal(tokenizer, prompt)
+        moved = 1 if row and row[0] < 0 and h.prefix else 0  # the prompt's last token, moved to the front
+        healed.append(h if moved else Healed(list(prompt), ""))
+        rows.append(list(prompt[len(prompt) - moved :]) + list(row))
+        holes.append([(start + moved, end + moved) for start, end in spans])
+    return healed, replace(template, rows=rows, holes=holes)
 
 
 def allowed_first_tokens(tokenizer: Tokenizer, prefixes: Sequence[str], vocab_size: int) -> torch.Tensor:

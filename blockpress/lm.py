@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import fields, replace
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -501,13 +501,10 @@ class LM:
         if heal_holes:
             if is_text_template(prompt):  # a text prompt's trailing space joins a hole the template starts with
                 rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
-                moved = [heal_into_template(self.tokenizer, row, t) for row, t in zip(rows, parsed.rows)]
-                if any(h.prefix for h, _ in moved):
-                    ids, mask = left_pad([h.ids for h, _ in moved], pad_id)
-                    shifts = [int(bool(h.prefix)) for h, _ in moved]
-                    parsed = replace(parsed, rows=[t for _, t in moved],
-                                     holes=[[(a + k, b + k) for a, b in spans] for spans, k in zip(parsed.holes, shifts)])
-                    fields.update(heal_prefixes=[h.prefix for h, _ in moved])
+                moved, parsed = heal_into_template(self.tokenizer, rows, parsed)
+                if any(h.prefix for h in moved):
+                    ids, mask = left_pad([h.ids for h in moved], pad_id)
+                    fields.update(heal_prefixes=[h.prefix for h in moved])
             parsed, hole_prefixes = heal_holes_of(self.tokenizer, parsed)
             tmpl = parsed.ids("with the spaces before their holes healed, the rows",
                               "fill them in separate calls, or pass token_healing=False")

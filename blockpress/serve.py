@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, parse_template
+from .generate import Commit, Done, Draft, Template, hole_runs, parse_template
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .sampling import SamplerConfig
@@ -765,8 +765,8 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
             return Canvas(prompt, holes, max_tokens)
         # A text prompt's trailing space joins the hole, as lm.infill does with a text prompt (the engine heals
         # that position; the answer leaves the space out, the prompt holds it)
-        healed, canvas = heal_into_template(tok, prompt, holes)
-        return Canvas(healed.ids, canvas, max_tokens, healed.prefix)
+        [healed], canvas = heal_into_template(tok, [prompt], Template([holes], [hole_runs(holes)]))
+        return Canvas(healed.ids, canvas.rows[0], max_tokens, healed.prefix)
     try:
         return Canvas(prompt, parse_template(body.template, tok, 1, 8, state.context).rows[0], None)
     except ValueError as exc:

@@ -158,8 +158,32 @@ def test_healed_holes_keep_each_marker_and_its_length(tok, parts):
 
 def test_a_prompts_trailing_space_moves_into_a_leading_hole(tok):
     ids = tok.encode_prompt("def f(r):\n    return ")
-    healed, template = heal_into_template(tok, ids, [-1, -1, 7])
-    assert healed.ids == ids[:-1] and healed.prefix == " " and template == ids[-1:] + [-1, -1, 7]
+    [healed], template = heal_into_template(tok, [ids], parse_template([-1, -1, 7], tok, 1, 8))
+    assert healed.ids == ids[:-1] and healed.prefix == " " and template.rows == [ids[-1:] + [-1, -1, 7]]
     for prompt, canvas in ((ids, [7, -1]), (tok.encode_prompt("def f(r):"), [-1, 7])):  # fixed first; no space
-        healed, template = heal_into_template(tok, prompt, canvas)
-        assert healed.ids == prompt and healed.prefix == "" and template == canvas
+        [healed], template = heal_into_template(tok, [prompt], parse_template(canvas, tok, 1, 8))
+        assert healed.ids == prompt and healed.prefix == "" and template.rows == [canvas]
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompts=st.lists(st.sampled_from(["x = ", "def f(r):\n    return ", "a +  ", "y", "z\n"]), min_size=1, max_size=3),
+       parts=st.lists(st.tuples(st.sampled_from(["", " ", "x = ", "\n"]), st.integers(1, 4)), min_size=1, max_size=4))
+def test_heal_into_template_moves_the_holes_with_the_tokens(tok, prompts, parts):
+    """LM._request moved each hole span by hand after heal_into_template put a prompt's space in front of the
+    template; the spans now come back with the rows: each still covers its own -1s, with its length, and then
+    heal_holes opens the moved space into the first hole."""
+    template = "".join(f"{text}<|hole:{n}|>" for text, n in parts) + "\n"
+    ids = [tok.encode_prompt(p) for p in prompts]
+    parsed = parse_template(template, tok, len(ids), 8)
+    healed, moved = heal_into_template(tok, ids, parsed)
+    for r, (h, row, spans) in enumerate(zip(healed, moved.rows, moved.holes)):
+        shift = len(ids[r]) - len(h.ids)
+        assert shift == (1 if h.prefix else 0) and h.ids + row[:shift] == ids[r]
+        assert row[shift:] == parsed.rows[r]
+        assert [(s - shift, e - shift) for s, e in spans] == parsed.holes[r]
+        assert all(row[p] == -1 for s, e in spans for p in range(s, e))
+        assert sum(e - s for s, e in spans) == row.count(-1)
+    opened, prefixes = heal_holes(tok, moved)
+    for r, h in enumerate(healed):
+        if h.prefix:  # the template starts with a hole: the space opens into it, which keeps its length
+            assert prefixes[(r, 0)] == h.prefix and opened.holes[r][0] == parsed.holes[r][0] == (0, parts[0][1])
