@@ -23,6 +23,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from .response import compile_template, parse_response
+
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
 DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<pad>",
@@ -142,6 +144,10 @@ class Tokenizer:
     # The other special tokens a config names (unk_token, sep_token, cls_token, mask_token, and model-specific names
     # such as image_token): chat templates see them as variables, as they do in transformers, and save() keeps them.
     named_tokens: dict[str, str] = field(default_factory=dict)
+    # tokenizer_config.json's response_template (transformers 5's format, see response.py): how a reply reads as a
+    # message with content and tool calls (parse_response). The legacy `response_schema` key is left unread, as
+    # transformers 5 leaves it, and saved as it was.
+    response_template: dict[str, Any] | None = None
     # The tokenizer files this came from (from_dir), written back by save(); None for one blockpress built itself.
     files: TokenizerFiles | None = field(default=None, repr=False, compare=False)
     _compiled_templates: dict[str, jinja2.Template] = field(
@@ -232,6 +238,7 @@ class Tokenizer:
             chat_template=chat_template,
             add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
             named_tokens=named_tokens,
+            response_template=tok_cfg.get("response_template"),
         )
         if (folder / "tokenizer_config.json").is_file():  # without one, save() writes a config of its own
             tokenizer.files = TokenizerFiles(
@@ -246,7 +253,8 @@ class Tokenizer:
         """Write tokenizer.json and the tokenizer's config files so `from_dir` and `transformers` can load them.
 
         A tokenizer loaded with `from_dir` gets the files it came with back, changed only where its settings (special
-        tokens, add_bos_token, chat template) were changed since; one blockpress built gets a config of its own.
+        tokens, add_bos_token, chat template, response template) were changed since; one blockpress built gets a config
+        of its own.
         When there is more than one EOS id, generation_config.json gets `eos_token_id` as a list (other
         fields of an existing generation_config.json are kept), because tokenizer_config.json can only
         name one eos_token.
@@ -280,11 +288,12 @@ class Tokenizer:
             _write_json(gen_path, gen_cfg)
 
     def _settings(self) -> dict[str, Any]:
-        """What save() writes that may change after loading: the special tokens (by config key), add_bos_token and
-        the chat template(s)."""
+        """What save() writes that may change after loading: the special tokens (by config key), add_bos_token,
+        the chat template(s) and the response template."""
         tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         return {"tokens": {**tokens, **self.named_tokens}, "add_bos_token": self.add_bos_token,
-                "chat_template": copy.deepcopy(self.chat_template)}
+                "chat_template": copy.deepcopy(self.chat_template),
+                "response_template": copy.deepcopy(self.response_template)}
 
     def _files_to_save(self) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
         """(tokenizer_config.json, special_tokens_map.json or None for none, whether the templates go in files)."""
@@ -316,6 +325,10 @@ class Tokenizer:
             config.pop("chat_template", None)
             if not self.files.template_files and self.chat_template is not None:
                 config["chat_template"] = _config_template(self.chat_template)
+        if now["response_template"] != loaded["response_template"]:
+            config.pop("response_template", None)
+            if self.response_template is not None:
+                config["response_template"] = self.response_template
         return config, special_map, self.files.template_files
 
     def _own_config(self, tokens: dict[str, str | None]) -> dict[str, Any]:
@@ -341,6 +354,8 @@ class Tokenizer:
             config["extra_special_tokens"] = model_specific
         if self.chat_template is not None:
             config["chat_template"] = _config_template(self.chat_template)
+        if self.response_template is not None:
+            config["response_template"] = self.response_template
         return config
 
     # -------------------------------------------------------------------------------------- properties
@@ -508,6 +523,21 @@ class Tokenizer:
         if tokenize:
             return self.encode(rendered, add_bos=False)
         return rendered
+
+    def parse_response(self, text: str, prefix: str = "", tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The message a model's reply holds, read with the tokenizer's response template, as transformers'
+        `parse_response` reads it: {"role": "assistant", "content": ..., "tool_calls": [{"type": "function",
+        "function": {"name": ..., "arguments": {...}}}], ...} (which keys, the template says).
+
+        `text` is the reply with its special tokens (decode(ids, skip_special_tokens=False)): a checkpoint's
+        tool-call markers often are special tokens. `prefix`: the prompt, whose last assistant turn the template may
+        have begun (an opened <think>, say). `tools`: the request's tools, whose parameter types text-valued
+        arguments get ("7" is 7 for an integer parameter)."""
+        if self.response_template is None:
+            raise ValueError("response_template: this tokenizer has none (tokenizer_config.json has no "
+                             "response_template), so replies cannot be parsed into messages; set "
+                             "Tokenizer.response_template")
+        return parse_response(compile_template(self.response_template), text, prefix, tools)
 
     def _pick_template(self, chat_template: str | None, tools: Any) -> str:
         """The template text to render: transformers' choice among named templates."""

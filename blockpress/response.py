@@ -1,0 +1,450 @@
+"""Parse a chat model's reply into a message (content, reasoning, tool calls) with a declarative response template.
+
+A checkpoint may ship a `response_template` in tokenizer_config.json, the format transformers 5 reads for
+`tokenizer.parse_response`: regions of the reply ("fields") that open and close at literal markers or regex
+patterns, each parsed as text, a number, JSON (with dialect knobs for tool-call syntaxes such as Gemma 4's), shallow
+XML or key-value lines, and optionally reshaped by a transform. For example (Gemma 4's tool calls):
+
+    {"start_anchor": "<|turn>model\\n", "defaults": {"role": "assistant"},
+     "fields": {"tool_calls": {"open_pattern": "<\\\\|tool_call>call:(?P<name>\\\\w+)", "close": "<tool_call|>",
+                               "repeats": true, "content": "json",
+                               "content_args": {"unquoted_keys": true, "string_delims": [["<|\\"|>", "<|\\"|>"]]},
+                               "transform": {"type": "function", "function": {"name": "{name}",
+                                                                              "arguments": "{content}"}}},
+                "content": {"close": ["<turn|>", "<eos>"]}}}
+
+The field with no opening marker collects the text outside every other region (here the reply's content). Parsing
+gives the same message as transformers' `parse_response` for the same template, prompt and reply; this parses a
+whole reply at once (transformers also parses a stream as it arrives, with the same outcome). Patterns are Python
+`re` syntax (transformers compiles them with the `regex` module, whose Unicode `\\w` differs from re's at the margins
+and which also knows `\\p{...}` classes).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+TEMPLATE_KEYS = frozenset({"version", "defaults", "fields", "start_anchor", "start_anchor_pattern"})
+FIELD_KEYS = frozenset({"open", "open_pattern", "close", "close_pattern", "content", "content_args", "repeats", "join",
+                        "optional", "transform", "transform_each"})
+# A transform's string that is one placeholder, {name} or {name.key.key}: replaced by that value (any type).
+PLACEHOLDER = re.compile(r"\{(\w+(?:\.\w+)*)\}")
+# Control characters stand in for the custom-delimited strings while the json dialect is rewritten into JSON.
+STASH_OPEN, STASH_CLOSE = "\x01", "\x02"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One region of a reply, compiled."""
+
+    name: str
+    open: re.Pattern | None  # None: the implicit field, open wherever no other region is
+    close: re.Pattern | None  # None: it runs to the next region's opening (or the reply's end)
+    content: str
+    content_args: dict[str, Any]
+    repeats: bool  # every occurrence is kept, in a list (or joined into one string with `join`)
+    join: str | None
+    optional: bool
+    transform: Any
+    transform_each: bool
+
+
+@dataclass(frozen=True)
+class ResponseTemplate:
+    """A response template, checked and compiled (`compile_template`)."""
+
+    start_anchor: re.Pattern  # where the assistant's message starts in the prompt: the parse begins after its last
+    fields: dict[str, Field]
+    implicit: str | None
+    defaults: dict[str, Any]
+
+
+def compile_template(spec: Any) -> ResponseTemplate:
+    """Check a response template (the JSON object) and compile its patterns; bad input is a ValueError naming the
+    key."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"response_template: expected a JSON object, got {type(spec).__name__}")
+    if spec.get("version", 1) != 1:
+        raise ValueError(f"response_template.version: only version 1 is known, got {spec['version']!r}")
+    if unknown := sorted(set(spec) - TEMPLATE_KEYS):
+        raise ValueError(f"response_template: unknown keys {unknown} (expected some of {sorted(TEMPLATE_KEYS)})")
+    defaults = spec.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise ValueError(f"response_template.defaults: expected an object, got {type(defaults).__name__}")
+    raw_fields = spec.get("fields")
+    if not isinstance(raw_fields, dict) or not raw_fields:
+        raise ValueError("response_template.fields: expected a non-empty object of fields by name")
+    fields = {name: _compile_field(name, raw) for name, raw in raw_fields.items()}
+    implicit = [name for name, f in fields.items() if f.open is None]
+    if len(implicit) > 1:
+        raise ValueError(f"response_template.fields: only one field may have no open / open_pattern (the one that "
+                         f"takes the text outside the others), got {implicit}")
+    anchor = _marker(spec, "start_anchor", "start_anchor_pattern", "response_template")
+    if anchor is None:
+        raise ValueError("response_template: needs start_anchor (text) or start_anchor_pattern (a regex): where the "
+                         "assistant's message starts in the prompt")
+    return ResponseTemplate(anchor, fields, implicit[0] if implicit else None, copy.deepcopy(defaults))
+
+
+def _compile_field(name: str, raw: Any) -> Field:
+    where = f"response_template.fields.{name}"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected an object, got {type(raw).__name__}")
+    if unknown := sorted(set(raw) - FIELD_KEYS):
+        raise ValueError(f"{where}: unknown keys {unknown} (expected some of {sorted(FIELD_KEYS)})")
+    content = raw.get("content", "text")
+    if content not in CONTENT_PARSERS:
+        raise ValueError(f"{where}.content: expected one of {sorted(CONTENT_PARSERS)}, got {content!r}")
+    args = raw.get("content_args", {})
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}.content_args: expected an object, got {type(args).__name__}")
+    repeats, join, each = raw.get("repeats", False), raw.get("join"), raw.get("transform_each", False)
+    if join is not None and not isinstance(join, str):
+        raise ValueError(f"{where}.join: expected a string, got {type(join).__name__}")
+    if join is not None and not repeats:
+        raise ValueError(f"{where}.join: only with \"repeats\": true (it joins the occurrences)")
+    if not isinstance(each, bool):
+        raise ValueError(f"{where}.transform_each: expected true or false, got {each!r}")
+    transform = raw.get("transform")
+    if each and transform is None:
+        raise ValueError(f"{where}.transform_each: set, but the field has no transform")
+    opener = _marker(raw, "open", "open_pattern", where)
+    closer = _marker(raw, "close", "close_pattern", where)
+    if transform is None:
+        captured = sorted({*(opener.groupindex if opener else ()), *(closer.groupindex if closer else ())})
+        if captured:  # only a transform can put a capture into the message: without one it would vanish
+            raise ValueError(f"{where}: its patterns capture {captured}, which only a transform can use; add a "
+                             "transform (e.g. {\"name\": \"{name}\", \"arguments\": \"{content}\"}) or drop the names")
+    else:
+        _check_transform(transform, f"{where}.transform")
+    return Field(name, opener, closer, content, args, bool(repeats), join, bool(raw.get("optional", True)),
+                 transform, each)
+
+
+def _marker(spec: Mapping[str, Any], literal: str, pattern: str, where: str) -> re.Pattern | None:
+    """A region's marker as a pattern: literal text, a list of alternative texts, or a regex (DOTALL)."""
+    if literal in spec and pattern in spec:
+        raise ValueError(f"{where}: give {literal} or {pattern}, not both")
+    if pattern in spec:
+        try:
+            return re.compile(spec[pattern], re.DOTALL)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"{where}.{pattern}: not a valid regular expression: {exc}") from None
+    if literal not in spec:
+        return None
+    texts = spec[literal]
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ValueError(f"{where}.{literal}: expected a non-empty string or a non-empty list of them, got "
+                         f"{spec[literal]!r:.80}")
+    # Longest first: where two alternatives match at one place, the longer one is the marker.
+    ordered = sorted(dict.fromkeys(texts), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, ordered)), re.DOTALL)
+
+
+def _check_transform(transform: Any, where: str) -> None:
+    """A transform's strings are a whole placeholder or plain text: "{name}" is a value, "id-{name}" is refused."""
+    if isinstance(transform, dict):
+        for key, value in transform.items():
+            _check_transform(value, f"{where}.{key}")
+    elif isinstance(transform, list):
+        for i, value in enumerate(transform):
+            _check_transform(value, f"{where}[{i}]")
+    elif isinstance(transform, str) and PLACEHOLDER.search(transform) and not PLACEHOLDER.fullmatch(transform):
+        raise ValueError(f"{where}: {transform!r} mixes a {{placeholder}} with text; a string is either one "
+                         "placeholder or plain text")
+
+
+# -- content parsers: a region's text -> its value -------------------------------------------------------------
+
+
+def _text(text: str, args: dict[str, Any]) -> str:
+    return text.strip() if args.get("strip", True) else text
+
+
+def _json(text: str, args: dict[str, Any]) -> Any:
+    """JSON, or a model's dialect of it: `string_delims` [[open, close], ...] mark strings that are not quoted
+    (Gemma 4 writes <|"|>text<|"|>), `unquoted_keys` allows {key:1}, `allow_non_json` keeps unparseable text."""
+    delims = args.get("string_delims", [])
+    if delims and (STASH_OPEN in text or STASH_CLOSE in text):
+        raise ValueError("json: the text holds the control characters \\x01 / \\x02 that custom string delimiters "
+                         "are rewritten through")
+    strings: list[str] = []
+
+    def stash(match: re.Match) -> str:  # out of the way of the key quoting, then back as JSON strings
+        strings.append(match.group(1))
+        return f"{STASH_OPEN}{len(strings) - 1}{STASH_CLOSE}"
+
+    rewritten = text
+    for opener, closer in delims:
+        rewritten = re.sub(re.escape(opener) + "(.*?)" + re.escape(closer), stash, rewritten, flags=re.DOTALL)
+    if args.get("unquoted_keys", False):
+        rewritten = re.sub(r"(?<=[{,])(\w+):", r'"\1":', rewritten)
+    for i, string in enumerate(strings):
+        rewritten = rewritten.replace(f"{STASH_OPEN}{i}{STASH_CLOSE}", json.dumps(string))
+    try:
+        return json.loads(rewritten)
+    except json.JSONDecodeError as exc:
+        if args.get("allow_non_json"):
+            return _text(text, args)
+        raise ValueError(f"json: cannot read {text!r:.200} as JSON" + (f" (rewritten: {rewritten!r:.200})"
+                         if rewritten != text else "") + f": {exc}") from None
+
+
+def _sub_value(text: str, parser: dict[str, Any] | None) -> Any:
+    """A nested value parsed by {"name": parser, "args": {...}} (xml-inline's and kv-lines' value_parser)."""
+    if parser is None:
+        return text
+    return parse_content(text, parser.get("name", "text"), parser.get("args", {}))
+
+
+def _xml_inline(text: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Shallow tags, <parameter=city>Paris</parameter>: `tag_pattern` names groups `key` and `value`; a repeated key
+    keeps the last value, or all of them in a list with `merge_duplicates`."""
+    pattern = args.get("tag_pattern")
+    if pattern is None:
+        raise ValueError("xml-inline: content_args.tag_pattern is required (a regex with groups key and value)")
+    out: dict[str, Any] = {}
+    for match in re.finditer(pattern, text, flags=re.DOTALL):
+        found = match.groupdict()
+        if found.get("key") is None:
+            raise ValueError(f"xml-inline: tag_pattern {pattern!r} has no group named 'key'")
+        key, value = found["key"], _sub_value(found.get("value", ""), args.get("value_parser"))
+        if args.get("merge_duplicates", False) and key in out:
+            out[key] = (out[key] if isinstance(out[key], list) else [out[key]]) + [value]
+        else:
+            out[key] = value
+    return out
+
+
+def _kv_lines(text: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Lines of key<kv_sep>value (default ":"), split at `line_sep` (default a newline)."""
+    kv_sep = args.get("kv_sep", ":")
+    out = {}
+    for line in text.split(args.get("line_sep", "\n")):
+        line = _text(line, args)
+        if line and kv_sep in line:
+            key, value = line.split(kv_sep, 1)
+            out[_text(key, args)] = _sub_value(_text(value, args), args.get("value_parser"))
+    return out
+
+
+CONTENT_PARSERS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
+    "text": _text,
+    "int": lambda text, args: int(_text(text, args)),
+    "float": lambda text, args: float(_text(text, args)),
+    "bool": lambda text, args: _text(text, args).lower() in ("true", "1"),
+    "json": _json,
+    "xml-inline": _xml_inline,
+    "kv-lines": _kv_lines,
+}
+
+
+def parse_content(text: str, parser: str, args: dict[str, Any]) -> Any:
+    if parser not in CONTENT_PARSERS:
+        raise ValueError(f"value_parser.name: expected one of {sorted(CONTENT_PARSERS)}, got {parser!r}")
+    return CONTENT_PARSERS[parser](text, args)
+
+
+def _fill(transform: Any, scope: dict[str, Any]) -> Any:
+    """The transform with each placeholder string replaced by its value from `scope` ({a.b}: scope["a"]["b"])."""
+    if isinstance(transform, dict):
+        return {key: _fill(value, scope) for key, value in transform.items()}
+    if isinstance(transform, list):
+        return [_fill(value, scope) for value in transform]
+    whole = PLACEHOLDER.fullmatch(transform) if isinstance(transform, str) else None
+    if whole is None:
+        return transform
+    root, *keys = whole.group(1).split(".")
+    if root not in scope:
+        raise ValueError(f"transform: {transform} names nothing the region has (it has {sorted(scope)})")
+    value = scope[root]
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            raise ValueError(f"transform: {transform}: the value has no key {key!r} (it is {value!r:.80})")
+        value = value[key]
+    return value
+
+
+def _field_value(body: str, field: Field, captures: dict[str, str]) -> Any:
+    value = parse_content(body, field.content, field.content_args)
+    if field.transform is None:
+        return value
+    if not field.transform_each:
+        return _fill(field.transform, {**captures, "content": value})
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ValueError(f"{field.name}: transform_each needs the content to be a list of objects, got {value!r:.80}")
+    return [_fill(field.transform, {**captures, **item}) for item in value]
+
+
+# -- tool-call arguments typed by the tools' schemas --------------------------------------------------------------
+
+
+def tool_parameters(tools: Any) -> dict[str, dict[str, Any]]:
+    """Each tool's parameter schemas by tool name, from tools as chat templates take them ({"type": "function",
+    "function": {...}} or the function object itself)."""
+    params = {}
+    for tool in tools or []:
+        if callable(tool):
+            raise ValueError(f"tools: got the function {getattr(tool, '__name__', tool)!r}; pass its JSON schema")
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            schema = function.get("parameters")
+            properties = schema.get("properties") if isinstance(schema, dict) else None
+            params[function["name"]] = properties if isinstance(properties, dict) else {}
+    return params
+
+
+def _types(schema: Any) -> list[str]:
+    """The JSON types a parameter schema allows, in order (type, a list of types, anyOf / oneOf, nullable)."""
+    if not isinstance(schema, dict):
+        return []
+    declared = schema.get("type")
+    types = [declared] if isinstance(declared, str) else []
+    if isinstance(declared, list):
+        types += [t for t in declared if isinstance(t, str)]
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or []:
+            types += _types(option)
+    if schema.get("nullable") and "null" not in types:
+        types.append("null")
+    return types
+
+
+def _typed(text: str, types: list[str]) -> Any:
+    """`text` as the first of `types` that reads it; the text itself when none does (a string parameter)."""
+    for kind in types:
+        try:
+            if kind == "integer":
+                try:
+                    return int(text)
+                except ValueError:
+                    number = float(text)  # a whole number written as one: 3.0
+                    if number.is_integer():
+                        return int(number)
+            elif kind == "number":
+                number = float(text)
+                if number == number and abs(number) != float("inf"):  # not NaN or infinite: no JSON number
+                    return int(number) if number.is_integer() and "." not in text else number
+            elif kind == "boolean" and text.strip().lower() in ("true", "1", "false", "0"):
+                return text.strip().lower() in ("true", "1")
+            elif kind == "null" and text.strip() in ("null", "None"):
+                return None
+            elif kind in ("object", "array"):
+                value = json.loads(text)
+                if isinstance(value, dict if kind == "object" else list):
+                    return value
+        except ValueError:  # (json.JSONDecodeError is one)
+            continue
+    return text
+
+
+def _type_arguments(value: Any, params: dict[str, dict[str, Any]]) -> Any:
+    """Tool calls in `value` with their text arguments read as their schema's types: "7" is 7 for an integer
+    parameter and stays "7" for a string one (text-based call formats write every value as text)."""
+    if isinstance(value, list):
+        return [_type_arguments(item, params) for item in value]
+    function = value.get("function") if isinstance(value, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return value
+    arguments, properties = function.get("arguments"), params.get(function["name"])
+    if not isinstance(arguments, dict) or not properties:
+        return value
+    for key, argument in arguments.items():
+        types = _types(properties.get(key))
+        if not types:
+            continue
+        if isinstance(argument, str):
+            arguments[key] = _typed(argument, types)
+        elif isinstance(argument, list) and "array" not in types:  # a key given several times (merge_duplicates)
+            arguments[key] = [_typed(a, types) if isinstance(a, str) else a for a in argument]
+    return value
+
+
+# -- the parse --------------------------------------------------------------------------------------------------
+
+
+def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None) -> dict[str, Any]:
+    """The message a reply `text` holds. `prefix`: the prompt it answers, whose part after the template's last
+    start_anchor (an assistant turn the template began, e.g. an opened <think>) is read as the reply's start.
+    `tools`: the request's tools; tool-call arguments written as text get their parameters' types."""
+    if not isinstance(text, str) or not isinstance(prefix, str):
+        bad, value = ("text", text) if not isinstance(text, str) else ("prefix", prefix)
+        raise ValueError(f"{bad}: expected a str, got {type(value).__name__}")
+    ends = [m.end() for m in template.start_anchor.finditer(prefix)]
+    buffer = (prefix[ends[-1]:] if ends else prefix) + text
+    params = tool_parameters(tools)
+    message = copy.deepcopy(template.defaults)
+    fields = template.fields
+    current, captures, body, opened = template.implicit, {}, "", False
+
+    def close() -> None:
+        """End the current region: its value goes into the message (when it got any text or was opened by a
+        marker); the implicit region is current again."""
+        nonlocal current, captures, body, opened
+        if current is not None and opened:
+            field = fields[current]
+            value = _field_value(body, field, captures)
+            if params:
+                value = _type_arguments(value, params)
+            if field.join is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"{field.name}: join needs each occurrence to be text, got {value!r:.80}")
+                before = message.get(field.name)
+                message[field.name] = value if before is None else before + field.join + value
+            elif field.repeats:
+                message.setdefault(field.name, []).append(value)
+            else:
+                message[field.name] = value
+        current, captures, body, opened = template.implicit, {}, "", False
+
+    pos = 0
+    # Every round moves past text or changes region; patterns that match empty text at one place could go round
+    # forever, so the rounds are bounded.
+    for _ in range(4 * len(buffer) + 8):
+        if current is not None and current != template.implicit:  # inside a marked region: only its end counts
+            watch = [("close", fields[current])] if fields[current].close is not None else []
+        else:
+            watch = [("open", f) for f in fields.values() if f.open is not None]
+            if current is not None and fields[current].close is not None:
+                watch.append(("close", fields[current]))
+        best, best_key = None, None
+        for kind, field in watch:
+            match = (field.open if kind == "open" else field.close).search(buffer, pos)
+            # The earliest marker wins; then the longest; then an opening over a closing; then by name.
+            key = match and (match.start(), match.start() - match.end(), kind != "open", field.name)
+            if match is not None and (best_key is None or key < best_key):
+                best, best_key = (kind, field, match), key
+        if best is None:  # no marker left: the rest is the current region's, and the reply ends it
+            if pos < len(buffer) and current is not None:
+                body, opened = body + buffer[pos:], True
+            close()
+            break
+        kind, field, match = best
+        if match.start() > pos and current is not None:
+            body, opened = body + buffer[pos:match.start()], True
+        pos = match.end()
+        if kind == "open":
+            close()
+            current, body, opened = field.name, "", True
+            captures = {k: v for k, v in match.groupdict().items() if v is not None}
+        else:
+            was_open = opened
+            close()
+            if not was_open and match.start() == match.end():  # an empty closing of an empty region: nothing left
+                break
+    else:
+        raise ValueError("response_template: its patterns match empty text at one place over and over; give the "
+                         "markers some text to match")
+    if missing := [name for name, f in fields.items() if not f.optional and name not in message]:
+        raise ValueError(f"the reply has no {missing} (fields the response_template marks optional: false)")
+
+    def empty(value: Any) -> bool:
+        return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+    return {key: value for key, value in message.items() if key in template.defaults or not empty(value)}

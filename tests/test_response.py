@@ -1,0 +1,211 @@
+"""Replies parsed into messages with a checkpoint's response template: the same messages transformers'
+`parse_response` gives (response.py, Tokenizer.parse_response)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockpress.response import compile_template, parse_response
+from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
+
+# Gemma 4's reply format: thoughts in a channel, calls as call:NAME{key:value} with strings between <|"|> markers
+# and bare keys, the turn ending with <turn|> (or a tool response, which the model waits for).
+GEMMA4 = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": ["<|turn>model\n", "<tool_response|>"],
+    "fields": {
+        "reasoning_content": {"open": "<|channel>thought\n", "close": "<channel|>"},
+        "tool_calls": {
+            "open_pattern": r"<\|tool_call>call:(?P<name>\w+)",
+            "close": "<tool_call|>",
+            "repeats": True,
+            "content": "json",
+            "content_args": {"unquoted_keys": True, "string_delims": [['<|"|>', '<|"|>']]},
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"]},
+    },
+}
+# Qwen 3.5's: calls as <function=NAME> with <parameter=KEY> tags, every value text until typed by the tool's schema.
+QWEN35 = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>"},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+            "close_pattern": r"</function>\s*</tool_call>",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\s*(?P<value>.*?)\s*</parameter>",
+                             "merge_duplicates": True},
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)"},
+    },
+}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array"}, "scale": {"type": ["number", "null"]}}}}}]
+
+HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+# Text with the markers' characters in it, so that near-misses and stray markers come up.
+TEXT = st.lists(st.sampled_from(list("ab <|>\"/=:{},\n") + ["<turn|>", "<|tool_call>", "<channel|>", "<think>"]),
+                max_size=12).map("".join)
+NAME = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+SCALAR = st.one_of(st.text(st.characters(blacklist_characters="\x01\x02", blacklist_categories=("Cs",)), max_size=8),
+                   st.integers(-10**6, 10**6), st.booleans(), st.none(),
+                   st.floats(allow_nan=False, allow_infinity=False, width=32))
+VALUE = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(NAME, inner, max_size=3),
+                     max_leaves=6)
+
+
+def gemma_value(value: Any) -> str:
+    """A value as Gemma 4 writes it in a call."""
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{gemma_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(gemma_value, value)) + "]"
+    return json.dumps(value)
+
+
+@st.composite
+def gemma_replies(draw: st.DrawFn) -> str:
+    parts = []
+    for kind in draw(st.lists(st.sampled_from(["text", "thought", "call"]), max_size=5)):
+        if kind == "text":
+            parts.append(draw(TEXT))
+        elif kind == "thought":
+            parts.append(f"<|channel>thought\n{draw(TEXT)}<channel|>")
+        else:
+            parts.append(f"<|tool_call>call:{draw(NAME)}{gemma_value(draw(st.dictionaries(NAME, VALUE, max_size=4)))}"
+                         "<tool_call|>")
+    return "".join(parts) + draw(st.sampled_from(["", "<turn|>", "<eos>", "<|tool_response>"]))
+
+
+@st.composite
+def qwen_replies(draw: st.DrawFn) -> str:
+    parts = []
+    for kind in draw(st.lists(st.sampled_from(["text", "think", "call"]), max_size=5)):
+        if kind == "text":
+            parts.append(draw(TEXT))
+        elif kind == "think":
+            parts.append(f"<think>{draw(TEXT)}</think>")
+        else:
+            name = draw(st.sampled_from(["weather", "other"]))
+            params = draw(st.lists(st.tuples(st.sampled_from(["city", "days", "metric", "hours", "scale", "x"]),
+                                             st.sampled_from(["Oslo", "7", "3.0", "true", "0", "[1, 2]", "null",
+                                                              "1e3", "nan", " 5 ", "x<y"])), max_size=4))
+            body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+            parts.append(f"\n<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>")
+    return "".join(parts) + draw(st.sampled_from(["", "<|im_end|>", "\n<|im_end|>\n<|endoftext|>"]))
+
+
+def theirs(text: str, template: dict, prefix: str = "", tools: Any = None) -> Any:
+    """transformers' message, or the kind of error it raised."""
+    from transformers.utils.chat_parsing import parse_response as hf_parse_response
+
+    try:
+        return hf_parse_response(text, template, prefix=prefix, tools=tools)
+    except (ValueError, KeyError):
+        return ValueError
+
+
+def ours(text: str, template: dict, prefix: str = "", tools: Any = None) -> Any:
+    try:
+        return parse_response(compile_template(template), text, prefix, tools)
+    except ValueError:
+        return ValueError
+
+
+@HYPOTHESIS
+@given(gemma_replies(), st.sampled_from(["", "<|turn>user\nhi<turn|>\n<|turn>model\n",
+                                         "<|turn>model\n<|channel>thought\n", "<|turn>model\nSure: <|tool_call>"]))
+def test_gemma4_replies_parse_as_in_transformers(reply: str, prefix: str) -> None:
+    assert ours(reply, GEMMA4, prefix) == theirs(reply, GEMMA4, prefix)
+
+
+@HYPOTHESIS
+@given(qwen_replies(), st.sampled_from([None, TOOLS]), st.sampled_from(["", "<|im_start|>assistant\n<think>\n"]))
+def test_xml_tool_calls_typed_by_the_tools_parse_as_in_transformers(reply: str, tools: Any, prefix: str) -> None:
+    assert ours(reply, QWEN35, prefix, tools) == theirs(reply, QWEN35, prefix, tools)
+
+
+def test_a_gemma4_call_reads_as_the_call_written() -> None:
+    args = {"city": "Paris, <FR>", "days": 3, "hours": [9, 12.5], "metric": True, "where": {"lat": 1}}
+    reply = f"Checking.<|tool_call>call:weather{gemma_value(args)}<tool_call|><turn|>"
+    message = parse_response(compile_template(GEMMA4), reply)
+    assert message == {"role": "assistant", "content": "Checking.",
+                       "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": args}}]}
+
+
+@pytest.mark.parametrize("template, says", [
+    ([], "expected a JSON object"),
+    ({"fields": {"content": {}}}, "start_anchor"),
+    ({"start_anchor": "x", "fields": {}}, "fields: expected a non-empty object"),
+    ({"start_anchor": "x", "fields": {"a": {}, "b": {}}}, "only one field may have no open"),
+    ({"start_anchor": "x", "fields": {"a": {"content": "yaml"}}}, "fields.a.content: expected one of"),
+    ({"start_anchor": "x", "fields": {"a": {"open_pattern": "(?P<n>x"}}}, "fields.a.open_pattern: not a valid"),
+    ({"start_anchor": "x", "fields": {"a": {"open_pattern": "(?P<n>x)"}}}, "only a transform can use"),
+    ({"start_anchor": "x", "fields": {"a": {"open": "x", "transform": "id-{content}"}}}, "mixes a {placeholder}"),
+    ({"start_anchor": "x", "fields": {"a": {"open": "x", "joins": ","}}}, "unknown keys ['joins']"),
+    ({"start_anchor": "x", "version": 2, "fields": {"a": {}}}, "version"),
+])
+def test_a_bad_response_template_is_a_clear_error(template: Any, says: str) -> None:
+    with pytest.raises(ValueError, match="response_template") as err:
+        compile_template(template)
+    assert says in str(err.value)
+
+
+def test_empty_matches_do_not_hang() -> None:
+    template = {"start_anchor": "x", "fields": {"a": {"open_pattern": "", "close_pattern": ""}}}
+    with pytest.raises(ValueError, match="empty text"):
+        parse_response(compile_template(template), "abc")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    tok = train_bpe_tokenizer(["hello world, the weather in Paris"] * 4, vocab_size=300)
+    tok.response_template = GEMMA4
+    return tok
+
+
+def test_the_tokenizer_reads_keeps_and_saves_the_response_template_as_transformers_does(
+        tok: Tokenizer, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok.save(tmp_path / "built")
+    loaded = Tokenizer.from_dir(tmp_path / "built")
+    assert loaded.response_template == GEMMA4
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "built"))
+    assert hf.response_template == GEMMA4
+    reply = 'Hi.<|tool_call>call:weather{city:<|"|>Oslo<|"|>}<tool_call|><turn|>'
+    assert loaded.parse_response(reply) == hf.parse_response(reply, prefix="")
+    hf.save_pretrained(tmp_path / "theirs")  # a checkpoint transformers wrote: read, and kept when saved again
+    loaded = Tokenizer.from_dir(tmp_path / "theirs")
+    assert loaded.response_template == GEMMA4
+    loaded.save(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())["response_template"] == GEMMA4
+    loaded.response_template = QWEN35  # changed since loading: saved as changed
+    loaded.save(tmp_path / "changed")
+    assert Tokenizer.from_dir(tmp_path / "changed").response_template == QWEN35
+    loaded.response_template = None
+    loaded.save(tmp_path / "none")
+    assert "response_template" not in json.loads((tmp_path / "none" / "tokenizer_config.json").read_text())
+
+
+def test_parse_response_without_a_template_says_so(tok: Tokenizer) -> None:
+    bare = train_bpe_tokenizer(["abc"], vocab_size=270)
+    with pytest.raises(ValueError, match="response_template: this tokenizer has none"):
+        bare.parse_response("hi")
+    with pytest.raises(ValueError, match="text: expected a str"):
+        tok.parse_response([1, 2])  # type: ignore[arg-type]
