@@ -29,8 +29,13 @@ i*n + j; each prompt is answered as it would be alone, and the usage adds up).
 Chat replies default to `min_tokens: 1`, so a reply is never empty unless the request sends 0.
 
 Tool use: `tools`, an assistant's `tool_calls` and `tool` messages go to the checkpoint's chat template (the one
-renderer, Tokenizer.apply_chat_template), which decides how they read. The reply is text: a model's tool-call syntax
-is its own, so parsing it is left to the client, and `tool_choice` is only "auto" or "none".
+renderer, Tokenizer.apply_chat_template), which decides how they read. A model's tool-call syntax is its own: where
+the checkpoint's tokenizer_config.json has a `response_template` (transformers 5's format; see response.py), a reply
+to a request with tools is read with it, and the calls it holds come back as OpenAI's `message.tool_calls` (arguments
+as JSON text) with finish_reason "tool_calls", the rest as the content; streamed, such a reply comes whole once
+generated (content, then the calls as `delta.tool_calls`), since a call is known only when it ends. A reply that
+holds no call, or one the template cannot read, is text as before, and without a response template every reply is
+text (the client parses it). `tool_choice` is only "auto" or "none" (none: the reply is not parsed).
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
 one (the same system prompt, the previous turns of a chat) encodes only the rest, and its usage reports the
@@ -41,13 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -59,9 +65,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, Template, hole_runs, parse_template
+from .generate import Commit, Done, Draft, Template, cut_at_stop, hole_runs, parse_template
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
+from .response import compile_template
 from .sampling import SamplerConfig
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
@@ -84,7 +91,8 @@ NOOP_VALUES: dict[str, tuple] = {
     "response_format": ({"type": "text"},), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
 }
 # Why a field is refused, where it is not simply missing from a block-diffusion engine.
-NOOP_WHY = {"tool_choice": "the reply is returned as text: the server neither forces tool calls nor parses them",
+NOOP_WHY = {"tool_choice": "the server does not force tool calls: it reads those the model writes, where the "
+                           "checkpoint has a response_template",
             "tools": "only /v1/chat/completions renders tools, through the chat template"}
 
 
@@ -249,7 +257,8 @@ class ChatRequest(_Common):
     # A reply is never empty unless asked: an end-of-turn token may not come first (a block-diffusion canvas that
     # puts one at position 0 otherwise answers terse prompts with nothing). 0 allows it.
     min_tokens: int = Field(default=1, ge=0)
-    # Rendered into the prompt by the chat template, as it renders tool calls and results; the reply stays text.
+    # Rendered into the prompt by the chat template, as it renders tool calls and results; the reply's calls are
+    # read with the checkpoint's response template, where it has one.
     tools: list[Tool] | None = None
     implemented: ClassVar[frozenset[str]] = frozenset({"tools"})
 
@@ -311,6 +320,7 @@ class JobDone:
     passes: int  # forward passes
     finish: str  # OpenAI's finish_reason: "stop" or "length"
     reused: int  # prompt tokens the prefix cache held
+    raw: str | None = None  # the answer with its special tokens, for a response template (Job.keep_special)
 
 
 @dataclass(frozen=True)
@@ -348,6 +358,9 @@ class Job:
     # The canvas as the engine lays it out, holes healed ([1, L]): jobs batch by this length, since rows whose
     # canvases are as long before healing can differ after it, and the engine refuses such a batch.
     layout: torch.Tensor | None = None
+    # Also send the answer with its special tokens (JobDone.raw): a reply the response template reads for tool calls,
+    # whose markers are often special tokens, which the answer's text leaves out.
+    keep_special: bool = False
 
     def key(self) -> tuple:
         return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing,
@@ -552,9 +565,28 @@ class Engine:
                     if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
                         n = int(out.num_chosen_tokens[i])
                     reused = out.extra["reused_prompt_tokens"][i]
+                    raw = None
+                    if job.keep_special:
+                        raw = text_with_special_tokens(tok, out.new_tokens[i, :n].tolist(), self.lm._eos_ids(),
+                                                       job.heal_prefix, job.stop if out.extra["stopped"][i] else [])
                     # (the prompt, its cached part and the latency count once per request, in `respond`)
                     self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
-                    job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused))
+                    job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused, raw))
+
+
+def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,
+                             stops: Sequence[str]) -> str:
+    """An answer's valid new `tokens` as a response template reads them: decoded with their special tokens, but
+    without the end-of-turn token that ended the row, the healed prefix that the prompt holds, and the stop string
+    that ended it (`stops`: the row's, when one did; it completes in the last token, so the cut is at the first
+    occurrence ending there, as the answer's text is cut)."""
+    if tokens and tokens[-1] in eos_ids:
+        tokens = tokens[:-1]
+    text = strip_prefix(tok.decode(tokens, skip_special_tokens=False), heal_prefix)
+    if stops and tokens:
+        text = cut_at_stop(text, stops, len(strip_prefix(tok.decode(tokens[:-1], skip_special_tokens=False),
+                                                         heal_prefix)))
+    return text
 
 
 def settled_text(text: str, stops: Sequence[str]) -> str:
@@ -609,6 +641,9 @@ class Reply:
     id: str = field(init=False)
     # every job's events, as they come: a stream sends each choice's text as soon as it is there
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # A chat reply's reader for tool calls (the tokenizer's parse_response with the prompt and tools), when the request
+    # has tools and the checkpoint a response template; its jobs keep special tokens (Job.keep_special).
+    parse: Callable[[str], dict] | None = None
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -616,6 +651,39 @@ class Reply:
         for job in self.jobs:  # not queued yet
             job.events, job.choices = self.events, range(first, first + job.copies)
             first += job.copies
+
+    def tool_message(self, done: JobDone) -> dict | None:
+        """A done answer as an assistant message with OpenAI's tool_calls (each with a new id, its arguments as JSON
+        text), and the finish_reason; None where the answer is text: no `parse`, or no call in the reply, or
+        calls in a shape that is not {"type": "function", "function": {"name": ..., "arguments": ...}}, or a reply the
+        response template cannot read (the model wrote a malformed call), which is logged."""
+        if self.parse is None or done.raw is None:
+            return None
+        try:
+            parsed = self.parse(done.raw)
+        except ValueError as exc:
+            log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
+            return None
+        found = parsed.get("tool_calls") or []
+        calls = []
+        for call in [found] if isinstance(found, dict) else found:  # (a template's field without "repeats": one)
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                log.warning("serve: the response template gave a tool call of an unknown shape, %.200r; the reply is "
+                            "answered as text", call)
+                return None
+            arguments = function.get("arguments", {})
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {
+                "name": function["name"],
+                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
+        if not calls:
+            return None
+        content = parsed.get("content")
+        message = {"role": "assistant", "content": content if isinstance(content, str) and content else None,
+                   "tool_calls": calls}
+        if isinstance(parsed.get("reasoning_content"), str):  # what vLLM and DeepSeek's API call it
+            message["reasoning_content"] = parsed["reasoning_content"]
+        return {"message": message, "finish_reason": "tool_calls" if done.finish == "stop" else done.finish}
 
     def choice(self, i: int, text: str | None, finish: str | None, delta: bool) -> dict:
         if self.kind == "chat":
@@ -860,6 +928,19 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
                 yield sse([reply.choice(i, None, None, True) for i in job.choices],
                           blockpress={"draft": item.text, "step": item.step})
                 continue
+            if reply.parse is not None and isinstance(item, JobText):
+                continue  # read whole when done: whether text is a tool call is known only when the call ends
+            called = reply.tool_message(item) if isinstance(item, JobDone) else None
+            if called is not None:
+                totals.add(job, item)
+                message = called["message"]
+                fields = [{k: message[k]} for k in ("reasoning_content", "content") if message.get(k) is not None]
+                fields.append({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
+                for delta in fields:  # content first, then the calls, as OpenAI streams them
+                    yield sse([{"index": i, "delta": delta, "finish_reason": None} for i in job.choices])
+                yield sse([{"index": i, "delta": {}, "finish_reason": called["finish_reason"]} for i in job.choices])
+                working -= 1
+                continue
             # The chunks must add up to the plain answer: send only text no later event can take back, and the
             # rest with the final text.
             text = item.text if isinstance(item, JobDone) else settled_text(item.text, job.stop)
@@ -901,7 +982,9 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
                 raise APIError(item.status, item.message if item.status == 503 else
                                f"generation failed: {item.message}", kind="server_error")
             if isinstance(item, JobDone):  # the engine ended stopped rows and cut their text
-                choices += [reply.choice(i, item.text, item.finish, False) for i in job.choices]
+                called = reply.tool_message(item)
+                choices += [{"index": i, **called} if called else reply.choice(i, item.text, item.finish, False)
+                            for i in job.choices]
                 totals.add(job, item)
                 working -= 1
         choices.sort(key=lambda c: c["index"])
@@ -922,6 +1005,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     if prefix_cache_bytes < 0:
         raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
+    if lm.tokenizer.response_template is not None:  # a broken one fails here, not in every request with tools
+        compile_template(lm.tokenizer.response_template)
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
         if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -966,7 +1051,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
                            "server_error" if broken else "invalid_request_error") from None
-        reply = Reply(build_jobs(state, body, prompt), "chat", body.model, len(prompt))
+        jobs, parse = build_jobs(state, body, prompt), None
+        if tools and body.tool_choice != "none" and lm.tokenizer.response_template is not None:
+            # the prompt as the template reads it: its anchor marks where the reply's turn began
+            parse = functools.partial(lm.tokenizer.parse_response, prefix=lm.tokenizer.decode(
+                prompt, skip_special_tokens=False), tools=tools)
+            for job in jobs:
+                job.keep_special = True
+        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse)
         return await respond(engine, reply, body, request)
 
     @app.post("/v1/completions")

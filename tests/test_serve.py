@@ -988,7 +988,7 @@ def with_call(**change):
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]},
      "tools[0].function.name", "required"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice",
-     "neither forces tool calls nor parses them"),
+     "does not force tool calls"),
     ({"prompt": "x", "tools": TOOLS}, "tools", "only /v1/chat/completions"),
 ])
 def test_malformed_tool_calls_and_empty_content_get_a_400_naming_the_field(server, body, param, says):
@@ -1038,3 +1038,112 @@ def test_top_p_and_top_k_filter_the_draws_on_the_server():
     assert (cfg.top_p, cfg.top_k, cfg.draw_temperature) == (0.9, 5, 0.7)
     chat = ChatRequest(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=0.5)
     assert sampler_config(SamplerConfig(top_k=3), chat).top_p == 0.5 and sampler_config(SamplerConfig(top_k=3), chat).top_k == 3
+
+
+def tool_server(tmp_path, monkeypatch):
+    """A tiny model whose tokenizer has Gemma 4's turn and tool-call markers as special tokens, TOOL_TEMPLATE and
+    test_response's GEMMA4 response template, served, with its replies forced: `reply[0]` is what it writes."""
+    import tokenizers
+    import torch
+    from test_response import GEMMA4
+
+    from blockpress.generate import Done, GenerationOutput
+    from blockpress.tokenizer import Tokenizer
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.tokenizer.chat_template = TOOL_TEMPLATE
+    lm.tokenizer.save(tmp_path)
+    backend = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    backend.add_special_tokens(["<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                                "<|channel>", "<channel|>"])  # ids past the tokenizer's, within the model's 512
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "response_template": GEMMA4}))
+    lm.tokenizer = tok = Tokenizer.from_dir(tmp_path)
+    reply = [""]
+
+    def forced(prompts, **kwargs):  # the engine's output: reply[0]'s tokens and the end of turn, for every row
+        ids, b = tok.encode(reply[0]) + [lm._eos_ids()[0]], len(prompts)
+        yield Done(GenerationOutput(
+            sequences=torch.tensor([ids] * b), prompt_length=0, texts=[tok.decode(ids)] * b,
+            tokens_per_forward=torch.ones(b), forward_passes=torch.ones(b, dtype=torch.long),
+            num_new_tokens=torch.full((b,), len(ids)), steps_per_canvas=torch.ones(b, 1, dtype=torch.long),
+            extra={"stopped": [False] * b, "reused_prompt_tokens": [0] * b}))
+
+    monkeypatch.setattr(lm, "stream", forced)
+    base, srv = start_in_background(create_app(lm, MODEL))
+    return base, srv, lm, reply
+
+
+def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
+    """The reply was text whatever the model wrote, its tool calls left for the client to find in the model's own
+    syntax. With the checkpoint's response template they come back as OpenAI's message.tool_calls (arguments as JSON
+    text), the rest as the content, finish_reason "tool_calls"; streamed, as delta.tool_calls once done. A reply
+    with no call, tool_choice "none", a call the template cannot read, or a checkpoint with no response template:
+    text, as before."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    try:
+        paris, oslo = {"city": "Paris, FR", "days": 2, "hours": [9, 12.5]}, {"city": "Oslo", "metric": True}
+        reply[0] = (f"<|channel>thought\nTwo cities.<channel|>Checking both.<|tool_call>call:weather{gemma_value(paris)}"
+                    f"<tool_call|><|tool_call>call:weather{gemma_value(oslo)}<tool_call|>")
+        kw = dict(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=200, seed=1)
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking both."
+        calls = choice.message.tool_calls
+        assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("function", "weather", paris), ("function", "weather", oslo)]
+        assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+        assert choice.message.model_extra["reasoning_content"] == "Two cities."
+
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks]
+        assert "".join(d.content or "" for d in deltas) == "Checking both."
+        streamed = [t for d in deltas for t in d.tool_calls or []]
+        assert [(t.index, t.type, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+            (0, "function", "weather", paris), (1, "function", "weather", oslo)]
+        assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+
+        def text_reply(**extra):
+            choice = client.chat.completions.create(**{**kw, **extra}).choices[0]
+            assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+            return choice.message.content
+
+        plain = lm.tokenizer.decode(lm.tokenizer.encode(reply[0]))  # the special tokens left out, as ever
+        assert text_reply(tool_choice="none") == plain
+        assert text_reply(tools=[]) == plain
+        reply[0] = "<|tool_call>call:weather{city:Paris}<tool_call|>"  # an unquoted string: not JSON
+        assert text_reply() == "call:weather{city:Paris}"
+        reply[0] = "No call needed.<turn|>"
+        assert text_reply() == "No call needed."
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "No call needed."
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        reply[0] = f"<|tool_call>call:weather{gemma_value(oslo)}<tool_call|>"
+        lm.tokenizer.response_template = None  # a checkpoint without one: text, as before
+        assert text_reply() == "call:weather{city:Oslo,metric:true}"
+    finally:
+        srv.should_exit = True
+
+
+def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_the_answer():
+    """The answer's text drops special tokens (a checkpoint's tool-call markers often are); the text parsed for tool
+    calls keeps them, but not the end-of-turn token, the healed prefix, or the stop string that ended the row, nor
+    what came after it in the last token. A broken response template fails when the app is made."""
+    from blockpress.serve import text_with_special_tokens
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(["ab cd ef"] * 4, vocab_size=270)
+    eos = tok.eos_ids
+    ids = tok.encode(" ab<eos>cd") + tok.encode("ef<end_of_turn>")
+    assert text_with_special_tokens(tok, ids, eos, " ", []) == "ab<eos>cdef"
+    assert text_with_special_tokens(tok, ids[:-2], eos, "", ["d", "cd"]) == " ab<eos>"
+    # a stop string the min_tokens' text held did not end the row: only one ending in its last token did
+    ids = tok.encode("cd ab cd")
+    assert text_with_special_tokens(tok, ids, eos, "", ["cd"]) == "cd ab "
+    lm = load_model("random-tiny", None, "cpu")
+    lm.tokenizer.response_template = {"fields": {"content": {}}}
+    with pytest.raises(ValueError, match="response_template: needs start_anchor"):
+        create_app(lm, MODEL)
