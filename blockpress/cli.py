@@ -31,7 +31,7 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
     if spec.startswith(RANDOM_PREFIX):
         from blockpress.tokenizer import train_bpe_tokenizer
 
-        config = blockpress.ModelConfig.preset(spec[len(RANDOM_PREFIX):])
+        config = preset_config(spec[len(RANDOM_PREFIX):], f"--model {spec}")
         tokenizer = train_bpe_tokenizer([""], vocab_size=300)  # bytes + special tokens, no merges
         if tokenizer.vocab_size > config.text.vocab_size:
             raise ValueError(f"--model {spec}: vocabulary too small for a byte-level tokenizer")
@@ -41,6 +41,17 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
         # vision tensors: text-only is the documented behaviour; every other load warning is the user's to see
         warnings.filterwarnings("ignore", message=r".*vision tensors ignored")
         return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize)
+
+
+def preset_config(name: str, flag: str) -> Any:
+    """ModelConfig.preset, its error naming `flag`, the flag and value the user typed (the library's names its
+    argument, `preset`)."""
+    import blockpress
+
+    try:
+        return blockpress.ModelConfig.preset(name)
+    except ValueError as exc:
+        raise ValueError(as_flags(str(exc), {"preset": flag})) from None
 
 
 def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
@@ -517,13 +528,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
             cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
     else:
-        try:
-            mcfg = (blockpress.ModelConfig.from_file(args.config) if args.config.endswith(".json")
-                    else blockpress.ModelConfig.preset(args.config))
-        except (ValueError, OSError) as exc:  # their messages start with the path, or name the preset
-            message = str(exc)
-            raise ValueError(f"--config {message}" if message.startswith(str(Path(args.config)))
-                             else f"--config {args.config}: {message}") from None
+        if not args.config.endswith(".json"):
+            mcfg = preset_config(args.config, f"--config {args.config}")
+        else:
+            try:
+                mcfg = blockpress.ModelConfig.from_file(args.config)
+            except (ValueError, OSError) as exc:  # their messages start with the path, or name a field
+                message = str(exc)
+                raise ValueError(f"--config {message}" if message.startswith(str(Path(args.config)))
+                                 else f"--config {args.config}: {message}") from None
         tokenizer = None
         if args.tokenizer:
             from blockpress.lm import resolve_path
@@ -843,7 +856,7 @@ FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens
            "t_max": "--t-max", "t_min": "--t-min", "entropy_bound": "--entropy-bound", "seed": "--seed",
            "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
            "rank_by": "--rank-by", "hole_length": "--hole-length", "stop": "--stop", "device": "--device",
-           "ensemble": "--ensemble",
+           "ensemble": "--ensemble", "preset": "--preset",
            # bench's settings
            "steps": "--steps", "batch_sizes": "--batch-sizes", "canvas_lengths": "--canvas-lengths",
            "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length",

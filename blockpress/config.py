@@ -322,7 +322,7 @@ class ModelConfig:
         if name == "26b-a4b":
             return cls.gemma_26b_a4b()
         if name not in PRESETS:
-            raise ValueError(f"preset: unknown {name!r}; expected one of {sorted([*PRESETS, '26b-a4b'])}")
+            raise ValueError(f"preset: unknown preset {name!r}; expected one of {sorted([*PRESETS, '26b-a4b'])}")
         p = PRESETS[name]
         return cls(text=TextConfig(**p["text"]), canvas_length=p["canvas"])
 

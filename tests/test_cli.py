@@ -464,11 +464,14 @@ def test_version(capsys, monkeypatch):
     (["generate", "x", "--model", "random-tiny", "--device", "cuda:99"], "generate: error: --device: 'cuda:99' asked for"),
     (["info", "--model", "blockpress-sudoku", "--device", "cuda:99"], "info: error: --device: 'cuda:99' asked for"),
     (["sudoku", "." * 81, "--ensemble", "0"], "sudoku: error: --ensemble: expected 1 to 64 views, got 0"),
+    (["bench", "--preset", "bogus"], "bench: error: --preset: unknown preset 'bogus'; expected one of"),
+    (["info", "--model", "random-bogus"], "info: error: --model random-bogus: unknown preset 'bogus'; expected one of"),
+    (["generate", "x", "--model", "random-huge"], "generate: error: --model random-huge: unknown preset 'huge'"),
     (["infill", "x = 1", "--model", "random-tiny"],
      "infill: error: template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or <|hole:N|>"),
 ])
 def test_errors_name_the_flag_typed(args, message, capsys):
-    """Library checks name their arguments (stop, device, ensemble) and offer the Python API's -1 ids; the
+    """Library checks name their arguments (stop, device, ensemble, preset) and offer the Python API's -1 ids; the
     command line's errors name its flags and markers instead."""
     assert main(args + ["--threads", "1"]) == 2
     err = capsys.readouterr().err

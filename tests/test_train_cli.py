@@ -346,7 +346,7 @@ def test_bad_train_flags(tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
     # The errors name the flag to change, not TrainConfig's field ("batch_size: expected a positive integer").
     for extra, message in ((["--config", nope], f"error: --config {nope}: no such file"),
-                           (["--config", "huge"], "error: --config huge: preset: unknown 'huge'"),
+                           (["--config", "huge"], "error: --config huge: unknown preset 'huge'; expected one of"),
                            (["--log-every", "0"], "error: --log-every: expected a positive integer"),
                            (["--batch-size", "0"], "error: --batch-size: expected a positive integer"),
                            (["--heldout", "-0.5"], "error: --heldout: expected a fraction in [0, 1)"),
