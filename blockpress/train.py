@@ -66,7 +66,7 @@ class TrainConfig:
     batch_size: int = setting(8, "examples per optimizer step (global, across processes)")
     micro_batch_size: int = setting(0, "examples per forward (0: the whole per-process batch); smaller = accumulation")
     lr: float = setting(3e-4, "peak learning rate")
-    min_lr_ratio: float = setting(0.1, "the cosine schedule ends at lr * min_lr_ratio")
+    min_lr_ratio: float = setting(0.1, "the cosine schedule ends at --lr times this")
     warmup_steps: int = setting(50, "linear warmup steps")
     weight_decay: float = setting(0.01, "AdamW weight decay (matrices only)")
     beta1: float = setting(0.9, "AdamW beta1")
@@ -75,7 +75,7 @@ class TrainConfig:
     aux_ar_weight: float = setting(1.0, "weight of the encoder's next-token loss")
     diffusion_weight: float = setting(1.0, "weight of the diffusion loss (0: train an autoregressive baseline only)")
     self_conditioning_prob: float = setting(0.5, "fraction of examples trained with self-conditioning")
-    t_eps: float = setting(1e-3, "t ~ U(t_eps, 1 - t_eps)")
+    t_eps: float = setting(1e-3, "the noise level t is drawn from U(this, 1 - this)")
     noise_token_id: int = setting(-1, "-1: corrupt to uniform random tokens (published recipe); else to this one "
                                   "token (absorbing noise); `blockpress train --model` defaults to the model's own")
     reweight: bool = setting(False, "weight each example's diffusion loss by 1 / (1 - t)")
@@ -94,13 +94,13 @@ class TrainConfig:
     prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
     response_canvases: int = setting(1, "raw-text corpora: canvases of response per window")
     max_minutes: float = setting(0.0, "stop (and save) after this much wall time (0: no limit)")
-    time_schedule: bool = setting(False, "with max_minutes: the cosine decay follows the elapsed fraction of the budget")
+    time_schedule: bool = setting(False, "with --max-minutes: the cosine decay follows the elapsed fraction of the budget")
     data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
     # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
     # split (a Trainer takes its held-out data as an argument).
     heldout: float | None = setting(None, "JSONL examples: the fraction held out for the eval loss, chosen by "
-                                          "content hash (default: 0.02); not for raw text (give heldout_data)")
+                                          "content hash (default: 0.02); not for raw text (give --heldout-data)")
     heldout_data: str | None = setting(None, "raw text or token shards: held-out text (as --data takes it) or a "
                                              "glob of held-out shards for the eval loss")
 

@@ -239,6 +239,30 @@ def test_help_explains(command, capsys):
     assert "--model" in capsys.readouterr().out
 
 
+def subcommands():
+    import argparse
+
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_help_names_flags_not_setting_names(command):
+    """`train --help` said "give heldout_data" (TrainConfig's field) where the user types --heldout-data. No
+    command's help names one of its own settings by its underscored name (its dest, or the library's name a flag
+    stands for in FLAG_OF) where a flag exists; a choice's value (the entropy_bound sampler) is no setting."""
+    from blockpress.cli import FLAG_OF
+
+    parser = subcommands()[command]
+    options = [a for a in parser._actions if a.option_strings]
+    flags = {s for a in options for s in a.option_strings}
+    values = {str(c) for a in options for c in (a.choices or ())}
+    flag_of = {**{n: f for n, f in FLAG_OF.items() if f in flags}, **{a.dest: a.option_strings[0] for a in options}}
+    text = parser.format_help()  # metavars are upper case: HELDOUT_DATA is no match
+    leaks = {n: f for n, f in flag_of.items()
+             if "_" in n and n not in values and re.search(rf"(?<![\w-]){n}(?![\w-])", text)}
+    assert not leaks, f"{command} --help names settings where it means flags: {leaks}"
+
+
 def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2
