@@ -116,17 +116,31 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--top-p", type=float, default=None,
                    help="draw each candidate token from the nucleus: the fewest most likely tokens holding this "
                         "probability (1: all)")
-    g.add_argument("--t-max", type=float, default=None, help="temperature at the first step")
-    g.add_argument("--t-min", type=float, default=None, help="temperature at the last step")
+    g.add_argument("--t-max", type=float, default=None,
+                   help="temperature at the first step (of the candidate draws and of acceptance alike)")
+    g.add_argument("--t-min", type=float, default=None,
+                   help="temperature at the last step (of the candidate draws and of acceptance alike)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="OpenAI's temperature (the library's draw_temperature): candidates are drawn at the "
+                        "schedule's temperature (--t-max down to --t-min) times this, while acceptance keeps the "
+                        "schedule; 0: greedy. A model that decodes greedily by default (blockpress-code) samples "
+                        "when given one above 0, unless --sampler greedy")
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
 
 
-def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, top_k=args.top_k,
-                top_p=args.top_p)
+def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
+    """The sampling flags as `lm.generate` keywords; --temperature applied to `lm`'s settings (whose sampler it
+    may change) by SamplerConfig.with_temperature, as the server applies a request's."""
+    kw = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+              max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
+              entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by,
+              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, top_k=args.top_k,
+              top_p=args.top_p)
+    if args.temperature is not None:
+        cfg = lm.sampler_defaults.with_(sampler=args.sampler).with_temperature(args.temperature,
+                                                                             sampler_given=args.sampler is not None)
+        kw.update(sampler=cfg.sampler, candidates=cfg.candidates, draw_temperature=cfg.draw_temperature)
+    return kw
 
 
 def stats_line(out: Any, seconds: float) -> dict[str, Any]:
@@ -175,7 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     text, n, passes = "", 0, 0
     try:
         for event in lm.stream(prompt, drafts=live, token_healing=healing, stop=args.stop,
-                               **sampling_kwargs(args)):
+                               **sampling_kwargs(args, lm)):
             if isinstance(event, Draft) and view:
                 view.draft(event.tokens[0].tolist())
             elif isinstance(event, Commit):
@@ -231,9 +245,8 @@ def check_template(text: str, hole_length: int) -> None:
 
 def cmd_infill(args: argparse.Namespace) -> int:
     text = args.template if args.template != "-" else sys.stdin.read()
-    kw = sampling_kwargs(args)
     for flag in ("max_new_tokens", "min_new_tokens"):
-        if kw.pop(flag) not in (None, 0):  # an infill's length is its template's
+        if getattr(args, flag) not in (None, 0):  # an infill's length is its template's
             raise ValueError(f"--{flag.replace('_', '-')}: an infill is as long as its template; size the holes "
                              "with <|hole:N|> or --hole-length")
     if args.hole_length < 1:
@@ -247,6 +260,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
+    kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens")}
     t0 = time.perf_counter()
     out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
@@ -341,7 +355,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": user})
         try:
             ids = lm.chat_prompt(messages)
-            kw = sampling_kwargs(args)
+            kw = sampling_kwargs(args, lm)
             wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
             room = context - len(ids)  # positions left for the reply
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
@@ -855,7 +869,7 @@ class DefaultsFormatter(argparse.HelpFormatter):
 FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
            "t_max": "--t-max", "t_min": "--t-min", "entropy_bound": "--entropy-bound", "seed": "--seed",
            "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-           "rank_by": "--rank-by", "hole_length": "--hole-length", "stop": "--stop", "device": "--device",
+           "rank_by": "--rank-by", "temperature": "--temperature", "hole_length": "--hole-length", "stop": "--stop", "device": "--device",
            "ensemble": "--ensemble", "preset": "--preset",
            # bench's settings
            "steps": "--steps", "batch_sizes": "--batch-sizes", "canvas_lengths": "--canvas-lengths",

@@ -200,6 +200,23 @@ class SamplerConfig:
             kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
         return replace(self, **kept)
 
+    def with_temperature(self, temperature: float | None, sampler_given: bool = False) -> SamplerConfig:
+        """OpenAI's `temperature` applied (the server's and `blockpress generate --temperature`'s): None keeps
+        this config; 0 is the greedy sampler; T > 0 draws the candidates at T (draw_temperature). A greedy
+        sampler then becomes entropy_bound, since greedy is entropy_bound with argmax candidates (so a model that
+        decodes greedily by default, blockpress-code, samples as OpenAI's API would), unless `sampler_given`
+        says the caller asked for greedy itself; argmax candidates become draws."""
+        if temperature is None:
+            return self
+        if not is_finite_number(temperature) or temperature < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+        if temperature == 0:
+            return self.with_(sampler="greedy")
+        # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every position
+        # look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
+        return self.with_(sampler="entropy_bound" if self.sampler == "greedy" and not sampler_given else None,
+                          candidates="sample", draw_temperature=temperature)
+
 
 # Below this a temperature is greedy for any logits a model gives, and dividing by a smaller one overflows
 # float32 (a logit of 30 over 1e-45 is inf, and inf - inf is NaN: every token lost).

@@ -799,20 +799,7 @@ def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
                                                "t_min", "t_max", "stability_threshold", "confidence_threshold",
                                                "presence_penalty", "frequency_penalty", "top_k", "top_p")}
     try:
-        cfg = defaults.with_(**overrides)
-        if body.temperature == 0:
-            return cfg.with_(sampler="greedy")
-        if body.temperature is not None:
-            if cfg.sampler == "greedy" and body.sampler is None:
-                # A model that decodes greedily by default (blockpress-code) samples when asked for a
-                # temperature, as OpenAI's API does: greedy is entropy_bound with argmax candidates.
-                cfg = cfg.with_(sampler="entropy_bound")
-            if cfg.candidates == "argmax":  # a checkpoint's argmax candidates would leave the temperature unused
-                cfg = cfg.with_(candidates="sample")
-            # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every
-            # position look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
-            cfg = cfg.with_(draw_temperature=body.temperature)
-        return cfg
+        return defaults.with_(**overrides).with_temperature(body.temperature, sampler_given=body.sampler is not None)
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(":", 1)[0]) from None
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import blockpress
 from blockpress.cli import build_parser, main
@@ -267,6 +269,44 @@ def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2
     assert "not a checkpoint folder" in r.stderr and "Traceback" not in r.stderr
+
+
+@settings(max_examples=60, deadline=None)
+@given(command=st.sampled_from(["generate", "infill", "chat"]),
+       temperature=st.one_of(st.just(0.0), st.floats(0.01, 2.0)),
+       sampler=st.sampled_from([None, "entropy_bound", "confidence", "topk", "greedy"]),
+       default=st.sampled_from(["entropy_bound", "greedy"]), candidates=st.sampled_from(["sample", "argmax"]))
+def test_temperature_flag_is_the_servers_temperature(command, temperature, sampler, default, candidates):
+    """There was no --temperature (OpenAI's; SamplerConfig.draw_temperature): only --t-max/--t-min, which move
+    acceptance too. Given, it decodes as the server decodes a request with that temperature and sampler, over
+    the checkpoint's settings (blockpress-code's greedy sampler then samples)."""
+    pytest.importorskip("fastapi")
+    from types import SimpleNamespace
+
+    from blockpress.cli import sampling_kwargs
+    from blockpress.serve import CompletionRequest, sampler_config
+
+    defaults = blockpress.SamplerConfig(sampler=default, candidates=candidates)
+    given_args = [command, "x"][: 1 if command == "chat" else 2] + ["--temperature", str(temperature)]
+    args = build_parser().parse_args(given_args + (["--sampler", sampler] if sampler else []))
+    kw = sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))
+    cli = defaults.with_(**{k: v for k, v in kw.items() if k not in ("max_new_tokens", "min_new_tokens", "seed")})
+    server = sampler_config(defaults, CompletionRequest(model="m", prompt="x", temperature=temperature, sampler=sampler))
+    assert cli == server
+    assert cli.sampler == "greedy" if temperature == 0 or sampler == "greedy" else (
+        not cli.argmax_candidates and cli.draw_temperature == temperature)
+
+
+def test_temperature_flag_changes_the_draws_and_names_itself(capsys):
+    base = ["generate", "x", "--model", "random-tiny", "--max-new-tokens", "8", "--steps", "2", "--seed", "3",
+            "--json", "--threads", "1"]
+    texts = []
+    for extra in ([], ["--temperature", "1"], ["--temperature", "0.05"]):
+        assert main(base + extra) == 0
+        texts.append(json.loads(capsys.readouterr().out)["text"])
+    assert texts[0] == texts[1] != texts[2]  # 1: the checkpoint's draws; a low one draws other tokens
+    assert main(base + ["--temperature", "-1"]) == 2
+    assert "error: --temperature: expected a finite number >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value", [("--steps", "-4"), ("--presence-penalty", "3"), ("--threads", "-2")])
