@@ -18,6 +18,7 @@ import torch
 from blockpress.healing import heal
 from blockpress.live import LiveView, live_terminal
 from blockpress.quantize import SCHEMES
+from blockpress.sampling import RANKINGS
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -104,7 +105,7 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
     g.add_argument("--entropy-bound", type=float, default=None, help="entropy_bound sampler's bound")
-    g.add_argument("--rank-by", choices=["entropy", "margin", "position"], default=None,
+    g.add_argument("--rank-by", choices=RANKINGS, default=None,
                    help="the order positions are accepted in (topk, entropy_bound, greedy): lowest entropy first, "
                         "widest gap between the two most likely tokens first, or left to right")
     g.add_argument("--presence-penalty", type=float, default=None,
@@ -1025,8 +1026,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule (default: the model's; topk for blockpress-sudoku)")
-    p.add_argument("--rank-by", choices=["entropy", "margin"], default=None,
-                   help="topk sampler: which cells count as most certain (default: the model's)")
+    p.add_argument("--rank-by", choices=RANKINGS, default=None,
+                   help="the order cells are accepted in (topk, entropy_bound, greedy): lowest entropy first, widest "
+                        "gap between the two most likely digits first, or reading order (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's choice)")
     p.add_argument("--show-steps", action="store_true", help="print the board as the canvas settles (one puzzle)")

@@ -265,6 +265,16 @@ def test_help_names_flags_not_setting_names(command):
     assert not leaks, f"{command} --help names settings where it means flags: {leaks}"
 
 
+def test_every_rank_by_offers_every_ranking():
+    """`sudoku --rank-by` offered entropy|margin while the other commands (and SamplerConfig) also take position."""
+    from blockpress.sampling import RANKINGS
+
+    offered = {name: tuple(a.choices) for name, p in subcommands().items() for a in p._actions if a.dest == "rank_by"}
+    assert {"generate", "infill", "chat", "sudoku"} <= set(offered)
+    assert all(choices == RANKINGS for choices in offered.values()), offered
+    assert build_parser().parse_args(["sudoku", "." * 81, "--rank-by", "position"]).rank_by == "position"
+
+
 def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2
