@@ -263,7 +263,7 @@ class Request:
     # Each row's holes as (start, end) spans of `template`, one per marker (Template.holes, healed); None: each run
     # of -1s is one hole.
     template_holes: list[list[tuple[int, int]]] | None = None
-    # Stop strings, one list per row: a row ends at the token that completes one of them (see `stop_rows`).
+    # Stop strings, one list per row: a row ends at the token that completes one of them (see `_Stops`).
     stops: list[list[str]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
     prefix_cache: PrefixCache | None = None
@@ -549,12 +549,12 @@ def _output(
     encode_s: float,
     decode_s: float,
     cache: KVCache | None,
-    tokenizer: Any,
+    texts_of: _RowTexts | None,
 ) -> GenerationOutput:
     texts = fills = None
-    if tokenizer is not None:
+    if texts_of is not None:  # what the stop search and the Commit events decoded is not decoded again
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
-        texts, fills = answer_texts(req, tokenizer, rows), answer_fills(req, tokenizer, rows)
+        texts, fills = texts_of.answers(rows), answer_fills(req, texts_of.tokenizer, rows)
     chosen = num_valid
     if req.template is not None:  # fixed tokens are given, not decoded: count the holes within the valid tokens
         within = torch.arange(req.template.shape[1], device=num_valid.device) < num_valid[:, None]
@@ -582,23 +582,6 @@ def _heal_texts(req: Request, texts: list[str]) -> list[str]:
     return [strip_prefix(t, p) for t, p in zip(texts, req.heal_prefixes)]
 
 
-def answer_texts(req: Request, tokenizer: Any, rows: list[list[int]],
-                 floors: Sequence[int | None] | None = None) -> list[str]:
-    """Each row's text as the answer reads, from its valid new tokens `rows` (all of them, or those so far): decoded
-    whole (a template's fixed special tokens kept, see decode_rows), without the healed prefix the prompt holds, and
-    cut before its stop string. `floors`: each row's stop_floor where known (None: worked out here; a row of at
-    most min_new_tokens tokens is all floor, so that costs no second decode)."""
-    texts = _heal_texts(req, decode_rows(tokenizer, rows, req.template))
-    if not req.stops:
-        return texts
-    prefixes = req.heal_prefixes or [""] * len(rows)
-    floors = floors or [None] * len(rows)
-    m = req.min_new_tokens
-    return [cut_at_stop(text, stops, floor if floor is not None
-                        else len(text) if len(row) <= m else stop_floor(tokenizer, row, m, prefix))
-            for text, stops, row, prefix, floor in zip(texts, req.stops, rows, prefixes, floors)]
-
-
 def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[list[str]] | None:
     """A template's holes as text, per row, from its new tokens `rows` (all of them, or those so far: a hole not
     yet reached has no text, one reached in part its part); None without a template. See hole_fills."""
@@ -609,31 +592,98 @@ def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[li
 
 
 @dataclass
-class _Answers:
-    """Each row's valid new tokens so far, on the host, for the Commit events' `texts_so_far` and `fills_so_far`:
-    decoded whole after every canvas (a character whose bytes straddle two canvases comes out whole), once a canvas
-    (never per step), and only with a tokenizer."""
+class _RowTexts:
+    """Each row's text as its new tokens grow, for the stop search, the Commit events' texts so far and Done's texts:
+    decoded whole (a character whose bytes straddle two canvases comes out whole) and once per length, shared by the
+    three. A row only grows (tokens once written stay), so its newest text is all there is to keep; the text of its
+    first min_new_tokens (the stop floor) is fixed once it has them, so that is decoded once per generation."""
 
     req: Request
     tokenizer: Any
-    rows: list[list[int]]
-    floors: list[int | None]  # a row's stop_floor, decoded once it has its min_new_tokens (it is fixed from then on)
+    newest: list[tuple[int, str] | None]  # per row: (tokens, their text) last decoded
+    floors: list[int | None]  # per row: stop_floor, once the row has more than min_new_tokens tokens
 
     @classmethod
-    def of(cls, req: Request, tokenizer: Any) -> _Answers:
+    def of(cls, req: Request, tokenizer: Any) -> _RowTexts:
         b = req.prompt.shape[0]
-        return cls(req, tokenizer, [[] for _ in range(b)], [None] * b)
+        return cls(req, tokenizer, [None] * b, [None] * b)
+
+    def _decode(self, r: int, row: list[int]) -> str:
+        template = None if self.req.template is None else self.req.template[r : r + 1]
+        prefix = self.req.heal_prefixes[r] if self.req.heal_prefixes else ""
+        return strip_prefix(decode_rows(self.tokenizer, [row], template)[0], prefix)
+
+    def text(self, r: int, row: list[int]) -> str:
+        """Row `r`'s text of its new tokens `row`: decoded whole (a template's fixed special tokens kept, see
+        decode_rows), without the healed prefix the prompt holds, not cut at a stop string."""
+        if self.newest[r] is None or self.newest[r][0] != len(row):
+            self.newest[r] = (len(row), self._decode(r, row))
+        return self.newest[r][1]
+
+    def floor(self, r: int, row: list[int]) -> int:
+        """How many characters of the text the first min_new_tokens tokens make: no stop string ends in them
+        (vLLM's min_tokens). A row of at most min_new_tokens tokens is all floor."""
+        m = self.req.min_new_tokens
+        if not m:
+            return 0
+        if len(row) <= m:
+            return len(self.text(r, row))
+        if self.floors[r] is None:
+            self.floors[r] = len(self._decode(r, row[:m]))
+        return self.floors[r]
+
+    def answers(self, rows: list[list[int]]) -> list[str]:
+        """Each row's text as the answer reads, from its valid new tokens `rows` (all of them, or those so far):
+        `text`, cut before its stop string."""
+        texts = [self.text(r, row) for r, row in enumerate(rows)]
+        if not self.req.stops:
+            return texts
+        return [cut_at_stop(text, stops, self.floor(r, row))
+                for r, (text, row, stops) in enumerate(zip(texts, rows, self.req.stops))]
+
+    def first_stop(self, r: int, row: list[int], checked: int) -> int | None:
+        """The fewest tokens of `row` whose text holds one of row `r`'s stop strings ending past the floor (None: no
+        stop yet). The first `checked` tokens were searched before, so the answer lies after them; bisection, as a
+        prefix that holds a stop keeps holding it. The whole text is `text`'s (shared with the answer so far), so a
+        row without a stop costs no decode of its own; the text at the answer is kept for the answer."""
+        stops, m = self.req.stops[r] if self.req.stops else [], self.req.min_new_tokens
+        lo = max(checked, m)  # a row of at most min_new_tokens tokens is all floor: no stop counts in it
+        if not stops or len(row) <= lo:
+            return None
+        floor = self.floor(r, row)
+
+        def holds(text: str) -> bool:
+            return len(cut_at_stop(text, stops, floor)) < len(text)
+
+        hi, at_hi = len(row), self.text(r, row)
+        if not holds(at_hi):
+            return None
+        while hi - lo > 1:  # holds(lo) is False, holds(hi) is True
+            mid = (lo + hi) // 2
+            text = self._decode(r, row[:mid])
+            lo, hi, at_hi = (lo, mid, text) if holds(text) else (mid, hi, at_hi)
+        self.newest[r] = (hi, at_hi)  # the row's answer is its text through here
+        return hi
+
+
+@dataclass
+class _Answers:
+    """Each row's valid new tokens so far, on the host, for the Commit events' `texts_so_far` and `fills_so_far`:
+    read once a canvas (never per step) through the generation's _RowTexts, and only with a tokenizer."""
+
+    texts: _RowTexts
+    rows: list[list[int]]
+
+    @classmethod
+    def of(cls, texts: _RowTexts) -> _Answers:
+        return cls(texts, [[] for _ in texts.newest])
 
     def add(self, committed: list[list[int]], written: list[int]) -> tuple[list[str], list[list[str]] | None]:
         """A canvas's `committed` tokens, of which each row keeps what takes it to `written` valid tokens (the rest
         is padding); returns (texts so far, fills so far)."""
-        req, m = self.req, self.req.min_new_tokens
-        for r, (row, new, n) in enumerate(zip(self.rows, committed, written)):
+        for row, new, n in zip(self.rows, committed, written):
             row += new[: n - len(row)]
-            if req.stops and m and self.floors[r] is None and len(row) >= m:
-                prefix = req.heal_prefixes[r] if req.heal_prefixes else ""
-                self.floors[r] = stop_floor(self.tokenizer, row, m, prefix)
-        return answer_texts(req, self.tokenizer, self.rows, self.floors), answer_fills(req, self.tokenizer, self.rows)
+        return self.texts.answers(self.rows), answer_fills(self.texts.req, self.texts.tokenizer, self.rows)
 
 
 def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
@@ -664,45 +714,6 @@ def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0) -> str:
         if at >= 0:
             cut = min(cut, at)
     return text[:cut]
-
-
-def stop_floor(tokenizer: Any, row: list[int], min_new_tokens: int, prefix: str) -> int:
-    """How many characters of a row's text its first min_new_tokens tokens make: no stop string ends in them."""
-    return len(strip_prefix(tokenizer.decode(row[:min_new_tokens]), prefix)) if min_new_tokens else 0
-
-
-def _first_stop(tokenizer: Any, row: list[int], checked: int, prefix: str, stops: list[str],
-                min_new_tokens: int = 0) -> int | None:
-    """The fewest tokens of `row` whose text holds a stop string ending past the min_new_tokens' text (None:
-    no stop yet). The first `checked` tokens were searched before, so the answer lies after them; bisection,
-    as a prefix that holds a stop keeps holding it."""
-    floor = stop_floor(tokenizer, row, min_new_tokens, prefix)
-
-    def holds(m: int) -> bool:
-        text = strip_prefix(tokenizer.decode(row[:m]), prefix)
-        return len(cut_at_stop(text, stops, floor)) < len(text)
-
-    if len(row) <= checked or not holds(len(row)):
-        return None
-    lo, hi = checked, len(row)  # holds(lo) is False, holds(hi) is True
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
-    return hi
-
-
-def stop_rows(req: Request, tokenizer: Any, tokens: list[list[int] | None], checked: list[int]) -> dict[int, int]:
-    """Rows whose text now holds a stop string -> how many tokens they keep (through the one completing it).
-    `tokens`: each row's valid new tokens so far (None: skip the row); `checked`: see `_first_stop`."""
-    hits = {}
-    for r, row in enumerate(tokens):
-        if row is None or not req.stops or not req.stops[r]:
-            continue
-        m = _first_stop(tokenizer, row, checked[r], req.heal_prefixes[r] if req.heal_prefixes else "", req.stops[r],
-                        req.min_new_tokens)
-        if m is not None:
-            hits[r] = m
-    return hits
 
 
 def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -828,32 +839,34 @@ class _Working:
 
 @dataclass
 class _Stops:
-    """A batch's stop strings, searched in its new tokens (`stop_rows`), and the rows they ended."""
+    """A batch's stop strings, searched in its new tokens (`_RowTexts.first_stop`), and the rows they ended."""
 
     req: Request
-    tokenizer: Any
+    texts: _RowTexts | None  # the rows' texts (None: no tokenizer, so no stop search)
     length: torch.Tensor  # [B] the new tokens each row keeps: through its stop string, or all of them
     stopped: list[bool]  # the rows a stop string ended (the server's finish_reason)
 
     @classmethod
-    def of(cls, req: Request, tokenizer: Any, n_new: int, device: torch.device) -> _Stops:
+    def of(cls, req: Request, texts: _RowTexts | None, n_new: int, device: torch.device) -> _Stops:
         b = req.prompt.shape[0]
-        return cls(req, tokenizer, torch.full((b,), n_new, dtype=torch.long, device=device), [False] * b)
+        return cls(req, texts, torch.full((b,), n_new, dtype=torch.long, device=device), [False] * b)
 
     @property
     def active(self) -> bool:
-        return bool(self.req.stops) and self.tokenizer is not None  # a template never has stops (LM._stops refuses)
+        return bool(self.req.stops) and self.texts is not None  # a template never has stops (LM._stops refuses)
 
     def find(self, tokens: torch.Tensor, counts: list[int], skip: list[bool], checked: list[int],
              finished: torch.Tensor) -> dict[int, int]:
         """Rows whose first `counts` new `tokens` [B, n] hold a stop string -> the tokens they keep (through the one
         completing it); those rows end (`finished` is set in place). Rows in `skip` are not searched; `checked`:
-        the tokens searched before (see `_first_stop`)."""
-        host = tokens.tolist()
-        rows = [None if s else row[:c] for row, c, s in zip(host, counts, skip)]
-        hits = stop_rows(self.req, self.tokenizer, rows, checked)
-        for r, m in hits.items():
-            finished[r], self.length[r], self.stopped[r] = True, m, True
+        the tokens searched before (see `_RowTexts.first_stop`). Only called when `active`."""
+        texts = self.texts
+        assert texts is not None
+        hits = {}
+        for r, (row, c, s) in enumerate(zip(tokens.tolist(), counts, skip)):
+            if not s and (m := texts.first_stop(r, row[:c], checked[r])) is not None:
+                hits[r] = m
+                finished[r], self.length[r], self.stopped[r] = True, m, True
         return hits
 
 
@@ -924,7 +937,7 @@ class _Decoding:
     start: float  # when denoising began (the events' elapsed time)
 
     @classmethod
-    def begin(cls, model: Any, req: Request, cache: KVCache, fns: StepFunctions, tokenizer: Any,
+    def begin(cls, model: Any, req: Request, cache: KVCache, fns: StepFunctions, texts: _RowTexts | None,
               drafts: bool) -> _Decoding:
         device, n_new = model.device, _new_length(req)
         b, vocab = req.prompt.shape[0], model.config.text.vocab_size
@@ -936,7 +949,7 @@ class _Decoding:
                    zeros,
                    torch.zeros(b, n_canvases, dtype=torch.long, device=device),
                    torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
-                   _Stops.of(req, tokenizer, n_new, device), time.perf_counter())
+                   _Stops.of(req, texts, n_new, device), time.perf_counter())
 
     def denoise(self, canvas: _Canvas) -> Generator[Draft, None, CanvasState | None]:
         """Denoise one canvas, with a Draft after each step when asked: its final state (None: cancelled)."""
@@ -1095,8 +1108,10 @@ def run(
     device_sync(device)
     encode_s = time.perf_counter() - t0
     denoise_s = 0.0
-    dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), tokenizer, drafts)
-    answers = _Answers.of(req, tokenizer) if tokenizer is not None else None
+    # Each row's text is decoded once a commit, for its stop search, the Commit's texts so far and Done's texts.
+    texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
+    dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), texts_of, drafts)
+    answers = _Answers.of(texts_of) if texts_of is not None else None
     for ci in range(n_canvases):
         canvas = _Canvas.of(req, ci, canvas_len, device)
         t_canvas = time.perf_counter()
@@ -1124,7 +1139,7 @@ def run(
     if keep_cache:
         cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
     out = _output(req, dec.new_tokens, dec.written, dec.passes, dec.steps_per_canvas, encode_s, denoise_s,
-                  cache if keep_cache else None, tokenizer)
+                  cache if keep_cache else None, texts_of)
     out.extra["stopped"] = dec.stops.stopped
     out.extra["reused_prompt_tokens"] = reused
     yield Done(out)
@@ -1153,7 +1168,8 @@ def run_ar(
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     passes = torch.zeros(b, dtype=torch.long, device=device)
-    stops = _Stops.of(req, tokenizer, n_new, device)
+    texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
+    stops = _Stops.of(req, texts_of, n_new, device)
     checked = [0] * b
     cfg = req.sampler
     penalized = cfg.penalizes_repeats
@@ -1205,7 +1221,7 @@ def run_ar(
     if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
         cache.end_rows(start + num_valid)
     out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
-                  cache if keep_cache else None, tokenizer)
+                  cache if keep_cache else None, texts_of)
     out.extra["stopped"] = stops.stopped
     out.extra["reused_prompt_tokens"] = reused
     return out

@@ -1638,7 +1638,7 @@ def test_a_logits_processor_may_return_a_broadcast_view(lm):
 def test_one_stop_search_serves_both_loops(code_lm):
     """`run` and `run_ar` share `_Stops.find`: a row ends at the token completing a stop string, skipped rows
     are left alone, and the rows it ends are marked finished and stopped."""
-    from blockpress.generate import Request, _Stops
+    from blockpress.generate import Request, _RowTexts, _Stops
     from blockpress.sampling import SamplerConfig
 
     tok = code_lm.tokenizer
@@ -1647,7 +1647,7 @@ def test_one_stop_search_serves_both_loops(code_lm):
     width = max(map(len, rows))
     tokens = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
     req = Request(torch.tensor([[3]] * 3), None, width, 0, SamplerConfig(), 0, None, [EOS], PAD, stops=[["\n"]] * 3)
-    stops = _Stops.of(req, tok, width, torch.device("cpu"))
+    stops = _Stops.of(req, _RowTexts.of(req, tok), width, torch.device("cpu"))
     finished = torch.zeros(3, dtype=torch.bool)
     hits = stops.find(tokens, [len(r) for r in rows], [False, False, True], [0, 0, 0], finished)
     assert list(hits) == [0] and "\n" in tok.decode(rows[0][: hits[0]]) and "\n" not in tok.decode(rows[0][: hits[0] - 1])

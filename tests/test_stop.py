@@ -6,7 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockpress
-from blockpress.generate import cut_at_stop, normalize_stops
+from blockpress.generate import Commit, cut_at_stop, normalize_stops
+from blockpress.healing import strip_prefix
+from blockpress.tokenizer import Tokenizer
 
 PROMPTS = ["import os\n\ndef list_files(path):", "class Stack:\n    def push(self, item):"]
 N = 64
@@ -147,3 +149,84 @@ def test_a_stop_inside_the_min_new_tokens_does_not_count(lm, engine):
 def test_cut_at_stop_ignores_only_stops_ending_in_the_floor(text, stops, floor):
     counted = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
     assert cut_at_stop(text, stops, floor) == text[: min(counted, default=len(text))]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A tiny random model (canvases of 8) that writes with the code model's byte-level tokenizer."""
+    code = blockpress.lm.MODELS_DIR / "blockpress-code"
+    return blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=8192), seed=0,
+                                   tokenizer=Tokenizer.from_dir(code))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_each_row_is_decoded_once_a_commit_and_reads_as_a_plain_decode(tiny_lm, data, monkeypatch):
+    """A commit decoded each row's text for its stop search, again (with the min_new_tokens floor, on every search)
+    for the text so far, and Done decoded it all once more. Now the three share one decode of each row a commit (the
+    floor once a generation, a few more to find where a stop ends): and every text reads as a plain decode of the
+    unstopped run's ids, cut where a stop string first appears past the floor."""
+    lm = tiny_lm
+    tok, c = lm.tokenizer, lm.config.canvas_length
+    kw = dict(seeds=data.draw(st.lists(st.integers(0, 50), min_size=2, max_size=2), label="seeds"),
+              max_new_tokens=data.draw(st.integers(2 * c + 1, 3 * c), label="max_new_tokens"),
+              max_denoising_steps=data.draw(st.integers(1, 3), label="steps"),
+              token_healing=data.draw(st.booleans(), label="token_healing"))
+    kw["min_new_tokens"] = data.draw(st.integers(0, kw["max_new_tokens"] // 2), label="min_new_tokens")
+    prompts = [PROMPTS[0], PROMPTS[1] + " "]  # the second heals a token
+    ref = lm.generate(prompts, **kw)
+    ids, texts = [], []
+    for r in range(2):
+        ids.append(ref.new_tokens[r, : int(ref.num_new_tokens[r])].tolist())
+        texts.append(ref.texts[r])
+    prefixes = []
+    for r in range(2):
+        whole = tok.decode(ids[r])
+        assert whole.endswith(texts[r])
+        prefixes.append(whole[: len(whole) - len(texts[r])])
+    stops = []
+    for r in range(2):  # pieces of the row's own text, so that they do appear (U+FFFD: a half character, not one)
+        pieces = st.integers(0, max(0, len(texts[r]) - 1)).flatmap(
+            lambda at, t=texts[r]: st.integers(1, 4).map(lambda n: t[at : at + n]))
+        row_stops = data.draw(st.lists(pieces.filter(lambda s: s and "\ufffd" not in s), max_size=2), label="stops")
+        stops.append(row_stops + data.draw(st.sampled_from([[], ["\x00never"]]), label="never"))
+
+    def text(r: int, n: int) -> str:
+        return strip_prefix(tok.decode(ids[r][:n]), prefixes[r])
+
+    def answer(r: int, n: int) -> str:  # the straightforward answer of the first n tokens: decode all, then cut
+        floor = len(text(r, min(n, kw["min_new_tokens"])))
+        return cut_at_stop(text(r, n), stops[r], floor)
+
+    want = [next((n for n in range(1, len(ids[r]) + 1) if answer(r, n) != text(r, n)), len(ids[r])) for r in range(2)]
+
+    calls = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    events, counts = [], []
+    for event in lm.stream(prompts, stop=stops, drafts=False, **kw):
+        events.append(event)
+        counts.append(len(calls))
+        calls.clear()
+    monkeypatch.undo()
+    commits, out = events[:-1], events[-1].output
+    assert all(isinstance(e, Commit) for e in commits) and len(commits) >= 2
+
+    assert counts[-1] == 0  # Done's texts are the last Commit's: nothing to decode again
+    written = [0, 0]
+    for k, (commit, n_calls) in enumerate(zip(commits, counts)):
+        now = commit.num_new_tokens.tolist()
+        stopped_here = [out.extra["stopped"][r] and now[r] == want[r] and written[r] < want[r] for r in range(2)]
+        # A canvas decoded on its own and the row's text so far; a row's floor the commit it passes min_new_tokens;
+        # where a stop string ends, a bisection.
+        bound = sum(2 + (written[r] <= kw["min_new_tokens"] < now[r]) + stopped_here[r] * len(ids[r]).bit_length()
+                    for r in range(2))
+        assert n_calls <= bound, (k, n_calls, bound)
+        for r in range(2):
+            assert now[r] <= want[r] and commit.texts_so_far[r] == answer(r, now[r])
+            canvas = commit.tokens[r].tolist()
+            assert commit.texts[r] == (strip_prefix(tok.decode(canvas), prefixes[r]) if k == 0 else tok.decode(canvas))
+        written = now
+    assert out.num_new_tokens.tolist() == want
+    assert out.texts == [answer(r, want[r]) for r in range(2)]
+    assert out.extra["stopped"] == [want[r] < len(ids[r]) or answer(r, want[r]) != text(r, want[r]) for r in range(2)]
