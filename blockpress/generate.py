@@ -269,6 +269,9 @@ class Request:
     prefix_cache: PrefixCache | None = None
     # Asked on the host before every step; True ends the generation there, without a Done (LM.stream).
     cancelled: Callable[[], bool] | None = None
+    # Ids the tokenizer has no token for (Tokenizer.unknown_ids: an embedding padded past its vocabulary) [k]: their
+    # logits are -inf, so no row ever chooses one (it would have no text). None: every id may be chosen.
+    unknown_ids: torch.Tensor | None = None
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -933,6 +936,7 @@ class _Decoding:
     passes: torch.Tensor  # [B] decoder passes per row
     steps_per_canvas: torch.Tensor  # [B, canvases]
     history: torch.Tensor | None  # [B, V]: the committed new tokens counted per row (for the repeat penalties)
+    unknown: torch.Tensor | None  # req.unknown_ids on the device
     stops: _Stops
     start: float  # when denoising began (the events' elapsed time)
 
@@ -949,6 +953,7 @@ class _Decoding:
                    zeros,
                    torch.zeros(b, n_canvases, dtype=torch.long, device=device),
                    torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
+                   None if req.unknown_ids is None else req.unknown_ids.to(device),
                    _Stops.of(req, texts, n_new, device), time.perf_counter())
 
     def denoise(self, canvas: _Canvas) -> Generator[Draft, None, CanvasState | None]:
@@ -1036,6 +1041,8 @@ class _Decoding:
         # the sampler, which see -inf there as a ban; -inf stays -inf under the temperature.
         if w.bans is not None:
             w.bans.apply(logits)
+        if self.unknown is not None:
+            logits.index_fill_(-1, self.unknown, float("-inf"))
         if canvas.eos_until:
             logits[:, : canvas.eos_until, self.eos] = float("-inf")
         return logits
@@ -1174,6 +1181,7 @@ def run_ar(
     cfg = req.sampler
     penalized = cfg.penalizes_repeats
     history = torch.zeros(b, model.config.text.vocab_size, device=device) if penalized else None
+    unknown = None if req.unknown_ids is None else req.unknown_ids.to(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         cache, logits, reused = _encode_prompt(model, req, prompt, cache, p + n_new + 1, logits=True)
@@ -1182,6 +1190,8 @@ def run_ar(
     encode_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     for i in range(n_new):
+        if unknown is not None:
+            logits.index_fill_(-1, unknown, float("-inf"))
         if req.eos_ids and i < req.min_new_tokens:
             logits[:, eos] = float("-inf")
         if i == 0 and req.first_allowed is not None:

@@ -515,6 +515,15 @@ class LM:
                               hole_prefixes=hole_prefixes)
         if parsed is not None:
             fields.update(template_holes=parsed.holes)
+        # The ids past the tokenizer's vocabulary that the model's (padded) embedding has: never generated, since
+        # they have no text (transformers samples them, and its decode drops them without a word).
+        unknown = self.tokenizer.unknown_ids(v) if self.tokenizer is not None else []
+        if unknown:
+            fields.update(unknown_ids=torch.tensor(unknown))
+            if tmpl is not None and bool(torch.isin(tmpl, fields["unknown_ids"]).any()):
+                bad = int(tmpl[torch.isin(tmpl, fields["unknown_ids"])][0])
+                raise ValueError(f"template: token id {bad} has no token in the tokenizer (its vocabulary has "
+                                 f"{self.tokenizer.vocab_size}; the model's embedding is padded to {v}), so no text")
         if healed is not None and any(h.prefix for h in healed):
             heal_prefixes = [h.prefix for h in healed]
             fields.update(heal_prefixes=heal_prefixes,

@@ -159,6 +159,7 @@ class Tokenizer:
     _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _plain_backend: tokenizers.Tokenizer | None = field(default=None, init=False, repr=False, compare=False)
+    _unknown_ids: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
 
@@ -425,7 +426,8 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`: python ints, numpy integers, or an integer tensor / array. An id that is not an integer,
-        or is negative, is a ValueError (the backend would coerce it without a word, or overflow)."""
+        is negative, or has no token here (past the vocabulary: see `unknown_ids`) is a ValueError (the backend
+        would coerce it without a word, overflow, or drop it)."""
         id_list = self._id_list(ids)
         if skip_special_tokens:
             # Also drop ids that a config marks special but tokenizer.json does not (e.g. extra EOS ids).
@@ -441,7 +443,25 @@ class Tokenizer:
         if values and (low := min(values)) < 0:
             raise ValueError(f"ids: token id {low} at position {values.index(low)} is negative (expected a token id, "
                              f"0 <= id < vocab_size {self.vocab_size})")
+        if values and max(values) >= self.vocab_size:  # the usual case is only this one test
+            unknown = set(self.unknown_ids(max(values) + 1))
+            for position, value in enumerate(values):
+                if value in unknown:
+                    raise ValueError(f"ids: token id {value} at position {position} has no token in this tokenizer "
+                                     f"(its vocabulary has {self.vocab_size}; a model's embedding may be padded past "
+                                     "it, and generation never chooses those ids)")
         return values
+
+    def unknown_ids(self, limit: int) -> list[int]:
+        """The ids below `limit` (a model's vocabulary size) that this tokenizer has no token for, so no text: a
+        checkpoint's embedding is often padded past its tokenizer's vocabulary. Generation never chooses them
+        (LM masks their logits) and decode refuses them. Ids the configs name special (an extra EOS id) are not
+        among them: they end or pad a text, and decode drops them. Worked out once per limit."""
+        if limit not in self._unknown_ids:
+            special = self.special_ids
+            self._unknown_ids[limit] = [i for i in range(self.vocab_size, limit)
+                                        if i not in special and self.backend.id_to_token(i) is None]
+        return self._unknown_ids[limit]
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]

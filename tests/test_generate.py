@@ -1991,3 +1991,32 @@ def test_a_character_split_between_canvases_commits_whole(code_lm, monkeypatch):
     assert all("🙂" not in e.texts[0] for e in commits)  # each canvas alone holds half of it
     assert commits[0].texts_so_far[0].endswith("\ufffd")  # its bytes are still arriving
     assert "🙂" in commits[1].texts_so_far[0] and commits[1].texts_so_far == events[-1].output.texts
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_ids_past_the_tokenizer_vocabulary_are_never_generated(monkeypatch, engine):
+    """A checkpoint's embedding is often padded past its tokenizer's vocabulary. Those ids were chosen like any other
+    (as in transformers) and decoded to nothing: the text silently lost them. Their logits are now -inf, so no row
+    chooses one, and a template that names one is refused."""
+    from blockpress.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(blockpress.lm.MODELS_DIR / "blockpress-code")
+    n = tok.vocab_size
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=n + 16), seed=0, tokenizer=tok)
+    original = lm.model.head
+
+    def head(hidden):  # the likeliest token everywhere is a padded id (the decoder's canvas and the AR head alike)
+        logits = original(hidden)
+        logits[..., n + 3] += 50.0
+        return logits
+
+    monkeypatch.setattr(lm.model, "head", head)
+    out = (lm.generate("x = ", max_new_tokens=20, seed=0, max_denoising_steps=2) if engine == "diffusion"
+           else lm.generate_ar("x = ", max_new_tokens=20))
+    new = out.new_tokens[0, : int(out.num_new_tokens[0])].tolist()
+    assert len(new) > 0 and max(new) < n
+    assert out.texts[0] == tok.decode(new)
+    assert tok.unknown_ids(n + 16) == list(range(n, n + 16))
+    if engine == "diffusion":
+        with pytest.raises(ValueError, match=f"template: token id {n + 3} has no token in the tokenizer"):
+            lm.generate("x = ", template=[[n + 3, -1, -1]])

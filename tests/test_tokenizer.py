@@ -656,9 +656,10 @@ def test_continue_final_message_errors(tok: Tokenizer, tmp_path: Path) -> None:
     (["3"], "got str '3' at position 0"),
     ([True], "got bool True at position 0"),
     ([None], "got NoneType None at position 0"),
+    ([7, 500, 8], r"ids: token id 500 at position 1 has no token in this tokenizer \(its vocabulary has 500;"),
 ])
 def test_decode_refuses_ids_that_are_not_tokens(tok: Tokenizer, ids: list[Any], pattern: str) -> None:
-    """Before: floats / strings / bools were coerced, -1 overflowed."""
+    """Before: floats / strings / bools were coerced, -1 overflowed, an id past the vocabulary was dropped."""
     with pytest.raises(ValueError, match=pattern):
         tok.decode(ids)
 
