@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .sampling import check_flag
+from .checks import check_flag
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

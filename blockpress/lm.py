@@ -23,6 +23,7 @@ from .checkpoint import (
     resolve_dtype,
     save_model,
 )
+from .checks import check_flag
 from .config import ModelConfig
 from .generate import (
     Commit,
@@ -47,7 +48,7 @@ from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_scheme
-from .sampling import TEMPERATURE_HINT, SamplerConfig, check_flag, is_finite_number, is_int
+from .sampling import TEMPERATURE_HINT, SamplerConfig, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
 

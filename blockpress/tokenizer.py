@@ -23,6 +23,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from .checks import check_flag
 from .response import compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -398,6 +399,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids for `text`; BOS is prepended only when asked, never by the post-processor."""
+        check_flag("add_bos", add_bos)
         ids = self.backend.encode(_checked_text(text), add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
@@ -428,6 +430,7 @@ class Tokenizer:
         """The text of `ids`: python ints, numpy integers, or an integer tensor / array. An id that is not an integer,
         is negative, or has no token here (past the vocabulary: see `unknown_ids`) is a ValueError (the backend
         would coerce it without a word, overflow, or drop it)."""
+        check_flag("skip_special_tokens", skip_special_tokens)
         id_list = self._id_list(ids)
         if skip_special_tokens:
             # Also drop ids that a config marks special but tokenizer.json does not (e.g. extra EOS ids).
@@ -464,6 +467,7 @@ class Tokenizer:
         return self._unknown_ids[limit]
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
+        check_flag("skip_special_tokens", skip_special_tokens)  # before the first row: an empty batch too
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
 
     def token_texts(self) -> list[str]:
@@ -507,6 +511,8 @@ class Tokenizer:
         `tools` are JSON schemas and `documents` dicts, as transformers' templates expect. Other keyword arguments
         become template variables. The template itself is responsible for BOS, so tokenize=True adds no other.
         """
+        check_flag("add_generation_prompt", add_generation_prompt, none=True)
+        check_flag("tokenize", tokenize)
         if not isinstance(continue_final_message, (bool, str)):
             raise ValueError(f"continue_final_message: expected a bool or a message field's name, got "
                              f"{type(continue_final_message).__name__}")

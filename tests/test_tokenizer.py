@@ -814,3 +814,35 @@ def test_tools_must_be_json_schemas(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match=r"tools\[0\]: expected a dict, got str"):
         custom.apply_chat_template(TWO_TURNS, tools=["weather"])
     assert custom.apply_chat_template(TWO_TURNS, tools=[TOOL_SCHEMA]) == json.dumps([TOOL_SCHEMA])
+
+
+@pytest.mark.parametrize("bad", ["no", 1, 0, None])
+@pytest.mark.parametrize("call, flag", [
+    (lambda tok, v: tok.encode("x", add_bos=v), "add_bos"),
+    (lambda tok, v: tok.decode([5], skip_special_tokens=v), "skip_special_tokens"),
+    (lambda tok, v: tok.decode_batch([], skip_special_tokens=v), "skip_special_tokens"),
+    (lambda tok, v: tok.apply_chat_template(TWO_TURNS, tokenize=v), "tokenize"),
+    (lambda tok, v: tok.apply_chat_template(TWO_TURNS, add_generation_prompt=v), "add_generation_prompt"),
+], ids=["encode", "decode", "decode_batch", "tokenize", "add_generation_prompt"])
+def test_flags_are_bools_not_truthy_stand_ins(tok: Tokenizer, call: Any, flag: str, bad: Any) -> None:
+    """The tokenizer read its flags as truthy ("no" added a BOS, 0 skipped nothing) where the rest of the library
+    refuses anything but True / False (None where it means "the default")."""
+    if bad is None and flag == "add_generation_prompt":  # None: the default, decided by continue_final_message
+        assert call(tok, bad) == call(tok, True)
+        return
+    with pytest.raises(ValueError, match=f"^{flag}: expected True"):
+        call(tok, bad)
+
+
+def test_the_tokenizer_imports_no_torch() -> None:
+    """blockpress.tokenizer and the checks it shares with the rest of the library load where torch cannot (the
+    package's __init__, which does import torch, is bypassed)."""
+    import subprocess
+    import sys
+
+    package = Path(__file__).resolve().parents[1] / "blockpress"
+    code = (f"import sys, types; sys.modules['torch'] = None; pkg = types.ModuleType('blockpress'); "
+            f"pkg.__path__ = [{str(package)!r}]; sys.modules['blockpress'] = pkg; "
+            "from blockpress.tokenizer import train_bpe_tokenizer; "
+            "tok = train_bpe_tokenizer(['a b c'], vocab_size=300); assert tok.decode(tok.encode('a b')) == 'a b'")
+    subprocess.run([sys.executable, "-c", code], check=True)
