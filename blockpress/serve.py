@@ -61,7 +61,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -78,10 +78,28 @@ from .sampling import SamplerConfig
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """A body whose `nullable` fields take null as their default, as OpenAI's API documents them ("integer or
+    null"); clients and proxies that write every unset field send them so."""
+
+    nullable: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.nullable}
+
+
+class StreamOptions(_NullIsDefault):
     model_config = STRICT
+    nullable = frozenset({"include_usage"})
 
     include_usage: bool = False  # OpenAI's: one last chunk, before [DONE], with the request's usage
+    # OpenAI's padding of chunks against a network side channel: no chunk here carries it, asked or not (a client
+    # reads none; the server is on the client's own network)
+    include_obfuscation: bool | None = None
 
 
 # The values of unimplemented OpenAI fields that ask for nothing (None always passes).
@@ -89,15 +107,19 @@ NOOP_VALUES: dict[str, tuple] = {
     "logprobs": (False, 0), "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (False, True), "functions": ([],), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
+    "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
 }
 # Why a field is refused, where it is not simply missing from a block-diffusion engine.
 NOOP_WHY = {"tool_choice": "the server does not force tool calls: it reads those the model writes, where the "
                            "checkpoint has a response_template",
-            "tools": "only /v1/chat/completions renders tools, through the chat template"}
+            "tools": "only /v1/chat/completions renders tools, through the chat template",
+            "store": "answers are not kept for retrieval", "service_tier": "one engine serves every request alike",
+            "modalities": "the reply is text"}
 
 
-class _Common(BaseModel):
+class _Common(_NullIsDefault):
     model_config = STRICT
+    nullable = frozenset({"n", "stream"})
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -111,7 +133,12 @@ class _Common(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: str | list[str] | None = None
+    # Labels for the client's own bookkeeping, with no effect on the answer (as at OpenAI, which only stores
+    # metadata with a stored completion, and `store` is refused here)
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict | None = None
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache reuses prompts without one
     # diffusion extras
     top_k: int | None = Field(default=None, ge=0)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
     max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
@@ -137,6 +164,9 @@ class _Common(BaseModel):
     logit_bias: dict | None = None
     echo: bool | None = None
     best_of: int | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list | None = None
 
     implemented: ClassVar[frozenset[str]] = frozenset()  # fields of NOOP_VALUES a request kind does implement
 

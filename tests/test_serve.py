@@ -235,6 +235,35 @@ def test_the_no_op_values_clients_send_are_accepted(server):
     assert r.status_code == 200, r.text
 
 
+def test_openais_nullable_fields_take_null_as_their_default(server):
+    """OpenAI documents n, stream and stream_options.include_usage as nullable; clients that write every unset field
+    send null, which was refused ("n: Input should be a valid integer")."""
+    def post(**body):
+        return httpx.post(server[0] + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "x", "max_tokens": 2, "seed": 1, **body})
+
+    r = post(n=None, stream=None)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text  # one choice, not a stream
+    r = post(stream=True, stream_options={"include_usage": None})
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert r.status_code == 200 and chunks and all("usage" not in c for c in chunks), r.text  # no usage asked
+
+
+def test_fields_current_clients_send_are_accepted_where_they_ask_for_nothing(server):
+    """openai>=1.99 sends stream_options.include_obfuscation; clients send store: false, metadata, service_tier
+    "auto": all were "unknown field". Values that would need real behaviour are refused by name."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "seed": 1}
+    labels = {"store": False, "metadata": {"run": "7"}, "service_tier": "auto", "modalities": ["text"],
+              "safety_identifier": "u1", "prompt_cache_key": "k", "user": "u1", "stream": True,
+              "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    r = httpx.post(server[0] + "/v1/chat/completions", json={**body, **labels}, timeout=60)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    for field, value in (("store", True), ("service_tier", "flex"), ("modalities", ["text", "audio"])):
+        r = httpx.post(server[0] + "/v1/chat/completions", json={**body, field: value}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and "not supported" in err["message"], r.text
+
+
 def test_malformed_json(server):
     r = httpx.post(server[0] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
