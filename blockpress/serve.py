@@ -473,9 +473,15 @@ class Engine:
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue a request's choices, all or none (a half-queued request would run choices nobody receives)."""
-        if len(jobs) > self.queue.maxsize:
-            raise APIError(400, f"n: {len(jobs)} choices (n for each prompt) can never fit the server's queue of "
-                                f"{self.queue.maxsize}", "n")
+        if len(jobs) > self.queue.maxsize:  # not "retry later": name what is too large
+            prompts = len({j.group for j in jobs})
+            each = len(jobs) // prompts  # a prompt's sampled choices (greedy ones are one job)
+            room = f"can never fit the server's queue of {self.queue.maxsize}"
+            if each > self.queue.maxsize:
+                raise APIError(400, f"n: {each} choices {room}", "n")
+            per = f" x {each} choices" if each > 1 else ""
+            raise APIError(400, f"prompt: {prompts} prompts{per} ({len(jobs)} jobs) {room}; send fewer prompts "
+                                "a request", "prompt")
         with self.lock:
             if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
                 raise APIError(503, "the server is shutting down", kind="server_error")

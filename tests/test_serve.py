@@ -323,6 +323,29 @@ def test_a_request_is_queued_whole_or_not_at_all(server):
         engine.queue = saved
 
 
+@pytest.mark.parametrize("prompts, n, param, says", [
+    (["a", "b", "c", "d"], 1, "prompt", "prompt: 4 prompts (4 jobs)"),
+    (["a", "b"], 2, "prompt", "prompt: 2 prompts x 2 choices (4 jobs)"),
+    (["a", "b"], 4, "n", "n: 4 choices"),
+    ("a", 4, "n", "n: 4 choices"),
+])
+def test_a_request_larger_than_the_queue_names_what_is_too_large(server, prompts, n, param, says):
+    """A list of 4 prompts (n=1) was refused as "n: 4 choices (n for each prompt)"."""
+    import queue
+
+    engine = server[1].state.engine
+    saved = engine.queue
+    engine.queue = queue.Queue(maxsize=3)  # the worker waits on the old queue
+    try:
+        r = httpx.post(server[0] + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": prompts, "max_tokens": 4, "n": n, "temperature": 1})
+    finally:
+        engine.queue = saved
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and err["message"].startswith(says), err
+    assert "queue of 3" in err["message"]
+
+
 def test_temperature_zero_is_the_same_answer_every_time(client):
     kw = dict(model=MODEL, prompt="hello", max_tokens=16, temperature=0)
     texts = {client.completions.create(**kw).choices[0].text for _ in range(3)}
