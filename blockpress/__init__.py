@@ -3,7 +3,7 @@
 from .cache import KVCache
 from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig, TextConfig
-from .generate import Commit, Done, Draft, GenerationOutput
+from .generate import Cancelled, Commit, Done, Draft, GenerationOutput
 from .lm import LM, load, random_model, shipped_models
 from .model import DiffusionGemma
 from .prefix import PrefixCache
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # `stream` (isinstance), GenerationOutput, KVCache and PrefixCache.
 __all__ = [
     "LM",
+    "Cancelled",
     "CheckpointError",
     "Commit",
     "ConfigError",

@@ -1,8 +1,8 @@
 """The block-diffusion decoding loop, and the autoregressive baseline on the same backbone.
 
 `run` is the one implementation: a generator of events (`Draft` each step when asked, `Commit` each
-canvas, `Done` at the end). `generate` drains it; `stream` hands it to the caller; the CLI and the
-server are built on `stream`.
+canvas, `Done` at the end, or `Cancelled` where the caller's `cancelled` ended it). `generate` drains it;
+`stream` hands it to the caller; the CLI and the server are built on `stream`.
 """
 
 from __future__ import annotations
@@ -231,6 +231,16 @@ class Done:
     kind: str = "done"
 
 
+@dataclass
+class Cancelled:
+    """The last event of a stream that `cancelled` ended (in place of `Done`): the work done until then, which a
+    server counts as its load although nobody receives it."""
+
+    forward_passes: torch.Tensor  # [B] decoder passes per row, the unfinished canvas's included (cpu)
+    num_new_tokens: torch.Tensor  # [B] valid new tokens of the canvases committed, as Commit's (cpu)
+    kind: str = "cancelled"
+
+
 @dataclass(frozen=True)  # built whole by LM._request; nothing changes it afterwards
 class Request:
     """A normalised generation request (what `prepare` makes of the user's arguments)."""
@@ -267,7 +277,7 @@ class Request:
     stops: list[list[str]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
     prefix_cache: PrefixCache | None = None
-    # Asked on the host before every step; True ends the generation there, without a Done (LM.stream).
+    # Asked on the host before every step; True ends the generation there, with `Cancelled` (LM.stream).
     cancelled: Callable[[], bool] | None = None
     # Ids the tokenizer has no token for (Tokenizer.unknown_ids: an embedding padded past its vocabulary) [k]: their
     # logits are -inf, so no row ever chooses one (it would have no text). None: every id may be chosen.
@@ -1097,7 +1107,7 @@ def run(
     keep_cache: bool = False,
     tokenizer: Any = None,
     fns: StepFunctions | None = None,
-) -> Iterator[Draft | Commit | Done]:
+) -> Iterator[Draft | Commit | Done | Cancelled]:
     """The block-diffusion loop. See the module docstring of sampling.py for one step."""
     device = model.device
     canvas_len = model.config.canvas_length
@@ -1123,7 +1133,8 @@ def run(
         canvas = _Canvas.of(req, ci, canvas_len, device)
         t_canvas = time.perf_counter()
         state = yield from dec.denoise(canvas)
-        if state is None:  # cancelled: the stream ends here, without a Done
+        if state is None:  # cancelled: the stream ends here, saying what it did
+            yield Cancelled(dec.passes.cpu(), dec.written.cpu())
             return
         committed, valid = dec.commit(canvas, state)
         last = ci == n_canvases - 1 or bool(dec.finished.all())

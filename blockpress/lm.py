@@ -26,6 +26,7 @@ from .checkpoint import (
 from .checks import check_flag
 from .config import ModelConfig
 from .generate import (
+    Cancelled,
     Commit,
     Done,
     Draft,
@@ -602,7 +603,7 @@ class LM:
         prefix_cache: PrefixCache | None = None,
         cancelled: Callable[[], bool] | None = None,
         **sampler_options: Any,
-    ) -> Iterator[Draft | Commit | Done]:
+    ) -> Iterator[Draft | Commit | Done | Cancelled]:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
 
         `seeds`: one seed per row (overrides `seed`), as a server batching independent requests uses it.
@@ -635,7 +636,8 @@ class LM:
         (a slot count would not do for a batch: continuing one moves each row's history so its padding stays on
         the left; `truncate(cache.length noted before)` is refused then).
         `cancelled() -> bool`: asked before every step, on the host (no device sync); once it says True the stream
-        ends there, without a `Done` (a server's clients that left free the engine within a step).
+        ends there, with a `Cancelled` (the passes and tokens done so far) in place of `Done` (a server's clients
+        that left free the engine within a step).
         """
         if cancelled is not None and not callable(cancelled):
             raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")

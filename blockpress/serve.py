@@ -65,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Commit, Done, Draft, Template, cut_at_stop, hole_runs, parse_template
+from .generate import Cancelled, Commit, Done, Draft, Template, cut_at_stop, hole_runs, parse_template
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import compile_template
@@ -419,9 +419,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.counters = {"requests_total": 0, "rejected_total": 0, "completion_tokens_total": 0,
-                         "prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "forward_passes_total": 0,
-                         "batches_total": 0}
+        # requests: answered, refused as the queue was full (429), left by their client (499), failed or cut (5xx)
+        self.counters = {"requests_total": 0, "rejected_total": 0, "cancelled_total": 0, "failed_total": 0,
+                         "completion_tokens_total": 0, "prompt_tokens_total": 0, "cached_prompt_tokens_total": 0,
+                         "forward_passes_total": 0, "batches_total": 0}
         # Cumulative histogram counts, as Prometheus reads them: a list of every latency grew without end, and
         # rendering it held the lock the engine thread needs (0.2 s at 200k requests).
         self.buckets = [0] * len(self.BUCKETS)
@@ -608,6 +609,9 @@ class Engine:
                     # (the prompt, its cached part and the latency count once per request, in `respond`)
                     self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
                     job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused, raw))
+            elif isinstance(event, Cancelled):  # every client left, or a cut: the work done for nobody is load too
+                self.metrics.add(completion_tokens_total=int(event.num_new_tokens.sum()),
+                                 forward_passes_total=int(event.forward_passes.sum()))
 
 
 def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,
@@ -911,6 +915,15 @@ def finished(engine: Engine, reply: Reply, totals: Usage) -> None:
     engine.metrics.observe(time.perf_counter() - reply.jobs[0].created)
 
 
+def release(engine: Engine, reply: Reply, unanswered: str | None) -> None:
+    """A request's handler is done with it: the engine stops rows that would run for nobody, and a request that was
+    not answered counts as `unanswered` ("cancelled_total": its client left; "failed_total": an error or a cut)."""
+    for job in reply.jobs:
+        job.cancelled.set()
+    if unanswered is not None:
+        engine.metrics.add(**{unanswered: 1})
+
+
 async def respond(engine: Engine, reply: Reply, body: _Common, request: Request) -> Any:
     """Queue a request's jobs and answer it: one JSON object, or a stream of server-sent events."""
     if body.stream_options is not None and not body.stream:  # checked before any job is queued
@@ -936,6 +949,8 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
 
     totals = Usage()
     sent = {job.choices.start: "" for job in reply.jobs}  # each job's text sent so far
+    unanswered: str | None = "failed_total"  # until the answer is whole, or the client leaves
+    item = None
     try:
         if reply.kind == "chat":  # OpenAI's first delta of a choice names the role
             for job in reply.jobs:
@@ -978,12 +993,16 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
                            for i in job.choices])
                 working -= 1
         finished(engine, reply, totals)
+        unanswered = None
         if with_usage:
             yield sse([], usage=reply.usage(totals))
         yield "data: [DONE]\n\n"
+    except (GeneratorExit, asyncio.CancelledError):  # the client left: starlette closes or cancels the stream
+        if unanswered is not None and not isinstance(item, JobError):  # (one that failed first failed)
+            unanswered = "cancelled_total"
+        raise
     finally:
-        for job in reply.jobs:  # a client that left frees its rows
-            job.cancelled.set()
+        release(engine, reply, unanswered)  # a client that left frees its rows
 
 
 async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
@@ -991,6 +1010,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
     choices, totals = [], Usage()
     checked = time.monotonic()
     working = len(reply.jobs)
+    unanswered: str | None = "failed_total"  # until every choice is in, or the client leaves
     try:
         while working:
             try:
@@ -1000,6 +1020,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
             if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
                 checked = time.monotonic()
                 if await request.is_disconnected():  # the client left: free its rows, as a stream does
+                    unanswered = "cancelled_total"
                     raise APIError(499, "the client closed the connection", kind="client_closed")
             if isinstance(item, JobError):
                 raise APIError(item.status, item.message if item.status == 503 else
@@ -1011,11 +1032,10 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
                 totals.add(job, item)
                 working -= 1
         choices.sort(key=lambda c: c["index"])
+        unanswered = None
     finally:
-        # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so): the engine
-        # stops rows that would run for nobody.
-        for j in reply.jobs:
-            j.cancelled.set()
+        # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so: a cut)
+        release(engine, reply, unanswered)
     finished(engine, reply, totals)
     return {"id": reply.id, "object": "chat.completion" if reply.kind == "chat" else "text_completion",
             "created": reply.created, "model": reply.model, "choices": choices, "usage": reply.usage(totals)}

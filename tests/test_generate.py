@@ -1548,6 +1548,28 @@ def test_a_cancelled_stream_ends_within_a_step_and_the_model_stays_usable(lm):
     assert torch.equal(full.sequences, lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1).sequences)
 
 
+def test_a_cancelled_stream_says_what_work_it_did(lm):
+    """A stream that `cancelled` ended stopped without a word, so a server could not count the passes it spent on
+    clients that left. Its last event is now `Cancelled`: each row's passes (the unfinished canvas's too) and the
+    tokens of the canvases committed, as a run that is not cancelled counts them."""
+    from blockpress import Cancelled
+
+    kw = dict(max_new_tokens=48, max_denoising_steps=5, seeds=[1, 2], min_new_tokens=48, stability_threshold=100)
+    prompts = [[3, 4, 5], [6, 7]]
+    full = lm.generate(prompts, **kw)
+    steps = full.steps_per_canvas.tolist()  # per row, per canvas; every row takes each canvas's steps here
+    assert all(s == steps[0] for s in steps)
+    for k in (0, 3, steps[0][0] + 2, sum(steps[0]) - 1):  # before any step, mid canvas, after a commit, the last
+        cancelled = iter([False] * k + [True]).__next__  # k steps run, then the client leaves
+        events = list(lm.stream(prompts, drafts=False, cancelled=cancelled, **kw))
+        end = events[-1]
+        assert isinstance(end, Cancelled) and end.forward_passes.tolist() == [k, k], k
+        commits = [e for e in events if isinstance(e, Commit)]
+        done = len(commits) * lm.config.canvas_length
+        assert end.num_new_tokens.tolist() == [done, done] and len(commits) == sum(
+            k >= sum(steps[0][: i + 1]) for i in range(len(steps[0]))), k
+
+
 def _holes_request(template, allowed, seeds, length=None, min_new_tokens=0):
     """A Request as LM.stream makes one for a healed text template (`allowed`: LM's hole_allowed), or with no
     template (None) for `length` new tokens."""

@@ -372,17 +372,19 @@ def test_unknown_routes_and_models_answer_in_openais_error_shape(client, server)
 
 
 def test_disconnect_frees_the_engine(server):
-    engine = server[1].state.engine
-    before = engine.metrics.counters["completion_tokens_total"]
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "stream": True, "drafts": True, "seed": 1,
-            "max_denoising_steps": 8}
+    counters = server[1].state.engine.metrics.counters
+    before = dict(counters)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "min_tokens": 400, "stream": True, "drafts": True,
+            "seed": 1, "max_denoising_steps": 8}
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
         next(r.iter_lines())  # the first event arrived; now the client goes away
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
                    timeout=60)
     assert r.status_code == 200
-    # the abandoned 400-token request never completed: only the 4 new tokens were produced
-    assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
+    # the abandoned 400-token request never completed: the engine wrote far fewer tokens than it asked
+    assert counters["completion_tokens_total"] - before["completion_tokens_total"] < 400
+    assert (counters["cancelled_total"] - before["cancelled_total"], counters["requests_total"]
+            - before["requests_total"]) == (1, 1)
 
 
 def test_a_plain_request_whose_client_left_frees_the_engine(server):
@@ -395,8 +397,43 @@ def test_a_plain_request_whose_client_left_frees_the_engine(server):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
                    timeout=60)
     assert r.status_code == 200
-    # none of the abandoned 8 x 2,000 tokens completed: only the 4 new ones were counted
-    assert engine.metrics.counters["completion_tokens_total"] - before == r.json()["usage"]["completion_tokens"]
+    # the abandoned 8 x 2,000 tokens stopped part way
+    assert engine.metrics.counters["completion_tokens_total"] - before < 8 * 2000
+
+
+def test_metrics_count_the_work_of_clients_that_left_and_the_requests_not_answered(server, monkeypatch):
+    """/metrics added passes and tokens when a batch was done, which one whose clients all left never is (its
+    work was missing from the load), and no counter saw a request that was not answered (499s, 5xx)."""
+    engine = server[1].state.engine
+    counters = engine.metrics.counters
+    before = dict(counters)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "min_tokens": 400, "seed": 1, "max_denoising_steps": 8,
+            "stability_threshold": 100}  # no early end: every canvas takes its 8 steps
+    with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        next(r.iter_lines())  # the first canvas is in; the client leaves
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
+                   timeout=60)  # runs once the abandoned batch has stopped
+    usage = r.json()["usage"]
+    passes = counters["forward_passes_total"] - before["forward_passes_total"] - usage["forward_passes"]
+    tokens = counters["completion_tokens_total"] - before["completion_tokens_total"] - usage["completion_tokens"]
+    canvas = engine.lm.model.config.canvas_length
+    assert canvas <= tokens < 400 and passes >= 8 * (tokens // canvas), (passes, tokens)  # before: 0 and 0
+    assert counters["cancelled_total"] - before["cancelled_total"] == 1
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine.lm.model, "denoise", broken)
+    plain = httpx.post(server[0] + "/v1/completions", json={**body, "max_tokens": 4, "min_tokens": 0}, timeout=60)
+    with httpx.stream("POST", server[0] + "/v1/completions", timeout=60,
+                      json={**body, "max_tokens": 4, "min_tokens": 0, "stream": True}) as s:
+        events = [x for x in s.iter_lines() if x.startswith("data: ")]
+    monkeypatch.undo()
+    assert plain.status_code == 500 and "the device fell over" in events[-1]
+    assert counters["failed_total"] - before["failed_total"] == 2
+    assert counters["requests_total"] - before["requests_total"] == 1  # the follow-up
+    text = httpx.get(server[0] + "/metrics").text
+    assert "# TYPE blockpress_cancelled_total counter" in text and "# TYPE blockpress_failed_total counter" in text
 
 
 def test_a_client_that_leaves_mid_canvas_frees_the_engine_within_a_step(server, monkeypatch):
@@ -805,7 +842,9 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
     assert "[DONE]" not in lines
     thread.join(30)
     assert not thread.is_alive() and not engine.thread.is_alive()
-    assert engine.metrics.counters["completion_tokens_total"] == 0  # neither ran to its end
+    counters = engine.metrics.counters
+    assert counters["completion_tokens_total"] < 2000  # neither ran to its end (the cut one's canvases count)
+    assert (counters["failed_total"], counters["cancelled_total"], counters["requests_total"]) == (2, 0, 0)
 
 
 def test_a_low_temperature_tempers_the_draws_not_the_acceptance(client):
