@@ -538,7 +538,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
         # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
         # adapters, so its frozen base may stay in its own dtype.
-        lm = load_model(args.model, args.dtype or (None if cfg.lora_rank else "float32"), args.device)
+        # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
+        lm = load_model(args.model, args.dtype or (None if cfg.lora_rank else "float32"), args.device, cfg.quantize)
         if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
             # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
             cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
@@ -634,7 +635,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
                           "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,
                           "tokens_per_second": round(result.tokens_per_second, 1)}))
-    if cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
+    if cfg.quantize and result.stopped != "interrupted" and trainer.rank == 0:
+        print(f"--quantize {cfg.quantize}: {args.out}/adapter holds the adapters, unmerged (no checkpoint of the "
+              f"quantized base); load them with blockpress.load(BASE, adapter='{args.out}/adapter', "
+              f"quantize='{cfg.quantize}'), or without quantize onto the unquantized base", file=sys.stderr)
+    elif cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
         print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a {str(merged_dtype)[6:]} "
               f"checkpoint (the base was {str(base_dtype)[6:]}; --dtype {str(base_dtype)[6:]} saves that, rounding "
               "part of the adapters' update away)", file=sys.stderr)
@@ -997,7 +1002,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights dtype while training, and of the saved checkpoint (default: float32, since AdamW "
                         "on bf16 weights rounds small updates away; with --lora-rank, the frozen base stays in its "
-                        "own dtype while training and the adapters are merged into a float32 checkpoint)")
+                        "own dtype while training and the adapters are merged into a float32 checkpoint; with "
+                        "--quantize, the base is quantized instead and the adapters stay unmerged)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")

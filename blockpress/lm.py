@@ -952,20 +952,16 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype).
     `adapter`: a PEFT LoRA folder for this base (`blockpress train --lora-rank`'s <out>/adapter, or peft's own on the
     reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft); with
-    `quantize`, the merged weights are quantized after (the full-precision model exists once)."""
+    `quantize`, kept unmerged in float32 over the quantized base, as `blockpress train --quantize` trained it (merged
+    and then quantized, its update would mostly be rounded away)."""
     if quantize is not None:
         check_scheme(quantize)  # before reading gigabytes
     path = resolve_path(path_or_name)
-    # an adapter is merged into full-precision weights, then quantized
-    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device,
-                                    quantize=None if adapter is not None else quantize)
+    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device, quantize=quantize)
     if adapter is not None:
-        from .quantize import quantize as quantize_model
         from .train import apply_adapter
 
         model = apply_adapter(model, adapter)
-        if quantize is not None:
-            quantize_model(model, quantize)
     tokenizer = None
     if (path / "tokenizer.json").exists():
         from .tokenizer import Tokenizer

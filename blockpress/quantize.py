@@ -16,6 +16,9 @@ the router stay in the model's dtype. model.py is untouched: the swap is the who
   then the usual grouped GEMM): it buys memory, not speed.
 
 int8 and fp8 halve the bytes of bf16 weights (int8 quarters float32 ones).
+
+A quantized model is frozen but differentiable in its inputs, for LoRA adapters over it (QLoRA, train.add_lora):
+the backward multiplies by each weight dequantized on the spot, so the base stays quantized while training.
 """
 
 from __future__ import annotations
@@ -119,7 +122,32 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 
 def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    """x [N, in] times the quantized weight q [out, in] transposed, in x's dtype."""
+    """x [N, in] times the quantized weight q [out, in] transposed, in x's dtype. Differentiable in x (LoRA over a
+    quantized base, see _QuantizedMatmul); the weight is frozen."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _QuantizedMatmul.apply(x, q, scale, scheme)
+    return _quantized_matmul(x, q, scale, scheme)
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """quantized_matmul with x's gradient, grad @ the dequantized weight, dequantized again in the backward. Only the
+    codes and scales are kept for it: autograd through F.linear(x, dequantize_weight(...)) would keep every layer's
+    full-precision copy alive until the backward, the memory a quantized base is there to save (and the packed int8
+    and FP8 kernels have no backward). fp8's rounding of the activations passes the gradient straight through."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+        ctx.save_for_backward(q, scale)
+        ctx.x_dtype = x.dtype
+        return _quantized_matmul(x, q, scale, scheme)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        q, scale = ctx.saved_tensors
+        return (grad @ dequantize_weight(q, scale, grad.dtype)).to(ctx.x_dtype), None, None, None
+
+
+def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     if scheme == "int4":
         return F.linear(x, dequantize_weight(q, scale, x.dtype))
     if scheme == "int8":
@@ -192,6 +220,12 @@ class QuantizedExperts(Experts):
 
     def project(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
         q, scale = getattr(self, name), getattr(self, f"{name}_scale")
+        if x.requires_grad and torch.is_grad_enabled():
+            # LoRA training over a frozen quantized base: one expert at a time, whose backward keeps the codes alone
+            # (the grouped paths below would keep every expert's dequantized weight, or have no backward).
+            if torch.compiler.is_compiling():
+                return torch.ops.blockpress.quantized_experts(x, q, scale, offsets, self.scheme)
+            return _quantized_experts(x, q, scale, offsets, self.scheme)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.scheme == "int4" or (self.scheme == "int8" and capturing):
             # Every expert's weight at once (one transient copy per projection), then the grouped GEMM. For int8
@@ -231,6 +265,41 @@ def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tens
     return x.new_empty(x.shape[0], q.shape[1])
 
 
+def _quantized_experts_grad(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                            in_features: int) -> torch.Tensor:
+    """The gradient of _quantized_experts in x: each expert's rows of `grad` times its dequantized weight."""
+    out = grad.new_zeros(grad.shape[0], in_features)
+    for e, start, end in expert_groups(offsets):
+        out[start:end] = grad[start:end] @ dequantize_weight(q[e], scale[e], grad.dtype)
+    return out
+
+
+@torch.library.custom_op("blockpress::quantized_experts_grad", mutates_args=())
+def _quantized_experts_grad_op(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+                               in_features: int) -> torch.Tensor:
+    return _quantized_experts_grad(grad, q, scale, offsets, in_features)
+
+
+@_quantized_experts_grad_op.register_fake
+def _(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, in_features: int) -> torch.Tensor:
+    return grad.new_empty(grad.shape[0], in_features)
+
+
+def _quantized_experts_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, q, scale, offsets, _ = inputs
+    ctx.save_for_backward(q, scale, offsets)
+    ctx.x_dtype, ctx.in_features = x.dtype, x.shape[-1]
+
+
+def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    q, scale, offsets = ctx.saved_tensors
+    grad_x = torch.ops.blockpress.quantized_experts_grad(grad, q, scale, offsets, ctx.in_features)
+    return grad_x.to(ctx.x_dtype), None, None, None, None
+
+
+_quantized_experts_op.register_autograd(_quantized_experts_backward, setup_context=_quantized_experts_setup)
+
+
 def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     """Quantize `model` in place (see the module docstring) and return it. Every refusal comes before the first
     module is swapped: a refusal half-way would leave the model half quantized."""
@@ -242,7 +311,7 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     lora = next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
     if lora is not None:
         raise ValueError(f"quantize: the model holds LoRA adapters (layer {lora!r}); merge them first "
-                         "(blockpress.train.merge_lora), or quantize the merged model")
+                         "(blockpress.train.merge_lora), or add them after quantizing (QLoRA)")
     roots = [("self_conditioning", model.self_conditioning), *((f"layers.{i}", m) for i, m in enumerate(model.layers))]
     targets = [(parent, name, child, f"{path}.{name}") for root, module in roots
                for path, parent in module.named_modules(prefix=root) for name, child in parent.named_children()

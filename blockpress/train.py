@@ -46,6 +46,7 @@ from .checkpoint import (
 from .data import Batch, Example, TokenShards, make_batch
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
+from .quantize import QuantizedLinear, check_scheme, quantization_of
 from .sampling import is_finite_number, is_int
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
@@ -90,6 +91,9 @@ class TrainConfig:
     lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights; "
                              "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter")
     lora_alpha: int = setting(16, "LoRA scaling numerator")
+    quantize: str | None = setting(None, "with lora_rank: train the adapters over a frozen base quantized with this "
+                                   "scheme (int8, fp8 or int4: QLoRA; the base is quantized as it is read); --out "
+                                   "then holds the adapters alone, in --out/adapter")
     prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
     prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
     response_canvases: int = setting(1, "raw-text corpora: canvases of response per window")
@@ -147,6 +151,11 @@ class TrainConfig:
             raise ValueError(f"t_eps: expected in (0, 0.5), got {self.t_eps}")
         if not isinstance(self.noise_token_id, int) or self.noise_token_id < -1:
             raise ValueError(f"noise_token_id: expected -1 (uniform noise) or a token id, got {self.noise_token_id!r}")
+        if self.quantize is not None:
+            check_scheme(self.quantize)
+            if not self.lora_rank:  # full fine-tuning updates the weights a quantized base holds as frozen codes
+                raise ValueError(f"quantize: {self.quantize!r} trains LoRA adapters over the quantized base; it needs "
+                                 "lora_rank > 0 (full fine-tuning needs the unquantized weights)")
         if self.heldout is not None and not (is_finite_number(self.heldout) and 0 <= self.heldout < 1):
             raise ValueError(f"heldout: expected a fraction in [0, 1), got {self.heldout!r}")
         if self.heldout_data is not None and not (isinstance(self.heldout_data, str) and self.heldout_data):
@@ -282,16 +291,17 @@ def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: 
     """LoRA adapters (peft) on `targets` (module names or their ends; default attention q/k/v/o and the dense MLP),
     in float32 whatever the base's dtype; everything else frozen. `seed` draws lora_A (peft draws it from torch's
     global generator, which nothing seeded: two runs of one command differed from step 2 on); the caller's global
-    generator is left as it was."""
-    from .quantize import quantization_of
-
-    if quantization_of(model) is not None:  # peft wraps nn.Linear only: its own error names a QuantizedLinear
-        raise ValueError(f"add_lora: the model is quantized ({quantization_of(model)}); add the adapters to the "
-                         "unquantized model, then merge them (merge_lora) before quantizing")
+    generator is left as it was. A quantized base (QLoRA) keeps its quantized projections, wrapped as peft wraps an
+    nn.Linear: the adapters' output is added to theirs, and the gradient reaches the adapters through them."""
     from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import Linear as LoraLinear
 
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
-    with torch.random.fork_rng(devices=[]):  # peft makes the adapters on the CPU, then moves them to the base's device
+    # peft's dense LoRA layer only calls its base layer and reads in/out_features, which a QuantizedLinear has.
+    cfg._register_custom_module({QuantizedLinear: LoraLinear})
+    # peft makes the adapters on the CPU, then moves them to the base's device
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Unsupported layer type .*QuantizedLinear")  # it is, by the above
         torch.default_generator.manual_seed(seed)
         model = inject_adapter_in_model(cfg, model)
     for name, p in model.named_parameters():
@@ -307,9 +317,18 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
     """Fold the adapters into the base weights and restore plain nn.Linear layers; the model comes back in
     `dtype`. The sum is taken in float32 whatever the base's dtype: folded into bf16 weights, the update is
     rounded to the weights' own step (blockpress-code after 10 LoRA steps: 34% of it lost on average), so a bf16
-    base gives a float32 model unless `dtype` asks to round it."""
+    base gives a float32 model unless `dtype` asks to round it. Refused over a quantized base: folded into its
+    codes the update would be rounded to the quantization step (keep the adapters apart, or merge them into the
+    unquantized base)."""
     from peft.tuners.lora import LoraLayer
 
+    quantized = next((name for name, module in model.named_modules()
+                      if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), QuantizedLinear)), None)
+    if quantized is not None:
+        raise ValueError(f"merge_lora: the adapters sit on a quantized base ({quantized}: "
+                         f"{model.get_submodule(quantized).get_base_layer().scheme}); folded into its codes the update "
+                         "would be rounded away. Keep them unmerged, or merge them into the unquantized base "
+                         "(blockpress.load(base, adapter=...))")
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
@@ -363,9 +382,11 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
 def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
     """Merge a PEFT LoRA folder into `model`: adapter_config.json and adapter_model.safetensors, the modules named
     as the reference model names them (save_adapter's, or peft's own on DiffusionGemmaForBlockDiffusion). The sum
-    is taken in float32 (merge_lora) and the model keeps its dtype. Refused before any weight changes: another peft
-    method or LoRA variant, a module that is not a linear layer of this base, shapes of another rank or base, an
-    encoder module adapted unlike its decoder twin (blockpress runs both on one set of weights)."""
+    is taken in float32 (merge_lora) and the model keeps its dtype; over a quantized `model` the adapters stay
+    unmerged, in float32 (as QLoRA trained them: folded into the codes they would be rounded away). Refused before
+    any weight changes: another peft method or LoRA variant, a module that is not a linear layer of this base, shapes
+    of another rank or base, an encoder module adapted unlike its decoder twin (blockpress runs both on one set of
+    weights)."""
     path = Path(path)
     missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
     if missing:
@@ -390,7 +411,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):
         raise refuse(f"r={rank!r}, lora_alpha={alpha!r} in {ADAPTER_FILES[0]}; expected positive numbers")
-    linear = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    linear = {name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))}
     stored = MappedSafetensors(path / ADAPTER_FILES[1])
     found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # local module -> reference module -> A, B
     for key in stored.keys():
@@ -434,6 +455,10 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
             layer, tensors = model.get_submodule(module), next(iter(by_target.values()))  # the twins are equal
             layer.lora_A["default"].weight.copy_(tensors["A"])
             layer.lora_B["default"].weight.copy_(tensors["B"])
+    if quantization_of(model) is not None:
+        for p in model.parameters():
+            p.requires_grad = False  # an inference model, as a merged one is
+        return model
     return merge_lora(model, dtype)
 
 
@@ -510,9 +535,12 @@ class Trainer:
         self.rank, self.world = _world()
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
-        if lm.quantization is not None:  # its projections are frozen buffers, and saving it is refused at the end
-            raise ValueError(f"train: the model is quantized ({lm.quantization}); train the unquantized weights "
-                             "(load without quantize) and quantize the result")
+        if lm.quantization is not None and lm.quantization != cfg.quantize:
+            # its projections are frozen buffers: only adapters over them train (QLoRA), and the config records the
+            # scheme so that --resume quantizes the base alike
+            raise ValueError(f"train: the model is quantized ({lm.quantization}); train LoRA adapters over it with "
+                             f"lora_rank > 0 and quantize={lm.quantization!r} (--lora-rank R --quantize "
+                             f"{lm.quantization}), or the unquantized weights (load without quantize)")
         text = lm.config.text
         if cfg.noise_token_id >= text.vocab_size:
             raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
@@ -536,6 +564,8 @@ class Trainer:
         stops = lm._eos_ids()
         eos = [i for i in text.eos_token_ids if i in stops] or stops
         self.eos = eos[0] if eos else self.pad
+        if cfg.quantize is not None and lm.quantization is None:  # (blockpress train quantizes while loading)
+            lm.quantize(cfg.quantize)
         model = lm.model.train()
         if cfg.lora_rank:
             model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
@@ -658,12 +688,15 @@ class Trainer:
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(self.cfg)}
         if not self.cfg.lora_rank:
             self.lm.save(self.out)
-        elif final:  # LoRA: the final folder is a plain checkpoint with the adapters merged in, and them apart
+        elif final and self.cfg.quantize is None:  # LoRA: a plain checkpoint with the adapters merged in, and apart
             save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
                          base_name(self.lm))
             self.lm.model = merge_lora(self.model, self.merged_dtype)
             self.lm.save(self.out)
         else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
+            if final:  # over a quantized base, the adapters alone: merged into its codes they would be rounded away
+                save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
+                             base_name(self.lm))
             state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
             base = base_name(self.lm)
             if base is not None:  # which base they adapt: `--resume` takes it from here

@@ -350,5 +350,5 @@ def test_lora_adapters_must_be_merged_before_quantizing():
     assert lm.quantization is None
     lm.model = merge_lora(lm.model)
     lm.quantize("int8")
-    with pytest.raises(ValueError, match=r"add_lora: the model is quantized \(int8\)"):
-        add_lora(lm.model, 4, 8)
+    lm.model = add_lora(lm.model, 4, 8)  # adapters over the quantized model (QLoRA): its projections stay quantized
+    assert lm.model.layers[0].self_attn.q_proj.get_base_layer().weight.dtype == torch.int8
