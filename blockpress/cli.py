@@ -468,7 +468,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
         if kind is bool:
             g.add_argument(flag, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
-            g.add_argument(flag, type=kind, default=None, help=text)
+            g.add_argument(flag, type=kind, default=None, choices=f.metadata["choices"], help=text)
 
 
 DEFAULT_HELDOUT = 0.02  # train: the fraction of JSONL examples held out when --heldout is not given
@@ -539,7 +539,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
         # adapters, so its frozen base may stay in its own dtype.
         # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
-        lm = load_model(args.model, args.dtype or (None if cfg.lora_rank else "float32"), args.device, cfg.quantize)
+        lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device, cfg.quantize)
         if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
             # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
             cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
@@ -583,7 +583,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 text, eos_token_id=eos,
                 bos_token_id=text.bos_token_id if tokenizer.bos_id is None else tokenizer.bos_id,
                 pad_token_id=text.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id))
-        lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=args.dtype or "float32", device=args.device,
+        lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=cfg.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
     if args.data.lower().endswith(".jsonl") and not is_raw_text(args.data):
@@ -616,7 +616,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                               lm.config.canvas_length) if cfg.heldout_data else None
     base_dtype = lm.dtype
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
-    merged_dtype = getattr(torch, args.dtype) if args.dtype else torch.float32
+    merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype)
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
@@ -999,11 +999,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "file, a folder of them, or a glob of token shards (see scripts/)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="weights dtype while training, and of the saved checkpoint (default: float32, since AdamW "
-                        "on bf16 weights rounds small updates away; with --lora-rank, the frozen base stays in its "
-                        "own dtype while training and the adapters are merged into a float32 checkpoint; with "
-                        "--quantize, the base is quantized instead and the adapters stay unmerged)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")

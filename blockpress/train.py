@@ -54,9 +54,10 @@ TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
-def setting(default: Any, description: str) -> Any:
-    """A TrainConfig field and its description: `blockpress train --help` shows it (field metadata "help")."""
-    return field(default=default, metadata={"help": description})
+def setting(default: Any, description: str, choices: Sequence[str] | None = None) -> Any:
+    """A TrainConfig field and its description: `blockpress train --help` shows it (field metadata "help"), and the
+    values it takes where they are a few names (metadata "choices")."""
+    return field(default=default, metadata={"help": description, "choices": choices})
 
 
 @dataclass
@@ -107,12 +108,21 @@ class TrainConfig:
                                           "content hash (default: 0.02); not for raw text (give --heldout-data)")
     heldout_data: str | None = setting(None, "raw text or token shards: held-out text (as --data takes it) or a "
                                              "glob of held-out shards for the eval loss")
+    # The weights' dtype as `blockpress train` loads them (a Trainer takes its model, and merged_dtype, as arguments),
+    # kept with the run so that --resume trains on in it.
+    dtype: str | None = setting(None, "weights dtype while training, and of the saved checkpoint (default: float32, "
+                                "since AdamW on bf16 weights rounds small updates away; with lora_rank, the frozen "
+                                "base stays in its own dtype while training and the adapters are merged into a "
+                                "float32 checkpoint; with quantize, the base is quantized instead and the adapters "
+                                "stay unmerged)", choices=("float32", "bfloat16"))
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently
             value = getattr(self, f.name)
             if f.type in ("float", float) and not is_finite_number(value):
                 raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
+            if f.metadata["choices"] and value is not None and value not in f.metadata["choices"]:
+                raise ValueError(f"{f.name}: expected one of {list(f.metadata['choices'])}, got {value!r}")
         for name in ("steps", "batch_size", "log_every", "response_canvases"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")

@@ -477,3 +477,38 @@ def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
     no_tokenizer = train_args(folder, tmp_path / "o2", steps=1)
     assert main(no_tokenizer) == 2  # a fresh model without --tokenizer cannot read text
     assert f"--data {folder}: raw text needs a tokenizer" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_runs_dtype(tmp_path, capsys):
+    """--dtype was not saved with the run: --resume without it trained on (and saved) in float32, and said only
+    which other settings changed."""
+    data = write_data(tmp_path / "d.jsonl")
+    bf16 = ["--dtype", "bfloat16"]
+    assert main(train_args(data, tmp_path / "whole", steps=4) + bf16) == 0
+    assert main(train_args(data, tmp_path / "split", steps=2) + bf16) == 0
+    resume = [a for a in train_args(data, tmp_path / "split", steps=4) if a not in ("--config", "tiny")] + ["--resume"]
+    assert main(resume) == 0
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
+    assert blockpress.load(tmp_path / "split").dtype == torch.bfloat16
+    capsys.readouterr()
+    again = [a for a in train_args(data, tmp_path / "whole", steps=5) if a not in ("--config", "tiny")]
+    assert main(again + ["--resume", "--dtype", "float32"]) == 0  # asked for: allowed, and said
+    assert "dtype 'bfloat16' -> 'float32'" in capsys.readouterr().err
+    assert blockpress.load(tmp_path / "whole").dtype == torch.float32
+    # LoRA: the dtype the adapters are merged into
+    pytest.importorskip("peft")
+    from blockpress import train
+
+    class StopAtOnce:  # Ctrl-C before the first step: the run saves its adapters, unmerged, to be resumed
+        requested = True
+
+        def restore(self):
+            pass
+
+    lora = [a for a in train_args(data, tmp_path / "lora", steps=2) if a not in ("--config", "tiny")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "_StopOnInterrupt", StopAtOnce)
+        assert main(lora + ["--model", str(tmp_path / "whole"), "--lora-rank", "2"] + bf16) == 130
+    assert main(lora + ["--resume"]) == 0
+    assert blockpress.load(tmp_path / "lora").dtype == torch.bfloat16
+
