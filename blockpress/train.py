@@ -216,6 +216,13 @@ class ShardSource:
     def __init__(self, shards: TokenShards, cfg: TrainConfig, canvas_length: int):
         self.shards, self.cfg, self.c = shards, cfg, canvas_length
 
+    @property
+    def positions(self) -> int:
+        """The most positions a window takes in a batch: the longest prompt, then its canvases (at most
+        max_canvases of them, as make_batch keeps)."""
+        canvases = min(self.cfg.response_canvases, self.cfg.max_canvases or self.cfg.response_canvases)
+        return self.cfg.prompt_max + canvases * self.c
+
     def batch(self, step: int, size: int) -> list[Example]:
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         return [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max), self.cfg.response_canvases * self.c)
@@ -552,6 +559,16 @@ class Trainer:
                              f"lora_rank > 0 and quantize={lm.quantization!r} (--lora-rank R --quantize "
                              f"{lm.quantization}), or the unquantized weights (load without quantize)")
         text = lm.config.text
+        # Running text is cut into windows of the settings' length: one past the context trains positions the model
+        # is never allowed to use (JSONL examples that long are refused by load_jsonl).
+        positions = max((s.positions for s in (source, heldout) if isinstance(s, ShardSource)), default=0)
+        if positions > text.max_position_embeddings:
+            room = (text.max_position_embeddings - cfg.prompt_max) // lm.config.canvas_length
+            fits = f"; response_canvases {room} fits" if room >= 1 else ""
+            raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
+                             f"positions (a prompt of up to {cfg.prompt_max} tokens, then {cfg.response_canvases} "
+                             f"canvases of {lm.config.canvas_length}), more than the model's context of "
+                             f"{text.max_position_embeddings}{fits}")
         if cfg.noise_token_id >= text.vocab_size:
             raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
         trained_on = lm.generation_config.get("noise_token_id")

@@ -512,3 +512,21 @@ def test_resume_keeps_the_runs_dtype(tmp_path, capsys):
     assert main(lora + ["--resume"]) == 0
     assert blockpress.load(tmp_path / "lora").dtype == torch.bfloat16
 
+
+def test_running_text_windows_must_fit_the_models_context(tmp_path, capsys):
+    """Windows past the model's context trained silently (JSONL examples that long were refused)."""
+    from blockpress.data import write_shard
+
+    model = tmp_path / "short"
+    blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64), seed=0).save(model)
+    write_shard(tmp_path / "s.bin", [list(range(3, 120)) * 4], vocab_size=128)
+    args = [a for a in train_args(tmp_path / "s.bin", tmp_path / "out", steps=1) if a not in ("--config", "tiny")]
+    args = args[: args.index("--heldout")] + args[args.index("--heldout") + 2 :] + ["--model", str(model)]
+    for extra, positions in ((["--prompt-min", "8", "--prompt-max", "60"], 68),
+                             (["--prompt-min", "8", "--prompt-max", "32", "--response-canvases", "5"], 72)):
+        assert main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert f"error: --prompt-max/--response-canvases: windows of running text take up to {positions} " \
+               "positions" in err and "context of 64" in err, err
+        assert not (tmp_path / "out").exists()
+    assert main(args + ["--prompt-min", "8", "--prompt-max", "32", "--response-canvases", "4"]) == 0  # 64: fits
