@@ -98,7 +98,8 @@ class TrainConfig:
     prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
     prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
     response_canvases: int = setting(1, "raw-text corpora: canvases of response per window")
-    max_minutes: float = setting(0.0, "stop (and save) after this much wall time (0: no limit)")
+    max_minutes: float = setting(0.0, "stop (and save) after this much wall time, in minutes, of the whole "
+                                 "run (a resumed run's earlier parts count; 0: no limit)")
     time_schedule: bool = setting(False, "with --max-minutes: the cosine decay follows the elapsed fraction of the budget")
     data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
@@ -614,6 +615,7 @@ class Trainer:
             fused=lm.device.type == "cuda",  # one kernel for every parameter: a small model's step is launch-bound
         )
         self.step = 0
+        self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
 
     # -- one step ------------------------------------------------------------------------------------------
     def _batches(self, source: ExampleSource | ShardSource) -> StepBatches:
@@ -712,7 +714,8 @@ class Trainer:
         if self.rank != 0:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "config": asdict(self.cfg)}
+        state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
+                 "config": asdict(self.cfg)}
         if not self.cfg.lora_rank:
             self.lm.save(self.out)
         elif final and self.cfg.quantize is None:  # LoRA: a plain checkpoint with the adapters merged in, and apart
@@ -770,6 +773,13 @@ class Trainer:
         if self.step >= self.cfg.steps:
             raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "
                              f"{self.cfg.steps}; give a larger --steps to train on")
+        # The clock goes on where it stopped, as the step does: a time-scheduled lr continues its decay (restarted,
+        # it jumped back to the peak on weights already annealed). Runs saved before it was kept start from 0.
+        self.minutes = state.get("minutes", 0.0)
+        if self.cfg.max_minutes and self.minutes >= self.cfg.max_minutes:
+            raise ValueError(f"--resume: the run in {self.out} has trained {self.minutes:.3g} minutes of --max-minutes "
+                             f"{self.cfg.max_minutes}, the budget of the whole run; give a larger --max-minutes to "
+                             "train on (or --max-minutes 0, without --time-schedule, for no limit)")
         self._forget_metrics_after(self.step)
 
     def _forget_metrics_after(self, step: int) -> None:
@@ -798,11 +808,13 @@ class Trainer:
         # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
         plain = bar is not None and bar.disable
         t0, seen = time.perf_counter(), 0
+        clock = t0 - self.minutes * 60  # the run's start, earlier parts of a resumed run included
         prefetched = self._prefetch() if cfg.data_workers else None
         interrupt = _StopOnInterrupt()
         try:
             while self.step < cfg.steps:
-                spent = (time.perf_counter() - t0) / 60 / cfg.max_minutes if cfg.max_minutes else 0.0
+                self.minutes = (time.perf_counter() - clock) / 60
+                spent = self.minutes / cfg.max_minutes if cfg.max_minutes else 0.0
                 if spent > 1:
                     result.stopped = "max_minutes"  # the time budget is spent: save what we have
                     break
@@ -811,6 +823,7 @@ class Trainer:
                     break
                 row = self.train_step(next(prefetched) if prefetched else None,
                                       spent if cfg.time_schedule else 0.0)
+                self.minutes = (time.perf_counter() - clock) / 60  # saved with the run
                 seen += row["tokens"]
                 if self.compile_error and result.compile_error is None:
                     result.compile_error = row["compile_error"] = self.compile_error

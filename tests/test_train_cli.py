@@ -530,3 +530,41 @@ def test_running_text_windows_must_fit_the_models_context(tmp_path, capsys):
                "positions" in err and "context of 64" in err, err
         assert not (tmp_path / "out").exists()
     assert main(args + ["--prompt-min", "8", "--prompt-max", "32", "--response-canvases", "4"]) == 0  # 64: fits
+
+
+def test_a_time_scheduled_run_resumes_its_clock(tmp_path, capsys):
+    """The elapsed time was not saved: a resumed --time-schedule run restarted its clock and jumped the lr from
+    where the budget had annealed it straight back to the peak."""
+    import signal
+
+    from blockpress.train import ExampleSource, TrainConfig, Trainer
+
+    examples = [blockpress.data.Example([2, 5 + i, 6], [10 + i] * (3 + i % 5)) for i in range(8)]
+    cfg = TrainConfig(steps=100_000, batch_size=4, log_every=1, warmup_steps=1, max_minutes=1.0, time_schedule=True)
+
+    def trainer(stop_at):
+        lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
+        ctrl_c = lambda step, loss: os.kill(os.getpid(), signal.SIGINT) if step == stop_at else None  # noqa: E731
+        return Trainer(lm, ExampleSource(examples, 0), cfg, tmp_path / "run", progress=False, on_step=ctrl_c)
+
+    assert trainer(3).train().stopped == "interrupted"
+    saved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)["minutes"]
+    again = trainer(5)
+    again.resume()
+    assert again.minutes == saved > 0
+    assert again.train().stopped == "interrupted" and again.minutes > saved
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "lr" in x]
+    assert len(lrs) == 5 and all(a > b for a, b in zip(lrs[1:], lrs[2:])), lrs  # the decay goes on across the resume
+
+
+def test_resuming_a_run_whose_budget_is_spent_is_a_clear_error(tmp_path, capsys):
+    data = write_data(tmp_path / "d.jsonl")
+    args = train_args(data, tmp_path / "out", steps=50) + ["--max-minutes", "1e-5", "--time-schedule"]
+    assert main(args) == 0
+    resume = [a for a in train_args(data, tmp_path / "out", steps=50) if a not in ("--config", "tiny")] + ["--resume"]
+    capsys.readouterr()
+    assert main(resume) == 2  # it would stop again at once
+    err = capsys.readouterr().err
+    assert "minutes of --max-minutes 1e-05, the budget of the whole run; give a larger --max-minutes" in err, err
+    assert main(resume + ["--max-minutes", "1", "--steps", "3"]) == 0
+    assert [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1] == 3
