@@ -513,13 +513,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             raw[f.name] = value
     cfg = TrainConfig.from_dict(raw)
     if args.resume and args.model is None and args.config is None:
-        if not (out / "config.json").is_file():  # a LoRA run saves only its adapters until the end
-            from blockpress.train import lora_base
+        from blockpress.train import LORA_BASE_FILE, lora_base
 
-            args.model = lora_base(out)  # recorded beside the adapters
+        # A LoRA run to be resumed keeps its adapters apart from the base they adapt, recorded beside them (a run its
+        # clock stopped also holds its merged checkpoint, which is not that base).
+        if (out / LORA_BASE_FILE).is_file() or not (out / "config.json").is_file():
+            args.model = lora_base(out)
             if args.model is None:
-                raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, not a checkpoint; give its base "
-                                 "model again with --model")
+                raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, and not the base model they "
+                                 "adapt; give it again with --model (or --config)")
         else:
             args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
     if (args.model is None) == (args.config is None):

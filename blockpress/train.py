@@ -711,26 +711,30 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(self, final: bool = False) -> None:
+        """The run in `out_dir`, resumable while steps remain. `final`: the run ends here, so a LoRA run also writes
+        its merged checkpoint and adapter folder (an interrupted one only saves, to be resumed)."""
         if self.rank != 0:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
                  "config": asdict(self.cfg)}
+        if self.cfg.lora_rank and self.step < self.cfg.steps:
+            # LoRA, a run to be resumed (mid-run, interrupted, or stopped by its clock): the adapters live in
+            # trainer_state.pt, beside the base they adapt (`--resume` takes it from lora_base.json; null: a base
+            # not loaded from a folder, given again by the user)
+            state["lora"] = {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k}
+            (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": base_name(self.lm)}) + "\n")
         if not self.cfg.lora_rank:
             self.lm.save(self.out)
-        elif final and self.cfg.quantize is None:  # LoRA: a plain checkpoint with the adapters merged in, and apart
+        elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint with
+            # them merged in (over a quantized one, merged into its codes they would be rounded away)
             save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
                          base_name(self.lm))
-            self.lm.model = merge_lora(self.model, self.merged_dtype)
-            self.lm.save(self.out)
-        else:  # LoRA, mid-run: the adapters live in trainer_state.pt; the base weights stay where they were
-            if final:  # over a quantized base, the adapters alone: merged into its codes they would be rounded away
-                save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
-                             base_name(self.lm))
-            state["lora"] = {k: v for k, v in self.model.state_dict().items() if "lora_" in k}
-            base = base_name(self.lm)
-            if base is not None:  # which base they adapt: `--resume` takes it from here
-                (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": base}) + "\n")
+            if self.cfg.quantize is None:
+                self.lm.model = merge_lora(self.model, self.merged_dtype)
+                self.lm.save(self.out)
+                if "lora" not in state:  # the run is done: --resume takes nothing but the merged checkpoint from here
+                    (self.out / LORA_BASE_FILE).unlink(missing_ok=True)
         torch.save(state, self.out / "trainer_state.pt")
         # The settings again as JSON: `--resume` reads them without loading the optimizer state.
         (self.out / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
@@ -746,8 +750,10 @@ class Trainer:
             raise ValueError(f"--resume: the run in {self.out} trained {ran}; lora_rank={self.cfg.lora_rank} "
                              "cannot continue it")
         if rank and "lora" not in state:
-            raise ValueError(f"--resume: the LoRA run in {self.out} finished and merged its adapters into the "
-                             f"checkpoint; fine-tune that with --model {self.out} instead")
+            done = (f"finished; its adapters are in {self.out / ADAPTER_DIR}" if self.cfg.quantize else
+                    f"finished and merged its adapters into the checkpoint; fine-tune that with --model {self.out} "
+                    "instead")
+            raise ValueError(f"--resume: the LoRA run in {self.out} {done}")
         if self.cfg.lora_rank:
             try:
                 self.model.load_state_dict(state["lora"], strict=False)
@@ -856,7 +862,8 @@ class Trainer:
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
             result.steps = self.step
-            # An interrupted run is saved to be resumed (a LoRA run keeps its adapters apart, unmerged).
+            # An interrupted run is saved to be resumed; one stopped by its clock is also a usable checkpoint (a
+            # LoRA run merged, its adapters kept apart too while steps remain).
             self.save(final=result.stopped != "interrupted")
         finally:
             interrupt.restore()

@@ -568,3 +568,28 @@ def test_resuming_a_run_whose_budget_is_spent_is_a_clear_error(tmp_path, capsys)
     assert "minutes of --max-minutes 1e-05, the budget of the whole run; give a larger --max-minutes" in err, err
     assert main(resume + ["--max-minutes", "1", "--steps", "3"]) == 0
     assert [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1] == 3
+
+
+def test_a_lora_run_stopped_by_its_clock_resumes(tmp_path, capsys):
+    """A LoRA run cut by --max-minutes merged its adapters and dropped them: --resume said it had "finished". It
+    now writes its merged checkpoint and adapter folder and keeps the adapters to resume, as a full fine-tune does."""
+    pytest.importorskip("peft")
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "base", steps=1)) == 0
+    # warmup over every step: the lr of a step does not depend on --steps, so the cut run may give another
+    lora = lambda out, steps: [a for a in train_args(data, out, steps=steps) if a not in ("--config", "tiny")] + [  # noqa: E731
+        "--model", str(tmp_path / "base"), "--lora-rank", "2", "--warmup-steps", "3"]
+    assert main(lora(tmp_path / "whole", 3)) == 0
+    assert main(lora(tmp_path / "cut", 50) + ["--max-minutes", "1e-5"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["stopped"] == "max_minutes" and rows[-1]["step"] < 3
+    assert (tmp_path / "cut" / "adapter" / "adapter_model.safetensors").is_file()
+    assert blockpress.load(tmp_path / "cut").config.text.hidden_size == 64  # a usable, merged checkpoint
+    resume = [a for a in train_args(data, tmp_path / "cut", steps=3) if a not in ("--config", "tiny")]
+    assert main(resume + ["--resume", "--max-minutes", "0", "--warmup-steps", "3"]) == 0  # on its base, not the merged
+    trained = [json.loads(x).get("loss") for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [x for x in trained if x is not None] == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
+    whole, cut = blockpress.load(tmp_path / "whole"), blockpress.load(tmp_path / "cut")
+    for (name, p), q in zip(whole.model.named_parameters(), cut.model.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
+    assert not (tmp_path / "cut" / "lora_base.json").exists()  # finished: nothing left to resume
