@@ -478,7 +478,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     import blockpress
-    from blockpress.data import is_raw_text, load_jsonl, split_heldout
+    from blockpress.data import is_examples, load_jsonl, split_heldout
     from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, init_distributed
 
     init_distributed()
@@ -588,25 +588,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=cfg.dtype or "float32", device=args.device,
                                      tokenizer=tokenizer)
     vocab = lm.config.text.vocab_size
-    if args.data.lower().endswith(".jsonl") and not is_raw_text(args.data):
-        if cfg.heldout_data:  # it would be ignored: JSONL examples are split by --heldout
-            raise ValueError("--heldout-data: for token-shard data; with JSONL data the held-out examples are the "
-                             "--heldout fraction of --data")
-        if cfg.heldout is None:
-            if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
-                print(f"--resume: the run in {args.out} did not record its --heldout; holding out "
-                      f"{DEFAULT_HELDOUT} (give the value it was started with, if another)", file=sys.stderr)
-            cfg = dataclasses.replace(cfg, heldout=DEFAULT_HELDOUT)  # saved with the run: --resume keeps the split
+
+    def examples_of(path: str, flag: str) -> list[Any]:
         try:
-            examples = load_jsonl(args.data, lm.tokenizer, vocab,
-                                  context=(lm.config.canvas_length, lm.config.text.max_position_embeddings,
-                                           cfg.max_canvases or None))
+            return load_jsonl(path, lm.tokenizer, vocab, context=(lm.config.canvas_length,
+                              lm.config.text.max_position_embeddings, cfg.max_canvases or None))
         except OSError as exc:  # missing, a directory, unreadable: the flag's path
-            raise OSError(f"--data {exc}") from None
-        train, held = split_heldout(examples, cfg.heldout)
-        if cfg.heldout > 0 and not held:
-            print(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out loss",
-                  file=sys.stderr)
+            raise OSError(f"{flag} {exc}") from None
+
+    if is_examples(args.data):
+        if cfg.heldout_data:  # the held-out examples are a file of their own
+            if not is_examples(cfg.heldout_data):
+                raise ValueError(f"--heldout-data {cfg.heldout_data}: running text; with JSONL examples as --data, "
+                                 "held-out examples are a JSONL file of them (or the --heldout fraction of --data)")
+            if cfg.heldout:
+                raise ValueError("--heldout/--heldout-data: the held-out examples are a fraction of --data or the "
+                                 "examples of --heldout-data; give one of them")
+            train, held = examples_of(args.data, "--data"), examples_of(cfg.heldout_data, "--heldout-data")
+        else:
+            if cfg.heldout is None:
+                if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
+                    print(f"--resume: the run in {args.out} did not record its --heldout; holding out "
+                          f"{DEFAULT_HELDOUT} (give the value it was started with, if another)", file=sys.stderr)
+                cfg = dataclasses.replace(cfg, heldout=DEFAULT_HELDOUT)  # saved with the run: --resume keeps the split
+            examples = examples_of(args.data, "--data")
+            train, held = split_heldout(examples, cfg.heldout)
+            if cfg.heldout > 0 and not held:
+                print(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out loss",
+                      file=sys.stderr)
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:

@@ -315,6 +315,11 @@ def is_raw_text(path: str | Path) -> bool:
                                                                  "prompt_ids", "response_ids"} & set(first)
 
 
+def is_examples(path: str | Path) -> bool:
+    """A JSONL file of examples: named .jsonl and not raw text (is_raw_text)."""
+    return str(path).lower().endswith(".jsonl") and not is_raw_text(path)
+
+
 def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -> TokenShards:
     """Raw text as one in-memory shard, laid out as write_shard lays out documents (scripts/build_code_corpus.py:
     each document's tokens, then EOS), so training cuts it into windows as it cuts token shards. `path`: a

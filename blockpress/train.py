@@ -106,9 +106,11 @@ class TrainConfig:
     # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
     # split (a Trainer takes its held-out data as an argument).
     heldout: float | None = setting(None, "JSONL examples: the fraction held out for the eval loss, chosen by "
-                                          "content hash (default: 0.02); not for raw text (give --heldout-data)")
-    heldout_data: str | None = setting(None, "raw text or token shards: held-out text (as --data takes it) or a "
-                                             "glob of held-out shards for the eval loss")
+                                          "content hash (default: 0.02, or none with --heldout-data); not for raw "
+                                          "text (give --heldout-data)")
+    heldout_data: str | None = setting(None, "held-out data for the eval loss, as --data takes it: with JSONL "
+                                             "examples, a JSONL file of examples; with raw text or token shards, "
+                                             "held-out text or a glob of held-out shards")
     # The weights' dtype as `blockpress train` loads them (a Trainer takes its model, and merged_dtype, as arguments),
     # kept with the run so that --resume trains on in it.
     dtype: str | None = setting(None, "weights dtype while training, and of the saved checkpoint (default: float32, "
@@ -170,7 +172,7 @@ class TrainConfig:
         if self.heldout is not None and not (is_finite_number(self.heldout) and 0 <= self.heldout < 1):
             raise ValueError(f"heldout: expected a fraction in [0, 1), got {self.heldout!r}")
         if self.heldout_data is not None and not (isinstance(self.heldout_data, str) and self.heldout_data):
-            raise ValueError(f"heldout_data: expected a path (a glob of token shards, or raw text: a file, a folder, {{'text'}} JSONL), got "
+            raise ValueError(f"heldout_data: expected a path (a JSONL file of examples, a glob of token shards, or raw text: a file, a folder, {{'text'}} JSONL), got "
                              f"{self.heldout_data!r}")
         if not 0 < self.prompt_min <= self.prompt_max:
             raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")

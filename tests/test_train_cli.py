@@ -593,3 +593,37 @@ def test_a_lora_run_stopped_by_its_clock_resumes(tmp_path, capsys):
     for (name, p), q in zip(whole.model.named_parameters(), cut.model.parameters(), strict=True):
         assert torch.allclose(p, q, atol=1e-6), name
     assert not (tmp_path / "cut" / "lora_base.json").exists()  # finished: nothing left to resume
+
+
+def test_held_out_examples_from_a_file_of_their_own(tmp_path, capsys):
+    """--heldout-data was refused with JSONL data ("for token-shard data", though it takes raw text too)."""
+    data = write_data(tmp_path / "d.jsonl")
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"prompt_ids": [2, 7], "response_ids": [40, 41, 42]}) + "\n")
+    args = train_args(data, tmp_path / "out", steps=2)
+    args = args[: args.index("--heldout")] + args[args.index("--heldout") + 2 :]
+    assert main(args + ["--heldout-data", str(val)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert "eval_loss" in rows[-1]
+    saved = json.loads((tmp_path / "out" / "train_config.json").read_text())
+    assert (saved["heldout_data"], saved["heldout"]) == (str(val), None)  # all of --data trains
+    # the eval loss is val.jsonl's own, not a split of d.jsonl's
+    from blockpress.train import ExampleSource, TrainConfig, Trainer
+
+    cfg = TrainConfig(**{**saved, "steps": 3})
+    evaluate = lambda held: Trainer(blockpress.load(tmp_path / "out"), ExampleSource(held, 0), cfg,  # noqa: E731
+                                    tmp_path / "x", heldout=ExampleSource(held, 0), progress=False).evaluate()
+    assert evaluate(blockpress.data.load_jsonl(val)) == pytest.approx(rows[-1]["eval_loss"], rel=1e-6)
+    capsys.readouterr()
+    both = [tmp_path / "both" if a == str(tmp_path / "out") else a for a in args]
+    assert main([str(a) for a in both] + ["--heldout-data", str(val), "--heldout", "0.5"]) == 2  # one or the other
+    assert "--heldout/--heldout-data: " in capsys.readouterr().err
+    text = tmp_path / "notes.txt"
+    text.write_text("some running text, " * 40)
+    tokenizer = ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
+    for data_, held, message in ((data, text, f"--heldout-data {text}: running text; with JSONL examples as --data"),):
+        wrong = train_args(data_, tmp_path / "wrong", steps=1)
+        wrong = wrong[: wrong.index("--heldout")] + wrong[wrong.index("--heldout") + 2 :]
+        assert main(wrong + tokenizer + ["--heldout-data", str(held)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "rename" not in err and "token-shard data" not in err, err
