@@ -663,8 +663,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int) -> Any:
     """Running text for `train` as TokenShards: raw text (a .txt/.py/.md file, a folder of them, JSONL lines
     {"text": ...}) tokenised in memory, or a glob of token shards; errors name `flag`."""
-    from blockpress.data import TokenShards, is_raw_text, load_text, shard_files
+    from blockpress.data import TokenShards, is_examples, is_raw_text, load_text, shard_files
 
+    if is_examples(path):  # neither running text nor shards, whatever its name
+        raise ValueError(f"{flag} {path}: JSONL examples (prompt/response, messages or ids); running text is "
+                         "{\"text\": ...} JSONL lines, a .txt/.py/.md file or a folder of them, or a glob of token "
+                         "shards")
     if not is_raw_text(path):
         return TokenShards(shard_files(path, flag), vocab_size)
     try:

@@ -596,7 +596,8 @@ def test_a_lora_run_stopped_by_its_clock_resumes(tmp_path, capsys):
 
 
 def test_held_out_examples_from_a_file_of_their_own(tmp_path, capsys):
-    """--heldout-data was refused with JSONL data ("for token-shard data", though it takes raw text too)."""
+    """--heldout-data was refused with JSONL data ("for token-shard data", though it takes raw text too), and a
+    JSONL file of examples given with raw text was to be "renamed" to the name it had."""
     data = write_data(tmp_path / "d.jsonl")
     val = tmp_path / "val.jsonl"
     val.write_text(json.dumps({"prompt_ids": [2, 7], "response_ids": [40, 41, 42]}) + "\n")
@@ -621,7 +622,8 @@ def test_held_out_examples_from_a_file_of_their_own(tmp_path, capsys):
     text = tmp_path / "notes.txt"
     text.write_text("some running text, " * 40)
     tokenizer = ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
-    for data_, held, message in ((data, text, f"--heldout-data {text}: running text; with JSONL examples as --data"),):
+    for data_, held, message in ((data, text, f"--heldout-data {text}: running text; with JSONL examples as --data"),
+                                 (text, val, f"--heldout-data {val}: JSONL examples (prompt/response")):
         wrong = train_args(data_, tmp_path / "wrong", steps=1)
         wrong = wrong[: wrong.index("--heldout")] + wrong[wrong.index("--heldout") + 2 :]
         assert main(wrong + tokenizer + ["--heldout-data", str(held)]) == 2
