@@ -1010,8 +1010,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint folder, shipped name or cached repo id to fine-tune")
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
-    p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines), a .txt/.py/.md "
-                   "file, a folder of them, or a glob of token shards (see scripts/)")
+    p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines; several: a glob "
+                   "or a folder of .jsonl files), a .txt/.py/.md file, a folder of them, or a glob of token shards "
+                   "(see scripts/)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")

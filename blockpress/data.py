@@ -156,14 +156,29 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
+def jsonl_files(path: str | Path) -> list[Path]:
+    """The JSONL files `path` names: itself (a name ending .jsonl), the files a glob matches when all are .jsonl,
+    or a folder's .jsonl files when it holds no raw text (.txt/.py/.md; searched recursively), sorted; [] else."""
+    text = str(path)
+    if any(c in text for c in "*?["):
+        matches = sorted(glob.glob(text))
+        return [Path(m) for m in matches] if matches and all(m.lower().endswith(".jsonl") for m in matches) else []
+    if text.lower().endswith(".jsonl"):
+        return [Path(path)]
+    if Path(path).is_dir():
+        files = sorted(f for f in Path(path).rglob("*") if f.is_file() and f.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl"))
+        return files if files and all(f.suffix.lower() == ".jsonl" for f in files) else []
+    return []
+
+
 def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
                context: tuple[int, int, int | None] | None = None) -> list[Example]:
-    """Every record of a JSONL file as an Example; errors name the file and line. `context`: (canvas length,
-    the model's max positions, the most canvases a response keeps or None), to refuse an example that would not
-    fit before a batch allocates it."""
-    path = Path(path)
+    """Every record of a JSONL file (or of the files a glob or folder of them holds, in name order: jsonl_files) as
+    an Example; errors name the file and line. `context`: (canvas length, the model's max positions, the most
+    canvases a response keeps or None), to refuse an example that would not fit before a batch allocates it."""
     out = []
-    for where, obj in jsonl_objects(path):
+    records = (record for file in jsonl_files(path) or [Path(path)] for record in jsonl_objects(file))
+    for where, obj in records:
         try:
             ex = parse_example(obj, tokenizer, where, vocab_size)
         except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
@@ -304,40 +319,41 @@ TEXT_SUFFIXES = (".txt", ".py", ".md")  # files read as raw text, alone or in a 
 
 
 def is_raw_text(path: str | Path) -> bool:
-    """A folder, a .txt/.py/.md file, or a JSONL file whose first record is {"text": ...}."""
-    path = Path(path)
-    if path.suffix.lower() != ".jsonl":
-        return path.is_dir() or path.suffix.lower() in TEXT_SUFFIXES
-    if not path.is_file():  # a folder named x.jsonl is a mistake load_jsonl names
+    """A folder, a .txt/.py/.md file, or JSONL (jsonl_files) whose first record is {"text": ...}."""
+    files = jsonl_files(path)
+    if not files:
+        return Path(path).is_dir() or Path(path).suffix.lower() in TEXT_SUFFIXES
+    if not files[0].is_file():  # a folder named x.jsonl is a mistake load_jsonl names
         return False
-    first = next(jsonl_objects(path), (None, None))[1]
+    first = next(jsonl_objects(files[0]), (None, None))[1]
     return isinstance(first, dict) and "text" in first and not {"prompt", "response", "messages",
                                                                  "prompt_ids", "response_ids"} & set(first)
 
 
 def is_examples(path: str | Path) -> bool:
-    """A JSONL file of examples: named .jsonl and not raw text (is_raw_text)."""
-    return str(path).lower().endswith(".jsonl") and not is_raw_text(path)
+    """JSONL examples: a .jsonl file, or a glob or folder of them (jsonl_files), that is not raw text (is_raw_text)."""
+    return bool(jsonl_files(path)) and not is_raw_text(path)
 
 
 def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -> TokenShards:
     """Raw text as one in-memory shard, laid out as write_shard lays out documents (scripts/build_code_corpus.py:
     each document's tokens, then EOS), so training cuts it into windows as it cuts token shards. `path`: a
-    .txt/.py/.md file, a folder of them (searched recursively), or JSONL lines {"text": ...}."""
+    .txt/.py/.md file, a folder of them (searched recursively), or JSONL lines {"text": ...} (a file, a glob or
+    a folder of them: jsonl_files)."""
+    files = jsonl_files(path)  # {"text"} lines: a file, a glob or a folder of them
     path = Path(path)
     if tokenizer is None:
         raise ValueError(f"{path}: raw text needs a tokenizer; this model has none (a fresh model takes one with "
                          "--tokenizer FOLDER)")
-    if path.is_dir():
+    if not files and path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
         if not files:
-            raise ValueError(f"{path}: a folder without {'/'.join(TEXT_SUFFIXES)} files (token shards are given "
-                             f"as a glob, e.g. {path}/*.bin)")
-    elif any(c in str(path) for c in "*?["):  # a glob is for token shards; text is one file or a folder
+            raise ValueError(f"{path}: a folder without {'/'.join(TEXT_SUFFIXES)} or .jsonl files (token shards are "
+                             f"given as a glob, e.g. {path}/*.bin)")
+    elif not files and any(c in str(path) for c in "*?["):  # a glob is for token shards or JSONL files
         raise ValueError(f"{path}: raw text is given as one file or a folder of them (searched recursively), not "
-                         "a glob; globs are for token shards")
-    else:
-        files = [path]
+                         "a glob; globs are for token shards and JSONL files")
+    files = files or [path]
     texts: list[tuple[str, str]] = []  # (where, text)
     for file in files:
         if file.suffix.lower() == ".jsonl":

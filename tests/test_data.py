@@ -230,7 +230,7 @@ def test_bad_raw_text_is_named(tmp_path, tok, lines, message):
 
 def test_raw_text_errors(tmp_path, tok):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="a folder without .txt/.py/.md files"):
+    with pytest.raises(ValueError, match="a folder without .txt/.py/.md or .jsonl files"):
         load_text(tmp_path / "empty", tok)
     (tmp_path / "x.txt").write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match="x.txt: not valid UTF-8"):
@@ -248,3 +248,27 @@ def test_a_glob_of_text_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="not a glob; globs are for token shards"):
         load_text(tmp_path / "*.txt", tok)
     assert load_text(tmp_path, tok).arrays[0].tolist() == tok.encode("hello world\n") + [tok.eos_id]
+
+
+def test_several_jsonl_files_as_a_glob_or_a_folder(tmp_path, tok):
+    """A folder of .jsonl files was "a folder without .txt/.py/.md files", and `--data 'dir/*.jsonl'` "no such data
+    file" though files matched: their examples (or text) are now taken in name order."""
+    from blockpress.data import is_examples, is_raw_text, jsonl_files
+
+    pairs, text = tmp_path / "pairs", tmp_path / "text"
+    for folder, lines in ((pairs, ({"prompt_ids": [2, 5], "response_ids": [7, 8]}, {"prompt": "a", "response": "b"})),
+                          (text, ({"text": "hello"}, {"text": "world"}))):
+        (folder / "sub").mkdir(parents=True)
+        (folder / "b.jsonl").write_text(json.dumps(lines[0]) + "\n")
+        (folder / "sub" / "a.jsonl").write_text(json.dumps(lines[1]) + "\n" + json.dumps(lines[0]) + "\n")
+    one_by_one = load_jsonl(pairs / "b.jsonl", tok) + load_jsonl(pairs / "sub" / "a.jsonl", tok)
+    for given in (pairs, str(pairs / "*.jsonl"), str(pairs / "**" / "*.jsonl")):
+        assert is_examples(given) and not is_raw_text(given)
+    assert load_jsonl(pairs, tok) == one_by_one  # recursively, in name order
+    assert load_jsonl(str(pairs / "*.jsonl"), tok) == one_by_one[:1]
+    assert is_raw_text(text) and is_raw_text(str(text / "*.jsonl")) and not is_examples(text)
+    documents = [tok.encode(w) + [tok.eos_id] for w in ("hello", "world", "hello")]  # b.jsonl, then sub/a.jsonl
+    assert load_text(text, tok).arrays[0].tolist() == [t for doc in documents for t in doc]
+    # raw text beside them: the folder is raw text as before, its .jsonl files not read
+    (pairs / "notes.txt").write_text("notes")
+    assert jsonl_files(pairs) == [] and is_raw_text(pairs) and not is_examples(pairs)

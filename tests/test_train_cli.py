@@ -629,3 +629,13 @@ def test_held_out_examples_from_a_file_of_their_own(tmp_path, capsys):
         assert main(wrong + tokenizer + ["--heldout-data", str(held)]) == 2
         err = capsys.readouterr().err
         assert message in err and "rename" not in err and "token-shard data" not in err, err
+
+
+def test_several_jsonl_files_train_together(tmp_path):
+    """A folder of .jsonl files was "a folder without .txt/.py/.md files"; a glob of them "no such data file"."""
+    (tmp_path / "many").mkdir()
+    write_data(tmp_path / "many" / "a.jsonl", n=4)
+    (tmp_path / "many" / "b.jsonl").write_text(json.dumps({"prompt_ids": [2, 9], "response_ids": [30, 31]}) + "\n")
+    for given, out in ((tmp_path / "many", "folder"), (tmp_path / "many" / "*.jsonl", "glob")):
+        assert main(train_args(given, tmp_path / out, steps=1)) == 0
+    assert losses(tmp_path / "folder") == losses(tmp_path / "glob")
