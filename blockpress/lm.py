@@ -14,6 +14,8 @@ import torch
 
 from .cache import KVCache
 from .checkpoint import (
+    DTYPE_ALIASES,
+    DTYPES,
     Passthrough,
     check_fits,
     hf_cached_snapshot,
@@ -48,7 +50,7 @@ from .healing import Healed, allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
-from .quantize import check_scheme
+from .quantize import check_runs, check_scheme
 from .sampling import TEMPERATURE_HINT, SamplerConfig, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -109,6 +111,18 @@ def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
     if not bool(t.bool().any(-1).all()):
         raise ValueError("attention_mask: every row needs at least one token (a 1)")
     return t.long()
+
+
+def _graphs_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why CUDA graphs cannot replay a model on `device` in `dtype` (None: they can). A graph holds no host sync:
+    the experts must run as one grouped GEMM, which CUDA has in bf16 only (other dtypes loop over the experts,
+    reading their row counts on the host twice a layer)."""
+    if device.type != "cuda":
+        return f"needs a model on a CUDA device, not {device}"
+    if dtype != torch.bfloat16:
+        return (f"needs bfloat16 weights (the experts' grouped GEMM on CUDA is bf16-only), not "
+                f"{str(dtype).removeprefix('torch.')}")
+    return None
 
 
 def check_vocab_range(ids: torch.Tensor, name: str, vocab_size: int) -> None:
@@ -255,13 +269,10 @@ class LM:
     def cuda_graphs(self) -> LM:
         """Replay each decoder pass (captured once per canvas) and each AR token's encoder pass (captured once per
         cache) from CUDA graphs from now on; see GraphedDenoise and GraphedEncodeStep. Needs a CUDA model."""
-        if self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs: needs a model on a CUDA device; this one is on {self.device}")
-        # A graph holds no host sync: the experts must run as one grouped GEMM, which CUDA has in bf16 only
-        # (other dtypes loop over the experts, reading their row counts on the host twice a layer).
-        if self.dtype != torch.bfloat16:
-            raise ValueError(f"cuda_graphs: needs bfloat16 weights (the experts' grouped GEMM on CUDA is bf16-only); "
-                             f"this model is {str(self.dtype).removeprefix('torch.')}: load it with dtype='bfloat16'")
+        why = _graphs_refusal(self.device, self.dtype)
+        if why is not None:
+            raise ValueError(f"cuda_graphs: {why}; load the model with device='cuda', dtype='bfloat16', or move it "
+                             "with lm.to('cuda', 'bfloat16')")
         if self.quantization == "fp8":  # find out now, eagerly, whether the FP8 grouped GEMM runs here
             c = self.config.canvas_length
             self.logits(torch.full((1, 1), 3, device=self.device), torch.full((1, c), 3, device=self.device))
@@ -270,6 +281,51 @@ class LM:
                                  "GEMM each with host syncs; use eager decoding, or int4 / bf16 weights")
         self.step_functions = StepFunctions.cuda_graphs(self.model)
         self._reapply_steps = self.cuda_graphs
+        return self
+
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None) -> LM:
+        """Move the model to `device` and/or cast its weights to `dtype` ("bfloat16", torch.float16, ...), in place;
+        None keeps either as it is. The model then computes what `blockpress.load(..., dtype=, device=)` would
+        give (the rotary tables stay float32: DiffusionGemma._apply). Returns self.
+
+        `compile` / `cuda_graphs` steps are made anew for the moved weights. KV caches and PrefixCaches made
+        before hold the old weights' keys: make new ones (one in another dtype or on another device is refused).
+        A quantized model can change device, not dtype (its scales are set for its dtype): load it again with
+        dtype= and quantize=."""
+        self._check_runnable()
+        named = isinstance(device, str) and device.lower().removeprefix("torch.") in (*DTYPES, *DTYPE_ALIASES)
+        if isinstance(device, torch.dtype) or named:  # lm.to(torch.bfloat16), as nn.Module.to takes it
+            raise ValueError(f"device: {device!r} is a dtype; pass it as lm.to(dtype={device!r})")
+        target_device = self.device if device is None else resolve_device(device)
+        if target_device.type == "meta":
+            raise ValueError("device: 'meta' holds no weights (shapes only); to count parameters and bytes, build "
+                             "the model there: random_model(config, device='meta')")
+        target_dtype = resolve_dtype(_dtype_argument(dtype)) or self.dtype
+        scheme = self.quantization
+        if scheme is not None and target_dtype != self.dtype:
+            raise ValueError(f"dtype: the model is quantized ({scheme}) in {str(self.dtype).removeprefix('torch.')}; "
+                             "its scales are set for that dtype: load it in the dtype wanted, "
+                             f"blockpress.load(..., dtype={str(target_dtype).removeprefix('torch.')!r}, "
+                             f"quantize={scheme!r})")
+        if target_device == self.device and target_dtype == self.dtype:
+            return self
+        # Refusals first: nothing moves unless all of it can.
+        graphed = self.step_functions is not None and self._reapply_steps == self.cuda_graphs
+        why = _graphs_refusal(target_device, target_dtype) if graphed else None
+        if why is not None:
+            raise ValueError(f"to: this LM replays CUDA graphs (lm.cuda_graphs()), and a graph {why}; load the "
+                             "model anew to run it there")
+        if scheme is not None:
+            check_runs(scheme, target_device, target_dtype)
+        params = sum(p.numel() for p in self.model.parameters()) * target_dtype.itemsize
+        check_fits(params + sum(b.numel() * b.element_size() for b in self.model.buffers()), target_device,
+                   f"to: {self.config.describe()} in {str(target_dtype).removeprefix('torch.')}")
+        if target_dtype == self.dtype:  # a quantized model's float32 scales keep their dtype
+            self.model.to(target_device)
+        else:
+            self.model.to(target_device, target_dtype)
+        if self.step_functions is not None and self._reapply_steps is not None:
+            self._reapply_steps()  # compiled or captured steps hold the old tensors: make them anew
         return self
 
     def _check_runnable(self) -> None:

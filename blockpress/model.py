@@ -353,9 +353,18 @@ class DiffusionGemma(nn.Module):
                 for kind in set(cfg.layer_types)}
 
     def reset_buffers(self) -> None:
-        """Recompute the non-persistent buffers (after meta-device construction)."""
+        """Recompute the non-persistent buffers (after meta-device construction): float32, on the model's device."""
         for kind, inv_freq in self._inv_freqs().items():
             setattr(self, f"inv_freq_{kind}", inv_freq.to(self.device))
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> DiffusionGemma:
+        """What nn.Module.to / .cuda() / .half() / .bfloat16() / .to_empty() run on every tensor, then the rotary
+        frequencies recomputed. Those casts round every floating buffer, and bf16-rounded frequencies put a
+        position's angle off by up to 0.4%, which grows with the position (radians past a few thousand tokens):
+        the tables stay float32 on the model's device, as loading in that dtype builds them."""
+        super()._apply(fn, recurse)
+        self.reset_buffers()
+        return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight

@@ -356,13 +356,9 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
             module.merge()
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             setattr(parent, name.rsplit(".", 1)[1], module.get_base_layer())
+    model.to(dtype)  # layer scalars follow the weights; the RoPE frequencies stay float32 (DiffusionGemma._apply)
     for p in model.parameters():
-        p.data = p.data.to(dtype)
         p.requires_grad = True
-    for module in model.modules():  # bf16 layer scalars follow the weights; float32 ones (RoPE frequencies) stay
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
-                module._buffers[key] = buffer.to(dtype)
     return model
 
 

@@ -68,6 +68,72 @@ def test_dtypes(ref_checkpoint, dtype):
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
 
 
+CASTS = {
+    "lm.to": lambda lm, dtype: lm.to(dtype=str(dtype).removeprefix("torch.")),
+    "model.to": lambda lm, dtype: lm.model.to(dtype),
+    "model.half / .bfloat16": lambda lm, dtype: lm.model.half() if dtype == torch.float16 else lm.model.bfloat16(),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_casting_a_loaded_model_is_loading_it_in_that_dtype(ref_checkpoint, dtype):
+    """nn.Module casts round every floating buffer: in bf16 the rotary frequencies put a 4000-token prompt's logits
+    5x further from float32 than a bf16 load. However it is cast, the tables stay float32, as a load keeps them,
+    and the logits are the load's exactly (the angles' error grows with the position: a long-ish prompt)."""
+    path = ref_checkpoint[0]
+    loaded = load_quiet(path, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    v, c = loaded.config.text.vocab_size, loaded.config.canvas_length
+    prompt, canvas = torch.randint(0, v, (1, 200), generator=g), torch.randint(0, v, (2, c), generator=g)
+    want = loaded.logits(prompt, canvas)
+    for name, cast in CASTS.items():
+        lm = load_quiet(path)
+        cast(lm, dtype)
+        assert lm.dtype == dtype, name
+        assert {b.dtype for n, b in lm.model.named_buffers() if "inv_freq" in n} == {torch.float32}, name
+        assert torch.equal(lm.logits(prompt, canvas), want), name
+
+
+def test_to_moves_and_remakes_compiled_steps(ref_checkpoint, monkeypatch):
+    """`lm.to` returns the LM, and steps made for the old tensors (compile) are made anew for the new ones."""
+    moved = load_quiet(ref_checkpoint[0])
+    cache = moved.new_cache(1, 32)
+    made = []
+    monkeypatch.setattr(blockpress.lm.StepFunctions, "compiled", classmethod(
+        lambda cls, model, **options: made.append(options) or cls.eager(model)))
+    moved.compile(mode="default")
+    assert moved.to() is moved and moved.to(device="cpu", dtype="float32") is moved and len(made) == 1  # no change
+    assert moved.to(dtype=torch.bfloat16) is moved and moved.dtype == torch.bfloat16
+    assert made == [{"mode": "default"}] * 2
+    with pytest.raises(ValueError, match="cache: built by another model"):  # made for the float32 weights
+        moved.generate([[3, 4]], max_new_tokens=8, cache=cache)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "int8"}, r"dtype: expected one of .*got 'int8'"),
+    ({"dtype": torch.float64}, r"dtype: expected one of \['bfloat16', 'float16', 'float32'\]"),
+    ({"device": "cuda:99"}, r"device: 'cuda:99' asked for"),
+    ({"device": "gpu"}, r"device: 'gpu' is not a torch device"),
+    ({"device": "meta"}, r"device: 'meta' holds no weights"),
+    ({"device": torch.bfloat16}, r"device: torch.bfloat16 is a dtype; pass it as lm.to\(dtype=torch.bfloat16\)"),
+    ({"device": "bf16"}, r"device: 'bf16' is a dtype; pass it as lm.to\(dtype='bf16'\)"),
+])
+def test_to_names_a_bad_argument(lm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lm.to(**kwargs)
+    assert lm.dtype == torch.float32 and lm.device.type == "cpu"
+
+
+def test_to_keeps_a_quantized_model_in_its_dtype(ref_checkpoint):
+    """Casting would round the scales the quantization chose for this dtype: refused, naming the way that works."""
+    lm = load_quiet(ref_checkpoint[0], quantize="int8")
+    scales = {n: b.dtype for n, b in lm.model.named_buffers() if n.endswith("_scale")}
+    with pytest.raises(ValueError, match=r"dtype: the model is quantized \(int8\) in float32.*quantize='int8'"):
+        lm.to(dtype="bfloat16")
+    assert lm.to(device="cpu", dtype="float32") is lm
+    assert {n: b.dtype for n, b in lm.model.named_buffers() if n.endswith("_scale")} == scales
+
+
 def test_saved_config_names_the_dtype_saved(ref_checkpoint, tmp_path):
     """A float32 checkpoint read as bf16 and saved says bfloat16, so transformers loads it at that precision
     (before: the old "float32", twice the memory)."""

@@ -949,7 +949,7 @@ def test_cuda_graphs_need_bf16_experts(lm, monkeypatch):
     """Float32 experts on CUDA loop over the experts with host syncs, which a capture cannot hold: refused up
     front, on what would be a CUDA model, rather than failing inside the capture."""
     monkeypatch.setattr(blockpress.lm.LM, "device", property(lambda self: torch.device("cuda")))
-    with pytest.raises(ValueError, match="cuda_graphs: needs bfloat16 weights .* this model is float32"):
+    with pytest.raises(ValueError, match="cuda_graphs: needs bfloat16 weights .* not float32"):
         lm.cuda_graphs()
 
 
