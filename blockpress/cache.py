@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import TextConfig
+from .sampling import is_int
 
 
 @dataclass(eq=False)  # compared by identity: a cache keeps its live marks in a WeakSet
@@ -59,8 +60,10 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVCache:
-        if batch_size <= 0 or capacity <= 0:
-            raise ValueError(f"KVCache: batch_size and capacity must be positive, got {batch_size}, {capacity}")
+        for name, value in (("batch_size", batch_size), ("capacity", capacity)):
+            if not is_int(value) or value <= 0:  # 2.0 or "2" would fail inside torch.zeros; True would pass for 1
+                raise ValueError(f"KVCache: {name}: expected a positive int, got {value!r}")
+        batch_size, capacity = int(batch_size), int(capacity)  # numpy integers: plain ones, as the shapes hold
         keys, values = [], []
         for spec in config.layers:
             shape = (batch_size, spec.num_kv_heads, capacity, spec.head_dim)

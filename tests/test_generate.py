@@ -1,5 +1,6 @@
 """The decoding loop's mechanics on tiny random models."""
 
+import re
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -1264,6 +1265,22 @@ def test_bad_attention_masks(lm, mask, message):
         lm.generate([[3, 4]], max_new_tokens=4, attention_mask=mask)
     with pytest.raises(ValueError, match=f"attention_mask: {message}"):
         lm.logits([[3, 4]], [[5, 6]], attention_mask=mask)
+
+
+@pytest.mark.parametrize("batch_size, capacity, name", [
+    (1.5, 10, "batch_size"), ("1", 10, "batch_size"), (True, 10, "batch_size"), (0, 10, "batch_size"),
+    (2, 10.0, "capacity"), (2, None, "capacity"), (2, -1, "capacity"), (2, False, "capacity"),
+])
+def test_a_cache_size_that_is_not_a_positive_int_is_named(lm, batch_size, capacity, name):
+    """torch.zeros' own TypeError (1.5, 10.0), a str/int comparison error ("1"), or a 1-row cache (True) before."""
+    value = batch_size if name == "batch_size" else capacity
+    with pytest.raises(ValueError, match=re.escape(f"KVCache: {name}: expected a positive int, got {value!r}")):
+        lm.new_cache(batch_size, capacity)
+
+
+def test_a_numpy_cache_size_is_an_int(lm):
+    cache = lm.new_cache(np.int64(2), np.int32(12))
+    assert (cache.batch_size, cache.capacity) == (2, 12) and type(cache.keys[0].shape[0]) is int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
