@@ -344,18 +344,20 @@ class LM:
         self_conditioning_logits: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]."""
+        """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]. A one-row
+        prompt (with its one-row attention_mask) serves every canvas row."""
         self._check_runnable()
         v = self.config.text.vocab_size
         prompt = _as_ids(prompt_ids, "prompt_ids", v, self.device)
         canvas = _as_ids(canvas_ids, "canvas_ids", v, self.device)
-        if prompt.shape[0] != canvas.shape[0]:
-            if prompt.shape[0] == 1:
-                prompt = prompt.expand(canvas.shape[0], -1)
-            else:
-                raise ValueError(f"canvas_ids: batch {canvas.shape[0]} does not match prompt_ids batch {prompt.shape[0]}")
-        if attention_mask is not None:
+        if attention_mask is not None:  # against the prompt as given: a one-row prompt's mask is broadcast with it
             attention_mask = _check_mask(attention_mask, prompt.shape, "prompt_ids").to(self.device)
+        if prompt.shape[0] != canvas.shape[0]:
+            if prompt.shape[0] != 1:
+                raise ValueError(f"canvas_ids: batch {canvas.shape[0]} does not match prompt_ids batch {prompt.shape[0]}")
+            prompt = prompt.expand(canvas.shape[0], -1)
+            if attention_mask is not None:
+                attention_mask = attention_mask.expand(canvas.shape[0], -1)
         context = self.config.text.max_position_embeddings
         longest = prompt.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())  # padding: no position
         if longest + canvas.shape[1] > context:

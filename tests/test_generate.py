@@ -1267,6 +1267,17 @@ def test_bad_attention_masks(lm, mask, message):
         lm.logits([[3, 4]], [[5, 6]], attention_mask=mask)
 
 
+def test_a_one_row_prompt_and_its_mask_serve_every_canvas_row(lm):
+    """logits broadcasts a [1, P] prompt to the canvas batch; its own [1, P] mask was then refused as not [B, P]."""
+    prompt, mask = [[7, 1, 2, 9]], [[0, 0, 1, 1]]
+    g = torch.Generator().manual_seed(0)
+    canvas = torch.randint(0, lm.config.text.vocab_size, (3, lm.config.canvas_length), generator=g)
+    want = lm.logits(prompt * 3, canvas, attention_mask=mask * 3)
+    assert torch.equal(lm.logits(prompt, canvas, attention_mask=mask), want)
+    with pytest.raises(ValueError, match=r"attention_mask: expected shape \[1, 4\] \(like prompt_ids\), got \[3, 4\]"):
+        lm.logits(prompt, canvas, attention_mask=mask * 3)  # checked against the prompt as given
+
+
 @pytest.mark.parametrize("batch_size, capacity, name", [
     (1.5, 10, "batch_size"), ("1", 10, "batch_size"), (True, 10, "batch_size"), (0, 10, "batch_size"),
     (2, 10.0, "capacity"), (2, None, "capacity"), (2, -1, "capacity"), (2, False, "capacity"),
