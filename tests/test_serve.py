@@ -157,12 +157,13 @@ def test_openai_penalties_reach_the_sampler(client):
     """presence_penalty / frequency_penalty (sent by many OpenAI clients) are honoured, as the library's own."""
     lm = load_model("random-tiny", None, "cpu")
     lm.generation_config = {"max_denoising_steps": 3, "max_new_tokens": 24}
-    kw = dict(max_tokens=16, seed=5)
+    # (seed 0: with seed 5 the row meets EOS after 9 tokens, which the penalties leave alike)
+    kw = dict(max_tokens=16, seed=0)
     texts = {}
     for pen in (0.0, 2.0):
         r = client.completions.create(model=MODEL, prompt="ab", presence_penalty=pen, frequency_penalty=pen / 2, **kw)
         texts[pen] = r.choices[0].text
-        assert texts[pen] == lm.generate("ab", max_new_tokens=16, seed=5, presence_penalty=pen,
+        assert texts[pen] == lm.generate("ab", max_new_tokens=16, seed=0, presence_penalty=pen,
                                          frequency_penalty=pen / 2).texts[0]
     assert texts[0.0] != texts[2.0]
 
