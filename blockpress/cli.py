@@ -599,7 +599,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if is_examples(args.data):
         if cfg.heldout_data:  # the held-out examples are a file of their own
             if not is_examples(cfg.heldout_data):
-                raise ValueError(f"--heldout-data {cfg.heldout_data}: running text; with JSONL examples as --data, "
+                raise ValueError(f"--heldout-data {cfg.heldout_data}: not JSONL examples; with JSONL examples as --data, "
                                  "held-out examples are a JSONL file of them (or the --heldout fraction of --data)")
             if cfg.heldout:
                 raise ValueError("--heldout/--heldout-data: the held-out examples are a fraction of --data or the "

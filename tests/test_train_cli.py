@@ -352,7 +352,7 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--heldout", "-0.5"], "error: --heldout: expected a fraction in [0, 1)"),
                            (["--grad-clip", "-1"], "error: --grad-clip: expected >= 0"),
                            (["--lr", "inf"], "error: --lr: expected a finite number"),
-                           (["--heldout-data", "x*.bin"], "--heldout-data: for token-shard data"),
+                           (["--heldout-data", "x*.bin"], "--heldout-data x*.bin: not JSONL examples; with JSONL examples as --data"),
                            (["--prompt-min", "9", "--prompt-max", "4"], "error: --prompt-min/--prompt-max: need"),
                            (["--eval-batches", "0", "--heldout", "0.5"],
                             "error: --eval-batches: expected a positive integer with held-out data"),
@@ -622,7 +622,7 @@ def test_held_out_examples_from_a_file_of_their_own(tmp_path, capsys):
     text = tmp_path / "notes.txt"
     text.write_text("some running text, " * 40)
     tokenizer = ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
-    for data_, held, message in ((data, text, f"--heldout-data {text}: running text; with JSONL examples as --data"),
+    for data_, held, message in ((data, text, f"--heldout-data {text}: not JSONL examples; with JSONL examples as --data"),
                                  (text, val, f"--heldout-data {val}: JSONL examples (prompt/response")):
         wrong = train_args(data_, tmp_path / "wrong", steps=1)
         wrong = wrong[: wrong.index("--heldout")] + wrong[wrong.index("--heldout") + 2 :]
