@@ -1084,6 +1084,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         for i, message in enumerate(body.messages):
             message.check(i)
         messages, tools = [m.for_template() for m in body.messages], body.template_tools()
+        if lm.tokenizer.chat_template is None:  # a model that cannot chat: the request's to change, not a failure
+            raise APIError(400, "messages: this model has no chat template (no chat_template.jinja, nor chat_template "
+                                "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "
+                                "/v1/completions", "messages")
         try:
             if tools and "tools" not in lm.tokenizer.chat_template_variables(tools=tools):
                 # a template that never reads them would drop them without a word

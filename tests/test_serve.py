@@ -644,6 +644,20 @@ def test_a_broken_chat_template_is_a_json_server_error(server, monkeypatch):
     assert error["type"] == "server_error" and error["message"].startswith("chat_template: rendering failed")
 
 
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "function": {"name": "f"}}]])
+def test_a_chat_to_a_model_without_a_chat_template_is_a_400_naming_it(server, monkeypatch, tools):
+    """A model with no chat template cannot render messages: that is the request's to change (send a prompt to
+    /v1/completions), not a server failure; it answered 500 (and, with tools, a 400 blaming the messages)."""
+    lm = server[1].state.engine.lm
+    monkeypatch.setattr(lm.tokenizer, "chat_template", None)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **({"tools": tools} if tools else {})}
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
+
+
 def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
     from blockpress.cli import served_name
 
