@@ -92,7 +92,7 @@ class TrainConfig:
     lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights; "
                              "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter")
     lora_alpha: int = setting(16, "LoRA scaling numerator")
-    quantize: str | None = setting(None, "with lora_rank: train the adapters over a frozen base quantized with this "
+    quantize: str | None = setting(None, "with --lora-rank: train the adapters over a frozen base quantized with this "
                                    "scheme (int8, fp8 or int4: QLoRA; the base is quantized as it is read); --out "
                                    "then holds the adapters alone, in --out/adapter")
     prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
@@ -114,7 +114,7 @@ class TrainConfig:
     # The weights' dtype as `blockpress train` loads them (a Trainer takes its model, and merged_dtype, as arguments),
     # kept with the run so that --resume trains on in it.
     dtype: str | None = setting(None, "weights dtype while training, and of the saved checkpoint (default: float32, "
-                                "since AdamW on bf16 weights rounds small updates away; with lora_rank, the frozen "
+                                "since AdamW on bf16 weights rounds small updates away; with --lora-rank, the frozen "
                                 "base stays in its own dtype while training and the adapters are merged into a "
                                 "float32 checkpoint; with quantize, the base is quantized instead and the adapters "
                                 "stay unmerged)", choices=("float32", "bfloat16"))
