@@ -171,7 +171,8 @@ class GraphedEncodeStep:
 class Draft:
     canvas_index: int
     step: int  # steps done in this canvas (1-based)
-    tokens: torch.Tensor  # [B, n] current argmax of the canvas positions kept (cpu); pad for rows that ended
+    tokens: torch.Tensor  # [B, n] current argmax of the canvas positions kept (cpu); pad for rows that ended and
+    # past a row's max_new_tokens
     accepted: torch.Tensor  # [B] positions accepted at this step
     done: torch.Tensor  # [B] bool: row has stopped denoising this canvas (or ended in an earlier one)
     elapsed: float
@@ -247,8 +248,10 @@ class Request:
 
     prompt: torch.Tensor  # [B, P]
     attention_mask: torch.Tensor | None  # [B, P] or None when nothing is padded
-    max_new_tokens: int
-    min_new_tokens: int
+    # New tokens: one count for every row, or one per row (a server batches requests of different lengths); read
+    # them through `row_budgets`. A row that has written its max_new_tokens ends, as one that wrote an EOS does.
+    max_new_tokens: int | tuple[int, ...]
+    min_new_tokens: int | tuple[int, ...]
     sampler: SamplerConfig
     seed: int | None
     template: torch.Tensor | None  # [B, N] fixed token ids, -1 for holes
@@ -282,6 +285,22 @@ class Request:
     # Ids the tokenizer has no token for (Tokenizer.unknown_ids: an embedding padded past its vocabulary) [k]: their
     # logits are -inf, so no row ever chooses one (it would have no text). None: every id may be chosen.
     unknown_ids: torch.Tensor | None = None
+
+    def row_budgets(self) -> tuple[list[int], list[int]]:
+        """Each row's (max_new_tokens, min_new_tokens). A template's rows all write its whole length, with no
+        minimum (no EOS comes inside it)."""
+        b = self.prompt.shape[0]
+        if self.template is not None:
+            return [self.template.shape[1]] * b, [0] * b
+
+        def per_row(value: int | Sequence[int], name: str) -> list[int]:
+            if is_int(value):
+                return [int(value)] * b
+            if len(value) != b:
+                raise ValueError(f"{name}: expected one count per row ({b}), got {len(value)}")
+            return [int(v) for v in value]
+
+        return per_row(self.max_new_tokens, "max_new_tokens"), per_row(self.min_new_tokens, "min_new_tokens")
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -614,12 +633,13 @@ class _RowTexts:
     req: Request
     tokenizer: Any
     newest: list[tuple[int, str] | None]  # per row: (tokens, their text) last decoded
-    floors: list[int | None]  # per row: stop_floor, once the row has more than min_new_tokens tokens
+    floors: list[int | None]  # per row: stop_floor, once the row has more than its min_new_tokens tokens
+    minimums: list[int]  # per row: min_new_tokens
 
     @classmethod
     def of(cls, req: Request, tokenizer: Any) -> _RowTexts:
         b = req.prompt.shape[0]
-        return cls(req, tokenizer, [None] * b, [None] * b)
+        return cls(req, tokenizer, [None] * b, [None] * b, req.row_budgets()[1])
 
     def _decode(self, r: int, row: list[int]) -> str:
         template = None if self.req.template is None else self.req.template[r : r + 1]
@@ -636,7 +656,7 @@ class _RowTexts:
     def floor(self, r: int, row: list[int]) -> int:
         """How many characters of the text the first min_new_tokens tokens make: no stop string ends in them
         (vLLM's min_tokens). A row of at most min_new_tokens tokens is all floor."""
-        m = self.req.min_new_tokens
+        m = self.minimums[r]
         if not m:
             return 0
         if len(row) <= m:
@@ -659,7 +679,7 @@ class _RowTexts:
         stop yet). The first `checked` tokens were searched before, so the answer lies after them; bisection, as a
         prefix that holds a stop keeps holding it. The whole text is `text`'s (shared with the answer so far), so a
         row without a stop costs no decode of its own; the text at the answer is kept for the answer."""
-        stops, m = self.req.stops[r] if self.req.stops else [], self.req.min_new_tokens
+        stops, m = self.req.stops[r] if self.req.stops else [], self.minimums[r]
         lo = max(checked, m)  # a row of at most min_new_tokens tokens is all floor: no stop counts in it
         if not stops or len(row) <= lo:
             return None
@@ -800,28 +820,36 @@ class _Canvas:
     lo: int  # its first new token
     keep: int  # the new tokens it holds (the last canvas may hold fewer than canvas_length)
     fixed: torch.Tensor | None  # [B, C] a template's tokens, -1 in its holes
-    scored: torch.Tensor  # [B, C] bool: the positions within the new tokens
+    scored: torch.Tensor  # [B, C] bool: the positions within each row's new tokens (its max_new_tokens)
     writable: torch.Tensor  # [B, C] bool: the scored positions not given (the ones this canvas writes)
     bans: _Bans | None  # token healing: the first new token; healed holes
-    eos_until: int  # EOS is banned at the positions before this: min_new_tokens, or all of a template's
+    eos_banned: torch.Tensor | None  # [B, C] bool: no EOS here (before a row's min_new_tokens, or in a template)
+    short_rows: bool  # some row's budget ends before `keep` (in this canvas or earlier): its tail is not its own
 
     @classmethod
     def of(cls, req: Request, ci: int, canvas_len: int, device: torch.device) -> _Canvas:
-        b, n_new = req.prompt.shape[0], _new_length(req)
+        b = req.prompt.shape[0]
+        budgets, minimums = req.row_budgets()
         lo = ci * canvas_len
-        keep = min(canvas_len, n_new - lo)
+        keep = min(canvas_len, max(budgets) - lo)
         fixed = None
         if req.template is not None:
             fixed = torch.full((b, canvas_len), -1, dtype=torch.long, device=device)
             fixed[:, :keep] = req.template[:, lo : lo + keep].to(device)
             # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
             fixed[:, keep:] = req.pad_id
-        scored = (torch.arange(canvas_len, device=device) < keep)[None].expand(b, -1)
-        eos_until = 0
-        if req.eos_ids:  # no EOS before min_new_tokens, nor in a template's holes (its length is fixed)
-            eos_until = canvas_len if req.template is not None else min(canvas_len, max(0, req.min_new_tokens - lo))
+        # A row's last canvas ends at its own budget, as it would alone: the positions past it are not scored (see
+        # denoise_step), so their churn holds no row, and commit pads them.
+        position = torch.arange(canvas_len, device=device)[None]
+        scored = position < torch.tensor(budgets, device=device)[:, None] - lo
+        eos_banned = None
+        if req.eos_ids and req.template is not None:  # a template's holes have a fixed length: no EOS inside
+            eos_banned = torch.ones(b, canvas_len, dtype=torch.bool, device=device)
+        elif req.eos_ids and max(minimums) > lo:  # none before a row's min_new_tokens
+            eos_banned = position < torch.tensor(minimums, device=device)[:, None] - lo
         writable = scored if fixed is None else scored & (fixed < 0)
-        return cls(ci, lo, keep, fixed, scored, writable, _Bans.of_canvas(req, ci, lo, keep, device), eos_until)
+        return cls(ci, lo, keep, fixed, scored, writable, _Bans.of_canvas(req, ci, lo, keep, device), eos_banned,
+                   min(budgets) < lo + keep)
 
 
 @dataclass
@@ -836,8 +864,9 @@ class _Working:
     scored: torch.Tensor
     writable: torch.Tensor  # see _Canvas
     bans: _Bans | None  # numbered by the sub-batch
+    eos_banned: torch.Tensor | None
     seeds: torch.Tensor
-    finished: torch.Tensor  # [b'] ended with an EOS in an earlier canvas
+    finished: torch.Tensor  # [b'] ended in an earlier canvas (an EOS, a stop string, its max_new_tokens)
     history: torch.Tensor | None  # [b', V] their committed new tokens, counted (the repeat penalties)
 
     def shrink(self, keep: torch.Tensor, canvas_len: int) -> _Working:
@@ -846,6 +875,7 @@ class _Working:
             rows=self.rows[keep], state=take_rows(self.state, keep), cache=self.cache.rows(keep, canvas_len),
             fixed=None if self.fixed is None else self.fixed[keep], scored=self.scored[keep],
             writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
+            eos_banned=None if self.eos_banned is None else self.eos_banned[keep],
             seeds=self.seeds[keep], finished=self.finished[keep],
             history=None if self.history is None else self.history[keep])
 
@@ -856,13 +886,13 @@ class _Stops:
 
     req: Request
     texts: _RowTexts | None  # the rows' texts (None: no tokenizer, so no stop search)
-    length: torch.Tensor  # [B] the new tokens each row keeps: through its stop string, or all of them
+    length: torch.Tensor  # [B] the new tokens each row keeps: through its stop string, or its max_new_tokens
     stopped: list[bool]  # the rows a stop string ended (the server's finish_reason)
 
     @classmethod
-    def of(cls, req: Request, texts: _RowTexts | None, n_new: int, device: torch.device) -> _Stops:
-        b = req.prompt.shape[0]
-        return cls(req, texts, torch.full((b,), n_new, dtype=torch.long, device=device), [False] * b)
+    def of(cls, req: Request, texts: _RowTexts | None, device: torch.device) -> _Stops:
+        budgets, _ = req.row_budgets()
+        return cls(req, texts, torch.tensor(budgets, dtype=torch.long, device=device), [False] * len(budgets))
 
     @property
     def active(self) -> bool:
@@ -924,8 +954,8 @@ def _encode_continuation(model: Any, prompt: torch.Tensor, mask: torch.Tensor, c
 
 
 def _new_length(req: Request) -> int:
-    """The new tokens a request writes: its template's, or max_new_tokens."""
-    return req.template.shape[1] if req.template is not None else req.max_new_tokens
+    """The new tokens a request's batch holds: its template's, or the largest max_new_tokens."""
+    return max(req.row_budgets()[0])
 
 
 @dataclass
@@ -942,7 +972,8 @@ class _Decoding:
     eos: torch.Tensor  # the EOS ids ([-1] when there are none)
     new_tokens: torch.Tensor  # [B, N]: pad after a row's end
     written: torch.Tensor  # [B] the valid new tokens so far (through an EOS or a stop string)
-    finished: torch.Tensor  # [B] bool: the row has ended (EOS, stop string)
+    finished: torch.Tensor  # [B] bool: the row has ended (EOS, stop string, its max_new_tokens written)
+    budgets: torch.Tensor  # [B] each row's max_new_tokens
     passes: torch.Tensor  # [B] decoder passes per row
     steps_per_canvas: torch.Tensor  # [B, canvases]
     history: torch.Tensor | None  # [B, V]: the committed new tokens counted per row (for the repeat penalties)
@@ -960,11 +991,11 @@ class _Decoding:
         return cls(model, fns, req, cache, drafts, req.row_seeds().to(device),
                    torch.tensor(req.eos_ids or [-1], device=device),
                    torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.clone(), zeros.bool(),
-                   zeros,
+                   torch.tensor(req.row_budgets()[0], dtype=torch.long, device=device), zeros,
                    torch.zeros(b, n_canvases, dtype=torch.long, device=device),
                    torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
                    None if req.unknown_ids is None else req.unknown_ids.to(device),
-                   _Stops.of(req, texts, n_new, device), time.perf_counter())
+                   _Stops.of(req, texts, device), time.perf_counter())
 
     def denoise(self, canvas: _Canvas) -> Generator[Draft, None, CanvasState | None]:
         """Denoise one canvas, with a Draft after each step when asked: its final state (None: cancelled)."""
@@ -982,8 +1013,8 @@ class _Decoding:
         idle = self.finished if canvas.fixed is None else self.finished | (canvas.fixed[:, : canvas.keep] >= 0).all(-1)
         state = replace(state, done=state.done | idle)
         w = _Working(rows=all_rows, state=state, cache=self.cache, fixed=canvas.fixed, scored=canvas.scored,
-                     writable=canvas.writable, bans=canvas.bans, seeds=self.seeds, finished=self.finished,
-                     history=self.history)
+                     writable=canvas.writable, bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds,
+                     finished=self.finished, history=self.history)
         all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
         if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
@@ -1006,9 +1037,10 @@ class _Decoding:
                     fixed=w.fixed, scored=w.scored, banned=ban,
                     uniforms=hashed_uniforms(w.seeds, canvas.index, step, canvas_len), sc_dtype=self.model.dtype,
                 )
-            if self.drafts:  # the positions kept, and nothing for rows that ended in an earlier canvas
+            if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
-                tokens = view.argmax[:, : canvas.keep].masked_fill(self.finished[:, None], req.pad_id)
+                tokens = view.argmax[:, : canvas.keep].masked_fill(self.finished[:, None] | ~canvas.scored[:, : canvas.keep],
+                                                                   req.pad_id)
                 yield Draft(canvas.index, k, tokens.cpu(), view.accepted.cpu(), (view.done | self.finished).cpu(),
                             time.perf_counter() - self.start)
             if cfg.adaptive_stopping:
@@ -1053,21 +1085,23 @@ class _Decoding:
             w.bans.apply(logits)
         if self.unknown is not None:
             logits.index_fill_(-1, self.unknown, float("-inf"))
-        if canvas.eos_until:
-            logits[:, : canvas.eos_until, self.eos] = float("-inf")
+        if w.eos_banned is not None:
+            logits[:, :, self.eos] = logits[:, :, self.eos].masked_fill(w.eos_banned[:, :, None], float("-inf"))
         return logits
 
     def commit(self, canvas: _Canvas, state: CanvasState) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write the canvas's tokens into the new tokens, pad after an EOS or a stop string, and count them (in
-        `written`, and for the repeat penalties). Returns (the committed tokens [B, keep], the valid ones: None when all are)."""
+        """Write the canvas's tokens into the new tokens, pad after an EOS, a stop string or a row's max_new_tokens,
+        and count them (in `written`, and for the repeat penalties); end the rows whose budget this canvas spends.
+        Returns (the committed tokens [B, keep], the valid ones: None when all are)."""
         req, lo, keep = self.req, canvas.lo, canvas.keep
         committed = state.argmax[:, :keep]
         valid = None
-        if req.template is None and (req.eos_ids or self.stops.active):
-            valid = (~self.finished)[:, None].repeat(1, keep)
+        if req.template is None and (req.eos_ids or self.stops.active or canvas.short_rows):
+            within = canvas.scored[:, :keep]  # each row's own budget
+            valid = (~self.finished)[:, None] & within
             ended_before = self.finished
             if req.eos_ids:
-                is_eos = torch.isin(committed, self.eos)
+                is_eos = torch.isin(committed, self.eos) & within
                 valid = valid & ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
                 self.finished = self.finished | is_eos.any(-1)
             if self.stops.active:
@@ -1086,6 +1120,7 @@ class _Decoding:
             if canvas.fixed is not None:
                 counted = counted & (canvas.fixed[:, :keep] < 0)
             self.history.scatter_add_(1, committed, counted.to(self.history.dtype))
+        self.finished = self.finished | (self.budgets <= lo + keep)
         return committed, valid
 
     def encode(self, committed: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -1180,14 +1215,16 @@ def run_ar(
     device = model.device
     prompt = req.prompt.to(device)
     b, p = prompt.shape
-    n_new = req.max_new_tokens
+    budgets, minimums = req.row_budgets()
+    n_new, most_min = max(budgets), max(minimums)
+    budget, minimum = (torch.tensor(x, dtype=torch.long, device=device) for x in (budgets, minimums))
     row_seed = req.row_seeds().to(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
     passes = torch.zeros(b, dtype=torch.long, device=device)
     texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
-    stops = _Stops.of(req, texts_of, n_new, device)
+    stops = _Stops.of(req, texts_of, device)
     checked = [0] * b
     cfg = req.sampler
     penalized = cfg.penalizes_repeats
@@ -1203,8 +1240,8 @@ def run_ar(
     for i in range(n_new):
         if unknown is not None:
             logits.index_fill_(-1, unknown, float("-inf"))
-        if req.eos_ids and i < req.min_new_tokens:
-            logits[:, eos] = float("-inf")
+        if req.eos_ids and i < most_min:  # no EOS before a row's min_new_tokens
+            logits[:, eos] = logits[:, eos].masked_fill((i < minimum)[:, None], float("-inf"))
         if i == 0 and req.first_allowed is not None:
             logits = logits.masked_fill(~req.first_allowed.to(device), float("-inf"))
         if penalized:
@@ -1218,11 +1255,11 @@ def run_ar(
         if penalized:
             history.scatter_add_(1, token[:, None], (~finished).to(history.dtype)[:, None])
         passes += ~finished
-        finished = finished | torch.isin(token, eos)
+        finished = finished | torch.isin(token, eos) | (budget <= i + 1)  # an EOS, or its max_new_tokens written
         # Checking for the end costs a host sync: do it every 8 tokens, not every token.
         check = i == n_new - 1 or i % 8 == 7
         if check and stops.active:
-            counts = _count_valid(new_tokens[:, : i + 1], eos).tolist()
+            counts = torch.minimum(_count_valid(new_tokens[:, : i + 1], eos), budget).tolist()
             for r, m in stops.find(new_tokens[:, : i + 1], counts, stops.stopped, checked, finished).items():
                 new_tokens[r, m:] = req.pad_id
             checked = counts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -54,6 +54,8 @@ from .quantize import check_runs, check_scheme
 from .sampling import TEMPERATURE_HINT, SamplerConfig, is_finite_number, is_int
 
 MODELS_DIR = Path(__file__).parent / "models"
+# A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
+Counts = int | Sequence[int] | torch.Tensor
 
 
 def shipped_models() -> list[str]:
@@ -176,6 +178,43 @@ def check_seed(seed: Any, name: str) -> int | None:
                 if isinstance(seed, (list, tuple)) or getattr(seed, "ndim", 0) else "")
         raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}{hint}")
     return int(seed)
+
+
+def _row_counts(value: Any, name: str, batch: int) -> Any:
+    """`value` as given, or, where it is one count per row (a list, a tuple, or a 1-D array or tensor), a list of
+    `batch` of them; their values are checked by `_check_budgets`."""
+    if hasattr(value, "ndim") and hasattr(value, "tolist"):  # numpy / torch (a 0-d one is a number)
+        if value.ndim > 1:
+            raise ValueError(f"{name}: expected an integer, or one per row (1-D), got shape {list(value.shape)}")
+        value = value.tolist()  # plain numbers (floats and bools stay what they are, and are refused after)
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch:
+            raise ValueError(f"{name}: expected an integer, or one per row of the {batch}-row batch, got {len(value)} "
+                             "values")
+        return list(value)
+    return value
+
+
+def _check_budgets(max_new_tokens: Any, min_new_tokens: Any) -> tuple[int | tuple[int, ...], int | tuple[int, ...]]:
+    """Every row's max_new_tokens (a positive integer) and min_new_tokens (0 up to the row's max_new_tokens), each
+    one integer for every row or a list of one per row (`_row_counts`); returned as ints, or tuples of them."""
+    rows = next((len(x) for x in (max_new_tokens, min_new_tokens) if isinstance(x, list)), 1)
+    maxes, mins = (x if isinstance(x, list) else [x] * rows for x in (max_new_tokens, min_new_tokens))
+    for i, (most, least) in enumerate(zip(maxes, mins)):
+        max_name, min_name = (name + (f"[{i}]" if isinstance(x, list) else "") for name, x in
+                              (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)))
+        if not is_int(most) or most <= 0:
+            raise ValueError(f"{max_name}: expected a positive integer, got {most!r}")
+        if not is_int(least) or not 0 <= least <= most:
+            raise ValueError(f"{min_name}: expected an integer in [0, {max_name}={most}], got {least!r}")
+    # numpy integers as plain ints
+    return tuple(
+        tuple(int(v) for v in x) if isinstance(x, list) else int(x) for x in (max_new_tokens, min_new_tokens))
+
+
+def _each(count: int | tuple[int, ...]) -> tuple[int, ...]:
+    """A checked count's values: the one for every row, or each row's."""
+    return count if isinstance(count, tuple) else (count,)
 
 
 def _row_seeds(seeds: Any) -> list[int] | None:
@@ -472,8 +511,8 @@ class LM:
         prompt: Any,
         *,
         cache: KVCache | None,
-        max_new_tokens: int | None,
-        min_new_tokens: int,
+        max_new_tokens: Counts | None,
+        min_new_tokens: Counts,
         sampler: str | SamplerConfig | None,
         sampler_options: dict[str, Any],
         seed: int | None,
@@ -523,16 +562,13 @@ class LM:
             ids, mask = left_pad([h.ids for h in healed], pad_id)
         v = self.config.text.vocab_size
         check_vocab_range(ids, "prompt", v)
-        asked = max_new_tokens
+        asked = max_new_tokens = _row_counts(max_new_tokens, "max_new_tokens", ids.shape[0])
         if max_new_tokens is None and template is None:
             max_new_tokens = self.default_new_tokens((cache.length if continuing else 0) + ids.shape[1])
         elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
             max_new_tokens = self._max_new_tokens_setting()
-        if not is_int(max_new_tokens) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens: expected a positive integer, got {max_new_tokens!r}")
-        if not is_int(min_new_tokens) or not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens!r}")
-        max_new_tokens, min_new_tokens = int(max_new_tokens), int(min_new_tokens)  # numpy integers: plain ints
+        max_new_tokens, min_new_tokens = _check_budgets(max_new_tokens, _row_counts(
+            min_new_tokens, "min_new_tokens", ids.shape[0]))
         seed = check_seed(seed, "seed")
         if isinstance(sampler, SamplerConfig):
             # The noise token is how the model was trained (absorbing noise), not a decoding preference: a config
@@ -550,10 +586,10 @@ class LM:
             tmpl = parsed.ids()
             if int(tmpl.max()) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
-            if min_new_tokens:  # it would be ignored: a template's length is fixed and its holes never end early
+            if any(_each(min_new_tokens)):  # it would be ignored: a template's length is fixed, its holes never end early
                 raise ValueError(f"min_new_tokens: not with a template (its {tmpl.shape[1]} tokens are all written, "
                                  f"no EOS inside), got {min_new_tokens}")
-            if asked is not None and asked != tmpl.shape[1]:  # it would be ignored: the template sets the length
+            if asked is not None and set(_each(max_new_tokens)) != {tmpl.shape[1]}:  # ignored: the template sets it
                 raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
                                  f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
         if cfg.sampler == "greedy" and seed is None:
@@ -601,14 +637,14 @@ class LM:
         if cache is not None:
             self._check_cache(cache, req.prompt.shape[0])
         limit = self.config.text.max_position_embeddings
-        n = req.template.shape[1] if req.template is not None else req.max_new_tokens
-        # Per row: its own cached positions and its own prompt (left padding takes no position).
+        # Per row: its own cached positions, its own prompt (left padding takes no position) and its own budget.
         b = req.prompt.shape[0]
         held = torch.zeros(b, dtype=torch.long) if cache is None else cache.next_pos.cpu().long().expand(b)
         lengths = (torch.full((b,), req.prompt.shape[1]) if req.attention_mask is None
                    else req.attention_mask.sum(-1).cpu()).long()
-        r = int(torch.argmax(held + lengths))
-        h, p = int(held[r]), int(lengths[r])
+        budgets = torch.tensor(req.row_budgets()[0], dtype=torch.long)
+        r = int(torch.argmax(held + lengths + budgets))
+        h, p, n = int(held[r]), int(lengths[r]), int(budgets[r])
         if h + p + n > limit:
             where = f"{h} cached + " if h else ""
             row = f" (row {r})" if b > 1 else ""
@@ -640,12 +676,12 @@ class LM:
     def stream(
         self,
         prompt: Any,
-        max_new_tokens: int | None = None,
+        max_new_tokens: Counts | None = None,
         max_denoising_steps: int | None = None,
         sampler: str | SamplerConfig | None = None,
         seed: int | None = None,
         *,
-        min_new_tokens: int = 0,
+        min_new_tokens: Counts = 0,
         attention_mask: Any = None,
         template: Any = None,
         hole_length: int = 8,
@@ -717,20 +753,24 @@ class LM:
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
-    def generate(self, prompt: Any, max_new_tokens: int | None = None, max_denoising_steps: int | None = None,
+    def generate(self, prompt: Any, max_new_tokens: Counts | None = None, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
         """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists (ragged
         rows are left-padded). Text prompts get BOS first (not twice; not on a turn that continues a `cache`).
 
         `max_new_tokens`: exactly this many new tokens at most (default: the checkpoint's generation config's
-        max_new_tokens, else its max_length less the prompt's padded width, else 256). `max_denoising_steps`: per canvas (default: the checkpoint's, else 48). `sampler`: "entropy_bound"
-        (the reference's), "confidence", "topk" or "greedy", or a whole `SamplerConfig`, which replaces the
-        checkpoint's settings rather than adding to them, except `noise_token_id`: that says how the model was
-        trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
+        max_new_tokens, else its max_length less the prompt's padded width, else 256), or one count per row (a list
+        or 1-D integer tensor of length B): a row ends once it has written its own, as at an EOS (pads after it, no
+        more passes), and is what it would be alone with that count; `new_tokens` is as wide as the largest.
+        `min_new_tokens` (keyword; default 0): no EOS before this many new tokens, likewise one count or one per
+        row, each at most the row's max_new_tokens. `max_denoising_steps`: per canvas (default: the checkpoint's,
+        else 48). `sampler`: "entropy_bound" (the reference's), "confidence", "topk" or "greedy", or a whole
+        `SamplerConfig`, which replaces the checkpoint's settings rather than adding to them, except
+        `noise_token_id`: that says how the model was trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
         noise_token_id=-1 for uniform noise on a model trained with absorbing noise). `seed`: None draws a fresh
         one (greedy uses 0).
 
-        Keyword options (see `stream` for the details): min_new_tokens, attention_mask, stop (OpenAI's: a string,
+        Keyword options (see `stream` for the details): attention_mask, stop (OpenAI's: a string,
         a list, or one list per row), template (constrained canvas) and hole_length, cache (continue a
         conversation) and return_cache, seeds (one per row), skip_stopped_rows (default True: a row that has
         stopped leaves the batch), constraint and logits_processor (per-step hooks), token_healing, prefix_cache,
@@ -798,14 +838,14 @@ class LM:
     def generate_ar(
         self,
         prompt: Any,
-        max_new_tokens: int | None = None,
+        max_new_tokens: Counts | None = None,
         temperature: float | None = None,
         seed: int | None = None,
         *,
         sampler: SamplerConfig | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
-        min_new_tokens: int = 0,
+        min_new_tokens: Counts = 0,
         attention_mask: Any = None,
         cache: KVCache | None = None,
         return_cache: bool = False,
@@ -828,6 +868,7 @@ class LM:
         keyword arguments override it. Without it, the checkpoint's settings with greedy draws unless `temperature`
         says otherwise (a checkpoint's greedy sampler also samples when given a temperature > 0, as on the server).
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
+        `max_new_tokens`, `min_new_tokens`: one count, or one per row, as in `generate`.
         `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`."""
         if temperature is not None and not (is_finite_number(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")

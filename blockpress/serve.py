@@ -3,11 +3,13 @@
 Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus text).
 
 One worker thread owns the model. Requests wait in a bounded queue (429 when full); the worker takes
-the oldest one plus every queued request with the same settings (up to `max_batch`) and runs them as
-one batch, so concurrent users share each denoising step. Every row's randomness comes from its own
-seed, so in float32 a response is the same whether it ran alone or in a batch, up to rounding (a batch left-pads
-shorter prompts, and the other shapes move logits by ~1e-6, which self-conditioning can grow until a near-tie
-flips; rare). In bf16 the shapes move logits by ~0.1 on blockpress-code, which changes sampled tokens more often.
+the oldest one plus every queued request with the same sampler settings (up to `max_batch`) and runs them as
+one batch, so concurrent users share each denoising step. Their lengths may differ: each row has its own
+max_tokens and min_tokens, and a row whose max_tokens is spent leaves the batch, as one that wrote EOS does.
+Every row's randomness comes from its own seed, so in float32 a response is the same whether it ran alone or in
+a batch, up to rounding (a batch left-pads shorter prompts, and the other shapes move logits by ~1e-6, which
+self-conditioning can grow until a near-tie flips; rare). In bf16 the shapes move logits by ~0.1 on
+blockpress-code, which changes sampled tokens more often.
 
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
@@ -393,8 +395,8 @@ class Job:
     keep_special: bool = False
 
     def key(self) -> tuple:
-        return (self.max_tokens, self.min_tokens, self.sampler, self.token_healing,
-                None if self.layout is None else self.layout.shape[1])
+        """What the jobs of one batch share. Not max_tokens nor min_tokens: the engine takes them per row."""
+        return (self.sampler, self.token_healing, None if self.layout is None else self.layout.shape[1])
 
     @property
     def holes(self) -> int:
@@ -564,12 +566,12 @@ class Engine:
         tok = self.lm.tokenizer
         first = batch[0]
         self.metrics.add(batches_total=1)
-        min_tokens = first.min_tokens if first.canvas is None else 0  # a canvas's length is fixed: no minimum
         texts = [""] * len(batch)  # each job's answer so far (the engine's text of all its committed tokens)
         committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
         stream = self.lm.stream(
-            [j.prompt for j in batch], min_new_tokens=min_tokens,
-            max_new_tokens=first.max_tokens if first.canvas is None else None,  # a canvas sets its own length
+            # each job's own lengths; a canvas sets its length (no minimum: it is written whole)
+            [j.prompt for j in batch], min_new_tokens=[j.min_tokens for j in batch] if first.canvas is None else 0,
+            max_new_tokens=[j.max_tokens for j in batch] if first.canvas is None else None,
             # Drafts cost device->host copies every step: only when a client asked. Clients that leave still free
             # the engine within a step (`cancelled` is asked before each), not when the canvas commits.
             sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
@@ -596,8 +598,9 @@ class Engine:
                 out = event.output
                 for i, job in enumerate(batch):
                     n = int(out.num_new_tokens[i])
-                    ended = (n < first.max_tokens or out.extra["stopped"][i] or job.canvas is not None
-                             or (n == first.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
+                    # "length" where the job's own max_tokens ended it, not an EOS nor a stop string
+                    ended = (n < job.max_tokens or out.extra["stopped"][i] or job.canvas is not None
+                             or (n == job.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
                     text = job.answer(out.texts, out.fills, i)
                     if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
                         n = int(out.num_chosen_tokens[i])

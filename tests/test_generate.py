@@ -1697,7 +1697,7 @@ def test_one_stop_search_serves_both_loops(code_lm):
     width = max(map(len, rows))
     tokens = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
     req = Request(torch.tensor([[3]] * 3), None, width, 0, SamplerConfig(), 0, None, [EOS], PAD, stops=[["\n"]] * 3)
-    stops = _Stops.of(req, _RowTexts.of(req, tok), width, torch.device("cpu"))
+    stops = _Stops.of(req, _RowTexts.of(req, tok), torch.device("cpu"))
     finished = torch.zeros(3, dtype=torch.bool)
     hits = stops.find(tokens, [len(r) for r in rows], [False, False, True], [0, 0, 0], finished)
     assert list(hits) == [0] and "\n" in tok.decode(rows[0][: hits[0]]) and "\n" not in tok.decode(rows[0][: hits[0] - 1])
@@ -2070,3 +2070,85 @@ def test_ids_past_the_tokenizer_vocabulary_are_never_generated(monkeypatch, engi
     if engine == "diffusion":
         with pytest.raises(ValueError, match=f"template: token id {n + 3} has no token in the tokenizer"):
             lm.generate("x = ", template=[[n + 3, -1, -1]])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), sampler=st.sampled_from(["greedy", "entropy_bound"]), ar=st.booleans())
+def test_each_row_with_its_own_budget_is_the_row_alone(lm, data, sampler, ar):
+    """max_new_tokens / min_new_tokens per row (a server batches requests of different lengths): a row whose budget
+    is spent ends as at an EOS (pads after, no more passes), and every row is exactly that prompt run alone with its
+    own budget and seed."""
+    b = data.draw(st.integers(2, 3))
+    prompts = [data.draw(st.lists(st.integers(3, 90), min_size=1, max_size=4)) for _ in range(b)]
+    maxes = data.draw(st.lists(st.integers(1, 20), min_size=b, max_size=b))
+    mins = [data.draw(st.integers(0, m)) for m in maxes]
+    as_tensor = data.draw(st.booleans())  # a 1-D LongTensor reads like a list
+    budget = lambda x: torch.tensor(x) if as_tensor else x  # noqa: E731
+    seeds = list(range(7, 7 + b))
+    if ar:
+        kw = {} if sampler == "greedy" else dict(temperature=0.9)
+        run = lambda p, **k: lm.generate_ar(p, **kw, **k)  # noqa: E731
+    else:
+        run = lambda p, **k: lm.generate(p, max_denoising_steps=3, sampler=sampler, **k)  # noqa: E731
+    batch = run(prompts, max_new_tokens=budget(maxes), min_new_tokens=budget(mins), seeds=seeds)
+    assert batch.new_tokens.shape[1] == max(maxes)
+    for i in range(b):
+        alone = run([prompts[i]], max_new_tokens=maxes[i], min_new_tokens=mins[i], seed=seeds[i])
+        n = int(alone.num_new_tokens[0])
+        assert mins[i] <= n <= maxes[i] and int(batch.num_new_tokens[i]) == n
+        assert batch.new_tokens[i, : maxes[i]].tolist() == alone.new_tokens[0].tolist(), (i, prompts, maxes, mins)
+        assert (batch.new_tokens[i, maxes[i]:] == PAD).all()
+        assert int(batch.forward_passes[i]) == int(alone.forward_passes[0])
+        if not ar:
+            canvases = alone.steps_per_canvas.shape[1]
+            assert batch.steps_per_canvas[i, :canvases].tolist() == alone.steps_per_canvas[0].tolist()
+            assert (batch.steps_per_canvas[i, canvases:] == 0).all()
+
+
+def test_a_row_whose_budget_is_spent_leaves_the_batch(lm, monkeypatch):
+    """A row past its max_new_tokens is not denoised in later canvases (the batch shrinks as for an EOS), its
+    drafts past its budget are pads, and its Commit says it has finished."""
+    c = lm.config.canvas_length
+    sizes = []
+    denoise = lm.model.denoise
+
+    def counted(canvas, cache, **kw):
+        sizes.append(canvas.shape[0])
+        return denoise(canvas, cache, **kw)
+
+    monkeypatch.setattr(lm.model, "denoise", counted)
+    kw = dict(max_denoising_steps=2, seed=3, adaptive_stopping=False, min_new_tokens=[3, 2 * c + 1])  # no EOS first
+    events = list(lm.stream([[3, 4], [5, 6]], max_new_tokens=[3, 2 * c + 1], **kw))
+    assert sizes == [2, 2, 1, 1, 1, 1]  # row 0 ends in canvas 0
+    drafts = [e for e in events if isinstance(e, Draft)]
+    assert all((d.tokens[0, 3:] == PAD).all() for d in drafts) and (drafts[0].tokens[0, :3] != PAD).all()
+    commits = [e for e in events if isinstance(e, Commit)]
+    assert [e.finished.tolist() for e in commits] == [[True, False], [True, False], [True, True]]
+    assert [e.num_new_tokens.tolist() for e in commits] == [[3, c], [3, 2 * c], [3, 2 * c + 1]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=[4, 5, 6]), r"max_new_tokens: expected an integer, or one per row of the 2-row batch, got 3"),
+    (dict(max_new_tokens=torch.tensor([[4, 5]])), r"max_new_tokens: expected an integer, or one per row \(1-D\)"),
+    (dict(max_new_tokens=[4, -1]), r"max_new_tokens\[1\]: expected a positive integer, got -1"),
+    (dict(max_new_tokens=[4, 2.5]), r"max_new_tokens\[1\]: expected a positive integer, got 2.5"),
+    (dict(max_new_tokens=[4, True]), r"max_new_tokens\[1\]: expected a positive integer, got True"),
+    (dict(max_new_tokens=[4, 2], min_new_tokens=3), r"min_new_tokens: expected an integer in \[0, max_new_tokens\[1\]=2\], got 3"),
+    (dict(max_new_tokens=[4, 2], min_new_tokens=[1, 3]), r"min_new_tokens\[1\]: expected an integer in \[0, max_new_tokens\[1\]=2\]"),
+    (dict(max_new_tokens=4, min_new_tokens=[0, -1]), r"min_new_tokens\[1\]: expected an integer in \[0, max_new_tokens=4\], got -1"),
+    (dict(min_new_tokens=[1]), r"min_new_tokens: expected an integer, or one per row of the 2-row batch, got 1"),
+])
+def test_bad_per_row_budgets_name_the_row(lm, kwargs, message):
+    for generate in (lm.generate, lm.generate_ar):
+        with pytest.raises(ValueError, match=message):
+            generate([[3, 4], [5]], **kwargs)
+
+
+def test_per_row_budgets_with_a_template_must_be_its_length(lm):
+    template = [5, -1, -1, 6]
+    out = lm.generate([[3], [4]], template=template, max_new_tokens=[4, 4], max_denoising_steps=2, seed=0)
+    assert out.num_new_tokens.tolist() == [4, 4]
+    with pytest.raises(ValueError, match=r"max_new_tokens: the template sets the length \(4 tokens\)"):
+        lm.generate([[3], [4]], template=template, max_new_tokens=[4, 3])
+    with pytest.raises(ValueError, match="min_new_tokens: not with a template"):
+        lm.generate([[3], [4]], template=template, min_new_tokens=[0, 1])

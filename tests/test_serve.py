@@ -1253,3 +1253,46 @@ def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_t
     lm.tokenizer.response_template = {"fields": {"content": {}}}
     with pytest.raises(ValueError, match="response_template: needs start_anchor"):
         create_app(lm, MODEL)
+
+
+def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server, monkeypatch):
+    """Jobs batched only when their max_tokens and min_tokens were equal, so clients that send different lengths (all
+    real ones) ran one by one. Now they share a batch, each row with its own budget, and each answer, finish_reason
+    and usage is the request's alone."""
+    import threading
+
+    engine = server[1].state.engine
+    bodies = [{"model": MODEL, "prompt": "abc", "max_tokens": 5, "min_tokens": 5, "seed": 1},  # ends by its length
+              {"model": MODEL, "prompt": "hello there", "max_tokens": 30, "seed": 2},
+              {"model": MODEL, "prompt": "x", "max_tokens": 11, "min_tokens": 3, "seed": 3, "stop": ["\n"]}]
+
+    def post(body):
+        return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
+
+    alone = [post(body) for body in bodies]
+    gate, batches, run = threading.Event(), [], engine._run
+
+    def gated(batch):  # hold the engine on a first request until the others are queued
+        batches.append(sorted(j.max_tokens for j in batch))
+        gate.wait(30)
+        run(batch)
+
+    monkeypatch.setattr(engine, "_run", gated)
+    before = engine.metrics.counters["batches_total"]
+    with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
+        first = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1})
+        while not batches:
+            threading.Event().wait(0.01)
+        together = [pool.submit(post, body) for body in bodies]
+        while engine.depth() < len(bodies):
+            threading.Event().wait(0.01)
+        gate.set()
+        together = [f.result() for f in together]
+        assert "choices" in first.result()
+    assert batches == [[1], [5, 11, 30]] and engine.metrics.counters["batches_total"] - before == 2
+    assert alone[0]["choices"][0]["finish_reason"] == "length" and alone[0]["usage"]["completion_tokens"] == 5
+    for a, t in zip(alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+        assert t["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+        assert t["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+        assert t["usage"]["forward_passes"] == a["usage"]["forward_passes"]

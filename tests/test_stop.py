@@ -145,6 +145,26 @@ def test_a_stop_inside_the_min_new_tokens_does_not_count(lm, engine):
     assert out.texts[0].startswith(text[:floor]) and len(out.texts[0]) >= floor
 
 
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_each_rows_own_min_new_tokens_sets_its_stop_floor(lm, engine):
+    """min_new_tokens and max_new_tokens per row: one row's stop inside its first k tokens does not count, the same
+    stop ends the row beside it (min 0) at once, and each row is what it would be alone."""
+    k = 10
+    ref = run(lm, engine, PROMPTS[1], min_new_tokens=k)
+    floor = len(lm.tokenizer.decode(ref.new_tokens[0, :k].tolist()))
+    stop = ref.texts[0][floor - 3 : floor - 1]  # ends inside the first k tokens' text
+    maxes, mins = [N, N // 2], [k, 0]
+    kw = dict(max_new_tokens=maxes, min_new_tokens=mins, stop=stop)
+    batch = (lm.generate([PROMPTS[1]] * 2, seeds=[3, 3], **kw) if engine == "diffusion"
+             else lm.generate_ar([PROMPTS[1]] * 2, **kw))
+    alone = [lm.generate(PROMPTS[1], max_new_tokens=m, min_new_tokens=n, stop=stop, seed=3) if engine == "diffusion"
+             else lm.generate_ar(PROMPTS[1], max_new_tokens=m, min_new_tokens=n, stop=stop)
+             for m, n in zip(maxes, mins)]
+    assert batch.texts == [a.texts[0] for a in alone] and len(batch.texts[0]) >= floor > len(batch.texts[1])
+    assert batch.num_new_tokens.tolist() == [int(a.num_new_tokens[0]) for a in alone]
+    assert batch.extra["stopped"][1]
+
+
 @given(st.text("ab", max_size=10), st.lists(st.text("ab", min_size=1, max_size=3), max_size=3), st.integers(0, 12))
 def test_cut_at_stop_ignores_only_stops_ending_in_the_floor(text, stops, floor):
     counted = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
