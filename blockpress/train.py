@@ -116,7 +116,7 @@ class TrainConfig:
     dtype: str | None = setting(None, "weights dtype while training, and of the saved checkpoint (default: float32, "
                                 "since AdamW on bf16 weights rounds small updates away; with --lora-rank, the frozen "
                                 "base stays in its own dtype while training and the adapters are merged into a "
-                                "float32 checkpoint; with quantize, the base is quantized instead and the adapters "
+                                "float32 checkpoint; with --quantize, the base is quantized instead and the adapters "
                                 "stay unmerged)", choices=("float32", "bfloat16"))
 
     def __post_init__(self) -> None:
