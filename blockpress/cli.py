@@ -479,7 +479,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import blockpress
     from blockpress.data import is_examples, load_jsonl, split_heldout
-    from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, init_distributed
+    from blockpress.train import (
+        ExampleSource,
+        ShardSource,
+        TrainConfig,
+        Trainer,
+        check_resumable,
+        init_distributed,
+    )
 
     init_distributed()
     out = Path(args.out)
@@ -490,8 +497,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {args.out}: cannot be created ({existing} is "
                          f"{'not a folder' if not existing.is_dir() else 'not writable'})")
-    if args.resume and not (out / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"--resume: {args.out} has no trainer_state.pt to continue from")
+    if args.resume:
+        check_resumable(args.out)
     if not args.resume and (out / "trainer_state.pt").exists():
         raise ValueError(f"--out {args.out}: already holds a training run (trainer_state.pt); continue it with "
                          "--resume, or give another folder")

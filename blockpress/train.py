@@ -54,6 +54,15 @@ TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
+def check_resumable(out: str | Path) -> Path:
+    """The trainer_state.pt of the run in `out` that --resume continues; a clear error where there is none (callers
+    check before minutes of data preparation)."""
+    state = Path(out) / "trainer_state.pt"
+    if not state.is_file():
+        raise FileNotFoundError(f"--resume: {out} has no trainer_state.pt to continue from")
+    return state
+
+
 def setting(default: Any, description: str, choices: Sequence[str] | None = None) -> Any:
     """A TrainConfig field and its description: `blockpress train --help` shows it (field metadata "help"), and the
     values it takes where they are a few names (metadata "choices")."""
@@ -741,7 +750,7 @@ class Trainer:
         """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""
         from .checkpoint import load_model
 
-        state = torch.load(self.out / "trainer_state.pt", weights_only=False)
+        state = torch.load(check_resumable(self.out), weights_only=False)
         rank = state.get("config", {}).get("lora_rank", 0)
         if rank != self.cfg.lora_rank:  # the optimizer state fits only the same set of trained weights
             ran = f"LoRA adapters of rank {rank} (give --lora-rank {rank})" if rank else "all weights (no --lora-rank)"

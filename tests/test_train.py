@@ -109,6 +109,14 @@ def test_resume_is_exact(tmp_path):
     assert straight.losses[3:] == pytest.approx(rest.losses, rel=1e-6)
 
 
+def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
+    """It was torch.load's '[Errno 2] No such file or directory' on trainer_state.pt."""
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=2, batch_size=4), tmp_path / "none",
+                      progress=False)
+    with pytest.raises(FileNotFoundError, match=r"--resume: .*none has no trainer_state.pt to continue from"):
+        trainer.resume()
+
+
 def test_lora_trains_adapters_and_merges_exactly(tmp_path):
     pytest.importorskip("peft")
     from blockpress.train import add_lora, merge_lora
