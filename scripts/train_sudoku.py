@@ -19,8 +19,11 @@ from pathlib import Path
 import torch
 
 import blockpress
+from blockpress.cli import as_flags, train_flag_of
 from blockpress.config import FULL, SLIDING, ModelConfig, TextConfig
 from blockpress.data import Example
+from blockpress.lm import resolve_path
+from blockpress.sampling import is_int
 from blockpress.tasks.sudoku import (
     DIFFICULTIES,
     VOCAB,
@@ -30,14 +33,18 @@ from blockpress.tasks.sudoku import (
     generate,
     random_symmetry,
 )
-from blockpress.train import ExampleSource, TrainConfig, Trainer
+from blockpress.train import ExampleSource, TrainConfig, Trainer, check_resumable
 
 TEST_SEED = 10_000_000
 
 
 def sudoku_config(layers: int = 6, hidden: int = 128) -> ModelConfig:
     """The shipped shape is the default; every sixth layer attends globally (all of them see the whole board:
-    the sliding window, 256, is longer than prompt plus canvas)."""
+    the sliding window, 256, is longer than prompt plus canvas). `hidden`: a multiple of 64, split into heads of 32
+    dims, two query heads per key-value head."""
+    if not is_int(hidden) or hidden <= 0 or hidden % 64:  # the heads derived below would not divide evenly
+        raise ValueError(f"hidden: expected a positive multiple of 64 (heads of 32 dims, two per key-value head), "
+                         f"got {hidden!r}")
     text = TextConfig(
         vocab_size=VOCAB.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32, global_head_dim=32,
@@ -108,6 +115,42 @@ class AugmentedSource:
         return out
 
 
+def checked_settings(ap: argparse.ArgumentParser,
+                     args: argparse.Namespace) -> tuple[tuple[str, ...], ModelConfig | None, TrainConfig]:
+    """The levels, the fresh model's config (None with --init-from) and the TrainConfig of `args`, built before any
+    puzzle is generated (minutes of work) so that their own checks refuse bad values first, as errors naming the
+    flag."""
+    levels = tuple(args.levels.split(","))
+    if any(level not in DIFFICULTIES for level in levels):
+        ap.error(f"--levels: expected a comma-separated subset of {','.join(DIFFICULTIES)}, got {args.levels!r}")
+    if args.puzzles <= 0:
+        ap.error(f"--puzzles: expected a positive integer, got {args.puzzles}")
+    if args.init_from and args.resume:
+        ap.error("--init-from and --resume: choose one")
+    # The settings by the flags that give them (TrainConfig's and the model config's errors name their fields).
+    flag_of = {**train_flag_of(), "max_minutes": "--minutes", "hidden": "--hidden",
+               "text_config.num_hidden_layers": "--layers"}
+    try:
+        if args.resume:
+            check_resumable(args.out)
+        model_config = None if args.init_from else sudoku_config(args.layers, args.hidden)
+        cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                          weight_decay=0.01, aux_ar_weight=1.0 if args.ar else args.aux_ar_weight,
+                          cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1,
+                          save_every=250, max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0,
+                          seed=args.seed, time_schedule=args.time_schedule, data_workers=args.data_workers,
+                          autocast=not args.no_autocast, compile=args.compile,
+                          noise_token_id=VOCAB.digit_id("0") if args.noise == "empty" else -1)
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError; OSError: no trainer_state.pt
+        ap.error(as_flags(str(exc), flag_of))
+    if args.init_from:  # its config read now: a misspelt name or folder fails before the puzzles, not after them
+        try:
+            ModelConfig.from_file(resolve_path(args.init_from) / "config.json")
+        except (ValueError, OSError) as exc:
+            ap.error(f"--init-from: {exc}")
+    return levels, model_config, cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -145,12 +188,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step (falls back to eager, "
                     "with a warning, if compilation fails)")
     args = ap.parse_args()
+    levels, model_config, cfg = checked_settings(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    levels = tuple(args.levels.split(","))
-    if any(level not in DIFFICULTIES for level in levels):
-        ap.error(f"--levels: expected a comma-separated subset of {','.join(DIFFICULTIES)}, got {args.levels!r}")
     base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers, levels)
     if args.only_puzzles:
         print(json.dumps({"puzzles": len(base), "seconds": round(time.perf_counter() - t0, 1)}))
@@ -160,17 +201,9 @@ def main() -> None:
     held = puzzles(64, TEST_SEED + 5_000_000)
     gen_s = time.perf_counter() - t0
     t_train = time.perf_counter()
-    if args.init_from and args.resume:
-        ap.error("--init-from and --resume: choose one")
     lm = (blockpress.load(args.init_from, dtype=torch.float32, device=args.device) if args.init_from
-          else blockpress.random_model(sudoku_config(args.layers, args.hidden), seed=0, device=args.device))
+          else blockpress.random_model(model_config, seed=0, device=args.device))
     lm.generation_config = {"max_denoising_steps": 32, "max_new_tokens": 81}
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                      weight_decay=0.01, aux_ar_weight=1.0 if args.ar else args.aux_ar_weight,
-                      cpu_autocast=args.cpu_autocast, log_every=25, eval_every=500, eval_batches=1, save_every=250,
-                      max_minutes=args.minutes, diffusion_weight=0.0 if args.ar else 1.0, seed=args.seed,
-                      time_schedule=args.time_schedule, data_workers=args.data_workers, autocast=not args.no_autocast,
-                      noise_token_id=VOCAB.digit_id("0") if args.noise == "empty" else -1, compile=args.compile)
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
         trainer.resume()

@@ -103,6 +103,37 @@ def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_
     assert r.returncode == 2 and "--levels" in r.stderr and "Traceback" not in r.stderr
 
 
+def train_sudoku_module():
+    """scripts/train_sudoku.py as a module."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("train_sudoku")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),  # were tracebacks, after minutes
+    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["--minutes", "-1"], "--minutes: expected >= 0"),
+    (["--layers", "0"], "--layers: expected a positive integer, got 0"),
+    (["--hidden", "160"], "--hidden: expected a positive multiple of 64"),  # 5 heads over 2 KV heads
+    (["--puzzles", "0"], "--puzzles: expected a positive integer, got 0"),
+    (["--resume"], "--resume: {out} has no trainer_state.pt to continue from"),
+    (["--init-from", "blockpress-sudoku", "--resume"], "--init-from and --resume: choose one"),
+    (["--init-from", "no-such-model"], "--init-from: model 'no-such-model': not a checkpoint folder"),
+])
+def test_train_sudoku_refuses_bad_values_by_flag_before_generating_puzzles(argv, message, tmp_path, capsys,
+                                                                            monkeypatch):
+    """Each was checked only after every puzzle was generated (20,000 by default: minutes), most as a traceback."""
+    script = train_sudoku_module()
+    monkeypatch.setattr(script, "base_puzzles", lambda *a, **kw: pytest.fail("generated puzzles first"))
+    monkeypatch.setattr(sys, "argv", ["train_sudoku.py", "--out", str(tmp_path / "run"), *argv])
+    with pytest.raises(SystemExit) as done:
+        script.main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"train_sudoku.py: error: {message.format(out=tmp_path / 'run')}" in err
+
+
 def test_tune_code_sampler_smoke():
     r = run_code_model_script("tune_code_sampler.py", "--functions", "2", "--batch", "2", "--max-new-tokens", "8")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
