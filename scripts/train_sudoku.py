@@ -39,9 +39,9 @@ TEST_SEED = 10_000_000
 
 
 def sudoku_config(layers: int = 6, hidden: int = 128) -> ModelConfig:
-    """The shipped shape is the default; every sixth layer attends globally (all of them see the whole board:
-    the sliding window, 256, is longer than prompt plus canvas). `hidden`: a multiple of 64, split into heads of 32
-    dims, two query heads per key-value head."""
+    """The shipped shape is the default; every sixth layer attends globally, and the last one does (as the model
+    requires) whatever the depth (all of them see the whole board: the sliding window, 256, is longer than prompt
+    plus canvas). `hidden`: a multiple of 64, split into heads of 32 dims, two query heads per key-value head."""
     if not is_int(hidden) or hidden <= 0 or hidden % 64:  # the heads derived below would not divide evenly
         raise ValueError(f"hidden: expected a positive multiple of 64 (heads of 32 dims, two per key-value head), "
                          f"got {hidden!r}")
@@ -49,7 +49,8 @@ def sudoku_config(layers: int = 6, hidden: int = 128) -> ModelConfig:
         vocab_size=VOCAB.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), head_dim=32, global_head_dim=32,
         num_global_key_value_heads=max(1, hidden // 64), sliding_window=256, num_experts=4, top_k_experts=2,
-        moe_intermediate_size=hidden, layer_types=[FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)],
+        moe_intermediate_size=hidden,
+        layer_types=[FULL if (i + 1) % 6 == 0 or i == layers - 1 else SLIDING for i in range(layers)],
         max_position_embeddings=512,
         pad_token_id=VOCAB.pad, eos_token_id=VOCAB.eos, bos_token_id=VOCAB.bos,
     )
@@ -177,7 +178,8 @@ def main() -> None:
                     help="corruption: uniform random tokens (DiffusionGemma's recipe) or the empty-cell digit 0 "
                          "(absorbing noise; the model then decodes with noise_token_id set)")
     ap.add_argument("--cpu-autocast", action="store_true", help="bf16 autocast on CPUs with native bf16")
-    ap.add_argument("--layers", type=int, default=6, help="layers of a fresh model (not with --init-from)")
+    ap.add_argument("--layers", type=int, default=6, help="layers of a fresh model (not with --init-from); every sixth "
+                    "and the last attend globally")
     ap.add_argument("--hidden", type=int, default=128, help="hidden size of a fresh model, a multiple of 64")
     ap.add_argument("--time-schedule", action="store_true",
                     help="anneal the learning rate over --minutes rather than --steps (GPU runs sized by time)")

@@ -134,6 +134,22 @@ def test_train_sudoku_refuses_bad_values_by_flag_before_generating_puzzles(argv,
     assert done.value.code == 2 and f"train_sudoku.py: error: {message.format(out=tmp_path / 'run')}" in err
 
 
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(1, 40))
+def test_train_sudoku_config_ends_with_a_full_attention_layer_itself(layers):
+    """Any --layers not a multiple of 6 warned 'the last layer must be full attention; forcing it' (the script's own
+    pattern ended in a sliding layer)."""
+    import warnings
+
+    from blockpress.config import FULL, SLIDING
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        types = train_sudoku_module().sudoku_config(layers).text.layer_types
+    assert len(types) == layers and set(types) <= {FULL, SLIDING}
+    assert {i for i, kind in enumerate(types) if kind == FULL} == {*range(5, layers, 6), layers - 1}
+
+
 def test_tune_code_sampler_smoke():
     r = run_code_model_script("tune_code_sampler.py", "--functions", "2", "--batch", "2", "--max-new-tokens", "8")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
