@@ -307,6 +307,25 @@ def test_a_complete_grid_is_its_own_answer_beside_open_ones(tiny_sudoku):
     assert results[1] == alone  # the complete grids did not change the open puzzle's decoding
 
 
+def test_both_solvers_answer_no_puzzles_and_complete_grids_without_decoding(tiny_sudoku, monkeypatch):
+    """solve_ar(lm, []) raised IndexError (solve gave []), and it ran 81 passes on a complete grid (steps=81) where
+    solve runs none (steps=0): both share the shortcut and decode only the open puzzles, results in the given order
+    (solve's mixed batch: test_a_complete_grid_is_its_own_answer_beside_open_ones)."""
+    _, lm = tiny_sudoku
+    full, other = generate(4, "easy"), generate(5, "easy")
+    passes = []
+    real_encode = type(lm.model).encode
+    monkeypatch.setattr(type(lm.model), "encode", lambda self, *a, **kw: passes.append(1) or real_encode(self, *a, **kw))
+    for solver in (sudoku_model.solve, sudoku_model.solve_ar):
+        assert solver(lm, []) == []
+        passes.clear()
+        done = solver(lm, [full.solution, full.solution])
+        assert not passes and [(r.solution, r.valid, r.steps) for r in done] == [(full.solution, True, 0)] * 2
+    mixed = sudoku_model.solve_ar(lm, [full.solution, other.puzzle, full.solution])
+    assert mixed[0] == mixed[2] == done[0] and mixed[1].puzzle == other.puzzle and mixed[1].steps == 81
+    assert all(g == "0" or g == s for g, s in zip(other.puzzle, mixed[1].solution))
+
+
 def test_solve_takes_one_puzzle_string_as_a_batch_of_one(tiny_sudoku):
     """`solve(lm, "530070000...")` read the string as a list of 81 one-character puzzles ("puzzle 1: puzzle has 1
     cells, expected 81"); a str is a batch of one now, as lm.generate takes a str prompt."""

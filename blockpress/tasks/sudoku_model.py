@@ -152,6 +152,15 @@ def prepare(puzzles: str | Sequence[str]) -> list[str]:
     return out
 
 
+def _with_complete_grids(puzzles: list[str], decode: Callable[[list[str]], list[ModelSolution]]) -> list[ModelSolution]:
+    """The results of `puzzles`, in their order, with `decode` run on the open ones only (and not at all when there
+    are none). A grid given complete has nothing to decode (a canvas needs a hole; the AR decoder would spend 81
+    passes copying it): it is its own answer, checked, in 0 steps."""
+    open_puzzles = [p for p in puzzles if "0" in p]
+    answers = iter(decode(open_puzzles) if open_puzzles else [])
+    return [next(answers) if "0" in p else ModelSolution(p, p, verify(p, p).valid, 0) for p in puzzles]
+
+
 def solve(
     lm: Any,
     puzzles: str | Sequence[str],
@@ -175,42 +184,42 @@ def solve(
     check_sudoku_model(lm)
     puzzles = puzzle_list(puzzles) if checked else prepare(puzzles)
     views = symmetric_views(ensemble, seed)
-    # A grid given complete has nothing to denoise (a canvas needs a hole): it is its own answer, checked.
-    open_puzzles = [p for p in puzzles if "0" in p]
-    solved = {p: ModelSolution(p, p, verify(p, p).valid, 0) for p in puzzles if "0" not in p}
-    if not open_puzzles:
-        return [solved[p] for p in puzzles]
-    boards = [view.apply(p) for p in open_puzzles for view in views]  # puzzle-major: row p * V + v
-    processor = None
-    if ensemble > 1:
-        processor = ensemble_processor(views, lm.config.text.vocab_size, lm.device)
-        skip_stopped_rows = False  # the processor pools whole groups of views
-    out = None
-    for event in lm.stream([encode_prompt(b) for b in boards], template=[_template(b) for b in boards],
-                           max_denoising_steps=max_denoising_steps, sampler=sampler, seed=seed,
-                           drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows,
-                           constraint=rules_constraint(lm.config.text.vocab_size, lm.device) if rules else None,
-                           logits_processor=processor, **sampler_options):
-        if isinstance(event, Draft) and on_draft is not None:
-            on_draft(event.step, [decode_digits(row) for row in event.tokens[:: len(views)].tolist()])
-        elif isinstance(event, Done):
-            out = event.output
-        elif isinstance(event, Commit):
-            pass
-    answers = []
-    for i, p in enumerate(open_puzzles):
-        row = i * len(views)  # the identity view: the board as given
-        grid = decode_digits(out.new_tokens[row].tolist())
-        answers.append(ModelSolution(p, grid, verify(p, grid).valid, int(out.steps_per_canvas[row].sum())))
-    results = iter(answers)
-    return [solved[p] if "0" not in p else next(results) for p in puzzles]
+    # the processor pools whole groups of views: no row of a group may stop alone
+    processor = ensemble_processor(views, lm.config.text.vocab_size, lm.device) if ensemble > 1 else None
+
+    def denoise(open_puzzles: list[str]) -> list[ModelSolution]:
+        boards = [view.apply(p) for p in open_puzzles for view in views]  # puzzle-major: row p * V + v
+        out = None
+        for event in lm.stream([encode_prompt(b) for b in boards], template=[_template(b) for b in boards],
+                               max_denoising_steps=max_denoising_steps, sampler=sampler, seed=seed,
+                               drafts=on_draft is not None, skip_stopped_rows=skip_stopped_rows and processor is None,
+                               constraint=rules_constraint(lm.config.text.vocab_size, lm.device) if rules else None,
+                               logits_processor=processor, **sampler_options):
+            if isinstance(event, Draft) and on_draft is not None:
+                on_draft(event.step, [decode_digits(row) for row in event.tokens[:: len(views)].tolist()])
+            elif isinstance(event, Done):
+                out = event.output
+            elif isinstance(event, Commit):
+                pass
+        answers = []
+        for i, p in enumerate(open_puzzles):
+            row = i * len(views)  # the identity view: the board as given
+            grid = decode_digits(out.new_tokens[row].tolist())
+            answers.append(ModelSolution(p, grid, verify(p, grid).valid, int(out.steps_per_canvas[row].sum())))
+        return answers
+
+    return _with_complete_grids(puzzles, denoise)
 
 
 @torch.no_grad()
 def solve_ar(lm: Any, puzzles: str | Sequence[str]) -> list[ModelSolution]:
     """Left-to-right greedy decoding of the solution, givens forced (the AR baseline, same conditions)."""
     check_sudoku_model(lm)
-    puzzles = prepare(puzzles)
+    return _with_complete_grids(prepare(puzzles), lambda open_puzzles: _decode_ar(lm, open_puzzles))
+
+
+def _decode_ar(lm: Any, puzzles: list[str]) -> list[ModelSolution]:
+    """solve_ar of puzzles that each have an empty cell."""
     model = lm.model
     b = len(puzzles)
     prompt = torch.tensor([encode_prompt(p) for p in puzzles], device=lm.device)
