@@ -286,6 +286,14 @@ def test_ensemble_solve_keeps_givens_and_reports_the_board_as_given(tiny_sudoku)
             sudoku_model.solve(lm, puzzles, ensemble=views)
 
 
+@pytest.mark.parametrize("ensemble", [True, False, 0, -3, 2.0, "2"])
+def test_ensemble_refuses_what_is_not_a_count_of_views(tiny_sudoku, ensemble):
+    """solve(..., ensemble=True) ran as one view (a bool passed for the integer 1): refused before any decoding."""
+    _, lm = tiny_sudoku
+    with pytest.raises(ValueError, match=f"ensemble: expected 1 to 64 views, got {ensemble!r}"):
+        sudoku_model.solve(lm, [generate(2, "medium").puzzle], ensemble=ensemble)
+
+
 def test_cli_ensemble(tiny_sudoku, capsys):
     path, lm = tiny_sudoku
     p = generate(2, "medium").puzzle

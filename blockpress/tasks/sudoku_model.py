@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..generate import Commit, Done, Draft
+from ..sampling import is_int
 from .sudoku import (
     VOCAB,
     Symmetry,
@@ -67,7 +68,8 @@ def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Cal
 
 def symmetric_views(n: int, seed: int = 0) -> list[Symmetry]:
     """The identity, then n - 1 seeded random symmetries of the board."""
-    if not isinstance(n, int) or not 1 <= n <= 64:  # each view is a row of the batch; 8 already add little over 4
+    # each view is a row of the batch; 8 already add little over 4. is_int: a bool is no count (True ran as 1 view).
+    if not is_int(n) or not 1 <= n <= 64:
         raise ValueError(f"ensemble: expected 1 to 64 views, got {n!r}")
     rng = random.Random(seed)
     return [Symmetry(tuple(range(81)), "0123456789")] + [random_symmetry(rng) for _ in range(n - 1)]
