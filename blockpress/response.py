@@ -14,8 +14,10 @@ XML or key-value lines, and optionally reshaped by a transform. For example (Gem
                 "content": {"close": ["<turn|>", "<eos>"]}}}
 
 The field with no opening marker collects the text outside every other region (here the reply's content). Parsing
-gives the same message as transformers' `parse_response` for the same template, prompt and reply; this parses a
-whole reply at once (transformers also parses a stream as it arrives, with the same outcome). Patterns are Python
+gives the same message as transformers' `parse_response` for the same template, prompt and reply. A reply still
+being written is read by the same scan (`parse_partial`): what it has settled so far, the regions it has closed and
+the open region's text short of a tail where a marker may yet begin, as transformers' stream parser holds it back.
+Patterns are Python
 `re` syntax (transformers compiles them with the `regex` module, whose Unicode `\\w` differs from re's at the margins
 and which also knows `\\p{...}` classes).
 """
@@ -27,6 +29,8 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from re import _constants as sre_constants  # (the stdlib's own regex parser: a pattern's literal start)
+from re import _parser as sre_parser
 from typing import Any
 
 TEMPLATE_KEYS = frozenset({"version", "defaults", "fields", "start_anchor", "start_anchor_pattern"})
@@ -45,6 +49,9 @@ class Field:
     name: str
     open: re.Pattern | None  # None: the implicit field, open wherever no other region is
     close: re.Pattern | None  # None: it runs to the next region's opening (or the reply's end)
+    # Each marker's literal texts (None: a pattern), which tell a growing reply's tail that may yet become one
+    open_texts: tuple[str, ...] | None
+    close_texts: tuple[str, ...] | None
     content: str
     content_args: dict[str, Any]
     repeats: bool  # every occurrence is kept, in a list (or joined into one string with `join`)
@@ -122,8 +129,14 @@ def _compile_field(name: str, raw: Any) -> Field:
                              "transform (e.g. {\"name\": \"{name}\", \"arguments\": \"{content}\"}) or drop the names")
     else:
         _check_transform(transform, f"{where}.transform")
-    return Field(name, opener, closer, content, args, bool(repeats), join, bool(raw.get("optional", True)),
-                 transform, each)
+    return Field(name, opener, closer, _marker_texts(raw, "open"), _marker_texts(raw, "close"), content, args,
+                 bool(repeats), join, bool(raw.get("optional", True)), transform, each)
+
+
+def _marker_texts(spec: Mapping[str, Any], literal: str) -> tuple[str, ...] | None:
+    """A marker's literal texts, as `_marker` checked them (None: given as a pattern, or not at all)."""
+    texts = spec.get(literal)
+    return None if texts is None else tuple([texts] if isinstance(texts, str) else texts)
 
 
 def _marker(spec: Mapping[str, Any], literal: str, pattern: str, where: str) -> re.Pattern | None:
@@ -373,6 +386,94 @@ def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tool
     """The message a reply `text` holds. `prefix`: the prompt it answers, whose part after the template's last
     start_anchor (an assistant turn the template began, e.g. an opened <think>) is read as the reply's start.
     `tools`: the request's tools; tool-call arguments written as text get their parameters' types."""
+    message, _, _ = _scan(template, text, prefix, tools, ended=True)
+    fields = template.fields
+    if missing := [name for name, f in fields.items() if not f.optional and name not in message]:
+        raise ValueError(f"the reply has no {missing} (fields the response_template marks optional: false)")
+
+    def empty(value: Any) -> bool:
+        return value is None or (isinstance(value, (str, list, dict)) and not value)
+
+    return {key: value for key, value in message.items() if key in template.defaults or not empty(value)}
+
+
+@dataclass(frozen=True)
+class PartialMessage:
+    """What a reply still being written has settled (`parse_partial`)."""
+
+    template: ResponseTemplate
+    closed: dict[str, Any]  # the values of the regions it has closed, gathered as parse_response gathers them
+    open: str | None  # the field whose region it ends in (None: none, or the implicit one with no text yet)
+    text: str  # that region's text so far, short of a tail where a marker may yet begin
+
+    def settled_text(self, name: str) -> str:
+        """The start of text field `name`'s value that more text cannot change while its region stays the last
+        one: a closed value, or the open region's text with the whitespace that `strip` may drop held back (a
+        field that keeps only its last occurrence, as transformers' does, starts over if it opens again)."""
+        field = self.template.fields.get(name)
+        before = self.closed.get(name)
+        before = before if isinstance(before, str) else None
+        if field is None or self.open != name or field.content != "text":
+            return before or ""
+        now = self.text.strip() if field.content_args.get("strip", True) else self.text
+        return now if field.join is None or before is None else before + field.join + now
+
+
+def parse_partial(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None) -> PartialMessage:
+    """What the start `text` of a reply settles, whatever follows it: the regions it has closed (a tool call whose
+    closing marker is there), and the open region's text before any tail that could be the start of a marker (or a
+    marker that more text could lengthen). `prefix` and `tools` as for parse_response, whose scan this is: the
+    whole reply's message holds these values."""
+    message, current, body = _scan(template, text, prefix, tools, ended=False)
+    return PartialMessage(template, message, current, body)
+
+
+def _literal_heads(items: Any) -> list[str]:
+    """The literal texts a parsed pattern's matches may start with, after leading parts that may match nothing
+    (Qwen's \\s* before <tool_call>), each as far as it is literal (the pattern may go on after it)."""
+    head = ""
+    for op, arg in items:
+        if op is sre_constants.LITERAL:
+            head += chr(arg)
+        elif op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT) and arg[0] == 0 and not head:
+            continue
+        elif op is sre_constants.SUBPATTERN:
+            return [head + h for h in _literal_heads(arg[-1])]
+        elif op is sre_constants.BRANCH:
+            return [head + h for branch in arg[1] for h in _literal_heads(branch)]
+        else:
+            break
+    return [head]
+
+
+def _pending(buffer: str, pos: int, pattern: re.Pattern, texts: tuple[str, ...] | None,
+             match: re.Match | None) -> int:
+    """Where a growing reply's text (read from `pos`) may hold a marker that more text would complete or change,
+    len(buffer) where nowhere: a complete `match` that ends at the text's end and could still grow, a tail that is
+    a proper prefix of the marker's text, or (a pattern's) text that starts as its matches start."""
+    if match is not None and match.end() == len(buffer) and (
+            match.start() == match.end() or texts is None
+            or any(len(t) > match.end() - match.start() and t.startswith(match.group()) for t in texts)):
+        return match.start()
+    heads = [h for h in (texts or _literal_heads(sre_parser.parse(pattern.pattern, pattern.flags))) if h]
+    found = len(buffer)
+    for head in heads:
+        if texts is None:  # a pattern: what follows its literal start may yet make a match there
+            at = buffer.find(head, pos)
+            if 0 <= at < found and (match is None or at != match.start()):
+                found = at
+        for start in range(max(pos, len(buffer) - len(head) + 1), found):
+            if head.startswith(buffer[start:]):
+                found = start
+                break
+    return found
+
+
+def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
+          ended: bool) -> tuple[dict[str, Any], str | None, str]:
+    """Read a reply into (the values of the regions it closes, the region open at its end, that region's text).
+    `ended`: the reply is whole, so its end closes the last region; else markers the text's end may still be
+    part of wait for more text, and the text before them is the open region's."""
     if not isinstance(text, str) or not isinstance(prefix, str):
         bad, value = ("text", text) if not isinstance(text, str) else ("prefix", prefix)
         raise ValueError(f"{bad}: expected a str, got {type(value).__name__}")
@@ -413,16 +514,26 @@ def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tool
             watch = [("open", f) for f in fields.values() if f.open is not None]
             if current is not None and fields[current].close is not None:
                 watch.append(("close", fields[current]))
-        best, best_key = None, None
+        best, best_key, hold = None, None, len(buffer)
         for kind, field in watch:
-            match = (field.open if kind == "open" else field.close).search(buffer, pos)
+            pattern, texts = (field.open, field.open_texts) if kind == "open" else (field.close, field.close_texts)
+            match = pattern.search(buffer, pos)
+            if not ended:
+                pending = _pending(buffer, pos, pattern, texts, match)
+                hold = min(hold, pending)
+                if match is not None and match.start() >= pending:  # not a marker yet: more text may change it
+                    continue
             # The earliest marker wins; then the longest; then an opening over a closing; then by name.
             key = match and (match.start(), match.start() - match.end(), kind != "open", field.name)
             if match is not None and (best_key is None or key < best_key):
                 best, best_key = (kind, field, match), key
-        if best is None:  # no marker left: the rest is the current region's, and the reply ends it
-            if pos < len(buffer) and current is not None:
-                body, opened = body + buffer[pos:], True
+        if best is not None and best[2].start() >= hold:  # a marker that may still begin earlier goes first
+            best = None
+        if best is None:  # no marker left: the rest is the current region's, and the reply's end ends it
+            if pos < hold and current is not None:
+                body, opened = body + buffer[pos:hold], True
+            if not ended:
+                return message, current if opened else None, body
             close()
             break
         kind, field, match = best
@@ -437,14 +548,10 @@ def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tool
             was_open = opened
             close()
             if not was_open and match.start() == match.end():  # an empty closing of an empty region: nothing left
+                if not ended:
+                    return message, None, ""
                 break
     else:
         raise ValueError("response_template: its patterns match empty text at one place over and over; give the "
                          "markers some text to match")
-    if missing := [name for name, f in fields.items() if not f.optional and name not in message]:
-        raise ValueError(f"the reply has no {missing} (fields the response_template marks optional: false)")
-
-    def empty(value: Any) -> bool:
-        return value is None or (isinstance(value, (str, list, dict)) and not value)
-
-    return {key: value for key, value in message.items() if key in template.defaults or not empty(value)}
+    return message, None, ""

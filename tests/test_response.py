@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockpress.response import compile_template, parse_response
+from blockpress.response import compile_template, parse_partial, parse_response
 from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
 
 # Gemma 4's reply format: thoughts in a channel, calls as call:NAME{key:value} with strings between <|"|> markers
@@ -138,6 +138,58 @@ def test_gemma4_replies_parse_as_in_transformers(reply: str, prefix: str) -> Non
 @given(qwen_replies(), st.sampled_from([None, TOOLS]), st.sampled_from(["", "<|im_start|>assistant\n<think>\n"]))
 def test_xml_tool_calls_typed_by_the_tools_parse_as_in_transformers(reply: str, tools: Any, prefix: str) -> None:
     assert ours(reply, QWEN35, prefix, tools) == theirs(reply, QWEN35, prefix, tools)
+
+
+def settled_by_transformers(template: dict, text: str, prefix: str, cut: int) -> Any:
+    """(the regions transformers' stream parser has closed, the open region's text it has let through) once fed
+    `text` in two pieces at `cut`; or ValueError."""
+    from transformers.utils.chat_parsing.response_parser import ResponseParser
+
+    try:
+        parser = ResponseParser(template, prefix=prefix)
+        events = parser.initial_events + parser.feed(text[:cut]) + parser.feed(text[cut:])
+    except (ValueError, KeyError):
+        return ValueError
+    closed, open_text = dict(template.get("defaults", {})), ""
+    for event in events:
+        if event["type"] == "region_close":
+            repeats = template["fields"][event["field"]].get("repeats", False)
+            closed[event["field"]] = closed.get(event["field"], []) + [event["value"]] if repeats else event["value"]
+        open_text = open_text + event["text"] if event["type"] == "region_chunk" else ""
+    return closed, open_text
+
+
+@HYPOTHESIS
+@given(st.sampled_from([("gemma", GEMMA4), ("qwen", QWEN35)]), st.data(), st.integers(0, 400), st.integers(0, 400),
+       st.sampled_from(["", "<|turn>model\n<|channel>thought\n", "<|im_start|>assistant\n<think>\n"]))
+def test_a_growing_reply_settles_what_transformers_stream_parser_settles(template: Any, data: Any, end: int,
+                                                                         cut: int, prefix: str) -> None:
+    """parse_partial, on a reply's start, closes the regions transformers' stream parser has closed by then and
+    holds back the same tail (a marker's possible start, or a marker that could grow); Qwen's pattern that may
+    start with whitespace holds the whitespace there, which is whitespace either side of the region (stripped)."""
+    name, template = template
+    reply = data.draw(gemma_replies() if name == "gemma" else qwen_replies())
+    text = reply[: min(end, len(reply))]
+    try:
+        partial = parse_partial(compile_template(template), text, prefix)
+        ours = (partial.closed, partial.text)
+    except ValueError:
+        ours = ValueError
+    theirs = settled_by_transformers(template, text, prefix, min(cut, len(text)))
+    if name == "qwen" and ours is not ValueError and theirs is not ValueError:
+        ours, theirs = (ours[0], ours[1].rstrip()), (theirs[0], theirs[1].rstrip())
+    assert ours == theirs
+
+
+def test_a_growing_reply_holds_back_a_marker_that_may_be_starting() -> None:
+    template = compile_template(GEMMA4)
+    call = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
+    for text, content, calls in [("Checking <|tool_", "Checking", 0), ("Checking <|tool_call>call:wea", "Checking", 0),
+                                 ("Checking." + call[:-1], "Checking.", 0), ("Checking." + call, "Checking.", 1),
+                                 ("Checking." + call + call[:20], "Checking.", 1)]:
+        partial = parse_partial(template, text)
+        assert partial.settled_text("content") == content, text
+        assert len(partial.closed.get("tool_calls", [])) == calls, text
 
 
 def test_a_gemma4_call_reads_as_the_call_written() -> None:
