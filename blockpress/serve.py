@@ -34,8 +34,9 @@ Tool use: `tools`, an assistant's `tool_calls` and `tool` messages go to the che
 renderer, Tokenizer.apply_chat_template), which decides how they read. A model's tool-call syntax is its own: where
 the checkpoint's tokenizer_config.json has a `response_template` (transformers 5's format; see response.py), a reply
 to a request with tools is read with it, and the calls it holds come back as OpenAI's `message.tool_calls` (arguments
-as JSON text) with finish_reason "tool_calls", the rest as the content; streamed, such a reply comes whole once
-generated (content, then the calls as `delta.tool_calls`), since a call is known only when it ends. A reply that
+as JSON text) with finish_reason "tool_calls", the rest as the content; streamed, the content goes out as the reply
+settles it (response.parse_partial: short of a tail that may begin a call's marker) and each call as one
+`delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A reply that
 holds no call, or one the template cannot read, is text as before, and without a response template every reply is
 text (the client parses it). `tool_choice` is only "auto" or "none" (none: the reply is not parsed).
 
@@ -51,6 +52,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -70,7 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .generate import Cancelled, Commit, Done, Draft, Template, cut_at_stop, hole_runs, parse_template
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
-from .response import compile_template
+from .response import PartialMessage, compile_template, parse_partial, parse_response
 from .sampling import SamplerConfig
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
@@ -343,6 +345,7 @@ class JobDraft:
 @dataclass(frozen=True)
 class JobText:
     text: str  # all the job's text so far (a canvas committed), cut at a stop string as the engine cuts the answer
+    raw: str | None = None  # its new tokens so far with their special tokens, not cut (Job.keep_special)
 
 
 @dataclass(frozen=True)
@@ -567,6 +570,7 @@ class Engine:
         first = batch[0]
         self.metrics.add(batches_total=1)
         texts = [""] * len(batch)  # each job's answer so far (the engine's text of all its committed tokens)
+        tokens: list[list[int]] = [[] for _ in batch]  # each job's valid new tokens so far (Job.keep_special)
         committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
         stream = self.lm.stream(
             # each job's own lengths; a canvas sets its length (no minimum: it is written whole)
@@ -593,7 +597,11 @@ class Engine:
                 for i, job in enumerate(batch):
                     # decoded whole, healed prefix left out, cut at a stop string past the min_tokens' text
                     texts[i] = job.answer(event.texts_so_far, event.fills_so_far, i)
-                    job.put(JobText(texts[i]))
+                    raw = None
+                    if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
+                        tokens[i] += event.tokens[i, : int(event.num_new_tokens[i]) - len(tokens[i])].tolist()
+                        raw = text_with_special_tokens(tok, tokens[i], self.lm._eos_ids(), job.heal_prefix, [])
+                    job.put(JobText(texts[i], raw))
             elif isinstance(event, Done):
                 out = event.output
                 for i, job in enumerate(batch):
@@ -680,13 +688,15 @@ class Reply:
     kind: Literal["chat", "completion"]
     model: str
     prompt_tokens: int
-    created: int = field(default_factory=lambda: int(time.time()))
     id: str = field(init=False)
     # every job's events, as they come: a stream sends each choice's text as soon as it is there
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # A chat reply's reader for tool calls (the tokenizer's parse_response with the prompt and tools), when the request
-    # has tools and the checkpoint a response template; its jobs keep special tokens (Job.keep_special).
+    # A chat reply's reader for tool calls (response.py's parse_response with the checkpoint's response template, the
+    # prompt and the tools), when the request has tools and the checkpoint a response template; its jobs keep
+    # special tokens (Job.keep_special). `parse_partial`: the same reader for the reply so far, when streamed.
     parse: Callable[[str], dict] | None = None
+    parse_partial: Callable[[str], PartialMessage] | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -695,11 +705,12 @@ class Reply:
             job.events, job.choices = self.events, range(first, first + job.copies)
             first += job.copies
 
-    def tool_message(self, done: JobDone) -> dict | None:
-        """A done answer as an assistant message with OpenAI's tool_calls (each with a new id, its arguments as JSON
-        text), and the finish_reason; None where the answer is text: no `parse`, or no call in the reply, or
-        calls in a shape that is not {"type": "function", "function": {"name": ..., "arguments": ...}}, or a reply the
-        response template cannot read (the model wrote a malformed call), which is logged."""
+    def tool_message(self, done: JobDone, ids: Sequence[str] = ()) -> dict | None:
+        """A done answer as an assistant message with OpenAI's tool_calls (each with a new id, or the one in `ids`
+        (a stream sent it), its arguments as JSON text), and the finish_reason; None where the answer is text: no
+        `parse`, or no call in the reply, or calls in a shape that is not {"type": "function", "function": {"name":
+        ..., "arguments": ...}}, or a reply the response template cannot read (the model wrote a malformed call),
+        which is logged."""
         if self.parse is None or done.raw is None:
             return None
         try:
@@ -707,18 +718,7 @@ class Reply:
         except ValueError as exc:
             log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
             return None
-        found = parsed.get("tool_calls") or []
-        calls = []
-        for call in [found] if isinstance(found, dict) else found:  # (a template's field without "repeats": one)
-            function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                log.warning("serve: the response template gave a tool call of an unknown shape, %.200r; the reply is "
-                            "answered as text", call)
-                return None
-            arguments = function.get("arguments", {})
-            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {
-                "name": function["name"],
-                "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
+        calls = openai_calls(parsed.get("tool_calls"), ids)
         if not calls:
             return None
         content = parsed.get("content")
@@ -739,6 +739,77 @@ class Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": totals.completion,
                 "total_tokens": self.prompt_tokens + totals.completion, "forward_passes": totals.passes,
                 "prompt_tokens_details": {"cached_tokens": totals.cached}}
+
+
+def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
+    """A parsed message's tool calls as OpenAI's (ids from `ids`, then new ones; arguments as JSON text); None where
+    one has a shape that is not {"type": "function", "function": {"name": ..., "arguments": ...}}, which is logged."""
+    calls = []
+    for k, call in enumerate([found] if isinstance(found, dict) else found or []):  # (a field without "repeats")
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            log.warning("serve: the response template gave a tool call of an unknown shape, %.200r; the reply is "
+                        "answered as text", call)
+            return None
+        arguments = function.get("arguments", {})
+        calls.append({"id": ids[k] if k < len(ids) else "call_" + uuid.uuid4().hex[:24], "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments if isinstance(arguments, str)
+                                   else json.dumps(arguments, ensure_ascii=False)}})
+    return calls
+
+
+@dataclass
+class ToolStream:
+    """A streamed chat reply read for tool calls (Reply.parse): what of it has been sent. Its content goes out as the
+    reply settles it, and each call once its closing marker is written, so that the chunks add up to the whole
+    answer (Reply.tool_message): the content sent is also the start of the reply's plain text, which is the answer
+    where no call comes."""
+
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+    unread: bool = False  # the template cannot read the reply so far (a malformed call): the answer is text
+
+    def settle(self, reply: Reply, item: JobText, stops: Sequence[str]) -> list[dict]:
+        """The deltas that the reply so far settles and that have not been sent."""
+        if self.unread or item.raw is None:
+            return []
+        try:  # (a stop string cuts the answer: only text before every one that may be starting is settled)
+            partial = reply.parse_partial(settled_text(cut_at_stop(item.raw, stops), stops))
+        except ValueError:
+            self.unread = True
+            return []
+        deltas = []
+        content = os.path.commonprefix([settled_text(item.text, stops), partial.settled_text("content")])
+        if len(content) > len(self.content) and content.startswith(self.content):
+            deltas.append({"content": content[len(self.content):]})
+            self.content = content
+        calls = openai_calls(partial.closed.get("tool_calls"), [c["id"] for c in self.calls])
+        if calls is None:
+            self.unread = True
+            return deltas
+        for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
+            deltas.append({"tool_calls": [{"index": k, **call}]})
+        self.calls = calls
+        return deltas
+
+    def finish(self, reply: Reply, done: JobDone) -> tuple[list[dict], str]:
+        """The deltas left of the whole answer, and its finish_reason."""
+        called = reply.tool_message(done, [c["id"] for c in self.calls])
+        message = called["message"] if called is not None else {"content": done.text, "tool_calls": []}
+        content = message["content"] or ""
+        deltas = [{"reasoning_content": message["reasoning_content"]}] if "reasoning_content" in message else []
+        if content.startswith(self.content):
+            if len(content) > len(self.content):
+                deltas.append({"content": content[len(self.content):]})
+        if not content.startswith(self.content) or message["tool_calls"][: len(self.calls)] != self.calls:
+            # a template whose content keeps only its last part, written after a call, or a malformed call after
+            # well-formed ones sent already: what was sent cannot be taken back
+            log.warning("serve: a streamed reply's chunks differ from its whole answer (%d calls and %.80r sent; "
+                        "the answer has %.80r and %d calls)", len(self.calls), self.content, content,
+                        len(message["tool_calls"]))
+        for k, call in enumerate(message["tool_calls"][len(self.calls):], len(self.calls)):
+            deltas.append({"tool_calls": [{"index": k, **call}]})
+        return deltas, called["finish_reason"] if called is not None else done.finish
 
 
 def field_path(loc: Sequence[str | int]) -> str:
@@ -952,6 +1023,7 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
 
     totals = Usage()
     sent = {job.choices.start: "" for job in reply.jobs}  # each job's text sent so far
+    streams: dict[int, ToolStream] = {}  # each job's, where the reply is read for tool calls
     unanswered: str | None = "failed_total"  # until the answer is whole, or the client leaves
     item = None
     try:
@@ -969,18 +1041,18 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
                 yield sse([reply.choice(i, None, None, True) for i in job.choices],
                           blockpress={"draft": item.text, "step": item.step})
                 continue
-            if reply.parse is not None and isinstance(item, JobText):
-                continue  # read whole when done: whether text is a tool call is known only when the call ends
-            called = reply.tool_message(item) if isinstance(item, JobDone) else None
-            if called is not None:
-                totals.add(job, item)
-                message = called["message"]
-                fields = [{k: message[k]} for k in ("reasoning_content", "content") if message.get(k) is not None]
-                fields.append({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
-                for delta in fields:  # content first, then the calls, as OpenAI streams them
+            if reply.parse is not None:  # read for tool calls: content as it settles, each call once it is whole
+                tools = streams.setdefault(job.choices.start, ToolStream())
+                if isinstance(item, JobText):
+                    deltas, finish = tools.settle(reply, item, job.stop), None
+                else:
+                    totals.add(job, item)
+                    deltas, finish = tools.finish(reply, item)
+                for delta in deltas:
                     yield sse([{"index": i, "delta": delta, "finish_reason": None} for i in job.choices])
-                yield sse([{"index": i, "delta": {}, "finish_reason": called["finish_reason"]} for i in job.choices])
-                working -= 1
+                if finish is not None:
+                    yield sse([{"index": i, "delta": {}, "finish_reason": finish} for i in job.choices])
+                    working -= 1
                 continue
             # The chunks must add up to the plain answer: send only text no later event can take back, and the
             # rest with the final text.
@@ -1101,14 +1173,16 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
                            "server_error" if broken else "invalid_request_error") from None
-        jobs, parse = build_jobs(state, body, prompt), None
+        jobs, parse, partial = build_jobs(state, body, prompt), None, None
         if tools and body.tool_choice != "none" and lm.tokenizer.response_template is not None:
             # the prompt as the template reads it: its anchor marks where the reply's turn began
-            parse = functools.partial(lm.tokenizer.parse_response, prefix=lm.tokenizer.decode(
-                prompt, skip_special_tokens=False), tools=tools)
+            template = compile_template(lm.tokenizer.response_template)
+            read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools}
+            parse = functools.partial(parse_response, template, **read)
+            partial = functools.partial(parse_partial, template, **read)
             for job in jobs:
                 job.keep_special = True
-        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse)
+        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, parse_partial=partial)
         return await respond(engine, reply, body, request)
 
     @app.post("/v1/completions")

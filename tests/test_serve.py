@@ -1148,12 +1148,13 @@ def test_top_p_and_top_k_filter_the_draws_on_the_server():
 
 def tool_server(tmp_path, monkeypatch):
     """A tiny model whose tokenizer has Gemma 4's turn and tool-call markers as special tokens, TOOL_TEMPLATE and
-    test_response's GEMMA4 response template, served, with its replies forced: `reply[0]` is what it writes."""
+    test_response's GEMMA4 response template, served, with its replies forced: `reply[0]` is what it writes, in
+    canvases of `reply[1]` tokens (0: all at once)."""
     import tokenizers
     import torch
     from test_response import GEMMA4
 
-    from blockpress.generate import Done, GenerationOutput
+    from blockpress.generate import Commit, Done, GenerationOutput
     from blockpress.tokenizer import Tokenizer
 
     lm = load_model("random-tiny", None, "cpu")
@@ -1166,10 +1167,14 @@ def tool_server(tmp_path, monkeypatch):
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "response_template": GEMMA4}))
     lm.tokenizer = tok = Tokenizer.from_dir(tmp_path)
-    reply = [""]
+    reply = ["", 0]
 
     def forced(prompts, **kwargs):  # the engine's output: reply[0]'s tokens and the end of turn, for every row
         ids, b = tok.encode(reply[0]) + [lm._eos_ids()[0]], len(prompts)
+        for k, start in enumerate(range(0, len(ids), reply[1] or len(ids))):
+            n = min(len(ids), start + (reply[1] or len(ids)))
+            yield Commit(k, torch.tensor([ids[start:n]] * b), torch.ones(b), torch.full((b,), n == len(ids)), 0.0,
+                         None, torch.full((b,), n), [tok.decode(ids[:n])] * b)
         yield Done(GenerationOutput(
             sequences=torch.tensor([ids] * b), prompt_length=0, texts=[tok.decode(ids)] * b,
             tokens_per_forward=torch.ones(b), forward_passes=torch.ones(b, dtype=torch.long),
@@ -1184,7 +1189,7 @@ def tool_server(tmp_path, monkeypatch):
 def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
     """The reply was text whatever the model wrote, its tool calls left for the client to find in the model's own
     syntax. With the checkpoint's response template they come back as OpenAI's message.tool_calls (arguments as JSON
-    text), the rest as the content, finish_reason "tool_calls"; streamed, as delta.tool_calls once done. A reply
+    text), the rest as the content, finish_reason "tool_calls"; streamed, as they are written. A reply
     with no call, tool_choice "none", a call the template cannot read, or a checkpoint with no response template:
     text, as before."""
     from test_response import gemma_value
@@ -1204,13 +1209,18 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
         assert choice.message.model_extra["reasoning_content"] == "Two cities."
 
-        chunks = list(client.chat.completions.create(stream=True, **kw))
-        deltas = [c.choices[0].delta for c in chunks]
-        assert "".join(d.content or "" for d in deltas) == "Checking both."
-        streamed = [t for d in deltas for t in d.tool_calls or []]
-        assert [(t.index, t.type, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
-            (0, "function", "weather", paris), (1, "function", "weather", oslo)]
-        assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
+        assert streamed_message(client, **kw) == whole_message(client, **kw)
+        # in canvases of 3 tokens: the content comes as they commit, each call before the reply ends (not with a
+        # thought first: with no call the answer would be the plain text, which starts with the thought)
+        reply[0], reply[1] = reply[0].split("<channel|>")[1], 3
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw)]
+        assert len([c for c in chunks if c.delta.content]) > 1
+        assert [c.delta.tool_calls[0].index for c in chunks if c.delta.tool_calls] == [0, 1]
+        assert streamed_message(client, **kw) == whole_message(client, **kw)
+        usage = [c.usage for c in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                                  **kw)]
+        assert usage[:-1] == [None] * (len(usage) - 1) and usage[-1] == client.chat.completions.create(**kw).usage
+        reply[1] = 0
 
         def text_reply(**extra):
             choice = client.chat.completions.create(**{**kw, **extra}).choices[0]
@@ -1232,6 +1242,83 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         assert text_reply() == "call:weather{city:Oslo,metric:true}"
     finally:
         srv.should_exit = True
+
+
+def whole_message(client, **kw) -> dict:
+    choice = client.chat.completions.create(**kw).choices[0]
+    calls = [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
+    return {"content": choice.message.content or "", "tool_calls": calls, "finish_reason": choice.finish_reason,
+            "reasoning_content": (choice.message.model_extra or {}).get("reasoning_content")}
+
+
+def streamed_message(client, **kw) -> dict:
+    """A streamed chat reply joined as OpenAI's clients join it, in whole_message's shape; every call's first chunk
+    carries its id, type and name, and a call's id is new to the reply."""
+    content, calls, reasoning, finish = "", {}, None, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning = (delta.model_extra or {}).get("reasoning_content") or reasoning
+        for t in delta.tool_calls or []:
+            if t.index not in calls:
+                assert t.id.startswith("call_") and t.type == "function" and t.function.name, t
+                assert t.id not in [c["id"] for c in calls.values()]
+                calls[t.index] = {"id": t.id, "type": t.type, "name": t.function.name, "arguments": ""}
+            calls[t.index]["arguments"] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert sorted(calls) == list(range(len(calls)))
+    return {"content": content, "tool_calls": [(c["type"], c["name"], json.loads(c["arguments"]))
+                                               for _, c in sorted(calls.items())],
+            "finish_reason": finish, "reasoning_content": reasoning}
+
+
+def test_streamed_tool_calls_add_up_to_the_whole_answer(tmp_path, monkeypatch):
+    """A request with tools to a checkpoint with a response template was streamed only at its end: the whole reply
+    held, its calls in one chunk. Now its content streams as canvases commit and each call as it is written; the
+    chunks, joined, are the whole answer (content, reasoning, calls, finish_reason), whatever the reply and however
+    its canvases cut it."""
+    from test_response import NAME, VALUE, gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.one_of(st.just(""), st.sampled_from(["Checking.", "I'll look: ", " <b>Two</b> cities\n", "a < b"])),
+           st.booleans(), st.lists(st.tuples(NAME, st.dictionaries(NAME, VALUE, max_size=3)), max_size=3),
+           st.sampled_from(["", "<turn|>", "<|tool_response>"]), st.integers(1, 12), st.sampled_from([1, 2]))
+    def check(text, thought, calls, end, canvas, n):
+        reply[0] = (("<|channel>thought\nLet me think.<channel|>" if thought else "") + text
+                    + "".join(f"<|tool_call>call:{name}{gemma_value(args)}<tool_call|>" for name, args in calls) + end)
+        reply[1] = canvas
+        kw = dict(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=400, seed=1)
+        assert streamed_message(client, **kw) == whole_message(client, **kw), reply[0]
+
+    try:
+        check()
+    finally:
+        srv.should_exit = True
+
+
+def test_a_streamed_reply_sends_its_content_and_each_call_as_soon_as_they_are_written():
+    """The content before a call goes out as it settles (short of a tail that may start the call's marker), and a
+    call once its closing marker is there, not at the reply's end."""
+    from test_response import GEMMA4, gemma_value
+
+    from blockpress.response import compile_template, parse_partial, parse_response
+    from blockpress.serve import JobText, Reply, ToolStream
+
+    template = compile_template(GEMMA4)
+    reply = Reply([], "chat", MODEL, 1, parse=lambda text: parse_response(template, text),
+                  parse_partial=lambda text: parse_partial(template, text))
+    call = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
+    stream, sent = ToolStream(), []
+    for raw in ["Checking", "Checking the <|tool_", "Checking the " + call[:12], "Checking the " + call,
+                "Checking the " + call + call[:-2]]:
+        text = raw.replace("<|tool_call>", "").replace("<tool_call|>", "").replace('<|"|>', "")
+        sent.append(stream.settle(reply, JobText(text, raw), []))
+    assert sent == [[{"content": "Checking"}], [{"content": " the"}], [],
+                    [{"tool_calls": [{"index": 0, "id": stream.calls[0]["id"], "type": "function",
+                                      "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]}], []]
 
 
 def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_the_answer():
