@@ -345,7 +345,18 @@ PICKLE_PATTERNS = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt")  # to
 
 
 def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files holding the folder's weights, picked as transformers' from_pretrained picks them:
+    model.safetensors when it is there, else the shards model.safetensors.index.json lists. A folder holding both
+    (a stale leftover of one layout) reads model.safetensors, with a warning: reading the index, as blockpress
+    once did, silently gave other weights, and other logits, than the reference on the same folder."""
     index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if single.is_file():
+        if index.exists():
+            warnings.warn(f"{path}: holds both model.safetensors and model.safetensors.index.json; reading "
+                          "model.safetensors, as transformers does (the index and its shards are ignored: remove "
+                          "whichever layout is stale)", stacklevel=2)
+        return [single]
     if index.exists():
         try:
             raw = json.loads(index.read_text())
@@ -367,9 +378,6 @@ def checkpoint_files(path: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) that are not in the folder: {missing}")
         return files
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
     # trainers leave their own pickles beside the weights (training_args.bin, optimizer.pt): not checkpoints
     pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in path.glob(pattern) if p.name not in TRAINER_PICKLES)
     if pickles:  # say what is there, and why it is not read: "no model.safetensors" alone reads as a wrong folder

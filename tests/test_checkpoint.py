@@ -532,9 +532,40 @@ def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, 
 @pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", "{}", '{"weight_map": {"x": 3}}', "{nope"])
 def test_a_bad_shard_index_is_a_clear_error(ref_checkpoint, tmp_path, index):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")  # else the index is not read
     (path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(blockpress.CheckpointError, match="model.safetensors.index.json: not a valid safetensors index"):
         load_quiet(path)
+
+
+def test_a_folder_with_both_layouts_reads_the_file_transformers_reads(ref_checkpoint, tmp_path):
+    """model.safetensors beside a sharded index (a stale leftover of one layout): transformers reads
+    model.safetensors, and blockpress read the index, so the same folder gave other logits, without a word."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    from blockpress.checkpoint import save_model
+
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")  # model.safetensors: the reference's weights
+    other = load_quiet(ref_checkpoint[0])
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.mul_(-1.5)
+    save_model(other.model, tmp_path / "other", max_shard_bytes=20_000)
+    shards = [f for f in (tmp_path / "other").iterdir() if f.name.startswith("model")]
+    assert len(shards) > 2  # an index and its shards, other weights
+    for f in shards:
+        shutil.copy(f, path / f.name)
+    reference = DiffusionGemmaForBlockDiffusion.from_pretrained(path).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = blockpress.load(path)
+    prompt, canvas = torch.randint(3, 64, (1, 7)), torch.randint(3, 64, (1, 8))
+    with torch.no_grad():
+        expected = reference(input_ids=prompt, decoder_input_ids=canvas).logits
+    assert (loaded.logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+    assert (other.logits(prompt, canvas) - expected).abs().max().item() > 1e-1  # the index's weights differ
+    assert any("both model.safetensors and model.safetensors.index.json; reading model.safetensors, as "
+               "transformers does" in str(w.message) for w in caught)
 
 
 def test_an_integer_tensor_where_weights_are_floats_is_a_clear_error(ref_checkpoint, tmp_path):
