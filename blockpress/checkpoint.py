@@ -142,6 +142,40 @@ def hf_to_local(name: str) -> str | None:
     raise KeyError(name)
 
 
+def tensor_kind(name: str) -> tuple[str, str | None]:
+    """What a checkpoint tensor is to blockpress: ("vision", None) kept for saving, ("derived", None) a rotary table
+    recomputed from the config, ("copy", None) a tied copy, or ("weight", local name). KeyError: none of these."""
+    if name.startswith(VISION_PREFIXES):
+        return "vision", None
+    if _ROTARY_BUFFER.match(name):
+        return "derived", None
+    local = hf_to_local(name)
+    return ("copy", None) if local is None else ("weight", local)
+
+
+def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every text tensor the headers list is a weight of the config's model (`shapes`: the unquantized model's names,
+    so a stray `*.weight_scale` is refused too), in its shape and a float dtype. Read off the headers before any data,
+    and before quantizing: int4's refusal of an odd input size would otherwise quote the config's shape as the
+    stored weight's when the real fault is that the two disagree."""
+    for f in files:
+        for name in f.keys():
+            try:
+                kind, local = tensor_kind(name)
+            except KeyError:
+                raise CheckpointError(f"{f.path.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
+            if kind != "weight":
+                continue
+            if local not in shapes:
+                raise CheckpointError(f"{f.path.name}: unexpected tensor {name!r} for this config")
+            if f.shape(name) != shapes[local]:
+                raise CheckpointError(f"{f.path.name}: tensor {name!r}: shape {list(f.shape(name))} in the checkpoint, "
+                                      f"config needs {list(shapes[local])}")
+            if not f.dtype(name).is_floating_point:  # every text weight is stored in a float type (quantizing comes after)
+                raise CheckpointError(f"{f.path.name}: tensor {name!r}: dtype {f.dtype(name)} in the checkpoint, "
+                                      "expected a floating-point type")
+
+
 def tied_source(name: str) -> str:
     """The decoder tensor that a tied copy (an encoder text weight or the LM head) stands for."""
     return DECODER + ("embed_tokens.weight" if name == "lm_head.weight" else name[len(ENCODER_TEXT):])
@@ -457,7 +491,8 @@ def plan_model(
     quantize: str | None = None, *, weights: bool = True,
 ) -> ModelPlan:
     """Everything a load of the folder at `path` decides before reading a tensor, with a load's refusals (a
-    pre-quantized or pickle checkpoint, a device that is not here, an fp8 that does not run there).
+    pre-quantized or pickle checkpoint, a tensor the config has no place for or another shape for, a device that
+    is not here, an fp8 that does not run there).
 
     `dtype=None`: the stored one, except half precision on a CPU without native matmuls for it (native_dtype).
     `weights=False` also plans a folder with config.json alone (what `blockpress info` describes before the
@@ -472,16 +507,17 @@ def plan_model(
         if weights:
             raise
         files = []
+    opened = [MappedSafetensors(file) for file in files]  # reads each header; the data stays on disk
     with torch.device("meta"):
         model = DiffusionGemma(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # as stored in the checkpoint
+        check_headers(opened, shapes)
         if quantize is not None:
             from .quantize import quantize as quantize_model
 
             quantize_model(model, quantize)  # on the meta device: only the layout (quantized buffers, scales)
     quantized = frozenset(name.removesuffix("_scale") for name in model.state_dict()
                           if name.endswith("_scale") and name.removesuffix("_scale") in shapes)
-    opened = [MappedSafetensors(file) for file in files]  # reads each header; the data stays on disk
     stored = stored_dtype(opened) if opened else None
     if dtype is None:
         dtype = native_dtype(stored or declared_dtype(config) or torch.float32, device)
@@ -517,30 +553,16 @@ def load_model(
     for f in plan.files:
         file = f.path
         for name in f.keys():
-            if name.startswith(VISION_PREFIXES):
+            kind, local = tensor_kind(name)  # names, shapes and dtypes were checked by plan_model (check_headers)
+            if kind == "vision":
                 passthrough.tensors[name] = file
-                continue
-            if _ROTARY_BUFFER.match(name):
+            elif kind == "derived":
                 derived.append(name)
-                continue
-            try:
-                local = hf_to_local(name)
-            except KeyError:
-                raise CheckpointError(f"{file.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
-            if local is None:
+            elif kind == "copy":
                 copies[name] = file
-                continue
-            sources[name] = file
-            if local not in plan.shapes:  # the unquantized model's names: a stray `*_scale` is no weight of it
-                raise CheckpointError(f"{file.name}: unexpected tensor {name!r} for this config")
-            shape, want = f.shape(name), plan.shapes[local]
-            if shape != want:
-                raise CheckpointError(f"tensor {name!r}: shape {list(shape)} in the checkpoint, config needs {list(want)}")
-            tensor = f.tensor(name)
-            if not tensor.is_floating_point():  # every text weight is stored in a float type (quantizing comes after)
-                raise CheckpointError(f"{file.name}: tensor {name!r}: dtype {tensor.dtype} in the checkpoint, "
-                                      "expected a floating-point type")
-            state.update(plan.convert(local, tensor))  # a quantized projection drops its float copy here
+            else:
+                sources[name] = file
+                state.update(plan.convert(local, f.tensor(name)))  # a quantized projection drops its float copy here
     tied = config.extra.get("tie_word_embeddings", True) is not False and config.text.tie_word_embeddings
     check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
     if passthrough.tensors:

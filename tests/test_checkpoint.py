@@ -240,6 +240,22 @@ def test_wrong_shape_named(ref_checkpoint, tmp_path):
         load_quiet(path)
 
 
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_config_that_disagrees_with_the_shards_names_the_shard(lm, tmp_path, quantize):
+    """The shape error names the file as its neighbours do (it named the tensor alone), and it comes before
+    quantizing: int4's refusal of the config's odd intermediate size read as if the stored weights had it."""
+    from blockpress.checkpoint import save_model
+
+    save_model(lm.model, tmp_path / "c", max_shard_bytes=20_000)
+    raw = json.loads((tmp_path / "c" / "config.json").read_text())
+    raw["text_config"]["intermediate_size"] = 41  # the shards hold 40
+    (tmp_path / "c" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(blockpress.CheckpointError, match=r"^model-\d{5}-of-\d{5}\.safetensors: tensor '[^']+': shape "
+                                                         r"\[(40, 32|32, 40)\] in the checkpoint, config needs "
+                                                         r"\[(41, 32|32, 41)\]$"):
+        load_quiet(tmp_path / "c", quantize=quantize)
+
+
 @pytest.mark.parametrize("quantize", [None, "int8", "fp8", "int4"])
 @pytest.mark.parametrize("name", ["model.decoder.layers.0.mystery.weight",
                                   "model.decoder.layers.0.mlp.gate_proj.weight_scale"])
