@@ -12,8 +12,10 @@ the router stay in the model's dtype. model.py is untouched: the swap is the who
   runs the same arithmetic, slowly: it is there so that the numerics are tested without a GPU.
 
 - "int4": weights only, symmetric 4-bit, two to a byte, one bfloat16 scale per group of 32 inputs (4.5 bits a
-  weight: the 26B-A4B fits in 18 GB, as published). Weights are dequantized per call (the experts' all at once,
-  then the usual grouped GEMM): it buys memory, not speed.
+  weight: the 26B-A4B fits in 18 GB, as published). Where 32 does not divide the input size the group is
+  gcd(in, 32), which costs more (12 bits a weight for an input size of 2 x odd, more than int8): `quantize`
+  warns, naming the shapes. Weights are dequantized per call (the experts' all at once, then the usual grouped
+  GEMM): it buys memory, not speed.
 
 int8 and fp8 halve the bytes of bf16 weights (int8 quarters float32 ones).
 
@@ -102,11 +104,44 @@ def _check_fp8_dtype(device: torch.device, dtype: torch.dtype) -> None:
                          f"{str(dtype).removeprefix('torch.')}: load it with dtype='bfloat16'")
 
 
+def int4_group(in_features: int) -> int:
+    """The inputs sharing one int4 scale: INT4_GROUP, or gcd(in_features, INT4_GROUP) for input sizes that 32 does
+    not divide (groups must tile the row; dequantizing reads the group off the shapes)."""
+    return math.gcd(in_features, INT4_GROUP)
+
+
+def int4_bits(in_features: int) -> float:
+    """Bits a weight takes in int4 at this input size: its 4-bit code and its share of the group's bf16 scale."""
+    return 4 + 16 / int4_group(in_features)
+
+
+def warn_small_int4_groups(weights: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Warn when int4's groups fall below 32 inputs for any of `weights` (name, shape [..., out, in]): the scales then
+    cost more, up to 12 bits a weight (more than int8) for input sizes of 2 x odd, which a user choosing int4 to
+    save memory must hear of. Quiet when 32 divides every input size (every released DiffusionGemma)."""
+    small: dict[int, dict[tuple[int, ...], list[str]]] = {}  # input size -> shape -> names
+    for name, shape in weights:
+        if int4_group(shape[-1]) < INT4_GROUP:
+            small.setdefault(shape[-1], {}).setdefault(tuple(shape), []).append(name)
+    if not small:
+        return
+    total = sum(math.prod(shape) for _, shape in weights)
+    overall = sum(math.prod(shape) * int4_bits(shape[-1]) for _, shape in weights) / total
+    shown = "; ".join(
+        f"input size {size} ({'shape' if len(shapes) == 1 else 'shapes'} {', '.join(str(list(s)) for s in shapes)}; "
+        f"e.g. {next(iter(shapes.values()))[0]}): groups of {int4_group(size)}, {int4_bits(size):g} bits a weight"
+        for size, shapes in small.items())
+    count = sum(len(names) for shapes in small.values() for names in shapes.values())
+    warnings.warn(f"quantize: int4 shares a scale among {INT4_GROUP} inputs, and {INT4_GROUP} does not divide the "
+                  f"input size of {count} of the {len(weights)} projection weights, so their groups are smaller: "
+                  f"{shown}. The quantized projections take {overall:.2f} bits a weight overall (groups of "
+                  f"{INT4_GROUP}: {int4_bits(INT4_GROUP):g}; int8: about 8)", stacklevel=3)
+
+
 def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 [..., out, in/2]: two 4-bit codes each, bfloat16 scales [..., out, in/group]). The group is 32
-    inputs, or gcd(in, 32) for sizes that 32 does not divide (dequantizing reads it off the shapes)."""
+    """(uint8 [..., out, in/2]: two 4-bit codes each, bfloat16 scales [..., out, in/group]), group int4_group(in)."""
     check_quantizable(w.shape, "int4")
-    groups = w.unflatten(-1, (-1, math.gcd(w.shape[-1], INT4_GROUP)))
+    groups = w.unflatten(-1, (-1, int4_group(w.shape[-1])))
     # The scale is rounded to bf16 first and the codes use the rounded scale, so |error| <= scale / 2.
     scale = (groups.abs().amax(dim=-1).clamp(min=1e-12) / 7).to(torch.bfloat16)
     codes = (groups / scale.float()[..., None]).round().clamp(-8, 7).to(torch.int16) + 8  # 0..15
@@ -317,10 +352,13 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
                for path, parent in module.named_modules(prefix=root) for name, child in parent.named_children()
                if (isinstance(child, nn.Linear) and not isinstance(parent, Router))  # routing stays exact
                or type(child) is Experts]
-    for _, _, child, qualified in targets:
-        for weight_name, weight in child.named_parameters():  # named as in the state dict
-            check_quantizable(weight.shape, scheme, f"{qualified}.{weight_name}")
+    weights = [(f"{qualified}.{weight_name}", tuple(weight.shape)) for _, _, child, qualified in targets
+               for weight_name, weight in child.named_parameters()]  # named as in the state dict
+    for name, shape in weights:
+        check_quantizable(shape, scheme, name)
     check_runs(scheme, model.device, model.dtype)
+    if scheme == "int4":  # after every refusal: a refused model is not worth a warning
+        warn_small_int4_groups(weights)
     for parent, name, child, _ in targets:
         setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
     return model

@@ -3,6 +3,8 @@ the shipped sudoku model still solving puzzles, memory, and clear errors."""
 
 import copy
 import json
+import re
+import warnings
 
 import pytest
 import torch
@@ -70,6 +72,41 @@ def test_int4_groups_shrink_to_divide_the_input_and_odd_inputs_are_refused():
             <= scale.float()[..., None] / 2 * (1 + 1e-5)).all()
     with pytest.raises(ValueError, match="even input sizes"):
         quantize_weight(torch.randn(4, 7), "int4")
+
+
+@settings(max_examples=12, deadline=None)
+@given(hidden=st.integers(2, 48), intermediate=st.integers(2, 48), moe=st.integers(1, 24))
+def test_int4_warns_when_its_groups_fall_below_32_with_the_bits_they_take(hidden, intermediate, moe):
+    """Groups shrink to gcd(in, 32) where 32 does not divide an input size, up to 12 bits a weight (more than int8):
+    a warning names the input sizes and gives the bits the quantized weights really take; none when 32 divides
+    every input size."""
+    config = blockpress.ModelConfig.tiny(hidden_size=2 * hidden, intermediate_size=2 * intermediate,
+                                         moe_intermediate_size=2 * moe)
+    lm = blockpress.random_model(config, device="meta")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm.quantize("int4")
+    notes = [str(w.message) for w in caught if "int4 shares a scale" in str(w.message)]
+    sizes, bits, count = set(), 0, 0
+    for module in lm.model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedExperts)):
+            for name, q in module.named_buffers():
+                if not name.endswith("_scale"):
+                    sizes.add(2 * q.shape[-1])  # two codes a byte
+                    bits += 8 * (q.nbytes + getattr(module, f"{name}_scale").nbytes)
+                    count += 2 * q.numel()
+    small = {n for n in sizes if n % 32}
+    assert len(notes) == (1 if small else 0)
+    if small:
+        assert {int(n) for n in re.findall(r"input size (\d+) \(", notes[0])} == small
+        overall = float(re.search(r"take ([\d.]+) bits a weight overall", notes[0]).group(1))
+        assert overall == pytest.approx(bits / count, abs=0.005)
+
+
+def test_info_warns_of_int4_groups_below_32(tmp_path):
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(tmp_path)  # intermediate 48, experts' 16
+    with pytest.warns(UserWarning, match=r"input size 48 \(shape \[32, 48\].*groups of 16, 5 bits a weight"):
+        assert main(["info", "--model", str(tmp_path), "--quantize", "int4"]) == 0
 
 
 # Widths 24 and 40: torch's packed bf16 int8 kernel crashed the process (segfault) on inputs whose width 16 does
