@@ -249,12 +249,14 @@ class LM:
         generation_config: dict[str, Any] | None = None,
         passthrough: Passthrough | None = None,
         path: Path | None = None,
+        adapter: Path | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = _check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
         self.passthrough = passthrough or Passthrough()
-        self.path = path
+        self.path = path  # the base's folder
+        self.adapter = adapter  # the LoRA folder applied over it (then the weights are not `path`'s alone)
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
 
@@ -1043,6 +1045,46 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     return raw
 
 
+NO_QUANTIZATION = "none"  # `quantize` for an adapter folder loaded by name: its base unquantized, as trained or not
+
+
+def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter: str | Path | None = None
+                  ) -> tuple[Path, Path | None, str | None]:
+    """(the base's folder, the LoRA adapter folder or None, the quantization or None) that `load` reads for its
+    arguments. An adapter folder given as the model (`blockpress train --lora-rank`'s <out>/adapter, or the <out>
+    of a QLoRA run, which holds no checkpoint) stands for its base with the adapter over it: the base it records (train.adapter_record), quantized as the adapter was trained
+    unless `quantize` says otherwise (NO_QUANTIZATION, "none": not at all)."""
+    if quantize is not None and quantize != NO_QUANTIZATION:
+        check_scheme(quantize)  # before reading gigabytes
+    if adapter is not None and (not isinstance(adapter, (str, Path)) or not str(adapter).strip()):
+        raise ValueError(f"adapter: expected a PEFT LoRA folder, got {adapter!r}")
+    path = resolve_path(path_or_name)
+    from .train import ADAPTER_DIR, adapter_record, is_adapter_folder  # train imports this module
+
+    if not (path / "config.json").is_file() and is_adapter_folder(path / ADAPTER_DIR):
+        path = path / ADAPTER_DIR  # a QLoRA run's --out: its adapters are all it holds of a model
+    if is_adapter_folder(path):
+        if adapter is not None:
+            raise ValueError(f"adapter: the model {str(path_or_name)!r} is itself an adapter folder; give its base as "
+                             f"the model, or leave adapter out (the folder loads its recorded base)")
+        record = adapter_record(path)
+        if record["base"] is None:
+            raise ValueError(f"model {str(path_or_name)!r}: an adapter folder that names no base (its base was not "
+                             "loaded from a folder); give the base as the model and this folder as the adapter "
+                             "(blockpress.load(BASE, adapter=...), --model BASE --adapter ...)")
+        try:
+            base = resolve_path(record["base"])
+        except (FileNotFoundError, ValueError):
+            raise FileNotFoundError(
+                f"model {str(path_or_name)!r}: an adapter folder trained on {record['base']!r}, which is not here (not "
+                "a checkpoint folder, a shipped model nor a cached repo id); give the base as the model and this "
+                "folder as the adapter (blockpress.load(BASE, adapter=...), --model BASE --adapter ...)") from None
+        path, adapter = base, path
+        if quantize is None:
+            quantize = record["quantize"]
+    return path, None if adapter is None else Path(adapter), None if quantize == NO_QUANTIZATION else quantize
+
+
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
          quantize: str | None = None, adapter: str | Path | None = None) -> LM:
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
@@ -1052,10 +1094,10 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     `adapter`: a PEFT LoRA folder for this base (`blockpress train --lora-rank`'s <out>/adapter, or peft's own on the
     reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft); with
     `quantize`, kept unmerged in float32 over the quantized base, as `blockpress train --quantize` trained it (merged
-    and then quantized, its update would mostly be rounded away)."""
-    if quantize is not None:
-        check_scheme(quantize)  # before reading gigabytes
-    path = resolve_path(path_or_name)
+    and then quantized, its update would mostly be rounded away). An adapter folder may also be given as the model:
+    it loads the base it was trained on with it, quantized as it was trained unless `quantize` says otherwise
+    ("none": unquantized; see resolve_model)."""
+    path, adapter, quantize = resolve_model(path_or_name, quantize, adapter)
     model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device, quantize=quantize)
     if adapter is not None:
         from .train import apply_adapter
@@ -1066,7 +1108,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    return LM(model, tokenizer, read_generation_config(path, model.config.text.vocab_size), passthrough, path)
+    return LM(model, tokenizer, read_generation_config(path, model.config.text.vocab_size), passthrough, path,
+              adapter)
 
 
 def random_model(

@@ -16,6 +16,7 @@ resuming from a checkpoint all reproduce the losses of one uninterrupted single-
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -373,17 +374,34 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
 
 ADAPTER_DIR = "adapter"  # a finished LoRA run's adapters, unmerged, as a PEFT folder inside its --out
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# What blockpress records of the base beyond adapter_config.json's base_model_name_or_path (its name): its shape and
+# the quantization the adapters were trained over. peft warns about keys its config does not know, so they live in a
+# file of their own, as BLOCKPRESS_GENERATION_FILE's do beside generation_config.json.
+ADAPTER_RECORD = "blockpress_adapter.json"
+# The base's config fields that decide the adapted layers' shapes: another base that differs in one is refused by name.
+# (per_layer_config, not global_head_dim: config.json stores the full layers' shapes only there)
+BASE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "per_layer_config", "layer_types", "num_experts",
+                     "moe_intermediate_size")
 _PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")  # peft's saved names, adapter name left out
 # LoRA options that change what an adapter computes, at their plain values: an adapter setting another is refused.
 _PLAIN_LORA = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
                "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None}
 
 
-def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None) -> None:
+def base_shape(model: DiffusionGemma) -> dict[str, Any]:
+    text = model.config.text
+    return {name: copy.deepcopy(getattr(text, name)) for name in BASE_SHAPE_FIELDS}
+
+
+def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None,
+                 quantize: str | None = None) -> None:
     """`model`'s LoRA adapters (add_lora's) as a PEFT folder, its modules named as the reference model names them,
     so `peft.PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion, path)` runs them. The reference's encoder
     has modules of its own sharing the decoder's weights (blockpress runs both on one): each adapter is written for
-    both (checkpoint.reference_names)."""
+    both (checkpoint.reference_names). The folder names `base` (None: not loaded from a folder), and ADAPTER_RECORD
+    beside it the base's shape and `quantize`, the scheme the base was quantized with while they trained: the folder
+    alone loads (blockpress.load(path))."""
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
@@ -402,6 +420,102 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
     LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,
                base_model_name_or_path=base).save_pretrained(str(path))
     save_file(tensors, str(path / ADAPTER_FILES[1]), metadata={"format": "pt"})
+    record = {"base_shape": base_shape(model), "quantize": quantize}
+    (path / ADAPTER_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def is_adapter_folder(path: Path) -> bool:
+    """A PEFT adapter folder rather than a checkpoint: adapter_config.json, no config.json."""
+    return (path / ADAPTER_FILES[0]).is_file() and not (path / "config.json").is_file()
+
+
+def _read_adapter_config(path: Path) -> dict[str, Any]:
+    missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(f"adapter: {path} has no {' or '.join(missing)} (expected a PEFT LoRA folder, as "
+                              f"`blockpress train --lora-rank` writes in <out>/{ADAPTER_DIR})")
+    try:
+        cfg = json.loads((path / ADAPTER_FILES[0]).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: not valid JSON ({exc})") from None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def adapter_record(path: str | Path) -> dict[str, Any]:
+    """What an adapter folder says of its base: {"base": its name or None (adapter_config.json's
+    base_model_name_or_path), "base_shape": config fields or None, "quantize": scheme or None}. Folders written
+    before ADAPTER_RECORD (and peft's own) record no shape or quantization."""
+    path = Path(path)
+    cfg = _read_adapter_config(path)
+    base = cfg.get("base_model_name_or_path")
+    if base is not None and not (isinstance(base, str) and base.strip()):
+        raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: base_model_name_or_path: expected a model folder "
+                              f"or name, got {base!r}")
+    record: dict[str, Any] = {"base": base, "base_shape": None, "quantize": None}
+    file = path / ADAPTER_RECORD
+    if not file.is_file():
+        return record
+    try:
+        saved = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"adapter: {file}: not valid JSON ({exc})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"adapter: {file}: expected a JSON object, got {type(saved).__name__}")
+    record.update({k: saved[k] for k in ("base_shape", "quantize") if k in saved})
+    if record["base_shape"] is not None and not isinstance(record["base_shape"], dict):
+        raise CheckpointError(f"adapter: {file}: base_shape: expected an object of config fields, got "
+                              f"{record['base_shape']!r}")
+    if record["quantize"] is not None:
+        try:
+            check_scheme(record["quantize"])
+        except ValueError as exc:
+            raise CheckpointError(f"adapter: {file}: {exc}") from None
+    return record
+
+
+def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:
+    """Refuse, naming the fields, a base whose shape is not the one the adapters in `path` were trained on (as
+    their ADAPTER_RECORD has it; folders without one are checked layer by layer in apply_adapter)."""
+    record = adapter_record(path)
+    if not record["base_shape"]:
+        return
+    own = base_shape(model)
+    differ = [f"{name} {value!r} (this base: {own[name]!r})" for name, value in record["base_shape"].items()
+              if name in own and own[name] != value]
+    if differ:
+        trained_on = f" ({record['base']})" if record["base"] else ""
+        raise CheckpointError(f"adapter {path}: trained on a base of another shape{trained_on}: {', '.join(differ)}; load it onto "
+                              "the base it was trained on")
+
+
+def _local_module(target: str) -> str | None:
+    """blockpress's module for a reference module an adapter names (None: none): an encoder module's name maps to
+    its decoder twin's (tied), as checkpoint loading does."""
+    try:
+        local = hf_to_local(f"{target}.weight") or hf_to_local(tied_source(f"{target}.weight"))
+    except KeyError:
+        return None
+    return local.removesuffix(".weight") if local else None
+
+
+def describe_adapter(path: str | Path) -> dict[str, Any]:
+    """An adapter folder as `blockpress info` shows it, read from its config and its safetensors header (no tensor
+    data): rank, alpha, the kinds of layer it adapts, its parameters as blockpress holds them (the reference's
+    encoder and decoder twins share one adapter), and its record of the base."""
+    path = Path(path)
+    cfg = _read_adapter_config(path)
+    stored = MappedSafetensors(path / ADAPTER_FILES[1])
+    modules: dict[str, int] = {}  # blockpress's module -> its adapter's parameters
+    for key in stored.keys():
+        match = _PEFT_KEY.fullmatch(key)
+        module = _local_module(match.group(1)) if match else None
+        if module is not None and stored.shape(key) and f"{module}.{match.group(2)}" not in modules:
+            modules[f"{module}.{match.group(2)}"] = math.prod(stored.shape(key))
+    # "layers.3.self_attn.q_proj" -> "self_attn.q_proj": the kinds of layer adapted, not each one
+    targets = sorted({re.sub(r"^.*?layers\.\d+\.", "", name.rsplit(".", 1)[0]) for name in modules})
+    record = adapter_record(path)
+    return {"path": str(path), "rank": cfg.get("r"), "alpha": cfg.get("lora_alpha"), "targets": targets,
+            "parameters": sum(modules.values()), "base": record["base"], "trained_quantization": record["quantize"]}
 
 
 def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
@@ -413,15 +527,8 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
     of another rank or base, an encoder module adapted unlike its decoder twin (blockpress runs both on one set of
     weights)."""
     path = Path(path)
-    missing = [name for name in ADAPTER_FILES if not (path / name).is_file()]
-    if missing:
-        raise CheckpointError(f"adapter: {path} has no {' or '.join(missing)} (expected a PEFT LoRA folder, as "
-                              f"`blockpress train --lora-rank` writes in <out>/{ADAPTER_DIR})")
-    try:
-        cfg = json.loads((path / ADAPTER_FILES[0]).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: not valid JSON ({exc})") from None
-    cfg = cfg if isinstance(cfg, dict) else {}
+    cfg = _read_adapter_config(path)
+    check_adapter_base(path, model)
     base = cfg.get("base_model_name_or_path")
 
     def refuse(why: str) -> CheckpointError:
@@ -444,11 +551,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         if match is None:
             raise refuse(f"tensor {key!r} is not a LoRA weight (base_model.model.<module>.lora_A/lora_B.weight)")
         target, side = match.groups()
-        try:  # an encoder module's name maps to its decoder twin's (tied), as checkpoint loading does
-            local = hf_to_local(f"{target}.weight") or hf_to_local(tied_source(f"{target}.weight"))
-        except KeyError:
-            local = None
-        module = local.removesuffix(".weight") if local else None
+        module = _local_module(target)
         if module not in linear:
             raise refuse(f"it adapts {target!r}, which is not a linear layer of this base ({model.config.describe()})")
         found.setdefault(module, {}).setdefault(target, {})[side] = stored.tensor(key)
@@ -566,6 +669,11 @@ class Trainer:
             raise ValueError(f"train: the model is quantized ({lm.quantization}); train LoRA adapters over it with "
                              f"lora_rank > 0 and quantize={lm.quantization!r} (--lora-rank R --quantize "
                              f"{lm.quantization}), or the unquantized weights (load without quantize)")
+        adapted = next((name for name, module in lm.model.named_modules() if hasattr(module, "lora_A")), None)
+        if adapted is not None:  # (peft would wrap its layers again, and the optimizer train both sets)
+            raise ValueError(f"train: the model holds LoRA adapters, unmerged over its quantized base (layer "
+                             f"{adapted!r}); fine-tune it unquantized, where they are merged into the base, or train "
+                             "new adapters over the base alone")
         text = lm.config.text
         # Running text is cut into windows of the settings' length: one past the context trains positions the model
         # is never allowed to use (JSONL examples that long are refused by load_jsonl).
@@ -736,7 +844,7 @@ class Trainer:
         elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint with
             # them merged in (over a quantized one, merged into its codes they would be rounded away)
             save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
-                         base_name(self.lm))
+                         base_name(self.lm), self.cfg.quantize)
             if self.cfg.quantize is None:
                 self.lm.model = merge_lora(self.model, self.merged_dtype)
                 self.lm.save(self.out)
@@ -938,8 +1046,9 @@ LORA_BASE_FILE = "lora_base.json"  # a LoRA run cut short: the base model its ad
 
 def base_name(lm: LM) -> str | None:
     """The base model as a LoRA run records it: its absolute folder (as typed, a relative path broke --resume from
-    another folder), or a shipped model's name (its folder moves on reinstall); None when not loaded from a folder."""
-    if lm.path is None:
+    another folder), or a shipped model's name (its folder moves on reinstall); None when not loaded from a folder,
+    or loaded with an adapter (its weights are not the folder's)."""
+    if lm.path is None or lm.adapter is not None:
         return None
     if lm.path.resolve().parent == MODELS_DIR.resolve():
         return lm.path.name

@@ -124,11 +124,39 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name(run, tmp_path, mutate, 
     assert f"(it was trained on {base.resolve()})" in str(info.value)
 
 
+def older_folder(out, tmp_path):
+    """The run's adapter folder as blockpress wrote it before it recorded the base's shape and quantization (and as
+    peft writes one): adapter_config.json and the weights alone."""
+    old = tmp_path / "old_adapter"
+    shutil.copytree(out / "adapter", old)
+    (old / "blockpress_adapter.json").unlink()
+    return old
+
+
 def test_an_adapter_of_another_base_or_no_adapter_at_all_is_refused(run, tmp_path):
-    _, out = run
+    base, out = run
     other = tmp_path / "other"  # blockpress's tiny config: 3 layers (the adapter's base has 4), another layout
     blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8)).save(other)
-    with pytest.raises(blockpress.CheckpointError, match=r"not a linear layer of this base \(DiffusionGemma: 3 layers"):
+    # the shape the adapter recorded of its base, field by field
+    with pytest.raises(blockpress.CheckpointError, match=r"trained on a base of another shape \(" + str(base.resolve())
+                       + r"\): .*num_hidden_layers 4 \(this base: 3\)"):
         load(other, adapter=out / "adapter")
+    # a folder without that record: its layers, one by one
+    with pytest.raises(blockpress.CheckpointError, match=r"not a linear layer of this base \(DiffusionGemma: 3 layers"):
+        load(other, adapter=older_folder(out, tmp_path))
     with pytest.raises(blockpress.CheckpointError, match="has no adapter_config.json or adapter_model.safetensors"):
         load(other, adapter=tmp_path)
+
+
+def test_the_adapter_folder_loads_by_name_onto_its_recorded_base(run, tmp_path):
+    """blockpress.load(OUT/adapter) is the base with the adapter merged, as the run's merged checkpoint; folders
+    without blockpress's record (older ones, peft's) load by adapter_config.json's base_model_name_or_path."""
+    base, out = run
+    prompt, canvas = inputs()
+    merged = load(out).logits(prompt, canvas)
+    for folder in (out / "adapter", older_folder(out, tmp_path)):
+        lm = load(folder)
+        assert lm.path.resolve() == base.resolve() and lm.adapter == folder and lm.quantization is None
+        assert torch.equal(lm.logits(prompt, canvas), merged)
+    with pytest.raises(ValueError, match="adapter: the model .* is itself an adapter folder; give its base"):
+        load(out / "adapter", adapter=out / "adapter")

@@ -4,6 +4,7 @@ adapter folder loads onto the quantized and the unquantized base."""
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -231,6 +232,61 @@ def test_the_adapter_trained_on_an_int8_base_loads_onto_the_quantized_and_the_un
     assert torch.nn.functional.cosine_similarity(change, quantized_change, dim=0) > 0.95
 
 
+def qlora_run(tmp_path, scheme="int8", base_lm=None):
+    """(base folder, the run's --out, the trained model) of a short QLoRA run on a saved tiny base."""
+    base = tmp_path / "base"
+    (base_lm or tiny_lm()).save(base)
+    lm = blockpress.load(base, quantize=scheme)
+    train(tmp_path, lm, 2, quantize=scheme)
+    return base, tmp_path / "out", lm
+
+
+def test_a_qlora_run_loads_by_its_adapter_folder_quantized_as_it_trained(tmp_path):
+    base, out, trained = qlora_run(tmp_path)
+    adapter = out / "adapter"
+    prompt, canvas = torch.randint(0, 32, (2, 5)), torch.randint(0, 32, (2, 8))
+    for spec in (adapter, str(adapter), out):  # the run's --out holds nothing else to load
+        lm = blockpress.load(spec)
+        assert lm.quantization == "int8" and lm.path.resolve() == base.resolve() and lm.adapter == adapter
+        assert lora_layers(lm.model)  # unmerged over the quantized base, as it trained
+        assert torch.equal(lm.logits(prompt, canvas), trained.logits(prompt, canvas))
+    # told otherwise: quantized another way, or not at all (merged into the unquantized base)
+    assert blockpress.load(adapter, quantize="int4").quantization == "int4"
+    merged = blockpress.load(adapter, quantize="none")
+    assert merged.quantization is None and not lora_layers(merged.model)
+    assert torch.equal(merged.logits(prompt, canvas), blockpress.load(base, adapter=adapter).logits(prompt, canvas))
+
+
+def test_an_adapter_folder_whose_base_is_gone_or_another_is_refused_by_name(tmp_path):
+    base, out, _ = qlora_run(tmp_path)
+    adapter = out / "adapter"
+    shutil.rmtree(base)
+    with pytest.raises(FileNotFoundError, match=rf"adapter folder trained on '{base.resolve()}', which is not here.*"
+                                                r"give the base as the model and this folder as the adapter"):
+        blockpress.load(adapter)
+    # another model where the base was: refused before the adapters touch it, naming what differs
+    blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8, hidden_size=64)).save(base)
+    for load in (lambda: blockpress.load(adapter), lambda: blockpress.load(base, adapter=adapter, quantize="int8")):
+        with pytest.raises(blockpress.CheckpointError, match=r"trained on a base of another shape .*: hidden_size 32 "
+                                                             r"\(this base: 64\)"):
+            load()
+
+
+def test_a_model_holding_unmerged_adapters_is_not_trained_again(tmp_path):
+    """Over a quantized base the loaded adapters stay LoRA layers: new ones would wrap them (peft) and both train;
+    merged into an unquantized base they are plain weights, which a new run records no base for (the folder's
+    weights alone are not the model)."""
+    from blockpress.train import base_name
+
+    _, out, _ = qlora_run(tmp_path)
+    with pytest.raises(ValueError, match=r"train: the model holds LoRA adapters, unmerged over its quantized base"):
+        Trainer(blockpress.load(out), ExampleSource(EXAMPLES, 0), TrainConfig(lora_rank=2, quantize="int8"),
+                tmp_path / "again", progress=False)
+    merged = blockpress.load(out, quantize="none")
+    assert base_name(merged) is None
+    Trainer(merged, ExampleSource(EXAMPLES, 0), TrainConfig(lora_rank=2), tmp_path / "again", progress=False)
+
+
 def test_train_cli_quantize_trains_lora_over_the_quantized_base(tmp_path, capsys):
     base = tmp_path / "base"
     tiny_lm().save(base)
@@ -242,7 +298,6 @@ def test_train_cli_quantize_trains_lora_over_the_quantized_base(tmp_path, capsys
 
     assert main(args("out", "--lora-rank", "2", "--quantize", "int4")) == 0
     assert "--quantize int4:" in capsys.readouterr().err
-    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["quantize"] == "int4"
     assert blockpress.load(base, adapter=tmp_path / "out" / "adapter", quantize="int4").quantization == "int4"
     assert main(args("full", "--quantize", "int4")) == 2
     assert "quantize: 'int4' trains LoRA adapters" in capsys.readouterr().err
