@@ -24,24 +24,29 @@ DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
 
 
-def load_model(spec: str, dtype: str | None, device: str, quantize: str | None = None) -> Any:
-    """An HF folder, a shipped model name, or `random-<preset>` (random weights, byte-level tokenizer);
-    `quantize`: "int8", "fp8" or "int4" (see blockpress.quantize)."""
+def load_model(spec: str, dtype: str | None, device: str, quantize: str | None = None,
+               adapter: str | None = None) -> Any:
+    """An HF folder, a shipped model name, a LoRA adapter folder (its base with it), or `random-<preset>` (random
+    weights, byte-level tokenizer); `quantize`: "int8", "fp8" or "int4" (see blockpress.quantize), or "none"
+    (an adapter folder's base unquantized); `adapter`: a LoRA folder for the model (blockpress.load's)."""
     import blockpress
+    from blockpress.lm import NO_QUANTIZATION
 
     if spec.startswith(RANDOM_PREFIX):
         from blockpress.tokenizer import train_bpe_tokenizer
 
+        if adapter is not None:
+            raise ValueError(f"--adapter: --model {spec} has random weights, not the base an adapter was trained on")
         config = preset_config(spec[len(RANDOM_PREFIX):], f"--model {spec}")
         tokenizer = train_bpe_tokenizer([""], vocab_size=300)  # bytes + special tokens, no merges
         if tokenizer.vocab_size > config.text.vocab_size:
             raise ValueError(f"--model {spec}: vocabulary too small for a byte-level tokenizer")
         lm = blockpress.random_model(config, seed=0, dtype=dtype, device=device, tokenizer=tokenizer)
-        return lm.quantize(quantize) if quantize else lm
+        return lm.quantize(quantize) if quantize and quantize != NO_QUANTIZATION else lm
     with warnings.catch_warnings():
         # vision tensors: text-only is the documented behaviour; every other load warning is the user's to see
         warnings.filterwarnings("ignore", message=r".*vision tensors ignored")
-        return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize)
+        return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize, adapter=adapter)
 
 
 def preset_config(name: str, flag: str) -> Any:
@@ -65,7 +70,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     elif terminal:
         print(f"loading {args.model} ...", end="", file=sys.stderr, flush=True)
     try:
-        return load_model(args.model, args.dtype, args.device, args.quantize)
+        return load_model(args.model, args.dtype, args.device, args.quantize, args.adapter)
     finally:
         if terminal and not keep:
             print("\r\x1b[K", end="", file=sys.stderr, flush=True)  # the line erased, loaded or not
@@ -73,21 +78,32 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
 
 QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CPU use --dtype bfloat16), fp8 "
                  "(weights and activations, for GPUs with FP8 tensor cores) or int4 (weights, groups of 32: for "
-                 "memory, not speed). Default: none")
+                 "memory, not speed). Default: none (an adapter folder given as --model: the quantization it was "
+                 "trained over; none loads its base unquantized)")
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """What every command that loads a model applies to it as it loads: --quantize and --adapter."""
+    p.add_argument("--quantize", choices=[*SCHEMES, "none"], default=None, help=QUANTIZE_HELP)
+    p.add_argument("--adapter", default=None, metavar="FOLDER",
+                   help="a LoRA adapter folder (PEFT's format: `blockpress train --lora-rank`'s OUT/adapter) to apply "
+                        "over --model: merged in float32, or with --quantize kept unmerged over the quantized base. "
+                        "An adapter folder may also be given as --model itself: it loads the base it was trained on")
 
 
 def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device, e.g. cpu or cuda (default: cpu)") -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"shipped model name, Hugging Face checkpoint folder, a repo id already in the Hugging Face "
-                        f"cache (owner/name[@revision]), or random-<tiny|small|medium|26b-a4b> (random "
-                        f"weights, for speed checks). Default: {DEFAULT_MODEL}")
+                        f"cache (owner/name[@revision]), a LoRA adapter folder (OUT/adapter of `blockpress train "
+                        f"--lora-rank`: its base with it, quantized as it was trained), or "
+                        f"random-<tiny|small|medium|26b-a4b> (random weights, for speed checks). Default: {DEFAULT_MODEL}")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's; bf16/fp16 weights load as float32 on a CPU "
                         "without native half-precision matmuls)")
     p.add_argument("--device", default="cpu", help=device_help)
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
-    p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
+    add_load_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bool = True) -> None:
@@ -411,20 +427,25 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     never a tensor's data. (Loading to count converted a bf16 checkpoint to float32 on a CPU without native bf16:
     101 GB for a 26B.)"""
     from blockpress.checkpoint import plan_model, resolve_device
-    from blockpress.lm import LM, read_generation_config, resolve_path
+    from blockpress.lm import LM, read_generation_config, resolve_model
 
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
         resolve_device(args.device)  # checked as a load would: the figures are for this device
-        return load_model(args.model, args.dtype, "meta", args.quantize), dict(checkpoint_dtype=None,
-                                                                              checkpoint_bytes=None)
-    path = resolve_path(args.model)
-    plan = plan_model(path, args.dtype, args.device, args.quantize, weights=False)  # config.json alone works too
+        return load_model(args.model, args.dtype, "meta", args.quantize, args.adapter), dict(
+            checkpoint_dtype=None, checkpoint_bytes=None)
+    path, adapter, quantize = resolve_model(args.model, args.quantize, args.adapter)  # the base, as a load takes it
+    plan = plan_model(path, args.dtype, args.device, quantize, weights=False)  # config.json alone works too
     tokenizer = None
     if (path / "tokenizer.json").exists():  # as blockpress.load reads it
         from blockpress.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    lm = LM(plan.meta_model(), tokenizer, read_generation_config(path, plan.config.text.vocab_size), path=path)
+    lm = LM(plan.meta_model(), tokenizer, read_generation_config(path, plan.config.text.vocab_size), path=path,
+            adapter=adapter)
+    if adapter is not None:
+        from blockpress.train import check_adapter_base
+
+        check_adapter_base(adapter, lm.model)  # a base of another shape: refused as a load refuses it
     return lm, dict(checkpoint_dtype=str(plan.stored).removeprefix("torch.") if plan.stored else None,
                     checkpoint_bytes=sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files else None)
 
@@ -432,12 +453,19 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 def cmd_info(args: argparse.Namespace) -> int:
     lm, stored = meta_model(args)
     cfg = lm.config
+    adapter = None
+    if lm.adapter is not None:
+        from blockpress.train import describe_adapter
+
+        adapter = describe_adapter(lm.adapter)
+    # a LoRA adapter over a quantized base stays unmerged, in float32 (over a float one it is merged: no bytes more)
+    adapter_bytes = 4 * adapter["parameters"] if adapter and lm.quantization else 0
     info = dict(
         model=args.model, path=str(lm.path) if lm.path else None, summary=cfg.describe(),
         parameters_total=lm.num_parameters(active=False), parameters_active=lm.num_parameters(active=True),
         # the dtype and bytes the weights would take loaded on --device (with --dtype / --quantize)
         dtype=str(lm.dtype).replace("torch.", ""), quantization=lm.quantization, device=args.device,
-        weights_bytes=lm.weights_bytes(),
+        weights_bytes=lm.weights_bytes() + adapter_bytes, adapter=adapter,
         **stored,  # what the folder's safetensors hold (None: no weights in it)
         canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
@@ -548,7 +576,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
         # adapters, so its frozen base may stay in its own dtype.
         # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
-        lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device, cfg.quantize)
+        # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
+        lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
+                        cfg.quantize or "none")
         if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
             # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
             cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
@@ -1045,7 +1075,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--quantize", choices=SCHEMES, default=None, help=QUANTIZE_HELP)
+    add_load_args(p)
     p.add_argument("--steps", type=int, default=None,
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,

@@ -318,3 +318,63 @@ def test_the_compiled_experts_op_has_the_eager_loops_gradient(scheme):
     by_hand = torch.cat([grad[:2] @ dequantize_weight(q[0], scale[0], torch.float32),
                          grad[2:] @ dequantize_weight(q[2], scale[2], torch.float32)])
     assert torch.allclose(op, by_hand)
+
+
+LOADING_COMMANDS = [["generate", "hi"], ["infill", "a <|hole|> b"], ["chat"], ["serve", "--port", "0"],
+                    ["sudoku", "0" * 81], ["info"]]
+
+
+@pytest.mark.parametrize("command", LOADING_COMMANDS, ids=[c[0] for c in LOADING_COMMANDS])
+def test_every_command_that_loads_a_model_takes_an_adapter(command, tmp_path, capsys):
+    """--adapter reaches the load: an adapter of another base is refused by its shape, naming it."""
+    base, out, _ = qlora_run(tmp_path)
+    other = tmp_path / "other"
+    blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8, hidden_size=64)).save(other)
+    assert main([*command, "--model", str(other), "--adapter", str(out / "adapter")]) == 2
+    assert "trained on a base of another shape" in capsys.readouterr().err
+
+
+def test_generate_runs_an_adapter_by_its_folder_or_over_its_base(tmp_path, capsys):
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer([""], vocab_size=300)
+    config = blockpress.ModelConfig.tiny(vocab_size=tokenizer.vocab_size, canvas_length=8)
+    base, out, _ = qlora_run(tmp_path, base_lm=blockpress.random_model(config, tokenizer=tokenizer))
+    adapter = out / "adapter"
+    flags = ["--json", "--max-new-tokens", "8", "--seed", "3", "--no-token-healing", "--no-live"]
+
+    def generate(*model):
+        assert main(["generate", "hi", *model, *flags]) == 0
+        return json.loads(capsys.readouterr().out)["text"]
+
+    expected = blockpress.load(adapter).generate("hi", max_new_tokens=8, seed=3, token_healing=False).texts[0]
+    assert generate("--model", str(adapter)) == expected
+    assert generate("--model", str(base), "--adapter", str(adapter), "--quantize", "int8") == expected
+    merged = blockpress.load(base, adapter=adapter).generate("hi", max_new_tokens=8, seed=3, token_healing=False)
+    assert generate("--model", str(adapter), "--quantize", "none") == merged.texts[0]
+    shutil.rmtree(base)
+    assert main(["generate", "hi", "--model", str(adapter), *flags]) == 2
+    assert "which is not here" in capsys.readouterr().err
+
+
+def test_info_reports_the_adapter_and_what_its_load_takes(tmp_path, capsys):
+    base, out, _ = qlora_run(tmp_path)
+    adapter = out / "adapter"
+
+    def info(*flags):
+        assert main(["info", *flags, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    for flags, quantization in ((["--model", str(adapter)], "int8"), (["--model", str(out), "--quantize", "int4"], "int4"),
+                                (["--model", str(base), "--adapter", str(adapter)], None)):
+        shown = info(*flags)
+        lm = blockpress.load(flags[1], adapter=flags[3] if "--adapter" in flags else None,
+                             quantize=flags[3] if "--quantize" in flags else None)
+        assert shown["quantization"] == lm.quantization == quantization
+        assert shown["path"] == str(base.resolve()) and shown["weights_bytes"] == lm.weights_bytes()
+        held = blockpress.load(base, adapter=adapter, quantize="int8").model  # unmerged: its adapters to count
+        layers = lora_layers(held)
+        assert shown["adapter"]["rank"] == 8 and shown["adapter"]["trained_quantization"] == "int8"
+        assert shown["adapter"]["targets"] == sorted({name.split(".", 2)[2] for name, _ in layers})
+        assert shown["adapter"]["parameters"] == sum(p.numel() for name, p in held.named_parameters() if "lora_" in name)
+    assert info("--model", str(base))["adapter"] is None
