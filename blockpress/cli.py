@@ -684,9 +684,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                           "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,
                           "tokens_per_second": round(result.tokens_per_second, 1)}))
     if cfg.quantize and result.stopped != "interrupted" and trainer.rank == 0:
-        print(f"--quantize {cfg.quantize}: {args.out}/adapter holds the adapters, unmerged (no checkpoint of the "
-              f"quantized base); load them with blockpress.load(BASE, adapter='{args.out}/adapter', "
-              f"quantize='{cfg.quantize}'), or without quantize onto the unquantized base", file=sys.stderr)
+        from blockpress.train import ADAPTER_DIR, base_name
+
+        adapter = Path(args.out) / ADAPTER_DIR
+        named = base_name(lm) is not None  # the folder names its base (one loaded from a folder): it loads alone
+        flags = f"--model {adapter}" if named else f"--model BASE --adapter {adapter} --quantize {cfg.quantize}"
+        python = repr(str(adapter)) if named else f"BASE, adapter={str(adapter)!r}, quantize={cfg.quantize!r}"
+        print(f"--quantize {cfg.quantize}: {adapter} holds the adapters, unmerged (no checkpoint of the quantized "
+              f"base); run them as trained, over the {cfg.quantize} base: `blockpress generate {flags} PROMPT` (chat, "
+              f"serve and info alike; --quantize none merges them into the unquantized base instead), or in Python "
+              f"blockpress.load({python})", file=sys.stderr)
     elif cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
         print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a {str(merged_dtype)[6:]} "
               f"checkpoint (the base was {str(base_dtype)[6:]}; --dtype {str(base_dtype)[6:]} saves that, rounding "

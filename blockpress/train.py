@@ -104,7 +104,8 @@ class TrainConfig:
     lora_alpha: int = setting(16, "LoRA scaling numerator")
     quantize: str | None = setting(None, "with --lora-rank: train the adapters over a frozen base quantized with this "
                                    "scheme (int8, fp8 or int4: QLoRA; the base is quantized as it is read); --out "
-                                   "then holds the adapters alone, in --out/adapter")
+                                   "then holds the adapters alone, in --out/adapter, which --model takes to run them "
+                                   "(generate, chat, serve, ...) over the base quantized alike")
     prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
     prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
     response_canvases: int = setting(1, "raw-text corpora: canvases of response per window")

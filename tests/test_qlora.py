@@ -4,7 +4,9 @@ adapter folder loads onto the quantized and the unquantized base."""
 
 import copy
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,7 +299,13 @@ def test_train_cli_quantize_trains_lora_over_the_quantized_base(tmp_path, capsys
                 "--batch-size", "2", "--heldout", "0", "--quiet", "--warmup-steps", "1", *more]
 
     assert main(args("out", "--lora-rank", "2", "--quantize", "int4")) == 0
-    assert "--quantize int4:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # the way to run what it made, from the command line: the adapter folder as --model, which loads as it trained
+    command = re.search(r"--quantize int4: .*`blockpress generate --model (\S+) PROMPT`", err)
+    assert command and Path(command.group(1)) == tmp_path / "out" / "adapter"
+    assert main(["info", "--model", command.group(1), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quantization"] == "int4"
+    assert json.loads((tmp_path / "out" / "train_config.json").read_text())["quantize"] == "int4"
     assert blockpress.load(base, adapter=tmp_path / "out" / "adapter", quantize="int4").quantization == "int4"
     assert main(args("full", "--quantize", "int4")) == 2
     assert "quantize: 'int4' trains LoRA adapters" in capsys.readouterr().err
