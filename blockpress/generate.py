@@ -512,7 +512,8 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         empty = next((i for i, h in enumerate(holes) if not h), None)
         if empty is not None:  # as a template alone is refused, so is one of a batch (a row given whole is a prompt)
             raise ValueError(f"template: row {empty} has no holes to fill (use <|hole|> markers)")
-        Template(rows, holes).ids()  # checks the lengths
+        # Rows may differ in length here: healing can still change them, so the layout that runs is checked when
+        # it is laid out (Template.ids)
         return Template(rows, holes)
     if isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
         t = torch.as_tensor(template)

@@ -585,15 +585,7 @@ class LM:
         if template is not None:
             parsed = parse_template(template, self.tokenizer, ids.shape[0], hole_length,
                                     self.config.text.max_position_embeddings)
-            tmpl = parsed.ids()
-            if int(tmpl.max()) >= v:
-                raise ValueError(f"template: token ids must be below the vocabulary size {v}")
-            if any(_each(min_new_tokens)):  # it would be ignored: a template's length is fixed, its holes never end early
-                raise ValueError(f"min_new_tokens: not with a template (its {tmpl.shape[1]} tokens are all written, "
-                                 f"no EOS inside), got {min_new_tokens}")
-            if asked is not None and set(_each(max_new_tokens)) != {tmpl.shape[1]}:  # ignored: the template sets it
-                raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
-                                 f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
+            written = [len(r) for r in parsed.rows]
         if cfg.sampler == "greedy" and seed is None:
             seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
         if heal_holes:
@@ -604,14 +596,27 @@ class LM:
                     ids, mask = left_pad([h.ids for h in moved], pad_id)
                     fields.update(heal_prefixes=[h.prefix for h in moved])
             parsed, hole_prefixes = heal_holes_of(self.tokenizer, parsed)
-            tmpl = parsed.ids("with the spaces before their holes healed, the rows",
-                              "fill them in separate calls, or pass token_healing=False")
             if hole_prefixes:
                 unique = sorted(set(hole_prefixes.values()))
                 masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
                 fields.update(hole_allowed={pos: masks[prefix] for pos, prefix in hole_prefixes.items()},
                               hole_prefixes=hole_prefixes)
         if parsed is not None:
+            # The rows' lengths are checked once, as they run: healing moves a space into each hole after one,
+            # so rows written alike can run unlike and the other way round
+            if [len(r) for r in parsed.rows] != written:
+                tmpl = parsed.ids(f"with the spaces before their holes healed, the rows (as written {written})",
+                                  "adjust the hole lengths, fill them in separate calls, or pass token_healing=False")
+            else:
+                tmpl = parsed.ids()
+            if int(tmpl.max()) >= v:
+                raise ValueError(f"template: token ids must be below the vocabulary size {v}")
+            if any(_each(min_new_tokens)):  # it would be ignored: a template's length is fixed, its holes never end early
+                raise ValueError(f"min_new_tokens: not with a template (its {tmpl.shape[1]} tokens are all written, "
+                                 f"no EOS inside), got {min_new_tokens}")
+            if asked is not None and set(_each(max_new_tokens)) != {tmpl.shape[1]}:  # ignored: the template sets it
+                raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
+                                 f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
             fields.update(template_holes=parsed.holes)
         # The ids past the tokenizer's vocabulary that the model's (padded) embedding has: never generated, since
         # they have no text (transformers samples them, and its decode drops them without a word).

@@ -1,5 +1,7 @@
 """Token healing: the prompt's last token is re-chosen by the model when a longer token could merge there."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -187,3 +189,33 @@ def test_heal_into_template_moves_the_holes_with_the_tokens(tok, prompts, parts)
     for r, h in enumerate(healed):
         if h.prefix:  # the template starts with a hole: the space opens into it, which keeps its length
             assert prefixes[(r, 0)] == h.prefix and opened.holes[r][0] == parsed.holes[r][0] == (0, parts[0][1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    """A tiny random model with the code tokenizer: the layout checks and healing, without blockpress-code's weights."""
+    return blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=tok.vocab_size), seed=0, tokenizer=tok)
+
+
+@settings(max_examples=3, deadline=None)
+@given(b=st.integers(1, 3), c=st.integers(1, 3))
+def test_a_batch_of_templates_is_checked_as_it_runs(tiny, tok, b, c):
+    """parse_template checked the rows' lengths as written and LM._request again once their spaces were healed into
+    the holes: templates with different numbers of holes after a space could never be batched (equal as written,
+    they ran unequal, and the other way round). Only the layout that runs is checked, and its error names both."""
+    second = f"x = <|hole:{b}|>\ny = <|hole:{c}|> + 1\n"  # two holes after a space
+    runs = [len(heal_holes(tok, parse_template(t, tok, 1, 8))[0].rows[0]) for t in ("return <|hole:1|>\n", second)]
+    for a in range(1, runs[1] - runs[0] + 3):  # the one length that runs, and those around it
+        first = f"return <|hole:{a}|>\n"  # one hole after a space
+        written = [len(parse_template(t, tok, 1, 8).rows[0]) for t in (first, second)]
+        run = [runs[0] + a - 1, runs[1]]
+        if run[0] == run[1]:
+            out = tiny.infill([first, second], max_denoising_steps=1)
+            assert out.new_tokens.shape[1] == run[0] and [len(f) for f in out.fills] == [1, 2]
+        else:
+            with pytest.raises(ValueError, match=re.escape(f"(as written {written}) must come to the same number of "
+                                                           f"tokens, got {run}")):
+                tiny.infill([first, second], max_denoising_steps=1)
+        if written[0] == written[1]:  # kept as written, they run as written
+            out = tiny.infill([first, second], token_healing=False, max_denoising_steps=1)
+            assert out.new_tokens.shape[1] == written[0]
