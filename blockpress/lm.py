@@ -785,8 +785,9 @@ class LM:
         confidence_threshold, adaptive_stopping, rank_by, candidates, draw_temperature, top_k, top_p, keep_accepted,
         self_conditioning, noise_token_id, presence_penalty, frequency_penalty). `draw_temperature` is OpenAI's
         `temperature` (the server maps it there): candidates are drawn at the schedule's temperature (t_max down to
-        t_min) times it, while acceptance keeps the schedule; it needs a sampler that draws candidates (not
-        "greedy" nor candidates="argmax").
+        t_min) times it, while acceptance keeps the schedule; it needs a sampler that draws candidates, and is
+        refused with "greedy" (a checkpoint's default may be, as blockpress-code's is: pass sampler="entropy_bound")
+        or candidates="argmax", which would ignore it.
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode

@@ -124,6 +124,14 @@ class SamplerConfig:
              "be ignored; rank with sampler='topk', 'entropy_bound' or 'greedy'")
         need(self.candidates in CANDIDATES, "candidates",
              f"unknown candidate rule {self.candidates!r}; expected one of {CANDIDATES}")
+        # Argmax candidates are not drawn, so a draw temperature would be ignored, as a ranking by the confidence
+        # sampler. (with_ drops an earlier one when it switches to them: a checkpoint's, set for its draws.)
+        need(not self.argmax_candidates or self.draw_temperature == 1.0, "draw_temperature",
+             f"{'sampler=' + repr(self.sampler) if self.sampler == 'greedy' else 'candidates=' + repr(self.candidates)}"
+             f" takes the most likely candidates and draws none, so draw_temperature={self.draw_temperature} would be "
+             "ignored; " + ("draw them with sampler='entropy_bound' (greedy is entropy_bound with argmax candidates; "
+                            "a model may decode greedily by default, as blockpress-code does)"
+                            if self.sampler == "greedy" else "draw them with candidates='sample'"))
         for name in ("adaptive_stopping", "keep_accepted", "self_conditioning"):
             check_flag(name, getattr(self, name))
         # 0 is allowed, as in the reference: the schedule's last step is still t_max / N (see `temperature`).
@@ -190,6 +198,8 @@ class SamplerConfig:
         kept = {k: v for k, v in changes.items() if v is not None}  # None: not given (the CLI's unset flags)
         if kept.get("sampler") == "confidence" and "rank_by" not in kept:
             kept["rank_by"] = "entropy"  # the default: a checkpoint's ranking, set for its own sampler, means nothing here
+        if (kept.get("sampler") == "greedy" or kept.get("candidates") == "argmax") and "draw_temperature" not in kept:
+            kept["draw_temperature"] = 1.0  # the default: an earlier one was for draws, which argmax candidates are not
         if kept.get("noise_token_id") == -1 and not isinstance(kept["noise_token_id"], bool):
             kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
         return replace(self, **kept)
@@ -199,16 +209,19 @@ class SamplerConfig:
         this config; 0 is the greedy sampler; T > 0 draws the candidates at T (draw_temperature). A greedy
         sampler then becomes entropy_bound, since greedy is entropy_bound with argmax candidates (so a model that
         decodes greedily by default, blockpress-code, samples as OpenAI's API would), unless `sampler_given`
-        says the caller asked for greedy itself; argmax candidates become draws."""
+        says the caller asked for greedy itself: it takes the argmax and this config stays (OpenAI clients send a
+        temperature by habit, so it is not refused as a draw_temperature would be); argmax candidates become draws."""
         if temperature is None:
             return self
         if not is_finite_number(temperature) or temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         if temperature == 0:
             return self.with_(sampler="greedy")
+        if self.sampler == "greedy" and sampler_given:
+            return self
         # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every position
         # look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
-        return self.with_(sampler="entropy_bound" if self.sampler == "greedy" and not sampler_given else None,
+        return self.with_(sampler="entropy_bound" if self.sampler == "greedy" else None,
                           candidates="sample", draw_temperature=temperature)
 
 

@@ -592,6 +592,18 @@ def test_unknown_option_rejected(lm):
         lm.generate([3, 4], max_new_tokens=4, temperature=0.5)
 
 
+def test_draw_temperature_on_a_greedy_default_is_refused():
+    """A model that decodes greedily by default (blockpress-code) took draw_temperature and gave the greedy answer for
+    every seed; it names the sampler now, and the sampler that draws takes it."""
+    tiny = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    tiny.generation_config["sampler"] = "greedy"
+    with pytest.raises(ValueError, match="draw_temperature: sampler='greedy' takes the most likely candidates"):
+        tiny.generate([3, 4], max_new_tokens=4, draw_temperature=1.5)
+    outs = {tuple(tiny.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, sampler="entropy_bound",
+                                draw_temperature=3.0, seed=s).new_tokens[0].tolist()) for s in range(3)}
+    assert len(outs) > 1
+
+
 def test_generate_documents_every_sampler_option():
     """generate's docstring listed every SamplerConfig field as a keyword option but draw_temperature (OpenAI's
     temperature, which the README's Python section never named either)."""

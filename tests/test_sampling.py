@@ -504,6 +504,31 @@ def test_bad_draw_temperature_is_refused(value):
 
 
 @settings(max_examples=40, deadline=None)
+@given(sampler=st.sampled_from(["entropy_bound", "confidence", "topk", "greedy"]),
+       candidates=st.sampled_from(["sample", "argmax"]), t=st.floats(0.05, 3.0))
+def test_a_draw_temperature_argmax_candidates_would_ignore_is_refused(sampler, candidates, t):
+    """draw_temperature with the greedy sampler (blockpress-code's default) or argmax candidates was taken and
+    ignored: every seed gave the greedy answer. It is refused, as a ranking the confidence sampler would ignore;
+    switching to argmax candidates drops an earlier one (a checkpoint's, set for its draws). OpenAI's temperature
+    (the CLI's and the server's) still turns a default greedy sampler into draws, and keeps one asked for."""
+    import re
+
+    cfg = SamplerConfig(sampler=sampler, candidates=candidates)
+    if cfg.argmax_candidates and t != 1.0:
+        named = f"sampler='{sampler}'" if sampler == "greedy" else "candidates='argmax'"
+        with pytest.raises(ValueError, match=re.escape(f"draw_temperature: {named} takes the most likely "
+                                                       f"candidates and draws none, so draw_temperature={t} would")):
+            cfg.with_(draw_temperature=t)
+    else:
+        assert cfg.with_(draw_temperature=t).draw_temperature == t
+    drawn = cfg.with_(candidates="sample", sampler="entropy_bound" if sampler == "greedy" else None, draw_temperature=t)
+    assert drawn.with_(sampler="greedy").draw_temperature == drawn.with_(candidates="argmax").draw_temperature == 1.0
+    tempered = cfg.with_temperature(t)
+    assert not tempered.argmax_candidates and tempered.draw_temperature == t
+    assert cfg.with_temperature(t, sampler_given=True).sampler == sampler
+
+
+@settings(max_examples=40, deadline=None)
 @given(low=st.integers(0, 2**47 - 1), high=st.integers(1, 2**16 - 1))
 def test_seeds_past_47_bits_draw_their_own_numbers(low, high):
     """Seeds fold to 47 bits for the hash; seed 1 and seed 2**47 (and the like) drew the same numbers."""
