@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from os.path import commonprefix
 from typing import Any
 
 import torch
@@ -212,8 +213,9 @@ class GenerationOutput:
     denoise_seconds: float = 0.0
     cache: KVCache | None = None
     num_chosen_tokens: torch.Tensor | None = None  # [B] valid new tokens less a template's fixed ones (its holes)
-    # A template's holes as text, per row: one per hole marker, in order (a token-id template: one per run of -1s);
-    # None without a template
+    # A template's holes as text, per row: one per hole marker, in order (a token-id template: one per run of -1s),
+    # cut from `texts`, so that fixed text + fills reads as it (a character two holes share goes whole to the later
+    # one); None without a template
     fills: list[list[str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -558,13 +560,24 @@ def decode_rows(tokenizer: Any, rows: list[list[int]], template: torch.Tensor | 
 
 
 def hole_fills(tokenizer: Any, rows: list[list[int]], holes: list[list[tuple[int, int]]],
-               prefixes: dict[tuple[int, int], str]) -> list[list[str]]:
-    """Each row's holes ((start, end) spans of the new tokens, one per marker) decoded on their own. A healed
-    hole's first token starts with the whitespace the template wrote before it (`prefixes`, by (row, position));
-    that text is the template's, so the fill leaves it out: fixed text + fill reads as the filled template."""
-    return [[strip_prefix(tokenizer.decode(row[start:end]), prefixes.get((r, start), ""))
-             for start, end in spans if start < len(row)]  # a row cut short (an EOS) has no text for the holes after it
-            for r, (row, spans) in enumerate(zip(rows, holes))]
+               prefixes: dict[tuple[int, int], str], template: torch.Tensor) -> list[list[str]]:
+    """Each row's holes ((start, end) spans of the new tokens, one per marker) as text: cut from the row's whole text
+    (decode_rows, as `texts` reads it with `template` [B, N]) at the characters that the tokens before each edge
+    make. Decoded on its own, a hole that held part of a character's bytes (adjacent holes sharing one) read as
+    U+FFFD; cut from the whole text, the character goes whole to the later span. A healed hole's first token
+    starts with the whitespace the template wrote before it (`prefixes`, by (row, position)); that text is the
+    template's, so the fill leaves it out: fixed text + fills reads as the filled template."""
+    fills = []
+    for r, (row, spans) in enumerate(zip(rows, holes)):
+        spans = [(s, e) for s, e in spans if s < len(row)]  # a row cut short (an EOS) has no text for later holes
+        fixed = template[r : r + 1]
+        text = decode_rows(tokenizer, [row], fixed)[0]
+        # Each edge's offset: the text of the tokens before it reads as U+FFFD from a character the edge splits on,
+        # so where it parts from the whole text, that character begins (adjacent holes share their edge).
+        at = {p: len(commonprefix([decode_rows(tokenizer, [row[:p]], fixed)[0], text]))
+              for p in {p for span in spans for p in span}}
+        fills.append([strip_prefix(text[at[start] : at[end]], prefixes.get((r, start), "")) for start, end in spans])
+    return fills
 
 
 def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -621,7 +634,7 @@ def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[li
     if req.template is None:
         return None
     holes = req.template_holes or [hole_runs(r) for r in req.template.tolist()]
-    return hole_fills(tokenizer, rows, holes, req.hole_prefixes or {})
+    return hole_fills(tokenizer, rows, holes, req.hole_prefixes or {}, req.template)
 
 
 @dataclass
