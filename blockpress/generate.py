@@ -524,7 +524,10 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         t = t.detach().to("cpu", torch.long)
     else:
         expected = "text with <|hole|> markers, token ids [N] or [B, N] (-1 or None for holes)"
-        nested = isinstance(template, (list, tuple)) and bool(template) and isinstance(template[0], (list, tuple))
+        if not isinstance(template, (list, tuple)):  # bytes iterate as ints: read as ids, they "had no holes"
+            hint = " (decode it to str)" if isinstance(template, (bytes, bytearray)) else ""
+            raise ValueError(f"template: expected {expected}, got {type(template).__name__}{hint}")
+        nested = bool(template) and isinstance(template[0], (list, tuple))
         try:
             rows = [[-1 if v is None else v for v in row] for row in (template if nested else [template])]
         except TypeError:

@@ -639,6 +639,10 @@ def test_generate_documents_every_sampler_option():
     ([True, -1], 8, "got True"),
     ([[3, -1], [4]], 8, "rows of different lengths"),
     (np.array([3.0, -1.0]), 8, "got a torch.float64 tensor"),
+    # bytes iterate as ints: read as ids, the template "has no holes to fill"
+    (b"x = <|hole:2|>", 8, r"template: expected text with <\|hole\|> markers, .* got bytes \(decode it to str\)"),
+    (bytearray(b"x = <|hole|>"), 8, r"got bytearray \(decode it to str\)"),
+    (range(-1, 3), 8, "template: expected text with .* got range"),
 ])
 def test_bad_hole_lengths(template, hole_length, message):
     from blockpress.cli import load_model
