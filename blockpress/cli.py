@@ -145,6 +145,13 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
 
 
+def add_token_healing_arg(p: argparse.ArgumentParser, what: str, note: str) -> None:
+    """--no-token-healing, for `what` the command heals (generate: the prompt's end; infill: the holes' edges)."""
+    p.add_argument("--no-token-healing", action="store_true",
+                   help=f"keep {what} as typed (by default the model may re-choose it when it is whitespace and a "
+                        f"longer token could have merged there; {note})")
+
+
 def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
     """The sampling flags as `lm.generate` keywords; --temperature applied to `lm`'s settings (whose sampler it
     may change) by SamplerConfig.with_temperature, as the server applies a request's."""
@@ -279,7 +286,8 @@ def cmd_infill(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens")}
     t0 = time.perf_counter()
-    out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length, **kw)
+    out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length,
+                    token_healing=False if args.no_token_healing else None, **kw)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     stats = stats_line(out, time.perf_counter() - t0)
     # new_tokens: the whole template's length, fixed tokens included (what stats_line counts; kept for scripts that
@@ -993,10 +1001,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --chat: a system message before PROMPT (as the template renders one)")
     p.add_argument("--no-live", action="store_true",
                    help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then")
-    p.add_argument("--no-token-healing", action="store_true",
-                   help="keep the prompt's last token as typed (by default the model may re-choose it when a "
-                        "longer token could have merged there, e.g. a trailing newline before indentation; never "
-                        "with --chat, whose prompt ends with the template's turn header)")
+    add_token_healing_arg(p, "the prompt's last token", "e.g. a trailing newline before indentation; never with "
+                                                          "--chat, whose prompt ends with the template's turn header")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the completion where TEXT appears, leaving TEXT out (repeatable; e.g. "
                         "--stop $'\\n\\n' for one paragraph or function)")
@@ -1016,6 +1022,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")
     add_model_args(p)
     add_sampling_args(p, lengths=False)
+    add_token_healing_arg(p, "a space right before a hole (or ending --prefix before a leading one)",
+                          "healed, the space opens into the hole, taking one of its N positions; kept, each hole is "
+                          "N tokens after it")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text (the filled template), fills (each hole's text, one per marker, in order), "
                         "template, "

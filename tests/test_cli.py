@@ -1180,6 +1180,19 @@ def test_infill_refuses_a_bad_template_before_loading(template, message, monkeyp
     assert f"infill: error: {message}" in err and "-1 ids" not in err
 
 
+def test_infill_keeps_the_templates_tokens_with_no_token_healing(capsys):
+    """--no-token-healing was generate's alone: infill always healed the space before a hole into it (the library's
+    token_healing=False was out of reach), so a hole after a space could not be N tokens after it."""
+    runs = []
+    for flags in ([], ["--no-token-healing"]):
+        assert main(["infill", "left <|hole:5|> right", "--model", MODEL, "--steps", "2", "--seed", "0", "--json",
+                     "--threads", "1", *flags]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    healed, kept = runs
+    assert kept["template_tokens"] == healed["template_tokens"] + 1 and kept["filled_tokens"] == 5
+    assert kept["text"] == "left " + kept["fills"][0] + " right"
+
+
 def test_infill_still_fills_after_the_early_check(capsys):
     """The check before the load passes a good template through unchanged (fixed text with a stand-in tokenizer)."""
     assert main(["infill", "def f(x):\n    return <|hole:3|>\n", "--model", MODEL, "--steps", "2", "--seed", "0",
