@@ -577,15 +577,28 @@ def _reference(lm: LM) -> Any:
             hf_logging.enable_progress_bar()
 
 
+@dataclass
+class DecoderPasses:
+    """The reference's decoder calls in one run, each one pass over every row of the batch."""
+
+    count: int = 0
+
+    def add(self) -> None:
+        self.count += 1
+
+
 @contextlib.contextmanager
-def _reference_encoder_timed(ref: Any, calls: EncoderCalls) -> Iterator[EncoderCalls]:
-    """The reference's encoder module timed into `calls` (forward hooks) while the block runs: it encodes the
-    prompt, then each committed canvas, as blockpress does."""
-    encoder = ref.model.encoder
+def _reference_hooked(ref: Any, calls: EncoderCalls) -> Iterator[DecoderPasses]:
+    """The reference's encoder module timed into `calls`, and its decoder's passes counted, by forward hooks while
+    the block runs: it encodes the prompt, then each committed canvas, as blockpress does. The passes are counted,
+    not inferred from its tokens_per_forward, which leaves pad tokens out (random weights make the pad id now and
+    then: 33 passes were reported for the 32 run)."""
+    encoder, passes = ref.model.encoder, DecoderPasses()
     hooks = (encoder.register_forward_pre_hook(lambda module, args: calls.before()),
-             encoder.register_forward_hook(lambda module, args, output: calls.after()))
+             encoder.register_forward_hook(lambda module, args, output: calls.after()),
+             ref.model.decoder.register_forward_hook(lambda module, args, output: passes.add()))
     try:
-        yield calls
+        yield passes
     finally:
         for hook in hooks:
             hook.remove()
@@ -594,7 +607,7 @@ def _reference_encoder_timed(ref: Any, calls: EncoderCalls) -> Iterator[EncoderC
 def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: torch.device,
                    memory: bool = False) -> dict[str, Any]:
     calls = EncoderCalls(device)
-    with _reference_encoder_timed(ref, calls):
+    with _reference_hooked(ref, calls) as counted:
         run = _timed(lambda: ref.generate(prompt.to(device), max_new_tokens=s.new_tokens, max_denoising_steps=s.steps,
                                           confidence_threshold=1e-30),  # never confident: fixed steps
                      device, memory)
@@ -603,8 +616,7 @@ def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: tor
     # for blockpress (a last canvas only partly used was credited in full, flattering the reference).
     per_row = min(s.new_tokens, o.sequences.shape[1] - prompt.shape[1])
     n = per_row * prompt.shape[0]
-    tpf = float(o.tokens_per_forward.float().mean())
-    passes = round((o.sequences.shape[1] - prompt.shape[1]) / tpf) if tpf else None  # over all it denoised
+    passes = counted.count or None  # over every canvas it denoised; none seen: a compiled reference bypassed the hook
     # the same figures as blockpress's, where its encoder was seen (a compiled reference could bypass the hooks)
     steps = diffusion_step_figures(n, passes, run.end, calls) if passes and calls.spans else {}
     return {"seconds": total, "new_tokens": n, "tokens_per_forward": per_row / passes if passes else None,

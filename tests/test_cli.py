@@ -996,6 +996,33 @@ def test_bench_reference_has_the_same_step_figures(monkeypatch):
     assert not ref.model.encoder._forward_pre_hooks  # the harness's hooks are gone
 
 
+def test_bench_reference_passes_are_counted_whatever_tokens_it_makes():
+    """The reference's passes were inferred from its tokens_per_forward, which leaves pad tokens out: a run whose
+    random weights made the pad id once among 64 tokens reported 33 passes for the 32 it ran. Here its pad id is
+    a token it makes, so one of its 8 new tokens is pad (7 / 4 tokens per pass: "5 passes"): still 2 canvases x
+    2 steps."""
+    pytest.importorskip("transformers")
+    import blockpress.bench as bench
+
+    lm = tiny_bench_model(4)
+    ref = bench._reference(lm)
+    prompt = torch.randint(3, 50, (1, 3), generator=torch.Generator().manual_seed(0))
+    s = bench.BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4])
+    torch.manual_seed(0)
+    made = ref.generate(prompt, max_new_tokens=8, max_denoising_steps=2, confidence_threshold=1e-30).sequences[:, 3:]
+    pad = int(made[0, 0])
+    ref.generation_config.pad_token_id = pad
+    seen = []
+    ref.model.decoder.register_forward_hook(lambda *_: seen.append(1))
+    torch.manual_seed(0)
+    row = bench._reference_run(ref, prompt, s, lm.device)
+    assert row["forward_passes"] == len(seen) == 2 * 2
+    assert row["tokens_per_forward"] == 8 / 4 and row["new_tokens"] == 8
+    torch.manual_seed(0)  # the run above did make pad tokens: its tokens_per_forward is below 2
+    out = ref.generate(prompt, max_new_tokens=8, max_denoising_steps=2, confidence_threshold=1e-30)
+    assert bool((out.sequences[:, 3:] == pad).any()) and float(out.tokens_per_forward.mean()) < 2
+
+
 def test_bench_figures_define_every_figure_reported():
     """Each engine's entry and each row holds only figures the JSON's "figures" defines, and the reference row
     now has blockpress's per-step figures."""
