@@ -32,7 +32,7 @@ import torch
 
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
 from .config import ModelConfig
-from .generate import device_sync
+from .generate import canvas_positions, device_sync
 from .lm import LM, random_model
 
 # What each figure of an engine's entry in a row means. "Diffusion engines": blockpress `generate`, its variants
@@ -98,12 +98,30 @@ class BenchSettings:
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
-        ModelConfig.preset(self.preset)  # an unknown one: a clear error now
+        self._check_context(ModelConfig.preset(self.preset))  # an unknown preset: a clear error now
         if self.quantize is not None:
             from .quantize import check_scheme
 
             check_scheme(self.quantize)
         resolve_device(self.device)  # a device this torch lacks: a clear error now, not an assertion inside torch
+
+    def _check_context(self, cfg: ModelConfig) -> None:
+        """Refuse, before any model is built, a run past the preset's context: the prompt and, for each canvas
+        length, the whole canvases the new tokens take (what block diffusion denoises; AR takes fewer)."""
+        limit = cfg.text.max_position_embeddings
+        for canvas in self.canvas_lengths or [cfg.canvas_length]:
+            taken = canvas_positions(self.new_tokens, canvas)
+            if self.prompt_length + taken <= limit:
+                continue
+            # what to shorten: the prompt when it fills the context, the new tokens when they do not fit, else
+            # (they fit, their last canvas does not) the canvas swept, or the prompt before the preset's canvas
+            blame = ("prompt_length" if self.prompt_length >= limit
+                     else "new_tokens" if self.prompt_length + self.new_tokens > limit
+                     else "canvas_lengths" if self.canvas_lengths
+                     else "prompt_length" if self.prompt_length + canvas > limit else "new_tokens")
+            raise ValueError(f"{blame}: {self.prompt_length} prompt + {self.new_tokens} new tokens in whole "
+                             f"{canvas}-token canvases ({taken} positions) exceed the {self.preset} preset's context "
+                             f"of {limit} tokens (max_position_embeddings)")
 
     def long_canvas(self) -> str | None:
         """What run_bench says when a canvas (the preset's, or one swept) is longer than the new tokens: a canvas

@@ -382,7 +382,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             ids = lm.chat_prompt(messages)
             kw = sampling_kwargs(args, lm)
             wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
-            room = context - len(ids)  # positions left for the reply
+            canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
+            room = (context - len(ids)) // canvas * canvas
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
                 if len(messages) == 1:  # an empty conversation: the message alone is too long
                     raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template, and the "

@@ -970,6 +970,13 @@ def _encode_continuation(model: Any, prompt: torch.Tensor, mask: torch.Tensor, c
     return model.encode(last, cache, logits="last" if logits else "none")
 
 
+def canvas_positions(new_tokens: int, canvas_length: int) -> int:
+    """The positions after the prompt that block diffusion takes for `new_tokens`: whole canvases, since a canvas
+    denoises all its positions, kept or not. What a context check must count (the new tokens alone let a last
+    canvas run past the context)."""
+    return -(-new_tokens // canvas_length) * canvas_length
+
+
 def _new_length(req: Request) -> int:
     """The new tokens a request's batch holds: its template's, or the largest max_new_tokens."""
     return max(req.row_budgets()[0])

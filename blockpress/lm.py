@@ -36,6 +36,7 @@ from .generate import (
     Request,
     StepFunctions,
     as_tensor,
+    canvas_positions,
     is_text_template,
     left_pad,
     no_choice,
@@ -523,11 +524,13 @@ class LM:
         stop: Any,
         template: Any = None,
         hole_length: int = 8,
+        canvases: bool = True,
         **fields: Any,
     ) -> Request:
         """The user's arguments, checked and normalised into a complete Request that also fits the context (and
-        `cache`). `fields`: Request's own fields as the caller checked them (seeds, prefix_cache, and stream's
-        skip_stopped_rows, constraint, logits_processor, cancelled)."""
+        `cache`): in whole canvases for block diffusion, token by token for AR (`canvases=False`). `fields`:
+        Request's own fields as the caller checked them (seeds, prefix_cache, and stream's skip_stopped_rows,
+        constraint, logits_processor, cancelled)."""
         self._check_runnable()
         pad_id = self.pad_id
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
@@ -635,12 +638,14 @@ class LM:
                       sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id,
                       stops=self._stops(stop, ids.shape[0], tmpl), **fields)
         req.row_seeds()  # checks the count of `seeds` now, not mid-generation
-        self._check_context(req, cache)
+        self._check_context(req, cache, self.config.canvas_length if canvases else None)
         return req
 
-    def _check_context(self, req: Request, cache: KVCache | None) -> None:
+    def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None) -> None:
         """Positions past max_position_embeddings were never trained, and an absurd max_new_tokens would first
-        allocate a cache that long: refuse with a clear error instead."""
+        allocate a cache that long: refuse with a clear error instead. `canvas_length`: block diffusion's, whose
+        new tokens take whole canvases (a 140000-token canvas for 16 new tokens was accepted, then ran for
+        minutes past the context); None for AR, one position a token."""
         if cache is not None:
             self._check_cache(cache, req.prompt.shape[0])
         limit = self.config.text.max_position_embeddings
@@ -649,15 +654,20 @@ class LM:
         held = torch.zeros(b, dtype=torch.long) if cache is None else cache.next_pos.cpu().long().expand(b)
         lengths = (torch.full((b,), req.prompt.shape[1]) if req.attention_mask is None
                    else req.attention_mask.sum(-1).cpu()).long()
-        budgets = torch.tensor(req.row_budgets()[0], dtype=torch.long)
-        r = int(torch.argmax(held + lengths + budgets))
-        h, p, n = int(held[r]), int(lengths[r]), int(budgets[r])
-        if h + p + n > limit:
+        budgets = req.row_budgets()[0]
+        taken = torch.tensor([n if canvas_length is None else canvas_positions(n, canvas_length) for n in budgets],
+                             dtype=torch.long)
+        r = int(torch.argmax(held + lengths + taken))
+        h, p, n, t = int(held[r]), int(lengths[r]), budgets[r], int(taken[r])
+        if h + p + t > limit:
             where = f"{h} cached + " if h else ""
             row = f" (row {r})" if b > 1 else ""
-            # which one to shorten: a template's length is its own, not max_new_tokens
-            blame = ("prompt" if h + p >= limit else "template" if req.template is not None else "max_new_tokens")
-            raise ValueError(f"{blame}: {where}{p} prompt + {n} new tokens{row} exceed the model's "
+            whole = f" (whole {canvas_length}-token canvases: {t} positions)" if t != n else ""
+            # which one to shorten: the prompt when not even one new token (one canvas) fits after it; a
+            # template's length is its own, not max_new_tokens
+            blame = ("prompt" if h + p + (canvas_length or 1) > limit else "template" if req.template is not None
+                     else "max_new_tokens")
+            raise ValueError(f"{blame}: {where}{p} prompt + {n} new tokens{row}{whole} exceed the model's "
                              f"context of {limit} tokens (max_position_embeddings)")
 
     def _check_cache(self, cache: Any, batch: int) -> None:
@@ -897,7 +907,7 @@ class LM:
         req = self._request(prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                             sampler=cfg, sampler_options={}, seed=seed, attention_mask=attention_mask,
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
-                            prefix_cache=_check_prefix_cache(prefix_cache))
+                            prefix_cache=_check_prefix_cache(prefix_cache), canvases=False)
         return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

@@ -69,7 +69,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import Cancelled, Commit, Done, Draft, Template, cut_at_stop, hole_runs, parse_template
+from .generate import (
+    Cancelled,
+    Commit,
+    Done,
+    Draft,
+    Template,
+    canvas_positions,
+    cut_at_stop,
+    hole_runs,
+    parse_template,
+)
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
@@ -883,10 +893,14 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
         raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
-    if len(prompt) + max_tokens > context:
-        # the prompt is what to shorten when it alone leaves no room for one new token
-        param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) >= context else "max_tokens"
-        raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens} exceed the "
+    canvas = lm.config.canvas_length
+    taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases
+    if len(prompt) + taken > context:
+        # the prompt is what to shorten when it leaves no room for one canvas
+        param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) + canvas > context \
+            else "max_tokens"
+        whole = f" (whole {canvas}-token canvases: {taken} positions)" if taken != max_tokens else ""
+        raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens}{whole} exceed the "
                             f"context of {context} tokens", param)
     cfg = sampler_config(lm.sampler_defaults, body)
     stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
@@ -976,9 +990,10 @@ def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[in
     if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
         raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                             f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")
-    if len(canvas.prompt) + len(canvas.tokens) > state.context:
-        raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas exceed "
-                            f"the context of {state.context} tokens", "prompt")
+    taken = canvas_positions(len(canvas.tokens), state.lm.config.canvas_length)  # whole canvases, as any answer's
+    if len(canvas.prompt) + taken > state.context:
+        raise APIError(400, f"prompt: {len(prompt)} prompt tokens + a {len(canvas.tokens)}-token canvas ({taken} "
+                            f"positions in whole canvases) exceed the context of {state.context} tokens", "prompt")
     return jobs
 
 

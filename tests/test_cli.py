@@ -515,6 +515,25 @@ def test_bench_bad_arguments_fail_before_running(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--canvas-lengths", "140000"], "--canvas-lengths: 32 prompt + 16 new tokens in whole 140000-token canvases"),
+    (["--new-tokens", "140000"], "--new-tokens: 32 prompt + 140000 new tokens"),
+    (["--prompt-length", "140000"], "--prompt-length: 140000 prompt + 16 new tokens"),
+    # the tokens fit, the preset's 16-token canvas does not
+    (["--prompt-length", "131060", "--new-tokens", "4"], "--prompt-length: 131060 prompt + 4 new tokens in whole "
+                                                         "16-token canvases (16 positions)"),
+])
+def test_bench_refuses_a_run_past_the_context_before_building_a_model(monkeypatch, capsys, args, message):
+    """A swept canvas past the context was not refused (bench sat minutes in its first pass), and a too long
+    --new-tokens / --prompt-length was refused only once the models were built, naming flags bench lacks."""
+    import blockpress.bench as bench
+
+    monkeypatch.setattr(bench, "random_model", lambda *a, **k: pytest.fail("built a model"))
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "16", "--steps", "1", "--no-reference", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"blockpress bench: error: {message}" in err and "context of 131072 tokens" in err
+
+
 def test_version(capsys, monkeypatch):
     from importlib.metadata import PackageNotFoundError
 
@@ -798,7 +817,8 @@ def test_chat_bad_messages_are_named_by_their_own_text(monkeypatch, capsys):
 
 
 def test_chat_near_a_full_context_shortens_the_reply(monkeypatch, capsys):
-    """A turn that left fewer positions than --max-new-tokens was refused outright; it now gets what fits."""
+    """A turn that left fewer positions than --max-new-tokens was refused outright; it now gets what fits: the
+    whole canvases left (a reply of every position left ran its last canvas past the context)."""
     import blockpress.lm
     from blockpress.cli import load_model
 
@@ -808,12 +828,14 @@ def test_chat_near_a_full_context_shortens_the_reply(monkeypatch, capsys):
     def length(k):
         return len(lm.tokenizer.apply_chat_template([{"role": "user", "content": "x " * k}], tokenize=True))
 
-    low, high = 0, 4 * context  # the longest message that leaves the reply at least 6 positions
+    canvas = lm.config.canvas_length
+    low, high = 0, 4 * context  # the longest message that leaves the reply one canvas and some positions more
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if length(mid) <= context - 6 else (low, mid - 1)
+        low, high = (mid, high) if length(mid) <= context - canvas - 6 else (low, mid - 1)
     k = low
-    room = context - length(k)
+    room = (context - length(k)) // canvas * canvas
+    assert room < context - length(k)
     asked = []
     original = blockpress.lm.LM.generate
     monkeypatch.setattr(blockpress.lm.LM, "generate",
@@ -821,7 +843,7 @@ def test_chat_near_a_full_context_shortens_the_reply(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("x " * k + "\n"))
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "64", "--steps", "2", "--threads", "1"]) == 0
     err = capsys.readouterr().err
-    assert asked == [room] and 0 < room < 64 and replies(err) == 1
+    assert asked == [room] and 0 < room < 64 and replies(err) == 1 and length(k) + room <= context
     assert f"this reply gets at most {room}, not 64" in err
 
 

@@ -1210,7 +1210,7 @@ def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch):
 
 
 def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
-    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64), seed=0)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64, canvas_length=1), seed=0)
     with pytest.raises(ValueError, match=r"max_new_tokens: 3 prompt \+ 62 new tokens exceed the model's context of 64"):
         lm.generate([5, 6, 7], max_new_tokens=62)
     with pytest.raises(ValueError, match=r"template: 3 prompt \+ 62 new tokens"):  # a template sets its own length
@@ -1226,10 +1226,33 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
         lm.generate([8], max_new_tokens=64 - held, cache=out.cache)
 
 
+@settings(max_examples=60, deadline=None)
+@given(context=st.integers(8, 80), canvas=st.integers(1, 24), prompt=st.integers(1, 90), new=st.integers(1, 90))
+def test_the_context_check_counts_whole_canvases(context, canvas, prompt, new):
+    """A canvas denoises all its positions, kept or not: block diffusion fits when the prompt and its whole
+    canvases do (a 140000-token canvas for 16 new tokens was accepted against a 131072-token context, then ran
+    for minutes). AR takes one position a token. Too long: a clear error naming what to shorten."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=context, canvas_length=canvas),
+                                 seed=0)
+    taken = -(-new // canvas) * canvas
+    if prompt + taken <= context:  # accepted (a stream is checked when made, and runs only when read)
+        lm.stream([5] * prompt, max_new_tokens=new)
+    for engine, positions in ((lm.stream, taken), (lm.generate_ar, new)):
+        if prompt + positions <= context:
+            continue
+        blame = "prompt" if prompt + (canvas if engine == lm.stream else 1) > context else "max_new_tokens"
+        with pytest.raises(ValueError, match=rf"^{blame}: {prompt} prompt \+ {new} new tokens.* exceed the model's "
+                                             rf"context of {context} tokens"):
+            engine([5] * prompt, max_new_tokens=new)
+    if prompt + taken > context >= prompt + new:  # the new tokens alone fit: the message says what does not
+        with pytest.raises(ValueError, match=rf"\(whole {canvas}-token canvases: {taken} positions\)"):
+            lm.stream([5] * prompt, max_new_tokens=new)
+
+
 def test_the_context_check_counts_each_rows_own_positions():
     """Left padding takes no position, and each row of a continued batch has its own cached length: a batch
     whose every row fits is accepted (before: the longest cache plus the padded width, from different rows)."""
-    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=40), seed=0)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=40, canvas_length=1), seed=0)
     first = lm.generate([list(range(10, 30)), [5, 6]], max_new_tokens=8, max_denoising_steps=1, seed=0,
                         return_cache=True, min_new_tokens=8)
     held = first.cache.next_pos.tolist()

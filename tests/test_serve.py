@@ -183,6 +183,9 @@ def test_openai_penalties_reach_the_sampler(client):
         ({"model": MODEL, "prompt": "x", "max_tokens": 10, "min_tokens": 20}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": [5] * 131072, "max_tokens": 4}, 400, "prompt"),  # the prompt alone fills the context
+        # the tokens fit, whole 16-token canvases do not: no canvas fits after the prompt / two do not after it
+        ({"model": MODEL, "prompt": [5] * 131060, "max_tokens": 4}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [5] * 131050, "max_tokens": 20}, 400, "max_tokens"),
         ({"model": "other", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "messages": []}, 400, None),
         ({"model": MODEL, "prompt": [99999]}, 400, "prompt"),
