@@ -46,6 +46,31 @@ def test_prompt_longer_than_sliding_window(lm, ref_checkpoint):
     assert diff <= TOL
 
 
+@pytest.mark.parametrize("start, end, sliding_from", [(0, 300, 0), (40, 300, 35), (0, 1, 0)])
+def test_encoder_masks_make_nothing_wider_than_a_bool_per_pair(lm, start, end, sliding_from):
+    """The sliding mask was built from `slots - keys`, an int64 [P, P]: a 100k-token prompt died on an 80 GB
+    allocation. Nothing quadratic may be wider than the bool mask now (whose values the test above checks against
+    the reference, window 6 under a 23-token prompt)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor))
+            return out
+
+    with Record():
+        masks = lm.model.causal_masks(start, end, sliding_from, None)
+    pairs = (end - start) * (end - sliding_from)
+    wide = [(t.dtype, tuple(t.shape)) for t in made if t.numel() >= pairs > 1 and t.element_size() > 1]
+    assert not wide
+    slots, keys = torch.arange(start, end)[:, None], torch.arange(sliding_from, end)[None, :]
+    want = (keys <= slots) & (slots - keys < lm.config.text.sliding_window)
+    assert masks["sliding_attention"] is None if end - start == 1 else torch.equal(masks["sliding_attention"][0, 0], want)
+
+
 def test_self_conditioning_logits(lm, ref_checkpoint):
     _, ref = ref_checkpoint
     g = torch.Generator().manual_seed(3)
