@@ -322,6 +322,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_announced(args)
     check_chat_template(lm, args, "chat")
     context = lm.config.text.max_position_embeddings
+    chat_flags = flags_of("chat")
     messages: list[dict[str, str]] = []
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
@@ -413,8 +414,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
             messages.pop()
-            print(f"error: {as_flags(str(exc))}; that message was dropped, the conversation goes on", file=sys.stderr)
-            no_reply(user, as_flags(str(exc)))
+            print(f"error: {as_flags(str(exc), chat_flags)}; that message was dropped, the conversation goes on",
+                  file=sys.stderr)
+            no_reply(user, as_flags(str(exc), chat_flags))
             continue
         cache = out.cache
         n = int(out.num_new_tokens[0])
@@ -939,16 +941,23 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-# Library checks name their arguments; the user typed flags: their errors say which flag to change.
-FLAG_OF = {"max_denoising_steps": "--steps", "max_new_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
-           "t_max": "--t-max", "t_min": "--t-min", "entropy_bound": "--entropy-bound", "seed": "--seed",
-           "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-           "rank_by": "--rank-by", "temperature": "--temperature", "hole_length": "--hole-length", "stop": "--stop", "device": "--device",
-           "ensemble": "--ensemble", "preset": "--preset",
-           # bench's settings
-           "steps": "--steps", "batch_sizes": "--batch-sizes", "canvas_lengths": "--canvas-lengths",
-           "repeats": "--repeats", "new_tokens": "--new-tokens", "prompt_length": "--prompt-length",
-           "cuda_graphs": "--cuda-graphs"}
+# Library checks name their arguments; the user typed flags: their errors say which flag to change. A command's
+# options stand for the settings of their own names (argparse's dest: --max-new-tokens for max_new_tokens);
+# FLAG_OF adds, per command, the library's names for settings its flags name otherwise. Per command, since
+# commands differ: the library's max_new_tokens is generate's --max-new-tokens but bench's --new-tokens (one
+# global map named --max-new-tokens to bench users, who cannot type it).
+FLAG_OF: dict[str, dict[str, str]] = {
+    **{command: {"max_denoising_steps": "--steps"} for command in ("generate", "infill", "chat", "sudoku")},
+    "bench": {"max_denoising_steps": "--steps", "max_new_tokens": "--new-tokens", "prompt": "--prompt-length"},
+}
+
+
+def flags_of(command: str) -> dict[str, str]:
+    """`command`'s settings by name, as the flags that set them: its options' own names, and FLAG_OF's."""
+    parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    own = {a.dest: max(a.option_strings, key=len) for a in parser._actions
+           if a.option_strings and a.dest != argparse.SUPPRESS and a.dest != "help"}
+    return {**own, **FLAG_OF.get(command, {})}
 
 
 def train_flag_of() -> dict[str, str]:
@@ -960,7 +969,8 @@ def train_flag_of() -> dict[str, str]:
     return {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
 
 
-def as_flags(message: str, flag_of: dict[str, str] = FLAG_OF) -> str:
+def as_flags(message: str, flag_of: dict[str, str]) -> str:
+    """`message` with the setting it starts with ("max_new_tokens: ...") named as the flag `flag_of` maps it to."""
     name, sep, rest = message.partition(":")
     names = name.split("/")  # a check of two settings together names both: "prompt_min/prompt_max: ..."
     return "/".join(flag_of[n] for n in names) + sep + rest if sep and all(n in flag_of for n in names) else message
@@ -1220,7 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve")
-        message = as_flags(str(exc)) if args.command in flagged else str(exc)
+        message = as_flags(str(exc), flags_of(args.command)) if args.command in flagged else str(exc)
         if args.command == "train":
             message = as_flags(message, train_flag_of())
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)

@@ -252,17 +252,43 @@ def test_help_names_flags_not_setting_names(command):
     """`train --help` said "give heldout_data" (TrainConfig's field) where the user types --heldout-data. No
     command's help names one of its own settings by its underscored name (its dest, or the library's name a flag
     stands for in FLAG_OF) where a flag exists; a choice's value (the entropy_bound sampler) is no setting."""
-    from blockpress.cli import FLAG_OF
+    from blockpress.cli import flags_of
 
     parser = subcommands()[command]
     options = [a for a in parser._actions if a.option_strings]
-    flags = {s for a in options for s in a.option_strings}
     values = {str(c) for a in options for c in (a.choices or ())}
-    flag_of = {**{n: f for n, f in FLAG_OF.items() if f in flags}, **{a.dest: a.option_strings[0] for a in options}}
+    flag_of = flags_of(command)
     text = parser.format_help()  # metavars are upper case: HELDOUT_DATA is no match
     leaks = {n: f for n, f in flag_of.items()
              if "_" in n and n not in values and re.search(rf"(?<![\w-]){n}(?![\w-])", text)}
     assert not leaks, f"{command} --help names settings where it means flags: {leaks}"
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_errors_name_only_flags_the_command_has(command):
+    """One global map turned every library error's setting into one flag: bench's context errors named
+    --max-new-tokens (its flag is --new-tokens) and `prompt` (--prompt-length). Each command's map names only
+    its own flags, whatever setting a library error starts with."""
+    from blockpress.cli import FLAG_OF, as_flags, flags_of
+
+    flags = {s for a in subcommands()[command]._actions for s in a.option_strings}
+    names = {n for per_command in FLAG_OF.values() for n in per_command} | {"max_new_tokens", "prompt", "new_tokens"}
+    for name in names:
+        message = as_flags(f"{name}: too many", flags_of(command))
+        assert message == f"{name}: too many" or message.split(":")[0] in flags, (name, message)
+
+
+@pytest.mark.parametrize("library, flag", [("max_new_tokens", "--new-tokens"), ("prompt", "--prompt-length"),
+                                           ("new_tokens", "--new-tokens"), ("max_denoising_steps", "--steps")])
+def test_bench_library_errors_name_bench_flags(monkeypatch, capsys, library, flag):
+    import blockpress.bench as bench
+
+    def refuse(settings):
+        raise ValueError(f"{library}: 32 prompt + 140000 new tokens exceed the model's context")
+
+    monkeypatch.setattr(bench, "run_bench", refuse)
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "16", "--steps", "1", "--no-reference"]) == 2
+    assert f"blockpress bench: error: {flag}: 32 prompt + 140000" in capsys.readouterr().err
 
 
 def test_every_rank_by_offers_every_ranking():
