@@ -52,9 +52,9 @@ FIGURES = {
                    "encoder pass with its sampling (null for one new token)",
     "tok_s_without_prefill": "tokens made after the prefill / time after the prefill; diffusion engines: every new "
                              "token; AR: all but each row's first (null for one new token)",
-    "peak_memory_gb": "CUDA: the allocator's peak over one more untimed run, weights included (null on a CPU)",
-    "peak_memory_growth_gb": "CPU: the most the C heap held beyond its start over one more untimed run (null "
-                             "without glibc)",
+    "peak_memory_growth_gb": "the most memory one more untimed run held beyond what was in use at its start: its "
+                             "caches, logits and work, not weights (every engine's stay resident on the device "
+                             "throughout). CUDA: the allocator's; CPU: the C heap's, sampled (null without glibc)",
 }
 # What a row's own figures mean (beside its batch, canvas and one entry per engine).
 ROW_FIGURES = {
@@ -161,9 +161,11 @@ def _heap_reader() -> Callable[[], int] | None:
 
 
 class PeakMemory:
-    """Peak memory of one engine run. CUDA: the allocator's peak (`peak_memory_gb`, weights included). On a CPU a
-    thread samples the C heap's bytes in use every `interval` s: `peak_memory_growth_gb` is the most the run
-    held beyond what was in use when it started (caches, logits, the step's work; None without glibc)."""
+    """Peak memory of one engine run: `peak_memory_growth_gb`, the most the run held beyond what was in use when
+    it started (caches, logits, the step's work; None without glibc on a CPU). Not the peak itself: every engine's
+    weights (blockpress's, the reference's copy, a quantized twin) stay on the device during each engine's run, so
+    the device-wide peak counted all of them in every engine's figure. CUDA: the allocator's peak since the start;
+    on a CPU a thread samples the C heap's bytes in use every `interval` s."""
 
     def __init__(self, device: torch.device, interval: float = 0.002):
         self.device, self.interval = device, interval
@@ -175,6 +177,7 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
         elif self.read is not None:
             self.start = self.peak = self.read()
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -192,9 +195,10 @@ class PeakMemory:
 
     def figures(self) -> dict[str, float | None]:
         if self.device.type == "cuda":
-            return {"peak_memory_gb": torch.cuda.max_memory_allocated(self.device) / 1e9}
-        growth = None if self.read is None else (self.peak - self.start) / 1e9
-        return {"peak_memory_gb": None, "peak_memory_growth_gb": growth}
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.read is None:
+            return {"peak_memory_growth_gb": None}
+        return {"peak_memory_growth_gb": (self.peak - self.start) / 1e9}
 
 
 @contextlib.contextmanager

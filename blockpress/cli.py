@@ -1145,7 +1145,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Side-by-side speed of blockpress generate, blockpress generate_ar and the "
                                    "reference transformers generate (when installed) on one random checkpoint, fixed "
                                    "steps, EOS off. Prints JSON (tok/s with and without prefill, tokens/forward, "
-                                   "ms/step, prefill ms, peak memory: the allocator's on CUDA, the heap's growth on a CPU; "
+                                   "ms/step, prefill ms, peak memory beyond the weights: the allocator's on CUDA, the heap's on a CPU; "
                                    "its \"figures\" says what each one means for each engine); --plot "
                                    "draws tok/s against batch size.")
     p.add_argument("--preset", default="small", help="model shape: tiny, small (~15M), medium (~60M), 26b-a4b")

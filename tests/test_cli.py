@@ -366,8 +366,8 @@ def test_bench_json_and_plot(tmp_path, capsys):
         assert row["blockpress"]["forward_passes"] == 2 * 1  # one 16-token canvas, 2 fixed steps
         assert row["gemm_ms_per_step"] > 0 and row["speedup_bound_at_this_precision"] > 0
         assert row["speedup_vs_reference"] == pytest.approx(row["blockpress"]["tok_s"] / row["reference"]["tok_s"])
-        for engine in ("blockpress", "blockpress_ar", "reference"):  # a CPU run reports the heap's growth instead
-            assert row[engine]["peak_memory_gb"] is None and row[engine]["peak_memory_growth_gb"] >= 0
+        for engine in ("blockpress", "blockpress_ar", "reference"):  # a CPU run reports the heap's growth
+            assert row[engine]["peak_memory_growth_gb"] >= 0
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
@@ -381,6 +381,26 @@ def test_peak_memory_on_cpu_sees_what_a_run_allocates():
         pass
     assert mem.figures()["peak_memory_growth_gb"] >= 0.2
     assert 0 <= idle.figures()["peak_memory_growth_gb"] < 0.05
+
+
+def test_peak_memory_on_cuda_leaves_out_what_was_resident_before(monkeypatch):
+    """Each engine's CUDA figure was the device-wide peak: blockpress's weights, the reference's copy and a
+    quantized twin all stay resident, so every engine's figure carried all of them. It is now the peak beyond
+    what was allocated at the run's start, as on a CPU. The allocator is faked: 6 GB resident, the run reaches
+    6.5 GB."""
+    from blockpress.bench import PeakMemory
+
+    allocated = {"now": 6e9, "peak": 7e9}  # an earlier run's peak is forgotten by the reset
+
+    def reset(device):
+        allocated["peak"] = allocated["now"]
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: allocated["peak"])
+    with PeakMemory(torch.device("cuda")) as mem:
+        allocated["peak"] = 6.5e9  # the run's caches and work, freed by its end
+    assert mem.figures() == {"peak_memory_growth_gb": pytest.approx(0.5)}
 
 
 def test_bench_variants_add_their_own_columns(monkeypatch):
@@ -480,14 +500,14 @@ def test_bench_engines_take_turns_and_keep_their_fastest_run():
         def run(memory=False):
             calls.append((name, memory))
             row = {"seconds": next(times[name]), "name": name}
-            return {**row, "peak_memory_gb": 0.5} if memory else row
+            return {**row, "peak_memory_growth_gb": 0.5} if memory else row
         return run
 
     best = _best_interleaved(3, {"a": engine("a"), "b": engine("b")})
     # Timed runs never carry the memory sampler; one untimed run each afterwards measures memory.
     assert calls == [("a", False), ("b", False)] * 3 + [("a", True), ("b", True)]
-    assert best == {"a": {"seconds": 1.0, "name": "a", "peak_memory_gb": 0.5},
-                    "b": {"seconds": 4.0, "name": "b", "peak_memory_gb": 0.5}}
+    assert best == {"a": {"seconds": 1.0, "name": "a", "peak_memory_growth_gb": 0.5},
+                    "b": {"seconds": 4.0, "name": "b", "peak_memory_growth_gb": 0.5}}
 
 
 def test_serve_rejects_a_negative_prefix_cache(capsys):
