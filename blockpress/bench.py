@@ -60,7 +60,8 @@ FIGURES = {
 ROW_FIGURES = {
     "speedup_vs_reference": "blockpress tok_s / the reference's tok_s",
     "step_speedup_vs_reference": "the reference's ms_per_step / blockpress's ms_per_step",
-    "diffusion_over_ar": "blockpress tok_s / blockpress_ar tok_s",
+    "diffusion_over_ar": "blockpress tok_s / blockpress_ar tok_s (AR has no canvas: it is timed, and its entries "
+                         "shown, in the first canvas's rows alone; the later canvases' rows use those)",
     "<variant>_over_eager": "blockpress_<variant> tok_s / blockpress tok_s (variants: compiled, cuda_graphs, the "
                             "--quantize scheme)",
     "<variant>_speedup_vs_reference": "blockpress_<variant> tok_s / the reference's tok_s",
@@ -88,7 +89,7 @@ class BenchSettings:
     compile: bool = False  # also time blockpress through torch.compile (the first repeat pays the compile)
     cuda_graphs: bool = False  # also time blockpress with its passes replayed from CUDA graphs (CUDA only)
     canvas_lengths: list[int] | None = None  # sweep these canvas lengths (None: the preset's)
-    quantize: str | None = None  # also time blockpress with the projections quantized ("int8", "fp8", "int4"), last
+    quantize: str | None = None  # also time blockpress with the projections quantized ("int8", "fp8", "int4")
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "canvas_lengths"):
@@ -320,6 +321,9 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                            "figures": {"engine": FIGURES, "row": ROW_FIGURES}, "rows": []}
     if len(canvases) == 1:  # several: each row has its own (the first alone read as the run's canvas)
         out["canvas"] = canvases[0]
+    names = [name for name, on in (("compiled", s.compile), ("cuda_graphs", s.cuda_graphs),
+                                   (s.quantize, bool(s.quantize))) if on]
+    ar_rows: dict[int, dict[str, Any]] = {}  # batch size -> the row whose AR entries it uses
     for canvas in canvases:
         cfg = ModelConfig.preset(s.preset)
         cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint
@@ -327,40 +331,22 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
         ref = _reference(lm) if s.reference else None
         out["reference_available"] = ref is not None
-        for b in s.batch_sizes:
-            out["rows"].append(_bench_row(lm, ref, b, s))
-        variants = [name for name, on in (("compiled", s.compile), ("cuda_graphs", s.cuda_graphs),
-                                          (s.quantize, bool(s.quantize))) if on]
-        for name in variants:
-            variant = _variant(name, lm, cfg, s)
-            for row in out["rows"][-len(s.batch_sizes):]:
-                prompt = _prompt(cfg, row["batch"], s)
-                engines = _blockpress_engines(variant, prompt, s, suffix=f"_{name}")
-                if name == "compiled":  # silent minutes otherwise: a user cannot tell compiling from stuck
-                    _note(f"compiling blockpress with torch.compile for batch {row['batch']}, canvas {cfg.canvas_length} "
-                          "(minutes on a CPU, even for the tiny preset)...")
-                started = time.perf_counter()
-                _warm_up(engines)  # the first run compiles or captures
-                if name == "compiled":
-                    _note(f"compiled in {time.perf_counter() - started:.0f} s")
-                # The eager engines and the reference take turns with the variant too, so a slow (or quiet) spell
-                # of the shared machine does not skew its ratios; each engine's best run of every phase counts.
-                engines.update(_blockpress_engines(lm, prompt, s))
-                if ref is not None:
-                    engines["reference"] = partial(_reference_run, ref, prompt, s, lm.device)
-                for engine, result in _best_interleaved(s.repeats, engines).items():
-                    if engine not in row or result["seconds"] < row[engine]["seconds"]:
-                        row[engine] = result
-                if name == s.quantize:
-                    row[f"{name}_weights_bytes"] = variant.weights_bytes()
-            del variant
-        for row in out["rows"][-len(s.batch_sizes):]:
-            if s.ar:  # the eager engines' best runs of every phase
-                row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / row["blockpress_ar"]["tok_s"]
-            for name in variants:  # from the best runs of every phase, the eager engine's included
+        variants = {name: _variant(name, lm, cfg, s) for name in names}
+        # AR has no canvas: it is timed with the first canvas alone (each canvas re-timed it, warm-up, repeats and
+        # memory run, for the same figures), and the later canvases' rows compare with that row's.
+        ar = s.ar and canvas == canvases[0]
+        rows = [_bench_row(lm, ref, variants, b, s, ar) for b in s.batch_sizes]
+        del variants
+        for row in rows:
+            if ar:
+                ar_rows[row["batch"]] = row
+            if s.ar:
+                row["diffusion_over_ar"] = row["blockpress"]["tok_s"] / ar_rows[row["batch"]]["blockpress_ar"]["tok_s"]
+            for name in names:
                 row[f"{name}_over_eager"] = row[f"blockpress_{name}"]["tok_s"] / row["blockpress"]["tok_s"]
             if ref is not None:
-                _add_ratios(row, variants)
+                _add_ratios(row, names)
+        out["rows"] += rows
     return out
 
 
@@ -411,24 +397,40 @@ def _prompt(cfg: ModelConfig, batch: int, s: BenchSettings) -> torch.Tensor:
     return torch.randint(3, cfg.text.vocab_size, (batch, s.prompt_length), generator=g)
 
 
-def _blockpress_engines(lm: LM, prompt: torch.Tensor, s: BenchSettings,
+def _blockpress_engines(lm: LM, prompt: torch.Tensor, s: BenchSettings, ar: bool,
                         suffix: str = "") -> dict[str, Callable[[], dict[str, Any]]]:
-    """blockpress diffusion, and AR unless switched off, as named zero-argument runs (names end in `suffix`)."""
+    """blockpress diffusion, and AR when `ar`, as named zero-argument runs (names end in `suffix`)."""
     engines = {f"blockpress{suffix}": partial(_diffusion, lm, prompt, s)}
-    if s.ar:
+    if ar:
         engines[f"blockpress_ar{suffix}"] = partial(_ar, lm, prompt, s)
     return engines
 
 
-def _bench_row(lm: LM, ref: Any, b: int, s: BenchSettings) -> dict[str, Any]:
+def _bench_row(lm: LM, ref: Any, variants: dict[str, LM], b: int, s: BenchSettings, ar: bool) -> dict[str, Any]:
+    """One row: every engine (blockpress, AR when `ar`, the reference, each variant) warmed up, then all of them
+    taking turns for `repeats` runs each. One round for all: each engine gets the same tries (when each variant
+    had its own round with the eager engines, those got (1 + variants) x repeats, the variants `repeats`), and a
+    slow (or quiet) spell of a shared machine falls on every engine alike."""
     device = lm.device
     prompt = _prompt(lm.config, b, s)
     row: dict[str, Any] = {"batch": b, "canvas": lm.config.canvas_length}
-    engines = _blockpress_engines(lm, prompt, s)
+    engines = _blockpress_engines(lm, prompt, s, ar)
     if ref is not None:
         engines["reference"] = partial(_reference_run, ref, prompt, s, device)
     _warm_up(engines)
+    for name, variant in variants.items():
+        own = _blockpress_engines(variant, prompt, s, ar, suffix=f"_{name}")
+        if name == "compiled":  # silent minutes otherwise: a user cannot tell compiling from stuck
+            _note(f"compiling blockpress with torch.compile for batch {b}, canvas {lm.config.canvas_length} "
+                  "(minutes on a CPU, even for the tiny preset)...")
+        started = time.perf_counter()
+        _warm_up(own)  # the first run compiles or captures
+        if name == "compiled":
+            _note(f"compiled in {time.perf_counter() - started:.0f} s")
+        engines.update(own)
     row.update(_best_interleaved(s.repeats, engines))
+    if s.quantize in variants:
+        row[f"{s.quantize}_weights_bytes"] = variants[s.quantize].weights_bytes()
     if device.type == "cpu":
         row["gemm_ms_per_step"] = _gemm_ms_per_step(lm, prompt, rounds=s.repeats)
     return row

@@ -1155,7 +1155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per row")
     p.add_argument("--steps", type=int, default=48, help="denoising steps per canvas (fixed)")
     p.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per row")
-    p.add_argument("--repeats", type=int, default=2, help="runs per engine, the engines taking turns; each one's fastest counts")
+    p.add_argument("--repeats", type=int, default=2, help="runs per engine (variants included), the engines taking turns; each one's fastest counts")
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     p.add_argument("--no-ar", action="store_true", help="skip the AR engine")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
@@ -1167,7 +1167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="also time blockpress with each pass replayed from a CUDA graph (CUDA devices only)")
     p.add_argument("--quantize", choices=SCHEMES, default=None,
-                   help="also time blockpress (diffusion and AR) with the projections quantized; last, on the same "
+                   help="also time blockpress (diffusion and AR) with the projections quantized, on the same "
                         "checkpoint")
     p.add_argument("--plot", default=None, help="write a plot of tok/s against batch size here (.png, .svg, .pdf, "
                                                  ".jpg, .jpeg or .webp: the suffix picks the format)")

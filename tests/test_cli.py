@@ -421,19 +421,48 @@ def test_bench_variants_add_their_own_columns(monkeypatch):
     monkeypatch.setattr(bench, "_reference_run", counted)
     out = run_bench(BenchSettings(preset="tiny", batch_sizes=[1, 2], new_tokens=8, steps=2, repeats=1, compile=True))
     assert enabled == ["compile"]
-    # Per batch size: a warm-up, a timed and a memory run beside the eager engines, a timed and a memory run beside
-    # the compiled ones.
-    assert len(reference_runs) == 10
+    # Per batch size: a warm-up, a timed and a memory run, all engines (compiled ones included) taking turns.
+    assert len(reference_runs) == 6
     for i, row in enumerate(out["rows"]):
         assert row["blockpress_compiled"]["new_tokens"] == 8 * row["batch"]
         assert row["compiled_over_eager"] == pytest.approx(row["blockpress_compiled"]["tok_s"] / row["blockpress"]["tok_s"])
         assert row["blockpress_ar_compiled"]["tok_s"] > 0
         assert "blockpress_cuda_graphs" not in row
-        # Every ratio is against the reference's fastest run, whichever phase it came from.
-        assert row["reference"]["seconds"] == min(reference_runs[3 * i + 1], reference_runs[6 + 2 * i])
+        # Every ratio is against the reference's fastest (here: only) timed run.
+        assert row["reference"]["seconds"] == reference_runs[3 * i + 1]
         for key in ("blockpress", "blockpress_compiled"):
             ratio = "speedup_vs_reference" if key == "blockpress" else "compiled_speedup_vs_reference"
             assert row[ratio] == pytest.approx(row[key]["tok_s"] / row["reference"]["tok_s"])
+
+
+def test_bench_gives_every_engine_the_same_tries_and_times_ar_with_one_canvas(monkeypatch):
+    """"Each engine's fastest of --repeats runs" was untrue with variants: the eager engines and the reference
+    were re-timed beside each variant, (1 + variants) x repeats tries against the variants' repeats. And AR, which
+    has no canvas, was re-timed for every canvas swept. Each engine (LM or reference object) now gets one warm-up,
+    --repeats timed runs and one memory run; AR engines only with the first canvas. torch.compile is stubbed."""
+    from collections import Counter
+
+    import blockpress.bench as bench
+    from blockpress.lm import LM
+
+    monkeypatch.setattr(LM, "compile", lambda self, **options: self)
+    runs, alive = Counter(), []  # alive: no engine's id is reused by a later one
+    for name in ("_diffusion", "_ar", "_reference_run"):
+        def counted(engine, *args, real=getattr(bench, name), name=name, **kwargs):
+            alive.append(engine)
+            runs[name, id(engine), kwargs.get("memory", False)] += 1
+            return real(engine, *args, **kwargs)
+
+        monkeypatch.setattr(bench, name, counted)
+    out = bench.run_bench(bench.BenchSettings(preset="tiny", canvas_lengths=[2, 4], new_tokens=4, steps=1,
+                                              prompt_length=2, repeats=2, compile=True, quantize="int8"))
+    timed = {key: n for key, n in runs.items() if not key[2]}
+    assert set(timed.values()) == {1 + 2} and set(n for key, n in runs.items() if key[2]) == {1}
+    # per canvas: eager, compiled and int8 diffusion (and the reference); AR's three with the first canvas alone
+    assert Counter(key[0] for key in timed) == Counter(_diffusion=6, _ar=3, _reference_run=2 * out["reference_available"])
+    first, second = out["rows"]
+    assert "blockpress_ar" in first and "blockpress_ar_int8" in first and "blockpress_ar" not in second
+    assert second["diffusion_over_ar"] == pytest.approx(second["blockpress"]["tok_s"] / first["blockpress_ar"]["tok_s"])
 
 
 def test_bench_cuda_graphs_on_cpu_is_a_clear_error():
