@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from blockpress.cli import DefaultsFormatter
+from blockpress.config import ModelConfig
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
@@ -28,3 +29,12 @@ def _int_at_least(least: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def preset_name(text: str) -> str:
+    """A random checkpoint shape ModelConfig.preset knows: an unknown --preset was its traceback, after parsing."""
+    try:
+        ModelConfig.preset(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("preset: ")) from None
+    return text

@@ -304,6 +304,8 @@ def benchmark_module(name: str):
     ("serve_load", ["--levels", "1", "0"], "--levels: expected a positive integer"),  # was a ThreadPool traceback
     ("serve_load", ["--max-batch", "0"], "--max-batch: expected a positive integer"),
     ("load_memory", ["--dtype", "float64"], "--dtype: invalid choice"),
+    ("prefix_cache", ["--preset", "huge"], "--preset: unknown preset 'huge'; expected one of"),  # was a traceback
+    ("load_memory", ["--preset", "huge"], "--preset: unknown preset 'huge'; expected one of"),
 ])
 def test_benchmark_scripts_refuse_bad_values_by_flag(script, argv, message, capsys):
     if script == "serve_load":
