@@ -1334,7 +1334,7 @@ def test_top_k_and_top_p_reach_the_sampler(capsys, monkeypatch):
     assert main([*base, "--top-k", "3", "--top-p", "0.5"]) == 0
     assert seen[0]["top_k"] == 3 and seen[0]["top_p"] == 0.5
     assert main([*base, "--top-p", "1.5"]) == 2
-    assert "top_p: expected a probability in (0, 1]" in capsys.readouterr().err
+    assert "--top-p: expected a probability in (0, 1]" in capsys.readouterr().err
 
 
 def test_generate_chat_prompts_through_the_chat_template(monkeypatch, capsys):
