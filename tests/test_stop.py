@@ -230,7 +230,8 @@ def test_each_row_is_decoded_once_a_commit_and_reads_as_a_plain_decode(tiny_lm, 
         calls.clear()
     monkeypatch.undo()
     commits, out = events[:-1], events[-1].output
-    assert all(isinstance(e, Commit) for e in commits) and len(commits) >= 2
+    # at least one commit; one alone when every row's stop string ends in the first canvas
+    assert commits and all(isinstance(e, Commit) for e in commits)
 
     assert counts[-1] == 0  # Done's texts are the last Commit's: nothing to decode again
     written = [0, 0]
