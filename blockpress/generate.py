@@ -22,6 +22,7 @@ from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
     CanvasState,
+    RowDraws,
     SamplerConfig,
     candidate_probs,
     denoise_step,
@@ -260,6 +261,11 @@ class Request:
     eos_ids: list[int]
     pad_id: int
     seeds: list[int] | None = None  # per-row seeds (the server batches requests); default: `seed` for every row
+    # Per-row candidate draws (the server batches requests at different temperatures): each row's draw_temperature,
+    # top_k and top_p, read through `row_draws`; None: the sampler's for every row.
+    draw_temperatures: tuple[float, ...] | None = None
+    top_ks: tuple[int, ...] | None = None
+    top_ps: tuple[float, ...] | None = None
     skip_stopped_rows: bool = True  # shrink the batch as rows stop (False: compute them to the end, for comparison)
     # Optional rule over the canvas: (draft tokens [b, C], settled [b, C] bool) -> banned tokens [b, C, V] bool,
     # called once per step before sampling. A pure tensor function (no host sync); `b` is the rows still working.
@@ -303,6 +309,11 @@ class Request:
             return [int(v) for v in value]
 
         return per_row(self.max_new_tokens, "max_new_tokens"), per_row(self.min_new_tokens, "min_new_tokens")
+
+    def row_draws(self, device: torch.device | str = "cpu") -> RowDraws:
+        """Each row's draw temperature, top_k and top_p as [B] tensors on `device`: its own, else the sampler's."""
+        return RowDraws.of(self.sampler, self.prompt.shape[0], device, self.draw_temperatures, self.top_ks,
+                           self.top_ps)
 
     def row_seeds(self) -> torch.Tensor:
         """Every row's randomness comes from its own seed alone (see sampling._hash)."""
@@ -883,6 +894,7 @@ class _Working:
     bans: _Bans | None  # numbered by the sub-batch
     eos_banned: torch.Tensor | None
     seeds: torch.Tensor
+    draws: RowDraws  # each row's candidate-draw settings
     finished: torch.Tensor  # [b'] ended in an earlier canvas (an EOS, a stop string, its max_new_tokens)
     history: torch.Tensor | None  # [b', V] their committed new tokens, counted (the repeat penalties)
 
@@ -893,7 +905,7 @@ class _Working:
             fixed=None if self.fixed is None else self.fixed[keep], scored=self.scored[keep],
             writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
             eos_banned=None if self.eos_banned is None else self.eos_banned[keep],
-            seeds=self.seeds[keep], finished=self.finished[keep],
+            seeds=self.seeds[keep], draws=self.draws.take(keep), finished=self.finished[keep],
             history=None if self.history is None else self.history[keep])
 
 
@@ -993,6 +1005,7 @@ class _Decoding:
     cache: KVCache
     drafts: bool  # yield a Draft after every step
     seeds: torch.Tensor  # [B]
+    draws: RowDraws  # [B] each row's draw temperature, top_k and top_p
     eos: torch.Tensor  # the EOS ids ([-1] when there are none)
     new_tokens: torch.Tensor  # [B, N]: pad after a row's end
     written: torch.Tensor  # [B] the valid new tokens so far (through an EOS or a stop string)
@@ -1012,7 +1025,7 @@ class _Decoding:
         b, vocab = req.prompt.shape[0], model.config.text.vocab_size
         n_canvases = -(-n_new // model.config.canvas_length)
         zeros = torch.zeros(b, dtype=torch.long, device=device)
-        return cls(model, fns, req, cache, drafts, req.row_seeds().to(device),
+        return cls(model, fns, req, cache, drafts, req.row_seeds().to(device), req.row_draws(device),
                    torch.tensor(req.eos_ids or [-1], device=device),
                    torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.clone(), zeros.bool(),
                    torch.tensor(req.row_budgets()[0], dtype=torch.long, device=device), zeros,
@@ -1038,7 +1051,7 @@ class _Decoding:
         state = replace(state, done=state.done | idle)
         w = _Working(rows=all_rows, state=state, cache=self.cache, fixed=canvas.fixed, scored=canvas.scored,
                      writable=canvas.writable, bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds,
-                     finished=self.finished, history=self.history)
+                     draws=self.draws, finished=self.finished, history=self.history)
         all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
         if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
@@ -1060,6 +1073,7 @@ class _Decoding:
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
                     fixed=w.fixed, scored=w.scored, banned=ban,
                     uniforms=hashed_uniforms(w.seeds, canvas.index, step, canvas_len), sc_dtype=self.model.dtype,
+                    draws=w.draws,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
@@ -1233,7 +1247,7 @@ def run_ar(
     """Left-to-right decoding with the encoder path and the LM head: the autoregressive baseline.
 
     Of `req.sampler` it uses what the diffusion candidates use too: argmax candidates (greedy), else a draw from
-    `candidate_probs` (draw_temperature, top_k, top_p) of the raw logits, and the penalties. The rest (the
+    `candidate_probs` (each row's draw_temperature, top_k, top_p) of the raw logits, and the penalties. The rest (the
     acceptance rule, its schedule and stopping) is block diffusion's."""
     fns = fns or StepFunctions.eager(model)
     device = model.device
@@ -1243,6 +1257,7 @@ def run_ar(
     n_new, most_min = max(budgets), max(minimums)
     budget, minimum = (torch.tensor(x, dtype=torch.long, device=device) for x in (budgets, minimums))
     row_seed = req.row_seeds().to(device)
+    draws = req.row_draws(device)
     eos = torch.tensor(req.eos_ids or [-1], device=device)
     new_tokens = torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
@@ -1273,7 +1288,7 @@ def run_ar(
         if cfg.argmax_candidates:
             token = logits.argmax(-1)
         else:
-            token = sample(candidate_probs(cfg, logits), hashed_uniforms(row_seed, 0, i, 1)[:, 0])
+            token = sample(candidate_probs(draws, logits), hashed_uniforms(row_seed, 0, i, 1)[:, 0])
         token = token.masked_fill(finished, req.pad_id)
         new_tokens[:, i] = token
         if penalized:

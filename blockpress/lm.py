@@ -52,7 +52,14 @@ from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_runs, check_scheme
-from .sampling import TEMPERATURE_HINT, SamplerConfig, is_finite_number, is_int
+from .sampling import (
+    ROW_SETTINGS,
+    TEMPERATURE_HINT,
+    SamplerConfig,
+    check_row_setting,
+    is_finite_number,
+    is_int,
+)
 
 MODELS_DIR = Path(__file__).parent / "models"
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
@@ -181,18 +188,24 @@ def check_seed(seed: Any, name: str) -> int | None:
     return int(seed)
 
 
-def _row_counts(value: Any, name: str, batch: int) -> Any:
-    """`value` as given, or, where it is one count per row (a list, a tuple, or a 1-D array or tensor), a list of
-    `batch` of them; their values are checked by `_check_budgets`."""
+def _as_rows(value: Any, name: str, what: str) -> Any:
+    """`value` as given, or as a list where it is one value per row (a list, a tuple, or a 1-D array or tensor).
+    `what`: one value, for the error."""
     if hasattr(value, "ndim") and hasattr(value, "tolist"):  # numpy / torch (a 0-d one is a number)
         if value.ndim > 1:
-            raise ValueError(f"{name}: expected an integer, or one per row (1-D), got shape {list(value.shape)}")
+            raise ValueError(f"{name}: expected {what}, or one per row (1-D), got shape {list(value.shape)}")
         value = value.tolist()  # plain numbers (floats and bools stay what they are, and are refused after)
-    if isinstance(value, (list, tuple)):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _row_counts(value: Any, name: str, batch: int, what: str = "an integer") -> Any:
+    """`value` as given, or, where it is one value per row (`_as_rows`), a list of `batch` of them; their values are
+    checked by the caller (`_check_budgets`, `_row_draws`). `what`: one value, for the error."""
+    value = _as_rows(value, name, what)
+    if isinstance(value, list):
         if len(value) != batch:
-            raise ValueError(f"{name}: expected an integer, or one per row of the {batch}-row batch, got {len(value)} "
+            raise ValueError(f"{name}: expected {what}, or one per row of the {batch}-row batch, got {len(value)} "
                              "values")
-        return list(value)
     return value
 
 
@@ -211,6 +224,21 @@ def _check_budgets(max_new_tokens: Any, min_new_tokens: Any) -> tuple[int | tupl
     # numpy integers as plain ints
     return tuple(
         tuple(int(v) for v in x) if isinstance(x, list) else int(x) for x in (max_new_tokens, min_new_tokens))
+
+
+def _row_draws(sampler_options: dict[str, Any], batch: int,
+               temperature_name: str = "draw_temperature") -> tuple[dict[str, Any], dict[str, tuple]]:
+    """`sampler_options` split into the settings for every row and, for each of ROW_SETTINGS given one value per row
+    (a list, a tuple, a 1-D array or tensor: a batch of requests at different temperatures), its per-row values,
+    each checked and named by its row (`top_p[1]`). `temperature_name`: what the caller calls draw_temperature."""
+    shared, per_row = dict(sampler_options), {}
+    for name in ROW_SETTINGS:
+        label = temperature_name if name == "draw_temperature" else name
+        values = _row_counts(shared.get(name), label, batch, "an integer" if name == "top_k" else "a number")
+        if isinstance(values, list):
+            per_row[name] = tuple(check_row_setting(name, v, f"{label}[{i}]") for i, v in enumerate(values))
+            del shared[name]
+    return shared, per_row
 
 
 def _each(count: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -525,12 +553,15 @@ class LM:
         template: Any = None,
         hole_length: int = 8,
         canvases: bool = True,
+        temperature_name: str = "draw_temperature",
         **fields: Any,
     ) -> Request:
         """The user's arguments, checked and normalised into a complete Request that also fits the context (and
-        `cache`): in whole canvases for block diffusion, token by token for AR (`canvases=False`). `fields`:
-        Request's own fields as the caller checked them (seeds, prefix_cache, and stream's skip_stopped_rows,
-        constraint, logits_processor, cancelled)."""
+        `cache`): in whole canvases for block diffusion, token by token for AR (`canvases=False`).
+        `sampler_options`: SamplerConfig fields; draw_temperature, top_k and top_p may be one per row
+        (`temperature_name`: what the caller calls draw_temperature, for the errors). `fields`: Request's own fields
+        as the caller checked them (seeds, prefix_cache, and stream's skip_stopped_rows, constraint,
+        logits_processor, cancelled)."""
         self._check_runnable()
         pad_id = self.pad_id
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
@@ -575,6 +606,7 @@ class LM:
         max_new_tokens, min_new_tokens = _check_budgets(max_new_tokens, _row_counts(
             min_new_tokens, "min_new_tokens", ids.shape[0]))
         seed = check_seed(seed, "seed")
+        sampler_options, per_row = _row_draws(sampler_options, ids.shape[0], temperature_name)
         if isinstance(sampler, SamplerConfig):
             # The noise token is how the model was trained (absorbing noise), not a decoding preference: a config
             # built to pick a sampler leaves it None, and decoding such a model with uniform noise gave word salad.
@@ -584,6 +616,14 @@ class LM:
             cfg = sampler.with_(**sampler_options)
         else:
             cfg = self.sampler_defaults.with_(sampler=sampler, **sampler_options)
+        if cfg.argmax_candidates and any(t != 1.0 for t in per_row.get("draw_temperature", ())):
+            # as SamplerConfig refuses one draw_temperature for every row: argmax candidates draw none (1, the
+            # default, is what a server's greedy requests carry)
+            greedy = cfg.sampler == "greedy"
+            rule = f"sampler={cfg.sampler!r}" if greedy else f"candidates={cfg.candidates!r}"
+            fix = "sampler='entropy_bound'" if greedy else "candidates='sample'"
+            raise ValueError(f"{temperature_name}: {rule} takes the most likely candidates and draws none, so the "
+                             f"per-row {temperature_name} would be ignored; draw them with {fix}")
         tmpl = parsed = None
         if template is not None:
             parsed = parse_template(template, self.tokenizer, ids.shape[0], hole_length,
@@ -636,7 +676,8 @@ class LM:
                           first_allowed=allowed_first_tokens(self.tokenizer, heal_prefixes, v))
         req = Request(prompt=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                       sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id,
-                      stops=self._stops(stop, ids.shape[0], tmpl), **fields)
+                      stops=self._stops(stop, ids.shape[0], tmpl), draw_temperatures=per_row.get("draw_temperature"),
+                      top_ks=per_row.get("top_k"), top_ps=per_row.get("top_p"), **fields)
         req.row_seeds()  # checks the count of `seeds` now, not mid-generation
         self._check_context(req, cache, self.config.canvas_length if canvases else None)
         return req
@@ -797,7 +838,8 @@ class LM:
         `temperature` (the server maps it there): candidates are drawn at the schedule's temperature (t_max down to
         t_min) times it, while acceptance keeps the schedule; it needs a sampler that draws candidates, and is
         refused with "greedy" (a checkpoint's default may be, as blockpress-code's is: pass sampler="entropy_bound")
-        or candidates="argmax", which would ignore it.
+        or candidates="argmax", which would ignore it. draw_temperature, top_k and top_p may also be one per row (a
+        list or a 1-D array / tensor, as max_new_tokens): each row draws as it would alone with its own.
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
@@ -857,12 +899,12 @@ class LM:
         self,
         prompt: Any,
         max_new_tokens: Counts | None = None,
-        temperature: float | None = None,
+        temperature: float | Sequence[float] | None = None,
         seed: int | None = None,
         *,
         sampler: SamplerConfig | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        top_k: int | Sequence[int] | None = None,
+        top_p: float | Sequence[float] | None = None,
         min_new_tokens: Counts = 0,
         attention_mask: Any = None,
         cache: KVCache | None = None,
@@ -886,28 +928,40 @@ class LM:
         keyword arguments override it. Without it, the checkpoint's settings with greedy draws unless `temperature`
         says otherwise (a checkpoint's greedy sampler also samples when given a temperature > 0, as on the server).
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
-        `max_new_tokens`, `min_new_tokens`: one count, or one per row, as in `generate`.
+        `max_new_tokens`, `min_new_tokens`: one count, or one per row, as in `generate`. `temperature` (each > 0:
+        greedy is the whole batch's), `top_k` and `top_p` may also be one per row (a list, or a 1-D array / tensor):
+        each row then draws as it would alone with its own.
         `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`."""
-        if temperature is not None and not (is_finite_number(temperature) and temperature >= 0):
+        temperature = _as_rows(temperature, "temperature", "a number")
+        per_row = isinstance(temperature, list)
+        if per_row:  # each value is checked with the other per-row settings (`_row_draws`); 0 is another rule
+            zero = next((i for i, t in enumerate(temperature) if is_finite_number(t) and t == 0), None)
+            if zero is not None:
+                raise ValueError(f"temperature[{zero}]: 0 (greedy) is a whole batch's setting, not one row's (greedy "
+                                 "takes the argmax where the other rows draw); pass temperature=0, or one > 0 for "
+                                 "every row")
+        elif temperature is not None and not (is_finite_number(temperature) and temperature >= 0):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
         if sampler is not None and not isinstance(sampler, SamplerConfig):
             raise ValueError(f"sampler: expected a SamplerConfig (its candidate draw and penalties are used) or None, "
                              f"got {sampler!r}; generate_ar has no acceptance rule: for greedy pass temperature=0")
         check_flag("return_cache", return_cache)
         base = self.sampler_defaults if sampler is None else sampler
-        cfg = base.with_(top_k=top_k, top_p=top_p, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        cfg = base.with_(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         if temperature is None and sampler is None:
             temperature = 0.0  # the baseline's default: greedy
-        if temperature == 0:
+        if not per_row and temperature == 0:
             cfg = cfg.with_(candidates="argmax")
         elif temperature is not None:
             # greedy is entropy_bound with argmax candidates; asked for a temperature, it samples (as the server's)
-            cfg = cfg.with_(candidates="sample", draw_temperature=temperature,
-                            sampler="entropy_bound" if cfg.sampler == "greedy" else None)
+            cfg = cfg.with_(candidates="sample", sampler="entropy_bound" if cfg.sampler == "greedy" else None)
+        # the draw settings, one for every row or one per row, as generate takes them
+        draw = dict(draw_temperature=None if temperature == 0 else temperature, top_k=top_k, top_p=top_p)
         req = self._request(prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                            sampler=cfg, sampler_options={}, seed=seed, attention_mask=attention_mask,
+                            sampler=cfg, sampler_options=draw, seed=seed, attention_mask=attention_mask,
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
-                            prefix_cache=_check_prefix_cache(prefix_cache), canvases=False)
+                            prefix_cache=_check_prefix_cache(prefix_cache), canvases=False,
+                            temperature_name="temperature")
         return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -36,6 +37,9 @@ def is_int(value: Any) -> bool:
 
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
+# The candidate draw's settings, which a batch may hold one per row (RowDraws: a server batches requests that differ
+# in them, as real clients' temperatures and top_p do); the rest of a SamplerConfig is the whole batch's.
+ROW_SETTINGS = ("draw_temperature", "top_k", "top_p")
 # For those who ask for a `temperature` (an argument, or HF's key in a generation config): the setting that is one.
 TEMPERATURE_HINT = ("OpenAI's temperature is draw_temperature here (the server maps it there): candidates are drawn "
                     "at the schedule's temperature times it, where the sampler draws them (not sampler='greedy' nor "
@@ -106,16 +110,12 @@ class SamplerConfig:
         need(self.sampler in SAMPLERS, "sampler", f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
         need(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
              f"expected a positive integer, got {self.max_denoising_steps!r}")
-        for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold", "draw_temperature"):
+        for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
             need(is_finite_number(value), name, f"expected a finite number, got {value!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
-        need(self.draw_temperature > 0, "draw_temperature",
-             f"expected > 0, got {self.draw_temperature} (for the most likely candidates use candidates='argmax')")
-        need(is_int(self.top_k) and self.top_k >= 0, "top_k",
-             f"expected an integer >= 0 (0: no top-k filter), got {self.top_k!r}")
-        need(is_finite_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
-             f"expected a probability in (0, 1] (1: no nucleus filter), got {self.top_p!r}")
+        for name in ROW_SETTINGS:  # checked as a batch's per-row values are (plain numbers stored)
+            object.__setattr__(self, name, check_row_setting(name, getattr(self, name)))
         need(0 < self.confidence <= 1, "confidence", f"expected a probability in (0, 1], got {self.confidence}")
         need(self.rank_by in RANKINGS, "rank_by", f"unknown ranking {self.rank_by!r}; expected one of {RANKINGS}")
         # The confidence sampler takes every position over its threshold, in no order: a ranking would be ignored.
@@ -148,12 +148,12 @@ class SamplerConfig:
         need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= 0),
              "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
         # numpy numbers pass the checks: store plain ones (they are written as JSON, which has no int64 / float32)
-        for name in ("max_denoising_steps", "stability_threshold", "noise_token_id", "top_k"):
+        for name in ("max_denoising_steps", "stability_threshold", "noise_token_id"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, int(value))
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty",
-                     "frequency_penalty", "draw_temperature", "top_p"):
+                     "frequency_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
 
     @classmethod
@@ -189,6 +189,10 @@ class SamplerConfig:
     def penalizes_repeats(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty)
 
+    def batch_wide(self) -> SamplerConfig:
+        """This config with the per-row settings (ROW_SETTINGS) at their defaults: what the rows of a batch share."""
+        return replace(self, **{f.name: f.default for f in fields(self) if f.name in ROW_SETTINGS})
+
     def with_(self, **changes: Any) -> SamplerConfig:
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:
@@ -223,6 +227,28 @@ class SamplerConfig:
         # look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
         return self.with_(sampler="entropy_bound" if self.sampler == "greedy" else None,
                           candidates="sample", draw_temperature=temperature)
+
+
+def check_row_setting(name: str, value: Any, label: str | None = None) -> float | int:
+    """One of ROW_SETTINGS checked, as a plain number (numpy's are not JSON): a SamplerConfig's, or one row's of a
+    batch (`label`, e.g. "top_p[2]", names it in the error; default `name`)."""
+    label = label or name
+    if name == "draw_temperature":
+        if not is_finite_number(value):  # a string, a bool or inf would fail later, deep inside the sampler
+            raise ValueError(f"{label}: expected a finite number, got {value!r}")
+        if value <= 0:
+            raise ValueError(f"{label}: expected > 0, got {value} (for the most likely candidates use "
+                             "candidates='argmax')")
+        return float(value)
+    if name == "top_k":
+        if not is_int(value) or value < 0:
+            raise ValueError(f"{label}: expected an integer >= 0 (0: no top-k filter), got {value!r}")
+        return int(value)
+    if name == "top_p":
+        if not is_finite_number(value) or not 0 < value <= 1:
+            raise ValueError(f"{label}: expected a probability in (0, 1] (1: no nucleus filter), got {value!r}")
+        return float(value)
+    raise ValueError(f"{label}: not a per-row setting; those are {', '.join(ROW_SETTINGS)}")
 
 
 # Below this a temperature is greedy for any logits a model gives, and dividing by a smaller one overflows
@@ -271,33 +297,80 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def top_filter(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """`probs` [..., V] with every token outside the top_k most likely (0: no limit) and then outside the nucleus
+def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """`probs` [B, ..., V] with every token outside the top_k most likely (0: no limit) and then outside the nucleus
     of those zeroed: the fewest most likely tokens whose probability reaches top_p of what top_k left (1: no limit).
+    `top_k`, `top_p`: one value for every row, or one per row ([B] tensors, RowDraws'); a row at 0 and 1 comes back
+    exactly as it was (the sort is undone), so it draws what it would unfiltered.
 
     Not renormalised (`sample` draws in proportion to what is left). The most likely token always stays, and ties
     are ranked by token id, as argmax ranks them: top_k=1 keeps exactly the argmax token. One stable sort.
     """
-    if top_k <= 0 and top_p >= 1.0:
-        return probs
+    v = probs.shape[-1]
+
+    def per_row(x: int | float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, ..., 1] against probs (a number: 0-d), so a row's value meets its positions and tokens."""
+        x = torch.as_tensor(x, dtype=dtype, device=probs.device)
+        return x.view(-1, *[1] * (probs.dim() - 1)) if x.dim() else x
+
+    k, p = per_row(top_k, torch.long), per_row(top_p, probs.dtype)
     ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    if 0 < top_k < probs.shape[-1]:
-        ordered = ordered.masked_fill(torch.arange(probs.shape[-1], device=probs.device) >= top_k, 0.0)
-    if top_p < 1.0:
-        # a token stays while the more likely ones before it hold less than top_p of the mass (the first always)
-        before = torch.cumsum(ordered, dim=-1) - ordered
-        ordered = ordered.masked_fill(before >= top_p * ordered.sum(-1, keepdim=True), 0.0)
+    ordered = ordered.masked_fill(torch.arange(v, device=probs.device) >= torch.where(k > 0, k, v), 0.0)
+    # a token stays while the more likely ones before it hold less than top_p of the mass (the first always). At
+    # top_p 1 nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    ordered = ordered.masked_fill((before >= p * ordered.sum(-1, keepdim=True)) & (p < 1.0), 0.0)
     return torch.zeros_like(probs).scatter(-1, order, ordered)
 
 
-def candidate_probs(cfg: SamplerConfig, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
-    """What candidates are drawn from (pass to `sample`): softmax(logits / draw_temperature), top_k and top_p
-    filtered. Both engines draw through it: `denoise_step` with the schedule's tempered logits, `run_ar` with the
-    raw ones (AR has no schedule: its temperature is the draw temperature). `probs`: softmax(logits), when the
-    caller has it already (reused at draw_temperature 1)."""
-    if probs is None or cfg.draw_temperature != 1.0:
-        probs = torch.softmax(logits.float() / max(MIN_TEMPERATURE, cfg.draw_temperature), dim=-1)
-    return top_filter(probs, cfg.top_k, cfg.top_p)
+@dataclass(frozen=True)
+class RowDraws:
+    """Each row's candidate-draw settings (ROW_SETTINGS) as [B] tensors, made once per request: the same values for
+    every row (a SamplerConfig's), or each row's own (a server's batch of requests at different temperatures). One
+    draw serves both: a scalar setting is the per-row one with every row equal."""
+
+    temperature: torch.Tensor  # [B] float32, > 0: the draw temperature (times the schedule's, in diffusion)
+    top_k: torch.Tensor  # [B] int64, 0: no top-k filter
+    top_p: torch.Tensor  # [B] float32, 1: no nucleus filter
+    # Read on the host once, when made (never inside a step): whether any row tempers its draws, and whether any
+    # row filters them. A batch where none does skips that work, as a single unfiltered request always did.
+    tempered: bool
+    filtered: bool
+
+    @classmethod
+    def of(cls, cfg: SamplerConfig, batch: int, device: torch.device | str = "cpu",
+           draw_temperature: Sequence[float] | None = None, top_k: Sequence[int] | None = None,
+           top_p: Sequence[float] | None = None) -> RowDraws:
+        """`cfg`'s settings for each of `batch` rows, but where a row has its own (one value per row, or None: cfg's
+        for all), each checked as SamplerConfig checks its own."""
+        def rows(name: str, given: Sequence[Any] | None) -> list[Any]:
+            if given is None:
+                return [getattr(cfg, name)] * batch
+            if len(given) != batch:
+                raise ValueError(f"{name}: expected one per row ({batch}), got {len(given)}")
+            return [check_row_setting(name, x, f"{name}[{i}]") for i, x in enumerate(given)]
+
+        temps, ks, ps = rows("draw_temperature", draw_temperature), rows("top_k", top_k), rows("top_p", top_p)
+        return cls(torch.tensor(temps, dtype=torch.float32, device=device),
+                   torch.tensor(ks, dtype=torch.long, device=device),
+                   torch.tensor(ps, dtype=torch.float32, device=device),
+                   tempered=any(t != 1.0 for t in temps), filtered=any(k > 0 for k in ks) or any(p < 1.0 for p in ps))
+
+    def take(self, rows: torch.Tensor) -> RowDraws:
+        """The rows `rows` only (a batch that shrank); the host flags stay the batch's (a row they no longer
+        concern draws the same either way)."""
+        return replace(self, temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows])
+
+
+def candidate_probs(draws: RowDraws, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """What candidates are drawn from (pass to `sample`): softmax(logits / each row's draw temperature), filtered
+    by its top_k and top_p. Both engines draw through it: `denoise_step` with the schedule's tempered logits
+    [B, C, V], `run_ar` with the raw ones [B, V] (AR has no schedule: its temperature is the draw temperature).
+    `probs`: softmax(logits), when the caller has it already (reused where every row draws at temperature 1)."""
+    if probs is None or draws.tempered:
+        t = draws.temperature.clamp(min=MIN_TEMPERATURE).view(-1, *[1] * (logits.dim() - 1))
+        probs = torch.softmax(logits.float() / t, dim=-1)
+    return top_filter(probs, draws.top_k, draws.top_p) if draws.filtered else probs
 
 
 def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Tensor,
@@ -469,6 +542,7 @@ def denoise_step(
     banned: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
     sc_dtype: torch.dtype = torch.float32,
+    draws: RowDraws | None = None,
 ) -> CanvasState:
     """One step of the sampler. Pure: returns a new state.
 
@@ -477,6 +551,7 @@ def denoise_step(
     scored: [B, C] bool, positions that count for the stop test (e.g. within max_new_tokens).
     banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
     uniforms: [B, C] in [0, 1), the sampling draws (not needed in greedy mode; fresh torch.rand if None).
+    draws:  each row's draw temperature, top_k and top_p (None: cfg's for every row).
     """
     logits = raw_logits / temperature(cfg, step)
     if banned is not None:
@@ -492,9 +567,11 @@ def denoise_step(
         candidates = argmax
     else:
         # The draw temperature and filters shape the draws alone; the schedule's `probs` still rank and condition.
-        draws = sample(candidate_probs(cfg, logits, probs),
+        if draws is None:
+            draws = RowDraws.of(cfg, argmax.shape[0], argmax.device)
+        drawn = sample(candidate_probs(draws, logits, probs),
                        torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
-        candidates = torch.where(kept, state.canvas, draws)
+        candidates = torch.where(kept, state.canvas, drawn)
 
     if cfg.sampler in ("entropy_bound", "greedy"):
         # Decided positions rank first (-1) and add no entropy, so they never use up the bound.

@@ -3,9 +3,12 @@
 Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus text).
 
 One worker thread owns the model. Requests wait in a bounded queue (429 when full); the worker takes
-the oldest one plus every queued request with the same sampler settings (up to `max_batch`) and runs them as
-one batch, so concurrent users share each denoising step. Their lengths may differ: each row has its own
-max_tokens and min_tokens, and a row whose max_tokens is spent leaves the batch, as one that wrote EOS does.
+the oldest one plus every queued request with the same batch-wide sampler settings (up to `max_batch`) and runs
+them as one batch, so concurrent users share each denoising step. Their lengths may differ: each row has its own
+max_tokens and min_tokens, and a row whose max_tokens is spent leaves the batch, as one that wrote EOS does. So
+may `temperature` (above 0), `top_p` and `top_k`, which real clients vary most: each row draws its candidates with
+its own (sampling.RowDraws). The rest (temperature 0, which is the greedy sampler, the penalties and the diffusion
+fields) is the batch's.
 Every row's randomness comes from its own seed, so in float32 a response is the same whether it ran alone or in
 a batch, up to rounding (a batch left-pads shorter prompts, and the other shapes move logits by ~1e-6, which
 self-conditioning can grow until a near-tie flips; rare). In bf16 the shapes move logits by ~0.1 on
@@ -83,7 +86,7 @@ from .generate import (
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
-from .sampling import SamplerConfig
+from .sampling import ROW_SETTINGS, SamplerConfig
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
 
@@ -408,8 +411,9 @@ class Job:
     keep_special: bool = False
 
     def key(self) -> tuple:
-        """What the jobs of one batch share. Not max_tokens nor min_tokens: the engine takes them per row."""
-        return (self.sampler, self.token_healing, None if self.layout is None else self.layout.shape[1])
+        """What the jobs of one batch share. Not max_tokens nor min_tokens, nor the candidate draw's temperature,
+        top_p and top_k (ROW_SETTINGS): the engine takes them per row."""
+        return (self.sampler.batch_wide(), self.token_healing, None if self.layout is None else self.layout.shape[1])
 
     @property
     def holes(self) -> int:
@@ -588,7 +592,9 @@ class Engine:
             max_new_tokens=[j.max_tokens for j in batch] if first.canvas is None else None,
             # Drafts cost device->host copies every step: only when a client asked. Clients that leave still free
             # the engine within a step (`cancelled` is asked before each), not when the canvas commits.
-            sampler=first.sampler, seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
+            # the batch's sampler, with each job's own temperature, top_p and top_k (see Job.key)
+            sampler=first.sampler, **{name: [getattr(j.sampler, name) for j in batch] for name in ROW_SETTINGS},
+            seeds=[j.seed for j in batch], drafts=any(j.drafts for j in batch),
             cancelled=lambda: all(j.cancelled.is_set() for j in batch),
             # a canvas's holes are healed at their edges (its fixed part is text the client wrote)
             token_healing=first.token_healing or first.canvas is not None, stop=[j.stop for j in batch],

@@ -602,6 +602,16 @@ def test_draw_temperature_on_a_greedy_default_is_refused():
     outs = {tuple(tiny.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, sampler="entropy_bound",
                                 draw_temperature=3.0, seed=s).new_tokens[0].tolist()) for s in range(3)}
     assert len(outs) > 1
+    # one per row is refused alike, by greedy and by argmax candidates
+    with pytest.raises(ValueError, match=r"draw_temperature: sampler='greedy' takes the most likely candidates and "
+                                         r"draws none, so the per-row draw_temperature would be ignored"):
+        tiny.generate([[3, 4], [5, 6]], max_new_tokens=4, draw_temperature=[1.0, 0.5])
+    # the default for every row is what greedy rows carry (a server's batch): it draws nothing, as one 1.0 does
+    both = tiny.generate([[3, 4], [5, 6]], max_new_tokens=4, draw_temperature=[1.0, 1.0])
+    assert torch.equal(both.sequences, tiny.generate([[3, 4], [5, 6]], max_new_tokens=4).sequences)
+    with pytest.raises(ValueError, match=r"candidates='argmax' takes .* draw them with candidates='sample'"):
+        tiny.generate([[3, 4], [5, 6]], max_new_tokens=4, sampler="entropy_bound", candidates="argmax",
+                      draw_temperature=[1.5, 0.5])
 
 
 def test_generate_documents_every_sampler_option():
@@ -2215,6 +2225,62 @@ def test_bad_per_row_budgets_name_the_row(lm, kwargs, message):
     for generate in (lm.generate, lm.generate_ar):
         with pytest.raises(ValueError, match=message):
             generate([[3, 4], [5]], **kwargs)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), sampler=st.sampled_from(["entropy_bound", "topk"]), ar=st.booleans())
+def test_each_row_with_its_own_temperature_top_p_and_top_k_is_the_row_alone(lm, data, sampler, ar):
+    """The draw's temperature, top_p and top_k per row (a server batches requests that differ in them, as real
+    clients' do): every row is exactly that prompt run alone with its own settings and seed, on both engines. Rows
+    of their own lengths too, so the batch shrinks around them as rows end."""
+    b = data.draw(st.integers(2, 3))
+    prompts = [data.draw(st.lists(st.integers(3, 90), min_size=1, max_size=4)) for _ in range(b)]
+    row = lambda s: data.draw(st.lists(s, min_size=b, max_size=b))  # noqa: E731
+    temps = row(st.floats(0.05, 3.0) | st.just(1.0))
+    ks, ps = row(st.integers(0, 130) | st.just(0)), row(st.floats(0.05, 1.0) | st.just(1.0))
+    maxes = row(st.integers(1, 12))
+    as_tensor = data.draw(st.booleans())  # a 1-D tensor reads like a list
+    per_row = lambda x: torch.tensor(x) if as_tensor else x  # noqa: E731
+    seeds = list(range(7, 7 + b))
+    if ar:
+        run = lambda p, t, **k: lm.generate_ar(p, temperature=t, **k)  # noqa: E731
+    else:
+        run = lambda p, t, **k: lm.generate(p, max_denoising_steps=3, sampler=sampler, draw_temperature=t, **k)  # noqa: E731
+    batch = run(prompts, per_row(temps), top_k=per_row(ks), top_p=per_row(ps), max_new_tokens=maxes, seeds=seeds)
+    for i in range(b):
+        alone = run([prompts[i]], temps[i], top_k=ks[i], top_p=ps[i], max_new_tokens=maxes[i], seed=seeds[i])
+        assert batch.new_tokens[i, : maxes[i]].tolist() == alone.new_tokens[0].tolist(), (i, temps, ks, ps)
+        assert int(batch.forward_passes[i]) == int(alone.forward_passes[0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_p=[0.9, 0.8, 0.7]), r"top_p: expected a number, or one per row of the 2-row batch, got 3 values"),
+    (dict(top_k=torch.tensor([[1, 2]])), r"top_k: expected an integer, or one per row \(1-D\), got shape \[1, 2\]"),
+    (dict(top_k=[3, -1]), r"top_k\[1\]: expected an integer >= 0 \(0: no top-k filter\), got -1"),
+    (dict(top_k=np.array([3.0, 2.0])), r"top_k\[0\]: expected an integer >= 0 \(0: no top-k filter\), got 3.0"),
+    (dict(top_p=[0.5, 0.0]), r"top_p\[1\]: expected a probability in \(0, 1\] \(1: no nucleus filter\), got 0.0"),
+    (dict(top_p=[float("nan"), 0.5]), r"top_p\[0\]: expected a probability in \(0, 1\]"),
+])
+def test_bad_per_row_draw_settings_name_the_row(lm, kwargs, message):
+    for generate in (lm.generate, lm.generate_ar):
+        with pytest.raises(ValueError, match=message):
+            generate([[3, 4], [5]], max_new_tokens=3, **kwargs)
+
+
+@pytest.mark.parametrize("value, message", [
+    ([0.5], r"TEMP: expected a number, or one per row of the 2-row batch, got 1 values"),
+    ([0.5, "hot"], r"TEMP\[1\]: expected a finite number"),
+    ([0.5, -1.0], r"TEMP\[1\]: expected"),
+    ([float("inf"), 0.5], r"TEMP\[0\]: expected a finite number"),
+])
+def test_bad_per_row_temperatures_name_the_row(lm, value, message):
+    with pytest.raises(ValueError, match=message.replace("TEMP", "draw_temperature")):
+        lm.generate([[3, 4], [5]], max_new_tokens=3, draw_temperature=value)
+    with pytest.raises(ValueError, match=message.replace("TEMP", "temperature")):
+        lm.generate_ar([[3, 4], [5]], max_new_tokens=3, temperature=value)
+    # greedy (temperature 0) takes the argmax for the whole batch: one row's 0 is refused, not drawn at T -> 0
+    with pytest.raises(ValueError, match=r"temperature\[1\]: 0 \(greedy\) is a whole batch's setting"):
+        lm.generate_ar([[3, 4], [5]], max_new_tokens=3, temperature=[0.5, 0])
 
 
 def test_per_row_budgets_with_a_template_must_be_its_length(lm):

@@ -8,16 +8,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpress.sampling import (
+    RowDraws,
     SamplerConfig,
     accept_confidence,
     accept_entropy_bound,
     accept_topk,
+    candidate_probs,
     denoise_step,
     entropy,
     hashed_tokens,
     init_state,
     penalize_repeats,
     probs_and_entropy,
+    take_rows,
     temperature,
     top_filter,
     topk_count,
@@ -596,6 +599,48 @@ def test_top_filters_change_the_diffusion_draws_only():
     for cfg in (base.with_(top_k=1), base.with_(top_p=1e-6)):
         assert torch.equal(denoise_step(cfg, state, logits, 4, noise, uniforms=uniforms).canvas, argmax.canvas)
     assert not torch.equal(plain.canvas, argmax.canvas)  # the check above means something
+
+
+ROW = st.tuples(st.floats(0.05, 4.0) | st.just(1.0), st.integers(0, 20) | st.just(0), st.floats(0.01, 1.0) | st.just(1.0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.lists(ROW, min_size=1, max_size=4), scale=st.floats(0.1, 10.0))
+def test_each_row_draws_with_its_own_temperature_and_filters_as_alone(seed, rows, scale):
+    """A batch's rows may each draw at their own temperature, top_k and top_p (RowDraws: the server batches requests
+    that differ in them): every row's candidate probabilities are, bit for bit, what its settings give it alone
+    (one implementation: the scalar setting is every row at one value). So a row at top_k 0 and top_p 1 comes out
+    unfiltered, and at temperature 1 untempered, whatever its neighbours do."""
+    logits = logits_from(seed, b=len(rows), c=5, scale=scale)
+    temps, ks, ps = (list(x) for x in zip(*rows))
+    base = SamplerConfig()
+    draws = RowDraws.of(base, len(rows), draw_temperature=temps, top_k=ks, top_p=ps)
+    batch = candidate_probs(draws, logits, torch.softmax(logits, -1))
+    for i, (t, k, p) in enumerate(rows):
+        cfg = base.with_(draw_temperature=t, top_k=k, top_p=p)
+        alone = candidate_probs(RowDraws.of(cfg, 1), logits[i : i + 1], torch.softmax(logits[i : i + 1], -1))
+        assert torch.equal(batch[i], alone[0]), (i, rows)
+        if (t, k, p) == (1.0, 0, 1.0):  # alone this is softmax(logits) itself, untouched
+            assert torch.equal(batch[i], torch.softmax(logits[i], -1))
+    # the per-row values reach the draws through denoise_step too, each row as alone
+    state = init_state(torch.zeros(len(rows), 5, dtype=torch.long))
+    noise, uniforms = torch.zeros(len(rows), 5, dtype=torch.long), torch.rand(len(rows), 5)
+    stepped = denoise_step(base, state, logits, 3, noise, uniforms=uniforms, draws=draws)
+    for i, (t, k, p) in enumerate(rows):
+        alone = denoise_step(base.with_(draw_temperature=t, top_k=k, top_p=p), take_rows(state, torch.tensor([i])),
+                             logits[i : i + 1], 3, noise[i : i + 1], uniforms=uniforms[i : i + 1])
+        assert torch.equal(stepped.canvas[i], alone.canvas[0])
+
+
+def test_row_draws_name_the_row_and_the_count():
+    cfg = SamplerConfig()
+    with pytest.raises(ValueError, match=r"top_p: expected one per row \(2\), got 3"):
+        RowDraws.of(cfg, 2, top_p=[0.5, 0.6, 0.7])
+    for name, values, message in (("top_k", [3, -1], r"top_k\[1\]: expected an integer >= 0"),
+                                  ("top_p", [0.5, 1.5], r"top_p\[1\]: expected a probability in \(0, 1\]"),
+                                  ("draw_temperature", [1.0, 0.0], r"draw_temperature\[1\]: expected > 0")):
+        with pytest.raises(ValueError, match=message):
+            RowDraws.of(cfg, 2, **{name: values})
 
 
 @pytest.mark.parametrize("field, value", [("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "5"),

@@ -1345,6 +1345,49 @@ def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_t
         create_app(lm, MODEL)
 
 
+def test_requests_of_different_temperatures_share_a_batch_and_answer_as_alone(server, monkeypatch):
+    """Jobs batched only when their whole sampler settings were equal, so a request at temperature 0.7 never shared
+    a step with one at 0.8, nor one with a top_p or top_k with one without: concurrent clients ran one batch after
+    another. Now each row draws with its own temperature, top_p and top_k, and answers as it would alone."""
+    import threading
+
+    engine = server[1].state.engine
+    bodies = [{"model": MODEL, "prompt": "abc", "max_tokens": 20, "temperature": 0.5, "seed": 1},
+              {"model": MODEL, "prompt": "hello there", "max_tokens": 20, "temperature": 1.3, "top_p": 0.8, "seed": 2},
+              {"model": MODEL, "prompt": "x", "max_tokens": 12, "temperature": 0.9, "top_k": 5, "seed": 3}]
+
+    def post(body):
+        return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
+
+    alone = [post(body) for body in bodies]
+    gate, batches, run = threading.Event(), [], engine._run
+
+    def gated(batch):  # hold the engine on a first request until the others are queued
+        batches.append(sorted(j.sampler.draw_temperature for j in batch))
+        gate.wait(30)
+        run(batch)
+
+    monkeypatch.setattr(engine, "_run", gated)
+    before = engine.metrics.counters["batches_total"]
+    with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
+        first = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1, "temperature": 2.0})
+        while not batches:
+            threading.Event().wait(0.01)
+        together = [pool.submit(post, body) for body in bodies]
+        while engine.depth() < len(bodies):
+            threading.Event().wait(0.01)
+        gate.set()
+        together = [f.result() for f in together]
+        assert "choices" in first.result()
+    assert batches == [[2.0], [0.5, 0.9, 1.3]] and engine.metrics.counters["batches_total"] - before == 2
+    for a, t in zip(alone, together):
+        assert t["choices"][0]["text"] == a["choices"][0]["text"]
+        assert t["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
+        assert t["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+        assert t["usage"]["forward_passes"] == a["usage"]["forward_passes"]
+    assert len({a["choices"][0]["text"] for a in alone}) == len(bodies)  # three answers, not one
+
+
 def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server, monkeypatch):
     """Jobs batched only when their max_tokens and min_tokens were equal, so clients that send different lengths (all
     real ones) ran one by one. Now they share a batch, each row with its own budget, and each answer, finish_reason
