@@ -722,11 +722,13 @@ class Reply:
             first += job.copies
 
     def tool_message(self, done: JobDone, ids: Sequence[str] = ()) -> dict | None:
-        """A done answer as an assistant message with OpenAI's tool_calls (each with a new id, or the one in `ids`
-        (a stream sent it), its arguments as JSON text), and the finish_reason; None where the answer is text: no
-        `parse`, or no call in the reply, or calls in a shape that is not {"type": "function", "function": {"name":
-        ..., "arguments": ...}}, or a reply the response template cannot read (the model wrote a malformed call),
-        which is logged."""
+        """A done answer as the assistant message the response template reads in it, and the finish_reason: its
+        tool calls as OpenAI's `tool_calls` (each with a new id, or the one in `ids` (a stream sent it), its
+        arguments as JSON text; finish_reason "tool_calls"), and its thought as `reasoning_content` apart from the
+        content, call or no call (a thinking model's reply to a request with tools may answer in words). None where
+        the answer is text: no `parse`, or neither a call nor a thought in the reply, or calls in a shape that is
+        not {"type": "function", "function": {"name": ..., "arguments": ...}}, or a reply the response template
+        cannot read (the model wrote a malformed call), which is logged."""
         if self.parse is None or done.raw is None:
             return None
         try:
@@ -735,14 +737,17 @@ class Reply:
             log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
             return None
         calls = openai_calls(parsed.get("tool_calls"), ids)
-        if not calls:
+        reasoning = parsed.get("reasoning_content")
+        if calls is None or not (calls or isinstance(reasoning, str)):
             return None
         content = parsed.get("content")
-        message = {"role": "assistant", "content": content if isinstance(content, str) and content else None,
-                   "tool_calls": calls}
-        if isinstance(parsed.get("reasoning_content"), str):  # what vLLM and DeepSeek's API call it
-            message["reasoning_content"] = parsed["reasoning_content"]
-        return {"message": message, "finish_reason": "tool_calls" if done.finish == "stop" else done.finish}
+        content = content if isinstance(content, str) and content else None
+        message = {"role": "assistant", "content": content if calls or content is not None else ""}
+        if calls:
+            message["tool_calls"] = calls
+        if isinstance(reasoning, str):  # what vLLM and DeepSeek's API call it
+            message["reasoning_content"] = reasoning
+        return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
 
     def choice(self, i: int, text: str | None, finish: str | None, delta: bool) -> dict:
         if self.kind == "chat":
@@ -776,12 +781,14 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
 
 @dataclass
 class ToolStream:
-    """A streamed chat reply read for tool calls (Reply.parse): what of it has been sent. Its content goes out as the
-    reply settles it, and each call once its closing marker is written, so that the chunks add up to the whole
-    answer (Reply.tool_message): the content sent is also the start of the reply's plain text, which is the answer
-    where no call comes."""
+    """A streamed chat reply read for tool calls (Reply.parse): what of it has been sent. Its thought and content go
+    out as the reply settles them, and each call once its closing marker is written, so that the chunks add up to
+    the whole answer (Reply.tool_message). Until a thought shows, the content sent is also the start of the
+    reply's plain text, which is the answer where no call comes; after one, the answer is the template's reading
+    (Reply.tool_message), call or not."""
 
     content: str = ""
+    reasoning: str = ""
     calls: list[dict] = field(default_factory=list)
     unread: bool = False  # the template cannot read the reply so far (a malformed call): the answer is text
 
@@ -795,7 +802,14 @@ class ToolStream:
             self.unread = True
             return []
         deltas = []
-        content = os.path.commonprefix([settled_text(item.text, stops), partial.settled_text("content")])
+        reasoning = partial.settled_text("reasoning_content")
+        thought = bool(reasoning) or partial.open == "reasoning_content" or "reasoning_content" in partial.closed
+        if len(reasoning) > len(self.reasoning) and reasoning.startswith(self.reasoning):
+            deltas.append({"reasoning_content": reasoning[len(self.reasoning):]})
+            self.reasoning = reasoning
+        content = partial.settled_text("content")
+        if not thought:  # the answer may yet be the plain text
+            content = os.path.commonprefix([settled_text(item.text, stops), content])
         if len(content) > len(self.content) and content.startswith(self.content):
             deltas.append({"content": content[len(self.content):]})
             self.content = content
@@ -811,19 +825,21 @@ class ToolStream:
     def finish(self, reply: Reply, done: JobDone) -> tuple[list[dict], str]:
         """The deltas left of the whole answer, and its finish_reason."""
         called = reply.tool_message(done, [c["id"] for c in self.calls])
-        message = called["message"] if called is not None else {"content": done.text, "tool_calls": []}
-        content = message["content"] or ""
-        deltas = [{"reasoning_content": message["reasoning_content"]}] if "reasoning_content" in message else []
-        if content.startswith(self.content):
-            if len(content) > len(self.content):
-                deltas.append({"content": content[len(self.content):]})
-        if not content.startswith(self.content) or message["tool_calls"][: len(self.calls)] != self.calls:
+        message = called["message"] if called is not None else {"content": done.text}
+        content, reasoning = message["content"] or "", message.get("reasoning_content") or ""
+        calls = message.get("tool_calls", [])
+        deltas = []
+        for key, whole, sent in (("reasoning_content", reasoning, self.reasoning), ("content", content, self.content)):
+            if len(whole) > len(sent) and whole.startswith(sent):
+                deltas.append({key: whole[len(sent):]})
+        if not content.startswith(self.content) or not reasoning.startswith(self.reasoning) or \
+                calls[: len(self.calls)] != self.calls:
             # a template whose content keeps only its last part, written after a call, or a malformed call after
             # well-formed ones sent already: what was sent cannot be taken back
-            log.warning("serve: a streamed reply's chunks differ from its whole answer (%d calls and %.80r sent; "
-                        "the answer has %.80r and %d calls)", len(self.calls), self.content, content,
-                        len(message["tool_calls"]))
-        for k, call in enumerate(message["tool_calls"][len(self.calls):], len(self.calls)):
+            log.warning("serve: a streamed reply's chunks differ from its whole answer (%d calls, %.80r and thought "
+                        "%.80r sent; the answer has %.80r, thought %.80r and %d calls)", len(self.calls), self.content,
+                        self.reasoning, content, reasoning, len(calls))
+        for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
             deltas.append({"tool_calls": [{"index": k, **call}]})
         return deltas, called["finish_reason"] if called is not None else done.finish
 

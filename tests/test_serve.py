@@ -1213,13 +1213,25 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         assert choice.message.model_extra["reasoning_content"] == "Two cities."
 
         assert streamed_message(client, **kw) == whole_message(client, **kw)
-        # in canvases of 3 tokens: the content comes as they commit, each call before the reply ends (not with a
-        # thought first: with no call the answer would be the plain text, which starts with the thought)
-        reply[0], reply[1] = reply[0].split("<channel|>")[1], 3
+        # in canvases of 3 tokens: the thought and the content come as they commit, each call before the reply ends
+        # (the thought came whole at the end, and with it every piece of content)
+        reply[1] = 3
         chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw)]
-        assert len([c for c in chunks if c.delta.content]) > 1
-        assert [c.delta.tool_calls[0].index for c in chunks if c.delta.tool_calls] == [0, 1]
+        thought = [i for i, c in enumerate(chunks) if (c.delta.model_extra or {}).get("reasoning_content")]
+        said = [i for i, c in enumerate(chunks) if c.delta.content]
+        called = [i for i, c in enumerate(chunks) if c.delta.tool_calls]
+        assert len(thought) > 1 and len(said) > 1 and thought[-1] < said[0] and said[-1] < called[0]
+        assert [chunks[i].delta.tool_calls[0].index for i in called] == [0, 1] and called[-1] < len(chunks) - 1
         assert streamed_message(client, **kw) == whole_message(client, **kw)
+        # a thought and no call: the thought is apart from the answer, as with calls (it was in the content)
+        reply[0] = "<|channel>thought\nNo tool needed.<channel|>It is sunny.<turn|>"
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == ("It is sunny.", None,
+                                                                                             "stop")
+        assert choice.message.model_extra["reasoning_content"] == "No tool needed."
+        assert streamed_message(client, **kw) == whole_message(client, **kw)
+        reply[0] = f"<|channel>thought\nTwo cities.<channel|>Checking both.<|tool_call>call:weather{gemma_value(paris)}"
+        reply[0] += f"<tool_call|><|tool_call>call:weather{gemma_value(oslo)}<tool_call|>"
         usage = [c.usage for c in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
                                                                   **kw)]
         assert usage[:-1] == [None] * (len(usage) - 1) and usage[-1] == client.chat.completions.create(**kw).usage
@@ -1261,7 +1273,8 @@ def streamed_message(client, **kw) -> dict:
     for chunk in client.chat.completions.create(stream=True, **kw):
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        reasoning = (delta.model_extra or {}).get("reasoning_content") or reasoning
+        piece = (delta.model_extra or {}).get("reasoning_content")
+        reasoning = reasoning if piece is None else (reasoning or "") + piece
         for t in delta.tool_calls or []:
             if t.index not in calls:
                 assert t.id.startswith("call_") and t.type == "function" and t.function.name, t
