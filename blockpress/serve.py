@@ -39,8 +39,9 @@ the checkpoint's tokenizer_config.json has a `response_template` (transformers 5
 to a request with tools is read with it, and the calls it holds come back as OpenAI's `message.tool_calls` (arguments
 as JSON text) with finish_reason "tool_calls", the rest as the content; streamed, the content goes out as the reply
 settles it (response.parse_partial: short of a tail that may begin a call's marker) and each call as one
-`delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A reply that
-holds no call, or one the template cannot read, is text as before, and without a response template every reply is
+`delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A thought
+the template marks is `reasoning_content` (streamed as it is written), call or no call. A reply that holds neither a call nor
+a thought, or one the template cannot read, is text as before, and without a response template every reply is
 text (the client parses it). `tool_choice` is only "auto" or "none" (none: the reply is not parsed).
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
