@@ -22,6 +22,12 @@ from torch import nn
 
 from .cache import KVCache
 from .config import LayerSpec, ModelConfig, TextConfig
+from .sampling import is_int
+
+# Queries per encoder pass over a long prompt (DiffusionGemma.prefill_chunk's default). Each pass builds masks
+# (and, where SDPA falls back to its math kernel, scores) over chunk x keys, not prompt x prompt; 2048 queries
+# still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass as before.
+PREFILL_CHUNK = 2048
 
 # (layer index, spec, new keys, new values) -> (all keys, all values) that the new queries may read.
 KVSource = Callable[[int, LayerSpec, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -335,6 +341,7 @@ class DiffusionGemma(nn.Module):
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.softcap = cfg.final_logit_softcapping
         self.window = cfg.sliding_window
+        self.prefill_chunk = PREFILL_CHUNK  # encode's default chunk_size: a memory setting of this engine, not the model's
         for kind, inv_freq in self._inv_freqs().items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
@@ -452,8 +459,21 @@ class DiffusionGemma(nn.Module):
         cache: KVCache,
         attention_mask: torch.Tensor | None = None,
         logits: str = "none",
+        chunk_size: int | None = None,
     ) -> torch.Tensor | None:
-        """Causally encode clean tokens into the cache. `logits`: "none", "last" ([B, V]) or "all"."""
+        """Causally encode clean tokens into the cache. `logits`: "none", "last" ([B, V]) or "all" ([B, L, V]).
+
+        Runs `chunk_size` queries at a time (default `self.prefill_chunk`): each chunk writes its keys and values,
+        then attends to the cache so far and itself, so memory grows with chunk x prompt rather than prompt^2.
+        The result is the one-pass result (chunks only split the queries; every query sees the same keys).
+        """
+        if logits not in ("none", "last", "all"):
+            raise ValueError(f'logits: expected "none", "last" or "all", got {logits!r}')
+        chunk = self.prefill_chunk if chunk_size is None else chunk_size
+        if not is_int(chunk) or chunk <= 0:
+            name = "chunk_size" if chunk_size is not None else "prefill_chunk"
+            raise ValueError(f"{name}: expected a positive int (queries per encoder pass), got {chunk!r}")
+        chunk = int(chunk)
         b, length = input_ids.shape
         cache.reserve(length)
         if attention_mask is not None:
@@ -461,20 +481,27 @@ class DiffusionGemma(nn.Module):
             if bool(attention_mask.all()):
                 attention_mask = None
         start = cache.length
-        end = start + length
         positions = cache.positions(length, attention_mask)
-        sliding_from = max(0, start - self.window + 1)
         padded = cache.has_padding or attention_mask is not None
         valid = cache.valid
         if attention_mask is not None:
             valid = valid.clone()
-            valid[:, start:end] = attention_mask
-        masks = self.causal_masks(start, end, sliding_from, valid if padded else None)
-        x = self.run_layers(self.embed(input_ids), positions, masks, _cache_source(cache, start, sliding_from), True)
+            valid[:, start : start + length] = attention_mask
+        outs = []
+        for lo in range(0, max(length, 1), chunk):  # an empty input still makes one (empty) pass, as it did
+            hi = min(lo + chunk, length)
+            first = start + lo
+            # Sliding layers read only the window before this chunk's first query; full layers the whole cache.
+            sliding_from = max(0, first - self.window + 1)
+            masks = self.causal_masks(first, start + hi, sliding_from, valid if padded else None)
+            x = self.run_layers(self.embed(input_ids[:, lo:hi]), positions[:, lo:hi], masks,
+                                _cache_source(cache, first, sliding_from), True)
+            if logits == "all":
+                outs.append(self.head(x))
         cache.commit(attention_mask, length)
         if logits == "none":
             return None
-        return self.head(x[:, -1] if logits == "last" else x)
+        return self.head(x[:, -1]) if logits == "last" else torch.cat(outs, dim=1)
 
     def encode_one(self, token_ids: torch.Tensor, cache: KVCache, slot: torch.Tensor) -> torch.Tensor:
         """`encode(token_ids, cache, logits="last")` for one token per row, with every shape fixed: the slot

@@ -146,6 +146,30 @@ def test_left_padded_batch(lm, ref_checkpoint):
     assert worst <= TOL and worst_batched <= TOL
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 9])
+def test_chunked_prefill_matches_reference(lm, ref_checkpoint, chunk):
+    """A left-padded batch encoded `chunk` queries at a time (window 6: chunks shorter and longer than it),
+    then a canvas: each row as the reference computes it alone."""
+    _, ref = ref_checkpoint
+    g = torch.Generator().manual_seed(6)
+    lengths = [3, 23, 14]
+    width = max(lengths)
+    rows = [ids(g, n) for n in lengths]
+    prompt = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        prompt[i, width - len(r):], mask[i, width - len(r):] = r, True
+    canvas = ids(g, 3, 8)
+    cache = lm.new_cache(3, width + 8)
+    with torch.no_grad():
+        lm.model.encode(prompt, cache, attention_mask=mask, chunk_size=chunk)
+        ours = lm.model.denoise(canvas, cache)
+    worst = max((ours[i] - ref_logits(ref, r[None], canvas[i : i + 1])[0]).abs().max().item()
+                for i, r in enumerate(rows))
+    print(f"chunked prefill ({chunk}) max|diff| = {worst:.2e}")
+    assert worst <= TOL
+
+
 def test_bf16_matches_reference_in_bf16(ref_checkpoint):
     """Both engines in bfloat16 on one input: within half the reference's own bf16-vs-fp32 spread. (Not a law: on
     random weights one ulp can grow to several logits either way, and other inputs have come out level.)"""
