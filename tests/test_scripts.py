@@ -190,6 +190,15 @@ def test_prefix_cache_benchmark_smoke():
         assert w["encode_ratio"] > 0 and w["total_ratio"] > 0
 
 
+def test_prefill_memory_benchmark_smoke():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "64",
+                        "--chunks", "0", "16", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(r.stdout)["runs"]
+    assert [run["chunk_size"] for run in runs] == [64, 16]  # 0: the whole prompt in one pass
+    assert all(run["seconds"] > 0 and run["peak_growth_bytes"] >= 0 for run in runs)
+
+
 def test_sudoku_benchmark_smoke():
     """The side-by-side table's script on the shipped model and the kept AR baseline: every engine, every
     difficulty, figures in range (the puzzles are fresh, so the rates are not fixed; the easy ones the model
