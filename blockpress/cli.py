@@ -17,6 +17,7 @@ import torch
 
 from blockpress.healing import heal
 from blockpress.live import LiveView, live_terminal
+from blockpress.model import PREFILL_CHUNK
 from blockpress.quantize import SCHEMES
 from blockpress.sampling import RANKINGS
 
@@ -64,13 +65,18 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     """load_model, saying so on stderr first: a large checkpoint takes tens of seconds that looked like a hang.
     `keep`: a line that stays (serve's log, naming where it will listen); otherwise the line is shown only on a
     terminal and erased once loaded, so it never mixes into the output or a script's stderr."""
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:  # before the load, which can take a while
+        raise ValueError(f"--prefill-chunk: expected a positive integer (tokens per pass), got {args.prefill_chunk}")
     terminal = sys.stderr is not None and sys.stderr.isatty()
     if keep:
         print(keep, file=sys.stderr, flush=True)
     elif terminal:
         print(f"loading {args.model} ...", end="", file=sys.stderr, flush=True)
     try:
-        return load_model(args.model, args.dtype, args.device, args.quantize, args.adapter)
+        lm = load_model(args.model, args.dtype, args.device, args.quantize, args.adapter)
+        if args.prefill_chunk is not None:
+            lm.model.prefill_chunk = args.prefill_chunk
+        return lm
     finally:
         if terminal and not keep:
             print("\r\x1b[K", end="", file=sys.stderr, flush=True)  # the line erased, loaded or not
@@ -83,12 +89,15 @@ QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CP
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """What every command that loads a model applies to it as it loads: --quantize and --adapter."""
+    """What every command that loads a model applies to it as it loads: --quantize, --adapter, --prefill-chunk."""
     p.add_argument("--quantize", choices=[*SCHEMES, "none"], default=None, help=QUANTIZE_HELP)
     p.add_argument("--adapter", default=None, metavar="FOLDER",
                    help="a LoRA adapter folder (PEFT's format: `blockpress train --lora-rank`'s OUT/adapter) to apply "
                         "over --model: merged in float32, or with --quantize kept unmerged over the quantized base. "
                         "An adapter folder may also be given as --model itself: it loads the base it was trained on")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens encoded per pass: a long prompt's attention masks take N x its length, not its "
+                        f"length squared; the result is the same (default: {PREFILL_CHUNK})")
 
 
 def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device, e.g. cpu or cuda (default: cpu)") -> None:

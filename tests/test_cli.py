@@ -1409,3 +1409,19 @@ def test_chat_needs_a_chat_template(tmp_path, capsys):
         assert f"error: --model {tmp_path}: has no chat template" in err and command[-1] in err
     assert main(["generate", "hi", "--system", "x"]) == 2
     assert "--system: a system message goes with --chat" in capsys.readouterr().err
+
+
+def test_prefill_chunk_is_set_on_the_model_and_changes_nothing_but_memory(capsys):
+    """--prefill-chunk N: prompts encode N tokens a pass (the model's prefill_chunk); the output is the same."""
+    from blockpress.cli import load_announced
+
+    args = build_parser().parse_args(["generate", "x", "--model", "random-tiny", "--prefill-chunk", "3"])
+    assert load_announced(args).model.prefill_chunk == 3
+    base = ["generate", "def add(a, b):\n    return", "--model", "random-tiny", "--max-new-tokens", "16",
+            "--steps", "2", "--seed", "5", "--json"]
+    assert main(base) == 0
+    whole = json.loads(capsys.readouterr().out)["text"]
+    assert main(base + ["--prefill-chunk", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == whole
+    assert main(base + ["--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk: expected a positive integer (tokens per pass), got 0" in capsys.readouterr().err
