@@ -342,11 +342,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     prompt, marker = ("you> ", "model> ") if interactive and not args.json else ("", "")
 
-    def no_reply(user: str, error: str) -> None:
-        """With --json, a message dropped (said on stderr) still gets its line: a script reads one per message."""
+    def no_reply(user: str, **fields: Any) -> None:
+        """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
+        JSON line: a script that wrote N lines reads N back, in order, and never waits on one that will not come."""
         if args.json:
             shown = user.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bad bytes as U+FFFD
-            print(json.dumps(dict(prompt=shown, error=error)), flush=True)
+            print(json.dumps(dict(prompt=shown, **fields)), flush=True)
     # Under a UTF-8 locale stdin decodes strictly, and one bad byte would raise out of input() and end the chat;
     # as surrogates it reaches the per-message check below, which names the byte and goes on.
     if hasattr(sys.stdin, "reconfigure"):
@@ -369,15 +370,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if command == "/help":
             print(CHAT_HELP, file=sys.stderr)
+            no_reply(user, command="help")
             continue
         if command == "/reset":
             messages, cache, cached = [], None, []
             print("(a new conversation)", file=sys.stderr)
+            no_reply(user, command="reset")
             continue
         if command.startswith("//"):  # the escape: a message that starts with a slash
             user = user.replace("/", "", 1)
         elif command.startswith("/"):  # a mistyped command ("/exit now", "/rest") is not a message to the model
-            print(f"error: unknown command {command!r}; {CHAT_HELP}", file=sys.stderr)
+            error = f"unknown command {command!r}; {CHAT_HELP}"
+            print(f"error: {error}", file=sys.stderr)
+            no_reply(user, error=error)
             continue
         try:
             user.encode("utf-8")
@@ -385,7 +390,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             bad = user[exc.start].encode("utf-8", "surrogateescape")
             error = f"not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start} of the message)"
             print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
-            no_reply(user, error)
+            no_reply(user, error=error)
             continue
         messages.append({"role": "user", "content": user})
         try:
@@ -419,13 +424,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if cache is not None:
                 cache.truncate(len(cached))  # the stopped turn may have written its prompt into the cache
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
-            no_reply(user, "stopped")
+            no_reply(user, error="stopped")
             continue
         except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
             messages.pop()
             print(f"error: {as_flags(str(exc), chat_flags)}; that message was dropped, the conversation goes on",
                   file=sys.stderr)
-            no_reply(user, as_flags(str(exc), chat_flags))
+            no_reply(user, error=as_flags(str(exc), chat_flags))
             continue
         cache = out.cache
         n = int(out.num_new_tokens[0])
@@ -1066,9 +1071,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_sampling_args(p, stop=False)
     p.add_argument("--json", action="store_true",
-                   help="stdout holds one JSON object per line for each message sent, in order: its reply "
-                        "{text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, seconds}, or "
-                        "{prompt, error} when the message was dropped (too long, stopped with Ctrl-C). E.g. "
+                   help="stdout holds one JSON object per line for each line read (blank lines aside; /exit "
+                        "and /quit end the chat), in order: a message's reply {text, prompt, new_tokens, "
+                        "forward_passes, tokens_per_forward, tok_s, seconds}, {prompt, error} when the message was "
+                        "dropped (too long, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
+                        "/reset and /help. E.g. "
                         "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 

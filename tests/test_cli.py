@@ -1365,11 +1365,12 @@ def test_generate_chat_prompts_through_the_chat_template(monkeypatch, capsys):
 
 def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
     """Piped replies hold newlines themselves, so plain stdout could not be split into replies; --json gives one
-    line per message sent: its reply, or the error that dropped it."""
+    line per line read: its reply, the error that dropped it, or the command it was ("/bogus" and "/help" got no
+    line, so a script reading one line per line it wrote fell out of step, or waited forever)."""
     from blockpress.cli import load_model
 
     context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
-    lines = ["def add(a, b):", "/help", "x " * context, "now a class"]
+    lines = ["def add(a, b):", "/help", "/bogus", "x " * context, "", "/reset", "now a class", "/exit", "unread"]
     flags = ["chat", "--model", MODEL, "--max-new-tokens", "24", "--steps", "2", "--seed", "1", "--threads", "1"]
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
     assert main(flags) == 0
@@ -1378,11 +1379,13 @@ def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
     assert main([*flags, "--json"]) == 0
     out = capsys.readouterr().out
     turns = [json.loads(line) for line in out.splitlines()]
-    assert [t["prompt"] for t in turns] == [lines[0], lines[2], lines[3]]
-    assert turns[1]["error"].startswith("no room for a reply") and "text" not in turns[1]
-    replies_ = [turns[0]["text"], turns[2]["text"]]
+    assert [t["prompt"] for t in turns] == [line for line in lines[:lines.index("/exit")] if line]
+    assert turns[1] == {"prompt": "/help", "command": "help"} and turns[4] == {"prompt": "/reset", "command": "reset"}
+    assert turns[2]["error"].startswith("unknown command '/bogus'") and "text" not in turns[2]
+    assert turns[3]["error"].startswith("no room for a reply") and "text" not in turns[3]
+    replies_ = [turns[0]["text"], turns[5]["text"]]
     assert "".join(r + "\n" for r in replies_) == plain and any("\n" in r for r in replies_)
-    for t in (turns[0], turns[2]):
+    for t in (turns[0], turns[5]):
         assert {"new_tokens", "forward_passes", "tokens_per_forward", "tok_s", "seconds"} <= set(t)
 
 
