@@ -1,4 +1,4 @@
-"""Print how a canvas settles, step by step, as plain text (the README's transcript of the live view).
+r"""Print how a canvas settles, step by step, as plain text (the README's transcript of the live view).
 
 Tokens that changed since the previous step are wrapped in [brackets]; settled ones are bare.
 

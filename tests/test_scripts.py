@@ -1,6 +1,7 @@
 """Prepared scripts run end to end on a tiny shape (the GPU runs use the same code)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -354,3 +355,27 @@ def test_code_model_trailing_newline_rates_are_over_the_functions_used():
     assert trailing["functions"] == 1
     rates = [rate for engine in ("diffusion", "ar") for rate in trailing[engine].values()]
     assert all(rate in (0.0, 1.0) for rate in rates) and any(rates)  # one function: it parses or it does not
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for folder in ("scripts", "benchmarks")
+                                          for p in (ROOT / folder).glob("*.py")))
+def test_script_docstrings_show_their_commands_as_written(script):
+    """canvas_transcript.py's --help printed its example's $'...\\n...' with real line breaks (the docstring's
+    escapes were read), so the command it showed could not be copied: a --help text is the docstring as typed."""
+    import ast
+
+    source = (ROOT / script).read_text()
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree, clean=False)
+    assert doc, "a script says what it does in its docstring (its --help)"
+    literal = ast.get_source_segment(source, tree.body[0].value)
+    assert literal.lstrip("rR")[3:-3] == doc, "the docstring has escapes: make it a raw string (r\"\"\")"
+
+
+def test_canvas_transcript_help_shows_the_readmes_command():
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`(python scripts/canvas_transcript\.py [^`]+)`", readme).group(1)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "canvas_transcript.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert command in [line.strip() for line in r.stdout.splitlines()]
