@@ -191,13 +191,14 @@ class Commit:
     # This canvas's tokens decoded on their own, when a tokenizer is present: a character whose bytes a canvas edge
     # splits is U+FFFD in both commits, and a stop string is not cut; to show the answer use `texts_so_far`.
     texts: list[str] | None = None
-    # [B] valid new tokens so far (through an EOS or the token completing a stop string): Done's num_new_tokens
+    # [B] valid new tokens so far (through an EOS or the token completing a stop string): Done's output.num_new_tokens
     num_new_tokens: torch.Tensor | None = None
-    # Each row's text so far as Done's `texts` would read were the generation to end here (when a tokenizer is
+    # Each row's text so far as Done's `output.texts` would read were the generation to end here (when a tokenizer is
     # present): decoded whole, no pads, the healed prefix left out, a template's fixed text as written, cut at a
-    # stop string. The last Commit's is Done's.
+    # stop string. The last Commit's is Done's output.texts.
     texts_so_far: list[str] | None = None
-    fills_so_far: list[list[str]] | None = None  # a template's holes so far, as Done's `fills` (None: no template)
+    # a template's holes so far, as Done's `output.fills` (None: no template)
+    fills_so_far: list[list[str]] | None = None
     kind: str = "commit"
 
 
@@ -653,8 +654,8 @@ def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[li
 
 @dataclass
 class _RowTexts:
-    """Each row's text as its new tokens grow, for the stop search, the Commit events' texts so far and Done's texts:
-    decoded whole (a character whose bytes straddle two canvases comes out whole) and once per length, shared by the
+    """Each row's text as its new tokens grow, for the stop search, the Commit events' texts so far and Done's
+    output.texts: decoded whole (a character whose bytes straddle two canvases comes out whole) and once per length, shared by the
     three. A row only grows (tokens once written stay), so its newest text is all there is to keep; the text of its
     first min_new_tokens (the stop floor) is fixed once it has them, so that is decoded once per generation."""
 
@@ -1198,7 +1199,7 @@ def run(
     device_sync(device)
     encode_s = time.perf_counter() - t0
     denoise_s = 0.0
-    # Each row's text is decoded once a commit, for its stop search, the Commit's texts so far and Done's texts.
+    # Each row's text is decoded once a commit, for its stop search, the Commit's texts so far and Done's output.texts.
     texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
     dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), texts_of, drafts)
     answers = _Answers.of(texts_of) if texts_of is not None else None
