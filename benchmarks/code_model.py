@@ -7,8 +7,8 @@ Figures (JSON):
   no deeper than the `def`) or at the last complete line, and must hold at least one statement.
 - parseable_without_loops: the same, less bodies that repeat a line (8+ characters) three times or more: a
   loop that ends on a complete line parses, but it is the model's commonest failure.
-- infill_exact: exact-match rate of single-line infills. One body line becomes a hole of its own token
-  length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
+- infill_exact: exact-match rate of single-line infills (null with `--infills 0`). One body line becomes a hole
+  of its own token length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
 - tokens_per_forward and tok/s at the model's default settings (the AR baseline takes the same repetition
   penalties).
 - trailing_newline: parseable rate when the prompt ends with the `def` line's newline, as people type it,
@@ -123,8 +123,9 @@ def main() -> None:
         ar = lm.generate_ar([prompt], max_new_tokens=len(case.hole), **ar_options)
         hits_ar += tok.decode(ar.new_tokens[0].tolist()).lstrip("\n").split("\n")[0].strip() == case.target.strip()
     result["infill_cases"] = len(cases)
-    result["diffusion"]["infill_exact"] = hits_diff / max(1, len(cases))
-    result["ar"]["infill_exact"] = hits_ar / max(1, len(cases))
+    # null without cases (--infills 0): no rate was measured, and 0.0 would read as every infill missed
+    result["diffusion"]["infill_exact"] = hits_diff / len(cases) if cases else None
+    result["ar"]["infill_exact"] = hits_ar / len(cases) if cases else None
     print(json.dumps(result, indent=2))
 
 

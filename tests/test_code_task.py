@@ -110,6 +110,26 @@ def test_infill_cases_hole_is_one_body_line_and_fits_the_canvas():
         assert whole in SOURCE  # before + hole + suffix is the source text, cut at the canvas' end
 
 
+@given(functions=st.integers(0, 8), limit=st.integers(0, 12), seed=st.integers(0, 3))
+def test_infill_cases_are_at_most_limit_and_the_same_first_ones(functions, limit, seed):
+    """limit=0 gave one case (it was tested after a case was added), so `code_model.py --infills 0` ran an infill."""
+    source = "".join(f"def f{k}(x):\n    y = x + {k}\n    return y\n\n" for k in range(functions))
+    funcs = functions_in(source, "m.py")
+    assert len(funcs) == functions
+    every = infill_cases(funcs, CharTokenizer(), canvas=64, limit=functions, seed=seed)
+    assert len(every) == functions  # each function here has a case: the limit is all that cuts them
+    assert infill_cases(funcs, CharTokenizer(), canvas=64, limit=limit, seed=seed) == every[:limit]
+
+
+def test_infill_cases_refuses_a_negative_limit():
+    import pytest
+
+    funcs = functions_in(SOURCE, "m.py")
+    assert infill_cases(funcs, CharTokenizer(), canvas=64, limit=0, seed=0) == []
+    with pytest.raises(ValueError, match="limit: expected a non-negative integer, got -1"):
+        infill_cases(funcs, CharTokenizer(), canvas=64, limit=-1, seed=0)
+
+
 def test_model_heldout_functions_reads_the_manifest(tmp_path):
     import json
 

@@ -351,7 +351,10 @@ def test_code_model_trailing_newline_rates_are_over_the_functions_used():
                         "--healing-functions", "3", "--max-new-tokens", "8", "--threads", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    trailing = json.loads(r.stdout)["trailing_newline"]
+    result = json.loads(r.stdout)
+    # --infills 0 skips them: one ran, and its rate read 0.0 as if every infill had missed
+    assert result["infill_cases"] == 0 and result["diffusion"]["infill_exact"] is result["ar"]["infill_exact"] is None
+    trailing = result["trailing_newline"]
     assert trailing["functions"] == 1
     rates = [rate for engine in ("diffusion", "ar") for rate in trailing[engine].values()]
     assert all(rate in (0.0, 1.0) for rate in rates) and any(rates)  # one function: it parses or it does not

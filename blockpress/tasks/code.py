@@ -141,10 +141,15 @@ class InfillCase:
 def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, seed: int) -> list[InfillCase]:
     """One body line per function becomes a hole of its own token length; the following lines stay fixed.
 
-    The newline before the target belongs to the hole, as running text tokenizes it (see `prompt_text`)."""
+    The newline before the target belongs to the hole, as running text tokenizes it (see `prompt_text`). At most
+    `limit` cases (0: none), from the first functions that have one."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit: expected a non-negative integer, got {limit!r}")
     rng = random.Random(seed)
-    cases = []
+    cases: list[InfillCase] = []
     for f in functions:
+        if len(cases) >= limit:  # tested before a case is added: limit 0 is none
+            break
         lines = f.body.split("\n")
         candidates = [i for i, line in enumerate(lines[:-1]) if line.strip() and not line.strip().startswith("#")]
         if not candidates:
@@ -157,6 +162,4 @@ def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, 
         if room < 4 or not hole:
             continue
         cases.append(InfillCase(before, lines[i], hole, suffix[:room]))
-        if len(cases) >= limit:
-            break
     return cases
