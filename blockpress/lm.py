@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
@@ -84,15 +85,22 @@ def resolve_path(path_or_name: str | Path) -> Path:
         raise ValueError(f"model {str(path_or_name)!r}: a file; give the checkpoint folder that holds it ({path.parent})")
     if len(Path(path_or_name).parts) == 1 and (MODELS_DIR / Path(path_or_name).name).is_dir():  # str or Path
         return MODELS_DIR / Path(path_or_name).name
-    repo_id, _, revision = str(path_or_name).partition("@")
+    name = str(path_or_name)
+    repo_id, _, revision = name.partition("@")
+    # Only a folder can be named so: absolute, relative to . / .. / ~, or more than a repo id's owner/name. The
+    # hub's advice would mislead there (a typo in a path is no model to download).
+    parts = repo_id.replace(os.sep, "/").split("/")
+    if Path(name).is_absolute() or name.startswith(("~", ".")) or len(parts) > 2 or not all(parts):
+        raise FileNotFoundError(f"model {name!r}: no such folder ({path.absolute()})")
     snapshot = hf_cached_snapshot(repo_id, revision or "main")
     if snapshot is not None:
         return snapshot
     names = ", ".join(shipped_models()) or "none installed"
+    fetch = (f"`hf download {repo_id}{f' --revision {revision}' if revision else ''}`" if len(parts) == 2
+             else "e.g. `hf download google/diffusiongemma-26B-A4B-it`")
     raise FileNotFoundError(
-        f"model {str(path_or_name)!r}: not a checkpoint folder, a shipped model name (shipped: {names}) nor a "
-        f"model in the Hugging Face cache ({hf_hub_cache()}); blockpress never downloads: fetch it first, "
-        "e.g. `hf download google/diffusiongemma-26B-A4B-it`"
+        f"model {name!r}: not a checkpoint folder, a shipped model name (shipped: {names}) nor a "
+        f"model in the Hugging Face cache ({hf_hub_cache()}); blockpress never downloads: fetch it first, {fetch}"
     )
 
 

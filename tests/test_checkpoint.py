@@ -377,13 +377,42 @@ def test_a_repo_id_loads_from_the_hugging_face_cache(lm, ref_checkpoint, tmp_pat
         torch.testing.assert_close(cached.logits(prompt, canvas), want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["acme/tiny-dg@v9", "acme/other", "acme/tiny-dg/extra", "../tiny-dg"])
+@pytest.mark.parametrize("name", ["acme/tiny-dg@v9", "acme/other"])
 def test_a_repo_id_not_in_the_cache_says_where_it_looked(ref_checkpoint, tmp_path, monkeypatch, name):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     fake_hub_cache(tmp_path, ref_checkpoint[0])
     with pytest.raises(FileNotFoundError) as err:
         blockpress.load(name)
     assert str(tmp_path) in str(err.value) and "hf download" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["/no/such/folder", "./ckpt", "../tiny-dg", "~/no-such-ckpt", "runs/x/final",
+                                  "acme/tiny-dg/extra", "ckpt/", ".ckpt"])
+def test_a_missing_path_is_said_to_be_no_folder(ref_checkpoint, tmp_path, monkeypatch, name):
+    """A name only a folder can have got the hub's advice ("... nor a model in the Hugging Face cache; fetch it
+    first, e.g. `hf download google/...`"), as if a typo in a path were a model to download."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    fake_hub_cache(tmp_path, ref_checkpoint[0])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        blockpress.load(name)
+    where = Path(name).expanduser().absolute()
+    assert str(err.value) == f"model {name!r}: no such folder ({where})"
+    assert not where.exists()
+
+
+def test_a_repo_id_not_in_the_cache_names_itself_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    for name, fetch in [("acme/other", "`hf download acme/other`"),
+                        ("acme/other@v2", "`hf download acme/other --revision v2`")]:
+        with pytest.raises(FileNotFoundError, match="never downloads") as err:
+            blockpress.load(name)
+        assert str(err.value).endswith(f"fetch it first, {fetch}")
+
+
+def test_a_folder_without_config_json_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json; is this a Hugging Face checkpoint folder"):
+        blockpress.load(tmp_path)
 
 
 def test_a_cache_without_refs_takes_the_newest_snapshot(ref_checkpoint, tmp_path, monkeypatch):

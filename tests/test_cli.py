@@ -304,7 +304,8 @@ def test_every_rank_by_offers_every_ranking():
 def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2
-    assert "not a checkpoint folder" in r.stderr and "Traceback" not in r.stderr
+    assert "model '/no/such/folder': no such folder" in r.stderr and "Traceback" not in r.stderr
+    assert "hf download" not in r.stderr  # a path is no model to download
 
 
 @settings(max_examples=60, deadline=None)
