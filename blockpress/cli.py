@@ -298,13 +298,13 @@ def cmd_infill(args: argparse.Namespace) -> int:
     out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length,
                     token_healing=False if args.no_token_healing else None, **kw)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
-    stats = stats_line(out, time.perf_counter() - t0)
-    # new_tokens: the whole template's length, fixed tokens included (what stats_line counts; kept for scripts that
-    # read it), also named template_tokens; filled_tokens: the holes' tokens, the ones the model chose.
-    stats["template_tokens"] = stats["new_tokens"]
-    stats["filled_tokens"] = filled_n = int(out.num_chosen_tokens.sum())
-    if stats["seconds"]:
-        stats["tok_s"] = round(filled_n / stats["seconds"], 2)  # what the model wrote, as tokens_per_forward
+    # new_tokens (also filled_tokens) are the tokens the model wrote, the holes', as generate's are and as
+    # tokens_per_forward and tok_s count them; template_tokens is the whole template, fixed tokens included.
+    filled_n = int(out.num_chosen_tokens.sum())
+    stats = stats_of(filled_n, int(out.forward_passes.max()), float(out.tokens_per_forward.mean()),
+                     time.perf_counter() - t0)
+    stats["template_tokens"] = int(out.num_new_tokens.sum())
+    stats["filled_tokens"] = filled_n
     if args.json:
         print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats)))
     else:
@@ -1051,11 +1051,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "healed, the space opens into the hole, taking one of its N positions; kept, each hole is "
                           "N tokens after it")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: text (the filled template), fills (each hole's text, one per marker, in order), "
-                        "template, "
-                        "template_tokens (the template's length, fixed tokens and holes), new_tokens (the same "
-                        "figure, under its older name), filled_tokens (the holes' tokens: what the model chose), "
-                        "forward_passes, tokens_per_forward and tok_s (both of filled tokens), seconds")
+                   help="print one JSON object: text (the filled template), fills (each hole's text, one per "
+                        "marker, in order), template (as given), new_tokens (the tokens the model wrote: the holes', "
+                        "as generate counts them; also named filled_tokens), template_tokens (the template's "
+                        "length, fixed tokens and holes), forward_passes, tokens_per_forward and tok_s (both of "
+                        "the tokens written), seconds")
     p.set_defaults(func=cmd_infill)
 
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",

@@ -89,7 +89,8 @@ def test_infill_keeps_fixed_text(capsys):
     assert data["text"] == "left " + data["fills"][0] + " right"  # the hole's own text, without the healed space
     # the 5 hole tokens are what the model wrote: tokens/forward counts them, not the template's fixed ones (the
     # space before the hole is healed into it, and the hole keeps its length)
-    assert data["filled_tokens"] == 5 < data["new_tokens"] == data["template_tokens"]  # new_tokens: the older name
+    # new_tokens counted the template's fixed tokens too (tokens_per_forward did not): they are what the model wrote
+    assert data["new_tokens"] == data["filled_tokens"] == 5 < data["template_tokens"]
     assert data["tok_s"] == pytest.approx(5 / data["seconds"], rel=0.05)  # what the model wrote, per second
     assert data["tokens_per_forward"] == pytest.approx(5 / data["forward_passes"], abs=1e-3)
 
