@@ -531,7 +531,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     import blockpress
-    from blockpress.data import is_examples, load_jsonl, split_heldout
+    from blockpress.data import is_examples, left_out, load_jsonl, split_heldout
     from blockpress.train import (
         ExampleSource,
         ShardSource,
@@ -658,6 +658,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         except OSError as exc:  # missing, a directory, unreadable: the flag's path
             raise OSError(f"{flag} {exc}") from None
 
+    for flag, given in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
+        try:  # a README.md beside JSONL files: say it is not trained on
+            note = left_out(given) if given else None
+        except ValueError as exc:  # a folder of JSONL and raw text; the message starts with the path
+            raise ValueError(f"{flag} {exc}") from None
+        if note:
+            print(f"{flag} {given}: {note}", file=sys.stderr)
     if is_examples(args.data):
         if cfg.heldout_data:  # the held-out examples are a file of their own
             if not is_examples(cfg.heldout_data):
@@ -1091,7 +1098,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
     p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines; several: a glob "
-                   "or a folder of .jsonl files), a .txt/.py/.md file, a folder of them, or a glob of token shards "
+                   "or a folder of .jsonl files, its .md files left out as dataset cards), a .txt/.py/.md file, a folder of them, or a glob of token shards "
                    "(see scripts/)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")

@@ -158,7 +158,8 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
 
 def jsonl_files(path: str | Path) -> list[Path]:
     """The JSONL files `path` names: itself (a name ending .jsonl), the files a glob matches when all are .jsonl,
-    or a folder's .jsonl files when it holds no raw text (.txt/.py/.md; searched recursively), sorted; [] else."""
+    or a folder's .jsonl files (searched recursively; its .md files are left out: dataset cards, see
+    left_out), sorted; [] else. A folder of .jsonl and also .txt/.py files is refused: which one was meant?"""
     text = str(path)
     if any(c in text for c in "*?["):
         matches = sorted(glob.glob(text))
@@ -166,9 +167,41 @@ def jsonl_files(path: str | Path) -> list[Path]:
     if text.lower().endswith(".jsonl"):
         return [Path(path)]
     if Path(path).is_dir():
-        files = sorted(f for f in Path(path).rglob("*") if f.is_file() and f.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl"))
-        return files if files and all(f.suffix.lower() == ".jsonl" for f in files) else []
+        files = _folder_files(Path(path))
+        jsonl, raw = files[".jsonl"], files[".txt"] + files[".py"]
+        if jsonl and raw:
+            raise ValueError(f"{path}: holds JSONL files ({_some(jsonl, path)}) and raw text ({_some(raw, path)}); "
+                             "a data folder is one or the other: move one kind out, or name the JSONL files with a "
+                             f"glob ('{Path(path) / '*.jsonl'}')")
+        return jsonl
     return []
+
+
+def left_out(path: str | Path) -> str | None:
+    """A note of what a folder of JSONL reads and what it leaves out, or None when it leaves nothing out: its .md
+    files (a README.md or dataset card beside the data, as datasets are shipped, is not training text)."""
+    jsonl = jsonl_files(path) if Path(path).is_dir() else []
+    cards = _folder_files(Path(path))[".md"] if jsonl else []
+    if not cards:
+        return None
+    return (f"reads {_some(jsonl, path)}; leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken "
+            "for a dataset card, not data)")
+
+
+def _folder_files(folder: Path) -> dict[str, list[Path]]:
+    """A data folder's files of each suffix that data is read from (.jsonl and TEXT_SUFFIXES), searched recursively,
+    each list sorted."""
+    found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
+    for file in sorted(folder.rglob("*")):
+        if file.is_file() and file.suffix.lower() in found:
+            found[file.suffix.lower()].append(file)
+    return found
+
+
+def _some(files: Sequence[Path], folder: str | Path, shown: int = 3) -> str:
+    """A few of `files` by their names inside `folder`, for a message."""
+    names = [str(f.relative_to(folder)) for f in files[:shown]]
+    return ", ".join(names) + (f" and {len(files) - shown} more" if len(files) > shown else "")
 
 
 def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
@@ -346,7 +379,8 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
         raise ValueError(f"{path}: raw text needs a tokenizer; this model has none (a fresh model takes one with "
                          "--tokenizer FOLDER)")
     if not files and path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+        found = _folder_files(path)
+        files = sorted(f for suffix in TEXT_SUFFIXES for f in found[suffix])
         if not files:
             raise ValueError(f"{path}: a folder without {'/'.join(TEXT_SUFFIXES)} or .jsonl files (token shards are "
                              f"given as a glob, e.g. {path}/*.bin)")

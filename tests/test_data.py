@@ -253,7 +253,7 @@ def test_a_glob_of_text_is_refused_by_name(tmp_path):
 def test_several_jsonl_files_as_a_glob_or_a_folder(tmp_path, tok):
     """A folder of .jsonl files was "a folder without .txt/.py/.md files", and `--data 'dir/*.jsonl'` "no such data
     file" though files matched: their examples (or text) are now taken in name order."""
-    from blockpress.data import is_examples, is_raw_text, jsonl_files
+    from blockpress.data import is_examples, is_raw_text
 
     pairs, text = tmp_path / "pairs", tmp_path / "text"
     for folder, lines in ((pairs, ({"prompt_ids": [2, 5], "response_ids": [7, 8]}, {"prompt": "a", "response": "b"})),
@@ -269,6 +269,25 @@ def test_several_jsonl_files_as_a_glob_or_a_folder(tmp_path, tok):
     assert is_raw_text(text) and is_raw_text(str(text / "*.jsonl")) and not is_examples(text)
     documents = [tok.encode(w) + [tok.eos_id] for w in ("hello", "world", "hello")]  # b.jsonl, then sub/a.jsonl
     assert load_text(text, tok).arrays[0].tolist() == [t for doc in documents for t in doc]
-    # raw text beside them: the folder is raw text as before, its .jsonl files not read
-    (pairs / "notes.txt").write_text("notes")
-    assert jsonl_files(pairs) == [] and is_raw_text(pairs) and not is_examples(pairs)
+
+
+def test_a_folder_of_jsonl_leaves_its_dataset_card_out(tmp_path, tok):
+    """A README.md beside the .jsonl files made the whole folder raw text: it trained on the README alone, silently
+    (or failed with "no shard holds a 77-token window"). Raw text beside JSONL was read the same way, the JSONL
+    never: now which of the two is meant is asked."""
+    from blockpress.data import is_examples, is_raw_text, jsonl_files, left_out
+
+    folder = tmp_path / "data"
+    (folder / "docs").mkdir(parents=True)
+    (folder / "train.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    (folder / "README.md").write_text("# a dataset card\n" * 30)
+    (folder / "docs" / "CARD.md").write_text("more card\n")
+    assert jsonl_files(folder) == [folder / "train.jsonl"] and is_examples(folder) and not is_raw_text(folder)
+    assert load_jsonl(folder, tok) == load_jsonl(folder / "train.jsonl", tok)
+    assert left_out(folder) == ("reads train.jsonl; leaves out README.md, docs/CARD.md (a .md file beside .jsonl "
+                                "files is taken for a dataset card, not data)")
+    assert left_out(folder / "docs") is None and left_out(folder / "train.jsonl") is None  # nothing left out
+    (folder / "docs" / "notes.txt").write_text("notes")
+    for call in (jsonl_files, is_examples, is_raw_text, left_out):
+        with pytest.raises(ValueError, match=r"holds JSONL files \(train.jsonl\) and raw text \(docs/notes.txt\)"):
+            call(folder)

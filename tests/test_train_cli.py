@@ -639,3 +639,18 @@ def test_several_jsonl_files_train_together(tmp_path):
     for given, out in ((tmp_path / "many", "folder"), (tmp_path / "many" / "*.jsonl", "glob")):
         assert main(train_args(given, tmp_path / out, steps=1)) == 0
     assert losses(tmp_path / "folder") == losses(tmp_path / "glob")
+
+
+def test_a_readme_beside_jsonl_is_left_out_and_said_so(tmp_path, capsys):
+    """`--data folder` with train.jsonl and a README.md trained on the README alone, as raw text, without a word."""
+    (tmp_path / "data").mkdir()
+    write_data(tmp_path / "data" / "train.jsonl")
+    (tmp_path / "data" / "README.md").write_text("Line of the dataset card.\n" * 30)
+    assert main(train_args(tmp_path / "data", tmp_path / "folder", steps=1)) == 0
+    assert f"--data {tmp_path / 'data'}: reads train.jsonl; leaves out README.md" in capsys.readouterr().err
+    assert main(train_args(tmp_path / "data" / "train.jsonl", tmp_path / "file", steps=1)) == 0
+    assert losses(tmp_path / "folder") == losses(tmp_path / "file")
+    (tmp_path / "data" / "notes.txt").write_text("notes\n")
+    assert main(train_args(tmp_path / "data", tmp_path / "mixed", steps=1)) == 2
+    assert f"error: --data {tmp_path / 'data'}: holds JSONL files (train.jsonl) and raw text (notes.txt)" \
+        in capsys.readouterr().err
