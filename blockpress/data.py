@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .tokenizer import chat_message
+
 
 @dataclass
 class Example:
@@ -111,11 +113,17 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
             if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
                     messages[-1].get("role") not in ("assistant", "model"):
                 raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
-            prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+            if len(messages) == 1:  # the prompt is rendered from the turns before the reply: there are none
+                raise ValueError(f"{where}: 'messages' holds only the assistant's message; give the user turn it "
+                                 "answers before it")
+            # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained
+            chat = [chat_message(message, i) for i, message in enumerate(messages)]
+            prompt = tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=True)
             end = tokenizer.token_to_id("<end_of_turn>")
-            content = messages[-1].get("content")
-            if not isinstance(content, str):
-                raise ValueError(f"{where}: messages[{len(messages) - 1}].content must be a string")
+            content = chat[-1]["content"]
+            if content is None:  # an assistant turn of tool calls alone: its text is what is trained on
+                raise ValueError(f"{where}: messages[{len(messages) - 1}].content: the assistant's reply trained on "
+                                 "must be text, got none")
             response = tokenizer.encode(content) + ([end] if end is not None else [])
             ex = Example(list(prompt), response)
         else:

@@ -88,6 +88,7 @@ from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
 from .sampling import ROW_SETTINGS, SamplerConfig
+from .tokenizer import MessageError, chat_message
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
 
@@ -273,12 +274,6 @@ class Message(BaseModel):
     def check(self, i: int) -> None:
         """OpenAI's rules between the fields, as a 400 naming messages[i]'s field."""
         where = f"messages[{i}]"
-        if self.content is None and not self.tool_calls:
-            raise APIError(400, f"{where}.content: expected str or list[TextPart], got null (only an assistant "
-                                "message with tool_calls may leave it out)", f"{where}.content")
-        if self.content == []:  # OpenAI refuses it; a template would render an empty turn
-            raise APIError(400, f"{where}.content: an empty list of parts; send text, or at least one text part",
-                           f"{where}.content")
         if self.tool_calls is not None and self.role != "assistant":
             raise APIError(400, f"{where}.tool_calls: only an assistant message has them, not a {self.role!r} one",
                            f"{where}.tool_calls")
@@ -287,16 +282,20 @@ class Message(BaseModel):
                                 self.role == "tool" else f"only a tool message has one, not a {self.role!r} one"),
                            f"{where}.tool_call_id")
 
-    def for_template(self) -> dict:
-        """The message as transformers' templates take it (None fields are left out by the tokenizer)."""
-        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+    def for_template(self, i: int) -> dict:
+        """messages[i] as transformers' templates take it (None fields are left out by the tokenizer), its content
+        as `blockpress train` reads it from a file (chat_message: text parts joined; null only beside tool_calls)."""
+        content = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
         calls = None if self.tool_calls is None else [
             {"id": c.id, "type": c.type, "function": {"name": c.function.name,
                                                       "arguments": json.loads(c.function.arguments)}}
             for c in self.tool_calls]
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text, "name": self.name, "tool_calls": calls,
-                "tool_call_id": self.tool_call_id}
+        try:
+            return chat_message({"role": role, "content": content, "name": self.name, "tool_calls": calls,
+                                 "tool_call_id": self.tool_call_id}, i)
+        except MessageError as exc:
+            raise APIError(400, str(exc), exc.field) from None
 
 
 class ChatRequest(_Common):
@@ -1196,7 +1195,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     async def chat(body: ChatRequest, request: Request):
         for i, message in enumerate(body.messages):
             message.check(i)
-        messages, tools = [m.for_template() for m in body.messages], body.template_tools()
+        messages, tools = [m.for_template(i) for i, m in enumerate(body.messages)], body.template_tools()
         if lm.tokenizer.chat_template is None:  # a model that cannot chat: the request's to change, not a failure
             raise APIError(400, "messages: this model has no chat template (no chat_template.jinja, nor chat_template "
                                 "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "

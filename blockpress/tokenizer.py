@@ -756,6 +756,48 @@ def _validate_messages(messages: Any) -> None:
                              f"{type(content).__name__}.")
 
 
+class MessageError(ValueError):
+    """A chat message blockpress cannot render; `field` names what to change as OpenAI's API names it
+    ("messages[2].content")."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+def chat_message(message: Any, index: int) -> dict[str, Any]:
+    """messages[index] as blockpress renders it, from a server request and a training file alike (so a model is
+    prompted as it was trained): a copy whose content is text, OpenAI's list of parts [{"type": "text", "text":
+    ...}] joined (a template may print the list itself: templates differ on parts). Other parts are refused, and
+    so is content null or absent except on an assistant message with tool_calls (OpenAI's rule): a template would
+    render an empty turn. Errors are MessageError naming the field."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise MessageError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
+    if not isinstance(message.get("role"), str):
+        raise MessageError(f"{where}.role", f"expected a str ('system', 'user', 'assistant', ...), got "
+                                            f"{'nothing' if 'role' not in message else type(message['role']).__name__}")
+    content = message.get("content")
+    if content is None:
+        if message.get("tool_calls"):
+            return dict(message)
+        raise MessageError(f"{where}.content", f"expected str or a list of text parts, got "
+                                               f"{'null' if 'content' in message else 'nothing'} (only an assistant "
+                                               "message with tool_calls may leave it out)")
+    if isinstance(content, list):
+        if not content:
+            raise MessageError(f"{where}.content", "an empty list of parts; give text, or at least one text part")
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise MessageError(f"{where}.content", f"only text parts {{'type': 'text', 'text': str}} are "
+                                                       f"supported ({where}.content[{j}] is {kind!r})")
+        content = "".join(part["text"] for part in content)
+    elif not isinstance(content, str):
+        raise MessageError(f"{where}.content", f"expected str or a list of text parts, got {type(content).__name__}")
+    return {**message, "content": content}
+
+
 def _validate_tools_and_documents(tools: Any, documents: Any) -> None:
     for name, items in (("tools", tools), ("documents", documents)):
         if items is None:

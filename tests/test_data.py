@@ -5,9 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
+from hypothesis import strategies as st
 
 from blockpress.data import (
     Example,
@@ -16,6 +18,7 @@ from blockpress.data import (
     load_jsonl,
     load_text,
     make_batch,
+    parse_example,
     shard_files,
     split_heldout,
     write_shard,
@@ -75,6 +78,45 @@ def test_messages_must_end_with_assistant(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="d.jsonl:1.*assistant"):
+        load_jsonl(path, tok)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(st.lists(st.text(alphabet="ab x:\n", max_size=6), min_size=1, max_size=3),
+       st.lists(st.text(alphabet="ab x:\n", min_size=1, max_size=6), min_size=1, max_size=3))
+def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
+    """OpenAI's content parts were trained on as the Python repr of the list ("[{'type': 'text', ...}]"), while
+    `blockpress serve` joins their text: the model was prompted unlike it was trained."""
+    from blockpress.serve import Message
+
+    def parts(pieces):
+        return [{"type": "text", "text": piece} for piece in pieces]
+
+    as_parts = {"messages": [{"role": "user", "content": parts(asked)}, {"role": "assistant", "content": parts(answer)}]}
+    as_text = {"messages": [{"role": "user", "content": "".join(asked)}, {"role": "assistant", "content": "".join(answer)}]}
+    ex = parse_example(as_parts, tok, "d.jsonl:1")
+    assert ex == parse_example(as_text, tok, "d.jsonl:1")
+    served = Message.model_validate(as_parts["messages"][0]).for_template(0)  # a request's user turn
+    assert tok.apply_chat_template([served], add_generation_prompt=True, tokenize=True) == ex.prompt
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, {"role": "assistant", "content": "y"}],
+     r"d.jsonl:1: messages\[0\].content: only text parts .* \(messages\[0\].content\[0\] is 'image_url'\)"),
+    # trained silently as an empty turn, where the server answers 400
+    ([{"role": "user"}, {"role": "assistant", "content": "y"}],
+     r"d.jsonl:1: messages\[0\].content: expected str or a list of text parts, got nothing"),
+    ([{"role": "user", "content": []}, {"role": "assistant", "content": "y"}],
+     r"d.jsonl:1: messages\[0\].content: an empty list of parts"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}],
+     r"d.jsonl:1: messages\[1\].content: expected str or a list of text parts, got int"),
+    # was "an empty conversation; give at least one message", of a conversation holding one
+    ([{"role": "assistant", "content": "y"}], r"d.jsonl:1: 'messages' holds only the assistant's message; give the user"),
+])
+def test_chat_messages_a_template_cannot_render_are_named(tmp_path, tok, messages, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ValueError, match=message):
         load_jsonl(path, tok)
 
 

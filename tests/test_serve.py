@@ -988,7 +988,7 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, server):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "only text parts are supported (messages[0].content[0].type is 'image_url')"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content",
-     "expected str or list[TextPart], got null"),
+     "expected str or a list of text parts, got null"),
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'assistant'"),
     # an OpenAI chat field the legacy completions do not take (it silently won over max_tokens)
     ({"prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}, "max_completion_tokens", "takes max_tokens"),
