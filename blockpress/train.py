@@ -659,6 +659,10 @@ class Trainer:
         self.merged_dtype = merged_dtype
         if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
             raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
+        if heldout is None and cfg.eval_every:  # it would never evaluate, without a word
+            raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
+                             "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "
+                             "with running text, --heldout-data)")
         self.out = Path(out_dir)
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()

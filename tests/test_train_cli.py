@@ -359,7 +359,10 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--eval-batches", "-1"], "error: --eval-batches: expected an integer >= 0"),
                            (["--lora-alpha", "0"], "error: --lora-alpha: expected a positive integer"),
                            (["--threads", "-1"], "error: --threads: expected 0"),
-                           (["--response-canvases", "0"], "error: --response-canvases: expected a positive integer")):
+                           (["--response-canvases", "0"], "error: --response-canvases: expected a positive integer"),
+                           # was silently ignored: no evaluation
+                           (["--eval-every", "2"], "error: --eval-every: evaluates the held-out data every 2 steps, "
+                                                   "and this run has none")):
         args = train_args(data, tmp_path / "o")
         if extra[0] == "--config":
             args[args.index("--config") + 1] = extra[1]
@@ -654,3 +657,12 @@ def test_a_readme_beside_jsonl_is_left_out_and_said_so(tmp_path, capsys):
     assert main(train_args(tmp_path / "data", tmp_path / "mixed", steps=1)) == 2
     assert f"error: --data {tmp_path / 'data'}: holds JSONL files (train.jsonl) and raw text (notes.txt)" \
         in capsys.readouterr().err
+
+
+def test_eval_every_evaluates_the_held_out_examples(tmp_path):
+    data = write_data(tmp_path / "d.jsonl", n=16)
+    args = train_args(data, tmp_path / "out", steps=2)
+    args[args.index("--heldout") + 1] = "0.5"
+    assert main(args + ["--eval-every", "1"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [1, 2]
