@@ -101,7 +101,7 @@ class TrainConfig:
     cpu_autocast: bool = setting(False, "bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
     lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights; "
                              "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter")
-    lora_alpha: int = setting(16, "LoRA scaling numerator")
+    lora_alpha: int = setting(16, "with --lora-rank: LoRA scaling numerator")
     quantize: str | None = setting(None, "with --lora-rank: train the adapters over a frozen base quantized with this "
                                    "scheme (int8, fp8 or int4: QLoRA; the base is quantized as it is read); --out "
                                    "then holds the adapters alone, in --out/adapter, which --model takes to run them "

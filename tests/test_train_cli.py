@@ -360,9 +360,12 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--lora-alpha", "0"], "error: --lora-alpha: expected a positive integer"),
                            (["--threads", "-1"], "error: --threads: expected 0"),
                            (["--response-canvases", "0"], "error: --response-canvases: expected a positive integer"),
-                           # was silently ignored: no evaluation
+                           # each was silently ignored: no evaluation, no adapters, no windows of JSONL examples
                            (["--eval-every", "2"], "error: --eval-every: evaluates the held-out data every 2 steps, "
-                                                   "and this run has none")):
+                                                   "and this run has none"),
+                           (["--lora-alpha", "64"], "error: --lora-alpha: 64 scales LoRA adapters; it needs --lora-rank"),
+                           (["--prompt-min", "4", "--response-canvases", "2"],
+                            "error: --prompt-min/--response-canvases: for running text")):
         args = train_args(data, tmp_path / "o")
         if extra[0] == "--config":
             args[args.index("--config") + 1] = extra[1]
@@ -663,6 +666,6 @@ def test_eval_every_evaluates_the_held_out_examples(tmp_path):
     data = write_data(tmp_path / "d.jsonl", n=16)
     args = train_args(data, tmp_path / "out", steps=2)
     args[args.index("--heldout") + 1] = "0.5"
-    assert main(args + ["--eval-every", "1"]) == 0
+    assert main(args + ["--eval-every", "1", "--lora-alpha", "8", "--lora-rank", "2"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [1, 2]
