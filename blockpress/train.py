@@ -929,8 +929,9 @@ class Trainer:
             from tqdm import tqdm
 
             # disable=None: no bar when stderr is not a terminal (a log file would fill with its redraws)
-            bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                       disable=None)
+            # a run with a time budget is measured in minutes: --steps is then only a cap (its default, 1000, unused)
+            bar = tqdm(total=None if cfg.max_minutes else cfg.steps, initial=self.step, desc="train", unit="step",
+                       dynamic_ncols=True, disable=None)
         # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
         plain = bar is not None and bar.disable
         t0, seen = time.perf_counter(), 0
@@ -965,10 +966,12 @@ class Trainer:
                     metrics.flush()
                     if plain:
                         held = f", eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-                        print(f"train: step {self.step}/{cfg.steps}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s",
+                        of = f", {self.minutes:.2f}/{cfg.max_minutes:g} min" if cfg.max_minutes else f"/{cfg.steps}"
+                        print(f"train: step {self.step}{of}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s",
                               file=sys.stderr, flush=True)
-                if bar:
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}")
+                if bar is not None:  # (a bar without a total has no truth value)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}",
+                                    **({"min": f"{self.minutes:.1f}/{cfg.max_minutes:g}"} if cfg.max_minutes else {}))
                     bar.update(1)
                 if self.on_step:
                     self.on_step(self.step, row["loss"])
@@ -988,7 +991,7 @@ class Trainer:
         finally:
             interrupt.restore()
             prefetched = None  # a run cut short: the loader's worker processes end now, not at garbage collection
-            if bar:
+            if bar is not None:
                 bar.close()
             if metrics:
                 metrics.close()
