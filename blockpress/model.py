@@ -356,8 +356,10 @@ class DiffusionGemma(nn.Module):
 
     def _inv_freqs(self) -> dict[str, torch.Tensor]:
         cfg = self.config.text
+        # In layer order: a set's order follows the per-process string hash, and DDP pairs buffers across processes
+        # by their order (one process's sliding frequencies were broadcast into another's full ones)
         return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
-                for kind in set(cfg.layer_types)}
+                for kind in dict.fromkeys(cfg.layer_types)}
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (after meta-device construction): float32, on the model's device."""

@@ -411,3 +411,18 @@ def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys)
     assert [x.split(",")[0] for x in lines] == ["train: step 2/6", "train: step 4/6", "train: step 6/6"]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [f"{r['loss']:.4f}" for r in rows] == [x.split("loss ")[1].split(",")[0] for x in lines]
+
+
+def test_buffers_are_registered_in_the_same_order_in_every_process():
+    """DDP pairs buffers across processes by their order; the RoPE frequencies were registered in a set's order, which
+    follows the per-process string hash (PYTHONHASHSEED 0 and 1 differ), so syncing them broadcast one process's
+    sliding-window frequencies into another's full-attention ones."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import blockpress; lm = blockpress.random_model(blockpress.ModelConfig.preset('tiny'), seed=0); "
+            "print([n for n, _ in lm.model.named_buffers()])")
+    orders = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1")}
+    assert len(orders) == 1, orders
