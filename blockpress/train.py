@@ -17,6 +17,7 @@ resuming from a checkpoint all reproduce the losses of one uninterrupted single-
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import os
@@ -642,6 +643,16 @@ def _all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def data_parallel(module: nn.Module) -> nn.Module:
+    """`module` under DDP, its buffers not synced each step: they are constants (RoPE frequencies, layer scalars).
+    torch 2.13 calls that forward_sync_buffers=False (its old name, broadcast_buffers, warns once a process on every
+    run; the new one still syncs them once at the start, which constants do not mind); older torch knows only the
+    old name."""
+    ddp = nn.parallel.DistributedDataParallel
+    name = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else "broadcast_buffers"
+    return ddp(module, **{name: False})
+
+
 class Trainer:
     def __init__(
         self,
@@ -720,8 +731,7 @@ class Trainer:
         self.model = model
         self.objective: nn.Module = Objective(model, cfg)
         if self.world > 1:
-            # Buffers (RoPE frequencies, layer scalars) are constants: nothing to broadcast each step.
-            self.objective = nn.parallel.DistributedDataParallel(self.objective, broadcast_buffers=False)
+            self.objective = data_parallel(self.objective)
         self.eager_objective = self.objective
         if cfg.compile:
             # A small model's step is bound by per-op overhead, on a GPU as on a CPU: fused kernels pay.

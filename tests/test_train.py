@@ -426,3 +426,20 @@ def test_buffers_are_registered_in_the_same_order_in_every_process():
     orders = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1")}
     assert len(orders) == 1, orders
+
+def test_data_parallel_keeps_buffers_unsynced_without_torchs_deprecation_warning():
+    """Every torchrun run printed torch 2.13's FutureWarning "`broadcast_buffers` is deprecated" once a process."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from blockpress.train import data_parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any warning DDP gives fails the test
+            ddp = data_parallel(torch.nn.Linear(2, 2))
+        assert ddp.broadcast_buffers is False  # (torch 2.13: the property reads forward_sync_buffers)
+    finally:
+        dist.destroy_process_group()

@@ -404,6 +404,7 @@ def test_two_processes_match_one(tmp_path):
                         *train_args(data, tmp_path / "two", steps=3)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "FutureWarning" not in r.stderr, r.stderr[-2000:]  # torch 2.13's, of DDP's broadcast_buffers, per process
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
 
 
