@@ -210,8 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt: Any = args.prompt
     shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone
     if args.chat:
-        system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt, shown = lm.chat_prompt([*system, {"role": "user", "content": args.prompt}]), ""
+        prompt, shown = lm.chat_prompt([*system_turn(args), {"role": "user", "content": args.prompt}]), ""
     # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token
     healing = not args.no_token_healing and not args.chat
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
@@ -320,11 +319,17 @@ CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; /h
 
 
 def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> None:
-    """The model can render a conversation (`use` says what needs it); a broken template fails now, once."""
+    """The model can render a conversation (`use` says what needs it), --system's message first; a broken template,
+    or one that refuses a system message, fails now, once."""
     if lm.tokenizer is None or lm.tokenizer.chat_template is None:
         raise ValueError(f"--model {args.model}: has no chat template (chat_template.jinja, or chat_template in "
                          f"tokenizer_config.json), which {use} needs")
-    lm.chat_prompt([{"role": "user", "content": "hi"}])
+    lm.chat_prompt([*system_turn(args), {"role": "user", "content": "hi"}])
+
+
+def system_turn(args: argparse.Namespace) -> list[dict[str, str]]:
+    """--system as the message a conversation starts with (generate --chat, chat); [] without it."""
+    return [{"role": "system", "content": args.system}] if args.system is not None else []
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -332,7 +337,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     check_chat_template(lm, args, "chat")
     context = lm.config.text.max_position_embeddings
     chat_flags = flags_of("chat")
-    messages: list[dict[str, str]] = []
+    system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
+    messages: list[dict[str, str]] = list(system)
     cache = None
     cached: list[int] = []  # the exact token ids the cache holds
     print("blockpress chat — /help lists the commands, /exit or Ctrl-D quits", file=sys.stderr)
@@ -373,7 +379,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             no_reply(user, command="help")
             continue
         if command == "/reset":
-            messages, cache, cached = [], None, []
+            messages, cache, cached = list(system), None, []
             print("(a new conversation)", file=sys.stderr)
             no_reply(user, command="reset")
             continue
@@ -400,8 +406,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
             room = (context - len(ids)) // canvas * canvas
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
-                if len(messages) == 1:  # an empty conversation: the message alone is too long
-                    raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template, and the "
+                if len(messages) == len(system) + 1:  # a new conversation: the message alone is too long
+                    raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template"
+                                     f"{' and --system' if system else ''}, and the "
                                      f"model's context holds {context} (the reply included); shorten it")
                 raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "
                                  f"model's {context} tokens; /reset starts a new one")
@@ -1091,6 +1098,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "dropped (too long, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
                         "/reset and /help. E.g. "
                         "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system message that starts the conversation (and the new one after /reset), as the "
+                        "chat template renders one: as generate --chat --system")
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",

@@ -1430,3 +1430,22 @@ def test_prefill_chunk_is_set_on_the_model_and_changes_nothing_but_memory(capsys
     assert json.loads(capsys.readouterr().out)["text"] == whole
     assert main(base + ["--prefill-chunk", "0"]) == 2
     assert "--prefill-chunk: expected a positive integer (tokens per pass), got 0" in capsys.readouterr().err
+
+
+def test_chat_system_message_starts_every_conversation(monkeypatch, capsys):
+    """`generate --chat` took --system and `chat` did not: a model tuned with a system prompt could not be chatted
+    with as trained. It starts the conversation, and the new one after /reset, as generate --chat renders it."""
+    import blockpress.lm
+
+    rendered, original = [], blockpress.lm.LM.chat_prompt
+    monkeypatch.setattr(blockpress.lm.LM, "chat_prompt", lambda self, messages, **kw: rendered.append(
+        [dict(m) for m in messages]) or original(self, messages, **kw))
+    lines = iter(["hello there", "and again", "/reset", "fresh start", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    assert main(["chat", "--model", MODEL, "--system", "Be brief.", "--max-new-tokens", "4", "--steps", "2"]) == 0
+    system = {"role": "system", "content": "Be brief."}
+    turns = rendered[1:]  # (the first renders a probe: the template takes a system message)
+    assert [[m["role"] for m in r] for r in turns] == [["system", "user"], ["system", "user", "assistant", "user"],
+                                                       ["system", "user"]]
+    assert all(r[0] == system for r in rendered) and turns[2][1]["content"] == "fresh start"
+    assert replies(capsys.readouterr().err) == 3
