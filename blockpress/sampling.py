@@ -36,6 +36,10 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+# The largest top_k: no vocabulary comes near it, and any k at or above a vocabulary's size keeps every token, as 0
+# does. Unbounded, a k past int64 (2**63, or 10**30 from a client) failed the tensor of a whole batch's values.
+MAX_TOP_K = 2**31 - 1
+
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
 # The candidate draw's settings, which a batch may hold one per row (RowDraws: a server batches requests that differ
 # in them, as real clients' temperatures and top_p do); the rest of a SamplerConfig is the whole batch's.
@@ -241,8 +245,9 @@ def check_row_setting(name: str, value: Any, label: str | None = None) -> float 
                              "candidates='argmax')")
         return float(value)
     if name == "top_k":
-        if not is_int(value) or value < 0:
-            raise ValueError(f"{label}: expected an integer >= 0 (0: no top-k filter), got {value!r}")
+        if not is_int(value) or not 0 <= value <= MAX_TOP_K:
+            raise ValueError(f"{label}: expected an integer in [0, {MAX_TOP_K}] (0: no top-k filter, as is any k at "
+                             f"or above the vocabulary's size), got {value!r}")
         return int(value)
     if name == "top_p":
         if not is_finite_number(value) or not 0 < value <= 1:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpress.sampling import (
+    MAX_TOP_K,
     RowDraws,
     SamplerConfig,
     accept_confidence,
@@ -636,11 +637,31 @@ def test_row_draws_name_the_row_and_the_count():
     cfg = SamplerConfig()
     with pytest.raises(ValueError, match=r"top_p: expected one per row \(2\), got 3"):
         RowDraws.of(cfg, 2, top_p=[0.5, 0.6, 0.7])
-    for name, values, message in (("top_k", [3, -1], r"top_k\[1\]: expected an integer >= 0"),
+    for name, values, message in (("top_k", [3, -1], r"top_k\[1\]: expected an integer in \[0, "),
                                   ("top_p", [0.5, 1.5], r"top_p\[1\]: expected a probability in \(0, 1\]"),
                                   ("draw_temperature", [1.0, 0.0], r"draw_temperature\[1\]: expected > 0")):
         with pytest.raises(ValueError, match=message):
             RowDraws.of(cfg, 2, **{name: values})
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.one_of(st.integers(0, 64), st.integers(0, 2**70)), seed=st.integers(0, 1000))
+def test_any_top_k_is_a_filter_or_a_refusal_by_name(k, seed):
+    """A top_k past int64 (2**63, a client's 10**30) was accepted, then failed the tensor of the whole batch it
+    joined: now each value is either refused by name, alone, or filters as top_filter does (any k at or above the
+    vocabulary's size: nothing filtered, as 0)."""
+    if k > MAX_TOP_K:
+        for make in (lambda: SamplerConfig(top_k=k), lambda: RowDraws.of(SamplerConfig(), 2, top_k=[0, k])):
+            with pytest.raises(ValueError, match=r"top_k(\[1\])?: expected an integer in \[0, "):
+                make()
+        return
+    draws = RowDraws.of(SamplerConfig(), 2, top_k=[0, k])
+    probs = torch.softmax(logits_from(seed), -1)
+    filtered = candidate_probs(draws, probs.log())
+    unfiltered = torch.softmax(probs.log(), -1)
+    assert torch.equal(filtered[0], unfiltered[0])
+    kept = (filtered[1] > 0).sum(-1)
+    assert torch.equal(kept, torch.full_like(kept, min(k, probs.shape[-1]) if k else probs.shape[-1]))
 
 
 @pytest.mark.parametrize("field, value", [("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "5"),

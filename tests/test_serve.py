@@ -168,6 +168,24 @@ def test_openai_penalties_reach_the_sampler(client):
     assert texts[0.0] != texts[2.0]
 
 
+def concurrently(server, bodies):
+    """Each body posted to /v1/completions at once (so they can share a batch): the responses, in order."""
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: httpx.post(server[0] + "/v1/completions", json={"model": MODEL, **b},
+                                                  timeout=60), bodies))
+
+
+@pytest.mark.parametrize("bad", [{"top_k": 10**30}, {"top_k": 2**63}, {"top_k": 2**31}])
+def test_one_requests_bad_value_fails_it_alone_not_its_batchmates(server, bad):
+    """A top_k past int64 passed validation, joined a batch and failed it whole: 500 for every request in it."""
+    good = [{"top_k": k, "seed": i} for i, k in enumerate((0, 40, 5))]
+    bodies = [dict(prompt="def add(a, b):", max_tokens=8, temperature=0.8, **b) for b in [*good[:2], bad, good[2]]]
+    rs = concurrently(server, bodies)
+    param = next(iter(bad))
+    assert rs[2].status_code == 400 and rs[2].json()["error"]["param"] == param, rs[2].text
+    assert [r.status_code for r in rs[:2] + rs[3:]] == [200, 200, 200]
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
