@@ -36,9 +36,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-# The largest top_k: no vocabulary comes near it, and any k at or above a vocabulary's size keeps every token, as 0
-# does. Unbounded, a k past int64 (2**63, or 10**30 from a client) failed the tensor of a whole batch's values.
-MAX_TOP_K = 2**31 - 1
+# The largest top_k and stability_threshold, counts that meet int64 tensors: unbounded, a value past int64 (a
+# client's 10**30) was accepted and then failed the step, and with top_k the tensor of a whole batch's values. No
+# vocabulary comes near it (any k at or above a vocabulary's size keeps every token, as 0 does), nor any canvas's
+# steps (a threshold above max_denoising_steps never stops a canvas early, as adaptive_stopping=False).
+MAX_COUNT = 2**31 - 1
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
 # The candidate draw's settings, which a batch may hold one per row (RowDraws: a server batches requests that differ
@@ -143,8 +145,8 @@ class SamplerConfig:
         need(self.t_max >= 0, "t_max", f"expected >= 0, got {self.t_max}")
         need(self.t_max >= self.t_min, "t_max", f"t_max ({self.t_max}) must be >= t_min ({self.t_min})")
         # (bools are ints to Python: True read as 1 here, and as noise token 1 below)
-        need(is_int(self.stability_threshold) and self.stability_threshold >= 0, "stability_threshold",
-             f"expected an integer >= 0, got {self.stability_threshold!r}")
+        need(is_int(self.stability_threshold) and 0 <= self.stability_threshold <= MAX_COUNT, "stability_threshold",
+             f"expected an integer in [0, {MAX_COUNT}], got {self.stability_threshold!r}")
         need(self.confidence_threshold > 0, "confidence_threshold", f"expected > 0, got {self.confidence_threshold}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -245,8 +247,8 @@ def check_row_setting(name: str, value: Any, label: str | None = None) -> float 
                              "candidates='argmax')")
         return float(value)
     if name == "top_k":
-        if not is_int(value) or not 0 <= value <= MAX_TOP_K:
-            raise ValueError(f"{label}: expected an integer in [0, {MAX_TOP_K}] (0: no top-k filter, as is any k at "
+        if not is_int(value) or not 0 <= value <= MAX_COUNT:
+            raise ValueError(f"{label}: expected an integer in [0, {MAX_COUNT}] (0: no top-k filter, as is any k at "
                              f"or above the vocabulary's size), got {value!r}")
         return int(value)
     if name == "top_p":

@@ -87,7 +87,7 @@ from .generate import (
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
-from .sampling import MAX_TOP_K, ROW_SETTINGS, SamplerConfig
+from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig
 from .tokenizer import MessageError, chat_message
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
@@ -159,14 +159,14 @@ class _Common(_NullIsDefault):
     metadata: dict | None = None
     prompt_cache_key: str | None = None  # a routing hint: the prefix cache reuses prompts without one
     # diffusion extras
-    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
     max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
     entropy_bound: float | None = Field(default=None, gt=0.0)
     confidence: float | None = Field(default=None, gt=0.0, le=1.0)
     t_min: float | None = Field(default=None, ge=0.0)
     t_max: float | None = Field(default=None, gt=0.0)
-    stability_threshold: int | None = Field(default=None, ge=0)
+    stability_threshold: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     confidence_threshold: float | None = Field(default=None, gt=0.0)
     drafts: bool = False
     token_healing: bool = False

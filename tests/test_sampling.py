@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpress.sampling import (
-    MAX_TOP_K,
+    MAX_COUNT,
     RowDraws,
     SamplerConfig,
     accept_confidence,
@@ -90,6 +90,24 @@ def test_stop_decisions_match_reference(seed, stability, threshold):
         live = ~state.done
         assert torch.equal(stop_now[live], expected[live])
         state = new
+
+
+@settings(max_examples=40, deadline=None)
+@given(stability=st.one_of(st.integers(0, 8), st.integers(0, 2**70)))
+def test_any_stability_threshold_stops_as_counted_or_is_refused_by_name(stability):
+    """10**30 was accepted, then failed the step's comparison with the stable-step counts ("int too big to
+    convert"; a server's 500 after the prompt was encoded). One that fits stops when the argmax has been stable
+    that many steps, which a threshold past the canvas's steps never is."""
+    if stability > MAX_COUNT:
+        with pytest.raises(ValueError, match=r"stability_threshold: expected an integer in \[0, "):
+            SamplerConfig(stability_threshold=stability)
+        return
+    cfg = SamplerConfig(max_denoising_steps=8, stability_threshold=stability, confidence_threshold=1e9)
+    state = init_state(torch.zeros(1, 4, dtype=torch.long))
+    sharp = torch.zeros(1, 4, 5).index_fill_(-1, torch.tensor([2]), 50.0)  # the same certain argmax every step
+    for step in range(8, 0, -1):
+        state = denoise_step(cfg, state, sharp, step, torch.zeros(1, 4, dtype=torch.long))
+        assert bool(state.done) == (8 - step >= stability), step
 
 
 @settings(max_examples=30, deadline=None)
@@ -650,7 +668,7 @@ def test_any_top_k_is_a_filter_or_a_refusal_by_name(k, seed):
     """A top_k past int64 (2**63, a client's 10**30) was accepted, then failed the tensor of the whole batch it
     joined: now each value is either refused by name, alone, or filters as top_filter does (any k at or above the
     vocabulary's size: nothing filtered, as 0)."""
-    if k > MAX_TOP_K:
+    if k > MAX_COUNT:
         for make in (lambda: SamplerConfig(top_k=k), lambda: RowDraws.of(SamplerConfig(), 2, top_k=[0, k])):
             with pytest.raises(ValueError, match=r"top_k(\[1\])?: expected an integer in \[0, "):
                 make()
