@@ -54,11 +54,13 @@ from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_runs, check_scheme
 from .sampling import (
+    IN_FLOAT32,
     ROW_SETTINGS,
     TEMPERATURE_HINT,
     SamplerConfig,
     check_row_setting,
     is_finite_number,
+    is_float32,
     is_int,
 )
 
@@ -948,8 +950,9 @@ class LM:
                 raise ValueError(f"temperature[{zero}]: 0 (greedy) is a whole batch's setting, not one row's (greedy "
                                  "takes the argmax where the other rows draw); pass temperature=0, or one > 0 for "
                                  "every row")
-        elif temperature is not None and not (is_finite_number(temperature) and temperature >= 0):
-            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+        elif temperature is not None and not (is_float32(temperature) and temperature >= 0):
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
+                             f"{temperature!r}")
         if sampler is not None and not isinstance(sampler, SamplerConfig):
             raise ValueError(f"sampler: expected a SamplerConfig (its candidate draw and penalties are used) or None, "
                              f"got {sampler!r}; generate_ar has no acceptance rule: for greedy pass temperature=0")

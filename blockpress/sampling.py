@@ -30,6 +30,18 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The samplers compute in float32: a setting past its range became inf there (a t_max of 1e308 made the schedule's
+# temperature inf, which flattened every logit to 0, so token 0 won every position: an empty answer billed as 8
+# tokens). Tiny values are fine: a temperature below MIN_TEMPERATURE is divided as that (greedy).
+FLOAT32_MAX = torch.finfo(torch.float32).max
+IN_FLOAT32 = f"within float32's range (|x| <= {FLOAT32_MAX:.3g})"
+
+
+def is_float32(value: Any) -> bool:
+    """A finite number (is_finite_number) that float32 holds without becoming inf: what a sampler setting must be."""
+    return is_finite_number(value) and abs(value) <= FLOAT32_MAX
+
+
 def is_int(value: Any) -> bool:
     """An integer (numpy's included: np.int64 from an array's arithmetic) that is not a bool (True would pass
     for 1). Callers keep int(value): a numpy integer overflows silently and is not JSON."""
@@ -118,7 +130,7 @@ class SamplerConfig:
              f"expected a positive integer, got {self.max_denoising_steps!r}")
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
-            need(is_finite_number(value), name, f"expected a finite number, got {value!r}")
+            need(is_float32(value), name, f"expected a finite number {IN_FLOAT32}, got {value!r}")
         need(self.entropy_bound > 0, "entropy_bound", f"expected > 0, got {self.entropy_bound}")
         for name in ROW_SETTINGS:  # checked as a batch's per-row values are (plain numbers stored)
             object.__setattr__(self, name, check_row_setting(name, getattr(self, name)))
@@ -223,8 +235,9 @@ class SamplerConfig:
         temperature by habit, so it is not refused as a draw_temperature would be); argmax candidates become draws."""
         if temperature is None:
             return self
-        if not is_finite_number(temperature) or temperature < 0:
-            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy), got {temperature!r}")
+        if not is_float32(temperature) or temperature < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
+                             f"{temperature!r}")
         if temperature == 0:
             return self.with_(sampler="greedy")
         if self.sampler == "greedy" and sampler_given:
@@ -240,8 +253,8 @@ def check_row_setting(name: str, value: Any, label: str | None = None) -> float 
     batch (`label`, e.g. "top_p[2]", names it in the error; default `name`)."""
     label = label or name
     if name == "draw_temperature":
-        if not is_finite_number(value):  # a string, a bool or inf would fail later, deep inside the sampler
-            raise ValueError(f"{label}: expected a finite number, got {value!r}")
+        if not is_float32(value):  # a string, a bool or inf would fail later, deep inside the sampler
+            raise ValueError(f"{label}: expected a finite number {IN_FLOAT32}, got {value!r}")
         if value <= 0:
             raise ValueError(f"{label}: expected > 0, got {value} (for the most likely candidates use "
                              "candidates='argmax')")

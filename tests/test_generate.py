@@ -574,7 +574,7 @@ def test_self_conditioning_logits_without_a_distribution_are_refused(lm, value):
     assert lm.logits([[3, 4]], [[3] * c], self_conditioning_logits=sc).isfinite().all()
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7", 1e308])
 def test_bad_ar_temperatures(lm, value):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
         lm.generate_ar([3, 4], max_new_tokens=4, temperature=value)

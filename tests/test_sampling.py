@@ -393,6 +393,31 @@ def test_rank_by_with_the_confidence_sampler_is_refused_only_when_given():
         SamplerConfig(sampler="confidence").with_(rank_by="position")
 
 
+FLOAT_SETTINGS = ("entropy_bound", "t_min", "t_max", "confidence_threshold", "draw_temperature")
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(FLOAT_SETTINGS), value=st.floats(1.0, 1e308), step=st.integers(1, 4))
+def test_a_float_setting_past_float32_is_refused_by_name(name, value, step):
+    """A t_max of 1e308 was accepted, and became inf in float32: every logit over it 0, so token 0 won every
+    position (an empty answer billed as 8 tokens). Any setting float32 holds keeps the logits' order."""
+    given = {name: value, **({"t_max": value} if name == "t_min" else {})}
+    if value > torch.finfo(torch.float32).max:
+        for make in (lambda: SamplerConfig(**given), lambda: SamplerConfig().with_(**given)):
+            with pytest.raises(ValueError, match=f"{name}: expected a finite number within float32's range"):
+                make()
+        if name == "draw_temperature":
+            with pytest.raises(ValueError, match=r"draw_temperature\[1\]: expected a finite number within float32"):
+                RowDraws.of(SamplerConfig(), 2, draw_temperature=[1.0, value])
+            with pytest.raises(ValueError, match="temperature: expected a finite number >= 0 .* within float32"):
+                SamplerConfig().with_temperature(value)
+        return
+    cfg = SamplerConfig(max_denoising_steps=4, **given)
+    raw = torch.tensor([[[30.0, 0.0, -30.0]]])
+    scaled = raw / temperature(cfg, step)
+    assert bool(scaled.isfinite().all()) and scaled.argmax(-1).item() == 0
+
+
 def test_a_vanishing_temperature_is_greedy_not_nan():
     """1e-45 underflows a float32 division (30 / 1e-45 = inf, and inf - inf = NaN lost every token); below
     MIN_TEMPERATURE the sampler divides by MIN_TEMPERATURE, which is greedy for any logits."""

@@ -176,10 +176,11 @@ def concurrently(server, bodies):
 
 
 @pytest.mark.parametrize("bad", [{"top_k": 10**30}, {"top_k": 2**63}, {"top_k": 2**31},
-                                 {"stability_threshold": 10**30}])
+                                 {"stability_threshold": 10**30}, {"t_max": 1e308}, {"t_min": 1e308},
+                                 {"entropy_bound": 1e308}, {"confidence_threshold": 1e39}])
 def test_one_requests_bad_value_fails_it_alone_not_its_batchmates(server, bad):
     """A top_k past int64 passed validation, joined a batch and failed it whole: 500 for every request in it (a
-    stability_threshold past int64 too)."""
+    stability_threshold past int64 too; a t_max past float32 answered nothing, billed as tokens)."""
     good = [{"top_k": k, "seed": i} for i, k in enumerate((0, 40, 5))]
     bodies = [dict(prompt="def add(a, b):", max_tokens=8, temperature=0.8, **b) for b in [*good[:2], bad, good[2]]]
     rs = concurrently(server, bodies)
