@@ -336,10 +336,12 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
     k, p = per_row(top_k, torch.long), per_row(top_p, probs.dtype)
     ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     ordered = ordered.masked_fill(torch.arange(v, device=probs.device) >= torch.where(k > 0, k, v), 0.0)
-    # a token stays while the more likely ones before it hold less than top_p of the mass (the first always). At
-    # top_p 1 nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
+    # a token stays while the more likely ones before it hold less than top_p of the mass, the first always (by
+    # position: a top_p below float32's smallest, 1e-320, is 0 here, and 0 >= 0 dropped every token). At top_p 1
+    # nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
     before = torch.cumsum(ordered, dim=-1) - ordered
-    ordered = ordered.masked_fill((before >= p * ordered.sum(-1, keepdim=True)) & (p < 1.0), 0.0)
+    past = (before >= p * ordered.sum(-1, keepdim=True)) & (torch.arange(v, device=probs.device) > 0)
+    ordered = ordered.masked_fill(past & (p < 1.0), 0.0)
     return torch.zeros_like(probs).scatter(-1, order, ordered)
 
 

@@ -615,6 +615,19 @@ def test_top_filter_keeps_exactly_the_top_k_nucleus(seed, top_p, top_k, scale, b
 
 
 @settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), top_p=st.floats(5e-324, 1e-38), top_k=st.integers(0, 5))
+def test_a_top_p_float32_rounds_to_0_keeps_the_most_likely_token(seed, top_p, top_k):
+    """A top_p of 1e-320 is 0 in float32 (RowDraws' tensor, float32 probabilities): every token was dropped, and
+    `sample` then drew the last token of the vocabulary at every position. The nucleus is the most likely token."""
+    probs = torch.softmax(logits_from(seed), -1)
+    draws = RowDraws.of(SamplerConfig(), 2, top_k=[top_k, top_k], top_p=[1.0, top_p])
+    for out, p in ((top_filter(probs, top_k, top_p), probs), (candidate_probs(draws, probs.log())[1], probs[1])):
+        top = p.argmax(-1, keepdim=True)
+        assert torch.equal((out > 0).sum(-1), torch.ones(out.shape[:-1], dtype=torch.long))
+        assert torch.allclose(out.gather(-1, top), p.gather(-1, top))
+
+
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_top_k_one_keeps_the_argmax_also_in_a_tie(seed):
     """top_k=1 is greedy: the one token left is argmax's, also where ties (bf16 logits) make several as likely."""
