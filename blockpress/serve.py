@@ -8,7 +8,8 @@ them as one batch, so concurrent users share each denoising step. Their lengths 
 max_tokens and min_tokens, and a row whose max_tokens is spent leaves the batch, as one that wrote EOS does. So
 may `temperature` (above 0), `top_p` and `top_k`, which real clients vary most: each row draws its candidates with
 its own (sampling.RowDraws). The rest (temperature 0, which is the greedy sampler, the penalties and the diffusion
-fields) is the batch's.
+fields) is the batch's. Each request's jobs are checked alone (the library's own checks) before they are queued, so a
+value one client sends gets its request a 400 naming the field, and never fails a batch that others joined.
 Every row's randomness comes from its own seed, so in float32 a response is the same whether it ran alone or in
 a batch, up to rounding (a batch left-pads shorter prompts, and the other shapes move logits by ~1e-6, which
 self-conditioning can grow until a near-tie flips; rare). In bf16 the shapes move logits by ~0.1 on
@@ -61,7 +62,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -134,6 +135,11 @@ NOOP_WHY = {"tool_choice": "the server does not force tool calls: it reads those
             "tools": "only /v1/chat/completions renders tools, through the chat template",
             "store": "answers are not kept for retrieval", "service_tier": "one engine serves every request alike",
             "modalities": "the reply is text"}
+
+
+# The request field that each library argument the engine passes comes from (Engine.check's errors name the field).
+LIBRARY_NAMES = {"seeds": "seed", "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                 "draw_temperature": "temperature"}
 
 
 class _Common(_NullIsDefault):
@@ -492,7 +498,8 @@ class Engine:
         self.thread.start()
 
     def submit(self, jobs: list[Job]) -> None:
-        """Queue a request's choices, all or none (a half-queued request would run choices nobody receives)."""
+        """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), each
+        checked alone first (`check`)."""
         if len(jobs) > self.queue.maxsize:  # not "retry later": name what is too large
             prompts = len({j.group for j in jobs})
             each = len(jobs) // prompts  # a prompt's sampled choices (greedy ones are one job)
@@ -502,6 +509,8 @@ class Engine:
             per = f" x {each} choices" if each > 1 else ""
             raise APIError(400, f"prompt: {prompts} prompts{per} ({len(jobs)} jobs) {room}; send fewer prompts "
                                 "a request", "prompt")
+        for job in jobs:
+            self.check(job)
         with self.lock:
             if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
                 raise APIError(503, "the server is shutting down", kind="server_error")
@@ -579,14 +588,20 @@ class Engine:
                 with self.lock:
                     self.running = []
 
-    def _run(self, batch: list[Job]) -> None:
-        tok = self.lm.tokenizer
+    def check(self, job: Job) -> None:
+        """Refuse a job the library would refuse (a 400 naming the field), before it is queued: alone, so that a
+        value one request sends can never fail a batch that others joined (a top_k past int64 once did, with a 500
+        for every request in it). The library checks everything before it generates, and this starts nothing."""
+        try:
+            self._stream([job])
+        except ValueError as exc:
+            name = str(exc).split(":", 1)[0].split("[", 1)[0]  # the library's name, without a row's index
+            raise APIError(400, str(exc), LIBRARY_NAMES.get(name, name)) from None
+
+    def _stream(self, batch: list[Job]) -> Iterator[Draft | Commit | Done | Cancelled]:
+        """The engine's stream of `batch`, one job a row (not started: the library has checked the arguments)."""
         first = batch[0]
-        self.metrics.add(batches_total=1)
-        texts = [""] * len(batch)  # each job's answer so far (the engine's text of all its committed tokens)
-        tokens: list[list[int]] = [[] for _ in batch]  # each job's valid new tokens so far (Job.keep_special)
-        committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
-        stream = self.lm.stream(
+        return self.lm.stream(
             # each job's own lengths; a canvas sets its length (no minimum: it is written whole)
             [j.prompt for j in batch], min_new_tokens=[j.min_tokens for j in batch] if first.canvas is None else 0,
             max_new_tokens=[j.max_tokens for j in batch] if first.canvas is None else None,
@@ -601,7 +616,14 @@ class Engine:
             prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
-        for event in stream:  # it ends without Done once every client has left
+
+    def _run(self, batch: list[Job]) -> None:
+        tok = self.lm.tokenizer
+        self.metrics.add(batches_total=1)
+        texts = [""] * len(batch)  # each job's answer so far (the engine's text of all its committed tokens)
+        tokens: list[list[int]] = [[] for _ in batch]  # each job's valid new tokens so far (Job.keep_special)
+        committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
+        for event in self._stream(batch):  # it ends without Done once every client has left
             if isinstance(event, Draft):
                 for i, job in enumerate(batch):
                     if job.drafts:

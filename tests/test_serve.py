@@ -5,7 +5,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
@@ -187,6 +187,42 @@ def test_one_requests_bad_value_fails_it_alone_not_its_batchmates(server, bad):
     param = next(iter(bad))
     assert rs[2].status_code == 400 and rs[2].json()["error"]["param"] == param, rs[2].text
     assert [r.status_code for r in rs[:2] + rs[3:]] == [200, 200, 200]
+
+
+def test_a_value_only_the_library_refuses_fails_its_request_alone(server, monkeypatch):
+    """The engine checks each request's job alone before it may join a batch: a value that the server's schema and
+    sampler settings pass but the library refuses (here a seed, refused by a stand-in rule) gets its request a 400
+    naming the field, where it used to fail the whole batch it joined with a 500."""
+    import blockpress.lm
+
+    check_seed = blockpress.lm.check_seed
+
+    def unlucky(seed, name):
+        if seed == 13:
+            raise ValueError(f"{name}: 13 is refused here")
+        return check_seed(seed, name)
+
+    monkeypatch.setattr(blockpress.lm, "check_seed", unlucky)
+    rs = concurrently(server, [dict(prompt="def f():", max_tokens=8, temperature=0.8, seed=s) for s in (1, 2, 13, 4)])
+    assert rs[2].status_code == 400 and rs[2].json()["error"]["param"] == "seed", rs[2].text
+    assert [r.status_code for r in rs[:2] + rs[3:]] == [200, 200, 200]
+
+
+NUMBER_FIELDS = ("top_k", "stability_threshold", "seed", "min_tokens", "temperature", "top_p", "entropy_bound",
+                 "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty", "frequency_penalty")
+
+
+@settings(max_examples=15, deadline=None)
+@given(name=st.sampled_from(NUMBER_FIELDS),
+       value=st.integers(-(2**70), 2**70) | st.floats(-1e308, 1e308) | st.sampled_from([5e-324, 1e-320, 3.5e38]))
+@example(name="top_k", value=10**30)
+@example(name="stability_threshold", value=10**30)
+@example(name="t_max", value=1e308)
+def test_no_number_a_request_sends_is_a_server_error(server, name, value):
+    """Whatever number a numeric field holds, the answer is a 200 or a 400 that names the field, never a 500."""
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                                        "max_denoising_steps": 2, name: value}, timeout=60)
+    assert r.status_code == 200 or (r.status_code == 400 and name in r.json()["error"]["message"]), (value, r.text)
 
 
 @pytest.mark.parametrize(
@@ -909,7 +945,8 @@ def test_drafts_are_made_only_for_requests_that_asked(server, monkeypatch):
                 "model": MODEL, "prompt": "x", "max_tokens": 8, "seed": 1, "stream": True, "drafts": drafts}) as r:
             lines = [x for x in r.iter_lines() if x.startswith("data: ")]
         assert any('"draft"' in x for x in lines) == drafts and lines[-1] == "data: [DONE]"
-    assert [d for d, _ in asked] == [False, True] and all(callable(c) for _, c in asked)
+    # each request's stream twice: its job checked alone (Engine.check), then run
+    assert [d for d, _ in asked] == [False, False, True, True] and all(callable(c) for _, c in asked)
 
 
 def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
