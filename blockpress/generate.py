@@ -396,8 +396,9 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
         ids = as_tensor(ids, name)  # a numpy array: read like a tensor
     if isinstance(ids, torch.Tensor):
         t = ids[None] if ids.dim() == 1 else ids
-        if t.dim() != 2 or t.shape[1] == 0:
-            raise ValueError(f"{name}: expected token ids of shape [P] or [B, P] with P > 0, got {list(ids.shape)}")
+        if t.dim() != 2 or 0 in t.shape:  # an empty batch [0, P] met torch's min() over nothing, later
+            raise ValueError(f"{name}: expected token ids of shape [P] or [B, P] with B > 0 and P > 0, got "
+                             f"{list(ids.shape)}")
         _check_integer_dtype(t, name)
         return t.long()
     if isinstance(ids, (list, tuple)) and ids:

@@ -176,11 +176,12 @@ def _check_tokenizer(tokenizer: Any) -> Any:
 
 
 def _template_rows(template: Any) -> int:
-    """How many rows a template holds: a list of texts or of id rows, or a 2-D tensor; else one."""
+    """How many rows a template holds: a list of texts or of id rows, or a 2-D tensor; else one (also for an empty
+    batch, which parse_template then refuses by name, not the default prompt of no rows)."""
     if isinstance(template, (list, tuple)) and template and isinstance(template[0], (str, list, tuple)):
         return len(template)
     shape = getattr(template, "shape", ())
-    return int(shape[0]) if len(shape) == 2 else 1
+    return max(int(shape[0]), 1) if len(shape) == 2 else 1
 
 
 def check_seed(seed: Any, name: str) -> int | None:

@@ -574,6 +574,23 @@ def test_self_conditioning_logits_without_a_distribution_are_refused(lm, value):
     assert lm.logits([[3, 4]], [[3] * c], self_conditioning_logits=sc).isfinite().all()
 
 
+@pytest.mark.parametrize("empty", [torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
+                                   torch.zeros(2, 0, dtype=torch.long), np.zeros((0, 3), dtype=np.int64)])
+def test_an_empty_batch_of_ids_is_refused_by_name(lm, empty):
+    """A [0, P] prompt met torch's min() over nothing ("Expected reduction dim to be specified"), where an empty list
+    was refused by name: every reader of ids (prompts, lm.logits' prompt and canvas) now refuses it alike."""
+    calls = {"prompt": [lambda: lm.generate(empty, max_new_tokens=4), lambda: lm.generate_ar(empty, max_new_tokens=4),
+                        lambda: lm.logits(empty, [[3, 4]])],
+             "canvas_ids": [lambda: lm.logits([[3, 4]], empty)]}
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=rf"{name}(_ids)?: expected token ids of shape \[P\] or \[B, P\] with "
+                                                 r"B > 0 and P > 0"):
+                fn()
+    with pytest.raises(ValueError, match=r"template: expected \[N\] or \[\d, N\] token ids with N > 0"):
+        lm.infill(empty)  # its default prompt, one BOS a row, had no rows: "prompt: ... got list (empty)"
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, "0.7", 1e308])
 def test_bad_ar_temperatures(lm, value):
     with pytest.raises(ValueError, match="temperature: expected a finite number >= 0"):
