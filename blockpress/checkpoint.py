@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .files import StagedFiles
 from .model import DiffusionGemma
 
 DECODER = "model.decoder."
@@ -71,7 +72,8 @@ class MappedSafetensors:
                 raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
             self.data_start = 8 + n
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.header.pop("__metadata__", None)
+        metadata = self.header.pop("__metadata__", None)
+        self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}  # e.g. save_model's `metadata`
         self.path = path
         for name, info in self.header.items():
             self._check_entry(name, info, size - self.data_start)
@@ -626,12 +628,18 @@ def save_model(
     path: str | Path,
     passthrough: Passthrough | None = None,
     max_shard_bytes: int = 4 << 30,
+    metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`).
+    """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`); `metadata`:
+    string entries added to each safetensors file's header (`MappedSafetensors.metadata` reads them back).
 
-    Everything is read and checked before the first file is written, so a save that cannot complete leaves the
-    destination as it was (before, config.json was written and then the passthrough read failed)."""
+    Everything is read and checked before the first file is written, and the files are written under temporary
+    names and moved into place together (StagedFiles), so a save that cannot complete, or is killed, leaves the
+    destination as it was."""
     path = Path(path)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ValueError(f"save: metadata: expected a dict of str -> str (safetensors header entries), got {metadata!r}")
     if path.is_dir():
         links = sorted(p.name for p in path.iterdir() if p.is_symlink())
         if links:  # writing through them would change blobs that other revisions (and their hashes) share
@@ -641,9 +649,6 @@ def save_model(
     if passthrough:
         tensors.update(read_passthrough(passthrough, path))
     path.mkdir(parents=True, exist_ok=True)
-    model.config.save(path / "config.json", dtype=model.dtype)
-    # safetensors creates its files private (0600); give them the mode config.json got from the umask
-    mode = (path / "config.json").stat().st_mode & 0o777
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -653,19 +658,20 @@ def save_model(
             size = 0
         shards[-1][name] = tensors[name]
         size += nbytes
-    for old in path.glob("model*.safetensors*"):
+    meta = {"format": "pt", **(metadata or {})}
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if len(shards) > 1:
+        names.append("model.safetensors.index.json")
+    stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
+    with StagedFiles() as files:
+        files.write(path / "config.json", lambda file: model.config.save(file, dtype=model.dtype))
+        for fname, shard in zip(names, shards):
+            files.write(path / fname, lambda file, shard=shard: save_file(shard, str(file), metadata=meta))
+        if len(shards) > 1:
+            weight_map = {name: fname for fname, shard in zip(names, shards) for name in shard}
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            files.write_text(path / names[-1], json.dumps(index, indent=2) + "\n")
+    for old in stale:  # the other layout's files, left from an earlier save (after: a kill between keeps weights)
         old.unlink()
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
-        os.chmod(path / "model.safetensors", mode)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata=meta)
-        os.chmod(path / fname, mode)
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

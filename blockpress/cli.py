@@ -771,15 +771,18 @@ def resumed_train_config(out: Path) -> dict[str, Any]:
     """The settings the run in `out` was started with (train_config.json; older runs: trainer_state.pt)."""
     from dataclasses import fields
 
-    import torch
-
-    from blockpress.train import TRAIN_CONFIG_FILE, TrainConfig
+    from blockpress.train import TRAIN_CONFIG_FILE, TRAINER_STATE_FILE, TrainConfig, read_trainer_state
 
     file = out / TRAIN_CONFIG_FILE
     if file.is_file():
-        saved = json.loads(file.read_text())
+        try:
+            saved = json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--resume: {file}: not valid JSON ({exc})") from None
+        if not isinstance(saved, dict):
+            raise ValueError(f"--resume: {file}: expected a JSON object of training settings")
     else:
-        saved = torch.load(out / "trainer_state.pt", map_location="cpu", weights_only=False).get("config", {})
+        saved = read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu").get("config", {})
     known = {f.name for f in fields(TrainConfig)}
     return {k: v for k, v in saved.items() if k in known}
 

@@ -28,6 +28,7 @@ from .checkpoint import (
 )
 from .checks import check_flag
 from .config import ModelConfig
+from .files import atomic_write
 from .generate import (
     Cancelled,
     Commit,
@@ -977,8 +978,10 @@ class LM:
         return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 
-    def save(self, path: str | Path) -> None:
-        """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read."""
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+        """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read. Each file is
+        written whole or not at all (files.StagedFiles): a save killed part-way leaves no truncated file.
+        `metadata`: string entries for the safetensors headers (a training run records its step there)."""
         if self.quantization is not None:
             raise ValueError(f"save: the model is quantized ({self.quantization}); save the unquantized weights and "
                              "quantize after loading (blockpress.load(..., quantize=...))")
@@ -995,7 +998,7 @@ class LM:
             json.dumps(gen)
         except TypeError as exc:
             raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
-        save_model(self.model, path, self.passthrough)
+        save_model(self.model, path, self.passthrough, metadata=metadata)
         text = self.config.text
         gen.setdefault("bos_token_id", text.bos_token_id)
         gen.setdefault("pad_token_id", text.pad_token_id)
@@ -1003,10 +1006,11 @@ class LM:
         eos = self._eos_ids()
         gen["eos_token_id"] = eos if len(eos) != 1 else eos[0]
         reference, own = split_generation_config(gen)
-        (path / "generation_config.json").write_text(json.dumps(reference, indent=2, sort_keys=True) + "\n")
+        atomic_write(path / "generation_config.json",
+                     lambda file: file.write_text(json.dumps(reference, indent=2, sort_keys=True) + "\n"))
         own_file = path / BLOCKPRESS_GENERATION_FILE
         if own:
-            own_file.write_text(json.dumps(own, indent=2, sort_keys=True) + "\n")
+            atomic_write(own_file, lambda file: file.write_text(json.dumps(own, indent=2, sort_keys=True) + "\n"))
         elif own_file.exists():  # left from an earlier save into this folder; it would override the settings
             own_file.unlink()
         if self.tokenizer is not None:

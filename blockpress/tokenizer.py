@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag
+from .files import atomic_write
 from .response import compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -263,7 +264,8 @@ class Tokenizer:
         """
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
+        # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
+        atomic_write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
         config, special_map, template_files = self._files_to_save()
         # Template files left from an earlier save would win over the templates written here on loading.
         (folder / "chat_template.jinja").unlink(missing_ok=True)
@@ -678,9 +680,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda file: file.write_text(text, encoding="utf-8"))
 
 
 def _token_content(value: Any) -> str | None:

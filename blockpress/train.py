@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import warnings
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -40,28 +41,59 @@ from torch import nn
 from .checkpoint import (
     CheckpointError,
     MappedSafetensors,
+    checkpoint_files,
     cpu_computes_natively,
     hf_to_local,
     reference_names,
     tied_source,
 )
 from .data import Batch, Example, TokenShards, make_batch
+from .files import StagedFiles, atomic_write
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
 from .sampling import is_finite_number, is_int
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
+TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
+# A full fine-tune's weights record, in their safetensors headers, the step they were saved at: --resume refuses
+# them with a trainer_state.pt of another step (a save killed between the two files' moves).
+WEIGHTS_STEP_KEY = "blockpress_train_step"
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
 def check_resumable(out: str | Path) -> Path:
-    """The trainer_state.pt of the run in `out` that --resume continues; a clear error where there is none (callers
-    check before minutes of data preparation)."""
-    state = Path(out) / "trainer_state.pt"
+    """The trainer_state.pt of the run in `out` that --resume continues; a clear error where there is none, or where
+    it is cut short (callers check before minutes of data preparation; the zip's directory, at its end, is all that
+    is read)."""
+    state = Path(out) / TRAINER_STATE_FILE
     if not state.is_file():
-        raise FileNotFoundError(f"--resume: {out} has no trainer_state.pt to continue from")
+        raise FileNotFoundError(f"--resume: {out} has no {TRAINER_STATE_FILE} to continue from")
+    try:
+        zipfile.ZipFile(state).close()  # torch.save writes a zip archive
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise _unreadable_state(state, exc) from None
+    return state
+
+
+def _unreadable_state(path: Path, exc: BaseException) -> ValueError:
+    why = (str(exc).strip().splitlines() or [""])[0]
+    return ValueError(f"--resume: {path} cannot be read ({type(exc).__name__}: {why}); the run's state is damaged "
+                      "(a save cut short by a blockpress that wrote it in place, or a damaged disk), so the run cannot "
+                      "continue. Weights saved beside it still load: --model with them starts a new run")
+
+
+def read_trainer_state(path: str | Path, map_location: str | None = None) -> dict[str, Any]:
+    """A run's trainer_state.pt, or a clear error naming it where it cannot be read (torch's own is a 15-line
+    traceback: PytorchStreamReader, EOFError, UnpicklingError, ... by where the file was cut)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails with any of several types
+        raise _unreadable_state(path, exc) from None
+    if not (isinstance(state, dict) and {"step", "optimizer"} <= state.keys()):
+        raise ValueError(f"--resume: {path} is not a blockpress trainer state (expected step and optimizer entries)")
     return state
 
 
@@ -848,32 +880,39 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
                  "config": asdict(self.cfg)}
-        if self.cfg.lora_rank and self.step < self.cfg.steps:
-            # LoRA, a run to be resumed (mid-run, interrupted, or stopped by its clock): the adapters live in
-            # trainer_state.pt, beside the base they adapt (`--resume` takes it from lora_base.json; null: a base
-            # not loaded from a folder, given again by the user)
-            state["lora"] = {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k}
-            (self.out / LORA_BASE_FILE).write_text(json.dumps({"model": base_name(self.lm)}) + "\n")
-        if not self.cfg.lora_rank:
-            self.lm.save(self.out)
-        elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint with
-            # them merged in (over a quantized one, merged into its codes they would be rounded away)
-            save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
-                         base_name(self.lm), self.cfg.quantize)
-            if self.cfg.quantize is None:
-                self.lm.model = merge_lora(self.model, self.merged_dtype)
-                self.lm.save(self.out)
-                if "lora" not in state:  # the run is done: --resume takes nothing but the merged checkpoint from here
-                    (self.out / LORA_BASE_FILE).unlink(missing_ok=True)
-        torch.save(state, self.out / "trainer_state.pt")
-        # The settings again as JSON: `--resume` reads them without loading the optimizer state.
-        (self.out / TRAIN_CONFIG_FILE).write_text(json.dumps(asdict(self.cfg), indent=2) + "\n")
+        done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
+        # Every file is written under a temporary name and moved into place whole (StagedFiles), trainer_state.pt
+        # last: a save killed part-way leaves the previous save to resume (before, a file written in place was left
+        # truncated, and the run lost). Its temporary is written first, so only moves separate it from the weights.
+        with StagedFiles() as files:
+            if self.cfg.lora_rank and self.step < self.cfg.steps:
+                # LoRA, a run to be resumed (mid-run, interrupted, or stopped by its clock): the adapters live in
+                # trainer_state.pt, beside the base they adapt (`--resume` takes it from lora_base.json; null: a base
+                # not loaded from a folder, given again by the user)
+                state["lora"] = {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k}
+                atomic_write(self.out / LORA_BASE_FILE,
+                             lambda file: file.write_text(json.dumps({"model": base_name(self.lm)}) + "\n"))
+            # The settings again as JSON: `--resume` reads them without loading the optimizer state.
+            files.write_text(self.out / TRAIN_CONFIG_FILE, json.dumps(asdict(self.cfg), indent=2) + "\n")
+            files.write(self.out / TRAINER_STATE_FILE, lambda file: torch.save(state, file))
+            if not self.cfg.lora_rank:
+                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)})
+            elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint
+                # with them merged in (over a quantized one, merged into its codes they would be rounded away)
+                save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
+                             base_name(self.lm), self.cfg.quantize)
+                if self.cfg.quantize is None:
+                    self.lm.model = merge_lora(self.model, self.merged_dtype)
+                    self.lm.save(self.out)
+                    done = "lora" not in state
+        if done:  # after trainer_state.pt: a kill between leaves a finished run, which --resume refuses as such
+            (self.out / LORA_BASE_FILE).unlink(missing_ok=True)
 
     def resume(self) -> None:
         """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""
         from .checkpoint import load_model
 
-        state = torch.load(check_resumable(self.out), weights_only=False)
+        state = read_trainer_state(check_resumable(self.out))
         rank = state.get("config", {}).get("lora_rank", 0)
         if rank != self.cfg.lora_rank:  # the optimizer state fits only the same set of trained weights
             ran = f"LoRA adapters of rank {rank} (give --lora-rank {rank})" if rank else "all weights (no --lora-rank)"
@@ -894,6 +933,7 @@ class Trainer:
                 raise ValueError(f"--resume: the LoRA adapters in {self.out} do not fit this base model{trained_on} "
                                  f"({first})") from None
         else:
+            self._check_weights_step(state["step"])
             loaded, _ = load_model(self.out, dtype=self.lm.dtype, device=self.lm.device)
             with torch.no_grad():
                 for p, q in zip(self.model.parameters(), loaded.parameters(), strict=True):
@@ -917,6 +957,18 @@ class Trainer:
                              f"{self.cfg.max_minutes}, the budget of the whole run; give a larger --max-minutes to "
                              "train on (or --max-minutes 0, without --time-schedule, for no limit)")
         self._forget_metrics_after(self.step)
+
+    def _check_weights_step(self, step: int) -> None:
+        """Refuse weights in `out` saved at another step than trainer_state.pt's: a save killed between their moves
+        (weights from before WEIGHTS_STEP_KEY record none, and pass)."""
+        saved = {file.name: MappedSafetensors(file).metadata.get(WEIGHTS_STEP_KEY) for file in checkpoint_files(self.out)}
+        other = {name: at for name, at in saved.items() if at is not None and at != str(step)}
+        if other:
+            name, at = next(iter(other.items()))
+            raise ValueError(f"--resume: the weights in {self.out} ({name}) were saved at step {at}, and "
+                             f"{TRAINER_STATE_FILE} at step {step}: the run was stopped while it saved, and its "
+                             "optimizer state does not belong to these weights. They still load: --model "
+                             f"{self.out} starts a new run from them")
 
     def _forget_metrics_after(self, step: int) -> None:
         """Drop metrics.jsonl rows past the checkpoint being resumed: those steps run again and log again."""

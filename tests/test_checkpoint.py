@@ -956,3 +956,38 @@ def test_a_plans_meta_model_is_the_loaded_model_on_meta(tmp_path, stored, dtype,
     described = {n: (t.shape, t.dtype) for n, t in [*meta.named_parameters(), *meta.named_buffers()]}
     assert described == {n: (t.shape, t.dtype) for n, t in [*loaded.named_parameters(), *loaded.named_buffers()]}
     assert all(t.device.type == "meta" for t in meta.state_dict().values())
+
+
+@pytest.mark.parametrize("shard_bytes", [4 << 30, 20_000])  # one file, and shards
+def test_a_save_that_fails_part_way_leaves_the_folder_as_it_was(lm, tmp_path, monkeypatch, shard_bytes):
+    """Files were written in place: a save killed mid-write left a truncated model.safetensors, and no checkpoint."""
+    import blockpress.checkpoint as checkpoint
+
+    checkpoint.save_model(lm.model, tmp_path / "c", max_shard_bytes=shard_bytes)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()}
+    written = []
+
+    def dies_after_part_of_it(tensors, filename, metadata=None):  # half a file, then the process "dies"
+        written.append(filename)
+        if len(written) == 2 or shard_bytes > 20_000:
+            Path(filename).write_bytes(b"\0" * 100)
+            raise OSError("No space left on device")
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", dies_after_part_of_it)
+    with torch.no_grad():
+        lm.model.embed_tokens.weight.add_(1.0)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.save_model(lm.model, tmp_path / "c", max_shard_bytes=shard_bytes)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()} == before  # no temporary left either
+    assert all(Path(f).parent == tmp_path / "c" and Path(f).name.startswith(".") for f in written)
+
+
+def test_save_metadata_is_read_back_and_checked(lm, tmp_path):
+    from blockpress.checkpoint import MappedSafetensors, checkpoint_files, save_model
+
+    save_model(lm.model, tmp_path / "c", max_shard_bytes=20_000, metadata={"blockpress_train_step": "7"})
+    files = checkpoint_files(tmp_path / "c")
+    assert len(files) > 1 and all(MappedSafetensors(f).metadata["blockpress_train_step"] == "7" for f in files)
+    with pytest.raises(ValueError, match="metadata: expected a dict of str -> str"):
+        save_model(lm.model, tmp_path / "d", metadata={"step": 7})

@@ -1,6 +1,8 @@
 """Training: the objective's pieces, the overfit test, and that accumulation / resume / LoRA change nothing."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -427,6 +429,7 @@ def test_buffers_are_registered_in_the_same_order_in_every_process():
                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1")}
     assert len(orders) == 1, orders
 
+
 def test_data_parallel_keeps_buffers_unsynced_without_torchs_deprecation_warning():
     """Every torchrun run printed torch 2.13's FutureWarning "`broadcast_buffers` is deprecated" once a process."""
     import warnings
@@ -443,3 +446,80 @@ def test_data_parallel_keeps_buffers_unsynced_without_torchs_deprecation_warning
         assert ddp.broadcast_buffers is False  # (torch 2.13: the property reads forward_sync_buffers)
     finally:
         dist.destroy_process_group()
+
+
+def _resumed(tmp_path, name, steps):
+    trainer = Trainer(tiny_lm(seed=9), ExampleSource(EXAMPLES, 0), TrainConfig(steps=steps, batch_size=4, lr=3e-3,
+                      warmup_steps=5, log_every=1), tmp_path / name, progress=False)
+    trainer.resume()
+    return trainer
+
+
+@pytest.mark.parametrize("dies_in", ["weights", "state"])
+def test_a_save_that_dies_part_way_leaves_the_previous_one_to_resume(tmp_path, monkeypatch, dies_in):
+    """Checkpoints were written in place: a kill during a save left trainer_state.pt (or the weights) truncated, the
+    previous save overwritten, and the whole run lost."""
+    import blockpress.checkpoint
+
+    _, straight = run(tmp_path, 6, "straight")
+    run(tmp_path, 3, "split")
+    trainer = _resumed(tmp_path, "split", 6)
+    trainer.train_step()  # step 4, then a save that dies after writing part of a file
+
+    def part_then_die(real):
+        def write(obj, file, *args, **kwargs):
+            Path(file).write_bytes(b"PK\3\4" + b"\0" * 64)
+            raise OSError("No space left on device")
+        return write
+
+    if dies_in == "weights":
+        monkeypatch.setattr(blockpress.checkpoint, "save_file", part_then_die(blockpress.checkpoint.save_file))
+    else:
+        monkeypatch.setattr(torch, "save", part_then_die(torch.save))
+    with pytest.raises(OSError, match="No space left"):
+        trainer.save()
+    monkeypatch.undo()
+    assert not [p.name for p in (tmp_path / "split").iterdir() if p.name.endswith(".tmp")]
+    rest = _resumed(tmp_path, "split", 6)
+    assert rest.step == 3
+    assert rest.train().losses == pytest.approx(straight.losses[3:], rel=1e-6)  # the step-3 save, whole
+
+
+def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch):
+    """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
+    which --resume combined silently."""
+    import blockpress.files
+
+    run(tmp_path, 3, "split")
+    trainer = _resumed(tmp_path, "split", 6)
+    trainer.train_step()
+    real = os.replace
+
+    def dies_before_the_state(src, dst):
+        if Path(dst).name == "trainer_state.pt":
+            raise KeyboardInterrupt  # the process stops between the moves
+        real(src, dst)
+
+    monkeypatch.setattr(blockpress.files.os, "replace", dies_before_the_state)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"weights in .*split \(model.safetensors\) were saved at step 4, and "
+                                         r"trainer_state.pt at step 3: the run was stopped while it saved"):
+        _resumed(tmp_path, "split", 6)
+
+
+def test_a_truncated_trainer_state_is_a_clear_error(tmp_path):
+    """It was torch's 15-line traceback (PytorchStreamReader failed reading zip archive, EOFError, ...)."""
+    from blockpress.train import check_resumable, read_trainer_state
+
+    run(tmp_path, 1, "r")
+    state = tmp_path / "r" / "trainer_state.pt"
+    whole = state.read_bytes()
+    # cut anywhere: in the zip's first entry, its middle, and each byte of its end-of-directory record
+    for cut in sorted({0, 1, 30, len(whole) // 3, len(whole) // 2, *range(len(whole) - 30, len(whole))}):
+        state.write_bytes(whole[:cut])
+        for read in (lambda: check_resumable(tmp_path / "r"), lambda: read_trainer_state(state)):
+            with pytest.raises(ValueError, match=r"--resume: .*trainer_state.pt cannot be read \(.*\); the run's "
+                                                 "state is damaged"):
+                read()

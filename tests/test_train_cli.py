@@ -687,3 +687,17 @@ def test_a_timed_runs_progress_counts_minutes_not_the_unused_steps(tmp_path, cap
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step")]
     assert len(lines) == 2 and all(re.match(rf"train: step {i + 1}, \d+\.\d\d/2\.5 min, loss ", x)
                                    for i, x in enumerate(lines)), lines
+
+
+@pytest.mark.parametrize("damaged", ["trainer_state.pt", "model.safetensors"])
+def test_resume_of_a_damaged_save_names_the_file(tmp_path, capsys, damaged):
+    """A truncated trainer_state.pt (a save killed mid-write) gave torch's 15-line traceback, exit 1."""
+    data = write_data(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    assert main(train_args(data, out, steps=2)) == 0
+    file = out / damaged
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    capsys.readouterr()
+    assert main([a for a in train_args(data, out, steps=4) if a not in ("--config", "tiny")] + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert str(file) in err and "Traceback" not in err, err
