@@ -44,9 +44,11 @@ from .checkpoint import (
     checkpoint_files,
     cpu_computes_natively,
     hf_to_local,
+    read_config,
     reference_names,
     tied_source,
 )
+from .config import ModelConfig
 from .data import Batch, Example, TokenShards, make_batch
 from .files import StagedFiles, atomic_write
 from .lm import LM, MODELS_DIR
@@ -423,9 +425,17 @@ _PLAIN_LORA = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alph
                "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False, "layer_replication": None}
 
 
-def base_shape(model: DiffusionGemma) -> dict[str, Any]:
-    text = model.config.text
+def base_shape(model: DiffusionGemma | ModelConfig) -> dict[str, Any]:
+    """The BASE_SHAPE_FIELDS of a model (or of its config)."""
+    text = (model.config if isinstance(model, nn.Module) else model).text
     return {name: copy.deepcopy(getattr(text, name)) for name in BASE_SHAPE_FIELDS}
+
+
+def shape_differences(recorded: dict[str, Any], model: DiffusionGemma, this: str = "this base") -> list[str]:
+    """The fields of a recorded base_shape that `model` has otherwise, each as "name recorded (`this`: model's)"."""
+    own = base_shape(model)
+    return [f"{name} {value!r} ({this}: {own[name]!r})" for name, value in recorded.items()
+            if name in own and own[name] != value]
 
 
 def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None,
@@ -513,9 +523,7 @@ def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:
     record = adapter_record(path)
     if not record["base_shape"]:
         return
-    own = base_shape(model)
-    differ = [f"{name} {value!r} (this base: {own[name]!r})" for name, value in record["base_shape"].items()
-              if name in own and own[name] != value]
+    differ = shape_differences(record["base_shape"], model)
     if differ:
         trained_on = f" ({record['base']})" if record["base"] else ""
         raise CheckpointError(f"adapter {path}: trained on a base of another shape{trained_on}: {', '.join(differ)}; load it onto "
@@ -879,7 +887,7 @@ class Trainer:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
-                 "config": asdict(self.cfg)}
+                 "config": asdict(self.cfg), "base_shape": base_shape(self.model)}  # (--resume checks the model's)
         done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
         # Every file is written under a temporary name and moved into place whole (StagedFiles), trainer_state.pt
         # last: a save killed part-way leaves the previous save to resume (before, a file written in place was left
@@ -923,15 +931,19 @@ class Trainer:
                     f"finished and merged its adapters into the checkpoint; fine-tune that with --model {self.out} "
                     "instead")
             raise ValueError(f"--resume: the LoRA run in {self.out} {done}")
+        # A model of another shape than the run's: refused by the fields that differ (torch's size mismatches were
+        # 40 lines for adapters, a deep traceback for weights). The run's shape: as saved with it (runs saved before
+        # it was: a full fine-tune's config.json; a LoRA run's adapters, refused by torch's first line below).
+        recorded = state.get("base_shape") or (None if rank else base_shape(read_config(self.out)))
+        differ = shape_differences(recorded, self.model, "this model") if recorded else []
+        if differ:
+            raise self._other_model(", ".join(differ))
         if self.cfg.lora_rank:
             try:
                 self.model.load_state_dict(state["lora"], strict=False)
             except RuntimeError as exc:  # adapters of another base: torch's size mismatches, 40 lines of them
-                base = lora_base(self.out)
                 first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
-                trained_on = f"; they were trained on --model {base}" if base else ""
-                raise ValueError(f"--resume: the LoRA adapters in {self.out} do not fit this base model{trained_on} "
-                                 f"({first})") from None
+                raise self._other_model(first) from None
         else:
             self._check_weights_step(state["step"])
             loaded, _ = load_model(self.out, dtype=self.lm.dtype, device=self.lm.device)
@@ -957,6 +969,17 @@ class Trainer:
                              f"{self.cfg.max_minutes}, the budget of the whole run; give a larger --max-minutes to "
                              "train on (or --max-minutes 0, without --time-schedule, for no limit)")
         self._forget_metrics_after(self.step)
+
+    def _other_model(self, why: str) -> ValueError:
+        """--resume's refusal of a model that does not fit the run in `out`, `why` saying how."""
+        if self.cfg.lora_rank:
+            base = lora_base(self.out)
+            trained_on = f"; they were trained on --model {base}" if base else ""
+            return ValueError(f"--resume: the LoRA adapters in {self.out} do not fit this base model{trained_on} "
+                              f"({why})")
+        given = f" (--model {self.lm.path})" if self.lm.path is not None else ""
+        return ValueError(f"--resume: the weights in {self.out} do not fit this model{given} ({why}); leave --model "
+                          "out to continue the run from its own checkpoint")
 
     def _check_weights_step(self, step: int) -> None:
         """Refuse weights in `out` saved at another step than trainer_state.pt's: a save killed between their moves

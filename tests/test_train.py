@@ -523,3 +523,23 @@ def test_a_truncated_trainer_state_is_a_clear_error(tmp_path):
             with pytest.raises(ValueError, match=r"--resume: .*trainer_state.pt cannot be read \(.*\); the run's "
                                                  "state is damaged"):
                 read()
+
+
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_resume_with_a_model_of_another_shape_names_the_fields(tmp_path, lora_rank):
+    """A full fine-tune's was torch's "size of tensor a (256) must match ... (64)" deep in resume; LoRA's named only
+    the first of torch's size mismatches."""
+    if lora_rank:
+        pytest.importorskip("peft")
+    cfg = TrainConfig(steps=4, batch_size=4, lora_rank=lora_rank)
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+    trainer.train_step()
+    trainer.save()  # mid-run: resumable
+    width = trainer.lm.config.text.hidden_size
+    other = Trainer(tiny_lm(hidden_size=width // 2), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match=rf"--resume: the (weights|LoRA adapters) in .*run do not fit this (base )?"
+                                         rf"model.*\(.*hidden_size {width} \(this model: {width // 2}\)"):
+        other.resume()
+    again = Trainer(tiny_lm(seed=3), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
+    again.resume()  # a model of the run's shape: resumed
+    assert again.step == 1
