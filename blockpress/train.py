@@ -730,6 +730,14 @@ class Trainer:
             raise ValueError(f"train: the model holds LoRA adapters, unmerged over its quantized base (layer "
                              f"{adapted!r}); fine-tune it unquantized, where they are merged into the base, or train "
                              "new adapters over the base alone")
+        if cfg.lora_rank and lm.adapter is not None:
+            # The new adapters' folder could name no base: theirs is the base and these adapters together, and nothing
+            # loads an adapter over another (the folder written named base null, and loaded nowhere).
+            raise ValueError(f"lora_rank: the model is the LoRA adapters in {lm.adapter} merged into their base; "
+                             "new adapters over it would name no base that they can be loaded onto. Train them "
+                             "over a checkpoint of the merged model: that LoRA run's --out holds one (unless it was "
+                             f"QLoRA), or write one with blockpress.load({str(lm.adapter)!r}).save(FOLDER) and give "
+                             "--model FOLDER")
         text = lm.config.text
         # Running text is cut into windows of the settings' length: one past the context trains positions the model
         # is never allowed to use (JSONL examples that long are refused by load_jsonl).

@@ -286,7 +286,10 @@ def test_a_model_holding_unmerged_adapters_is_not_trained_again(tmp_path):
                 tmp_path / "again", progress=False)
     merged = blockpress.load(out, quantize="none")
     assert base_name(merged) is None
-    Trainer(merged, ExampleSource(EXAMPLES, 0), TrainConfig(lora_rank=2), tmp_path / "again", progress=False)
+    with pytest.raises(ValueError, match=r"lora_rank: the model is the LoRA adapters in .* merged into their base; "
+                                         r"new adapters over it would name no base"):  # (they were written base null)
+        Trainer(merged, ExampleSource(EXAMPLES, 0), TrainConfig(lora_rank=2), tmp_path / "again", progress=False)
+    Trainer(merged, ExampleSource(EXAMPLES, 0), TrainConfig(), tmp_path / "again", progress=False)  # all weights: fine
 
 
 def test_train_cli_quantize_trains_lora_over_the_quantized_base(tmp_path, capsys):

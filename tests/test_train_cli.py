@@ -701,3 +701,18 @@ def test_resume_of_a_damaged_save_names_the_file(tmp_path, capsys, damaged):
     assert main([a for a in train_args(data, out, steps=4) if a not in ("--config", "tiny")] + ["--resume"]) == 2
     err = capsys.readouterr().err
     assert str(file) in err and "Traceback" not in err, err
+
+
+def test_lora_over_an_adapter_folder_is_refused(tmp_path, capsys):
+    """It trained, and wrote adapters whose base_model_name_or_path was null: loadable in no way its errors named."""
+    pytest.importorskip("peft")
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "base", steps=1)) == 0
+    tuned = lambda model, out: [a for a in train_args(data, out, steps=1) if a not in ("--config", "tiny")] + [  # noqa: E731
+        "--model", str(model), "--lora-rank", "2"]
+    assert main(tuned(tmp_path / "base", tmp_path / "lora")) == 0
+    capsys.readouterr()
+    assert main(tuned(tmp_path / "lora" / "adapter", tmp_path / "chain")) == 2
+    err = capsys.readouterr().err
+    assert "--lora-rank: the model is the LoRA adapters in" in err and "Traceback" not in err, err
+    assert "that LoRA run's --out holds one" in err and not (tmp_path / "chain").exists()
