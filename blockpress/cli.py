@@ -711,7 +711,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     base_dtype = lm.dtype
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
-    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype)
+    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
+                      data=str(Path(args.data).absolute()))
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)
@@ -1128,7 +1129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
                    "step) with its saved settings; flags given now override them (--steps: the new end of the "
-                   "cosine schedule). Give --data again")
+                   "cosine schedule). Give --data again (the run's own: other data is warned about)")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 

@@ -704,10 +704,16 @@ class Trainer:
         progress: bool = True,
         on_step: Callable[[int, float], None] | None = None,
         merged_dtype: torch.dtype = torch.float32,
+        data: str | None = None,
     ):
-        """`merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32 (see merge_lora)."""
+        """`merged_dtype`: LoRA, the dtype of the final checkpoint, the adapters merged in float32 (see merge_lora).
+        `data`: where `source` was read from (`blockpress train`: --data), saved with the run with the source's size:
+        `resume` warns when a run continues on other data."""
         self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
         self.merged_dtype = merged_dtype
+        size = (f"{len(source.examples)} examples" if isinstance(source, ExampleSource)
+                else f"{source.shards.tokens} tokens")
+        self.data = {"path": data, "size": size}
         if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
             raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
         if heldout is None and cfg.eval_every:  # it would never evaluate, without a word
@@ -895,7 +901,8 @@ class Trainer:
             return
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
-                 "config": asdict(self.cfg), "base_shape": base_shape(self.model)}  # (--resume checks the model's)
+                 "config": asdict(self.cfg), "base_shape": base_shape(self.model),  # (--resume checks the model's)
+                 "data": self.data}
         done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
         # Every file is written under a temporary name and moved into place whole (StagedFiles), trainer_state.pt
         # last: a save killed part-way leaves the previous save to resume (before, a file written in place was left
@@ -965,6 +972,14 @@ class Trainer:
         except ValueError as exc:  # e.g. another LoRA rank: torch's "parameter group that doesn't match"
             raise ValueError(f"--resume: the saved optimizer state does not fit this run's trained weights (was it "
                              f"trained with another --lora-rank?): {exc}") from None
+        saved = state.get("data") or {}  # (runs saved before it was: nothing to compare)
+        other = {k: (saved[k], v) for k, v in self.data.items() if saved.get(k) is not None and v is not None
+                 and saved[k] != v}
+        if other:  # moved or grown data may be meant; the run goes on, but it is not the run it was
+            was, now = (f"{d.get('path') or 'data'} ({d.get('size')})" for d in (saved, self.data))
+            warnings.warn(f"--data: the run in {self.out} trained on {was}, and continues on {now}: the batches of "
+                          "the steps to come are not those of the run it was (give its own data again to continue "
+                          "it exactly)", stacklevel=2)
         self.step = state["step"]
         if self.step >= self.cfg.steps:
             raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "

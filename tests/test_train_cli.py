@@ -716,3 +716,21 @@ def test_lora_over_an_adapter_folder_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--lora-rank: the model is the LoRA adapters in" in err and "Traceback" not in err, err
     assert "that LoRA run's --out holds one" in err and not (tmp_path / "chain").exists()
+
+
+def test_resume_on_other_data_says_so(tmp_path):
+    """The data was not recorded with the run: --resume on another file went on silently."""
+    import warnings
+
+    data, other = write_data(tmp_path / "d.jsonl"), write_data(tmp_path / "other.jsonl", n=6)
+    out = tmp_path / "run"
+    assert main(train_args(data, out, steps=2)) == 0
+    resume = lambda data, steps: [a for a in train_args(data, out, steps=steps) if a not in ("--config", "tiny")] + [  # noqa: E731
+        "--resume"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(resume(data, 3)) == 0  # its own data: nothing to say
+    assert not [w for w in caught if "--data" in str(w.message)]
+    with pytest.warns(UserWarning, match=rf"--data: the run in .*run trained on {tmp_path / 'd.jsonl'} \(8 examples\), "
+                                         rf"and continues on {tmp_path / 'other.jsonl'} \(6 examples\)"):
+        assert main(resume(other, 4)) == 0
