@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import is_int
 from .config import TextConfig
-from .sampling import is_int
 
 
 @dataclass(eq=False)  # compared by identity: a cache keeps its live marks in a WeakSet

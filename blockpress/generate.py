@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
+from .checks import is_int
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
@@ -28,7 +29,6 @@ from .sampling import (
     denoise_step,
     hashed_uniforms,
     init_state,
-    is_int,
     noise_tokens,
     penalize_repeats,
     put_rows,

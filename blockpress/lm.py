@@ -26,7 +26,7 @@ from .checkpoint import (
     resolve_dtype,
     save_model,
 )
-from .checks import check_flag
+from .checks import check_flag, is_finite_number, is_int
 from .config import ModelConfig
 from .files import atomic_write
 from .generate import (
@@ -60,9 +60,7 @@ from .sampling import (
     TEMPERATURE_HINT,
     SamplerConfig,
     check_row_setting,
-    is_finite_number,
     is_float32,
-    is_int,
 )
 
 MODELS_DIR = Path(__file__).parent / "models"

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import KVCache
+from .checks import is_int
 from .config import LayerSpec, ModelConfig, TextConfig
-from .sampling import is_int
 
 # Queries per encoder pass over a long prompt (DiffusionGemma.prefill_chunk's default). Each pass builds masks
 # (and, where SDPA falls back to its math kernel, scores) over chunk x keys, not prompt x prompt; 2048 queries

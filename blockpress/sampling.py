@@ -14,21 +14,13 @@ Steps count down like the reference: `step` = N..1 is the number of steps remain
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from .checks import check_flag
-
-
-def is_finite_number(value: Any) -> bool:
-    """A real, finite number (numpy's included): not a string from a JSON file, not a bool, not inf or NaN."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
+from .checks import check_flag, is_finite_number, is_int
 
 # The samplers compute in float32: a setting past its range became inf there (a t_max of 1e308 made the schedule's
 # temperature inf, which flattened every logit to 0, so token 0 won every position: an empty answer billed as 8
@@ -40,12 +32,6 @@ IN_FLOAT32 = f"within float32's range (|x| <= {FLOAT32_MAX:.3g})"
 def is_float32(value: Any) -> bool:
     """A finite number (is_finite_number) that float32 holds without becoming inf: what a sampler setting must be."""
     return is_finite_number(value) and abs(value) <= FLOAT32_MAX
-
-
-def is_int(value: Any) -> bool:
-    """An integer (numpy's included: np.int64 from an array's arithmetic) that is not a bool (True would pass
-    for 1). Callers keep int(value): a numpy integer overflows silently and is not JSON."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 # The largest top_k and stability_threshold, counts that meet int64 tensors: unbounded, a value past int64 (a

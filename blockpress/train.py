@@ -48,13 +48,13 @@ from .checkpoint import (
     reference_names,
     tied_source,
 )
+from .checks import is_finite_number, is_int
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, make_batch
 from .files import StagedFiles, atomic_write
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
-from .sampling import is_finite_number, is_int
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
 TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker

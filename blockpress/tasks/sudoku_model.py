@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from ..checks import is_int
 from ..generate import Commit, Done, Draft
-from ..sampling import is_int
 from .sudoku import (
     VOCAB,
     Symmetry,
