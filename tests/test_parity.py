@@ -115,18 +115,23 @@ def test_canvas_after_committed_canvases(lm, ref_checkpoint):
     assert (whole - ours).abs().max().item() <= TOL
 
 
+def left_padded(rows):
+    """Rows of ids of different lengths as one left-padded batch: (ids [B, P], attention mask [B, P] of 0/1)."""
+    width = max(len(r) for r in rows)
+    prompt = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        prompt[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return prompt, mask
+
+
 def test_left_padded_batch(lm, ref_checkpoint):
     """Prompts of different lengths, left padded: each row equals the same prompt run alone."""
     _, ref = ref_checkpoint
     g = torch.Generator().manual_seed(5)
     lengths = [3, 11, 7]
-    p_max = max(lengths)
     rows = [ids(g, n) for n in lengths]
-    prompt = torch.zeros(3, p_max, dtype=torch.long)
-    mask = torch.zeros(3, p_max, dtype=torch.long)
-    for i, r in enumerate(rows):
-        prompt[i, p_max - len(r):] = r
-        mask[i, p_max - len(r):] = 1
+    prompt, mask = left_padded(rows)
     canvas = ids(g, 3, 8)
     ours = lm.logits(prompt, canvas, attention_mask=mask)
     # oracle 1: each row alone through the reference
@@ -153,12 +158,9 @@ def test_chunked_prefill_matches_reference(lm, ref_checkpoint, chunk):
     _, ref = ref_checkpoint
     g = torch.Generator().manual_seed(6)
     lengths = [3, 23, 14]
-    width = max(lengths)
     rows = [ids(g, n) for n in lengths]
-    prompt = torch.zeros(3, width, dtype=torch.long)
-    mask = torch.zeros(3, width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        prompt[i, width - len(r):], mask[i, width - len(r):] = r, True
+    prompt, mask = left_padded(rows)
+    width = prompt.shape[1]
     canvas = ids(g, 3, 8)
     cache = lm.new_cache(3, width + 8)
     with torch.no_grad():

@@ -1416,16 +1416,12 @@ def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_t
         create_app(lm, MODEL)
 
 
-def test_requests_of_different_temperatures_share_a_batch_and_answer_as_alone(server, monkeypatch):
-    """Jobs batched only when their whole sampler settings were equal, so a request at temperature 0.7 never shared
-    a step with one at 0.8, nor one with a top_p or top_k with one without: concurrent clients ran one batch after
-    another. Now each row draws with its own temperature, top_p and top_k, and answers as it would alone."""
+def alone_then_batched(server, monkeypatch, bodies, first, key):
+    """Each of `bodies` posted alone, then all of them while the engine is held on `first`, so that they queue and
+    run as one batch: each answer batched must be the answer alone. Returns (the answers, each batch's sorted `key(job)`s)."""
     import threading
 
     engine = server[1].state.engine
-    bodies = [{"model": MODEL, "prompt": "abc", "max_tokens": 20, "temperature": 0.5, "seed": 1},
-              {"model": MODEL, "prompt": "hello there", "max_tokens": 20, "temperature": 1.3, "top_p": 0.8, "seed": 2},
-              {"model": MODEL, "prompt": "x", "max_tokens": 12, "temperature": 0.9, "top_k": 5, "seed": 3}]
 
     def post(body):
         return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
@@ -1434,14 +1430,14 @@ def test_requests_of_different_temperatures_share_a_batch_and_answer_as_alone(se
     gate, batches, run = threading.Event(), [], engine._run
 
     def gated(batch):  # hold the engine on a first request until the others are queued
-        batches.append(sorted(j.sampler.draw_temperature for j in batch))
+        batches.append(sorted(key(j) for j in batch))
         gate.wait(30)
         run(batch)
 
     monkeypatch.setattr(engine, "_run", gated)
     before = engine.metrics.counters["batches_total"]
     with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
-        first = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1, "temperature": 2.0})
+        held = pool.submit(post, first)
         while not batches:
             threading.Event().wait(0.01)
         together = [pool.submit(post, body) for body in bodies]
@@ -1449,13 +1445,26 @@ def test_requests_of_different_temperatures_share_a_batch_and_answer_as_alone(se
             threading.Event().wait(0.01)
         gate.set()
         together = [f.result() for f in together]
-        assert "choices" in first.result()
-    assert batches == [[2.0], [0.5, 0.9, 1.3]] and engine.metrics.counters["batches_total"] - before == 2
+        assert "choices" in held.result()
+    assert engine.metrics.counters["batches_total"] - before == 2
     for a, t in zip(alone, together):
         assert t["choices"][0]["text"] == a["choices"][0]["text"]
         assert t["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
         assert t["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
         assert t["usage"]["forward_passes"] == a["usage"]["forward_passes"]
+    return alone, batches
+
+
+def test_requests_of_different_temperatures_share_a_batch_and_answer_as_alone(server, monkeypatch):
+    """Jobs batched only when their whole sampler settings were equal, so a request at temperature 0.7 never shared
+    a step with one at 0.8, nor one with a top_p or top_k with one without: concurrent clients ran one batch after
+    another. Now each row draws with its own temperature, top_p and top_k, and answers as it would alone."""
+    bodies = [{"model": MODEL, "prompt": "abc", "max_tokens": 20, "temperature": 0.5, "seed": 1},
+              {"model": MODEL, "prompt": "hello there", "max_tokens": 20, "temperature": 1.3, "top_p": 0.8, "seed": 2},
+              {"model": MODEL, "prompt": "x", "max_tokens": 12, "temperature": 0.9, "top_k": 5, "seed": 3}]
+    first = {"model": MODEL, "prompt": "z", "max_tokens": 1, "temperature": 2.0}
+    alone, batches = alone_then_batched(server, monkeypatch, bodies, first, lambda j: j.sampler.draw_temperature)
+    assert batches == [[2.0], [0.5, 0.9, 1.3]]
     assert len({a["choices"][0]["text"] for a in alone}) == len(bodies)  # three answers, not one
 
 
@@ -1463,40 +1472,10 @@ def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server,
     """Jobs batched only when their max_tokens and min_tokens were equal, so clients that send different lengths (all
     real ones) ran one by one. Now they share a batch, each row with its own budget, and each answer, finish_reason
     and usage is the request's alone."""
-    import threading
-
-    engine = server[1].state.engine
     bodies = [{"model": MODEL, "prompt": "abc", "max_tokens": 5, "min_tokens": 5, "seed": 1},  # ends by its length
               {"model": MODEL, "prompt": "hello there", "max_tokens": 30, "seed": 2},
               {"model": MODEL, "prompt": "x", "max_tokens": 11, "min_tokens": 3, "seed": 3, "stop": ["\n"]}]
-
-    def post(body):
-        return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
-
-    alone = [post(body) for body in bodies]
-    gate, batches, run = threading.Event(), [], engine._run
-
-    def gated(batch):  # hold the engine on a first request until the others are queued
-        batches.append(sorted(j.max_tokens for j in batch))
-        gate.wait(30)
-        run(batch)
-
-    monkeypatch.setattr(engine, "_run", gated)
-    before = engine.metrics.counters["batches_total"]
-    with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
-        first = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1})
-        while not batches:
-            threading.Event().wait(0.01)
-        together = [pool.submit(post, body) for body in bodies]
-        while engine.depth() < len(bodies):
-            threading.Event().wait(0.01)
-        gate.set()
-        together = [f.result() for f in together]
-        assert "choices" in first.result()
-    assert batches == [[1], [5, 11, 30]] and engine.metrics.counters["batches_total"] - before == 2
+    first = {"model": MODEL, "prompt": "z", "max_tokens": 1}
+    alone, batches = alone_then_batched(server, monkeypatch, bodies, first, lambda j: j.max_tokens)
+    assert batches == [[1], [5, 11, 30]]
     assert alone[0]["choices"][0]["finish_reason"] == "length" and alone[0]["usage"]["completion_tokens"] == 5
-    for a, t in zip(alone, together):
-        assert t["choices"][0]["text"] == a["choices"][0]["text"]
-        assert t["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
-        assert t["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
-        assert t["usage"]["forward_passes"] == a["usage"]["forward_passes"]
