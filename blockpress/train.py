@@ -711,8 +711,10 @@ class Trainer:
         `resume` warns when a run continues on other data."""
         self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
         self.merged_dtype = merged_dtype
+        # A source is anything with batch(step, size) (scripts/train_sudoku.py's draws augmented puzzles); one of ours
+        # also says how much data it holds, which resume compares.
         size = (f"{len(source.examples)} examples" if isinstance(source, ExampleSource)
-                else f"{source.shards.tokens} tokens")
+                else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
         self.data = {"path": data, "size": size}
         if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
             raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
