@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .files import StagedFiles
+from .files import StagedFiles, staging
 from .model import DiffusionGemma
 
 DECODER = "model.decoder."
@@ -629,13 +629,15 @@ def save_model(
     passthrough: Passthrough | None = None,
     max_shard_bytes: int = 4 << 30,
     metadata: dict[str, str] | None = None,
+    files: StagedFiles | None = None,
 ) -> None:
     """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`); `metadata`:
     string entries added to each safetensors file's header (`MappedSafetensors.metadata` reads them back).
 
     Everything is read and checked before the first file is written, and the files are written under temporary
     names and moved into place together (StagedFiles), so a save that cannot complete, or is killed, leaves the
-    destination as it was."""
+    destination as it was. `files`: stage them there instead, for its owner to commit with the rest of a larger
+    save (a training run's)."""
     path = Path(path)
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
@@ -664,14 +666,14 @@ def save_model(
     if len(shards) > 1:
         names.append("model.safetensors.index.json")
     stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
-    with StagedFiles() as files:
-        files.write(path / "config.json", lambda file: model.config.save(file, dtype=model.dtype))
+    with staging(files) as staged:
+        staged.write(path / "config.json", lambda file: model.config.save(file, dtype=model.dtype))
         for fname, shard in zip(names, shards):
-            files.write(path / fname, lambda file, shard=shard: save_file(shard, str(file), metadata=meta))
+            staged.write(path / fname, lambda file, shard=shard: save_file(shard, str(file), metadata=meta))
         if len(shards) > 1:
             weight_map = {name: fname for fname, shard in zip(names, shards) for name in shard}
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            files.write_text(path / names[-1], json.dumps(index, indent=2) + "\n")
-    for old in stale:  # the other layout's files, left from an earlier save (after: a kill between keeps weights)
-        old.unlink()
+            staged.write_text(path / names[-1], json.dumps(index, indent=2) + "\n")
+        for old in stale:  # the other layout's files, left from an earlier save (after: a kill between keeps weights)
+            staged.remove(old)

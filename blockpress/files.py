@@ -1,12 +1,19 @@
-"""Files written whole or not at all: every save (checkpoints, trainer state, tokenizer files) goes through here.
-No torch: the tokenizer, which imports without it, writes its files with it too."""
+"""Files written whole or not at all: every save (checkpoints, trainer state, tokenizer files, adapters) goes through
+here. No torch: the tokenizer, which imports without it, writes its files with it too."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+def temporary_path(path: str | Path) -> Path:
+    """Where `path` is staged: beside it, hidden, so no checkpoint file pattern matches it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp")
 
 
 class StagedFiles:
@@ -14,15 +21,20 @@ class StagedFiles:
     os.replace is atomic, so a save killed part-way (SIGKILL, a full disk, a crash) leaves each destination whole, as
     it was or as written: written in place, a killed save left a truncated file, and a training run that saves over
     its own checkpoint lost it. Files are flushed to disk before the first is moved, and moved in the order they were
-    staged (a checkpoint's commit marker last). As a context manager: committed on leaving, discarded on an error."""
+    staged (a checkpoint's commit marker last); files staged for removal go at their turn in that order, so a stale
+    file outlives the save's new ones. As a context manager: committed on leaving, discarded on an error.
+
+    One save of several parts (a training run's weights, tokenizer and state) stages them all in one StagedFiles
+    (`staging`), so nothing of it is in place before everything of it is written."""
 
     def __init__(self) -> None:
-        self.moves: list[tuple[Path, Path]] = []  # (temporary, destination)
+        self.moves: list[tuple[Path | None, Path]] = []  # (temporary, destination); (None, path): remove path
 
     def write(self, path: str | Path, write: Callable[[Path], None]) -> None:
-        """Stage `path`, its content written by `write(temporary)`."""
+        """Stage `path`, its content written by `write(temporary)` (staged again: the later content wins)."""
         path = Path(path)
-        temporary = path.with_name(f".{path.name}.tmp")  # hidden: no checkpoint file pattern matches it
+        temporary = temporary_path(path)
+        self.moves = [move for move in self.moves if move[1] != path]
         temporary.unlink(missing_ok=True)  # one left by a killed save
         temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)
         mode = temporary.stat().st_mode & 0o777
@@ -33,12 +45,55 @@ class StagedFiles:
             os.fsync(f.fileno())
 
     def write_text(self, path: str | Path, text: str) -> None:
-        self.write(path, lambda temporary: temporary.write_text(text))
+        self.write(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+    def remove(self, path: str | Path) -> None:
+        """Remove the file at `path` (a folder: when it is left empty) at commit, once what was staged before it is
+        in place; a file staged to `path` so far is not written."""
+        path = Path(path)
+        for temporary, destination in self.moves:
+            if destination == path and temporary is not None:
+                temporary.unlink(missing_ok=True)
+        self.moves = [move for move in self.moves if move[1] != path] + [(None, path)]
+
+    def read_path(self, path: str | Path) -> Path:
+        """The file a read of `path` should see now: what is staged for it, else `path` itself."""
+        path = Path(path)
+        staged = [temporary for temporary, destination in self.moves if destination == path]
+        return staged[-1] if staged and staged[-1] is not None else path
+
+    def record(self, folder: str | Path) -> list[tuple[str, bool]]:
+        """What a commit will do, as JSON-able data to keep with the save's commit marker: each destination by its
+        path in `folder`, and whether it is written (False: removed). `finish` completes such a commit, killed
+        part-way, from it."""
+        return [(Path(path).relative_to(folder).as_posix(), temporary is not None) for temporary, path in self.moves]
+
+    @classmethod
+    def finish(cls, folder: str | Path, record: list[tuple[str, bool]]) -> int:
+        """Complete a commit that was killed part-way, from its `record`: every file still staged beside its
+        destination moved into place, in order, and every removal made again. Staged files are all written (and
+        flushed) before the first move, so those left are whole. Returns the number of files moved."""
+        finishing = cls()
+        for name, written in record:
+            path = Path(folder) / name
+            if not written:
+                finishing.moves.append((None, path))
+            elif temporary_path(path).is_file():  # (else moved before the kill)
+                finishing.moves.append((temporary_path(path), path))
+        moved = sum(temporary is not None for temporary, _ in finishing.moves)
+        finishing.commit()
+        return moved
 
     def commit(self) -> None:
         folders = []
         for temporary, path in self.moves:
-            os.replace(temporary, path)
+            if temporary is not None:
+                os.replace(temporary, path)
+            elif path.is_dir():
+                if not any(path.iterdir()):
+                    path.rmdir()
+            else:
+                path.unlink(missing_ok=True)
             if path.parent not in folders:
                 folders.append(path.parent)
         self.moves = []
@@ -52,7 +107,8 @@ class StagedFiles:
 
     def discard(self) -> None:
         for temporary, _ in self.moves:
-            temporary.unlink(missing_ok=True)
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
         self.moves = []
 
     def __enter__(self) -> StagedFiles:
@@ -65,8 +121,13 @@ class StagedFiles:
             self.discard()
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Write the file at `path` whole or not at all: `write(temporary)` writes it beside `path`, which it then
-    replaces (StagedFiles)."""
-    with StagedFiles() as files:
-        files.write(path, write)
+@contextmanager
+def staging(files: StagedFiles | None) -> Iterator[StagedFiles]:
+    """`files`, when a caller saving more passes its own (it commits them with the rest of its save), else a
+    StagedFiles of this save's own, committed on leaving."""
+    if files is not None:
+        yield files
+        return
+    with StagedFiles() as own:
+        yield own
+

@@ -28,7 +28,7 @@ from .checkpoint import (
 )
 from .checks import check_flag, is_finite_number, is_int
 from .config import ModelConfig
-from .files import atomic_write
+from .files import StagedFiles, staging
 from .generate import (
     Cancelled,
     Commit,
@@ -976,10 +976,13 @@ class LM:
         return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 
-    def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> None:
-        """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read. Each file is
-        written whole or not at all (files.StagedFiles): a save killed part-way leaves no truncated file.
-        `metadata`: string entries for the safetensors headers (a training run records its step there)."""
+    def save(self, path: str | Path, metadata: dict[str, str] | None = None, *,
+             files: StagedFiles | None = None) -> None:
+        """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read. The files are
+        written under temporary names and moved into place together (files.StagedFiles): a save killed part-way
+        leaves no truncated file. `metadata`: string entries for the safetensors headers (a training run records its
+        step there). `files`: stage them there instead, for its owner to commit with the rest of a larger save (a
+        training run's, with its state)."""
         if self.quantization is not None:
             raise ValueError(f"save: the model is quantized ({self.quantization}); save the unquantized weights and "
                              "quantize after loading (blockpress.load(..., quantize=...))")
@@ -996,26 +999,26 @@ class LM:
             json.dumps(gen)
         except TypeError as exc:
             raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
-        save_model(self.model, path, self.passthrough, metadata=metadata)
-        text = self.config.text
-        gen.setdefault("bos_token_id", text.bos_token_id)
-        gen.setdefault("pad_token_id", text.pad_token_id)
-        # The set in effect now, written out whole: what a reload stops on is what this model stops on.
-        eos = self._eos_ids()
-        gen["eos_token_id"] = eos if len(eos) != 1 else eos[0]
-        reference, own = split_generation_config(gen)
-        atomic_write(path / "generation_config.json",
-                     lambda file: file.write_text(json.dumps(reference, indent=2, sort_keys=True) + "\n"))
-        own_file = path / BLOCKPRESS_GENERATION_FILE
-        if own:
-            atomic_write(own_file, lambda file: file.write_text(json.dumps(own, indent=2, sort_keys=True) + "\n"))
-        elif own_file.exists():  # left from an earlier save into this folder; it would override the settings
-            own_file.unlink()
-        if self.tokenizer is not None:
-            self.tokenizer.save(path)
-        else:  # an earlier model's tokenizer in this folder would load with these weights
-            for name in TOKENIZER_FILES:
-                (path / name).unlink(missing_ok=True)
+        with staging(files) as staged:
+            save_model(self.model, path, self.passthrough, metadata=metadata, files=staged)
+            text = self.config.text
+            gen.setdefault("bos_token_id", text.bos_token_id)
+            gen.setdefault("pad_token_id", text.pad_token_id)
+            # The set in effect now, written out whole: what a reload stops on is what this model stops on.
+            eos = self._eos_ids()
+            gen["eos_token_id"] = eos if len(eos) != 1 else eos[0]
+            reference, own = split_generation_config(gen)
+            staged.write_text(path / "generation_config.json", json.dumps(reference, indent=2, sort_keys=True) + "\n")
+            own_file = path / BLOCKPRESS_GENERATION_FILE
+            if own:
+                staged.write_text(own_file, json.dumps(own, indent=2, sort_keys=True) + "\n")
+            else:  # one left from an earlier save into this folder would override the settings
+                staged.remove(own_file)
+            if self.tokenizer is not None:
+                self.tokenizer.save(path, files=staged)
+            else:  # an earlier model's tokenizer in this folder would load with these weights
+                for name in TOKENIZER_FILES:
+                    staged.remove(path / name)
 
     def __repr__(self) -> str:
         return f"LM({self.config.describe()}, dtype={self.dtype}, device={self.device})"

@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag
-from .files import atomic_write
+from .files import StagedFiles, staging
 from .response import compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -252,7 +252,7 @@ class Tokenizer:
             )
         return tokenizer
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, files: StagedFiles | None = None) -> None:
         """Write tokenizer.json and the tokenizer's config files so `from_dir` and `transformers` can load them.
 
         A tokenizer loaded with `from_dir` gets the files it came with back, changed only where its settings (special
@@ -261,35 +261,38 @@ class Tokenizer:
         When there is more than one EOS id, generation_config.json gets `eos_token_id` as a list (other
         fields of an existing generation_config.json are kept), because tokenizer_config.json can only
         name one eos_token.
+        The files are written under temporary names and moved into place together (files.StagedFiles); `files`:
+        stage them there instead, for its owner to commit with the rest of a larger save (a model's).
         """
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
-        atomic_write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
         config, special_map, template_files = self._files_to_save()
-        # Template files left from an earlier save would win over the templates written here on loading.
-        (folder / "chat_template.jinja").unlink(missing_ok=True)
-        named_dir = folder / NAMED_TEMPLATES_DIR
-        for file in named_dir.glob("*.jinja"):
-            file.unlink()
-        if template_files and self.chat_template is not None:  # the form the templates came in: files
-            templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
-            for name, text in templates.items():
-                file = folder / "chat_template.jinja" if name == "default" else named_dir / f"{name}.jinja"
-                file.parent.mkdir(exist_ok=True)
-                file.write_text(text, encoding="utf-8")
-        if named_dir.is_dir() and not any(named_dir.iterdir()):
-            named_dir.rmdir()
-        _write_json(folder / "tokenizer_config.json", config)
-        if special_map is not None:
-            _write_json(folder / "special_tokens_map.json", special_map)
-        else:  # one left from an earlier save would override the tokens named in the config
-            (folder / "special_tokens_map.json").unlink(missing_ok=True)
-        gen_path = folder / "generation_config.json"
-        gen_cfg = _read_json(gen_path)
-        if len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg:  # a model's own EOS set (LM.save) stays
-            gen_cfg["eos_token_id"] = list(self.eos_ids)
-            _write_json(gen_path, gen_cfg)
+        with staging(files) as staged:
+            # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
+            staged.write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
+            # Template files left from an earlier save would win over the templates written here on loading.
+            (folder / "chat_template.jinja").unlink(missing_ok=True)
+            named_dir = folder / NAMED_TEMPLATES_DIR
+            for file in named_dir.glob("*.jinja"):
+                file.unlink()
+            if template_files and self.chat_template is not None:  # the form the templates came in: files
+                templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
+                for name, text in templates.items():
+                    file = folder / "chat_template.jinja" if name == "default" else named_dir / f"{name}.jinja"
+                    file.parent.mkdir(exist_ok=True)
+                    file.write_text(text, encoding="utf-8")
+            if named_dir.is_dir() and not any(named_dir.iterdir()):
+                named_dir.rmdir()
+            staged.write_text(folder / "tokenizer_config.json", _json_text(config))
+            if special_map is not None:
+                staged.write_text(folder / "special_tokens_map.json", _json_text(special_map))
+            else:  # one left from an earlier save would override the tokens named in the config
+                staged.remove(folder / "special_tokens_map.json")
+            gen_path = folder / "generation_config.json"
+            gen_cfg = _read_json(staged.read_path(gen_path))  # a model's, when saved with one (LM.save)
+            if len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg:  # a model's own EOS set (LM.save) stays
+                gen_cfg["eos_token_id"] = list(self.eos_ids)
+                staged.write_text(gen_path, _json_text(gen_cfg))
 
     def _settings(self) -> dict[str, Any]:
         """What save() writes that may change after loading: the special tokens (by config key), add_bos_token,
@@ -679,9 +682,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _write_json(path: Path, data: Mapping[str, Any]) -> None:
-    text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-    atomic_write(path, lambda file: file.write_text(text, encoding="utf-8"))
+def _json_text(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
 
 
 def _token_content(value: Any) -> str | None:

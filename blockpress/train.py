@@ -51,7 +51,7 @@ from .checkpoint import (
 from .checks import is_finite_number, is_int
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, make_batch
-from .files import StagedFiles, atomic_write
+from .files import StagedFiles, temporary_path
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
@@ -59,8 +59,12 @@ from .quantize import QuantizedLinear, check_scheme, quantization_of
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
 TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
 # A full fine-tune's weights record, in their safetensors headers, the step they were saved at: --resume refuses
-# them with a trainer_state.pt of another step (a save killed between the two files' moves).
+# them with a trainer_state.pt of another step (a save killed between the two files' moves, that
+# finish_interrupted_save could not complete).
 WEIGHTS_STEP_KEY = "blockpress_train_step"
+# trainer_state.pt's record of the save it ends (StagedFiles.record): --resume finishes one killed while its files
+# were moved into place (finish_interrupted_save).
+COMMIT_KEY = "commit"
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
@@ -68,7 +72,13 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up
 def check_resumable(out: str | Path) -> Path:
     """The trainer_state.pt of the run in `out` that --resume continues; a clear error where there is none, or where
     it is cut short (callers check before minutes of data preparation; the zip's directory, at its end, is all that
-    is read)."""
+    is read). A save killed while its files were moved into place is finished first (finish_interrupted_save)."""
+    if dist.is_initialized():  # one process moves the files; the others wait for them
+        if dist.get_rank() == 0:
+            finish_interrupted_save(out)
+        dist.barrier()
+    else:
+        finish_interrupted_save(out)
     state = Path(out) / TRAINER_STATE_FILE
     if not state.is_file():
         raise FileNotFoundError(f"--resume: {out} has no {TRAINER_STATE_FILE} to continue from")
@@ -77,6 +87,39 @@ def check_resumable(out: str | Path) -> Path:
     except (zipfile.BadZipFile, OSError) as exc:
         raise _unreadable_state(state, exc) from None
     return state
+
+
+def finish_interrupted_save(out: str | Path) -> None:
+    """Complete the save of the run in `out` that was killed while its files were moved into place (some moved,
+    the weights say at which step; trainer_state.pt, moved last, still the one before, or none yet): its new state
+    is whole beside them under its temporary name, with the record of its save. Refused, --resume dropped the run
+    although every file of it was there."""
+    out = Path(out)
+    pending = temporary_path(out / TRAINER_STATE_FILE)
+    if not pending.is_file():  # (the usual case: nothing to read)
+        return
+    staged, current = _state_step(pending), _state_step(out / TRAINER_STATE_FILE)
+    if staged is None or staged[1] is None:
+        return  # cut short while written (its save moved no file), or from before saves kept their record
+    if current is not None and current[0] >= staged[0]:
+        return  # older than the state in place: nothing of it is to be moved
+    moved = StagedFiles.finish(out, staged[1])
+    print(f"--resume: the save of step {staged[0]} in {out} was stopped while its files were moved into place; "
+          f"all of them were written, and the {moved} left are moved now", file=sys.stderr)
+
+
+def _state_step(path: Path) -> tuple[int, list[tuple[str, bool]] | None] | None:
+    """The step of the trainer state at `path` and the record of its save (None: saved before records were kept);
+    None where there is no state there, or it cannot be read. Its tensors are mapped, not read: only the two
+    entries are kept."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # noqa: BLE001 - missing, or damaged: a damaged file fails with any of several types
+        return None
+    if not (isinstance(state, dict) and is_int(state.get("step"))):
+        return None
+    record = state.get(COMMIT_KEY)
+    return state["step"], record if isinstance(record, list) else None
 
 
 def _unreadable_state(path: Path, exc: BaseException) -> ValueError:
@@ -906,32 +949,37 @@ class Trainer:
                  "config": asdict(self.cfg), "base_shape": base_shape(self.model),  # (--resume checks the model's)
                  "data": self.data}
         done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
-        # Every file is written under a temporary name and moved into place whole (StagedFiles), trainer_state.pt
-        # last: a save killed part-way leaves the previous save to resume (before, a file written in place was left
-        # truncated, and the run lost). Its temporary is written first, so only moves separate it from the weights.
+        # Every file is staged under a temporary name in one StagedFiles (the weights, the tokenizer, the adapters:
+        # lm.save and save_adapter stage into it), and all are moved into place together once all are written,
+        # trainer_state.pt last: a save killed part-way leaves the previous save to resume (before, a file written
+        # in place was left truncated, and the run lost), and one killed while its files were moved leaves its own
+        # whole state beside them, which --resume moves into place too (finish_interrupted_save).
         with StagedFiles() as files:
             if self.cfg.lora_rank and self.step < self.cfg.steps:
                 # LoRA, a run to be resumed (mid-run, interrupted, or stopped by its clock): the adapters live in
                 # trainer_state.pt, beside the base they adapt (`--resume` takes it from lora_base.json; null: a base
                 # not loaded from a folder, given again by the user)
                 state["lora"] = {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k}
-                atomic_write(self.out / LORA_BASE_FILE,
-                             lambda file: file.write_text(json.dumps({"model": base_name(self.lm)}) + "\n"))
-            # The settings again as JSON: `--resume` reads them without loading the optimizer state.
-            files.write_text(self.out / TRAIN_CONFIG_FILE, json.dumps(asdict(self.cfg), indent=2) + "\n")
-            files.write(self.out / TRAINER_STATE_FILE, lambda file: torch.save(state, file))
+                files.write_text(self.out / LORA_BASE_FILE, json.dumps({"model": base_name(self.lm)}) + "\n")
             if not self.cfg.lora_rank:
-                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)})
+                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, files=files)
             elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint
                 # with them merged in (over a quantized one, merged into its codes they would be rounded away)
                 save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
                              base_name(self.lm), self.cfg.quantize)
                 if self.cfg.quantize is None:
                     self.lm.model = merge_lora(self.model, self.merged_dtype)
-                    self.lm.save(self.out)
+                    self.lm.save(self.out, files=files)
                     done = "lora" not in state
-        if done:  # after trainer_state.pt: a kill between leaves a finished run, which --resume refuses as such
-            (self.out / LORA_BASE_FILE).unlink(missing_ok=True)
+            # The settings again as JSON: `--resume` reads them without loading the optimizer state.
+            files.write_text(self.out / TRAIN_CONFIG_FILE, json.dumps(asdict(self.cfg), indent=2) + "\n")
+            # lora_base.json goes after trainer_state.pt: a kill between leaves a finished run, which --resume
+            # refuses as such
+            removed = [(LORA_BASE_FILE, False)] if done else []
+            state[COMMIT_KEY] = [*files.record(self.out), (TRAINER_STATE_FILE, True), *removed]
+            files.write(self.out / TRAINER_STATE_FILE, lambda file: torch.save(state, file))
+            if done:
+                files.remove(self.out / LORA_BASE_FILE)
 
     def resume(self) -> None:
         """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""

@@ -485,9 +485,8 @@ def test_a_save_that_dies_part_way_leaves_the_previous_one_to_resume(tmp_path, m
     assert rest.train().losses == pytest.approx(straight.losses[3:], rel=1e-6)  # the step-3 save, whole
 
 
-def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch):
-    """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
-    which --resume combined silently."""
+def _killed_while_moving(tmp_path, monkeypatch, before):
+    """The run in tmp_path / "split", its save of step 4 stopped just before `before` was moved into place."""
     import blockpress.files
 
     run(tmp_path, 3, "split")
@@ -495,15 +494,36 @@ def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch)
     trainer.train_step()
     real = os.replace
 
-    def dies_before_the_state(src, dst):
-        if Path(dst).name == "trainer_state.pt":
+    def dies_before(src, dst):
+        if Path(dst).name == before:
             raise KeyboardInterrupt  # the process stops between the moves
         real(src, dst)
 
-    monkeypatch.setattr(blockpress.files.os, "replace", dies_before_the_state)
+    monkeypatch.setattr(blockpress.files.os, "replace", dies_before)
     with pytest.raises(KeyboardInterrupt):
         trainer.save()
     monkeypatch.undo()
+
+
+@pytest.mark.parametrize("before", ["config.json", "model.safetensors", "generation_config.json", "trainer_state.pt"])
+def test_resume_finishes_a_save_killed_while_its_files_were_moved(tmp_path, monkeypatch, capsys, before):
+    """lm.save committed the weights (and its other files) on its own, before trainer_state.pt's move: a kill between
+    left step-4 weights beside the step-3 state, and --resume refused the run, though the step-4 state was whole
+    beside it under its temporary name."""
+    _, straight = run(tmp_path, 6, "straight")
+    _killed_while_moving(tmp_path, monkeypatch, before)
+    rest = _resumed(tmp_path, "split", 6)
+    assert f"the save of step 4 in {tmp_path / 'split'} was stopped while its files were moved" in capsys.readouterr().err
+    assert rest.step == 4
+    assert not [p.name for p in (tmp_path / "split").iterdir() if p.name.endswith(".tmp")]
+    assert rest.train().losses == pytest.approx(straight.losses[4:], rel=1e-6)  # the step-4 save, whole
+
+
+def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch):
+    """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
+    which --resume combined silently. Without the staged step-4 state there is no save to finish."""
+    _killed_while_moving(tmp_path, monkeypatch, "trainer_state.pt")
+    (tmp_path / "split" / ".trainer_state.pt.tmp").write_bytes(b"PK\3\4" + b"\0" * 64)  # cut short
     with pytest.raises(ValueError, match=r"weights in .*split \(model.safetensors\) were saved at step 4, and "
                                          r"trainer_state.pt at step 3: the run was stopped while it saved"):
         _resumed(tmp_path, "split", 6)
