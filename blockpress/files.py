@@ -98,7 +98,7 @@ class StagedFiles:
                 folders.append(path.parent)
         self.moves = []
         if os.name == "posix":  # the renames themselves on disk (a folder cannot be opened for fsync on Windows)
-            for folder in folders:
+            for folder in (folder for folder in folders if folder.is_dir()):  # (not one removed, left empty)
                 fd = os.open(folder, os.O_RDONLY)
                 try:
                     os.fsync(fd)

@@ -270,19 +270,22 @@ class Tokenizer:
         with staging(files) as staged:
             # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
             staged.write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
-            # Template files left from an earlier save would win over the templates written here on loading.
-            (folder / "chat_template.jinja").unlink(missing_ok=True)
             named_dir = folder / NAMED_TEMPLATES_DIR
-            for file in named_dir.glob("*.jinja"):
-                file.unlink()
+            written = set()
             if template_files and self.chat_template is not None:  # the form the templates came in: files
                 templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
                 for name, text in templates.items():
                     file = folder / "chat_template.jinja" if name == "default" else named_dir / f"{name}.jinja"
                     file.parent.mkdir(exist_ok=True)
-                    file.write_text(text, encoding="utf-8")
-            if named_dir.is_dir() and not any(named_dir.iterdir()):
-                named_dir.rmdir()
+                    staged.write_text(file, text)
+                    written.add(file)
+            # Template files left from an earlier save would win over the templates written here on loading: removed
+            # at the commit (before, deleted at once: a save killed then left the model without its template).
+            for file in [folder / "chat_template.jinja", *named_dir.glob("*.jinja")]:
+                if file not in written:
+                    staged.remove(file)
+            if named_dir.is_dir():
+                staged.remove(named_dir)  # when left empty
             staged.write_text(folder / "tokenizer_config.json", _json_text(config))
             if special_map is not None:
                 staged.write_text(folder / "special_tokens_map.json", _json_text(special_map))

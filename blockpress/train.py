@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -51,7 +52,7 @@ from .checkpoint import (
 from .checks import is_finite_number, is_int
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, make_batch
-from .files import StagedFiles, temporary_path
+from .files import StagedFiles, staging, temporary_path
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
@@ -482,13 +483,15 @@ def shape_differences(recorded: dict[str, Any], model: DiffusionGemma, this: str
 
 
 def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None,
-                 quantize: str | None = None) -> None:
+                 quantize: str | None = None, *, files: StagedFiles | None = None) -> None:
     """`model`'s LoRA adapters (add_lora's) as a PEFT folder, its modules named as the reference model names them,
     so `peft.PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion, path)` runs them. The reference's encoder
     has modules of its own sharing the decoder's weights (blockpress runs both on one): each adapter is written for
     both (checkpoint.reference_names). The folder names `base` (None: not loaded from a folder), and ADAPTER_RECORD
     beside it the base's shape and `quantize`, the scheme the base was quantized with while they trained: the folder
-    alone loads (blockpress.load(path))."""
+    alone loads (blockpress.load(path)). The files are written under temporary names and moved into place
+    together (files.StagedFiles); `files`: stage them there instead, for its owner to commit with the rest of a larger
+    save (a training run's)."""
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
@@ -504,11 +507,16 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
                     tensors[f"base_model.model.{target}.lora_{side}.weight"] = layer.weight.detach().float().cpu().clone()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,
-               base_model_name_or_path=base).save_pretrained(str(path))
-    save_file(tensors, str(path / ADAPTER_FILES[1]), metadata={"format": "pt"})
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,
+                        base_model_name_or_path=base)
+    with tempfile.TemporaryDirectory() as made:  # peft writes its config into a folder: its own, then staged
+        config.save_pretrained(made)
+        config_text = (Path(made) / ADAPTER_FILES[0]).read_text()
     record = {"base_shape": base_shape(model), "quantize": quantize}
-    (path / ADAPTER_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    with staging(files) as staged:
+        staged.write_text(path / ADAPTER_FILES[0], config_text)
+        staged.write(path / ADAPTER_FILES[1], lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
+        staged.write_text(path / ADAPTER_RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def is_adapter_folder(path: Path) -> bool:
@@ -966,7 +974,7 @@ class Trainer:
             elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint
                 # with them merged in (over a quantized one, merged into its codes they would be rounded away)
                 save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
-                             base_name(self.lm), self.cfg.quantize)
+                             base_name(self.lm), self.cfg.quantize, files=files)
                 if self.cfg.quantize is None:
                     self.lm.model = merge_lora(self.model, self.merged_dtype)
                     self.lm.save(self.out, files=files)

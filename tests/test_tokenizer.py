@@ -420,6 +420,28 @@ def test_saving_leaves_no_stale_template_file(tok: Tokenizer, tmp_path: Path) ->
     assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "NEW x"
 
 
+def test_a_save_that_fails_part_way_keeps_the_template_files(tok: Tokenizer, tmp_path: Path, monkeypatch) -> None:
+    """chat_template.jinja was deleted, then written in place: a save stopped while writing it left half a template
+    (every chat render failed), and one stopped between, none (the model loaded without one)."""
+    Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1]).save(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("OLD {{ messages[0].content }}")
+    ours = Tokenizer.from_dir(tmp_path)
+    real = Path.write_text
+
+    def half_then_full_disk(self: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        if "chat_template.jinja" in self.name:
+            real(self, text[: len(text) // 2], *args, **kwargs)
+            raise OSError("No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", half_then_full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ours.save(tmp_path)
+    monkeypatch.undo()
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "OLD x"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 # A Gemma-like checkpoint's tokenizer files, as google's are laid out: the class, left padding, model-specific token
 # names at the top level, an unnamed extra_special_tokens list, a special_tokens_map.json and a chat_template.jinja.
 GEMMA_LIKE_ADDED = ["<unk>", "<mask>", "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<|turn>", "<turn|>"]

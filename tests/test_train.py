@@ -529,6 +529,28 @@ def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch)
         _resumed(tmp_path, "split", 6)
 
 
+def test_an_adapter_save_that_fails_part_way_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """save_adapter wrote adapter_config.json, the weights and its record in place: one stopped part-way left the new
+    config (another rank) beside the old weights, a folder that no longer loads."""
+    pytest.importorskip("peft")
+    import safetensors.torch
+
+    from blockpress.train import add_lora, save_adapter
+
+    folder = tmp_path / "adapter"
+    save_adapter(add_lora(tiny_lm().model, rank=2, alpha=4), folder, 2, 4, None)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def part_then_die(tensors, file, *args, **kwargs):
+        Path(file).write_bytes(b"\0" * 64)
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", part_then_die)
+    with pytest.raises(OSError, match="No space left"):
+        save_adapter(add_lora(tiny_lm(seed=1).model, rank=4, alpha=8), folder, 4, 8, None)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_a_truncated_trainer_state_is_a_clear_error(tmp_path):
     """It was torch's 15-line traceback (PytorchStreamReader failed reading zip archive, EOFError, ...)."""
     from blockpress.train import check_resumable, read_trainer_state
