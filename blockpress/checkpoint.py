@@ -667,6 +667,7 @@ def save_model(
         names.append("model.safetensors.index.json")
     stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
     with staging(files) as staged:
+        staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout
         staged.write(path / "config.json", lambda file: model.config.save(file, dtype=model.dtype))
         for fname, shard in zip(names, shards):
             staged.write(path / fname, lambda file, shard=shard: save_file(shard, str(file), metadata=meta))

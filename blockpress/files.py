@@ -62,6 +62,15 @@ class StagedFiles:
         staged = [temporary for temporary, destination in self.moves if destination == path]
         return staged[-1] if staged and staged[-1] is not None else path
 
+    def remove_leftovers(self, folder: str | Path, pattern: str) -> None:
+        """Delete the temporaries that killed saves left in `folder` of files named like `pattern` (a glob), except
+        those staged here. Writing a name again replaces its own; these are of names this save does not write (a
+        sharded save's shards, beside a single file): dead bytes, gigabytes for a real model."""
+        staged = {temporary for temporary, _ in self.moves}
+        for leftover in Path(folder).glob(temporary_path(pattern).name):
+            if leftover not in staged and leftover.is_file():
+                leftover.unlink()
+
     def record(self, folder: str | Path) -> list[tuple[str, bool]]:
         """What a commit will do, as JSON-able data to keep with the save's commit marker: each destination by its
         path in `folder`, and whether it is written (False: removed). `finish` completes such a commit, killed

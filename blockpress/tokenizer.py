@@ -271,6 +271,8 @@ class Tokenizer:
             # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
             staged.write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
             named_dir = folder / NAMED_TEMPLATES_DIR
+            if named_dir.is_dir():  # templates a save killed part-way staged under other names
+                staged.remove_leftovers(named_dir, "*.jinja")
             written = set()
             if template_files and self.chat_template is not None:  # the form the templates came in: files
                 templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}

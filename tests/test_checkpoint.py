@@ -983,6 +983,29 @@ def test_a_save_that_fails_part_way_leaves_the_folder_as_it_was(lm, tmp_path, mo
     assert all(Path(f).parent == tmp_path / "c" and Path(f).name.startswith(".") for f in written)
 
 
+def test_a_save_removes_the_temporaries_a_killed_save_of_another_layout_left(lm, tmp_path, monkeypatch):
+    """Only the temporary of a name written again was removed: a sharded save killed part-way left its shards'
+    beside every later single-file save (gigabytes for a real model)."""
+    import blockpress.checkpoint as checkpoint
+
+    def killed_at_the_second_shard(tensors, filename, metadata=None):
+        if "00002" in Path(filename).name:
+            raise KeyboardInterrupt  # the process stops: no discarding
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", killed_at_the_second_shard)
+    with pytest.raises(KeyboardInterrupt):  # (staged into files of the test's: nothing discards them)
+        checkpoint.save_model(lm.model, tmp_path / "c", max_shard_bytes=20_000, files=checkpoint.StagedFiles())
+    monkeypatch.undo()
+    left = {p.name for p in (tmp_path / "c").iterdir()}
+    assert ".config.json.tmp" in left and any(n.startswith(".model-00002-of-") for n in left)
+    for name in (".notes.tmp", ".model-notes.txt"):  # hidden files of the user's own: kept
+        (tmp_path / "c" / name).write_text("mine")
+    checkpoint.save_model(lm.model, tmp_path / "c")  # one file
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        ".model-notes.txt", ".notes.tmp", "config.json", "model.safetensors"]
+
+
 def test_save_metadata_is_read_back_and_checked(lm, tmp_path):
     from blockpress.checkpoint import MappedSafetensors, checkpoint_files, save_model
 

@@ -442,6 +442,16 @@ def test_a_save_that_fails_part_way_keeps_the_template_files(tok: Tokenizer, tmp
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_save_removes_template_temporaries_a_killed_save_left(tok: Tokenizer, tmp_path: Path) -> None:
+    """A named template's temporary, left by a save killed part-way, stayed for good (its name not written again)."""
+    from blockpress.tokenizer import NAMED_TEMPLATES_DIR
+
+    (tmp_path / NAMED_TEMPLATES_DIR).mkdir()
+    (tmp_path / NAMED_TEMPLATES_DIR / ".tool_use.jinja.tmp").write_text("half a templ")
+    Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="NEW").save(tmp_path)
+    assert not (tmp_path / NAMED_TEMPLATES_DIR).exists()
+
+
 # A Gemma-like checkpoint's tokenizer files, as google's are laid out: the class, left padding, model-specific token
 # names at the top level, an unnamed extra_special_tokens list, a special_tokens_map.json and a chat_template.jinja.
 GEMMA_LIKE_ADDED = ["<unk>", "<mask>", "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<|turn>", "<turn|>"]
