@@ -712,7 +712,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
-                      data=str(Path(args.data).absolute()))
+                      data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)

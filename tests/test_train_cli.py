@@ -727,10 +727,15 @@ def test_resume_on_other_data_says_so(tmp_path):
     assert main(train_args(data, out, steps=2)) == 0
     resume = lambda data, steps: [a for a in train_args(data, out, steps=steps) if a not in ("--config", "tiny")] + [  # noqa: E731
         "--resume"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert main(resume(data, 3)) == 0  # its own data: nothing to say
-    assert not [w for w in caught if "--data" in str(w.message)]
-    with pytest.warns(UserWarning, match=rf"--data: the run in .*run trained on {tmp_path / 'd.jsonl'} \(8 examples\), "
-                                         rf"and continues on {tmp_path / 'other.jsonl'} \(6 examples\)"):
-        assert main(resume(other, 4)) == 0
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.jsonl").symlink_to(data)
+    # its own data, however the path to it is spelled (.., a link): nothing to say
+    for steps, same in enumerate([data, tmp_path / "sub" / ".." / "d.jsonl", tmp_path / "link.jsonl"], start=3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(resume(same, steps)) == 0
+        assert not [w for w in caught if "--data" in str(w.message)], same
+    was, now = (re.escape(str(path.resolve())) for path in (data, other))
+    with pytest.warns(UserWarning, match=rf"--data: the run in .*run trained on {was} \(8 examples\), "
+                                         rf"and continues on {now} \(6 examples\)"):
+        assert main(resume(other, 6)) == 0
