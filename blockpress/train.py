@@ -1095,8 +1095,9 @@ class Trainer:
             from tqdm import tqdm
 
             # disable=None: no bar when stderr is not a terminal (a log file would fill with its redraws)
-            # a run with a time budget is measured in minutes: --steps is then only a cap (its default, 1000, unused)
-            bar = tqdm(total=None if cfg.max_minutes else cfg.steps, initial=self.step, desc="train", unit="step",
+            # a time-scheduled run is measured in minutes: --steps is then only a cap (its default, 1000, unused);
+            # else --steps ends the run (and spans its lr schedule) unless --max-minutes ends it first
+            bar = tqdm(total=None if cfg.time_schedule else cfg.steps, initial=self.step, desc="train", unit="step",
                        dynamic_ncols=True, disable=None)
         # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
         plain = bar is not None and bar.disable
@@ -1132,7 +1133,8 @@ class Trainer:
                     metrics.flush()
                     if plain:
                         held = f", eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-                        of = f", {self.minutes:.2f}/{cfg.max_minutes:g} min" if cfg.max_minutes else f"/{cfg.steps}"
+                        of = ("" if cfg.time_schedule else f"/{cfg.steps}") + (
+                            f", {self.minutes:.2f}/{cfg.max_minutes:g} min" if cfg.max_minutes else "")
                         print(f"train: step {self.step}{of}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s",
                               file=sys.stderr, flush=True)
                 if bar is not None:  # (a bar without a total has no truth value)

@@ -673,19 +673,22 @@ def test_eval_every_evaluates_the_held_out_examples(tmp_path):
     assert [r["step"] for r in rows if "eval_loss" in r] == [1, 2]
 
 
-def test_a_timed_runs_progress_counts_minutes_not_the_unused_steps(tmp_path, capsys):
-    """`--max-minutes M --time-schedule` logged "step 35/1000": 1000 is --steps' default, a cap the clock ends first."""
+@pytest.mark.parametrize("time_schedule", [True, False])
+def test_a_timed_runs_progress_counts_minutes_and_the_steps_that_bound_it(tmp_path, capsys, time_schedule):
+    """`--max-minutes M --time-schedule` logged "step 35/1000": 1000 is --steps' default, a cap the clock ends first.
+    Without --time-schedule, --steps does end the run (and spans its lr schedule), and "step 1, 0.01/60 min" hid it."""
     import signal
 
     from blockpress.train import ExampleSource, TrainConfig, Trainer
 
     examples = [blockpress.data.Example([2, 5 + i, 6], [10 + i] * (3 + i % 5)) for i in range(8)]
     lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
-    cfg = TrainConfig(batch_size=4, log_every=1, warmup_steps=1, max_minutes=2.5, time_schedule=True)
+    cfg = TrainConfig(steps=7, batch_size=4, log_every=1, warmup_steps=1, max_minutes=2.5, time_schedule=time_schedule)
     ctrl_c = lambda step, loss: os.kill(os.getpid(), signal.SIGINT) if step == 2 else None  # noqa: E731
     Trainer(lm, ExampleSource(examples, 0), cfg, tmp_path / "run", on_step=ctrl_c).train()  # stderr: no terminal
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step")]
-    assert len(lines) == 2 and all(re.match(rf"train: step {i + 1}, \d+\.\d\d/2\.5 min, loss ", x)
+    of = "" if time_schedule else "/7"
+    assert len(lines) == 2 and all(re.match(rf"train: step {i + 1}{of}, \d+\.\d\d/2\.5 min, loss ", x)
                                    for i, x in enumerate(lines)), lines
 
 
