@@ -111,7 +111,14 @@ def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}],
      r"d.jsonl:1: messages\[1\].content: expected str or a list of text parts, got int"),
     # was "an empty conversation; give at least one message", of a conversation holding one
-    ([{"role": "assistant", "content": "y"}], r"d.jsonl:1: 'messages' holds only the assistant's message; give the user"),
+    ([{"role": "assistant", "content": "y"}], r"d.jsonl:1: 'messages' has no user message before the assistant's "
+                                              r"\(messages\[0\]\); give the user turn"),
+    # two assistant turns, or a system turn before one, passed: the model trained on a prompt of no user turn
+    ([{"role": "assistant", "content": "y"}, {"role": "assistant", "content": "z"}],
+     r"d.jsonl:1: 'messages' has no user message before the assistant's \(messages\[0\]\)"),
+    ([{"role": "system", "content": "s"}, {"role": "model", "content": "y"}, {"role": "user", "content": "x"},
+      {"role": "assistant", "content": "z"}], r"d.jsonl:1: 'messages' has no user message before the assistant's "
+                                              r"\(messages\[1\]\)"),
 ])
 def test_chat_messages_a_template_cannot_render_are_named(tmp_path, tok, messages, message):
     path = tmp_path / "d.jsonl"
