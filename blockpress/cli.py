@@ -579,9 +579,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None:
             raw[f.name] = value
     cfg = TrainConfig.from_dict(raw)
-    if args.lora_alpha is not None and not cfg.lora_rank:  # as quantize is refused: it would be silently ignored
-        raise ValueError(f"lora_alpha: {args.lora_alpha} scales LoRA adapters; it needs --lora-rank (full "
-                         "fine-tuning has no adapters to scale)")
     if args.resume and args.model is None and args.config is None:
         from blockpress.train import LORA_BASE_FILE, lora_base
 
@@ -676,10 +673,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if note:
             print(f"{flag} {given}: {note}", file=sys.stderr)
     if is_examples(args.data):
-        windows = [name for name in ("prompt_min", "prompt_max", "response_canvases") if getattr(args, name) is not None]
-        if windows:  # they shape the windows cut from running text: with examples they would be silently ignored
-            raise ValueError(f"{'/'.join(windows)}: for running text (raw text or token shards), which is cut into "
-                             "windows; JSONL examples bring their own prompts and responses")
+        cfg.check_examples()  # before the examples are read (the Trainer checks again)
         if cfg.heldout_data:  # the held-out examples are a file of their own
             if not is_examples(cfg.heldout_data):
                 raise ValueError(f"--heldout-data {cfg.heldout_data}: not JSONL examples; with JSONL examples as --data, "

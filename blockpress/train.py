@@ -266,6 +266,25 @@ class TrainConfig:
                              f"{self.heldout_data!r}")
         if not 0 < self.prompt_min <= self.prompt_max:
             raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")
+        # Settings that cannot apply are refused, as flags and from a file alike (they were ignored silently); a value
+        # as its default is no setting: a saved train_config.json holds every field.
+        if self.lora_alpha != self.default("lora_alpha") and not self.lora_rank:
+            raise ValueError(f"lora_alpha: {self.lora_alpha} scales LoRA adapters; it needs lora_rank > 0 (full "
+                             "fine-tuning has no adapters to scale)")
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of the field `name`."""
+        return next(f.default for f in fields(cls) if f.name == name)
+
+    def check_examples(self) -> None:
+        """Refuse the settings of windows cut from running text for a run on JSONL examples, which bring their own
+        prompts and responses: they would be ignored silently."""
+        windows = [name for name in ("prompt_min", "prompt_max", "response_canvases")
+                   if getattr(self, name) != self.default(name)]
+        if windows:
+            raise ValueError(f"{'/'.join(windows)}: for running text (raw text or token shards), which is cut into "
+                             "windows; JSONL examples bring their own prompts and responses")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
@@ -767,6 +786,8 @@ class Trainer:
         size = (f"{len(source.examples)} examples" if isinstance(source, ExampleSource)
                 else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
         self.data = {"path": data, "size": size}
+        if isinstance(source, ExampleSource):
+            cfg.check_examples()
         if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
             raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
         if heldout is None and cfg.eval_every:  # it would never evaluate, without a word

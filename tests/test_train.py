@@ -266,11 +266,22 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
      (dict(batch_size=2, micro_batch_size=4), "micro_batch_size: 4 is more than batch_size 2"),
      # lora_alpha 0 trained a silent no-op (eval_batches 0 is refused by the Trainer, where data is held out)
      (dict(eval_batches=-1), "eval_batches: expected an integer >= 0"),
-     (dict(lora_alpha=0), "lora_alpha: expected a positive integer"), (dict(lora_alpha=-8), "lora_alpha")],
+     (dict(lora_alpha=0), "lora_alpha: expected a positive integer"), (dict(lora_alpha=-8), "lora_alpha"),
+     # refused as a flag, ignored silently from --train-config or in Python
+     (dict(lora_alpha=64), "lora_alpha: 64 scales LoRA adapters; it needs lora_rank > 0")],
 )
 def test_bad_train_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         TrainConfig(**kwargs)
+
+
+def test_window_settings_on_examples_are_refused():
+    """prompt_min, prompt_max and response_canvases shape windows of running text: refused as flags on JSONL
+    examples, they were ignored silently from --train-config or in Python. Their defaults are no setting."""
+    Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4), "unused", progress=False)
+    with pytest.raises(ValueError, match=r"prompt_min/response_canvases: for running text"):
+        Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, prompt_min=4,
+                response_canvases=3), "unused", progress=False)
 
 
 def test_unknown_train_config_field():

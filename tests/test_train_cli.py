@@ -364,7 +364,7 @@ def test_bad_train_flags(tmp_path, capsys):
                            # each was silently ignored: no evaluation, no adapters, no windows of JSONL examples
                            (["--eval-every", "2"], "error: --eval-every: evaluates the held-out data every 2 steps, "
                                                    "and this run has none"),
-                           (["--lora-alpha", "64"], "error: --lora-alpha: 64 scales LoRA adapters; it needs --lora-rank"),
+                           (["--lora-alpha", "64"], "error: --lora-alpha: 64 scales LoRA adapters; it needs lora_rank > 0"),
                            (["--prompt-min", "4", "--response-canvases", "2"],
                             "error: --prompt-min/--response-canvases: for running text")):
         args = train_args(data, tmp_path / "o")
@@ -375,6 +375,14 @@ def test_bad_train_flags(tmp_path, capsys):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (extra, err)
+    # the same settings from a --train-config file were ignored silently (a saved one, every field at its default: fine)
+    for settings, message in (({"lora_alpha": 64}, "error: --lora-alpha: 64 scales LoRA adapters"),
+                              ({"prompt_max": 32, "response_canvases": 3},
+                               "error: --prompt-max/--response-canvases: for running text")):
+        (tmp_path / "tc.json").write_text(json.dumps(settings))
+        assert main(train_args(data, tmp_path / "o") + ["--train-config", str(tmp_path / "tc.json")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (settings, err)
     # a config.json's vocabulary is its own: a larger tokenizer is refused (a preset takes the tokenizer's)
     blockpress.ModelConfig.preset("tiny").save(tmp_path / "tiny.json")
     args = train_args(data, tmp_path / "o")
