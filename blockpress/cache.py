@@ -50,6 +50,10 @@ class KVCache:
     moved_from: int | None = field(default=None, repr=False, compare=False)
     # Marks still on this cache's history: going back below one (then encoding more) drops it.
     marks: weakref.WeakSet = field(default_factory=weakref.WeakSet, repr=False, compare=False)
+    # The token ids each row holds, where known (None: not known): `LM.chat` records them, to encode only what a
+    # re-rendered conversation adds. An encode that does not record them forgets them; going back keeps what
+    # each row still holds (a row's tokens are its conversation's first `next_pos`).
+    tokens: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def allocate(
@@ -145,6 +149,18 @@ class KVCache:
                 "no longer where the conversation stood: note `mark = cache.mark()` and `cache.truncate(mark)`")
         self._cut(to)
 
+    def keep(self, counts: list[int]) -> None:
+        """Row r keeps its first `counts[r]` tokens (at most what it holds) and forgets the rest: a batch going back
+        a different way in each row (LM.chat keeps what each re-rendered conversation shares with the cache)."""
+        held = self.next_pos.tolist()
+        if len(counts) != len(held) or not all(is_int(c) and 0 <= c <= h for c, h in zip(counts, held)):
+            raise ValueError(f"KVCache.keep: expected one count per row, each at most what the row holds ({held}), "
+                             f"got {counts}")
+        if counts == held:
+            return
+        self._left_pad(torch.tensor(counts, device=self.device), max(counts))
+        self._rewound()
+
     def _cut(self, length: int) -> None:
         """Keep the first `length` slots as they are."""
         self.length = length
@@ -158,6 +174,8 @@ class KVCache:
         they held will be overwritten)."""
         if self.moved_from is not None and self.moved_from >= self.length:
             self.moved_from = None
+        if self.tokens is not None:
+            self.tokens = [row[:n] for row, n in zip(self.tokens, self.next_pos.tolist())]
         if len(self.marks):
             held = self.next_pos.tolist()
             for m in list(self.marks):
@@ -255,6 +273,7 @@ class KVCache:
     def commit(self, mask: torch.Tensor | None, new_tokens: int) -> None:
         """Record `new_tokens` encoded slots (mask: 1 = token, 0 = padding that is never attended)."""
         start = self.length
+        self.tokens = None  # what was encoded is not known here (LM.chat records it after its turn)
         if mask is None:
             self.next_pos += new_tokens
         else:

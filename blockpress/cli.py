@@ -340,7 +340,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
     messages: list[dict[str, str]] = list(system)
     cache = None
-    cached: list[int] = []  # the exact token ids the cache holds
     print("blockpress chat — /help lists the commands, /exit or Ctrl-D quits", file=sys.stderr)
     # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
     # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
@@ -379,7 +378,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             no_reply(user, command="help")
             continue
         if command == "/reset":
-            messages, cache, cached = list(system), None, []
+            messages, cache = list(system), None
             print("(a new conversation)", file=sys.stderr)
             no_reply(user, command="reset")
             continue
@@ -416,20 +415,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 kw["max_new_tokens"] = room
                 print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "
                       "/reset starts a new conversation)", file=sys.stderr)
-            # Reuse the longest common prefix of what is cached and the re-rendered conversation; a reply
-            # that re-tokenizes differently only costs re-encoding from the first difference.
-            common = 0
-            while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
-                common += 1
-            if cache is not None:
-                cache.truncate(common)
-                cached = cached[:common]
             t0 = time.perf_counter()
-            out = lm.generate([ids[common:]], cache=cache, return_cache=True, **kw)
+            # only what the conversation adds to what the cache holds is encoded
+            out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
         except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
-            messages.pop()
-            if cache is not None:
-                cache.truncate(len(cached))  # the stopped turn may have written its prompt into the cache
+            messages.pop()  # lm.chat_ids took the stopped turn out of the cache
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
             no_reply(user, error="stopped")
             continue
@@ -440,8 +430,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
             no_reply(user, error=as_flags(str(exc), chat_flags))
             continue
         cache = out.cache
-        n = int(out.num_new_tokens[0])
-        cached = ids + out.new_tokens[0, :n].tolist()
         reply = out.texts[0]
         stats = stats_line(out, time.perf_counter() - t0)
         if args.json:

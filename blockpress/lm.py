@@ -887,11 +887,56 @@ class LM:
     def chat(self, messages: Any, template_options: dict[str, Any] | None = None, **kwargs: Any) -> GenerationOutput:
         """The model's reply to a conversation (or one reply per conversation of a batch): `generate` on
         `chat_prompt(messages, **template_options)`, so an instruction-tuned checkpoint is prompted the way it was
-        trained. `kwargs`: generate's (max_new_tokens, seed, sampler, stop, ...). out.texts[0] is the reply."""
+        trained. `kwargs`: generate's (max_new_tokens, seed, sampler, stop, return_cache, ...). out.texts[0] is the
+        reply. `cache`: continue the conversation as `chat_ids` says: pass the whole conversation again (with the
+        reply and the new message), and only what it adds to the cache is encoded."""
         if template_options is not None and not isinstance(template_options, dict):
             raise ValueError(f"template_options: expected a dict of apply_chat_template's options (tools=..., ...), "
                              f"got {type(template_options).__name__}")
-        return self.generate(self.chat_prompt(messages, **(template_options or {})), **kwargs)
+        return self.chat_ids(self.chat_prompt(messages, **(template_options or {})), **kwargs)
+
+    def chat_ids(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,
+                 **kwargs: Any) -> GenerationOutput:
+        """`generate` on a rendered conversation (`chat_prompt`'s ids: one list, or one per conversation), continuing
+        `cache` when given: the cache an earlier `chat` / `chat_ids(..., return_cache=True)` returned. Only what
+        `ids` add to what the cache holds is encoded (each row keeps the longest common prefix of its tokens; a reply
+        that re-renders to other tokens costs re-encoding from the first difference), so the reply is the one the
+        conversation gets without a cache. The cache records the tokens it holds; one extended since by generate or
+        stream is refused (truncating it, to a mark say, is fine). A turn that fails or is interrupted leaves it
+        holding that common prefix. `kwargs`: generate's."""
+        if not isinstance(ids, list) or not ids:
+            raise ValueError(f"ids: expected chat_prompt's token ids (a list of ids, or one list per conversation), "
+                             f"got {ids!r:.80}")
+        rows = ids if isinstance(ids[0], list) else [ids]
+        common = [0] * len(rows)
+        if cache is not None:
+            self._check_cache(cache, len(rows))
+            held = cache.tokens
+            if held is None and cache.length == 0:  # an empty cache holds no token
+                held = [[] for _ in rows]
+            if held is None:
+                raise ValueError("cache: lm.chat continues a cache whose tokens it knows, one that a chat(..., "
+                                 "return_cache=True) returned (truncating it since is fine); this one was extended by "
+                                 "generate or stream since: continue it with generate on the ids past what it holds")
+            for i, (row, had) in enumerate(zip(rows, held)):  # one token at least is encoded: decoding starts there
+                while common[i] < min(len(had), len(row) - 1) and had[common[i]] == row[common[i]]:
+                    common[i] += 1
+            cache.keep(common)
+        try:
+            out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
+        except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so
+            if cache is not None:
+                cache.keep([min(n, h) for n, h in zip(common, cache.next_pos.tolist())])
+                cache.tokens = [row[:n] for row, n in zip(rows, cache.next_pos.tolist())]
+            raise
+        if out.cache is not None:
+            # What each row now holds: what it kept, its prompt as encoded (token healing may have changed its end;
+            # left padding is no token) and its new tokens through the end.
+            new = [r[:n] for r, n in zip(out.new_tokens.tolist(), out.num_new_tokens.tolist())]
+            prompts = out.sequences[:, : out.prompt_length].tolist()
+            out.cache.tokens = [row[:n] + p[len(p) - (end - n - len(t)):] + t for row, n, p, t, end in
+                                zip(rows, common, prompts, new, out.cache.next_pos.tolist())]
+        return out
 
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it

@@ -2075,6 +2075,39 @@ def test_chat_is_generate_on_the_rendered_conversation(chat_lm, batch, one, seed
     assert torch.equal(got.sequences, want.sequences) and got.texts == want.texts
 
 
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.text(min_size=1, max_size=10), second=st.text(min_size=1, max_size=10), seed=st.integers(0, 2**31),
+       batch=st.booleans())
+def test_chat_continuing_a_cache_is_the_conversation_without_one(chat_lm, first, second, seed, batch):
+    """lm.chat(whole conversation, cache=the last turn's) encodes only what the conversation adds to the cache, so
+    the reply is the one the same conversation gets without a cache (the whole conversation appended after it
+    was: turn 1 seen twice, BOS again)."""
+    kw = dict(max_new_tokens=6, max_denoising_steps=2, seed=seed)
+    m1 = [{"role": "user", "content": first}]
+    turn1 = chat_lm.chat([m1, m1[:]] if batch else m1, return_cache=True, **kw)
+    m2 = [m1 + [{"role": "assistant", "content": t}, {"role": "user", "content": second}] for t in turn1.texts]
+    messages = m2 if batch else m2[0]
+    got = chat_lm.chat(messages, cache=turn1.cache, **kw)
+    want = chat_lm.chat(messages, **kw)
+    assert torch.equal(got.new_tokens, want.new_tokens) and got.texts == want.texts
+    rows = chat_lm.chat_prompt(m2)
+    held = [r + t[:n] for r, t, n in zip(rows, want.new_tokens.tolist(), want.num_new_tokens.tolist())]
+    assert got.cache.tokens == held and got.cache.next_pos.tolist() == [len(h) for h in held]
+
+
+def test_chat_refuses_a_cache_it_cannot_read_and_keeps_it_on_a_failed_turn(chat_lm):
+    m1 = [{"role": "user", "content": "hi"}]
+    out = chat_lm.chat(m1, max_new_tokens=4, max_denoising_steps=2, seed=0, return_cache=True)
+    held = list(out.cache.tokens[0])
+    m2 = m1 + [{"role": "assistant", "content": out.texts[0]}, {"role": "user", "content": "more"}]
+    with pytest.raises(ValueError, match="^max_new_tokens"):  # a bad turn: the cache still holds the first
+        chat_lm.chat(m2, cache=out.cache, max_new_tokens=0)
+    assert out.cache.tokens == [held[: out.cache.length]] and out.cache.next_pos.tolist() == [out.cache.length]
+    chat_lm.generate([[5]], cache=out.cache, max_new_tokens=4, max_denoising_steps=2)
+    with pytest.raises(ValueError, match="^cache: lm.chat continues a cache whose tokens it knows"):
+        chat_lm.chat(m2, cache=out.cache)
+
+
 def test_chat_without_a_chat_template_is_a_clear_error(chat_lm, monkeypatch):
     monkeypatch.setattr(chat_lm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="^chat_template: this model's tokenizer has no chat template"):
