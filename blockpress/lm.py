@@ -868,9 +868,14 @@ class LM:
         """The ids of a conversation rendered through the checkpoint's chat template, ending with the header of the
         model's turn: the one rendering that `chat`, `blockpress chat`, `blockpress generate --chat` and the
         server's /v1/chat/completions prompt with. `messages`: one conversation, a list of {"role", "content"}
-        dicts (-> a list of ids), or a list of conversations (-> one row of ids each). `template_options` go to
+        dicts (-> a list of ids), or a list of conversations (-> one row of ids each); each message is read as the
+        server and `blockpress train` read it (tokenizer.chat_message: OpenAI's text parts joined, "developer" as
+        "system", other parts and missing content refused by field). `template_options` go to
         Tokenizer.apply_chat_template (tools, documents, chat_template, continue_final_message, template
-        variables)."""
+        variables); tools are refused where the template never reads them (they would vanish from the prompt)."""
+        # imported here, as in `load`: jinja2 and tokenizers are for models that have a tokenizer
+        from .tokenizer import MessageError, chat_message
+
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer (no tokenizer.json in its folder) to render a "
                              "conversation with; pass token ids to generate")
@@ -878,10 +883,20 @@ class LM:
             raise ValueError("chat_template: this model's tokenizer has no chat template (no chat_template.jinja, "
                              "nor chat_template in tokenizer_config.json), so messages cannot be rendered; pass a "
                              "plain prompt to generate, or set lm.tokenizer.chat_template")
+        tools = template_options.get("tools")
+        if tools and "tools" not in self.tokenizer.chat_template_variables(template_options.get("chat_template"),
+                                                                           tools):
+            raise MessageError("tools", "this model's chat template does not use tools; describe them in a message "
+                                        "instead")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
             isinstance(m, (list, tuple)) for m in messages)
-        rows = [self.tokenizer.apply_chat_template(conversation, tokenize=True, **template_options)
-                for conversation in (messages if batch else [messages])]
+        conversations = messages if batch else [messages]
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages: expected a list of {{'role', 'content'}} dicts, or a list of such lists, got "
+                             f"{messages!r:.80}")
+        rows = [self.tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(conversation)],
+                                                   tokenize=True, **template_options)
+                for conversation in conversations]
         return rows if batch else rows[0]
 
     def chat(self, messages: Any, template_options: dict[str, Any] | None = None, **kwargs: Any) -> GenerationOutput:

@@ -296,9 +296,8 @@ class Message(BaseModel):
             {"id": c.id, "type": c.type, "function": {"name": c.function.name,
                                                       "arguments": json.loads(c.function.arguments)}}
             for c in self.tool_calls]
-        role = "system" if self.role == "developer" else self.role
-        try:
-            return chat_message({"role": role, "content": content, "name": self.name, "tool_calls": calls,
+        try:  # chat_message also maps "developer" to "system"
+            return chat_message({"role": self.role, "content": content, "name": self.name, "tool_calls": calls,
                                  "tool_call_id": self.tool_call_id}, i)
         except MessageError as exc:
             raise APIError(400, str(exc), exc.field) from None
@@ -1223,11 +1222,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                 "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "
                                 "/v1/completions", "messages")
         try:
-            if tools and "tools" not in lm.tokenizer.chat_template_variables(tools=tools):
-                # a template that never reads them would drop them without a word
-                raise APIError(400, "tools: this model's chat template does not use tools; describe them in a "
-                                    "message instead", "tools")
             prompt = lm.chat_prompt(messages, tools=tools)  # as `blockpress chat` and lm.chat render them
+        except MessageError as exc:  # a field of the request's to change: tools a template never reads, say
+            raise APIError(400, str(exc), exc.field) from None
         except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",

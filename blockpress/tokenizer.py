@@ -777,15 +777,18 @@ class MessageError(ValueError):
 def chat_message(message: Any, index: int) -> dict[str, Any]:
     """messages[index] as blockpress renders it, from a server request and a training file alike (so a model is
     prompted as it was trained): a copy whose content is text, OpenAI's list of parts [{"type": "text", "text":
-    ...}] joined (a template may print the list itself: templates differ on parts). Other parts are refused, and
-    so is content null or absent except on an assistant message with tool_calls (OpenAI's rule): a template would
-    render an empty turn. Errors are MessageError naming the field."""
+    ...}] joined (a template may print the list itself: templates differ on parts), and role "developer" (what
+    OpenAI's newer clients call the system role) as "system". Other parts are refused, and so is content null or
+    absent except on an assistant message with tool_calls (OpenAI's rule): a template would render an empty turn.
+    Errors are MessageError naming the field."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise MessageError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
     if not isinstance(message.get("role"), str):
         raise MessageError(f"{where}.role", f"expected a str ('system', 'user', 'assistant', ...), got "
                                             f"{'nothing' if 'role' not in message else type(message['role']).__name__}")
+    if message["role"] == "developer":  # templates know "system" (Gemma's raises on any other role)
+        message = {**message, "role": "system"}
     content = message.get("content")
     if content is None:
         if message.get("tool_calls"):

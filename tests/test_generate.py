@@ -2108,6 +2108,47 @@ def test_chat_refuses_a_cache_it_cannot_read_and_keeps_it_on_a_failed_turn(chat_
         chat_lm.chat(m2, cache=out.cache)
 
 
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # prints content as is
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.lists(st.text(max_size=6), min_size=1, max_size=3), min_size=1, max_size=3),
+       developer=st.booleans())
+def test_chat_prompt_reads_messages_as_the_server_and_training_do(chat_lm, turns, developer):
+    """OpenAI's text parts are joined and "developer" is "system" (tokenizer.chat_message, as the server and
+    `blockpress train` read messages), whatever the template does with a list (this one would print its repr)."""
+    from blockpress.tokenizer import chat_message
+
+    first = {"role": "developer" if developer else "system", "content": "be brief"}
+    parts = [first] + [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]} for texts in turns]
+    joined = [{"role": "system", "content": "be brief"}] + [{"role": "user", "content": "".join(t)} for t in turns]
+    got = chat_lm.chat_prompt(parts, chat_template=PLAIN_TEMPLATE)
+    assert got == chat_lm.chat_prompt(joined, chat_template=PLAIN_TEMPLATE)
+    assert got == chat_lm.tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(parts)],
+                                                        tokenize=True, chat_template=PLAIN_TEMPLATE)
+
+
+@pytest.mark.parametrize("message, field", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, r"messages\[0\]\.content"),
+    ({"role": "user", "content": []}, r"messages\[0\]\.content"),
+    ({"role": "user", "content": None}, r"messages\[0\]\.content"),
+    ({"role": "user"}, r"messages\[0\]\.content"),
+])
+def test_chat_prompt_refuses_what_the_server_refuses_by_field(chat_lm, message, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        chat_lm.chat_prompt([message])
+
+
+def test_chat_refuses_tools_a_template_never_reads(chat_lm):
+    """The server refused them; lm.chat dropped them without a word (one check, in chat_prompt, serves both)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="^tools: this model's chat template does not use tools"):
+        chat_lm.chat(messages, template_options={"tools": tools}, max_new_tokens=4)
+    reads = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}"
+    assert chat_lm.chat_prompt(messages, tools=tools, chat_template=reads) == chat_lm.tokenizer.encode("hi1")
+
+
 def test_chat_without_a_chat_template_is_a_clear_error(chat_lm, monkeypatch):
     monkeypatch.setattr(chat_lm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="^chat_template: this model's tokenizer has no chat template"):
