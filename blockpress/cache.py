@@ -54,6 +54,9 @@ class KVCache:
     # re-rendered conversation adds. An encode that does not record them forgets them; going back keeps what
     # each row still holds (a row's tokens are its conversation's first `next_pos`).
     tokens: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # The model's weights_version when a generation filled it (None: none did): after lm.to or quantize the keys
+    # are the old weights', and LM refuses to continue it.
+    weights_version: int | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def allocate(
@@ -296,7 +299,8 @@ class KVCache:
         values = [t[:, :, : n + scratch].index_select(0, index) for t in self.values]
         valid = self.valid[:, : n + scratch].index_select(0, index)
         has_padding = bool((~valid[:, :n]).any()) if n else False
-        return KVCache(keys, values, valid, self.next_pos.index_select(0, index), n, has_padding)
+        return KVCache(keys, values, valid, self.next_pos.index_select(0, index), n, has_padding,
+                       weights_version=self.weights_version)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))

@@ -954,15 +954,18 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
         if cache is not None:
             raise ValueError("prefix_cache: not together with cache= (a continued conversation already skips what "
                              "its cache holds)")
-        return encode_prompts(model, prompt, req.attention_mask, req.prefix_cache, room, logits)
-    if cache is None:  # a given cache was checked against the model and the batch by LM._check_cache
-        cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
-    cache.ensure_capacity(cache.length + room)
-    mask = req.attention_mask
-    if cache.length and mask is not None and not bool(mask.all()):
-        return cache, _encode_continuation(model, prompt, mask.to(prompt.device).bool(), cache, logits), [0] * b
-    last = model.encode(prompt, cache, attention_mask=mask, logits="last" if logits else "none")
-    return cache, last, [0] * b
+        cache, last, reused = encode_prompts(model, prompt, req.attention_mask, req.prefix_cache, room, logits)
+    else:
+        if cache is None:  # a given cache was checked against the model and the batch by LM._check_cache
+            cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
+        cache.ensure_capacity(cache.length + room)
+        mask, reused = req.attention_mask, [0] * b
+        if cache.length and mask is not None and not bool(mask.all()):
+            last = _encode_continuation(model, prompt, mask.to(prompt.device).bool(), cache, logits)
+        else:
+            last = model.encode(prompt, cache, attention_mask=mask, logits="last" if logits else "none")
+    cache.weights_version = model.weights_version  # what a later turn is checked against (LM._check_cache)
+    return cache, last, reused
 
 
 def _encode_continuation(model: Any, prompt: torch.Tensor, mask: torch.Tensor, cache: KVCache,

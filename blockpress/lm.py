@@ -368,8 +368,8 @@ class LM:
         None keeps either as it is. The model then computes what `blockpress.load(..., dtype=, device=)` would
         give (the rotary tables stay float32: DiffusionGemma._apply). Returns self.
 
-        `compile` / `cuda_graphs` steps are made anew for the moved weights. KV caches and PrefixCaches made
-        before hold the old weights' keys: make new ones (one in another dtype or on another device is refused).
+        `compile` / `cuda_graphs` steps are made anew for the moved weights. KV caches made before hold the old
+        weights' keys and are refused (make new ones); a PrefixCache drops what it held and fills again.
         A quantized model can change device, not dtype (its scales are set for its dtype): load it again with
         dtype= and quantize=."""
         self._check_runnable()
@@ -732,6 +732,9 @@ class LM:
                              f"{cache.keys[0].dtype} on {cache.device}, this model is {self.dtype} on {self.device})")
         if cache.batch_size != batch:
             raise ValueError(f"cache: holds {cache.batch_size} rows, the prompt has {batch}")
+        if cache.length and cache.weights_version not in (None, self.model.weights_version):
+            raise ValueError("cache: filled before this model's weights changed (lm.to, quantize), so it holds the "
+                             "old weights' keys and values; start the conversation anew (return_cache=True)")
 
     def _stops(self, stop: Any, batch: int, template: torch.Tensor | None) -> list[list[str]] | None:
         stops = normalize_stops(stop, batch)

@@ -333,6 +333,10 @@ class DiffusionGemma(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # Counts in-place changes of the weights (a cast, a move, quantizing): keys and values encoded under another
+        # count are stale, so a KVCache records the count it was filled under and a PrefixCache too (LM._check_cache,
+        # PrefixCache.check_model).
+        self.weights_version = 0
         cfg = config.text
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, spec) for spec in cfg.layers)
@@ -373,7 +377,12 @@ class DiffusionGemma(nn.Module):
         the tables stay float32 on the model's device, as loading in that dtype builds them."""
         super()._apply(fn, recurse)
         self.reset_buffers()
+        self.weights_changed()
         return self
+
+    def weights_changed(self) -> None:
+        """Say that the weights changed in place: keys and values encoded before are stale."""
+        self.weights_version += 1
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight

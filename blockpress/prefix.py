@@ -52,6 +52,7 @@ class PrefixCache:
     _next: int = field(default=0, repr=False)
     _layout: tuple | None = field(default=None, repr=False)
     _model: Any = field(default=None, repr=False)  # a weak reference to the model whose keys and values these are
+    _version: int | None = field(default=None, repr=False)  # that model's weights_version when they were encoded
     _bytes: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,14 +89,18 @@ class PrefixCache:
 
     def check_model(self, model: Any, cache: KVCache) -> None:
         """Entries only fit the model that made them: the same model object (another one with the same shapes
-        has other weights, so its keys differ) and the same layout (layers, heads, head size, dtype, device)."""
+        has other weights, so its keys differ) and the same layout (layers, heads, head size, dtype, device).
+        After that model's weights changed in place (lm.to, quantize: model.weights_version) they are stale: the
+        cache drops them and fills again."""
         # Quantizing swaps the model's projections in place: same object, same layout, other keys and values.
         layout = (cache.layout, quantization_of(model))
+        if self._model is not None and self._model() is model and self._version != model.weights_version:
+            self.clear()
         if self._layout is None:
-            self._layout, self._model = layout, weakref.ref(model)
+            self._layout, self._model, self._version = layout, weakref.ref(model), model.weights_version
         elif layout != self._layout or self._model() is not model:
             raise ValueError("prefix_cache: it holds keys and values of another model (another model object, "
-                             "other layers, heads, dtype or device, or the model was quantized since); use one "
+                             "other layers, heads, dtype or device); use one "
                              "PrefixCache per model, or clear() it")
 
     def load(self, key: int, n: int, row: KVCache) -> None:

@@ -361,6 +361,7 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
         warn_small_int4_groups(weights)
     for parent, name, child, _ in targets:
         setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
+    model.weights_changed()
     return model
 
 

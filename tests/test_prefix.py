@@ -150,15 +150,22 @@ def test_clear_errors(lm):
             PrefixCache(**bad)
 
 
-def test_a_cache_filled_before_quantizing_is_not_reused_after():
-    """Quantizing swaps the projections in place (same object, same layout): the old keys were reused silently."""
+@pytest.mark.parametrize("change", ["quantize", "round trip"])
+def test_caches_filled_before_the_weights_changed_are_not_reused_after(change):
+    """Quantizing swaps the projections in place, and a float32 -> bf16 -> float32 round trip rounds the weights
+    (same object, same layout): the old keys were reused silently. A PrefixCache drops them, a KVCache is refused."""
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    prompt = list(range(5, 25))
     pc = PrefixCache(min_tokens=1)
-    lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
-    lm.quantize("int8")
-    with pytest.raises(ValueError, match="the model was quantized since"):
-        lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
-    pc.clear()
-    fresh = lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, seed=1)
-    assert torch.equal(lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, seed=1, prefix_cache=pc).sequences,
-                       fresh.sequences)
+    kw = dict(max_new_tokens=4, max_denoising_steps=1, seed=1)
+    before = lm.generate(prompt, prefix_cache=pc, return_cache=True, **kw)
+    assert lm.generate(prompt, prefix_cache=pc, **kw).extra["reused_prompt_tokens"] == [len(prompt) - 1]
+    if change == "quantize":
+        lm.quantize("int8")
+    else:
+        lm.to(dtype="bfloat16").to(dtype="float32")
+    reused = lm.generate(prompt, prefix_cache=pc, **kw)
+    assert reused.extra["reused_prompt_tokens"] == [0]
+    assert torch.equal(reused.sequences, lm.generate(prompt, **kw).sequences)
+    with pytest.raises(ValueError, match="^cache: filled before this model's weights changed"):
+        lm.generate([7], cache=before.cache, **kw)
