@@ -199,6 +199,10 @@ class Commit:
     texts_so_far: list[str] | None = None
     # a template's holes so far, as Done's `output.fills` (None: no template)
     fills_so_far: list[list[str]] | None = None
+    # Each row's texts_so_far less what a later Commit may still change (settled_text): a character whose bytes are
+    # still arriving, and a tail that a stop string may yet start with (it would be cut). Each is a prefix of the
+    # next and of Done's text, which a row that has finished shows whole: what an app prints as it streams.
+    settled_texts: list[str] | None = None
     kind: str = "commit"
 
 
@@ -779,6 +783,16 @@ def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0) -> str:
     return text[:cut]
 
 
+def settled_text(text: str, stops: Sequence[str]) -> str:
+    """The part of a growing text (already cut at its stop string, as Commit.texts_so_far is) that later tokens
+    cannot change: without a trailing replacement character (a character whose bytes are still arriving) and
+    without a tail that could be the start of a stop string (the next tokens may complete it). What a stream
+    shows, Commit.settled_texts and the server's chunks alike, so that it never has to take text back."""
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
+
+
 def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Tensor:
     """A constraint's result must be a bool mask [b, C, V] (or broadcastable to it): checked by shape, no sync."""
     b, c = canvas.shape
@@ -1221,14 +1235,17 @@ def run(
         device_sync(device)
         denoise_s += time.perf_counter() - t_canvas
         host = committed.cpu()
-        texts = so_far = fills = None
+        texts = so_far = fills = settled = None
+        finished = (dec.finished | last).cpu()
         if answers is not None:
             rows = host.tolist()
             texts = decode_rows(tokenizer, rows, None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
             texts = _heal_texts(req, texts) if ci == 0 else texts
             so_far, fills = answers.add(rows, dec.written.tolist())
-        yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), (dec.finished | last).cpu(),
-                     time.perf_counter() - dec.start, texts, dec.written.cpu(), so_far, fills)
+            settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
+                       for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
+        yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
+                     dec.written.cpu(), so_far, fills, settled)
         if last:
             break
 

@@ -791,7 +791,10 @@ class LM:
         (as OpenAI's `stop`). A `Commit`'s `texts_so_far` is each row's answer so far, read as `Done`'s `texts` (decoded
         whole, cut at a stop string; the last Commit's are Done's), `num_new_tokens` its tokens, `fills_so_far` a
         template's holes so far; its `texts` are this canvas's tokens alone, stop string included, and a character
-        whose bytes a canvas edge splits comes out as U+FFFD in two commits there.
+        whose bytes a canvas edge splits comes out as U+FFFD in two commits there. texts_so_far may take text back
+        (a half character's U+FFFD, the start of a stop string that the next canvas completes and cuts); a
+        Commit's `settled_texts` never do: each row's texts_so_far less such a tail (generate.settled_text, what the
+        server streams), each a prefix of the next and of Done's texts: print their growth.
         `prefix_cache`: a `PrefixCache` kept across calls; each prompt encodes only what no earlier prompt in
         it shared (the output's `extra["reused_prompt_tokens"]` says how much was reused, per row).
         `cache`: continue the conversation a `return_cache=True` output holds. It is extended in place (no copy):

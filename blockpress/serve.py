@@ -84,6 +84,7 @@ from .generate import (
     cut_at_stop,
     hole_runs,
     parse_template,
+    settled_text,
 )
 from .healing import heal, heal_holes, heal_into_template, strip_prefix
 from .prefix import PrefixCache
@@ -675,15 +676,6 @@ def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int]
         text = cut_at_stop(text, stops, len(strip_prefix(tok.decode(tokens[:-1], skip_special_tokens=False),
                                                          heal_prefix)))
     return text
-
-
-def settled_text(text: str, stops: Sequence[str]) -> str:
-    """The part of a growing text (already cut at its stop string, as Commit.texts_so_far is) that later tokens
-    cannot change: without a trailing replacement character (a character whose bytes are still arriving) and
-    without a tail that could be the start of a stop string (the next tokens may complete it)."""
-    text = text.rstrip("\ufffd")
-    hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - hold]
 
 
 # -- the app --------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from blockpress.cli import load_model  # noqa: E402
-from blockpress.generate import cut_at_stop  # noqa: E402
-from blockpress.serve import create_app, settled_text, start_in_background  # noqa: E402
+from blockpress.generate import cut_at_stop, settled_text  # noqa: E402
+from blockpress.serve import create_app, start_in_background  # noqa: E402
 
 MODEL = "tiny"
 

@@ -251,3 +251,30 @@ def test_each_row_is_decoded_once_a_commit_and_reads_as_a_plain_decode(tiny_lm, 
     assert out.num_new_tokens.tolist() == want
     assert out.texts == [answer(r, want[r]) for r in range(2)]
     assert out.extra["stopped"] == [want[r] < len(ids[r]) or answer(r, want[r]) != text(r, want[r]) for r in range(2)]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_commits_settled_text_is_never_taken_back(tiny_lm, data):
+    """texts_so_far could take text back (a stop string straddling two canvases, a character whose bytes straddle
+    their edge: U+FFFD, then the character). settled_texts never does: each is a prefix of the next and of the
+    final text. The stops drawn straddle a canvas edge, where the first canvas's text ends with their start."""
+    lm, tok, c = tiny_lm, tiny_lm.tokenizer, tiny_lm.config.canvas_length
+    kw = dict(seeds=data.draw(st.lists(st.integers(0, 50), min_size=2, max_size=2), label="seeds"),
+              max_new_tokens=data.draw(st.integers(2 * c + 1, 4 * c), label="max_new_tokens"),
+              max_denoising_steps=data.draw(st.integers(1, 3), label="steps"))
+    ref = lm.generate(PROMPTS, **kw)
+    stops = []
+    for r in range(2):
+        ids = ref.new_tokens[r, : int(ref.num_new_tokens[r])].tolist()
+        text, edge = tok.decode(ids), len(tok.decode(ids[: c * data.draw(st.integers(1, 2), label="canvas")]))
+        stop = text[max(0, edge - data.draw(st.integers(1, 4), label="before")) : edge + data.draw(
+            st.integers(1, 4), label="after")]
+        stops.append([stop] if stop.strip("\ufffd") else [])
+    commits = [e for e in lm.stream(PROMPTS, stop=stops, drafts=False, **kw) if isinstance(e, Commit)]
+    final = commits[-1].texts_so_far
+    for r in range(2):
+        shown = [e.settled_texts[r] for e in commits]
+        assert all(e.texts_so_far[r].startswith(e.settled_texts[r]) for e in commits)
+        assert all(b.startswith(a) for a, b in zip(shown, shown[1:])), (shown, stops[r])
+        assert shown[-1] == final[r]
