@@ -962,7 +962,9 @@ class LM:
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it
         as text; or ids with -1), keeping every fixed token. `fills` holds each hole's text, one per marker in
-        order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone)."""
+        order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone). A list of
+        templates is one batch when they come to the same number of tokens (one canvas layout for all rows);
+        others are refused, naming each row's count: fill them in separate calls."""
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")
