@@ -797,7 +797,9 @@ class LM:
         server streams), each a prefix of the next and of Done's texts: print their growth.
         `prefix_cache`: a `PrefixCache` kept across calls; each prompt encodes only what no earlier prompt in
         it shared (the output's `extra["reused_prompt_tokens"]` says how much was reused, per row).
-        `cache`: continue the conversation a `return_cache=True` output holds. It is extended in place (no copy):
+        `cache`: continue the conversation a `return_cache=True` output holds (its tokens: `sequences`' valid ones,
+        through an EOS or the token that completes a stop string, which the text leaves out). It is extended in
+        place (no copy):
         afterwards it holds this turn too, so continuing twice from one cache continues the second time from
         the first continuation, and a stream abandoned midway leaves part of a turn in it. To branch or retry,
         `mark = cache.mark()` before and `cache.truncate(mark)` after: each row goes back to exactly what it held
