@@ -119,8 +119,11 @@ def _as_ids(x: Any, name: str, vocab_size: int, device: torch.device) -> torch.T
 
 
 def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
-    """An attention mask: 1 for a real token, 0 for padding, shaped like the prompt, a real token in every row."""
+    """An attention mask: 1 for a real token, 0 for padding, shaped like the prompt, a real token in every row. A
+    1-D mask is one row, as a 1-D prompt is (`shape` is the prompt as read: [1, P] then)."""
     t = as_tensor(mask, "attention_mask", f"a mask of 0 (padding) and 1 (token) shaped like {like}")
+    if t.dim() == 1 and len(shape) == 2 and shape[0] == 1:
+        t = t[None]
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"attention_mask: expected shape {list(shape)} (like {like}), got {list(t.shape)}")
     # Float masks of exactly 0.0 / 1.0 are common (transformers takes them); 0.5 would be truncated to 0 silently.
@@ -183,6 +186,15 @@ def _template_rows(template: Any) -> int:
     return max(int(shape[0]), 1) if len(shape) == 2 else 1
 
 
+def _number(value: Any) -> Any:
+    """A 0-d array or tensor of a number (what indexing one gives) as that Python number; anything else as it is,
+    a 0-d bool too (a flag refuses np.True_ as it refuses 1). The counts and sampler settings are read through it,
+    so a 0-d tensor works wherever a number does, as it does for a seed (check_seed)."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "tolist") and not isinstance(value.tolist(), bool):
+        return value.tolist()
+    return value
+
+
 def check_seed(seed: Any, name: str) -> int | None:
     """A seed is None or an integer in [0, 2**63) (returned as an int): a Python or numpy integer, or a 0-d integer
     tensor / array (what indexing one gives; `seeds`' elements are read the same way). The per-row seeds live in
@@ -201,7 +213,8 @@ def check_seed(seed: Any, name: str) -> int | None:
 def _as_rows(value: Any, name: str, what: str) -> Any:
     """`value` as given, or as a list where it is one value per row (a list, a tuple, or a 1-D array or tensor).
     `what`: one value, for the error."""
-    if hasattr(value, "ndim") and hasattr(value, "tolist"):  # numpy / torch (a 0-d one is a number)
+    value = _number(value)
+    if hasattr(value, "ndim") and hasattr(value, "tolist"):  # numpy / torch, one value per row
         if value.ndim > 1:
             raise ValueError(f"{name}: expected {what}, or one per row (1-D), got shape {list(value.shape)}")
         value = value.tolist()  # plain numbers (floats and bools stay what they are, and are refused after)
@@ -240,8 +253,9 @@ def _row_draws(sampler_options: dict[str, Any], batch: int,
                temperature_name: str = "draw_temperature") -> tuple[dict[str, Any], dict[str, tuple]]:
     """`sampler_options` split into the settings for every row and, for each of ROW_SETTINGS given one value per row
     (a list, a tuple, a 1-D array or tensor: a batch of requests at different temperatures), its per-row values,
-    each checked and named by its row (`top_p[1]`). `temperature_name`: what the caller calls draw_temperature."""
-    shared, per_row = dict(sampler_options), {}
+    each checked and named by its row (`top_p[1]`). `temperature_name`: what the caller calls draw_temperature.
+    A 0-d array or tensor is read as its number (`_number`), for every setting."""
+    shared, per_row = {name: _number(value) for name, value in sampler_options.items()}, {}
     for name in ROW_SETTINGS:
         label = temperature_name if name == "draw_temperature" else name
         values = _row_counts(shared.get(name), label, batch, "an integer" if name == "top_k" else "a number")

@@ -517,6 +517,34 @@ def test_seeds_may_be_an_integer_array_or_tensor(lm, kind):
 
 
 @pytest.mark.parametrize("kind", [np.array, torch.tensor])
+@pytest.mark.parametrize("name, value", [("max_new_tokens", 6), ("max_denoising_steps", 2), ("seed", 3),
+                                         ("draw_temperature", 0.5), ("top_p", 0.9), ("top_k", 5),
+                                         ("entropy_bound", 0.2), ("t_min", 0.1), ("presence_penalty", 0.5)])
+def test_a_0d_array_is_read_as_its_number_for_every_number_argument(lm, kind, name, value):
+    """0-d tensors worked for max_new_tokens and seed but were refused for max_denoising_steps and
+    draw_temperature: every number is read through one reader (lm._number)."""
+    kw = dict(max_new_tokens=6, max_denoising_steps=2, seed=1, sampler="entropy_bound")
+    want = lm.generate([[3, 4]], **{**kw, name: value})
+    got = lm.generate([[3, 4]], **{**kw, name: kind(value)})
+    assert torch.equal(got.sequences, want.sequences)
+
+
+@pytest.mark.parametrize("kind", [np.array, torch.tensor])
+def test_a_1d_mask_goes_with_a_1d_prompt(lm, kind):
+    """A 1-D prompt is one row; its 1-D attention_mask was refused (expected shape [1, 3])."""
+    prompt, mask = [0, 3, 4], [0, 1, 1]
+    kw = dict(max_new_tokens=6, max_denoising_steps=2, seed=1)
+    want = lm.generate(torch.tensor([prompt]), attention_mask=kind([mask]), **kw)
+    got = lm.generate(torch.tensor(prompt), attention_mask=kind(mask), **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    canvas = torch.tensor([[5, 6]])
+    assert torch.equal(lm.logits(torch.tensor(prompt), canvas, attention_mask=kind(mask)),
+                       lm.logits(torch.tensor([prompt]), canvas, attention_mask=kind([mask])))
+    with pytest.raises(ValueError, match=r"^attention_mask: expected shape \[2, 3\]"):
+        lm.generate(torch.tensor([prompt, prompt]), attention_mask=kind(mask), **kw)
+
+
+@pytest.mark.parametrize("kind", [np.array, torch.tensor])
 def test_a_seed_is_read_like_an_element_of_seeds(lm, kind):
     """seed=torch.tensor(3) was refused while seeds=torch.tensor([3]) was accepted: a 0-d integer tensor / array is
     a seed wherever a seed is taken, and seeds' elements are read by the same check."""
