@@ -754,16 +754,12 @@ def resumed_train_config(out: Path) -> dict[str, Any]:
     """The settings the run in `out` was started with (train_config.json; older runs: trainer_state.pt)."""
     from dataclasses import fields
 
+    from blockpress.files import read_json_object
     from blockpress.train import TRAIN_CONFIG_FILE, TRAINER_STATE_FILE, TrainConfig, read_trainer_state
 
     file = out / TRAIN_CONFIG_FILE
     if file.is_file():
-        try:
-            saved = json.loads(file.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--resume: {file}: not valid JSON ({exc})") from None
-        if not isinstance(saved, dict):
-            raise ValueError(f"--resume: {file}: expected a JSON object of training settings")
+        saved = read_json_object(file, where="--resume: ")
     else:
         saved = read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu").get("config", {})
     known = {f.name for f in fields(TrainConfig)}

@@ -3,6 +3,7 @@ here. No torch: the tokenizer, which imports without it, writes its files with i
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -140,3 +141,15 @@ def staging(files: StagedFiles | None) -> Iterator[StagedFiles]:
     with StagedFiles() as own:
         yield own
 
+
+def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:
+    """The JSON object in the file at `path`; anything else (not UTF-8, not JSON, a list) raises `error` naming the
+    file, `where` first (e.g. "--resume: "), rather than json's own traceback."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error(f"{where}{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{where}{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw

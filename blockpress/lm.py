@@ -28,7 +28,7 @@ from .checkpoint import (
 )
 from .checks import check_flag, is_finite_number, is_int
 from .config import ModelConfig
-from .files import StagedFiles, staging
+from .files import StagedFiles, read_json_object, staging
 from .generate import (
     Cancelled,
     Commit,
@@ -1148,16 +1148,6 @@ def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return reference, own
 
 
-def _read_json_object(file: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-    return raw
-
-
 def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     """generation_config.json with blockpress's own settings (BLOCKPRESS_GENERATION_FILE) over it. Folders saved
     before the split hold those in generation_config.json itself; they read the same. Warns about keys blockpress
@@ -1168,7 +1158,7 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     raw: dict[str, Any] = {}
     source: dict[str, Path] = {}  # the file each key's value comes from, for the messages
     for f in files:
-        content = _read_json_object(f)
+        content = read_json_object(f)
         raw.update(content)
         source.update(dict.fromkeys(content, f))
         unused = sorted(k for k in content if k not in KNOWN_GENERATION_KEYS)

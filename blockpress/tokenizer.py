@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag
-from .files import StagedFiles, staging
+from .files import StagedFiles, read_json_object, staging
 from .response import compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -678,13 +678,7 @@ def train_bpe_tokenizer(
 
 def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in `path`, or {} when the optional file is absent."""
-    if not path.is_file():
-        return {}
-    with path.open(encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} should hold a JSON object, found {type(data).__name__}.")
-    return data
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _json_text(data: Mapping[str, Any]) -> str:

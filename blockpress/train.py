@@ -52,7 +52,7 @@ from .checkpoint import (
 from .checks import is_finite_number, is_int
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, make_batch
-from .files import StagedFiles, staging, temporary_path
+from .files import StagedFiles, read_json_object, staging, temporary_path
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
@@ -569,12 +569,7 @@ def adapter_record(path: str | Path) -> dict[str, Any]:
     file = path / ADAPTER_RECORD
     if not file.is_file():
         return record
-    try:
-        saved = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"adapter: {file}: not valid JSON ({exc})") from None
-    if not isinstance(saved, dict):
-        raise CheckpointError(f"adapter: {file}: expected a JSON object, got {type(saved).__name__}")
+    saved = read_json_object(file, CheckpointError, where="adapter: ")
     record.update({k: saved[k] for k in ("base_shape", "quantize") if k in saved})
     if record["base_shape"] is not None and not isinstance(record["base_shape"], dict):
         raise CheckpointError(f"adapter: {file}: base_shape: expected an object of config fields, got "

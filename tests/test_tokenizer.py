@@ -187,6 +187,19 @@ def test_missing_tokenizer_json_names_the_folder(tmp_path: Path) -> None:
     assert "token ids" in str(excinfo.value)
 
 
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"])
+@pytest.mark.parametrize("text", ['{"bos_token": "<bos>"', "[1, 2]", "\udcff"])
+def test_a_damaged_config_file_is_named(tok: Tokenizer, saved_dir: Path, tmp_path: Path, name: str, text: str) -> None:
+    """A cut-off or wrong tokenizer config gave json's own error ("Expecting ',' delimiter: line 1 column 21"),
+    naming no file."""
+    import shutil
+
+    folder = shutil.copytree(saved_dir, tmp_path / "ckpt")
+    (folder / name).write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match=rf"{name}: (not valid JSON|expected a JSON object, got list)"):
+        Tokenizer.from_dir(folder)
+
+
 def test_eos_list_in_generation_config_is_read(tok: Tokenizer, tmp_path: Path) -> None:
     folder = _write_checkpoint(
         tmp_path / "ckpt",
