@@ -747,7 +747,7 @@ class LM:
         if cache.batch_size != batch:
             raise ValueError(f"cache: holds {cache.batch_size} rows, the prompt has {batch}")
         if cache.length and cache.weights_version not in (None, self.model.weights_version):
-            raise ValueError("cache: filled before this model's weights changed (lm.to, quantize), so it holds the "
+            raise ValueError("cache: filled before this model's weights changed (lm.to, quantize, a training step), so it holds the "
                              "old weights' keys and values; start the conversation anew (return_cache=True)")
 
     def _stops(self, stop: Any, batch: int, template: torch.Tensor | None) -> list[list[str]] | None:

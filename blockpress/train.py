@@ -935,6 +935,7 @@ class Trainer:
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         self.optimizer.step()
+        self.lm.model.weights_changed()  # a cache filled before this step holds keys of the old weights
         self.step += 1
         return {"step": self.step, "loss": cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar,
                 "diffusion_loss": diff, "ar_loss": ar,

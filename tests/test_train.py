@@ -596,3 +596,17 @@ def test_resume_with_a_model_of_another_shape_names_the_fields(tmp_path, lora_ra
     again = Trainer(tiny_lm(seed=3), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", progress=False)
     again.resume()  # a model of the run's shape: resumed
     assert again.step == 1
+
+
+def test_a_cache_filled_before_a_training_step_is_refused_after(tmp_path):
+    """Training changes the weights in place; a conversation's cache from before held keys of the old weights and
+    was continued silently (lm.to and quantize already marked their changes)."""
+    lm = tiny_lm()
+    prompt = torch.tensor([[2, 5, 6]])
+    out = lm.generate(prompt, max_new_tokens=4, return_cache=True, seed=0)
+    lm.generate(torch.tensor([[7]]), max_new_tokens=4, cache=out.cache, seed=0)  # before training: continued
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, warmup_steps=1), tmp_path / "o",
+                      progress=False)
+    trainer.train_step()
+    with pytest.raises(ValueError, match="cache"):
+        lm.generate(torch.tensor([[7]]), max_new_tokens=4, cache=out.cache, seed=0)
