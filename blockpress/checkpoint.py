@@ -333,6 +333,24 @@ def hf_hub_cache() -> Path:
     return xdg / "huggingface" / "hub"
 
 
+def hub_name(folder: str | Path) -> str | None:
+    """The name `blockpress.load` finds `folder` by when it is a snapshot of the local Hugging Face cache: "owner/name"
+    when the cache's main ref points at it, else "owner/name@commit"; None for any other folder. A run that records
+    its base by name stays valid when the cache moves or main advances, where the snapshot's path would not."""
+    folder = Path(folder)
+    repo = folder.parent.parent
+    if folder.parent.name != "snapshots" or repo.parent.resolve() != hf_hub_cache().resolve():
+        return None
+    owner, sep, name = repo.name.removeprefix("models--").partition("--")
+    if not repo.name.startswith("models--") or not (sep and owner and name):
+        return None
+    try:
+        on_main = (repo / "refs" / "main").read_text().strip() == folder.name
+    except OSError:
+        on_main = False
+    return f"{owner}/{name}" if on_main else f"{owner}/{name}@{folder.name}"
+
+
 def hf_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     """The folder of a model `hf download` (or transformers) already fetched into the local cache; None when the
     cache holds nothing of that repo, a clear error when it holds the repo but not that revision.

@@ -45,6 +45,7 @@ from .checkpoint import (
     checkpoint_files,
     cpu_computes_natively,
     hf_to_local,
+    hub_name,
     read_config,
     reference_names,
     tied_source,
@@ -1239,13 +1240,14 @@ LORA_BASE_FILE = "lora_base.json"  # a LoRA run cut short: the base model its ad
 
 def base_name(lm: LM) -> str | None:
     """The base model as a LoRA run records it: its absolute folder (as typed, a relative path broke --resume from
-    another folder), or a shipped model's name (its folder moves on reinstall); None when not loaded from a folder,
-    or loaded with an adapter (its weights are not the folder's)."""
+    another folder), a shipped model's name (its folder moves on reinstall), or a Hugging Face cache snapshot's
+    repo id (hub_name: its folder is a hash path no other machine has); None when not loaded from a folder, or loaded
+    with an adapter (its weights are not the folder's)."""
     if lm.path is None or lm.adapter is not None:
         return None
     if lm.path.resolve().parent == MODELS_DIR.resolve():
         return lm.path.name
-    return str(lm.path.resolve())
+    return hub_name(lm.path) or str(lm.path.resolve())
 
 
 def lora_base(out: str | Path) -> str | None:

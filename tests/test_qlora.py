@@ -389,3 +389,24 @@ def test_info_reports_the_adapter_and_what_its_load_takes(tmp_path, capsys):
         assert shown["adapter"]["targets"] == sorted({name.split(".", 2)[2] for name, _ in layers})
         assert shown["adapter"]["parameters"] == sum(p.numel() for name, p in held.named_parameters() if "lora_" in name)
     assert info("--model", str(base))["adapter"] is None
+
+
+def test_a_base_from_the_hugging_face_cache_is_recorded_by_its_repo_id(tmp_path, monkeypatch):
+    """A LoRA run over `acme/tiny` recorded the cache's snapshot folder (…/models--acme--tiny/snapshots/<hash>), a
+    path no other machine has and a stale one once main moves; it records the name blockpress.load finds it by."""
+    from blockpress.train import base_name
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    for commit in ("c0ffee", "beef01"):
+        blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8)).save(
+            repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("beef01")
+    assert base_name(blockpress.load("acme/tiny")) == "acme/tiny"
+    old = blockpress.load("acme/tiny@c0ffee")
+    assert base_name(old) == "acme/tiny@c0ffee"
+    assert blockpress.load(base_name(old)).path == old.path  # the name loads that snapshot back
+    elsewhere = tmp_path / "models--acme--tiny" / "snapshots" / "c0ffee"  # the layout outside the cache: a folder
+    old.save(elsewhere)
+    assert base_name(blockpress.load(elsewhere)) == str(elsewhere.resolve())
