@@ -527,8 +527,13 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
                     tensors[f"base_model.model.{target}.lora_{side}.weight"] = layer.weight.detach().float().cpu().clone()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    # A base from the Hugging Face cache at another commit than main's (base_name: "owner/name@commit") is written as
+    # peft writes one: the repo id, and the commit as `revision` (AutoPeftModel loads the base from both).
+    revision = None
+    if base is not None and "@" in base and not Path(base).is_absolute():
+        base, _, revision = base.partition("@")
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,
-                        base_model_name_or_path=base)
+                        base_model_name_or_path=base, revision=revision)
     with tempfile.TemporaryDirectory() as made:  # peft writes its config into a folder: its own, then staged
         config.save_pretrained(made)
         config_text = (Path(made) / ADAPTER_FILES[0]).read_text()
@@ -566,6 +571,9 @@ def adapter_record(path: str | Path) -> dict[str, Any]:
     if base is not None and not (isinstance(base, str) and base.strip()):
         raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: base_model_name_or_path: expected a model folder "
                               f"or name, got {base!r}")
+    revision = cfg.get("revision")
+    if base is not None and isinstance(revision, str) and revision and not Path(base).is_absolute():
+        base = f"{base}@{revision}"  # a repo id at a revision: as blockpress.load names it
     record: dict[str, Any] = {"base": base, "base_shape": None, "quantize": None}
     file = path / ADAPTER_RECORD
     if not file.is_file():

@@ -410,3 +410,9 @@ def test_a_base_from_the_hugging_face_cache_is_recorded_by_its_repo_id(tmp_path,
     elsewhere = tmp_path / "models--acme--tiny" / "snapshots" / "c0ffee"  # the layout outside the cache: a folder
     old.save(elsewhere)
     assert base_name(blockpress.load(elsewhere)) == str(elsewhere.resolve())
+    # A LoRA run over the older snapshot writes peft's fields (repo id + revision) and loads back onto that snapshot.
+    Trainer(old, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=2, lora_rank=2), tmp_path / "run",
+            progress=False).train()
+    written = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert (written["base_model_name_or_path"], written["revision"]) == ("acme/tiny", "c0ffee")
+    assert blockpress.load(tmp_path / "run" / "adapter").path == old.path
