@@ -262,10 +262,13 @@ def check_row_setting(name: str, value: Any, label: str | None = None) -> float 
 MIN_TEMPERATURE = 1e-6
 
 
-def temperature(cfg: SamplerConfig, step: int) -> float:
+def temperature(cfg: SamplerConfig, step: int) -> torch.Tensor:
     """Linear in the remaining steps: t_max at the first step (step = N), t_min + (t_max - t_min)/N at the last;
-    never below MIN_TEMPERATURE."""
-    return max(MIN_TEMPERATURE, cfg.t_min + (cfg.t_max - cfg.t_min) * (step / cfg.max_denoising_steps))
+    never below MIN_TEMPERATURE. A 0-d float32 tensor computed in float32 (step / N, then the schedule), as the
+    reference computes it: a float64 temperature differs from it in the last bit at some steps (12 of 48), and
+    self-conditioning feeds that bit back until whole generations part (a host tensor: no device sync)."""
+    fraction = torch.tensor(step, dtype=torch.int32) / cfg.max_denoising_steps
+    return (cfg.t_min + (cfg.t_max - cfg.t_min) * fraction).clamp_min(MIN_TEMPERATURE)
 
 
 def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

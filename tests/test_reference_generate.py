@@ -93,9 +93,12 @@ def both_engines(monkeypatch, models, seed: int, steps: int, t_max: float, t_min
     return want, got
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_fixed_steps_match_reference_token_for_token(monkeypatch, models, seed):
-    want, got = both_engines(monkeypatch, models, seed, 6, t_max=0.8, t_min=0.4)
+# 20 steps: the schedule's temperature at steps 1, 4, 13 and 15 rounds differently in float64 than in the
+# reference's float32, which self-conditioning grew into other tokens (6 steps have no such step). Other seeds at
+# 20 steps part anyway: the decoder pass differs from the reference's by ~1e-6, which self-conditioning grows too.
+@pytest.mark.parametrize("seed, steps", [(1, 6), (2, 6), (3, 6), (1, 20)])
+def test_fixed_steps_match_reference_token_for_token(monkeypatch, models, seed, steps):
+    want, got = both_engines(monkeypatch, models, seed, steps, t_max=0.8, t_min=0.4)
     assert torch.equal(got.new_tokens, want)
 
 
