@@ -5,7 +5,10 @@ just before the load, taken once torch, blockpress and the loading path's own la
 runtime's, whatever the checkpoint): `rss_growth_after_load`, `rss_growth_after_touch` (every weight read once)
 and `peak_growth_bytes`, the child's own peak. A process inherits its parent's peak across fork and exec, so the
 peak is reset in the child (VmHWM, via /proc/self/clear_refs; where that fails, the resident size is sampled
-every millisecond, a lower bound; `peak_from` says which). The *_over_disk ratios divide by the safetensors bytes.
+every millisecond, a lower bound; `peak_from` says which). The *_over_disk ratios divide by the safetensors bytes:
+`weights_over_disk` is the weights the model holds (`weights_bytes`: the quantized ones under --quantize), and
+`read_growth_over_disk` what reading every weight adds after `load` returned (a plain load's mapped weights; a
+quantized load has read and converted them already).
 
     python benchmarks/load_memory.py --preset medium
 """
@@ -124,8 +127,11 @@ def main() -> None:
             sys.exit(f"load_memory: the loading process failed (exit status {out.returncode}):\n{out.stderr.strip()}")
         row = json.loads(out.stdout.strip().splitlines()[-1])
         row["resident_over_disk"] = row["rss_growth_after_touch"] / disk
-        # what the weights themselves add once read (the rest is fixed runtime state, independent of size)
-        row["weights_resident_over_disk"] = (row["rss_growth_after_touch"] - row["rss_growth_after_load"]) / disk
+        # What reading every weight adds after `load` returned: a plain load maps the file and reads a weight when it
+        # is first used, so this is its weights; a quantized load has already read and converted them (~0 here).
+        row["read_growth_over_disk"] = (row["rss_growth_after_touch"] - row["rss_growth_after_load"]) / disk
+        # the weights the model holds (the quantized ones under --quantize), whenever they were read
+        row["weights_over_disk"] = row["weights_bytes"] / disk
         row["peak_over_disk"] = row["peak_growth_bytes"] / disk
         result["blockpress"] = row
     print(json.dumps(result, indent=2))
