@@ -437,9 +437,11 @@ class LM:
         canvas_ids: torch.Tensor | list,
         self_conditioning_logits: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        self_conditioning_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]. A one-row
-        prompt (with its one-row attention_mask) serves every canvas row."""
+        prompt (with its one-row attention_mask) serves every canvas row. `self_conditioning_mask` [B] bool, as the
+        reference's forward takes it: False rows get no self-conditioning (training drops it for some rows)."""
         self._check_runnable()
         v = self.config.text.vocab_size
         prompt = _as_ids(prompt_ids, "prompt_ids", v, self.device)
@@ -474,9 +476,17 @@ class LM:
             if bool(no_choice(self_conditioning_logits)):
                 raise ValueError("self_conditioning_logits: a position has no distribution (NaN or +inf logits, or "
                                  "every token -inf); expected finite logits, -inf only for tokens it rules out")
+        if self_conditioning_mask is not None:
+            mask = torch.as_tensor(self_conditioning_mask)
+            if mask.dtype != torch.bool or tuple(mask.shape) != (canvas.shape[0],):
+                raise ValueError(f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one "
+                                 f"flag per canvas row), got {mask.dtype} {list(mask.shape)}")
+            if self_conditioning_logits is None:
+                raise ValueError("self_conditioning_mask: says which rows get self_conditioning_logits, which are None")
+            self_conditioning_mask = mask.to(self.device)
         cache = self.new_cache(prompt.shape[0], prompt.shape[1] + canvas.shape[1])
         self.model.encode(prompt, cache, attention_mask=attention_mask)
-        return self.model.denoise(canvas, cache, self_conditioning_logits)
+        return self.model.denoise(canvas, cache, self_conditioning_logits, self_conditioning_mask)
 
     # -- generation ------------------------------------------------------------------------------------------
     @property

@@ -90,6 +90,27 @@ def test_self_conditioning_logits(lm, ref_checkpoint):
     assert (via_probs - ours).abs().max().item() <= 1e-5
 
 
+def test_self_conditioning_mask(lm, ref_checkpoint):
+    """The reference's forward takes a per-row self_conditioning_mask (training drops self-conditioning for some
+    rows); lm.logits takes it too, so a training step can be checked against the reference without a hand-built
+    cache."""
+    _, ref = ref_checkpoint
+    g = torch.Generator().manual_seed(4)
+    prompt, canvas = ids(g, 3, 7), ids(g, 3, 8)
+    sc = 3 * torch.randn(3, 8, 96, generator=g)
+    mask = torch.tensor([True, False, True])
+    ours = lm.logits(prompt, canvas, self_conditioning_logits=sc, self_conditioning_mask=mask)
+    assert (ours - ref_logits(ref, prompt, canvas, sc, self_conditioning_mask=mask)).abs().max().item() <= TOL
+    # the masked row is the row without self-conditioning, the others keep theirs
+    assert (ours[1] - lm.logits(prompt[1:2], canvas[1:2])[0]).abs().max().item() <= TOL
+    assert (ours[0] - lm.logits(prompt[:1], canvas[:1], self_conditioning_logits=sc[:1])[0]).abs().max() <= TOL
+    for bad in (torch.tensor([1, 0, 1]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match=r"self_conditioning_mask: expected a bool tensor of shape \[3\]"):
+            lm.logits(prompt, canvas, self_conditioning_logits=sc, self_conditioning_mask=bad)
+    with pytest.raises(ValueError, match="self_conditioning_mask: says which rows"):
+        lm.logits(prompt, canvas, self_conditioning_mask=mask)
+
+
 def test_canvas_after_committed_canvases(lm, ref_checkpoint):
     """Prompt, then two committed canvases encoded one at a time, then a canvas denoised."""
     from transformers import DynamicCache
