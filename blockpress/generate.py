@@ -814,6 +814,20 @@ def no_choice(logits: torch.Tensor, banned: torch.Tensor | None = None,
     return (undefined if open_positions is None else undefined & open_positions).any()
 
 
+def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
+                     rows: torch.Tensor) -> torch.Tensor:
+    """`processor(logits [b, C, V], rows [b]) -> logits`, checked: float logits of the same shape. Contiguous: the
+    bans written after it go in place, which an expanded view (one row's logits for all, say) would spread to
+    every row."""
+    processed = processor(logits, rows)
+    if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
+            or not processed.dtype.is_floating_point):
+        got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)
+               else type(processed).__name__)
+        raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, got {got}")
+    return processed.contiguous()
+
+
 @dataclass
 class _Bans:
     """Tokens banned at a few (row, position) pairs of a canvas: the first new token under token healing, and a
@@ -1125,15 +1139,7 @@ class _Decoding:
         req, cfg = self.req, self.req.sampler
         logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
         if req.logits_processor is not None:
-            processed = req.logits_processor(logits, w.rows)
-            if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
-                    or not processed.dtype.is_floating_point):
-                got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)
-                       else type(processed).__name__)
-                raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, got {got}")
-            # Contiguous: the bans below write in place, which an expanded view (one row's logits for all, say)
-            # would spread to every row.
-            logits = processed.contiguous()
+            logits = processed_logits(req.logits_processor, logits, w.rows)
         if w.history is not None:  # the new text so far: a template's fixed tokens are given, like the prompt
             logits = penalize_repeats(cfg, logits, w.history, w.state.canvas, w.state.settled & w.writable)
         # Bans are written into the logits (in place: `logits` is this step's own) before the hooks' check and
@@ -1298,7 +1304,11 @@ def run_ar(
     device_sync(device)
     encode_s = time.perf_counter() - t0
     t1 = time.perf_counter()
+    all_rows = torch.arange(b, device=device)
+    trouble = torch.zeros((), dtype=torch.bool, device=device)  # the logits processor left a row nothing to choose
     for i in range(n_new):
+        if req.logits_processor is not None:  # as a canvas of one position, every row's (the batch never shrinks)
+            logits = processed_logits(req.logits_processor, logits[:, None], all_rows)[:, 0]
         if unknown is not None:
             logits.index_fill_(-1, unknown, float("-inf"))
         if req.eos_ids and i < most_min:  # no EOS before a row's min_new_tokens
@@ -1307,6 +1317,8 @@ def run_ar(
             logits = logits.masked_fill(~req.first_allowed.to(device), float("-inf"))
         if penalized:
             logits = penalize_repeats(cfg, logits, history)
+        if req.logits_processor is not None:  # read with the end checks below (no host sync a token)
+            trouble |= no_choice(logits, None, ~finished)
         if cfg.argmax_candidates:
             token = logits.argmax(-1)
         else:
@@ -1319,6 +1331,9 @@ def run_ar(
         finished = finished | torch.isin(token, eos) | (budget <= i + 1)  # an EOS, or its max_new_tokens written
         # Checking for the end costs a host sync: do it every 8 tokens, not every token.
         check = i == n_new - 1 or i % 8 == 7
+        if check and req.logits_processor is not None and bool(trouble):
+            raise ValueError("logits_processor: left a row with no token to choose (NaN or +inf logits, or every "
+                             "token -inf); ban tokens with -inf and favour one with a large finite value")
         if check and stops.active:
             counts = torch.minimum(_count_valid(new_tokens[:, : i + 1], eos), budget).tolist()
             for r, m in stops.find(new_tokens[:, : i + 1], counts, stops.stopped, checked, finished).items():

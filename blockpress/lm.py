@@ -158,6 +158,12 @@ def _dtype_argument(dtype: Any) -> Any:
     return None if isinstance(dtype, str) and dtype.lower() == "auto" else dtype
 
 
+def _check_logits_processor(processor: Any) -> Any:
+    if processor is not None and not callable(processor):
+        raise ValueError(f"logits_processor: expected a function (logits, rows) -> logits, got {type(processor).__name__}")
+    return processor
+
+
 def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: expected a blockpress.PrefixCache, got {type(prefix_cache).__name__}")
@@ -837,9 +843,6 @@ class LM:
             raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")
         if constraint is not None and not callable(constraint):
             raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
-        if logits_processor is not None and not callable(logits_processor):
-            raise ValueError("logits_processor: expected a function (logits, rows) -> logits, got "
-                             f"{type(logits_processor).__name__}")
         check_flag("skip_stopped_rows", skip_stopped_rows)
         check_flag("return_cache", return_cache)
         check_flag("drafts", drafts)
@@ -848,7 +851,8 @@ class LM:
             sampler_options=dict(sampler_options, max_denoising_steps=max_denoising_steps), seed=seed,
             attention_mask=attention_mask, token_healing=token_healing, stop=stop, template=template,
             hole_length=hole_length, seeds=_row_seeds(seeds), prefix_cache=_check_prefix_cache(prefix_cache),
-            skip_stopped_rows=skip_stopped_rows, constraint=constraint, logits_processor=logits_processor,
+            skip_stopped_rows=skip_stopped_rows, constraint=constraint,
+            logits_processor=_check_logits_processor(logits_processor),
             cancelled=cancelled)
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
@@ -1019,6 +1023,7 @@ class LM:
         frequency_penalty: float | None = None,
         prefix_cache: PrefixCache | None = None,
         seeds: list[int] | None = None,
+        logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
 
@@ -1035,7 +1040,9 @@ class LM:
         `max_new_tokens`, `min_new_tokens`: one count, or one per row, as in `generate`. `temperature` (each > 0:
         greedy is the whole batch's), `top_k` and `top_p` may also be one per row (a list, or a 1-D array / tensor):
         each row then draws as it would alone with its own.
-        `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`."""
+        `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`.
+        `logits_processor(logits [B, 1, V], rows [B]) -> logits`: as in `stream`, each token's next-token logits as
+        a canvas of one position (rows: every row, each token), before the penalties and bans."""
         temperature = _as_rows(temperature, "temperature", "a number")
         per_row = isinstance(temperature, list)
         if per_row:  # each value is checked with the other per-row settings (`_row_draws`); 0 is another rule
@@ -1066,7 +1073,7 @@ class LM:
                             sampler=cfg, sampler_options=draw, seed=seed, attention_mask=attention_mask,
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
                             prefix_cache=_check_prefix_cache(prefix_cache), canvases=False,
-                            temperature_name="temperature")
+                            temperature_name="temperature", logits_processor=_check_logits_processor(logits_processor))
         return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                       tokenizer=self.tokenizer, fns=self.step_functions)
 

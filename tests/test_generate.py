@@ -328,6 +328,40 @@ def test_generate_ar_matches_uncached_greedy(lm):
     assert out.forward_passes.tolist() == [6]
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(banned=st.lists(st.integers(2, 95), min_size=1, max_size=40, unique=True), greedy=st.booleans())
+def test_generate_ar_takes_a_logits_processor(lm, banned, greedy):
+    """generate_ar took no logits_processor (generate does): it now sees each token's logits as a one-position
+    canvas of every row, and what it bans is never written; a row it favours writes that token."""
+    seen = []
+
+    def ban(logits, rows):
+        seen.append((tuple(logits.shape), rows.tolist()))
+        out = logits.clone()
+        out[:, :, banned] = float("-inf")
+        out[1, :, 7] = 1e4  # row 1 always writes token 7
+        return out
+
+    prompts = [[3, 4, 5, 6], [7, 8]]
+    kw = dict(max_new_tokens=6, seed=3) if greedy else dict(max_new_tokens=6, temperature=1.5, seed=3)
+    out = lm.generate_ar(prompts, logits_processor=ban, **kw)
+    assert not set(out.new_tokens[0, : out.num_new_tokens[0]].tolist()) & set(banned)
+    assert out.new_tokens[1].tolist() == [7] * 6
+    assert seen[0] == ((2, 1, lm.config.text.vocab_size), [0, 1]) and len(seen) == 6
+    # an identity processor changes nothing
+    assert torch.equal(lm.generate_ar(prompts, logits_processor=lambda x, r: x, **kw).new_tokens,
+                       lm.generate_ar(prompts, **kw).new_tokens)
+
+
+def test_generate_ar_logits_processor_mistakes_are_named(lm):
+    with pytest.raises(ValueError, match="logits_processor: expected a function"):
+        lm.generate_ar([3, 4], max_new_tokens=2, logits_processor="upper")
+    with pytest.raises(ValueError, match=r"logits_processor: expected float logits of shape \[1, 1, "):
+        lm.generate_ar([3, 4], max_new_tokens=2, logits_processor=lambda x, r: x[:, 0])
+    with pytest.raises(ValueError, match="logits_processor: left a row with no token to choose"):
+        lm.generate_ar([3, 4], max_new_tokens=3, logits_processor=lambda x, r: torch.full_like(x, float("-inf")))
+
+
 def test_generate_ar_seeds_sample_each_row_as_alone(lm):
     """generate_ar had no per-row `seeds` (generate has): a batch row now equals that row alone with its seed."""
     prompts, seeds = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]], [11, 12, 13]
