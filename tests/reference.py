@@ -40,3 +40,16 @@ def make_reference(path: Path, seed: int = 0, canvas_length: int = 8, **text_ove
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
     model.save_pretrained(path)
     return model
+
+
+def fresh_weights(lm):
+    """`lm` with its weights copied into fresh allocations, as `make_reference`'s in-memory model holds its own.
+
+    A CPU load keeps the weights as views of the mapped safetensors file, aligned only as the file's layout puts
+    them (4 bytes here); MKL's float32 GEMMs (the experts' grouped_mm above all) round the last bit differently for
+    a weight that is not 16-byte aligned. For a bit-for-bit comparison both sides need the same alignment; the
+    values are unchanged. (transformers' own from_pretrained maps them too, and is just as unaligned.)"""
+    with torch.no_grad():
+        for tensor in [*lm.model.parameters(), *lm.model.buffers()]:
+            tensor.data = tensor.data.clone()
+    return lm
