@@ -258,11 +258,12 @@ class Request:
     attention_mask: torch.Tensor | None  # [B, P] or None when nothing is padded
     # New tokens: one count for every row, or one per row (a server batches requests of different lengths); read
     # them through `row_budgets`. A row that has written its max_new_tokens ends, as one that wrote an EOS does.
+    # With a template, each row's own template length (its row of `template` is padded past it).
     max_new_tokens: int | tuple[int, ...]
     min_new_tokens: int | tuple[int, ...]
     sampler: SamplerConfig
     seed: int | None
-    template: torch.Tensor | None  # [B, N] fixed token ids, -1 for holes
+    template: torch.Tensor | None  # [B, N] fixed token ids, -1 for holes; pad_id past a shorter row's end
     eos_ids: list[int]
     pad_id: int
     seeds: list[int] | None = None  # per-row seeds (the server batches requests); default: `seed` for every row
@@ -300,11 +301,9 @@ class Request:
     unknown_ids: torch.Tensor | None = None
 
     def row_budgets(self) -> tuple[list[int], list[int]]:
-        """Each row's (max_new_tokens, min_new_tokens). A template's rows all write its whole length, with no
-        minimum (no EOS comes inside it)."""
+        """Each row's (max_new_tokens, min_new_tokens). A template's rows each write their whole length (their
+        max_new_tokens), with no minimum (no EOS comes inside it)."""
         b = self.prompt.shape[0]
-        if self.template is not None:
-            return [self.template.shape[1]] * b, [0] * b
 
         def per_row(value: int | Sequence[int], name: str) -> list[int]:
             if is_int(value):
@@ -313,7 +312,13 @@ class Request:
                 raise ValueError(f"{name}: expected one count per row ({b}), got {len(value)}")
             return [int(v) for v in value]
 
-        return per_row(self.max_new_tokens, "max_new_tokens"), per_row(self.min_new_tokens, "min_new_tokens")
+        budgets = per_row(self.max_new_tokens, "max_new_tokens")
+        if self.template is None:
+            return budgets, per_row(self.min_new_tokens, "min_new_tokens")
+        if max(budgets) > self.template.shape[1]:
+            raise ValueError(f"max_new_tokens: a template row's length, at most its {self.template.shape[1]} "
+                             f"tokens, got {budgets}")
+        return budgets, [0] * b
 
     def row_draws(self, device: torch.device | str = "cpu") -> RowDraws:
         """Each row's draw temperature, top_k and top_p as [B] tensors on `device`: its own, else the sampler's."""
@@ -442,18 +447,23 @@ def is_text_template(template: Any) -> bool:
 class Template:
     """A constrained canvas as `parse_template` reads it: each row's token ids, -1 in the holes, and each row's
     holes as (start, end) spans of those ids, in order: one per <|hole|> marker (adjacent markers stay apart),
-    or one per run of -1s in a token-id template. Rows may differ in length until the batch is laid out."""
+    or one per run of -1s in a token-id template. Rows may differ in length: each writes its own."""
 
     rows: list[list[int]]
     holes: list[list[tuple[int, int]]]
 
-    def ids(self, what: str = "the texts of a batch",
-            way_out: str = "adjust the hole lengths, or fill them in separate calls") -> torch.Tensor:
-        """[B, N]: the rows as one layout (`what` and `way_out` word the error when their lengths differ)."""
-        lengths = [len(r) for r in self.rows]
-        if len(set(lengths)) > 1:  # one canvas layout per batch: the holes and fixed tokens share positions
-            raise ValueError(f"template: {what} must come to the same number of tokens, got {lengths} ({way_out})")
-        return torch.tensor(self.rows, dtype=torch.long)
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's number of tokens, fixed and holes together."""
+        return [len(r) for r in self.rows]
+
+    def ids(self, pad_id: int) -> torch.Tensor:
+        """[B, N]: the rows as one layout, N the longest row; a shorter row is `pad_id` past its end (given, not a
+        hole: its budget ends there, see Request.max_new_tokens)."""
+        ids = torch.full((len(self.rows), max(self.lengths)), pad_id, dtype=torch.long)
+        for r, row in enumerate(self.rows):
+            ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return ids
 
 
 def hole_runs(row: Sequence[int]) -> list[tuple[int, int]]:
@@ -531,14 +541,18 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         empty = next((i for i, h in enumerate(holes) if not h), None)
         if empty is not None:  # as a template alone is refused, so is one of a batch (a row given whole is a prompt)
             raise ValueError(f"template: row {empty} has no holes to fill (use <|hole|> markers)")
-        # Rows may differ in length here: healing can still change them, so the layout that runs is checked when
-        # it is laid out (Template.ids)
         return Template(rows, holes)
+    shape_error = f"template: expected [N] or [{batch}, N] token ids with N > 0 (id rows may differ in length), got "
     if isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
         t = torch.as_tensor(template)
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"template: expected integer token ids (-1 for holes), got a {t.dtype} tensor")
         t = t.detach().to("cpu", torch.long)
+        if t.dim() == 1:
+            t = t[None].expand(batch, -1)
+        if t.dim() != 2 or t.shape[0] != batch or t.shape[1] == 0:
+            raise ValueError(f"{shape_error}{list(t.shape)}")
+        rows = t.tolist()
     else:
         expected = "text with <|hole|> markers, token ids [N] or [B, N] (-1 or None for holes)"
         if not isinstance(template, (list, tuple)):  # bytes iterate as ints: read as ids, they "had no holes"
@@ -549,22 +563,18 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
             rows = [[-1 if v is None else v for v in row] for row in (template if nested else [template])]
         except TypeError:
             raise ValueError(f"template: expected {expected}, got {type(template).__name__}") from None
-        odd = next((v for row in rows for v in row if isinstance(v, bool) or not isinstance(v, numbers.Integral)), None)
+        odd = next((v for row in rows for v in row
+                    if isinstance(v, bool) or not isinstance(v, numbers.Integral)), None)
         if odd is not None:  # torch would truncate 7.9 to 7 and read True as 1, silently
             raise ValueError(f"template: expected integer token ids (-1 or None for holes), got {odd!r}")
-        try:
-            t = torch.as_tensor(rows if nested else rows[0], dtype=torch.long)
-        except (ValueError, RuntimeError):
-            raise ValueError(f"template: expected {expected}, got rows of different lengths") from None
-    if t.dim() == 1:
-        t = t[None].expand(batch, -1)
-    if t.dim() != 2 or t.shape[0] != batch or t.shape[1] == 0:
-        raise ValueError(f"template: expected [N] or [{batch}, N] token ids with N > 0, got {list(t.shape)}")
-    if bool((t < -1).any()):
-        raise ValueError(f"template: ids are token ids or -1 for a hole, got {int(t.min())}")
-    if not bool((t < 0).any()):
+        rows = [[int(v) for v in row] for row in rows] * (1 if nested else batch)
+        if len(rows) != batch or not all(rows):
+            raise ValueError(f"{shape_error}{len(rows)} rows of {[len(r) for r in rows]} ids")
+    low = min(min(row) for row in rows)
+    if low < -1:
+        raise ValueError(f"template: ids are token ids or -1 for a hole, got {low}")
+    if low >= 0:
         raise ValueError("template: has no holes to fill (use <|hole|> markers or -1 ids)")
-    rows = t.tolist()
     return Template(rows, [hole_runs(r) for r in rows])
 
 
@@ -893,8 +903,9 @@ class _Canvas:
         fixed = None
         if req.template is not None:
             fixed = torch.full((b, canvas_len), -1, dtype=torch.long, device=device)
+            # Past a row's end (the template's is pad there, so is the canvas past `keep`) nothing is scored; the
+            # slots are pinned to pad so they stay quiet, as they are when the row runs alone.
             fixed[:, :keep] = req.template[:, lo : lo + keep].to(device)
-            # Past the template's end nothing is scored; pin those slots to pad so they stay quiet.
             fixed[:, keep:] = req.pad_id
         # A row's last canvas ends at its own budget, as it would alone: the positions past it are not scored (see
         # denoise_step), so their churn holds no row, and commit pads them.
@@ -1159,11 +1170,11 @@ class _Decoding:
         req, lo, keep = self.req, canvas.lo, canvas.keep
         committed = state.argmax[:, :keep]
         valid = None
-        if req.template is None and (req.eos_ids or self.stops.active or canvas.short_rows):
-            within = canvas.scored[:, :keep]  # each row's own budget
+        if canvas.short_rows or (req.template is None and (req.eos_ids or self.stops.active)):
+            within = canvas.scored[:, :keep]  # each row's own budget (a template row's: its length)
             valid = (~self.finished)[:, None] & within
             ended_before = self.finished
-            if req.eos_ids:
+            if req.eos_ids and req.template is None:  # a template's EOS is text it gives (its holes hold none)
                 is_eos = torch.isin(committed, self.eos) & within
                 valid = valid & ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
                 self.finished = self.finished | is_eos.any(-1)
@@ -1245,6 +1256,8 @@ def run(
         finished = (dec.finished | last).cpu()
         if answers is not None:
             rows = host.tolist()
+            if valid is not None:  # each row's own tokens: a template row's fixed pads past its end are no text
+                rows = [row[:n] for row, n in zip(rows, valid.sum(-1).tolist())]
             texts = decode_rows(tokenizer, rows, None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
             texts = _heal_texts(req, texts) if ci == 0 else texts
             so_far, fills = answers.add(rows, dec.written.tolist())

@@ -668,7 +668,6 @@ class LM:
         if template is not None:
             parsed = parse_template(template, self.tokenizer, ids.shape[0], hole_length,
                                     self.config.text.max_position_embeddings)
-            written = [len(r) for r in parsed.rows]
         if cfg.sampler == "greedy" and seed is None:
             seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
         if heal_holes:
@@ -685,21 +684,21 @@ class LM:
                 fields.update(hole_allowed={pos: masks[prefix] for pos, prefix in hole_prefixes.items()},
                               hole_prefixes=hole_prefixes)
         if parsed is not None:
-            # The rows' lengths are checked once, as they run: healing moves a space into each hole after one,
-            # so rows written alike can run unlike and the other way round
-            if [len(r) for r in parsed.rows] != written:
-                tmpl = parsed.ids(f"with the spaces before their holes healed, the rows (as written {written})",
-                                  "adjust the hole lengths, fill them in separate calls, or pass token_healing=False")
-            else:
-                tmpl = parsed.ids()
-            if int(tmpl.max()) >= v:
+            # Each row writes its own length, as healed (healing moves a space into each hole after one): the batch
+            # is laid out to its longest row, and each row's budget ends at its own end, as it would alone.
+            lengths = tuple(parsed.lengths)
+            count = lengths[0] if len(set(lengths)) == 1 else list(lengths)
+            says = f"{count} tokens" + (", one per row" if isinstance(count, list) else "")
+            if max(max(r) for r in parsed.rows) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
             if any(_each(min_new_tokens)):  # it would be ignored: a template's length is fixed, its holes never end early
-                raise ValueError(f"min_new_tokens: not with a template (its {tmpl.shape[1]} tokens are all written, "
-                                 f"no EOS inside), got {min_new_tokens}")
-            if asked is not None and set(_each(max_new_tokens)) != {tmpl.shape[1]}:  # ignored: the template sets it
-                raise ValueError(f"max_new_tokens: the template sets the length ({tmpl.shape[1]} tokens); leave "
-                                 f"max_new_tokens unset or give {tmpl.shape[1]}, got {asked}")
+                raise ValueError(f"min_new_tokens: not with a template (its {says} are all written, no EOS inside), "
+                                 f"got {min_new_tokens}")
+            given = max_new_tokens if isinstance(max_new_tokens, tuple) else (max_new_tokens,) * len(lengths)
+            if asked is not None and given != lengths:  # ignored: the template sets it
+                raise ValueError(f"max_new_tokens: the template sets the length ({says}); leave max_new_tokens "
+                                 f"unset or give {count}, got {asked}")
+            tmpl, max_new_tokens = parsed.ids(pad_id), lengths
             fields.update(template_holes=parsed.holes)
         # The ids past the tokenizer's vocabulary that the model's (padded) embedding has: never generated, since
         # they have no text (transformers samples them, and its decode drops them without a word).
@@ -993,8 +992,8 @@ class LM:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it
         as text; or ids with -1), keeping every fixed token. `fills` holds each hole's text, one per marker in
         order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone). A list of
-        templates is one batch when they come to the same number of tokens (one canvas layout for all rows);
-        others are refused, naming each row's count: fill them in separate calls."""
+        templates (texts, or id rows of any lengths) is one batch, each row filled as it would be alone: its
+        sequences and new_tokens are pad past its own length, its num_new_tokens that length."""
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")

@@ -722,12 +722,11 @@ def test_generate_documents_every_sampler_option():
     ("x = <| hole |> + 1", 8, "looks like a hole marker"),
     ("x = <|hole|:3> + 1", 8, "looks like a hole marker"),
     ("x = <|hole:３|> + 1", 8, "looks like a hole marker"),  # not ASCII digits: \d took it as a 3-token hole
-    (["a = <|hole:2|>", "bb = <|hole:5|> + 1"], 8, r"the texts of a batch must come to the same number of tokens"),
     ("", 8, "template: empty text"),
     # ids: torch truncated 7.9 to 7 and read True as 1 (EOS), silently
     ([7.9, -1], 8, "template: expected integer token ids .* got 7.9"),
     ([True, -1], 8, "got True"),
-    ([[3, -1], [4]], 8, "rows of different lengths"),
+    ([[3, -1], []], 8, r"template: expected \[N\] or \[2, N\] token ids with N > 0 .* got 2 rows of \[2, 0\] ids"),
     (np.array([3.0, -1.0]), 8, "got a torch.float64 tensor"),
     # bytes iterate as ints: read as ids, the template "has no holes to fill"
     (b"x = <|hole:2|>", 8, r"template: expected text with <\|hole\|> markers, .* got bytes \(decode it to str\)"),
@@ -742,16 +741,16 @@ def test_bad_hole_lengths(template, hole_length, message):
 
 
 def test_a_batch_of_templates_without_a_prompt():
-    """Text templates of one length in a list, and id rows, fill row by row; with no prompt each row starts
+    """Text templates in a list, and id rows, of any lengths, fill row by row; with no prompt each row starts
     from BOS (before: a list of texts was 'expected integer token ids', a batch of ids wanted a prompt batch)."""
     from blockpress.cli import load_model
 
     lm = load_model("random-tiny", None, "cpu")
-    ids = lm.infill([[7, -1, 8], [9, 10, -1]], max_denoising_steps=2, seed=0).new_tokens
-    assert ids.shape == (2, 3) and ids[0, [0, 2]].tolist() == [7, 8] and ids[1, :2].tolist() == [9, 10]
-    texts = ["a = <|hole:2|>\n", "b = <|hole:2|>\n"]
+    ids = lm.infill([[7, -1, 8], [9, 10, -1, 11]], max_denoising_steps=2, seed=0).new_tokens
+    assert ids.shape == (2, 4) and ids[0, [0, 2, 3]].tolist() == [7, 8, lm.pad_id] and ids[1, [0, 1, 3]].tolist() == [9, 10, 11]
+    texts = ["a = <|hole:2|>\n", "bb = <|hole:5|> + 1\n"]
     out = lm.infill(texts, max_denoising_steps=2, seed=0)
-    assert [t[:4] for t in out.texts] == ["a = ", "b = "] and all(t.endswith("\n") for t in out.texts)
+    assert [t[:4] for t in out.texts] == ["a = ", "bb ="] and all(t.endswith("\n") for t in out.texts)
     with pytest.raises(ValueError, match="2 text templates for a batch of 3 prompts"):
         lm.infill(texts, prompt=["x", "y", "z"])
 
@@ -1442,6 +1441,10 @@ def test_a_template_sets_the_length():
     with pytest.raises(ValueError, match="max_new_tokens: the template sets the length \\(4 tokens\\)"):
         lm.infill("a<|hole:3|>", max_new_tokens=1)
     assert lm.infill("a<|hole:3|>", max_new_tokens=4, max_denoising_steps=2).new_tokens.shape[1] == 4
+    rows = [[3, -1], [4, -1, -1]]  # each row its own length
+    with pytest.raises(ValueError, match=r"max_new_tokens: the template sets the length \(\[2, 3\] tokens, one per row\)"):
+        lm.infill(rows, max_new_tokens=3)
+    assert lm.infill(rows, max_new_tokens=[2, 3], max_denoising_steps=2).num_new_tokens.tolist() == [2, 3]
     with pytest.raises(ValueError, match="template: ids are token ids or -1 for a hole, got -5"):
         lm.infill([3, -5, -1], max_denoising_steps=2)
 
@@ -1628,7 +1631,7 @@ def test_a_space_before_a_hole_is_healed_into_it(code_lm):
     text = "x = <|hole:2|> + 1"
     parsed = parse_template(text, tok, 1, 8)
     healed, prefixes = heal_holes(tok, parsed)
-    ids, opened = parsed.ids(), healed.ids()
+    ids, opened = parsed.ids(tok.pad_id), healed.ids(tok.pad_id)
     assert list(prefixes.values()) == [" "]
     (_, p), = prefixes
     # the space's position opens and the hole gives up its last one: the same number of tokens to write
@@ -2445,3 +2448,57 @@ def test_per_row_budgets_with_a_template_must_be_its_length(lm):
         lm.generate([[3], [4]], template=template, max_new_tokens=[4, 3])
     with pytest.raises(ValueError, match="min_new_tokens: not with a template"):
         lm.generate([[3], [4]], template=template, min_new_tokens=[0, 1])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), sampler=st.sampled_from(["greedy", "entropy_bound"]))
+def test_a_batch_of_templates_of_different_lengths_fills_each_as_alone(lm, data, sampler):
+    """Templates that come to different token counts were refused as one batch; each row is laid out to the longest,
+    pad past its own end, and writes exactly what it writes alone: its tokens, its own length as num_new_tokens and
+    its holes, pads after; one row spans two canvases while another fits in one."""
+    c = lm.config.canvas_length
+    b = data.draw(st.integers(2, 3), "rows")
+    cell = st.one_of(st.just(-1), st.integers(3, 90))
+    lengths = [data.draw(st.integers(c + 1, 2 * c), "long")] + [data.draw(st.integers(1, c), "short")
+                                                                for _ in range(b - 1)]
+    rows = [data.draw(st.lists(cell, min_size=n, max_size=n).filter(lambda r: -1 in r), "row") for n in lengths]
+    rows = data.draw(st.permutations(rows), "order")
+    seeds = data.draw(st.lists(st.integers(0, 2**20), min_size=b, max_size=b), "seeds")
+    kw = dict(max_denoising_steps=3, sampler=sampler)
+    batch = lm.infill(rows, seeds=seeds, **kw)
+    assert batch.new_tokens.shape[1] == max(lengths)
+    for r, row in enumerate(rows):
+        alone = lm.infill(row, seed=seeds[r], **kw)
+        n = len(row)
+        assert int(batch.num_new_tokens[r]) == int(alone.num_new_tokens[0]) == n
+        assert int(batch.num_chosen_tokens[r]) == int(alone.num_chosen_tokens[0]) == row.count(-1)
+        assert batch.new_tokens[r, :n].tolist() == alone.new_tokens[0].tolist()
+        assert (batch.new_tokens[r, n:] == PAD).all()
+        assert int(batch.forward_passes[r]) == int(alone.forward_passes[0])
+        canvases = alone.steps_per_canvas.shape[1]
+        assert batch.steps_per_canvas[r, :canvases].tolist() == alone.steps_per_canvas[0].tolist()
+
+
+def test_text_templates_of_different_lengths_heal_and_fill_each_as_alone(code_lm):
+    """Text templates of different token counts, their holes healed (a space before a hole joins it; a text prompt's
+    trailing space joins a template that starts with a hole): each row's tokens, text and fills are those it gets
+    alone, and so are its Commit events' texts (no pad text past a row's end)."""
+    templates = ["def area(r):\n    return <|hole:4|>\n", "<|hole:2|> + 1", "def f(a, b):\n    <|hole:3|>\n    return <|hole:2|>\n"]
+    prompts = ["# geometry\n", "x = ", "# two\n"]
+    kw = dict(max_denoising_steps=3, seeds=[1, 2, 3])
+    batch = code_lm.infill(templates, prompt=prompts, **kw)
+    events = list(code_lm.stream(prompts, template=templates, **kw))
+    commits = [e for e in events if isinstance(e, Commit)]
+    lengths = []
+    for r, (template, prompt) in enumerate(zip(templates, prompts)):
+        alone = code_lm.infill(template, prompt=prompt, seeds=kw["seeds"][r : r + 1], max_denoising_steps=3)
+        n = int(alone.num_new_tokens[0])
+        lengths.append(n)
+        assert int(batch.num_new_tokens[r]) == n and batch.new_tokens[r, :n].tolist() == alone.new_tokens[0].tolist()
+        assert batch.texts[r] == alone.texts[0] and batch.fills[r] == alone.fills[0]
+        assert commits[-1].texts_so_far[r] == alone.texts[0] and commits[-1].fills_so_far[r] == alone.fills[0]
+        assert "".join(e.texts[r] for e in commits) == alone.texts[0]  # ASCII only: no character split at an edge
+    assert len(set(lengths)) == len(lengths)
+    # row 1's first token is the prompt's space, healed: it starts with " ", which the prompt holds, not the answer
+    assert code_lm.tokenizer.token_texts()[int(batch.new_tokens[1, 0])].startswith(" ")
+    assert batch.texts[1] == batch.fills[1][0] + " + 1"

@@ -1002,8 +1002,6 @@ def test_suffix_jobs_batch_by_their_healed_canvas_length():
     a, b = asyncio.run(jobs(healed)), asyncio.run(jobs(plain))
     assert len(a.canvas) == len(b.canvas)  # the same length as sent: the old key put them in one batch
     assert a.key() != b.key() and a.layout.shape[1] == len(a.canvas) - 1 == b.layout.shape[1] - 1
-    with pytest.raises(ValueError, match="template"):  # what the engine did with the old batch
-        lm.generate([a.prompt, b.prompt], template=[a.canvas, b.canvas], token_healing=True, max_denoising_steps=1)
 
 
 def test_streamed_choices_interleave(server):
