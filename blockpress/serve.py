@@ -27,7 +27,8 @@ OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see Sam
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` makes the answer exactly
 `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
 joins the hole, as a text template's does); the extra field `template`
-takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text.
+takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
+requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones.
 
 /v1/completions takes OpenAI's prompt forms: a text, token ids, or a list of either (choice j of prompt i has index
 i*n + j; each prompt is answered as it would be alone, and the usage adds up).
@@ -66,7 +67,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -86,7 +86,7 @@ from .generate import (
     parse_template,
     settled_text,
 )
-from .healing import heal, heal_holes, heal_into_template, strip_prefix
+from .healing import heal, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig
@@ -409,17 +409,15 @@ class Job:
     # Text of the prompt that the answer's first token starts with (token healing, or a suffix's healed space);
     # not part of the answer.
     heal_prefix: str = ""
-    # The canvas as the engine lays it out, holes healed ([1, L]): jobs batch by this length, since rows whose
-    # canvases are as long before healing can differ after it, and the engine refuses such a batch.
-    layout: torch.Tensor | None = None
     # Also send the answer with its special tokens (JobDone.raw): a reply the response template reads for tool calls,
     # whose markers are often special tokens, which the answer's text leaves out.
     keep_special: bool = False
 
     def key(self) -> tuple:
         """What the jobs of one batch share. Not max_tokens nor min_tokens, nor the candidate draw's temperature,
-        top_p and top_k (ROW_SETTINGS): the engine takes them per row."""
-        return (self.sampler.batch_wide(), self.token_healing, None if self.layout is None else self.layout.shape[1])
+        top_p and top_k (ROW_SETTINGS): the engine takes them per row; nor a canvas's length, as the engine lays out
+        canvases of any lengths together. Canvas jobs and free ones stay apart: a template is the whole batch's."""
+        return (self.sampler.batch_wide(), self.token_healing, self.canvas is not None)
 
     @property
     def holes(self) -> int:
@@ -1017,11 +1015,9 @@ def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[in
     if body.suffix is None and body.template is None:
         return jobs
     canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens, from_text)
-    tok = state.lm.tokenizer
-    layout = torch.tensor(heal_holes(tok, parse_template([canvas.tokens], tok, 1, 8))[0].rows)
     for job in jobs:  # not queued yet: a refusal below drops them
         job.prompt, job.canvas, job.answer_tokens = canvas.prompt, canvas.tokens, canvas.answer_tokens
-        job.heal_prefix, job.layout = canvas.heal_prefix, layout
+        job.heal_prefix = canvas.heal_prefix
     if jobs[0].holes > jobs[0].max_tokens:  # the holes are what the model writes: max_tokens bounds them
         raise APIError(400, f"template: its holes hold {jobs[0].holes} tokens, more than max_tokens "
                             f"{jobs[0].max_tokens}; raise max_tokens or shorten the holes", "template")

@@ -981,9 +981,10 @@ def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
     assert [c["text"] for c in listed["choices"]] == [text, text]
 
 
-def test_suffix_jobs_batch_by_their_healed_canvas_length():
-    """A healed suffix canvas is a token shorter once its space opens into the hole: batched with an unhealed
-    one of the same length before healing, the engine refused the batch and both clients got a 500."""
+def test_suffix_jobs_of_different_healed_lengths_share_a_batch():
+    """A healed suffix canvas is a token shorter once its space opens into the hole: batched with an unhealed one of
+    the same length before healing, the engine refused the batch and both clients got a 500; then jobs batched by
+    their healed length. The engine now takes canvases of any lengths together: one key, and each row as alone."""
     import asyncio
 
     from blockpress.serve import CompletionRequest, ServerState, completion_jobs, completion_prompts
@@ -1000,8 +1001,28 @@ def test_suffix_jobs_batch_by_their_healed_canvas_length():
         return completion_jobs(state, body, prompt, from_text)[0]
 
     a, b = asyncio.run(jobs(healed)), asyncio.run(jobs(plain))
-    assert len(a.canvas) == len(b.canvas)  # the same length as sent: the old key put them in one batch
-    assert a.key() != b.key() and a.layout.shape[1] == len(a.canvas) - 1 == b.layout.shape[1] - 1
+    assert len(a.canvas) == len(b.canvas) and a.key() == b.key()
+    kw = dict(token_healing=True, max_denoising_steps=2)
+    both = lm.generate([a.prompt, b.prompt], template=[a.canvas, b.canvas], seeds=[1, 2], **kw)
+    for r, job in enumerate((a, b)):
+        alone = lm.generate([job.prompt], template=[job.canvas], seeds=[r + 1], **kw)
+        assert both.fills[r] == alone.fills[0] and int(both.num_new_tokens[r]) == int(alone.num_new_tokens[0])
+    assert both.num_new_tokens.tolist() == [len(a.canvas) - 1, len(b.canvas)]  # healed: a space into the hole
+
+
+def test_template_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server, monkeypatch):
+    """Canvas jobs batched only when their canvases (healed) came to the same number of tokens, since the engine
+    refused a batch of templates of different lengths: concurrent infill clients ran one by one. Now they share a
+    batch, one canvas spanning two of the model's canvases beside one that fits in one, and each answer and usage
+    is the request's alone."""
+    bodies = [{"model": MODEL, "prompt": "# p\n", "template": "x = <|hole:3|>\n", "max_tokens": 10, "seed": 1},
+              {"model": MODEL, "prompt": "abc", "template": "def f(a):\n    return a + <|hole:4|>\n\ny = f(<|hole:2|>)\n",
+               "max_tokens": 20, "seed": 2},
+              {"model": MODEL, "prompt": "z", "suffix": " + 1\n", "max_tokens": 5, "seed": 3}]
+    first = {"model": MODEL, "prompt": "q", "template": "<|hole:1|>", "max_tokens": 1}
+    alone, batches = alone_then_batched(server, monkeypatch, bodies, first, lambda j: len(j.canvas))
+    assert len(batches) == 2 and len(set(batches[1])) == 3 and max(batches[1]) > server[1].state.engine.lm.config.canvas_length
+    assert len({a["choices"][0]["text"] for a in alone}) == len(bodies)
 
 
 def test_streamed_choices_interleave(server):
