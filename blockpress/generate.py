@@ -764,19 +764,27 @@ class _Answers:
 
 
 def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
-    """`stop`: a string, a list of strings (every row), or one list of strings per row -> one list per row."""
-    if stop is None or stop == []:
+    """`stop`: a string, a list of strings (every row; a 1-D numpy array of them too), or one list of strings per
+    row -> one list per row."""
+    expected = "a string, a list of strings or one list per row"
+    if hasattr(stop, "ndim") and hasattr(stop, "tolist"):  # numpy (as other per-batch arguments): a list of strings
+        if stop.ndim != 1:
+            raise ValueError(f"stop: expected {expected}, got a {stop.ndim}-D array (only a 1-D one is a list)")
+        stop = stop.tolist()
+    if stop is None:
         return None
     if isinstance(stop, str):
         stop = [stop]
-    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, (list, tuple)):  # the type first: comparing an unknown object could raise or mislead
+        raise ValueError(f"stop: expected {expected}, got {type(stop).__name__}")
+    if all(isinstance(s, str) for s in stop):
         rows = [list(stop)] * batch
-    elif isinstance(stop, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in stop):
+    elif all(isinstance(r, (list, tuple)) for r in stop):
         if len(stop) != batch:
             raise ValueError(f"stop: expected one list of stop strings per row ({batch}), got {len(stop)}")
         rows = [list(r) for r in stop]
     else:
-        raise ValueError(f"stop: expected a string, a list of strings or one list per row, got {stop!r}")
+        raise ValueError(f"stop: expected {expected}, got {stop!r}")
     if any(not isinstance(s, str) or not s for r in rows for s in r):
         raise ValueError("stop: stop strings must be non-empty strings")
     return rows if any(rows) else None

@@ -815,9 +815,9 @@ class LM:
         template starts with the same way (healing.heal_into_template; texts and fills leave it out). None, the
         default: text templates are healed, nothing else; pass False to keep a text template's tokens exactly (a
         `constraint` that addresses its positions needs that) and the prompt as given.
-        `stop`: a string, a list of strings, or one list per row. A row ends with the canvas in which its text
-        first holds one; its tokens end at the token that completes it, and its final text stops just before it
-        (as OpenAI's `stop`). A `Commit`'s `texts_so_far` is each row's answer so far, read as `Done`'s `texts` (decoded
+        `stop`: a string, a list of strings (or a 1-D numpy array of them), or one list per row. A row ends with
+        the canvas in which its text first holds one; its tokens end at the token that completes it, and its final
+        text stops just before it (as OpenAI's `stop`). A `Commit`'s `texts_so_far` is each row's answer so far, read as `Done`'s `texts` (decoded
         whole, cut at a stop string; the last Commit's are Done's), `num_new_tokens` its tokens, `fills_so_far` a
         template's holes so far; its `texts` are this canvas's tokens alone, stop string included, and a character
         whose bytes a canvas edge splits comes out as U+FFFD in two commits there. texts_so_far may take text back

@@ -1,5 +1,6 @@
 """Stop strings: a row ends at the token that completes one, its text just before it (OpenAI's `stop`)."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -120,6 +121,36 @@ def test_normalize_stops_shapes():
     assert normalize_stops(None, 2) is None and normalize_stops([], 3) is None
     assert normalize_stops("x", 2) == [["x"], ["x"]]
     assert normalize_stops([["a"], ["b", "c"]], 2) == [["a"], ["b", "c"]]
+
+
+# (numpy drops a string's trailing NULs)
+@given(st.lists(st.text(st.characters(blacklist_characters="\x00"), min_size=1, max_size=4), max_size=3),
+       st.integers(1, 3))
+def test_a_1d_numpy_array_of_stop_strings_is_a_list_of_them(stops, batch):
+    """Other per-batch arguments take numpy arrays; stop failed with numpy's "truth value ... ambiguous" (it was
+    compared with [] before its type was checked)."""
+    assert normalize_stops(np.array(stops), batch) == normalize_stops(stops, batch)
+
+
+@pytest.mark.parametrize("stop, message", [
+    (np.array([["a"], ["b"]]), "got a 2-D array"),
+    (np.array("a"), "got a 0-D array"),
+    (torch.tensor([1, 2]), "got \\[1, 2\\]"),
+    ({"a"}, "got set"),
+    (b"a", "got bytes"),
+])
+def test_stops_that_are_not_lists_are_clear_errors(stop, message):
+    with pytest.raises(ValueError, match=f"stop: expected a string, a list of strings or one list per row, {message}"):
+        normalize_stops(stop, 2)
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_generate_takes_a_numpy_array_of_stops(tiny_lm, engine):
+    make = tiny_lm.generate if engine == "diffusion" else tiny_lm.generate_ar
+    text = make("x", max_new_tokens=16, seed=0).texts[0]
+    stops = [text[3:5], "\x00never"]
+    listed, array = (make("x", max_new_tokens=16, seed=0, stop=s) for s in (stops, np.array(stops)))
+    assert array.texts == listed.texts == [cut_at_stop(text, stops)] and array.extra["stopped"] == [True]
 
 
 @pytest.mark.parametrize("engine", ["diffusion", "ar"])
