@@ -1033,7 +1033,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "--chat, whose prompt ends with the template's turn header")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the completion where TEXT appears, leaving TEXT out (repeatable; e.g. "
-                        "--stop $'\\n\\n' for one paragraph or function)")
+                        "--stop $'\\n\\n' for one paragraph or function; a special token's text, e.g. "
+                        "'<end_of_turn>', ends it at that token)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, "
                         "seconds, interrupted (true after a Ctrl-C: text is what was committed until then, the "

@@ -292,6 +292,9 @@ class Request:
     template_holes: list[list[tuple[int, int]]] | None = None
     # Stop strings, one list per row: a row ends at the token that completes one of them (see `_Stops`).
     stops: list[list[str]] | None = None
+    # Per row, the special tokens its stop strings name (special_stop_ids): the row ends at one, as at a stop string
+    # (a special token has no text in the decoded text that the strings are searched in). None: no row has one.
+    stop_ids: list[frozenset[int]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
     prefix_cache: PrefixCache | None = None
     # Asked on the host before every step; True ends the generation there, with `Cancelled` (LM.stream).
@@ -719,14 +722,20 @@ class _RowTexts:
                 for r, (text, row, stops) in enumerate(zip(texts, rows, self.req.stops))]
 
     def first_stop(self, r: int, row: list[int], checked: int) -> int | None:
-        """The fewest tokens of `row` whose text holds one of row `r`'s stop strings ending past the floor (None: no
-        stop yet). The first `checked` tokens were searched before, so the answer lies after them; bisection, as a
-        prefix that holds a stop keeps holding it. The whole text is `text`'s (shared with the answer so far), so a
-        row without a stop costs no decode of its own; the text at the answer is kept for the answer."""
+        """The fewest tokens of `row` whose text holds one of row `r`'s stop strings ending past the floor, or that
+        end with a special token one names (None: no stop yet). The first `checked` tokens were searched before, so
+        the answer lies after them; bisection, as a prefix that holds a stop keeps holding it. The whole text is
+        `text`'s (shared with the answer so far), so a row without a stop costs no decode of its own; the text at
+        the answer is kept for the answer."""
         stops, m = self.req.stops[r] if self.req.stops else [], self.minimums[r]
         lo = max(checked, m)  # a row of at most min_new_tokens tokens is all floor: no stop counts in it
         if not stops or len(row) <= lo:
             return None
+        ids = self.req.stop_ids[r] if self.req.stop_ids else frozenset()
+        # A named special token ends the row at it (as vLLM's stop_token_ids, past min_tokens); its text is dropped
+        # from the decoded text, so a stop string can only end before it: search the tokens up to it.
+        at = next((i + 1 for i in range(lo, len(row)) if row[i] in ids), None)
+        row = row if at is None else row[:at]
         floor = self.floor(r, row)
 
         def holds(text: str) -> bool:
@@ -734,7 +743,7 @@ class _RowTexts:
 
         hi, at_hi = len(row), self.text(r, row)
         if not holds(at_hi):
-            return None
+            return at  # the row's answer is its text through the special token (`text` kept it), or no stop yet
         while hi - lo > 1:  # holds(lo) is False, holds(hi) is True
             mid = (lo + hi) // 2
             text = self._decode(r, row[:mid])
@@ -787,6 +796,28 @@ def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
         raise ValueError(f"stop: expected {expected}, got {stop!r}")
     if any(not isinstance(s, str) or not s for r in rows for s in r):
         raise ValueError("stop: stop strings must be non-empty strings")
+    return rows if any(rows) else None
+
+
+def special_stop_ids(tokenizer: Any, stops: list[list[str]] | None) -> list[frozenset[int]] | None:
+    """Per row, the special tokens its stop strings name (None: none does). Decoded text leaves special tokens out,
+    so a stop string that is one's text (`"<end_of_turn>"`, as chat APIs take it) is never in it: it names that
+    token, which ends the row as an EOS would. A stop string that holds one's text among other text could not be
+    found in either: refused, naming both."""
+    if not stops:
+        return None
+    special = tokenizer.special_texts()
+    rows = []
+    for row in stops:
+        ids: set[int] = set()
+        for s in row:
+            if s in special:
+                ids |= special[s]
+            elif (inside := next((t for t in special if t in s), None)) is not None:
+                raise ValueError(f"stop: {s!r} holds the special token {inside!r} among other text, and generated "
+                                 f"text leaves special tokens out, so it would never match; give {inside!r} as a stop "
+                                 "string of its own (it ends the row at that token)")
+        rows.append(frozenset(ids))
     return rows if any(rows) else None
 
 

@@ -48,6 +48,7 @@ from .generate import (
     read_token_ids,
     run,
     run_ar,
+    special_stop_ids,
 )
 from .healing import Healed, allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
@@ -713,10 +714,12 @@ class LM:
             heal_prefixes = [h.prefix for h in healed]
             fields.update(heal_prefixes=heal_prefixes,
                           first_allowed=allowed_first_tokens(self.tokenizer, heal_prefixes, v))
+        stops = self._stops(stop, ids.shape[0], tmpl)
         req = Request(prompt=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                      sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id,
-                      stops=self._stops(stop, ids.shape[0], tmpl), draw_temperatures=per_row.get("draw_temperature"),
-                      top_ks=per_row.get("top_k"), top_ps=per_row.get("top_p"), **fields)
+                      sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id, stops=stops,
+                      stop_ids=special_stop_ids(self.tokenizer, stops),
+                      draw_temperatures=per_row.get("draw_temperature"), top_ks=per_row.get("top_k"),
+                      top_ps=per_row.get("top_p"), **fields)
         req.row_seeds()  # checks the count of `seeds` now, not mid-generation
         self._check_context(req, cache, self.config.canvas_length if canvases else None)
         return req
@@ -817,8 +820,11 @@ class LM:
         `constraint` that addresses its positions needs that) and the prompt as given.
         `stop`: a string, a list of strings (or a 1-D numpy array of them), or one list per row. A row ends with
         the canvas in which its text first holds one; its tokens end at the token that completes it, and its final
-        text stops just before it (as OpenAI's `stop`). A `Commit`'s `texts_so_far` is each row's answer so far, read as `Done`'s `texts` (decoded
-        whole, cut at a stop string; the last Commit's are Done's), `num_new_tokens` its tokens, `fills_so_far` a
+        text stops just before it (as OpenAI's `stop`). Texts leave special tokens out, so a stop string that is a
+        special token's text (`"<end_of_turn>"`) ends the row at that token instead (its tokens end with it, its
+        text before it, as at an EOS); one that holds a special token's text among other text is refused. A
+        `Commit`'s `texts_so_far` is each row's answer so far, read as `Done`'s `texts` (decoded whole, cut at a
+        stop string; the last Commit's are Done's), `num_new_tokens` its tokens, `fills_so_far` a
         template's holes so far; its `texts` are this canvas's tokens alone, stop string included, and a character
         whose bytes a canvas edge splits comes out as U+FFFD in two commits there. texts_so_far may take text back
         (a half character's U+FFFD, the start of a stop string that the next canvas completes and cuts); a

@@ -488,6 +488,17 @@ class Tokenizer:
             self._token_texts = ["" if i in special else t for i, t in enumerate(texts)]
         return self._token_texts
 
+    def special_texts(self) -> dict[str, frozenset[int]]:
+        """Each special token's text (as decode writes it with skip_special_tokens=False) -> the ids that have it:
+        what decode leaves out of a text by default (a stop string's search, say, never sees them). Ids past the
+        vocabulary (an extra EOS id a config names) have no text. Worked out on each call (eos_ids may change)."""
+        ids = sorted(i for i in self.special_ids if self.backend.id_to_token(i) is not None)
+        texts: dict[str, set[int]] = {}
+        for i, text in zip(ids, self.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)):
+            if text:
+                texts.setdefault(text, set()).add(i)
+        return {text: frozenset(found) for text, found in texts.items()}
+
     def extendable_texts(self) -> frozenset[str]:
         """Token texts that a longer token's text starts with (could have merged further), computed once.
 

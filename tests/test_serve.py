@@ -1,10 +1,12 @@
 """The OpenAI-compatible server, through the official `openai` client on loopback."""
 
 import concurrent.futures as cf
+import functools
 import json
 
 import httpx
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -256,6 +258,8 @@ def test_no_number_a_request_sends_is_a_server_error(server, name, value):
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
          "tools"),
         ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        # generated text leaves special tokens out: a stop holding one among other text could never match
+        ({"model": MODEL, "prompt": "x", "stop": ["a", "a<end_of_turn>"]}, 400, "stop"),
     ],
 )
 def test_bad_requests_get_clean_4xx(server, body, status, param):
@@ -560,6 +564,28 @@ def test_stop_ends_the_request_early_and_cuts_the_text(client):
     assert cut.usage.completion_tokens < whole.usage.completion_tokens
     parts = [c.choices[0].text for c in client.completions.create(stream=True, stop=stop, **kw)]
     assert "".join(parts) == cut.choices[0].text
+
+
+def test_a_stop_that_is_a_special_tokens_text_ends_the_request_at_that_token(client, server, monkeypatch):
+    """The library's rule, through the server: stop="<start_of_turn>" (not an EOS) never matched, as the text the
+    engine searches leaves special tokens out; now the row ends at the token, its text before it."""
+    lm = server[1].state.engine.lm
+    tok, c = lm.tokenizer, lm.config.canvas_length
+    a, b, sot = tok.encode("a")[0], tok.encode("b")[0], tok.token_to_id("<start_of_turn>")
+    pattern = torch.tensor([a, b, sot] + [a] * (c - 3))  # every canvas: a b <start_of_turn> a a ...
+
+    def force(logits, rows):
+        out = torch.full_like(logits, -1e4)
+        out[:, torch.arange(c), pattern] = 10.0
+        return out
+    monkeypatch.setattr(lm, "stream", functools.partial(lm.stream, logits_processor=force))
+    kw = dict(model=MODEL, prompt="x", max_tokens=24, seed=1)
+    assert client.completions.create(**kw).choices[0].text.startswith("abaa")  # written, not shown: never matched
+    cut = client.completions.create(stop="<start_of_turn>", **kw)
+    assert cut.choices[0].text == "ab" and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens == 3  # through the special token, as through an EOS
+    parts = [ch.choices[0].text for ch in client.completions.create(stream=True, stop=["<start_of_turn>"], **kw)]
+    assert "".join(parts) == "ab"
 
 
 def test_a_chat_reuses_its_earlier_turns(client, server):

@@ -309,3 +309,97 @@ def test_a_commits_settled_text_is_never_taken_back(tiny_lm, data):
         assert all(e.texts_so_far[r].startswith(e.settled_texts[r]) for e in commits)
         assert all(b.startswith(a) for a, b in zip(shown, shown[1:])), (shown, stops[r])
         assert shown[-1] == final[r]
+
+
+SOT = "<start_of_turn>"  # the code tokenizer's special token 3: not an EOS, so only a stop ends a row there
+
+
+def canvas_patterns(tok, c):
+    """What each canvas of a row writes: row 0 `a b <start_of_turn> c d e a b`, row 1 the letters alone."""
+    a, b, cc, d, e = (tok.encode(w)[0] for w in "abcde")
+    sot = tok.token_to_id(SOT)
+    assert sot in tok.special_ids and sot not in tok.eos_ids
+    return torch.tensor([[a, b, sot, cc, d, e, a, b], [a, b, cc, d, e, a, b, cc]])[:, :c]
+
+
+def forced(lm, engine, rows, monkeypatch, **kw):
+    """Generate "x" once per entry of `rows` (0 or 1: which canvas_patterns row it writes), every token forced:
+    through a logits_processor for diffusion; generate_ar takes none, so there its LM head is rigged."""
+    c = lm.config.canvas_length
+    pats = canvas_patterns(lm.tokenizer, c)[rows]
+    if engine == "diffusion":
+        def force(logits, working):
+            out = torch.full_like(logits, -1e4)
+            out[torch.arange(len(working))[:, None], torch.arange(c), pats[working]] = 10.0
+            return out
+        return lm.generate(["x"] * len(rows), seed=0, max_denoising_steps=2, logits_processor=force, **kw)
+    step = iter(range(10**6))
+
+    def head(hidden):  # AR: [B, D], one call a new token, every row at the same step
+        out = hidden.new_full((hidden.shape[0], lm.config.text.vocab_size), -1e4)
+        out[torch.arange(len(rows)), pats[:, next(step) % c]] = 10.0
+        return out
+    with monkeypatch.context() as m:
+        m.setattr(lm.model, "head", head)
+        return lm.generate_ar(["x"] * len(rows), **kw)
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(min_new=st.integers(0, 12), alone=st.booleans())
+def test_a_stop_string_that_is_a_special_tokens_text_ends_the_row_at_that_token(tiny_lm, monkeypatch, engine,
+                                                                                min_new, alone):
+    """Texts leave special tokens out, so stop="<start_of_turn>" never matched though the model wrote it (a chat
+    API habit, silently ignored). Now it ends the row at that token (past min_new_tokens, as any stop), as an EOS
+    would: its tokens end with it, its text before it; a row without it beside it runs on."""
+    tok, n = tiny_lm.tokenizer, 24
+    rows = [0] if alone else [0, 1]
+    out = forced(tiny_lm, engine, rows, monkeypatch, max_new_tokens=n, min_new_tokens=min_new, stop=SOT)
+    pats = canvas_patterns(tok, tiny_lm.config.canvas_length)
+    written = [pats[r].tolist() * (n // pats.shape[1]) for r in rows]
+    sot = tok.token_to_id(SOT)
+    at = next(i for i in range(min_new, n) if written[0][i] == sot) + 1
+    assert out.num_new_tokens.tolist() == [at, n][: len(rows)]
+    assert out.new_tokens[0, :at].tolist() == written[0][:at]
+    assert (out.new_tokens[0, at:] == tiny_lm.config.text.pad_token_id).all()
+    assert out.texts[0] == tok.decode(written[0][: at - 1]) and not out.texts[0].endswith(SOT)
+    assert out.extra["stopped"] == [True, False][: len(rows)]
+    if not alone:
+        assert out.texts[1] == tok.decode(written[1])
+    if engine == "ar":
+        assert out.forward_passes.tolist()[0] == at
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_a_text_stop_before_the_special_one_still_ends_the_row_first(tiny_lm, monkeypatch, engine):
+    out = forced(tiny_lm, engine, [0], monkeypatch, max_new_tokens=16, stop=[SOT, "b"])
+    assert out.num_new_tokens.tolist() == [2] and out.texts == ["a"]
+
+
+def test_a_streams_commits_end_at_the_special_stop_too(tiny_lm):
+    """Commit's texts_so_far and settled_texts, and Done's texts, all end before the special token."""
+    c = tiny_lm.config.canvas_length
+    pats = canvas_patterns(tiny_lm.tokenizer, c)
+
+    def force(logits, working):
+        out = torch.full_like(logits, -1e4)
+        out[torch.arange(len(working))[:, None], torch.arange(c), pats[working]] = 10.0
+        return out
+    events = list(tiny_lm.stream(["x", "x"], max_new_tokens=3 * c, seed=0, max_denoising_steps=2, stop=SOT,
+                                 logits_processor=force, drafts=False))
+    commits, out = events[:-1], events[-1].output
+    assert all(isinstance(e, Commit) for e in commits)
+    assert commits[0].num_new_tokens.tolist() == [3, c]
+    assert [e.texts_so_far[0] for e in commits] == ["ab"] * len(commits)
+    assert all(e.settled_texts[0] == "ab" for e in commits) and out.texts[0] == "ab"
+    assert out.texts[1] == tiny_lm.tokenizer.decode(pats[1].tolist() * 3)
+
+
+@pytest.mark.parametrize("stop", ["ab" + SOT, [SOT + "\n"], [["x"], ["x<eos>y"]]])
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_a_stop_string_holding_a_special_token_among_other_text_is_refused(tiny_lm, stop, engine):
+    """Texts leave special tokens out, so such a string would never match: refused, naming both."""
+    make = tiny_lm.generate if engine == "diffusion" else tiny_lm.generate_ar
+    special = "<eos>" if isinstance(stop[0], list) else SOT
+    with pytest.raises(ValueError, match=f"stop: '.*{special}.*' holds the special token '{special}' among other text"):
+        make(["x", "y"], max_new_tokens=4, stop=stop)
