@@ -32,6 +32,10 @@ VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 # config, which blockpress recomputes its own from, so a checkpoint holding them loads without them.
 _ROTARY_BUFFER = re.compile(r"^(model\.decoder|model\.encoder\.language_model)\.(.+\.)?rotary_emb\.(\w+_)?inv_freq$")
 _ENCODER_SCALAR = re.compile(r"^model\.encoder\.language_model\.layers\.(\d+)\.layer_scalar$")
+# Attention biases (attention_bias: true): the reference ties the encoder's weights to the decoder's but not these,
+# so both sides store a set. blockpress keeps them beside the projections, as self_attn.{bias,encoder_bias}.<proj>.
+_HF_BIAS = re.compile(r"^(model\.decoder\.|model\.encoder\.language_model\.)layers\.(\d+)\.self_attn\.(\w+)\.bias$")
+_LOCAL_BIAS = re.compile(r"^layers\.(\d+)\.self_attn\.(bias|encoder_bias)\.(\w+)$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
@@ -134,6 +138,10 @@ class Passthrough:
 
 def hf_to_local(name: str) -> str | None:
     """Map a checkpoint tensor name to ours; None for names that are tied copies (nothing to load)."""
+    m = _HF_BIAS.match(name)
+    if m:
+        side = "bias" if m.group(1) == DECODER else "encoder_bias"
+        return f"layers.{m.group(2)}.self_attn.{side}.{m.group(3)}"
     if name.startswith(DECODER):
         return name[len(DECODER):]
     m = _ENCODER_SCALAR.match(name)
@@ -214,15 +222,18 @@ def local_to_hf(name: str) -> str:
     m = re.match(r"^layers\.(\d+)\.encoder_layer_scalar$", name)
     if m:
         return f"{ENCODER_TEXT}layers.{m.group(1)}.layer_scalar"
+    m = _LOCAL_BIAS.match(name)
+    if m:
+        return f"{DECODER if m.group(2) == 'bias' else ENCODER_TEXT}layers.{m.group(1)}.self_attn.{m.group(3)}.bias"
     return DECODER + name
 
 
 def reference_names(local: str) -> list[str]:
     """Every name the reference holds blockpress's tensor `local` under: its own (local_to_hf), and for a layer's
     weight also the encoder's tied copy (the reference's encoder runs modules of its own sharing the decoder's
-    weights; tied_source maps the copy back). Layer scalars are not tied: each side has its own."""
+    weights; tied_source maps the copy back). Layer scalars and attention biases are not tied: each side has its own."""
     name = local_to_hf(local)
-    if not name.startswith(DECODER + "layers.") or name.endswith("layer_scalar"):
+    if not name.startswith(DECODER + "layers.") or name.endswith(("layer_scalar", ".bias")):
         return [name]
     return [name, ENCODER_TEXT + name[len(DECODER):]]
 

@@ -194,7 +194,7 @@ class TextConfig:
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
         need(self.hidden_activation in SUPPORTED_ACTIVATIONS, "hidden_activation",
              f"{self.hidden_activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
-        need(not self.attention_bias, "attention_bias", "attention biases are not supported (expected false)")
+        need(isinstance(self.attention_bias, bool), "attention_bias", f"expected true or false, got {self.attention_bias!r}")
         need(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
              f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)")
         need(isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
@@ -260,7 +260,10 @@ class TextConfig:
         for spec in self.layers:
             q = self.num_attention_heads * spec.head_dim
             kv = spec.num_kv_heads * spec.head_dim
-            n += h * q + h * kv + (0 if spec.values_from_keys else h * kv) + q * h  # q, k, v, o
+            v = 0 if spec.values_from_keys else kv
+            n += h * q + h * kv + h * v + q * h  # q, k, v, o
+            if self.attention_bias:  # the encoder's biases are not tied to the decoder's: two sets
+                n += 2 * (q + kv + v + h)
             n += 2 * spec.head_dim  # q_norm, k_norm
             n += 3 * h * self.intermediate_size  # dense MLP
             n += h * self.num_experts + h + self.num_experts  # router proj, scale, per-expert scale

@@ -90,15 +90,26 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+        # attention_bias: q, k, v and o get a bias. The reference ties the encoder's projection weights to the
+        # decoder's but not their biases, so each side has a set of its own (kept out of the nn.Linears, which
+        # quantizing and LoRA replace, so that both sides share one weight whatever holds it).
+        self.bias = self.encoder_bias = None
+        if cfg.attention_bias:
+            sizes = {"q_proj": self.num_heads * d, "k_proj": spec.num_kv_heads * d, "o_proj": h}
+            if self.v_proj is not None:
+                sizes["v_proj"] = spec.num_kv_heads * d
+            self.bias = nn.ParameterDict({name: nn.Parameter(torch.zeros(n)) for name, n in sizes.items()})
+            self.encoder_bias = nn.ParameterDict({name: nn.Parameter(torch.zeros(n)) for name, n in sizes.items()})
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv: KVSource, layer_idx: int
+        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv: KVSource, layer_idx: int, encoder: bool
     ) -> torch.Tensor:
         b, length, _ = x.shape
         d = self.spec.head_dim
-        q = rope.apply(self.q_norm(self.q_proj(x).view(b, length, -1, d))).transpose(1, 2)
-        k_raw = self.k_proj(x).view(b, length, -1, d)
-        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(b, length, -1, d)
+        bias = self.encoder_bias if encoder else self.bias
+        q = rope.apply(self.q_norm(self.project("q_proj", x, bias).view(b, length, -1, d))).transpose(1, 2)
+        k_raw = self.project("k_proj", x, bias).view(b, length, -1, d)
+        v_raw = k_raw if self.v_proj is None else self.project("v_proj", x, bias).view(b, length, -1, d)
         k = rope.apply(self.k_norm(k_raw)).transpose(1, 2)
         v = self.v_norm(v_raw).transpose(1, 2)
         k, v = kv(layer_idx, self.spec, k, v)
@@ -106,7 +117,12 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=1.0, enable_gqa=k.shape[1] != q.shape[1]
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        return self.project("o_proj", out.transpose(1, 2).reshape(b, length, -1), bias)
+
+    def project(self, name: str, x: torch.Tensor, bias: nn.ParameterDict | None) -> torch.Tensor:
+        """x through the projection `name`, plus its bias from `bias` (the encoder's or the decoder's set, or None)."""
+        y = getattr(self, name)(x)
+        return y if bias is None else y + bias[name]
 
 
 class MLP(nn.Module):
@@ -289,7 +305,7 @@ class Layer(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv: KVSource, idx: int, encoder: bool
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, kv, idx))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, kv, idx, encoder))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         flat = x.reshape(-1, x.shape[-1])
         weights, index = self.router(flat)  # routed on the un-normed residual
@@ -631,8 +647,10 @@ class DiffusionGemma(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         std = self.config.text.initializer_range
-        for p in self.parameters():
-            if p.dim() == 1:  # norm scales, router scales
+        for name, p in self.named_parameters():
+            if ".bias." in name or ".encoder_bias." in name:  # attention biases (attention_bias: true) start at zero
+                p.zero_()
+            elif p.dim() == 1:  # norm scales, router scales
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=generator)

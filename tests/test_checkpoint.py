@@ -1014,3 +1014,37 @@ def test_save_metadata_is_read_back_and_checked(lm, tmp_path):
     assert len(files) > 1 and all(MappedSafetensors(f).metadata["blockpress_train_step"] == "7" for f in files)
     with pytest.raises(ValueError, match="metadata: expected a dict of str -> str"):
         save_model(lm.model, tmp_path / "d", metadata={"step": 7})
+
+
+def test_attention_biases_save_into_the_reference(tmp_path):
+    """attention_bias: true: both sides' biases (the reference does not tie the encoder's to the decoder's) go out
+    under the reference's names, and it loads them with nothing missing or left over."""
+    from reference import make_reference
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    ref = make_reference(tmp_path / "ref", seed=5, attention_bias=True)
+    lm = load_quiet(tmp_path / "ref")
+    assert lm.num_parameters(active=False) == sum(p.numel() for p in lm.model.parameters())
+    lm.save(tmp_path / "out")
+    ref2, info = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    saved, original = ref2.state_dict(), ref.state_dict()
+    assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in saved)
+    g = torch.Generator().manual_seed(0)
+    prompt, canvas = torch.randint(0, 96, (2, 13), generator=g), torch.randint(0, 96, (2, 8), generator=g)
+    with torch.no_grad():
+        expected = ref2.eval()(input_ids=prompt, decoder_input_ids=canvas).logits
+    assert (lm.logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+
+
+def test_attention_biases_start_at_zero_and_survive_quantizing():
+    """A fresh biased model starts with zero biases (as the reference's init), and quantizing keeps them exact."""
+    lm = blockpress.random_model(ModelConfig.tiny(attention_bias=True), seed=1)
+    biases = {k: v.clone() for k, v in lm.model.state_dict().items() if "bias." in k}
+    assert biases and all(torch.equal(v, torch.zeros_like(v)) for v in biases.values())
+    with torch.no_grad():
+        for k in biases:
+            lm.model.get_parameter(k).normal_()
+    biases = {k: v.clone() for k, v in lm.model.state_dict().items() if "bias." in k}
+    lm.quantize("int8")
+    assert all(torch.equal(lm.model.state_dict()[k], v) for k, v in biases.items())

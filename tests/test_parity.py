@@ -275,3 +275,29 @@ def test_other_configs_the_reference_runs(tmp_path, overrides):
     g = torch.Generator().manual_seed(8)
     prompt, canvas = ids(g, 2, 11), ids(g, 2, 8)
     assert (lm.logits(prompt, canvas) - ref_logits(ref, prompt, canvas)).abs().max().item() <= TOL
+
+
+def test_attention_biases(tmp_path):
+    """attention_bias: true gives the q, k, v and o projections a bias in the reference (a full layer's values are
+    its biased key projection), and the encoder's biases are not tied to the decoder's (make_reference draws them
+    apart): blockpress reads both sets under the reference's names and adds each on its side."""
+    from reference import make_reference
+    from safetensors import safe_open
+
+    from blockpress.checkpoint import local_to_hf
+
+    ref = make_reference(tmp_path, seed=5, attention_bias=True)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        stored = {k for k in f.keys() if k.endswith(".bias")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = blockpress.load(tmp_path)
+    ours = {local_to_hf(k) for k in lm.model.state_dict() if "bias." in k}
+    assert ours == stored and {k.split(".")[1] for k in ours} == {"decoder", "encoder"}
+    assert any(".v_proj." in k for k in ours) and any(".o_proj." in k for k in ours)
+    g = torch.Generator().manual_seed(9)
+    prompt, canvas = ids(g, 2, 23), ids(g, 2, 8)  # longer than the window of 6
+    sc = 3 * torch.randn(2, 8, 96, generator=g)
+    for kw in ({}, {"self_conditioning_logits": sc}):
+        expected = ref_logits(ref, prompt, canvas, kw.get("self_conditioning_logits"))
+        assert (lm.logits(prompt, canvas, **kw) - expected).abs().max().item() <= TOL
