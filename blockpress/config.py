@@ -18,8 +18,17 @@ from .checks import check_flag
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-# The tanh approximation of GELU, under the three names transformers gives it (its loader knows no other spelling).
-SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu_python_tanh")
+# hidden_activation: each name transformers' ACT2FN knows (its loader knows no other spelling) -> the function
+# blockpress computes for it (model.ACTIVATION_FUNCTIONS). Several names are one function: transformers spells the
+# tanh GELU five ways. Left out: prelu and xielu, whose learned parameters are no DiffusionGemma tensors.
+ACTIVATIONS: dict[str, str] = {
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+    "gelu_accurate": "gelu_tanh", "gelu_fast": "gelu_tanh",
+    "gelu": "gelu", "gelu_python": "gelu", "gelu_10": "gelu_10", "quick_gelu": "quick_gelu",
+    "silu": "silu", "swish": "silu", "relu": "relu", "relu2": "relu2", "relu6": "relu6", "leaky_relu": "leaky_relu",
+    "hardswish": "hardswish", "mish": "mish", "sigmoid": "sigmoid", "tanh": "tanh", "linear": "linear",
+    "laplace": "laplace", "sqrtsoftplus": "sqrtsoftplus",
+}
 # "linear" is "default" with every frequency divided by `factor` (position interpolation).
 SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
 
@@ -192,8 +201,8 @@ class TextConfig:
                  f"expected a positive integer (DiffusionGemma layers always have experts), got {value!r}")
         need(self.top_k_experts <= self.num_experts, "top_k_experts",
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
-        need(self.hidden_activation in SUPPORTED_ACTIVATIONS, "hidden_activation",
-             f"{self.hidden_activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+        need(isinstance(self.hidden_activation, str) and self.hidden_activation in ACTIVATIONS, "hidden_activation",
+             f"{self.hidden_activation!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
         need(isinstance(self.attention_bias, bool), "attention_bias", f"expected true or false, got {self.attention_bias!r}")
         need(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
              f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)")

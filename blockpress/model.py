@@ -22,7 +22,7 @@ from torch import nn
 
 from .cache import KVCache
 from .checks import is_int
-from .config import LayerSpec, ModelConfig, TextConfig
+from .config import ACTIVATIONS, LayerSpec, ModelConfig, TextConfig
 
 # Queries per encoder pass over a long prompt (DiffusionGemma.prefill_chunk's default). Each pass builds masks
 # (and, where SDPA falls back to its math kernel, scores) over chunk x keys, not prompt x prompt; 2048 queries
@@ -31,6 +31,33 @@ PREFILL_CHUNK = 2048
 
 # (layer index, spec, new keys, new values) -> (all keys, all values) that the new queries may read.
 KVSource = Callable[[int, LayerSpec, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+# The gate activations of the dense MLP, the experts and self-conditioning, by the names config.ACTIVATIONS maps
+# transformers' names to (the same maths as transformers' ACT2FN: a test checks each against it).
+ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "gelu_10": lambda x: F.gelu(x).clamp(-10.0, 10.0),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "silu": F.silu,
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
+    "relu6": F.relu6,
+    "leaky_relu": F.leaky_relu,  # torch's default slope, 0.01, as transformers builds it
+    "hardswish": F.hardswish,
+    "mish": F.mish,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "linear": lambda x: x,
+    "laplace": lambda x: 0.5 * (1.0 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0)))),
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+}
+
+
+def activation(cfg: TextConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function config.json's hidden_activation names (validated by TextConfig)."""
+    return ACTIVATION_FUNCTIONS[ACTIVATIONS[cfg.hidden_activation]]
 
 
 class RMSNorm(nn.Module):
@@ -126,14 +153,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, act: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -263,6 +291,7 @@ class Experts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.act = activation(cfg)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         tokens, k = index.shape
@@ -274,7 +303,7 @@ class Experts(nn.Module):
         counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         gate, up = self.project(x[token_of], "gate_up_proj", offsets).chunk(2, dim=-1)
-        y = self.project(F.gelu(gate, approximate="tanh") * up, "down_proj", offsets)
+        y = self.project(self.act(gate) * up, "down_proj", offsets)
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
@@ -288,7 +317,7 @@ class Layer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg, spec)
-        self.mlp = MLP(h, cfg.intermediate_size)
+        self.mlp = MLP(h, cfg.intermediate_size, activation(cfg))
         self.router = Router(cfg)
         self.experts = Experts(cfg)
         self.input_layernorm = RMSNorm(h, eps)
@@ -324,12 +353,13 @@ class SelfConditioning(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg)
 
     def forward(self, embeds: torch.Tensor, soft: torch.Tensor | None) -> torch.Tensor:
         if soft is None:  # zero signal: the MLP of zeros is exactly zero, skip it
             return self.post_norm(embeds)
         s = self.pre_norm(soft)
-        return self.post_norm(embeds + self.down_proj(F.gelu(self.gate_proj(s), approximate="tanh") * self.up_proj(s)))
+        return self.post_norm(embeds + self.down_proj(self.act(self.gate_proj(s)) * self.up_proj(s)))
 
 
 def _cache_source(cache: KVCache, start: int, sliding_from: int) -> KVSource:

@@ -247,6 +247,7 @@ class QuantizedExperts(Experts):
         nn.Module.__init__(self)
         self.scheme = scheme
         self.num_experts = experts.num_experts
+        self.act = experts.act
         self.grouped_fp8 = hasattr(torch, "_scaled_grouped_mm")  # tried on CUDA; off for good after one failure
         for name in ("gate_up_proj", "down_proj"):
             q, scale = quantize_weight(getattr(experts, name), scheme)

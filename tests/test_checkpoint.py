@@ -319,6 +319,8 @@ def test_garbage_config(ref_checkpoint, tmp_path):
         # the reference divides by it, and knows no activation of this name: both loaded here, failed there
         (lambda c: c["text_config"].update(final_logit_softcapping=None), "final_logit_softcapping: expected a positive"),
         (lambda c: c["text_config"].update(hidden_activation="gelu_tanh"), "hidden_activation"),
+        # transformers' PReLU learns a weight that no DiffusionGemma checkpoint holds
+        (lambda c: c["text_config"].update(hidden_activation="prelu"), "hidden_activation: 'prelu' is not supported"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=0),
          "factor: expected a positive number"),
         (lambda c: c["text_config"].update(eos_token_id="x"), "eos_token_id"),

@@ -4,8 +4,11 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import blockpress
+from blockpress.config import ACTIVATIONS
 
 pytest.importorskip("transformers")
 TOL = 1e-4
@@ -264,6 +267,9 @@ def test_a_checkpoint_with_ten_layers_or_more(tmp_path):
     dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                           "full_attention": {"rope_type": "linear", "factor": 2.5, "rope_theta": 1_000_000.0}}),
     dict(hidden_activation="gelu_new"),
+    # activations other than the tanh GELU: the dense MLP, the experts and self-conditioning all take it
+    dict(hidden_activation="gelu"),
+    dict(hidden_activation="silu"),
 ])
 def test_other_configs_the_reference_runs(tmp_path, overrides):
     from reference import make_reference
@@ -274,7 +280,21 @@ def test_other_configs_the_reference_runs(tmp_path, overrides):
         lm = blockpress.load(tmp_path)
     g = torch.Generator().manual_seed(8)
     prompt, canvas = ids(g, 2, 11), ids(g, 2, 8)
-    assert (lm.logits(prompt, canvas) - ref_logits(ref, prompt, canvas)).abs().max().item() <= TOL
+    sc = 3 * torch.randn(2, 8, 96, generator=g)
+    assert (lm.logits(prompt, canvas, self_conditioning_logits=sc) - ref_logits(ref, prompt, canvas, sc)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.1, 3.0, 30.0]))
+def test_every_activation_is_the_references(name, seed, scale):
+    """Each hidden_activation name blockpress accepts computes what transformers' ACT2FN computes under that name."""
+    from transformers.activations import ACT2FN
+
+    from blockpress.model import ACTIVATION_FUNCTIONS
+
+    x = scale * torch.randn(4, 64, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(ACTIVATION_FUNCTIONS[ACTIVATIONS[name]](x), ACT2FN[name](x))
 
 
 def test_attention_biases(tmp_path):

@@ -65,6 +65,7 @@ def dequantized_twin(model):
             experts = Experts.__new__(Experts)  # the routing of Experts, plain frozen 3-D weights
             nn.Module.__init__(experts)
             experts.num_experts = module.num_experts
+            experts.act = module.act
             for w in ("gate_up_proj", "down_proj"):
                 weight = dequantize_weight(getattr(module, w), getattr(module, f"{w}_scale"), torch.float32)
                 setattr(experts, w, nn.Parameter(weight, requires_grad=False))
