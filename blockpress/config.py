@@ -29,8 +29,19 @@ ACTIVATIONS: dict[str, str] = {
     "hardswish": "hardswish", "mish": "mish", "sigmoid": "sigmoid", "tanh": "tanh", "linear": "linear",
     "laplace": "laplace", "sqrtsoftplus": "sqrtsoftplus",
 }
-# "linear" is "default" with every frequency divided by `factor` (position interpolation).
-SUPPORTED_ROPE_TYPES = ("default", "proportional", "linear")
+# rope_type -> the fields it needs besides rope_theta (what the reference's validation requires; model.rope_inv_freq
+# holds the maths). "linear" divides every frequency by `factor` (position interpolation); "dynamic" (NTK) scales the
+# base by `factor` only past max_position_embeddings, where blockpress never runs. "longrope" is refused: the
+# reference cannot build it for this model (it reads one head_dim, which DiffusionGemma sets per layer).
+ROPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "proportional": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_FIELDS)
 
 
 class ConfigError(ValueError):
@@ -242,25 +253,57 @@ class TextConfig:
             need(kind in self.rope_parameters, "rope_parameters", f"missing an entry for {kind!r}")
             rope = self.rope_parameters[kind]
             need(isinstance(rope, dict), f"rope_parameters.{kind}", f"expected an object, got {rope!r}")
-            rope_type = rope.get("rope_type", "default")
-            need(rope_type in SUPPORTED_ROPE_TYPES, f"rope_parameters.{kind}.rope_type",
-                 f"{rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
-            theta = rope.get("rope_theta")
-            need(isinstance(theta, (int, float)) and not isinstance(theta, bool) and theta > 0,
-                 f"rope_parameters.{kind}.rope_theta",
-                 f"expected a positive number, got {theta!r}")
-            factor = rope.get("partial_rotary_factor", 1.0)
-            need(isinstance(factor, (int, float)) and 0 < factor <= 1, f"rope_parameters.{kind}.partial_rotary_factor",
-                 f"expected a fraction in (0, 1], got {factor!r}")
-            if rope_type != "proportional":
-                need(rope.get("partial_rotary_factor", 1.0) == 1.0,
-                     f"rope_parameters.{kind}.partial_rotary_factor",
-                     "partial rotary factors need rope_type 'proportional'")
-            need(rope_type != "linear" or "factor" in rope, f"rope_parameters.{kind}.factor",
-                 "rope_type 'linear' needs a factor (the positions are divided by it)")
-            scale = rope.get("factor", 1.0)
-            need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0,
-                 f"rope_parameters.{kind}.factor", f"expected a positive number, got {scale!r}")
+            self._validate_rope(kind, rope)
+
+    def _validate_rope(self, kind: str, rope: dict[str, Any]) -> None:
+        """One layer type's rope_parameters entry, field by field: every field its rope_type reads, by name."""
+        def need(cond: bool, field_name: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"text_config.rope_parameters.{kind}.{field_name}: {msg}")
+
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        rope_type = rope.get("rope_type", "default")
+        need(isinstance(rope_type, str) and rope_type in ROPE_FIELDS, "rope_type",
+             f"{rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
+             + (" (the reference cannot build longrope for DiffusionGemma either)" if rope_type == "longrope" else ""))
+        theta = rope.get("rope_theta")
+        need(number(theta) and theta > 0, "rope_theta", f"expected a positive number, got {theta!r}")
+        factor = rope.get("partial_rotary_factor", 1.0)
+        need(number(factor) and 0 < factor <= 1, "partial_rotary_factor", f"expected a fraction in (0, 1], got {factor!r}")
+        # The reference's other types make a shorter table than the head and fail on the first forward.
+        need(rope_type == "proportional" or factor == 1.0, "partial_rotary_factor",
+             "partial rotary factors need rope_type 'proportional'")
+        for name in ROPE_FIELDS[rope_type]:
+            need(name in rope, name, f"rope_type {rope_type!r} needs {name}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = rope.get(name, 1.0)
+            need(number(value) and value > 0, name, f"expected a positive number, got {value!r}")
+        if "original_max_position_embeddings" in ROPE_FIELDS[rope_type]:
+            value = rope["original_max_position_embeddings"]
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, "original_max_position_embeddings",
+                 f"expected a positive integer (the context the model was trained on), got {value!r}")
+        if rope_type == "llama3":
+            need(rope["high_freq_factor"] > rope["low_freq_factor"], "high_freq_factor",
+                 f"expected more than low_freq_factor={rope['low_freq_factor']}, got {rope['high_freq_factor']}")
+        if rope_type == "dynamic":
+            need(self.layers[self.layer_types.index(kind)].head_dim > 2, "rope_type",
+                 "'dynamic' needs a head_dim above 2 (its base is raised to head_dim / (head_dim - 2))")
+        if rope_type == "yarn":
+            value = rope.get("attention_factor")
+            need(value is None or (number(value) and value > 0), "attention_factor",
+                 f"expected a positive number or null (derived from factor), got {value!r}")
+            for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+                value = rope.get(name)  # null or 0: the default, as the reference reads them
+                need(value is None or (number(value) and value >= 0), name,
+                     f"expected a number >= 0 or null, got {value!r}")
+            truncate = rope.get("truncate", True)
+            need(isinstance(truncate, bool), "truncate", f"expected true or false, got {truncate!r}")
+            if not truncate:
+                warnings.warn(f"text_config.rope_parameters.{kind}.truncate: false is ignored, as the reference "
+                              "ignores it for DiffusionGemma (it reads the flag beside the layer types, not in their "
+                              "entries): the ramp's ends are rounded", stacklevel=4)
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the text model (tied embedding counted once). `active`: per token, top-k experts."""

@@ -78,8 +78,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-def rope_inv_freq(spec: LayerSpec, rope: dict) -> torch.Tensor:
-    """Inverse frequencies for a layer, `head_dim // 2` long.
+def rope_inv_freq(spec: LayerSpec, rope: dict[str, Any], context: int) -> torch.Tensor:
+    """Inverse frequencies for a layer, `head_dim // 2` long, by its `rope_parameters` entry (validated by
+    TextConfig). `context`: max_position_embeddings, which "dynamic" scales against.
 
     "proportional" rotates only the first `partial_rotary_factor` of the angles but keeps the exponent's
     denominator at the full head_dim; the remaining angles get frequency 0 (cos 1, sin 0: no rotation).
@@ -91,8 +92,68 @@ def rope_inv_freq(spec: LayerSpec, rope: dict) -> torch.Tensor:
         inv = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / d)
         inv = torch.cat([inv, torch.zeros(d // 2 - rotated)])
         return inv / float(rope.get("factor", 1.0))
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
-    return inv / float(rope["factor"]) if rope_type == "linear" else inv
+    if rope_type == "dynamic":
+        # NTK scaling grows the base once a call's longest position passes `context`; blockpress never runs past it
+        # (LM refuses longer contexts), where the reference's growth term is nil: the base is scaled at `context`.
+        factor = float(rope["factor"])
+        theta = theta * ((factor * context / context) - (factor - 1)) ** (d / (d - 2))
+    powers = theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    inv = 1.0 / powers
+    if rope_type == "linear":
+        return inv / float(rope["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv, rope)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(powers, d, theta, rope)
+    return inv
+
+
+def _llama3_inv_freq(inv: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's scaling: wavelengths above original/low_freq_factor are divided by `factor`, those below
+    original/high_freq_factor kept, and those between blended linearly in original/wavelength."""
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    original = rope["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv
+    long = wavelength > original / low
+    middle = ~long & ~(wavelength < original / high)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(middle, blended, torch.where(long, inv / factor, inv))
+
+
+def _yarn_inv_freq(powers: torch.Tensor, d: int, theta: float, rope: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each frequency interpolated (divided by `factor`) or kept, by how many turns it makes within the
+    original context, with a linear ramp between beta_fast and beta_slow turns. The reference reads `truncate` from
+    the outer rope_parameters, which for DiffusionGemma holds only layer types: it always rounds the ramp's ends."""
+    factor, original = float(rope["factor"]), rope["original_max_position_embeddings"]
+
+    def index_of(turns: float) -> float:  # the (fractional) frequency index that makes `turns` turns in `original`
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(index_of(rope.get("beta_fast") or 32)), 0)
+    hi = min(math.ceil(index_of(rope.get("beta_slow") or 1)), d - 1)
+    if lo == hi:
+        hi += 0.001  # a ramp of width zero
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp
+    return 1.0 / (factor * powers) * (1 - keep) + 1.0 / powers * keep
+
+
+def rope_attention_scaling(rope: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor (given, or from `factor` and the mscales);
+    1 for every other rope type."""
+    if rope.get("rope_type", "default") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = float(rope["factor"])
+
+    def mscale(k: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0
+
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+    return mscale(1.0)
 
 
 @dataclass
@@ -394,6 +455,7 @@ class DiffusionGemma(nn.Module):
         self.prefill_chunk = PREFILL_CHUNK  # encode's default chunk_size: a memory setting of this engine, not the model's
         for kind, inv_freq in self._inv_freqs().items():
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+        self.rope_scaling = {kind: rope_attention_scaling(cfg.rope_parameters[kind]) for kind in cfg.layer_types}
 
     # -- building blocks -----------------------------------------------------------------------------
     @property
@@ -408,7 +470,8 @@ class DiffusionGemma(nn.Module):
         cfg = self.config.text
         # In layer order: a set's order follows the per-process string hash, and DDP pairs buffers across processes
         # by their order (one process's sliding frequencies were broadcast into another's full ones)
-        return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
+        return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind],
+                                    cfg.max_position_embeddings)
                 for kind in dict.fromkeys(cfg.layer_types)}
 
     def reset_buffers(self) -> None:
@@ -466,7 +529,8 @@ class DiffusionGemma(nn.Module):
         for kind in set(self.config.text.layer_types):
             freqs = positions[..., None].float() * getattr(self, f"inv_freq_{kind}")
             emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-            out[kind] = Rope(emb.cos().to(dtype), emb.sin().to(dtype))
+            scale = self.rope_scaling[kind]  # YaRN's attention factor, else 1 (exact)
+            out[kind] = Rope((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
         return out
 
     def run_layers(

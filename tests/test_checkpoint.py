@@ -302,7 +302,28 @@ def test_garbage_config(ref_checkpoint, tmp_path):
         (lambda c: c["text_config"].update(hidden_size=-4), "hidden_size"),
         (lambda c: c["text_config"].update(num_experts=None), "num_experts"),
         (lambda c: c["text_config"].update(layer_types=["sliding_attention"]), "layer_types"),
-        (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(rope_type="yarn"), "rope_type"),
+        (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(rope_type="ntk"),
+         "rope_parameters.full_attention.rope_type: 'ntk' is not supported"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
+            rope_type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4, original_max_position_embeddings=8),
+         "the reference cannot build longrope"),
+        # each rope type's own fields, by name
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="yarn", factor=4.0),
+         "sliding_attention.original_max_position_embeddings: rope_type 'yarn' needs"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, attention_factor="x"),
+         "sliding_attention.attention_factor: expected a positive number or null"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8.5),
+         "original_max_position_embeddings: expected a positive integer"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
+            rope_type="llama3", factor=4.0, high_freq_factor=4.0, original_max_position_embeddings=8),
+         "sliding_attention.low_freq_factor: rope_type 'llama3' needs"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
+            rope_type="llama3", factor=4.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=8),
+         "high_freq_factor: expected more than low_freq_factor"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="dynamic"),
+         "sliding_attention.factor: rope_type 'dynamic' needs"),
         (lambda c: c["text_config"].update(num_key_value_heads=3), "num_key_value_heads"),
         (lambda c: c.update(canvas_length=0), "canvas_length"),
         (lambda c: c.update(model_type="llama"), "model_type"),
@@ -1050,3 +1071,13 @@ def test_attention_biases_start_at_zero_and_survive_quantizing():
     biases = {k: v.clone() for k, v in lm.model.state_dict().items() if "bias." in k}
     lm.quantize("int8")
     assert all(torch.equal(lm.model.state_dict()[k], v) for k, v in biases.items())
+
+
+def test_yarn_truncate_false_is_said_to_be_ignored():
+    """The reference ignores `truncate` for DiffusionGemma, and so does blockpress (tests/test_parity.py runs one):
+    a config asking for it is told so rather than silently given the rounded ramp."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "truncate": False}}
+    with pytest.warns(UserWarning, match="full_attention.truncate: false is ignored, as the reference ignores it"):
+        ModelConfig.tiny(rope_parameters=rope)

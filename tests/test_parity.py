@@ -270,6 +270,28 @@ def test_a_checkpoint_with_ten_layers_or_more(tmp_path):
     # activations other than the tanh GELU: the dense MLP, the experts and self-conditioning all take it
     dict(hidden_activation="gelu"),
     dict(hidden_activation="silu"),
+    # Llama 3.1 scaling on the sliding layers (head_dim 8 with an original context of 8: one frequency blended, the
+    # others interpolated)
+    dict(rope_parameters={"sliding_attention": {"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 4.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 8},
+                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                             "rope_theta": 1_000_000.0}}),
+    # YaRN: its attention factor derived from factor, then from the mscales, then given. `truncate: false` is
+    # ignored by the reference for this model (it reads the flag beside the layer types): the ramp is rounded anyway
+    dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                          "full_attention": {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 4.0,
+                                             "original_max_position_embeddings": 16, "truncate": False}}),
+    dict(rope_parameters={"sliding_attention": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 2.0,
+                                                "original_max_position_embeddings": 8, "beta_fast": 4,
+                                                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5},
+                          "full_attention": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0,
+                                             "original_max_position_embeddings": 4, "attention_factor": 0.9}}),
+    # dynamic NTK on both kinds, the prompt and canvas filling the whole context (31 = 23 + 8): the reference only
+    # rescales past it
+    dict(max_position_embeddings=31,
+         rope_parameters={"sliding_attention": {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
+                          "full_attention": {"rope_type": "dynamic", "rope_theta": 1_000_000.0, "factor": 3.0}}),
 ])
 def test_other_configs_the_reference_runs(tmp_path, overrides):
     from reference import make_reference
@@ -278,8 +300,12 @@ def test_other_configs_the_reference_runs(tmp_path, overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = blockpress.load(tmp_path)
+    rotary = ref.model.decoder.rotary_emb  # the tables the reference computed, compared first: a clearer failure
+    for kind in set(lm.config.text.layer_types):
+        torch.testing.assert_close(getattr(lm.model, f"inv_freq_{kind}"), getattr(rotary, f"{kind}_inv_freq"))
+        assert lm.model.rope_scaling[kind] == getattr(rotary, f"{kind}_attention_scaling")
     g = torch.Generator().manual_seed(8)
-    prompt, canvas = ids(g, 2, 11), ids(g, 2, 8)
+    prompt, canvas = ids(g, 2, 23), ids(g, 2, 8)  # longer than the window (6) and the original contexts above
     sc = 3 * torch.randn(2, 8, 96, generator=g)
     assert (lm.logits(prompt, canvas, self_conditioning_logits=sc) - ref_logits(ref, prompt, canvas, sc)).abs().max().item() <= TOL
 
