@@ -215,8 +215,13 @@ class TextConfig:
         need(isinstance(self.hidden_activation, str) and self.hidden_activation in ACTIVATIONS, "hidden_activation",
              f"{self.hidden_activation!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
         need(isinstance(self.attention_bias, bool), "attention_bias", f"expected true or false, got {self.attention_bias!r}")
+        # "all" would make the encoder bidirectional with a halved, two-sided sliding window; the reference's forward
+        # fails on it (transformers 5.23: `is_causal` is passed twice to every attention implementation), so there is
+        # nothing to match. "vision" only changes the mask between image tokens, which text-only blockpress never has.
         need(self.use_bidirectional_attention in (None, "vision"), "use_bidirectional_attention",
-             f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)")
+             f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)"
+             + ("; 'all' (a bidirectional encoder) fails in the reference's own forward, so it has no behaviour to "
+                "match" if self.use_bidirectional_attention == "all" else ""))
         need(isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
              and self.rms_norm_eps > 0, "rms_norm_eps",
              f"expected a positive number, got {self.rms_norm_eps!r}")

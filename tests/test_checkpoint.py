@@ -340,6 +340,9 @@ def test_garbage_config(ref_checkpoint, tmp_path):
         # the reference divides by it, and knows no activation of this name: both loaded here, failed there
         (lambda c: c["text_config"].update(final_logit_softcapping=None), "final_logit_softcapping: expected a positive"),
         (lambda c: c["text_config"].update(hidden_activation="gelu_tanh"), "hidden_activation"),
+        # the reference's forward fails on it (is_causal passed twice): refused, saying so
+        (lambda c: c["text_config"].update(use_bidirectional_attention="all"),
+         "use_bidirectional_attention: 'all' is not supported.*fails in the reference's own forward"),
         # transformers' PReLU learns a weight that no DiffusionGemma checkpoint holds
         (lambda c: c["text_config"].update(hidden_activation="prelu"), "hidden_activation: 'prelu' is not supported"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=0),

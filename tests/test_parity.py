@@ -347,3 +347,15 @@ def test_attention_biases(tmp_path):
     for kw in ({}, {"self_conditioning_logits": sc}):
         expected = ref_logits(ref, prompt, canvas, kw.get("self_conditioning_logits"))
         assert (lm.logits(prompt, canvas, **kw) - expected).abs().max().item() <= TOL
+
+
+def test_the_reference_cannot_run_a_bidirectional_encoder(tmp_path):
+    """blockpress refuses use_bidirectional_attention: "all" because the reference's own forward fails on it. When a
+    transformers release runs it, this fails: then support it (a bidirectional encoder, its window halved plus one,
+    as the reference's config derives it) and check it here instead."""
+    from reference import make_reference
+
+    ref = make_reference(tmp_path, seed=6, use_bidirectional_attention="all")
+    g = torch.Generator().manual_seed(10)
+    with pytest.raises(TypeError, match="is_causal"):
+        ref_logits(ref, ids(g, 1, 9), ids(g, 1, 8))
