@@ -78,9 +78,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-def rope_inv_freq(spec: LayerSpec, rope: dict[str, Any], context: int) -> torch.Tensor:
+def rope_inv_freq(spec: LayerSpec, rope: dict[str, Any]) -> torch.Tensor:
     """Inverse frequencies for a layer, `head_dim // 2` long, by its `rope_parameters` entry (validated by
-    TextConfig). `context`: max_position_embeddings, which "dynamic" scales against.
+    TextConfig).
 
     "proportional" rotates only the first `partial_rotary_factor` of the angles but keeps the exponent's
     denominator at the full head_dim; the remaining angles get frequency 0 (cos 1, sin 0: no rotation).
@@ -92,11 +92,8 @@ def rope_inv_freq(spec: LayerSpec, rope: dict[str, Any], context: int) -> torch.
         inv = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2, dtype=torch.int64).float() / d)
         inv = torch.cat([inv, torch.zeros(d // 2 - rotated)])
         return inv / float(rope.get("factor", 1.0))
-    if rope_type == "dynamic":
-        # NTK scaling grows the base once a call's longest position passes `context`; blockpress never runs past it
-        # (LM refuses longer contexts), where the reference's growth term is nil: the base is scaled at `context`.
-        factor = float(rope["factor"])
-        theta = theta * ((factor * context / context) - (factor - 1)) ** (d / (d - 2))
+    # "dynamic" (NTK) grows the base only once a call's longest position passes max_position_embeddings, which
+    # blockpress never runs past (LM refuses longer contexts): within it the frequencies are the default ones.
     powers = theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
     inv = 1.0 / powers
     if rope_type == "linear":
@@ -470,8 +467,7 @@ class DiffusionGemma(nn.Module):
         cfg = self.config.text
         # In layer order: a set's order follows the per-process string hash, and DDP pairs buffers across processes
         # by their order (one process's sliding frequencies were broadcast into another's full ones)
-        return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind],
-                                    cfg.max_position_embeddings)
+        return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
                 for kind in dict.fromkeys(cfg.layer_types)}
 
     def reset_buffers(self) -> None:
