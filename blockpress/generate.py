@@ -526,6 +526,17 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
     return ids, holes
 
 
+def _template_row(row: Any) -> Any:
+    """A 1-D tensor or array in a list of template rows, as a list of its ids; anything else as it is."""
+    if not (isinstance(row, torch.Tensor) or hasattr(row, "__array__")) or getattr(row, "ndim", 0) == 0:
+        return row
+    t = torch.as_tensor(row)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"template: a row given as a tensor or array must hold 1-D integer token ids (-1 for "
+                         f"holes), got {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
+    return t.tolist()
+
+
 def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
                    max_length: int | None = None) -> Template:
     """A constrained canvas: text with <|hole|> / <|hole:N|> markers (a backslash before one keeps it as text,
@@ -561,6 +572,8 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         if not isinstance(template, (list, tuple)):  # bytes iterate as ints: read as ids, they "had no holes"
             hint = " (decode it to str)" if isinstance(template, (bytes, bytearray)) else ""
             raise ValueError(f"template: expected {expected}, got {type(template).__name__}{hint}")
+        # rows of their own lengths come as a list: of lists, or of 1-D tensors / arrays, as prompts may
+        template = [_template_row(r) for r in template]
         nested = bool(template) and isinstance(template[0], (list, tuple))
         try:
             rows = [[-1 if v is None else v for v in row] for row in (template if nested else [template])]

@@ -185,9 +185,11 @@ def _check_tokenizer(tokenizer: Any) -> Any:
 
 
 def _template_rows(template: Any) -> int:
-    """How many rows a template holds: a list of texts or of id rows, or a 2-D tensor; else one (also for an empty
-    batch, which parse_template then refuses by name, not the default prompt of no rows)."""
-    if isinstance(template, (list, tuple)) and template and isinstance(template[0], (str, list, tuple)):
+    """How many rows a template holds: a list of texts or of id rows (lists, or 1-D tensors / arrays), or a 2-D
+    tensor; else one (also for an empty batch, which parse_template then refuses by name, not the default prompt of
+    no rows)."""
+    if isinstance(template, (list, tuple)) and template and (isinstance(template[0], (str, list, tuple))
+                                                             or getattr(template[0], "ndim", 0) >= 1):
         return len(template)
     shape = getattr(template, "shape", ())
     return max(int(shape[0]), 1) if len(shape) == 2 else 1

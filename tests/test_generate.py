@@ -2479,6 +2479,23 @@ def test_a_batch_of_templates_of_different_lengths_fills_each_as_alone(lm, data,
         assert batch.steps_per_canvas[r, :canvases].tolist() == alone.steps_per_canvas[0].tolist()
 
 
+def test_template_rows_may_be_tensors_or_arrays(lm):
+    """Rows of their own lengths can only come as a list; a list of 1-D tensors or arrays (as prompts take) was
+    read as one row whose ids were whole tensors ("expected integer token ids, got tensor([ 7, -1,  8])")."""
+    rows = [[7, -1, 8], [9, 10, -1, 11]]
+    want = lm.infill(rows, seed=3, max_denoising_steps=2)
+    for as_row in (torch.tensor, np.array):
+        got = lm.infill([as_row(r) for r in rows], seed=3, max_denoising_steps=2)
+        assert torch.equal(got.new_tokens, want.new_tokens) and got.fills == want.fills
+    mixed = lm.infill([np.array(rows[0]), rows[1]], seed=3, max_denoising_steps=2)
+    assert torch.equal(mixed.new_tokens, want.new_tokens)
+    with pytest.raises(ValueError, match=r"template: a row given as a tensor or array must hold 1-D integer token "
+                                         r"ids \(-1 for holes\), got float32 \[3\]"):
+        lm.infill([torch.tensor([7.0, -1.0, 8.0]), rows[1]])
+    with pytest.raises(ValueError, match=r"got int64 \[1, 3\]"):
+        lm.infill([torch.tensor([rows[0]]), rows[1]])
+
+
 def test_text_templates_of_different_lengths_heal_and_fill_each_as_alone(code_lm):
     """Text templates of different token counts, their holes healed (a space before a hole joins it; a text prompt's
     trailing space joins a template that starts with a hole): each row's tokens, text and fills are those it gets
