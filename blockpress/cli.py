@@ -489,6 +489,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         **stored,  # what the folder's safetensors hold (None: no weights in it)
         canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
+        # what a checkpoint may set otherwise than DiffusionGemma's own (each runs as in the reference)
+        hidden_activation=cfg.text.hidden_activation, attention_bias=cfg.text.attention_bias,
+        rope={kind.removesuffix("_attention"): cfg.text.rope_parameters[kind].get("rope_type", "default")
+              for kind in dict.fromkeys(cfg.text.layer_types)},
         tokenizer=lm.tokenizer is not None,
         generation_defaults={"max_new_tokens": lm.default_max_new_tokens, **asdict(lm.sampler_defaults)},
     )
@@ -1203,7 +1207,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the safetensors headers, by the plan a load follows (a folder with config.json "
                                    "alone works too, in the dtype it declares). dtype and "
                                    "weights_bytes: what loading on --device with --dtype / --quantize would take; "
-                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores.")
+                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores; "
+                                   "hidden_activation, attention_bias and rope (each layer kind's rope_type): where a "
+                                   "checkpoint may differ from DiffusionGemma's own.")
     add_model_args(p, device_help="the device the dtype and memory figures are for: bf16/fp16 weights would load "
                                   "as float32 on a CPU without native half-precision matmuls (default: cpu; "
                                   "nothing is loaded there)")

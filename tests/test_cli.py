@@ -121,6 +121,25 @@ def test_info_json(capsys):
     assert data["tokenizer"] is True
 
 
+def test_info_shows_the_config_variants_a_checkpoint_sets(tmp_path, capsys):
+    """A checkpoint may set an activation, attention biases and RoPE types other than DiffusionGemma's own (they run
+    as in the reference); info says which this one has."""
+    from reference import make_reference
+
+    rope = {"full_attention": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    make_reference(tmp_path, hidden_activation="silu", attention_bias=True, rope_parameters=rope)
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["hidden_activation"], data["attention_bias"]) == ("silu", True)
+    assert data["rope"] == {"sliding": "default", "full": "llama3"}
+    assert main(["info", "--json"]) == 0  # the shipped model: DiffusionGemma's own
+    data = json.loads(capsys.readouterr().out)
+    assert (data["hidden_activation"], data["attention_bias"]) == ("gelu_pytorch_tanh", False)
+    assert data["rope"] == {"sliding": "default", "full": "proportional"}
+
+
 def test_info_on_a_random_26b_counts_without_allocating(capsys):
     assert main(["info", "--model", "random-26b-a4b", "--dtype", "bfloat16", "--json"]) == 0  # 50 GB if allocated
     data = json.loads(capsys.readouterr().out)
