@@ -321,7 +321,9 @@ CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; /h
 def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> None:
     """The model can render a conversation (`use` says what needs it), --system's message first; a broken template,
     or one that refuses a system message, fails now, once."""
-    if lm.tokenizer is None or lm.tokenizer.chat_template is None:
+    if lm.tokenizer is None:  # a template in its tokenizer_config.json would still have no tokenizer to run with
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take text, which {use} needs")
+    if lm.tokenizer.chat_template is None:
         raise ValueError(f"--model {args.model}: has no chat template (chat_template.jinja, or chat_template in "
                          f"tokenizer_config.json), which {use} needs")
     lm.chat_prompt([*system_turn(args), {"role": "user", "content": "hi"}])
@@ -1165,7 +1167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0,
                    help="GiB of recent prompts' keys and values kept, so a prompt that starts like an earlier one "
-                        "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off)")
+                        "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off). "
+                        "A cached prompt's logits differ from a fresh encode's by rounding (~1e-6), which can change "
+                        "a seeded sampled answer: use 0 where a seed must repeat exactly")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", formatter_class=DefaultsFormatter, help="speed: diffusion vs AR vs the reference, same random checkpoint",

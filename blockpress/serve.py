@@ -13,7 +13,10 @@ value one client sends gets its request a 400 naming the field, and never fails 
 Every row's randomness comes from its own seed, so in float32 a response is the same whether it ran alone or in
 a batch, up to rounding (a batch left-pads shorter prompts, and the other shapes move logits by ~1e-6, which
 self-conditioning can grow until a near-tie flips; rare). In bf16 the shapes move logits by ~0.1 on
-blockpress-code, which changes sampled tokens more often.
+blockpress-code, which changes sampled tokens more often. The prefix cache (on by default) moves them the same
+way: a prompt it already holds is encoded in another shape than the first time, so a seeded sampled request can
+answer otherwise once its prompt is cached (1 of 4 48-token replies of blockpress-code in a probe; random-weight
+models, with their near-ties everywhere, far more often). --prefix-cache-gb 0 makes a seed repeat exactly.
 
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the

@@ -1435,6 +1435,17 @@ def test_chat_needs_a_chat_template(tmp_path, capsys):
     assert "--system: a system message goes with --chat" in capsys.readouterr().err
 
 
+def test_chat_without_a_tokenizer_names_the_tokenizer(tmp_path, capsys):
+    """A folder whose tokenizer_config.json holds a chat template but which has no tokenizer.json: chat blamed the
+    missing chat template, which is there; the tokenizer is what is missing (as generate --chat said)."""
+    blockpress.random_model(blockpress.ModelConfig.preset("tiny")).save(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    for command in (["generate", "hi", "--chat"], ["chat"]):
+        assert main([*command, "--model", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--model {tmp_path}: has no tokenizer.json" in err and "chat template" not in err
+
+
 def test_prefill_chunk_is_set_on_the_model_and_changes_nothing_but_memory(capsys):
     """--prefill-chunk N: prompts encode N tokens a pass (the model's prefill_chunk); the output is the same."""
     from blockpress.cli import load_announced
