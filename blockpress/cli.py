@@ -294,8 +294,16 @@ def cmd_infill(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens")}
     t0 = time.perf_counter()
-    out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length,
-                    token_healing=False if args.no_token_healing else None, **kw)
+    try:
+        out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length,
+                        token_healing=False if args.no_token_healing else None, **kw)
+    except KeyboardInterrupt:
+        # An infill is printed once every hole is filled: a Ctrl-C leaves none to show, and says so (--json: one
+        # object as generate's says it was cut short, so a script reading it is not left with nothing)
+        if args.json:
+            print(json.dumps(dict(text=None, fills=None, template=text, interrupted=True)))
+        print("interrupted (an infill is printed once every hole is filled)", file=sys.stderr)
+        return 130
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     # new_tokens (also filled_tokens) are the tokens the model wrote, the holes', as generate's are and as
     # tokens_per_forward and tok_s count them; template_tokens is the whole template, fixed tokens included.
@@ -305,7 +313,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     stats["template_tokens"] = int(out.num_new_tokens.sum())
     stats["filled_tokens"] = filled_n
     if args.json:
-        print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats)))
+        print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats, interrupted=False)))
     else:
         print(filled)
         print_stats(stats)
@@ -1065,7 +1073,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "marker, in order), template (as given), new_tokens (the tokens the model wrote: the holes', "
                         "as generate counts them; also named filled_tokens), template_tokens (the template's "
                         "length, fixed tokens and holes), forward_passes, tokens_per_forward and tok_s (both of "
-                        "the tokens written), seconds")
+                        "the tokens written), seconds, interrupted (false; after a Ctrl-C, exit 130, the object "
+                        "holds only text and fills null, template and interrupted true: an infill is printed "
+                        "whole)")
     p.set_defaults(func=cmd_infill)
 
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",

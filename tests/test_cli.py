@@ -247,6 +247,25 @@ def test_chat_reset_and_ctrl_c(monkeypatch, capsys):
     assert captured.err.endswith("\n")
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_infill_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, as_json):
+    """Ctrl-C during infill exited 130 with nothing on stdout or stderr, where generate says it was cut short."""
+    import blockpress.lm
+
+    def interrupted(self, *a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(blockpress.lm.LM, "infill", interrupted)
+    assert main(["infill", "x = <|hole:2|>", "--model", MODEL, *(["--json"] if as_json else [])]) == 130
+    captured = capsys.readouterr()
+    assert "interrupted (an infill is printed once every hole is filled)" in captured.err
+    if as_json:
+        assert json.loads(captured.out) == {"text": None, "fills": None, "template": "x = <|hole:2|>",
+                                            "interrupted": True}
+    else:
+        assert captured.out == ""
+
+
 def test_chat_replies_are_never_empty_by_default():
     assert build_parser().parse_args(["chat"]).min_new_tokens == 1
     assert build_parser().parse_args(["chat", "--min-new-tokens", "0"]).min_new_tokens == 0
