@@ -373,8 +373,14 @@ def as_tensor(x: Any, name: str, expected: str = "integer token ids") -> torch.T
         raise ValueError(f"{name}: expected {expected}, got a value torch cannot read ({exc})") from None
 
 
+def _holds_ids(t: torch.Tensor) -> bool:
+    """Whether `t`'s dtype can hold token ids: an integer one (not a float, complex or bool, which torch would
+    truncate or read as 0 / 1 without a word)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def _check_integer_dtype(t: torch.Tensor, name: str) -> None:
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+    if not _holds_ids(t):
         raise ValueError(f"{name}: expected integer token ids, got {t.dtype}")
 
 
@@ -531,7 +537,7 @@ def _template_row(row: Any) -> Any:
     if not (isinstance(row, torch.Tensor) or hasattr(row, "__array__")) or getattr(row, "ndim", 0) == 0:
         return row
     t = torch.as_tensor(row)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if t.dim() != 1 or not _holds_ids(t):
         raise ValueError(f"template: a row given as a tensor or array must hold 1-D integer token ids (-1 for "
                          f"holes), got {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
     return t.tolist()
@@ -559,7 +565,7 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
     shape_error = f"template: expected [N] or [{batch}, N] token ids with N > 0 (id rows may differ in length), got "
     if isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
         t = torch.as_tensor(template)
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        if not _holds_ids(t):
             raise ValueError(f"template: expected integer token ids (-1 for holes), got a {t.dtype} tensor")
         t = t.detach().to("cpu", torch.long)
         if t.dim() == 1:
@@ -744,10 +750,10 @@ class _RowTexts:
         lo = max(checked, m)  # a row of at most min_new_tokens tokens is all floor: no stop counts in it
         if not stops or len(row) <= lo:
             return None
-        ids = self.req.stop_ids[r] if self.req.stop_ids else frozenset()
+        ids = self.req.stop_ids[r] if self.req.stop_ids else None
         # A named special token ends the row at it (as vLLM's stop_token_ids, past min_tokens); its text is dropped
         # from the decoded text, so a stop string can only end before it: search the tokens up to it.
-        at = next((i + 1 for i in range(lo, len(row)) if row[i] in ids), None)
+        at = next((i + 1 for i in range(lo, len(row)) if row[i] in ids), None) if ids else None
         row = row if at is None else row[:at]
         floor = self.floor(r, row)
 
