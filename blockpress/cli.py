@@ -115,6 +115,10 @@ def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device,
     add_load_args(p)
 
 
+CONFIDENCE_HELP = ("read by the confidence sampler: each step accepts the positions whose most likely token has at "
+                   "least this probability, in (0, 1] (refused with another sampler)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bool = True) -> None:
     """`lengths=False` (infill: the template sets the length) hides the length flags; given anyway, they get an
     error that says how to size the holes instead of argparse's "unrecognized arguments". `stop=False`: the
@@ -129,7 +133,10 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--steps", type=int, default=None, help="max denoising steps per canvas")
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
-    g.add_argument("--entropy-bound", type=float, default=None, help="entropy_bound sampler's bound")
+    g.add_argument("--entropy-bound", type=float, default=None,
+                   help="read by the entropy_bound and greedy samplers: each step accepts the most certain positions "
+                        "while their entropies add up to at most this (refused with another sampler)")
+    g.add_argument("--confidence", type=float, default=None, help=CONFIDENCE_HELP)
     g.add_argument("--rank-by", choices=RANKINGS, default=None,
                    help="the order positions are accepted in (topk, entropy_bound, greedy): lowest entropy first, "
                         "widest gap between the two most likely tokens first, or left to right")
@@ -162,18 +169,19 @@ def add_token_healing_arg(p: argparse.ArgumentParser, what: str, note: str) -> N
 
 
 def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
-    """The sampling flags as `lm.generate` keywords; --temperature applied to `lm`'s settings (whose sampler it
-    may change) by SamplerConfig.with_temperature, as the server applies a request's."""
-    kw = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-              max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-              entropy_bound=args.entropy_bound, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by,
-              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, top_k=args.top_k,
-              top_p=args.top_p)
-    if args.temperature is not None:
-        cfg = lm.sampler_defaults.with_(sampler=args.sampler).with_temperature(args.temperature,
-                                                                             sampler_given=args.sampler is not None)
-        kw.update(sampler=cfg.sampler, candidates=cfg.candidates, draw_temperature=cfg.draw_temperature)
-    return kw
+    """The sampling flags as `lm.generate` keywords. With --temperature, the whole SamplerConfig, built as the
+    server builds a request's: the flags over `lm`'s settings, then SamplerConfig.with_temperature (which may
+    change the sampler: a flag is checked against the sampler asked for, not the one the temperature picks)."""
+    kw = dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, seed=args.seed)
+    settings = dict(max_denoising_steps=args.steps, sampler=args.sampler, entropy_bound=args.entropy_bound,
+                    confidence=args.confidence, t_max=args.t_max, t_min=args.t_min, rank_by=args.rank_by,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    top_k=args.top_k, top_p=args.top_p)
+    if args.temperature is None:
+        return {**kw, **settings}
+    cfg = lm.sampler_defaults.with_(**settings).with_temperature(args.temperature,
+                                                                 sampler_given=args.sampler is not None)
+    return {**kw, "sampler": cfg}
 
 
 def stats_line(out: Any, seconds: float) -> dict[str, Any]:
@@ -833,7 +841,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
                                  on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
-                                 checked=True)
+                                 confidence=args.confidence, checked=True)
     seconds = time.perf_counter() - t0
     for r in results:
         if args.json:
@@ -1149,6 +1157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-by", choices=RANKINGS, default=None,
                    help="the order cells are accepted in (topk, entropy_bound, greedy): lowest entropy first, widest "
                         "gap between the two most likely digits first, or reading order (default: the model's)")
+    p.add_argument("--confidence", type=float, default=None, help=CONFIDENCE_HELP)
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's choice)")
     p.add_argument("--show-steps", action="store_true", help="print the board as the canvas settles (one puzzle)")

@@ -51,6 +51,10 @@ TEMPERATURE_HINT = ("OpenAI's temperature is draw_temperature here (the server m
                     "sampler='greedy' takes the argmax")
 RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
+# The settings that only some samplers read (`denoise_step`): given to another, they would change nothing.
+# (rank_by, read by all but confidence, is checked on the config itself: its default is the one value that
+# ranks nothing away.)
+READ_BY = {"entropy_bound": ("entropy_bound", "greedy"), "confidence": ("confidence",)}
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,15 @@ class SamplerConfig:
             kept["draw_temperature"] = 1.0  # the default: an earlier one was for draws, which argmax candidates are not
         if kept.get("noise_token_id") == -1 and not isinstance(kept["noise_token_id"], bool):
             kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
-        return replace(self, **kept)
+        cfg = replace(self, **kept)
+        # Checked here, where the settings given are known from the config's own: a checkpoint may keep an
+        # entropy_bound that its topk sampler never reads, but one passed with it is a mistake to say.
+        for name, readers in READ_BY.items():
+            if name in kept and cfg.sampler not in readers:
+                whose = "" if "sampler" in kept else " (the default here)"
+                raise ValueError(f"{name}: the {cfg.sampler} sampler{whose} does not read it, so {name}={kept[name]!r} "
+                                 f"would be ignored; it is read by sampler={' or '.join(map(repr, readers))}")
+        return cfg
 
     def with_temperature(self, temperature: float | None, sampler_given: bool = False) -> SamplerConfig:
         """OpenAI's `temperature` applied (the server's and `blockpress generate --temperature`'s): None keeps

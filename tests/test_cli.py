@@ -351,26 +351,61 @@ def test_bad_model_path_is_a_clear_error():
 @given(command=st.sampled_from(["generate", "infill", "chat"]),
        temperature=st.one_of(st.just(0.0), st.floats(0.01, 2.0)),
        sampler=st.sampled_from([None, "entropy_bound", "confidence", "topk", "greedy"]),
-       default=st.sampled_from(["entropy_bound", "greedy"]), candidates=st.sampled_from(["sample", "argmax"]))
-def test_temperature_flag_is_the_servers_temperature(command, temperature, sampler, default, candidates):
+       default=st.sampled_from(["entropy_bound", "greedy"]), candidates=st.sampled_from(["sample", "argmax"]),
+       bound=st.sampled_from([None, 0.3]), confidence=st.sampled_from([None, 0.5]))
+def test_temperature_flag_is_the_servers_temperature(command, temperature, sampler, default, candidates, bound,
+                                                     confidence):
     """There was no --temperature (OpenAI's; SamplerConfig.draw_temperature): only --t-max/--t-min, which move
     acceptance too. Given, it decodes as the server decodes a request with that temperature and sampler, over
-    the checkpoint's settings (blockpress-code's greedy sampler then samples)."""
+    the checkpoint's settings (blockpress-code's greedy sampler then samples); a setting the sampler asked for
+    ignores is refused by both alike."""
     pytest.importorskip("fastapi")
     from types import SimpleNamespace
 
     from blockpress.cli import sampling_kwargs
-    from blockpress.serve import CompletionRequest, sampler_config
+    from blockpress.serve import APIError, CompletionRequest, sampler_config
 
     defaults = blockpress.SamplerConfig(sampler=default, candidates=candidates)
     given_args = [command, "x"][: 1 if command == "chat" else 2] + ["--temperature", str(temperature)]
-    args = build_parser().parse_args(given_args + (["--sampler", sampler] if sampler else []))
-    kw = sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))
-    cli = defaults.with_(**{k: v for k, v in kw.items() if k not in ("max_new_tokens", "min_new_tokens", "seed")})
-    server = sampler_config(defaults, CompletionRequest(model="m", prompt="x", temperature=temperature, sampler=sampler))
+    for flag, value in (("--sampler", sampler), ("--entropy-bound", bound), ("--confidence", confidence)):
+        given_args += [flag, str(value)] if value is not None else []
+    args = build_parser().parse_args(given_args)
+    body = CompletionRequest(model="m", prompt="x", temperature=temperature, sampler=sampler, entropy_bound=bound,
+                             confidence=confidence)
+    try:
+        server = sampler_config(defaults, body)
+    except APIError as exc:
+        with pytest.raises(ValueError) as refused:
+            sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))
+        assert str(refused.value) == exc.message and exc.param in ("entropy_bound", "confidence")
+        return
+    cli = sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))["sampler"]
     assert cli == server
     assert cli.sampler == "greedy" if temperature == 0 or sampler == "greedy" else (
         not cli.argmax_candidates and cli.draw_temperature == temperature)
+
+
+def test_a_sampler_flag_the_sampler_ignores_is_refused_and_confidence_is_read(capsys):
+    """`--sampler topk --entropy-bound 50` ran as if the bound were not there, and the confidence sampler's own
+    threshold had no flag. Now the ignored flag is refused by name, with the sampler that ignores it (a
+    checkpoint's default sampler too: sudoku's topk), and --confidence reaches the sampler's settings."""
+    base = ["generate", "x", "--model", "random-tiny", "--max-new-tokens", "8", "--steps", "3", "--seed", "3",
+            "--json", "--threads", "1"]
+    for sampler, flag in (("topk", "--entropy-bound"), ("confidence", "--entropy-bound"), ("topk", "--confidence"),
+                          ("greedy", "--confidence"), ("entropy_bound", "--confidence")):
+        assert main(base + ["--sampler", sampler, flag, "0.5"]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: the {sampler} sampler does not read it" in err and "Traceback" not in err
+    assert main(base + ["--sampler", "confidence", "--confidence", "1.5"]) == 2
+    assert "--confidence: expected a probability in (0, 1], got 1.5" in capsys.readouterr().err
+    assert main(["generate", "x", "--model", "random-tiny", "--sampler", "confidence", "--confidence", "0.5",
+                 "--max-new-tokens", "8", "--steps", "2", "--json", "--threads", "1"]) == 0
+    capsys.readouterr()
+    if "blockpress-sudoku" in blockpress.shipped_models():
+        assert main(["sudoku", "." * 81, "--confidence", "0.5", "--threads", "1"]) == 2
+        assert "--confidence: the topk sampler (the default here) does not read it" in capsys.readouterr().err
+    for command in ("generate", "infill", "chat", "sudoku"):
+        assert "--confidence" in subcommands()[command].format_help()
 
 
 def test_temperature_flag_changes_the_draws_and_names_itself(capsys):

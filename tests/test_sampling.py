@@ -394,6 +394,35 @@ def test_rank_by_with_the_confidence_sampler_is_refused_only_when_given():
         SamplerConfig(sampler="confidence").with_(rank_by="position")
 
 
+# Each setting that only some samplers read, with two values far enough apart that a reader accepts differently.
+SAMPLER_KNOBS = {"entropy_bound": (0.01, 1e3), "confidence": (0.05, 1.0)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(sampler=st.sampled_from(["entropy_bound", "confidence", "topk", "greedy"]),
+       name=st.sampled_from(sorted(SAMPLER_KNOBS)), seed=st.integers(0, 10_000),
+       sampler_given=st.booleans())
+def test_a_setting_the_sampler_ignores_is_refused_when_given(sampler, name, seed, sampler_given):
+    """--sampler topk --entropy-bound 50 ran as if the bound were not there (as confidence did), while a ranking
+    given to the confidence sampler was refused as "would be ignored". Given, a setting is refused exactly where
+    the sampler's step does not change with it, naming it and the sampler; a checkpoint's own stays harmless."""
+    checkpoint = SamplerConfig(sampler=sampler, max_denoising_steps=4)  # its entropy_bound and confidence: defaults
+    logits, state = logits_from(seed), init_state(torch.zeros(2, 12, dtype=torch.long))
+    noise = torch.zeros(2, 12, dtype=torch.long)
+    uniforms = torch.rand(2, 12, generator=torch.Generator().manual_seed(seed))
+    accepted = [denoise_step(SamplerConfig(sampler=sampler, max_denoising_steps=4, **{name: v}), state, logits, 4,
+                             noise, uniforms=uniforms).accepted.tolist() for v in SAMPLER_KNOBS[name]]
+    reads = accepted[0] != accepted[1]
+    base, given_ = (SamplerConfig(), dict(sampler=sampler)) if sampler_given else (checkpoint, {})
+    low = SAMPLER_KNOBS[name][0]
+    if reads:
+        assert getattr(base.with_(**given_, **{name: low}), name) == low
+    else:
+        with pytest.raises(ValueError, match=f"{name}: the {sampler} sampler.* does not read it, so {name}={low}"):
+            base.with_(**given_, **{name: low})
+    assert base.with_(**given_).sampler == sampler  # not given, the defaults' value is no mistake
+
+
 FLOAT_SETTINGS = ("entropy_bound", "t_min", "t_max", "confidence_threshold", "draw_temperature")
 
 
