@@ -105,7 +105,8 @@ def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device,
                    help=f"shipped model name, Hugging Face checkpoint folder, a repo id already in the Hugging Face "
                         f"cache (owner/name[@revision]), a LoRA adapter folder (OUT/adapter of `blockpress train "
                         f"--lora-rank`: its base with it, quantized as it was trained), or "
-                        f"random-<tiny|small|medium|26b-a4b> (random weights, for speed checks). Default: {DEFAULT_MODEL}")
+                        f"random-<tiny|small|medium|26b-a4b> (random weights of that shape, for quick checks; `blockpress bench "
+                        f"--preset` times them). Default: {DEFAULT_MODEL}")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's; bf16/fp16 weights load as float32 on a CPU "
                         "without native half-precision matmuls)")
@@ -943,6 +944,12 @@ def bind_socket(host: str, port: int) -> Any:
 def cmd_bench(args: argparse.Namespace) -> int:
     from blockpress.bench import PLOT_FORMATS, BenchSettings, plot, run_bench
 
+    if args.model is not None:
+        preset = args.model[len(RANDOM_PREFIX):] if args.model.startswith(RANDOM_PREFIX) else None
+        raise ValueError("--model: bench times random weights of a preset's shape, never a checkpoint; "
+                         + (f"use --preset {preset}" if preset else
+                            "use --preset tiny, small, medium or 26b-a4b (a checkpoint's speed: the stats line of "
+                            "`blockpress generate --model M`)"))
     s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
                       ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
@@ -966,6 +973,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result, args.plot)
     return 0
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: an argument it does not know is its own error, under its usage line (argparse leaves
+    them to the top-level parser, whose usage names no command's flags)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -1033,7 +1051,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
     )
     ap.add_argument("--version", action="version", version=f"blockpress {package_version()}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
 
     p = sub.add_parser("generate", formatter_class=DefaultsFormatter, help="complete a prompt, showing the canvas as it settles",
                        description="Complete PROMPT, or with --chat answer it as a chat message. On a terminal "
@@ -1199,6 +1217,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "its \"figures\" says what each one means for each engine); --plot "
                                    "draws tok/s against batch size.")
     p.add_argument("--preset", default="small", help="model shape: tiny, small (~15M), medium (~60M), 26b-a4b")
+    # not bench's: given anyway, an error that points at --preset instead of argparse's "unrecognized arguments"
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to sweep")
     p.add_argument("--canvas-lengths", type=int, nargs="+", default=None,
                    help="canvas lengths to sweep (same weights; default: the preset's)")

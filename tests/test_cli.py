@@ -286,6 +286,39 @@ def subcommands():
     return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
+# Each command's required arguments, so that an unknown flag is the one thing wrong.
+REQUIRED = {"generate": ["x"], "infill": ["x"], "train": ["--data", "d", "--out", "o"]}
+
+
+@settings(max_examples=40, deadline=None)
+@given(command=st.sampled_from(sorted(subcommands())), name=st.from_regex(r"zz[a-z]{1,8}", fullmatch=True),
+       value=st.sampled_from([[], ["1"]]), before=st.booleans())
+def test_an_unknown_flag_is_the_commands_error(command, name, value, before):
+    """`blockpress bench --model X` (any unknown flag of any command) got the top-level usage,
+    `usage: blockpress [-h] [--version] COMMAND ...`, naming neither the command nor its flags."""
+    from contextlib import redirect_stderr
+
+    flag = [f"--{name}", *value]
+    given_args = [command, *(flag if before else []), *REQUIRED.get(command, []), *([] if before else flag)]
+    with pytest.raises(SystemExit) as exc, redirect_stderr(io.StringIO()) as stderr:
+        main(given_args)
+    err = stderr.getvalue()
+    assert exc.value.code == 2
+    assert err.startswith(f"usage: blockpress {command} ")
+    assert f"blockpress {command}: error: unrecognized arguments: {' '.join(flag)}" in err
+
+
+def test_bench_model_points_at_preset(capsys):
+    """bench takes its random weights' shape as --preset; --model (as generate's random-small) said only
+    "unrecognized arguments", under the top-level usage."""
+    assert main(["bench", "--model", "random-small"]) == 2
+    assert "blockpress bench: error: --model: bench times random weights of a preset's shape, never a checkpoint; " \
+           "use --preset small" in capsys.readouterr().err
+    assert main(["bench", "--model", "some/checkpoint"]) == 2
+    assert "use --preset tiny, small, medium or 26b-a4b" in capsys.readouterr().err
+    assert "--model" not in subcommands()["bench"].format_help()  # offered nowhere: it is not bench's
+
+
 @pytest.mark.parametrize("command", sorted(subcommands()))
 def test_help_names_flags_not_setting_names(command):
     """`train --help` said "give heldout_data" (TrainConfig's field) where the user types --heldout-data. No
