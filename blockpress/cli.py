@@ -88,19 +88,24 @@ QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CP
                  "trained over; none loads its base unquantized)")
 
 
-def add_load_args(p: argparse.ArgumentParser) -> None:
-    """What every command that loads a model applies to it as it loads: --quantize, --adapter, --prefill-chunk."""
+def add_load_args(p: argparse.ArgumentParser, runs: bool = True) -> None:
+    """What every command that loads a model applies to it as it loads: --quantize, --adapter, --prefill-chunk
+    (`runs=False`, info: nothing is encoded, so no --prefill-chunk)."""
     p.add_argument("--quantize", choices=[*SCHEMES, "none"], default=None, help=QUANTIZE_HELP)
     p.add_argument("--adapter", default=None, metavar="FOLDER",
                    help="a LoRA adapter folder (PEFT's format: `blockpress train --lora-rank`'s OUT/adapter) to apply "
                         "over --model: merged in float32, or with --quantize kept unmerged over the quantized base. "
                         "An adapter folder may also be given as --model itself: it loads the base it was trained on")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens encoded per pass: a long prompt's attention masks take N x its length, not its "
-                        f"length squared; the result is the same (default: {PREFILL_CHUNK})")
+    if runs:
+        p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                       help="prompt tokens encoded per pass: a long prompt's attention masks take N x its length, not "
+                            f"its length squared; the result is the same (default: {PREFILL_CHUNK})")
 
 
-def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device, e.g. cpu or cuda (default: cpu)") -> None:
+def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device, e.g. cpu or cuda (default: cpu)",
+                   runs: bool = True) -> None:
+    """--model and how it loads. `runs=False` (info, which counts a model and runs nothing): no flag that only
+    running it reads (--threads, --prefill-chunk), since one given there would be silently ignored."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"shipped model name, Hugging Face checkpoint folder, a repo id already in the Hugging Face "
                         f"cache (owner/name[@revision]), a LoRA adapter folder (OUT/adapter of `blockpress train "
@@ -111,9 +116,10 @@ def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device,
                    help="weights dtype (default: the checkpoint's; bf16/fp16 weights load as float32 on a CPU "
                         "without native half-precision matmuls)")
     p.add_argument("--device", default="cpu", help=device_help)
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
-    add_load_args(p)
+    if runs:
+        p.add_argument("--threads", type=int, default=0,
+                       help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
+    add_load_args(p, runs)
 
 
 CONFIDENCE_HELP = ("read by the confidence sampler: each step accepts the positions whose most likely token has at "
@@ -1255,7 +1261,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "checkpoint may differ from DiffusionGemma's own.")
     add_model_args(p, device_help="the device the dtype and memory figures are for: bf16/fp16 weights would load "
                                   "as float32 on a CPU without native half-precision matmuls (default: cpu; "
-                                  "nothing is loaded there)")
+                                  "nothing is loaded there)", runs=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
     return ap

@@ -308,6 +308,18 @@ def test_an_unknown_flag_is_the_commands_error(command, name, value, before):
     assert f"blockpress {command}: error: unrecognized arguments: {' '.join(flag)}" in err
 
 
+def test_info_offers_no_flag_it_ignores(capsys):
+    """`info --help` listed --threads and --prefill-chunk, and `info --prefill-chunk -5 --threads 3` passed,
+    ignored: info counts a model on the meta device and runs nothing. The commands that run one keep them."""
+    helps = {command: parser.format_help() for command, parser in subcommands().items()}
+    for flag in ("--threads", "--prefill-chunk"):
+        assert flag not in helps["info"]
+        assert all(flag in helps[c] for c in ("generate", "infill", "chat", "serve", "sudoku"))
+        with pytest.raises(SystemExit):
+            main(["info", flag, "3"])
+        assert f"blockpress info: error: unrecognized arguments: {flag} 3" in capsys.readouterr().err
+
+
 def test_bench_model_points_at_preset(capsys):
     """bench takes its random weights' shape as --preset; --model (as generate's random-small) said only
     "unrecognized arguments", under the top-level usage."""
@@ -749,7 +761,7 @@ def test_version(capsys, monkeypatch):
 def test_errors_name_the_flag_typed(args, message, capsys):
     """Library checks name their arguments (stop, device, ensemble, preset) and offer the Python API's -1 ids; the
     command line's errors name its flags and markers instead."""
-    assert main(args + ["--threads", "1"]) == 2
+    assert main(args + (["--threads", "1"] if args[0] != "info" else [])) == 2  # info runs nothing
     err = capsys.readouterr().err
     assert message in err and "-1 ids" not in err
 
@@ -761,7 +773,8 @@ def test_errors_name_the_flag_typed(args, message, capsys):
 def test_a_reader_that_goes_away_ends_the_run_quietly(args, broken):
     """`blockpress info --json | head -c 10` ended in "error: [Errno 32] Broken pipe" and status 2, `sudoku
     --show-steps P 2>&1 | head -2` in status 1: now status 141, as a tool stopped by SIGPIPE, and no message."""
-    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", *args, "--threads", "1"],
+    threads = ["--threads", "1"] if args[0] != "info" else []  # info runs nothing
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", *args, *threads],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     getattr(proc, broken).close()  # before the command writes a byte: python starts in over a second
     other = proc.stderr if broken == "stdout" else proc.stdout
@@ -859,7 +872,7 @@ def test_bench_times_no_engine_on_its_first_run(monkeypatch):
 
 def test_a_closed_stdout_is_no_crash():
     """`blockpress info >&-`: print to a closed stdout writes nothing; the new flush met a None stdout."""
-    r = subprocess.run(["sh", "-c", f'"{sys.executable}" -m blockpress.cli info --model {MODEL} --threads 1 >&-'],
+    r = subprocess.run(["sh", "-c", f'"{sys.executable}" -m blockpress.cli info --model {MODEL} >&-'],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr
 
@@ -928,14 +941,14 @@ def test_info_counts_without_reading_the_weights(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(blockpress.checkpoint.MappedSafetensors, "tensor", never)
     monkeypatch.setattr(blockpress.checkpoint, "load_model", never)
     folder = blockpress.lm.resolve_path("blockpress-code")
-    assert main(["info", "--model", str(folder), "--dtype", "float32", "--json", "--threads", "1"]) == 0
+    assert main(["info", "--model", str(folder), "--dtype", "float32", "--json"]) == 0
     full = json.loads(capsys.readouterr().out)
     assert full["dtype"] == "float32" and full["device"] == "cpu"
     assert full["weights_bytes"] == pytest.approx(4 * full["parameters_total"], rel=0.01)
     header = (folder / "model.safetensors").stat().st_size - full["checkpoint_bytes"]
     assert full["checkpoint_dtype"] == "bfloat16" and 0 < header < 100_000  # the file: tensors' bytes + header
     shutil.copy(folder / "config.json", tmp_path / "config.json")
-    assert main(["info", "--model", str(tmp_path), "--quantize", "int8", "--json", "--threads", "1"]) == 0
+    assert main(["info", "--model", str(tmp_path), "--quantize", "int8", "--json"]) == 0
     bare = json.loads(capsys.readouterr().out)
     assert bare["parameters_total"] == full["parameters_total"] and bare["checkpoint_bytes"] is None
     assert bare["quantization"] == "int8" and bare["weights_bytes"] < full["weights_bytes"] / 2
@@ -1349,7 +1362,7 @@ def test_bench_errors_name_the_flags_and_give_advice_bench_can_take(monkeypatch,
 
 
 def info_json(capsys, *args):
-    assert main(["info", "--json", "--threads", "1", *args]) == 0
+    assert main(["info", "--json", *args]) == 0
     return json.loads(capsys.readouterr().out)
 
 
