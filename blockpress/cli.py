@@ -831,11 +831,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         puzzles += split_puzzle_file("\n".join(lines), f"--file {args.file}")
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
-    with warnings.catch_warnings(record=True) as notes:  # a puzzle the solver could not settle: one line each
-        warnings.simplefilter("always")
-        puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded
-    for note in notes:
-        print(f"note: {note.message}", file=sys.stderr)
+    puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded (warns of the unsettled)
     lm = load_announced(args)
 
     def show(step: int, boards: list[str]) -> None:
@@ -1284,8 +1280,26 @@ def silence_output() -> None:
     os.close(devnull)
 
 
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                 line: str | None = None) -> None:
+    """warnings.showwarning for the command line: `warning: MESSAGE` on stderr, as its errors are lines of their
+    own (Python's form names a file and line of blockpress and prints that line of its source)."""
+    stream = sys.stderr if file is None else file
+    if stream is not None:  # no console at all (pythonw): nowhere to say it
+        print(f"warning: {message}", file=stream)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Set for the command's run alone, not on import: the library's users keep Python's warnings.
+    with warnings.catch_warnings():
+        warnings.showwarning = show_warning
+        return run_command(args)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command; a bad argument, a missing optional package or a broken pipe ends it with the exit
+    status the README lists, and a message under the command's name."""
     try:
         if getattr(args, "threads", 0):
             if args.threads < 0:

@@ -120,7 +120,7 @@ def test_a_puzzle_the_check_cannot_settle_goes_to_the_model_with_a_note(tiny_sud
     monkeypatch.setattr(sudoku_model, "check_puzzle", lambda p, **kw: checked.append(p) or real_check(p, **kw))
     assert main(["sudoku", no_solution, "--model", str(path), "--json", "--steps", "2"]) == 1
     out, err = capsys.readouterr()
-    assert "note: puzzle 1: the solver could not tell within 50 search nodes whether the puzzle has a solution" in err
+    assert "warning: puzzle 1: the solver could not tell within 50 search nodes whether the puzzle has a solution" in err
     assert json.loads(out)["valid"] is False and len(checked) == 1
     monkeypatch.undo()
     assert main(["sudoku", no_solution, "--model", str(path)]) == 2  # within the real budget: a definite answer
