@@ -172,12 +172,14 @@ class _Common(_NullIsDefault):
     top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
     max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
-    entropy_bound: float | None = Field(default=None, gt=0.0)
-    confidence: float | None = Field(default=None, gt=0.0, le=1.0)
-    t_min: float | None = Field(default=None, ge=0.0)
-    t_max: float | None = Field(default=None, gt=0.0)
-    stability_threshold: int | None = Field(default=None, ge=0, le=MAX_COUNT)
-    confidence_threshold: float | None = Field(default=None, gt=0.0)
+    # SamplerConfig checks these (sampler_config answers a 400 naming the field): their ranges are not restated
+    # here, where a copy had drifted (t_max > 0 refused the 0 the library and the CLI take)
+    entropy_bound: float | None = None
+    confidence: float | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
     drafts: bool = False
     token_healing: bool = False
     # OpenAI fields blockpress does not implement. Clients and proxies often send their no-op values, which pass

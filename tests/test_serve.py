@@ -210,6 +210,35 @@ def test_a_value_only_the_library_refuses_fails_its_request_alone(server, monkey
     assert [r.status_code for r in rs[:2] + rs[3:]] == [200, 200, 200]
 
 
+# The sampler settings a request may send, each with values on both sides of the library's bounds.
+SAMPLER_FIELDS = {
+    **{name: st.one_of(st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e39]), st.floats(-2.0, 2.0))
+       for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold")},
+    "stability_threshold": st.one_of(st.integers(-3, 3), st.sampled_from([2**31 - 1, 2**31, 10**30])),
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.fixed_dictionaries({}, optional=SAMPLER_FIELDS),
+       sampler=st.sampled_from([None, "entropy_bound", "confidence", "topk", "greedy"]))
+def test_the_server_takes_the_sampler_settings_the_library_takes(values, sampler):
+    """The server refused `t_max: 0`, which the library and `generate --t-max 0` take: its schema restated the
+    library's ranges, one of them otherwise. A request's sampler settings now pass or fail as SamplerConfig's do,
+    with the library's own message and the field as param."""
+    from blockpress.sampling import SamplerConfig
+    from blockpress.serve import APIError, CompletionRequest, sampler_config
+
+    defaults = SamplerConfig()
+    try:
+        want = defaults.with_(sampler=sampler, **values)
+    except ValueError as exc:
+        with pytest.raises(APIError) as refused:
+            sampler_config(defaults, CompletionRequest(model="m", prompt="x", sampler=sampler, **values))
+        assert refused.value.message == str(exc) and refused.value.param == str(exc).split(":")[0]
+        return
+    assert sampler_config(defaults, CompletionRequest(model="m", prompt="x", sampler=sampler, **values)) == want
+
+
 NUMBER_FIELDS = ("top_k", "stability_threshold", "seed", "min_tokens", "temperature", "top_p", "entropy_bound",
                  "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty", "frequency_penalty")
 
@@ -825,8 +854,9 @@ def test_null_max_new_tokens_in_generation_config_means_the_default(server):
     lm.generation_config = {"max_new_tokens": "64"}
     with pytest.raises(ValueError, match="generation_config max_new_tokens"):
         lm.generate([3, 4])
-    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "t_min": 0})
-    assert r.status_code == 200  # t_min 0 is a valid schedule end, as in SamplerConfig
+    for zero in ({"t_min": 0}, {"t_min": 0, "t_max": 0}):  # was refused: t_max "should be greater than 0"
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **zero})
+        assert r.status_code == 200, r.text  # 0 is a valid schedule end (and start), as in SamplerConfig
 
 
 def test_openai_clients_message_shapes(server):
