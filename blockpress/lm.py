@@ -139,7 +139,7 @@ def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
 def _graphs_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why CUDA graphs cannot replay a model on `device` in `dtype` (None: they can). A graph holds no host sync:
     the experts must run as one grouped GEMM, which CUDA has in bf16 only (other dtypes loop over the experts,
-    reading their row counts on the host twice a layer)."""
+    reading their row counts on the host once a layer)."""
     if device.type != "cuda":
         return f"needs a model on a CUDA device, not {device}"
     if dtype != torch.bfloat16:

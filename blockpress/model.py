@@ -11,6 +11,7 @@ The model knows nothing of sampling. Module and parameter names follow the Huggi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -245,8 +246,8 @@ class Router(nn.Module):
 GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """rows of x (sorted by expert, group ends at `offsets`) times weight[e].T for their expert e.
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    """rows of x (sorted by expert, grouped as `rows` says) times weight[e].T for their expert e.
 
     weight: [E, out, in] as stored in the checkpoint. Uses torch's grouped GEMM when the shapes allow it
     (16-byte aligned rows), else one matmul per expert that has tokens. Under torch.compile it is one
@@ -255,21 +256,21 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     """
     if torch.compiler.is_compiling():
         if x.dtype == weight.dtype == torch.bfloat16 and _grouped_mm_applies(x, weight, *weight.shape[1:]):
-            return GROUPED_MM(x, weight.transpose(1, 2), offs=offsets)
-        return torch.ops.blockpress.grouped_linear(x, weight, offsets)
-    return _grouped_linear_eager(x, weight, offsets)
+            return GROUPED_MM(x, weight.transpose(1, 2), offs=rows.offsets)
+        return torch.ops.blockpress.grouped_linear(x, weight, rows.offsets)
+    return _grouped_linear_eager(x, weight, rows)
 
 
-def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
     w = weight.transpose(1, 2)  # [E, in, out], a view
     if x.is_cuda and torch.is_autocast_enabled("cuda"):
         # Autocast has no rule for grouped_mm: cast as it would for a matmul (CUDA's kernel is bf16-only).
         dtype = torch.get_autocast_dtype("cuda")
         x, w = x.to(dtype), w.to(dtype)
     if _grouped_mm_applies(x, w, weight.shape[1], weight.shape[2]):
-        return GROUPED_MM(x, w, offs=offsets)
+        return GROUPED_MM(x, w, offs=rows.offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
-    for e, start, end in expert_groups(offsets):
+    for e, start, end in rows.groups:
         out[start:end] = x[start:end] @ w[e]
     return out
 
@@ -288,9 +289,23 @@ def expert_groups(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(e, start, end) for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends)) if end > start]
 
 
+@dataclass(eq=False)
+class ExpertRows:
+    """Where each expert's rows lie among the tokens sorted by expert: the group ends `offsets` (on the device,
+    what a grouped GEMM takes) and `groups`, the same read on the host for a per-expert loop. Both projections of
+    a layer share one, so a layer whose experts loop syncs with the host once, and one whose experts run as
+    grouped GEMMs never (groups is read on first use only)."""
+
+    offsets: torch.Tensor
+
+    @functools.cached_property
+    def groups(self) -> list[tuple[int, int, int]]:
+        return expert_groups(self.offsets)
+
+
 @torch.library.custom_op("blockpress::grouped_linear", mutates_args=())
 def _grouped_linear_op(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return _grouped_linear_eager(x, weight, offsets)
+    return _grouped_linear_eager(x, weight, ExpertRows(offsets))
 
 
 @_grouped_linear_op.register_fake
@@ -359,15 +374,15 @@ class Experts(nn.Module):
         # A scatter-add, not bincount: its output shape is static, so torch.compile keeps the layer in one graph.
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
         counts = counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate, up = self.project(x[token_of], "gate_up_proj", offsets).chunk(2, dim=-1)
-        y = self.project(self.act(gate) * up, "down_proj", offsets)
+        rows = ExpertRows(torch.cumsum(counts, 0).to(torch.int32))
+        gate, up = self.project(x[token_of], "gate_up_proj", rows).chunk(2, dim=-1)
+        y = self.project(self.act(gate) * up, "down_proj", rows)
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
-    def project(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, name: str, rows: ExpertRows) -> torch.Tensor:
         """Rows of x (sorted by expert) through their expert's `name` projection (a quantized model overrides it)."""
-        return _grouped_linear(x, getattr(self, name), offsets)
+        return _grouped_linear(x, getattr(self, name), rows)
 
 
 class Layer(nn.Module):

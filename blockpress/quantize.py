@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import DiffusionGemma, Experts, Router, _grouped_linear, expert_groups
+from .model import DiffusionGemma, ExpertRows, Experts, Router, _grouped_linear, expert_groups
 
 SCHEMES = ("int8", "fp8", "int4")
 INT8_MAX = 127.0
@@ -254,38 +254,38 @@ class QuantizedExperts(Experts):
             self.register_buffer(name, q)
             self.register_buffer(f"{name}_scale", scale)
 
-    def project(self, x: torch.Tensor, name: str, offsets: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, name: str, rows: ExpertRows) -> torch.Tensor:
         q, scale = getattr(self, name), getattr(self, f"{name}_scale")
         if x.requires_grad and torch.is_grad_enabled():
             # LoRA training over a frozen quantized base: one expert at a time, whose backward keeps the codes alone
             # (the grouped paths below would keep every expert's dequantized weight, or have no backward).
             if torch.compiler.is_compiling():
-                return torch.ops.blockpress.quantized_experts(x, q, scale, offsets, self.scheme)
-            return _quantized_experts(x, q, scale, offsets, self.scheme)
+                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.scheme)
+            return _quantized_experts(x, q, scale, rows, self.scheme)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self.scheme == "int4" or (self.scheme == "int8" and capturing):
             # Every expert's weight at once (one transient copy per projection), then the grouped GEMM. For int8
             # only inside a CUDA graph, which cannot hold the loop's host syncs: eagerly, copying all 128 experts
             # of the 26B-A4B costs more memory traffic than the loop over the experts that have rows.
-            return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), offsets)
+            return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), rows)
         if self.scheme == "fp8" and x.is_cuda and x.dtype == torch.bfloat16 and self.grouped_fp8:
             try:  # one FP8 grouped GEMM for all experts (CUTLASS, SM90): no per-expert launches, no host sync
                 xq, x_scale = _fp8_rows(x)
-                return torch._scaled_grouped_mm(xq, q.transpose(1, 2), x_scale, scale, offs=offsets, out_dtype=x.dtype)
+                return torch._scaled_grouped_mm(xq, q.transpose(1, 2), x_scale, scale, offs=rows.offsets, out_dtype=x.dtype)
             except (RuntimeError, NotImplementedError) as err:
                 self.grouped_fp8 = False
                 warnings.warn(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                               f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each", stacklevel=2)
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
-            return torch.ops.blockpress.quantized_experts(x, q, scale, offsets, self.scheme)
-        return _quantized_experts(x, q, scale, offsets, self.scheme)
+            return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.scheme)
+        return _quantized_experts(x, q, scale, rows, self.scheme)
 
 
-def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
+def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: ExpertRows,
                        scheme: str) -> torch.Tensor:
-    """Each expert's rows of x (sorted by expert, group ends `offsets`) through its own quantized weight."""
+    """Each expert's rows of x (sorted by expert, grouped as `rows` says) through its own quantized weight."""
     out = x.new_empty(x.shape[0], q.shape[1])
-    for e, start, end in expert_groups(offsets):  # experts without rows cost nothing
+    for e, start, end in rows.groups:  # experts without rows cost nothing
         out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], scheme)
     return out
 
@@ -293,7 +293,7 @@ def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, of
 @torch.library.custom_op("blockpress::quantized_experts", mutates_args=())
 def _quantized_experts_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
                           scheme: str) -> torch.Tensor:
-    return _quantized_experts(x, q, scale, offsets, scheme)
+    return _quantized_experts(x, q, scale, ExpertRows(offsets), scheme)
 
 
 @_quantized_experts_op.register_fake

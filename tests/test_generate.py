@@ -1059,6 +1059,31 @@ def test_cuda_graphs_need_bf16_experts(lm, monkeypatch):
         lm.cuda_graphs()
 
 
+@pytest.mark.parametrize("dtype, scheme, reads", [("float16", None, 1), ("float32", "int8", 1), ("float32", None, 0)])
+def test_experts_read_their_groups_on_the_host_once_a_layer(dtype, scheme, reads, monkeypatch):
+    """Where the grouped GEMM does not apply (float16, int8 experts; float32 on CUDA) the experts loop over those
+    with rows, which the host must know: one read a layer serves both projections (it was one each, two device
+    syncs a layer). Where the grouped GEMM applies (float32 on a CPU) there is none."""
+    from blockpress.model import GROUPED_MM
+
+    if reads == 0 and GROUPED_MM is None:
+        pytest.skip("this torch has no grouped GEMM")
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0, dtype=dtype)
+    if scheme:
+        lm.quantize(scheme)
+    host_reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: host_reads.append(t.shape) or tolist(t))
+    ids = torch.randint(2, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    cache = lm.new_cache(2, 32)
+    layers = lm.config.text.num_hidden_layers
+    for one_pass in (lambda: lm.model.encode(ids, cache), lambda: lm.model.denoise(ids[:, :8], cache)):
+        host_reads.clear()
+        with torch.no_grad():
+            one_pass()
+        assert len(host_reads) == reads * layers, host_reads
+
+
 def test_constraint_bans_tokens_every_step_and_sees_settled_positions(lm, monkeypatch):
     """A per-step rule: the banned token never appears (though the model wants it everywhere); the rule sees
     the draft and the settled positions."""

@@ -15,7 +15,7 @@ from torch import nn
 import blockpress
 from blockpress.cli import main
 from blockpress.data import Example, make_batch
-from blockpress.model import Experts
+from blockpress.model import ExpertRows, Experts
 from blockpress.quantize import QuantizedExperts, QuantizedLinear, dequantize_weight
 from blockpress.train import ExampleSource, Objective, TrainConfig, Trainer, add_lora, draw_noise, merge_lora
 
@@ -324,7 +324,7 @@ def test_the_compiled_experts_op_has_the_eager_loops_gradient(scheme):
     offsets = torch.tensor([2, 2, 5], dtype=torch.int32)  # the middle expert has no rows
     x = torch.randn(5, 32, requires_grad=True)
     grad = torch.randn(5, 16)
-    eager = torch.autograd.grad(_quantized_experts(x, q, scale, offsets, scheme), x, grad)[0]
+    eager = torch.autograd.grad(_quantized_experts(x, q, scale, ExpertRows(offsets), scheme), x, grad)[0]
     op = torch.autograd.grad(torch.ops.blockpress.quantized_experts(x, q, scale, offsets, scheme), x, grad)[0]
     assert torch.equal(op, eager)
     by_hand = torch.cat([grad[:2] @ dequantize_weight(q[0], scale[0], torch.float32),

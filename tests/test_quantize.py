@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import blockpress
 from blockpress.cli import main
-from blockpress.model import Experts, Router
+from blockpress.model import ExpertRows, Experts, Router
 from blockpress.quantize import (
     FP8_MAX,
     QuantizedExperts,
@@ -167,7 +167,7 @@ def test_quantized_experts_trace_as_one_graph(scheme):
     assert experts.num_experts == len(offsets)
 
     def project(x, offsets):
-        return experts.project(x, "gate_up_proj", offsets)
+        return experts.project(x, "gate_up_proj", ExpertRows(offsets))
 
     compiled = torch.compile(project, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x, offsets), project(x, offsets))

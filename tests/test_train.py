@@ -381,7 +381,7 @@ def test_a_failed_compile_falls_back_to_eager_and_says_so(tmp_path, monkeypatch)
 @pytest.mark.parametrize("width", [16, 6])  # 16: torch's grouped GEMM; 6 floats: unaligned rows, the per-expert loop
 def test_grouped_linear_op_gradients(width):
     """The experts' op (what torch.compile sees) has the same gradients as plain autograd through its pieces."""
-    from blockpress.model import _grouped_linear_eager
+    from blockpress.model import ExpertRows, _grouped_linear_eager
 
     g = torch.Generator().manual_seed(0)
     offsets = torch.tensor([3, 9, 9, 21], dtype=torch.int32)  # the third expert has no rows
@@ -397,7 +397,7 @@ def test_grouped_linear_op_gradients(width):
     torch.testing.assert_close(got[0], x.grad)
     torch.testing.assert_close(got[1], w.grad)
     assert not got[1][2].any()  # no rows, no gradient
-    assert _grouped_linear_eager(x, w, offsets).shape == (21, 2 * width)
+    assert _grouped_linear_eager(x, w, ExpertRows(offsets)).shape == (21, 2 * width)
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: torch.ops.blockpress.grouped_linear(a, b, offsets), (xd, wd))
 
