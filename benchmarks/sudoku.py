@@ -12,7 +12,8 @@ denoising steps and puzzles/s for each engine and difficulty. The model alone de
 
 The AR baseline (`scripts/train_sudoku.py --ar`: 3,767 CPU steps at batch 32, then 876 H200 steps at batch 256;
 bf16 weights; its summary.json has the budget) is kept in
-benchmarks/baselines/sudoku-ar, so a fresh clone reproduces the side-by-side table.
+benchmarks/baselines/sudoku-ar, so a fresh clone reproduces the side-by-side table. It decodes with
+`sudoku_model.solve_ar`: greedy, left to right, the givens forced as the diffusion canvas keeps them.
 """
 
 from __future__ import annotations

@@ -334,6 +334,21 @@ def test_both_solvers_answer_no_puzzles_and_complete_grids_without_decoding(tiny
     assert all(g == "0" or g == s for g, s in zip(other.puzzle, mixed[1].solution))
 
 
+def test_solve_ar_encodes_the_prompt_then_one_cell_a_pass_but_not_the_last(tiny_sudoku, monkeypatch):
+    """Each one-token pass gives the logits of the next cell: 80 of them serve cells 2..81. It ran an 81st pass
+    over the last cell, whose logits nothing read."""
+    _, lm = tiny_sudoku
+    puzzles = [generate(s, "hard").puzzle for s in range(2)]
+    prompt = len(sudoku_model.encode_prompt(puzzles[0]))
+    widths = []
+    real_encode = type(lm.model).encode
+    monkeypatch.setattr(type(lm.model), "encode",
+                        lambda self, ids, *a, **kw: widths.append(ids.shape[1]) or real_encode(self, ids, *a, **kw))
+    results = sudoku_model.solve_ar(lm, puzzles)
+    assert widths == [prompt] + [1] * 80
+    assert [r.steps for r in results] == [81, 81]  # steps count the cells written, as before
+
+
 def test_solve_takes_one_puzzle_string_as_a_batch_of_one(tiny_sudoku):
     """`solve(lm, "530070000...")` read the string as a list of 81 one-character puzzles ("puzzle 1: puzzle has 1
     cells, expected 81"); a str is a batch of one now, as lm.generate takes a str prompt."""

@@ -8,7 +8,7 @@ holds. It filters candidates only; there is still no search and no backtracking.
 once (the identity and N - 1 relabelled, permuted boards, as in training), and every step each view samples
 from the views' averaged log-probabilities mapped into its own frame. No rules and no search: the model's
 answers, pooled over board symmetries it was trained to respect (test-time augmentation); N times the work.
-`solve_ar` decodes the same kind of model left to right (the autoregressive baseline).
+`solve_ar` decodes the same kind of model left to right, givens forced (the autoregressive baseline).
 """
 
 from __future__ import annotations
@@ -215,7 +215,9 @@ def solve(
 
 @torch.no_grad()
 def solve_ar(lm: Any, puzzles: str | Sequence[str]) -> list[ModelSolution]:
-    """Left-to-right greedy decoding of the solution, givens forced (the AR baseline, same conditions)."""
+    """Left-to-right greedy decoding of the solution, givens forced (the AR baseline, same conditions): one encoder
+    pass over the prompt, then one a cell for the first 80 cells. Its own loop rather than `lm.generate_ar`, which
+    cannot force tokens at given positions."""
     check_sudoku_model(lm)
     return _with_complete_grids(prepare(puzzles), lambda open_puzzles: _decode_ar(lm, open_puzzles))
 
@@ -226,13 +228,14 @@ def _decode_ar(lm: Any, puzzles: list[str]) -> list[ModelSolution]:
     b = len(puzzles)
     prompt = torch.tensor([encode_prompt(p) for p in puzzles], device=lm.device)
     fixed = torch.tensor([_template(p) for p in puzzles], device=lm.device)
-    cache = lm.new_cache(b, prompt.shape[1] + 82)
+    cache = lm.new_cache(b, prompt.shape[1] + 80)  # the last cell is never encoded: no cell reads its logits
     logits = model.encode(prompt, cache, logits="last")
     out = torch.zeros(b, 81, dtype=torch.long, device=lm.device)
     for i in range(81):
         # A given is copied, exactly as the diffusion canvas keeps it; every other cell is the argmax.
         token = torch.where(fixed[:, i] >= 0, fixed[:, i], logits.argmax(-1))
         out[:, i] = token
-        logits = model.encode(token[:, None], cache, logits="last")
+        if i < 80:
+            logits = model.encode(token[:, None], cache, logits="last")
     return [ModelSolution(p, decode_digits(row), verify(p, decode_digits(row)).valid, 81)
             for p, row in zip(puzzles, out.tolist())]
