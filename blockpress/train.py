@@ -860,6 +860,15 @@ class Trainer:
         model = lm.model.train()
         if cfg.lora_rank:
             model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        # The weights training updates are its own, each in memory of its own: a checkpoint loads as zero-copy views
+        # of its mmapped file, placed at offsets its header's length sets, and CPU kernels round differently on data
+        # placed otherwise. A run resumed from its own folder (whose header records the step) drifted by 1e-6 from
+        # the run it continued, however its weights were copied back. (On a GPU, loading copied them already; a
+        # copy there would leave CUDA graphs captured before, lm.cuda_graphs(), reading the old ones.)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad and p.device.type == "cpu":
+                    p.data = p.data.clone()
         self.model = model
         self.objective: nn.Module = Objective(model, cfg)
         if self.world > 1:
