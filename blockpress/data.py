@@ -50,14 +50,23 @@ class Batch:
                      self.prompt_length, self.canvas_length)
 
 
+def canvas_count(example: Example, canvas_length: int) -> int:
+    """The whole canvases an example's response takes: with the EOS that make_batch puts after an answer (one more
+    canvas when the response fills its canvases exactly), or, for a window of running text, no more than its own."""
+    if example.ends:
+        return len(example.response) // canvas_length + 1
+    return max(1, -(-len(example.response) // canvas_length))
+
+
 def make_batch(
     examples: Sequence[Example], canvas_length: int, pad_id: int, eos_id: int, max_canvases: int | None = None
 ) -> Batch:
-    """Lay examples out as [left-padded prompt | canvases]; see the module docstring."""
+    """Lay examples out as [left-padded prompt | canvases]; see the module docstring. The EOS that ends each answer
+    (Example.ends) is put here, after its response: an Example's response holds no EOS of its own."""
     if not examples:
         raise ValueError("make_batch: no examples")
     c = canvas_length
-    counts = [len(e.response) // c + 1 if e.ends else max(1, -(-len(e.response) // c)) for e in examples]
+    counts = [canvas_count(e, c) for e in examples]
     if max_canvases is not None:
         counts = [min(n, max_canvases) for n in counts]
     p = max(len(e.prompt) for e in examples)
@@ -107,7 +116,6 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
         if tokenizer is None:
             raise ValueError(f"{where}: text records need a tokenizer; this model has none (a fresh model takes "
                              "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
-        eos = tokenizer.eos_id
         if "messages" in obj:
             messages = obj["messages"]
             if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
@@ -133,7 +141,7 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
                 if not isinstance(obj[key], str):
                     raise ValueError(f"{where}: field {key!r} must be a string")
             prompt = tokenizer.encode_prompt(obj["prompt"])
-            ex = Example(prompt, tokenizer.encode(obj["response"]) + ([eos] if eos is not None else []))
+            ex = Example(prompt, tokenizer.encode(obj["response"]))  # make_batch ends it with EOS, as an ids record
     if not ex.prompt:
         raise ValueError(f"{where}: empty prompt")
     if vocab_size is not None:
@@ -229,7 +237,7 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
             raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
         if context is not None:
             canvas, positions, max_canvases = context
-            canvases = len(ex.response) // canvas + 1  # whole canvases, the EOS included (make_batch)
+            canvases = canvas_count(ex, canvas)  # whole canvases, the EOS included (make_batch)
             length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
             if length > positions:
                 fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for

@@ -67,11 +67,26 @@ def test_jsonl_formats(tmp_path, tok):
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     ex = load_jsonl(path, tok, vocab_size=tok.vocab_size)
     assert len(ex) == 3
-    assert ex[0].prompt[0] == tok.bos_id and ex[0].response[-1] == tok.eos_id
-    assert tok.decode(ex[0].response) == " return x"
+    assert ex[0].prompt[0] == tok.bos_id and ex[0].response == tok.encode(" return x")  # make_batch adds the EOS
     assert tok.decode(ex[1].prompt, skip_special_tokens=False).endswith("<start_of_turn>model\n")
     assert ex[1].response[-1] == tok.token_to_id("<end_of_turn>")
     assert ex[2] == Example([2, 7], [9, 10])
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(st.text(alphabet="def x():+1\n ", min_size=1, max_size=12),
+                  st.text(alphabet="def x():+1\n ", max_size=24), st.integers(2, 6))
+def test_a_text_record_trains_as_the_ids_record_of_its_tokens(tok, prompt, response, canvas):
+    """parse_example put an EOS after a text record's response and make_batch another after that: an EOS -> EOS
+    next-token target, and a canvas of nothing but EOS after a response of canvas - 1 tokens, where the same
+    tokens given as prompt_ids/response_ids trained neither."""
+    text = parse_example({"prompt": prompt, "response": response}, tok, "d.jsonl:1")
+    ids = parse_example({"prompt_ids": tok.encode_prompt(prompt), "response_ids": tok.encode(response)}, tok,
+                        "d.jsonl:2")
+    a, b = (make_batch([ex], canvas, pad_id=0, eos_id=tok.eos_id) for ex in (text, ids))
+    for field in ("ids", "valid", "scored", "ar_scored"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert a.prompt_length == b.prompt_length
 
 
 def test_messages_must_end_with_assistant(tmp_path, tok):
