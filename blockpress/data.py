@@ -354,7 +354,7 @@ class TokenShards:
         lo, hi = prompt_range
         plen = int(torch.randint(lo, hi + 1, (), generator=generator))
         need = plen + response_length
-        weights = torch.tensor(np.maximum(self.sizes - need, 0), dtype=torch.float)
+        weights = torch.tensor(np.maximum(self.sizes - need + 1, 0), dtype=torch.float)  # each shard's windows
         if weights.sum() == 0:
             raise ValueError(f"TokenShards: no shard holds a {need}-token window (the longest holds "
                              f"{int(self.sizes.max())} tokens; a window is a prompt of prompt_min..prompt_max tokens "

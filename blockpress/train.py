@@ -336,6 +336,23 @@ class ShardSource:
         canvases = min(self.cfg.response_canvases, self.cfg.max_canvases or self.cfg.response_canvases)
         return self.cfg.prompt_max + canvases * self.c
 
+    def check_length(self, where: str) -> None:
+        """Refuse text shorter than the longest window up front: else the run dies at the first draw of a prompt too
+        long for it, mid-run and with nothing saved. `where`: the text, as the message names it ("--data FILE")."""
+        cfg, c = self.cfg, self.c
+        need = cfg.prompt_max + cfg.response_canvases * c  # a window never crosses from one file into the next
+        longest = int(self.shards.sizes.max())
+        if longest >= need:
+            return
+        prompt_room, canvas_room = longest - cfg.response_canvases * c, (longest - cfg.prompt_max) // c
+        fits = [f"prompt_max {prompt_room}"] if prompt_room >= cfg.prompt_min else []
+        fits += [f"response_canvases {canvas_room}"] if canvas_room >= 1 else []
+        holds = f"its longest file holds {longest}" if len(self.shards.arrays) > 1 else f"holds {longest}"
+        raise ValueError(f"prompt_max/response_canvases: {where} {holds} tokens, fewer than the longest window of "
+                         f"running text, {need} (a prompt of up to {cfg.prompt_max} tokens, then "
+                         f"{cfg.response_canvases} canvas{'es' if cfg.response_canvases > 1 else ''} of {c}); "
+                         + (f"{' or '.join(fits)} fits it" if fits else "give more text"))
+
     def batch(self, step: int, size: int) -> list[Example]:
         g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         return [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max), self.cfg.response_canvases * self.c)
@@ -833,6 +850,11 @@ class Trainer:
                              f"positions (a prompt of up to {cfg.prompt_max} tokens, then {cfg.response_canvases} "
                              f"canvases of {lm.config.canvas_length}), more than the model's context of "
                              f"{text.max_position_embeddings}{fits}")
+        # Running text shorter than its longest window: refused now, not at the first step that draws one that long
+        if isinstance(source, ShardSource):
+            source.check_length(f"--data {data}" if data else "the training text")
+        if isinstance(heldout, ShardSource):
+            heldout.check_length(f"--heldout-data {cfg.heldout_data}" if cfg.heldout_data else "the held-out text")
         if cfg.noise_token_id >= text.vocab_size:
             raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
         trained_on = lm.generation_config.get("noise_token_id")

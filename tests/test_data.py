@@ -165,6 +165,30 @@ def test_shards_roundtrip_and_windows(tmp_path):
         assert starts  # a real contiguous window of the corpus
 
 
+@hypothesis.settings(max_examples=50, deadline=None)
+@hypothesis.given(st.integers(2, 40), st.data())
+def test_a_shard_yields_windows_up_to_its_whole_length(size, data):
+    """A shard of exactly a window's length holds one window, and sample() refused it ("no shard holds a 20-token
+    window (the longest holds 20 tokens)"): a shard's weight was size - need, one fewer than its windows."""
+    need = data.draw(st.integers(2, size))
+    prompt = data.draw(st.integers(1, need - 1))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    ex = TokenShards.of_tokens(np.arange(100, 100 + size)).sample(g, (prompt, prompt), need - prompt)
+    window = ex.prompt + ex.response
+    assert len(ex.prompt) == prompt and window == list(range(window[0], window[0] + need)) and window[-1] < 100 + size
+
+
+def test_shards_are_drawn_by_the_windows_they_hold(tmp_path):
+    """With windows as long as the longest shard, only that shard holds one: it was weighted 0, and refused."""
+    write_shard(tmp_path / "a.bin", [list(range(10, 30))], vocab_size=100)  # 20 tokens: one 20-token window
+    write_shard(tmp_path / "b.bin", [list(range(40, 59))], vocab_size=100)  # 19 tokens: none
+    shards = TokenShards([tmp_path / "a.bin", tmp_path / "b.bin"])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        ex = shards.sample(g, (10, 10), 10)
+        assert ex.prompt + ex.response == list(range(10, 30))
+
+
 def test_corpus_script_smoke(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_code_corpus.py"), "--out", str(tmp_path),
                         "--vocab-size", "400", "--max-files", "40", "--heldout", "0.2"],

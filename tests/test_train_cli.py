@@ -496,6 +496,26 @@ def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
     assert f"--data {folder}: raw text needs a tokenizer" in capsys.readouterr().err
 
 
+def test_raw_text_shorter_than_a_window_is_refused_before_training(tmp_path, capsys):
+    """It trained until a step drew a long enough prompt, then died with nothing saved, saying "TokenShards: no shard
+    holds a 80-token window", naming neither --data nor the settings to change."""
+    text = tmp_path / "small.txt"
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 5)
+    tokens = len(blockpress.load("blockpress-code").tokenizer.encode(text.read_text())) + 1  # and its EOS
+    args = train_args(text, tmp_path / "out", steps=2) + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
+    args.remove("--heldout")
+    args.remove("0")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    # (the preset's canvases are 16 tokens, its prompts up to 64: windows of up to 80 tokens)
+    assert (f"error: --prompt-max/--response-canvases: --data {text.resolve()} holds {tokens} tokens, fewer than the "
+            f"longest window of running text, 80 (a prompt of up to 64 tokens, then 1 canvas of 16); prompt_max "
+            f"{tokens - 16} fits it") in err, err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert main(args + ["--prompt-max", str(tokens - 16)]) == 0  # as it says: windows up to the whole text
+    assert len(losses(tmp_path / "out")) == 2
+
+
 def test_resume_keeps_the_runs_dtype(tmp_path, capsys):
     """--dtype was not saved with the run: --resume without it trained on (and saved) in float32, and said only
     which other settings changed."""
