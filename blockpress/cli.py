@@ -643,7 +643,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  else f"--config {args.config}: {message}") from None
         tokenizer = None
         if args.tokenizer:
-            from blockpress.lm import resolve_path
+            from blockpress.lm import check_tokenizer, resolve_path
             from blockpress.tokenizer import Tokenizer
 
             given = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
@@ -656,9 +656,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from None
             if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
                 mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
-            if tokenizer.vocab_size > mcfg.text.vocab_size:  # its ids past the model's vocabulary would crash the embedding
-                raise ValueError(f"--tokenizer {args.tokenizer}: {tokenizer.vocab_size} tokens, more than the model's "
-                                 f"vocab_size of {mcfg.text.vocab_size} (--config {args.config})")
+            check_tokenizer(tokenizer, mcfg.text.vocab_size, f"--tokenizer {args.tokenizer}")  # (random_model's check)
             if tokenizer.eos_id is None:  # an example's end is learned as this token: without one, answers never end
                 raise ValueError(f"--tokenizer {args.tokenizer}: names no EOS token (eos_token in "
                                  "tokenizer_config.json); the model learns to end its answers with it")

@@ -171,16 +171,22 @@ def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     return prefix_cache
 
 
-def _check_tokenizer(tokenizer: Any) -> Any:
-    """None or a blockpress Tokenizer: anything else would be accepted and fail at the first text prompt."""
+def check_tokenizer(tokenizer: Any, vocab_size: int | None = None, name: str = "tokenizer") -> Any:
+    """None or a blockpress Tokenizer: anything else would be accepted and fail at the first text prompt. Given the
+    model's `vocab_size`, also one whose ids all fit it: an id past it fails later, at the first prompt or training
+    example that holds one. `name`: the argument as the message names it (`blockpress train`: the flag)."""
     if tokenizer is None:
         return None
     # imported here, as in `load`: jinja2 and tokenizers are for models that have a tokenizer
     from .tokenizer import Tokenizer
 
     if not isinstance(tokenizer, Tokenizer):
-        raise ValueError(f"tokenizer: expected None or a blockpress Tokenizer (blockpress.tokenizer.Tokenizer."
+        raise ValueError(f"{name}: expected None or a blockpress Tokenizer (blockpress.tokenizer.Tokenizer."
                          f"from_dir(folder), or another LM's .tokenizer), got {type(tokenizer).__name__}")
+    if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{name}: {tokenizer.vocab_size} tokens, more than the model's vocab_size of {vocab_size} "
+                         f"(its config's text.vocab_size): its ids past {vocab_size - 1} have no embedding; give a "
+                         f"config with a vocab_size of at least {tokenizer.vocab_size}")
     return tokenizer
 
 
@@ -314,7 +320,7 @@ class LM:
         adapter: Path | None = None,
     ):
         self.model = model.eval()
-        self.tokenizer = _check_tokenizer(tokenizer)
+        self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
         self.passthrough = passthrough or Passthrough()
         self.path = path  # the base's folder
@@ -1310,7 +1316,7 @@ def random_model(
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
                          f"ModelConfig.from_dict(...)), got {type(config).__name__}")
-    tokenizer = _check_tokenizer(tokenizer)  # before the weights are allocated
+    tokenizer = check_tokenizer(tokenizer, config.text.vocab_size)  # before the weights are allocated
     seed = check_seed(seed, "seed")
     if seed is None:
         raise ValueError("seed: expected an integer (the weights are a function of it), got None")

@@ -1606,6 +1606,23 @@ def test_a_tokenizer_that_is_not_one_is_refused_up_front(lm, tokenizer):
         blockpress.LM(lm.model, tokenizer)
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(8, 400))  # (the config's own special ids are below 8)
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_up_front(vocab_size):
+    """random_model took a tokenizer of more tokens than the config's vocabulary (lm.save too): the first prompt or
+    training example with an id past it failed, far from the cause. `blockpress train --tokenizer` checked it alone."""
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer([""], vocab_size=300)
+    config = blockpress.ModelConfig.tiny(vocab_size=vocab_size)
+    if vocab_size < tokenizer.vocab_size:
+        with pytest.raises(ValueError, match=rf"tokenizer: {tokenizer.vocab_size} tokens, more than the model's "
+                                             rf"vocab_size of {vocab_size} "):
+            blockpress.random_model(config, tokenizer=tokenizer, device="meta")
+    else:
+        assert blockpress.random_model(config, tokenizer=tokenizer, device="meta").tokenizer is tokenizer
+
+
 def test_saving_over_another_model_leaves_none_of_its_tokenizer(lm, tmp_path):
     from blockpress.lm import MODELS_DIR
 
