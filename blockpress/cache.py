@@ -26,6 +26,9 @@ import torch
 from .checks import is_int
 from .config import TextConfig
 
+# Why a mark is gone, unless the caller that went back says otherwise (KVCache.keep's `why`)
+_WENT_BACK = "the cache went back to before it since (truncate or reset)"
+
 
 @dataclass(eq=False)  # compared by identity: a cache keeps its live marks in a WeakSet
 class CacheMark:
@@ -35,6 +38,9 @@ class CacheMark:
     length: int
     counts: tuple[int, ...]  # [B] the row's valid slots: its conversation's tokens
     cache: weakref.ref = field(repr=False, compare=False)
+    # Why the cache dropped it (None while it holds): what truncate(mark) then tells the caller, who may not have
+    # gone back themselves (lm.chat keeps only what a re-rendered conversation shares with the cache).
+    gone: str | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -134,8 +140,8 @@ class KVCache:
             if to.cache() is not self:
                 raise ValueError("KVCache.truncate: this mark was made on another cache")
             if to not in self.marks:
-                raise ValueError("KVCache.truncate: this mark is gone: the cache went back to before it since "
-                                 "(truncate or reset), so what it marked may have been overwritten")
+                raise ValueError(f"KVCache.truncate: this mark is gone: {to.gone or _WENT_BACK}, so what it marked "
+                                 "may have been overwritten")
             self._left_pad(torch.tensor(to.counts, device=self.device), to.length)
             self._rewound()
             return
@@ -152,9 +158,10 @@ class KVCache:
                 "no longer where the conversation stood: note `mark = cache.mark()` and `cache.truncate(mark)`")
         self._cut(to)
 
-    def keep(self, counts: list[int]) -> None:
+    def keep(self, counts: list[int], why: str | None = None) -> None:
         """Row r keeps its first `counts[r]` tokens (at most what it holds) and forgets the rest: a batch going back
-        a different way in each row (LM.chat keeps what each re-rendered conversation shares with the cache)."""
+        a different way in each row (LM.chat keeps what each re-rendered conversation shares with the cache).
+        `why`: what a mark this drops says in truncate's error (default: the cache went back by truncate or reset)."""
         held = self.next_pos.tolist()
         if len(counts) != len(held) or not all(is_int(c) and 0 <= c <= h for c, h in zip(counts, held)):
             raise ValueError(f"KVCache.keep: expected one count per row, each at most what the row holds ({held}), "
@@ -162,7 +169,7 @@ class KVCache:
         if counts == held:
             return
         self._left_pad(torch.tensor(counts, device=self.device), max(counts))
-        self._rewound()
+        self._rewound(why)
 
     def _cut(self, length: int) -> None:
         """Keep the first `length` slots as they are."""
@@ -172,9 +179,9 @@ class KVCache:
         self.has_padding = bool((~self.valid[:, :length]).any()) if length else False
         self._rewound()
 
-    def _rewound(self) -> None:
+    def _rewound(self, why: str | None = None) -> None:
         """After the conversation got shorter: slots past the end are gone, and so are the marks past it (what
-        they held will be overwritten)."""
+        they held will be overwritten); `why` is what such a mark then says (default: `_WENT_BACK`)."""
         if self.moved_from is not None and self.moved_from >= self.length:
             self.moved_from = None
         if self.tokens is not None:
@@ -183,6 +190,7 @@ class KVCache:
             held = self.next_pos.tolist()
             for m in list(self.marks):
                 if any(c > h for c, h in zip(m.counts, held)):
+                    m.gone = why or _WENT_BACK
                     self.marks.discard(m)
 
     def reserve(self, new_tokens: int, scratch: int = 0) -> None:

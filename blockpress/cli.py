@@ -441,7 +441,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "
                       "/reset starts a new conversation)", file=sys.stderr)
             t0 = time.perf_counter()
-            # only what the conversation adds to what the cache holds is encoded
+            # only what the conversation does not share with the cache is encoded (lm.chat_ids)
             out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
         except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
             messages.pop()  # lm.chat_ids took the stopped turn out of the cache
@@ -1105,8 +1105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_infill)
 
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",
-                       description="A multi-turn REPL. Each turn encodes only the new tokens: the KV cache "
-                                   "of the conversation is kept between turns. A reply is never empty: "
+                       description="A multi-turn REPL. The KV cache of the conversation is kept between turns, "
+                                   "so each turn encodes the new message and whatever of the last reply "
+                                   "re-tokenizes differently through the chat template (a reply's text can encode "
+                                   "to other tokens than the model wrote: two \"\\n\" tokens as one "
+                                   "\"\\n\\n\"), the cache going back to the prefix both share. A reply is never "
+                                   "empty: "
                                    "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn). "
                                    f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
                                    "code; give --model for a chat model. Lines: " + CHAT_HELP + ". On a terminal "

@@ -165,6 +165,23 @@ def _check_logits_processor(processor: Any) -> Any:
     return processor
 
 
+def _chat_rewind(rows: list[list[int]], held: list[list[int]], common: list[int]) -> str | None:
+    """What a mark that lm.chat's rewind drops says in truncate's error (None: no row goes back): the caller only
+    called lm.chat, so say that it went back, where, and why (the first row that went back)."""
+    r = next((i for i, (had, n) in enumerate(zip(held, common)) if n < len(had)), None)
+    if r is None:
+        return None
+    where = f"{common[r]} tokens" + (f" in row {r}" if len(rows) > 1 else "")
+    if held[r][: len(rows[r])] == rows[r]:  # it matched to its end, and its last token is encoded again
+        cause = "the conversation it was given ends there (its last token is always encoded again)"
+    else:
+        cause = (f"the conversation re-tokenized differently there (token {held[r][common[r]]} held, "
+                 f"{rows[r][common[r]]} rendered): a reply's text can encode to other tokens than the model wrote "
+                 "(two \"\\n\" tokens as one \"\\n\\n\"), or an edit changed the conversation there")
+    return (f"a chat turn (lm.chat / lm.chat_ids) took the cache back to the prefix it shares with the conversation, "
+            f"at {where}, because {cause}")
+
+
 def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: expected a blockpress.PrefixCache, got {type(prefix_cache).__name__}")
@@ -953,7 +970,7 @@ class LM:
         `chat_prompt(messages, **template_options)`, so an instruction-tuned checkpoint is prompted the way it was
         trained. `kwargs`: generate's (max_new_tokens, seed, sampler, stop, return_cache, ...). out.texts[0] is the
         reply. `cache`: continue the conversation as `chat_ids` says: pass the whole conversation again (with the
-        reply and the new message), and only what it adds to the cache is encoded."""
+        reply and the new message), and only what it does not share with the cache is encoded."""
         if template_options is not None and not isinstance(template_options, dict):
             raise ValueError(f"template_options: expected a dict of apply_chat_template's options (tools=..., ...), "
                              f"got {type(template_options).__name__}")
@@ -964,8 +981,8 @@ class LM:
         """`generate` on a rendered conversation (`chat_prompt`'s ids: one list, or one per conversation), continuing
         `cache` when given: the cache an earlier `chat` / `chat_ids(..., return_cache=True)` returned. Only what
         `ids` add to what the cache holds is encoded (each row keeps the longest common prefix of its tokens; a reply
-        that re-renders to other tokens costs re-encoding from the first difference), so the reply is the one the
-        conversation gets without a cache. The cache records the tokens it holds; one extended since by generate or
+        that re-renders to other tokens costs re-encoding from the first difference, and drops the cache's marks past
+        it), so the reply is the one the conversation gets without a cache. The cache records the tokens it holds; one extended since by generate or
         stream is refused (truncating it, to a mark say, is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. `kwargs`: generate's."""
         if not isinstance(ids, list) or not ids:
@@ -985,7 +1002,7 @@ class LM:
             for i, (row, had) in enumerate(zip(rows, held)):  # one token at least is encoded: decoding starts there
                 while common[i] < min(len(had), len(row) - 1) and had[common[i]] == row[common[i]]:
                     common[i] += 1
-            cache.keep(common)
+            cache.keep(common, why=_chat_rewind(rows, held, common))
         try:
             out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
         except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so

@@ -2215,6 +2215,30 @@ def test_chat_refuses_a_cache_it_cannot_read_and_keeps_it_on_a_failed_turn(chat_
         chat_lm.chat(m2, cache=out.cache)
 
 
+def test_a_mark_a_chat_turn_drops_says_the_chat_turn_dropped_it(chat_lm):
+    """lm.chat keeps only what the re-rendered conversation shares with the cache (a reply's text can encode to
+    other tokens than the model wrote); a mark past that point is gone, and truncate(mark) blamed a "truncate or
+    reset" that the caller never made. It names the chat turn, where it went back to and why."""
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=0)
+    m1 = [{"role": "user", "content": "hi"}]
+    out = chat_lm.chat(m1, return_cache=True, **kw)
+    held, mark = list(out.cache.tokens[0]), out.cache.mark()
+    m2 = m1 + [{"role": "assistant", "content": "a reply the model did not write"}, {"role": "user", "content": "x"}]
+    rendered = chat_lm.chat_prompt(m2)
+    n = next(i for i, (a, b) in enumerate(zip(held, rendered)) if a != b)
+    chat_lm.chat(m2, cache=out.cache, **kw)
+    with pytest.raises(ValueError, match=rf"this mark is gone: a chat turn \(lm.chat / lm.chat_ids\) took the cache "
+                                         rf"back .* at {n} tokens, because the conversation re-tokenized differently "
+                                         rf"there \(token {held[n]} held, {rendered[n]} rendered\)"):
+        out.cache.truncate(mark)
+    again = chat_lm.chat_ids(held, return_cache=True, **kw)  # the same ids again: the last one is encoded again
+    mark, ids = again.cache.mark(), list(again.cache.tokens[0])
+    chat_lm.chat_ids(ids, cache=again.cache, **kw)
+    with pytest.raises(ValueError, match=rf"at {len(ids) - 1} tokens, because the conversation it was given ends "
+                                         "there"):
+        again.cache.truncate(mark)
+
+
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # prints content as is
 
 
