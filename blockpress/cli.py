@@ -1085,7 +1085,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Fill the holes of TEMPLATE (<|hole|> is a hole of --hole-length tokens, "
                                    "<|hole:N|> one of N tokens). Fixed text is never changed. A backslash keeps "
                                    "a marker as text: \\<|hole|> is the text <|hole|>, \\\\<|hole|> a backslash "
-                                   "and then a hole.")
+                                   "and then a hole. Text that only looks like a marker (<|HOLE|>, <| hole |>, "
+                                   "\"<|hole\") is refused as a typo unless a backslash keeps it so too "
+                                   "(\\<|HOLE|> is the text <|HOLE|>; in Python, blockpress.escape_template "
+                                   "escapes a whole text).")
     p.add_argument("template", help="text with hole markers, or - to read it from standard input")
     p.add_argument("--prefix", default="", help="context before the template (encoded, not shown)")
     p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")

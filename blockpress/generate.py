@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .checks import is_int
+from .checks import check_flag, is_int
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
@@ -39,8 +39,10 @@ from .sampling import (
 HOLE = "<|hole|>"
 # A marker and the backslashes right before it (they escape it): ASCII digits, as \d would take "３" or "٣" as well
 _HOLE_RE = re.compile(r"(\\*)(<\|hole(?::([0-9]+))?\|>)")
-# What a mistyped marker looks like: closed wrongly within a few characters, or not closed at all.
-_NEAR_HOLE_RE = re.compile(r"<\|\s*hole(?:[^<>\n]{0,16}>|[^<>\n]{0,16})", re.IGNORECASE)
+# Anything that starts like a marker, with the backslashes right before it: a mistyped one unless escaped, every
+# marker too. Only "<|hole" is consumed, so the next one's backslashes stay its own; group 2 is what a typo looks
+# like after it (closed wrongly within a few characters, or not closed at all), for the error.
+_NEAR_HOLE_RE = re.compile(r"(\\*)<\|\s*hole(?=([^<>\n]{0,16}>|[^<>\n]{0,16}))", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -488,10 +490,25 @@ def hole_runs(row: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def escape_template(text: str, before_hole: bool = False) -> str:
+    """`text` as a text template's fixed text: every hole marker in it, and everything that looks like one
+    (`<|HOLE|>`, `<| hole |>`, `"<|hole"`), escaped with a backslash, the backslashes right before one doubled, so
+    that infill keeps it exactly as it is. `before_hole`: a hole marker comes right after it, so its trailing
+    backslashes are doubled too (else they would escape that marker). Put holes between escaped pieces:
+    `escape_template(before, before_hole=True) + "<|hole:8|>" + escape_template(after)`."""
+    if not isinstance(text, str):
+        raise ValueError(f"text: expected a str, got {type(text).__name__}")
+    check_flag("before_hole", before_hole)
+    text = _NEAR_HOLE_RE.sub(lambda m: "\\" * (2 * len(m.group(1)) + 1) + m.group(0)[len(m.group(1)):], text)
+    return text + "\\" * (len(text) - len(text.rstrip("\\"))) if before_hole else text
+
+
 def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
     """One text template's ids and hole spans. A backslash before a marker keeps it as text: each pair of
     backslashes right before a marker stands for one, and an odd one left over makes the marker literal
     (`\\<|hole|>` is the text "<|hole|>", `\\\\<|hole|>` a backslash and then a hole); other backslashes are text.
+    So does it before what looks like a marker but is not one (`\\<|HOLE|>` is the text "<|HOLE|>"), which is
+    refused unescaped: a typo would stay in the text, silently. `escape_template` escapes a whole text.
     A literal marker is encoded as plain text (`Tokenizer.encode_plain`): where the tokenizer has `<|hole|>` as a
     special token, that id is the absorbing noise token of models trained with it, not text."""
     if tokenizer is None:
@@ -500,16 +517,23 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
         raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
     matches = list(_HOLE_RE.finditer(template))
     markers = {m.start(2) for m in matches}
-    near = next((m for m in _NEAR_HOLE_RE.finditer(template) if m.start() not in markers), None)
-    if near is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
-        raise ValueError(f"template: {near.group(0)!r} looks like a hole marker but is not one; write <|hole|> "
-                         "or <|hole:N|> (no spaces, lower case)")
+    near = [m for m in _NEAR_HOLE_RE.finditer(template) if m.end(1) not in markers]
+    typo = next((m for m in near if not len(m.group(1)) % 2), None)
+    if typo is not None:  # a typo would otherwise stay in the text as fixed tokens, silently
+        shown = template[typo.end(1) : typo.end()] + typo.group(2)
+        raise ValueError(f"template: {shown!r} looks like a hole marker but is not one; write <|hole|> or "
+                         "<|hole:N|> (no spaces, lower case), or keep it as text with a backslash right before its "
+                         "<| (blockpress.escape_template(text) escapes every marker of a text)")
     ids: list[int] = []
     holes: list[tuple[int, int]] = []
     text, pos = "", 0  # the fixed text since the last hole, encoded whole when the next hole (or the end) comes
-    for m in matches:
-        slashes, marker, length = m.group(1), m.group(2), m.group(3)
+    for m in sorted([*matches, *near], key=lambda m: m.start()):
+        slashes = m.group(1)
         text += template[pos : m.start()] + "\\" * (len(slashes) // 2)
+        if m.re is _NEAR_HOLE_RE:  # an escaped near-marker: plain text from its "<|" on
+            pos = m.end(1)
+            continue
+        marker, length = m.group(2), m.group(3)
         pos = m.end()
         if len(slashes) % 2:  # escaped: the marker is text, its own tokens (special tokens split text there anyway)
             ids += (tokenizer.encode(text) if text else []) + tokenizer.encode_plain(marker)

@@ -1899,15 +1899,6 @@ def test_the_repeat_history_is_indexed_once_a_canvas_not_every_step(lm):
     assert int(out.steps_per_canvas.sum()) == 2 * 2 * 6 and copies == []
 
 
-def _escaped(text, marker_follows):
-    """`text` as a template's fixed part: a backslash before each marker in it (and the backslashes already
-    there doubled), and trailing backslashes doubled when a hole marker comes next."""
-    import re
-
-    text = re.sub(r"(\\*)(<\|hole(?::[0-9]+)?\|>)", lambda m: m.group(1) * 2 + "\\" + m.group(2), text)
-    return text + "\\" * (len(text) - len(text.rstrip("\\"))) if marker_follows else text
-
-
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_hole_marker_gets_its_own_fill(code_lm, data):
@@ -1917,7 +1908,7 @@ def test_every_hole_marker_gets_its_own_fill(code_lm, data):
     piece = st.sampled_from(["", "x = ", "\n", "return ", "a\\", "<|hole|>", "\\<|hole:2|> ", "é ", "f(a, "])
     fixed = data.draw(st.lists(st.lists(piece, max_size=3).map("".join), min_size=2, max_size=5))
     holes = data.draw(st.lists(st.integers(1, 3), min_size=len(fixed) - 1, max_size=len(fixed) - 1))
-    template = "".join(_escaped(t, i < len(holes)) + (f"<|hole:{n}|>" if i < len(holes) else "")
+    template = "".join(blockpress.escape_template(t, before_hole=i < len(holes)) + (f"<|hole:{n}|>" if i < len(holes) else "")
                        for i, (t, n) in enumerate(zip(fixed, holes + [0])))
     out = code_lm.infill(template, seed=0, max_denoising_steps=3)
     fills = out.fills[0]
@@ -1962,6 +1953,27 @@ def test_fills_read_back_as_the_text_when_two_holes_share_a_character(code_tiny,
     out = events[-1].output
     assert out.texts[0] == f"x = '{text}'" == "x = '" + "".join(out.fills[0]) + "'"
     assert [e for e in events if isinstance(e, Commit)][-1].fills_so_far == out.fills
+
+
+near_markers = st.sampled_from(["<|hole|>", "<|hole:2|>", "<|HOLE|>", "<| hole |>", '"<|hole"', "<|hole:x|>",
+                                "<|Hole:3|>", "<|\nhole", "\\", "\\\\", "<|hole|", "<|hole:0|>", "<|hole:３|>"])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_escaped_text_is_kept_as_it_is_near_markers_included(code_tiny, data):
+    """Fixed text that mentions a marker in another form (`s.startswith("<|hole")`, "<|HOLE|>") was refused as a
+    typo, and the backslash escape did not help: such a file could not be infilled. escape_template's text reads
+    back as it was, whatever it holds, and an unescaped near-marker's error says how to keep it."""
+    piece = st.one_of(near_markers, st.text(st.characters(codec="utf-8"), max_size=4))
+    fixed = data.draw(st.lists(st.lists(piece, max_size=4).map("".join), min_size=2, max_size=3), label="fixed")
+    template = "".join(blockpress.escape_template(t, before_hole=i < len(fixed) - 1) + "<|hole:2|>" * (i < len(fixed) - 1)
+                       for i, t in enumerate(fixed))
+    out = code_tiny.infill(template, seed=0, max_denoising_steps=2, token_healing=False)
+    assert fixed[0] + "".join(f + t for f, t in zip(out.fills[0], fixed[1:])) == out.texts[0], template
+    with pytest.raises(ValueError, match="looks like a hole marker but is not one; .* keep it as text with a "
+                                         "backslash right before its <\\| \\(blockpress.escape_template"):
+        code_tiny.infill('s.startswith("<|hole") and <|hole:2|>')
 
 
 def test_a_backslash_keeps_a_hole_marker_as_text(code_lm):
