@@ -938,10 +938,16 @@ class LM:
         server and `blockpress train` read it (tokenizer.chat_message: OpenAI's text parts joined, "developer" as
         "system", other parts and missing content refused by field). `template_options` go to
         Tokenizer.apply_chat_template (tools, documents, chat_template, continue_final_message, template
-        variables); tools are refused where the template never reads them (they would vanish from the prompt)."""
+        variables; not `tokenize`: ids are what this returns, and their text is
+        `lm.tokenizer.decode(ids, skip_special_tokens=False)`); tools are refused where the template never reads
+        them (they would vanish from the prompt)."""
         # imported here, as in `load`: jinja2 and tokenizers are for models that have a tokenizer
         from .tokenizer import MessageError, chat_message
 
+        if "tokenize" in template_options:  # it would reach apply_chat_template twice: a bare TypeError
+            raise ValueError(f"tokenize: chat_prompt always returns token ids (got tokenize="
+                             f"{template_options['tokenize']!r}); for the rendered text, "
+                             "lm.tokenizer.decode(lm.chat_prompt(messages), skip_special_tokens=False)")
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer (no tokenizer.json in its folder) to render a "
                              "conversation with; pass token ids to generate")

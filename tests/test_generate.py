@@ -2282,6 +2282,18 @@ def test_chat_prompt_refuses_what_the_server_refuses_by_field(chat_lm, message, 
         chat_lm.chat_prompt([message])
 
 
+@pytest.mark.parametrize("tokenize", [False, True])
+def test_chat_prompt_names_tokenize_and_says_how_to_get_the_text(chat_lm, tokenize):
+    """template_options go to apply_chat_template, but tokenize=False reached it twice: a bare TypeError ("multiple
+    values for keyword argument"). chat_prompt returns ids; the error names `tokenize` and where the text is."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"^tokenize: chat_prompt always returns token ids .* "
+                                         r"lm\.tokenizer\.decode\(lm\.chat_prompt\(messages\), skip_special_tokens=False\)"):
+        chat_lm.chat_prompt(messages, tokenize=tokenize)
+    text = chat_lm.tokenizer.decode(chat_lm.chat_prompt(messages), skip_special_tokens=False)
+    assert text == chat_lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # as the error says
+
+
 def test_chat_refuses_tools_a_template_never_reads(chat_lm):
     """The server refused them; lm.chat dropped them without a word (one check, in chat_prompt, serves both)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
