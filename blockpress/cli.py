@@ -386,7 +386,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             if interactive and args.json:
                 print("you> ", end="", file=sys.stderr, flush=True)
-            user = input(prompt)
+            user = input(prompt).removesuffix("\r")  # a line ends at "\r\n" too (a file written on Windows)
         except EOFError:
             print(file=sys.stderr)  # the shell's prompt on a line of its own
             break

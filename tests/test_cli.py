@@ -999,6 +999,15 @@ def test_chat_refuses_unknown_commands(monkeypatch, capsys):
     assert "error: unknown command '/exit now'; /reset starts a new conversation" in err and "'/foo'" in err
 
 
+def test_chat_lines_ending_in_crlf_send_no_carriage_return(monkeypatch, capsys):
+    """Piped lines that end in "\r\n" (a file written on Windows) reached the model as "hi\r", and --json echoed
+    that prompt; commands worked, being stripped. The line's terminator is not part of the message."""
+    sent = chat_turns(monkeypatch, ["hi\r", "a\rb \r", "/help\r", "/exit\r", "never sent"], "--json")
+    assert sent == ["hi", "a\rb "]  # only the terminator's "\r" goes: the message's own text stays as typed
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [t["prompt"] for t in lines][:3] == ["hi", "a\rb ", "/help"]
+
+
 def test_chat_bad_messages_are_named_by_their_own_text(monkeypatch, capsys):
     """Invalid UTF-8 was placed in the rendered template ("at character 27"); a first message longer than the
     context was told "the conversation so far holds 0 of 4096 tokens: /reset starts a new one"."""
