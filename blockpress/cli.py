@@ -457,7 +457,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         cache = out.cache
         reply = out.texts[0]
         stats = stats_line(out, time.perf_counter() - t0)
-        if args.json:
+        if args.json:  # the conversation's tokens, and those the cache held (the rest were encoded this turn)
+            stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0])
             print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
         else:
             print(marker + reply, flush=not interactive)  # flushed when piped: a script waits for each reply
@@ -1112,8 +1113,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "so each turn encodes the new message and whatever of the last reply "
                                    "re-tokenizes differently through the chat template (a reply's text can encode "
                                    "to other tokens than the model wrote: two \"\\n\" tokens as one "
-                                   "\"\\n\\n\"), the cache going back to the prefix both share. A reply is never "
-                                   "empty: "
+                                   "\"\\n\\n\"), the cache going back to the prefix both share (--json says how many "
+                                   "tokens were reused). A reply is never empty: "
                                    "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn). "
                                    f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
                                    "code; give --model for a chat model. Lines: " + CHAT_HELP + ". On a terminal "
@@ -1126,7 +1127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="stdout holds one JSON object per line for each line read (blank lines aside; /exit "
                         "and /quit end the chat), in order: a message's reply {text, prompt, new_tokens, "
-                        "forward_passes, tokens_per_forward, tok_s, seconds}, {prompt, error} when the message was "
+                        "forward_passes, tokens_per_forward, tok_s, seconds, prompt_tokens (the conversation with "
+                        "the chat template), cached_tokens (those the cache held: the rest were encoded this turn)}, "
+                        "{prompt, error} when the message was "
                         "dropped (too long, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
                         "/reset and /help. E.g. "
                         "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")

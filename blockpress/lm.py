@@ -990,7 +990,8 @@ class LM:
         that re-renders to other tokens costs re-encoding from the first difference, and drops the cache's marks past
         it), so the reply is the one the conversation gets without a cache. The cache records the tokens it holds; one extended since by generate or
         stream is refused (truncating it, to a mark say, is fine). A turn that fails or is interrupted leaves it
-        holding that common prefix. `kwargs`: generate's."""
+        holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
+        not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
         if not isinstance(ids, list) or not ids:
             raise ValueError(f"ids: expected chat_prompt's token ids (a list of ids, or one list per conversation), "
                              f"got {ids!r:.80}")
@@ -1016,6 +1017,7 @@ class LM:
                 cache.keep([min(n, h) for n, h in zip(common, cache.next_pos.tolist())])
                 cache.tokens = [row[:n] for row, n in zip(rows, cache.next_pos.tolist())]
             raise
+        out.extra["reused_prompt_tokens"] = [n + r for n, r in zip(common, out.extra["reused_prompt_tokens"])]
         if out.cache is not None:
             # What each row now holds: what it kept, its prompt as encoded (token healing may have changed its end;
             # left padding is no token) and its new tokens through the end.

@@ -1534,6 +1534,28 @@ def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
         assert {"new_tokens", "forward_passes", "tokens_per_forward", "tok_s", "seconds"} <= set(t)
 
 
+def test_chat_json_says_how_much_of_the_prompt_the_cache_held(monkeypatch, capsys):
+    """A script could not see the cache's reuse (the help promised "each turn encodes only the new tokens", which a
+    reply that re-tokenizes differently breaks): each reply's line has prompt_tokens (the conversation with the
+    chat template) and cached_tokens, the rest being what the turn encoded."""
+    import blockpress.lm
+
+    encoded, original = [], blockpress.lm.LM.generate
+
+    def spy(self, prompt, *a, **kw):
+        encoded.append(len(prompt[0]))
+        return original(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
+    lines = ["def add(a, b):", "and a test", "/reset", "again"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "8", "--steps", "2", "--threads", "1", "--json"]) == 0
+    turns = [t for t in map(json.loads, capsys.readouterr().out.splitlines()) if "text" in t]
+    assert [t["prompt_tokens"] - t["cached_tokens"] for t in turns] == encoded
+    assert turns[0]["cached_tokens"] == 0 == turns[2]["cached_tokens"]  # a new conversation: nothing cached
+    assert 0 < turns[1]["cached_tokens"] < turns[1]["prompt_tokens"]
+
+
 def test_chat_help_lists_the_commands(monkeypatch, capsys):
     """"/help" was refused as an unknown command."""
     from blockpress.cli import CHAT_HELP

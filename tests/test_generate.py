@@ -2,6 +2,7 @@
 
 import re
 from dataclasses import asdict, fields, replace
+from os.path import commonprefix
 from pathlib import Path
 
 import numpy as np
@@ -2206,10 +2207,13 @@ def test_chat_continuing_a_cache_is_the_conversation_without_one(chat_lm, first,
     turn1 = chat_lm.chat([m1, m1[:]] if batch else m1, return_cache=True, **kw)
     m2 = [m1 + [{"role": "assistant", "content": t}, {"role": "user", "content": second}] for t in turn1.texts]
     messages = m2 if batch else m2[0]
+    had = [list(t) for t in turn1.cache.tokens]
     got = chat_lm.chat(messages, cache=turn1.cache, **kw)
     want = chat_lm.chat(messages, **kw)
     assert torch.equal(got.new_tokens, want.new_tokens) and got.texts == want.texts
     rows = chat_lm.chat_prompt(m2)
+    shared = [len(commonprefix([h, r[:-1]])) for h, r in zip(had, rows)]  # the last token is always encoded
+    assert got.extra["reused_prompt_tokens"] == shared and want.extra["reused_prompt_tokens"] == [0] * len(rows)
     held = [r + t[:n] for r, t, n in zip(rows, want.new_tokens.tolist(), want.num_new_tokens.tolist())]
     assert got.cache.tokens == held and got.cache.next_pos.tolist() == [len(h) for h in held]
 
