@@ -396,7 +396,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not user.strip():  # skipped, not an end: piped conversations have blank lines between messages
             continue
         command = user.strip()
-        if command in ("/exit", "/quit"):
+        if command in ("/exit", "/quit"):  # answered too: a script reads one line per line it wrote
+            no_reply(user, command=command[1:])
             break
         if command == "/help":
             print(CHAT_HELP, file=sys.stderr)
@@ -1126,12 +1127,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, stop=False)
     p.add_argument("--json", action="store_true",
                    help="stdout holds one JSON object per line for each line read (blank lines aside; /exit "
-                        "and /quit end the chat), in order: a message's reply {text, prompt, new_tokens, "
+                        "and /quit end the chat, lines after them unread), in order: a message's reply {text, prompt, new_tokens, "
                         "forward_passes, tokens_per_forward, tok_s, seconds, prompt_tokens (the conversation with "
                         "the chat template), cached_tokens (those the cache held: the rest were encoded this turn)}, "
                         "{prompt, error} when the message was "
                         "dropped (too long, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
-                        "/reset and /help. E.g. "
+                        "/reset, /help, /exit and /quit. E.g. "
                         "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message that starts the conversation (and the new one after /reset), as the "

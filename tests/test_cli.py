@@ -1005,7 +1005,7 @@ def test_chat_lines_ending_in_crlf_send_no_carriage_return(monkeypatch, capsys):
     sent = chat_turns(monkeypatch, ["hi\r", "a\rb \r", "/help\r", "/exit\r", "never sent"], "--json")
     assert sent == ["hi", "a\rb "]  # only the terminator's "\r" goes: the message's own text stays as typed
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [t["prompt"] for t in lines][:3] == ["hi", "a\rb ", "/help"]
+    assert [t["prompt"] for t in lines] == ["hi", "a\rb ", "/help", "/exit"]
 
 
 def test_chat_bad_messages_are_named_by_their_own_text(monkeypatch, capsys):
@@ -1524,8 +1524,9 @@ def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
     assert main([*flags, "--json"]) == 0
     out = capsys.readouterr().out
     turns = [json.loads(line) for line in out.splitlines()]
-    assert [t["prompt"] for t in turns] == [line for line in lines[:lines.index("/exit")] if line]
+    assert [t["prompt"] for t in turns] == [line for line in lines[: lines.index("/exit") + 1] if line]
     assert turns[1] == {"prompt": "/help", "command": "help"} and turns[4] == {"prompt": "/reset", "command": "reset"}
+    assert turns[-1] == {"prompt": "/exit", "command": "exit"}  # answered too; "unread" is not
     assert turns[2]["error"].startswith("unknown command '/bogus'") and "text" not in turns[2]
     assert turns[3]["error"].startswith("no room for a reply") and "text" not in turns[3]
     replies_ = [turns[0]["text"], turns[5]["text"]]
