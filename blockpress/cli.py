@@ -1303,6 +1303,9 @@ def main(argv: list[str] | None = None) -> int:
     # Set for the command's run alone, not on import: the library's users keep Python's warnings.
     with warnings.catch_warnings():
         warnings.showwarning = show_warning
+        # Each run says each of its warnings once: a new filter also clears the record of warnings an earlier
+        # main() in this process already showed (a test, a notebook), which would silence them here.
+        warnings.filterwarnings("default", category=UserWarning)
         return run_command(args)
 
 
