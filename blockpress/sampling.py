@@ -318,14 +318,20 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0) -> torch.Tensor:
+def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
+               k_values: Sequence[int] | None = None, nucleus: bool | None = None) -> torch.Tensor:
     """`probs` [B, ..., V] with every token outside the top_k most likely (0: no limit) and then outside the nucleus
     of those zeroed: the fewest most likely tokens whose probability reaches top_p of what top_k left (1: no limit).
     `top_k`, `top_p`: one value for every row, or one per row ([B] tensors, RowDraws'); a row at 0 and 1 comes back
-    exactly as it was (the sort is undone), so it draws what it would unfiltered.
+    exactly as it was, so it draws what it would unfiltered.
+    `k_values`, `nucleus`: the rows' top_k and whether any row's top_p is below 1, known on the host (RowDraws keeps
+    them); None reads them from `top_k` and `top_p` (a device sync when those are device tensors).
 
     Not renormalised (`sample` draws in proportion to what is left). The most likely token always stays, and ties
-    are ranked by token id, as argmax ranks them: top_k=1 keeps exactly the argmax token. One stable sort.
+    are ranked by token id, as argmax ranks them: top_k=1 keeps exactly the argmax token. What stays is a prefix of
+    that order (ending at the first token the nucleus drops), so it is told apart by its last token alone: a
+    threshold in vocabulary order, with no scatter back. top_k alone takes torch.topk's k-th value as that
+    threshold (no sort of the vocabulary); top_p needs one stable sort and one running sum.
     """
     v = probs.shape[-1]
 
@@ -334,16 +340,38 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         x = torch.as_tensor(x, dtype=dtype, device=probs.device)
         return x.view(-1, *[1] * (probs.dim() - 1)) if x.dim() else x
 
+    if k_values is None:
+        k_values = torch.as_tensor(top_k).reshape(-1).tolist()
+    if nucleus is None:
+        nucleus = bool((torch.as_tensor(top_p) < 1.0).any())
     k, p = per_row(top_k, torch.long), per_row(top_p, probs.dtype)
-    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    ordered = ordered.masked_fill(torch.arange(v, device=probs.device) >= torch.where(k > 0, k, v), 0.0)
-    # a token stays while the more likely ones before it hold less than top_p of the mass, the first always (by
-    # position: a top_p below float32's smallest, 1e-320, is 0 here, and 0 >= 0 dropped every token). At top_p 1
-    # nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
-    before = torch.cumsum(ordered, dim=-1) - ordered
-    past = (before >= p * ordered.sum(-1, keepdim=True)) & (torch.arange(v, device=probs.device) > 0)
-    ordered = ordered.masked_fill(past & (p < 1.0), 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, ordered)
+    k = torch.where((k > 0) & (k < v), k, v)  # how many tokens top_k leaves (0, or k >= V: all)
+    ids = torch.arange(v, device=probs.device)
+    if nucleus:
+        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        ordered = ordered.masked_fill(ids >= k, 0.0)
+        # a token stays while the more likely ones before it hold less than top_p of the mass, the first always (by
+        # position: a top_p below float32's smallest, 1e-320, is 0 here, and 0 >= 0 dropped every token). At top_p 1
+        # nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
+        before = torch.cumsum(ordered, dim=-1) - ordered
+        past = (before >= p * ordered.sum(-1, keepdim=True)) & (ids > 0) & (p < 1.0)
+        # The nucleus ends at the first token past it (the running sum's rounding can wobble by an ulp in a long
+        # tail of tiny probabilities; a token after the first one dropped never stays).
+        n = torch.minimum(torch.where(past.any(-1, keepdim=True), past.byte().argmax(-1, keepdim=True), v), k)
+        last = order.gather(-1, n - 1)  # the least likely token kept, and its probability
+        cut = ordered.gather(-1, n - 1)
+        keep = (probs > cut) | ((probs == cut) & (ids <= last))
+    else:
+        kmax = max((x for x in k_values if 0 < x < v), default=0)
+        if kmax == 0:
+            return probs
+        top = probs.topk(kmax, dim=-1).values  # sorted, most likely first
+        cut = top.gather(-1, (k.clamp(max=kmax) - 1).expand(*probs.shape[:-1], 1))
+        cut = torch.where(k < v, cut, float("-inf"))  # rows without a top_k keep everything
+        # Tokens tied at the cut-off stay by token id, as many as the k leave after the likelier ones.
+        tied = probs == cut
+        keep = (probs > cut) | (tied & (tied.cumsum(-1) <= k - (top > cut).sum(-1, keepdim=True)))
+    return probs.masked_fill(~keep, 0.0)
 
 
 @dataclass(frozen=True)
@@ -355,10 +383,16 @@ class RowDraws:
     temperature: torch.Tensor  # [B] float32, > 0: the draw temperature (times the schedule's, in diffusion)
     top_k: torch.Tensor  # [B] int64, 0: no top-k filter
     top_p: torch.Tensor  # [B] float32, 1: no nucleus filter
-    # Read on the host once, when made (never inside a step): whether any row tempers its draws, and whether any
-    # row filters them. A batch where none does skips that work, as a single unfiltered request always did.
+    # Read on the host once, when made (never inside a step): whether any row tempers its draws, the rows' top_k
+    # and whether any row's top_p is below 1. A batch where none does skips that work, as a single unfiltered
+    # request always did; one without a nucleus filters by torch.topk, with no sort (`top_filter`).
     tempered: bool
-    filtered: bool
+    top_ks: tuple[int, ...]
+    nucleus: bool
+
+    @property
+    def filtered(self) -> bool:
+        return self.nucleus or any(k > 0 for k in self.top_ks)
 
     @classmethod
     def of(cls, cfg: SamplerConfig, batch: int, device: torch.device | str = "cpu",
@@ -377,7 +411,7 @@ class RowDraws:
         return cls(torch.tensor(temps, dtype=torch.float32, device=device),
                    torch.tensor(ks, dtype=torch.long, device=device),
                    torch.tensor(ps, dtype=torch.float32, device=device),
-                   tempered=any(t != 1.0 for t in temps), filtered=any(k > 0 for k in ks) or any(p < 1.0 for p in ps))
+                   tempered=any(t != 1.0 for t in temps), top_ks=tuple(ks), nucleus=any(p < 1.0 for p in ps))
 
     def take(self, rows: torch.Tensor) -> RowDraws:
         """The rows `rows` only (a batch that shrank); the host flags stay the batch's (a row they no longer
@@ -393,7 +427,9 @@ def candidate_probs(draws: RowDraws, logits: torch.Tensor, probs: torch.Tensor |
     if probs is None or draws.tempered:
         t = draws.temperature.clamp(min=MIN_TEMPERATURE).view(-1, *[1] * (logits.dim() - 1))
         probs = torch.softmax(logits.float() / t, dim=-1)
-    return top_filter(probs, draws.top_k, draws.top_p) if draws.filtered else probs
+    if not draws.filtered:
+        return probs
+    return top_filter(probs, draws.top_k, draws.top_p, k_values=draws.top_ks, nucleus=draws.nucleus)
 
 
 def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Tensor,
