@@ -1199,7 +1199,7 @@ class _Decoding:
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
                     fixed=w.fixed, scored=w.scored, banned=ban,
                     uniforms=hashed_uniforms(w.seeds, canvas.index, step, canvas_len), sc_dtype=self.model.dtype,
-                    draws=w.draws,
+                    draws=w.draws, own_logits=True, rows_mix=req.logits_processor is not None,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)

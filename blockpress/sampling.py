@@ -283,8 +283,8 @@ def temperature(cfg: SamplerConfig, step: int) -> torch.Tensor:
     return (cfg.t_min + (cfg.t_max - cfg.t_min) * fraction).clamp_min(MIN_TEMPERATURE)
 
 
-def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probabilities, entropy in nats) of softmax(logits), float32, from one exponential.
+def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probabilities, entropy in nats, argmax) of softmax(logits), float32, from one exponential and one max.
 
     The probabilities are torch.softmax's, bit for bit what the reference feeds back for self-conditioning in
     float32: a hand-written softmax differs in the last bit, and over a canvas of steps that feedback grows it into
@@ -293,11 +293,15 @@ def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     logits and rounded once, so bf16 runs do not match it bit for bit.) The entropy reuses them: the top token's shifted logit is 0, so log Z = -log(max p), and
     H = log Z - E_p[shifted logit] (log_softmax then exp would cost ~3x on CPU). Banned tokens (-inf logits) are
     clamped to a finite floor: probability 0, entropy term 0, no NaN.
+    One max gives the largest logit and the argmax (the first in a tie, as argmax); the largest probability is the
+    one at the argmax (softmax keeps the order), bit for bit what amax of the probabilities gave.
     """
     lf = logits.float()
     probs = torch.softmax(lf, dim=-1)
-    shifted = (lf - lf.amax(dim=-1, keepdim=True)).clamp_(min=-1e30)
-    return probs, -probs.amax(dim=-1).log() - torch.linalg.vecdot(probs, shifted)
+    top, argmax = lf.max(dim=-1, keepdim=True)
+    shifted = (lf - top).clamp_(min=-1e30)
+    ent = -probs.gather(-1, argmax).squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
+    return probs, ent, argmax.squeeze(-1)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -602,6 +606,8 @@ def denoise_step(
     uniforms: torch.Tensor | None = None,
     sc_dtype: torch.dtype = torch.float32,
     draws: RowDraws | None = None,
+    own_logits: bool = False,
+    rows_mix: bool = True,
 ) -> CanvasState:
     """One step of the sampler. Pure: returns a new state.
 
@@ -611,17 +617,23 @@ def denoise_step(
     banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
     uniforms: [B, C] in [0, 1), the sampling draws (not needed in greedy mode; fresh torch.rand if None).
     draws:  each row's draw temperature, top_k and top_p (None: cfg's for every row).
+    own_logits: the step may overwrite `raw_logits` (the decoding loop's own, made for this step): the temperature
+            divides them in place instead of making another [B, C, V] tensor.
+    rows_mix: a row's next logits may depend on other rows (a logits processor sees the whole batch, as the sudoku
+            ensemble mixes them), so a done row keeps its self-conditioning input. Otherwise a done row's logits are
+            never read (its state is frozen), and the [B, C, V] copy that kept it is skipped.
     """
-    logits = raw_logits / temperature(cfg, step)
+    t = temperature(cfg, step)
+    logits = raw_logits.div_(t) if own_logits else raw_logits / t
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
     # Positions already decided: the givens, and with keep_accepted every token accepted at an earlier step.
     held = state.settled | ~free if cfg.keep_accepted else ~free
     kept = held & free
-    probs, ent = probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
+    probs, ent, best = probs_and_entropy(logits)  # one softmax serves sampling, acceptance and stopping
     ent_open = torch.where(held, 0.0, ent)  # decided positions are certain
-    argmax = torch.where(kept, state.canvas, logits.argmax(dim=-1))
+    argmax = torch.where(kept, state.canvas, best)
     if cfg.argmax_candidates:
         candidates = argmax
     else:
@@ -637,7 +649,7 @@ def denoise_step(
         rank = None if cfg.rank_by == "entropy" else torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs))
         accept = accept_entropy_bound(ent_open, cfg.entropy_bound, rank)
     elif cfg.sampler == "confidence":
-        accept = accept_confidence(probs.amax(dim=-1), cfg.confidence, free & ~kept)
+        accept = accept_confidence(probs.gather(-1, best[..., None])[..., 0], cfg.confidence, free & ~kept)
     else:  # topk
         # The ramp runs over each row's free positions; decided ones sort first (-1) and are always in.
         n_free = free.sum(-1, keepdim=True)
@@ -665,7 +677,7 @@ def denoise_step(
     done = state.done
     keep = done[:, None]
     sc_probs = probs.to(sc_dtype) if cfg.self_conditioning else None  # off: nothing to keep for the next pass
-    if sc_probs is not None and state.sc_probs is not None:
+    if sc_probs is not None and state.sc_probs is not None and rows_mix:
         sc_probs = torch.where(keep[..., None], state.sc_probs, sc_probs)
     return CanvasState(
         canvas=torch.where(keep, state.canvas, canvas),

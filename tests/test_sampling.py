@@ -1,6 +1,7 @@
 """Sampler pieces against the reference's on identical inputs, plus properties that hold for all inputs."""
 
-from dataclasses import asdict
+from collections import Counter
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -546,8 +547,9 @@ def test_probabilities_are_torch_softmax_bit_for_bit(seed, scale):
     """Self-conditioning feeds these back into the next pass; the reference feeds torch.softmax's. A last-bit
     difference grows step by step into other tokens, so they must be the same bits, not merely close."""
     x = torch.randn(3, 5, 257, generator=torch.Generator().manual_seed(seed)) * scale
-    probs, ent = probs_and_entropy(x)
+    probs, ent, best = probs_and_entropy(x)
     assert torch.equal(probs, torch.softmax(x, dim=-1, dtype=torch.float32))
+    assert torch.equal(best, x.argmax(-1)) and torch.equal(probs.gather(-1, best[..., None])[..., 0], probs.amax(-1))
     torch.testing.assert_close(ent, torch.distributions.Categorical(logits=x).entropy(), atol=1e-5, rtol=1e-5)
 
 
@@ -705,18 +707,18 @@ def test_top_filter_keeps_what_a_sort_keeps_also_in_ties(seed, rows, ties, v):
 
 
 def _aten_ops(fn):
-    """The aten ops `fn()` runs, by name (e.g. "sort", "cumsum"), counted."""
-    from collections import Counter
-
+    """The aten ops `fn()` runs: (name, e.g. "sort", the shape of its (first) output or None), in order."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
+    class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, (tuple, list)) and out else out  # max(dim): (values, indices)
+            ops.append((func.overloadpacket.__name__, tuple(first.shape) if isinstance(first, torch.Tensor) else None))
+            return out
 
-    ops = Counter()
-    with Count():
+    ops = []
+    with Record():
         fn()
     return ops
 
@@ -727,10 +729,39 @@ def test_top_k_alone_sorts_nothing_and_top_p_sorts_once():
     scatters the sorted probabilities back."""
     probs = torch.softmax(logits_from(0, v=300), -1)
     for draws in (RowDraws.of(SamplerConfig(top_k=20), 2), RowDraws.of(SamplerConfig(), 2, top_k=[0, 5])):
-        ops = _aten_ops(lambda d=draws: candidate_probs(d, probs.log(), probs))
+        ops = Counter(name for name, _ in _aten_ops(lambda d=draws: candidate_probs(d, probs.log(), probs)))
         assert ops["topk"] == 1 and not ops["sort"] and not ops["scatter"], ops
-    ops = _aten_ops(lambda: candidate_probs(RowDraws.of(SamplerConfig(top_k=20, top_p=0.9), 2), probs.log(), probs))
+    nucleus = RowDraws.of(SamplerConfig(top_k=20, top_p=0.9), 2)
+    ops = Counter(name for name, _ in _aten_ops(lambda: candidate_probs(nucleus, probs.log(), probs)))
     assert ops["sort"] == 1 and ops["cumsum"] == 1 and not ops["scatter"], ops
+
+
+def test_a_step_reads_the_vocabulary_once_for_its_max_and_copies_nothing_it_need_not():
+    """denoise_step's [B, C, V] work: one max over the vocabulary gives the entropy's shift, the argmax and the top
+    probability (three reductions did); the loop's own logits are divided by the temperature in place
+    (`own_logits`); and without a row-mixing logits processor (`rows_mix`) a done row's self-conditioning input is
+    not copied forward, since its logits are never read. The step's result is bit for bit the same."""
+    b, c, v = 3, 6, 50
+    logits = logits_from(1, b=b, c=c, v=v)
+    state = replace(init_state(torch.zeros(b, c, dtype=torch.long)), done=torch.tensor([True, False, False]),
+                    sc_probs=torch.softmax(logits_from(2, b=b, c=c, v=v), -1))
+    noise, uniforms = torch.full((b, c), 7), torch.rand(b, c)
+    vocab_ops = ("amax", "max", "argmax")
+    for sampler in ("entropy_bound", "confidence", "greedy"):
+        cfg = SamplerConfig(sampler=sampler, max_denoising_steps=4)
+        plain = denoise_step(cfg, state, logits, 3, noise, uniforms=uniforms)
+        ops = _aten_ops(lambda cfg=cfg: denoise_step(cfg, state, logits, 3, noise, uniforms=uniforms))
+        assert sum(name in vocab_ops and shape in ((b, c), (b, c, 1)) for name, shape in ops) == 1, (sampler, ops)
+        owned = logits.clone()
+        ops = _aten_ops(lambda cfg=cfg, owned=owned: denoise_step(cfg, state, owned, 3, noise, uniforms=uniforms,
+                                                                   own_logits=True, rows_mix=False))
+        assert not any(name == "div" and shape == (b, c, v) for name, shape in ops), ops
+        assert not any(name == "where" and shape == (b, c, v) for name, shape in ops), ops
+        fast = denoise_step(cfg, state, logits.clone(), 3, noise, uniforms=uniforms, own_logits=True, rows_mix=False)
+        for name in ("canvas", "argmax", "stable_steps", "done", "accepted", "settled"):
+            assert torch.equal(getattr(fast, name), getattr(plain, name)), name
+        assert torch.equal(fast.sc_probs[1:], plain.sc_probs[1:])  # the working rows' input to the next pass
+        assert torch.equal(plain.sc_probs[0], state.sc_probs[0])  # mixing rows: the done row's is kept
 
 
 def test_top_filters_change_the_diffusion_draws_only():
