@@ -896,13 +896,12 @@ def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Te
     return banned
 
 
-def no_choice(logits: torch.Tensor, banned: torch.Tensor | None = None,
-              open_positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Whether any (open) position's distribution is undefined: a NaN or +inf logit, or no finite unbanned one.
-    A 0-d bool tensor on the logits' device, read when the caller chooses (a denoising step reads none)."""
-    x = logits if banned is None else logits.masked_fill(banned, float("-inf"))
+def no_choice(logits: torch.Tensor, open_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether any (open) position's distribution is undefined: a NaN or +inf logit, or no finite one (every token
+    banned: bans are -inf in the logits). A 0-d bool tensor on the logits' device, read when the caller chooses (a
+    denoising step reads none)."""
     # One reduction: the largest logit is NaN if any is, +inf if any is, and -inf if every token is banned.
-    undefined = ~torch.isfinite(x.amax(-1))
+    undefined = ~torch.isfinite(logits.amax(-1))
     return (undefined if open_positions is None else undefined & open_positions).any()
 
 
@@ -1191,14 +1190,13 @@ class _Decoding:
             self.steps_per_canvas[w.rows, canvas.index] += active
             with torch.no_grad():
                 logits = self.logits(canvas, w)
-                ban = None if req.constraint is None else _check_constraint(
-                    req.constraint(w.state.canvas, w.state.settled), w.state.canvas, vocab)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
-                    trouble |= no_choice(logits, ban, w.writable & ~w.state.done[:, None])
+                    trouble |= no_choice(logits, w.writable & ~w.state.done[:, None])
+                # argmax candidates read no draws: their 30-odd hash ops a step are skipped
+                uniforms = None if cfg.argmax_candidates else hashed_uniforms(w.seeds, canvas.index, step, canvas_len)
                 w.state = self.fns.sampler_step(
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
-                    fixed=w.fixed, scored=w.scored, banned=ban,
-                    uniforms=hashed_uniforms(w.seeds, canvas.index, step, canvas_len), sc_dtype=self.model.dtype,
+                    fixed=w.fixed, scored=w.scored, uniforms=uniforms, sc_dtype=self.model.dtype,
                     draws=w.draws, own_logits=True, rows_mix=req.logits_processor is not None,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
@@ -1228,7 +1226,7 @@ class _Decoding:
 
     def logits(self, canvas: _Canvas, w: _Working) -> torch.Tensor:
         """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
-        repeat penalties, with the canvas's bans at -inf."""
+        repeat penalties, with the canvas's bans and the constraint's at -inf."""
         req, cfg = self.req, self.req.sampler
         logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
         if req.logits_processor is not None:
@@ -1243,6 +1241,9 @@ class _Decoding:
             logits.index_fill_(-1, self.unknown, float("-inf"))
         if w.eos_banned is not None:
             logits[:, :, self.eos] = logits[:, :, self.eos].masked_fill(w.eos_banned[:, :, None], float("-inf"))
+        if req.constraint is not None:  # once, here: the hooks' check and the sampler read it in the logits
+            banned = req.constraint(w.state.canvas, w.state.settled)
+            logits.masked_fill_(_check_constraint(banned, w.state.canvas, logits.shape[-1]), float("-inf"))
         return logits
 
     def commit(self, canvas: _Canvas, state: CanvasState) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1413,7 +1414,7 @@ def run_ar(
         if penalized:
             logits = penalize_repeats(cfg, logits, history)
         if req.logits_processor is not None:  # read with the end checks below (no host sync a token)
-            trouble |= no_choice(logits, None, ~finished)
+            trouble |= no_choice(logits, ~finished)
         if cfg.argmax_candidates:
             token = logits.argmax(-1)
         else:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from aten_ops import aten_ops
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1113,6 +1114,34 @@ def test_constraint_bans_tokens_every_step_and_sees_settled_positions(lm, monkey
     unruled = lm.generate([[3, 4, 5]] * 2, template=template, max_denoising_steps=6, seed=1, sampler="topk",
                           adaptive_stopping=False)
     assert (unruled.new_tokens[template < 0] == 7).all()  # without the rule the rigged model writes 7s
+
+
+def test_argmax_candidates_hash_no_draws_and_a_constraint_bans_once_a_step(lm, monkeypatch):
+    """Argmax candidates read no draws, so a greedy step hashes none (30-odd ops a step did); drawn candidates hash
+    one set a step. A constraint's bans go into the step's logits once a step (the hooks' check and the sampler
+    each wrote a banned [b, C, V] copy); what they ban still never appears."""
+    import blockpress.generate as G
+
+    hashed = []
+    monkeypatch.setattr(G, "hashed_uniforms", lambda *a, real=G.hashed_uniforms: hashed.append(a) or real(*a))
+    kw = dict(max_new_tokens=8, max_denoising_steps=3, adaptive_stopping=False, seed=1)
+    lm.generate([3, 4], sampler="greedy", **kw)
+    assert not hashed
+    lm.generate([3, 4], sampler="entropy_bound", **kw)
+    assert len(hashed) == 3
+
+    vocab, c = lm.config.text.vocab_size, lm.config.canvas_length
+    rig_head(lm, monkeypatch, 7)
+    ban_7 = torch.zeros(1, 1, vocab, dtype=torch.bool)
+    ban_7[..., 7] = True
+
+    def bans(constraint):
+        ops = aten_ops(lambda: bans.out.append(lm.generate([[3, 4]] * 2, constraint=constraint, **kw)))
+        return sum(name.startswith("masked_fill") and shape == (2, c, vocab) for name, shape in ops)
+
+    bans.out = []
+    assert bans(lambda d, s: ban_7) - bans(None) == 3  # once a step
+    assert not (bans.out[0].new_tokens == 7).any() and (bans.out[1].new_tokens == 7).any()
 
 
 @pytest.mark.parametrize("result, message", [

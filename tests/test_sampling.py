@@ -5,6 +5,7 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
+from aten_ops import aten_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -706,33 +707,16 @@ def test_top_filter_keeps_what_a_sort_keeps_also_in_ties(seed, rows, ties, v):
             assert torch.equal(got[r, c], want) and torch.equal(alone[0, c], want), (r, c, k, p)
 
 
-def _aten_ops(fn):
-    """The aten ops `fn()` runs: (name, e.g. "sort", the shape of its (first) output or None), in order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            first = out[0] if isinstance(out, (tuple, list)) and out else out  # max(dim): (values, indices)
-            ops.append((func.overloadpacket.__name__, tuple(first.shape) if isinstance(first, torch.Tensor) else None))
-            return out
-
-    ops = []
-    with Record():
-        fn()
-    return ops
-
-
 def test_top_k_alone_sorts_nothing_and_top_p_sorts_once():
     """A top_k-only filter takes torch.topk's k-th value as its cut-off (it sorted the whole vocabulary per position
     per step, which made sampled generation 1.7x slower); top_p takes one sort and one running sum, and neither
     scatters the sorted probabilities back."""
     probs = torch.softmax(logits_from(0, v=300), -1)
     for draws in (RowDraws.of(SamplerConfig(top_k=20), 2), RowDraws.of(SamplerConfig(), 2, top_k=[0, 5])):
-        ops = Counter(name for name, _ in _aten_ops(lambda d=draws: candidate_probs(d, probs.log(), probs)))
+        ops = Counter(name for name, _ in aten_ops(lambda d=draws: candidate_probs(d, probs.log(), probs)))
         assert ops["topk"] == 1 and not ops["sort"] and not ops["scatter"], ops
     nucleus = RowDraws.of(SamplerConfig(top_k=20, top_p=0.9), 2)
-    ops = Counter(name for name, _ in _aten_ops(lambda: candidate_probs(nucleus, probs.log(), probs)))
+    ops = Counter(name for name, _ in aten_ops(lambda: candidate_probs(nucleus, probs.log(), probs)))
     assert ops["sort"] == 1 and ops["cumsum"] == 1 and not ops["scatter"], ops
 
 
@@ -750,10 +734,10 @@ def test_a_step_reads_the_vocabulary_once_for_its_max_and_copies_nothing_it_need
     for sampler in ("entropy_bound", "confidence", "greedy"):
         cfg = SamplerConfig(sampler=sampler, max_denoising_steps=4)
         plain = denoise_step(cfg, state, logits, 3, noise, uniforms=uniforms)
-        ops = _aten_ops(lambda cfg=cfg: denoise_step(cfg, state, logits, 3, noise, uniforms=uniforms))
+        ops = aten_ops(lambda cfg=cfg: denoise_step(cfg, state, logits, 3, noise, uniforms=uniforms))
         assert sum(name in vocab_ops and shape in ((b, c), (b, c, 1)) for name, shape in ops) == 1, (sampler, ops)
         owned = logits.clone()
-        ops = _aten_ops(lambda cfg=cfg, owned=owned: denoise_step(cfg, state, owned, 3, noise, uniforms=uniforms,
+        ops = aten_ops(lambda cfg=cfg, owned=owned: denoise_step(cfg, state, owned, 3, noise, uniforms=uniforms,
                                                                    own_logits=True, rows_mix=False))
         assert not any(name == "div" and shape == (b, c, v) for name, shape in ops), ops
         assert not any(name == "where" and shape == (b, c, v) for name, shape in ops), ops
