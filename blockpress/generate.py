@@ -656,10 +656,15 @@ def hole_fills(tokenizer: Any, rows: list[list[int]], holes: list[list[tuple[int
     return fills
 
 
+def _through_first(is_eos: torch.Tensor) -> torch.Tensor:
+    """[B, n] bool: the positions up to and including each row's first EOS (`is_eos` [B, n]; all when it has none).
+    What a row keeps of its tokens, for both engines (the AR loop's count and a canvas's commit)."""
+    return (is_eos.cumsum(-1) - is_eos.long()) == 0
+
+
 def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """New tokens up to and including the first EOS (all of them when there is none)."""
-    is_eos = torch.isin(new_tokens, eos)
-    return torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, new_tokens.shape[1])
+    return _through_first(torch.isin(new_tokens, eos)).sum(-1)
 
 
 def _output(
@@ -961,6 +966,29 @@ class _Bans:
         logits.index_put_(at, logits[at].masked_fill(self.banned, float("-inf")))
 
 
+def prepare_logits(req: Request, logits: torch.Tensor, rows: torch.Tensor, history: torch.Tensor | None = None,
+                   canvas: torch.Tensor | None = None, counted: torch.Tensor | None = None, bans: _Bans | None = None,
+                   unknown: torch.Tensor | None = None, eos: torch.Tensor | None = None,
+                   eos_banned: torch.Tensor | None = None) -> torch.Tensor:
+    """One step's logits [b, C, V] made ready to sample, by both engines (the AR loop's are a canvas of one position):
+    through the logits processor (`rows` [b]: the batch rows they are), less the repeat penalties (`history`, and
+    the canvas positions that count: see penalize_repeats), then every ban at -inf: `bans` (token healing, healed
+    holes), the tokenizer's `unknown` ids and the `eos` ids where `eos_banned` [b, C]. The processor sees the
+    model's logits; a ban is -inf, which the penalties leave -inf, so their order changes nothing. The bans are
+    written in place: `logits` is this step's own (processed_logits returns a contiguous tensor of its own)."""
+    if req.logits_processor is not None:
+        logits = processed_logits(req.logits_processor, logits, rows)
+    if history is not None:
+        logits = penalize_repeats(req.sampler, logits, history, canvas, counted)
+    if bans is not None:
+        bans.apply(logits)
+    if unknown is not None:
+        logits.index_fill_(-1, unknown, float("-inf"))
+    if eos_banned is not None:
+        logits[:, :, eos] = logits[:, :, eos].masked_fill(eos_banned[:, :, None], float("-inf"))
+    return logits
+
+
 @dataclass
 class _Canvas:
     """What stays the same over a canvas's steps: where it lies in the new tokens, what is given, what is banned."""
@@ -1227,21 +1255,15 @@ class _Decoding:
     def logits(self, canvas: _Canvas, w: _Working) -> torch.Tensor:
         """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
         repeat penalties, with the canvas's bans and the constraint's at -inf."""
-        req, cfg = self.req, self.req.sampler
+        req = self.req
         logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
-        if req.logits_processor is not None:
-            logits = processed_logits(req.logits_processor, logits, w.rows)
-        if w.history is not None:  # the new text so far: a template's fixed tokens are given, like the prompt
-            logits = penalize_repeats(cfg, logits, w.history, w.state.canvas, w.state.settled & w.writable)
-        # Bans are written into the logits (in place: `logits` is this step's own) before the hooks' check and
-        # the sampler, which see -inf there as a ban; -inf stays -inf under the temperature.
-        if w.bans is not None:
-            w.bans.apply(logits)
-        if self.unknown is not None:
-            logits.index_fill_(-1, self.unknown, float("-inf"))
-        if w.eos_banned is not None:
-            logits[:, :, self.eos] = logits[:, :, self.eos].masked_fill(w.eos_banned[:, :, None], float("-inf"))
-        if req.constraint is not None:  # once, here: the hooks' check and the sampler read it in the logits
+        # the new text so far counts for the penalties: a template's fixed tokens are given, like the prompt
+        counted = None if w.history is None else w.state.settled & w.writable
+        logits = prepare_logits(req, logits, w.rows, w.history, w.state.canvas, counted, w.bans, self.unknown,
+                                self.eos, w.eos_banned)
+        # The constraint's bans go into the logits too, once: the hooks' check and the sampler read every ban there as
+        # -inf (which stays -inf under the temperature).
+        if req.constraint is not None:
             banned = req.constraint(w.state.canvas, w.state.settled)
             logits.masked_fill_(_check_constraint(banned, w.state.canvas, logits.shape[-1]), float("-inf"))
         return logits
@@ -1259,7 +1281,7 @@ class _Decoding:
             ended_before = self.finished
             if req.eos_ids and req.template is None:  # a template's EOS is text it gives (its holes hold none)
                 is_eos = torch.isin(committed, self.eos) & within
-                valid = valid & ~((is_eos.cumsum(-1) - is_eos.long()) > 0)
+                valid = valid & _through_first(is_eos)
                 self.finished = self.finished | is_eos.any(-1)
             if self.stops.active:
                 self.finished = self.finished.clone()  # set in place below; `ended_before` may be this tensor
@@ -1402,17 +1424,12 @@ def run_ar(
     t1 = time.perf_counter()
     all_rows = torch.arange(b, device=device)
     trouble = torch.zeros((), dtype=torch.bool, device=device)  # the logits processor left a row nothing to choose
+    first_bans = _Bans.of_canvas(req, 0, 0, 1, device)  # token healing: what the first new token may be
     for i in range(n_new):
-        if req.logits_processor is not None:  # as a canvas of one position, every row's (the batch never shrinks)
-            logits = processed_logits(req.logits_processor, logits[:, None], all_rows)[:, 0]
-        if unknown is not None:
-            logits.index_fill_(-1, unknown, float("-inf"))
-        if req.eos_ids and i < most_min:  # no EOS before a row's min_new_tokens
-            logits[:, eos] = logits[:, eos].masked_fill((i < minimum)[:, None], float("-inf"))
-        if i == 0 and req.first_allowed is not None:
-            logits = logits.masked_fill(~req.first_allowed.to(device), float("-inf"))
-        if penalized:
-            logits = penalize_repeats(cfg, logits, history)
+        # as a canvas of one position, every row's (the batch never shrinks); no EOS before a row's min_new_tokens
+        eos_banned = (i < minimum)[:, None] if req.eos_ids and i < most_min else None
+        logits = prepare_logits(req, logits[:, None], all_rows, history, bans=first_bans if i == 0 else None,
+                                unknown=unknown, eos=eos, eos_banned=eos_banned)[:, 0]
         if req.logits_processor is not None:  # read with the end checks below (no host sync a token)
             trouble |= no_choice(logits, ~finished)
         if cfg.argmax_candidates:

@@ -1144,6 +1144,36 @@ def test_argmax_candidates_hash_no_draws_and_a_constraint_bans_once_a_step(lm, m
     assert not (bans.out[0].new_tokens == 7).any() and (bans.out[1].new_tokens == 7).any()
 
 
+def test_both_engines_prepare_their_logits_in_one_place(lm, monkeypatch):
+    """The processor, the penalties and every ban go into a step's logits through one function (prepare_logits) in
+    block diffusion (once a step) and in the AR baseline (once a token), where each loop wrote them out in its own
+    order, so a new ban kind had to be added twice. What they ban still holds: no EOS before min_new_tokens."""
+    import blockpress.generate as G
+
+    seen = []
+    monkeypatch.setattr(G, "prepare_logits", lambda *a, real=G.prepare_logits, **k: seen.append(a[1].shape) or real(*a, **k))
+    rig_head(lm, monkeypatch, EOS)  # the canvas wants EOS everywhere
+    kw = dict(max_new_tokens=5, min_new_tokens=4, presence_penalty=0.5, logits_processor=lambda x, rows: x, seed=0)
+    out = lm.generate([[3, 4]], max_denoising_steps=2, adaptive_stopping=False, **kw)
+    assert len(seen) == 2 and not (out.new_tokens[0, :4] == EOS).any()
+    seen.clear()
+    lm.generate_ar([[3, 4]], **kw)
+    assert seen == [torch.Size([1, 1, lm.config.text.vocab_size])] * 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(0, 4), min_size=6, max_size=6), min_size=1, max_size=4))
+def test_a_row_keeps_its_tokens_through_its_first_eos(rows):
+    """One helper says which tokens a row keeps (through its first EOS, all without one), for the AR loop's count
+    and a canvas's commit alike (each computed it its own way)."""
+    from blockpress.generate import _count_valid, _through_first
+
+    tokens, eos = torch.tensor(rows), torch.tensor([1, 3])
+    want = [next((i + 1 for i, t in enumerate(r) if t in (1, 3)), len(r)) for r in rows]
+    assert _count_valid(tokens, eos).tolist() == want
+    assert _through_first(torch.isin(tokens, eos)).tolist() == [[i < n for i in range(6)] for n in want]
+
+
 @pytest.mark.parametrize("result, message", [
     (lambda d, s: None, "bool tensor"),
     (lambda d, s: torch.zeros(d.shape[0], d.shape[1], 5, dtype=torch.bool), "shape"),
