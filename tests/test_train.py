@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from saved import saved_dtype
 
 import blockpress
 from blockpress.data import Example, make_batch
@@ -235,7 +236,7 @@ def test_a_lora_run_on_a_bfloat16_base_is_merged_in_float32(tmp_path):
         assert (saved.model.get_submodule(name).weight.double() - weight).abs().max() < 1e-6, name
     rounded = trained("bf16", merged_dtype=torch.bfloat16)  # asked for: the update rounded to bf16, as before
     rounded.save(final=True)
-    assert blockpress.load(tmp_path / "bf16").dtype == torch.bfloat16
+    assert saved_dtype(tmp_path / "bf16") == torch.bfloat16
     buffers = {b.dtype for n, b in rounded.lm.model.named_buffers() if "inv_freq" in n}
     assert buffers == {torch.float32}  # RoPE frequencies stay float32, as a bf16 load keeps them
     model = merge_lora(trained("again").model)  # the function's own default: float32 throughout

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from saved import saved_dtype
 
 import blockpress
 from blockpress.cli import main
@@ -266,7 +267,7 @@ def test_fine_tuning_keeps_the_models_noise_and_trains_in_float32(tmp_path, caps
     ruined it. And AdamW on its bf16 weights dropped small updates."""
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "base", steps=1) + ["--noise-token-id", "3", "--dtype", "bfloat16"]) == 0
-    assert blockpress.load(tmp_path / "base").dtype == torch.bfloat16
+    assert saved_dtype(tmp_path / "base") == torch.bfloat16
     args = [a for a in train_args(data, tmp_path / "tuned", steps=1) if a not in ("--config", "tiny")]
     assert main(args + ["--model", str(tmp_path / "base")]) == 0
     tuned = blockpress.load(tmp_path / "tuned")
@@ -526,7 +527,7 @@ def test_resume_keeps_the_runs_dtype(tmp_path, capsys):
     resume = [a for a in train_args(data, tmp_path / "split", steps=4) if a not in ("--config", "tiny")] + ["--resume"]
     assert main(resume) == 0
     assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
-    assert blockpress.load(tmp_path / "split").dtype == torch.bfloat16
+    assert saved_dtype(tmp_path / "split") == torch.bfloat16
     capsys.readouterr()
     again = [a for a in train_args(data, tmp_path / "whole", steps=5) if a not in ("--config", "tiny")]
     assert main(again + ["--resume", "--dtype", "float32"]) == 0  # asked for: allowed, and said
@@ -547,7 +548,7 @@ def test_resume_keeps_the_runs_dtype(tmp_path, capsys):
         patch.setattr(train, "_StopOnInterrupt", StopAtOnce)
         assert main(lora + ["--model", str(tmp_path / "whole"), "--lora-rank", "2"] + bf16) == 130
     assert main(lora + ["--resume"]) == 0
-    assert blockpress.load(tmp_path / "lora").dtype == torch.bfloat16
+    assert saved_dtype(tmp_path / "lora") == torch.bfloat16
 
 
 def test_running_text_windows_must_fit_the_models_context(tmp_path, capsys):
