@@ -136,6 +136,19 @@ def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
     return t.long()
 
 
+def _padding_to_the_left(
+    ids: torch.Tensor, mask: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows with padding after a token (right-padded, or a gap) re-laid with all their padding on the left, as
+    `left_pad` lays out ragged rows (mask None: no padding left); a mask already padded on the left is returned as
+    it is. Decoding needs it there: a sliding layer reads the last window - 1 *slots* before the canvas, which for
+    a right-padded short row are all padding. The result stays on the ids' device."""
+    if not bool((mask[:, :-1] > mask[:, 1:]).any()):
+        return ids, mask
+    left, left_mask = left_pad([r[m.bool()].tolist() for r, m in zip(ids, mask)], pad_id)
+    return left.to(ids.device), None if left_mask is None else left_mask.to(ids.device)
+
+
 def _graphs_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why CUDA graphs cannot replay a model on `device` in `dtype` (None: they can). A graph holds no host sync:
     the experts must run as one grouped GEMM, which CUDA has in bf16 only (other dtypes loop over the experts,
@@ -472,7 +485,9 @@ class LM:
         self_conditioning_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]. A one-row
-        prompt (with its one-row attention_mask) serves every canvas row. `self_conditioning_mask` [B] bool, as the
+        prompt (with its one-row attention_mask) serves every canvas row. `attention_mask` (1 token, 0 padding) may
+        pad anywhere (right-padded, as many tokenizers do): the padding is moved to the left, as generate moves it,
+        and the logits are still those of `canvas_ids`, row for row. `self_conditioning_mask` [B] bool, as the
         reference's forward takes it: False rows get no self-conditioning (training drops it for some rows)."""
         self._check_runnable()
         v = self.config.text.vocab_size
@@ -486,6 +501,8 @@ class LM:
             prompt = prompt.expand(canvas.shape[0], -1)
             if attention_mask is not None:
                 attention_mask = attention_mask.expand(canvas.shape[0], -1)
+        if attention_mask is not None:  # as generate does; the canvas is apart, so the logits stay aligned with it
+            prompt, attention_mask = _padding_to_the_left(prompt, attention_mask, self.pad_id)
         context = self.config.text.max_position_embeddings
         longest = prompt.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())  # padding: no position
         if longest + canvas.shape[1] > context:
@@ -645,9 +662,7 @@ class LM:
                 raise ValueError(f"attention_mask: not with id rows of different lengths {lengths} (blockpress "
                                  "left-pads them and masks the padding itself); leave attention_mask out, or pass "
                                  "equal-length rows (a tensor) with their mask")
-            mask = _check_mask(attention_mask, ids.shape, "the prompt")
-            if bool((mask[:, :-1] > mask[:, 1:]).any()):  # padding after a token: decoding needs it on the left
-                ids, mask = left_pad([r[m.bool()].tolist() for r, m in zip(ids, mask)], pad_id)
+            ids, mask = _padding_to_the_left(ids, _check_mask(attention_mask, ids.shape, "the prompt"), pad_id)
         healed: list[Healed] | None = None
         # With a template, healing applies to its holes' edges (the prompt's end is followed by fixed tokens):
         # always for text templates, whose fixed part is text; for token ids only when asked.

@@ -580,6 +580,28 @@ def test_a_1d_mask_goes_with_a_1d_prompt(lm, kind):
         lm.generate(torch.tensor([prompt, prompt]), attention_mask=kind(mask), **kw)
 
 
+@pytest.mark.parametrize("layout", ["right", "gap", "one_row"])
+def test_logits_take_padding_anywhere_in_the_mask_as_each_row_alone(lm, layout):
+    """logits passed a right-padded (or gapped) mask to the encoder as it was: a short row's canvas then read
+    only padding through the sliding layers' last window - 1 slots, and its logits were silently wrong. It now
+    moves the padding to the left as generate does; the logits stay aligned with the caller's canvas."""
+    g = torch.Generator().manual_seed(0)
+    v, window = lm.config.text.vocab_size, lm.config.text.sliding_window
+    rows = [torch.randint(2, v, (n,), generator=g).tolist() for n in (3, 3 * window, 2 * window - 1)]
+    canvas = torch.randint(2, v, (3, lm.config.canvas_length), generator=g)
+    width = max(map(len, rows)) + 2  # every row padded, so no row is laid out as it would be alone
+    prompt, mask = torch.full((3, width), PAD), torch.zeros(3, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        at = [*range(len(r) - 1), width - 1] if layout == "gap" else range(len(r))  # gap: before the last token
+        prompt[i, at], mask[i, at] = torch.tensor(r), 1
+    if layout == "one_row":  # one right-padded prompt row serves every canvas row
+        prompt, mask, rows = prompt[:1], mask[:1], rows[:1] * 3
+    got = lm.logits(prompt, canvas, attention_mask=mask)
+    for i, r in enumerate(rows):
+        alone = lm.logits([r], canvas[i : i + 1])[0]
+        torch.testing.assert_close(got[i], alone, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", [np.array, torch.tensor])
 def test_a_seed_is_read_like_an_element_of_seeds(lm, kind):
     """seed=torch.tensor(3) was refused while seeds=torch.tensor([3]) was accepted: a 0-d integer tensor / array is
