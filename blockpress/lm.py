@@ -506,8 +506,9 @@ class LM:
         context = self.config.text.max_position_embeddings
         longest = prompt.shape[1] if attention_mask is None else int(attention_mask.sum(-1).max())  # padding: no position
         if longest + canvas.shape[1] > context:
-            raise ValueError(f"canvas_ids: {longest} prompt + {canvas.shape[1]} canvas tokens exceed the "
-                             f"model's context of {context} tokens")
+            blame = "prompt_ids" if longest >= context else "canvas_ids"  # the prompt when no canvas token fits after it
+            raise ValueError(f"{blame}: {longest} prompt + {canvas.shape[1]} canvas tokens exceed the model's context "
+                             f"of {context} tokens (max_position_embeddings)")
         if self_conditioning_logits is not None:
             want = (*canvas.shape, v)
             if not isinstance(self_conditioning_logits, torch.Tensor):

@@ -499,7 +499,13 @@ def test_a_tokenizers_output_dict_says_to_pass_the_mask_apart(lm):
     (dict(prompt_ids=torch.tensor([[1.0, 2.0]]), canvas_ids=[1]), "prompt_ids: expected integer token ids, got torch.float32"),
     (dict(prompt_ids=[1, 2], canvas_ids=[1, 4], self_conditioning_logits=[[0.0]]),
      "self_conditioning_logits: expected a float tensor"),
-    (dict(prompt_ids=[1] * 10, canvas_ids=[1] * 20), "10 prompt \\+ 20 canvas tokens exceed the model's context of 16"),
+    (dict(prompt_ids=[1] * 10, canvas_ids=[1] * 20),
+     "^canvas_ids: 10 prompt \\+ 20 canvas tokens exceed the model's context of 16 tokens \\(max_position_embeddings\\)"),
+    # the prompt alone leaves no room: it is what to shorten (before: canvas_ids was blamed)
+    (dict(prompt_ids=[1] * 16, canvas_ids=[1] * 4), "^prompt_ids: 16 prompt \\+ 4 canvas tokens exceed"),
+    (dict(prompt_ids=[1] * 30, canvas_ids=[1] * 4), "^prompt_ids: 30 prompt \\+ 4 canvas tokens exceed"),
+    (dict(prompt_ids=[[1] * 30], canvas_ids=[1] * 4, attention_mask=[[0] * 15 + [1] * 15]),
+     "^canvas_ids: 15 prompt \\+ 4 canvas tokens exceed"),  # padding takes no position
 ])
 def test_bad_logits_arguments(kwargs, message):
     short = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=16), seed=0)
