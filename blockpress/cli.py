@@ -514,7 +514,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         dtype=str(lm.dtype).replace("torch.", ""), quantization=lm.quantization, device=args.device,
         weights_bytes=lm.weights_bytes() + adapter_bytes, adapter=adapter,
         **stored,  # what the folder's safetensors hold (None: no weights in it)
-        canvas_length=cfg.canvas_length, vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
+        # the context every "exceed the model's context" error counts against: prompt, cache and canvases
+        canvas_length=cfg.canvas_length, max_position_embeddings=cfg.text.max_position_embeddings,
+        vocab_size=cfg.text.vocab_size, layers=cfg.text.num_hidden_layers,
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
         # what a checkpoint may set otherwise than DiffusionGemma's own (each runs as in the reference)
         hidden_activation=cfg.text.hidden_activation, attention_bias=cfg.text.attention_bias,

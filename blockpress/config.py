@@ -480,6 +480,7 @@ class ModelConfig:
             f"DiffusionGemma: {t.num_hidden_layers} layers ({t.num_hidden_layers - full} sliding/{full} full, "
             f"window {t.sliding_window}), hidden {t.hidden_size}, heads {t.num_attention_heads}, "
             f"experts {t.num_experts} top-{t.top_k_experts}, vocab {t.vocab_size}, canvas {self.canvas_length}, "
+            f"context {t.max_position_embeddings}, "
             f"params {_human(self.num_parameters())} total / {_human(self.num_parameters(active=True))} active"
         )
 

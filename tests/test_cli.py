@@ -140,6 +140,19 @@ def test_info_shows_the_config_variants_a_checkpoint_sets(tmp_path, capsys):
     assert data["rope"] == {"sliding": "default", "full": "proportional"}
 
 
+def test_info_shows_the_context_length(tmp_path, capsys):
+    """Every "exceed the model's context" error counts against max_position_embeddings, which info did not show
+    (text, --json or the summary): planning a long prompt meant opening config.json."""
+    from reference import make_reference
+
+    make_reference(tmp_path, max_position_embeddings=96)
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["max_position_embeddings"] == 96 and "context 96," in data["summary"]
+    assert main(["info", "--model", str(tmp_path)]) == 0
+    assert re.search(r"^ *max_position_embeddings: 96$", capsys.readouterr().out, re.M)
+
+
 def test_info_on_a_random_26b_counts_without_allocating(capsys):
     assert main(["info", "--model", "random-26b-a4b", "--dtype", "bfloat16", "--json"]) == 0  # 50 GB if allocated
     data = json.loads(capsys.readouterr().out)
