@@ -435,8 +435,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template"
                                      f"{' and --system' if system else ''}, and the "
                                      f"model's context holds {context} (the reply included); shorten it")
+                # say why free positions may not do: a reply takes whole canvases (28 free of a 32-token canvas)
+                shortest = max(1, kw["min_new_tokens"])
+                need = -(-shortest // canvas) * canvas
+                what = (f"a reply needs a whole canvas of {canvas} tokens" if need == canvas else
+                        f"a reply of at least {shortest} tokens (--min-new-tokens) needs {need}, in whole "
+                        f"{canvas}-token canvases")
                 raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "
-                                 f"model's {context} tokens; /reset starts a new one")
+                                 f"model's {context} tokens, leaving {max(0, context - len(ids))}, and {what}; "
+                                 "/reset starts a new one")
             if room < wanted:  # a shorter reply than asked, rather than none
                 kw["max_new_tokens"] = room
                 print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "

@@ -216,13 +216,16 @@ def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
     and the next turn still continues the cache of the turns before."""
     from blockpress.cli import load_model
 
-    too_long = "x " * load_model(MODEL, None, "cpu").config.text.max_position_embeddings
+    cfg = load_model(MODEL, None, "cpu").config
+    too_long = "x " * cfg.text.max_position_embeddings
     lines = iter(["hello there", too_long, "and again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
     captured = capsys.readouterr()
     assert replies(captured.err) == 2
     assert "error: no room for a reply: the conversation with this message holds" in captured.err
+    # what a reply needs (free positions short of a canvas are no room): it said only what the conversation held
+    assert f", leaving 0, and a reply needs a whole canvas of {cfg.canvas_length} tokens;" in captured.err
     assert "that message was dropped" in captured.err and "/reset starts a new one" in captured.err
 
 
