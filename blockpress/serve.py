@@ -1169,7 +1169,9 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 
 def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30) -> FastAPI:
-    """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py)."""
+    """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
+    `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
+    (None: that)."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     if prefix_cache_bytes < 0:
@@ -1179,8 +1181,13 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
         if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    limit = lm.config.text.max_position_embeddings
+    # past the model's positions the library refuses anyway: a larger limit would only be one the server never keeps
+    if max_context is not None and (not isinstance(max_context, int) or not 1 <= max_context <= limit):
+        raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
+                         f"(max_position_embeddings), got {max_context!r}")
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
-    state = ServerState(lm, engine, model_name, max_context or lm.config.text.max_position_embeddings)
+    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:

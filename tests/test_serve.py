@@ -686,6 +686,22 @@ def test_prefix_cache_can_be_off():
         create_app(lm, MODEL, prefix_cache_bytes=-1)
 
 
+def test_max_context_is_at_most_the_models():
+    """A max_context past max_position_embeddings was taken, and requests then met the library's limit instead of
+    the server's; it is refused, naming the field and the model's context."""
+    lm = load_model("random-tiny", None, "cpu")
+    limit = lm.config.text.max_position_embeddings
+    for bad in (limit + 1, 0, -5, 2.5):
+        with pytest.raises(ValueError, match=rf"^max_context: expected a positive integer of at most the model's "
+                                             rf"context of {limit} tokens \(max_position_embeddings\), got {bad}"):
+            create_app(lm, MODEL, prefix_cache_bytes=0, max_context=bad)
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=40)) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 40})
+        assert r.status_code == 400 and "exceed the context of 40 tokens" in r.json()["error"]["message"]
+
+
 def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     """OpenAI's insert mode on the constrained canvas: the answer is max_tokens tokens that lead into the suffix,
     what the library's own template generation gives; streamed, it reassembles to the same text."""
