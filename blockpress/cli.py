@@ -823,12 +823,12 @@ def _plot_training(out: Path, quiet: bool) -> None:
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
     from blockpress.tasks import sudoku_model
-    from blockpress.tasks.sudoku import format_board, split_puzzle_file
+    from blockpress.tasks.sudoku import format_board, join_grid_rows, split_puzzle_file
 
     if args.puzzles.count("-") + (args.file == "-") > 1:  # the second reader would get an empty stdin, silently
         raise ValueError("standard input can be read once: give - once (a puzzle argument or --file -)")
     puzzles: list[str] = []
-    for text in args.puzzles:  # - reads them from standard input, as a --file would be read
+    for text in join_grid_rows(args.puzzles):  # - reads them from standard input, as a --file would be read
         puzzles += split_puzzle_file(sys.stdin.read(), "stdin") if text == "-" else [text]
     if args.file == "-":
         puzzles += split_puzzle_file(sys.stdin.read(), "--file -")
@@ -1179,11 +1179,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
                                    "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
                                    "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
-    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each; - reads them from standard input "
-                   "(as --file - does; standard input is read once)")
+    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each (or 9 words of a grid's rows); - reads "
+                   "them from standard input (as --file - does; standard input is read once)")
     p.add_argument("--file", default=None,
-                   help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines and "
-                        "'#' comments skipped")
+                   help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines, "
+                        "'#' comments, border lines (+---+) and header lines between puzzles ('Grid 01') skipped")
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")

@@ -370,3 +370,21 @@ def test_cli_refuses_reading_stdin_twice(source, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO(generate(5, "easy").puzzle + "\n"))
     assert main(["sudoku", *source]) == 2
     assert "sudoku: error: standard input can be read once: give - once" in capsys.readouterr().err
+
+
+def test_cli_reads_bordered_grids_from_a_file_and_stdin_and_grid_rows_as_words(tiny_sudoku, capsys, monkeypatch, tmp_path):
+    """A file of pasted bordered grids failed ("0 cells left over"), and 9 words of rows were 9 puzzles of 9 cells."""
+    from test_sudoku_task import _bordered
+
+    path, _ = tiny_sudoku
+    a, b = generate(5, "easy").puzzle, generate(6, "medium").puzzle
+    text = _bordered(a) + "\n" + _bordered(b) + "\n"
+    (tmp_path / "grids.txt").write_text(text)
+    for source in (["--file", str(tmp_path / "grids.txt")], ["-"]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+        main(["sudoku", *source, "--model", str(path), "--json", "--steps", "1"])
+        assert [json.loads(line)["puzzle"] for line in capsys.readouterr().out.splitlines()] == [a, b]
+    main(["sudoku", *(a[r * 9 : r * 9 + 9] for r in range(9)), b, "--model", str(path), "--json", "--steps", "1"])
+    assert [json.loads(line)["puzzle"] for line in capsys.readouterr().out.splitlines()] == [a, b]
+    assert main(["sudoku", *(a[r * 9 : r * 9 + 9] for r in range(8)), "--model", str(path)]) == 2
+    assert "puzzle 1: puzzle has 9 cells, expected 81" in capsys.readouterr().err

@@ -527,11 +527,45 @@ def test_a_puzzle_file_takes_lines_grids_and_comments():
     assert [parse_puzzle(p) for p in split_puzzle_file(text)] == [a.puzzle, b.puzzle]
 
 
+def _bordered(puzzle):
+    """The usual pasted form: a border line above, between the bands and below the grid."""
+    border = "+-------+-------+-------+"
+    lines = [border]
+    for r in range(9):
+        row = puzzle[r * 9 : r * 9 + 9].replace("0", ".")
+        lines.append("| " + " | ".join(" ".join(row[c : c + 3]) for c in (0, 3, 6)) + " |")
+        if r % 3 == 2:
+            lines.append(border)
+    return "\n".join(lines)
+
+
+def test_a_puzzle_file_takes_the_common_layouts():
+    """Bordered grids (the closing border used to open a puzzle that never ended), Project Euler's "Grid 01"
+    headers over rows of 9 digits, format_board's grids, and one-liners, mixed in one file."""
+    ps = [generate(s, d).puzzle for s, d in ((21, "easy"), (22, "medium"), (23, "hard"), (24, "easy"))]
+    bordered = "\n".join(_bordered(p) for p in ps)  # back to back, no blank line between
+    assert [parse_puzzle(p) for p in split_puzzle_file(bordered + "\n")] == ps
+    euler = "".join(f"Grid {k + 1:02d}\n" + "\n".join(p[r * 9 : r * 9 + 9] for r in range(9)) + "\n"
+                    for k, p in enumerate(ps))
+    assert [parse_puzzle(p) for p in split_puzzle_file(euler)] == ps
+    mixed = f"Puzzle 1:\n{_bordered(ps[0])}\n\n{format_board(ps[1])}\n{ps[2]}\n# last\n{ps[3].replace('0', '.')}\n"
+    assert [parse_puzzle(p) for p in split_puzzle_file(mixed)] == ps
+    assert split_puzzle_file("+-----+\n\n-------\n") == []
+
+
 @pytest.mark.parametrize("text, message", [
-    ("0" * 80 + "\n" + "0" * 5 + "\n", "f lines 1-2: 85 cells where a puzzle has 81"),
-    ("0" * 81 + "\n" + "0" * 9 + "\n", "f lines 2-end: 9 cells left over"),
+    # an 80-cell line was counted with the next one ("lines 1-2: 161 cells")
+    ("0" * 80 + "\n" + "0" * 81 + "\n", "f line 1: 80 cells where a puzzle has 81"),
+    ("0" * 81 + "\n" + "0" * 9 + "\n", "f line 2: 1 of a 9-line grid's rows \\(9 cells\\), not a whole puzzle of 81; "
+                                      "the file ends there"),
     ("0" * 81 + "\n" + "0" * 40 + "x" + "0" * 40 + "\n", "f line 2: illegal character 'x'"),
     ("0" * 82 + "\n", "f line 1: 82 cells"),
+    ("Grid 01\n" + "000000000\n" * 8 + "Grid 02\n", "f lines 2-9: 8 of a 9-line grid's rows \\(72 cells\\), not a "
+                                                   "whole puzzle of 81; line 10 \\('Grid 02'\\) starts another"),
+    ("000000000\n" * 3 + "0" * 81 + "\n", "f lines 1-3: 3 of a 9-line grid's rows .* line 4 holds 81 cells"),
+    ("000000000\n" * 4 + "00000000\n" + "000000000\n" * 4, "f lines 1-9: 80 cells where a 9-line grid has 81, "
+                                                       "9 a line \\(line 5 has 8\\)"),
+    ("x30070000\n", "f line 1: illegal character 'x'"),  # one letter is a typo, not a header
 ])
 def test_a_bad_puzzle_file_names_its_lines(text, message):
     with pytest.raises(ValueError, match=message):

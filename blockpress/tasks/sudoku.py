@@ -5,8 +5,9 @@ Board format
 A puzzle or a solution is an 81-character string of digits in row-major order; ``'0'`` marks an empty
 cell. ``parse_puzzle`` also accepts ``'.'`` for empty cells and a 9-line grid form in which whitespace and
 the box-drawing characters ``|``, ``-`` and ``+`` are ignored, so the output of ``format_board`` parses back
-to the same string. Rows, columns and boxes are numbered 1-9 in error messages (boxes row-major), and a
-cell is written ``r<row>c<col>``, also 1-based.
+to the same string. ``split_puzzle_file`` reads a file of such puzzles, one a line or one grid of 9 lines at
+a time (bordered or not, with header lines such as "Grid 01" between them). Rows, columns and boxes are
+numbered 1-9 in error messages (boxes row-major), and a cell is written ``r<row>c<col>``, also 1-based.
 
 Difficulty
 ----------
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -53,6 +55,7 @@ __all__ = [
     "format_board",
     "generate",
     "generate_many",
+    "join_grid_rows",
     "parse_puzzle",
     "split_puzzle_file",
     "random_symmetry",
@@ -65,6 +68,9 @@ DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
 _DIGITS = "0123456789"
 # Characters used to draw grids; ignored anywhere in the input so that printed boards parse back.
 _SEPARATORS = frozenset("|-+")
+# A header line in a file of puzzles ("Grid 01", "Puzzle 3:", "Easy"): it starts with a word of two letters or more,
+# which no line of cells can (a single letter is more likely a typo in a row).
+_HEADER = re.compile(r"[^\W\d_]{2,}\b")
 
 _ROW_OF = tuple(i // 9 for i in range(81))
 _COL_OF = tuple(i % 9 for i in range(81))
@@ -98,34 +104,78 @@ _UNITS = _units()
 
 
 def split_puzzle_file(text: str, name: str = "file") -> list[str]:
-    """The puzzles of a file: one per line (81 cells) or as 9-line grids, with blank lines and '#' comments
-    skipped. Each puzzle comes back as its raw text (parse_puzzle reads it); a group of lines that does not
-    make 81 cells is an error naming its lines."""
+    """The puzzles of a file: one per line (81 cells) or as 9-line grids of 9 cells a line, with blank lines,
+    '#' comments, border lines (only '|', '-', '+' and spaces, as around a pasted grid) and header lines
+    between puzzles (a line that starts with a word, such as Project Euler's "Grid 01") skipped. Each puzzle
+    comes back as its raw text (parse_puzzle reads it); lines that do not make whole puzzles are an error
+    naming them."""
     puzzles: list[str] = []
-    group: list[str] = []
-    first = 0
-    count = 0
+    rows: list[tuple[int, str, int]] = []  # the open grid's lines: (line number, text, cells)
+
+    def where(first: int, last: int) -> str:
+        return f"line {first}" if first == last else f"lines {first}-{last}"
+
+    def unfinished(what: str) -> ValueError:
+        cells = sum(r[2] for r in rows)
+        return ValueError(f"{name} {where(rows[0][0], rows[-1][0])}: {len(rows)} of a 9-line grid's rows "
+                          f"({cells} cells), not a whole puzzle of 81; {what}")
+
     for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip() or line.lstrip().startswith("#"):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if _HEADER.match(stripped):
+            # A title holds no cells (the digits of "Grid 01" are its number), but only where no grid is open:
+            # inside one, it would hide the rows missing before it.
+            if rows:
+                raise unfinished(f"line {n} ({stripped!r}) starts another puzzle")
             continue
         odd = next((ch for ch in line if not (ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS)), None)
         if odd is not None:
             raise ValueError(f"{name} line {n}: illegal character {odd!r}; expected digits 0-9 or '.' for an empty "
-                             "cell ('#' starts a comment line)")
-        if not group:
-            first = n
-        group.append(line)
-        count += sum(ch in _DIGITS or ch == "." for ch in line)
-        if count >= 81:
-            if count > 81:
-                where = f"line {n}" if first == n else f"lines {first}-{n}"
-                raise ValueError(f"{name} {where}: {count} cells where a puzzle has 81 (one puzzle a line, or a "
+                             "cell ('#' starts a comment line, a word at the start of a line a header between puzzles)")
+        cells = sum(ch in _DIGITS or ch == "." for ch in line)
+        if cells == 0:  # a border line of a drawn grid ('+-------+---'): it neither opens nor closes a puzzle
+            continue
+        if cells > 9:  # more than a grid row: a puzzle on one line
+            if rows:
+                raise unfinished(f"line {n} holds {cells} cells, where a grid row has 9")
+            if cells != 81:
+                raise ValueError(f"{name} line {n}: {cells} cells where a puzzle has 81 (one puzzle a line, or a "
                                  "9-line grid)")
-            puzzles.append("\n".join(group))
-            group, count = [], 0
-    if group:
-        raise ValueError(f"{name} lines {first}-end: {count} cells left over, not a whole puzzle of 81")
+            puzzles.append(line)
+            continue
+        rows.append((n, line, cells))
+        if len(rows) == 9:
+            total = sum(r[2] for r in rows)
+            if total != 81:
+                short = ", ".join(f"line {r[0]} has {r[2]}" for r in rows if r[2] != 9)
+                raise ValueError(f"{name} {where(rows[0][0], n)}: {total} cells where a 9-line grid has 81, 9 a "
+                                 f"line ({short})")
+            puzzles.append("\n".join(r[1] for r in rows))
+            rows = []
+    if rows:
+        raise unfinished("the file ends there")
     return puzzles
+
+
+def join_grid_rows(texts: list[str]) -> list[str]:
+    """Puzzles typed as command-line words: each word is a puzzle, except that 9 words in a row that each hold
+    one grid row (1-9 cells, as `530070000 600195000 ...`) are one puzzle. A run of fewer rows is left as it
+    is, for parse_puzzle to say how many cells each holds."""
+    out: list[str] = []
+    run: list[str] = []
+    for text in texts:
+        row = all(ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS for ch in text)
+        if row and 1 <= sum(ch in _DIGITS or ch == "." for ch in text) <= 9:
+            run.append(text)
+            if len(run) == 9:
+                out.append("\n".join(run))
+                run = []
+            continue
+        out += run + [text]
+        run = []
+    return out + run
 
 
 def parse_puzzle(text: str) -> str:
