@@ -388,3 +388,22 @@ def test_cli_reads_bordered_grids_from_a_file_and_stdin_and_grid_rows_as_words(t
     assert [json.loads(line)["puzzle"] for line in capsys.readouterr().out.splitlines()] == [a, b]
     assert main(["sudoku", *(a[r * 9 : r * 9 + 9] for r in range(8)), "--model", str(path)]) == 2
     assert "puzzle 1: puzzle has 9 cells, expected 81" in capsys.readouterr().err
+
+
+def test_a_puzzle_that_is_not_a_string_is_named_like_the_other_bad_puzzles():
+    """solve(lm, [123]) raised a bare TypeError without the 'puzzle N:' the ValueErrors have."""
+    good = generate(8, "easy").puzzle
+    with pytest.raises(TypeError, match="^puzzle 2: puzzle must be a str, got int$"):
+        sudoku_model.prepare([good, 123])
+
+
+def test_a_puzzle_with_several_solutions_is_kept_with_a_warning(tiny_sudoku, capsys):
+    """An empty grid (or 3 givens) went to the model silently; it has many solutions, none the puzzle's own."""
+    path, _ = tiny_sudoku
+    unique = generate(9, "easy").puzzle
+    with pytest.warns(UserWarning, match="^puzzle 2: puzzle has more than one solution") as record:
+        assert sudoku_model.prepare([unique, "0" * 81, "123" + "0" * 78]) == [unique, "0" * 81, "123" + "0" * 78]
+    assert [str(w.message).split(":")[0] for w in record] == ["puzzle 2", "puzzle 3"]
+    main(["sudoku", unique, "--model", str(path), "--json", "--steps", "1"])
+    assert "warning" not in capsys.readouterr().err  # one solution: nothing to say
+

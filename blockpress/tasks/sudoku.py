@@ -40,6 +40,7 @@ __all__ = [
     "DIFFICULTIES",
     "PROMPT_LEN",
     "VOCAB",
+    "NotUnique",
     "Puzzle",
     "SudokuVocab",
     "Symmetry",
@@ -403,7 +404,12 @@ def _count(puzzle: str, limit: int) -> int:
 
 
 class Undecided(RuntimeError):
-    """The search ran out of its node budget before it could tell whether a puzzle has a solution."""
+    """The search ran out of its node budget before it could tell whether a puzzle has a solution (or, with
+    require_unique, only one)."""
+
+
+class NotUnique(ValueError):
+    """The puzzle has more than one solution (check_puzzle with require_unique): playable, but not well-posed."""
 
 
 def count_solutions(puzzle: str, limit: int = 2) -> int:
@@ -450,7 +456,8 @@ def check_puzzle(puzzle: str, require_unique: bool = False, max_nodes: int | Non
     """Return the normalized puzzle, or raise ValueError if it cannot be played.
 
     Raises for contradictory givens (naming each row/column/box and digit involved), for consistent
-    givens that admit no solution, and, if ``require_unique``, for puzzles with several solutions.
+    givens that admit no solution, and, if ``require_unique``, for puzzles with several solutions (NotUnique, a
+    ValueError).
     With ``max_nodes``, raises Undecided when the search branches more often than that without an answer
     (rare: 17-given puzzles with no solution took a few thousand).
     """
@@ -466,7 +473,7 @@ def check_puzzle(puzzle: str, require_unique: bool = False, max_nodes: int | Non
     if n == 0:
         raise ValueError("puzzle has no solution (givens are consistent, but no completion exists)")
     if require_unique and n > 1:
-        raise ValueError("puzzle has more than one solution")
+        raise NotUnique("puzzle has more than one solution")
     return p
 
 

@@ -25,6 +25,7 @@ from ..checks import is_int
 from ..generate import Commit, Done, Draft
 from .sudoku import (
     VOCAB,
+    NotUnique,
     Symmetry,
     Undecided,
     check_puzzle,
@@ -140,17 +141,24 @@ def puzzle_list(puzzles: str | Sequence[str]) -> list[str]:
 
 
 def prepare(puzzles: str | Sequence[str]) -> list[str]:
-    """Parse and check each puzzle (clear errors for bad length, characters, contradictions, no solution).
-    A puzzle the solver cannot settle within CHECK_NODES is kept, with a warning."""
+    """Parse and check each puzzle (clear errors for a non-string, bad length, characters, contradictions, no
+    solution). A puzzle the solver cannot settle within CHECK_NODES is kept, with a warning; so is one with more
+    than one solution (the check's search counts up to two either way, so saying so costs nothing)."""
     out = []
     for i, text in enumerate(puzzle_list(puzzles)):
         try:
-            out.append(check_puzzle(parse_puzzle(text), max_nodes=CHECK_NODES))
+            out.append(check_puzzle(parse_puzzle(text), require_unique=True, max_nodes=CHECK_NODES))
         except Undecided as exc:
             warnings.warn(f"puzzle {i + 1}: {exc}; the model tries it anyway", stacklevel=2)
             out.append(parse_puzzle(text))
-        except ValueError as exc:
-            raise ValueError(f"puzzle {i + 1}: {exc}") from None
+        except NotUnique as exc:
+            # The model was trained on puzzles with one solution; any grid that keeps the givens and the rules
+            # verifies as valid, whichever solution it is.
+            warnings.warn(f"puzzle {i + 1}: {exc} (a proper puzzle has one, as the model's training puzzles do); "
+                          "any grid that keeps the givens and the rules counts as valid", stacklevel=2)
+            out.append(parse_puzzle(text))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"puzzle {i + 1}: {exc}") from None
     return out
 
 
