@@ -857,10 +857,13 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     for r in results:
         if args.json:
-            print(json.dumps({"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps}))
+            print(json.dumps({"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps,
+                              "errors": r.errors}))
         else:
             print(format_board(r.solution))
-            print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps\n")
+            # which rules the grid breaks, and where: the board alone does not show it
+            print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps"
+                  + "".join(f"\n  {error}" for error in r.errors) + "\n")
     if not args.json:
         solved = sum(r.valid for r in results)
         print(f"[{solved}/{len(results)} valid · {len(results) / seconds:.2f} puzzles/s]", file=sys.stderr)
@@ -1206,7 +1209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="denoise each puzzle as N symmetric views of the board (relabelled digits, permuted rows "
                         "and columns) that pool their predictions every step; no rules, no search; N times the work")
     p.add_argument("--json", action="store_true",
-                   help="one JSON object per puzzle: puzzle, solution, valid, steps")
+                   help="one JSON object per puzzle: puzzle, solution, valid, steps, errors (the rules an invalid "
+                        "solution breaks, with their cells)")
     p.set_defaults(func=cmd_sudoku)
 
     p = sub.add_parser("serve", formatter_class=DefaultsFormatter, help="OpenAI-compatible HTTP server (chat, completions, streaming)",

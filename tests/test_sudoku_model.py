@@ -11,7 +11,7 @@ import torch
 import blockpress
 from blockpress.cli import main
 from blockpress.tasks import sudoku_model
-from blockpress.tasks.sudoku import generate
+from blockpress.tasks.sudoku import generate, verify
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 from train_sudoku import sudoku_config  # noqa: E402
@@ -407,3 +407,17 @@ def test_a_puzzle_with_several_solutions_is_kept_with_a_warning(tiny_sudoku, cap
     main(["sudoku", unique, "--model", str(path), "--json", "--steps", "1"])
     assert "warning" not in capsys.readouterr().err  # one solution: nothing to say
 
+
+def test_an_invalid_answer_names_the_broken_rules_in_text_and_json(tiny_sudoku, capsys):
+    """The verifier knew which cells were wrong, but the output only said INVALID."""
+    path, lm = tiny_sudoku
+    p = generate(3, "hard").puzzle  # random weights in 2 steps: not solved
+    r = sudoku_model.solve(lm, [p], max_denoising_steps=2)[0]
+    assert not r.valid and r.errors == verify(p, r.solution).errors and r.errors
+    assert main(["sudoku", p, "--model", str(path), "--json", "--steps", "2"]) == 1
+    assert json.loads(capsys.readouterr().out)["errors"] == r.errors
+    assert main(["sudoku", p, "--model", str(path), "--steps", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "INVALID" in out and all(f"\n  {e}\n" in out for e in r.errors)
+    solved = generate(3, "hard").solution
+    assert sudoku_model.solve(lm, [solved])[0].errors == []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,6 +110,12 @@ class ModelSolution:
     solution: str  # 81 digits as the model filled them
     valid: bool  # the verifier's verdict
     steps: int  # denoising steps used (tokens decoded for AR)
+    errors: list[str] = field(default_factory=list)  # the verifier's: each broken rule and its cells (none if valid)
+
+
+def _answer(puzzle: str, grid: str, steps: int) -> ModelSolution:
+    verdict = verify(puzzle, grid)
+    return ModelSolution(puzzle, grid, verdict.valid, steps, verdict.errors)
 
 
 def _template(puzzle: str) -> list[int]:
@@ -168,7 +174,7 @@ def _with_complete_grids(puzzles: list[str], decode: Callable[[list[str]], list[
     passes copying it): it is its own answer, checked, in 0 steps."""
     open_puzzles = [p for p in puzzles if "0" in p]
     answers = iter(decode(open_puzzles) if open_puzzles else [])
-    return [next(answers) if "0" in p else ModelSolution(p, p, verify(p, p).valid, 0) for p in puzzles]
+    return [next(answers) if "0" in p else _answer(p, p, 0) for p in puzzles]
 
 
 def solve(
@@ -215,7 +221,7 @@ def solve(
         for i, p in enumerate(open_puzzles):
             row = i * len(views)  # the identity view: the board as given
             grid = decode_digits(out.new_tokens[row].tolist())
-            answers.append(ModelSolution(p, grid, verify(p, grid).valid, int(out.steps_per_canvas[row].sum())))
+            answers.append(_answer(p, grid, int(out.steps_per_canvas[row].sum())))
         return answers
 
     return _with_complete_grids(puzzles, denoise)
@@ -245,5 +251,4 @@ def _decode_ar(lm: Any, puzzles: list[str]) -> list[ModelSolution]:
         out[:, i] = token
         if i < 80:
             logits = model.encode(token[:, None], cache, logits="last")
-    return [ModelSolution(p, decode_digits(row), verify(p, decode_digits(row)).valid, 81)
-            for p, row in zip(puzzles, out.tolist())]
+    return [_answer(p, decode_digits(row), 81) for p, row in zip(puzzles, out.tolist())]
