@@ -22,7 +22,7 @@ import blockpress
 from blockpress.cli import as_flags, train_flag_of
 from blockpress.config import FULL, SLIDING, ModelConfig, TextConfig
 from blockpress.data import Example
-from blockpress.lm import resolve_path
+from blockpress.lm import read_generation_config, resolve_path
 from blockpress.sampling import is_int
 from blockpress.tasks.sudoku import (
     DIFFICULTIES,
@@ -203,9 +203,12 @@ def main() -> None:
     held = puzzles(64, TEST_SEED + 5_000_000)
     gen_s = time.perf_counter() - t0
     t_train = time.perf_counter()
-    lm = (blockpress.load(args.init_from, dtype=torch.float32, device=args.device) if args.init_from
-          else blockpress.random_model(model_config, seed=0, device=args.device))
-    lm.generation_config = {"max_denoising_steps": 32, "max_new_tokens": 81}
+    if args.init_from:  # its own decoding defaults stay (the shipped model's sampler was tuned for it)
+        lm = blockpress.load(args.init_from, dtype=torch.float32, device=args.device)
+    else:  # (a resumed run's weights are read by trainer.resume; its decoding defaults, as it saved them, here)
+        lm = blockpress.random_model(model_config, seed=0, device=args.device)
+        lm.generation_config = (read_generation_config(Path(args.out), lm.config.text.vocab_size) if args.resume
+                                else {"max_denoising_steps": 32, "max_new_tokens": 81})
     trainer = Trainer(lm, source, cfg, args.out, heldout=ExampleSource(held, 1), progress=False)
     if args.resume:
         trainer.resume()

@@ -104,6 +104,28 @@ def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_
     assert r.returncode == 2 and "--levels" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_train_sudoku_init_from_and_resume_keep_the_models_decoding_defaults(tmp_path):
+    """A continued model decodes as the model it continues (the shipped one's sampler, steps and temperatures were
+    tuned for it; they were replaced by a fresh model's 32 steps), and a resumed run as it saved them."""
+    import blockpress
+
+    if "blockpress-sudoku" not in blockpress.shipped_models():
+        pytest.skip("blockpress-sudoku is not in this package")
+    out = tmp_path / "run"
+    run = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(out), "--noise", "empty",
+           "--puzzles", "8", "--batch-size", "2", "--warmup-steps", "0", "--threads", "1"]
+    r = subprocess.run([*run, "--init-from", "blockpress-sudoku", "--steps", "1"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    shipped = blockpress.load("blockpress-sudoku").generation_config
+    assert shipped["sampler"] == "topk" and shipped["max_denoising_steps"] == 81  # what is at stake
+    assert blockpress.load(out).generation_config == shipped
+    r = subprocess.run([*run, "--resume", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    assert blockpress.load(out).generation_config == shipped
+
+
 def train_sudoku_module():
     """scripts/train_sudoku.py as a module."""
     import importlib
