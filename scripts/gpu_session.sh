@@ -71,7 +71,7 @@ for _ in $(seq 20); do kill -0 $PUZZLE_PID 2>/dev/null || break; sleep 1; done  
 if kill -0 $PUZZLE_PID 2>/dev/null; then
   kill $PUZZLE_PID; wait $PUZZLE_PID 2>/dev/null
   [ -n "$(tail -c 1 "$W/puzzles.jsonl")" ] && sed -i '$ d' "$W/puzzles.jsonl"  # a line cut short by the kill
-  log "puzzles: stopped at the deadline's share"
+  log "puzzles: stopped at the deadline with $(wc -l <"$W/puzzles.jsonl") (each is written as it is made)"
 else
   wait $PUZZLE_PID
   log "puzzles: $(tail -1 "$W/puzzles.log")"

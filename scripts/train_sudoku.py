@@ -10,11 +10,17 @@ Puzzles come from blockpress.tasks.sudoku's seeded generator (a third each easy/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,28 +75,63 @@ def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1
                  levels: tuple[str, ...] = DIFFICULTIES) -> list[Puzzle]:
     """Puzzles seed0..seed0+n-1, the `levels` in turn (by default a third of each difficulty); cached as JSON
     lines. A cache that holds the first puzzles of the same levels is extended, so a bigger run reuses a smaller
-    one's work."""
+    one's work. Each puzzle is appended as it is made (in seed order), so a run stopped part-way (SIGTERM, a
+    deadline's `timeout`) keeps what it made: at most its last line cut short, which the next read drops."""
     have: list[Puzzle] = []
     if cache is not None and cache.exists():
-        rows = [json.loads(line) for line in cache.read_text().splitlines()]
+        text = cache.read_text()
+        lines = text.splitlines()[: None if text.endswith("\n") else -1]  # a last line cut short by a kill
+        rows = [json.loads(line) for line in lines]
         if rows and rows[0]["seed"] == seed0 and all(r["difficulty"] == levels[i % len(levels)]
                                                      for i, r in enumerate(rows[: len(levels)])):
             have = [Puzzle(**row) for row in rows[:n]]
     if len(have) >= n:
         return have
     seeds = range(seed0 + len(have), seed0 + n)
-    if workers > 1:
-        import multiprocessing
+    out = list(have)
+    with contextlib.ExitStack() as stack:
+        file = None
+        if cache is not None:  # what is kept, whole lines only (none of a cache made for other levels), then appended
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            kept = cache.with_name(cache.name + ".tmp")
+            kept.write_text("".join(json.dumps(p.__dict__) + "\n" for p in have))
+            os.replace(kept, cache)
+            file = stack.enter_context(cache.open("a"))
+        if workers > 1:
+            import multiprocessing
 
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            new = pool.map(partial(_generate, levels=levels), seeds, chunksize=256)
-    else:
-        new = [_generate(s, levels) for s in seeds]
-    out = have + new
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text("".join(json.dumps(p.__dict__) + "\n" for p in out))
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(workers))
+            made = pool.imap(partial(_generate, levels=levels), seeds, chunksize=256)
+        else:
+            made = (_generate(s, levels) for s in seeds)
+        # SIGTERM's default ends the process at once: the pool's workers then went on with their chunks for
+        # nobody (about 50 s), holding the cores the next phase needs, and the file lost its unwritten buffer.
+        # Raised instead, it leaves this `with`, which closes the file and terminates the workers. Set after the
+        # fork, so the workers keep the default.
+        stack.enter_context(_terminate_raises())
+        for puzzle in made:
+            out.append(puzzle)
+            if file is not None:
+                file.write(json.dumps(puzzle.__dict__) + "\n")
     return out
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """SIGTERM as SystemExit while inside (then the handler before). Only the main thread can set one: elsewhere,
+    nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def puzzles(n: int, seed0: int) -> list[Example]:

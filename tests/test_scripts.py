@@ -126,6 +126,42 @@ def test_train_sudoku_init_from_and_resume_keep_the_models_decoding_defaults(tmp
     assert blockpress.load(out).generation_config == shipped
 
 
+def test_train_sudoku_puzzles_stopped_by_sigterm_keep_what_was_made(tmp_path):
+    """The GPU session stops the puzzle generator at its deadline: the cache used to be written only once all were
+    made, so it kept none of them (and the pool's workers went on without their parent)."""
+    import os
+    import signal
+    import time
+
+    script = train_sudoku_module()
+    cache = tmp_path / "puzzles.jsonl"
+    first = script.base_puzzles(4, 0, cache)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(tmp_path / "x"),
+                             "--puzzle-cache", str(cache), "--only-puzzles", "--puzzles", "100000",
+                             "--puzzle-workers", "2"], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while len(cache.read_bytes().splitlines()) <= 4 and time.monotonic() < deadline:  # a chunk was made
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        with pytest.raises(ProcessLookupError):  # the workers ended with it
+            os.killpg(proc.pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    rows = [json.loads(line) for line in cache.read_text().splitlines()]
+    assert len(rows) > 4 and [r["seed"] for r in rows] == list(range(len(rows)))
+    assert [script.Puzzle(**r) for r in rows[:4]] == first
+    # A line cut short (a harder kill) is dropped by the next run, which keeps the rest and extends them.
+    cache.write_text(cache.read_text() + '{"seed": 99')
+    again = script.base_puzzles(len(rows) + 2, 0, cache)
+    assert [p.__dict__ for p in again[: len(rows)]] == rows and [p.seed for p in again] == list(range(len(rows) + 2))
+    assert [json.loads(line) for line in cache.read_text().splitlines()] == [p.__dict__ for p in again]
+
+
 def train_sudoku_module():
     """scripts/train_sudoku.py as a module."""
     import importlib
