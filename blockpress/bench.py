@@ -307,8 +307,9 @@ def machine(device: str) -> dict[str, Any]:
     return info
 
 
-def run_bench(s: BenchSettings) -> dict[str, Any]:
-    """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs."""
+def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs. `on_row`: called
+    with the result so far after each row (the CLI writes it then, so a sweep cut short keeps what it measured)."""
     if s.long_canvas():
         _note(s.long_canvas())
     if s.cuda_graphs and torch.device(s.device).type != "cuda":
@@ -335,9 +336,8 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
         # AR has no canvas: it is timed with the first canvas alone (each canvas re-timed it, warm-up, repeats and
         # memory run, for the same figures), and the later canvases' rows compare with that row's.
         ar = s.ar and canvas == canvases[0]
-        rows = [_bench_row(lm, ref, variants, b, s, ar) for b in s.batch_sizes]
-        del variants
-        for row in rows:
+        for b in s.batch_sizes:
+            row = _bench_row(lm, ref, variants, b, s, ar)
             if ar:
                 ar_rows[row["batch"]] = row
             if s.ar:
@@ -346,7 +346,10 @@ def run_bench(s: BenchSettings) -> dict[str, Any]:
                 row[f"{name}_over_eager"] = row[f"blockpress_{name}"]["tok_s"] / row["blockpress"]["tok_s"]
             if ref is not None:
                 _add_ratios(row, names)
-        out["rows"] += rows
+            out["rows"].append(row)
+            if on_row is not None:
+                on_row(out)
+        del variants
     return out
 
 
@@ -694,9 +697,16 @@ def figure(result: dict[str, Any]) -> Any:
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
-    """`figure(result)` written to `path`, in the format its suffix names (PLOT_FORMATS)."""
+    """`figure(result)` written to `path`, in the format its suffix names (PLOT_FORMATS). Written beside it first
+    and then moved into place, so a run killed while it draws leaves the previous plot whole."""
     import matplotlib.pyplot as plt
 
+    path = Path(path)
     fig = figure(result)
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
-    plt.close(fig)
+    drawn = path.with_name(f".{path.stem}.partial{path.suffix}")  # the same suffix: it picks the format
+    try:
+        fig.savefig(drawn, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
+        os.replace(drawn, path)
+    finally:
+        plt.close(fig)
+        drawn.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -977,15 +978,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
                          f"got {args.plot!r}")
-    result = run_bench(s)
+
+    def write(result: dict[str, Any], done: bool) -> None:
+        """--out and --plot as the run stands: after each row too, so a sweep cut short (a timeout, a failure at a
+        larger batch) keeps the rows it measured, its JSON marked "partial"."""
+        if args.plot:
+            result["plot"] = str(args.plot)
+        if args.out:  # written beside it, then moved into place: a kill while it writes leaves the last one whole
+            out = Path(args.out)
+            written = out.with_name(f".{out.name}.partial")
+            written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
+            os.replace(written, out)
+        # (without matplotlib, the final plot's error says so, after the JSON is written)
+        if args.plot and (done or importlib.util.find_spec("matplotlib") is not None):
+            plot(result, args.plot)
+
+    result = run_bench(s, on_row=lambda so_far: write(so_far, done=False))
     if args.plot:
         result["plot"] = str(args.plot)
-    text = json.dumps(result, indent=2)
-    print(text)  # first: whatever fails after this, the figures are on screen
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    if args.plot:
-        plot(result, args.plot)
+    print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen
+    write(result, done=True)
     return 0
 
 
@@ -1265,7 +1277,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint")
     p.add_argument("--plot", default=None, help="write a plot of tok/s against batch size here (.png, .svg, .pdf, "
                                                  ".jpg, .jpeg or .webp: the suffix picks the format)")
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--out", default=None, help="also write the JSON here (and the plot, with --plot) after each "
+                                                "row too, marked \"partial\": true until the run ends: a sweep cut "
+                                                "short keeps the rows it measured")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", formatter_class=DefaultsFormatter, help="parameters, config summary, dtype, memory",

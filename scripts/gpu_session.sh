@@ -60,12 +60,15 @@ timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$
 log "bench exit $?"
 cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null || tail -30 "$W/bench.log" >>"$OUT/session.log"
 # Batch-size sweep on a mid-size shape (diffusion vs AR, eager and CUDA graphs; the reference is timed on the
-# CPU here, not in the lease) and its plot, into $OUT at once.
+# CPU here, not in the lease) and its plot, into $OUT at once. bench rewrites both after each batch size, so a
+# timeout keeps the sizes it measured (the JSON then says "partial": true); its log goes along.
 timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVICE" --dtype "$BENCH_DTYPE" \
     --batch-sizes 1 4 16 64 --steps 16 --new-tokens 128 --repeats 1 --no-reference \
     $( [ "$DEVICE" = cuda ] && echo --cuda-graphs ) \
-    --out "$W/extra/bench_batch.json" --plot "$W/extra/bench_batch.png" >"$W/bench_batch.log" 2>&1
-log "batch sweep exit $?"
+    --out "$W/extra/bench_batch.json" --plot "$W/extra/bench_batch.png" >"$W/extra/bench_batch.log" 2>&1
+rc=$?
+log "batch sweep exit $rc"
+[ $rc -eq 0 ] || tail -15 "$W/extra/bench_batch.log" | cut -c1-300 >>"$OUT/session.log"
 tar -C "$W" -cf "$OUT/extra.tar" extra 2>/dev/null
 for _ in $(seq 20); do kill -0 $PUZZLE_PID 2>/dev/null || break; sleep 1; done  # at most 20 s more
 if kill -0 $PUZZLE_PID 2>/dev/null; then

@@ -383,7 +383,7 @@ def test_errors_name_only_flags_the_command_has(command):
 def test_bench_library_errors_name_bench_flags(monkeypatch, capsys, library, flag):
     import blockpress.bench as bench
 
-    def refuse(settings):
+    def refuse(settings, on_row=None):
         raise ValueError(f"{library}: 32 prompt + 140000 new tokens exceed the model's context")
 
     monkeypatch.setattr(bench, "run_bench", refuse)
@@ -493,7 +493,7 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "16", "--steps", "2",
                  "--repeats", "1", "--plot", str(tmp_path / "p.png"), "--out", str(tmp_path / "b.json")]) == 0
     data = json.loads((tmp_path / "b.json").read_text())
-    assert [r["batch"] for r in data["rows"]] == [1, 2]
+    assert [r["batch"] for r in data["rows"]] == [1, 2] and "partial" not in data  # (a run cut short's is marked)
     assert data["machine"]["device"] == "cpu" and isinstance(data["machine"]["native_bf16"], bool)
     assert data["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     for row in data["rows"]:
@@ -505,6 +505,30 @@ def test_bench_json_and_plot(tmp_path, capsys):
         for engine in ("blockpress", "blockpress_ar", "reference"):  # a CPU run reports the heap's growth
             assert row[engine]["peak_memory_growth_gb"] >= 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_bench_writes_each_row_as_it_is_measured(tmp_path, monkeypatch):
+    """The GPU session's sweep runs under a timeout: --out and --plot were written only at the end, so a sweep cut
+    short left nothing of the batch sizes it had measured. Here the second batch size fails."""
+    pytest.importorskip("matplotlib")
+    import blockpress.bench as bench
+
+    real_row = bench._bench_row
+
+    def failing_at_batch_2(lm, ref, variants, b, s, ar):
+        if b == 2:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return real_row(lm, ref, variants, b, s, ar)
+
+    monkeypatch.setattr(bench, "_bench_row", failing_at_batch_2)
+    out, plot = tmp_path / "b.json", tmp_path / "p.png"
+    with pytest.raises(RuntimeError, match="stand-in"):
+        main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "8", "--steps", "1",
+              "--repeats", "1", "--no-reference", "--out", str(out), "--plot", str(plot)])
+    data = json.loads(out.read_text())
+    assert data["partial"] is True and [r["batch"] for r in data["rows"]] == [1]
+    assert data["rows"][0]["blockpress"]["tok_s"] > 0 and data["rows"][0]["diffusion_over_ar"] > 0
+    assert plot.stat().st_size > 1000 and sorted(p.name for p in tmp_path.iterdir()) == ["b.json", "p.png"]
 
 
 def test_peak_memory_on_cpu_sees_what_a_run_allocates():
