@@ -57,8 +57,12 @@ PUZZLE_PID=$!
 timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$DEVICE" --dtype "$BENCH_DTYPE" \
     --prompt-length "$PROMPT_LENGTH" --new-tokens "$NEW_TOKENS" --ar-tokens 64 --out "$W/bench" \
     --compile-mode none >"$W/bench.log" 2>&1
-log "bench exit $?"
-cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null || tail -30 "$W/bench.log" >>"$OUT/session.log"
+rc=$?
+log "bench exit $rc"
+cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null
+# result.json exists from the first phase on: the log's end (the traceback, or the phase a timeout cut) is kept
+# whenever the run did not finish
+[ $rc -eq 0 ] && [ -f "$OUT/bench.json" ] || tail -30 "$W/bench.log" | cut -c1-300 >>"$OUT/session.log"
 # Batch-size sweep on a mid-size shape (diffusion vs AR, eager and CUDA graphs; the reference is timed on the
 # CPU here, not in the lease) and its plot, into $OUT at once. bench rewrites both after each batch size, so a
 # timeout keeps the sizes it measured (the JSON then says "partial": true); its log goes along.

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,67 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         times = [row["self_ms"] for row in trace["by_time"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
         assert any(row["op"] == "aten::mm" or row["op"] == "aten::addmm" for row in trace["by_count"] + trace["by_time"])
+
+
+def gpu_bench_module():
+    """scripts/gpu_bench.py as a module."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("gpu_bench")
+
+
+def test_gpu_bench_times_graphed_ar_with_the_shape_it_warmed_up():
+    """ar_cuda_graphs warmed up on 8 tokens and timed 64: the graph is keyed on the cache's capacity (prompt + new
+    tokens + 1), so the timed run captured again. The capture is tests/test_generate.py's eager stand-in, recording
+    the capacity of each capture and of each replayed token."""
+    from test_generate import ReplayedEncodeStep
+
+    import blockpress
+    from blockpress.generate import StepFunctions
+    from blockpress.sampling import denoise_step
+
+    class Recorded(ReplayedEncodeStep):
+        captured, replayed = [], []
+
+        def capture(self, token, cache, slot):
+            self.captured.append(cache.capacity)
+            return super().capture(token, cache, slot)
+
+        def __call__(self, input_ids, cache, attention_mask=None, logits="none"):
+            if input_ids.shape[1] == 1 and logits == "last":
+                self.replayed.append(cache.capacity)
+            return super().__call__(input_ids, cache, attention_mask=attention_mask, logits=logits)
+
+    cfg = blockpress.ModelConfig.tiny()
+    cfg.text.eos_token_id = None
+    lm = blockpress.random_model(cfg, seed=0)
+    step = Recorded(lm.model)
+    lm.step_functions = StepFunctions(lm.model.denoise, denoise_step, step)
+    prompt = torch.randint(3, cfg.text.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    out, captures = gpu_bench_module().graphed_ar_run(lm, prompt, 6, torch.device("cpu"))
+    assert int(out.num_new_tokens[0]) == 6
+    # Every graph the runs asked for, the timed run's included, has the timed run's shape. (On a CPU each run's
+    # new cache lands elsewhere, so the stand-in captures again; on CUDA the allocator gives the memory back.)
+    assert set(step.captured) == set(step.replayed) == {5 + 6 + 1}
+    assert captures == step.captures - 1 >= 0
+
+
+def test_gpu_bench_keeps_going_past_a_failing_profiler(tmp_path, monkeypatch, capsys):
+    """The profile phase raised out of the script: the FP8 phase after it never ran, and the reason was lost."""
+    script = gpu_bench_module()
+
+    def broken(fn, device, top=15):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED (stand-in)")
+
+    monkeypatch.setattr(script, "profile_ops", broken)
+    monkeypatch.setattr(sys, "argv", ["gpu_bench.py", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+                                      "--prompt-length", "8", "--new-tokens", "8", "--steps", "1", "--ar-tokens", "2",
+                                      "--compile-mode", "none", "--out", str(tmp_path)])
+    script.main()
+    data = json.loads((tmp_path / "result.json").read_text())
+    assert "stand-in" in data["profile_error"] and "profile" not in data
+    assert "fp8_error" not in data and data["fp8"]["tok_s"] > 0
 
 
 def test_profile_train_step_smoke(tmp_path):
