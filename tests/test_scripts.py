@@ -150,6 +150,22 @@ def test_train_sudoku_gpu_flags_smoke(tmp_path):
     assert trained.config.text.num_hidden_layers == 2 and trained.config.text.hidden_size == 64
 
 
+def test_train_gpu_sudoku_makes_its_puzzles_through_the_cache(tmp_path):
+    """--task sudoku asked for 200,000 puzzles on one process with no cache: ~35 minutes before its --minutes
+    budget began. Its puzzles now go through --puzzle-cache (what is there is not made again) and workers."""
+    cache = tmp_path / "puzzles.jsonl"
+    train_sudoku_module().base_puzzles(4, 0, cache)
+    made = cache.read_text()
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), "--task", "sudoku", "--device", "cpu",
+                        "--minutes", "1", "--steps", "1", "--batch-size", "2", "--puzzles", "6",
+                        "--puzzle-cache", str(cache), "--puzzle-workers", "2", "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "x" / "model" / "summary.json").read_text())["steps"] == 1
+    rows = cache.read_text()
+    assert rows.startswith(made) and [json.loads(x)["seed"] for x in rows.splitlines()] == list(range(6))
+
+
 def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_path):
     cache = tmp_path / "puzzles.jsonl"
     script = str(ROOT / "scripts" / "train_sudoku.py")
