@@ -1162,6 +1162,9 @@ class Trainer:
         clock = t0 - self.minutes * 60  # the run's start, earlier parts of a resumed run included
         prefetched = self._prefetch() if cfg.data_workers else None
         interrupt = _StopOnInterrupt()
+        # The run is saved before its last evaluation, which an error or OOM must not cost; but a LoRA run's final
+        # save folds its adapters into the weights in place, so that run is evaluated first.
+        save_first, saved = not cfg.lora_rank, False
         try:
             while self.step < cfg.steps:
                 self.minutes = (time.perf_counter() - clock) / 60
@@ -1183,6 +1186,9 @@ class Trainer:
                 row["tok_s"] = tok_s
                 last = self.step == cfg.steps
                 if self.heldout is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
+                    if last and save_first:
+                        self.save(final=True)
+                        saved = True
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
                 if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row or "compile_error" in row):
@@ -1202,6 +1208,13 @@ class Trainer:
                     self.on_step(self.step, row["loss"])
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     self.save()
+            result.steps = self.step
+            # An interrupted run is saved to be resumed; one stopped by its clock is also a usable checkpoint (a
+            # LoRA run merged, its adapters kept apart too while steps remain).
+            final = result.stopped != "interrupted"
+            if save_first and not saved:
+                self.save(final=final)
+                saved = True
             if result.stopped:
                 row = {"step": self.step, "stopped": result.stopped}
                 if result.stopped == "max_minutes" and self.heldout is not None:  # the run ends here: evaluate it
@@ -1209,10 +1222,8 @@ class Trainer:
                     result.eval_losses.append((self.step, row["eval_loss"]))
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
-            result.steps = self.step
-            # An interrupted run is saved to be resumed; one stopped by its clock is also a usable checkpoint (a
-            # LoRA run merged, its adapters kept apart too while steps remain).
-            self.save(final=result.stopped != "interrupted")
+            if not saved:
+                self.save(final=final)
         finally:
             interrupt.restore()
             prefetched = None  # a run cut short: the loader's worker processes end now, not at garbage collection

@@ -12,7 +12,7 @@ from saved import saved_dtype
 
 import blockpress
 from blockpress.data import Example, make_batch
-from blockpress.train import ExampleSource, TrainConfig, Trainer, draw_noise, lr_at
+from blockpress.train import ExampleSource, TrainConfig, Trainer, draw_noise, lr_at, read_trainer_state
 
 EXAMPLES = [Example([2, 5 + i], [10 + i, 11 + i, 12 + i, 13 + i, 20, 21 - i]) for i in range(4)]
 
@@ -320,6 +320,23 @@ def test_time_budget_stops_and_saves(tmp_path):
     assert (tmp_path / "budget" / "model.safetensors").exists()
     last = json.loads((tmp_path / "budget" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["stopped"] == "max_minutes"
+
+
+@pytest.mark.parametrize("steps, budget", [(2, 0.0), (1000, 1e-9)])  # its last step; its clock
+def test_a_run_is_saved_before_its_last_evaluation(tmp_path, monkeypatch, steps, budget):
+    """The last evaluation ran before the final save: an error or OOM in it lost the whole run."""
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(Trainer, "evaluate", out_of_memory)
+    lm = tiny_lm()
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=steps, batch_size=4, max_minutes=budget),
+                      tmp_path / "run", heldout=ExampleSource(EXAMPLES, 1), progress=False)
+    with pytest.raises(torch.OutOfMemoryError, match="stand-in"):
+        trainer.train()
+    saved = blockpress.load(tmp_path / "run")
+    assert torch.equal(saved.model.embed_tokens.weight, lm.model.embed_tokens.weight)
+    assert read_trainer_state(tmp_path / "run" / "trainer_state.pt")["step"] == trainer.step
 
 
 def test_batches_built_by_workers_change_nothing(tmp_path):
