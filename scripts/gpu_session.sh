@@ -5,21 +5,26 @@
 # exists, so a run cut short still returns what it finished.
 #
 #   Phase A (BENCH_S s, then at most 90 s): the 26B-A4B speed check, the GPU to itself
-#            (scripts/gpu_bench.py: eager, AR, CUDA graphs, a short profile, then FP8), then a batch-size sweep
-#            with its plot (`blockpress bench`), while the CPU cores generate more sudoku puzzles (seeded;
-#            extends .gpu/sudoku-puzzles.jsonl).
+#            (scripts/gpu_bench.py: eager, AR, CUDA graphs, a short profile, then FP8; a phase that fails is
+#            recorded in bench.json and the next one runs), then a batch-size sweep with its plot (`blockpress
+#            bench`, rewritten after each batch size), while the CPU cores generate more sudoku puzzles (seeded;
+#            extends .gpu/sudoku-puzzles.jsonl, each as it is made). A failed exit leaves its log's tail in
+#            session.log.
 #   Phase B (at most TRAIN_MIN min, less if the clock says so): three trainings side by side on the GPU, each
 #            annealing its learning rate over its budget: blockpress-code and blockpress-sudoku continued from
-#            the shipped weights, the sudoku AR baseline continued with the same budget. A run that dies in its
-#            first minute is retried once with batches built in the loop and no autocast. Each checkpoint is
-#            cast to bf16 and tarred into $OUT as soon as its run ends (at most 8 files of 16 MiB come back).
-#   Then, if time remains, one training step is profiled (extra.tar).
+#            the shipped weights (and their decoding defaults), the sudoku AR baseline continued with the same
+#            budget. Each run saves before its last evaluation, and a timeout stops (then kills) one that hangs,
+#            40 s before the deadline. A run that dies in its first minute is retried once with batches built in
+#            the loop and no autocast. Each checkpoint is cast to bf16 and tarred into $OUT as soon as its run
+#            ends (at most 8 files of 16 MiB come back).
+#   Then, if time remains, one training step is profiled, eager (extra.tar); COMPILE=1's figure is not measured.
 #
 # Needs .gpu/corpus (the code corpus built here: the device has another Python, so another stdlib) and
 # .gpu/sudoku-puzzles.jsonl, carried with the call (scripts/prepare_gpu_session.sh builds both). Smoke run on a
-# CPU (float32: a CPU without native bf16 would crawl; tiny shapes, a short clock):
+# CPU (float32: a CPU without native bf16 would crawl; tiny shapes, a short clock), after that script, with PY a
+# Python that has blockpress's requirements (here: python, a venv activated; .ci/run makes one in .venv):
 #   OUT=/tmp/s DEVICE=cpu BENCH_PRESET=tiny BENCH_DTYPE=float32 BATCH_PRESET=tiny PROMPT_LENGTH=16 NEW_TOKENS=32 \
-#     PUZZLES=12300 CODE_BATCH=8 SUDOKU_BATCH=8 WORKERS=1 DEADLINE=300 PY=.venv/bin/python \
+#     PUZZLES=12300 CODE_BATCH=8 SUDOKU_BATCH=8 WORKERS=1 DEADLINE=300 PY=python \
 #     bash scripts/gpu_session.sh 60 0.3
 set -u
 OUT=${OUT:?set OUT to the output folder}
@@ -104,8 +109,13 @@ fi
 minutes_left() {  # what the clock leaves a run started now, keeping 75 s to evaluate, save and pack
   awk -v s=$(( DEADLINE - SECONDS - 75 )) 'BEGIN { m = s / 60; printf "%.2f", (m > 0.3 ? m : 0.3) }'
 }
+# Each training also runs under a timeout, for a run that hangs or overruns its --max-minutes (a stuck data worker,
+# a long first compile): SIGTERM 40 s before the deadline makes it finish its step and save (the trainer's own
+# handler), SIGKILL 15 s later if it does not, and the others' results and its own save still get packed.
+STOP=(timeout -s TERM -k 15)
+stop_after() { local s=$(( DEADLINE - SECONDS - 40 )); echo $(( s > 30 ? s : 30 )); }
 code_run() {  # $1: extra flags
-  $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
+  "${STOP[@]}" "$(stop_after)" $PY -m blockpress.cli train --model blockpress/models/blockpress-code --dtype float32 \
     --data .gpu/corpus/train.bin --heldout-data .gpu/corpus/heldout.bin --out "$W/code" --device "$DEVICE" \
     --steps 1000000 --batch-size "$CODE_BATCH" --lr 1e-3 --warmup-steps 100 --prompt-min 16 --prompt-max 128 \
     --response-canvases 2 --log-every 50 --eval-every 1000 --eval-batches 8 --save-every 0 \
@@ -113,7 +123,7 @@ code_run() {  # $1: extra flags
 }
 sudoku_run() {  # $1: out name, then flags
   local name=$1; shift
-  $PY scripts/train_sudoku.py --out "$W/$name" --noise empty --aux-ar-weight 0.25 --puzzles "$NPUZ" \
+  "${STOP[@]}" "$(stop_after)" $PY scripts/train_sudoku.py --out "$W/$name" --noise empty --aux-ar-weight 0.25 --puzzles "$NPUZ" \
     --puzzle-cache "$W/puzzles.jsonl" --batch-size "$SUDOKU_BATCH" --steps 1000000 --minutes "$TRAIN_MIN" --time-schedule \
     --device "$DEVICE" $COMPILE_FLAG "$@"
 }
@@ -122,7 +132,8 @@ with_retry() {  # $1: name, then the command; a run that fails within 60 s is re
   local t0=$SECONDS
   "$@" >"$W/$name.log" 2>&1
   local rc=$?
-  if [ $rc -ne 0 ] && [ $(( SECONDS - t0 )) -lt 60 ]; then
+  # (124, 137: stopped by its timeout, which leaves no time to retry)
+  if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] && [ $(( SECONDS - t0 )) -lt 60 ]; then
     log "$name failed early (exit $rc), retrying without workers or autocast: $(tail -3 "$W/$name.log" | tr '\n' ' ')"
     mv "$W/$name.log" "$W/$name.first.log"
     rm -rf "${W:?}/$name"  # the failed start's folder: `blockpress train` refuses an --out that holds a run
@@ -131,7 +142,11 @@ with_retry() {  # $1: name, then the command; a run that fails within 60 s is re
     "$@" --data-workers 0 --no-autocast >"$W/$name.log" 2>&1
     rc=$?
   fi
-  log "$name exit $rc"
+  case $rc in
+    124) log "$name exit 124: stopped by its timeout (it saves after the step it is in)";;
+    137) log "$name exit 137: killed by its timeout, 15 s after the stop signal";;
+    *) log "$name exit $rc";;
+  esac
 }
 pack() {  # $1: run name. The checkpoint in bf16, its metrics and log, into $OUT as soon as the run ends
   local name=$1
