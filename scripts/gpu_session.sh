@@ -63,7 +63,7 @@ timeout "$BENCH_S" $PY scripts/gpu_bench.py --preset "$BENCH_PRESET" --device "$
     --prompt-length "$PROMPT_LENGTH" --new-tokens "$NEW_TOKENS" --ar-tokens 64 --out "$W/bench" \
     --compile-mode none >"$W/bench.log" 2>&1
 rc=$?
-log "bench exit $rc"
+log "bench exit $rc$( [ $rc -eq 124 ] && echo ": its ${BENCH_S} s ran out; bench.json holds the phases it finished")"
 cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null
 # result.json exists from the first phase on: the log's end (the traceback, or the phase a timeout cut) is kept
 # whenever the run did not finish
@@ -76,7 +76,7 @@ timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVIC
     $( [ "$DEVICE" = cuda ] && echo --cuda-graphs ) \
     --out "$W/extra/bench_batch.json" --plot "$W/extra/bench_batch.png" >"$W/extra/bench_batch.log" 2>&1
 rc=$?
-log "batch sweep exit $rc"
+log "batch sweep exit $rc$( [ $rc -eq 124 ] && echo ": its 90 s ran out; extra.tar holds the batch sizes it finished")"
 [ $rc -eq 0 ] || tail -15 "$W/extra/bench_batch.log" | cut -c1-300 >>"$OUT/session.log"
 tar -C "$W" -cf "$OUT/extra.tar" extra 2>/dev/null
 for _ in $(seq 20); do kill -0 $PUZZLE_PID 2>/dev/null || break; sleep 1; done  # at most 20 s more
