@@ -54,7 +54,7 @@ from .healing import Healed, allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
-from .quantize import check_runs, check_scheme
+from .quantize import check_cast, check_runs, check_scheme
 from .sampling import (
     IN_FLOAT32,
     ROW_SETTINGS,
@@ -429,8 +429,8 @@ class LM:
 
         `compile` / `cuda_graphs` steps are made anew for the moved weights. KV caches made before hold the old
         weights' keys and are refused (make new ones); a PrefixCache drops what it held and fills again.
-        A quantized model can change device, not dtype (its scales are set for its dtype): load it again with
-        dtype= and quantize=."""
+        A quantized model can change device, not dtype (a cast would cast its scales, which keep their own dtype,
+        too: quantize.check_cast): load it again with dtype= and quantize=."""
         self._check_runnable()
         named = isinstance(device, str) and device.lower().removeprefix("torch.") in (*DTYPES, *DTYPE_ALIASES)
         if isinstance(device, torch.dtype) or named:  # lm.to(torch.bfloat16), as nn.Module.to takes it
@@ -440,12 +440,9 @@ class LM:
             raise ValueError("device: 'meta' holds no weights (shapes only); to count parameters and bytes, build "
                              "the model there: random_model(config, device='meta')")
         target_dtype = resolve_dtype(_dtype_argument(dtype)) or self.dtype
+        if target_dtype != self.dtype:  # a quantized model refuses, before anything else is checked
+            check_cast(self.model, lambda t: t.to(target_dtype) if t.is_floating_point() else t)  # as model.to casts
         scheme = self.quantization
-        if scheme is not None and target_dtype != self.dtype:
-            raise ValueError(f"dtype: the model is quantized ({scheme}) in {str(self.dtype).removeprefix('torch.')}; "
-                             "its scales are set for that dtype: load it in the dtype wanted, "
-                             f"blockpress.load(..., dtype={str(target_dtype).removeprefix('torch.')!r}, "
-                             f"quantize={scheme!r})")
         if target_device == self.device and target_dtype == self.dtype:
             return self
         # Refusals first: nothing moves unless all of it can.

@@ -494,7 +494,11 @@ class DiffusionGemma(nn.Module):
         """What nn.Module.to / .cuda() / .half() / .bfloat16() / .to_empty() run on every tensor, then the rotary
         frequencies recomputed. Those casts round every floating buffer, and bf16-rounded frequencies put a
         position's angle off by up to 0.4%, which grows with the position (radians past a few thousand tokens):
-        the tables stay float32 on the model's device, as loading in that dtype builds them."""
+        the tables stay float32 on the model's device, as loading in that dtype builds them. A quantized model
+        refuses a change of dtype before anything moves (quantize.check_cast)."""
+        from .quantize import check_cast  # quantize imports this module
+
+        check_cast(self, fn)
         super()._apply(fn, recurse)
         self.reset_buffers()
         self.weights_changed()

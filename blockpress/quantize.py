@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ INT8_MAX = 127.0
 INT4_GROUP = 32  # inputs sharing one int4 scale
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# scheme -> (its scales' dtype, its codes' dtype), whatever the model's dtype
+QUANTIZED_DTYPES = {"int8": (torch.float32, torch.int8), "fp8": (torch.float32, FP8), "int4": (torch.bfloat16, torch.uint8)}
 
 
 def check_scheme(scheme: Any) -> str:
@@ -364,6 +367,32 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
         setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
     model.weights_changed()
     return model
+
+
+def check_cast(model: DiffusionGemma, cast: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Refuse `cast` (what nn.Module._apply runs on every tensor: .to(dtype), .half(), ...) on a quantized model when
+    it changes the dtype of any of its tensors: a quantized model changes device, not dtype. Its scales keep the
+    dtype quantize gave them whatever the model's (float32 for int8 and fp8, bfloat16 for int4), and fp8's e4m3
+    codes count as floating point, so a module cast would cast them too: fp8 then fails inside torch._scaled_mm,
+    int8 and int4 run with rounded scales."""
+    scheme = quantization_of(model)
+    if scheme is None:
+        return
+    dtypes = dict.fromkeys(t.dtype for t in (*model.parameters(), *model.buffers()))
+    changed = {d: c for d in dtypes if (c := cast(torch.empty(0, dtype=d, device=model.device)).dtype) != d}
+    if not changed:
+        return
+    target = changed.get(model.dtype, next(iter(changed.values())))
+    name = {d: str(d).removeprefix("torch.") for d in (model.dtype, target)}
+    scales, codes = QUANTIZED_DTYPES[scheme]
+    cast_too = [what for dtype, what in ((scales, f"its {str(scales).removeprefix('torch.')} scales"),
+                                         (codes, f"its {scheme} codes")) if dtype in changed]
+    why = (f": a cast to {name[target]} would also cast {' and '.join(cast_too)}, which keep the dtype quantize gave "
+           "them whatever the model's" if cast_too else "")
+    way = (f"it computes in {name[target]} already: move it with .to(device) alone" if target == model.dtype else
+           f"load it in the dtype wanted: blockpress.load(..., dtype={name[target]!r}, quantize={scheme!r})")
+    raise ValueError(f"dtype: the model is quantized ({scheme}) in {name[model.dtype]} and can change device, not "
+                     f"dtype{why}; {way}")
 
 
 def quantization_of(model: nn.Module) -> str | None:

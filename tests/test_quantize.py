@@ -390,3 +390,29 @@ def test_lora_adapters_must_be_merged_before_quantizing():
     lm.quantize("int8")
     lm.model = add_lora(lm.model, 4, 8)  # adapters over the quantized model (QLoRA): its projections stay quantized
     assert lm.model.layers[0].self_attn.q_proj.get_base_layer().weight.dtype == torch.int8
+
+
+@pytest.mark.filterwarnings("ignore:quantize. int4 shares a scale")
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_module_casts_of_a_quantized_model_are_refused_like_lm_to(scheme):
+    """lm.model.to(dtype) / .half() / .bfloat16() cast the scales (and fp8's e4m3 codes) without a word: fp8 then
+    failed inside torch._scaled_mm at the next generate, int8 and int4 ran with rounded scales. They now give lm.to's
+    refusal, before anything is cast; moves to a device still go through."""
+    lm = tiny_lm()
+    lm.quantize(scheme)
+    dtypes = {name: t.dtype for name, t in lm.model.state_dict().items()}
+    with pytest.raises(ValueError) as refused:
+        lm.to(dtype="bfloat16")
+    assert re.match(rf"dtype: the model is quantized \({scheme}\) in float32 and can change device, not dtype", str(refused.value))
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.bfloat16(), lambda m: m.to("cpu", torch.bfloat16)):
+        with pytest.raises(ValueError) as also:
+            cast(lm.model)
+        assert str(also.value) == str(refused.value)  # one check
+    with pytest.raises(ValueError, match=r"a cast to float16 would also cast its (float32|bfloat16) scales"):
+        lm.model.half()
+    if scheme != "int8":  # fp8's codes are floating point; int4's scales are bf16: a float32 cast changes them
+        with pytest.raises(ValueError, match=r"it computes in float32 already: move it with .to\(device\) alone"):
+            lm.model.to(torch.float32)
+    assert {name: t.dtype for name, t in lm.model.state_dict().items()} == dtypes
+    assert lm.model.to("cpu") is lm.model and lm.to(device="cpu") is lm
+    lm.generate([[2, 5, 6]], max_new_tokens=4, max_denoising_steps=2, seed=0)  # fp8's _scaled_mm still has its float32 scales
