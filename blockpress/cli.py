@@ -609,6 +609,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if value is not None:
             raw[f.name] = value
     cfg = TrainConfig.from_dict(raw)
+    if args.resume and saved.get("lora_rank"):
+        from blockpress.train import TRAINER_STATE_FILE, check_continues, read_trainer_state
+
+        # before the base is looked for and loaded (a minute for a quantized one): a finished LoRA run said "give
+        # --model", then, with it, that it had finished
+        check_continues(args.out, read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu"), cfg.lora_rank)
     if args.resume and args.model is None and args.config is None:
         from blockpress.train import LORA_BASE_FILE, lora_base
 

@@ -1051,20 +1051,11 @@ class Trainer:
         from .checkpoint import load_model
 
         state = read_trainer_state(check_resumable(self.out))
-        rank = state.get("config", {}).get("lora_rank", 0)
-        if rank != self.cfg.lora_rank:  # the optimizer state fits only the same set of trained weights
-            ran = f"LoRA adapters of rank {rank} (give --lora-rank {rank})" if rank else "all weights (no --lora-rank)"
-            raise ValueError(f"--resume: the run in {self.out} trained {ran}; lora_rank={self.cfg.lora_rank} "
-                             "cannot continue it")
-        if rank and "lora" not in state:
-            done = (f"finished; its adapters are in {self.out / ADAPTER_DIR}" if self.cfg.quantize else
-                    f"finished and merged its adapters into the checkpoint; fine-tune that with --model {self.out} "
-                    "instead")
-            raise ValueError(f"--resume: the LoRA run in {self.out} {done}")
+        check_continues(self.out, state, self.cfg.lora_rank)
         # A model of another shape than the run's: refused by the fields that differ (torch's size mismatches were
         # 40 lines for adapters, a deep traceback for weights). The run's shape: as saved with it (runs saved before
         # it was: a full fine-tune's config.json; a LoRA run's adapters, refused by torch's first line below).
-        recorded = state.get("base_shape") or (None if rank else base_shape(read_config(self.out)))
+        recorded = state.get("base_shape") or (None if self.cfg.lora_rank else base_shape(read_config(self.out)))
         differ = shape_differences(recorded, self.model, "this model") if recorded else []
         if differ:
             raise self._other_model(", ".join(differ))
@@ -1298,6 +1289,22 @@ def base_name(lm: LM) -> str | None:
     if lm.path.resolve().parent == MODELS_DIR.resolve():
         return lm.path.name
     return hub_name(lm.path) or str(lm.path.resolve())
+
+
+def check_continues(out: str | Path, state: dict[str, Any], lora_rank: int) -> None:
+    """Refuse to continue the run in `out`, whose trainer state is `state`, with `lora_rank` where it cannot go on:
+    it trained another set of weights (the optimizer state fits only its own), or it is a LoRA run that finished (its
+    adapters were saved apart, and merged unless its base was quantized). The CLI checks a LoRA run before loading
+    its base (its state is the adapters and their moments, small to read), Trainer.resume every run."""
+    config = state.get("config", {})
+    rank = config.get("lora_rank", 0)
+    if rank != lora_rank:
+        ran = f"LoRA adapters of rank {rank} (give --lora-rank {rank})" if rank else "all weights (no --lora-rank)"
+        raise ValueError(f"--resume: the run in {out} trained {ran}; lora_rank={lora_rank} cannot continue it")
+    if rank and "lora" not in state:
+        done = (f"finished; its adapters are in {Path(out) / ADAPTER_DIR}" if config.get("quantize") else
+                f"finished and merged its adapters into the checkpoint; fine-tune that with --model {out} instead")
+        raise ValueError(f"--resume: the LoRA run in {out} {done}")
 
 
 def lora_base(out: str | Path) -> str | None:

@@ -315,6 +315,33 @@ def test_train_cli_quantize_trains_lora_over_the_quantized_base(tmp_path, capsys
     assert "quantize: 'int4' trains LoRA adapters" in capsys.readouterr().err
 
 
+def test_resuming_a_finished_qlora_run_says_so_before_loading_its_base(tmp_path, capsys, monkeypatch):
+    """--resume on a finished QLoRA run said "give it again with --model"; given it, the base was loaded and quantized
+    (a minute for blockpress-code) before the run was found finished. With a save mid-run its lora_base.json stayed,
+    and the base was loaded at once. Now a finished LoRA run is refused before any base is looked for."""
+    base = tmp_path / "base"
+    tiny_lm().save(base)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": e.prompt, "response_ids": e.response}) + "\n" for e in EXAMPLES))
+    common = ["--data", str(data), "--steps", "2", "--batch-size", "2", "--heldout", "0", "--quiet",
+              "--warmup-steps", "1"]
+    for out, more in (("done", []), ("saved", ["--save-every", "1"])):  # "saved" keeps its lora_base.json
+        assert main(["train", "--model", str(base), "--out", str(tmp_path / out), *common, "--lora-rank", "2",
+                     "--quantize", "int4", *more]) == 0
+    assert (tmp_path / "saved" / "lora_base.json").is_file()
+    capsys.readouterr()
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the base was loaded")
+
+    monkeypatch.setattr(blockpress.cli, "load_model", no_load)
+    for out, more in (("done", []), ("done", ["--model", str(base)]), ("saved", [])):
+        assert main(["train", "--out", str(tmp_path / out), "--resume", *common[:2], "--steps", "4", *more]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume: the LoRA run in {tmp_path / out} finished; its adapters are in " \
+               f"{tmp_path / out / 'adapter'}" in err, err
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_compiled_experts_op_has_the_eager_loops_gradient(scheme):
     """Under torch.compile the experts run as one custom op: its backward is the per-expert loop's."""

@@ -219,12 +219,20 @@ def test_a_run_that_died_before_its_first_save_can_be_started_again(tmp_path, ca
 
 def test_a_lora_run_cut_short_names_its_base_on_resume(tmp_path, capsys):
     pytest.importorskip("peft")
+    import blockpress.train
+
+    class StopAtOnce:  # Ctrl-C before the first step: the run saves its adapters, unmerged, to be resumed
+        requested = True
+
+        def restore(self):
+            pass
+
     data = write_data(tmp_path / "d.jsonl")
-    assert main(train_args(data, tmp_path / "lora", steps=2) + ["--lora-rank", "2", "--save-every", "1"]) == 0
     mid = tmp_path / "mid"  # what a LoRA run holds before its end: adapters in trainer_state.pt, no checkpoint
-    mid.mkdir()
-    for name in ("trainer_state.pt", "train_config.json", "metrics.jsonl"):
-        shutil.copy(tmp_path / "lora" / name, mid / name)
+    with pytest.MonkeyPatch.context() as patch:  # (a copy of a finished run's state is refused as finished)
+        patch.setattr(blockpress.train, "_StopOnInterrupt", StopAtOnce)
+        assert main(train_args(data, mid, steps=2) + ["--lora-rank", "2"]) == 130
+    assert not (mid / "config.json").exists()  # a fresh model (--config): no base to record
     capsys.readouterr()
     assert main([a for a in train_args(data, mid, steps=3) if a not in ("--config", "tiny")] + ["--resume"]) == 2
     err = capsys.readouterr().err
