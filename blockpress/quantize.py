@@ -2,7 +2,8 @@
 
 `quantize(model, scheme)` swaps, in place, every projection of the layers (attention, dense MLP, experts) and
 of the self-conditioning MLP for a quantized twin; the embedding (which is also the tied LM head), the norms and
-the router stay in the model's dtype. model.py is untouched: the swap is the whole transform.
+the router stay in the model's dtype. The swap is the whole transform (model.py only calls check_cast before
+a cast).
 
 - "int8": weight-only, symmetric, one scale per output channel. Activations stay in the model's dtype. On a CPU
   in bfloat16 the packed int8 kernel reads a quarter of the bytes: for one-token (AR) passes it is faster than
