@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from blockpress.checks import utf8_problem
 from blockpress.healing import heal
 from blockpress.live import LiveView, live_terminal
 from blockpress.model import PREFILL_CHUNK
@@ -417,11 +418,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"error: {error}", file=sys.stderr)
             no_reply(user, error=error)
             continue
-        try:
-            user.encode("utf-8")
-        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates; the position is the line's
-            bad = user[exc.start].encode("utf-8", "surrogateescape")
-            error = f"not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start} of the message)"
+        problem = utf8_problem(user)  # bytes that were not UTF-8 arrive as surrogates; the position is the line's
+        if problem is not None:
+            error = f"not valid UTF-8 ({problem} of the message)"
             print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
             no_reply(user, error=error)
             continue

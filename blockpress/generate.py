@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .cache import KVCache
-from .checks import check_flag, is_int
+from .checks import check_flag, check_text, is_int, utf8_problem
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
@@ -363,6 +363,8 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
 def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True) -> list[list[int]]:
     """Text prompts as token ids, BOS first when the tokenizer has one and `bos` (a conversation's next turn
     has none: it continues a sequence that has one), and not twice (a rendered chat template brings its own)."""
+    for i, text in enumerate(texts):  # named as the caller wrote it, not as the tokenizer's "text"
+        check_text(text, "prompt" if len(texts) == 1 else f"prompt[{i}]")
     return [tokenizer.encode_prompt(t) if bos else tokenizer.encode(t) for t in texts]
 
 
@@ -515,6 +517,7 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
         raise ValueError("template: text templates need a tokenizer; pass token ids with -1 for holes")
     if not template:
         raise ValueError("template: empty text; expected text with <|hole|> or <|hole:N|> markers")
+    check_text(template, "template")  # its position in the template, not in one fixed piece of it
     matches = list(_HOLE_RE.finditer(template))
     markers = {m.start(2) for m in matches}
     near = [m for m in _NEAR_HOLE_RE.finditer(template) if m.end(1) not in markers]
@@ -844,6 +847,10 @@ def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
         raise ValueError(f"stop: expected {expected}, got {stop!r}")
     if any(not isinstance(s, str) or not s for r in rows for s in r):
         raise ValueError("stop: stop strings must be non-empty strings")
+    for s in (s for r in rows for s in r):
+        if (problem := utf8_problem(s)) is not None:
+            raise ValueError(f"stop: {s!r} is not valid UTF-8 ({problem}); generated text always is, so it would "
+                             "never match")
     return rows if any(rows) else None
 
 

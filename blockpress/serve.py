@@ -77,6 +77,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .checks import check_text
 from .generate import (
     Cancelled,
     Commit,
@@ -981,7 +982,10 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
             raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
                                 "tokens)", other)
     if body.suffix is not None:
-        holes = [-1] * max_tokens + tok.encode(body.suffix)
+        try:
+            holes = [-1] * max_tokens + tok.encode(check_text(body.suffix, "suffix"))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "suffix") from None
         if not from_text:
             return Canvas(prompt, holes, max_tokens)
         # A text prompt's trailing space joins the hole, as lm.infill does with a text prompt (the engine heals
@@ -1005,7 +1009,10 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> list[tupl
         if not prompt:
             raise APIError(400, f"{name}: must not be empty", "prompt")
         if isinstance(prompt, str):
-            out.append((state.lm.tokenizer.encode_prompt(prompt), True))
+            try:
+                out.append((state.lm.tokenizer.encode_prompt(check_text(prompt, name)), True))
+            except ValueError as exc:
+                raise APIError(400, str(exc), "prompt") from None
             continue
         bad = [t for t in prompt if not 0 <= t < state.lm.config.text.vocab_size]
         if bad:

@@ -23,7 +23,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from .checks import check_flag
+from .checks import check_flag, check_text, utf8_problem
 from .files import StagedFiles, read_json_object, staging
 from .response import compile_template, parse_response
 
@@ -103,12 +103,7 @@ def _checked_text(text: Any) -> str:
     """`text` if it is a str of valid UTF-8, else a ValueError naming what is wrong."""
     if not isinstance(text, str):
         raise ValueError(f"text: expected a str to tokenize, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # bytes that were not UTF-8 (a command line or stdin) arrive as surrogates
-        bad = text[exc.start].encode("utf-8", "surrogateescape")
-        raise ValueError(f"text: not valid UTF-8 (byte 0x{bad.hex()} at character {exc.start})") from None
-    return text
+    return check_text(text, "text")
 
 
 @dataclass(frozen=True)
@@ -789,6 +784,7 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise MessageError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
+    _check_texts(message, where)
     if not isinstance(message.get("role"), str):
         raise MessageError(f"{where}.role", f"expected a str ('system', 'user', 'assistant', ...), got "
                                             f"{'nothing' if 'role' not in message else type(message['role']).__name__}")
@@ -830,6 +826,26 @@ def _validate_tools_and_documents(tools: Any, documents: Any) -> None:
                                  "schema instead, {'type': 'function', 'function': {'name': ..., 'description': ..., "
                                  "'parameters': {...}}} (transformers.utils.get_json_schema(f) writes one)")
             raise ValueError(f"{name}[{index}]: expected a dict, got {type(item).__name__}")
+        for index, item in enumerate(items):
+            _check_texts(item, f"{name}[{index}]")
+
+
+def _check_texts(value: Any, where: str) -> None:
+    """A MessageError naming the field (messages[1].content, tools[0].function.description) of the first string in
+    `value`, nested dicts and lists included, that UTF-8 cannot encode: the rendered prompt could not be tokenized,
+    and its error would name a position in the whole prompt, not the field the caller wrote."""
+    if isinstance(value, str):
+        problem = utf8_problem(value)
+        if problem is not None:
+            raise MessageError(where, f"not valid UTF-8 ({problem})")
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            if isinstance(key, str) and (problem := utf8_problem(key)) is not None:
+                raise MessageError(where, f"not valid UTF-8 ({problem} of the key {key!r})")
+            _check_texts(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_texts(item, f"{where}[{i}]")
 
 
 # The names a message's reasoning may come under; templates read the first (gpt-oss's read "thinking").

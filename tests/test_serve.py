@@ -300,6 +300,33 @@ def test_bad_requests_get_clean_4xx(server, body, status, param):
     assert err["message"] and (param is None or param in (err["param"] or "") or param in err["message"])
 
 
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": "\ud800"}, "prompt", "prompt: not valid UTF-8 (lone surrogate U+D800 at character 0)"),
+    ({"prompt": "ab\udcff"}, "prompt", "prompt: not valid UTF-8 (byte 0xff at character 2)"),
+    ({"prompt": ["x", "\ud800"]}, "prompt", "prompt[1]: not valid UTF-8"),
+    ({"prompt": "x", "suffix": "y\ud800"}, "suffix", "suffix: not valid UTF-8 (lone surrogate U+D800 at character 1)"),
+    ({"prompt": "x", "template": "ab\ud800<|hole|>"}, "template", "template: not valid UTF-8 (lone surrogate U+D800 "
+                                                                   "at character 2)"),
+    ({"prompt": "x", "stop": ["a", "\ud800"]}, "stop", "never match"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": "\ud83d"}, "stop", "never match"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "caf\udcff"}]},
+     "messages[1].content", "messages[1].content: not valid UTF-8 (byte 0xff at character 3)"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[1].text", "not valid UTF-8 (lone surrogate U+D800 at character 0)"),
+])
+def test_text_that_is_not_utf8_is_a_400_naming_the_field(server, body, param, says):
+    """JSON can carry half of a UTF-16 pair ("\\ud800": a JavaScript string cut inside an emoji). A prompt or suffix
+    holding one was a bare 500 (the tokenizer's error message itself raised, and a ValueError from encoding was not
+    caught), a chat message's error named a position in the rendered template, and a stop holding one was taken
+    although generated text never can."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(server[0] + path, content=json.dumps({"model": MODEL, "max_tokens": 2, **body}),
+                   headers={"content-type": "application/json"}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert says in err["message"], err
+
+
 @pytest.mark.parametrize("body, param, forms", [
     ({"prompt": [1.5]}, "prompt", ["str", "list[int]", "list[str]", "list[list[int]]"]),
     ({"prompt": 5}, "prompt", ["str", "list[int]"]),

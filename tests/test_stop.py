@@ -144,6 +144,22 @@ def test_stops_that_are_not_lists_are_clear_errors(stop, message):
         normalize_stops(stop, 2)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda lm: lm.generate("ab\ud800", max_new_tokens=2), r"^prompt: not valid UTF-8 \(lone surrogate U\+D800 at "
+                                                            r"character 2\)"),
+    (lambda lm: lm.generate(["a", "\udcff"], max_new_tokens=2), r"^prompt\[1\]: not valid UTF-8 \(byte 0xff"),
+    (lambda lm: lm.infill("a\ud83d<|hole:2|>"), r"^template: not valid UTF-8 \(lone surrogate U\+D83D at character 1"),
+    (lambda lm: lm.generate("a", max_new_tokens=2, stop=["x", "\ud800"]), r"^stop: '\\ud800' is not valid UTF-8 "
+                                                                          r"\(lone surrogate U\+D800 .*never match"),
+    (lambda lm: lm.generate_ar("a", max_new_tokens=2, stop="\udcff"), r"^stop: '\\udcff' is not valid UTF-8"),
+])
+def test_text_that_is_not_utf8_is_a_value_error_naming_the_argument(tiny_lm, call, message):
+    """A lone surrogate (JSON's "\\ud800", half of an emoji) raised a bare UnicodeEncodeError from inside the
+    tokenizer's own error message, and a stop string that generated text (always UTF-8) can never hold was taken."""
+    with pytest.raises(ValueError, match=message):
+        call(tiny_lm)
+
+
 @pytest.mark.parametrize("engine", ["diffusion", "ar"])
 def test_generate_takes_a_numpy_array_of_stops(tiny_lm, engine):
     make = tiny_lm.generate if engine == "diffusion" else tiny_lm.generate_ar

@@ -606,6 +606,32 @@ def test_text_that_was_not_utf8_is_a_clear_error(tok: Tokenizer) -> None:
         tok.encode(b"ab")
 
 
+@pytest.mark.parametrize("text", ["ab\ud800", "ab\udc00", "ab\ud83d"])
+def test_a_lone_surrogate_is_a_clear_error(tok: Tokenizer, text: str) -> None:
+    """Half of a UTF-16 pair (JSON's "\\ud800", a string cut inside an emoji): the error's own message raised a
+    bare UnicodeEncodeError (it read the character as a byte of surrogateescape, which only U+DC80..U+DCFF are)."""
+    with pytest.raises(ValueError, match=f"text: not valid UTF-8 \\(lone surrogate U\\+{ord(text[2]):04X} at character 2\\)"):
+        tok.encode(text)
+
+
+def test_text_that_is_not_utf8_in_a_message_or_tool_names_its_field(tok: Tokenizer) -> None:
+    """The error named a position in the whole rendered prompt ("at character 25"), not the field that holds it."""
+    from blockpress.tokenizer import MessageError, chat_message
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b\ud800"}]
+    with pytest.raises(MessageError, match=r"^messages\[1\]\.content\[1\]\.text: not valid UTF-8 \(lone surrogate "
+                                           r"U\+D800 at character 1\)") as caught:
+        chat_message({"role": "user", "content": parts}, 1)
+    assert caught.value.field == "messages[1].content[1].text"
+    call = {"function": {"name": "f", "arguments": {"city": "\udcff"}}}
+    with pytest.raises(MessageError, match=r"messages\[0\]\.tool_calls\[0\]\.function\.arguments\.city: not valid "
+                                           r"UTF-8 \(byte 0xff at character 0\)"):
+        chat_message({"role": "assistant", "content": None, "tool_calls": [call]}, 0)
+    weather = {"type": "function", "function": {"name": "weather", "description": "x\ud800"}}
+    with pytest.raises(MessageError, match=r"tools\[1\]\.function\.description: not valid UTF-8"):
+        tok.apply_chat_template(TWO_TURNS, tools=[TOOL_SCHEMA, weather])
+
+
 def test_tojson_filter_is_plain_json(tok: Tokenizer) -> None:
     custom = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="{{ messages[0] | tojson }}")
     message = {"role": "user", "content": "<b> & 'é'"}
