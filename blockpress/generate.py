@@ -294,6 +294,10 @@ class Request:
     template_holes: list[list[tuple[int, int]]] | None = None
     # Stop strings, one list per row: a row ends at the token that completes one of them (see `_Stops`).
     stops: list[list[str]] | None = None
+    # Per row, whether its min_new_tokens bans EOS alone, so that a stop string may end inside them (a server's
+    # default minimum: its client never sees a stop string). None: no row's does; no stop string ends inside a
+    # row's min_new_tokens (vLLM's min_tokens).
+    eos_only_minimum: tuple[bool, ...] | None = None
     # Per row, the special tokens its stop strings name (special_stop_ids): the row ends at one, as at a stop string
     # (a special token has no text in the decoded text that the strings are searched in). None: no row has one.
     stop_ids: list[frozenset[int]] | None = None
@@ -732,12 +736,14 @@ class _RowTexts:
     tokenizer: Any
     newest: list[tuple[int, str] | None]  # per row: (tokens, their text) last decoded
     floors: list[int | None]  # per row: stop_floor, once the row has more than its min_new_tokens tokens
-    minimums: list[int]  # per row: min_new_tokens
+    minimums: list[int]  # per row: the new tokens no stop string ends in (min_new_tokens, or 0: eos_only_minimum)
 
     @classmethod
     def of(cls, req: Request, tokenizer: Any) -> _RowTexts:
         b = req.prompt.shape[0]
-        return cls(req, tokenizer, [None] * b, [None] * b, req.row_budgets()[1])
+        eos_only = req.eos_only_minimum or (False,) * b
+        return cls(req, tokenizer, [None] * b, [None] * b,
+                   [0 if only else m for m, only in zip(req.row_budgets()[1], eos_only)])
 
     def _decode(self, r: int, row: list[int]) -> str:
         template = None if self.req.template is None else self.req.template[r : r + 1]

@@ -627,6 +627,7 @@ class LM:
         min_new_tokens: Counts,
         sampler: str | SamplerConfig | None,
         sampler_options: dict[str, Any],
+        min_new_tokens_eos_only: bool | Sequence[bool] = False,
         seed: int | None,
         attention_mask: Any,
         token_healing: bool | None,
@@ -684,6 +685,11 @@ class LM:
             max_new_tokens = self._max_new_tokens_setting()
         max_new_tokens, min_new_tokens = _check_budgets(max_new_tokens, _row_counts(
             min_new_tokens, "min_new_tokens", ids.shape[0]))
+        eos_only = _row_counts(min_new_tokens_eos_only, "min_new_tokens_eos_only", ids.shape[0], "True or False")
+        for i, flag in enumerate(eos_only if isinstance(eos_only, list) else [eos_only]):
+            check_flag("min_new_tokens_eos_only" + (f"[{i}]" if isinstance(eos_only, list) else ""), flag)
+        if eos_only is True or (isinstance(eos_only, list) and any(eos_only)):
+            fields.update(eos_only_minimum=tuple(eos_only) if isinstance(eos_only, list) else (True,) * ids.shape[0])
         seed = check_seed(seed, "seed")
         sampler_options, per_row = _row_draws(sampler_options, ids.shape[0], temperature_name)
         if isinstance(sampler, SamplerConfig):
@@ -823,6 +829,7 @@ class LM:
         seed: int | None = None,
         *,
         min_new_tokens: Counts = 0,
+        min_new_tokens_eos_only: bool | Sequence[bool] = False,
         attention_mask: Any = None,
         template: Any = None,
         hole_length: int = 8,
@@ -892,6 +899,7 @@ class LM:
         req = self._request(
             prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, sampler=sampler,
             sampler_options=dict(sampler_options, max_denoising_steps=max_denoising_steps), seed=seed,
+            min_new_tokens_eos_only=min_new_tokens_eos_only,
             attention_mask=attention_mask, token_healing=token_healing, stop=stop, template=template,
             hole_length=hole_length, seeds=_row_seeds(seeds), prefix_cache=_check_prefix_cache(prefix_cache),
             skip_stopped_rows=skip_stopped_rows, constraint=constraint,
@@ -910,7 +918,9 @@ class LM:
         or 1-D integer tensor of length B): a row ends once it has written its own, as at an EOS (pads after it, no
         more passes), and is what it would be alone with that count; `new_tokens` is as wide as the largest.
         `min_new_tokens` (keyword; default 0): no EOS before this many new tokens, likewise one count or one per
-        row, each at most the row's max_new_tokens. `max_denoising_steps`: per canvas (default: the checkpoint's,
+        row, each at most the row's max_new_tokens, and, as vLLM's min_tokens, no `stop` string ends inside their
+        text; `min_new_tokens_eos_only=True` (or one flag per row) bans EOS alone, so a stop string there ends the
+        row as anywhere (a server's default minimum: its reply never holds a stop string). `max_denoising_steps`: per canvas (default: the checkpoint's,
         else 48). `sampler`: "entropy_bound" (the reference's), "confidence", "topk" or "greedy", or a whole
         `SamplerConfig`, which replaces the checkpoint's settings rather than adding to them, except
         `noise_token_id`: that says how the model was trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
@@ -1065,6 +1075,7 @@ class LM:
         top_k: int | Sequence[int] | None = None,
         top_p: float | Sequence[float] | None = None,
         min_new_tokens: Counts = 0,
+        min_new_tokens_eos_only: bool | Sequence[bool] = False,
         attention_mask: Any = None,
         cache: KVCache | None = None,
         return_cache: bool = False,
@@ -1088,9 +1099,9 @@ class LM:
         keyword arguments override it. Without it, the checkpoint's settings with greedy draws unless `temperature`
         says otherwise (a checkpoint's greedy sampler also samples when given a temperature > 0, as on the server).
         `stop` as in `stream` (checked every 8 tokens; a row's tokens and text end at its stop string).
-        `max_new_tokens`, `min_new_tokens`: one count, or one per row, as in `generate`. `temperature` (each > 0:
-        greedy is the whole batch's), `top_k` and `top_p` may also be one per row (a list, or a 1-D array / tensor):
-        each row then draws as it would alone with its own.
+        `max_new_tokens`, `min_new_tokens` (and `min_new_tokens_eos_only`): one count, or one per row, as in
+        `generate`. `temperature` (each > 0: greedy is the whole batch's), `top_k` and `top_p` may also be one per
+        row (a list, or a 1-D array / tensor): each row then draws as it would alone with its own.
         `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`.
         `logits_processor(logits [B, 1, V], rows [B]) -> logits`: as in `stream`, each token's next-token logits as
         a canvas of one position (rows: every row, each token), before the penalties and bans."""
@@ -1121,6 +1132,7 @@ class LM:
         # the draw settings, one for every row or one per row, as generate takes them
         draw = dict(draw_temperature=None if temperature == 0 else temperature, top_k=top_k, top_p=top_p)
         req = self._request(prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                            min_new_tokens_eos_only=min_new_tokens_eos_only,
                             sampler=cfg, sampler_options=draw, seed=seed, attention_mask=attention_mask,
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
                             prefix_cache=_check_prefix_cache(prefix_cache), canvases=False,

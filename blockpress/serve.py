@@ -36,7 +36,10 @@ requests batch with each other whatever their lengths (each row writes its own c
 /v1/completions takes OpenAI's prompt forms: a text, token ids, or a list of either (choice j of prompt i has index
 i*n + j; each prompt is answered as it would be alone, and the usage adds up).
 
-Chat replies default to `min_tokens: 1`, so a reply is never empty unless the request sends 0.
+Chat replies default to `min_tokens: 1`, so a reply does not open with its end of turn unless the request sends 0.
+That default bans the end of turn alone: a stop string ends the reply wherever it appears (so a stop that the first
+token holds gives an empty reply with finish_reason "stop"), and the content never holds one. A `min_tokens` the
+client sends is vLLM's: no end of turn and no stop string inside the first `min_tokens` tokens.
 
 Tool use: `tools`, an assistant's `tool_calls` and `tool` messages go to the checkpoint's chat template (the one
 renderer, Tokenizer.apply_chat_template), which decides how they read. A model's tool-call syntax is its own: where
@@ -313,8 +316,10 @@ class Message(BaseModel):
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens (chat only)
-    # A reply is never empty unless asked: an end-of-turn token may not come first (a block-diffusion canvas that
-    # puts one at position 0 otherwise answers terse prompts with nothing). 0 allows it.
+    # A reply does not end before it begins unless asked: an end-of-turn token may not come first (a block-diffusion
+    # canvas that puts one at position 0 otherwise answers terse prompts with nothing). 0 allows it. This default
+    # bans the end of turn alone: a stop string still ends the reply where it begins, as OpenAI's (an empty reply,
+    # when the first token holds it); a min_tokens the client sends also holds stop strings back, as vLLM's.
     min_tokens: int = Field(default=1, ge=0)
     # Rendered into the prompt by the chat template, as it renders tool calls and results; the reply's calls are
     # read with the checkpoint's response template, where it has one.
@@ -418,6 +423,9 @@ class Job:
     # Also send the answer with its special tokens (JobDone.raw): a reply the response template reads for tool calls,
     # whose markers are often special tokens, which the answer's text leaves out.
     keep_special: bool = False
+    # The minimum is chat's default, not the client's min_tokens: it bans only the end of turn, and a stop string
+    # inside it ends the reply as anywhere (an OpenAI client never sees its stop string in the content).
+    eos_only_minimum: bool = False
 
     def key(self) -> tuple:
         """What the jobs of one batch share. Not max_tokens nor min_tokens, nor the candidate draw's temperature,
@@ -608,6 +616,7 @@ class Engine:
         return self.lm.stream(
             # each job's own lengths; a canvas sets its length (no minimum: it is written whole)
             [j.prompt for j in batch], min_new_tokens=[j.min_tokens for j in batch] if first.canvas is None else 0,
+            min_new_tokens_eos_only=[j.eos_only_minimum for j in batch],
             max_new_tokens=[j.max_tokens for j in batch] if first.canvas is None else None,
             # Drafts cost device->host copies every step: only when a client asked. Clients that leave still free
             # the engine within a step (`cancelled` is asked before each), not when the canvas commits.
@@ -952,11 +961,12 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
     loop = asyncio.get_running_loop()
     # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
     prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
+    eos_only = "min_tokens" not in body.model_fields_set  # the default: chat's 1 (ChatRequest.min_tokens)
     if cfg.sampler == "greedy":  # n greedy choices are one answer n times, as OpenAI's: run it once
         return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
-                    asyncio.Queue(), copies=body.n, heal_prefix=prefix)]
+                    asyncio.Queue(), copies=body.n, heal_prefix=prefix, eos_only_minimum=eos_only)]
     return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,
-                body.token_healing, loop, asyncio.Queue(), heal_prefix=prefix)
+                body.token_healing, loop, asyncio.Queue(), heal_prefix=prefix, eos_only_minimum=eos_only)
             for i in range(body.n)]
 
 

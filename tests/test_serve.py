@@ -791,6 +791,29 @@ def test_a_chat_reply_is_never_empty_unless_asked(client, server, monkeypatch):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=8, seed=1).choices[0].text == ""
 
 
+def test_a_chat_reply_never_holds_its_stop_string_by_default(client, server, monkeypatch):
+    """Chat's default minimum (one token) also held back a stop string that the first token holds, so a client
+    that sent stop "\\n" got "\\n..." back. That default bans the end of turn alone: the stop ends the reply at once
+    (empty, finish_reason "stop"), in the stream too; a min_tokens the client sends keeps vLLM's rule."""
+    lm = server[1].state.engine.lm
+    eos, letter, original = lm._eos_ids()[0], lm.tokenizer.encode("a")[-1], lm.model.head
+
+    def head(hidden):  # every canvas position prefers EOS, then the letter a
+        logits = original(hidden)
+        logits[..., eos] += 50.0
+        logits[..., letter] += 40.0
+        return logits
+
+    monkeypatch.setattr(lm.model, "head", head)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=1, stop="a")
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (choice.message.content, choice.finish_reason) == ("", "stop")
+    streamed = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.delta.content or "" for c in streamed) == "" and streamed[-1].finish_reason == "stop"
+    asked = client.chat.completions.create(**kw, extra_body={"min_tokens": 1}).choices[0]
+    assert (asked.message.content, asked.finish_reason) == ("a", "stop")  # the stop inside min_tokens: not counted
+
+
 def test_a_broken_chat_template_is_a_json_server_error(server, monkeypatch):
     """The checkpoint's template failing is the server's fault: a 500 in OpenAI's error layout, not a bare 500."""
     lm = server[1].state.engine.lm

@@ -212,6 +212,32 @@ def test_each_rows_own_min_new_tokens_sets_its_stop_floor(lm, engine):
     assert batch.extra["stopped"][1]
 
 
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_a_minimum_that_bans_eos_alone_lets_a_stop_inside_it_end_the_row(tiny_lm, engine):
+    """A server's default chat minimum (one token, so no reply opens with its end of turn) held a stop string in the
+    first token back, and the client got the stop string in its content. min_new_tokens_eos_only (one flag per row
+    here) bans EOS alone: the stop ends that row as it would without a minimum, and the row beside it keeps vLLM's
+    floor."""
+    lm, k = tiny_lm, 6
+
+    def make(prompt, **kw):
+        if engine == "diffusion":
+            return lm.generate(prompt, max_new_tokens=16, seeds=[0] * (1 if isinstance(prompt, str) else 2), **kw)
+        return lm.generate_ar(prompt, max_new_tokens=16, **kw)
+
+    ref = make("x", min_new_tokens=k)
+    text = ref.texts[0]
+    floor = len(lm.tokenizer.decode(ref.new_tokens[0, :k].tolist()))
+    stop = text[:2]  # ends inside the first k tokens' text
+    assert "\ufffd" not in stop and len(stop) <= floor
+    assert cut_at_stop(text, [stop]) != cut_at_stop(text, [stop], floor)  # (the case at hand)
+    out = make(["x", "x"], min_new_tokens=k, stop=stop, min_new_tokens_eos_only=[True, False])
+    assert out.texts == [cut_at_stop(text, [stop]), cut_at_stop(text, [stop], floor)]
+    assert out.extra["stopped"][0] and stop not in out.texts[0]
+    with pytest.raises(ValueError, match="min_new_tokens_eos_only: expected True or False, got 'yes'"):
+        make("x", min_new_tokens=1, min_new_tokens_eos_only="yes")
+
+
 @given(st.text("ab", max_size=10), st.lists(st.text("ab", min_size=1, max_size=3), max_size=3), st.integers(0, 12))
 def test_cut_at_stop_ignores_only_stops_ending_in_the_floor(text, stops, floor):
     counted = [i for s in stops for i in range(len(text)) if text.startswith(s, i) and i + len(s) > floor]
