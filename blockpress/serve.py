@@ -31,7 +31,8 @@ Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` m
 `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
 joins the hole, as a text template's does); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
-requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones.
+requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones. In the
+usage a canvas's fixed tokens (the template's text, the suffix) are prompt tokens, its holes the completion tokens.
 
 /v1/completions takes OpenAI's prompt forms: a text, token ids, or a list of either (choice j of prompt i has index
 i*n + j; each prompt is answered as it would be alone, and the usage adds up).
@@ -436,6 +437,12 @@ class Job:
     @property
     def holes(self) -> int:
         return sum(t < 0 for t in self.canvas) if self.canvas is not None else 0
+
+    @property
+    def fixed_tokens(self) -> int:
+        """A canvas's tokens that the client wrote (a template's text, the suffix): prompt tokens in the usage, as
+        OpenAI counts a suffix; the holes are the completion."""
+        return len(self.canvas) - self.holes if self.canvas is not None else 0
 
     def answer(self, texts: list[str], fills: list[list[str]] | None, row: int) -> str:
         """This job's answer, as row `row` of the engine's `texts` and template `fills` (so far, or final) reads:
@@ -1262,10 +1269,12 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     async def completions(body: CompletionRequest, request: Request):
         jobs, prompt_tokens = [], 0
         for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
-            for job in completion_jobs(state, body, prompt, from_text):
+            group = completion_jobs(state, body, prompt, from_text)
+            for job in group:
                 job.group = i
                 jobs.append(job)
-            prompt_tokens += len(prompt)
+            # a canvas's fixed tokens are the client's too (a text prompt's healed space moved into them: once)
+            prompt_tokens += len(group[0].prompt) + group[0].fixed_tokens
         return await respond(engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}

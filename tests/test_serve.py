@@ -1095,7 +1095,8 @@ def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
     text = plain["choices"][0]["text"]
     assert text == tok.decode(answer)[1:] and not text.startswith(" ")
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
-    assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["prompt_tokens"] == len(ids)
+    # the suffix is prompt text, as OpenAI counts it
+    assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["prompt_tokens"] == len(ids) + len(tok.encode(suffix))
     # the library's rule, which the server calls: lm.infill with the same text prompt writes the same hole
     assert lm.infill("<|hole:8|>" + suffix, prompt=prompt, sampler="greedy", seeds=[0]).fills[0][0] == text
     with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:  # a list of texts heals each one too
@@ -1145,6 +1146,20 @@ def test_template_requests_of_different_lengths_share_a_batch_and_answer_as_alon
     alone, batches = alone_then_batched(server, monkeypatch, bodies, first, lambda j: len(j.canvas))
     assert len(batches) == 2 and len(set(batches[1])) == 3 and max(batches[1]) > server[1].state.engine.lm.config.canvas_length
     assert len({a["choices"][0]["text"] for a in alone}) == len(bodies)
+
+
+def test_a_canvas_counts_its_fixed_tokens_as_prompt_tokens(server):
+    """A template's text (and a suffix) was counted in neither prompt_tokens nor completion_tokens: the client wrote
+    it, and the model reads it, so it is prompt; the holes the model writes are the completion."""
+    tok = server[1].state.engine.lm.tokenizer
+    before, after = "def f(a):\n    return a +", "\n\ny = 1\n"
+    body = {"model": MODEL, "prompt": "abc", "template": before + "<|hole:4|>" + after, "max_tokens": 8, "seed": 2}
+    usage = httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] == len(tok.encode_prompt("abc")) + len(tok.encode(before)) + len(tok.encode(after))
+    assert usage["completion_tokens"] == 4 and usage["total_tokens"] == usage["prompt_tokens"] + 4
+    body = {"model": MODEL, "prompt": "abc", "suffix": after, "max_tokens": 3, "seed": 2}
+    usage = httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(tok.encode_prompt("abc")) + len(tok.encode(after)), 3)
 
 
 def test_streamed_choices_interleave(server):
