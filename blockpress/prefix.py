@@ -8,10 +8,14 @@ batch's cache from them and encodes only each row's unseen tail.
 Each row is encoded on its own, right-aligned in the batch cache (left padding only), so its slots hold what
 one encode of its whole prompt would hold: no hole inside a row, which matters because sliding-window layers
 count slots. At least the last prompt token is always encoded, so the AR loop gets its first logits.
+
+One `PrefixCache` may serve several threads that generate at once (one LM shared by request threads): a lock
+guards its entries and counters, held only for the bookkeeping, never while the model runs.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,6 +45,7 @@ class PrefixCache:
     `max_bytes`: the keys and values kept (least recently used prompts go first); `min_tokens`: shorter
     prompts are not kept. An entry serves every prefix of itself, so a new prompt that extends an entry
     replaces it. Counters: `lookups` (rows encoded), `hits` (rows that reused something), `reused_tokens`.
+    Thread-safe: calls in several threads may share one (each takes the lock for its lookups and updates only).
     """
 
     max_bytes: int = 1 << 30
@@ -54,6 +59,10 @@ class PrefixCache:
     _model: Any = field(default=None, repr=False)  # a weak reference to the model whose keys and values these are
     _version: int | None = field(default=None, repr=False)  # that model's weights_version when they were encoded
     _bytes: int = field(default=0, repr=False)
+    # Guards _entries, _bytes, _next, the model fields and the counters. An entry's tensors never change once
+    # made, so a row copies from an entry it holds without the lock (an eviction meanwhile only drops the dict's
+    # reference). Reentrant: check_model clears under it.
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 0:
@@ -70,22 +79,33 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every entry, and the model they belonged to: the cache may then serve another one."""
-        self._entries.clear()
-        self._bytes = 0
-        self._layout = self._model = None
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+            self._layout = self._model = None
 
-    def longest(self, ids: torch.Tensor) -> tuple[int | None, int]:
-        """(key of the entry sharing the longest prefix with `ids` [n] long, that prefix's length)."""
-        best, best_n = None, 0
-        for key, entry in self._entries.items():
+    def longest(self, ids: torch.Tensor) -> tuple[int | None, _Entry | None, int]:
+        """(key of the entry sharing the longest prefix with `ids` [n] long, that entry, that prefix's length).
+        The entry is returned too: another thread may evict it before `load`, which then still reads it."""
+        with self._lock:  # the comparisons run on a snapshot, outside the lock
+            entries = list(self._entries.items())
+        best, best_entry, best_n = None, None, 0
+        for key, entry in entries:
             m = min(entry.ids.numel(), ids.numel())
             if m <= best_n:
                 continue
             differ = (entry.ids[:m] != ids[:m]).nonzero()
             n = int(differ[0, 0]) if differ.numel() else m
             if n > best_n:
-                best, best_n = key, n
-        return best, best_n
+                best, best_entry, best_n = key, entry, n
+        return best, best_entry, best_n
+
+    def count(self, reused: int) -> None:
+        """Count one row's lookup, which reused `reused` tokens."""
+        with self._lock:
+            self.lookups += 1
+            self.hits += reused > 0
+            self.reused_tokens += reused
 
     def check_model(self, model: Any, cache: KVCache) -> None:
         """Entries only fit the model that made them: the same model object (another one with the same shapes
@@ -94,19 +114,24 @@ class PrefixCache:
         cache drops them and fills again."""
         # Quantizing swaps the model's projections in place: same object, same layout, other keys and values.
         layout = (cache.layout, quantization_of(model))
-        if self._model is not None and self._model() is model and self._version != model.weights_version:
-            self.clear()
-        if self._layout is None:
-            self._layout, self._model, self._version = layout, weakref.ref(model), model.weights_version
-        elif layout != self._layout or self._model() is not model:
+        with self._lock:
+            if self._model is not None and self._model() is model and self._version != model.weights_version:
+                self.clear()
+            if self._layout is None:
+                self._layout, self._model, self._version = layout, weakref.ref(model), model.weights_version
+                return
+            same = layout == self._layout and self._model() is model
+        if not same:
             raise ValueError("prefix_cache: it holds keys and values of another model (another model object, "
                              "other layers, heads, dtype or device); use one "
                              "PrefixCache per model, or clear() it")
 
-    def load(self, key: int, n: int, row: KVCache) -> None:
-        """Copy the first `n` tokens of entry `key` into the empty one-row cache `row` (and mark it used)."""
-        entry = self._entries[key]
-        self._entries.move_to_end(key)
+    def load(self, key: int, entry: _Entry, n: int, row: KVCache) -> None:
+        """Copy the first `n` tokens of `entry` (`longest`'s) into the empty one-row cache `row`, and mark entry
+        `key` used if it is still kept."""
+        with self._lock:
+            if self._entries.get(key) is entry:
+                self._entries.move_to_end(key)
         for src, dst in ((entry.keys, row.keys), (entry.values, row.values)):
             for s, d in zip(src, dst):
                 d[0, :, :n] = s[:, :n]
@@ -121,14 +146,15 @@ class PrefixCache:
         entry = _Entry(ids.clone(), [k[0, :, :n].clone() for k in row.keys], [v[0, :, :n].clone() for v in row.values])
         if entry.nbytes > self.max_bytes:
             return
-        old = self._entries.get(replaces) if replaces is not None else None
-        if old is not None and old.ids.numel() <= n and torch.equal(old.ids, ids[: old.ids.numel()]):
-            self._bytes -= self._entries.pop(replaces).nbytes
-        while self._entries and self._bytes + entry.nbytes > self.max_bytes:
-            self._bytes -= self._entries.popitem(last=False)[1].nbytes
-        self._entries[self._next] = entry
-        self._bytes += entry.nbytes
-        self._next += 1
+        with self._lock:  # the copies above are this call's own: only the bookkeeping is shared
+            old = self._entries.get(replaces) if replaces is not None else None
+            if old is not None and old.ids.numel() <= n and torch.equal(old.ids, ids[: old.ids.numel()]):
+                self._bytes -= self._entries.pop(replaces).nbytes
+            while self._entries and self._bytes + entry.nbytes > self.max_bytes:
+                self._bytes -= self._entries.popitem(last=False)[1].nbytes
+            self._entries[self._next] = entry
+            self._bytes += entry.nbytes
+            self._next += 1
 
 
 def encode_prompts(
@@ -159,7 +185,7 @@ def encode_prompts(
 
     last: list[torch.Tensor | None] = [None] * b
     reused = [0] * b
-    fresh = [i for i in range(b) if min(prefixes.longest(ids[i])[1], ids[i].numel() - 1) == 0]
+    fresh = [i for i in range(b) if min(prefixes.longest(ids[i])[2], ids[i].numel() - 1) == 0]
     if fresh:
         from .generate import left_pad  # generate imports this module
 
@@ -179,20 +205,20 @@ def encode_prompts(
             cache.next_pos[rows] = sub.next_pos
         for j, i in enumerate(fresh):
             last[i] = None if out is None else out[j : j + 1]
-            key, shared = prefixes.longest(ids[i])  # a row of this batch may have added the same prompt already
+            key, _, shared = prefixes.longest(ids[i])  # a row of this batch may have added the same prompt already
             if shared < ids[i].numel():
                 prefixes.add(ids[i], view(i), replaces=key)
     for i in range(b):
-        prefixes.lookups += 1
         if i in fresh:
+            prefixes.count(0)
             continue
-        key, shared = prefixes.longest(ids[i])
+        # another thread may have evicted what this row matched at first: then it shares less, maybe nothing
+        key, entry, shared = prefixes.longest(ids[i])
         n = min(shared, ids[i].numel() - 1)  # the last token is always encoded (its logits start the AR loop)
         row = view(i)
         if n > 0:
-            prefixes.load(key, n, row)
-            prefixes.hits += 1
-            prefixes.reused_tokens += n
+            prefixes.load(key, entry, n, row)
+        prefixes.count(n)
         last[i] = model.encode(ids[i][n:][None].to(device), row, logits="last" if logits else "none")
         if shared < ids[i].numel():  # an entry that already holds all of `ids` serves it as it is
             prefixes.add(ids[i], row, replaces=key)

@@ -1,5 +1,8 @@
 """Prompt prefixes kept encoded between calls (prefix.py): same cache, same output, less encoding."""
 
+import sys
+import threading
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -169,3 +172,45 @@ def test_caches_filled_before_the_weights_changed_are_not_reused_after(change):
     assert torch.equal(reused.sequences, lm.generate(prompt, **kw).sequences)
     with pytest.raises(ValueError, match="^cache: filled before this model's weights changed"):
         lm.generate([7], cache=before.cache, **kw)
+
+
+def test_one_cache_shared_by_threads_that_generate_at_once(lm):
+    """Threads encoding at once through one PrefixCache (request threads sharing an LM): its dict was iterated while
+    another thread changed it (RuntimeError), an entry was evicted between lookup and load (KeyError), and the
+    byte count drifted. Each row must still get what a plain encode builds, and the counts must add up."""
+    system = list(range(5, 40))
+    pc = PrefixCache(max_bytes=300_000, min_tokens=1)  # ~20 entries: lookups take a while, evictions race
+    errors: list[BaseException] = []
+    rows_done = [0] * 4
+
+    def work(k: int) -> None:
+        g = torch.Generator().manual_seed(k)
+        try:
+            for _ in range(20):
+                batch = [system + torch.randint(5, 120, (int(n),), generator=g).tolist()
+                         for n in torch.randint(1, 12, (2,), generator=g)]
+                prompt, mask = left_pad(batch, PAD)
+                with torch.no_grad():
+                    _, got, _ = encode_prompts(lm.model, prompt, mask, pc, prompt.shape[1] + 1, logits=True)
+                    want = lm.model.encode(prompt, lm.new_cache(2, prompt.shape[1] + 1), attention_mask=mask,
+                                           logits="last")
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                rows_done[k] += 2
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    switch, cores = sys.getswitchinterval(), torch.get_num_threads()
+    sys.setswitchinterval(1e-4)  # switch threads often, so the races show within a few calls
+    torch.set_num_threads(1)  # four threads of tiny ops: more would only wait on each other
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+        torch.set_num_threads(cores)
+    assert not errors, errors[0]
+    assert pc.lookups == sum(rows_done) == 160
+    assert pc.nbytes == sum(e.nbytes for e in pc._entries.values()) <= pc.max_bytes
