@@ -824,10 +824,10 @@ class LM:
         self,
         prompt: Any,
         max_new_tokens: Counts | None = None,
+        *,
         max_denoising_steps: int | None = None,
         sampler: str | SamplerConfig | None = None,
         seed: int | None = None,
-        *,
         min_new_tokens: Counts = 0,
         min_new_tokens_eos_only: bool | Sequence[bool] = False,
         attention_mask: Any = None,
@@ -908,16 +908,18 @@ class LM:
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
-    def generate(self, prompt: Any, max_new_tokens: Counts | None = None, max_denoising_steps: int | None = None,
+    def generate(self, prompt: Any, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
         """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists (ragged
         rows are left-padded). Text prompts get BOS first (not twice; not on a turn that continues a `cache`).
+        Everything after `max_new_tokens` is a keyword, here and in `stream` and `generate_ar` (a third positional
+        argument meant max_denoising_steps here and temperature there).
 
         `max_new_tokens`: exactly this many new tokens at most (default: the checkpoint's generation config's
         max_new_tokens, else its max_length less the prompt's padded width, else 256), or one count per row (a list
         or 1-D integer tensor of length B): a row ends once it has written its own, as at an EOS (pads after it, no
         more passes), and is what it would be alone with that count; `new_tokens` is as wide as the largest.
-        `min_new_tokens` (keyword; default 0): no EOS before this many new tokens, likewise one count or one per
+        `min_new_tokens` (default 0): no EOS before this many new tokens, likewise one count or one per
         row, each at most the row's max_new_tokens, and, as vLLM's min_tokens, no `stop` string ends inside their
         text; `min_new_tokens_eos_only=True` (or one flag per row) bans EOS alone, so a stop string there ends the
         row as anywhere (a server's default minimum: its reply never holds a stop string). `max_denoising_steps`: per canvas (default: the checkpoint's,
@@ -947,7 +949,8 @@ class LM:
         if "drafts" in kwargs:  # generate returns the end result only; the drafts are stream()'s
             raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
                              "the canvas settle")
-        for event in self.stream(prompt, max_new_tokens, max_denoising_steps, sampler, seed, drafts=False, **kwargs):
+        for event in self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
+                                 seed=seed, drafts=False, **kwargs):
             if isinstance(event, Done):
                 return event.output
         # run ends with Done unless `cancelled` said so
@@ -1068,9 +1071,9 @@ class LM:
         self,
         prompt: Any,
         max_new_tokens: Counts | None = None,
+        *,
         temperature: float | Sequence[float] | None = None,
         seed: int | None = None,
-        *,
         sampler: SamplerConfig | None = None,
         top_k: int | Sequence[int] | None = None,
         top_p: float | Sequence[float] | None = None,

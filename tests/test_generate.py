@@ -694,6 +694,17 @@ def test_a_vanishing_ar_temperature_decodes_greedily(lm):
     assert torch.equal(lm.generate_ar([3, 4], max_new_tokens=6, temperature=1e-300).sequences, greedy.sequences)
 
 
+def test_options_after_max_new_tokens_are_keywords(lm):
+    """generate's third argument was max_denoising_steps and generate_ar's temperature, so generate_ar(p, 16, 48)
+    silently sampled at temperature 48: both (and stream) take everything after max_new_tokens by keyword."""
+    for call in (lambda: lm.generate([3, 4], 4, 2), lambda: lm.generate_ar([3, 4], 4, 0.5),
+                 lambda: next(iter(lm.stream([3, 4], 4, 2)))):
+        with pytest.raises(TypeError, match="positional argument"):
+            call()
+    assert lm.generate([3, 4], 4, max_denoising_steps=2, seed=1).new_tokens.shape == (1, 4)
+    assert lm.generate_ar([3, 4], 4, temperature=0.5, seed=1).new_tokens.shape == (1, 4)
+
+
 def test_unknown_option_rejected(lm):
     with pytest.raises(ValueError, match="temprature: not a sampler setting; the settings are sampler, "):
         lm.generate([3, 4], max_new_tokens=4, temprature=0.5)
