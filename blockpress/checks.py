@@ -3,8 +3,10 @@ no torch: a tokenizer-only tool should not load it)."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -50,3 +52,27 @@ def check_text(text: Any, name: str) -> str:
     if problem is not None:
         raise ValueError(f"{name}: not valid UTF-8 ({problem})")
     return text
+
+
+def check_keywords(call: str, given: Iterable[str], options: Iterable[str], settings: Iterable[str] = (),
+                   hints: dict[str, str] | None = None) -> None:
+    """Refuse a keyword that `call` does not take, with one error for every entry point: it names the keyword,
+    suggests the closest one `call` takes (a typo: max_new_token), and lists them all, `call`'s own `options`
+    first, then the sampler `settings` it passes on. `hints`: a word more for a keyword that another API takes
+    (temperature, say). A ValueError, as every other bad argument is: not Python's TypeError, which an app that
+    catches ValueError for bad user parameters would miss."""
+    options = list(options)
+    settings = [s for s in settings if s not in options]
+    unknown = sorted(set(given) - set(options) - set(settings))
+    if not unknown:
+        return
+    name = unknown[0]
+    # A hint's word, or a typo of it (temprature), gets the hint, which names what to use; any other the keyword
+    # closest to it (cutoff 0.7: "streamer" is not a typo of "sampler")
+    hinted = difflib.get_close_matches(name, list(hints or ()), n=1, cutoff=0.8)
+    close = [] if hinted else difflib.get_close_matches(name, options + settings, n=1, cutoff=0.7)
+    guess = f" (did you mean {close[0]}?)" if close else ""
+    hint = f"; {hints[hinted[0]]}" if hints and hinted else ""
+    takes = ", and ".join(([", ".join(options)] if options else [])
+                          + ([f"the sampler settings {', '.join(settings)}"] if settings else []))
+    raise ValueError(f"{name}: {call} takes no such keyword{guess}{hint}; it takes {takes}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import warnings
@@ -26,7 +27,7 @@ from .checkpoint import (
     resolve_dtype,
     save_model,
 )
-from .checks import check_flag, is_finite_number, is_int
+from .checks import check_flag, check_keywords, is_finite_number, is_int
 from .config import ModelConfig
 from .files import StagedFiles, read_json_object, staging
 from .generate import (
@@ -193,6 +194,22 @@ def _chat_rewind(rows: list[list[int]], held: list[list[int]], common: list[int]
                  "(two \"\\n\" tokens as one \"\\n\\n\"), or an edit changed the conversation there")
     return (f"a chat turn (lm.chat / lm.chat_ids) took the cache back to the prefix it shares with the conversation, "
             f"at {where}, because {cause}")
+
+
+def _parameters(method: Callable[..., Any]) -> tuple[str, ...]:
+    """The named parameters of an LM method (no self, no **kwargs)."""
+    return tuple(name for name, p in inspect.signature(method).parameters.items()
+                 if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], sampler_settings: bool = True,
+                    leave_out: tuple[str, ...] = ()) -> None:
+    """checks.check_keywords for a generation entry point: `options` (less `leave_out`), then, where it takes
+    them as keywords (`sampler_settings`), SamplerConfig's fields."""
+    options = tuple(name for name in options if name not in leave_out)
+    settings = [f.name for f in fields(SamplerConfig)] if sampler_settings else []
+    hints = {"temperature": TEMPERATURE_HINT, "streamer": "for tokens as they come, iterate lm.stream(...)"}
+    check_keywords(call, given, options, settings, hints=hints if settings else None)
 
 
 def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
@@ -889,6 +906,7 @@ class LM:
         ends there, with a `Cancelled` (the passes and tokens done so far) in place of `Done` (a server's clients
         that left free the engine within a step).
         """
+        _check_keywords("stream", STREAM_OPTIONS, sampler_options)
         if cancelled is not None and not callable(cancelled):
             raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")
         if constraint is not None and not callable(constraint):
@@ -935,7 +953,8 @@ class LM:
         stopped leaves the batch), constraint and logits_processor (per-step hooks), token_healing, prefix_cache,
         and any SamplerConfig field (entropy_bound, confidence, t_min, t_max, stability_threshold,
         confidence_threshold, adaptive_stopping, rank_by, candidates, draw_temperature, top_k, top_p, keep_accepted,
-        self_conditioning, noise_token_id, presence_penalty, frequency_penalty). `draw_temperature` is OpenAI's
+        self_conditioning, noise_token_id, presence_penalty, frequency_penalty); any other keyword is a ValueError
+        that names it, the closest one taken and all of them (generate_ar's alike). `draw_temperature` is OpenAI's
         `temperature` (the server maps it there): candidates are drawn at the schedule's temperature (t_max down to
         t_min) times it, while acceptance keeps the schedule; it needs a sampler that draws candidates, and is
         refused with "greedy" (a checkpoint's default may be, as blockpress-code's is: pass sampler="entropy_bound")
@@ -949,6 +968,7 @@ class LM:
         if "drafts" in kwargs:  # generate returns the end result only; the drafts are stream()'s
             raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
                              "the canvas settle")
+        _check_keywords("generate", STREAM_OPTIONS, kwargs, leave_out=("drafts",))
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
                                  seed=seed, drafts=False, **kwargs):
             if isinstance(event, Done):
@@ -1089,6 +1109,7 @@ class LM:
         prefix_cache: PrefixCache | None = None,
         seeds: list[int] | None = None,
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        **unknown: Any,
     ) -> GenerationOutput:
         """The same backbone decoding one token at a time (encoder path + LM head): the AR baseline.
 
@@ -1107,7 +1128,9 @@ class LM:
         row (a list, or a 1-D array / tensor): each row then draws as it would alone with its own.
         `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`.
         `logits_processor(logits [B, 1, V], rows [B]) -> logits`: as in `stream`, each token's next-token logits as
-        a canvas of one position (rows: every row, each token), before the penalties and bans."""
+        a canvas of one position (rows: every row, each token), before the penalties and bans.
+        Any other keyword is a ValueError naming it and the closest one taken (as generate's)."""
+        _check_keywords("generate_ar", GENERATE_AR_OPTIONS, unknown, sampler_settings=False)
         temperature = _as_rows(temperature, "temperature", "a number")
         per_row = isinstance(temperature, list)
         if per_row:  # each value is checked with the other per-row settings (`_row_draws`); 0 is another rule
@@ -1190,6 +1213,11 @@ class LM:
     def __repr__(self) -> str:
         return f"LM({self.config.describe()}, dtype={self.dtype}, device={self.device})"
 
+
+# The keywords stream (and so generate) and generate_ar take, read from their signatures once, at import: the
+# typo errors list them (a method wrapped later, as a test's spy, keeps them)
+STREAM_OPTIONS = _parameters(LM.stream)
+GENERATE_AR_OPTIONS = _parameters(LM.generate_ar)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_flag, is_finite_number, is_int
+from .checks import check_flag, check_keywords, is_finite_number, is_int
 
 # The samplers compute in float32: a setting past its range became inf there (a t_max of 1e308 made the schedule's
 # temperature inf, which flattened every logit to 0, so token 0 won every position: an empty answer billed as 8
@@ -202,11 +202,8 @@ class SamplerConfig:
         return replace(self, **{f.name: f.default for f in fields(self) if f.name in ROW_SETTINGS})
 
     def with_(self, **changes: Any) -> SamplerConfig:
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
-        if unknown:
-            hint = f"; {TEMPERATURE_HINT}" if "temperature" in unknown else ""
-            raise ValueError(f"{unknown[0]}: not a sampler setting{hint}; the settings are "
-                             f"{', '.join(f.name for f in fields(self))}")
+        check_keywords("SamplerConfig", changes, (), [f.name for f in fields(self)],
+                       hints={"temperature": TEMPERATURE_HINT})
         kept = {k: v for k, v in changes.items() if v is not None}  # None: not given (the CLI's unset flags)
         if kept.get("sampler") == "confidence" and "rank_by" not in kept:
             kept["rank_by"] = "entropy"  # the default: a checkpoint's ranking, set for its own sampler, means nothing here

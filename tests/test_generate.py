@@ -706,11 +706,28 @@ def test_options_after_max_new_tokens_are_keywords(lm):
 
 
 def test_unknown_option_rejected(lm):
-    with pytest.raises(ValueError, match="temprature: not a sampler setting; the settings are sampler, "):
-        lm.generate([3, 4], max_new_tokens=4, temprature=0.5)
-    # a habit from AR engines and OpenAI: the hint names the setting that is OpenAI's temperature
-    with pytest.raises(ValueError, match="temperature: not a sampler setting; OpenAI's temperature is draw_temperature"):
-        lm.generate([3, 4], max_new_tokens=4, temperature=0.5)
+    """A mistyped keyword got "not a sampler setting" and a list of sampler settings alone from generate, and
+    Python's TypeError from generate_ar: both say the keyword, the closest one taken and everything taken."""
+    # a habit from AR engines and OpenAI (or a typo of it): the hint names the setting that is OpenAI's temperature
+    for word in ("temperature", "temprature"):
+        with pytest.raises(ValueError, match=rf"^{word}: generate takes no such keyword; OpenAI's temperature is "
+                                             r"draw_temperature .*; it takes prompt, max_new_tokens, "):
+            lm.generate([3, 4], max_new_tokens=4, **{word: 0.5})
+    typos = {"max_new_token": "max_new_tokens", "return_caches": "return_cache", "attention_masks": "attention_mask"}
+    for call, name in ((lm.generate, "generate"), (lm.generate_ar, "generate_ar"),
+                       (lambda *a, **k: next(iter(lm.stream(*a, **k))), "stream")):
+        for typo, meant in typos.items():
+            with pytest.raises(ValueError, match=rf"^{typo}: {name} takes no such keyword \(did you mean {meant}\?\); "
+                                                 rf"it takes prompt, max_new_tokens, .*\bstop\b"):
+                call([3, 4], **{typo: 1})
+    # generate lists the sampler settings it passes on, and not stream's drafts (it refuses those); generate_ar
+    # takes none of them but its own
+    with pytest.raises(ValueError, match=r"prefix_cache, cancelled, and the sampler settings entropy_bound") as err:
+        lm.generate([3, 4], streamer=print)
+    assert "drafts" not in str(err.value) and "did you mean" not in str(err.value) and "lm.stream(" in str(err.value)
+    with pytest.raises(ValueError, match=r"^draw_temperature: generate_ar takes no such keyword \(did you mean "
+                                         r"temperature\?\); .*logits_processor$"):
+        lm.generate_ar([3, 4], draw_temperature=0.5)
 
 
 def test_draw_temperature_on_a_greedy_default_is_refused():
