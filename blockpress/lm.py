@@ -107,8 +107,9 @@ def resolve_path(path_or_name: str | Path) -> Path:
     )
 
 
-def _as_ids(x: Any, name: str, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Token ids [B, P] on `device`, read like a prompt's (read_token_ids) but one length per row: no padding."""
+def _as_ids(x: Any, name: str, vocab_size: int | None, device: torch.device) -> torch.Tensor:
+    """Token ids [B, P] on `device`, read like a prompt's (read_token_ids) but one length per row: no padding.
+    `vocab_size` None: the caller checks the range itself."""
     ids = read_token_ids(x, name)
     if not isinstance(ids, torch.Tensor):
         lengths = [len(r) for r in ids]
@@ -116,7 +117,8 @@ def _as_ids(x: Any, name: str, vocab_size: int, device: torch.device) -> torch.T
             raise ValueError(f"{name}: rows of different lengths {lengths}; expected one [B, P] batch of ids")
         ids = torch.tensor(ids, dtype=torch.long)
     t = ids.to(device)
-    check_vocab_range(t, name, vocab_size)
+    if vocab_size is not None:
+        check_vocab_range(t, name, vocab_size)
     return t
 
 
@@ -135,6 +137,12 @@ def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
     if not bool(t.bool().any(-1).all()):
         raise ValueError("attention_mask: every row needs at least one token (a 1)")
     return t.long()
+
+
+def _unmasked_to_pad(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """`ids` with `pad_id` wherever `mask` says padding: no layer reads those positions, so any id may stand there
+    (transformers users pad with -100, or whatever their tokenizer has), and the range check then sees tokens only."""
+    return ids.masked_fill(mask.to(ids.device) == 0, pad_id)
 
 
 def _padding_to_the_left(
@@ -505,10 +513,12 @@ class LM:
         reference's forward takes it: False rows get no self-conditioning (training drops it for some rows)."""
         self._check_runnable()
         v = self.config.text.vocab_size
-        prompt = _as_ids(prompt_ids, "prompt_ids", v, self.device)
+        prompt = _as_ids(prompt_ids, "prompt_ids", None, self.device)
         canvas = _as_ids(canvas_ids, "canvas_ids", v, self.device)
         if attention_mask is not None:  # against the prompt as given: a one-row prompt's mask is broadcast with it
             attention_mask = _check_mask(attention_mask, prompt.shape, "prompt_ids").to(self.device)
+            prompt = _unmasked_to_pad(prompt, attention_mask, self.pad_id)
+        check_vocab_range(prompt, "prompt_ids", v)
         if prompt.shape[0] != canvas.shape[0]:
             if prompt.shape[0] != 1:
                 raise ValueError(f"canvas_ids: batch {canvas.shape[0]} does not match prompt_ids batch {prompt.shape[0]}")
@@ -678,7 +688,8 @@ class LM:
                 raise ValueError(f"attention_mask: not with id rows of different lengths {lengths} (blockpress "
                                  "left-pads them and masks the padding itself); leave attention_mask out, or pass "
                                  "equal-length rows (a tensor) with their mask")
-            ids, mask = _padding_to_the_left(ids, _check_mask(attention_mask, ids.shape, "the prompt"), pad_id)
+            mask = _check_mask(attention_mask, ids.shape, "the prompt")
+            ids, mask = _padding_to_the_left(_unmasked_to_pad(ids, mask, pad_id), mask, pad_id)
         healed: list[Healed] | None = None
         # With a template, healing applies to its holes' edges (the prompt's end is followed by fixed tokens):
         # always for text templates, whose fixed part is text; for token ids only when asked.

@@ -608,6 +608,27 @@ def test_logits_take_padding_anywhere_in_the_mask_as_each_row_alone(lm, layout):
         torch.testing.assert_close(got[i], alone, rtol=0, atol=1e-5)
 
 
+def test_ids_under_a_masks_padding_may_be_any_id(lm):
+    """transformers users pad with -100 (or any id): the positions attention_mask marks as padding are never read,
+    yet their ids were range-checked ("token ids must be in [0, 128)"). They are the pad id now, as if given so."""
+    padded = torch.tensor([[-100, 5, 6, 7], [8, 9, 10, 11], [12, 13, 999, -1]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    clean = padded.masked_fill(mask == 0, lm.pad_id)
+    kw = dict(max_new_tokens=6, max_denoising_steps=2, seed=1, attention_mask=mask)
+    got = lm.generate(padded, **kw)
+    assert torch.equal(got.sequences, lm.generate(clean, **kw).sequences)
+    assert torch.equal(got.sequences[0, 0], torch.tensor(lm.pad_id))  # the prompt as encoded: the pad id there
+    ar = dict(max_new_tokens=4, attention_mask=mask)
+    assert torch.equal(lm.generate_ar(padded, **ar).sequences, lm.generate_ar(clean, **ar).sequences)
+    canvas = torch.randint(2, 100, (3, lm.config.canvas_length), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lm.logits(padded, canvas, attention_mask=mask), lm.logits(clean, canvas, attention_mask=mask))
+    # a token the mask keeps is still checked
+    with pytest.raises(ValueError, match=r"^prompt: token ids must be in \[0, 128\), got values in \[-100"):
+        lm.generate(padded, attention_mask=torch.ones_like(mask), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"^prompt_ids: token ids must be in \[0, 128\)"):
+        lm.logits(padded, canvas, attention_mask=torch.ones_like(mask))
+
+
 @pytest.mark.parametrize("kind", [np.array, torch.tensor])
 def test_a_seed_is_read_like_an_element_of_seeds(lm, kind):
     """seed=torch.tensor(3) was refused while seeds=torch.tensor([3]) was accepted: a 0-d integer tensor / array is
