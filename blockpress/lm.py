@@ -181,6 +181,11 @@ def _dtype_argument(dtype: Any) -> Any:
     return None if isinstance(dtype, str) and dtype.lower() == "auto" else dtype
 
 
+def _device_argument(device: Any) -> Any:
+    """None (the default, as a caller passes it on) is the CPU, load's default device."""
+    return "cpu" if device is None else device
+
+
 def _check_logits_processor(processor: Any) -> Any:
     if processor is not None and not callable(processor):
         raise ValueError(f"logits_processor: expected a function (logits, rows) -> logits, got {type(processor).__name__}")
@@ -1368,7 +1373,7 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
     return path, None if adapter is None else Path(adapter), None if quantize == NO_QUANTIZATION else quantize
 
 
-def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = "cpu",
          quantize: str | None = None, adapter: str | Path | None = None) -> LM:
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
     quantizes each projection as it is read, so the full-precision weights are never all in memory.
@@ -1379,9 +1384,11 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     `quantize`, kept unmerged in float32 over the quantized base, as `blockpress train --quantize` trained it (merged
     and then quantized, its update would mostly be rounded away). An adapter folder may also be given as the model:
     it loads the base it was trained on with it, quantized as it was trained unless `quantize` says otherwise
-    ("none": unquantized; see resolve_model)."""
+    ("none": unquantized; see resolve_model). `device` None is the default, the CPU (as None keeps the default
+    everywhere else: lm.to(device=None) keeps the model where it is)."""
     path, adapter, quantize = resolve_model(path_or_name, quantize, adapter)
-    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=device, quantize=quantize)
+    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device),
+                                    quantize=quantize)
     if adapter is not None:
         from .train import apply_adapter
 
@@ -1399,12 +1406,13 @@ def random_model(
     config: ModelConfig,
     seed: int = 0,
     dtype: torch.dtype | str | None = None,
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = "cpu",
     tokenizer: Any = None,
 ) -> LM:
     """A randomly initialised model of any size: built on the meta device, then initialised in place.
 
-    device="meta" stops before allocating: shapes and dtypes only, to count parameters and bytes (`info`)."""
+    device="meta" stops before allocating: shapes and dtypes only, to count parameters and bytes (`info`); None
+    is the CPU, as in `load`."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
                          f"ModelConfig.from_dict(...)), got {type(config).__name__}")
@@ -1413,7 +1421,7 @@ def random_model(
     if seed is None:
         raise ValueError("seed: expected an integer (the weights are a function of it), got None")
     dtype = resolve_dtype(_dtype_argument(dtype)) or torch.float32  # "auto" / None: no checkpoint to follow
-    device = resolve_device(device)
+    device = resolve_device(_device_argument(device))
     with torch.device("meta"):
         model = DiffusionGemma(config)
     # Cast while still on the meta device, so the real allocation happens once, in the final dtype.

@@ -124,6 +124,13 @@ def test_to_names_a_bad_argument(lm, kwargs, message):
     assert lm.dtype == torch.float32 and lm.device.type == "cpu"
 
 
+def test_device_none_is_the_default_device(ref_checkpoint):
+    """lm.to(device=None) keeps the device, while load(device=None) was refused ("None is not a torch device"):
+    None is the default, the CPU, for load and random_model too."""
+    assert load_quiet(ref_checkpoint[0], device=None).device.type == "cpu"
+    assert blockpress.random_model(blockpress.ModelConfig.tiny(), device=None).device.type == "cpu"
+
+
 def test_to_keeps_a_quantized_model_in_its_dtype(ref_checkpoint):
     """Casting would round the scales the quantization chose for this dtype: refused, naming the way that works."""
     lm = load_quiet(ref_checkpoint[0], quantize="int8")
