@@ -961,7 +961,9 @@ class LM:
         `SamplerConfig`, which replaces the checkpoint's settings rather than adding to them, except
         `noise_token_id`: that says how the model was trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
         noise_token_id=-1 for uniform noise on a model trained with absorbing noise). `seed`: None draws a fresh
-        one (greedy uses 0).
+        one (greedy uses 0). Every row draws from it as it would alone (a row's output does not depend on the
+        batch), so rows holding the same prompt get the same sample: for different samples of one prompt pass
+        `seeds`, one per row (the server's n > 1 choices get seeds of their own this way).
 
         Keyword options (see `stream` for the details): attention_mask, stop (OpenAI's: a string,
         a list, or one list per row), template (constrained canvas) and hole_length, cache (continue a
@@ -1142,7 +1144,8 @@ class LM:
         `max_new_tokens`, `min_new_tokens` (and `min_new_tokens_eos_only`): one count, or one per row, as in
         `generate`. `temperature` (each > 0: greedy is the whole batch's), `top_k` and `top_p` may also be one per
         row (a list, or a 1-D array / tensor): each row then draws as it would alone with its own.
-        `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`.
+        `prefix_cache`, `seeds` (one per row, overriding `seed`; when sampling): as in `stream`. As in `generate`,
+        rows holding the same prompt draw the same sample from one `seed`: give them `seeds` to differ.
         `logits_processor(logits [B, 1, V], rows [B]) -> logits`: as in `stream`, each token's next-token logits as
         a canvas of one position (rows: every row, each token), before the penalties and bans.
         Any other keyword is a ValueError naming it and the closest one taken (as generate's)."""
