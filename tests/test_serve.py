@@ -769,22 +769,23 @@ def test_bad_infill_requests(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_a_chat_reply_is_never_empty_unless_asked(client, server, monkeypatch):
-    """A model that puts its end-of-turn token first would answer with nothing: chat bans it at the first position
-    by default (min_tokens 1); min_tokens=0 allows it again, and completions keep 0."""
-    lm = server[1].state.engine.lm
-    eos = lm._eos_ids()[0]
-    original = lm.model.head
+def prefer_eos_then_a(lm, monkeypatch):
+    """Patch the model's head so that every canvas position prefers EOS, then the letter a."""
+    eos, letter, original = lm._eos_ids()[0], lm.tokenizer.encode("a")[-1], lm.model.head
 
-    letter = lm.tokenizer.encode("a")[-1]
-
-    def head(hidden):  # every canvas position prefers EOS, then the letter a
+    def head(hidden):
         logits = original(hidden)
         logits[..., eos] += 50.0
         logits[..., letter] += 40.0
         return logits
 
     monkeypatch.setattr(lm.model, "head", head)
+
+
+def test_a_chat_reply_is_never_empty_unless_asked(client, server, monkeypatch):
+    """A model that puts its end-of-turn token first would answer with nothing: chat bans it at the first position
+    by default (min_tokens 1); min_tokens=0 allows it again, and completions keep 0."""
+    prefer_eos_then_a(server[1].state.engine.lm, monkeypatch)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=1)
     assert client.chat.completions.create(**kw).choices[0].message.content == "a"
     assert client.chat.completions.create(**kw, extra_body={"min_tokens": 0}).choices[0].message.content == ""
@@ -795,16 +796,7 @@ def test_a_chat_reply_never_holds_its_stop_string_by_default(client, server, mon
     """Chat's default minimum (one token) also held back a stop string that the first token holds, so a client
     that sent stop "\\n" got "\\n..." back. That default bans the end of turn alone: the stop ends the reply at once
     (empty, finish_reason "stop"), in the stream too; a min_tokens the client sends keeps vLLM's rule."""
-    lm = server[1].state.engine.lm
-    eos, letter, original = lm._eos_ids()[0], lm.tokenizer.encode("a")[-1], lm.model.head
-
-    def head(hidden):  # every canvas position prefers EOS, then the letter a
-        logits = original(hidden)
-        logits[..., eos] += 50.0
-        logits[..., letter] += 40.0
-        return logits
-
-    monkeypatch.setattr(lm.model, "head", head)
+    prefer_eos_then_a(server[1].state.engine.lm, monkeypatch)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=1, stop="a")
     choice = client.chat.completions.create(**kw).choices[0]
     assert (choice.message.content, choice.finish_reason) == ("", "stop")
