@@ -96,6 +96,8 @@ class BenchSettings:
             values = getattr(self, name)
             if values is not None and (not values or not all(isinstance(v, int) and v > 0 for v in values)):
                 raise ValueError(f"{name}: expected positive integers, got {values!r}")
+            if values is not None:  # ascending, each once: the plot joins rows in order, and a repeat is re-timed
+                setattr(self, name, sorted(set(values)))
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")

@@ -1261,9 +1261,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", help="model shape: tiny, small (~15M), medium (~60M), 26b-a4b")
     # not bench's: given anyway, an error that points at --preset instead of argparse's "unrecognized arguments"
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1], help="batch sizes to sweep")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1],
+                   help="batch sizes to sweep (timed in ascending order, each once)")
     p.add_argument("--canvas-lengths", type=int, nargs="+", default=None,
-                   help="canvas lengths to sweep (same weights; default: the preset's)")
+                   help="canvas lengths to sweep (same weights; default: the preset's; ascending, each once)")
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per row")
     p.add_argument("--steps", type=int, default=48, help="denoising steps per canvas (fixed)")
     p.add_argument("--prompt-length", type=int, default=32, help="prompt tokens per row")

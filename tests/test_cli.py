@@ -1679,3 +1679,30 @@ def test_chat_system_message_starts_every_conversation(monkeypatch, capsys):
                                                        ["system", "user"]]
     assert all(r[0] == system for r in rendered) and turns[2][1]["content"] == "fresh start"
     assert replies(capsys.readouterr().err) == 3
+
+
+
+def test_bench_sweeps_sizes_in_ascending_order_each_once(tmp_path, monkeypatch):
+    """--batch-sizes 4 1 2 1 was timed in the order typed, 1 twice, and the plot joined the points in that order
+    (a line doubling back through batch 1). Sizes and canvas lengths are now swept ascending, each once; the
+    rows' timing is stubbed out."""
+    pytest.importorskip("matplotlib")
+    import blockpress.bench as bench
+
+    timed = []
+
+    def row(lm, ref, variants, b, s, ar):
+        timed.append((lm.config.canvas_length, b))
+        engines = {"blockpress": {"tok_s": 10.0 * b}, **({"blockpress_ar": {"tok_s": 5.0 * b}} if ar else {})}
+        return {"batch": b, "canvas": lm.config.canvas_length, **engines}
+
+    monkeypatch.setattr(bench, "_bench_row", row)
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "4", "1", "2", "1", "--canvas-lengths", "8", "4", "8",
+                 "--new-tokens", "8", "--steps", "1", "--no-reference", "--out", str(tmp_path / "b.json")]) == 0
+    assert timed == [(4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 4)]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["settings"]["batch_sizes"] == [1, 2, 4] and data["canvases"] == [4, 8]
+    for line in bench.figure(data).axes[0].get_lines():  # every line runs left to right
+        xs = list(line.get_xdata())
+        assert xs == sorted(set(xs)) == [1, 2, 4]
+    assert bench.BenchSettings(preset="tiny", batch_sizes=[3, 3, 1]).batch_sizes == [1, 3]
