@@ -1681,6 +1681,33 @@ def test_chat_system_message_starts_every_conversation(monkeypatch, capsys):
     assert replies(capsys.readouterr().err) == 3
 
 
+def test_bench_gemm_bound_is_the_reference_step_time_over_the_gemm_time(monkeypatch):
+    """The GEMM bound divided the reference's whole run, its prefill and canvas encodes included, by its decoder
+    passes: with a 4,096-token prompt it read 313x where the reference's own time per step gave 11.4x. Here the
+    reference's encoder passes take 1 s each and its decoder passes 10 ms: the bound is its 10 ms a step over
+    blockpress's GEMM time, not (2 s + 4 x 10 ms) / 4 passes over it."""
+    import time
+
+    pytest.importorskip("transformers")
+    import blockpress.bench as bench
+
+    lm, clock = tiny_bench_model(4), FakeClock()
+    ref = bench._reference(lm)
+    monkeypatch.setattr(time, "perf_counter", clock)
+    ref.model.encoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 1.0))
+    ref.model.decoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 0.01))
+    s = bench.BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4])
+    reference = bench._reference_run(ref, torch.randint(3, 50, (1, 3)), s, lm.device)
+    row = {"reference": reference, "blockpress": {"tok_s": 100.0, "ms_per_step": 4.0, "forward_passes": 4},
+           "gemm_ms_per_step": 2.0}
+    bench._add_ratios(row, [])
+    assert row["speedup_bound_at_this_precision"] == pytest.approx(10 / 2)
+    assert row["step_speedup_vs_reference"] == pytest.approx(10 / 4)
+    # a reference whose steps were not timed (its encoder unseen) gives no bound rather than a whole-run one
+    row = {"reference": {"tok_s": 1.0, "seconds": 2.04}, "blockpress": row["blockpress"], "gemm_ms_per_step": 2.0}
+    bench._add_ratios(row, [])
+    assert "speedup_bound_at_this_precision" not in row
+
 
 def test_bench_sweeps_sizes_in_ascending_order_each_once(tmp_path, monkeypatch):
     """--batch-sizes 4 1 2 1 was timed in the order typed, 1 twice, and the plot joined the points in that order
