@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +24,17 @@ from blockpress.bench import profile_ops
 from blockpress.model import GROUPED_MM
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
+# What the rates mean (written into the JSON): the same names as `blockpress bench`'s, for the same quantities.
+# tok_s was the rate after the prefill here and with it in bench, one name for two figures.
+FIGURES = {
+    "tok_s": "new tokens / wall time of the whole generate call, prefill included (as bench's tok_s)",
+    "tok_s_without_prefill": "tokens made after the prefill / the time after it (generate's denoise_seconds); "
+                             "diffusion: every new token; AR: all but the first, which the prefill's logits give",
+    "ms_per_step": "diffusion: denoise_seconds / decoder passes, the committed canvases' encoder passes included "
+                   "(bench's ms_per_step leaves them out)",
+    "ms_per_token": "AR: denoise_seconds / the one-token passes after the prefill (new tokens - 1)",
+    "diffusion_over_ar": "diffusion tok_s / AR tok_s (diffusion_over_ar_without_prefill: of tok_s_without_prefill)",
+}
 
 
 def sync(device: torch.device) -> None:
@@ -30,18 +42,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(fn: Callable[[], blockpress.generate.GenerationOutput],
+          device: torch.device) -> tuple[blockpress.generate.GenerationOutput, float]:
+    """fn's output and its wall seconds, the device synchronised before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def diffusion_rates(out: blockpress.generate.GenerationOutput, seconds: float) -> dict[str, float]:
+    """A diffusion run's tok_s (with its prefill: `seconds` is the whole call) and tok_s_without_prefill."""
+    n = int(out.num_new_tokens[0])
+    return {"tok_s": n / seconds, "tok_s_without_prefill": n / out.denoise_seconds}
+
+
+def ar_rates(out: blockpress.generate.GenerationOutput, seconds: float) -> dict[str, float | None]:
+    """An AR run's tok_s (with its prefill), and after it: the prefill's logits give the first token, so n tokens
+    take n - 1 passes after it (None for one token)."""
+    n = int(out.num_new_tokens[0])
+    after = n - 1
+    return {"tok_s": n / seconds,
+            "tok_s_without_prefill": after / out.denoise_seconds if after else None,
+            "ms_per_token": out.denoise_seconds * 1e3 / after if after else None}
+
+
 def graphed_ar_run(lm: blockpress.LM, prompt: torch.Tensor, new_tokens: int,
-                   device: torch.device) -> tuple[blockpress.generate.GenerationOutput, int]:
-    """The AR baseline's timed run with its encoder pass replayed from a CUDA graph (lm.cuda_graphs() on), and the
-    graphs it captured inside it (0: every token replayed). The untimed run before it has the same shape: a graph
-    is keyed on the cache's capacity, prompt + new tokens + 1, so a shorter warm-up's graph was no use to the timed
-    run, which then paid a capture of its own."""
+                   device: torch.device) -> tuple[blockpress.generate.GenerationOutput, float, int]:
+    """The AR baseline's timed run with its encoder pass replayed from a CUDA graph (lm.cuda_graphs() on), its wall
+    seconds, and the graphs it captured inside it (0: every token replayed). The untimed run before it has the
+    same shape: a graph is keyed on the cache's capacity, prompt + new tokens + 1, so a shorter warm-up's graph
+    was no use to the timed run, which then paid a capture of its own."""
     lm.generate_ar(prompt, max_new_tokens=new_tokens)  # captures
     sync(device)
     before = lm.step_functions.encode_step.captures
-    out = lm.generate_ar(prompt, max_new_tokens=new_tokens)
-    sync(device)
-    return out, lm.step_functions.encode_step.captures - before
+    out, seconds = timed(lambda: lm.generate_ar(prompt, max_new_tokens=new_tokens), device)
+    return out, seconds, lm.step_functions.encode_step.captures - before
 
 
 def main() -> None:
@@ -71,7 +108,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"benchmark": "gpu_bench", "args": vars(args), "torch": torch.__version__,
-                    "grouped_mm": getattr(GROUPED_MM, "__name__", None)}
+                    "grouped_mm": getattr(GROUPED_MM, "__name__", None), "figures": FIGURES}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
 
@@ -96,38 +133,37 @@ def main() -> None:
     diffusion()  # warm-up (allocator, kernels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sync(device)
-    t0 = time.perf_counter()
-    out = eager_out = diffusion()
-    sync(device)
-    total = time.perf_counter() - t0
+    out, total = timed(diffusion, device)
+    eager_out = out
     passes = int(out.forward_passes[0])
-    n = int(out.num_new_tokens[0])
     result["diffusion"] = dict(
-        new_tokens=n, forward_passes=passes, tokens_per_forward=float(out.tokens_per_forward[0]),
-        prefill_ms=out.encode_seconds * 1e3, ms_per_step=out.denoise_seconds * 1e3 / passes,
-        tok_s=n / out.denoise_seconds, tok_s_with_prefill=n / total,
+        new_tokens=int(out.num_new_tokens[0]), forward_passes=passes,
+        tokens_per_forward=float(out.tokens_per_forward[0]), prefill_ms=out.encode_seconds * 1e3,
+        ms_per_step=out.denoise_seconds * 1e3 / passes,
+        **diffusion_rates(out, total),
     )
     if device.type == "cuda":
         result["diffusion"]["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
     save()
 
     lm.generate_ar(prompt, max_new_tokens=8)  # warm-up
-    sync(device)
-    ar = eager_ar = lm.generate_ar(prompt, max_new_tokens=args.ar_tokens)
-    sync(device)
+    ar, total = timed(lambda: lm.generate_ar(prompt, max_new_tokens=args.ar_tokens), device)
+    eager_ar = ar
     result["ar"] = dict(new_tokens=int(ar.num_new_tokens[0]), prefill_ms=ar.encode_seconds * 1e3,
-                        tok_s=int(ar.num_new_tokens[0]) / ar.denoise_seconds,
-                        ms_per_token=ar.denoise_seconds * 1e3 / int(ar.num_new_tokens[0]))
+                        **ar_rates(ar, total))
     # Roofline: each decode pass must read at least the active weights once.
     bytes_per_pass = cfg.num_parameters(active=True) * torch.tensor([], dtype=lm.dtype).element_size()
     gpu = result.get("gpu", "")
     bandwidth = next((bw for name, bw in HBM_BYTES_PER_S.items() if name in gpu), None)
     if bandwidth:
-        result["ar"]["roofline_fraction"] = bytes_per_pass / bandwidth / (result["ar"]["ms_per_token"] / 1e3)
+        if result["ar"]["ms_per_token"]:
+            result["ar"]["roofline_fraction"] = bytes_per_pass / bandwidth / (result["ar"]["ms_per_token"] / 1e3)
         result["diffusion"]["weights_roofline_fraction"] = (
             bytes_per_pass / bandwidth / (result["diffusion"]["ms_per_step"] / 1e3))
     result["diffusion_over_ar"] = result["diffusion"]["tok_s"] / result["ar"]["tok_s"]
+    if result["ar"]["tok_s_without_prefill"]:
+        result["diffusion_over_ar_without_prefill"] = (result["diffusion"]["tok_s_without_prefill"]
+                                                       / result["ar"]["tok_s_without_prefill"])
     save()
     # Both engines with their passes replayed from CUDA graphs (LM.cuda_graphs): same kernels, no per-op launches.
     if device.type == "cuda" and args.cuda_graphs:
@@ -138,25 +174,20 @@ def main() -> None:
             sync(device)
             capture_s = time.perf_counter() - t0
             before = lm.step_functions.denoise.captures  # (no name kept: it would hold the graphs through FP8)
-            t0 = time.perf_counter()
-            graphed = diffusion()
-            sync(device)
-            total = time.perf_counter() - t0
-            n = int(graphed.num_new_tokens[0])
+            graphed, total = timed(diffusion, device)
             result["diffusion_cuda_graphs"] = dict(
                 ms_per_step=graphed.denoise_seconds * 1e3 / int(graphed.forward_passes[0]),
-                tok_s=n / graphed.denoise_seconds, tok_s_with_prefill=n / total,
+                **diffusion_rates(graphed, total),
                 same_tokens_as_eager=bool(torch.equal(graphed.sequences, eager_out.sequences)),
                 # captures inside the timed run (0: every step replayed; the cache came back at the same memory)
                 timed_run_captures=lm.step_functions.denoise.captures - before, first_run_seconds=capture_s)
             save()
-            graphed_ar, captures = graphed_ar_run(lm, prompt, args.ar_tokens, device)
-            n = int(graphed_ar.num_new_tokens[0])
+            graphed_ar, total, captures = graphed_ar_run(lm, prompt, args.ar_tokens, device)
             result["ar_cuda_graphs"] = dict(
-                tok_s=n / graphed_ar.denoise_seconds, ms_per_token=graphed_ar.denoise_seconds * 1e3 / n,
+                **ar_rates(graphed_ar, total),
                 same_tokens_as_eager=bool(torch.equal(graphed_ar.sequences, eager_ar.sequences)),
                 timed_run_captures=captures)
-            if bandwidth:
+            if bandwidth and result["ar_cuda_graphs"]["ms_per_token"]:
                 result["ar_cuda_graphs"]["roofline_fraction"] = (
                     bytes_per_pass / bandwidth / (result["ar_cuda_graphs"]["ms_per_token"] / 1e3))
         except Exception as exc:  # recorded, not raised, like the compiled phase
@@ -185,16 +216,13 @@ def main() -> None:
             t0 = time.perf_counter()
             diffusion()  # compiles
             result["compile_seconds"] = time.perf_counter() - t0
-            sync(device)
-            out = diffusion()
-            sync(device)
+            out, total = timed(diffusion, device)
             result["diffusion_compiled"] = dict(ms_per_step=out.denoise_seconds * 1e3 / int(out.forward_passes[0]),
-                                                tok_s=int(out.num_new_tokens[0]) / out.denoise_seconds)
+                                                **diffusion_rates(out, total))
             save()
             lm.generate_ar(prompt, max_new_tokens=8)
-            ar = lm.generate_ar(prompt, max_new_tokens=args.ar_tokens)
-            sync(device)
-            result["ar_compiled"] = dict(tok_s=int(ar.num_new_tokens[0]) / ar.denoise_seconds)
+            ar, total = timed(lambda: lm.generate_ar(prompt, max_new_tokens=args.ar_tokens), device)
+            result["ar_compiled"] = ar_rates(ar, total)
         except Exception as exc:  # recorded, not raised: the eager figures stand on their own
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         save()
@@ -215,26 +243,20 @@ def main() -> None:
                 grouped_experts=all(getattr(m, "grouped_fp8", True) for m in lm.model.modules()))
             save()
             diffusion()  # warm-up
-            sync(device)
-            out = diffusion()
-            sync(device)
-            n = int(out.num_new_tokens[0])
+            out, total = timed(diffusion, device)
             result["fp8"].update(ms_per_step=out.denoise_seconds * 1e3 / int(out.forward_passes[0]),
-                                 tok_s=n / out.denoise_seconds,
+                                 **diffusion_rates(out, total),
                                  grouped_experts=all(getattr(m, "grouped_fp8", True) for m in lm.model.modules()))
             save()
-            ar = lm.generate_ar(prompt, max_new_tokens=min(64, args.ar_tokens))
-            sync(device)
-            result["fp8"]["ar_tok_s"] = int(ar.num_new_tokens[0]) / ar.denoise_seconds
+            ar, total = timed(lambda: lm.generate_ar(prompt, max_new_tokens=min(64, args.ar_tokens)), device)
+            result["fp8"].update({f"ar_{k}": v for k, v in ar_rates(ar, total).items()})
             save()
             if device.type == "cuda" and args.cuda_graphs:  # FP8 kernels, launched from a graph
                 try:
                     lm.cuda_graphs()
                     diffusion()  # captures
-                    sync(device)
-                    graphed = diffusion()
-                    sync(device)
-                    result["fp8"]["cuda_graphs_tok_s"] = int(graphed.num_new_tokens[0]) / graphed.denoise_seconds
+                    graphed, total = timed(diffusion, device)
+                    result["fp8"].update({f"cuda_graphs_{k}": v for k, v in diffusion_rates(graphed, total).items()})
                 except Exception as exc:  # recorded: the eager FP8 figures stand
                     result["fp8"]["cuda_graphs_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 lm.step_functions = None

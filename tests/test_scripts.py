@@ -40,6 +40,13 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert data["diffusion"]["new_tokens"] == 20 and data["diffusion"]["forward_passes"] == 2 * 2
     assert data["ar"]["new_tokens"] == 6
     assert data["diffusion"]["tok_s"] > 0 and data["diffusion_over_ar"] > 0
+    # tok_s is with the prefill, as in `blockpress bench` (it was the rate after it here): every phase has both
+    # (AR's after the prefill counts one token fewer, so it need not be the larger)
+    for entry in (data["diffusion"], data["fp8"]):
+        assert 0 < entry["tok_s"] < entry["tok_s_without_prefill"]
+    for entry in (data["ar"], {k[3:]: v for k, v in data["fp8"].items() if k.startswith("ar_")}):
+        assert entry["tok_s"] > 0 and entry["tok_s_without_prefill"] > 0
+    assert "prefill included" in data["figures"]["tok_s"] and "tok_s_with_prefill" not in data["diffusion"]
     assert "diffusion_compiled" not in data and "compile_error" not in data
     fp8 = data["fp8"]  # the last phase: the same model quantized in place
     assert "fp8_error" not in data and fp8["tok_s"] > 0 and fp8["ar_tok_s"] > 0
@@ -58,6 +65,22 @@ def gpu_bench_module():
 
     sys.path.insert(0, str(ROOT / "scripts"))
     return importlib.import_module("gpu_bench")
+
+
+def test_gpu_bench_ar_rates_count_the_passes_after_the_prefill():
+    """gpu_bench's AR tok_s was the rate after the prefill (bench's tok_s is with it), and it and ms_per_token
+    divided the time after the prefill by all n tokens, though the prefill's logits give the first: n - 1 passes
+    follow it. 6 tokens in 1 s, 0.5 s of it after the prefill."""
+    from blockpress.generate import GenerationOutput
+
+    script = gpu_bench_module()
+    out = GenerationOutput(sequences=torch.zeros(1, 9, dtype=torch.long), prompt_length=3, texts=None,
+                           tokens_per_forward=torch.ones(1), forward_passes=torch.tensor([6]),
+                           num_new_tokens=torch.tensor([6]), steps_per_canvas=torch.ones(1, 1),
+                           encode_seconds=0.5, denoise_seconds=0.5)
+    assert script.ar_rates(out, 1.0) == pytest.approx({"tok_s": 6.0, "tok_s_without_prefill": 10.0,
+                                                        "ms_per_token": 100.0})
+    assert script.diffusion_rates(out, 1.0) == pytest.approx({"tok_s": 6.0, "tok_s_without_prefill": 12.0})
 
 
 def test_gpu_bench_times_graphed_ar_with_the_shape_it_warmed_up():
@@ -88,8 +111,8 @@ def test_gpu_bench_times_graphed_ar_with_the_shape_it_warmed_up():
     step = Recorded(lm.model)
     lm.step_functions = StepFunctions(lm.model.denoise, denoise_step, step)
     prompt = torch.randint(3, cfg.text.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
-    out, captures = gpu_bench_module().graphed_ar_run(lm, prompt, 6, torch.device("cpu"))
-    assert int(out.num_new_tokens[0]) == 6
+    out, seconds, captures = gpu_bench_module().graphed_ar_run(lm, prompt, 6, torch.device("cpu"))
+    assert int(out.num_new_tokens[0]) == 6 and seconds >= out.seconds > 0
     # Every graph the runs asked for, the timed run's included, has the timed run's shape. (On a CPU each run's
     # new cache lands elsewhere, so the stand-in captures again; on CUDA the allocator gives the memory back.)
     assert set(step.captured) == set(step.replayed) == {5 + 6 + 1}
