@@ -136,8 +136,9 @@ class BenchSettings:
             return None
         what = (f"canvas lengths {self.canvas_lengths} (--canvas-lengths)" if self.canvas_lengths
                 else f"the {self.preset} preset's {canvases[0]}-token canvas")
-        return (f"{self.new_tokens} new tokens (--new-tokens) with {what}: a canvas denoises all its positions, kept "
-                "or not, so the diffusion figures include positions that are dropped (AR's do not); --new-tokens "
+        return (f"{self.new_tokens} new token{'s' if self.new_tokens != 1 else ''} (--new-tokens) with {what}: "
+                "a canvas denoises all its positions, kept or not, so the diffusion figures include positions that "
+                "are dropped (AR's do not); --new-tokens "
                 f"{max(canvases)} or --canvas-lengths of at most {self.new_tokens} times only what is kept")
 
 

@@ -68,8 +68,8 @@ cp "$W/bench/result.json" "$OUT/bench.json" 2>/dev/null
 # result.json exists from the first phase on: the log's end (the traceback, or the phase a timeout cut) is kept
 # whenever the run did not finish
 [ $rc -eq 0 ] && [ -f "$OUT/bench.json" ] || tail -30 "$W/bench.log" | cut -c1-300 >>"$OUT/session.log"
-# Batch-size sweep on a mid-size shape (diffusion vs AR, eager and CUDA graphs; the reference is timed on the
-# CPU here, not in the lease) and its plot, into $OUT at once. bench rewrites both after each batch size, so a
+# Batch-size sweep on a mid-size shape (diffusion vs AR, eager and CUDA graphs; --no-reference: the reference is
+# not timed in this session, which has no minutes for it) and its plot, into $OUT at once. bench rewrites both after each batch size, so a
 # timeout keeps the sizes it measured (the JSON then says "partial": true); its log goes along.
 timeout 90 $PY -m blockpress.cli bench --preset "$BATCH_PRESET" --device "$DEVICE" --dtype "$BENCH_DTYPE" \
     --batch-sizes 1 4 16 64 --steps 16 --new-tokens 128 --repeats 1 --no-reference \

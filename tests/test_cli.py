@@ -1355,6 +1355,7 @@ def test_bench_warns_of_a_canvas_longer_than_the_new_tokens(canvas_lengths, what
     assert f"--new-tokens {max(canvas_lengths or [16])} or --canvas-lengths of at most 8" in note
     assert BenchSettings(preset="tiny", new_tokens=16).long_canvas() is None  # the canvas fits
     assert BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=[8, 2]).long_canvas() is None
+    assert BenchSettings(preset="tiny", new_tokens=1).long_canvas().startswith("1 new token (--new-tokens) with")
     # on the command line: one plain line, before anything runs (here the --cuda-graphs refusal on a CPU)
     sweep = ["--canvas-lengths", *map(str, canvas_lengths)] if canvas_lengths else []
     assert main(["bench", "--preset", "tiny", "--new-tokens", "8", "--cuda-graphs", *sweep]) == 2
