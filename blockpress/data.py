@@ -123,11 +123,13 @@ def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None =
                 raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
             # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained
             chat = [chat_message(message, i) for i, message in enumerate(messages)]
-            first = next(i for i, message in enumerate(chat) if message["role"] in ("assistant", "model"))
-            if not any(message["role"] == "user" for message in chat[:first]):
-                # the model would learn to answer no one: a prompt of a system turn, or of nothing but the template
+            # The reply trained on must answer a user (else the model would learn to answer no one: a prompt of a
+            # system turn, or of nothing but the template); an assistant greeting before the user's first turn is
+            # context, as lm.chat_prompt renders it.
+            last = len(chat) - 1
+            if not any(message["role"] == "user" for message in chat[:last]):
                 raise ValueError(f"{where}: 'messages' has no user message before the assistant's "
-                                 f"(messages[{first}]); give the user turn it answers before it")
+                                 f"(messages[{last}]); give the user turn it answers before it")
             prompt = tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=True)
             end = tokenizer.token_to_id("<end_of_turn>")
             content = chat[-1]["content"]

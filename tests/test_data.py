@@ -130,16 +130,25 @@ def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
                                               r"\(messages\[0\]\); give the user turn"),
     # two assistant turns, or a system turn before one, passed: the model trained on a prompt of no user turn
     ([{"role": "assistant", "content": "y"}, {"role": "assistant", "content": "z"}],
-     r"d.jsonl:1: 'messages' has no user message before the assistant's \(messages\[0\]\)"),
-    ([{"role": "system", "content": "s"}, {"role": "model", "content": "y"}, {"role": "user", "content": "x"},
-      {"role": "assistant", "content": "z"}], r"d.jsonl:1: 'messages' has no user message before the assistant's "
-                                              r"\(messages\[1\]\)"),
+     r"d.jsonl:1: 'messages' has no user message before the assistant's \(messages\[1\]\)"),
+    ([{"role": "system", "content": "s"}, {"role": "model", "content": "y"}],
+     r"d.jsonl:1: 'messages' has no user message before the assistant's \(messages\[1\]\)"),
 ])
 def test_chat_messages_a_template_cannot_render_are_named(tmp_path, tok, messages, message):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": messages}) + "\n")
     with pytest.raises(ValueError, match=message):
         load_jsonl(path, tok)
+
+
+def test_an_assistant_greeting_before_the_user_is_context(tok):
+    """A chat opening with the assistant's greeting was refused ('no user message before the assistant's'), though
+    lm.chat_prompt renders it and the reply trained on answers a user. The greeting is prompt, not a target."""
+    greeted = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "a"},
+               {"role": "assistant", "content": "answer"}]
+    ex = parse_example({"messages": greeted}, tok, "d.jsonl:1")
+    assert ex.prompt == tok.apply_chat_template(greeted[:2], add_generation_prompt=True, tokenize=True)
+    assert tok.decode(ex.response) == "answer"
 
 
 def test_heldout_split_is_stable():
