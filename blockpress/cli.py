@@ -694,7 +694,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     def examples_of(path: str, flag: str) -> list[Any]:
         try:
             return load_jsonl(path, lm.tokenizer, vocab, context=(lm.config.canvas_length,
-                              lm.config.text.max_position_embeddings, cfg.max_canvases or None))
+                              lm.config.text.max_position_embeddings, cfg.max_canvases or None),
+                              chat_turns=cfg.chat_turns)
         except OSError as exc:  # missing, a directory, unreadable: the flag's path
             raise OSError(f"{flag} {exc}") from None
 
@@ -732,6 +733,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if cfg.heldout:  # it would be ignored: running text has no examples to split
             raise ValueError("--heldout: for JSONL examples (a fraction of them); with raw text or token shards "
                              "give the held-out text or shards with --heldout-data")
+        if cfg.chat_turns != cfg.default("chat_turns"):  # it would be ignored: running text has no chats
+            raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; running text "
+                             "has no turns")
         source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length)
         heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
                               lm.config.canvas_length) if cfg.heldout_data else None
@@ -1172,7 +1176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
         description="Train a fresh model (--config PRESET|config.json) or fine-tune one (--model). --out receives "
                     "an HF-format checkpoint, metrics.jsonl and loss.png. Data lines: {\"prompt\": str, \"response\": str}, "
-                    "{\"messages\": [...]}, or {\"prompt_ids\": [...], \"response_ids\": [...]}; or raw text, "
+                    "{\"messages\": [...]} (an example per assistant turn: --chat-turns), or {\"prompt_ids\": [...], \"response_ids\": [...]}; or raw text, "
                     "cut into windows of a random-length prompt and --response-canvases canvases: {\"text\": str} "
                     "lines, a .txt/.py/.md file or a folder of them, or a glob of token shards. Run under `torchrun --nproc-per-node N` for several "
                     "processes (DDP).",

@@ -27,6 +27,9 @@ class Example:
     prompt: list[int]
     response: list[int]
     ends: bool = True  # False for windows cut from running text: no EOS after the response
+    # What split_heldout hashes in place of (prompt, response): an earlier turn of a chat carries its last turn's
+    split_key: tuple[list[int], list[int]] | None = None
+
 
 @dataclass
 class Batch:
@@ -101,56 +104,95 @@ def _ids_field(obj: dict, key: str, where: str) -> list[int]:
     return value
 
 
-def parse_example(obj: Any, tokenizer: Any, where: str, vocab_size: int | None = None) -> Example:
-    """One JSONL record: {"prompt", "response"} text, {"messages"} chat, or {"prompt_ids", "response_ids"}."""
+CHAT_TURNS = ("all", "last")  # which assistant turns of a `messages` record are trained on (parse_examples)
+
+
+def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None = None,
+                   context: tuple[int, int, int | None] | None = None, chat_turns: str = "all") -> list[Example]:
+    """The examples of one JSONL record: {"prompt", "response"} text, {"prompt_ids", "response_ids"}, or a
+    {"messages"} chat. A chat gives one example per assistant turn that answers a user (chat_turns "all", as chat
+    fine-tuning trains every reply), each prompted with the conversation before it, or the last turn alone ("last").
+    `context`: as load_jsonl's."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if not ({"prompt_ids", "response_ids", "messages"} & set(obj) or {"prompt", "response"} <= set(obj)):
         raise ValueError(f"{where}: expected 'prompt'+'response', 'messages', or 'prompt_ids'+'response_ids'")
+    if chat_turns not in CHAT_TURNS:
+        raise ValueError(f"chat_turns: expected one of {list(CHAT_TURNS)}, got {chat_turns!r}")
     if "prompt_ids" in obj or "response_ids" in obj:
         for key in ("prompt_ids", "response_ids"):
             if key not in obj:
                 raise ValueError(f"{where}: has {'prompt_ids' if key == 'response_ids' else 'response_ids'} but no {key!r}")
-        ex = Example(_ids_field(obj, "prompt_ids", where), _ids_field(obj, "response_ids", where))
+        examples = [(where, Example(_ids_field(obj, "prompt_ids", where), _ids_field(obj, "response_ids", where)))]
+    elif tokenizer is None:
+        raise ValueError(f"{where}: text records need a tokenizer; this model has none (a fresh model takes "
+                         "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
+    elif "messages" in obj:
+        examples = _chat_examples(obj["messages"], tokenizer, where, chat_turns)
     else:
-        if tokenizer is None:
-            raise ValueError(f"{where}: text records need a tokenizer; this model has none (a fresh model takes "
-                             "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
-        if "messages" in obj:
-            messages = obj["messages"]
-            if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
-                    messages[-1].get("role") not in ("assistant", "model"):
-                raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
-            # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained
-            chat = [chat_message(message, i) for i, message in enumerate(messages)]
-            # The reply trained on must answer a user (else the model would learn to answer no one: a prompt of a
-            # system turn, or of nothing but the template); an assistant greeting before the user's first turn is
-            # context, as lm.chat_prompt renders it.
-            last = len(chat) - 1
-            if not any(message["role"] == "user" for message in chat[:last]):
-                raise ValueError(f"{where}: 'messages' has no user message before the assistant's "
-                                 f"(messages[{last}]); give the user turn it answers before it")
-            prompt = tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True, tokenize=True)
-            end = tokenizer.token_to_id("<end_of_turn>")
-            content = chat[-1]["content"]
-            if content is None:  # an assistant turn of tool calls alone: its text is what is trained on
-                raise ValueError(f"{where}: messages[{len(messages) - 1}].content: the assistant's reply trained on "
-                                 "must be text, got none")
-            response = tokenizer.encode(content) + ([end] if end is not None else [])
-            ex = Example(list(prompt), response)
-        else:
-            for key in ("prompt", "response"):
-                if not isinstance(obj[key], str):
-                    raise ValueError(f"{where}: field {key!r} must be a string")
-            prompt = tokenizer.encode_prompt(obj["prompt"])
-            ex = Example(prompt, tokenizer.encode(obj["response"]))  # make_batch ends it with EOS, as an ids record
+        for key in ("prompt", "response"):
+            if not isinstance(obj[key], str):
+                raise ValueError(f"{where}: field {key!r} must be a string")
+        prompt = tokenizer.encode_prompt(obj["prompt"])
+        # make_batch ends it with EOS, as an ids record
+        examples = [(where, Example(prompt, tokenizer.encode(obj["response"])))]
+    for at, ex in examples:
+        _check_example(ex, at, vocab_size, context)
+    return [ex for _, ex in examples]
+
+
+def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -> list[tuple[str, Example]]:
+    """(where, example) of each assistant turn of a `messages` record trained on (parse_examples); `where` names
+    the turn when there are several."""
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
+            messages[-1].get("role") not in ("assistant", "model"):
+        raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
+    # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained
+    chat = [chat_message(message, i) for i, message in enumerate(messages)]
+    replies = [i for i, message in enumerate(chat) if message["role"] in ("assistant", "model")]
+    asked = next((i for i, message in enumerate(chat) if message["role"] == "user"), len(chat))
+    last = replies[-1]
+    if asked > last:
+        # the model would learn to answer no one: a prompt of a system turn, or of nothing but the template
+        raise ValueError(f"{where}: 'messages' has no user message before the assistant's (messages[{last}]); "
+                         "give the user turn it answers before it")
+    if chat[last]["content"] is None:  # an assistant turn of tool calls alone: its text is what is trained on
+        raise ValueError(f"{where}: messages[{last}].content: the assistant's reply trained on must be text, got none")
+    # An earlier turn before any user turn (a greeting) or of tool calls alone is context only: it answers no one,
+    # or holds no text to train on.
+    trained = [i for i in replies if i > asked and chat[i]["content"] is not None] if chat_turns == "all" else [last]
+    end = tokenizer.token_to_id("<end_of_turn>")
+    examples = []
+    for i in trained:
+        prompt = tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True, tokenize=True)
+        response = tokenizer.encode(chat[i]["content"]) + ([end] if end is not None else [])
+        examples.append((f"{where}: messages[{i}]" if len(trained) > 1 else where, Example(list(prompt), response)))
+    # A later turn's prompt holds the earlier replies: the turns of a conversation fall on one side of the held-out
+    # split together, that of its last turn (split_heldout), as the conversation did when only it was trained on.
+    key = (examples[-1][1].prompt, examples[-1][1].response)
+    for _, ex in examples[:-1]:
+        ex.split_key = key
+    return examples
+
+
+def _check_example(ex: Example, where: str, vocab_size: int | None, context: tuple[int, int, int | None] | None) -> None:
+    """Refuse an example with no prompt, ids outside the vocabulary, or (given `context`) too long for the model."""
     if not ex.prompt:
         raise ValueError(f"{where}: empty prompt")
     if vocab_size is not None:
         bad = [t for t in ex.prompt + ex.response if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    return ex
+    if context is not None:
+        canvas, positions, max_canvases = context
+        canvases = canvas_count(ex, canvas)  # whole canvases, the EOS included (make_batch)
+        length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
+        if length > positions:
+            fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
+            cut = (f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it"
+                   if fits >= 1 else "")
+            raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
+                             f"{canvas}), more than the model's context of {positions}{cut}")
 
 
 def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
@@ -225,41 +267,33 @@ def _some(files: Sequence[Path], folder: str | Path, shown: int = 3) -> str:
 
 
 def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None = None,
-               context: tuple[int, int, int | None] | None = None) -> list[Example]:
-    """Every record of a JSONL file (or of the files a glob or folder of them holds, in name order: jsonl_files) as
-    an Example; errors name the file and line. `context`: (canvas length, the model's max positions, the most
-    canvases a response keeps or None), to refuse an example that would not fit before a batch allocates it."""
+               context: tuple[int, int, int | None] | None = None, chat_turns: str = "all") -> list[Example]:
+    """The examples of every record of a JSONL file (or of the files a glob or folder of them holds, in name order:
+    jsonl_files; a chat record gives one per assistant turn trained on: parse_examples); errors name the file and
+    line. `context`: (canvas length, the model's max positions, the most canvases a response keeps or None), to
+    refuse an example that would not fit before a batch allocates it."""
     out = []
     records = (record for file in jsonl_files(path) or [Path(path)] for record in jsonl_objects(file))
     for where, obj in records:
         try:
-            ex = parse_example(obj, tokenizer, where, vocab_size)
+            out += parse_examples(obj, tokenizer, where, vocab_size, context, chat_turns)
         except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
             message = str(exc)
             raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
-        if context is not None:
-            canvas, positions, max_canvases = context
-            canvases = canvas_count(ex, canvas)  # whole canvases, the EOS included (make_batch)
-            length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
-            if length > positions:
-                fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
-                cut = (f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it"
-                       if fits >= 1 else "")
-                raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
-                                 f"{canvas}), more than the model's context of {positions}{cut}")
-        out.append(ex)
     if not out:
         raise ValueError(f"{path}: no examples")
     return out
 
 
 def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Deterministic held-out split by content hash (stable across runs and machines)."""
+    """Deterministic held-out split by content hash (stable across runs and machines); the turns of one chat are
+    held out together (Example.split_key)."""
     if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
         raise ValueError(f"heldout: expected a fraction in [0, 1), got {fraction!r}")
     train, held = [], []
     for e in examples:
-        h = int(hashlib.sha1(json.dumps([e.prompt, e.response]).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        key = e.split_key or (e.prompt, e.response)
+        h = int(hashlib.sha1(json.dumps(list(key)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
         (held if h < fraction else train).append(e)
     if not train:
         raise ValueError("split_heldout: the held-out fraction left no training examples")

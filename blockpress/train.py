@@ -52,7 +52,7 @@ from .checkpoint import (
 )
 from .checks import is_finite_number, is_int
 from .config import ModelConfig
-from .data import Batch, Example, TokenShards, make_batch
+from .data import CHAT_TURNS, Batch, Example, TokenShards, make_batch
 from .files import StagedFiles, read_json_object, staging, temporary_path
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
@@ -196,6 +196,12 @@ class TrainConfig:
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
     # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
     # split (a Trainer takes its held-out data as an argument).
+    # What `blockpress train` reads of a chat record (load_jsonl), kept with the run so that --resume reads the same.
+    chat_turns: str = setting("all", "chat `messages` records: train on every assistant turn that answers a user, "
+                              "one example each, prompted with the conversation before it (all: examples, batches and "
+                              "epochs count turns, and a chat's turns are held out together), or on its last turn "
+                              "alone (last)",
+                              choices=CHAT_TURNS)
     heldout: float | None = setting(None, "JSONL examples: the fraction held out for the eval loss, chosen by "
                                           "content hash (default: 0.02, or none with --heldout-data); not for raw "
                                           "text (give --heldout-data)")

@@ -18,7 +18,7 @@ from blockpress.data import (
     load_jsonl,
     load_text,
     make_batch,
-    parse_example,
+    parse_examples,
     shard_files,
     split_heldout,
     write_shard,
@@ -80,9 +80,9 @@ def test_a_text_record_trains_as_the_ids_record_of_its_tokens(tok, prompt, respo
     """parse_example put an EOS after a text record's response and make_batch another after that: an EOS -> EOS
     next-token target, and a canvas of nothing but EOS after a response of canvas - 1 tokens, where the same
     tokens given as prompt_ids/response_ids trained neither."""
-    text = parse_example({"prompt": prompt, "response": response}, tok, "d.jsonl:1")
-    ids = parse_example({"prompt_ids": tok.encode_prompt(prompt), "response_ids": tok.encode(response)}, tok,
-                        "d.jsonl:2")
+    [text] = parse_examples({"prompt": prompt, "response": response}, tok, "d.jsonl:1")
+    [ids] = parse_examples({"prompt_ids": tok.encode_prompt(prompt), "response_ids": tok.encode(response)}, tok,
+                           "d.jsonl:2")
     a, b = (make_batch([ex], canvas, pad_id=0, eos_id=tok.eos_id) for ex in (text, ids))
     for field in ("ids", "valid", "scored", "ar_scored"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
@@ -109,8 +109,8 @@ def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
 
     as_parts = {"messages": [{"role": "user", "content": parts(asked)}, {"role": "assistant", "content": parts(answer)}]}
     as_text = {"messages": [{"role": "user", "content": "".join(asked)}, {"role": "assistant", "content": "".join(answer)}]}
-    ex = parse_example(as_parts, tok, "d.jsonl:1")
-    assert ex == parse_example(as_text, tok, "d.jsonl:1")
+    [ex] = parse_examples(as_parts, tok, "d.jsonl:1")
+    assert [ex] == parse_examples(as_text, tok, "d.jsonl:1")
     served = Message.model_validate(as_parts["messages"][0]).for_template(0)  # a request's user turn
     assert tok.apply_chat_template([served], add_generation_prompt=True, tokenize=True) == ex.prompt
 
@@ -141,14 +141,57 @@ def test_chat_messages_a_template_cannot_render_are_named(tmp_path, tok, message
         load_jsonl(path, tok)
 
 
+CHAT = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "FIRST"},
+        {"role": "user", "content": "c"}, {"role": "assistant", "content": "second"}]
+
+
+def test_every_assistant_turn_of_a_chat_is_an_example(tok):
+    """Only the last assistant turn was trained on; the earlier replies were prompt alone, a multi-turn dataset
+    training on about 1/N of its assistant text. chat_turns="last" keeps that."""
+    end = [tok.token_to_id("<end_of_turn>")]
+    first, second = parse_examples({"messages": CHAT}, tok, "d.jsonl:1")
+    assert first.prompt == tok.apply_chat_template(CHAT[:1], add_generation_prompt=True, tokenize=True)
+    assert first.response == tok.encode("FIRST") + end
+    assert second.prompt == tok.apply_chat_template(CHAT[:3], add_generation_prompt=True, tokenize=True)
+    assert second.response == tok.encode("second") + end
+    assert parse_examples({"messages": CHAT}, tok, "d.jsonl:1", chat_turns="last") == [second]
+
+
 def test_an_assistant_greeting_before_the_user_is_context(tok):
     """A chat opening with the assistant's greeting was refused ('no user message before the assistant's'), though
     lm.chat_prompt renders it and the reply trained on answers a user. The greeting is prompt, not a target."""
-    greeted = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "a"},
-               {"role": "assistant", "content": "answer"}]
-    ex = parse_example({"messages": greeted}, tok, "d.jsonl:1")
-    assert ex.prompt == tok.apply_chat_template(greeted[:2], add_generation_prompt=True, tokenize=True)
-    assert tok.decode(ex.response) == "answer"
+    greeted = [{"role": "assistant", "content": "Hi, how can I help?"}, *CHAT]
+    examples = parse_examples({"messages": greeted}, tok, "d.jsonl:1")
+    assert [tok.decode(e.response) for e in examples] == ["FIRST", "second"]
+    assert examples[0].prompt == tok.apply_chat_template(greeted[:2], add_generation_prompt=True, tokenize=True)
+    assert "Hi, how can I help?" in tok.decode(examples[0].prompt)
+
+
+def test_the_turns_of_a_chat_are_held_out_together(tmp_path, tok):
+    """A later turn's prompt holds the earlier replies: split apart, a held-out reply is trained on as prompt."""
+    path = tmp_path / "d.jsonl"
+    chats = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"},
+              {"role": "user", "content": "more"}, {"role": "assistant", "content": f"b{i}"}] for i in range(60)]
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
+    examples = load_jsonl(path, tok)
+    assert len(examples) == 120
+    train, held = split_heldout(examples, 0.3)
+    held_replies = {tok.decode(e.response) for e in held}
+    assert 0 < len(held) < 120
+    for i in range(60):
+        assert (f"a{i}" in held_replies) == (f"b{i}" in held_replies), i
+    # the conversations held out are those of the last turn alone (chat_turns="last"), as before
+    last = load_jsonl(path, tok, chat_turns="last")
+    assert {tok.decode(e.response) for e in split_heldout(last, 0.3)[1]} == {r for r in held_replies if r[0] == "b"}
+
+
+def test_a_chat_turn_too_long_for_the_context_is_named(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    long = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x " * 40},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "y"}]
+    path.write_text(json.dumps({"messages": long}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: messages\[1\]: prompt and response take"):
+        load_jsonl(path, tok, context=(4, 40, None))
 
 
 def test_heldout_split_is_stable():

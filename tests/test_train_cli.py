@@ -486,6 +486,21 @@ def test_train_help_comes_from_the_fields_without_their_source(monkeypatch, caps
         assert f.metadata["help"] and " ".join(f.metadata["help"].split()) in shown, f.name
 
 
+def test_chat_data_trains_every_assistant_turn(tmp_path, capsys):
+    """Only a chat's last assistant turn was an example; --chat-turns last keeps that, and running text has none."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat[:k]}) + "\n" for k in (4, 4, 2)))
+    last = ["--tokenizer", str(MODELS_DIR / "blockpress-code"), "--chat-turns", "last"]
+    assert main(train_args(data, tmp_path / "last", steps=1) + last) == 0  # (all turns: 5; test_data.py)
+    assert torch.load(tmp_path / "last" / "trainer_state.pt", weights_only=False)["data"]["size"] == "3 examples"
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
+    assert main(train_args(text, tmp_path / "text", steps=1) + last) == 2
+    assert "--chat-turns last: for JSONL examples of chat `messages`" in capsys.readouterr().err
+
+
 def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
     """A folder of .py files (and {"text": ...} JSONL, a .txt file) was refused: "is a directory; expected ..."."""
     source = os.path.dirname(blockpress.__file__)
