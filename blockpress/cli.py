@@ -599,10 +599,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     raw: dict[str, Any] = resumed_train_config(out) if args.resume else {}
     saved = dict(raw)
     if args.train_config:
+        from blockpress.files import read_json_object
+
         try:
-            raw.update(json.loads(Path(args.train_config).read_text()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            given = read_json_object(args.train_config, where="--train-config ")
+        except OSError as exc:
             raise ValueError(f"--train-config {args.train_config}: {exc}") from None
+        # each value its field's type, before the model loads: the file is named, where from_dict below cannot
+        TrainConfig.check_fields(given, where=f"--train-config {args.train_config}: ")
+        raw.update(given)
     for f in fields(TrainConfig):
         value = getattr(args, f.name)
         if value is not None:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
@@ -144,6 +145,13 @@ def read_trainer_state(path: str | Path, map_location: str | None = None) -> dic
     return state
 
 
+# What a TrainConfig field of each type takes (TrainConfig.check_fields), and how an error names it.
+_TYPE_CHECKS: dict[type, Callable[[Any], bool]] = {
+    bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: is_finite_number, str: lambda v: isinstance(v, str)}
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+
+
 def setting(default: Any, description: str, choices: Sequence[str] | None = None) -> Any:
     """A TrainConfig field and its description: `blockpress train --help` shows it (field metadata "help"), and the
     values it takes where they are a few names (metadata "choices")."""
@@ -217,10 +225,9 @@ class TrainConfig:
                                 "stay unmerged)", choices=("float32", "bfloat16"))
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # a float setting must be a finite number: lr=inf trained to NaN weights silently
+        self.check_fields({f.name: getattr(self, f.name) for f in fields(self)})
+        for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("float", float) and not is_finite_number(value):
-                raise ValueError(f"{f.name}: expected a finite number, got {value!r}")
             if f.metadata["choices"] and value is not None and value not in f.metadata["choices"]:
                 raise ValueError(f"{f.name}: expected one of {list(f.metadata['choices'])}, got {value!r}")
         for name in ("steps", "batch_size", "log_every", "response_canvases"):
@@ -294,11 +301,26 @@ class TrainConfig:
                              "windows; JSONL examples bring their own prompts and responses")
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
+    def check_fields(cls, raw: dict[str, Any], where: str = "") -> None:
+        """Refuse an unknown name or a value of another type than its field's (`where` first: e.g. the file it was
+        read from), as a JSON file may hold them: "false" for a bool read as True, a seed "a" failed at the first
+        batch. A float field takes an integer; none takes a bool for a number (True would pass for 1)."""
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(raw) - set(hints))
         if unknown:
-            raise ValueError(f"train config: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"{where}train config: unknown field(s) {unknown}; known: {sorted(hints)}")
+        for name, value in raw.items():
+            kinds = typing.get_args(hints[name]) or (hints[name],)  # X | None: (X, NoneType)
+            if value is None and type(None) in kinds:
+                continue
+            kind = next(k for k in kinds if k is not type(None))
+            if not _TYPE_CHECKS[kind](value):  # (a float must be finite: lr=inf trained to NaN weights silently)
+                null = " or null" if type(None) in kinds else ""
+                raise ValueError(f"{where}{name}: expected {_TYPE_NAMES[kind]}{null}, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        cls.check_fields(raw)
         return cls(**raw)
 
 

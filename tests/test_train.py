@@ -293,7 +293,13 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
      (dict(eval_batches=-1), "eval_batches: expected an integer >= 0"),
      (dict(lora_alpha=0), "lora_alpha: expected a positive integer"), (dict(lora_alpha=-8), "lora_alpha"),
      # refused as a flag, ignored silently from --train-config or in Python
-     (dict(lora_alpha=64), "lora_alpha: 64 scales LoRA adapters; it needs lora_rank > 0")],
+     (dict(lora_alpha=64), "lora_alpha: 64 scales LoRA adapters; it needs lora_rank > 0"),
+     # from a JSON file: "false" switched reweighting on, a seed "a" failed at the first batch, 1.5 was taken
+     (dict(reweight="false"), "reweight: expected true or false, got 'false'"),
+     (dict(compile=1), "compile: expected true or false"), (dict(seed="a"), "seed: expected an integer, got 'a'"),
+     (dict(seed=1.5), "seed: expected an integer"), (dict(steps=True), "steps: expected an integer, got True"),
+     (dict(heldout="0.1"), "heldout: expected a finite number or null"),
+     (dict(heldout_data=3), "heldout_data: expected a string or null, got 3")],
 )
 def test_bad_train_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -312,6 +318,9 @@ def test_window_settings_on_examples_are_refused():
 def test_unknown_train_config_field():
     with pytest.raises(ValueError, match="lerning_rate"):
         TrainConfig.from_dict({"lerning_rate": 1e-3})
+    with pytest.raises(ValueError, match="reweight: expected true or false"):
+        TrainConfig.from_dict({"reweight": "false"})
+    assert TrainConfig.from_dict({"lr": 1, "heldout": None}).lr == 1  # an integer is a number
 
 
 def test_time_budget_stops_and_saves(tmp_path):

@@ -60,6 +60,19 @@ def test_train_config_file_and_flags(tmp_path):
     assert len(losses(tmp_path / "out")) == 2  # the flag wins over the file
 
 
+@pytest.mark.parametrize("text, error", [
+    ('{"reweight": "false"}', "reweight: expected true or false, got 'false'"),  # trained with reweighting
+    ('{"seed": "a"}', "seed: expected an integer, got 'a'"),  # a traceback at the first batch, a partial --out
+    ("[1]", "expected a JSON object, got list"),  # TypeError: cannot convert dictionary update sequence element
+])
+def test_train_config_file_values_are_checked_before_the_model_loads(tmp_path, capsys, text, error):
+    data = write_data(tmp_path / "d.jsonl")
+    (tmp_path / "tc.json").write_text(text)
+    assert main(train_args(data, tmp_path / "out") + ["--train-config", str(tmp_path / "tc.json")]) == 2
+    assert f"error: --train-config {tmp_path / 'tc.json'}: {error}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_continues_the_run_exactly(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "whole", steps=5)) == 0
