@@ -707,7 +707,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for flag, given in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
         try:  # a README.md beside JSONL files: say it is not trained on
             note = left_out(given) if given else None
-        except ValueError as exc:  # a folder of JSONL and raw text; the message starts with the path
+        except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
             raise ValueError(f"{flag} {exc}") from None
         if note:
             print(f"{flag} {given}: {note}", file=sys.stderr)
@@ -1190,7 +1190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
     p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines; several: a glob "
-                   "or a folder of .jsonl files, its .md files left out as dataset cards), a .txt/.py/.md file, a folder of them, or a glob of token shards "
+                   "of .jsonl files alone, or a folder of them, its .md files left out as dataset cards), a .txt/.py/.md file, a folder of them, or a glob of token shards "
                    "(see scripts/)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")

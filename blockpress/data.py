@@ -219,13 +219,22 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def jsonl_files(path: str | Path) -> list[Path]:
-    """The JSONL files `path` names: itself (a name ending .jsonl), the files a glob matches when all are .jsonl,
+    """The JSONL files `path` names: itself (a name ending .jsonl), the files a glob matches when all are .jsonl
+    (a glob matching .jsonl and other files is refused),
     or a folder's .jsonl files (searched recursively; its .md files are left out: dataset cards, see
     left_out), sorted; [] else. A folder of .jsonl and also .txt/.py files is refused: which one was meant?"""
     text = str(path)
     if any(c in text for c in "*?["):
         matches = sorted(glob.glob(text))
-        return [Path(m) for m in matches] if matches and all(m.lower().endswith(".jsonl") for m in matches) else []
+        jsonl = [Path(m) for m in matches if m.lower().endswith(".jsonl")]
+        other = [m for m in matches if not m.lower().endswith(".jsonl")]
+        if jsonl and other:  # read as token shards, it failed on the other file's missing sidecar
+            more = f" and {len(other) - 3} more" if len(other) > 3 else ""
+            raise ValueError(f"{path}: matches JSONL files ({', '.join(map(str, jsonl[:3]))}"
+                             f"{' and more' if len(jsonl) > 3 else ''}) and also {', '.join(other[:3])}{more}, which "
+                             f"{'is' if len(other) == 1 else 'are'} not JSONL; a glob names JSONL files or token shards, not both: narrow it (e.g. "
+                             f"'{Path(text).parent / '*.jsonl'}')")
+        return jsonl
     if text.lower().endswith(".jsonl"):
         return [Path(path)]
     if Path(path).is_dir():
@@ -241,9 +250,10 @@ def jsonl_files(path: str | Path) -> list[Path]:
 
 def left_out(path: str | Path) -> str | None:
     """A note of what a folder of JSONL reads and what it leaves out, or None when it leaves nothing out: its .md
-    files (a README.md or dataset card beside the data, as datasets are shipped, is not training text)."""
-    jsonl = jsonl_files(path) if Path(path).is_dir() else []
-    cards = _folder_files(Path(path))[".md"] if jsonl else []
+    files (a README.md or dataset card beside the data, as datasets are shipped, is not training text). Raises
+    jsonl_files' errors: a folder or glob of JSONL and other files."""
+    jsonl = jsonl_files(path)
+    cards = _folder_files(Path(path))[".md"] if jsonl and Path(path).is_dir() else []
     if not cards:
         return None
     return (f"reads {_some(jsonl, path)}; leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken "

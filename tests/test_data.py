@@ -411,6 +411,20 @@ def test_several_jsonl_files_as_a_glob_or_a_folder(tmp_path, tok):
     assert load_text(text, tok).arrays[0].tolist() == [t for doc in documents for t in doc]
 
 
+def test_a_glob_of_jsonl_and_other_files_is_refused_by_name(tmp_path):
+    """'dir/*' catching .jsonl files and a README.md was read as token shards: "README.md: cannot read its sidecar
+    README.md.json ...; shards come from write_shard", when the fix is 'dir/*.jsonl'."""
+    from blockpress.data import is_examples, is_raw_text, jsonl_files, left_out
+
+    for name in ("one.jsonl", "two.jsonl", "README.md"):
+        (tmp_path / name).write_text(json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n")
+    for call in (jsonl_files, is_examples, is_raw_text, left_out, load_jsonl):
+        with pytest.raises(ValueError, match=r"matches JSONL files \(.*one.jsonl, .*two.jsonl\) and also "
+                                             r".*README.md, which is not JSONL; .*narrow it"):
+            call(str(tmp_path / "*"))
+    assert jsonl_files(str(tmp_path / "*.jsonl")) == [tmp_path / "one.jsonl", tmp_path / "two.jsonl"]
+
+
 def test_a_folder_of_jsonl_leaves_its_dataset_card_out(tmp_path, tok):
     """A README.md beside the .jsonl files made the whole folder raw text: it trained on the README alone, silently
     (or failed with "no shard holds a 77-token window"). Raw text beside JSONL was read the same way, the JSONL

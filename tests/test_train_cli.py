@@ -728,6 +728,12 @@ def test_a_readme_beside_jsonl_is_left_out_and_said_so(tmp_path, capsys):
     assert main(train_args(tmp_path / "data", tmp_path / "mixed", steps=1)) == 2
     assert f"error: --data {tmp_path / 'data'}: holds JSONL files (train.jsonl) and raw text (notes.txt)" \
         in capsys.readouterr().err
+    # a glob catching the card too was read as token shards: "README.md: cannot read its sidecar README.md.json"
+    assert main(train_args(tmp_path / "data" / "*", tmp_path / "glob", steps=1)) == 2
+    err = capsys.readouterr().err
+    assert f"error: --data {tmp_path / 'data' / '*'}: matches JSONL files ({tmp_path / 'data' / 'train.jsonl'}) " \
+           f"and also {tmp_path / 'data' / 'README.md'}, {tmp_path / 'data' / 'notes.txt'}, which are not JSONL" in err
+    assert f"narrow it (e.g. '{tmp_path / 'data' / '*.jsonl'}')" in err and not (tmp_path / "glob").exists()
 
 
 def test_eval_every_evaluates_the_held_out_examples(tmp_path):
