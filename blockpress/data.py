@@ -460,10 +460,14 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
                     raise ValueError(f"{where}: expected {{\"text\": string}} like the file's first line")
                 texts.append((where, obj["text"]))
             continue
+        if not file.is_file():  # (read_text's own error puts "[Errno 2]" before the path)
+            raise FileNotFoundError(f"{file}: no such data file")
         try:
             texts.append((str(file), file.read_text(encoding="utf-8")))
         except UnicodeDecodeError as exc:
             raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+        except OSError as exc:  # unreadable: the path first, as every error here
+            raise OSError(f"{file}: cannot be read ({exc.strerror or exc})") from None
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     tokens = [tokenizer.encode(text) + eos for _, text in texts if text.strip()]
     flat = np.fromiter((t for doc in tokens for t in doc), dtype=np.int64)

@@ -1,6 +1,7 @@
 """Data: JSONL formats, canvas layout, token shards, the corpus script."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -377,6 +378,13 @@ def test_raw_text_errors(tmp_path, tok):
         load_text(tmp_path / "x.txt", tok)
     with pytest.raises(ValueError, match="raw text needs a tokenizer"):
         load_text(tmp_path / "x.txt", None)
+
+
+def test_a_missing_text_file_is_named_as_a_missing_jsonl_file_is(tmp_path):
+    """A missing .txt file said "[Errno 2] No such file or directory: '...'", which train put its flag before."""
+    for name in ("nope.txt", "nope.jsonl"):
+        with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(tmp_path / name))}: no such data file$"):
+            (load_text if name.endswith(".txt") else load_jsonl)(tmp_path / name, object())
 
 
 def test_a_glob_of_text_is_refused_by_name(tmp_path):
