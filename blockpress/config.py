@@ -357,6 +357,9 @@ class ModelConfig:
     canvas_length: int = 256
     vision_config: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other top-level keys, written back unchanged
+    # text_config's keys that are no TextConfig field (attention_dropout, use_cache, an author's own), written back
+    # unchanged too: transformers reads them (a fine-tune after a round trip would otherwise lose its dropout)
+    text_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.canvas_length, int) or self.canvas_length <= 0:
@@ -414,11 +417,14 @@ class ModelConfig:
         text_type = text_raw.get("model_type")
         if text_type not in (None, "diffusion_gemma_text"):
             raise ConfigError(f"text_config.model_type: expected 'diffusion_gemma_text', got {text_type!r}")
-        kwargs = {}
+        kwargs, text_extra = {}, {}
         for key, value in text_raw.items():
             if key in _TEXT_FIELDS:
                 kwargs[key] = value
-            elif key not in _IGNORED_TEXT_KEYS:
+                continue
+            if key != "model_type":  # written by to_dict itself
+                text_extra[key] = value
+            if key not in _IGNORED_TEXT_KEYS:
                 warnings.warn(f"text_config.{key}: unknown field, ignored", stacklevel=2)
         try:
             text = TextConfig(**kwargs)
@@ -426,7 +432,7 @@ class ModelConfig:
             raise ConfigError(f"text_config: {exc}") from exc
         canvas_length = raw.pop("canvas_length", 256)
         vision = raw.pop("vision_config", None)
-        return cls(text=text, canvas_length=canvas_length, vision_config=vision, extra=raw)
+        return cls(text=text, canvas_length=canvas_length, vision_config=vision, extra=raw, text_extra=text_extra)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -447,7 +453,8 @@ class ModelConfig:
 
     def to_dict(self, dtype: Any = None) -> dict[str, Any]:
         """The config.json of this model; `dtype` (a torch dtype) is the one its weights are saved in."""
-        text = {f.name: copy.deepcopy(getattr(self.text, f.name)) for f in fields(TextConfig)}
+        text = copy.deepcopy(self.text_extra)
+        text.update({f.name: copy.deepcopy(getattr(self.text, f.name)) for f in fields(TextConfig)})
         # The reference derives the per-layer overrides from these two; it does not store them itself.
         text.pop("global_head_dim")
         text.pop("num_global_key_value_heads")
@@ -463,8 +470,12 @@ class ModelConfig:
         if self.vision_config is not None:
             out["vision_config"] = copy.deepcopy(self.vision_config)
         if dtype is not None:  # transformers loads in this dtype: the one read, whatever the file said before
+            name = str(dtype).removeprefix("torch.")
             out.pop("torch_dtype", None)
-            out["dtype"] = str(dtype).removeprefix("torch.")
+            out["dtype"] = name
+            if "dtype" in text or "torch_dtype" in text:  # a sub-config's own, where a writer put one: kept true
+                text.pop("torch_dtype", None)
+                text["dtype"] = name
         return out
 
     def save(self, path: str | Path, dtype: Any = None) -> None:

@@ -525,6 +525,34 @@ def test_config_roundtrip(ref_checkpoint):
     assert [s.num_kv_heads for s in cfg.text.layers] == [2, 1, 2, 1]
 
 
+def test_text_config_fields_blockpress_does_not_model_survive_a_save(ref_checkpoint, tmp_path):
+    """text_config keys that are no blockpress field (the reference's attention_dropout and use_cache, an author's
+    own) are written back as read, as top-level ones are: the reference reads the same values after a save (before:
+    dropped, and transformers read attention_dropout 0.0)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "src")
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"].update(attention_dropout=0.1, use_cache=False, my_text_field={"a": [1, 2]})
+    raw["my_top_field"] = 1
+    (path / "config.json").write_text(json.dumps(raw))
+    load_quiet(path).save(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("attention_dropout", "use_cache", "my_text_field"):
+        assert saved["text_config"][key] == raw["text_config"][key]
+    assert saved["my_top_field"] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        text = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "out").config.text_config
+    assert (text.attention_dropout, text.my_text_field) == (0.1, {"a": [1, 2]})
+    # a dtype the writer put in text_config too is the one saved, as the top level's is
+    raw["text_config"]["torch_dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(raw))
+    load_quiet(path, dtype="bfloat16").save(tmp_path / "bf16")
+    saved = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert saved["dtype"] == saved["text_config"]["dtype"] == "bfloat16" and "torch_dtype" not in saved["text_config"]
+
+
 def test_generic_transformers_config_keys_load_without_a_warning(ref_checkpoint):
     """Every key transformers' PretrainedConfig writes is one blockpress knows (a field) or knows to ignore, so none
     warns "unknown field" (before: _name_or_path, output_attentions and transformers 4's tie_encoder_decoder did)."""
