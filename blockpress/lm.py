@@ -1260,15 +1260,21 @@ def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 
     A top-level `entropy_bound` (blockpress's spelling, which wins when both are set) becomes the reference's
     `sampler_config`. Values the reference would refuse stay in blockpress's file, so the folder still loads in
-    transformers: numbers it wants as floats are written as floats, and a schedule with t_max <= t_min (the
-    reference wants t_max > t_min) is kept out of generation_config.json."""
+    transformers: numbers it wants as floats are written as floats, a `sampler_config` gets the `_cls_name` the
+    reference needs (one that sets no bound is left out), and a schedule with t_max <= t_min (the reference wants
+    t_max > t_min) is kept out of generation_config.json."""
     reference = {k: v for k, v in gen.items() if k in REFERENCE_GENERATION_KEYS}
     own = {k: v for k, v in gen.items() if k not in REFERENCE_GENERATION_KEYS}
     if "entropy_bound" in own:
         reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": own.pop("entropy_bound")}
     sampler = reference.get("sampler_config")
     if isinstance(sampler, dict) and "entropy_bound" in sampler:
-        reference["sampler_config"] = dict(sampler, entropy_bound=float(sampler["entropy_bound"]))
+        # The reference rebuilds the class `_cls_name` names, and fails on a dict without one (TypeError), which
+        # blockpress reads as the one sampler there is (as written by hand, or set in lm.generation_config): named
+        reference["sampler_config"] = {"_cls_name": "EntropyBoundSamplerConfig", **sampler,
+                                       "entropy_bound": float(sampler["entropy_bound"])}
+    elif isinstance(sampler, dict):  # sets no bound: the default one holds, which is the reference's default too
+        del reference["sampler_config"]
     for key in ("t_min", "t_max", "confidence_threshold"):
         if isinstance(reference.get(key), int) and not isinstance(reference[key], bool):
             reference[key] = float(reference[key])

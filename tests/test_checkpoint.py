@@ -838,6 +838,36 @@ def test_sampler_settings_the_reference_would_refuse_stay_in_blockpress_file(tmp
     assert (again.entropy_bound, again.t_min, again.t_max, again.confidence_threshold) == (1, 0.5, 0.5, 1)
 
 
+@pytest.mark.parametrize("sampler_config", [{"entropy_bound": 0.25}, {"entropy_bound": 1}, {}])
+@pytest.mark.parametrize("where", ["python", "file"])
+def test_a_sampler_config_without_a_class_name_is_saved_as_the_reference_reads_it(ref_checkpoint, tmp_path,
+                                                                                  sampler_config, where):
+    """blockpress reads a sampler_config without "_cls_name" (set in lm.generation_config, or a hand-written
+    generation_config.json) as the one sampler there is; saved as it was, transformers' from_pretrained failed on it
+    (TypeError). It is written with the class name now, and one that sets no bound is left out (the defaults agree)."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "src")
+    if where == "file":
+        gen = json.loads((path / "generation_config.json").read_text())
+        (path / "generation_config.json").write_text(json.dumps(dict(gen, sampler_config=sampler_config)))
+    lm = load_quiet(path)
+    if where == "python":
+        lm.generation_config["sampler_config"] = dict(sampler_config)
+    lm.save(tmp_path / "out")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "out").generation_config
+    want = lm.sampler_defaults.entropy_bound
+    assert want == sampler_config.get("entropy_bound", SamplerConfig().entropy_bound)
+    if sampler_config:
+        assert ref.sampler_config.entropy_bound == want
+    else:  # left out, so the reference runs its default bound, which is blockpress's
+        assert "sampler_config" not in json.loads((tmp_path / "out" / "generation_config.json").read_text())
+        assert type(ref)._get_default_generation_params()["sampler_config"].entropy_bound == want
+    assert load_quiet(tmp_path / "out").sampler_defaults == lm.sampler_defaults
+
+
 def _with_tied_copies(ref_checkpoint, path, copies):
     """The tiny (tied) reference checkpoint with `copies` (copy name -> decoder tensor name, offset) stored too."""
     path = copy_ckpt(ref_checkpoint[0], path)
