@@ -186,6 +186,21 @@ def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, .
                                       "expected a floating-point type")
 
 
+def check_complete(path: Path, files: list[MappedSafetensors], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every weight of the config's model (`shapes`, as for check_headers) is stored, read off the headers. Layer
+    scalars aside: a missing one loads as 1, with a warning (load_model), as in the reference."""
+    stored = set()
+    for f in files:
+        for name in f.keys():
+            kind, local = tensor_kind(name)  # each name was checked by check_headers
+            if kind == "weight":
+                stored.add(local)
+    missing = [local_to_hf(k) for k in shapes if k not in stored and not k.endswith("layer_scalar")]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+
+
 def tied_source(name: str) -> str:
     """The decoder tensor that a tied copy (an encoder text weight or the LM head) stands for."""
     return DECODER + ("embed_tokens.weight" if name == "lm_head.weight" else name[len(ENCODER_TEXT):])
@@ -522,8 +537,9 @@ def plan_model(
     quantize: str | None = None, *, weights: bool = True,
 ) -> ModelPlan:
     """Everything a load of the folder at `path` decides before reading a tensor, with a load's refusals (a
-    pre-quantized or pickle checkpoint, a tensor the config has no place for or another shape for, a device that
-    is not here, an fp8 that does not run there).
+    pre-quantized or pickle checkpoint, a tensor the config has no place for or another shape for, a weight it
+    lacks, a device that is not here, an fp8 that does not run there): all but check_tied_copies, which compares
+    tensors' values.
 
     `dtype=None`: the stored one, except half precision on a CPU without native matmuls for it (native_dtype).
     `weights=False` also plans a folder with config.json alone (what `blockpress info` describes before the
@@ -543,6 +559,8 @@ def plan_model(
         model = DiffusionGemma(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # as stored in the checkpoint
         check_headers(opened, shapes)
+        if opened:  # a folder with config.json alone is described (weights=False), not refused
+            check_complete(path, opened, shapes)
         if quantize is not None:
             from .quantize import quantize as quantize_model
 
@@ -613,13 +631,7 @@ def load_model(
         warnings.warn(f"{path}: {len(scalars)} layer_scalar tensor(s) missing (e.g. {local_to_hf(scalars[0])!r}); "
                       "each is set to 1, the value a fresh layer starts with (transformers reports them missing)",
                       stacklevel=2)
-    # A quantized projection's scale is missing exactly when its weight is: name the weight only.
-    missing = [local_to_hf(k) for k in expected
-               if k not in state and not (k.endswith("_scale") and k.removesuffix("_scale") in expected)]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise CheckpointError(f"{path}: missing tensor(s) {shown}")
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=True)  # every weight is there: plan_model's check_complete
     model.reset_buffers()
     model.to(device)
     return model, passthrough

@@ -481,13 +481,13 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     carries out on --device (checkpoint.plan_model), and what its folder stores: the safetensors headers only,
     never a tensor's data. (Loading to count converted a bf16 checkpoint to float32 on a CPU without native bf16:
     101 GB for a 26B.)"""
-    from blockpress.checkpoint import plan_model, resolve_device
+    from blockpress.checkpoint import plan_model, resolve_device, tensor_kind
     from blockpress.lm import LM, read_generation_config, resolve_model
 
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
         resolve_device(args.device)  # checked as a load would: the figures are for this device
         return load_model(args.model, args.dtype, "meta", args.quantize, args.adapter), dict(
-            checkpoint_dtype=None, checkpoint_bytes=None)
+            checkpoint_dtype=None, checkpoint_bytes=None, tied_copies=None)
     path, adapter, quantize = resolve_model(args.model, args.quantize, args.adapter)  # the base, as a load takes it
     plan = plan_model(path, args.dtype, args.device, quantize, weights=False)  # config.json alone works too
     tokenizer = None
@@ -501,8 +501,12 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         from blockpress.train import check_adapter_base
 
         check_adapter_base(adapter, lm.model)  # a base of another shape: refused as a load refuses it
+    # stored copies of tied weights (untied checkpoints hold them): a load compares their values with the decoder's
+    # tensors and refuses one that differs; info reads no data, so it can only count them
+    copies = sum(tensor_kind(n)[0] == "copy" for f in plan.files for n in f.keys())
     return lm, dict(checkpoint_dtype=str(plan.stored).removeprefix("torch.") if plan.stored else None,
-                    checkpoint_bytes=sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files else None)
+                    checkpoint_bytes=sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files else None,
+                    tied_copies=copies or None)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -1302,9 +1306,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory. "
                                    "Nothing is loaded: the model is counted on the meta device from config.json and "
                                    "the safetensors headers, by the plan a load follows (a folder with config.json "
-                                   "alone works too, in the dtype it declares). dtype and "
+                                   "alone works too, in the dtype it declares), and refused as a load refuses it "
+                                   "where the headers tell (a tensor missing, unexpected or of another shape). dtype and "
                                    "weights_bytes: what loading on --device with --dtype / --quantize would take; "
                                    "checkpoint_dtype and checkpoint_bytes: what the folder stores; "
+                                   "tied_copies: the encoder / LM head copies it stores (tie_word_embeddings false), "
+                                   "which a load compares with the decoder's weights, refusing one that differs "
+                                   "(info reads no tensor data, so it counts them only); "
                                    "hidden_activation, attention_bias and rope (each layer kind's rope_type): where a "
                                    "checkpoint may differ from DiffusionGemma's own.")
     add_model_args(p, device_help="the device the dtype and memory figures are for: bf16/fp16 weights would load "

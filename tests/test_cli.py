@@ -1197,6 +1197,26 @@ def test_info_keeps_a_loads_refusals(tmp_path, capsys):
     assert "pre-quantized checkpoint (quantization_config: gptq)" in capsys.readouterr().err
 
 
+def test_info_refuses_a_checkpoint_missing_a_weight_as_a_load_does(tmp_path, capsys):
+    """info described a checkpoint that lacked a weight (exit 0) that blockpress.load refuses: the headers say so
+    (checkpoint.check_complete, which plan_model runs for both), so info now fails with the load's message."""
+    from safetensors.torch import load_file, save_file
+
+    blockpress.random_model(blockpress.ModelConfig.tiny(), dtype="bfloat16").save(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    # a stored copy of a tied weight: a load compares it with the decoder's; info, reading no data, counts it
+    tensors["lm_head.weight"] = tensors["model.decoder.embed_tokens.weight"].clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert info_json(capsys, "--model", str(tmp_path))["tied_copies"] == 1
+    del tensors["model.decoder.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(blockpress.CheckpointError) as refused:
+        blockpress.load(tmp_path)
+    assert "missing tensor(s) model.decoder.norm.weight" in str(refused.value)
+    assert main(["info", "--model", str(tmp_path), "--json"]) == 2
+    assert str(refused.value) in capsys.readouterr().err
+
+
 class FakeClock:
     """time.perf_counter that moves only when a costed call says so: the figures become exact arithmetic."""
 
