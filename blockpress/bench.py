@@ -608,7 +608,7 @@ def _reference(lm: LM) -> Any:
     try:
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            lm.save(tmp)
+            lm.save(tmp, dtype=lm.dtype)  # the very weights lm computes with (not the dtype a load widened from)
             return DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype).to(lm.device).eval()
     finally:
         hf_logging.set_verbosity(level)

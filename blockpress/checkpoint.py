@@ -500,6 +500,8 @@ class ModelPlan:
     model: DiffusionGemma  # on the meta device, quantized modules swapped in; tensors not assigned yet
     shapes: dict[str, tuple[int, ...]]  # each text weight's local name and shape, as the checkpoint stores it
     quantized: frozenset[str]  # the local names whose weight is stored quantized (with a `{name}_scale`)
+    # the stored dtype, where dtype=None picked a wider one to compute in on this CPU (native_dtype); else None
+    widened_from: torch.dtype | None = None
 
     def convert(self, local: str, tensor: torch.Tensor, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """A stored weight as the loaded model holds it: quantized on `device` (weight and scale) when its layer
@@ -568,13 +570,16 @@ def plan_model(
     quantized = frozenset(name.removesuffix("_scale") for name in model.state_dict()
                           if name.endswith("_scale") and name.removesuffix("_scale") in shapes)
     stored = stored_dtype(opened) if opened else None
+    widened_from = None
     if dtype is None:
-        dtype = native_dtype(stored or declared_dtype(config) or torch.float32, device)
+        own = stored or declared_dtype(config) or torch.float32
+        dtype = native_dtype(own, device)
+        widened_from = own if dtype != own else None
     if quantize is not None:  # the meta model above could not tell whether the scheme runs where it will live
         from .quantize import check_runs
 
         check_runs(quantize, device, dtype)
-    return ModelPlan(path, config, opened, stored, dtype, device, quantize, model, shapes, quantized)
+    return ModelPlan(path, config, opened, stored, dtype, device, quantize, model, shapes, quantized, widened_from)
 
 
 def load_model(
@@ -584,8 +589,13 @@ def load_model(
     """The model of an HF-format folder. With `quantize` ("int8", "fp8", "int4"; see blockpress.quantize) each projection
     is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
     quantized model plus one tensor."""
-    plan = plan_model(path, dtype, device, quantize)
-    path, config, model, dtype, device = plan.path, plan.config, plan.model, plan.dtype, plan.device
+    return load_plan(plan_model(path, dtype, device, quantize))
+
+
+def load_plan(plan: ModelPlan) -> tuple[DiffusionGemma, Passthrough]:
+    """Carry out `plan` (plan_model's): read the tensors, check the tied copies, build the model (see load_model)."""
+    path, config, model, dtype, device, quantize = (plan.path, plan.config, plan.model, plan.dtype, plan.device,
+                                                    plan.quantize)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     passthrough = Passthrough()
@@ -671,15 +681,24 @@ def save_model(
     max_shard_bytes: int = 4 << 30,
     metadata: dict[str, str] | None = None,
     files: StagedFiles | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`); `metadata`:
-    string entries added to each safetensors file's header (`MappedSafetensors.metadata` reads them back).
+    string entries added to each safetensors file's header (`MappedSafetensors.metadata` reads them back). `dtype`:
+    the one the text weights are written in (default: the model's), cast one shard at a time as it is written, so
+    the model itself is left as it is and the copies never take more than a shard's bytes.
 
     Everything is read and checked before the first file is written, and the files are written under temporary
     names and moved into place together (StagedFiles), so a save that cannot complete, or is killed, leaves the
     destination as it was. `files`: stage them there instead, for its owner to commit with the rest of a larger
     save (a training run's)."""
     path = Path(path)
+    if dtype is not None and dtype != model.dtype:
+        from .quantize import check_cast
+
+        check_cast(model, lambda t: t.to(dtype) if t.is_floating_point() else t)  # a quantized model's scales: no
+    else:
+        dtype = model.dtype
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise ValueError(f"save: metadata: expected a dict of str -> str (safetensors header entries), got {metadata!r}")
@@ -689,13 +708,20 @@ def save_model(
             raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), "
                              "as a Hugging Face cache snapshot does; save to a folder of your own")
     tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if passthrough:
+    cast = {name for name, t in tensors.items() if t.is_floating_point() and t.dtype != dtype}  # text weights only
+    if passthrough:  # the vision tensors, kept in their own dtype
         tensors.update(read_passthrough(passthrough, path))
+
+    def written(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.to(dtype) if name in cast else t for name, t in shard.items()}
+
+    def nbytes_of(name: str) -> int:
+        return tensors[name].numel() * (dtype.itemsize if name in cast else tensors[name].element_size())
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+        nbytes = nbytes_of(name)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
@@ -709,12 +735,12 @@ def save_model(
     stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
     with staging(files) as staged:
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout
-        staged.write(path / "config.json", lambda file: model.config.save(file, dtype=model.dtype))
+        staged.write(path / "config.json", lambda file: model.config.save(file, dtype=dtype))
         for fname, shard in zip(names, shards):
-            staged.write(path / fname, lambda file, shard=shard: save_file(shard, str(file), metadata=meta))
+            staged.write(path / fname, lambda file, shard=shard: save_file(written(shard), str(file), metadata=meta))
         if len(shards) > 1:
             weight_map = {name: fname for fname, shard in zip(names, shards) for name in shard}
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            total = sum(nbytes_of(name) for name in tensors)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             staged.write_text(path / names[-1], json.dumps(index, indent=2) + "\n")
         for old in stale:  # the other layout's files, left from an earlier save (after: a kill between keeps weights)

@@ -22,7 +22,8 @@ from .checkpoint import (
     check_fits,
     hf_cached_snapshot,
     hf_hub_cache,
-    load_model,
+    load_plan,
+    plan_model,
     resolve_device,
     resolve_dtype,
     save_model,
@@ -378,6 +379,7 @@ class LM:
         passthrough: Passthrough | None = None,
         path: Path | None = None,
         adapter: Path | None = None,
+        widened_from: torch.dtype | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = check_tokenizer(tokenizer)
@@ -385,6 +387,10 @@ class LM:
         self.passthrough = passthrough or Passthrough()
         self.path = path  # the base's folder
         self.adapter = adapter  # the LoRA folder applied over it (then the weights are not `path`'s alone)
+        # The checkpoint's dtype where `load` computes in a wider one for this CPU (dtype=None: bf16 as float32 without
+        # native bf16 matmuls): `save` writes it back, so a saved folder does not depend on the CPU that saved it.
+        # None once lm.to names a dtype: the model is then saved in it.
+        self.widened_from = widened_from
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
 
@@ -458,7 +464,8 @@ class LM:
         give (the rotary tables stay float32: DiffusionGemma._apply). Returns self.
 
         `compile` / `cuda_graphs` steps are made anew for the moved weights. KV caches made before hold the old
-        weights' keys and are refused (make new ones); a PrefixCache drops what it held and fills again.
+        weights' keys and are refused (make new ones); a PrefixCache drops what it held and fills again. A dtype
+        named here is also the one `save` writes (it no longer writes back the one a load widened from).
         A quantized model can change device, not dtype (a cast would cast its scales, which keep their own dtype,
         too: quantize.check_cast): load it again with dtype= and quantize=."""
         self._check_runnable()
@@ -469,11 +476,14 @@ class LM:
         if target_device.type == "meta":
             raise ValueError("device: 'meta' holds no weights (shapes only); to count parameters and bytes, build "
                              "the model there: random_model(config, device='meta')")
-        target_dtype = resolve_dtype(_dtype_argument(dtype)) or self.dtype
+        chosen = resolve_dtype(_dtype_argument(dtype))
+        target_dtype = chosen or self.dtype
         if target_dtype != self.dtype:  # a quantized model refuses, before anything else is checked
             check_cast(self.model, lambda t: t.to(target_dtype) if t.is_floating_point() else t)  # as model.to casts
         scheme = self.quantization
         if target_device == self.device and target_dtype == self.dtype:
+            if chosen is not None:  # named now: the dtype saved too
+                self.widened_from = None
             return self
         # Refusals first: nothing moves unless all of it can.
         graphed = self.step_functions is not None and self._reapply_steps == self.cuda_graphs
@@ -490,6 +500,8 @@ class LM:
             self.model.to(target_device)
         else:
             self.model.to(target_device, target_dtype)
+        if chosen is not None:  # named now: the dtype saved too
+            self.widened_from = None
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old tensors: make them anew
         return self
@@ -1186,12 +1198,15 @@ class LM:
                       tokenizer=self.tokenizer, fns=self.step_functions)
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None, *,
-             files: StagedFiles | None = None) -> None:
+             dtype: torch.dtype | str | None = None, files: StagedFiles | None = None) -> None:
         """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read. The files are
         written under temporary names and moved into place together (files.StagedFiles): a save killed part-way
         leaves no truncated file. `metadata`: string entries for the safetensors headers (a training run records its
-        step there). `files`: stage them there instead, for its owner to commit with the rest of a larger save (a
-        training run's, with its state)."""
+        step there). `dtype`: the one the weights are written in, cast as they are written (the model keeps its
+        own). None: the checkpoint's, where `load` widened it for this CPU (`widened_from`: bf16 loaded as float32
+        without native bf16 matmuls), else the model's. `files`: stage them there instead, for its owner to commit
+        with the rest of a larger save (a training run's, with its state)."""
+        dtype = resolve_dtype(_dtype_argument(dtype)) or self.widened_from or self.dtype
         if self.quantization is not None:
             raise ValueError(f"save: the model is quantized ({self.quantization}); save the unquantized weights and "
                              "quantize after loading (blockpress.load(..., quantize=...))")
@@ -1209,7 +1224,7 @@ class LM:
         except TypeError as exc:
             raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
         with staging(files) as staged:
-            save_model(self.model, path, self.passthrough, metadata=metadata, files=staged)
+            save_model(self.model, path, self.passthrough, metadata=metadata, files=staged, dtype=dtype)
             text = self.config.text
             gen.setdefault("bos_token_id", text.bos_token_id)
             gen.setdefault("pad_token_id", text.pad_token_id)
@@ -1387,7 +1402,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
     quantizes each projection as it is read, so the full-precision weights are never all in memory.
     `dtype=None` (or "auto", transformers' spelling) keeps the checkpoint's dtype, except that bf16 / fp16 weights load as float32 on a CPU without
-    native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype).
+    native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype); `lm.save`
+    then writes them back in the stored dtype (LM.widened_from).
     `adapter`: a PEFT LoRA folder for this base (`blockpress train --lora-rank`'s <out>/adapter, or peft's own on the
     reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft); with
     `quantize`, kept unmerged in float32 over the quantized base, as `blockpress train --quantize` trained it (merged
@@ -1396,8 +1412,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     ("none": unquantized; see resolve_model). `device` None is the default, the CPU (as None keeps the default
     everywhere else: lm.to(device=None) keeps the model where it is)."""
     path, adapter, quantize = resolve_model(path_or_name, quantize, adapter)
-    model, passthrough = load_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device),
-                                    quantize=quantize)
+    plan = plan_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device), quantize=quantize)
+    model, passthrough = load_plan(plan)
     if adapter is not None:
         from .train import apply_adapter
 
@@ -1408,7 +1424,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
 
         tokenizer = Tokenizer.from_dir(path)
     return LM(model, tokenizer, read_generation_config(path, model.config.text.vocab_size), passthrough, path,
-              adapter)
+              adapter, plan.widened_from)
 
 
 def random_model(

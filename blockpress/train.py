@@ -1054,15 +1054,17 @@ class Trainer:
                 # not loaded from a folder, given again by the user)
                 state["lora"] = {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k}
                 files.write_text(self.out / LORA_BASE_FILE, json.dumps({"model": base_name(self.lm)}) + "\n")
+            # Saved in the dtype trained or merged in (a float32 fine-tune of a bf16 model is a float32 checkpoint),
+            # not the one a load widened from (lm.save's default)
             if not self.cfg.lora_rank:
-                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, files=files)
+                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, dtype=self.lm.dtype, files=files)
             elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint
                 # with them merged in (over a quantized one, merged into its codes they would be rounded away)
                 save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
                              base_name(self.lm), self.cfg.quantize, files=files)
                 if self.cfg.quantize is None:
                     self.lm.model = merge_lora(self.model, self.merged_dtype)
-                    self.lm.save(self.out, files=files)
+                    self.lm.save(self.out, dtype=self.merged_dtype, files=files)
                     done = "lora" not in state
             # The settings again as JSON: `--resume` reads them without loading the optimizer state.
             files.write_text(self.out / TRAIN_CONFIG_FILE, json.dumps(asdict(self.cfg), indent=2) + "\n")

@@ -704,6 +704,49 @@ def test_half_precision_loads_as_float32_where_the_cpu_only_emulates_it(ref_chec
     assert load_quiet(tmp_path / "m", dtype="bfloat16").dtype == torch.bfloat16  # an explicit dtype wins
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_save_writes_the_dtype_a_load_widened_from(ref_checkpoint, tmp_path, monkeypatch, native):
+    """A bf16 checkpoint loaded with no dtype on a CPU without native bf16 computes in float32, and lm.save wrote
+    float32: twice the size, and a folder that depended on the CPU that saved it. It writes the stored bf16 now,
+    the same tensors on any CPU; save(dtype=) casts what is written, never the live model."""
+    from saved import saved_dtype
+
+    from blockpress import checkpoint
+
+    load_quiet(ref_checkpoint[0], dtype="bfloat16").save(tmp_path / "m")
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: native)
+    lm = load_quiet(tmp_path / "m")
+    assert lm.dtype == (torch.bfloat16 if native else torch.float32)
+    assert lm.widened_from == (None if native else torch.bfloat16)
+    lm.save(tmp_path / "again")
+    assert saved_dtype(tmp_path / "again") == torch.bfloat16
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"
+    original, again = load_file(tmp_path / "m" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert original.keys() == again.keys() and all(torch.equal(original[k], again[k]) for k in original)
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    for dtype in ("float16", torch.float32):  # asked for: the files only
+        lm.save(tmp_path / str(dtype), dtype=dtype)
+        assert saved_dtype(tmp_path / str(dtype)) == blockpress.checkpoint.resolve_dtype(dtype)
+        assert all(torch.equal(before[k], v) and before[k].dtype == v.dtype for k, v in lm.model.state_dict().items())
+    assert load_file(tmp_path / "float16" / "model.safetensors")["model.decoder.norm.weight"].dtype == torch.float16
+    lm.to(dtype=lm.dtype)  # a dtype named, even the one computed in already, is what a save writes from then on
+    assert lm.widened_from is None
+    lm.save(tmp_path / "named")
+    assert saved_dtype(tmp_path / "named") == lm.dtype
+
+
+def test_a_sharded_save_in_another_dtype_counts_the_bytes_written(lm, tmp_path):
+    from blockpress.checkpoint import save_model
+
+    save_model(lm.model, tmp_path / "s", max_shard_bytes=20_000, dtype=torch.bfloat16)
+    index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
+    shards = [load_file(tmp_path / "s" / name) for name in sorted(set(index["weight_map"].values()))]
+    assert len(shards) > 1 and {t.dtype for shard in shards for t in shard.values()} == {torch.bfloat16}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for shard in shards for t in shard.values())
+    assert all(sum(t.numel() * 2 for t in shard.values()) <= 20_000 for shard in shards if len(shard) > 1)
+    assert lm.dtype == torch.float32
+
+
 def _untied_reference(path, same_weights: bool):
     """A reference checkpoint saved with tie_word_embeddings=false: its encoder and LM head are stored apart."""
     from reference import TINY_TEXT, TINY_VISION

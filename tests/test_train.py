@@ -467,6 +467,23 @@ def test_cpu_autocast_warns_where_bf16_is_emulated(tmp_path, monkeypatch, native
     assert any("cpu_autocast" in str(w.message) for w in caught) == (not native)
 
 
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_a_run_saves_the_dtype_it_trained_in_not_the_one_a_load_widened_from(tmp_path, monkeypatch, lora_rank):
+    """lm.save writes a bf16 checkpoint that a CPU without native bf16 loaded as float32 back as bf16; a training
+    run saves what it trained (full fine-tune) or merged (LoRA: float32), as documented, whatever the CPU."""
+    from blockpress import checkpoint
+
+    if lora_rank:
+        pytest.importorskip("peft")
+    tiny_lm().to(dtype="bfloat16").save(tmp_path / "base")
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)
+    lm = blockpress.load(tmp_path / "base")
+    assert lm.widened_from == torch.bfloat16
+    tc = TrainConfig(steps=1, batch_size=4, lora_rank=lora_rank, warmup_steps=0)
+    Trainer(lm, ExampleSource(EXAMPLES, 0), tc, tmp_path / "out", progress=False).train()
+    assert saved_dtype(tmp_path / "out") == torch.float32
+
+
 def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys):
     """tqdm draws no bar into a log file (nohup, `| tee`), which then showed nothing between start and end."""
     tc = TrainConfig(steps=6, batch_size=2, log_every=2, warmup_steps=0)
