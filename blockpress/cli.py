@@ -487,7 +487,7 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
         resolve_device(args.device)  # checked as a load would: the figures are for this device
         return load_model(args.model, args.dtype, "meta", args.quantize, args.adapter), dict(
-            checkpoint_dtype=None, checkpoint_bytes=None, tied_copies=None)
+            checkpoint_dtype=None, dtype_note=None, checkpoint_bytes=None, tied_copies=None)
     path, adapter, quantize = resolve_model(args.model, args.quantize, args.adapter)  # the base, as a load takes it
     plan = plan_model(path, args.dtype, args.device, quantize, weights=False)  # config.json alone works too
     tokenizer = None
@@ -505,8 +505,21 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     # tensors and refuses one that differs; info reads no data, so it can only count them
     copies = sum(tensor_kind(n)[0] == "copy" for f in plan.files for n in f.keys())
     return lm, dict(checkpoint_dtype=str(plan.stored).removeprefix("torch.") if plan.stored else None,
+                    dtype_note=widened_note(plan.widened_from, plan.dtype, bool(plan.files)),
                     checkpoint_bytes=sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files else None,
                     tied_copies=copies or None)
+
+
+def widened_note(own: Any, dtype: Any, stored: bool) -> str | None:
+    """Why a load computes in `dtype` rather than the checkpoint's `own` (checkpoint.native_dtype), or None when it
+    does not: said by `info` alone, not by every command that loads."""
+    if own is None:
+        return None
+    name, wide = str(own).removeprefix("torch."), str(dtype).removeprefix("torch.")
+    short = {"bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+    isa = "AVX512-FP16 / AMX" if name == "float16" else "AVX512-BF16 / AMX"
+    return (f"{'stored' if stored else 'declared'} {name}, computed in {wide}: this CPU has no native {short} "
+            f"matmuls ({isa}); --dtype {name} forces it, slower here (lm.save writes {name} back)")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -1309,7 +1322,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "alone works too, in the dtype it declares), and refused as a load refuses it "
                                    "where the headers tell (a tensor missing, unexpected or of another shape). dtype and "
                                    "weights_bytes: what loading on --device with --dtype / --quantize would take; "
-                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores; "
+                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores; dtype_note: why "
+                                   "dtype differs from it, where it does; "
                                    "tied_copies: the encoder / LM head copies it stores (tie_word_embeddings false), "
                                    "which a load compares with the decoder's weights, refusing one that differs "
                                    "(info reads no tensor data, so it counts them only); "

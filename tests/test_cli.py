@@ -1480,6 +1480,25 @@ def test_info_reports_the_dtype_and_bytes_a_load_gives(tmp_path, capsys, stored,
     assert info["weights_bytes"] == lm.weights_bytes() and info["quantization"] == lm.quantization
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_info_says_why_it_computes_in_another_dtype_than_the_one_stored(tmp_path, monkeypatch, capsys, native):
+    """On a CPU without native bf16, info showed dtype float32 beside checkpoint_dtype bfloat16 and never said why;
+    only --dtype's help did. dtype_note says it, and what --dtype bfloat16 does (the CPU is stood in for)."""
+    from blockpress import checkpoint
+
+    blockpress.random_model(blockpress.ModelConfig.tiny(), dtype="bfloat16").save(tmp_path)
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: native)
+    info = info_json(capsys, "--model", str(tmp_path))
+    if native:
+        assert info["dtype"] == "bfloat16" and info["dtype_note"] is None
+    else:
+        assert info["dtype"] == "float32" and info["checkpoint_dtype"] == "bfloat16"
+        assert info["dtype_note"].startswith("stored bfloat16, computed in float32: this CPU has no native bf16 "
+                                             "matmuls (AVX512-BF16 / AMX); --dtype bfloat16 forces it, slower here")
+    assert info_json(capsys, "--model", str(tmp_path), "--dtype", "bfloat16")["dtype_note"] is None  # asked for
+    assert info_json(capsys, "--model", str(tmp_path), "--device", "meta")["dtype_note"] is None  # not a CPU
+
+
 def test_info_keeps_a_loads_check_that_the_scheme_runs(tmp_path, monkeypatch, capsys):
     """info quantized its meta model without asking whether the scheme runs on --device (fp8 in float32 on CUDA
     does not): it described a load that would be refused. The refusal is stood in for here (no GPU needed)."""
