@@ -274,10 +274,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_template(text: str, hole_length: int) -> None:
-    """The template's marker errors (a typo such as <|HOLE|>, <|hole:0|>, no holes, empty text), found by the
-    library's own parser before the model loads: a large checkpoint takes minutes to load. The fixed text is
-    passed over, not tokenized (no tokenizer yet), so only the model's context is left for the load to check."""
+def model_context(args: argparse.Namespace) -> int:
+    """The context (max_position_embeddings) of the model `args` names, read from its config.json (a
+    random-<preset>'s from the preset) without loading it. Its errors are the load's own: the model is found and
+    config.json read as `blockpress.load` finds and reads them."""
+    if args.model.startswith(RANDOM_PREFIX):
+        return preset_config(args.model[len(RANDOM_PREFIX):], f"--model {args.model}").text.max_position_embeddings
+    from blockpress.config import ModelConfig
+    from blockpress.lm import resolve_model
+
+    path, _, _ = resolve_model(args.model, args.quantize, args.adapter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # config.json's warnings (an unknown field) are the load's to show, once
+        return ModelConfig.from_file(path / "config.json").text.max_position_embeddings
+
+
+def check_template(text: str, hole_length: int, context: int) -> None:
+    """The template's marker errors (a typo such as <|HOLE|>, <|hole:0|>, no holes, empty text) and a hole that
+    cannot fit the model's `context`, found by the library's own parser before the model loads: a large checkpoint
+    takes minutes to load. The fixed text is passed over, not tokenized (no tokenizer yet): one stand-in token per
+    piece of it, so the length checked is a lower bound and the load's check has the last word. (Without the
+    context, a hole of 10**10 tokens was laid out as a list of 10**10 ids before any check.)"""
     from types import SimpleNamespace
 
     from blockpress.generate import parse_template
@@ -285,11 +302,14 @@ def check_template(text: str, hole_length: int) -> None:
     stand_in = lambda piece: [0]  # noqa: E731  (one stand-in id per piece of fixed text)
     untokenized = SimpleNamespace(encode=stand_in, encode_plain=stand_in)
     try:
-        parse_template(text, untokenized, 1, hole_length)
+        parse_template(text, untokenized, 1, hole_length, context)
     except ValueError as exc:
         if str(exc).startswith("template: has no holes"):  # the library's message offers -1 ids: not for a command line
             raise ValueError("template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or "
                              "<|hole:N|>") from None
+        if str(exc).startswith("template: <|hole|> takes"):  # a bare marker's length is the flag's
+            raise ValueError(f"--hole-length: {hole_length} tokens for each <|hole|> take the template past the "
+                             f"model's context of {context} tokens") from None
         raise
 
 
@@ -306,7 +326,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates
             raise ValueError(f"{flag}: not valid UTF-8 (at character {exc.start})") from None
-    check_template(text, args.hole_length)
+    check_template(text, args.hole_length, model_context(args))
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")

@@ -1542,6 +1542,25 @@ def test_infill_refuses_a_bad_template_before_loading(template, message, monkeyp
     assert f"infill: error: {message}" in err and "-1 ids" not in err
 
 
+@pytest.mark.parametrize("args, message", [
+    (["x = <|hole:99999999999999999999|>"],
+     "template: <|hole:99999999999999999999|> takes the template past the model's context of 131072 tokens"),
+    (["x = <|hole:131072|>"], "template: <|hole:131072|> takes the template past the model's context of 131072"),
+    (["x = <|hole|>", "--hole-length", "99999999999999999999"],
+     "--hole-length: 99999999999999999999 tokens for each <|hole|> take the template past the model's context of "
+     "131072 tokens"),
+])
+def test_infill_refuses_a_hole_past_the_context_before_loading(args, message, monkeypatch, capsys):
+    """The check before the load parsed the template with no context to check against, so it laid each hole out
+    as a list of its length first: an OverflowError traceback for 10**20 tokens, an 80 GB list for 10**10. The
+    context is read from the model's config (a preset's here) without loading it."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    assert main(["infill", *args, "--model", "random-tiny", "--threads", "1"]) == 2
+    assert f"infill: error: {message}" in capsys.readouterr().err
+
+
 def test_infill_keeps_the_templates_tokens_with_no_token_healing(capsys):
     """--no-token-healing was generate's alone: infill always healed the space before a hole into it (the library's
     token_healing=False was out of reach), so a hole after a space could not be N tokens after it."""
