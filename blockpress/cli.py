@@ -1082,7 +1082,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
 # commands differ: the library's max_new_tokens is generate's --max-new-tokens but bench's --new-tokens (one
 # global map named --max-new-tokens to bench users, who cannot type it).
 FLAG_OF: dict[str, dict[str, str]] = {
-    **{command: {"max_denoising_steps": "--steps"} for command in ("generate", "infill", "chat", "sudoku")},
+    **{command: {"max_denoising_steps": "--steps"} for command in ("generate", "chat", "sudoku")},
+    "infill": {"max_denoising_steps": "--steps", "prompt": "--prefix"},  # --prefix is the library's prompt
     "bench": {"max_denoising_steps": "--steps", "max_new_tokens": "--new-tokens", "prompt": "--prompt-length"},
 }
 

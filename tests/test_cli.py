@@ -810,6 +810,9 @@ def test_version(capsys, monkeypatch):
     (["generate", "x", "--model", "random-huge"], "generate: error: --model random-huge: unknown preset 'huge'"),
     (["infill", "x = 1", "--model", "random-tiny"],
      "infill: error: template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or <|hole:N|>"),
+    # the library's prompt is infill's --prefix (the error said "prompt:", a flag infill does not have)
+    (["infill", "<|hole:2|>", "--model", "random-tiny", "--prefix", "x" * 131_100],
+     "infill: error: --prefix: 131101 prompt + 2 new tokens"),
 ])
 def test_errors_name_the_flag_typed(args, message, capsys):
     """Library checks name their arguments (stop, device, ensemble, preset) and offer the Python API's -1 ids; the
