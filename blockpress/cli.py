@@ -364,15 +364,16 @@ CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; /h
              "leading /)")
 
 
-def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> None:
+def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> list[int]:
     """The model can render a conversation (`use` says what needs it), --system's message first; a broken template,
-    or one that refuses a system message, fails now, once."""
+    or one that refuses a system message, fails now, once. Returns the conversation it rendered: --system and a
+    one-word message, the shortest one."""
     if lm.tokenizer is None:  # a template in its tokenizer_config.json would still have no tokenizer to run with
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take text, which {use} needs")
     if lm.tokenizer.chat_template is None:
         raise ValueError(f"--model {args.model}: has no chat template (chat_template.jinja, or chat_template in "
                          f"tokenizer_config.json), which {use} needs")
-    lm.chat_prompt([*system_turn(args), {"role": "user", "content": "hi"}])
+    return lm.chat_prompt([*system_turn(args), {"role": "user", "content": "hi"}])
 
 
 def system_turn(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -380,9 +381,39 @@ def system_turn(args: argparse.Namespace) -> list[dict[str, str]]:
     return [{"role": "system", "content": args.system}] if args.system is not None else []
 
 
+def reply_needs(min_new_tokens: int, canvas: int) -> str:
+    """Why free positions may not do for a chat reply: it takes whole canvases (28 free of a 32-token canvas are
+    no room), as many as --min-new-tokens needs."""
+    shortest = max(1, min_new_tokens)
+    need = -(-shortest // canvas) * canvas
+    return (f"a reply needs a whole canvas of {canvas} tokens" if need == canvas else
+            f"a reply of at least {shortest} tokens (--min-new-tokens) needs {need}, in whole {canvas}-token canvases")
+
+
+def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
+    """What would refuse every message, refused once at start (exit 2, as generate refuses it) instead of message
+    after message in a session that can never work: a bad sampling flag (--top-p 0, --steps 0, --seed -1,
+    --min-new-tokens above --max-new-tokens) and a --system that leaves no room for a reply. Checked on the shortest
+    conversation, `ids` (check_chat_template's), by building the run the chat loop would give it: lm.stream
+    checks every argument when called and runs nothing until iterated, and this stream never is."""
+    kw = sampling_kwargs(args, lm)
+    context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
+    room = (context - len(ids)) // canvas * canvas  # as the chat loop counts it: a reply takes whole canvases
+    if room < max(1, kw["min_new_tokens"]):
+        needs = reply_needs(kw["min_new_tokens"], canvas)
+        if args.system is not None:
+            raise ValueError(f"--system: with the chat template and a one-word message it takes {len(ids)} of the "
+                             f"model's {context} tokens, leaving {max(0, context - len(ids))}, and {needs}; "
+                             "shorten it")
+        raise ValueError(f"--min-new-tokens: a one-word message takes {len(ids)} of the model's {context} tokens, "
+                         f"leaving {max(0, context - len(ids))}, and {needs}")
+    wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
+    lm.stream(ids, **{**kw, "max_new_tokens": min(wanted, room)})  # checked, never run (the loop caps it so too)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_announced(args)
-    check_chat_template(lm, args, "chat")
+    check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
     context = lm.config.text.max_position_embeddings
     chat_flags = flags_of("chat")
     system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
@@ -456,15 +487,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template"
                                      f"{' and --system' if system else ''}, and the "
                                      f"model's context holds {context} (the reply included); shorten it")
-                # say why free positions may not do: a reply takes whole canvases (28 free of a 32-token canvas)
-                shortest = max(1, kw["min_new_tokens"])
-                need = -(-shortest // canvas) * canvas
-                what = (f"a reply needs a whole canvas of {canvas} tokens" if need == canvas else
-                        f"a reply of at least {shortest} tokens (--min-new-tokens) needs {need}, in whole "
-                        f"{canvas}-token canvases")
                 raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "
-                                 f"model's {context} tokens, leaving {max(0, context - len(ids))}, and {what}; "
-                                 "/reset starts a new one")
+                                 f"model's {context} tokens, leaving {max(0, context - len(ids))}, and "
+                                 f"{reply_needs(kw['min_new_tokens'], canvas)}; /reset starts a new one")
             if room < wanted:  # a shorter reply than asked, rather than none
                 kw["max_new_tokens"] = room
                 print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "

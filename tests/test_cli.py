@@ -1795,3 +1795,35 @@ def test_bench_sweeps_sizes_in_ascending_order_each_once(tmp_path, monkeypatch):
         xs = list(line.get_xdata())
         assert xs == sorted(set(xs)) == [1, 2, 4]
     assert bench.BenchSettings(preset="tiny", batch_sizes=[3, 3, 1]).batch_sizes == [1, 3]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "0"], "--top-p: expected a probability in (0, 1]"),
+    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["--seed", "-1"], "--seed: expected an integer in [0, 2**63), got -1"),
+    (["--temperature", "-1"], "--temperature: expected a finite number >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer, got 0"),
+    (["--min-new-tokens", "40", "--max-new-tokens", "8"], "--min-new-tokens: expected an integer in [0,"),
+    (["--min-new-tokens", "100000"], "--min-new-tokens: a one-word message takes "),
+])
+def test_chat_refuses_a_bad_sampling_flag_at_start(flags, message, monkeypatch, capsys):
+    """chat built its sampling settings per message: with a bad flag every message was refused ("that message was
+    dropped, the conversation goes on"), the REPL ran on and exited 0. It is refused before a line is read, exit 2,
+    as generate refuses it."""
+    monkeypatch.setattr("builtins.input", lambda _prompt: pytest.fail("read a message"))
+    assert main(["chat", "--model", MODEL, "--threads", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"chat: error: {message}" in err and "dropped" not in err
+
+
+def test_chat_refuses_a_system_message_that_leaves_no_room(monkeypatch, capsys):
+    """A --system longer than the context made every message "too long ... shorten it" (and /reset did not help):
+    a session that could never work, exit 0. It is refused at start, naming --system."""
+    from blockpress.cli import load_model
+
+    context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
+    monkeypatch.setattr("builtins.input", lambda _prompt: pytest.fail("read a message"))
+    assert main(["chat", "--model", MODEL, "--threads", "1", "--system", "x " * context]) == 2
+    err = capsys.readouterr().err
+    assert "chat: error: --system: with the chat template and a one-word message it takes " in err
+    assert f"of the model's {context} tokens, leaving 0, and a reply needs a whole canvas of" in err
