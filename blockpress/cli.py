@@ -411,6 +411,17 @@ def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
     lm.stream(ids, **{**kw, "max_new_tokens": min(wanted, room)})  # checked, never run (the loop caps it so too)
 
 
+def enable_line_editing() -> None:
+    """Line editing (the arrow keys, Ctrl-A/E, ...) and history (Up, Down) for input() on a terminal: Python's
+    input() reads through readline once the module is imported, and without it the arrow keys reached the model as
+    escape sequences ("\\x1b[D"). A pipe is read as it was: input() uses readline only on a terminal. Some
+    Pythons have no readline (Windows'): lines are then read plainly, as before."""
+    try:
+        import readline  # noqa: F401  (importing it is what turns it on)
+    except ImportError:
+        pass
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_announced(args)
     check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
@@ -425,6 +436,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # message and nothing else: "you> " goes to stderr (input() would write it to stdout), replies get no mark.
     interactive = sys.stdin.isatty()
     prompt, marker = ("you> ", "model> ") if interactive and not args.json else ("", "")
+    if interactive:
+        enable_line_editing()
 
     def no_reply(user: str, **fields: Any) -> None:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its

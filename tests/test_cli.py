@@ -1,5 +1,6 @@
 """The command line, end to end (random-tiny until the shipped model lands)."""
 
+import importlib.util
 import io
 import json
 import re
@@ -1827,3 +1828,47 @@ def test_chat_refuses_a_system_message_that_leaves_no_room(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "chat: error: --system: with the chat template and a one-word message it takes " in err
     assert f"of the model's {context} tokens, leaving 0, and a reply needs a whole canvas of" in err
+
+
+def chat_on_a_terminal(keys, *flags):
+    """Run `chat --json` on a pseudo-terminal, typing each of `keys` once the prompt for it is shown; returns the
+    JSON lines it wrote (the terminal's echo and stderr share the output: the JSON lines are picked out)."""
+    import os
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", "chat", "--model", MODEL, "--json",
+                             "--max-new-tokens", "4", "--steps", "2", "--threads", "1", *flags],
+                            stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "TERM": "xterm"})
+    os.close(slave)
+    out = b""
+    try:
+        for typed in [*keys, None]:
+            shown = out.count(b"you> ")
+            deadline = time.monotonic() + 120
+            # the next prompt (or, after the last keys, the end of the run)
+            while (proc.poll() is None if typed is None else out.count(b"you> ") == shown):
+                assert time.monotonic() < deadline, out.decode(errors="replace")
+                if select.select([master], [], [], 0.2)[0]:
+                    try:
+                        out += os.read(master, 4096)
+                    except OSError:  # the other end closed: the run ended
+                        break
+            if typed is not None:
+                os.write(master, typed)
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+    return [json.loads(line) for line in out.decode(errors="replace").splitlines() if line.startswith("{")]
+
+
+@pytest.mark.skipif(sys.platform == "win32" or importlib.util.find_spec("readline") is None,
+                    reason="needs a pseudo-terminal and readline")
+def test_chat_on_a_terminal_edits_lines_and_keeps_history():
+    """input() without readline: Left-arrow reached the model as "\\x1b[D" and Up-arrow sent "\\x1b[A" as a
+    message. On a terminal the arrow keys now edit the line and recall the last one."""
+    lines = chat_on_a_terminal([b"ac\x1b[Db\r", b"\x1b[A\r", b"/exit\r"])
+    assert [line["prompt"] for line in lines] == ["abc", "abc", "/exit"]
