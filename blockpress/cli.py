@@ -358,10 +358,14 @@ def cmd_infill(args: argparse.Namespace) -> int:
     return 0
 
 
+# A line of this alone opens a message of several lines, and the next one sends it (a code model's chat is sent
+# code: one line, one message, split a pasted function into a message per line). Ollama's REPL takes the same.
+BLOCK = '"""'
+
 # The chat REPL's commands: one text for /help, for a refused line and for --help.
 CHAT_HELP = ("/reset starts a new conversation; /exit, /quit or Ctrl-D quits; /help lists these commands; Ctrl-C stops "
              "a reply; any other line starting with / is refused (start a message with // to send it with one "
-             "leading /)")
+             f"leading /); a line of {BLOCK} alone starts a message of several lines, sent at the next such line")
 
 
 def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> list[int]:
@@ -411,6 +415,16 @@ def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
     lm.stream(ids, **{**kw, "max_new_tokens": min(wanted, room)})  # checked, never run (the loop caps it so too)
 
 
+def json_line(line: str) -> str:
+    """A line read by `chat --json`: a JSON string ("def f():\\n    pass") is the text it holds, so a script can send
+    a message of several lines; any other line, one that only starts with a quote too, is the text as it is."""
+    try:
+        text = json.loads(line)
+    except json.JSONDecodeError:
+        return line
+    return text if isinstance(text, str) else line
+
+
 def enable_line_editing() -> None:
     """Line editing (the arrow keys, Ctrl-A/E, ...) and history (Up, Down) for input() on a terminal: Python's
     input() reads through readline once the module is imported, and without it the arrow keys reached the model as
@@ -430,14 +444,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
     messages: list[dict[str, str]] = list(system)
     cache = None
-    print("blockpress chat — /help lists the commands, /exit or Ctrl-D quits", file=sys.stderr)
+    print(f"blockpress chat — /help lists the commands, /exit or Ctrl-D quits; {BLOCK} on a line of its own "
+          "starts and ends a message of several lines", file=sys.stderr)
     # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
     # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
     # message and nothing else: "you> " goes to stderr (input() would write it to stdout), replies get no mark.
     interactive = sys.stdin.isatty()
-    prompt, marker = ("you> ", "model> ") if interactive and not args.json else ("", "")
+    marker = "model> " if interactive and not args.json else ""
     if interactive:
         enable_line_editing()
+
+    def read_line(first: bool) -> str:
+        """A line, without its terminator; on a terminal prompted "you> " (`first`: a message's first line) or, in
+        a block of several lines, "...> "."""
+        mark = "you> " if first else "...> "
+        if interactive and args.json:  # stdout holds the JSON lines alone
+            print(mark, end="", file=sys.stderr, flush=True)
+        return input(mark if interactive and not args.json else "").removesuffix("\r")  # "\r\n" ends one too
 
     def no_reply(user: str, **fields: Any) -> None:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
@@ -450,19 +473,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
     while True:
+        block: list[str] | None = None  # a message of several lines, as read so far
         try:
-            if interactive and args.json:
-                print("you> ", end="", file=sys.stderr, flush=True)
-            user = input(prompt).removesuffix("\r")  # a line ends at "\r\n" too (a file written on Windows)
+            user = read_line(first=True)
+            if user.rstrip() == BLOCK:  # its lines are the message, as typed, up to the next such line
+                block = []
+                while (line := read_line(first=False)).rstrip() != BLOCK:
+                    block.append(line)
+                user = "\n".join(block)
+            elif args.json and user.startswith('"'):
+                user = json_line(user)
         except EOFError:
             print(file=sys.stderr)  # the shell's prompt on a line of its own
+            if block is not None:  # cut short: not the message that was meant
+                error = f"the message started by a line of {BLOCK} ended without the line of {BLOCK} that sends it"
+                print(f"error: {error}; it was not sent", file=sys.stderr)
+                no_reply("\n".join(block), error=error)
             break
-        except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line
+        except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
             print(file=sys.stderr)
             continue
         if not user.strip():  # skipped, not an end: piped conversations have blank lines between messages
             continue
-        command = user.strip()
+        command = user.strip() if block is None else ""  # a block is a message, whatever its first line
         if command in ("/exit", "/quit"):  # answered too: a script reads one line per line it wrote
             no_reply(user, command=command[1:])
             break
@@ -1242,12 +1275,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, stop=False)
     p.add_argument("--json", action="store_true",
                    help="stdout holds one JSON object per line for each line read (blank lines aside; /exit "
-                        "and /quit end the chat, lines after them unread), in order: a message's reply {text, prompt, new_tokens, "
+                        "and /quit end the chat, lines after them unread), or block of lines between \"\"\" lines, "
+                        "in order: a message's reply {text, prompt, new_tokens, "
                         "forward_passes, tokens_per_forward, tok_s, seconds, prompt_tokens (the conversation with "
                         "the chat template), cached_tokens (those the cache held: the rest were encoded this turn)}, "
                         "{prompt, error} when the message was "
                         "dropped (too long, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
-                        "/reset, /help, /exit and /quit. E.g. "
+                        "/reset, /help, /exit and /quit. A line that is a JSON string (\"x = 1\\ny = 2\") "
+                        "is read as the text it holds, so a script can send newlines (any other line as it is). E.g. "
                         "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message that starts the conversation (and the new one after /reset), as the "

@@ -1872,3 +1872,21 @@ def test_chat_on_a_terminal_edits_lines_and_keeps_history():
     message. On a terminal the arrow keys now edit the line and recall the last one."""
     lines = chat_on_a_terminal([b"ac\x1b[Db\r", b"\x1b[A\r", b"/exit\r"])
     assert [line["prompt"] for line in lines] == ["abc", "abc", "/exit"]
+
+
+def test_chat_sends_a_message_of_several_lines(monkeypatch, capsys):
+    """A message could not hold a newline: a pasted 3-line function was 3 messages with 3 replies, and a script
+    could not send one at all. Lines between two lines of \"\"\" are one message, as typed (a block is never a
+    command); with --json a line that is a JSON string is the text it holds; a block left open is not sent."""
+    block = ['"""', "def add(a, b):", '    """Add."""', "/not a command", "", '"""  ']
+    sent = chat_turns(monkeypatch, [*block, '"x = 1\\ny = 2"', '"a" and "b"', "/help", '"""', "never closed"],
+                      "--json")
+    assert sent == ['def add(a, b):\n    """Add."""\n/not a command\n', "x = 1\ny = 2", '"a" and "b"']
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in out] == [*sent, "/help", "never closed"]
+    assert "text" in out[0] and out[3] == {"prompt": "/help", "command": "help"}
+    assert out[4]["error"].startswith('the message started by a line of """ ended without')
+
+
+def test_chat_without_json_reads_a_json_line_as_typed(monkeypatch, capsys):
+    assert chat_turns(monkeypatch, ['"x = 1\\ny = 2"']) == ['"x = 1\\ny = 2"']
