@@ -1890,3 +1890,30 @@ def test_chat_sends_a_message_of_several_lines(monkeypatch, capsys):
 
 def test_chat_without_json_reads_a_json_line_as_typed(monkeypatch, capsys):
     assert chat_turns(monkeypatch, ['"x = 1\\ny = 2"']) == ['"x = 1\\ny = 2"']
+
+
+def test_the_console_script_ends_quietly_on_a_ctrl_c_while_torch_imports():
+    """The console script was blockpress.cli:main, whose import imports torch (a second or more) before main's
+    Ctrl-C handling exists: a Ctrl-C then printed a traceback from inside torch's import and the process died of
+    SIGINT. The script pyproject.toml names is imported as the installed wrapper imports it, with a Ctrl-C arriving
+    while torch imports: status 130, nothing on stderr."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    target = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]["blockpress"]
+    module, _, function = target.partition(":")
+    wrapper = f"""
+import sys
+
+class CtrlC:  # the import of torch is where the Ctrl-C lands
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+from {module} import {function}
+sys.exit({function}())
+"""
+    r = subprocess.run([sys.executable, "-c", wrapper, "info"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (130, "")
