@@ -18,7 +18,7 @@ import torch
 
 from blockpress.checks import utf8_problem
 from blockpress.healing import heal
-from blockpress.live import LiveView, live_terminal
+from blockpress.live import LiveView, live_terminal, terminal_text
 from blockpress.model import PREFILL_CHUNK
 from blockpress.quantize import SCHEMES
 from blockpress.sampling import RANKINGS
@@ -205,6 +205,12 @@ def stats_of(new_tokens: int, passes: int, tokens_per_forward: float, seconds: f
                 tok_s=round(new_tokens / seconds, 2) if seconds > 0 else None, seconds=round(seconds, 3))
 
 
+def printable(text: str) -> str:
+    """Model output for stdout: on a terminal, its control characters drawn as U+FFFD (live.terminal_text); piped,
+    the text as the model wrote it."""
+    return terminal_text(text) if sys.stdout is not None and sys.stdout.isatty() else text
+
+
 def print_stats(stats: dict[str, Any]) -> None:
     made = (f"{stats['filled_tokens']} filled of {stats['template_tokens']} template tokens" if "filled_tokens" in stats
             else f"{stats['new_tokens']} new tokens")
@@ -261,7 +267,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         elif args.json:
             print(json.dumps(dict(text=text, prompt=args.prompt, **stats, interrupted=True)))
         else:
-            print(shown + text)
+            print(printable(shown + text))
         print(f"interrupted ({n} new tokens committed)", file=sys.stderr)
         return 130
     stats = stats_line(out, time.perf_counter() - t0)
@@ -269,7 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, interrupted=False)))
     else:
         if not live:
-            print(shown + out.texts[0])
+            print(printable(shown + out.texts[0]))
         print_stats(stats)
     return 0
 
@@ -353,7 +359,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats, interrupted=False)))
     else:
-        print(filled)
+        print(printable(filled))
         print_stats(stats)
     return 0
 
@@ -561,7 +567,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0])
             print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
         else:
-            print(marker + reply, flush=not interactive)  # flushed when piped: a script waits for each reply
+            print(marker + printable(reply), flush=not interactive)  # flushed when piped: a script waits for each reply
             print_stats(stats)
         messages.append({"role": "assistant", "content": reply})
     return 0

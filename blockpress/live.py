@@ -18,10 +18,18 @@ from typing import Any, TextIO
 from .healing import strip_prefix
 
 SETTLED, CHANGING, ELIDED, RESET = "\x1b[1;32m", "\x1b[2;33m", "\x1b[2m", "\x1b[0m"
-# Control characters in model output would move the cursor: drawn as U+FFFD while live (tab and newline stay).
-_CONTROLS = {c: "\ufffd" for c in (*range(32), 127) if c not in (9, 10)}
+# Control characters in model output would move the cursor or, an escape sequence, change the terminal's state
+# (colours, the screen, the title): drawn as U+FFFD (tab and newline stay). C1 controls too: some terminals obey them.
+_CONTROLS = {c: "\ufffd" for c in (*range(32), 127, *range(0x80, 0xA0)) if c not in (9, 10)}
 
 Piece = tuple[str, str]  # (text, style); style "" is plain
+
+
+def terminal_text(text: str) -> str:
+    """Model output as it may be written to a terminal: control characters as U+FFFD, "\\r\\n" as the newline it
+    shows as (a model can write any token, and a random or small one does: an escape sequence left the terminal
+    coloured or cleared). Text written anywhere else (a pipe, --json) is the model's, unchanged."""
+    return text.replace("\r\n", "\n").translate(_CONTROLS)
 
 
 def live_terminal(stream: TextIO, env: dict[str, str] | None = None) -> bool:
@@ -147,8 +155,9 @@ class LiveView:
         columns, lines = self.size()
         columns = max(columns, 1)
         pieces = [(self.tail, ""), *((t, s) for t, s in pieces if t)]
-        if live:  # control characters would move the cursor and spoil the row count
-            pieces = [(t.translate(_CONTROLS), s) for t, s in pieces]
+        # control characters would move the cursor and spoil the row count; the final text, written whole, is on
+        # the terminal too
+        pieces = [(terminal_text(t), s) for t, s in pieces]
         if live:
             pieces = fit(pieces, columns, max(lines - 1, 2))
         up = f"\x1b[{self.rows - 1}A" if self.rows > 1 else ""

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import blockpress
 from blockpress.cli import build_parser, main
+from blockpress.live import terminal_text
 
 # The shipped model when the package has it (it does in the repository); random weights otherwise.
 # The shipped blockpress-code measures a held-out next-token loss of 2.42 nats on the test's four functions;
@@ -63,7 +64,8 @@ def test_the_live_view_ends_on_the_answers_text(capsys, monkeypatch):
         monkeypatch.undo()
         screen = capsys.readouterr().out
         assert "\x1b[2m" in screen or "\x1b[" in screen  # it did draw
-        assert screen.rsplit("\r\x1b[J", 1)[1] == "hello" + want  # the last redraw: the prompt's line and the answer
+        # the last redraw: the prompt's line and the answer, as a terminal is given it (control characters as U+FFFD)
+        assert screen.rsplit("\r\x1b[J", 1)[1] == terminal_text("hello" + want)
 
 
 def test_generate_reads_the_prompt_from_stdin_given_a_dash(capsys, monkeypatch):
@@ -1917,3 +1919,24 @@ sys.exit({function}())
 """
     r = subprocess.run([sys.executable, "-c", wrapper, "info"], cwd=root, capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stderr) == (130, "")
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_chat_replies_on_a_terminal_show_control_characters_harmlessly(terminal, monkeypatch, capsys):
+    """A reply went to the terminal as the model wrote it: an escape sequence in it (the tiny random model writes
+    \\x03, \\x0c, \\x18) could leave the terminal coloured or cleared. On a terminal they show as U+FFFD; piped, the
+    reply is the model's own text."""
+    import blockpress.lm
+
+    original = blockpress.lm.LM.chat_ids
+
+    def reply_with_escapes(self, *a, **kw):
+        out = original(self, *a, **kw)
+        out.texts = ["red \x1b[31malert\x07"]
+        return out
+
+    monkeypatch.setattr(blockpress.lm.LM, "chat_ids", reply_with_escapes)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
+    chat_turns(monkeypatch, ["hi"])
+    out = capsys.readouterr().out
+    assert out == ("red \ufffd[31malert\ufffd\n" if terminal else "red \x1b[31malert\x07\n")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockpress.cli import main
-from blockpress.live import LiveView, display_width, fit, rows_of
+from blockpress.live import LiveView, display_width, fit, rows_of, terminal_text
 
 pyte = pytest.importorskip("pyte")
 
@@ -107,7 +107,8 @@ def test_the_cli_live_view_leaves_one_copy_of_the_answer(capsys, monkeypatch):
     assert main(base) == 0
     drawn = capsys.readouterr().out
     assert "\x1b[" in drawn  # it did draw live
-    assert settled(screen_after(drawn, 30, 6, above=10), screen_after("hello" + want, 30, 6, above=10))
+    plain = terminal_text("hello" + want)  # as a terminal is given it: control characters as U+FFFD
+    assert settled(screen_after(drawn, 30, 6, above=10), screen_after(plain, 30, 6, above=10))
 
 
 @pytest.mark.parametrize("env, live, colored", [({"TERM": "dumb"}, False, False), ({"NO_COLOR": "1"}, True, False),
@@ -141,3 +142,17 @@ def test_ctrl_c_leaves_the_committed_text_and_a_fresh_line(capsys, monkeypatch):
     captured = capsys.readouterr()
     assert captured.out.endswith("\r\x1b[Jhi\n")  # the draft cleared, nothing committed yet, the line ended
     assert "interrupted" in captured.err
+
+
+def test_control_characters_from_the_model_never_reach_the_terminal():
+    """The live view drew control characters as U+FFFD while live, but wrote the final text whole, as the model
+    wrote it: an escape sequence in it (a random or small model writes any token) coloured or cleared the
+    terminal. A "\\r\\n" shows as the newline it is."""
+    out = io.StringIO()
+    view = LiveView(Chars("a"), "p", color=False, out=out, size=lambda: (40, 10))
+    answer = "red \x1b[31mtext\x07 \x9b2J x\r\ny"
+    view.commit(answer[:6])
+    view.commit(answer, final=True)
+    written = out.getvalue()
+    assert "\x1b[31m" not in written and "\x07" not in written and "\x9b" not in written and "\r\n" not in written
+    assert written.endswith("pred \ufffd[31mtext\ufffd \ufffd2J x\ny")
