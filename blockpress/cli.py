@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from blockpress.checks import utf8_problem
+from blockpress.checks import check_text, utf8_problem
 from blockpress.healing import heal
 from blockpress.live import LiveView, live_terminal, terminal_text
 from blockpress.model import PREFILL_CHUNK
@@ -328,10 +328,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     if args.hole_length < 1:
         raise ValueError(f"--hole-length: expected a positive integer, got {args.hole_length}")
     for flag, value in (("--prefix", args.prefix), ("template", text)):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive as surrogates
-            raise ValueError(f"{flag}: not valid UTF-8 (at character {exc.start})") from None
+        check_text(value, flag)  # bytes that were not UTF-8 arrive as surrogates: it names the byte, as chat does
     check_template(text, args.hole_length, model_context(args))
     lm = load_announced(args)
     if lm.tokenizer is None:

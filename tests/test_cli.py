@@ -110,7 +110,7 @@ def test_infill_help_lists_no_length_flags(capsys):
     (["--max-new-tokens", "9"], "--max-new-tokens: an infill is as long as its template"),
     (["--min-new-tokens", "2"], "--min-new-tokens: an infill is as long as its template"),
     (["--hole-length", "0"], "--hole-length: expected a positive integer, got 0"),
-    (["--prefix", "caf\udcff"], "--prefix: not valid UTF-8"),
+    (["--prefix", "caf\udcff"], "--prefix: not valid UTF-8 (byte 0xff at character 3)"),  # the byte, as chat's
 ])
 def test_infill_flags_that_cannot_apply_are_named(capsys, args, message):
     assert main(["infill", "left <|hole|> right", "--model", MODEL, "--steps", "2", *args]) == 2
