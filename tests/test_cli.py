@@ -1294,9 +1294,9 @@ def test_bench_diffusion_step_time_leaves_out_the_canvas_encodes(monkeypatch):
     assert lm.model.__dict__["encode"].__qualname__.startswith("costed")  # the harness put back what it wrapped
 
 
-def test_bench_reference_has_the_same_step_figures(monkeypatch):
-    """The reference row had seconds and tok/s only: no prefill, no time per step to set beside blockpress's.
-    Its encoder is timed as blockpress's is: 8 tokens in 4-token canvases, 2 steps each."""
+def reference_run_on_a_fake_clock(monkeypatch) -> tuple[dict, object]:
+    """The reference model and its bench row (8 tokens in 4-token canvases, 2 steps each, a 3-token prompt) on a clock where
+    each encoder pass takes 1 s and each decoder pass 10 ms."""
     import time
 
     pytest.importorskip("transformers")
@@ -1309,7 +1309,13 @@ def test_bench_reference_has_the_same_step_figures(monkeypatch):
     ref.model.encoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 1.0))
     ref.model.decoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 0.01))
     s = bench.BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4])
-    row = bench._reference_run(ref, torch.randint(3, 50, (1, 3)), s, lm.device)
+    return bench._reference_run(ref, torch.randint(3, 50, (1, 3)), s, lm.device), ref
+
+
+def test_bench_reference_has_the_same_step_figures(monkeypatch):
+    """The reference row had seconds and tok/s only: no prefill, no time per step to set beside blockpress's.
+    Its encoder is timed as blockpress's is: 8 tokens in 4-token canvases, 2 steps each."""
+    row, ref = reference_run_on_a_fake_clock(monkeypatch)
     assert row["forward_passes"] == 4 and row["new_tokens"] == 8
     assert row["prefill_ms"] == pytest.approx(1000) and row["canvas_encode_ms"] == pytest.approx(1000)
     assert row["ms_per_step"] == pytest.approx(10)
@@ -1751,18 +1757,9 @@ def test_bench_gemm_bound_is_the_reference_step_time_over_the_gemm_time(monkeypa
     passes: with a 4,096-token prompt it read 313x where the reference's own time per step gave 11.4x. Here the
     reference's encoder passes take 1 s each and its decoder passes 10 ms: the bound is its 10 ms a step over
     blockpress's GEMM time, not (2 s + 4 x 10 ms) / 4 passes over it."""
-    import time
-
-    pytest.importorskip("transformers")
     import blockpress.bench as bench
 
-    lm, clock = tiny_bench_model(4), FakeClock()
-    ref = bench._reference(lm)
-    monkeypatch.setattr(time, "perf_counter", clock)
-    ref.model.encoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 1.0))
-    ref.model.decoder.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 0.01))
-    s = bench.BenchSettings(preset="tiny", new_tokens=8, steps=2, canvas_lengths=[4])
-    reference = bench._reference_run(ref, torch.randint(3, 50, (1, 3)), s, lm.device)
+    reference, _ = reference_run_on_a_fake_clock(monkeypatch)
     row = {"reference": reference, "blockpress": {"tok_s": 100.0, "ms_per_step": 4.0, "forward_passes": 4},
            "gemm_ms_per_step": 2.0}
     bench._add_ratios(row, [])
