@@ -693,12 +693,7 @@ def save_model(
     destination as it was. `files`: stage them there instead, for its owner to commit with the rest of a larger
     save (a training run's)."""
     path = Path(path)
-    if dtype is not None and dtype != model.dtype:
-        from .quantize import check_cast
-
-        check_cast(model, lambda t: t.to(dtype) if t.is_floating_point() else t)  # a quantized model's scales: no
-    else:
-        dtype = model.dtype
+    dtype = dtype or model.dtype  # an unquantized model's: LM.save refuses a quantized one before it gets here
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise ValueError(f"save: metadata: expected a dict of str -> str (safetensors header entries), got {metadata!r}")
