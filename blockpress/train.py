@@ -202,14 +202,14 @@ class TrainConfig:
     time_schedule: bool = setting(False, "with --max-minutes: the cosine decay follows the elapsed fraction of the budget")
     data_workers: int = setting(0, "processes building batches ahead of the optimizer (0: built in the training loop)")
     compile: bool = setting(False, "torch.compile the training forward and backward (the first steps pay the compile)")
-    # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
-    # split (a Trainer takes its held-out data as an argument).
     # What `blockpress train` reads of a chat record (load_jsonl), kept with the run so that --resume reads the same.
     chat_turns: str = setting("all", "chat `messages` records: train on every assistant turn that answers a user, "
                               "one example each, prompted with the conversation before it (all: examples, batches and "
                               "epochs count turns, and a chat's turns are held out together), or on its last turn "
                               "alone (last)",
                               choices=CHAT_TURNS)
+    # What `blockpress train` holds out of --data for the eval loss, kept with the run so that --resume keeps the
+    # split (a Trainer takes its held-out data as an argument).
     heldout: float | None = setting(None, "JSONL examples: the fraction held out for the eval loss, chosen by "
                                           "content hash (default: 0.02, or none with --heldout-data); not for raw "
                                           "text (give --heldout-data)")
