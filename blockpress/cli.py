@@ -397,6 +397,12 @@ def reply_needs(min_new_tokens: int, canvas: int) -> str:
             f"a reply of at least {shortest} tokens (--min-new-tokens) needs {need}, in whole {canvas}-token canvases")
 
 
+def reply_room(context: int, prompt_tokens: int, canvas: int) -> int:
+    """New tokens a chat reply may take after a prompt of `prompt_tokens`: the free positions, in whole canvases (a
+    reply fills the canvases it opens)."""
+    return max(0, context - prompt_tokens) // canvas * canvas
+
+
 def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
     """What would refuse every message, refused once at start (exit 2, as generate refuses it) instead of message
     after message in a session that can never work: a bad sampling flag (--top-p 0, --steps 0, --seed -1,
@@ -405,7 +411,7 @@ def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
     checks every argument when called and runs nothing until iterated, and this stream never is."""
     kw = sampling_kwargs(args, lm)
     context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
-    room = (context - len(ids)) // canvas * canvas  # as the chat loop counts it: a reply takes whole canvases
+    room = reply_room(context, len(ids), canvas)  # as the chat loop counts it
     if room < max(1, kw["min_new_tokens"]):
         needs = reply_needs(kw["min_new_tokens"], canvas)
         if args.system is not None:
@@ -530,7 +536,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             kw = sampling_kwargs(args, lm)
             wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
             canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
-            room = (context - len(ids)) // canvas * canvas
+            room = reply_room(context, len(ids), canvas)
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
                 if len(messages) == len(system) + 1:  # a new conversation: the message alone is too long
                     raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template"
