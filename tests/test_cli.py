@@ -1937,3 +1937,19 @@ def test_chat_replies_on_a_terminal_show_control_characters_harmlessly(terminal,
     chat_turns(monkeypatch, ["hi"])
     out = capsys.readouterr().out
     assert out == ("red \ufffd[31malert\ufffd\n" if terminal else "red \x1b[31malert\x07\n")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_emulated_half_precision_dtype_is_named_before_a_slow_run(monkeypatch, capsys, native):
+    """--dtype bfloat16 on a CPU without bf16 matmuls ran about 30x slower than the float32 a load picks there by
+    itself, with nothing said: it looked like a hang. A note on stderr says so (the CPU is stood in for)."""
+    from blockpress import checkpoint
+
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: native)
+    args = ["generate", "def f(x):", "--model", "random-tiny", "--max-new-tokens", "8", "--steps", "1", "--json"]
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    assert ("no native bf16 matmuls" in err) is not native
+    assert main(args) == 0 and "native" not in capsys.readouterr().err  # float32 (the default here): nothing said
+    assert main([*args, "--dtype", "bfloat16", "--device", "meta"]) != 0  # not a CPU: no note (meta cannot run)
+    assert "native" not in capsys.readouterr().err
