@@ -1,0 +1,26 @@
+"""What the wheel and sdist carry and declare: the license, the sdist's test suite, the extras."""
+
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_license_ships_as_a_file_and_an_spdx_expression():
+    """Apache-2.0 section 4(a) wants the license text to go with every copy, and setuptools deprecates the
+    `license = {text = ...}` table (its builds stop being supported in 2027): the project names an SPDX
+    expression and a license file, with a setuptools that understands both."""
+    project = PYPROJECT["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    for section in range(1, 10):  # the whole of the terms, not a stub that names them
+        assert f"\n   {section}. " in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    (setuptools,) = [Requirement(r) for r in PYPROJECT["build-system"]["requires"] if r.startswith("setuptools")]
+    # 77 reads license-files and an SPDX license (older ones refuse the string); 77.0.3 fixed its first bugs
+    assert "77.0.3" in setuptools.specifier and "77.0.2" not in setuptools.specifier
