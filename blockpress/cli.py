@@ -1331,7 +1331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
     p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines; several: a glob "
                    "of .jsonl files alone, or a folder of them, its .md files left out as dataset cards), a .txt/.py/.md file, a folder of them, or a glob of token shards "
-                   "(see scripts/)")
+                   "(blockpress.data.write_shard writes them; scripts/build_code_corpus.py in a clone of the blockpress "
+                   "repository builds a corpus of them)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")

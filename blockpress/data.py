@@ -325,6 +325,10 @@ def write_shard(path: str | Path, token_lists: Iterable[list[int]], vocab_size: 
 
 
 SHARD_DTYPES = ("uint16", "uint32")  # what write_shard writes: token ids are unsigned integers
+# Where shards come from, for messages an installed user reads: the corpus script is in the source repository,
+# not in the wheel, so a bare "scripts/..." pointed at nothing there.
+SHARD_SOURCE = ("blockpress.data.write_shard writes them with their sidecars; scripts/build_code_corpus.py "
+                "in a clone of the blockpress repository builds a corpus of them")
 
 
 def shard_files(pattern: str, flag: str) -> list[str]:
@@ -337,8 +341,8 @@ def shard_files(pattern: str, flag: str) -> list[str]:
         with path.open("rb") as f:
             starts = f.read(64).decode("utf-8", "replace").lstrip("\ufeff \t\r\n")
         rename = f"; it starts with '{{': if it is JSONL, rename it to {path.with_suffix('.jsonl').name}" if starts[:1] == "{" else ""
-        raise ValueError(f"{flag} {pattern}: expected a .jsonl file (one JSON object per line) or token shards from "
-                         f"scripts/build_code_corpus.py (each with its .json sidecar){rename}")
+        raise ValueError(f"{flag} {pattern}: expected a .jsonl file (one JSON object per line) or token shards, each "
+                         f"with its .json sidecar ({SHARD_SOURCE}){rename}")
     files = sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
     if not files:
         raise FileNotFoundError(f"{flag} {pattern}: no token shards match (expected a .jsonl file or a glob of "
@@ -353,8 +357,8 @@ def _open_shard(path: Path, vocab_size: int | None) -> np.ndarray:
     try:
         meta = json.loads(sidecar.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read its sidecar {sidecar.name} ({exc}); shards come from "
-                         "write_shard (scripts/build_code_corpus.py)") from None
+        raise ValueError(f"{path}: cannot read its sidecar {sidecar.name} ({exc}); token shards come with one "
+                         f"({SHARD_SOURCE})") from None
     dtype = meta.get("dtype") if isinstance(meta, dict) else None
     if dtype not in SHARD_DTYPES:
         raise ValueError(f"{sidecar}: \"dtype\" must be one of {list(SHARD_DTYPES)}, got {dtype!r}")

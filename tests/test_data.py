@@ -294,7 +294,8 @@ def test_data_that_is_neither_jsonl_nor_shards_says_what_was_expected(tmp_path):
     (tmp_path / "code.txt").write_text("def f(x):\n    return x\n")
     (tmp_path / "shards").mkdir()
     for name, end in (("data.json", "; it starts with '{': if it is JSONL, rename it to data.jsonl"),
-                      ("code.txt", " (each with its .json sidecar)"), ("shards", f"(e.g. {tmp_path / 'shards'}/*.bin)")):
+                      ("code.txt", "in a clone of the blockpress repository builds a corpus of them)"),
+                      ("shards", f"(e.g. {tmp_path / 'shards'}/*.bin)")):
         with pytest.raises(ValueError if name != "shards" else IsADirectoryError) as err:
             shard_files(str(tmp_path / name), "--data")
         assert str(err.value).startswith(f"--data {tmp_path / name}: "), err.value

@@ -128,7 +128,8 @@ def check_sudoku_model(lm: Any) -> None:
     if vocab != VOCAB.vocab_size:
         raise ValueError(f"model: not a sudoku model: its vocabulary has {vocab} tokens, a sudoku model's has "
                          f"{VOCAB.vocab_size} (digits 0-9 as ids {VOCAB.digit_base}-{VOCAB.digit_base + 9}); "
-                         "use blockpress-sudoku or a model trained with scripts/train_sudoku.py")
+                         "use blockpress-sudoku or a model trained with scripts/train_sudoku.py in a clone of the blockpress "
+                         "repository")
 
 
 # Search nodes check_puzzle may spend on one puzzle (about 5,000 a second): a puzzle it cannot settle within them
