@@ -3,6 +3,7 @@
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,3 +69,75 @@ def test_messages_that_name_a_script_say_where_it_is():
                 bare.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert bare == []
 
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level modules outside the standard library and blockpress that a file imports, at any depth."""
+    import ast
+    import sys
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return {n.partition(".")[0] for n in names} - set(sys.stdlib_module_names) - {"blockpress"}
+
+
+def distributions_of(modules: set[str]) -> dict[str, set[str]]:
+    """Each module's installed distributions (canonical names); a module installed by none is skipped."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    found = packages_distributions()
+    missing = sorted(m for m in modules if m not in found)
+    if missing:
+        pytest.skip(f"not installed here: {missing}")
+    return {m: {canonicalize_name(d) for d in found[m]} for m in modules}
+
+
+def installed_by(requirements: list[str]) -> set[str]:
+    """Every distribution these requirements install, what they require in turn included, read from the
+    installed metadata (their own extras left out)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.utils import canonicalize_name
+
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            needs = [Requirement(r) for r in requires(requirement.name) or []]
+        except PackageNotFoundError:
+            pytest.skip(f"{requirement.name} is not installed here: what it requires cannot be read")
+        todo += [r for r in needs if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return seen
+
+
+@pytest.mark.parametrize("extra, module", [("serve", "serve.py"), ("train", "train.py")])
+def test_an_extra_installs_what_its_modules_import(extra, module):
+    """`pip install 'blockpress[serve]'` must be enough for blockpress/serve.py, start_in_background's httpx
+    included (it came only through the openai client, which the server never imports), and [train] for train.py."""
+    project = PYPROJECT["project"]
+    installed = installed_by(project["dependencies"] + project["optional-dependencies"][extra])
+    lacking = {m: d for m, d in distributions_of(third_party_imports(ROOT / "blockpress" / module)).items()
+               if not d & installed}
+    assert lacking == {}
+
+
+@pytest.mark.parametrize("extra", ["serve", "train"])
+def test_an_extra_lists_only_what_blockpress_imports(extra):
+    """[serve] listed the openai client, which nothing in blockpress/ imports (the tests and benchmarks use it:
+    the test extra has it): an extra names the packages blockpress's own code imports, each one."""
+    from packaging.utils import canonicalize_name
+
+    imported = set().union(*distributions_of(set().union(*(
+        third_party_imports(p) for p in (ROOT / "blockpress").rglob("*.py")))).values())
+    listed = {canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["optional-dependencies"][extra]}
+    assert listed - imported == set()
