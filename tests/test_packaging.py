@@ -141,3 +141,13 @@ def test_an_extra_lists_only_what_blockpress_imports(extra):
         third_party_imports(p) for p in (ROOT / "blockpress").rglob("*.py")))).values())
     listed = {canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["optional-dependencies"][extra]}
     assert listed - imported == set()
+
+
+@pytest.mark.parametrize("extra", ["serve", "train"])
+def test_the_readme_says_how_to_install_an_extra_and_what_it_adds(extra):
+    """The README (the package's long description) showed only the development setup: the extras the CLI's errors
+    name ('blockpress[serve]') appeared nowhere. Its Install section has a line per extra naming its packages."""
+    install = (ROOT / "README.md").read_text().split("\n## Install\n")[1].split("\n## ")[0]
+    (line,) = [line for line in install.splitlines() if line.startswith(f"pip install '.[{extra}]'")]
+    for requirement in PYPROJECT["project"]["optional-dependencies"][extra]:
+        assert Requirement(requirement).name in line
