@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import blockpress
 from blockpress.checks import check_text, utf8_problem
 from blockpress.healing import heal
 from blockpress.live import LiveView, live_terminal, terminal_text
@@ -1212,24 +1213,14 @@ def as_flags(message: str, flag_of: dict[str, str]) -> str:
     return "/".join(flag_of[n] for n in names) + sep + rest if sep and all(n in flag_of for n in names) else message
 
 
-def package_version() -> str:
-    """The installed distribution's version; the package's own __version__ when run from a source tree."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("blockpress")
-    except PackageNotFoundError:
-        import blockpress
-
-        return blockpress.__version__
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
         description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
     )
-    ap.add_argument("--version", action="version", version=f"blockpress {package_version()}")
+    # the package's own figure, which pyproject.toml's version is read from: the installed metadata can be an
+    # editable install's, written before __version__ last changed
+    ap.add_argument("--version", action="version", version=f"blockpress {blockpress.__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
 
     p = sub.add_parser("generate", formatter_class=DefaultsFormatter, help="complete a prompt, showing the canvas as it settles",

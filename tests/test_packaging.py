@@ -151,3 +151,10 @@ def test_the_readme_says_how_to_install_an_extra_and_what_it_adds(extra):
     (line,) = [line for line in install.splitlines() if line.startswith(f"pip install '.[{extra}]'")]
     for requirement in PYPROJECT["project"]["optional-dependencies"][extra]:
         assert Requirement(requirement).name in line
+
+
+def test_the_version_is_written_once():
+    """pyproject.toml and blockpress/__init__.py each wrote 0.1.0 by hand, with nothing keeping them in step:
+    the distribution's version is read from blockpress.__version__."""
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "blockpress.__version__"}
