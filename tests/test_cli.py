@@ -796,6 +796,12 @@ def test_version(capsys, monkeypatch):
     assert re.fullmatch(r"blockpress \d+\.\d+\.\d+\S*", out)
 
 
+def test_python_m_blockpress_runs_the_command():
+    """`python -m blockpress` said "No module named blockpress.__main__"; it is the blockpress command."""
+    r = subprocess.run([sys.executable, "-m", "blockpress", "--version"], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip(), r.stderr) == (0, f"blockpress {blockpress.__version__}", "")
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "x", "--model", "random-tiny", "--stop", ""], "generate: error: --stop: stop strings must be non-empty"),
     (["generate", "x", "--model", "random-tiny", "--device", "cuda:99"], "generate: error: --device: 'cuda:99' asked for"),
