@@ -34,10 +34,12 @@ def is_float32(value: Any) -> bool:
     return is_finite_number(value) and abs(value) <= FLOAT32_MAX
 
 
-# The largest top_k and stability_threshold, counts that meet int64 tensors: unbounded, a value past int64 (a
-# client's 10**30) was accepted and then failed the step, and with top_k the tensor of a whole batch's values. No
-# vocabulary comes near it (any k at or above a vocabulary's size keeps every token, as 0 does), nor any canvas's
-# steps (a threshold above max_denoising_steps never stops a canvas early, as adaptive_stopping=False).
+# The largest top_k, stability_threshold and max_denoising_steps, counts that meet int32/int64 tensors: unbounded, a
+# value past int64 (a client's 10**30) was accepted and then failed the step, and with top_k the tensor of a whole
+# batch's values; a step count past int32 failed the first step's temperature (an int32 tensor) with torch's
+# "cannot be converted to type int32", naming no setting. No vocabulary comes near it (any k at or above a
+# vocabulary's size keeps every token, as 0 does), nor any canvas's steps (a threshold above max_denoising_steps
+# never stops a canvas early, as adaptive_stopping=False).
 MAX_COUNT = 2**31 - 1
 
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
@@ -116,8 +118,8 @@ class SamplerConfig:
                 raise ValueError(f"{name}: {msg}")
 
         need(self.sampler in SAMPLERS, "sampler", f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
-        need(is_int(self.max_denoising_steps) and self.max_denoising_steps > 0, "max_denoising_steps",
-             f"expected a positive integer, got {self.max_denoising_steps!r}")
+        need(is_int(self.max_denoising_steps) and 1 <= self.max_denoising_steps <= MAX_COUNT, "max_denoising_steps",
+             f"expected an integer in [1, {MAX_COUNT}], got {self.max_denoising_steps!r}")
         for name in ("entropy_bound", "confidence", "t_min", "t_max", "confidence_threshold"):
             value = getattr(self, name)  # a string, a bool or inf would fail later, deep inside the sampler
             need(is_float32(value), name, f"expected a finite number {IN_FLOAT32}, got {value!r}")

@@ -285,6 +285,7 @@ def test_unexpected_tensor_named(ref_checkpoint, tmp_path, name, quantize):
     ({"max_new_tokens": "abc"}, "max_new_tokens: expected a positive integer"),
     ({"max_length": 0}, "max_length: expected a positive integer"),
     ({"max_length": "64"}, "max_length: expected a positive integer"),
+    ({"max_denoising_steps": 2**40}, "max_denoising_steps: expected an integer in"),  # loaded, then failed in torch
     ({"eos_token_id": "abc"}, "eos_token_id: expected a token id"),
     ({"eos_token_id": [1, "a"]}, "eos_token_id: expected a token id"),
 ])

@@ -497,7 +497,8 @@ def test_temperature_flag_changes_the_draws_and_names_itself(capsys):
     assert "error: --temperature: expected a finite number >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value", [("--steps", "-4"), ("--presence-penalty", "3"), ("--threads", "-2")])
+@pytest.mark.parametrize("flag, value", [("--steps", "-4"), ("--steps", "2147483648"), ("--presence-penalty", "3"),
+                                         ("--threads", "-2")])
 def test_bad_argument_is_a_clear_error(flag, value):
     """The error names the flag typed (the library's checks name max_denoising_steps, presence_penalty)."""
     r = run_cli("generate", "x", "--model", MODEL, flag, value)

@@ -327,6 +327,9 @@ def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
     "kwargs, field",
     [
         (dict(max_denoising_steps=-1), "max_denoising_steps"),
+        # past int32 (the step counter's dtype): accepted, then torch's unnamed overflow at the first step
+        (dict(max_denoising_steps=2**31), r"max_denoising_steps: expected an integer in \[1, 2147483647\]"),
+        (dict(max_denoising_steps=2**63), "max_denoising_steps: expected an integer in"),
         (dict(t_min=0.9, t_max=0.5), "t_max"),
         (dict(sampler="beam"), "sampler"),
         (dict(entropy_bound=0.0), "entropy_bound"),
