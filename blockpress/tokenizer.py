@@ -170,7 +170,10 @@ class Tokenizer:
                 f"The checkpoint at {folder} has no tokenizer.json, so text cannot be tokenized; "
                 "pass token ids instead of text, or add a tokenizer.json to the folder."
             )
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust library raises plain Exception ("key must be a string at line 1 column 2")
+            raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads ({exc})") from None
         tok_cfg = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         gen_cfg = _read_json(folder / "generation_config.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import json.decoder
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,18 @@ def test_a_damaged_config_file_is_named(tok: Tokenizer, saved_dir: Path, tmp_pat
     folder = shutil.copytree(saved_dir, tmp_path / "ckpt")
     (folder / name).write_bytes(text.encode("utf-8", "surrogateescape"))
     with pytest.raises(ValueError, match=rf"{name}: (not valid JSON|expected a JSON object, got list)"):
+        Tokenizer.from_dir(folder)
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1]", "{}", "\udcff"])
+def test_a_damaged_tokenizer_json_is_named(saved_dir: Path, tmp_path: Path, text: str) -> None:
+    """The tokenizers library raised a bare Exception ("key must be a string at line 1 column 2", "Model missing."),
+    naming no file and missed by `except ValueError`, as the CLI's handler missed it (a traceback, exit 1)."""
+    import shutil
+
+    folder = shutil.copytree(saved_dir, tmp_path / "ckpt")
+    (folder / "tokenizer.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder / 'tokenizer.json'))}: not a tokenizer the "):
         Tokenizer.from_dir(folder)
 
 
