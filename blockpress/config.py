@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import check_flag
+from .files import read_json_object
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -437,8 +438,8 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
+        try:  # as UTF-8 (JSON's encoding, not the locale's), naming the file when it is not JSON or not an object
+            raw = read_json_object(path, ConfigError)
         except FileNotFoundError:
             what = ("no such file" if path.name != "config.json"
                     else "no config.json; is this a Hugging Face checkpoint folder?")
@@ -447,8 +448,6 @@ class ModelConfig:
                 what = (f"no config.json: a training run that stopped before its final save; finish it with "
                         f"`blockpress train --resume --out {path.parent}` (--steps N to end it sooner)")
             raise FileNotFoundError(f"{path}: {what}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(raw)
 
     def to_dict(self, dtype: Any = None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -297,10 +298,16 @@ def test_bad_generation_config_is_named_on_load(ref_checkpoint, tmp_path, conten
         load_quiet(path)
 
 
-def test_garbage_config(ref_checkpoint, tmp_path):
+@pytest.mark.parametrize("content, message", [
+    (b"{not json", "not valid JSON"),
+    # not UTF-8: a bare UnicodeDecodeError that named no file (read in the locale's encoding, at that)
+    (b"\xff{}", "not valid JSON .*can't decode byte 0xff"),
+    (b"[1, 2]", "expected a JSON object, got list"),  # said 'config: ...', with no path
+])
+def test_garbage_config(ref_checkpoint, tmp_path, content, message):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
-    (path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    (path / "config.json").write_bytes(content)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path / 'config.json'))}: {message}"):
         load_quiet(path)
 
 
