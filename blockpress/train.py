@@ -266,6 +266,9 @@ class TrainConfig:
             raise ValueError(f"self_conditioning_prob: expected a probability, got {self.self_conditioning_prob}")
         if not 0 < self.t_eps < 0.5:
             raise ValueError(f"t_eps: expected in (0, 0.5), got {self.t_eps}")
+        # As inference seeds (lm.check_seed): -1 was taken here while generate refused it, and 2**64 failed later.
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed: expected an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.noise_token_id, int) or self.noise_token_id < -1:
             raise ValueError(f"noise_token_id: expected -1 (uniform noise) or a token id, got {self.noise_token_id!r}")
         if self.quantize is not None:
@@ -325,6 +328,14 @@ class TrainConfig:
 
 
 # -- data sources -------------------------------------------------------------------------------------------
+def derived_seed(seed: int, multiplier: int, offset: int) -> int:
+    """The seed of one stream of a run's draws (an epoch's order, a step's batch or noise): seed * multiplier +
+    offset, taken modulo 2**63 so that any seed in [0, 2**63) gives a Generator seed (unreduced, a seed past about
+    9.2e12 overflowed int64: 'Overflow when unpacking long long'). Where it fits, as for every small seed, it is the
+    plain product, so a run draws as it always did."""
+    return (seed * multiplier + offset) % 2**63
+
+
 class ExampleSource:
     """A fixed list of examples, shuffled per epoch by the seed: the batch of step k is a function of k."""
 
@@ -339,7 +350,8 @@ class ExampleSource:
         epoch (drawn per example, it cost 1.8 s a batch at a million examples)."""
         if epoch != self._epoch:
             n = len(self.examples)
-            self._order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            g = torch.Generator().manual_seed(derived_seed(self.seed, 7919, epoch))
+            self._order = torch.randperm(n, generator=g)
             self._epoch = epoch
         return self._order
 
@@ -382,7 +394,7 @@ class ShardSource:
                          + (f"{' or '.join(fits)} fits it" if fits else "give more text"))
 
     def batch(self, step: int, size: int) -> list[Example]:
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        g = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 1_000_003, step))
         return [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max), self.cfg.response_canvases * self.c)
                 for _ in range(size)]
 
@@ -766,7 +778,7 @@ class StepBatches(torch.utils.data.Dataset):
     def __getitem__(self, step: int) -> tuple[Batch, Noise]:
         examples = self.source.batch(step, self.cfg.batch_size)
         batch = make_batch(examples, self.canvas_length, self.pad, self.eos, self.cfg.max_canvases or None)
-        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_033 + step * 2 + 1)
+        g = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 1_000_033, step * 2 + 1))
         return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
 
 

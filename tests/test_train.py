@@ -1,6 +1,7 @@
 """Training: the objective's pieces, the overfit test, and that accumulation / resume / LoRA change nothing."""
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -95,6 +96,15 @@ def test_example_order_is_drawn_once_per_epoch_and_unchanged(monkeypatch):
     source = ExampleSource(examples, 3)
     seen = [e.response[0] for step in range(5) for e in source.batch(step, 4)]  # 20 examples: epochs 0 and 1
     assert len(draws) == 2 and sorted(seen[:10]) == sorted(seen[10:]) == list(range(10))
+
+
+def test_any_allowed_seed_trains(tmp_path):
+    """A seed past about 9.2e12 overflowed int64 in the seeds drawn from it (seed * 1_000_003 + step): 'Overflow when
+    unpacking long long' at the first batch, naming no setting. Each stream's seed is taken modulo 2**63 now."""
+    for seed in (2**62, 2**63 - 1):
+        _, result = run(tmp_path, 1, f"s{seed}", seed=seed)
+        assert len(result.losses) == 1 and math.isfinite(result.losses[0])
+        assert len(ExampleSource(EXAMPLES, seed).batch(0, 4)) == 4  # the epoch's order, drawn from the seed too
 
 
 def test_grad_accumulation_changes_nothing(tmp_path):
@@ -298,6 +308,9 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
      (dict(reweight="false"), "reweight: expected true or false, got 'false'"),
      (dict(compile=1), "compile: expected true or false"), (dict(seed="a"), "seed: expected an integer, got 'a'"),
      (dict(seed=1.5), "seed: expected an integer"), (dict(steps=True), "steps: expected an integer, got True"),
+     # as inference seeds: -1 was taken (generate refuses it), 2**64 failed at the first batch, unnamed
+     (dict(seed=-1), r"seed: expected an integer in \[0, 2\*\*63\), got -1"),
+     (dict(seed=2**63), r"seed: expected an integer in \[0, 2\*\*63\)"),
      (dict(heldout="0.1"), "heldout: expected a finite number or null"),
      (dict(heldout_data=3), "heldout_data: expected a string or null, got 3")],
 )

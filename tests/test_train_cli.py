@@ -423,6 +423,11 @@ def test_bad_train_flags(tmp_path, capsys):
     args[args.index("--config") : args.index("--config") + 2] = ["--model", "random-tiny", "--tokenizer", "x"]
     assert main(args) == 2
     assert "--tokenizer: only for a fresh model" in capsys.readouterr().err
+    # a fine-tuning run took --seed -1 (a fresh model's random_model refuses it, as generate does)
+    args = train_args(data, tmp_path / "o")
+    args[args.index("--config") : args.index("--config") + 2] = ["--model", "random-tiny"]
+    assert main(args + ["--seed", "-1"]) == 2
+    assert "error: --seed: expected an integer in [0, 2**63), got -1" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
