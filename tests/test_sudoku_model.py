@@ -294,6 +294,19 @@ def test_ensemble_refuses_what_is_not_a_count_of_views(tiny_sudoku, ensemble):
         sudoku_model.solve(lm, [generate(2, "medium").puzzle], ensemble=ensemble)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(rules="false"), "rules: expected True or False, got 'false'"),  # a truthy string turned the rules on
+    (dict(rules=1), "rules: expected True or False, got 1"),
+    (dict(checked="no"), "checked: expected True or False"),
+    (dict(on_draft=5), "on_draft: expected a function .*, got int"),  # failed at the first draft, after a pass
+])
+def test_solve_refuses_bad_options_before_any_decoding(tiny_sudoku, monkeypatch, options, message):
+    _, lm = tiny_sudoku
+    monkeypatch.setattr(lm, "stream", lambda *a, **kw: pytest.fail("decoded before the options were checked"))
+    with pytest.raises(ValueError, match=message):
+        sudoku_model.solve(lm, [generate(2, "medium").puzzle], **options)
+
+
 def test_cli_ensemble(tiny_sudoku, capsys):
     path, lm = tiny_sudoku
     p = generate(2, "medium").puzzle

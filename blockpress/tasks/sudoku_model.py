@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..checks import is_int
+from ..checks import check_flag, is_int
 from ..generate import Commit, Done, Draft
 from .sudoku import (
     VOCAB,
@@ -198,6 +198,12 @@ def solve(
     `ensemble`: denoise each puzzle as this many symmetric views with pooled predictions (module docstring).
     `checked`: the puzzles are as prepare() returned them (the CLI checks them before loading the model).
     `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
+    # Checked before any work: rules="false" read as True (rule-aware results are reported apart from the model's
+    # own), and on_draft=5 failed at the first draft, after a denoising pass.
+    for name, value in (("rules", rules), ("checked", checked), ("skip_stopped_rows", skip_stopped_rows)):
+        check_flag(name, value)
+    if on_draft is not None and not callable(on_draft):
+        raise ValueError(f"on_draft: expected a function (step, boards) -> None, got {type(on_draft).__name__}")
     check_sudoku_model(lm)
     puzzles = puzzle_list(puzzles) if checked else prepare(puzzles)
     views = symmetric_views(ensemble, seed)
