@@ -215,7 +215,9 @@ class TextConfig:
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
         need(isinstance(self.hidden_activation, str) and self.hidden_activation in ACTIVATIONS, "hidden_activation",
              f"{self.hidden_activation!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
-        need(isinstance(self.attention_bias, bool), "attention_bias", f"expected true or false, got {self.attention_bias!r}")
+        # (a string "false" is truthy: it tied the weights, and was saved back for transformers to read as true too)
+        for name in ("attention_bias", "tie_word_embeddings"):
+            need(isinstance(getattr(self, name), bool), name, f"expected true or false, got {getattr(self, name)!r}")
         # "all" would make the encoder bidirectional with a halved, two-sided sliding window; the reference's forward
         # fails on it (transformers 5.23: `is_causal` is passed twice to every attention implementation), so there is
         # nothing to match. "vision" only changes the mask between image tokens, which text-only blockpress never has.
@@ -365,6 +367,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.canvas_length, int) or self.canvas_length <= 0:
             raise ConfigError(f"canvas_length: expected a positive integer, got {self.canvas_length!r}")
+        # transformers' top-level copy of text_config's flag: the load ties the weights unless either one is false
+        tied = self.extra.get("tie_word_embeddings", True)
+        if not isinstance(tied, bool):
+            raise ConfigError(f"tie_word_embeddings: expected true or false, got {tied!r}")
 
     # -- presets -------------------------------------------------------------------------------------
     @classmethod

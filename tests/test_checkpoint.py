@@ -366,6 +366,10 @@ def test_garbage_config(ref_checkpoint, tmp_path, content, message):
         (lambda c: c["text_config"].update(pad_token_id=10**6), r"pad_token_id: expected a token id in \[0, vocab_size"),
         (lambda c: c["text_config"].update(bos_token_id=999), "bos_token_id"),
         (lambda c: c["text_config"].update(initializer_range=-1), "initializer_range"),
+        # a string is truthy: "false" tied the weights and was saved back for transformers to read as true too
+        (lambda c: c["text_config"].update(tie_word_embeddings="false"),
+         "text_config.tie_word_embeddings: expected true or false, got 'false'"),
+        (lambda c: c.update(tie_word_embeddings="false"), "^tie_word_embeddings: expected true or false, got 'false'"),
         # the reference keeps every key for a one-token window (its slice [-0:]): refused rather than differ
         (lambda c: c["text_config"].update(sliding_window=1), "sliding_window: expected at least 2"),
         # JSON true was read as 1 for these
