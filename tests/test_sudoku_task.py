@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -400,6 +401,15 @@ def test_generate_rejects_unknown_difficulty() -> None:
         generate(0, "expert")
     with pytest.raises(ValueError, match="unknown difficulty"):
         generate_many(1, 0, "expert")
+
+
+@pytest.mark.parametrize("seed", [-1, True, 1.5, "a", None])
+def test_generate_refuses_a_seed_that_is_not_an_integer_from_0(seed: object) -> None:
+    """random.Random took these: -1 gave seed 1's puzzle (it seeds from abs()), True too, and "a" or 1.5 a puzzle
+    that no integer seed names."""
+    for make in (lambda: generate(seed), lambda: generate_many(2, seed)):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"seed: expected an integer >= 0, got {re.escape(repr(seed))}"):
+            make()
 
 
 def test_generate_many_is_deterministic_and_reproducible() -> None:

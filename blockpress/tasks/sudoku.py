@@ -559,6 +559,13 @@ def _check_difficulty(difficulty: str) -> None:
         raise ValueError(f"unknown difficulty {difficulty!r}; expected one of {', '.join(DIFFICULTIES)}")
 
 
+def _check_seed(seed: object) -> None:
+    # random.Random seeds from abs() of an int (seed -1 gave seed 1's puzzle) and takes str, float and bool (True
+    # gave seed 1's) as well, so anything else would quietly be another seed's puzzle, or a puzzle no int names.
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
+
+
 def _derive_seed(*parts: object) -> int:
     # A hash of the parts' text (not Python's salted hash()) so derived seeds are the same in every run.
     digest = hashlib.sha256(repr(parts).encode()).digest()
@@ -596,6 +603,7 @@ def generate(seed: int, difficulty: str = "medium") -> Puzzle:
     If removal gets stuck above the band (only plausible for 'hard'), the attempt is redone with a seed
     derived from (seed, difficulty, attempt), so the result is still a pure function of the arguments.
     """
+    _check_seed(seed)
     _check_difficulty(difficulty)
     low, high = _TARGETS[difficulty]
     for attempt in range(_MAX_ATTEMPTS):
@@ -615,6 +623,7 @@ def generate_many(n: int, seed: int, difficulty: str = "medium") -> list[Puzzle]
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    _check_seed(seed)
     _check_difficulty(difficulty)
     return [generate(_derive_seed("many", seed, k), difficulty) for k in range(n)]
 
