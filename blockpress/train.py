@@ -801,6 +801,12 @@ class TrainResult:
     stopped: str | None = None  # why the run ended before cfg.steps: "max_minutes" or "interrupted" (Ctrl-C)
 
 
+class Diverged(ValueError):
+    """Training met a loss or gradient norm that is not finite (a learning rate too high, or bad data): the run
+    stops there, and nothing non-finite is saved (the loss went NaN, and the run went on to save NaN weights and
+    exit 0). A ValueError, as the CLI's other refusals are: `train` exits 2 with its message."""
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -1010,15 +1016,22 @@ class Trainer:
             self.objective = self.eager_objective
             self.optimizer.zero_grad(set_to_none=True)
             diff, ar, tokens = self._losses(batch, noise, train=True)
+        loss = cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar
         grad_norm = 0.0
         if cfg.grad_clip:
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        # Checked on the host floats the step makes anyway (no sync of its own), before the update: a non-finite
+        # gradient would make every weight NaN. Every process holds the same all-reduced values, so all stop.
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            raise Diverged(f"step {self.step + 1}: the {what}: training diverged, and the run stops here without "
+                           f"saving (a save made before, in {self.out}, is kept); start again with a lower --lr than "
+                           f"{cfg.lr:g}, or check the data")
         self.optimizer.step()
         self.lm.model.weights_changed()  # a cache filled before this step holds keys of the old weights
         self.step += 1
-        return {"step": self.step, "loss": cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar,
-                "diffusion_loss": diff, "ar_loss": ar,
+        return {"step": self.step, "loss": loss, "diffusion_loss": diff, "ar_loss": ar,
                 "lr": lr, "grad_norm": grad_norm, "tokens": tokens}
 
     @torch.no_grad()
@@ -1049,6 +1062,13 @@ class Trainer:
         its merged checkpoint and adapter folder (an interrupted one only saves, to be resumed)."""
         if self.rank != 0:
             return
+        # An update that overflowed (finite loss, weights grown to inf) is met by the next step's loss check; the last
+        # step has none, so the weights are checked here (one sync, per save), never saved over the run's last save.
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if trained and not bool(torch.stack([torch.isfinite(p).all() for p in trained]).all()):
+            raise Diverged(f"step {self.step}: the trained weights hold values that are not finite: training diverged, "
+                           f"and they are not saved (a save made before, in {self.out}, is kept); start again with a "
+                           f"lower --lr than {self.cfg.lr:g}, or check the data")
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
                  "config": asdict(self.cfg), "base_shape": base_shape(self.model),  # (--resume checks the model's)

@@ -13,7 +13,15 @@ from saved import saved_dtype
 
 import blockpress
 from blockpress.data import Example, make_batch
-from blockpress.train import ExampleSource, TrainConfig, Trainer, draw_noise, lr_at, read_trainer_state
+from blockpress.train import (
+    Diverged,
+    ExampleSource,
+    TrainConfig,
+    Trainer,
+    draw_noise,
+    lr_at,
+    read_trainer_state,
+)
 
 EXAMPLES = [Example([2, 5 + i], [10 + i, 11 + i, 12 + i, 13 + i, 20, 21 - i]) for i in range(4)]
 
@@ -105,6 +113,29 @@ def test_any_allowed_seed_trains(tmp_path):
         _, result = run(tmp_path, 1, f"s{seed}", seed=seed)
         assert len(result.losses) == 1 and math.isfinite(result.losses[0])
         assert len(ExampleSource(EXAMPLES, seed).batch(0, 4)) == 4  # the epoch's order, drawn from the seed too
+
+
+def test_a_diverging_run_stops_at_its_first_non_finite_loss_and_saves_nothing(tmp_path):
+    """lr 1e10: the loss went NaN at step 2, and the run went on to its end, saved NaN weights and returned."""
+    steps = []
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=4, batch_size=4, lr=1e10, save_every=1),
+                      tmp_path / "out", progress=False, on_step=lambda step, loss: steps.append(step))
+    with pytest.raises(Diverged, match=r"^step 2: the loss is nan: training diverged, .* lower --lr than 1e\+10"):
+        trainer.train()
+    assert steps == [1] and trainer.step == 1  # stopped before step 2's update
+    assert read_trainer_state(tmp_path / "out" / "trainer_state.pt")["step"] == 1  # the save before is kept
+
+
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    """The last step's update has no next loss to show it: the save itself refuses weights that overflowed."""
+    lm = tiny_lm()
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4), tmp_path / "out",
+                      progress=False)
+    with torch.no_grad():
+        next(lm.model.parameters()).view(-1)[0] = float("inf")
+    with pytest.raises(Diverged, match="^step 0: the trained weights hold values that are not finite"):
+        trainer.save(final=True)
+    assert not (tmp_path / "out").exists()
 
 
 def test_grad_accumulation_changes_nothing(tmp_path):

@@ -73,6 +73,15 @@ def test_train_config_file_values_are_checked_before_the_model_loads(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_a_diverging_run_exits_2_and_saves_no_checkpoint(tmp_path, capsys):
+    """--lr 1e10 printed 'loss nan', saved NaN weights as the run's checkpoint and exited 0."""
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "out") + ["--lr", "1e10"]) == 2
+    assert re.search(r"error: step \d: the loss is nan: training diverged.* lower --lr than 1e\+10",
+                     capsys.readouterr().err)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 def test_resume_continues_the_run_exactly(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "whole", steps=5)) == 0
