@@ -286,6 +286,24 @@ def check_seed(seed: Any, name: str) -> int | None:
     return int(seed)
 
 
+def _layout_differences(have: tuple, want: tuple) -> list[str]:
+    """What differs between a cache's layout (KVCache.layout) and a model's: each part by name, so the message says
+    which (it listed 'layers, heads, dtype or device' and then two equal dtypes and devices)."""
+    (have_layers, have_dtype, have_device), (want_layers, want_dtype, want_device) = have, want
+    out = []
+    if len(have_layers) != len(want_layers):
+        out.append(f"it has {len(have_layers)} layers, this model {len(want_layers)}")
+    elif have_layers != want_layers:
+        i = next(i for i, (h, w) in enumerate(zip(have_layers, want_layers)) if h != w)
+        out.append(f"its layer {i} holds {have_layers[i][0]} kv heads of size {have_layers[i][1]}, this model's "
+                   f"{want_layers[i][0]} of size {want_layers[i][1]}")
+    if have_dtype != want_dtype:
+        out.append(f"it holds {have_dtype}, this model computes in {want_dtype}")
+    if have_device != want_device:
+        out.append(f"it is on {have_device}, this model on {want_device}")
+    return out
+
+
 def _as_rows(value: Any, name: str, what: str) -> Any:
     """`value` as given, or as a list where it is one value per row (a list, a tuple, or a 1-D array or tensor).
     `what`: one value, for the error."""
@@ -848,9 +866,9 @@ class LM:
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: expected the KVCache of an earlier call (return_cache=True), got "
                              f"{type(cache).__name__}")
-        if cache.layout != KVCache.layout_for(self.config.text, self.dtype, self.device):
-            raise ValueError(f"cache: built by another model (layers, heads, dtype or device differ: "
-                             f"{cache.keys[0].dtype} on {cache.device}, this model is {self.dtype} on {self.device})")
+        have, want = cache.layout, KVCache.layout_for(self.config.text, self.dtype, self.device)
+        if have != want:
+            raise ValueError(f"cache: built by another model ({'; '.join(_layout_differences(have, want))})")
         if cache.batch_size != batch:
             raise ValueError(f"cache: holds {cache.batch_size} rows, the prompt has {batch}")
         if cache.length and cache.weights_version not in (None, self.model.weights_version):

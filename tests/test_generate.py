@@ -1526,10 +1526,15 @@ def test_a_cache_from_elsewhere_is_a_clear_error(lm):
         lm.generate([6], max_new_tokens=4, cache="x")
     bf16 = blockpress.random_model(lm.config, seed=0, dtype="bfloat16")
     other = blockpress.random_model(blockpress.ModelConfig.tiny(head_dim=16), seed=0)
-    for model in (bf16, other):
-        with pytest.raises(ValueError, match="cache: built by another model"):
+    deeper = blockpress.random_model(blockpress.ModelConfig.tiny(num_hidden_layers=4, layer_types=None), seed=0)
+    # what differs, by name (it said 'layers, heads, dtype or device differ: torch.float32 on cpu, this model is
+    # torch.float32 on cpu' where the heads differed)
+    for model, differs in ((bf16, r"it holds torch.float32, this model computes in torch.bfloat16\)"),
+                           (other, r"its layer 0 holds 2 kv heads of size 8, this model's 2 of size 16\)"),
+                           (deeper, r"it has 3 layers, this model 4\)")):
+        with pytest.raises(ValueError, match=rf"^cache: built by another model \({differs}$"):
             model.generate([6], max_new_tokens=4, cache=out.cache)
-        with pytest.raises(ValueError, match="cache: built by another model"):
+        with pytest.raises(ValueError, match=rf"^cache: built by another model \({differs}$"):
             model.generate_ar([6], max_new_tokens=4, cache=out.cache)
     with pytest.raises(ValueError, match="cache: holds 1 rows, the prompt has 2"):
         lm.generate([[6], [7]], max_new_tokens=4, cache=out.cache)
