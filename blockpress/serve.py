@@ -2,9 +2,12 @@
 
 Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus text).
 
-One worker thread owns the model. Requests wait in a bounded queue (429 when full); the worker takes
-the oldest one plus every queued request with the same batch-wide sampler settings (up to `max_batch`) and runs
-them as one batch, so concurrent users share each denoising step. Their lengths may differ: each row has its own
+One worker thread owns the model. Requests wait in a bounded queue (429 when full; a client that left frees its
+place at once). The worker keeps several batches running, each its own stream, and advances them in turn a canvas
+at a time; between canvases it starts a batch of the oldest waiting request plus every waiting one with the same
+batch-wide sampler settings, while the rows of all running batches stay within `max_batch`. So requests that arrive
+together share each denoising step, and one that arrives while a long one runs starts at its next canvas instead of
+waiting for its end. The queue and `max_batch` count rows: one per sampled choice. Their lengths may differ: each row has its own
 max_tokens and min_tokens, and a row whose max_tokens is spent leaves the batch, as one that wrote EOS does. So
 may `temperature` (above 0), `top_p` and `top_k`, which real clients vary most: each row draws its candidates with
 its own (sampling.RowDraws). The rest (temperature 0, which is the greedy sampler, the penalties and the diffusion
@@ -66,7 +69,6 @@ import functools
 import json
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -501,17 +503,94 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
+class Batch:
+    """A batch the engine is generating: its jobs (one a row), their stream, and what of their answers it has told
+    so far. The engine advances several of these in turn, a canvas at a time (Engine._loop)."""
+
+    def __init__(self, engine: Engine, jobs: list[Job]) -> None:
+        self.engine, self.jobs = engine, jobs
+        self.events: Iterator[Draft | Commit | Done | Cancelled] | None = None  # made at the first advance
+        self.texts = [""] * len(jobs)  # each job's answer so far (the engine's text of all its committed tokens)
+        self.tokens: list[list[int]] = [[] for _ in jobs]  # each job's valid new tokens so far (Job.keep_special)
+        self.committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
+
+    def advance(self) -> bool:
+        """Handle the stream's events up to and including its next Commit (and the Done after it, where that commit
+        ended every row). Returns whether the batch has finished: done, or ended as every client left or a cut."""
+        if self.events is None:  # made here, not under the engine's lock (the library checks the arguments)
+            self.events = self.engine._stream(self.jobs)
+            self.engine.metrics.add(batches_total=1)
+        for event in self.events:  # it ends without Done once every client has left
+            if isinstance(event, Draft):
+                self.draft(event)
+            elif isinstance(event, Commit):
+                self.commit(event)
+                if not bool(event.finished.all()):  # else Done follows at once: answer now, not a round later
+                    return False
+            elif isinstance(event, Done):
+                self.done(event.output)
+                return True
+            elif isinstance(event, Cancelled):  # every client left, or a cut: the work done for nobody is load too
+                self.engine.metrics.add(completion_tokens_total=int(event.num_new_tokens.sum()),
+                                        forward_passes_total=int(event.forward_passes.sum()))
+                return True
+        return True
+
+    def draft(self, event: Draft) -> None:
+        tok = self.engine.lm.tokenizer
+        for i, job in enumerate(self.jobs):
+            if job.drafts:
+                draft = tok.decode(event.tokens[i].tolist())
+                draft = draft if self.committed else strip_prefix(draft, job.heal_prefix)
+                job.put(JobDraft(self.texts[i] + draft, event.step))
+
+    def commit(self, event: Commit) -> None:
+        lm = self.engine.lm
+        self.committed = True
+        for i, job in enumerate(self.jobs):
+            # decoded whole, healed prefix left out, cut at a stop string past the min_tokens' text
+            self.texts[i] = job.answer(event.texts_so_far, event.fills_so_far, i)
+            raw = None
+            if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
+                self.tokens[i] += event.tokens[i, : int(event.num_new_tokens[i]) - len(self.tokens[i])].tolist()
+                raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [])
+            job.put(JobText(self.texts[i], raw))
+
+    def done(self, out: Any) -> None:
+        lm = self.engine.lm
+        for i, job in enumerate(self.jobs):
+            n = int(out.num_new_tokens[i])
+            # "length" where the job's own max_tokens ended it, not an EOS nor a stop string
+            ended = (n < job.max_tokens or out.extra["stopped"][i] or job.canvas is not None
+                     or (n == job.max_tokens and int(out.new_tokens[i, n - 1]) in lm._eos_ids()))
+            text = job.answer(out.texts, out.fills, i)
+            if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
+                n = int(out.num_chosen_tokens[i])
+            reused = out.extra["reused_prompt_tokens"][i]
+            raw = None
+            if job.keep_special:
+                raw = text_with_special_tokens(lm.tokenizer, out.new_tokens[i, :n].tolist(), lm._eos_ids(),
+                                               job.heal_prefix, job.stop if out.extra["stopped"][i] else [])
+            # (the prompt, its cached part and the latency count once per request, in `respond`)
+            self.engine.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
+            job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused, raw))
+
+
 class Engine:
+    """One thread that owns the model and generates every request's jobs. It keeps several batches running at
+    once, each its own stream, and advances them in turn a canvas at a time, so a short request that arrives
+    while a long one runs starts at the long one's next canvas instead of after its end. Between canvases it
+    starts a batch of the waiting jobs while the rows of all running batches stay within `max_batch`."""
+
     def __init__(self, lm: Any, max_queue: int = 64, max_batch: int = 8, prefix_cache: PrefixCache | None = None):
-        self.lm, self.max_batch, self.prefix_cache = lm, max_batch, prefix_cache
-        self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
-        self.pending: list[Job] = []  # taken from the queue, waiting for a compatible batch
-        # One lock over the queue and `pending`: a job moving from one to the other is never uncounted, so a
-        # request arriving meanwhile cannot slip past max_queue. `arrived` wakes the engine thread.
+        self.lm, self.max_queue, self.max_batch, self.prefix_cache = lm, max_queue, max_batch, prefix_cache
+        self.waiting: list[Job] = []  # submitted, not yet in a batch, oldest first
+        # One lock over `waiting` and `batches`: a job moving from one to the other is never missed by a cut, and
+        # a request arriving meanwhile is counted against max_queue. `arrived` wakes the engine thread.
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         self.stopping = False
-        self.running: list[Job] = []  # the batch the engine thread is generating
+        self.batches: list[Batch] = []  # the batches the engine thread is generating, in the order they started
         self.metrics = Metrics()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
         self.thread.start()
@@ -519,11 +598,11 @@ class Engine:
     def submit(self, jobs: list[Job]) -> None:
         """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), each
         checked alone first (`check`)."""
-        if len(jobs) > self.queue.maxsize:  # not "retry later": name what is too large
+        if len(jobs) > self.max_queue:  # not "retry later": name what is too large
             prompts = len({j.group for j in jobs})
             each = len(jobs) // prompts  # a prompt's sampled choices (greedy ones are one job)
-            room = f"can never fit the server's queue of {self.queue.maxsize}"
-            if each > self.queue.maxsize:
+            room = f"can never fit the server's queue of {self.max_queue}"
+            if each > self.max_queue:
                 raise APIError(400, f"n: {each} choices {room}", "n")
             per = f" x {each} choices" if each > 1 else ""
             raise APIError(400, f"prompt: {prompts} prompts{per} ({len(jobs)} jobs) {room}; send fewer prompts "
@@ -533,27 +612,27 @@ class Engine:
         with self.lock:
             if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
                 raise APIError(503, "the server is shutting down", kind="server_error")
-            # Waiting jobs are those queued and those the engine took but has not batched yet (`pending`).
-            if self.queue.maxsize - self._depth() < len(jobs):
+            self._drop_cancelled()  # a client that left frees its place at once, not when the engine next looks
+            if self.max_queue - len(self.waiting) < len(jobs):
                 self.metrics.add(rejected_total=1)
                 raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error",
                                headers={"Retry-After": "1"})  # OpenAI's clients back off by it
-            for job in jobs:
-                self.queue.put_nowait(job)
+            self.waiting += jobs
             self.arrived.notify()
 
     def depth(self) -> int:
+        """The jobs waiting for a batch, those of clients that left not counted."""
         with self.lock:
-            return self._depth()
+            return sum(not j.cancelled.is_set() for j in self.waiting)
 
-    def _depth(self) -> int:
-        return self.queue.qsize() + len(self.pending)
+    def _drop_cancelled(self) -> None:
+        self.waiting = [j for j in self.waiting if not j.cancelled.is_set()]
 
     def cut(self, message: str = "the server is shutting down") -> None:
-        """End every queued and running job now: each gets a 503 error event, and the engine stops its batch
+        """End every queued and running job now: each gets a 503 error event, and the engine stops its batches
         within a step (a stop signal's grace period has run out). Jobs that finished meanwhile are unaffected."""
         with self.lock:
-            jobs = list(self.queue.queue) + self.pending + self.running
+            jobs = self.waiting + [j for batch in self.batches for j in batch.jobs]
             for job in jobs:
                 job.cancelled.set()
             self.arrived.notify()
@@ -573,39 +652,50 @@ class Engine:
         if self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
-    def _next_batch(self) -> list[Job] | None:
-        """The next batch (maybe empty: every waiting job was cancelled), or None once the engine is closing."""
+    def _admit(self) -> None:
+        """Start batches of waiting jobs while rows are free (the lock held): the oldest job's, with every waiting
+        job of the same settings (Job.key) that fits beside it, then the next oldest's."""
+        self._drop_cancelled()
+        room = self.max_batch - sum(len(batch.jobs) for batch in self.batches)
+        while self.waiting and room > 0:
+            key = self.waiting[0].key()
+            jobs = [j for j in self.waiting if j.key() == key][:room]
+            taken = {id(j) for j in jobs}
+            self.waiting = [j for j in self.waiting if id(j) not in taken]
+            self.batches.append(Batch(self, jobs))
+            room -= len(jobs)
+
+    def _round(self) -> list[Batch] | None:
+        """The batches to advance next, once there are any (new ones started first), or None once closing."""
         with self.lock:
-            while not self.pending and self.queue.empty() and not self.stopping:
+            while not self.stopping:
+                self._admit()
+                if self.batches:
+                    return list(self.batches)
                 self.arrived.wait()
-            if self.stopping:
-                return None
-            while not self.queue.empty():  # take what is queued now, so it can join this batch
-                self.pending.append(self.queue.get_nowait())
-            self.pending = [j for j in self.pending if not j.cancelled.is_set()]
-            if not self.pending:
-                return []
-            key = self.pending[0].key()
-            batch = [j for j in self.pending if j.key() == key][: self.max_batch]
-            self.pending = [j for j in self.pending if j not in batch]
-            self.running = batch  # under the same lock: a cut never misses a job between the two
-            return batch
+            return None
 
     def _loop(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            try:
-                if not all(j.cancelled.is_set() for j in batch):  # every client left, or a cut, meanwhile
-                    self._run(batch)
-            except Exception as exc:  # keep serving; the affected requests get a 500-style error event
-                log.exception("serve: a batch of %d failed", len(batch))
-                for job in batch:
-                    try:
-                        job.put(JobError(str(exc)))
-                    except RuntimeError:  # its event loop is gone (shutdown): nobody is waiting for it
-                        pass
-            finally:
-                with self.lock:
-                    self.running = []
+        while (batches := self._round()) is not None:
+            for batch in batches:  # a canvas each, in turn: no batch waits for another's end
+                if self._advance(batch):
+                    with self.lock:
+                        self.batches.remove(batch)
+
+    def _advance(self, batch: Batch) -> bool:
+        """Advance `batch` by a canvas: whether it has finished (a failed one has: its jobs got the error)."""
+        if batch.events is None and all(j.cancelled.is_set() for j in batch.jobs):
+            return True  # every client left, or a cut, before it started
+        try:
+            return batch.advance()
+        except Exception as exc:  # keep serving; this batch's requests get a 500-style error event, the rest go on
+            log.exception("serve: a batch of %d failed", len(batch.jobs))
+            for job in batch.jobs:
+                try:
+                    job.put(JobError(str(exc)))
+                except RuntimeError:  # its event loop is gone (shutdown): nobody is waiting for it
+                    pass
+            return True
 
     def check(self, job: Job) -> None:
         """Refuse a job the library would refuse (a 400 naming the field), before it is queued: alone, so that a
@@ -636,51 +726,6 @@ class Engine:
             prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
-
-    def _run(self, batch: list[Job]) -> None:
-        tok = self.lm.tokenizer
-        self.metrics.add(batches_total=1)
-        texts = [""] * len(batch)  # each job's answer so far (the engine's text of all its committed tokens)
-        tokens: list[list[int]] = [[] for _ in batch]  # each job's valid new tokens so far (Job.keep_special)
-        committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
-        for event in self._stream(batch):  # it ends without Done once every client has left
-            if isinstance(event, Draft):
-                for i, job in enumerate(batch):
-                    if job.drafts:
-                        draft = tok.decode(event.tokens[i].tolist())
-                        draft = draft if committed else strip_prefix(draft, job.heal_prefix)
-                        job.put(JobDraft(texts[i] + draft, event.step))
-            elif isinstance(event, Commit):
-                committed = True
-                for i, job in enumerate(batch):
-                    # decoded whole, healed prefix left out, cut at a stop string past the min_tokens' text
-                    texts[i] = job.answer(event.texts_so_far, event.fills_so_far, i)
-                    raw = None
-                    if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
-                        tokens[i] += event.tokens[i, : int(event.num_new_tokens[i]) - len(tokens[i])].tolist()
-                        raw = text_with_special_tokens(tok, tokens[i], self.lm._eos_ids(), job.heal_prefix, [])
-                    job.put(JobText(texts[i], raw))
-            elif isinstance(event, Done):
-                out = event.output
-                for i, job in enumerate(batch):
-                    n = int(out.num_new_tokens[i])
-                    # "length" where the job's own max_tokens ended it, not an EOS nor a stop string
-                    ended = (n < job.max_tokens or out.extra["stopped"][i] or job.canvas is not None
-                             or (n == job.max_tokens and int(out.new_tokens[i, n - 1]) in self.lm._eos_ids()))
-                    text = job.answer(out.texts, out.fills, i)
-                    if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
-                        n = int(out.num_chosen_tokens[i])
-                    reused = out.extra["reused_prompt_tokens"][i]
-                    raw = None
-                    if job.keep_special:
-                        raw = text_with_special_tokens(tok, out.new_tokens[i, :n].tolist(), self.lm._eos_ids(),
-                                                       job.heal_prefix, job.stop if out.extra["stopped"][i] else [])
-                    # (the prompt, its cached part and the latency count once per request, in `respond`)
-                    self.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
-                    job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused, raw))
-            elif isinstance(event, Cancelled):  # every client left, or a cut: the work done for nobody is load too
-                self.metrics.add(completion_tokens_total=int(event.num_new_tokens.sum()),
-                                 forward_passes_total=int(event.forward_passes.sum()))
 
 
 def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,

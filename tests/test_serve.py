@@ -1,8 +1,11 @@
 """The OpenAI-compatible server, through the official `openai` client on loopback."""
 
 import concurrent.futures as cf
+import contextlib
 import functools
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -390,58 +393,77 @@ def test_malformed_json(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_full_queue_answers_429(server):
-    import queue
+class Waiting:
+    """A stand-in for a queued job: all the queue reads of one is whether its client left."""
 
-    engine = server[1].state.engine
-    saved = engine.queue
-    full = queue.Queue(maxsize=1)
-    full.put_nowait(None)  # the worker waits on the old queue, so this one stays full
-    engine.queue = full
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+
+@contextlib.contextmanager
+def queue_of(engine, size: int, waiting: int = 0):
+    """The engine's queue cut to `size` places, `waiting` of them taken by stand-ins (yielded), while the engine starts
+    no batch (so they stay queued)."""
+    held = [Waiting() for _ in range(waiting)]
+    saved = engine.max_queue
+    with engine.lock:
+        engine._admit = lambda: None  # an instance attribute over the method, deleted below
+        engine.max_queue = size
+        engine.waiting += held
     try:
-        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
-        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        yield held
     finally:
-        engine.queue = saved
+        with engine.lock:
+            engine.waiting = [j for j in engine.waiting if j not in held]
+            engine.max_queue = saved
+            del engine._admit
+            engine.arrived.notify()
 
 
-def test_jobs_taken_but_not_yet_batched_count_against_the_queue():
-    """The engine moves queued jobs into its pending list while it builds batches; counting only the queue let
-    the backlog grow past max_queue (15 waiting with a limit of 3)."""
-    import threading
+def wait_idle(engine, timeout: float = 30.0) -> None:
+    """Until the engine runs no batch and nothing waits (a client that left is noticed within a step)."""
+    deadline = time.monotonic() + timeout
+    while engine.batches or engine.depth():
+        assert time.monotonic() < deadline, "the engine is still busy"
+        time.sleep(0.01)
 
-    from fastapi.testclient import TestClient
 
-    lm = load_model("random-tiny", None, "cpu")
-    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
-    with TestClient(create_app(lm, MODEL, max_queue=3, max_batch=1)) as http:
-        engine = http.app.state.engine
-        waiting = [type("Waiting", (), {"cancelled": threading.Event()})() for _ in range(3)]
-        for job in waiting:
-            job.cancelled.set()  # dropped by the engine at its next batch
-        engine.pending.extend(waiting)  # the engine thread sleeps on its empty queue meanwhile
-        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+def test_full_queue_answers_429(server):
+    with queue_of(server[1].state.engine, 1, waiting=1):
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_client_that_left_frees_its_place_in_the_queue_at_once(server):
+    """Jobs whose clients had left counted against max_queue until the engine next built a batch (after the running
+    one's end, maybe minutes): a burst of clients that timed out got every later request a 429, and /health said
+    the queue was full, while nobody was waiting."""
+    engine = server[1].state.engine
+    with cf.ThreadPoolExecutor(1) as pool, queue_of(engine, 3, waiting=3) as held:
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
         assert r.status_code == 429 and engine.depth() == 3
-        engine.pending.clear()
-        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 200
+        for job in held[:2]:
+            job.cancelled.set()  # their clients left
+        assert httpx.get(server[0] + "/health").json()["queue_depth"] == 1
+        assert "blockpress_queue_depth 1\n" in httpx.get(server[0] + "/metrics").text
+        # queued now (it runs once the engine may start batches again, as the queue_of block ends)
+        answer = pool.submit(httpx.post, server[0] + "/v1/completions", timeout=60,
+                             json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 2, "temperature": 1})
+        while engine.depth() < 3:
+            assert not answer.done(), answer.result().text
+            time.sleep(0.01)
+        assert len(engine.waiting) == 3  # the two that left are gone, not kept beside it
+    assert answer.result().status_code == 200
 
 
 def test_a_request_is_queued_whole_or_not_at_all(server):
     """n choices that did not all fit used to get a 429 while the choices queued before it ran for nobody."""
-    import queue
-
     engine = server[1].state.engine
-    saved = engine.queue
-    room = queue.Queue(maxsize=3)
-    room.put_nowait(None)  # two places left; the worker waits on the old queue
-    engine.queue = room
-    try:
+    with queue_of(engine, 3, waiting=1):  # two places left
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 3})
-        assert r.status_code == 429 and room.qsize() == 1  # nothing of it was queued
+        assert r.status_code == 429 and len(engine.waiting) == 1  # nothing of it was queued
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 4})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"  # it could never fit: not "retry later"
-    finally:
-        engine.queue = saved
 
 
 @pytest.mark.parametrize("prompts, n, param, says", [
@@ -452,16 +474,9 @@ def test_a_request_is_queued_whole_or_not_at_all(server):
 ])
 def test_a_request_larger_than_the_queue_names_what_is_too_large(server, prompts, n, param, says):
     """A list of 4 prompts (n=1) was refused as "n: 4 choices (n for each prompt)"."""
-    import queue
-
-    engine = server[1].state.engine
-    saved = engine.queue
-    engine.queue = queue.Queue(maxsize=3)  # the worker waits on the old queue
-    try:
+    with queue_of(server[1].state.engine, 3):
         r = httpx.post(server[0] + "/v1/completions", timeout=30,
                        json={"model": MODEL, "prompt": prompts, "max_tokens": 4, "n": n, "temperature": 1})
-    finally:
-        engine.queue = saved
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and err["message"].startswith(says), err
     assert "queue of 3" in err["message"]
@@ -502,6 +517,7 @@ def test_disconnect_frees_the_engine(server):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
                    timeout=60)
     assert r.status_code == 200
+    wait_idle(server[1].state.engine)  # (the abandoned batch may run beside it until its client's leaving is seen)
     # the abandoned 400-token request never completed: the engine wrote far fewer tokens than it asked
     assert counters["completion_tokens_total"] - before["completion_tokens_total"] < 400
     assert (counters["cancelled_total"] - before["cancelled_total"], counters["requests_total"]
@@ -518,6 +534,7 @@ def test_a_plain_request_whose_client_left_frees_the_engine(server):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
                    timeout=60)
     assert r.status_code == 200
+    wait_idle(engine)
     # the abandoned 8 x 2,000 tokens stopped part way
     assert engine.metrics.counters["completion_tokens_total"] - before < 8 * 2000
 
@@ -533,7 +550,8 @@ def test_metrics_count_the_work_of_clients_that_left_and_the_requests_not_answer
     with httpx.stream("POST", server[0] + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         next(r.iter_lines())  # the first canvas is in; the client leaves
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "y", "max_tokens": 4, "seed": 2},
-                   timeout=60)  # runs once the abandoned batch has stopped
+                   timeout=60)
+    wait_idle(engine)  # the abandoned batch has stopped (it may run beside the follow-up until its client's leaving is seen)
     usage = r.json()["usage"]
     passes = counters["forward_passes_total"] - before["forward_passes_total"] - usage["forward_passes"]
     tokens = counters["completion_tokens_total"] - before["completion_tokens_total"] - usage["completion_tokens"]
@@ -884,7 +902,7 @@ def test_the_engine_survives_a_failed_error_report_and_stops_with_the_app():
     with TestClient(create_app(lm, MODEL)) as http:
         engine = http.app.state.engine
         with engine.lock:
-            engine.pending.append(Gone())  # its batch fails in _run (no prompt), and so does the report
+            engine.waiting.append(Gone())  # its batch fails (no prompt), and so does the report
             engine.arrived.notify()
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -936,17 +954,9 @@ def test_openai_clients_message_shapes(server):
 def test_empty_prompt_and_full_queue_say_so(server):
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["message"] == "prompt: must not be empty"
-    import queue
-
-    engine = server[1].state.engine
-    saved, full = engine.queue, queue.Queue(maxsize=1)
-    full.put_nowait(None)
-    engine.queue = full
-    try:
+    with queue_of(server[1].state.engine, 1, waiting=1):
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
-        assert r.status_code == 429 and r.headers["retry-after"] == "1"
-    finally:
-        engine.queue = saved
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
     text = httpx.get(server[0] + "/metrics").text
     assert "# TYPE blockpress_request_seconds histogram" in text and "# TYPE blockpress_requests_total counter" in text
     assert "# TYPE blockpress_queue_depth gauge" in text
@@ -993,8 +1003,6 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
     500, nothing told the engine, which kept generating for nobody until the exit aborted (rc 134); a stream just
     ended, looking like a short answer. Now every queued or running request is cut with an OpenAI-style 503 (a
     stream: an error event, no [DONE]) and the engine thread stops within a step."""
-    import threading
-
     from blockpress.cli import _server_class
 
     lm = load_model("random-tiny", None, "cpu")
@@ -1567,22 +1575,24 @@ def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_t
 def alone_then_batched(server, monkeypatch, bodies, first, key):
     """Each of `bodies` posted alone, then all of them while the engine is held on `first`, so that they queue and
     run as one batch: each answer batched must be the answer alone. Returns (the answers, each batch's sorted `key(job)`s)."""
-    import threading
-
     engine = server[1].state.engine
 
     def post(body):
         return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
 
     alone = [post(body) for body in bodies]
-    gate, batches, run = threading.Event(), [], engine._run
+    gate, batches, stream = threading.Event(), [], engine._stream
 
     def gated(batch):  # hold the engine on a first request until the others are queued
-        batches.append(sorted(key(j) for j in batch))
-        gate.wait(30)
-        run(batch)
+        events = stream(batch)  # (Engine.check's calls end here: their streams are never iterated)
 
-    monkeypatch.setattr(engine, "_run", gated)
+        def held():
+            batches.append(sorted(key(j) for j in batch))
+            gate.wait(30)
+            yield from events
+        return held()
+
+    monkeypatch.setattr(engine, "_stream", gated)
     before = engine.metrics.counters["batches_total"]
     with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
         held = pool.submit(post, first)
@@ -1627,3 +1637,50 @@ def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server,
     alone, batches = alone_then_batched(server, monkeypatch, bodies, first, lambda j: j.max_tokens)
     assert batches == [[1], [5, 11, 30]]
     assert alone[0]["choices"][0]["finish_reason"] == "length" and alone[0]["usage"]["completion_tokens"] == 5
+
+
+def test_a_short_request_is_answered_while_a_long_one_runs():
+    """A batch ran to its end before the engine looked at the queue again, so a 4-token request sent while a
+    600-token one ran waited for all of it (52 s), free rows or not. Now running batches take turns a canvas at a time
+    and a request that arrives starts at the next canvas, in a batch of its own: the short answer is done long
+    before the long one, and each is what it is alone."""
+    from blockpress.generate import Commit, Done
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2}
+    app = create_app(lm, MODEL, max_batch=4, prefix_cache_bytes=0)  # (a cached prompt moves logits by rounding)
+    base, srv = start_in_background(app)
+    engine = app.state.engine
+    long = {"model": MODEL, "prompt": "a", "max_tokens": 96, "min_tokens": 96, "seed": 1}  # 6 canvases, no early end
+    short = {"model": MODEL, "prompt": "b", "max_tokens": 4, "seed": 2}
+    try:
+        alone = [httpx.post(base + "/v1/completions", json=body, timeout=60).json() for body in (long, short)]
+        done, stream = [], engine._stream
+
+        def watched(batch):  # note which batch ends first; hold the long one after its first canvas until the short
+            events = stream(batch)  # one is queued, so that the short one surely arrives while it runs
+
+            def run():
+                for event in events:
+                    if isinstance(event, Done):
+                        done.append(batch[0].max_tokens)
+                    yield event
+                    if isinstance(event, Commit) and event.canvas_index == 0 and batch[0].max_tokens == 96:
+                        deadline = time.monotonic() + 30
+                        while not engine.depth() and time.monotonic() < deadline:
+                            time.sleep(0.01)
+            return run()
+
+        engine._stream = watched
+        with cf.ThreadPoolExecutor(1) as pool:
+            with httpx.stream("POST", base + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                lines = r.iter_lines()
+                first = next(x for x in lines if x.startswith("data: "))  # its first canvas is in
+                answer = pool.submit(httpx.post, base + "/v1/completions", json=short, timeout=60)
+                chunks = [first] + [x for x in lines if x.startswith("data: ")]
+            assert answer.result().json()["choices"] == alone[1]["choices"]
+        assert chunks[-1] == "data: [DONE]"
+        assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in chunks[:-1]) == alone[0]["choices"][0]["text"]
+        assert done == [4, 96]  # before: [96, 4], the short one waiting for every canvas of the long one
+    finally:
+        srv.should_exit = True
