@@ -1381,8 +1381,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-name", default=None, help="model id clients use (default: the model's name)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests that share one denoising batch")
-    p.add_argument("--max-queue", type=int, default=64, help="queued requests before answering 429")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="rows generated at once, over all running batches: one per sampled choice (a request with "
+                        "n: 4 takes 4; n greedy choices take 1); bounds the memory of generation")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="rows waiting for --max-batch room before a request gets 429, counted as --max-batch counts "
+                        "them (clients that left free theirs at once)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0,
