@@ -1038,8 +1038,9 @@ def served_name(model: str) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.prefix_cache_gb < 0:
         raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
-    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue)):
-        if value < 1:
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-context", args.max_context)):
+        if value is not None and value < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {value}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
@@ -1056,7 +1057,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lm = load_announced(args, keep=f"blockpress: loading {args.model} ... (http://{url_host}:{port}/v1 answers "
                                    "once it is loaded)")
     name = args.served_name or served_name(args.model)
-    app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch,
+    app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30))
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1", file=sys.stderr)
     _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
@@ -1387,6 +1388,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64,
                    help="rows waiting for --max-batch room before a request gets 429, counted as --max-batch counts "
                         "them (clients that left free theirs at once)")
+    p.add_argument("--max-context", type=int, default=None, metavar="TOKENS",
+                   help="the most tokens a request's prompt and max_tokens may take together (the answer in whole "
+                        "canvases); a longer request gets a 400 naming max_tokens or the prompt and this limit (vLLM's "
+                        "--max-model-len; default: the model's context, max_position_embeddings)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0,

@@ -740,6 +740,38 @@ def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err and "serving" not in err
 
 
+def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
+    """create_app could cap a request's prompt + max_tokens, but serve had no flag for it: on a model with a 131072-token
+    context, one client's max_tokens 100000 ran (and held the engine) for as long as it took."""
+    from fastapi.testclient import TestClient
+
+    import blockpress.cli
+
+    answers = []
+
+    class Server:  # uvicorn's place: the app answers two requests, and serve returns
+        def __init__(self, config):
+            self.app = config.app
+
+        def run(self, sockets):
+            with TestClient(self.app) as http:
+                for max_tokens in (40, 16):
+                    answers.append(http.post("/v1/completions", json={"model": "random-tiny", "prompt": "hello",
+                                                                       "max_tokens": max_tokens, "seed": 1}))
+
+    monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--max-context", "40"]) == 0
+    refused, answered = answers
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "max_tokens", refused.text
+    assert "max_tokens 40 (whole 16-token canvases: 48 positions) exceed the context of 40 tokens" in error["message"]
+    assert answered.status_code == 200
+    for bad, says in (("0", "--max-context: expected a positive integer, got 0"),
+                      ("999999999", "--max-context: expected a positive integer of at most the model's context of")):
+        assert main(["serve", "--model", "random-tiny", "--port", "0", "--max-context", bad]) == 2
+        assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""
