@@ -1381,7 +1381,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    p.add_argument("--served-name", default=None, help="model id clients use (default: the model's name)")
+    p.add_argument("--served-name", default=None, help="model id clients use, the one /v1/models lists and requests "
+                   "must name (default: the model's folder name, or the id given)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="rows generated at once, over all running batches: one per sampled choice (a request with "
                         "n: 4 takes 4; n greedy choices take 1); bounds the memory of generation")

@@ -979,7 +979,9 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> J
 def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job]:
     """A request's jobs for one prompt: one per sampled choice, or one for all its greedy choices."""
     lm, model_name, context = state.lm, state.model_name, state.context
-    if body.model not in (model_name, lm.path.name if lm.path else model_name):
+    # The served name alone, as /v1/models lists it (a folder's name too was taken here, under --served-name, while
+    # /v1/models/{its name} answered 404; vLLM refuses it as well)
+    if body.model != model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
                        "not_found_error")
     field_name = body.unsupported()

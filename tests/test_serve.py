@@ -859,6 +859,25 @@ def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
     assert served_name("blockpress-code") == "blockpress-code"
 
 
+def test_a_model_is_known_by_its_served_name_alone(tmp_path):
+    """Under --served-name a request naming the checkpoint's folder was answered (its `model` saying the folder's name),
+    while /v1/models listed only the served name and /v1/models/{folder} was a 404 saying the model does not exist."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2}
+    lm.path = tmp_path / "tinyck"  # as loaded from that folder
+    with TestClient(create_app(lm, "team/tiny", prefix_cache_bytes=0)) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["team/tiny"]
+        for name, status in (("team/tiny", 200), ("tinyck", 404)):
+            card = http.get(f"/v1/models/{name}")
+            r = http.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2})
+            assert card.status_code == r.status_code == status, (name, r.text)
+        assert r.json()["error"]["message"] == "model 'tinyck' does not exist; this server has 'team/tiny'"
+        assert http.post("/v1/completions", json={"model": "team/tiny", "prompt": "x", "max_tokens": 2}).json()[
+            "model"] == "team/tiny"
+
+
 def test_drafts_do_not_repeat_the_healed_prompt_token():
     """With token healing the first new tokens repeat the dropped prompt token's text ("\\n"); the answer drops
     it, and so must the drafts streamed before it (they started with it)."""
