@@ -359,6 +359,19 @@ def test_bad_sampler_settings(kwargs, field):
         SamplerConfig(**kwargs)
 
 
+def test_a_schedule_end_past_its_start_names_the_setting_given():
+    """with_(t_min=5) said "t_max: t_max (0.8) must be >= t_min (5.0)": a server's 400 named t_max, a field the
+    request never sent."""
+    base = SamplerConfig(t_min=0.4, t_max=0.8)
+    with pytest.raises(ValueError, match=r"^t_min: 5 must be <= t_max \(0.8, the setting here\)$"):
+        base.with_(t_min=5)
+    with pytest.raises(ValueError, match=r"^t_max: t_max \(0.3\) must be >= t_min \(0.4\)$"):
+        base.with_(t_max=0.3)
+    with pytest.raises(ValueError, match=r"^t_max: "):  # both given: the pair, as SamplerConfig names it
+        base.with_(t_min=5, t_max=1)
+    assert base.with_(t_min=0.8).t_min == 0.8
+
+
 def test_settings_people_pass_from_numpy_and_uniform_noise_on_request():
     import numpy as np
 
