@@ -776,8 +776,10 @@ class LM:
         if template is not None:
             parsed = parse_template(template, self.tokenizer, ids.shape[0], hole_length,
                                     self.config.text.max_position_embeddings)
-        if cfg.sampler == "greedy" and seed is None:
-            seed = 0  # greedy promises the same answer every time: the starting canvas may not be random either
+        if cfg.argmax_candidates and seed is None:
+            # greedy (and any sampler with argmax candidates, what temperature 0 gives a chosen sampler) promises
+            # the same answer every time: the starting canvas may not be random either
+            seed = 0
         if heal_holes:
             if is_text_template(prompt):  # a text prompt's trailing space joins a hole the template starts with
                 rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
@@ -991,7 +993,7 @@ class LM:
         `SamplerConfig`, which replaces the checkpoint's settings rather than adding to them, except
         `noise_token_id`: that says how the model was trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
         noise_token_id=-1 for uniform noise on a model trained with absorbing noise). `seed`: None draws a fresh
-        one (greedy uses 0). Every row draws from it as it would alone (a row's output does not depend on the
+        one (greedy, and any sampler with candidates="argmax", uses 0). Every row draws from it as it would alone (a row's output does not depend on the
         batch), so rows holding the same prompt get the same sample: for different samples of one prompt pass
         `seeds`, one per row (the server's n > 1 choices get seeds of their own this way).
 

@@ -231,7 +231,10 @@ class SamplerConfig:
 
     def with_temperature(self, temperature: float | None, sampler_given: bool = False) -> SamplerConfig:
         """OpenAI's `temperature` applied (the server's and `blockpress generate --temperature`'s): None keeps
-        this config; 0 is the greedy sampler; T > 0 draws the candidates at T (draw_temperature). A greedy
+        this config; 0 takes the most likely candidates: the greedy sampler, or, where `sampler_given` says the
+        caller chose the sampler, that sampler's own acceptance rule and settings with candidates='argmax' (a
+        client that names topk or confidence and sends 0 by habit asked for that rule; swapping in greedy dropped
+        it and its knobs unread); T > 0 draws the candidates at T (draw_temperature). A greedy
         sampler then becomes entropy_bound, since greedy is entropy_bound with argmax candidates (so a model that
         decodes greedily by default, blockpress-code, samples as OpenAI's API would), unless `sampler_given`
         says the caller asked for greedy itself: it takes the argmax and this config stays (OpenAI clients send a
@@ -242,6 +245,8 @@ class SamplerConfig:
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
                              f"{temperature!r}")
         if temperature == 0:
+            if sampler_given and self.sampler != "greedy":
+                return self.with_(candidates="argmax")
             return self.with_(sampler="greedy")
         if self.sampler == "greedy" and sampler_given:
             return self

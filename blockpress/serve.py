@@ -10,8 +10,8 @@ together share each denoising step, and one that arrives while a long one runs s
 waiting for its end. The queue and `max_batch` count rows: one per sampled choice. Their lengths may differ: each row has its own
 max_tokens and min_tokens, and a row whose max_tokens is spent leaves the batch, as one that wrote EOS does. So
 may `temperature` (above 0), `top_p` and `top_k`, which real clients vary most: each row draws its candidates with
-its own (sampling.RowDraws). The rest (temperature 0, which is the greedy sampler, the penalties and the diffusion
-fields) is the batch's. Each request's jobs are checked alone (the library's own checks) before they are queued, so a
+its own (sampling.RowDraws). The rest (temperature 0, which takes the most likely candidates, the penalties and the
+diffusion fields) is the batch's. Each request's jobs are checked alone (the library's own checks) before they are queued, so a
 value one client sends gets its request a 400 naming the field, and never fails a batch that others joined.
 Every row's randomness comes from its own seed, so in float32 a response is the same whether it ran alone or in
 a batch, up to rounding (a batch left-pads shorter prompts, and the other shapes move logits by ~1e-6, which
@@ -25,7 +25,8 @@ Diffusion settings are per request, as extra body fields: max_denoising_steps, s
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
 settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` T > 0 tempers
 the candidate draws (SamplerConfig.draw_temperature = T: the schedule's temperature times T), while acceptance,
-ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the greedy sampler.
+ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the greedy sampler, or,
+with a `sampler` in the request, that sampler's acceptance rule over the most likely candidates (candidates="argmax").
 `top_p` (OpenAI's) and the extra `top_k` filter those draws (SamplerConfig.top_p / top_k: the nucleus, the k most
 likely tokens); where the candidates are argmax (greedy) they change nothing, as the argmax is always kept.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
@@ -1008,7 +1009,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
     stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
     if body.seed is not None:
         seed = body.seed
-    elif cfg.sampler == "greedy":  # temperature 0: the same answer every time, so no random starting canvas
+    elif cfg.argmax_candidates:  # temperature 0: the same answer every time, so no random starting canvas
         seed = 0
     else:
         seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
@@ -1016,7 +1017,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
     # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
     prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
     eos_only = "min_tokens" not in body.model_fields_set  # the default: chat's 1 (ChatRequest.min_tokens)
-    if cfg.sampler == "greedy":  # n greedy choices are one answer n times, as OpenAI's: run it once
+    if cfg.argmax_candidates:  # n greedy choices are one answer n times, as OpenAI's: run it once
         return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
                     asyncio.Queue(), copies=body.n, heal_prefix=prefix, eos_only_minimum=eos_only)]
     return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,

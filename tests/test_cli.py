@@ -458,8 +458,13 @@ def test_temperature_flag_is_the_servers_temperature(command, temperature, sampl
         return
     cli = sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))["sampler"]
     assert cli == server
-    assert cli.sampler == "greedy" if temperature == 0 or sampler == "greedy" else (
-        not cli.argmax_candidates and cli.draw_temperature == temperature)
+    if temperature == 0 and sampler not in (None, "greedy"):  # the rule asked for, over the most likely candidates
+        assert cli.sampler == sampler and cli.candidates == "argmax" and cli.draw_temperature == 1.0
+        assert confidence is None or cli.confidence == confidence
+        assert bound is None or cli.entropy_bound == bound
+    else:
+        assert cli.sampler == "greedy" if temperature == 0 or sampler == "greedy" else (
+            not cli.argmax_candidates and cli.draw_temperature == temperature)
 
 
 def test_a_sampler_flag_the_sampler_ignores_is_refused_and_confidence_is_read(capsys):
@@ -483,6 +488,26 @@ def test_a_sampler_flag_the_sampler_ignores_is_refused_and_confidence_is_read(ca
         assert "--confidence: the topk sampler (the default here) does not read it" in capsys.readouterr().err
     for command in ("generate", "infill", "chat", "sudoku"):
         assert "--confidence" in subcommands()[command].format_help()
+
+
+def test_temperature_0_keeps_the_sampler_asked_for(capsys):
+    """`--sampler confidence --confidence X --temperature 0` ran the greedy sampler whatever X was (the same text
+    as `--sampler greedy`): temperature 0 swapped the sampler. Now it keeps the confidence rule, with argmax
+    candidates, so the threshold is read; without --sampler, 0 is still greedy. Either way a run repeats."""
+    if MODEL != "blockpress-code":
+        pytest.skip("random weights are too flat for a threshold to tell apart")
+    base = ["generate", "def f(x):", "--model", MODEL, "--max-new-tokens", "16", "--json", "--threads", "1",
+            "--temperature", "0"]
+
+    def run(*extra):
+        assert main(base + list(extra)) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["text"], out["forward_passes"]
+
+    low, high = run("--sampler", "confidence", "--confidence", "0.5"), run("--sampler", "confidence", "--confidence", "0.99")
+    assert low != high
+    assert run("--sampler", "confidence", "--confidence", "0.5") == low  # no seed: argmax candidates start at seed 0
+    assert run() == run("--sampler", "greedy") != low
 
 
 def test_temperature_flag_changes_the_draws_and_names_itself(capsys):

@@ -2754,3 +2754,12 @@ def test_text_templates_of_different_lengths_heal_and_fill_each_as_alone(code_lm
     # row 1's first token is the prompt's space, healed: it starts with " ", which the prompt holds, not the answer
     assert code_lm.tokenizer.token_texts()[int(batch.new_tokens[1, 0])].startswith(" ")
     assert batch.texts[1] == batch.fills[1][0] + " + 1"
+
+
+def test_argmax_candidates_without_a_seed_give_one_answer(lm):
+    """Greedy decoding started from seed 0 when none was given, any other sampler from a fresh seed; temperature 0
+    with a chosen sampler is that sampler with argmax candidates, and must repeat as greedy does."""
+    prompt = torch.tensor([[5, 6, 7]])
+    kw = dict(max_new_tokens=8, max_denoising_steps=3, sampler="topk", candidates="argmax")
+    runs = [lm.generate(prompt, **kw).sequences for _ in range(3)]
+    assert all(torch.equal(r, runs[0]) for r in runs) and torch.equal(runs[0], lm.generate(prompt, seed=0, **kw).sequences)

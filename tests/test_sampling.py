@@ -624,6 +624,19 @@ def test_a_draw_temperature_argmax_candidates_would_ignore_is_refused(sampler, c
     assert cfg.with_temperature(t, sampler_given=True).sampler == sampler
 
 
+@pytest.mark.parametrize("sampler, knob", [("confidence", dict(confidence=0.5)), ("topk", dict(rank_by="margin")),
+                                           ("entropy_bound", dict(entropy_bound=0.3)), ("greedy", {})])
+def test_temperature_0_keeps_a_chosen_sampler_with_argmax_candidates(sampler, knob):
+    """with_temperature(0, sampler_given=True) swapped any sampler for greedy, so a chosen topk or confidence rule
+    and its knob went unread. It keeps the rule and its settings and takes the most likely candidates; a sampler
+    not chosen (the checkpoint's) still becomes greedy at 0."""
+    chosen = SamplerConfig(draw_temperature=0.7).with_(sampler=sampler, **knob)
+    zero = chosen.with_temperature(0, sampler_given=True)
+    assert zero.sampler == sampler and zero.argmax_candidates and zero.draw_temperature == 1.0
+    assert all(getattr(zero, k) == v for k, v in knob.items())
+    assert chosen.with_temperature(0).sampler == "greedy"
+
+
 @settings(max_examples=40, deadline=None)
 @given(low=st.integers(0, 2**47 - 1), high=st.integers(1, 2**16 - 1))
 def test_seeds_past_47_bits_draw_their_own_numbers(low, high):

@@ -724,6 +724,34 @@ def test_a_temperature_samples_even_where_the_model_decodes_greedily():
         assert sampled[0] == texts(temperature=1.0, seed=7)[0] and sampled[1] != texts(temperature=1.0, seed=8)[0]
 
 
+def test_temperature_0_keeps_the_sampler_a_request_names():
+    """`"sampler": "topk", "temperature": 0` ran the greedy sampler (its acceptance rule swapped, a `confidence` sent
+    with the confidence sampler never read). Now it runs the sampler named over argmax candidates, as a greedy
+    request does otherwise: one answer for n choices, the same with no seed; without a sampler 0 is still greedy."""
+    from fastapi.testclient import TestClient
+
+    from blockpress.serve import CompletionRequest, sampler_config
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"sampler": "greedy", "max_denoising_steps": 3}
+    for sampler in ("topk", "confidence"):
+        body = CompletionRequest(model=MODEL, prompt="x", temperature=0, sampler=sampler)
+        cfg = sampler_config(lm.sampler_defaults, body)
+        assert cfg.sampler == sampler and cfg.candidates == "argmax"
+    assert sampler_config(lm.sampler_defaults, CompletionRequest(model=MODEL, prompt="x", temperature=0)).sampler == "greedy"
+    with TestClient(create_app(lm, MODEL)) as http:
+        def texts(**kw):
+            body = {"model": MODEL, "prompt": "hello", "max_tokens": 16, "temperature": 0, "sampler": "topk", **kw}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in r.json()["choices"]], r.json()["usage"]["forward_passes"]
+
+        (three, passes3), (one, passes1) = texts(n=3), texts()
+        assert set(three) == set(one) and len(three) == 3 and passes3 == passes1  # computed once
+        direct = lm.generate("hello", max_new_tokens=16, sampler="topk", candidates="argmax", seed=0)
+        assert one == direct.texts
+
+
 def test_prefix_cache_can_be_off():
     lm = load_model("random-tiny", None, "cpu")
     assert create_app(lm, MODEL, prefix_cache_bytes=0).state.engine.prefix_cache is None
