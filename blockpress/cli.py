@@ -780,8 +780,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                          "run keeps its split (leave --heldout out, or start a new run)")
     changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v}
     if changed:  # after the arguments are checked: an error there comes alone
-        print("--resume: the run's saved settings, except " +
-              ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()), file=sys.stderr)
+        print_warning("--resume: the run's saved settings, except " +
+                      ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
     if args.model:
         # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
         # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
@@ -849,7 +849,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
             raise ValueError(f"{flag} {exc}") from None
         if note:
-            print(f"{flag} {given}: {note}", file=sys.stderr)
+            print_warning(f"{flag} {given}: {note}")
     if is_examples(args.data):
         cfg.check_examples()  # before the examples are read (the Trainer checks again)
         if cfg.heldout_data:  # the held-out examples are a file of their own
@@ -863,14 +863,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             if cfg.heldout is None:
                 if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
-                    print(f"--resume: the run in {args.out} did not record its --heldout; holding out "
-                          f"{DEFAULT_HELDOUT} (give the value it was started with, if another)", file=sys.stderr)
+                    print_warning(f"--resume: the run in {args.out} did not record its --heldout; holding out "
+                                  f"{DEFAULT_HELDOUT} (give the value it was started with, if another)")
                 cfg = dataclasses.replace(cfg, heldout=DEFAULT_HELDOUT)  # saved with the run: --resume keeps the split
             examples = examples_of(args.data, "--data")
             train, held = split_heldout(examples, cfg.heldout)
             if cfg.heldout > 0 and not held:
-                print(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out loss",
-                      file=sys.stderr)
+                print_warning(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out "
+                              "loss")
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:
@@ -895,8 +895,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         trainer.resume()
     if cfg.warmup_steps > cfg.steps:
-        print(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never reaches "
-              f"--lr {cfg.lr}", file=sys.stderr)
+        print_warning(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never "
+                      f"reaches --lr {cfg.lr}")
     result = trainer.train()
     if trainer.rank == 0:
         _plot_training(Path(args.out), quiet=args.quiet)
@@ -970,7 +970,7 @@ def _plot_training(out: Path, quiet: bool) -> None:
         plot_metrics(metrics, out / "loss.png")
     except ImportError:
         if not quiet:
-            print("no loss.png: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+            print_warning("no loss.png: matplotlib is not installed (pip install matplotlib)")
         return
     if not quiet:
         print(f"loss curves: {out / 'loss.png'}", file=sys.stderr)
@@ -1003,8 +1003,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
     if args.show_steps and len(puzzles) > 1:
-        print(f"--show-steps: shows one puzzle's steps; {len(puzzles)} puzzles given, so none are shown",
-              file=sys.stderr)
+        print_warning(f"--show-steps: shows one puzzle's steps; {len(puzzles)} puzzles given, so none are shown")
     t0 = time.perf_counter()
     results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
                                  on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
@@ -1487,6 +1486,12 @@ def show_warning(message: Warning | str, category: type[Warning], filename: str,
     stream = sys.stderr if file is None else file
     if stream is not None:  # no console at all (pythonw): nowhere to say it
         print(f"warning: {message}", file=stream)
+
+
+def print_warning(message: str) -> None:
+    """A command's own warning (a flag that cannot act as given, a file left out): the line show_warning gives the
+    library's, so a script that looks for `warning:` on stderr finds every one."""
+    show_warning(message, UserWarning, __file__, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

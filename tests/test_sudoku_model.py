@@ -105,7 +105,7 @@ def test_cli_reads_puzzles_from_stdin_and_says_when_show_steps_cannot_apply(tiny
         main(["sudoku", *source, "--model", str(path), "--json", "--steps", "1", "--show-steps"])
         out, err = capsys.readouterr()
         assert [json.loads(line)["puzzle"] for line in out.splitlines()] == [a, b]
-        assert "--show-steps: shows one puzzle's steps; 2 puzzles given, so none are shown" in err
+        assert "warning: --show-steps: shows one puzzle's steps; 2 puzzles given, so none are shown" in err
         assert "step 1" not in err
 
 

@@ -42,6 +42,25 @@ def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
     assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the run's curves
 
 
+def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
+    """The README promises a warning is a `warning: ...` line on stderr; train's own notes (a --heldout that holds
+    out nothing, a warmup longer than the run, no matplotlib for loss.png) were bare lines a script's grep missed."""
+    import blockpress.train
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("no matplotlib")
+
+    monkeypatch.setattr(blockpress.train, "plot_metrics", no_matplotlib)
+    data = write_data(tmp_path / "d.jsonl")
+    args = [a for a in train_args(data, tmp_path / "out", steps=2) if a != "--quiet"]
+    args[args.index("--heldout") + 1], args[args.index("--warmup-steps") + 1] = "0.02", "5"
+    assert main(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    for start in ("--heldout 0.02: holds out none of 8 examples", "--warmup-steps 5 is more than --steps 2",
+                  "no loss.png: matplotlib is not installed"):
+        assert any(line.startswith("warning: " + start) for line in err), (start, err)
+
+
 def test_plot_metrics_draws_every_logged_series(tmp_path):
     rows = [{"step": s, "loss": 5.0 - s, "diffusion_loss": 3.0 - s, "ar_loss": 2.0, "lr": 1e-3} for s in (1, 2, 3)]
     rows[2]["eval_loss"] = 4.5
@@ -157,7 +176,8 @@ def test_resume_keeps_the_runs_own_settings(tmp_path, capsys):
     assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
     saved = json.loads((tmp_path / "split" / "train_config.json").read_text())
     assert (saved["lr"], saved["noise_token_id"], saved["seed"], saved["steps"]) == (1e-3, 3, 7, 4)
-    assert "steps 2 -> 4" in capsys.readouterr().err  # flags given again override, and say so
+    # flags given again override, and say so in a warning line
+    assert "warning: --resume: the run's saved settings, except steps 2 -> 4" in capsys.readouterr().err
 
 
 def test_resume_keeps_the_runs_held_out_split(tmp_path, capsys):
@@ -735,7 +755,7 @@ def test_a_readme_beside_jsonl_is_left_out_and_said_so(tmp_path, capsys):
     write_data(tmp_path / "data" / "train.jsonl")
     (tmp_path / "data" / "README.md").write_text("Line of the dataset card.\n" * 30)
     assert main(train_args(tmp_path / "data", tmp_path / "folder", steps=1)) == 0
-    assert f"--data {tmp_path / 'data'}: reads train.jsonl; leaves out README.md" in capsys.readouterr().err
+    assert f"warning: --data {tmp_path / 'data'}: reads train.jsonl; leaves out README.md" in capsys.readouterr().err
     assert main(train_args(tmp_path / "data" / "train.jsonl", tmp_path / "file", steps=1)) == 0
     assert losses(tmp_path / "folder") == losses(tmp_path / "file")
     (tmp_path / "data" / "notes.txt").write_text("notes\n")
