@@ -183,7 +183,9 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--t-max", type=float, default=None,
                    help="temperature at the first step (of the candidate draws and of acceptance alike)")
     g.add_argument("--t-min", type=float, default=None,
-                   help="temperature at the last step (of the candidate draws and of acceptance alike)")
+                   help="the schedule's low end: the temperature falls linearly from --t-max at the first step to "
+                        "--t-min + (--t-max - --t-min) / --steps at the last, as the reference's does (of the "
+                        "candidate draws and of acceptance alike)")
     g.add_argument("--temperature", type=float, default=None,
                    help="OpenAI's temperature (the library's draw_temperature): candidates are drawn at the "
                         "schedule's temperature (--t-max down to --t-min) times this, while acceptance keeps the "

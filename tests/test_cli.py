@@ -305,6 +305,20 @@ def subcommands():
     return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
+@pytest.mark.parametrize("command", ["generate", "infill", "chat"])
+def test_t_min_help_says_where_the_schedule_ends(command):
+    """--t-min's help said "temperature at the last step", which the schedule never reaches: it ends at
+    t_min + (t_max - t_min) / steps, as the reference's does (1.375, not 1.0, for 4 steps from 2.5 to 1.0)."""
+    from blockpress.sampling import temperature
+
+    help_text = " ".join(subcommands()[command].format_help().split())
+    assert "temperature at the last step" not in help_text
+    assert "--t-min + (--t-max - --t-min) / --steps at the last" in help_text
+    cfg = blockpress.SamplerConfig(t_max=2.5, t_min=1.0, max_denoising_steps=4)
+    assert float(temperature(cfg, 1)) == pytest.approx(cfg.t_min + (cfg.t_max - cfg.t_min) / 4)
+    assert float(temperature(cfg, 4)) == pytest.approx(cfg.t_max)
+
+
 # Each command's required arguments, so that an unknown flag is the one thing wrong.
 REQUIRED = {"generate": ["x"], "infill": ["x"], "train": ["--data", "d", "--out", "o"]}
 
