@@ -191,7 +191,7 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
                         "schedule's temperature (--t-max down to --t-min) times this, while acceptance keeps the "
                         "schedule; 0: the most likely candidates (greedy; with --sampler, that sampler's rule over "
                         "argmax candidates). A model that decodes greedily by default (blockpress-code) samples "
-                        "when given one above 0, unless --sampler greedy")
+                        "when given one above 0; with --sampler greedy only 0 is taken")
     g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
 
 
@@ -213,6 +213,12 @@ def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
                     top_k=args.top_k, top_p=args.top_p)
     if args.temperature is None:
         return {**kw, **settings}
+    if args.sampler == "greedy" and args.temperature != 0:
+        # The server keeps greedy then (clients send a temperature by habit); a flag typed on purpose that changes
+        # nothing is refused, as the library refuses draw_temperature with greedy.
+        raise ValueError(f"--temperature {args.temperature}: --sampler greedy takes the most likely candidates and "
+                         "draws none, so it would be ignored; leave out --sampler greedy to draw them at this "
+                         "temperature, or give --temperature 0")
     cfg = lm.sampler_defaults.with_(**settings).with_temperature(args.temperature,
                                                                  sampler_given=args.sampler is not None)
     return {**kw, "sampler": cfg}

@@ -463,6 +463,10 @@ def test_temperature_flag_is_the_servers_temperature(command, temperature, sampl
     args = build_parser().parse_args(given_args)
     body = CompletionRequest(model="m", prompt="x", temperature=temperature, sampler=sampler, entropy_bound=bound,
                              confidence=confidence)
+    if sampler == "greedy" and temperature != 0:  # the server keeps greedy (a client's habit); the CLI refuses it
+        with pytest.raises(ValueError, match=f"--temperature {temperature}: --sampler greedy takes the most likely"):
+            sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))
+        return
     try:
         server = sampler_config(defaults, body)
     except APIError as exc:
@@ -522,6 +526,18 @@ def test_temperature_0_keeps_the_sampler_asked_for(capsys):
     assert low != high
     assert run("--sampler", "confidence", "--confidence", "0.5") == low  # no seed: argmax candidates start at seed 0
     assert run() == run("--sampler", "greedy") != low
+
+
+def test_a_temperature_the_greedy_sampler_would_ignore_is_refused(capsys):
+    """`--sampler greedy --temperature 0.7` ran greedy, the temperature unread (seeds 1 and 2 gave the same text),
+    where the library refuses a draw temperature with greedy: it is refused by name, exit 2; 0 is taken."""
+    base = ["generate", "x", "--model", "random-tiny", "--max-new-tokens", "4", "--steps", "2", "--json",
+            "--threads", "1", "--sampler", "greedy"]
+    assert main(base + ["--temperature", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --temperature 0.7: --sampler greedy takes the most likely candidates" in err
+    assert "Traceback" not in err
+    assert main(base + ["--temperature", "0"]) == 0
 
 
 def test_temperature_flag_changes_the_draws_and_names_itself(capsys):
