@@ -57,7 +57,7 @@ from .data import CHAT_TURNS, Batch, Example, TokenShards, make_batch
 from .files import StagedFiles, read_json_object, staging, temporary_path
 from .lm import LM, MODELS_DIR
 from .model import DiffusionGemma
-from .quantize import QuantizedLinear, check_scheme, quantization_of
+from .quantize import SCHEMES, QuantizedLinear, check_scheme, quantization_of
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
 TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
@@ -193,7 +193,7 @@ class TrainConfig:
     quantize: str | None = setting(None, "with --lora-rank: train the adapters over a frozen base quantized with this "
                                    "scheme (int8, fp8 or int4: QLoRA; the base is quantized as it is read); --out "
                                    "then holds the adapters alone, in --out/adapter, which --model takes to run them "
-                                   "(generate, chat, serve, ...) over the base quantized alike")
+                                   "(generate, chat, serve, ...) over the base quantized alike", choices=SCHEMES)
     prompt_min: int = setting(8, "raw-text corpora: shortest prompt of a window")
     prompt_max: int = setting(64, "raw-text corpora: longest prompt of a window")
     response_canvases: int = setting(1, "raw-text corpora: canvases of response per window")

@@ -61,6 +61,17 @@ def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
         assert any(line.startswith("warning: " + start) for line in err), (start, err)
 
 
+def test_train_quantize_shows_its_choices(tmp_path, capsys):
+    """train's usage line read `--quantize QUANTIZE` where the other commands list {int8,fp8,int4,none}."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    assert "--quantize {int8,fp8,int4}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--config", "tiny", "--data", "d", "--out", str(tmp_path / "o"), "--quantize", "int3"])
+    assert exit_.value.code == 2 and "--quantize: invalid choice: 'int3'" in capsys.readouterr().err
+
+
 def test_plot_metrics_draws_every_logged_series(tmp_path):
     rows = [{"step": s, "loss": 5.0 - s, "diffusion_loss": 3.0 - s, "ar_loss": 2.0, "lr": 1e-3} for s in (1, 2, 3)]
     rows[2]["eval_loss"] = 4.5
