@@ -192,7 +192,9 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
                         "schedule; 0: the most likely candidates (greedy; with --sampler, that sampler's rule over "
                         "argmax candidates). A model that decodes greedily by default (blockpress-code) samples "
                         "when given one above 0; with --sampler greedy only 0 is taken")
-    g.add_argument("--seed", type=int, default=None, help="make the run reproducible")
+    g.add_argument("--seed", type=int, default=None,
+                   help="make the run reproducible (default: a fresh seed each run; greedy decoding, and "
+                        "--temperature 0, start from seed 0 and repeat anyway)")
 
 
 def add_token_healing_arg(p: argparse.ArgumentParser, what: str, note: str) -> None:

@@ -319,6 +319,13 @@ def test_t_min_help_says_where_the_schedule_ends(command):
     assert float(temperature(cfg, 4)) == pytest.approx(cfg.t_max)
 
 
+@pytest.mark.parametrize("command", ["generate", "infill", "chat"])
+def test_seed_help_shows_its_default(command):
+    """The README says every --help includes defaults; --seed's said only "make the run reproducible"."""
+    help_text = " ".join(subcommands()[command].format_help().split())
+    assert "default: a fresh seed each run" in help_text
+
+
 # Each command's required arguments, so that an unknown flag is the one thing wrong.
 REQUIRED = {"generate": ["x"], "infill": ["x"], "train": ["--data", "d", "--out", "o"]}
 
