@@ -737,6 +737,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                          f"{'not a folder' if not existing.is_dir() else 'not writable'})")
     if args.resume:
         check_resumable(args.out)
+    if args.data is None:
+        if not args.resume:
+            raise ValueError("--data: required (the training data; with --resume, the run's own is read from --out)")
+        from blockpress.train import recorded_data
+
+        args.data = recorded_data(out)
+        if args.data is None:
+            raise ValueError(f"--resume: the run in {args.out} does not record its data (a run saved before it was, "
+                             "or one a Trainer ran without it); give it again with --data")
+        print(f"--resume: training on the run's own data, {args.data}", file=sys.stderr)
     if not args.resume and (out / "trainer_state.pt").exists():
         raise ValueError(f"--out {args.out}: already holds a training run (trainer_state.pt); continue it with "
                          "--resume, or give another folder")
@@ -767,7 +777,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         # before the base is looked for and loaded (a minute for a quantized one): a finished LoRA run said "give
         # --model", then, with it, that it had finished
-        check_continues(args.out, read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu"), cfg.lora_rank)
+        check_continues(args.out, read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu"), cfg)
     if args.resume and args.model is None and args.config is None:
         from blockpress.train import LORA_BASE_FILE, lora_base
 
@@ -904,6 +914,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         (out / "metrics.jsonl").unlink()
     if args.resume:
         trainer.resume()
+    trainable = {"trainable_parameters": trainer.trainable_parameters,
+                 "trainable_fraction": round(trainer.trainable_parameters / max(trainer.total_parameters, 1), 6)}
+    if cfg.lora_rank and not args.quiet and trainer.rank == 0:
+        print(f"--lora-rank {cfg.lora_rank}: training {trainer.trainable_parameters:,} of "
+              f"{trainer.total_parameters:,} parameters ({100 * trainable['trainable_fraction']:.3g}%) on "
+              f"{cfg.lora_targets}", file=sys.stderr)
     if cfg.warmup_steps > cfg.steps:
         print_warning(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never "
                       f"reaches --lr {cfg.lr}")
@@ -914,7 +930,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         losses = result.losses or [None]
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
                           "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,
-                          "tokens_per_second": round(result.tokens_per_second, 1)}))
+                          "tokens_per_second": round(result.tokens_per_second, 1), **trainable}))
     if cfg.quantize and result.stopped != "interrupted" and trainer.rank == 0:
         from blockpress.train import ADAPTER_DIR, base_name
 
@@ -931,7 +947,9 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"checkpoint (the base was {str(base_dtype)[6:]}; --dtype {str(base_dtype)[6:]} saves that, rounding "
               "part of the adapters' update away)", file=sys.stderr)
     if result.stopped == "interrupted":
-        print(f"interrupted at step {result.steps}: saved in {args.out}; continue with --resume", file=sys.stderr)
+        adapters = f" (its adapters so far load as --model {Path(args.out) / 'adapter'})" if cfg.lora_rank else ""
+        print(f"interrupted at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
+              file=sys.stderr)
         return 130
     return 0
 
@@ -1331,7 +1349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint folder, shipped name or cached repo id to fine-tune")
     p.add_argument("--config", default=None, help="fresh model: a config.json or a preset (tiny, small, medium)")
     p.add_argument("--tokenizer", default=None, help="fresh model: a folder with tokenizer.json for text data")
-    p.add_argument("--data", required=True, help="FILE.jsonl (examples, or {\"text\": ...} lines; several: a glob "
+    p.add_argument("--data", default=None, help="(required, except with --resume: the run's own) FILE.jsonl (examples, or {\"text\": ...} lines; several: a glob "
                    "of .jsonl files alone, or a folder of them, its .md files left out as dataset cards), a .txt/.py/.md file, a folder of them, or a glob of token shards "
                    "(blockpress.data.write_shard writes them; scripts/build_code_corpus.py in a clone of the blockpress "
                    "repository builds a corpus of them)")
@@ -1343,7 +1361,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
                    "step) with its saved settings; flags given now override them (--steps: the new end of the "
-                   "cosine schedule). Give --data again (the run's own: other data is warned about)")
+                   "cosine schedule). It trains on the run's own --data, recorded with it, unless --data is given "
+                   "(other data is warned about)")
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 

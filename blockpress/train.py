@@ -69,7 +69,33 @@ WEIGHTS_STEP_KEY = "blockpress_train_step"
 # were moved into place (finish_interrupted_save).
 COMMIT_KEY = "commit"
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+# The linear layers LoRA can adapt, by the names peft's target_modules gives them, and the module suffix each stands
+# for here: "mlp." keeps the self-conditioning MLP's namesakes (and the experts' down_proj) out.
+LORA_MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
+                "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+LORA_TARGETS = list(LORA_MODULES.values())
+# Names a peft user may try for the routed experts: their weights are 3-D parameters (one tensor for every expert),
+# which peft adapts with target_parameters and blockpress does not.
+_EXPERT_NAMES = {"experts", "gate_up_proj", "experts.gate_up_proj", "experts.down_proj"}
+
+
+def lora_modules(targets: str) -> list[str]:
+    """The module suffixes add_lora adapts for `targets`, TrainConfig.lora_targets: LORA_MODULES names, comma-separated
+    ("q_proj,v_proj"). An unknown name is refused with the list, the routed experts with why."""
+    names = [name.strip() for name in targets.split(",") if name.strip()] if isinstance(targets, str) else []
+    if not names:
+        raise ValueError(f"lora_targets: expected comma-separated names among {', '.join(LORA_MODULES)}, got "
+                         f"{targets!r}")
+    experts = [name for name in names if name in _EXPERT_NAMES]
+    if experts:
+        raise ValueError(f"lora_targets: {experts[0]!r}: the routed experts' weights are 3-D parameters (one tensor for "
+                         "all experts), not linear layers, and blockpress trains LoRA on linear layers only; choose "
+                         f"among {', '.join(LORA_MODULES)}")
+    unknown = [name for name in names if name not in LORA_MODULES]
+    if unknown:
+        raise ValueError(f"lora_targets: unknown module(s) {unknown}; expected comma-separated names among "
+                         f"{', '.join(LORA_MODULES)} (attention's projections and the dense MLP's)")
+    return [LORA_MODULES[name] for name in dict.fromkeys(names)]
 
 
 def check_resumable(out: str | Path) -> Path:
@@ -187,9 +213,13 @@ class TrainConfig:
     seed: int = setting(0, "seeds data order, corruption and self-conditioning choices")
     autocast: bool = setting(True, "bfloat16 autocast where the hardware has it (CUDA)")
     cpu_autocast: bool = setting(False, "bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
-    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (q/k/v/o + dense MLP) instead of all weights; "
-                             "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter")
-    lora_alpha: int = setting(16, "with --lora-rank: LoRA scaling numerator")
+    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (on the layers chosen below) instead of all weights; "
+                             "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter (each "
+                             "save writes that folder, so a save before the end loads too)")
+    lora_alpha: float = setting(16, "with --lora-rank: LoRA scaling numerator (the update is alpha / rank * B @ A)")
+    lora_targets: str = setting(",".join(LORA_MODULES), "with --lora-rank: the linear layers adapted, separated by commas "
+                                "as peft's target_modules names them: attention's q_proj, k_proj, v_proj, o_proj and "
+                                "the dense MLP's gate_proj, up_proj, down_proj (not the routed experts)")
     quantize: str | None = setting(None, "with --lora-rank: train the adapters over a frozen base quantized with this "
                                    "scheme (int8, fp8 or int4: QLoRA; the base is quantized as it is read); --out "
                                    "then holds the adapters alone, in --out/adapter, which --model takes to run them "
@@ -251,8 +281,9 @@ class TrainConfig:
         if self.lr <= 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
         # Alpha scales the adapters' output: 0 trains adapters that change nothing, a negative one flips them.
-        if not isinstance(self.lora_alpha, int) or isinstance(self.lora_alpha, bool) or self.lora_alpha <= 0:
-            raise ValueError(f"lora_alpha: expected a positive integer, got {self.lora_alpha!r}")
+        if not is_finite_number(self.lora_alpha) or self.lora_alpha <= 0:
+            raise ValueError(f"lora_alpha: expected a positive number, got {self.lora_alpha!r}")
+        lora_modules(self.lora_targets)
         # A negative clip norm flips the gradients (the loss climbs); a negative decay or end ratio grows weights.
         for name in ("grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
@@ -286,8 +317,11 @@ class TrainConfig:
         # Settings that cannot apply are refused, as flags and from a file alike (they were ignored silently); a value
         # as its default is no setting: a saved train_config.json holds every field.
         if self.lora_alpha != self.default("lora_alpha") and not self.lora_rank:
-            raise ValueError(f"lora_alpha: {self.lora_alpha} scales LoRA adapters; it needs lora_rank > 0 (full "
+            raise ValueError(f"lora_alpha: {self.lora_alpha:g} scales LoRA adapters; it needs lora_rank > 0 (full "
                              "fine-tuning has no adapters to scale)")
+        if self.lora_targets != self.default("lora_targets") and not self.lora_rank:
+            raise ValueError(f"lora_targets: {self.lora_targets!r} chooses the layers LoRA adapts; it needs "
+                             "lora_rank > 0 (full fine-tuning trains every weight)")
 
     @classmethod
     def default(cls, name: str) -> Any:
@@ -483,6 +517,11 @@ def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: 
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import Linear as LoraLinear
 
+    linear = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))]
+    absent = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in linear)]
+    if absent:  # (peft's own error lists every target, found or not)
+        raise ValueError(f"lora_targets: this model has no {absent[0]} layer to adapt (e.g. its values are its keys: "
+                         "no v_proj)")
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
     # peft's dense LoRA layer only calls its base layer and reads in/out_features, which a QuantizedLinear has.
     cfg._register_custom_module({QuantizedLinear: LoraLinear})
@@ -725,6 +764,10 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
             raise refuse(f"tensor {key!r} is not a LoRA weight (base_model.model.<module>.lora_A/lora_B.weight)")
         target, side = match.groups()
         module = _local_module(target)
+        if module not in linear and "experts" in target.split("."):
+            raise refuse(f"it adapts the routed experts ({target!r}: peft's target_parameters, one 3-D weight for all "
+                         "experts), which blockpress does not support: it applies LoRA to linear layers only, "
+                         f"attention's and the dense MLP's ({', '.join(LORA_MODULES)})")
         if module not in linear:
             raise refuse(f"it adapts {target!r}, which is not a linear layer of this base ({model.config.describe()})")
         found.setdefault(module, {}).setdefault(target, {})[side] = stored.tensor(key)
@@ -927,7 +970,7 @@ class Trainer:
             lm.quantize(cfg.quantize)
         model = lm.model.train()
         if cfg.lora_rank:
-            model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+            model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed, targets=lora_modules(cfg.lora_targets))
         # The weights training updates are its own, each in memory of its own: a checkpoint loads as zero-copy views
         # of its mmapped file, placed at offsets its header's length sets, and CPU kernels round differently on data
         # placed otherwise. A run resumed from its own folder (whose header records the step) drifted by 1e-6 from
@@ -938,6 +981,11 @@ class Trainer:
                 if p.requires_grad and p.device.type == "cpu":
                     p.data = p.data.clone()
         self.model = model
+        # What trains, and of how much (peft's print_trainable_parameters): a LoRA run's adapters are a small share.
+        # The total is the base's parameters (a quantized base's codes counted as the weights they stand for) plus
+        # the adapters.
+        self.trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.total_parameters = lm.num_parameters(active=False) + (self.trainable_parameters if cfg.lora_rank else 0)
         self.objective: nn.Module = Objective(model, cfg)
         if self.world > 1:
             self.objective = data_parallel(self.objective)
@@ -1058,8 +1106,8 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(self, final: bool = False) -> None:
-        """The run in `out_dir`, resumable while steps remain. `final`: the run ends here, so a LoRA run also writes
-        its merged checkpoint and adapter folder (an interrupted one only saves, to be resumed)."""
+        """The run in `out_dir`, resumable while steps remain; a LoRA run's adapter folder each time. `final`: the run
+        ends here, so a LoRA run also writes its merged checkpoint (an interrupted one only saves, to be resumed)."""
         if self.rank != 0:
             return
         # An update that overflowed (finite loss, weights grown to inf) is met by the next step's loss check; the last
@@ -1088,16 +1136,19 @@ class Trainer:
                 files.write_text(self.out / LORA_BASE_FILE, json.dumps({"model": base_name(self.lm)}) + "\n")
             # Saved in the dtype trained or merged in (a float32 fine-tune of a bf16 model is a float32 checkpoint),
             # not the one a load widened from (lm.save's default)
-            if not self.cfg.lora_rank:
-                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, dtype=self.lm.dtype, files=files)
-            elif final:  # LoRA: the adapters apart (a PEFT folder), and over an unquantized base a plain checkpoint
-                # with them merged in (over a quantized one, merged into its codes they would be rounded away)
+            if self.cfg.lora_rank:
+                # LoRA: the adapters apart (a PEFT folder) at every save, as a full fine-tune's weights are: they are
+                # small, and a save mid-run then loads (--model OUT/adapter, or OUT) while the run goes on
                 save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
                              base_name(self.lm), self.cfg.quantize, files=files)
-                if self.cfg.quantize is None:
-                    self.lm.model = merge_lora(self.model, self.merged_dtype)
-                    self.lm.save(self.out, dtype=self.merged_dtype, files=files)
-                    done = "lora" not in state
+            if not self.cfg.lora_rank:
+                self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, dtype=self.lm.dtype, files=files)
+            elif final and self.cfg.quantize is None:  # LoRA over an unquantized base, at the end: a plain
+                # checkpoint with them merged in too (over a quantized one, merged into its codes they would be
+                # rounded away)
+                self.lm.model = merge_lora(self.model, self.merged_dtype)
+                self.lm.save(self.out, dtype=self.merged_dtype, files=files)
+                done = "lora" not in state
             # The settings again as JSON: `--resume` reads them without loading the optimizer state.
             files.write_text(self.out / TRAIN_CONFIG_FILE, json.dumps(asdict(self.cfg), indent=2) + "\n")
             # lora_base.json goes after trainer_state.pt: a kill between leaves a finished run, which --resume
@@ -1113,7 +1164,7 @@ class Trainer:
         from .checkpoint import load_model
 
         state = read_trainer_state(check_resumable(self.out))
-        check_continues(self.out, state, self.cfg.lora_rank)
+        check_continues(self.out, state, self.cfg)
         # A model of another shape than the run's: refused by the fields that differ (torch's size mismatches were
         # 40 lines for adapters, a deep traceback for weights). The run's shape: as saved with it (runs saved before
         # it was: a full fine-tune's config.json; a LoRA run's adapters, refused by torch's first line below).
@@ -1353,20 +1404,43 @@ def base_name(lm: LM) -> str | None:
     return hub_name(lm.path) or str(lm.path.resolve())
 
 
-def check_continues(out: str | Path, state: dict[str, Any], lora_rank: int) -> None:
-    """Refuse to continue the run in `out`, whose trainer state is `state`, with `lora_rank` where it cannot go on:
-    it trained another set of weights (the optimizer state fits only its own), or it is a LoRA run that finished (its
-    adapters were saved apart, and merged unless its base was quantized). The CLI checks a LoRA run before loading
+def check_continues(out: str | Path, state: dict[str, Any], cfg: TrainConfig) -> None:
+    """Refuse to continue the run in `out`, whose trainer state is `state`, with `cfg` where it cannot go on: it
+    trained another set of weights (the optimizer state fits only its own: another lora_rank or lora_targets), its
+    adapters would compute another update (lora_alpha scales what they learned), or it is a LoRA run that finished
+    (its adapters were saved apart, and merged unless its base was quantized). The CLI checks a LoRA run before loading
     its base (its state is the adapters and their moments, small to read), Trainer.resume every run."""
     config = state.get("config", {})
     rank = config.get("lora_rank", 0)
-    if rank != lora_rank:
+    if rank != cfg.lora_rank:
         ran = f"LoRA adapters of rank {rank} (give --lora-rank {rank})" if rank else "all weights (no --lora-rank)"
-        raise ValueError(f"--resume: the run in {out} trained {ran}; lora_rank={lora_rank} cannot continue it")
+        raise ValueError(f"--resume: the run in {out} trained {ran}; lora_rank={cfg.lora_rank} cannot continue it")
     if rank and "lora" not in state:
         done = (f"finished; its adapters are in {Path(out) / ADAPTER_DIR}" if config.get("quantize") else
                 f"finished and merged its adapters into the checkpoint; fine-tune that with --model {out} instead")
         raise ValueError(f"--resume: the LoRA run in {out} {done}")
+    if rank:
+        alpha = config.get("lora_alpha", TrainConfig.default("lora_alpha"))
+        if alpha != cfg.lora_alpha:  # the trained adapters' update would be rescaled at once
+            raise ValueError(f"--resume: the run in {out} trained its adapters with lora_alpha {alpha:g}; "
+                             f"lora_alpha={cfg.lora_alpha:g} would rescale what they learned (give --lora-alpha "
+                             f"{alpha:g}, or start a new run)")
+        targets = config.get("lora_targets", TrainConfig.default("lora_targets"))  # (older runs: LORA_TARGETS)
+        if set(lora_modules(targets)) != set(lora_modules(cfg.lora_targets)):
+            raise ValueError(f"--resume: the run in {out} trained adapters on {targets}; lora_targets="
+                             f"{cfg.lora_targets!r} cannot continue it (give --lora-targets {targets})")
+
+
+def recorded_data(out: str | Path) -> str | None:
+    """The --data the run in `out` trained on, as its trainer_state.pt records it (the Trainer's `data`); None when
+    it records none. The state is mapped, not read: its tensors stay on disk."""
+    try:
+        state = torch.load(Path(out) / TRAINER_STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # noqa: BLE001 - damaged: check_resumable has said so already
+        return None
+    data = state.get("data") if isinstance(state, dict) else None
+    path = data.get("path") if isinstance(data, dict) else None
+    return path if isinstance(path, str) and path else None
 
 
 def lora_base(out: str | Path) -> str | None:

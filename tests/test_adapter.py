@@ -96,6 +96,10 @@ def vision_target(config, tensors):
         torch.zeros(4, 16)
 
 
+def experts_target(config, tensors):  # peft's target_parameters on the routed experts' 3-D weights
+    tensors["base_model.model.model.decoder.layers.0.experts.lora_A.weight"] = torch.zeros(4, 32)
+
+
 def other_rank(config, tensors):
     tensors[f"{DECODER_Q}.lora_A.weight"] = torch.zeros(2, 32)
     tensors[f"{ENCODER_Q}.lora_A.weight"] = torch.zeros(2, 32)
@@ -107,6 +111,8 @@ def other_rank(config, tensors):
     (drop_encoder, r"adapts 'model\.decoder\.layers\.\d+\..+' but not 'model\.encoder\.language_model\.layers"),
     (untie, r"'model\.encoder\.language_model\.layers\.0\.self_attn\.q_proj' is adapted unlike"),
     (vision_target, r"adapts 'model\.encoder\.vision_tower.+', which is not a linear layer of this base"),
+    (experts_target, r"adapts the routed experts \('model\.decoder\.layers\.0\.experts': peft's target_parameters.*"
+                     r"linear layers only, attention's and the dense MLP's \(q_proj, k_proj"),
     (edit_config(peft_type="IA3"), "peft_type 'IA3'; blockpress applies LoRA adapters only"),
     (edit_config(use_dora=True), "use_dora=True: blockpress applies plain LoRA only"),
 ])

@@ -332,9 +332,16 @@ def test_lora_training_run_saves_a_merged_checkpoint(tmp_path):
      (dict(batch_size=2, micro_batch_size=4), "micro_batch_size: 4 is more than batch_size 2"),
      # lora_alpha 0 trained a silent no-op (eval_batches 0 is refused by the Trainer, where data is held out)
      (dict(eval_batches=-1), "eval_batches: expected an integer >= 0"),
-     (dict(lora_alpha=0), "lora_alpha: expected a positive integer"), (dict(lora_alpha=-8), "lora_alpha"),
+     (dict(lora_alpha=0), "lora_alpha: expected a positive number"), (dict(lora_alpha=-8), "lora_alpha"),
+     (dict(lora_alpha=float("nan")), "lora_alpha: expected a finite number"),
      # refused as a flag, ignored silently from --train-config or in Python
      (dict(lora_alpha=64), "lora_alpha: 64 scales LoRA adapters; it needs lora_rank > 0"),
+     (dict(lora_targets="q_proj"), "lora_targets: 'q_proj' chooses the layers LoRA adapts; it needs lora_rank > 0"),
+     # the linear layers blockpress adapts, by peft's names; the routed experts are 3-D parameters, said so
+     (dict(lora_rank=4, lora_targets="q_proj,qkv"), r"lora_targets: unknown module\(s\) \['qkv'\]; expected "
+      "comma-separated names among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+     (dict(lora_rank=4, lora_targets="experts"), "'experts': the routed experts' weights are 3-D parameters"),
+     (dict(lora_rank=4, lora_targets=" , "), "lora_targets: expected comma-separated names"),
      # from a JSON file: "false" switched reweighting on, a seed "a" failed at the first batch, 1.5 was taken
      (dict(reweight="false"), "reweight: expected true or false, got 'false'"),
      (dict(compile=1), "compile: expected true or false"), (dict(seed="a"), "seed: expected an integer, got 'a'"),

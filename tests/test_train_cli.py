@@ -421,7 +421,7 @@ def test_bad_train_flags(tmp_path, capsys):
                            (["--eval-batches", "0", "--heldout", "0.5"],
                             "error: --eval-batches: expected a positive integer with held-out data"),
                            (["--eval-batches", "-1"], "error: --eval-batches: expected an integer >= 0"),
-                           (["--lora-alpha", "0"], "error: --lora-alpha: expected a positive integer"),
+                           (["--lora-alpha", "0"], "error: --lora-alpha: expected a positive number"),
                            (["--threads", "-1"], "error: --threads: expected 0"),
                            (["--response-canvases", "0"], "error: --response-canvases: expected a positive integer"),
                            # each was silently ignored: no evaluation, no adapters, no windows of JSONL examples
