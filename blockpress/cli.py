@@ -199,7 +199,7 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
 
 def add_token_healing_arg(p: argparse.ArgumentParser, what: str, note: str) -> None:
     """--no-token-healing, for `what` the command heals (generate: the prompt's end; infill: the holes' edges)."""
-    p.add_argument("--no-token-healing", action="store_true",
+    p.add_argument("--no-token-healing", action="store_true", default=None,  # None: not given (generate: the model's)
                    help=f"keep {what} as typed (by default the model may re-choose it when it is whitespace and a "
                         f"longer token could have merged there; {note})")
 
@@ -267,8 +267,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone
     if args.chat:
         prompt, shown = lm.chat_prompt([*system_turn(args), {"role": "user", "content": args.prompt}]), ""
-    # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token
-    healing = not args.no_token_healing and not args.chat
+    # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token.
+    # Not given, the model's generation settings decide (a model fine-tuned on prompts ending in whitespace learned
+    # to follow that lone token: its training run wrote token_healing false), else healing is on.
+    wanted = lm.generation_config.get("token_healing", True) if args.no_token_healing is None else not args.no_token_healing
+    healing = wanted and not args.chat
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
     view = LiveView(lm.tokenizer, shown, prefix, color=not os.environ.get("NO_COLOR")) if live else None
     t0 = time.perf_counter()
@@ -621,14 +624,22 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         return load_model(args.model, args.dtype, "meta", args.quantize, args.adapter), dict(
             checkpoint_dtype=None, dtype_note=None, checkpoint_bytes=None, tied_copies=None)
     path, adapter, quantize = resolve_model(args.model, args.quantize, args.adapter)  # the base, as a load takes it
+    if args.adapter is not None:  # its own run's merged checkpoint refused, another base warned about, as a load
+        from blockpress.train import check_adapter_pairing
+
+        check_adapter_pairing(adapter, path)
     plan = plan_model(path, args.dtype, args.device, quantize, weights=False)  # config.json alone works too
     tokenizer = None
     if (path / "tokenizer.json").exists():  # as blockpress.load reads it
         from blockpress.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    lm = LM(plan.meta_model(), tokenizer, read_generation_config(path, plan.config.text.vocab_size), path=path,
-            adapter=adapter)
+    generation = read_generation_config(path, plan.config.text.vocab_size)
+    if adapter is not None:
+        from blockpress.train import adapter_generation
+
+        generation.update(adapter_generation(adapter))  # as blockpress.load puts them over the base's
+    lm = LM(plan.meta_model(), tokenizer, generation, path=path, adapter=adapter)
     if adapter is not None:
         from blockpress.train import check_adapter_base
 
@@ -908,6 +919,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
                       data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
+    if trainer.prompts_healed and trainer.rank == 0:
+        print(f"--data: {trainer.prompts_healed} of {len(source.examples)} training prompts end in whitespace that "
+              "token healing would re-choose, and the model learns to answer after it as it is: its generation "
+              "settings say token_healing false, so `blockpress generate` keeps a prompt's end as typed "
+              "(--token-healing heals it)", file=sys.stderr)
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)
@@ -1269,7 +1285,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-live", action="store_true",
                    help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then")
     add_token_healing_arg(p, "the prompt's last token", "e.g. a trailing newline before indentation; never with "
-                                                          "--chat, whose prompt ends with the template's turn header")
+                                                          "--chat, whose prompt ends with the template's turn header. "
+                          "A model whose generation settings say token_healing false (blockpress train writes that "
+                          "for a model fine-tuned on prompts that end in such whitespace) keeps it unless "
+                          "--token-healing")
+    p.add_argument("--token-healing", dest="no_token_healing", action="store_false", default=None,
+                   help="heal the prompt's last token even where the model's generation settings say "
+                        "token_healing false")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the completion where TEXT appears, leaving TEXT out (repeatable; e.g. "
                         "--stop $'\\n\\n' for one paragraph or function; a special token's text, e.g. "

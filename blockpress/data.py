@@ -29,6 +29,9 @@ class Example:
     ends: bool = True  # False for windows cut from running text: no EOS after the response
     # What split_heldout hashes in place of (prompt, response): an earlier turn of a chat carries its last turn's
     split_key: tuple[list[int], list[int]] | None = None
+    # The prompt is a chat template's rendering (a `messages` record): its end is the template's turn header, never
+    # healed (chat keeps it), where a prompt/response record's end is the user's text (Trainer.prompts_healed)
+    templated: bool = False
 
 
 @dataclass
@@ -166,7 +169,8 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -
     for i in trained:
         prompt = tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True, tokenize=True)
         response = tokenizer.encode(chat[i]["content"]) + ([end] if end is not None else [])
-        examples.append((f"{where}: messages[{i}]" if len(trained) > 1 else where, Example(list(prompt), response)))
+        example = Example(list(prompt), response, templated=True)
+        examples.append((f"{where}: messages[{i}]" if len(trained) > 1 else where, example))
     # A later turn's prompt holds the earlier replies: the turns of a conversation fall on one side of the held-out
     # split together, that of its last turn (split_heldout), as the conversation did when only it was trained on.
     key = (examples[-1][1].prompt, examples[-1][1].response)

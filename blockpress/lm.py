@@ -1287,7 +1287,7 @@ BLOCKPRESS_GENERATION_FILE = "blockpress_generation_config.json"
 # What a generation config may hold without a warning: the reference's keys (blockpress reads the lengths, the
 # special ids and the sampler's; the rest say how the reference runs, not what it generates) and blockpress's
 # own settings. Anything else (HF's temperature, do_sample, top_k, ...) would look in effect and be ignored.
-KNOWN_GENERATION_KEYS = REFERENCE_GENERATION_KEYS | {f.name for f in fields(SamplerConfig)}
+KNOWN_GENERATION_KEYS = REFERENCE_GENERATION_KEYS | {f.name for f in fields(SamplerConfig)} | {"token_healing"}
 
 
 def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -1347,6 +1347,10 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
         ids = value if isinstance(value, list) else [value]
         if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             raise ValueError(f"{file}: {key}: expected a token id or a list of them, got {value!r}")
+    # `blockpress generate`'s default for healing a prompt's last token (the library and the server heal only when
+    # asked); blockpress train writes false for a model fine-tuned on prompts that end in whitespace
+    if raw.get("token_healing") is not None and not isinstance(raw["token_healing"], bool):
+        raise ValueError(f"{file}: token_healing: expected true or false, got {raw['token_healing']!r}")
     for key in ("max_new_tokens", "max_length"):  # null: unset, as in the reference
         if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
             raise ValueError(f"{file}: {key}: expected a positive integer, got {raw[key]!r}")
@@ -1431,7 +1435,12 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     it loads the base it was trained on with it, quantized as it was trained unless `quantize` says otherwise
     ("none": unquantized; see resolve_model). `device` None is the default, the CPU (as None keeps the default
     everywhere else: lm.to(device=None) keeps the model where it is)."""
+    given = adapter
     path, adapter, quantize = resolve_model(path_or_name, quantize, adapter)
+    if given is not None:  # (an adapter folder given as the model loads over its own recorded base)
+        from .train import check_adapter_pairing
+
+        check_adapter_pairing(adapter, path)
     plan = plan_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device), quantize=quantize)
     model, passthrough = load_plan(plan)
     if adapter is not None:
@@ -1443,8 +1452,12 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
-    return LM(model, tokenizer, read_generation_config(path, model.config.text.vocab_size), passthrough, path,
-              adapter, plan.widened_from)
+    generation = read_generation_config(path, model.config.text.vocab_size)
+    if adapter is not None:
+        from .train import adapter_generation
+
+        generation.update(adapter_generation(adapter))  # what the adapter's run changed: as its merged checkpoint
+    return LM(model, tokenizer, generation, passthrough, path, adapter, plan.widened_from)
 
 
 def random_model(

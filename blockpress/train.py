@@ -55,7 +55,8 @@ from .checks import is_finite_number, is_int
 from .config import ModelConfig
 from .data import CHAT_TURNS, Batch, Example, TokenShards, make_batch
 from .files import StagedFiles, read_json_object, staging, temporary_path
-from .lm import LM, MODELS_DIR
+from .healing import heal
+from .lm import LM, MODELS_DIR, resolve_path
 from .model import DiffusionGemma
 from .quantize import SCHEMES, QuantizedLinear, check_scheme, quantization_of
 
@@ -579,6 +580,9 @@ ADAPTER_RECORD = "blockpress_adapter.json"
 BASE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "per_layer_config", "layer_types", "num_experts",
                      "moe_intermediate_size")
+# Generation settings a run may change that an adapter records (ADAPTER_RECORD) and a load puts over its base's:
+# token_healing false, where the run trained on prompts ending in whitespace (Trainer.prompts_healed).
+ADAPTER_GENERATION_KEYS = ("token_healing",)
 _PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")  # peft's saved names, adapter name left out
 # LoRA options that change what an adapter computes, at their plain values: an adapter setting another is refused.
 _PLAIN_LORA = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
@@ -599,7 +603,8 @@ def shape_differences(recorded: dict[str, Any], model: DiffusionGemma, this: str
 
 
 def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None,
-                 quantize: str | None = None, *, files: StagedFiles | None = None) -> None:
+                 quantize: str | None = None, *, files: StagedFiles | None = None,
+                 generation: dict[str, Any] | None = None) -> None:
     """`model`'s LoRA adapters (add_lora's) as a PEFT folder, its modules named as the reference model names them,
     so `peft.PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion, path)` runs them. The reference's encoder
     has modules of its own sharing the decoder's weights (blockpress runs both on one): each adapter is written for
@@ -607,7 +612,8 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
     beside it the base's shape and `quantize`, the scheme the base was quantized with while they trained: the folder
     alone loads (blockpress.load(path)). The files are written under temporary names and moved into place
     together (files.StagedFiles); `files`: stage them there instead, for its owner to commit with the rest of a larger
-    save (a training run's)."""
+    save (a training run's). `generation`: generation settings the run changed (ADAPTER_GENERATION_KEYS), recorded
+    too, so the adapter over its base generates as the run's merged checkpoint does."""
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
@@ -634,6 +640,7 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
         config.save_pretrained(made)
         config_text = (Path(made) / ADAPTER_FILES[0]).read_text()
     record = {"base_shape": base_shape(model), "quantize": quantize}
+    record.update({k: v for k, v in (generation or {}).items() if k in ADAPTER_GENERATION_KEYS})
     with staging(files) as staged:
         staged.write_text(path / ADAPTER_FILES[0], config_text)
         staged.write(path / ADAPTER_FILES[1], lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
@@ -659,8 +666,9 @@ def _read_adapter_config(path: Path) -> dict[str, Any]:
 
 def adapter_record(path: str | Path) -> dict[str, Any]:
     """What an adapter folder says of its base: {"base": its name or None (adapter_config.json's
-    base_model_name_or_path), "base_shape": config fields or None, "quantize": scheme or None}. Folders written
-    before ADAPTER_RECORD (and peft's own) record no shape or quantization."""
+    base_model_name_or_path), "base_shape": config fields or None, "quantize": scheme or None}, and the generation
+    settings its run changed (ADAPTER_GENERATION_KEYS), where it records any. Folders written before ADAPTER_RECORD
+    (and peft's own) record no shape or quantization."""
     path = Path(path)
     cfg = _read_adapter_config(path)
     base = cfg.get("base_model_name_or_path")
@@ -675,7 +683,9 @@ def adapter_record(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         return record
     saved = read_json_object(file, CheckpointError, where="adapter: ")
-    record.update({k: saved[k] for k in ("base_shape", "quantize") if k in saved})
+    record.update({k: saved[k] for k in ("base_shape", "quantize", *ADAPTER_GENERATION_KEYS) if k in saved})
+    if record.get("token_healing") is not None and not isinstance(record["token_healing"], bool):
+        raise CheckpointError(f"adapter: {file}: token_healing: expected true or false, got {record['token_healing']!r}")
     if record["base_shape"] is not None and not isinstance(record["base_shape"], dict):
         raise CheckpointError(f"adapter: {file}: base_shape: expected an object of config fields, got "
                               f"{record['base_shape']!r}")
@@ -685,6 +695,35 @@ def adapter_record(path: str | Path) -> dict[str, Any]:
         except ValueError as exc:
             raise CheckpointError(f"adapter: {file}: {exc}") from None
     return record
+
+
+def adapter_generation(path: str | Path) -> dict[str, Any]:
+    """The generation settings the adapter folder's run changed (ADAPTER_GENERATION_KEYS), to put over its base's."""
+    record = adapter_record(path)
+    return {key: record[key] for key in ADAPTER_GENERATION_KEYS if record.get(key) is not None}
+
+
+def check_adapter_pairing(path: str | Path, base: str | Path) -> None:
+    """Refuse the adapters in `path` over the merged checkpoint of their own run (`--model OUT --adapter
+    OUT/adapter`: OUT already holds them, so their update would count twice), and warn, naming both, where `base`
+    is another folder than the base they record (the shapes may fit, and the update then lands on weights it was not
+    learned for)."""
+    path, base = Path(path), Path(base)
+    if path.name == ADAPTER_DIR and path.resolve().parent == base.resolve() and (base / "config.json").is_file():
+        raise CheckpointError(f"adapter {path}: {base} is the merged checkpoint of the run that trained it, which holds "
+                              f"its update already (applied again it counts twice); give --model {base} alone, or "
+                              f"the adapter folder alone (--model {path}: its base with it)")
+    recorded = adapter_record(path)["base"]
+    if recorded is None:
+        return
+    try:
+        same = resolve_path(recorded).resolve() == base.resolve()
+    except (FileNotFoundError, ValueError):
+        same = False
+    if not same:
+        warnings.warn(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
+                      "added to weights it was not learned on (give the adapter folder alone, --model "
+                      f"{path}, to load it over its own base)", stacklevel=3)
 
 
 def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:
@@ -804,6 +843,15 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
             p.requires_grad = False  # an inference model, as a merged one is
         return model
     return merge_lora(model, dtype)
+
+
+def prompts_healed(lm: LM, source: Any) -> int:
+    """How many of `source`'s prompts token healing would change: JSONL examples (not a chat template's rendering,
+    whose end is the template's) whose last token is whitespace a longer token could have merged into (healing.heal).
+    0 for running text, cut from text tokenized whole, and for a model without a tokenizer."""
+    if not isinstance(source, ExampleSource) or lm.tokenizer is None:
+        return 0
+    return sum(1 for e in source.examples if not e.templated and heal(lm.tokenizer, e.prompt).prefix)
 
 
 class StepBatches(torch.utils.data.Dataset):
@@ -957,6 +1005,14 @@ class Trainer:
             lm.generation_config["noise_token_id"] = cfg.noise_token_id
         else:
             lm.generation_config.pop("noise_token_id", None)
+        # A prompt/response record's prompt is tokenized alone, so a prompt that ends in whitespace ("A: ", "return ")
+        # ends in a lone whitespace token, and the model learns to answer after it. Token healing (the CLI's
+        # generate heals by default) drops that token and makes the answer start with it: a state the fine-tune
+        # never saw ("ZEBRA_..." came out "wBRA_..."). The saved model then says so in its generation settings
+        # (token_healing false: the CLI's default follows it, its flags still win); else the model's own setting stays.
+        self.prompts_healed = prompts_healed(lm, source)
+        if self.prompts_healed:
+            lm.generation_config["token_healing"] = False
         if cfg.cpu_autocast and lm.device.type == "cpu" and not cpu_computes_natively(torch.bfloat16):
             warnings.warn("cpu_autocast: this CPU has no native bf16 matmuls (AVX512-BF16 / AMX), so bf16 autocast "
                           "runs a scalar fallback: measured 8x slower training steps on an AVX2 CPU than float32",
@@ -1140,7 +1196,7 @@ class Trainer:
                 # LoRA: the adapters apart (a PEFT folder) at every save, as a full fine-tune's weights are: they are
                 # small, and a save mid-run then loads (--model OUT/adapter, or OUT) while the run goes on
                 save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
-                             base_name(self.lm), self.cfg.quantize, files=files)
+                             base_name(self.lm), self.cfg.quantize, files=files, generation=self.lm.generation_config)
             if not self.cfg.lora_rank:
                 self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, dtype=self.lm.dtype, files=files)
             elif final and self.cfg.quantize is None:  # LoRA over an unquantized base, at the end: a plain

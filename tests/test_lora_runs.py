@@ -1,0 +1,158 @@
+"""`blockpress train --lora-rank` end to end: the layers it adapts, what it says it trains, its saves mid-run, the
+token healing its prompts call for, and the adapter given with the wrong model."""
+
+import json
+import re
+import shutil
+import warnings
+
+import pytest
+from torch import nn
+
+import blockpress
+import blockpress.train
+from blockpress.cli import main
+from blockpress.lm import LM
+
+pytest.importorskip("peft")
+
+
+def write_text_data(path, end):
+    """prompt/response records whose prompts end in `end` (" ": tokenized alone, a lone space token)."""
+    with open(path, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"def value_{i}():\n    return{end}", "response": f"ZEBRA_{i}\n"}) + "\n")
+    return path
+
+
+def train(data, out, *extra, steps=1):
+    return main(["train", "--data", str(data), "--out", str(out), "--steps", str(steps), "--batch-size", "4",
+                 "--warmup-steps", "1", "--heldout", "0", "--log-every", "1", *extra])
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A fresh tiny model with blockpress-code's tokenizer, trained a step on prompts that end in no whitespace."""
+    folder = tmp_path_factory.mktemp("base") / "base"
+    data = write_text_data(folder.parent / "plain.jsonl", "")
+    assert train(data, folder, "--config", "tiny", "--tokenizer", "blockpress-code", "--quiet") == 0
+    return folder
+
+
+class StopAtOnce:  # Ctrl-C before the first step: the run saves, to be resumed
+    requested = True
+
+    def restore(self):
+        pass
+
+
+def healing_of(monkeypatch, capsys, *args):
+    """The token_healing `blockpress generate ARGS` streams with."""
+    seen = []
+    stream = LM.stream
+
+    def spy(self, prompt, **kw):
+        seen.append(kw.get("token_healing"))
+        return stream(self, prompt, **kw)
+
+    monkeypatch.setattr(LM, "stream", spy)
+    assert main(["generate", *args, "--max-new-tokens", "4", "--no-live", "--json", "x = "]) == 0, capsys.readouterr()
+    capsys.readouterr()
+    return seen[0]
+
+
+def test_a_run_on_prompts_ending_in_whitespace_keeps_the_clis_prompts_as_typed(base, tmp_path, monkeypatch, capsys):
+    """The model learns to answer after the prompt's lone trailing space; the CLI's default healing dropped it
+    ("ZEBRA_ZEBRA" came out "wBRA_ZEBRA"). The run records token_healing false in the model's generation settings
+    (and in its adapter folder's record), which generate's default follows; --token-healing still heals."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert train(write_text_data(tmp_path / "spaced.jsonl", " "), out, "--model", str(base), "--lora-rank", "2") == 0
+    assert "8 of 8 training prompts end in whitespace" in capsys.readouterr().err
+    assert json.loads((out / "blockpress_generation_config.json").read_text())["token_healing"] is False
+    assert json.loads((out / "adapter" / "blockpress_adapter.json").read_text())["token_healing"] is False
+    assert "token_healing" not in blockpress.load(base).generation_config  # its prompts ended in no whitespace
+    assert healing_of(monkeypatch, capsys, "--model", str(base)) is True  # the CLI's default
+    for model in (["--model", str(out)], ["--model", str(out / "adapter")],
+                  ["--model", str(base), "--adapter", str(out / "adapter")]):
+        assert healing_of(monkeypatch, capsys, *model) is False, model
+        assert healing_of(monkeypatch, capsys, *model, "--token-healing") is True, model
+    assert healing_of(monkeypatch, capsys, "--model", str(base), "--no-token-healing") is False
+
+
+def test_an_adapter_over_its_own_merged_output_is_refused_and_over_another_base_warned(base, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train(write_text_data(tmp_path / "d.jsonl", ""), out, "--model", str(base), "--lora-rank", "2",
+                 "--quiet") == 0
+    # --model OUT already holds the adapter's update: applied again, it counted twice, without a word
+    with pytest.raises(blockpress.CheckpointError, match="merged checkpoint of the run that trained it"):
+        blockpress.load(out, adapter=out / "adapter")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--adapter", str(out / "adapter"), "x"]) == 2
+    assert "counts twice" in capsys.readouterr().err
+    assert main(["info", "--model", str(out), "--adapter", str(out / "adapter")]) == 2
+    # the run's folder by another spelling is the same folder
+    with pytest.raises(blockpress.CheckpointError, match="counts twice"):
+        blockpress.load(tmp_path / "." / "run", adapter=tmp_path / "run" / ".." / "run" / "adapter")
+    # another folder of the same shape: allowed, and said, naming both
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    with pytest.warns(UserWarning, match=re.escape(f"trained on {base.resolve()}, and applied to {copy}, another")):
+        blockpress.load(copy, adapter=out / "adapter")
+    with warnings.catch_warnings(record=True) as record:  # its own base: not a word
+        warnings.simplefilter("always")
+        blockpress.load(base, adapter=out / "adapter")
+        blockpress.load(out / "adapter")
+    assert not [w for w in record if "adapter" in str(w.message)]
+
+
+def test_lora_targets_alpha_and_the_trainable_count(base, tmp_path, capsys):
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert train(write_text_data(tmp_path / "d.jsonl", ""), out, "--model", str(base), "--lora-rank", "2",
+                 "--lora-alpha", "0.5", "--lora-targets", "q_proj,v_proj") == 0
+    captured = capsys.readouterr()
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["lora_alpha"] == 0.5
+    assert {m.rsplit(".", 1)[-1] for m in config["target_modules"]} == {"q_proj", "v_proj"}
+    # rank 2: A [2, in] and B [out, 2] on each q_proj and v_proj, and nothing else
+    trained = sum(2 * (m.in_features + m.out_features) for name, m in blockpress.load(base).model.named_modules()
+                  if isinstance(m, nn.Linear) and name.endswith(("self_attn.q_proj", "self_attn.v_proj")))
+    assert blockpress.train.describe_adapter(out / "adapter")["parameters"] == trained
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    total = blockpress.load(base).num_parameters(active=False) + trained
+    assert summary["trainable_parameters"] == trained
+    assert summary["trainable_fraction"] == pytest.approx(trained / total, abs=1e-6)
+    assert f"--lora-rank 2: training {trained:,} of {total:,} parameters" in captured.err
+    # an unknown name is refused with the list; the routed experts with why
+    assert train(tmp_path / "d.jsonl", tmp_path / "bad", "--model", str(base), "--lora-rank", "2",
+                 "--lora-targets", "q,experts") == 2
+    assert "--lora-targets: 'experts': the routed experts' weights are 3-D parameters" in capsys.readouterr().err
+    assert train(tmp_path / "d.jsonl", tmp_path / "bad", "--model", str(base), "--lora-rank", "2",
+                 "--lora-targets", "q") == 2
+    assert "unknown module(s) ['q']; expected comma-separated names among q_proj, k_proj" in capsys.readouterr().err
+
+
+def test_a_lora_runs_mid_run_save_loads_and_resumes_without_data_as_its_hint_says(base, tmp_path, capsys, monkeypatch):
+    """Its saves held the adapters only inside trainer_state.pt (nothing to evaluate until the run ended), and
+    "finish it with `blockpress train --resume --out OUT`" failed: --data was required."""
+    data = write_text_data(tmp_path / "d.jsonl", "")
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(blockpress.train, "_StopOnInterrupt", StopAtOnce)
+        assert train(data, out, "--model", str(base), "--lora-rank", "2", "--lora-alpha", "8", "--quiet",
+                     steps=2) == 130
+    assert "its adapters so far load as --model" in capsys.readouterr().err
+    assert not (out / "config.json").exists()
+    mid = blockpress.load(out / "adapter")  # the adapters so far, over their base
+    assert mid.path.resolve() == base.resolve() and blockpress.load(out).adapter is not None
+    # alpha rescales what the adapters learned: refused as another rank is (it was accepted, and the loss jumped)
+    assert main(["train", "--resume", "--out", str(out), "--lora-alpha", "16"]) == 2
+    assert "trained its adapters with lora_alpha 8; lora_alpha=16 would rescale" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(out), "--lora-targets", "q_proj"]) == 2
+    assert "cannot continue it (give --lora-targets q_proj,k_proj" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(out), "--quiet"]) == 0  # the run's own --data
+    assert f"training on the run's own data, {data.resolve()}" in capsys.readouterr().err
+    assert (out / "config.json").is_file()
+    assert main(["train", "--out", str(tmp_path / "other"), "--config", "tiny"]) == 2
+    assert "--data: required" in capsys.readouterr().err
