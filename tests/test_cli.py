@@ -1894,7 +1894,7 @@ def test_bench_sweeps_sizes_in_ascending_order_each_once(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("flags, message", [
     (["--top-p", "0"], "--top-p: expected a probability in (0, 1]"),
-    (["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    (["--steps", "0"], "--steps: expected an integer in [1, 2147483647], got 0"),
     (["--seed", "-1"], "--seed: expected an integer in [0, 2**63), got -1"),
     (["--temperature", "-1"], "--temperature: expected a finite number >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer, got 0"),
