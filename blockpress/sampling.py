@@ -213,13 +213,10 @@ class SamplerConfig:
             kept["draw_temperature"] = 1.0  # the default: an earlier one was for draws, which argmax candidates are not
         if kept.get("noise_token_id") == -1 and not isinstance(kept["noise_token_id"], bool):
             kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
-        try:
-            cfg = replace(self, **kept)
-        except ValueError as exc:
-            # The order check names t_max; where t_min alone was given, t_min is the value to change
-            if not str(exc).startswith("t_max: t_max (") or "t_max" in kept or "t_min" not in kept:
-                raise
-            raise ValueError(f"t_min: {kept['t_min']} must be <= t_max ({self.t_max}, the setting here)") from None
+        if "t_min" in kept and "t_max" not in kept and is_float32(kept["t_min"]) and kept["t_min"] > self.t_max:
+            # __post_init__'s order check names t_max; where t_min alone was given, t_min is the value to change
+            raise ValueError(f"t_min: {kept['t_min']} must be <= t_max ({self.t_max}, the setting here)")
+        cfg = replace(self, **kept)
         # Checked here, where the settings given are known from the config's own: a checkpoint may keep an
         # entropy_bound that its topk sampler never reads, but one passed with it is a mistake to say.
         for name, readers in READ_BY.items():
