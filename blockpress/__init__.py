@@ -3,7 +3,7 @@
 from .cache import KVCache
 from .checkpoint import CheckpointError
 from .config import ConfigError, ModelConfig, TextConfig
-from .generate import Cancelled, Commit, Done, Draft, GenerationOutput, escape_template
+from .generate import Cancelled, Commit, Done, Draft, GenerationOutput, NonFiniteLogits, escape_template
 from .lm import LM, load, random_model, shipped_models
 from .model import DiffusionGemma
 from .prefix import PrefixCache
@@ -25,6 +25,7 @@ __all__ = [
     "GenerationOutput",
     "KVCache",
     "ModelConfig",
+    "NonFiniteLogits",
     "PrefixCache",
     "SamplerConfig",
     "TextConfig",

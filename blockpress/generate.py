@@ -923,6 +923,27 @@ def no_choice(logits: torch.Tensor, open_positions: torch.Tensor | None = None) 
     return (undefined if open_positions is None else undefined & open_positions).any()
 
 
+class NonFiniteLogits(ValueError):
+    """The model itself gave NaN or infinite logits (not a hook): decoding them would write token 0 everywhere."""
+
+
+def model_logits_fault(model: Any, where: str) -> NonFiniteLogits:
+    """The error for NaN / inf logits from the model at `where`, saying why: weights that hold NaN or inf (a damaged
+    checkpoint, or one saved from a run that diverged), else activations that overflowed the model's dtype. Looked
+    into only once it has happened, so the check itself costs one reduction of a canvas's first logits."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    bad = [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        why = (f"{len(bad)} of its {len(tensors)} weight tensors hold NaN or inf ({', '.join(bad[:3])}"
+               f"{', ...' if len(bad) > 3 else ''}): the checkpoint is damaged, or was saved from a run that diverged")
+    else:
+        dtype = str(model.dtype).removeprefix("torch.")
+        hint = " (float16 is known to overflow Gemma's activations: load it in bfloat16 or float32)" \
+            if model.dtype == torch.float16 else ""
+        why = f"its weights are finite, so its activations overflowed {dtype}{hint}"
+    return NonFiniteLogits(f"the model's logits are NaN or infinite at {where}, so there is nothing to decode: {why}")
+
+
 def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
     """`processor(logits [b, C, V], rows [b]) -> logits`, checked: float logits of the same shape. Contiguous: the
@@ -1223,6 +1244,7 @@ class _Decoding:
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
         hooked = req.logits_processor is not None or req.constraint is not None
         trouble = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # a hook left an open position nothing
+        broken = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # the model's own first logits: NaN / inf
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
             if req.cancelled is not None and req.cancelled():
                 return None
@@ -1230,7 +1252,7 @@ class _Decoding:
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
             with torch.no_grad():
-                logits = self.logits(canvas, w)
+                logits = self.logits(canvas, w, broken if k == 1 else None)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     trouble |= no_choice(logits, w.writable & ~w.state.done[:, None])
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
@@ -1257,6 +1279,8 @@ class _Decoding:
                 if req.skip_stopped_rows and n_working <= w.rows.numel() // 2:
                     state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
                     w = w.shrink(working.nonzero()[:, 0], canvas_len)
+        if bool(broken):  # read with the canvas's end (no host sync in a step); the cause, before the hooks' check
+            raise model_logits_fault(self.model, f"canvas {canvas.index}'s first denoising step")
         if hooked and bool(trouble):
             hooks = " / ".join(n for n, f in (("logits_processor", req.logits_processor), ("constraint", req.constraint))
                                if f is not None)
@@ -1265,11 +1289,15 @@ class _Decoding:
                              "favour one with a large finite value")
         return w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
 
-    def logits(self, canvas: _Canvas, w: _Working) -> torch.Tensor:
+    def logits(self, canvas: _Canvas, w: _Working, broken: torch.Tensor | None = None) -> torch.Tensor:
         """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
-        repeat penalties, with the canvas's bans and the constraint's at -inf."""
+        repeat penalties, with the canvas's bans and the constraint's at -inf. `broken` (a 0-d bool, set in place)
+        learns whether the decoder's own logits hold NaN or inf (NaN weights, or a dtype overflowed): a canvas's
+        first step is checked, one reduction, as every later step of the same weights would show it too."""
         req = self.req
         logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+        if broken is not None:
+            broken |= no_choice(logits)
         # the new text so far counts for the penalties: a template's fixed tokens are given, like the prompt
         counted = None if w.history is None else w.state.settled & w.writable
         logits = prepare_logits(req, logits, w.rows, w.history, w.state.canvas, counted, w.bans, self.unknown,
@@ -1438,6 +1466,7 @@ def run_ar(
     all_rows = torch.arange(b, device=device)
     trouble = torch.zeros((), dtype=torch.bool, device=device)  # the logits processor left a row nothing to choose
     first_bans = _Bans.of_canvas(req, 0, 0, 1, device)  # token healing: what the first new token may be
+    broken = no_choice(logits)  # the model's own logits after the prompt: read at the first check below
     for i in range(n_new):
         # as a canvas of one position, every row's (the batch never shrinks); no EOS before a row's min_new_tokens
         eos_banned = (i < minimum)[:, None] if req.eos_ids and i < most_min else None
@@ -1457,6 +1486,8 @@ def run_ar(
         finished = finished | torch.isin(token, eos) | (budget <= i + 1)  # an EOS, or its max_new_tokens written
         # Checking for the end costs a host sync: do it every 8 tokens, not every token.
         check = i == n_new - 1 or i % 8 == 7
+        if check and i < 8 and bool(broken):
+            raise model_logits_fault(model, "the first new token")
         if check and req.logits_processor is not None and bool(trouble):
             raise ValueError("logits_processor: left a row with no token to choose (NaN or +inf logits, or every "
                              "token -inf); ban tokens with -inf and favour one with a large finite value")

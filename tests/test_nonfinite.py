@@ -1,0 +1,71 @@
+"""A model whose own logits are NaN or infinite (NaN weights, or activations past its dtype's range) is refused
+with the cause, where decoding them wrote token 0 at every position and said nothing."""
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.generate import model_logits_fault
+
+
+def tiny(dtype=None):
+    return blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0, dtype=dtype)
+
+
+def poison(lm, value):
+    with torch.no_grad():
+        lm.model.layers[0].self_attn.q_proj.weight[0, 0] = value
+    return lm
+
+
+@pytest.fixture(scope="module")
+def nan_lm():
+    return poison(tiny(), float("nan"))
+
+
+@pytest.mark.parametrize("how", ["generate", "generate_ar", "stream"])
+def test_nan_weights_are_named_instead_of_decoding_zeros(nan_lm, how):
+    run = {
+        "generate": lambda: nan_lm.generate([5, 6, 7], max_new_tokens=8, max_denoising_steps=4, seed=1),
+        "generate_ar": lambda: nan_lm.generate_ar([5, 6, 7], max_new_tokens=8),
+        "stream": lambda: list(nan_lm.stream([5, 6, 7], max_new_tokens=8, max_denoising_steps=4, seed=1)),
+    }[how]
+    with pytest.raises(blockpress.NonFiniteLogits, match=r"NaN or infinite .* 1 of its \d+ weight tensors hold NaN "
+                                                        r"or inf \(layers\.0\.self_attn\.q_proj\.weight\)"):
+        run()
+
+
+def test_a_nan_model_is_blamed_before_a_logits_processor():
+    """The hooks' own check (a processor that leaves no token) read the model's NaN as the processor's fault."""
+    lm = poison(tiny(), float("nan"))
+    with pytest.raises(blockpress.NonFiniteLogits, match="canvas 0's first denoising step"):
+        lm.generate([5, 6, 7], max_new_tokens=8, max_denoising_steps=2, seed=1, logits_processor=lambda x, rows: x)
+
+
+def test_finite_weights_that_overflow_say_the_dtype():
+    lm = poison(tiny(), 3e38)  # finite, but q @ k overflows float32
+    with pytest.raises(blockpress.NonFiniteLogits, match="its weights are finite, so its activations overflowed "
+                                                        "float32$"):
+        lm.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=2, seed=1)
+    half = tiny(torch.float16)
+    assert "load it in bfloat16 or float32" in str(model_logits_fault(half.model, "x"))
+
+
+def test_a_healthy_model_is_not_refused():
+    lm = tiny()
+    for out in (lm.generate([5, 6, 7], max_new_tokens=8, max_denoising_steps=4, seed=1),
+                lm.generate_ar([5, 6, 7], max_new_tokens=8)):
+        assert out.sequences.shape == (1, 3 + 8) and out.sequences[0, :3].tolist() == [5, 6, 7]
+
+
+def test_the_cli_prints_the_cause_and_exits_2(tmp_path, capsys):
+    from blockpress.cli import main
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), tokenizer=train_bpe_tokenizer([""], 300))
+    poison(lm, float("inf")).save(tmp_path)
+    assert main(["generate", "hello", "--model", str(tmp_path), "--no-live", "--max-new-tokens", "4",
+                 "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "blockpress generate: error: the model's logits are NaN or infinite" in err
+    assert "layers.0.self_attn.q_proj.weight" in err
