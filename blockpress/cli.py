@@ -189,8 +189,8 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--temperature", type=float, default=None,
                    help="OpenAI's temperature (the library's draw_temperature): candidates are drawn at the "
                         "schedule's temperature (--t-max down to --t-min) times this, while acceptance keeps the "
-                        "schedule; 0: the most likely candidates (greedy; with --sampler, that sampler's rule over "
-                        "argmax candidates). A model that decodes greedily by default (blockpress-code) samples "
+                        "schedule; 0: the most likely candidates, under the sampler's own acceptance rule (--sampler, "
+                        "else the model's default). A model that decodes greedily by default (blockpress-code) samples "
                         "when given one above 0; with --sampler greedy only 0 is taken")
     g.add_argument("--seed", type=int, default=None,
                    help="make the run reproducible (default: a fresh seed each run; greedy decoding, and "

@@ -228,23 +228,21 @@ class SamplerConfig:
 
     def with_temperature(self, temperature: float | None, sampler_given: bool = False) -> SamplerConfig:
         """OpenAI's `temperature` applied (the server's and `blockpress generate --temperature`'s): None keeps
-        this config; 0 takes the most likely candidates: the greedy sampler, or, where `sampler_given` says the
-        caller chose the sampler, that sampler's own acceptance rule and settings with candidates='argmax' (a
-        client that names topk or confidence and sends 0 by habit asked for that rule; swapping in greedy dropped
-        it and its knobs unread); T > 0 draws the candidates at T (draw_temperature). A greedy
-        sampler then becomes entropy_bound, since greedy is entropy_bound with argmax candidates (so a model that
-        decodes greedily by default, blockpress-code, samples as OpenAI's API would), unless `sampler_given`
-        says the caller asked for greedy itself: it takes the argmax and this config stays (OpenAI clients send a
-        temperature by habit, so it is not refused as a draw_temperature would be); argmax candidates become draws."""
+        this config; 0 takes the most likely candidates under this config's own acceptance rule and its settings
+        (candidates='argmax'; the greedy sampler is entropy_bound's rule so already). A checkpoint whose default rule
+        is topk or confidence keeps it: swapping in greedy dropped the rule and its knobs unread, whether the caller
+        named the sampler or sent 0 by habit. T > 0 draws the candidates at T (draw_temperature). A greedy sampler
+        then becomes entropy_bound, since greedy is entropy_bound with argmax candidates (so a model that decodes
+        greedily by default, blockpress-code, samples as OpenAI's API would), unless `sampler_given` says the caller
+        asked for greedy itself: it takes the argmax and this config stays (OpenAI clients send a temperature by
+        habit, so it is not refused as a draw_temperature would be); argmax candidates become draws."""
         if temperature is None:
             return self
         if not is_float32(temperature) or temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
                              f"{temperature!r}")
         if temperature == 0:
-            if sampler_given and self.sampler != "greedy":
-                return self.with_(candidates="argmax")
-            return self.with_(sampler="greedy")
+            return self if self.sampler == "greedy" else self.with_(candidates="argmax")
         if self.sampler == "greedy" and sampler_given:
             return self
         # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every position

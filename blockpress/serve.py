@@ -25,8 +25,8 @@ Diffusion settings are per request, as extra body fields: max_denoising_steps, s
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
 settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` T > 0 tempers
 the candidate draws (SamplerConfig.draw_temperature = T: the schedule's temperature times T), while acceptance,
-ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the greedy sampler, or,
-with a `sampler` in the request, that sampler's acceptance rule over the most likely candidates (candidates="argmax").
+ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the acceptance rule of the request's `sampler` (else the
+model's default) over the most likely candidates (candidates="argmax"): greedy decoding.
 `top_p` (OpenAI's) and the extra `top_k` filter those draws (SamplerConfig.top_p / top_k: the nucleus, the k most
 likely tokens); where the candidates are argmax (greedy) they change nothing, as the argmax is always kept.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).

@@ -449,7 +449,7 @@ def test_bad_model_path_is_a_clear_error():
 @given(command=st.sampled_from(["generate", "infill", "chat"]),
        temperature=st.one_of(st.just(0.0), st.floats(0.01, 2.0)),
        sampler=st.sampled_from([None, "entropy_bound", "confidence", "topk", "greedy"]),
-       default=st.sampled_from(["entropy_bound", "greedy"]), candidates=st.sampled_from(["sample", "argmax"]),
+       default=st.sampled_from(["entropy_bound", "greedy", "confidence", "topk"]), candidates=st.sampled_from(["sample", "argmax"]),
        bound=st.sampled_from([None, 0.3]), confidence=st.sampled_from([None, 0.5]))
 def test_temperature_flag_is_the_servers_temperature(command, temperature, sampler, default, candidates, bound,
                                                      confidence):
@@ -483,12 +483,12 @@ def test_temperature_flag_is_the_servers_temperature(command, temperature, sampl
         return
     cli = sampling_kwargs(args, SimpleNamespace(sampler_defaults=defaults))["sampler"]
     assert cli == server
-    if temperature == 0 and sampler not in (None, "greedy"):  # the rule asked for, over the most likely candidates
-        assert cli.sampler == sampler and cli.candidates == "argmax" and cli.draw_temperature == 1.0
+    if temperature == 0:  # the rule asked for, else the checkpoint's, over the most likely candidates
+        assert cli.sampler == (sampler or default) and cli.argmax_candidates and cli.draw_temperature == 1.0
         assert confidence is None or cli.confidence == confidence
         assert bound is None or cli.entropy_bound == bound
     else:
-        assert cli.sampler == "greedy" if temperature == 0 or sampler == "greedy" else (
+        assert cli.sampler == "greedy" if sampler == "greedy" else (
             not cli.argmax_candidates and cli.draw_temperature == temperature)
 
 

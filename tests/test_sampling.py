@@ -662,14 +662,14 @@ def test_a_draw_temperature_argmax_candidates_would_ignore_is_refused(sampler, c
 @pytest.mark.parametrize("sampler, knob", [("confidence", dict(confidence=0.5)), ("topk", dict(rank_by="margin")),
                                            ("entropy_bound", dict(entropy_bound=0.3)), ("greedy", {})])
 def test_temperature_0_keeps_a_chosen_sampler_with_argmax_candidates(sampler, knob):
-    """with_temperature(0, sampler_given=True) swapped any sampler for greedy, so a chosen topk or confidence rule
-    and its knob went unread. It keeps the rule and its settings and takes the most likely candidates; a sampler
-    not chosen (the checkpoint's) still becomes greedy at 0."""
+    """with_temperature(0) swapped any sampler for greedy, so a chosen topk or confidence rule and its knob went
+    unread; so did a checkpoint's own default rule when the caller named none. It keeps the rule and its settings
+    and takes the most likely candidates, whoever chose the rule."""
     chosen = SamplerConfig(draw_temperature=0.7).with_(sampler=sampler, **knob)
     zero = chosen.with_temperature(0, sampler_given=True)
     assert zero.sampler == sampler and zero.argmax_candidates and zero.draw_temperature == 1.0
     assert all(getattr(zero, k) == v for k, v in knob.items())
-    assert chosen.with_temperature(0).sampler == "greedy"
+    assert chosen.with_temperature(0) == zero  # the checkpoint's default rule, not named by the caller
 
 
 @settings(max_examples=40, deadline=None)

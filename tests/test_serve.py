@@ -1395,7 +1395,8 @@ def test_openai_temperature_samples_where_the_checkpoint_takes_argmax_candidates
     hot = sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x", temperature=0.7))
     assert hot.candidates == "sample" and hot.draw_temperature == 0.7
     assert sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x")).candidates == "argmax"
-    assert sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x", temperature=0)).sampler == "greedy"
+    zero = sampler_config(argmax, CompletionRequest(model=MODEL, prompt="x", temperature=0))
+    assert zero.sampler == argmax.sampler and zero.argmax_candidates  # the checkpoint's rule, argmax candidates
 
 
 def test_top_p_and_top_k_filter_the_draws_on_the_server():
