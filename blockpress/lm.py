@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import json
 import os
@@ -83,12 +84,19 @@ def resolve_path(path_or_name: str | Path) -> Path:
     if not isinstance(path_or_name, (str, Path)) or not str(path_or_name).strip():
         raise ValueError(f"model: expected a checkpoint folder or a shipped model name, got {path_or_name!r}")
     path = Path(path_or_name).expanduser()
+    # A bare shipped name is the shipped model, whatever the current folder holds: the CLI's default --model is
+    # one, and a folder of that name here (a run's --out, a copy) silently loaded in its place. "./name" (or any
+    # path that is not the bare name) is the folder.
+    shipped = str(path_or_name) in shipped_models()
+    if shipped:
+        if path.is_dir():
+            warnings.warn(f"model {str(path_or_name)!r}: loading the shipped model; the folder {path.absolute()} of "
+                          f"the same name is not read (give ./{path_or_name} to load it)", stacklevel=3)
+        return MODELS_DIR / str(path_or_name)
     if path.is_dir():
         return path
     if path.is_file():  # config.json or model.safetensors given instead of the folder that holds them
         raise ValueError(f"model {str(path_or_name)!r}: a file; give the checkpoint folder that holds it ({path.parent})")
-    if len(Path(path_or_name).parts) == 1 and (MODELS_DIR / Path(path_or_name).name).is_dir():  # str or Path
-        return MODELS_DIR / Path(path_or_name).name
     name = str(path_or_name)
     repo_id, _, revision = name.partition("@")
     # Only a folder can be named so: absolute, relative to . / .. / ~, or more than a repo id's owner/name. The
@@ -100,6 +108,10 @@ def resolve_path(path_or_name: str | Path) -> Path:
     if snapshot is not None:
         return snapshot
     names = ", ".join(shipped_models()) or "none installed"
+    close = difflib.get_close_matches(name, shipped_models(), n=1, cutoff=0.75) if len(parts) == 1 else []
+    if close:  # a typo of a shipped name: the hub's advice below would send the user to download another model
+        raise FileNotFoundError(f"model {name!r}: no such folder, shipped model (shipped: {names}) or cached repo id; "
+                                f"did you mean {close[0]!r}?")
     fetch = (f"`hf download {repo_id}{f' --revision {revision}' if revision else ''}`" if len(parts) == 2
              else "e.g. `hf download google/diffusiongemma-26B-A4B-it`")
     raise FileNotFoundError(

@@ -446,6 +446,34 @@ def test_a_missing_path_is_said_to_be_no_folder(ref_checkpoint, tmp_path, monkey
     assert not where.exists()
 
 
+def test_a_shipped_name_is_the_shipped_model_even_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    """A folder named like a shipped model in the current folder (a run's --out, a copy) was loaded in its place,
+    silently, for the name and for the CLI's default --model alike. The name is the shipped model, with a warning;
+    ./name is the folder."""
+    blockpress.random_model(ModelConfig.tiny()).save(tmp_path / "blockpress-code")
+    monkeypatch.chdir(tmp_path)
+    for given in ("blockpress-code", Path("blockpress-code")):
+        with pytest.warns(UserWarning, match=r"loading the shipped model; the folder .*blockpress-code of the same "
+                                             r"name is not read \(give ./blockpress-code to load it\)"):
+            path = blockpress.lm.resolve_path(given)
+        assert path == blockpress.lm.MODELS_DIR / "blockpress-code"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert blockpress.lm.resolve_path("./blockpress-code") == Path("blockpress-code")
+        assert blockpress.lm.resolve_path("blockpress-sudoku") == blockpress.lm.MODELS_DIR / "blockpress-sudoku"
+
+
+@pytest.mark.parametrize("typo, meant", [("blockpress-cod", "blockpress-code"), ("blockpres-sudoku", "blockpress-sudoku"),
+                                         ("Blockpress-Code", "blockpress-code")])
+def test_a_typo_of_a_shipped_name_suggests_it(tmp_path, monkeypatch, typo, meant):
+    """It was told to fetch google/diffusiongemma-26B-A4B-it from the hub, with no word of the name it was close to."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as err:
+        blockpress.load(typo)
+    assert str(err.value).endswith(f"did you mean {meant!r}?") and "hf download" not in str(err.value)
+
+
 def test_a_repo_id_not_in_the_cache_names_itself_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     for name, fetch in [("acme/other", "`hf download acme/other`"),
