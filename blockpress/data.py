@@ -222,13 +222,20 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
                 raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
+def is_glob(path: str | Path) -> bool:
+    """A pattern to expand: it holds *, ? or [ and names no file or folder that exists. A path that exists is
+    read as it is (as a shell passes on a pattern that matches nothing): "data [v2]/train.jsonl" was a character class
+    that matched no file, so the file itself was refused (and the folder "data [v2]" read as raw text)."""
+    return any(c in str(path) for c in "*?[") and not Path(path).exists()
+
+
 def jsonl_files(path: str | Path) -> list[Path]:
     """The JSONL files `path` names: itself (a name ending .jsonl), the files a glob matches when all are .jsonl
     (a glob matching .jsonl and other files is refused),
     or a folder's .jsonl files (searched recursively; its .md files are left out: dataset cards, see
     left_out), sorted; [] else. A folder of .jsonl and also .txt/.py files is refused: which one was meant?"""
     text = str(path)
-    if any(c in text for c in "*?["):
+    if is_glob(text):
         matches = sorted(glob.glob(text))
         jsonl = [Path(m) for m in matches if m.lower().endswith(".jsonl")]
         other = [m for m in matches if not m.lower().endswith(".jsonl")]
@@ -347,7 +354,7 @@ def shard_files(pattern: str, flag: str) -> list[str]:
         rename = f"; it starts with '{{': if it is JSONL, rename it to {path.with_suffix('.jsonl').name}" if starts[:1] == "{" else ""
         raise ValueError(f"{flag} {pattern}: expected a .jsonl file (one JSON object per line) or token shards, each "
                          f"with its .json sidecar ({SHARD_SOURCE}){rename}")
-    files = sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
+    files = [pattern] if path.is_file() else sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
     if not files:
         raise FileNotFoundError(f"{flag} {pattern}: no token shards match (expected a .jsonl file or a glob of "
                                 ".bin shards, each with its .json sidecar)")
@@ -456,7 +463,7 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
         if not files:
             raise ValueError(f"{path}: a folder without {'/'.join(TEXT_SUFFIXES)} or .jsonl files (token shards are "
                              f"given as a glob, e.g. {path}/*.bin)")
-    elif not files and any(c in str(path) for c in "*?["):  # a glob is for token shards or JSONL files
+    elif not files and is_glob(path):  # a glob is for token shards or JSONL files
         raise ValueError(f"{path}: raw text is given as one file or a folder of them (searched recursively), not "
                          "a glob; globs are for token shards and JSONL files")
     files = files or [path]

@@ -420,6 +420,28 @@ def test_several_jsonl_files_as_a_glob_or_a_folder(tmp_path, tok):
     assert load_text(text, tok).arrays[0].tolist() == [t for doc in documents for t in doc]
 
 
+def test_paths_with_glob_characters_that_exist_are_read_as_they_are(tmp_path, tok):
+    """'data [v2]/d.jsonl' was read as a glob whose [v2] matched no file: the file was refused ("rename it to
+    d.jsonl"), the folder 'data [v2]' read as raw text, a text file in it refused as a glob, a shard not found."""
+    from blockpress.data import is_examples
+
+    folder = tmp_path / "data [v2] *?"
+    folder.mkdir()
+    (folder / "d.jsonl").write_text(json.dumps({"prompt_ids": [2, 5], "response_ids": [7, 8]}) + "\n")
+    want = load_jsonl(folder / "d.jsonl", tok)
+    assert len(want) == 1
+    for given in (folder / "d.jsonl", folder, str(folder)):
+        assert is_examples(given) and not is_raw_text(given)
+        assert load_jsonl(given, tok) == want
+    (tmp_path / "text [1]").mkdir()
+    (tmp_path / "text [1]" / "a.txt").write_text("hello world\n")
+    for given in (tmp_path / "text [1]" / "a.txt", tmp_path / "text [1]"):
+        assert is_raw_text(given) and not is_examples(given)
+        assert load_text(given, tok).arrays[0].tolist() == tok.encode("hello world\n") + [tok.eos_id]
+    write_shard(folder / "a [0].bin", [[3, 4, 5]], vocab_size=100)
+    assert shard_files(str(folder / "a [0].bin"), "--data") == [str(folder / "a [0].bin")]
+
+
 def test_a_glob_of_jsonl_and_other_files_is_refused_by_name(tmp_path):
     """'dir/*' catching .jsonl files and a README.md was read as token shards: "README.md: cannot read its sidecar
     README.md.json ...; shards come from write_shard", when the fix is 'dir/*.jsonl'."""
