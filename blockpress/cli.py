@@ -738,6 +738,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
 
     init_distributed()
+    args.out = os.path.expanduser(args.out)  # --out=~/x reaches us unexpanded (bash expands ~ only at a word's start)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: a file, not a folder")

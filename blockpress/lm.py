@@ -1245,7 +1245,7 @@ class LM:
         if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
             raise ValueError(f"save: expected a folder path, got {path!r}")
         self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)
-        path = Path(path)
+        path = Path(path).expanduser()  # as load reads one: "~/out" made a folder named ~ in the current one
         if path.exists() and not path.is_dir():
             raise ValueError(f"save: {str(path)!r} is a file; give a folder")
         # numpy scalars (values a user set) as plain numbers, before any file is written: JSON refuses them
@@ -1430,7 +1430,8 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
         path, adapter = base, path
         if quantize is None:
             quantize = record["quantize"]
-    return path, None if adapter is None else Path(adapter), None if quantize == NO_QUANTIZATION else quantize
+    adapter = None if adapter is None else Path(adapter).expanduser()  # as the model's path is
+    return path, adapter, None if quantize == NO_QUANTIZATION else quantize
 
 
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = "cpu",

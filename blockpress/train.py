@@ -952,7 +952,7 @@ class Trainer:
             raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
                              "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "
                              "with running text, --heldout-data)")
-        self.out = Path(out_dir)
+        self.out = Path(out_dir).expanduser()  # as load reads a model at ~/...
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()
         if cfg.batch_size % self.world:

@@ -463,6 +463,21 @@ def test_a_shipped_name_is_the_shipped_model_even_beside_a_folder_of_that_name(t
         assert blockpress.lm.resolve_path("blockpress-sudoku") == blockpress.lm.MODELS_DIR / "blockpress-sudoku"
 
 
+def test_a_home_path_is_expanded_where_a_model_is_written_and_an_adapter_read(tmp_path, monkeypatch):
+    """load("~/x") read the home folder's x, while lm.save("~/x") made a folder named ~ in the current one and
+    adapter="~/a" was no folder."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    lm = blockpress.random_model(ModelConfig.tiny())
+    lm.save("~/saved")
+    assert (home / "saved" / "model.safetensors").is_file() and not (work / "~").exists()
+    assert blockpress.load("~/saved").path == home / "saved"
+    (home / "ad").mkdir()
+    assert blockpress.lm.resolve_model("~/saved", adapter="~/ad")[1] == home / "ad"
+
+
 @pytest.mark.parametrize("typo, meant", [("blockpress-cod", "blockpress-code"), ("blockpres-sudoku", "blockpress-sudoku"),
                                          ("Blockpress-Code", "blockpress-code")])
 def test_a_typo_of_a_shipped_name_suggests_it(tmp_path, monkeypatch, typo, meant):

@@ -42,6 +42,15 @@ def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
     assert (tmp_path / "out" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the run's curves
 
 
+def test_train_out_expands_a_home_path(tmp_path, monkeypatch):
+    """`--out=~/run` (bash leaves a ~ after = as it is) trained into ./~/run."""
+    data = write_data(tmp_path / "d.jsonl")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(train_args(data, "~/run", steps=1)) == 0
+    assert (tmp_path / "home" / "run" / "model.safetensors").is_file() and not (tmp_path / "~").exists()
+
+
 def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
     """The README promises a warning is a `warning: ...` line on stderr; train's own notes (a --heldout that holds
     out nothing, a warmup longer than the run, no matplotlib for loss.png) were bare lines a script's grep missed."""
