@@ -1077,7 +1077,12 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 def served_name(model: str) -> str:
     """The model id clients send: a folder's own name; a shipped name or a cached repo id as given (a hub model
     keeps its "owner/name", as vLLM serves it)."""
-    return Path(model).expanduser().name if Path(model).expanduser().is_dir() else model
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return model
+    # its name as the absolute path spells it (".." taken out, links kept): "." and "./" have no name of their own,
+    # so `serve --model .` from inside the folder served the id ''
+    return Path(os.path.abspath(folder)).name or model
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

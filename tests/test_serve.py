@@ -887,6 +887,18 @@ def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
     assert served_name("blockpress-code") == "blockpress-code"
 
 
+def test_the_served_name_of_the_current_folder_is_its_name(tmp_path, monkeypatch):
+    """`serve --model .` from inside the checkpoint folder served the id '' (Path('.').name), which /v1/models
+    listed and every request had to send."""
+    from blockpress.cli import served_name
+
+    (tmp_path / "my-ckpt" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "my-ckpt")
+    assert served_name(".") == served_name("./") == served_name("sub/..") == "my-ckpt"
+    monkeypatch.chdir(tmp_path / "my-ckpt" / "sub")
+    assert served_name("..") == "my-ckpt"
+
+
 def test_a_model_is_known_by_its_served_name_alone(tmp_path):
     """Under --served-name a request naming the checkpoint's folder was answered (its `model` saying the folder's name),
     while /v1/models listed only the served name and /v1/models/{folder} was a 404 saying the model does not exist."""
