@@ -580,3 +580,15 @@ def test_a_puzzle_file_takes_the_common_layouts():
 def test_a_bad_puzzle_file_names_its_lines(text, message):
     with pytest.raises(ValueError, match=message):
         split_puzzle_file(text, "f")
+
+
+@pytest.mark.parametrize("line", ["easy: {p}", "hard {p}", "Puzzle 7 {p}"])
+def test_a_header_line_that_holds_cells_is_refused_not_skipped(line):
+    """A label before a puzzle on its line ("easy: 5300...") matched the header rule: the line was skipped, and its
+    puzzle lost with no message (a file of three puzzles solved one and exited 0)."""
+    p = generate(31, "easy").puzzle
+    text = f"{p}\n{line.format(p=p)}\n{p}\n"
+    with pytest.raises(ValueError, match="f line 2: starts with a word, as a header line does, but holds"):
+        split_puzzle_file(text, "f")
+    # a title's own number or date is still a header
+    assert split_puzzle_file(f"Grid 01\n{p}\nDaily 2024.01.15\n{p}\n", "f") == [p, p]

@@ -72,6 +72,9 @@ _SEPARATORS = frozenset("|-+")
 # A header line in a file of puzzles ("Grid 01", "Puzzle 3:", "Easy"): it starts with a word of two letters or more,
 # which no line of cells can (a single letter is more likely a typo in a row).
 _HEADER = re.compile(r"[^\W\d_]{2,}\b")
+# The most cells a header line may hold: a title's number or date ("Grid 01", "Daily 2024.01.15") holds a few, so a
+# line with more is a puzzle or a grid row after a label ("easy: 5300...") that skipping it would silently lose.
+_HEADER_MAX_CELLS = 16
 
 _ROW_OF = tuple(i // 9 for i in range(81))
 _COL_OF = tuple(i % 9 for i in range(81))
@@ -109,7 +112,8 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     '#' comments, border lines (only '|', '-', '+' and spaces, as around a pasted grid) and header lines
     between puzzles (a line that starts with a word, such as Project Euler's "Grid 01") skipped. Each puzzle
     comes back as its raw text (parse_puzzle reads it); lines that do not make whole puzzles are an error
-    naming them."""
+    naming them, and so is a header line that holds more cells than a title's number ("easy: 5300...": the
+    puzzle after the label would be skipped with it)."""
     puzzles: list[str] = []
     rows: list[tuple[int, str, int]] = []  # the open grid's lines: (line number, text, cells)
 
@@ -130,6 +134,11 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             # inside one, it would hide the rows missing before it.
             if rows:
                 raise unfinished(f"line {n} ({stripped!r}) starts another puzzle")
+            cells = sum(ch in _DIGITS or ch == "." for ch in stripped)
+            if cells > _HEADER_MAX_CELLS:
+                raise ValueError(f"{name} line {n}: starts with a word, as a header line does, but holds {cells} "
+                                 "cells, which skipping it would lose; put the label on a line of its own (or after "
+                                 "'#' there) and the puzzle on the next")
             continue
         odd = next((ch for ch in line if not (ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS)), None)
         if odd is not None:
