@@ -328,6 +328,20 @@ def test_a_complete_grid_is_its_own_answer_beside_open_ones(tiny_sudoku):
     assert results[1] == alone  # the complete grids did not change the open puzzle's decoding
 
 
+def test_on_draft_gets_a_board_per_puzzle_in_the_given_order_beside_complete_grids(tiny_sudoku):
+    """The draft rows are the open puzzles only: with a complete grid first, on_draft got one board for two puzzles,
+    and boards[0] was the second puzzle's canvas."""
+    _, lm = tiny_sudoku
+    full, other = generate(4, "easy"), generate(5, "easy")
+    seen, alone = [], []
+    results = sudoku_model.solve(lm, [full.solution, other.puzzle], max_denoising_steps=2,
+                                 on_draft=lambda step, boards: seen.append(boards))
+    sudoku_model.solve(lm, [other.puzzle], max_denoising_steps=2, on_draft=lambda step, boards: alone.append(boards))
+    assert seen and all(len(boards) == 2 and boards[0] == full.solution for boards in seen)
+    assert [boards[1] for boards in seen] == [boards[0] for boards in alone]
+    assert seen[-1][1] == results[1].solution
+
+
 def test_both_solvers_answer_no_puzzles_and_complete_grids_without_decoding(tiny_sudoku, monkeypatch):
     """solve_ar(lm, []) raised IndexError (solve gave []), and it ran 81 passes on a complete grid (steps=81) where
     solve runs none (steps=0): both share the shortcut and decode only the open puzzles, results in the given order

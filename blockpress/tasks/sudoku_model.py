@@ -191,8 +191,9 @@ def solve(
     checked: bool = False,
     **sampler_options: Any,
 ) -> list[ModelSolution]:
-    """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle. `puzzles`: puzzle
-    strings (81 cells each), or one string; a list of results either way.
+    """Fill every empty cell with the model; `on_draft(step, boards)` sees the canvas settle (a board per puzzle, in
+    the order given; a complete grid as given). `puzzles`: puzzle strings (81 cells each), or one string; a list of
+    results either way.
 
     `rules`: the rule-aware option (see the module docstring); off, the model alone decides.
     `ensemble`: denoise each puzzle as this many symmetric views with pooled predictions (module docstring).
@@ -210,6 +211,16 @@ def solve(
     # the processor pools whole groups of views: no row of a group may stop alone
     processor = ensemble_processor(views, lm.config.text.vocab_size, lm.device) if ensemble > 1 else None
 
+    # The canvas rows are the open puzzles only (_with_complete_grids keeps complete grids out of the decode):
+    # on_draft gets a board per puzzle given, in that order, a complete grid as given, not the open ones shifted up.
+    open_rows = [i for i, p in enumerate(puzzles) if "0" in p]
+
+    def draft_boards(rows: list[list[int]]) -> list[str]:
+        boards = list(puzzles)
+        for i, row in zip(open_rows, rows, strict=True):
+            boards[i] = decode_digits(row)
+        return boards
+
     def denoise(open_puzzles: list[str]) -> list[ModelSolution]:
         boards = [view.apply(p) for p in open_puzzles for view in views]  # puzzle-major: row p * V + v
         out = None
@@ -219,7 +230,7 @@ def solve(
                                constraint=rules_constraint(lm.config.text.vocab_size, lm.device) if rules else None,
                                logits_processor=processor, **sampler_options):
             if isinstance(event, Draft) and on_draft is not None:
-                on_draft(event.step, [decode_digits(row) for row in event.tokens[:: len(views)].tolist()])
+                on_draft(event.step, draft_boards(event.tokens[:: len(views)].tolist()))
             elif isinstance(event, Done):
                 out = event.output
             elif isinstance(event, Commit):
