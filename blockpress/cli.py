@@ -1034,7 +1034,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         puzzles += split_puzzle_file(sys.stdin.read(), "--file -")
     elif args.file:
         try:
-            lines = Path(args.file).read_text().splitlines()
+            # utf-8-sig: the file's own encoding whatever the locale says, a BOM (Notepad's) left out
+            lines = Path(args.file).read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
             raise ValueError(f"--file {args.file}: cannot read puzzles from it ({exc})") from None
         puzzles += split_puzzle_file("\n".join(lines), f"--file {args.file}")

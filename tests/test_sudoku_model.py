@@ -417,6 +417,16 @@ def test_cli_reads_bordered_grids_from_a_file_and_stdin_and_grid_rows_as_words(t
     assert "puzzle 1: puzzle has 9 cells, expected 81" in capsys.readouterr().err
 
 
+def test_cli_reads_a_puzzle_file_saved_with_a_byte_order_mark(tiny_sudoku, capsys, tmp_path):
+    """Notepad's "UTF-8 with BOM": exit 2, "--file ... line 1: illegal character '\ufeff'"."""
+    path, _ = tiny_sudoku
+    a, b = generate(5, "easy").puzzle, generate(6, "medium").puzzle
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + f"{a}\r\n{b}\r\n".encode())
+    main(["sudoku", "--file", str(tmp_path / "bom.txt"), "--model", str(path), "--json", "--steps", "1"])
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["puzzle"] for line in out.splitlines()] == [a, b], err
+
+
 def test_a_puzzle_that_is_not_a_string_is_named_like_the_other_bad_puzzles():
     """solve(lm, [123]) raised a bare TypeError without the 'puzzle N:' the ValueErrors have."""
     good = generate(8, "easy").puzzle

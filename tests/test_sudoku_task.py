@@ -592,3 +592,11 @@ def test_a_header_line_that_holds_cells_is_refused_not_skipped(line):
         split_puzzle_file(text, "f")
     # a title's own number or date is still a header
     assert split_puzzle_file(f"Grid 01\n{p}\nDaily 2024.01.15\n{p}\n", "f") == [p, p]
+
+
+def test_a_puzzle_file_saved_with_a_byte_order_mark_reads_as_without():
+    """A file saved as "UTF-8 with BOM" (Windows' Notepad) was refused: "line 1: illegal character '\\ufeff'"."""
+    a, b = generate(32, "easy").puzzle, generate(33, "medium").puzzle
+    assert split_puzzle_file(f"\ufeff{a}\r\n{b}\r\n", "f") == [a, b]
+    grid = "\n".join(b[r * 9 : r * 9 + 9] for r in range(9))
+    assert [parse_puzzle(p) for p in split_puzzle_file(f"\ufeffGrid 01\n{grid}\n", "f")] == [b]

@@ -125,7 +125,9 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
         return ValueError(f"{name} {where(rows[0][0], rows[-1][0])}: {len(rows)} of a 9-line grid's rows "
                           f"({cells} cells), not a whole puzzle of 81; {what}")
 
-    for n, line in enumerate(text.splitlines(), start=1):
+    # A byte-order mark (Notepad's "UTF-8 with BOM", PowerShell's pipes) is no character of the file's first line:
+    # left there, it was refused as an illegal character the user cannot see.
+    for n, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
