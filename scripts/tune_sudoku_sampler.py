@@ -41,15 +41,31 @@ SETTINGS = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="blockpress-sudoku")
     ap.add_argument("--per-difficulty", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
+    ap.add_argument("--settings", default=None,
+                    help="JSON list of settings to compare instead of the built-in ones: objects of solve's "
+                         "options; a setting without sampler or max_denoising_steps takes the model's")
     ap.add_argument("--quantize", choices=["int8", "fp8", "int4"], default=None,
                     help="quantize the model while loading (blockpress.quantize)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # Checked before the model loads and the puzzles are made: a setting without "max_denoising_steps" raised
+    # KeyError, and --per-difficulty 0 ZeroDivisionError, each after that work.
+    if args.per_difficulty < 1:
+        ap.error(f"--per-difficulty: expected a positive integer, got {args.per_difficulty}")
+    if args.threads < 1:
+        ap.error(f"--threads: expected a positive integer, got {args.threads}")
+    settings = SETTINGS
+    if args.settings is not None:
+        try:
+            settings = json.loads(args.settings)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--settings: not JSON ({exc})")
+        if not isinstance(settings, list) or not settings or not all(isinstance(s, dict) for s in settings):
+            ap.error(f"--settings: expected a JSON list of objects (settings), got {args.settings!r}")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -57,12 +73,13 @@ def main() -> None:
     truth = {level: [generate(VALIDATION_SEED + i, level) for i in range(args.per_difficulty)]
              for level in ("medium", "hard")}
     out = []
-    for setting in json.loads(args.settings) if args.settings else SETTINGS:
+    for setting in settings:
         options = {k: v for k, v in setting.items() if k not in ("sampler", "max_denoising_steps")}
         row = dict(setting, quantize=args.quantize, weights_bytes=lm.weights_bytes())
         for level, puzzles in truth.items():
-            solved = sudoku_model.solve(lm, [p.puzzle for p in puzzles], setting["max_denoising_steps"],
-                                        setting["sampler"], **options)
+            # None: the model's own (its generation_config.json), as sudoku_model.solve reads it
+            solved = sudoku_model.solve(lm, [p.puzzle for p in puzzles], setting.get("max_denoising_steps"),
+                                        setting.get("sampler"), **options)
             row[level] = {
                 "exact": sum(s.valid for s in solved) / len(solved),
                 "cell_accuracy": sum(cell_accuracy(s.solution, p.solution, p.puzzle) for s, p in zip(solved, puzzles))

@@ -326,6 +326,53 @@ def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
     assert all(x["tokens_per_forward"] == 1.0 for x in rows)
 
 
+def tune_sudoku_module():
+    """scripts/tune_sudoku_sampler.py as a module."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("tune_sudoku_sampler")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--per-difficulty", "0"], "--per-difficulty: expected a positive integer, got 0"),  # was ZeroDivisionError
+    (["--threads", "0"], "--threads: expected a positive integer, got 0"),
+    (["--settings", "[{"], "--settings: not JSON"),
+    (["--settings", '{"sampler": "topk"}'], "--settings: expected a JSON list of objects"),
+    (["--settings", "[]"], "--settings: expected a JSON list of objects"),
+])
+def test_tune_sudoku_sampler_refuses_bad_values_by_flag_before_loading(argv, message, capsys, monkeypatch):
+    script = tune_sudoku_module()
+    monkeypatch.setattr(sys, "argv", ["tune_sudoku_sampler.py"])  # the program name its errors start with
+    monkeypatch.setattr(script.blockpress, "load", lambda *a, **kw: pytest.fail("loaded the model first"))
+    with pytest.raises(SystemExit) as done:
+        script.main(argv)
+    assert done.value.code == 2 and f"tune_sudoku_sampler.py: error: {message}" in capsys.readouterr().err
+
+
+def test_tune_sudoku_sampler_settings_without_sampler_or_steps_take_the_models(capsys, monkeypatch):
+    """A --settings entry without "max_denoising_steps" (or "sampler") raised KeyError after the model loaded and
+    the puzzles were made."""
+    import blockpress
+
+    if "blockpress-sudoku" not in blockpress.shipped_models():
+        pytest.skip("blockpress-sudoku is not in this package")
+    script = tune_sudoku_module()
+    seen = []
+    easy = script.generate(3, "easy")  # quick to make; what solve is asked is the point, not how well it does
+    monkeypatch.setattr(script, "generate", lambda seed, level: easy)
+
+    def solve(lm, puzzles, steps, sampler, **options):
+        seen.append((steps, sampler, options))
+        return [script.sudoku_model.ModelSolution(p, easy.solution, True, 1) for p in puzzles]
+
+    monkeypatch.setattr(script.sudoku_model, "solve", solve)
+    script.main(["--per-difficulty", "1", "--settings", '[{"t_max": 1.0}, {"sampler": "confidence"}]'])
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r.get("sampler") for r in rows[:2]] == [None, "confidence"] and "best" in rows[2]
+    assert seen == [(None, None, {"t_max": 1.0})] * 2 + [(None, "confidence", {})] * 2
+
+
 def test_rerank_code_candidates_smoke():
     r = run_code_model_script("rerank_code_candidates.py", "--functions", "2", "--candidates", "2",
                               "--max-new-tokens", "8")
