@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import blockpress
+from blockpress.checkpoint import resolve_device
 from blockpress.cli import as_flags, train_flag_of
 from blockpress.config import FULL, SLIDING, ModelConfig, TextConfig
 from blockpress.data import Example
@@ -169,6 +170,14 @@ def checked_settings(ap: argparse.ArgumentParser,
         ap.error(f"--puzzles: expected a positive integer, got {args.puzzles}")
     if args.init_from and args.resume:
         ap.error("--init-from and --resume: choose one")
+    # torch's own errors, after every puzzle was made: "set_num_threads expects a positive integer", and a
+    # traceback for a device this machine does not have
+    if args.threads < 0:
+        ap.error(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+    try:
+        resolve_device(args.device)
+    except ValueError as exc:
+        ap.error(f"--{exc}")
     # The settings by the flags that give them (TrainConfig's and the model config's errors name their fields).
     flag_of = {**train_flag_of(), "max_minutes": "--minutes", "hidden": "--hidden",
                "text_config.num_hidden_layers": "--layers"}

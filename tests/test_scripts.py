@@ -281,6 +281,8 @@ def train_sudoku_module():
     (["--resume"], "--resume: {out} has no trainer_state.pt to continue from"),
     (["--init-from", "blockpress-sudoku", "--resume"], "--init-from and --resume: choose one"),
     (["--init-from", "no-such-model"], "--init-from: model 'no-such-model': not a checkpoint folder"),
+    (["--threads", "-1"], "--threads: expected 0 (torch's default) or more, got -1"),  # torch's RuntimeError
+    (["--device", "nodevice"], "--device: 'nodevice' is not a torch device"),
 ])
 def test_train_sudoku_refuses_bad_values_by_flag_before_generating_puzzles(argv, message, tmp_path, capsys,
                                                                             monkeypatch):
