@@ -1099,8 +1099,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
 
-    from blockpress.serve import create_app
+    from blockpress.serve import check_origins, create_app
 
+    check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
@@ -1109,7 +1110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    "once it is loaded)")
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
-                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30))
+                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or ())
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1", file=sys.stderr)
     _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     return 0
@@ -1458,6 +1459,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off). "
                         "A cached prompt's logits differ from a fresh encode's by rounding (~1e-6), which can change "
                         "a seeded sampled answer: use 0 where a seed must repeat exactly")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="origins of web pages allowed to call the API from a browser (CORS), as the browser sends "
+                        "them: http://localhost:3000 (no path, no trailing slash), or '*' for any (default: none, "
+                        "so only clients outside a browser, and pages served from the server's own origin, can)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", formatter_class=DefaultsFormatter, help="speed: diffusion vs AR vs the reference, same random checkpoint",

@@ -70,6 +70,7 @@ import functools
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -79,6 +80,7 @@ from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -1240,10 +1242,12 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 
 
 def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
-               max_context: int | None = None, prefix_cache_bytes: int = 1 << 30) -> FastAPI:
+               max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
+               allowed_origins: Sequence[str] = ()) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
-    (None: that)."""
+    (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
+    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     if prefix_cache_bytes < 0:
@@ -1258,6 +1262,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     if max_context is not None and (not isinstance(max_context, int) or not 1 <= max_context <= limit):
         raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
                          f"(max_position_embeddings), got {max_context!r}")
+    origins = check_origins(allowed_origins)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     state = ServerState(lm, engine, model_name, limit if max_context is None else max_context)
 
@@ -1268,6 +1273,10 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine = engine
+    if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
+                           expose_headers=["Retry-After"])  # a 429's back-off, for the page to read
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -1350,6 +1359,19 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
         return PlainTextResponse(engine.metrics.render(gauges))
 
     return app
+
+
+def check_origins(origins: Sequence[str]) -> list[str]:
+    """`create_app`'s allowed_origins, each "*" or an origin as a browser sends it (scheme://host[:port]): one
+    with a path or a trailing slash would never match, and every call from that page would fail its CORS check."""
+    if isinstance(origins, str):
+        raise ValueError(f"allowed_origins: expected a list of origins, got the string {origins!r}")
+    for origin in origins:
+        if origin != "*" and not (isinstance(origin, str) and re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#\s]+",
+                                                                             origin)):
+            raise ValueError(f"allowed_origins: {origin!r} is not an origin; expected scheme://host[:port] as a "
+                             "browser sends it (no path, no trailing slash), or '*' for any")
+    return list(origins)
 
 
 def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0) -> tuple[str, Any]:

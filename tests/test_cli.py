@@ -835,6 +835,32 @@ def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
         assert says in capsys.readouterr().err
 
 
+def test_serve_lets_the_origins_named_call_it_from_a_browser(monkeypatch, capsys):
+    """serve had no way to let a web front end on another origin call it (its preflight got a 405)."""
+    from fastapi.testclient import TestClient
+
+    import blockpress.cli
+
+    answers = []
+
+    class Server:  # uvicorn's place: the app answers a preflight, and serve returns
+        def __init__(self, config):
+            self.app = config.app
+
+        def run(self, sockets):
+            with TestClient(self.app) as http:
+                answers.append(http.options("/v1/completions", headers={
+                    "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}))
+
+    monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--allowed-origins", "http://localhost:5173"]) == 0
+    assert answers[0].status_code == 200
+    assert answers[0].headers["access-control-allow-origin"] == "http://localhost:5173"
+    monkeypatch.setattr(blockpress.cli, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    assert main(["serve", "--port", "0", "--allowed-origins", "http://localhost:5173/"]) == 2
+    assert "--allowed-origins: 'http://localhost:5173/' is not an origin" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""

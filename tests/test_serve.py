@@ -775,6 +775,42 @@ def test_max_context_is_at_most_the_models():
         assert r.status_code == 400 and "exceed the context of 40 tokens" in r.json()["error"]["message"]
 
 
+def test_a_web_page_on_an_allowed_origin_can_call_the_api():
+    """A browser front end on another origin (a dev server on another port) could not call the server at all: its
+    preflight OPTIONS got a 405, and no answer carried Access-Control-Allow-Origin. allowed_origins (serve's
+    --allowed-origins) lets the pages of the origins named call it, streams included; other origins, and every
+    origin by default, get no CORS headers."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    page, other = "http://localhost:3000", "https://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type,x-stainless-os"}
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "seed": 1}
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, allowed_origins=[page])) as http:
+        r = http.options("/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page, r.text
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "x-stainless-os" in r.headers["access-control-allow-headers"].lower()
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={**body, "stream": stream}, headers={"Origin": page})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = http.post("/v1/completions", json={**body, "model": "nope"}, headers={"Origin": page})  # errors too
+        assert r.status_code == 404 and r.headers["access-control-allow-origin"] == page
+        r = http.options("/v1/chat/completions", headers={"Origin": other, **preflight})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:  # by default no page may
+        r = http.options("/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert "access-control-allow-origin" not in r.headers
+        r = http.post("/v1/completions", json=body, headers={"Origin": page})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, allowed_origins=["*"])) as http:
+        r = http.options("/v1/completions", headers={"Origin": other, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    for bad in ("http://localhost:3000/", "localhost:3000", "http://x.example/app"):  # would never match a browser's
+        with pytest.raises(ValueError, match=rf"^allowed_origins: '{bad}' is not an origin; expected scheme://host"):
+            create_app(lm, MODEL, allowed_origins=[bad])
+
+
 def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     """OpenAI's insert mode on the constrained canvas: the answer is max_tokens tokens that lead into the suffix,
     what the library's own template generation gives; streamed, it reassembles to the same text."""
