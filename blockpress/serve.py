@@ -992,20 +992,22 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
         accepted = ", ".join(repr(v) for v in NOOP_VALUES[field_name])
         raise APIError(400, f"{field_name}: not supported by this server ({NOOP_WHY.get(field_name, 'block diffusion')}"
                             f"; only {accepted} or null is accepted)", field_name)
+    # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins
+    limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or lm.default_new_tokens(len(prompt))
     except ValueError as exc:
         raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
     if body.min_tokens > max_tokens:
-        raise APIError(400, f"min_tokens: {body.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+        raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
     canvas = lm.config.canvas_length
     taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases
     if len(prompt) + taken > context:
         # the prompt is what to shorten when it leaves no room for one canvas
         param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) + canvas > context \
-            else "max_tokens"
+            else limit_name
         whole = f" (whole {canvas}-token canvases: {taken} positions)" if taken != max_tokens else ""
-        raise APIError(400, f"{param}: {len(prompt)} prompt tokens + max_tokens {max_tokens}{whole} exceed the "
+        raise APIError(400, f"{param}: {len(prompt)} prompt tokens + {limit_name} {max_tokens}{whole} exceed the "
                             f"context of {context} tokens", param)
     cfg = sampler_config(lm.sampler_defaults, body)
     stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]

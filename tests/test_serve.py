@@ -775,6 +775,22 @@ def test_max_context_is_at_most_the_models():
         assert r.status_code == 400 and "exceed the context of 40 tokens" in r.json()["error"]["message"]
 
 
+def test_errors_about_the_answers_length_name_max_completion_tokens_where_the_request_sent_it():
+    """Chat's max_completion_tokens (the openai client's current name) past the context was a 400 naming max_tokens,
+    a field the request never sent; so was a min_tokens above it."""
+    from fastapi.testclient import TestClient
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(load_model("random-tiny", None, "cpu"), MODEL, prefix_cache_bytes=0,
+                               max_context=40)) as http:
+        for body, param, says in (
+                ({"max_completion_tokens": 40}, "max_completion_tokens", "prompt tokens + max_completion_tokens 40"),
+                ({"max_completion_tokens": 3, "min_tokens": 5}, "min_tokens", "is more than max_completion_tokens 3"),
+                ({"max_tokens": 40}, "max_tokens", "prompt tokens + max_tokens 40")):
+            err = http.post("/v1/chat/completions", json={**chat, **body}).json()["error"]
+            assert err["param"] == param and says in err["message"], err
+
+
 def test_a_web_page_on_an_allowed_origin_can_call_the_api():
     """A browser front end on another origin (a dev server on another port) could not call the server at all: its
     preflight OPTIONS got a 405, and no answer carried Access-Control-Allow-Origin. allowed_origins (serve's
