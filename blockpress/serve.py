@@ -210,10 +210,11 @@ class _Common(_NullIsDefault):
     modalities: list | None = None
 
     implemented: ClassVar[frozenset[str]] = frozenset()  # fields of NOOP_VALUES a request kind does implement
+    noop_values: ClassVar[dict[str, tuple]] = NOOP_VALUES  # what asks for nothing, where a kind reads a value otherwise
 
     def unsupported(self) -> str | None:
         """The first unimplemented OpenAI field this request uses for real, if any."""
-        for name, noop in NOOP_VALUES.items():
+        for name, noop in self.noop_values.items():
             if name in self.implemented:
                 continue
             value = getattr(self, name)
@@ -344,6 +345,9 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     # blockpress: text with <|hole|> / <|hole:N|> markers after the prompt; the answer is the filled text
     template: str | None = None
+    # The legacy logprobs is a count of alternatives, and 0 still asks for the sampled tokens' own log probabilities
+    # (OpenAI: "always returns the logprob of the sampled token"; vLLM alike): not a no-op here, as chat's false is
+    noop_values: ClassVar[dict[str, tuple]] = {**NOOP_VALUES, "logprobs": (False,)}
 
 
 @dataclass(frozen=True)
@@ -989,7 +993,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
                        "not_found_error")
     field_name = body.unsupported()
     if field_name:
-        accepted = ", ".join(repr(v) for v in NOOP_VALUES[field_name])
+        accepted = ", ".join(repr(v) for v in body.noop_values[field_name])
         raise APIError(400, f"{field_name}: not supported by this server ({NOOP_WHY.get(field_name, 'block diffusion')}"
                             f"; only {accepted} or null is accepted)", field_name)
     # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins

@@ -287,6 +287,8 @@ def test_no_number_a_request_sends_is_a_server_error(server, name, value):
         ({"model": MODEL, "prompt": "x", "temperature": float("nan")}, 400, "temperature"),
         # unimplemented OpenAI fields used for real
         ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        # the legacy logprobs 0 still asks for the sampled tokens' log probabilities: it was answered with null
+        ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
          "tools"),
         ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
@@ -356,6 +358,10 @@ def test_the_no_op_values_clients_send_are_accepted(server):
     assert r.status_code == 200, r.text
     r = httpx.post(server[0] + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": "x", "max_tokens": 4, "echo": False, "best_of": 1, "logprobs": None})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=30, json={  # chat's logprobs is a yes or no
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "logprobs": 0,
+        "top_logprobs": 0})
     assert r.status_code == 200, r.text
 
 
