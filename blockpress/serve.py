@@ -1136,7 +1136,10 @@ async def respond(engine: Engine, reply: Reply, body: _Common, request: Request)
     engine.submit(reply.jobs)  # a refused request counts in rejected_total; an answered one in requests_total
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream_reply(engine, reply, with_usage), media_type="text/event-stream")
+        # An event stream is neither cached nor buffered on its way: nginx (proxy_buffering on by default) in front of
+        # a web front end held every chunk until the answer's end, since nothing said not to
+        return StreamingResponse(stream_reply(engine, reply, with_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await collect_reply(engine, reply, request)
 
 

@@ -801,7 +801,8 @@ def test_a_web_page_on_an_allowed_origin_can_call_the_api():
     """A browser front end on another origin (a dev server on another port) could not call the server at all: its
     preflight OPTIONS got a 405, and no answer carried Access-Control-Allow-Origin. allowed_origins (serve's
     --allowed-origins) lets the pages of the origins named call it, streams included; other origins, and every
-    origin by default, get no CORS headers."""
+    origin by default, get no CORS headers. A stream says Cache-Control: no-cache and X-Accel-Buffering: no (nginx
+    in front of a front end held every chunk until the answer's end)."""
     from fastapi.testclient import TestClient
 
     lm = load_model("random-tiny", None, "cpu")
@@ -816,6 +817,8 @@ def test_a_web_page_on_an_allowed_origin_can_call_the_api():
         for stream in (False, True):
             r = http.post("/v1/completions", json={**body, "stream": stream}, headers={"Origin": page})
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        # a stream is neither cached nor held by a proxy in between (nginx buffers a response unless told not to)
+        assert (r.headers["cache-control"], r.headers["x-accel-buffering"]) == ("no-cache", "no")
         r = http.post("/v1/completions", json={**body, "model": "nope"}, headers={"Origin": page})  # errors too
         assert r.status_code == 404 and r.headers["access-control-allow-origin"] == page
         r = http.options("/v1/chat/completions", headers={"Origin": other, **preflight})
