@@ -1,9 +1,9 @@
 """The `blockpress` console script (pyproject.toml's [project.scripts]): blockpress.cli's main, imported and run
 under a Ctrl-C handler.
 
-It lives outside the blockpress package because importing any part of it imports torch first, which takes a second
-or more: a Ctrl-C then, before blockpress.cli's own handling existed, printed a traceback from inside torch's
-import. `import blockpress` stays as it was for the library's users.
+It lives outside the blockpress package so that a Ctrl-C while the package is imported ends quietly (130), as any
+other Ctrl-C of a run does. That once meant seconds inside torch's import; the package and the parser import no
+torch now (a command imports it when it runs, under blockpress.cli's own handling), so the window is short.
 """
 
 from __future__ import annotations

@@ -1,18 +1,37 @@
 """blockpress: a fast, hackable engine for block-diffusion language models of the DiffusionGemma kind."""
 
-from .cache import KVCache
-from .checkpoint import CheckpointError
-from .config import ConfigError, ModelConfig, TextConfig
-from .generate import Cancelled, Commit, Done, Draft, GenerationOutput, NonFiniteLogits, escape_template
-from .lm import LM, load, random_model, shipped_models
-from .model import DiffusionGemma
-from .prefix import PrefixCache
-from .sampling import SamplerConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 # What the README and LM's docstrings tell users to pass or check: SamplerConfig for `sampler`, the events of
 # `stream` (isinstance), GenerationOutput, KVCache and PrefixCache; escape_template for infill's fixed text.
+# Each is imported from its module on first use (PEP 562), not here: importing torch takes seconds, and
+# `blockpress --help` (which imports this package first) needs none of it.
+_EXPORTS = {
+    "KVCache": "cache",
+    "CheckpointError": "checkpoint",
+    "ConfigError": "config",
+    "ModelConfig": "config",
+    "TextConfig": "config",
+    "Cancelled": "generate",
+    "Commit": "generate",
+    "Done": "generate",
+    "Draft": "generate",
+    "GenerationOutput": "generate",
+    "NonFiniteLogits": "generate",
+    "escape_template": "generate",
+    "LM": "lm",
+    "load": "lm",
+    "random_model": "lm",
+    "shipped_models": "lm",
+    "DiffusionGemma": "model",
+    "PrefixCache": "prefix",
+    "SamplerConfig": "sampling",
+}
 __all__ = [
     "LM",
     "Cancelled",
@@ -34,3 +53,34 @@ __all__ = [
     "random_model",
     "shipped_models",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`blockpress.load` and the rest of __all__ from their modules, and `blockpress.lm` (a submodule) as a plain
+    package import would give it."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":  # a module of ours that fails to import: its own error
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # found once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
+    from .cache import KVCache
+    from .checkpoint import CheckpointError
+    from .config import ConfigError, ModelConfig, TextConfig
+    from .generate import Cancelled, Commit, Done, Draft, GenerationOutput, NonFiniteLogits, escape_template
+    from .lm import LM, load, random_model, shipped_models
+    from .model import DiffusionGemma
+    from .prefix import PrefixCache
+    from .sampling import SamplerConfig

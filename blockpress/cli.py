@@ -14,15 +14,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import blockpress
 from blockpress.checks import check_text, utf8_problem
-from blockpress.healing import heal
-from blockpress.live import LiveView, live_terminal, terminal_text
-from blockpress.model import PREFILL_CHUNK
-from blockpress.quantize import SCHEMES
-from blockpress.sampling import RANKINGS
+
+# Torch and the modules that import it are imported by the commands that run a model, not here: importing torch
+# takes seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows
+# come from torch-free modules (config, train_config).
+from blockpress.config import PREFILL_CHUNK, RANKINGS, SCHEMES
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -240,6 +238,8 @@ def stats_of(new_tokens: int, passes: int, tokens_per_forward: float, seconds: f
 def printable(text: str) -> str:
     """Model output for stdout: on a terminal, its control characters drawn as U+FFFD (live.terminal_text); piped,
     the text as the model wrote it."""
+    from blockpress.live import terminal_text
+
     return terminal_text(text) if sys.stdout is not None and sys.stdout.isatty() else text
 
 
@@ -252,6 +252,8 @@ def print_stats(stats: dict[str, Any]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
+    from blockpress.healing import heal
+    from blockpress.live import LiveView, live_terminal
 
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
@@ -706,7 +708,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     import typing
     from dataclasses import fields
 
-    from blockpress.train import TrainConfig
+    from blockpress.train_config import TrainConfig
 
     types = typing.get_type_hints(TrainConfig)
     g = p.add_argument_group("training settings (flags override --train-config)")
@@ -917,6 +919,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                               lm.config.canvas_length) if cfg.heldout_data else None
     base_dtype = lm.dtype
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
+    import torch
+
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
                       data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
@@ -1254,7 +1258,7 @@ def train_flag_of() -> dict[str, str]:
     """`train`'s settings by name: each TrainConfig field is the flag of the same name."""
     from dataclasses import fields
 
-    from blockpress.train import TrainConfig
+    from blockpress.train_config import TrainConfig
 
     return {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
 
@@ -1575,6 +1579,8 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, "threads", 0):
             if args.threads < 0:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+            import torch
+
             torch.set_num_threads(args.threads)
         code = args.func(args)
         if sys.stdout is not None:  # a reader gone away (`| head`) is met here, not in the interpreter's last flush

@@ -17,6 +17,16 @@ from typing import Any
 from .checks import check_flag
 from .files import read_json_object
 
+# Names and defaults the command line shows in its --help, kept in this module (which imports no torch) so that
+# building the parser does not import torch: that takes seconds, and `blockpress --help` needs none of it.
+# Queries per encoder pass over a long prompt (DiffusionGemma.prefill_chunk's default). Each pass builds masks
+# (and, where SDPA falls back to its math kernel, scores) over chunk x keys, not prompt x prompt; 2048 queries
+# still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass as before.
+PREFILL_CHUNK = 2048
+SCHEMES = ("int8", "fp8", "int4")  # the quantization schemes (quantize.py)
+RANKINGS = ("entropy", "margin", "position")  # the orders acceptance ranks positions in (SamplerConfig.rank_by)
+CHAT_TURNS = ("all", "last")  # which assistant turns of a `messages` record are trained on (data.parse_examples)
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 # hidden_activation: each name transformers' ACT2FN knows (its loader knows no other spelling) -> the function

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import CHAT_TURNS
 from .tokenizer import chat_message
 
 
@@ -107,7 +108,6 @@ def _ids_field(obj: dict, key: str, where: str) -> list[int]:
     return value
 
 
-CHAT_TURNS = ("all", "last")  # which assistant turns of a `messages` record are trained on (parse_examples)
 
 
 def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None = None,

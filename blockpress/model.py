@@ -23,12 +23,7 @@ from torch import nn
 
 from .cache import KVCache
 from .checks import is_int
-from .config import ACTIVATIONS, LayerSpec, ModelConfig, TextConfig
-
-# Queries per encoder pass over a long prompt (DiffusionGemma.prefill_chunk's default). Each pass builds masks
-# (and, where SDPA falls back to its math kernel, scores) over chunk x keys, not prompt x prompt; 2048 queries
-# still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass as before.
-PREFILL_CHUNK = 2048
+from .config import ACTIVATIONS, PREFILL_CHUNK, LayerSpec, ModelConfig, TextConfig
 
 # (layer index, spec, new keys, new values) -> (all keys, all values) that the new queries may read.
 KVSource = Callable[[int, LayerSpec, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import SCHEMES
 from .model import DiffusionGemma, ExpertRows, Experts, Router, _grouped_linear, expert_groups
 
-SCHEMES = ("int8", "fp8", "int4")
 INT8_MAX = 127.0
 INT4_GROUP = 32  # inputs sharing one int4 scale
 FP8 = torch.float8_e4m3fn

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .checks import check_flag, check_keywords, is_finite_number, is_int
+from .config import RANKINGS
 
 # The samplers compute in float32: a setting past its range became inf there (a t_max of 1e308 made the schedule's
 # temperature inf, which flattened every logit to 0, so token 0 won every position: an empty answer billed as 8
@@ -51,7 +52,6 @@ TEMPERATURE_HINT = ("OpenAI's temperature is draw_temperature here (the server m
                     "at the schedule's temperature times it, where the sampler draws them (not sampler='greedy' nor "
                     "candidates='argmax'), while acceptance keeps the schedule from t_max down to t_min; "
                     "sampler='greedy' takes the argmax")
-RANKINGS = ("entropy", "margin", "position")
 CANDIDATES = ("sample", "argmax")
 # The settings that only some samplers read (`denoise_step`): given to another, they would change nothing.
 # (rank_by, read by all but confidence, is checked on the config itself: its default is the one value that

@@ -158,3 +158,34 @@ def test_the_version_is_written_once():
     the distribution's version is read from blockpress.__version__."""
     assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "blockpress.__version__"}
+
+
+def test_help_and_the_package_import_no_torch():
+    """`blockpress --help` took about 4 s on this machine, 3.3 of them importing torch, which no help text needs:
+    the package's names load on first use and the parser reads its choices from torch-free modules. Every
+    command's --help is built; then the names still resolve (and import torch) when used."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import blockpress
+from blockpress.cli import build_parser
+parser = build_parser()
+commands = next(a for a in parser._actions if a.choices and 'generate' in a.choices).choices
+helps = [p.format_help() for p in commands.values()]
+assert len(helps) >= 8 and all('--help' in h for h in helps)
+assert 'torch' not in sys.modules, 'torch imported'
+assert blockpress.SamplerConfig is blockpress.sampling.SamplerConfig and 'torch' in sys.modules
+from blockpress import *  # noqa
+assert KVCache is blockpress.cache.KVCache and sorted(blockpress.__all__) == sorted(blockpress._EXPORTS)
+try:
+    blockpress.no_such_name
+except AttributeError as exc:
+    assert "no attribute 'no_such_name'" in str(exc)
+else:
+    raise AssertionError('no AttributeError')
+print('ok')
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
