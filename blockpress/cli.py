@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -1091,8 +1092,8 @@ def served_name(model: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.prefix_cache_gb < 0:
-        raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more, got {args.prefix_cache_gb}")
+    if not 0 <= args.prefix_cache_gb < math.inf:  # nan and inf too: int() of them failed after the model loaded
+        raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {args.prefix_cache_gb}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
                         ("--max-context", args.max_context)):
         if value is not None and value < 1:

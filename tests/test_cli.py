@@ -779,9 +779,16 @@ def test_bench_engines_take_turns_and_keep_their_fastest_run():
                     "b": {"seconds": 4.0, "name": "b", "peak_memory_growth_gb": 0.5}}
 
 
-def test_serve_rejects_a_negative_prefix_cache(capsys):
-    assert main(["serve", "--model", "random-tiny", "--prefix-cache-gb", "-1"]) == 2
-    assert "blockpress serve: error: --prefix-cache-gb: expected 0" in capsys.readouterr().err
+@pytest.mark.parametrize("gb", ["-1", "nan", "inf"])
+def test_serve_rejects_a_negative_or_unbounded_prefix_cache_before_loading(capsys, monkeypatch, gb):
+    """A budget must be a finite number of GiB (nan got 'cannot convert float NaN to integer', naming no flag,
+    and inf an OverflowError traceback, both after the model had loaded)."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    assert main(["serve", "--model", "random-tiny", "--prefix-cache-gb", gb]) == 2
+    assert f"blockpress serve: error: --prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {gb}" in (
+        capsys.readouterr().err)
 
 
 def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
