@@ -684,6 +684,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         # the dtype and bytes the weights would take loaded on --device (with --dtype / --quantize)
         dtype=str(lm.dtype).replace("torch.", ""), quantization=lm.quantization, device=args.device,
         weights_bytes=lm.weights_bytes() + adapter_bytes, adapter=adapter,
+        # a sequence's keys and values per token, in the model's dtype: every layer keeps every token (sliding ones
+        # too), so a request of N tokens (prompt, answer and a canvas of scratch) takes N times this, per row
+        kv_cache_bytes_per_token=2 * lm.dtype.itemsize * sum(s.num_kv_heads * s.head_dim for s in cfg.text.layers),
         **stored,  # what the folder's safetensors hold (None: no weights in it)
         # the context every "exceed the model's context" error counts against: prompt, cache and canvases
         canvas_length=cfg.canvas_length, max_position_embeddings=cfg.text.max_position_embeddings,
@@ -1515,6 +1518,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "alone works too, in the dtype it declares), and refused as a load refuses it "
                                    "where the headers tell (a tensor missing, unexpected or of another shape). dtype and "
                                    "weights_bytes: what loading on --device with --dtype / --quantize would take; "
+                                   "kv_cache_bytes_per_token: the keys and values one row keeps per token (all layers, "
+                                   "sliding ones too; times prompt + answer + a canvas for a request, times its rows); "
                                    "checkpoint_dtype and checkpoint_bytes: what the folder stores; dtype_note: why "
                                    "dtype differs from it, where it does; "
                                    "tied_copies: the encoder / LM head copies it stores (tie_word_embeddings false), "

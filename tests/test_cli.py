@@ -156,6 +156,17 @@ def test_info_shows_the_context_length(tmp_path, capsys):
     assert re.search(r"^ *max_position_embeddings: 96$", capsys.readouterr().out, re.M)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_info_gives_the_kv_cache_bytes_a_token_takes(capsys, dtype):
+    """Sizing --max-context or --max-batch needs the KV cache's bytes as well as the weights' (info gave only
+    those): per token, what a cache blockpress allocates takes, every layer keeping every token."""
+    assert main(["info", "--model", "random-tiny", "--dtype", dtype, "--json"]) == 0
+    per_token = json.loads(capsys.readouterr().out)["kv_cache_bytes_per_token"]
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), dtype=dtype, device="meta")
+    cache = lm.new_cache(1, 100)
+    assert per_token * 100 == sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values))
+
+
 def test_info_on_a_random_26b_counts_without_allocating(capsys):
     assert main(["info", "--model", "random-26b-a4b", "--dtype", "bfloat16", "--json"]) == 0  # 50 GB if allocated
     data = json.loads(capsys.readouterr().out)
