@@ -202,11 +202,14 @@ class KVCache:
                 f"but was allocated with capacity {self.capacity}"
             )
 
-    def ensure_capacity(self, capacity: int) -> None:
-        """Grow (by reallocating once, at least doubling) so that `capacity` slots fit. Multi-turn chats use it."""
+    def ensure_capacity(self, capacity: int, most: int | None = None) -> None:
+        """Grow (by reallocating once, at least doubling) so that `capacity` slots fit. Multi-turn chats use it.
+        `most`: the slots the model can ever use (its context and a canvas of scratch); doubling stops there, so a
+        chat near the context does not get a cache twice the size any turn could fill."""
         if capacity <= self.capacity:
             return
-        new = max(capacity, 2 * self.capacity)
+        doubled = 2 * self.capacity if most is None else min(2 * self.capacity, most)
+        new = max(capacity, doubled)
         n = self.length
         for tensors in (self.keys, self.values):
             for i, t in enumerate(tensors):

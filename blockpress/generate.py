@@ -1140,7 +1140,9 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
     else:
         if cache is None:  # a given cache was checked against the model and the batch by LM._check_cache
             cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
-        cache.ensure_capacity(cache.length + room)
+        # a turn's room is at most the context and one canvas of scratch: growth stops there (lm._check_context)
+        most = model.config.text.max_position_embeddings + model.config.canvas_length
+        cache.ensure_capacity(cache.length + room, most)
         mask, reused = req.attention_mask, [0] * b
         if cache.length and mask is not None and not bool(mask.all()):
             last = _encode_continuation(model, prompt, mask.to(prompt.device).bool(), cache, logits)

@@ -1518,6 +1518,24 @@ def test_the_context_check_counts_each_rows_own_positions():
     assert lm.logits([[0] * 30 + [5, 6]], [[1] * 8], attention_mask=[[0] * 30 + [1, 1]]).shape[:2] == (1, 8)
 
 
+def test_a_continued_cache_grows_no_further_than_the_context_and_a_canvas():
+    """A continued conversation's cache doubles as it grows, but never past what any turn can fill: the context
+    and one canvas of decoder scratch (a chat near the context doubled it: blockpress-code, 4096 tokens, went
+    from 4071 slots to 8142, twice the KV memory any turn could use). A small first cache still doubles."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64, canvas_length=4), seed=0)
+    cache = lm.new_cache(1, 8)
+    lm.generate([5, 6], max_new_tokens=4, max_denoising_steps=1, seed=0, cache=cache)
+    assert cache.capacity == 16  # 2 + 4 + 4 of canvas scratch need more than 8 slots: doubled
+    lm.generate(list(range(10, 50)), max_new_tokens=4, max_denoising_steps=1, seed=0, cache=cache)
+    assert cache.capacity == 54  # the slots it needed (6 + 40 + 4 + 4) are more than doubling gave
+    lm.generate([7], max_new_tokens=4, max_denoising_steps=1, seed=0, cache=cache)
+    assert cache.capacity == 64 + 4  # doubling (108) stops at the context plus one canvas
+    for engine in (lm.generate, lm.generate_ar):  # a cache already past it is not shrunk, nor grown again
+        cache = lm.new_cache(1, 100)
+        engine([5, 6], max_new_tokens=4, cache=cache)
+        assert cache.capacity == 100
+
+
 def test_a_cache_from_elsewhere_is_a_clear_error(lm):
     """A conversation's cache continues only the model and batch that built it (before: AttributeErrors, torch's
     dtype errors, or silently attention over another model's keys)."""
