@@ -587,8 +587,9 @@ def load_model(
     quantize: str | None = None,
 ) -> tuple[DiffusionGemma, Passthrough]:
     """The model of an HF-format folder. With `quantize` ("int8", "fp8", "int4"; see blockpress.quantize) each projection
-    is quantized as soon as it is read, so the full-precision model never exists at once: peak memory is the
-    quantized model plus one tensor."""
+    is quantized as soon as it is read, so the full-precision model never exists at once: the device holds the
+    quantized model plus one tensor in transit and its float32 temporaries. On a CPU the resident set also counts
+    the file pages read and what the allocator keeps of freed temporaries (README, Quantization, has figures)."""
     return load_plan(plan_model(path, dtype, device, quantize))
 
 
