@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from saved import saved_dtype
@@ -16,6 +17,7 @@ from blockpress.data import Example, make_batch
 from blockpress.train import (
     Diverged,
     ExampleSource,
+    Objective,
     TrainConfig,
     Trainer,
     draw_noise,
@@ -88,6 +90,37 @@ def test_block_causal_mask_hides_own_and_later_canvases():
         moved = (per_canvas_loss(ids) - base).abs() > 1e-6
         assert not moved[: target + 1].any()  # itself and earlier canvases: untouched
         assert moved[target + 1 :].all()  # later canvases do see it
+
+
+@pytest.mark.parametrize("reweight", [False, True])
+def test_the_diffusion_loss_is_a_self_conditioned_passs_cross_entropy_on_the_scored_positions(reweight):
+    """Objective against a plain computation, row by row: a scored position drawn for corruption holds the drawn
+    token; a row drawn for self-conditioning takes the first pass's logits as its soft input, another none; the sum
+    is the cross-entropy over scored positions alone (row 1's second canvas is not its own), each row's divided by
+    1 - t when reweighting. Nothing else checked the loss's value: the overfit runs pass without self-conditioning."""
+    lm = tiny_lm(seed=2)
+    batch = make_batch([Example([2, 7], list(range(3, 12))), Example([4], [5, 6, 7])], 8, 0, 1)  # 2 canvases, 1
+    noise = draw_noise(batch, 32, TrainConfig(), torch.Generator().manual_seed(0))
+    noise.self_condition[:] = torch.tensor([True, False])
+    assert not batch.scored[1].all() and (noise.corrupt & batch.scored).any()
+    m = lm.model
+    with torch.no_grad():
+        diffusion, _ = Objective(m, TrainConfig(reweight=reweight))(batch, noise)
+        want, without_sc = 0.0, 0.0
+        for r in range(2):
+            row, nz = batch.rows(slice(r, r + 1)), noise.rows(slice(r, r + 1))
+            hit = nz.corrupt & row.scored
+            noisy = torch.where(hit, nz.tokens, row.canvas_ids)
+            _, kv, pos = m.encode_sequence(row.ids, row.valid)
+            plain = m.denoise_blocks(noisy, kv, row.valid, pos, row.prompt_length)
+            logits = plain
+            if nz.self_condition[0]:
+                logits = m.denoise_blocks(noisy, kv, row.valid, pos, row.prompt_length, self_conditioning_logits=plain)
+            weight = 1 / (1 - nz.t[0]) if reweight else 1.0
+            want += weight * F.cross_entropy(logits[0], row.canvas_ids[0], reduction="none")[row.scored[0]].sum()
+            without_sc += weight * F.cross_entropy(plain[0], row.canvas_ids[0], reduction="none")[row.scored[0]].sum()
+    torch.testing.assert_close(diffusion, want, rtol=1e-5, atol=1e-5)
+    assert abs(float(want - without_sc)) > 1e-3  # self-conditioning moves the loss here: its absence would show
 
 
 def test_example_order_is_drawn_once_per_epoch_and_unchanged(monkeypatch):
