@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import ipaddress
 import json
 import math
 import os
@@ -1107,9 +1108,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
 
-    from blockpress.serve import check_origins, create_app
+    from blockpress.serve import check_api_key, check_origins, create_app
 
     check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
+    # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
+    api_key = check_api_key(args.api_key if args.api_key is not None else os.environ.get("BLOCKPRESS_API_KEY") or None)
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
@@ -1118,8 +1121,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                    "once it is loaded)")
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
-                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or ())
-    print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1", file=sys.stderr)
+                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
+                     api_key=api_key)
+    # that a key is required, never the key: the line lands in logs and terminals others read
+    access = "; requests to /v1 need the API key" if api_key is not None else ""
+    print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1{access}", file=sys.stderr)
+    if api_key is None and not ipaddress.ip_address(host).is_loopback:
+        print(f"blockpress: no API key, so anyone who reaches {url_host}:{port} can use the model: set "
+              "BLOCKPRESS_API_KEY (or --api-key) to require one", file=sys.stderr)
     _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     return 0
 
@@ -1471,6 +1480,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="origins of web pages allowed to call the API from a browser (CORS), as the browser sends "
                         "them: http://localhost:3000 (no path, no trailing slash), or '*' for any (default: none, "
                         "so only clients outside a browser, and pages served from the server's own origin, can)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require this key of every request to /v1 (`Authorization: Bearer KEY`, what the openai "
+                        "client sends as its api_key; others get a 401; /health and /metrics stay open), as vLLM's "
+                        "--api-key. Default: the BLOCKPRESS_API_KEY environment variable, else no key; prefer the "
+                        "variable, since a flag's value shows in the process list")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", formatter_class=DefaultsFormatter, help="speed: diffusion vs AR vs the reference, same random checkpoint",

@@ -1,6 +1,8 @@
 """An OpenAI-compatible HTTP server for block-diffusion models (FastAPI + uvicorn).
 
 Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus text).
+With an api_key (serve's --api-key / BLOCKPRESS_API_KEY), every /v1 request must send it as `Authorization:
+Bearer <key>`, else a 401 (RequireKey); /health and /metrics stay open.
 
 One worker thread owns the model. Requests wait in a bounded queue (429 when full; a client that left frees its
 place at once). The worker keeps several batches running, each its own stream, and advances them in turn a canvas
@@ -67,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import os
@@ -367,8 +370,48 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
 
-def error_body(message: str, kind: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class RequireKey:
+    """ASGI middleware: a request to /v1/* without `Authorization: Bearer <key>` gets a 401 in OpenAI's error shape
+    (what the openai client sends its api_key as), as vLLM's --api-key; /health and /metrics stay open for probes
+    and scrapers (they carry no prompt or answer). Pure ASGI rather than a route dependency, so that an unknown
+    route, a wrong model or a malformed body under /v1 is a 401 too, not an answer that tells a stranger what the
+    server has; CORS wraps it (create_app), so a browser's preflight, which never carries the key, still passes,
+    and a page can read its 401."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
+            return await self.app(scope, receive, send)
+        given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
+        scheme, _, token = (given[0] if given else b"").partition(b" ")
+        # compare_digest: the time taken does not tell how much of a guess was right
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("incorrect API key provided" if given else
+                   "no API key provided: send it as the header `Authorization: Bearer <key>` (the openai client's "
+                   "api_key)") + "; this server requires the key it was started with (--api-key)"
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+def check_api_key(key: str | None) -> str | None:
+    """`create_app`'s api_key: None (no key), or one an HTTP header can carry as sent. The key itself is never
+    shown: errors say what is wrong with it."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or not key.isascii() or not key.isprintable() or key != key.strip():
+        what = f"a {type(key).__name__}" if not isinstance(key, str) else f"a key of {len(key)} characters"
+        raise ValueError(f"api_key: expected a non-empty key of printable ASCII characters without leading or trailing "
+                         f"spaces (clients send it in an HTTP header), got {what}")
+    return key
 
 
 # -- the engine ---------------------------------------------------------------------------------------------
@@ -1252,11 +1295,13 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 
 def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
-               allowed_origins: Sequence[str] = ()) -> FastAPI:
+               allowed_origins: Sequence[str] = (), api_key: str | None = None) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
-    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model."""
+    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model.
+    `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
+    None: anyone who reaches the port may."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     if prefix_cache_bytes < 0:
@@ -1271,7 +1316,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     if max_context is not None and (not isinstance(max_context, int) or not 1 <= max_context <= limit):
         raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
                          f"(max_position_embeddings), got {max_context!r}")
-    origins = check_origins(allowed_origins)
+    origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     state = ServerState(lm, engine, model_name, limit if max_context is None else max_context)
 
@@ -1282,6 +1327,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine = engine
+    if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
+        app.add_middleware(RequireKey, key=api_key)
     if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)

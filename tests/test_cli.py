@@ -880,6 +880,43 @@ def test_serve_lets_the_origins_named_call_it_from_a_browser(monkeypatch, capsys
     assert "--allowed-origins: 'http://localhost:5173/' is not an origin" in capsys.readouterr().err
 
 
+def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch, capsys):
+    """serve had no key: on --host 0.0.0.0 anyone who reached the port could use the model. --api-key (else
+    BLOCKPRESS_API_KEY) is required of /v1 requests; the startup line says a key is needed, never the key."""
+    from fastapi.testclient import TestClient
+
+    import blockpress.cli
+
+    answers = []
+
+    class Server:  # uvicorn's place: the app answers without, with a wrong and with the key, and serve returns
+        def __init__(self, config):
+            self.app = config.app
+
+        def run(self, sockets):
+            with TestClient(self.app) as http:
+                answers.append([http.get("/v1/models", headers=h).status_code for h in (
+                    {}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer s3cret-key"})])
+
+    monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    for args, env in ((["--api-key", "s3cret-key"], None), ([], "s3cret-key")):
+        if env is None:
+            monkeypatch.delenv("BLOCKPRESS_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("BLOCKPRESS_API_KEY", env)
+        assert main(["serve", "--model", "random-tiny", "--port", "0", *args]) == 0
+        assert answers.pop() == [401, 401, 200]
+        err = capsys.readouterr().err
+        assert "requests to /v1 need the API key" in err and "s3cret-key" not in err
+    monkeypatch.delenv("BLOCKPRESS_API_KEY")
+    assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
+    assert answers.pop() == [200, 200, 200]  # no key: open, as before
+    monkeypatch.setattr(blockpress.cli, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    assert main(["serve", "--port", "0", "--api-key", " s3cret "]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key: expected a non-empty key of printable ASCII" in err and "s3cret" not in err
+
+
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""

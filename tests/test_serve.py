@@ -1805,3 +1805,63 @@ def test_a_short_request_is_answered_while_a_long_one_runs():
         assert done == [4, 96]  # before: [96, 4], the short one waiting for every canvas of the long one
     finally:
         srv.should_exit = True
+
+
+KEY = "sk-test-4f9a"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 3, "max_new_tokens": 16}
+    base, srv = start_in_background(create_app(lm, MODEL, api_key=KEY, allowed_origins=["http://localhost:3000"]))
+    yield base
+    srv.should_exit = True
+
+
+def test_an_api_key_is_required_of_v1_requests_and_health_stays_open(keyed_server):
+    """Anyone who reached the port could use the model: with api_key, a /v1 request without `Authorization: Bearer
+    <key>` (what the openai client sends its api_key as) gets a 401 in OpenAI's shape, as vLLM's --api-key; streamed
+    requests too, before any chunk; an unknown route, another model's name or a bad body as well, so a stranger
+    learns nothing of the server; /health stays open for probes."""
+    base = keyed_server
+    for key in ("none", KEY + "x", KEY[:-1]):
+        stranger = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            stranger.models.list()
+        assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+        assert key not in caught.value.body["message"]  # the guess is not echoed
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+    for path, body in (("/v1/nowhere", {}), ("/v1/completions", {"model": "other", "prompt": "x"}),
+                       ("/v1/completions", {"prompt": 5})):
+        answer = httpx.post(base + path, json=body)
+        assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer", answer.text
+        assert answer.json()["error"]["message"].startswith("no API key provided")
+    assert httpx.get(base + "/health").status_code == 200
+    colleague = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in colleague.models.list().data] == [MODEL]
+    kw = dict(model=MODEL, prompt="abc", max_tokens=16, seed=3)
+    whole = colleague.completions.create(**kw).choices[0].text
+    assert "".join(c.choices[0].text for c in colleague.completions.create(stream=True, **kw)) == whole
+    wrong_model = httpx.post(base + "/v1/completions", json={"model": "other", "prompt": "x"},
+                             headers={"Authorization": f"bearer {KEY}"})  # the scheme is case-insensitive
+    assert wrong_model.status_code == 404  # past the key, the request's own errors, as before
+
+
+def test_a_browser_page_can_send_the_key_and_read_its_401(keyed_server):
+    """A browser's preflight never carries the key: it must pass (and allow the Authorization header), and a 401
+    must carry the CORS header, or the page sees a network error in place of the reason."""
+    origin = "http://localhost:3000"
+    preflight = httpx.options(keyed_server + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200 and "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    refused = httpx.get(keyed_server + "/v1/models", headers={"Origin": origin})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
+
+
+@pytest.mark.parametrize("key", ["", " sk", "sk\n", "clé", 5])
+def test_a_key_no_client_could_send_is_refused_without_showing_it(key):
+    with pytest.raises(ValueError, match="api_key: expected a non-empty key of printable ASCII") as caught:
+        create_app(load_model("random-tiny", None, "cpu"), MODEL, api_key=key)
+    assert not key or str(key) not in str(caught.value)
