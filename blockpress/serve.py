@@ -57,7 +57,8 @@ settles it (response.parse_partial: short of a tail that may begin a call's mark
 `delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A thought
 the template marks is `reasoning_content` (streamed as it is written), call or no call. A reply that holds neither a call nor
 a thought, or one the template cannot read, is text as before, and without a response template every reply is
-text (the client parses it). `tool_choice` is only "auto" or "none" (none: the reply is not parsed).
+text (the client parses it). `tool_choice` is only "auto" or "none" (none: the reply is not parsed);
+`parallel_tool_calls: false` keeps a reply's first call alone (Reply.one_call).
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
 one (the same system prompt, the previous turns of a chat) encodes only the rest, and its usage reports the
@@ -334,7 +335,7 @@ class ChatRequest(_Common):
     # Rendered into the prompt by the chat template, as it renders tool calls and results; the reply's calls are
     # read with the checkpoint's response template, where it has one.
     tools: list[Tool] | None = None
-    implemented: ClassVar[frozenset[str]] = frozenset({"tools"})
+    implemented: ClassVar[frozenset[str]] = frozenset({"tools", "parallel_tool_calls"})  # (false: one call, see Reply)
 
     def template_tools(self) -> list[dict] | None:
         """The tools as templates take them; [] (what some clients send for none) is none."""
@@ -840,6 +841,9 @@ class Reply:
     # special tokens (Job.keep_special). `parse_partial`: the same reader for the reply so far, when streamed.
     parse: Callable[[str], dict] | None = None
     parse_partial: Callable[[str], PartialMessage] | None = None
+    # OpenAI's parallel_tool_calls false: at most one call per reply. A model writes what it writes, so the reply
+    # keeps its first call and drops the rest (as vLLM does); the calls it keeps are answered in the next turn.
+    one_call: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -864,7 +868,7 @@ class Reply:
         except ValueError as exc:
             log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
             return None
-        calls = openai_calls(parsed.get("tool_calls"), ids)
+        calls = self.calls(parsed.get("tool_calls"), ids)
         reasoning = parsed.get("reasoning_content")
         if calls is None or not (calls or isinstance(reasoning, str)):
             return None
@@ -876,6 +880,11 @@ class Reply:
         if isinstance(reasoning, str):  # what vLLM and DeepSeek's API call it
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
+
+    def calls(self, found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
+        """openai_calls of a parsed reply, the first alone where the request allows one (one_call)."""
+        calls = openai_calls(found, ids)
+        return calls[:1] if calls is not None and self.one_call else calls
 
     def choice(self, i: int, text: str | None, finish: str | None, delta: bool) -> dict:
         if self.kind == "chat":
@@ -941,7 +950,7 @@ class ToolStream:
         if len(content) > len(self.content) and content.startswith(self.content):
             deltas.append({"content": content[len(self.content):]})
             self.content = content
-        calls = openai_calls(partial.closed.get("tool_calls"), [c["id"] for c in self.calls])
+        calls = reply.calls(partial.closed.get("tool_calls"), [c["id"] for c in self.calls])
         if calls is None:
             self.unread = True
             return deltas
@@ -1375,7 +1384,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
             partial = functools.partial(parse_partial, template, **read)
             for job in jobs:
                 job.keep_special = True
-        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, parse_partial=partial)
+        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, parse_partial=partial,
+                      one_call=body.parallel_tool_calls is False)
         return await respond(engine, reply, body, request)
 
     @app.post("/v1/completions")

@@ -1594,6 +1594,31 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         srv.should_exit = True
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
+    """parallel_tool_calls false was accepted and ignored: a reply with two calls returned both, where OpenAI's
+    semantics allow one. The reply keeps its first call (as vLLM does), unstreamed and streamed alike; true or
+    unset keeps them all."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    try:
+        paris, oslo = {"city": "Paris"}, {"city": "Oslo"}
+        reply[0] = (f"Checking both.<|tool_call>call:weather{gemma_value(paris)}<tool_call|>"
+                    f"<|tool_call>call:weather{gemma_value(oslo)}<tool_call|>")
+        kw = dict(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=200, seed=1)
+        one = {"content": "Checking both.", "tool_calls": [("function", "weather", paris)],
+               "finish_reason": "tool_calls", "reasoning_content": None}
+        for canvas in (0, 3):
+            reply[1] = canvas
+            assert whole_message(client, parallel_tool_calls=False, **kw) == one
+            assert streamed_message(client, parallel_tool_calls=False, **kw) == one
+        for extra in ({}, {"parallel_tool_calls": True}):
+            assert len(whole_message(client, **extra, **kw)["tool_calls"]) == 2
+    finally:
+        srv.should_exit = True
+
+
 def whole_message(client, **kw) -> dict:
     choice = client.chat.completions.create(**kw).choices[0]
     calls = [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
