@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -384,7 +385,7 @@ class RequireKey:
     and a page can read its 401."""
 
     def __init__(self, app: Any, key: str) -> None:
-        self.app, self.key = app, key.encode()
+        self.app, self.key = app, hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -392,12 +393,12 @@ class RequireKey:
             return await self.app(scope, receive, send)
         given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
         scheme, _, token = (given[0] if given else b"").partition(b" ")
-        # compare_digest: the time taken does not tell how much of a guess was right
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        # compare_digest of digests: the time taken tells neither how much of a guess was right nor the key's length
+        if scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.key):
             return await self.app(scope, receive, send)
         message = ("incorrect API key provided" if given else
                    "no API key provided: send it as the header `Authorization: Bearer <key>` (the openai client's "
-                   "api_key)") + "; this server requires the key it was started with (--api-key)"
+                   "api_key)") + "; this server requires the key it was started with (--api-key or BLOCKPRESS_API_KEY)"
         response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"),
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)

@@ -909,8 +909,9 @@ def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch
         err = capsys.readouterr().err
         assert "requests to /v1 need the API key" in err and "s3cret-key" not in err
     monkeypatch.delenv("BLOCKPRESS_API_KEY")
-    assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
-    assert answers.pop() == [200, 200, 200]  # no key: open, as before
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--host", "0.0.0.0"]) == 0
+    assert answers.pop() == [200, 200, 200]  # no key: open, as before, and said so beyond loopback
+    assert "no API key, so anyone who reaches 0.0.0.0:" in capsys.readouterr().err
     monkeypatch.setattr(blockpress.cli, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
     assert main(["serve", "--port", "0", "--api-key", " s3cret "]) == 2
     err = capsys.readouterr().err
