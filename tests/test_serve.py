@@ -1459,6 +1459,20 @@ def test_a_body_not_sent_as_json_names_the_header_and_health_answers_head(server
     assert httpx.head(server[0] + "/health").status_code == 200
 
 
+def test_the_openapi_schema_is_served_without_a_warning(server):
+    """/health answered GET and HEAD from one route, both with one operation id: every fetch of /openapi.json (a
+    visit to /docs) warned of the duplicate in the server's log."""
+    import warnings
+
+    from fastapi.openapi.utils import get_openapi
+
+    app = server[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    assert "get" in schema["paths"]["/health"]
+
+
 def test_openai_temperature_samples_where_the_checkpoint_takes_argmax_candidates():
     """A checkpoint with candidates="argmax" ignored OpenAI's temperature: candidates are drawn when one is sent."""
     from blockpress.sampling import SamplerConfig
