@@ -1481,8 +1481,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "them: http://localhost:3000 (no path, no trailing slash), or '*' for any (default: none, "
                         "so only clients outside a browser, and pages served from the server's own origin, can)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require this key of every request to /v1 (`Authorization: Bearer KEY`, what the openai "
-                        "client sends as its api_key; others get a 401; /health and /metrics stay open), as vLLM's "
+                   help="require this key of every request to /v1 (`Authorization: Bearer KEY`, the header the openai "
+                        "client sends the key it is given in; others get a 401; /health and /metrics stay open), as vLLM's "
                         "--api-key. Default: the BLOCKPRESS_API_KEY environment variable, else no key; prefer the "
                         "variable, since a flag's value shows in the process list")
     p.set_defaults(func=cmd_serve)
