@@ -214,6 +214,19 @@ def test_cache_truncate_retry(lm):
     assert torch.equal(retry.new_tokens, fresh.new_tokens)
 
 
+def test_cache_truncate_retry_in_a_padded_batch(lm):
+    """truncate(slot count) on a batch whose prompts differ in length (left padding, nothing moved): each row goes
+    back to its own prompt, and its next position counts only its tokens, not the padding slots."""
+    kw = dict(max_new_tokens=8, max_denoising_steps=3, sampler="greedy", seeds=[1, 2])
+    cache = lm.generate([[3, 4, 5], [7]], return_cache=True, **kw).cache
+    assert cache.has_padding and cache.moved_from is None
+    cache.truncate(3)  # back to just the prompts
+    assert cache.length == 3 and cache.next_pos.tolist() == [3, 1]
+    retry = lm.generate([[6], [8, 9]], cache=cache, **kw)
+    fresh = lm.generate([[3, 4, 5, 6], [7, 8, 9]], **kw)
+    assert torch.equal(retry.new_tokens, fresh.new_tokens)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_template_fixed_positions_untouched(lm, data):
