@@ -911,14 +911,16 @@ def test_cache_reset_and_size(lm):
 
 
 def test_skipping_stopped_rows_changes_nothing(lm):
-    """Rows that stop leave the batch; the others compute exactly what they would have, step for step."""
+    """Rows that stop leave the batch; the others compute exactly what they would have, step for step. The
+    prompts differ in length, so the rows kept hold left padding that their copied cache must still mask."""
     # Adaptive stops at different steps: a fully fixed template row is certain at once, rows with holes are not.
     template = torch.full((4, 16), 9)
     template[1, 3:9] = -1
     template[3, ::2] = -1
+    prompts = [[3, 4, 5, 6, 7, 8], [3], list(range(10, 20)), [4, 5]]
     kw = dict(max_denoising_steps=10, seed=4, template=template)
-    fast = lm.generate([[3, 4, 5]] * 4, **kw)
-    slow = lm.generate([[3, 4, 5]] * 4, skip_stopped_rows=False, **kw)
+    fast = lm.generate(prompts, **kw)
+    slow = lm.generate(prompts, skip_stopped_rows=False, **kw)
     steps = fast.steps_per_canvas.sum(1)
     assert steps[0] < steps[1] and steps[2] < steps[3]  # the batch did shrink mid-canvas
     assert torch.equal(fast.sequences, slow.sequences)
