@@ -2429,6 +2429,20 @@ def test_a_mark_a_chat_turn_drops_says_the_chat_turn_dropped_it(chat_lm):
         again.cache.truncate(mark)
 
 
+def test_a_chat_turn_retried_from_a_mark_is_the_turn_without_a_cache(lm):
+    """Regenerate: mark after a turn, run the next, truncate(mark), run that next turn again. The cache's known
+    tokens go back with it, so the retry reuses exactly what the mark held and answers as a fresh chat does."""
+    kw = dict(max_new_tokens=6, max_denoising_steps=2)
+    out = lm.chat_ids([3, 4, 5], return_cache=True, seed=3, **kw)
+    cache, mark, held = out.cache, out.cache.mark(), list(out.cache.tokens[0])
+    lm.chat_ids(held + [40, 41, 42], cache=cache, seed=3, **kw)
+    cache.truncate(mark)
+    assert cache.tokens == [held] and cache.next_pos.tolist() == [len(held)]
+    retry = lm.chat_ids(held + [40, 41, 42], cache=cache, seed=4, **kw)
+    fresh = lm.chat_ids(held + [40, 41, 42], seed=4, **kw)
+    assert torch.equal(retry.new_tokens, fresh.new_tokens) and retry.extra["reused_prompt_tokens"] == [len(held)]
+
+
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # prints content as is
 
 
