@@ -899,6 +899,19 @@ def test_a_chat_reply_is_never_empty_unless_asked(client, server, monkeypatch):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=8, seed=1).choices[0].text == ""
 
 
+def test_an_end_of_turn_written_as_the_last_token_allowed_is_a_stop_not_the_length(client, server, monkeypatch):
+    """The reply "a" then the end of turn: with max_tokens 2 the end of turn is the last token allowed, and the
+    model ended the reply itself (finish_reason "stop", as OpenAI reports it); with max_tokens 1 the length did."""
+    prefer_eos_then_a(server[1].state.engine.lm, monkeypatch)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], seed=1)
+    for max_tokens, finish in ((2, "stop"), (1, "length")):
+        r = client.chat.completions.create(max_tokens=max_tokens, **kw)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("a", finish), max_tokens
+        assert r.usage.completion_tokens == max_tokens
+        streamed = [c.choices[0] for c in client.chat.completions.create(stream=True, max_tokens=max_tokens, **kw)]
+        assert streamed[-1].finish_reason == finish
+
+
 def test_a_chat_reply_never_holds_its_stop_string_by_default(client, server, monkeypatch):
     """Chat's default minimum (one token) also held back a stop string that the first token holds, so a client
     that sent stop "\\n" got "\\n..." back. That default bans the end of turn alone: the stop ends the reply at once
