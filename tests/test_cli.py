@@ -822,28 +822,34 @@ def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err and "serving" not in err
 
 
-def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
-    """create_app could cap a request's prompt + max_tokens, but serve had no flag for it: on a model with a 131072-token
-    context, one client's max_tokens 100000 ran (and held the engine) for as long as it took."""
+def serve_answering(monkeypatch, send):
+    """`blockpress serve` with uvicorn's place taken by a server that calls `send(http)` once, `http` a TestClient
+    of the app serve built, and returns: the list each run's result is appended to."""
     from fastapi.testclient import TestClient
 
     import blockpress.cli
 
     answers = []
 
-    class Server:  # uvicorn's place: the app answers two requests, and serve returns
+    class Server:
         def __init__(self, config):
             self.app = config.app
 
         def run(self, sockets):
             with TestClient(self.app) as http:
-                for max_tokens in (40, 16):
-                    answers.append(http.post("/v1/completions", json={"model": "random-tiny", "prompt": "hello",
-                                                                       "max_tokens": max_tokens, "seed": 1}))
+                answers.append(send(http))
 
     monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    return answers
+
+
+def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
+    """create_app could cap a request's prompt + max_tokens, but serve had no flag for it: on a model with a 131072-token
+    context, one client's max_tokens 100000 ran (and held the engine) for as long as it took."""
+    answers = serve_answering(monkeypatch, lambda http: [http.post("/v1/completions", json={
+        "model": "random-tiny", "prompt": "hello", "max_tokens": max_tokens, "seed": 1}) for max_tokens in (40, 16)])
     assert main(["serve", "--model", "random-tiny", "--port", "0", "--max-context", "40"]) == 0
-    refused, answered = answers
+    refused, answered = answers[0]
     error = refused.json()["error"]
     assert refused.status_code == 400 and error["param"] == "max_tokens", refused.text
     assert "max_tokens 40 (whole 16-token canvases: 48 positions) exceed the context of 40 tokens" in error["message"]
@@ -856,22 +862,10 @@ def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
 
 def test_serve_lets_the_origins_named_call_it_from_a_browser(monkeypatch, capsys):
     """serve had no way to let a web front end on another origin call it (its preflight got a 405)."""
-    from fastapi.testclient import TestClient
-
     import blockpress.cli
 
-    answers = []
-
-    class Server:  # uvicorn's place: the app answers a preflight, and serve returns
-        def __init__(self, config):
-            self.app = config.app
-
-        def run(self, sockets):
-            with TestClient(self.app) as http:
-                answers.append(http.options("/v1/completions", headers={
-                    "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}))
-
-    monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    answers = serve_answering(monkeypatch, lambda http: http.options("/v1/completions", headers={
+        "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}))
     assert main(["serve", "--model", "random-tiny", "--port", "0", "--allowed-origins", "http://localhost:5173"]) == 0
     assert answers[0].status_code == 200
     assert answers[0].headers["access-control-allow-origin"] == "http://localhost:5173"
@@ -883,22 +877,10 @@ def test_serve_lets_the_origins_named_call_it_from_a_browser(monkeypatch, capsys
 def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch, capsys):
     """serve had no key: on --host 0.0.0.0 anyone who reached the port could use the model. --api-key (else
     BLOCKPRESS_API_KEY) is required of /v1 requests; the startup line says a key is needed, never the key."""
-    from fastapi.testclient import TestClient
-
     import blockpress.cli
 
-    answers = []
-
-    class Server:  # uvicorn's place: the app answers without, with a wrong and with the key, and serve returns
-        def __init__(self, config):
-            self.app = config.app
-
-        def run(self, sockets):
-            with TestClient(self.app) as http:
-                answers.append([http.get("/v1/models", headers=h).status_code for h in (
-                    {}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer s3cret-key"})])
-
-    monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    answers = serve_answering(monkeypatch, lambda http: [http.get("/v1/models", headers=h).status_code for h in (
+        {}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer s3cret-key"})])
     for args, env in ((["--api-key", "s3cret-key"], None), ([], "s3cret-key")):
         if env is None:
             monkeypatch.delenv("BLOCKPRESS_API_KEY", raising=False)
