@@ -535,6 +535,10 @@ def test_a_puzzle_file_takes_lines_grids_and_comments():
     grid = "\n".join(" ".join(b.puzzle[r * 9 : r * 9 + 9]).replace("0", ".") for r in range(9))
     text = f"# two puzzles\n\n{a.puzzle}\n# the second as a grid\n{grid}\n"
     assert [parse_puzzle(p) for p in split_puzzle_file(text)] == [a.puzzle, b.puzzle]
+    # a comment after a puzzle or a grid row (`<puzzle>  # easy`) was refused as an illegal character '#'
+    rows = grid.splitlines()
+    text = f"{a.puzzle}  # easy\n" + "\n".join(f"{row} # row {r}" for r, row in enumerate(rows)) + "\n"
+    assert [parse_puzzle(p) for p in split_puzzle_file(text)] == [a.puzzle, b.puzzle]
 
 
 def _bordered(puzzle):

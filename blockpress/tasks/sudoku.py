@@ -109,7 +109,7 @@ _UNITS = _units()
 
 def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     """The puzzles of a file: one per line (81 cells) or as 9-line grids of 9 cells a line, with blank lines,
-    '#' comments, border lines (only '|', '-', '+' and spaces, as around a pasted grid) and header lines
+    '#' comments (a line's rest), border lines (only '|', '-', '+' and spaces, as around a pasted grid) and header lines
     between puzzles (a line that starts with a word, such as Project Euler's "Grid 01") skipped. Each puzzle
     comes back as its raw text (parse_puzzle reads it); lines that do not make whole puzzles are an error
     naming them, and so is a header line that holds more cells than a title's number ("easy: 5300...": the
@@ -128,8 +128,9 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     # A byte-order mark (Notepad's "UTF-8 with BOM", PowerShell's pipes) is no character of the file's first line:
     # left there, it was refused as an illegal character the user cannot see.
     for n, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
+        line = line.partition("#")[0]  # a comment, on a line of its own or after a puzzle ("<81 cells>  # easy")
         stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
+        if not stripped:
             continue
         if _HEADER.match(stripped):
             # A title holds no cells (the digits of "Grid 01" are its number), but only where no grid is open:
@@ -145,7 +146,7 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
         odd = next((ch for ch in line if not (ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS)), None)
         if odd is not None:
             raise ValueError(f"{name} line {n}: illegal character {odd!r}; expected digits 0-9 or '.' for an empty "
-                             "cell ('#' starts a comment line, a word at the start of a line a header between puzzles)")
+                             "cell ('#' starts a comment, a word at the start of a line a header between puzzles)")
         cells = sum(ch in _DIGITS or ch == "." for ch in line)
         if cells == 0:  # a border line of a drawn grid ('+-------+---'): it neither opens nor closes a puzzle
             continue
