@@ -478,6 +478,18 @@ def test_a_home_path_is_expanded_where_a_model_is_written_and_an_adapter_read(tm
     assert blockpress.lm.resolve_model("~/saved", adapter="~/ad")[1] == home / "ad"
 
 
+def test_saving_onto_a_dangling_link_names_the_link_and_its_target(tmp_path):
+    """lm.save onto a symlink whose target is missing failed with a bare `FileExistsError: File exists`."""
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "gone")
+    lm = blockpress.random_model(ModelConfig.tiny())
+    with pytest.raises(ValueError, match=r"save: '.*out' is a link to '.*gone', which does not exist"):
+        lm.save(link)
+    (tmp_path / "gone").mkdir()  # once its target exists, the link is a folder like any other
+    lm.save(link)
+    assert (tmp_path / "gone" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("typo, meant", [("blockpress-cod", "blockpress-code"), ("blockpres-sudoku", "blockpress-sudoku"),
                                          ("Blockpress-Code", "blockpress-code")])
 def test_a_typo_of_a_shipped_name_suggests_it(tmp_path, monkeypatch, typo, meant):
