@@ -32,27 +32,7 @@ _EXPORTS = {
     "PrefixCache": "prefix",
     "SamplerConfig": "sampling",
 }
-__all__ = [
-    "LM",
-    "Cancelled",
-    "CheckpointError",
-    "Commit",
-    "ConfigError",
-    "DiffusionGemma",
-    "Done",
-    "Draft",
-    "GenerationOutput",
-    "KVCache",
-    "ModelConfig",
-    "NonFiniteLogits",
-    "PrefixCache",
-    "SamplerConfig",
-    "TextConfig",
-    "escape_template",
-    "load",
-    "random_model",
-    "shipped_models",
-]
+__all__ = sorted(_EXPORTS)  # one list: the TYPE_CHECKING imports below re-export the same names
 
 
 def __getattr__(name: str) -> Any:
@@ -76,11 +56,23 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see: the same names, imported eagerly
-    from .cache import KVCache
-    from .checkpoint import CheckpointError
-    from .config import ConfigError, ModelConfig, TextConfig
-    from .generate import Cancelled, Commit, Done, Draft, GenerationOutput, NonFiniteLogits, escape_template
-    from .lm import LM, load, random_model, shipped_models
-    from .model import DiffusionGemma
-    from .prefix import PrefixCache
-    from .sampling import SamplerConfig
+    # (`X as X` marks each as re-exported for checkers that cannot read a computed __all__)
+    from .cache import KVCache as KVCache
+    from .checkpoint import CheckpointError as CheckpointError
+    from .config import ConfigError as ConfigError
+    from .config import ModelConfig as ModelConfig
+    from .config import TextConfig as TextConfig
+    from .generate import Cancelled as Cancelled
+    from .generate import Commit as Commit
+    from .generate import Done as Done
+    from .generate import Draft as Draft
+    from .generate import GenerationOutput as GenerationOutput
+    from .generate import NonFiniteLogits as NonFiniteLogits
+    from .generate import escape_template as escape_template
+    from .lm import LM as LM
+    from .lm import load as load
+    from .lm import random_model as random_model
+    from .lm import shipped_models as shipped_models
+    from .model import DiffusionGemma as DiffusionGemma
+    from .prefix import PrefixCache as PrefixCache
+    from .sampling import SamplerConfig as SamplerConfig

@@ -178,7 +178,7 @@ assert len(helps) >= 8 and all('--help' in h for h in helps)
 assert 'torch' not in sys.modules, 'torch imported'
 assert blockpress.SamplerConfig is blockpress.sampling.SamplerConfig and 'torch' in sys.modules
 from blockpress import *  # noqa
-assert KVCache is blockpress.cache.KVCache and sorted(blockpress.__all__) == sorted(blockpress._EXPORTS)
+assert KVCache is blockpress.cache.KVCache and all(globals()[n] is getattr(blockpress, n) for n in blockpress.__all__)
 try:
     blockpress.no_such_name
 except AttributeError as exc:
@@ -189,3 +189,22 @@ print('ok')
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+
+
+def test_what_type_checkers_see_is_what_the_package_exports():
+    """The TYPE_CHECKING block re-exports (`X as X`) exactly the names and modules of _EXPORTS: an editor that
+    resolves `blockpress.load` reads the module the package itself would import it from."""
+    import ast
+
+    import blockpress
+
+    tree = ast.parse((ROOT / "blockpress" / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    seen = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1, ast.unparse(node)
+        for alias in node.names:
+            assert alias.asname == alias.name, f"{alias.name} is not re-exported as itself"
+            seen[alias.name] = node.module
+    assert seen == blockpress._EXPORTS
+
