@@ -930,3 +930,32 @@ def test_the_tokenizer_imports_no_torch() -> None:
             "from blockpress.tokenizer import train_bpe_tokenizer; "
             "tok = train_bpe_tokenizer(['a b c'], vocab_size=300); assert tok.decode(tok.encode('a b')) == 'a b'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_encode_prompt_puts_bos_first_once(tok: Tokenizer) -> None:
+    """A plain prompt gets BOS in front; one that brings its own (a rendered chat template) keeps just that one; a
+    tokenizer without BOS adds none. test_tokenizer.py passed with encode_prompt prepending BOS always."""
+    assert tok.encode_prompt("hello world") == [tok.bos_id, *tok.encode("hello world")]
+    rendered = tok.apply_chat_template(TWO_TURNS)
+    assert tok.encode_prompt(rendered) == tok.encode(rendered) and tok.encode(rendered).count(tok.bos_id) == 1
+    assert Tokenizer(backend=tok.backend, eos_ids=[1], pad_id=0).encode_prompt("hi") == tok.encode("hi")
+
+
+def test_block_tags_take_their_line_with_them_as_in_transformers(tok: Tokenizer, hf_tok: Any) -> None:
+    """transformers renders with trim_blocks and lstrip_blocks: a line holding only a block tag leaves nothing, its
+    indentation included. The Gemma template strips by hand, so every other test passed with lstrip_blocks off."""
+    template = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}\n  U: {{ m['content'] }}\n"
+                "    {% endif %}\n{% endfor %}")
+    expected = "  U: What is 2+2?\n"
+    assert tok.apply_chat_template(TWO_TURNS, chat_template=template) == expected
+    assert hf_tok.apply_chat_template(TWO_TURNS, chat_template=template, tokenize=False) == expected
+
+
+def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
+    """A config may name an EOS id past tokenizer.json's vocabulary (the model's embedding is padded): it ends a
+    text, so it is not among unknown_ids (whose logits generation masks) and decode drops it. test_tokenizer.py
+    passed with unknown_ids counting every id without a token."""
+    past = tok.vocab_size
+    extra = Tokenizer(backend=tok.backend, bos_id=tok.bos_id, eos_ids=[*tok.eos_ids, past], pad_id=tok.pad_id)
+    assert extra.unknown_ids(past + 2) == [past + 1]
+    assert extra.decode([*tok.encode("x = 1"), past]) == "x = 1"
