@@ -919,9 +919,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         if cfg.chat_turns != cfg.default("chat_turns"):  # it would be ignored: running text has no chats
             raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; running text "
                              "has no turns")
-        source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length)
+        # each window after the BOS that generate puts before a text prompt (ShardSource)
+        bos = lm.tokenizer.bos_id if lm.tokenizer is not None else None
+        source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length, bos)
         heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
-                              lm.config.canvas_length) if cfg.heldout_data else None
+                              lm.config.canvas_length, bos) if cfg.heldout_data else None
     base_dtype = lm.dtype
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
     import torch

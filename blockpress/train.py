@@ -180,17 +180,21 @@ class ExampleSource:
 
 
 class ShardSource:
-    """Windows of running text from token shards: a random-length prompt and whole canvases of response."""
+    """Windows of running text from token shards: a random-length prompt and whole canvases of response. `bos`: the
+    token put before each window's prompt, the tokenizer's BOS, as generation puts it before every text prompt
+    (Tokenizer.encode_prompt): trained on bare windows, a model met BOS first only at inference, and a tiny one that
+    had learned its corpus to a loss of 0.09 garbled it after a BOS it had never seen. None: the bare window (a model
+    without a tokenizer is prompted with ids as given)."""
 
-    def __init__(self, shards: TokenShards, cfg: TrainConfig, canvas_length: int):
-        self.shards, self.cfg, self.c = shards, cfg, canvas_length
+    def __init__(self, shards: TokenShards, cfg: TrainConfig, canvas_length: int, bos: int | None = None):
+        self.shards, self.cfg, self.c, self.bos = shards, cfg, canvas_length, bos
 
     @property
     def positions(self) -> int:
-        """The most positions a window takes in a batch: the longest prompt, then its canvases (at most
+        """The most positions a window takes in a batch: its BOS, the longest prompt, then its canvases (at most
         max_canvases of them, as make_batch keeps)."""
         canvases = min(self.cfg.response_canvases, self.cfg.max_canvases or self.cfg.response_canvases)
-        return self.cfg.prompt_max + canvases * self.c
+        return (self.bos is not None) + self.cfg.prompt_max + canvases * self.c
 
     def check_length(self, where: str) -> None:
         """Refuse text shorter than the longest window up front: else the run dies at the first draw of a prompt too
@@ -211,8 +215,13 @@ class ShardSource:
 
     def batch(self, step: int, size: int) -> list[Example]:
         g = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 1_000_003, step))
-        return [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max), self.cfg.response_canvases * self.c)
-                for _ in range(size)]
+        examples = [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max),
+                                       self.cfg.response_canvases * self.c) for _ in range(size)]
+        if self.bos is not None:
+            for e in examples:
+                if e.prompt[:1] != [self.bos]:  # not twice, as encode_prompt: shards may hold BOS themselves
+                    e.prompt = [self.bos, *e.prompt]
+        return examples
 
 
 # -- the objective --------------------------------------------------------------------------------------------
@@ -760,14 +769,16 @@ class Trainer:
         text = lm.config.text
         # Running text is cut into windows of the settings' length: one past the context trains positions the model
         # is never allowed to use (JSONL examples that long are refused by load_jsonl).
-        positions = max((s.positions for s in (source, heldout) if isinstance(s, ShardSource)), default=0)
+        windows = [s for s in (source, heldout) if isinstance(s, ShardSource)]
+        positions = max((s.positions for s in windows), default=0)
         if positions > text.max_position_embeddings:
-            room = (text.max_position_embeddings - cfg.prompt_max) // lm.config.canvas_length
+            bos = any(s.bos is not None for s in windows)
+            room = (text.max_position_embeddings - bos - cfg.prompt_max) // lm.config.canvas_length
             fits = f"; response_canvases {room} fits" if room >= 1 else ""
             raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
-                             f"positions (a prompt of up to {cfg.prompt_max} tokens, then {cfg.response_canvases} "
-                             f"canvases of {lm.config.canvas_length}), more than the model's context of "
-                             f"{text.max_position_embeddings}{fits}")
+                             f"positions ({'BOS and ' if bos else ''}a prompt of up to {cfg.prompt_max} tokens, then "
+                             f"{cfg.response_canvases} canvases of {lm.config.canvas_length}), more than the model's "
+                             f"context of {text.max_position_embeddings}{fits}")
         # Running text shorter than its longest window: refused now, not at the first step that draws one that long
         if isinstance(source, ShardSource):
             source.check_length(f"--data {data}" if data else "the training text")
