@@ -817,7 +817,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         # another split would score examples the run already trained on as held out (or train on held-out ones)
         raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout']} of its examples; a resumed "
                          "run keeps its split (leave --heldout out, or start a new run)")
-    changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v}
+    # (--heldout-data is recorded whole, below: the same file typed relative again is no change)
+    changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v
+               and not (k == "heldout_data" and v and saved[k] and Path(v).resolve() == Path(saved[k]).resolve())}
     if changed:  # after the arguments are checked: an error there comes alone
         print_warning("--resume: the run's saved settings, except " +
                       ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
@@ -929,6 +931,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
+    if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
+        cfg = dataclasses.replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
                       data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
     if trainer.prompts_healed and trainer.rank == 0:

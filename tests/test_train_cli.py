@@ -888,3 +888,24 @@ def test_raw_text_windows_are_trained_after_the_tokenizers_bos(tmp_path, monkeyp
     bos = blockpress.load("blockpress-code").tokenizer.bos_id
     assert len(seen) == 4 + 4 * 4  # the step's batch and the evaluation's four
     assert all(e.prompt[0] == bos and bos not in e.prompt[1:] for e in seen)
+
+
+def test_resume_from_another_folder_finds_the_held_out_data(tmp_path, monkeypatch, capsys):
+    """--data was recorded whole and --heldout-data as typed: a run started with --heldout-data val.jsonl and resumed
+    from another folder failed with "--heldout-data val.jsonl: no such data file"."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    write_data("d.jsonl")
+    write_data("val.jsonl", n=3)
+    args = train_args("d.jsonl", tmp_path / "out", steps=2)
+    args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", "val.jsonl"]
+    assert main(args) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--out", str(tmp_path / "out"), "--resume", "--steps", "3", "--quiet"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "eval_loss" in row] == [2, 3]
+    monkeypatch.chdir(tmp_path / "work")  # the same file typed again as it was: no change of settings to report
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "out"), "--resume", "--steps", "4", "--quiet",
+                 "--heldout-data", "val.jsonl"]) == 0
+    assert "heldout_data" not in capsys.readouterr().err
