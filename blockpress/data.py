@@ -478,7 +478,9 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
         if not file.is_file():  # (read_text's own error puts "[Errno 2]" before the path)
             raise FileNotFoundError(f"{file}: no such data file")
         try:
-            texts.append((str(file), file.read_text(encoding="utf-8")))
+            # utf-8-sig: a byte-order mark (Notepad's "UTF-8 with BOM") is no text to train on, as JSONL leaves it
+            # out (jsonl_objects); read as utf-8 it was three tokens of U+FEFF before each such document
+            texts.append((str(file), file.read_text(encoding="utf-8-sig")))
         except UnicodeDecodeError as exc:
             raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
         except OSError as exc:  # unreadable: the path first, as every error here

@@ -476,3 +476,15 @@ def test_a_folder_of_jsonl_leaves_its_dataset_card_out(tmp_path, tok):
     for call in (jsonl_files, is_examples, is_raw_text, left_out):
         with pytest.raises(ValueError, match=r"holds JSONL files \(train.jsonl\) and raw text \(docs/notes.txt\)"):
             call(folder)
+
+
+def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
+    """A .txt saved "UTF-8 with BOM" (Windows' Notepad) trained on U+FEFF: its tokens came first in the document."""
+    (tmp_path / "plain.txt").write_bytes(b"hello world\r\nline two\r\n")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfhello world\r\nline two\r\n")
+    plain = load_text(tmp_path / "plain.txt", tok).arrays[0].tolist()
+    assert load_text(tmp_path / "bom.txt", tok).arrays[0].tolist() == plain
+    assert tok.decode(plain) == "hello world\nline two\n"  # (Windows line ends read as \n, as before)
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9\n")  # still named where it is not UTF-8
+    with pytest.raises(ValueError, match="bad.txt: not valid UTF-8"):
+        load_text(tmp_path / "bad.txt", tok)
