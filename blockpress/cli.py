@@ -881,8 +881,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             return load_jsonl(path, lm.tokenizer, vocab, context=(lm.config.canvas_length,
                               lm.config.text.max_position_embeddings, cfg.max_canvases or None),
                               chat_turns=cfg.chat_turns)
-        except OSError as exc:  # missing, a directory, unreadable: the flag's path
-            raise OSError(f"{flag} {exc}") from None
+        except (ValueError, OSError) as exc:  # missing, unreadable, empty, a bad line: the flag's path (as text's)
+            raise type(exc)(f"{flag} {exc}") from None
 
     for flag, given in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
         try:  # a README.md beside JSONL files: say it is not trained on

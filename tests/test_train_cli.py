@@ -909,3 +909,17 @@ def test_resume_from_another_folder_finds_the_held_out_data(tmp_path, monkeypatc
     assert main(["train", "--out", str(tmp_path / "out"), "--resume", "--steps", "4", "--quiet",
                  "--heldout-data", "val.jsonl"]) == 0
     assert "heldout_data" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--data", "--heldout-data"])
+def test_an_empty_jsonl_file_is_named_by_its_flag(tmp_path, capsys, flag):
+    """Said "empty.jsonl: no examples", where every other data error names the flag ("--data ...")."""
+    (tmp_path / "empty.jsonl").write_text("\n")
+    data = write_data(tmp_path / "d.jsonl")
+    args = train_args(data, tmp_path / "out", steps=1)
+    if flag == "--data":
+        args[args.index("--data") + 1] = str(tmp_path / "empty.jsonl")
+    else:
+        args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", str(tmp_path / "empty.jsonl")]
+    assert main(args) == 2
+    assert f"error: {flag} {tmp_path / 'empty.jsonl'}: no examples" in capsys.readouterr().err
