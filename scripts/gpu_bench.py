@@ -33,7 +33,9 @@ FIGURES = {
     "ms_per_step": "diffusion: denoise_seconds / decoder passes, the committed canvases' encoder passes included "
                    "(bench's ms_per_step leaves them out)",
     "ms_per_token": "AR: denoise_seconds / the one-token passes after the prefill (new tokens - 1)",
-    "diffusion_over_ar": "diffusion tok_s / AR tok_s (diffusion_over_ar_without_prefill: of tok_s_without_prefill)",
+    "diffusion_over_ar": "diffusion tok_s / AR tok_s, only when both made the same new tokens (--ar-tokens equal to "
+                         "--new-tokens): each spreads one prefill over its tokens; diffusion_over_ar_without_prefill: "
+                         "of tok_s_without_prefill, a rate per token after it, whatever the counts",
 }
 
 
@@ -66,6 +68,22 @@ def ar_rates(out: blockpress.generate.GenerationOutput, seconds: float) -> dict[
     return {"tok_s": n / seconds,
             "tok_s_without_prefill": after / out.denoise_seconds if after else None,
             "ms_per_token": out.denoise_seconds * 1e3 / after if after else None}
+
+
+def diffusion_over_ar(diffusion: dict, ar: dict) -> dict[str, float | str]:
+    """The engines' ratios (see FIGURES). With the prefill, only for equal new tokens: a 4,096-token prompt's prefill
+    spread over 256 diffusion tokens but 64 AR ones (the prepared session's --ar-tokens) flattered diffusion by its
+    share of the AR run. After the prefill both are rates per token, comparable whatever the counts."""
+    ratios: dict[str, float | str] = {}
+    if diffusion["new_tokens"] == ar["new_tokens"]:
+        ratios["diffusion_over_ar"] = diffusion["tok_s"] / ar["tok_s"]
+    else:
+        ratios["diffusion_over_ar_omitted"] = (
+            f"diffusion made {diffusion['new_tokens']} new tokens, AR {ar['new_tokens']}: their tok_s spread one "
+            "prefill over different counts (--ar-tokens equal to --new-tokens compares them)")
+    if ar["tok_s_without_prefill"]:
+        ratios["diffusion_over_ar_without_prefill"] = diffusion["tok_s_without_prefill"] / ar["tok_s_without_prefill"]
+    return ratios
 
 
 def graphed_ar_run(lm: blockpress.LM, prompt: torch.Tensor, new_tokens: int,
@@ -160,10 +178,7 @@ def main() -> None:
             result["ar"]["roofline_fraction"] = bytes_per_pass / bandwidth / (result["ar"]["ms_per_token"] / 1e3)
         result["diffusion"]["weights_roofline_fraction"] = (
             bytes_per_pass / bandwidth / (result["diffusion"]["ms_per_step"] / 1e3))
-    result["diffusion_over_ar"] = result["diffusion"]["tok_s"] / result["ar"]["tok_s"]
-    if result["ar"]["tok_s_without_prefill"]:
-        result["diffusion_over_ar_without_prefill"] = (result["diffusion"]["tok_s_without_prefill"]
-                                                       / result["ar"]["tok_s_without_prefill"])
+    result.update(diffusion_over_ar(result["diffusion"], result["ar"]))
     save()
     # Both engines with their passes replayed from CUDA graphs (LM.cuda_graphs): same kernels, no per-op launches.
     if device.type == "cuda" and args.cuda_graphs:

@@ -39,7 +39,9 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     data = json.loads((tmp_path / "result.json").read_text())
     assert data["diffusion"]["new_tokens"] == 20 and data["diffusion"]["forward_passes"] == 2 * 2
     assert data["ar"]["new_tokens"] == 6
-    assert data["diffusion"]["tok_s"] > 0 and data["diffusion_over_ar"] > 0
+    assert data["diffusion"]["tok_s"] > 0 and data["diffusion_over_ar_without_prefill"] > 0
+    # 20 diffusion tokens against 6 AR ones: tok_s spreads the prefill over different counts, so no ratio of them
+    assert "diffusion_over_ar" not in data and "20 new tokens, AR 6" in data["diffusion_over_ar_omitted"]
     # tok_s is with the prefill, as in `blockpress bench` (it was the rate after it here): every phase has both
     # (AR's after the prefill counts one token fewer, so it need not be the larger)
     for entry in (data["diffusion"], data["fp8"]):
@@ -81,6 +83,25 @@ def test_gpu_bench_ar_rates_count_the_passes_after_the_prefill():
     assert script.ar_rates(out, 1.0) == pytest.approx({"tok_s": 6.0, "tok_s_without_prefill": 10.0,
                                                         "ms_per_token": 100.0})
     assert script.diffusion_rates(out, 1.0) == pytest.approx({"tok_s": 6.0, "tok_s_without_prefill": 12.0})
+
+
+def test_gpu_bench_compares_tok_s_with_the_prefill_only_for_equal_tokens():
+    """The prepared session times 256 diffusion tokens and 64 AR ones after one 4,096-token prompt: diffusion_over_ar
+    divided tok_s that spread the prefill over 256 and over 64 tokens. With the H200's figures (prefill 0.248 s,
+    diffusion 0.823 s after it, AR 54.3 ms a token) that was 239 / 17.4 = 13.7x where 256 AR tokens give 13.2x."""
+    script = gpu_bench_module()
+
+    def rates(n, after_s, first_token_free):
+        made = n - 1 if first_token_free else n
+        return {"new_tokens": n, "tok_s": n / (0.248 + after_s), "tok_s_without_prefill": made / after_s}
+
+    diffusion = rates(256, 0.823, False)
+    short_ar, whole_ar = rates(64, 63 * 0.0543, True), rates(256, 255 * 0.0543, True)
+    unequal, equal = script.diffusion_over_ar(diffusion, short_ar), script.diffusion_over_ar(diffusion, whole_ar)
+    assert "diffusion_over_ar" not in unequal and "256 new tokens, AR 64" in unequal["diffusion_over_ar_omitted"]
+    assert equal["diffusion_over_ar"] == pytest.approx(diffusion["tok_s"] / whole_ar["tok_s"]) == pytest.approx(13.2, abs=0.05)
+    # after the prefill both are rates per token: the same ratio whatever the AR count
+    assert unequal["diffusion_over_ar_without_prefill"] == pytest.approx(equal["diffusion_over_ar_without_prefill"])
 
 
 def test_gpu_bench_times_graphed_ar_with_the_shape_it_warmed_up():
