@@ -1,5 +1,6 @@
 """What the wheel and sdist carry and declare: the license, the sdist's test suite, the extras."""
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -208,3 +209,17 @@ def test_what_type_checkers_see_is_what_the_package_exports():
             seen[alias.name] = node.module
     assert seen == blockpress._EXPORTS
 
+
+
+def test_the_readmes_layout_names_every_module():
+    """The README's Layout section, the map of the package, left out live.py, response.py, files.py and
+    tasks/code.py. Each module is named there (as `name.py`, `tasks/name.py` or `blockpress/name.py`; a package's
+    __init__ / __main__ aside), and each .py file it names exists."""
+    layout = (ROOT / "README.md").read_text().split("\n## Layout\n")[1].split("\n## ")[0]
+    named = set(re.findall(r"`((?:blockpress/)?(?:tasks/)?\w+\.py)`", layout))
+    package = ROOT / "blockpress"
+    modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py") if p.name[:2] != "__"}
+    in_package = {name.removeprefix("blockpress/") for name in named}
+    left_out = modules - in_package
+    assert not left_out, f"the README's Layout leaves out {sorted(left_out)}"
+    assert all((package / name).exists() or (ROOT / name).exists() for name in in_package)
