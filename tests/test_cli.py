@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,6 +315,24 @@ def subcommands():
     import argparse
 
     return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_every_flag_the_readme_gives_a_command_exists():
+    """Each `blockpress CMD ... --flag` the README writes (its command lines and the commands quoted in its prose)
+    is a flag of that command's parser, so a renamed or dropped flag fails here, not in a reader's shell."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = subcommands()
+    pattern = r"blockpress (" + "|".join(commands) + r")\b([^\n`]*)"
+    seen, missing = 0, []
+    for match in re.finditer(pattern, readme):
+        command, rest = match.groups()
+        known = {flag for action in commands[command]._actions for flag in action.option_strings}
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest):
+            seen += 1
+            if flag not in known:
+                missing.append(f"blockpress {command} {flag}")
+    assert seen > 50, "the README's command lines were not found"
+    assert not missing, f"the README names flags its commands do not take: {missing}"
 
 
 @pytest.mark.parametrize("command", ["generate", "infill", "chat"])
