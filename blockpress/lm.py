@@ -770,7 +770,8 @@ class LM:
         if isinstance(sampler, SamplerConfig):
             # The noise token is how the model was trained (absorbing noise), not a decoding preference: a config
             # built to pick a sampler leaves it None, and decoding such a model with uniform noise gave word salad.
-            # None takes the checkpoint's; uniform noise there is asked for with noise_token_id=-1.
+            # None takes the checkpoint's; uniform noise there is asked for with noise_token_id=-1 (in the config
+            # or as a keyword), which the config keeps as -1: mapped to None, it took the checkpoint's token here.
             if sampler.noise_token_id is None:
                 sampler = sampler.with_(noise_token_id=self.sampler_defaults.noise_token_id)
             cfg = sampler.with_(**sampler_options)

@@ -103,6 +103,8 @@ class SamplerConfig:
     self_conditioning: bool = True
     # None: noise is uniform random tokens (DiffusionGemma's recipe). An id: noise is that one token, for
     # models trained with absorbing ("masked") noise (TrainConfig.noise_token_id); it must match training.
+    # -1 (TrainConfig's word for it): uniform noise too, said outright. generate fills a config's None with the
+    # checkpoint's noise token (how the model was trained), and only -1 overrides an absorbing one.
     noise_token_id: int | None = None
     # OpenAI's penalties against repeating the text so far: a token's logit drops by presence_penalty once it
     # appears, and by frequency_penalty for each time it appears. The text so far is this generation's
@@ -155,8 +157,8 @@ class SamplerConfig:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             need(is_finite_number(value) and -2.0 <= value <= 2.0, name, f"expected a number in [-2, 2], got {value!r}")
-        need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= 0),
-             "noise_token_id", f"expected None or a token id >= 0, got {self.noise_token_id!r}")
+        need(self.noise_token_id is None or (is_int(self.noise_token_id) and self.noise_token_id >= -1),
+             "noise_token_id", f"expected None, -1 (uniform noise) or a token id >= 0, got {self.noise_token_id!r}")
         # numpy numbers pass the checks: store plain ones (they are written as JSON, which has no int64 / float32)
         for name in ("max_denoising_steps", "stability_threshold", "noise_token_id"):
             value = getattr(self, name)
@@ -211,8 +213,6 @@ class SamplerConfig:
             kept["rank_by"] = "entropy"  # the default: a checkpoint's ranking, set for its own sampler, means nothing here
         if (kept.get("sampler") == "greedy" or kept.get("candidates") == "argmax") and "draw_temperature" not in kept:
             kept["draw_temperature"] = 1.0  # the default: an earlier one was for draws, which argmax candidates are not
-        if kept.get("noise_token_id") == -1 and not isinstance(kept["noise_token_id"], bool):
-            kept["noise_token_id"] = None  # -1, as in training: uniform noise, over a checkpoint's absorbing token
         if "t_min" in kept and "t_max" not in kept and is_float32(kept["t_min"]) and kept["t_min"] > self.t_max:
             # __post_init__'s order check names t_max; where t_min alone was given, t_min is the value to change
             raise ValueError(f"t_min: {kept['t_min']} must be <= t_max ({self.t_max}, the setting here)")
@@ -560,8 +560,9 @@ def hashed_tokens(seed: torch.Tensor, canvas_index: int, step: int, length: int,
 
 def noise_tokens(cfg: SamplerConfig, seed: torch.Tensor, canvas_index: int, step: int, length: int,
                  vocab: int) -> torch.Tensor:
-    """The noise of one step [B, length]: uniform tokens, or the model's one noise token (absorbing noise)."""
-    if cfg.noise_token_id is None:
+    """The noise of one step [B, length]: uniform tokens (noise_token_id None or -1), or the model's one noise token
+    (absorbing noise)."""
+    if cfg.noise_token_id is None or cfg.noise_token_id < 0:
         return hashed_tokens(seed, canvas_index, step, length, vocab)
     return torch.full((seed.shape[0], length), cfg.noise_token_id, dtype=torch.long, device=seed.device)
 

@@ -1385,6 +1385,28 @@ def test_a_sampler_config_keeps_the_checkpoints_noise_token(lm, sampler, seed):
     assert (first_draft(sampler=SamplerConfig(sampler=sampler), noise_token_id=-1) != 9).any()  # uniform
 
 
+def test_a_sampler_config_that_says_uniform_noise_decodes_with_it(lm):
+    """with_(noise_token_id=-1) stored None, which generate then filled with the checkpoint's absorbing token, so a
+    config that asked for uniform noise decoded with the noise token (and SamplerConfig(noise_token_id=-1) was
+    refused): only the keyword reached uniform noise. -1 is now kept, and every way of saying it draws the same."""
+    from blockpress.sampling import SamplerConfig
+
+    absorbing = blockpress.LM(lm.model, None, {"noise_token_id": 9})
+    vocab, c = lm.config.text.vocab_size, lm.config.canvas_length
+
+    def first_draft(**options):
+        seen = []
+        absorbing.generate([[3, 4, 5]], max_new_tokens=c, max_denoising_steps=1, seed=2, **options,
+                           constraint=lambda d, s: seen.append(d.clone()) or torch.zeros(1, 1, vocab, dtype=torch.bool))
+        return seen[0]
+
+    by_keyword = first_draft(sampler="topk", noise_token_id=-1)
+    assert (by_keyword != 9).any()  # uniform
+    for cfg in (SamplerConfig(sampler="topk", noise_token_id=-1), SamplerConfig(noise_token_id=9).with_(
+            sampler="topk", noise_token_id=-1), absorbing.sampler_defaults.with_(sampler="topk", noise_token_id=-1)):
+        assert torch.equal(first_draft(sampler=cfg), by_keyword)
+
+
 @pytest.mark.parametrize("value, message", [(-2, "token id >= 0"), (10**6, "outside the vocabulary")])
 def test_bad_noise_token_is_a_clear_error(lm, value, message):
     with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):

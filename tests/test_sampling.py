@@ -383,7 +383,8 @@ def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
         (dict(stability_threshold=True), "stability_threshold: expected an integer"),
         (dict(presence_penalty=True), "presence_penalty: expected a number"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty: expected a number"),
-        (dict(noise_token_id=True), "noise_token_id: expected None or a token id"),
+        (dict(noise_token_id=True), "noise_token_id: expected None, -1 \\(uniform noise\\) or a token id"),
+        (dict(noise_token_id=-2), "noise_token_id: expected None, -1"),
         (dict(sampler="confidence", rank_by="margin"), "rank_by: the confidence sampler .* rank_by='margin' would be "
                                                        "ignored"),
         (dict(sampler="confidence", rank_by="position"), "rank_by: the confidence sampler"),
@@ -412,7 +413,7 @@ def test_settings_people_pass_from_numpy_and_uniform_noise_on_request():
 
     cfg = SamplerConfig(noise_token_id=5).with_(entropy_bound=np.float32(0.05), t_max=np.float64(1.0))
     assert cfg.entropy_bound == pytest.approx(0.05) and cfg.noise_token_id == 5  # numpy's float32 was refused
-    assert cfg.with_(noise_token_id=-1).noise_token_id is None  # -1, as in training: uniform noise for one call
+    assert cfg.with_(noise_token_id=-1).noise_token_id == -1  # -1, as in training: uniform noise, said outright
     assert cfg.with_(noise_token_id=None).noise_token_id == 5  # None still means "not given"
 
 
