@@ -911,6 +911,9 @@ def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Te
         raise ValueError(f"constraint: expected a bool tensor [{b}, {c}, {vocab}] of banned tokens, got {got}")
     if any(n not in (1, want) for n, want in zip(banned.shape, (b, c, vocab))):
         raise ValueError(f"constraint: expected shape [{b}, {c}, {vocab}] (or broadcastable), got {list(banned.shape)}")
+    if banned.device != canvas.device:  # torch's own error names no hook ("not on the expected device")
+        raise ValueError(f"constraint: expected a mask on the canvas's device {canvas.device}, got one on "
+                         f"{banned.device} (make it with device=draft.device)")
     return banned
 
 
@@ -955,6 +958,9 @@ def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Ten
         got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)
                else type(processed).__name__)
         raise ValueError(f"logits_processor: expected float logits of shape {list(logits.shape)}, got {got}")
+    if processed.device != logits.device:  # a processor that works on the CPU (numpy, say) for a GPU model
+        raise ValueError(f"logits_processor: expected logits on the model's device {logits.device}, got them on "
+                         f"{processed.device} (return them with .to(logits.device))")
     return processed.contiguous()
 
 

@@ -373,6 +373,8 @@ def test_generate_ar_logits_processor_mistakes_are_named(lm):
         lm.generate_ar([3, 4], max_new_tokens=2, logits_processor="upper")
     with pytest.raises(ValueError, match=r"logits_processor: expected float logits of shape \[1, 1, "):
         lm.generate_ar([3, 4], max_new_tokens=2, logits_processor=lambda x, r: x[:, 0])
+    with pytest.raises(ValueError, match="logits_processor: expected logits on the model's device cpu, got them on meta"):
+        lm.generate_ar([3, 4], max_new_tokens=2, logits_processor=lambda x, r: torch.zeros_like(x, device="meta"))
     with pytest.raises(ValueError, match="logits_processor: left a row with no token to choose"):
         lm.generate_ar([3, 4], max_new_tokens=3, logits_processor=lambda x, r: torch.full_like(x, float("-inf")))
 
@@ -1270,6 +1272,8 @@ def test_a_row_keeps_its_tokens_through_its_first_eos(rows):
     (lambda d, s: None, "bool tensor"),
     (lambda d, s: torch.zeros(d.shape[0], d.shape[1], 5, dtype=torch.bool), "shape"),
     (lambda d, s: torch.zeros(*d.shape, 64), "bool tensor"),
+    # another device (meta standing in for a CPU mask of a GPU model's canvas): torch's error named no hook
+    (lambda d, s: torch.zeros(*d.shape, 1, dtype=torch.bool, device="meta"), "on the canvas's device cpu, got one on meta"),
 ])
 def test_bad_constraint_is_a_clear_error(lm, result, message):
     with pytest.raises(ValueError, match=f"constraint.*{message}"):
@@ -1315,6 +1319,9 @@ def test_a_constraint_that_bans_everything_is_a_clear_error(lm):
     (lambda x, rows: None, "expected float logits of shape"),
     (lambda x, rows: x[:, :1], "expected float logits of shape"),
     (lambda x, rows: x.long(), r"expected float logits of shape .* got torch.int64"),
+    # another device (meta stands in for a GPU model's processor that returns CPU logits): torch's "Tensor on device
+    # cpu is not on the expected device meta!" named no hook
+    (lambda x, rows: torch.zeros_like(x, device="meta"), "expected logits on the model's device cpu, got them on meta"),
     # each of these drew token 0 (pad) everywhere, silently
     (lambda x, rows: x.index_fill(-1, torch.tensor([9]), float("inf")), "left a position .* no token to choose"),
     (lambda x, rows: torch.full_like(x, float("nan")), "left a position .* no token to choose"),
