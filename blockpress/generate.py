@@ -1428,6 +1428,7 @@ def run(
                   cache if keep_cache else None, texts_of)
     out.extra["stopped"] = dec.stops.stopped
     out.extra["reused_prompt_tokens"] = reused
+    out.extra["seeds"] = dec.seeds.tolist()  # each row's, drawn where seed was None: seeds= repeats the sample
     yield Done(out)
 
 
@@ -1523,4 +1524,5 @@ def run_ar(
                   cache if keep_cache else None, texts_of)
     out.extra["stopped"] = stops.stopped
     out.extra["reused_prompt_tokens"] = reused
+    out.extra["seeds"] = row_seed.tolist()
     return out

@@ -1006,7 +1006,8 @@ class LM:
         `SamplerConfig`, which replaces the checkpoint's settings rather than adding to them, except
         `noise_token_id`: that says how the model was trained, so a SamplerConfig that leaves it None decodes with the checkpoint's noise token (pass
         noise_token_id=-1 for uniform noise on a model trained with absorbing noise). `seed`: None draws a fresh
-        one (greedy, and any sampler with candidates="argmax", uses 0). Every row draws from it as it would alone (a row's output does not depend on the
+        one per row, which `out.extra["seeds"]` reports (pass them as `seeds` to repeat the sample); greedy, and any
+        sampler with candidates="argmax", uses 0. Every row draws from it as it would alone (a row's output does not depend on the
         batch), so rows holding the same prompt get the same sample: for different samples of one prompt pass
         `seeds`, one per row (the server's n > 1 choices get seeds of their own this way).
 

@@ -379,6 +379,19 @@ def test_generate_ar_logits_processor_mistakes_are_named(lm):
         lm.generate_ar([3, 4], max_new_tokens=3, logits_processor=lambda x, r: torch.full_like(x, float("-inf")))
 
 
+def test_the_seeds_drawn_for_seed_none_are_reported_and_repeat_the_sample(lm):
+    """seed=None drew each row's seed and said nothing of it, so a sample one liked could not be had again."""
+    prompts, kw = [[3, 4, 5], [3, 4, 5]], dict(max_new_tokens=10, max_denoising_steps=3, sampler="entropy_bound")
+    out = lm.generate(prompts, **kw)
+    seeds = out.extra["seeds"]
+    assert len(seeds) == 2 and seeds[0] != seeds[1]
+    assert torch.equal(lm.generate(prompts, seeds=seeds, **kw).new_tokens, out.new_tokens)
+    assert lm.generate(prompts, seed=7, **kw).extra["seeds"] == [7, 7]
+    ar = lm.generate_ar(prompts, max_new_tokens=6, temperature=1.0)
+    assert torch.equal(lm.generate_ar(prompts, max_new_tokens=6, temperature=1.0, seeds=ar.extra["seeds"]).new_tokens,
+                       ar.new_tokens)
+
+
 def test_generate_ar_seeds_sample_each_row_as_alone(lm):
     """generate_ar had no per-row `seeds` (generate has): a batch row now equals that row alone with its seed."""
     prompts, seeds = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]], [11, 12, 13]
