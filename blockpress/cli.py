@@ -522,15 +522,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         block: list[str] | None = None  # a message of several lines, as read so far
+        verbatim = False  # a block or a JSON string: the text it holds is the message, never a command
         try:
             user = read_line(first=True)
             if user.rstrip() == BLOCK:  # its lines are the message, as typed, up to the next such line
                 block = []
                 while (line := read_line(first=False)).rstrip() != BLOCK:
                     block.append(line)
-                user = "\n".join(block)
+                user, verbatim = "\n".join(block), True
             elif args.json and user.startswith('"'):
-                user = json_line(user)
+                text = json_line(user)
+                user, verbatim = text, text != user  # a JSON string never reads back as itself
         except EOFError:
             print(file=sys.stderr)  # the shell's prompt on a line of its own
             if block is not None:  # cut short: not the message that was meant
@@ -541,9 +543,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
             print(file=sys.stderr)
             continue
-        if not user.strip():  # skipped, not an end: piped conversations have blank lines between messages
+        if not user.strip():  # a blank line is skipped, not an end: piped conversations have them between messages
+            if verbatim:  # an empty block or JSON string was sent as a message: a script waits for its line
+                error = "the message is empty"
+                print(f"error: {error}; it was not sent", file=sys.stderr)
+                no_reply(user, error=error)
             continue
-        command = user.strip() if block is None else ""  # a block is a message, whatever its first line
+        # A block or a JSON string is a message whatever it starts with: a script that JSON-encodes each message
+        # sends "/usr/bin is slow" as it is (only a plain line is a command, and only there // escapes a /).
+        command = "" if verbatim else user.strip()
         if command in ("/exit", "/quit"):  # answered too: a script reads one line per line it wrote
             no_reply(user, command=command[1:])
             break
@@ -1382,9 +1390,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward_passes, tokens_per_forward, tok_s, seconds, prompt_tokens (the conversation with "
                         "the chat template), cached_tokens (those the cache held: the rest were encoded this turn)}, "
                         "{prompt, error} when the message was "
-                        "dropped (too long, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
+                        "dropped (too long, empty, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
                         "/reset, /help, /exit and /quit. A line that is a JSON string (\"x = 1\\ny = 2\") "
-                        "is read as the text it holds, so a script can send newlines (any other line as it is). E.g. "
+                        "is read as the text it holds, a message even when it starts with /, so a script can send newlines "
+                        "(any other line as it is). E.g. "
                         "printf 'hi\\nmore\\n' | blockpress chat --json --model M | jq -r .text")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message that starts the conversation (and the new one after /reset), as the "

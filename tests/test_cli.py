@@ -2066,6 +2066,27 @@ def test_chat_sends_a_message_of_several_lines(monkeypatch, capsys):
     assert out[4]["error"].startswith('the message started by a line of """ ended without')
 
 
+def test_chat_json_strings_are_messages_never_commands(monkeypatch, capsys):
+    """A JSON string is the text it holds, yet it was then read as a command: a script that JSON-encodes each
+    message got '"/usr/bin is slow\\nwhy?"' refused as an unknown command and '"//x"' sent as "/x". Like a block,
+    it is a message whatever it starts with; a plain line is still a command."""
+    sent = chat_turns(monkeypatch, ['"/usr/bin is slow\\nwhy?"', '"//x"', '"/reset"', "/reset"], "--json")
+    assert sent == ["/usr/bin is slow\nwhy?", "//x", "/reset"]
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert ["text" in line for line in out] == [True, True, True, False] and out[3]["command"] == "reset"
+
+
+def test_chat_json_answers_an_empty_message(monkeypatch, capsys):
+    """An empty JSON string or block is no blank line: it was skipped with no JSON line, and a script that waits
+    for one line per line it wrote waited forever. It is refused, with its line; blank lines are still skipped."""
+    sent = chat_turns(monkeypatch, ['""', '"""', '"""', '"  "', "", "hi"], "--json")
+    assert sent == ["hi"]
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert out[:3] == [{"prompt": "", "error": "the message is empty"}, {"prompt": "", "error": "the message is empty"},
+                       {"prompt": "  ", "error": "the message is empty"}]
+    assert len(out) == 4 and out[3]["prompt"] == "hi" and "text" in out[3]
+
+
 def test_chat_without_json_reads_a_json_line_as_typed(monkeypatch, capsys):
     assert chat_turns(monkeypatch, ['"x = 1\\ny = 2"']) == ['"x = 1\\ny = 2"']
 
