@@ -614,7 +614,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply = out.texts[0]
         stats = stats_line(out, time.perf_counter() - t0)
         if args.json:  # the conversation's tokens, and those the cache held (the rest were encoded this turn)
-            stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0])
+            # and the seed the reply was drawn with (a fresh one each turn without --seed): seeds= repeats it
+            stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0],
+                         seed=out.extra["seeds"][0])
             print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
         else:
             print(marker + printable(reply), flush=not interactive)  # flushed when piped: a script waits for each reply
@@ -1388,7 +1390,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and /quit end the chat, lines after them unread), or block of lines between \"\"\" lines, "
                         "in order: a message's reply {text, prompt, new_tokens, "
                         "forward_passes, tokens_per_forward, tok_s, seconds, prompt_tokens (the conversation with "
-                        "the chat template), cached_tokens (those the cache held: the rest were encoded this turn)}, "
+                        "the chat template), cached_tokens (those the cache held: the rest were encoded this turn), seed (the one "
+                        "drawn when --seed is not given: lm.chat(..., seeds=[seed]) repeats the reply)}, "
                         "{prompt, error} when the message was "
                         "dropped (too long, empty, stopped with Ctrl-C, an unknown /command), or {prompt, command} for "
                         "/reset, /help, /exit and /quit. A line that is a JSON string (\"x = 1\\ny = 2\") "

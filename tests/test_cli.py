@@ -2087,6 +2087,19 @@ def test_chat_json_answers_an_empty_message(monkeypatch, capsys):
     assert len(out) == 4 and out[3]["prompt"] == "hi" and "text" in out[3]
 
 
+def test_chat_json_says_which_seed_each_reply_was_drawn_with(monkeypatch, capsys):
+    """Without --seed each turn draws a fresh seed, and --json never said which: a sampled reply one liked could not
+    be had again. Its line gives the seed, and lm.chat with seeds=[it] repeats the reply."""
+    flags = ["--max-new-tokens", "8", "--steps", "2", "--temperature", "1.5", "--json"]
+    chat_turns(monkeypatch, ["def add(a, b):"], *flags)
+    line = json.loads(capsys.readouterr().out)
+    lm = blockpress.load(MODEL)
+    sampler = lm.sampler_defaults.with_(max_denoising_steps=2).with_temperature(1.5, sampler_given=False)
+    again = lm.chat([{"role": "user", "content": "def add(a, b):"}], max_new_tokens=8, min_new_tokens=1,
+                    sampler=sampler, seeds=[line["seed"]])
+    assert again.texts[0] == line["text"]
+
+
 def test_chat_without_json_reads_a_json_line_as_typed(monkeypatch, capsys):
     assert chat_turns(monkeypatch, ['"x = 1\\ny = 2"']) == ['"x = 1\\ny = 2"']
 
