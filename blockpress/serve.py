@@ -1403,10 +1403,14 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}
 
+    # HEAD too (uptime probes and load balancers send it to the models route): the GET's status and headers, no
+    # body; a route of its own out of the schema, as /health's below
+    @app.head("/v1/models", include_in_schema=False)
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card]}
 
+    @app.head("/v1/models/{model_id:path}", include_in_schema=False)
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):  # OpenAI's retrieve; a hub model's id holds a slash
         if model_id != model_name:

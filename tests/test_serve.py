@@ -1917,3 +1917,23 @@ def test_a_key_no_client_could_send_is_refused_without_showing_it(key):
     with pytest.raises(ValueError, match="api_key: expected a non-empty key of printable ASCII") as caught:
         create_app(load_model("random-tiny", None, "cpu"), MODEL, api_key=key)
     assert not key or str(key) not in str(caught.value)
+
+
+def test_the_models_routes_answer_head_as_get_and_keep_the_key():
+    """HEAD /v1/models and /v1/models/{id} answered 405 (Allow: GET) while HEAD /health answered 200: a load balancer
+    or uptime probe that sends HEAD to the models route marked the server down."""
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, api_key="sekret")) as http:
+        key = {"Authorization": "Bearer sekret"}
+        for path in ("/v1/models", f"/v1/models/{MODEL}", "/v1/models/nope"):
+            got, head = http.get(path, headers=key), http.head(path, headers=key)
+            assert head.status_code == got.status_code != 405, (path, head.status_code)
+            assert head.headers["content-type"] == got.headers["content-type"]
+            assert head.headers["content-length"] == got.headers["content-length"] and head.content == b""
+            assert http.head(path).status_code == 401  # the key is asked for, as GET asks for it
+        schema = get_openapi(title=http.app.title, version=http.app.version, routes=http.app.routes)
+        assert set(schema["paths"]["/v1/models"]) == {"get"}
+        assert set(schema["paths"]["/v1/models/{model_id}"]) == {"get"}
