@@ -1048,24 +1048,42 @@ def _plot_training(out: Path, quiet: bool) -> None:
 
 def cmd_sudoku(args: argparse.Namespace) -> int:
     from blockpress.tasks import sudoku_model
-    from blockpress.tasks.sudoku import format_board, join_grid_rows, split_puzzle_file
+    from blockpress.tasks.sudoku import (
+        cell_accuracy,
+        format_board,
+        is_puzzle_csv,
+        join_grid_rows,
+        read_puzzle_csv,
+        split_puzzle_file,
+    )
 
     if args.puzzles.count("-") + (args.file == "-") > 1:  # the second reader would get an empty stdin, silently
         raise ValueError("standard input can be read once: give - once (a puzzle argument or --file -)")
     puzzles: list[str] = []
+    expected: list[str | None] = []  # each puzzle's solution, where a CSV gave one: the answers are scored against it
+
+    def read(text: str, name: str) -> None:
+        pairs = read_puzzle_csv(text, name) if is_puzzle_csv(text) else [(p, None) for p in split_puzzle_file(text, name)]
+        puzzles.extend(p for p, _ in pairs)
+        expected.extend(s for _, s in pairs)
+
     for text in join_grid_rows(args.puzzles):  # - reads them from standard input, as a --file would be read
-        puzzles += split_puzzle_file(sys.stdin.read(), "stdin") if text == "-" else [text]
+        if text == "-":
+            read(sys.stdin.read(), "stdin")
+        else:
+            puzzles.append(text)
+            expected.append(None)
     if args.file == "-":
-        puzzles += split_puzzle_file(sys.stdin.read(), "--file -")
+        read(sys.stdin.read(), "--file -")
     elif args.file:
         try:
             # utf-8-sig: the file's own encoding whatever the locale says, a BOM (Notepad's) left out
             lines = Path(args.file).read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
             raise ValueError(f"--file {args.file}: cannot read puzzles from it ({exc})") from None
-        puzzles += split_puzzle_file("\n".join(lines), f"--file {args.file}")
+        read("\n".join(lines), f"--file {args.file}")
     if not puzzles:
-        raise ValueError("give at least one puzzle (81 characters, 0 or . for empty), or --file")
+        raise ValueError("give at least one puzzle (81 characters, 0 . - _ or * for empty), or --file")
     puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded (warns of the unsettled)
     lm = load_announced(args)
 
@@ -1080,18 +1098,29 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
                                  on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
                                  confidence=args.confidence, checked=True)
     seconds = time.perf_counter() - t0
-    for r in results:
+    scored = []  # (matches the file's solution, cell accuracy on the empty cells) of each puzzle that came with one
+    for r, truth in zip(results, expected):
+        score = None if truth is None else (r.solution == truth, cell_accuracy(r.solution, truth, r.puzzle))
+        if score is not None:
+            scored.append(score)
         if args.json:
-            print(json.dumps({"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps,
-                              "errors": r.errors}))
+            row = {"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps, "errors": r.errors}
+            if score is not None:
+                row.update(expected=truth, correct=score[0], cell_accuracy=score[1])
+            print(json.dumps(row))
         else:
             print(format_board(r.solution))
             # which rules the grid breaks, and where: the board alone does not show it
-            print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps"
+            against = "" if score is None else (" · matches the file's solution" if score[0] else
+                                                f" · differs from the file's solution (cell accuracy {score[1]:.1%})")
+            print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps{against}"
                   + "".join(f"\n  {error}" for error in r.errors) + "\n")
     if not args.json:
         solved = sum(r.valid for r in results)
-        print(f"[{solved}/{len(results)} valid · {len(results) / seconds:.2f} puzzles/s]", file=sys.stderr)
+        accuracy = "" if not scored else (
+            f" · {sum(c for c, _ in scored)}/{len(scored)} match the file's solutions, cell accuracy "
+            f"{sum(a for _, a in scored) / len(scored):.1%}")
+        print(f"[{solved}/{len(results)} valid{accuracy} · {len(results) / seconds:.2f} puzzles/s]", file=sys.stderr)
         if solved < len(results) and args.ensemble == 1 and not args.rules:
             # The measured trade (benchmarks/RESULTS.md): 8 pooled views solved 97.5% of medium puzzles
             # against 86.5% for one, at an eighth of the speed.
@@ -1247,7 +1276,13 @@ class CommandParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            # a puzzle whose first cell is empty ('-') reads to argparse as a flag it does not know
+            cells = set("0123456789.-_*|+")
+            dashed = self.prog.endswith(" sudoku") and any(e.startswith("-") and len(e) > 9 and set(e) <= cells
+                                                            for e in extras)
+            self.error(f"unrecognized arguments: {' '.join(extras)}"
+                       + ("; a puzzle that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- PUZZLE)"
+                          if dashed else ""))
         return namespace, extras
 
 
@@ -1432,7 +1467,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sudoku", formatter_class=DefaultsFormatter, help="solve sudoku puzzles with a block-diffusion model",
-                       description="Solve PUZZLE(s): 81 characters each, 0 or . for an empty cell. The givens are "
+                       description="Solve PUZZLE(s): 81 characters each, 0 . - _ or * for an empty cell (a puzzle "
+                                   "that starts with - goes after --). The givens are "
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
                                    "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
                                    "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
@@ -1440,7 +1476,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "them from standard input (as --file - does; standard input is read once)")
     p.add_argument("--file", default=None,
                    help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines, "
-                        "'#' comments, border lines (+---+) and header lines between puzzles ('Grid 01') skipped")
+                        "'#' comments, border lines (+---+) and header lines between puzzles ('Grid 01') skipped. Or a "
+                        "CSV with a header naming its columns, as Kaggle's 'quizzes,solutions' (or puzzle,solution): "
+                        "the answers are then also scored against its solutions (matches, cell accuracy)")
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
@@ -1464,7 +1502,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and columns) that pool their predictions every step; no rules, no search; N times the work")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per puzzle: puzzle, solution, valid, steps, errors (the rules an invalid "
-                        "solution breaks, with their cells)")
+                        "solution breaks, with their cells); with a CSV's solution also expected, correct and "
+                        "cell_accuracy (of the empty cells)")
     p.set_defaults(func=cmd_sudoku)
 
     p = sub.add_parser("serve", formatter_class=DefaultsFormatter, help="OpenAI-compatible HTTP server (chat, completions, streaming)",

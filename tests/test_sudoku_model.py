@@ -458,3 +458,43 @@ def test_an_invalid_answer_names_the_broken_rules_in_text_and_json(tiny_sudoku, 
     assert "INVALID" in out and all(f"\n  {e}\n" in out for e in r.errors)
     solved = generate(3, "hard").solution
     assert sudoku_model.solve(lm, [solved])[0].errors == []
+
+
+def test_cli_scores_a_kaggle_csv_against_its_solutions(tiny_sudoku, capsys, monkeypatch, tmp_path):
+    """Kaggle's "1 million sudoku" CSV (quizzes,solutions) was refused ("line 2: illegal character ','"); its
+    solutions score the answers: correct and cell accuracy per puzzle, and both over the file."""
+    from blockpress.tasks.sudoku import cell_accuracy
+
+    path, _ = tiny_sudoku
+    a, b = generate(5, "easy"), generate(6, "medium")
+    text = f"quizzes,solutions\n{a.puzzle},{a.solution}\n{b.puzzle.replace('0', '-')},{b.solution}\n"
+    (tmp_path / "sudoku.csv").write_text(text)
+    main(["sudoku", "--file", str(tmp_path / "sudoku.csv"), "--model", str(path), "--json", "--steps", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["puzzle"] for r in rows] == [a.puzzle, b.puzzle] and [r["expected"] for r in rows] == [a.solution, b.solution]
+    for r, t in zip(rows, (a, b)):
+        assert r["correct"] == (r["solution"] == t.solution)
+        assert r["cell_accuracy"] == cell_accuracy(r["solution"], t.solution, t.puzzle)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    main(["sudoku", "-", "--model", str(path), "--steps", "1"])
+    out, err = capsys.readouterr()
+    mean = sum(r["cell_accuracy"] for r in rows) / 2
+    matched = sum(r["correct"] for r in rows)
+    assert f"valid · {matched}/2 match the file's solutions, cell accuracy {mean:.1%} · " in err
+    assert "from the file's solution" in out
+    # a malformed row stops before the model loads, naming its line
+    (tmp_path / "bad.csv").write_text(f"quizzes,solutions\n{a.puzzle},{a.solution}\n{b.puzzle}\n")
+    assert main(["sudoku", "--file", str(tmp_path / "bad.csv"), "--model", str(path)]) == 2
+    assert "bad.csv line 3: 1 field(s) where the header (quizzes,solutions) needs 2" in capsys.readouterr().err
+
+
+def test_cli_reads_dashed_puzzles_and_points_one_that_starts_with_a_dash_past_argparse(tiny_sudoku, capsys):
+    path, _ = tiny_sudoku
+    p = generate(5, "easy").puzzle
+    dashed = "-" + p[1:].replace("0", "_")
+    assert p[0] == "0"
+    main(["sudoku", "--model", str(path), "--json", "--steps", "1", "--", dashed])
+    assert json.loads(capsys.readouterr().out)["puzzle"] == p
+    with pytest.raises(SystemExit):  # argparse's error, before anything loads
+        main(["sudoku", dashed, "--model", str(path)])
+    assert "a puzzle that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- PUZZLE)" in capsys.readouterr().err

@@ -27,7 +27,9 @@ from blockpress.tasks.sudoku import (
     format_board,
     generate,
     generate_many,
+    join_grid_rows,
     parse_puzzle,
+    read_puzzle_csv,
     solve,
     split_puzzle_file,
     verify,
@@ -102,7 +104,7 @@ def test_parse_wrong_length_reports_count(n: int) -> None:
         parse_puzzle("1" * n)
 
 
-illegal_chars = st.characters(blacklist_characters="0123456789.|-+", blacklist_categories=("Cs",)).filter(
+illegal_chars = st.characters(blacklist_characters="0123456789.|-+_*", blacklist_categories=("Cs",)).filter(
     lambda ch: not ch.isspace()
 )
 
@@ -604,3 +606,52 @@ def test_a_puzzle_file_saved_with_a_byte_order_mark_reads_as_without():
     assert split_puzzle_file(f"\ufeff{a}\r\n{b}\r\n", "f") == [a, b]
     grid = "\n".join(b[r * 9 : r * 9 + 9] for r in range(9))
     assert [parse_puzzle(p) for p in split_puzzle_file(f"\ufeffGrid 01\n{grid}\n", "f")] == [b]
+
+
+@pytest.mark.parametrize("empty", ["-", "_", "*"])
+def test_dashes_underscores_and_stars_are_empty_cells_where_puzzles_are_read(empty):
+    """Puzzle sites write an empty cell as '-', '_' or '*': '_' and '*' were illegal characters, and a '-' was ignored
+    as a grid-drawing character, so a puzzle written with dashes "had 30 cells, expected 81"."""
+    one_line = WIKI_PUZZLE.replace("0", empty)
+    assert parse_puzzle(one_line) == WIKI_PUZZLE
+    rows = [one_line[r * 9 : r * 9 + 9] for r in range(9)]
+    bordered = format_board(WIKI_PUZZLE).replace(".", empty)  # its '------+-------+------' lines still draw
+    assert parse_puzzle(bordered) == WIKI_PUZZLE
+    text = f"{one_line}\n{bordered}\n\n" + "\n".join(rows) + "\n" + _bordered(WIKI_PUZZLE).replace(".", empty)
+    assert [parse_puzzle(p) for p in split_puzzle_file(text, "f")] == [WIKI_PUZZLE] * 4
+    assert [parse_puzzle(p) for p in join_grid_rows(rows)] == [WIKI_PUZZLE]
+    # a row with no givens, spaced as format_board draws it, is 9 empty cells, not a border
+    assert parse_puzzle("- - - | - - - | - - -\n" + WIKI_PUZZLE[9:]) == "0" * 9 + WIKI_PUZZLE[9:]
+    assert join_grid_rows(["-"]) == ["-"]  # the CLI's word for standard input stays one
+
+
+def test_a_kaggle_csv_of_quizzes_and_solutions_is_read_with_its_solutions():
+    """Kaggle's "1 million sudoku" (header quizzes,solutions; 0 for empty) was refused: "line 2: illegal character
+    ','" (its header line skipped as a title)."""
+    a, b = generate(41, "easy"), generate(42, "hard")
+    text = f"\ufeffquizzes,solutions\r\n{a.puzzle},{a.solution}\r\n\r\n{b.puzzle.replace('0', '.')},{b.solution}\r\n"
+    assert sudoku.is_puzzle_csv(text) and not sudoku.is_puzzle_csv(f"Grid 01\n{a.puzzle}\n")
+    assert read_puzzle_csv(text, "f") == [(a.puzzle, a.solution), (b.puzzle, b.solution)]
+    assert split_puzzle_file(text, "f") == [a.puzzle, b.puzzle]
+    # other data sets: more columns around puzzle,solution; or no solutions (or an empty one) at all
+    wide = f"id,puzzle,solution,clues\n1,{a.puzzle},{a.solution},{a.givens}\n2,{b.puzzle},,{b.givens}\n"
+    assert read_puzzle_csv(wide) == [(a.puzzle, a.solution), (b.puzzle, None)]
+    assert read_puzzle_csv(f"quizzes,difficulty\n{a.puzzle},easy\n") == [(a.puzzle, None)]
+    # a title of one word is no CSV header: the puzzles under it are read as before
+    assert split_puzzle_file(f"Puzzles\n{a.puzzle}\n") == [a.puzzle]
+
+
+@pytest.mark.parametrize("row, message", [
+    ("{p}", "f line 3: 1 field\\(s\\) where the header \\(quizzes,solutions\\) needs 2"),
+    ("{p}x,{s}", "f line 3, quizzes: illegal character 'x'"),
+    ("{p},{s}1", "f line 3, solutions: puzzle has 82 cells"),
+    ("{p},{wrong}", "f line 3, solutions: not a solution of the puzzle: cell r1c1: given 5 changed to 1"),
+])
+def test_a_malformed_csv_row_is_named_by_its_line(row, message):
+    wrong = "1" + WIKI_SOLUTION[1:]
+    text = f"quizzes,solutions\n{WIKI_PUZZLE},{WIKI_SOLUTION}\n" + row.format(p=WIKI_PUZZLE, s=WIKI_SOLUTION,
+                                                                                 wrong=wrong) + "\n"
+    with pytest.raises(ValueError, match=message):
+        read_puzzle_csv(text, "f")
+    with pytest.raises(ValueError, match=message):
+        split_puzzle_file(text, "f")

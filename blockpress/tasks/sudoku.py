@@ -3,11 +3,16 @@
 Board format
 ------------
 A puzzle or a solution is an 81-character string of digits in row-major order; ``'0'`` marks an empty
-cell. ``parse_puzzle`` also accepts ``'.'`` for empty cells and a 9-line grid form in which whitespace and
-the box-drawing characters ``|``, ``-`` and ``+`` are ignored, so the output of ``format_board`` parses back
-to the same string. ``split_puzzle_file`` reads a file of such puzzles, one a line or one grid of 9 lines at
-a time (bordered or not, with header lines such as "Grid 01" between them). Rows, columns and boxes are
-numbered 1-9 in error messages (boxes row-major), and a cell is written ``r<row>c<col>``, also 1-based.
+cell. ``parse_puzzle`` also accepts ``'.'``, ``'-'``, ``'_'`` and ``'*'`` for empty cells (as puzzle sites
+and data sets write them) and a 9-line grid form in which whitespace and the box-drawing characters ``|`` and
+``+`` are ignored, and so are border lines (only ``-``, ``+``, ``|`` and spaces, with a ``+`` or a run of
+dashes: ``------+-------+------``), so the output of ``format_board`` parses back to the same string. In any
+other line a ``-`` is an empty cell (``- - - | - - - | - - -`` is a row with no givens; a row of nine
+adjacent dashes reads as a border, so write it spaced or with ``.``). ``split_puzzle_file`` reads a file of
+such puzzles, one a line or one grid of 9 lines at a time (bordered or not, with header lines such as
+"Grid 01" between them), or a CSV with a header line (Kaggle's "1 million sudoku": ``quizzes,solutions``),
+which ``read_puzzle_csv`` reads with its solutions. Rows, columns and boxes are numbered 1-9 in error
+messages (boxes row-major), and a cell is written ``r<row>c<col>``, also 1-based.
 
 Difficulty
 ----------
@@ -29,6 +34,7 @@ simply scores as wrong.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import random
 import re
@@ -56,8 +62,10 @@ __all__ = [
     "format_board",
     "generate",
     "generate_many",
+    "is_puzzle_csv",
     "join_grid_rows",
     "parse_puzzle",
+    "read_puzzle_csv",
     "split_puzzle_file",
     "random_symmetry",
     "solve",
@@ -67,8 +75,12 @@ __all__ = [
 DIFFICULTIES: tuple[str, ...] = ("easy", "medium", "hard")
 
 _DIGITS = "0123456789"
-# Characters used to draw grids; ignored anywhere in the input so that printed boards parse back.
-_SEPARATORS = frozenset("|-+")
+# The characters besides '0' that puzzle sites and data sets write for an empty cell.
+_EMPTY = ".-_*"
+# Characters used to draw grids; ignored in a line of cells so that printed boards parse back. A '-' draws only in a
+# border line (_is_border); in a line of cells it is an empty one.
+_SEPARATORS = frozenset("|+")
+_EXPECTED = "expected digits 0-9, or '.', '-', '_' or '*' for an empty cell"
 # A header line in a file of puzzles ("Grid 01", "Puzzle 3:", "Easy"): it starts with a word of two letters or more,
 # which no line of cells can (a single letter is more likely a typo in a row).
 _HEADER = re.compile(r"[^\W\d_]{2,}\b")
@@ -80,6 +92,18 @@ _ROW_OF = tuple(i // 9 for i in range(81))
 _COL_OF = tuple(i % 9 for i in range(81))
 _BOX_OF = tuple((i // 27) * 3 + (i % 9) // 3 for i in range(81))
 _ALL_DIGITS = 0b11_1111_1110  # bit d set <=> digit d (1..9) is present / allowed
+
+
+def _is_border(line: str) -> bool:
+    """A line that only draws a grid: '-', '+', '|' and whitespace, with a '+' or a run of dashes ('------+------',
+    '+-------+', '|-------|'). Any other line's dashes are empty cells: '- - - | - - - | - - -' is a row with no
+    givens (a row of nine adjacent dashes cannot be told from a border, and reads as one)."""
+    return all(ch in "-+|" or ch.isspace() for ch in line) and ("+" in line or "--" in line)
+
+
+def _count_cells(line: str) -> int:
+    """The cells of one line: 0 for a border line."""
+    return 0 if _is_border(line) else sum(ch in _DIGITS or ch in _EMPTY for ch in line)
 
 
 def _cell_name(i: int) -> str:
@@ -107,13 +131,84 @@ _UNITS = _units()
 # ----------------------------------------------------------------------------------------------------
 
 
+# The header's names of a CSV's columns: Kaggle's "1 million sudoku" writes quizzes,solutions, the larger data sets
+# modelled on it puzzle,solution (some with more columns, such as an id, around them).
+_CSV_PUZZLE = ("quizzes", "quiz", "puzzles", "puzzle")
+_CSV_SOLUTION = ("solutions", "solution")
+
+
+def _csv_header(text: str) -> tuple[list[str], int, int | None, int] | None:
+    """(the header's names, the puzzle column, the solution column or None, the header's line number) when the first
+    line that is not blank is a CSV header naming a puzzle column, else None."""
+    for n, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if "," not in line:
+            return None
+        names = [name.strip().strip("\"'").lower() for name in next(csv.reader([line]))]
+        puzzle = next((names.index(c) for c in _CSV_PUZZLE if c in names), None)
+        if puzzle is None:
+            return None
+        return names, puzzle, next((names.index(c) for c in _CSV_SOLUTION if c in names), None), n
+    return None
+
+
+def is_puzzle_csv(text: str) -> bool:
+    """Whether ``text`` is a CSV of puzzles: its first line that is not blank a header naming a column of puzzles
+    (quizzes, quiz, puzzles or puzzle), as Kaggle's "1 million sudoku" ("quizzes,solutions")."""
+    return _csv_header(text) is not None
+
+
+def read_puzzle_csv(text: str, name: str = "file") -> list[tuple[str, str | None]]:
+    """The (puzzle, solution) pairs of a CSV of puzzles (see is_puzzle_csv), each normalized by parse_puzzle; the
+    solution is None without a solutions column or where a row leaves it empty. Other columns are ignored. A row
+    without the header's columns, a puzzle or solution that does not parse, and a solution that is not one of its
+    puzzle's (a given changed, a cell empty, a rule broken) are errors naming the line."""
+    header = _csv_header(text)
+    if header is None:
+        raise ValueError(f"{name}: not a CSV of puzzles: its first line should be a header naming the column of "
+                         f"puzzles ({', '.join(_CSV_PUZZLE)}), as Kaggle's 'quizzes,solutions'")
+    names, puzzle_col, solution_col, first = header
+    need = max(puzzle_col, -1 if solution_col is None else solution_col) + 1
+    reader = csv.reader(text.removeprefix("\ufeff").splitlines()[first:])
+    pairs: list[tuple[str, str | None]] = []
+    for row in reader:
+        n = first + reader.line_num
+        if not any(field.strip() for field in row):
+            continue
+        if len(row) < need:
+            raise ValueError(f"{name} line {n}: {len(row)} field(s) where the header ({','.join(names)}) needs "
+                             f"{need}, for its {names[puzzle_col]}"
+                             + ("" if solution_col is None else f" and {names[solution_col]}"))
+        try:
+            puzzle = parse_puzzle(row[puzzle_col])
+        except ValueError as exc:
+            raise ValueError(f"{name} line {n}, {names[puzzle_col]}: {exc}") from None
+        solution = None
+        if solution_col is not None and row[solution_col].strip():
+            try:
+                solution = parse_puzzle(row[solution_col])
+            except ValueError as exc:
+                raise ValueError(f"{name} line {n}, {names[solution_col]}: {exc}") from None
+            verdict = verify(puzzle, solution)  # a wrong answer key would score right answers as wrong
+            if not verdict.valid:
+                more = f"; and {len(verdict.errors) - 3} more" if len(verdict.errors) > 3 else ""
+                raise ValueError(f"{name} line {n}, {names[solution_col]}: not a solution of the puzzle: "
+                                 + "; ".join(verdict.errors[:3]) + more)
+        pairs.append((puzzle, solution))
+    return pairs
+
+
 def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     """The puzzles of a file: one per line (81 cells) or as 9-line grids of 9 cells a line, with blank lines,
     '#' comments (a line's rest), border lines (only '|', '-', '+' and spaces, as around a pasted grid) and header lines
     between puzzles (a line that starts with a word, such as Project Euler's "Grid 01") skipped. Each puzzle
     comes back as its raw text (parse_puzzle reads it); lines that do not make whole puzzles are an error
     naming them, and so is a header line that holds more cells than a title's number ("easy: 5300...": the
-    puzzle after the label would be skipped with it)."""
+    puzzle after the label would be skipped with it). A CSV of puzzles (is_puzzle_csv: Kaggle's
+    "quizzes,solutions") gives its puzzles (read_puzzle_csv has their solutions too)."""
+    if is_puzzle_csv(text):
+        return [puzzle for puzzle, _ in read_puzzle_csv(text, name)]
     puzzles: list[str] = []
     rows: list[tuple[int, str, int]] = []  # the open grid's lines: (line number, text, cells)
 
@@ -137,17 +232,18 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             # inside one, it would hide the rows missing before it.
             if rows:
                 raise unfinished(f"line {n} ({stripped!r}) starts another puzzle")
-            cells = sum(ch in _DIGITS or ch == "." for ch in stripped)
+            cells = _count_cells(stripped)
             if cells > _HEADER_MAX_CELLS:
                 raise ValueError(f"{name} line {n}: starts with a word, as a header line does, but holds {cells} "
                                  "cells, which skipping it would lose; put the label on a line of its own (or after "
                                  "'#' there) and the puzzle on the next")
             continue
-        odd = next((ch for ch in line if not (ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS)), None)
+        odd = next((ch for ch in line if not (ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS)),
+                   None)
         if odd is not None:
-            raise ValueError(f"{name} line {n}: illegal character {odd!r}; expected digits 0-9 or '.' for an empty "
-                             "cell ('#' starts a comment, a word at the start of a line a header between puzzles)")
-        cells = sum(ch in _DIGITS or ch == "." for ch in line)
+            raise ValueError(f"{name} line {n}: illegal character {odd!r}; {_EXPECTED} ('#' starts a comment, a word "
+                             "at the start of a line a header between puzzles)")
+        cells = _count_cells(line)
         if cells == 0:  # a border line of a drawn grid ('+-------+---'): it neither opens nor closes a puzzle
             continue
         if cells > 9:  # more than a grid row: a puzzle on one line
@@ -179,8 +275,9 @@ def join_grid_rows(texts: list[str]) -> list[str]:
     out: list[str] = []
     run: list[str] = []
     for text in texts:
-        row = all(ch in _DIGITS or ch == "." or ch.isspace() or ch in _SEPARATORS for ch in text)
-        if row and 1 <= sum(ch in _DIGITS or ch == "." for ch in text) <= 9:
+        # '-' alone is standard input (the CLI's word for it), not a row of one empty cell
+        row = text != "-" and all(ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS for ch in text)
+        if row and 1 <= _count_cells(text) <= 9:
             run.append(text)
             if len(run) == 9:
                 out.append("\n".join(run))
@@ -194,26 +291,27 @@ def join_grid_rows(texts: list[str]) -> list[str]:
 def parse_puzzle(text: str) -> str:
     """Normalize a puzzle/solution to 81 digits ('0' = empty).
 
-    Accepts digits and '.' (empty); whitespace and the grid characters '|', '-', '+' are ignored
-    wherever they appear, which covers both the one-line form and the 9-line grid form.
+    Accepts digits and '.', '-', '_' or '*' (empty); whitespace and the grid characters '|' and '+' are
+    ignored wherever they appear, and so are border lines ('------+-------+------'), which covers both the
+    one-line form and the 9-line grid form.
     Raises ValueError naming the first illegal character (and its 0-based position in ``text``) or the
     number of cells found when it is not 81.
     """
     if not isinstance(text, str):
         raise TypeError(f"puzzle must be a str, got {type(text).__name__}")
     cells: list[str] = []
-    for pos, ch in enumerate(text):
-        if ch in _DIGITS:
-            cells.append(ch)
-        elif ch == ".":
-            cells.append("0")
-        elif ch.isspace() or ch in _SEPARATORS:
-            continue
-        else:
-            raise ValueError(
-                f"illegal character {ch!r} at position {pos} of the input (would be cell {len(cells) + 1}); "
-                "expected digits 0-9 or '.' for an empty cell"
-            )
+    start = 0  # where the line begins in text, for the position of an illegal character
+    for line in text.splitlines(keepends=True):
+        if not _is_border(line):
+            for pos, ch in enumerate(line, start=start):
+                if ch in _DIGITS:
+                    cells.append(ch)
+                elif ch in _EMPTY:
+                    cells.append("0")
+                elif not (ch.isspace() or ch in _SEPARATORS):
+                    raise ValueError(f"illegal character {ch!r} at position {pos} of the input (would be cell "
+                                     f"{len(cells) + 1}); {_EXPECTED}")
+        start += len(line)
     if len(cells) != 81:
         raise ValueError(f"puzzle has {len(cells)} cells, expected 81")
     return "".join(cells)
