@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
+from .cache import KVCache
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
-from .config import ModelConfig
+from .config import ModelConfig, TextConfig
 from .generate import canvas_positions, device_sync
 from .lm import LM, random_model
 
@@ -358,16 +359,51 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
 
 
 def _refuse_what_cannot_fit(cfg: ModelConfig, s: BenchSettings) -> None:
-    """Refuse, with the figures, weights that cannot fit on the device. random_model refuses them too, but its
-    advice (device='meta', to count without allocating) is no way to time a model."""
+    """Refuse, with the figures, weights that cannot fit on the device (random_model refuses them too, but its
+    advice, device='meta' to count without allocating, is no way to time a model), and then a run whose cache and
+    logits cannot fit beside them: the largest batch with each canvas, before any model is built (it was the
+    allocator's traceback once the weights were made, `--batch-sizes 100000000` on a 23 GB machine)."""
     device = resolve_device(s.device)
     free = available_bytes(device)
-    needed = random_model(cfg, dtype=s.dtype, device="meta").weights_bytes()
+    meta = random_model(cfg, dtype=s.dtype, device="meta")
+    needed = meta.weights_bytes()
     if free is not None and needed > free:
         raise ValueError(f"preset: {s.preset} in {s.dtype} needs {needed / 1e9:.1f} GB of weights on {device} but "
                          f"{free / 1e9:.1f} GB are available; bench times a model it holds: a smaller --preset or "
                          f"--dtype (`blockpress info --model random-{s.preset} --device meta` counts it without "
                          "allocating)")
+    if free is None:
+        return
+    room, batch = free - needed, max(s.batch_sizes)
+    for canvas in s.canvas_lengths or [cfg.canvas_length]:
+        row = run_memory(cfg.text, meta.dtype, 1, s.prompt_length, s.new_tokens, canvas)
+        if batch * sum(row.values()) <= room:
+            continue
+        # what to lower: the batch when one row fits, else what one row's memory is mostly
+        blame = ("batch_sizes" if sum(row.values()) <= room
+                 else "prompt_length/new_tokens" if row["kv_cache"] >= row["logits"]
+                 else "canvas_lengths" if s.canvas_lengths else "preset")
+        fits = f"; at most {room // sum(row.values())} rows fit" if blame == "batch_sizes" else ""
+        raise ValueError(f"{blame}: batch {batch} with a {canvas}-token canvas needs at least "
+                         f"{describe_run_memory(run_memory(cfg.text, meta.dtype, batch, s.prompt_length, s.new_tokens, canvas))} "
+                         f"on {device}, beside {needed / 1e9:.1f} GB of {s.preset} weights in {s.dtype}, but "
+                         f"{free / 1e9:.1f} GB are available{fits}")
+
+
+def run_memory(text: TextConfig, dtype: torch.dtype, batch: int, prompt_length: int, new_tokens: int,
+               canvas: int) -> dict[str, int]:
+    """Bytes one block-diffusion generate call of this size holds beyond the weights, at least: the KV cache it
+    allocates (prompt, new tokens and a canvas of scratch, each row; KVCache.bytes_per_token, `blockpress info`'s
+    kv_cache_bytes_per_token) and one canvas's float32 logits. AR's cache (prompt, new tokens and one) is smaller,
+    and its logits are one position's. The step's other work comes on top: a floor, not a forecast."""
+    return {"kv_cache": batch * (prompt_length + new_tokens + canvas) * KVCache.bytes_per_token(text, dtype),
+            "logits": batch * canvas * text.vocab_size * 4}
+
+
+def describe_run_memory(parts: dict[str, int]) -> str:
+    """run_memory's figures for a message: '12.3 GB (KV cache 10.1 GB + float32 logits 2.2 GB)'."""
+    return (f"{sum(parts.values()) / 1e9:.1f} GB (KV cache {parts['kv_cache'] / 1e9:.1f} GB + float32 logits "
+            f"{parts['logits'] / 1e9:.1f} GB)")
 
 
 def _note(message: str) -> None:

@@ -86,6 +86,13 @@ class KVCache:
         next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         return cls(keys=keys, values=values, valid=valid, next_pos=next_pos)
 
+    @staticmethod
+    def bytes_per_token(config: TextConfig, dtype: torch.dtype) -> int:
+        """One row's keys and values per token, all layers, in `dtype`: every layer keeps every token (sliding ones
+        too), so a cache of capacity N takes N times this per row. What `blockpress info` reports and what
+        `blockpress bench` checks a run against before it starts."""
+        return 2 * dtype.itemsize * sum(spec.num_kv_heads * spec.head_dim for spec in config.layers)
+
     def buffers_key(self) -> tuple:
         """Where every buffer lives, and the host flag that picks the masked path: what a CUDA graph bakes in.
         A graph captured on one cache replays correctly on any cache with the same key (the same memory), and

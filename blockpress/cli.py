@@ -680,6 +680,8 @@ def widened_note(own: Any, dtype: Any, stored: bool) -> str | None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from blockpress.cache import KVCache
+
     lm, stored = meta_model(args)
     cfg = lm.config
     adapter = None
@@ -697,7 +699,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         weights_bytes=lm.weights_bytes() + adapter_bytes, adapter=adapter,
         # a sequence's keys and values per token, in the model's dtype: every layer keeps every token (sliding ones
         # too), so a request of N tokens (prompt, answer and a canvas of scratch) takes N times this, per row
-        kv_cache_bytes_per_token=2 * lm.dtype.itemsize * sum(s.num_kv_heads * s.head_dim for s in cfg.text.layers),
+        kv_cache_bytes_per_token=KVCache.bytes_per_token(cfg.text, lm.dtype),
         **stored,  # what the folder's safetensors hold (None: no weights in it)
         # the context every "exceed the model's context" error counts against: prompt, cache and canvases
         canvas_length=cfg.canvas_length, max_position_embeddings=cfg.text.max_position_embeddings,

@@ -965,6 +965,26 @@ def test_bench_refuses_a_run_past_the_context_before_building_a_model(monkeypatc
     assert f"blockpress bench: error: {message}" in err and "context of 131072 tokens" in err
 
 
+def test_bench_refuses_a_batch_whose_cache_cannot_fit_before_building_a_model(monkeypatch, capsys):
+    """Only the weights were checked: `--batch-sizes 100000000` built the model, then died in torch's allocator
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 25600000000 bytes"), naming no flag."""
+    import blockpress.bench as bench
+
+    assert main(["info", "--model", "random-tiny", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    # a cache of 32 prompt + 16 new + one 16-token canvas of scratch a row, and the canvas's float32 logits
+    row = (32 + 16 + 16) * info["kv_cache_bytes_per_token"] + 16 * info["vocab_size"] * 4
+    monkeypatch.setattr(bench, "available_bytes", lambda device: info["weights_bytes"] + 5 * row + row // 2)
+    real = bench.random_model
+    monkeypatch.setattr(bench, "random_model", lambda *a, device="cpu", **k: real(*a, device=device, **k)
+                        if device == "meta" else pytest.fail("built a model"))
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "6", "--new-tokens", "16", "--steps", "1",
+                 "--no-reference"]) == 2
+    err = capsys.readouterr().err
+    assert "blockpress bench: error: --batch-sizes: batch 6 with a 16-token canvas needs at least" in err
+    assert "KV cache" in err and err.rstrip().endswith("at most 5 rows fit") and "Traceback" not in err
+
+
 def test_version(capsys, monkeypatch):
     """--version is the package's __version__, which pyproject.toml reads its version from. It was the installed
     metadata's, which an editable install wrote once: a later change to __version__ left --version behind."""
