@@ -49,6 +49,25 @@ def measure_encode(preset: str, tokens: int, chunk: int, batch: int, threads: in
             "peak_from": "VmHWM, reset in the child" if exact else "VmRSS sampled every 1 ms (a lower bound)"}
 
 
+def what_cannot_fit(preset: str, batch: int, tokens: int) -> str | None:
+    """Why the weights and the KV cache cannot fit in memory, or None: found here, before a child is started, where
+    a child's allocator traceback was relayed (`--batch 100000000`)."""
+    import torch
+
+    import blockpress
+    from blockpress.cache import KVCache
+    from blockpress.checkpoint import available_bytes
+
+    cfg = blockpress.ModelConfig.preset(preset)
+    free = available_bytes(torch.device("cpu"))
+    weights = blockpress.random_model(cfg, device="meta").weights_bytes()
+    cache = batch * tokens * KVCache.bytes_per_token(cfg.text, torch.float32)
+    if free is None or weights + cache <= free:
+        return None
+    return (f"--batch/--tokens: {batch} x {tokens} tokens need a {cache / 1e9:.1f} GB KV cache (float32) beside "
+            f"{weights / 1e9:.1f} GB of {preset} weights, but {free / 1e9:.1f} GB are available")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--preset", type=preset_name, default="tiny", help="random model shape")
@@ -70,6 +89,8 @@ def main() -> None:
         return
     if any(chunk < 0 for chunk in args.chunks):
         sys.exit(f"--chunks: expected sizes >= 0 (0: one pass), got {args.chunks}")
+    if (why := what_cannot_fit(args.preset, args.batch, args.tokens)) is not None:
+        sys.exit(why)
     rows = []
     for chunk in args.chunks:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--tokens", str(args.tokens),

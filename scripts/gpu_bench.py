@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 import blockpress
-from blockpress.bench import profile_ops
+from blockpress.bench import describe_run_memory, profile_ops, run_memory
+from blockpress.checkpoint import available_bytes
+from blockpress.generate import canvas_positions
 from blockpress.model import GROUPED_MM
 
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
@@ -99,6 +101,32 @@ def graphed_ar_run(lm: blockpress.LM, prompt: torch.Tensor, new_tokens: int,
     return out, seconds, lm.step_functions.encode_step.captures - before
 
 
+def what_cannot_fit(cfg: blockpress.ModelConfig, args: argparse.Namespace, device: torch.device) -> str | None:
+    """Why the weights and the longest run's cache and logits cannot fit on the device (run_memory, as `blockpress
+    bench` counts them), or None: found before any weight is made, where torch's allocator failed after the
+    26B-A4B model was built (minutes of a timed lease)."""
+    new = max(args.new_tokens, args.ar_tokens)
+    taken, limit = args.prompt_length + canvas_positions(new, cfg.canvas_length), cfg.text.max_position_embeddings
+    if taken > limit:
+        return (f"--prompt-length/--new-tokens/--ar-tokens: {args.prompt_length} prompt + {new} new tokens in whole "
+                f"{cfg.canvas_length}-token canvases ({taken} positions) exceed the {args.preset} preset's context of "
+                f"{limit} tokens")
+    free = available_bytes(device)
+    if free is None:
+        return None
+    meta = blockpress.random_model(cfg, dtype=args.dtype, device="meta")
+    weights = meta.weights_bytes()
+    if weights > free:
+        return (f"--preset/--dtype: {args.preset} in {args.dtype} needs {weights / 1e9:.1f} GB of weights on {device} "
+                f"but {free / 1e9:.1f} GB are available")
+    run = run_memory(cfg.text, meta.dtype, 1, args.prompt_length, new, cfg.canvas_length)
+    if weights + sum(run.values()) <= free:
+        return None
+    return (f"--prompt-length/--new-tokens/--ar-tokens: {args.prompt_length} prompt + {new} new tokens need at least "
+            f"{describe_run_memory(run)} on {device} beside {weights / 1e9:.1f} GB of {args.preset} weights in "
+            f"{args.dtype}, but {free / 1e9:.1f} GB are available")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="26b-a4b", help="model shape: 26b-a4b, medium, small, tiny")
@@ -123,6 +151,10 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device(args.device)
+    cfg = blockpress.ModelConfig.preset(args.preset)
+    cfg.text.eos_token_id = None
+    if (why := what_cannot_fit(cfg, args, device)) is not None:
+        ap.error(why)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"benchmark": "gpu_bench", "args": vars(args), "torch": torch.__version__,
@@ -133,8 +165,6 @@ def main() -> None:
     def save() -> None:  # after every phase, so a timeout still leaves what was measured
         (out_dir / "result.json").write_text(json.dumps(result, indent=2))
 
-    cfg = blockpress.ModelConfig.preset(args.preset)
-    cfg.text.eos_token_id = None
     t0 = time.perf_counter()
     lm = blockpress.random_model(cfg, seed=0, dtype=args.dtype, device=device)
     sync(device)

@@ -157,6 +157,33 @@ def test_gpu_bench_keeps_going_past_a_failing_profiler(tmp_path, monkeypatch, ca
     assert "fp8_error" not in data and data["fp8"]["tok_s"] > 0
 
 
+def test_gpu_bench_refuses_what_cannot_fit_before_building_a_model(tmp_path, monkeypatch, capsys):
+    """Only random_model's weights check stood before the run: a --prompt-length whose cache cannot fit was torch's
+    allocator traceback after the model was built (minutes of a timed lease for the 26B-A4B shape)."""
+    import blockpress
+
+    script = gpu_bench_module()
+    cfg = blockpress.ModelConfig.preset("tiny")
+    weights = blockpress.random_model(cfg, device="meta").weights_bytes()
+    per_token = 2 * 4 * sum(spec.num_kv_heads * spec.head_dim for spec in cfg.text.layers)  # float32 keys, values
+    monkeypatch.setattr(script, "available_bytes", lambda device: weights + 1000 * per_token)
+    real = script.blockpress.random_model
+    monkeypatch.setattr(script.blockpress, "random_model", lambda *a, device="cpu", **k: real(*a, device=device, **k)
+                        if device == "meta" else pytest.fail("built a model"))
+    argv = ["gpu_bench.py", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--new-tokens", "8",
+            "--ar-tokens", "2", "--compile-mode", "none", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--prompt-length", "2000"])
+    with pytest.raises(SystemExit) as exit:
+        script.main()
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "error: --prompt-length/--new-tokens/--ar-tokens: 2000 prompt + 8 new" in err
+    assert "KV cache" in err and "Traceback" not in err and not (tmp_path / "result.json").exists()
+    monkeypatch.setattr(sys, "argv", [*argv, "--prompt-length", "200000"])  # past the context: said so, too
+    with pytest.raises(SystemExit):
+        script.main()
+    assert "exceed the tiny preset's context of 131072 tokens" in capsys.readouterr().err
+
+
 def test_profile_train_step_smoke(tmp_path):
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--batch-size", "2",
@@ -418,6 +445,14 @@ def test_prefix_cache_benchmark_smoke():
     for w in (chat, shared):
         assert w["no_cache"]["prompt_tokens"] == w["prefix_cache"]["prompt_tokens"]
         assert w["encode_ratio"] > 0 and w["total_ratio"] > 0
+
+
+def test_prefill_memory_refuses_a_cache_that_cannot_fit():
+    """--batch 100000000 started a child that died in torch's allocator, its traceback relayed."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "64",
+                        "--batch", "100000000", "--chunks", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("--batch/--tokens: 100000000 x 64 tokens need a ")
 
 
 def test_prefill_memory_benchmark_smoke():
