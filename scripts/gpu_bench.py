@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -162,15 +164,27 @@ def main() -> None:
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
 
-    def save() -> None:  # after every phase, so a timeout still leaves what was measured
-        (out_dir / "result.json").write_text(json.dumps(result, indent=2))
+    def note(message: str) -> None:
+        """A progress line on stderr (stdout carries the JSON), flushed: the session's log then says which phase a
+        timeout cut, where it held nothing until the end."""
+        print(f"gpu_bench [{time.perf_counter() - t_start:.0f} s]: {message}", file=sys.stderr, flush=True)
 
+    def save(done: str | None = None) -> None:  # after every phase, so a timeout still leaves what was measured
+        # written beside it, then moved into place: a kill while it writes (the session's timeout) leaves the last
+        # one whole, where it left a truncated file that the session then copied as bench.json
+        written = out_dir / ".result.json.partial"
+        written.write_text(json.dumps(result, indent=2))
+        os.replace(written, out_dir / "result.json")
+        if done is not None:
+            note(done)
+
+    note(f"building the {args.preset} model ({args.dtype}, {device})")
     t0 = time.perf_counter()
     lm = blockpress.random_model(cfg, seed=0, dtype=args.dtype, device=device)
     sync(device)
     result["init_seconds"] = time.perf_counter() - t0
     result["params_total"], result["params_active"] = cfg.num_parameters(), cfg.num_parameters(active=True)
-    save()
+    save(f"model built in {result['init_seconds']:.1f} s")
     v = cfg.text.vocab_size
     prompt = torch.randint(3, v, (1, args.prompt_length), generator=torch.Generator().manual_seed(0))
 
@@ -178,6 +192,8 @@ def main() -> None:
         return lm.generate(prompt, max_new_tokens=args.new_tokens, max_denoising_steps=args.steps, seed=0,
                            adaptive_stopping=False)
 
+    note(f"diffusion: warm-up, then the timed run ({args.prompt_length} prompt, {args.new_tokens} new tokens, "
+         f"{args.steps} steps)")
     diffusion()  # warm-up (allocator, kernels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -192,7 +208,9 @@ def main() -> None:
     )
     if device.type == "cuda":
         result["diffusion"]["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    save()
+    save(f"diffusion: {result['diffusion']['tok_s']:.1f} tok/s")
+
+    note(f"ar: warm-up, then the timed run ({args.ar_tokens} new tokens)")
 
     lm.generate_ar(prompt, max_new_tokens=8)  # warm-up
     ar, total = timed(lambda: lm.generate_ar(prompt, max_new_tokens=args.ar_tokens), device)
@@ -209,9 +227,10 @@ def main() -> None:
         result["diffusion"]["weights_roofline_fraction"] = (
             bytes_per_pass / bandwidth / (result["diffusion"]["ms_per_step"] / 1e3))
     result.update(diffusion_over_ar(result["diffusion"], result["ar"]))
-    save()
+    save(f"ar: {result['ar']['tok_s']:.1f} tok/s")
     # Both engines with their passes replayed from CUDA graphs (LM.cuda_graphs): same kernels, no per-op launches.
     if device.type == "cuda" and args.cuda_graphs:
+        note("cuda graphs: diffusion capture, then the timed run")
         try:
             lm.cuda_graphs()
             t0 = time.perf_counter()
@@ -226,7 +245,7 @@ def main() -> None:
                 same_tokens_as_eager=bool(torch.equal(graphed.sequences, eager_out.sequences)),
                 # captures inside the timed run (0: every step replayed; the cache came back at the same memory)
                 timed_run_captures=lm.step_functions.denoise.captures - before, first_run_seconds=capture_s)
-            save()
+            save(f"cuda graphs: diffusion {result['diffusion_cuda_graphs']['tok_s']:.1f} tok/s; now ar")
             graphed_ar, total, captures = graphed_ar_run(lm, prompt, args.ar_tokens, device)
             result["ar_cuda_graphs"] = dict(
                 **ar_rates(graphed_ar, total),
@@ -238,10 +257,11 @@ def main() -> None:
         except Exception as exc:  # recorded, not raised, like the compiled phase
             result["cuda_graphs_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
         lm.step_functions = None
-        save()
+        save("cuda graphs: " + ("failed (cuda_graphs_error)" if "cuda_graphs_error" in result else "done"))
 
     if args.profile:  # a short trace of each engine (2 denoising steps, 4 AR tokens, a 256-token prompt): cheap
         short = prompt[:, :256]
+        note("profile: diffusion 2 steps, ar 4 tokens")
         try:
             result["profile"] = {
                 "diffusion_2_steps": profile_ops(lambda: lm.generate(short, max_new_tokens=cfg.canvas_length,
@@ -251,11 +271,12 @@ def main() -> None:
             }
         except Exception as exc:  # recorded, not raised (a profiler that fails, CUPTI say): the FP8 phase still runs
             result["profile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-        save()
+        save("profile: " + ("failed (profile_error)" if "profile_error" in result else "done"))
 
     # The same two engines through torch.compile (LM.compile). Eager figures are already saved, so a
     # failure or a timeout here loses nothing.
     if args.compile_mode != "none" and time.perf_counter() - t_start < args.compile_if_under_s:
+        note(f"compiled ({args.compile_mode}): compiling, then the timed runs")
         try:
             lm.compile(**({} if args.compile_mode == "default" else {"mode": args.compile_mode}))
             t0 = time.perf_counter()
@@ -264,15 +285,16 @@ def main() -> None:
             out, total = timed(diffusion, device)
             result["diffusion_compiled"] = dict(ms_per_step=out.denoise_seconds * 1e3 / int(out.forward_passes[0]),
                                                 **diffusion_rates(out, total))
-            save()
+            save(f"compiled: diffusion {result['diffusion_compiled']['tok_s']:.1f} tok/s; now ar")
             lm.generate_ar(prompt, max_new_tokens=8)
             ar, total = timed(lambda: lm.generate_ar(prompt, max_new_tokens=args.ar_tokens), device)
             result["ar_compiled"] = ar_rates(ar, total)
         except Exception as exc:  # recorded, not raised: the eager figures stand on their own
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-        save()
+        save("compiled: " + ("failed (compile_error)" if "compile_error" in result else "done"))
     # FP8 weights and activations (vLLM's published setting), in place, so last: error, memory, speed.
     if args.fp8:
+        note("fp8: quantizing, logits' error")
         try:
             lm.step_functions = None
             probe_prompt, probe_canvas = prompt[:, :512], torch.randint(3, v, (1, cfg.canvas_length),
@@ -286,17 +308,19 @@ def main() -> None:
                 logits_max_abs_error=float((after - before).abs().max()), logits_max_abs=float(before.abs().max()),
                 top1_agreement=float((after.argmax(-1) == before.argmax(-1)).float().mean()),
                 grouped_experts=all(getattr(m, "grouped_fp8", True) for m in lm.model.modules()))
-            save()
+            save("fp8: quantized; now diffusion")
             diffusion()  # warm-up
             out, total = timed(diffusion, device)
             result["fp8"].update(ms_per_step=out.denoise_seconds * 1e3 / int(out.forward_passes[0]),
                                  **diffusion_rates(out, total),
                                  grouped_experts=all(getattr(m, "grouped_fp8", True) for m in lm.model.modules()))
-            save()
+            save(f"fp8: diffusion {result['fp8']['tok_s']:.1f} tok/s; now ar")
+            lm.generate_ar(prompt, max_new_tokens=8)  # warm-up: the FP8 kernels' first call stays out of the timing
             ar, total = timed(lambda: lm.generate_ar(prompt, max_new_tokens=min(64, args.ar_tokens)), device)
             result["fp8"].update({f"ar_{k}": v for k, v in ar_rates(ar, total).items()})
-            save()
+            save(f"fp8: ar {result['fp8']['ar_tok_s']:.1f} tok/s")
             if device.type == "cuda" and args.cuda_graphs:  # FP8 kernels, launched from a graph
+                note("fp8: cuda graphs")
                 try:
                     lm.cuda_graphs()
                     diffusion()  # captures
@@ -307,8 +331,9 @@ def main() -> None:
                 lm.step_functions = None
         except Exception as exc:  # recorded, not raised
             result["fp8_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-        save()
+        save("fp8: " + ("failed (fp8_error)" if "fp8_error" in result else "done"))
     print(json.dumps(result, indent=2))
+    note("done")
 
 
 if __name__ == "__main__":

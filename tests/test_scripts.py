@@ -184,6 +184,77 @@ def test_gpu_bench_refuses_what_cannot_fit_before_building_a_model(tmp_path, mon
     assert "exceed the tiny preset's context of 131072 tokens" in capsys.readouterr().err
 
 
+def gpu_bench_argv(tmp_path, *extra):
+    return ["gpu_bench.py", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-length", "8",
+            "--new-tokens", "8", "--steps", "1", "--ar-tokens", "2", "--compile-mode", "none", "--no-profile",
+            "--out", str(tmp_path), *extra]
+
+
+def test_gpu_bench_says_each_phase_on_stderr_as_it_goes(tmp_path, monkeypatch, capsys):
+    """It printed nothing until the end: a session whose timeout cut it had an empty log, and no one knew where it
+    stopped. Now a line per phase on stderr; stdout is still the JSON alone."""
+    script = gpu_bench_module()
+    monkeypatch.setattr(sys, "argv", gpu_bench_argv(tmp_path, "--no-fp8"))
+    script.main()
+    out, err = capsys.readouterr()
+    assert json.loads(out) == json.loads((tmp_path / "result.json").read_text())
+    lines = err.splitlines()
+    assert lines and all(re.match(r"gpu_bench \[\d+ s\]: ", line) for line in lines)
+    said = [line.partition(": ")[2] for line in lines]
+    for start in ("building the tiny model", "model built in", "diffusion: warm-up", "diffusion: ", "ar: warm-up"):
+        assert any(line.startswith(start) for line in said), (start, said)
+    assert re.fullmatch(r"ar: [\d.]+ tok/s", said[-2]) and said[-1] == "done"
+
+
+def test_gpu_bench_result_stays_whole_when_a_write_is_cut(tmp_path, monkeypatch):
+    """result.json was written in place: a kill while it was written (the session's timeout) left a broken file."""
+    script = gpu_bench_module()
+    real, writes = Path.write_text, []
+
+    def cut_on_the_second(self, text, *args, **kwargs):
+        writes.append(self)
+        if len(writes) == 2:  # half of it written, then the kill
+            real(self, text[: len(text) // 2], *args, **kwargs)
+            raise KeyboardInterrupt
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", cut_on_the_second)
+    monkeypatch.setattr(sys, "argv", gpu_bench_argv(tmp_path, "--no-fp8"))
+    with pytest.raises(KeyboardInterrupt):
+        script.main()
+    data = json.loads((tmp_path / "result.json").read_text())  # the first phase's, whole
+    assert data["params_total"] > 0 and "diffusion" not in data
+
+
+def test_gpu_bench_warms_up_fp8_ar_before_timing_it(tmp_path, monkeypatch):
+    """The FP8 phase timed AR on its first call after quantize (diffusion had a warm-up): the kernels' first call
+    was in the figure."""
+    import blockpress
+
+    script = gpu_bench_module()
+    calls = []  # each generate_ar call: (quantized, inside a timed run)
+    timing = [False]
+    real_ar, real_timed = blockpress.LM.generate_ar, script.timed
+
+    def generate_ar(self, *args, **kwargs):
+        calls.append((self.quantization is not None, timing[0]))
+        return real_ar(self, *args, **kwargs)
+
+    def timed(fn, device):
+        timing[0] = True
+        try:
+            return real_timed(fn, device)
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(blockpress.LM, "generate_ar", generate_ar)
+    monkeypatch.setattr(script, "timed", timed)
+    monkeypatch.setattr(sys, "argv", gpu_bench_argv(tmp_path))
+    script.main()
+    fp8 = [in_timing for quantized, in_timing in calls if quantized]
+    assert fp8 and fp8[0] is False and True in fp8  # an untimed FP8 run came first
+
+
 def test_profile_train_step_smoke(tmp_path):
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--batch-size", "2",
