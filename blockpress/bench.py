@@ -334,6 +334,8 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
         cfg = ModelConfig.preset(s.preset)
         cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint
         cfg.text.eos_token_id = None  # fixed work: random weights would otherwise end at random
+        _note(f"canvas {canvas}: building the {s.preset} model ({s.dtype}, {s.device})"
+              + (" and the reference" if s.reference else ""))
         lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
         ref = _reference(lm) if s.reference else None
         out["reference_available"] = ref is not None
@@ -342,7 +344,13 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
         # memory run, for the same figures), and the later canvases' rows compare with that row's.
         ar = s.ar and canvas == canvases[0]
         for b in s.batch_sizes:
+            _note(f"batch {b}, canvas {canvas}: warming up and timing each engine ({s.repeats} "
+                  f"run{'s' if s.repeats != 1 else ''} each)")
+            started = time.perf_counter()
             row = _bench_row(lm, ref, variants, b, s, ar)
+            rates = ", ".join(f"{name} {entry['tok_s']:.1f}" for name, entry in row.items()
+                              if isinstance(entry, dict) and "tok_s" in entry)
+            _note(f"batch {b}, canvas {canvas}: done in {time.perf_counter() - started:.0f} s (tok/s: {rates})")
             if ar:
                 ar_rows[row["batch"]] = row
             if s.ar:

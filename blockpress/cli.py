@@ -1552,7 +1552,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "steps, EOS off. Prints JSON (tok/s with and without prefill, tokens/forward, "
                                    "ms/step, prefill ms, peak memory beyond the weights: the allocator's on CUDA, the heap's on a CPU; "
                                    "its \"figures\" says what each one means for each engine); --plot "
-                                   "draws tok/s against batch size.")
+                                   "draws tok/s against batch size. A line on stderr as each row starts and ends.")
     p.add_argument("--preset", default="small", help="model shape: tiny, small (~15M), medium (~60M), 26b-a4b")
     # not bench's: given anyway, an error that points at --preset instead of argparse's "unrecognized arguments"
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)

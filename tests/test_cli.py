@@ -618,6 +618,23 @@ def test_bench_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_bench_says_each_row_on_stderr_as_it_goes(capsys):
+    """bench said nothing until it ended: a run cut by a timeout (the GPU session's) left an empty log. Now a line
+    as each model is built and as each row starts and ends; stdout is still the JSON alone."""
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "16", "--steps", "1",
+                 "--repeats", "1", "--no-reference"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)["rows"]
+    lines = err.splitlines()
+    assert lines[0] == "bench: canvas 16: building the tiny model (float32, cpu)"
+    for i, row in enumerate(rows):
+        assert lines[1 + 2 * i] == f"bench: batch {row['batch']}, canvas 16: warming up and timing each engine (1 run each)"
+        assert re.fullmatch(rf"bench: batch {row['batch']}, canvas 16: done in \d+ s \(tok/s: blockpress "
+                            rf"{row['blockpress']['tok_s']:.1f}, blockpress_ar {row['blockpress_ar']['tok_s']:.1f}\)",
+                            lines[2 + 2 * i])
+    assert len(lines) == 1 + 2 * len(rows)
+
+
 def test_bench_writes_each_row_as_it_is_measured(tmp_path, monkeypatch):
     """The GPU session's sweep runs under a timeout: --out and --plot were written only at the end, so a sweep cut
     short left nothing of the batch sizes it had measured. Here the second batch size fails."""
