@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from blockpress.cli import DefaultsFormatter
-from blockpress.config import ModelConfig
+from blockpress.config import ModelConfig, preset_names
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
@@ -38,3 +38,6 @@ def preset_name(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("preset: ")) from None
     return text
+
+
+PRESET_HELP = f"random checkpoint shape: {', '.join(preset_names())}"  # every name preset_name takes

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from benchmark_args import Formatter, preset_name
+from benchmark_args import PRESET_HELP, Formatter, preset_name
 
 PAGE_STEP = 1 << 20  # slack when checking that a reset peak is back at the current size
 
@@ -97,7 +97,7 @@ def measure_load(path: str, quantize: str | None) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--preset", type=preset_name, default="medium",
-                    help="random checkpoint shape (tiny, small, medium)")
+                    help=PRESET_HELP)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="dtype the checkpoint is saved in")
     ap.add_argument("--quantize", choices=["none", "int8", "fp8", "int4"], default="none",

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from benchmark_args import Formatter, positive_int, preset_name
+from benchmark_args import PRESET_HELP, Formatter, positive_int, preset_name
 from load_memory import RssSampler, reset_peak, status
 
 
@@ -70,7 +70,7 @@ def what_cannot_fit(preset: str, batch: int, tokens: int) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
-    ap.add_argument("--preset", type=preset_name, default="tiny", help="random model shape")
+    ap.add_argument("--preset", type=preset_name, default="tiny", help=PRESET_HELP)
     ap.add_argument("--tokens", type=positive_int, default=16384, help="prompt length")
     ap.add_argument("--batch", type=positive_int, default=1, help="prompts encoded together")
     ap.add_argument("--threads", type=positive_int, default=1, help="CPU threads for torch (steadier times)")

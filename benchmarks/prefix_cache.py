@@ -17,7 +17,7 @@ import json
 import time
 
 import torch
-from benchmark_args import Formatter, non_negative_int, positive_int, preset_name
+from benchmark_args import PRESET_HELP, Formatter, non_negative_int, positive_int, preset_name
 
 import blockpress
 from blockpress import ModelConfig, PrefixCache
@@ -46,7 +46,7 @@ def run_workload(lm: blockpress.LM, prompts: list, follow_replies: bool, kw: dic
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     ap.add_argument("--preset", type=preset_name, default="small",
-                    help="random checkpoint shape (tiny, small, medium)")
+                    help=PRESET_HELP)
     ap.add_argument("--system-tokens", type=non_negative_int, default=1024, help="tokens of the shared system prompt")
     ap.add_argument("--user-tokens", type=positive_int, default=48, help="tokens of each new user message / question")
     ap.add_argument("--turns", type=positive_int, default=6, help="chat turns, and independent requests of `shared`")

@@ -402,7 +402,7 @@ class ModelConfig:
         if name == "26b-a4b":
             return cls.gemma_26b_a4b()
         if name not in PRESETS:
-            raise ValueError(f"preset: unknown preset {name!r}; expected one of {sorted([*PRESETS, '26b-a4b'])}")
+            raise ValueError(f"preset: unknown preset {name!r}; expected one of {preset_names()}")
         p = PRESETS[name]
         return cls(text=TextConfig(**p["text"]), canvas_length=p["canvas"])
 
@@ -536,3 +536,9 @@ def _human(n: int) -> str:
 
 
 __all__ = ["ConfigError", "LayerSpec", "ModelConfig", "TextConfig", "SLIDING", "FULL"]
+
+
+def preset_names() -> list[str]:
+    """Every name ModelConfig.preset takes: what a --preset flag offers (a help that listed three of the four
+    accepted 26b-a4b all the same)."""
+    return sorted([*PRESETS, "26b-a4b"])

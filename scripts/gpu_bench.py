@@ -24,6 +24,7 @@ import torch
 import blockpress
 from blockpress.bench import describe_run_memory, profile_ops, run_memory
 from blockpress.checkpoint import available_bytes
+from blockpress.config import preset_names
 from blockpress.generate import canvas_positions
 from blockpress.model import GROUPED_MM
 
@@ -131,7 +132,7 @@ def what_cannot_fit(cfg: blockpress.ModelConfig, args: argparse.Namespace, devic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="26b-a4b", help="model shape: 26b-a4b, medium, small, tiny")
+    ap.add_argument("--preset", default="26b-a4b", choices=preset_names(), help="model shape")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-length", type=int, default=4096)

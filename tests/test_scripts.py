@@ -255,6 +255,22 @@ def test_gpu_bench_warms_up_fp8_ar_before_timing_it(tmp_path, monkeypatch):
     assert fp8 and fp8[0] is False and True in fp8  # an untimed FP8 run came first
 
 
+@pytest.mark.parametrize("script", ["benchmarks/prefix_cache.py", "benchmarks/load_memory.py",
+                                    "benchmarks/prefill_memory.py", "scripts/gpu_bench.py"])
+def test_preset_help_names_every_preset_the_script_takes(script):
+    """prefix_cache's and load_memory's --preset help listed tiny, small and medium, yet took 26b-a4b; gpu_bench
+    listed all four and took any name (a traceback after startup for one it did not know)."""
+    from blockpress.config import preset_names
+
+    help_text = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
+                               timeout=120, check=True).stdout
+    said = " ".join(re.search(r"\n  --preset (.*?)(?=\n  --)", help_text, re.S).group(1).split())
+    assert all(name in said for name in preset_names()), said
+    r = subprocess.run([sys.executable, str(ROOT / script), "--preset", "bogus", "--out", "unused"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--preset" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_profile_train_step_smoke(tmp_path):
     out = tmp_path / "profile.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--batch-size", "2",
