@@ -1102,6 +1102,38 @@ class LM:
         stream is refused (truncating it, to a mark say, is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
+        rows, common = self._chat_start(ids, cache)
+        try:
+            out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
+        except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so
+            self._chat_undo(cache, rows, common)
+            raise
+        self._chat_finish(out, rows, common)
+        return out
+
+    def chat_stream(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,
+                    **kwargs: Any) -> Iterator[Draft | Commit | Done | Cancelled]:
+        """`stream` on a rendered conversation, as `chat_ids` is `generate` on one: the same events, each Commit's
+        `settled_texts` the reply so far (print their growth), and Done's output what chat_ids returns, its cache
+        included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
+        cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
+        rows, common = self._chat_start(ids, cache)
+        done = False
+        try:
+            for event in self.stream([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs):
+                if isinstance(event, Done):
+                    done = True
+                    self._chat_finish(event.output, rows, common)
+                elif isinstance(event, Cancelled):
+                    self._chat_undo(cache, rows, common)
+                yield event
+        except BaseException:  # a bad turn, a Ctrl-C, or a caller that left early (GeneratorExit): the cache holds
+            if not done:  # the conversation before the turn, and says so
+                self._chat_undo(cache, rows, common)
+            raise
+
+    def _chat_start(self, ids: Any, cache: KVCache | None) -> tuple[list[list[int]], list[int]]:
+        """chat_ids' rows and, per row, how many of its first tokens `cache` holds already (it keeps those alone)."""
         if not isinstance(ids, list) or not ids:
             raise ValueError(f"ids: expected chat_prompt's token ids (a list of ids, or one list per conversation), "
                              f"got {ids!r:.80}")
@@ -1120,13 +1152,18 @@ class LM:
                 while common[i] < min(len(had), len(row) - 1) and had[common[i]] == row[common[i]]:
                     common[i] += 1
             cache.keep(common, why=_chat_rewind(rows, held, common))
-        try:
-            out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
-        except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so
-            if cache is not None:
-                cache.keep([min(n, h) for n, h in zip(common, cache.next_pos.tolist())])
-                cache.tokens = [row[:n] for row, n in zip(rows, cache.next_pos.tolist())]
-            raise
+        return rows, common
+
+    @staticmethod
+    def _chat_undo(cache: KVCache | None, rows: list[list[int]], common: list[int]) -> None:
+        """Take an unfinished turn out of `cache`: it goes back to what it held of the conversation before it."""
+        if cache is not None:
+            cache.keep([min(n, h) for n, h in zip(common, cache.next_pos.tolist())])
+            cache.tokens = [row[:n] for row, n in zip(rows, cache.next_pos.tolist())]
+
+    @staticmethod
+    def _chat_finish(out: GenerationOutput, rows: list[list[int]], common: list[int]) -> None:
+        """A finished turn's output as chat_ids returns it: the reused tokens counted, the cache's tokens recorded."""
         out.extra["reused_prompt_tokens"] = [n + r for n, r in zip(common, out.extra["reused_prompt_tokens"])]
         if out.cache is not None:
             # What each row now holds: what it kept, its prompt as encoded (token healing may have changed its end;
@@ -1135,7 +1172,6 @@ class LM:
             prompts = out.sequences[:, : out.prompt_length].tolist()
             out.cache.tokens = [row[:n] + p[len(p) - (end - n - len(t)):] + t for row, n, p, t, end in
                                 zip(rows, common, prompts, new, out.cache.next_pos.tolist())]
-        return out
 
     def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it

@@ -2485,6 +2485,33 @@ def test_a_chat_turn_retried_from_a_mark_is_the_turn_without_a_cache(lm):
     assert torch.equal(retry.new_tokens, fresh.new_tokens) and retry.extra["reused_prompt_tokens"] == [len(held)]
 
 
+
+def test_chat_stream_is_chat_ids_as_it_is_made(chat_lm):
+    """There was no streaming form of lm.chat_ids (its cache handling ran only through generate), so `blockpress
+    chat` could show nothing before a reply was done. chat_stream's Commits grow the reply, its Done is chat_ids'
+    output (cache included), and a stream left midway leaves the cache holding the conversation before the turn."""
+    kw = dict(max_new_tokens=3 * chat_lm.config.canvas_length, max_denoising_steps=2, seed=5, min_new_tokens=40)
+    first = chat_lm.chat([{"role": "user", "content": "hi"}], return_cache=True, **kw)
+    held = list(first.cache.tokens[0])
+    ids = held + chat_lm.tokenizer.encode("more")
+    mark = first.cache.mark()
+    expected = chat_lm.chat_ids(ids, cache=first.cache, return_cache=True, **kw)
+    expected_tokens = [list(row) for row in expected.cache.tokens]
+    first.cache.truncate(mark)
+    events = list(chat_lm.chat_stream(ids, cache=first.cache, return_cache=True, **kw))
+    done = events[-1].output
+    settled = [e.settled_texts[0] for e in events if isinstance(e, Commit)]
+    assert len(settled) > 1 and all(done.texts[0].startswith(t) for t in settled)
+    assert done.texts == expected.texts and torch.equal(done.new_tokens, expected.new_tokens)
+    assert done.cache.tokens == expected_tokens and done.extra["reused_prompt_tokens"] == [len(held)]
+    before = list(done.cache.tokens[0])
+    more = before + chat_lm.tokenizer.encode("again")
+    for event in chat_lm.chat_stream(more, cache=done.cache, **kw):
+        if isinstance(event, Commit):
+            break  # a Ctrl-C, say: the turn is left after its first canvas
+    assert done.cache.tokens == [before] and done.cache.next_pos.tolist() == [len(before)]
+
+
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # prints content as is
 
 
