@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Generator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -485,6 +486,9 @@ def enable_line_editing() -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from blockpress.generate import Commit, Done
+    from blockpress.live import terminal_text
+
     lm = load_announced(args)
     check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
     context = lm.config.text.max_position_embeddings
@@ -501,6 +505,31 @@ def cmd_chat(args: argparse.Namespace) -> int:
     marker = "model> " if interactive and not args.json else ""
     if interactive:
         enable_line_editing()
+    # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
+    # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
+    live = interactive and not args.json and sys.stdout is not None and sys.stdout.isatty()
+    shown = 0  # characters of the reply being made that are on screen
+
+    def live_reply(events: Generator[Any, None, None]) -> Any:
+        """Print "model> " and each Commit's growth of its settled text (no half character, no start of a stop
+        string that may yet be cut: Commit.settled_texts), flushed; returns Done's output. A Ctrl-C leaves the part
+        printed on screen."""
+        nonlocal shown
+        shown = 0
+        try:
+            for n, event in enumerate(events):
+                if n == 0:  # after the request's checks: an error in them is said on a line of its own
+                    print(marker, end="", flush=True)
+                if isinstance(event, Commit):
+                    settled = event.settled_texts[0]
+                    settled = settled[: len(settled) - 1] if settled.endswith("\r") else settled  # "\r\n": one newline
+                    print(terminal_text(settled[shown:]), end="", flush=True)
+                    shown = max(shown, len(settled))
+                elif isinstance(event, Done):
+                    return event.output
+        finally:  # a Ctrl-C while printing: the stream takes its turn out of the cache now, not when collected
+            events.close()
+        raise RuntimeError("the reply's stream ended without its end")  # chat passes no `cancelled`
 
     def read_line(first: bool) -> str:
         """A line, without its terminator; on a terminal prompted "you> " (`first`: a message's first line) or, in
@@ -598,9 +627,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                       "/reset starts a new conversation)", file=sys.stderr)
             t0 = time.perf_counter()
             # only what the conversation does not share with the cache is encoded (lm.chat_ids)
-            out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
+            if live:
+                out = live_reply(lm.chat_stream(ids, cache=cache, return_cache=True, drafts=False, **kw))
+            else:
+                out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
         except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
-            messages.pop()  # lm.chat_ids took the stopped turn out of the cache
+            messages.pop()  # lm.chat_stream / chat_ids took the stopped turn out of the cache
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
             no_reply(user, error="stopped")
             continue
@@ -618,6 +650,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0],
                          seed=out.extra["seeds"][0])
             print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
+        elif live:  # the reply is on screen already, up to its last settled text
+            print(terminal_text(reply[shown:]), flush=True)
+            print_stats(stats)
         else:
             print(marker + printable(reply), flush=not interactive)  # flushed when piped: a script waits for each reply
             print_stats(stats)
@@ -1416,7 +1451,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--min-new-tokens defaults to 1 here (0 allows an immediate end of turn). "
                                    f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
                                    "code; give --model for a chat model. Lines: " + CHAT_HELP + ". On a terminal "
-                                   "the turns are marked you> and model>; with messages piped in, stdout holds the "
+                                   "the turns are marked you> and model>, and a reply is printed as each canvas commits (Ctrl-C "
+                                   "leaves that part on screen and drops the turn); with messages piped in, stdout holds the "
                                    "replies alone, each ending in a newline (stats and notes go to stderr); a reply "
                                    "may hold newlines too, so a script that reads replies gives --json. Near a "
                                    "full context a reply gets the tokens that still fit (said on stderr).")

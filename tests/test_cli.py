@@ -2203,3 +2203,78 @@ def test_an_emulated_half_precision_dtype_is_named_before_a_slow_run(monkeypatch
     assert main(args) == 0 and "native" not in capsys.readouterr().err  # float32 (the default here): nothing said
     assert main([*args, "--dtype", "bfloat16", "--device", "meta"]) != 0  # not a CPU: no note (meta cannot run)
     assert "native" not in capsys.readouterr().err
+
+
+class TerminalIO(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def live_chat(monkeypatch, lines, stdout, on_event, *flags):
+    """`chat` typed at a terminal, its replies to `stdout`; on_event(event, stdout) sees each of lm.chat_stream's
+    events before the command does."""
+    import blockpress.lm
+
+    original = blockpress.lm.LM.chat_stream
+
+    def spy(self, *a, **kw):
+        for event in original(self, *a, **kw):
+            on_event(event, stdout)
+            yield event
+
+    monkeypatch.setattr(blockpress.lm.LM, "chat_stream", spy)
+    monkeypatch.setattr(sys, "stdin", TerminalIO("".join(line + "\n" for line in lines)))
+    monkeypatch.setattr(sys, "stdout", stdout)
+    return main(["chat", "--model", MODEL, "--max-new-tokens", "80", "--min-new-tokens", "70", "--steps", "2",
+                 "--seed", "3", "--threads", "1", *flags])
+
+
+def test_chat_on_a_terminal_shows_the_reply_as_it_is_made(monkeypatch, capsys):
+    """On a terminal chat showed nothing until a reply was done (an 819-token one: ~30 s of blank screen), then
+    all of it. Each canvas's text is printed as it commits now, and the reply printed is the one a non-terminal
+    stdout gets at the same seed."""
+    from blockpress.generate import Commit, Done
+
+    seen = []  # (the reply's settled text at a Commit, what the screen held at the next event)
+
+    def watch(event, stdout):
+        if seen and seen[-1][1] is None:
+            seen[-1] = (seen[-1][0], stdout.getvalue())
+        if isinstance(event, Commit):
+            seen.append((event.settled_texts[0], None))
+        assert not isinstance(event, Done) or len(seen) > 1  # the reply takes several canvases
+
+    screen = TerminalIO()
+    assert live_chat(monkeypatch, ["hi"], screen, watch) == 0
+    assert replies(capsys.readouterr().err) == 1  # its stats line, as before
+    assert len(seen) > 1  # several canvases, each shown before the next was made
+    for settled, shown in seen:
+        assert shown.endswith("model> " + terminal_text(settled)) and settled
+    piped = io.StringIO()
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "stdin", TerminalIO("hi\n"))
+    monkeypatch.setattr(sys, "stdout", piped)
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "80", "--min-new-tokens", "70", "--steps", "2",
+                 "--seed", "3", "--threads", "1"]) == 0
+    assert screen.getvalue() == terminal_text(piped.getvalue())
+
+
+def test_chat_stopped_on_a_terminal_leaves_what_was_made_on_screen(monkeypatch, capsys):
+    """A Ctrl-C during a reply on a terminal threw away everything made so far. What was committed stays on screen;
+    the turn is dropped from the conversation as before, which goes on."""
+    from blockpress.generate import Commit
+
+    made = []
+
+    def stop_after_a_canvas(event, stdout):
+        if made and len(made) == 1:
+            made.append(stdout.getvalue())
+            raise KeyboardInterrupt
+        if isinstance(event, Commit) and not made:
+            made.append(event.settled_texts[0])
+
+    screen = TerminalIO()
+    assert live_chat(monkeypatch, ["hi", "again"], screen, stop_after_a_canvas) == 0
+    assert made[0] and made[1].endswith("model> " + terminal_text(made[0]))
+    assert "(stopped; that message was dropped, the conversation goes on)" in capsys.readouterr().err
+    assert screen.getvalue().startswith(made[1]) and screen.getvalue().count("model> ") == 2
