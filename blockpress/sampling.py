@@ -581,7 +581,9 @@ class CanvasState:
     sc_probs: torch.Tensor | None  # [B, C, V] softmax of the last step's temperature-scaled logits (self-conditioning)
     stable_steps: torch.Tensor  # [B] consecutive steps with an unchanged argmax
     done: torch.Tensor  # [B] bool: adaptive stop reached
-    accepted: torch.Tensor  # [B] accepted positions at the last step (for streaming / stats)
+    # [B] positions the last step's rule accepted (for streaming / stats): with keep_accepted only the new ones (a
+    # token held from an earlier step is not accepted again), never a template's given tokens
+    accepted: torch.Tensor
     settled: torch.Tensor  # [B, C] bool: positions holding an accepted or fixed token (the rest is noise)
 
 
@@ -714,6 +716,7 @@ def denoise_step(
         sc_probs=sc_probs,
         stable_steps=torch.where(done, state.stable_steps, stable_steps),
         done=done | stop,
-        accepted=torch.where(done, state.accepted, accept.sum(-1)),
+        # `accept` holds the kept and the given positions too, which were not accepted at this step
+        accepted=torch.where(done, state.accepted, (accept & ~held).sum(-1)),
         settled=torch.where(keep, state.settled, accept | ~free),
     )

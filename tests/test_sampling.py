@@ -278,6 +278,32 @@ def test_keep_accepted_never_changes_an_accepted_token(seed, steps, sampler, can
     assert (state.canvas[state.settled] != noise_id).all()
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.integers(2, 8), keep_accepted=st.booleans(),
+       sampler=st.sampled_from(["topk", "entropy_bound", "confidence", "greedy"]))
+def test_accepted_counts_the_steps_own_acceptances(seed, steps, keep_accepted, sampler):
+    """state.accepted (a Draft's `accepted`) is the positions the step's rule accepted: with keep_accepted the new
+    ones only, so a canvas's steps add up to the free positions it settled (it counted every held one again: 1, 2,
+    ..., 32 over blockpress-code's canvas); a template's givens never count."""
+    g = torch.Generator().manual_seed(seed)
+    c, vocab = 12, 9
+    fixed = torch.randint(0, vocab, (2, c), generator=g)
+    fixed[:, torch.randperm(c, generator=g)[:9]] = -1
+    free = fixed < 0
+    cfg = SamplerConfig(sampler=sampler, max_denoising_steps=steps, keep_accepted=keep_accepted, entropy_bound=0.5,
+                        confidence=0.5, adaptive_stopping=False)
+    state = init_state(torch.zeros(2, c, dtype=torch.long), fixed)
+    total = torch.zeros(2, dtype=torch.long)
+    for step in range(steps, 0, -1):
+        before = state.settled if keep_accepted else ~free
+        state = denoise_step(cfg, state, torch.randn(2, c, vocab, generator=g) * 3, step,
+                             torch.zeros(2, c, dtype=torch.long), fixed=fixed)
+        assert torch.equal(state.accepted, (state.settled & ~before).sum(-1)), step
+        total += state.accepted
+    if keep_accepted:
+        assert torch.equal(total, (state.settled & free).sum(-1))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), steps=st.integers(2, 8), sampler=st.sampled_from(["greedy", "entropy_bound", "topk"]),
        bound=st.floats(0.01, 3.0), keep=st.booleans())
