@@ -211,6 +211,15 @@ class SamplerConfig:
         kept = {k: v for k, v in changes.items() if v is not None}  # None: not given (the CLI's unset flags)
         if kept.get("sampler") == "confidence" and "rank_by" not in kept:
             kept["rank_by"] = "entropy"  # the default: a checkpoint's ranking, set for its own sampler, means nothing here
+        if kept.get("candidates") == "sample" and kept.get("sampler", self.sampler) == "greedy":
+            # greedy is entropy_bound with argmax candidates, so it never read this field: asked for draws over a
+            # greedy sampler this config holds (a checkpoint's default, as blockpress-code's), the rule becomes
+            # entropy_bound, whose draws they are; asked for together with greedy, the two contradict each other
+            if "sampler" in kept:
+                raise ValueError("candidates: sampler='greedy' takes the most likely candidates and draws none, so "
+                                 "candidates='sample' would be ignored; draw them with sampler='entropy_bound' "
+                                 "(greedy is entropy_bound with argmax candidates)")
+            kept["sampler"] = "entropy_bound"
         if (kept.get("sampler") == "greedy" or kept.get("candidates") == "argmax") and "draw_temperature" not in kept:
             kept["draw_temperature"] = 1.0  # the default: an earlier one was for draws, which argmax candidates are not
         if "t_min" in kept and "t_max" not in kept and is_float32(kept["t_min"]) and kept["t_min"] > self.t_max:

@@ -67,6 +67,21 @@ def test_the_generation_configs_pad_id_also_left_pads_and_changes_nothing_genera
     assert torch.equal(padded.new_tokens, plain.new_tokens)
 
 
+def test_sample_candidates_are_honoured_over_a_greedy_default(ref_checkpoint):
+    """A checkpoint whose default sampler is greedy (blockpress-code's) took candidates="sample" and still decoded
+    greedily. It now draws, as entropy_bound does (greedy is entropy_bound with argmax candidates). keep_accepted
+    commits the accepted candidates, and flattened logits make a draw unlike the argmax, so the two differ."""
+    model = blockpress.load(ref_checkpoint[0]).model
+    lm = blockpress.LM(model, None, {"sampler": "greedy", "keep_accepted": True})
+    prompts = [[5, 6, 7]] * 4
+    options = dict(max_new_tokens=8, max_denoising_steps=4, seeds=[0, 1, 2, 3], logits_processor=lambda x, rows: x / 100)
+    drawn = lm.generate(prompts, candidates="sample", **options).new_tokens
+    assert torch.equal(drawn, lm.generate(prompts, sampler="entropy_bound", **options).new_tokens)
+    assert not torch.equal(drawn, lm.generate(prompts, **options).new_tokens)  # the greedy default's
+    assert torch.equal(lm.generate(prompts, sampler=lm.sampler_defaults.with_(candidates="sample"), **options).new_tokens,
+                       drawn)
+
+
 def test_a_pad_id_past_the_vocabulary_is_dropped_with_a_warning(ref_checkpoint, tmp_path):
     """The reference would write it into the output; blockpress's output must stay usable as the next prompt."""
     lm, warned = load_recording(folder_with(ref_checkpoint, tmp_path, {"pad_token_id": 500}))

@@ -474,6 +474,20 @@ def test_rank_by_with_the_confidence_sampler_is_refused_only_when_given():
         SamplerConfig(sampler="confidence").with_(rank_by="position")
 
 
+def test_sample_candidates_over_a_greedy_default_draw():
+    """candidates="sample" over a config whose sampler is greedy (blockpress-code's checkpoint default) was kept and
+    never read, as greedy always takes the argmax: the explicit field is honoured with the rule greedy is made of
+    (entropy_bound), and asked for together with greedy it is refused by name."""
+    checkpoint = SamplerConfig(sampler="greedy", entropy_bound=0.02, keep_accepted=True)
+    cfg = checkpoint.with_(candidates="sample")
+    assert not cfg.argmax_candidates
+    assert cfg == replace(checkpoint, sampler="entropy_bound")  # everything else the checkpoint's
+    assert checkpoint.with_(candidates="sample", draw_temperature=0.7).draw_temperature == 0.7
+    with pytest.raises(ValueError, match="candidates: sampler='greedy'"):
+        SamplerConfig().with_(sampler="greedy", candidates="sample")
+    assert checkpoint.with_(candidates="argmax").sampler == "greedy"
+
+
 # Each setting that only some samplers read, with two values far enough apart that a reader accepts differently.
 SAMPLER_KNOBS = {"entropy_bound": (0.01, 1e3), "confidence": (0.05, 1.0)}
 
