@@ -188,15 +188,22 @@ def _check_example(ex: Example, where: str, vocab_size: int | None, context: tup
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if context is not None:
-        canvas, positions, max_canvases = context
-        canvases = canvas_count(ex, canvas)  # whole canvases, the EOS included (make_batch)
-        length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
-        if length > positions:
-            fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
-            cut = (f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it"
-                   if fits >= 1 else "")
-            raise ValueError(f"{where}: prompt and response take {length} positions (whole canvases of "
-                             f"{canvas}), more than the model's context of {positions}{cut}")
+        check_fits(ex, where, context)
+
+
+def check_fits(ex: Example, where: str, context: tuple[int, int, int | None], flag: str = "--max-canvases") -> None:
+    """Refuse an example whose prompt and whole canvases of response (as make_batch lays them out, the first
+    max_canvases only when set) take more positions than the model has: it would train positions the model is
+    never allowed to use. `context`: as load_jsonl's; `flag`: what the error names to cut responses short."""
+    canvas, positions, max_canvases = context
+    canvases = canvas_count(ex, canvas)  # whole canvases, the EOS included (make_batch)
+    length = len(ex.prompt) + min(canvases, max_canvases or canvases) * canvas
+    if length > positions:
+        fits = (positions - len(ex.prompt)) // canvas  # canvases of response the context has room for
+        cut = f"; {flag} {fits} keeps the first {fits} canvases of each response and fits it" if fits >= 1 else ""
+        raise ValueError(f"{where}: prompt and response take {length} positions (a prompt of {len(ex.prompt)} "
+                         f"tokens and a response of {len(ex.response)}, in whole canvases of {canvas}), more than "
+                         f"the model's context of {positions}{cut}")
 
 
 def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:

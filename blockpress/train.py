@@ -52,7 +52,7 @@ from .checkpoint import (
 )
 from .checks import is_finite_number, is_int
 from .config import ModelConfig
-from .data import Batch, Example, TokenShards, make_batch
+from .data import Batch, Example, TokenShards, check_fits, make_batch
 from .files import StagedFiles, read_json_object, staging, temporary_path
 from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
@@ -767,6 +767,13 @@ class Trainer:
                              f"QLoRA), or write one with blockpress.load({str(lm.adapter)!r}).save(FOLDER) and give "
                              "--model FOLDER")
         text = lm.config.text
+        # Examples longer than the context would train positions the model never uses (load_jsonl refuses them for
+        # the CLI; a list built in Python comes here unchecked).
+        context = (lm.config.canvas_length, text.max_position_embeddings, cfg.max_canvases or None)
+        for name, s in (("example", source), ("held-out example", heldout)):
+            if isinstance(s, ExampleSource):
+                for i, example in enumerate(s.examples):
+                    check_fits(example, f"{name} {i}", context, flag="max_canvases")
         # Running text is cut into windows of the settings' length: one past the context trains positions the model
         # is never allowed to use (JSONL examples that long are refused by load_jsonl).
         windows = [s for s in (source, heldout) if isinstance(s, ShardSource)]

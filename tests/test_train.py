@@ -139,6 +139,21 @@ def test_example_order_is_drawn_once_per_epoch_and_unchanged(monkeypatch):
     assert len(draws) == 2 and sorted(seen[:10]) == sorted(seen[10:]) == list(range(10))
 
 
+def test_examples_longer_than_the_context_are_refused_by_the_library_too(tmp_path):
+    """Trainer took an example longer than the model's context from Python (blockpress-code took a 5000-token
+    response at a context of 4096) where the CLI refused it while reading the file: now it is refused, naming the
+    example and its lengths, for the held-out examples too; max_canvases, which keeps the first canvases, fits it."""
+    lm = tiny_lm(max_position_embeddings=64)  # canvases of 8
+    long = Example([2, 5], [10] * 70)  # 2 + 9 whole canvases of 8 = 74 positions
+    with pytest.raises(ValueError, match=r"^example 4: prompt and response take 74 positions \(a prompt of 2 tokens "
+                                         r"and a response of 70, .* context of 64; max_canvases 7 keeps"):
+        Trainer(lm, ExampleSource([*EXAMPLES, long], 0), TrainConfig(), tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match=r"^held-out example 1: prompt and response take 74 positions"):
+        Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(), tmp_path / "b", progress=False,
+                heldout=ExampleSource([EXAMPLES[0], long], 0))
+    Trainer(lm, ExampleSource([*EXAMPLES, long], 0), TrainConfig(max_canvases=7), tmp_path / "c", progress=False)
+
+
 def test_any_allowed_seed_trains(tmp_path):
     """A seed past about 9.2e12 overflowed int64 in the seeds drawn from it (seed * 1_000_003 + step): 'Overflow when
     unpacking long long' at the first batch, naming no setting. Each stream's seed is taken modulo 2**63 now."""
