@@ -384,6 +384,14 @@ def _open_shard(path: Path, vocab_size: int | None) -> np.ndarray:
     size = path.stat().st_size
     if size == 0 or size % itemsize:
         raise ValueError(f"{path}: {size} bytes is not a whole number (> 0) of {dtype} tokens")
+    with path.open("rb") as f:
+        # np.save's file: its header (magic, then a dict as text) would be read as tokens, silently where the sidecar
+        # gives no count (a uint16 shard began 20115, 19797, 22864, ...). Raw ids never start so: these are 3 uint16
+        # ids in a row, or one uint32 id past any vocabulary.
+        if f.read(6) == b"\x93NUMPY":
+            raise ValueError(f"{path}: is a NumPy .npy file (np.save), whose header would be read as tokens; a token "
+                             f"shard holds the raw ids alone: write it with write_shard, or with "
+                             f"ids.astype(np.{dtype}).tofile(path) beside its sidecar")
     tokens = meta.get("tokens")
     if tokens is not None and tokens != size // itemsize:
         raise ValueError(f"{sidecar}: says {tokens!r} tokens, but {path.name} holds {size // itemsize} {dtype} tokens")

@@ -279,6 +279,22 @@ def test_bad_shards_are_refused_naming_the_file(tmp_path, edit, message):
     assert "s.bin" in str(err.value)
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+@pytest.mark.parametrize("count", [False, True])
+def test_a_numpy_npy_file_is_refused_as_a_shard(tmp_path, dtype, count):
+    """np.save's .npy under a hand-written sidecar without a token count trained on its header as tokens (200 ids
+    read as 264, the first 20115, 19797, 22864: b"\\x93NUMPY"); with a count it said only that the counts differ."""
+    ids = np.arange(1, 201, dtype=dtype)
+    np.save(tmp_path / "s.npy", ids)
+    sidecar = {"dtype": dtype, **({"tokens": len(ids)} if count else {})}
+    (tmp_path / "s.npy.json").write_text(json.dumps(sidecar))
+    with pytest.raises(ValueError, match=r"s.npy: is a NumPy .npy file \(np.save\), whose header would be read as"):
+        TokenShards([tmp_path / "s.npy"], vocab_size=32768)
+    ids.tofile(tmp_path / "s.npy")  # the raw ids, as the message says: the same sidecar reads them
+    (tmp_path / "s.npy.json").write_text(json.dumps({"dtype": dtype, "tokens": len(ids)}))
+    assert TokenShards([tmp_path / "s.npy"], vocab_size=32768).arrays[0].tolist() == ids.tolist()
+
+
 def test_a_shard_glob_skips_sidecars_and_says_when_nothing_matches(tmp_path):
     write_shard(tmp_path / "a.bin", [[3, 4, 5]], vocab_size=100)
     write_shard(tmp_path / "b.bin", [[6, 7]], vocab_size=100)
