@@ -305,14 +305,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if view:
             view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line
         elif args.json:
-            print(json.dumps(dict(text=text, prompt=args.prompt, **stats, interrupted=True)))
+            # the seed a drawn one was is known only once the run is done (out.extra["seeds"]): null then
+            print(json.dumps(dict(text=text, prompt=args.prompt, **stats, seed=args.seed, interrupted=True)))
         else:
             print(printable(shown + text))
         print(f"interrupted ({n} new tokens committed)", file=sys.stderr)
         return 130
     stats = stats_line(out, time.perf_counter() - t0)
     if args.json:
-        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, interrupted=False)))
+        # the seed the text was drawn with (a fresh one without --seed): --seed with it repeats the text
+        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
+                              interrupted=False)))
     else:
         if not live:
             print(printable(shown + out.texts[0]))
@@ -394,7 +397,8 @@ def cmd_infill(args: argparse.Namespace) -> int:
     stats["template_tokens"] = int(out.num_new_tokens.sum())
     stats["filled_tokens"] = filled_n
     if args.json:
-        print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats, interrupted=False)))
+        print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats, seed=out.extra["seeds"][0],
+                              interrupted=False)))
     else:
         print(printable(filled))
         print_stats(stats)
@@ -1411,8 +1415,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'<end_of_turn>', ends it at that token)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, "
-                        "seconds, interrupted (true after a Ctrl-C: text is what was committed until then, the "
-                        "figures too; exit status 130)")
+                        "seconds, seed (the one the text was drawn with, fresh each run without --seed: --seed "
+                        "with it repeats the text), interrupted (true after a Ctrl-C: text is what was committed "
+                        "until then, the figures too, seed null unless --seed was given; exit status 130)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",
@@ -1436,7 +1441,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "marker, in order), template (as given), new_tokens (the tokens the model wrote: the holes', "
                         "as generate counts them; also named filled_tokens), template_tokens (the template's "
                         "length, fixed tokens and holes), forward_passes, tokens_per_forward and tok_s (both of "
-                        "the tokens written), seconds, interrupted (false; after a Ctrl-C, exit 130, the object "
+                        "the tokens written), seconds, seed (the one the holes were drawn with, fresh each run "
+                        "without --seed: --seed with it repeats the fills), interrupted (false; after a Ctrl-C, exit 130, the object "
                         "holds only text and fills null, template and interrupted true: an infill is printed "
                         "whole)")
     p.set_defaults(func=cmd_infill)
