@@ -278,6 +278,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     wanted = lm.generation_config.get("token_healing", True) if args.no_token_healing is None else not args.no_token_healing
     healing = wanted and not args.chat
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
+    if args.ar:
+        return generate_ar(lm, args, prompt, shown, healing)
     view = LiveView(lm.tokenizer, shown, prefix, color=not os.environ.get("NO_COLOR")) if live else None
     t0 = time.perf_counter()
     out = None
@@ -319,6 +321,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if not live:
             print(printable(shown + out.texts[0]))
+        print_stats(stats)
+    return 0
+
+
+# The flags of block diffusion's acceptance rule and schedule: generate_ar has neither, so --ar refuses them by
+# name rather than run without them (its draws take --temperature, --top-k, --top-p and the penalties).
+DIFFUSION_ONLY_FLAGS = {"steps": "--steps", "sampler": "--sampler", "entropy_bound": "--entropy-bound",
+                        "confidence": "--confidence", "rank_by": "--rank-by", "t_max": "--t-max", "t_min": "--t-min"}
+
+
+def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, healing: bool) -> int:
+    """`generate --ar`: the same backbone decoding one token at a time (lm.generate_ar), greedy unless
+    --temperature > 0, with the checkpoint's top_k, top_p and penalties under the flags; no live canvas (there is
+    none), the text and the stats line (or --json) as a diffusion run prints them."""
+    given = [flag for name, flag in DIFFUSION_ONLY_FLAGS.items() if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{given[0]}: --ar decodes one token at a time, with no denoising steps, acceptance rule or "
+                         "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "
+                         "AR's draws)")
+    t0 = time.perf_counter()
+    out = lm.generate_ar(prompt, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                         temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                         token_healing=healing, stop=args.stop)
+    stats = stats_line(out, time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
+                              interrupted=False)))
+    else:
+        print(printable(shown + out.texts[0]))
         print_stats(stats)
     return 0
 
@@ -1397,6 +1429,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send PROMPT as one user message through the model's chat template and print the reply "
                         "alone (how an instruction-tuned model such as google/diffusiongemma-26B-A4B-it expects its "
                         "prompts; without it the text is continued as it is, after BOS)")
+    p.add_argument("--ar", action="store_true",
+                   help="decode autoregressively, one token per pass (lm.generate_ar: the same weights' encoder and "
+                        "LM head, the baseline `blockpress bench` times): greedy unless --temperature > 0; no live "
+                        "canvas, and the diffusion-only flags (--steps, --sampler, --entropy-bound, --confidence, "
+                        "--rank-by, --t-max, --t-min) are refused")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="with --chat: a system message before PROMPT (as the template renders one)")
     p.add_argument("--no-live", action="store_true",

@@ -31,6 +31,21 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "blockpress.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+def test_generate_ar_is_generate_ar_with_the_flags(capsys):
+    """`generate --ar` decodes with lm.generate_ar: its text is the library's for the same settings, one token a
+    pass; the diffusion-only flags are refused by name."""
+    flags = ["--model", MODEL, "--max-new-tokens", "10", "--temperature", "0.8", "--top-k", "20", "--seed", "3",
+             "--no-token-healing", "--json"]
+    assert main(["generate", "def f(x):", "--ar", *flags]) == 0
+    data = json.loads(capsys.readouterr().out)
+    lm = blockpress.load(MODEL)
+    want = lm.generate_ar("def f(x):", max_new_tokens=10, temperature=0.8, top_k=20, seed=3)
+    assert data["text"] == want.texts[0] and data["new_tokens"] == int(want.num_new_tokens[0])
+    assert data["forward_passes"] == data["new_tokens"] and data["tokens_per_forward"] == 1.0 and data["seed"] == 3
+    assert main(["generate", "def f(x):", "--ar", "--steps", "4", *flags]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
 def test_generate_json(capsys):
     assert main(["generate", "def f(x):", "--model", MODEL, "--max-new-tokens", "20", "--steps", "3",
                  "--seed", "1", "--json"]) == 0
