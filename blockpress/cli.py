@@ -327,15 +327,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # The flags of block diffusion's acceptance rule and schedule: generate_ar has neither, so --ar refuses them by
 # name rather than run without them (its draws take --temperature, --top-k, --top-p and the penalties).
-DIFFUSION_ONLY_FLAGS = {"steps": "--steps", "sampler": "--sampler", "entropy_bound": "--entropy-bound",
-                        "confidence": "--confidence", "rank_by": "--rank-by", "t_max": "--t-max", "t_min": "--t-min"}
+DIFFUSION_ONLY_FLAGS = ("steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min")
 
 
 def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, healing: bool) -> int:
     """`generate --ar`: the same backbone decoding one token at a time (lm.generate_ar), greedy unless
     --temperature > 0, with the checkpoint's top_k, top_p and penalties under the flags; no live canvas (there is
     none), the text and the stats line (or --json) as a diffusion run prints them."""
-    given = [flag for name, flag in DIFFUSION_ONLY_FLAGS.items() if getattr(args, name) is not None]
+    given = ["--" + name.replace("_", "-") for name in DIFFUSION_ONLY_FLAGS if getattr(args, name) is not None]
     if given:
         raise ValueError(f"{given[0]}: --ar decodes one token at a time, with no denoising steps, acceptance rule or "
                          "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "
