@@ -1259,17 +1259,40 @@ def _server_class() -> type:
         """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
         server finishing a long request looked hung)."""
 
+        signals = 0  # stop signals received
+        loop: asyncio.AbstractEventLoop | None = None
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not self.should_exit:
+            self.signals += 1
+            if self.signals == 1:
                 print(f"blockpress: stopping; requests in flight get up to {self.config.timeout_graceful_shutdown:g} s "
                       "to finish (signal again to stop now)", file=sys.stderr)
-            super().handle_exit(sig, frame)
+                return super().handle_exit(sig, frame)
+            engine = self._engine()
+            if self.signals == 2 and engine is not None and self.loop is not None:
+                # Stop now: end the grace period by cutting what is in flight (each request a 503), so the shutdown
+                # finishes as at the grace period's end and the engine thread is joined. uvicorn's own second
+                # signal forces the exit: only SIGINT's (a second SIGTERM waited out the grace period), and its
+                # skipped shutdown left the requests a bare 500 and the engine thread inside torch (rc 134).
+                # Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
+                # engine's lock.
+                print("blockpress: stopping now; requests in flight are cut", file=sys.stderr)
+                self.loop.call_soon_threadsafe(engine.cut)
+                return None
+            self.force_exit = True  # a third signal: uvicorn's forced exit, whatever is left
+
+        def _engine(self) -> Any:
+            return getattr(getattr(self.config.app, "state", None), "engine", None)
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
 
         async def shutdown(self, sockets: Any = None) -> None:
             # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them
             # first, so they get a 503 (a stream: an error event) and the engine stops within a step (a cancel
             # alone answered a bare 500 and left the engine generating for nobody, and the exit aborted).
-            engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+            engine = self._engine()
             if engine is not None:
                 asyncio.get_running_loop().call_later(self.config.timeout_graceful_shutdown, engine.cut)
             await super().shutdown(sockets)
@@ -1607,7 +1630,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "canvases); a longer request gets a 400 naming max_tokens or the prompt and this limit (vLLM's "
                         "--max-model-len; default: the model's context, max_position_embeddings)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut")
+                   help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut "
+                        "(a second signal cuts them at once)")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0,
                    help="GiB of recent prompts' keys and values kept, so a prompt that starts like an earlier one "
                         "(a system prompt, a chat's previous turns) encodes only the rest (default: 1; 0: off). "

@@ -1177,6 +1177,43 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
     assert (counters["failed_total"], counters["cancelled_total"], counters["requests_total"]) == (2, 0, 0)
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
+    """The startup line says "signal again to stop now": a second SIGTERM (docker stop, systemd) did nothing, the
+    requests in flight ran out the whole grace period; a second Ctrl-C forced uvicorn's exit past the app's
+    shutdown, so a plain request got a bare text 500, the engine thread was left inside torch and the process
+    aborted (rc 134). Now either cuts what is in flight at once with the grace period's 503, and the engine stops."""
+    import signal
+
+    from blockpress.cli import _server_class
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 8}
+    app = create_app(lm, MODEL, max_batch=1)
+    srv = _server_class()(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                                         timeout_graceful_shutdown=60))  # far longer than the test waits
+    engine = srv.config.app.state.engine
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        thread.join(0.05)
+    base = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "seed": 1}  # many seconds
+    with cf.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, base + "/v1/completions", json=body, timeout=15)
+        while not engine.metrics.counters["batches_total"]:  # generating
+            thread.join(0.05)
+        start = time.perf_counter()
+        for _ in range(2):  # as the signal handler calls it, twice
+            srv.handle_exit(getattr(signal, signum), None)
+        r = answer.result()
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down", r.text
+    thread.join(15)
+    assert not thread.is_alive() and not engine.thread.is_alive()
+    assert time.perf_counter() - start < 10
+    assert srv.force_exit is False  # the app's shutdown ran (it joined the engine thread)
+
+
 def test_a_low_temperature_tempers_the_draws_not_the_acceptance(client):
     """temperature scaled the whole schedule, so at 0.05 every position looked certain and the entropy bound took a
     canvas of noise in a pass or two (`ospathpathpath...`). It now tempers only the candidate draws: acceptance
