@@ -806,6 +806,25 @@ class ServerState:
     engine: Engine
     model_name: str
     context: int  # the most tokens a prompt and its answer may take
+    # The most characters one token of the vocabulary holds (longest_token), which bounds the text that can fit the
+    # context before it is tokenized; None: no such check.
+    token_chars: int | None = None
+
+    def check_length(self, chars: int, name: str, param: str) -> None:
+        """Refuse text of `chars` characters that cannot fit the context whatever its tokens, before it is tokenized:
+        the tokenizer holds the GIL, so a 20 MB prompt froze every client (streams, /health) for 85 s before the
+        400 that its token count got, and took 3.6 GB."""
+        if self.token_chars is not None and chars > self.context * self.token_chars:
+            raise APIError(400, f"{name}: {chars} characters cannot fit the context of {self.context} tokens (no token "
+                                f"of this vocabulary holds more than {self.token_chars} characters, so more than "
+                                f"{self.context * self.token_chars} are refused before tokenizing)", param)
+
+
+def longest_token(tok: Any) -> int:
+    """The most characters one token of `tok`'s vocabulary holds, added tokens included (a byte-level vocabulary's
+    entries have a character per byte, at least one per character of text): a text longer than the context times
+    this cannot fit it."""
+    return max(map(len, tok.backend.get_vocab(with_added_tokens=True)), default=1)
 
 
 @dataclass
@@ -1107,6 +1126,7 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         if clash:
             raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
                                 "tokens)", other)
+    state.check_length(len(body.suffix if body.suffix is not None else body.template), given, given)
     if body.suffix is not None:
         try:
             holes = [-1] * max_tokens + tok.encode(check_text(body.suffix, "suffix"))
@@ -1135,6 +1155,7 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> list[tupl
         if not prompt:
             raise APIError(400, f"{name}: must not be empty", "prompt")
         if isinstance(prompt, str):
+            state.check_length(len(prompt), name, "prompt")
             try:
                 out.append((state.lm.tokenizer.encode_prompt(check_text(prompt, name)), True))
             except ValueError as exc:
@@ -1328,7 +1349,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                          f"(max_position_embeddings), got {max_context!r}")
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
-    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context)
+    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
+                        longest_token(lm.tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -1363,6 +1385,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     async def chat(body: ChatRequest, request: Request):
         for i, message in enumerate(body.messages):
             message.check(i)
+        # the template renders every message's text: more than the context can hold is refused before rendering
+        state.check_length(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                               for m in body.messages if m.content is not None), "messages", "messages")
         messages, tools = [m.for_template(i) for i, m in enumerate(body.messages)], body.template_tools()
         if lm.tokenizer.chat_template is None:  # a model that cannot chat: the request's to change, not a failure
             raise APIError(400, "messages: this model has no chat template (no chat_template.jinja, nor chat_template "

@@ -781,6 +781,39 @@ def test_max_context_is_at_most_the_models():
         assert r.status_code == 400 and "exceed the context of 40 tokens" in r.json()["error"]["message"]
 
 
+def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monkeypatch):
+    """The handlers tokenized a prompt of any size on the event loop, and the tokenizer holds the GIL: a 3 MB prompt
+    held /health (and every stream in flight) for 8.6 s, a 20 MB one for 85 s and 3.6 GB, all for the 400 its
+    token count then got. Text longer than the context times the vocabulary's longest token cannot fit whatever its
+    tokens: a prompt, a chat's messages, a suffix or a template of that size is refused without tokenizing it."""
+    from fastapi.testclient import TestClient
+
+    from blockpress.serve import longest_token
+
+    lm = load_model("random-tiny", None, "cpu")
+    most = 40 * longest_token(lm.tokenizer)
+    assert most >= 40
+    encoded = []
+    encode = lm.tokenizer.encode
+    monkeypatch.setattr(lm.tokenizer, "encode", lambda text, *a, **k: (encoded.append(len(text)), encode(text, *a, **k))[1])
+    big = "a" * (most + 1)
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=40)) as http:
+        for route, body, param in (
+                ("completions", {"prompt": big}, "prompt"),
+                ("completions", {"prompt": ["x", big]}, "prompt"),
+                ("completions", {"prompt": "x", "suffix": big, "max_tokens": 4}, "suffix"),
+                ("completions", {"prompt": "x", "template": big, "max_tokens": 4}, "template"),
+                ("chat/completions", {"messages": [{"role": "system", "content": big[: most // 2]},
+                                                   {"role": "user", "content": [{"type": "text", "text": big[most // 2:]}]}]},
+                 "messages")):
+            err = http.post(f"/v1/{route}", json={"model": MODEL, **body}).json()["error"]
+            assert err["param"] == param and f"{most + 1} characters cannot fit the context of 40 tokens" in \
+                err["message"], err
+        assert all(n <= most for n in encoded), encoded  # (the batch's short prompt "x" is tokenized first)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": big[:-1]})  # at the bound: its tokens count
+        assert r.status_code == 400 and "prompt tokens" in r.json()["error"]["message"] and encoded[-1] == most
+
+
 def test_errors_about_the_answers_length_name_max_completion_tokens_where_the_request_sent_it():
     """Chat's max_completion_tokens (the openai client's current name) past the context was a 400 naming max_tokens,
     a field the request never sent; so was a min_tokens above it."""
