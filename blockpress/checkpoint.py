@@ -45,7 +45,8 @@ class CheckpointError(ValueError):
 
 
 class NoWeights(FileNotFoundError):
-    """A folder with no weight files at all (a config fetched alone): what `blockpress info` can still describe."""
+    """A folder with no weight files at all (a config fetched alone, or with the index of shards not fetched yet):
+    what `blockpress info` can still describe."""
 
 
 _ST_DTYPES = {
@@ -455,6 +456,11 @@ def checkpoint_files(path: Path) -> list[Path]:
                                       f"name inside {path} (an absolute path or '..'); shards must lie in the folder")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
+        if missing and len(missing) == len(files):
+            # None fetched yet (a download of the repo's JSON files: config, index, tokenizer): a folder without
+            # weights, which `blockpress info` describes from config.json as it does one holding config.json alone
+            raise NoWeights(f"{index}: none of the {len(files)} shard(s) it lists are in the folder "
+                            f"({missing[0]}{', ...' if len(missing) > 1 else ''}); fetch the weights")
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) that are not in the folder: {missing}")
         return files
@@ -544,8 +550,9 @@ def plan_model(
     tensors' values.
 
     `dtype=None`: the stored one, except half precision on a CPU without native matmuls for it (native_dtype).
-    `weights=False` also plans a folder with config.json alone (what `blockpress info` describes before the
-    weights are fetched); with nothing stored, its dtype is config.json's declared one. A load needs weights."""
+    `weights=False` also plans a folder with config.json alone, or with an index whose shards are none of them here
+    (what `blockpress info` describes before the weights are fetched); with nothing stored, its dtype is config.json's
+    declared one. A load needs weights."""
     path = Path(path)
     config = read_config(path)
     dtype = resolve_dtype(dtype)

@@ -60,6 +60,30 @@ def test_sharded_checkpoint_loads_the_same(lm, tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_an_index_whose_shards_are_not_fetched_is_a_folder_without_weights(lm, tmp_path):
+    """A download of a repo's JSON files (config.json, the shards' index, the tokenizer's) is what one fetches to look
+    at a model first. `info` described config.json alone but refused it with the index beside it ("lists shard(s)
+    that are not in the folder: [10 names]"): now both are a folder without weights, counted from config.json. A
+    load still needs the weights, and a folder with some of the shards is refused naming the missing ones."""
+    from blockpress.checkpoint import NoWeights, plan_model, save_model
+
+    full = tmp_path / "full"
+    save_model(lm.model, full, max_shard_bytes=20_000)
+    shards = sorted(full.glob("model-*.safetensors"))
+    fetched = tmp_path / "json"
+    fetched.mkdir()
+    for name in ("config.json", "model.safetensors.index.json"):
+        shutil.copy(full / name, fetched / name)
+    plan = plan_model(fetched, weights=False)
+    assert plan.files == [] and plan.stored is None
+    assert sum(t.numel() for t in plan.meta_model().parameters()) == lm.num_parameters(active=False)
+    with pytest.raises(NoWeights, match=rf"none of the {len(shards)} shard\(s\) it lists are in the folder"):
+        blockpress.load(fetched)
+    shutil.copy(shards[0], fetched / shards[0].name)  # some fetched: a broken download, refused by name
+    with pytest.raises(blockpress.checkpoint.CheckpointError, match=re.escape(shards[1].name)):
+        plan_model(fetched, weights=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "float32"])
 def test_dtypes(ref_checkpoint, dtype):
     lm = load_quiet(ref_checkpoint[0], dtype=dtype)
