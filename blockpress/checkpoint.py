@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
-from .files import StagedFiles, staging
+from .files import StagedFiles, lfs_pointer_problem, staging
 from .model import DiffusionGemma
 
 DECODER = "model.decoder."
@@ -65,6 +65,8 @@ class MappedSafetensors:
 
     def __init__(self, path: Path):
         size = path.stat().st_size
+        if (pointer := lfs_pointer_problem(path)) is not None:
+            raise CheckpointError(pointer)
         with open(path, "rb") as f:
             try:
                 (n,) = struct.unpack("<Q", f.read(8))

@@ -142,6 +142,26 @@ def staging(files: StagedFiles | None) -> Iterator[StagedFiles]:
         yield own
 
 
+# The first line of a Git LFS pointer file: what a hub repository cloned without git-lfs holds in place of each large
+# file (the weights, tokenizer.json), a few lines of text naming the object's hash and size.
+LFS_POINTER_START = b"version https://git-lfs.github.com/spec/"
+
+
+def lfs_pointer_problem(path: str | Path) -> str | None:
+    """What is wrong with the file at `path` when it is a Git LFS pointer rather than the content, else None: parsed as
+    safetensors or JSON, a pointer's error ("header claims 2336927755350992246 bytes") never said what it was."""
+    try:
+        with open(path, "rb") as f:
+            start = f.read(len(LFS_POINTER_START))
+    except OSError:
+        return None
+    if start != LFS_POINTER_START:
+        return None
+    return (f"{path}: a Git LFS pointer, not the file itself (the repository was cloned without git-lfs, so its large "
+            "files were never fetched); run `git lfs install && git lfs pull` in the clone, or fetch the model with "
+            "`hf download`")
+
+
 def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:
     """The JSON object in the file at `path`; anything else (not UTF-8, not JSON, a list) raises `error` naming the
     file, `where` first (e.g. "--resume: "), rather than json's own traceback."""

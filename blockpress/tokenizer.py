@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag, check_text, utf8_problem
-from .files import StagedFiles, read_json_object, staging
+from .files import StagedFiles, lfs_pointer_problem, read_json_object, staging
 from .response import compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -170,6 +170,8 @@ class Tokenizer:
                 f"The checkpoint at {folder} has no tokenizer.json, so text cannot be tokenized; "
                 "pass token ids instead of text, or add a tokenizer.json to the folder."
             )
+        if (pointer := lfs_pointer_problem(tokenizer_file)) is not None:
+            raise ValueError(pointer)
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust library raises plain Exception ("key must be a string at line 1 column 2")

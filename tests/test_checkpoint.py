@@ -84,6 +84,25 @@ def test_an_index_whose_shards_are_not_fetched_is_a_folder_without_weights(lm, t
         plan_model(fetched, weights=False)
 
 
+def test_a_git_lfs_pointer_is_named_as_one(ref_checkpoint, tmp_path):
+    """A hub repository cloned without git-lfs holds, for each large file, a pointer of a few lines of text. Read as
+    safetensors its first bytes made a header length ("its header claims 2336927755350992246 bytes but the file has
+    131"), and as tokenizer.json "expected value at line 1 column 1": neither said the weights were never fetched."""
+    from blockpress.tokenizer import Tokenizer
+
+    folder = tmp_path / "clone"
+    shutil.copytree(ref_checkpoint[0], folder)
+    pointer = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 1640960\n")
+    (folder / "model.safetensors").write_text(pointer)
+    (folder / "tokenizer.json").write_text(pointer)
+    with pytest.raises(blockpress.checkpoint.CheckpointError,
+                       match=r"model\.safetensors: a Git LFS pointer, not the file itself .*git lfs pull"):
+        blockpress.load(folder)
+    with pytest.raises(ValueError, match=r"tokenizer\.json: a Git LFS pointer, not the file itself .*git lfs pull"):
+        Tokenizer.from_dir(folder)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "float32"])
 def test_dtypes(ref_checkpoint, dtype):
     lm = load_quiet(ref_checkpoint[0], dtype=dtype)
