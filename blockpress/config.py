@@ -464,7 +464,10 @@ class ModelConfig:
                 what = (f"no config.json: a training run that stopped before its final save; finish it with "
                         f"`blockpress train --resume --out {path.parent}` (--steps N to end it sooner)")
             raise FileNotFoundError(f"{path}: {what}") from None
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as exc:  # the field is named; the file too, as the weights' and generation config's errors do
+            raise ConfigError(f"{path}: {exc}") from None
 
     def to_dict(self, dtype: Any = None) -> dict[str, Any]:
         """The config.json of this model; `dtype` (a torch dtype) is the one its weights are saved in."""

@@ -103,6 +103,21 @@ def test_a_git_lfs_pointer_is_named_as_one(ref_checkpoint, tmp_path):
         Tokenizer.from_dir(folder)
 
 
+def test_a_config_json_refusal_names_the_file(ref_checkpoint, tmp_path):
+    """config.json's refusals named the field alone ("model_type: expected 'diffusion_gemma', got 'gemma4'" for a
+    Gemma 4 folder given by mistake), where every other file's errors name the file."""
+    folder = tmp_path / "gemma4"
+    folder.mkdir()
+    raw = json.loads((ref_checkpoint[0] / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(raw, model_type="gemma4")))
+    with pytest.raises(ConfigError, match=re.escape(f"{folder / 'config.json'}: model_type: expected 'diffusion_gemma'")):
+        blockpress.load(folder)
+    raw["text_config"]["sliding_window"] = 0
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=re.escape(f"{folder / 'config.json'}: text_config.sliding_window")):
+        blockpress.load(folder)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "float32"])
 def test_dtypes(ref_checkpoint, dtype):
     lm = load_quiet(ref_checkpoint[0], dtype=dtype)
