@@ -1483,7 +1483,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     native half-precision matmuls, where they would run many times slower (see checkpoint.native_dtype); `lm.save`
     then writes them back in the stored dtype (LM.widened_from).
     `adapter`: a PEFT LoRA folder for this base (`blockpress train --lora-rank`'s <out>/adapter, or peft's own on the
-    reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft); with
+    reference model), merged in float32 into the weights in `dtype` (train.apply_adapter; needs peft; `lm.save` then
+    writes the model's dtype, float32 for a widened bf16 base, as a LoRA run's merged checkpoint is); with
     `quantize`, kept unmerged in float32 over the quantized base, as `blockpress train --quantize` trained it (merged
     and then quantized, its update would mostly be rounded away). An adapter folder may also be given as the model:
     it loads the base it was trained on with it, quantized as it was trained unless `quantize` says otherwise
@@ -1511,7 +1512,10 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .train import adapter_generation
 
         generation.update(adapter_generation(adapter))  # what the adapter's run changed: as its merged checkpoint
-    return LM(model, tokenizer, generation, passthrough, path, adapter, plan.widened_from)
+    # Merged weights are not the checkpoint's: written back in the dtype the load widened from (bf16), the update
+    # merged in float32 would be rounded to the base weights' step, as a LoRA run's own checkpoint is not (float32)
+    widened_from = plan.widened_from if adapter is None else None
+    return LM(model, tokenizer, generation, passthrough, path, adapter, widened_from)
 
 
 def random_model(

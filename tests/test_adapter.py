@@ -74,6 +74,29 @@ def test_blockpress_merges_the_adapter_into_its_base_as_the_run_did(run):
     assert torch.equal(again.logits(prompt, canvas), merged.logits(prompt, canvas))
 
 
+def test_a_merge_over_a_bf16_base_widened_for_this_cpu_saves_the_merged_float32_weights(run, tmp_path, monkeypatch):
+    """load(bf16 base, adapter=...) on a CPU without native bf16 merges in float32; save wrote the stored bf16 back
+    (the load's widened_from), rounding the update to the base weights' step (blockpress-code after 4 LoRA steps:
+    33% of the updated entries equal to the base again). The merged weights are not the checkpoint's: save writes
+    them as the model holds them, as a LoRA run's merged checkpoint is float32."""
+    from saved import saved_dtype
+
+    from blockpress import checkpoint
+
+    base, out = run
+    bf16 = tmp_path / "bf16"
+    load(base, dtype="bfloat16").save(bf16)
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)
+    lm = load(bf16, adapter=out / "adapter")
+    assert lm.dtype == torch.float32
+    lm.save(tmp_path / "merged")
+    assert saved_dtype(tmp_path / "merged") == torch.float32
+    saved = load(tmp_path / "merged").model.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in lm.model.state_dict().items())
+    assert not torch.equal(saved["layers.0.self_attn.q_proj.weight"],
+                           load(bf16).model.state_dict()["layers.0.self_attn.q_proj.weight"])
+
+
 DECODER_Q = "base_model.model.model.decoder.layers.0.self_attn.q_proj"
 ENCODER_Q = "base_model.model.model.encoder.language_model.layers.0.self_attn.q_proj"
 
