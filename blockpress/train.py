@@ -371,8 +371,11 @@ BASE_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
                      "num_key_value_heads", "head_dim", "per_layer_config", "layer_types", "num_experts",
                      "moe_intermediate_size")
 # Generation settings a run may change that an adapter records (ADAPTER_RECORD) and a load puts over its base's:
-# token_healing false, where the run trained on prompts ending in whitespace (Trainer.prompts_healed).
-ADAPTER_GENERATION_KEYS = ("token_healing",)
+# token_healing false, where the run trained on prompts ending in whitespace (Trainer.prompts_healed), and the noise
+# the run corrupted with (Trainer sets or drops noise_token_id; -1: uniform noise, as SamplerConfig spells it), which
+# decoding must re-noise with: else a run with uniform noise on blockpress-code (absorbing token 5) decoded over its
+# base with token 5, unlike its merged checkpoint.
+ADAPTER_GENERATION_KEYS = ("token_healing", "noise_token_id")
 _PEFT_KEY = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")  # peft's saved names, adapter name left out
 # LoRA options that change what an adapter computes, at their plain values: an adapter setting another is refused.
 _PLAIN_LORA = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
@@ -430,6 +433,8 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
         config.save_pretrained(made)
         config_text = (Path(made) / ADAPTER_FILES[0]).read_text()
     record = {"base_shape": base_shape(model), "quantize": quantize}
+    if generation is not None:
+        record["noise_token_id"] = -1  # unless the run's settings name a noise token: uniform noise
     record.update({k: v for k, v in (generation or {}).items() if k in ADAPTER_GENERATION_KEYS})
     with staging(files) as staged:
         staged.write_text(path / ADAPTER_FILES[0], config_text)
@@ -476,6 +481,10 @@ def adapter_record(path: str | Path) -> dict[str, Any]:
     record.update({k: saved[k] for k in ("base_shape", "quantize", *ADAPTER_GENERATION_KEYS) if k in saved})
     if record.get("token_healing") is not None and not isinstance(record["token_healing"], bool):
         raise CheckpointError(f"adapter: {file}: token_healing: expected true or false, got {record['token_healing']!r}")
+    noise = record.get("noise_token_id")
+    if noise is not None and not (isinstance(noise, int) and not isinstance(noise, bool) and noise >= -1):
+        raise CheckpointError(f"adapter: {file}: noise_token_id: expected -1 (uniform noise) or a token id >= 0, got "
+                              f"{noise!r}")
     if record["base_shape"] is not None and not isinstance(record["base_shape"], dict):
         raise CheckpointError(f"adapter: {file}: base_shape: expected an object of config fields, got "
                               f"{record['base_shape']!r}")

@@ -80,6 +80,29 @@ def test_a_run_on_prompts_ending_in_whitespace_keeps_the_clis_prompts_as_typed(b
     assert healing_of(monkeypatch, capsys, "--model", str(base), "--no-token-healing") is False
 
 
+def test_an_adapter_decodes_with_the_noise_its_run_trained_with(base, tmp_path):
+    """A run that corrupts with other noise than its base's (--noise-token-id; the Python API's default -1 on
+    blockpress-code, whose noise is its token 5) saves a merged checkpoint that decodes with the run's noise; its
+    adapter folder recorded only token_healing, so over its base it decoded with the base's noise, unlike the merged
+    checkpoint (blockpress-code, seed 0: '' where the merged one wrote ' = =code\\n')."""
+    absorbing = tmp_path / "absorbing"  # the base with an absorbing noise token, as blockpress-code has
+    shutil.copytree(base, absorbing)
+    settings = absorbing / "blockpress_generation_config.json"
+    own = json.loads(settings.read_text()) if settings.is_file() else {}
+    settings.write_text(json.dumps({**own, "noise_token_id": 3}))
+    data = write_text_data(tmp_path / "d.jsonl", "")
+    for model, noise in ((absorbing, -1), (base, 3)):  # uniform over an absorbing base, and the other way round
+        out = tmp_path / f"run{noise}"
+        assert train(data, out, "--model", str(model), "--lora-rank", "2", "--noise-token-id", str(noise),
+                     "--quiet") == 0
+        merged = blockpress.load(out)
+        assert merged.generation_config.get("noise_token_id", -1) == noise
+        expected = merged.generate("x = ", max_new_tokens=8, seed=0).sequences
+        for lm in (blockpress.load(out / "adapter"), blockpress.load(model, adapter=out / "adapter")):
+            assert lm.generation_config.get("noise_token_id", -1) == noise, (model, noise)
+            assert lm.generate("x = ", max_new_tokens=8, seed=0).sequences.tolist() == expected.tolist()
+
+
 def test_an_adapter_over_its_own_merged_output_is_refused_and_over_another_base_warned(base, tmp_path, capsys):
     out = tmp_path / "run"
     assert train(write_text_data(tmp_path / "d.jsonl", ""), out, "--model", str(base), "--lora-rank", "2",
