@@ -1203,13 +1203,19 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
 
 def served_name(model: str) -> str:
     """The model id clients send: a folder's own name; a shipped name or a cached repo id as given (a hub model
-    keeps its "owner/name", as vLLM serves it)."""
+    keeps its "owner/name", as vLLM serves it); a LoRA run's adapter folder (OUT/adapter), its run's name."""
+    from blockpress.train import ADAPTER_DIR, is_adapter_folder
+
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return model
     # its name as the absolute path spells it (".." taken out, links kept): "." and "./" have no name of their own,
     # so `serve --model .` from inside the folder served the id ''
-    return Path(os.path.abspath(folder)).name or model
+    path = Path(os.path.abspath(folder))
+    if path.name == ADAPTER_DIR and is_adapter_folder(path) and path.parent.name:
+        # every run's adapter folder has that name: two runs served were both 'adapter'
+        return path.parent.name
+    return path.name or model
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -1618,7 +1624,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--served-name", default=None, help="model id clients use, the one /v1/models lists and requests "
-                   "must name (default: the model's folder name, or the id given)")
+                   "must name (default: the model's folder name, a LoRA run's OUT/adapter OUT's, or the id given)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="rows generated at once, over all running batches: one per sampled choice (a request with "
                         "n: 4 takes 4; n greedy choices take 1); bounds the memory of generation")

@@ -994,6 +994,20 @@ def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
     assert served_name("blockpress-code") == "blockpress-code"
 
 
+def test_the_served_name_of_a_lora_runs_adapter_folder_is_the_runs(tmp_path):
+    """Every LoRA run's adapter folder is OUT/adapter: `serve --model OUT/adapter` served the id 'adapter' whatever
+    the run, so the servers of two runs could not be told apart."""
+    from blockpress.cli import served_name
+
+    adapter = tmp_path / "sql-lora" / "adapter"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    assert served_name(str(adapter)) == served_name(str(adapter) + "/") == "sql-lora"
+    (tmp_path / "adapter").mkdir()  # a checkpoint folder that happens to be named so keeps its name
+    (tmp_path / "adapter" / "config.json").write_text("{}")
+    assert served_name(str(tmp_path / "adapter")) == "adapter"
+
+
 def test_the_served_name_of_the_current_folder_is_its_name(tmp_path, monkeypatch):
     """`serve --model .` from inside the checkpoint folder served the id '' (Path('.').name), which /v1/models
     listed and every request had to send."""
