@@ -1717,9 +1717,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# Optional packages: the extra of pyproject.toml that installs each, and what needs it.
-EXTRA_OF = {"fastapi": ("serve", "blockpress serve"), "uvicorn": ("serve", "blockpress serve"),
-            "peft": ("train", "--lora-rank")}
+# Optional packages: the extra of pyproject.toml that installs each, and what needs it, by command ("*": any other).
+# peft is needed by train's --lora-rank and by every command that loads a LoRA adapter: a message naming
+# --lora-rank to `generate --model OUT/adapter` named a flag generate does not have.
+EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve", {"*": "blockpress serve"}),
+            "peft": ("train", {"train": "--lora-rank", "*": "a LoRA adapter: --adapter, or an adapter folder as --model"})}
 
 
 def silence_output() -> None:
@@ -1779,8 +1781,9 @@ def run_command(args: argparse.Namespace) -> int:
         # only a package that is missing: one installed but too old fails with its own message
         if package not in EXTRA_OF or not isinstance(exc, ModuleNotFoundError) or exc.name != package:
             raise
-        print(f"blockpress {args.command}: error: {package} is not installed (needed for {EXTRA_OF[package][1]}); "
-              f"pip install 'blockpress[{EXTRA_OF[package][0]}]'", file=sys.stderr)
+        extra, uses = EXTRA_OF[package]
+        print(f"blockpress {args.command}: error: {package} is not installed (needed for "
+              f"{uses.get(args.command, uses['*'])}); pip install 'blockpress[{extra}]'", file=sys.stderr)
         return 2
     except BrokenPipeError:  # as Unix tools do on SIGPIPE: stop quietly, with 128 + 13
         silence_output()

@@ -1108,6 +1108,26 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, capsys, monkeypatc
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("as_model", [False, True])
+def test_loading_an_adapter_without_peft_names_the_adapter(tmp_path, capsys, monkeypatch, as_model):
+    """`generate --model OUT/adapter` (or --adapter) without peft said "needed for --lora-rank", a flag generate
+    does not have."""
+    pytest.importorskip("peft")
+    from blockpress.train import add_lora, save_adapter
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8))
+    lm.save(tmp_path / "base")
+    save_adapter(add_lora(lm.model, rank=2, alpha=4), tmp_path / "adapter", 2, 4, str(tmp_path / "base"))
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "peft.tuners.lora", None)
+    model = ["--model", str(tmp_path / "adapter")] if as_model else \
+        ["--model", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter")]
+    assert main(["generate", *model, "--max-new-tokens", "1", "--no-live", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "error: peft is not installed (needed for a LoRA adapter: --adapter, or an adapter folder as --model); " \
+           "pip install 'blockpress[train]'" in err and "--lora-rank" not in err
+
+
 def help_text(capsys, *args):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--help"])
