@@ -1112,7 +1112,7 @@ def _plot_training(out: Path, quiet: bool) -> None:
         plot_metrics(metrics, out / "loss.png")
     except ImportError:
         if not quiet:
-            print_warning("no loss.png: matplotlib is not installed (pip install matplotlib)")
+            print_warning("no loss.png: matplotlib is not installed (pip install 'blockpress[train]')")
         return
     if not quiet:
         print(f"loss curves: {out / 'loss.png'}", file=sys.stderr)
@@ -1347,6 +1347,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
                          f"got {args.plot!r}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # run_command names the extra that has it
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
 
     def write(result: dict[str, Any], done: bool) -> None:
         """--out and --plot as the run stands: after each row too, so a sweep cut short (a timeout, a failure at a
@@ -1358,8 +1360,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             written = out.with_name(f".{out.name}.partial")
             written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
             os.replace(written, out)
-        # (without matplotlib, the final plot's error says so, after the JSON is written)
-        if args.plot and (done or importlib.util.find_spec("matplotlib") is not None):
+        if args.plot:  # (matplotlib is there: checked above)
             plot(result, args.plot)
 
     result = run_bench(s, on_row=lambda so_far: write(so_far, done=False))
@@ -1721,7 +1722,8 @@ def build_parser() -> argparse.ArgumentParser:
 # peft is needed by train's --lora-rank and by every command that loads a LoRA adapter: a message naming
 # --lora-rank to `generate --model OUT/adapter` named a flag generate does not have.
 EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve", {"*": "blockpress serve"}),
-            "peft": ("train", {"train": "--lora-rank", "*": "a LoRA adapter: --adapter, or an adapter folder as --model"})}
+            "peft": ("train", {"train": "--lora-rank", "*": "a LoRA adapter: --adapter, or an adapter folder as --model"}),
+            "matplotlib": ("train", {"bench": "--plot", "*": "loss.png"})}
 
 
 def silence_output() -> None:

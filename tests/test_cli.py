@@ -1128,6 +1128,17 @@ def test_loading_an_adapter_without_peft_names_the_adapter(tmp_path, capsys, mon
            "pip install 'blockpress[train]'" in err and "--lora-rank" not in err
 
 
+def test_bench_plot_without_matplotlib_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    """It ran the whole sweep, then died in a ModuleNotFoundError traceback from bench.plot (exit 1)."""
+    import blockpress.bench
+
+    monkeypatch.setattr(blockpress.bench, "run_bench", lambda *a, **k: pytest.fail("ran the benchmark"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["bench", "--preset", "tiny", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "blockpress bench: error: matplotlib is not installed (needed for --plot); pip install " \
+           "'blockpress[train]'" in capsys.readouterr().err
+
+
 def help_text(capsys, *args):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*args, "--help"])

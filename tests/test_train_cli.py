@@ -66,7 +66,7 @@ def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
     assert main(args) == 0
     err = capsys.readouterr().err.splitlines()
     for start in ("--heldout 0.02: holds out none of 8 examples", "--warmup-steps 5 is more than --steps 2",
-                  "no loss.png: matplotlib is not installed"):
+                  "no loss.png: matplotlib is not installed (pip install 'blockpress[train]')"):
         assert any(line.startswith("warning: " + start) for line in err), (start, err)
 
 
