@@ -404,6 +404,55 @@ class RequireKey:
         await response(scope, receive, send)
 
 
+class BodyLimit:
+    """ASGI middleware: a request body of more than `limit` bytes gets a 413 in OpenAI's error shape, before any of
+    it is read when its Content-Length says so, else as soon as a chunked body passes the limit. FastAPI reads and
+    JSON-parses a body whole before any check of the handlers: a 200 MB prompt took 3.5 s and 300 MB of memory for
+    the 400 its length got, and a list of prompts or tools each under the per-text bound had no bound at all. The
+    body read here is handed on to the app as one message (it is read whole anyway), then the client's own, so
+    a disconnect still reaches a stream."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
+        if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
+            return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than")
+        chunks, size, message = [], 0, {"type": "http.request", "body": b"", "more_body": True}
+        while message["type"] == "http.request" and message.get("more_body", False):
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self.refuse(scope, receive, send, "is more than")
+            chunks.append(message.get("body", b""))
+        first = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                 if message["type"] == "http.request" else message]  # (a client that left mid-body: its disconnect)
+
+        async def replay() -> dict:
+            return first.pop() if first else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope: dict, receive: Any, send: Any, size: str) -> None:
+        message = (f"the request body {size} the {self.limit} bytes this server takes (room for the context's text "
+                   "as JSON; serve's --max-body-bytes sets it)")
+        # The rest of the body is never read, so the connection cannot carry another request: close it
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"),
+                                status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def body_limit(context: int, token_chars: int) -> int:
+    """The default most bytes of a request body: a text as long as the context's longest (`context` tokens of
+    `token_chars` characters, the bound ServerState.check_length puts on one text) JSON-escaped at its widest, 12
+    bytes a character (\\uXXXX\\uXXXX, as clients that escape non-ASCII send a character past U+FFFF), and a MiB
+    for the rest of the request."""
+    return context * token_chars * 12 + (1 << 20)
+
+
 def check_api_key(key: str | None) -> str | None:
     """`create_app`'s api_key: None (no key), or one an HTTP header can carry as sent. The key itself is never
     shown: errors say what is wrong with it."""
@@ -1055,8 +1104,10 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> J
                         status_code=400)
 
 
-def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job]:
-    """A request's jobs for one prompt: one per sampled choice, or one for all its greedy choices."""
+def build_jobs(state: ServerState, body: _Common, prompt: list[int],
+               loop: asyncio.AbstractEventLoop | None = None) -> list[Job]:
+    """A request's jobs for one prompt: one per sampled choice, or one for all its greedy choices. `loop`: the event
+    loop their events go to (None: the running one; given where they are built in a worker thread)."""
     lm, model_name, context = state.lm, state.model_name, state.context
     # The served name alone, as /v1/models lists it (a folder's name too was taken here, under --served-name, while
     # /v1/models/{its name} answered 404; vLLM refuses it as well)
@@ -1093,7 +1144,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int]) -> list[Job
         seed = 0
     else:
         seed = int.from_bytes(uuid.uuid4().bytes[:6], "little")
-    loop = asyncio.get_running_loop()
+    loop = loop or asyncio.get_running_loop()
     # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
     prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
     eos_only = "min_tokens" not in body.model_fields_set  # the default: chat's 1 (ChatRequest.min_tokens)
@@ -1168,9 +1219,11 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> list[tupl
     return out
 
 
-def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[int], from_text: bool) -> list[Job]:
-    """A completion request's jobs for one prompt, on a constrained canvas when it sends `suffix` or `template`."""
-    jobs = build_jobs(state, body, prompt)
+def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[int], from_text: bool,
+                    loop: asyncio.AbstractEventLoop | None = None) -> list[Job]:
+    """A completion request's jobs for one prompt, on a constrained canvas when it sends `suffix` or `template`
+    (`loop`: as build_jobs')."""
+    jobs = build_jobs(state, body, prompt, loop)
     if body.suffix is None and body.template is None:
         return jobs
     canvas = constrained_canvas(state, body, prompt, jobs[0].max_tokens, from_text)
@@ -1326,13 +1379,15 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 
 def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
-               allowed_origins: Sequence[str] = (), api_key: str | None = None) -> FastAPI:
+               allowed_origins: Sequence[str] = (), api_key: str | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
     call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model.
     `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
-    None: anyone who reaches the port may."""
+    None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is read
+    (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code)."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     if prefix_cache_bytes < 0:
@@ -1347,6 +1402,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     if max_context is not None and (not isinstance(max_context, int) or not 1 <= max_context <= limit):
         raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
                          f"(max_position_embeddings), got {max_context!r}")
+    if max_body_bytes is not None and (not isinstance(max_body_bytes, int) or max_body_bytes < 1):
+        raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
@@ -1359,6 +1416,8 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine = engine
+    # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
+    app.add_middleware(BodyLimit, limit=max_body_bytes or body_limit(state.context, state.token_chars))
     if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
         app.add_middleware(RequireKey, key=api_key)
     if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
@@ -1394,7 +1453,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
                                 "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "
                                 "/v1/completions", "messages")
         try:
-            prompt = lm.chat_prompt(messages, tools=tools)  # as `blockpress chat` and lm.chat render them
+            # as `blockpress chat` and lm.chat render them; in a worker thread, as the encode of a long text takes
+            # a while (0.25 s for 240 KB) and the event loop serves every other client meanwhile
+            prompt = await asyncio.to_thread(lm.chat_prompt, messages, tools=tools)
         except MessageError as exc:  # a field of the request's to change: tools a template never reads, say
             raise APIError(400, str(exc), exc.field) from None
         except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
@@ -1416,14 +1477,22 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        jobs, prompt_tokens = [], 0
-        for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
-            group = completion_jobs(state, body, prompt, from_text)
-            for job in group:
-                job.group = i
-                jobs.append(job)
-            # a canvas's fixed tokens are the client's too (a text prompt's healed space moved into them: once)
-            prompt_tokens += len(group[0].prompt) + group[0].fixed_tokens
+        loop = asyncio.get_running_loop()
+
+        def prepare() -> tuple[list[Job], int]:
+            jobs, prompt_tokens = [], 0
+            for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
+                group = completion_jobs(state, body, prompt, from_text, loop)
+                for job in group:
+                    job.group = i
+                    jobs.append(job)
+                # a canvas's fixed tokens are the client's too (a text prompt's healed space moved into them: once)
+                prompt_tokens += len(group[0].prompt) + group[0].fixed_tokens
+            return jobs, prompt_tokens
+
+        # The prompts, a suffix and a template are tokenized in a worker thread (the tokenizer lets go of the GIL):
+        # on the event loop a 240 KB prompt held /health and every stream in flight for the whole encode
+        jobs, prompt_tokens = await asyncio.to_thread(prepare)
         return await respond(engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}

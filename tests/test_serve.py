@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, through the official `openai` client on loopback."""
 
+import asyncio
 import concurrent.futures as cf
 import contextlib
 import functools
@@ -812,6 +813,87 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monk
         assert all(n <= most for n in encoded), encoded  # (the batch's short prompt "x" is tokenized first)
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": big[:-1]})  # at the bound: its tokens count
         assert r.status_code == 400 and "prompt tokens" in r.json()["error"]["message"] and encoded[-1] == most
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read():
+    """Any body was read whole and JSON-parsed before a check: a 200 MB prompt took 3.5 s and 300 MB of memory
+    for the 400 its length got. One whose Content-Length passes the limit is refused unread, and a chunked one as
+    soon as it does, in OpenAI's error shape; a body within the limit is answered as before."""
+    from fastapi.testclient import TestClient
+
+    from blockpress.serve import BodyLimit, body_limit
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 8}
+    with pytest.raises(ValueError, match="max_body_bytes: expected a positive integer"):
+        create_app(lm, MODEL, max_body_bytes=0)
+    # the default leaves room for the longest text the context could take, JSON-escaped at its widest
+    assert body_limit(4096, 64) == 4096 * 64 * 12 + 2**20
+    read = []
+
+    def body(size: int):  # a chunked body (no Content-Length), counting what the server took of it
+        for _ in range(size // 1000):
+            read.append(1000)
+            yield b" " * 1000
+        yield json.dumps({"model": MODEL, "prompt": "def f(x):", "max_tokens": 4}).encode()
+
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_body_bytes=5000)) as http:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 6000}).encode()
+        r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert f"is {len(big)} bytes, more than the 5000 bytes" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", content=body(100_000), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "is more than the 5000 bytes" in r.json()["error"]["message"], r.text
+        read.clear()
+        r = http.post("/v1/completions", content=body(3000), headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+        assert http.get("/health").status_code == 200
+    # (the test client reads a chunked body whole before the app runs:) the limit stops reading the client's chunks
+    sent, taken = [], []
+
+    async def receive():
+        taken.append(1000)
+        return {"type": "http.request", "body": b" " * 1000, "more_body": True}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(*_):
+        raise AssertionError("a body over the limit reached the app")
+
+    asyncio.run(BodyLimit(app, 5000)({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []},
+                                     receive, send))
+    assert sent[0]["status"] == 413 and sum(taken) == 6000
+
+
+def test_prompts_are_tokenized_off_the_event_loop(monkeypatch):
+    """The handlers tokenized on the event loop, which serves every other client: a 240 KB prompt held /health
+    and every stream in flight for the whole encode (~0.25 s). A completion's prompt, suffix and template and a
+    chat's rendered messages are encoded in a worker thread."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 8}
+    on_loop = []
+    encode = lm.tokenizer.encode
+
+    def spy(text, *a, **k):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(text)
+        except RuntimeError:  # no loop runs in this thread
+            pass
+        return encode(text, *a, **k)
+
+    monkeypatch.setattr(lm.tokenizer, "encode", spy)
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:
+        for route, body in (("completions", {"prompt": "def f(x):", "max_tokens": 4}),
+                            ("completions", {"prompt": ["a", "b"], "suffix": "\nprint(f(2))", "max_tokens": 4}),
+                            ("completions", {"prompt": "x = ", "template": "<|hole:2|> + 1\n", "max_tokens": 4}),
+                            ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})):
+            r = http.post(f"/v1/{route}", json={"model": MODEL, **body})
+            assert r.status_code == 200, r.text
+    assert on_loop == []
 
 
 def test_errors_about_the_answers_length_name_max_completion_tokens_where_the_request_sent_it():
