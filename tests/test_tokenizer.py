@@ -118,6 +118,32 @@ def test_encode_adds_bos_only_when_asked(tok: Tokenizer) -> None:
     assert tok.decode(tok.encode("hello world", add_bos=True)) == "hello world"
 
 
+def test_encode_lets_other_threads_run(tok: Tokenizer) -> None:
+    """The library's `encode` holds the GIL while it works, so a long prompt tokenized in a server's worker thread
+    still froze its event loop (240 KB: /health held 0.2 s); encode_batch lets go of it. A thread that ticks while
+    another encodes must get to run throughout, and the ids are the backend's own."""
+    import threading
+    import time
+
+    text = "def f(x):\n    return x + 1\n" * 20000  # 560 KB
+    assert tok.encode(text[:300]) == tok.backend.encode(text[:300], add_special_tokens=False).ids
+    for encode in (tok.encode, tok.encode_plain):
+        done, result = threading.Event(), []
+        worker = threading.Thread(target=lambda f=encode, out=result, ended=done: (out.append(f(text)), ended.set()))
+        start = last = time.perf_counter()
+        worker.start()
+        gaps = []
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        worker.join()
+        took = time.perf_counter() - start
+        assert len(result[0]) > 1000 and took > 0.02, (len(result[0]), took)  # long enough to tell
+        assert max(gaps) < took / 2, (encode.__name__, max(gaps), took)
+
+
 def test_decode_skips_special_tokens_by_default(tok: Tokenizer) -> None:
     ids = tok.encode("<start_of_turn>hi<end_of_turn><eos>")
     assert ids[0] == tok.token_to_id("<start_of_turn>")
