@@ -36,7 +36,6 @@ from .sampling import (
     take_rows,
 )
 
-HOLE = "<|hole|>"
 # A marker and the backslashes right before it (they escape it): ASCII digits, as \d would take "３" or "٣" as well
 _HOLE_RE = re.compile(r"(\\*)(<\|hole(?::([0-9]+))?\|>)")
 # Anything that starts like a marker, with the backslashes right before it: a mistyped one unless escaped, every
