@@ -1262,7 +1262,7 @@ class _Decoding:
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
             with torch.no_grad():
-                logits = self.logits(canvas, w, broken if k == 1 else None)
+                logits = self.logits(w, broken if k == 1 else None)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     trouble |= no_choice(logits, w.writable & ~w.state.done[:, None])
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
@@ -1299,7 +1299,7 @@ class _Decoding:
                              "favour one with a large finite value")
         return w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
 
-    def logits(self, canvas: _Canvas, w: _Working, broken: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, w: _Working, broken: torch.Tensor | None = None) -> torch.Tensor:
         """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
         repeat penalties, with the canvas's bans and the constraint's at -inf. `broken` (a 0-d bool, set in place)
         learns whether the decoder's own logits hold NaN or inf (NaN weights, or a dtype overflowed): a canvas's
