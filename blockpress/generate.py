@@ -678,6 +678,7 @@ def _count_valid(new_tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
 
 def _output(
     req: Request,
+    *,
     new_tokens: torch.Tensor,
     num_valid: torch.Tensor,
     passes: torch.Tensor,
@@ -1426,8 +1427,9 @@ def run(
 
     if keep_cache:
         cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
-    out = _output(req, dec.new_tokens, dec.written, dec.passes, dec.steps_per_canvas, encode_s, denoise_s,
-                  cache if keep_cache else None, texts_of)
+    out = _output(req, new_tokens=dec.new_tokens, num_valid=dec.written, passes=dec.passes,
+                  steps_per_canvas=dec.steps_per_canvas, encode_s=encode_s, decode_s=denoise_s,
+                  cache=cache if keep_cache else None, texts_of=texts_of)
     out.extra["stopped"] = dec.stops.stopped
     out.extra["reused_prompt_tokens"] = reused
     out.extra["seeds"] = dec.seeds.tolist()  # each row's, drawn where seed was None: seeds= repeats the sample
@@ -1522,8 +1524,8 @@ def run_ar(
     passes = torch.minimum(passes, stops.length)
     if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
         cache.end_rows(start + num_valid)
-    out = _output(req, new_tokens, num_valid, passes, passes[:, None], encode_s, decode_s,
-                  cache if keep_cache else None, texts_of)
+    out = _output(req, new_tokens=new_tokens, num_valid=num_valid, passes=passes, steps_per_canvas=passes[:, None],
+                  encode_s=encode_s, decode_s=decode_s, cache=cache if keep_cache else None, texts_of=texts_of)
     out.extra["stopped"] = stops.stopped
     out.extra["reused_prompt_tokens"] = reused
     out.extra["seeds"] = row_seed.tolist()

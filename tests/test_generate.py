@@ -2879,3 +2879,32 @@ def test_argmax_candidates_without_a_seed_give_one_answer(lm):
     kw = dict(max_new_tokens=8, max_denoising_steps=3, sampler="topk", candidates="argmax")
     runs = [lm.generate(prompt, **kw).sequences for _ in range(3)]
     assert all(torch.equal(r, runs[0]) for r in runs) and torch.equal(runs[0], lm.generate(prompt, seed=0, **kw).sequences)
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_output_puts_each_figure_in_its_own_field(lm, monkeypatch, engine):
+    """Both engines hand their figures to one builder (_output): the prompt's encode time is encode_seconds and the
+    decoding's denoise_seconds, the passes forward_passes, and AR's steps per canvas its passes (one position each),
+    each where the GenerationOutput docs say. A prompt encode that takes an hour on a stand-in clock shows which of
+    the two times took it (a real sleep would race a busy machine's decoding)."""
+    import time
+
+    import blockpress.generate as G
+
+    hour = 3600.0
+    skipped = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda real=time.perf_counter: real() + skipped[0])
+
+    def slow_encode(*args, real=G._encode_prompt, **kwargs):
+        skipped[0] += hour
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(G, "_encode_prompt", slow_encode)
+    out = getattr(lm, engine)([[3, 4, 5]], max_new_tokens=6, seed=0)
+    assert out.encode_seconds >= hour > out.denoise_seconds
+    assert out.forward_passes.tolist()[0] >= 1
+    if engine == "generate_ar":
+        assert torch.equal(out.steps_per_canvas, out.forward_passes[:, None])
+    else:
+        assert torch.equal(out.steps_per_canvas.sum(1), out.forward_passes)
+    assert torch.allclose(out.tokens_per_forward, out.num_chosen_tokens.float() / out.forward_passes)
