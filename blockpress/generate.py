@@ -1009,7 +1009,7 @@ class _Bans:
         logits.index_put_(at, logits[at].masked_fill(self.banned, float("-inf")))
 
 
-def prepare_logits(req: Request, logits: torch.Tensor, rows: torch.Tensor, history: torch.Tensor | None = None,
+def prepare_logits(req: Request, logits: torch.Tensor, rows: torch.Tensor, *, history: torch.Tensor | None = None,
                    canvas: torch.Tensor | None = None, counted: torch.Tensor | None = None, bans: _Bans | None = None,
                    unknown: torch.Tensor | None = None, eos: torch.Tensor | None = None,
                    eos_banned: torch.Tensor | None = None) -> torch.Tensor:
@@ -1311,8 +1311,8 @@ class _Decoding:
             broken |= no_choice(logits)
         # the new text so far counts for the penalties: a template's fixed tokens are given, like the prompt
         counted = None if w.history is None else w.state.settled & w.writable
-        logits = prepare_logits(req, logits, w.rows, w.history, w.state.canvas, counted, w.bans, self.unknown,
-                                self.eos, w.eos_banned)
+        logits = prepare_logits(req, logits, w.rows, history=w.history, canvas=w.state.canvas, counted=counted,
+                                bans=w.bans, unknown=self.unknown, eos=self.eos, eos_banned=w.eos_banned)
         # The constraint's bans go into the logits too, once: the hooks' check and the sampler read every ban there as
         # -inf (which stays -inf under the temperature).
         if req.constraint is not None:
@@ -1483,7 +1483,7 @@ def run_ar(
     for i in range(n_new):
         # as a canvas of one position, every row's (the batch never shrinks); no EOS before a row's min_new_tokens
         eos_banned = (i < minimum)[:, None] if req.eos_ids and i < most_min else None
-        logits = prepare_logits(req, logits[:, None], all_rows, history, bans=first_bans if i == 0 else None,
+        logits = prepare_logits(req, logits[:, None], all_rows, history=history, bans=first_bans if i == 0 else None,
                                 unknown=unknown, eos=eos, eos_banned=eos_banned)[:, 0]
         if req.logits_processor is not None:  # read with the end checks below (no host sync a token)
             trouble |= no_choice(logits, ~finished)
