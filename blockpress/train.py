@@ -330,6 +330,25 @@ def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: 
     return model
 
 
+def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_TARGETS) -> None:
+    """Refuse a LoRA rank above any adapted layer's full rank, min(in_features, out_features): B @ A of a larger rank
+    is no more than a full-rank update there, and its adapters only cost memory (peft builds them without a check:
+    --lora-rank 100000 on a hidden size of 256 was killed for memory while the adapters were made, without a word).
+    A rank above some layers' full rank and not others' is taken, as peft takes it."""
+    sizes = {name: min(module.in_features, module.out_features) for name, module in model.named_modules()
+             if isinstance(module, (nn.Linear, QuantizedLinear)) and any(name == t or name.endswith(f".{t}")
+                                                                          for t in targets)}
+    if not sizes:
+        return  # (add_lora names the target that is absent)
+    name = max(sizes, key=sizes.get)
+    if rank > sizes[name]:
+        layer = model.get_submodule(name)
+        raise ValueError(f"lora_rank: {rank} is more than any adapted layer can use: an update of rank min(in, out "
+                         f"features) is already full-rank, and the largest among the adapted layers is {sizes[name]} "
+                         f"({name}: "
+                         f"{layer.in_features} -> {layer.out_features}); expected 1 to {sizes[name]}")
+
+
 def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Fold the adapters into the base weights and restore plain nn.Linear layers; the model comes back in
     `dtype`. The sum is taken in float32 whatever the base's dtype: folded into bf16 weights, the update is
@@ -830,6 +849,8 @@ class Trainer:
         stops = lm._eos_ids()
         eos = [i for i in text.eos_token_ids if i in stops] or stops
         self.eos = eos[0] if eos else self.pad
+        if cfg.lora_rank:  # before the adapters are built: a rank far too large is a silent OOM there
+            check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
         if cfg.quantize is not None and lm.quantization is None:  # (blockpress train quantizes while loading)
             lm.quantize(cfg.quantize)
         model = lm.model.train()

@@ -83,7 +83,8 @@ class TrainConfig:
     seed: int = setting(0, "seeds data order, corruption and self-conditioning choices")
     autocast: bool = setting(True, "bfloat16 autocast where the hardware has it (CUDA)")
     cpu_autocast: bool = setting(False, "bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
-    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (on the layers chosen below) instead of all weights; "
+    lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (on the layers chosen below; at most their largest "
+                             "full rank, min(in, out) features) instead of all weights; "
                              "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter (each "
                              "save writes that folder, so a save before the end loads too)")
     lora_alpha: float = setting(16, "with --lora-rank: LoRA scaling numerator (the update is alpha / rank * B @ A)")

@@ -156,6 +156,29 @@ def test_lora_targets_alpha_and_the_trainable_count(base, tmp_path, capsys):
     assert "unknown module(s) ['q']; expected comma-separated names among q_proj, k_proj" in capsys.readouterr().err
 
 
+def test_a_lora_rank_above_every_adapted_layers_full_rank_is_refused_naming_the_flag(base, tmp_path, capsys):
+    """peft builds adapters of any rank: --lora-rank 100000 on blockpress-code (hidden 256) was killed for memory
+    while they were made, without a word. The tiny base's largest layer of full rank: min(in, out) = hidden."""
+    data = write_text_data(tmp_path / "d.jsonl", "")
+    sizes = {name: min(m.in_features, m.out_features) for name, m in blockpress.load(base).model.named_modules()
+             if isinstance(m, nn.Linear) and name.endswith(("_proj",)) and "router" not in name}
+    hidden = max(sizes.values())
+    kv = max(size for name, size in sizes.items() if name.endswith("k_proj"))
+    assert kv < hidden  # (the tiny preset's grouped keys are narrower than the residual stream)
+    capsys.readouterr()
+    assert train(data, tmp_path / "huge", "--model", str(base), "--lora-rank", str(hidden + 1), "--quiet") == 2
+    err = capsys.readouterr().err
+    assert f"--lora-rank: {hidden + 1} is more than any adapted layer can use" in err
+    assert f"expected 1 to {hidden}" in err
+    assert not (tmp_path / "huge").exists()
+    # the bound is the adapted layers' own: k_proj alone is narrower
+    assert train(data, tmp_path / "k", "--model", str(base), "--lora-rank", str(kv + 1), "--lora-targets",
+                 "k_proj", "--quiet") == 2
+    assert f"expected 1 to {kv}" in capsys.readouterr().err
+    # a full-rank update on the widest layer is taken (and more than the narrower layers' rank, as peft takes it)
+    assert train(data, tmp_path / "full", "--model", str(base), "--lora-rank", str(hidden), "--quiet") == 0
+
+
 def test_a_lora_runs_mid_run_save_loads_and_resumes_without_data_as_its_hint_says(base, tmp_path, capsys, monkeypatch):
     """Its saves held the adapters only inside trainer_state.pt (nothing to evaluate until the run ended), and
     "finish it with `blockpress train --resume --out OUT`" failed: --data was required."""
