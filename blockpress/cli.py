@@ -878,7 +878,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         # before the base is looked for and loaded (a minute for a quantized one): a finished LoRA run said "give
         # --model", then, with it, that it had finished
-        check_continues(args.out, read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu"), cfg)
+        state = read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu")
+        check_continues(args.out, state, cfg)
+        lora_shape = state.get("base_shape")  # (checked against the model as soon as it loads)
+        del state
+    if args.resume and saved.get("lora_rank") and args.model is not None:
+        from blockpress.train import check_lora_resume_model
+
+        check_lora_resume_model(args.out, args.model)  # before it loads, and before the data is read with it
     if args.resume and args.model is None and args.config is None:
         from blockpress.train import LORA_BASE_FILE, lora_base
 
@@ -913,6 +920,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
         lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
                         cfg.quantize or "none")
+        if args.resume and saved.get("lora_rank") and lora_shape:
+            from blockpress.train import shape_differences
+
+            # another base (its recorded one gone) of another shape: said before the data is read with it
+            differ = shape_differences(lora_shape, lm.model, "this model")
+            if differ:
+                raise ValueError(f"--model {args.model}: not of the shape of the base the LoRA run in {args.out} "
+                                 f"trained its adapters over: {', '.join(differ)}")
         if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
             # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
             cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})

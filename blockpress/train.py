@@ -1050,6 +1050,8 @@ class Trainer:
 
         state = read_trainer_state(check_resumable(self.out))
         check_continues(self.out, state, self.cfg)
+        if self.cfg.lora_rank and self.lm.path is not None:
+            check_lora_resume_model(self.out, self.lm.path)
         # A model of another shape than the run's: refused by the fields that differ (torch's size mismatches were
         # 40 lines for adapters, a deep traceback for weights). The run's shape: as saved with it (runs saved before
         # it was: a full fine-tune's config.json; a LoRA run's adapters, refused by torch's first line below).
@@ -1334,6 +1336,35 @@ def lora_base(out: str | Path) -> str | None:
         return json.loads((Path(out) / LORA_BASE_FILE).read_text())["model"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def check_lora_resume_model(out: str | Path, model: str | Path) -> None:
+    """Refuse `model` as the base of the LoRA run in `out` to be resumed (`--resume --out OUT --model MODEL`) where it
+    is not the base the run's adapters train over, naming both: the run's own folder or its adapter folder (their
+    weights hold the adapters' update already, which would count twice: it was taken without a word, and the run
+    then recorded itself as its own base), or another model than the recorded base, while that one is there (one
+    of another shape failed on whatever it lacked first, e.g. "text records need a tokenizer"). A base recorded as
+    none, or gone, lets `model` stand in for it; Trainer.resume checks its shape."""
+    from .lm import resolve_path
+
+    try:
+        given = resolve_path(model).resolve()
+    except (FileNotFoundError, ValueError):
+        return  # (loading it says what is wrong)
+    run, recorded = Path(out).expanduser().resolve(), lora_base(out)
+    trains = f"; its adapters train over {recorded}, which --resume loads when --model is left out" if recorded else ""
+    if given == run or run in given.parents:
+        raise ValueError(f"--model {model}: the LoRA run in {out} itself, whose weights hold the update of the "
+                         f"adapters being trained (it would count twice){trains}")
+    if recorded is None:
+        return
+    try:
+        base = resolve_path(recorded).resolve()
+    except (FileNotFoundError, ValueError):
+        return  # moved or deleted: the model given stands in
+    if given != base:
+        raise ValueError(f"--model {model}: not the base of the LoRA run in {out}, whose adapters train over "
+                         f"{recorded}; leave --model out to continue on it (or start a new run on {model})")
 
 
 class _StopOnInterrupt:

@@ -156,6 +156,30 @@ def test_lora_targets_alpha_and_the_trainable_count(base, tmp_path, capsys):
     assert "unknown module(s) ['q']; expected comma-separated names among q_proj, k_proj" in capsys.readouterr().err
 
 
+def test_resuming_a_lora_run_over_another_model_than_its_base_is_refused_naming_both(base, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """--model blockpress-sudoku failed on the data ("text records need a tokenizer"), and --model OUT (the run's
+    merged checkpoint, which a --max-minutes stop writes) was taken: the adapters' update counted twice."""
+    data, own, out = write_text_data(tmp_path / "d.jsonl", ""), tmp_path / "own", tmp_path / "run"
+    shutil.copytree(base, own)
+    with monkeypatch.context() as patch:
+        patch.setattr(blockpress.train, "_StopOnInterrupt", StopAtOnce)
+        assert train(data, out, "--model", str(own), "--lora-rank", "2", "--quiet", steps=2) == 130
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(out), "--model", "blockpress-sudoku", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--model blockpress-sudoku: not the base of the LoRA run" in err and f"train over {own.resolve()}" in err
+    for given in (out, out / "adapter"):
+        assert main(["train", "--resume", "--out", str(out), "--model", str(given), "--quiet"]) == 2
+        assert "the LoRA run in" in (err := capsys.readouterr().err) and "count twice" in err
+    # the recorded base gone: another model stands in for it, if it has the base's shape
+    shutil.rmtree(own)
+    assert main(["train", "--resume", "--out", str(out), "--model", "blockpress-sudoku", "--quiet"]) == 2
+    assert "--model blockpress-sudoku: not of the shape of the base" in capsys.readouterr().err
+    shutil.copytree(base, tmp_path / "moved")
+    assert main(["train", "--resume", "--out", str(out), "--model", str(tmp_path / "moved"), "--quiet"]) == 0
+
+
 def test_a_lora_rank_above_every_adapted_layers_full_rank_is_refused_naming_the_flag(base, tmp_path, capsys):
     """peft builds adapters of any rank: --lora-rank 100000 on blockpress-code (hidden 256) was killed for memory
     while they were made, without a word. The tiny base's largest layer of full rank: min(in, out) = hidden."""

@@ -327,7 +327,8 @@ def test_a_lora_run_cut_short_resumes_on_its_own_base_and_refuses_another(tmp_pa
     resume = [a for a in train_args(data, mid, steps=3) if a not in ("--config", "tiny")] + ["--resume"]
     assert main(resume + ["--model", str(other)]) == 2
     err = capsys.readouterr().err
-    assert "do not fit this base model; they were trained on --model" in err and "Traceback" not in err
+    assert f"--model {other}: not the base of the LoRA run" in err and "Traceback" not in err
+    assert f"train over {(tmp_path / 'base').resolve()}" in err
     assert main(resume) == 0  # its own base, found beside the adapters
     assert blockpress.load(mid).config.text.hidden_size == blockpress.load(tmp_path / "base").config.text.hidden_size
 
