@@ -567,6 +567,24 @@ def _local_module(target: str) -> str | None:
     return local.removesuffix(".weight") if local else None
 
 
+def _targeted(cfg: dict[str, Any]) -> Callable[[str], bool]:
+    """Whether peft applies the adapter of a (reference) module, by adapter_config.json's target_modules,
+    exclude_modules, layers_to_transform and layers_pattern: peft adapts the modules they select and loads their
+    weights alone, leaving the file's others out without a word. Its own matcher, so blockpress applies what it
+    applies. No target_modules (or "all-linear"): every module the file holds."""
+    from types import SimpleNamespace
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    modules = cfg.get("target_modules")
+    if modules is None or modules == "all-linear":
+        return lambda target: True
+    config = SimpleNamespace(target_modules=modules, exclude_modules=cfg.get("exclude_modules"), modules_to_save=None,
+                             target_parameters=cfg.get("target_parameters"),
+                             layers_to_transform=cfg.get("layers_to_transform"), layers_pattern=cfg.get("layers_pattern"))
+    return lambda target: bool(check_target_module_exists(config, target))
+
+
 def describe_adapter(path: str | Path) -> dict[str, Any]:
     """An adapter folder as `blockpress info` shows it, read from its config and its safetensors header (no tensor
     data): rank, alpha, the kinds of layer it adapts, its parameters as blockpress holds them (the reference's
@@ -575,8 +593,11 @@ def describe_adapter(path: str | Path) -> dict[str, Any]:
     cfg = _read_adapter_config(path)
     stored = MappedSafetensors(path / ADAPTER_FILES[1])
     modules: dict[str, int] = {}  # blockpress's module -> its adapter's parameters
+    targeted = _targeted(cfg)
     for key in stored.keys():
         match = _PEFT_KEY.fullmatch(key)
+        if match and not targeted(match.group(1)):
+            continue  # (not applied: see apply_adapter)
         module = _local_module(match.group(1)) if match else None
         if module is not None and stored.shape(key) and f"{module}.{match.group(2)}" not in modules:
             modules[f"{module}.{match.group(2)}"] = math.prod(stored.shape(key))
@@ -615,6 +636,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
     linear = {name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))}
     stored = MappedSafetensors(path / ADAPTER_FILES[1])
     found: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # local module -> reference module -> A, B
+    targeted, untargeted = _targeted(cfg), set()
     for key in stored.keys():
         match = _PEFT_KEY.fullmatch(key)
         if match is None:
@@ -627,9 +649,17 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
                          f"attention's and the dense MLP's ({', '.join(LORA_MODULES)})")
         if module not in linear:
             raise refuse(f"it adapts {target!r}, which is not a linear layer of this base ({model.config.describe()})")
+        if not targeted(target):  # as peft: adapter_config.json's target_modules choose (a folder edited by hand)
+            untargeted.add(target)
+            continue
         found.setdefault(module, {}).setdefault(target, {})[side] = stored.tensor(key)
+    if untargeted:
+        kept = f"applied to the {sum(map(len, found.values()))} it selects" if found else "none applied"
+        warnings.warn(f"adapter {path}: {ADAPTER_FILES[1]} holds the adapters of {len(untargeted)} module(s) that "
+                      f"{ADAPTER_FILES[0]}'s target_modules does not select (e.g. {min(untargeted)!r}); they are left "
+                      f"out, as peft leaves them out ({kept})", stacklevel=2)
     if not found:
-        raise refuse("no LoRA weights in it")
+        raise refuse("no LoRA weights in it" + (" that its target_modules selects" if untargeted else ""))
     for module, by_target in found.items():
         twins = [name.removesuffix(".weight") for name in reference_names(f"{module}.weight")]
         absent = [twin for twin in twins if twin not in by_target]

@@ -7,6 +7,7 @@ import shutil
 import warnings
 
 import pytest
+import torch
 from torch import nn
 
 import blockpress
@@ -178,6 +179,41 @@ def test_resuming_a_lora_run_over_another_model_than_its_base_is_refused_naming_
     assert "--model blockpress-sudoku: not of the shape of the base" in capsys.readouterr().err
     shutil.copytree(base, tmp_path / "moved")
     assert main(["train", "--resume", "--out", str(out), "--model", str(tmp_path / "moved"), "--quiet"]) == 0
+
+
+def test_an_adapter_applies_only_the_modules_its_config_selects_as_peft_does(base, tmp_path):
+    """peft adapts the modules adapter_config.json's target_modules (and layers_to_transform) select and loads their
+    weights alone; blockpress applied every tensor in the file, so a folder edited by hand ran otherwise than in
+    peft. Expected: the merged weights of a folder whose file holds the selected modules' tensors alone."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "run"
+    assert train(write_text_data(tmp_path / "d.jsonl", ""), out, "--model", str(base), "--lora-rank", "2",
+                 "--quiet", steps=2) == 0
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    tensors = load_file(out / "adapter" / "adapter_model.safetensors")
+
+    def folder(name, edit):
+        made = tmp_path / name
+        shutil.copytree(out / "adapter", made)
+        (made / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+        return made
+
+    full = dict(blockpress.load(out / "adapter").model.named_parameters())
+    cases = [({"target_modules": [m for m in config["target_modules"] if m.endswith("q_proj")]},
+              lambda k: ".q_proj." in k),
+             # peft's short names and layer indexes (with whole names listed, peft takes them whatever the indexes)
+             ({"target_modules": ["q_proj"], "layers_to_transform": [0]}, lambda k: ".layers.0.self_attn.q_proj." in k)]
+    for i, (edit, keep) in enumerate(cases):
+        edited = folder(f"edited{i}", edit)
+        cut = folder(f"cut{i}", {})  # the full config, its file holding the selected modules' tensors alone
+        save_file({k: v for k, v in tensors.items() if keep(k)}, cut / "adapter_model.safetensors",
+                  metadata={"format": "pt"})
+        with pytest.warns(UserWarning, match="target_modules does not select"):
+            got = dict(blockpress.load(edited).model.named_parameters())
+        want = dict(blockpress.load(cut).model.named_parameters())
+        assert all(torch.equal(got[name], want[name]) for name in want), edit
+        assert not all(torch.equal(got[name], full[name]) for name in full), edit  # (the edit changes something)
 
 
 def test_a_lora_rank_above_every_adapted_layers_full_rank_is_refused_naming_the_flag(base, tmp_path, capsys):
