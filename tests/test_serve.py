@@ -1260,24 +1260,30 @@ def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included
         assert r.status_code == 503
 
 
+def _threaded_server(grace: float):
+    """blockpress serve's server class on random-tiny (one request at a time, 8 steps a canvas) in a thread:
+    (server, its thread, base URL), started."""
+    from blockpress.cli import _server_class
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 8}
+    app = create_app(lm, MODEL, max_batch=1)
+    srv = _server_class()(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                                         timeout_graceful_shutdown=grace))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        thread.join(0.05)
+    return srv, thread, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+
+
 def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
     """A stop signal's grace period running out cancelled the handlers: a non-streamed request got a bare plain-text
     500, nothing told the engine, which kept generating for nobody until the exit aborted (rc 134); a stream just
     ended, looking like a short answer. Now every queued or running request is cut with an OpenAI-style 503 (a
     stream: an error event, no [DONE]) and the engine thread stops within a step."""
-    from blockpress.cli import _server_class
-
-    lm = load_model("random-tiny", None, "cpu")
-    lm.generation_config = {"max_denoising_steps": 8}
-    app = create_app(lm, MODEL, max_batch=1)  # one request runs, the other waits in the queue
-    srv = _server_class()(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
-                                         timeout_graceful_shutdown=0.2))
+    srv, thread, base = _threaded_server(grace=0.2)  # one request runs, the other waits in the queue
     engine = srv.config.app.state.engine
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        thread.join(0.05)
-    base = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "seed": 1}  # many seconds
 
     def plain():
@@ -1314,19 +1320,8 @@ def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     aborted (rc 134). Now either cuts what is in flight at once with the grace period's 503, and the engine stops."""
     import signal
 
-    from blockpress.cli import _server_class
-
-    lm = load_model("random-tiny", None, "cpu")
-    lm.generation_config = {"max_denoising_steps": 8}
-    app = create_app(lm, MODEL, max_batch=1)
-    srv = _server_class()(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
-                                         timeout_graceful_shutdown=60))  # far longer than the test waits
+    srv, thread, base = _threaded_server(grace=60)  # far longer than the test waits
     engine = srv.config.app.state.engine
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        thread.join(0.05)
-    base = f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "seed": 1}  # many seconds
     with cf.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(httpx.post, base + "/v1/completions", json=body, timeout=15)
