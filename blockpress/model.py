@@ -29,25 +29,55 @@ from .config import ACTIVATIONS, PREFILL_CHUNK, LayerSpec, ModelConfig, TextConf
 KVSource = Callable[[int, LayerSpec, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _gelu_10(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x).clamp(-10.0, 10.0)
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+def _linear(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _laplace(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1.0 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0))))
+
+
+def _sqrtsoftplus(x: torch.Tensor) -> torch.Tensor:
+    return F.softplus(x).sqrt()
+
+
 # The gate activations of the dense MLP, the experts and self-conditioning, by the names config.ACTIVATIONS maps
 # transformers' names to (the same maths as transformers' ACT2FN: a test checks each against it).
+# Module-level functions, not lambdas: a layer holds its activation, and pickle (torch.save(lm.model), an LM sent
+# to a multiprocessing worker) finds a function by its name, which a lambda has not.
 ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": _gelu_tanh,
     "gelu": F.gelu,
-    "gelu_10": lambda x: F.gelu(x).clamp(-10.0, 10.0),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu_10": _gelu_10,
+    "quick_gelu": _quick_gelu,
     "silu": F.silu,
     "relu": F.relu,
-    "relu2": lambda x: F.relu(x).square(),
+    "relu2": _relu2,
     "relu6": F.relu6,
     "leaky_relu": F.leaky_relu,  # torch's default slope, 0.01, as transformers builds it
     "hardswish": F.hardswish,
     "mish": F.mish,
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
-    "linear": lambda x: x,
-    "laplace": lambda x: 0.5 * (1.0 + torch.erf((x - 0.707107) / (0.282095 * math.sqrt(2.0)))),
-    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "linear": _linear,
+    "laplace": _laplace,
+    "sqrtsoftplus": _sqrtsoftplus,
 }
 
 

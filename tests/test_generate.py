@@ -2908,3 +2908,28 @@ def test_output_puts_each_figure_in_its_own_field(lm, monkeypatch, engine):
     else:
         assert torch.equal(out.steps_per_canvas.sum(1), out.forward_passes)
     assert torch.allclose(out.tokens_per_forward, out.num_chosen_tokens.float() / out.forward_passes)
+
+
+
+def test_an_lm_pickles_and_generates_the_same(lm):
+    """pickle (torch.save(lm.model), an LM sent to a multiprocessing worker) found no lambda by name: every LM of a
+    gelu-tanh model (Gemma's) failed with 'Can't pickle <function <lambda>>: attribute lookup <lambda> on
+    blockpress.model failed'."""
+    import pickle
+
+    twin = pickle.loads(pickle.dumps(lm))
+    prompt = [[2, 5, 7, 9]]
+    ours = lm.generate(prompt, max_new_tokens=8, seed=1, sampler="entropy_bound")
+    theirs = twin.generate(prompt, max_new_tokens=8, seed=1, sampler="entropy_bound")
+    assert torch.equal(ours.sequences, theirs.sequences)
+
+
+@pytest.mark.parametrize("name", sorted(blockpress.config.ACTIVATIONS))
+def test_every_activation_pickles(name):
+    import pickle
+
+    from blockpress.config import ACTIVATIONS
+    from blockpress.model import ACTIVATION_FUNCTIONS
+
+    function = ACTIVATION_FUNCTIONS[ACTIVATIONS[name]]
+    assert pickle.loads(pickle.dumps(function)) is function
