@@ -1773,7 +1773,30 @@ def print_warning(message: str) -> None:
     show_warning(message, UserWarning, __file__, 0)
 
 
+def is_utf8(stream: Any) -> bool:
+    """Whether text stream `stream` encodes as UTF-8 (a stream without an encoding, a test's capture, counts)."""
+    import codecs
+
+    encoding = getattr(stream, "encoding", None)
+    return not encoding or codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
+
+
+def utf8_stdio() -> None:
+    """Standard output written as UTF-8 when it is a file or pipe: the encoding every file blockpress reads and
+    writes has. Python gives it the locale's, which on Windows is an ANSI code page (cp1252): `generate ... >
+    out.txt` ended in "'charmap' codec can't encode character" after the whole generation for any text outside it
+    (CJK, emoji, "✓"), and wrote nothing. A terminal keeps its own encoding (a Windows console is UTF-8 already);
+    one that cannot show a character gets "?" rather than the error."""
+    stdout = sys.stdout
+    if stdout is not None and hasattr(stdout, "reconfigure") and not is_utf8(stdout):
+        if stdout.isatty():
+            stdout.reconfigure(errors="replace")
+        else:
+            stdout.reconfigure(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
+    utf8_stdio()
     args = build_parser().parse_args(argv)
     # Set for the command's run alone, not on import: the library's users keep Python's warnings.
     with warnings.catch_warnings():

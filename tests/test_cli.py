@@ -109,6 +109,23 @@ def test_generate_reads_the_prompt_from_stdin_given_a_dash(capsys, monkeypatch):
     assert got["prompt"] == "def add(a, b):" and got["text"] == want["text"]
 
 
+def windows_stream(data: bytes | None = None) -> io.TextIOWrapper:
+    """A standard stream as Python opens a file or pipe on a Western-European Windows: the ANSI code page, strict."""
+    return io.TextIOWrapper(io.BytesIO(data or b""), encoding="cp1252", errors="strict")
+
+
+def test_output_to_a_file_is_utf8_whatever_the_locale(monkeypatch):
+    """Redirected on Windows, stdout was cp1252: a prompt or answer with any character outside it ("\u2713") ended
+    in "'charmap' codec can't encode character" after the whole generation, and nothing was written."""
+    out = windows_stream()
+    monkeypatch.setattr(sys, "stdout", out)
+    prompt = "def check(): return '\u2713 \u6570'  # "
+    assert main(["generate", prompt, "--model", "random-tiny", "--max-new-tokens", "4", "--steps", "2",
+                 "--seed", "1", "--no-live"]) == 0
+    out.flush()
+    assert out.buffer.getvalue().decode("utf-8").startswith(prompt)
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr
