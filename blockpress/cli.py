@@ -1782,17 +1782,24 @@ def is_utf8(stream: Any) -> bool:
 
 
 def utf8_stdio() -> None:
-    """Standard output written as UTF-8 when it is a file or pipe: the encoding every file blockpress reads and
-    writes has. Python gives it the locale's, which on Windows is an ANSI code page (cp1252): `generate ... >
-    out.txt` ended in "'charmap' codec can't encode character" after the whole generation for any text outside it
-    (CJK, emoji, "✓"), and wrote nothing. A terminal keeps its own encoding (a Windows console is UTF-8 already);
-    one that cannot show a character gets "?" rather than the error."""
-    stdout = sys.stdout
+    """Standard output written, and standard input read, as UTF-8 when they are a file or pipe: the encoding every
+    file blockpress reads and writes has. Python gives them the locale's, which on Windows is an ANSI code page
+    (cp1252): `generate ... > out.txt` ended in "'charmap' codec can't encode character" after the whole
+    generation for any text outside it (CJK, emoji, "✓"), and a piped UTF-8 prompt was read as mojibake ("grüße"
+    as "grÃ¼ÃŸe"), silently. Stdin keeps surrogateescape, so bytes that are not UTF-8 reach the prompt checks,
+    which name them. A terminal keeps its own encoding (a Windows console is UTF-8 already); one that cannot show
+    a character gets "?" rather than the error."""
+    stdout, stdin = sys.stdout, sys.stdin
     if stdout is not None and hasattr(stdout, "reconfigure") and not is_utf8(stdout):
         if stdout.isatty():
             stdout.reconfigure(errors="replace")
         else:
             stdout.reconfigure(encoding="utf-8")
+    if stdin is not None and hasattr(stdin, "reconfigure") and not stdin.isatty():
+        try:  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
+            stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape")
+        except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

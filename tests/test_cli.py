@@ -126,6 +126,18 @@ def test_output_to_a_file_is_utf8_whatever_the_locale(monkeypatch):
     assert out.buffer.getvalue().decode("utf-8").startswith(prompt)
 
 
+def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):
+    """Piped on Windows, stdin was decoded as cp1252: a UTF-8 prompt reached the model as mojibake ("grüße" as
+    "grÃ¼ÃŸe"), silently. A BOM is dropped; bytes that are not UTF-8 are refused by name, not guessed at."""
+    base = ["generate", "-", "--model", "random-tiny", "--max-new-tokens", "2", "--steps", "2", "--json"]
+    monkeypatch.setattr(sys, "stdin", windows_stream("\ufeffdef gr\u00fc\u00dfe(name):\n".encode("utf-8")))
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["prompt"] == "def gr\u00fc\u00dfe(name):\n"
+    monkeypatch.setattr(sys, "stdin", windows_stream(b"def gr\xfc(name):\n"))  # cp1252's own bytes: not UTF-8
+    assert main(base) == 2
+    assert "prompt: not valid UTF-8 (byte 0xfc at character 6)" in capsys.readouterr().err
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr
