@@ -483,7 +483,16 @@ def _bench_row(lm: LM, ref: Any, variants: dict[str, LM], b: int, s: BenchSettin
             _note(f"compiling blockpress with torch.compile for batch {b}, canvas {lm.config.canvas_length} "
                   "(minutes on a CPU, even for the tiny preset)...")
         started = time.perf_counter()
-        _warm_up(own)  # the first run compiles or captures
+        try:
+            _warm_up(own)  # the first run compiles or captures
+        except Exception as err:  # noqa: BLE001 - any compiler failure; the eager engines ran this prompt just now
+            if name != "compiled":
+                raise
+            # No C++ compiler (a Windows install without MSVC's cl, a slim container), an unsupported platform or
+            # Python: a page of torch._dynamo traceback said it, as the last line of 120.
+            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            raise ValueError(f"compile: torch.compile could not compile blockpress's steps ({why}); run without "
+                             "--compile (set TORCHDYNAMO_VERBOSE=1 for torch's trace)") from None
         if name == "compiled":
             _note(f"compiled in {time.perf_counter() - started:.0f} s")
         engines.update(own)

@@ -812,6 +812,30 @@ def test_bench_gives_every_engine_the_same_tries_and_times_ar_with_one_canvas(mo
     assert second["diffusion_over_ar"] == pytest.approx(second["blockpress"]["tok_s"] / first["blockpress_ar"]["tok_s"])
 
 
+def test_bench_compile_that_cannot_build_is_a_clear_error(monkeypatch, capsys):
+    """Where torch.compile cannot build (no C++ compiler: a Windows install without MSVC; simulated by CXX pointing
+    nowhere, it ended in 120 lines of torch._dynamo traceback), --compile is named with the cause, in one line.
+    The failure is stubbed here: inductor's own error, raised by the first compiled step."""
+    import torch
+
+    import blockpress.generate as generate
+
+    def unbuildable(fn, **options):
+        def run(*args, **kwargs):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found in torch._inductor.config.cpp.cxx: "
+                               "(None, 'cl')\n\nSet TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+        return run
+
+    monkeypatch.setattr(generate.torch, "compile", unbuildable)
+    assert generate.torch is torch
+    assert main(["bench", "--preset", "tiny", "--canvas-lengths", "8", "--new-tokens", "8", "--steps", "2",
+                 "--repeats", "1", "--no-reference", "--no-ar", "--compile"]) == 2
+    err = capsys.readouterr().err
+    assert ("blockpress bench: error: --compile: torch.compile could not compile blockpress's steps (RuntimeError: "
+            "InvalidCxxCompiler: No working C++ compiler found") in err
+    assert err.count("error:") == 1
+
+
 def test_bench_cuda_graphs_on_cpu_is_a_clear_error():
     r = run_cli("bench", "--preset", "tiny", "--cuda-graphs", "--new-tokens", "8", "--steps", "2")
     assert r.returncode == 2 and "--cuda-graphs: needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
