@@ -1436,12 +1436,13 @@ def flags_of(command: str) -> dict[str, str]:
 
 
 def train_flag_of() -> dict[str, str]:
-    """`train`'s settings by name: each TrainConfig field is the flag of the same name."""
+    """`train`'s settings by name: each TrainConfig field is the flag of the same name, and --device."""
     from dataclasses import fields
 
     from blockpress.train_config import TrainConfig
 
-    return {f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}
+    # and --device, train's own flag: the load's "device: 'mps' asked for, but MPS is not available here" named no flag
+    return {**{f.name: "--" + f.name.replace("_", "-") for f in fields(TrainConfig)}, "device": "--device"}
 
 
 def as_flags(message: str, flag_of: dict[str, str]) -> str:

@@ -33,6 +33,20 @@ def train_args(data, out, steps=3):
             "--batch-size", "4", "--log-every", "1", "--heldout", "0", "--quiet", "--warmup-steps", "1"]
 
 
+@pytest.mark.parametrize("device, why", [("mps", "MPS is not available here"), ("cuda", "sees no CUDA GPU")])
+def test_train_device_that_is_not_here_names_the_flag(tmp_path, capsys, device, why):
+    """As generate, info, serve and bench say it: train said "device: 'mps' asked for", naming no flag."""
+    if getattr(torch, device).is_available():
+        pytest.skip(f"{device} is available here")
+    data = write_data(tmp_path / "d.jsonl")
+    for model in (["--model", "blockpress-sudoku"], ["--config", "tiny"]):  # fine-tuning loads, a fresh model is built
+        args = train_args(data, tmp_path / "out")
+        args[1:3] = model
+        assert main([*args, "--device", device]) == 2
+        err = capsys.readouterr().err
+        assert f"blockpress train: error: --device: '{device}' asked for, but" in err and why in err
+
+
 def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "out")) == 0
