@@ -77,16 +77,21 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     terminal = sys.stderr is not None and sys.stderr.isatty()
     if keep:
         print(keep, file=sys.stderr, flush=True)
-    elif terminal:
-        print(f"loading {args.model} ...", end="", file=sys.stderr, flush=True)
+    from blockpress.live import display_width  # (imports torch, as the load does)
+
+    line = f"loading {args.model} ..."
+    if terminal and not keep:
+        print(line, end="", file=sys.stderr, flush=True)
     try:
         lm = load_model(args.model, args.dtype, args.device, args.quantize, args.adapter)
         if args.prefill_chunk is not None:
             lm.model.prefill_chunk = args.prefill_chunk
         return lm
     finally:
-        if terminal and not keep:
-            print("\r\x1b[K", end="", file=sys.stderr, flush=True)  # the line erased, loaded or not
+        if terminal and not keep:  # the line erased, loaded or not: overwritten with spaces, which every terminal
+            # takes; the escape "\x1b[K" showed as "^[[K" where TERM=dumb (Emacs' shell) and on a Windows console
+            # without VT processing (conhost, cmd.exe) as "←[K"
+            print("\r" + " " * display_width(line) + "\r", end="", file=sys.stderr, flush=True)
 
 
 def emulated_dtype_note(dtype: str | None, device: str) -> str | None:

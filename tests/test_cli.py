@@ -2392,3 +2392,18 @@ def test_chat_stopped_on_a_terminal_leaves_what_was_made_on_screen(monkeypatch, 
     assert made[0] and made[1].endswith("model> " + terminal_text(made[0]))
     assert "(stopped; that message was dropped, the conversation goes on)" in capsys.readouterr().err
     assert screen.getvalue().startswith(made[1]) and screen.getvalue().count("model> ") == 2
+
+
+def test_loading_line_on_a_terminal_is_erased_without_escape_sequences(monkeypatch):
+    """The "loading M ..." line a terminal's stderr shows during the load was erased with "\\r\\x1b[K": shown as
+    "^[[K" where TERM=dumb (Emacs' shell) and "←[K" on a Windows console without VT processing. Spaces erase it
+    on any terminal; a pipe still gets no line at all."""
+    from blockpress.cli import load_announced
+
+    args = build_parser().parse_args(["generate", "x", "--model", "random-tiny"])
+    for stderr, shown in ((TerminalIO(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        load_announced(args)
+        err = stderr.getvalue()
+        assert "\x1b" not in err
+        assert err == ("loading random-tiny ...\r" + " " * len("loading random-tiny ...") + "\r" if shown else "")
