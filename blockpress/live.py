@@ -33,9 +33,35 @@ def terminal_text(text: str) -> str:
 
 
 def live_terminal(stream: TextIO, env: dict[str, str] | None = None) -> bool:
-    """A terminal that can take cursor movement: a tty whose TERM is not "dumb"."""
+    """A terminal that can take cursor movement: a tty whose TERM is not "dumb", and on Windows a console whose
+    VT processing is on or could be turned on (a console left without it, as conhost gives cmd.exe and PowerShell
+    on Windows 10 unless asked, prints escape sequences as text: every redraw as "←[2A←[J..." lines)."""
     env = os.environ if env is None else env
-    return stream.isatty() and env.get("TERM", "") != "dumb"
+    if not stream.isatty() or env.get("TERM", "") == "dumb":
+        return False
+    return sys.platform != "win32" or windows_vt_mode(stream)
+
+
+ENABLE_VIRTUAL_TERMINAL_PROCESSING = 0x0004
+
+
+def windows_vt_mode(stream: TextIO) -> bool:
+    """Windows: whether `stream`'s console takes escape sequences, turning its VT processing on if it can (Windows
+    Terminal has it on; conhost takes it from Windows 10 1511 when asked). False on any failure: no live view."""
+    try:
+        import ctypes
+        import msvcrt
+
+        kernel32 = ctypes.windll.kernel32  # type: ignore[attr-defined]
+        handle = msvcrt.get_osfhandle(stream.fileno())  # type: ignore[attr-defined]
+        mode = ctypes.c_uint32()
+        if not kernel32.GetConsoleMode(handle, ctypes.byref(mode)):
+            return False
+        if mode.value & ENABLE_VIRTUAL_TERMINAL_PROCESSING:
+            return True
+        return bool(kernel32.SetConsoleMode(handle, mode.value | ENABLE_VIRTUAL_TERMINAL_PROCESSING))
+    except (ImportError, AttributeError, OSError, ValueError):  # not Windows, or a stream without a console handle
+        return False
 
 
 def display_width(text: str) -> int:

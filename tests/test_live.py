@@ -156,3 +156,65 @@ def test_control_characters_from_the_model_never_reach_the_terminal():
     written = out.getvalue()
     assert "\x1b[31m" not in written and "\x07" not in written and "\x9b" not in written and "\r\n" not in written
     assert written.endswith("pred \ufffd[31mtext\ufffd \ufffd2J x\ny")
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+    def fileno(self):
+        return 1
+
+
+def test_live_view_on_windows_only_where_the_console_takes_escape_sequences(monkeypatch):
+    """A Windows console without VT processing (conhost under cmd.exe or PowerShell on Windows 10, unless asked)
+    prints escape sequences as text: the live view drew every redraw as "←[2A←[J..." lines. There it is live
+    only where VT processing is on or can be turned on; elsewhere it prints the result alone, as TERM=dumb does."""
+    import blockpress.live as live
+
+    asked = []
+    monkeypatch.setattr(live, "windows_vt_mode", lambda stream: asked.append(stream) or vt)
+    tty = _Tty()
+    for platform, vt, want in (("linux", False, True), ("darwin", False, True), ("win32", False, False),
+                               ("win32", True, True)):
+        monkeypatch.setattr(sys, "platform", platform)
+        assert live.live_terminal(tty, env={}) is want, (platform, vt)
+        assert live.live_terminal(io.StringIO(), env={}) is False  # a pipe never
+        assert live.live_terminal(tty, env={"TERM": "dumb"}) is False
+    assert len(asked) == 2  # asked on Windows alone, of a terminal alone
+
+
+@pytest.mark.parametrize("mode, settable, want, set_to", [
+    (0x3, True, True, 0x7),     # off: turned on
+    (0x7, True, True, None),    # on already (Windows Terminal): left as it is
+    (0x3, False, False, 0x7),   # a console too old to take it
+    (None, True, False, None),  # no console behind the handle (GetConsoleMode fails)
+])
+def test_windows_vt_mode_turns_vt_processing_on_when_it_can(monkeypatch, mode, settable, want, set_to):
+    """The console calls, stubbed (this runs on any OS): ENABLE_VIRTUAL_TERMINAL_PROCESSING (0x4) added to the
+    console's mode, the rest of it kept."""
+    import ctypes
+    import types
+
+    import blockpress.live as live
+
+    calls = []
+
+    class Kernel32:
+        @staticmethod
+        def GetConsoleMode(handle, ref):
+            assert handle == 101
+            if mode is None:
+                return 0
+            ref._obj.value = mode
+            return 1
+
+        @staticmethod
+        def SetConsoleMode(handle, value):
+            calls.append(value)
+            return 1 if settable else 0
+
+    monkeypatch.setattr(ctypes, "windll", types.SimpleNamespace(kernel32=Kernel32), raising=False)
+    monkeypatch.setitem(sys.modules, "msvcrt", types.SimpleNamespace(get_osfhandle=lambda fd: 100 + fd))
+    assert live.windows_vt_mode(_Tty()) is want
+    assert calls == ([] if set_to is None else [set_to])
