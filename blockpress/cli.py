@@ -167,7 +167,9 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
                    if lengths else argparse.SUPPRESS)
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="no end-of-sequence before this many tokens" if lengths else argparse.SUPPRESS)
-    g.add_argument("--steps", type=int, default=None, help="max denoising steps per canvas")
+    # (also under the library's and generation_config.json's name, which users carry over from the Python API)
+    g.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None,
+                   help="max denoising steps per canvas")
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
     g.add_argument("--entropy-bound", type=float, default=None,
@@ -1614,7 +1616,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="cpu", help="torch device")
     add_load_args(p)
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None,
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule (default: the model's; topk for blockpress-sudoku)")

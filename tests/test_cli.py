@@ -55,6 +55,18 @@ def test_generate_json(capsys):
         assert key in data
 
 
+def test_max_denoising_steps_is_the_library_name_of_steps(capsys):
+    """--max-denoising-steps (the Python API's and generation_config.json's name) was "unrecognized arguments"."""
+    runs = {}
+    for flag in ("--steps", "--max-denoising-steps"):
+        assert main(["generate", "def f(x):", "--model", MODEL, "--max-new-tokens", "12", flag, "2", "--seed", "1",
+                     "--json"]) == 0
+        runs[flag] = json.loads(capsys.readouterr().out)
+    assert runs["--steps"]["text"] == runs["--max-denoising-steps"]["text"]
+    # two steps a canvas at most: the 12 tokens took at most one canvas's two passes (more steps would take more)
+    assert runs["--max-denoising-steps"]["forward_passes"] <= 2 * -(-12 // blockpress.load(MODEL).config.canvas_length)
+
+
 @pytest.mark.parametrize("command", [["generate", "def add(a, b):", "--max-new-tokens", "8"],
                                      ["infill", "def f(<|hole:4|>):"]])
 def test_json_gives_the_seed_that_repeats_the_text(capsys, command):
