@@ -833,7 +833,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         init_distributed,
     )
 
-    init_distributed()
+    args.device = init_distributed(args.device)  # under torchrun on CUDA: this process's GPU, cuda:LOCAL_RANK
     args.out = os.path.expanduser(args.out)  # --out=~/x reaches us unexpanded (bash expands ~ only at a word's start)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -48,6 +48,7 @@ from .checkpoint import (
     hub_name,
     read_config,
     reference_names,
+    resolve_device,
     tied_source,
 )
 from .checks import is_finite_number, is_int
@@ -1426,7 +1427,26 @@ class _StopOnInterrupt:
         self.previous = {}
 
 
-def init_distributed() -> None:
-    """Join the torchrun process group when launched by torchrun (gloo on CPU, nccl on GPU)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+def init_distributed(device: str = "cpu") -> str:
+    """Join the torchrun process group when launched by torchrun, and return the device this process trains on.
+
+    The backend follows the run's device, not the machine: nccl takes CUDA tensors alone, so a --device cpu run on
+    a GPU machine under nccl failed at its first all-reduce. On CUDA each process takes the GPU of its LOCAL_RANK
+    (and makes it current, as NCCL needs): "cuda" without an index is the current GPU, GPU 0 in every process, so
+    all of them loaded onto one GPU, which NCCL refuses ("Duplicate GPU detected")."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return device
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        dist.init_process_group("gloo")
+        return device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.index is not None and dev.index != local:
+        raise ValueError(f"device: {device!r} under torchrun, where each process takes the GPU of its LOCAL_RANK "
+                         f"(this one: {local}); give --device cuda, with no index")
+    if local >= torch.cuda.device_count():
+        raise ValueError(f"device: torchrun's LOCAL_RANK {local} needs GPU {local}, but only "
+                         f"{torch.cuda.device_count()} CUDA GPU(s) are visible; start at most that many processes a node")
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    return f"cuda:{local}"

@@ -796,3 +796,52 @@ def test_windows_of_running_text_start_with_bos_as_generation_prompts_do():
     with_bos = TokenShards.of_tokens(np.array([2] * 200))  # shards that hold BOS already: not twice
     assert all(e.prompt.count(2) == len(e.prompt) and len(e.prompt) <= 5
                for e in ShardSource(with_bos, cfg, 8, bos=2).batch(0, 6))
+
+
+def _torchrun_here(monkeypatch, local_rank, gpus):
+    """torchrun's environment for process `local_rank` of two, on a machine with `gpus` GPUs (stand-ins): what
+    init_distributed asks torch.cuda and torch.distributed is recorded, nothing is joined."""
+    import blockpress.train as train
+
+    calls = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.setdefault("current", index))
+    monkeypatch.setattr(train.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.setdefault("backend", backend))
+    return calls
+
+
+def test_torchrun_on_cuda_gives_each_process_its_own_gpu(monkeypatch):
+    """--device cuda is the current GPU, GPU 0 in every process unless each makes its own current: every rank
+    loaded onto GPU 0, which NCCL refuses (Duplicate GPU detected)."""
+    from blockpress.train import init_distributed
+
+    calls = _torchrun_here(monkeypatch, local_rank=1, gpus=2)
+    assert init_distributed("cuda") == "cuda:1"
+    assert calls == {"current": 1, "backend": "nccl"}
+
+
+def test_torchrun_on_cpu_uses_gloo_on_a_gpu_machine(monkeypatch):
+    """nccl takes CUDA tensors alone: a --device cpu run on a machine with GPUs got nccl and failed at its first
+    all-reduce."""
+    from blockpress.train import init_distributed
+
+    calls = _torchrun_here(monkeypatch, local_rank=1, gpus=2)
+    assert init_distributed("cpu") == "cpu"
+    assert calls == {"backend": "gloo"}
+
+
+@pytest.mark.parametrize("device, gpus, message", [
+    ("cuda:0", 2, r"device: 'cuda:0' under torchrun, where each process takes the GPU of its LOCAL_RANK \(this one: 1\)"),
+    ("cuda", 1, "LOCAL_RANK 1 needs GPU 1, but only 1 CUDA GPU"),
+])
+def test_torchrun_refuses_gpus_processes_cannot_have(monkeypatch, device, gpus, message):
+    from blockpress.train import init_distributed
+
+    calls = _torchrun_here(monkeypatch, local_rank=1, gpus=gpus)
+    with pytest.raises(ValueError, match=message):
+        init_distributed(device)
+    assert calls == {}  # refused before joining anything
