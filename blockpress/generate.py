@@ -74,15 +74,20 @@ class StepFunctions:
 
 def _capture_graph(fn: Callable[[], torch.Tensor], device: torch.device, pool: Any = None) -> tuple[Any, torch.Tensor]:
     """(CUDA graph of fn, the tensor fn returns inside it). fn runs once first on a side stream, so lazy
-    initialisation (cuBLAS handles, workspaces) stays out of the graph."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    initialisation (cuBLAS handles, workspaces) stays out of the graph.
+
+    With `device` the current GPU: torch.cuda.graph captures on a stream of the current one, and a model on
+    another (cuda:1 while cuda:0 is current, as it is in every new thread: the server's worker) ran its kernels on
+    its own GPU's stream, outside the capture."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out
 
 

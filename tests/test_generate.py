@@ -1155,6 +1155,49 @@ def test_captured_passes_have_no_host_sync_in_bf16():
         assert m.encode_one(torch.zeros(2, 1, dtype=torch.long, device="meta"), cache, slot).shape == (2, v)
 
 
+def test_graph_capture_makes_the_models_gpu_current(monkeypatch):
+    """torch.cuda.graph captures on a stream of the current GPU: a model on cuda:1 while cuda:0 was current (any
+    new thread's, the server's worker) ran its kernels on cuda:1's own stream, outside the capture. Stand-ins
+    for torch.cuda record which GPU is current when the graph captures and when the pass runs."""
+    import contextlib
+
+    from blockpress.generate import _capture_graph
+
+    seen = {"current": 0, "graph": None, "pass": []}
+
+    @contextlib.contextmanager
+    def device(d):
+        before, seen["current"] = seen["current"], torch.device(d).index
+        try:
+            yield
+        finally:
+            seen["current"] = before
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        seen["graph"] = seen["current"]  # the capture stream is made on the current GPU
+        yield
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    for name, fake in (("device", device), ("graph", graph), ("Stream", Stream), ("CUDAGraph", lambda: "graph"),
+                       ("current_stream", lambda d=None: Stream()), ("stream", lambda s: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+    def model_pass():
+        seen["pass"].append(seen["current"])
+        return "logits"
+
+    assert _capture_graph(model_pass, torch.device("cuda:1")) == ("graph", "logits")
+    assert seen["graph"] == 1 and seen["pass"] == [1, 1]  # the warm-up pass and the captured one
+    assert seen["current"] == 0  # the caller's current GPU is left as it was
+
+
 def test_cuda_graphs_need_a_cuda_model(lm):
     with pytest.raises(ValueError, match="cuda_graphs: needs a model on a CUDA device"):
         lm.cuda_graphs()
