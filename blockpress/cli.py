@@ -1857,6 +1857,30 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:
+        if not out_of_memory(exc):
+            raise
+        reason = (str(exc).splitlines() or [""])[0]
+        print(f"blockpress {args.command}: error: the device ran out of memory ({reason}); "
+              f"{OOM_HINTS.get(args.command, 'a smaller model, --dtype bfloat16, or --quantize')}", file=sys.stderr)
+        return 1
+
+
+# What uses the memory a command ran out of, and the flags that take less (each command's own).
+OOM_HINTS = {
+    **dict.fromkeys(("generate", "chat", "sudoku"), "a smaller --max-new-tokens or --prefill-chunk, fewer prompts "
+                                                   "at once, or --quantize int8 / fp8 take less"),
+    "infill": "smaller holes, a smaller --prefill-chunk, or --quantize int8 / fp8 take less",
+    "bench": "smaller --batch-sizes or --new-tokens take less (the rows measured so far are in --out)",
+    "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "
+             "--max-canvases",
+}
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (a GPU's), checked without importing torch for a command that never did."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ()))
 
 
 if __name__ == "__main__":

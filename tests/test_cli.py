@@ -2419,3 +2419,36 @@ def test_loading_line_on_a_terminal_is_erased_without_escape_sequences(monkeypat
         err = stderr.getvalue()
         assert "\x1b" not in err
         assert err == ("loading random-tiny ...\r" + " " * len("loading random-tiny ...") + "\r" if shown else "")
+
+
+OOM = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.20 GiB "
+       "is free.\nIncluding non-PyTorch memory, this process has 138.00 GiB memory in use. (stand-in)")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "def f(x):", "--max-new-tokens", "8"], "--max-new-tokens"),
+    (["infill", "def f(<|hole|>):"], "--prefill-chunk"),
+])
+def test_out_of_memory_is_one_line_naming_what_takes_less(monkeypatch, capsys, argv, flag):
+    """A GPU's OutOfMemoryError (a RuntimeError, which no handler took) ended the command in a torch traceback."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(OOM)
+
+    for name in ("generate", "stream", "infill"):
+        monkeypatch.setattr(blockpress.LM, name, out_of_memory)
+    assert main([*argv, "--model", "random-tiny", "--no-live"] if argv[0] == "generate" else
+                [*argv, "--model", "random-tiny"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"blockpress {argv[0]}: error: the device ran out of memory (CUDA out of memory. "
+                              "Tried to allocate 20.00 GiB.")
+    assert flag in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_other_runtime_errors_still_raise(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug (stand-in)")
+
+    monkeypatch.setattr(blockpress.LM, "generate", broken)
+    monkeypatch.setattr(blockpress.LM, "stream", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["generate", "x", "--model", "random-tiny", "--max-new-tokens", "8", "--no-live"])
