@@ -460,3 +460,34 @@ def test_module_casts_of_a_quantized_model_are_refused_like_lm_to(scheme):
     assert {name: t.dtype for name, t in lm.model.state_dict().items()} == dtypes
     assert lm.model.to("cpu") is lm.model and lm.to(device="cpu") is lm
     lm.generate([[2, 5, 6]], max_new_tokens=4, max_denoising_steps=2, seed=0)  # fp8's _scaled_mm still has its float32 scales
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantizing_takes_its_float32_temporaries_a_chunk_at_a_time(scheme, dtype, monkeypatch):
+    """The experts' weights are dequantized all at once (int4, int8 under CUDA graphs): in one piece the float32
+    temporaries took 4-5x the bytes of a bf16 result (5 GB a projection for the 26B-A4B's int4 experts). Chunked,
+    none holds more than DEQUANTIZE_CHUNK weights, and the result is the one-piece formula's, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from blockpress import quantize as quantize_module
+
+    class LargestFloat32(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    w = torch.randn(6, 40, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 3, 40)[:, None]
+    q, scale = quantize_weight(w, scheme)
+    whole = dequantize_weight(q, scale, dtype)
+    monkeypatch.setattr(quantize_module, "DEQUANTIZE_CHUNK", 256, raising=False)  # 4 rows of 64 at a time
+    with LargestFloat32() as mode:
+        chunked = dequantize_weight(q, scale, dtype)
+    # (a float32 result is itself the largest float32 tensor: it is allocated once, whole)
+    assert mode.largest == (w.numel() if dtype == torch.float32 else 256)
+    assert chunked.dtype == dtype and torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))
