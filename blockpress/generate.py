@@ -570,6 +570,19 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
     return ids, holes
 
 
+def _parse_text_row(template: str, r: int, rows: int, tokenizer: Any, hole_length: int,
+                    max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+    """`_parse_text` of row `r` of a batch of `rows` text templates: its errors name the row when there are several
+    (before, "template: empty text" or a typo's message left the user to find which of the batch it was)."""
+    try:
+        return _parse_text(template, tokenizer, hole_length, max_length)
+    except ValueError as exc:
+        message = str(exc)
+        if rows == 1 or not message.startswith("template: "):  # hole_length's errors are the setting's, not a row's
+            raise
+        raise ValueError(f"template: row {r}: {message.removeprefix('template: ')}") from None
+
+
 def _template_row(row: Any) -> Any:
     """A 1-D tensor or array in a list of template rows, as a list of its ids; anything else as it is."""
     if not (isinstance(row, torch.Tensor) or hasattr(row, "__array__")) or getattr(row, "ndim", 0) == 0:
@@ -590,7 +603,7 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         texts = [template] if isinstance(template, str) else list(template)
         if not isinstance(template, str) and len(texts) != batch:
             raise ValueError(f"template: {len(texts)} text templates for a batch of {batch} prompts")
-        parsed = [_parse_text(x, tokenizer, hole_length, max_length) for x in texts]
+        parsed = [_parse_text_row(x, r, len(texts), tokenizer, hole_length, max_length) for r, x in enumerate(texts)]
         if isinstance(template, str):
             parsed *= batch
         rows, holes = [list(r) for r, _ in parsed], [list(h) for _, h in parsed]
@@ -616,6 +629,8 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         if not isinstance(template, (list, tuple)):  # bytes iterate as ints: read as ids, they "had no holes"
             hint = " (decode it to str)" if isinstance(template, (bytes, bytearray)) else ""
             raise ValueError(f"template: expected {expected}, got {type(template).__name__}{hint}")
+        if not template:  # read as one row of no ids, it was "1 rows of [0] ids"
+            raise ValueError(f"template: expected {expected}, got an empty {type(template).__name__}")
         # rows of their own lengths come as a list: of lists, or of 1-D tensors / arrays, as prompts may
         template = [_template_row(r) for r in template]
         nested = bool(template) and isinstance(template[0], (list, tuple))

@@ -862,6 +862,25 @@ def test_a_batch_of_templates_without_a_prompt():
         lm.infill(texts, prompt=["x", "y", "z"])
 
 
+def test_a_batch_of_text_templates_names_the_row_it_refuses():
+    """A refused template of a batch names its row (before: "template: empty text" and a typo's message named
+    none, in a batch of any size); an empty list is refused as empty (before: "got 1 rows of [0] ids")."""
+    from blockpress.cli import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    with pytest.raises(ValueError, match=r"^template: row 1: empty text"):
+        lm.infill(["a = <|hole:2|>", ""])
+    with pytest.raises(ValueError, match=r"^template: row 2: '<\|HOLE\|>' looks like a hole marker"):
+        lm.infill(["a <|hole|>", "b <|hole|>", "c <|HOLE|>"])
+    with pytest.raises(ValueError, match=r"^template: <\|hole:0\|> holds no token"):  # one row: no row named
+        lm.infill(["a <|hole:0|>"])
+    with pytest.raises(ValueError, match=r"^hole_length: expected a positive integer"):  # the setting, not a row
+        lm.infill(["a <|hole:2|>", "b <|hole|>"], hole_length=0)
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match=r"^template: expected text with .* got an empty (list|tuple)$"):
+            lm.infill(empty)
+
+
 def test_a_text_turn_continuing_a_cache_gets_no_second_bos():
     """The next turn of a conversation continues a sequence that began with BOS: its text is not given another
     one mid-way (before: the continuation equalled a fresh call with BOS between the turns). Nor does a prompt
