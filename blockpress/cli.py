@@ -684,6 +684,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             no_reply(user, error=as_flags(str(exc), chat_flags))
             continue
+        except RuntimeError as exc:  # a GPU out of memory on a long conversation: the turns before it stay usable
+            if not out_of_memory(exc):
+                raise
+            messages.pop()  # the cache holds the turns before this one (lm.chat_ids / chat_stream roll it back)
+            release_device_memory()
+            error = (f"the device ran out of memory ({(str(exc).splitlines() or [''])[0]}); /reset frees the "
+                     f"conversation's cache, and {OOM_HINTS['chat']}")
+            print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
+            no_reply(user, error=error)
+            continue
         cache = out.cache
         reply = out.texts[0]
         stats = stats_line(out, time.perf_counter() - t0)
@@ -1868,13 +1878,22 @@ def run_command(args: argparse.Namespace) -> int:
 
 # What uses the memory a command ran out of, and the flags that take less (each command's own).
 OOM_HINTS = {
-    **dict.fromkeys(("generate", "chat", "sudoku"), "a smaller --max-new-tokens or --prefill-chunk, fewer prompts "
-                                                   "at once, or --quantize int8 / fp8 take less"),
+    **dict.fromkeys(("generate", "sudoku"), "a smaller --max-new-tokens or --prefill-chunk, fewer prompts "
+                                            "at once, or --quantize int8 / fp8 take less"),
+    "chat": "a smaller --max-new-tokens or --prefill-chunk, or --quantize int8 / fp8 take less",
     "infill": "smaller holes, a smaller --prefill-chunk, or --quantize int8 / fp8 take less",
     "bench": "smaller --batch-sizes or --new-tokens take less (the rows measured so far are in --out)",
     "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "
              "--max-canvases",
 }
+
+
+def release_device_memory() -> None:
+    """Hand the blocks torch's caching allocator holds back to the GPU after an out-of-memory error, so the next
+    try (a shorter reply, another request) starts from what is really in use."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def out_of_memory(exc: BaseException) -> bool:

@@ -2452,3 +2452,32 @@ def test_other_runtime_errors_still_raise(monkeypatch):
     monkeypatch.setattr(blockpress.LM, "stream", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["generate", "x", "--model", "random-tiny", "--max-new-tokens", "8", "--no-live"])
+
+
+def test_chat_out_of_memory_drops_the_turn_and_goes_on(monkeypatch, capsys):
+    """A GPU out of memory on one turn of a long conversation ended the whole chat (exit 1, the conversation lost);
+    like a too-long message it drops that turn: the next one finds the cache as the turns before left it."""
+    import blockpress.lm
+
+    seen = []
+    original = blockpress.lm.LM.generate
+
+    def spy(self, prompt, *a, **kw):
+        cache = kw.get("cache")
+        seen.append(0 if cache is None else cache.length)
+        if len(seen) == 2:
+            original(self, prompt, *a, **{**kw, "max_new_tokens": 2})  # writes this turn into the cache, then
+            raise torch.OutOfMemoryError(OOM)                          # the GPU runs out
+        return original(self, prompt, *a, **kw)
+
+    monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\na long one\nand again\n"))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [t["prompt"] for t in lines] == ["hello there", "a long one", "and again"]
+    assert lines[1]["error"].startswith("the device ran out of memory (CUDA out of memory. Tried to allocate")
+    assert "--max-new-tokens" in lines[1]["error"] and "/reset" in lines[1]["error"]
+    assert lines[0]["text"] and lines[2]["text"] and "text" not in lines[1]
+    assert seen[1] == seen[2] > 0  # the third turn found the cache as the first left it
+    assert "Traceback" not in captured.err
