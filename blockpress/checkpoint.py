@@ -14,6 +14,7 @@ import os
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -602,8 +603,10 @@ def load_model(
     return load_plan(plan_model(path, dtype, device, quantize))
 
 
-def load_plan(plan: ModelPlan) -> tuple[DiffusionGemma, Passthrough]:
-    """Carry out `plan` (plan_model's): read the tensors, check the tied copies, build the model (see load_model)."""
+def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = None) -> tuple[DiffusionGemma, Passthrough]:
+    """Carry out `plan` (plan_model's): read the tensors, check the tied copies, build the model (see load_model).
+    `progress(done, total)`: called after each weight is read, with the stored bytes read so far and in all (a 26B's
+    50 GB take minutes from a network disk; on a CPU in the file's own dtype nothing is read until first use)."""
     path, config, model, dtype, device, quantize = (plan.path, plan.config, plan.model, plan.dtype, plan.device,
                                                     plan.quantize)
     expected = model.state_dict()
@@ -619,6 +622,8 @@ def load_plan(plan: ModelPlan) -> tuple[DiffusionGemma, Passthrough]:
                      for name, t in expected.items())
         check_fits(nbytes, device, f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}"
                    + (f", {quantize}" if quantize else ""))
+    total = sum(f.nbytes(name) for f in plan.files for name in f.keys() if tensor_kind(name)[0] == "weight")
+    done = 0
     for f in plan.files:
         file = f.path
         for name in f.keys():
@@ -632,6 +637,9 @@ def load_plan(plan: ModelPlan) -> tuple[DiffusionGemma, Passthrough]:
             else:
                 sources[name] = file
                 state.update(plan.convert(local, f.tensor(name)))  # a quantized projection drops its float copy here
+                done += f.nbytes(name)
+                if progress is not None:
+                    progress(done, total)
     tied = config.extra.get("tie_word_embeddings", True) is not False and config.text.tie_word_embeddings
     check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
     if passthrough.tensors:

@@ -30,7 +30,7 @@ RANDOM_PREFIX = "random-"
 
 
 def load_model(spec: str, dtype: str | None, device: str, quantize: str | None = None,
-               adapter: str | None = None) -> Any:
+               adapter: str | None = None, progress: Any = False) -> Any:
     """An HF folder, a shipped model name, a LoRA adapter folder (its base with it), or `random-<preset>` (random
     weights, byte-level tokenizer); `quantize`: "int8", "fp8" or "int4" (see blockpress.quantize), or "none"
     (an adapter folder's base unquantized); `adapter`: a LoRA folder for the model (blockpress.load's)."""
@@ -51,7 +51,7 @@ def load_model(spec: str, dtype: str | None, device: str, quantize: str | None =
     with warnings.catch_warnings():
         # vision tensors: text-only is the documented behaviour; every other load warning is the user's to see
         warnings.filterwarnings("ignore", message=r".*vision tensors ignored")
-        return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize, adapter=adapter)
+        return blockpress.load(spec, dtype=dtype, device=device, quantize=quantize, adapter=adapter, progress=progress)
 
 
 def preset_config(name: str, flag: str) -> Any:
@@ -80,10 +80,25 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     from blockpress.live import display_width  # (imports torch, as the load does)
 
     line = f"loading {args.model} ..."
+    shown = [line]  # every line shown, the widest erased at the end
     if terminal and not keep:
         print(line, end="", file=sys.stderr, flush=True)
+    started, last = time.perf_counter(), [0.0]
+
+    def progress(done: int, total: int) -> None:
+        """The share read, on the loading line: a 26B's 50 GB from a network disk take minutes without a sign of
+        life. Only after a second (most loads end sooner) and at most 4 times a second."""
+        now = time.perf_counter()
+        if now - started < 1.0 or (now - last[0] < 0.25 and done < total) or total <= 0:
+            return
+        last[0] = now
+        size = f"{total / 1e9:.1f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
+        shown.append(f"{line} {100 * done // total}% of {size}")
+        print("\r" + shown[-1], end="", file=sys.stderr, flush=True)
+
     try:
-        lm = load_model(args.model, args.dtype, args.device, args.quantize, args.adapter)
+        lm = load_model(args.model, args.dtype, args.device, args.quantize, args.adapter,
+                        progress=progress if terminal and not keep else False)
         if args.prefill_chunk is not None:
             lm.model.prefill_chunk = args.prefill_chunk
         return lm
@@ -91,7 +106,8 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
         if terminal and not keep:  # the line erased, loaded or not: overwritten with spaces, which every terminal
             # takes; the escape "\x1b[K" showed as "^[[K" where TERM=dumb (Emacs' shell) and on a Windows console
             # without VT processing (conhost, cmd.exe) as "←[K"
-            print("\r" + " " * display_width(line) + "\r", end="", file=sys.stderr, flush=True)
+            width = max(display_width(x) for x in shown)
+            print("\r" + " " * width + "\r", end="", file=sys.stderr, flush=True)
 
 
 def emulated_dtype_note(dtype: str | None, device: str) -> str | None:

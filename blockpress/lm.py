@@ -1476,7 +1476,8 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
 
 
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = "cpu",
-         quantize: str | None = None, adapter: str | Path | None = None) -> LM:
+         quantize: str | None = None, adapter: str | Path | None = None,
+         progress: bool | Callable[[int, int], None] = False) -> LM:
     """Load an HF-format DiffusionGemma folder (or a shipped model by name). `quantize` ("int8", "fp8" or "int4")
     quantizes each projection as it is read, so the full-precision weights are never all in memory.
     `dtype=None` (or "auto", transformers' spelling) keeps the checkpoint's dtype, except that bf16 / fp16 weights load as float32 on a CPU without
@@ -1489,7 +1490,11 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     and then quantized, its update would mostly be rounded away). An adapter folder may also be given as the model:
     it loads the base it was trained on with it, quantized as it was trained unless `quantize` says otherwise
     ("none": unquantized; see resolve_model). `device` None is the default, the CPU (as None keeps the default
-    everywhere else: lm.to(device=None) keeps the model where it is)."""
+    everywhere else: lm.to(device=None) keeps the model where it is).
+    `progress`: True shows a bar of the bytes read on stderr (tqdm), a callable is called as progress(done, total)
+    with the stored bytes of the weights read so far and in all."""
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise ValueError(f"progress: expected True, False or a callable progress(done, total), got {progress!r}")
     given = adapter
     path, adapter, quantize = resolve_model(path_or_name, quantize, adapter)
     if given is not None:  # (an adapter folder given as the model loads over its own recorded base)
@@ -1497,7 +1502,17 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
 
         check_adapter_pairing(adapter, path)
     plan = plan_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device), quantize=quantize)
-    model, passthrough = load_plan(plan)
+    if progress is True:
+        from tqdm import tqdm
+
+        with tqdm(desc=f"loading {path.name}", unit="B", unit_scale=True, leave=False) as bar:
+            def advance(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            model, passthrough = load_plan(plan, advance)
+    else:
+        model, passthrough = load_plan(plan, progress or None)
     if adapter is not None:
         from .train import apply_adapter
 

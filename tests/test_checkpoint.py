@@ -118,6 +118,27 @@ def test_a_config_json_refusal_names_the_file(ref_checkpoint, tmp_path):
         blockpress.load(folder)
 
 
+def test_load_reports_the_bytes_it_reads(lm, tmp_path, capsys):
+    """A 26B's 50 GB load (minutes from a network disk) said nothing while it read. progress(done, total) counts
+    the stored bytes of every weight, sharded or not, vision tensors and tied copies aside; True shows a bar."""
+    from blockpress.checkpoint import MappedSafetensors, save_model, tensor_kind
+
+    save_model(lm.model, tmp_path / "sharded", max_shard_bytes=20_000)
+    files = [MappedSafetensors(f) for f in sorted((tmp_path / "sharded").glob("*.safetensors"))]
+    stored = sum(f.nbytes(n) for f in files for n in f.keys() if tensor_kind(n)[0] == "weight")
+    calls = []
+    load_quiet(tmp_path / "sharded", dtype=torch.bfloat16, progress=lambda done, total: calls.append((done, total)))
+    assert len(calls) == len(lm.model.state_dict()) - sum(1 for n in lm.model.state_dict() if "rotary" in n)
+    assert {total for _, total in calls} == {stored}
+    dones = [done for done, _ in calls]
+    assert dones == sorted(dones) and dones[0] > 0 and dones[-1] == stored
+    capsys.readouterr()
+    load_quiet(tmp_path / "sharded", progress=True)
+    assert "loading sharded" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"progress: expected True, False or a callable progress\(done, total\), got 'yes'"):
+        load_quiet(tmp_path / "sharded", progress="yes")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "float32"])
 def test_dtypes(ref_checkpoint, dtype):
     lm = load_quiet(ref_checkpoint[0], dtype=dtype)

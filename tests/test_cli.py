@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -2419,6 +2420,28 @@ def test_loading_line_on_a_terminal_is_erased_without_escape_sequences(monkeypat
         err = stderr.getvalue()
         assert "\x1b" not in err
         assert err == ("loading random-tiny ...\r" + " " * len("loading random-tiny ...") + "\r" if shown else "")
+
+
+def test_loading_line_on_a_terminal_shows_the_share_read(monkeypatch, tmp_path):
+    """A load that reads for more than a second shows how much of the checkpoint is read (a 26B's 50 GB took
+    minutes behind a bare "loading M ..."), then the widest line shown is erased."""
+    import blockpress.cli
+    from blockpress.cli import load_announced
+
+    blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0).save(tmp_path / "m")
+    clock = iter(range(0, 10_000, 2))  # every reading of the clock two seconds on: each weight read is shown
+    monkeypatch.setattr(blockpress.cli, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    stderr = TerminalIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    args = build_parser().parse_args(["generate", "x", "--model", str(tmp_path / "m"), "--dtype", "bfloat16"])
+    load_announced(args)
+    err = stderr.getvalue()
+    shown = err.split("\r")
+    assert shown[0] == f"loading {tmp_path / 'm'} ..."
+    assert re.fullmatch(rf"loading {re.escape(str(tmp_path / 'm'))} \.\.\. 100% of \d+\.\d MB", shown[-3])
+    assert shown[-2] == " " * max(len(x) for x in shown[:-2]) and shown[-1] == ""
+    percents = [int(re.search(r"(\d+)% of", x)[1]) for x in shown[1:-2]]
+    assert len(percents) > 3 and percents == sorted(percents)
 
 
 OOM = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.20 GiB "
