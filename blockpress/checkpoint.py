@@ -13,7 +13,6 @@ import mmap
 import os
 import re
 import struct
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .checks import warn_user
 from .config import ModelConfig
 from .files import StagedFiles, lfs_pointer_problem, staging
 from .model import DiffusionGemma
@@ -437,9 +437,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         if index.exists():
-            warnings.warn(f"{path}: holds both model.safetensors and model.safetensors.index.json; reading "
-                          "model.safetensors, as transformers does (the index and its shards are ignored: remove "
-                          "whichever layout is stale)", stacklevel=2)
+            warn_user(f"{path}: holds both model.safetensors and model.safetensors.index.json; reading "
+                      "model.safetensors, as transformers does (the index and its shards are ignored: remove "
+                      "whichever layout is stale)")
         return [single]
     if index.exists():
         try:
@@ -643,22 +643,20 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     tied = config.extra.get("tie_word_embeddings", True) is not False and config.text.tie_word_embeddings
     check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
     if passthrough.tensors:
-        warnings.warn(
+        warn_user(
             f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "
-            "they are kept when the model is saved", stacklevel=2,
-        )
+            "they are kept when the model is saved")
     if derived:
-        warnings.warn(f"{path}: {len(derived)} derived rotary buffer(s) skipped (e.g. {derived[0]!r}); blockpress "
-                      "computes the rotary tables from the config", stacklevel=2)
+        warn_user(f"{path}: {len(derived)} derived rotary buffer(s) skipped (e.g. {derived[0]!r}); blockpress "
+                  "computes the rotary tables from the config")
     scalars = [local for local in expected if local not in state and local.endswith("layer_scalar")]
     for local in scalars:
         state[local] = torch.ones(1, dtype=dtype, device=device)  # a fresh layer's value (the reference's, decoder)
     # transformers reports them missing (and sets a decoder one to 1, an encoder one to whatever memory held):
     # a checkpoint that lost its trained scalars must not pass unseen
     if scalars:
-        warnings.warn(f"{path}: {len(scalars)} layer_scalar tensor(s) missing (e.g. {local_to_hf(scalars[0])!r}); "
-                      "each is set to 1, the value a fresh layer starts with (transformers reports them missing)",
-                      stacklevel=2)
+        warn_user(f"{path}: {len(scalars)} layer_scalar tensor(s) missing (e.g. {local_to_hf(scalars[0])!r}); "
+                  "each is set to 1, the value a fresh layer starts with (transformers reports them missing)")
     model.load_state_dict(state, strict=True, assign=True)  # every weight is there: plan_model's check_complete
     model.reset_buffers()
     model.to(device)

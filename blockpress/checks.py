@@ -6,8 +6,13 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import os
+import sys
+import warnings
 from collections.abc import Iterable
 from typing import Any
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # blockpress/, for warn_user
 
 
 def check_flag(name: str, value: Any, none: bool = False) -> bool | None:
@@ -76,3 +81,14 @@ def check_keywords(call: str, given: Iterable[str], options: Iterable[str], sett
     takes = ", and ".join(([", ".join(options)] if options else [])
                           + ([f"the sampler settings {', '.join(settings)}"] if settings else []))
     raise ValueError(f"{name}: {call} takes no such keyword{guess}{hint}; it takes {takes}")
+
+
+def warn_user(message: str) -> None:
+    """warnings.warn(message) attributed to the first caller outside blockpress: a fixed stacklevel named
+    blockpress's own line whenever a path was longer than the one it was counted for (blockpress.load(quantize=
+    "int4") reaches the int4 warning through plan_model and quantize), and a warning shows the line it names (and
+    is shown once per line, by the default filter). With no caller outside (the CLI), the line that warned."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=2 if frame is None else level)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
-import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .checks import check_flag
+from .checks import check_flag, warn_user
 from .files import read_json_object
 
 # Names and defaults the command line shows in its --help, kept in this module (which imports no torch) so that
@@ -136,7 +135,7 @@ class TextConfig:
         self.layer_types = list(self.layer_types)
         if self.layer_types and self.layer_types[-1] == SLIDING:
             # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
-            warnings.warn("text_config.layer_types: the last layer must be full attention; forcing it", stacklevel=3)
+            warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
             self.layer_types[-1] = FULL
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
@@ -247,8 +246,7 @@ class TextConfig:
         need(self.sliding_window >= 2 or SLIDING not in self.layer_types, "sliding_window",
              f"expected at least 2 when layers use sliding attention, got {self.sliding_window}")
         if self.layer_types[-1] != FULL:
-            warnings.warn("text_config.layer_types: the last layer must be full attention; forcing it",
-                          stacklevel=3)
+            warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
             self.layer_types[-1] = FULL
         for key, over in self.per_layer_config.items():
             need(key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config[{key!r}]",
@@ -319,9 +317,9 @@ class TextConfig:
             truncate = rope.get("truncate", True)
             need(isinstance(truncate, bool), "truncate", f"expected true or false, got {truncate!r}")
             if not truncate:
-                warnings.warn(f"text_config.rope_parameters.{kind}.truncate: false is ignored, as the reference "
-                              "ignores it for DiffusionGemma (it reads the flag beside the layer types, not in their "
-                              "entries): the ramp's ends are rounded", stacklevel=4)
+                warn_user(f"text_config.rope_parameters.{kind}.truncate: false is ignored, as the reference "
+                          "ignores it for DiffusionGemma (it reads the flag beside the layer types, not in their "
+                          "entries): the ramp's ends are rounded")
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters of the text model (tied embedding counted once). `active`: per token, top-k experts."""
@@ -442,7 +440,7 @@ class ModelConfig:
             if key != "model_type":  # written by to_dict itself
                 text_extra[key] = value
             if key not in _IGNORED_TEXT_KEYS:
-                warnings.warn(f"text_config.{key}: unknown field, ignored", stacklevel=2)
+                warn_user(f"text_config.{key}: unknown field, ignored")
         try:
             text = TextConfig(**kwargs)
         except TypeError as exc:  # a field of the wrong kind that the dataclass itself rejects

@@ -6,7 +6,6 @@ import difflib
 import inspect
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 from functools import partial
@@ -29,7 +28,7 @@ from .checkpoint import (
     resolve_dtype,
     save_model,
 )
-from .checks import check_flag, check_keywords, is_finite_number, is_int
+from .checks import check_flag, check_keywords, is_finite_number, is_int, warn_user
 from .config import ModelConfig
 from .files import StagedFiles, read_json_object, staging
 from .generate import (
@@ -90,8 +89,8 @@ def resolve_path(path_or_name: str | Path) -> Path:
     shipped = str(path_or_name) in shipped_models()
     if shipped:
         if path.is_dir():
-            warnings.warn(f"model {str(path_or_name)!r}: loading the shipped model; the folder {path.absolute()} of "
-                          f"the same name is not read (give ./{path_or_name} to load it)", stacklevel=3)
+            warn_user(f"model {str(path_or_name)!r}: loading the shipped model; the folder {path.absolute()} of "
+                      f"the same name is not read (give ./{path_or_name} to load it)")
         return MODELS_DIR / str(path_or_name)
     if path.is_dir():
         return path
@@ -1390,9 +1389,8 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
             hint = ""
             if {"temperature", "do_sample"} & set(unused):
                 hint = f"; {TEMPERATURE_HINT}"
-            warnings.warn(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
-                          f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}",
-                          stacklevel=3)
+            warn_user(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
+                      f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}")
     file = " + ".join(str(f) for f in files)
     # Checked now, naming the file: a wrong type would otherwise fail at the first generate, deep in the sampler.
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
@@ -1420,16 +1418,16 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     if bad:
         kept = [i for i in listed if i < vocab_size]
         fallback = "" if kept else "; rows end on the model's own EOS ids (config.json's, the tokenizer's) instead"
-        warnings.warn(f"{source['eos_token_id']}: eos_token_id: {bad} at or above the vocabulary size {vocab_size}; "
-                      f"ignored, no token can be one{fallback}", stacklevel=3)
+        warn_user(f"{source['eos_token_id']}: eos_token_id: {bad} at or above the vocabulary size {vocab_size}; "
+                  f"ignored, no token can be one{fallback}")
         if kept:
             raw["eos_token_id"] = kept
         else:
             del raw["eos_token_id"]
     pad = raw.get("pad_token_id")
     if pad is not None and pad >= vocab_size:
-        warnings.warn(f"{source['pad_token_id']}: pad_token_id: {pad} at or above the vocabulary size {vocab_size}; "
-                      "ignored, padding uses config.json's pad_token_id", stacklevel=3)
+        warn_user(f"{source['pad_token_id']}: pad_token_id: {pad} at or above the vocabulary size {vocab_size}; "
+                  "ignored, padding uses config.json's pad_token_id")
         del raw["pad_token_id"]
     return raw
 

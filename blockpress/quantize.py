@@ -27,7 +27,6 @@ the backward multiplies by each weight dequantized on the spot, so the base stay
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checks import warn_user
 from .config import SCHEMES
 from .model import DiffusionGemma, ExpertRows, Experts, Router, _grouped_linear, expert_groups
 
@@ -137,10 +137,10 @@ def warn_small_int4_groups(weights: list[tuple[str, tuple[int, ...]]]) -> None:
         f"e.g. {next(iter(shapes.values()))[0]}): groups of {int4_group(size)}, {int4_bits(size):g} bits a weight"
         for size, shapes in small.items())
     count = sum(len(names) for shapes in small.values() for names in shapes.values())
-    warnings.warn(f"quantize: int4 shares a scale among {INT4_GROUP} inputs, and {INT4_GROUP} does not divide the "
-                  f"input size of {count} of the {len(weights)} projection weights, so their groups are smaller: "
-                  f"{shown}. The quantized projections take {overall:.2f} bits a weight overall (groups of "
-                  f"{INT4_GROUP}: {int4_bits(INT4_GROUP):g}; int8: about 8)", stacklevel=3)
+    warn_user(f"quantize: int4 shares a scale among {INT4_GROUP} inputs, and {INT4_GROUP} does not divide the "
+              f"input size of {count} of the {len(weights)} projection weights, so their groups are smaller: "
+              f"{shown}. The quantized projections take {overall:.2f} bits a weight overall (groups of "
+              f"{INT4_GROUP}: {int4_bits(INT4_GROUP):g}; int8: about 8)")
 
 
 def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,8 +296,8 @@ class QuantizedExperts(Experts):
                 return torch._scaled_grouped_mm(xq, q.transpose(1, 2), x_scale, scale, offs=rows.offsets, out_dtype=x.dtype)
             except (RuntimeError, NotImplementedError) as err:
                 self.grouped_fp8 = False
-                warnings.warn(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
-                              f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each", stacklevel=2)
+                warn_user(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
+                          f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each")
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
             return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.scheme)
         return _quantized_experts(x, q, scale, rows, self.scheme)

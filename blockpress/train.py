@@ -51,7 +51,7 @@ from .checkpoint import (
     resolve_device,
     tied_source,
 )
-from .checks import is_finite_number, is_int
+from .checks import is_finite_number, is_int, warn_user
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, check_fits, make_batch
 from .files import StagedFiles, read_json_object, staging, temporary_path
@@ -540,9 +540,9 @@ def check_adapter_pairing(path: str | Path, base: str | Path) -> None:
     except (FileNotFoundError, ValueError):
         same = False
     if not same:
-        warnings.warn(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
-                      "added to weights it was not learned on (give the adapter folder alone, --model "
-                      f"{path}, to load it over its own base)", stacklevel=3)
+        warn_user(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
+                  "added to weights it was not learned on (give the adapter folder alone, --model "
+                  f"{path}, to load it over its own base)")
 
 
 def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:
@@ -656,9 +656,9 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         found.setdefault(module, {}).setdefault(target, {})[side] = stored.tensor(key)
     if untargeted:
         kept = f"applied to the {sum(map(len, found.values()))} it selects" if found else "none applied"
-        warnings.warn(f"adapter {path}: {ADAPTER_FILES[1]} holds the adapters of {len(untargeted)} module(s) that "
-                      f"{ADAPTER_FILES[0]}'s target_modules does not select (e.g. {min(untargeted)!r}); they are left "
-                      f"out, as peft leaves them out ({kept})", stacklevel=2)
+        warn_user(f"adapter {path}: {ADAPTER_FILES[1]} holds the adapters of {len(untargeted)} module(s) that "
+                  f"{ADAPTER_FILES[0]}'s target_modules does not select (e.g. {min(untargeted)!r}); they are left "
+                  f"out, as peft leaves them out ({kept})")
     if not found:
         raise refuse("no LoRA weights in it" + (" that its target_modules selects" if untargeted else ""))
     for module, by_target in found.items():
@@ -854,10 +854,10 @@ class Trainer:
             raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
         trained_on = lm.generation_config.get("noise_token_id")
         if trained_on is not None and trained_on != cfg.noise_token_id:  # fine-tuning an absorbing-noise model
-            warnings.warn(f"noise_token_id: the model decodes with noise_token_id {trained_on} and this run corrupts "
-                          f"with {cfg.noise_token_id} ({'uniform noise' if cfg.noise_token_id < 0 else 'that token'}); "
-                          "the saved model will decode with the run's. To continue the model's own recipe, set "
-                          f"noise_token_id={trained_on}", stacklevel=2)
+            warn_user(f"noise_token_id: the model decodes with noise_token_id {trained_on} and this run corrupts "
+                      f"with {cfg.noise_token_id} ({'uniform noise' if cfg.noise_token_id < 0 else 'that token'}); "
+                      "the saved model will decode with the run's. To continue the model's own recipe, set "
+                      f"noise_token_id={trained_on}")
         # The saved model must decode with the noise it was trained on.
         if cfg.noise_token_id >= 0:
             lm.generation_config["noise_token_id"] = cfg.noise_token_id
@@ -872,9 +872,8 @@ class Trainer:
         if self.prompts_healed:
             lm.generation_config["token_healing"] = False
         if cfg.cpu_autocast and lm.device.type == "cpu" and not cpu_computes_natively(torch.bfloat16):
-            warnings.warn("cpu_autocast: this CPU has no native bf16 matmuls (AVX512-BF16 / AMX), so bf16 autocast "
-                          "runs a scalar fallback: measured 8x slower training steps on an AVX2 CPU than float32",
-                          stacklevel=2)
+            warn_user("cpu_autocast: this CPU has no native bf16 matmuls (AVX512-BF16 / AMX), so bf16 autocast "
+                      "runs a scalar fallback: measured 8x slower training steps on an AVX2 CPU than float32")
         self.pad = text.pad_token_id if text.pad_token_id is not None else 0
         # The model's own EOS ends an example (a generation config may list end-of-turn ids before it).
         stops = lm._eos_ids()
@@ -975,8 +974,7 @@ class Trainer:
                 raise
             # A compiler bug must not cost the run: say so once, then train the same step eagerly.
             self.compile_error = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-            warnings.warn(f"compile: torch.compile failed ({self.compile_error}); training continues eagerly",
-                          stacklevel=2)
+            warn_user(f"compile: torch.compile failed ({self.compile_error}); training continues eagerly")
             self.objective = self.eager_objective
             self.optimizer.zero_grad(set_to_none=True)
             diff, ar, tokens = self._losses(batch, noise, train=True)
@@ -1114,9 +1112,9 @@ class Trainer:
                  and saved[k] != v}
         if other:  # moved or grown data may be meant; the run goes on, but it is not the run it was
             was, now = (f"{d.get('path') or 'data'} ({d.get('size')})" for d in (saved, self.data))
-            warnings.warn(f"--data: the run in {self.out} trained on {was}, and continues on {now}: the batches of "
-                          "the steps to come are not those of the run it was (give its own data again to continue "
-                          "it exactly)", stacklevel=2)
+            warn_user(f"--data: the run in {self.out} trained on {was}, and continues on {now}: the batches of "
+                      "the steps to come are not those of the run it was (give its own data again to continue "
+                      "it exactly)")
         self.step = state["step"]
         if self.step >= self.cfg.steps:
             raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "

@@ -103,6 +103,24 @@ def test_int4_warns_when_its_groups_fall_below_32_with_the_bits_they_take(hidden
         assert overall == pytest.approx(bits / count, abs=0.005)
 
 
+def test_warnings_name_the_callers_line(tmp_path):
+    """The int4 warning named blockpress/lm.py (lm.quantize) or blockpress/checkpoint.py (quantizing while loading),
+    blockpress's own lines, so a user could not tell which of their calls it was about; it names the caller's line,
+    as do the load's (an unknown config field here)."""
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(tmp_path)  # intermediate 48: groups of 16
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["a_field_from_the_future"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm = blockpress.load(tmp_path, quantize="int4")
+        blockpress.load(tmp_path).quantize("int4")
+    seen = [(str(w.message).split(":")[0], w.filename) for w in caught]
+    assert [m for m, _ in seen].count("quantize") == 2 and ("text_config.a_field_from_the_future", __file__) in seen
+    assert {f for _, f in seen} == {__file__}, seen
+    assert lm.quantization == "int4"
+
+
 def test_info_warns_of_int4_groups_below_32(tmp_path, capsys):
     blockpress.random_model(blockpress.ModelConfig.tiny()).save(tmp_path)  # intermediate 48, experts' 16
     assert main(["info", "--model", str(tmp_path), "--quantize", "int4"]) == 0
