@@ -22,6 +22,7 @@ from .checks import check_flag, check_text, is_int, utf8_problem
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
+    CanvasRules,
     CanvasState,
     RowDraws,
     SamplerConfig,
@@ -1101,13 +1102,11 @@ class _Working:
     rows: torch.Tensor  # [b'] their indices in the full batch
     state: CanvasState
     cache: KVCache
-    fixed: torch.Tensor | None
-    scored: torch.Tensor
+    rules: CanvasRules  # their givens, kept positions and draws, as the sampler step takes them
     writable: torch.Tensor  # see _Canvas
     bans: _Bans | None  # numbered by the sub-batch
     eos_banned: torch.Tensor | None
     seeds: torch.Tensor
-    draws: RowDraws  # each row's candidate-draw settings
     finished: torch.Tensor  # [b'] ended in an earlier canvas (an EOS, a stop string, its max_new_tokens)
     history: torch.Tensor | None  # [b', V] their committed new tokens, counted (the repeat penalties)
 
@@ -1115,10 +1114,11 @@ class _Working:
         """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink)."""
         return _Working(
             rows=self.rows[keep], state=take_rows(self.state, keep), cache=self.cache.rows(keep, canvas_len),
-            fixed=None if self.fixed is None else self.fixed[keep], scored=self.scored[keep],
+            rules=replace(self.rules, fixed=None if self.rules.fixed is None else self.rules.fixed[keep],
+                          scored=self.rules.scored[keep], draws=self.rules.draws.take(keep)),
             writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
             eos_banned=None if self.eos_banned is None else self.eos_banned[keep],
-            seeds=self.seeds[keep], draws=self.draws.take(keep), finished=self.finished[keep],
+            seeds=self.seeds[keep], finished=self.finished[keep],
             history=None if self.history is None else self.history[keep])
 
 
@@ -1267,9 +1267,12 @@ class _Decoding:
         # They start done (a done row's state is frozen and costs no pass), and leave the batch when it shrinks.
         idle = self.finished if canvas.fixed is None else self.finished | (canvas.fixed[:, : canvas.keep] >= 0).all(-1)
         state = replace(state, done=state.done | idle)
-        w = _Working(rows=all_rows, state=state, cache=self.cache, fixed=canvas.fixed, scored=canvas.scored,
-                     writable=canvas.writable, bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds,
-                     draws=self.draws, finished=self.finished, history=self.history)
+        # a logits processor sees the whole batch (the sudoku ensemble mixes rows): see CanvasRules.rows_mix
+        rules = CanvasRules(canvas.fixed, canvas.scored, self.draws, self.model.dtype,
+                            rows_mix=req.logits_processor is not None)
+        w = _Working(rows=all_rows, state=state, cache=self.cache, rules=rules, writable=canvas.writable,
+                     bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds, finished=self.finished,
+                     history=self.history)
         all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
         if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
@@ -1290,8 +1293,7 @@ class _Decoding:
                 uniforms = None if cfg.argmax_candidates else hashed_uniforms(w.seeds, canvas.index, step, canvas_len)
                 w.state = self.fns.sampler_step(
                     cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
-                    fixed=w.fixed, scored=w.scored, uniforms=uniforms, sc_dtype=self.model.dtype,
-                    draws=w.draws, own_logits=True, rows_mix=req.logits_processor is not None,
+                    uniforms, w.rules, own_logits=True,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)

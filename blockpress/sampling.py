@@ -624,40 +624,48 @@ def init_state(canvas: torch.Tensor, fixed: torch.Tensor | None = None) -> Canva
     return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros, settled)
 
 
+@dataclass(frozen=True)
+class CanvasRules:
+    """What holds at every step of one canvas beside the sampler's settings: the positions given and kept, each
+    row's draws, and how the decoding loop hands over its tensors. The defaults are a free canvas of one request."""
+
+    # [B, C] token ids at constrained positions, -1 at free ones (templates, infilling)
+    fixed: torch.Tensor | None = None
+    # [B, C] bool, the positions kept (within max_new_tokens): only these are accepted and count for the stop test;
+    # the others stay noise
+    scored: torch.Tensor | None = None
+    draws: RowDraws | None = None  # each row's draw temperature, top_k and top_p (None: cfg's for every row)
+    sc_dtype: torch.dtype = torch.float32  # the self-conditioning probabilities' (the model's dtype)
+    # A row's next logits may depend on other rows (a logits processor sees the whole batch, as the sudoku ensemble
+    # mixes them), so a done row keeps its self-conditioning input. Otherwise a done row's logits are never read
+    # (its state is frozen), and the [B, C, V] copy that kept it is skipped.
+    rows_mix: bool = True
+
+
+FREE_CANVAS = CanvasRules()
+
+
 def denoise_step(
     cfg: SamplerConfig,
     state: CanvasState,
     raw_logits: torch.Tensor,
     step: int,
     noise: torch.Tensor,
-    fixed: torch.Tensor | None = None,
-    scored: torch.Tensor | None = None,
-    banned: torch.Tensor | None = None,
     uniforms: torch.Tensor | None = None,
-    sc_dtype: torch.dtype = torch.float32,
-    draws: RowDraws | None = None,
+    rules: CanvasRules = FREE_CANVAS,
     own_logits: bool = False,
-    rows_mix: bool = True,
 ) -> CanvasState:
     """One step of the sampler. Pure: returns a new state.
 
     noise:  [B, C] what the positions not accepted this step become: random tokens, or the absorbing noise token.
-    fixed:  [B, C] token ids at constrained positions, -1 at free ones (templates, infilling).
-    scored: [B, C] bool, the positions kept (within max_new_tokens): only these are accepted and count for the
-            stop test; the others stay noise.
-    banned: [B, C, V] or broadcastable bool, tokens that may not be chosen (EOS before min_new_tokens).
     uniforms: [B, C] in [0, 1), the sampling draws (not needed in greedy mode; fresh torch.rand if None).
-    draws:  each row's draw temperature, top_k and top_p (None: cfg's for every row).
+    rules:  the canvas's givens, kept positions and per-row draws (CanvasRules).
     own_logits: the step may overwrite `raw_logits` (the decoding loop's own, made for this step): the temperature
             divides them in place instead of making another [B, C, V] tensor.
-    rows_mix: a row's next logits may depend on other rows (a logits processor sees the whole batch, as the sudoku
-            ensemble mixes them), so a done row keeps its self-conditioning input. Otherwise a done row's logits are
-            never read (its state is frozen), and the [B, C, V] copy that kept it is skipped.
     """
+    fixed, scored, draws = rules.fixed, rules.scored, rules.draws
     t = temperature(cfg, step)
     logits = raw_logits.div_(t) if own_logits else raw_logits / t
-    if banned is not None:
-        logits = logits.masked_fill(banned, float("-inf"))
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
     # Positions already decided: the givens, and with keep_accepted every token accepted at an earlier step.
     held = state.settled | ~free if cfg.keep_accepted else ~free
@@ -716,8 +724,8 @@ def denoise_step(
     # Rows that already stopped keep everything they had (the batch still computes them).
     done = state.done
     keep = done[:, None]
-    sc_probs = probs.to(sc_dtype) if cfg.self_conditioning else None  # off: nothing to keep for the next pass
-    if sc_probs is not None and state.sc_probs is not None and rows_mix:
+    sc_probs = probs.to(rules.sc_dtype) if cfg.self_conditioning else None  # off: nothing to keep for the next pass
+    if sc_probs is not None and state.sc_probs is not None and rules.rows_mix:
         sc_probs = torch.where(keep[..., None], state.sc_probs, sc_probs)
     return CanvasState(
         canvas=torch.where(keep, state.canvas, canvas),

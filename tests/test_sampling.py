@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from blockpress.sampling import (
     MAX_COUNT,
+    CanvasRules,
     RowDraws,
     SamplerConfig,
     accept_confidence,
@@ -132,7 +133,7 @@ def test_a_cut_canvas_stops_on_the_positions_it_keeps(seed, stability, threshold
             raw = torch.randn(2, 6, 9, generator=g) * 8
         processed = raw / temperature(cfg, step)
         expected = crit(processed[:, :kept].argmax(-1), processed[:, :kept])
-        new = denoise_step(cfg, state, raw, step, torch.zeros(2, 6, dtype=torch.long), scored=scored)
+        new = denoise_step(cfg, state, raw, step, torch.zeros(2, 6, dtype=torch.long), rules=CanvasRules(scored=scored))
         live = ~state.done
         assert torch.equal((new.done & ~state.done)[live], expected[live])
         state = new
@@ -164,9 +165,9 @@ def test_a_cut_canvas_accepts_as_a_canvas_of_the_positions_it_keeps(seed, sample
         noise = torch.randint(v, (2, c), generator=g)
         uniforms = torch.rand(2, c, generator=g)
         live = ~whole.done  # a row that stopped keeps its canvas
-        whole = denoise_step(cfg, whole, raw, step, noise, fixed=fixed, scored=scored, uniforms=uniforms)
-        cut = denoise_step(cfg, cut, raw[:, :kept], step, noise[:, :kept], fixed=fixed[:, :kept],
-                           uniforms=uniforms[:, :kept])
+        whole = denoise_step(cfg, whole, raw, step, noise, uniforms, CanvasRules(fixed, scored))
+        cut = denoise_step(cfg, cut, raw[:, :kept], step, noise[:, :kept], uniforms[:, :kept],
+                           CanvasRules(fixed[:, :kept]))
         for name in ("canvas", "argmax", "settled"):
             assert torch.equal(getattr(whole, name)[:, :kept], getattr(cut, name)), (name, step)
         assert torch.equal(whole.accepted, cut.accepted) and torch.equal(whole.done, cut.done), step
@@ -218,7 +219,7 @@ def test_topk_ramps_over_each_rows_free_positions(seed, steps, holes):
     state = init_state(torch.full((2, c), vocab - 1), fixed)
     for k, step in enumerate(range(steps, 0, -1), start=1):
         raw = torch.randn(2, c, vocab, generator=g) * 3
-        state = denoise_step(cfg, state, raw, step, torch.full((2, c), vocab - 1), fixed=fixed)
+        state = denoise_step(cfg, state, raw, step, torch.full((2, c), vocab - 1), rules=CanvasRules(fixed))
         free = fixed < 0
         for row, n in enumerate(holes):
             assert int((state.settled[row] & free[row]).sum()) == -(-k * n // steps)
@@ -237,7 +238,7 @@ def test_topk_margin_accepts_the_widest_gaps(seed, steps):
     cfg = SamplerConfig(sampler="topk", max_denoising_steps=steps, rank_by="margin", adaptive_stopping=False)
     raw = torch.randn(2, c, vocab, generator=g) * 3
     state = denoise_step(cfg, init_state(torch.zeros(2, c, dtype=torch.long), fixed), raw, steps,
-                         torch.zeros(2, c, dtype=torch.long), fixed=fixed)
+                         torch.zeros(2, c, dtype=torch.long), rules=CanvasRules(fixed))
     top2 = torch.softmax(raw / temperature(cfg, steps), -1).topk(2, -1).values
     margin = top2[..., 0] - top2[..., 1]
     free = fixed < 0
@@ -267,7 +268,7 @@ def test_keep_accepted_never_changes_an_accepted_token(seed, steps, sampler, can
         before = state
         raw = torch.randn(2, c, vocab, generator=g) * 3
         raw[..., noise_id] = -1e4  # never a candidate: a settled position must hold a real token
-        state = denoise_step(cfg, state, raw, step, noise, fixed=fixed)
+        state = denoise_step(cfg, state, raw, step, noise, rules=CanvasRules(fixed))
         held = before.settled
         assert torch.equal(state.canvas[held], before.canvas[held])
         assert torch.equal(state.argmax[held & free], before.canvas[held & free])
@@ -297,7 +298,7 @@ def test_accepted_counts_the_steps_own_acceptances(seed, steps, keep_accepted, s
     for step in range(steps, 0, -1):
         before = state.settled if keep_accepted else ~free
         state = denoise_step(cfg, state, torch.randn(2, c, vocab, generator=g) * 3, step,
-                             torch.zeros(2, c, dtype=torch.long), fixed=fixed)
+                             torch.zeros(2, c, dtype=torch.long), rules=CanvasRules(fixed))
         assert torch.equal(state.accepted, (state.settled & ~before).sum(-1)), step
         total += state.accepted
     if keep_accepted:
@@ -322,7 +323,7 @@ def test_position_order_accepts_a_left_to_right_run(seed, steps, sampler, bound,
     for step in range(steps, 0, -1):
         raw = torch.randn(2, c, vocab, generator=g) * 3
         before = state.settled & free
-        state = denoise_step(cfg, state, raw, step, torch.zeros(2, c, dtype=torch.long), fixed=fixed)
+        state = denoise_step(cfg, state, raw, step, torch.zeros(2, c, dtype=torch.long), rules=CanvasRules(fixed))
         ent = entropy(raw / temperature(cfg, step))
         for row in range(2):
             took = (state.settled & free)[row][free[row]].tolist()  # free positions only, left to right
@@ -843,10 +844,10 @@ def test_a_step_reads_the_vocabulary_once_for_its_max_and_copies_nothing_it_need
         assert sum(name in vocab_ops and shape in ((b, c), (b, c, 1)) for name, shape in ops) == 1, (sampler, ops)
         owned = logits.clone()
         ops = aten_ops(lambda cfg=cfg, owned=owned: denoise_step(cfg, state, owned, 3, noise, uniforms=uniforms,
-                                                                   own_logits=True, rows_mix=False))
+                                                                   rules=CanvasRules(rows_mix=False), own_logits=True))
         assert not any(name == "div" and shape == (b, c, v) for name, shape in ops), ops
         assert not any(name == "where" and shape == (b, c, v) for name, shape in ops), ops
-        fast = denoise_step(cfg, state, logits.clone(), 3, noise, uniforms=uniforms, own_logits=True, rows_mix=False)
+        fast = denoise_step(cfg, state, logits.clone(), 3, noise, uniforms=uniforms, rules=CanvasRules(rows_mix=False), own_logits=True)
         for name in ("canvas", "argmax", "stable_steps", "done", "accepted", "settled"):
             assert torch.equal(getattr(fast, name), getattr(plain, name)), name
         assert torch.equal(fast.sc_probs[1:], plain.sc_probs[1:])  # the working rows' input to the next pass
@@ -897,7 +898,7 @@ def test_each_row_draws_with_its_own_temperature_and_filters_as_alone(seed, rows
     # the per-row values reach the draws through denoise_step too, each row as alone
     state = init_state(torch.zeros(len(rows), 5, dtype=torch.long))
     noise, uniforms = torch.zeros(len(rows), 5, dtype=torch.long), torch.rand(len(rows), 5)
-    stepped = denoise_step(base, state, logits, 3, noise, uniforms=uniforms, draws=draws)
+    stepped = denoise_step(base, state, logits, 3, noise, uniforms=uniforms, rules=CanvasRules(draws=draws))
     for i, (t, k, p) in enumerate(rows):
         alone = denoise_step(base.with_(draw_temperature=t, top_k=k, top_p=p), take_rows(state, torch.tensor([i])),
                              logits[i : i + 1], 3, noise[i : i + 1], uniforms=uniforms[i : i + 1])
