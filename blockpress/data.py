@@ -164,7 +164,8 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -
     # An earlier turn before any user turn (a greeting) or of tool calls alone is context only: it answers no one,
     # or holds no text to train on.
     trained = [i for i in replies if i > asked and chat[i]["content"] is not None] if chat_turns == "all" else [last]
-    end = tokenizer.token_to_id("<end_of_turn>")
+    # each reply ends as the template ends an assistant turn (<end_of_turn>, <turn|>), then the model's EOS
+    end = tokenizer.turn_end_id()
     examples = []
     for i in trained:
         prompt = tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True, tokenize=True)

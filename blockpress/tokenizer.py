@@ -157,6 +157,7 @@ class Tokenizer:
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _plain_backend: tokenizers.Tokenizer | None = field(default=None, init=False, repr=False, compare=False)
     _unknown_ids: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _turn_ends: dict[str, int | None] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
 
@@ -573,6 +574,20 @@ class Tokenizer:
             return self.encode(rendered, add_bos=False)
         return rendered
 
+    def turn_end_id(self) -> int | None:
+        """The special token the chat template writes right after an assistant message's text (Gemma's
+        `<end_of_turn>`, Gemma 4's `<turn|>`), or None where it writes none there: what a chat reply trained on ends
+        with, so a fine-tuned model ends its turns as the template renders them. Read off the default template once
+        (a conversation of one user message and a reply); a template that cannot render that raises its error."""
+        source = self._pick_template(None, None)
+        if source not in self._turn_ends:
+            chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": TURN_END_MARK}]
+            rendered = str(self.apply_chat_template(chat, add_generation_prompt=False, chat_template=source))
+            after = rendered.rpartition(TURN_END_MARK)[2] if TURN_END_MARK in rendered else ""
+            first = self.encode(after)[:1]
+            self._turn_ends[source] = first[0] if first and first[0] in self.special_ids else None
+        return self._turn_ends[source]
+
     def parse_response(self, text: str, prefix: str = "", tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The message a model's reply holds, read with the tokenizer's response template, as transformers'
         `parse_response` reads it: {"role": "assistant", "content": ..., "tool_calls": [{"type": "function",
@@ -870,6 +885,10 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
         copy = {"thinking": reasoning, **copy, "reasoning_content": reasoning}
     return copy
 
+
+# An assistant message's text whose end turn_end_id finds in the rendered template (plain letters: no template trims
+# or changes them).
+TURN_END_MARK = "BLOCKPRESSREPLYENDSHERE"
 
 # Put after the text to continue, rendered, then cut off with everything after it. The trailing space tells whether
 # the template kept the text's end as it was or stripped it (then the cut strips it too).

@@ -146,6 +146,31 @@ CHAT = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "FIRS
         {"role": "user", "content": "c"}, {"role": "assistant", "content": "second"}]
 
 
+# A Gemma-4-style template: its turns are <|turn>ROLE ... <turn|>, not Gemma 3's <start_of_turn> ... <end_of_turn>.
+TURN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content | trim }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(("template", "end"), [
+    (TURN_TEMPLATE, "<turn|>"),
+    # a template that writes plain text after a reply: nothing special to end on but the EOS make_batch adds
+    ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", None),
+])
+def test_a_chat_reply_ends_with_the_templates_end_of_turn(template, end):
+    """A reply trained on ended with <end_of_turn> whatever the template: a Gemma-4-style checkpoint, whose template
+    ends an assistant turn with <turn|>, was trained to end its replies with EOS alone (its <turn|> never a
+    target), and a template without either still got <end_of_turn> where the vocabulary had one."""
+    tok = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300,
+                              special_tokens=["<pad>", "<eos>", "<bos>", "<end_of_turn>", "<|turn>", "<turn|>"])
+    tok.chat_template = template
+    [example] = parse_examples({"messages": CHAT[:2]}, tok, "d.jsonl:1")
+    rendered = tok.apply_chat_template(CHAT[:2], add_generation_prompt=False)
+    assert "FIRST" + (end or "\n") in rendered  # the template's own rendering of the reply
+    assert example.response == tok.encode("FIRST") + ([tok.token_to_id(end)] if end else [])
+
+
 def test_every_assistant_turn_of_a_chat_is_an_example(tok):
     """Only the last assistant turn was trained on; the earlier replies were prompt alone, a multi-turn dataset
     training on about 1/N of its assistant text. chat_turns="last" keeps that."""
