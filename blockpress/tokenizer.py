@@ -214,9 +214,9 @@ class Tokenizer:
         # additional_chat_templates/NAME.jinja the named others (how transformers 5 saves several).
         templates = {}
         if (folder / "chat_template.jinja").is_file():
-            templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            templates["default"] = _read_template_file(folder / "chat_template.jinja")
         for file in sorted((folder / NAMED_TEMPLATES_DIR).glob("*.jinja")):
-            templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+            templates[file.name.removesuffix(".jinja")] = _read_template_file(file)
         if list(templates) == ["default"]:
             chat_template: str | dict[str, str] | None = templates["default"]
         elif templates:
@@ -716,6 +716,16 @@ def train_bpe_tokenizer(
 def _read_json(path: Path) -> dict[str, Any]:
     """The JSON object in `path`, or {} when the optional file is absent."""
     return read_json_object(path) if path.is_file() else {}
+
+
+def _read_template_file(path: Path) -> str:
+    """A chat template file's text, or a ValueError naming the file when it is not UTF-8 (the codec's own error named
+    neither the file nor that it was the chat template, and ended every command, plain prompts too, at loading)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: a chat template is UTF-8 text, and this is not ({exc.reason} at byte "
+                         f"{exc.start}); save it as UTF-8") from None
 
 
 def _json_text(data: Mapping[str, Any]) -> str:

@@ -368,6 +368,17 @@ def test_chat_template_jinja_file_wins(tok: Tokenizer, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- chat templates
 
 
+@pytest.mark.parametrize("name", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
+def test_a_template_file_that_is_not_utf8_is_named(tok: Tokenizer, tmp_path: Path, name: str) -> None:
+    """A chat_template.jinja saved as Latin-1 ended loading (any command, plain prompts too) with the codec's own
+    "'utf-8' codec can't decode byte 0xe9 in position 18", which named no file."""
+    folder = _write_checkpoint(tmp_path / "ckpt", tok)
+    (folder / name).parent.mkdir(exist_ok=True)
+    (folder / name).write_bytes("{{ bos_token }}café".encode("latin-1"))
+    with pytest.raises(ValueError, match=re.escape(str(folder / name)) + ": a chat template is UTF-8 text"):
+        Tokenizer.from_dir(folder)
+
+
 def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:
     expected = (
         "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
