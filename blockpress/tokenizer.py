@@ -571,8 +571,9 @@ class Tokenizer:
         if continue_final_message:
             field_name = "content" if continue_final_message is True else continue_final_message
             final_text = _mark_continuation(chat[-1], field_name, source)
+        template = self._template(source)  # a syntax error is its own ValueError, not a failed rendering
         try:
-            rendered = self._template(source).render(messages=chat, **variables)
+            rendered = template.render(messages=chat, **variables)
         except TemplateRaised:  # the template's own raise_exception: a message about the conversation
             raise
         except Exception as exc:  # the checkpoint's template is broken, or breaks on these messages
@@ -660,7 +661,8 @@ class Tokenizer:
                 variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
                 self._compiled_templates[source] = env.from_string(tree)
             except jinja2.TemplateSyntaxError as exc:
-                raise ValueError(f"chat_template: not a valid template: {exc} (line {exc.lineno})") from None
+                # exc.message alone: str(exc) adds a 'File "<introspection>"' line for an unknown filter
+                raise ValueError(f"chat_template: not a valid template: {exc.message} (line {exc.lineno})") from None
             self._template_variables[source] = variables
         return self._compiled_templates[source]
 
