@@ -1894,9 +1894,12 @@ def run_command(args: argparse.Namespace) -> int:
 
 # What uses the memory a command ran out of, and the flags that take less (each command's own).
 OOM_HINTS = {
-    **dict.fromkeys(("generate", "sudoku"), "a smaller --max-new-tokens or --prefill-chunk, fewer prompts "
-                                            "at once, or --quantize int8 / fp8 take less"),
+    "generate": "a smaller --max-new-tokens or --prefill-chunk, fewer prompts at once, or --quantize int8 / fp8 "
+                "take less",
     "chat": "a smaller --max-new-tokens or --prefill-chunk, or --quantize int8 / fp8 take less",
+    # sudoku's canvas is always 81 cells after an 83-token prompt: its memory is the batch, a row per puzzle and view
+    "sudoku": "fewer puzzles at once, a smaller --ensemble (each view is a row of the batch), or --quantize int8 / fp8 "
+              "take less",
     "infill": "smaller holes, a smaller --prefill-chunk, or --quantize int8 / fp8 take less",
     "bench": "smaller --batch-sizes or --new-tokens take less (the rows measured so far are in --out)",
     "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "

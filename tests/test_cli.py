@@ -2467,6 +2467,29 @@ def test_out_of_memory_is_one_line_naming_what_takes_less(monkeypatch, capsys, a
     assert flag in err[-1] and "Traceback" not in "\n".join(err)
 
 
+def test_every_flag_an_out_of_memory_hint_names_is_one_its_command_takes():
+    """sudoku's hint said "a smaller --max-new-tokens or --prefill-chunk": it has no --max-new-tokens (its canvas is
+    the 81 cells), and what it can shrink, the puzzles and --ensemble views a batch holds, went unnamed."""
+    from blockpress.cli import OOM_HINTS
+
+    subparsers = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    for command, hint in OOM_HINTS.items():
+        taken = {flag for action in subparsers.choices[command]._actions for flag in action.option_strings}
+        named = set(re.findall(r"--[a-z][a-z-]*", hint))
+        assert named and named <= taken, (command, named - taken)
+
+
+def test_sudoku_out_of_memory_names_its_own_flags(monkeypatch, capsys):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(OOM)
+
+    monkeypatch.setattr("blockpress.tasks.sudoku_model.solve", out_of_memory)
+    assert main(["sudoku", "." * 80 + "1", "--threads", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("blockpress sudoku: error: the device ran out of memory (CUDA out of memory. ")
+    assert "--ensemble" in err[-1] and "--max-new-tokens" not in err[-1]
+
+
 def test_other_runtime_errors_still_raise(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug (stand-in)")
