@@ -1183,10 +1183,17 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     expected: list[str | None] = []  # each puzzle's solution, where a CSV gave one: the answers are scored against it
 
     def read(text: str, name: str) -> None:
+        # stdin keeps bytes that are not UTF-8 as surrogates (as generate's does): named here as such, by line, where
+        # the puzzle reader saw "illegal character '\udcff'", a character the input never held
+        for n, line in enumerate(text.splitlines(), start=1):
+            if (problem := utf8_problem(line)) is not None:
+                raise ValueError(f"{name} line {n}: not valid UTF-8 ({problem})")
         pairs = read_puzzle_csv(text, name) if is_puzzle_csv(text) else [(p, None) for p in split_puzzle_file(text, name)]
         puzzles.extend(p for p, _ in pairs)
         expected.extend(s for _, s in pairs)
 
+    for k, word in enumerate(args.puzzles, start=1):  # a command line's bytes that are not UTF-8 arrive so too
+        check_text(word, f"puzzle argument {k}")
     for text in join_grid_rows(args.puzzles):  # - reads them from standard input, as a --file would be read
         if text == "-":
             read(sys.stdin.read(), "stdin")

@@ -399,6 +399,22 @@ def test_cli_refuses_reading_stdin_twice(source, capsys, monkeypatch):
     assert "sudoku: error: standard input can be read once: give - once" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source, said", [(["-"], "stdin line 2"), (["--file", "-"], "--file - line 2"),
+                                          (["ARG"], "puzzle argument 1")])
+def test_cli_names_bytes_that_are_not_utf8_as_such(source, said, capsys, monkeypatch):
+    """Piped bytes that are not UTF-8 reach the CLI as surrogates (stdin's surrogateescape): sudoku called one
+    "illegal character '\\udcff'", a character the input never held, where generate, infill and chat say "not valid
+    UTF-8 (byte 0xff ...)" as README promises for piped text."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    p = generate(5, "easy").puzzle
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{p}\n\udcff{p[1:]}\n"))
+    assert main(["sudoku", *(f"\udcff{p[1:]}" if word == "ARG" else word for word in source)]) == 2
+    err = capsys.readouterr().err
+    assert f"sudoku: error: {said}: not valid UTF-8 (byte 0xff at character 0)" in err and "illegal" not in err
+
+
 def test_cli_reads_bordered_grids_from_a_file_and_stdin_and_grid_rows_as_words(tiny_sudoku, capsys, monkeypatch, tmp_path):
     """A file of pasted bordered grids failed ("0 cells left over"), and 9 words of rows were 9 puzzles of 9 cells."""
     from test_sudoku_task import _bordered
