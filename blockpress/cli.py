@@ -1638,8 +1638,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
                                    "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
                                    "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
-    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each (or 9 words of a grid's rows); - reads "
-                   "them from standard input (as --file - does; standard input is read once)")
+    p.add_argument("puzzles", nargs="*", help="puzzles, 81 characters each (or words that add up to one: a grid's 9 "
+                   "rows, or its 81 cells one a word); - reads them from standard input (as --file - does; standard "
+                   "input is read once)")
     p.add_argument("--file", default=None,
                    help="a file of puzzles (- for standard input): one per line, or 9-line grids; blank lines, "
                         "'#' comments, border lines (+---+) and header lines between puzzles ('Grid 01') skipped. Or a "

@@ -431,6 +431,8 @@ def test_cli_reads_bordered_grids_from_a_file_and_stdin_and_grid_rows_as_words(t
     assert [json.loads(line)["puzzle"] for line in capsys.readouterr().out.splitlines()] == [a, b]
     assert main(["sudoku", *(a[r * 9 : r * 9 + 9] for r in range(8)), "--model", str(path)]) == 2
     assert "puzzle 1: puzzle has 9 cells, expected 81" in capsys.readouterr().err
+    main(["sudoku", *a, *(b[i : i + 3] for i in range(0, 81, 3)), "--model", str(path), "--json", "--steps", "1"])
+    assert [json.loads(line)["puzzle"] for line in capsys.readouterr().out.splitlines()] == [a, b]  # a cell a word
 
 
 def test_cli_reads_a_puzzle_file_saved_with_a_byte_order_mark(tiny_sudoku, capsys, tmp_path):

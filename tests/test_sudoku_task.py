@@ -625,6 +625,22 @@ def test_dashes_underscores_and_stars_are_empty_cells_where_puzzles_are_read(emp
     assert join_grid_rows(["-"]) == ["-"]  # the CLI's word for standard input stays one
 
 
+def test_command_line_words_that_add_up_to_a_puzzle_are_one():
+    """A grid copied with its spaces, `blockpress sudoku 5 3 0 0 7 0 ...` (81 words, one a cell), was 9 puzzles of
+    9 cells ("puzzle 1: puzzle has 9 cells, expected 81"), and its boxes' rows (`530 070 000 ...`, 27 words) 3 of
+    27: only 9 words of 9 cells joined."""
+    a, b = generate(34, "hard").puzzle, generate(35, "easy").puzzle
+    cells = [ch.replace("0", ".") for ch in a]
+    thirds = [b[i : i + 3] for i in range(0, 81, 3)]
+    rows = [a[r * 9 : r * 9 + 9] for r in range(9)]
+    assert [parse_puzzle(p) for p in join_grid_rows(cells)] == [a]
+    assert [parse_puzzle(p) for p in join_grid_rows([*cells, b, *thirds, *rows])] == [a, b, b, a]
+    # short of a cell: still refused by count, never joined with the next puzzle's words
+    assert join_grid_rows(rows[:8] + [rows[8][:8]] + rows) == ["\n".join(rows[:8] + [rows[8][:8]]), "\n".join(rows)]
+    assert join_grid_rows(cells[:80]) == cells[:80] and join_grid_rows(rows[:8]) == rows[:8]
+    assert join_grid_rows(["-", *rows]) == ["-", "\n".join(rows)]
+
+
 def test_a_kaggle_csv_of_quizzes_and_solutions_is_read_with_its_solutions():
     """Kaggle's "1 million sudoku" (header quizzes,solutions; 0 for empty) was refused: "line 2: illegal character
     ','" (its header line skipped as a title)."""

@@ -269,23 +269,37 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
 
 
 def join_grid_rows(texts: list[str]) -> list[str]:
-    """Puzzles typed as command-line words: each word is a puzzle, except that 9 words in a row that each hold
-    one grid row (1-9 cells, as `530070000 600195000 ...`) are one puzzle. A run of fewer rows is left as it
-    is, for parse_puzzle to say how many cells each holds."""
+    """Puzzles typed as command-line words: each word is a puzzle, except that words in a row that each hold a
+    grid row or less (1-9 cells) are one puzzle once their cells add up to 81: a grid's 9 rows (`530070000
+    600195000 ...`), its 27 boxes' rows (`530 070 000 ...`) or its 81 cells one a word (`5 3 0 0 7 ...`, a grid
+    copied with its spaces). A run that does not reach 81 is left as it is (9 words joined), for parse_puzzle to say
+    how many cells each holds."""
     out: list[str] = []
     run: list[str] = []
+    cells = 0
+
+    def close() -> None:
+        nonlocal run, cells
+        out.extend(["\n".join(run)] if len(run) == 9 else run)
+        run, cells = [], 0
+
     for text in texts:
         # '-' alone is standard input (the CLI's word for it), not a row of one empty cell
         row = text != "-" and all(ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS for ch in text)
-        if row and 1 <= _count_cells(text) <= 9:
+        n = _count_cells(text) if row else 0
+        if 1 <= n <= 9:
+            if cells + n > 81:  # past a whole puzzle: the run so far was one, short of a cell or more
+                close()
             run.append(text)
-            if len(run) == 9:
-                out.append("\n".join(run))
-                run = []
+            cells += n
+            if cells == 81:
+                out.append("\n".join(run))  # a line a word: each reads as it was counted
+                run, cells = [], 0
             continue
-        out += run + [text]
-        run = []
-    return out + run
+        close()
+        out.append(text)
+    close()
+    return out
 
 
 def parse_puzzle(text: str) -> str:
