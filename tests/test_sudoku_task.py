@@ -625,6 +625,47 @@ def test_dashes_underscores_and_stars_are_empty_cells_where_puzzles_are_read(emp
     assert join_grid_rows(["-"]) == ["-"]  # the CLI's word for standard input stays one
 
 
+def _dashed(puzzle, top=False):
+    """A grid as pasted with '-' for an empty cell: '53-|-7-|---' rows, '---+---+---' between the bands."""
+    lines = ["+---+---+---+"] if top else []
+    for r in range(9):
+        if r in (3, 6):
+            lines.append("---+---+---")
+        row = puzzle[r * 9 : r * 9 + 9].replace("0", "-")
+        lines.append("|".join(row[c : c + 3] for c in (0, 3, 6)))
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("row", range(9))
+def test_a_dashed_row_with_no_givens_is_a_row_where_no_border_goes(row):
+    """'---|---|---', a row with no givens in a grid of '53-|-7-|---' rows, read as a border line: the grid was 72
+    cells, and in a file it took the next grid's first row in its place (puzzles silently wrong until the file ended
+    short). After a grid's first row, inside a band or right after a border, it is the row; above the first row it
+    stays a border (one grid's bottom border and the next one's top come in pairs), and the count's error names it."""
+    a, b = generate(2, "hard").puzzle, generate(3, "hard").puzzle
+    empty = a[: 9 * row] + "0" * 9 + a[9 * row + 9 :]
+    if row:
+        for top in (False, True):
+            assert parse_puzzle(_dashed(empty, top)) == empty
+            text = f"{_dashed(empty, top)}\n\n{_dashed(b, top)}\n"
+            assert [parse_puzzle(p) for p in split_puzzle_file(text)] == [empty, b]
+    else:
+        hint = r"line 1 \('---\|---\|---'\) was read as a border line: write a row with no givens as '...\|...\|...'"
+        with pytest.raises(ValueError, match="puzzle has 72 cells, expected 81; " + hint):
+            parse_puzzle(_dashed(empty))
+        with pytest.raises(ValueError, match=r"f lines 14-23: 8 of a 9-line grid's rows .*the file ends there; " + hint):
+            split_puzzle_file(f"{_dashed(empty)}\n\n{_dashed(b)}\n", "f")
+    # the borders it is told from still draw: format_board's with dashes for cells, and nine dashes around 9-digit
+    # rows, between the bands and grid after grid (one's bottom border, the next one's top)
+    assert parse_puzzle(format_board(empty).replace(".", "-")) == empty
+    nine = "\n".join(["---------", *(a[r * 9 : r * 9 + 9] + ("\n---------" if r in (2, 5, 8) else "") for r in range(9))])
+    assert parse_puzzle(nine) == a and [parse_puzzle(p) for p in split_puzzle_file(f"{nine}\n{nine}\n")] == [a, a]
+    ruled = "\n".join(a[r * 9 : r * 9 + 9] + "\n---------" for r in range(9))  # nine adjacent dashes under every row
+    assert parse_puzzle(ruled) == a and [parse_puzzle(p) for p in split_puzzle_file(f"{ruled}\n{ruled}\n")] == [a, a]
+    boxed = _dashed(a, top=True).replace("---+---+---", "|---|---|---|")  # a grid's bottom and the next one's top
+    assert [parse_puzzle(p) for p in split_puzzle_file(f"{boxed}\n|---|---|---|\n{boxed}\n")] == [a, a]
+
+
 def test_command_line_words_that_add_up_to_a_puzzle_are_one():
     """A grid copied with its spaces, `blockpress sudoku 5 3 0 0 7 0 ...` (81 words, one a cell), was 9 puzzles of
     9 cells ("puzzle 1: puzzle has 9 cells, expected 81"), and its boxes' rows (`530 070 000 ...`, 27 words) 3 of

@@ -7,8 +7,11 @@ cell. ``parse_puzzle`` also accepts ``'.'``, ``'-'``, ``'_'`` and ``'*'`` for em
 and data sets write them) and a 9-line grid form in which whitespace and the box-drawing characters ``|`` and
 ``+`` are ignored, and so are border lines (only ``-``, ``+``, ``|`` and spaces, with a ``+`` or a run of
 dashes: ``------+-------+------``), so the output of ``format_board`` parses back to the same string. In any
-other line a ``-`` is an empty cell (``- - - | - - - | - - -`` is a row with no givens; a row of nine
-adjacent dashes reads as a border, so write it spaced or with ``.``). ``split_puzzle_file`` reads a file of
+other line a ``-`` is an empty cell (``- - - | - - - | - - -`` is a row with no givens). A line of nine dashes and
+no ``+`` in runs of three (``---|---|---``) is told from a border by its place: after a grid's first row, a row with
+no givens inside a band of three rows or right after a border line, where no border goes; a border elsewhere (above
+a grid's first row: write that row with ``.``, and a grid left short of its rows says so). Nine adjacent dashes
+always read as a border. ``split_puzzle_file`` reads a file of
 such puzzles, one a line or one grid of 9 lines at a time (bordered or not, with header lines such as
 "Grid 01" between them), or a CSV with a header line (Kaggle's "1 million sudoku": ``quizzes,solutions``),
 which ``read_puzzle_csv`` reads with its solutions. Rows, columns and boxes are numbered 1-9 in error
@@ -97,8 +100,28 @@ _ALL_DIGITS = 0b11_1111_1110  # bit d set <=> digit d (1..9) is present / allowe
 def _is_border(line: str) -> bool:
     """A line that only draws a grid: '-', '+', '|' and whitespace, with a '+' or a run of dashes ('------+------',
     '+-------+', '|-------|'). Any other line's dashes are empty cells: '- - - | - - - | - - -' is a row with no
-    givens (a row of nine adjacent dashes cannot be told from a border, and reads as one)."""
+    givens (nine dashes and no '+' alone cannot be told from a border: the readers tell them by place, _row_shaped)."""
     return all(ch in "-+|" or ch.isspace() for ch in line) and ("+" in line or "--" in line)
+
+
+def _row_shaped(line: str) -> bool:
+    """A border line of nine dashes in runs of three or fewer and no '+' ('---|---|---', '|---|---|---|'): the shape
+    of a row with no givens written with dashes, which only its place tells from a border. Between a grid's rows,
+    inside a band of three or right after a border (where no border goes), it is that row; elsewhere it stays a
+    border, and a grid short of 9 rows names it. Nine adjacent dashes stay a border anywhere: a grid of '530070000'
+    rows may draw one under every row."""
+    return (_is_border(line) and "+" not in line and line.count("-") == 9
+            and max(len(run) for run in re.findall("-+", line)) <= 3)
+
+
+def _as_row(line: str) -> str:
+    """A _row_shaped line as the row of nine empty cells it is, in a form every reader takes as cells."""
+    return line.replace("-", ".")
+
+
+def _dashes_hint(line: tuple[int, str] | None) -> str:
+    return "" if line is None else (f"; line {line[0]} ({line[1].strip()!r}) was read as a border line: write a row "
+                                    "with no givens as '...|...|...' or '000000000'")
 
 
 def _count_cells(line: str) -> int:
@@ -215,10 +238,14 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     def where(first: int, last: int) -> str:
         return f"line {first}" if first == last else f"lines {first}-{last}"
 
+    # The first row-shaped line read as a border (a grid's top or band edge): a grid's rows coming up short name it.
+    dashes: tuple[int, str] | None = None
+    after_border = False  # the last line of cells or border was a border
+
     def unfinished(what: str) -> ValueError:
         cells = sum(r[2] for r in rows)
         return ValueError(f"{name} {where(rows[0][0], rows[-1][0])}: {len(rows)} of a 9-line grid's rows "
-                          f"({cells} cells), not a whole puzzle of 81; {what}")
+                          f"({cells} cells), not a whole puzzle of 81; {what}{_dashes_hint(dashes)}")
 
     # A byte-order mark (Notepad's "UTF-8 with BOM", PowerShell's pipes) is no character of the file's first line:
     # left there, it was refused as an illegal character the user cannot see.
@@ -244,7 +271,16 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             raise ValueError(f"{name} line {n}: illegal character {odd!r}; {_EXPECTED} ('#' starts a comment, a word "
                              "at the start of a line a header between puzzles)")
         cells = _count_cells(line)
+        if cells == 0 and rows and (len(rows) % 3 or after_border) and _row_shaped(line):
+            # inside a band of an open grid no border goes, nor right after one: '53-|-7-|---' rows make a row with
+            # no givens '---|---|---', which read as a border took the next grid's first row in its place (or ended
+            # the file short of one). Before a grid's first row it stays a border: one grid's bottom border and the
+            # next one's top ('|---|---|---|' over '|53-|-7-|---|' rows) come in pairs
+            line, cells = _as_row(line), 9
+        after_border = cells == 0
         if cells == 0:  # a border line of a drawn grid ('+-------+---'): it neither opens nor closes a puzzle
+            if dashes is None and _row_shaped(line):
+                dashes = (n, line)
             continue
         if cells > 9:  # more than a grid row: a puzzle on one line
             if rows:
@@ -260,7 +296,7 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             if total != 81:
                 short = ", ".join(f"line {r[0]} has {r[2]}" for r in rows if r[2] != 9)
                 raise ValueError(f"{name} {where(rows[0][0], n)}: {total} cells where a 9-line grid has 81, 9 a "
-                                 f"line ({short})")
+                                 f"line ({short}){_dashes_hint(dashes)}")
             puzzles.append("\n".join(r[1] for r in rows))
             rows = []
     if rows:
@@ -315,8 +351,18 @@ def parse_puzzle(text: str) -> str:
         raise TypeError(f"puzzle must be a str, got {type(text).__name__}")
     cells: list[str] = []
     start = 0  # where the line begins in text, for the position of an illegal character
-    for line in text.splitlines(keepends=True):
+    grid_rows = 0  # lines of 9 cells so far, while every line of cells has held 9 (a grid's rows)
+    dashes: tuple[int, str] | None = None  # the first row-shaped line read as a border, named if cells are missing
+    after_border = False  # the last line that was not blank drew a border
+    for n, line in enumerate(text.splitlines(keepends=True), start=1):
+        if grid_rows > 0 and (grid_rows % 3 or after_border) and _row_shaped(line):
+            line = _as_row(line)  # inside a band, or right after a border: a row with no givens (split_puzzle_file)
+        elif dashes is None and _row_shaped(line):
+            dashes = (n, line)
+        if line.strip():
+            after_border = _is_border(line)
         if not _is_border(line):
+            before = len(cells)
             for pos, ch in enumerate(line, start=start):
                 if ch in _DIGITS:
                     cells.append(ch)
@@ -325,9 +371,13 @@ def parse_puzzle(text: str) -> str:
                 elif not (ch.isspace() or ch in _SEPARATORS):
                     raise ValueError(f"illegal character {ch!r} at position {pos} of the input (would be cell "
                                      f"{len(cells) + 1}); {_EXPECTED}")
+            held = len(cells) - before
+            if held:
+                grid_rows = grid_rows + 1 if held == 9 and grid_rows >= 0 else -1  # -1: not a grid's rows
         start += len(line)
     if len(cells) != 81:
-        raise ValueError(f"puzzle has {len(cells)} cells, expected 81")
+        hint = _dashes_hint(dashes) if len(cells) < 81 and len(cells) % 9 == 0 else ""
+        raise ValueError(f"puzzle has {len(cells)} cells, expected 81{hint}")
     return "".join(cells)
 
 
