@@ -929,7 +929,7 @@ def test_serve_rejects_a_negative_or_unbounded_prefix_cache_before_loading(capsy
     and inf an OverflowError traceback, both after the model had loaded)."""
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["serve", "--model", "random-tiny", "--prefix-cache-gb", gb]) == 2
     assert f"blockpress serve: error: --prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {gb}" in (
         capsys.readouterr().err)
@@ -942,7 +942,7 @@ def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
 
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["serve", "--port", "99999"]) == 2
     assert "--port: expected 0-65535" in capsys.readouterr().err
     with socket.socket() as busy:
@@ -1157,7 +1157,7 @@ def test_a_missing_optional_package_names_its_extra(tmp_path, capsys, monkeypatc
     """`serve` without fastapi/uvicorn and `train --lora-rank` without peft were ModuleNotFoundError tracebacks."""
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "fastapi", None)
     monkeypatch.delitem(sys.modules, "blockpress.serve", raising=False)  # nor imported yet
@@ -1361,7 +1361,7 @@ def test_serve_says_it_is_loading(monkeypatch, capsys):
     """A big checkpoint loads for tens of seconds with nothing on screen, while a client's request got no answer."""
     import blockpress.cli
 
-    def load(*args):
+    def load(*args, **kwargs):
         print("load started", file=sys.stderr)
         raise ValueError("--model random-tiny: stop here")
 
@@ -1891,7 +1891,7 @@ def test_infill_refuses_a_bad_template_before_loading(template, message, monkeyp
     sudoku already checked its puzzles first. The library's own parser checks it now, before the load."""
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["infill", template, "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert f"infill: error: {message}" in err and "-1 ids" not in err
@@ -1911,7 +1911,7 @@ def test_infill_refuses_a_hole_past_the_context_before_loading(args, message, mo
     context is read from the model's config (a preset's here) without loading it."""
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["infill", *args, "--model", "random-tiny", "--threads", "1"]) == 2
     assert f"infill: error: {message}" in capsys.readouterr().err
 

@@ -393,7 +393,7 @@ def test_cli_refuses_reading_stdin_twice(source, capsys, monkeypatch):
     """`sudoku - -`: the second reader met an empty stdin without a word."""
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setattr(sys, "stdin", io.StringIO(generate(5, "easy").puzzle + "\n"))
     assert main(["sudoku", *source]) == 2
     assert "sudoku: error: standard input can be read once: give - once" in capsys.readouterr().err
@@ -407,7 +407,7 @@ def test_cli_names_bytes_that_are_not_utf8_as_such(source, said, capsys, monkeyp
     UTF-8 (byte 0xff ...)" as README promises for piped text."""
     import blockpress.cli
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     p = generate(5, "easy").puzzle
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{p}\n\udcff{p[1:]}\n"))
     assert main(["sudoku", *(f"\udcff{p[1:]}" if word == "ARG" else word for word in source)]) == 2
