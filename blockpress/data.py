@@ -268,25 +268,43 @@ def jsonl_files(path: str | Path) -> list[Path]:
 
 
 def left_out(path: str | Path) -> str | None:
-    """A note of what a folder of JSONL reads and what it leaves out, or None when it leaves nothing out: its .md
-    files (a README.md or dataset card beside the data, as datasets are shipped, is not training text). Raises
+    """A note of what a data folder leaves out, or None when it leaves nothing out: a folder of JSONL its .md
+    files (a README.md or dataset card beside the data, as datasets are shipped, is not training text), and any
+    folder its hidden files (_folder_files). Raises
     jsonl_files' errors: a folder or glob of JSONL and other files."""
     jsonl = jsonl_files(path)
     cards = _folder_files(Path(path))[".md"] if jsonl and Path(path).is_dir() else []
-    if not cards:
+    hidden = hidden_data_files(path)
+    notes = [f"leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken for a dataset card, not "
+             "data)"] if cards else []
+    if hidden:
+        notes.append(f"leaves out {len(hidden)} hidden file{'s' if len(hidden) > 1 else ''}, named or inside a "
+                     f"folder named with a leading '.' ({_some(hidden, path)}): a .venv or .git is no training "
+                     "data (name such a folder itself to train on it)")
+    if not notes:
         return None
-    return (f"reads {_some(jsonl, path)}; leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken "
-            "for a dataset card, not data)")
+    return f"reads {_some(jsonl, path)}; " * bool(cards) + "; ".join(notes)
 
 
-def _folder_files(folder: Path) -> dict[str, list[Path]]:
+def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     """A data folder's files of each suffix that data is read from (.jsonl and TEXT_SUFFIXES), searched recursively,
-    each list sorted."""
+    each list sorted. Hidden files and folders (a name starting with ".") are left out, as git and ls leave them:
+    a project folder's .venv put its site-packages into the training text (91% of the tokens of a one-file project),
+    and a .ipynb_checkpoints folder a second copy of each file. `hidden`: those left out, instead."""
     found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
     for file in sorted(folder.rglob("*")):
-        if file.is_file() and file.suffix.lower() in found:
+        if file.is_file() and file.suffix.lower() in found and \
+                hidden == any(part.startswith(".") for part in file.relative_to(folder).parts):
             found[file.suffix.lower()].append(file)
     return found
+
+
+def hidden_data_files(folder: str | Path) -> list[Path]:
+    """The files of a data folder that load_text and load_jsonl leave out as hidden (_folder_files), for a message."""
+    folder = Path(folder)
+    if not folder.is_dir() or is_glob(folder):
+        return []
+    return sorted(f for files in _folder_files(folder, hidden=True).values() for f in files)
 
 
 def _some(files: Sequence[Path], folder: str | Path, shown: int = 3) -> str:

@@ -519,6 +519,38 @@ def test_a_folder_of_jsonl_leaves_its_dataset_card_out(tmp_path, tok):
             call(folder)
 
 
+def test_a_data_folder_leaves_its_hidden_folders_out(tmp_path, tok):
+    """A project folder given as --data read its .venv too: a one-file project trained on 13,700 tokens of which
+    its own file was 1,184, the rest the virtualenv's site-packages, without a word. Hidden files and folders are
+    left out (as git and ls leave them) and named; a hidden folder named itself is read."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "main.py").write_text("def main():\n    return 1\n")
+    venv = project / ".venv" / "lib" / "site-packages"
+    venv.mkdir(parents=True)
+    (venv / "six.py").write_text("import sys\n" * 50)
+    (project / ".notes.txt").write_text("private\n")
+    (project / ".ipynb_checkpoints").mkdir()
+    (project / ".ipynb_checkpoints" / "main-checkpoint.py").write_text("def main():\n    return 1\n")
+    expected = tok.encode("def main():\n    return 1\n") + [tok.eos_id]
+    assert load_text(project, tok).arrays[0].tolist() == expected
+    from blockpress.data import hidden_data_files, left_out
+
+    assert hidden_data_files(project) == [project / ".ipynb_checkpoints" / "main-checkpoint.py", project / ".notes.txt",
+                                         venv / "six.py"]
+    note = left_out(project)
+    assert note.startswith("leaves out 3 hidden files") and ".venv/lib/site-packages/six.py" in note, note
+    assert load_text(venv.parent.parent, tok).arrays[0].tolist() == tok.encode("import sys\n" * 50) + [tok.eos_id]
+    assert left_out(project / "src") is None
+    # a folder of JSONL alike: its hidden copies are not a second epoch of the data
+    data = tmp_path / "data"
+    (data / ".ipynb_checkpoints").mkdir(parents=True)
+    for name in ("train.jsonl", ".ipynb_checkpoints/train-checkpoint.jsonl"):
+        (data / name).write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    assert len(load_jsonl(data, tok)) == 1
+    assert left_out(data).startswith("leaves out 1 hidden file, named or inside a folder named with a leading '.'")
+
+
 def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
     """A .txt saved "UTF-8 with BOM" (Windows' Notepad) trained on U+FEFF: its tokens came first in the document."""
     (tmp_path / "plain.txt").write_bytes(b"hello world\r\nline two\r\n")
