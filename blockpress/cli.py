@@ -1070,6 +1070,9 @@ def cmd_train(args: argparse.Namespace) -> int:
               "token healing would re-choose, and the model learns to answer after it as it is: its generation "
               "settings say token_healing false, so `blockpress generate` keeps a prompt's end as typed "
               "(--token-healing heals it)", file=sys.stderr)
+    if not args.quiet and trainer.rank == 0:  # what the run trains on: nothing said it (a folder's stray files,
+        # a chat's turns, a --heldout split, how many passes --steps makes went unseen)
+        print(data_summary(args.data, source, heldout, cfg, lm.config.canvas_length), file=sys.stderr)
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)
@@ -1114,6 +1117,33 @@ def cmd_train(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     return 0
+
+
+def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: int) -> str:
+    """The line `train` starts with: how much data --data gave, how much of it is held out, and how many passes over
+    it --steps x --batch-size make."""
+    from blockpress.train import ExampleSource
+
+    drawn = cfg.steps * cfg.batch_size
+    upto = "up to " if cfg.max_minutes else ""  # the clock may end the run first
+    if isinstance(source, ExampleSource):
+        n = len(source.examples)
+        held = len(heldout.examples) if isinstance(heldout, ExampleSource) else None
+        of = (f"{n:,} examples (--heldout-data: {held:,})" if cfg.heldout_data and held is not None else
+              f"{n + held:,} examples, {held:,} held out, {n:,} trained on" if held is not None else f"{n:,} examples")
+        return (f"--data {data}: {of}; --steps {cfg.steps} x --batch-size {cfg.batch_size} draws {upto}{drawn:,}: "
+                f"{drawn / n:.3g} epochs")
+    shards = source.shards
+    count, kind = (shards.documents, "document") if shards.documents else (len(shards.arrays), "shard file")
+    where = f" in {count:,} {kind}{'s' if count != 1 else ''}"
+    response = cfg.response_canvases * canvas_length
+    return (f"--data {data}: {shards.tokens:,} tokens{where}; --steps {cfg.steps} x --batch-size {cfg.batch_size} "
+            f"windows of {response} response tokens cover {upto}{_times(drawn * response / shards.tokens)} of them")
+
+
+def _times(ratio: float) -> str:
+    """A share of the data as a reader takes it in: "2.5x", or "0.56%" for a small one (not "0.0056x")."""
+    return f"{ratio:.3g}x" if ratio >= 0.1 else f"{100 * ratio:.2g}%"
 
 
 def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int) -> Any:

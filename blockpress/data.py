@@ -437,6 +437,7 @@ class TokenShards:
 
     def _hold(self, arrays: list[np.ndarray]) -> None:
         self.arrays = arrays
+        self.documents: int | None = None  # raw text's documents (load_text); None: shard files, as written
         self.sizes = np.array([len(a) for a in self.arrays])
         if self.sizes.sum() == 0:
             raise ValueError("TokenShards: the shards hold no tokens")
@@ -527,4 +528,6 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
                          f"{vocab_size}")
     if not len(flat):
         raise ValueError(f"{path}: no text")
-    return TokenShards.of_tokens(flat)
+    shards = TokenShards.of_tokens(flat)
+    shards.documents = len(tokens)  # (what `train` says it read: a folder's files, a JSONL file's lines)
+    return shards

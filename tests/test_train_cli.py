@@ -938,3 +938,32 @@ def test_an_empty_jsonl_file_is_named_by_its_flag(tmp_path, capsys, flag):
         args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", str(tmp_path / "empty.jsonl")]
     assert main(args) == 2
     assert f"error: {flag} {tmp_path / 'empty.jsonl'}: no examples" in capsys.readouterr().err
+
+
+def test_train_starts_by_saying_what_data_it_trains_on(tmp_path, capsys):
+    """Nothing said how much data a run read: not the examples a chat's turns make, how many --heldout held out,
+    how many epochs --steps makes, nor how much text a folder held (its .venv went unseen that way)."""
+    chats = tmp_path / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(10):  # two replies each: 20 examples
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant",
+                                "content": f"hello {i}"}, {"role": "user", "content": "more"},
+                                {"role": "assistant", "content": "sure"}]}) + "\n")
+    args = [a for a in train_args(chats, tmp_path / "out", steps=2) if a != "--quiet"]
+    args[args.index("--heldout") + 1] = "0.3"
+    assert main(args + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]) == 0
+    held = len([e for e in blockpress.data.load_jsonl(chats, blockpress.load("blockpress-code").tokenizer)]) - 12
+    line = f"--data {chats}: 20 examples, 8 held out, 12 trained on; --steps 2 x --batch-size 4 draws 8: 0.667 epochs"
+    assert held == 8 and line in capsys.readouterr().err
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "a.py").write_text("def add(a, b):\n    return a + b\n" * 400)
+    tokens = len(blockpress.load("blockpress-code").tokenizer.encode((folder / "a.py").read_text())) + 1
+    args = [a for a in train_args(folder, tmp_path / "text", steps=2) if a != "--quiet"]
+    args[args.index("--heldout") : args.index("--heldout") + 2] = []
+    assert main(args + ["--tokenizer", str(MODELS_DIR / "blockpress-code"), "--prompt-max", "16"]) == 0
+    share = f"{100 * 2 * 4 * 16 / tokens:.2g}%"  # the tiny preset's canvases are 16 tokens: 2.5%, not "0.0246x"
+    assert (f"--data {folder}: {tokens:,} tokens in 1 document; --steps 2 x --batch-size 4 windows of 16 response "
+            f"tokens cover {share} of them") in capsys.readouterr().err
+    assert main(train_args(chats, tmp_path / "quiet", steps=1) + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]) == 0
+    assert "--data" not in capsys.readouterr().err  # --quiet: no such line
