@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -482,6 +484,52 @@ def is_examples(path: str | Path) -> bool:
     return bool(jsonl_files(path)) and not is_raw_text(path)
 
 
+# Where a byte-level BPE's pre-tokenizer (GPT-2's split, what train_bpe_tokenizer makes) always ends a piece: before
+# a line that starts with a printable character after one that ends with one, and before a space between two of
+# them ("a b" is "a", " b"). No piece spans such a point, so the text's ids are those of its two sides.
+_PIECE_BOUNDARY = re.compile(r"(?<=[!-~]\n)(?=[!-~])|(?<=[!-~])(?= [!-~])")
+DOCUMENT_CHUNK = 1 << 18  # characters encoded at once, at most (but for a stretch without a boundary)
+
+
+def _splits_at_boundaries(tokenizer: Any) -> bool:
+    """Whether encode_document may encode `tokenizer`'s text in pieces (_PIECE_BOUNDARY): a byte-level BPE that
+    splits by GPT-2's pattern, adds no prefix space (each piece would get one), normalizes nothing, and has no added
+    token holding whitespace (which could span a boundary). Other tokenizers encode a document whole."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        import tokenizers
+
+        pre = backend.pre_tokenizer
+        return (isinstance(pre, tokenizers.pre_tokenizers.ByteLevel) and pre.use_regex and not pre.add_prefix_space
+                and backend.normalizer is None and not any(any(c.isspace() for c in t.content)
+                                                           for t in backend.get_added_tokens_decoder().values()))
+    except (AttributeError, ImportError):  # a stand-in tokenizer (tests), or none of tokenizers'
+        return False
+
+
+def encode_document(tokenizer: Any, text: str, chunk: int | None = None) -> list[int]:
+    """tokenizer.encode(text), the same ids, encoded in pieces of about `chunk` characters where the tokenizer
+    allows (_splits_at_boundaries): see _encoded_pieces."""
+    return [t for piece in _encoded_pieces(tokenizer, text, chunk) for t in piece]
+
+
+def _encoded_pieces(tokenizer: Any, text: str, chunk: int | None = None) -> Iterator[list[int]]:
+    """The ids of `text` a piece at a time: tokenizers holds some 500 bytes per token of one string while it encodes
+    it (an 18 MB .txt file peaked at 3.1 GB; a 100 MB one would take 17 GB), so a large file or {"text"} line is
+    encoded in pieces cut at _PIECE_BOUNDARY, whose ids are the whole text's. A tokenizer that may merge across
+    such a point gets the text whole. `chunk`: characters a piece takes at least, DOCUMENT_CHUNK unless given."""
+    chunk = chunk or DOCUMENT_CHUNK
+    if len(text) <= chunk or not _splits_at_boundaries(tokenizer):
+        yield tokenizer.encode(text)
+        return
+    start = 0
+    while start < len(text):
+        cut = _PIECE_BOUNDARY.search(text, start + chunk) if len(text) - start > chunk else None
+        end = cut.start() if cut else len(text)
+        yield tokenizer.encode(text[start:end])
+        start = end
+
+
 def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -> TokenShards:
     """Raw text as one in-memory shard, laid out as write_shard lays out documents (scripts/build_code_corpus.py:
     each document's tokens, then EOS), so training cuts it into windows as it cuts token shards. `path`: a
@@ -521,13 +569,16 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
         except OSError as exc:  # unreadable: the path first, as every error here
             raise OSError(f"{file}: cannot be read ({exc.strerror or exc})") from None
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    tokens = [tokenizer.encode(text) + eos for _, text in texts if text.strip()]
-    flat = np.fromiter((t for doc in tokens for t in doc), dtype=np.int64)
+    # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints took 36 bytes a
+    # token, and the int64 corpus 8), uint16 in the end where the ids fit, as write_shard's shards
+    tokens = [np.array(ids, dtype=np.uint32) for _, text in texts if text.strip()
+              for ids in itertools.chain(_encoded_pieces(tokenizer, text), [eos])]
+    flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.uint32)
     if vocab_size is not None and len(flat) and int(flat.max()) >= vocab_size:
         raise ValueError(f"{path}: the tokenizer gives id {int(flat.max())}, outside the model's vocabulary of "
                          f"{vocab_size}")
     if not len(flat):
         raise ValueError(f"{path}: no text")
-    shards = TokenShards.of_tokens(flat)
-    shards.documents = len(tokens)  # (what `train` says it read: a folder's files, a JSONL file's lines)
+    shards = TokenShards.of_tokens(flat.astype(np.uint16) if int(flat.max()) < 65_536 else flat)
+    shards.documents = sum(1 for _, text in texts if text.strip())  # (what `train` says it read: files, lines)
     return shards
