@@ -344,8 +344,10 @@ def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Ex
         key = e.split_key or (e.prompt, e.response)
         h = int(hashlib.sha1(json.dumps(list(key)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
         (held if h < fraction else train).append(e)
-    if not train:
-        raise ValueError("split_heldout: the held-out fraction left no training examples")
+    if not train:  # (it said "split_heldout: the held-out fraction left no training examples", naming no setting)
+        raise ValueError(f"heldout: {fraction} holds out all {len(examples)} example{'s' if len(examples) > 1 else ''}, "
+                         "leaving none to train on (each is held out by a hash of its content: a few examples, or "
+                         "copies of one, fall together); give a smaller fraction, or 0")
     return train, held
 
 

@@ -599,3 +599,18 @@ def test_a_large_raw_text_file_is_encoded_a_piece_at_a_time(tmp_path, tok, monke
     other = type(tok).__new__(type(tok))
     other.__dict__.update(tok.__dict__, backend=tokenizers.Tokenizer.from_str(backend))
     assert not _splits_at_boundaries(other)
+
+
+def test_a_held_out_fraction_that_leaves_nothing_to_train_on_names_heldout(tmp_path, capsys):
+    """It said "split_heldout: the held-out fraction left no training examples": no flag, no count."""
+    from blockpress.cli import main
+
+    copies = [Example([2, 3], [5, 6])] * 3  # copies of one example are held out together
+    with pytest.raises(ValueError, match=r"^heldout: 0.99 holds out all 3 examples, leaving none to train on"):
+        split_heldout(copies, 0.99)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [2, 3], "response_ids": [5, 6]}) + "\n")
+    assert main(["train", "--config", "tiny", "--data", str(data), "--out", str(tmp_path / "out"), "--steps", "1",
+                 "--heldout", "0.99", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --heldout: 0.99 holds out all 1 example, leaving none to train on" in err, err
