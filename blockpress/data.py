@@ -146,6 +146,9 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None 
     return [ex for _, ex in examples]
 
 
+KNOWN_ROLES = ("system", "user", "assistant", "model", "tool")  # the roles chat templates render ("developer": system)
+
+
 def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -> list[tuple[str, Example]]:
     """(where, example) of each assistant turn of a `messages` record trained on (parse_examples); `where` names
     the turn when there are several."""
@@ -159,7 +162,11 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -
     last = replies[-1]
     if asked > last:
         # the model would learn to answer no one: a prompt of a system turn, or of nothing but the template
-        raise ValueError(f"{where}: 'messages' has no user message before the assistant's (messages[{last}]); "
+        # a role of another name there is most likely the user's, mistyped ("usr", "human")
+        other = next((i for i, message in enumerate(chat[:last]) if message["role"] not in KNOWN_ROLES), None)
+        named = (f" (messages[{other}].role is {chat[other]['role']!r}, not one of {list(KNOWN_ROLES)})"
+                 if other is not None else "")
+        raise ValueError(f"{where}: 'messages' has no user message before the assistant's (messages[{last}]){named}; "
                          "give the user turn it answers before it")
     if chat[last]["content"] is None:  # an assistant turn of tool calls alone: its text is what is trained on
         raise ValueError(f"{where}: messages[{last}].content: the assistant's reply trained on must be text, got none")

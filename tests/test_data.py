@@ -614,3 +614,16 @@ def test_a_held_out_fraction_that_leaves_nothing_to_train_on_names_heldout(tmp_p
                  "--heldout", "0.99", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "error: --heldout: 0.99 holds out all 1 example, leaving none to train on" in err, err
+
+
+def test_a_chat_whose_user_role_is_mistyped_names_the_role(tok):
+    """{"role": "usr"} before the reply was refused as "has no user message before the assistant's", which the line
+    seemed to have: the role is named now."""
+    record = {"messages": [{"role": "usr", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    with pytest.raises(ValueError, match=re.escape("f.jsonl:2: 'messages' has no user message before the assistant's "
+                                                   "(messages[1]) (messages[0].role is 'usr', not one of ['system', "
+                                                   "'user', 'assistant', 'model', 'tool']); give the user turn")):
+        parse_examples(record, tok, "f.jsonl:2")
+    record["messages"][0]["role"] = "system"  # a real role: the message as it was
+    with pytest.raises(ValueError, match=re.escape("(messages[1]); give the user turn it answers before it")):
+        parse_examples(record, tok, "f.jsonl:2")
