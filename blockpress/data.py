@@ -389,6 +389,12 @@ def shard_files(pattern: str, flag: str) -> list[str]:
         with path.open("rb") as f:
             starts = f.read(64).decode("utf-8", "replace").lstrip("\ufeff \t\r\n")
         rename = f"; it starts with '{{': if it is JSONL, rename it to {path.with_suffix('.jsonl').name}" if starts[:1] == "{" else ""
+        if starts[:1] == "[":  # a JSON array of records, as Alpaca-style datasets ship: one object a line is JSONL
+            import shlex
+
+            rename = (f"; it starts with '[': a JSON array of records is written as JSONL, one object a line, by "
+                      f"python -c \"import json,sys; [print(json.dumps(r)) for r in json.load(open(sys.argv[1]))]\" "
+                      f"{shlex.quote(str(path))} > {shlex.quote(str(path.with_suffix('.jsonl')))}")
         raise ValueError(f"{flag} {pattern}: expected a .jsonl file (one JSON object per line) or token shards, each "
                          f"with its .json sidecar ({SHARD_SOURCE}){rename}")
     files = [pattern] if path.is_file() else sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))

@@ -627,3 +627,17 @@ def test_a_chat_whose_user_role_is_mistyped_names_the_role(tok):
     record["messages"][0]["role"] = "system"  # a real role: the message as it was
     with pytest.raises(ValueError, match=re.escape("(messages[1]); give the user turn it answers before it")):
         parse_examples(record, tok, "f.jsonl:2")
+
+
+def test_a_json_array_of_records_says_how_to_write_it_as_jsonl(tmp_path):
+    """An Alpaca-style data.json (a JSON array of records) got only "expected a .jsonl file ... or token shards"."""
+    (tmp_path / "my data").mkdir()
+    data = tmp_path / "my data" / "alpaca.json"
+    records = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    data.write_text(json.dumps(records, indent=2))
+    with pytest.raises(ValueError, match="it starts with '\\[': a JSON array of records is written as JSONL") as err:
+        shard_files(str(data), "--data")
+    command = str(err.value).split(" by ", 1)[1]
+    assert command.endswith(f"'{data}' > '{data.with_suffix('.jsonl')}'")
+    subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True, check=True)
+    assert [json.loads(x) for x in data.with_suffix(".jsonl").read_text().splitlines()] == records
