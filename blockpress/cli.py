@@ -1131,8 +1131,13 @@ def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: 
         held = len(heldout.examples) if isinstance(heldout, ExampleSource) else None
         of = (f"{n:,} examples (--heldout-data: {held:,})" if cfg.heldout_data and held is not None else
               f"{n + held:,} examples, {held:,} held out, {n:,} trained on" if held is not None else f"{n:,} examples")
+        from blockpress.data import canvas_count
+
+        cut = sum(canvas_count(e, canvas_length) > cfg.max_canvases for e in source.examples) if cfg.max_canvases else 0
+        cuts = (f"; --max-canvases {cfg.max_canvases} cuts {cut:,} of their responses short (their end, EOS, is not "
+                "trained)") if cut else ""
         return (f"--data {data}: {of}; --steps {cfg.steps} x --batch-size {cfg.batch_size} draws {upto}{drawn:,}: "
-                f"{drawn / n:.3g} epochs")
+                f"{drawn / n:.3g} epochs{cuts}")
     shards = source.shards
     count, kind = (shards.documents, "document") if shards.documents else (len(shards.arrays), "shard file")
     where = f" in {count:,} {kind}{'s' if count != 1 else ''}"

@@ -965,5 +965,12 @@ def test_train_starts_by_saying_what_data_it_trains_on(tmp_path, capsys):
     share = f"{100 * 2 * 4 * 16 / tokens:.2g}%"  # the tiny preset's canvases are 16 tokens: 2.5%, not "0.0246x"
     assert (f"--data {folder}: {tokens:,} tokens in 1 document; --steps 2 x --batch-size 4 windows of 16 response "
             f"tokens cover {share} of them") in capsys.readouterr().err
+    data = write_data(tmp_path / "d.jsonl")  # responses of 3 to 7 ids: the 16-token canvas holds each with its EOS
+    long = tmp_path / "long.jsonl"
+    long.write_text(data.read_text() + json.dumps({"prompt_ids": [2], "response_ids": [9] * 16}) + "\n")
+    args = [a for a in train_args(long, tmp_path / "cut", steps=1) if a != "--quiet"]
+    assert main(args + ["--max-canvases", "1"]) == 0
+    assert ("9 examples; --steps 1 x --batch-size 4 draws 4: 0.444 epochs; --max-canvases 1 cuts 1 of their "
+            "responses short (their end, EOS, is not trained)") in capsys.readouterr().err
     assert main(train_args(chats, tmp_path / "quiet", steps=1) + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]) == 0
     assert "--data" not in capsys.readouterr().err  # --quiet: no such line
