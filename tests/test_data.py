@@ -641,3 +641,18 @@ def test_a_json_array_of_records_says_how_to_write_it_as_jsonl(tmp_path):
     assert command.endswith(f"'{data}' > '{data.with_suffix('.jsonl')}'")
     subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True, check=True)
     assert [json.loads(x) for x in data.with_suffix(".jsonl").read_text().splitlines()] == records
+
+
+def test_a_utf16_file_is_named_as_utf16(tmp_path, tok):
+    """Windows PowerShell's `>` writes UTF-16 with a byte-order mark: such a .jsonl or .txt was refused as 'not valid
+    UTF-8 (invalid start byte at byte 0)', which said nothing of why."""
+    (tmp_path / "d.jsonl").write_bytes('{"prompt": "a", "response": "b"}\r\n'.encode("utf-16"))
+    (tmp_path / "t.txt").write_bytes("hello world\r\n".encode("utf-16"))
+    said = "it is UTF-16 (it starts with a UTF-16 byte-order mark, as Windows PowerShell's > and Out-File write text)"
+    with pytest.raises(ValueError, match=re.escape(f"d.jsonl:1: not valid UTF-8 (invalid start byte at byte 0); {said}")):
+        load_jsonl(tmp_path / "d.jsonl", tok)
+    with pytest.raises(ValueError, match=re.escape(f"t.txt: not valid UTF-8 (invalid start byte at byte 0); {said}")):
+        load_text(tmp_path / "t.txt", tok)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))  # another encoding: no such word
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 \(invalid continuation byte at byte 3\)$"):
+        load_text(tmp_path / "latin1.txt", tok)
