@@ -1017,6 +1017,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     for flag, given in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
         try:  # a README.md beside JSONL files: say it is not trained on
             note = left_out(given) if given else None
+            # what the data is, read from its first line: an error there (not JSON, not UTF-8) names the flag as one
+            # on a later line does (it named the file alone, whichever of --data and --heldout-data it was)
+            is_examples(given) if given else None
         except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
             raise ValueError(f"{flag} {exc}") from None
         if note:

@@ -974,3 +974,17 @@ def test_train_starts_by_saying_what_data_it_trains_on(tmp_path, capsys):
             "responses short (their end, EOS, is not trained)") in capsys.readouterr().err
     assert main(train_args(chats, tmp_path / "quiet", steps=1) + ["--tokenizer", str(MODELS_DIR / "blockpress-code")]) == 0
     assert "--data" not in capsys.readouterr().err  # --quiet: no such line
+
+
+def test_an_error_on_the_first_line_of_the_data_names_its_flag(tmp_path, capsys):
+    """A bad first line said "bad.jsonl:1: not valid JSON", naming neither --data nor --heldout-data (a bad second
+    line named the flag)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    data = write_data(tmp_path / "d.jsonl")
+    held = train_args(data, tmp_path / "b")
+    held[held.index("--heldout") : held.index("--heldout") + 2] = ["--heldout-data", str(bad)]
+    for args in (train_args(bad, tmp_path / "a"), held):
+        assert main(args) == 2
+        flag = "--data" if "--heldout-data" not in args else "--heldout-data"
+        assert f"error: {flag} {bad}:1: not valid JSON (Expecting value)" in capsys.readouterr().err
