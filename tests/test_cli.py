@@ -316,9 +316,9 @@ def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
     assert "that message was dropped" in captured.err and "/reset starts a new one" in captured.err
 
 
-def test_chat_reset_and_ctrl_c(monkeypatch, capsys):
-    """Ctrl-C stops a reply and keeps the conversation (its cache back to the turns before); /reset starts over;
-    Ctrl-D ends the line for the shell."""
+def second_turn_fails(monkeypatch, failure: BaseException | type[BaseException]) -> list[int]:
+    """LM.generate spied on: the list returned gets the cache length each turn finds; the second turn writes itself
+    into the cache, then raises `failure` (a Ctrl-C, a GPU out of memory)."""
     import blockpress.lm
 
     seen = []
@@ -328,11 +328,18 @@ def test_chat_reset_and_ctrl_c(monkeypatch, capsys):
         cache = kw.get("cache")
         seen.append(0 if cache is None else cache.length)
         if len(seen) == 2:
-            original(self, prompt, *a, **{**kw, "max_new_tokens": 2})  # writes this turn into the cache, then
-            raise KeyboardInterrupt                                      # the user stops it
+            original(self, prompt, *a, **{**kw, "max_new_tokens": 2})
+            raise failure
         return original(self, prompt, *a, **kw)
 
     monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
+    return seen
+
+
+def test_chat_reset_and_ctrl_c(monkeypatch, capsys):
+    """Ctrl-C stops a reply and keeps the conversation (its cache back to the turns before); /reset starts over;
+    Ctrl-D ends the line for the shell."""
+    seen = second_turn_fails(monkeypatch, KeyboardInterrupt)  # the user stops it
     lines = iter(["hello there", "stop this one", "and again", "/reset", "fresh start"])
 
     def typed(_prompt):
@@ -2503,20 +2510,7 @@ def test_other_runtime_errors_still_raise(monkeypatch):
 def test_chat_out_of_memory_drops_the_turn_and_goes_on(monkeypatch, capsys):
     """A GPU out of memory on one turn of a long conversation ended the whole chat (exit 1, the conversation lost);
     like a too-long message it drops that turn: the next one finds the cache as the turns before left it."""
-    import blockpress.lm
-
-    seen = []
-    original = blockpress.lm.LM.generate
-
-    def spy(self, prompt, *a, **kw):
-        cache = kw.get("cache")
-        seen.append(0 if cache is None else cache.length)
-        if len(seen) == 2:
-            original(self, prompt, *a, **{**kw, "max_new_tokens": 2})  # writes this turn into the cache, then
-            raise torch.OutOfMemoryError(OOM)                          # the GPU runs out
-        return original(self, prompt, *a, **kw)
-
-    monkeypatch.setattr(blockpress.lm.LM, "generate", spy)
+    seen = second_turn_fails(monkeypatch, torch.OutOfMemoryError(OOM))  # the GPU runs out
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\na long one\nand again\n"))
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2", "--json"]) == 0
     captured = capsys.readouterr()
