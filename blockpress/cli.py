@@ -9,6 +9,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -1524,10 +1525,15 @@ def train_flag_of() -> dict[str, str]:
 
 
 def as_flags(message: str, flag_of: dict[str, str]) -> str:
-    """`message` with the setting it starts with ("max_new_tokens: ...") named as the flag `flag_of` maps it to."""
+    """`message` with the setting it starts with ("max_new_tokens: ...") named as the flag `flag_of` maps it to,
+    and so where it suggests a value for one of them ("...; prompt_max 56 fits": "--prompt-max 56")."""
     name, sep, rest = message.partition(":")
     names = name.split("/")  # a check of two settings together names both: "prompt_min/prompt_max: ..."
-    return "/".join(flag_of[n] for n in names) + sep + rest if sep and all(n in flag_of for n in names) else message
+    if not (sep and all(n in flag_of for n in names)):
+        return message
+    for n in names:
+        rest = re.sub(rf"(?<![\w-]){re.escape(n)} (?=[0-9])", f"{flag_of[n]} ", rest)
+    return "/".join(flag_of[n] for n in names) + sep + rest
 
 
 def build_parser() -> argparse.ArgumentParser:

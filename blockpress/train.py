@@ -839,12 +839,17 @@ class Trainer:
         positions = max((s.positions for s in windows), default=0)
         if positions > text.max_position_embeddings:
             bos = any(s.bos is not None for s in windows)
-            room = (text.max_position_embeddings - bos - cfg.prompt_max) // lm.config.canvas_length
-            fits = f"; response_canvases {room} fits" if room >= 1 else ""
+            # either setting may give: the prompt (when prompt_min allows it) or the canvases
+            free = text.max_position_embeddings - bos
+            prompt_room = free - cfg.response_canvases * lm.config.canvas_length
+            canvas_room = (free - cfg.prompt_max) // lm.config.canvas_length
+            fits = [f"prompt_max {prompt_room}"] if prompt_room >= cfg.prompt_min else []
+            fits += [f"response_canvases {canvas_room}"] if canvas_room >= 1 else []
             raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
                              f"positions ({'BOS and ' if bos else ''}a prompt of up to {cfg.prompt_max} tokens, then "
                              f"{cfg.response_canvases} canvases of {lm.config.canvas_length}), more than the model's "
-                             f"context of {text.max_position_embeddings}{fits}")
+                             f"context of {text.max_position_embeddings}"
+                             + (f"; {' or '.join(fits)} fits" if fits else "; a model of a longer context is needed"))
         # Running text shorter than its longest window: refused now, not at the first step that draws one that long
         if isinstance(source, ShardSource):
             source.check_length(f"--data {data}" if data else "the training text")

@@ -615,7 +615,7 @@ def test_raw_text_shorter_than_a_window_is_refused_before_training(tmp_path, cap
     err = capsys.readouterr().err
     # (the preset's canvases are 16 tokens, its prompts up to 64: windows of up to 80 tokens)
     assert (f"error: --prompt-max/--response-canvases: --data {text.resolve()} holds {tokens} tokens, fewer than the "
-            f"longest window of running text, 80 (a prompt of up to 64 tokens, then 1 canvas of 16); prompt_max "
+            f"longest window of running text, 80 (a prompt of up to 64 tokens, then 1 canvas of 16); --prompt-max "
             f"{tokens - 16} fits it") in err, err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
     assert main(args + ["--prompt-max", str(tokens - 16)]) == 0  # as it says: windows up to the whole text
@@ -665,12 +665,17 @@ def test_running_text_windows_must_fit_the_models_context(tmp_path, capsys):
     write_shard(tmp_path / "s.bin", [list(range(3, 120)) * 4], vocab_size=128)
     args = [a for a in train_args(tmp_path / "s.bin", tmp_path / "out", steps=1) if a not in ("--config", "tiny")]
     args = args[: args.index("--heldout")] + args[args.index("--heldout") + 2 :] + ["--model", str(model)]
-    for extra, positions in ((["--prompt-min", "8", "--prompt-max", "60"], 68),
-                             (["--prompt-min", "8", "--prompt-max", "32", "--response-canvases", "5"], 72)):
+    # what fits is named, either setting (a --prompt-max too long alone got no hint)
+    for extra, positions, fits in ((["--prompt-min", "8", "--prompt-max", "60"], 68, "--prompt-max 56 fits"),
+                                   (["--prompt-min", "8", "--prompt-max", "32", "--response-canvases", "5"], 72,
+                                    "--prompt-max 24 or --response-canvases 4 fits"),
+                                   (["--prompt-min", "60", "--prompt-max", "60"], 68,
+                                    "a model of a longer context is needed")):
         assert main(args + extra) == 2
         err = capsys.readouterr().err
         assert f"error: --prompt-max/--response-canvases: windows of running text take up to {positions} " \
                "positions" in err and "context of 64" in err, err
+        assert err.rstrip().endswith(fits), err
         assert not (tmp_path / "out").exists()
     assert main(args + ["--prompt-min", "8", "--prompt-max", "32", "--response-canvases", "4"]) == 0  # 64: fits
 
