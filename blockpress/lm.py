@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import json
@@ -63,6 +64,7 @@ from .sampling import (
     TEMPERATURE_HINT,
     SamplerConfig,
     check_row_setting,
+    choice_seed,
     is_float32,
 )
 
@@ -235,6 +237,50 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
     settings = [f.name for f in fields(SamplerConfig)] if sampler_settings else []
     hints = {"temperature": TEMPERATURE_HINT, "streamer": "for tokens as they come, iterate lm.stream(...)"}
     check_keywords(call, given, options, settings, hints=hints if settings else None)
+
+
+# transformers' generate keywords that have blockpress's meaning: `LM._from_transformers` maps them, one place for
+# generate, stream and generate_ar (a DiffusionGemma user's `model.generate(input_ids=..., max_length=...)`)
+TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config", "eos_token_id", "pad_token_id",
+                                   "num_return_sequences", "stop_strings"})
+
+
+def _generation_settings(config: Any) -> dict[str, Any]:
+    """generate's generation_config=: transformers' (Diffusion Gemma)GenerationConfig or a plain dict, as
+    generation_config.json's fields: what it sets (its unset None values, metadata and the reference's cache
+    settings left out). A field blockpress does not read is refused: per call, it would look in effect."""
+    if isinstance(config, dict):
+        raw = dict(config)
+    elif callable(getattr(config, "to_diff_dict", None)):  # what differs from the class's defaults: what is set
+        raw = config.to_diff_dict()
+    else:
+        raise ValueError(f"generation_config: expected transformers' DiffusionGemmaGenerationConfig or a dict of "
+                         f"generation_config.json's fields, got {type(config).__name__}")
+    out = {}
+    for key, value in raw.items():
+        if value is None or key.startswith("_") or key == "transformers_version":
+            continue
+        if key not in KNOWN_GENERATION_KEYS:
+            raise ValueError(f"generation_config: {key}: not a blockpress setting (it reads max_new_tokens, "
+                             f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields)")
+        out[key] = value.to_dict() if callable(getattr(value, "to_dict", None)) else value  # sampler_config
+    return out
+
+
+def _repeat_rows(value: Any, n: int, name: str) -> Any:
+    """Each row of a prompt (or attention_mask) `n` times in a row, as transformers' num_return_sequences repeats
+    them: a text or one row of ids is one row."""
+    if isinstance(value, str):
+        return [value] * n
+    if isinstance(value, (list, tuple)):
+        if value and all(is_int(x) for x in value):  # one row of ids
+            return [list(value)] * n
+        return [row for row in value for _ in range(n)]
+    try:
+        t = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name}: expected a text, a list of them, or ids, got {type(value).__name__}") from None
+    return (t[None] if t.dim() == 1 else t).repeat_interleave(n, dim=0)
 
 
 def _check_prefix_cache(prefix_cache: Any) -> PrefixCache | None:
@@ -845,6 +891,56 @@ class LM:
         self._check_context(req, cache, self.config.canvas_length if canvases else None)
         return req
 
+    def _from_transformers(self, call: str, args: dict[str, Any]) -> tuple[LM, dict[str, Any]]:
+        """transformers' generate keywords (TRANSFORMERS_KEYWORDS) in `args`, a call's arguments by name, as
+        blockpress's: (the LM to run it on, the arguments). input_ids is the prompt, stop_strings `stop`,
+        num_return_sequences repeats each row with seeds of its own (the server's n); generation_config (over the
+        checkpoint's, as in transformers), eos_token_id, pad_token_id and max_length (the prompt's width + new
+        tokens; max_new_tokens wins when both are given, as in transformers) are the call's generation settings: a
+        copy of this LM that holds them, so the checkpoint's are not changed."""
+        hf = {k: args.pop(k) for k in TRANSFORMERS_KEYWORDS if k in args}
+        if "input_ids" in hf:
+            if args.get("prompt") is not None:
+                raise ValueError(f"input_ids: {call} was given the prompt twice (input_ids and prompt); give one")
+            args["prompt"] = hf.pop("input_ids")
+        if args.get("prompt") is None:
+            raise ValueError(f"prompt: {call} needs a prompt (the first argument, or input_ids= as in transformers)")
+        if hf.get("stop_strings") is not None:
+            if args.get("stop") is not None:
+                raise ValueError("stop_strings: transformers' name for stop, which was given too; give one")
+            args["stop"] = hf["stop_strings"]
+        gen = dict(self.generation_config)
+        if hf.get("generation_config") is not None:
+            gen.update(_generation_settings(hf["generation_config"]))
+        for key in ("eos_token_id", "pad_token_id"):
+            if hf.get(key) is not None:
+                gen[key] = hf[key]
+        if hf.get("max_length") is not None:
+            if args.get("max_new_tokens") is not None:
+                warn_user("max_length: max_new_tokens was given too and takes precedence, as in transformers")
+            else:  # the call's max_length, not a max_new_tokens the checkpoint's settings hold
+                gen.update(max_length=hf["max_length"], max_new_tokens=None)
+        n = hf.get("num_return_sequences")
+        if n is not None and not (is_int(n) and n >= 1):
+            raise ValueError(f"num_return_sequences: expected a positive integer, got {n!r}")
+        if n is not None and n > 1:
+            if args.get("seeds") is not None:
+                raise ValueError("num_return_sequences: not with seeds (it gives each repeated row a seed of its "
+                                 "own); pass one seed per row in seeds and repeat the prompt yourself")
+            args["prompt"] = _repeat_rows(args["prompt"], int(n), "prompt")
+            if args.get("attention_mask") is not None:
+                args["attention_mask"] = _repeat_rows(args["attention_mask"], int(n), "attention_mask")
+            seed = check_seed(args.get("seed"), "seed")
+            if seed is not None:  # None draws a fresh seed per row, which differ already
+                rows = len(args["prompt"]) // int(n)
+                args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]
+        if gen == self.generation_config:
+            return self, args
+        check_generation_settings(gen, f"{call}'s generation settings")
+        lm = copy.copy(self)  # shares the model, tokenizer and compiled steps; only the settings are its own
+        lm.generation_config = gen
+        return lm, args
+
     def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None) -> None:
         """Positions past max_position_embeddings were never trained, and an absurd max_new_tokens would first
         allocate a cache that long: refuse with a clear error instead. `canvas_length`: block diffusion's, whose
@@ -899,7 +995,7 @@ class LM:
 
     def stream(
         self,
-        prompt: Any,
+        prompt: Any = None,
         max_new_tokens: Counts | None = None,
         *,
         max_denoising_steps: int | None = None,
@@ -966,6 +1062,10 @@ class LM:
         ends there, with a `Cancelled` (the passes and tokens done so far) in place of `Done` (a server's clients
         that left free the engine within a step).
         """
+        if prompt is None or TRANSFORMERS_KEYWORDS & sampler_options.keys():
+            args = {k: v for k, v in locals().items() if k not in ("self", "sampler_options")}
+            lm, args = self._from_transformers("stream", {**args, **sampler_options})
+            return lm.stream(**args)
         _check_keywords("stream", STREAM_OPTIONS, sampler_options)
         if cancelled is not None and not callable(cancelled):
             raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")
@@ -986,7 +1086,7 @@ class LM:
         return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                    tokenizer=self.tokenizer, fns=self.step_functions)
 
-    def generate(self, prompt: Any, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
+    def generate(self, prompt: Any = None, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
         """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists (ragged
         rows are left-padded). Text prompts get BOS first (not twice; not on a turn that continues a `cache`).
@@ -1024,6 +1124,10 @@ class LM:
         or candidates="argmax", which would ignore it. draw_temperature, top_k and top_p may also be one per row (a
         list or a 1-D array / tensor, as max_new_tokens): each row draws as it would alone with its own.
 
+        transformers' keywords (input_ids, max_length, generation_config, eos_token_id, pad_token_id,
+        num_return_sequences, stop_strings) have the reference generate's meaning, here, in `stream` and in
+        `generate_ar` (`_from_transformers`).
+
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
         and denoise seconds, and `cache` when asked.
@@ -1031,6 +1135,11 @@ class LM:
         if "drafts" in kwargs:  # generate returns the end result only; the drafts are stream()'s
             raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
                              "the canvas settle")
+        if prompt is None or TRANSFORMERS_KEYWORDS & kwargs.keys():
+            lm, args = self._from_transformers("generate", dict(
+                kwargs, prompt=prompt, max_new_tokens=max_new_tokens, max_denoising_steps=max_denoising_steps,
+                sampler=sampler, seed=seed))
+            return lm.generate(**args)
         _check_keywords("generate", STREAM_OPTIONS, kwargs, leave_out=("drafts",))
         for event in self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
                                  seed=seed, drafts=False, **kwargs):
@@ -1188,7 +1297,7 @@ class LM:
 
     def generate_ar(
         self,
-        prompt: Any,
+        prompt: Any = None,
         max_new_tokens: Counts | None = None,
         *,
         temperature: float | Sequence[float] | None = None,
@@ -1230,6 +1339,10 @@ class LM:
         `logits_processor(logits [B, 1, V], rows [B]) -> logits`: as in `stream`, each token's next-token logits as
         a canvas of one position (rows: every row, each token), before the penalties and bans.
         Any other keyword is a ValueError naming it and the closest one taken (as generate's)."""
+        if prompt is None or TRANSFORMERS_KEYWORDS & unknown.keys():
+            args = {k: v for k, v in locals().items() if k not in ("self", "unknown")}
+            lm, args = self._from_transformers("generate_ar", {**args, **unknown})
+            return lm.generate_ar(**args)
         _check_keywords("generate_ar", GENERATE_AR_OPTIONS, unknown, sampler_settings=False)
         temperature = _as_rows(temperature, "temperature", "a number")
         per_row = isinstance(temperature, list)
@@ -1371,6 +1484,27 @@ def split_generation_config(gen: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     return reference, own
 
 
+def check_generation_settings(raw: dict[str, Any], file: str) -> None:
+    """generation_config.json's fields (a file's, or a generate call's generation_config=), checked now and
+    naming `file`: a wrong type would otherwise fail at the first generate, deep in the sampler."""
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = raw.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{file}: {key}: expected a token id or a list of them, got {value!r}")
+    # `blockpress generate`'s default for healing a prompt's last token (the library and the server heal only when
+    # asked); blockpress train writes false for a model fine-tuned on prompts that end in whitespace
+    if raw.get("token_healing") is not None and not isinstance(raw["token_healing"], bool):
+        raise ValueError(f"{file}: token_healing: expected true or false, got {raw['token_healing']!r}")
+    for key in ("max_new_tokens", "max_length"):  # null: unset, as in the reference
+        if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
+            raise ValueError(f"{file}: {key}: expected a positive integer, got {raw[key]!r}")
+    try:
+        SamplerConfig.from_generation_config(raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{file}: {exc}") from None
+
+
 def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
     """generation_config.json with blockpress's own settings (BLOCKPRESS_GENERATION_FILE) over it. Folders saved
     before the split hold those in generation_config.json itself; they read the same. Warns about keys blockpress
@@ -1392,23 +1526,7 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
             warn_user(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
                       f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}")
     file = " + ".join(str(f) for f in files)
-    # Checked now, naming the file: a wrong type would otherwise fail at the first generate, deep in the sampler.
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        value = raw.get(key)
-        ids = value if isinstance(value, list) else [value]
-        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ValueError(f"{file}: {key}: expected a token id or a list of them, got {value!r}")
-    # `blockpress generate`'s default for healing a prompt's last token (the library and the server heal only when
-    # asked); blockpress train writes false for a model fine-tuned on prompts that end in whitespace
-    if raw.get("token_healing") is not None and not isinstance(raw["token_healing"], bool):
-        raise ValueError(f"{file}: token_healing: expected true or false, got {raw['token_healing']!r}")
-    for key in ("max_new_tokens", "max_length"):  # null: unset, as in the reference
-        if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
-            raise ValueError(f"{file}: {key}: expected a positive integer, got {raw[key]!r}")
-    try:
-        SamplerConfig.from_generation_config(raw)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{file}: {exc}") from None
+    check_generation_settings(raw, file)
     # The reference loads ids past the vocabulary and simply never meets them (no token is one). They are dropped
     # here the same way, but said: banning EOS before min_new_tokens would index past the logits, and a pad id
     # there would make `sequences` unusable as the next prompt.

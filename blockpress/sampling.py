@@ -737,3 +737,15 @@ def denoise_step(
         accepted=torch.where(done, state.accepted, (accept & ~held).sum(-1)),
         settled=torch.where(keep, state.settled, accept | ~free),
     )
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of a request's choice i (the server's n, generate's num_return_sequences): the request's own for
+    the first; a hash of both for the rest, so that choice 1 of seed 7 is not the answer to seed 8 (clients often
+    number their requests' seeds)."""
+    if i == 0:
+        return seed
+    x = (seed ^ (i * 0x9E3779B97F4A7C15)) & (2**64 - 1)  # splitmix64's finaliser
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) % 2**63

@@ -107,7 +107,7 @@ from .generate import (
 from .healing import heal, heal_into_template, strip_prefix
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
-from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig
+from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
 from .tokenizer import MessageError, chat_message
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
@@ -226,17 +226,6 @@ class _Common(_NullIsDefault):
             if value is not None and not any(type(value) is type(v) and value == v for v in noop):
                 return name
         return None
-
-
-def choice_seed(seed: int, i: int) -> int:
-    """The seed of a request's choice i: the request's own for the first; a hash of both for the rest, so that
-    choice 1 of seed 7 is not the answer to seed 8 (clients often number their requests' seeds)."""
-    if i == 0:
-        return seed
-    x = (seed ^ (i * 0x9E3779B97F4A7C15)) & (2**64 - 1)  # splitmix64's finaliser
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) % 2**63
 
 
 class TextPart(BaseModel):

@@ -132,3 +132,28 @@ def test_max_length_in_the_generation_config_matches_reference(monkeypatch, mode
     assert torch.equal(got.new_tokens, lm.generate(prompt, max_new_tokens=13, max_denoising_steps=6, seed=4,
                                                    entropy_bound=0.1, t_max=0.8, t_min=0.4,
                                                    adaptive_stopping=False).new_tokens)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_transformers_keywords_match_reference(monkeypatch, models, masked):
+    """The keywords a transformers user passes (input_ids, attention_mask, max_length, eos_token_id as a list,
+    pad_token_id, the reference's generation_config object) give the reference's tokens: blockpress refused all
+    but attention_mask ("takes no such keyword"; input_ids: a TypeError, the prompt was positional). The EOS is a
+    token row 0 writes in the last canvas, so no row leaves the batch early (where the two part, see the README)."""
+    ref, lm = models
+    prompt = torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    if masked:
+        mask[1, :2] = 0
+    config = G.DiffusionGemmaGenerationConfig(t_max=0.1, t_min=0.05, stability_threshold=1, confidence_threshold=2.0,
+                                              sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.1))
+    plain = lm.generate(input_ids=prompt, attention_mask=mask, max_length=22, generation_config=config, seed=3,
+                        max_denoising_steps=10, eos_token_id=1)
+    eos = next(int(t) for t in plain.new_tokens[0, 9:] if t not in plain.new_tokens[1, :8] and t != 1)
+    keywords = dict(attention_mask=mask, max_length=22, generation_config=config, eos_token_id=[eos, 1],
+                    pad_token_id=3)
+    want = reference_generate(monkeypatch, ref, prompt, 3, 10, **keywords)
+    got = lm.generate(input_ids=prompt, seed=3, max_denoising_steps=10, **keywords)
+    assert want.shape == got.new_tokens.shape == (2, 16)
+    assert torch.equal(got.new_tokens, want)
+    assert int(got.num_new_tokens[0]) < 16 and (got.new_tokens[0, int(got.num_new_tokens[0]):] == 3).all()

@@ -1,0 +1,166 @@
+"""transformers' generate keywords (input_ids, max_length, generation_config, eos_token_id, pad_token_id,
+num_return_sequences, stop_strings) mapped onto blockpress's, in generate, stream and generate_ar: each mapped call
+is the native call with the same seed, token for token. (Against the reference's own generate:
+tests/test_reference_generate.py.)"""
+
+import warnings
+
+import pytest
+import torch
+
+import blockpress
+from blockpress.generate import Done
+from blockpress.sampling import choice_seed
+
+STEPS = dict(max_denoising_steps=4)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(2, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+def done(events):
+    return next(e for e in events if isinstance(e, Done)).output
+
+
+def test_input_ids_and_attention_mask_are_the_prompt(lm, ids):
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # row 1 is padded on the left
+    native = lm.generate(ids, 8, attention_mask=mask, seed=3, **STEPS)
+    mapped = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, seed=3, **STEPS)
+    assert torch.equal(mapped.sequences, native.sequences)
+    assert torch.equal(done(lm.stream(input_ids=ids, attention_mask=mask, max_new_tokens=8, seed=3, **STEPS)).sequences,
+                       native.sequences)
+    assert torch.equal(lm.generate_ar(input_ids=ids, attention_mask=mask, max_new_tokens=5).sequences,
+                       lm.generate_ar(ids, 5, attention_mask=mask).sequences)
+
+
+def test_a_prompt_is_given_once(lm, ids):
+    for call in (lm.generate, lm.stream, lm.generate_ar):
+        with pytest.raises(ValueError, match=r"^prompt: .* needs a prompt .*input_ids="):
+            call(max_new_tokens=4)
+        with pytest.raises(ValueError, match=r"^input_ids: .* the prompt twice"):
+            call(ids, input_ids=ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_max_length_counts_the_prompt(lm, ids, engine):
+    call = getattr(lm, engine)
+    out = call(ids, max_length=ids.shape[1] + 5, seed=1, **(STEPS if engine == "generate" else {}))
+    native = call(ids, max_new_tokens=5, seed=1, **(STEPS if engine == "generate" else {}))
+    assert out.new_tokens.shape[1] == 5
+    assert torch.equal(out.sequences, native.sequences)
+
+
+def test_max_new_tokens_wins_over_max_length_as_in_transformers(lm, ids):
+    with pytest.warns(UserWarning, match="max_length: max_new_tokens was given too and takes precedence"):
+        out = lm.generate(ids, 3, max_length=ids.shape[1] + 9, seed=1, **STEPS)
+    assert out.new_tokens.shape[1] == 3
+
+
+def test_max_length_that_leaves_no_room_is_refused(lm, ids):
+    with pytest.raises(ValueError, match=r"max_length.*\(6\) leaves no room after a 6-token prompt"):
+        lm.generate(ids, max_length=6)
+    with pytest.raises(ValueError, match=r"max_length: expected a positive integer, got 0"):
+        lm.generate(ids, max_length=0)
+
+
+def test_max_length_overrides_the_checkpoints_max_new_tokens(ids):
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm.generation_config["max_new_tokens"] = 20
+    assert lm.generate(ids, max_length=ids.shape[1] + 4, seed=1, **STEPS).new_tokens.shape[1] == 4
+
+
+def stopping_token(lm, ids):
+    """A token row 0 writes at position 3 of its native output, and that output."""
+    native = lm.generate(ids, 16, seed=2, **STEPS)
+    return int(native.new_tokens[0, 3]), native
+
+
+def test_eos_token_id_ends_the_rows(lm, ids):
+    eos, native = stopping_token(lm, ids)
+    out = lm.generate(ids, 16, seed=2, eos_token_id=[eos, 1], **STEPS)
+    first = int((native.new_tokens[0] == eos).nonzero()[0])
+    assert int(out.num_new_tokens[0]) == first + 1  # up to and including EOS
+    assert torch.equal(out.new_tokens[0, : first + 1], native.new_tokens[0, : first + 1])
+    # the same as a checkpoint whose generation_config.json names it; the checkpoint's own is unchanged
+    assert torch.equal(out.sequences, blockpress.LM(lm.model, lm.tokenizer, {"eos_token_id": [eos, 1]}).generate(
+        ids, 16, seed=2, **STEPS).sequences)
+    assert "eos_token_id" not in lm.generation_config
+    assert int(lm.generate(ids, 16, seed=2, eos_token_id=eos, **STEPS).num_new_tokens[0]) == first + 1
+
+
+def test_pad_token_id_fills_after_eos(lm, ids):
+    eos, _ = stopping_token(lm, ids)
+    out = lm.generate(ids, 16, seed=2, eos_token_id=eos, pad_token_id=7, **STEPS)
+    n = int(out.num_new_tokens[0])
+    assert n < 16 and (out.new_tokens[0, n:] == 7).all()
+    with pytest.raises(ValueError, match=r"pad_token_id: expected a token id or a list of them, got -1"):
+        lm.generate(ids, 4, pad_token_id=-1)
+
+
+def test_generation_config_dict_is_read_as_the_file(lm, ids):
+    eos, _ = stopping_token(lm, ids)
+    gen = {"max_new_tokens": 12, "eos_token_id": eos, "max_denoising_steps": 4, "t_min": 0.1, "t_max": 0.3}
+    out = lm.generate(ids, seed=2, generation_config=gen)
+    assert torch.equal(out.sequences, blockpress.LM(lm.model, lm.tokenizer, gen).generate(ids, seed=2).sequences)
+    assert out.new_tokens.shape[1] == 12 and lm.generation_config == {}
+    # keywords over it, as in transformers
+    assert lm.generate(ids, 5, seed=2, generation_config=gen).new_tokens.shape[1] == 5
+    with pytest.raises(ValueError, match=r"^generation_config: do_sample: not a blockpress setting"):
+        lm.generate(ids, generation_config={"do_sample": True})
+    with pytest.raises(ValueError, match=r"^generate's generation settings: max_new_tokens: expected a positive"):
+        lm.generate(ids, generation_config={"max_new_tokens": "8"})
+    with pytest.raises(ValueError, match=r"^generation_config: expected transformers' Diffusion.*got str"):
+        lm.generate(ids, generation_config="greedy")
+
+
+def test_the_references_generation_config_object(lm, ids):
+    G = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    config = G.DiffusionGemmaGenerationConfig(max_new_tokens=8, max_denoising_steps=4, t_min=0.1, t_max=0.3,
+                                              sampler_config=G.EntropyBoundSamplerConfig(entropy_bound=0.2))
+    out = lm.generate(ids, seed=2, generation_config=config)
+    native = lm.generate(ids, 8, seed=2, max_denoising_steps=4, t_min=0.1, t_max=0.3, entropy_bound=0.2)
+    assert torch.equal(out.sequences, native.sequences)
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_num_return_sequences_gives_each_copy_its_own_seed(lm, ids, engine):
+    call = getattr(lm, engine)
+    extra = STEPS if engine == "generate" else dict(temperature=1.0)
+    out = call(ids, 8, seed=5, num_return_sequences=3, **extra)
+    assert out.sequences.shape[0] == 6
+    assert torch.equal(out.sequences[:, :6], ids.repeat_interleave(3, dim=0))
+    seeds = [choice_seed(5, i) for _ in range(2) for i in range(3)]
+    assert torch.equal(out.sequences, call(ids.repeat_interleave(3, dim=0), 8, seeds=seeds, **extra).sequences)
+    assert torch.equal(out.sequences[::3], call(ids, 8, seed=5, **extra).sequences)  # the first copy: seed itself
+    assert not torch.equal(out.new_tokens[0], out.new_tokens[1])  # the samples differ
+    mask = torch.ones_like(ids)
+    masked = call(input_ids=ids, attention_mask=mask, max_new_tokens=8, seed=5, num_return_sequences=3, **extra)
+    assert torch.equal(masked.sequences, out.sequences)
+
+
+def test_num_return_sequences_refusals(lm, ids):
+    with pytest.raises(ValueError, match=r"^num_return_sequences: expected a positive integer, got 0"):
+        lm.generate(ids, 4, num_return_sequences=0)
+    with pytest.raises(ValueError, match=r"^num_return_sequences: not with seeds"):
+        lm.generate(ids, 4, num_return_sequences=2, seeds=[1, 2])
+
+
+def test_stop_strings_is_stop():
+    code = blockpress.load("blockpress-code", dtype="float32")
+    prompt = "def add(a, b):"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        native = code.generate(prompt, 32, seed=0, stop=["\n"])
+        mapped = code.generate(prompt, 32, seed=0, stop_strings=["\n"])
+    assert torch.equal(mapped.sequences, native.sequences) and mapped.texts == native.texts
+    assert int(native.num_new_tokens[0]) < 32  # the stop did end the row
+    with pytest.raises(ValueError, match=r"^stop_strings: transformers' name for stop, which was given too"):
+        code.generate(prompt, 4, stop="x", stop_strings="y")
