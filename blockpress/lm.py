@@ -236,13 +236,24 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
     options = tuple(name for name in options if name not in leave_out)
     settings = [f.name for f in fields(SamplerConfig)] if sampler_settings else []
     hints = {"temperature": TEMPERATURE_HINT, "streamer": "for tokens as they come, iterate lm.stream(...)"}
-    check_keywords(call, given, options, settings, hints=hints if settings else None)
+    check_keywords(call, given, options, settings, hints={**(hints if settings else {}), **TRANSFORMERS_HINTS})
 
 
 # transformers' generate keywords that have blockpress's meaning: `LM._from_transformers` maps them, one place for
 # generate, stream and generate_ar (a DiffusionGemma user's `model.generate(input_ids=..., max_length=...)`)
 TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config", "eos_token_id", "pad_token_id",
                                    "num_return_sequences", "stop_strings"})
+# transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
+TRANSFORMERS_HINTS = {
+    "do_sample": "transformers' switch between greedy and sampled decoding, which DiffusionGemma's generate has "
+                 "not (it always draws candidates on its temperature schedule); the nearest: sampler='greedy' (or "
+                 "generate_ar's temperature=0) takes the argmax, as do_sample=False would, and the default sampler "
+                 "draws, as do_sample=True",
+    "repetition_penalty": "transformers' repetition_penalty divides a repeated token's logit, the prompt's tokens "
+                          "included; the nearest: presence_penalty / frequency_penalty (OpenAI's), which subtract "
+                          "from the logits of tokens in the new text only",
+    "num_beams": "block diffusion has no beam search; for several samples pass num_return_sequences (or seeds)",
+}
 
 
 def _generation_settings(config: Any) -> dict[str, Any]:
@@ -261,8 +272,10 @@ def _generation_settings(config: Any) -> dict[str, Any]:
         if value is None or key.startswith("_") or key == "transformers_version":
             continue
         if key not in KNOWN_GENERATION_KEYS:
+            hint = f"; {TRANSFORMERS_HINTS[key]}" if key in TRANSFORMERS_HINTS else ""
             raise ValueError(f"generation_config: {key}: not a blockpress setting (it reads max_new_tokens, "
-                             f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields)")
+                             f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields)"
+                             f"{hint}")
         out[key] = value.to_dict() if callable(getattr(value, "to_dict", None)) else value  # sampler_config
     return out
 
@@ -1126,7 +1139,7 @@ class LM:
 
         transformers' keywords (input_ids, max_length, generation_config, eos_token_id, pad_token_id,
         num_return_sequences, stop_strings) have the reference generate's meaning, here, in `stream` and in
-        `generate_ar` (`_from_transformers`).
+        `generate_ar` (`_from_transformers`); do_sample and repetition_penalty are refused, naming the nearest setting.
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode

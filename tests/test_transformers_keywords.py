@@ -1,7 +1,7 @@
 """transformers' generate keywords (input_ids, max_length, generation_config, eos_token_id, pad_token_id,
 num_return_sequences, stop_strings) mapped onto blockpress's, in generate, stream and generate_ar: each mapped call
-is the native call with the same seed, token for token. (Against the reference's own generate:
-tests/test_reference_generate.py.)"""
+is the native call with the same seed, token for token; the habits with no exact meaning here are refused with the
+nearest setting named. (Against the reference's own generate: tests/test_reference_generate.py.)"""
 
 import warnings
 
@@ -113,7 +113,7 @@ def test_generation_config_dict_is_read_as_the_file(lm, ids):
     assert out.new_tokens.shape[1] == 12 and lm.generation_config == {}
     # keywords over it, as in transformers
     assert lm.generate(ids, 5, seed=2, generation_config=gen).new_tokens.shape[1] == 5
-    with pytest.raises(ValueError, match=r"^generation_config: do_sample: not a blockpress setting"):
+    with pytest.raises(ValueError, match=r"^generation_config: do_sample: not a blockpress setting.*sampler='greedy'"):
         lm.generate(ids, generation_config={"do_sample": True})
     with pytest.raises(ValueError, match=r"^generate's generation settings: max_new_tokens: expected a positive"):
         lm.generate(ids, generation_config={"max_new_tokens": "8"})
@@ -151,6 +151,15 @@ def test_num_return_sequences_refusals(lm, ids):
         lm.generate(ids, 4, num_return_sequences=0)
     with pytest.raises(ValueError, match=r"^num_return_sequences: not with seeds"):
         lm.generate(ids, 4, num_return_sequences=2, seeds=[1, 2])
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_habits_without_a_meaning_here_name_the_nearest_setting(lm, ids, engine):
+    call = getattr(lm, engine)
+    with pytest.raises(ValueError, match=r"^do_sample: .* no such keyword; transformers' switch .*sampler='greedy'"):
+        call(ids, 4, do_sample=False)
+    with pytest.raises(ValueError, match=r"^repetition_penalty: .*presence_penalty / frequency_penalty"):
+        call(ids, 4, repetition_penalty=1.2)
 
 
 def test_stop_strings_is_stop():
