@@ -243,6 +243,9 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
 # generate, stream and generate_ar (a DiffusionGemma user's `model.generate(input_ids=..., max_length=...)`)
 TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config", "eos_token_id", "pad_token_id",
                                    "num_return_sequences", "stop_strings"})
+# The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
+ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
+                "top_k", "top_p")
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
 TRANSFORMERS_HINTS = {
     "do_sample": "transformers' switch between greedy and sampled decoding, which DiffusionGemma's generate has "
@@ -943,9 +946,14 @@ class LM:
             args["prompt"] = _repeat_rows(args["prompt"], int(n), "prompt")
             if args.get("attention_mask") is not None:
                 args["attention_mask"] = _repeat_rows(args["attention_mask"], int(n), "attention_mask")
+            rows = len(args["prompt"]) // int(n)
+            for key in ROW_KEYWORDS:  # one setting per prompt row: each copy keeps its row's
+                value = args.get(key)
+                value = value.tolist() if getattr(value, "ndim", None) == 1 else value
+                if isinstance(value, (list, tuple)) and len(value) == rows:
+                    args[key] = [v for v in value for _ in range(int(n))]
             seed = check_seed(args.get("seed"), "seed")
             if seed is not None:  # None draws a fresh seed per row, which differ already
-                rows = len(args["prompt"]) // int(n)
                 args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]
         if gen == self.generation_config:
             return self, args

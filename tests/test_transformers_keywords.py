@@ -146,6 +146,20 @@ def test_num_return_sequences_gives_each_copy_its_own_seed(lm, ids, engine):
     assert torch.equal(masked.sequences, out.sequences)
 
 
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_num_return_sequences_repeats_per_row_settings(lm, ids, engine):
+    call = getattr(lm, engine)
+    extra = STEPS if engine == "generate" else {}
+    temperature = "draw_temperature" if engine == "generate" else "temperature"
+    draws = {temperature: torch.tensor([0.5, 1.5])} | ({"sampler": "entropy_bound"} if engine == "generate" else {})
+    out = call(ids, max_new_tokens=[3, 8], seed=5, num_return_sequences=2, **draws, **extra)
+    seeds = [choice_seed(5, i) for _ in range(2) for i in range(2)]
+    native = call(ids.repeat_interleave(2, dim=0), max_new_tokens=[3, 3, 8, 8], seeds=seeds,
+                  **{**draws, temperature: [0.5, 0.5, 1.5, 1.5]}, **extra)
+    assert out.num_new_tokens.tolist()[:2] == [3, 3]
+    assert torch.equal(out.sequences, native.sequences)
+
+
 def test_num_return_sequences_refusals(lm, ids):
     with pytest.raises(ValueError, match=r"^num_return_sequences: expected a positive integer, got 0"):
         lm.generate(ids, 4, num_return_sequences=0)
