@@ -929,8 +929,9 @@ class LM:
         if hf.get("generation_config") is not None:
             gen.update(_generation_settings(hf["generation_config"]))
         for key in ("eos_token_id", "pad_token_id"):
-            if hf.get(key) is not None:
-                gen[key] = hf[key]
+            if hf.get(key) is not None:  # a tensor or numpy id (list), as the reference takes it, as plain ints
+                value = hf[key]
+                gen[key] = value.tolist() if isinstance(value, torch.Tensor) or hasattr(value, "__array__") else value
         if hf.get("max_length") is not None:
             if args.get("max_new_tokens") is not None:
                 warn_user("max_length: max_new_tokens was given too and takes precedence, as in transformers")

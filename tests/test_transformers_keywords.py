@@ -5,6 +5,7 @@ nearest setting named. (Against the reference's own generate: tests/test_referen
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,9 @@ def test_eos_token_id_ends_the_rows(lm, ids):
         ids, 16, seed=2, **STEPS).sequences)
     assert "eos_token_id" not in lm.generation_config
     assert int(lm.generate(ids, 16, seed=2, eos_token_id=eos, **STEPS).num_new_tokens[0]) == first + 1
+    # as tensors and numpy values, as the reference takes them (they were refused as not token ids)
+    for given in (torch.tensor(eos), torch.tensor([eos, 1]), np.int64(eos), np.array([eos, 1])):
+        assert int(lm.generate(ids, 16, seed=2, eos_token_id=given, **STEPS).num_new_tokens[0]) == first + 1
 
 
 def test_pad_token_id_fills_after_eos(lm, ids):
