@@ -180,6 +180,15 @@ class ExampleSource:
         return out
 
 
+def window_fits(cfg: TrainConfig, room: int, canvas_length: int) -> list[str]:
+    """The settings that would make running-text windows fit `room` tokens, for a message: a smaller prompt_max
+    (when prompt_min allows it) or fewer response_canvases."""
+    prompt_room = room - cfg.response_canvases * canvas_length
+    canvas_room = (room - cfg.prompt_max) // canvas_length
+    return ([f"prompt_max {prompt_room}"] if prompt_room >= cfg.prompt_min else []) + \
+        ([f"response_canvases {canvas_room}"] if canvas_room >= 1 else [])
+
+
 class ShardSource:
     """Windows of running text from token shards: a random-length prompt and whole canvases of response. `bos`: the
     token put before each window's prompt, the tokenizer's BOS, as generation puts it before every text prompt
@@ -205,9 +214,7 @@ class ShardSource:
         longest = int(self.shards.sizes.max())
         if longest >= need:
             return
-        prompt_room, canvas_room = longest - cfg.response_canvases * c, (longest - cfg.prompt_max) // c
-        fits = [f"prompt_max {prompt_room}"] if prompt_room >= cfg.prompt_min else []
-        fits += [f"response_canvases {canvas_room}"] if canvas_room >= 1 else []
+        fits = window_fits(cfg, longest, c)
         holds = f"its longest file holds {longest}" if len(self.shards.arrays) > 1 else f"holds {longest}"
         raise ValueError(f"prompt_max/response_canvases: {where} {holds} tokens, fewer than the longest window of "
                          f"running text, {need} (a prompt of up to {cfg.prompt_max} tokens, then "
@@ -839,12 +846,7 @@ class Trainer:
         positions = max((s.positions for s in windows), default=0)
         if positions > text.max_position_embeddings:
             bos = any(s.bos is not None for s in windows)
-            # either setting may give: the prompt (when prompt_min allows it) or the canvases
-            free = text.max_position_embeddings - bos
-            prompt_room = free - cfg.response_canvases * lm.config.canvas_length
-            canvas_room = (free - cfg.prompt_max) // lm.config.canvas_length
-            fits = [f"prompt_max {prompt_room}"] if prompt_room >= cfg.prompt_min else []
-            fits += [f"response_canvases {canvas_room}"] if canvas_room >= 1 else []
+            fits = window_fits(cfg, text.max_position_embeddings - bos, lm.config.canvas_length)
             raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
                              f"positions ({'BOS and ' if bos else ''}a prompt of up to {cfg.prompt_max} tokens, then "
                              f"{cfg.response_canvases} canvases of {lm.config.canvas_length}), more than the model's "
