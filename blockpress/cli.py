@@ -706,8 +706,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 raise
             messages.pop()  # the cache holds the turns before this one (lm.chat_ids / chat_stream roll it back)
             release_device_memory()
-            error = (f"the device ran out of memory ({(str(exc).splitlines() or [''])[0]}); /reset frees the "
-                     f"conversation's cache, and {OOM_HINTS['chat']}")
+            error = out_of_memory_message(exc, "chat", "/reset frees the conversation's cache, and ")
             print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
             no_reply(user, error=error)
             continue
@@ -1938,9 +1937,7 @@ def run_command(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         if not out_of_memory(exc):
             raise
-        reason = (str(exc).splitlines() or [""])[0]
-        print(f"blockpress {args.command}: error: the device ran out of memory ({reason}); "
-              f"{OOM_HINTS.get(args.command, 'a smaller model, --dtype bfloat16, or --quantize')}", file=sys.stderr)
+        print(f"blockpress {args.command}: error: {out_of_memory_message(exc, args.command)}", file=sys.stderr)
         return 1
 
 
@@ -1957,6 +1954,13 @@ OOM_HINTS = {
     "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "
              "--max-canvases",
 }
+
+
+def out_of_memory_message(exc: BaseException, command: str, before_hint: str = "") -> str:
+    """"the device ran out of memory (torch's first line); ..." with what takes less for `command` (OOM_HINTS)."""
+    reason = (str(exc).splitlines() or [""])[0]
+    hint = OOM_HINTS.get(command, "a smaller model, --dtype bfloat16, or --quantize")
+    return f"the device ran out of memory ({reason}); {before_hint}{hint}"
 
 
 def release_device_memory() -> None:
