@@ -596,7 +596,8 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints took 36 bytes a
     # token, and the int64 corpus 8), uint16 in the end where the ids fit, as write_shard's shards
-    tokens = [np.array(ids, dtype=np.uint32) for _, text in texts if text.strip()
+    documents = [text for _, text in texts if text.strip()]
+    tokens = [np.array(ids, dtype=np.uint32) for text in documents
               for ids in itertools.chain(_encoded_pieces(tokenizer, text), [eos])]
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.uint32)
     if vocab_size is not None and len(flat) and int(flat.max()) >= vocab_size:
@@ -605,5 +606,5 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
     if not len(flat):
         raise ValueError(f"{path}: no text")
     shards = TokenShards.of_tokens(flat.astype(np.uint16) if int(flat.max()) < 65_536 else flat)
-    shards.documents = sum(1 for _, text in texts if text.strip())  # (what `train` says it read: files, lines)
+    shards.documents = len(documents)  # (what `train` says it read: files, lines)
     return shards
