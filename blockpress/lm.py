@@ -244,6 +244,7 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
 TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config", "eos_token_id", "pad_token_id",
                                    "num_return_sequences", "stop_strings"})
 # The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
+# (as it does one list of stop strings per row, and one template per row)
 ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
                 "top_k", "top_p")
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
@@ -324,15 +325,21 @@ def check_tokenizer(tokenizer: Any, vocab_size: int | None = None, name: str = "
     return tokenizer
 
 
+def _template_batch(template: Any) -> bool:
+    """Whether a template is one per row (a list of texts or of id rows, or a 2-D tensor / array), not one for
+    every row (a text, or one row of ids)."""
+    if isinstance(template, (list, tuple)):
+        return bool(template) and (isinstance(template[0], (str, list, tuple)) or getattr(template[0], "ndim", 0) >= 1)
+    return len(getattr(template, "shape", ())) == 2
+
+
 def _template_rows(template: Any) -> int:
     """How many rows a template holds: a list of texts or of id rows (lists, or 1-D tensors / arrays), or a 2-D
     tensor; else one (also for an empty batch, which parse_template then refuses by name, not the default prompt of
     no rows)."""
-    if isinstance(template, (list, tuple)) and template and (isinstance(template[0], (str, list, tuple))
-                                                             or getattr(template[0], "ndim", 0) >= 1):
-        return len(template)
-    shape = getattr(template, "shape", ())
-    return max(int(shape[0]), 1) if len(shape) == 2 else 1
+    if not _template_batch(template):
+        return 1
+    return len(template) if isinstance(template, (list, tuple)) else max(int(template.shape[0]), 1)
 
 
 def _number(value: Any) -> Any:
@@ -953,6 +960,11 @@ class LM:
                 value = value.tolist() if getattr(value, "ndim", None) == 1 else value
                 if isinstance(value, (list, tuple)) and len(value) == rows:
                     args[key] = [v for v in value for _ in range(int(n))]
+            stop = args.get("stop")
+            if isinstance(stop, (list, tuple)) and stop and all(isinstance(r, (list, tuple)) for r in stop):
+                args["stop"] = [r for r in stop for _ in range(int(n))]  # one list of stop strings per row
+            if _template_batch(args.get("template")):  # one template per row, not one for every row
+                args["template"] = _repeat_rows(args["template"], int(n), "template")
             seed = check_seed(args.get("seed"), "seed")
             if seed is not None:  # None draws a fresh seed per row, which differ already
                 args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]

@@ -191,3 +191,26 @@ def test_stop_strings_is_stop():
     assert int(native.num_new_tokens[0]) < 32  # the stop did end the row
     with pytest.raises(ValueError, match=r"^stop_strings: transformers' name for stop, which was given too"):
         code.generate(prompt, 4, stop="x", stop_strings="y")
+
+
+def test_num_return_sequences_repeats_per_row_templates(lm):
+    seeds = [choice_seed(5, i) for _ in range(2) for i in range(2)]
+    template = [[7, -1, -1, 9], [11, 12, -1, -1, -1, 13]]  # one per row, of their own lengths
+    out = lm.infill(template, num_return_sequences=2, seed=5, **STEPS)
+    native = lm.infill([t for t in template for _ in range(2)], seeds=seeds, **STEPS)
+    assert torch.equal(out.sequences, native.sequences)
+    grid = torch.tensor([[7, -1, -1, 9], [-1, 12, 13, -1]])  # a 2-D tensor is one row each too
+    out = lm.infill(grid, num_return_sequences=2, seed=5, **STEPS)
+    assert torch.equal(out.sequences, lm.infill(grid.repeat_interleave(2, dim=0), seeds=seeds, **STEPS).sequences)
+
+
+def test_num_return_sequences_repeats_per_row_stops():
+    code = blockpress.load("blockpress-code", dtype="float32")
+    prompts, stops = ["def add(a, b):", "import "], [["\n"], ["os"]]
+    seeds = [choice_seed(5, i) for _ in range(2) for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = code.generate(prompts, 24, seed=5, stop=stops, num_return_sequences=2)
+        native = code.generate([p for p in prompts for _ in range(2)], 24, seeds=seeds,
+                               stop=[s for s in stops for _ in range(2)])
+    assert out.texts == native.texts and torch.equal(out.sequences, native.sequences)
