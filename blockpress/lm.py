@@ -482,6 +482,7 @@ class LM:
         self.model = model.eval()
         self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
+        self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
         self.passthrough = passthrough or Passthrough()
         self.path = path  # the base's folder
         self.adapter = adapter  # the LoRA folder applied over it (then the weights are not `path`'s alone)
@@ -711,11 +712,13 @@ class LM:
         max_length = self.generation_config.get("max_length")
         if self.generation_config.get("max_new_tokens") is not None or max_length is None:
             return self._max_new_tokens_setting()
+        name = "max_length" if self._max_length_from == "call" else "generation_config max_length"
         if not is_int(max_length) or max_length <= 0:
-            raise ValueError(f"generation_config max_length: expected a positive integer, got {max_length!r}")
+            raise ValueError(f"{name}: expected a positive integer, got {max_length!r}")
         if max_length <= prompt_length:
-            raise ValueError(f"max_length: the generation config's max_length ({max_length}) leaves no room after a "
-                             f"{prompt_length}-token prompt; pass max_new_tokens")
+            raise ValueError(f"max_length: the {self._max_length_from}'s max_length ({max_length}) leaves no room "
+                             f"after a {prompt_length}-token prompt; pass "
+                             f"{'a larger max_length, or ' if self._max_length_from == 'call' else ''}max_new_tokens")
         return int(max_length) - prompt_length
 
     @property
@@ -973,6 +976,8 @@ class LM:
         check_generation_settings(gen, f"{call}'s generation settings")
         lm = copy.copy(self)  # shares the model, tokenizer and compiled steps; only the settings are its own
         lm.generation_config = gen
+        if hf.get("max_length") is not None and args.get("max_new_tokens") is None:
+            lm._max_length_from = "call"
         return lm, args
 
     def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None) -> None:

@@ -66,7 +66,8 @@ def test_max_new_tokens_wins_over_max_length_as_in_transformers(lm, ids):
 
 
 def test_max_length_that_leaves_no_room_is_refused(lm, ids):
-    with pytest.raises(ValueError, match=r"max_length.*\(6\) leaves no room after a 6-token prompt"):
+    with pytest.raises(ValueError, match=r"^max_length: the call's max_length \(6\) leaves no room after a 6-token prompt; pass a larger "
+                                         r"max_length, or max_new_tokens"):
         lm.generate(ids, max_length=6)
     with pytest.raises(ValueError, match=r"max_length: expected a positive integer, got 0"):
         lm.generate(ids, max_length=0)
