@@ -399,10 +399,12 @@ class BodyLimit:
     JSON-parses a body whole before any check of the handlers: a 200 MB prompt took 3.5 s and 300 MB of memory for
     the 400 its length got, and a list of prompts or tools each under the per-text bound had no bound at all. The
     body read here is handed on to the app as one message (it is read whole anyway), then the client's own, so
-    a disconnect still reaches a stream."""
+    a disconnect still reaches a stream. A client that stops sending mid-body gets a 408 after `idle_timeout`
+    seconds without a byte (nginx's client_body_timeout): before, a connection that sent a Content-Length and then
+    nothing was held open for good, so a few hundred such clients could take every file descriptor."""
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0) -> None:
+        self.app, self.limit, self.idle_timeout = app, limit, idle_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -412,7 +414,10 @@ class BodyLimit:
             return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than")
         chunks, size, message = [], 0, {"type": "http.request", "body": b"", "more_body": True}
         while message["type"] == "http.request" and message.get("more_body", False):
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout)
+            except TimeoutError:
+                return await self.timed_out(scope, receive, send)
             size += len(message.get("body", b""))
             if size > self.limit:
                 return await self.refuse(scope, receive, send, "is more than")
@@ -424,6 +429,13 @@ class BodyLimit:
             return first.pop() if first else await receive()
 
         await self.app(scope, replay, send)
+
+    async def timed_out(self, scope: dict, receive: Any, send: Any) -> None:
+        message = (f"the request body stopped arriving: nothing came for {self.idle_timeout:g} s, so the request "
+                   "was given up; send the whole body at once")
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_timeout"),
+                                status_code=408, headers={"Connection": "close"})
+        await response(scope, receive, send)
 
     async def refuse(self, scope: dict, receive: Any, send: Any, size: str) -> None:
         message = (f"the request body {size} the {self.limit} bytes this server takes (room for the context's text "

@@ -866,6 +866,39 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read():
     assert sent[0]["status"] == 413 and sum(taken) == 6000
 
 
+def test_a_body_that_stops_arriving_is_a_408():
+    """A client that sent part of a body (or only its headers) and then nothing held its connection open for
+    good: a few hundred such clients could take every file descriptor. Past the idle timeout it gets a 408 in
+    OpenAI's error shape, and the connection is closed; a body that keeps coming in time is handed on whole."""
+    from blockpress.serve import BodyLimit
+
+    sent, reached = [], []
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        reached.append((await receive())["body"])
+
+    def client(chunks):  # each chunk after its delay; None: nothing ever comes
+        async def receive():
+            delay, body = chunks.pop(0)
+            await asyncio.sleep(3600 if delay is None else delay)
+            return {"type": "http.request", "body": body, "more_body": bool(chunks)}
+        return receive
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(BodyLimit(app, 5000, idle_timeout=0.2)(scope, client([(0, b"{"), (None, b"}")]), send))
+    assert sent[0]["status"] == 408 and not reached
+    headers = dict(sent[0]["headers"])
+    assert headers[b"connection"] == b"close"
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == "request_timeout" and "nothing came for 0.2 s" in error["message"]
+    sent.clear()
+    asyncio.run(BodyLimit(app, 5000, idle_timeout=0.2)(scope, client([(0.1, b"{"), (0.1, b"}")]), send))
+    assert reached == [b"{}"] and not sent  # slow, but each chunk within the timeout
+
+
 def test_prompts_are_tokenized_off_the_event_loop(monkeypatch):
     """The handlers tokenized on the event loop, which serves every other client: a 240 KB prompt held /health
     and every stream in flight for the whole encode (~0.25 s). A completion's prompt, suffix and template and a
