@@ -673,8 +673,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
             canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
             room = reply_room(context, len(ids), canvas)
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
-                if len(messages) == len(system) + 1:  # a new conversation: the message alone is too long
-                    raise ValueError(f"the message is too long: {len(ids)} tokens with the chat template"
+                # Would a new conversation take it? If not, the message itself is too long, and "/reset" would
+                # only throw the conversation away for the same refusal.
+                alone = ids if len(messages) == len(system) + 1 else lm.chat_prompt([*system, messages[-1]])
+                if reply_room(context, len(alone), canvas) < max(1, kw["min_new_tokens"]):
+                    raise ValueError(f"the message is too long: {len(alone)} tokens with the chat template"
                                      f"{' and --system' if system else ''}, and the "
                                      f"model's context holds {context} (the reply included); shorten it")
                 raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "

@@ -303,17 +303,39 @@ def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
     and the next turn still continues the cache of the turns before."""
     from blockpress.cli import load_model
 
-    cfg = load_model(MODEL, None, "cpu").config
-    too_long = "x " * cfg.text.max_position_embeddings
-    lines = iter(["hello there", too_long, "and again", "/exit"])
+    lm = load_model(MODEL, None, "cpu")
+    cfg = lm.config
+    context, canvas = cfg.text.max_position_embeddings, cfg.canvas_length
+
+    def length(k):
+        return len(lm.chat_prompt([{"role": "user", "content": "x " * k}]))
+
+    k = next(k for k in range(context - canvas, 0, -1) if length(k) <= context - canvas)  # alone: one canvas left
+    lines = iter(["hello there", "x " * k, "and again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2"]) == 0
     captured = capsys.readouterr()
     assert replies(captured.err) == 2
     assert "error: no room for a reply: the conversation with this message holds" in captured.err
     # what a reply needs (free positions short of a canvas are no room): it said only what the conversation held
-    assert f", leaving 0, and a reply needs a whole canvas of {cfg.canvas_length} tokens;" in captured.err
+    assert f", and a reply needs a whole canvas of {canvas} tokens;" in captured.err
     assert "that message was dropped" in captured.err and "/reset starts a new one" in captured.err
+
+
+def test_chat_a_message_too_long_for_any_conversation_is_not_told_to_reset(monkeypatch, capsys):
+    """A message that alone outgrows the context, sent after a turn, was refused with "no room for a reply ...
+    /reset starts a new one" (a 10,500-character paste: 6043 tokens of 4096), and after /reset the same message
+    was refused again, the conversation lost for nothing. It is "too long" wherever it comes, the turns kept."""
+    from blockpress.cli import load_model
+
+    context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
+    lines = iter(["hello there", "x " * context, "and again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2", "--json"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    error = out[1]["error"]
+    assert error.startswith("the message is too long: ") and "shorten it" in error and "/reset" not in error
+    assert out[2]["cached_tokens"] > 0  # the third turn continues the first: the conversation was kept
 
 
 def second_turn_fails(monkeypatch, failure: BaseException | type[BaseException]) -> list[int]:
@@ -2002,7 +2024,7 @@ def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
     assert turns[1] == {"prompt": "/help", "command": "help"} and turns[4] == {"prompt": "/reset", "command": "reset"}
     assert turns[-1] == {"prompt": "/exit", "command": "exit"}  # answered too; "unread" is not
     assert turns[2]["error"].startswith("unknown command '/bogus'") and "text" not in turns[2]
-    assert turns[3]["error"].startswith("no room for a reply") and "text" not in turns[3]
+    assert turns[3]["error"].startswith("the message is too long") and "text" not in turns[3]
     replies_ = [turns[0]["text"], turns[5]["text"]]
     assert "".join(r + "\n" for r in replies_) == plain and any("\n" in r for r in replies_)
     for t in (turns[0], turns[5]):
