@@ -559,14 +559,17 @@ def cmd_chat(args: argparse.Namespace) -> int:
           "starts and ends a message of several lines", file=sys.stderr)
     # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
     # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
-    # message and nothing else: "you> " goes to stderr (input() would write it to stdout), replies get no mark.
+    # message and nothing else, and so does a stdout sent elsewhere from a terminal (`> chat.txt`, `| tee log`):
+    # "you> " goes to stderr, the screen (input() would write it to stdout: the file got "you> model> " and the
+    # user typed at no prompt), replies get no mark.
     interactive = sys.stdin.isatty()
-    marker = "model> " if interactive and not args.json else ""
+    on_screen = interactive and not args.json and sys.stdout is not None and sys.stdout.isatty()
+    marker = "model> " if on_screen else ""
     if interactive:
         enable_line_editing()
     # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
     # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
-    live = interactive and not args.json and sys.stdout is not None and sys.stdout.isatty()
+    live = on_screen
     shown = 0  # characters of the reply being made that are on screen
 
     def live_reply(events: Generator[Any, None, None]) -> Any:
@@ -594,9 +597,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         """A line, without its terminator; on a terminal prompted "you> " (`first`: a message's first line) or, in
         a block of several lines, "...> "."""
         mark = "you> " if first else "...> "
-        if interactive and args.json:  # stdout holds the JSON lines alone
+        if interactive and not on_screen:  # stdout holds the replies (or JSON lines) alone
             print(mark, end="", file=sys.stderr, flush=True)
-        return input(mark if interactive and not args.json else "").removesuffix("\r")  # "\r\n" ends one too
+        return input(mark if on_screen else "").removesuffix("\r")  # "\r\n" ends one too
 
     def no_reply(user: str, **fields: Any) -> None:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
@@ -725,7 +728,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(terminal_text(reply[shown:]), flush=True)
             print_stats(stats)
         else:
-            print(marker + printable(reply), flush=not interactive)  # flushed when piped: a script waits for each reply
+            # flushed: a script waits for each reply, and `| tee log` shows it before its stats line on stderr
+            print(printable(reply), flush=True)  # unmarked: stdout is not the screen, or stdin is no terminal
             print_stats(stats)
         messages.append({"role": "assistant", "content": reply})
     return 0
@@ -1626,8 +1630,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"The default model, {DEFAULT_MODEL}, is a small code model: its replies are "
                                    "code; give --model for a chat model. Lines: " + CHAT_HELP + ". On a terminal "
                                    "the turns are marked you> and model>, and a reply is printed as each canvas commits (Ctrl-C "
-                                   "leaves that part on screen and drops the turn); with messages piped in, stdout holds the "
-                                   "replies alone, each ending in a newline (stats and notes go to stderr); a reply "
+                                   "leaves that part on screen and drops the turn); with messages piped in, or stdout sent to a file "
+                                   "or pipe (you> then shows on stderr), stdout holds the replies alone, each ending in a newline (stats and notes go to stderr); a reply "
                                    "may hold newlines too, so a script that reads replies gives --json. Near a "
                                    "full context a reply gets the tokens that still fit (said on stderr).")
     add_model_args(p)

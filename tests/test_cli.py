@@ -1267,13 +1267,32 @@ def test_chat_prompts_only_a_terminal(monkeypatch, capsys):
 
     for stdin, prompted in ((io.StringIO("hello\n"), False), (Terminal("hello\n"), True)):
         monkeypatch.setattr(sys, "stdin", stdin)
+        screen = Terminal()
+        monkeypatch.setattr(sys, "stdout", screen)  # a terminal's stdout: the turns are marked there
         assert main(["chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1"]) == 0
-        out = capsys.readouterr().out
+        out = screen.getvalue()
         if prompted:
             assert out.startswith("you> model> ") and out.count("you> ") == 2
         else:
             assert "you> " not in out and "model> " not in out and out.endswith("\n")
+    monkeypatch.undo()  # capsys's stdout again, for --help
     assert "is a small code model: its replies are code" in help_text(capsys, "chat")
+
+
+def test_chat_typed_at_a_terminal_into_a_file_prompts_on_the_terminal(monkeypatch, capsys):
+    """`blockpress chat > chat.txt` (or `| tee log`) typed at a terminal: "you> " went to stdout, so the screen
+    showed no prompt and the file held "you> model> " before each reply, without what was typed. The prompt goes
+    to stderr, the screen, and stdout holds the replies alone, as any stdout that is not the terminal does."""
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Terminal("hello\nmore\n"))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1"]) == 0
+    captured = capsys.readouterr()  # capsys's stdout is no terminal: a file's
+    assert "you> " not in captured.out and "model> " not in captured.out and captured.out.endswith("\n")
+    assert captured.err.count("you> ") == 3 and replies(captured.err) == 2
 
 
 def test_bench_times_no_engine_on_its_first_run(monkeypatch):
@@ -2412,7 +2431,8 @@ def test_chat_on_a_terminal_shows_the_reply_as_it_is_made(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdout", piped)
     assert main(["chat", "--model", MODEL, "--max-new-tokens", "80", "--min-new-tokens", "70", "--steps", "2",
                  "--seed", "3", "--threads", "1"]) == 0
-    assert screen.getvalue() == terminal_text(piped.getvalue())
+    # the screen's is the reply a stdout that is no terminal gets (unmarked there: the prompts go to stderr)
+    assert screen.getvalue() == "you> model> " + terminal_text(piped.getvalue()) + "you> "
 
 
 def test_chat_stopped_on_a_terminal_leaves_what_was_made_on_screen(monkeypatch, capsys):
