@@ -571,17 +571,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
     live = on_screen
     shown = 0  # characters of the reply being made that are on screen
+    opened = False  # "model> " and the reply's start are on screen: an error that ends the turn takes a new line
 
     def live_reply(events: Generator[Any, None, None]) -> Any:
         """Print "model> " and each Commit's growth of its settled text (no half character, no start of a stop
         string that may yet be cut: Commit.settled_texts), flushed; returns Done's output. A Ctrl-C leaves the part
         printed on screen."""
-        nonlocal shown
-        shown = 0
+        nonlocal shown, opened
+        shown, opened = 0, False
         try:
             for n, event in enumerate(events):
                 if n == 0:  # after the request's checks: an error in them is said on a line of its own
                     print(marker, end="", flush=True)
+                    opened = True
                 if isinstance(event, Commit):
                     settled = event.settled_texts[0]
                     settled = settled[: len(settled) - 1] if settled.endswith("\r") else settled  # "\r\n": one newline
@@ -600,6 +602,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if interactive and not on_screen:  # stdout holds the replies (or JSON lines) alone
             print(mark, end="", file=sys.stderr, flush=True)
         return input(mark if on_screen else "").removesuffix("\r")  # "\r\n" ends one too
+
+    def new_line() -> str:
+        """"\n" where a reply that failed midway (a GPU out of memory, non-finite logits) is part way along a line
+        on screen: its error was written on after the last word ("model> def f(error: ...")."""
+        return "\n" if live and opened else ""
 
     def no_reply(user: str, **fields: Any) -> None:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
@@ -669,6 +676,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             no_reply(user, error=error)
             continue
         messages.append({"role": "user", "content": user})
+        opened = False  # nothing of this turn's reply is on screen yet
         try:
             ids = lm.chat_prompt(messages)
             kw = sampling_kwargs(args, lm)
@@ -703,8 +711,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
             messages.pop()
-            print(f"error: {as_flags(str(exc), chat_flags)}; that message was dropped, the conversation goes on",
-                  file=sys.stderr)
+            print(f"{new_line()}error: {as_flags(str(exc), chat_flags)}; that message was dropped, the conversation "
+                  "goes on", file=sys.stderr)
             no_reply(user, error=as_flags(str(exc), chat_flags))
             continue
         except RuntimeError as exc:  # a GPU out of memory on a long conversation: the turns before it stay usable
@@ -713,7 +721,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.pop()  # the cache holds the turns before this one (lm.chat_ids / chat_stream roll it back)
             release_device_memory()
             error = out_of_memory_message(exc, "chat", "/reset frees the conversation's cache, and ")
-            print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
+            print(f"{new_line()}error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
             no_reply(user, error=error)
             continue
         cache = out.cache

@@ -2435,6 +2435,40 @@ def test_chat_on_a_terminal_shows_the_reply_as_it_is_made(monkeypatch, capsys):
     assert screen.getvalue() == "you> model> " + terminal_text(piped.getvalue()) + "you> "
 
 
+@pytest.mark.parametrize("out_of_memory", [True, False])
+def test_chat_failing_midway_on_a_terminal_says_so_on_a_line_of_its_own(monkeypatch, out_of_memory):
+    """A reply that failed after its first canvas was on screen (a GPU out of memory on a long conversation,
+    non-finite logits) had its error written on after the last word shown: "model> def f(xerror: the device ran
+    out of memory ...". The error starts a line of its own, as a Ctrl-C's note does; the chat goes on."""
+    import dataclasses
+
+    import blockpress.lm
+    from blockpress.generate import Commit
+
+    original = blockpress.lm.LM.chat_stream
+    turns = []
+    failure = torch.OutOfMemoryError(OOM) if out_of_memory else ValueError("the logits are not finite")
+
+    def fails_after_a_canvas(self, *a, **kw):
+        turns.append(1)
+        for event in original(self, *a, **kw):
+            if isinstance(event, Commit) and len(turns) == 1:
+                yield dataclasses.replace(event, settled_texts=["def f(x"])  # a line part way along
+                raise failure
+            yield event
+
+    monkeypatch.setattr(blockpress.lm.LM, "chat_stream", fails_after_a_canvas)
+    screen = TerminalIO()  # stdout and stderr: one terminal
+    monkeypatch.setattr(sys, "stdin", TerminalIO("hello\n" + "x " * 5000 + "\nagain\n"))
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "40", "--steps", "2", "--threads", "1"]) == 0
+    shown = screen.getvalue()
+    assert "model> def f(x\nerror: " in shown and "that message was dropped" in shown
+    assert "you> error: the message is too long" in shown  # refused before any reply: no blank line first
+    assert shown.count(" tok/s]") == 1  # the third message was answered
+
+
 def test_chat_stopped_on_a_terminal_leaves_what_was_made_on_screen(monkeypatch, capsys):
     """A Ctrl-C during a reply on a terminal threw away everything made so far. What was committed stays on screen;
     the turn is dropped from the conversation as before, which goes on."""
