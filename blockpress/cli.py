@@ -595,13 +595,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
             events.close()
         raise RuntimeError("the reply's stream ended without its end")  # chat passes no `cancelled`
 
+    pending: list[str] = []  # the lines of a paste still to be read, after the first (read_line)
+
     def read_line(first: bool) -> str:
         """A line, without its terminator; on a terminal prompted "you> " (`first`: a message's first line) or, in
-        a block of several lines, "...> "."""
+        a block of several lines, "...> ". A terminal's paste of several lines comes back whole, newlines and all
+        (readline 8.1+ takes it as one line: bracketed paste); one that holds a BLOCK line is read a line at a
+        time, as typed lines are, so its blocks open and close: whole, the BLOCK lines were sent to the model as
+        part of the message, and a paste that should close an open block left it open."""
+        if pending:
+            return pending.pop(0)
         mark = "you> " if first else "...> "
         if interactive and not on_screen:  # stdout holds the replies (or JSON lines) alone
             print(mark, end="", file=sys.stderr, flush=True)
-        return input(mark if on_screen else "").removesuffix("\r")  # "\r\n" ends one too
+        line = input(mark if on_screen else "")
+        if "\n" in line and any(part.rstrip("\r").rstrip() == BLOCK for part in line.split("\n")):
+            line, *rest = line.split("\n")
+            pending.extend(part.removesuffix("\r") for part in rest)
+        return line.removesuffix("\r")  # "\r\n" ends one too
 
     def new_line() -> str:
         """"\n" where a reply that failed midway (a GPU out of memory, non-finite logits) is part way along a line
@@ -628,6 +639,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 while (line := read_line(first=False)).rstrip() != BLOCK:
                     block.append(line)
                 user, verbatim = "\n".join(block), True
+            elif "\n" in user:  # a paste of several lines: one message, as a block is (never a command)
+                verbatim = True
             elif args.json and user.startswith('"'):
                 text = json_line(user)
                 user, verbatim = text, text != user  # a JSON string never reads back as itself
@@ -640,6 +653,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
             print(file=sys.stderr)
+            pending.clear()
             continue
         if not user.strip():  # a blank line is skipped, not an end: piped conversations have them between messages
             if verbatim:  # an empty block or JSON string was sent as a message: a script waits for its line
@@ -706,6 +720,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
         except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
             messages.pop()  # lm.chat_stream / chat_ids took the stopped turn out of the cache
+            pending.clear()  # and the rest of a paste with it, as a terminal drops what was typed ahead
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
             no_reply(user, error="stopped")
             continue

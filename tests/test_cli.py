@@ -2278,6 +2278,32 @@ def test_chat_sends_a_message_of_several_lines(monkeypatch, capsys):
     assert out[4]["error"].startswith('the message started by a line of """ ended without')
 
 
+def test_chat_pasted_blocks_open_and_close_as_typed_ones(monkeypatch, capsys):
+    """readline 8.1+ takes a terminal's paste of several lines as one line, newlines and all (bracketed paste):
+    a pasted block, \"\"\" lines included, was sent with its \"\"\" lines as part of the message, and a paste whose
+    last line was the \"\"\" closing a block typed open was one more line of it, the block left open. A paste that
+    holds a \"\"\" line is read a line at a time, as typed; one that holds none is one message, never a command."""
+    import blockpress.tokenizer
+
+    sent, original = [], blockpress.tokenizer.Tokenizer.apply_chat_template
+
+    def spy(self, messages, *args, **kwargs):
+        sent.append(messages[-1]["content"])
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(blockpress.tokenizer.Tokenizer, "apply_chat_template", spy)
+    typed = iter(['"""\ndef f():\n    return 1\n"""',  # a block pasted whole
+                  '"""', 'x = 1\r\n"""',  # a block typed open, its end pasted (a CRLF paste)
+                  "// a comment\nfoo()",  # no block line: the paste is the message, as pasted
+                  '"""\nkept\n"""\nafter',  # lines after a pasted block are lines typed after it
+                  "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(typed))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1", "--json"]) == 0
+    assert sent[1:] == ["def f():\n    return 1", "x = 1", "// a comment\nfoo()", "kept", "after"]
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in out] == [*sent[1:], "/exit"] and all("text" in line for line in out[:-1])
+
+
 def test_chat_json_strings_are_messages_never_commands(monkeypatch, capsys):
     """A JSON string is the text it holds, yet it was then read as a command: a script that JSON-encodes each
     message got '"/usr/bin is slow\\nwhy?"' refused as an unknown command and '"//x"' sent as "/x". Like a block,
