@@ -926,6 +926,12 @@ class Trainer:
         self.step = 0
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
 
+    def _set_optimizer_settings(self) -> None:
+        """AdamW's betas and weight decay as the settings say, over those a saved state brought back: decay on the
+        matrices (the first group, as built above), none on the vectors (norm scales, layer scalars)."""
+        for group, decay in zip(self.optimizer.param_groups, (self.cfg.weight_decay, 0.0), strict=True):
+            group["weight_decay"], group["betas"] = decay, (self.cfg.beta1, self.cfg.beta2)
+
     # -- one step ------------------------------------------------------------------------------------------
     def _batches(self, source: ExampleSource | ShardSource) -> StepBatches:
         return StepBatches(source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
@@ -1114,6 +1120,10 @@ class Trainer:
         except ValueError as exc:  # e.g. another LoRA rank: torch's "parameter group that doesn't match"
             raise ValueError(f"--resume: the saved optimizer state does not fit this run's trained weights (was it "
                              f"trained with another --lora-rank?): {exc}") from None
+        # load_state_dict puts the saved groups' hyperparameters back too: a --weight-decay, --beta1 or --beta2 given
+        # to --resume (warned about as overriding the run's, and recorded with it) was dropped for the saved ones.
+        # The moments are the run's; the settings are this one's (lr is set at every step).
+        self._set_optimizer_settings()
         saved = state.get("data") or {}  # (runs saved before it was: nothing to compare)
         other = {k: (saved[k], v) for k, v in self.data.items() if saved.get(k) is not None and v is not None
                  and saved[k] != v}

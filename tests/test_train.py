@@ -201,6 +201,32 @@ def test_resume_is_exact(tmp_path):
     assert straight.losses[3:] == pytest.approx(rest.losses, rel=1e-6)
 
 
+def test_resume_trains_with_the_optimizer_settings_given_to_it(tmp_path):
+    """`--resume --weight-decay 0.5 --beta2 0.5` warned that it overrode the run's settings and recorded them, but
+    the optimizer's load_state_dict put the saved groups' weight decay and betas back: the resumed steps trained with
+    the old ones, exactly as a resume without the flags."""
+    import shutil
+
+    run(tmp_path, 3, "split")
+    shutil.copytree(tmp_path / "split", tmp_path / "other")
+
+    def resumed(name, **cfg):
+        tc = TrainConfig(steps=4, batch_size=4, lr=3e-3, warmup_steps=5, log_every=1, **cfg)
+        trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / name, progress=False)
+        trainer.resume()
+        trainer.train()
+        return trainer
+
+    same = resumed("split")
+    other = resumed("other", weight_decay=0.5, beta1=0.5, beta2=0.5)
+    assert [(g["weight_decay"], g["betas"]) for g in other.optimizer.param_groups] == [(0.5, (0.5, 0.5)),
+                                                                                        (0.0, (0.5, 0.5))]
+    assert [(g["weight_decay"], g["betas"]) for g in same.optimizer.param_groups] == [(0.01, (0.9, 0.95)),
+                                                                                       (0.0, (0.9, 0.95))]
+    # the step trained after the resume is another one with the settings given
+    assert not all(torch.equal(p, q) for p, q in zip(same.model.parameters(), other.model.parameters(), strict=True))
+
+
 def test_a_run_resumed_from_its_own_folder_is_bit_exact(tmp_path):
     """`blockpress train --resume` loads the model from the run's folder, as zero-copy views of its mmapped file, at
     offsets that the header's length (the run's step metadata) shifts from the base's: CPU kernels rounded
