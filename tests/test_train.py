@@ -473,6 +473,37 @@ def test_a_run_is_saved_before_its_last_evaluation(tmp_path, monkeypatch, steps,
     assert read_trainer_state(tmp_path / "run" / "trainer_state.pt")["step"] == trainer.step
 
 
+def test_tokens_per_second_leave_evaluations_and_saves_out(tmp_path, monkeypatch):
+    """The log line's, the bar's and metrics.jsonl's tok/s and the summary's tokens_per_second divided the training
+    tokens by the wall time since the start, held-out evaluations and saves included: a tiny run said 298 tok/s with
+    --eval-every 1 --eval-batches 8 where its steps ran at 1751."""
+    import time
+
+    real_evaluate, real_save = Trainer.evaluate, Trainer.save
+
+    def slow(real):
+        def wrapped(self, *args, **kwargs):
+            time.sleep(1.0)  # an evaluation or a save of a real model
+            return real(self, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(Trainer, "evaluate", slow(real_evaluate))
+    monkeypatch.setattr(Trainer, "save", slow(real_save))
+    cfg = TrainConfig(steps=3, batch_size=4, log_every=1, eval_every=1, save_every=1, warmup_steps=1)
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run",
+                      heldout=ExampleSource(EXAMPLES, 1), progress=False)
+    started = time.perf_counter()
+    result = trainer.train()
+    wall = time.perf_counter() - started
+    assert wall > 6  # three evaluations and three saves slept
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tokens = [row["tokens"] for row in rows]
+    # the seconds each figure counts: the steps' own, not the sleeps (before: 4 s of them by the last step's row,
+    # 6 s by the end); wall holds both and the steps' real evaluations and saves
+    assert sum(tokens) / rows[-1]["tok_s"] < wall - 5
+    assert sum(tokens) / result.tokens_per_second < wall - 5
+
+
 def test_batches_built_by_workers_change_nothing(tmp_path):
     _, inline = run(tmp_path, 4, "inline")
     _, workers = run(tmp_path, 4, "workers", data_workers=2)
