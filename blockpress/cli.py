@@ -1145,10 +1145,16 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"checkpoint (the base was {str(base_dtype)[6:]}; --dtype {str(base_dtype)[6:]} saves that, rounding "
               "part of the adapters' update away)", file=sys.stderr)
     if result.stopped == "interrupted":
+        import signal
+
         adapters = f" (its adapters so far load as --model {Path(args.out) / 'adapter'})" if cfg.lora_rank else ""
-        print(f"interrupted at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
+        # 128 + the signal, as a shell reports a process it ended: a scheduler's SIGTERM (timeout, Slurm, docker stop)
+        # exited 130, Ctrl-C's status, and a job script could not tell the two apart
+        signum = result.stop_signal or signal.SIGINT
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
               file=sys.stderr)
-        return 130
+        return 128 + signum
     return 0
 
 

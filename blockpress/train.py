@@ -746,6 +746,7 @@ class TrainResult:
     tokens_per_second: float = 0.0
     compile_error: str | None = None  # set when cfg.compile was on and the run fell back to eager
     stopped: str | None = None  # why the run ended before cfg.steps: "max_minutes" or "interrupted" (Ctrl-C)
+    stop_signal: int | None = None  # an interrupted run's signal: SIGINT (Ctrl-C) or SIGTERM (timeout, Slurm, docker)
 
 
 class Diverged(ValueError):
@@ -1214,6 +1215,7 @@ class Trainer:
                     break
                 if interrupt.requested:
                     result.stopped = "interrupted"
+                    result.stop_signal = getattr(interrupt, "signum", None)
                     break
                 started = time.perf_counter()
                 row = self.train_step(next(prefetched) if prefetched else None,
@@ -1427,6 +1429,7 @@ class _StopOnInterrupt:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signum: int | None = None  # the first signal's: the CLI exits 128 + it, as a shell reports it
         self.previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
@@ -1434,7 +1437,7 @@ class _StopOnInterrupt:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signum = True, signum
         what = "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
         again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
         print(f"\n{what}: finishing this step and saving ({again} to stop at once, unsaved)",

@@ -400,6 +400,37 @@ def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum, capsys):
     assert cut.losses + rest.losses == pytest.approx(whole.losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("signum, status, said", [("SIGINT", 130, "interrupted at step 1"),
+                                                   ("SIGTERM", 143, "stopped by SIGTERM at step 1")])
+def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, monkeypatch, capsys, signum, status, said):
+    """128 + the signal, as a shell reports a process it ended: a SIGTERM (timeout, Slurm, docker stop) exited 130,
+    Ctrl-C's status, saying "interrupted", so a job script could not tell its scheduler's stop from a user's."""
+    import signal
+
+    from blockpress.train import Trainer, read_trainer_state
+
+    signum = getattr(signal, signum)
+    def unhandled(*_):  # in place of the default, which would end pytest itself
+        raise AssertionError("SIGTERM reached the default handler: the run was not saved")
+    real = Trainer.train_step
+
+    def step_then_signal(self, *args, **kwargs):
+        row = real(self, *args, **kwargs)
+        if self.step == 1:
+            os.kill(os.getpid(), signum)
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_signal)
+    data = write_data(tmp_path / "d.jsonl")
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert main(train_args(data, tmp_path / "out", steps=3)) == status
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert said in capsys.readouterr().err
+    assert read_trainer_state(tmp_path / "out" / "trainer_state.pt")["step"] == 1  # saved, to be resumed
+
+
 def test_a_fresh_preset_trains_on_text_with_the_tokenizers_vocabulary(tmp_path):
     """The README's fresh-model line: text JSONL needs a tokenizer, and a preset sizes its vocabulary to it."""
     data = tmp_path / "text.jsonl"
