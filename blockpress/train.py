@@ -1200,6 +1200,7 @@ class Trainer:
         # tokens/s is the training steps' own: held-out evaluations and saves take time of their own (with
         # --eval-every 1 --eval-batches 8 a tiny run said 298 tok/s where its steps ran at 1751)
         training = 0.0
+        first = self.step  # (a resumed run's ETA is paced by its own steps)
         clock = t0 - self.minutes * 60  # the run's start, earlier parts of a resumed run included
         prefetched = self._prefetch() if cfg.data_workers else None
         interrupt = _StopOnInterrupt()
@@ -1242,7 +1243,13 @@ class Trainer:
                         held = f", eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
                         of = ("" if cfg.time_schedule else f"/{cfg.steps}") + (
                             f", {self.minutes:.2f}/{cfg.max_minutes:g} min" if cfg.max_minutes else "")
-                        print(f"train: step {self.step}{of}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s",
+                        # the bar's ETA, which a log had not: paced by the wall time of this run's steps so far
+                        # (evaluations and saves included), or the clock's budget where that ends it first
+                        pace = (time.perf_counter() - t0) / (self.step - first)
+                        left = [(cfg.steps - self.step) * pace]
+                        left += [(cfg.max_minutes - self.minutes) * 60] if cfg.max_minutes else []
+                        eta = "" if last else f", ETA {duration(min(left))}"
+                        print(f"train: step {self.step}{of}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s{eta}",
                               file=sys.stderr, flush=True)
                 if bar is not None:  # (a bar without a total has no truth value)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}",
@@ -1278,6 +1285,13 @@ class Trainer:
         result.tokens_per_second = seen / max(training, 1e-9)
         self.lm.model.eval()
         return result
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as the progress bar writes a time: m:ss, or h:mm:ss from an hour."""
+    minutes, secs = divmod(max(0, round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def metrics_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:

@@ -640,6 +640,28 @@ def test_a_run_saves_the_dtype_it_trained_in_not_the_one_a_load_widened_from(tmp
     assert saved_dtype(tmp_path / "out") == torch.float32
 
 
+def test_a_log_line_says_how_long_the_run_has_left(tmp_path, capsys, monkeypatch):
+    """The bar shows an ETA; a log (nohup, `| tee`) had none: "train: step 2/6, loss 3.1, 540 tok/s" and nothing
+    said whether the run ends in a minute or a day."""
+    import re
+    import time
+
+    real = Trainer.train_step
+
+    def slow(self, *args, **kwargs):  # a step of a real model
+        time.sleep(1.0)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", slow)
+    tc = TrainConfig(steps=6, batch_size=2, log_every=2, warmup_steps=0)
+    Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", progress=True).train()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step ")]
+    etas = [re.search(r", ETA (\d+):(\d\d)$", x) for x in lines]
+    assert all(etas[:2]) and etas[2] is None, lines  # the last line: nothing left
+    left = [int(m[1]) * 60 + int(m[2]) for m in etas[:2]]
+    assert left[0] >= 4 and left[1] >= 2 and left[0] > left[1]  # 4 steps of at least 1 s, then 2
+
+
 def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys):
     """tqdm draws no bar into a log file (nohup, `| tee`), which then showed nothing between start and end."""
     tc = TrainConfig(steps=6, batch_size=2, log_every=2, warmup_steps=0)
