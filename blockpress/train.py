@@ -993,10 +993,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             diff, ar, tokens = self._losses(batch, noise, train=True)
         loss = cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar
-        grad_norm = 0.0
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if cfg.grad_clip:
-            params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        else:  # not clipped, but measured all the same: it was logged as 0.0, and a gradient that was not finite went
+            # unchecked into the update (the run then stopped a step later, on the NaN loss of its NaN weights)
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         # Checked on the host floats the step makes anyway (no sync of its own), before the update: a non-finite
         # gradient would make every weight NaN. Every process holds the same all-reduced values, so all stop.
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):

@@ -504,6 +504,26 @@ def test_tokens_per_second_leave_evaluations_and_saves_out(tmp_path, monkeypatch
     assert sum(tokens) / result.tokens_per_second < wall - 5
 
 
+def test_without_clipping_the_gradient_norm_is_logged_and_checked(tmp_path):
+    """--grad-clip 0 logged grad_norm 0.0 at every step, and a gradient that was not finite (its loss finite) went
+    into the update unchecked: the run stopped a step later, naming the NaN loss of weights already NaN."""
+    _, clipped = run(tmp_path, 2, "clipped", grad_clip=1e9)  # a bound never reached: the same updates, measured
+    _, unclipped = run(tmp_path, 2, "unclipped", grad_clip=0.0)
+    assert unclipped.losses == clipped.losses
+
+    def norms(name):
+        return [json.loads(line)["grad_norm"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert norms("unclipped") == pytest.approx(norms("clipped"), rel=1e-6) and min(norms("unclipped")) > 0
+    lm = tiny_lm()
+    lm.model.embed_tokens.weight.register_hook(lambda grad: grad * float("inf"))  # finite loss, gradient not
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=3, batch_size=4, grad_clip=0.0),
+                      tmp_path / "inf", progress=False)
+    with pytest.raises(Diverged, match=r"^step 1: the gradient norm is (nan|inf)"):
+        trainer.train()
+    assert all(torch.isfinite(p).all() for p in lm.model.parameters())  # stopped before the update
+
+
 def test_batches_built_by_workers_change_nothing(tmp_path):
     _, inline = run(tmp_path, 4, "inline")
     _, workers = run(tmp_path, 4, "workers", data_workers=2)
