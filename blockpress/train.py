@@ -1271,8 +1271,14 @@ class Trainer:
             if result.stopped:
                 row = {"step": self.step, "stopped": result.stopped}
                 if result.stopped == "max_minutes" and self.heldout is not None:  # the run ends here: evaluate it
-                    row["eval_loss"] = self.evaluate()
-                    result.eval_losses.append((self.step, row["eval_loss"]))
+                    if result.eval_losses and result.eval_losses[-1][0] == self.step:
+                        # its last step was evaluated (--eval-every) just before the clock ran out: the same held-out
+                        # batches on the same weights, whose second pass cost a whole evaluation and listed the
+                        # step twice in eval_losses
+                        row["eval_loss"] = result.eval_losses[-1][1]
+                    else:
+                        row["eval_loss"] = self.evaluate()
+                        result.eval_losses.append((self.step, row["eval_loss"]))
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
             if not saved:

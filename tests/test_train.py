@@ -473,6 +473,29 @@ def test_a_run_is_saved_before_its_last_evaluation(tmp_path, monkeypatch, steps,
     assert read_trainer_state(tmp_path / "run" / "trainer_state.pt")["step"] == trainer.step
 
 
+def test_a_run_its_clock_stops_right_after_an_evaluation_is_not_evaluated_again(tmp_path, monkeypatch):
+    """--eval-every evaluated the last step, the clock then ran out, and the stop evaluated the same weights on the
+    same held-out batches again: a whole evaluation's time, and the step twice in eval_losses."""
+    import time
+
+    calls, real = [], Trainer.evaluate
+
+    def counted(self):
+        calls.append(self.step)
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", counted)
+    cfg = TrainConfig(steps=1000, batch_size=4, eval_every=1, max_minutes=0.01, warmup_steps=1)
+    out_of_time = lambda step, loss: time.sleep(0.7)  # noqa: E731 - past the 0.6 s budget after step 1
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), cfg, tmp_path / "run", heldout=ExampleSource(EXAMPLES, 1),
+                      progress=False, on_step=out_of_time)
+    result = trainer.train()
+    assert (result.stopped, result.steps, calls) == ("max_minutes", 1, [1])
+    assert [step for step, _ in result.eval_losses] == [1]
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last == {"step": 1, "stopped": "max_minutes", "eval_loss": result.eval_losses[0][1]}
+
+
 def test_tokens_per_second_leave_evaluations_and_saves_out(tmp_path, monkeypatch):
     """The log line's, the bar's and metrics.jsonl's tok/s and the summary's tokens_per_second divided the training
     tokens by the wall time since the start, held-out evaluations and saves included: a tiny run said 298 tok/s with
