@@ -1152,8 +1152,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         # exited 130, Ctrl-C's status, and a job script could not tell the two apart
         signum = result.stop_signal or signal.SIGINT
         what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
-              file=sys.stderr)
+        if trainer.rank == 0:  # the process that saves (under torchrun each said "saved")
+            print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
+                  file=sys.stderr)
         return 128 + signum
     return 0
 

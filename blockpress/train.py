@@ -1212,11 +1212,20 @@ class Trainer:
         try:
             while self.step < cfg.steps:
                 self.minutes = (time.perf_counter() - clock) / 60
+                requested = interrupt.requested
+                if self.world > 1:
+                    # Every process stops at the same step, and anneals by the same clock: each met the signal (and
+                    # its clock) at its own moment, and under torchrun a Ctrl-C that reached one process after its
+                    # check left it in the next step's all-reduce with a peer gone: it died there, in a traceback,
+                    # and rank 0 never saved. The latest clock and any process's signal count for all of them.
+                    agreed = torch.tensor([self.minutes, float(requested)], dtype=torch.float64, device=self.lm.device)
+                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                    self.minutes, requested = float(agreed[0]), bool(agreed[1])
                 spent = self.minutes / cfg.max_minutes if cfg.max_minutes else 0.0
                 if spent > 1:
                     result.stopped = "max_minutes"  # the time budget is spent: save what we have
                     break
-                if interrupt.requested:
+                if requested:
                     result.stopped = "interrupted"
                     result.stop_signal = getattr(interrupt, "signum", None)
                     break

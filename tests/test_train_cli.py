@@ -539,6 +539,42 @@ def test_two_processes_match_one(tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
 
 
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+                    reason="torchrun not available")
+def test_a_stop_that_reaches_one_process_stops_them_all_at_one_step(tmp_path):
+    """Under torchrun each process met Ctrl-C at its own moment: one that met it after its check of the step went
+    into the next step's all-reduce while its peer had stopped, and died there ("Connection closed by peer", a
+    traceback), so rank 0 never saved and the run was lost (a Ctrl-C to torchrun at step ~37 of a tiny run)."""
+    data = write_data(tmp_path / "d.jsonl")
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys\n"
+        "import blockpress.train as T\n"
+        "from blockpress.cli import main\n"
+        "class Stop(T._StopOnInterrupt):\n"
+        "    last = None\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        Stop.last = self\n"
+        "real = T.Trainer.train_step\n"
+        "def step(self, *args, **kwargs):\n"
+        "    row = real(self, *args, **kwargs)\n"
+        "    if self.rank == 1 and self.step == 2:  # a Ctrl-C that reached this process alone, after its check\n"
+        "        Stop.last.requested = True\n"
+        "    return row\n"
+        "T._StopOnInterrupt, T.Trainer.train_step = Stop, step\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29519", str(driver),
+                        *train_args(data, tmp_path / "two", steps=6)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "Connection closed" not in r.stderr, r.stderr[-2000:]
+    from blockpress.train import read_trainer_state
+
+    assert read_trainer_state(tmp_path / "two" / "trainer_state.pt")["step"] == 2, r.stderr[-2000:]
+    assert r.stderr.count("saved in") == 1  # by rank 0, which saves (rank 1 said it too)
+
+
 def _sentencepiece_style_tokenizer(folder, eos=True):
     """A tokenizer whose specials are not Gemma's: <pad>=0, <s>=1, </s>=2 (Llama's order, pad first)."""
     from blockpress.tokenizer import train_bpe_tokenizer
