@@ -958,8 +958,10 @@ class Trainer:
         n_diff = float(batch.scored.sum())
         n_ar = float(batch.ar_scored[:, :-1].sum())
         micro = self.cfg.micro_batch_size or per_rank
-        sums = torch.zeros(2)
         device = self.lm.device
+        # on the run's device: nccl all-reduces CUDA tensors alone (a CPU one raised "No backend type associated
+        # with device type cpu" at the first step), and no micro-batch waits for the GPU to copy its sums back
+        sums = torch.zeros(2, device=device)
         for lo in range(0, per_rank, micro):
             part = slice(lo, min(lo + micro, per_rank))
             b, nz = mine.rows(part).to(device), my_noise.rows(part).to(device)
@@ -969,8 +971,8 @@ class Trainer:
                         + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1))
             if train:
                 (loss * self.world).backward()  # DDP averages gradients over processes
-            sums += torch.stack([diff_sum.detach().float().cpu(), ar_sum.detach().float().cpu()])
-        sums = _all_sum(sums)
+            sums += torch.stack([diff_sum.detach().float(), ar_sum.detach().float()])
+        sums = _all_sum(sums).cpu()
         return float(sums[0]) / max(n_diff, 1), float(sums[1]) / max(n_ar, 1), int(batch.valid.sum())
 
     def train_step(self, prepared: tuple[Batch, Noise] | None = None, time_fraction: float = 0.0) -> dict[str, float]:
