@@ -8,6 +8,8 @@ from collections.abc import Callable
 from blockpress.cli import DefaultsFormatter
 from blockpress.config import ModelConfig, preset_names
 
+RANDOM_PREFIX = "random-"  # serve_load's --model also takes random-<preset>, as `blockpress serve` does
+
 
 class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
     """The module docstring as written, and each option's default after its help (as `blockpress --help`)."""
@@ -41,3 +43,30 @@ def preset_name(text: str) -> str:
 
 
 PRESET_HELP = f"random checkpoint shape: {', '.join(preset_names())}"  # every name preset_name takes
+
+
+def checkpoint(text: str) -> str:
+    """A model `blockpress.load` can read: a shipped name, a checkpoint folder (its config.json read, not its weights)
+    or an adapter folder over one. A typo or a folder that is no checkpoint was an 18-line traceback once the script
+    started loading; now argparse's one line names the flag, before any work."""
+    from blockpress.lm import resolve_model
+
+    try:
+        path = resolve_model(text)[0]
+        ModelConfig.from_file(path / "config.json")
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def checkpoint_or_none(text: str) -> str:
+    """`checkpoint`, or '' (none: the script skips what needs it)."""
+    return text and checkpoint(text)
+
+
+def checkpoint_or_random(text: str) -> str:
+    """`checkpoint`, or random-<preset> (random weights of a preset's shape, as `blockpress serve --model` takes)."""
+    if text.startswith(RANDOM_PREFIX):
+        preset_name(text[len(RANDOM_PREFIX):])
+        return text
+    return checkpoint(text)

@@ -25,7 +25,7 @@ import time
 import warnings
 
 import torch
-from benchmark_args import Formatter, non_negative_int, positive_int
+from benchmark_args import Formatter, checkpoint, non_negative_int, positive_int
 
 import blockpress
 from blockpress.tasks.code import (
@@ -42,7 +42,7 @@ AR_OPTIONS = ("presence_penalty", "frequency_penalty")
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
-    ap.add_argument("--model", default="blockpress-code", help="a shipped name or a folder")
+    ap.add_argument("--model", type=checkpoint, default="blockpress-code", help="a shipped name or a folder")
     ap.add_argument("--manifest", default=None, help="corpus manifest.json listing held-out modules "
                     "(default: the one shipped with the model)")
     ap.add_argument("--functions", type=positive_int, default=100, help="held-out functions to complete")

@@ -17,7 +17,7 @@ import statistics
 import time
 
 import openai
-from benchmark_args import Formatter, positive_int
+from benchmark_args import Formatter, checkpoint_or_random, positive_int
 
 from blockpress.cli import load_model
 from blockpress.serve import create_app, start_in_background
@@ -31,7 +31,8 @@ def nearest_rank(sorted_values: list[float], q: float) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
-    ap.add_argument("--model", default="blockpress-code", help="a shipped name or a folder")
+    ap.add_argument("--model", type=checkpoint_or_random, default="blockpress-code",
+                    help="a shipped name, a folder or random-<preset>")
     ap.add_argument("--levels", type=positive_int, nargs="+", default=[1, 8, 32],
                     help="concurrent clients, one run each")
     ap.add_argument("--requests", type=positive_int, default=32, help="requests per level")

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
-from benchmark_args import Formatter, non_negative_int, positive_int
+from benchmark_args import Formatter, checkpoint, checkpoint_or_none, non_negative_int, positive_int
 from tqdm import tqdm
 
 import blockpress
@@ -48,8 +49,8 @@ def evaluate(results, truth, seconds):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
-    ap.add_argument("--model", default="blockpress-sudoku", help="the diffusion model: a shipped name or a folder")
-    ap.add_argument("--ar-model", default=str(Path(__file__).parent / "baselines" / "sudoku-ar"),
+    ap.add_argument("--model", type=checkpoint, default="blockpress-sudoku", help="the diffusion model: a shipped name or a folder")
+    ap.add_argument("--ar-model", type=checkpoint_or_none, default=str(Path(__file__).parent / "baselines" / "sudoku-ar"),
                     help="the AR baseline checkpoint (same backbone, AR-trained; default: the one kept here; '' skips it)")
     ap.add_argument("--per-difficulty", type=positive_int, default=200,
                     help="fresh puzzles per difficulty (default 200: one puzzle is half a point)")
@@ -74,6 +75,12 @@ def main() -> None:
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
         ar = blockpress.load(args.ar_model, dtype="float32") if args.ar_model else None
+    for flag, name, model in (("--model", args.model, lm), ("--ar-model", args.ar_model, ar)):
+        try:  # before the puzzles are made: another model (blockpress-code) was a traceback after them
+            if model is not None:
+                sudoku_model.check_sudoku_model(model)
+        except ValueError as exc:
+            sys.exit(f"{flag} {name}: {str(exc).removeprefix('model: ')}")
     out = {"benchmark": "sudoku", "model": args.model, "ar_model": args.ar_model,
            "params": lm.num_parameters(active=False), "per_difficulty": args.per_difficulty}
     for level in DIFFICULTIES:

@@ -569,6 +569,19 @@ def test_sudoku_benchmark_smoke():
         assert all(0 < data[level][k]["mean_steps"] <= 40 for k in ("diffusion", "diffusion_rules", "diffusion_ensemble"))
 
 
+def test_sudoku_benchmark_refuses_a_model_of_another_task_before_making_puzzles():
+    """blockpress-code as --model made the puzzles, then died in a traceback (ValueError: model: not a sudoku model)."""
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sudoku.py"), "--model", "blockpress-code",
+                        "--ar-model", "", "--per-difficulty", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line
+    assert r.stderr.startswith("--model blockpress-code: not a sudoku model: its vocabulary has 8192 tokens")
+
+
 @settings(max_examples=50, deadline=None)
 @given(values=st.lists(st.floats(0, 100), min_size=1, max_size=40))
 def test_serve_load_p95_is_never_below_the_median(values):
@@ -680,6 +693,13 @@ def benchmark_module(name: str):
     ("load_memory", ["--dtype", "float64"], "--dtype: invalid choice"),
     ("prefix_cache", ["--preset", "huge"], "--preset: unknown preset 'huge'; expected one of"),  # was a traceback
     ("load_memory", ["--preset", "huge"], "--preset: unknown preset 'huge'; expected one of"),
+    # a folder that is no checkpoint, a typo of a shipped name: an 18-line traceback once loading started
+    ("sudoku", ["--model", str(ROOT / "docs")], f"--model: {ROOT / 'docs' / 'config.json'}: no config.json"),
+    ("sudoku", ["--ar-model", "blockpress-sudok"], "--ar-model: model 'blockpress-sudok': no such folder"),
+    ("code_model", ["--model", str(ROOT / "docs")], f"--model: {ROOT / 'docs' / 'config.json'}: no config.json"),
+    ("code_model", ["--model", str(ROOT / "README.md")], "--model: model " + repr(str(ROOT / "README.md")) + ": a file"),
+    ("serve_load", ["--model", "blockpress-cod"], "--model: model 'blockpress-cod': no such folder"),
+    ("serve_load", ["--model", "random-huge"], "--model: unknown preset 'huge'"),
 ])
 def test_benchmark_scripts_refuse_bad_values_by_flag(script, argv, message, capsys):
     if script == "serve_load":
