@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 
@@ -67,7 +68,11 @@ def main() -> None:
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
     tok = lm.tokenizer
-    funcs = model_heldout_functions(lm.path, args.manifest, args.seed)[args.skip : args.skip + args.functions]
+    heldout = model_heldout_functions(lm.path, args.manifest, args.seed)
+    if args.skip >= len(heldout):  # no function left: a ZeroDivisionError, or (--healing-functions 0) rates of 0.0
+        sys.exit(f"--skip: {args.skip} skips all {len(heldout)} held-out functions; at most {len(heldout) - 1} "
+                 "leaves one")
+    funcs = heldout[args.skip : args.skip + args.functions]
     options = json.loads(args.sampler_options) if args.sampler_options else {}
     ar_options = {k: v for k, v in options.items() if k in AR_OPTIONS}  # the same penalties for the AR baseline
     result: dict = {"benchmark": "code_model", "model": args.model, "functions": len(funcs),

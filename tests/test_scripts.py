@@ -569,6 +569,21 @@ def test_sudoku_benchmark_smoke():
         assert all(0 < data[level][k]["mean_steps"] <= 40 for k in ("diffusion", "diffusion_rules", "diffusion_ensemble"))
 
 
+@pytest.mark.parametrize("healing", ["40", "0"])
+def test_code_model_refuses_a_skip_past_every_held_out_function(healing):
+    """--skip 100000 was a ZeroDivisionError, or with --healing-functions 0 a JSON of 0 functions whose rates read
+    0.0 (every completion failing)."""
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_model.py"), "--skip", "100000", "--infills",
+                        "0", "--healing-functions", healing, "--threads", "1"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert re.fullmatch(r"--skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", r.stderr)
+
+
 def test_sudoku_benchmark_refuses_a_model_of_another_task_before_making_puzzles():
     """blockpress-code as --model made the puzzles, then died in a traceback (ValueError: model: not a sudoku model)."""
     import blockpress
