@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import json
 import math
 import statistics
+import sys
 import time
 
 import openai
@@ -53,20 +54,33 @@ def main() -> None:
         r = client.completions.create(model="m", prompt=prompts[i % len(prompts)], max_tokens=args.max_tokens, seed=i)
         return time.perf_counter() - t0, r.usage.completion_tokens
 
-    one(0)  # warm-up
     result = {"benchmark": "serve_load", "model": args.model, "max_tokens": args.max_tokens, "levels": {}}
-    for level in args.levels:
-        t0 = time.perf_counter()
-        with cf.ThreadPoolExecutor(level) as pool:
-            rows = list(pool.map(one, range(args.requests)))
-        wall = time.perf_counter() - t0
-        lat = sorted(r[0] for r in rows)
-        result["levels"][level] = {
-            "requests": len(rows), "p50_s": statistics.median(lat), "p95_s": nearest_rank(lat, 0.95),
-            "requests_per_s": len(rows) / wall, "completion_tok_s": sum(r[1] for r in rows) / wall,
-        }
-    server.should_exit = True
+    try:
+        one(0)  # warm-up
+        for level in args.levels:
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(level) as pool:
+                rows = list(pool.map(one, range(args.requests)))
+            wall = time.perf_counter() - t0
+            lat = sorted(r[0] for r in rows)
+            result["levels"][level] = {
+                "requests": len(rows), "p50_s": statistics.median(lat), "p95_s": nearest_rank(lat, 0.95),
+                "requests_per_s": len(rows) / wall, "completion_tok_s": sum(r[1] for r in rows) / wall,
+            }
+    except openai.APIStatusError as exc:  # was the openai client's 21-line traceback (--max-tokens 100000)
+        sys.exit(refused(exc))
+    finally:
+        server.should_exit = True
     print(json.dumps(result, indent=2))
+
+
+def refused(exc: openai.APIStatusError) -> str:
+    """The line for a request the server refused: its status and reason, and the flag that takes less when the
+    reason is the completion's length (a --max-tokens past the model's context)."""
+    body = exc.body if isinstance(exc.body, dict) else {}
+    reason = body.get("message") or str(exc)
+    hint = "; a smaller --max-tokens fits" if "max_tokens" in reason else ""
+    return f"serve_load: the server refused a request (HTTP {exc.status_code}: {reason}){hint}"
 
 
 if __name__ == "__main__":

@@ -597,6 +597,18 @@ def test_sudoku_benchmark_refuses_a_model_of_another_task_before_making_puzzles(
     assert r.stderr.startswith("--model blockpress-code: not a sudoku model: its vocabulary has 8192 tokens")
 
 
+def test_serve_load_says_in_one_line_why_the_server_refused_its_requests():
+    """--max-tokens past the model's context: the server's 400 was the openai client's 21-line traceback."""
+    pytest.importorskip("openai")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_load.py"), "--model", "random-tiny",
+                        "--max-tokens", "200000", "--levels", "1", "--requests", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.startswith("serve_load: the server refused a request (HTTP 400: max_tokens: ")
+    assert "exceed the context of 131072 tokens); a smaller --max-tokens fits" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 @settings(max_examples=50, deadline=None)
 @given(values=st.lists(st.floats(0, 100), min_size=1, max_size=40))
 def test_serve_load_p95_is_never_below_the_median(values):
