@@ -1493,7 +1493,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.plot:  # (matplotlib is there: checked above)
             plot(result, args.plot)
 
-    result = run_bench(s, on_row=lambda so_far: write(so_far, done=False))
+    measured: dict[str, Any] = {}  # the result as of the last row measured
+
+    def on_row(so_far: dict[str, Any]) -> None:
+        measured.update(so_far)
+        write(so_far, done=False)
+
+    try:
+        result = run_bench(s, on_row=on_row)
+    except KeyboardInterrupt:
+        # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too (they were
+        # in --out alone, and without it lost: exit 130, nothing said).
+        rows = len(measured.get("rows", []))
+        if rows:
+            print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
+        print(f"bench: interrupted after {rows} row{'s' if rows != 1 else ''}"
+              + (f" (their JSON on stdout{' and in ' + str(args.out) if args.out else ''}, marked \"partial\")"
+                 if rows else ""), file=sys.stderr)
+        return 130
     if args.plot:
         result["plot"] = str(args.plot)
     print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen

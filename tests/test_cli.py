@@ -760,6 +760,44 @@ def test_bench_writes_each_row_as_it_is_measured(tmp_path, monkeypatch):
     assert plot.stat().st_size > 1000 and sorted(p.name for p in tmp_path.iterdir()) == ["b.json", "p.png"]
 
 
+@pytest.mark.parametrize("with_out", [False, True])
+def test_bench_interrupted_prints_the_rows_measured(tmp_path, monkeypatch, capsys, with_out):
+    """A Ctrl-C exited 130 with nothing on stdout and nothing said: without --out every row measured was lost."""
+    import blockpress.bench as bench
+
+    real_row = bench._bench_row
+
+    def interrupted_at_batch_2(lm, ref, variants, b, s, ar):
+        if b == 2:
+            raise KeyboardInterrupt
+        return real_row(lm, ref, variants, b, s, ar)
+
+    monkeypatch.setattr(bench, "_bench_row", interrupted_at_batch_2)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "8", "--steps", "1",
+                 "--repeats", "1", "--no-reference", *(["--out", str(out)] if with_out else [])]) == 130
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["partial"] is data["interrupted"] is True and [r["batch"] for r in data["rows"]] == [1]
+    assert data["rows"][0]["blockpress"]["tok_s"] > 0
+    said = captured.err.strip().splitlines()[-1]
+    assert said.startswith("bench: interrupted after 1 row (their JSON on stdout")
+    if with_out:
+        assert f"and in {out}" in said and json.loads(out.read_text())["rows"] == data["rows"]
+
+
+def test_bench_interrupted_before_a_row_says_so(monkeypatch, capsys):
+    import blockpress.bench as bench
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "_bench_row", interrupted)
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "1", "--no-reference"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip().splitlines()[-1] == "bench: interrupted after 0 rows"
+
+
 def test_peak_memory_on_cpu_sees_what_a_run_allocates():
     from blockpress.bench import PeakMemory
 
