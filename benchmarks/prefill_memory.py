@@ -89,6 +89,12 @@ def main() -> None:
         return
     if any(chunk < 0 for chunk in args.chunks):
         sys.exit(f"--chunks: expected sizes >= 0 (0: one pass), got {args.chunks}")
+    from blockpress import ModelConfig
+
+    context = ModelConfig.preset(args.preset).text.max_position_embeddings
+    if args.tokens > context:  # was encoded anyway, positions past the context, for minutes before any figure
+        sys.exit(f"--tokens: {args.tokens} tokens exceed the {args.preset} preset's context of {context} tokens "
+                 "(max_position_embeddings)")
     if (why := what_cannot_fit(args.preset, args.batch, args.tokens)) is not None:
         sys.exit(why)
     rows = []

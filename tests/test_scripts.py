@@ -542,6 +542,15 @@ def test_prefill_memory_refuses_a_cache_that_cannot_fit():
     assert r.stderr.startswith("--batch/--tokens: 100000000 x 64 tokens need a ")
 
 
+def test_prefill_memory_refuses_a_prompt_past_the_context():
+    """--tokens 140000 on the tiny preset (a 131,072-token context) was encoded anyway, for minutes."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "140000",
+                        "--chunks", "512", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr == ("--tokens: 140000 tokens exceed the tiny preset's context of 131072 tokens "
+                        "(max_position_embeddings)\n")
+
+
 def test_prefill_memory_benchmark_smoke():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "64",
                         "--chunks", "0", "16", "--repeats", "1"], capture_output=True, text=True, timeout=300)
