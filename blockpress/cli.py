@@ -1960,6 +1960,10 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, "threads", 0):
             if args.threads < 0:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+            cpus = os.cpu_count()
+            if cpus is not None and args.threads > cpus:  # 100000: a segmentation fault in torch's thread pool
+                raise ValueError(f"--threads: expected 0 (torch's default) to {cpus}, the CPUs of this machine "
+                                 f"(more threads only wait for one), got {args.threads}")
             import torch
 
             torch.set_num_threads(args.threads)

@@ -1117,6 +1117,7 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     (["--repeats", "0"], "--repeats: expected a positive integer"),
     (["--device", "cuda"], "device: 'cuda' asked for, but this torch sees no CUDA GPU"),  # was torch's assertion
     (["--threads", "-1"], "--threads: expected 0"),
+    (["--threads", "100000"], "--threads: expected 0 (torch's default) to "),  # was a segmentation fault (139)
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
     (["--out", "/tmp"], "--out: '/tmp' is a folder"),
     (["--plot", "/tmp/b.txt"], "--plot: expected a file ending in one of .png"),
