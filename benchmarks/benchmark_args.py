@@ -42,6 +42,22 @@ def preset_name(text: str) -> str:
     return text
 
 
+def preset_weights_that_cannot_fit(preset: str, dtype: str = "float32", flags: str = "--preset") -> str | None:
+    """Why `preset`'s random weights in `dtype` cannot fit in this machine's memory, naming `flags`, or None: found
+    before the model is built (it was random_model's traceback, `--preset 26b-a4b`)."""
+    import torch
+
+    import blockpress
+    from blockpress.checkpoint import available_bytes
+
+    free = available_bytes(torch.device("cpu"))
+    needed = blockpress.random_model(ModelConfig.preset(preset), dtype=dtype, device="meta").weights_bytes()
+    if free is None or needed <= free:
+        return None
+    return (f"{flags}: {preset} in {dtype} needs {needed / 1e9:.1f} GB of weights but {free / 1e9:.1f} GB are "
+            f"available; a smaller {' or '.join(flags.split('/'))}")
+
+
 PRESET_HELP = f"random checkpoint shape: {', '.join(preset_names())}"  # every name preset_name takes
 
 

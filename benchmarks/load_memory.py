@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from benchmark_args import PRESET_HELP, Formatter, preset_name
+from benchmark_args import PRESET_HELP, Formatter, preset_name, preset_weights_that_cannot_fit
 
 PAGE_STEP = 1 << 20  # slack when checking that a reset peak is back at the current size
 
@@ -112,6 +112,8 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(measure_load(args.child, scheme)))
         return
+    if (why := preset_weights_that_cannot_fit(args.preset, args.dtype, "--preset/--dtype")) is not None:
+        sys.exit(why)
     import blockpress
 
     lm = blockpress.random_model(blockpress.ModelConfig.preset(args.preset), dtype=args.dtype)

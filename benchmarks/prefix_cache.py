@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
-from benchmark_args import PRESET_HELP, Formatter, non_negative_int, positive_int, preset_name
+from benchmark_args import (
+    PRESET_HELP,
+    Formatter,
+    non_negative_int,
+    positive_int,
+    preset_name,
+    preset_weights_that_cannot_fit,
+)
 
 import blockpress
 from blockpress import ModelConfig, PrefixCache
@@ -60,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = build_parser().parse_args()
+    if (why := preset_weights_that_cannot_fit(args.preset)) is not None:
+        sys.exit(why)
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.preset(args.preset)
     cfg.text.eos_token_id = None

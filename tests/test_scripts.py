@@ -542,6 +542,29 @@ def test_prefill_memory_refuses_a_cache_that_cannot_fit():
     assert r.stderr.startswith("--batch/--tokens: 100000000 x 64 tokens need a ")
 
 
+@pytest.mark.parametrize("script, argv, message", [
+    ("prefix_cache", ["--preset", "small"], "--preset: small in float32 needs 0.1 GB of weights but 0.0 GB are "
+                                            "available; a smaller --preset"),
+    ("load_memory", ["--preset", "medium", "--dtype", "bfloat16"],
+     "--preset/--dtype: medium in bfloat16 needs 0.1 GB of weights but 0.0 GB are available; a smaller --preset or "
+     "--dtype"),
+])
+def test_benchmark_scripts_refuse_weights_that_cannot_fit_before_building_them(script, argv, message, monkeypatch):
+    """--preset 26b-a4b (101 GB in float32) on a 24 GB machine was random_model's traceback."""
+    import blockpress
+    import blockpress.checkpoint
+
+    module = benchmark_module(script)
+    monkeypatch.setattr(blockpress.checkpoint, "available_bytes", lambda device: 10_000_000)
+    real = blockpress.random_model
+    monkeypatch.setattr(blockpress, "random_model", lambda *a, **k: real(*a, **k) if k.get("device") == "meta"
+                        else pytest.fail("built the model"))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == message
+
+
 def test_prefill_memory_refuses_a_prompt_past_the_context():
     """--tokens 140000 on the tiny preset (a 131,072-token context) was encoded anyway, for minutes."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "140000",
