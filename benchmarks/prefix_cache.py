@@ -29,6 +29,7 @@ from benchmark_args import (
 
 import blockpress
 from blockpress import ModelConfig, PrefixCache
+from blockpress.generate import canvas_positions
 
 
 def run_workload(lm: blockpress.LM, prompts: list, follow_replies: bool, kw: dict, prefix_cache: PrefixCache | None
@@ -72,6 +73,14 @@ def main() -> None:
         sys.exit(why)
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.preset(args.preset)
+    # the chat's last request is the longest: the system prompt, every user message and every reply before it
+    longest = args.system_tokens + args.turns * args.user_tokens + (args.turns - 1) * args.new_tokens
+    taken = canvas_positions(args.new_tokens, cfg.canvas_length)  # its reply, in whole canvases
+    if longest + taken > cfg.text.max_position_embeddings:  # was generate's traceback, at the request that passed it
+        sys.exit(f"--system-tokens/--user-tokens/--turns/--new-tokens: the chat's last request, {longest} prompt "
+                 f"tokens + {args.new_tokens} new tokens in whole {cfg.canvas_length}-token canvases ({taken} "
+                 f"positions), exceeds the {args.preset} preset's context of {cfg.text.max_position_embeddings} "
+                 "tokens (max_position_embeddings)")
     cfg.text.eos_token_id = None
     lm = blockpress.random_model(cfg, seed=0)
     g = torch.Generator().manual_seed(0)

@@ -565,6 +565,24 @@ def test_benchmark_scripts_refuse_weights_that_cannot_fit_before_building_them(s
     assert done.value.code == message
 
 
+def test_prefix_cache_refuses_a_chat_past_the_context(monkeypatch):
+    """--system-tokens 140000 on the tiny preset (a 131,072-token context) was generate's traceback."""
+    import blockpress
+
+    module = benchmark_module("prefix_cache")
+    real = blockpress.random_model
+    monkeypatch.setattr(blockpress, "random_model", lambda *a, **k: real(*a, **k) if k.get("device") == "meta"
+                        else pytest.fail("built the model"))
+    # 131000 + 3 x 16 + 2 x 8 = 131064 prompt tokens: the prompt fits, its reply's 16-token canvas does not
+    monkeypatch.setattr(sys, "argv", ["prefix_cache.py", "--preset", "tiny", "--system-tokens", "131000",
+                                      "--user-tokens", "16", "--turns", "3", "--new-tokens", "8"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == ("--system-tokens/--user-tokens/--turns/--new-tokens: the chat's last request, 131064 "
+                               "prompt tokens + 8 new tokens in whole 16-token canvases (16 positions), exceeds the "
+                               "tiny preset's context of 131072 tokens (max_position_embeddings)")
+
+
 def test_prefill_memory_refuses_a_prompt_past_the_context():
     """--tokens 140000 on the tiny preset (a 131,072-token context) was encoded anyway, for minutes."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "140000",
