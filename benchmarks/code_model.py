@@ -20,6 +20,7 @@ Figures (JSON):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ import torch
 from benchmark_args import Formatter, checkpoint, non_negative_int, positive_int
 
 import blockpress
+from blockpress.sampling import SamplerConfig
 from blockpress.tasks.code import (
     completion_parses,
     completion_parses_without_loops,
@@ -36,9 +38,31 @@ from blockpress.tasks.code import (
     model_heldout_functions,
 )
 
+PROMPT_MAX = 256  # a prompt's last tokens kept: the function's source up to its `def` line, cut to fit
+
 # Sampler options that mean the same for AR decoding; without --sampler-options both engines read the
 # checkpoint's generation_config.json (penalties included).
 AR_OPTIONS = ("presence_penalty", "frequency_penalty")
+
+
+def sampler_options(text: str) -> dict:
+    """--sampler-options: a JSON object of SamplerConfig's settings, each checked as generate checks it. Bad JSON, a
+    list, an unknown or misspelt setting were tracebacks (JSONDecodeError, AttributeError, generate's ValueError)."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({exc})") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of sampler settings, got {text!r}")
+    known = [f.name for f in dataclasses.fields(SamplerConfig)]
+    unknown = [key for key in options if key not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]}: no such sampler setting; expected some of {', '.join(known)}")
+    try:
+        SamplerConfig(**options)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(the test split is the first --functions; scripts/tune_code_sampler.py validates after it)")
     ap.add_argument("--healing-functions", type=non_negative_int, default=40,
                     help="functions for the trailing-newline / token-healing comparison (0: skip)")
-    ap.add_argument("--sampler-options", default=None, help="JSON object of diffusion sampler settings "
+    ap.add_argument("--sampler-options", type=sampler_options, default=None, help="JSON object of diffusion sampler settings "
                     "(default: the model's generation_config.json)")
     return ap
 
@@ -73,7 +97,7 @@ def main() -> None:
         sys.exit(f"--skip: {args.skip} skips all {len(heldout)} held-out functions; at most {len(heldout) - 1} "
                  "leaves one")
     funcs = heldout[args.skip : args.skip + args.functions]
-    options = json.loads(args.sampler_options) if args.sampler_options else {}
+    options = args.sampler_options or {}
     ar_options = {k: v for k, v in options.items() if k in AR_OPTIONS}  # the same penalties for the AR baseline
     result: dict = {"benchmark": "code_model", "model": args.model, "functions": len(funcs),
                     "params": lm.num_parameters(active=False), "active_params": lm.num_parameters(active=True),
@@ -82,7 +106,7 @@ def main() -> None:
     for engine in ("diffusion", "ar"):
         ok, strict, new, passes, seconds, examples = 0, 0, 0, 0, 0.0, []
         for i, f in enumerate(funcs):
-            prompt = tok.encode(f.prompt_text, add_bos=True)[-256:]
+            prompt = tok.encode(f.prompt_text, add_bos=True)[-PROMPT_MAX:]
             t0 = time.perf_counter()
             if engine == "diffusion":
                 out = lm.generate([prompt], max_new_tokens=args.max_new_tokens, seed=args.seed + i, **options)
@@ -109,7 +133,7 @@ def main() -> None:
             for healing in (False, True):
                 ok = 0
                 for i, f in enumerate(funcs[: args.healing_functions]):
-                    prompt = tok.encode(f.prompt_text + "\n", add_bos=True)[-256:]
+                    prompt = tok.encode(f.prompt_text + "\n", add_bos=True)[-PROMPT_MAX:]
                     kw = dict(max_new_tokens=args.max_new_tokens, token_healing=healing)
                     out = (lm.generate([prompt], seed=args.seed + i, **kw, **options) if engine == "diffusion"
                            else lm.generate_ar([prompt], **kw, **ar_options))
@@ -121,7 +145,7 @@ def main() -> None:
     cases = infill_cases(funcs, tok, lm.config.canvas_length, args.infills, args.seed)
     hits_diff = hits_ar = 0
     for i, case in enumerate(cases):
-        prompt = tok.encode(case.before, add_bos=True)[-256:]
+        prompt = tok.encode(case.before, add_bos=True)[-PROMPT_MAX:]
         out = lm.infill([-1] * len(case.hole) + case.suffix, prompt=[prompt], seed=args.seed + i, **options)
         got = tok.decode(out.new_tokens[0, : len(case.hole)].tolist())
         hits_diff += got.strip() == case.target.strip()

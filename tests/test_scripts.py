@@ -634,6 +634,12 @@ def test_code_model_refuses_a_skip_past_every_held_out_function(healing):
     assert re.fullmatch(r"--skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", r.stderr)
 
 
+def test_code_model_sampler_options_reach_both_engines_as_a_dict():
+    module = benchmark_module("code_model")
+    args = module.build_parser().parse_args(["--sampler-options", '{"frequency_penalty": 0.5, "t_max": 0.7}'])
+    assert args.sampler_options == {"frequency_penalty": 0.5, "t_max": 0.7}
+
+
 def test_sudoku_benchmark_refuses_a_model_of_another_task_before_making_puzzles():
     """blockpress-code as --model made the puzzles, then died in a traceback (ValueError: model: not a sudoku model)."""
     import blockpress
@@ -773,6 +779,12 @@ def benchmark_module(name: str):
     # a folder that is no checkpoint, a typo of a shipped name: an 18-line traceback once loading started
     ("sudoku", ["--model", str(ROOT / "docs")], f"--model: {ROOT / 'docs' / 'config.json'}: no config.json"),
     ("sudoku", ["--ar-model", "blockpress-sudok"], "--ar-model: model 'blockpress-sudok': no such folder"),
+    # bad JSON, a list, a misspelt or bad setting: JSONDecodeError, AttributeError, generate's ValueError tracebacks
+    ("code_model", ["--sampler-options", "{bad"], "--sampler-options: expected a JSON object, got '{bad'"),
+    ("code_model", ["--sampler-options", "[1]"], "--sampler-options: expected a JSON object of sampler settings"),
+    ("code_model", ["--sampler-options", '{"temprature": 1}'], "--sampler-options: temprature: no such sampler "
+                                                                "setting; expected some of sampler, "),
+    ("code_model", ["--sampler-options", '{"t_max": -1}'], "--sampler-options: t_max: expected >= 0, got -1"),
     ("code_model", ["--model", str(ROOT / "docs")], f"--model: {ROOT / 'docs' / 'config.json'}: no config.json"),
     ("code_model", ["--model", str(ROOT / "README.md")], "--model: model " + repr(str(ROOT / "README.md")) + ": a file"),
     ("serve_load", ["--model", "blockpress-cod"], "--model: model 'blockpress-cod': no such folder"),
