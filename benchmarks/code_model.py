@@ -30,6 +30,7 @@ import torch
 from benchmark_args import Formatter, checkpoint, non_negative_int, positive_int
 
 import blockpress
+from blockpress.generate import canvas_positions
 from blockpress.sampling import SamplerConfig
 from blockpress.tasks.code import (
     completion_parses,
@@ -92,6 +93,13 @@ def main() -> None:
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
     tok = lm.tokenizer
+    context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
+    taken = canvas_positions(args.max_new_tokens, canvas)  # whole canvases, as generate takes them
+    if PROMPT_MAX + taken > context:  # was generate's traceback at the first long prompt
+        fits = (context - PROMPT_MAX) // canvas * canvas
+        sys.exit(f"--max-new-tokens: prompts of up to {PROMPT_MAX} tokens + {args.max_new_tokens} new tokens in whole "
+                 f"{canvas}-token canvases ({taken} positions) exceed {args.model}'s context of {context} tokens; "
+                 f"at most {fits} fits")
     heldout = model_heldout_functions(lm.path, args.manifest, args.seed)
     if args.skip >= len(heldout):  # no function left: a ZeroDivisionError, or (--healing-functions 0) rates of 0.0
         sys.exit(f"--skip: {args.skip} skips all {len(heldout)} held-out functions; at most {len(heldout) - 1} "

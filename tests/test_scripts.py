@@ -634,6 +634,19 @@ def test_code_model_refuses_a_skip_past_every_held_out_function(healing):
     assert re.fullmatch(r"--skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", r.stderr)
 
 
+def test_code_model_refuses_new_tokens_past_the_context():
+    """--max-new-tokens 100000 was generate's ValueError traceback at the first prompt."""
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_model.py"), "--max-new-tokens", "3841",
+                        "--functions", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr == ("--max-new-tokens: prompts of up to 256 tokens + 3841 new tokens in whole 32-token canvases "
+                        "(3872 positions) exceed blockpress-code's context of 4096 tokens; at most 3840 fits\n")
+
+
 def test_code_model_sampler_options_reach_both_engines_as_a_dict():
     module = benchmark_module("code_model")
     args = module.build_parser().parse_args(["--sampler-options", '{"frequency_penalty": 0.5, "t_max": 0.7}'])
