@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", type=checkpoint_or_random, default="blockpress-code",
                     help="a shipped name, a folder or random-<preset>")
     ap.add_argument("--levels", type=positive_int, nargs="+", default=[1, 8, 32],
-                    help="concurrent clients, one run each")
+                    help="concurrent clients, one run each (in ascending order, each once)")
     ap.add_argument("--requests", type=positive_int, default=32, help="requests per level")
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="completion tokens per request")
     ap.add_argument("--max-batch", type=positive_int, default=32, help="the server's largest batch")
@@ -57,7 +57,7 @@ def main() -> None:
     result = {"benchmark": "serve_load", "model": args.model, "max_tokens": args.max_tokens, "levels": {}}
     try:
         one(0)  # warm-up
-        for level in args.levels:
+        for level in sorted(set(args.levels)):  # a level given twice was run twice, the JSON keeping the last
             t0 = time.perf_counter()
             with cf.ThreadPoolExecutor(level) as pool:
                 rows = list(pool.map(one, range(args.requests)))

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -676,6 +677,25 @@ def test_serve_load_says_in_one_line_why_the_server_refused_its_requests():
     assert r.stderr.startswith("serve_load: the server refused a request (HTTP 400: max_tokens: ")
     assert "exceed the context of 131072 tokens); a smaller --max-tokens fits" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_serve_load_runs_each_level_once_in_ascending_order(monkeypatch, capsys):
+    """--levels 2 1 2 ran three levels and reported two: the second run of 2 replaced the first in the JSON."""
+    pytest.importorskip("openai")
+    module = benchmark_module("serve_load")
+    pools = []
+    real_pool = module.cf.ThreadPoolExecutor
+
+    def counted(workers):
+        pools.append(workers)
+        return real_pool(workers)
+
+    # the script's own name for concurrent.futures alone: the openai client's pools stay as they are
+    monkeypatch.setattr(module, "cf", types.SimpleNamespace(ThreadPoolExecutor=counted))
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--model", "random-tiny", "--levels", "2", "1", "2",
+                                      "--requests", "2", "--max-tokens", "2"])
+    module.main()
+    assert pools == [1, 2] and list(json.loads(capsys.readouterr().out)["levels"]) == ["1", "2"]
 
 
 @settings(max_examples=50, deadline=None)
