@@ -6,7 +6,8 @@ harder the level: the three difficulties are paired (the same 200 boards at thre
 separate puzzles; each level's figure is a fair sample of that level. Prints JSON: exact-solve rate, cell accuracy on the empty cells, mean
 denoising steps and puzzles/s for each engine and difficulty. The model alone decides (no rules);
 `--rules` adds the rule-aware option (candidate filtering, no search) as a separate `diffusion_rules` entry;
-`--ensemble N` adds N pooled symmetric views (no rules, no search) as `diffusion_ensemble`.
+`--ensemble N` adds N pooled symmetric views (no rules, no search) as `diffusion_ensemble`. A Ctrl-C prints the
+difficulties finished so far, marked `"partial": true, "interrupted": true` (exit status 130).
 
     python benchmarks/sudoku.py --model blockpress-sudoku --per-difficulty 200 --rules --ensemble 8
 
@@ -83,29 +84,38 @@ def main() -> None:
             sys.exit(f"{flag} {name}: {str(exc).removeprefix('model: ')}")
     out = {"benchmark": "sudoku", "model": args.model, "ar_model": args.ar_model,
            "params": lm.num_parameters(active=False), "per_difficulty": args.per_difficulty}
-    for level in DIFFICULTIES:
-        truth = [generate(TEST_SEED + i, level)
-                 for i in tqdm(range(args.per_difficulty), desc=f"{level} puzzles", unit="puzzle", leave=False)]
-        row = {}
-        for name, fn in (("diffusion", lambda b: sudoku_model.solve(lm, b, args.steps, args.sampler)),
-                         ("diffusion_no_skip", (lambda b: sudoku_model.solve(
-                             lm, b, args.steps, args.sampler, skip_stopped_rows=False)) if args.compare_skip else None),
-                         ("diffusion_rules", (lambda b: sudoku_model.solve(
-                             lm, b, args.steps, args.sampler, rules=True)) if args.rules else None),
-                         ("diffusion_ensemble", (lambda b: sudoku_model.solve(
-                             lm, b, args.steps, args.sampler, ensemble=args.ensemble)) if args.ensemble > 1 else None),
-                         ("ar", (lambda b: sudoku_model.solve_ar(ar, b)) if ar else None)):
-            if fn is None:
-                continue
-            t0 = time.perf_counter()
-            results = []
-            # progress on stderr: an ensemble of 200 puzzles a difficulty runs for many minutes on a CPU
-            for i in tqdm(range(0, len(truth), args.batch), desc=f"{level} {name}", unit="batch", leave=False):
-                results += fn([t.puzzle for t in truth[i : i + args.batch]])
-            row[name] = evaluate(results, truth, time.perf_counter() - t0)
-        if "diffusion_no_skip" in row:
-            row["skip_speedup"] = row["diffusion"]["puzzles_per_s"] / row["diffusion_no_skip"]["puzzles_per_s"]
-        out[level] = row
+    try:
+        for level in DIFFICULTIES:
+            truth = [generate(TEST_SEED + i, level)
+                     for i in tqdm(range(args.per_difficulty), desc=f"{level} puzzles", unit="puzzle", leave=False)]
+            row = {}
+            for name, fn in (("diffusion", lambda b: sudoku_model.solve(lm, b, args.steps, args.sampler)),
+                             ("diffusion_no_skip", (lambda b: sudoku_model.solve(
+                                 lm, b, args.steps, args.sampler, skip_stopped_rows=False)) if args.compare_skip else None),
+                             ("diffusion_rules", (lambda b: sudoku_model.solve(
+                                 lm, b, args.steps, args.sampler, rules=True)) if args.rules else None),
+                             ("diffusion_ensemble", (lambda b: sudoku_model.solve(
+                                 lm, b, args.steps, args.sampler, ensemble=args.ensemble)) if args.ensemble > 1 else None),
+                             ("ar", (lambda b: sudoku_model.solve_ar(ar, b)) if ar else None)):
+                if fn is None:
+                    continue
+                t0 = time.perf_counter()
+                results = []
+                # progress on stderr: an ensemble of 200 puzzles a difficulty runs for many minutes on a CPU
+                for i in tqdm(range(0, len(truth), args.batch), desc=f"{level} {name}", unit="batch", leave=False):
+                    results += fn([t.puzzle for t in truth[i : i + args.batch]])
+                row[name] = evaluate(results, truth, time.perf_counter() - t0)
+            if "diffusion_no_skip" in row:
+                row["skip_speedup"] = row["diffusion"]["puzzles_per_s"] / row["diffusion_no_skip"]["puzzles_per_s"]
+            out[level] = row
+    except KeyboardInterrupt:
+        # the difficulties finished are the run's result: they were lost under a KeyboardInterrupt traceback
+        done = [level for level in DIFFICULTIES if level in out]
+        if done:
+            print(json.dumps({**out, "partial": True, "interrupted": True}, indent=2))
+        print(f"sudoku: interrupted after {len(done)} of {len(DIFFICULTIES)} difficulties"
+              + (f" ({', '.join(done)}: their JSON on stdout, marked \"partial\")" if done else ""), file=sys.stderr)
+        sys.exit(130)  # as blockpress's commands on Ctrl-C
     print(json.dumps(out, indent=2))
 
 

@@ -654,6 +654,32 @@ def test_code_model_sampler_options_reach_both_engines_as_a_dict():
     assert args.sampler_options == {"frequency_penalty": 0.5, "t_max": 0.7}
 
 
+def test_sudoku_benchmark_interrupted_prints_the_difficulties_finished(monkeypatch, capsys):
+    """A Ctrl-C was a KeyboardInterrupt traceback with nothing on stdout: an ensemble run's finished difficulties,
+    many minutes of it, were lost."""
+    module = benchmark_module("sudoku")
+    real_solve = module.sudoku_model.solve
+    calls = []
+
+    def interrupted_at_medium(lm, puzzles, *args, **kwargs):
+        calls.append(puzzles)
+        if len(calls) == 2:  # the first medium batch: easy is done
+            raise KeyboardInterrupt
+        return real_solve(lm, puzzles, *args, **kwargs)
+
+    monkeypatch.setattr(module.sudoku_model, "solve", interrupted_at_medium)
+    monkeypatch.setattr(sys, "argv", ["sudoku.py", "--ar-model", "", "--per-difficulty", "1", "--steps", "40",
+                                      "--threads", "1"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert done.value.code == 130 and data["partial"] is data["interrupted"] is True
+    assert "easy" in data and "medium" not in data and 0 <= data["easy"]["diffusion"]["exact"] <= 1
+    assert captured.err.strip().splitlines()[-1] == ('sudoku: interrupted after 1 of 3 difficulties (easy: their '
+                                                     'JSON on stdout, marked "partial")')
+
+
 def test_sudoku_benchmark_refuses_a_model_of_another_task_before_making_puzzles():
     """blockpress-code as --model made the puzzles, then died in a traceback (ValueError: model: not a sudoku model)."""
     import blockpress
