@@ -729,12 +729,30 @@ class StepBatches(torch.utils.data.Dataset):
         return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
 
 
+# The signals that stop a run after its step, saved (_StopOnInterrupt); SIGHUP where the platform has it (not Windows)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _leave_hung_up_terminal() -> None:
+    """Point stdout and stderr that are the closed terminal at /dev/null, as nohup would have: every write to a
+    hung-up terminal fails (EIO), and the progress bar's next one would end the run before its save. A file or pipe
+    they were sent to stays (a log still gets the end of the run)."""
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:  # the descriptor is gone already: nothing more can be lost by writing to it
+            pass
+
+
 def _one_thread(_worker: int) -> None:
     torch.set_num_threads(1)  # batch building is light; the optimizer's process owns the cores
-    # A stop signal sent to the whole process group (timeout, Slurm, docker stop) reaches the workers too: they
-    # leave it to the trainer, which saves the run, instead of dying under it mid-save.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A stop signal sent to the whole process group (timeout, Slurm, docker stop, a closed terminal) reaches the
+    # workers too: they leave it to the trainer, which saves the run, instead of dying under it mid-save.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 # -- the trainer ------------------------------------------------------------------------------------------
@@ -1454,11 +1472,12 @@ def check_lora_resume_model(out: str | Path, model: str | Path) -> None:
 
 
 class _StopOnInterrupt:
-    """The first Ctrl-C or SIGTERM (`timeout`, docker stop, Slurm) asks the loop to stop after the step it is in (the
-    run is then saved, resumable); a second one interrupts at once. Only the main thread can take signals; elsewhere
-    they keep their usual effect."""
+    """The first Ctrl-C, SIGTERM (`timeout`, docker stop, Slurm) or SIGHUP (the terminal closed: an ssh session that
+    dropped, without nohup or tmux) asks the loop to stop after the step it is in (the run is then saved,
+    resumable); a second one interrupts at once. Only the main thread can take signals; elsewhere they keep their
+    usual effect."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.requested = False
@@ -1471,6 +1490,8 @@ class _StopOnInterrupt:
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
+        if signum == getattr(signal, "SIGHUP", None):
+            _leave_hung_up_terminal()
         what = "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
         again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
         print(f"\n{what}: finishing this step and saving ({again} to stop at once, unsaved)",

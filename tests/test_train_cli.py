@@ -4,8 +4,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -401,17 +403,19 @@ def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum, capsys):
 
 
 @pytest.mark.parametrize("signum, status, said", [("SIGINT", 130, "interrupted at step 1"),
-                                                   ("SIGTERM", 143, "stopped by SIGTERM at step 1")])
+                                                   ("SIGTERM", 143, "stopped by SIGTERM at step 1"),
+                                                   pytest.param("SIGHUP", 129, "stopped by SIGHUP at step 1",
+                                                                marks=pytest.mark.skipif(not hasattr(signal, "SIGHUP"),
+                                                                                         reason="no SIGHUP here"))])
 def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, monkeypatch, capsys, signum, status, said):
     """128 + the signal, as a shell reports a process it ended: a SIGTERM (timeout, Slurm, docker stop) exited 130,
-    Ctrl-C's status, saying "interrupted", so a job script could not tell its scheduler's stop from a user's."""
-    import signal
-
+    Ctrl-C's status, saying "interrupted", so a job script could not tell its scheduler's stop from a user's. A
+    SIGHUP (an ssh session that dropped) ended the run unsaved."""
     from blockpress.train import Trainer, read_trainer_state
 
-    signum = getattr(signal, signum)
+    name, signum = signum, getattr(signal, signum)
     def unhandled(*_):  # in place of the default, which would end pytest itself
-        raise AssertionError("SIGTERM reached the default handler: the run was not saved")
+        raise AssertionError(f"{name} reached the default handler: the run was not saved")
     real = Trainer.train_step
 
     def step_then_signal(self, *args, **kwargs):
@@ -422,13 +426,36 @@ def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(Trainer, "train_step", step_then_signal)
     data = write_data(tmp_path / "d.jsonl")
-    previous = signal.signal(signal.SIGTERM, unhandled)
+    caught = signal.SIGTERM if signum == signal.SIGINT else signum
+    previous = signal.signal(caught, unhandled)
     try:
         assert main(train_args(data, tmp_path / "out", steps=3)) == status
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(caught, previous)
     assert said in capsys.readouterr().err
     assert read_trainer_state(tmp_path / "out" / "trainer_state.pt")["step"] == 1  # saved, to be resumed
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="no pseudo-terminals here")
+def test_a_hung_up_terminal_is_left_for_dev_null(tmp_path):
+    """After a SIGHUP every write to the closed terminal fails (EIO): the progress bar's next one would have ended
+    the run before its save. stdout / stderr on a terminal go to /dev/null, as under nohup; a file stays."""
+    code = textwrap.dedent("""
+        import os, sys
+        from blockpress.train import _leave_hung_up_terminal
+        master, slave = os.openpty()
+        os.dup2(slave, 2)
+        log = open(sys.argv[1], "w")
+        os.dup2(log.fileno(), 1)
+        _leave_hung_up_terminal()
+        os.write(2, b"still writable")
+        os.write(1, b"kept")
+        print(os.isatty(2), os.path.samestat(os.fstat(2), os.stat(os.devnull)), file=sys.__stdout__, flush=True)
+    """)
+    log = tmp_path / "log"
+    run = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert log.read_text() == "kept" + "False True\n"
 
 
 def test_a_fresh_preset_trains_on_text_with_the_tokenizers_vocabulary(tmp_path):
