@@ -733,16 +733,27 @@ class StepBatches(torch.utils.data.Dataset):
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
-def _leave_hung_up_terminal() -> None:
-    """Point stdout and stderr that are the closed terminal at /dev/null, as nohup would have: every write to a
-    hung-up terminal fails (EIO), and the progress bar's next one would end the run before its save. A file or pipe
-    they were sent to stays (a log still gets the end of the run)."""
+def _terminal_fds() -> list[int]:
+    """stdout's and stderr's descriptors that are a terminal, found while it is up: once hung up, isatty says no."""
+    out = []
     for fd in (1, 2):
         try:
             if os.isatty(fd):
-                null = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(null, fd)
-                os.close(null)
+                out.append(fd)
+        except OSError:
+            pass
+    return out
+
+
+def _leave_hung_up_terminal(fds: list[int]) -> None:
+    """Point `fds`, stdout and stderr that were the closed terminal (_terminal_fds), at /dev/null, as nohup would
+    have: every write to a hung-up terminal fails (EIO), and the progress bar's next one ended the run before its
+    save. A file or pipe they were sent to stays (a log still gets the end of the run)."""
+    for fd in fds:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
         except OSError:  # the descriptor is gone already: nothing more can be lost by writing to it
             pass
 
@@ -1483,6 +1494,7 @@ class _StopOnInterrupt:
         self.requested = False
         self.signum: int | None = None  # the first signal's: the CLI exits 128 + it, as a shell reports it
         self.previous: dict[int, Any] = {}
+        self.terminal = _terminal_fds()  # what a SIGHUP leaves for /dev/null
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
@@ -1491,7 +1503,7 @@ class _StopOnInterrupt:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
         if signum == getattr(signal, "SIGHUP", None):
-            _leave_hung_up_terminal()
+            _leave_hung_up_terminal(self.terminal)
         what = "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
         again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
         print(f"\n{what}: finishing this step and saving ({again} to stop at once, unsaved)",
