@@ -914,3 +914,28 @@ def test_canvas_transcript_help_shows_the_readmes_command():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert command in [line.strip() for line in r.stdout.splitlines()]
+
+
+def test_train_sudoku_augmented_source_encodes_only_the_batches_boards(monkeypatch):
+    """AugmentedSource encoded every base puzzle when built (150,000 to_example calls, 7.9 s before the GPU session's
+    first sudoku step) and never used them: each batch encodes its boards after their symmetry. The batches are
+    those of the order over the puzzles, as before."""
+    from blockpress.tasks.sudoku import random_symmetry
+    from blockpress.train import ExampleSource
+
+    script = train_sudoku_module()
+    base = [script._generate(seed) for seed in range(6)]
+    calls = []
+    real = script.to_example
+    monkeypatch.setattr(script, "to_example", lambda *a: calls.append(a) or real(*a))
+    source = script.AugmentedSource(base, seed=5)
+    assert calls == []
+    batch = source.batch(3, 4)
+    assert len(calls) == 4
+    import random
+
+    order = ExampleSource(list(range(len(base))), 5).batch(3, 4)
+    for i, (example, j) in enumerate(zip(batch, order)):
+        sym = random_symmetry(random.Random(5 * 1_000_003 + 3 * 4099 + i))
+        want = real(sym.apply(base[j].puzzle), sym.apply(base[j].solution))
+        assert (example.prompt, example.response) == (want.prompt, want.response)
