@@ -95,8 +95,10 @@ NPUZ=$(wc -l <"$W/puzzles.jsonl")
 # and 2.9 per code run; one sudoku run alone (4 threads, 10 data workers): 7.8 steps/s. The aggregate is about
 # the same, so the step, not the GPU, is the limit: bigger batches (4x those runs') buy tokens almost for free,
 # and two CPU threads per run leave the cores to the data workers. (A 12-layer sudoku model from scratch
-# reached only loss 0.41 against 0.25 in that budget, so the session no longer trains one.)
-export OMP_NUM_THREADS=2
+# reached only loss 0.41 against 0.25 in that budget, so the session no longer trains one.) One each where the
+# cores are fewer than the three runs' six threads (TRAIN_THREADS sets it): on the 2-core CPU of the smoke run above, two each spun
+# against each other (an RMSNorm 28 ms against 1.7 ms) and every run logged one step in its budget, 9 with one.
+export OMP_NUM_THREADS=${TRAIN_THREADS:-$(( $(nproc) >= 6 ? 2 : 1 ))}
 COMPILE_FLAG=$( [ "${COMPILE:-0}" = 1 ] && echo --compile )
 # The trainings get what the clock leaves: 75 s are kept for the last evaluation, saving and packing.
 LEFT_MIN=$(awk -v s=$(( DEADLINE - SECONDS - 75 )) 'BEGIN { printf "%.2f", s / 60 }')

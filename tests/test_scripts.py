@@ -939,3 +939,31 @@ def test_train_sudoku_augmented_source_encodes_only_the_batches_boards(monkeypat
         sym = random_symmetry(random.Random(5 * 1_000_003 + 3 * 4099 + i))
         want = real(sym.apply(base[j].puzzle), sym.apply(base[j].solution))
         assert (example.prompt, example.response) == (want.prompt, want.response)
+
+
+@pytest.mark.parametrize(("cores", "env", "threads"), [("2", {}, "1"), ("16", {}, "2"), ("2", {"TRAIN_THREADS": "3"}, "3")])
+def test_gpu_session_fits_the_trainings_threads_to_the_cores(tmp_path, cores, env, threads):
+    """gpu_session.sh gave each of its three trainings two threads whatever the machine: on the 2-core CPU of its own
+    smoke run they spun against each other and each run logged one step in its budget (9 with one thread each)."""
+    import os
+    import shutil
+
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and coreutils' timeout")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nproc").write_text(f"#!/bin/sh\necho {cores}\n")
+    calls = tmp_path / "calls"
+    # a Python that only records how each command was started (with which thread count)
+    (bin_dir / "fakepy").write_text(f'#!/bin/sh\necho "$OMP_NUM_THREADS $*" >>{calls}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+               "WORK": str(tmp_path / "work"), "PY": "fakepy", "DEADLINE": "140", "DEVICE": "cpu", **env}
+    run_env.pop("OMP_NUM_THREADS", None)
+    r = subprocess.run(["bash", "scripts/gpu_session.sh", "1", "0.3"], cwd=ROOT, env=run_env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    trainings = [line for line in calls.read_text().splitlines() if "--time-schedule" in line]  # the three runs
+    assert len(trainings) == 3, calls.read_text() + r.stdout + r.stderr
+    assert {line.split()[0] for line in trainings} == {threads}
