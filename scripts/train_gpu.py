@@ -24,6 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run(cmd: list[str]) -> None:
+    """Run a step; one that fails has said why on stderr (a flag's usage error, no GPU), so this ends with its exit
+    status alone: check=True added a CalledProcessError traceback of this script under the step's own message."""
+    rc = subprocess.run(cmd).returncode
+    if rc:
+        raise SystemExit(rc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", choices=["code", "sudoku", "sudoku-ar"], default="code")
@@ -56,11 +64,11 @@ def main() -> None:
             cmd += ["--ar"]
         elif args.noise == "absorbing":
             cmd += ["--noise", "empty"]
-        subprocess.run(cmd, check=True)
+        run(cmd)
         print((out / "model" / "summary.json").read_text())
         return
     corpus = out / "corpus"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_code_corpus.py"), "--out", str(corpus)], check=True)
+    run([sys.executable, str(ROOT / "scripts" / "build_code_corpus.py"), "--out", str(corpus)])
     cmd = [
         sys.executable, "-m", "blockpress.cli", "train", "--config", str(ROOT / "scripts" / "configs" / "blockpress-code.json"),
         "--tokenizer", str(corpus / "tokenizer"), "--data", str(corpus / "train.bin"),
@@ -74,7 +82,7 @@ def main() -> None:
         from blockpress.tokenizer import Tokenizer
 
         cmd += ["--noise-token-id", str(Tokenizer.from_dir(corpus / "tokenizer").token_to_id("<|hole|>"))]
-    subprocess.run(cmd, check=True)
+    run(cmd)
     lines = [json.loads(x) for x in (out / "model" / "metrics.jsonl").read_text().splitlines()]
     summary = {"task": args.task, "steps": max(x["step"] for x in lines),
                "last_loss": next((x["loss"] for x in reversed(lines) if "loss" in x), None),  # None: stopped before a log

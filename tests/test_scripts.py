@@ -967,3 +967,13 @@ def test_gpu_session_fits_the_trainings_threads_to_the_cores(tmp_path, cores, en
     trainings = [line for line in calls.read_text().splitlines() if "--time-schedule" in line]  # the three runs
     assert len(trainings) == 3, calls.read_text() + r.stdout + r.stderr
     assert {line.split()[0] for line in trainings} == {threads}
+
+
+def test_train_gpu_ends_with_its_steps_error_alone(tmp_path):
+    """A step that fails (here train_sudoku.py refusing --minutes) has said why; train_gpu.py then ended in a
+    CalledProcessError traceback of its own, exit 1, under that message."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), "--task", "sudoku", "--minutes", "-1",
+                        "--device", "cpu", "--puzzles", "3", "--puzzle-workers", "1", "--out", str(tmp_path / "x"),
+                        "--puzzle-cache", str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "train_sudoku.py: error: " in r.stderr and "--minutes" in r.stderr
