@@ -21,7 +21,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    lm = blockpress.load(args.model)
+    # One line each, not a traceback (generate's ValueError, load's FileNotFoundError)
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps: expected a positive integer, got {args.steps}")
+    if args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens: expected a positive integer, got {args.max_new_tokens}")
+    try:
+        lm = blockpress.load(args.model)
+    except (ValueError, OSError) as exc:
+        ap.error(f"--model: {exc}")
     tok = lm.tokenizer
     previous = None
     for event in lm.stream(args.prompt, max_new_tokens=args.max_new_tokens, max_denoising_steps=args.steps,

@@ -24,6 +24,7 @@ from train_sudoku import AugmentedSource, _generate  # noqa: E402
 
 import blockpress  # noqa: E402
 from blockpress.bench import profile_ops  # noqa: E402
+from blockpress.checkpoint import resolve_device  # noqa: E402
 from blockpress.train import TrainConfig, Trainer  # noqa: E402
 
 
@@ -36,7 +37,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time the step under torch.compile (TrainConfig.compile): "
                     "compile seconds, ms per step, and whether it fell back to eager")
     args = ap.parse_args()
-    device = torch.device(args.device)
+    # Refused here, in one line, before the puzzles are made and the model loads: they were tracebacks (TrainConfig's
+    # ValueError for --batch-size 0, ZeroDivisionError for --steps 0, resolve_device's for a GPU this machine lacks).
+    for flag, value in (("--batch-size", args.batch_size), ("--steps", args.steps)):
+        if value < 1:
+            ap.error(f"{flag}: expected a positive integer, got {value}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        ap.error(f"--{exc}")
     puzzles = [_generate(seed) for seed in range(64)]
     lm = blockpress.load("blockpress-sudoku", dtype=torch.float32, device=device)
     cfg = TrainConfig(steps=1000, batch_size=args.batch_size, noise_token_id=3, aux_ar_weight=0.25, log_every=1000)

@@ -41,12 +41,23 @@ def main() -> None:
                     help="JSON sampler settings of the sampled drafts (the rest from generation_config.json)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    # Before the model loads: --candidates 0 scored no draft and printed every rate as 0.0 (exit 0), --functions 0
+    # divided by zero, and --sampled that is not a JSON object was a JSONDecodeError traceback.
+    for flag, value in (("--candidates", args.candidates), ("--functions", args.functions), ("--threads", args.threads),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            ap.error(f"{flag}: expected a positive integer, got {value}")
+    try:
+        sampled = json.loads(args.sampled)
+    except json.JSONDecodeError as exc:
+        ap.error(f"--sampled: not JSON ({exc})")
+    if not isinstance(sampled, dict):
+        ap.error(f"--sampled: expected a JSON object of sampler settings, got {args.sampled!r}")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
     funcs = model_heldout_functions(lm.path, None, seed=0)[args.test_functions : args.test_functions + args.functions]
-    sampled = json.loads(args.sampled)
     hits = {"greedy": 0, "best_total": 0, "best_mean": 0, "any": 0}
     for i, f in enumerate(funcs):
         prompt = lm.tokenizer.encode(f.prompt_text, add_bos=True)[-256:]

@@ -46,6 +46,20 @@ def main() -> None:
     ap.add_argument("--ar", action="store_true", help="decode with generate_ar (settings: presence_penalty, "
                     "frequency_penalty, temperature, top_k, top_p) to compare the AR baseline under the same settings")
     args = ap.parse_args()
+    # Before the model loads: --functions 0 decoded nothing and ended in ZeroDivisionError, --batch 0 in range()'s
+    # ValueError, and --settings that is not a JSON list of objects in a JSONDecodeError or TypeError traceback.
+    for flag, value in (("--functions", args.functions), ("--batch", args.batch), ("--threads", args.threads),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            ap.error(f"{flag}: expected a positive integer, got {value}")
+    settings = SETTINGS
+    if args.settings is not None:
+        try:
+            settings = json.loads(args.settings)
+        except json.JSONDecodeError as exc:
+            ap.error(f"--settings: not JSON ({exc})")
+        if not isinstance(settings, list) or not settings or not all(isinstance(s, dict) for s in settings):
+            ap.error(f"--settings: expected a JSON list of objects (settings), got {args.settings!r}")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -54,7 +68,7 @@ def main() -> None:
     funcs = funcs[args.test_functions : args.test_functions + args.functions]
     prompts = [lm.tokenizer.encode(f.prompt_text, add_bos=True)[-256:] for f in funcs]
     rows = []
-    for setting in json.loads(args.settings) if args.settings else SETTINGS:
+    for setting in settings:
         ok = new = passes = 0
         # Batched (left-padded, one seed per row): every row computes what it would alone, only faster.
         for lo in range(0, len(funcs), args.batch):

@@ -977,3 +977,24 @@ def test_train_gpu_ends_with_its_steps_error_alone(tmp_path):
                         "--puzzle-cache", str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "train_sudoku.py: error: " in r.stderr and "--minutes" in r.stderr
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("profile_train_step.py", ["--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
+    ("profile_train_step.py", ["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    ("profile_train_step.py", ["--device", "cuda:99"], "--device: 'cuda:99' asked for"),
+    ("rerank_code_candidates.py", ["--candidates", "0"], "--candidates: expected a positive integer, got 0"),
+    ("rerank_code_candidates.py", ["--sampled", "{bad"], "--sampled: not JSON"),
+    ("rerank_code_candidates.py", ["--sampled", "[1]"], "--sampled: expected a JSON object"),
+    ("tune_code_sampler.py", ["--functions", "0"], "--functions: expected a positive integer, got 0"),
+    ("tune_code_sampler.py", ["--settings", '{"sampler": "greedy"}'], "--settings: expected a JSON list of objects"),
+    ("canvas_transcript.py", ["x", "--steps", "0"], "--steps: expected a positive integer, got 0"),
+    ("canvas_transcript.py", ["x", "--model", "no-such-model"], "--model: model 'no-such-model'"),
+])
+def test_small_scripts_refuse_bad_flags_in_one_line(script, argv, message):
+    """Each was a traceback (or, for --candidates 0, every rate printed as 0.0 with exit 0), some after loading the
+    model or making puzzles."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{script}: error: {message}" in r.stderr and "Traceback" not in r.stderr
