@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from script_args import json_flag
+
 import blockpress
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,12 +41,7 @@ def main() -> None:
         ap.error(f"--manifest: no file {args.manifest!r}")
     generation = {}
     if args.generation:
-        try:
-            generation = json.loads(args.generation)
-        except json.JSONDecodeError as exc:
-            ap.error(f"--generation: not JSON ({exc})")
-        if not isinstance(generation, dict):
-            ap.error(f"--generation: expected a JSON object, got {type(generation).__name__}")
+        generation = json_flag(ap, "--generation", args.generation, "object")
     src = Path(args.checkpoint)
     try:
         lm = blockpress.load(src, dtype=args.dtype)

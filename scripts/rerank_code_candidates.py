@@ -16,6 +16,7 @@ import json
 import warnings
 
 import torch
+from script_args import json_flag
 
 import blockpress
 from blockpress.tasks.code import completion_parses, model_heldout_functions
@@ -47,12 +48,7 @@ def main() -> None:
                         ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             ap.error(f"{flag}: expected a positive integer, got {value}")
-    try:
-        sampled = json.loads(args.sampled)
-    except json.JSONDecodeError as exc:
-        ap.error(f"--sampled: not JSON ({exc})")
-    if not isinstance(sampled, dict):
-        ap.error(f"--sampled: expected a JSON object of sampler settings, got {args.sampled!r}")
+    sampled = json_flag(ap, "--sampled", args.sampled, "object")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -14,6 +14,7 @@ import json
 import warnings
 
 import torch
+from script_args import json_flag
 
 import blockpress
 from blockpress.tasks.code import completion_parses, model_heldout_functions
@@ -54,12 +55,7 @@ def main() -> None:
             ap.error(f"{flag}: expected a positive integer, got {value}")
     settings = SETTINGS
     if args.settings is not None:
-        try:
-            settings = json.loads(args.settings)
-        except json.JSONDecodeError as exc:
-            ap.error(f"--settings: not JSON ({exc})")
-        if not isinstance(settings, list) or not settings or not all(isinstance(s, dict) for s in settings):
-            ap.error(f"--settings: expected a JSON list of objects (settings), got {args.settings!r}")
+        settings = json_flag(ap, "--settings", args.settings, "objects")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
