@@ -949,16 +949,16 @@ class Trainer:
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            [{"params": decay}, {"params": rest}], lr=cfg.lr,
             fused=lm.device.type == "cuda",  # one kernel for every parameter: a small model's step is launch-bound
         )
+        self._set_optimizer_settings()  # each group's weight decay and the betas
         self.step = 0
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
 
     def _set_optimizer_settings(self) -> None:
-        """AdamW's betas and weight decay as the settings say, over those a saved state brought back: decay on the
-        matrices (the first group, as built above), none on the vectors (norm scales, layer scalars)."""
+        """AdamW's betas and weight decay as the settings say, when it is built and over those a saved state brought
+        back: decay on the matrices (the first group), none on the vectors (norm scales, layer scalars)."""
         for group, decay in zip(self.optimizer.param_groups, (self.cfg.weight_decay, 0.0), strict=True):
             group["weight_decay"], group["betas"] = decay, (self.cfg.beta1, self.cfg.beta2)
 
@@ -1488,15 +1488,13 @@ class _StopOnInterrupt:
     resumable); a second one interrupts at once. Only the main thread can take signals; elsewhere they keep their
     usual effect."""
 
-    SIGNALS = STOP_SIGNALS
-
     def __init__(self) -> None:
         self.requested = False
         self.signum: int | None = None  # the first signal's: the CLI exits 128 + it, as a shell reports it
         self.previous: dict[int, Any] = {}
         self.terminal = _terminal_fds()  # what a SIGHUP leaves for /dev/null
         if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
