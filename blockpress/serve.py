@@ -431,18 +431,21 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def timed_out(self, scope: dict, receive: Any, send: Any) -> None:
-        message = (f"the request body stopped arriving: nothing came for {self.idle_timeout:g} s, so the request "
-                   "was given up; send the whole body at once")
-        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_timeout"),
-                                status_code=408, headers={"Connection": "close"})
-        await response(scope, receive, send)
+        await self.close_with(scope, receive, send, 408, "request_timeout",
+                              f"the request body stopped arriving: nothing came for {self.idle_timeout:g} s, so the "
+                              "request was given up; send the whole body at once")
 
     async def refuse(self, scope: dict, receive: Any, send: Any, size: str) -> None:
-        message = (f"the request body {size} the {self.limit} bytes this server takes (room for the context's text "
-                   "as JSON; serve's --max-body-bytes sets it)")
-        # The rest of the body is never read, so the connection cannot carry another request: close it
-        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"),
-                                status_code=413, headers={"Connection": "close"})
+        await self.close_with(scope, receive, send, 413, "request_too_large",
+                              f"the request body {size} the {self.limit} bytes this server takes (room for the "
+                              "context's text as JSON; serve's --max-body-bytes sets it)")
+
+    @staticmethod
+    async def close_with(scope: dict, receive: Any, send: Any, status: int, code: str, message: str) -> None:
+        """An error in OpenAI's shape, and the connection closed: the rest of the body is never read, so it cannot
+        carry another request."""
+        response = JSONResponse(error_body(message, "invalid_request_error", None, code), status_code=status,
+                                headers={"Connection": "close"})
         await response(scope, receive, send)
 
 
