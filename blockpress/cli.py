@@ -569,7 +569,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
         enable_line_editing()
     # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
     # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
-    live = on_screen
     shown = 0  # characters of the reply being made that are on screen
     opened = False  # "model> " and the reply's start are on screen: an error that ends the turn takes a new line
 
@@ -617,7 +616,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     def new_line() -> str:
         """"\n" where a reply that failed midway (a GPU out of memory, non-finite logits) is part way along a line
         on screen: its error was written on after the last word ("model> def f(error: ...")."""
-        return "\n" if live and opened else ""
+        return "\n" if on_screen and opened else ""
 
     def no_reply(user: str, **fields: Any) -> None:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
@@ -714,7 +713,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                       "/reset starts a new conversation)", file=sys.stderr)
             t0 = time.perf_counter()
             # only what the conversation does not share with the cache is encoded (lm.chat_ids)
-            if live:
+            if on_screen:
                 out = live_reply(lm.chat_stream(ids, cache=cache, return_cache=True, drafts=False, **kw))
             else:
                 out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
@@ -747,7 +746,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0],
                          seed=out.extra["seeds"][0])
             print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
-        elif live:  # the reply is on screen already, up to its last settled text
+        elif on_screen:  # the reply is on screen already, up to its last settled text
             print(terminal_text(reply[shown:]), flush=True)
             print_stats(stats)
         else:
