@@ -784,6 +784,16 @@ class Diverged(ValueError):
     exit 0). A ValueError, as the CLI's other refusals are: `train` exits 2 with its message."""
 
 
+LOSS_KEYS = ("loss", "diffusion_loss", "ar_loss")
+
+
+def _interval_means(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The losses of a metrics row written after `rows` (its own step last): each the mean over those steps, with
+    their count and the last step's own loss."""
+    means = {key: sum(row[key] for row in rows) / len(rows) for key in LOSS_KEYS}
+    return {**means, "step_loss": rows[-1]["loss"], "steps_averaged": len(rows)}
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -1233,6 +1243,7 @@ class Trainer:
         # tokens/s is the training steps' own: held-out evaluations and saves take time of their own (with
         # --eval-every 1 --eval-batches 8 a tiny run said 298 tok/s where its steps ran at 1751)
         training = 0.0
+        interval: list[dict[str, Any]] = []  # the step rows since the last written one
         first = self.step  # (a resumed run's ETA is paced by its own steps)
         clock = t0 - self.minutes * 60  # the run's start, earlier parts of a resumed run included
         prefetched = self._prefetch() if cfg.data_workers else None
@@ -1269,6 +1280,10 @@ class Trainer:
                 if self.compile_error and result.compile_error is None:
                     result.compile_error = row["compile_error"] = self.compile_error
                 result.losses.append(row["loss"])
+                # A written row's losses are the means over the steps since the row before it (HF Trainer's habit):
+                # one step's loss, with a small batch, swung so much that --log-every 10's curve and log lines showed
+                # the noise of every tenth step rather than the trend
+                interval.append(row)
                 tok_s = seen / max(training, 1e-9)
                 row["tok_s"] = tok_s
                 last = self.step == cfg.steps
@@ -1278,8 +1293,12 @@ class Trainer:
                         saved = True
                     row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
-                if metrics and (self.step % cfg.log_every == 0 or last or "eval_loss" in row or "compile_error" in row):
-                    metrics.write(json.dumps(row) + "\n")
+                logged = None
+                if self.step % cfg.log_every == 0 or last or "eval_loss" in row or "compile_error" in row:
+                    logged = {**row, **_interval_means(interval)}
+                    interval = []
+                if metrics and logged:
+                    metrics.write(json.dumps(logged) + "\n")
                     metrics.flush()
                     if plain:
                         held = f", eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
@@ -1291,7 +1310,7 @@ class Trainer:
                         left = [(cfg.steps - self.step) * pace]
                         left += [(cfg.max_minutes - self.minutes) * 60] if cfg.max_minutes else []
                         eta = "" if last else f", ETA {duration(min(left))}"
-                        print(f"train: step {self.step}{of}, loss {row['loss']:.4f}{held}, {tok_s:.0f} tok/s{eta}",
+                        print(f"train: step {self.step}{of}, loss {logged['loss']:.4f}{held}, {tok_s:.0f} tok/s{eta}",
                               file=sys.stderr, flush=True)
                 if bar is not None:  # (a bar without a total has no truth value)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}",
@@ -1309,7 +1328,8 @@ class Trainer:
                 self.save(final=final)
                 saved = True
             if result.stopped:
-                row = {"step": self.step, "stopped": result.stopped}
+                # (with the losses of the steps since the last row, which the curve would otherwise end before)
+                row = {"step": self.step, "stopped": result.stopped, **(_interval_means(interval) if interval else {})}
                 if result.stopped == "max_minutes" and self.heldout is not None:  # the run ends here: evaluate it
                     if result.eval_losses and result.eval_losses[-1][0] == self.step:
                         # its last step was evaluated (--eval-every) just before the clock ran out: the same held-out

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -967,3 +968,26 @@ def test_torchrun_refuses_gpus_processes_cannot_have(monkeypatch, device, gpus, 
     with pytest.raises(ValueError, match=message):
         init_distributed(device)
     assert calls == {}  # refused before joining anything
+
+
+def test_a_metrics_row_holds_the_mean_losses_of_the_steps_since_the_row_before(tmp_path):
+    """A row every --log-every steps held that one step's losses: the noise of every tenth step, not the trend."""
+    tc = TrainConfig(steps=7, batch_size=2, log_every=3, warmup_steps=0)
+    result = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", progress=False).train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["steps_averaged"]) for r in rows] == [(3, 3), (6, 3), (7, 1)]
+    for row, steps in zip(rows, (result.losses[0:3], result.losses[3:6], result.losses[6:7])):
+        assert row["loss"] == pytest.approx(sum(steps) / len(steps))
+        assert row["step_loss"] == steps[-1]
+    assert len(set(result.losses[0:3])) > 1  # (the mean differs from the step's own)
+
+
+def test_a_run_stopped_between_rows_logs_the_mean_of_its_unlogged_steps(tmp_path):
+    tc = TrainConfig(steps=50, batch_size=2, log_every=4, warmup_steps=0)
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", progress=False,
+                      on_step=lambda step, loss: step == 6 and os.kill(os.getpid(), signal.SIGINT))
+    result = trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["stopped"] == "interrupted" and rows[-1]["step"] == 6
+    assert rows[-1]["steps_averaged"] == 2
+    assert rows[-1]["loss"] == pytest.approx(sum(result.losses[4:6]) / 2)
