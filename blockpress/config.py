@@ -130,8 +130,23 @@ class TextConfig:
                                                        for v in over.values())):
                     raise ConfigError(f"text_config.per_layer_config[{key!r}]: expected an object of integers, "
                                       f"got {over!r}")
+        if not (self.layer_types is None or isinstance(self.layer_types, list)):  # list() of a string splits it
+            raise ConfigError(f"text_config.layer_types: expected a list of layer types, got {self.layer_types!r}")
+        if self.per_layer_config is None:
+            # These two only build the full layers' overrides below (the reference pops them; a checkpoint it saved
+            # holds per_layer_config instead). Checked here, by name: int() read 1.5, "1" and true as 1, and a null
+            # failed as "text_config: int() argument must be ..."; the reference refuses all of them.
+            for name, optional in (("global_head_dim", False), ("num_global_key_value_heads", True)):
+                value = getattr(self, name)
+                if not ((optional and value is None)
+                        or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
+                    raise ConfigError(f"text_config.{name}: expected a positive integer"
+                                      f"{' or null' if optional else ''}, got {value!r}")
         if self.layer_types is None:
-            self.layer_types = _default_layer_types(self.num_hidden_layers)
+            n = self.num_hidden_layers  # read before validate does, to draw the default pattern
+            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+                raise ConfigError(f"text_config.num_hidden_layers: expected a positive integer, got {n!r}")
+            self.layer_types = _default_layer_types(n)
         self.layer_types = list(self.layer_types)
         if self.layer_types and self.layer_types[-1] == SLIDING:
             # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
@@ -205,10 +220,11 @@ class TextConfig:
              "max_position_embeddings", f"expected a positive integer, got {self.max_position_embeddings!r}")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
-            need(value is None or (isinstance(value, int) and 0 <= value < self.vocab_size), name,
+            need(value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size), name,
                  f"expected a token id in [0, vocab_size={self.vocab_size}), got {value!r}")
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        need(self.eos_token_id is None or all(isinstance(i, int) and 0 <= i < self.vocab_size for i in eos),
+        need(self.eos_token_id is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size
+                                              for i in eos),
              "eos_token_id", f"expected a token id (or a list of them) in [0, {self.vocab_size}), got {self.eos_token_id!r}")
         cap = self.final_logit_softcapping
         # The reference divides the logits by it unconditionally: a null would load here and then fail there.
@@ -373,7 +389,7 @@ class ModelConfig:
     text_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.canvas_length, int) or self.canvas_length <= 0:
+        if not isinstance(self.canvas_length, int) or isinstance(self.canvas_length, bool) or self.canvas_length <= 0:
             raise ConfigError(f"canvas_length: expected a positive integer, got {self.canvas_length!r}")
         # transformers' top-level copy of text_config's flag: the load ties the weights unless either one is false
         tied = self.extra.get("tie_word_embeddings", True)

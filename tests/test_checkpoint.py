@@ -390,6 +390,14 @@ def test_garbage_config(ref_checkpoint, tmp_path, content, message):
         load_quiet(path)
 
 
+def _hand_written(raw, **fields):
+    """`raw`'s text config as written by hand: the full layers' shape from global_head_dim and
+    num_global_key_value_heads (which the reference reads, then pops) rather than a saved per_layer_config."""
+    raw["text_config"].pop("per_layer_config")
+    raw["text_config"].update(global_head_dim=16, num_global_key_value_heads=1)
+    raw["text_config"].update(fields)
+
+
 @pytest.mark.parametrize(
     "edit, field",
     [
@@ -459,6 +467,27 @@ def test_garbage_config(ref_checkpoint, tmp_path, content, message):
         # one rotary table per kind of layer: a mixed size was a torch shape error at the first forward
         (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 20}}),
          r"the full_attention layers have head_dim \[16, 20\]"),
+        # a hand-written config's full-layer shape (the reference refuses each): int() read 1.5, "1" and true as 1,
+        # and the others failed naming no field ("text_config: int() argument must be ...", a bare ValueError)
+        (lambda c: _hand_written(c, num_global_key_value_heads=1.5),
+         r"^text_config\.num_global_key_value_heads: expected a positive integer or null, got 1\.5"),
+        (lambda c: _hand_written(c, num_global_key_value_heads="1"), "num_global_key_value_heads: expected a positive"),
+        (lambda c: _hand_written(c, num_global_key_value_heads=True), "num_global_key_value_heads: expected a positive"),
+        (lambda c: _hand_written(c, num_global_key_value_heads=[1]), "num_global_key_value_heads: expected a positive"),
+        (lambda c: _hand_written(c, global_head_dim=None), r"^text_config\.global_head_dim: expected a positive integer"),
+        (lambda c: _hand_written(c, global_head_dim="x"), "global_head_dim: expected a positive integer, got 'x'"),
+        (lambda c: _hand_written(c, global_head_dim=15.5), "global_head_dim: expected a positive integer, got 15.5"),
+        (lambda c: _hand_written(c, global_head_dim=0), "global_head_dim: expected a positive integer, got 0"),
+        # "text_config: 'int' object is not iterable"; a string was split into one layer type per letter
+        (lambda c: c["text_config"].update(layer_types=3), "layer_types: expected a list of layer types, got 3"),
+        (lambda c: c["text_config"].update(layer_types="full_attention"), "layer_types: expected a list"),
+        (lambda c: c["text_config"].update(layer_types=None, num_hidden_layers="4"),
+         "num_hidden_layers: expected a positive integer, got '4'"),
+        # JSON true was read as token 1 (false as 0), where the reference refuses a bool
+        (lambda c: c["text_config"].update(pad_token_id=True), "pad_token_id: expected a token id"),
+        (lambda c: c["text_config"].update(bos_token_id=False), "bos_token_id: expected a token id"),
+        (lambda c: c["text_config"].update(eos_token_id=[1, True]), "eos_token_id: expected a token id"),
+        (lambda c: c.update(canvas_length=True), "canvas_length: expected a positive integer"),
     ],
 )
 def test_bad_config_fields_named(ref_checkpoint, edit, field):
