@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -228,10 +229,13 @@ class TextConfig:
              "eos_token_id", f"expected a token id (or a list of them) in [0, {self.vocab_size}), got {self.eos_token_id!r}")
         cap = self.final_logit_softcapping
         # The reference divides the logits by it unconditionally: a null would load here and then fail there.
-        need(isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap > 0,
-             "final_logit_softcapping", f"expected a positive number, got {cap!r}")
-        need(isinstance(self.initializer_range, (int, float)) and self.initializer_range >= 0, "initializer_range",
-             f"expected a number >= 0, got {self.initializer_range!r}")
+        # JSON's Infinity too: tanh(logits / inf) * inf made every logit NaN, which generation then blamed on
+        # activations overflowing float32
+        need(isinstance(cap, (int, float)) and not isinstance(cap, bool) and 0 < cap < math.inf,
+             "final_logit_softcapping", f"expected a positive finite number, got {cap!r}")
+        need(isinstance(self.initializer_range, (int, float)) and not isinstance(self.initializer_range, bool)
+             and 0 <= self.initializer_range < math.inf, "initializer_range",
+             f"expected a finite number >= 0, got {self.initializer_range!r}")
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
@@ -251,8 +255,8 @@ class TextConfig:
              + ("; 'all' (a bidirectional encoder) fails in the reference's own forward, so it has no behaviour to "
                 "match" if self.use_bidirectional_attention == "all" else ""))
         need(isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-             and self.rms_norm_eps > 0, "rms_norm_eps",
-             f"expected a positive number, got {self.rms_norm_eps!r}")
+             and 0 < self.rms_norm_eps < math.inf, "rms_norm_eps",  # an infinite eps zeroed every norm's output
+             f"expected a positive finite number, got {self.rms_norm_eps!r}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
         bad = sorted({k for k in self.layer_types if k not in (SLIDING, FULL)})
@@ -293,8 +297,8 @@ class TextConfig:
             if not cond:
                 raise ConfigError(f"text_config.rope_parameters.{kind}.{field_name}: {msg}")
 
-        def number(value: Any) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        def number(value: Any) -> bool:  # finite: an infinite theta or factor leaves positions unrotated or NaN
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
         rope_type = rope.get("rope_type", "default")
         need(isinstance(rope_type, str) and rope_type in ROPE_FIELDS, "rope_type",

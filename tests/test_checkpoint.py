@@ -1,6 +1,7 @@
 """Checkpoints: save -> reference from_pretrained, sharding, dtype, and clear errors for bad folders."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -488,6 +489,16 @@ def _hand_written(raw, **fields):
         (lambda c: c["text_config"].update(bos_token_id=False), "bos_token_id: expected a token id"),
         (lambda c: c["text_config"].update(eos_token_id=[1, True]), "eos_token_id: expected a token id"),
         (lambda c: c.update(canvas_length=True), "canvas_length: expected a positive integer"),
+        # JSON's Infinity (Python's json reads and writes it): an infinite softcapping made every logit NaN, which
+        # generation blamed on "activations overflowed float32"; an infinite eps zeroed every norm's output
+        (lambda c: c["text_config"].update(final_logit_softcapping=math.inf),
+         "final_logit_softcapping: expected a positive finite number, got inf"),
+        (lambda c: c["text_config"].update(rms_norm_eps=math.inf), "rms_norm_eps: expected a positive finite number"),
+        (lambda c: c["text_config"].update(initializer_range=math.inf), "initializer_range: expected a finite number"),
+        (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(rope_theta=math.inf),
+         "full_attention.rope_theta: expected a positive number, got inf"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=math.inf),
+         "sliding_attention.factor: expected a positive number, got inf"),
     ],
 )
 def test_bad_config_fields_named(ref_checkpoint, edit, field):
