@@ -285,6 +285,16 @@ class TextConfig:
             dims = sorted({spec.head_dim for spec in self.layers if spec.kind == kind})
             need(len(dims) == 1, "per_layer_config", f"the {kind} layers have head_dim {dims}; layers of one kind "
                  "must share one head_dim")
+            # The reference builds each kind's layers from one view of per_layer_config, and refuses to build a model
+            # whose layers of one kind have entries that differ in anything (num_key_value_heads too, or an entry
+            # beside none): blockpress ran those, and saved a checkpoint transformers could not load.
+            layers = [i for i, k in enumerate(self.layer_types) if k == kind]
+            first = self.per_layer_config.get(str(layers[0]), {})
+            other = next((i for i in layers if self.per_layer_config.get(str(i), {}) != first), None)
+            need(other is None, "per_layer_config",
+                 f"the {kind} layers' entries differ (layer {layers[0]}: {first}, layer {other}: "
+                 f"{self.per_layer_config.get(str(other), {})}); layers of one kind must have the same entry, as the "
+                 "reference refuses to build them otherwise")
         for kind in set(self.layer_types):
             need(kind in self.rope_parameters, "rope_parameters", f"missing an entry for {kind!r}")
             rope = self.rope_parameters[kind]

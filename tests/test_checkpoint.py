@@ -468,6 +468,14 @@ def _hand_written(raw, **fields):
         # one rotary table per kind of layer: a mixed size was a torch shape error at the first forward
         (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 20}}),
          r"the full_attention layers have head_dim \[16, 20\]"),
+        # the reference refuses to build layers of one kind whose entries differ: blockpress ran them, and saved a
+        # checkpoint that transformers could not load
+        (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 16, "num_key_value_heads": 1},
+                                                             "3": {"head_dim": 16, "num_key_value_heads": 2}}),
+         r"per_layer_config: the full_attention layers' entries differ \(layer 1: .*, layer 3: .*num_key_value_heads"),
+        (lambda c: c["text_config"].update(per_layer_config={"0": {"num_key_value_heads": 1}, "1": {"head_dim": 16},
+                                                             "3": {"head_dim": 16}}),
+         r"the sliding_attention layers' entries differ \(layer 0: \{'num_key_value_heads': 1\}, layer 2: \{\}\)"),
         # a hand-written config's full-layer shape (the reference refuses each): int() read 1.5, "1" and true as 1,
         # and the others failed naming no field ("text_config: int() argument must be ...", a bare ValueError)
         (lambda c: _hand_written(c, num_global_key_value_heads=1.5),
