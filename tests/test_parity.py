@@ -410,9 +410,20 @@ def reference_configs(draw):
         pad_token_id=draw(st.sampled_from([0, vocab - 1, None])), bos_token_id=draw(st.sampled_from([2, None])),
         eos_token_id=draw(st.sampled_from([1, [1, 2], None])),
     )
+    sliding_dim, full_dim = text["head_dim"], text["global_head_dim"]
     if draw(st.booleans()):
-        full_dim = text["global_head_dim"]
-        text["rope_parameters"] = {"sliding_attention": _rope(draw, text["head_dim"]),
+        # per_layer_config as written out, instead of derived from global_head_dim: any entry for the sliding layers
+        # too, each kind's layers sharing one (the reference refuses to build them otherwise)
+        sliding = draw(st.sampled_from([{}, {"num_key_value_heads": divisors[0]}, {"head_dim": 4},
+                                        {"head_dim": 6, "num_key_value_heads": divisors[-1]}]))
+        full = {"head_dim": full_dim, **({} if text["num_global_key_value_heads"] is None else
+                                         {"num_key_value_heads": text["num_global_key_value_heads"]})}
+        kinds = [*kinds[:-1], "full_attention"]  # the reference forces the last layer full before reading these
+        text["per_layer_config"] = {i: dict(sliding if k == "sliding_attention" else full) for i, k in enumerate(kinds)}
+        text["per_layer_config"] = {i: v for i, v in text["per_layer_config"].items() if v}
+        sliding_dim = sliding.get("head_dim", sliding_dim)
+    if draw(st.booleans()):
+        text["rope_parameters"] = {"sliding_attention": _rope(draw, sliding_dim),
                                    "full_attention": _rope(draw, full_dim)}
         # the longest prompt and canvas (16 + 8) fit: blockpress refuses what runs past the context
         text["max_position_embeddings"] = draw(st.sampled_from([24, 64]))
