@@ -77,6 +77,21 @@ class LayerSpec:
         return not self.is_sliding
 
 
+def _is_int(value: Any) -> bool:
+    """A JSON integer: not a bool (true is an int to Python, and loaded as 1), not a float or a string."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number: JSON's Infinity made softcapping's logits NaN, and an infinite eps or rope theta zeroed
+    or unrotated what they scale."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_int(value: Any) -> bool:
+    return _is_int(value) and value > 0
+
+
 def _default_layer_types(n: int) -> list[str]:
     return [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)]
 
@@ -127,8 +142,7 @@ class TextConfig:
                 raise ConfigError(f"text_config.{name}: expected an object (a dict), got {value!r}")
         if self.per_layer_config is not None:
             for key, over in self.per_layer_config.items():
-                if not (isinstance(over, dict) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                       for v in over.values())):
+                if not (isinstance(over, dict) and all(_is_int(v) for v in over.values())):
                     raise ConfigError(f"text_config.per_layer_config[{key!r}]: expected an object of integers, "
                                       f"got {over!r}")
         if not (self.layer_types is None or isinstance(self.layer_types, list)):  # list() of a string splits it
@@ -140,12 +154,12 @@ class TextConfig:
             for name, optional in (("global_head_dim", False), ("num_global_key_value_heads", True)):
                 value = getattr(self, name)
                 if not ((optional and value is None)
-                        or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
+                        or _positive_int(value)):
                     raise ConfigError(f"text_config.{name}: expected a positive integer"
                                       f"{' or null' if optional else ''}, got {value!r}")
         if self.layer_types is None:
             n = self.num_hidden_layers  # read before validate does, to draw the default pattern
-            if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            if not _positive_int(n):
                 raise ConfigError(f"text_config.num_hidden_layers: expected a positive integer, got {n!r}")
             self.layer_types = _default_layer_types(n)
         self.layer_types = list(self.layer_types)
@@ -214,31 +228,26 @@ class TextConfig:
             "sliding_window",
         ):
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                 f"expected a positive integer, got {value!r}")
-        need(isinstance(self.max_position_embeddings, int) and not isinstance(self.max_position_embeddings, bool)
-             and self.max_position_embeddings > 0,
-             "max_position_embeddings", f"expected a positive integer, got {self.max_position_embeddings!r}")
+            need(_positive_int(value), name, f"expected a positive integer, got {value!r}")
+        need(_positive_int(self.max_position_embeddings), "max_position_embeddings", f"expected a positive integer, got {self.max_position_embeddings!r}")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
-            need(value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.vocab_size), name,
+            need(value is None or (_is_int(value) and 0 <= value < self.vocab_size), name,
                  f"expected a token id in [0, vocab_size={self.vocab_size}), got {value!r}")
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        need(self.eos_token_id is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size
-                                              for i in eos),
+        need(self.eos_token_id is None or all(_is_int(i) and 0 <= i < self.vocab_size for i in eos),
              "eos_token_id", f"expected a token id (or a list of them) in [0, {self.vocab_size}), got {self.eos_token_id!r}")
         cap = self.final_logit_softcapping
         # The reference divides the logits by it unconditionally: a null would load here and then fail there.
         # JSON's Infinity too: tanh(logits / inf) * inf made every logit NaN, which generation then blamed on
         # activations overflowing float32
-        need(isinstance(cap, (int, float)) and not isinstance(cap, bool) and 0 < cap < math.inf,
+        need(_is_number(cap) and cap > 0,
              "final_logit_softcapping", f"expected a positive finite number, got {cap!r}")
-        need(isinstance(self.initializer_range, (int, float)) and not isinstance(self.initializer_range, bool)
-             and 0 <= self.initializer_range < math.inf, "initializer_range",
+        need(_is_number(self.initializer_range) and self.initializer_range >= 0, "initializer_range",
              f"expected a finite number >= 0, got {self.initializer_range!r}")
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
+            need(_positive_int(value), name,
                  f"expected a positive integer (DiffusionGemma layers always have experts), got {value!r}")
         need(self.top_k_experts <= self.num_experts, "top_k_experts",
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
@@ -254,8 +263,7 @@ class TextConfig:
              f"{self.use_bidirectional_attention!r} is not supported; expected null or 'vision' (text-only)"
              + ("; 'all' (a bidirectional encoder) fails in the reference's own forward, so it has no behaviour to "
                 "match" if self.use_bidirectional_attention == "all" else ""))
-        need(isinstance(self.rms_norm_eps, (int, float)) and not isinstance(self.rms_norm_eps, bool)
-             and 0 < self.rms_norm_eps < math.inf, "rms_norm_eps",  # an infinite eps zeroed every norm's output
+        need(_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
              f"expected a positive finite number, got {self.rms_norm_eps!r}")
         need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
              f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
@@ -307,17 +315,14 @@ class TextConfig:
             if not cond:
                 raise ConfigError(f"text_config.rope_parameters.{kind}.{field_name}: {msg}")
 
-        def number(value: Any) -> bool:  # finite: an infinite theta or factor leaves positions unrotated or NaN
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
         rope_type = rope.get("rope_type", "default")
         need(isinstance(rope_type, str) and rope_type in ROPE_FIELDS, "rope_type",
              f"{rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
              + (" (the reference cannot build longrope for DiffusionGemma either)" if rope_type == "longrope" else ""))
         theta = rope.get("rope_theta")
-        need(number(theta) and theta > 0, "rope_theta", f"expected a positive number, got {theta!r}")
+        need(_is_number(theta) and theta > 0, "rope_theta", f"expected a positive number, got {theta!r}")
         factor = rope.get("partial_rotary_factor", 1.0)
-        need(number(factor) and 0 < factor <= 1, "partial_rotary_factor", f"expected a fraction in (0, 1], got {factor!r}")
+        need(_is_number(factor) and 0 < factor <= 1, "partial_rotary_factor", f"expected a fraction in (0, 1], got {factor!r}")
         # The reference's other types make a shorter table than the head and fail on the first forward.
         need(rope_type == "proportional" or factor == 1.0, "partial_rotary_factor",
              "partial rotary factors need rope_type 'proportional'")
@@ -325,10 +330,10 @@ class TextConfig:
             need(name in rope, name, f"rope_type {rope_type!r} needs {name}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = rope.get(name, 1.0)
-            need(number(value) and value > 0, name, f"expected a positive number, got {value!r}")
+            need(_is_number(value) and value > 0, name, f"expected a positive number, got {value!r}")
         if "original_max_position_embeddings" in ROPE_FIELDS[rope_type]:
             value = rope["original_max_position_embeddings"]
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0, "original_max_position_embeddings",
+            need(_positive_int(value), "original_max_position_embeddings",
                  f"expected a positive integer (the context the model was trained on), got {value!r}")
         if rope_type == "llama3":
             need(rope["high_freq_factor"] > rope["low_freq_factor"], "high_freq_factor",
@@ -338,11 +343,11 @@ class TextConfig:
                  "'dynamic' needs a head_dim above 2 (its base is raised to head_dim / (head_dim - 2))")
         if rope_type == "yarn":
             value = rope.get("attention_factor")
-            need(value is None or (number(value) and value > 0), "attention_factor",
+            need(value is None or (_is_number(value) and value > 0), "attention_factor",
                  f"expected a positive number or null (derived from factor), got {value!r}")
             for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
                 value = rope.get(name)  # null or 0: the default, as the reference reads them
-                need(value is None or (number(value) and value >= 0), name,
+                need(value is None or (_is_number(value) and value >= 0), name,
                      f"expected a number >= 0 or null, got {value!r}")
             truncate = rope.get("truncate", True)
             need(isinstance(truncate, bool), "truncate", f"expected true or false, got {truncate!r}")
@@ -403,7 +408,7 @@ class ModelConfig:
     text_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.canvas_length, int) or isinstance(self.canvas_length, bool) or self.canvas_length <= 0:
+        if not _positive_int(self.canvas_length):
             raise ConfigError(f"canvas_length: expected a positive integer, got {self.canvas_length!r}")
         # transformers' top-level copy of text_config's flag: the load ties the weights unless either one is false
         tied = self.extra.get("tie_word_embeddings", True)
