@@ -311,8 +311,9 @@ class Request:
     stop_ids: list[frozenset[int]] | None = None
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
     prefix_cache: PrefixCache | None = None
-    # Asked on the host before every step; True ends the generation there, with `Cancelled` (LM.stream).
-    cancelled: Callable[[], bool] | None = None
+    # Asked on the host before every step; True ends the generation there, with `Cancelled` (LM.stream); one bool
+    # per row ends the rows marked True there, as their max_new_tokens would (all True: `Cancelled`).
+    cancelled: Callable[[], bool | Sequence[bool]] | None = None
     # Ids the tokenizer has no token for (Tokenizer.unknown_ids: an embedding padded past its vocabulary) [k]: their
     # logits are -inf, so no row ever chooses one (it would have no text). None: every id may be chosen.
     unknown_ids: torch.Tensor | None = None
@@ -1110,10 +1111,12 @@ class _Working:
     finished: torch.Tensor  # [b'] ended in an earlier canvas (an EOS, a stop string, its max_new_tokens)
     history: torch.Tensor | None  # [b', V] their committed new tokens, counted (the repeat penalties)
 
-    def shrink(self, keep: torch.Tensor, canvas_len: int) -> _Working:
-        """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink)."""
+    def shrink(self, keep: torch.Tensor, canvas_len: int, cache_rows: torch.Tensor | None = None) -> _Working:
+        """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink; `cache_rows`: their
+        rows in the cache, where it holds fewer rows than the batch)."""
         return _Working(
-            rows=self.rows[keep], state=take_rows(self.state, keep), cache=self.cache.rows(keep, canvas_len),
+            rows=self.rows[keep], state=take_rows(self.state, keep),
+            cache=self.cache.rows(keep if cache_rows is None else cache_rows, canvas_len),
             rules=replace(self.rules, fixed=None if self.rules.fixed is None else self.rules.fixed[keep],
                           scored=self.rules.scored[keep], draws=self.rules.draws.take(keep)),
             writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
@@ -1235,10 +1238,18 @@ class _Decoding:
     unknown: torch.Tensor | None  # req.unknown_ids on the device
     stops: _Stops
     start: float  # when denoising began (the events' elapsed time)
+    # Rows `cancelled` ended alone (it said so of some rows, not all): [B] bool, None while it named none. They end
+    # as at their max_new_tokens, within a step; where `drop_cut` (no cache handed back, no logits processor that
+    # mixes rows), the cache lets go of their rows at the next canvas (`held`: the rows it still holds; None: all),
+    # so a server's client that left a shared batch stops costing passes and memory at once.
+    cut: torch.Tensor | None = None
+    cut_rows: list[bool] | None = None  # the same, on the host
+    drop_cut: bool = False
+    held: torch.Tensor | None = None
 
     @classmethod
     def begin(cls, model: Any, req: Request, cache: KVCache, fns: StepFunctions, texts: _RowTexts | None,
-              drafts: bool) -> _Decoding:
+              drafts: bool, keep_cache: bool = False) -> _Decoding:
         device, n_new = model.device, _new_length(req)
         b, vocab = req.prompt.shape[0], model.config.text.vocab_size
         n_canvases = -(-n_new // model.config.canvas_length)
@@ -1250,7 +1261,39 @@ class _Decoding:
                    torch.zeros(b, n_canvases, dtype=torch.long, device=device),
                    torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
                    None if req.unknown_ids is None else req.unknown_ids.to(device),
-                   _Stops.of(req, texts, device), time.perf_counter())
+                   _Stops.of(req, texts, device), time.perf_counter(),
+                   drop_cut=req.skip_stopped_rows and req.logits_processor is None and not keep_cache)
+
+    def cancelled(self) -> torch.Tensor | bool:
+        """Ask `req.cancelled`: True when the whole batch is cancelled, the rows it newly cut [B] bool when it cut some
+        (`self.cut` and `self.finished` then hold them), else False. Compared on the host: no device sync a step."""
+        said = self.req.cancelled() if self.req.cancelled is not None else False
+        if not isinstance(said, (list, tuple)):
+            return bool(said)
+        b = self.finished.shape[0]
+        if len(said) != b:
+            raise ValueError(f"cancelled: expected True / False or one bool per row ({b}), got {len(said)} values")
+        said = [bool(x) for x in said]
+        if all(said):
+            return True
+        if said == self.cut_rows or not any(said):
+            return False
+        new = torch.tensor([x and not y for x, y in zip(said, self.cut_rows or [False] * b)], device=self.finished.device)
+        self.cut_rows = [x or y for x, y in zip(said, self.cut_rows or [False] * b)]
+        self.cut = new if self.cut is None else self.cut | new
+        self.finished = self.finished | new
+        return new
+
+    def drop_cut_rows(self) -> None:
+        """Copy the cache without the rows cut since the last canvas (see `cut`), freeing theirs."""
+        if not self.drop_cut or self.cut is None:
+            return
+        held = torch.arange(self.cut.shape[0], device=self.cut.device) if self.held is None else self.held
+        keep = (~self.cut[held]).nonzero()[:, 0]
+        if keep.numel() == held.numel() or keep.numel() == 0:
+            return
+        self.cache = self.cache.rows(keep, self.cache.keys[0].shape[2] - self.cache.length)
+        self.held = held[keep]
 
     def denoise(self, canvas: _Canvas) -> Generator[Draft, None, CanvasState | None]:
         """Denoise one canvas, with a Draft after each step when asked: its final state (None: cancelled)."""
@@ -1258,6 +1301,7 @@ class _Decoding:
         canvas_len, vocab = self.model.config.canvas_length, self.model.config.text.vocab_size
         b = self.finished.shape[0]
         all_rows = torch.arange(b, device=self.finished.device)
+        self.drop_cut_rows()
         noise = noise_tokens(cfg, self.seeds, canvas.index, cfg.max_denoising_steps + 1, canvas_len, vocab)
         state = init_state(noise, canvas.fixed)
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
@@ -1274,14 +1318,22 @@ class _Decoding:
                      bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds, finished=self.finished,
                      history=self.history)
         all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
-        if not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
+        if not all_idle and self.held is not None:  # the cache holds only the rows not cut (cut rows are idle)
+            keep = (~idle).nonzero()[:, 0]
+            w = w.shrink(keep, canvas_len, torch.searchsorted(self.held, keep))
+        elif not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
         hooked = req.logits_processor is not None or req.constraint is not None
         trouble = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # a hook left an open position nothing
         broken = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # the model's own first logits: NaN / inf
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
-            if req.cancelled is not None and req.cancelled():
-                return None
+            if req.cancelled is not None:
+                cut = self.cancelled()
+                if cut is True:
+                    return None
+                if cut is not False:  # rows whose caller left: frozen from this step on
+                    w.state = replace(w.state, done=w.state.done | cut[w.rows])
+                    w.finished = w.finished | cut[w.rows]
             active = ~(w.state.done | w.finished)
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
@@ -1349,7 +1401,7 @@ class _Decoding:
         req, lo, keep = self.req, canvas.lo, canvas.keep
         committed = state.argmax[:, :keep]
         valid = None
-        if canvas.short_rows or (req.template is None and (req.eos_ids or self.stops.active)):
+        if canvas.short_rows or self.cut is not None or (req.template is None and (req.eos_ids or self.stops.active)):
             within = canvas.scored[:, :keep]  # each row's own budget (a template row's: its length)
             valid = (~self.finished)[:, None] & within
             ended_before = self.finished
@@ -1378,6 +1430,8 @@ class _Decoding:
 
     def encode(self, committed: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Append the committed tokens to the cache, for the next canvas or the next turn."""
+        if self.held is not None:  # the cache's rows only (`drop_cut_rows`)
+            committed, valid = committed[self.held], None if valid is None else valid[self.held]
         enc, enc_mask = committed, valid
         if valid is not None and committed.shape[0] == 1:
             # One row: keep the cache free of holes (exactly a re-encoded conversation), drop the padding.
@@ -1415,7 +1469,7 @@ def run(
     denoise_s = 0.0
     # Each row's text is decoded once a commit, for its stop search, the Commit's texts so far and Done's output.texts.
     texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
-    dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), texts_of, drafts)
+    dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), texts_of, drafts, keep_cache)
     answers = _Answers.of(texts_of) if texts_of is not None else None
     for ci in range(n_canvases):
         canvas = _Canvas.of(req, ci, canvas_len, device)

@@ -2027,6 +2027,43 @@ def test_a_cancelled_stream_ends_within_a_step_and_the_model_stays_usable(lm):
     assert torch.equal(full.sequences, lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1).sequences)
 
 
+def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_others_go_on(lm, monkeypatch):
+    """A server's client that left a shared batch: `cancelled` saying one bool per row ends that row within a step
+    and lets go of its cache row at the next canvas, while the other rows come out as they do uncut. It was all or
+    nothing: the row ran to its end for nobody, holding its place in the server's batch (107 s for a 0.5 s request
+    waiting behind it on blockpress-code)."""
+    from blockpress.cache import KVCache
+
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11], [12, 13]]
+    kw = dict(max_new_tokens=48, min_new_tokens=48, max_denoising_steps=4, seeds=[1, 2, 3])  # 3 canvases each
+    whole = lm.generate(prompts, **kw)
+    asked, copies = [], []
+    rows = KVCache.rows
+
+    def recorded(cache, index, scratch):
+        copy = rows(cache, index, scratch)
+        copies.append((cache.keys[0].shape[0], copy.keys[0].shape[0], copy.keys[0].shape[2] == cache.keys[0].shape[2]))
+        return copy
+
+    monkeypatch.setattr(KVCache, "rows", recorded)
+
+    def cancelled():
+        asked.append(None)
+        return [False, len(asked) > 5, False]  # row 1's client leaves in the second canvas
+
+    out = lm.generate(prompts, cancelled=cancelled, **kw)
+    for r in (0, 2):
+        assert torch.equal(out.new_tokens[r], whole.new_tokens[r]), r
+    cut = int(out.num_new_tokens[1])
+    assert 0 < cut < 48 and torch.equal(out.new_tokens[1, :cut], whole.new_tokens[1, :cut])
+    assert int(out.forward_passes[1]) == 5 < int(whole.forward_passes[1])  # not one pass after it was cut
+    assert (3, 2, True) in copies  # the batch's cache itself, copied without row 1 (not a canvas's working rows)
+    with pytest.raises(ValueError, match=r"cancelled: expected True / False or one bool per row \(3\), got 2"):
+        lm.generate(prompts, cancelled=lambda: [False, True], **kw)
+    with pytest.raises(RuntimeError, match="cancelled"):  # every row cut is the whole stream's Cancelled
+        lm.generate(prompts, cancelled=lambda: [True] * 3, **kw)
+
+
 def test_a_cancelled_stream_says_what_work_it_did(lm):
     """A stream that `cancelled` ended stopped without a word, so a server could not count the passes it spent on
     clients that left. Its last event is now `Cancelled`: each row's passes (the unfinished canvas's too) and the
