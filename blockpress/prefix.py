@@ -43,7 +43,9 @@ class PrefixCache:
     """Encoded prompts of one model, reusable by any later prompt that starts with the same tokens.
 
     `max_bytes`: the keys and values kept (least recently used prompts go first); `min_tokens`: shorter
-    prompts are not kept. An entry serves every prefix of itself, so a new prompt that extends an entry
+    prompts are not kept, and a prompt that shares fewer tokens with every entry is encoded afresh (every prompt
+    shares its BOS: reusing that alone made each row a lookup hit of 1 token, encoded alone instead of in one batch
+    with the other new rows). An entry serves every prefix of itself, so a new prompt that extends an entry
     replaces it. Counters: `lookups` (rows encoded), `hits` (rows that reused something), `reused_tokens`.
     Thread-safe: calls in several threads may share one (each takes the lock for its lookups and updates only).
     """
@@ -185,7 +187,14 @@ def encode_prompts(
 
     last: list[torch.Tensor | None] = [None] * b
     reused = [0] * b
-    fresh = [i for i in range(b) if min(prefixes.longest(ids[i])[2], ids[i].numel() - 1) == 0]
+
+    def reusable(shared: int, i: int) -> int:
+        """What row i reuses of a `shared` prefix: its last token is always encoded (its logits start the AR loop),
+        and less than min_tokens is not worth a row encoded alone (every prompt shares its BOS with every entry)."""
+        n = min(shared, ids[i].numel() - 1)
+        return n if n >= prefixes.min_tokens else 0
+
+    fresh = [i for i in range(b) if reusable(prefixes.longest(ids[i])[2], i) == 0]
     if fresh:
         from .generate import left_pad  # generate imports this module
 
@@ -214,7 +223,7 @@ def encode_prompts(
             continue
         # another thread may have evicted what this row matched at first: then it shares less, maybe nothing
         key, entry, shared = prefixes.longest(ids[i])
-        n = min(shared, ids[i].numel() - 1)  # the last token is always encoded (its logits start the AR loop)
+        n = reusable(shared, i)
         row = view(i)
         if n > 0:
             prefixes.load(key, entry, n, row)

@@ -214,3 +214,21 @@ def test_one_cache_shared_by_threads_that_generate_at_once(lm):
     assert not errors, errors[0]
     assert pc.lookups == sum(rows_done) == 160
     assert pc.nbytes == sum(e.nbytes for e in pc._entries.values()) <= pc.max_bytes
+
+
+def test_a_prompt_that_shares_less_than_min_tokens_is_encoded_afresh_with_the_other_new_rows(lm, monkeypatch):
+    """Every prompt starts with BOS, as every kept one does: that one token counted as a hit (a server's usage said
+    cached_tokens 1 for every unrelated prompt), and made each new row an encode of its own instead of one batch."""
+    pc = PrefixCache(min_tokens=8)
+    kept = [2] + list(range(10, 30))  # BOS, then 20 tokens
+    encode_prompts(lm.model, torch.tensor([kept]), None, pc, 32)
+    calls = []
+    encode = lm.model.encode
+    monkeypatch.setattr(lm.model, "encode", lambda *a, **k: (calls.append(a[0].shape), encode(*a, **k))[1])
+    new = [[2, 40, 41, 42, 43], [2, 50, 51, 52, 53], kept[:5] + [60, 61]]  # sharing BOS, BOS, 5 tokens: all < 8
+    tokens, mask = left_pad(new, pad_id=PAD)
+    cache, _, reused = encode_prompts(lm.model, tokens, mask, pc, 16)
+    assert reused == [0, 0, 0] and pc.hits == 0
+    assert calls == [torch.Size([3, 7])]  # one batch, as with nothing kept
+    again = kept[:12] + [70]  # 12 shared tokens: reused
+    assert encode_prompts(lm.model, torch.tensor([again]), None, pc, 16)[2] == [12] and pc.hits == 1
