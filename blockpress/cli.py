@@ -25,6 +25,7 @@ from blockpress.checks import check_text, utf8_problem
 # takes seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows
 # come from torch-free modules (config, train_config).
 from blockpress.config import PREFILL_CHUNK, RANKINGS, SCHEMES
+from blockpress.stopping import Stopped, stop_signals_interrupt, stop_status, stop_word
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -323,7 +324,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 out = event.output
                 if view:
                     view.commit(out.texts[0], final=True)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a Ctrl-C, or a SIGTERM or SIGHUP (Stopped)
         # The text committed so far is the run's result, as the README promises: on the live view it stays on
         # screen; piped or --no-live it goes to stdout like a finished run's, and --json says it was cut short.
         seconds = time.perf_counter() - t0
@@ -335,8 +336,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps(dict(text=text, prompt=args.prompt, **stats, seed=args.seed, interrupted=True)))
         else:
             print(printable(shown + text))
-        print(f"interrupted ({n} new tokens committed)", file=sys.stderr)
-        return 130
+        print(f"{stop_word(exc)} ({n} new tokens committed)", file=sys.stderr)
+        return stop_status(exc)
     stats = stats_line(out, time.perf_counter() - t0)
     if args.json:
         # the seed the text was drawn with (a fresh one without --seed): --seed with it repeats the text
@@ -436,13 +437,13 @@ def cmd_infill(args: argparse.Namespace) -> int:
     try:
         out = lm.infill(text, prompt=args.prefix or None, hole_length=args.hole_length,
                         token_healing=False if args.no_token_healing else None, **kw)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # An infill is printed once every hole is filled: a Ctrl-C leaves none to show, and says so (--json: one
         # object as generate's says it was cut short, so a script reading it is not left with nothing)
         if args.json:
             print(json.dumps(dict(text=None, fills=None, template=text, interrupted=True)))
-        print("interrupted (an infill is printed once every hole is filled)", file=sys.stderr)
-        return 130
+        print(f"{stop_word(exc)} (an infill is printed once every hole is filled)", file=sys.stderr)
+        return stop_status(exc)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
     # new_tokens (also filled_tokens) are the tokens the model wrote, the holes', as generate's are and as
     # tokens_per_forward and tok_s count them; template_tokens is the whole template, fixed tokens included.
@@ -650,8 +651,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(f"error: {error}; it was not sent", file=sys.stderr)
                 no_reply("\n".join(block), error=error)
             break
-        except KeyboardInterrupt:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
+        except KeyboardInterrupt as exc:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
             print(file=sys.stderr)
+            if isinstance(exc, Stopped):  # a SIGTERM or SIGHUP ends the chat, as Ctrl-D does, and says so
+                print(f"{stop_word(exc)}: the chat ends", file=sys.stderr)
+                return stop_status(exc)
             pending.clear()
             continue
         if not user.strip():  # a blank line is skipped, not an end: piped conversations have them between messages
@@ -717,9 +721,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 out = live_reply(lm.chat_stream(ids, cache=cache, return_cache=True, drafts=False, **kw))
             else:
                 out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
-        except KeyboardInterrupt:  # the reply is abandoned, the conversation is not
+        except KeyboardInterrupt as exc:  # the reply is abandoned, the conversation is not
             messages.pop()  # lm.chat_stream / chat_ids took the stopped turn out of the cache
             pending.clear()  # and the rest of a paste with it, as a terminal drops what was typed ahead
+            if isinstance(exc, Stopped):  # a SIGTERM or SIGHUP: the reply so far stays, its line ended, and the chat ends
+                print(f"\n({stop_word(exc)}; that message was dropped and the chat ends)", file=sys.stderr)
+                no_reply(user, error=stop_word(exc))
+                return stop_status(exc)
             print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
             no_reply(user, error="stopped")
             continue
@@ -1500,16 +1508,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         result = run_bench(s, on_row=on_row)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too (they were
         # in --out alone, and without it lost: exit 130, nothing said).
         rows = len(measured.get("rows", []))
         if rows:
             print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
-        print(f"bench: interrupted after {rows} row{'s' if rows != 1 else ''}"
+        print(f"bench: {stop_word(exc)} after {rows} row{'s' if rows != 1 else ''}"
               + (f" (their JSON on stdout{' and in ' + str(args.out) if args.out else ''}, marked \"partial\")"
                  if rows else ""), file=sys.stderr)
-        return 130
+        return stop_status(exc)
     if args.plot:
         result["plot"] = str(args.plot)
     print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen
@@ -1966,7 +1974,11 @@ def run_command(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        code = args.func(args)
+        if args.command in ("train", "serve"):  # each takes its stop signals itself (a save; uvicorn's shutdown)
+            code = args.func(args)
+        else:
+            with stop_signals_interrupt():
+                code = args.func(args)
         if sys.stdout is not None:  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
             sys.stdout.flush()
         return code
@@ -1989,8 +2001,8 @@ def run_command(args: argparse.Namespace) -> int:
             message = as_flags(message, train_flag_of())
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:  # a command without its own handling, or before it (while loading)
+        return stop_status(exc)
     except RuntimeError as exc:
         if not out_of_memory(exc):
             raise

@@ -59,6 +59,7 @@ from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
+from .stopping import STOP_SIGNALS, leave_hung_up_terminal, terminal_fds
 from .train_config import LORA_MODULES, LORA_TARGETS, TrainConfig, lora_modules
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
@@ -729,33 +730,9 @@ class StepBatches(torch.utils.data.Dataset):
         return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
 
 
-# The signals that stop a run after its step, saved (_StopOnInterrupt); SIGHUP where the platform has it (not Windows)
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-def _terminal_fds() -> list[int]:
-    """stdout's and stderr's descriptors that are a terminal, found while it is up: once hung up, isatty says no."""
-    out = []
-    for fd in (1, 2):
-        try:
-            if os.isatty(fd):
-                out.append(fd)
-        except OSError:
-            pass
-    return out
-
-
-def _leave_hung_up_terminal(fds: list[int]) -> None:
-    """Point `fds`, stdout and stderr that were the closed terminal (_terminal_fds), at /dev/null, as nohup would
-    have: every write to a hung-up terminal fails (EIO), and the progress bar's next one ended the run before its
-    save. A file or pipe they were sent to stays (a log still gets the end of the run)."""
-    for fd in fds:
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, fd)
-            os.close(null)
-        except OSError:  # the descriptor is gone already: nothing more can be lost by writing to it
-            pass
+# The signals that stop a run after its step, saved (_StopOnInterrupt), and what a SIGHUP leaves the closed
+# terminal as: shared with the other commands (stopping.py, torch-free)
+_terminal_fds, _leave_hung_up_terminal = terminal_fds, leave_hung_up_terminal
 
 
 def _one_thread(_worker: int) -> None:

@@ -2662,3 +2662,161 @@ def test_chat_out_of_memory_drops_the_turn_and_goes_on(monkeypatch, capsys):
     assert lines[0]["text"] and lines[2]["text"] and "text" not in lines[1]
     assert seen[1] == seen[2] > 0  # the third turn found the cache as the first left it
     assert "Traceback" not in captured.err
+
+
+# A child process that runs `blockpress ARGS` with TARGET (module:attribute) wrapped: the wrapper sends this process
+# SIG on its call number AT (after the first Commit, for LM.stream), as `timeout`, docker stop or a closed terminal
+# would, then waits for it. A real signal, so in a child: unhandled, it ends the process where it stands.
+SIGNALLED = """
+import importlib, os, signal, sys, time
+from blockpress.cli import main
+from blockpress.generate import Commit
+
+target, at, sig, args = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3]), sys.argv[4:]
+module, _, name = target.rpartition(":")
+owner = importlib.import_module(module)
+if "." in name:
+    cls, name = name.split(".")
+    owner = getattr(owner, cls)
+original, calls = getattr(owner, name), []
+
+def send():
+    os.kill(os.getpid(), sig)
+    time.sleep(30)  # the signal is taken here
+    sys.exit("the signal did not stop the run")
+
+def stream(*a, **kw):  # LM.stream: the signal after its first committed canvas
+    for event in original(*a, **kw):
+        yield event
+        if isinstance(event, Commit):
+            send()
+
+def wrapped(*a, **kw):
+    calls.append(1)
+    if len(calls) == at:
+        send()
+    return original(*a, **kw)
+
+setattr(owner, name, stream if name == "stream" else wrapped)
+sys.exit(main(args))
+"""
+
+
+def run_signalled(target, at, signame, *args, stdin=""):
+    return subprocess.run([sys.executable, "-c", SIGNALLED, target, str(at), signame, *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+STOP_SIGNALS = [pytest.param(name, marks=pytest.mark.skipif(sys.platform == "win32", reason=f"no {name} on Windows"))
+                for name in ("SIGTERM", "SIGHUP")]
+
+
+@pytest.mark.parametrize("signame", STOP_SIGNALS)
+def test_generate_stopped_by_sigterm_or_sighup_keeps_the_text_as_a_ctrl_c_does(signame):
+    """`timeout 60 blockpress generate --json` printed nothing: a SIGTERM (or a SIGHUP, the terminal closed) killed
+    the process where it stood, where a Ctrl-C prints the text committed so far. They stop it as a Ctrl-C does,
+    and the exit status is 128 + the signal (143, 129), as a shell reports a process the signal ended."""
+    import signal
+
+    r = run_signalled("blockpress.lm:LM.stream", 1, signame, "generate", "def f(x):", "--model", MODEL, "--json",
+                      "--max-new-tokens", "64", "--min-new-tokens", "64", "--steps", "2", "--threads", "1")
+    assert r.returncode == 128 + getattr(signal, signame), r.stderr
+    cut = json.loads(r.stdout)
+    assert cut["interrupted"] is True and cut["text"] and cut["prompt"] == "def f(x):"
+    assert f"stopped by {signame} ({cut['new_tokens']} new tokens committed)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("signame", STOP_SIGNALS)
+def test_bench_stopped_by_sigterm_prints_the_rows_measured(signame):
+    """A SIGTERM (`timeout`, a scheduler's time limit) lost every row bench had measured without --out."""
+    import signal
+
+    r = run_signalled("blockpress.bench:_bench_row", 2, signame, "bench", "--preset", "tiny", "--batch-sizes", "1",
+                      "2", "--new-tokens", "8", "--steps", "1", "--repeats", "1", "--no-reference", "--threads", "1")
+    assert r.returncode == 128 + getattr(signal, signame), r.stderr
+    data = json.loads(r.stdout)
+    assert data["partial"] is data["interrupted"] is True and [row["batch"] for row in data["rows"]] == [1]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"bench: stopped by {signame} after 1 row")
+
+
+def test_chat_stopped_by_sigterm_ends_and_says_so():
+    """A SIGTERM mid-reply killed chat where it stood. It ends the chat (a Ctrl-C drops the turn and goes on: a
+    SIGTERM asks the process to end), the turn answered with its JSON line, later lines not read."""
+    r = run_signalled("blockpress.lm:LM.chat_ids", 2, "SIGTERM", "chat", "--model", MODEL, "--json",
+                      "--max-new-tokens", "4", "--steps", "2", "--threads", "1", stdin="hello\nsecond\nthird\n")
+    assert r.returncode == 143, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["hello", "second"] and "text" in lines[0]
+    assert lines[1]["error"] == "stopped by SIGTERM"
+    assert "(stopped by SIGTERM; that message was dropped and the chat ends)" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32" or importlib.util.find_spec("readline") is None,
+                    reason="needs a pseudo-terminal and readline")
+def test_chat_stopped_by_sigterm_at_the_prompt_gives_the_terminal_back():
+    """A SIGTERM while chat waited at "you> " killed it inside readline, which had the terminal without line editing
+    or echo (ICANON and ECHO off): left so, what was typed next was not shown. Now readline puts the terminal back,
+    the chat says it ends, and the status is 143."""
+    import os
+    import pty
+    import select
+    import signal
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", "chat", "--model", MODEL, "--threads", "1"],
+                            stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "TERM": "xterm"})
+    os.close(slave)
+    out = b""
+    try:
+        deadline = time.monotonic() + 120
+        while b"you> " not in out:
+            assert time.monotonic() < deadline and proc.poll() is None, out.decode(errors="replace")
+            if select.select([master], [], [], 0.2)[0]:
+                out += os.read(master, 4096)
+        time.sleep(0.5)  # readline waits for the line
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        while select.select([master], [], [], 0.2)[0]:
+            try:
+                out += os.read(master, 4096)
+            except OSError:
+                break
+        lflag = termios.tcgetattr(master)[3]
+        assert lflag & termios.ICANON and lflag & termios.ECHO
+        assert out.decode(errors="replace").replace("\r\n", "\n").endswith("stopped by SIGTERM: the chat ends\n")
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+
+
+def test_infill_stopped_by_sigterm_says_so():
+    r = run_signalled("blockpress.lm:LM.infill", 1, "SIGTERM", "infill", "x = <|hole:2|>", "--model", MODEL,
+                      "--json", "--threads", "1")
+    assert r.returncode == 143, r.stderr
+    assert json.loads(r.stdout)["interrupted"] is True
+    assert "stopped by SIGTERM (an infill is printed once every hole is filled)" in r.stderr
+
+
+def test_the_stop_signal_handlers_are_put_back_after_a_command():
+    """main() may run in a process that goes on (a test, a notebook): SIGTERM's and SIGHUP's handlers are its own
+    again afterwards, and a SIGHUP that nohup ignored stays ignored while the command runs."""
+    import signal
+
+    from blockpress.stopping import stop_signals_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with stop_signals_interrupt():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
+    if hasattr(signal, "SIGHUP"):
+        old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            with stop_signals_interrupt():
+                assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        finally:
+            signal.signal(signal.SIGHUP, old)

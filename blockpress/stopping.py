@@ -1,0 +1,95 @@
+"""Stop signals: Ctrl-C (SIGINT), SIGTERM (`timeout`, docker stop, Slurm, systemd) and SIGHUP (the terminal closed:
+an ssh session that dropped, without nohup or tmux). Torch-free, so the CLI can take them before a model loads.
+
+`train` stops after its step and saves (train._StopOnInterrupt); the other commands that run a model take SIGTERM
+and SIGHUP as they take a Ctrl-C (`stop_signals_interrupt`): the text, rows or turn so far are kept as after a
+Ctrl-C, and the exit status is 128 + the signal, as a shell reports a process the signal ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# SIGHUP where the platform has it (not Windows)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Stopped(KeyboardInterrupt):
+    """A SIGTERM or SIGHUP, raised where a Ctrl-C's KeyboardInterrupt would be: every `except KeyboardInterrupt`
+    keeps what a Ctrl-C keeps. `signum` is the signal; `name` says it ("SIGTERM")."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+def stop_status(exc: BaseException | None = None) -> int:
+    """The exit status of a run that `exc` stopped: 128 + its signal (130 for a Ctrl-C)."""
+    return 128 + (exc.signum if isinstance(exc, Stopped) else signal.SIGINT)
+
+
+def stop_word(exc: BaseException) -> str:
+    """"interrupted" after a Ctrl-C, "stopped by SIGTERM" (or SIGHUP) after a Stopped: each command's message."""
+    return f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
+
+
+def terminal_fds() -> list[int]:
+    """stdout's and stderr's descriptors that are a terminal, found while it is up: once hung up, isatty says no."""
+    out = []
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                out.append(fd)
+        except OSError:
+            pass
+    return out
+
+
+def leave_hung_up_terminal(fds: list[int]) -> None:
+    """Point `fds`, stdout and stderr that were the closed terminal (terminal_fds), at /dev/null, as nohup would
+    have: every write to a hung-up terminal fails (EIO), and the next one would end the run with that error instead
+    of what its stop does. A file or pipe they were sent to stays (a log still gets the end of the run)."""
+    for fd in fds:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        except OSError:  # the descriptor is gone already: nothing more can be lost by writing to it
+            pass
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """While inside, a SIGTERM or SIGHUP raises Stopped (a KeyboardInterrupt) in the main thread, as a Ctrl-C raises
+    KeyboardInterrupt: they killed the process where it stood, so `timeout 60 blockpress generate --json` printed
+    nothing where a Ctrl-C prints the text so far, the live view was left mid-draft without its line ended, and
+    `bench`'s rows were lost. A SIGHUP first points the closed terminal at /dev/null. Only the main thread can take
+    signals: elsewhere, and for a signal the process ignores (`nohup`'s SIGHUP), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    terminal = terminal_fds()
+    hangup = getattr(signal, "SIGHUP", None)
+
+    def handle(signum: int, frame: Any) -> None:
+        if signum == hangup:
+            leave_hung_up_terminal(terminal)
+        raise Stopped(signum)
+
+    previous: dict[int, Any] = {}
+    for sig in STOP_SIGNALS:
+        if sig == signal.SIGINT or signal.getsignal(sig) == signal.SIG_IGN:  # nohup: left ignored
+            continue
+        previous[sig] = signal.signal(sig, handle)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, handler)
