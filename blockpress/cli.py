@@ -1303,9 +1303,14 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     if args.show_steps and len(puzzles) > 1:
         print_warning(f"--show-steps: shows one puzzle's steps; {len(puzzles)} puzzles given, so none are shown")
     t0 = time.perf_counter()
-    results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                                 on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
-                                 confidence=args.confidence, checked=True)
+    try:
+        results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
+                                     on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
+                                     confidence=args.confidence, checked=True)
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP: it said nothing, as if the run had ended
+        # The puzzles are solved together, as one batch: none is done before all are
+        print(f"{stop_word(exc)} (the answers are printed once every puzzle is solved)", file=sys.stderr)
+        return stop_status(exc)
     seconds = time.perf_counter() - t0
     scored = []  # (matches the file's solution, cell accuracy on the empty cells) of each puzzle that came with one
     for r, truth in zip(results, expected):

@@ -2820,3 +2820,17 @@ def test_the_stop_signal_handlers_are_put_back_after_a_command():
                 assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
         finally:
             signal.signal(signal.SIGHUP, old)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_sudoku_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, as_json):
+    """A Ctrl-C during sudoku exited 130 with nothing said, where generate, infill and bench say they were cut short
+    (on a terminal the shell's prompt then followed "^C" on its line)."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("blockpress.tasks.sudoku_model.solve", interrupted)
+    assert main(["sudoku", "." * 80 + "1", "--threads", "1", *(["--json"] if as_json else [])]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines()[-1] == "interrupted (the answers are printed once every puzzle is solved)"
