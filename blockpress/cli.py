@@ -1500,8 +1500,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.out:  # written beside it, then moved into place: a kill while it writes leaves the last one whole
             out = Path(args.out)
             written = out.with_name(f".{out.name}.partial")
-            written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
-            os.replace(written, out)
+            try:
+                written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
+                os.replace(written, out)
+            except OSError as exc:  # a full disk: the half-written file went on lying beside it, and the error
+                # ("[Errno 28] No space left on device") named no file
+                try:
+                    written.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                raise OSError(f"--out {args.out}: cannot write it ({exc.strerror or exc})") from None
         if args.plot:  # (matplotlib is there: checked above)
             plot(result, args.plot)
 
@@ -1513,6 +1521,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         result = run_bench(s, on_row=on_row)
+    except OSError:  # --out could not be written (a full disk): the rows measured still go to stdout, as on a Ctrl-C
+        if measured.get("rows"):
+            print(json.dumps({**measured, "partial": True}, indent=2))
+        raise
     except KeyboardInterrupt as exc:
         # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too (they were
         # in --out alone, and without it lost: exit 130, nothing said).

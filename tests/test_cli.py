@@ -2834,3 +2834,33 @@ def test_sudoku_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, as_json):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.strip().splitlines()[-1] == "interrupted (the answers are printed once every puzzle is solved)"
+
+
+def test_bench_out_on_a_full_disk_keeps_the_rows_and_names_the_file(tmp_path, monkeypatch, capsys):
+    """--out on a disk that filled during the run (measured on an 8 KiB tmpfs: the second row's write) stopped bench
+    with "error: [Errno 28] No space left on device", naming no file, left the half-written .b.json.partial beside
+    it, and printed none of the rows measured. Now the rows go to stdout (marked partial), the half-written file is
+    removed, and the error names --out."""
+    import errno
+
+    writes = []
+    original = Path.write_text
+
+    def disk_fills(self, text, *a, **kw):
+        writes.append(self.name)
+        if len(writes) == 2:  # the second row's: part of it written, then the disk is full
+            original(self, text[: len(text) // 2], *a, **kw)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, text, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", disk_fills)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "4", "--new-tokens", "8", "--steps", "1",
+                 "--repeats", "1", "--no-reference", "--threads", "1", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["partial"] is True and [r["batch"] for r in data["rows"]] == [1, 2]
+    assert captured.err.strip().splitlines()[-1] == (f"blockpress bench: error: --out {out}: cannot write it (No space "
+                                                     "left on device)")
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"]  # the first row's, whole; no .b.json.partial
+    assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [1]
