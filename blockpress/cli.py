@@ -1486,6 +1486,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: no folder {str(Path(path).parent)!r} to write {path!r} into")
         if path and Path(path).is_dir():
             raise ValueError(f"{flag}: {path!r} is a folder; give a file name")
+        if path and not os.access(Path(path).resolve().parent, os.W_OK):  # a read-only disk, another user's folder:
+            # the first write, after the first row (minutes at a large preset), was the first to find it
+            raise ValueError(f"{flag}: cannot write into the folder {str(Path(path).parent)!r} (read-only, or not "
+                             "yours)")
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
                          f"got {args.plot!r}")

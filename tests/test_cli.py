@@ -2864,3 +2864,23 @@ def test_bench_out_on_a_full_disk_keeps_the_rows_and_names_the_file(tmp_path, mo
                                                      "left on device)")
     assert [p.name for p in tmp_path.iterdir()] == ["b.json"]  # the first row's, whole; no .b.json.partial
     assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [1]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_bench_refuses_an_unwritable_out_folder_before_measuring(tmp_path, monkeypatch, capsys, flag):
+    """An --out in a folder that cannot be written (a read-only disk, measured on a read-only tmpfs; another user's
+    folder) was found by the first write, after the first row had been measured: 20 s at --preset tiny, minutes at
+    larger ones, the run then lost. It is refused before anything is built, as a missing folder is."""
+    import os
+
+    import blockpress.bench as bench
+
+    readonly = tmp_path.resolve()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == readonly and mode & os.W_OK
+                        else real_access(p, mode, **kw))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: pytest.fail("measured before refusing the flag"))
+    name = "b.json" if flag == "--out" else "b.png"
+    assert main(["bench", "--preset", "tiny", flag, str(tmp_path / name)]) == 2
+    assert capsys.readouterr().err.strip() == (f"blockpress bench: error: {flag}: cannot write into the folder "
+                                               f"{str(tmp_path)!r} (read-only, or not yours)")
