@@ -1541,8 +1541,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return stop_status(exc)
     if args.plot:
         result["plot"] = str(args.plot)
-    print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen
-    write(result, done=True)
+    try:
+        print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen
+    finally:  # and --out gets the whole run when stdout's reader has gone (`| true`): it kept the last row's "partial"
+        write(result, done=True)
     return 0
 
 

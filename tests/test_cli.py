@@ -2884,3 +2884,17 @@ def test_bench_refuses_an_unwritable_out_folder_before_measuring(tmp_path, monke
     assert main(["bench", "--preset", "tiny", flag, str(tmp_path / name)]) == 2
     assert capsys.readouterr().err.strip() == (f"blockpress bench: error: {flag}: cannot write into the folder "
                                                f"{str(tmp_path)!r} (read-only, or not yours)")
+
+
+def test_bench_out_gets_the_whole_run_when_stdouts_reader_has_gone(tmp_path):
+    """`blockpress bench --out b.json | true`: the print of the result met the broken pipe (status 141, as it should)
+    before --out was written whole, so b.json kept the last row's copy, marked "partial": true, though every row was
+    measured."""
+    out = tmp_path / "b.json"
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", "bench", "--preset", "tiny", "--batch-sizes", "1",
+                             "--new-tokens", "8", "--steps", "1", "--repeats", "1", "--no-reference", "--threads", "1",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc.stdout.close()  # the reader gone before the command writes a byte
+    assert proc.wait(timeout=300) == 141
+    data = json.loads(out.read_text())
+    assert "partial" not in data and [r["batch"] for r in data["rows"]] == [1]
