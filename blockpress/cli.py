@@ -1400,8 +1400,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _server_class() -> type:
     import asyncio
+    import contextlib
+    import signal
+    import threading
 
     import uvicorn
+
+    from blockpress.stopping import leave_hung_up_terminal, terminal_fds
 
     class Server(uvicorn.Server):
         """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
@@ -1435,6 +1440,31 @@ def _server_class() -> type:
         async def serve(self, sockets: Any = None) -> None:
             self.loop = asyncio.get_running_loop()
             await super().serve(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            """uvicorn's SIGINT and SIGTERM, and a SIGHUP (the terminal closed: an ssh session that dropped) taken
+            as they are: it killed the server where it stood, each request in flight a dropped connection ("Server
+            disconnected without sending a response") rather than finished in the grace period. The closed terminal
+            is pointed at /dev/null first (every write to it fails); uvicorn raises the signal again once shut down,
+            so the exit status is still SIGHUP's. Left alone where nohup made it ignored."""
+            hangup = getattr(signal, "SIGHUP", None)
+            with super().capture_signals():
+                if (hangup is None or threading.current_thread() is not threading.main_thread()
+                        or signal.getsignal(hangup) == signal.SIG_IGN):
+                    yield
+                    return
+                terminal = terminal_fds()
+
+                def hung_up(sig: int, frame: Any) -> None:
+                    leave_hung_up_terminal(terminal)
+                    self.handle_exit(sig, frame)
+
+                previous = signal.signal(hangup, hung_up)
+                try:
+                    yield
+                finally:  # before uvicorn raises the signals it took again: SIGHUP's own handler then ends the process
+                    signal.signal(hangup, previous)
 
         async def shutdown(self, sockets: Any = None) -> None:
             # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them

@@ -2171,3 +2171,35 @@ def test_the_models_routes_answer_head_as_get_and_keep_the_key():
         schema = get_openapi(title=http.app.title, version=http.app.version, routes=http.app.routes)
         assert set(schema["paths"]["/v1/models"]) == {"get"}
         assert set(schema["paths"]["/v1/models/{model_id}"]) == {"get"}
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGHUP"), reason="no SIGHUP on Windows")
+def test_a_sighup_lets_requests_in_flight_finish_as_sigterm_does():
+    """A SIGHUP (the terminal closed: an ssh session that dropped) killed `blockpress serve` where it stood: the
+    request in flight got no answer ("Server disconnected without sending a response", 0.06 s after the signal). It
+    now stops as a SIGTERM does, the request finishing in the grace period; the exit status is still SIGHUP's."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", "serve", "--model", "random-tiny", "--port", "0",
+                             "--threads", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        said = ""
+        while (m := re.search(r"serving .* on (http://\S+/v1)", said)) is None:
+            line = proc.stderr.readline()
+            assert line, said
+            said += line
+        body = {"model": "random-tiny", "prompt": "x", "max_tokens": 64, "min_tokens": 64, "seed": 1}
+        with cf.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, m.group(1) + "/completions", json=body, timeout=120)
+            time.sleep(1.0)  # the request is in flight
+            proc.send_signal(signal.SIGHUP)
+            r = answer.result()
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 64
+        assert proc.wait(timeout=60) == -signal.SIGHUP
+        assert "blockpress: stopping; requests in flight get up to 30 s to finish" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
