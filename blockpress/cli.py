@@ -1293,6 +1293,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         read("\n".join(lines), f"--file {args.file}")
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 . - _ or * for empty), or --file")
+    if args.batch_size < 1:  # before the model loads
+        raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")
     puzzles = sudoku_model.prepare(puzzles)  # clear errors before the model is even loaded (warns of the unsettled)
     lm = load_announced(args)
 
@@ -1302,33 +1304,31 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     on_draft = show if args.show_steps and len(puzzles) == 1 else None
     if args.show_steps and len(puzzles) > 1:
         print_warning(f"--show-steps: shows one puzzle's steps; {len(puzzles)} puzzles given, so none are shown")
+    results: list[Any] = []
+    scored = []  # (matches the file's solution, cell accuracy on the empty cells) of each puzzle that came with one
     t0 = time.perf_counter()
     try:
-        results = sudoku_model.solve(lm, puzzles, max_denoising_steps=args.steps, sampler=args.sampler, seed=args.seed,
-                                     on_draft=on_draft, rules=args.rules, rank_by=args.rank_by, ensemble=args.ensemble,
-                                     confidence=args.confidence, checked=True)
-    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP: it said nothing, as if the run had ended
-        # The puzzles are solved together, as one batch: none is done before all are
-        print(f"{stop_word(exc)} (the answers are printed once every puzzle is solved)", file=sys.stderr)
+        # --batch-size puzzles at a time, each batch's answers printed as it ends: one batch of every puzzle given
+        # grew ~2.2 MB a puzzle (400: 1.2 GB peak; a Kaggle CSV of 100,000 would want ~220 GB), printed nothing until
+        # the last was solved, and a Ctrl-C lost them all. A row's answer is the same in any batch (its randomness
+        # is its seed's), up to float rounding.
+        for start in range(0, len(puzzles), args.batch_size):
+            batch = puzzles[start:start + args.batch_size]
+            done = sudoku_model.solve(lm, batch, max_denoising_steps=args.steps, sampler=args.sampler,
+                                      seed=args.seed, on_draft=on_draft, rules=args.rules, rank_by=args.rank_by,
+                                      ensemble=args.ensemble, confidence=args.confidence, checked=True)
+            for r, truth in zip(done, expected[start:start + args.batch_size]):
+                score = None if truth is None else (r.solution == truth, cell_accuracy(r.solution, truth, r.puzzle))
+                if score is not None:
+                    scored.append(score)
+                print_sudoku_answer(r, truth, score, args.json)
+            results.extend(done)
+            if sys.stdout is not None:  # each batch's answers out now (piped, Python holds them in a buffer)
+                sys.stdout.flush()
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP
+        print(f"{stop_word(exc)} ({len(results)} of {len(puzzles)} puzzles solved, printed above)", file=sys.stderr)
         return stop_status(exc)
     seconds = time.perf_counter() - t0
-    scored = []  # (matches the file's solution, cell accuracy on the empty cells) of each puzzle that came with one
-    for r, truth in zip(results, expected):
-        score = None if truth is None else (r.solution == truth, cell_accuracy(r.solution, truth, r.puzzle))
-        if score is not None:
-            scored.append(score)
-        if args.json:
-            row = {"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps, "errors": r.errors}
-            if score is not None:
-                row.update(expected=truth, correct=score[0], cell_accuracy=score[1])
-            print(json.dumps(row))
-        else:
-            print(format_board(r.solution))
-            # which rules the grid breaks, and where: the board alone does not show it
-            against = "" if score is None else (" · matches the file's solution" if score[0] else
-                                                f" · differs from the file's solution (cell accuracy {score[1]:.1%})")
-            print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps{against}"
-                  + "".join(f"\n  {error}" for error in r.errors) + "\n")
     if not args.json:
         solved = sum(r.valid for r in results)
         accuracy = "" if not scored else (
@@ -1341,6 +1341,24 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             print("hint: --ensemble 8 pools the model's predictions over 8 symmetric views of each puzzle (no "
                   "rules; 8x the work); --rules adds candidate filtering", file=sys.stderr)
     return 0 if all(r.valid for r in results) else 1  # scripts can tell a failed solve without parsing
+
+
+def print_sudoku_answer(r: Any, truth: str | None, score: tuple[bool, float] | None, as_json: bool) -> None:
+    """One answer of `sudoku`, as a JSON line or as its board, whether it is valid, and the rules it breaks."""
+    from blockpress.tasks.sudoku import format_board
+
+    if as_json:
+        row = {"puzzle": r.puzzle, "solution": r.solution, "valid": r.valid, "steps": r.steps, "errors": r.errors}
+        if score is not None:
+            row.update(expected=truth, correct=score[0], cell_accuracy=score[1])
+        print(json.dumps(row))
+        return
+    print(format_board(r.solution))
+    # which rules the grid breaks, and where: the board alone does not show it
+    against = "" if score is None else (" · matches the file's solution" if score[0] else
+                                        f" · differs from the file's solution (cell accuracy {score[1]:.1%})")
+    print(f"{'valid' if r.valid else 'INVALID'} · {r.steps} denoising steps{against}"
+          + "".join(f"\n  {error}" for error in r.errors) + "\n")
 
 
 def served_name(model: str) -> str:
@@ -1824,6 +1842,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ensemble", type=int, default=1, metavar="N",
                    help="denoise each puzzle as N symmetric views of the board (relabelled digits, permuted rows "
                         "and columns) that pool their predictions every step; no rules, no search; N times the work")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N",
+                   help="puzzles decoded together (each --ensemble view a row of the batch); each batch's answers are "
+                        "printed as it ends, so a Ctrl-C keeps them, and the memory is a batch's, not the whole "
+                        "file's")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per puzzle: puzzle, solution, valid, steps, errors (the rules an invalid "
                         "solution breaks, with their cells); with a CSV's solution also expected, correct and "
@@ -2069,8 +2091,8 @@ OOM_HINTS = {
                 "take less",
     "chat": "a smaller --max-new-tokens or --prefill-chunk, or --quantize int8 / fp8 take less",
     # sudoku's canvas is always 81 cells after an 83-token prompt: its memory is the batch, a row per puzzle and view
-    "sudoku": "fewer puzzles at once, a smaller --ensemble (each view is a row of the batch), or --quantize int8 / fp8 "
-              "take less",
+    "sudoku": "a smaller --batch-size (puzzles at once), a smaller --ensemble (each view is a row of the batch), or "
+              "--quantize int8 / fp8 take less",
     "infill": "smaller holes, a smaller --prefill-chunk, or --quantize int8 / fp8 take less",
     "bench": "smaller --batch-sizes or --new-tokens take less (the rows measured so far are in --out)",
     "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "

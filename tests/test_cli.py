@@ -2833,7 +2833,7 @@ def test_sudoku_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, as_json):
     assert main(["sudoku", "." * 80 + "1", "--threads", "1", *(["--json"] if as_json else [])]) == 130
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.strip().splitlines()[-1] == "interrupted (the answers are printed once every puzzle is solved)"
+    assert captured.err.strip().splitlines()[-1] == "interrupted (0 of 1 puzzles solved, printed above)"
 
 
 def test_bench_out_on_a_full_disk_keeps_the_rows_and_names_the_file(tmp_path, monkeypatch, capsys):
@@ -2898,3 +2898,47 @@ def test_bench_out_gets_the_whole_run_when_stdouts_reader_has_gone(tmp_path):
     assert proc.wait(timeout=300) == 141
     data = json.loads(out.read_text())
     assert "partial" not in data and [r["batch"] for r in data["rows"]] == [1]
+
+
+SOLVED = "534678912672195348198342567859761423426853791713924856961537284287419635345286179"
+
+
+def test_sudoku_solves_a_batch_at_a_time_and_a_ctrl_c_keeps_the_answers_printed(monkeypatch, capsys):
+    """sudoku decoded every puzzle given in one batch: ~2.2 MB a puzzle (400: 1.2 GB peak), nothing printed until
+    the last was solved, and a Ctrl-C exited 130 with nothing on stdout or stderr."""
+    from blockpress.tasks import sudoku_model
+
+    real, sizes = sudoku_model.solve, []
+
+    def solve(lm, puzzles, **kwargs):
+        sizes.append(len(puzzles))
+        if len(sizes) == 3:
+            raise KeyboardInterrupt
+        return real(lm, puzzles, **kwargs)
+
+    monkeypatch.setattr(sudoku_model, "solve", solve)
+    puzzles = [SOLVED[:k] + "." + SOLVED[k + 1:] for k in range(5)]  # one empty cell each: a step or two
+    assert main(["sudoku", *puzzles, "--batch-size", "2", "--json", "--threads", "1"]) == 130
+    out, err = capsys.readouterr()
+    assert sizes == [2, 2, 1]
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["puzzle"] for r in rows] == [p.replace(".", "0") for p in puzzles[:4]]  # the two batches solved
+    assert all(r["valid"] and r["solution"] == SOLVED for r in rows)
+    assert err.strip().splitlines()[-1] == "interrupted (4 of 5 puzzles solved, printed above)"
+
+
+def test_sudoku_batches_are_bounded_by_default_and_the_flag_is_checked(monkeypatch, capsys):
+    from blockpress.tasks import sudoku_model
+
+    sizes = []
+
+    def solve(lm, puzzles, **kwargs):
+        sizes.append(len(puzzles))
+        return [sudoku_model.ModelSolution(puzzle=p, solution=SOLVED, valid=True, steps=1, errors=[])
+                for p in puzzles]
+
+    monkeypatch.setattr(sudoku_model, "solve", solve)
+    assert main(["sudoku", *[SOLVED[:80] + "."] * 70, "--json", "--threads", "1"]) == 0
+    assert sizes == [32, 32, 6] and len(capsys.readouterr().out.splitlines()) == 70
+    assert main(["sudoku", SOLVED[:80] + ".", "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "blockpress sudoku: error: --batch-size: expected a positive integer, got 0"
