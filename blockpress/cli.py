@@ -365,10 +365,19 @@ def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, heal
                          "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "
                          "AR's draws)")
     t0 = time.perf_counter()
-    out = lm.generate_ar(prompt, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                         temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
-                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                         token_healing=healing, stop=args.stop)
+    try:
+        out = lm.generate_ar(prompt, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                             temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                             token_healing=healing, stop=args.stop)
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP
+        # generate_ar gives its text once it is done (no commits along the way): a Ctrl-C leaves none to show, and
+        # says so, as infill's does (--json: one object that says it was cut short; it exited 130 with nothing at
+        # all, so a script reading the object got none)
+        if args.json:
+            print(json.dumps(dict(text=None, prompt=args.prompt, seed=args.seed, interrupted=True)))
+        print(f"{stop_word(exc)} (--ar prints its text once it is done)", file=sys.stderr)
+        return stop_status(exc)
     stats = stats_line(out, time.perf_counter() - t0)
     if args.json:
         print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
@@ -1714,7 +1723,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object: text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, "
                         "seconds, seed (the one the text was drawn with, fresh each run without --seed: --seed "
                         "with it repeats the text), interrupted (true after a Ctrl-C: text is what was committed "
-                        "until then, the figures too, seed null unless --seed was given; exit status 130)")
+                        "until then, the figures too, seed null unless --seed was given; with --ar, which prints its "
+                        "text once done, only text null, prompt and seed; exit status 130)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",

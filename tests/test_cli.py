@@ -2942,3 +2942,21 @@ def test_sudoku_batches_are_bounded_by_default_and_the_flag_is_checked(monkeypat
     assert sizes == [32, 32, 6] and len(capsys.readouterr().out.splitlines()) == 70
     assert main(["sudoku", SOLVED[:80] + ".", "--batch-size", "0"]) == 2
     assert capsys.readouterr().err.strip() == "blockpress sudoku: error: --batch-size: expected a positive integer, got 0"
+
+
+@pytest.mark.parametrize("json_flag", [True, False])
+def test_generate_ar_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, json_flag):
+    """`generate --ar` cut by a Ctrl-C exited 130 with nothing on stdout or stderr, --json too: a script reading the
+    object got none (the diffusion path prints the text so far and "interrupted": true)."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(blockpress.LM, "generate_ar", interrupted)
+    flags = ["--json"] if json_flag else []
+    assert main(["generate", "def f(", "--ar", "--model", "random-tiny", "--seed", "3", *flags]) == 130
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == "interrupted (--ar prints its text once it is done)"
+    if json_flag:
+        assert json.loads(out) == {"text": None, "prompt": "def f(", "seed": 3, "interrupted": True}
+    else:
+        assert out == ""
