@@ -1398,6 +1398,9 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code)."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
+    # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
+    # with /health "ok" and every request a 400 that blamed the client's `device`
+    lm._check_runnable()
     if prefix_cache_bytes < 0:
         raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
     if lm.tokenizer.response_template is not None:  # a broken one fails here, not in every request with tools

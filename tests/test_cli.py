@@ -2960,3 +2960,17 @@ def test_generate_ar_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, json_fl
         assert json.loads(out) == {"text": None, "prompt": "def f(", "seed": 3, "interrupted": True}
     else:
         assert out == ""
+
+
+def test_serve_refuses_the_meta_device_as_the_other_commands_do(monkeypatch, capsys):
+    """`serve --device meta` listened, /health said ok, and every request got a 400 naming `device`, a client error
+    for the server's own setting (generate, infill, chat, sudoku and bench refuse it, exit 2)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    served = []
+    server = lambda config: types.SimpleNamespace(run=lambda sockets: served.append(config))  # noqa: E731
+    monkeypatch.setattr("blockpress.cli._server_class", lambda: server)
+    assert main(["serve", "--model", "random-tiny", "--device", "meta", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("blockpress serve: error: --device: this model is on the meta device")
+    assert served == []
