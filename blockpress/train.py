@@ -730,11 +730,6 @@ class StepBatches(torch.utils.data.Dataset):
         return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
 
 
-# The signals that stop a run after its step, saved (_StopOnInterrupt), and what a SIGHUP leaves the closed
-# terminal as: shared with the other commands (stopping.py, torch-free)
-_terminal_fds, _leave_hung_up_terminal = terminal_fds, leave_hung_up_terminal
-
-
 def _one_thread(_worker: int) -> None:
     torch.set_num_threads(1)  # batch building is light; the optimizer's process owns the cores
     # A stop signal sent to the whole process group (timeout, Slurm, docker stop, a closed terminal) reaches the
@@ -1489,7 +1484,7 @@ class _StopOnInterrupt:
         self.requested = False
         self.signum: int | None = None  # the first signal's: the CLI exits 128 + it, as a shell reports it
         self.previous: dict[int, Any] = {}
-        self.terminal = _terminal_fds()  # what a SIGHUP leaves for /dev/null
+        self.terminal = terminal_fds()  # what a SIGHUP leaves for /dev/null
         if threading.current_thread() is threading.main_thread():
             self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
@@ -1498,7 +1493,7 @@ class _StopOnInterrupt:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
         if signum == getattr(signal, "SIGHUP", None):
-            _leave_hung_up_terminal(self.terminal)
+            leave_hung_up_terminal(self.terminal)
         what = "interrupted" if signum == signal.SIGINT else f"{signal.Signals(signum).name} received"
         again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
         print(f"\n{what}: finishing this step and saving ({again} to stop at once, unsaved)",

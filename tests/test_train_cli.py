@@ -442,14 +442,14 @@ def test_a_hung_up_terminal_is_left_for_dev_null(tmp_path):
     the run before its save. stdout / stderr on a terminal go to /dev/null, as under nohup; a file stays."""
     code = textwrap.dedent("""
         import os, sys
-        from blockpress.train import _leave_hung_up_terminal, _terminal_fds
+        from blockpress.stopping import leave_hung_up_terminal, terminal_fds
         master, slave = os.openpty()
         os.dup2(slave, 2)
         log = open(sys.argv[1], "w")
         os.dup2(log.fileno(), 1)
-        fds = _terminal_fds()
+        fds = terminal_fds()
         os.close(master)  # the hang-up: isatty says no from now on, and writing fails
-        _leave_hung_up_terminal(fds)
+        leave_hung_up_terminal(fds)
         os.write(2, b"still writable")
         os.write(1, b"kept")
         print(os.isatty(2), os.path.samestat(os.fstat(2), os.stat(os.devnull)), file=sys.__stdout__, flush=True)
