@@ -2087,6 +2087,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a command without its own handling, or before it (while loading)
+        # said, as the commands' own handlers say it: a Ctrl-C while the model loaded exited 130 without a word
+        fresh_line = "\n" if sys.stderr is not None and sys.stderr.isatty() else ""  # (off the terminal's "^C")
+        print(f"{fresh_line}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)
         return stop_status(exc)
     except RuntimeError as exc:
         if not out_of_memory(exc):

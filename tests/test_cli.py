@@ -2385,7 +2385,7 @@ def test_the_console_script_ends_quietly_on_a_ctrl_c_while_torch_imports():
     """The console script was blockpress.cli:main, whose import imports torch (a second or more) before main's
     Ctrl-C handling exists: a Ctrl-C then printed a traceback from inside torch's import and the process died of
     SIGINT. The script pyproject.toml names is imported as the installed wrapper imports it, with a Ctrl-C arriving
-    while torch imports: status 130, nothing on stderr."""
+    while torch imports: status 130, and the one line that says so."""
     import tomllib
     from pathlib import Path
 
@@ -2405,7 +2405,7 @@ from {module} import {function}
 sys.exit({function}())
 """
     r = subprocess.run([sys.executable, "-c", wrapper, "info"], cwd=root, capture_output=True, text=True, timeout=60)
-    assert (r.returncode, r.stderr) == (130, "")
+    assert (r.returncode, r.stderr) == (130, "blockpress info: interrupted\n")
 
 
 @pytest.mark.parametrize("terminal", [True, False])
@@ -2974,3 +2974,27 @@ def test_serve_refuses_the_meta_device_as_the_other_commands_do(monkeypatch, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("blockpress serve: error: --device: this model is on the meta device")
     assert served == []
+
+
+@pytest.mark.parametrize("command, loader", [(["generate", "def f():"], "blockpress.cli.load_model"),
+                                             (["info"], "blockpress.checkpoint.plan_model"),
+                                             (["infill", "a <|hole|> b"], "blockpress.cli.load_model")])
+def test_a_ctrl_c_while_the_model_loads_says_so(monkeypatch, capsys, command, loader):
+    """A Ctrl-C (or SIGTERM) before a command's own handling, while its model loaded, exited 130 without a word."""
+    import signal
+
+    from blockpress.stopping import Stopped
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, interrupted)
+    assert main([*command, "--model", MODEL]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"blockpress {command[0]}: interrupted"
+
+    def terminated(*args, **kwargs):
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(loader, terminated)
+    assert main([*command, "--model", MODEL]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"blockpress {command[0]}: stopped by SIGTERM"
