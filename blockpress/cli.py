@@ -1429,11 +1429,10 @@ def _server_class() -> type:
     import asyncio
     import contextlib
     import signal
-    import threading
 
     import uvicorn
 
-    from blockpress.stopping import leave_hung_up_terminal, terminal_fds
+    from blockpress.stopping import on_signals
 
     class Server(uvicorn.Server):
         """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
@@ -1472,26 +1471,11 @@ def _server_class() -> type:
         def capture_signals(self) -> Generator[None, None, None]:
             """uvicorn's SIGINT and SIGTERM, and a SIGHUP (the terminal closed: an ssh session that dropped) taken
             as they are: it killed the server where it stood, each request in flight a dropped connection ("Server
-            disconnected without sending a response") rather than finished in the grace period. The closed terminal
-            is pointed at /dev/null first (every write to it fails); uvicorn raises the signal again once shut down,
-            so the exit status is still SIGHUP's. Left alone where nohup made it ignored."""
+            disconnected without sending a response") rather than finished in the grace period. uvicorn raises the
+            signal again once shut down (after ours is put back), so the exit status is still SIGHUP's."""
             hangup = getattr(signal, "SIGHUP", None)
-            with super().capture_signals():
-                if (hangup is None or threading.current_thread() is not threading.main_thread()
-                        or signal.getsignal(hangup) == signal.SIG_IGN):
-                    yield
-                    return
-                terminal = terminal_fds()
-
-                def hung_up(sig: int, frame: Any) -> None:
-                    leave_hung_up_terminal(terminal)
-                    self.handle_exit(sig, frame)
-
-                previous = signal.signal(hangup, hung_up)
-                try:
-                    yield
-                finally:  # before uvicorn raises the signals it took again: SIGHUP's own handler then ends the process
-                    signal.signal(hangup, previous)
+            with super().capture_signals(), on_signals(() if hangup is None else (hangup,), self.handle_exit):
+                yield
 
         async def shutdown(self, sockets: Any = None) -> None:
             # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 # SIGHUP where the platform has it (not Windows)
@@ -65,12 +65,10 @@ def leave_hung_up_terminal(fds: list[int]) -> None:
 
 
 @contextmanager
-def stop_signals_interrupt() -> Iterator[None]:
-    """While inside, a SIGTERM or SIGHUP raises Stopped (a KeyboardInterrupt) in the main thread, as a Ctrl-C raises
-    KeyboardInterrupt: they killed the process where it stood, so `timeout 60 blockpress generate --json` printed
-    nothing where a Ctrl-C prints the text so far, the live view was left mid-draft without its line ended, and
-    `bench`'s rows were lost. A SIGHUP first points the closed terminal at /dev/null. Only the main thread can take
-    signals: elsewhere, and for a signal the process ignores (`nohup`'s SIGHUP), nothing changes."""
+def on_signals(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """While inside, `handler(signum, frame)` takes each of `signals`, a SIGHUP after pointing the closed terminal at
+    /dev/null. Only the main thread can take signals: elsewhere, and for a signal the process ignores (`nohup`'s
+    SIGHUP), nothing changes. The handlers found are put back on the way out."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -80,16 +78,23 @@ def stop_signals_interrupt() -> Iterator[None]:
     def handle(signum: int, frame: Any) -> None:
         if signum == hangup:
             leave_hung_up_terminal(terminal)
-        raise Stopped(signum)
+        handler(signum, frame)
 
-    previous: dict[int, Any] = {}
-    for sig in STOP_SIGNALS:
-        if sig == signal.SIGINT or signal.getsignal(sig) == signal.SIG_IGN:  # nohup: left ignored
-            continue
-        previous[sig] = signal.signal(sig, handle)
+    previous = {sig: signal.signal(sig, handle) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
-                signal.signal(sig, handler)
+        for sig, was in previous.items():
+            if was is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(sig, was)
+
+
+def stop_signals_interrupt() -> AbstractContextManager[None]:
+    """While inside, a SIGTERM or SIGHUP raises Stopped (a KeyboardInterrupt) in the main thread, as a Ctrl-C raises
+    KeyboardInterrupt: they killed the process where it stood, so `timeout 60 blockpress generate --json` printed
+    nothing where a Ctrl-C prints the text so far, the live view was left mid-draft without its line ended, and
+    `bench`'s rows were lost."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    return on_signals(tuple(sig for sig in STOP_SIGNALS if sig != signal.SIGINT), stop)
