@@ -1238,12 +1238,11 @@ class _Decoding:
     unknown: torch.Tensor | None  # req.unknown_ids on the device
     stops: _Stops
     start: float  # when denoising began (the events' elapsed time)
-    # Rows `cancelled` ended alone (it said so of some rows, not all): [B] bool, None while it named none. They end
-    # as at their max_new_tokens, within a step; where `drop_cut` (no cache handed back, no logits processor that
-    # mixes rows), the cache lets go of their rows at the next canvas (`held`: the rows it still holds; None: all),
-    # so a server's client that left a shared batch stops costing passes and memory at once.
-    cut: torch.Tensor | None = None
-    cut_rows: list[bool] | None = None  # the same, on the host
+    # Rows `cancelled` ended alone (it said so of some rows, not all): a bool per row, on the host, None while it
+    # named none. They end as at their max_new_tokens, within a step; where `drop_cut` (no cache handed back, no
+    # logits processor that mixes rows), the cache lets go of their rows at the next canvas (`held`: the rows it
+    # still holds; None: all), so a server's client that left a shared batch stops costing passes and memory at once.
+    cut_rows: list[bool] | None = None
     drop_cut: bool = False
     held: torch.Tensor | None = None
 
@@ -1266,7 +1265,7 @@ class _Decoding:
 
     def cancelled(self) -> torch.Tensor | bool:
         """Ask `req.cancelled`: True when the whole batch is cancelled, the rows it newly cut [B] bool when it cut some
-        (`self.cut` and `self.finished` then hold them), else False. Compared on the host: no device sync a step."""
+        (`self.cut_rows` and `self.finished` then hold them), else False. Compared on the host: no device sync a step."""
         said = self.req.cancelled() if self.req.cancelled is not None else False
         if not isinstance(said, (list, tuple)):
             return bool(said)
@@ -1276,20 +1275,22 @@ class _Decoding:
         said = [bool(x) for x in said]
         if all(said):
             return True
-        if said == self.cut_rows or not any(said):
+        before = self.cut_rows or [False] * b
+        newly = [x and not y for x, y in zip(said, before)]
+        if not any(newly):
             return False
-        new = torch.tensor([x and not y for x, y in zip(said, self.cut_rows or [False] * b)], device=self.finished.device)
-        self.cut_rows = [x or y for x, y in zip(said, self.cut_rows or [False] * b)]
-        self.cut = new if self.cut is None else self.cut | new
+        new = torch.tensor(newly, device=self.finished.device)
+        self.cut_rows = [x or y for x, y in zip(said, before)]
         self.finished = self.finished | new
         return new
 
     def drop_cut_rows(self) -> None:
         """Copy the cache without the rows cut since the last canvas (see `cut`), freeing theirs."""
-        if not self.drop_cut or self.cut is None:
+        if not self.drop_cut or self.cut_rows is None:
             return
-        held = torch.arange(self.cut.shape[0], device=self.cut.device) if self.held is None else self.held
-        keep = (~self.cut[held]).nonzero()[:, 0]
+        cut = torch.tensor(self.cut_rows, device=self.finished.device)
+        held = torch.arange(cut.shape[0], device=cut.device) if self.held is None else self.held
+        keep = (~cut[held]).nonzero()[:, 0]
         if keep.numel() == held.numel() or keep.numel() == 0:
             return
         self.cache = self.cache.rows(keep, self.cache.keys[0].shape[2] - self.cache.length)
@@ -1401,7 +1402,7 @@ class _Decoding:
         req, lo, keep = self.req, canvas.lo, canvas.keep
         committed = state.argmax[:, :keep]
         valid = None
-        if canvas.short_rows or self.cut is not None or (req.template is None and (req.eos_ids or self.stops.active)):
+        if canvas.short_rows or self.cut_rows is not None or (req.template is None and (req.eos_ids or self.stops.active)):
             within = canvas.scored[:, :keep]  # each row's own budget (a template row's: its length)
             valid = (~self.finished)[:, None] & within
             ended_before = self.finished
