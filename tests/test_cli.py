@@ -694,10 +694,13 @@ def test_temperature_flag_changes_the_draws_and_names_itself(capsys):
 
 @pytest.mark.parametrize("flag, value", [("--steps", "-4"), ("--steps", "2147483648"), ("--presence-penalty", "3"),
                                          ("--threads", "-2")])
-def test_bad_argument_is_a_clear_error(flag, value):
-    """The error names the flag typed (the library's checks name max_denoising_steps, presence_penalty)."""
-    r = run_cli("generate", "x", "--model", MODEL, flag, value)
-    assert r.returncode == 2 and f"error: {flag}: " in r.stderr and "Traceback" not in r.stderr
+def test_bad_argument_is_a_clear_error(flag, value, capsys):
+    """The error names the flag typed (the library's checks name max_denoising_steps, presence_penalty). In
+    process: the exit status and message are main()'s (a subprocess paid torch's import for each; the end-to-end
+    exit status is test_bad_model_path_is_a_clear_error's)."""
+    assert main(["generate", "x", "--model", MODEL, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}: " in err and "Traceback" not in err
 
 
 def test_bench_json_and_plot(tmp_path, capsys):
@@ -1117,14 +1120,28 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     (["--repeats", "0"], "--repeats: expected a positive integer"),
     (["--device", "cuda"], "device: 'cuda' asked for, but this torch sees no CUDA GPU"),  # was torch's assertion
     (["--threads", "-1"], "--threads: expected 0"),
-    (["--threads", "100000"], "--threads: expected 0 (torch's default) to "),  # was a segmentation fault (139)
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
     (["--out", "/tmp"], "--out: '/tmp' is a folder"),
     (["--plot", "/tmp/b.txt"], "--plot: expected a file ending in one of .png"),
 ])
-def test_bench_bad_arguments_fail_before_running(args, message):
-    r = run_cli("bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", *args)
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+def test_bench_bad_arguments_fail_before_running(args, message, monkeypatch, capsys):
+    """In process, through main() (a subprocess each paid torch's import: about 3 s apiece); a bench that ran
+    before refusing is a failure here, not just a slow pass."""
+    import blockpress.bench
+
+    monkeypatch.setattr(blockpress.bench, "run_bench", lambda *a, **k: pytest.fail("ran the bench first"))
+    assert main(["bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bench_threads_past_the_cpus_fail_before_torch_sees_them():
+    """--threads 100000 was a segmentation fault (139) in torch's thread pool: run end to end, where a crash is an
+    exit status and not the test process's own."""
+    r = run_cli("bench", "--preset", "tiny", "--new-tokens", "8", "--steps", "2", "--no-reference", "--threads",
+                "100000")
+    assert r.returncode == 2 and "--threads: expected 0 (torch's default) to " in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
