@@ -621,30 +621,29 @@ def test_sudoku_benchmark_smoke():
 
 
 @pytest.mark.parametrize("healing", ["40", "0"])
-def test_code_model_refuses_a_skip_past_every_held_out_function(healing):
+def test_code_model_refuses_a_skip_past_every_held_out_function(healing, monkeypatch, capsys):
     """--skip 100000 was a ZeroDivisionError, or with --healing-functions 0 a JSON of 0 functions whose rates read
     0.0 (every completion failing)."""
     import blockpress
 
     if "blockpress-code" not in blockpress.shipped_models():
         pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_model.py"), "--skip", "100000", "--infills",
-                        "0", "--healing-functions", healing, "--threads", "1"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    assert re.fullmatch(r"--skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", r.stderr)
+    code, out, err = run_script_in_process("benchmarks/code_model.py", ["--skip", "100000", "--infills", "0",
+                                           "--healing-functions", healing], monkeypatch, capsys)
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert re.fullmatch(r"--skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", err)
 
 
-def test_code_model_refuses_new_tokens_past_the_context():
+def test_code_model_refuses_new_tokens_past_the_context(monkeypatch, capsys):
     """--max-new-tokens 100000 was generate's ValueError traceback at the first prompt."""
     import blockpress
 
     if "blockpress-code" not in blockpress.shipped_models():
         pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_model.py"), "--max-new-tokens", "3841",
-                        "--functions", "1", "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    assert r.stderr == ("--max-new-tokens: prompts of up to 256 tokens + 3841 new tokens in whole 32-token canvases "
+    code, out, err = run_script_in_process("benchmarks/code_model.py", ["--max-new-tokens", "3841", "--functions",
+                                           "1"], monkeypatch, capsys)
+    assert code == 1 and out == "" and "Traceback" not in err
+    assert err == ("--max-new-tokens: prompts of up to 256 tokens + 3841 new tokens in whole 32-token canvases "
                         "(3872 positions) exceed blockpress-code's context of 4096 tokens; at most 3840 fits\n")
 
 
@@ -820,6 +819,27 @@ def benchmark_module(name: str):
     return importlib.import_module(name)
 
 
+def run_script_in_process(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int | str | None, str, str]:
+    """Run ROOT/<script> as `python <script> *argv` would, in this process: (exit code, stdout, stderr).
+
+    For a refusal made before any model work, a subprocess only adds torch's import (3-9 s each on a busy 2-core
+    CI machine). An exception that is no SystemExit (a traceback in a real run) propagates and fails the test."""
+    import runpy
+
+    path = ROOT / script
+    monkeypatch.setattr(sys, "argv", [str(path), *argv])
+    monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])  # as python puts the script's folder first
+    code = 0
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as done:
+        code = done.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):  # sys.exit("message"): Python prints it to stderr and exits 1
+        code, err = 1, err + code + "\n"
+    return code, out, err
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("prefix_cache", ["--repeats", "0"], "--repeats: expected a positive integer, got '0'"),  # was KeyError
     ("prefix_cache", ["--turns", "0"], "--turns: expected a positive integer"),  # was ZeroDivisionError
@@ -991,10 +1011,9 @@ def test_train_gpu_ends_with_its_steps_error_alone(tmp_path):
     ("canvas_transcript.py", ["x", "--steps", "0"], "--steps: expected a positive integer, got 0"),
     ("canvas_transcript.py", ["x", "--model", "no-such-model"], "--model: model 'no-such-model'"),
 ])
-def test_small_scripts_refuse_bad_flags_in_one_line(script, argv, message):
+def test_small_scripts_refuse_bad_flags_in_one_line(script, argv, message, monkeypatch, capsys):
     """Each was a traceback (or, for --candidates 0, every rate printed as 0.0 with exit 0), some after loading the
-    model or making puzzles."""
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert f"{script}: error: {message}" in r.stderr and "Traceback" not in r.stderr
+    model or making puzzles. Run in process: the smoke tests above run the scripts end to end."""
+    code, out, err = run_script_in_process(f"scripts/{script}", argv, monkeypatch, capsys)
+    assert code == 2, out + err
+    assert f"{script}: error: {message}" in err and "Traceback" not in err
