@@ -2690,6 +2690,9 @@ from blockpress.cli import main
 from blockpress.generate import Commit
 
 target, at, sig, args = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3]), sys.argv[4:]
+# Under `nohup pytest` the child inherits SIGHUP ignored, which blockpress rightly leaves ignored: the signal sent
+# below then did nothing, and the test waited out its 30 s sleep to fail. The test is of a terminal that closes.
+signal.signal(sig, signal.SIG_DFL)
 module, _, name = target.rpartition(":")
 owner = importlib.import_module(module)
 if "." in name:
