@@ -258,18 +258,17 @@ def test_gpu_bench_warms_up_fp8_ar_before_timing_it(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("script", ["benchmarks/prefix_cache.py", "benchmarks/load_memory.py",
                                     "benchmarks/prefill_memory.py", "scripts/gpu_bench.py"])
-def test_preset_help_names_every_preset_the_script_takes(script):
+def test_preset_help_names_every_preset_the_script_takes(script, monkeypatch, capsys):
     """prefix_cache's and load_memory's --preset help listed tiny, small and medium, yet took 26b-a4b; gpu_bench
     listed all four and took any name (a traceback after startup for one it did not know)."""
     from blockpress.config import preset_names
 
-    help_text = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
-                               timeout=120, check=True).stdout
+    code, help_text, _ = run_script_in_process(script, ["--help"], monkeypatch, capsys)
+    assert code == 0
     said = " ".join(re.search(r"\n  --preset (.*?)(?=\n  --)", help_text, re.S).group(1).split())
     assert all(name in said for name in preset_names()), said
-    r = subprocess.run([sys.executable, str(ROOT / script), "--preset", "bogus", "--out", "unused"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--preset" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_script_in_process(script, ["--preset", "bogus", "--out", "unused"], monkeypatch, capsys)
+    assert code == 2 and "--preset" in err and "Traceback" not in err
 
 
 def test_profile_train_step_smoke(tmp_path):
@@ -927,13 +926,12 @@ def test_script_docstrings_show_their_commands_as_written(script):
     assert literal.lstrip("rR")[3:-3] == doc, "the docstring has escapes: make it a raw string (r\"\"\")"
 
 
-def test_canvas_transcript_help_shows_the_readmes_command():
+def test_canvas_transcript_help_shows_the_readmes_command(monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"`(python scripts/canvas_transcript\.py [^`]+)`", readme).group(1)
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "canvas_transcript.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert command in [line.strip() for line in r.stdout.splitlines()]
+    code, out, err = run_script_in_process("scripts/canvas_transcript.py", ["--help"], monkeypatch, capsys)
+    assert code == 0, err
+    assert command in [line.strip() for line in out.splitlines()]
 
 
 def test_train_sudoku_augmented_source_encodes_only_the_batches_boards(monkeypatch):
