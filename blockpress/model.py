@@ -486,7 +486,13 @@ class DiffusionGemma(nn.Module):
         # PrefixCache.check_model).
         self.weights_version = 0
         cfg = config.text
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device (every load and random_model), nn.Embedding's own normal_ init runs through torch's
+        # Python reference ops, whose first call imports torch._dynamo: 1.5-3.5 s of each process's first load (each
+        # CLI run's), for values a load replaces. So the weight comes empty, initialised only where it is real.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size,
+                                                                                             cfg.hidden_size))
+        if self.embed_tokens.weight.device.type != "meta":
+            self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(Layer(cfg, spec) for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
@@ -494,8 +500,8 @@ class DiffusionGemma(nn.Module):
         self.softcap = cfg.final_logit_softcapping
         self.window = cfg.sliding_window
         self.prefill_chunk = PREFILL_CHUNK  # encode's default chunk_size: a memory setting of this engine, not the model's
-        for kind, inv_freq in self._inv_freqs().items():
-            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+        for kind, inv_freq in self._inv_freqs().items():  # computed on the CPU (see _inv_freqs), kept where the weights are
+            self.register_buffer(f"inv_freq_{kind}", inv_freq.to(self.embed_tokens.weight.device), persistent=False)
         self.rope_scaling = {kind: rope_attention_scaling(cfg.rope_parameters[kind]) for kind in cfg.layer_types}
 
     # -- building blocks -----------------------------------------------------------------------------
@@ -511,8 +517,11 @@ class DiffusionGemma(nn.Module):
         cfg = self.config.text
         # In layer order: a set's order follows the per-process string hash, and DDP pairs buffers across processes
         # by their order (one process's sliding frequencies were broadcast into another's full ones)
-        return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
-                for kind in dict.fromkeys(cfg.layer_types)}
+        # On the CPU whatever device is the default: under `with torch.device("meta")` (a load's construction) the
+        # arithmetic would run through torch's Python reference ops, which import torch._dynamo (seconds) to do it.
+        with torch.device("cpu"):
+            return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
+                    for kind in dict.fromkeys(cfg.layer_types)}
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (after meta-device construction): float32, on the model's device."""

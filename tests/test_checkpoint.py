@@ -1386,3 +1386,23 @@ def test_yarn_truncate_false_is_said_to_be_ignored():
                                "original_max_position_embeddings": 16, "truncate": False}}
     with pytest.warns(UserWarning, match="full_attention.truncate: false is ignored, as the reference ignores it"):
         ModelConfig.tiny(rope_parameters=rope)
+
+
+def test_a_load_does_not_import_torchs_compiler():
+    """Building the model on the meta device ran nn.Embedding's normal_ init and the rotary frequencies' arithmetic
+    through torch's Python reference ops, whose first call imports torch._dynamo: each process's first load (every
+    CLI run's) took 1.5-3.5 s longer on a 2-core CPU, for values the load replaces. A fresh process loads, builds a
+    random model and decodes without it (a compile still imports it, when asked for)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, blockpress\n"
+            "tiny = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)\n"
+            "lm = blockpress.load(sys.argv[1]) if sys.argv[1] else tiny\n"
+            "lm.generate('x', max_new_tokens=4, max_denoising_steps=2, seed=0)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    shipped = blockpress.shipped_models()
+    model = shipped[0] if shipped else ""  # random weights alone where the package ships no model
+    r = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
