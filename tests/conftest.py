@@ -27,3 +27,13 @@ def ref_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ref")
     model = make_reference(path)
     return path, model
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """The CLI's --threads sets torch's thread count for the whole process: a test that runs main() in process
+    would leave every later test on its count (one thread for the rest of the suite, at half the speed)."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
