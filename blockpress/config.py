@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .checks import check_flag, warn_user
+from .checks import check_flag, is_finite_number, warn_user
 from .files import read_json_object
 
 # Names and defaults the command line shows in its --help, kept in this module (which imports no torch) so that
@@ -414,6 +414,19 @@ class ModelConfig:
         tied = self.extra.get("tie_word_embeddings", True)
         if not isinstance(tied, bool):
             raise ConfigError(f"tie_word_embeddings: expected true or false, got {tied!r}")
+
+    @property
+    def attention_dropout(self) -> float:
+        """text_config's attention_dropout, the reference's: the share of attention probabilities that training drops
+        (transformers drops them in train mode only; absent or null: 0). It is no TextConfig field since inference
+        never reads it; a value outside [0, 1) is refused by field."""
+        value = self.text_extra.get("attention_dropout")
+        if value is None:
+            return 0.0
+        if not (is_finite_number(value) and 0 <= value < 1):
+            raise ConfigError(f"text_config.attention_dropout: expected a number in [0, 1) (the share of attention "
+                              f"probabilities training drops), got {value!r}")
+        return float(value)
 
     # -- presets -------------------------------------------------------------------------------------
     @classmethod

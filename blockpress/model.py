@@ -201,6 +201,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(d, cfg.rms_norm_eps, with_scale=False)
+        # config.json's attention_dropout (DiffusionGemma sets it): dropped attention probabilities in train mode only,
+        # where the reference drops them (after the softmax, before the values); eval and generation keep them all
+        self.dropout = 0.0
         # attention_bias: q, k, v and o get a bias. The reference ties the encoder's projection weights to the
         # decoder's but not their biases, so each side has a set of its own (kept out of the nn.Linears, which
         # quantizing and LoRA replace, so that both sides share one weight whatever holds it).
@@ -226,7 +229,8 @@ class Attention(nn.Module):
         k, v = kv(layer_idx, self.spec, k, v)
         # Gemma 4 attention is unscaled: q/k norms already fix the logit scale.
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=1.0, enable_gqa=k.shape[1] != q.shape[1]
+            q, k, v, attn_mask=mask, scale=1.0, enable_gqa=k.shape[1] != q.shape[1],
+            dropout_p=self.dropout if self.training else 0.0,
         )
         return self.project("o_proj", out.transpose(1, 2).reshape(b, length, -1), bias)
 
@@ -503,6 +507,12 @@ class DiffusionGemma(nn.Module):
         for kind, inv_freq in self._inv_freqs().items():  # computed on the CPU (see _inv_freqs), kept where the weights are
             self.register_buffer(f"inv_freq_{kind}", inv_freq.to(self.embed_tokens.weight.device), persistent=False)
         self.rope_scaling = {kind: rope_attention_scaling(cfg.rope_parameters[kind]) for kind in cfg.layer_types}
+        try:
+            dropout = config.attention_dropout
+        except ValueError:
+            dropout = 0.0  # inference never reads it; training refuses it by name (Trainer)
+        for layer in self.layers:
+            layer.self_attn.dropout = dropout
 
     # -- building blocks -----------------------------------------------------------------------------
     @property

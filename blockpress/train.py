@@ -16,6 +16,7 @@ resuming from a checkpoint all reproduce the losses of one uninterrupted single-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
@@ -845,6 +846,12 @@ class Trainer:
                              f"QLoRA), or write one with blockpress.load({str(lm.adapter)!r}).save(FOLDER) and give "
                              "--model FOLDER")
         text = lm.config.text
+        # config.json's attention_dropout, as the reference applies it in train mode: it was read, kept and never
+        # applied (a config of 0.1 trained without dropout, and without a word). A value outside [0, 1) is refused by
+        # name before anything runs.
+        self.attention_dropout = lm.config.attention_dropout
+        for layer in lm.model.layers:
+            layer.self_attn.dropout = self.attention_dropout
         # Examples longer than the context would train positions the model never uses (load_jsonl refuses them for
         # the CLI; a list built in Python comes here unchecked).
         context = (lm.config.canvas_length, text.max_position_embeddings, cfg.max_canvases or None)
@@ -960,6 +967,20 @@ class Trainer:
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return torch.autocast(device.type, enabled=False)
 
+    @contextlib.contextmanager
+    def _dropout_draws(self, step: int) -> Any:
+        """Attention dropout draws from torch's global generator: seeded here by (seed, step, process), so a resumed
+        run drops what the run it continues would have dropped at that step (the rest of a step's randomness is seeded
+        by its step already, StepBatches), and the caller's generator is left as it was. Without dropout nothing is
+        drawn, and nothing is seeded."""
+        if not self.attention_dropout:
+            yield
+            return
+        device = self.lm.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(derived_seed(self.cfg.seed, 1_000_037, step * self.world + self.rank))
+            yield
+
     def _losses(self, batch: Batch, noise: Noise, train: bool) -> tuple[float, float, int]:
         """Forward (and backward when training) over this process' rows, in micro-batches."""
         per_rank = self.cfg.batch_size // self.world
@@ -995,7 +1016,8 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         try:
-            diff, ar, tokens = self._losses(batch, noise, train=True)
+            with self._dropout_draws(self.step):
+                diff, ar, tokens = self._losses(batch, noise, train=True)
         except Exception as err:  # noqa: BLE001 - any compiler failure; eager errors are re-raised below
             if self.objective is self.eager_objective:
                 raise
@@ -1004,7 +1026,8 @@ class Trainer:
             warn_user(f"compile: torch.compile failed ({self.compile_error}); training continues eagerly")
             self.objective = self.eager_objective
             self.optimizer.zero_grad(set_to_none=True)
-            diff, ar, tokens = self._losses(batch, noise, train=True)
+            with self._dropout_draws(self.step):
+                diff, ar, tokens = self._losses(batch, noise, train=True)
         loss = cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar
         params = [p for p in self.model.parameters() if p.requires_grad]
         if cfg.grad_clip:
@@ -1322,8 +1345,10 @@ class Trainer:
                 bar.close()
             if metrics:
                 metrics.close()
+            # eval mode whatever ended the run (a Diverged step, an error): under attention_dropout a model left in
+            # train mode would drop attention in every generation after
+            self.lm.model.eval()
         result.tokens_per_second = seen / max(training, 1e-9)
-        self.lm.model.eval()
         return result
 
 
