@@ -175,8 +175,13 @@ class ExampleSource:
         return self._order
 
     def batch(self, step: int, size: int) -> list[Example]:
+        return self.take(step * size, size)
+
+    def take(self, start: int, size: int) -> list[Example]:
+        """`size` examples of the run's stream (every epoch's permutation, one after the other) from its `start`th: a
+        run that changes its batch size on --resume reads on from the examples it has consumed (StepBatches)."""
         out = []
-        for i in range(step * size, (step + 1) * size):
+        for i in range(start, start + size):
             epoch, j = divmod(i, len(self.examples))
             out.append(self.examples[int(self.order(epoch)[j])])
         return out
@@ -714,18 +719,26 @@ def prompts_healed(lm: LM, source: Any) -> int:
 
 class StepBatches(torch.utils.data.Dataset):
     """The training batch of step k, as a dataset indexed by k: the examples of the source, padded into canvases,
-    with every random draw of the step (seeded by the run's seed and k)."""
+    with every random draw of the step (seeded by the run's seed and k).
+
+    `start` = (step s, examples n): the run had consumed n examples of an ExampleSource's stream when it reached step
+    s (a run resumed there with another batch size: its part before ran at another), so step k reads on from example
+    n + (k - s) x batch_size; (0, 0), every step at this batch size, is example k x batch_size."""
 
     def __init__(self, source: ExampleSource | ShardSource, cfg: TrainConfig, canvas_length: int, vocab_size: int,
-                 pad: int, eos: int):
+                 pad: int, eos: int, start: tuple[int, int] = (0, 0)):
         self.source, self.cfg, self.canvas_length, self.vocab_size = source, cfg, canvas_length, vocab_size
-        self.pad, self.eos = pad, eos
+        self.pad, self.eos, self.start = pad, eos, start
 
     def __len__(self) -> int:
         return self.cfg.steps
 
     def __getitem__(self, step: int) -> tuple[Batch, Noise]:
-        examples = self.source.batch(step, self.cfg.batch_size)
+        size = self.cfg.batch_size
+        if isinstance(self.source, ExampleSource):
+            examples = self.source.take(self.start[1] + (step - self.start[0]) * size, size)
+        else:  # running text: each step's windows are drawn afresh from its own seed, none of them a place in a stream
+            examples = self.source.batch(step, size)
         batch = make_batch(examples, self.canvas_length, self.pad, self.eos, self.cfg.max_canvases or None)
         g = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 1_000_033, step * 2 + 1))
         return batch, draw_noise(batch, self.vocab_size, self.cfg, g)
@@ -943,6 +956,9 @@ class Trainer:
         )
         self._set_optimizer_settings()  # each group's weight decay and the betas
         self.step = 0
+        # (step, training examples consumed before it) where this part of the run starts: StepBatches reads on from
+        # there (Trainer.resume sets it from the saved state: a resumed run may take another batch size)
+        self.data_start = (0, 0)
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
 
     def _set_optimizer_settings(self) -> None:
@@ -953,8 +969,15 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------------------
     def _batches(self, source: ExampleSource | ShardSource) -> StepBatches:
+        # the training data reads on from where the run's examples stand; held-out batches are fixed by their index
+        start = self.data_start if source is self.source else (0, 0)
         return StepBatches(source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
-                           self.pad, self.eos)
+                           self.pad, self.eos, start)
+
+    @property
+    def examples_seen(self) -> int:
+        """The training examples the run has consumed: its batches so far, at the batch size of each part of it."""
+        return self.data_start[1] + (self.step - self.data_start[0]) * self.cfg.batch_size
 
     def _batch(self, source: ExampleSource | ShardSource, step: int) -> tuple[Batch, Noise]:
         return self._batches(source)[step]
@@ -1086,7 +1109,7 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
                  "config": asdict(self.cfg), "base_shape": base_shape(self.model),  # (--resume checks the model's)
-                 "data": self.data}
+                 "data": self.data, "examples_seen": self.examples_seen}
         done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
         # Every file is staged under a temporary name in one StagedFiles (the weights, the tokenizer, the adapters:
         # lm.save and save_adapter stage into it), and all are moved into place together once all are written,
@@ -1172,6 +1195,19 @@ class Trainer:
                       "the steps to come are not those of the run it was (give its own data again to continue "
                       "it exactly)")
         self.step = state["step"]
+        # Where the data stands: the examples consumed, at the batch size of each part of the run (runs saved before
+        # it was recorded consumed step x their batch size). A step's batch is the batch size's next examples of the
+        # stream, so a run resumed with another --batch-size reads on from there: indexed by step, its batches
+        # started at step x the new size, over examples the run had seen (a smaller one) or past ones it never saw (a
+        # larger one).
+        was = (state.get("config") or {}).get("batch_size", self.cfg.batch_size)
+        seen = state.get("examples_seen", self.step * was)
+        if was != self.cfg.batch_size and not isinstance(self.source, (ExampleSource, ShardSource)):
+            raise ValueError(f"--resume: the run in {self.out} ran at batch_size {was} and this one asks for "
+                             f"{self.cfg.batch_size}; its data source ({type(self.source).__name__}) draws the batch of "
+                             "step k by k alone, so another batch size would read examples the run saw, or skip some. "
+                             f"Resume it with batch_size {was}")
+        self.data_start = (self.step, seen)
         if self.step >= self.cfg.steps:
             raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "
                              f"{self.cfg.steps}; give a larger --steps to train on")

@@ -202,6 +202,60 @@ def test_resume_is_exact(tmp_path):
     assert straight.losses[3:] == pytest.approx(rest.losses, rel=1e-6)
 
 
+@pytest.mark.parametrize("first, then", [(4, 2), (2, 3)])
+def test_resume_with_another_batch_size_reads_on_from_the_examples_the_run_consumed(tmp_path, monkeypatch, first, then):
+    """A run of 3 steps at one batch size, resumed at another, trains on exactly the examples a run that never stopped
+    would have met next, in that order, none twice and none skipped (its batches were indexed by step alone: resumed
+    at batch 2 after 3 steps of 4, it went on from example 6 of the stream, training 6-11 twice; at a larger batch size
+    it skipped some)."""
+    import blockpress.train as train_module
+
+    examples = [Example([2, 3], [4 + i, 5]) for i in range(10)]  # response[0] names the example; epochs wrap at 10
+    seen: list[int] = []
+    real = train_module.make_batch
+    monkeypatch.setattr(train_module, "make_batch", lambda ex, *a, **k: seen.extend(e.response[0] for e in ex)
+                        or real(ex, *a, **k))
+
+    def part(name, steps, batch_size, resume=False):
+        cfg = TrainConfig(steps=steps, batch_size=batch_size, lr=1e-3, warmup_steps=1, log_every=1)
+        trainer = Trainer(tiny_lm(), ExampleSource(examples, 0), cfg, tmp_path / name, progress=False)
+        if resume:
+            trainer.resume()
+        trainer.train()
+
+    part("whole", 3 + 12 // first, first)  # the stream an unbroken run reads: 3 steps, then 12 examples more
+    stream = list(seen)
+    seen.clear()
+    part("parts", 3, first)
+    assert seen == stream[:3 * first]
+    seen.clear()
+    part("parts", 3 + 12 // then, then, resume=True)
+    assert seen == stream[3 * first:3 * first + 12]
+    state = read_trainer_state(tmp_path / "parts" / "trainer_state.pt")
+    assert state["examples_seen"] == 3 * first + 12
+
+
+def test_resume_with_another_batch_size_over_a_source_indexed_by_step_is_refused(tmp_path):
+    """A data source of its own (anything with batch(step, size), as scripts/train_sudoku.py's) draws step k's batch by
+    k alone: where its stream stands after a part at another batch size is unknown, so the resume is refused naming
+    both sizes (it went on, reading examples the run had seen)."""
+
+    class Source:
+        def batch(self, step, size):
+            return [Example([2, 3], [4 + (step * size + i) % 10, 5]) for i in range(size)]
+
+    def part(steps, batch_size):
+        cfg = TrainConfig(steps=steps, batch_size=batch_size, lr=1e-3, warmup_steps=1, log_every=1)
+        return Trainer(tiny_lm(), Source(), cfg, tmp_path / "run", progress=False)
+
+    part(2, 4).train()
+    with pytest.raises(ValueError, match=r"ran at batch_size 4 and this one asks for 2; its data source \(Source\)"):
+        part(4, 2).resume()
+    trainer = part(4, 4)  # its own batch size resumes
+    trainer.resume()
+    assert trainer.train().steps == 4
+
+
 def test_resume_trains_with_the_optimizer_settings_given_to_it(tmp_path):
     """`--resume --weight-decay 0.5 --beta2 0.5` warned that it overrode the run's settings and recorded them, but
     the optimizer's load_state_dict put the saved groups' weight decay and betas back: the resumed steps trained with
