@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib.util
+import io
 import ipaddress
 import json
 import math
@@ -1961,6 +1963,77 @@ EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve"
             "matplotlib": ("train", {"bench": "--plot", "*": "loss.png"})}
 
 
+class OutputError(Exception):
+    """A write to standard output failed for a reason other than its reader going away (a full disk, `> /dev/full`,
+    a descriptor the shell closed, `>&-`): the command's output is lost, and the run ends saying so (exit 1)."""
+
+
+class GuardedStdout(io.RawIOBase):
+    """Descriptor 1 under the command's sys.stdout (guard_stdout), its failures raised as OutputError: as the
+    OSError they were, a full disk ended in "error: [Errno 28] No space left on device", status 2 (a bad argument's)
+    or, once the interpreter's last flush met it, 120 and "Exception ignored ... OSError", and never said that
+    standard output was what failed. After one failure the rest is dropped, so the run's end cannot fail again. `fd`
+    None: no standard output at all (`>&-`), where Python's sys.stdout was None, and generate failed on
+    None.isatty() and info printed nothing with status 0. A reader gone away stays a BrokenPipeError (141, quietly)."""
+
+    def __init__(self, fd: int | None):
+        super().__init__()
+        self.fd, self.failed = fd, False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        if self.fd is None:
+            raise io.UnsupportedOperation("standard output is closed")
+        return self.fd
+
+    def isatty(self) -> bool:
+        return self.fd is not None and os.isatty(self.fd)
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data))
+        if self.failed:
+            return size
+        try:
+            if self.fd is None:
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            return os.write(self.fd, data)
+        except (BrokenPipeError, BlockingIOError):
+            raise
+        except OSError as exc:
+            self.failed = True
+            raise OutputError(exc.strerror or str(exc)) from None
+
+
+def guard_stdout() -> Any:
+    """Point sys.stdout at a GuardedStdout on descriptor 1, with the encoding, error handler and buffering Python
+    gave it; returns the stream it replaced (to put back), or False where it was left as it is: a caller's own
+    stream (a test's capture) and a Windows console, whose stream is not a plain descriptor."""
+    old = sys.stdout
+    if old is not None and old is not sys.__stdout__:
+        return False
+    fd = None
+    if old is not None:
+        try:
+            fd = old.fileno()
+            old.flush()
+        except (OSError, ValueError):
+            return False
+        if sys.platform == "win32" and old.isatty():
+            return False
+    raw = GuardedStdout(fd)
+    # PYTHONUNBUFFERED (-u) gives stdout no buffer under its text layer: kept so
+    unbuffered = old is not None and not isinstance(getattr(old, "buffer", None), io.BufferedIOBase)
+    sys.stdout = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw),
+                                  encoding=getattr(old, "encoding", None) or "utf-8",
+                                  errors=getattr(old, "errors", None) or "strict",
+                                  newline=None if sys.platform == "win32" else "\n",
+                                  line_buffering=getattr(old, "line_buffering", False),
+                                  write_through=unbuffered or getattr(old, "write_through", False))
+    return old
+
+
 def silence_output() -> None:
     """Point stdout and stderr at the null device: after a broken pipe, any later write (the interpreter's last
     flush, an error line) would hit it again and end in a traceback."""
@@ -2019,14 +2092,35 @@ def utf8_stdio() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     utf8_stdio()
-    args = build_parser().parse_args(argv)
-    # Set for the command's run alone, not on import: the library's users keep Python's warnings.
-    with warnings.catch_warnings():
-        warnings.showwarning = show_warning
-        # Each run says each of its warnings once: a new filter also clears the record of warnings an earlier
-        # main() in this process already showed (a test, a notebook), which would silence them here.
-        warnings.filterwarnings("default", category=UserWarning)
-        return run_command(args)
+    replaced = guard_stdout()
+    try:
+        try:
+            try:
+                args = build_parser().parse_args(argv)
+            except SystemExit as exc:  # --help, --version: their text is out once flushed, and that can fail too
+                if exc.code in (0, None) and sys.stdout is not None:
+                    sys.stdout.flush()
+                raise
+        except BrokenPipeError:  # `blockpress --help | head -1`: as a command's, quietly
+            silence_output()
+            return 141
+        except OutputError as error:
+            print(f"blockpress: error: cannot write to standard output: {error}", file=sys.stderr)
+            return 1
+        # Set for the command's run alone, not on import: the library's users keep Python's warnings.
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning
+            # Each run says each of its warnings once: a new filter also clears the record of warnings an earlier
+            # main() in this process already showed (a test, a notebook), which would silence them here.
+            warnings.filterwarnings("default", category=UserWarning)
+            return run_command(args)
+    finally:
+        if replaced is not False:  # the caller's stream back, ours flushed (a failure in it was said, or is moot)
+            try:
+                sys.stdout.flush()
+            except (OutputError, OSError, ValueError):
+                pass
+            sys.stdout = replaced
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -2063,6 +2157,9 @@ def run_command(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # as Unix tools do on SIGPIPE: stop quietly, with 128 + 13
         silence_output()
         return 141
+    except OutputError as exc:  # (GuardedStdout) not the arguments' fault: a runtime error's status
+        print(f"blockpress {args.command}: error: cannot write to standard output: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve")
         message = as_flags(str(exc), flags_of(args.command)) if args.command in flagged else str(exc)

@@ -1238,6 +1238,64 @@ def test_a_reader_that_goes_away_ends_the_run_quietly(args, broken):
     assert proc.wait(timeout=300) == 141 and rest == b""
 
 
+def run_with_stdout(stdout, *args, buffered=True, stdin=None):
+    """Run the command line with descriptor 1 as `stdout` ("full": /dev/full, "closed": no descriptor 1 at all,
+    as a shell's `>&-` leaves it). `buffered`: Python's own buffering of stdout, as a user's shell has it (without
+    PYTHONUNBUFFERED, which CI sets), where a failure meets the interpreter's last flush."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED" or not buffered}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    target = open("/dev/full", "w") if stdout == "full" else None
+    try:
+        return subprocess.run([sys.executable, "-m", "blockpress.cli", *args], stdout=target, stderr=subprocess.PIPE,
+                              input=stdin, text=True, env=env, timeout=300,
+                              preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None)
+    finally:
+        if target is not None:
+            target.close()
+
+
+NO_STDOUT = pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full and a descriptor to close")
+
+
+GENERATE = ["generate", "def f(x):", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1"]
+
+
+@NO_STDOUT
+@pytest.mark.parametrize("stdout, reason", [("full", "No space left on device"), ("closed", "Bad file descriptor")])
+@pytest.mark.parametrize("args, buffered", [
+    (["info", "--model", "random-tiny"], True),
+    (["info", "--model", "random-tiny", "--json"], False),
+    (GENERATE, True),
+    ([*GENERATE, "--json"], False),
+    (["--version"], True),
+    (["generate", "--help"], True),
+])
+def test_a_stdout_that_cannot_be_written_is_said_once(args, stdout, reason, buffered):
+    """`blockpress info > /dev/full` said "error: [Errno 28] No space left on device" and then Python's own
+    "Exception ignored in: <_io.TextIOWrapper name='<stdout>'...> OSError: [Errno 28]", status 120 (unbuffered: the
+    first line alone, status 2, a bad argument's); with stdout closed (`>&-`) generate ended in a traceback
+    (None.isatty()) and info printed nothing with status 0. Now one line names standard output, status 1."""
+    r = run_with_stdout(stdout, *args, buffered=buffered)
+    command = "blockpress" if args[0].startswith("-") or "--help" in args else f"blockpress {args[0]}"
+    assert r.returncode == 1, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line and not line.startswith("[")]  # the stats line aside
+    assert lines == [f"{command}: error: cannot write to standard output: {reason}"], r.stderr
+
+
+@NO_STDOUT
+@pytest.mark.parametrize("stdout, reason", [("full", "No space left on device"), ("closed", "Bad file descriptor")])
+def test_chat_with_a_stdout_that_cannot_be_written_says_so(stdout, reason):
+    """`blockpress chat < messages.txt >&-` ended in "RuntimeError: input(): lost sys.stdout", a traceback."""
+    r = run_with_stdout(stdout, "chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1",
+                        stdin="hi\n")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == f"blockpress chat: error: cannot write to standard output: {reason}"
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr
+
+
 def test_a_missing_optional_package_names_its_extra(tmp_path, capsys, monkeypatch):
     """`serve` without fastapi/uvicorn and `train --lora-rank` without peft were ModuleNotFoundError tracebacks."""
     import blockpress.cli
@@ -1377,10 +1435,12 @@ def test_bench_times_no_engine_on_its_first_run(monkeypatch):
 
 
 def test_a_closed_stdout_is_no_crash():
-    """`blockpress info >&-`: print to a closed stdout writes nothing; the new flush met a None stdout."""
+    """`blockpress info >&-`: the flush met a None stdout (a traceback); then the output was lost with status 0, said
+    nowhere. Now it is said, status 1 (test_a_stdout_that_cannot_be_written_is_said_once has the other commands)."""
     r = subprocess.run(["sh", "-c", f'"{sys.executable}" -m blockpress.cli info --model {MODEL} >&-'],
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr == "blockpress info: error: cannot write to standard output: Bad file descriptor\n"
 
 
 def test_an_installed_but_unusable_optional_package_keeps_its_own_error(monkeypatch, capsys):
