@@ -27,7 +27,7 @@ from blockpress.checks import check_text, utf8_problem
 # takes seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows
 # come from torch-free modules (config, train_config).
 from blockpress.config import PREFILL_CHUNK, RANKINGS, SCHEMES
-from blockpress.stopping import Stopped, stop_signals_interrupt, stop_status, stop_word
+from blockpress.stopping import Stopped, fresh_line, stop_signals_interrupt, stop_status, stop_word
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -333,11 +333,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stats = stats_of(n, passes, n / passes if passes else 0.0, seconds)
         if view:
             view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line
-        elif args.json:
-            # the seed a drawn one was is known only once the run is done (out.extra["seeds"]): null then
-            print(json.dumps(dict(text=text, prompt=args.prompt, **stats, seed=args.seed, interrupted=True)))
         else:
-            print(printable(shown + text))
+            # off the terminal's "^C", where the text or the object would have started (the live view redraws
+            # its region from the start of a line)
+            print(fresh_line(exc), end="", file=sys.stderr, flush=True)
+            if args.json:
+                # the seed a drawn one was is known only once the run is done (out.extra["seeds"]): null then
+                print(json.dumps(dict(text=text, prompt=args.prompt, **stats, seed=args.seed, interrupted=True)))
+            else:
+                print(printable(shown + text))
         print(f"{stop_word(exc)} ({n} new tokens committed)", file=sys.stderr)
         return stop_status(exc)
     stats = stats_line(out, time.perf_counter() - t0)
@@ -376,6 +380,7 @@ def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, heal
         # generate_ar gives its text once it is done (no commits along the way): a Ctrl-C leaves none to show, and
         # says so, as infill's does (--json: one object that says it was cut short; it exited 130 with nothing at
         # all, so a script reading the object got none)
+        print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if args.json:
             print(json.dumps(dict(text=None, prompt=args.prompt, seed=args.seed, interrupted=True)))
         print(f"{stop_word(exc)} (--ar prints its text once it is done)", file=sys.stderr)
@@ -451,6 +456,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as exc:
         # An infill is printed once every hole is filled: a Ctrl-C leaves none to show, and says so (--json: one
         # object as generate's says it was cut short, so a script reading it is not left with nothing)
+        print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if args.json:
             print(json.dumps(dict(text=None, fills=None, template=text, interrupted=True)))
         print(f"{stop_word(exc)} (an infill is printed once every hole is filled)", file=sys.stderr)
@@ -663,7 +669,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 no_reply("\n".join(block), error=error)
             break
         except KeyboardInterrupt as exc:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
-            print(file=sys.stderr)
+            # ("you> " is on the line, or, read from a file or pipe, at most the "^C")
+            print(end="\n" if interactive else fresh_line(exc), file=sys.stderr)
             if isinstance(exc, Stopped):  # a SIGTERM or SIGHUP ends the chat, as Ctrl-D does, and says so
                 print(f"{stop_word(exc)}: the chat ends", file=sys.stderr)
                 return stop_status(exc)
@@ -736,10 +743,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
             messages.pop()  # lm.chat_stream / chat_ids took the stopped turn out of the cache
             pending.clear()  # and the rest of a paste with it, as a terminal drops what was typed ahead
             if isinstance(exc, Stopped):  # a SIGTERM or SIGHUP: the reply so far stays, its line ended, and the chat ends
-                print(f"\n({stop_word(exc)}; that message was dropped and the chat ends)", file=sys.stderr)
+                print(f"{new_line() or fresh_line(exc)}({stop_word(exc)}; that message was dropped and the chat ends)",
+                      file=sys.stderr)
                 no_reply(user, error=stop_word(exc))
                 return stop_status(exc)
-            print("\n(stopped; that message was dropped, the conversation goes on)", file=sys.stderr)
+            # on a line of its own: off the reply's last word, or the terminal's "^C" (a blank line in a log)
+            print(f"{new_line() or fresh_line(exc)}(stopped; that message was dropped, the conversation goes on)",
+                  file=sys.stderr)
             no_reply(user, error="stopped")
             continue
         except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
@@ -1336,8 +1346,9 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             results.extend(done)
             if sys.stdout is not None:  # each batch's answers out now (piped, Python holds them in a buffer)
                 sys.stdout.flush()
-    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP
-        print(f"{stop_word(exc)} ({len(results)} of {len(puzzles)} puzzles solved, printed above)", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP (off the terminal's "^C")
+        print(f"{fresh_line(exc)}{stop_word(exc)} ({len(results)} of {len(puzzles)} puzzles solved, printed above)",
+              file=sys.stderr)
         return stop_status(exc)
     seconds = time.perf_counter() - t0
     if not args.json:
@@ -1423,7 +1434,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if api_key is None and not ipaddress.ip_address(host).is_loopback:
         print(f"blockpress: no API key, so anyone who reaches {url_host}:{port} can use the model: set "
               "BLOCKPRESS_API_KEY (or --api-key) to require one", file=sys.stderr)
-    _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+    try:
+        _server_class()(uvicorn.Config(app, log_level="warning",
+                                       timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+    except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
+        # stop's, on the line after "stopping" (run_command's went off a "^C" long gone: a blank line between)
+        print(f"blockpress serve: {stop_word(exc)}", file=sys.stderr)
+        return stop_status(exc)
     return 0
 
 
@@ -1446,8 +1463,8 @@ def _server_class() -> type:
         def handle_exit(self, sig: int, frame: Any) -> None:
             self.signals += 1
             if self.signals == 1:
-                print(f"blockpress: stopping; requests in flight get up to {self.config.timeout_graceful_shutdown:g} s "
-                      "to finish (signal again to stop now)", file=sys.stderr)
+                print(f"{fresh_line(sig)}blockpress: stopping; requests in flight get up to "
+                      f"{self.config.timeout_graceful_shutdown:g} s to finish (signal again to stop now)", file=sys.stderr)
                 return super().handle_exit(sig, frame)
             engine = self._engine()
             if self.signals == 2 and engine is not None and self.loop is not None:
@@ -1457,7 +1474,7 @@ def _server_class() -> type:
                 # skipped shutdown left the requests a bare 500 and the engine thread inside torch (rc 134).
                 # Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
                 # engine's lock.
-                print("blockpress: stopping now; requests in flight are cut", file=sys.stderr)
+                print(f"{fresh_line(sig)}blockpress: stopping now; requests in flight are cut", file=sys.stderr)
                 self.loop.call_soon_threadsafe(engine.cut)
                 return None
             self.force_exit = True  # a third signal: uvicorn's forced exit, whatever is left
@@ -1576,6 +1593,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too (they were
         # in --out alone, and without it lost: exit 130, nothing said).
         rows = len(measured.get("rows", []))
+        print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if rows:
             print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
         print(f"bench: {stop_word(exc)} after {rows} row{'s' if rows != 1 else ''}"
@@ -2169,8 +2187,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt as exc:  # a command without its own handling, or before it (while loading)
         # said, as the commands' own handlers say it: a Ctrl-C while the model loaded exited 130 without a word
-        fresh_line = "\n" if sys.stderr is not None and sys.stderr.isatty() else ""  # (off the terminal's "^C")
-        print(f"{fresh_line}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)
+        print(f"{fresh_line(exc)}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)  # off the "^C"
         return stop_status(exc)
     except RuntimeError as exc:
         if not out_of_memory(exc):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -37,6 +38,31 @@ def stop_status(exc: BaseException | None = None) -> int:
 def stop_word(exc: BaseException) -> str:
     """"interrupted" after a Ctrl-C, "stopped by SIGTERM" (or SIGHUP) after a Stopped: each command's message."""
     return f"stopped by {exc.name}" if isinstance(exc, Stopped) else "interrupted"
+
+
+def fresh_line(stop: BaseException | int) -> str:
+    """"\n" where a stop's first line would start on the "^C" its Ctrl-C left: stderr is a terminal that echoes
+    control characters (ECHO and ECHOCTL, as a terminal is by default), and `stop` (the KeyboardInterrupt, or the
+    signal number) is a SIGINT. "" otherwise: a SIGTERM or SIGHUP, or stderr a file or pipe, echoes nothing, and a
+    newline there was a blank line. Where termios cannot say (Windows), a terminal gets the newline."""
+    signum = stop.signum if isinstance(stop, Stopped) else stop if isinstance(stop, int) else signal.SIGINT
+    stream = sys.stderr
+    try:
+        if signum != signal.SIGINT or stream is None or not stream.isatty():
+            return ""
+        fd = stream.fileno()
+    except (OSError, ValueError):
+        return ""
+    try:
+        import termios
+    except ImportError:
+        return "\n"
+    try:
+        lflag = termios.tcgetattr(fd)[3]
+    except (termios.error, OSError, ValueError):
+        return "\n"
+    echoes = bool(lflag & termios.ECHO and lflag & getattr(termios, "ECHOCTL", 0))
+    return "\n" if echoes else ""
 
 
 def terminal_fds() -> list[int]:

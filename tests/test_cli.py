@@ -2874,6 +2874,129 @@ def test_chat_stopped_by_sigterm_at_the_prompt_gives_the_terminal_back():
         os.close(master)
 
 
+WAITING = """
+import importlib, sys, time
+from blockpress.cli import main
+
+target, args = sys.argv[1], sys.argv[2:]
+module, _, name = target.rpartition(":")
+owner = importlib.import_module(module)
+if "." in name:
+    cls, name = name.split(".")
+    owner = getattr(owner, cls)
+
+def wait(*a, **kw):  # the command at work, on a line of its own, until the stop comes
+    sys.stderr.write("working\\n")
+    sys.stderr.flush()
+    time.sleep(60)
+    sys.exit("no stop came")
+
+def stream(*a, **kw):
+    wait()
+    yield
+
+setattr(owner, name, stream if name == "stream" else wait)
+sys.exit(main(args))
+"""
+
+
+def on_a_terminal(argv, ready, stop):
+    """Run `argv` on a pseudo-terminal that is its controlling terminal and, once `ready` (bytes) is shown, stop it:
+    `stop` "ctrl-c" types Ctrl-C (the terminal echoes "^C" and sends SIGINT), or a signal's name is sent. Returns
+    the exit status and every byte the terminal got (its "\\n" is "\\r\\n")."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import signal
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+
+    def controlling_terminal():
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, preexec_fn=controlling_terminal,
+                            env={**os.environ, "TERM": "xterm"})
+    os.close(slave)
+    out, sent = b"", False
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # the other end closed: the run ended
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+            if not sent and ready in out:
+                time.sleep(0.3)
+                os.write(master, b"\x03") if stop == "ctrl-c" else proc.send_signal(getattr(signal, stop))
+                sent = True
+        return proc.wait(timeout=60), out
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+
+
+WORKING = [  # (what is made to wait for the stop, the command, the stop line's start)
+    ("blockpress.lm:LM.infill", ["infill", "x = <|hole:2|>"], b"interrupted (an infill is printed once"),
+    ("blockpress.lm:LM.stream", ["generate", "x", "--no-live"], b"x\r\ninterrupted (0 new tokens committed)"),
+    ("blockpress.lm:LM.stream", ["generate", "x", "--json"], b'{"text": "", "prompt": "x"'),
+    ("blockpress.lm:LM.generate_ar", ["generate", "x", "--ar"], b"interrupted (--ar prints its text"),
+    ("blockpress.tasks.sudoku_model:solve", ["sudoku", "." + "34678912672195348198342567859761423426853791713924856961537284287419635345286179"], b"interrupted (0 of 1 puzzles"),
+    ("blockpress.bench:run_bench", ["bench", "--preset", "tiny"], b"bench: interrupted after 0 rows"),
+]
+LOADING = ("blockpress.cli:load_model", ["generate", "x"], b"blockpress generate: interrupted")  # run_command's own
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("target, args, said", WORKING, ids=[f"{a[0]}:{t.rpartition(':')[2]}" for t, a, _ in WORKING])
+def test_a_ctrl_c_on_a_terminal_is_said_off_its_echo(target, args, said):
+    """After a Ctrl-C typed on a terminal, infill, sudoku, bench, serve and generate --no-live, --json and --ar
+    wrote their stop line (or the text so far) on the line of the terminal's "^C" echo: "^Cinterrupted (an infill
+    is printed ...)", "^C{\"text\": ...". Generate's live view and chat began a fresh line. Now each does."""
+    model = [] if args[0] in ("bench", "sudoku") else ["--model", MODEL]
+    status, out = on_a_terminal([sys.executable, "-c", WAITING, target, *args, *model, "--threads", "1"],
+                                b"working\r\n", "ctrl-c")
+    assert status == 130, out
+    assert out.endswith(b"^C\r\n" + said) or b"^C\r\n" + said in out, out
+    assert b"\r\n\r\n" not in out.split(b"^C")[-1], out  # and no blank line
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_a_sigterm_on_a_terminal_leaves_no_blank_line():
+    """A SIGTERM echoes nothing: the stop line follows the last line as it is (run_command's fallback, while the
+    model loaded, gave any terminal a newline first, a blank line)."""
+    for target, args, said in (WORKING[0], LOADING):
+        status, out = on_a_terminal([sys.executable, "-c", WAITING, target, *args, "--model", MODEL, "--threads", "1"],
+                                    b"working\r\n", "SIGTERM")
+        assert status == 143, out
+        stopped = said.replace(b"interrupted", b"stopped by SIGTERM")
+        assert b"working\r\n" + stopped in out or b"working\r\n\r" in out and b"\r" + stopped in out, out
+        assert b"\r\n\r\n" not in out, out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_serve_stopped_by_ctrl_c_on_a_terminal_says_so_off_its_echo():
+    """serve's "blockpress: stopping; ..." went on the "^C" line, and its last line, "blockpress serve:
+    interrupted", came after a blank line."""
+    status, out = on_a_terminal([sys.executable, "-m", "blockpress.cli", "serve", "--model", MODEL, "--port", "0",
+                                 "--threads", "1"], b"blockpress serving", "ctrl-c")
+    assert status == 130, out
+    tail = out.split(b"^C")[-1]
+    assert tail.startswith(b"\r\nblockpress: stopping; requests in flight get up to 30 s"), out
+    assert tail.endswith(b"(signal again to stop now)\r\nblockpress serve: interrupted\r\n"), out
+
+
 def test_infill_stopped_by_sigterm_says_so():
     r = run_signalled("blockpress.lm:LM.infill", 1, "SIGTERM", "infill", "x = <|hole:2|>", "--model", MODEL,
                       "--json", "--threads", "1")
