@@ -81,12 +81,15 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     terminal = sys.stderr is not None and sys.stderr.isatty()
     if keep:
         print(keep, file=sys.stderr, flush=True)
-    from blockpress.live import display_width  # (imports torch, as the load does)
+    from blockpress.live import clip_to_row, display_width, terminal_columns  # (imports torch, as loads do)
 
     line = f"loading {args.model} ..."
-    shown = [line]  # every line shown, the widest erased at the end
+    # Cut to one row: "\r" goes back to the start of a wrapped line's last row only, so each redraw on a terminal
+    # narrower than the line (a split tmux pane) left a copy of its first rows behind, and so did the erasing.
+    columns = terminal_columns(sys.stderr) if terminal else 0
+    shown = [clip_to_row(line, columns)]  # every line shown, the widest erased at the end
     if terminal and not keep:
-        print(line, end="", file=sys.stderr, flush=True)
+        print(shown[0], end="", file=sys.stderr, flush=True)
     started, last = time.perf_counter(), [0.0]
 
     def progress(done: int, total: int) -> None:
@@ -97,7 +100,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
             return
         last[0] = now
         size = f"{total / 1e9:.1f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
-        shown.append(f"{line} {100 * done // total}% of {size}")
+        shown.append(clip_to_row(f"{line} {100 * done // total}% of {size}", columns))
         print("\r" + shown[-1], end="", file=sys.stderr, flush=True)
 
     try:

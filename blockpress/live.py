@@ -77,6 +77,25 @@ def display_width(text: str) -> int:
     return width
 
 
+def clip_to_row(text: str, columns: int) -> str:
+    """`text` as one row of a `columns`-wide terminal, never wrapping (its last column left free: some terminals
+    wrap once it is written): its end after a "…" where it is wider. `columns` 0 or less (a size not known): whole."""
+    if columns <= 0 or display_width(text) < columns:
+        return text
+    room, kept = columns - 2, len(text)  # the "…" and the free column
+    while kept > 0 and display_width(text[kept - 1:]) <= room:
+        kept -= 1
+    return "…" + text[kept:]
+
+
+def terminal_columns(stream: TextIO) -> int:
+    """The width of the terminal `stream` is (stderr may be one where stdout is a file); 0 where none is known."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def rows_of(text: str, columns: int) -> int:
     """Terminal rows `text` takes from column 0, wrapped as xterm does: a wide character that does not fit at
     the end of a row starts the next one, and a line exactly as wide as the screen takes one row."""

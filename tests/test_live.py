@@ -218,3 +218,52 @@ def test_windows_vt_mode_turns_vt_processing_on_when_it_can(monkeypatch, mode, s
     monkeypatch.setitem(sys.modules, "msvcrt", types.SimpleNamespace(get_osfhandle=lambda fd: 100 + fd))
     assert live.windows_vt_mode(_Tty()) is want
     assert calls == ([] if set_to is None else [set_to])
+
+
+def test_clip_to_row_keeps_a_line_to_one_row_of_the_terminal():
+    """The "loading MODEL ... 45% of 52.3 GB" line wrapped on a terminal narrower than it, and each redraw (a "\\r"
+    goes back to the start of the last row only) left a copy of its first rows on screen."""
+    from blockpress.live import clip_to_row, display_width
+
+    line = "loading blockpress-code ... 19% of 21.7 MB"
+    assert clip_to_row(line, 80) == line and clip_to_row(line, 0) == line  # it fits; no size known
+    assert clip_to_row(line, 20) == "…... 19% of 21.7 MB" and display_width(clip_to_row(line, 20)) == 19
+    for columns in range(2, 45):
+        assert display_width(clip_to_row(line, columns)) < columns
+    assert clip_to_row("日本語日本語日本語", 8) == "…日本語"  # wide characters: two cells each
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_the_loading_line_never_wraps_on_a_narrow_terminal():
+    """On a 20-column terminal the loading line (and the spaces that erase it) took three rows, and the screen kept
+    "loading blockpress-c" copies above the answer. Each is now one row, cut from the left."""
+    import fcntl
+    import select
+    import struct
+    import subprocess
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 10, 20, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "blockpress.cli", "generate", "def f(x):", "--max-new-tokens",
+                             "2", "--steps", "1", "--threads", "1"], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "TERM": "xterm"})
+    os.close(slave)
+    out = b""
+    try:
+        while select.select([master], [], [], 120)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the run ended
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=60) == 0, out
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+    loading = out.decode().split("def f(x):")[0]  # the loading line's redraws, before the answer
+    assert "loading" in loading or "…" in loading, out
+    assert all(len(piece) < 20 for piece in loading.split("\r")), out
