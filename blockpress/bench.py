@@ -231,18 +231,25 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_profile(activities: list[Any]) -> Iterator[Any]:
-    """torch.profiler.profile without its start and stop lines on stderr. Only the start and the stop are
-    silenced, not the profiled code between them: its warnings and errors still show."""
-    from torch.profiler import profile
+    """torch's profiler without its start and stop lines on stderr. Only the start and the stop are
+    silenced, not the profiled code between them: its warnings and errors still show.
 
-    prof = profile(activities=activities)
+    The kineto profiler that torch.profiler.profile wraps, taken directly: torch.profiler.profile's start asks
+    `hasattr(torch, "_inductor")`, which imports torch._inductor and torch._dynamo (3.7 s on a loaded 2-core CPU,
+    each process's first profile: `blockpress bench`, gpu_bench, profile_train_step) only to read a CUDA-graph
+    setting of compiled code. Same events, same key_averages()."""
+    from torch.autograd.profiler import profile
+    from torch.profiler import ProfilerActivity
+
+    prof = profile(use_cpu=ProfilerActivity.CPU in activities,
+                   use_device="cuda" if ProfilerActivity.CUDA in activities else None, use_kineto=True)
     with _native_stderr_silenced():
-        prof.start()
+        prof.__enter__()
     try:
         yield prof
     finally:
         with _native_stderr_silenced():
-            prof.stop()
+            prof.__exit__(None, None, None)
 
 
 def profile_ops(fn: Any, device: torch.device, top: int = 15) -> dict[str, Any]:

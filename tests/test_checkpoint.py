@@ -1388,21 +1388,33 @@ def test_yarn_truncate_false_is_said_to_be_ignored():
         ModelConfig.tiny(rope_parameters=rope)
 
 
-def test_a_load_does_not_import_torchs_compiler():
+def test_a_load_or_a_profile_does_not_import_torchs_compiler():
     """Building the model on the meta device ran nn.Embedding's normal_ init and the rotary frequencies' arithmetic
     through torch's Python reference ops, whose first call imports torch._dynamo: each process's first load (every
     CLI run's) took 1.5-3.5 s longer on a 2-core CPU, for values the load replaces. A fresh process loads, builds a
-    random model and decodes without it (a compile still imports it, when asked for)."""
+    random model and decodes without it (a compile still imports it, when asked for).
+    torch.profiler.profile's start imported torch._inductor and torch._dynamo too (`hasattr(torch, "_inductor")`):
+    each process's first profile (`bench`'s matmul floor, gpu_bench, profile_train_step) took 3.7 s longer on a
+    loaded 2-core CPU. The same process then profiles a decoding, which still counts its ops, without it."""
     import subprocess
     import sys
 
-    code = ("import sys, blockpress\n"
+    code = ("import sys, torch, blockpress\n"
+            "from blockpress.bench import _gemm_ms_per_step, profile_ops\n"
             "tiny = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)\n"
             "lm = blockpress.load(sys.argv[1]) if sys.argv[1] else tiny\n"
             "lm.generate('x', max_new_tokens=4, max_denoising_steps=2, seed=0)\n"
-            "print('torch._dynamo' in sys.modules)\n")
+            "print('torch._dynamo' in sys.modules)\n"
+            "ops = profile_ops(lambda: tiny.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4,\n"
+            "                                        max_denoising_steps=2, seed=0), torch.device('cpu'))\n"
+            "gemm = _gemm_ms_per_step(tiny, torch.tensor([[5, 6, 7]]), passes=1)\n"
+            "print(ops['aten_ops'], gemm > 0, 'torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules)\n")
     shipped = blockpress.shipped_models()
     model = shipped[0] if shipped else ""  # random weights alone where the package ships no model
     r = subprocess.run([sys.executable, "-c", code, model], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "False"
+    loaded, profiled = r.stdout.splitlines()
+    assert loaded == "False"
+    aten_ops, gemm_timed, dynamo, inductor = profiled.split()
+    assert int(aten_ops) > 50 and gemm_timed == "True"
+    assert (dynamo, inductor) == ("False", "False")
