@@ -32,21 +32,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after two warm-up steps)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after the warm-up steps)")
+    ap.add_argument("--warmup-steps", type=int, default=2,
+                    help="untimed steps first (allocator, kernels' first calls); 0 times the first step too")
+    ap.add_argument("--puzzles", type=int, default=64,
+                    help="sudoku puzzles made for the batches (augmented each step; more only takes longer to make)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--compile", action="store_true", help="also time the step under torch.compile (TrainConfig.compile): "
                     "compile seconds, ms per step, and whether it fell back to eager")
     args = ap.parse_args()
     # Refused here, in one line, before the puzzles are made and the model loads: they were tracebacks (TrainConfig's
     # ValueError for --batch-size 0, ZeroDivisionError for --steps 0, resolve_device's for a GPU this machine lacks).
-    for flag, value in (("--batch-size", args.batch_size), ("--steps", args.steps)):
+    for flag, value in (("--batch-size", args.batch_size), ("--steps", args.steps), ("--puzzles", args.puzzles)):
         if value < 1:
             ap.error(f"{flag}: expected a positive integer, got {value}")
+    if args.warmup_steps < 0:
+        ap.error(f"--warmup-steps: expected 0 or more, got {args.warmup_steps}")
     try:
         device = resolve_device(args.device)
     except ValueError as exc:
         ap.error(f"--{exc}")
-    puzzles = [_generate(seed) for seed in range(64)]
+    puzzles = [_generate(seed) for seed in range(args.puzzles)]
     lm = blockpress.load("blockpress-sudoku", dtype=torch.float32, device=device)
     cfg = TrainConfig(steps=1000, batch_size=args.batch_size, noise_token_id=3, aux_ar_weight=0.25, log_every=1000)
     trainer = Trainer(lm, AugmentedSource(puzzles, 0), cfg, Path("/tmp/profile_train_step"), progress=False)
@@ -55,7 +61,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(2):
+    for _ in range(args.warmup_steps):
         trainer.train_step()
     sync()
     t0 = time.perf_counter()
@@ -64,7 +70,8 @@ def main() -> None:
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     trace = profile_ops(trainer.train_step, device)
-    result = {"device": str(device), "batch_size": args.batch_size, "ms_per_step": round(ms, 2), **trace}
+    result = {"device": str(device), "batch_size": args.batch_size, "puzzles": len(puzzles),
+              "warmup_steps": args.warmup_steps, "steps": args.steps, "ms_per_step": round(ms, 2), **trace}
 
     def save() -> None:  # after each part, so a time limit during compilation keeps the eager profile
         if args.out:

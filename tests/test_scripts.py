@@ -273,10 +273,14 @@ def test_preset_help_names_every_preset_the_script_takes(script, monkeypatch, ca
 
 def test_profile_train_step_smoke(tmp_path):
     out = tmp_path / "profile.json"
+    # 4 puzzles and no warm-up step: the 64 puzzles and two untimed steps it always took were 2.4 s of its 45
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--batch-size", "2",
-                        "--steps", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                        "--steps", "1", "--warmup-steps", "0", "--puzzles", "4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
+    assert (data["puzzles"], data["warmup_steps"], data["steps"], data["batch_size"]) == (4, 0, 1, 2)
+    assert json.loads(r.stdout) == data
     assert data["ms_per_step"] > 0 and data["aten_ops"] > 100
     counts = [row["count"] for row in data["by_count"]]
     assert counts == sorted(counts, reverse=True) and data["by_time"]
@@ -1000,6 +1004,8 @@ def test_train_gpu_ends_with_its_steps_error_alone(tmp_path):
 @pytest.mark.parametrize(("script", "argv", "message"), [
     ("profile_train_step.py", ["--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
     ("profile_train_step.py", ["--steps", "0"], "--steps: expected a positive integer, got 0"),
+    ("profile_train_step.py", ["--puzzles", "0"], "--puzzles: expected a positive integer, got 0"),
+    ("profile_train_step.py", ["--warmup-steps", "-1"], "--warmup-steps: expected 0 or more, got -1"),
     ("profile_train_step.py", ["--device", "cuda:99"], "--device: 'cuda:99' asked for"),
     ("rerank_code_candidates.py", ["--candidates", "0"], "--candidates: expected a positive integer, got 0"),
     ("rerank_code_candidates.py", ["--sampled", "{bad"], "--sampled: not JSON"),
