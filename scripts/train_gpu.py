@@ -52,12 +52,15 @@ def main() -> None:
                          "scripts/prepare_gpu_session.sh starts)")
     ap.add_argument("--puzzle-workers", type=int, default=max(1, (os.cpu_count() or 1) - 2),
                     help="sudoku: processes making puzzles (default: this machine's cores less two)")
+    ap.add_argument("--heldout-puzzles", type=int, default=64,
+                    help="sudoku: puzzles held out for the eval loss (train_sudoku.py's --heldout-puzzles)")
     args = ap.parse_args()
     out = Path(args.out)
     if args.task.startswith("sudoku"):
         cmd = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(out / "model"),
                "--puzzles", str(args.puzzles), "--puzzle-cache", args.puzzle_cache,
-               "--puzzle-workers", str(args.puzzle_workers), "--steps", str(args.steps),
+               "--puzzle-workers", str(args.puzzle_workers), "--heldout-puzzles", str(args.heldout_puzzles),
+               "--steps", str(args.steps),
                "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--minutes", str(args.minutes),
                "--device", args.device]
         if args.task == "sudoku-ar":

@@ -298,6 +298,7 @@ def test_train_sudoku_gpu_flags_smoke(tmp_path):
     r = subprocess.run(
         [sys.executable, script, "--out", str(tmp_path / "run"), "--puzzles", "12", "--puzzle-cache", str(cache),
          "--puzzle-workers", "2", "--layers", "2", "--hidden", "64", "--steps", "2", "--batch-size", "4",
+         "--heldout-puzzles", "4",
          "--data-workers", "1", "--minutes", "5", "--time-schedule", "--noise", "empty", "--threads", "1"],
         capture_output=True, text=True, timeout=300,
     )
@@ -305,7 +306,7 @@ def test_train_sudoku_gpu_flags_smoke(tmp_path):
     rows = [json.loads(x) for x in cache.read_text().splitlines()]
     assert [x["seed"] for x in rows] == list(range(12)) and cache.read_text().splitlines()[:6] == first
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and summary["heldout_puzzles"] == 4 and summary["eval"][-1][0] == 2
     import blockpress
 
     trained = blockpress.load(tmp_path / "run")
@@ -320,10 +321,12 @@ def test_train_gpu_sudoku_makes_its_puzzles_through_the_cache(tmp_path):
     made = cache.read_text()
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_gpu.py"), "--task", "sudoku", "--device", "cpu",
                         "--minutes", "1", "--steps", "1", "--batch-size", "2", "--puzzles", "6",
-                        "--puzzle-cache", str(cache), "--puzzle-workers", "2", "--out", str(tmp_path / "x")],
+                        "--puzzle-cache", str(cache), "--puzzle-workers", "2", "--heldout-puzzles", "2",
+                        "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "x" / "model" / "summary.json").read_text())["steps"] == 1
+    summary = json.loads((tmp_path / "x" / "model" / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["heldout_puzzles"] == 2  # (64 made for one eval batch of 2: 1.4 s)
     rows = cache.read_text()
     assert rows.startswith(made) and [json.loads(x)["seed"] for x in rows.splitlines()] == list(range(6))
 
@@ -353,7 +356,7 @@ def test_train_sudoku_init_from_and_resume_keep_the_models_decoding_defaults(tmp
         pytest.skip("blockpress-sudoku is not in this package")
     out = tmp_path / "run"
     run = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(out), "--noise", "empty",
-           "--puzzles", "8", "--batch-size", "2", "--warmup-steps", "0", "--threads", "1"]
+           "--puzzles", "8", "--heldout-puzzles", "2", "--batch-size", "2", "--warmup-steps", "0", "--threads", "1"]
     r = subprocess.run([*run, "--init-from", "blockpress-sudoku", "--steps", "1"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
@@ -417,6 +420,7 @@ def train_sudoku_module():
     (["--layers", "0"], "--layers: expected a positive integer, got 0"),
     (["--hidden", "160"], "--hidden: expected a positive multiple of 64"),  # 5 heads over 2 KV heads
     (["--puzzles", "0"], "--puzzles: expected a positive integer, got 0"),
+    (["--heldout-puzzles", "0"], "--heldout-puzzles: expected a positive integer, got 0"),
     (["--resume"], "--resume: {out} has no trainer_state.pt to continue from"),
     (["--init-from", "blockpress-sudoku", "--resume"], "--init-from and --resume: choose one"),
     (["--init-from", "no-such-model"], "--init-from: model 'no-such-model': not a checkpoint folder"),
