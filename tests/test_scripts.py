@@ -1,6 +1,7 @@
 """Prepared scripts run end to end on a tiny shape (the GPU runs use the same code)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).parent.parent
+# For the scripts that take no --threads (as tests/test_train_cli.py does, and gpu_session.sh for its trainings): torch's
+# two threads on a loaded 2-core machine spin against each other, a sudoku training step 3.4 s alone, 10-14.6 s
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_code_model_script(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -34,7 +38,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--preset", "tiny", "--device", "cpu",
          "--dtype", "float32", "--prompt-length", "12", "--new-tokens", "20", "--steps", "2", "--ar-tokens", "6",
          "--compile-mode", "none", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=ONE_THREAD,
     )
     assert r.returncode == 0, r.stderr
     data = json.loads((tmp_path / "result.json").read_text())
@@ -276,7 +280,7 @@ def test_profile_train_step_smoke(tmp_path):
     # 4 puzzles and no warm-up step: the 64 puzzles and two untimed steps it always took were 2.4 s of its 45
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--batch-size", "2",
                         "--steps", "1", "--warmup-steps", "0", "--puzzles", "4", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert (data["puzzles"], data["warmup_steps"], data["steps"], data["batch_size"]) == (4, 0, 1, 2)
@@ -323,7 +327,7 @@ def test_train_gpu_sudoku_makes_its_puzzles_through_the_cache(tmp_path):
                         "--minutes", "1", "--steps", "1", "--batch-size", "2", "--puzzles", "6",
                         "--puzzle-cache", str(cache), "--puzzle-workers", "2", "--heldout-puzzles", "2",
                         "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr
     summary = json.loads((tmp_path / "x" / "model" / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["heldout_puzzles"] == 2  # (64 made for one eval batch of 2: 1.4 s)
@@ -529,7 +533,8 @@ def test_rerank_code_candidates_smoke():
 def test_prefix_cache_benchmark_smoke():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefix_cache.py"), "--preset", "tiny",
                         "--system-tokens", "40", "--user-tokens", "8", "--turns", "3", "--new-tokens", "8",
-                        "--steps", "1", "--repeats", "1"], capture_output=True, text=True, timeout=300)
+                        "--steps", "1", "--repeats", "1", "--threads", "1"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     chat, shared = data["chat"], data["shared"]
