@@ -335,20 +335,23 @@ def test_train_gpu_sudoku_makes_its_puzzles_through_the_cache(tmp_path):
     assert rows.startswith(made) and [json.loads(x)["seed"] for x in rows.splitlines()] == list(range(6))
 
 
-def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_path):
+def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "puzzles.jsonl"
-    script = str(ROOT / "scripts" / "train_sudoku.py")
-    run = [sys.executable, script, "--out", str(tmp_path / "x"), "--puzzles", "4", "--puzzle-cache", str(cache),
-           "--only-puzzles"]
-    assert subprocess.run(run, capture_output=True, text=True, timeout=300).returncode == 0
+    # the all-levels cache that a default run writes, made here (its own subprocess was 2-4 s of the test's 12-15)
+    train_sudoku_module().base_puzzles(4, 0, cache)
+    assert [json.loads(x)["difficulty"] for x in cache.read_text().splitlines()] == ["easy", "medium", "hard", "easy"]
+    run = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(tmp_path / "x"), "--puzzles", "4",
+           "--puzzle-cache", str(cache), "--only-puzzles"]
     r = subprocess.run([*run, "--levels", "medium,hard"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["puzzles"] == 4
     rows = [json.loads(x) for x in cache.read_text().splitlines()]
     # The all-levels cache is not reused for another mix: the puzzles are generated again, medium and hard in turn.
     assert [x["difficulty"] for x in rows] == ["medium", "hard", "medium", "hard"]
     assert all(x["givens"] < 40 for x in rows)
-    r = subprocess.run([*run, "--levels", "medium,expert"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "--levels" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = run_script_in_process("scripts/train_sudoku.py", [*run[2:], "--levels", "medium,expert"],
+                                         monkeypatch, capsys)
+    assert code == 2 and "--levels" in err and "Traceback" not in err
 
 
 def test_train_sudoku_init_from_and_resume_keep_the_models_decoding_defaults(tmp_path):
