@@ -2111,23 +2111,26 @@ def utf8_stdio() -> None:
             pass
 
 
+def output_failed(exc: BrokenPipeError | OutputError, who: str) -> int:
+    """The status of a run whose standard output failed: its reader gone away (`| head`: quietly, 128 + SIGPIPE, as
+    Unix tools stop), or a write that failed (GuardedStdout: said under `who`, a runtime error's 1)."""
+    if isinstance(exc, BrokenPipeError):
+        silence_output()
+        return 141
+    print(f"{who}: error: cannot write to standard output: {exc}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     utf8_stdio()
     replaced = guard_stdout()
     try:
         try:
-            try:
-                args = build_parser().parse_args(argv)
-            except SystemExit as exc:  # --help, --version: their text is out once flushed, and that can fail too
-                if exc.code in (0, None) and sys.stdout is not None:
-                    sys.stdout.flush()
-                raise
-        except BrokenPipeError:  # `blockpress --help | head -1`: as a command's, quietly
-            silence_output()
-            return 141
-        except OutputError as error:
-            print(f"blockpress: error: cannot write to standard output: {error}", file=sys.stderr)
-            return 1
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version: their text is out once flushed, and that can fail too
+            if exc.code in (0, None) and sys.stdout is not None:
+                sys.stdout.flush()
+            raise
         # Set for the command's run alone, not on import: the library's users keep Python's warnings.
         with warnings.catch_warnings():
             warnings.showwarning = show_warning
@@ -2135,6 +2138,8 @@ def main(argv: list[str] | None = None) -> int:
             # main() in this process already showed (a test, a notebook), which would silence them here.
             warnings.filterwarnings("default", category=UserWarning)
             return run_command(args)
+    except (BrokenPipeError, OutputError) as exc:  # the parser's (a command's own are run_command's)
+        return output_failed(exc, "blockpress")
     finally:
         if replaced is not False:  # the caller's stream back, ours flushed (a failure in it was said, or is moot)
             try:
@@ -2175,12 +2180,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"blockpress {args.command}: error: {package} is not installed (needed for "
               f"{uses.get(args.command, uses['*'])}); pip install 'blockpress[{extra}]'", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # as Unix tools do on SIGPIPE: stop quietly, with 128 + 13
-        silence_output()
-        return 141
-    except OutputError as exc:  # (GuardedStdout) not the arguments' fault: a runtime error's status
-        print(f"blockpress {args.command}: error: cannot write to standard output: {exc}", file=sys.stderr)
-        return 1
+    except (BrokenPipeError, OutputError) as exc:  # before OSError's: not the arguments' fault
+        return output_failed(exc, f"blockpress {args.command}")
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve")
         message = as_flags(str(exc), flags_of(args.command)) if args.command in flagged else str(exc)
