@@ -1416,7 +1416,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
 
-    from blockpress.serve import check_api_key, check_origins, create_app
+    from blockpress.serve import check_api_key, check_origins, create_app, header_deadline_protocol
 
     check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
     # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
@@ -1438,7 +1438,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"blockpress: no API key, so anyone who reaches {url_host}:{port} can use the model: set "
               "BLOCKPRESS_API_KEY (or --api-key) to require one", file=sys.stderr)
     try:
-        _server_class()(uvicorn.Config(app, log_level="warning",
+        _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
                                        timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
         # stop's, on the line after "stopping" (run_command's went off a "^C" long gone: a blank line between)

@@ -457,6 +457,68 @@ def body_limit(context: int, token_chars: int) -> int:
     return context * token_chars * 12 + (1 << 20)
 
 
+HEADER_TIMEOUT = 60.0  # seconds for a request's line and headers to arrive whole (nginx's client_header_timeout)
+
+
+def header_deadline_protocol(seconds: float = HEADER_TIMEOUT) -> type:
+    """uvicorn's h11 protocol with a deadline on the request line and headers: a connection that has not sent them
+    whole within `seconds` of opening (or of the next request's first byte) gets a 408 in OpenAI's error shape and is closed.
+    uvicorn arms its only timer (keep-alive) after a first response and cancels it on any byte, so a client that
+    connected and sent nothing, or half a header, or a header byte a minute, held a file descriptor for good: a
+    thousand such took every descriptor a default ulimit allows. The whole header, not the gap between bytes, is
+    timed, so trickling does not keep a connection. Once the headers are in, BodyLimit times the body."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = json.dumps(error_body(f"the request's headers did not arrive within {seconds:g} s, so the connection "
+                                 "was closed; send the request line and headers at once",
+                                 "invalid_request_error", None, "request_timeout")).encode()
+    reply = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    class HeaderDeadline(H11Protocol):
+        deadline: asyncio.TimerHandle | None = None
+
+        def arm(self) -> None:
+            self.disarm()
+            self.deadline = self.loop.call_later(seconds, self.deadline_passed)
+
+        def disarm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            # a kept-alive connection's next request: timed from its first byte (the gap before it is uvicorn's
+            # keep-alive timeout's, which closes an idle connection quietly)
+            if self.deadline is None and self.conn.their_state is h11.IDLE:
+                self.arm()
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a whole request line and headers were parsed
+                self.disarm()
+
+        def deadline_passed(self) -> None:
+            self.deadline = None
+            # IDLE: no request parsed since the connection opened or its last response (h11 leaves IDLE on a whole
+            # request line and headers, and comes back only when a response is done)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(reply)
+                self.transport.close()
+
+    return HeaderDeadline
+
+
 def check_api_key(key: str | None) -> str | None:
     """`create_app`'s api_key: None (no key), or one an HTTP header can carry as sent. The key itself is never
     shown: errors say what is wrong with it."""
@@ -1553,8 +1615,10 @@ def check_origins(origins: Sequence[str]) -> list[str]:
     return list(origins)
 
 
-def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0) -> tuple[str, Any]:
-    """Run `app` with uvicorn on a free loopback port in a daemon thread (tests, benchmarks).
+def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0,
+                        header_timeout: float = HEADER_TIMEOUT) -> tuple[str, Any]:
+    """Run `app` with uvicorn on a free loopback port in a daemon thread (tests, benchmarks), with `serve`'s
+    deadline on request headers.
 
     Returns (base URL, uvicorn server); set `server.should_exit = True` to stop it.
     """
@@ -1566,7 +1630,8 @@ def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 
     with socket.socket() as sock:
         sock.bind((host, 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error",
+                                           http=header_deadline_protocol(header_timeout)))
     threading.Thread(target=server.run, daemon=True).start()
     base = f"http://{host}:{port}"
     deadline = time.perf_counter() + timeout

@@ -939,6 +939,53 @@ def test_a_body_that_stops_arriving_is_a_408():
     assert reached == [b"{}"] and not sent  # slow, but each chunk within the timeout
 
 
+def test_headers_that_do_not_arrive_in_time_are_a_408():
+    """uvicorn timed nothing before a first response and reset its keep-alive timer on every byte, so a client
+    that connected and sent nothing, half a request line, or a header byte now and then held a file descriptor
+    for good. Now the line and headers must arrive whole within the deadline (from the connection, or from the
+    next request's first byte on a kept-alive one): past it a 408 in OpenAI's error shape, and the connection closed."""
+    import socket
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {"ok": True}
+
+    base, srv = start_in_background(app, header_timeout=0.5)
+    port = int(base.rsplit(":", 1)[1])
+
+    def talk(parts, gap=0.0):  # what the server sent back until it closed, or 3 s
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as conn:
+            for part in parts:
+                with contextlib.suppress(OSError):  # the server may have closed already
+                    conn.sendall(part)
+                time.sleep(gap)
+            start, data = time.perf_counter(), b""
+            with contextlib.suppress(TimeoutError):
+                while chunk := conn.recv(65536):
+                    data += chunk
+            return data, time.perf_counter() - start
+
+    try:
+        request = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        for parts, gap in (([], 0), ([b"GET /hea"], 0), ([request[i:i + 3] for i in range(0, 27, 3)], 0.1)):
+            data, waited = talk(parts, gap)  # nothing / half a line / trickled past the deadline
+            assert data.startswith(b"HTTP/1.1 408 ") and waited < 2.5, (parts, data)
+            error = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+            assert error["code"] == "request_timeout" and "within 0.5 s" in error["message"]
+        data, _ = talk([request[:20], request[20:]], 0.2)  # slow, but whole in time: answered; then idle, kept
+        assert data.startswith(b"HTTP/1.1 200 ") and data.count(b"HTTP/1.1") == 1  # alive, with no 408
+        data, _ = talk([request, b"GET /hea"], 0.2)  # a second request that stalls after the first's answer
+        assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in data
+        data, _ = talk([request + request])  # pipelined: both answered, no 408
+        assert data.count(b"HTTP/1.1 200 ") == 2 and b" 408 " not in data
+    finally:
+        srv.should_exit = True
+
+
 def test_prompts_are_tokenized_off_the_event_loop(monkeypatch):
     """The handlers tokenized on the event loop, which serves every other client: a 240 KB prompt held /health
     and every stream in flight for the whole encode (~0.25 s). A completion's prompt, suffix and template and a
