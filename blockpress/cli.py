@@ -1134,15 +1134,17 @@ def cmd_train(args: argparse.Namespace) -> int:
               "token healing would re-choose, and the model learns to answer after it as it is: its generation "
               "settings say token_healing false, so `blockpress generate` keeps a prompt's end as typed "
               "(--token-healing heals it)", file=sys.stderr)
-    if not args.quiet and trainer.rank == 0:  # what the run trains on: nothing said it (a folder's stray files,
-        # a chat's turns, a --heldout split, how many passes --steps makes went unseen)
-        print(data_summary(args.data, source, heldout, cfg, lm.config.canvas_length), file=sys.stderr)
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)
         (out / "metrics.jsonl").unlink()
     if args.resume:
         trainer.resume()
+    if not args.quiet and trainer.rank == 0:  # what the run trains on: nothing said it (a folder's stray files,
+        # a chat's turns, a --heldout split, how many passes --steps makes went unseen); after --resume, which
+        # says where the run's data stands
+        print(data_summary(args.data, source, heldout, cfg, lm.config.canvas_length, trainer.data_start),
+              file=sys.stderr)
     trainable = {"trainable_parameters": trainer.trainable_parameters,
                  "trainable_fraction": round(trainer.trainable_parameters / max(trainer.total_parameters, 1), 6)}
     if cfg.lora_rank and not args.quiet and trainer.rank == 0:
@@ -1190,12 +1192,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: int) -> str:
+def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: int,
+                 start: tuple[int, int] = (0, 0)) -> str:
     """The line `train` starts with: how much data --data gave, how much of it is held out, and how many passes over
-    it --steps x --batch-size make."""
+    it --steps x --batch-size make. `start`: (step, examples consumed) where a resumed run goes on (Trainer's
+    data_start); a run resumed at another batch size consumed its first steps at the old one."""
     from blockpress.train import ExampleSource
 
-    drawn = cfg.steps * cfg.batch_size
+    step, seen = start
+    drawn = seen + (cfg.steps - step) * cfg.batch_size
+    def span(first: int, last: int) -> str:
+        return f"step {last}" if first == last else f"steps {first}-{last}"
+
+    steps = (f"--steps {cfg.steps} x --batch-size {cfg.batch_size}" if seen == step * cfg.batch_size else
+             f"the {seen:,} of {span(1, step)} and {span(step + 1, cfg.steps)} x --batch-size {cfg.batch_size}")
     upto = "up to " if cfg.max_minutes else ""  # the clock may end the run first
     if isinstance(source, ExampleSource):
         n = len(source.examples)
@@ -1207,14 +1217,13 @@ def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: 
         cut = sum(canvas_count(e, canvas_length) > cfg.max_canvases for e in source.examples) if cfg.max_canvases else 0
         cuts = (f"; --max-canvases {cfg.max_canvases} cuts {cut:,} of their responses short (their end, EOS, is not "
                 "trained)") if cut else ""
-        return (f"--data {data}: {of}; --steps {cfg.steps} x --batch-size {cfg.batch_size} draws {upto}{drawn:,}: "
-                f"{drawn / n:.3g} epochs{cuts}")
+        return f"--data {data}: {of}; {steps} draw{'s' * (steps[0] == '-')} {upto}{drawn:,}: {drawn / n:.3g} epochs{cuts}"
     shards = source.shards
     count, kind = (shards.documents, "document") if shards.documents else (len(shards.arrays), "shard file")
     where = f" in {count:,} {kind}{'s' if count != 1 else ''}"
     response = cfg.response_canvases * canvas_length
-    return (f"--data {data}: {shards.tokens:,} tokens{where}; --steps {cfg.steps} x --batch-size {cfg.batch_size} "
-            f"windows of {response} response tokens cover {upto}{_times(drawn * response / shards.tokens)} of them")
+    return (f"--data {data}: {shards.tokens:,} tokens{where}; {steps} windows of {response} response tokens cover "
+            f"{upto}{_times(drawn * response / shards.tokens)} of them")
 
 
 def _times(ratio: float) -> str:

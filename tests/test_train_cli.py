@@ -1077,6 +1077,25 @@ def test_train_starts_by_saying_what_data_it_trains_on(tmp_path, capsys):
     assert "--data" not in capsys.readouterr().err  # --quiet: no such line
 
 
+def test_the_data_line_of_a_resumed_run_counts_what_the_run_consumed(tmp_path, capsys):
+    """The start-up line said --steps x --batch-size even where a resumed run had taken its first steps at another
+    batch size: 2 steps at 4 then 3 at 2 draw 14 examples, and it said 10."""
+    data = write_data(tmp_path / "d.jsonl")  # 8 examples
+    assert main(train_args(data, tmp_path / "run", steps=2)) == 0
+    capsys.readouterr()
+    again = [a for a in train_args(data, tmp_path / "run", steps=5) if a not in ("--config", "tiny", "--quiet")]
+    again[again.index("--batch-size") + 1] = "2"
+    assert main(again + ["--resume"]) == 0
+    err = capsys.readouterr().err
+    assert (f"--data {data}: 8 examples; the 8 of steps 1-2 and steps 3-5 x --batch-size 2 draw 14: 1.75 epochs"
+            in err), err
+    capsys.readouterr()
+    same = [a for a in train_args(data, tmp_path / "run", steps=6) if a not in ("--config", "tiny", "--quiet")]
+    same[same.index("--batch-size") + 1] = "2"
+    assert main(same + ["--resume"]) == 0  # steps 3-5 were at 2 too, but 1-2 were not: still the run's own count
+    assert "the 14 of steps 1-5 and step 6 x --batch-size 2 draw 16: 2 epochs" in capsys.readouterr().err
+
+
 def test_an_error_on_the_first_line_of_the_data_names_its_flag(tmp_path, capsys):
     """A bad first line said "bad.jsonl:1: not valid JSON", naming neither --data nor --heldout-data (a bad second
     line named the flag)."""
