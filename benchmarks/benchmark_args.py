@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from blockpress.cli import DefaultsFormatter
 from blockpress.config import ModelConfig, preset_names
@@ -86,3 +90,21 @@ def checkpoint_or_random(text: str) -> str:
         preset_name(text[len(RANDOM_PREFIX):])
         return text
     return checkpoint(text)
+
+
+def measure_in_child(cmd: list[str], who: str, what: str) -> dict[str, Any]:
+    """Run a measuring process (`cmd`, printing its figures as JSON on its last stdout line) and return its figures.
+    A child that fails ends this one with its own error, named `what` ("the loading process"); a CalledProcessError
+    would hide it. A SIGTERM or SIGHUP to this process stops the child too, and ends with 128 + the signal: by
+    default this one died and left the child measuring on, an orphan (a Ctrl-C reaches both from the terminal)."""
+    from blockpress.stopping import stop_signals_interrupt, stop_status, stop_word
+
+    try:
+        with stop_signals_interrupt():  # as a KeyboardInterrupt: subprocess.run kills the child on its way out
+            out = subprocess.run(cmd, capture_output=True, text=True)
+    except KeyboardInterrupt as exc:
+        print(f"{who}: {stop_word(exc)}", file=sys.stderr)
+        raise SystemExit(stop_status(exc)) from None
+    if out.returncode != 0:
+        sys.exit(f"{who}: {what} failed (exit status {out.returncode}):\n{out.stderr.strip()}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

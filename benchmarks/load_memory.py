@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-from benchmark_args import PRESET_HELP, Formatter, preset_name, preset_weights_that_cannot_fit
+from benchmark_args import (
+    PRESET_HELP,
+    Formatter,
+    measure_in_child,
+    preset_name,
+    preset_weights_that_cannot_fit,
+)
 
 PAGE_STEP = 1 << 20  # slack when checking that a reset peak is back at the current size
 
@@ -123,11 +128,8 @@ def main() -> None:
         del lm
         result = {"benchmark": "load_memory", "preset": args.preset, "dtype": args.dtype, "quantize": args.quantize,
                   "disk_bytes": disk}
-        out = subprocess.run([sys.executable, __file__, "--child", tmp, "--quantize", args.quantize],
-                             capture_output=True, text=True)
-        if out.returncode != 0:  # the child's own error (a CalledProcessError would hide it)
-            sys.exit(f"load_memory: the loading process failed (exit status {out.returncode}):\n{out.stderr.strip()}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row = measure_in_child([sys.executable, __file__, "--child", tmp, "--quantize", args.quantize],
+                               "load_memory", "the loading process")  # (a stop: the folder is removed on the way out)
         row["resident_over_disk"] = row["rss_growth_after_touch"] / disk
         # What reading every weight adds after `load` returned: a plain load maps the file and reads a weight when it
         # is first used, so this is its weights; a quantized load has already read and converted them (~0 here).

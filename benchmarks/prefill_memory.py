@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmark_args import PRESET_HELP, Formatter, positive_int, preset_name
+from benchmark_args import PRESET_HELP, Formatter, measure_in_child, positive_int, preset_name
 from load_memory import RssSampler, reset_peak, status
 
 
@@ -102,10 +101,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--tokens", str(args.tokens),
                "--batch", str(args.batch), "--threads", str(args.threads), "--repeats", str(args.repeats),
                "--child", str(chunk)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:  # the child's own error (a CalledProcessError would hide it)
-            sys.exit(f"prefill_memory: the encoding process failed (exit status {out.returncode}):\n{out.stderr.strip()}")
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows.append(measure_in_child(cmd, "prefill_memory", "the encoding process"))
     print(json.dumps({"benchmark": "prefill_memory", "preset": args.preset, "tokens": args.tokens,
                       "batch": args.batch, "runs": rows}, indent=2))
 

@@ -831,12 +831,45 @@ def test_load_memory_shows_the_childs_error(monkeypatch, capsys):
     def failing_child(args, **kwargs):
         return real_run([sys.executable, "-c", "import sys; sys.exit('ValueError: load: the child broke')"], **kwargs)
 
-    monkeypatch.setattr(load_memory.subprocess, "run", failing_child)
+    monkeypatch.setattr(subprocess, "run", failing_child)  # (benchmark_args.measure_in_child runs it)
     monkeypatch.setattr(sys, "argv", ["load_memory.py", "--preset", "tiny"])
     with pytest.raises(SystemExit) as done:
         load_memory.main()
     assert "the loading process failed (exit status 1)" in str(done.value.code)
     assert "ValueError: load: the child broke" in str(done.value.code)
+
+
+@pytest.mark.parametrize("signum", [15, 1])  # SIGTERM, SIGHUP
+def test_a_stop_signal_to_a_memory_benchmark_stops_its_measuring_child(tmp_path, signum):
+    """prefill_memory and load_memory measure in a child process: a SIGTERM (a scheduler, `kill`) or SIGHUP to the
+    script ended it and left the child measuring on, an orphan. Now the child is killed with it, and the script
+    ends with 128 + the signal and one line."""
+    import signal
+    import threading
+    import time
+
+    module = benchmark_module("benchmark_args")
+    pid_file = tmp_path / "pid"
+    child = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+             "time.sleep(120)"]
+
+    def signal_once_started():
+        deadline = time.time() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=signal_once_started, daemon=True).start()
+    started = time.time()
+    with pytest.raises(SystemExit) as done:
+        module.measure_in_child(child, "load_memory", "the loading process")
+    assert done.value.code == 128 + signum and time.time() - started < 30
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped: no such process
+        os.kill(pid, 0)
+    assert signal.getsignal(signum) is not None  # the handlers in place before are back
 
 
 def benchmark_module(name: str):
