@@ -26,10 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run(cmd: list[str]) -> None:
     """Run a step; one that fails has said why on stderr (a flag's usage error, no GPU), so this ends with its exit
-    status alone: check=True added a CalledProcessError traceback of this script under the step's own message."""
-    rc = subprocess.run(cmd).returncode
+    status alone: check=True added a CalledProcessError traceback of this script under the step's own message.
+
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) reaches the step exactly once, and this script waits for it: a trainer
+    then finishes its step and saves. The step runs in a process group of its own and this script passes each
+    signal on. Before, a Ctrl-C reached both from the terminal and subprocess.run killed the trainer 0.25 s later,
+    mid-save; a SIGTERM to this script alone left the trainer running on, an orphan. (Passing signals on to a child
+    in this group would have given it two where `timeout` signals the whole group, and a second signal stops a
+    trainer at once, unsaved.)"""
+    from blockpress.stopping import STOP_SIGNALS, on_signals
+
+    child = subprocess.Popen(cmd, process_group=0)
+    with on_signals(STOP_SIGNALS, lambda signum, frame: child.send_signal(signum)):
+        rc = child.wait()
     if rc:
-        raise SystemExit(rc)
+        raise SystemExit(rc if rc > 0 else 128 - rc)  # a step a signal killed: the shell's 128 + its number
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """Prepared scripts run end to end on a tiny shape (the GPU runs use the same code)."""
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import types
@@ -839,12 +841,25 @@ def test_load_memory_shows_the_childs_error(monkeypatch, capsys):
     assert "ValueError: load: the child broke" in str(done.value.code)
 
 
+@contextlib.contextmanager
+def signal_fails_the_test(signum: int):
+    """While inside, `signum` sent to this process fails the test where the code under test does not take it: a
+    SIGTERM or SIGHUP would otherwise end the whole pytest run."""
+    def reached_us(signum, frame):
+        raise AssertionError(f"signal {signum} reached the test's process: the code under test did not take it")
+
+    previous = signal.signal(signum, reached_us)
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 @pytest.mark.parametrize("signum", [15, 1])  # SIGTERM, SIGHUP
 def test_a_stop_signal_to_a_memory_benchmark_stops_its_measuring_child(tmp_path, signum):
     """prefill_memory and load_memory measure in a child process: a SIGTERM (a scheduler, `kill`) or SIGHUP to the
     script ended it and left the child measuring on, an orphan. Now the child is killed with it, and the script
     ends with 128 + the signal and one line."""
-    import signal
     import threading
     import time
 
@@ -863,7 +878,7 @@ def test_a_stop_signal_to_a_memory_benchmark_stops_its_measuring_child(tmp_path,
 
     threading.Thread(target=signal_once_started, daemon=True).start()
     started = time.time()
-    with pytest.raises(SystemExit) as done:
+    with signal_fails_the_test(signum), pytest.raises(SystemExit) as done:
         module.measure_in_child(child, "load_memory", "the loading process")
     assert done.value.code == 128 + signum and time.time() - started < 30
     pid = int(pid_file.read_text())
@@ -1057,6 +1072,47 @@ def test_train_gpu_ends_with_its_steps_error_alone(tmp_path):
                         "--puzzle-cache", str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "train_sudoku.py: error: " in r.stderr and "--minutes" in r.stderr
+
+
+@pytest.mark.parametrize("signum", [2, 15])  # SIGINT (Ctrl-C), SIGTERM
+def test_train_gpu_passes_a_stop_signal_to_its_step_once_and_waits_for_it(tmp_path, signum):
+    """A Ctrl-C reached the trainer from the terminal and subprocess.run killed it 0.25 s later, mid-save; a SIGTERM
+    to train_gpu.py alone left the trainer running on. Now the step, in a process group of its own (so a signal
+    to the whole group, as `timeout` sends, does not reach it twice: a second one stops a trainer unsaved), gets
+    each signal once from train_gpu.py, which waits while it saves and ends with its status."""
+    import importlib
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    train_gpu = importlib.import_module("train_gpu")
+    log = tmp_path / "log"
+    child = [sys.executable, "-c", f"""
+import os, signal, sys, time
+log = open({str(log)!r}, "a", buffering=1)
+def stop(signum, frame):  # as the trainer: finish, save (1 s), exit 128 + the signal
+    log.write(f"signal {{signum}}\\n"); time.sleep(1); log.write("saved\\n"); os._exit(128 + signum)
+signal.signal(signal.SIGINT, stop); signal.signal(signal.SIGTERM, stop)
+log.write(f"ready {{os.getpgid(0)}}\\n")
+time.sleep(60)
+"""]
+
+    def signal_once_ready():
+        deadline = time.time() + 60
+        while "ready" not in (log.read_text() if log.exists() else ""):
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=signal_once_ready, daemon=True).start()
+    started = time.time()
+    with signal_fails_the_test(signum), pytest.raises(SystemExit) as done:
+        train_gpu.run(child)
+    assert done.value.code == 128 + signum and time.time() - started < 30
+    lines = log.read_text().splitlines()
+    assert lines[1:] == [f"signal {signum}", "saved"], lines  # once, and waited for
+    assert int(lines[0].split()[1]) != os.getpgid(0)  # its own group: a group's signal reaches it once, from us
 
 
 @pytest.mark.parametrize(("script", "argv", "message"), [
