@@ -841,6 +841,22 @@ def test_load_memory_shows_the_childs_error(monkeypatch, capsys):
     assert "ValueError: load: the child broke" in str(done.value.code)
 
 
+def signal_self_once(signum: int, ready) -> None:
+    """From a thread: send `signum` to this process once `ready()` is true (given up after 60 s)."""
+    import threading
+    import time
+
+    def wait_then_signal():
+        deadline = time.time() + 60
+        while not ready():
+            if time.time() > deadline:
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=wait_then_signal, daemon=True).start()
+
+
 @contextlib.contextmanager
 def signal_fails_the_test(signum: int):
     """While inside, `signum` sent to this process fails the test where the code under test does not take it: a
@@ -860,23 +876,13 @@ def test_a_stop_signal_to_a_memory_benchmark_stops_its_measuring_child(tmp_path,
     """prefill_memory and load_memory measure in a child process: a SIGTERM (a scheduler, `kill`) or SIGHUP to the
     script ended it and left the child measuring on, an orphan. Now the child is killed with it, and the script
     ends with 128 + the signal and one line."""
-    import threading
     import time
 
     module = benchmark_module("benchmark_args")
     pid_file = tmp_path / "pid"
     child = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
              "time.sleep(120)"]
-
-    def signal_once_started():
-        deadline = time.time() + 60
-        while not pid_file.exists() or not pid_file.read_text():
-            if time.time() > deadline:
-                return
-            time.sleep(0.05)
-        os.kill(os.getpid(), signum)
-
-    threading.Thread(target=signal_once_started, daemon=True).start()
+    signal_self_once(signum, lambda: pid_file.exists() and pid_file.read_text())
     started = time.time()
     with signal_fails_the_test(signum), pytest.raises(SystemExit) as done:
         module.measure_in_child(child, "load_memory", "the loading process")
@@ -1081,7 +1087,6 @@ def test_train_gpu_passes_a_stop_signal_to_its_step_once_and_waits_for_it(tmp_pa
     to the whole group, as `timeout` sends, does not reach it twice: a second one stops a trainer unsaved), gets
     each signal once from train_gpu.py, which waits while it saves and ends with its status."""
     import importlib
-    import threading
     import time
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -1096,16 +1101,7 @@ signal.signal(signal.SIGINT, stop); signal.signal(signal.SIGTERM, stop)
 log.write(f"ready {{os.getpgid(0)}}\\n")
 time.sleep(60)
 """]
-
-    def signal_once_ready():
-        deadline = time.time() + 60
-        while "ready" not in (log.read_text() if log.exists() else ""):
-            if time.time() > deadline:
-                return
-            time.sleep(0.05)
-        os.kill(os.getpid(), signum)
-
-    threading.Thread(target=signal_once_ready, daemon=True).start()
+    signal_self_once(signum, lambda: "ready" in (log.read_text() if log.exists() else ""))
     started = time.time()
     with signal_fails_the_test(signum), pytest.raises(SystemExit) as done:
         train_gpu.run(child)
