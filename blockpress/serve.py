@@ -759,8 +759,19 @@ class Engine:
         self.stopping = False
         self.batches: list[Batch] = []  # the batches the engine thread is generating, in the order they started
         self.metrics = Metrics()
+        # Started when the app starts or the first request comes (`start`), not here: only the app's shutdown ends
+        # it, so an app that was made and never served (a notebook cell run again, a refused setting after it)
+        # kept a thread waiting forever, and the model with it (10 create_app calls: 10 threads).
         self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
-        self.thread.start()
+
+    def start(self) -> None:
+        """Start the engine thread, unless it has started (or the engine has closed)."""
+        with self.lock:
+            self._start()
+
+    def _start(self) -> None:
+        if self.thread.ident is None and not self.stopping:  # (the lock held)
+            self.thread.start()
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), each
@@ -785,6 +796,7 @@ class Engine:
                 raise APIError(429, "the server is busy: the request queue is full, retry later", kind="rate_limit_error",
                                headers={"Retry-After": "1"})  # OpenAI's clients back off by it
             self.waiting += jobs
+            self._start()  # an app run without its lifespan (TestClient outside `with`) starts it here
             self.arrived.notify()
 
     def depth(self) -> int:
@@ -816,7 +828,7 @@ class Engine:
         with self.lock:
             self.stopping = True
         self.cut()
-        if self.thread is not threading.current_thread():
+        if self.thread.ident is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout)
 
     def _admit(self) -> None:
@@ -1484,6 +1496,7 @@ def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
+        engine.start()
         yield
         await asyncio.to_thread(engine.close)  # the engine thread holds the model: end it with the app
 

@@ -1293,6 +1293,36 @@ def test_the_engine_survives_a_failed_error_report_and_stops_with_the_app():
     assert not engine.thread.is_alive()  # the app's shutdown ended it
 
 
+def test_an_app_that_is_never_served_keeps_no_thread():
+    """create_app started the engine thread at once and only the app's shutdown ended it: an app made and never
+    served (a notebook cell run again, a script that failed before uvicorn ran it) left a thread waiting forever,
+    holding the model (10 create_app calls: 10 threads). It starts with the app, or with the first request."""
+    from fastapi.testclient import TestClient
+
+    def engines():
+        return sum(t.name == "blockpress-engine" for t in threading.enumerate())
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    before = engines()
+    for _ in range(3):
+        create_app(lm, MODEL)
+    assert engines() == before
+    app = create_app(lm, MODEL)
+    engine = app.state.engine
+    with TestClient(app) as http:  # served: the app's start starts it, its shutdown ends it
+        assert engine.thread.is_alive()
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}).status_code == 200
+    engine.thread.join(10)
+    assert not engine.thread.is_alive() and engines() == before
+    # run without its lifespan (TestClient outside `with`): the first request starts it
+    bare = create_app(lm, MODEL)
+    r = TestClient(bare).post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+    assert r.status_code == 200 and bare.state.engine.thread.is_alive()
+    bare.state.engine.close()
+    assert not bare.state.engine.thread.is_alive()
+
+
 def test_latency_histogram_is_cumulative():
     from blockpress.serve import Metrics
 
