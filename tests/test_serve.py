@@ -1323,6 +1323,34 @@ def test_an_app_that_is_never_served_keeps_no_thread():
     assert not bare.state.engine.thread.is_alive()
 
 
+def test_an_app_that_is_gone_lets_go_of_its_model():
+    """FastAPI keeps every endpoint function in a cache of the process (4096 of them), and the endpoints closed over
+    the model: one served and shut down, or never served, kept its weights and prefix cache for the life of the
+    process (3 blockpress-code apps served and stopped in turn: RSS 248 -> 445 MB)."""
+    import gc
+    import weakref
+
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    model, cache = weakref.ref(lm.model), None
+    app = create_app(lm, MODEL, prefix_cache_bytes=1 << 20)
+    with TestClient(app) as http:
+        prompt = " ".join(["word"] * 40)  # long enough for the prefix cache to keep it
+        for route, body in (("/v1/completions", {"prompt": prompt}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})):
+            r = http.post(route, json={"model": MODEL, "max_tokens": 3, **body})
+            assert r.status_code == 200, r.text
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        assert len(app.state.engine.prefix_cache) >= 1
+        cache = weakref.ref(app.state.engine.prefix_cache)
+    create_app(lm, MODEL)  # and one never served
+    del lm, app, http, r
+    gc.collect()
+    assert model() is None and cache() is None
+
+
 def test_latency_histogram_is_cumulative():
     from blockpress.serve import Metrics
 
