@@ -342,8 +342,9 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
     of those zeroed: the fewest most likely tokens whose probability reaches top_p of what top_k left (1: no limit).
     `top_k`, `top_p`: one value for every row, or one per row ([B] tensors, RowDraws'); a row at 0 and 1 comes back
     exactly as it was, so it draws what it would unfiltered.
-    `k_values`, `nucleus`: the rows' top_k and whether any row's top_p is below 1, known on the host (RowDraws keeps
-    them); None reads them from `top_k` and `top_p` (a device sync when those are device tensors).
+    `k_values`, `nucleus`: the rows' top_k values (each once will do) and whether any row's top_p is below 1, known
+    on the host (RowDraws keeps them); None reads them from `top_k` and `top_p` (a device sync when those are device
+    tensors).
 
     Not renormalised (`sample` draws in proportion to what is left). The most likely token always stays, and ties
     are ranked by token id, as argmax ranks them: top_k=1 keeps exactly the argmax token. What stays is a prefix of
@@ -402,15 +403,18 @@ class RowDraws:
     top_k: torch.Tensor  # [B] int64, 0: no top-k filter
     top_p: torch.Tensor  # [B] float32, 1: no nucleus filter
     # Read on the host once, when made (never inside a step): whether any row tempers its draws, the rows' top_k
-    # and whether any row's top_p is below 1. A batch where none does skips that work, as a single unfiltered
-    # request always did; one without a nucleus filters by torch.topk, with no sort (`top_filter`).
+    # values (those above 0, each once, sorted) and whether any row's top_p is below 1. A batch where none does
+    # skips that work, as a single unfiltered request always did; one without a nucleus filters by torch.topk,
+    # with no sort (`top_filter`). Not one entry a row: torch.compile guards on these, and a tuple as long as the
+    # batch recompiled the compiled sampler step for every batch size, past its recompile limit (8), after which
+    # the step ran eagerly, unsaid (a batch sweep of `bench --compile` from 8 rows on).
     tempered: bool
     top_ks: tuple[int, ...]
     nucleus: bool
 
     @property
     def filtered(self) -> bool:
-        return self.nucleus or any(k > 0 for k in self.top_ks)
+        return self.nucleus or bool(self.top_ks)
 
     @classmethod
     def of(cls, cfg: SamplerConfig, batch: int, device: torch.device | str = "cpu",
@@ -429,7 +433,8 @@ class RowDraws:
         return cls(torch.tensor(temps, dtype=torch.float32, device=device),
                    torch.tensor(ks, dtype=torch.long, device=device),
                    torch.tensor(ps, dtype=torch.float32, device=device),
-                   tempered=any(t != 1.0 for t in temps), top_ks=tuple(ks), nucleus=any(p < 1.0 for p in ps))
+                   tempered=any(t != 1.0 for t in temps), top_ks=tuple(sorted({k for k in ks if k > 0})),
+                   nucleus=any(p < 1.0 for p in ps))
 
     def take(self, rows: torch.Tensor) -> RowDraws:
         """The rows `rows` only (a batch that shrank); the host flags stay the batch's (a row they no longer
@@ -621,7 +626,9 @@ def init_state(canvas: torch.Tensor, fixed: torch.Tensor | None = None) -> Canva
     if fixed is not None:
         settled = fixed >= 0
         canvas = torch.where(settled, fixed, canvas)
-    return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros, settled)
+    # a tensor of its own each: torch.compile guards on which inputs alias, and the compiled step recompiled once
+    # stable_steps and accepted, one zeros tensor here, came back from a step as two
+    return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros.clone(), settled)
 
 
 @dataclass(frozen=True)

@@ -1034,6 +1034,31 @@ def test_compiled_steps_trace_and_match_eager():
     assert torch.equal(lm.generate_ar([3, 4, 5], max_new_tokens=6).sequences, eager_ar.sequences)
 
 
+def test_compiled_steps_stop_recompiling_once_batch_and_lengths_vary():
+    """The sampler step kept each row's top_k in a tuple as long as the batch, which torch.compile guards on: every
+    new batch size compiled it again, and past the recompile limit (8) it ran eagerly, unsaid (a `bench --compile`
+    batch sweep from 8 rows on). Once the sizes have varied, other batch sizes and prompt lengths compile nothing."""
+    import torch._dynamo
+
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    torch._dynamo.reset()
+    lm.compile(backend=counting)
+    kw = dict(max_new_tokens=20, max_denoising_steps=2, seed=2, adaptive_stopping=False)
+    for b, n in ((1, 3), (2, 5), (3, 4)):  # sizes change: the compiler makes them dynamic
+        lm.generate(torch.randint(3, 100, (b, n)), **kw)
+    warm = len(compiles)
+    for b, n in ((5, 3), (8, 6), (4, 9)):
+        out = lm.generate(torch.randint(3, 100, (b, n)), **kw)
+        assert out.sequences.shape == (b, n + 20)
+    assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
+
+
 def test_compiled_bf16_on_cpu_hands_the_experts_to_grouped_mm():
     """In bf16 on a CPU the compiler gets torch's grouped GEMM itself (no custom-op dispatch per call); float32
     keeps the custom op. Either way the tokens equal eager decoding's."""
