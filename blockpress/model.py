@@ -797,7 +797,12 @@ class DiffusionGemma(nn.Module):
 
         soft = self._soft_input(self_conditioning_logits, None, self_conditioning_mask)
         x = self.self_conditioning(self.embed(noisy), soft)
-        x = self.run_layers(x, positions[:, prompt_length:], masks, source, False)
+        # The canvases are numbered on from the prompt's last token, as inference numbers a canvas (the cache's next
+        # position onwards), padding included: a running-text window that ends inside its last canvas leaves a
+        # padded tail there, which the encoder's positions (a running count of valid slots) gave the last token's
+        # position over and over, so the scored positions attended to a tail at the wrong place.
+        after = positions[:, prompt_length - 1 : prompt_length] + 1 if prompt_length else positions.new_zeros(b, 1)
+        x = self.run_layers(x, after + torch.arange(total, device=device), masks, source, False)
         return self.head(x)
 
     # -- initialisation ------------------------------------------------------------------------------------

@@ -102,6 +102,26 @@ def test_the_training_loss_is_the_references(ref_checkpoint, seed):
     lm.model.eval()
 
 
+@pytest.mark.parametrize("response", [9, 13, 23])
+def test_a_window_that_ends_inside_a_canvas_is_the_references(ref_checkpoint, response):
+    """A running-text window (no EOS) whose response ends inside its last canvas: the canvas's padded tail is
+    numbered on from the response, as a partly used canvas is at inference and in the reference's forward. Its
+    positions repeated the last token's (valid's running count), so the scored positions attended to a tail at the
+    wrong place: a diffusion loss of 6.30 / 6.41 / 7.31 a token where the reference gives 6.11 / 6.92 / 7.33."""
+    path, ref = ref_checkpoint
+    lm = load(path)
+    g = torch.Generator().manual_seed(response)
+    example = Example(torch.randint(2, VOCAB, (5,), generator=g).tolist(),
+                      torch.randint(2, VOCAB, (response,), generator=g).tolist(), ends=False)
+    batch = make_batch([example], C, 0, 1)
+    n = batch.canvas_ids.shape[1]
+    assert n % C == 0 and int(batch.scored.sum()) == response < n  # the last canvas has a padded tail
+    t = torch.tensor([0.6])
+    noise = Noise(t, torch.rand(1, n, generator=g) < t, torch.randint(0, VOCAB, (1, n), generator=g),
+                  torch.tensor([True]))
+    assert our_losses(lm.model, batch, noise) == pytest.approx(reference_losses(ref.eval(), batch, noise), abs=1e-5)
+
+
 def test_no_attention_dropout_leaves_training_as_it_was(ref_checkpoint):
     """attention_dropout 0 (the reference's default): train mode computes what eval mode does, bit for bit."""
     lm = load(ref_checkpoint[0])
