@@ -1204,18 +1204,31 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
                             f"; only {accepted} or null is accepted)", field_name)
     # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    given = getattr(body, "max_completion_tokens", None) or body.max_tokens
     try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or lm.default_new_tokens(len(prompt))
+        max_tokens = given or lm.default_new_tokens(len(prompt))
     except ValueError as exc:
         raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
+    canvas = lm.config.canvas_length
+    prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
+    if not given and getattr(body, "template", None) is None:  # a template's length is its own, checked below
+        # No limit sent: the default is cut to the whole canvases the context has left, as vLLM gives what fits and
+        # `blockpress chat` shortens its reply (a conversation near the context got a 400 naming a max_tokens the
+        # client never sent). Where not even min_tokens (at least one token) fits, that is what is said.
+        room = max(0, context - len(prompt)) // canvas * canvas
+        if room < max(1, body.min_tokens):
+            param = prompt_param if room == 0 else "min_tokens"
+            needs = f"min_tokens {body.min_tokens}" if room else f"one {canvas}-token canvas"
+            raise APIError(400, f"{param}: {len(prompt)} prompt tokens leave room for {room} new tokens (whole "
+                                f"{canvas}-token canvases) in the context of {context} tokens, too few for {needs}",
+                           param)
+        max_tokens = min(max_tokens, room)
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
-    canvas = lm.config.canvas_length
     taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases
     if len(prompt) + taken > context:
         # the prompt is what to shorten when it leaves no room for one canvas
-        param = ("messages" if isinstance(body, ChatRequest) else "prompt") if len(prompt) + canvas > context \
-            else limit_name
+        param = prompt_param if len(prompt) + canvas > context else limit_name
         whole = f" (whole {canvas}-token canvases: {taken} positions)" if taken != max_tokens else ""
         raise APIError(400, f"{param}: {len(prompt)} prompt tokens + {limit_name} {max_tokens}{whole} exceed the "
                             f"context of {context} tokens", param)

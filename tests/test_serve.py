@@ -822,6 +822,39 @@ def test_max_context_is_at_most_the_models():
         assert r.status_code == 400 and "exceed the context of 40 tokens" in r.json()["error"]["message"]
 
 
+def test_a_request_without_max_tokens_near_the_context_gets_what_fits():
+    """A request that sends no max_tokens gets the model's default cut to the whole canvases the context has left,
+    as vLLM gives what fits and `blockpress chat` shortens its reply: a 20-token prompt under a 40-token context (one
+    16-token canvas left) got a 400 naming the default, "max_tokens: 20 prompt tokens + max_tokens 24 (whole 16-token
+    canvases: 32 positions) exceed the context of 40 tokens", though the client sent none. Where not even one canvas,
+    or min_tokens, fits, the 400 says so; a max_tokens that was sent is refused as before."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 24}
+    assert lm.config.canvas_length == 16
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=40)) as http:
+        def post(route, **body):
+            return http.post(f"/v1/{route}", json={"model": MODEL, "temperature": 0, **body})
+
+        r = post("completions", prompt=[5] * 20, min_tokens=16)
+        assert r.status_code == 200, r.json()
+        assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+        r = post("completions", prompt=[5] * 20)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16
+        r = post("chat/completions", messages=[{"role": "user", "content": "hi"}])  # 18 tokens with the template
+        assert r.status_code == 200, r.json()
+        assert 40 - 32 < r.json()["usage"]["prompt_tokens"] <= 40 - 16 and r.json()["usage"]["completion_tokens"] <= 16
+        for body, param, says in (
+                (dict(prompt=[5] * 25), "prompt", "25 prompt tokens leave room for 0 new tokens (whole 16-token "
+                                                  "canvases) in the context of 40 tokens, too few for one 16-token canvas"),
+                (dict(prompt=[5] * 20, min_tokens=17), "min_tokens", "too few for min_tokens 17"),
+                (dict(prompt=[5] * 20, max_tokens=24), "max_tokens", "max_tokens 24 (whole 16-token canvases: 32 "
+                                                                     "positions) exceed the context of 40 tokens")):
+            err = post("completions", **body).json()["error"]
+            assert err["param"] == param and says in err["message"], err
+
+
 def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monkeypatch):
     """The handlers tokenized a prompt of any size on the event loop, and the tokenizer holds the GIL: a 3 MB prompt
     held /health (and every stream in flight) for 8.6 s, a 20 MB one for 85 s and 3.6 GB, all for the 400 its
