@@ -914,7 +914,8 @@ class LM:
                       draw_temperatures=per_row.get("draw_temperature"), top_ks=per_row.get("top_k"),
                       top_ps=per_row.get("top_p"), **fields)
         req.row_seeds()  # checks the count of `seeds` now, not mid-generation
-        self._check_context(req, cache, self.config.canvas_length if canvases else None)
+        self._check_context(req, cache, self.config.canvas_length if canvases else None,
+                            defaulted=asked is None and template is None and self._max_length_from != "call")
         return req
 
     def _from_transformers(self, call: str, args: dict[str, Any]) -> tuple[LM, dict[str, Any]]:
@@ -980,7 +981,8 @@ class LM:
             lm._max_length_from = "call"
         return lm, args
 
-    def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None) -> None:
+    def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None,
+                       defaulted: bool = False) -> None:
         """Positions past max_position_embeddings were never trained, and an absurd max_new_tokens would first
         allocate a cache that long: refuse with a clear error instead. `canvas_length`: block diffusion's, whose
         new tokens take whole canvases (a 140000-token canvas for 16 new tokens was accepted, then ran for
@@ -1006,8 +1008,13 @@ class LM:
             # template's length is its own, not max_new_tokens
             blame = ("prompt" if h + p + (canvas_length or 1) > limit else "template" if req.template is not None
                      else "max_new_tokens")
+            # `defaulted`: the call gave no max_new_tokens, so the count is the checkpoint's default (a long chat
+            # met a refusal of "256 new tokens" it never asked for): say so, and what would fit
+            room = limit - h - p if canvas_length is None else (limit - h - p) // canvas_length * canvas_length
+            hint = (f"; none was given, so {n} is the checkpoint's default: max_new_tokens {room} fits"
+                    if defaulted and blame == "max_new_tokens" else "")
             raise ValueError(f"{blame}: {where}{p} prompt + {n} new tokens{row}{whole} exceed the model's "
-                             f"context of {limit} tokens (max_position_embeddings)")
+                             f"context of {limit} tokens (max_position_embeddings){hint}")
 
     def _check_cache(self, cache: Any, batch: int) -> None:
         """A conversation's cache continues only the model (and batch) that built it: same layers, heads, head

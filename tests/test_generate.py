@@ -1621,6 +1621,27 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
         lm.generate([8], max_new_tokens=64 - held, cache=out.cache)
 
 
+def test_a_default_max_new_tokens_past_the_context_is_said_to_be_the_default():
+    """A call that gives no max_new_tokens takes the checkpoint's (256 here): near the context, a chat continued
+    turn after turn was refused with "max_new_tokens: 22 prompt + 256 new tokens exceed ...", a count it never asked
+    for. The error says it is the default and what fits (whole canvases for block diffusion, tokens for AR); a
+    max_new_tokens that was given is refused as before."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64, canvas_length=8), seed=0)
+    assert lm.default_max_new_tokens == 256
+    default = "; none was given, so 256 is the checkpoint's default: max_new_tokens {} fits$"
+    with pytest.raises(ValueError, match=r"^max_new_tokens: 21 prompt \+ 256 new tokens .*\(max_position_embeddings\)"
+                                         + default.format(40)):
+        lm.generate([5] * 21)
+    with pytest.raises(ValueError, match=default.format(43)):
+        lm.generate_ar([5] * 21)
+    out = lm.generate([5] * 21, max_new_tokens=40, max_denoising_steps=1, seed=0, return_cache=True)
+    held = int(out.cache.next_pos[0])
+    with pytest.raises(ValueError, match=rf"^max_new_tokens: {held} cached \+ 2 prompt \+ 256 new tokens"):
+        lm.generate([5, 6], cache=out.cache)
+    with pytest.raises(ValueError, match=r"\(max_position_embeddings\)$"):  # given: no word of a default
+        lm.generate([5] * 21, max_new_tokens=48)
+
+
 @settings(max_examples=60, deadline=None)
 @given(context=st.integers(8, 80), canvas=st.integers(1, 24), prompt=st.integers(1, 90), new=st.integers(1, 90))
 def test_the_context_check_counts_whole_canvases(context, canvas, prompt, new):
