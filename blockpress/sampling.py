@@ -381,7 +381,12 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         cut = ordered.gather(-1, n - 1)
         keep = (probs > cut) | ((probs == cut) & (ids <= last))
     else:
-        kmax = max((x for x in k_values if 0 < x < v), default=0)
+        # the largest k below V (a plain loop: max() of a generator with a default broke the compiled sampler
+        # step's graph here, so every top_k step ran this function eagerly)
+        kmax = 0
+        for x in k_values:
+            if 0 < x < v:
+                kmax = max(kmax, x)
         if kmax == 0:
             return probs
         top = probs.topk(kmax, dim=-1).values  # sorted, most likely first

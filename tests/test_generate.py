@@ -1059,6 +1059,22 @@ def test_compiled_steps_stop_recompiling_once_batch_and_lengths_vary():
     assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
 
 
+def test_a_top_k_request_compiles_its_sampler_step_whole():
+    """top_filter took the largest k with max() of a generator and a default, which torch.compile cannot trace: a
+    top_k request broke the compiled sampler step's graph there, and the filter ran eagerly on every step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    kw = dict(max_new_tokens=20, max_denoising_steps=3, seed=2, top_k=5)
+    eager = lm.generate([[3, 4, 5]], **kw)
+    torch._dynamo.reset()
+    counters.clear()
+    lm.compile(backend="eager")
+    assert torch.equal(lm.generate([[3, 4, 5]], **kw).sequences, eager.sequences)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_compiled_bf16_on_cpu_hands_the_experts_to_grouped_mm():
     """In bf16 on a CPU the compiler gets torch's grouped GEMM itself (no custom-op dispatch per call); float32
     keeps the custom op. Either way the tokens equal eager decoding's."""
