@@ -223,3 +223,63 @@ def test_the_readmes_layout_names_every_module():
     left_out = modules - in_package
     assert not left_out, f"the README's Layout leaves out {sorted(left_out)}"
     assert all((package / name).exists() or (ROOT / name).exists() for name in in_package)
+
+
+def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypatch):
+    """A reader runs the README's Python API block top to bottom, supplying only the inputs it leaves to them (a
+    prompt, token ids, a conversation). It rebound two of its own names on the way: `prompts = PrefixCache(...)`, so
+    its later `lm.generate(prompts, max_new_tokens=256)` was refused ("got PrefixCache"), and `lm = load(...,
+    quantize="fp8")`, so its `lm.save("out/")` was refused (a quantized model cannot be saved). Every statement runs
+    here on blockpress-code on the CPU, with answers cut to one canvas to keep it quick."""
+    import ast
+
+    import torch
+
+    import blockpress
+    from blockpress.lm import LM
+
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("\n## Python API\n")[1].split("```python\n")[1].split("```")[0]
+    code = (code.replace('"/path/to/diffusiongemma-26B-A4B-it"', '"blockpress-code"').replace('"cuda"', '"cpu"')
+            # 50 GB of random weights: counted on the meta device, as the line's own advice says
+            .replace('gemma_26b_a4b(), dtype="bfloat16", device="cpu"', 'gemma_26b_a4b(), dtype="bfloat16", device="meta"'))
+
+    def capped(method, steps: bool):
+        """The method, with answers of at most 16 tokens (8 denoising steps a canvas): what is checked is that each
+        call is taken, not its text."""
+        def call(self, prompt=None, max_new_tokens=None, **kwargs):
+            if "max_length" in kwargs:
+                kwargs["max_length"] = min(kwargs["max_length"], len(prompt_of(prompt, kwargs)) + 16)
+            elif max_new_tokens is None and kwargs.get("template") is None:  # (a template sets its own length)
+                max_new_tokens = 16
+            max_new_tokens = ([min(n, 16) for n in max_new_tokens] if isinstance(max_new_tokens, list)
+                              else None if max_new_tokens is None else min(max_new_tokens, 16))
+            if steps:
+                kwargs["max_denoising_steps"] = min(kwargs.get("max_denoising_steps") or 8, 8)
+            return method(self, prompt, max_new_tokens, **kwargs)
+        return call
+
+    def prompt_of(prompt, kwargs):
+        return kwargs["input_ids"][0] if prompt is None else prompt
+
+    monkeypatch.setattr(LM, "stream", capped(LM.stream, steps=True))
+    monkeypatch.setattr(LM, "generate_ar", capped(LM.generate_ar, steps=False))
+    monkeypatch.setattr(LM, "compile", lambda self: self)  # (minutes of inductor on a CPU; its own tests time it)
+    monkeypatch.chdir(tmp_path)
+    torch.set_num_threads(1)  # (two threads on two busy cores take minutes; the fixture restores the count)
+    code_lm = blockpress.load("blockpress-code")
+    ids = torch.tensor([code_lm.tokenizer.encode("def f(x):")] * 2)
+    # the inputs the block leaves to its reader, by the names it uses
+    given = {"prompt_ids": ids[:1], "canvas_ids": torch.full((1, 32), 5), "prompts": ["def f(x):", "class A:"],
+             "ids": ids, "mask": torch.ones_like(ids), "before": "def area(r):\n    return ", "after": "\n",
+             "turn1": "def f(x):", "turn2_new_tokens": "\n\ndef g(y):", "messages": [{"role": "user", "content": "hi"}],
+             "system": "You answer in Python.\n" * 4, "question": "def f(x):"}
+    scope = dict(given)
+    failed = []
+    for statement in ast.parse(code).body:
+        try:
+            exec(compile(ast.Module([statement], []), "README.md", "exec"), scope)
+        except Exception as exc:  # noqa: BLE001 (each statement is reported, not the first alone)
+            failed.append(f"line {statement.lineno} of the block: {type(exc).__name__}: {exc}")
+    assert not failed, "\n".join(failed)
+    assert (tmp_path / "out" / "model.safetensors").exists()
