@@ -3201,3 +3201,21 @@ def test_a_ctrl_c_while_the_model_loads_says_so(monkeypatch, capsys, command, lo
     monkeypatch.setattr(loader, terminated)
     assert main([*command, "--model", MODEL]) == 143
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"blockpress {command[0]}: stopped by SIGTERM"
+
+
+def test_the_readme_says_which_seed_greedy_json_gives(capsys):
+    """The README said generate's and infill's --json give a fresh seed each run without --seed (chat's each turn, and
+    seed=None a fresh one per row): blockpress-code decodes greedily by default and gave "seed": 0 every run, as
+    --help says (greedy decoding draws nothing). The README now says so where it promises a fresh one."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for promise in ("a fresh one each run without\n`--seed`", "fresh each turn without `--seed`",
+                    "seed=None draws a fresh seed per row"):
+        at = readme.index(promise) + len(promise)
+        assert "0 where" in readme[at:at + 40], f"the README promises {promise!r} without greedy's 0"
+    seeds = set()
+    for _ in range(2):
+        assert main(["generate", "def f(x):", "--model", "blockpress-code", "--max-new-tokens", "4", "--json"]) == 0
+        seeds.add(json.loads(capsys.readouterr().out)["seed"])
+    assert seeds == {0}
+    lm = blockpress.load("blockpress-code")
+    assert lm.generate(["a", "b"], max_new_tokens=4).extra["seeds"] == [0, 0]
