@@ -1188,8 +1188,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         if trainer.rank == 0:  # the process that saves (under torchrun each said "saved")
             print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
                   file=sys.stderr)
+        _leave_peers()  # rank 0 has saved and said so: only now may a process exit non-zero
         return 128 + signum
+    _leave_peers()
     return 0
+
+
+def _leave_peers() -> None:
+    """Under torchrun: wait for every process, then leave the process group. torchrun stops the other processes as
+    soon as one exits non-zero (a stop's 130 or 143), so a process that left at once cut rank 0 short after its save,
+    before it said where the run was saved, or during it; and a group never left could abort at exit ("terminate
+    called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: int,
