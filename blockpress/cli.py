@@ -517,21 +517,17 @@ def reply_needs(min_new_tokens: int, canvas: int) -> str:
             f"a reply of at least {shortest} tokens (--min-new-tokens) needs {need}, in whole {canvas}-token canvases")
 
 
-def reply_room(context: int, prompt_tokens: int, canvas: int) -> int:
-    """New tokens a chat reply may take after a prompt of `prompt_tokens`: the free positions, in whole canvases (a
-    reply fills the canvases it opens)."""
-    return max(0, context - prompt_tokens) // canvas * canvas
-
-
 def check_chat_start(lm: Any, args: argparse.Namespace, ids: list[int]) -> None:
     """What would refuse every message, refused once at start (exit 2, as generate refuses it) instead of message
     after message in a session that can never work: a bad sampling flag (--top-p 0, --steps 0, --seed -1,
     --min-new-tokens above --max-new-tokens) and a --system that leaves no room for a reply. Checked on the shortest
     conversation, `ids` (check_chat_template's), by building the run the chat loop would give it: lm.stream
     checks every argument when called and runs nothing until iterated, and this stream never is."""
+    from blockpress.generate import canvas_room
+
     kw = sampling_kwargs(args, lm)
     context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
-    room = reply_room(context, len(ids), canvas)  # as the chat loop counts it
+    room = canvas_room(context, len(ids), canvas)  # as the chat loop counts it
     if room < max(1, kw["min_new_tokens"]):
         needs = reply_needs(kw["min_new_tokens"], canvas)
         if args.system is not None:
@@ -566,7 +562,7 @@ def enable_line_editing() -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from blockpress.generate import Commit, Done
+    from blockpress.generate import Commit, Done, canvas_room
     from blockpress.live import terminal_text
 
     lm = load_announced(args)
@@ -720,12 +716,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             kw = sampling_kwargs(args, lm)
             wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
             canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
-            room = reply_room(context, len(ids), canvas)
+            room = canvas_room(context, len(ids), canvas)
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
                 # Would a new conversation take it? If not, the message itself is too long, and "/reset" would
                 # only throw the conversation away for the same refusal.
                 alone = ids if len(messages) == len(system) + 1 else lm.chat_prompt([*system, messages[-1]])
-                if reply_room(context, len(alone), canvas) < max(1, kw["min_new_tokens"]):
+                if canvas_room(context, len(alone), canvas) < max(1, kw["min_new_tokens"]):
                     raise ValueError(f"the message is too long: {len(alone)} tokens with the chat template"
                                      f"{' and --system' if system else ''}, and the "
                                      f"model's context holds {context} (the reply included); shorten it")
@@ -1215,11 +1211,15 @@ def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: 
 
     step, seen = start
     drawn = seen + (cfg.steps - step) * cfg.batch_size
+
     def span(first: int, last: int) -> str:
         return f"step {last}" if first == last else f"steps {first}-{last}"
 
-    steps = (f"--steps {cfg.steps} x --batch-size {cfg.batch_size}" if seen == step * cfg.batch_size else
-             f"the {seen:,} of {span(1, step)} and {span(step + 1, cfg.steps)} x --batch-size {cfg.batch_size}")
+    if seen == step * cfg.batch_size:  # one batch size all along
+        steps, draw = f"--steps {cfg.steps} x --batch-size {cfg.batch_size}", "draws"
+    else:
+        steps = f"the {seen:,} of {span(1, step)} and {span(step + 1, cfg.steps)} x --batch-size {cfg.batch_size}"
+        draw = "draw"
     upto = "up to " if cfg.max_minutes else ""  # the clock may end the run first
     if isinstance(source, ExampleSource):
         n = len(source.examples)
@@ -1231,7 +1231,7 @@ def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: 
         cut = sum(canvas_count(e, canvas_length) > cfg.max_canvases for e in source.examples) if cfg.max_canvases else 0
         cuts = (f"; --max-canvases {cfg.max_canvases} cuts {cut:,} of their responses short (their end, EOS, is not "
                 "trained)") if cut else ""
-        return f"--data {data}: {of}; {steps} draw{'s' * (steps[0] == '-')} {upto}{drawn:,}: {drawn / n:.3g} epochs{cuts}"
+        return f"--data {data}: {of}; {steps} {draw} {upto}{drawn:,}: {drawn / n:.3g} epochs{cuts}"
     shards = source.shards
     count, kind = (shards.documents, "document") if shards.documents else (len(shards.arrays), "shard file")
     where = f" in {count:,} {kind}{'s' if count != 1 else ''}"

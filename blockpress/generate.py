@@ -1210,6 +1210,12 @@ def canvas_positions(new_tokens: int, canvas_length: int) -> int:
     return -(-new_tokens // canvas_length) * canvas_length
 
 
+def canvas_room(context: int, used: int, canvas_length: int) -> int:
+    """The new tokens that fit after `used` of a `context` of positions: the free positions, in whole canvases
+    (block diffusion fills every canvas it opens); the most max_new_tokens may be there."""
+    return max(0, context - used) // canvas_length * canvas_length
+
+
 def _new_length(req: Request) -> int:
     """The new tokens a request's batch holds: its template's, or the largest max_new_tokens."""
     return max(req.row_budgets()[0])

@@ -42,6 +42,7 @@ from .generate import (
     StepFunctions,
     as_tensor,
     canvas_positions,
+    canvas_room,
     is_text_template,
     left_pad,
     no_choice,
@@ -1010,7 +1011,7 @@ class LM:
                      else "max_new_tokens")
             # `defaulted`: the call gave no max_new_tokens, so the count is the checkpoint's default (a long chat
             # met a refusal of "256 new tokens" it never asked for): say so, and what would fit
-            room = limit - h - p if canvas_length is None else (limit - h - p) // canvas_length * canvas_length
+            room = limit - h - p if canvas_length is None else canvas_room(limit, h + p, canvas_length)
             hint = (f"; none was given, so {n} is the checkpoint's default: max_new_tokens {room} fits"
                     if defaulted and blame == "max_new_tokens" else "")
             raise ValueError(f"{blame}: {where}{p} prompt + {n} new tokens{row}{whole} exceed the model's "

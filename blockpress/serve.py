@@ -100,6 +100,7 @@ from .generate import (
     Draft,
     Template,
     canvas_positions,
+    canvas_room,
     cut_at_stop,
     hole_runs,
     parse_template,
@@ -1215,7 +1216,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         # No limit sent: the default is cut to the whole canvases the context has left, as vLLM gives what fits and
         # `blockpress chat` shortens its reply (a conversation near the context got a 400 naming a max_tokens the
         # client never sent). Where not even min_tokens (at least one token) fits, that is what is said.
-        room = max(0, context - len(prompt)) // canvas * canvas
+        room = canvas_room(context, len(prompt), canvas)
         if room < max(1, body.min_tokens):
             param = prompt_param if room == 0 else "min_tokens"
             needs = f"min_tokens {body.min_tokens}" if room else f"one {canvas}-token canvas"
