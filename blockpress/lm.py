@@ -207,6 +207,27 @@ def _check_logits_processor(processor: Any) -> Any:
     return processor
 
 
+def _chat_copies(kwargs: dict[str, Any], cache: KVCache | None) -> int:
+    """How many output rows chat_ids / chat_stream get per conversation: num_return_sequences (transformers' keyword,
+    which generate takes), else 1. Its copies are rows of their own, so chat's bookkeeping (the tokens each cache row
+    holds, the reused counts) repeats each conversation's for them: zipped with the conversations alone, it covered
+    the first copy only. A value generate refuses is left to it, to say so."""
+    n = kwargs.get("num_return_sequences")
+    if not (is_int(n) and n > 1):
+        return 1
+    if cache is not None:  # the cache holds one row per conversation, and its n copies would need one each
+        raise ValueError(f"num_return_sequences: not with cache= (the cache holds one row per conversation, and "
+                         f"its {n} copies would need one each); for several replies to one conversation take mark = "
+                         "cache.mark(), then call lm.chat once per reply, each with a seed of its own, with "
+                         "cache.truncate(mark) between them")
+    return int(n)
+
+
+def _repeat_chat_rows(rows: list[list[int]], common: list[int], copies: int) -> tuple[list[list[int]], list[int]]:
+    """Each conversation's rows and held counts once per copy, in the order num_return_sequences repeats rows."""
+    return [r for r in rows for _ in range(copies)], [n for n in common for _ in range(copies)]
+
+
 def _chat_rewind(rows: list[list[int]], held: list[list[int]], common: list[int]) -> str | None:
     """What a mark that lm.chat's rewind drops says in truncate's error (None: no row goes back): the caller only
     called lm.chat, so say that it went back, where, and why (the first row that went back)."""
@@ -1260,13 +1281,14 @@ class LM:
         stream is refused (truncating it, to a mark say, is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
+        copies = _chat_copies(kwargs, cache)
         rows, common = self._chat_start(ids, cache)
         try:
             out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
         except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so
             self._chat_undo(cache, rows, common)
             raise
-        self._chat_finish(out, rows, common)
+        self._chat_finish(out, *_repeat_chat_rows(rows, common, copies))
         return out
 
     def chat_stream(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,
@@ -1275,13 +1297,14 @@ class LM:
         `settled_texts` the reply so far (print their growth), and Done's output what chat_ids returns, its cache
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
+        copies = _chat_copies(kwargs, cache)
         rows, common = self._chat_start(ids, cache)
         done = False
         try:
             for event in self.stream([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs):
                 if isinstance(event, Done):
                     done = True
-                    self._chat_finish(event.output, rows, common)
+                    self._chat_finish(event.output, *_repeat_chat_rows(rows, common, copies))
                 elif isinstance(event, Cancelled):
                     self._chat_undo(cache, rows, common)
                 yield event

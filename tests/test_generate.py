@@ -2673,6 +2673,33 @@ def test_chat_stream_is_chat_ids_as_it_is_made(chat_lm):
     assert done.cache.tokens == [before] and done.cache.next_pos.tolist() == [len(before)]
 
 
+def test_chat_with_num_return_sequences_keeps_each_copys_row(chat_lm):
+    """num_return_sequences (transformers' keyword, which chat passes on to generate) makes n rows of one
+    conversation, and chat's bookkeeping zipped them with the one conversation: reused_prompt_tokens had one entry
+    for two rows, and the cache knew the first copy's tokens alone, so the second copy's next turn re-encoded its
+    whole conversation (0 tokens reused). Each copy is now a row, as if the conversation were given n times."""
+    from blockpress.sampling import choice_seed
+
+    kw = dict(max_new_tokens=6, max_denoising_steps=2)
+    m1 = [{"role": "user", "content": "hi"}]
+    out = chat_lm.chat(m1, num_return_sequences=2, seed=3, return_cache=True, **kw)
+    want = chat_lm.chat([m1, m1], seeds=[choice_seed(3, i) for i in range(2)], return_cache=True, **kw)
+    assert torch.equal(out.sequences, want.sequences) and out.texts[0] != out.texts[1]
+    assert out.extra["reused_prompt_tokens"] == [0, 0] and out.cache.tokens == want.cache.tokens
+    done = list(chat_lm.chat_stream(chat_lm.chat_prompt(m1), num_return_sequences=2, seed=3, **kw))[-1]
+    assert done.output.extra["reused_prompt_tokens"] == [0, 0]
+    had = [list(t) for t in out.cache.tokens]
+    m2 = [m1 + [{"role": "assistant", "content": t}, {"role": "user", "content": "more"}] for t in out.texts]
+    rows = chat_lm.chat_prompt(m2)
+    shared = [len(commonprefix([h, r[:-1]])) for h, r in zip(had, rows)]
+    got = chat_lm.chat(m2, cache=out.cache, seeds=[5, 6], **kw)
+    assert got.extra["reused_prompt_tokens"] == shared and min(shared) > 0
+    assert torch.equal(got.new_tokens, chat_lm.chat(m2, seeds=[5, 6], **kw).new_tokens)
+    with pytest.raises(ValueError, match=r"^num_return_sequences: not with cache= \(the cache holds one row per "
+                                         r"conversation, and its 2 copies would need one each\); .* cache.mark\(\)"):
+        chat_lm.chat(m2[0], cache=got.cache, num_return_sequences=2, **kw)
+
+
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # prints content as is
 
 
