@@ -981,6 +981,14 @@ class LM:
             if args.get("attention_mask") is not None:
                 args["attention_mask"] = _repeat_rows(args["attention_mask"], int(n), "attention_mask")
             rows = len(args["prompt"]) // int(n)
+            cache = args.get("cache")
+            if isinstance(cache, KVCache) and cache.batch_size != rows * int(n):  # said as the prompt's rows alone
+                raise ValueError(f"num_return_sequences: the cache holds {cache.batch_size} rows, and {rows} prompt "
+                                 f"{'row' if rows == 1 else 'rows'} x {n} copies need {rows * int(n)} (each copy "
+                                 "continues a cache row of its own, as a num_return_sequences output's cache holds "
+                                 "them); for several continuations of one conversation take mark = cache.mark(), then "
+                                 f"call {call} once per continuation, each with a seed of its own, with "
+                                 "cache.truncate(mark) between them")
             for key in ROW_KEYWORDS:  # one setting per prompt row: each copy keeps its row's
                 value = args.get(key)
                 value = value.tolist() if getattr(value, "ndim", None) == 1 else value

@@ -173,6 +173,22 @@ def test_num_return_sequences_refusals(lm, ids):
 
 
 @pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_num_return_sequences_over_a_cache_of_one_row_a_prompt_says_so(lm, ids, engine):
+    """One prompt, num_return_sequences=2, and the cache of that one conversation was refused as "cache: holds 1
+    rows, the prompt has 2", naming neither the copies nor how to get several continuations. A cache of one row a
+    copy (a num_return_sequences output's own) continues each copy."""
+    call = getattr(lm, engine)
+    extra = STEPS if engine == "generate" else dict(temperature=1.0)
+    out = call(ids, 4, seed=5, return_cache=True, **extra)
+    with pytest.raises(ValueError, match=rf"^num_return_sequences: the cache holds 2 rows, and 2 prompt rows x 3 "
+                                         rf"copies need 6 .*cache.mark\(\), then call {engine} once per continuation"):
+        call(ids[:, :2], 4, cache=out.cache, seed=5, num_return_sequences=3, **extra)
+    copies = call(ids, 4, seed=5, num_return_sequences=3, return_cache=True, **extra)
+    more = call(ids[:, :2], 4, cache=copies.cache, seed=6, num_return_sequences=3, **extra)
+    assert more.sequences.shape[0] == 6 and copies.cache.length > out.cache.length
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
 def test_habits_without_a_meaning_here_name_the_nearest_setting(lm, ids, engine):
     call = getattr(lm, engine)
     with pytest.raises(ValueError, match=r"^do_sample: .* no such keyword; transformers' switch .*sampler='greedy'"):
