@@ -290,6 +290,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
+    if args.chat and args.no_token_healing is False:  # --token-healing: asked for by name, it would do nothing
+        raise ValueError("--token-healing: not with --chat, whose prompt ends with the chat template's turn header "
+                         "(the template's own, never healed); drop --token-healing, or --chat to heal a plain prompt")
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")

@@ -2213,6 +2213,17 @@ def test_chat_needs_a_chat_template(tmp_path, capsys):
     assert "--system: a system message goes with --chat" in capsys.readouterr().err
 
 
+def test_generate_chat_refuses_token_healing_by_name(monkeypatch, capsys):
+    """--chat never heals (its prompt ends with the template's turn header), and an explicit --token-healing with it
+    was dropped without a word: the reply was the unhealed one. It is refused before the model loads."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_announced", lambda args: pytest.fail("loaded the model first"))
+    assert main(["generate", "hi", "--chat", "--token-healing"]) == 2
+    assert "error: --token-healing: not with --chat, whose prompt ends with the chat template's turn header" in (
+        capsys.readouterr().err)
+
+
 def test_chat_without_a_tokenizer_names_the_tokenizer(tmp_path, capsys):
     """A folder whose tokenizer_config.json holds a chat template but which has no tokenizer.json: chat blamed the
     missing chat template, which is there; the tokenizer is what is missing (as generate --chat said)."""
