@@ -1105,6 +1105,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             if cfg.heldout > 0 and not held:
                 print_warning(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out "
                               "loss")
+        if cfg.chat_turns != cfg.default("chat_turns") and not any(e.templated for e in (*train, *held)):
+            # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
+            raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; the examples "
+                             "given are prompt/response (or ids) records, one example each, with no turns")
         source = ExampleSource(train, cfg.seed)
         heldout = ExampleSource(held, cfg.seed) if held else None
     else:

@@ -684,6 +684,13 @@ def test_chat_data_trains_every_assistant_turn(tmp_path, capsys):
     text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
     assert main(train_args(text, tmp_path / "text", steps=1) + last) == 2
     assert "--chat-turns last: for JSONL examples of chat `messages`" in capsys.readouterr().err
+    # prompt/response records have no turns either: the flag was taken and did nothing
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"p{i}", "response": "r"}) + "\n" for i in range(3)))
+    assert main(train_args(pairs, tmp_path / "pairs", steps=1) + last) == 2
+    err = capsys.readouterr().err
+    assert "--chat-turns last: for JSONL examples of chat `messages`; the examples given are prompt/response" in err
+    assert not (tmp_path / "pairs").exists()
 
 
 def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
