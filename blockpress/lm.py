@@ -74,6 +74,29 @@ MODELS_DIR = Path(__file__).parent / "models"
 Counts = int | Sequence[int] | torch.Tensor
 
 
+def _one_thread_after_fork() -> None:
+    """In a process forked from one holding an LM: torch's CPU ops on one thread (what torch's DataLoader gives its
+    workers). GNU OpenMP's thread pool does not survive a fork: once the parent has run a threaded op (loading a
+    checkpoint does), a forked child's first threaded op waits forever on threads that are not there, so a
+    multiprocessing.Pool (fork, Linux's default before Python 3.14) of lm.generate calls hung in every worker."""
+    if torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
+
+
+_fork_guarded = False
+
+
+def _guard_fork() -> None:
+    """Register `_one_thread_after_fork` once a process holds a model (import alone changes nothing). Only where
+    torch's threads are OpenMP's; the parent keeps its count, and a child may set its own (at its peril)."""
+    global _fork_guarded
+    if _fork_guarded or not hasattr(os, "register_at_fork"):
+        return
+    _fork_guarded = True
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        os.register_at_fork(after_in_child=_one_thread_after_fork)
+
+
 def shipped_models() -> list[str]:
     if not MODELS_DIR.is_dir():
         return []
@@ -514,6 +537,7 @@ class LM:
         self.widened_from = widened_from
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
+        _guard_fork()
 
     @property
     def config(self) -> ModelConfig:
