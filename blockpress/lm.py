@@ -508,6 +508,40 @@ def _row_seeds(seeds: Any) -> list[int] | None:
     return checked
 
 
+def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
+    """A function that takes a failed call's part of a turn back out of `cache`: what it held now (its known tokens
+    too) is what it holds again. A generate that a Ctrl-C (a notebook's interrupt) or an error stopped left the
+    prompt and the canvases so far in the cache, and running the cell again continued from that half turn: another
+    text, silently. The argument is the exception that stopped the call, told if the cache cannot go back."""
+    mark, tokens = cache.mark(), None if cache.tokens is None else [list(row) for row in cache.tokens]
+
+    def undo(stopped: BaseException) -> None:
+        try:
+            cache.truncate(mark)
+        except ValueError as e:  # kept from replacing the exception that stopped the call
+            stopped.add_note(f"cache: holds part of this call's turn, as it could not go back ({e})")
+            return
+        cache.tokens = tokens
+
+    return undo
+
+
+def _undone_on_error(events: Iterator[Draft | Commit | Done | Cancelled],
+                     cache: KVCache) -> Iterator[Draft | Commit | Done | Cancelled]:
+    """`events` of a call that continues `cache`, which goes back to where it stood when the stream started if the
+    stream fails (a Ctrl-C inside it, an error). Not when it is left (a break, close, or garbage collection): the
+    cache may have been continued since by another call, whose turn going back would drop. The mark is taken at the
+    first event, when encoding starts, not when the stream is made."""
+    undo = _turn_undo(cache)
+    try:
+        yield from events
+    except GeneratorExit:
+        raise
+    except BaseException as e:
+        undo(e)
+        raise
+
+
 class LM:
     """A loaded model with its tokenizer and generation settings: `blockpress.load(...)` or `random_model(...)`.
 
@@ -1154,7 +1188,8 @@ class LM:
         through an EOS or the token that completes a stop string, which the text leaves out). It is extended in
         place (no copy):
         afterwards it holds this turn too, so continuing twice from one cache continues the second time from
-        the first continuation, and a stream abandoned midway leaves part of a turn in it. To branch or retry,
+        the first continuation, and a stream left midway (a break, close) leaves part of a turn in it; one that fails
+        (an error, a Ctrl-C inside it), and a generate that does, leave the cache as it was. To branch or retry,
         `mark = cache.mark()` before and `cache.truncate(mark)` after: each row goes back to exactly what it held
         (a slot count would not do for a batch: continuing one moves each row's history so its padding stays on
         the left; `truncate(cache.length noted before)` is refused then).
@@ -1186,8 +1221,9 @@ class LM:
             skip_stopped_rows=skip_stopped_rows, constraint=constraint,
             logits_processor=_check_logits_processor(logits_processor),
             cancelled=cancelled)
-        return run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
-                   tokenizer=self.tokenizer, fns=self.step_functions)
+        events = run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
+                     tokenizer=self.tokenizer, fns=self.step_functions)
+        return events if cache is None else _undone_on_error(events, cache)
 
     def generate(self, prompt: Any = None, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
@@ -1244,12 +1280,21 @@ class LM:
                 sampler=sampler, seed=seed))
             return lm.generate(**args)
         _check_keywords("generate", STREAM_OPTIONS, kwargs, leave_out=("drafts",))
-        for event in self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
-                                 seed=seed, drafts=False, **kwargs):
-            if isinstance(event, Done):
-                return event.output
-        # run ends with Done unless `cancelled` said so
-        raise RuntimeError("cancelled: generation was cancelled before it finished")
+        events = self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
+                             seed=seed, drafts=False, **kwargs)
+        cache = kwargs.get("cache")
+        undo = _turn_undo(cache) if cache is not None else None  # (stream checked it; nothing is encoded yet)
+        try:
+            for event in events:
+                if isinstance(event, Done):
+                    return event.output
+            # run ends with Done unless `cancelled` said so
+            raise RuntimeError("cancelled: generation was cancelled before it finished")
+        except BaseException as e:  # a Ctrl-C between two events too: the stream's own undo did not see it
+            events.close()
+            if undo is not None:
+                undo(e)
+            raise
 
     def chat_prompt(self, messages: Any, **template_options: Any) -> list[int] | list[list[int]]:
         """The ids of a conversation rendered through the checkpoint's chat template, ending with the header of the
