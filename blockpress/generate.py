@@ -11,6 +11,7 @@ import numbers
 import re
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from os.path import commonprefix
 from typing import Any
@@ -1164,23 +1165,25 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
     `req.prefix_cache` when set. Returns (cache, the last prompt token's logits [B, V] if `logits`, prompt tokens
     reused per row)."""
     b = prompt.shape[0]
-    if req.prefix_cache is not None:
-        if cache is not None:
-            raise ValueError("prefix_cache: not together with cache= (a continued conversation already skips what "
-                             "its cache holds)")
-        cache, last, reused = encode_prompts(model, prompt, req.attention_mask, req.prefix_cache, room, logits)
-    else:
-        if cache is None:  # a given cache was checked against the model and the batch by LM._check_cache
-            cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
-        # a turn's room is at most the context and one canvas of scratch: growth stops there (lm._check_context)
-        most = model.config.text.max_position_embeddings + model.config.canvas_length
-        cache.ensure_capacity(cache.length + room, most)
-        mask, reused = req.attention_mask, [0] * b
-        if cache.length and mask is not None and not bool(mask.all()):
-            last = _encode_continuation(model, prompt, mask.to(prompt.device).bool(), cache, logits)
+    version = model.weights_version  # before encoding: weights changed meanwhile are caught at the first step
+    with weights_unchanged(model, version):
+        if req.prefix_cache is not None:
+            if cache is not None:
+                raise ValueError("prefix_cache: not together with cache= (a continued conversation already skips what "
+                                 "its cache holds)")
+            cache, last, reused = encode_prompts(model, prompt, req.attention_mask, req.prefix_cache, room, logits)
         else:
-            last = model.encode(prompt, cache, attention_mask=mask, logits="last" if logits else "none")
-    cache.weights_version = model.weights_version  # what a later turn is checked against (LM._check_cache)
+            if cache is None:  # a given cache was checked against the model and the batch by LM._check_cache
+                cache = KVCache.allocate(model.config.text, b, room, model.dtype, model.device)
+            # a turn's room is at most the context and one canvas of scratch: growth stops there (lm._check_context)
+            most = model.config.text.max_position_embeddings + model.config.canvas_length
+            cache.ensure_capacity(cache.length + room, most)
+            mask, reused = req.attention_mask, [0] * b
+            if cache.length and mask is not None and not bool(mask.all()):
+                last = _encode_continuation(model, prompt, mask.to(prompt.device).bool(), cache, logits)
+            else:
+                last = model.encode(prompt, cache, attention_mask=mask, logits="last" if logits else "none")
+    cache.weights_version = version  # what a later turn (LM._check_cache) and each step are checked against
     return cache, last, reused
 
 
@@ -1387,7 +1390,8 @@ class _Decoding:
         learns whether the decoder's own logits hold NaN or inf (NaN weights, or a dtype overflowed): a canvas's
         first step is checked, one reduction, as every later step of the same weights would show it too."""
         req = self.req
-        logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
+        with weights_unchanged(self.model, w.cache.weights_version):
+            logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
         if broken is not None:
             broken |= no_choice(logits)
         # the new text so far counts for the penalties: a template's fixed tokens are given, like the prompt
@@ -1444,8 +1448,30 @@ class _Decoding:
             # One row: keep the cache free of holes (exactly a re-encoded conversation), drop the padding.
             enc, enc_mask = committed[:, : int(valid[0].sum())], None
         if enc.shape[1]:
-            with torch.no_grad():
+            with torch.no_grad(), weights_unchanged(self.model, self.cache.weights_version):
                 self.model.encode(enc, self.cache, attention_mask=enc_mask)
+
+
+WEIGHTS_CHANGED = ("model: its weights changed (lm.to, lm.quantize, a training step) while this call was running, so "
+                   "its cache holds the old weights' keys; call again. One LM is not changed while another thread "
+                   "generates on it, nor between a stream's events")
+
+
+@contextmanager
+def weights_unchanged(model: Any, version: int | None) -> Iterator[None]:
+    """Run a forward pass of a call whose cache holds keys of the weights at `version` (model.weights_version; None:
+    unchecked). Once the weights changed in place (lm.to, quantize, a training step: another thread's, or the
+    caller's between two events of a stream), refuse to go on, and say so where the pass failed on half-changed
+    weights: a cast went on into torch's "Expected query, key, and value to have the same dtype", and a quantize
+    went on silently, the old weights' keys under the new ones. An integer compared a pass."""
+    if version is not None and model.weights_version != version:
+        raise RuntimeError(WEIGHTS_CHANGED)
+    try:
+        yield
+    except RuntimeError as e:
+        if version is not None and model.weights_version != version:
+            raise RuntimeError(WEIGHTS_CHANGED) from e
+        raise
 
 
 def run(
@@ -1595,7 +1621,7 @@ def run_ar(
         stop = i == n_new - 1 or (check and bool(finished.all()))
         if stop and not keep_cache:
             break
-        with torch.no_grad():
+        with torch.no_grad(), weights_unchanged(model, cache.weights_version):
             logits = fns.encode_step(token[:, None], cache, logits="last")
         if stop:
             break

@@ -547,6 +547,7 @@ class DiffusionGemma(nn.Module):
         from .quantize import check_cast  # quantize imports this module
 
         check_cast(self, fn)
+        self.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
         super()._apply(fn, recurse)
         self.reset_buffers()
         self.weights_changed()

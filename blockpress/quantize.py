@@ -382,6 +382,7 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     check_runs(scheme, model.device, model.dtype)
     if scheme == "int4":  # after every refusal: a refused model is not worth a warning
         warn_small_int4_groups(weights)
+    model.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
     for parent, name, child, _ in targets:
         setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
     model.weights_changed()

@@ -101,3 +101,56 @@ def test_a_chat_cache_interrupted_under_generate_keeps_its_known_tokens(lm):
     assert out.cache.tokens == held
     lm.chat_ids(held[0] + [9, 10], cache=out.cache, **kw)
 
+
+@pytest.mark.parametrize("change", ["to", "quantize"])
+def test_a_stream_whose_lm_changed_since_it_began_stops_with_a_clear_error(change):
+    """lm.to / lm.quantize between two events of a stream (a notebook's stream left in a variable, or another
+    thread's call while this one runs): the cast went on into torch's "Expected query, key, and value to have the
+    same dtype", and the quantize went on silently, the old weights' keys under the new weights. Both now stop at
+    the next step, naming what happened, and the LM answers the next call."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    kw = dict(max_new_tokens=3 * lm.config.canvas_length, max_denoising_steps=2, seed=1)
+    events = lm.stream([3, 4, 5], **kw)
+    next(events)
+    lm.to(dtype="bfloat16") if change == "to" else lm.quantize("int8")
+    with pytest.raises(RuntimeError, match=r"^model: its weights changed \(lm.to, lm.quantize, a training step\) "
+                                           "while this call was running"):
+        list(events)
+    assert lm.generate([3, 4, 5], **kw).num_new_tokens.tolist() == [3 * lm.config.canvas_length]
+
+
+def test_generate_ar_on_a_thread_whose_lm_changes_meanwhile_stops_with_a_clear_error():
+    """generate_ar checks before each token: weights changed by another thread while it ran (here by the logits
+    processor, which runs between two tokens as another thread may) stop it with the same error."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+
+    def cast(logits, rows):
+        if lm.dtype == torch.float32:
+            lm.to(dtype="bfloat16")
+        return logits
+
+    with pytest.raises(RuntimeError, match=r"^model: its weights changed"):
+        lm.generate_ar([3, 4, 5], max_new_tokens=6, logits_processor=cast)
+
+
+@pytest.mark.parametrize("ar", [False, True])
+def test_weights_cast_in_the_middle_of_a_pass_say_so_instead_of_torchs_dtype_error(ar):
+    """Another thread's lm.to lands in the middle of a forward pass (measured with a thread: every time, torch's
+    "Expected query, key, and value to have the same dtype", the check between steps too late). Here a hook on
+    the first layer casts the model there, as that thread would."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    passes = []
+
+    def cast_once(module, args, output):
+        passes.append(1)
+        if len(passes) == 3:
+            lm.to(dtype="bfloat16")
+
+    lm.model.layers[0].register_forward_hook(cast_once)
+    with pytest.raises(RuntimeError, match=r"^model: its weights changed") as caught:
+        if ar:
+            lm.generate_ar([3, 4, 5], max_new_tokens=8)
+        else:
+            lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=4)
+    assert "dtype" in str(caught.value.__cause__)
+
