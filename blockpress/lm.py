@@ -7,6 +7,7 @@ import difflib
 import inspect
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 from functools import partial
@@ -1757,8 +1758,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     it loads the base it was trained on with it, quantized as it was trained unless `quantize` says otherwise
     ("none": unquantized; see resolve_model). `device` None is the default, the CPU (as None keeps the default
     everywhere else: lm.to(device=None) keeps the model where it is).
-    `progress`: True shows a bar of the bytes read on stderr (tqdm), a callable is called as progress(done, total)
-    with the stored bytes of the weights read so far and in all."""
+    `progress`: True shows a bar of the bytes read on stderr (tqdm; none where sys.stderr is None), a callable is
+    called as progress(done, total) with the stored bytes of the weights read so far and in all."""
     if not (isinstance(progress, bool) or callable(progress)):
         raise ValueError(f"progress: expected True, False or a callable progress(done, total), got {progress!r}")
     given = adapter
@@ -1768,6 +1769,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
 
         check_adapter_pairing(adapter, path)
     plan = plan_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device), quantize=quantize)
+    if progress is True and sys.stderr is None:  # pythonw, a service: no stream to draw on (tqdm's AttributeError)
+        progress = False
     if progress is True:
         from tqdm import tqdm
 

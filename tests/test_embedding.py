@@ -154,3 +154,10 @@ def test_weights_cast_in_the_middle_of_a_pass_say_so_instead_of_torchs_dtype_err
             lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=4)
     assert "dtype" in str(caught.value.__cause__)
 
+
+def test_a_progress_bar_where_there_is_no_stderr_is_left_out(monkeypatch):
+    """sys.stderr is None under pythonw and some services: load(progress=True) failed there, in tqdm
+    ("'NoneType' object has no attribute 'write'"), after reading nothing. It loads, with no bar."""
+    monkeypatch.setattr(sys, "stderr", None)
+    lm = blockpress.load("blockpress-code", progress=True)
+    assert lm.generate("def add(a, b):", max_new_tokens=8).num_new_tokens.tolist() == [8]
