@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import inspect
 import json
 import os
@@ -84,17 +85,11 @@ def _one_thread_after_fork() -> None:
         torch.set_num_threads(1)
 
 
-_fork_guarded = False
-
-
+@functools.cache  # once a process: a hook registered twice would run twice
 def _guard_fork() -> None:
     """Register `_one_thread_after_fork` once a process holds a model (import alone changes nothing). Only where
     torch's threads are OpenMP's; the parent keeps its count, and a child may set its own (at its peril)."""
-    global _fork_guarded
-    if _fork_guarded or not hasattr(os, "register_at_fork"):
-        return
-    _fork_guarded = True
-    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+    if hasattr(os, "register_at_fork") and "parallel backend: OpenMP" in torch.__config__.parallel_info():
         os.register_at_fork(after_in_child=_one_thread_after_fork)
 
 
