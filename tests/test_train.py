@@ -743,21 +743,28 @@ def test_a_log_line_says_how_long_the_run_has_left(tmp_path, capsys, monkeypatch
     said whether the run ends in a minute or a day."""
     import re
     import time
+    import types
 
+    import blockpress.train as train_module
+
+    # The trainer's clock moves 1 s a step and not otherwise, so the ETAs are exact: a real sleep let a busy
+    # machine's slower later steps push the second ETA above the first (a CI run measured 4 s, then 5 s).
+    now = [0.0]
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=time.sleep))
     real = Trainer.train_step
 
-    def slow(self, *args, **kwargs):  # a step of a real model
-        time.sleep(1.0)
+    def step_of_one_second(self, *args, **kwargs):
+        now[0] += 1.0
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "train_step", slow)
+    monkeypatch.setattr(Trainer, "train_step", step_of_one_second)
     tc = TrainConfig(steps=6, batch_size=2, log_every=2, warmup_steps=0)
     Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", progress=True).train()
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step ")]
     etas = [re.search(r", ETA (\d+):(\d\d)$", x) for x in lines]
     assert all(etas[:2]) and etas[2] is None, lines  # the last line: nothing left
     left = [int(m[1]) * 60 + int(m[2]) for m in etas[:2]]
-    assert left[0] >= 4 and left[1] >= 2 and left[0] > left[1]  # 4 steps of at least 1 s, then 2
+    assert left == [4, 2], lines  # 4 steps of 1 s left after step 2, then 2
 
 
 def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys):
