@@ -13,7 +13,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -273,6 +273,37 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(f"dtype: expected one of {sorted(DTYPES)} (or the torch dtype), got {dtype!r}{hint}")
 
 
+# float16's largest finite value is 65,504; a cast rounds a magnitude of 65,520 or more (halfway to 65,536, the next
+# power of two) to inf, and one between the two down to 65,504.
+FLOAT16_OVERFLOW = 65520.0
+
+
+def check_float16_range(tensors: Iterable[tuple[str, torch.Tensor]], outcome: str) -> None:
+    """Refuse casting `tensors` ((name, tensor) pairs) to float16 where a finite value of one would become inf there:
+    Gemma-family weights can pass float16's range, and the cast wrote inf without a word (NaN logits after, or a
+    checkpoint of infs). The ValueError names the first such tensor and its largest magnitude, and ends with
+    `outcome` (what was left undone). One reduction per tensor (aminmax: no temporary), launched before any is read
+    back; a tensor that holds inf or NaN already (a damaged one, model_logits_fault's to name) is looked at again
+    for its finite values alone. Tensors of float16's range or less (float16, fp8) and meta tensors are skipped."""
+    named = [(name, t.detach()) for name, t in tensors
+             if t.is_floating_point() and torch.finfo(t.dtype).max >= FLOAT16_OVERFLOW and t.device.type != "meta"
+             and t.numel()]
+    peaks = [torch.maximum(*(x.abs() for x in torch.aminmax(t))) for _, t in named]
+    over: list[tuple[str, float]] = []
+    for (name, t), peak in zip(named, peaks):
+        largest = float(peak)
+        if not math.isfinite(largest):  # inf or NaN stored: the largest finite value decides
+            largest = float(torch.where(torch.isfinite(t), t.abs(), 0).amax())
+        if largest >= FLOAT16_OVERFLOW:
+            over.append((name, largest))
+    if over:
+        name, largest = over[0]
+        more = f" ({len(over) - 1} more tensors too)" if len(over) > 1 else ""
+        raise ValueError(f"dtype: {name} holds a value of magnitude {largest:,.6g}, past float16's range (65,504 at "
+                         f"most), where the cast to float16 makes it inf{more}; {outcome}. Use bfloat16 (float32's "
+                         "range in float16's size) or float32")
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """A torch device that exists here, or a clear error (before any weights are read)."""
     try:
@@ -521,6 +552,8 @@ class ModelPlan:
 
             weight, scale = quantize_weight(tensor.to(device), self.quantize)
             return {local: weight, f"{local}_scale": scale}
+        if self.dtype == torch.float16:  # read in the file's dtype first: a value past float16's range is refused
+            check_float16_range([(local_to_hf(local), tensor)], f"nothing was loaded from {self.path}")
         return {local: tensor.to(device=device, dtype=self.dtype)}
 
     def meta_model(self) -> DiffusionGemma:
@@ -720,6 +753,8 @@ def save_model(
                              "as a Hugging Face cache snapshot does; save to a folder of your own")
     tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     cast = {name for name, t in tensors.items() if t.is_floating_point() and t.dtype != dtype}  # text weights only
+    if dtype == torch.float16:  # before the folder is made: a value past float16's range would be written as inf
+        check_float16_range(((name, tensors[name]) for name in sorted(cast)), f"nothing was written to {path}")
     if passthrough:  # the vision tensors, kept in their own dtype
         tensors.update(read_passthrough(passthrough, path))
 

@@ -543,10 +543,18 @@ class DiffusionGemma(nn.Module):
         frequencies recomputed. Those casts round every floating buffer, and bf16-rounded frequencies put a
         position's angle off by up to 0.4%, which grows with the position (radians past a few thousand tokens):
         the tables stay float32 on the model's device, as loading in that dtype builds them. A quantized model
-        refuses a change of dtype before anything moves (quantize.check_cast)."""
-        from .quantize import check_cast  # quantize imports this module
+        refuses a change of dtype before anything moves (quantize.check_cast), and so does a cast to float16 of a
+        weight past its range (checkpoint.check_float16_range): cast, it would be inf."""
+        from .checkpoint import check_float16_range  # both import this module
+        from .quantize import check_cast
 
         check_cast(self, fn)
+        if self.device.type != "meta":
+            tensors = [*self.named_parameters(), *self.named_buffers()]
+            # what the cast makes of each dtype, asked of an empty tensor (as check_cast asks)
+            cast_to = {d: fn(torch.empty(0, dtype=d, device=self.device)).dtype for d in {t.dtype for _, t in tensors}}
+            check_float16_range(((name, t) for name, t in tensors if cast_to[t.dtype] == torch.float16 != t.dtype),
+                                "nothing was cast")
         self.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
         super()._apply(fn, recurse)
         self.reset_buffers()

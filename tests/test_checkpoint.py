@@ -1,5 +1,6 @@
 """Checkpoints: save -> reference from_pretrained, sharding, dtype, and clear errors for bad folders."""
 
+import functools
 import json
 import math
 import os
@@ -8,8 +9,10 @@ import shutil
 import warnings
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import blockpress
@@ -1418,3 +1421,87 @@ def test_a_load_or_a_profile_does_not_import_torchs_compiler():
     aten_ops, gemm_timed, dynamo, inductor = profiled.split()
     assert int(aten_ops) > 50 and gemm_timed == "True"
     assert (dynamo, inductor) == ("False", "False")
+
+
+def _past_float16(dtype=torch.float32, value=1e5, tokenizer=None):
+    """A tiny model whose one weight is `value` (1e5: past float16's 65,504)."""
+    lm = blockpress.random_model(ModelConfig.preset("tiny"), seed=0, dtype=dtype, tokenizer=tokenizer)
+    with torch.no_grad():
+        lm.model.layers[1].mlp.down_proj.weight[2, 3] = value
+    return lm
+
+
+FLOAT16_REFUSAL = (r"dtype: {name} holds a value of magnitude {magnitude}, past float16's range \(65,504 at most\), where "
+                   r"the cast to float16 makes it inf; {outcome}\. Use bfloat16 .* or float32$")
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_weights_past_float16_are_refused_by_load_to_and_save(tmp_path, stored):
+    """Loading into float16, lm.to(float16) and saving as float16 wrote a weight of 1e5 as inf, without a word (then
+    NaN logits, or a checkpoint of infs); each now refuses, naming the tensor and its magnitude, and leaves the
+    model and the destination as they were."""
+    lm = _past_float16(stored)
+    lm.save(tmp_path / "m")
+    held = lm.model.layers[1].mlp.down_proj.weight[2, 3].detach()  # 1e5 as `stored` holds it (bf16: 99,840)
+    refusal = functools.partial(FLOAT16_REFUSAL.format, magnitude=f"{float(held):,.6g}")
+    hf_name = re.escape("model.decoder.layers.1.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match=refusal(
+            name=hf_name, outcome=f"nothing was loaded from {re.escape(str(tmp_path / 'm'))}")):
+        load_quiet(tmp_path / "m", dtype="float16")
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    for cast in (lambda: lm.to(dtype=torch.float16), lambda: lm.model.half()):
+        with pytest.raises(ValueError, match=refusal(
+                name=re.escape("layers.1.mlp.down_proj.weight"), outcome="nothing was cast")):
+            cast()
+    after = lm.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    with pytest.raises(ValueError, match=refusal(
+            name=hf_name, outcome=f"nothing was written to {re.escape(str(tmp_path / 'half'))}")):
+        lm.save(tmp_path / "half", dtype="float16")
+    assert not (tmp_path / "half").exists()
+    for dtype in (torch.bfloat16, torch.float32):  # the ways out it names: both load the value
+        assert load_quiet(tmp_path / "m", dtype=dtype).model.layers[1].mlp.down_proj.weight[2, 3] == held.to(dtype)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(st.floats(min_value=6e4, max_value=7e4) | st.sampled_from([65504.0, 65519.99, 65520.0, 1e38]), st.booleans())
+def test_a_cast_is_refused_exactly_where_float16_would_hold_inf(value, negative):
+    """The line is where the cast itself makes inf (65,520 and up round to it; 65,504 < x < 65,520 round down to
+    65,504), as torch's own cast says, whatever the sign; a weight that holds inf already is not the cast's doing."""
+    value = -value if negative else value
+    lm = _past_float16(value=value)
+    held = lm.model.layers[1].mlp.down_proj.weight[2, 3].detach()
+    overflows = bool(torch.isinf(held.half()))
+    try:
+        lm.to(dtype=torch.float16)
+    except ValueError as exc:
+        assert overflows and f"magnitude {abs(float(held)):,.6g}," in str(exc)
+    else:
+        assert not overflows and lm.dtype == torch.float16
+        assert torch.isfinite(lm.model.layers[1].mlp.down_proj.weight).all()
+
+
+def test_a_weight_that_holds_inf_already_is_judged_by_its_finite_values():
+    """inf stored (a damaged checkpoint: model_logits_fault names it when it decodes) is no overflow of the cast, but
+    a finite value past float16's range beside it still is."""
+    lm = _past_float16(value=float("inf"))
+    lm.to(dtype=torch.float16)
+    assert torch.isinf(lm.model.layers[1].mlp.down_proj.weight[2, 3])
+    lm = _past_float16(value=float("nan"))
+    with torch.no_grad():
+        lm.model.layers[1].mlp.down_proj.weight[0, 0] = -1e5
+    with pytest.raises(ValueError, match="down_proj.weight holds a value of magnitude 100,000,"):
+        lm.to(dtype=torch.float16)
+
+
+def test_the_cli_refuses_a_float16_load_past_its_range_in_one_line(tmp_path, capsys):
+    from blockpress.cli import main
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    _past_float16(tokenizer=train_bpe_tokenizer([""], 300)).save(tmp_path)
+    assert main(["generate", "hello", "--model", str(tmp_path), "--dtype", "float16", "--no-live",
+                 "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err  # (a note may come first: this CPU emulates float16)
+    assert err.splitlines()[-1].startswith("blockpress generate: error: --dtype: model.decoder.layers.1.mlp.down_proj"
+                                           ".weight holds a value of magnitude 100,000, past float16's range")
+    assert "Traceback" not in err and err.count("error") == 1
