@@ -1335,7 +1335,11 @@ class _Decoding:
             w = w.shrink((~idle).nonzero()[:, 0], canvas_len)
         hooked = req.logits_processor is not None or req.constraint is not None
         trouble = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # a hook left an open position nothing
-        broken = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # the model's own first logits: NaN / inf
+        # The model's own logits NaN / inf, a flag per step checked: the first step's alone, as every later step of
+        # the same weights shows NaN weights too; in float16 every step's, as its activations can first overflow at
+        # a later one (the canvas settling), and NaN logits would decode as token 0 unsaid. Read at the canvas's end.
+        every_step = self.model.dtype == torch.float16
+        broken = torch.zeros(cfg.max_denoising_steps if every_step else 1, dtype=torch.bool, device=all_rows.device)
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
             if req.cancelled is not None:
                 cut = self.cancelled()
@@ -1348,7 +1352,7 @@ class _Decoding:
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
             with torch.no_grad():
-                logits = self.logits(w, broken if k == 1 else None)
+                logits = self.logits(w, broken[k - 1] if every_step else broken[0] if k == 1 else None)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     trouble |= no_choice(logits, w.writable & ~w.state.done[:, None])
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
@@ -1374,8 +1378,11 @@ class _Decoding:
                 if req.skip_stopped_rows and n_working <= w.rows.numel() // 2:
                     state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
                     w = w.shrink(working.nonzero()[:, 0], canvas_len)
-        if bool(broken):  # read with the canvas's end (no host sync in a step); the cause, before the hooks' check
-            raise model_logits_fault(self.model, f"canvas {canvas.index}'s first denoising step")
+        bad = broken.tolist()  # read with the canvas's end (no host sync in a step); the cause, before the hooks' check
+        if True in bad:
+            first = bad.index(True) + 1
+            raise model_logits_fault(self.model, f"canvas {canvas.index}'s "
+                                     + ("first denoising step" if first == 1 else f"denoising step {first}"))
         if hooked and bool(trouble):
             hooks = " / ".join(n for n, f in (("logits_processor", req.logits_processor), ("constraint", req.constraint))
                                if f is not None)
@@ -1387,8 +1394,8 @@ class _Decoding:
     def logits(self, w: _Working, broken: torch.Tensor | None = None) -> torch.Tensor:
         """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
         repeat penalties, with the canvas's bans and the constraint's at -inf. `broken` (a 0-d bool, set in place)
-        learns whether the decoder's own logits hold NaN or inf (NaN weights, or a dtype overflowed): a canvas's
-        first step is checked, one reduction, as every later step of the same weights would show it too."""
+        learns whether the decoder's own logits hold NaN or inf (NaN weights, or a dtype overflowed): one reduction,
+        on the steps `denoise` checks."""
         req = self.req
         with weights_unchanged(self.model, w.cache.weights_version):
             logits = self.fns.denoise(w.state.canvas, w.cache, self_conditioning_probs=w.state.sc_probs)
@@ -1589,6 +1596,9 @@ def run_ar(
     trouble = torch.zeros((), dtype=torch.bool, device=device)  # the logits processor left a row nothing to choose
     first_bans = _Bans.of_canvas(req, 0, 0, 1, device)  # token healing: what the first new token may be
     broken = no_choice(logits)  # the model's own logits after the prompt: read at the first check below
+    # In float16 every later token's too (its activations can first overflow there), for the rows still writing:
+    # a flag per token, read once at the end (no host sync a token)
+    later = torch.zeros(n_new, dtype=torch.bool, device=device) if model.dtype == torch.float16 else None
     for i in range(n_new):
         # as a canvas of one position, every row's (the batch never shrinks); no EOS before a row's min_new_tokens
         eos_banned = (i < minimum)[:, None] if req.eos_ids and i < most_min else None
@@ -1625,6 +1635,10 @@ def run_ar(
             logits = fns.encode_step(token[:, None], cache, logits="last")
         if stop:
             break
+        if later is not None:
+            later[i + 1] = no_choice(logits, ~finished)
+    if later is not None and bool(later.any()):
+        raise model_logits_fault(model, f"new token {int(later.nonzero()[0, 0]) + 1}")
     device_sync(device)
     decode_s = time.perf_counter() - t1
     num_valid = torch.minimum(_count_valid(new_tokens, eos), stops.length)

@@ -69,3 +69,55 @@ def test_the_cli_prints_the_cause_and_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "blockpress generate: error: the model's logits are NaN or infinite" in err
     assert "layers.0.self_attn.q_proj.weight" in err
+
+
+def overflow_on_call(module, call):
+    """Make `module`'s `call`-th output (1-based) overflow float16 (x 1e5), as activations that grow past its 65,504
+    at a later pass would: the passes before and after are the model's own."""
+    calls = []
+
+    def hook(_module, _inputs, output):
+        calls.append(None)
+        return output * 1e5 if len(calls) == call else output
+
+    return module.register_forward_hook(hook)
+
+
+@pytest.fixture(scope="module")
+def half_lm():
+    return tiny(torch.float16)
+
+
+@pytest.mark.parametrize("call, where", [(1, "canvas 0's first denoising step"), (3, "canvas 0's denoising step 3"),
+                                         (6, "canvas 1's denoising step 2")])
+def test_a_float16_overflow_at_a_later_step_is_named(half_lm, call, where):
+    """Only a canvas's first step was checked, so a float16 overflow at a later step (its activations growing as the
+    canvas settles) decoded NaN logits as token 0, unsaid; a float16 model's every step is checked now, on the
+    device, and read at the canvas's end. Denoising runs only in the decoder's self-conditioning input: one call a
+    step, 4 steps a canvas."""
+    handle = overflow_on_call(half_lm.model.self_conditioning, call)
+    try:
+        with pytest.raises(blockpress.NonFiniteLogits, match=f"at {where}, so there is nothing to decode: its weights "
+                                                              "are finite, so its activations overflowed float16"):
+            half_lm.generate([5, 6, 7], max_new_tokens=32, max_denoising_steps=4, seed=1, adaptive_stopping=False)
+    finally:
+        handle.remove()
+
+
+def test_a_float16_overflow_at_a_later_ar_token_is_named(half_lm):
+    """generate_ar read the first token's logits alone; a float16 model's are read for every token, once at the end.
+    The 1st pass after the prompt's is the one that gives the 2nd new token's logits."""
+    handle = overflow_on_call(half_lm.model.norm, 4)  # the prompt's pass, then 3 one-token passes: the 4th new token
+    try:
+        with pytest.raises(blockpress.NonFiniteLogits, match="at new token 4, so there is nothing to decode"):
+            half_lm.generate_ar([5, 6, 7], max_new_tokens=6)
+    finally:
+        handle.remove()
+
+
+def test_a_healthy_float16_model_is_not_refused(half_lm):
+    """Every step checked finds nothing in a float16 model that does not overflow: canvases that stop early
+    (adaptive stopping), rows that end before others, and AR rows that ended decoding pads."""
+    for out in (half_lm.generate([[5, 6, 7], [8, 9, 10]], max_new_tokens=[8, 20], max_denoising_steps=3, seed=1),
+                half_lm.generate_ar([[5, 6, 7], [8, 9, 10]], max_new_tokens=[2, 6])):
+        assert out.sequences.shape[0] == 2 and out.sequences[:, :3].tolist() == [[5, 6, 7], [8, 9, 10]]
