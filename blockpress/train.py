@@ -839,6 +839,16 @@ class Trainer:
         self.rank, self.world = _world()
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
+        if lm.dtype == torch.float16:
+            # No loss scaling here: float16 full fine-tunes went NaN at their first update (AdamW's steps in
+            # float16), reported as a divergence to cure with a lower lr; and adapters over a float16 base (LoRA,
+            # QLoRA) got their gradient through float16 activations, where the many small ones underflow to zero
+            # (a tiny model of 65,536 tokens, 640 scored: cosine 0.07 to the float32 base's gradient).
+            raise ValueError("dtype: the model computes in float16, which training here cannot: without loss scaling "
+                             "its gradients underflow to zero in float16 (adapters over a float16 base too) and AdamW's "
+                             "float16 updates overflow; train it in bfloat16 or float32 (blockpress.load(..., "
+                             "dtype='bfloat16') or lm.to(dtype='bfloat16'); blockpress train: --dtype bfloat16), "
+                             "with or without LoRA")
         if lm.quantization is not None and lm.quantization != cfg.quantize:
             # its projections are frozen buffers: only adapters over them train (QLoRA), and the config records the
             # scheme so that --resume quantizes the base alike

@@ -649,6 +649,34 @@ def test_a_quantized_model_is_refused_before_training(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("lora", [{}, {"lora_rank": 4}, {"lora_rank": 4, "quantize": "int8"}])
+def test_a_float16_model_is_refused_before_training_and_trains_once_widened(tmp_path, lora):
+    """No loss scaling: a float16 full fine-tune went NaN at its first update and was called a divergence ("a lower
+    --lr"), and adapters over a float16 base (LoRA, QLoRA) got a gradient underflowed through float16 activations
+    (65,536 tokens: cosine 0.07 to float32's). Refused before anything changes, naming the dtypes that train; the
+    same weights in float32 train."""
+    if lora:
+        pytest.importorskip("peft")
+    lm = tiny_lm()
+    lm.to(dtype="float16")
+    if "quantize" in lora:
+        lm.quantize(lora["quantize"])
+    settings = dict(lm.generation_config)
+    with pytest.raises(ValueError, match=r"^dtype: the model computes in float16, which training here cannot: .* "
+                                         r"train it in bfloat16 or float32 "):
+        run(tmp_path, 2, lm=lm, **lora)
+    assert not (tmp_path / "out").exists() and lm.generation_config == settings and lm.dtype == torch.float16
+    if "quantize" in lora:
+        return  # (a quantized model keeps its dtype: loaded again in bfloat16 / float32, it trains as QLoRA does)
+    lm.to(dtype="float32")
+    before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    _, result = run(tmp_path, 2, lm=lm, **lora)
+    assert all(math.isfinite(x) for x in result.losses) and len(result.losses) == 2
+    after = dict(lm.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in after.values())
+    assert any(not torch.equal(before[n], p) for n, p in after.items() if n in before)
+
+
 @pytest.mark.parametrize("value, message", [(-2, "expected -1"), (32, "outside the vocabulary")])
 def test_bad_noise_token_id_in_training(tmp_path, value, message):
     with pytest.raises(ValueError, match=f"noise_token_id.*{message}"):

@@ -49,6 +49,23 @@ def test_train_device_that_is_not_here_names_the_flag(tmp_path, capsys, device, 
         assert f"blockpress train: error: --device: '{device}' asked for, but" in err and why in err
 
 
+def test_train_refuses_a_float16_base_in_one_line(tmp_path, capsys, monkeypatch):
+    """--lora-rank keeps a checkpoint's own dtype, float16 where it computes natively (a GPU): its adapters trained on
+    a gradient underflowed in float16. Refused by name (exit 2), before the run's folder is made."""
+    pytest.importorskip("peft")
+    from blockpress import checkpoint
+
+    blockpress.random_model(blockpress.ModelConfig.preset("tiny"), dtype="float16").save(tmp_path / "half")
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: True)  # as a GPU loads it: float16
+    args = train_args(write_data(tmp_path / "d.jsonl"), tmp_path / "out")
+    args[1:3] = ["--model", str(tmp_path / "half")]
+    assert main([*args, "--lora-rank", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockpress train: error: --dtype: the model computes in float16, which training here "
+                          "cannot") and err.count("\n") == 1 and "--dtype bfloat16" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "out")) == 0
