@@ -54,6 +54,22 @@ def test_entropy_bound_accept_matches_reference(seed, bound, scale):
     assert torch.equal(renoised == -5, ours)
 
 
+@settings(max_examples=60, deadline=None)
+@given(eighths=st.lists(st.lists(st.integers(0, 6), min_size=6, max_size=6), min_size=1, max_size=3),
+       bound=st.integers(1, 12))
+def test_entropy_bound_accepts_a_sum_that_reaches_the_bound_exactly(eighths, bound):
+    """The rule is `sum of the entropies taken before <= bound`, as the reference's: on entropies that are exact
+    multiples of 1/8 the sum meets the bound exactly (random logits never do), and that position is accepted."""
+    ent = torch.tensor(eighths, dtype=torch.float32) / 8
+    acc = accept_entropy_bound(ent, bound / 8)
+    for row, accepted in zip(ent.tolist(), acc):
+        ranked = sorted(row)
+        want = sum(1 for i in range(len(ranked)) if sum(ranked[:i]) <= bound / 8)
+        assert int(accepted.sum()) == want
+        taken = [e for e, a in zip(row, accepted.tolist()) if a]
+        assert max(taken) <= min([e for e, a in zip(row, accepted.tolist()) if not a], default=float("inf"))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_entropy_matches_reference_categorical(seed):
@@ -175,16 +191,22 @@ def test_a_cut_canvas_accepts_as_a_canvas_of_the_positions_it_keeps(seed, sample
 
 
 @settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 10_000), thr=st.floats(0.05, 1.0))
+@given(seed=st.integers(0, 10_000), thr=st.floats(0.05, 1.0) | st.integers(0, 23))
 def test_confidence_accepts_at_least_one(seed, thr):
     probs = torch.softmax(logits_from(seed), -1).amax(-1)
     free = torch.rand(probs.shape, generator=torch.Generator().manual_seed(seed)) > 0.3
     free[:, 0] = True
+    if isinstance(thr, int):  # a threshold one position reaches exactly ("reaches": it is accepted)
+        thr = float(probs.flatten()[thr])
     acc = accept_confidence(probs, thr, free)
     assert (acc & free).any(-1).all()
-    assert (acc[probs >= thr]).all()  # every token over the threshold is accepted
+    assert torch.equal(acc & (probs >= thr), probs >= thr)  # every token at or over the threshold is accepted
     extra = acc & (probs < thr)
     assert (extra.sum(-1) <= 1).all()  # ... and at most one below it (the forced one)
+    for row in range(probs.shape[0]):  # the forced one is the most confident free position
+        if not (acc[row] & free[row] & (probs[row] >= thr)).any():
+            best = torch.where(free[row], probs[row], -1.0).argmax()
+            assert extra[row].nonzero().flatten().tolist() == [int(best)]
 
 
 @settings(max_examples=50, deadline=None)
@@ -383,6 +405,22 @@ def test_hashed_noise_covers_every_seed_and_canvas(seed, ci, step):
     assert t.min() >= 0 and t.max() < 1000
     assert not torch.equal(t, hashed_tokens(torch.tensor([seed ^ (1 << 50)]), ci, step, 64, 1000))
     assert not torch.equal(t, hashed_tokens(torch.tensor([seed]), ci + 1, step, 64, 1000))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), ci=st.integers(1, 10**6), step=st.integers(1, 1000))
+def test_the_draws_and_the_noise_are_separate_streams(seed, ci, step):
+    """A step's sampling draws share no numbers with the noise of that step or of the canvases and steps around it:
+    were the streams' counters to overlap, a position's draw would be the noise it is re-noised with a step later.
+    (A vocabulary of 2**47 tokens hands back the hash's integers themselves.)"""
+    from blockpress.sampling import hashed_uniforms
+
+    seeds = torch.tensor([seed])
+    draws = hashed_uniforms(seeds, ci, step, 32)
+    for c in (ci - 1, ci, ci + 1):
+        for s in (step - 1, step, step + 1):
+            noise = (hashed_tokens(seeds, c, s, 32, 2**47) >> 23).double() / float(1 << 24)
+            assert not torch.equal(noise, draws)
 
 
 @pytest.mark.parametrize(
