@@ -205,6 +205,32 @@ def test_compact_moves_padding_left_and_keeps_order():
     assert cache.next_pos.tolist() == [3, 5] and cache.has_padding
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_end_rows_keeps_each_rows_tokens_before_its_end(data):
+    """An AR batch that continues a cache ends each row where its text ended (the pads or tokens it encoded past a
+    stop are not its conversation): each row keeps exactly its tokens before its end, in order, padding on the left,
+    and a single row is cut there too."""
+    cfg = blockpress.ModelConfig.tiny().text
+    b, width = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 8))
+    pads = data.draw(st.lists(st.integers(0, width - 1), min_size=b, max_size=b))
+    cache = blockpress.KVCache.allocate(cfg, b, 16)
+    for t in (*cache.keys, *cache.values):  # each slot's content says which token it is
+        t.copy_(torch.arange(b * 16.0).view(b, 1, 16, 1).expand_as(t))
+    cache.commit(torch.tensor([[i >= pad for i in range(width)] for pad in pads]), width)
+    ends = [data.draw(st.integers(pad, width)) for pad in pads]
+    want = [list(range(r * 16 + pad, r * 16 + end)) for r, (pad, end) in enumerate(zip(pads, ends))]
+    cache.end_rows(torch.tensor(ends))
+    n = cache.length
+    assert [cache.keys[0][r, 0, :n, 0][cache.valid[r, :n]].tolist() for r in range(b)] == want
+    assert cache.next_pos.tolist() == [len(w) for w in want]
+    valid = cache.valid[:, :n]
+    assert not bool((valid[:, :-1] & ~valid[:, 1:]).any())  # padding only on the left
+    assert cache.has_padding == bool((~valid).any())
+    if b == 1:  # cut, not compacted: its slots stay where they were encoded, so truncate(slot count) still holds
+        assert n == ends[0] and cache.moved_from is None
+
+
 def test_cache_truncate_retry(lm):
     out = lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=3, sampler="greedy", seed=1, return_cache=True)
     cache = out.cache
