@@ -73,6 +73,17 @@ def test_allowed_tokens_are_exactly_the_extensions(tok):
     for i, t in enumerate(texts):
         assert bool(mask[0, i]) == t.startswith("\n"), (i, t)
     assert int(mask[0].sum()) > 1
+    # A model's vocabulary may be padded past the tokenizer's texts: those ids have no text and never start one.
+    padded = allowed_first_tokens(tok, ["\n", ""], len(texts) + 5)
+    assert torch.equal(padded[:, : len(texts)], mask[:, : len(texts)])
+    assert not bool(padded[0, len(texts):].any()) and bool(padded[1].all())
+
+
+def test_a_one_token_prompt_is_never_healed(tok):
+    """Healing its only token would leave the model nothing to condition on: a lone "\n" prompt stays as it is."""
+    newline = tok.encode("def f():\n")[-1]
+    assert heal(tok, [newline - 1, newline]).prefix == "\n"  # healable as a prompt's last token
+    assert heal(tok, [newline]) == heal(tok, []).__class__([newline], "")
 
 
 @pytest.mark.parametrize("engine", ["diffusion", "ar"])
