@@ -1489,7 +1489,7 @@ def run(
     keep_cache: bool = False,
     tokenizer: Any = None,
     fns: StepFunctions | None = None,
-) -> Iterator[Draft | Commit | Done | Cancelled]:
+) -> Generator[Draft | Commit | Done | Cancelled, None, None]:
     """The block-diffusion loop. See the module docstring of sampling.py for one step."""
     device = model.device
     canvas_len = model.config.canvas_length

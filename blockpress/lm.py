@@ -9,7 +9,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -74,6 +74,8 @@ from .sampling import (
 MODELS_DIR = Path(__file__).parent / "models"
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
 Counts = int | Sequence[int] | torch.Tensor
+# What stream and chat_stream yield; a generator, so a caller that leaves early can close() it
+Events = Generator[Draft | Commit | Done | Cancelled, None, None]
 
 
 def _one_thread_after_fork() -> None:
@@ -522,8 +524,7 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
     return undo
 
 
-def _undone_on_error(events: Iterator[Draft | Commit | Done | Cancelled],
-                     cache: KVCache) -> Iterator[Draft | Commit | Done | Cancelled]:
+def _undone_on_error(events: Events, cache: KVCache) -> Events:
     """`events` of a call that continues `cache`, which goes back to where it stood when the stream started if the
     stream fails (a Ctrl-C inside it, an error). Not when it is left (a break, close, or garbage collection): the
     cache may have been continued since by another call, whose turn going back would drop. The mark is taken at the
@@ -1148,7 +1149,7 @@ class LM:
         prefix_cache: PrefixCache | None = None,
         cancelled: Callable[[], bool | Sequence[bool]] | None = None,
         **sampler_options: Any,
-    ) -> Iterator[Draft | Commit | Done | Cancelled]:
+    ) -> Events:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
 
         `seeds`: one seed per row (overrides `seed`), as a server batching independent requests uses it.
@@ -1365,7 +1366,7 @@ class LM:
         return out
 
     def chat_stream(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,
-                    **kwargs: Any) -> Iterator[Draft | Commit | Done | Cancelled]:
+                    **kwargs: Any) -> Events:
         """`stream` on a rendered conversation, as `chat_ids` is `generate` on one: the same events, each Commit's
         `settled_texts` the reply so far (print their growth), and Done's output what chat_ids returns, its cache
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
