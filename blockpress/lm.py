@@ -9,12 +9,13 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .cache import KVCache
@@ -73,9 +74,20 @@ from .sampling import (
 
 MODELS_DIR = Path(__file__).parent / "models"
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
-Counts = int | Sequence[int] | torch.Tensor
+Counts = int | Sequence[int] | torch.Tensor | np.ndarray
+# Token ids as prompt_to_ids reads them: a tensor or array [P] / [B, P], a list of ids, or a list of rows that may
+# differ in length (each a list, a 1-D tensor or array)
+TokenIds = (torch.Tensor | np.ndarray | Sequence[int | np.integer]
+            | Sequence[Sequence[int | np.integer] | torch.Tensor | np.ndarray])
+# A prompt for generate, stream and generate_ar: a text, a batch of texts, or token ids; a template for infill too
+# (text with <|hole|> markers, or ids with -1 in the holes)
+Prompt = str | Sequence[str] | TokenIds
+# One conversation (a list of {"role", "content"} messages), or a batch of them
+Messages = Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]]
 # What stream and chat_stream yield; a generator, so a caller that leaves early can close() it
 Events = Generator[Draft | Commit | Done | Cancelled, None, None]
+# One seed per row: a list, or a 1-D integer tensor / array
+Seeds = Sequence[int] | torch.Tensor | np.ndarray
 
 
 def _one_thread_after_fork() -> None:
@@ -1126,7 +1138,7 @@ class LM:
 
     def stream(
         self,
-        prompt: Any = None,
+        prompt: Prompt | None = None,
         max_new_tokens: Counts | None = None,
         *,
         max_denoising_steps: int | None = None,
@@ -1135,12 +1147,12 @@ class LM:
         min_new_tokens: Counts = 0,
         min_new_tokens_eos_only: bool | Sequence[bool] = False,
         attention_mask: Any = None,
-        template: Any = None,
+        template: Prompt | None = None,
         hole_length: int = 8,
         cache: KVCache | None = None,
         return_cache: bool = False,
         drafts: bool = True,
-        seeds: list[int] | None = None,
+        seeds: Seeds | None = None,
         skip_stopped_rows: bool = True,
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -1222,7 +1234,7 @@ class LM:
                      tokenizer=self.tokenizer, fns=self.step_functions)
         return events if cache is None else _undone_on_error(events, cache)
 
-    def generate(self, prompt: Any = None, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
+    def generate(self, prompt: Prompt | None = None, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
         """Block-diffusion generation. `prompt`: str, list[str], ids [P] / [B, P], or a list of id lists (ragged
         rows are left-padded). Text prompts get BOS first (not twice; not on a turn that continues a `cache`).
@@ -1293,7 +1305,7 @@ class LM:
                 undo(e)
             raise
 
-    def chat_prompt(self, messages: Any, **template_options: Any) -> list[int] | list[list[int]]:
+    def chat_prompt(self, messages: Messages, **template_options: Any) -> list[int] | list[list[int]]:
         """The ids of a conversation rendered through the checkpoint's chat template, ending with the header of the
         model's turn: the one rendering that `chat`, `blockpress chat`, `blockpress generate --chat` and the
         server's /v1/chat/completions prompt with. `messages`: one conversation, a list of {"role", "content"}
@@ -1334,7 +1346,7 @@ class LM:
                 for conversation in conversations]
         return rows if batch else rows[0]
 
-    def chat(self, messages: Any, template_options: dict[str, Any] | None = None, **kwargs: Any) -> GenerationOutput:
+    def chat(self, messages: Messages, template_options: dict[str, Any] | None = None, **kwargs: Any) -> GenerationOutput:
         """The model's reply to a conversation (or one reply per conversation of a batch): `generate` on
         `chat_prompt(messages, **template_options)`, so an instruction-tuned checkpoint is prompted the way it was
         trained. `kwargs`: generate's (max_new_tokens, seed, sampler, stop, return_cache, ...). out.texts[0] is the
@@ -1428,7 +1440,7 @@ class LM:
             out.cache.tokens = [row[:n] + p[len(p) - (end - n - len(t)):] + t for row, n, p, t, end in
                                 zip(rows, common, prompts, new, out.cache.next_pos.tolist())]
 
-    def infill(self, template: Any, prompt: Any = None, **kwargs: Any) -> GenerationOutput:
+    def infill(self, template: Prompt, prompt: Prompt | None = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it
         as text; or ids with -1), keeping every fixed token. `fills` holds each hole's text, one per marker in
         order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone). A list of
@@ -1444,7 +1456,7 @@ class LM:
 
     def generate_ar(
         self,
-        prompt: Any = None,
+        prompt: Prompt | None = None,
         max_new_tokens: Counts | None = None,
         *,
         temperature: float | Sequence[float] | None = None,
@@ -1462,7 +1474,7 @@ class LM:
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         prefix_cache: PrefixCache | None = None,
-        seeds: list[int] | None = None,
+        seeds: Seeds | None = None,
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         **unknown: Any,
     ) -> GenerationOutput:

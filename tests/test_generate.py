@@ -530,6 +530,65 @@ def test_every_container_of_ids_reads_like_lists(rows, kinds):
         assert torch.equal(prompt_to_ids(given_rows[0], None, PAD)[0], want_ids)
 
 
+def hint_admits(value, hint) -> bool:
+    """Whether a type checker takes `value` where `hint` is written, for the values these tests build: unions,
+    Sequence[X] and Mapping[K, V] element by element, Any, None and plain classes."""
+    import types
+    import typing
+    from collections.abc import Mapping, Sequence
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(hint_admits(value, a) for a in args)
+    if hint is typing.Any:
+        return True
+    if hint is None or hint is type(None):
+        return value is None
+    if origin is Sequence:
+        return isinstance(value, Sequence) and all(hint_admits(v, args[0]) for v in value)
+    if origin is Mapping:
+        return isinstance(value, Mapping) and all(hint_admits(k, args[0]) and hint_admits(v, args[1])
+                                                  for k, v in value.items())
+    return isinstance(value, origin or hint)
+
+
+def test_the_prompt_hints_admit_every_prompt_generate_takes(lm):
+    """generate, stream, generate_ar and infill hinted `prompt: Any`, so an editor offered nothing and a type checker
+    passed `lm.generate(5)`: their hint is one Prompt union (text, texts, or ids as tensors, arrays, lists of ids or
+    ragged rows), which admits every form the runtime takes and none it refuses by type."""
+    import typing
+
+    from blockpress.generate import prompt_to_ids
+
+    kw = dict(max_new_tokens=2, max_denoising_steps=1, seed=0)
+    hint = typing.get_type_hints(blockpress.LM.generate)["prompt"]
+    for method in (blockpress.LM.stream, blockpress.LM.generate_ar, blockpress.LM.infill):
+        assert typing.get_type_hints(method)["prompt"] == hint, method.__name__
+    # a template takes a prompt's forms, and is not optional
+    assert typing.get_type_hints(blockpress.LM.infill)["template"] | None == hint
+    taken = [[3, 4], (3, 4), [[3, 4], [5]], torch.tensor([3, 4]), torch.tensor([[3, 4]]), np.array([[3, 4]]),
+             [np.int64(3), np.int64(4)], [torch.tensor([3, 4]), np.array([5])], [(3,), [4, 5]]]
+    for prompt in taken:
+        prompt_to_ids(prompt, None, PAD)  # what generate reads its prompt with (each form generates elsewhere)
+        assert hint_admits(prompt, hint), prompt
+    for prompt in ("def f(x):", ["a", "b"], ("a",)):  # texts (the tiny model has no tokenizer to run them)
+        assert hint_admits(prompt, hint), prompt
+    for prompt in (3, 3.5, {"input_ids": [3, 4]}, [3.5], [[3], ["a"]]):
+        with pytest.raises(ValueError, match="prompt"):
+            lm.generate(prompt, **kw)
+        assert not hint_admits(prompt, hint), prompt
+    # seeds (hinted list[int]) and the counts take tuples, tensors and arrays too
+    hints = typing.get_type_hints(blockpress.LM.stream)
+    for seeds in ((1, 2), torch.tensor([1, 2]), np.arange(2)):
+        lm.generate([[3], [4]], max_new_tokens=2, max_denoising_steps=1, seeds=seeds)
+        assert hint_admits(seeds, hints["seeds"]), seeds
+    for count in (np.array([1, 2]), torch.tensor([1, 2]), (1, 2)):
+        lm.generate([[3], [4]], max_new_tokens=count, max_denoising_steps=1, seed=0)
+        assert hint_admits(count, hints["max_new_tokens"]), count
+    messages = [{"role": "user", "content": "hi"}]
+    assert all(hint_admits(m, typing.get_type_hints(blockpress.LM.chat)["messages"]) for m in (messages, [messages]))
+
+
 def test_a_stream_is_hinted_as_a_generator_a_caller_can_close(lm):
     """stream and chat_stream returned Iterator[...] in their hints, which has no close(), while their docs say a
     stream left midway (a break, close) keeps what it encoded: `events.close()` was an error to mypy and pyright.
