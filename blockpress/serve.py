@@ -107,6 +107,7 @@ from .generate import (
     settled_text,
 )
 from .healing import heal, heal_into_template, strip_prefix
+from .lm import LM
 from .prefix import PrefixCache
 from .response import PartialMessage, compile_template, parse_partial, parse_response
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
@@ -1474,7 +1475,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
             "created": reply.created, "model": reply.model, "choices": choices, "usage": reply.usage(totals)}
 
 
-def create_app(lm: Any, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
+def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), api_key: str | None = None,
                max_body_bytes: int | None = None) -> FastAPI:

@@ -2345,3 +2345,14 @@ def test_a_sighup_lets_requests_in_flight_finish_as_sigterm_does():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_create_app_is_hinted_with_the_model_it_takes():
+    """create_app(lm: Any) told an editor nothing of what to pass and a type checker passed create_app("model-path"),
+    which fails inside with "'str' object has no attribute 'tokenizer'": its hint is blockpress.LM, resolvable at
+    run time (FastAPI-style introspection included)."""
+    import typing
+
+    import blockpress
+
+    assert typing.get_type_hints(create_app)["lm"] is blockpress.LM
