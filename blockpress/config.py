@@ -131,9 +131,9 @@ class TextConfig:
     per_layer_config: dict[str, dict[str, int]] | None = None
     final_logit_softcapping: float = 30.0
     use_bidirectional_attention: str | None = None
-    num_experts: int | None = 8
-    top_k_experts: int | None = 2
-    moe_intermediate_size: int | None = 256
+    num_experts: int = 8
+    top_k_experts: int = 2
+    moe_intermediate_size: int = 256
 
     def __post_init__(self) -> None:
         for name in ("rope_parameters", "per_layer_config"):  # read as dicts just below

@@ -1505,3 +1505,15 @@ def test_the_cli_refuses_a_float16_load_past_its_range_in_one_line(tmp_path, cap
     assert err.splitlines()[-1].startswith("blockpress generate: error: --dtype: model.decoder.layers.1.mlp.down_proj"
                                            ".weight holds a value of magnitude 100,000, past float16's range")
     assert "Traceback" not in err and err.count("error") == 1
+@pytest.mark.parametrize("name", ["num_experts", "top_k_experts", "moe_intermediate_size"])
+def test_the_expert_sizes_are_hinted_as_the_integers_they_must_be(name):
+    """TextConfig hinted the experts' sizes `int | None`, so a type checker took num_experts=None, which the config
+    refuses (every DiffusionGemma layer has experts), and read cfg.text.num_experts as maybe None (mypy: 'Unsupported
+    operand types for * ("int" and "None")' at each use): the hint is int, and None is refused by name."""
+    import typing
+
+    from blockpress.config import TextConfig
+
+    assert typing.get_type_hints(TextConfig)[name] is int
+    with pytest.raises(ConfigError, match=f"text_config.{name}: expected a positive integer"):
+        ModelConfig.tiny(**{name: None})
