@@ -705,8 +705,8 @@ class LM:
     @torch.no_grad()
     def logits(
         self,
-        prompt_ids: torch.Tensor | list,
-        canvas_ids: torch.Tensor | list,
+        prompt_ids: TokenIds,
+        canvas_ids: TokenIds,
         self_conditioning_logits: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         self_conditioning_mask: torch.Tensor | None = None,

@@ -589,6 +589,17 @@ def test_the_prompt_hints_admit_every_prompt_generate_takes(lm):
     assert all(hint_admits(m, typing.get_type_hints(blockpress.LM.chat)["messages"]) for m in (messages, [messages]))
 
 
+def test_the_logits_hints_admit_the_ids_logits_takes(lm):
+    """lm.logits hinted its ids `torch.Tensor | list`, so a numpy array or a tuple of rows, which it reads like a
+    prompt's ids, was an error to mypy and pyright: both are hinted as the token ids generate takes."""
+    import typing
+
+    hints = typing.get_type_hints(blockpress.LM.logits)
+    want = lm.logits([[3, 4]], [[5, 6]])
+    for ids, canvas in ((np.array([[3, 4]]), np.array([5, 6])), (((3, 4),), ((5, 6),)), ([torch.tensor([3, 4])], (5, 6))):
+        assert torch.equal(lm.logits(ids, canvas), want)
+        assert hint_admits(ids, hints["prompt_ids"]) and hint_admits(canvas, hints["canvas_ids"]), (ids, canvas)
+
 def test_a_stream_is_hinted_as_a_generator_a_caller_can_close(lm):
     """stream and chat_stream returned Iterator[...] in their hints, which has no close(), while their docs say a
     stream left midway (a break, close) keeps what it encoded: `events.close()` was an error to mypy and pyright.
