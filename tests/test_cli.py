@@ -2669,7 +2669,7 @@ def test_loading_line_on_a_terminal_shows_the_share_read(monkeypatch, tmp_path):
     monkeypatch.setattr(blockpress.cli, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     stderr = TerminalIO()
     monkeypatch.setattr(sys, "stderr", stderr)
-    args = build_parser().parse_args(["generate", "x", "--model", str(tmp_path / "m"), "--dtype", "bfloat16"])
+    args = build_parser().parse_args(["generate", "x", "--model", str(tmp_path / "m"), "--dtype", "float32"])
     load_announced(args)
     err = stderr.getvalue()
     shown = err.split("\r")
