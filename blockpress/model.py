@@ -550,16 +550,20 @@ class DiffusionGemma(nn.Module):
 
         check_cast(self, fn)
         if self.device.type != "meta":
-            tensors = [*self.named_parameters(), *self.named_buffers()]
-            # what the cast makes of each dtype, asked of an empty tensor (as check_cast asks)
-            cast_to = {d: fn(torch.empty(0, dtype=d, device=self.device)).dtype for d in {t.dtype for _, t in tensors}}
-            check_float16_range(((name, t) for name, t in tensors if cast_to[t.dtype] == torch.float16 != t.dtype),
-                                "nothing was cast")
+            cast_to = self.dtypes_after(fn)
+            check_float16_range(((name, t) for name, t in (*self.named_parameters(), *self.named_buffers())
+                                 if cast_to[t.dtype] == torch.float16 != t.dtype), "nothing was cast")
         self.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
         super()._apply(fn, recurse)
         self.reset_buffers()
         self.weights_changed()
         return self
+
+    def dtypes_after(self, cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[torch.dtype, torch.dtype]:
+        """What `cast` (a function _apply would run on every tensor) makes of each dtype the model's tensors hold,
+        asked of an empty tensor of each: a cast can then be judged before any weight moves."""
+        dtypes = dict.fromkeys(t.dtype for t in (*self.parameters(), *self.buffers()))
+        return {d: cast(torch.empty(0, dtype=d, device=self.device)).dtype for d in dtypes}
 
     def weights_changed(self) -> None:
         """Say that the weights changed in place: keys and values encoded before are stale."""

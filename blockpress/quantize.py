@@ -398,8 +398,7 @@ def check_cast(model: DiffusionGemma, cast: Callable[[torch.Tensor], torch.Tenso
     scheme = quantization_of(model)
     if scheme is None:
         return
-    dtypes = dict.fromkeys(t.dtype for t in (*model.parameters(), *model.buffers()))
-    changed = {d: c for d in dtypes if (c := cast(torch.empty(0, dtype=d, device=model.device)).dtype) != d}
+    changed = {d: c for d, c in model.dtypes_after(cast).items() if c != d}
     if not changed:
         return
     target = changed.get(model.dtype, next(iter(changed.values())))
