@@ -22,6 +22,7 @@ import inspect
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import sys
@@ -117,7 +118,7 @@ def _state_step(path: Path) -> tuple[int, list[tuple[str, bool]] | None] | None:
     None where there is no state there, or it cannot be read. Its tensors are mapped, not read: only the two
     entries are kept."""
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception:  # noqa: BLE001 - missing, or damaged: a damaged file fails with any of several types
         return None
     if not (isinstance(state, dict) and is_int(state.get("step"))):
@@ -127,6 +128,12 @@ def _state_step(path: Path) -> tuple[int, list[tuple[str, bool]] | None] | None:
 
 
 def _unreadable_state(path: Path, exc: BaseException) -> ValueError:
+    if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+        # Read with weights_only: a state holds tensors and plain values only, so anything else is not one of ours,
+        # and unpickling it could run arbitrary code (torch's own message suggests weights_only=False)
+        return ValueError(f"--resume: {path} holds Python objects other than tensors and plain values, which a "
+                          "blockpress trainer state never does; it is not unpickled (that can run arbitrary code). "
+                          "Resume only from a run blockpress saved, or start a new run from the weights beside it")
     why = (str(exc).strip().splitlines() or [""])[0]
     return ValueError(f"--resume: {path} cannot be read ({type(exc).__name__}: {why}); the run's state is damaged "
                       "(a save cut short by a blockpress that wrote it in place, or a damaged disk), so the run cannot "
@@ -138,7 +145,7 @@ def read_trainer_state(path: str | Path, map_location: str | None = None) -> dic
     traceback: PytorchStreamReader, EOFError, UnpicklingError, ... by where the file was cut)."""
     path = Path(path)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a damaged file fails with any of several types
         raise _unreadable_state(path, exc) from None
     if not (isinstance(state, dict) and {"step", "optimizer"} <= state.keys()):
@@ -1500,7 +1507,7 @@ def recorded_data(out: str | Path) -> str | None:
     """The --data the run in `out` trained on, as its trainer_state.pt records it (the Trainer's `data`); None when
     it records none. The state is mapped, not read: its tensors stay on disk."""
     try:
-        state = torch.load(Path(out) / TRAINER_STATE_FILE, map_location="cpu", mmap=True, weights_only=False)
+        state = torch.load(Path(out) / TRAINER_STATE_FILE, map_location="cpu", mmap=True, weights_only=True)
     except Exception:  # noqa: BLE001 - damaged: check_resumable has said so already
         return None
     data = state.get("data") if isinstance(state, dict) else None

@@ -314,6 +314,30 @@ def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
         trainer.resume()
 
 
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):  # unpickling calls Path.touch(marker): a stand-in for any code a pickle can run
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_resume_does_not_unpickle_objects_a_state_never_holds(tmp_path):
+    """A trainer state was read with weights_only=False: a trainer_state.pt from someone else (a shared run folder)
+    ran whatever code its pickle named on --resume. It is read as tensors and plain values now, and one holding
+    anything else is refused by name."""
+    run(tmp_path, 2, "run")
+    state_file = tmp_path / "run" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=True)
+    marker = tmp_path / "ran"
+    torch.save({**state, "extra": _RunsCodeWhenUnpickled(marker)}, state_file)
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=4, batch_size=4), tmp_path / "run",
+                      progress=False)
+    with pytest.raises(ValueError, match=r"--resume: .*trainer_state.pt holds Python objects other than tensors"):
+        trainer.resume()
+    assert not marker.exists()
+
 def test_lora_trains_adapters_and_merges_exactly(tmp_path):
     pytest.importorskip("peft")
     from blockpress.train import add_lora, merge_lora

@@ -696,7 +696,7 @@ def test_chat_data_trains_every_assistant_turn(tmp_path, capsys):
     data.write_text("".join(json.dumps({"messages": chat[:k]}) + "\n" for k in (4, 4, 2)))
     last = ["--tokenizer", str(MODELS_DIR / "blockpress-code"), "--chat-turns", "last"]
     assert main(train_args(data, tmp_path / "last", steps=1) + last) == 0  # (all turns: 5; test_data.py)
-    assert torch.load(tmp_path / "last" / "trainer_state.pt", weights_only=False)["data"]["size"] == "3 examples"
+    assert torch.load(tmp_path / "last" / "trainer_state.pt", weights_only=True)["data"]["size"] == "3 examples"
     text = tmp_path / "t.txt"
     text.write_text("def add(a, b):\n    return a + b\n\n" * 40)
     assert main(train_args(text, tmp_path / "text", steps=1) + last) == 2
@@ -823,7 +823,7 @@ def test_a_time_scheduled_run_resumes_its_clock(tmp_path, capsys):
         return Trainer(lm, ExampleSource(examples, 0), cfg, tmp_path / "run", progress=False, on_step=ctrl_c)
 
     assert trainer(3).train().stopped == "interrupted"
-    saved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=False)["minutes"]
+    saved = torch.load(tmp_path / "run" / "trainer_state.pt", weights_only=True)["minutes"]
     again = trainer(5)
     again.resume()
     assert again.minutes == saved > 0
