@@ -128,12 +128,15 @@ def _state_step(path: Path) -> tuple[int, list[tuple[str, bool]] | None] | None:
 
 
 def _unreadable_state(path: Path, exc: BaseException) -> ValueError:
-    if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
-        # Read with weights_only: a state holds tensors and plain values only, so anything else is not one of ours,
-        # and unpickling it could run arbitrary code (torch's own message suggests weights_only=False)
-        return ValueError(f"--resume: {path} holds Python objects other than tensors and plain values, which a "
-                          "blockpress trainer state never does; it is not unpickled (that can run arbitrary code). "
-                          "Resume only from a run blockpress saved, or start a new run from the weights beside it")
+    named = re.search(r"GLOBAL ([\w.]+)", str(exc)) if isinstance(exc, pickle.UnpicklingError) else None
+    if named:
+        # Read with weights_only: a state holds tensors and plain values only, so a pickle naming a global (a class,
+        # a function to call) is not one of ours, and unpickling it could run arbitrary code (torch's own message
+        # suggests weights_only=False). A damaged file fails otherwise ("Unsupported operand", a zip error, EOF).
+        return ValueError(f"--resume: {path} holds Python objects other than tensors and plain values "
+                          f"({named.group(1)}), which a blockpress trainer state never does; it is not unpickled "
+                          "(that can run arbitrary code). Resume only from a run blockpress saved, or start a new run "
+                          "from the weights beside it")
     why = (str(exc).strip().splitlines() or [""])[0]
     return ValueError(f"--resume: {path} cannot be read ({type(exc).__name__}: {why}); the run's state is damaged "
                       "(a save cut short by a blockpress that wrote it in place, or a damaged disk), so the run cannot "
