@@ -88,8 +88,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# torch's sizes are 64-bit: a larger JSON integer (Python reads any) loaded and then failed deep in torch with
+# "empty(): argument 'size' failed to unpack the object ... Overflow when unpacking long long", naming no field.
+MAX_INT64 = 2**63 - 1
+
+
 def _positive_int(value: Any) -> bool:
-    return _is_int(value) and value > 0
+    return _is_int(value) and 0 < value <= MAX_INT64
+
+
+def _past_int64(value: Any) -> str:
+    """What an error adds for an integer past torch's 64-bit sizes, else nothing."""
+    return f" of at most {MAX_INT64} (torch's sizes are 64-bit)" if _is_int(value) and value > MAX_INT64 else ""
 
 
 def _default_layer_types(n: int) -> list[str]:
@@ -228,8 +238,10 @@ class TextConfig:
             "sliding_window",
         ):
             value = getattr(self, name)
-            need(_positive_int(value), name, f"expected a positive integer, got {value!r}")
-        need(_positive_int(self.max_position_embeddings), "max_position_embeddings", f"expected a positive integer, got {self.max_position_embeddings!r}")
+            need(_positive_int(value), name, f"expected a positive integer{_past_int64(value)}, got {value!r}")
+        need(_positive_int(self.max_position_embeddings), "max_position_embeddings",
+             f"expected a positive integer{_past_int64(self.max_position_embeddings)}, got "
+             f"{self.max_position_embeddings!r}")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             need(value is None or (_is_int(value) and 0 <= value < self.vocab_size), name,
@@ -248,7 +260,8 @@ class TextConfig:
         for name in ("num_experts", "top_k_experts", "moe_intermediate_size"):
             value = getattr(self, name)
             need(_positive_int(value), name,
-                 f"expected a positive integer (DiffusionGemma layers always have experts), got {value!r}")
+                 f"expected a positive integer{_past_int64(value)} (DiffusionGemma layers always have experts), "
+                 f"got {value!r}")
         need(self.top_k_experts <= self.num_experts, "top_k_experts",
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
         need(isinstance(self.hidden_activation, str) and self.hidden_activation in ACTIVATIONS, "hidden_activation",
@@ -283,9 +296,9 @@ class TextConfig:
             need(not unknown, f"per_layer_config[{key!r}]",
                  f"unsupported override(s) {sorted(unknown)}; expected head_dim / num_key_value_heads")
         for i, spec in enumerate(self.layers):
-            need(spec.head_dim > 0 and spec.head_dim % 2 == 0, f"per_layer_config[{i}].head_dim",
+            need(_positive_int(spec.head_dim) and spec.head_dim % 2 == 0, f"per_layer_config[{i}].head_dim",
                  f"expected a positive even integer, got {spec.head_dim}")
-            need(spec.num_kv_heads > 0 and self.num_attention_heads % spec.num_kv_heads == 0,
+            need(_positive_int(spec.num_kv_heads) and self.num_attention_heads % spec.num_kv_heads == 0,
                  f"per_layer_config[{i}].num_key_value_heads",
                  f"{spec.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}")
         for kind in sorted(set(self.layer_types)):
@@ -409,7 +422,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not _positive_int(self.canvas_length):
-            raise ConfigError(f"canvas_length: expected a positive integer, got {self.canvas_length!r}")
+            raise ConfigError(f"canvas_length: expected a positive integer{_past_int64(self.canvas_length)}, "
+                              f"got {self.canvas_length!r}")
         # transformers' top-level copy of text_config's flag: the load ties the weights unless either one is false
         tied = self.extra.get("tie_word_embeddings", True)
         if not isinstance(tied, bool):

@@ -510,6 +510,14 @@ def _hand_written(raw, **fields):
          "full_attention.rope_theta: expected a positive number, got inf"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=math.inf),
          "sliding_attention.factor: expected a positive number, got inf"),
+        # past torch's 64-bit sizes: these loaded, then failed in torch ("Overflow when unpacking long long")
+        (lambda c: c["text_config"].update(vocab_size=2**63), r"vocab_size: expected a positive integer of at most "
+                                                               r"9223372036854775807 \(torch's sizes are 64-bit\)"),
+        (lambda c: c["text_config"].update(max_position_embeddings=10**400), "max_position_embeddings: .*64-bit"),
+        (lambda c: c["text_config"].update(num_experts=2**64), "num_experts: .*64-bit"),
+        (lambda c: c.update(canvas_length=2**70), "^canvas_length: .*64-bit"),
+        (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 2**64}, "3": {"head_dim": 2**64}}),
+         r"per_layer_config\[1\].head_dim: expected a positive even integer"),
     ],
 )
 def test_bad_config_fields_named(ref_checkpoint, edit, field):
