@@ -97,6 +97,23 @@ def _positive_int(value: Any) -> bool:
     return _is_int(value) and 0 < value <= MAX_INT64
 
 
+# The most layers a config may ask for. Not a limit of the maths: building the model takes ~2.5 ms a layer even on the
+# meta device (before any weight is compared with the config), and a config without layer_types has its pattern drawn
+# as a list of num_hidden_layers entries, so an untrusted config.json of 10**6 layers held `blockpress.load` and
+# `blockpress info` for hours, and one of 10**12 took memory until the OOM killer. 1,024 is eight times the deepest
+# released models' (Llama 3.1 405B: 126 layers; DiffusionGemma 26B-A4B: 30), and builds in seconds.
+MAX_LAYERS = 1024
+
+
+def _check_depth(n: Any) -> None:
+    """num_hidden_layers, checked before anything is built or drawn from it."""
+    if not _positive_int(n):
+        raise ConfigError(f"text_config.num_hidden_layers: expected a positive integer, got {n!r}")
+    if n > MAX_LAYERS:
+        raise ConfigError(f"text_config.num_hidden_layers: {n} layers is more than the {MAX_LAYERS} blockpress builds "
+                          "(the deepest released models have about 130)")
+
+
 def _past_int64(value: Any) -> str:
     """What an error adds for an integer past torch's 64-bit sizes, else nothing."""
     return f" of at most {MAX_INT64} (torch's sizes are 64-bit)" if _is_int(value) and value > MAX_INT64 else ""
@@ -169,8 +186,7 @@ class TextConfig:
                                       f"{' or null' if optional else ''}, got {value!r}")
         if self.layer_types is None:
             n = self.num_hidden_layers  # read before validate does, to draw the default pattern
-            if not _positive_int(n):
-                raise ConfigError(f"text_config.num_hidden_layers: expected a positive integer, got {n!r}")
+            _check_depth(n)
             self.layer_types = _default_layer_types(n)
         self.layer_types = list(self.layer_types)
         if self.layer_types and self.layer_types[-1] == SLIDING:
@@ -227,11 +243,11 @@ class TextConfig:
             if not cond:
                 raise ConfigError(f"text_config.{field_name}: {msg}")
 
+        _check_depth(self.num_hidden_layers)  # before layer_types is compared with it (a list as long as its JSON)
         for name in (
             "vocab_size",
             "hidden_size",
             "intermediate_size",
-            "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
             "head_dim",

@@ -394,6 +394,32 @@ def test_garbage_config(ref_checkpoint, tmp_path, content, message):
         load_quiet(path)
 
 
+def test_a_config_deeper_than_blockpress_builds_is_refused_before_building(ref_checkpoint, tmp_path, monkeypatch):
+    """An untrusted config.json's num_hidden_layers is checked before the layer pattern is drawn from it or a model
+    built with it: 10**6 layers held a load for hours on the meta device alone, and 10**12 drew a list of that many."""
+    from blockpress import config as config_module
+
+    raw = json.loads((ref_checkpoint[0] / "config.json").read_text())
+    deep = json.loads(json.dumps(raw))
+    deep["text_config"].update(layer_types=None, num_hidden_layers=10**12)
+    monkeypatch.setattr(config_module, "_default_layer_types", lambda n: pytest.fail(f"drew a pattern of {n} layers"))
+    with pytest.raises(ConfigError, match=r"^text_config\.num_hidden_layers: 1000000000000 layers is more than the "
+                                          r"1024 blockpress builds"):
+        ModelConfig.from_dict(deep)
+    monkeypatch.undo()
+    # a layer_types list as long (its JSON is what bounds it): refused by the count, before the model is built
+    n = 1024 + 1  # config.MAX_LAYERS, and one more
+    listed = json.loads(json.dumps(raw))
+    _hand_written(listed, layer_types=["sliding_attention", "full_attention"] * (n // 2) + ["full_attention"],
+                  num_hidden_layers=n)
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    (path / "config.json").write_text(json.dumps(listed))
+    with pytest.raises(ConfigError, match=f"config.json: text_config.num_hidden_layers: {n} layers is more than"):
+        load_quiet(path)
+    listed["text_config"].update(layer_types=listed["text_config"]["layer_types"][1:], num_hidden_layers=n - 1)
+    assert ModelConfig.from_dict(listed).text.num_hidden_layers == 1024  # the limit itself is taken
+
+
 def _hand_written(raw, **fields):
     """`raw`'s text config as written by hand: the full layers' shape from global_head_dim and
     num_global_key_value_heads (which the reference reads, then pops) rather than a saved per_layer_config."""
