@@ -1437,7 +1437,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.prefix_cache_gb < math.inf:  # nan and inf too: int() of them failed after the model loaded
         raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {args.prefix_cache_gb}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                        ("--max-context", args.max_context), ("--max-body-bytes", args.max_body_bytes)):
+                        ("--max-context", args.max_context), ("--max-body-bytes", args.max_body_bytes),
+                        ("--max-stops", args.max_stops)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {value}")
     if not args.shutdown_timeout >= 0:
@@ -1460,7 +1461,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
-                     api_key=api_key, max_body_bytes=args.max_body_bytes)
+                     api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops)
     # that a key is required, never the key: the line lands in logs and terminals others read
     access = "; requests to /v1 need the API key" if api_key is not None else ""
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1{access}", file=sys.stderr)
@@ -1924,6 +1925,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Content-Length, or as soon as a chunked body passes it). Default: room for the context's "
                         "text as JSON, 12 bytes a character of the longest text that could fit, plus 1 MiB "
                         "(4 MiB on blockpress-code)")
+    p.add_argument("--max-stops", type=int, default=16, metavar="N",
+                   help="the most stop strings a request's `stop` may list (OpenAI takes 4); more get a 400 naming "
+                        "stop: each is searched for in every answer's text at every canvas, on the thread that serves "
+                        "every client")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds a stop signal (Ctrl-C, SIGTERM) lets requests in flight finish before they are cut "
                         "(a second signal cuts them at once)")

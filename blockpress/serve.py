@@ -943,6 +943,7 @@ class ServerState:
     # The most characters one token of the vocabulary holds (longest_token), which bounds the text that can fit the
     # context before it is tokenized; None: no such check.
     token_chars: int | None = None
+    max_stops: int = 16  # the most stop strings a request may send (create_app's max_stops)
 
     def check_length(self, chars: int, name: str, param: str) -> None:
         """Refuse text of `chars` characters that cannot fit the context whatever its tokens, before it is tokenized:
@@ -1235,7 +1236,11 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         raise APIError(400, f"{param}: {len(prompt)} prompt tokens + {limit_name} {max_tokens}{whole} exceed the "
                             f"context of {context} tokens", param)
     cfg = sampler_config(lm.sampler_defaults, body)
-    stops = [s for s in ([body.stop] if isinstance(body.stop, str) else list(body.stop or [])) if s]
+    sent = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(sent) > state.max_stops:  # each is searched for in every row's text at every canvas, on the engine thread
+        raise APIError(400, f"stop: {len(sent)} stop strings are more than the {state.max_stops} this server takes "
+                            "(serve's --max-stops)", "stop")
+    stops = [s for s in sent if s]
     if body.seed is not None:
         seed = body.seed
     elif cfg.argmax_candidates:  # temperature 0: the same answer every time, so no random starting canvas
@@ -1478,14 +1483,16 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), api_key: str | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, max_stops: int = 16) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
     call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model.
     `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
     None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is read
-    (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code)."""
+    (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a
+    request may send (more: a 400 naming `stop`); each one is searched for in every row's text at every canvas on the
+    engine thread that serves every client, so a million of them (5 MB of JSON) held it for seconds a canvas."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
@@ -1495,7 +1502,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
     if lm.tokenizer.response_template is not None:  # a broken one fails here, not in every request with tools
         compile_template(lm.tokenizer.response_template)
-    for name, value in (("max_queue", max_queue), ("max_batch", max_batch)):
+    for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):
         if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
     limit = lm.config.text.max_position_embeddings
@@ -1508,7 +1515,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
-                        longest_token(lm.tokenizer))
+                        longest_token(lm.tokenizer), max_stops)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:

@@ -1102,7 +1102,7 @@ def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch
     assert "--api-key: expected a non-empty key of printable ASCII" in err and "s3cret" not in err
 
 
-@pytest.mark.parametrize("flag", ["--max-batch", "--max-queue"])
+@pytest.mark.parametrize("flag", ["--max-batch", "--max-queue", "--max-stops"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""
     from blockpress.cli import load_model

@@ -888,6 +888,20 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monk
         assert r.status_code == 400 and "prompt tokens" in r.json()["error"]["message"] and encoded[-1] == most
 
 
+def test_stop_strings_past_the_servers_limit_are_a_400_naming_stop(server):
+    """Each stop string is searched for in every row's text at every canvas, on the engine thread that serves every
+    client: a request listing a million (5 MB of JSON, within the body limit) held it for seconds a canvas, and was
+    answered 200. Past max_stops (16 by default) a request is refused naming `stop`; at it, it is answered."""
+    url = server[0] + "/v1/completions"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "max_denoising_steps": 1}
+    r = httpx.post(url, json={**body, "stop": ["never"] * 17}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "stop" and err["message"] == ("stop: 17 stop strings are more than the 16 this server "
+                                                         "takes (serve's --max-stops)")
+    assert httpx.post(url, json={**body, "stop": ["never"] * 16}, timeout=30).status_code == 200
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read():
     """Any body was read whole and JSON-parsed before a check: a 200 MB prompt took 3.5 s and 300 MB of memory
     for the 400 its length got. One whose Content-Length passes the limit is refused unread, and a chunked one as
