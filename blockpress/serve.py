@@ -776,18 +776,24 @@ class Engine:
         if self.thread.ident is None and not self.stopping:  # (the lock held)
             self.thread.start()
 
+    def check_room(self, prompts: int, each: int) -> None:
+        """Refuse a request of `prompts` prompts of `each` jobs that can never fit the queue: a 400 naming what is too
+        large, not "retry later"."""
+        if prompts * each <= self.max_queue:
+            return
+        room = f"can never fit the server's queue of {self.max_queue}"
+        if each > self.max_queue:
+            raise APIError(400, f"n: {each} choices {room}", "n")
+        per = f" x {each} choices" if each > 1 else ""
+        raise APIError(400, f"prompt: {prompts} prompts{per} ({prompts * each} jobs) {room}; send fewer prompts "
+                            "a request", "prompt")
+
     def submit(self, jobs: list[Job]) -> None:
         """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), each
         checked alone first (`check`)."""
-        if len(jobs) > self.max_queue:  # not "retry later": name what is too large
+        if jobs:
             prompts = len({j.group for j in jobs})
-            each = len(jobs) // prompts  # a prompt's sampled choices (greedy ones are one job)
-            room = f"can never fit the server's queue of {self.max_queue}"
-            if each > self.max_queue:
-                raise APIError(400, f"n: {each} choices {room}", "n")
-            per = f" x {each} choices" if each > 1 else ""
-            raise APIError(400, f"prompt: {prompts} prompts{per} ({len(jobs)} jobs) {room}; send fewer prompts "
-                                "a request", "prompt")
+            self.check_room(prompts, len(jobs) // prompts)  # a prompt's sampled choices (greedy ones are one job)
         for job in jobs:
             self.check(job)
         with self.lock:
@@ -1298,12 +1304,17 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         raise APIError(400, str(exc), "template") from None
 
 
-def completion_prompts(state: ServerState, body: CompletionRequest) -> list[tuple[list[int], bool]]:
-    """The token ids of a completion request's prompts (one, or OpenAI's batch of texts or of id lists), each with
-    whether it came as text."""
+def request_prompts(body: CompletionRequest) -> tuple[list[Any], bool]:
+    """A completion request's prompts as sent (texts or id lists), and whether it sent one alone (not in a list)."""
     one = isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
-    prompts = [body.prompt] if one else body.prompt
-    out = []
+    return ([body.prompt] if one else list(body.prompt)), one
+
+
+def completion_prompts(state: ServerState, body: CompletionRequest) -> Iterator[tuple[list[int], bool]]:
+    """The token ids of a completion request's prompts (one, or OpenAI's batch of texts or of id lists), each with
+    whether it came as text, tokenized one at a time as they are taken (so a request is refused at its first prompt
+    when all of them can never fit the queue)."""
+    prompts, one = request_prompts(body)
     for i, prompt in enumerate(prompts):
         name = "prompt" if one else f"prompt[{i}]"
         if not prompt:
@@ -1311,15 +1322,15 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> list[tupl
         if isinstance(prompt, str):
             state.check_length(len(prompt), name, "prompt")
             try:
-                out.append((state.lm.tokenizer.encode_prompt(check_text(prompt, name)), True))
+                encoded = state.lm.tokenizer.encode_prompt(check_text(prompt, name))
             except ValueError as exc:
                 raise APIError(400, str(exc), "prompt") from None
+            yield encoded, True
             continue
         bad = [t for t in prompt if not 0 <= t < state.lm.config.text.vocab_size]
         if bad:
             raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary", "prompt")
-        out.append((list(prompt), False))
-    return out
+        yield list(prompt), False
 
 
 def completion_jobs(state: ServerState, body: CompletionRequest, prompt: list[int], from_text: bool,
@@ -1598,8 +1609,11 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
 
         def prepare() -> tuple[list[Job], int]:
             jobs, prompt_tokens = [], 0
+            count = len(request_prompts(body)[0])
             for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
                 group = completion_jobs(state, body, prompt, from_text, loop)
+                if i == 0:  # before the others are tokenized: 100,000 prompts took 29 s and 350 MB to be refused so
+                    state.engine.check_room(count, len(group))
                 for job in group:
                     job.group = i
                     jobs.append(job)

@@ -489,6 +489,28 @@ def test_a_request_larger_than_the_queue_names_what_is_too_large(server, prompts
     assert "queue of 3" in err["message"]
 
 
+def test_prompts_that_can_never_fit_the_queue_are_refused_at_the_first(server, monkeypatch):
+    """Every prompt of a list was tokenized before the queue's refusal: 100,000 one-letter prompts (1 MB) took 29 s
+    of a worker thread and 350 MB for that 400. It comes once the first prompt says how many jobs each takes."""
+    lm, engine = server[1].state.server.lm, server[1].state.engine
+    encoded = []
+    encode = lm.tokenizer.encode_prompt
+    monkeypatch.setattr(lm.tokenizer, "encode_prompt", lambda text, *a, **kw: encoded.append(text) or encode(text, *a, **kw))
+    with queue_of(engine, 3):
+        for n, jobs in ((1, 1000), (2, 2000)):
+            r = httpx.post(server[0] + "/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": [f"p{i}" for i in range(1000)], "max_tokens": 4, "n": n, "temperature": 1})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "prompt", err
+            assert err["message"].startswith(f"prompt: 1000 prompts{' x 2 choices' if n > 1 else ''} ({jobs} jobs) "
+                                             "can never fit the server's queue of 3"), err
+            assert encoded == ["p0"], encoded[:3]
+            encoded.clear()
+    ok = httpx.post(server[0] + "/v1/completions", timeout=30,
+                    json={"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2, "max_denoising_steps": 1})
+    assert ok.status_code == 200 and encoded == ["a", "b", "c"], ok.text
+
+
 def test_temperature_zero_is_the_same_answer_every_time(client):
     kw = dict(model=MODEL, prompt="hello", max_tokens=16, temperature=0)
     texts = {client.completions.create(**kw).choices[0].text for _ in range(3)}
