@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from .checks import warn_user
 from .config import ModelConfig
-from .files import StagedFiles, lfs_pointer_problem, staging
+from .files import StagedFiles, lfs_pointer_problem, parse_json, staging
 from .model import DiffusionGemma
 
 DECODER = "model.decoder."
@@ -73,7 +73,7 @@ class MappedSafetensors:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:  # checked before reading: a damaged length would ask for exabytes
                     raise ValueError(f"its header claims {n} bytes but the file has {size}")
-                self.header = json.loads(f.read(n))
+                self.header = parse_json(f.read(n))
                 if not isinstance(self.header, dict):
                     raise ValueError("its header is not a JSON object")
             except (struct.error, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -474,7 +474,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            raw = json.loads(index.read_text())
+            raw = parse_json(index.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None

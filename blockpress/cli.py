@@ -27,6 +27,7 @@ from blockpress.checks import check_text, utf8_problem
 # takes seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows
 # come from torch-free modules (config, train_config).
 from blockpress.config import PREFILL_CHUNK, RANKINGS, SCHEMES
+from blockpress.files import parse_json
 from blockpress.stopping import Stopped, fresh_line, stop_signals_interrupt, stop_status, stop_word
 
 DEFAULT_MODEL = "blockpress-code"
@@ -547,7 +548,7 @@ def json_line(line: str) -> str:
     """A line read by `chat --json`: a JSON string ("def f():\\n    pass") is the text it holds, so a script can send
     a message of several lines; any other line, one that only starts with a quote too, is the text as it is."""
     try:
-        text = json.loads(line)
+        text = parse_json(line)
     except json.JSONDecodeError:
         return line
     return text if isinstance(text, str) else line

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .config import CHAT_TURNS
+from .files import parse_json
 from .tokenizer import chat_message
 
 
@@ -243,7 +244,7 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                yield where, parse_json(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
 
@@ -418,7 +419,7 @@ def _open_shard(path: Path, vocab_size: int | None) -> np.ndarray:
     count that matches the bytes, and (given vocab_size) ids the model has."""
     sidecar = Path(str(path) + ".json")
     try:
-        meta = json.loads(sidecar.read_text())
+        meta = parse_json(sidecar.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot read its sidecar {sidecar.name} ({exc}); token shards come with one "
                          f"({SHARD_SOURCE})") from None

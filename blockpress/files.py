@@ -162,12 +162,30 @@ def lfs_pointer_problem(path: str | Path) -> str | None:
             "`hf download`")
 
 
+class JSONTooDeep(json.JSONDecodeError):
+    """JSON nested deeper than Python's parser recurses: a JSONDecodeError, so each reader's own handling of bad JSON
+    names the file (json.loads raised a bare RecursionError, a traceback out of `blockpress info` or `train`)."""
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+def parse_json(text: str | bytes) -> Any:
+    """json.loads(text), with JSON nested past Python's recursion limit (~1,000 levels: `[[[...]]]` of 100,000, or a
+    hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise JSONTooDeep("nested deeper than Python's JSON parser reads (about 1,000 levels of arrays or objects)",
+                          text if isinstance(text, str) else "", 0) from None
+
+
 def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:
     """The JSON object in the file at `path`; anything else (not UTF-8, not JSON, a list) raises `error` naming the
     file, `where` first (e.g. "--resume: "), rather than json's own traceback."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = parse_json(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{where}{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):

@@ -33,6 +33,8 @@ from re import _constants as sre_constants  # (the stdlib's own regex parser: a 
 from re import _parser as sre_parser
 from typing import Any
 
+from .files import parse_json
+
 TEMPLATE_KEYS = frozenset({"version", "defaults", "fields", "start_anchor", "start_anchor_pattern"})
 FIELD_KEYS = frozenset({"open", "open_pattern", "close", "close_pattern", "content", "content_args", "repeats", "join",
                         "optional", "transform", "transform_each"})
@@ -201,7 +203,7 @@ def _json(text: str, args: dict[str, Any]) -> Any:
     for i, string in enumerate(strings):
         rewritten = rewritten.replace(f"{STASH_OPEN}{i}{STASH_CLOSE}", json.dumps(string))
     try:
-        return json.loads(rewritten)
+        return parse_json(rewritten)
     except json.JSONDecodeError as exc:
         if args.get("allow_non_json"):
             return _text(text, args)
@@ -349,7 +351,7 @@ def _typed(text: str, types: list[str]) -> Any:
             elif kind == "null" and text.strip() in ("null", "None"):
                 return None
             elif kind in ("object", "array"):
-                value = json.loads(text)
+                value = parse_json(text)
                 if isinstance(value, dict if kind == "object" else list):
                     return value
         except ValueError:  # (json.JSONDecodeError is one)

@@ -56,7 +56,7 @@ from .checkpoint import (
 from .checks import is_finite_number, is_int, warn_user
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, check_fits, make_batch
-from .files import StagedFiles, read_json_object, staging, temporary_path
+from .files import StagedFiles, parse_json, read_json_object, staging, temporary_path
 from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
 from .model import DiffusionGemma
@@ -497,7 +497,7 @@ def _read_adapter_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"adapter: {path} has no {' or '.join(missing)} (expected a PEFT LoRA folder, as "
                               f"`blockpress train --lora-rank` writes in <out>/{ADAPTER_DIR})")
     try:
-        cfg = json.loads((path / ADAPTER_FILES[0]).read_text())
+        cfg = parse_json((path / ADAPTER_FILES[0]).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: not valid JSON ({exc})") from None
     return cfg if isinstance(cfg, dict) else {}
@@ -1421,7 +1421,7 @@ def metrics_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     rows = []
     for line in Path(path).read_text().splitlines():
         try:
-            row = json.loads(line)
+            row = parse_json(line)
         except json.JSONDecodeError:
             continue
         if isinstance(row, dict):

@@ -386,6 +386,8 @@ def test_bad_generation_config_is_named_on_load(ref_checkpoint, tmp_path, conten
     # not UTF-8: a bare UnicodeDecodeError that named no file (read in the locale's encoding, at that)
     (b"\xff{}", "not valid JSON .*can't decode byte 0xff"),
     (b"[1, 2]", "expected a JSON object, got list"),  # said 'config: ...', with no path
+    # a bare RecursionError out of json.loads, a traceback naming no file
+    (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", r"not valid JSON \(nested deeper than Python's JSON parser"),
 ])
 def test_garbage_config(ref_checkpoint, tmp_path, content, message):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
@@ -860,6 +862,9 @@ def _first_tensor(header):
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="I64")), "needs|expected a floating-point"),
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="Q3")), "unsupported safetensors dtype"),
     (lambda p: _rewrite_header(p, lambda h: h.clear() or h.update(x=[1])), "expected dtype, shape"),
+    # JSON nested past Python's parser: a RecursionError, no CheckpointError, named no file
+    (lambda p: p.write_bytes(len(deep := b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}").to_bytes(8, "little") + deep),
+     "not a safetensors file .*nested deeper than Python's JSON parser reads"),
 ])
 def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, message):
     """Truncated files, a header length of 2**62, random bytes, wrong offsets, dtypes or entries: each one is a
@@ -871,7 +876,8 @@ def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, 
     assert "model.safetensors" in str(caught.value)
 
 
-@pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", "{}", '{"weight_map": {"x": 3}}', "{nope"])
+@pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", "{}", '{"weight_map": {"x": 3}}', "{nope",
+                                   "[" * 100_000 + "]" * 100_000])
 def test_a_bad_shard_index_is_a_clear_error(ref_checkpoint, tmp_path, index):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")  # else the index is not read
