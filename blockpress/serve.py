@@ -118,6 +118,9 @@ from .tokenizer import MessageError, chat_message
 
 # Strict types, as OpenAI's API: "5" or true is not a max_tokens, 2.0 not an n; NaN is no temperature.
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# The most denoising steps a canvas may take, a request's max_denoising_steps or the model's default: each step is a
+# forward pass of the whole batch, on the engine thread that serves every client.
+MAX_STEPS = 1024
 
 
 class _NullIsDefault(BaseModel):
@@ -188,7 +191,7 @@ class _Common(_NullIsDefault):
     prompt_cache_key: str | None = None  # a routing hint: the prefix cache reuses prompts without one
     # diffusion extras
     top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
-    max_denoising_steps: int | None = Field(default=None, ge=1, le=1024)
+    max_denoising_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
     # SamplerConfig checks these (sampler_config answers a 400 naming the field): their ranges are not restated
     # here, where a copy had drifted (t_max > 0 refused the 0 the library and the CLI take)
@@ -1511,6 +1514,11 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     lm._check_runnable()
     if prefix_cache_bytes < 0:
         raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
+    steps = lm.sampler_defaults.max_denoising_steps  # what every request that sends none would take
+    if steps > MAX_STEPS:
+        raise ValueError(f"serve: the model's default max_denoising_steps ({steps}, its generation_config.json's) is "
+                         f"more than the {MAX_STEPS} a request may ask for, and each step is a forward pass of every "
+                         "row of its batch; set a smaller max_denoising_steps in generation_config.json")
     if lm.tokenizer.response_template is not None:  # a broken one fails here, not in every request with tools
         compile_template(lm.tokenizer.response_template)
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):

@@ -924,6 +924,19 @@ def test_stop_strings_past_the_servers_limit_are_a_400_naming_stop(server):
     assert httpx.post(url, json={**body, "stop": ["never"] * 16}, timeout=30).status_code == 200
 
 
+def test_a_default_of_more_denoising_steps_than_a_request_may_ask_for_is_refused_at_start():
+    """A checkpoint's generation_config.json of max_denoising_steps 10**9 was served: every request that sent none
+    ran that many forward passes a canvas (an 8-token canvas of the tiny model took 70 s at 256 steps), holding the
+    engine thread every client shares, where a request's own is refused past 1024."""
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 10**9}
+    with pytest.raises(ValueError, match=r"^serve: the model's default max_denoising_steps \(1000000000, its "
+                                         r"generation_config.json's\) is more than the 1024 a request may ask for"):
+        create_app(lm, MODEL)
+    lm.generation_config = {"max_denoising_steps": 1024}  # the limit itself is served
+    create_app(lm, MODEL)
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_read():
     """Any body was read whole and JSON-parsed before a check: a 200 MB prompt took 3.5 s and 300 MB of memory
     for the 400 its length got. One whose Content-Length passes the limit is refused unread, and a chunked one as
