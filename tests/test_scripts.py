@@ -21,28 +21,29 @@ ROOT = Path(__file__).parent.parent
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_code_model_script(name: str, *args: str) -> subprocess.CompletedProcess:
-    """Run scripts/<name> on the shipped code model (skipped where the package does not ship it)."""
+def run_code_model_script(name: str, *args: str, monkeypatch, capsys) -> str:
+    """Run scripts/<name> on the shipped code model in this process, as `python scripts/<name>` would (skipped where
+    the package does not ship it): its stdout. (A subprocess paid torch's and the model's import: 3-4 s each.)"""
     import pytest
 
     import blockpress
 
     if "blockpress-code" not in blockpress.shipped_models():
         pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args, "--threads", "1"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return r
+    code, out, err = run_script_in_process(f"scripts/{name}", [*args, "--threads", "1"], monkeypatch, capsys)
+    assert code in (0, None), err
+    return out
 
 
-def test_gpu_bench_smoke_on_cpu(tmp_path):
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "gpu_bench.py"), "--preset", "tiny", "--device", "cpu",
-         "--dtype", "float32", "--prompt-length", "12", "--new-tokens", "20", "--steps", "2", "--ar-tokens", "6",
-         "--compile-mode", "none", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=ONE_THREAD,
-    )
-    assert r.returncode == 0, r.stderr
+def test_gpu_bench_smoke_on_cpu(tmp_path, monkeypatch, capsys):
+    # In this process (a subprocess paid torch's import, 3-4 s), on one thread as ONE_THREAD gave it; the suite's
+    # fixture puts the thread count back.
+    torch.set_num_threads(1)
+    code, _, err = run_script_in_process(
+        "scripts/gpu_bench.py", ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-length", "12",
+                                 "--new-tokens", "20", "--steps", "2", "--ar-tokens", "6", "--compile-mode", "none",
+                                 "--out", str(tmp_path)], monkeypatch, capsys)
+    assert code in (0, None), err
     data = json.loads((tmp_path / "result.json").read_text())
     assert data["diffusion"]["new_tokens"] == 20 and data["diffusion"]["forward_passes"] == 2 * 2
     assert data["ar"]["new_tokens"] == 6
@@ -277,16 +278,18 @@ def test_preset_help_names_every_preset_the_script_takes(script, monkeypatch, ca
     assert code == 2 and "--preset" in err and "Traceback" not in err
 
 
-def test_profile_train_step_smoke(tmp_path):
+def test_profile_train_step_smoke(tmp_path, monkeypatch, capsys):
     out = tmp_path / "profile.json"
-    # 4 puzzles and no warm-up step: the 64 puzzles and two untimed steps it always took were 2.4 s of its 45
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_train_step.py"), "--batch-size", "2",
-                        "--steps", "1", "--warmup-steps", "0", "--puzzles", "4", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr
+    # 4 puzzles and no warm-up step: the 64 puzzles and two untimed steps it always took were 2.4 s of its 45.
+    # In this process on one thread (as ONE_THREAD gave its subprocess, which paid torch's import: 3-4 s).
+    torch.set_num_threads(1)
+    code, stdout, err = run_script_in_process(
+        "scripts/profile_train_step.py", ["--batch-size", "2", "--steps", "1", "--warmup-steps", "0", "--puzzles", "4",
+                                          "--out", str(out)], monkeypatch, capsys)
+    assert code in (0, None), err
     data = json.loads(out.read_text())
     assert (data["puzzles"], data["warmup_steps"], data["steps"], data["batch_size"]) == (4, 0, 1, 2)
-    assert json.loads(r.stdout) == data
+    assert json.loads(stdout) == data
     assert data["ms_per_step"] > 0 and data["aten_ops"] > 100
     counts = [row["count"] for row in data["by_count"]]
     assert counts == sorted(counts, reverse=True) and data["by_time"]
@@ -472,11 +475,12 @@ def tune_code_sampler_module():
     return importlib.import_module("tune_code_sampler")
 
 
-def test_tune_code_sampler_smoke():
+def test_tune_code_sampler_smoke(monkeypatch, capsys):
     # every built-in setting on one function (two, in a batch of two, were 5.4 s of decoding, one 3.9 s on a quiet
     # machine); test_tune_code_sampler_ar_mode_decodes_one_token_per_forward keeps a batch of two
-    r = run_code_model_script("tune_code_sampler.py", "--functions", "1", "--batch", "1", "--max-new-tokens", "8")
-    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    out = run_code_model_script("tune_code_sampler.py", "--functions", "1", "--batch", "1", "--max-new-tokens", "8",
+                                monkeypatch=monkeypatch, capsys=capsys)
+    lines = [json.loads(x) for x in out.splitlines()]
     rows, best = lines[:-1], lines[-1]["best"]
     script = tune_code_sampler_module()
     assert [x["setting"] for x in rows] == ["generation_config", *script.SETTINGS[1:]]
@@ -484,10 +488,11 @@ def test_tune_code_sampler_smoke():
     assert best["parseable"] == max(x["parseable"] for x in rows)
 
 
-def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward():
-    r = run_code_model_script("tune_code_sampler.py", "--functions", "2", "--batch", "2", "--max-new-tokens", "8",
-                              "--ar", "--settings", '[{}, {"frequency_penalty": 0.5}]')
-    rows = [json.loads(x) for x in r.stdout.splitlines()][:-1]
+def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward(monkeypatch, capsys):
+    out = run_code_model_script("tune_code_sampler.py", "--functions", "2", "--batch", "2", "--max-new-tokens", "8",
+                                "--ar", "--settings", '[{}, {"frequency_penalty": 0.5}]', monkeypatch=monkeypatch,
+                                capsys=capsys)
+    rows = [json.loads(x) for x in out.splitlines()][:-1]
     assert [x["setting"] for x in rows] == ["generation_config", {"frequency_penalty": 0.5}]
     assert all(x["tokens_per_forward"] == 1.0 for x in rows)
 
@@ -539,21 +544,21 @@ def test_tune_sudoku_sampler_settings_without_sampler_or_steps_take_the_models(c
     assert seen == [(None, None, {"t_max": 1.0})] * 2 + [(None, "confidence", {})] * 2
 
 
-def test_rerank_code_candidates_smoke():
-    r = run_code_model_script("rerank_code_candidates.py", "--functions", "2", "--candidates", "2",
-                              "--max-new-tokens", "8")
-    rates = json.loads(r.stdout)["parseable"]
+def test_rerank_code_candidates_smoke(monkeypatch, capsys):
+    out = run_code_model_script("rerank_code_candidates.py", "--functions", "2", "--candidates", "2",
+                                "--max-new-tokens", "8", monkeypatch=monkeypatch, capsys=capsys)
+    rates = json.loads(out)["parseable"]
     # "any draft parses" is the ceiling of every way of choosing one draft.
     assert all(0 <= rates[k] <= rates["any"] <= 1 for k in ("greedy", "best_total", "best_mean"))
 
 
-def test_prefix_cache_benchmark_smoke():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefix_cache.py"), "--preset", "tiny",
-                        "--system-tokens", "40", "--user-tokens", "8", "--turns", "3", "--new-tokens", "8",
-                        "--steps", "1", "--repeats", "1", "--threads", "1"], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
+def test_prefix_cache_benchmark_smoke(monkeypatch, capsys):
+    code, out, err = run_script_in_process(
+        "benchmarks/prefix_cache.py", ["--preset", "tiny", "--system-tokens", "40", "--user-tokens", "8", "--turns",
+                                       "3", "--new-tokens", "8", "--steps", "1", "--repeats", "1", "--threads", "1"],
+        monkeypatch, capsys)
+    assert code in (0, None), err
+    data = json.loads(out)
     chat, shared = data["chat"], data["shared"]
     # chat: turn k reuses the whole previous prompt and reply; shared: every request after the first reuses the
     # system prompt
@@ -564,12 +569,13 @@ def test_prefix_cache_benchmark_smoke():
         assert w["encode_ratio"] > 0 and w["total_ratio"] > 0
 
 
-def test_prefill_memory_refuses_a_cache_that_cannot_fit():
-    """--batch 100000000 started a child that died in torch's allocator, its traceback relayed."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "64",
-                        "--batch", "100000000", "--chunks", "0"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert r.stderr.startswith("--batch/--tokens: 100000000 x 64 tokens need a ")
+def test_prefill_memory_refuses_a_cache_that_cannot_fit(monkeypatch, capsys):
+    """--batch 100000000 started a child that died in torch's allocator, its traceback relayed. (In this process:
+    a traceback would propagate; the refusal comes before any child is started.)"""
+    code, _, err = run_script_in_process("benchmarks/prefill_memory.py",
+                                         ["--tokens", "64", "--batch", "100000000", "--chunks", "0"], monkeypatch, capsys)
+    assert code == 1 and "Traceback" not in err
+    assert err.startswith("--batch/--tokens: 100000000 x 64 tokens need a ")
 
 
 @pytest.mark.parametrize("script, argv, message", [
@@ -622,25 +628,27 @@ def test_prefill_memory_refuses_a_prompt_past_the_context():
                         "(max_position_embeddings)\n")
 
 
-def test_prefill_memory_benchmark_smoke():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "64",
-                        "--chunks", "0", "16", "--repeats", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    runs = json.loads(r.stdout)["runs"]
+def test_prefill_memory_benchmark_smoke(monkeypatch, capsys):
+    # the script in this process, each encode in the fresh child it measures (as in a real run)
+    code, out, err = run_script_in_process("benchmarks/prefill_memory.py",
+                                           ["--tokens", "64", "--chunks", "0", "16", "--repeats", "1"], monkeypatch,
+                                           capsys)
+    assert code in (0, None), err
+    runs = json.loads(out)["runs"]
     assert [run["chunk_size"] for run in runs] == [64, 16]  # 0: the whole prompt in one pass
     assert all(run["seconds"] > 0 and run["peak_growth_bytes"] >= 0 for run in runs)
 
 
-def test_sudoku_benchmark_smoke():
+def test_sudoku_benchmark_smoke(monkeypatch, capsys):
     """The side-by-side table's script on the shipped model and the kept AR baseline: every engine, every
     difficulty, figures in range (the puzzles are fresh, so the rates are not fixed; the easy ones the model
     solves, as tests/test_sudoku_model.py checks on its own set)."""
     # 12 steps at most (40 were 266 decoder passes over the four engines, 6 of its 10 s on a quiet machine)
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sudoku.py"), "--per-difficulty", "2", "--batch", "2",
-                        "--steps", "12", "--rules", "--ensemble", "2", "--threads", "1"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(r.stdout)
+    code, out, err = run_script_in_process(
+        "benchmarks/sudoku.py", ["--per-difficulty", "2", "--batch", "2", "--steps", "12", "--rules", "--ensemble", "2",
+                                 "--threads", "1"], monkeypatch, capsys)
+    assert code in (0, None), err
+    data = json.loads(out)
     assert data["per_difficulty"] == 2 and data["params"] > 1_000_000
     for level in ("easy", "medium", "hard"):
         assert set(data[level]) == {"diffusion", "diffusion_rules", "diffusion_ensemble", "ar"}
@@ -796,13 +804,14 @@ def test_load_memory_peak_is_the_childs_own():
     assert row["rss_growth_after_touch"] < 40e6
 
 
-def test_load_memory_reports_the_quantized_weights_it_holds():
+def test_load_memory_reports_the_quantized_weights_it_holds(monkeypatch, capsys):
     """A quantized load reads and converts every weight before `load` returns, so what touching them adds is not
-    its weights: a figure once called weights_resident_over_disk read 0.12 for int4 weights a third the file's size."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_memory.py"), "--preset", "tiny",
-                        "--quantize", "int4"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+    its weights: a figure once called weights_resident_over_disk read 0.12 for int4 weights a third the file's size.
+    (The script in this process; the load in the fresh child it measures, as in a real run.)"""
+    code, stdout, err = run_script_in_process("benchmarks/load_memory.py", ["--preset", "tiny", "--quantize", "int4"],
+                                              monkeypatch, capsys)
+    assert code in (0, None), err
+    out = json.loads(stdout)
     row = out["blockpress"]
     assert row["weights_over_disk"] == row["weights_bytes"] / out["disk_bytes"]
     assert 0 < row["weights_over_disk"] < 0.5  # int4 of float32 weights, with their scales and the float norms
@@ -974,18 +983,18 @@ def test_benchmark_scripts_explain_every_option_and_its_default(script):
             assert "default" in action.help.lower() or f"(default: {action.default})" in text, action.option_strings
 
 
-def test_code_model_trailing_newline_rates_are_over_the_functions_used():
+def test_code_model_trailing_newline_rates_are_over_the_functions_used(monkeypatch, capsys):
     """With --functions 1 and --healing-functions 3, a healed success read 1/3: the rate divided by the functions
     asked for, not the one used."""
     import blockpress
 
     if "blockpress-code" not in blockpress.shipped_models():
         pytest.skip("blockpress-code is not in this package")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "code_model.py"), "--functions", "1", "--infills", "0",
-                        "--healing-functions", "3", "--max-new-tokens", "8", "--threads", "1"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout)
+    code, out, err = run_script_in_process(
+        "benchmarks/code_model.py", ["--functions", "1", "--infills", "0", "--healing-functions", "3",
+                                     "--max-new-tokens", "8", "--threads", "1"], monkeypatch, capsys)
+    assert code in (0, None), err
+    result = json.loads(out)
     # --infills 0 skips them: one ran, and its rate read 0.0 as if every infill had missed
     assert result["infill_cases"] == 0 and result["diffusion"]["infill_exact"] is result["ar"]["infill_exact"] is None
     trailing = result["trailing_newline"]
