@@ -7,7 +7,11 @@ import torch
 from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(2)
+# One thread: the suite's models are small (the random ones hidden 32; the shipped ones 1-6 million weights), too
+# small for a second thread to take much of their ops, and on a busy 2-core machine (CI's neighbours, a server
+# test's own threads, a subprocess beside the test) two OpenMP threads wait on each other at every op: 20 training
+# steps of test_train.py's model took 15-27 s on two threads and 0.9-1.1 s on one, side by side on a loaded machine.
+torch.set_num_threads(1)
 
 # Property tests draw the same examples on every run ("ci", the default): a failure then reproduces, and CI's
 # verdict does not hang on which examples a run happened to draw. A batch row equals its run alone only up to
