@@ -125,6 +125,12 @@ def test_budget_min_tokens_and_lru(lm):
     tiny = PrefixCache(max_bytes=per_prompt - 1, min_tokens=5)
     lm.generate([a], max_new_tokens=4, max_denoising_steps=1, prefix_cache=tiny)
     assert len(tiny) == 0  # larger than the whole budget: not kept
+    exact = PrefixCache(max_bytes=per_prompt, min_tokens=5)
+    lm.generate([a], max_new_tokens=4, max_denoising_steps=1, prefix_cache=exact)
+    assert len(exact) == 1 and exact.nbytes == exact.max_bytes  # exactly the whole budget: kept
+    off = PrefixCache(max_bytes=0, min_tokens=5)  # a budget of nothing is allowed: it keeps nothing
+    lm.generate([a], max_new_tokens=4, max_denoising_steps=1, prefix_cache=off)
+    assert len(off) == 0 and off.nbytes == 0
 
 
 def test_clear_errors(lm):
@@ -146,8 +152,11 @@ def test_clear_errors(lm):
     twin = blockpress.random_model(lm.config, seed=123)
     with pytest.raises(ValueError, match="another model"):
         twin.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc)
+    kept = pc.nbytes
     pc.clear()  # forgets the model too: the twin may use it now
+    assert kept > 0 and len(pc) == 0 and pc.nbytes == 0 and pc._sorted == []  # the byte count starts again too
     assert twin.generate([5, 6, 7], max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc).sequences.shape[1] == 7
+    assert len(pc) == 1 and pc.nbytes == kept  # the twin's one prompt, counted once
     for bad in (dict(max_bytes=True), dict(min_tokens=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PrefixCache(**bad)
@@ -297,3 +306,24 @@ def test_a_lookup_reads_a_few_entries_however_many_are_kept(lm):
         assert len(small) == kept and len(small._sorted) == kept
     assert sorted(_stored(small)) == [[2, 3, 3, 3, 3], [2, 5, 6, 7, 8, 9]]
     assert [k for _, k in small._sorted] == sorted(small._entries, key=lambda k: small._entries[k].ids.tolist())
+
+
+def test_a_row_whose_match_the_new_rows_evicted_is_encoded_afresh(lm):
+    """A batch's new rows are kept first, and with a tight budget they evict the entry a later row of the same
+    batch matched: that row then shares nothing kept, loads nothing and encodes its whole prompt (the path a
+    thread evicting meanwhile takes too), and its cache and logits are still a plain encode's."""
+    kept = list(range(5, 25))
+    one = PrefixCache(min_tokens=4)
+    encode_prompts(lm.model, torch.tensor([kept]), None, one, 24)
+    pc = PrefixCache(max_bytes=one.nbytes, min_tokens=4)  # room for one prompt of 20 tokens
+    encode_prompts(lm.model, torch.tensor([kept]), None, pc, 24)
+    batch = [kept + [7, 8], [60 + t % 7 for t in range(20)]]  # extends the kept one; shares nothing with it
+    prompt, mask = left_pad(batch, PAD)
+    with torch.no_grad():
+        cache, got, reused = encode_prompts(lm.model, prompt, mask, pc, 26, logits=True)
+        want_cache = lm.new_cache(2, 26)
+        want = lm.model.encode(prompt, want_cache, attention_mask=mask, logits="last")
+    assert reused == [0, 0] and pc.hits == 0
+    assert _stored(pc) == [batch[1]]  # the new row's prompt evicted the kept one; the longer one does not fit
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(cache.valid, want_cache.valid) and torch.equal(cache.next_pos, want_cache.next_pos)
