@@ -1730,6 +1730,11 @@ def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch):
     out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0,
                     keep_accepted=True)
     assert (out.new_tokens[0, [0, 3]] == 40).sum() == 1
+    # Given text in an earlier canvas does not count either: a canvas's commit counts only the tokens it wrote.
+    c = lm.config.canvas_length
+    template = torch.tensor([[40] * c + [-1] + [9] * (c - 1)])
+    out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0)
+    assert out.new_tokens[0, c] == 40
 
 
 def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
