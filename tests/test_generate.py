@@ -2659,6 +2659,62 @@ def test_truncate_to_a_mark_restores_each_rows_tokens_whatever_moved(data):
     assert cache.next_pos.tolist() == [len(r) for r in want] and cache.has_padding == bool((~valid).any())
 
 
+def test_truncate_and_keep_take_their_bounds_and_drop_what_went_back():
+    """The edges of going back at the cache's level: truncate to its own length (nothing to do) and to 0, keep a
+    count of 0, truncate to exactly the first moved slot; going back drops the marks past it and, once below the
+    moved slots, lets truncate(slot count) work again; what is left equals a cache that encoded only that."""
+    cfg = blockpress.ModelConfig.tiny().text
+    cache = blockpress.KVCache.allocate(cfg, 2, 16)
+    cache.commit(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]), 4)  # left-padded prompts
+    at4 = (cache.valid.clone(), cache.next_pos.clone(), cache.has_padding)
+    cache.commit(torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]), 4)  # a turn with a hole in row 0
+    later = cache.mark()
+    cache.truncate(8)  # its own length
+    assert cache.length == 8 and later in cache.marks
+    cache.truncate(4)
+    assert (cache.length, cache.has_padding) == (4, at4[2])
+    assert torch.equal(cache.valid, at4[0]) and torch.equal(cache.next_pos, at4[1])  # slots past 4: free again
+    with pytest.raises(ValueError, match="this mark is gone"):
+        cache.truncate(later)
+    cache.keep([0, 2])  # row 0 forgets everything
+    assert cache.next_pos.tolist() == [0, 2] and cache.length == 2 and cache.moved_from == 1
+    cache.truncate(1)  # the first moved slot: the slots before it never moved
+    assert cache.length == 1 and cache.moved_from is None  # nothing moved is left
+    cache.commit(None, 3)
+    cache.truncate(3)  # slots encoded since are where they were encoded
+    assert cache.next_pos.tolist() == [2, 3]
+    cache.truncate(0)
+    assert cache.length == 0 and cache.next_pos.tolist() == [0, 0] and not cache.has_padding
+
+
+def test_reset_drops_marks_and_a_cache_that_fits_is_not_reallocated():
+    cfg = blockpress.ModelConfig.tiny().text
+    cache = blockpress.KVCache.allocate(cfg, 2, 8)
+    cache.commit(torch.tensor([[1, 1, 0], [1, 1, 1]]), 3)
+    cache.compact()
+    mark = cache.mark()
+    assert cache.moved_from is not None
+    cache.reset()
+    assert cache.moved_from is None
+    with pytest.raises(ValueError, match="this mark is gone"):
+        cache.truncate(mark)  # its slots are free to be overwritten
+    key = cache.buffers_key()
+    cache.ensure_capacity(cache.capacity)  # already fits: the same buffers (a CUDA graph captured on it holds)
+    assert cache.capacity == 8 and cache.buffers_key() == key
+    cache.commit(torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]), 4)
+    mark = cache.mark()
+    cache.end_rows(torch.tensor([2, 4]))  # row 0 ends before the mark's count
+    assert cache.next_pos.tolist() == [2, 3]
+    with pytest.raises(ValueError, match="this mark is gone"):
+        cache.truncate(mark)
+    # a copy of unpadded rows keeps the unmasked path
+    whole = blockpress.KVCache.allocate(cfg, 2, 8)
+    whole.commit(torch.tensor([[0, 1], [1, 1]]), 2)
+    assert whole.rows(torch.tensor([0]), 1).has_padding and not whole.rows(torch.tensor([1]), 1).has_padding
+    whole.reset()
+    assert not whole.rows(torch.tensor([0, 1]), 1).has_padding
+
+
 @pytest.fixture(scope="module")
 def chat_lm():
     """A tiny random model with a byte-level tokenizer and the Gemma chat template."""
