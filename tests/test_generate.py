@@ -2243,6 +2243,33 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
         lm.generate(prompts, cancelled=lambda: [True] * 3, **kw)
 
 
+def test_a_row_cut_mid_canvas_leaves_the_rows_already_done_frozen(lm):
+    """Cutting a row mid-canvas freezes it and only it: the rows already done in that canvas (here a template row
+    with no hole there, kept in the batch by skip_stopped_rows=False) stay frozen, costing no pass. With the cut
+    merged into `done` by `&` instead of `|`, such a row was woken and ran a pass for nothing (row 2: 1 step in
+    canvas 0 instead of 0), and every test passed."""
+    template = torch.full((4, 16), 9)
+    template[1, 3:9] = -1
+    template[3, ::2] = -1
+    template[0, 2] = -1
+    template[2, 12] = -1  # row 2: no hole in canvas 0, so it is done there from the start
+    prompts = [[3, 4, 5, 6, 7, 8], [3], list(range(10, 20)), [4, 5]]
+    kw = dict(max_denoising_steps=10, seed=4, template=template, skip_stopped_rows=False)
+    whole = lm.generate(prompts, **kw)
+    assert whole.steps_per_canvas[2, 0] == 0 and whole.steps_per_canvas[3, 0] > 4
+    asked = []
+
+    def cancelled():
+        asked.append(None)
+        return [False, False, False, len(asked) > 4]  # row 3's client leaves at canvas 0's fifth step
+
+    out = lm.generate(prompts, cancelled=cancelled, **kw)
+    assert torch.equal(out.sequences[:3], whole.sequences[:3])
+    assert torch.equal(out.steps_per_canvas[:3], whole.steps_per_canvas[:3])
+    assert torch.equal(out.forward_passes[:3], whole.forward_passes[:3])
+    assert int(out.forward_passes[3]) == 4
+
+
 def test_a_cancelled_stream_says_what_work_it_did(lm):
     """A stream that `cancelled` ended stopped without a word, so a server could not count the passes it spent on
     clients that left. Its last event is now `Cancelled`: each row's passes (the unfinished canvas's too) and the
