@@ -1103,6 +1103,14 @@ def test_batch_shrinks_only_when_half_its_rows_have_stopped(lm, monkeypatch):
     assert len(set(stops.tolist())) >= 4  # rows stop on several different steps
     assert sizes and all(kept <= before // 2 for before, kept in sizes)
     assert len(sizes) <= 3  # 8 -> <=4 -> <=2 -> 1 at most
+    # the rule replayed on the steps the rows stopped at: a shrink on the step the working rows fall to half or fewer
+    expected, held = [], 8
+    for step in range(1, int(stops.max()) + 1):
+        working = int((stops > step).sum())
+        if working and working <= held // 2:
+            expected.append((held, working))
+            held = working
+    assert sizes == expected
     assert torch.equal(fast.sequences, slow.sequences)
     assert torch.equal(fast.forward_passes, slow.forward_passes)
 
