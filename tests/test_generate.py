@@ -288,6 +288,15 @@ def test_canvases_without_holes_cost_no_pass(lm):
         assert torch.equal(alone.new_tokens[0], both.new_tokens[r])
 
 
+def test_a_canvas_of_given_text_holding_token_0_costs_no_pass(lm):
+    """Token id 0 is text like any other: a canvas whose given tokens include it has no hole and costs no pass. With
+    the hole test read as `fixed > 0` it was denoised (and every test passed, their given text never holding 0)."""
+    c = lm.config.canvas_length
+    out = lm.infill([0] * c + [-1, 6], max_denoising_steps=6, seed=0)
+    assert out.steps_per_canvas[0, 0] == 0 and out.steps_per_canvas[0, 1] > 0
+    assert out.new_tokens[0, :c].tolist() == [0] * c and out.new_tokens[0, -1] == 6
+
+
 def test_template_longer_than_a_canvas(lm):
     template = [5] * 3 + [-1] * 12 + [9] * 4  # a 12-token hole across two 8-token canvases
     out = lm.infill(template, max_denoising_steps=2, seed=0)
