@@ -80,6 +80,22 @@ def test_an_early_stop_saves_denoising_passes(lm, full):
     assert int(out.forward_passes[0]) < int(ref.forward_passes[0])
 
 
+def test_a_stop_in_a_later_canvas_pads_the_rest_of_that_canvas(lm, full):
+    """A stop string completed inside the second canvas keeps the tokens through it and pads the rest of that canvas.
+    With the canvas's tokens past the stop found at `m + lo` instead of `m - lo` (the same in the first canvas, lo
+    0), nothing of it was padded and the row kept its whole canvas; every test passed, their stops all in canvas 0."""
+    ref, c = full["diffusion"][0], lm.config.canvas_length
+    text, tokens = ref.texts[0], ref.new_tokens[0].tolist()
+    assert int(ref.num_new_tokens[0]) >= 2 * c
+    start = len(lm.tokenizer.decode(tokens[:c])) + 1  # past the first canvas's text
+    k = next(k for k in range(start, len(text)) if text.find(text[k : k + 3]) == k)  # its first appearance
+    out = run(lm, "diffusion", PROMPTS[0], stop=text[k : k + 3])
+    n = int(out.num_new_tokens[0])
+    assert c < n < 2 * c and out.texts[0] == cut_at_stop(text, [text[k : k + 3]])
+    assert out.new_tokens[0, :n].tolist() == tokens[:n]
+    assert all(t == lm.config.text.pad_token_id for t in out.new_tokens[0, n:].tolist())
+
+
 @pytest.mark.parametrize("engine", ["diffusion", "ar"])
 def test_each_row_has_its_own_stops(lm, full, engine):
     refs = full[engine]
