@@ -1665,6 +1665,17 @@ def test_bad_noise_token_is_a_clear_error(lm, value, message):
         lm.generate([3, 4], max_new_tokens=8, max_denoising_steps=2, noise_token_id=value)
 
 
+def test_the_first_id_past_the_vocabulary_is_refused_as_a_noise_token(lm):
+    """The vocabulary's bound is exact: its last id is a noise token, the next one is refused by name. With the check
+    read as `> vocab` the first id past it went on to fail inside the model, and every test passed (they tried
+    10**6)."""
+    vocab = lm.config.text.vocab_size
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=0)
+    with pytest.raises(ValueError, match=f"noise_token_id: {vocab} is outside the vocabulary"):
+        lm.generate([3, 4], noise_token_id=vocab, **kw)
+    assert lm.generate([3, 4], noise_token_id=vocab - 1, **kw).new_tokens.shape == (1, 8)
+
+
 @pytest.mark.parametrize("self_conditioning", [True, False])
 def test_self_conditioning_can_be_switched_off(lm, monkeypatch, self_conditioning):
     """self_conditioning=False: the decoder never receives the previous step's prediction (as the training
