@@ -1745,24 +1745,26 @@ def test_bad_penalty_is_a_clear_error(lm, field, value):
         lm.generate_ar([9, 10], max_new_tokens=4, **{field: value})
 
 
-def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch):
+@pytest.mark.parametrize("token", [40, 0])
+def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch, token):
     """A template's fixed tokens are given text, like the prompt: they do not count as repeats. The head prefers
-    token 40 by 1.5 (more than the logits' spread); the template holds 40 three times around one hole."""
+    `token` by 1.5 (more than the logits' spread); the template holds it three times around one hole. Token id 0
+    too: with the canvas's holes read as `fixed <= 0` a given 0 counted as written, and the hole took another token."""
     assert _spread_below(lm, [3, 4, 5], 1.5)
-    rig_head(lm, monkeypatch, 40, strength=1.5)
-    template = torch.tensor([[40, 9, 40, -1, 40, 9, 9, 9]])
+    rig_head(lm, monkeypatch, token, strength=1.5)
+    template = torch.tensor([[token, 9, token, -1, token, 9, 9, 9]])
     out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0)
-    assert out.new_tokens[0, 3] == 40
-    # Written text does count: with two holes, only one of them may take 40.
+    assert out.new_tokens[0, 3] == token
+    # Written text does count: with two holes, only one of them may take it.
     template = torch.tensor([[-1, 9, 9, -1, 9, 9, 9, 9]])
     out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0,
                     keep_accepted=True)
-    assert (out.new_tokens[0, [0, 3]] == 40).sum() == 1
+    assert (out.new_tokens[0, [0, 3]] == token).sum() == 1
     # Given text in an earlier canvas does not count either: a canvas's commit counts only the tokens it wrote.
     c = lm.config.canvas_length
-    template = torch.tensor([[40] * c + [-1] + [9] * (c - 1)])
+    template = torch.tensor([[token] * c + [-1] + [9] * (c - 1)])
     out = lm.infill(template, prompt=[3, 4, 5], max_denoising_steps=4, sampler="greedy", presence_penalty=2.0)
-    assert out.new_tokens[0, c] == 40
+    assert out.new_tokens[0, c] == token
 
 
 def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
