@@ -2266,7 +2266,8 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
     cut = int(out.num_new_tokens[1])
     assert 0 < cut < 48 and torch.equal(out.new_tokens[1, :cut], whole.new_tokens[1, :cut])
     assert int(out.forward_passes[1]) == 5 < int(whole.forward_passes[1])  # not one pass after it was cut
-    assert (3, 2, True) in copies  # the batch's cache itself, copied without row 1 (not a canvas's working rows)
+    # the batch's cache itself, copied once without row 1 (not a canvas's working rows), not again at each canvas
+    assert [c for c in copies if c[2]] == [(3, 2, True)]
     with pytest.raises(ValueError, match=r"cancelled: expected True / False or one bool per row \(3\), got 2"):
         lm.generate(prompts, cancelled=lambda: [False, True], **kw)
     with pytest.raises(RuntimeError, match="cancelled"):  # every row cut is the whole stream's Cancelled
