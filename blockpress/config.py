@@ -252,12 +252,10 @@ class TextConfig:
             "num_key_value_heads",
             "head_dim",
             "sliding_window",
+            "max_position_embeddings",
         ):
             value = getattr(self, name)
             need(_positive_int(value), name, f"expected a positive integer{_past_int64(value)}, got {value!r}")
-        need(_positive_int(self.max_position_embeddings), "max_position_embeddings",
-             f"expected a positive integer{_past_int64(self.max_position_embeddings)}, got "
-             f"{self.max_position_embeddings!r}")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
             need(value is None or (_is_int(value) and 0 <= value < self.vocab_size), name,
