@@ -1310,7 +1310,7 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
 def request_prompts(body: CompletionRequest) -> tuple[list[Any], bool]:
     """A completion request's prompts as sent (texts or id lists), and whether it sent one alone (not in a list)."""
     one = isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
-    return ([body.prompt] if one else list(body.prompt)), one
+    return ([body.prompt] if one else body.prompt), one
 
 
 def completion_prompts(state: ServerState, body: CompletionRequest) -> Iterator[tuple[list[int], bool]]:
