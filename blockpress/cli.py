@@ -1178,9 +1178,12 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"serve and info alike; --quantize none merges them into the unquantized base instead), or in Python "
               f"blockpress.load({python})", file=sys.stderr)
     elif cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
+        base = str(base_dtype)[6:]
+        # (--dtype takes float32 and bfloat16: a float16 base, trained with loss scaling, is cast by save's dtype)
+        how = (f"--dtype {base} saves that" if base != "float16" else
+               f"blockpress.load({str(args.out)!r}).save(FOLDER, dtype='float16') writes that")
         print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a {str(merged_dtype)[6:]} "
-              f"checkpoint (the base was {str(base_dtype)[6:]}; --dtype {str(base_dtype)[6:]} saves that, rounding "
-              "part of the adapters' update away)", file=sys.stderr)
+              f"checkpoint (the base was {base}; {how}, rounding part of the adapters' update away)", file=sys.stderr)
     if result.stopped == "interrupted":
         import signal
 

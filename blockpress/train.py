@@ -790,6 +790,18 @@ def _interval_means(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {**means, "step_loss": rows[-1]["loss"], "steps_averaged": len(rows)}
 
 
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype a run's matmuls autocast to on `device` (None: they run in the weights' own). "auto" takes bfloat16
+    where the hardware computes it natively, else float16 (with loss scaling, Trainer): a T4 or V100 has no bf16
+    matmuls, and torch's bf16 check, which counts emulation, said yes there."""
+    if not (cfg.autocast if device.type == "cuda" else cfg.cpu_autocast if device.type == "cpu" else False):
+        return None
+    if cfg.autocast_dtype == "auto":
+        native = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
+    return getattr(torch, cfg.autocast_dtype)
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -849,16 +861,15 @@ class Trainer:
         self.rank, self.world = _world()
         if cfg.batch_size % self.world:
             raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
-        if lm.dtype == torch.float16:
-            # No loss scaling here: float16 full fine-tunes went NaN at their first update (AdamW's steps in
-            # float16), reported as a divergence to cure with a lower lr; and adapters over a float16 base (LoRA,
-            # QLoRA) got their gradient through float16 activations, where the many small ones underflow to zero
-            # (a tiny model of 65,536 tokens, 640 scored: cosine 0.07 to the float32 base's gradient).
-            raise ValueError("dtype: the model computes in float16, which training here cannot: without loss scaling "
-                             "its gradients underflow to zero in float16 (adapters over a float16 base too) and AdamW's "
-                             "float16 updates overflow; train it in bfloat16 or float32 (blockpress.load(..., "
-                             "dtype='bfloat16') or lm.to(dtype='bfloat16'); blockpress train: --dtype bfloat16), "
-                             "with or without LoRA")
+        if lm.dtype == torch.float16 and not cfg.lora_rank:
+            # AdamW's updates of float16 weights overflow or round away (a full fine-tune went NaN at its first
+            # update, reported as a divergence to cure with a lower lr). Adapters over a float16 base train in float32,
+            # their gradient brought through the base's float16 activations by loss scaling (below).
+            raise ValueError("dtype: the model's weights are float16, which a full fine-tune cannot update (AdamW's "
+                             "float16 steps overflow or round away); train float32 weights (blockpress.load(..., "
+                             "dtype='float32'); blockpress train: --dtype float32), whose matmuls can still run in "
+                             "float16 with loss scaling (--autocast-dtype float16, the default on a GPU without "
+                             "bfloat16), or bfloat16 ones, or LoRA adapters over the float16 base (--lora-rank R)")
         if lm.quantization is not None and lm.quantization != cfg.quantize:
             # its projections are frozen buffers: only adapters over them train (QLoRA), and the config records the
             # scheme so that --resume quantizes the base alike
@@ -930,9 +941,12 @@ class Trainer:
         self.prompts_healed = prompts_healed(lm, source)
         if self.prompts_healed:
             lm.generation_config["token_healing"] = False
-        if cfg.cpu_autocast and lm.device.type == "cpu" and not cpu_computes_natively(torch.bfloat16):
-            warn_user("cpu_autocast: this CPU has no native bf16 matmuls (AVX512-BF16 / AMX), so bf16 autocast "
-                      "runs a scalar fallback: measured 8x slower training steps on an AVX2 CPU than float32")
+        self.autocast_dtype = autocast_dtype(cfg, lm.device)
+        if lm.device.type == "cpu" and self.autocast_dtype is not None and not cpu_computes_natively(self.autocast_dtype):
+            name = str(self.autocast_dtype).removeprefix("torch.")
+            warn_user(f"cpu_autocast: this CPU has no native {name} matmuls (AVX512-BF16 / AVX512-FP16 / AMX), so "
+                      f"{name} autocast runs a scalar fallback: training steps on an AVX2 EPYC measured 8x "
+                      "(bfloat16) and 12x (float16) slower than float32")
         self.pad = text.pad_token_id if text.pad_token_id is not None else 0
         # The model's own EOS ends an example (a generation config may list end-of-turn ids before it).
         stops = lm._eos_ids()
@@ -975,6 +989,11 @@ class Trainer:
             fused=lm.device.type == "cuda",  # one kernel for every parameter: a small model's step is launch-bound
         )
         self._set_optimizer_settings()  # each group's weight decay and the betas
+        # Dynamic loss scaling wherever the backward runs through float16 (float16 autocast, or adapters over a float16
+        # base): the loss is multiplied up so that small gradients do not underflow to zero there, and a step whose
+        # gradient overflowed is skipped while the scale comes down. Disabled, the scaler passes everything through.
+        self.scaler = torch.amp.GradScaler(lm.device.type, enabled=self.autocast_dtype == torch.float16
+                                           or lm.dtype == torch.float16)
         self.step = 0
         # (step, training examples consumed before it) where this part of the run starts: StepBatches reads on from
         # there (Trainer.resume sets it from the saved state: a resumed run may take another batch size)
@@ -1003,12 +1022,9 @@ class Trainer:
         return self._batches(source)[step]
 
     def _autocast(self) -> Any:
-        device = self.lm.device
-        if self.cfg.autocast and device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        if self.cfg.cpu_autocast and device.type == "cpu":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return torch.autocast(device.type, enabled=False)
+        if self.autocast_dtype is None:
+            return torch.autocast(self.lm.device.type, enabled=False)
+        return torch.autocast(self.lm.device.type, dtype=self.autocast_dtype)
 
     @contextlib.contextmanager
     def _dropout_draws(self, step: int) -> Any:
@@ -1045,12 +1061,12 @@ class Trainer:
                 loss = (self.cfg.diffusion_weight * diff_sum / max(n_diff, 1)
                         + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1))
             if train:
-                (loss * self.world).backward()  # DDP averages gradients over processes
+                self.scaler.scale(loss * self.world).backward()  # DDP averages gradients over processes
             sums += torch.stack([diff_sum.detach().float(), ar_sum.detach().float()])
         sums = _all_sum(sums).cpu()
         return float(sums[0]) / max(n_diff, 1), float(sums[1]) / max(n_ar, 1), int(batch.valid.sum())
 
-    def train_step(self, prepared: tuple[Batch, Noise] | None = None, time_fraction: float = 0.0) -> dict[str, float]:
+    def train_step(self, prepared: tuple[Batch, Noise] | None = None, time_fraction: float = 0.0) -> dict[str, Any]:
         """One optimizer step on the batch of `self.step` (`prepared`: that batch, built ahead by a worker)."""
         cfg = self.cfg
         batch, noise = prepared if prepared is not None else self._batch(self.source, self.step)
@@ -1073,23 +1089,38 @@ class Trainer:
                 diff, ar, tokens = self._losses(batch, noise, train=True)
         loss = cfg.diffusion_weight * diff + cfg.aux_ar_weight * ar
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self.scaler.unscale_(self.optimizer)  # the true gradient, for the clip and the norm (a no-op unscaled)
         if cfg.grad_clip:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         else:  # not clipped, but measured all the same: it was logged as 0.0, and a gradient that was not finite went
             # unchecked into the update (the run then stopped a step later, on the NaN loss of its NaN weights)
             grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         # Checked on the host floats the step makes anyway (no sync of its own), before the update: a non-finite
-        # gradient would make every weight NaN. Every process holds the same all-reduced values, so all stop.
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        # gradient would make every weight NaN. Every process holds the same all-reduced values, so all stop. Under
+        # loss scaling a gradient that overflowed float16 is the scale's fault, not the run's: the step is skipped
+        # and the scale halved, until even a scale below 1 overflows (float16 cannot hold the gradient itself).
+        scaled = self.scaler.is_enabled()
+        scale = self.scaler.get_scale() if scaled else 1.0
+        overflow = scaled and math.isfinite(loss) and not math.isfinite(grad_norm)
+        if overflow and scale < 1:
+            raise Diverged(f"step {self.step + 1}: the gradient overflows float16 at a loss scale of {scale:g}, "
+                           f"below 1: training in float16 cannot hold it, and the run stops here without saving (a "
+                           f"save made before, in {self.out}, is kept); train with --autocast-dtype bfloat16 or in "
+                           f"float32 (--no-autocast), or with a lower --lr than {cfg.lr:g}")
+        if not overflow and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
             raise Diverged(f"step {self.step + 1}: the {what}: training diverged, and the run stops here without "
                            f"saving (a save made before, in {self.out}, is kept); start again with a lower --lr than "
                            f"{cfg.lr:g}, or check the data")
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # optimizer.step(), unless the gradient overflowed
+        self.scaler.update()
         self.lm.model.weights_changed()  # a cache filled before this step holds keys of the old weights
         self.step += 1
-        return {"step": self.step, "loss": loss, "diffusion_loss": diff, "ar_loss": ar,
-                "lr": lr, "grad_norm": grad_norm, "tokens": tokens}
+        row = {"step": self.step, "loss": loss, "diffusion_loss": diff, "ar_loss": ar,
+               "lr": lr, "grad_norm": None if overflow else grad_norm, "tokens": tokens}  # (JSON has no inf)
+        if scaled:  # the scale this step's backward ran at, and whether its update was skipped for an overflow
+            row |= {"loss_scale": scale, "skipped": overflow}
+        return row
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -1128,6 +1159,7 @@ class Trainer:
                            f"lower --lr than {self.cfg.lr:g}, or check the data")
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict(),  # the loss scale reached ({} unscaled)
                  "config": asdict(self.cfg), "base_shape": base_shape(self.model),  # (--resume checks the model's)
                  "data": self.data, "examples_seen": self.examples_seen}
         done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
@@ -1206,6 +1238,8 @@ class Trainer:
         # to --resume (warned about as overriding the run's, and recorded with it) was dropped for the saved ones.
         # The moments are the run's; the settings are this one's (lr is set at every step).
         self._set_optimizer_settings()
+        if self.scaler.is_enabled() and state.get("scaler"):  # else a fresh scale, as a run that starts scaling
+            self.scaler.load_state_dict(state["scaler"])
         saved = state.get("data") or {}  # (runs saved before it was: nothing to compare)
         other = {k: (saved[k], v) for k, v in self.data.items() if saved.get(k) is not None and v is not None
                  and saved[k] != v}

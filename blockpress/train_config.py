@@ -48,6 +48,10 @@ _TYPE_CHECKS: dict[type, Callable[[Any], bool]] = {
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
 
+# TrainConfig.autocast_dtype's values: "auto" picks bfloat16 where the hardware computes it natively, else float16.
+AUTOCAST_DTYPES = ("auto", "bfloat16", "float16")
+
+
 def setting(default: Any, description: str, choices: Sequence[str] | None = None) -> Any:
     """A TrainConfig field and its description: `blockpress train --help` shows it (field metadata "help"), and the
     values it takes where they are a few names (metadata "choices")."""
@@ -81,8 +85,13 @@ class TrainConfig:
     save_every: int = setting(0, "steps between checkpoints (0: only at the end)")
     log_every: int = setting(10, "steps between metrics.jsonl lines")
     seed: int = setting(0, "seeds data order, corruption and self-conditioning choices")
-    autocast: bool = setting(True, "bfloat16 autocast where the hardware has it (CUDA)")
-    cpu_autocast: bool = setting(False, "bfloat16 autocast on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
+    autocast: bool = setting(True, "mixed precision on a GPU (CUDA): matmuls in --autocast-dtype, the weights and AdamW "
+                             "in their own dtype")
+    cpu_autocast: bool = setting(False, "mixed precision on CPU too: pays only with native bf16 (AVX512-BF16, AMX)")
+    autocast_dtype: str = setting("auto", "the mixed precision's matmul dtype: bfloat16; float16 with dynamic loss "
+                                  "scaling (GPUs without bf16, such as the T4 and V100); auto: bfloat16 where the "
+                                  "hardware computes it natively (a GPU from Ampere on, and on CPU), else float16",
+                                  choices=AUTOCAST_DTYPES)
     lora_rank: int = setting(0, ">0: train LoRA adapters of this rank (on the layers chosen below; at most their largest "
                              "full rank, min(in, out) features) instead of all weights; "
                              "the final --out holds them merged, and unmerged as a PEFT folder in --out/adapter (each "

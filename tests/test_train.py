@@ -21,6 +21,7 @@ from blockpress.train import (
     Objective,
     TrainConfig,
     Trainer,
+    autocast_dtype,
     draw_noise,
     lr_at,
     read_trainer_state,
@@ -674,32 +675,76 @@ def test_a_quantized_model_is_refused_before_training(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("lora", [{}, {"lora_rank": 4}, {"lora_rank": 4, "quantize": "int8"}])
-def test_a_float16_model_is_refused_before_training_and_trains_once_widened(tmp_path, lora):
-    """No loss scaling: a float16 full fine-tune went NaN at its first update and was called a divergence ("a lower
-    --lr"), and adapters over a float16 base (LoRA, QLoRA) got a gradient underflowed through float16 activations
-    (65,536 tokens: cosine 0.07 to float32's). Refused before anything changes, naming the dtypes that train; the
-    same weights in float32 train."""
-    if lora:
-        pytest.importorskip("peft")
+def test_a_float16_model_is_refused_a_full_fine_tune_and_trains_once_widened(tmp_path):
+    """AdamW's float16 steps: a float16 full fine-tune went NaN at its first update and was called a divergence ("a
+    lower --lr"). Refused before anything changes, naming what trains; the same weights in float32 train."""
+    lm = tiny_lm()
+    lm.to(dtype="float16")
+    settings = dict(lm.generation_config)
+    with pytest.raises(ValueError, match=r"^dtype: the model's weights are float16, which a full fine-tune cannot "
+                                         r"update .*--autocast-dtype float16.*LoRA adapters over the float16 base"):
+        run(tmp_path, 2, lm=lm)
+    assert not (tmp_path / "out").exists() and lm.generation_config == settings and lm.dtype == torch.float16
+    lm.to(dtype="float32")
+    before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    _, result = run(tmp_path, 2, lm=lm)
+    assert all(math.isfinite(x) for x in result.losses) and len(result.losses) == 2
+    after = dict(lm.model.named_parameters())
+    assert all(torch.isfinite(p).all() for p in after.values())
+    assert any(not torch.equal(before[n], p) for n, p in after.items())
+
+
+def adapter_gradient(trainer):
+    """The true (unscaled) gradient of the adapters on the run's first batch, flattened."""
+    batch, noise = trainer._batch(trainer.source, 0)
+    trainer._losses(batch, noise, train=True)
+    trainer.scaler.unscale_(trainer.optimizer)
+    return torch.cat([p.grad.flatten() for _, p in sorted(trainer.model.named_parameters()) if p.requires_grad])
+
+
+@pytest.mark.parametrize("lora", [{"lora_rank": 4}, {"lora_rank": 4, "quantize": "int8"}])
+def test_adapters_over_a_float16_base_train_with_loss_scaling(tmp_path, lora):
+    """Adapters over a float16 base (a float16 checkpoint under --lora-rank on a GPU) were refused: their gradient came
+    back through float16 activations, where small values underflow. Loss scaling brings it back: a loss made 1,000
+    times smaller (as a batch 1,000 times larger makes each token's share) left the unscaled float16 gradient 33% off
+    float32's, and 4% scaled; the run trains, its rows saying the scale and the steps skipped while it settles."""
+    pytest.importorskip("peft")
+    small = {"diffusion_weight": 1e-3, "aux_ar_weight": 1e-3, **lora}
+
+    def trainer(dtype, name, **cfg):
+        lm = tiny_lm()
+        lm.to(dtype=dtype)
+        if "quantize" in cfg:
+            lm.quantize(cfg["quantize"])
+        return Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, **cfg), tmp_path / name,
+                       progress=False)
+
+    exact = adapter_gradient(trainer("float32", "a", **small))
+    half = trainer("float16", "b", **small)
+    assert half.scaler.is_enabled() and half.scaler.get_scale() == 2.0 ** 16
+    scaled = adapter_gradient(half)
+    half.scaler = torch.amp.GradScaler("cpu", enabled=False)  # as before: no scaling
+    half.optimizer.zero_grad(set_to_none=True)
+    unscaled = adapter_gradient(half)
+    assert ((scaled - exact).norm() / exact.norm()) < 0.1 < ((unscaled - exact).norm() / exact.norm())
+
     lm = tiny_lm()
     lm.to(dtype="float16")
     if "quantize" in lora:
         lm.quantize(lora["quantize"])
-    settings = dict(lm.generation_config)
-    with pytest.raises(ValueError, match=r"^dtype: the model computes in float16, which training here cannot: .* "
-                                         r"train it in bfloat16 or float32 "):
-        run(tmp_path, 2, lm=lm, **lora)
-    assert not (tmp_path / "out").exists() and lm.generation_config == settings and lm.dtype == torch.float16
-    if "quantize" in lora:
-        return  # (a quantized model keeps its dtype: loaded again in bfloat16 / float32, it trains as QLoRA does)
-    lm.to(dtype="float32")
     before = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
-    _, result = run(tmp_path, 2, lm=lm, **lora)
-    assert all(math.isfinite(x) for x in result.losses) and len(result.losses) == 2
+    _, result = run(tmp_path, 6, lm=lm, **lora)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(x) for x in result.losses) and len(rows) == 6
+    scales = [row["loss_scale"] for row in rows]
+    # each skipped step halves the scale for the next; a step that is not skipped keeps it (no growth in 6 steps)
+    assert scales[0] == 2.0 ** 16 and all(b == a / 2 if row["skipped"] else b == a
+                                          for a, b, row in zip(scales, scales[1:], rows))
+    assert not rows[-1]["skipped"] and all((row["grad_norm"] is None) == row["skipped"] for row in rows)
     after = dict(lm.model.named_parameters())
-    assert all(torch.isfinite(p).all() for p in after.values())
-    assert any(not torch.equal(before[n], p) for n, p in after.items() if n in before)
+    # merged into the base at the end (LoRA), or kept beside the quantized one (QLoRA)
+    assert (any(not torch.equal(before[n], p) for n, p in after.items() if n in before)
+            or any(p.abs().sum() > 0 for n, p in after.items() if "lora_B" in n))
 
 
 @pytest.mark.parametrize("value, message", [(-2, "expected -1"), (32, "outside the vocabulary")])
@@ -758,6 +803,54 @@ def test_grouped_linear_op_gradients(width):
     assert _grouped_linear_eager(x, w, ExpertRows(offsets)).shape == (21, 2 * width)
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: torch.ops.blockpress.grouped_linear(a, b, offsets), (xd, wd))
+
+
+def test_float16_autocast_trains_with_loss_scaling_and_resumes_exactly(tmp_path):
+    """Mixed precision in float16 (GPUs without bf16: a T4, a V100) had no loss scaling. Now a step whose gradient
+    overflows the scale is skipped and the scale halved; the first loss is float32's to 1%; the scale reached is saved
+    with the run, so a resumed run goes on as the straight one did (a fresh scale would skip steps again)."""
+    half = {"cpu_autocast": True, "autocast_dtype": "float16"}
+    _, exact = run(tmp_path, 6, "fp32")
+    _, straight = run(tmp_path, 6, "straight", **half)
+    rows = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [row["step"] for row in rows if row["skipped"]]
+    assert skipped and len(skipped) < 6 and rows[-1]["loss_scale"] == 2.0 ** 16 / 2 ** len(skipped)
+    # the first step's weights are the same: float16 arithmetic really ran, and close; a skipped step updates nothing
+    assert straight.losses[0] != exact.losses[0] and straight.losses[0] == pytest.approx(exact.losses[0], rel=0.01)
+    assert straight.losses[-1] < straight.losses[0] - 0.1
+    run(tmp_path, 3, "split", **half)
+    state = read_trainer_state(tmp_path / "split" / "trainer_state.pt")
+    assert state["scaler"]["scale"] == rows[2]["loss_scale"] / (2 if rows[2]["skipped"] else 1)
+    _, rest = run(tmp_path, 6, "split", lm=tiny_lm(seed=9), resume=True, **half)
+    assert straight.losses[3:] == pytest.approx(rest.losses, rel=1e-6)
+
+
+def test_a_gradient_float16_cannot_hold_at_any_scale_stops_the_run(tmp_path):
+    """An overflow is the scale's fault until the scale is below 1: then the gradient itself is past float16's range,
+    and skipping steps for ever would train nothing. The run stops, saying what to train in."""
+    lm = tiny_lm()
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=3, batch_size=4, cpu_autocast=True,
+                                                                  autocast_dtype="float16"), tmp_path, progress=False)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    lm.model.embed_tokens.weight.register_hook(lambda grad: grad * math.inf)
+    assert trainer.train_step()["skipped"] and trainer.scaler.get_scale() == 1.0  # at 2: skipped, halved
+    assert trainer.train_step()["skipped"]
+    with pytest.raises(Diverged, match=r"^step 3: the gradient overflows float16 at a loss scale of 0.5, below 1: "
+                                       r".* --autocast-dtype bfloat16"):
+        trainer.train_step()
+
+
+@pytest.mark.parametrize("device, cfg, bf16_native, expected", [
+    ("cuda", {}, True, torch.bfloat16), ("cuda", {}, False, torch.float16),  # auto: a T4 / V100 gets float16
+    ("cuda", {"autocast_dtype": "bfloat16"}, False, torch.bfloat16), ("cuda", {"autocast": False}, True, None),
+    ("cpu", {}, False, None), ("cpu", {"cpu_autocast": True}, False, torch.bfloat16),
+    ("cpu", {"cpu_autocast": True, "autocast_dtype": "float16"}, True, torch.float16), ("mps", {}, True, None)])
+def test_autocast_dtype_auto_takes_bfloat16_where_the_hardware_computes_it(monkeypatch, device, cfg, bf16_native,
+                                                                           expected):
+    """torch.cuda.is_bf16_supported() counts emulation, so a T4 trained in emulated bf16: "auto" asks for native."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native
+                        or including_emulation)
+    assert autocast_dtype(TrainConfig(**cfg), torch.device(device)) == expected
 
 
 @pytest.mark.parametrize("native", [True, False])
