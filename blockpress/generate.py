@@ -1362,6 +1362,11 @@ class _Decoding:
                     uniforms, w.rules, own_logits=True,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
+                checked = broken[k - 1] if every_step else broken[0] if k == 1 else None
+                if checked is not None and bool(checked):  # (a draft reads the device anyway: no sync of its own)
+                    # a draft of NaN logits is token 0 everywhere: streamed, it was shown before the canvas's error
+                    raise model_logits_fault(self.model, f"canvas {canvas.index}'s "
+                                             + ("first denoising step" if k == 1 else f"denoising step {k}"))
                 view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
                 tokens = view.argmax[:, : canvas.keep].masked_fill(self.finished[:, None] | ~canvas.scored[:, : canvas.keep],
                                                                    req.pad_id)

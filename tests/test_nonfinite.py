@@ -121,3 +121,23 @@ def test_a_healthy_float16_model_is_not_refused(half_lm):
     for out in (half_lm.generate([[5, 6, 7], [8, 9, 10]], max_new_tokens=[8, 20], max_denoising_steps=3, seed=1),
                 half_lm.generate_ar([[5, 6, 7], [8, 9, 10]], max_new_tokens=[2, 6])):
         assert out.sequences.shape[0] == 2 and out.sequences[:, :3].tolist() == [[5, 6, 7], [8, 9, 10]]
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_stream_stops_at_the_step_that_overflowed_not_after_showing_it(half_lm, step):
+    """A stream's drafts were shown for the steps after an overflow (NaN logits decode as token 0 everywhere, a canvas
+    of pads on a live view), and the error came at the canvas's end. A draft reads the device anyway, so the step
+    that overflowed is refused before its draft."""
+    from blockpress.generate import Draft
+
+    handle = overflow_on_call(half_lm.model.self_conditioning, step)
+    seen = []
+    try:
+        with pytest.raises(blockpress.NonFiniteLogits, match="at canvas 0's " + ("first denoising step" if step == 1
+                                                                               else f"denoising step {step}")):
+            for event in half_lm.stream([5, 6, 7], max_new_tokens=16, max_denoising_steps=4, seed=1,
+                                        adaptive_stopping=False):
+                seen.append(event)
+    finally:
+        handle.remove()
+    assert [e.step for e in seen if isinstance(e, Draft)] == list(range(1, step))
