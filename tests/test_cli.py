@@ -418,10 +418,17 @@ def subcommands():
     return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
+def documentation() -> str:
+    """The README and every page of docs/, one text."""
+    root = Path(__file__).resolve().parents[1]
+    return "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+
+
 def test_every_flag_the_readme_gives_a_command_exists():
-    """Each `blockpress CMD ... --flag` the README writes (its command lines and the commands quoted in its prose)
-    is a flag of that command's parser, so a renamed or dropped flag fails here, not in a reader's shell."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """Each `blockpress CMD ... --flag` the README and docs/ write (their command lines and the commands quoted in
+    their prose) is a flag of that command's parser, so a renamed or dropped flag fails here, not in a reader's
+    shell."""
+    readme = documentation()
     commands = subcommands()
     pattern = r"blockpress (" + "|".join(commands) + r")\b([^\n`]*)"
     seen, missing = 0, []
@@ -3218,7 +3225,7 @@ def test_the_readme_says_which_seed_greedy_json_gives(capsys):
     """The README said generate's and infill's --json give a fresh seed each run without --seed (chat's each turn, and
     seed=None a fresh one per row): blockpress-code decodes greedily by default and gave "seed": 0 every run, as
     --help says (greedy decoding draws nothing). The README now says so where it promises a fresh one."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = documentation()
     for promise in ("a fresh one each run without\n`--seed`", "fresh each turn without `--seed`",
                     "seed=None draws a fresh seed per row"):
         at = readme.index(promise) + len(promise)

@@ -252,12 +252,14 @@ def test_the_readmes_layout_names_every_module():
     assert all((package / name).exists() or (ROOT / name).exists() for name in in_package)
 
 
-def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypatch):
-    """A reader runs the README's Python API block top to bottom, supplying only the inputs it leaves to them (a
-    prompt, token ids, a conversation). It rebound two of its own names on the way: `prompts = PrefixCache(...)`, so
-    its later `lm.generate(prompts, max_new_tokens=256)` was refused ("got PrefixCache"), and `lm = load(...,
-    quantize="fp8")`, so its `lm.save("out/")` was refused (a quantized model cannot be saved). Every statement runs
-    here on blockpress-code on the CPU, with answers cut to one canvas to keep it quick."""
+@pytest.mark.parametrize("page", ["README.md", "docs/python-api.md"])
+def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypatch, page):
+    """A reader runs the Python API block (the README's short one, docs/python-api.md's whole one) top to bottom,
+    supplying only the inputs it leaves to them (a prompt, token ids, a conversation). It rebound two of its own names
+    on the way: `prompts = PrefixCache(...)`, so its later `lm.generate(prompts, max_new_tokens=256)` was refused
+    ("got PrefixCache"), and `lm = load(..., quantize="fp8")`, so its `lm.save("out/")` was refused (a quantized model
+    cannot be saved). Every statement runs here on blockpress-code on the CPU, with answers cut to one canvas to keep
+    it quick."""
     import ast
 
     import torch
@@ -265,8 +267,8 @@ def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypa
     import blockpress
     from blockpress.lm import LM
 
-    readme = (ROOT / "README.md").read_text()
-    code = readme.split("\n## Python API\n")[1].split("```python\n")[1].split("```")[0]
+    text = (ROOT / page).read_text()
+    code = text.split("\n## Python API\n")[-1].split("```python\n")[1].split("```")[0]
     code = (code.replace('"/path/to/diffusiongemma-26B-A4B-it"', '"blockpress-code"').replace('"cuda"', '"cpu"')
             # 50 GB of random weights: counted on the meta device, as the line's own advice says
             .replace('gemma_26b_a4b(), dtype="bfloat16", device="cpu"', 'gemma_26b_a4b(), dtype="bfloat16", device="meta"'))
@@ -305,7 +307,7 @@ def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypa
     failed = []
     for statement in ast.parse(code).body:
         try:
-            exec(compile(ast.Module([statement], []), "README.md", "exec"), scope)
+            exec(compile(ast.Module([statement], []), page, "exec"), scope)
         except Exception as exc:  # noqa: BLE001 (each statement is reported, not the first alone)
             failed.append(f"line {statement.lineno} of the block: {type(exc).__name__}: {exc}")
     assert not failed, "\n".join(failed)
