@@ -268,7 +268,9 @@ def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypa
     from blockpress.lm import LM
 
     text = (ROOT / page).read_text()
-    code = text.split("\n## Python API\n")[-1].split("```python\n")[1].split("```")[0]
+    # the README's block under its Python API heading; every block of docs/python-api.md, one section each, in order
+    blocks = [block.split("```")[0] for block in text.split("\n## Python API\n")[-1].split("```python\n")[1:]]
+    code = "\n".join(blocks if page.startswith("docs/") else blocks[:1])
     code = (code.replace('"/path/to/diffusiongemma-26B-A4B-it"', '"blockpress-code"').replace('"cuda"', '"cpu"')
             # 50 GB of random weights: counted on the meta device, as the line's own advice says
             .replace('gemma_26b_a4b(), dtype="bfloat16", device="cpu"', 'gemma_26b_a4b(), dtype="bfloat16", device="meta"'))
