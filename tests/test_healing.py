@@ -7,8 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blockpress
-from blockpress.generate import Commit, Done, parse_template
-from blockpress.healing import allowed_first_tokens, heal, heal_holes, heal_into_template, strip_prefix
+from blockpress.generate import Commit, Done, Template, parse_template
+from blockpress.healing import (
+    Healed,
+    allowed_first_tokens,
+    heal,
+    heal_holes,
+    heal_into_template,
+    strip_prefix,
+)
 from blockpress.lm import resolve_path
 from blockpress.tokenizer import Tokenizer
 
@@ -127,6 +134,7 @@ def test_streamed_commits_match_the_final_text(lm):
 def test_strip_prefix():
     assert strip_prefix("\n    return x", "\n") == "    return x"
     assert strip_prefix("", "\n") == ""  # a row that ended at once has nothing to strip
+    assert strip_prefix(" \n", "\n") == " \n"  # a text that does not start with it is left whole
 
 
 def test_id_prompts_heal_like_text(lm):
@@ -172,7 +180,8 @@ def test_a_prompts_trailing_space_moves_into_a_leading_hole(tok):
     ids = tok.encode_prompt("def f(r):\n    return ")
     [healed], template = heal_into_template(tok, [ids], parse_template([-1, -1, 7], tok, 1, 8))
     assert healed.ids == ids[:-1] and healed.prefix == " " and template.rows == [ids[-1:] + [-1, -1, 7]]
-    for prompt, canvas in ((ids, [7, -1]), (tok.encode_prompt("def f(r):"), [-1, 7])):  # fixed first; no space
+    for prompt, canvas in ((ids, [7, -1]), (ids, [0, -1]), (tok.encode_prompt("def f(r):"), [-1, 7])):  # fixed first
+        # (id 0 too, a token like any other); no space
         [healed], template = heal_into_template(tok, [prompt], parse_template(canvas, tok, 1, 8))
         assert healed.ids == prompt and healed.prefix == "" and template.rows == [canvas]
 
@@ -199,6 +208,88 @@ def test_heal_into_template_moves_the_holes_with_the_tokens(tok, prompts, parts)
     for r, h in enumerate(healed):
         if h.prefix:  # the template starts with a hole: the space opens into it, which keeps its length
             assert prefixes[(r, 0)] == h.prefix and opened.holes[r][0] == parsed.holes[r][0] == (0, parts[0][1])
+
+
+class _Vocabulary:
+    """What healing reads of a tokenizer, for a vocabulary a test draws: each id's text, and the texts that a longer
+    one starts with (Tokenizer.extendable_texts, by its definition). Its id 0 may be whitespace, as the code
+    tokenizer's (pad, no text) is not."""
+
+    def __init__(self, texts: list[str]):
+        self.texts = texts
+
+    def token_texts(self) -> list[str]:
+        return self.texts
+
+    def extendable_texts(self) -> frozenset[str]:
+        return frozenset(t for t in self.texts if t and any(len(u) > len(t) and u.startswith(t) for u in self.texts))
+
+
+VOCABULARIES = st.lists(st.sampled_from(["", " ", "  ", "\n", "\n  ", "\t", "a", " a", "):"]), min_size=1, max_size=6)
+
+
+def ids_of(texts: list[str], low: int = -1, **kw):
+    """Ids of a drawn vocabulary and past it (a model's vocabulary padded past its tokenizer's: no text), and -1."""
+    return st.lists(st.integers(low, len(texts) + 1), **kw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), texts=VOCABULARIES)
+def test_heal_backs_off_exactly_a_whitespace_token_that_could_merge(data, texts):
+    """Any vocabulary, any ids: the last token goes iff something stays before it and its text is whitespace that
+    a longer token's text starts with; an id with no text (past the texts, or -1) stays. Any sequence comes back
+    as a list of its own (the caller's prompt is not the Healed's). Every id is tried last, id 0 too."""
+    vocab = _Vocabulary(texts)
+    before = data.draw(ids_of(texts, max_size=3))
+    for ids in [before, *(before + [t] for t in range(-1, len(texts) + 2))]:
+        last = texts[ids[-1]] if ids and 0 <= ids[-1] < len(texts) else ""
+        heals = len(ids) >= 2 and not last.strip() and last in vocab.extendable_texts()
+        want = Healed(ids[:-1], last) if heals else Healed(ids, "")
+        assert heal(vocab, tuple(ids)) == want
+        healed = heal(vocab, ids)
+        assert healed == want and healed.ids is not ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), texts=VOCABULARIES)
+def test_heal_holes_opens_exactly_the_whitespace_token_before_each_hole(data, texts):
+    """A row of parts (fixed ids, then a hole), any vocabulary: each hole takes in the fixed token right before it
+    when that is whitespace a longer token extends, keeping its length; a hole right after another (no fixed ids
+    between) or after an id with no text takes nothing. Every id is tried before a hole (id 0 too), and before a
+    pair of adjacent holes."""
+    vocab = _Vocabulary(texts)
+
+    def check(parts: list[tuple[list[int], int]], tail: list[int]) -> None:
+        row, spans = [], []
+        want_row, want_spans, want_prefixes = [], [], {}
+        for fixed, length in parts:
+            spans.append((len(row) + len(fixed), len(row) + len(fixed) + length))
+            row += fixed + [-1] * length
+            text = texts[fixed[-1]] if fixed and fixed[-1] < len(texts) else ""
+            opens = not text.strip() and text in vocab.extendable_texts()
+            want_row += fixed[:-1] if opens else fixed
+            if opens:
+                want_prefixes[0, len(want_row)] = text
+            want_spans.append((len(want_row), len(want_row) + length))
+            want_row += [-1] * length
+        healed, prefixes = heal_holes(vocab, Template([row + tail], [spans]))
+        assert healed.rows == [want_row + tail] and healed.holes == [want_spans] and prefixes == want_prefixes
+
+    parts = data.draw(st.lists(st.tuples(ids_of(texts, 0, max_size=2), st.integers(1, 3)), min_size=1, max_size=4))
+    check(parts, data.draw(ids_of(texts, 0, max_size=2)))
+    for t in range(len(texts) + 2):
+        check([([t], 1), ([], 2)], [t])
+
+
+@settings(max_examples=30, deadline=None)
+@given(texts=VOCABULARIES, prefix=st.sampled_from(["", " ", "\n"]), extra=st.integers(-3, 3))
+def test_allowed_first_tokens_fit_a_vocabulary_of_any_size(texts, prefix, extra):
+    """The model's vocabulary may end before the tokenizer's texts or past them: an id is allowed iff it has a text
+    that starts with the healed prefix (every id, for a row not healed)."""
+    size = max(1, len(texts) + extra)
+    mask = allowed_first_tokens(_Vocabulary(texts), [prefix, ""], size)
+    assert mask.shape == (2, size) and bool(mask[1].all())
+    assert mask[0].tolist() == [not prefix or (i < len(texts) and texts[i].startswith(prefix)) for i in range(size)]
 
 
 @pytest.fixture(scope="module")
