@@ -1561,6 +1561,23 @@ def test_a_constraint_that_bans_everything_is_a_clear_error(lm):
     assert (boost.new_tokens == 9).all()
 
 
+@pytest.mark.parametrize("kw", [dict(max_denoising_steps=1), dict(max_denoising_steps=3, self_conditioning=False)])
+def test_a_hook_may_ban_every_token_where_the_canvas_writes_none(lm, kw):
+    """The hooks' check asks only of the positions a step writes: every token banned at a template's given tokens,
+    or past a row's max_new_tokens, is no error and changes no token. (With self-conditioning on and a step after
+    it, the next pass reads those positions' probabilities, NaN, and the check then sees the hook's work.)"""
+    vocab, c = lm.config.text.vocab_size, lm.config.canvas_length
+    template = torch.tensor([[5, -1, -1, 6], [7, 8, -1, 9]])
+    given = torch.ones(2, c, 1, dtype=torch.bool)  # the canvas past the template is pad: given too
+    given[:, :4, 0] = template >= 0
+    past = (torch.arange(c) >= 5)[None, :, None]
+    for call, banned in ((lambda **k: lm.infill(template.tolist(), **k), given),
+                         (lambda **k: lm.generate([[3, 4, 5], [6, 7]], max_new_tokens=5, **k), past)):
+        free = call(seed=3, **kw)
+        ruled = call(seed=3, constraint=lambda d, s, banned=banned: banned.expand(-1, -1, vocab), **kw)
+        assert torch.equal(ruled.new_tokens, free.new_tokens)
+
+
 @pytest.mark.parametrize("result, message", [
     (lambda x, rows: None, "expected float logits of shape"),
     (lambda x, rows: x[:, :1], "expected float logits of shape"),
