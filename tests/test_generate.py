@@ -2286,6 +2286,9 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
     assert int(out.forward_passes[1]) == 5 < int(whole.forward_passes[1])  # not one pass after it was cut
     # the batch's cache itself, copied once without row 1 (not a canvas's working rows), not again at each canvas
     assert [c for c in copies if c[2]] == [(3, 2, True)]
+    copies.clear(), asked.clear()  # one row left is copied alone too (its cut neighbour's memory let go)
+    two = lm.generate(prompts[:2], cancelled=lambda: cancelled()[:2], **dict(kw, seeds=[1, 2]))
+    assert [c for c in copies if c[2]] == [(2, 1, True)] and torch.equal(two.new_tokens[0], whole.new_tokens[0])
     with pytest.raises(ValueError, match=r"cancelled: expected True / False or one bool per row \(3\), got 2"):
         lm.generate(prompts, cancelled=lambda: [False, True], **kw)
     with pytest.raises(RuntimeError, match="cancelled"):  # every row cut is the whole stream's Cancelled
