@@ -305,11 +305,14 @@ def check_float16_range(tensors: Iterable[tuple[str, torch.Tensor]], outcome: st
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """A torch device that exists here, or a clear error (before any weights are read)."""
+    """A torch device that exists here, or a clear error (before any weights are read). "auto": the CUDA GPU where
+    torch sees one, else the CPU (MPS and other backends only when named: blockpress is not tested on them)."""
+    if isinstance(device, str) and device.strip().lower() == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device: {device!r} is not a torch device (expected cpu, cuda, cuda:N, mps or meta)") from None
+        raise ValueError(f"device: {device!r} is not a torch device (expected auto, cpu, cuda, cuda:N, mps or meta)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} asked for, but this torch sees no CUDA GPU "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")

@@ -156,7 +156,10 @@ def add_load_args(p: argparse.ArgumentParser, runs: bool = True) -> None:
                             f"its length squared; the result is the same (default: {PREFILL_CHUNK})")
 
 
-def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device, e.g. cpu or cuda (default: cpu)",
+DEVICE_HELP = "torch device: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N or mps"
+
+
+def add_model_args(p: argparse.ArgumentParser, device_help: str = DEVICE_HELP + " (default: auto)",
                    runs: bool = True) -> None:
     """--model and how it loads. `runs=False` (info, which counts a model and runs nothing): no flag that only
     running it reads (--threads, --prefill-chunk), since one given there would be silently ignored."""
@@ -169,7 +172,7 @@ def add_model_args(p: argparse.ArgumentParser, device_help: str = "torch device,
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights dtype (default: the checkpoint's; bf16/fp16 weights load as float32 on a CPU "
                         "without native half-precision matmuls)")
-    p.add_argument("--device", default="cpu", help=device_help)
+    p.add_argument("--device", default="auto", help=device_help)
     if runs:
         p.add_argument("--threads", type=int, default=0,
                        help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
@@ -1848,7 +1851,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "repository builds a corpus of them)")
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -1875,7 +1878,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the answers are then also scored against its solutions (matches, cell accuracy)")
     p.add_argument("--model", default="blockpress-sudoku", help="model (default: blockpress-sudoku)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
-    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto)")
     add_load_args(p)
     p.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None,
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
@@ -1973,7 +1976,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="skip the transformers reference")
     p.add_argument("--no-ar", action="store_true", help="skip the AR engine")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
-    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP + " (default: cpu: a benchmark runs where it is "
+                                                   "told)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument("--compile", action="store_true",
                    help="also time blockpress through torch.compile (its first runs compile, for each batch size: "
@@ -2008,8 +2012,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "hidden_activation, attention_bias and rope (each layer kind's rope_type): where a "
                                    "checkpoint may differ from DiffusionGemma's own.")
     add_model_args(p, device_help="the device the dtype and memory figures are for: bf16/fp16 weights would load "
-                                  "as float32 on a CPU without native half-precision matmuls (default: cpu; "
-                                  "nothing is loaded there)", runs=False)
+                                  "as float32 on a CPU without native half-precision matmuls (default: auto, a CUDA "
+                                  "GPU where torch sees one, else the CPU; nothing is loaded there)", runs=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
     return ap
@@ -2202,6 +2206,11 @@ def run_command(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
+        if getattr(args, "device", None) == "auto":  # (the default) named before the command reads it: its notes,
+            # torchrun's GPU per process and its --json say the device the run is on
+            import torch
+
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.command in ("train", "serve"):  # each takes its stop signals itself (a save; uvicorn's shutdown)
             code = args.func(args)
         else:

@@ -3237,3 +3237,26 @@ def test_the_readme_says_which_seed_greedy_json_gives(capsys):
     assert seeds == {0}
     lm = blockpress.load("blockpress-code")
     assert lm.generate(["a", "b"], max_new_tokens=4).extra["seeds"] == [0, 0]
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+@pytest.mark.parametrize("argv", [["generate", "x"], ["infill", "x <|hole|>"], ["chat"], ["serve"], ["info"],
+                                  ["sudoku", "0" * 81], ["train", "--data", "d.jsonl", "--out", "o"]])
+def test_the_device_defaults_to_a_cuda_gpu_where_torch_sees_one(monkeypatch, argv, cuda):
+    """--device defaulted to cpu: on a GPU machine `blockpress generate --model google/diffusiongemma-26B-A4B-it`
+    loaded 50 GB into host memory and decoded on the CPU, unless told. The default is now auto, named before the
+    command runs: cuda where torch sees a GPU, else cpu; bench still runs where it is told (cpu by default)."""
+    import torch
+
+    from blockpress.checkpoint import resolve_device
+    from blockpress.cli import build_parser, run_command
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = build_parser().parse_args(argv)
+    seen = []
+    args.func = lambda a: seen.append(a.device) or 0
+    assert run_command(args) == 0 and seen == ["cuda" if cuda else "cpu"]
+    assert resolve_device("auto") == resolve_device(" Auto ") == torch.device("cuda" if cuda else "cpu")
+    assert build_parser().parse_args(["bench"]).device == "cpu"
+    assert "auto, a CUDA GPU where torch sees one, else the CPU" in " ".join(
+        subcommands()[argv[0]].format_help().replace(" (a CUDA", ", a CUDA").split())
