@@ -27,6 +27,7 @@ from .sampling import (
     CanvasState,
     RowDraws,
     SamplerConfig,
+    StepNumbers,
     candidate_probs,
     denoise_step,
     hashed_uniforms,
@@ -63,7 +64,8 @@ class StepFunctions:
     @classmethod
     def compiled(cls, model: Any, **options: Any) -> StepFunctions:
         """torch.compile'd step functions (`options` go to torch.compile, e.g. mode or backend). The first
-        calls compile (minutes on a 2-core CPU, even for a tiny model); a changing cache length recompiles once as dynamic."""
+        calls compile (minutes on a 2-core CPU, even for a tiny model); a changing cache length recompiles once as dynamic,
+        and the sampler's numbers are tensors (StepNumbers), so new values compile nothing (see LM.compile)."""
         return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
                    torch.compile(model.encode, **options))
 
@@ -1236,6 +1238,7 @@ class _Decoding:
     drafts: bool  # yield a Draft after every step
     seeds: torch.Tensor  # [B]
     draws: RowDraws  # [B] each row's draw temperature, top_k and top_p
+    numbers: StepNumbers  # the sampler's numbers as tensors (see StepNumbers)
     eos: torch.Tensor  # the EOS ids ([-1] when there are none)
     new_tokens: torch.Tensor  # [B, N]: pad after a row's end
     written: torch.Tensor  # [B] the valid new tokens so far (through an EOS or a stop string)
@@ -1263,6 +1266,7 @@ class _Decoding:
         n_canvases = -(-n_new // model.config.canvas_length)
         zeros = torch.zeros(b, dtype=torch.long, device=device)
         return cls(model, fns, req, cache, drafts, req.row_seeds().to(device), req.row_draws(device),
+                   StepNumbers.of(req.sampler),
                    torch.tensor(req.eos_ids or [-1], device=device),
                    torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.clone(), zeros.bool(),
                    torch.tensor(req.row_budgets()[0], dtype=torch.long, device=device), zeros,
@@ -1323,7 +1327,7 @@ class _Decoding:
         state = replace(state, done=state.done | idle)
         # a logits processor sees the whole batch (the sudoku ensemble mixes rows): see CanvasRules.rows_mix
         rules = CanvasRules(canvas.fixed, canvas.scored, self.draws, self.model.dtype,
-                            rows_mix=req.logits_processor is not None)
+                            rows_mix=req.logits_processor is not None, numbers=self.numbers)
         w = _Working(rows=all_rows, state=state, cache=self.cache, rules=rules, writable=canvas.writable,
                      bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds, finished=self.finished,
                      history=self.history)

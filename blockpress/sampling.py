@@ -288,13 +288,44 @@ def check_row_setting(name: str, value: Any, label: str | None = None) -> float 
 MIN_TEMPERATURE = 1e-6
 
 
-def temperature(cfg: SamplerConfig, step: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class StepNumbers:
+    """The numbers of a SamplerConfig that a denoising step only computes with, as 0-d host tensors made once per
+    request (`of`; CanvasRules carries them). torch.compile guards on the value of a Python number it reads, not on a
+    tensor's: read from the config, each new value (a notebook's t_max 0.8, 0.9, ...; a server's requests) compiled the
+    compiled sampler step again, twice (its first step, then the rest), and once four settings had changed it passed
+    torch's recompile limit (8) and ran eagerly. On the host, as the Python numbers were: a device op reads them as
+    scalars, with no device sync. Each holds the float32 (or int64) value that the step's float32 (int64) arithmetic
+    made of the Python number, so a step computes the same bits from either."""
+
+    max_denoising_steps: torch.Tensor  # int64
+    t_min: torch.Tensor  # float32
+    t_span: torch.Tensor  # float32: t_max - t_min, subtracted in float64 (the reference's Python floats), then rounded
+    entropy_bound: torch.Tensor  # float32
+    confidence: torch.Tensor  # float32
+    stability_threshold: torch.Tensor  # int64
+    confidence_threshold: torch.Tensor  # float32
+
+    @classmethod
+    def of(cls, cfg: SamplerConfig) -> StepNumbers:
+        def f32(x: float) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.float32)
+
+        def i64(x: int) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long)
+
+        return cls(i64(cfg.max_denoising_steps), f32(cfg.t_min), f32(cfg.t_max - cfg.t_min), f32(cfg.entropy_bound),
+                   f32(cfg.confidence), i64(cfg.stability_threshold), f32(cfg.confidence_threshold))
+
+
+def temperature(cfg: SamplerConfig | StepNumbers, step: int) -> torch.Tensor:
     """Linear in the remaining steps: t_max at the first step (step = N), t_min + (t_max - t_min)/N at the last;
     never below MIN_TEMPERATURE. A 0-d float32 tensor computed in float32 (step / N, then the schedule), as the
     reference computes it: a float64 temperature differs from it in the last bit at some steps (12 of 48), and
     self-conditioning feeds that bit back until whole generations part (a host tensor: no device sync)."""
-    fraction = torch.tensor(step, dtype=torch.int32) / cfg.max_denoising_steps
-    return (cfg.t_min + (cfg.t_max - cfg.t_min) * fraction).clamp_min(MIN_TEMPERATURE)
+    n = cfg if isinstance(cfg, StepNumbers) else StepNumbers.of(cfg)
+    fraction = torch.tensor(step, dtype=torch.int32) / n.max_denoising_steps
+    return (n.t_min + n.t_span * fraction).clamp_min(MIN_TEMPERATURE)
 
 
 def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -486,7 +517,7 @@ def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Te
     return out
 
 
-def accept_entropy_bound(ent: torch.Tensor, bound: float, rank: torch.Tensor | None = None,
+def accept_entropy_bound(ent: torch.Tensor, bound: float | torch.Tensor, rank: torch.Tensor | None = None,
                          within: torch.Tensor | None = None) -> torch.Tensor:
     """Accept positions in order of `rank` (default: the entropies themselves, lowest first) while the
     entropies taken so far, less the last one, sum to <= bound: the first in order is always accepted.
@@ -506,7 +537,7 @@ def accept_entropy_bound(ent: torch.Tensor, bound: float, rank: torch.Tensor | N
     return accept if within is None else accept & within
 
 
-def accept_confidence(top_prob: torch.Tensor, threshold: float, free: torch.Tensor,
+def accept_confidence(top_prob: torch.Tensor, threshold: float | torch.Tensor, free: torch.Tensor,
                       within: torch.Tensor | None = None) -> torch.Tensor:
     """Accept positions whose top probability >= threshold, and always the single most confident free one.
     `within`: [B, C] bool, the positions that may be accepted (None: all)."""
@@ -539,12 +570,12 @@ def _uncertainty(rank_by: str, ent: torch.Tensor, probs: torch.Tensor) -> torch.
     return torch.arange(ent.shape[-1], device=ent.device, dtype=ent.dtype).expand_as(ent)
 
 
-def topk_count(cfg: SamplerConfig, step: int, free_positions: int | torch.Tensor) -> int | torch.Tensor:
+def topk_count(cfg: SamplerConfig | StepNumbers, step: int, free_positions: int | torch.Tensor) -> int | torch.Tensor:
     """How many free positions the topk schedule accepts at `step` (N..1): a linear ramp to all at the end.
 
     `free_positions` may be a tensor (per row): rows of a constrained canvas have different numbers of holes."""
-    done = cfg.max_denoising_steps - step + 1
-    return (free_positions * done + cfg.max_denoising_steps - 1) // cfg.max_denoising_steps
+    n = cfg.max_denoising_steps
+    return (free_positions * (n - step + 1) + n - 1) // n
 
 
 _MASK47 = (1 << 47) - 1
@@ -652,6 +683,9 @@ class CanvasRules:
     # mixes them), so a done row keeps its self-conditioning input. Otherwise a done row's logits are never read
     # (its state is frozen), and the [B, C, V] copy that kept it is skipped.
     rows_mix: bool = True
+    # The sampler's numbers as tensors, StepNumbers.of(cfg) of the cfg the step is given, made once per request (None:
+    # made at every step): a compiled step then compiles once for every value of them.
+    numbers: StepNumbers | None = None
 
 
 FREE_CANVAS = CanvasRules()
@@ -676,7 +710,9 @@ def denoise_step(
             divides them in place instead of making another [B, C, V] tensor.
     """
     fixed, scored, draws = rules.fixed, rules.scored, rules.draws
-    t = temperature(cfg, step)
+    # cfg's numbers are read from these tensors alone (see StepNumbers); cfg's strings and flags choose the code
+    numbers = StepNumbers.of(cfg) if rules.numbers is None else rules.numbers
+    t = temperature(numbers, step)
     logits = raw_logits.div_(t) if own_logits else raw_logits / t
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
     # Positions already decided: the givens, and with keep_accepted every token accepted at an earlier step.
@@ -702,9 +738,9 @@ def denoise_step(
     if cfg.sampler in ("entropy_bound", "greedy"):
         # Decided positions rank first (-1) and add no entropy, so they never use up the bound.
         rank = None if cfg.rank_by == "entropy" else torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs))
-        accept = accept_entropy_bound(ent_open, cfg.entropy_bound, rank, within)
+        accept = accept_entropy_bound(ent_open, numbers.entropy_bound, rank, within)
     elif cfg.sampler == "confidence":
-        accept = accept_confidence(probs.gather(-1, best[..., None])[..., 0], cfg.confidence, free & ~kept, within)
+        accept = accept_confidence(probs.gather(-1, best[..., None])[..., 0], numbers.confidence, free & ~kept, within)
     else:  # topk
         # The ramp runs over each row's free positions it may accept; decided ones sort first (-1) and are always
         # in, the ones it may not sort last and are never reached.
@@ -714,7 +750,7 @@ def denoise_step(
             uncertainty = torch.where(within, uncertainty, torch.inf)
             rankable = free & within
         n_free = rankable.sum(-1, keepdim=True)
-        accept = accept_topk(uncertainty, topk_count(cfg, step, n_free) + (free.shape[-1] - free.sum(-1, keepdim=True)))
+        accept = accept_topk(uncertainty, topk_count(numbers, step, n_free) + (free.shape[-1] - free.sum(-1, keepdim=True)))
     accept = accept | kept  # a kept token stays whatever the rule says
 
     canvas = torch.where(accept, candidates, noise)
@@ -725,11 +761,11 @@ def denoise_step(
     # Stable and confident where it counts: positions past max_new_tokens are cut away, so their churn must not
     # hold the canvas (one new token took 24 passes of a 32-token canvas waiting on the 31 it throws away).
     agree = argmax == state.argmax if scored is None else (argmax == state.argmax) | ~scored
-    same = agree.all(dim=-1) & (step < cfg.max_denoising_steps)  # the first step has no "before"
+    same = agree.all(dim=-1) & (step < numbers.max_denoising_steps)  # the first step has no "before"
     stable_steps = torch.where(same, state.stable_steps + 1, 0)
     weight = (free if scored is None else free & scored).float()
     mean_ent = (ent_open * weight).sum(-1) / weight.sum(-1).clamp(min=1.0)
-    stop = (stable_steps >= cfg.stability_threshold) & (mean_ent < cfg.confidence_threshold)
+    stop = (stable_steps >= numbers.stability_threshold) & (mean_ent < numbers.confidence_threshold)
     if not cfg.adaptive_stopping:
         stop = torch.zeros_like(stop)
 

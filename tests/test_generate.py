@@ -1189,6 +1189,42 @@ def test_compiled_steps_stop_recompiling_once_batch_and_lengths_vary():
     assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
 
 
+def test_compiled_sampler_step_compiles_once_for_every_value_of_the_numbers():
+    """The sampler step read its numbers (t_max, entropy_bound, ...) from the SamplerConfig, and torch.compile guards
+    on a Python number's value: each setting changed compiled the step twice more (its first step, then the rest), and
+    once four had changed it passed the recompile limit (8) and ran eagerly, unsaid. As tensors (StepNumbers), new
+    values compile nothing; a new max_denoising_steps compiles the first step once more (the step counter becomes
+    dynamic there), and nothing after. The compiled tokens are eager decoding's, so the new values are the ones used."""
+    import torch._dynamo
+
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    kw = dict(max_new_tokens=12, seed=2, sampler="entropy_bound")
+    settings = [dict(max_denoising_steps=3), dict(max_denoising_steps=4)] + [
+        dict(max_denoising_steps=n, **change) for n, change in (
+            (3, dict(t_max=1.4)), (3, dict(t_min=0.05)), (3, dict(entropy_bound=0.8)), (3, dict(entropy_bound=0.02)),
+            (3, dict(confidence_threshold=0.5)), (5, dict(stability_threshold=2)), (3, dict(frequency_penalty=1.5)),
+            (3, dict(presence_penalty=-1.0)), (6, dict(t_max=1.2, t_min=1.1, entropy_bound=2.0)), (2, {}))]
+    prompt = [[3, 4, 5], [6, 7, 8]]
+    eager = [lm.generate(prompt, **kw, **s) for s in settings]
+    assert len({tuple(e.sequences.flatten().tolist()) for e in eager}) >= 8  # the settings change the tokens
+    torch._dynamo.reset()
+    lm.compile(backend=counting)
+    warm = None
+    for i, (s, want) in enumerate(zip(settings, eager)):
+        out = lm.generate(prompt, **kw, **s)
+        assert torch.equal(out.sequences, want.sequences), s
+        if i == 1:  # compiled for the first settings, and the first step again for a second step count
+            warm = len(compiles)
+    assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
+    torch._dynamo.reset()
+
+
 def test_a_top_k_request_compiles_its_sampler_step_whole():
     """top_filter took the largest k with max() of a generator and a default, which torch.compile cannot trace: a
     top_k request broke the compiled sampler step's graph there, and the filter ran eagerly on every step."""
