@@ -607,12 +607,12 @@ class LM:
 
         What compiles again: the sampler's numbers (t_min, t_max, entropy_bound, confidence, confidence_threshold,
         stability_threshold) reach the compiled step as tensors and compile nothing, nor do seeds, draw temperatures
-        (RowDraws) and the repeat penalties (applied outside it); a second max_denoising_steps or top_k compiles the
+        (RowDraws), max_denoising_steps and the repeat penalties (applied outside it); a second top_k value compiles the
         sampler step once more, and other values after it nothing. Other batch sizes, prompt lengths and max_new_tokens
-        compile once more as dynamic (a batch of one is a shape of its own). Each choice of code compiles a graph of its
-        own, two for the sampler step (its first step, then the rest): the sampler, rank_by, candidates, keep_accepted,
-        self_conditioning, adaptive_stopping, and whether any row draws at a temperature other than 1, filters by top_k
-        or by top_p (and how many top_k values a batch holds). Past torch's recompile limit
+        compile once more as dynamic (a batch of one is a shape of its own). Each choice of code compiles the sampler
+        step once more (twice with a logits_processor: its first step, then the rest): the sampler, rank_by, candidates,
+        keep_accepted, self_conditioning, adaptive_stopping, and whether any row draws at a temperature other than 1,
+        filters by top_k or by top_p (and how many top_k values a batch holds). Past torch's recompile limit
         (torch._dynamo.config.recompile_limit, 8 a function) a step runs eagerly, as torch's warning "hit
         config.recompile_limit" says: a server whose requests mix these choices and batch sizes reaches it; raise that
         limit there.

@@ -773,7 +773,9 @@ def denoise_step(
     done = state.done
     keep = done[:, None]
     sc_probs = probs.to(rules.sc_dtype) if cfg.self_conditioning else None  # off: nothing to keep for the next pass
-    if sc_probs is not None and state.sc_probs is not None and rules.rows_mix:
+    # rows_mix first: torch.compile guards on what the step reads, and reading state.sc_probs (None at a canvas's
+    # first step) made the compiled step two graphs, the first step's and the rest's, for every choice of code
+    if rules.rows_mix and sc_probs is not None and state.sc_probs is not None:
         sc_probs = torch.where(keep[..., None], state.sc_probs, sc_probs)
     return CanvasState(
         canvas=torch.where(keep, state.canvas, canvas),

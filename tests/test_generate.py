@@ -1193,8 +1193,8 @@ def test_compiled_sampler_step_compiles_once_for_every_value_of_the_numbers():
     """The sampler step read its numbers (t_max, entropy_bound, ...) from the SamplerConfig, and torch.compile guards
     on a Python number's value: each setting changed compiled the step twice more (its first step, then the rest), and
     once four had changed it passed the recompile limit (8) and ran eagerly, unsaid. As tensors (StepNumbers), new
-    values compile nothing; a new max_denoising_steps compiles the first step once more (the step counter becomes
-    dynamic there), and nothing after. The compiled tokens are eager decoding's, so the new values are the ones used."""
+    values compile nothing, and neither does a new max_denoising_steps (the step counter is dynamic from the first
+    call's second step). The compiled tokens are eager decoding's, so the new values are the ones used."""
     import torch._dynamo
 
     compiles = []
@@ -1205,7 +1205,7 @@ def test_compiled_sampler_step_compiles_once_for_every_value_of_the_numbers():
 
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
     kw = dict(max_new_tokens=12, seed=2, sampler="entropy_bound")
-    settings = [dict(max_denoising_steps=3), dict(max_denoising_steps=4)] + [
+    settings = [dict(max_denoising_steps=3), dict(max_denoising_steps=4), dict(max_denoising_steps=2)] + [
         dict(max_denoising_steps=n, **change) for n, change in (
             (3, dict(t_max=1.4)), (3, dict(t_min=0.05)), (3, dict(entropy_bound=0.8)), (3, dict(entropy_bound=0.02)),
             (3, dict(confidence_threshold=0.5)), (5, dict(stability_threshold=2)), (3, dict(frequency_penalty=1.5)),
@@ -1219,9 +1219,40 @@ def test_compiled_sampler_step_compiles_once_for_every_value_of_the_numbers():
     for i, (s, want) in enumerate(zip(settings, eager)):
         out = lm.generate(prompt, **kw, **s)
         assert torch.equal(out.sequences, want.sequences), s
-        if i == 1:  # compiled for the first settings, and the first step again for a second step count
+        if i == 0:
             warm = len(compiles)
     assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
+    torch._dynamo.reset()
+
+
+def test_compiled_sampler_step_compiles_one_graph_for_each_choice_of_code():
+    """A choice of code (draws at a temperature, a top_k or top_p filter, another rule or ranking) compiles the
+    sampler step once: it read state.sc_probs, None at a canvas's first step, so each choice compiled two graphs (the
+    first step's and the rest's), and four choices took it past the recompile limit (8). Tokens are eager decoding's."""
+    import torch._dynamo
+
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    kw = dict(max_new_tokens=12, max_denoising_steps=3, seed=2, sampler="entropy_bound")
+    choices = [{}, dict(draw_temperature=0.7), dict(draw_temperature=0.7, top_k=5), dict(top_p=0.9),
+               dict(sampler="topk"), dict(rank_by="margin"), dict(sampler="confidence")]
+    prompt = [[3, 4, 5], [6, 7, 8]]
+    eager = [lm.generate(prompt, **{**kw, **c}) for c in choices]
+    torch._dynamo.reset()
+    lm.compile(backend=counting)
+    added = []
+    for c, want in zip(choices, eager):
+        before = len(compiles)
+        assert torch.equal(lm.generate(prompt, **{**kw, **c}).sequences, want.sequences), c
+        added.append(len(compiles) - before)
+    # the first call: the decoder (first pass, then with self-conditioning; then the cache grown) and the sampler step
+    # (first step, then with the step count dynamic); after it, one sampler graph a choice
+    assert added[1:] == [1] * (len(choices) - 1), added
     torch._dynamo.reset()
 
 
