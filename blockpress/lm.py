@@ -609,13 +609,13 @@ class LM:
         stability_threshold) reach the compiled step as tensors and compile nothing, nor do seeds, draw temperatures
         (RowDraws), max_denoising_steps and the repeat penalties (applied outside it); a second top_k value compiles the
         sampler step once more, and other values after it nothing. Other batch sizes, prompt lengths and max_new_tokens
-        compile once more as dynamic (a batch of one is a shape of its own). Each choice of code compiles the sampler
-        step once more (twice with a logits_processor: its first step, then the rest): the sampler, rank_by, candidates,
+        compile once more as dynamic (a batch of one is a shape of its own, and so is the one row a batch shrinks to as
+        its other rows stop: each choice below may take a graph at each). Each choice of code compiles the sampler step
+        once more (twice with a logits_processor: its first step, then the rest): the sampler, rank_by, candidates,
         keep_accepted, self_conditioning, adaptive_stopping, and whether any row draws at a temperature other than 1,
-        filters by top_k or by top_p (and how many top_k values a batch holds). Past torch's recompile limit
-        (torch._dynamo.config.recompile_limit, 8 a function) a step runs eagerly, as torch's warning "hit
-        config.recompile_limit" says: a server whose requests mix these choices and batch sizes reaches it; raise that
-        limit there.
+        filters by top_k or by top_p. Past torch's recompile limit (torch._dynamo.config.recompile_limit, 8 a function)
+        a step runs eagerly, as torch's warning "hit config.recompile_limit" says: a server whose requests mix these
+        choices and batch sizes reaches it; raise that limit there.
         """
         self.step_functions = StepFunctions.compiled(self.model, **options)
         self._reapply_steps = partial(self.compile, **options)

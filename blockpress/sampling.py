@@ -368,14 +368,14 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float | torch.Tensor = 1.0,
-               k_values: Sequence[int] | None = None, nucleus: bool | None = None) -> torch.Tensor:
+               k_range: tuple[int, int] | None = None, nucleus: bool | None = None) -> torch.Tensor:
     """`probs` [B, ..., V] with every token outside the top_k most likely (0: no limit) and then outside the nucleus
     of those zeroed: the fewest most likely tokens whose probability reaches top_p of what top_k left (1: no limit).
     `top_k`, `top_p`: one value for every row, or one per row ([B] tensors, RowDraws'); a row at 0 and 1 comes back
     exactly as it was, so it draws what it would unfiltered.
-    `k_values`, `nucleus`: the rows' top_k values (each once will do) and whether any row's top_p is below 1, known
-    on the host (RowDraws keeps them); None reads them from `top_k` and `top_p` (a device sync when those are device
-    tensors).
+    `k_range`, `nucleus`: the smallest and the largest of the rows' top_k values above 0 ((0, 0): none) and whether
+    any row's top_p is below 1, known on the host (RowDraws keeps them); None reads them from `top_k` and `top_p` (a
+    device sync when those are device tensors).
 
     Not renormalised (`sample` draws in proportion to what is left). The most likely token always stays, and ties
     are ranked by token id, as argmax ranks them: top_k=1 keeps exactly the argmax token. What stays is a prefix of
@@ -390,8 +390,9 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         x = torch.as_tensor(x, dtype=dtype, device=probs.device)
         return x.view(-1, *[1] * (probs.dim() - 1)) if x.dim() else x
 
-    if k_values is None:
-        k_values = torch.as_tensor(top_k).reshape(-1).tolist()
+    if k_range is None:
+        ks = [x for x in torch.as_tensor(top_k).reshape(-1).tolist() if x > 0]
+        k_range = (min(ks), max(ks)) if ks else (0, 0)
     if nucleus is None:
         nucleus = bool((torch.as_tensor(top_p) < 1.0).any())
     k, p = per_row(top_k, torch.long), per_row(top_p, probs.dtype)
@@ -412,14 +413,12 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         cut = ordered.gather(-1, n - 1)
         keep = (probs > cut) | ((probs == cut) & (ids <= last))
     else:
-        # the largest k below V (a plain loop: max() of a generator with a default broke the compiled sampler
-        # step's graph here, so every top_k step ran this function eagerly)
-        kmax = 0
-        for x in k_values:
-            if 0 < x < v:
-                kmax = max(kmax, x)
-        if kmax == 0:
+        least, most = k_range
+        if least == 0 or least >= v:  # every row's top_k is 0 or reaches V: each keeps every token
             return probs
+        # torch.topk's k: the largest top_k, or V where a row's reaches it (that row keeps everything; the others'
+        # cut-offs are the same values of a longer top)
+        kmax = most if most < v else v
         top = probs.topk(kmax, dim=-1).values  # sorted, most likely first
         cut = top.gather(-1, (k.clamp(max=kmax) - 1).expand(*probs.shape[:-1], 1))
         cut = torch.where(k < v, cut, float("-inf"))  # rows without a top_k keep everything
@@ -438,19 +437,20 @@ class RowDraws:
     temperature: torch.Tensor  # [B] float32, > 0: the draw temperature (times the schedule's, in diffusion)
     top_k: torch.Tensor  # [B] int64, 0: no top-k filter
     top_p: torch.Tensor  # [B] float32, 1: no nucleus filter
-    # Read on the host once, when made (never inside a step): whether any row tempers its draws, the rows' top_k
-    # values (those above 0, each once, sorted) and whether any row's top_p is below 1. A batch where none does
+    # Read on the host once, when made (never inside a step): whether any row tempers its draws, the smallest and
+    # the largest top_k above 0 ((0, 0): no row's) and whether any row's top_p is below 1. A batch where none does
     # skips that work, as a single unfiltered request always did; one without a nucleus filters by torch.topk,
-    # with no sort (`top_filter`). Not one entry a row: torch.compile guards on these, and a tuple as long as the
-    # batch recompiled the compiled sampler step for every batch size, past its recompile limit (8), after which
-    # the step ran eagerly, unsaid (a batch sweep of `bench --compile` from 8 rows on).
+    # with no sort (`top_filter`). Two numbers, not a row's each nor each value once: torch.compile guards on these,
+    # and a tuple as long as the batch recompiled the compiled sampler step for every batch size, past its
+    # recompile limit (8), after which the step ran eagerly, unsaid (a batch sweep of `bench --compile` from 8 rows
+    # on); a tuple of the distinct values did so for every count of them (a server's batches of requests).
     tempered: bool
-    top_ks: tuple[int, ...]
+    top_k_range: tuple[int, int]
     nucleus: bool
 
     @property
     def filtered(self) -> bool:
-        return self.nucleus or bool(self.top_ks)
+        return self.nucleus or self.top_k_range[1] > 0
 
     @classmethod
     def of(cls, cfg: SamplerConfig, batch: int, device: torch.device | str = "cpu",
@@ -466,10 +466,12 @@ class RowDraws:
             return [check_row_setting(name, x, f"{name}[{i}]") for i, x in enumerate(given)]
 
         temps, ks, ps = rows("draw_temperature", draw_temperature), rows("top_k", top_k), rows("top_p", top_p)
+        filtering = [k for k in ks if k > 0]
         return cls(torch.tensor(temps, dtype=torch.float32, device=device),
                    torch.tensor(ks, dtype=torch.long, device=device),
                    torch.tensor(ps, dtype=torch.float32, device=device),
-                   tempered=any(t != 1.0 for t in temps), top_ks=tuple(sorted({k for k in ks if k > 0})),
+                   tempered=any(t != 1.0 for t in temps),
+                   top_k_range=(min(filtering), max(filtering)) if filtering else (0, 0),
                    nucleus=any(p < 1.0 for p in ps))
 
     def take(self, rows: torch.Tensor) -> RowDraws:
@@ -488,7 +490,7 @@ def candidate_probs(draws: RowDraws, logits: torch.Tensor, probs: torch.Tensor |
         probs = torch.softmax(logits.float() / t, dim=-1)
     if not draws.filtered:
         return probs
-    return top_filter(probs, draws.top_k, draws.top_p, k_values=draws.top_ks, nucleus=draws.nucleus)
+    return top_filter(probs, draws.top_k, draws.top_p, k_range=draws.top_k_range, nucleus=draws.nucleus)
 
 
 def penalize_repeats(cfg: SamplerConfig, logits: torch.Tensor, history: torch.Tensor,

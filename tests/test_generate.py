@@ -1256,6 +1256,34 @@ def test_compiled_sampler_step_compiles_one_graph_for_each_choice_of_code():
     torch._dynamo.reset()
 
 
+def test_compiled_sampler_step_compiles_nothing_for_how_many_top_k_values_a_batch_holds():
+    """RowDraws kept a batch's distinct top_k values as a tuple, which torch.compile guards on: a server batch of
+    requests holding one, two or three different top_k values compiled the sampler step once for each count. Now it
+    keeps the smallest and the largest, and once a second value has made them dynamic, mixes compile nothing."""
+    import torch._dynamo
+
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    kw = dict(max_new_tokens=12, max_denoising_steps=3, seeds=[1, 2, 3], sampler="entropy_bound")
+    mixes = [[5, 0, 0], [6, 0, 0], [5, 9, 0], [3, 4, 6], [0, 0, 40], [7, 7, 2], [1, 30, 0]]
+    prompt = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    eager = [lm.generate(prompt, top_k=ks, **kw) for ks in mixes]
+    torch._dynamo.reset()
+    lm.compile(backend=counting)
+    warm = None
+    for i, (ks, want) in enumerate(zip(mixes, eager)):
+        assert torch.equal(lm.generate(prompt, top_k=ks, **kw).sequences, want.sequences), ks
+        if i == 1:
+            warm = len(compiles)
+    assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
+    torch._dynamo.reset()
+
+
 def test_a_top_k_request_compiles_its_sampler_step_whole():
     """top_filter took the largest k with max() of a generator and a default, which torch.compile cannot trace: a
     top_k request broke the compiled sampler step's graph there, and the filter ran eagerly on every step."""
