@@ -1204,7 +1204,7 @@ def test_compiled_sampler_step_compiles_once_for_every_value_of_the_numbers():
         return gm.forward
 
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
-    kw = dict(max_new_tokens=12, seed=2, sampler="entropy_bound")
+    kw = dict(max_new_tokens=8, seed=2, sampler="entropy_bound")
     settings = [dict(max_denoising_steps=3), dict(max_denoising_steps=4), dict(max_denoising_steps=2)] + [
         dict(max_denoising_steps=n, **change) for n, change in (
             (3, dict(t_max=1.4)), (3, dict(t_min=0.05)), (3, dict(entropy_bound=0.8)), (3, dict(entropy_bound=0.02)),
@@ -1238,7 +1238,7 @@ def test_compiled_sampler_step_compiles_one_graph_for_each_choice_of_code():
         return gm.forward
 
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
-    kw = dict(max_new_tokens=12, max_denoising_steps=3, seed=2, sampler="entropy_bound")
+    kw = dict(max_new_tokens=8, max_denoising_steps=3, seed=2, sampler="entropy_bound")
     choices = [{}, dict(draw_temperature=0.7), dict(draw_temperature=0.7, top_k=5), dict(top_p=0.9),
                dict(sampler="topk"), dict(rank_by="margin"), dict(sampler="confidence")]
     prompt = [[3, 4, 5], [6, 7, 8]]
@@ -1269,7 +1269,7 @@ def test_compiled_sampler_step_compiles_nothing_for_how_many_top_k_values_a_batc
         return gm.forward
 
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
-    kw = dict(max_new_tokens=12, max_denoising_steps=3, seeds=[1, 2, 3], sampler="entropy_bound")
+    kw = dict(max_new_tokens=8, max_denoising_steps=3, seeds=[1, 2, 3], sampler="entropy_bound")
     mixes = [[5, 0, 0], [6, 0, 0], [5, 9, 0], [3, 4, 6], [0, 0, 40], [7, 7, 2], [1, 30, 0]]
     prompt = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
     eager = [lm.generate(prompt, top_k=ks, **kw) for ks in mixes]
