@@ -874,8 +874,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         sliding_window=cfg.text.sliding_window, experts=cfg.text.num_experts, top_k=cfg.text.top_k_experts,
         # what a checkpoint may set otherwise than DiffusionGemma's own (each runs as in the reference)
         hidden_activation=cfg.text.hidden_activation, attention_bias=cfg.text.attention_bias,
-        rope={kind.removesuffix("_attention"): cfg.text.rope_parameters[kind].get("rope_type", "default")
-              for kind in dict.fromkeys(cfg.text.layer_types)},
+        rope={kind.removesuffix("_attention"): cfg.text.resolved_rope_parameters[kind].get("rope_type", "default")
+              for kind in cfg.text.kinds},
         tokenizer=lm.tokenizer is not None,
         generation_defaults={"max_new_tokens": lm.default_max_new_tokens, **asdict(lm.sampler_defaults)},
     )

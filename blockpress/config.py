@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from .checks import check_flag, is_finite_number, warn_user
 from .files import read_json_object
@@ -77,12 +77,12 @@ class LayerSpec:
         return not self.is_sliding
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """A JSON integer: not a bool (true is an int to Python, and loaded as 1), not a float or a string."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     """A finite JSON number: JSON's Infinity made softcapping's logits NaN, and an infinite eps or rope theta zeroed
     or unrotated what they scale."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -93,7 +93,7 @@ def _is_number(value: Any) -> bool:
 MAX_INT64 = 2**63 - 1
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: object) -> TypeGuard[int]:
     return _is_int(value) and 0 < value <= MAX_INT64
 
 
@@ -117,6 +117,11 @@ def _check_depth(n: Any) -> None:
 def _past_int64(value: Any) -> str:
     """What an error adds for an integer past torch's 64-bit sizes, else nothing."""
     return f" of at most {MAX_INT64} (torch's sizes are 64-bit)" if _is_int(value) and value > MAX_INT64 else ""
+
+
+def _unresolved(name: str) -> ConfigError:
+    return ConfigError(f"text_config.{name}: None after construction, which draws it; build a new TextConfig to draw "
+                       "it again")
 
 
 def _default_layer_types(n: int) -> list[str]:
@@ -187,12 +192,14 @@ class TextConfig:
         if self.layer_types is None:
             n = self.num_hidden_layers  # read before validate does, to draw the default pattern
             _check_depth(n)
-            self.layer_types = _default_layer_types(n)
-        self.layer_types = list(self.layer_types)
-        if self.layer_types and self.layer_types[-1] == SLIDING:
+            layer_types = _default_layer_types(n)
+        else:
+            layer_types = list(self.layer_types)
+        self.layer_types = layer_types
+        if layer_types and layer_types[-1] == SLIDING:
             # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
             warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
-            self.layer_types[-1] = FULL
+            layer_types[-1] = FULL
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
@@ -203,7 +210,7 @@ class TextConfig:
             if self.num_global_key_value_heads is not None:
                 override["num_key_value_heads"] = self.num_global_key_value_heads
             self.per_layer_config = {
-                str(i): dict(override) for i, kind in enumerate(self.layer_types) if kind == FULL
+                str(i): dict(override) for i, kind in enumerate(layer_types) if kind == FULL
             }
         else:
             # transformers writes the keys zero-padded to the widest index ("05" of 30 layers) and reads int(key)
@@ -217,11 +224,40 @@ class TextConfig:
         self.validate()
 
     # -- derived -----------------------------------------------------------------------------------
+    # layer_types, per_layer_config and rope_parameters may be given as None (JSON null, or left out): __post_init__
+    # draws them then. These read them as drawn, and refuse by name one set back to None afterwards.
+    @property
+    def resolved_layer_types(self) -> list[str]:
+        """layer_types, drawn from num_hidden_layers where none was given."""
+        if self.layer_types is None:
+            raise _unresolved("layer_types")
+        return self.layer_types
+
+    @property
+    def resolved_per_layer_config(self) -> dict[str, dict[str, int]]:
+        """per_layer_config, keyed by layer index, derived from global_head_dim where none was given."""
+        if self.per_layer_config is None:
+            raise _unresolved("per_layer_config")
+        return self.per_layer_config
+
+    @property
+    def resolved_rope_parameters(self) -> dict[str, dict[str, Any]]:
+        """rope_parameters by layer type: the defaults where none were given, a flat entry copied to each type."""
+        if self.rope_parameters is None:
+            raise _unresolved("rope_parameters")
+        return self.rope_parameters
+
+    @property
+    def kinds(self) -> list[str]:
+        """The layer types the model has, each once, in layer order."""
+        return list(dict.fromkeys(self.resolved_layer_types))
+
     @property
     def layers(self) -> list[LayerSpec]:
         specs = []
-        for i, kind in enumerate(self.layer_types):
-            over = self.per_layer_config.get(str(i), {})
+        per_layer = self.resolved_per_layer_config
+        for i, kind in enumerate(self.resolved_layer_types):
+            over = per_layer.get(str(i), {})
             specs.append(
                 LayerSpec(
                     kind=kind,
@@ -243,6 +279,8 @@ class TextConfig:
             if not cond:
                 raise ConfigError(f"text_config.{field_name}: {msg}")
 
+        layer_types, per_layer = self.resolved_layer_types, self.resolved_per_layer_config
+        ropes = self.resolved_rope_parameters
         _check_depth(self.num_hidden_layers)  # before layer_types is compared with it (a list as long as its JSON)
         for name in (
             "vocab_size",
@@ -292,18 +330,18 @@ class TextConfig:
                 "match" if self.use_bidirectional_attention == "all" else ""))
         need(_is_number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
              f"expected a positive finite number, got {self.rms_norm_eps!r}")
-        need(len(self.layer_types) == self.num_hidden_layers, "layer_types",
-             f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
-        bad = sorted({k for k in self.layer_types if k not in (SLIDING, FULL)})
+        need(len(layer_types) == self.num_hidden_layers, "layer_types",
+             f"has {len(layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        bad = sorted({k for k in layer_types if k not in (SLIDING, FULL)})
         need(not bad, "layer_types", f"unknown layer type(s) {bad}; expected {SLIDING!r} or {FULL!r}")
         # A window of one token is ill-defined in the reference (its cache keeps the last window - 1 = 0 keys,
         # sliced as [-0:], i.e. all of them): refuse it rather than compute something else.
-        need(self.sliding_window >= 2 or SLIDING not in self.layer_types, "sliding_window",
+        need(self.sliding_window >= 2 or SLIDING not in layer_types, "sliding_window",
              f"expected at least 2 when layers use sliding attention, got {self.sliding_window}")
-        if self.layer_types[-1] != FULL:
+        if layer_types[-1] != FULL:
             warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
-            self.layer_types[-1] = FULL
-        for key, over in self.per_layer_config.items():
+            layer_types[-1] = FULL
+        for key, over in per_layer.items():
             need(key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config[{key!r}]",
                  f"expected a layer index below {self.num_hidden_layers}")
             unknown = set(over) - {"head_dim", "num_key_value_heads"}
@@ -315,7 +353,7 @@ class TextConfig:
             need(_positive_int(spec.num_kv_heads) and self.num_attention_heads % spec.num_kv_heads == 0,
                  f"per_layer_config[{i}].num_key_value_heads",
                  f"{spec.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}")
-        for kind in sorted(set(self.layer_types)):
+        for kind in sorted(set(layer_types)):
             # One rotary table serves each kind of layer (the reference also refuses mixed sizes within a kind).
             dims = sorted({spec.head_dim for spec in self.layers if spec.kind == kind})
             need(len(dims) == 1, "per_layer_config", f"the {kind} layers have head_dim {dims}; layers of one kind "
@@ -323,16 +361,16 @@ class TextConfig:
             # The reference builds each kind's layers from one view of per_layer_config, and refuses to build a model
             # whose layers of one kind have entries that differ in anything (num_key_value_heads too, or an entry
             # beside none): blockpress ran those, and saved a checkpoint transformers could not load.
-            layers = [i for i, k in enumerate(self.layer_types) if k == kind]
-            first = self.per_layer_config.get(str(layers[0]), {})
-            other = next((i for i in layers if self.per_layer_config.get(str(i), {}) != first), None)
+            layers = [i for i, k in enumerate(layer_types) if k == kind]
+            first = per_layer.get(str(layers[0]), {})
+            other = next((i for i in layers if per_layer.get(str(i), {}) != first), None)
             need(other is None, "per_layer_config",
                  f"the {kind} layers' entries differ (layer {layers[0]}: {first}, layer {other}: "
-                 f"{self.per_layer_config.get(str(other), {})}); layers of one kind must have the same entry, as the "
+                 f"{per_layer.get(str(other), {})}); layers of one kind must have the same entry, as the "
                  "reference refuses to build them otherwise")
-        for kind in set(self.layer_types):
-            need(kind in self.rope_parameters, "rope_parameters", f"missing an entry for {kind!r}")
-            rope = self.rope_parameters[kind]
+        for kind in set(layer_types):
+            need(kind in ropes, "rope_parameters", f"missing an entry for {kind!r}")
+            rope = ropes[kind]
             need(isinstance(rope, dict), f"rope_parameters.{kind}", f"expected an object, got {rope!r}")
             self._validate_rope(kind, rope)
 
@@ -366,7 +404,7 @@ class TextConfig:
             need(rope["high_freq_factor"] > rope["low_freq_factor"], "high_freq_factor",
                  f"expected more than low_freq_factor={rope['low_freq_factor']}, got {rope['high_freq_factor']}")
         if rope_type == "dynamic":
-            need(self.layers[self.layer_types.index(kind)].head_dim > 2, "rope_type",
+            need(self.layers[self.resolved_layer_types.index(kind)].head_dim > 2, "rope_type",
                  "'dynamic' needs a head_dim above 2 (its base is raised to head_dim / (head_dim - 2))")
         if rope_type == "yarn":
             value = rope.get("attention_factor")
@@ -460,7 +498,7 @@ class ModelConfig:
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
         """A few-thousand-parameter model for tests."""
-        text = dict(
+        text: dict[str, Any] = dict(
             vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
             sliding_window=8, num_experts=4, top_k_experts=2, moe_intermediate_size=16,

@@ -1557,3 +1557,21 @@ def test_the_expert_sizes_are_hinted_as_the_integers_they_must_be(name):
     assert typing.get_type_hints(TextConfig)[name] is int
     with pytest.raises(ConfigError, match=f"text_config.{name}: expected a positive integer"):
         ModelConfig.tiny(**{name: None})
+
+
+def test_text_config_resolved_fields_and_kinds():
+    """The fields __post_init__ draws read back drawn (kinds once each, in layer order), and one set back to None
+    afterwards is refused by name rather than read as a missing list."""
+    from blockpress.config import FULL, SLIDING, TextConfig
+
+    text = TextConfig(num_hidden_layers=7, layer_types=None)  # the default pattern: full every sixth, and last
+    assert text.resolved_layer_types == [SLIDING] * 5 + [FULL, FULL]
+    assert text.kinds == [SLIDING, FULL]
+    assert set(text.resolved_per_layer_config) == {"5", "6"}
+    assert set(text.resolved_rope_parameters) == {SLIDING, FULL}
+    assert ModelConfig.tiny(layer_types=[FULL, SLIDING, FULL]).text.kinds == [FULL, SLIDING]
+    for name in ("layer_types", "per_layer_config", "rope_parameters"):
+        broken = TextConfig(num_hidden_layers=7)
+        setattr(broken, name, None)
+        with pytest.raises(ConfigError, match=f"text_config.{name}: None after construction"):
+            broken.validate()
