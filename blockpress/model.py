@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +154,7 @@ def _yarn_inv_freq(powers: torch.Tensor, d: int, theta: float, rope: dict[str, A
         return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
     lo = max(math.floor(index_of(rope.get("beta_fast") or 32)), 0)
-    hi = min(math.ceil(index_of(rope.get("beta_slow") or 1)), d - 1)
+    hi: float = min(math.ceil(index_of(rope.get("beta_slow") or 1)), d - 1)
     if lo == hi:
         hi += 0.001  # a ramp of width zero
     ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
@@ -284,7 +284,8 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRows) -> 
     when both are bf16: then the compiler takes grouped_mm itself and the custom op's dispatch is saved.
     """
     if torch.compiler.is_compiling():
-        if x.dtype == weight.dtype == torch.bfloat16 and _grouped_mm_applies(x, weight, *weight.shape[1:]):
+        if (GROUPED_MM is not None and x.dtype == weight.dtype == torch.bfloat16
+                and _grouped_mm_applies(x, weight, *weight.shape[1:])):
             return GROUPED_MM(x, weight.transpose(1, 2), offs=rows.offsets)
         return torch.ops.blockpress.grouped_linear(x, weight, rows.offsets)
     return _grouped_linear_eager(x, weight, rows)
@@ -296,7 +297,7 @@ def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
         # Autocast has no rule for grouped_mm: cast as it would for a matmul (CUDA's kernel is bf16-only).
         dtype = torch.get_autocast_dtype("cuda")
         x, w = x.to(dtype), w.to(dtype)
-    if _grouped_mm_applies(x, w, weight.shape[1], weight.shape[2]):
+    if GROUPED_MM is not None and _grouped_mm_applies(x, w, weight.shape[1], weight.shape[2]):
         return GROUPED_MM(x, w, offs=rows.offsets)
     out = x.new_empty(x.shape[0], weight.shape[1])
     for e, start, end in rows.groups:
@@ -344,7 +345,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
 
 def _grouped_weight_grad_eager(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
     """[E, out, in]: grad[rows of e].T @ x[rows of e] for every expert e (zeros for one without rows)."""
-    if _grouped_mm_applies(grad, x, grad.shape[1], x.shape[1]):
+    if GROUPED_MM is not None and _grouped_mm_applies(grad, x, grad.shape[1], x.shape[1]):
         return GROUPED_MM(grad.t(), x, offs=offsets)
     out = x.new_zeros(experts, grad.shape[1], x.shape[1])
     for e, start, end in expert_groups(offsets):
@@ -419,6 +420,9 @@ class Experts(nn.Module):
 
 
 class Layer(nn.Module):
+    layer_scalar: torch.Tensor  # buffers, registered in __init__
+    encoder_layer_scalar: torch.Tensor
+
     def __init__(self, cfg: TextConfig, spec: LayerSpec):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -498,6 +502,9 @@ class DiffusionGemma(nn.Module):
         if self.embed_tokens.weight.device.type != "meta":
             self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(Layer(cfg, spec) for spec in cfg.layers)
+        # each layer's kind, read by every forward (not through self.layers[i].self_attn.spec: ModuleList's items
+        # are plain Modules to a type checker, and each attribute read there goes through Module.__getattr__)
+        self.layer_kinds = tuple(spec.kind for spec in cfg.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
         self.embed_scale = math.sqrt(cfg.hidden_size)
@@ -506,15 +513,22 @@ class DiffusionGemma(nn.Module):
         self.prefill_chunk = PREFILL_CHUNK  # encode's default chunk_size: a memory setting of this engine, not the model's
         for kind, inv_freq in self._inv_freqs().items():  # computed on the CPU (see _inv_freqs), kept where the weights are
             self.register_buffer(f"inv_freq_{kind}", inv_freq.to(self.embed_tokens.weight.device), persistent=False)
-        self.rope_scaling = {kind: rope_attention_scaling(cfg.rope_parameters[kind]) for kind in cfg.layer_types}
+        self.rope_scaling = {kind: rope_attention_scaling(cfg.resolved_rope_parameters[kind]) for kind in cfg.kinds}
         try:
             dropout = config.attention_dropout
         except ValueError:
             dropout = 0.0  # inference never reads it; training refuses it by name (Trainer)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.self_attn.dropout = dropout
 
     # -- building blocks -----------------------------------------------------------------------------
+    def decoder_layers(self) -> Iterator[Layer]:
+        """self.layers as the Layers they are (LoRA and quantizing replace modules inside a Layer, never one)."""
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, Layer):
+                raise TypeError(f"layers[{i}]: expected a Layer, got {type(layer).__name__}")
+            yield layer
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
@@ -530,8 +544,8 @@ class DiffusionGemma(nn.Module):
         # On the CPU whatever device is the default: under `with torch.device("meta")` (a load's construction) the
         # arithmetic would run through torch's Python reference ops, which import torch._dynamo (seconds) to do it.
         with torch.device("cpu"):
-            return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.rope_parameters[kind])
-                    for kind in dict.fromkeys(cfg.layer_types)}
+            return {kind: rope_inv_freq(next(s for s in cfg.layers if s.kind == kind), cfg.resolved_rope_parameters[kind])
+                    for kind in cfg.kinds}
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (after meta-device construction): float32, on the model's device."""
@@ -589,6 +603,8 @@ class DiffusionGemma(nn.Module):
         """
         w = self.embed_tokens.weight
         if probs is None:
+            if logits is None:
+                raise ValueError("soft_embedding: expected logits or probs, got neither")
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
 
@@ -602,7 +618,7 @@ class DiffusionGemma(nn.Module):
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
         out = {}
-        for kind in set(self.config.text.layer_types):
+        for kind in self.config.text.kinds:
             freqs = positions[..., None].float() * getattr(self, f"inv_freq_{kind}")
             emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
             scale = self.rope_scaling[kind]  # YaRN's attention factor, else 1 (exact)
@@ -613,13 +629,12 @@ class DiffusionGemma(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        masks: dict[str, torch.Tensor | None],
+        masks: Mapping[str, torch.Tensor | None],
         kv: KVSource,
         encoder: bool,
     ) -> torch.Tensor:
         ropes = self.ropes(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            kind = layer.self_attn.spec.kind
+        for i, (layer, kind) in enumerate(zip(self.layers, self.layer_kinds)):
             x = layer(x, ropes[kind], masks[kind], kv, i, encoder)
         return x
 
@@ -631,7 +646,7 @@ class DiffusionGemma(nn.Module):
         device = self.device
         slots = torch.arange(start, end, device=device)
         masks: dict[str, torch.Tensor | None] = {}
-        for kind in set(self.config.text.layer_types):
+        for kind in self.config.text.kinds:
             lo = sliding_from if kind == "sliding_attention" else 0
             keys = torch.arange(lo, end, device=device)
             allowed = keys[None, :] <= slots[:, None]
@@ -708,7 +723,7 @@ class DiffusionGemma(nn.Module):
         seen = (keys <= slot) & cache.valid  # [B, capacity]; slots past `length` are valid, so the token sees itself
         near = slot - keys < self.window
         masks = {kind: (seen & near if kind == "sliding_attention" else seen)[:, None, None, :]
-                 for kind in set(self.config.text.layer_types)}
+                 for kind in self.config.text.kinds}
 
         def source(i: int, spec: LayerSpec, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             cache.keys[i].index_copy_(2, slot, k)
@@ -737,7 +752,7 @@ class DiffusionGemma(nn.Module):
         # Sliding layers see the last window-1 encoded tokens and the whole canvas.
         sliding_from = max(0, start - self.window + 1)
         masks: dict[str, torch.Tensor | None] = {}
-        for kind in set(self.config.text.layer_types):
+        for kind in self.config.text.kinds:
             if cache.has_padding:
                 lo = sliding_from if kind == "sliding_attention" else 0
                 seen = torch.cat([cache.valid[:, lo:start], cache.valid.new_ones(b, length)], dim=1)
@@ -797,7 +812,7 @@ class DiffusionGemma(nn.Module):
         keys = torch.arange(seq, device=device)
         own = block[:, None] == block[None, :]
         masks: dict[str, torch.Tensor] = {}
-        for kind in set(self.config.text.layer_types):
+        for kind in self.config.text.kinds:
             seen = keys[None, :] < start[:, None]
             if kind == "sliding_attention":
                 seen = seen & (keys[None, :] > start[:, None] - self.window)
@@ -829,6 +844,6 @@ class DiffusionGemma(nn.Module):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, std, generator=generator)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.layer_scalar.fill_(1.0)
             layer.encoder_layer_scalar.fill_(1.0)

@@ -113,6 +113,9 @@ def test_self_conditioning_logits(lm, ref_checkpoint):
         lm.model.encode(prompt, cache)
         via_probs = lm.model.denoise(canvas, cache, self_conditioning_probs=torch.softmax(sc, -1))
     assert (via_probs - ours).abs().max().item() <= 1e-5
+    # with neither to embed, refused by name (torch.softmax(None) raised a TypeError naming no argument)
+    with pytest.raises(ValueError, match="soft_embedding: expected logits or probs"):
+        lm.model.soft_embedding()
 
 
 def test_self_conditioning_mask(lm, ref_checkpoint):
