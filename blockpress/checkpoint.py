@@ -550,7 +550,7 @@ class ModelPlan:
         """A stored weight as the loaded model holds it: quantized on `device` (weight and scale) when its layer
         is, else cast to the plan's dtype there. `device` defaults to the plan's (meta_model passes meta)."""
         device = device or self.device
-        if local in self.quantized:
+        if self.quantize is not None and local in self.quantized:  # (quantized is empty without a scheme)
             from .quantize import quantize_weight
 
             weight, scale = quantize_weight(tensor.to(device), self.quantize)
@@ -671,6 +671,7 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
             elif kind == "copy":
                 copies[name] = file
             else:
+                assert local is not None  # tensor_kind names every "weight"
                 sources[name] = file
                 state.update(plan.convert(local, f.tensor(name)))  # a quantized projection drops its float copy here
                 done += f.nbytes(name)
@@ -786,7 +787,10 @@ def save_model(
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout
         staged.write(path / "config.json", lambda file: model.config.save(file, dtype=dtype))
         for fname, shard in zip(names, shards):
-            staged.write(path / fname, lambda file, shard=shard: save_file(written(shard), str(file), metadata=meta))
+            def write_shard(file: Path, shard: dict[str, torch.Tensor] = shard) -> None:
+                save_file(written(shard), str(file), metadata=meta)
+
+            staged.write(path / fname, write_shard)
         if len(shards) > 1:
             weight_map = {name: fname for fname, shard in zip(names, shards) for name in shard}
             total = sum(nbytes_of(name) for name in tensors)

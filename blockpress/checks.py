@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # blockpress/, for warn_user
@@ -88,7 +89,8 @@ def warn_user(message: str) -> None:
     blockpress's own line whenever a path was longer than the one it was counted for (blockpress.load(quantize=
     "int4") reaches the int4 warning through plan_model and quantize), and a warning shows the line it names (and
     is shown once per line, by the default filter). With no caller outside (the CLI), the line that warned."""
-    frame, level = sys._getframe(1), 2
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=2 if frame is None else level)

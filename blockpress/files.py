@@ -31,7 +31,7 @@ class StagedFiles:
     def __init__(self) -> None:
         self.moves: list[tuple[Path | None, Path]] = []  # (temporary, destination); (None, path): remove path
 
-    def write(self, path: str | Path, write: Callable[[Path], None]) -> None:
+    def write(self, path: str | Path, write: Callable[[Path], object]) -> None:
         """Stage `path`, its content written by `write(temporary)` (staged again: the later content wins)."""
         path = Path(path)
         temporary = temporary_path(path)

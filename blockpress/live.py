@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import unicodedata
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from .healing import strip_prefix
@@ -32,11 +33,12 @@ def terminal_text(text: str) -> str:
     return text.replace("\r\n", "\n").translate(_CONTROLS)
 
 
-def live_terminal(stream: TextIO, env: dict[str, str] | None = None) -> bool:
+def live_terminal(stream: TextIO, env: Mapping[str, str] | None = None) -> bool:
     """A terminal that can take cursor movement: a tty whose TERM is not "dumb", and on Windows a console whose
     VT processing is on or could be turned on (a console left without it, as conhost gives cmd.exe and PowerShell
     on Windows 10 unless asked, prints escape sequences as text: every redraw as "←[2A←[J..." lines)."""
-    env = os.environ if env is None else env
+    if env is None:
+        env = os.environ
     if not stream.isatty() or env.get("TERM", "") == "dumb":
         return False
     return sys.platform != "win32" or windows_vt_mode(stream)
@@ -135,7 +137,8 @@ def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
         kept.insert(0, line)
         used += need
     if not kept:  # one line taller than the screen: as many of its last characters as surely fit
-        room, tail = (max_rows - 1) * columns, []
+        room = (max_rows - 1) * columns
+        tail: list[Piece] = []
         for text, style in reversed(lines[-1]):
             n = 0
             for ch in reversed(text):

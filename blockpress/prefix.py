@@ -170,7 +170,8 @@ class PrefixCache:
             return
         with self._lock:  # the copies above are this call's own: only the bookkeeping is shared
             old = self._entries.get(replaces) if replaces is not None else None
-            if old is not None and old.ids.numel() <= n and torch.equal(old.ids, ids[: old.ids.numel()]):
+            if (replaces is not None and old is not None and old.ids.numel() <= n
+                    and torch.equal(old.ids, ids[: old.ids.numel()])):
                 self._drop(replaces)
             while self._entries and self._bytes + entry.nbytes > self.max_bytes:
                 self._drop(next(iter(self._entries)))  # the least recently used
@@ -252,7 +253,7 @@ def encode_prompts(
         key, entry, shared = prefixes.longest(ids[i])
         n = reusable(shared, i)
         row = view(i)
-        if n > 0:
+        if n > 0 and key is not None and entry is not None:  # (n > 0: an entry shares it)
             prefixes.load(key, entry, n, row)
         prefixes.count(n)
         last[i] = model.encode(ids[i][n:][None].to(device), row, logits="last" if logits else "none")
