@@ -29,9 +29,14 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from re import _constants as sre_constants  # (the stdlib's own regex parser: a pattern's literal start)
-from re import _parser as sre_parser
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typeshed has these modules under their names before 3.11 only (sre_parse warns on import since)
+    import sre_constants
+    import sre_parse as sre_parser
+else:
+    from re import _constants as sre_constants  # (the stdlib's own regex parser: a pattern's literal start)
+    from re import _parser as sre_parser
 
 from .files import parse_json
 
@@ -484,7 +489,8 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
     params = tool_parameters(tools)
     message = copy.deepcopy(template.defaults)
     fields = template.fields
-    current, captures, body, opened = template.implicit, {}, "", False
+    captures: dict[str, str] = {}
+    current, body, opened = template.implicit, "", False
 
     def close() -> None:
         """End the current region: its value goes into the message (when it got any text or was opened by a
@@ -510,15 +516,16 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
     # Every round moves past text or changes region; patterns that match empty text at one place could go round
     # forever, so the rounds are bounded.
     for _ in range(4 * len(buffer) + 8):
-        if current is not None and current != template.implicit:  # inside a marked region: only its end counts
-            watch = [("close", fields[current])] if fields[current].close is not None else []
-        else:
-            watch = [("open", f) for f in fields.values() if f.open is not None]
-            if current is not None and fields[current].close is not None:
-                watch.append(("close", fields[current]))
-        best, best_key, hold = None, None, len(buffer)
-        for kind, field in watch:
-            pattern, texts = (field.open, field.open_texts) if kind == "open" else (field.close, field.close_texts)
+        # (kind, field, its marker's pattern and texts) of each marker that could come next
+        watch: list[tuple[str, Field, re.Pattern, tuple[str, ...] | None]] = []
+        if current is None or current == template.implicit:  # else inside a marked region: only its end counts
+            watch = [("open", f, f.open, f.open_texts) for f in fields.values() if f.open is not None]
+        if current is not None and (end := fields[current].close) is not None:
+            watch.append(("close", fields[current], end, fields[current].close_texts))
+        best: tuple[str, Field, re.Match[str]] | None = None
+        best_key: tuple[int, int, bool, str] | None = None
+        hold = len(buffer)
+        for kind, field, pattern, texts in watch:
             match = pattern.search(buffer, pos)
             if not ended:
                 pending = _pending(buffer, pos, pattern, texts, match)
@@ -526,8 +533,10 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
                 if match is not None and match.start() >= pending:  # not a marker yet: more text may change it
                     continue
             # The earliest marker wins; then the longest; then an opening over a closing; then by name.
-            key = match and (match.start(), match.start() - match.end(), kind != "open", field.name)
-            if match is not None and (best_key is None or key < best_key):
+            if match is None:
+                continue
+            key = (match.start(), match.start() - match.end(), kind != "open", field.name)
+            if best_key is None or key < best_key:
                 best, best_key = (kind, field, match), key
         if best is not None and best[2].start() >= hold:  # a marker that may still begin earlier goes first
             best = None

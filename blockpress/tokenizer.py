@@ -228,7 +228,7 @@ class Tokenizer:
         # model-specific ones (image_token, ...), at the top level or in an extra_special_tokens dict (a list there is
         # unnamed: not template variables). special_tokens_map.json wins here, as in transformers (unlike for the ids
         # above), then the dict, as there.
-        named_tokens = {}
+        named_tokens: dict[str, str] = {}
         extra = tok_cfg.get("extra_special_tokens")
         for source in (special_map, extra if isinstance(extra, dict) else {}, tok_cfg):
             for name, value in source.items():
@@ -325,15 +325,16 @@ class Tokenizer:
                 continue  # as loaded: kept in whatever form and place the files have it
             # Where the config has it; a new model-specific name goes where this config keeps such names (a dict of
             # them, or the top level, which transformers 5 reads too).
-            in_extra_dict = isinstance(extra, dict) and name not in config and name not in ID_TOKENS + NAMED_TOKENS
-            home = extra if in_extra_dict else config
+            home: dict[str, Any] = config
+            if isinstance(extra, dict) and name not in config and name not in ID_TOKENS + NAMED_TOKENS:
+                home = extra
             in_map = special_map is not None and name in special_map
             for where in (config, extra if isinstance(extra, dict) else {}, special_map or {}):
                 where.pop(name, None)
             if content is not None:
                 home[name] = content
-                if in_map:  # it wins over the config in transformers; keep the two saying the same
-                    special_map[name] = content  # type: ignore[index]
+                if special_map is not None and in_map:  # it wins over the config in transformers; keep the two
+                    special_map[name] = content  # saying the same
         if now["add_bos_token"] != loaded["add_bos_token"]:
             config["add_bos_token"] = now["add_bos_token"]
         if now["chat_template"] != loaded["chat_template"]:
@@ -561,7 +562,7 @@ class Tokenizer:
         # What transformers passes templates: tools and documents are None unless given (a template testing
         # `tools is not none` must not see them defined), the special tokens the tokenizer names (and only those),
         # and the caller's variables win over the tokenizer's.
-        variables = {name: token for name, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+        variables: dict[str, Any] = {name: token for name, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                                      ("pad_token", self.pad_token)) if token is not None}
         variables.update(self.named_tokens)
         variables.update(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
