@@ -50,7 +50,8 @@ def functions_in(source: str, module: str) -> list[Function]:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
             continue
         body_start = node.body[0].lineno - 1
-        if node.body[0].lineno == node.lineno or not 2 <= node.end_lineno - body_start <= 15:
+        end = node.end_lineno  # (set by ast.parse; None only on a node built by hand)
+        if end is None or node.body[0].lineno == node.lineno or not 2 <= end - body_start <= 15:
             continue
         prefix = "".join(lines[max(0, node.lineno - 1 - CONTEXT_LINES) : body_start])
         header = "".join(lines[node.lineno - 1 : body_start])

@@ -87,8 +87,8 @@ def ensemble_processor(views: Sequence[Symmetry], vocab_size: int,
     for k, view in enumerate(views):
         for d in range(10):
             tokens[k, VOCAB.digit_id(str(d))] = VOCAB.digit_id(view.digits[d])
-    to_orig = (torch.arange(v)[:, None, None], torch.argsort(cells, dim=1)[:, :, None], tokens[:, None, :])
-    to_view = (cells[:, :, None], torch.argsort(tokens, dim=1)[:, None, :])
+    to_orig: tuple[torch.Tensor, ...] = (torch.arange(v)[:, None, None], torch.argsort(cells, dim=1)[:, :, None], tokens[:, None, :])
+    to_view: tuple[torch.Tensor, ...] = (cells[:, :, None], torch.argsort(tokens, dim=1)[:, None, :])
     to_orig = tuple(t.to(device) for t in to_orig)
     to_view = tuple(t.to(device) for t in to_view)
 
@@ -235,6 +235,8 @@ def solve(
                 out = event.output
             elif isinstance(event, Commit):
                 pass
+        if out is None:  # (LM.stream ends every run with its Done)
+            raise RuntimeError("sudoku: generation ended without its output")
         answers = []
         for i, p in enumerate(open_puzzles):
             row = i * len(views)  # the identity view: the board as given
