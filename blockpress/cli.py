@@ -1504,8 +1504,10 @@ def _server_class() -> type:
         def handle_exit(self, sig: int, frame: Any) -> None:
             self.signals += 1
             if self.signals == 1:
-                print(f"{fresh_line(sig)}blockpress: stopping; requests in flight get up to "
-                      f"{self.config.timeout_graceful_shutdown:g} s to finish (signal again to stop now)", file=sys.stderr)
+                grace = self.config.timeout_graceful_shutdown  # None (uvicorn's default): no limit
+                print(f"{fresh_line(sig)}blockpress: stopping; requests in flight get "
+                      + ("all the time they take" if grace is None else f"up to {grace:g} s")
+                      + " to finish (signal again to stop now)", file=sys.stderr)
                 return super().handle_exit(sig, frame)
             engine = self._engine()
             if self.signals == 2 and engine is not None and self.loop is not None:
@@ -1541,9 +1543,9 @@ def _server_class() -> type:
             # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them
             # first, so they get a 503 (a stream: an error event) and the engine stops within a step (a cancel
             # alone answered a bare 500 and left the engine generating for nobody, and the exit aborted).
-            engine = self._engine()
-            if engine is not None:
-                asyncio.get_running_loop().call_later(self.config.timeout_graceful_shutdown, engine.cut)
+            engine, grace = self._engine(), self.config.timeout_graceful_shutdown
+            if engine is not None and grace is not None:  # None: uvicorn waits for them without a limit
+                asyncio.get_running_loop().call_later(grace, engine.cut)
             await super().shutdown(sockets)
 
     return Server

@@ -1521,7 +1521,7 @@ def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included
         assert r.status_code == 503
 
 
-def _threaded_server(grace: float):
+def _threaded_server(grace: float | None):
     """blockpress serve's server class on random-tiny (one request at a time, 8 steps a canvas) in a thread:
     (server, its thread, base URL), started."""
     from blockpress.cli import _server_class
@@ -1571,6 +1571,17 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
     counters = engine.metrics.counters
     assert counters["completion_tokens_total"] < 2000  # neither ran to its end (the cut one's canvases count)
     assert (counters["failed_total"], counters["cancelled_total"], counters["requests_total"]) == (2, 0, 0)
+
+
+def test_a_server_without_a_grace_limit_shuts_down_and_stops_the_engine():
+    """uvicorn's default timeout_graceful_shutdown, None, waits for requests in flight without a limit: the server
+    class scheduled the engine's cut after None seconds, and its shutdown failed there with a TypeError, so the app's
+    shutdown never ran and the engine thread was left running."""
+    srv, thread, _ = _threaded_server(grace=None)
+    engine = srv.config.app.state.engine
+    srv.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive() and not engine.thread.is_alive()
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
