@@ -244,6 +244,12 @@ def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class QuantizedLinear(nn.Module):
     """A bias-free nn.Linear whose weight is stored quantized (buffers `weight` and `weight_scale`)."""
 
+    weight: torch.Tensor  # buffers, registered in __init__
+    weight_scale: torch.Tensor
+    scheme: str
+    in_features: int
+    out_features: int
+
     def __init__(self, linear: nn.Linear, scheme: str):
         super().__init__()
         if linear.bias is not None:
@@ -264,6 +270,8 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedExperts(Experts):
     """Experts with quantized 3-D weights: the routing of Experts, each expert's rows through its own weight."""
+
+    scheme: str
 
     def __init__(self, experts: Experts, scheme: str):
         nn.Module.__init__(self)
@@ -384,7 +392,8 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
         warn_small_int4_groups(weights)
     model.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
     for parent, name, child, _ in targets:
-        setattr(parent, name, (QuantizedLinear if isinstance(child, nn.Linear) else QuantizedExperts)(child, scheme))
+        setattr(parent, name, QuantizedLinear(child, scheme) if isinstance(child, nn.Linear)
+                else QuantizedExperts(child, scheme))
     model.weights_changed()
     return model
 
