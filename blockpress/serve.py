@@ -82,7 +82,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,6 +93,9 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .checks import check_text
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # (typing's own from 3.13; only read by type checkers here)
 from .generate import (
     Cancelled,
     Commit,
@@ -418,7 +421,9 @@ class BodyLimit:
         declared = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
         if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
             return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than")
-        chunks, size, message = [], 0, {"type": "http.request", "body": b"", "more_body": True}
+        chunks: list[bytes] = []
+        size = 0
+        message: dict[str, Any] = {"type": "http.request", "body": b"", "more_body": True}  # an ASGI message
         while message["type"] == "http.request" and message.get("more_body", False):
             try:
                 message = await asyncio.wait_for(receive(), self.idle_timeout)
@@ -648,7 +653,7 @@ class Metrics:
         self.latency_sum = 0.0
         self.latency_count = 0
 
-    def add(self, **values: float) -> None:
+    def add(self, **values: int) -> None:
         with self.lock:
             for k, v in values.items():
                 self.counters[k] += v
@@ -665,8 +670,8 @@ class Metrics:
             lines = []
             for k, v in self.counters.items():
                 lines += [f"# TYPE blockpress_{k} counter", f"blockpress_{k} {v}"]
-            for k, v in gauges.items():
-                lines += [f"# TYPE blockpress_{k} gauge", f"blockpress_{k} {v}"]
+            for k, value in gauges.items():
+                lines += [f"# TYPE blockpress_{k} gauge", f"blockpress_{k} {value}"]
             lines.append("# TYPE blockpress_request_seconds histogram")
             for bound, n in zip(self.BUCKETS, self.buckets):
                 lines.append(f'blockpress_request_seconds_bucket{{le="{bound}"}} {n}')
@@ -720,12 +725,15 @@ class Batch:
     def commit(self, event: Commit) -> None:
         lm = self.engine.lm
         self.committed = True
+        texts, written = event.texts_so_far, event.num_new_tokens
+        if texts is None or written is None:  # the decoding loop sets both where a tokenizer is, as a server's has
+            raise ValueError("commit: the event has no texts_so_far or num_new_tokens (a model without a tokenizer?)")
         for i, job in enumerate(self.jobs):
             # decoded whole, healed prefix left out, cut at a stop string past the min_tokens' text
-            self.texts[i] = job.answer(event.texts_so_far, event.fills_so_far, i)
+            self.texts[i] = job.answer(texts, event.fills_so_far, i)
             raw = None
             if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
-                self.tokens[i] += event.tokens[i, : int(event.num_new_tokens[i]) - len(self.tokens[i])].tolist()
+                self.tokens[i] += event.tokens[i, : int(written[i]) - len(self.tokens[i])].tolist()
                 raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [])
             job.put(JobText(self.texts[i], raw))
 
@@ -1038,7 +1046,7 @@ class Reply:
             return None
         content = parsed.get("content")
         content = content if isinstance(content, str) and content else None
-        message = {"role": "assistant", "content": content if calls or content is not None else ""}
+        message: dict[str, Any] = {"role": "assistant", "content": content if calls or content is not None else ""}
         if calls:
             message["tool_calls"] = calls
         if isinstance(reasoning, str):  # what vLLM and DeepSeek's API call it
@@ -1095,6 +1103,9 @@ class ToolStream:
 
     def settle(self, reply: Reply, item: JobText, stops: Sequence[str]) -> list[dict]:
         """The deltas that the reply so far settles and that have not been sent."""
+        if reply.parse_partial is None:
+            raise ValueError("settle: the reply has no parse_partial to read it with (a reply read for tool calls "
+                             "has parse and parse_partial both)")
         if self.unread or item.raw is None:
             return []
         try:  # (a stop string cuts the answer: only text before every one that may be starting is settled)
@@ -1102,7 +1113,7 @@ class ToolStream:
         except ValueError:
             self.unread = True
             return []
-        deltas = []
+        deltas: list[dict[str, Any]] = []
         reasoning = partial.settled_text("reasoning_content")
         thought = bool(reasoning) or partial.open == "reasoning_content" or "reasoning_content" in partial.closed
         if len(reasoning) > len(self.reasoning) and reasoning.startswith(self.reasoning):
@@ -1289,7 +1300,10 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         if clash:
             raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
                                 "tokens)", other)
-    state.check_length(len(body.suffix if body.suffix is not None else body.template), given, given)
+    text = body.suffix if body.suffix is not None else body.template
+    if text is None:
+        raise ValueError("constrained_canvas: a request with neither suffix nor template has no constrained canvas")
+    state.check_length(len(text), given, given)
     if body.suffix is not None:
         try:
             holes = [-1] * max_tokens + tok.encode(check_text(body.suffix, "suffix"))
@@ -1307,10 +1321,17 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
         raise APIError(400, str(exc), "template") from None
 
 
-def request_prompts(body: CompletionRequest) -> tuple[list[Any], bool]:
+def _one_id_list(prompt: list[int] | list[str] | list[list[int]]) -> TypeIs[list[int]]:
+    """A prompt list that is one prompt's ids (CompletionRequest's validation gave it one kind of item)."""
+    return isinstance(prompt[0], int)
+
+
+def request_prompts(body: CompletionRequest) -> tuple[Sequence[str | list[int]], bool]:
     """A completion request's prompts as sent (texts or id lists), and whether it sent one alone (not in a list)."""
-    one = isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
-    return ([body.prompt] if one else body.prompt), one
+    prompt = body.prompt
+    if isinstance(prompt, str) or _one_id_list(prompt):
+        return [prompt], True
+    return prompt, False
 
 
 def completion_prompts(state: ServerState, body: CompletionRequest) -> Iterator[tuple[list[int], bool]]:
@@ -1533,8 +1554,8 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
-    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
-                        longest_token(lm.tokenizer), max_stops)
+    token_chars = longest_token(lm.tokenizer)
+    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context, token_chars, max_stops)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -1549,8 +1570,15 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     # prefix cache kept them once the app had shut down and gone (3 blockpress-code apps served and stopped in one
     # process: 3 models kept, RSS 248 -> 445 MB). The endpoints reach them through this.
     serving = weakref.ref(state)
+
+    def served() -> ServerState:
+        """The state the app holds (app.state.server): gone only with the app itself."""
+        state = serving()
+        if state is None:
+            raise APIError(503, "the server has shut down", None, "server_error")
+        return state
     # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
-    app.add_middleware(BodyLimit, limit=max_body_bytes or body_limit(state.context, state.token_chars))
+    app.add_middleware(BodyLimit, limit=max_body_bytes or body_limit(state.context, token_chars))
     if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
         app.add_middleware(RequireKey, key=api_key)
     if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
@@ -1575,7 +1603,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        state = serving()
+        state = served()
         lm, engine = state.lm, state.engine
         for i, message in enumerate(body.messages):
             message.check(i)
@@ -1612,7 +1640,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        state = serving()
+        state = served()
         loop = asyncio.get_running_loop()
 
         def prepare() -> tuple[list[Job], int]:
@@ -1656,11 +1684,11 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_depth": serving().engine.depth()}
+        return {"status": "ok", "queue_depth": served().engine.depth()}
 
     @app.get("/metrics")
     async def metrics():
-        engine = serving().engine
+        engine = served().engine
         gauges = {"queue_depth": engine.depth()}
         if engine.prefix_cache is not None:
             gauges.update(prefix_cache_entries=len(engine.prefix_cache), prefix_cache_bytes=engine.prefix_cache.nbytes)
