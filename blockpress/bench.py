@@ -186,13 +186,13 @@ class PeakMemory:
             self.start = torch.cuda.memory_allocated(self.device)
         elif self.read is not None:
             self.start = self.peak = self.read()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread = threading.Thread(target=self._sample, args=(self.read,), daemon=True)
             self._thread.start()
         return self
 
-    def _sample(self) -> None:
+    def _sample(self, read: Callable[[], int]) -> None:
         while not self._done.wait(self.interval):
-            self.peak = max(self.peak, self.read())
+            self.peak = max(self.peak, read())
 
     def __exit__(self, *exc: Any) -> None:
         self._done.set()
@@ -322,8 +322,9 @@ def machine(device: str) -> dict[str, Any]:
 def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every (canvas length, batch size) pair: one row with each engine's best of `repeats` runs. `on_row`: called
     with the result so far after each row (the CLI writes it then, so a sweep cut short keeps what it measured)."""
-    if s.long_canvas():
-        _note(s.long_canvas())
+    long_canvas = s.long_canvas()
+    if long_canvas is not None:
+        _note(long_canvas)
     if s.cuda_graphs and torch.device(s.device).type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, got device {s.device!r}")
     base = ModelConfig.preset(s.preset)
@@ -334,8 +335,9 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
                            "figures": {"engine": FIGURES, "row": ROW_FIGURES}, "rows": []}
     if len(canvases) == 1:  # several: each row has its own (the first alone read as the run's canvas)
         out["canvas"] = canvases[0]
-    names = [name for name, on in (("compiled", s.compile), ("cuda_graphs", s.cuda_graphs),
-                                   (s.quantize, bool(s.quantize))) if on]
+    names = [name for name, on in (("compiled", s.compile), ("cuda_graphs", s.cuda_graphs)) if on]
+    if s.quantize:
+        names.append(s.quantize)
     ar_rows: dict[int, dict[str, Any]] = {}  # batch size -> the row whose AR entries it uses
     for canvas in canvases:
         cfg = ModelConfig.preset(s.preset)
@@ -466,7 +468,7 @@ def _prompt(cfg: ModelConfig, batch: int, s: BenchSettings) -> torch.Tensor:
 def _blockpress_engines(lm: LM, prompt: torch.Tensor, s: BenchSettings, ar: bool,
                         suffix: str = "") -> dict[str, Callable[[], dict[str, Any]]]:
     """blockpress diffusion, and AR when `ar`, as named zero-argument runs (names end in `suffix`)."""
-    engines = {f"blockpress{suffix}": partial(_diffusion, lm, prompt, s)}
+    engines: dict[str, Callable[[], dict[str, Any]]] = {f"blockpress{suffix}": partial(_diffusion, lm, prompt, s)}
     if ar:
         engines[f"blockpress_ar{suffix}"] = partial(_ar, lm, prompt, s)
     return engines
@@ -529,7 +531,7 @@ def _timed(fn: Callable[[], Any], device: torch.device, memory: bool) -> Timed:
         out = fn()
         device_sync(device)
         end = time.perf_counter()
-    return Timed(out, end - t0, end, mem.figures() if memory else {})
+    return Timed(out, end - t0, end, mem.figures() if mem is not None else {})
 
 
 @dataclass
@@ -669,7 +671,10 @@ def _reference(lm: LM) -> Any:
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lm.save(tmp, dtype=lm.dtype)  # the very weights lm computes with (not the dtype a load widened from)
-            return DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype).to(lm.device).eval()
+            model = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype)
+            # transformers declares PreTrainedModel.to as @wraps(nn.Module.to), which typeshed's functools.wraps
+            # types as the unbound nn.Module.to (self first): the stub, not this call, is wrong
+            return model.to(lm.device).eval()  # type: ignore[arg-type]
     finally:
         hf_logging.set_verbosity(level)
         if bars:
