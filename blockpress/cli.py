@@ -15,10 +15,10 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import blockpress
 from blockpress.checks import check_text, utf8_problem
@@ -261,6 +261,14 @@ def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
     return {**kw, "sampler": cfg}
 
 
+def decoded(texts: list[str] | None, what: str) -> list[str]:
+    """A run's texts (Commit.texts_so_far, GenerationOutput.texts, ...), which every run of a model with a tokenizer
+    has: the commands that print text refuse a model without one before they run it."""
+    if texts is None:
+        raise ValueError(f"{what}: no text, as the model has no tokenizer")
+    return texts
+
+
 def stats_line(out: Any, seconds: float) -> dict[str, Any]:
     return stats_of(int(out.num_new_tokens.sum()), int(out.forward_passes.max()), float(out.tokens_per_forward.mean()),
                     seconds)
@@ -328,14 +336,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if isinstance(event, Draft) and view:
                 view.draft(event.tokens[0].tolist())
             elif isinstance(event, Commit):
-                text, n = event.texts_so_far[0], int(event.num_new_tokens[0])
+                if event.num_new_tokens is None:  # (every Commit of the decoding loop has it)
+                    raise ValueError("generate: a commit without its num_new_tokens")
+                text, n = decoded(event.texts_so_far, "generate")[0], int(event.num_new_tokens[0])
                 passes += int(event.steps[0])
                 if view:
                     view.commit(text)
             elif isinstance(event, Done):
                 out = event.output
                 if view:
-                    view.commit(out.texts[0], final=True)
+                    view.commit(decoded(out.texts, "generate")[0], final=True)
     except KeyboardInterrupt as exc:  # a Ctrl-C, or a SIGTERM or SIGHUP (Stopped)
         # The text committed so far is the run's result, as the README promises: on the live view it stays on
         # screen; piped or --no-live it goes to stdout like a finished run's, and --json says it was cut short.
@@ -354,14 +364,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(printable(shown + text))
         print(f"{stop_word(exc)} ({n} new tokens committed)", file=sys.stderr)
         return stop_status(exc)
+    if out is None:  # (LM.stream ends every run with its Done)
+        raise ValueError("generate: the run ended without its output")
     stats = stats_line(out, time.perf_counter() - t0)
+    answer = decoded(out.texts, "generate")[0]
     if args.json:
         # the seed the text was drawn with (a fresh one without --seed): --seed with it repeats the text
-        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
+        print(json.dumps(dict(text=answer, prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
                               interrupted=False)))
     else:
         if not live:
-            print(printable(shown + out.texts[0]))
+            print(printable(shown + answer))
         print_stats(stats)
     return 0
 
@@ -608,7 +621,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     print(marker, end="", flush=True)
                     opened = True
                 if isinstance(event, Commit):
-                    settled = event.settled_texts[0]
+                    settled = decoded(event.settled_texts, "chat")[0]
                     settled = settled[: len(settled) - 1] if settled.endswith("\r") else settled  # "\r\n": one newline
                     print(terminal_text(settled[shown:]), end="", flush=True)
                     shown = max(shown, len(settled))
@@ -805,8 +818,8 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         return load_model(args.model, args.dtype, "meta", args.quantize, args.adapter), dict(
             checkpoint_dtype=None, dtype_note=None, checkpoint_bytes=None, tied_copies=None)
     path, adapter, quantize = resolve_model(args.model, args.quantize, args.adapter)  # the base, as a load takes it
-    if args.adapter is not None:  # its own run's merged checkpoint refused, another base warned about, as a load
-        from blockpress.train import check_adapter_pairing
+    if args.adapter is not None and adapter is not None:  # its own run's merged checkpoint refused, another base
+        from blockpress.train import check_adapter_pairing  # warned about, as a load
 
         check_adapter_pairing(adapter, path)
     plan = plan_model(path, args.dtype, args.device, quantize, weights=False)  # config.json alone works too
@@ -1043,12 +1056,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             from blockpress.lm import check_tokenizer, resolve_path
             from blockpress.tokenizer import Tokenizer
 
-            given = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
-            if given.is_file() and given.name != "tokenizer.json":  # its folder's own tokenizer.json would be read
+            tokenizer_path = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
+            if tokenizer_path.is_file() and tokenizer_path.name != "tokenizer.json":  # its folder's own would be read
                 raise ValueError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json, the folder that holds "
                                  "one, or a shipped model's name")
             try:
-                tokenizer = Tokenizer.from_dir(given.parent if given.is_file() else resolve_path(args.tokenizer))
+                tokenizer = Tokenizer.from_dir(tokenizer_path.parent if tokenizer_path.is_file()
+                                               else resolve_path(args.tokenizer))
             except (ValueError, OSError) as exc:
                 raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from None
             if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
@@ -1078,16 +1092,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as exc:  # missing, unreadable, empty, a bad line: the flag's path (as text's)
             raise type(exc)(f"{flag} {exc}") from None
 
-    for flag, given in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
+    for flag, data in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
         try:  # a README.md beside JSONL files: say it is not trained on
-            note = left_out(given) if given else None
+            note = left_out(data) if data else None
             # what the data is, read from its first line: an error there (not JSON, not UTF-8) names the flag as one
             # on a later line does (it named the file alone, whichever of --data and --heldout-data it was)
-            is_examples(given) if given else None
+            is_examples(data) if data else None
         except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
             raise ValueError(f"{flag} {exc}") from None
         if note:
-            print_warning(f"{flag} {given}: {note}")
+            print_warning(f"{flag} {data}: {note}")
+    source: ExampleSource | ShardSource
+    heldout: ExampleSource | ShardSource | None
     if is_examples(args.data):
         cfg.check_examples()  # before the examples are read (the Trainer checks again)
         if cfg.heldout_data:  # the held-out examples are a file of their own
@@ -1099,15 +1115,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  "examples of --heldout-data; give one of them")
             train, held = examples_of(args.data, "--data"), examples_of(cfg.heldout_data, "--heldout-data")
         else:
-            if cfg.heldout is None:
+            fraction = cfg.heldout
+            if fraction is None:
                 if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
                     print_warning(f"--resume: the run in {args.out} did not record its --heldout; holding out "
                                   f"{DEFAULT_HELDOUT} (give the value it was started with, if another)")
-                cfg = dataclasses.replace(cfg, heldout=DEFAULT_HELDOUT)  # saved with the run: --resume keeps the split
+                fraction = DEFAULT_HELDOUT
+                cfg = dataclasses.replace(cfg, heldout=fraction)  # saved with the run: --resume keeps the split
             examples = examples_of(args.data, "--data")
-            train, held = split_heldout(examples, cfg.heldout)
-            if cfg.heldout > 0 and not held:
-                print_warning(f"--heldout {cfg.heldout}: holds out none of {len(examples)} examples; no held-out "
+            train, held = split_heldout(examples, fraction)
+            if fraction > 0 and not held:
+                print_warning(f"--heldout {fraction}: holds out none of {len(examples)} examples; no held-out "
                               "loss")
         if cfg.chat_turns != cfg.default("chat_turns") and not any(e.templated for e in (*train, *held)):
             # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
@@ -1136,7 +1154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
     trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
                       data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
-    if trainer.prompts_healed and trainer.rank == 0:
+    if trainer.prompts_healed and trainer.rank == 0 and isinstance(source, ExampleSource):  # (only examples heal)
         print(f"--data: {trainer.prompts_healed} of {len(source.examples)} training prompts end in whitespace that "
               "token healing would re-choose, and the model learns to answer after it as it is: its generation "
               "settings say token_healing false, so `blockpress generate` keeps a prompt's end as typed "
@@ -1165,9 +1183,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if trainer.rank == 0:
         _plot_training(Path(args.out), quiet=args.quiet)
     if not args.quiet and trainer.rank == 0:  # under torchrun, one summary, not one a process
-        losses = result.losses or [None]
+        losses = result.losses
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
-                          "first_loss": losses[0], "last_loss": losses[-1], "eval_losses": result.eval_losses,
+                          "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+                          "eval_losses": result.eval_losses,
                           "tokens_per_second": round(result.tokens_per_second, 1), **trainable}))
     if cfg.quantize and result.stopped != "interrupted" and trainer.rank == 0:
         from blockpress.train import ADAPTER_DIR, base_name
@@ -1652,11 +1671,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+_Namespace = TypeVar("_Namespace")
+
+
 class CommandParser(argparse.ArgumentParser):
     """A command's parser: an argument it does not know is its own error, under its usage line (argparse leaves
     them to the top-level parser, whose usage names no command's flags)."""
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    # argparse's own overloads (typeshed's): the namespace returned is the one given, else a new Namespace
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None = None,
+                         namespace: None = None) -> tuple[argparse.Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(self, args: Iterable[str] | None, namespace: _Namespace) -> tuple[_Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(self, *, namespace: _Namespace) -> tuple[_Namespace, list[str]]: ...
+
+    def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             # a puzzle whose first cell is empty ('-') reads to argparse as a flag it does not know
