@@ -34,7 +34,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,9 @@ from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
 from .stopping import STOP_SIGNALS, leave_hung_up_terminal, terminal_fds
 from .train_config import LORA_MODULES, LORA_TARGETS, TrainConfig, lora_modules
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer  # (peft is the train extra's: imported where it is used)
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
 TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
@@ -280,7 +283,7 @@ def draw_noise(batch: Batch, vocab_size: int, cfg: TrainConfig, generator: torch
 class Objective(nn.Module):
     """The training forward as a module, so DDP can wrap it. Returns summed losses; the caller normalises."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig):
+    def __init__(self, model: DiffusionGemma, cfg: TrainConfig):
         super().__init__()
         self.model = model
         self.cfg = cfg
@@ -323,8 +326,11 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------
-def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: Sequence[str] = LORA_TARGETS
-             ) -> nn.Module:
+_Model = TypeVar("_Model", bound=nn.Module)
+
+
+def add_lora(model: _Model, rank: int, alpha: float, seed: int = 0, targets: Sequence[str] = LORA_TARGETS
+             ) -> _Model:
     """LoRA adapters (peft) on `targets` (module names or their ends; default attention q/k/v/o and the dense MLP),
     in float32 whatever the base's dtype; everything else frozen. `seed` draws lora_A (peft draws it from torch's
     global generator, which nothing seeded: two runs of one command differed from step 2 on); the caller's global
@@ -338,14 +344,17 @@ def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: 
     if absent:  # (peft's own error lists every target, found or not)
         raise ValueError(f"lora_targets: this model has no {absent[0]} layer to adapt (e.g. its values are its keys: "
                          "no v_proj)")
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
+    # (peft annotates lora_alpha as an int, but scales by lora_alpha / r and takes any number: the stub is too narrow)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)  # type: ignore[arg-type]
     # peft's dense LoRA layer only calls its base layer and reads in/out_features, which a QuantizedLinear has.
     cfg._register_custom_module({QuantizedLinear: LoraLinear})
     # peft makes the adapters on the CPU, then moves them to the base's device
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Unsupported layer type .*QuantizedLinear")  # it is, by the above
         torch.default_generator.manual_seed(seed)
-        model = inject_adapter_in_model(cfg, model)
+        injected = inject_adapter_in_model(cfg, model)
+    if injected is not model:  # peft adapts the model in place and returns it (as an nn.Module)
+        raise RuntimeError("add_lora: peft returned another model than the one it adapted")
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
         if p.requires_grad:
@@ -353,6 +362,14 @@ def add_lora(model: nn.Module, rank: int, alpha: float, seed: int = 0, targets: 
             # forward casts the input to the adapters' dtype and the sum back to the base output's.
             p.data = p.data.float()
     return model
+
+
+def lora_weights(module: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A and B weights of a peft LoRA layer's adapter (add_lora's, named "default") over a linear layer."""
+    a, b = module.lora_A["default"], module.lora_B["default"]
+    if not (isinstance(a, nn.Linear) and isinstance(b, nn.Linear)):
+        raise TypeError(f"lora: expected the adapter's A and B to be linear layers, got {type(a).__name__}")
+    return a.weight, b.weight
 
 
 def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_TARGETS) -> None:
@@ -365,7 +382,7 @@ def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_T
                                                                           for t in targets)}
     if not sizes:
         return  # (add_lora names the target that is absent)
-    name = max(sizes, key=sizes.get)
+    name = max(sizes, key=sizes.__getitem__)
     if rank > sizes[name]:
         layer = model.get_submodule(name)
         raise ValueError(f"lora_rank: {rank} is more than any adapted layer can use: an update of rank min(in, out "
@@ -374,7 +391,7 @@ def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_T
                          f"{layer.in_features} -> {layer.out_features}); expected 1 to {sizes[name]}")
 
 
-def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+def merge_lora(model: _Model, dtype: torch.dtype = torch.float32) -> _Model:
     """Fold the adapters into the base weights and restore plain nn.Linear layers; the model comes back in
     `dtype`. The sum is taken in float32 whatever the base's dtype: folded into bf16 weights, the update is
     rounded to the weights' own step (blockpress-code after 10 LoRA steps: 34% of it lost on average), so a bf16
@@ -383,13 +400,11 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Modul
     unquantized base)."""
     from peft.tuners.lora import LoraLayer
 
-    quantized = next((name for name, module in model.named_modules()
-                      if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), QuantizedLinear)), None)
-    if quantized is not None:
-        raise ValueError(f"merge_lora: the adapters sit on a quantized base ({quantized}: "
-                         f"{model.get_submodule(quantized).get_base_layer().scheme}); folded into its codes the update "
-                         "would be rounded away. Keep them unmerged, or merge them into the unquantized base "
-                         "(blockpress.load(base, adapter=...))")
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and isinstance(quantized := module.get_base_layer(), QuantizedLinear):
+            raise ValueError(f"merge_lora: the adapters sit on a quantized base ({name}: {quantized.scheme}); folded "
+                             "into its codes the update would be rounded away. Keep them unmerged, or merge them into "
+                             "the unquantized base (blockpress.load(base, adapter=...))")
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
@@ -439,7 +454,7 @@ def shape_differences(recorded: dict[str, Any], model: DiffusionGemma, this: str
             if name in own and own[name] != value]
 
 
-def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, base: str | None,
+def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: float, base: str | None,
                  quantize: str | None = None, *, files: StagedFiles | None = None,
                  generation: dict[str, Any] | None = None) -> None:
     """`model`'s LoRA adapters (add_lora's) as a PEFT folder, its modules named as the reference model names them,
@@ -461,9 +476,9 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
             for reference in reference_names(f"{name}.weight"):
                 target = reference.removesuffix(".weight")
                 targets.append(target)
-                for side, layer in (("A", module.lora_A["default"]), ("B", module.lora_B["default"])):
+                for side, weight in zip("AB", lora_weights(module)):
                     # a copy each: safetensors refuses tensors that share memory
-                    tensors[f"base_model.model.{target}.lora_{side}.weight"] = layer.weight.detach().float().cpu().clone()
+                    tensors[f"base_model.model.{target}.lora_{side}.weight"] = weight.detach().float().cpu().clone()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     # A base from the Hugging Face cache at another commit than main's (base_name: "owner/name@commit") is written as
@@ -471,12 +486,12 @@ def save_adapter(model: nn.Module, path: str | Path, rank: int, alpha: float, ba
     revision = None
     if base is not None and "@" in base and not Path(base).is_absolute():
         base, _, revision = base.partition("@")
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,
-                        base_model_name_or_path=base, revision=revision)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=sorted(targets), lora_dropout=0.0,  # type: ignore[arg-type]
+                        base_model_name_or_path=base, revision=revision)  # (lora_alpha: see add_lora)
     with tempfile.TemporaryDirectory() as made:  # peft writes its config into a folder: its own, then staged
         config.save_pretrained(made)
         config_text = (Path(made) / ADAPTER_FILES[0]).read_text()
-    record = {"base_shape": base_shape(model), "quantize": quantize}
+    record: dict[str, Any] = {"base_shape": base_shape(model), "quantize": quantize}
     if generation is not None:
         record["noise_token_id"] = -1  # unless the run's settings name a noise token: uniform noise
     record.update({k: v for k, v in (generation or {}).items() if k in ADAPTER_GENERATION_KEYS})
@@ -621,9 +636,9 @@ def describe_adapter(path: str | Path) -> dict[str, Any]:
     targeted = _targeted(cfg)
     for key in stored.keys():
         match = _PEFT_KEY.fullmatch(key)
-        if match and not targeted(match.group(1)):
+        if match is None or not targeted(match.group(1)):
             continue  # (not applied: see apply_adapter)
-        module = _local_module(match.group(1)) if match else None
+        module = _local_module(match.group(1))
         if module is not None and stored.shape(key) and f"{module}.{match.group(2)}" not in modules:
             modules[f"{module}.{match.group(2)}"] = math.prod(stored.shape(key))
     # "layers.3.self_attn.q_proj" -> "self_attn.q_proj": the kinds of layer adapted, not each one
@@ -656,7 +671,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         raise refuse(", ".join(f"{key}={cfg[key]!r}" for key in variants) + ": blockpress applies plain LoRA only "
                      "(W + lora_alpha / r * B @ A)")
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):
+    if rank is None or alpha is None or not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):
         raise refuse(f"r={rank!r}, lora_alpha={alpha!r} in {ADAPTER_FILES[0]}; expected positive numbers")
     linear = {name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))}
     stored = MappedSafetensors(path / ADAPTER_FILES[1])
@@ -672,7 +687,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
             raise refuse(f"it adapts the routed experts ({target!r}: peft's target_parameters, one 3-D weight for all "
                          "experts), which blockpress does not support: it applies LoRA to linear layers only, "
                          f"attention's and the dense MLP's ({', '.join(LORA_MODULES)})")
-        if module not in linear:
+        if module is None or module not in linear:
             raise refuse(f"it adapts {target!r}, which is not a linear layer of this base ({model.config.describe()})")
         if not targeted(target):  # as peft: adapter_config.json's target_modules choose (a folder edited by hand)
             untargeted.add(target)
@@ -706,11 +721,16 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
                          "these weights and blockpress runs both on one module, so both must change alike")
     dtype = model.dtype
     model = add_lora(model, rank, alpha, targets=sorted(found))
+    from peft.tuners.lora import LoraLayer
+
     with torch.no_grad():
         for module, by_target in found.items():
             layer, tensors = model.get_submodule(module), next(iter(by_target.values()))  # the twins are equal
-            layer.lora_A["default"].weight.copy_(tensors["A"])
-            layer.lora_B["default"].weight.copy_(tensors["B"])
+            if not isinstance(layer, LoraLayer):
+                raise RuntimeError(f"apply_adapter: {module} is no LoRA layer after add_lora")
+            lora_a, lora_b = lora_weights(layer)
+            lora_a.copy_(tensors["A"])
+            lora_b.copy_(tensors["B"])
     if quantization_of(model) is not None:
         for p in model.parameters():
             p.requires_grad = False  # an inference model, as a merged one is
@@ -821,8 +841,9 @@ def data_parallel(module: nn.Module) -> nn.Module:
     run; the new one still syncs them once at the start, which constants do not mind); older torch knows only the
     old name."""
     ddp = nn.parallel.DistributedDataParallel
-    name = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else "broadcast_buffers"
-    return ddp(module, **{name: False})
+    if "forward_sync_buffers" in inspect.signature(ddp).parameters:
+        return ddp(module, forward_sync_buffers=False)
+    return ddp(module, broadcast_buffers=False)
 
 
 class Trainer:
@@ -894,7 +915,7 @@ class Trainer:
         # applied (a config of 0.1 trained without dropout, and without a word). A value outside [0, 1) is refused by
         # name before anything runs.
         self.attention_dropout = lm.config.attention_dropout
-        for layer in lm.model.layers:
+        for layer in lm.model.decoder_layers():
             layer.self_attn.dropout = self.attention_dropout
         # Examples longer than the context would train positions the model never uses (load_jsonl refuses them for
         # the CLI; a list built in Python comes here unchecked).
@@ -974,10 +995,11 @@ class Trainer:
         # the adapters.
         self.trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.total_parameters = lm.num_parameters(active=False) + (self.trainable_parameters if cfg.lora_rank else 0)
-        self.objective: nn.Module = Objective(model, cfg)
+        objective: nn.Module = Objective(model, cfg)
         if self.world > 1:
-            self.objective = data_parallel(self.objective)
-        self.eager_objective = self.objective
+            objective = data_parallel(objective)
+        self.eager_objective: Callable[[Batch, Noise], tuple[torch.Tensor, torch.Tensor]] = objective
+        self.objective: Callable[[Batch, Noise], tuple[torch.Tensor, torch.Tensor]] = objective
         if cfg.compile:
             # A small model's step is bound by per-op overhead, on a GPU as on a CPU: fused kernels pay.
             self.objective = torch.compile(self.objective)
@@ -1227,8 +1249,8 @@ class Trainer:
             with torch.no_grad():
                 for p, q in zip(self.model.parameters(), loaded.parameters(), strict=True):
                     p.copy_(q)
-                for p, q in zip(self.model.buffers(), loaded.buffers(), strict=True):
-                    p.copy_(q)
+                for mine, theirs in zip(self.model.buffers(), loaded.buffers(), strict=True):
+                    mine.copy_(theirs)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except ValueError as exc:  # e.g. another LoRA rank: torch's "parameter group that doesn't match"
