@@ -246,7 +246,7 @@ def _chat_copies(kwargs: dict[str, Any], cache: KVCache | None) -> int:
     holds, the reused counts) repeats each conversation's for them: zipped with the conversations alone, it covered
     the first copy only. A value generate refuses is left to it, to say so."""
     n = kwargs.get("num_return_sequences")
-    if not (is_int(n) and n > 1):
+    if n is None or not (is_int(n) and n > 1):
         return 1
     if cache is not None:  # the cache holds one row per conversation, and its n copies would need one each
         raise ValueError(f"num_return_sequences: not with cache= (the cache holds one row per conversation, and "
@@ -416,7 +416,7 @@ def check_seed(seed: Any, name: str) -> int | None:
         seed = seed.tolist()  # a plain number (a float or bool stays one, and is refused below)
     if not is_int(seed) or not 0 <= seed < 2**63:
         hint = (" (one seed per row: seeds=[...]; rows of one prompt with one seed are the same sample)"
-                if isinstance(seed, (list, tuple)) or getattr(seed, "ndim", 0) else "")
+                if isinstance(seed, (list, tuple)) or getattr(seed, "ndim", None) else "")
         raise ValueError(f"{name}: expected an integer in [0, 2**63), got {seed!r}{hint}")
     return int(seed)
 
@@ -473,9 +473,10 @@ def _check_budgets(max_new_tokens: Any, min_new_tokens: Any) -> tuple[int | tupl
             raise ValueError(f"{max_name}: expected a positive integer, got {most!r}")
         if not is_int(least) or not 0 <= least <= most:
             raise ValueError(f"{min_name}: expected an integer in [0, {max_name}={most}], got {least!r}")
-    # numpy integers as plain ints
-    return tuple(
-        tuple(int(v) for v in x) if isinstance(x, list) else int(x) for x in (max_new_tokens, min_new_tokens))
+    def plain(x: Any) -> int | tuple[int, ...]:  # numpy integers as plain ints
+        return tuple(int(v) for v in x) if isinstance(x, list) else int(x)
+
+    return plain(max_new_tokens), plain(min_new_tokens)
 
 
 def _row_draws(sampler_options: dict[str, Any], batch: int,
@@ -515,7 +516,7 @@ def _row_seeds(seeds: Any) -> list[int] | None:
     checked = [check_seed(x, f"seeds[{i}]") for i, x in enumerate(seeds)]
     if None in checked:  # one row random, the others seeded: give it a seed of its own
         raise ValueError(f"seeds[{checked.index(None)}]: expected an integer (each row needs its seed)")
-    return checked
+    return [seed for seed in checked if seed is not None]  # (all of them)
 
 
 def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
@@ -893,7 +894,8 @@ class LM:
         self._check_runnable()
         pad_id = self.pad_id
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
-        continuing = isinstance(cache, KVCache) and cache.length > 0
+        cached = cache.length if isinstance(cache, KVCache) else 0
+        continuing = cached > 0
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing)
         if attention_mask is not None:
             # blockpress pads texts and ragged rows itself, so a caller's mask could only be shaped like the result
@@ -903,8 +905,8 @@ class LM:
                 raise ValueError("attention_mask: not with text prompts (blockpress tokenizes and left-pads them, "
                                  "and masks the padding itself); leave attention_mask out")
             if mask is not None:  # prompt_to_ids padded: a list of id rows of different lengths
-                lengths = [int(n) for n in mask.sum(-1)]
-                raise ValueError(f"attention_mask: not with id rows of different lengths {lengths} (blockpress "
+                row_lengths = [int(n) for n in mask.sum(-1)]
+                raise ValueError(f"attention_mask: not with id rows of different lengths {row_lengths} (blockpress "
                                  "left-pads them and masks the padding itself); leave attention_mask out, or pass "
                                  "equal-length rows (a tensor) with their mask")
             mask = _check_mask(attention_mask, ids.shape, "the prompt")
@@ -927,11 +929,10 @@ class LM:
         check_vocab_range(ids, "prompt", v)
         asked = max_new_tokens = _row_counts(max_new_tokens, "max_new_tokens", ids.shape[0])
         if max_new_tokens is None and template is None:
-            max_new_tokens = self.default_new_tokens((cache.length if continuing else 0) + ids.shape[1])
+            max_new_tokens = self.default_new_tokens(cached + ids.shape[1])
         elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
             max_new_tokens = self._max_new_tokens_setting()
-        max_new_tokens, min_new_tokens = _check_budgets(max_new_tokens, _row_counts(
-            min_new_tokens, "min_new_tokens", ids.shape[0]))
+        budget, least = _check_budgets(max_new_tokens, _row_counts(min_new_tokens, "min_new_tokens", ids.shape[0]))
         eos_only = _row_counts(min_new_tokens_eos_only, "min_new_tokens_eos_only", ids.shape[0], "True or False")
         for i, flag in enumerate(eos_only if isinstance(eos_only, list) else [eos_only]):
             check_flag("min_new_tokens_eos_only" + (f"[{i}]" if isinstance(eos_only, list) else ""), flag)
@@ -965,7 +966,7 @@ class LM:
             # greedy (and any sampler with argmax candidates, what temperature 0 gives a chosen sampler) promises
             # the same answer every time: the starting canvas may not be random either
             seed = 0
-        if heal_holes:
+        if heal_holes and parsed is not None:  # (heal_holes: a template was given, parsed above)
             if is_text_template(prompt):  # a text prompt's trailing space joins a hole the template starts with
                 rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
                 moved, parsed = heal_into_template(self.tokenizer, rows, parsed)
@@ -986,14 +987,14 @@ class LM:
             says = f"{count} tokens" + (", one per row" if isinstance(count, list) else "")
             if max(max(r) for r in parsed.rows) >= v:
                 raise ValueError(f"template: token ids must be below the vocabulary size {v}")
-            if any(_each(min_new_tokens)):  # it would be ignored: a template's length is fixed, its holes never end early
+            if any(_each(least)):  # it would be ignored: a template's length is fixed, its holes never end early
                 raise ValueError(f"min_new_tokens: not with a template (its {says} are all written, no EOS inside), "
-                                 f"got {min_new_tokens}")
-            given = max_new_tokens if isinstance(max_new_tokens, tuple) else (max_new_tokens,) * len(lengths)
+                                 f"got {least}")
+            given = budget if isinstance(budget, tuple) else (budget,) * len(lengths)
             if asked is not None and given != lengths:  # ignored: the template sets it
                 raise ValueError(f"max_new_tokens: the template sets the length ({says}); leave max_new_tokens "
                                  f"unset or give {count}, got {asked}")
-            tmpl, max_new_tokens = parsed.ids(pad_id), lengths
+            tmpl, budget = parsed.ids(pad_id), lengths
             fields.update(template_holes=parsed.holes)
         # The ids past the tokenizer's vocabulary that the model's (padded) embedding has: never generated, since
         # they have no text (transformers samples them, and its decode drops them without a word).
@@ -1009,7 +1010,7 @@ class LM:
             fields.update(heal_prefixes=heal_prefixes,
                           first_allowed=allowed_first_tokens(self.tokenizer, heal_prefixes, v))
         stops = self._stops(stop, ids.shape[0], tmpl)
-        req = Request(prompt=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+        req = Request(prompt=ids, attention_mask=mask, max_new_tokens=budget, min_new_tokens=least,
                       sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id, stops=stops,
                       stop_ids=special_stop_ids(self.tokenizer, stops),
                       draw_temperatures=per_row.get("draw_temperature"), top_ks=per_row.get("top_k"),
@@ -1070,7 +1071,7 @@ class LM:
                                  "cache.truncate(mark) between them")
             for key in ROW_KEYWORDS:  # one setting per prompt row: each copy keeps its row's
                 value = args.get(key)
-                value = value.tolist() if getattr(value, "ndim", None) == 1 else value
+                value = value.tolist() if value is not None and getattr(value, "ndim", None) == 1 else value
                 if isinstance(value, (list, tuple)) and len(value) == rows:
                     args[key] = [v for v in value for _ in range(int(n))]
             stop = args.get("stop")
@@ -1517,13 +1518,14 @@ class LM:
         _check_keywords("generate_ar", GENERATE_AR_OPTIONS, unknown, sampler_settings=False)
         temperature = _as_rows(temperature, "temperature", "a number")
         per_row = isinstance(temperature, list)
-        if per_row:  # each value is checked with the other per-row settings (`_row_draws`); 0 is another rule
+        if isinstance(temperature, list):  # each checked with the other per-row settings (`_row_draws`); 0 is another rule
             zero = next((i for i, t in enumerate(temperature) if is_finite_number(t) and t == 0), None)
             if zero is not None:
                 raise ValueError(f"temperature[{zero}]: 0 (greedy) is a whole batch's setting, not one row's (greedy "
                                  "takes the argmax where the other rows draw); pass temperature=0, or one > 0 for "
                                  "every row")
-        elif temperature is not None and not (is_float32(temperature) and temperature >= 0):
+        elif temperature is not None and (isinstance(temperature, Sequence)  # a str (_as_rows listed the others)
+                                          or not (is_float32(temperature) and temperature >= 0)):
             raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
                              f"{temperature!r}")
         if sampler is not None and not isinstance(sampler, SamplerConfig):
@@ -1784,7 +1786,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         raise ValueError(f"progress: expected True, False or a callable progress(done, total), got {progress!r}")
     given = adapter
     path, adapter, quantize = resolve_model(path_or_name, quantize, adapter)
-    if given is not None:  # (an adapter folder given as the model loads over its own recorded base)
+    if given is not None and adapter is not None:  # (an adapter folder given as the model loads over its own base)
         from .train import check_adapter_pairing
 
         check_adapter_pairing(adapter, path)
@@ -1837,8 +1839,8 @@ def random_model(
         raise ValueError(f"config: expected a blockpress.ModelConfig (e.g. ModelConfig.tiny() or "
                          f"ModelConfig.from_dict(...)), got {type(config).__name__}")
     tokenizer = check_tokenizer(tokenizer, config.text.vocab_size)  # before the weights are allocated
-    seed = check_seed(seed, "seed")
-    if seed is None:
+    checked_seed = check_seed(seed, "seed")
+    if checked_seed is None:
         raise ValueError("seed: expected an integer (the weights are a function of it), got None")
     dtype = resolve_dtype(_dtype_argument(dtype)) or torch.float32  # "auto" / None: no checkpoint to follow
     device = resolve_device(_device_argument(device))
@@ -1851,7 +1853,7 @@ def random_model(
     nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     check_fits(nbytes, device, f"random_model: {config.describe()} in {str(dtype).replace('torch.', '')}")
     model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(checked_seed)
     model.init_weights(generator)
     model.reset_buffers()
     return LM(model, tokenizer)
