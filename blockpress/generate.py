@@ -14,7 +14,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from os.path import commonprefix
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -125,7 +125,7 @@ class GraphedDenoise:
             self.captures += 1
         graph, canvas, static_probs, logits = self.graphs[sc_key]
         canvas.copy_(canvas_ids)
-        if static_probs is not None:
+        if static_probs is not None and probs is not None:  # (captured with probs exactly when they are given)
             static_probs.copy_(probs)
         graph.replay()
         return logits
@@ -164,6 +164,7 @@ class GraphedEncodeStep:
             self.graph = self.capture(input_ids.clone(), cache, slot)
             self.key = key
             self.captures += 1
+        assert self.graph is not None  # captured above for this key, or earlier for the same one
         graph, token, slot, out = self.graph
         token.copy_(input_ids)
         slot.fill_(cache.length)
@@ -328,7 +329,8 @@ class Request:
 
         def per_row(value: int | Sequence[int], name: str) -> list[int]:
             if is_int(value):
-                return [int(value)] * b
+                return [int(value)] * b  # type: ignore[arg-type]  # (is_int: an int, numpy's or a 0-d tensor)
+            value = cast(Sequence[int], value)  # not an integer: a list, tuple or 1-D tensor of them
             if len(value) != b:
                 raise ValueError(f"{name}: expected one count per row ({b}), got {len(value)}")
             return [int(v) for v in value]
@@ -445,9 +447,9 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
         rows = [_id_row(r, name) for r in ids] if nested else [_id_row(ids, name)]
         if any(not r for r in rows):
             raise ValueError(f"{name}: every row needs at least one token id")
-        for t in (t for r in rows for t in r):
-            if not 0 <= t < 2**63:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
-                raise ValueError(f"{name}: token id {t} is not a token id (expected 0 <= id < vocab_size)")
+        for token in (token for r in rows for token in r):
+            if not 0 <= token < 2**63:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
+                raise ValueError(f"{name}: token id {token} is not a token id (expected 0 <= id < vocab_size)")
         return rows
     empty = isinstance(ids, (list, tuple, str)) and not ids
     raise ValueError(f"{name}: expected {also}token ids [P] or [B, P] (a tensor, an array or lists), or a list of "
@@ -781,9 +783,10 @@ class _RowTexts:
     def text(self, r: int, row: list[int]) -> str:
         """Row `r`'s text of its new tokens `row`: decoded whole (a template's fixed special tokens kept, see
         decode_rows), without the healed prefix the prompt holds, not cut at a stop string."""
-        if self.newest[r] is None or self.newest[r][0] != len(row):
-            self.newest[r] = (len(row), self._decode(r, row))
-        return self.newest[r][1]
+        newest = self.newest[r]
+        if newest is None or newest[0] != len(row):
+            newest = self.newest[r] = (len(row), self._decode(r, row))
+        return newest[1]
 
     def floor(self, r: int, row: list[int]) -> int:
         """How many characters of the text the first min_new_tokens tokens make: no stop string ends in them
@@ -793,9 +796,10 @@ class _RowTexts:
             return 0
         if len(row) <= m:
             return len(self.text(r, row))
-        if self.floors[r] is None:
-            self.floors[r] = len(self._decode(r, row[:m]))
-        return self.floors[r]
+        floor = self.floors[r]
+        if floor is None:
+            floor = self.floors[r] = len(self._decode(r, row[:m]))
+        return floor
 
     def answers(self, rows: list[list[int]]) -> list[str]:
         """Each row's text as the answer reads, from its valid new tokens `rows` (all of them, or those so far):
@@ -1117,11 +1121,13 @@ class _Working:
     def shrink(self, keep: torch.Tensor, canvas_len: int, cache_rows: torch.Tensor | None = None) -> _Working:
         """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink; `cache_rows`: their
         rows in the cache, where it holds fewer rows than the batch)."""
+        scored, draws = self.rules.scored, self.rules.draws
+        assert scored is not None and draws is not None  # (the decoding loop's rules carry both)
         return _Working(
             rows=self.rows[keep], state=take_rows(self.state, keep),
             cache=self.cache.rows(keep if cache_rows is None else cache_rows, canvas_len),
             rules=replace(self.rules, fixed=None if self.rules.fixed is None else self.rules.fixed[keep],
-                          scored=self.rules.scored[keep], draws=self.rules.draws.take(keep)),
+                          scored=scored[keep], draws=draws.take(keep)),
             writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
             eos_banned=None if self.eos_banned is None else self.eos_banned[keep],
             seeds=self.seeds[keep], finished=self.finished[keep],
@@ -1597,6 +1603,7 @@ def run_ar(
     t0 = time.perf_counter()
     with torch.no_grad():
         cache, logits, reused = _encode_prompt(model, req, prompt, cache, p + n_new + 1, logits=True)
+    assert logits is not None  # (asked for: logits=True)
     start = cache.length
     device_sync(device)
     encode_s = time.perf_counter() - t0
@@ -1621,7 +1628,7 @@ def run_ar(
             token = sample(candidate_probs(draws, logits), hashed_uniforms(row_seed, 0, i, 1)[:, 0])
         token = token.masked_fill(finished, req.pad_id)
         new_tokens[:, i] = token
-        if penalized:
+        if history is not None:  # (made where the sampler penalizes repeats)
             history.scatter_add_(1, token[:, None], (~finished).to(history.dtype)[:, None])
         passes += ~finished
         finished = finished | torch.isin(token, eos) | (budget <= i + 1)  # an EOS, or its max_new_tokens written
@@ -1641,7 +1648,9 @@ def run_ar(
         if stop and not keep_cache:
             break
         with torch.no_grad(), weights_unchanged(model, cache.weights_version):
-            logits = fns.encode_step(token[:, None], cache, logits="last")
+            step_logits = fns.encode_step(token[:, None], cache, logits="last")
+        assert step_logits is not None  # (asked for: logits="last")
+        logits = step_logits
         if stop:
             break
         if later is not None:

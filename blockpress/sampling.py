@@ -203,7 +203,8 @@ class SamplerConfig:
 
     def batch_wide(self) -> SamplerConfig:
         """This config with the per-row settings (ROW_SETTINGS) at their defaults: what the rows of a batch share."""
-        return replace(self, **{f.name: f.default for f in fields(self) if f.name in ROW_SETTINGS})
+        defaults: dict[str, Any] = {f.name: f.default for f in fields(self) if f.name in ROW_SETTINGS}
+        return replace(self, **defaults)
 
     def with_(self, **changes: Any) -> SamplerConfig:
         check_keywords("SamplerConfig", changes, (), [f.name for f in fields(self)],
@@ -525,12 +526,13 @@ def accept_entropy_bound(ent: torch.Tensor, bound: float | torch.Tensor, rank: t
     entropies taken so far, less the last one, sum to <= bound: the first in order is always accepted.
     `within`: [B, C] bool, the positions that may be accepted (None: all); the others rank last, add nothing to the
     sum and are never accepted."""
+    key = ent  # what orders the positions where no rank is given
     if within is not None:  # where every position is within, the keys and the order are the ones without it
         rank = None if rank is None else torch.where(within, rank, torch.inf)
-        key = torch.where(within, ent, torch.inf) if rank is None else None
+        key = torch.where(within, ent, torch.inf)
         ent = torch.where(within, ent, 0.0)
     if rank is None:
-        order = torch.sort(ent if within is None else key, dim=-1).indices
+        order = torch.sort(key, dim=-1).indices
     else:  # stable, so equal keys (the decided positions) keep their left-to-right order
         order = torch.argsort(rank, dim=-1, stable=True)
     ordered = ent.gather(-1, order)
@@ -642,8 +644,8 @@ class CanvasState:
 def take_rows(state: CanvasState, rows: torch.Tensor) -> CanvasState:
     """The state of the rows `rows` only (a sub-batch)."""
     sc = None if state.sc_probs is None else state.sc_probs.index_select(0, rows)
-    return CanvasState(*(t.index_select(0, rows) for t in (state.canvas, state.argmax)), sc,
-                       *(t.index_select(0, rows) for t in (state.stable_steps, state.done, state.accepted, state.settled)))
+    names = ("canvas", "argmax", "stable_steps", "done", "accepted", "settled")
+    return CanvasState(sc_probs=sc, **{n: getattr(state, n).index_select(0, rows) for n in names})
 
 
 def put_rows(state: CanvasState, rows: torch.Tensor, sub: CanvasState) -> CanvasState:
