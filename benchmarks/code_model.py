@@ -28,6 +28,7 @@ import warnings
 
 import torch
 from benchmark_args import Formatter, checkpoint, non_negative_int, positive_int
+from tqdm import tqdm
 
 import blockpress
 from blockpress.generate import canvas_positions
@@ -113,7 +114,8 @@ def main() -> None:
 
     for engine in ("diffusion", "ar"):
         ok, strict, new, passes, seconds, examples = 0, 0, 0, 0, 0.0, []
-        for i, f in enumerate(funcs):
+        # a bar on stderr, as benchmarks/sudoku.py draws (a run of 100 functions takes minutes and printed nothing)
+        for i, f in enumerate(tqdm(funcs, desc=f"{engine} completions", unit="function", leave=False)):
             prompt = tok.encode(f.prompt_text, add_bos=True)[-PROMPT_MAX:]
             t0 = time.perf_counter()
             if engine == "diffusion":
@@ -140,7 +142,8 @@ def main() -> None:
         for engine in ("diffusion", "ar"):
             for healing in (False, True):
                 ok = 0
-                for i, f in enumerate(funcs[: args.healing_functions]):
+                for i, f in enumerate(tqdm(funcs[: args.healing_functions], unit="function", leave=False,
+                                           desc=f"{engine} trailing newline, {'healed' if healing else 'plain'}")):
                     prompt = tok.encode(f.prompt_text + "\n", add_bos=True)[-PROMPT_MAX:]
                     kw = dict(max_new_tokens=args.max_new_tokens, token_healing=healing)
                     out = (lm.generate([prompt], seed=args.seed + i, **kw, **options) if engine == "diffusion"
@@ -152,7 +155,7 @@ def main() -> None:
 
     cases = infill_cases(funcs, tok, lm.config.canvas_length, args.infills, args.seed)
     hits_diff = hits_ar = 0
-    for i, case in enumerate(cases):
+    for i, case in enumerate(tqdm(cases, desc="infills", unit="infill", leave=False)):
         prompt = tok.encode(case.before, add_bos=True)[-PROMPT_MAX:]
         out = lm.infill([-1] * len(case.hole) + case.suffix, prompt=[prompt], seed=args.seed + i, **options)
         got = tok.decode(out.new_tokens[0, : len(case.hole)].tolist())

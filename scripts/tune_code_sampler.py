@@ -15,6 +15,7 @@ import warnings
 
 import torch
 from script_args import json_flag
+from tqdm import tqdm
 
 import blockpress
 from blockpress.tasks.code import completion_parses, model_heldout_functions
@@ -67,7 +68,8 @@ def main() -> None:
     for setting in settings:
         ok = new = passes = 0
         # Batched (left-padded, one seed per row): every row computes what it would alone, only faster.
-        for lo in range(0, len(funcs), args.batch):
+        for lo in tqdm(range(0, len(funcs), args.batch), desc=json.dumps(setting or "generation_config"), unit="batch",
+                       leave=False):
             batch = prompts[lo : lo + args.batch]
             out = (lm.generate_ar(batch, max_new_tokens=args.max_new_tokens, **setting) if args.ar else
                    lm.generate(batch, max_new_tokens=args.max_new_tokens,
