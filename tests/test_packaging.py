@@ -252,6 +252,27 @@ def test_the_readmes_layout_names_every_module():
     assert all((package / name).exists() or (ROOT / name).exists() for name in in_package)
 
 
+DOC_PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_every_code_block_of_the_docs_opens_once_and_closes(page):
+    """The README's Command line block opened with two ```bash lines: a fence that closes takes no language, so the
+    second was the block's first line and showed as text above the commands. A fence with a language inside an open
+    block is such a line, and every block that opens closes."""
+    opened = None
+    for number, line in enumerate((ROOT / page).read_text().splitlines(), start=1):
+        fence = re.match(r"(`{3,})(.*)", line)
+        if fence is None:
+            continue
+        if opened is None:
+            opened = number
+        else:
+            assert not fence.group(2).strip(), f"{page}:{number}: {line!r} inside the block opened at line {opened}"
+            opened = None
+    assert opened is None, f"{page}: the block opened at line {opened} never closes"
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/python-api.md"])
 def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypatch, page):
     """A reader runs the Python API block (the README's short one, docs/python-api.md's whole one) top to bottom,
