@@ -273,6 +273,41 @@ def test_every_code_block_of_the_docs_opens_once_and_closes(page):
     assert opened is None, f"{page}: the block opened at line {opened} never closes"
 
 
+def heading_anchors(text: str) -> set[str]:
+    """The #fragments GitHub gives a page's headings: lower case, punctuation but - and _ dropped, spaces as -, and
+    -1, -2 ... after a repeated one; headings inside code blocks are code."""
+    repeats: dict[str, int] = {}
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and (heading := re.match(r"#{1,6} (.+)", line)):
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            repeats[slug] = repeats.get(slug, -1) + 1
+    return {f"{slug}-{n}" if n else slug for slug, count in repeats.items() for n in range(count + 1)}
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_every_relative_link_of_the_docs_leads_somewhere(page):
+    """The README's detail moved to docs/, so its links and the pages' links to each other (and to a section,
+    `serving.md#shutdown`) are how a reader finds it: each relative link names a file that exists, and a #fragment
+    one of that page's headings."""
+    source = ROOT / page
+    links = re.findall(r"\]\(([^)\s]+)\)", source.read_text())
+    assert links or page != "README.md", "the README's links were not found"
+    broken = []
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # https:, mailto: ...: not this repository's
+            continue
+        path, _, fragment = link.partition("#")
+        target = (source.parent / path).resolve() if path else source
+        if not target.exists():
+            broken.append(f"{link} (no such file)")
+        elif fragment and target.suffix == ".md" and fragment not in heading_anchors(target.read_text()):
+            broken.append(f"{link} (no such heading in {target.name})")
+    assert not broken, f"{page}: {broken}"
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/python-api.md"])
 def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypatch, page):
     """A reader runs the Python API block (the README's short one, docs/python-api.md's whole one) top to bottom,
