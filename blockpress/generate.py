@@ -1347,7 +1347,8 @@ class _Decoding:
         trouble = torch.zeros((), dtype=torch.bool, device=all_rows.device)  # a hook left an open position nothing
         # The model's own logits NaN / inf, a flag per step checked: the first step's alone, as every later step of
         # the same weights shows NaN weights too; in float16 every step's, as its activations can first overflow at
-        # a later one (the canvas settling), and NaN logits would decode as token 0 unsaid. Read at the canvas's end.
+        # a later one (the canvas settling), and NaN logits would decode as token 0 unsaid. Read at the canvas's end (a stream's drafts
+        # read each checked step's flag first, as a draft reads the device anyway).
         every_step = self.model.dtype == torch.float16
         broken = torch.zeros(cfg.max_denoising_steps if every_step else 1, dtype=torch.bool, device=all_rows.device)
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
