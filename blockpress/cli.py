@@ -76,6 +76,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     terminal and erased once loaded, so it never mixes into the output or a script's stderr."""
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:  # before the load, which can take a while
         raise ValueError(f"--prefill-chunk: expected a positive integer (tokens per pass), got {args.prefill_chunk}")
+    check_cuda_graphs(args)
     slow = emulated_dtype_note(args.dtype, args.device)
     if slow is not None:
         print(slow, file=sys.stderr, flush=True)
@@ -109,13 +110,21 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
                         progress=progress if terminal and not keep else False)
         if args.prefill_chunk is not None:
             lm.model.prefill_chunk = args.prefill_chunk
-        return lm
+        # last: --quantize and --adapter are applied in the load, and the steps are made over the modules they leave
+        if args.compile:
+            lm.compile()
+        elif args.cuda_graphs:
+            lm.cuda_graphs()  # an FP8 model whose GPU lacks the grouped GEMM is refused here, naming the flag
     finally:
         if terminal and not keep:  # the line erased, loaded or not: overwritten with spaces, which every terminal
             # takes; the escape "\x1b[K" showed as "^[[K" where TERM=dumb (Emacs' shell) and on a Windows console
             # without VT processing (conhost, cmd.exe) as "←[K"
             width = max(display_width(x) for x in shown)
             print("\r" + " " * width + "\r", end="", file=sys.stderr, flush=True)
+    if args.compile and not keep:  # silent minutes otherwise, read as a hang
+        print("note: --compile: the first steps of each batch size and prompt length compile before they run "
+              "(minutes on a CPU)", file=sys.stderr, flush=True)
+    return lm
 
 
 def emulated_dtype_note(dtype: str | None, device: str) -> str | None:
@@ -154,6 +163,62 @@ def add_load_args(p: argparse.ArgumentParser, runs: bool = True) -> None:
         p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                        help="prompt tokens encoded per pass: a long prompt's attention masks take N x its length, not "
                             f"its length squared; the result is the same (default: {PREFILL_CHUNK})")
+        add_step_args(p)
+
+
+COMPILE_HELP = ("run each decoding step (the decoder pass, the sampler step, an AR token's encoder pass) through "
+                "torch.compile (lm.compile()). The first steps compile, and so do the first of a new batch size or "
+                "prompt length: minutes on a CPU, even for a tiny model. It pays for long runs where per-op overhead "
+                "dominates (bf16 on a CPU, small batches on a GPU), not for one short answer")
+GRAPHS_HELP = ("replay each decoder pass (and an AR token's encoder pass) from a CUDA graph, captured once a "
+               "canvas: a small batch's pass on a GPU spends most of its time launching kernels from Python, "
+               "which a replay skips. Needs --device cuda and bfloat16 weights (--dtype bfloat16 unless the checkpoint "
+               "stores bf16): refused at once otherwise")
+
+
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """--compile and --cuda-graphs: one or the other (lm.cuda_graphs() replaces the compiled steps, and a graph
+    replays the eager pass), so argparse refuses both together."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--compile", action="store_true", help=f"{COMPILE_HELP}. Not with --cuda-graphs")
+    g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}. Not with --compile")
+
+
+def compile_failure(err: BaseException) -> ValueError:
+    """A torch.compile failure (no C++ compiler: a Windows install without MSVC's cl, a slim container) in one
+    line naming --compile and torch's first line, as `bench --compile` says it: torch's trace is a page long."""
+    why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+    return ValueError(f"--compile: torch.compile could not compile blockpress's steps ({why}); run without --compile "
+                      "(set TORCHDYNAMO_VERBOSE=1 for torch's trace)")
+
+
+def check_cuda_graphs(args: argparse.Namespace) -> None:
+    """--cuda-graphs where they cannot replay (a CPU, weights other than bf16) refused before the model loads, as
+    lm.cuda_graphs() would refuse it after: a 26B checkpoint takes minutes to load. The dtype is the one the load
+    would pick: --dtype, else random weights' float32, else the checkpoint's (its plan reads headers, no data)."""
+    if not getattr(args, "cuda_graphs", False):
+        return
+    import torch
+
+    from blockpress.lm import _graphs_refusal
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:  # not a device at all: the load's to refuse, naming --device
+        return
+    if device.type != "cuda" or args.dtype is not None:  # (off CUDA the device is the refusal, whatever the dtype)
+        dtype = getattr(torch, args.dtype or "float32")
+    elif args.model.startswith(RANDOM_PREFIX):
+        dtype = torch.float32  # random_model's when no --dtype is given
+    else:
+        from blockpress.checkpoint import plan_model
+        from blockpress.lm import resolve_model
+
+        path, _, quantize = resolve_model(args.model, args.quantize, args.adapter)
+        dtype = plan_model(path, None, device, quantize, weights=False).dtype
+    why = _graphs_refusal(device, dtype)
+    if why is not None:
+        raise ValueError(f"--cuda-graphs: {why}; run with --device cuda --dtype bfloat16, or without --cuda-graphs")
 
 
 DEVICE_HELP = "torch device: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N or mps"
@@ -2275,6 +2340,9 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"{fresh_line(exc)}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)  # off the "^C"
         return stop_status(exc)
     except RuntimeError as exc:
+        if getattr(args, "compile", False) and compile_failed(exc):
+            print(f"blockpress {args.command}: error: {compile_failure(exc)}", file=sys.stderr)
+            return 2
         if not out_of_memory(exc):
             raise
         print(f"blockpress {args.command}: error: {out_of_memory_message(exc, args.command)}", file=sys.stderr)
@@ -2301,6 +2369,13 @@ def out_of_memory_message(exc: BaseException, command: str, before_hint: str = "
     reason = (str(exc).splitlines() or [""])[0]
     hint = OOM_HINTS.get(command, "a smaller model, --dtype bfloat16, or --quantize")
     return f"the device ran out of memory ({reason}); {before_hint}{hint}"
+
+
+def compile_failed(exc: BaseException) -> bool:
+    """torch.compile's own error (dynamo's, inductor's wrapped in it: no C++ compiler, say), checked without
+    importing torch's compiler for a run that never compiled."""
+    errors = sys.modules.get("torch._dynamo.exc")
+    return errors is not None and isinstance(exc, errors.TorchDynamoException)
 
 
 def release_device_memory() -> None:

@@ -931,6 +931,119 @@ def test_bench_cuda_graphs_on_cpu_is_a_clear_error():
     assert r.returncode == 2 and "--cuda-graphs: needs a CUDA device" in r.stderr and "Traceback" not in r.stderr
 
 
+def counted_compile(monkeypatch) -> dict[str, list[str]]:
+    """torch.compile as StepFunctions.compiled calls it, stubbed to run each function as it is (inductor takes
+    minutes here), noting the thread of every call under the function's name: decode through `lm.compile()`'s
+    steps, and the counts say so."""
+    import threading
+
+    import blockpress.generate as generate
+
+    calls: dict[str, list[str]] = {}
+
+    def compile_(fn, **options):
+        def run(*args, **kwargs):
+            calls.setdefault(fn.__name__, []).append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(generate.torch, "compile", compile_)
+    return calls
+
+
+SUDOKU = "530070000600195000098000060800060003400803001700020006060000280000419005000080079"
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "def f(x):", "--max-new-tokens", "20", "--steps", "3", "--seed", "1", "--json"],
+    ["generate", "def f(x):", "--max-new-tokens", "6", "--ar", "--json"],
+    ["infill", "def f(<|hole:4|>):\n    return x", "--steps", "3", "--seed", "1", "--json"],
+    ["sudoku", SUDOKU, "--steps", "4", "--json"],
+])
+def test_compile_decodes_through_the_compiled_steps_and_gives_the_same_text(monkeypatch, capsys, args):
+    """generate, infill, chat and sudoku had no --compile (only bench did): lm.compile() is applied after the load,
+    its steps run every pass (a denoising step a decoder pass and a sampler step; --ar a token's encoder pass),
+    and the answer is the eager run's."""
+    model = [] if args[0] == "sudoku" else ["--model", MODEL]
+    assert main([*args, *model]) == 0
+    eager = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    calls = counted_compile(monkeypatch)
+    assert main([*args, *model, "--compile"]) == 0
+    captured = capsys.readouterr()
+    compiled = [json.loads(line) for line in captured.out.splitlines()]
+    untimed = lambda rows: [{k: v for k, v in row.items() if k not in ("tok_s", "seconds")} for row in rows]  # noqa: E731
+    assert untimed(compiled) == untimed(eager) and compiled
+    if "--ar" in args:  # the first token comes from the prompt's encode, each one after from a one-token pass
+        assert len(calls["encode"]) == compiled[0]["new_tokens"] - 1 and "denoise" not in calls
+    elif args[0] == "sudoku":
+        assert len(calls["denoise"]) == len(calls["denoise_step"]) == compiled[0]["steps"]
+    else:
+        assert len(calls["denoise"]) == len(calls["denoise_step"]) == compiled[0]["forward_passes"]
+    assert "--compile: the first steps of each batch size and prompt length compile" in captured.err
+
+
+def test_chat_compile_decodes_through_the_compiled_steps(monkeypatch, capsys):
+    lines = iter(["hello there", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    args = ["chat", "--model", MODEL, "--max-new-tokens", "6", "--steps", "2", "--seed", "3", "--json"]
+    assert main(args) == 0
+    eager = json.loads(capsys.readouterr().out.splitlines()[0])
+    calls = counted_compile(monkeypatch)
+    lines = iter(["hello there", "/exit"])
+    assert main([*args, "--compile"]) == 0
+    reply = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert reply["text"] == eager["text"] and len(calls["denoise"]) == reply["forward_passes"] > 0
+
+
+@pytest.mark.parametrize("command", ["generate", "infill", "chat", "sudoku", "serve"])
+@pytest.mark.parametrize("flags, needs", [([], "a model on a CUDA device, not cpu"),
+                                          (["--device", "cuda", "--dtype", "float32"], "bfloat16 weights")])
+def test_cuda_graphs_where_they_cannot_replay_is_one_line_before_loading(monkeypatch, capsys, command, flags, needs):
+    """--cuda-graphs on a CPU, or in float32 (the experts' grouped GEMM on CUDA is bf16 only), is refused naming the
+    flag and what it needs before the model loads (a 26B takes minutes), exit 2; with --compile too, argparse
+    refuses the pair (lm.cuda_graphs() would replace the compiled steps)."""
+    import blockpress.cli
+
+    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    given = {"generate": ["x"], "infill": ["a <|hole|>"], "sudoku": [SUDOKU], "serve": ["--port", "0"]}
+    args = [command, *given.get(command, []), *(["--model", "random-tiny"] if command != "sudoku" else []), *flags]
+    assert main([*args, "--cuda-graphs"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"blockpress {command}: error: --cuda-graphs: needs {needs}")
+    assert "--device cuda --dtype bfloat16" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--compile", "--cuda-graphs"])
+    assert exc.value.code == 2
+    assert "error: argument --cuda-graphs: not allowed with argument --compile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["generate", "x", "--json"], ["generate", "x", "--ar"]])
+def test_compile_that_cannot_build_is_one_line(monkeypatch, capsys, args):
+    """Where torch.compile cannot build (no C++ compiler), --compile ended in a page of torch._dynamo traceback at
+    the first step; it is bench's one line naming --compile and torch's reason. Stubbed: dynamo's error, raised by
+    the first compiled step."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    import blockpress.generate as generate
+
+    def unbuildable(fn, **options):
+        def run(*args, **kwargs):
+            raise TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found\n\nmore of torch's trace")
+        return run
+
+    monkeypatch.setattr(generate.torch, "compile", unbuildable)
+    assert main([*args, "--model", "random-tiny", "--compile"]) == 2
+    err = capsys.readouterr().err
+    assert (f"blockpress {args[0]}: error: --compile: torch.compile could not compile blockpress's steps "
+            "(TorchDynamoException: InvalidCxxCompiler: No working C++ compiler found); run without --compile") in err
+    assert "trace\n" not in err and err.count("error:") == 1
+    monkeypatch.undo()  # without --compile, dynamo's error is no compile failure of ours: it is raised as it is
+    monkeypatch.setattr(generate.StepFunctions, "eager", lambda model: generate.StepFunctions(
+        *[unbuildable(None)] * 3))
+    with pytest.raises(TorchDynamoException):
+        main(["generate", "x", "--model", "random-tiny"])
+
+
 def test_bench_canvas_sweep(tmp_path):
     assert main(["bench", "--preset", "tiny", "--canvas-lengths", "4", "16", "--new-tokens", "16", "--steps", "2",
                  "--repeats", "1", "--no-ar", "--out", str(tmp_path / "b.json")]) == 0
