@@ -121,7 +121,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
             # without VT processing (conhost, cmd.exe) as "←[K"
             width = max(display_width(x) for x in shown)
             print("\r" + " " * width + "\r", end="", file=sys.stderr, flush=True)
-    if args.compile and not keep:  # silent minutes otherwise, read as a hang
+    if args.compile and not keep:  # silent minutes otherwise, read as a hang (serve says it as it warms up)
         print("note: --compile: the first steps of each batch size and prompt length compile before they run "
               "(minutes on a CPU)", file=sys.stderr, flush=True)
     return lm
@@ -174,14 +174,17 @@ GRAPHS_HELP = ("replay each decoder pass (and an AR token's encoder pass) from a
                "canvas: a small batch's pass on a GPU spends most of its time launching kernels from Python, "
                "which a replay skips. Needs --device cuda and bfloat16 weights (--dtype bfloat16 unless the checkpoint "
                "stores bf16): refused at once otherwise")
+SERVE_WARM_UP = ("; serve runs a few short generations with it before it answers (a line on stderr says so), so the "
+                 "first clients do not wait for them")
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
     """--compile and --cuda-graphs: one or the other (lm.cuda_graphs() replaces the compiled steps, and a graph
     replays the eager pass), so argparse refuses both together."""
+    warm = SERVE_WARM_UP if p.prog.endswith(" serve") else ""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--compile", action="store_true", help=f"{COMPILE_HELP}. Not with --cuda-graphs")
-    g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}. Not with --compile")
+    g.add_argument("--compile", action="store_true", help=f"{COMPILE_HELP}{warm}. Not with --cuda-graphs")
+    g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}{warm}. Not with --compile")
 
 
 def compile_failure(err: BaseException) -> ValueError:
@@ -1538,7 +1541,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
 
-    from blockpress.serve import check_api_key, check_origins, create_app, header_deadline_protocol
+    from blockpress.serve import check_api_key, check_origins, create_app, header_deadline_protocol, warm_up
 
     check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
     # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
@@ -1553,6 +1556,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
                      api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops)
+    if args.compile or args.cuda_graphs:
+        # Here, before the engine thread that owns the model starts: the first clients waited minutes for the compile
+        # (vLLM captures its graphs at startup too). Connections made meanwhile wait in the socket's backlog.
+        flag, doing = (("--compile", "compiling the model's steps (minutes on a CPU)") if args.compile else
+                       ("--cuda-graphs", "capturing CUDA graphs"))
+        print(f"blockpress: {flag}: {doing} with a few short generations before serving ...", file=sys.stderr,
+              flush=True)
+        started = time.perf_counter()
+        warm_up(app)  # a compiler that cannot build stops the start here, in one line (run_command)
+        print(f"blockpress: warmed up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     # that a key is required, never the key: the line lands in logs and terminals others read
     access = "; requests to /v1 need the API key" if api_key is not None else ""
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1{access}", file=sys.stderr)

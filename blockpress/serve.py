@@ -1515,6 +1515,43 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
             "created": reply.created, "model": reply.model, "choices": choices, "usage": reply.usage(totals)}
 
 
+# What warm_up generates: a row alone, again with a longer prompt (torch.compile makes the cache's size dynamic
+# then), then both as two rows (another batch size, left padding). With lm.compile() on random-tiny (torch 2.13,
+# dynamo's graphs counted), requests alone (short or long) and three together then compiled nothing new (after the
+# first batch alone, the first client's compiled 2 more graphs); new sampler settings still compile the sampler
+# step. The decoder pass then holds 8 graphs, torch's recompile limit: rows of equal prompts (n=3) ran it eagerly.
+WARM_UP_PROMPTS = (("Hello",), ("Write a function that adds two numbers.",),
+                   ("Hello", "Write a function that adds two numbers."))
+
+
+def warm_up(app: FastAPI) -> None:
+    """Run the server's first generations now, on the calling thread, before the engine thread starts (so before
+    the app serves): under lm.compile() the first passes of each shape compile (minutes on a CPU), and under
+    lm.cuda_graphs() the first capture pays CUDA's lazy setup, which the first clients waited for. Each batch of
+    WARM_UP_PROMPTS goes as a request's jobs go (completion_jobs, Engine._stream), over two canvases where no EOS
+    comes first (the cache grows between them); the two-row one only where max_batch takes it. Nothing is answered or counted, and the
+    prefix cache is left empty. The compiled code is the process's, so the engine thread runs it as it is."""
+    state: ServerState = app.state.server
+    engine, canvas = state.engine, state.lm.config.canvas_length
+    if engine.thread.ident is not None:  # it owns the model from then on
+        raise ValueError("warm_up: the engine thread has started; warm the app up before it serves")
+    loop = asyncio.new_event_loop()  # the jobs' own; nothing is put on it
+    try:
+        for prompts in WARM_UP_PROMPTS:
+            ids = [state.lm.tokenizer.encode_prompt(text) for text in prompts]
+            rooms = [min(2 * canvas, canvas_room(state.context, len(row), canvas)) for row in ids]
+            if len(prompts) > engine.max_batch or min(rooms) == 0:  # (a --max-context below the longer prompt)
+                continue
+            jobs = [job for row, room in zip(ids, rooms) for job in completion_jobs(
+                state, CompletionRequest(model=state.model_name, prompt=row, max_tokens=room, seed=0), row, True, loop)]
+            for _ in engine._stream(jobs):
+                pass
+    finally:
+        loop.close()
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.clear()
+
+
 def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), api_key: str | None = None,

@@ -1017,11 +1017,51 @@ def test_cuda_graphs_where_they_cannot_replay_is_one_line_before_loading(monkeyp
     assert "error: argument --cuda-graphs: not allowed with argument --compile" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args", [["generate", "x", "--json"], ["generate", "x", "--ar"]])
+def test_serve_compiles_before_it_answers_and_the_engine_runs_the_compiled_steps(monkeypatch, capsys):
+    """serve --compile warms up before it says it serves: the first steps (a row alone over two canvases, then two
+    rows of unequal prompts) run on the main thread before the engine thread that owns the model starts, so no
+    client waits for the compile, and the requests then run the same compiled steps on the engine thread: a batch of
+    three that shrinks as rows end, each with its own temperature, answered as the eager server answers them. The
+    warm-up is neither counted in /metrics nor left in the prefix cache."""
+    import concurrent.futures as cf
+
+    bodies = [{"model": "random-tiny", "prompt": "a" * k, "max_tokens": 16 * k, "seed": k, "temperature": 0.5 + k / 4}
+              for k in (1, 2, 3)]
+    seen = []
+
+    def send(http):
+        seen.append({name: list(threads) for name, threads in calls.items()})  # as the server starts answering
+        with cf.ThreadPoolExecutor(3) as pool:
+            answers = [r.json()["choices"][0]["text"] for r in pool.map(
+                lambda body: http.post("/v1/completions", json=body), bodies)]
+        metrics = http.get("/metrics").text
+        return answers, [line for line in metrics.splitlines() if re.match(r"blockpress_(requests|batches|prefix)", line)]
+
+    answers = serve_answering(monkeypatch, send)
+    calls: dict[str, list[str]] = {}
+    assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 0
+    eager, eager_metrics = answers.pop()
+    capsys.readouterr()
+    calls = counted_compile(monkeypatch)
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--compile"]) == 0
+    compiled, metrics = answers.pop()
+    err = capsys.readouterr().err
+    assert compiled == eager
+    warm = seen[-1]
+    assert warm["denoise"] and set(warm["denoise"]) == set(warm["denoise_step"]) == {"MainThread"}
+    assert set(calls["denoise"][len(warm["denoise"]):]) == {"blockpress-engine"}
+    said = [err.index(line) for line in ("--compile: compiling the model's steps (minutes on a CPU) with a few short "
+                                         "generations before serving", "warmed up in", "blockpress serving 'random-tiny'")]
+    assert said == sorted(said)
+    # the requests, their batches and their prompts kept: as the eager server's (the warm-up's are in none of them)
+    assert "blockpress_requests_total 3" in metrics and metrics == eager_metrics
+
+
+@pytest.mark.parametrize("args", [["serve", "--port", "0"], ["generate", "x", "--json"], ["generate", "x", "--ar"]])
 def test_compile_that_cannot_build_is_one_line(monkeypatch, capsys, args):
     """Where torch.compile cannot build (no C++ compiler), --compile ended in a page of torch._dynamo traceback at
-    the first step; it is bench's one line naming --compile and torch's reason. Stubbed: dynamo's error, raised by
-    the first compiled step."""
+    the first step; it is bench's one line naming --compile and torch's reason, and serve stops so in its warm-up,
+    before it says it serves. Stubbed: dynamo's error, raised by the first compiled step."""
     from torch._dynamo.exc import TorchDynamoException
 
     import blockpress.generate as generate
@@ -1031,12 +1071,13 @@ def test_compile_that_cannot_build_is_one_line(monkeypatch, capsys, args):
             raise TorchDynamoException("InvalidCxxCompiler: No working C++ compiler found\n\nmore of torch's trace")
         return run
 
+    answers = serve_answering(monkeypatch, lambda http: pytest.fail("served"))
     monkeypatch.setattr(generate.torch, "compile", unbuildable)
     assert main([*args, "--model", "random-tiny", "--compile"]) == 2
     err = capsys.readouterr().err
     assert (f"blockpress {args[0]}: error: --compile: torch.compile could not compile blockpress's steps "
             "(TorchDynamoException: InvalidCxxCompiler: No working C++ compiler found); run without --compile") in err
-    assert "trace\n" not in err and err.count("error:") == 1
+    assert "blockpress serving" not in err and "trace\n" not in err and err.count("error:") == 1 and not answers
     monkeypatch.undo()  # without --compile, dynamo's error is no compile failure of ours: it is raised as it is
     monkeypatch.setattr(generate.StepFunctions, "eager", lambda model: generate.StepFunctions(
         *[unbuildable(None)] * 3))

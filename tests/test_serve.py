@@ -2416,3 +2416,43 @@ def test_create_app_is_hinted_with_the_model_it_takes():
     import blockpress
 
     assert typing.get_type_hints(create_app)["lm"] is blockpress.LM
+
+
+@pytest.mark.parametrize("max_batch, batches", [(8, [1, 1, 2]), (1, [1, 1])])
+def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engine_starts(max_batch, batches):
+    """serve --compile / --cuda-graphs warm the app up (serve.warm_up) before the engine thread starts: each batch
+    of WARM_UP_PROMPTS as a request's jobs run, over two canvases (the cache grows between them: under torch.compile
+    that recompiles once as dynamic, which the first client waited for), the two-row one only where max_batch takes
+    it. Nothing is counted, the prefix cache is left empty, and once the engine has started it is refused (the
+    engine thread owns the model)."""
+    from fastapi.testclient import TestClient
+
+    from blockpress.generate import StepFunctions, denoise_step
+    from blockpress.serve import WARM_UP_PROMPTS, warm_up
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    passes = []  # (cache, rows, its length, thread) of each decoder pass: a batch's cache is its own
+
+    def denoise(canvas_ids, cache, **kw):
+        passes.append((cache, canvas_ids.shape[0], cache.length, threading.current_thread().name))
+        return lm.model.denoise(canvas_ids, cache, **kw)
+
+    lm.step_functions = StepFunctions(denoise, denoise_step, lm.model.encode)
+    app = create_app(lm, MODEL, max_batch=max_batch)
+    warm_up(app)
+    engine = app.state.engine
+    assert engine.thread.ident is None and {p[-1] for p in passes} == {threading.current_thread().name}
+    # each batch's rows, and its passes over two canvases: the cache's length changes once within each batch
+    runs: list[list[tuple[int, int]]] = []
+    for i, (cache, rows, length, _) in enumerate(passes):
+        if i == 0 or cache is not passes[i - 1][0]:
+            runs.append([])
+        runs[-1].append((rows, length))
+    assert [run[0][0] for run in runs] == batches == [len(p) for p in WARM_UP_PROMPTS if len(p) <= max_batch]
+    assert all(len({length for _, length in run}) == 2 for run in runs)
+    assert len(engine.prefix_cache) == 0 and engine.metrics.counters["batches_total"] == 0
+    with TestClient(app) as http:
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}).status_code == 200
+        with pytest.raises(ValueError, match="warm_up: the engine thread has started"):
+            warm_up(app)
