@@ -112,7 +112,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
             lm.model.prefill_chunk = args.prefill_chunk
         # last: --quantize and --adapter are applied in the load, and the steps are made over the modules they leave
         if args.compile:
-            lm.compile()
+            lm.compile(**(serve_compile_options() if args.command == "serve" else {}))
         elif args.cuda_graphs:
             lm.cuda_graphs()  # an FP8 model whose GPU lacks the grouped GEMM is refused here, naming the flag
     finally:
@@ -185,6 +185,25 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compile", action="store_true", help=f"{COMPILE_HELP}{warm}. Not with --cuda-graphs")
     g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}{warm}. Not with --compile")
+
+
+SERVE_RECOMPILE_LIMIT = 32  # graphs a compiled step may hold in `serve --compile` (torch's default: 8)
+
+
+def serve_compile_options() -> dict[str, Any]:
+    """torch.compile's options for serve, whose batches and prompts never settle: every size dynamic from the
+    start, and room for more graphs a step. Each kind of batch (one row or several, padded or not, a canvas's first
+    step or a later one, inductor's cache-length ranges) is a graph of its own: on random-tiny the decoder pass held
+    torch's limit of 8 after the warm-up, and the next kind (n=3) ran eagerly from then on. The limit is torch.compile's
+    own argument (torch 2.13; older ones keep 8): dynamo's config is per thread, and the engine thread runs the steps."""
+    import inspect
+
+    import torch
+
+    options: dict[str, Any] = {"dynamic": True}
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        options["recompile_limit"] = SERVE_RECOMPILE_LIMIT
+    return options
 
 
 def compile_failure(err: BaseException) -> ValueError:

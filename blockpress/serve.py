@@ -1515,13 +1515,14 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
             "created": reply.created, "model": reply.model, "choices": choices, "usage": reply.usage(totals)}
 
 
-# What warm_up generates: a row alone, again with a longer prompt (torch.compile makes the cache's size dynamic
-# then), then both as two rows (another batch size, left padding). With lm.compile() on random-tiny (torch 2.13,
-# dynamo's graphs counted), requests alone (short or long) and three together then compiled nothing new (after the
-# first batch alone, the first client's compiled 2 more graphs); new sampler settings still compile the sampler
-# step. The decoder pass then holds 8 graphs, torch's recompile limit: rows of equal prompts (n=3) ran it eagerly.
+# What warm_up generates: a row alone, again with a longer prompt, then both as two rows (another batch size, left
+# padding), then two rows of one prompt (no padding). Under serve's compile options (cli.serve_compile_options:
+# dynamic sizes) and dynamo's graphs counted with a pass-through backend on random-tiny, requests then compiled
+# nothing new but for new sampler settings (alone, long or short, three together, n=3, batches shrinking to one row,
+# a template). Inductor guards the cache's length by ranges as well: there n=3 and three padded rows still compiled
+# 4 and 2 more graphs of the decoder pass (14 in all), past torch's default limit of 8.
 WARM_UP_PROMPTS = (("Hello",), ("Write a function that adds two numbers.",),
-                   ("Hello", "Write a function that adds two numbers."))
+                   ("Hello", "Write a function that adds two numbers."), ("Hello", "Hello"))
 
 
 def warm_up(app: FastAPI) -> None:
@@ -1529,8 +1530,9 @@ def warm_up(app: FastAPI) -> None:
     the app serves): under lm.compile() the first passes of each shape compile (minutes on a CPU), and under
     lm.cuda_graphs() the first capture pays CUDA's lazy setup, which the first clients waited for. Each batch of
     WARM_UP_PROMPTS goes as a request's jobs go (completion_jobs, Engine._stream), over two canvases where no EOS
-    comes first (the cache grows between them); the two-row one only where max_batch takes it. Nothing is answered or counted, and the
-    prefix cache is left empty. The compiled code is the process's, so the engine thread runs it as it is."""
+    comes first (the cache grows between them); the two-row ones only where max_batch takes them. Nothing is
+    answered or counted, and the prefix cache is left empty. The compiled code is the process's, so the engine
+    thread runs it as it is."""
     state: ServerState = app.state.server
     engine, canvas = state.engine, state.lm.config.canvas_length
     if engine.thread.ident is not None:  # it owns the model from then on

@@ -1,6 +1,7 @@
 """The command line, end to end (random-tiny until the shipped model lands)."""
 
 import importlib.util
+import inspect
 import io
 import json
 import re
@@ -942,6 +943,9 @@ def counted_compile(monkeypatch) -> dict[str, list[str]]:
     calls: dict[str, list[str]] = {}
 
     def compile_(fn, **options):
+        calls.setdefault("dynamic", []).append(repr(options.get("dynamic")))
+        calls.setdefault("recompile_limit", []).append(repr(options.get("recompile_limit")))
+
         def run(*args, **kwargs):
             calls.setdefault(fn.__name__, []).append(threading.current_thread().name)
             return fn(*args, **kwargs)
@@ -980,6 +984,7 @@ def test_compile_decodes_through_the_compiled_steps_and_gives_the_same_text(monk
     else:
         assert len(calls["denoise"]) == len(calls["denoise_step"]) == compiled[0]["forward_passes"]
     assert "--compile: the first steps of each batch size and prompt length compile" in captured.err
+    assert calls["dynamic"] == calls["recompile_limit"] == ["None"] * 3  # torch's defaults
 
 
 def test_chat_compile_decodes_through_the_compiled_steps(monkeypatch, capsys):
@@ -1050,6 +1055,9 @@ def test_serve_compiles_before_it_answers_and_the_engine_runs_the_compiled_steps
     warm = seen[-1]
     assert warm["denoise"] and set(warm["denoise"]) == set(warm["denoise_step"]) == {"MainThread"}
     assert set(calls["denoise"][len(warm["denoise"]):]) == {"blockpress-engine"}
+    assert calls["dynamic"] == ["True"] * 3  # every size dynamic from the start: serve's shapes never settle
+    # and room for more kinds of batch than torch's 8 graphs a step (past them a step ran eagerly), where torch has it
+    assert calls["recompile_limit"] == ["32"] * 3 or "recompile_limit" not in inspect.signature(torch.compile).parameters
     said = [err.index(line) for line in ("--compile: compiling the model's steps (minutes on a CPU) with a few short "
                                          "generations before serving", "warmed up in", "blockpress serving 'random-tiny'")]
     assert said == sorted(said)

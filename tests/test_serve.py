@@ -2418,12 +2418,12 @@ def test_create_app_is_hinted_with_the_model_it_takes():
     assert typing.get_type_hints(create_app)["lm"] is blockpress.LM
 
 
-@pytest.mark.parametrize("max_batch, batches", [(8, [1, 1, 2]), (1, [1, 1])])
+@pytest.mark.parametrize("max_batch, batches", [(8, [1, 1, 2, 2]), (1, [1, 1])])
 def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engine_starts(max_batch, batches):
     """serve --compile / --cuda-graphs warm the app up (serve.warm_up) before the engine thread starts: each batch
     of WARM_UP_PROMPTS as a request's jobs run, over two canvases (the cache grows between them: under torch.compile
-    that recompiles once as dynamic, which the first client waited for), the two-row one only where max_batch takes
-    it. Nothing is counted, the prefix cache is left empty, and once the engine has started it is refused (the
+    that recompiled once as dynamic, which the first client waited for), the two-row ones only where max_batch takes
+    them. Nothing is counted, the prefix cache is left empty, and once the engine has started it is refused (the
     engine thread owns the model)."""
     from fastapi.testclient import TestClient
 
