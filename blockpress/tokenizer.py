@@ -11,6 +11,9 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
+import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +44,13 @@ DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
 ID_TOKENS: tuple[str, ...] = ("bos_token", "eos_token", "pad_token")
 # Special tokens that tokenizer configs name besides bos/eos/pad (which have ids of their own here).
 NAMED_TOKENS: tuple[str, ...] = ("unk_token", "sep_token", "cls_token", "mask_token")
+
+# What one rendering of a chat template may take. A checkpoint's template is code from whoever made the checkpoint:
+# the sandbox keeps it from Python's internals, not from loops of loops (range is capped at 100,000 a call, so two
+# nested ranges are 10**10 iterations), `'x' * 10**10` or `2 ** 10**10`, which held `chat` and every request to the
+# server, or took all memory. A real template renders a conversation in milliseconds.
+TEMPLATE_SECONDS = 10.0
+TEMPLATE_CHARS = 50_000_000  # a prompt's text, and any one string or list a template makes (past any model's context)
 
 # Where transformers 5 saves named chat templates other than the default one (as NAME.jinja).
 NAMED_TEMPLATES_DIR = "additional_chat_templates"
@@ -574,8 +584,8 @@ class Tokenizer:
             final_text = _mark_continuation(chat[-1], field_name, source)
         template = self._template(source)  # a syntax error is its own ValueError, not a failed rendering
         try:
-            rendered = template.render(messages=chat, **variables)
-        except TemplateRaised:  # the template's own raise_exception: a message about the conversation
+            rendered = _render(template, {"messages": chat, **variables})
+        except (TemplateRaised, TemplateTooCostly):  # its raise_exception (about the conversation); limits named
             raise
         except Exception as exc:  # the checkpoint's template is broken, or breaks on these messages
             raise ValueError(f"chat_template: rendering failed: {type(exc).__name__}: {exc}") from None
@@ -652,7 +662,7 @@ class Tokenizer:
     def _template(self, source: str) -> jinja2.Template:
         # Compile each template text once (a tokenizer has one or a few; a caller's own texts are few too).
         if source not in self._compiled_templates:
-            env = ImmutableSandboxedEnvironment(
+            env = _TemplateSandbox(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
             )
             # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
@@ -957,6 +967,64 @@ def _cut_at_continuation(rendered: str, final_text: str) -> str:
 
 class TemplateRaised(ValueError):
     """A chat template's raise_exception(): what it says is about the conversation, not a broken template."""
+
+
+class TemplateTooCostly(ValueError):
+    """A chat template that runs past TEMPLATE_SECONDS or makes text past TEMPLATE_CHARS (see there)."""
+
+
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """jinja's immutable sandbox, with `*` and `**` checked before they run: repeating a string or list past
+    TEMPLATE_CHARS, or a power of more than 4,096 bits, is refused (either took all memory or minutes of CPU)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        def count(x: Any) -> int | None:
+            return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+        if operator == "*":
+            for seq, n in ((left, count(right)), (right, count(left))):
+                if isinstance(seq, (str, list, tuple)) and n is not None and len(seq) * n > TEMPLATE_CHARS:
+                    raise TemplateTooCostly(f"chat_template: repeats a {type(seq).__name__} of {len(seq):,} items "
+                                            f"{n:,} times, past {TEMPLATE_CHARS:,}")
+        elif operator == "**":
+            base, exponent = count(left), count(right)
+            if base is not None and exponent is not None and abs(base) > 1 and exponent * math.log2(abs(base)) > 4096:
+                raise TemplateTooCostly(f"chat_template: computes {base} ** {exponent}, a number of more than 4,096 "
+                                        "bits")
+        return super().call_binop(context, operator, left, right)
+
+
+def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
+    """`template` rendered with `variables`, refused (TemplateTooCostly) once it runs past TEMPLATE_SECONDS or its
+    text passes TEMPLATE_CHARS. The time is checked at each line the template's own code runs (a trace on this thread
+    while it renders, on frames of jinja's compiled templates alone), so a loop that writes nothing is stopped too.
+    Where a tracer is already set (a debugger, coverage) it is left alone, and only the text's size is checked."""
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+
+    def on_line(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise TemplateTooCostly(f"chat_template: rendering ran past {TEMPLATE_SECONDS:g} s")
+        return on_line
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    traced = sys.gettrace() is None
+    if traced:
+        sys.settrace(on_call)
+    try:
+        parts, size = [], 0
+        for part in template.generate(**variables):
+            size += len(part)
+            if size > TEMPLATE_CHARS:
+                raise TemplateTooCostly(f"chat_template: its text passed {TEMPLATE_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
+    finally:
+        if traced:
+            sys.settrace(None)
 
 
 def _raise_template_error(message: str) -> None:

@@ -1033,3 +1033,54 @@ def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     extra = Tokenizer(backend=tok.backend, bos_id=tok.bos_id, eos_ids=[*tok.eos_ids, past], pad_id=tok.pad_id)
     assert extra.unknown_ids(past + 2) == [past + 1]
     assert extra.decode([*tok.encode("x = 1"), past]) == "x = 1"
+
+
+@pytest.mark.parametrize("template, message", [
+    # nested ranges (each capped at 100,000 by the sandbox): 10**10 iterations that write nothing
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", r"rendering ran past 0.3 s"),
+    ("{{ 'x' * 10**9 }}", r"repeats a str of 1 items 1,000,000,000 times"),
+    ("{{ [0] * 10**9 }}", r"repeats a list of 1 items 1,000,000,000 times"),
+    ("{{ 2 ** 100000000 }}", r"computes 2 \*\* 100000000, a number of more than 4,096 bits"),
+    ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", r"its text passed 50,000,000 characters"),
+])
+def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, monkeypatch, template, message) -> None:
+    """A checkpoint's chat template is its maker's code: the sandbox kept it from Python's internals but not from a
+    loop of loops or a string of 10**9 characters, which held `chat` and the server's every request (or took all
+    memory). Each is refused, naming the chat template; an ordinary template renders as before."""
+    import time
+
+    import blockpress.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.3)
+    messages = [{"role": "user", "content": "hi"}]
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"^chat_template: {message}"):
+        tok.apply_chat_template(messages, chat_template=template)
+    assert time.monotonic() - started < 30
+    assert tok.apply_chat_template(messages, chat_template="{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ messages[0].content }}") \
+        == "ababab1024hi"
+    assert "hi" in tok.apply_chat_template(messages)
+
+
+def test_a_tracer_already_set_is_left_alone_while_a_template_renders(tok: Tokenizer) -> None:
+    """The render's time limit traces the template's lines; a debugger's or coverage's tracer set before it is kept
+    (and sees the render), the limit on the text's size still holds."""
+    import sys
+
+    seen: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        seen.append(frame.f_code.co_filename)
+        return None
+
+    before = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        assert tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="{{ 'a' * 3 }}") == "aaa"
+        with pytest.raises(ValueError, match="its text passed"):
+            tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                    chat_template="{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}")
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(before)
+    assert "<template>" in seen
