@@ -1529,8 +1529,9 @@ def warm_up(app: FastAPI) -> None:
     """Run the server's first generations now, on the calling thread, before the engine thread starts (so before
     the app serves): under lm.compile() the first passes of each shape compile (minutes on a CPU), and under
     lm.cuda_graphs() the first capture pays CUDA's lazy setup, which the first clients waited for. Each batch of
-    WARM_UP_PROMPTS goes as a request's jobs go (completion_jobs, Engine._stream), over two canvases where no EOS
-    comes first (the cache grows between them); the two-row ones only where max_batch takes them. Nothing is
+    WARM_UP_PROMPTS goes as a request's jobs go (completion_jobs, Engine._stream), over two canvases (the cache grows
+    between them; no EOS before the end, min_tokens, as a row that ended in its first canvas left the second
+    unwarmed); the two-row ones only where max_batch takes them. Nothing is
     answered or counted, and the prefix cache is left empty. The compiled code is the process's, so the engine
     thread runs it as it is."""
     state: ServerState = app.state.server
@@ -1545,7 +1546,8 @@ def warm_up(app: FastAPI) -> None:
             if len(prompts) > engine.max_batch or min(rooms) == 0:  # (a --max-context below the longer prompt)
                 continue
             jobs = [job for row, room in zip(ids, rooms) for job in completion_jobs(
-                state, CompletionRequest(model=state.model_name, prompt=row, max_tokens=room, seed=0), row, True, loop)]
+                state, CompletionRequest(model=state.model_name, prompt=row, max_tokens=room, min_tokens=room, seed=0),
+                row, True, loop)]
             for _ in engine._stream(jobs):
                 pass
     finally:

@@ -2418,13 +2418,16 @@ def test_create_app_is_hinted_with_the_model_it_takes():
     assert typing.get_type_hints(create_app)["lm"] is blockpress.LM
 
 
-@pytest.mark.parametrize("max_batch, batches", [(8, [1, 1, 2, 2]), (1, [1, 1])])
-def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engine_starts(max_batch, batches):
+@pytest.mark.parametrize("max_batch, batches, eos_first", [(8, [1, 1, 2, 2], False), (1, [1, 1], False),
+                                                      (8, [1, 1, 2, 2], True)])
+def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engine_starts(max_batch, batches,
+                                                                                          eos_first):
     """serve --compile / --cuda-graphs warm the app up (serve.warm_up) before the engine thread starts: each batch
     of WARM_UP_PROMPTS as a request's jobs run, over two canvases (the cache grows between them: under torch.compile
     that recompiled once as dynamic, which the first client waited for), the two-row ones only where max_batch takes
     them. Nothing is counted, the prefix cache is left empty, and once the engine has started it is refused (the
-    engine thread owns the model)."""
+    engine thread owns the model). A model whose first choice is EOS (eos_first) still runs two canvases: a row
+    that ended in its first left the second unwarmed."""
     from fastapi.testclient import TestClient
 
     from blockpress.generate import StepFunctions, denoise_step
@@ -2436,7 +2439,10 @@ def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engi
 
     def denoise(canvas_ids, cache, **kw):
         passes.append((cache, canvas_ids.shape[0], cache.length, threading.current_thread().name))
-        return lm.model.denoise(canvas_ids, cache, **kw)
+        logits = lm.model.denoise(canvas_ids, cache, **kw)
+        if eos_first:
+            logits[..., lm.config.text.eos_token_ids[0]] = 1e4
+        return logits
 
     lm.step_functions = StepFunctions(denoise, denoise_step, lm.model.encode)
     app = create_app(lm, MODEL, max_batch=max_batch)
