@@ -32,6 +32,7 @@ import torch
 
 from .cache import KVCache
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
+from .checks import compile_failure
 from .config import ModelConfig, TextConfig
 from .generate import canvas_positions, device_sync
 from .lm import LM, random_model
@@ -499,9 +500,7 @@ def _bench_row(lm: LM, ref: Any, variants: dict[str, LM], b: int, s: BenchSettin
                 raise
             # No C++ compiler (a Windows install without MSVC's cl, a slim container), an unsupported platform or
             # Python: a page of torch._dynamo traceback said it, as the last line of 120.
-            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-            raise ValueError(f"compile: torch.compile could not compile blockpress's steps ({why}); run without "
-                             "--compile (set TORCHDYNAMO_VERBOSE=1 for torch's trace)") from None
+            raise compile_failure(err, "compile") from None
         if name == "compiled":
             _note(f"compiled in {time.perf_counter() - started:.0f} s")
         engines.update(own)

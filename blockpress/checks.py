@@ -94,3 +94,11 @@ def warn_user(message: str) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, stacklevel=2 if frame is None else level)
+
+
+def compile_failure(err: BaseException, name: str = "--compile") -> ValueError:
+    """A torch.compile failure (no C++ compiler: a Windows install without MSVC's cl, a slim container) in one line
+    under `name`, with torch's first line: torch's trace is a page long. `bench` and the decoding commands say it."""
+    why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+    return ValueError(f"{name}: torch.compile could not compile blockpress's steps ({why}); run without --compile "
+                      "(set TORCHDYNAMO_VERBOSE=1 for torch's trace)")

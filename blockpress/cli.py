@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar, overload
 
 import blockpress
-from blockpress.checks import check_text, utf8_problem
+from blockpress.checks import check_text, compile_failure, utf8_problem
 
 # Torch and the modules that import it are imported by the commands that run a model, not here: importing torch
 # takes seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows
@@ -204,14 +204,6 @@ def serve_compile_options() -> dict[str, Any]:
     if "recompile_limit" in inspect.signature(torch.compile).parameters:
         options["recompile_limit"] = SERVE_RECOMPILE_LIMIT
     return options
-
-
-def compile_failure(err: BaseException) -> ValueError:
-    """A torch.compile failure (no C++ compiler: a Windows install without MSVC's cl, a slim container) in one
-    line naming --compile and torch's first line, as `bench --compile` says it: torch's trace is a page long."""
-    why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-    return ValueError(f"--compile: torch.compile could not compile blockpress's steps ({why}); run without --compile "
-                      "(set TORCHDYNAMO_VERBOSE=1 for torch's trace)")
 
 
 def check_cuda_graphs(args: argparse.Namespace) -> None:
