@@ -1006,6 +1006,18 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         if deadline is not None and time.monotonic() > deadline:
             raise TemplateTooCostly(f"chat_template: rendering ran past {TEMPLATE_SECONDS:g} s")
 
+    # map('upper'), select('odd'), reject(...) call these once an item, in jinja's code, not the template's: a filter
+    # over a long sequence ('x' * 5_000_000) would run on past the deadline without a check here.
+    def call_filter(self, name: str, value: Any, args: Sequence[Any] | None = None,
+                    kwargs: Mapping[str, Any] | None = None, context: Any = None, eval_ctx: Any = None) -> Any:
+        self.check_deadline()
+        return super().call_filter(name, value, args, kwargs, context=context, eval_ctx=eval_ctx)
+
+    def call_test(self, name: str, value: Any, args: Sequence[Any] | None = None,
+                  kwargs: Mapping[str, Any] | None = None, context: Any = None, eval_ctx: Any = None) -> Any:
+        self.check_deadline()
+        return super().call_test(name, value, args, kwargs, context=context, eval_ctx=eval_ctx)
+
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         def count(x: Any) -> int | None:
             return x if isinstance(x, int) and not isinstance(x, bool) else None
