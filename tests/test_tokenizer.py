@@ -763,6 +763,99 @@ def test_tool_call_messages_without_content_render_as_in_transformers(
     assert "assistant:(no content) calls" in mine
 
 
+# Written for these tests in the manner of Gemma 4's template (15k characters of macros): a value printed by a macro
+# that calls itself for dicts and lists, keys in dictsort order, namespaces carried across loops, `map('upper')`,
+# `is mapping` / `is string` / `is sequence`, `message.get(...)`, past thinking channels cut off with split, a
+# `{% set %}` block captured and measured, calls as call:NAME{...} answered by following tool messages.
+GEMMA4_STYLE_TEMPLATE = """\
+{%- macro value(v) -%}
+    {%- if v is none -%}null{%- elif v is string -%}<|"|>{{ v }}<|"|>
+    {%- elif v is boolean -%}{{ 'true' if v else 'false' }}
+    {%- elif v is mapping -%}{ {%- set ns = namespace(first=true) -%}
+        {%- for k, x in v | dictsort -%}{{ '' if ns.first else ',' }}{{ k }}:{{ value(x) }}{%- set ns.first = false -%}
+        {%- endfor -%} }
+    {%- elif v is sequence -%}[{%- for x in v -%}{{ value(x) }}{{ '' if loop.last else ',' }}{%- endfor -%}]
+    {%- else -%}{{ v }}{%- endif -%}
+{%- endmacro -%}
+{%- macro strip_thinking(text) -%}
+    {%- set ns = namespace(out='') -%}
+    {%- for part in text.split('<channel|>') -%}
+        {%- set ns.out = ns.out + (part.split('<|channel>')[0] if '<|channel>' in part else part) -%}
+    {%- endfor -%}
+    {{- ns.out | trim -}}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- set rest = messages[1:] if messages[0]['role'] in ['system', 'developer'] else messages -%}
+{%- if enable_thinking | default(false) or tools or rest is not sameas messages -%}
+    {{- '<|turn>system\\n' ~ ('<|think|>\\n' if enable_thinking | default(false) else '') -}}
+    {%- if rest is not sameas messages %}{{ messages[0]['content'] | trim }}{% endif -%}
+    {%- for tool in tools or [] -%}
+        <|tool>{{ tool['function']['name'] }}{{ value(tool['function'].get('parameters', {})) }}
+        {%- set types = tool['function'].get('parameters', {}).get('properties', {}).values() | map(attribute='type') -%}
+        :{{ types | map('string') | map('upper') | list | join('|') }}<tool|>
+    {%- endfor -%}
+    {{- '<turn|>\\n' -}}
+{%- endif -%}
+{%- for message in rest if message['role'] != 'tool' -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    <|turn>{{ role ~ '\\n' }}
+    {%- for call in message.get('tool_calls') or [] -%}
+        <|tool_call>call:{{ call['function']['name'] }}
+        {%- set args = call['function']['arguments'] -%}
+        {{ value(args) if args is mapping else '{' ~ args ~ '}' }}<tool_call|>
+    {%- endfor -%}
+    {%- set index = rest.index(message) -%}
+    {%- set answers = namespace(any=false) -%}
+    {%- for follow in rest[index + 1:] -%}
+        {%- if follow['role'] != 'tool' -%}{%- break -%}{%- endif -%}
+        <|tool_response>response:{{ follow.get('name', 'unknown') }}{value:{{ value(follow['content']) }}}<tool_response|>
+        {%- set answers.any = true -%}
+    {%- endfor -%}
+    {%- set text -%}
+        {%- if message.get('content') is string -%}
+            {{ strip_thinking(message['content']) if role == 'model' else message['content'] | trim }}
+        {%- elif message.get('content') is sequence -%}
+            {%- for part in message['content'] if part.get('type') == 'text' -%}{{ part['text'] | trim }}{%- endfor -%}
+        {%- endif -%}
+    {%- endset -%}
+    {{ text }}{{ '' if answers.any and text | length == 0 else '<turn|>\\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|turn>model\\n' }}{%- endif -%}
+"""
+GEMMA4_STYLE_TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Wetter — 天気", "parameters": {
+    "type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "Städte"},
+        "unit": {"type": "string", "enum": ["c", "f"], "nullable": True},
+        "days": {"type": "array", "items": {"type": "object", "properties": {"day": {"type": "integer"}}}}}}}},
+    {"type": "function", "function": {"name": "now"}}]
+
+
+@pytest.mark.parametrize("messages, options", [
+    ([{"role": "developer", "content": "  Be brief.  "}, {"role": "user", "content": "Hi 🐈"},
+      {"role": "assistant", "content": "<|channel>thought\nshort<channel|>Hello!"}, {"role": "user", "content": "¿y?"}],
+     {"add_generation_prompt": True, "enable_thinking": True}),
+    ([{"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Zürich?"}]},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"id": "a", "type": "function", "function": {"name": "weather", "arguments": {
+              "city": "Zürich", "unit": None, "days": [{"day": 1}, {"day": 2}], "ok": True, "ratio": 0.5}}},
+          {"id": "b", "type": "function", "function": {"name": "now", "arguments": '"tz": "CET"'}}]},
+      {"role": "tool", "tool_call_id": "a", "name": "weather", "content": '{"temp": 21}'},
+      {"role": "tool", "tool_call_id": "b", "content": "12:00"},
+      {"role": "assistant", "content": "21 °C."}], {"add_generation_prompt": False}),
+])
+def test_a_gemma4_style_template_renders_as_in_transformers(
+    tok: Tokenizer, tmp_path: Path, messages: list[dict[str, Any]], options: dict[str, Any]
+) -> None:
+    """A template written like Gemma 4's (recursive macros, namespaces, dictsort, map('upper'), captured blocks, tool
+    calls and responses, thinking channels) renders what transformers renders, tools and template variables given:
+    the checks of the render's time limit written into its code (every block, each item of a map) change nothing."""
+    ours, theirs = _with_transformers(tok, tmp_path, chat_template=GEMMA4_STYLE_TEMPLATE)
+    mine, expected = _both(ours, theirs, messages, tools=GEMMA4_STYLE_TOOLS, **options)
+    assert mine == expected
+    assert "<|tool>weather{properties:{city:{description:<|\"|>Städte<|\"|>" in mine
+    assert ":STRING|STRING|ARRAY<tool|>" in mine and "short" not in mine
+
+
 CONTINUE_TEMPLATES = {
     "gemma": GEMMA_CHAT_TEMPLATE,
     # Templates that trim the content cut the prompt where the trimmed text ends.
