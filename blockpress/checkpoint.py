@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from .checks import warn_user
 from .config import ModelConfig
-from .files import StagedFiles, lfs_pointer_problem, parse_json, staging
+from .files import StagedFiles, lfs_pointer_problem, parse_json, read_json_object, staging
 from .model import DiffusionGemma
 
 DECODER = "model.decoder."
@@ -167,11 +167,14 @@ def tensor_kind(name: str) -> tuple[str, str | None]:
     return ("copy", None) if local is None else ("weight", local)
 
 
-def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, ...]]) -> None:
+def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, ...]],
+                  coded: dict[str, torch.dtype] | None = None) -> None:
     """Every text tensor the headers list is a weight of the config's model (`shapes`: the unquantized model's names,
     so a stray `*.weight_scale` is refused too), in its shape and a float dtype. Read off the headers before any data,
     and before quantizing: int4's refusal of an odd input size would otherwise quote the config's shape as the
-    stored weight's when the real fault is that the two disagree."""
+    stored weight's when the real fault is that the two disagree. A folder stored quantized: `shapes` is the quantized
+    model's layout, and `coded` its codes' and scales' names (quantize.coded_tensors), each in exactly its dtype."""
+    coded = coded or {}
     for f in files:
         for name in f.keys():
             try:
@@ -185,7 +188,12 @@ def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, .
             if f.shape(name) != shapes[local]:
                 raise CheckpointError(f"{f.path.name}: tensor {name!r}: shape {list(f.shape(name))} in the checkpoint, "
                                       f"config needs {list(shapes[local])}")
-            if not f.dtype(name).is_floating_point:  # every text weight is stored in a float type (quantizing comes after)
+            if local in coded:
+                if f.dtype(name) != coded[local]:  # read as stored, never cast: another dtype is another layout
+                    what = "scales" if local.endswith("_scale") else "codes"
+                    raise CheckpointError(f"{f.path.name}: tensor {name!r}: dtype {f.dtype(name)} in the checkpoint, "
+                                          f"expected {coded[local]} (the quantized weight's {what})")
+            elif not f.dtype(name).is_floating_point:  # every text weight is stored in a float type (quantizing comes after)
                 raise CheckpointError(f"{f.path.name}: tensor {name!r}: dtype {f.dtype(name)} in the checkpoint, "
                                       "expected a floating-point type")
 
@@ -353,16 +361,18 @@ def check_fits(nbytes: int, device: torch.device, what: str) -> None:
                          "(a smaller dtype, a quantized load, or device='meta' to count without allocating)")
 
 
-def stored_dtype(files: list[MappedSafetensors]) -> torch.dtype:
+def stored_dtype(files: list[MappedSafetensors], coded: Iterable[str] = ()) -> torch.dtype:
     """The dtype the text weights are stored in: the one holding most of their bytes. (safetensors lists tensors
     widest dtype first, so a bf16 checkpoint with a few float32 scalars starts with those, and taking the first
     one loaded 26B weights in float32, twice the memory.) A dtype the model does not compute in (float64, fp8
-    stored without scales) reads as float32."""
+    stored without scales) reads as float32. `coded`: the names of a quantized folder's codes and scales, which keep
+    their own dtypes and do not count (its fp8 codes would otherwise read as float32)."""
+    skip = frozenset(coded)
     stored: dict[torch.dtype, int] = {}
     for f in files:
         for name in f.keys():
             dtype = f.dtype(name)
-            if not name.startswith(VISION_PREFIXES) and dtype.is_floating_point:
+            if not name.startswith(VISION_PREFIXES) and dtype.is_floating_point and name not in skip:
                 stored[dtype] = stored.get(dtype, 0) + f.nbytes(name)
     most = max(stored, key=stored.__getitem__) if stored else torch.float32
     return most if most in DTYPES.values() else torch.float32
@@ -519,12 +529,33 @@ def read_config(path: Path) -> ModelConfig:
         raise FileNotFoundError(f"{path}: not a checkpoint folder")
     check_links(path)
     config = ModelConfig.from_file(path / "config.json")
-    prequantized = config.extra.get("quantization_config")
-    if prequantized:  # its weights come with scales blockpress does not read: refuse by name, not tensor by tensor
-        method = prequantized.get("quant_method", "?") if isinstance(prequantized, dict) else prequantized
-        raise CheckpointError(f"{path}: a pre-quantized checkpoint (quantization_config: {method}) is not supported; "
-                              "load the unquantized one with quantize='int8', 'fp8' or 'int4' instead")
+    # another tool's codes come with scales blockpress does not read: refused by name here, not tensor by tensor
+    stored_quantization(config.extra.get("quantization_config"), path)
     return config
+
+
+def stored_quantization(raw: Any, path: Path) -> str | None:
+    """The scheme a folder's weights are stored quantized with, read off its config.json's `quantization_config`
+    (`raw`; blockpress's quantized save writes one), or None for a plain checkpoint. Another tool's, or a damaged one,
+    is a CheckpointError naming the field."""
+    if not raw:
+        return None
+    from .quantize import read_quantization_config
+
+    try:
+        return read_quantization_config(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+
+
+def folder_quantization(path: Path) -> str | None:
+    """stored_quantization of the folder at `path` read off its config.json alone, or None where there is none to
+    read (a load reports a missing or broken config.json itself)."""
+    try:
+        raw = read_json_object(path / "config.json").get("quantization_config")
+    except (OSError, ValueError):
+        return None
+    return stored_quantization(raw, path)
 
 
 @dataclass
@@ -545,11 +576,16 @@ class ModelPlan:
     quantized: frozenset[str]  # the local names whose weight is stored quantized (with a `{name}_scale`)
     # the stored dtype, where dtype=None picked a wider one to compute in on this CPU (native_dtype); else None
     widened_from: torch.dtype | None = None
+    # a folder stored quantized (blockpress's quantized save): its codes' and scales' local names and dtypes, read as
+    # stored (never cast, never quantized again); empty otherwise
+    coded: dict[str, torch.dtype] = field(default_factory=dict)
 
     def convert(self, local: str, tensor: torch.Tensor, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """A stored weight as the loaded model holds it: quantized on `device` (weight and scale) when its layer
         is, else cast to the plan's dtype there. `device` defaults to the plan's (meta_model passes meta)."""
         device = device or self.device
+        if local in self.coded:  # stored quantized: the codes and scales as saved (their dtypes were checked)
+            return {local: tensor.to(device)}
         if self.quantize is not None and local in self.quantized:  # (quantized is empty without a scheme)
             from .quantize import quantize_weight
 
@@ -565,7 +601,8 @@ class ModelPlan:
         meta = torch.device("meta")
         state: dict[str, torch.Tensor] = {}
         for local, shape in self.shapes.items():
-            state.update(self.convert(local, torch.empty(shape, dtype=self.stored or self.dtype, device=meta), meta))
+            dtype = self.coded.get(local, self.stored or self.dtype)
+            state.update(self.convert(local, torch.empty(shape, dtype=dtype, device=meta), meta))
         self.model.load_state_dict(state, strict=True, assign=True)
         return self.model
 
@@ -583,17 +620,23 @@ def plan_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
     quantize: str | None = None, *, weights: bool = True,
 ) -> ModelPlan:
-    """Everything a load of the folder at `path` decides before reading a tensor, with a load's refusals (a
-    pre-quantized or pickle checkpoint, a tensor the config has no place for or another shape for, a weight it
+    """Everything a load of the folder at `path` decides before reading a tensor, with a load's refusals (another
+    tool's pre-quantized checkpoint or a pickle one, a tensor the config has no place for or another shape for, a weight it
     lacks, a device that is not here, an fp8 that does not run there): all but check_tied_copies, which compares
     tensors' values.
 
     `dtype=None`: the stored one, except half precision on a CPU without native matmuls for it (native_dtype).
     `weights=False` also plans a folder with config.json alone, or with an index whose shards are none of them here
     (what `blockpress info` describes before the weights are fetched); with nothing stored, its dtype is config.json's
-    declared one. A load needs weights."""
+    declared one. A load needs weights. A folder saved quantized (`quantize.quantization_config`) plans its own scheme,
+    its codes and scales read as stored; `quantize` may name that scheme, no other."""
     path = Path(path)
     config = read_config(path)
+    saved = stored_quantization(config.extra.get("quantization_config"), path)
+    if saved is not None and quantize is not None and quantize != saved:
+        raise ValueError(f"quantize: {quantize!r} asked for, but {path} is stored quantized with {saved} (its codes, "
+                         f"not the unquantized weights): load it as saved (quantize={saved!r}, or none given), or "
+                         f"quantize the unquantized checkpoint with {quantize!r}")
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     try:
@@ -603,19 +646,28 @@ def plan_model(
             raise
         files = []
     opened = [MappedSafetensors(file) for file in files]  # reads each header; the data stays on disk
+    coded: dict[str, torch.dtype] = {}
     with torch.device("meta"):
         model = DiffusionGemma(config)
         shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # as stored in the checkpoint
-        check_headers(opened, shapes)
+        if saved is not None:  # stored quantized: the quantized layout is what the files hold
+            from .quantize import coded_tensors
+            from .quantize import quantize as quantize_model
+
+            quantize_model(model, saved)  # on the meta device: only the layout (quantized buffers, scales)
+            coded = coded_tensors(model)
+            shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+            quantize = saved
+        check_headers(opened, shapes, coded)
         if opened:  # a folder with config.json alone is described (weights=False), not refused
             check_complete(path, opened, shapes)
-        if quantize is not None:
+        if quantize is not None and saved is None:
             from .quantize import quantize as quantize_model
 
             quantize_model(model, quantize)  # on the meta device: only the layout (quantized buffers, scales)
     quantized = frozenset(name.removesuffix("_scale") for name in model.state_dict()
                           if name.endswith("_scale") and name.removesuffix("_scale") in shapes)
-    stored = stored_dtype(opened) if opened else None
+    stored = stored_dtype(opened, map(local_to_hf, coded)) if opened else None
     widened_from = None
     if dtype is None:
         own = stored or declared_dtype(config) or torch.float32
@@ -625,7 +677,8 @@ def plan_model(
         from .quantize import check_runs
 
         check_runs(quantize, device, dtype)
-    return ModelPlan(path, config, opened, stored, dtype, device, quantize, model, shapes, quantized, widened_from)
+    return ModelPlan(path, config, opened, stored, dtype, device, quantize, model, shapes, quantized, widened_from,
+                     coded)
 
 
 def load_model(
@@ -651,8 +704,9 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     derived: list[str] = []  # rotary tables stored as tensors: recomputed from the config, so skipped
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
-    if device.type != "cpu" or dtype != plan.stored or quantize is not None:
-        # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate.
+    if device.type != "cpu" or dtype != plan.stored or (quantize is not None and not plan.coded):
+        # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate (a folder
+        # stored quantized too: its codes and scales are read as stored).
         params = {name for name, _ in model.named_parameters()}
         nbytes = sum(t.numel() * (dtype.itemsize if name in params else t.element_size())
                      for name, t in expected.items())
@@ -739,14 +793,21 @@ def save_model(
     """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`); `metadata`:
     string entries added to each safetensors file's header (`MappedSafetensors.metadata` reads them back). `dtype`:
     the one the text weights are written in (default: the model's), cast one shard at a time as it is written, so
-    the model itself is left as it is and the copies never take more than a shard's bytes.
+    the model itself is left as it is and the copies never take more than a shard's bytes. A quantized model's codes
+    and scales are written as they are held, whatever `dtype` (which then applies to its unquantized tensors:
+    embedding, norms, router), under the plain names (a scale: its weight's name + "_scale"), and config.json records
+    the scheme (`quantization_config`, quantize.quantization_config).
 
     Everything is read and checked before the first file is written, and the files are written under temporary
     names and moved into place together (StagedFiles), so a save that cannot complete, or is killed, leaves the
     destination as it was. `files`: stage them there instead, for its owner to commit with the rest of a larger
     save (a training run's)."""
+    from .quantize import coded_tensors, quantization_config, quantization_of
+
     path = Path(path)
-    dtype = dtype or model.dtype  # an unquantized model's: LM.save refuses a quantized one before it gets here
+    dtype = dtype or model.dtype
+    scheme = quantization_of(model)
+    coded = {local_to_hf(name) for name in coded_tensors(model)}  # written as held: never cast
     if metadata is not None and not (isinstance(metadata, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise ValueError(f"save: metadata: expected a dict of str -> str (safetensors header entries), got {metadata!r}")
@@ -756,7 +817,8 @@ def save_model(
             raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), "
                              "as a Hugging Face cache snapshot does; save to a folder of your own")
     tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    cast = {name for name, t in tensors.items() if t.is_floating_point() and t.dtype != dtype}  # text weights only
+    cast = {name for name, t in tensors.items()  # text weights only
+            if t.is_floating_point() and t.dtype != dtype and name not in coded}
     if dtype == torch.float16:  # before the folder is made: a value past float16's range would be written as inf
         check_float16_range(((name, tensors[name]) for name in sorted(cast)), f"nothing was written to {path}")
     if passthrough:  # the vision tensors, kept in their own dtype
@@ -785,7 +847,8 @@ def save_model(
     stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
     with staging(files) as staged:
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout
-        staged.write(path / "config.json", lambda file: model.config.save(file, dtype=dtype))
+        staged.write(path / "config.json", lambda file: model.config.save(
+            file, dtype=dtype, quantization=quantization_config(scheme) if scheme else None))
         for fname, shard in zip(names, shards):
             def write_shard(file: Path, shard: dict[str, torch.Tensor] = shard) -> None:
                 save_file(written(shard), str(file), metadata=meta)

@@ -608,8 +608,14 @@ class ModelConfig:
                 text["dtype"] = name
         return out
 
-    def save(self, path: str | Path, dtype: Any = None) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(dtype), indent=2, sort_keys=True) + "\n")
+    def save(self, path: str | Path, dtype: Any = None, quantization: dict[str, Any] | None = None) -> None:
+        """config.json of weights saved in `dtype`; `quantization`: the `quantization_config` of weights saved
+        quantized (quantize.quantization_config), None for plain ones (whatever a loaded config held)."""
+        out = self.to_dict(dtype)
+        out.pop("quantization_config", None)
+        if quantization is not None:
+            out["quantization_config"] = quantization
+        Path(path).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
 
     def num_parameters(self, active: bool = False) -> int:
         return self.text.num_parameters(active=active)

@@ -24,6 +24,7 @@ from .checkpoint import (
     DTYPES,
     Passthrough,
     check_fits,
+    folder_quantization,
     hf_cached_snapshot,
     hf_hub_cache,
     load_plan,
@@ -1560,11 +1561,18 @@ class LM:
         step there). `dtype`: the one the weights are written in, cast as they are written (the model keeps its
         own). None: the checkpoint's, where `load` widened it for this CPU (`widened_from`: bf16 loaded as float32
         without native bf16 matmuls), else the model's. `files`: stage them there instead, for its owner to commit
-        with the rest of a larger save (a training run's, with its state)."""
+        with the rest of a larger save (a training run's, with its state).
+
+        A quantized model saves quantized: its codes and scales as held, config.json's `quantization_config` naming
+        the scheme; `blockpress.load` gives it back bit for bit (transformers cannot read it). `dtype` then applies
+        to the tensors left unquantized (embedding, norms, router)."""
         dtype = resolve_dtype(_dtype_argument(dtype)) or self.widened_from or self.dtype
         if self.quantization is not None:
-            raise ValueError(f"save: the model is quantized ({self.quantization}); save the unquantized weights and "
-                             "quantize after loading (blockpress.load(..., quantize=...))")
+            adapted = next((name for name, module in self.model.named_modules() if hasattr(module, "lora_A")), None)
+            if adapted is not None:  # peft's modules would be saved under its names, which no load reads
+                raise ValueError(f"save: the model holds LoRA adapters, unmerged over its quantized base ({self.quantization}, "
+                                 f"layer {adapted!r}); save the adapters apart (blockpress.train.save_adapter), or "
+                                 "merge them into the unquantized base (blockpress.load(base, adapter=...)) and save that")
         if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
             raise ValueError(f"save: expected a folder path, got {path!r}")
         self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)
@@ -1731,7 +1739,9 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
     """(the base's folder, the LoRA adapter folder or None, the quantization or None) that `load` reads for its
     arguments. An adapter folder given as the model (`blockpress train --lora-rank`'s <out>/adapter, or the <out>
     of a QLoRA run, which holds no checkpoint) stands for its base with the adapter over it: the base it records (train.adapter_record), quantized as the adapter was trained
-    unless `quantize` says otherwise (NO_QUANTIZATION, "none": not at all)."""
+    unless `quantize` says otherwise (NO_QUANTIZATION, "none": not at all). "none" over a folder stored quantized
+    (lm.save of a quantized model) is refused: it holds the codes, not the unquantized weights, and a dequantized copy
+    would pass for them."""
     if quantize is not None and quantize != NO_QUANTIZATION:
         check_scheme(quantize)  # before reading gigabytes
     if adapter is not None and (not isinstance(adapter, (str, Path)) or not str(adapter).strip()):
@@ -1761,6 +1771,10 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
         if quantize is None:
             quantize = record["quantize"]
     adapter = None if adapter is None else Path(adapter).expanduser()  # as the model's path is
+    if quantize == NO_QUANTIZATION and (saved := folder_quantization(path)) is not None:
+        raise ValueError(f"quantize: 'none' (unquantized) asked for, but {path} is stored quantized with {saved}: it "
+                         f"holds the codes, not the unquantized weights; load it as saved (quantize={saved!r}, or none "
+                         "given; --quantize " + saved + "), or give the unquantized checkpoint")
     return path, adapter, None if quantize == NO_QUANTIZATION else quantize
 
 

@@ -20,6 +20,11 @@ a cast).
 
 int8 and fp8 halve the bytes of bf16 weights (int8 quarters float32 ones).
 
+A quantized model saves as it is held (`lm.save`, checkpoint.save_model): each projection's codes under the name the
+plain checkpoint gives its weight, its scales under that name + "_scale", and config.json's `quantization_config`
+(quantization_config below) saying how to read them; `blockpress.load` assigns them back as stored (see
+read_quantization_config), so the model it gives is the one saved, bit for bit.
+
 A quantized model is frozen but differentiable in its inputs, for LoRA adapters over it (QLoRA, train.add_lora):
 the backward multiplies by each weight dequantized on the spot, so the base stays quantized while training.
 """
@@ -45,6 +50,15 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 # scheme -> (its scales' dtype, its codes' dtype), whatever the model's dtype
 QUANTIZED_DTYPES = {"int8": (torch.float32, torch.int8), "fp8": (torch.float32, FP8), "int4": (torch.bfloat16, torch.uint8)}
+# config.json's quantization_config of a saved quantized model names blockpress as its `quantizer`, and holds no
+# `quant_method` on purpose: transformers (5.x) skips a quant_method it does not know with a warning and then loads
+# int8 / fp8 codes as if they were the weights (garbage logits), while a quantization_config without one is refused
+# outright. Other tools' configs (gptq, bitsandbytes, fbgemm_fp8: a quant_method) are refused by name, their codes
+# being laid out otherwise. The format version changes whenever the stored layout does, so that a folder written in
+# a later layout is refused rather than misread.
+QUANTIZER = "blockpress"
+QUANT_FORMAT = 1
+SCALE_SUFFIX = "_scale"  # a stored weight's scales: its name + this (the buffers' own names)
 
 
 def check_scheme(scheme: Any) -> str:
@@ -421,6 +435,56 @@ def check_cast(model: DiffusionGemma, cast: Callable[[torch.Tensor], torch.Tenso
            f"load it in the dtype wanted: blockpress.load(..., dtype={name[target]!r}, quantize={scheme!r})")
     raise ValueError(f"dtype: the model is quantized ({scheme}) in {name[model.dtype]} and can change device, not "
                      f"dtype{why}; {way}")
+
+
+def coded_tensors(model: nn.Module) -> dict[str, torch.dtype]:
+    """The state-dict names of `model`'s quantized codes and their scales, each with the dtype it is stored in (codes:
+    QUANTIZED_DTYPES's; scales: theirs): what a save writes as they are held, and a load assigns as they are stored,
+    never casting them to the model's dtype."""
+    coded: dict[str, torch.dtype] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedExperts)):
+            names = ("weight",) if isinstance(module, QuantizedLinear) else ("gate_up_proj", "down_proj")
+            scales, codes = QUANTIZED_DTYPES[module.scheme]
+            for name in names:
+                coded[f"{prefix}.{name}"] = codes
+                coded[f"{prefix}.{name}{SCALE_SUFFIX}"] = scales
+    return coded
+
+
+def quantization_config(scheme: str) -> dict[str, Any]:
+    """config.json's `quantization_config` for a model saved quantized with `scheme`: what a load needs to read the
+    codes back exactly. int4's `group_size` is the largest group; a weight's own is gcd(its input size, group_size)
+    (int4_group), which its scales' shape also says."""
+    config: dict[str, Any] = {"quantizer": QUANTIZER, "format_version": QUANT_FORMAT, "scheme": check_scheme(scheme)}
+    if scheme == "int4":
+        config["group_size"] = INT4_GROUP
+    return config
+
+
+def read_quantization_config(raw: Any) -> str:
+    """The scheme of a config.json's `quantization_config` that blockpress wrote (quantization_config), checked field
+    by field: a ValueError names the field and what was expected. Another tool's (one naming a `quant_method`, or
+    no `quantizer` of QUANTIZER) is refused by name."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"quantization_config: expected a JSON object, got {raw!r}")
+    if "quant_method" in raw or raw.get("quantizer") != QUANTIZER:
+        method = raw.get("quant_method", raw.get("quantizer", "?"))
+        raise ValueError(f"a pre-quantized checkpoint (quantization_config: {method}) is not supported: blockpress "
+                         f"reads its own quantized saves (quantizer {QUANTIZER!r}) alone; load the unquantized one with "
+                         "quantize='int8', 'fp8' or 'int4' instead")
+    version = raw.get("format_version")
+    if version != QUANT_FORMAT:
+        raise ValueError(f"quantization_config.format_version: expected {QUANT_FORMAT} (the layout this blockpress "
+                         f"reads), got {version!r}")
+    scheme = raw.get("scheme")
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(f"quantization_config.scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
+    group = raw.get("group_size")
+    if scheme == "int4" and (group != INT4_GROUP or isinstance(group, bool)):
+        raise ValueError(f"quantization_config.group_size: expected {INT4_GROUP} (int4's groups in this blockpress), "
+                         f"got {group!r}")
+    return scheme
 
 
 def quantization_of(model: nn.Module) -> str | None:

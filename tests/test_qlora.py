@@ -315,6 +315,16 @@ def test_train_cli_quantize_trains_lora_over_the_quantized_base(tmp_path, capsys
     assert "quantize: 'int4' trains LoRA adapters" in capsys.readouterr().err
 
 
+def test_a_quantized_model_holding_unmerged_adapters_is_not_saved(tmp_path):
+    """A quantized model saves quantized, but peft's layers over it would be written under names no load reads."""
+    lm = tiny_lm().quantize("int4")
+    add_lora(lm.model, rank=2, alpha=4)
+    with pytest.raises(ValueError, match=r"^save: the model holds LoRA adapters, unmerged over its quantized base "
+                                         r"\(int4, layer 'layers\.0\.[^']+'\); save the adapters apart"):
+        lm.save(tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
 def test_resuming_a_finished_qlora_run_says_so_before_loading_its_base(tmp_path, capsys, monkeypatch):
     """--resume on a finished QLoRA run said "give it again with --model"; given it, the base was loaded and quantized
     (a minute for blockpress-code) before the run was found finished. With a save mid-run its lora_base.json stayed,

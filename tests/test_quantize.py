@@ -4,12 +4,16 @@ the shipped sudoku model still solving puzzles, memory, and clear errors."""
 import copy
 import json
 import re
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 import blockpress
 from blockpress.cli import main
@@ -325,9 +329,6 @@ def test_quantize_errors(tmp_path):
     lm = tiny_lm().quantize("int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize(lm.model, "fp8")
-    with pytest.raises(ValueError, match="save: the model is quantized"):
-        lm.save(tmp_path / "q")
-    assert not (tmp_path / "q").exists()
 
 
 def test_cli_info_and_bench_quantized(capsys):
@@ -509,3 +510,192 @@ def test_dequantizing_takes_its_float32_temporaries_a_chunk_at_a_time(scheme, dt
     # (a float32 result is itself the largest float32 tensor: it is allocated once, whole)
     assert mode.largest == (w.numel() if dtype == torch.float32 else 256)
     assert chunked.dtype == dtype and torch.equal(chunked.view(torch.uint8), whole.view(torch.uint8))
+
+
+# -- saved quantized: lm.save of a quantized model, blockpress.load of its folder ------------------------------------
+
+
+def quiet(call, *args, **kwargs):
+    """call(*args, **kwargs) without its warnings (int4's groups below 32 in the tiny shapes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return call(*args, **kwargs)
+
+
+def same_bits(a, b):
+    """Equal dtypes, shapes and bytes (torch.equal has no fp8 kernel on a CPU)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+@settings(max_examples=8, deadline=None)
+@given(scheme=st.sampled_from(blockpress.config.SCHEMES), dtype=st.sampled_from(["float32", "bfloat16"]),
+       sharded=st.booleans())
+def test_a_quantized_model_saves_and_loads_back_bit_for_bit(scheme, dtype, sharded):
+    """The codes and scales are written as held and read back as stored (no dequantize / requantize round trip): the
+    same buffers, bit for bit, and the same logits; config.json names the scheme. Sharded too (the index lists the
+    scales beside their codes)."""
+    from reference import fresh_weights
+
+    from blockpress.checkpoint import MappedSafetensors, save_model
+    from blockpress.quantize import quantization_config
+
+    lm = quiet(blockpress.random_model, blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8), seed=3,
+               dtype=dtype)
+    quiet(lm.quantize, scheme)
+    with tempfile.TemporaryDirectory() as folder:
+        if sharded:
+            save_model(lm.model, folder, max_shard_bytes=8_000)
+        else:
+            lm.save(folder)
+        config = json.loads((Path(folder) / "config.json").read_text())
+        assert config["quantization_config"] == quantization_config(scheme) and config["dtype"] == dtype
+        files = [MappedSafetensors(f) for f in sorted(Path(folder).glob("*.safetensors"))]
+        assert len(files) > 1 if sharded else len(files) == 1
+        stored = {name: f.dtype(name) for f in files for name in f.keys()}
+        codes = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[scheme]
+        assert stored["model.decoder.layers.0.self_attn.q_proj.weight"] == codes
+        assert stored["model.decoder.layers.0.experts.gate_up_proj"] == codes
+        assert "model.decoder.layers.0.self_attn.q_proj.weight_scale" in stored
+        assert "model.decoder.layers.0.experts.gate_up_proj_scale" in stored
+        back = fresh_weights(quiet(blockpress.load, folder, dtype=dtype))  # fresh: as aligned as `lm`'s own
+    assert back.quantization == scheme and back.dtype == lm.dtype
+    saved, loaded = lm.model.state_dict(), back.model.state_dict()
+    assert saved.keys() == loaded.keys()
+    assert all(same_bits(saved[name], loaded[name]) for name in saved), [n for n in saved
+                                                                        if not same_bits(saved[n], loaded[n])]
+    prompt, canvas = torch.randint(3, 60, (2, 5)), torch.randint(3, 60, (2, 8))
+    assert torch.equal(lm.logits(prompt, canvas), back.logits(prompt, canvas))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_folder_loads_its_codes_without_quantizing_and_as_views_of_the_file(scheme, tmp_path, monkeypatch):
+    """No dequantize / requantize round trip (quantize_weight runs on meta tensors alone, for the layout), and on a CPU
+    the codes are the mapped file's bytes, as a plain checkpoint's weights are: nothing is read into memory twice."""
+    import blockpress.quantize as q
+
+    quiet(tiny_lm().quantize(scheme).save, tmp_path)
+    calls = []
+    real = q.quantize_weight
+    monkeypatch.setattr(q, "quantize_weight", lambda w, s: calls.append(w.device.type) or real(w, s))
+    lm = quiet(blockpress.load, tmp_path)
+    assert lm.quantization == scheme and calls and set(calls) == {"meta"}
+    codes = lm.model.layers[0].self_attn.q_proj.weight
+    assert codes.dtype == {"int8": torch.int8, "int4": torch.uint8}[scheme]
+    assert not codes.untyped_storage().resizable()  # a view of the mapped file (torch.frombuffer), not a copy
+
+
+@pytest.fixture(scope="module")
+def int8_folder(tmp_path_factory):
+    """A tiny float32 model saved quantized with int8, and the model."""
+    path = tmp_path_factory.mktemp("int8")
+    lm = tiny_lm(seed=5).quantize("int8")
+    lm.save(path)
+    return path, lm
+
+
+def test_the_quantize_argument_over_a_quantized_folder(int8_folder, tmp_path, capsys):
+    """Its own scheme is accepted, another is refused naming both, and "none" (unquantized) is refused: the folder holds
+    codes, and a dequantized copy would pass for the unquantized weights. Same on the command line."""
+    path, lm = int8_folder
+    assert blockpress.load(path, quantize="int8").quantization == "int8"
+    with pytest.raises(ValueError, match=rf"^quantize: 'int4' asked for, but {re.escape(str(path))} is stored "
+                                         r"quantized with int8 .*quantize='int8'"):
+        blockpress.load(path, quantize="int4")
+    with pytest.raises(ValueError, match=r"^quantize: 'none' \(unquantized\) asked for, but .* is stored quantized with "
+                                         r"int8: it holds the codes"):
+        blockpress.load(path, quantize="none")
+    assert main(["info", "--model", str(path), "--quantize", "fp8"]) == 2
+    assert "--quantize: 'fp8' asked for, but" in capsys.readouterr().err
+
+
+def test_info_counts_a_quantized_folder_as_loaded(int8_folder, capsys):
+    """`info` (on the meta device, reading headers alone) shows the scheme and the bytes the load really takes."""
+    path, lm = int8_folder
+    for device in ("cpu", "meta"):
+        assert main(["info", "--model", str(path), "--device", device, "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["quantization"] == "int8" and info["checkpoint_dtype"] == "float32"
+        assert info["weights_bytes"] == lm.weights_bytes() == blockpress.load(path).weights_bytes()
+        assert info["checkpoint_bytes"] == sum(t.nbytes for t in load_file(path / "model.safetensors").values())
+
+
+def test_save_dtype_applies_to_the_unquantized_tensors_alone(int8_folder, tmp_path):
+    """The codes and scales keep their dtypes; the embedding, norms and router are written in `dtype`, which config.json
+    records as the dtype the folder loads in. float16's range check looks at those alone (fp8 codes included it)."""
+    from blockpress.checkpoint import MappedSafetensors
+
+    _, lm = int8_folder
+    lm.save(tmp_path / "bf16", dtype="bfloat16")
+    f = MappedSafetensors(tmp_path / "bf16" / "model.safetensors")
+    assert f.dtype("model.decoder.embed_tokens.weight") == torch.bfloat16
+    assert f.dtype("model.decoder.layers.0.self_attn.q_proj.weight") == torch.int8
+    assert f.dtype("model.decoder.layers.0.self_attn.q_proj.weight_scale") == torch.float32
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    back = blockpress.load(tmp_path / "bf16", dtype="bfloat16")
+    assert back.dtype == torch.bfloat16 and same_bits(back.model.layers[0].self_attn.q_proj.weight,
+                                                     lm.model.layers[0].self_attn.q_proj.weight)
+    fp8 = tiny_lm().quantize("fp8")
+    fp8.save(tmp_path / "fp16", dtype="float16")
+    assert blockpress.load(tmp_path / "fp16", dtype="float16").quantization == "fp8"
+
+
+def damage(path, tensors=None, config=None):
+    """The folder at `path` with `tensors(dict)` applied to its tensors and `config(dict)` to its config.json."""
+    if tensors is not None:
+        state = load_file(path / "model.safetensors")
+        tensors(state)
+        save_file(state, path / "model.safetensors")
+    if config is not None:
+        raw = json.loads((path / "config.json").read_text())
+        config(raw)
+        (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+Q = "model.decoder.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("tensors, config, message", [
+    (lambda t: t.pop(Q + "_scale"), None, rf"missing tensor\(s\) {Q}_scale"),
+    (lambda t: t.__setitem__(Q + "_scale", t[Q + "_scale"][:3]), None,
+     rf"tensor '{Q}_scale': shape \[3\] in the checkpoint, config needs \[32\]"),
+    (lambda t: t.__setitem__(Q + "_scale", t[Q + "_scale"].half()), None,
+     rf"tensor '{Q}_scale': dtype torch.float16 in the checkpoint, expected torch.float32 \(the quantized weight's "
+     r"scales\)"),
+    (lambda t: t.__setitem__(Q, t[Q].float()), None,
+     rf"tensor '{Q}': dtype torch.float32 in the checkpoint, expected torch.int8 \(the quantized weight's codes\)"),
+    (lambda t: t.__setitem__(Q, t[Q].view(torch.uint8)), None, rf"tensor '{Q}': dtype torch.uint8 .*expected torch.int8"),
+    (None, lambda c: c["quantization_config"].update(scheme="int3"),
+     r"config.json: quantization_config.scheme: expected one of int8, fp8, int4, got 'int3'"),
+    (None, lambda c: c["quantization_config"].update(format_version=2),
+     r"config.json: quantization_config.format_version: expected 1 .*got 2"),
+    (None, lambda c: c["quantization_config"].update(scheme="int4"),  # int4 says its group size
+     r"config.json: quantization_config.group_size: expected 32 .*got None"),
+    (None, lambda c: c.__setitem__("quantization_config", ["int8"]),
+     r"config.json: quantization_config: expected a JSON object, got \['int8'\]"),
+    (None, lambda c: c["quantization_config"].update(quantizer="mine"),
+     r"a pre-quantized checkpoint \(quantization_config: mine\) is not supported"),
+    (None, lambda c: c["quantization_config"].update(quant_method="fp8"),  # another tool's fp8, codes laid out alike
+     r"a pre-quantized checkpoint \(quantization_config: fp8\) is not supported"),
+    (None, lambda c: c.__setitem__("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
+     r"a pre-quantized checkpoint \(quantization_config: bitsandbytes\) is not supported"),
+    (None, lambda c: c.__setitem__("quantization_config", {"quant_method": "gptq", "bits": 4}),
+     r"a pre-quantized checkpoint \(quantization_config: gptq\) is not supported"),
+])
+def test_a_damaged_or_foreign_quantized_folder_is_refused_naming_the_tensor_or_field(int8_folder, tmp_path, tensors,
+                                                                                     config, message):
+    path = damage(shutil.copytree(int8_folder[0], tmp_path / "c"), tensors, config)
+    with pytest.raises(blockpress.CheckpointError, match=message):
+        blockpress.load(path)
+    with pytest.raises(blockpress.CheckpointError, match=message):  # planned alike (info, --device meta)
+        blockpress.checkpoint.plan_model(path, device="meta")
+
+
+def test_transformers_refuses_a_quantized_folder(int8_folder):
+    """transformers cannot read blockpress's codes: it refuses the folder (a quantization_config with no quant_method),
+    where a quant_method it does not know is skipped with a warning and int8 codes load as weights."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    with pytest.raises(ValueError, match="no `quant_method`"):
+        DiffusionGemmaForBlockDiffusion.from_pretrained(int8_folder[0])
