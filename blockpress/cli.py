@@ -1107,6 +1107,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         # adapters, so its frozen base may stay in its own dtype.
         # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
         # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
+        from blockpress.checkpoint import folder_quantization
+        from blockpress.lm import resolve_path
+
+        stored = None if cfg.quantize else folder_quantization(resolve_path(args.model))
+        if stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
+            what = ("LoRA adapters over it are trained with --quantize " + stored + " too (QLoRA; recorded with them, so "
+                    "that they load over it alike)" if cfg.lora_rank else
+                    "a full fine-tune needs the unquantized weights; train LoRA adapters over it instead "
+                    f"(--lora-rank R --quantize {stored}: QLoRA), or fine-tune the unquantized checkpoint")
+            raise ValueError(f"--model {args.model}: stored quantized ({stored}); {what}")
         lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
                         cfg.quantize or "none")
         if args.resume and saved.get("lora_rank") and lora_shape:

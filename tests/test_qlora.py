@@ -325,6 +325,35 @@ def test_a_quantized_model_holding_unmerged_adapters_is_not_saved(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_train_cli_over_a_folder_saved_quantized(tmp_path, capsys):
+    """QLoRA over a folder saved quantized (lm.save of a quantized model) trains with --quantize of its scheme, and its
+    adapter folder loads back over it; a full fine-tune, or adapters without --quantize, are refused naming the
+    scheme (the full fine-tune met the load's generic refusal of quantize 'none')."""
+    base = tmp_path / "base"
+    quantized = tiny_lm().quantize("int8")
+    quantized.save(base)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": e.prompt, "response_ids": e.response}) + "\n" for e in EXAMPLES))
+
+    def args(out, *more):
+        return ["train", "--model", str(base), "--data", str(data), "--out", str(tmp_path / out), "--steps", "2",
+                "--batch-size", "2", "--heldout", "0", "--quiet", "--warmup-steps", "1", *more]
+
+    assert main(args("full")) == 2
+    assert re.search(r"--model \S+: stored quantized \(int8\); a full fine-tune needs the unquantized weights; train "
+                     r"LoRA adapters over it instead \(--lora-rank R --quantize int8: QLoRA\)", capsys.readouterr().err)
+    assert main(args("lora", "--lora-rank", "2")) == 2
+    assert "stored quantized (int8); LoRA adapters over it are trained with --quantize int8 too" in capsys.readouterr().err
+    assert main(args("other", "--lora-rank", "2", "--quantize", "int4")) == 2
+    assert "--quantize: 'int4' asked for, but" in capsys.readouterr().err
+    assert not any((tmp_path / out).exists() for out in ("full", "lora", "other"))
+    assert main(args("qlora", "--lora-rank", "2", "--quantize", "int8")) == 0
+    lm = blockpress.load(tmp_path / "qlora" / "adapter")
+    assert lm.quantization == "int8" and lm.path == base and lora_layers(lm.model)
+    prompt, canvas = torch.randint(0, 32, (1, 5)), torch.randint(0, 32, (1, 8))
+    assert not torch.equal(lm.logits(prompt, canvas), quantized.logits(prompt, canvas))  # the adapters act
+
+
 def test_resuming_a_finished_qlora_run_says_so_before_loading_its_base(tmp_path, capsys, monkeypatch):
     """--resume on a finished QLoRA run said "give it again with --model"; given it, the base was loaded and quantized
     (a minute for blockpress-code) before the run was found finished. With a save mid-run its lora_base.json stayed,
