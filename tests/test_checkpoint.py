@@ -311,6 +311,34 @@ def test_quantizing_while_loading_is_quantizing_after(ref_checkpoint, scheme):
     assert torch.equal(during.logits(prompt, canvas), after.logits(prompt, canvas))
 
 
+def test_a_quantized_save_writes_what_a_plain_save_writes_beside_its_codes(lm, tmp_path):
+    """The same save (save_model and LM.save's staging): the vision tensors kept from the loaded checkpoint, the
+    generation config, blockpress's own generation file, and a config.json that differs from the plain one by its
+    quantization_config alone; the plain save writes none."""
+    lm.generation_config["entropy_bound"] = 0.25  # reference's sampler_config, and blockpress's own file
+    lm.generation_config["noise_token_id"] = 7
+    lm.save(tmp_path / "plain")
+    quantized = load_quiet(lm.path, quantize="int4")
+    quantized.generation_config.update(lm.generation_config)
+    quantized.save(tmp_path / "int4")
+    plain_config, config = (json.loads((tmp_path / f / "config.json").read_text()) for f in ("plain", "int4"))
+    assert "quantization_config" not in plain_config
+    assert config.pop("quantization_config")["scheme"] == "int4" and config == plain_config
+    names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "int4").iterdir())
+    for name in names:
+        if name.endswith(".json") and name != "config.json":
+            assert (tmp_path / "plain" / name).read_text() == (tmp_path / "int4" / name).read_text(), name
+    plain, saved = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "int4" / "model.safetensors")
+    vision = [k for k in plain if k.startswith("model.encoder.vision_tower.")]
+    assert vision and all(torch.equal(plain[k], saved[k]) for k in vision)
+    scales = {k for k in saved if k.endswith("_scale") and k.removesuffix("_scale") in saved}  # (not per_expert_scale)
+    assert scales and set(saved) - scales == set(plain)
+    load_quiet(tmp_path / "int4").save(tmp_path / "again")  # loaded as stored, saved as held: the same files
+    for name in names:
+        assert (tmp_path / "int4" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
 def test_a_prequantized_checkpoint_is_named_as_such(ref_checkpoint, tmp_path):
     """Its scales are tensors blockpress does not read: the error says what the checkpoint is (before: "unexpected
     tensor ...weight_scale")."""
