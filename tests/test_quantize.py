@@ -699,3 +699,14 @@ def test_transformers_refuses_a_quantized_folder(int8_folder):
 
     with pytest.raises(ValueError, match="no `quant_method`"):
         DiffusionGemmaForBlockDiffusion.from_pretrained(int8_folder[0])
+
+
+def test_generate_runs_a_quantized_folder_without_quantize(tmp_path, capsys):
+    """`blockpress generate --model <folder saved quantized>` needs no --quantize, and writes what quantizing the
+    plain checkpoint while loading writes (the same codes: the same tokens)."""
+    blockpress.load("blockpress-code", quantize="int8").save(tmp_path)
+    common = ["--max-new-tokens", "8", "--device", "cpu", "def area(r):"]
+    assert main(["generate", "--model", str(tmp_path), *common]) == 0
+    saved = capsys.readouterr().out
+    assert main(["generate", "--model", "blockpress-code", "--quantize", "int8", *common]) == 0
+    assert saved.strip() and saved == capsys.readouterr().out
