@@ -147,8 +147,9 @@ def emulated_dtype_note(dtype: str | None, device: str) -> str | None:
 QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CPU, --dtype bfloat16 runs a packed "
                  "int8 kernel, which pays only with native bf16 matmuls, AVX512-BF16 or AMX: elsewhere bf16's other "
                  "ops take scalar fallbacks and float32 is faster), fp8 (weights and activations, for GPUs with FP8 "
-                 "tensor cores) or int4 (weights, groups of 32: for memory, not speed). Default: none (an adapter "
-                 "folder given as --model: the quantization it was trained over; none loads its base unquantized)")
+                 "tensor cores) or int4 (weights, groups of 32: for memory, not speed). Default: none (a folder saved "
+                 "quantized: its own scheme, the only one it takes; an adapter folder given as --model: the "
+                 "quantization it was trained over; none loads its base unquantized)")
 
 
 def add_load_args(p: argparse.ArgumentParser, runs: bool = True) -> None:
