@@ -17,9 +17,11 @@ The field with no opening marker collects the text outside every other region (h
 gives the same message as transformers' `parse_response` for the same template, prompt and reply. A reply still
 being written is read by the same scan (`parse_partial`): what it has settled so far, the regions it has closed and
 the open region's text short of a tail where a marker may yet begin, as transformers' stream parser holds it back.
-Patterns are Python
-`re` syntax (transformers compiles them with the `regex` module, whose Unicode `\\w` differs from re's at the margins
-and which also knows `\\p{...}` classes).
+Patterns are compiled as transformers compiles them, with the `regex` module (its default syntax is Python `re`'s,
+and it also knows `\\p{...}` classes). They are the checkpoint maker's, and one with nested repeats (`(a|a)*`,
+`(\\w|\\w\\w)+`) backtracks for hours on a reply of 40 characters that almost matches it: one read of a reply may
+spend RESPONSE_PATTERN_SECONDS in them, and all the reads of one reply together (a stream's parse_partial at each
+chunk and its last parse_response) RESPONSE_PATTERN_TOTAL_SECONDS, past which it is refused (PatternTooCostly).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import regex
 
 if TYPE_CHECKING:  # typeshed has these modules under their names before 3.11 only (sre_parse warns on import since)
     import sre_constants
@@ -47,6 +52,76 @@ FIELD_KEYS = frozenset({"open", "open_pattern", "close", "close_pattern", "conte
 PLACEHOLDER = re.compile(r"\{(\w+(?:\.\w+)*)\}")
 # Control characters stand in for the custom-delimited strings while the json dialect is rewritten into JSON.
 STASH_OPEN, STASH_CLOSE = "\x01", "\x02"
+# What the template's patterns may take: one read of a reply (a parse_response, or a stream's parse_partial of the
+# reply so far), and all the reads of one reply together (PatternBudget). A real template's patterns read a reply in
+# milliseconds: streamed in chunks of 8 characters, a reply of 16,000 took 0.03 s of Gemma 4's in all and 0.17 s of
+# Qwen 3.5's, growing with its length squared (each chunk reads the reply again), so the total allows a reply 7 times
+# that long. The server reads replies on its event loop: these are also the longest it stops answering for them.
+RESPONSE_PATTERN_SECONDS = 1.0
+RESPONSE_PATTERN_TOTAL_SECONDS = 10.0
+T = TypeVar("T")
+# A marker: the template's regex (`regex`, searched within a PatternBudget), or its literal texts (`re`).
+Marker = re.Pattern[str] | regex.Pattern[str]
+
+
+class PatternTooCostly(ValueError):
+    """A response template's patterns that ran past their time reading a reply (PatternBudget)."""
+
+
+@dataclass
+class PatternBudget:
+    """The time the template's patterns may take reading one reply: `seconds` a read, `total` all its reads
+    together. A stream gives its parse_partial calls and its last parse_response one budget. Each search gets what
+    is left as the `regex` module's timeout, which counts the process's CPU time, and spends the clock's time it
+    took (on a loaded machine, more: the next search then finds less left). A read that runs out is refused
+    (PatternTooCostly), and so is every later read of the reply, at once and with the same words (a pattern that
+    ran out on the reply so far would run out on its longer text too)."""
+
+    seconds: float = RESPONSE_PATTERN_SECONDS
+    total: float = RESPONSE_PATTERN_TOTAL_SECONDS
+    spent: float = 0.0
+    read_from: float = 0.0  # `spent` when this read began (begin_read)
+    refused: str | None = None  # why it ran out, said again by every later read
+
+    def begin_read(self) -> None:
+        self.read_from = self.spent
+
+    def run(self, where: str, pattern: regex.Pattern[str], search: Callable[[float], T]) -> T:
+        """`search(timeout)` with what is left of the budget; PatternTooCostly naming `where`, the pattern and the
+        limit when that runs out."""
+        read_left, total_left = self.seconds - (self.spent - self.read_from), self.total - self.spent
+        if read_left <= total_left:
+            limit = f"the {self.seconds:g} s that one read of a reply may take (RESPONSE_PATTERN_SECONDS)"
+        else:
+            limit = (f"the {self.total:g} s that all the reads of one reply may take together "
+                     "(RESPONSE_PATTERN_TOTAL_SECONDS)")
+        if self.refused is None and min(read_left, total_left) <= 0:
+            self.refused = (f"{where}: the pattern {pattern.pattern!r:.120} was not run, as the template's patterns "
+                            f"before it spent {limit}")
+        if self.refused is not None:
+            raise PatternTooCostly(self.refused)
+        start = time.monotonic()
+        try:
+            return search(min(read_left, total_left))
+        except TimeoutError:
+            self.refused = (f"{where}: the pattern {pattern.pattern!r:.120} ran past {limit}; nested repeats such as "
+                            "(a|a)* or (\\w|\\w\\w)+ backtrack without end on text that almost matches them")
+            raise PatternTooCostly(self.refused) from None
+        finally:
+            self.spent += time.monotonic() - start
+
+    def search(self, where: str, pattern: Marker, text: str,
+               pos: int = 0) -> re.Match[str] | regex.Match[str] | None:
+        """pattern.search(text, pos): the template's regex within the budget, a literal marker (re) as it is."""
+        if isinstance(pattern, re.Pattern):
+            return pattern.search(text, pos)
+        return self.run(where, pattern, lambda timeout: pattern.search(text, pos, timeout=timeout))
+
+    def finditer(self, where: str, pattern: Marker, text: str) -> list[re.Match[str]] | list[regex.Match[str]]:
+        """pattern.finditer(text), all of it, as `search`."""
+        if isinstance(pattern, re.Pattern):
+            return list(pattern.finditer(text))
+        return self.run(where, pattern, lambda timeout: list(pattern.finditer(text, timeout=timeout)))
 
 
 @dataclass(frozen=True)
@@ -54,8 +129,8 @@ class Field:
     """One region of a reply, compiled."""
 
     name: str
-    open: re.Pattern | None  # None: the implicit field, open wherever no other region is
-    close: re.Pattern | None  # None: it runs to the next region's opening (or the reply's end)
+    open: Marker | None  # None: the implicit field, open wherever no other region is
+    close: Marker | None  # None: it runs to the next region's opening (or the reply's end)
     # Each marker's literal texts (None: a pattern), which tell a growing reply's tail that may yet become one
     open_texts: tuple[str, ...] | None
     close_texts: tuple[str, ...] | None
@@ -72,7 +147,7 @@ class Field:
 class ResponseTemplate:
     """A response template, checked and compiled (`compile_template`)."""
 
-    start_anchor: re.Pattern  # where the assistant's message starts in the prompt: the parse begins after its last
+    start_anchor: Marker  # where the assistant's message starts in the prompt: the parse begins after its last
     fields: dict[str, Field]
     implicit: str | None
     defaults: dict[str, Any]
@@ -146,14 +221,14 @@ def _marker_texts(spec: Mapping[str, Any], literal: str) -> tuple[str, ...] | No
     return None if texts is None else tuple([texts] if isinstance(texts, str) else texts)
 
 
-def _marker(spec: Mapping[str, Any], literal: str, pattern: str, where: str) -> re.Pattern | None:
+def _marker(spec: Mapping[str, Any], literal: str, pattern: str, where: str) -> Marker | None:
     """A region's marker as a pattern: literal text, a list of alternative texts, or a regex (DOTALL)."""
     if literal in spec and pattern in spec:
         raise ValueError(f"{where}: give {literal} or {pattern}, not both")
     if pattern in spec:
         try:
-            return re.compile(spec[pattern], re.DOTALL)
-        except (re.error, TypeError) as exc:
+            return regex.compile(spec[pattern], regex.DOTALL)
+        except (regex.error, TypeError) as exc:
             raise ValueError(f"{where}.{pattern}: not a valid regular expression: {exc}") from None
     if literal not in spec:
         return None
@@ -164,6 +239,7 @@ def _marker(spec: Mapping[str, Any], literal: str, pattern: str, where: str) -> 
                          f"{spec[literal]!r:.80}")
     # Longest first: where two alternatives match at one place, the longer one is the marker.
     ordered = sorted(dict.fromkeys(texts), key=len, reverse=True)
+    # (blockpress's own pattern of escaped texts, which cannot backtrack: re, faster, and searched without a limit)
     return re.compile("|".join(map(re.escape, ordered)), re.DOTALL)
 
 
@@ -183,11 +259,11 @@ def _check_transform(transform: Any, where: str) -> None:
 # -- content parsers: a region's text -> its value -------------------------------------------------------------
 
 
-def _text(text: str, args: dict[str, Any]) -> str:
+def _text(text: str, args: dict[str, Any], budget: PatternBudget | None = None) -> str:
     return text.strip() if args.get("strip", True) else text
 
 
-def _json(text: str, args: dict[str, Any]) -> Any:
+def _json(text: str, args: dict[str, Any], budget: PatternBudget) -> Any:
     """JSON, or a model's dialect of it: `string_delims` [[open, close], ...] mark strings that are not quoted
     (Gemma 4 writes <|"|>text<|"|>), `unquoted_keys` allows {key:1}, `allow_non_json` keeps unparseable text."""
     delims = args.get("string_delims", [])
@@ -216,25 +292,29 @@ def _json(text: str, args: dict[str, Any]) -> Any:
                          if rewritten != text else "") + f": {exc}") from None
 
 
-def _sub_value(text: str, parser: dict[str, Any] | None) -> Any:
+def _sub_value(text: str, parser: dict[str, Any] | None, budget: PatternBudget) -> Any:
     """A nested value parsed by {"name": parser, "args": {...}} (xml-inline's and kv-lines' value_parser)."""
     if parser is None:
         return text
-    return parse_content(text, parser.get("name", "text"), parser.get("args", {}))
+    return parse_content(text, parser.get("name", "text"), parser.get("args", {}), budget)
 
 
-def _xml_inline(text: str, args: dict[str, Any]) -> dict[str, Any]:
+def _xml_inline(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[str, Any]:
     """Shallow tags, <parameter=city>Paris</parameter>: `tag_pattern` names groups `key` and `value`; a repeated key
     keeps the last value, or all of them in a list with `merge_duplicates`."""
     pattern = args.get("tag_pattern")
     if pattern is None:
         raise ValueError("xml-inline: content_args.tag_pattern is required (a regex with groups key and value)")
+    try:
+        compiled = regex.compile(pattern, regex.DOTALL)
+    except (regex.error, TypeError) as exc:
+        raise ValueError(f"xml-inline: tag_pattern {pattern!r:.120} is not a valid regular expression: {exc}") from None
     out: dict[str, Any] = {}
-    for match in re.finditer(pattern, text, flags=re.DOTALL):
+    for match in budget.finditer("response_template: an xml-inline content's tag_pattern", compiled, text):
         found = match.groupdict()
         if found.get("key") is None:
             raise ValueError(f"xml-inline: tag_pattern {pattern!r} has no group named 'key'")
-        key, value = found["key"], _sub_value(found.get("value", ""), args.get("value_parser"))
+        key, value = found["key"], _sub_value(found.get("value", ""), args.get("value_parser"), budget)
         if args.get("merge_duplicates", False) and key in out:
             out[key] = (out[key] if isinstance(out[key], list) else [out[key]]) + [value]
         else:
@@ -242,7 +322,7 @@ def _xml_inline(text: str, args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _kv_lines(text: str, args: dict[str, Any]) -> dict[str, Any]:
+def _kv_lines(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[str, Any]:
     """Lines of key<kv_sep>value (default ":"), split at `line_sep` (default a newline)."""
     kv_sep = args.get("kv_sep", ":")
     out = {}
@@ -250,25 +330,26 @@ def _kv_lines(text: str, args: dict[str, Any]) -> dict[str, Any]:
         line = _text(line, args)
         if line and kv_sep in line:
             key, value = line.split(kv_sep, 1)
-            out[_text(key, args)] = _sub_value(_text(value, args), args.get("value_parser"))
+            out[_text(key, args)] = _sub_value(_text(value, args), args.get("value_parser"), budget)
     return out
 
 
-CONTENT_PARSERS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
+# Each takes the text, its content_args and the reply's PatternBudget (for a pattern the template gives them).
+CONTENT_PARSERS: dict[str, Callable[[str, dict[str, Any], PatternBudget], Any]] = {
     "text": _text,
-    "int": lambda text, args: int(_text(text, args)),
-    "float": lambda text, args: float(_text(text, args)),
-    "bool": lambda text, args: _text(text, args).lower() in ("true", "1"),
+    "int": lambda text, args, budget: int(_text(text, args)),
+    "float": lambda text, args, budget: float(_text(text, args)),
+    "bool": lambda text, args, budget: _text(text, args).lower() in ("true", "1"),
     "json": _json,
     "xml-inline": _xml_inline,
     "kv-lines": _kv_lines,
 }
 
 
-def parse_content(text: str, parser: str, args: dict[str, Any]) -> Any:
+def parse_content(text: str, parser: str, args: dict[str, Any], budget: PatternBudget) -> Any:
     if parser not in CONTENT_PARSERS:
         raise ValueError(f"value_parser.name: expected one of {sorted(CONTENT_PARSERS)}, got {parser!r}")
-    return CONTENT_PARSERS[parser](text, args)
+    return CONTENT_PARSERS[parser](text, args, budget)
 
 
 def _fill(transform: Any, scope: dict[str, Any]) -> Any:
@@ -291,8 +372,8 @@ def _fill(transform: Any, scope: dict[str, Any]) -> Any:
     return value
 
 
-def _field_value(body: str, field: Field, captures: dict[str, str]) -> Any:
-    value = parse_content(body, field.content, field.content_args)
+def _field_value(body: str, field: Field, captures: dict[str, str], budget: PatternBudget) -> Any:
+    value = parse_content(body, field.content, field.content_args, budget)
     if field.transform is None:
         return value
     if not field.transform_each:
@@ -389,11 +470,14 @@ def _type_arguments(value: Any, params: dict[str, dict[str, Any]]) -> Any:
 # -- the parse --------------------------------------------------------------------------------------------------
 
 
-def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None) -> dict[str, Any]:
+def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None,
+                   budget: PatternBudget | None = None) -> dict[str, Any]:
     """The message a reply `text` holds. `prefix`: the prompt it answers, whose part after the template's last
     start_anchor (an assistant turn the template began, e.g. an opened <think>) is read as the reply's start.
-    `tools`: the request's tools; tool-call arguments written as text get their parameters' types."""
-    message, _, _ = _scan(template, text, prefix, tools, ended=True)
+    `tools`: the request's tools; tool-call arguments written as text get their parameters' types. `budget`: the
+    time the template's patterns may take (a new PatternBudget where None; a stream's reads share one), past which
+    PatternTooCostly."""
+    message, _, _ = _scan(template, text, prefix, tools, ended=True, budget=budget or PatternBudget())
     fields = template.fields
     if missing := [name for name, f in fields.items() if not f.optional and name not in message]:
         raise ValueError(f"the reply has no {missing} (fields the response_template marks optional: false)")
@@ -426,12 +510,14 @@ class PartialMessage:
         return now if field.join is None or before is None else before + field.join + now
 
 
-def parse_partial(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None) -> PartialMessage:
+def parse_partial(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None,
+                  budget: PatternBudget | None = None) -> PartialMessage:
     """What the start `text` of a reply settles, whatever follows it: the regions it has closed (a tool call whose
     closing marker is there), and the open region's text before any tail that could be the start of a marker (or a
-    marker that more text could lengthen). `prefix` and `tools` as for parse_response, whose scan this is: the
-    whole reply's message holds these values."""
-    message, current, body = _scan(template, text, prefix, tools, ended=False)
+    marker that more text could lengthen). `prefix`, `tools` and `budget` as for parse_response, whose scan this
+    is: the whole reply's message holds these values. A stream reads its reply again at each chunk: give every read
+    of one reply the same budget, so that their time together is bounded."""
+    message, current, body = _scan(template, text, prefix, tools, ended=False, budget=budget or PatternBudget())
     return PartialMessage(template, message, current, body)
 
 
@@ -453,8 +539,17 @@ def _literal_heads(items: Any) -> list[str]:
     return [head]
 
 
-def _pending(buffer: str, pos: int, pattern: re.Pattern, texts: tuple[str, ...] | None,
-             match: re.Match | None) -> int:
+def _pattern_heads(pattern: str) -> list[str]:
+    """_literal_heads of a pattern, as the stdlib's parser reads it; none for `regex` syntax it does not know
+    (\\p{...}): then no tail is held back for that marker's start."""
+    try:
+        return _literal_heads(sre_parser.parse(pattern, re.DOTALL))
+    except re.error:
+        return []
+
+
+def _pending(buffer: str, pos: int, pattern: Marker, texts: tuple[str, ...] | None,
+             match: re.Match[str] | regex.Match[str] | None) -> int:
     """Where a growing reply's text (read from `pos`) may hold a marker that more text would complete or change,
     len(buffer) where nowhere: a complete `match` that ends at the text's end and could still grow, a tail that is
     a proper prefix of the marker's text, or (a pattern's) text that starts as its matches start."""
@@ -462,7 +557,7 @@ def _pending(buffer: str, pos: int, pattern: re.Pattern, texts: tuple[str, ...] 
             match.start() == match.end() or texts is None
             or any(len(t) > match.end() - match.start() and t.startswith(match.group()) for t in texts)):
         return match.start()
-    heads = [h for h in (texts or _literal_heads(sre_parser.parse(pattern.pattern, pattern.flags))) if h]
+    heads = [h for h in (texts or _pattern_heads(pattern.pattern)) if h]
     found = len(buffer)
     for head in heads:
         if texts is None:  # a pattern: what follows its literal start may yet make a match there
@@ -476,15 +571,17 @@ def _pending(buffer: str, pos: int, pattern: re.Pattern, texts: tuple[str, ...] 
     return found
 
 
-def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
-          ended: bool) -> tuple[dict[str, Any], str | None, str]:
+def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended: bool,
+          budget: PatternBudget) -> tuple[dict[str, Any], str | None, str]:
     """Read a reply into (the values of the regions it closes, the region open at its end, that region's text).
     `ended`: the reply is whole, so its end closes the last region; else markers the text's end may still be
-    part of wait for more text, and the text before them is the open region's."""
+    part of wait for more text, and the text before them is the open region's. Every search of the template's
+    patterns spends `budget`."""
     if not isinstance(text, str) or not isinstance(prefix, str):
         bad, value = ("text", text) if not isinstance(text, str) else ("prefix", prefix)
         raise ValueError(f"{bad}: expected a str, got {type(value).__name__}")
-    ends = [m.end() for m in template.start_anchor.finditer(prefix)]
+    budget.begin_read()
+    ends = [m.end() for m in budget.finditer("response_template.start_anchor", template.start_anchor, prefix)]
     buffer = (prefix[ends[-1]:] if ends else prefix) + text
     params = tool_parameters(tools)
     message = copy.deepcopy(template.defaults)
@@ -498,7 +595,7 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
         nonlocal current, captures, body, opened
         if current is not None and opened:
             field = fields[current]
-            value = _field_value(body, field, captures)
+            value = _field_value(body, field, captures, budget)
             if params:
                 value = _type_arguments(value, params)
             if field.join is not None:
@@ -517,16 +614,17 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any,
     # forever, so the rounds are bounded.
     for _ in range(4 * len(buffer) + 8):
         # (kind, field, its marker's pattern and texts) of each marker that could come next
-        watch: list[tuple[str, Field, re.Pattern, tuple[str, ...] | None]] = []
+        watch: list[tuple[str, Field, Marker, tuple[str, ...] | None]] = []
         if current is None or current == template.implicit:  # else inside a marked region: only its end counts
             watch = [("open", f, f.open, f.open_texts) for f in fields.values() if f.open is not None]
         if current is not None and (end := fields[current].close) is not None:
             watch.append(("close", fields[current], end, fields[current].close_texts))
-        best: tuple[str, Field, re.Match[str]] | None = None
+        best: tuple[str, Field, re.Match[str] | regex.Match[str]] | None = None
         best_key: tuple[int, int, bool, str] | None = None
         hold = len(buffer)
         for kind, field, pattern, texts in watch:
-            match = pattern.search(buffer, pos)
+            where = f"response_template.fields.{field.name}.{kind}" + ("" if texts else "_pattern")
+            match = budget.search(where, pattern, buffer, pos)
             if not ended:
                 pending = _pending(buffer, pos, pattern, texts, match)
                 hold = min(hold, pending)

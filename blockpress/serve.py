@@ -112,7 +112,7 @@ from .generate import (
 from .healing import heal, heal_into_template, strip_prefix
 from .lm import LM
 from .prefix import PrefixCache
-from .response import PartialMessage, compile_template, parse_partial, parse_response
+from .response import PartialMessage, PatternBudget, compile_template, parse_partial, parse_response
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
 from .tokenizer import MessageError, chat_message
 
@@ -1670,7 +1670,11 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         if tools and body.tool_choice != "none" and lm.tokenizer.response_template is not None:
             # the prompt as the template reads it: its anchor marks where the reply's turn began
             template = compile_template(lm.tokenizer.response_template)
-            read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools}
+            # One PatternBudget for every read of the request's replies (each stream reads its reply again at each
+            # chunk), so that the template's patterns hold the event loop a bounded time for it; past that each
+            # reply is refused (PatternTooCostly), so answered as text, as a reply the template cannot read.
+            read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools,
+                    "budget": PatternBudget()}
             parse = functools.partial(parse_response, template, **read)
             partial = functools.partial(parse_partial, template, **read)
             for job in jobs:

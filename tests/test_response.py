@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blockpress.response import compile_template, parse_partial, parse_response
+from blockpress.response import (
+    PatternBudget,
+    PatternTooCostly,
+    compile_template,
+    parse_partial,
+    parse_response,
+)
 from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
 
 # Gemma 4's reply format: thoughts in a channel, calls as call:NAME{key:value} with strings between <|"|> markers
@@ -222,6 +230,93 @@ def test_empty_matches_do_not_hang() -> None:
     template = {"start_anchor": "x", "fields": {"a": {"open_pattern": "", "close_pattern": ""}}}
     with pytest.raises(ValueError, match="empty text"):
         parse_response(compile_template(template), "abc")
+
+
+# Nested repeats: the `regex` module, as `re`, tries every way to split a run of word characters between them, so a
+# near miss of 40 characters takes hours (a minute at 28 under `re`, doubling with each one).
+NESTED = r"(?:\w|\w\w)+"
+NEAR_MISS = "w" * 40 + "!"
+
+
+def raised_in_time(read: Callable[[], Any]) -> BaseException | None:
+    """What `read()` raised (None: nothing), run in a thread that must end within a minute however long the
+    pattern would have run: the test fails, where it would otherwise hang."""
+    raised: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            read()
+            raised.append(None)
+        except BaseException as exc:  # (handed to the test)
+            raised.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the read did not end"
+    return raised[0]
+
+
+@pytest.mark.parametrize("where, spec, prefix, reply, matched", [
+    ("fields.tool_calls.open_pattern",
+     {"fields": {"tool_calls": {"open_pattern": f"<call>{NESTED}:", "close": "</call>"}, "content": {}}}, "",
+     f"Sure. <call>{NEAR_MISS}", ("<call>ab:", "")),
+    ("fields.tool_calls.close_pattern",
+     {"fields": {"tool_calls": {"open": "<call>", "close_pattern": f"{NESTED};"}, "content": {}}}, "",
+     f"Sure. <call>{NEAR_MISS};", ("<call>ab;", "")),
+    ("start_anchor", {"start_anchor_pattern": f"<model>{NESTED}\n", "fields": {"content": {}}}, f"<model>{NEAR_MISS}",
+     "Hi.", ("Hi.", "<model>ab\n")),
+    ("an xml-inline content's tag_pattern", {"fields": {"tool_calls": {
+        "open": "<call>", "close": "</call>", "content": "xml-inline",
+        "content_args": {"tag_pattern": f"<p=(?P<key>{NESTED})>(?P<value>.*?)</p>"}}, "content": {}}}, "",
+     f"<call><p={NEAR_MISS}</call>", ("<call><p=ab>c</p></call>", "")),
+])
+def test_a_pattern_that_backtracks_without_end_is_refused_naming_it(where: str, spec: dict, prefix: str, reply: str,
+                                                                    matched: tuple[str, str]) -> None:
+    """A checkpoint's pattern with nested repeats held parse_response (so the server, or the caller) for hours on a
+    reply, or a prompt, of 40 characters that almost matches it. Past the time one read may take it is refused,
+    naming the pattern's place in the template, the pattern and the limit; the same template reads a reply that
+    matches as before (a limit of 0.05 s here)."""
+    spec = spec if "start_anchor_pattern" in spec else {"start_anchor": "<model>", **spec}
+    template = compile_template(spec)
+    raised = raised_in_time(lambda: parse_response(template, reply, prefix, budget=PatternBudget(seconds=0.05)))
+    assert isinstance(raised, PatternTooCostly), raised
+    assert str(raised).startswith("response_template")
+    for says in (where, repr(NESTED)[1:-1], "ran past the 0.05 s that one read of a reply may take "
+                 "(RESPONSE_PATTERN_SECONDS)"):
+        assert says in str(raised)
+    text, before = matched
+    read = ours(text, spec, before)
+    assert read == theirs(text, spec, before) and read is not ValueError
+
+
+def test_a_streamed_replys_reads_share_one_budget() -> None:
+    """A stream reads its reply again at each chunk (parse_partial), each read under the limit alone: the reads of
+    one reply share one PatternBudget, whose total is bounded too, and once a read is refused every later one is
+    refused at once, with the same words (the last parse_response included)."""
+    template = compile_template({"start_anchor": "<model>", "fields": {
+        "tool_calls": {"open_pattern": f"<call>{NESTED}:", "close": "</call>"}, "content": {}}})
+    reply = f"Sure. <call>{NEAR_MISS}"
+    budget = PatternBudget(seconds=60, total=0.05)
+    reads = [lambda end=end: parse_partial(template, reply[:end], budget=budget) for end in range(1, len(reply) + 1)]
+    raised = [raised_in_time(read) for read in reads + [lambda: parse_response(template, reply, budget=budget)]]
+    first = next(i for i, exc in enumerate(raised) if exc is not None)
+    assert "ran past the 0.05 s that all the reads of one reply may take together (RESPONSE_PATTERN_TOTAL_SECONDS)" \
+        in str(raised[first])
+    assert all(isinstance(exc, PatternTooCostly) and str(exc) == str(raised[first]) for exc in raised[first:])
+    assert first > reply.index("<call>")  # the text before the near miss was read within the budget
+
+
+def test_a_pattern_in_the_regex_modules_syntax_reads_as_in_transformers() -> None:
+    """Patterns compile with the `regex` module, as transformers' do: a \\p{...} class (refused as an invalid
+    expression under `re`) reads the same call."""
+    template = {"start_anchor": "<model>", "fields": {
+        "tool_calls": {"open_pattern": r"<call:(?P<name>\p{L}+)>", "close": "</call>", "content": "json",
+                       "repeats": True, "transform": {"name": "{name}", "arguments": "{content}"}},
+        "content": {}}}
+    reply = 'Voilà <call:météo>{"ville": "Paris"}</call>'
+    assert ours(reply, template) == theirs(reply, template) == {
+        "content": "Voilà", "tool_calls": [{"name": "météo", "arguments": {"ville": "Paris"}}]}
 
 
 @pytest.fixture(scope="module")

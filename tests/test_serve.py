@@ -2079,6 +2079,40 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
         srv.should_exit = True
 
 
+def test_a_response_template_that_backtracks_without_end_answers_as_text(tmp_path, monkeypatch, caplog):
+    """A checkpoint's tool-call pattern with nested repeats held the server's event loop (every request, /health
+    too) for hours on a malformed call of 40 characters. Its read is refused past its limit (0.05 s a read, 0.2 s a
+    request here), and the reply is answered as text, as a reply the template cannot read, with a warning naming
+    the pattern; streamed, the chunks add up to that text and end. A well-formed call still reads."""
+    from test_response import GEMMA4, NESTED, gemma_value
+
+    import blockpress.serve as serve
+    from blockpress.response import PatternBudget
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
+    hostile = json.loads(json.dumps(GEMMA4))
+    hostile["fields"]["tool_calls"]["open_pattern"] = rf"<\|tool_call>call:(?P<name>{NESTED})(?=\{{)"
+    lm.tokenizer.response_template = hostile
+    monkeypatch.setattr(serve, "PatternBudget", functools.partial(PatternBudget, seconds=0.05, total=0.2))
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=200, seed=1)
+    try:
+        reply[0] = "Checking.<|tool_call>call:" + "w" * 40 + " {city:Oslo}<tool_call|>"
+        text = {"content": lm.tokenizer.decode(lm.tokenizer.encode(reply[0])), "tool_calls": [],
+                "finish_reason": "stop", "reasoning_content": None}
+        with caplog.at_level("WARNING", logger="blockpress.serve"):
+            assert whole_message(client, **kw) == text
+        assert any("fields.tool_calls.open_pattern" in r.getMessage() and "RESPONSE_PATTERN_SECONDS" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        for canvas in (0, 4):
+            reply[1] = canvas
+            assert streamed_message(client, **kw) == text
+        reply[0] = f"Checking.<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
+        assert whole_message(client, **kw)["tool_calls"] == [("function", "weather", {"city": "Oslo"})]
+    finally:
+        srv.should_exit = True
+
+
 def whole_message(client, **kw) -> dict:
     choice = client.chat.completions.create(**kw).choices[0]
     calls = [(c.type, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []]
