@@ -188,6 +188,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}{warm}. Not with --compile")
 
 
+OPENMP_SPINS = 10_000  # GOMP_SPINCOUNT for every command's torch (see run_command)
 SERVE_RECOMPILE_LIMIT = 32  # graphs a compiled step may hold in `serve --compile` (torch's default: 8)
 
 
@@ -2328,6 +2329,11 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command; a bad argument, a missing optional package or a broken pipe ends it with the exit
     status the README lists, and a message under the command's name."""
+    # libgomp (torch's OpenMP on Linux) has each idle thread spin 300,000 times before it sleeps. Beside other work
+    # those spins take the cores the other threads wait for: blockpress-code wrote 6-8 tok/s on 2 busy cores against
+    # 14-20 sleeping at once, and 50 alone either way. 10,000 spins kept 47-51 alone and gave 13-19 there. Set before
+    # the command imports torch (the parser imports none), and only where the user set no value of their own.
+    os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
     try:
         if getattr(args, "threads", 0):
             if args.threads < 0:

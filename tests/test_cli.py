@@ -4,6 +4,7 @@ import importlib.util
 import inspect
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -3422,3 +3423,30 @@ def test_the_device_defaults_to_a_cuda_gpu_where_torch_sees_one(monkeypatch, arg
     assert build_parser().parse_args(["bench"]).device == "cpu"
     assert "auto, a CUDA GPU where torch sees one, else the CPU" in " ".join(
         subcommands()[argv[0]].format_help().replace(" (a CUDA", ", a CUDA").split())
+
+
+SPIN_PROBE = """
+import os, sys
+seen = []
+sys.addaudithook(lambda event, args: event == "import" and args[0] == "torch" and not seen
+                 and seen.append(os.environ.get("GOMP_SPINCOUNT")))
+from blockpress.cli import main
+code = main(["info", "--model", "random-tiny", "--device", "meta", "--json"])
+print("SEEN", seen)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("own", [None, "123"])
+def test_commands_give_torch_a_short_openmp_spin_unless_the_user_set_one(own, monkeypatch):
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: the CLI must set it before a command imports torch,
+    and must leave a value the user set."""
+    from blockpress.cli import OPENMP_SPINS
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if own is not None:
+        env["GOMP_SPINCOUNT"] = own
+    done = subprocess.run([sys.executable, "-c", SPIN_PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = own if own is not None else str(OPENMP_SPINS)
+    assert f"SEEN [{expected!r}]" in done.stdout
