@@ -1112,7 +1112,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from blockpress.checkpoint import folder_quantization
         from blockpress.lm import resolve_path
 
-        stored = None if cfg.quantize else folder_quantization(resolve_path(args.model))
+        stored = (None if cfg.quantize or args.model.startswith(RANDOM_PREFIX)  # (random weights: no folder)
+                  else folder_quantization(resolve_path(args.model)))
         if stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
             what = ("LoRA adapters over it are trained with --quantize " + stored + " too (QLoRA; recorded with them, so "
                     "that they load over it alike)" if cfg.lora_rank else
