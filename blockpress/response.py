@@ -124,6 +124,45 @@ class PatternBudget:
         return self.run(where, pattern, lambda timeout: list(pattern.finditer(text, timeout=timeout)))
 
 
+# Gemma 4's reply markers: its turns, thinking channel and tool calls. Each is one special token of its tokenizer
+# (decode leaves them out of a reply's text by default), so a tokenizer that has every one as a special token writes
+# Gemma 4's replies (DiffusionGemma's checkpoints share its tokenizer); no other tokenizer has them.
+GEMMA4_MARKERS = ("<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>")
+
+
+def gemma4_response_template() -> dict[str, Any]:
+    """A response template for Gemma 4's replies, a new dict each call: an optional thought,
+    <|channel>thought\n...<channel|>, the content, and calls <|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>
+    (bare keys, strings between <|"|> markers), the turn ending at <turn|> (or <|tool_response>, where the model waits
+    for a tool's answer, or <eos>). Real Gemma 4 and DiffusionGemma checkpoints ship no response_template (one has
+    only the legacy response_schema, which is not read), so their replies would not be read without it; transformers'
+    server falls back to its own for the "gemma4" model type, and reads a reply as this does."""
+    return {
+        "defaults": {"role": "assistant"},
+        # the model's turn; after a tool's answer the model goes on in the same turn, with no new header
+        "start_anchor": ["<|turn>model\n", "<tool_response|>"],
+        "fields": {
+            "reasoning_content": {"open": "<|channel>thought\n", "close": "<channel|>"},
+            "tool_calls": {
+                "open_pattern": r"<\|tool_call>call:(?P<name>\w+)",
+                "close": "<tool_call|>",
+                "repeats": True,
+                "content": "json",
+                "content_args": {"unquoted_keys": True, "string_delims": [['<|"|>', '<|"|>']]},
+                "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+            },
+            "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"]},
+        },
+    }
+
+
+def builtin_response_template(is_special: Callable[[str], bool]) -> dict[str, Any] | None:
+    """The response template for a tokenizer whose checkpoint ships none, by the special tokens it has
+    (`is_special(text)`: the text is one special token of it): Gemma 4's where every one of GEMMA4_MARKERS is one;
+    None otherwise (the replies are text). A checkpoint's own response_template always wins over this."""
+    return gemma4_response_template() if all(is_special(marker) for marker in GEMMA4_MARKERS) else None
+
+
 @dataclass(frozen=True)
 class Field:
     """One region of a reply, compiled."""

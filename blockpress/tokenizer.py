@@ -30,7 +30,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag, check_text, utf8_problem
 from .files import StagedFiles, lfs_pointer_problem, read_json_object, staging
-from .response import compile_template, parse_response
+from .response import builtin_response_template, compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
 DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -155,7 +155,7 @@ class Tokenizer:
     named_tokens: dict[str, str] = field(default_factory=dict)
     # tokenizer_config.json's response_template (transformers 5's format, see response.py): how a reply reads as a
     # message with content and tool calls (parse_response). The legacy `response_schema` key is left unread, as
-    # transformers 5 leaves it, and saved as it was.
+    # transformers 5 leaves it, and saved as it was. Replies are read with `reply_template`: this, or a built-in one.
     response_template: dict[str, Any] | None = None
     # The tokenizer files this came from (from_dir), written back by save(); None for one blockpress built itself.
     files: TokenizerFiles | None = field(default=None, repr=False, compare=False)
@@ -422,6 +422,18 @@ class Tokenizer:
     def pad_token(self) -> str | None:
         return self._token(self.pad_id)
 
+    @property
+    def reply_template(self) -> dict[str, Any] | None:
+        """The response template replies are read with: the checkpoint's `response_template`, else a built-in one
+        for the reply format its special tokens tell (Gemma 4's, where <|turn>, <turn|>, <|channel>, <channel|>,
+        <|tool_call> and <tool_call|> are each a special token: response.builtin_response_template), else None
+        (replies are text). The built-in one is not the checkpoint's: save() leaves it out of tokenizer_config.json,
+        which keeps the response_template the folder had (none)."""
+        if self.response_template is not None:
+            return self.response_template
+        special = self.special_ids
+        return builtin_response_template(lambda text: self.backend.token_to_id(text) in special)
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -620,11 +632,12 @@ class Tokenizer:
         tool-call markers often are special tokens. `prefix`: the prompt, whose last assistant turn the template may
         have begun (an opened <think>, say). `tools`: the request's tools, whose parameter types text-valued
         arguments get ("7" is 7 for an integer parameter)."""
-        if self.response_template is None:
+        template = self.reply_template
+        if template is None:
             raise ValueError("response_template: this tokenizer has none (tokenizer_config.json has no "
-                             "response_template), so replies cannot be parsed into messages; set "
-                             "Tokenizer.response_template")
-        return parse_response(compile_template(self.response_template), text, prefix, tools)
+                             "response_template, and its special tokens are no reply format blockpress knows: "
+                             "Gemma 4's), so replies cannot be parsed into messages; set Tokenizer.response_template")
+        return parse_response(compile_template(template), text, prefix, tools)
 
     def _pick_template(self, chat_template: str | None, tools: Any) -> str:
         """The template text to render: transformers' choice among named templates."""

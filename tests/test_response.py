@@ -14,32 +14,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockpress.response import (
+    GEMMA4_MARKERS,
     PatternBudget,
     PatternTooCostly,
     compile_template,
+    gemma4_response_template,
     parse_partial,
     parse_response,
 )
 from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
 
 # Gemma 4's reply format: thoughts in a channel, calls as call:NAME{key:value} with strings between <|"|> markers
-# and bare keys, the turn ending with <turn|> (or a tool response, which the model waits for).
-GEMMA4 = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": ["<|turn>model\n", "<tool_response|>"],
-    "fields": {
-        "reasoning_content": {"open": "<|channel>thought\n", "close": "<channel|>"},
-        "tool_calls": {
-            "open_pattern": r"<\|tool_call>call:(?P<name>\w+)",
-            "close": "<tool_call|>",
-            "repeats": True,
-            "content": "json",
-            "content_args": {"unquoted_keys": True, "string_delims": [['<|"|>', '<|"|>']]},
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-        "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"]},
-    },
-}
+# and bare keys, the turn ending with <turn|> (or a tool response, which the model waits for). blockpress's built-in
+# one, read for checkpoints that ship none (test_the_built_in_gemma4_template_reads_as_transformers_fallback).
+GEMMA4 = gemma4_response_template()
 # Qwen 3.5's: calls as <function=NAME> with <parameter=KEY> tags, every value text until typed by the tool's schema.
 QWEN35 = {
     "defaults": {"role": "assistant"},
@@ -324,6 +312,51 @@ def tok() -> Tokenizer:
     tok = train_bpe_tokenizer(["hello world, the weather in Paris"] * 4, vocab_size=300)
     tok.response_template = GEMMA4
     return tok
+
+
+def gemma4_tokenizer(markers: list[str] | None = None) -> Tokenizer:
+    """A tiny tokenizer with Gemma 4's markers (all of them, or `markers`) as special tokens, and no response
+    template, as a real Gemma 4 or DiffusionGemma checkpoint has none."""
+    tok = train_bpe_tokenizer(["hello world, the weather in Paris and Oslo"] * 4, vocab_size=300)
+    tok.backend.add_special_tokens(list(GEMMA4_MARKERS if markers is None else markers) + ['<|"|>', "<|tool_response>",
+                                                                                         "<tool_response|>"])
+    return tok
+
+
+def test_the_built_in_gemma4_template_reads_as_transformers_fallback(tmp_path: Path) -> None:
+    """A Gemma 4 checkpoint ships no response_template, so its replies were text, calls and thought and all. A
+    tokenizer with Gemma 4's markers as special tokens reads them with the built-in template, as transformers' server
+    reads them with its fallback for "gemma4"; the built-in one is never saved, and a checkpoint's own wins."""
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+
+    tok = gemma4_tokenizer()
+    assert tok.response_template is None and tok.reply_template == GEMMA4
+    paris, oslo = {"city": "Paris", "days": 2, "hours": [9, 12.5]}, {"city": "Oslo", "metric": True}
+    reply = (f"<|channel>thought\nTwo cities.<channel|>Checking both.<|tool_call>call:weather{gemma_value(paris)}"
+             f"<tool_call|><|tool_call>call:weather{gemma_value(oslo)}<tool_call|><|tool_response>")
+    assert tok.decode(tok.encode(reply), skip_special_tokens=False) == reply  # (what the server reads)
+    prefix = "<|turn>user\nWeather?<turn|>\n<|turn>model\n"
+    message = tok.parse_response(reply, prefix)
+    assert message == theirs(reply, _RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)], prefix) == {
+        "role": "assistant", "reasoning_content": "Two cities.", "content": "Checking both.",
+        "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": paris}},
+                       {"type": "function", "function": {"name": "weather", "arguments": oslo}}]}
+    tok.save(tmp_path / "saved")
+    assert "response_template" not in json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    loaded = Tokenizer.from_dir(tmp_path / "saved")
+    assert loaded.response_template is None and loaded.parse_response(reply, prefix) == message
+    loaded.save(tmp_path / "again")  # loaded from a folder: saved as the folder had it, with none
+    assert "response_template" not in json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
+    loaded.response_template = QWEN35  # the checkpoint's own wins
+    assert loaded.reply_template == QWEN35 and loaded.parse_response("<think>a</think>b") == {
+        "role": "assistant", "reasoning_content": "a", "content": "b"}
+    # one marker missing, or only text: no reply format blockpress knows
+    assert gemma4_tokenizer(list(GEMMA4_MARKERS[:-1])).reply_template is None
+    plain = train_bpe_tokenizer(["hello world"] * 4, vocab_size=270)
+    plain.backend.add_tokens(list(GEMMA4_MARKERS))  # tokens of their own, but not special ones
+    assert plain.reply_template is None
+    with pytest.raises(ValueError, match="response_template: this tokenizer has none"):
+        plain.parse_response(reply)
 
 
 def test_the_tokenizer_reads_keeps_and_saves_the_response_template_as_transformers_does(
