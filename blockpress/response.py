@@ -510,12 +510,13 @@ def _type_arguments(value: Any, params: dict[str, dict[str, Any]]) -> Any:
 
 
 def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tools: Any = None,
-                   budget: PatternBudget | None = None) -> dict[str, Any]:
+                   budget: PatternBudget | None = None, keep_empty: bool = False) -> dict[str, Any]:
     """The message a reply `text` holds. `prefix`: the prompt it answers, whose part after the template's last
     start_anchor (an assistant turn the template began, e.g. an opened <think>) is read as the reply's start.
     `tools`: the request's tools; tool-call arguments written as text get their parameters' types. `budget`: the
     time the template's patterns may take (a new PatternBudget where None; a stream's reads share one), past which
-    PatternTooCostly."""
+    PatternTooCostly. `keep_empty`: keep the fields whose regions the reply has but left empty (an empty thought,
+    <|channel>thought\n<channel|>), which transformers' message leaves out, as this does by default."""
     message, _, _ = _scan(template, text, prefix, tools, ended=True, budget=budget or PatternBudget())
     fields = template.fields
     if missing := [name for name, f in fields.items() if not f.optional and name not in message]:
@@ -524,7 +525,7 @@ def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tool
     def empty(value: Any) -> bool:
         return value is None or (isinstance(value, (str, list, dict)) and not value)
 
-    return {key: value for key, value in message.items() if key in template.defaults or not empty(value)}
+    return {key: value for key, value in message.items() if keep_empty or key in template.defaults or not empty(value)}
 
 
 @dataclass(frozen=True)

@@ -50,14 +50,18 @@ client sends is vLLM's: no end of turn and no stop string inside the first `min_
 
 Tool use: `tools`, an assistant's `tool_calls` and `tool` messages go to the checkpoint's chat template (the one
 renderer, Tokenizer.apply_chat_template), which decides how they read. A model's tool-call syntax is its own: where
-the checkpoint's tokenizer_config.json has a `response_template` (transformers 5's format; see response.py), a reply
+the checkpoint's tokenizer_config.json has a `response_template` (transformers 5's format; see response.py), or its
+tokenizer has Gemma 4's markers as special tokens (a built-in template then: Tokenizer.reply_template), a reply
 to a request with tools is read with it, and the calls it holds come back as OpenAI's `message.tool_calls` (arguments
 as JSON text) with finish_reason "tool_calls", the rest as the content; streamed, the content goes out as the reply
 settles it (response.parse_partial: short of a tail that may begin a call's marker) and each call as one
 `delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A thought
 the template marks is `reasoning_content` (streamed as it is written), call or no call. A reply that holds neither a call nor
 a thought, or one the template cannot read, is text as before, and without a response template every reply is
-text (the client parses it). `tool_choice` is only "auto" or "none" (none: the reply is not parsed);
+text (the client parses it). A request without tools (or with tool_choice "none") is read for its thought alone,
+where the template reads thoughts, as transformers' server and vLLM's reasoning parsers read every reply: the thought
+is `reasoning_content` (an empty one is left out), not glued to the content; a call such a reply writes anyway makes
+it text, as before (streamed after a thought, what was sent stays). `tool_choice` is only "auto" or "none";
 `parallel_tool_calls: false` keeps a reply's first call alone (Reply.one_call).
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
@@ -1016,6 +1020,9 @@ class Reply:
     # OpenAI's parallel_tool_calls false: at most one call per reply. A model writes what it writes, so the reply
     # keeps its first call and drops the rest (as vLLM does); the calls it keeps are answered in the next turn.
     one_call: bool = False
+    # The request offers tools (and tool_choice is not "none"): a call comes back as one. Else the reply is read for
+    # its thought alone, and one that writes a call anyway is answered as text, as before.
+    calls_wanted: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -1030,9 +1037,10 @@ class Reply:
         tool calls as OpenAI's `tool_calls` (each with a new id, or the one in `ids` (a stream sent it), its
         arguments as JSON text; finish_reason "tool_calls"), and its thought as `reasoning_content` apart from the
         content, call or no call (a thinking model's reply to a request with tools may answer in words). None where
-        the answer is text: no `parse`, or neither a call nor a thought in the reply, or calls in a shape that is
-        not {"type": "function", "function": {"name": ..., "arguments": ...}}, or a reply the response template
-        cannot read (the model wrote a malformed call), which is logged."""
+        the answer is text: no `parse`, or neither a call nor a thought in the reply (an empty thought is one: its
+        markers are out of the content), or calls in a shape that is not {"type": "function", "function": {"name":
+        ..., "arguments": ...}}, or calls where the request offers no tools (`calls` false), or a reply the response
+        template cannot read (the model wrote a malformed call), which is logged."""
         if self.parse is None or done.raw is None:
             return None
         try:
@@ -1042,14 +1050,15 @@ class Reply:
             return None
         calls = self.calls(parsed.get("tool_calls"), ids)
         reasoning = parsed.get("reasoning_content")
-        if calls is None or not (calls or isinstance(reasoning, str)):
+        if calls is None or not (calls or isinstance(reasoning, str)) or (calls and not self.calls_wanted):
             return None
+        reasoning = reasoning or None  # (an empty thought: none to show)
         content = parsed.get("content")
         content = content if isinstance(content, str) and content else None
         message: dict[str, Any] = {"role": "assistant", "content": content if calls or content is not None else ""}
         if calls:
             message["tool_calls"] = calls
-        if isinstance(reasoning, str):  # what vLLM and DeepSeek's API call it
+        if reasoning is not None:  # what vLLM and DeepSeek's API call it
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
 
@@ -1112,6 +1121,9 @@ class ToolStream:
             partial = reply.parse_partial(settled_text(cut_at_stop(item.raw, stops), stops))
         except ValueError:
             self.unread = True
+            return []
+        if not reply.calls_wanted and (partial.open == "tool_calls" or "tool_calls" in partial.closed):
+            self.unread = True  # a call where the request offers no tools: the answer is text (Reply.tool_message)
             return []
         deltas: list[dict[str, Any]] = []
         reasoning = partial.settled_text("reasoning_content")
@@ -1581,8 +1593,8 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         raise ValueError(f"serve: the model's default max_denoising_steps ({steps}, its generation_config.json's) is "
                          f"more than the {MAX_STEPS} a request may ask for, and each step is a forward pass of every "
                          "row of its batch; set a smaller max_denoising_steps in generation_config.json")
-    if lm.tokenizer.response_template is not None:  # a broken one fails here, not in every request with tools
-        compile_template(lm.tokenizer.response_template)
+    if lm.tokenizer.reply_template is not None:  # a broken one fails here, not in every request with tools
+        compile_template(lm.tokenizer.reply_template)
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):
         if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
             raise ValueError(f"{name}: expected a positive integer, got {value!r}")
@@ -1667,20 +1679,25 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
                            "server_error" if broken else "invalid_request_error") from None
         jobs, parse, partial = build_jobs(state, body, prompt), None, None
-        if tools and body.tool_choice != "none" and lm.tokenizer.response_template is not None:
+        spec = lm.tokenizer.reply_template  # the checkpoint's response template, or the built-in one its tokens tell
+        calls = bool(tools) and body.tool_choice != "none"
+        # read for its calls where the request offers tools; for its thought alone where it does not (or asks for no
+        # call), as transformers' server and vLLM's reasoning parsers read every reply: a thought was the content's
+        # start, glued to the answer ("thought\nHmm.The answer")
+        if spec is not None and (calls or "reasoning_content" in spec.get("fields", {})):
             # the prompt as the template reads it: its anchor marks where the reply's turn began
-            template = compile_template(lm.tokenizer.response_template)
+            template = compile_template(spec)
             # One PatternBudget for every read of the request's replies (each stream reads its reply again at each
             # chunk), so that the template's patterns hold the event loop a bounded time for it; past that each
             # reply is refused (PatternTooCostly), so answered as text, as a reply the template cannot read.
             read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools,
                     "budget": PatternBudget()}
-            parse = functools.partial(parse_response, template, **read)
+            parse = functools.partial(parse_response, template, keep_empty=True, **read)
             partial = functools.partial(parse_partial, template, **read)
             for job in jobs:
                 job.keep_special = True
         reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, parse_partial=partial,
-                      one_call=body.parallel_tool_calls is False)
+                      one_call=body.parallel_tool_calls is False, calls_wanted=calls)
         return await respond(engine, reply, body, request)
 
     @app.post("/v1/completions")

@@ -1944,10 +1944,11 @@ def test_top_p_and_top_k_filter_the_draws_on_the_server():
     assert sampler_config(SamplerConfig(top_k=3), chat).top_p == 0.5 and sampler_config(SamplerConfig(top_k=3), chat).top_k == 3
 
 
-def tool_server(tmp_path, monkeypatch):
+def tool_server(tmp_path, monkeypatch, own_template=True):
     """A tiny model whose tokenizer has Gemma 4's turn and tool-call markers as special tokens, TOOL_TEMPLATE and
-    test_response's GEMMA4 response template, served, with its replies forced: `reply[0]` is what it writes, in
-    canvases of `reply[1]` tokens (0: all at once)."""
+    test_response's GEMMA4 response template (`own_template`: in its tokenizer_config.json; else none there, as a
+    real Gemma 4 checkpoint has, and the built-in one reads the replies), served, with its replies forced: `reply[0]`
+    is what it writes, in canvases of `reply[1]` tokens (0: all at once)."""
     import tokenizers
     import torch
     from test_response import GEMMA4
@@ -1963,7 +1964,8 @@ def tool_server(tmp_path, monkeypatch):
                                 "<|channel>", "<channel|>"])  # ids past the tokenizer's, within the model's 512
     backend.save(str(tmp_path / "tokenizer.json"))
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "response_template": GEMMA4}))
+    if own_template:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "response_template": GEMMA4}))
     lm.tokenizer = tok = Tokenizer.from_dir(tmp_path)
     reply = ["", 0]
 
@@ -2048,8 +2050,55 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == "No call needed."
         assert chunks[-1].choices[0].finish_reason == "stop"
         reply[0] = f"<|tool_call>call:weather{gemma_value(oslo)}<tool_call|>"
-        lm.tokenizer.response_template = None  # a checkpoint without one: text, as before
+        lm.tokenizer.response_template = None  # a checkpoint without one, and no built-in one: text, as before
+        monkeypatch.setattr("blockpress.tokenizer.builtin_response_template", lambda is_special: None)
         assert text_reply() == "call:weather{city:Oslo,metric:true}"
+    finally:
+        srv.should_exit = True
+
+
+def test_a_gemma4_checkpoint_without_a_response_template_answers_with_calls_and_thoughts(tmp_path, monkeypatch):
+    """A real Gemma 4 or DiffusionGemma checkpoint ships no response_template, so its replies came back as text: the
+    calls unread ("call:weather{city:Oslo}"), the thought glued to the answer ("thoughtTwo cities.Checking both.").
+    Its tokenizer's markers call for the built-in Gemma 4 template: calls come back as OpenAI's tool_calls, and a
+    thought as reasoning_content, a request without tools too (read for its thought alone: a call it writes anyway
+    is text, as before); streamed, the chunks add up to the same answer."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch, own_template=False)
+    assert lm.tokenizer.response_template is None
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    try:
+        paris, oslo = {"city": "Paris"}, {"city": "Oslo"}
+        reply[0] = (f"<|channel>thought\nTwo cities.<channel|>Checking both.<|tool_call>call:weather{gemma_value(paris)}"
+                    f"<tool_call|><|tool_call>call:weather{gemma_value(oslo)}<tool_call|><|tool_response>")
+        kw = dict(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=200, seed=1)
+        answer = {"content": "Checking both.", "tool_calls": [("function", "weather", paris),
+                                                            ("function", "weather", oslo)],
+                  "finish_reason": "tool_calls", "reasoning_content": "Two cities."}
+        no_tools = {**kw, "tools": None}
+        for canvas in (0, 3):
+            reply[1] = canvas
+            assert whole_message(client, **kw) == streamed_message(client, **kw) == answer
+            for thought, reasoning in (("Short.", "Short."), ("", None)):  # an empty thought: none, and not glued
+                reply[0] = f"<|channel>thought\n{thought}<channel|>It is sunny.<turn|>"
+                assert whole_message(client, **no_tools) == streamed_message(client, **no_tools) == {
+                    "content": "It is sunny.", "tool_calls": [], "finish_reason": "stop",
+                    "reasoning_content": reasoning}
+            reply[0] = f"Checking.<|tool_call>call:weather{gemma_value(oslo)}<tool_call|>"  # no tools offered
+            assert whole_message(client, **no_tools) == streamed_message(client, **no_tools) == {
+                "content": "Checking.call:weather{city:Oslo}", "tool_calls": [], "finish_reason": "stop",
+                "reasoning_content": None}
+            reply[0] = answer_text = "It is <b>sunny</b>.<turn|>"  # no thought, no call: the plain text, as before
+            assert whole_message(client, **no_tools) == streamed_message(client, **no_tools) == {
+                "content": lm.tokenizer.decode(lm.tokenizer.encode(answer_text)), "tool_calls": [],
+                "finish_reason": "stop", "reasoning_content": None}
+            reply[0] = (f"<|channel>thought\nTwo cities.<channel|>Checking both.<|tool_call>call:weather"
+                        f"{gemma_value(paris)}<tool_call|><|tool_call>call:weather{gemma_value(oslo)}<tool_call|>")
+        # tokens that are not Gemma 4's (no built-in template): a thought is the content's start, as before
+        monkeypatch.setattr("blockpress.tokenizer.builtin_response_template", lambda is_special: None)
+        reply[0], reply[1] = "<|channel>thought\nShort.<channel|>It is sunny.<turn|>", 0
+        assert whole_message(client, **no_tools)["content"] == "thought\nShort.It is sunny."
     finally:
         srv.should_exit = True
 
