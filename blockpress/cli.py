@@ -662,9 +662,124 @@ def enable_line_editing() -> None:
         pass
 
 
+# A thought on a terminal: dim (live.py's ELIDED), and back to plain after each piece, so that a Ctrl-C or an error
+# mid-thought leaves the terminal as it was.
+DIM, UNDIM = "\x1b[2m", "\x1b[0m"
+
+
+@dataclasses.dataclass
+class ChatReply:
+    """A chat reply as `chat` shows and keeps it: the answer, the thought the checkpoint's response template reads
+    in it (None: none, or no template that reads thoughts), and the assistant message the conversation goes on
+    with."""
+
+    answer: str
+    thought: str | None
+    message: dict[str, Any]
+
+
+@dataclasses.dataclass
+class ReplyReader:
+    """Reads a chat reply with the tokenizer's response template (Tokenizer.reply_template: the checkpoint's, or
+    Gemma 4's built in) where that template reads thoughts: the thought apart from the answer, as the server gives
+    it (reasoning_content). The reply's text leaves special tokens out, so a Gemma 4 reply's thought channel read
+    "thought\\n...answer": shown glued to the answer, and kept so in the conversation, where the chat template's
+    strip_thinking (which cuts at <|channel> / <channel|>) could no longer drop it from later prompts."""
+
+    lm: Any
+    prompt: list[int]  # the conversation's ids: the template's start_anchor in it marks where the reply began
+    tokens: list[int] = dataclasses.field(default_factory=list)  # the reply's valid tokens so far (Commit)
+    color: bool = True  # the thought dimmed on screen (off: NO_COLOR, as generate's live view)
+    shown_thought: str = ""  # what `live` printed
+    shown_answer: str = ""
+    # the compiled template, or None where replies are text (no template, or one that reads no thought)
+    template: Any = dataclasses.field(init=False)
+    prefix: str = dataclasses.field(init=False)  # the prompt's text, its special tokens kept
+
+    def __post_init__(self) -> None:
+        from blockpress.response import compile_template
+
+        spec = self.lm.tokenizer.reply_template
+        thoughts = spec is not None and "reasoning_content" in spec.get("fields", {})
+        self.template = compile_template(spec) if thoughts else None
+        self.prefix = self.lm.tokenizer.decode(self.prompt, skip_special_tokens=False) if thoughts else ""
+
+    def raw(self, tokens: list[int]) -> str:
+        from blockpress.generate import text_with_special_tokens
+
+        return text_with_special_tokens(self.lm.tokenizer, tokens, self.lm._eos_ids(), "", [])
+
+    def read(self, out: Any) -> ChatReply:
+        """The whole reply (Done's output): its answer and thought where the template reads a thought (an empty one
+        too: its markers are out of the answer), else its text, as before (a call, which chat offers no tools for,
+        or a reply the template cannot read, is text too)."""
+        from blockpress.response import parse_response
+
+        text = decoded(out.texts, "chat")[0]
+        plain = ChatReply(text, None, {"role": "assistant", "content": text})
+        template = self.template
+        if template is None:
+            return plain
+        try:
+            parsed = parse_response(template, self.raw(out.new_tokens[0, : int(out.num_new_tokens[0])].tolist()),
+                                    self.prefix, keep_empty=True)
+        except ValueError:
+            return plain
+        thought, answer = parsed.get("reasoning_content"), parsed.get("content", "")
+        if not isinstance(thought, str) or not isinstance(answer, str) or parsed.get("tool_calls"):
+            return plain
+        # the template sees what the model wrote: its answer, and its thought as reasoning_content (Gemma 4's
+        # templates leave a past thought out of the prompt; those that replay it read it there)
+        message = {"role": "assistant", "content": answer, **({"reasoning_content": thought} if thought else {})}
+        return ChatReply(answer, thought, message)
+
+    def live(self, event: Any, settled: str) -> str:
+        """What a Commit adds to the screen: the thought's growth dimmed, then the answer's on a line of its own, as
+        the template settles them (parse_partial); `settled`, the plain settled text, until a thought shows."""
+        import os.path
+
+        from blockpress.response import parse_partial
+
+        template = self.template
+        if template is None:
+            return self._grow("", settled)
+        written = int(event.num_new_tokens[0])
+        self.tokens += event.tokens[0, : written - len(self.tokens)].tolist()
+        try:
+            partial = parse_partial(template, self.raw(self.tokens), self.prefix)
+        except ValueError:
+            return ""  # the rest is printed whole when the reply is done
+        thought = partial.settled_text("reasoning_content")
+        seen = bool(thought) or partial.open == "reasoning_content" or "reasoning_content" in partial.closed
+        answer = partial.settled_text("content")
+        if not seen:  # the answer may yet be the plain text
+            answer = os.path.commonprefix([settled.rstrip("\ufffd"), answer])
+        return self._grow(thought, answer)
+
+    def _grow(self, thought: str, answer: str) -> str:
+        """The text that takes the screen from what it shows to `thought` and `answer` (what it shows of each that
+        they do not start with stays: the whole reply prints the rest)."""
+        from blockpress.live import terminal_text
+
+        piece = ""
+        if len(thought) > len(self.shown_thought) and thought.startswith(self.shown_thought) and not self.shown_answer:
+            dim, undim = (DIM, UNDIM) if self.color else ("", "")
+            piece += dim + terminal_text(thought[len(self.shown_thought):]) + undim
+            self.shown_thought = thought
+        if len(answer) > len(self.shown_answer) and answer.startswith(self.shown_answer):
+            if not self.shown_answer and self.shown_thought:
+                piece += "\n"  # the answer on a line of its own, under the thought
+            piece += terminal_text(answer[len(self.shown_answer):])
+            self.shown_answer = answer
+        return piece
+
+    def rest(self, reply: ChatReply) -> str:
+        """What the screen still needs once the reply is done."""
+        return self._grow(reply.thought or "", reply.answer)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, canvas_room
-    from blockpress.live import terminal_text
 
     lm = load_announced(args)
     check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
@@ -687,15 +802,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         enable_line_editing()
     # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
     # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
-    shown = 0  # characters of the reply being made that are on screen
     opened = False  # "model> " and the reply's start are on screen: an error that ends the turn takes a new line
 
-    def live_reply(events: Generator[Any, None, None]) -> Any:
+    def live_reply(events: Generator[Any, None, None], reader: ReplyReader) -> Any:
         """Print "model> " and each Commit's growth of its settled text (no half character, no start of a stop
-        string that may yet be cut: Commit.settled_texts), flushed; returns Done's output. A Ctrl-C leaves the part
-        printed on screen."""
-        nonlocal shown, opened
-        shown, opened = 0, False
+        string that may yet be cut: Commit.settled_texts; a thought dimmed, the answer under it: ReplyReader.live),
+        flushed; returns Done's output. A Ctrl-C leaves the part printed on screen."""
+        nonlocal opened
+        opened = False
         try:
             for n, event in enumerate(events):
                 if n == 0:  # after the request's checks: an error in them is said on a line of its own
@@ -704,8 +818,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 if isinstance(event, Commit):
                     settled = decoded(event.settled_texts, "chat")[0]
                     settled = settled[: len(settled) - 1] if settled.endswith("\r") else settled  # "\r\n": one newline
-                    print(terminal_text(settled[shown:]), end="", flush=True)
-                    shown = max(shown, len(settled))
+                    print(reader.live(event, settled), end="", flush=True)
                 elif isinstance(event, Done):
                     return event.output
         finally:  # a Ctrl-C while printing: the stream takes its turn out of the cache now, not when collected
@@ -834,9 +947,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "
                       "/reset starts a new conversation)", file=sys.stderr)
             t0 = time.perf_counter()
+            reader = ReplyReader(lm, ids, color=not os.environ.get("NO_COLOR"))
             # only what the conversation does not share with the cache is encoded (lm.chat_ids)
             if on_screen:
-                out = live_reply(lm.chat_stream(ids, cache=cache, return_cache=True, drafts=False, **kw))
+                out = live_reply(lm.chat_stream(ids, cache=cache, return_cache=True, drafts=False, **kw), reader)
             else:
                 out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
         except KeyboardInterrupt as exc:  # the reply is abandoned, the conversation is not
@@ -868,21 +982,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
             no_reply(user, error=error)
             continue
         cache = out.cache
-        reply = out.texts[0]
+        read = reader.read(out)
+        reply = read.answer
         stats = stats_line(out, time.perf_counter() - t0)
         if args.json:  # the conversation's tokens, and those the cache held (the rest were encoded this turn)
             # and the seed the reply was drawn with (a fresh one each turn without --seed): seeds= repeats it
             stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0],
                          seed=out.extra["seeds"][0])
-            print(json.dumps(dict(text=reply, prompt=user, **stats)), flush=True)
+            thought = {"reasoning": read.thought} if read.thought else {}  # (text: the answer alone; an empty one: none)
+            print(json.dumps(dict(text=reply, **thought, prompt=user, **stats)), flush=True)
         elif on_screen:  # the reply is on screen already, up to its last settled text
-            print(terminal_text(reply[shown:]), flush=True)
+            print(reader.rest(read), flush=True)
             print_stats(stats)
         else:
             # flushed: a script waits for each reply, and `| tee log` shows it before its stats line on stderr
             print(printable(reply), flush=True)  # unmarked: stdout is not the screen, or stdin is no terminal
             print_stats(stats)
-        messages.append({"role": "assistant", "content": reply})
+        messages.append(read.message)
     return 0
 
 
@@ -1954,7 +2070,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="stdout holds one JSON object per line for each line read (blank lines aside; /exit "
                         "and /quit end the chat, lines after them unread), or block of lines between \"\"\" lines, "
-                        "in order: a message's reply {text, prompt, new_tokens, "
+                        "in order: a message's reply {text, reasoning (the thought apart from the answer, where "
+                        "the model wrote one the response template reads: Gemma 4's), prompt, new_tokens, "
                         "forward_passes, tokens_per_forward, tok_s, seconds, prompt_tokens (the conversation with "
                         "the chat template), cached_tokens (those the cache held: the rest were encoded this turn), seed (the one "
                         "drawn when --seed is not given: lm.chat(..., seeds=[seed]) repeats the reply)}, "

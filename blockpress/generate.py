@@ -935,6 +935,21 @@ def settled_text(text: str, stops: Sequence[str]) -> str:
     return text[: len(text) - hold]
 
 
+def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,
+                             stops: Sequence[str]) -> str:
+    """An answer's valid new `tokens` as a response template reads them: decoded with their special tokens, but
+    without the end-of-turn token that ended the row, the healed prefix that the prompt holds, and the stop string
+    that ended it (`stops`: the row's, when one did; it completes in the last token, so the cut is at the first
+    occurrence ending there, as the answer's text is cut)."""
+    if tokens and tokens[-1] in eos_ids:
+        tokens = tokens[:-1]
+    text = strip_prefix(tok.decode(tokens, skip_special_tokens=False), heal_prefix)
+    if stops and tokens:
+        text = cut_at_stop(text, stops, len(strip_prefix(tok.decode(tokens[:-1], skip_special_tokens=False),
+                                                         heal_prefix)))
+    return text
+
+
 def _check_constraint(banned: Any, canvas: torch.Tensor, vocab: int) -> torch.Tensor:
     """A constraint's result must be a bool mask [b, C, V] (or broadcastable to it): checked by shape, no sync."""
     b, c = canvas.shape

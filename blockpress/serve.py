@@ -112,6 +112,7 @@ from .generate import (
     hole_runs,
     parse_template,
     settled_text,
+    text_with_special_tokens,
 )
 from .healing import heal, heal_into_template, strip_prefix
 from .lm import LM
@@ -933,21 +934,6 @@ class Engine:
             prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
-
-
-def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,
-                             stops: Sequence[str]) -> str:
-    """An answer's valid new `tokens` as a response template reads them: decoded with their special tokens, but
-    without the end-of-turn token that ended the row, the healed prefix that the prompt holds, and the stop string
-    that ended it (`stops`: the row's, when one did; it completes in the last token, so the cut is at the first
-    occurrence ending there, as the answer's text is cut)."""
-    if tokens and tokens[-1] in eos_ids:
-        tokens = tokens[:-1]
-    text = strip_prefix(tok.decode(tokens, skip_special_tokens=False), heal_prefix)
-    if stops and tokens:
-        text = cut_at_stop(text, stops, len(strip_prefix(tok.decode(tokens[:-1], skip_special_tokens=False),
-                                                         heal_prefix)))
-    return text
 
 
 # -- the app --------------------------------------------------------------------------------------------------

@@ -3450,3 +3450,85 @@ def test_commands_give_torch_a_short_openmp_spin_unless_the_user_set_one(own, mo
     assert done.returncode == 0, done.stderr
     expected = own if own is not None else str(OPENMP_SPINS)
     assert f"SEEN [{expected!r}]" in done.stdout
+
+
+def gemma4_chat(tmp_path, monkeypatch, replies):
+    """A tiny model whose tokenizer has Gemma 4's markers as special tokens and no response template (as a real
+    Gemma 4 checkpoint), with test_tokenizer's Gemma-4-style chat template, saved to `tmp_path`; each chat turn
+    writes the next of `replies` (forced by a logits processor, a canvas a step: --steps 1), then <eos>. Returns
+    the conversations each turn was prompted with (ids) and the model's tokenizer."""
+    import torch
+    from test_response import gemma4_tokenizer
+    from test_tokenizer import GEMMA4_STYLE_TEMPLATE
+
+    import blockpress.lm
+
+    tok = gemma4_tokenizer()
+    tok.chat_template = GEMMA4_STYLE_TEMPLATE
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), tokenizer=tok)
+    lm.save(tmp_path)
+    canvas, prompts, left = lm.config.canvas_length, [], list(replies)
+
+    def forcing(target):
+        canvases = iter(range(0, 10**6, canvas))
+
+        def force(logits, rows):  # one step a canvas: its positions get the target's tokens, then <eos>
+            start = next(canvases)
+            want = [target[i] if i < len(target) else tok.eos_id for i in range(start, start + logits.shape[1])]
+            forced = torch.full_like(logits, float("-inf"))
+            forced[:, torch.arange(len(want)), torch.tensor(want)] = 0.0
+            return forced
+        return force
+
+    for name in ("chat_ids", "chat_stream"):
+        original = getattr(blockpress.lm.LM, name)
+
+        def turn(self, ids, *a, original=original, **kw):
+            prompts.append(list(ids))
+            return original(self, ids, *a, logits_processor=forcing(tok.encode(left.pop(0)) + [tok.eos_id]), **kw)
+        monkeypatch.setattr(blockpress.lm.LM, name, turn)
+    return prompts, tok
+
+
+def test_chat_keeps_a_gemma4_thought_apart_from_the_answer(tmp_path, monkeypatch, capsys):
+    """With Gemma 4's tokenizer a reply's thought channel, its markers left out of the text, read "thought\\nLet me
+    think.Hello there.": shown so, and kept so in the conversation, where the chat template's strip_thinking could
+    no longer drop it from the later prompts. The reply is read with the built-in Gemma 4 template now: --json's
+    text is the answer, `reasoning` the thought; the conversation goes on with the answer and the thought as
+    reasoning_content, which the template renders as the model's own reply with its thought channel; the cache is
+    reused up to the first difference, as before."""
+    replies = ["<|channel>thought\nLet me think.<channel|>Hello there.", "<|channel>thought\n<channel|>Fine."]
+    prompts, tok = gemma4_chat(tmp_path, monkeypatch, replies)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nand again\n"))
+    assert main(["chat", "--model", str(tmp_path), "--json", "--steps", "1", "--max-new-tokens", "60",
+                 "--threads", "1"]) == 0
+    turns = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(t["text"], t.get("reasoning")) for t in turns] == [("Hello there.", "Let me think."), ("Fine.", None)]
+    as_written = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": replies[0]},
+                  {"role": "user", "content": "and again"}]
+    assert prompts[1] == tok.apply_chat_template(as_written, tokenize=True)  # the thought cut, as the model wrote it
+    assert "think" not in tok.decode(prompts[1])
+    written = prompts[0] + tok.encode(replies[0])  # what the cache held: only the rest was encoded
+    shared = next(i for i, (a, b) in enumerate(zip(written, prompts[1])) if a != b)
+    assert turns[1]["cached_tokens"] == shared == len(prompts[0])
+
+
+def test_chat_on_a_terminal_shows_a_gemma4_thought_dimmed_above_the_answer(tmp_path, monkeypatch, capsys):
+    """On a terminal the thought is shown dimmed as it is written, the answer on a line of its own under it (it
+    was "thought\\nLet me think.Hello there."); piped, stdout holds the answer alone."""
+    reply = "<|channel>thought\nLet me think.<channel|>Hello there."
+    gemma4_chat(tmp_path, monkeypatch, [reply, reply])
+    screen = TerminalIO()
+    monkeypatch.setattr(sys, "stdin", TerminalIO("hi\n"))
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    flags = ["chat", "--model", str(tmp_path), "--steps", "1", "--max-new-tokens", "60", "--threads", "1"]
+    assert main(flags) == 0
+    shown = screen.getvalue()
+    assert "".join(re.findall("\x1b\\[2m(.*?)\x1b\\[0m", shown, re.DOTALL)) == "Let me think."  # all of it dim
+    assert re.sub(r"\x1b\[[0-9;]*m", "", shown) == "you> model> Let me think.\nHello there.\nyou> "
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    monkeypatch.setattr(sys, "stdout", piped)
+    assert main(flags) == 0
+    assert piped.getvalue() == "Hello there.\n"
