@@ -1230,12 +1230,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         stored = (None if cfg.quantize or args.model.startswith(RANDOM_PREFIX)  # (random weights: no folder)
                   else folder_quantization(resolve_path(args.model)))
-        if stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
-            what = ("LoRA adapters over it are trained with --quantize " + stored + " too (QLoRA; recorded with them, so "
-                    "that they load over it alike)" if cfg.lora_rank else
-                    "a full fine-tune needs the unquantized weights; train LoRA adapters over it instead "
-                    f"(--lora-rank R --quantize {stored}: QLoRA), or fine-tune the unquantized checkpoint")
-            raise ValueError(f"--model {args.model}: stored quantized ({stored}); {what}")
+        if stored is not None and cfg.lora_rank:  # QLoRA over it, as --quantize of its scheme would say (recorded
+            # with the run and its adapters, so that a resume and a load of them take the same base)
+            raw["quantize"] = stored
+            cfg = dataclasses.replace(cfg, quantize=stored)
+            if not args.quiet:
+                print(f"--model {args.model}: stored quantized ({stored}); its LoRA adapters train over it as QLoRA "
+                      f"(--quantize {stored})", file=sys.stderr)
+        elif stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
+            raise ValueError(f"--model {args.model}: stored quantized ({stored}); a full fine-tune needs the "
+                             f"unquantized weights; train LoRA adapters over it instead (--lora-rank R: QLoRA), or "
+                             "fine-tune the unquantized checkpoint")
         lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
                         cfg.quantize or "none")
         if args.resume and saved.get("lora_rank") and lora_shape:

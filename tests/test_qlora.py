@@ -326,9 +326,10 @@ def test_a_quantized_model_holding_unmerged_adapters_is_not_saved(tmp_path):
 
 
 def test_train_cli_over_a_folder_saved_quantized(tmp_path, capsys):
-    """QLoRA over a folder saved quantized (lm.save of a quantized model) trains with --quantize of its scheme, and its
-    adapter folder loads back over it; a full fine-tune, or adapters without --quantize, are refused naming the
-    scheme (the full fine-tune met the load's generic refusal of quantize 'none')."""
+    """QLoRA over a folder saved quantized (lm.save of a quantized model) trains with --quantize of its scheme, or
+    with --lora-rank alone, which takes the stored scheme (it was refused, asking for --quantize), and its adapter
+    folder loads back over it; a full fine-tune is refused naming the scheme (it met the load's generic refusal of
+    quantize 'none'), and another scheme naming both."""
     base = tmp_path / "base"
     quantized = tiny_lm().quantize("int8")
     quantized.save(base)
@@ -341,15 +342,23 @@ def test_train_cli_over_a_folder_saved_quantized(tmp_path, capsys):
 
     assert main(args("full")) == 2
     assert re.search(r"--model \S+: stored quantized \(int8\); a full fine-tune needs the unquantized weights; train "
-                     r"LoRA adapters over it instead \(--lora-rank R --quantize int8: QLoRA\)", capsys.readouterr().err)
-    assert main(args("lora", "--lora-rank", "2")) == 2
-    assert "stored quantized (int8); LoRA adapters over it are trained with --quantize int8 too" in capsys.readouterr().err
+                     r"LoRA adapters over it instead \(--lora-rank R: QLoRA\)", capsys.readouterr().err)
     assert main(args("other", "--lora-rank", "2", "--quantize", "int4")) == 2
     assert "--quantize: 'int4' asked for, but" in capsys.readouterr().err
-    assert not any((tmp_path / out).exists() for out in ("full", "lora", "other"))
+    assert not any((tmp_path / out).exists() for out in ("full", "other"))
     assert main(args("qlora", "--lora-rank", "2", "--quantize", "int8")) == 0
     lm = blockpress.load(tmp_path / "qlora" / "adapter")
     assert lm.quantization == "int8" and lm.path == base and lora_layers(lm.model)
+    # --lora-rank alone: QLoRA over its stored scheme, said on stderr, the same adapters as --quantize int8 trains
+    run = args("inferred", "--lora-rank", "2")
+    run.remove("--quiet")
+    assert main(run) == 0
+    assert "stored quantized (int8); its LoRA adapters train over it as QLoRA (--quantize int8)" in \
+        capsys.readouterr().err
+    inferred = blockpress.load(tmp_path / "inferred" / "adapter")
+    assert inferred.quantization == "int8" and inferred.path == base
+    assert torch.equal(inferred.logits(*(ids := (torch.randint(0, 32, (1, 5)), torch.randint(0, 32, (1, 8))))),
+                       lm.logits(*ids))
     prompt, canvas = torch.randint(0, 32, (1, 5)), torch.randint(0, 32, (1, 8))
     assert not torch.equal(lm.logits(prompt, canvas), quantized.logits(prompt, canvas))  # the adapters act
 
