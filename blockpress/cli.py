@@ -313,6 +313,29 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
                         "--temperature 0, start from seed 0 and repeat anyway)")
 
 
+def template_kwargs_arg(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs' JSON object of chat-template variables, checked as a server request's are (names,
+    reserved ones): refused while the arguments are parsed, before a model loads."""
+    from blockpress.tokenizer import template_variables
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"enable_thinking\": true}}' ({exc})") \
+            from None
+    try:
+        return template_variables(value, "--chat-template-kwargs")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--chat-template-kwargs: ")) from None
+
+
+def add_template_kwargs_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
+                   help=f"variables for the chat template{what}, as a JSON object: '{{\"enable_thinking\": true}}' turns "
+                        "a Gemma 4 template's thinking on (the name vLLM's requests give them); a template that never "
+                        "reads one ignores it")
+
+
 def add_token_healing_arg(p: argparse.ArgumentParser, what: str, note: str) -> None:
     """--no-token-healing, for `what` the command heals (generate: the prompt's end; infill: the holes' edges)."""
     p.add_argument("--no-token-healing", action="store_true", default=None,  # None: not given (generate: the model's)
@@ -383,6 +406,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
+    if args.chat_template_kwargs and not args.chat:
+        raise ValueError("--chat-template-kwargs: the chat template's variables go with --chat (without it the prompt "
+                         "is not rendered through the template)")
     if args.chat and args.no_token_healing is False:  # --token-healing: asked for by name, it would do nothing
         raise ValueError("--token-healing: not with --chat, whose prompt ends with the chat template's turn header "
                          "(the template's own, never healed); drop --token-healing, or --chat to heal a plain prompt")
@@ -397,7 +423,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt: Any = args.prompt
     shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone
     if args.chat:
-        prompt, shown = lm.chat_prompt([*system_turn(args), {"role": "user", "content": args.prompt}]), ""
+        prompt, shown = lm.chat_prompt([*system_turn(args), {"role": "user", "content": args.prompt}],
+                                       **args.chat_template_kwargs), ""
     # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token.
     # Not given, the model's generation settings decide (a model fine-tuned on prompts ending in whitespace learned
     # to follow that lone token: its training run wrote token_healing false), else healing is on.
@@ -601,7 +628,7 @@ def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> list[int
     if lm.tokenizer.chat_template is None:
         raise ValueError(f"--model {args.model}: has no chat template (chat_template.jinja, or chat_template in "
                          f"tokenizer_config.json), which {use} needs")
-    return lm.chat_prompt([*system_turn(args), {"role": "user", "content": "hi"}])
+    return lm.chat_prompt([*system_turn(args), {"role": "user", "content": "hi"}], **args.chat_template_kwargs)
 
 
 def system_turn(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -926,7 +953,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": user})
         opened = False  # nothing of this turn's reply is on screen yet
         try:
-            ids = lm.chat_prompt(messages)
+            ids = lm.chat_prompt(messages, **args.chat_template_kwargs)
             kw = sampling_kwargs(args, lm)
             wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
             canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
@@ -934,7 +961,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
                 # Would a new conversation take it? If not, the message itself is too long, and "/reset" would
                 # only throw the conversation away for the same refusal.
-                alone = ids if len(messages) == len(system) + 1 else lm.chat_prompt([*system, messages[-1]])
+                alone = ids if len(messages) == len(system) + 1 else lm.chat_prompt([*system, messages[-1]],
+                                                                                    **args.chat_template_kwargs)
                 if canvas_room(context, len(alone), canvas) < max(1, kw["min_new_tokens"]):
                     raise ValueError(f"the message is too long: {len(alone)} tokens with the chat template"
                                      f"{' and --system' if system else ''}, and the "
@@ -1700,7 +1728,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
-                     api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops)
+                     api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops,
+                     chat_template_kwargs=args.chat_template_kwargs)
     if args.compile or args.cuda_graphs:
         # Here, before the engine thread that owns the model starts: the first clients waited minutes for the compile
         # (vLLM captures its graphs at startup too). Connections made meanwhile wait in the socket's backlog.
@@ -2006,6 +2035,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--rank-by, --t-max, --t-min) are refused")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="with --chat: a system message before PROMPT (as the template renders one)")
+    add_template_kwargs_arg(p, " (with --chat)")
     p.add_argument("--no-live", action="store_true",
                    help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then")
     add_token_healing_arg(p, "the prompt's last token", "e.g. a trailing newline before indentation; never with "
@@ -2089,6 +2119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="a system message that starts the conversation (and the new one after /reset), as the "
                         "chat template renders one: as generate --chat --system")
+    add_template_kwargs_arg(p, " of every turn")
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
@@ -2210,6 +2241,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "client sends the key it is given in; others get a 401; /health and /metrics stay open), as vLLM's "
                         "--api-key. Default: the BLOCKPRESS_API_KEY environment variable, else no key; prefer the "
                         "variable, since a flag's value shows in the process list")
+    add_template_kwargs_arg(p, " of every chat request (a request's own win, name by name)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", formatter_class=DefaultsFormatter, help="speed: diffusion vs AR vs the reference, same random checkpoint",

@@ -119,7 +119,7 @@ from .lm import LM
 from .prefix import PrefixCache
 from .response import PartialMessage, PatternBudget, compile_template, parse_partial, parse_response
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
-from .tokenizer import MessageError, chat_message
+from .tokenizer import MessageError, chat_message, template_variables
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
 
@@ -339,6 +339,9 @@ class ChatRequest(_Common):
     # Rendered into the prompt by the chat template, as it renders tool calls and results; the reply's calls are
     # read with the checkpoint's response template, where it has one.
     tools: list[Tool] | None = None
+    # vLLM's and SGLang's extra: variables for the chat template ({"enable_thinking": true} turns Gemma 4's thinking
+    # on), over the server's defaults (create_app's chat_template_kwargs); a template that never reads one ignores it
+    chat_template_kwargs: dict[str, Any] | None = None
     implemented: ClassVar[frozenset[str]] = frozenset({"tools", "parallel_tool_calls"})  # (false: one call, see Reply)
 
     def template_tools(self) -> list[dict] | None:
@@ -951,6 +954,8 @@ class ServerState:
     # context before it is tokenized; None: no such check.
     token_chars: int | None = None
     max_stops: int = 16  # the most stop strings a request may send (create_app's max_stops)
+    # chat-template variables every chat request renders with, under its own chat_template_kwargs (create_app's)
+    template_defaults: dict[str, Any] = field(default_factory=dict)
 
     def check_length(self, chars: int, name: str, param: str) -> None:
         """Refuse text of `chars` characters that cannot fit the context whatever its tokens, before it is tokenized:
@@ -1557,7 +1562,8 @@ def warm_up(app: FastAPI) -> None:
 def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), api_key: str | None = None,
-               max_body_bytes: int | None = None, max_stops: int = 16) -> FastAPI:
+               max_body_bytes: int | None = None, max_stops: int = 16,
+               chat_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
@@ -1566,7 +1572,9 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is read
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a
     request may send (more: a 400 naming `stop`); each one is searched for in every row's text at every canvas on the
-    engine thread that serves every client, so a million of them (5 MB of JSON) held it for seconds a canvas."""
+    engine thread that serves every client, so a million of them (5 MB of JSON) held it for seconds a canvas.
+    `chat_template_kwargs`: chat-template variables for every chat request ({"enable_thinking": True}); a request's
+    own chat_template_kwargs win, name by name."""
     if lm.tokenizer is None:
         raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
     # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
@@ -1592,9 +1600,11 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     if max_body_bytes is not None and (not isinstance(max_body_bytes, int) or max_body_bytes < 1):
         raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
+    template_defaults = template_variables(chat_template_kwargs)
     engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     token_chars = longest_token(lm.tokenizer)
-    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context, token_chars, max_stops)
+    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context, token_chars, max_stops,
+                        template_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -1650,6 +1660,10 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         state.check_length(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
                                for m in body.messages if m.content is not None), "messages", "messages")
         messages, tools = [m.for_template(i) for i, m in enumerate(body.messages)], body.template_tools()
+        try:
+            variables = {**state.template_defaults, **template_variables(body.chat_template_kwargs)}
+        except ValueError as exc:
+            raise APIError(400, str(exc), "chat_template_kwargs") from None
         if lm.tokenizer.chat_template is None:  # a model that cannot chat: the request's to change, not a failure
             raise APIError(400, "messages: this model has no chat template (no chat_template.jinja, nor chat_template "
                                 "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "
@@ -1657,7 +1671,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         try:
             # as `blockpress chat` and lm.chat render them; in a worker thread, as the encode of a long text takes
             # a while (0.25 s for 240 KB) and the event loop serves every other client meanwhile
-            prompt = await asyncio.to_thread(lm.chat_prompt, messages, tools=tools)
+            prompt = await asyncio.to_thread(functools.partial(lm.chat_prompt, messages, tools=tools, **variables))
         except MessageError as exc:  # a field of the request's to change: tools a template never reads, say
             raise APIError(400, str(exc), exc.field) from None
         except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's

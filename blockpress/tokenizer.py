@@ -880,6 +880,38 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
     return {**message, "content": content}
 
 
+# What apply_chat_template itself passes a template, or takes as its own arguments: a template variable of these names
+# (a server's chat_template_kwargs) would replace the conversation, the tools or raise_exception, or change how the
+# prompt is rendered rather than what the template reads.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                     "chat_template", "tokenize", "raise_exception", "strftime_now"})
+
+
+def template_variables(variables: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """`variables` checked as extra chat-template variables (vLLM's chat_template_kwargs, e.g. {"enable_thinking":
+    true} for Gemma 4's templates): a dict of names to JSON values (None: none). A name must be an identifier, and not
+    one of RESERVED_TEMPLATE_NAMES; errors name `field`. A template that never reads a variable ignores it, as
+    transformers' and vLLM's do (a client sends the same kwargs to every model)."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise ValueError(f"{field}: expected an object of template variables (e.g. {{\"enable_thinking\": true}}), "
+                         f"got {type(variables).__name__}")
+    for name, value in variables.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{field}: {name!r} is not a template variable's name (letters, digits and _)")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise ValueError(f"{field}: {name!r} is set by the chat rendering itself (reserved: "
+                             f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))})")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}.{name}: expected a JSON value (text, number, true/false, null, a list or an "
+                             f"object), got {type(value).__name__}") from None
+        _check_texts(value, f"{field}.{name}")
+    return dict(variables)
+
+
 def _validate_tools_and_documents(tools: Any, documents: Any) -> None:
     for name, items in (("tools", tools), ("documents", documents)):
         if items is None:

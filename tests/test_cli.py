@@ -2424,10 +2424,10 @@ def test_prefill_chunk_is_set_on_the_model_and_changes_nothing_but_memory(capsys
 def test_chat_system_message_starts_every_conversation(monkeypatch, capsys):
     """`generate --chat` took --system and `chat` did not: a model tuned with a system prompt could not be chatted
     with as trained. It starts the conversation, and the new one after /reset, as generate --chat renders it."""
-    import blockpress.lm
+    from blockpress.lm import LM
 
-    rendered, original = [], blockpress.lm.LM.chat_prompt
-    monkeypatch.setattr(blockpress.lm.LM, "chat_prompt", lambda self, messages, **kw: rendered.append(
+    rendered, original = [], LM.chat_prompt
+    monkeypatch.setattr(LM, "chat_prompt", lambda self, messages, **kw: rendered.append(
         [dict(m) for m in messages]) or original(self, messages, **kw))
     lines = iter(["hello there", "and again", "/reset", "fresh start", "/exit"])
     monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
@@ -3532,3 +3532,51 @@ def test_chat_on_a_terminal_shows_a_gemma4_thought_dimmed_above_the_answer(tmp_p
     monkeypatch.setattr(sys, "stdout", piped)
     assert main(flags) == 0
     assert piped.getvalue() == "Hello there.\n"
+
+
+def test_chat_template_kwargs_reach_the_template_of_chat_and_generate_chat(tmp_path, monkeypatch, capsys):
+    """A template's own variables ({"enable_thinking": true} for Gemma 4's) could not be set from the command line:
+    chat, generate --chat and serve (whose requests send them as vLLM's chat_template_kwargs) take them as JSON."""
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=300, canvas_length=8),
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    lm.tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                                  "{% if enable_thinking %}THINKING{% endif %}")
+    lm.save(tmp_path / "m")
+    marker = len(lm.tokenizer.encode("THINKING"))
+
+    def chat_prompt_tokens(*extra):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+        assert main(["chat", "--model", str(tmp_path / "m"), "--max-new-tokens", "2", "--steps", "1", "--json",
+                     "--threads", "1", *extra]) == 0
+        return json.loads(capsys.readouterr().out.splitlines()[0])["prompt_tokens"]
+
+    plain = chat_prompt_tokens()
+    assert chat_prompt_tokens("--chat-template-kwargs", '{"enable_thinking": true}') == plain + marker
+    assert chat_prompt_tokens("--chat-template-kwargs", '{"never_read": 1}') == plain
+
+    from blockpress.lm import LM
+
+    rendered, original = [], LM.chat_prompt
+    monkeypatch.setattr(LM, "chat_prompt",
+                        lambda self, *a, **k: rendered.append(original(self, *a, **k)) or rendered[-1])
+
+    def generated(*extra):  # (generate's --json has no prompt_tokens: the prompt it rendered last)
+        assert main(["generate", "hi", "--model", str(tmp_path / "m"), "--chat", "--max-new-tokens", "2", "--steps",
+                     "1", "--json", "--threads", "1", *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] is not None
+        return len(rendered[-1])
+
+    assert generated("--chat-template-kwargs", '{"enable_thinking": true}') == generated() + marker
+    for flags, words in ((['{"messages": 1}'], "'messages' is set by the chat rendering itself"),
+                         (["[1]"], "expected an object of template variables"),
+                         (["{nope"], "expected a JSON object such as")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["chat", "--model", str(tmp_path / "m"), "--chat-template-kwargs", *flags])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "--chat-template-kwargs" in err and words in err, err
+    assert main(["generate", "hi", "--model", str(tmp_path / "m"), "--chat-template-kwargs",
+                 '{"enable_thinking": true}', "--no-live"]) == 2
+    assert "--chat-template-kwargs: the chat template's variables go with --chat" in capsys.readouterr().err

@@ -2545,3 +2545,36 @@ def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engi
         assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}).status_code == 200
         with pytest.raises(ValueError, match="warm_up: the engine thread has started"):
             warm_up(app)
+
+
+def test_chat_template_kwargs_reach_the_template_over_the_servers_defaults(server, monkeypatch):
+    """vLLM's chat_template_kwargs ({"enable_thinking": true} for Gemma 4) were refused as an unknown field: a client
+    could not turn a template's thinking on. The request's win over the server's defaults, name by name."""
+    lm, state = server[1].state.engine.lm, server[1].state.server
+    monkeypatch.setattr(lm.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking %}THINKING{% endif %}")
+
+    def prompt_tokens(**extra):
+        r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    plain = prompt_tokens()
+    marker = len(lm.tokenizer.encode("THINKING"))
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain + marker
+    assert prompt_tokens(chat_template_kwargs={"unread": [1, {"a": None}]}) == plain  # a variable it never reads
+    monkeypatch.setitem(state.template_defaults, "enable_thinking", True)
+    assert prompt_tokens() == plain + marker
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == plain
+    for bad, words in (({"messages": []}, "'messages' is set by the chat rendering itself"),
+                       ({"raise_exception": 1}, "reserved"), ({"not a name": 1}, "not a template variable's name")):
+        r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": bad})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "chat_template_kwargs" and words in error["message"], r.text
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["enable_thinking"]})
+    assert r.status_code == 400 and "chat_template_kwargs" in r.text
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: 'tools' is set by the chat rendering itself"):
+        create_app(lm, MODEL, chat_template_kwargs={"tools": []})
