@@ -1,4 +1,4 @@
-"""The `blockpress` command line: generate, infill, chat, info."""
+"""The `blockpress` command line: generate, infill, chat, info, quantize."""
 
 from __future__ import annotations
 
@@ -1122,6 +1122,86 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         for k, v in info.items():
             print(f"{k:>20}: {v}")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Load --model quantized with --quantize (each projection as it is read: the full-precision weights are never
+    all in memory) and save it to OUT as lm.save writes a quantized model, which every command's --model then loads
+    as stored. Everything that can be refused is refused before the load: a 26B takes minutes to read."""
+    from blockpress.checkpoint import checkpoint_files, folder_quantization
+    from blockpress.lm import resolve_path
+    from blockpress.train import ADAPTER_DIR, is_adapter_folder
+
+    if args.quantize is None:
+        raise ValueError("--quantize: required: the scheme to write, int8, fp8 or int4 (see docs/quantization.md)")
+    source = None  # the folder the weights are read from (random-<preset>: none)
+    if args.model.startswith(RANDOM_PREFIX):
+        preset_config(args.model[len(RANDOM_PREFIX):], f"--model {args.model}")
+    else:
+        source = resolve_path(args.model)
+        if is_adapter_folder(source) or (not (source / "config.json").is_file()
+                                         and is_adapter_folder(source / ADAPTER_DIR)):
+            # Merged into the codes, an adapter's update would be rounded to their step, and a QLoRA adapter
+            # learned its update over the quantized base, not the full one: either way not the model it was.
+            raise ValueError(f"--model {args.model}: a LoRA adapter folder; quantize the model it adapts instead: a "
+                             "plain LoRA run's --out holds the merged checkpoint (give that folder), and adapters "
+                             "trained over a quantized base (QLoRA) stay apart, loaded over the folder this writes "
+                             "(--model THAT_FOLDER --adapter ADAPTER_FOLDER)")
+        stored = folder_quantization(source)
+        if stored is not None and stored != args.quantize:
+            raise ValueError(f"--model {args.model}: stored quantized with {stored} (its codes, not the unquantized "
+                             f"weights), so --quantize {args.quantize} cannot be made from it; give the unquantized "
+                             f"checkpoint as --model (or --quantize {stored} to copy it as it is)")
+    out = Path(os.path.expanduser(args.out))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT {args.out}: a file, not a folder")
+    if source is not None and out.is_dir() and out.resolve() == source.resolve():
+        raise ValueError(f"OUT {args.out}: is the folder --model {args.model} is read from; give another folder "
+                         "(the unquantized checkpoint is what a quantization is made from)")
+    # a killed save's temporaries alone (StagedFiles') leave a folder as good as empty: the next save replaces them
+    held = sorted(p.name for p in out.iterdir() if not (p.name.startswith(".") and p.name.endswith(".tmp"))
+                  ) if out.is_dir() else []
+    if held and not args.overwrite:
+        raise ValueError(f"OUT {args.out}: not empty (holds {', '.join(held[:3])}{', ...' if len(held) > 3 else ''});"
+                         " give a new or empty folder, or --overwrite to write over the checkpoint it holds")
+    if held and not (out / "config.json").is_file():  # --overwrite replaces a checkpoint, not a folder of other files
+        raise ValueError(f"OUT {args.out}: --overwrite: holds no checkpoint to write over (no config.json, but "
+                         f"{', '.join(held[:3])}{', ...' if len(held) > 3 else ''}); give a new or empty folder")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):  # found now, not after the load
+        raise ValueError(f"OUT {args.out}: cannot be written ({existing} is "
+                         f"{'not a folder' if not existing.is_dir() else 'not writable'})")
+
+    started = time.perf_counter()
+    lm = load_announced(args)
+    terminal = sys.stderr is not None and sys.stderr.isatty()
+    line = f"writing {args.out} ..."
+    if terminal:  # a 15 GB write takes a while too; erased once written, as the loading line is
+        print(line, end="", file=sys.stderr, flush=True)
+    try:
+        lm.save(out)
+    except OSError as exc:  # a full disk: the save left OUT as it was (StagedFiles), and the error named no path
+        raise OSError(f"OUT {args.out}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        if terminal:
+            print("\r" + " " * len(line) + "\r", end="", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - started
+
+    def on_disk(folder: Path) -> int:
+        return sum(f.stat().st_size for f in checkpoint_files(folder))
+
+    written, read = on_disk(out), None if source is None else on_disk(source)
+    result = dict(out=str(out), model=args.model, source=str(source) if source else None,
+                  quantization=lm.quantization,
+                  # the one written (a bf16 checkpoint widened to float32 for this CPU saves bf16: LM.widened_from)
+                  dtype=str(lm.widened_from or lm.dtype).removeprefix("torch."),
+                  bytes=written, source_bytes=read, seconds=round(seconds, 3))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        against = f" against {read / 1e6:.1f} MB for {args.model}" if read else ""
+        print(f"wrote {out}: {lm.quantization}, {written / 1e6:.1f} MB{against}, in {seconds:.1f} s")
     return 0
 
 
@@ -2305,6 +2385,48 @@ def build_parser() -> argparse.ArgumentParser:
                                   "GPU where torch sees one, else the CPU; nothing is loaded there)", runs=False)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("quantize", formatter_class=DefaultsFormatter,
+                       help="write a quantized copy of a model (int8, fp8, int4) that loads as stored",
+                       description="Quantize --model with --quantize and write it to OUT as blockpress.load(model, "
+                                   "quantize=...).save(OUT) would: each projection's codes and scales, config.json "
+                                   "naming the scheme, the tokenizer and generation settings as they were. Every "
+                                   "command's --model then loads OUT quantized, with no --quantize and no "
+                                   "quantizing (the 26B-A4B's 50 GB of bf16 weights become a 15 GB int4 folder). "
+                                   "The projections are quantized as they are read, on --device (a GPU quantizes "
+                                   "faster), so the unquantized weights are never all in memory. Prints the folder, "
+                                   "the scheme, its weights' bytes on disk against the source's, and the seconds it "
+                                   "took. Only blockpress reads OUT: keep the unquantized checkpoint for "
+                                   "transformers.")
+    p.add_argument("out", metavar="OUT", help="the folder to write (new or empty; see --overwrite)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="the unquantized model: a Hugging Face checkpoint folder, a shipped model name, a repo id "
+                        "already in the Hugging Face cache (owner/name[@revision]), or random-<tiny|small|medium|"
+                        "26b-a4b> (random weights of that shape, for quick checks). Not a LoRA adapter folder: "
+                        "give the merged checkpoint of its run, or load a QLoRA adapter over OUT with --adapter. "
+                        f"Default: {DEFAULT_MODEL}")
+    p.add_argument("--quantize", choices=SCHEMES, default=None,
+                   help="(required) the scheme: int8 (weights), fp8 (weights and activations, for GPUs with FP8 "
+                        "tensor cores) or int4 (weights, groups of 32: for memory, not speed); see "
+                        "docs/quantization.md")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="the dtype the model loads in, and the one the tensors left unquantized (embedding, norms, "
+                        "router) are written in (default: the checkpoint's)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto): where the weights are "
+                                                                  "quantized")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write over the checkpoint OUT holds (its weights, config and tokenizer files replaced "
+                        "together once all are written; other files left as they are); without it a folder that "
+                        "is not empty is refused")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: out, model, source (the folder read; null for random-<preset>), "
+                        "quantization, dtype (the one the unquantized tensors are written in), bytes (OUT's "
+                        "safetensors on disk), source_bytes (the source's; null for random-<preset>), seconds "
+                        "(loading, quantizing and writing)")
+    # what load_announced reads of a loading command's flags: none of them here (nothing runs the model)
+    p.set_defaults(func=cmd_quantize, adapter=None, prefill_chunk=None, compile=False, cuda_graphs=False)
     return ap
 
 
@@ -2525,7 +2647,7 @@ def run_command(args: argparse.Namespace) -> int:
     except (BrokenPipeError, OutputError) as exc:  # before OSError's: not the arguments' fault
         return output_failed(exc, f"blockpress {args.command}")
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
-        flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve")
+        flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve", "quantize")
         message = as_flags(str(exc), flags_of(args.command)) if args.command in flagged else str(exc)
         if args.command == "train":
             message = as_flags(message, train_flag_of())

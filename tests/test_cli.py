@@ -406,7 +406,7 @@ def test_chat_replies_are_never_empty_by_default():
     assert build_parser().parse_args(["generate", "x"]).min_new_tokens == 0
 
 
-@pytest.mark.parametrize("command", ["generate", "infill", "chat", "info"])
+@pytest.mark.parametrize("command", ["generate", "infill", "chat", "info", "quantize"])
 def test_help_explains(command, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args([command, "--help"])
@@ -467,7 +467,7 @@ def test_seed_help_shows_its_default(command):
 
 
 # Each command's required arguments, so that an unknown flag is the one thing wrong.
-REQUIRED = {"generate": ["x"], "infill": ["x"], "train": ["--data", "d", "--out", "o"]}
+REQUIRED = {"generate": ["x"], "infill": ["x"], "train": ["--data", "d", "--out", "o"], "quantize": ["o"]}
 
 
 @settings(max_examples=40, deadline=None)
@@ -3580,3 +3580,115 @@ def test_chat_template_kwargs_reach_the_template_of_chat_and_generate_chat(tmp_p
     assert main(["generate", "hi", "--model", str(tmp_path / "m"), "--chat-template-kwargs",
                  '{"enable_thinking": true}', "--no-live"]) == 2
     assert "--chat-template-kwargs: the chat template's variables go with --chat" in capsys.readouterr().err
+
+
+# -- quantize: a quantized folder written from the command line -----------------------------------------------------
+
+
+def same_buffers(a, b):
+    """The two models hold the same tensors: names, dtypes and values (the codes and scales included)."""
+    left, right = a.model.state_dict(), b.model.state_dict()
+    assert left.keys() == right.keys()
+    for name in left:
+        assert left[name].dtype == right[name].dtype and torch.equal(left[name], right[name]), name
+
+
+def test_quantize_writes_the_folder_a_quantized_load_saves(tmp_path, capsys):
+    """`blockpress quantize --model M --quantize int4 OUT` writes what blockpress.load(M, quantize="int4").save(OUT)
+    writes: OUT loads as int4 with the same codes, scales and other tensors, and generate runs it with no --quantize
+    to the tokens --quantize int4 over M writes. --json reports the folder, the scheme and both folders' bytes."""
+    from blockpress.checkpoint import checkpoint_files
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", MODEL, "--quantize", "int4", "--device", "cpu", "--json", str(out)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    from blockpress.lm import resolve_path
+
+    source = resolve_path(MODEL) if not MODEL.startswith("random-") else None
+    on_disk = lambda folder: sum(f.stat().st_size for f in checkpoint_files(folder))  # noqa: E731
+    assert data["out"] == str(out) and data["model"] == MODEL and data["quantization"] == "int4"
+    assert data["bytes"] == on_disk(out) and data["seconds"] > 0
+    if source is not None:
+        assert data["source"] == str(source) and data["source_bytes"] == on_disk(source) > data["bytes"]
+    loaded = blockpress.load(out)
+    assert loaded.quantization == "int4"
+    same_buffers(loaded, blockpress.load(MODEL, quantize="int4"))
+    common = ["--max-new-tokens", "8", "--device", "cpu", "--no-live", "def area(r):"]
+    assert main(["generate", "--model", str(out), *common]) == 0
+    written = capsys.readouterr().out
+    assert main(["generate", "--model", MODEL, "--quantize", "int4", *common]) == 0
+    assert written.strip() and written == capsys.readouterr().out
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+def test_quantize_random_weights_and_overwrite(scheme, tmp_path, capsys):
+    """random-<preset> quantizes as a load of it does, and prints one line naming the folder and scheme; a folder
+    holding a checkpoint is written over only with --overwrite (its files replaced, another file left)."""
+    from blockpress.cli import load_model
+
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / ".model.safetensors.tmp").write_bytes(b"x")  # a killed save's leftover: the folder counts as empty
+    assert main(["quantize", "--model", "random-tiny", "--quantize", scheme, "--device", "cpu", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"wrote {out}: {scheme}, ") and "MB" in line and line.count("\n") == 0
+    assert not (out / ".model.safetensors.tmp").exists()
+    same_buffers(blockpress.load(out), load_model("random-tiny", None, "cpu", scheme))
+    (out / "notes.txt").write_text("mine")
+    other = "int4" if scheme != "int4" else "int8"
+    assert main(["quantize", "--model", "random-small", "--quantize", other, str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["quantize", "--model", "random-tiny", "--quantize", other, "--overwrite", "--json", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["source_bytes"] is None
+    assert blockpress.load(out).quantization == other and (out / "notes.txt").read_text() == "mine"
+
+
+def quantize_refusals(tmp_path):
+    """(arguments, what the one line says) for each refusal, with the folders they need made in `tmp_path`."""
+    plain, stored, adapter = tmp_path / "plain", tmp_path / "int8", tmp_path / "adapter"
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(plain)
+    blockpress.random_model(blockpress.ModelConfig.tiny()).quantize("int8").save(stored)
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")  # what marks an adapter folder (no config.json beside it)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    new = str(tmp_path / "new")
+    return [
+        (["--model", str(plain), new], "--quantize: required: the scheme to write, int8, fp8 or int4"),
+        (["--model", str(stored), "--quantize", "int4", new],
+         f"--model {stored}: stored quantized with int8 (its codes, not the unquantized weights), so --quantize int4 "
+         "cannot be made from it"),
+        (["--model", str(adapter), "--quantize", "int8", new], f"--model {adapter}: a LoRA adapter folder"),
+        (["--model", str(plain), "--quantize", "int8", str(plain)],
+         f"OUT {plain}: is the folder --model {plain} is read from"),
+        (["--model", str(plain), "--quantize", "int8", "--overwrite", str(plain)],
+         f"OUT {plain}: is the folder --model {plain} is read from"),
+        (["--model", str(plain), "--quantize", "int8", str(stored)],
+         f"OUT {stored}: not empty (holds config.json, generation_config.json, model.safetensors); give a new or "
+         "empty folder, or --overwrite"),
+        (["--model", str(plain), "--quantize", "int8", "--overwrite", str(tmp_path / "other")],
+         f"OUT {tmp_path / 'other'}: --overwrite: holds no checkpoint to write over (no config.json, but notes.txt)"),
+        (["--model", str(plain), "--quantize", "int8", str(tmp_path / "file")], f"OUT {tmp_path / 'file'}: a file"),
+        (["--model", "random-huge", "--quantize", "int8", new], "--model random-huge: unknown preset 'huge'"),
+    ]
+
+
+def test_quantize_refusals_are_one_line_before_the_load(tmp_path, monkeypatch, capsys):
+    """Each refusal is one line under the command's name naming the flag or OUT, exit 2, and comes before the model
+    is loaded (a 26B takes minutes); OUT is left unmade."""
+    cases = quantize_refusals(tmp_path)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded")
+
+    monkeypatch.setattr("blockpress.cli.load_model", no_load)
+    for argv, said in cases:
+        assert main(["quantize", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"blockpress quantize: error: {said}") and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(SystemExit) as exc:  # an unknown scheme: argparse's own, naming the choices
+        main(["quantize", "--quantize", "int3", "o"])
+    assert exc.value.code == 2
+    assert "argument --quantize: invalid choice: 'int3' (choose from 'int8', 'fp8', 'int4')" in capsys.readouterr().err
