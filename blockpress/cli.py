@@ -77,7 +77,8 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:  # before the load, which can take a while
         raise ValueError(f"--prefill-chunk: expected a positive integer (tokens per pass), got {args.prefill_chunk}")
     check_cuda_graphs(args)
-    slow = emulated_dtype_note(args.dtype, args.device)
+    # (quantize runs no matmul: its --dtype is the one the model is read and written in)
+    slow = emulated_dtype_note(args.dtype, args.device) if getattr(args, "command", None) != "quantize" else None
     if slow is not None:
         print(slow, file=sys.stderr, flush=True)
     terminal = sys.stderr is not None and sys.stderr.isatty()

@@ -3643,6 +3643,19 @@ def test_quantize_random_weights_and_overwrite(scheme, tmp_path, capsys):
     assert blockpress.load(out).quantization == other and (out / "notes.txt").read_text() == "mine"
 
 
+def test_quantize_in_bfloat16_has_no_note_of_slow_matmuls(tmp_path, monkeypatch, capsys):
+    """The note that a CPU without native bf16 runs bf16 matmuls emulated is for the commands that run the model:
+    quantize runs none, and said it on every --dtype bfloat16 there (the CPU is stood in for)."""
+    from blockpress import checkpoint
+
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)
+    argv = ["--model", "random-tiny", "--quantize", "int8", "--dtype", "bfloat16", "--device", "cpu"]
+    assert main(["quantize", *argv, "--json", str(tmp_path / "q")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["dtype"] == "bfloat16" and "native" not in err
+    assert blockpress.load(tmp_path / "q", dtype="bfloat16").quantization == "int8"
+
+
 def quantize_refusals(tmp_path):
     """(arguments, what the one line says) for each refusal, with the folders they need made in `tmp_path`."""
     plain, stored, adapter = tmp_path / "plain", tmp_path / "int8", tmp_path / "adapter"
