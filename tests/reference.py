@@ -25,7 +25,13 @@ def make_reference(path: Path, seed: int = 0, canvas_length: int = 8, **text_ove
     torch.manual_seed(seed)
     text = dict(TINY_TEXT, **text_overrides)
     cfg = DiffusionGemmaConfig(text_config=text, vision_config=dict(TINY_VISION), canvas_length=canvas_length)
-    model = DiffusionGemmaForBlockDiffusion(cfg).eval()
+    model = perturbed(DiffusionGemmaForBlockDiffusion(cfg).eval(), seed)
+    model.save_pretrained(path)
+    return model
+
+
+def perturbed(model, seed: int):
+    """`model` (the reference's) with random weights, its norms and scalars moved off 1, so wiring errors show."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -38,7 +44,6 @@ def make_reference(path: Path, seed: int = 0, canvas_length: int = 8, **text_ove
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):  # encoder and decoder scalars differ on purpose
                 b.copy_(0.5 + torch.rand(b.shape, generator=g))
-    model.save_pretrained(path)
     return model
 
 

@@ -1603,3 +1603,97 @@ def test_text_config_resolved_fields_and_kinds():
         setattr(broken, name, None)
         with pytest.raises(ConfigError, match=f"text_config.{name}: None after construction"):
             broken.validate()
+
+
+# google/diffusiongemma-26B-A4B-it's config.json with every key it has, as transformers 5.8 wrote it (the full layers'
+# shape as global_head_dim / num_global_key_value_heads, no per_layer_config; a complete vision_config), shrunk;
+# its generation_config.json as published. Its shard index names every decoder tensor, the encoder's layer_scalars
+# alone (the rest is tied to the decoder), the vision tower (std_bias / std_scale too), no lm_head, in bf16.
+PUBLISHED_TEXT = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2, "dtype": "bfloat16", "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "global_head_dim": 16, "head_dim": 8, "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 40,
+    "layer_types": ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+    "max_position_embeddings": 262144, "model_type": "diffusion_gemma_text", "moe_intermediate_size": 16,
+    "num_attention_heads": 4, "num_experts": 4, "num_global_key_value_heads": 1, "num_hidden_layers": 6,
+    "num_key_value_heads": 2, "pad_token_id": 0, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                           "rope_type": "proportional"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "sliding_window": 6, "tie_word_embeddings": True, "top_k_experts": 2, "use_bidirectional_attention": "vision",
+    "vocab_size": 128,
+}
+PUBLISHED_VISION = {
+    "_name_or_path": "", "architectures": None, "attention_bias": False, "attention_dropout": 0.0,
+    "chunk_size_feed_forward": 0, "default_output_length": 280, "dtype": "bfloat16", "global_head_dim": 8,
+    "head_dim": 8, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 16, "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "initializer_range": 0.02, "intermediate_size": 32, "is_encoder_decoder": False,
+    "label2id": {"LABEL_0": 0, "LABEL_1": 1}, "max_position_embeddings": 131072, "model_type": "gemma4_vision",
+    "num_attention_heads": 2, "num_hidden_layers": 1, "num_key_value_heads": 2, "output_attentions": False,
+    "output_hidden_states": False, "patch_size": 16, "pooling_kernel_size": 3, "position_embedding_size": 64,
+    "problem_type": None, "return_dict": True, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"}, "standardize": True, "use_clipped_linears": False,
+}
+PUBLISHED_CONFIG = {
+    "architectures": ["DiffusionGemmaForBlockDiffusion"], "boi_token_id": 120, "canvas_length": 8, "dtype": "bfloat16",
+    "eoi_token_id": 121, "eos_token_id": [1, 106 % 128], "image_token_id": 122, "initializer_range": 0.02,
+    "model_type": "diffusion_gemma", "text_config": PUBLISHED_TEXT, "tie_word_embeddings": True,
+    "transformers_version": "5.8.0.dev0", "vision_config": PUBLISHED_VISION, "vision_soft_tokens_per_image": 280,
+}
+PUBLISHED_GENERATION = {
+    "confidence_threshold": 0.005, "eos_token_id": [1, 106, 50], "max_denoising_steps": 48, "max_new_tokens": 256,
+    "pad_token_id": 0, "sampler_config": {"_cls_name": "EntropyBoundSamplerConfig", "entropy_bound": 0.1},
+    "stability_threshold": 1, "t_max": 0.8, "t_min": 0.4, "transformers_version": "5.8.0.dev0",
+}
+_PUBLISHED_STORED = re.compile(r"model\.decoder\.|model\.encoder\.(vision_tower|embed_vision)\.|"
+                               r"model\.encoder\.language_model\.layers\.\d+\.layer_scalar$")
+
+
+def _published_layout(folder):
+    """A tiny checkpoint laid out as the published one; returns the reference's from_pretrained of it, in float32."""
+    from reference import perturbed
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(PUBLISHED_CONFIG))
+    (folder / "generation_config.json").write_text(json.dumps(PUBLISHED_GENERATION))
+    torch.manual_seed(3)
+    ref = perturbed(DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig.from_pretrained(folder)).eval(), 3)
+    stored = {k: v.to(torch.bfloat16).contiguous() for k, v in ref.state_dict().items() if _PUBLISHED_STORED.match(k)}
+    names = sorted(stored)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: stored[k] for k in part}, folder / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(t.nbytes for t in stored.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                     "weight_map": weight_map}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DiffusionGemmaForBlockDiffusion.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_a_checkpoint_laid_out_as_the_published_one_loads_as_the_reference_reads_it(tmp_path):
+    """Every key of the published config.json is read or knowingly kept, every tensor name of its index maps, and
+    its generation_config.json's settings are the ones the reference reads (checked against the real files' copies
+    in public repositories, by hand; their keys, names and values are reproduced here, shrunk)."""
+    gen = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    ref = _published_layout(tmp_path / "published")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm = blockpress.load(tmp_path / "published", dtype="float32")
+    assert [str(w.message) for w in caught if "vision tensors" not in str(w.message)] == []
+    # (named_parameters lists each tied tensor once)
+    assert lm.config.num_parameters() == sum(p.numel() for n, p in ref.named_parameters() if "vision" not in n)
+    g = torch.Generator().manual_seed(0)
+    prompt, canvas = torch.randint(0, 128, (2, 11), generator=g), torch.randint(0, 128, (2, 8), generator=g)
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas).logits
+    assert (lm.logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+    theirs = gen.DiffusionGemmaGenerationConfig.from_pretrained(tmp_path / "published")
+    ours = lm.sampler_defaults
+    assert (ours.max_denoising_steps, ours.t_max, ours.t_min, ours.stability_threshold, ours.confidence_threshold,
+            ours.entropy_bound) == (theirs.max_denoising_steps, theirs.t_max, theirs.t_min, theirs.stability_threshold,
+                                    theirs.confidence_threshold, theirs.sampler_config.entropy_bound)
+    assert (lm.default_max_new_tokens, lm._eos_ids()) == (theirs.max_new_tokens, theirs.eos_token_id) == (256, [1, 106, 50])
