@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -266,6 +266,18 @@ class TextConfig:
                 )
             )
         return specs
+
+    def global_shape(self) -> dict[str, int | None]:
+        """The full layers' shape as global_head_dim / num_global_key_value_heads, the keys the published checkpoint
+        writes it with; {} where those two cannot say it (a per_layer_config entry for a sliding layer)."""
+        per_layer = self.resolved_per_layer_config
+        full = [i for i, kind in enumerate(self.resolved_layer_types) if kind == FULL]
+        over = per_layer.get(str(full[0]), {}) if full else {}
+        shape = {"global_head_dim": int(over.get("head_dim", self.head_dim)),
+                 "num_global_key_value_heads": over.get("num_key_value_heads")}
+        # what the reference derives from the two keys alone, checked to be these layers
+        derived = TextConfig(**{**asdict(self), "per_layer_config": None, **shape})
+        return shape if derived.layers == self.layers else {}
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -585,9 +597,12 @@ class ModelConfig:
         """The config.json of this model; `dtype` (a torch dtype) is the one its weights are saved in."""
         text = copy.deepcopy(self.text_extra)
         text.update({f.name: copy.deepcopy(getattr(self.text, f.name)) for f in fields(TextConfig)})
-        # The reference derives the per-layer overrides from these two; it does not store them itself.
+        # transformers >= 5.15 stores the full layers' shape as per_layer_config alone (and reads it first); the
+        # published checkpoint, and readers written for it (transformers 5.8, converters), as these two keys: both
+        # are written, agreeing (with per_layer_config alone, such a reader took its defaults for the full layers).
         text.pop("global_head_dim")
         text.pop("num_global_key_value_heads")
+        text.update(self.text.global_shape())
         text["model_type"] = "diffusion_gemma_text"
         out = dict(self.extra)
         out.update(

@@ -1697,3 +1697,37 @@ def test_a_checkpoint_laid_out_as_the_published_one_loads_as_the_reference_reads
             ours.entropy_bound) == (theirs.max_denoising_steps, theirs.t_max, theirs.t_min, theirs.stability_threshold,
                                     theirs.confidence_threshold, theirs.sampler_config.entropy_bound)
     assert (lm.default_max_new_tokens, lm._eos_ids()) == (theirs.max_new_tokens, theirs.eos_token_id) == (256, [1, 106, 50])
+
+
+@pytest.mark.parametrize("text, written", [
+    ({}, (16, 1)),  # the published config's own two keys
+    ({"num_global_key_value_heads": None}, (16, None)),  # full layers with the sliding ones' kv heads
+    ({"per_layer_config": {"2": {"head_dim": 16}, "5": {"head_dim": 16}}}, (16, None)),  # as transformers 5.15+ saves
+    ({"per_layer_config": {"2": {"head_dim": 16, "num_key_value_heads": 1}, "05": {"head_dim": 16,
+                                                                                 "num_key_value_heads": 1}}}, (16, 1)),
+    # sliding layers with a shape of their own: the two keys cannot say it, so only per_layer_config is written
+    ({"per_layer_config": {str(i): {"num_key_value_heads": 1} for i in (0, 1, 3, 4)}}, None),
+])
+def test_a_saved_config_gives_the_full_layers_shape_as_the_published_one_does(text, written):
+    """blockpress wrote per_layer_config alone, as transformers >= 5.15 saves; the published config.json says the full
+    layers' shape with global_head_dim / num_global_key_value_heads, which readers written for it (transformers 5.8,
+    converters) look for: without them the reference reads its defaults (512-wide heads). Both are written now, and
+    the two alone build the same model in the reference."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    raw = json.loads(json.dumps(PUBLISHED_CONFIG))
+    raw["text_config"].update(text)
+    cfg = ModelConfig.from_dict(raw)
+    saved = cfg.to_dict()["text_config"]
+    if written is None:
+        assert "global_head_dim" not in saved and "num_global_key_value_heads" not in saved
+        return
+    assert (saved["global_head_dim"], saved["num_global_key_value_heads"]) == written
+    del saved["per_layer_config"]  # read as the published file is: by the two keys alone
+    with torch.device("meta"):
+        ref = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(**{**raw, "text_config": saved}))
+    shapes = []
+    for layer in ref.model.decoder.layers:
+        head_dim = layer.self_attn.q_proj.weight.shape[0] // saved["num_attention_heads"]
+        shapes.append((head_dim, layer.self_attn.k_proj.weight.shape[0] // head_dim))
+    assert shapes == [(s.head_dim, s.num_kv_heads) for s in cfg.text.layers]
