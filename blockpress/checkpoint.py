@@ -472,6 +472,19 @@ TRAINER_PICKLES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_sta
 PICKLE_PATTERNS = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt")  # torch.save checkpoints, by name
 
 
+def index_total_size(path: Path) -> int | None:
+    """The bytes of tensor data the folder's model.safetensors.index.json says its shards hold (its
+    metadata.total_size, as the hub's indexes write it), or None where it has no index or no such number: what
+    `blockpress info` reports for a folder whose shards are not fetched yet."""
+    try:
+        raw = parse_json((path / "model.safetensors.index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    meta = raw.get("metadata") if isinstance(raw, dict) else None
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files holding the folder's weights, picked as transformers' from_pretrained picks them:
     model.safetensors when it is there, else the shards model.safetensors.index.json lists. A folder holding both

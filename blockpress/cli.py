@@ -1036,7 +1036,7 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     carries out on --device (checkpoint.plan_model), and what its folder stores: the safetensors headers only,
     never a tensor's data. (Loading to count converted a bf16 checkpoint to float32 on a CPU without native bf16:
     101 GB for a 26B.)"""
-    from blockpress.checkpoint import plan_model, resolve_device, tensor_kind
+    from blockpress.checkpoint import index_total_size, plan_model, resolve_device, tensor_kind
     from blockpress.lm import LM, read_generation_config, resolve_model
 
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
@@ -1069,7 +1069,9 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     copies = sum(tensor_kind(n)[0] == "copy" for f in plan.files for n in f.keys())
     return lm, dict(checkpoint_dtype=str(plan.stored).removeprefix("torch.") if plan.stored else None,
                     dtype_note=widened_note(plan.widened_from, plan.dtype, bool(plan.files)),
-                    checkpoint_bytes=sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files else None,
+                    # the shards' headers; before they are fetched, what their index says they hold
+                    checkpoint_bytes=(sum(f.nbytes(n) for f in plan.files for n in f.keys()) if plan.files
+                                      else index_total_size(path)),
                     tied_copies=copies or None)
 
 
@@ -2374,7 +2376,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "weights_bytes: what loading on --device with --dtype / --quantize would take; "
                                    "kv_cache_bytes_per_token: the keys and values one row keeps per token (all layers, "
                                    "sliding ones too; times prompt + answer + a canvas for a request, times its rows); "
-                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores; dtype_note: why "
+                                   "checkpoint_dtype and checkpoint_bytes: what the folder stores (before its shards are fetched, the bytes "
+                                   "its index says they hold); dtype_note: why "
                                    "dtype differs from it, where it does; "
                                    "tied_copies: the encoder / LM head copies it stores (tie_word_embeddings false), "
                                    "which a load compares with the decoder's weights, refusing one that differs "

@@ -3705,3 +3705,32 @@ def test_quantize_refusals_are_one_line_before_the_load(tmp_path, monkeypatch, c
         main(["quantize", "--quantize", "int3", "o"])
     assert exc.value.code == 2
     assert "argument --quantize: invalid choice: 'int3' (choose from 'int8', 'fp8', 'int4')" in capsys.readouterr().err
+
+
+def test_info_before_the_shards_are_fetched_gives_the_bytes_their_index_says(tmp_path, capsys):
+    """With config.json and the shards' index alone (a download of a repo's JSON files, to look at a model before
+    its weights), checkpoint_bytes was None: now the index's total_size, which the folder with its shards agrees
+    with; an index without that number still gives None."""
+    import shutil
+
+    from blockpress.checkpoint import save_model
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8))
+    save_model(lm.model, tmp_path / "full", max_shard_bytes=20_000)
+    fetched = tmp_path / "json"
+    fetched.mkdir()
+    for name in ("config.json", "model.safetensors.index.json"):
+        shutil.copy(tmp_path / "full" / name, fetched / name)
+
+    def stored_bytes(folder):
+        assert main(["info", "--model", str(folder), "--device", "meta", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["checkpoint_bytes"]
+
+    whole = stored_bytes(tmp_path / "full")
+    assert whole == sum(p.stat().st_size for p in (tmp_path / "full").glob("model-*.safetensors")) - sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in (tmp_path / "full").glob("model-*.safetensors"))
+    assert stored_bytes(fetched) == whole
+    index = json.loads((fetched / "model.safetensors.index.json").read_text())
+    del index["metadata"]
+    (fetched / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert stored_bytes(fetched) is None
