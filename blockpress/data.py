@@ -23,7 +23,8 @@ import torch
 
 from .config import CHAT_TURNS
 from .files import parse_json
-from .tokenizer import chat_message
+from .response import reasoning_markers
+from .tokenizer import REASONING_FIELDS, chat_message
 
 
 @dataclass
@@ -169,25 +170,57 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -
                  if other is not None else "")
         raise ValueError(f"{where}: 'messages' has no user message before the assistant's (messages[{last}]){named}; "
                          "give the user turn it answers before it")
-    if chat[last]["content"] is None:  # an assistant turn of tool calls alone: its text is what is trained on
-        raise ValueError(f"{where}: messages[{last}].content: the assistant's reply trained on must be text, got none")
-    # An earlier turn before any user turn (a greeting) or of tool calls alone is context only: it answers no one,
-    # or holds no text to train on.
-    trained = [i for i in replies if i > asked and chat[i]["content"] is not None] if chat_turns == "all" else [last]
-    # each reply ends as the template ends an assistant turn (<end_of_turn>, <turn|>), then the model's EOS
+    # An earlier turn before any user turn (a greeting) is context only: it answers no one. A turn of tool calls alone
+    # is trained on as the template writes the calls.
+    trained = [i for i in replies if i > asked] if chat_turns == "all" else [last]
     end = tokenizer.turn_end_id()
     examples = []
     for i in trained:
-        prompt = tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True, tokenize=True)
-        response = tokenizer.encode(chat[i]["content"]) + ([end] if end is not None else [])
-        example = Example(list(prompt), response, templated=True)
-        examples.append((f"{where}: messages[{i}]" if len(trained) > 1 else where, example))
+        at = f"{where}: messages[{i}]" if len(trained) > 1 else where
+        prompt = str(tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True))
+        reply = _rendered_reply(tokenizer, chat, i, prompt, at)
+        response = tokenizer.encode(reply)
+        # The reply ends at the template's end of turn (Gemma's <end_of_turn>, Gemma 4's <turn|>), then the EOS
+        # make_batch adds: what the template writes after it (a newline) is between turns, where generation has
+        # stopped, and the next turn's prompt holds it.
+        if end is not None and end in response:
+            response = response[: len(response) - response[::-1].index(end)]
+        examples.append((at, Example(tokenizer.encode(prompt), response, templated=True)))
     # A later turn's prompt holds the earlier replies: the turns of a conversation fall on one side of the held-out
     # split together, that of its last turn (split_heldout), as the conversation did when only it was trained on.
     key = (examples[-1][1].prompt, examples[-1][1].response)
     for _, ex in examples[:-1]:
         ex.split_key = key
     return examples
+
+
+def _rendered_reply(tokenizer: Any, chat: list[dict[str, Any]], i: int, prompt: str, where: str) -> str:
+    """The text of assistant turn chat[i] as the chat template writes it after `prompt` (chat[:i] rendered with
+    add_generation_prompt=True): the rendering of chat[:i+1] past that prompt, as TRL cuts a completion, so tool calls
+    are in the template's own format and the turn ends with its own end marker. Its thought (reasoning_content), where
+    the template does not render it (Gemma 4's never does), goes first, between the markers of the tokenizer's
+    response template's reasoning field; a thought neither can write is refused, never dropped."""
+    full = str(tokenizer.apply_chat_template(chat[: i + 1], add_generation_prompt=False))
+    if not full.startswith(prompt):
+        raise ValueError(f"{where}: the chat template renders the conversation up to messages[{i}] differently from "
+                         f"the prompt before it (messages[:{i}] with add_generation_prompt=True is not its start), so "
+                         "the assistant's turn cannot be cut from it to train on")
+    reply = full[len(prompt):]
+    field, thought = next(((k, chat[i][k]) for k in REASONING_FIELDS if chat[i].get(k) is not None), (None, None))
+    if field is None or thought == "":
+        return reply
+    if not isinstance(thought, str):
+        raise ValueError(f"{where}: messages[{i}].{field}: expected text, got {type(thought).__name__}")
+    bare = {key: value for key, value in chat[i].items() if key not in REASONING_FIELDS}
+    if str(tokenizer.apply_chat_template([*chat[:i], bare], add_generation_prompt=False)) != full:
+        return reply  # the template writes the thought itself (Qwen 3's <think>...</think>)
+    markers = reasoning_markers(tokenizer.reply_template)
+    if markers is None:
+        raise ValueError(f"{where}: messages[{i}].{field}: the chat template does not render the assistant's thought, "
+                         "and the tokenizer's response template has no reasoning_content field with open and close "
+                         "texts to write it between, so it cannot be trained on; leave the field out to train the "
+                         "turn without it")
+    return markers[0] + thought + markers[1] + reply
 
 
 def _check_example(ex: Example, where: str, vocab_size: int | None, context: tuple[int, int, int | None] | None) -> None:

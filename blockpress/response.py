@@ -163,6 +163,19 @@ def builtin_response_template(is_special: Callable[[str], bool]) -> dict[str, An
     return gemma4_response_template() if all(is_special(marker) for marker in GEMMA4_MARKERS) else None
 
 
+def reasoning_markers(spec: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """The literal texts a response template's `reasoning_content` field opens and closes with (the first of each
+    list: what the model writes), e.g. Gemma 4's ("<|channel>thought\n", "<channel|>"); None where the template has
+    no such field, or marks it with patterns (which say how to read a thought, not how to write one)."""
+    field = (spec or {}).get("fields", {}).get("reasoning_content")
+    if not isinstance(field, Mapping):
+        return None
+    opens, closes = _marker_texts(field, "open"), _marker_texts(field, "close")
+    if not (opens and closes and isinstance(opens[0], str) and isinstance(closes[0], str)):
+        return None
+    return opens[0], closes[0]
+
+
 @dataclass(frozen=True)
 class Field:
     """One region of a reply, compiled."""

@@ -1,5 +1,6 @@
 """Data: JSONL formats, canvas layout, token shards, the corpus script."""
 
+import itertools
 import json
 import re
 import subprocess
@@ -155,7 +156,9 @@ TURN_TEMPLATE = (
 
 @pytest.mark.parametrize(("template", "end"), [
     (TURN_TEMPLATE, "<turn|>"),
-    # a template that writes plain text after a reply: nothing special to end on but the EOS make_batch adds
+    # a template that writes plain text after a reply, and no header for the turn to come (it ignores
+    # add_generation_prompt): the reply is all it writes for the turn, its header and newline too, then the EOS
+    # make_batch adds
     ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}", None),
 ])
 def test_a_chat_reply_ends_with_the_templates_end_of_turn(template, end):
@@ -168,7 +171,8 @@ def test_a_chat_reply_ends_with_the_templates_end_of_turn(template, end):
     [example] = parse_examples({"messages": CHAT[:2]}, tok, "d.jsonl:1")
     rendered = tok.apply_chat_template(CHAT[:2], add_generation_prompt=False)
     assert "FIRST" + (end or "\n") in rendered  # the template's own rendering of the reply
-    assert example.response == tok.encode("FIRST") + ([tok.token_to_id(end)] if end else [])
+    expected = tok.encode("FIRST") + [tok.token_to_id(end)] if end else tok.encode("assistant: FIRST\n")
+    assert example.response == expected
 
 
 def test_every_assistant_turn_of_a_chat_is_an_example(tok):
@@ -659,3 +663,154 @@ def test_a_utf16_file_is_named_as_utf16(tmp_path, tok):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))  # another encoding: no such word
     with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 \(invalid continuation byte at byte 3\)$"):
         load_text(tmp_path / "latin1.txt", tok)
+
+
+# -- chats whose replies hold tool calls or thoughts --------------------------------------------------------------
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(st.lists(st.text(alphabet="ab x:\n<>|_", min_size=1, max_size=8), min_size=2, max_size=2),
+                  st.sampled_from(["gemma", "turn"]))
+def test_a_plain_reply_trains_on_the_tokens_it_did_before(tok, replies, template):
+    """A reply is now cut from the template's rendering of its turn; a plain text reply gives the ids it gave when it
+    was encoded alone and its end of turn put after it, so training runs on text chats are unchanged: the text as
+    written (the Gemma template's), or with its ends trimmed where the template trims it (TURN_TEMPLATE's, as a
+    later prompt holds it)."""
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": replies[0]},
+            {"role": "user", "content": "r"}, {"role": "assistant", "content": replies[1]}]
+    if template == "turn":
+        tok = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300,
+                                  special_tokens=["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"])
+        tok.chat_template = TURN_TEMPLATE
+        hypothesis.assume(all(reply.strip() for reply in replies))
+    examples = parse_examples({"messages": chat}, tok, "d.jsonl:1")
+    end = tok.turn_end_id()
+    texts = [reply if template == "gemma" else reply.strip() for reply in replies]
+    assert [e.response for e in examples] == [tok.encode(text) + [end] for text in texts]
+    assert [e.prompt for e in examples] == [tok.apply_chat_template(chat[:i], add_generation_prompt=True,
+                                                                    tokenize=True) for i in (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def gemma4_tok():
+    """A tiny tokenizer with Gemma 4's markers as special tokens (its built-in response template) and a template
+    written as Gemma 4's (tool calls and responses, thoughts stripped from past turns)."""
+    from test_response import gemma4_tokenizer
+    from test_tokenizer import GEMMA4_STYLE_TEMPLATE
+
+    tok = gemma4_tokenizer()
+    tok.chat_template = GEMMA4_STYLE_TEMPLATE
+    return tok
+
+
+def _gemma_call(name, arguments):
+    return {"id": name, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+@hypothesis.settings(max_examples=20, deadline=None)
+@hypothesis.given(st.text(alphabet="abOslo ", min_size=1, max_size=10), st.integers(-50, 50), st.booleans())
+def test_a_reply_of_tool_calls_trains_on_the_calls_the_server_reads_back(gemma4_tok, city, days, thought):
+    """An assistant turn of tool calls (content null) was refused ('the assistant's reply trained on must be
+    text'), so a model could not be fine-tuned to call tools. It trains on the calls as the chat template writes them
+    (Gemma 4's <|tool_call>call:NAME{...}<tool_call|>), then <turn|>; its thought (reasoning_content, which Gemma 4's
+    template never renders) first, between the response template's markers; and the reply read back with the
+    tokenizer's response template, as the server reads it and as transformers' Gemma 4 fallback reads it, is the
+    turn trained on."""
+    from test_response import theirs
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+
+    tok = gemma4_tok
+    arguments = {"city": city, "days": days}
+    turn = {"role": "assistant", "content": None, "tool_calls": [_gemma_call("weather", arguments)]}
+    if thought:
+        turn["reasoning_content"] = "Weather, then."
+    chat = [{"role": "user", "content": "Weather in Oslo?"}, turn]
+    [example] = parse_examples({"messages": chat}, tok, "d.jsonl:1")
+    text = tok.decode(example.response, skip_special_tokens=False)
+    head = "<|channel>thought\nWeather, then.<channel|>" if thought else ""
+    assert text == f'{head}<|tool_call>call:weather{{city:<|"|>{city}<|"|>,days:{days}}}<tool_call|><turn|>'
+    assert example.response == tok.encode(text)
+    assert tok.decode(example.prompt, skip_special_tokens=False).endswith("Weather in Oslo?<turn|>\n<|turn>model\n")
+    expected = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "weather",
+                                                                                      "arguments": arguments}}]}
+    if thought:
+        expected["reasoning_content"] = "Weather, then."
+    assert tok.parse_response(text) == theirs(text, _RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)]) == expected
+
+
+def test_every_turn_of_an_agent_chat_trains_its_prompt_holding_the_tools_answers(gemma4_tok):
+    """The turns of a chat with tool calls: the call turn is trained on (it was context only), and the answer after
+    the tools' responses is prompted with the calls and responses as the template renders them; a thought and an
+    answer together read back as both."""
+    tok = gemma4_tok
+    chat = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [_gemma_call("weather", {"city": "Oslo"})]},
+            {"role": "tool", "tool_call_id": "weather", "name": "weather", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Sunny, it says."}]
+    calls, answer = parse_examples({"messages": chat}, tok, "d.jsonl:1")
+    assert calls.prompt == tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True)
+    assert answer.prompt == tok.apply_chat_template(chat[:3], add_generation_prompt=True, tokenize=True)
+    assert tok.decode(answer.prompt, skip_special_tokens=False).endswith(
+        '<tool_call|><|tool_response>response:weather{value:<|"|>sunny<|"|>}<tool_response|><|turn>model\n')
+    assert tok.parse_response(tok.decode(answer.response, skip_special_tokens=False)) == {
+        "role": "assistant", "reasoning_content": "Sunny, it says.", "content": "It is sunny."}
+    assert calls.split_key == (answer.prompt, answer.response)  # held out together, as before
+    assert parse_examples({"messages": chat}, tok, "d.jsonl:1", chat_turns="last") == [answer]
+
+
+def test_a_thought_the_template_writes_itself_is_trained_on_once(tok):
+    """A template that renders reasoning_content (Qwen 3's <think>) writes the thought where it puts it: it is not
+    put before it a second time."""
+    thinking = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)
+    thinking.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}<think>"
+                              "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<end_of_turn>{% endfor %}"
+                              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "hmm"}]
+    [example] = parse_examples({"messages": chat}, thinking, "d.jsonl:1")
+    assert example.response == thinking.encode("<think>hmm</think>a<end_of_turn>")
+
+
+@pytest.mark.parametrize("template, turn, message", [
+    # no reply format with a thought's markers, and a template that never renders it: it was silently dropped
+    (None, {"content": "a", "reasoning_content": "hmm"},
+     r"d.jsonl:1: messages\[1\].reasoning_content: the chat template does not render the assistant's thought, and "
+     r"the tokenizer's response template has no reasoning_content field"),
+    (None, {"content": "a", "thinking": ["hmm"]}, r"d.jsonl:1: messages\[1\].thinking: expected text, got list"),
+    # the turn to come opens unlike the template renders an assistant's turn: no place to cut the reply at
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<model>"
+     "{% endif %}", {"content": "a"},
+     r"d.jsonl:1: the chat template renders the conversation up to messages\[1\] differently from the prompt before "
+     r"it \(messages\[:1\] with add_generation_prompt=True is not its start\)"),
+])
+def test_a_reply_that_cannot_be_trained_as_written_is_refused_by_name(tmp_path, tok, template, turn, message):
+    custom = train_bpe_tokenizer(["def f(x):\n    return x + 1\n"] * 20, vocab_size=300)
+    if template is not None:
+        custom.chat_template = template
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", **turn}]}) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_jsonl(path, custom)
+
+
+# Gemma-4-like, with transformers' {% generation %} marks around what the model writes in its turn
+MASKED_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}<|turn>model\n{% generation %}"
+    "{% for c in m.tool_calls or [] %}<|tool_call>call:{{ c.function.name }}{city:<|\"|>{{ c.function.arguments.city }}"
+    "<|\"|>}<tool_call|>{% endfor %}{{ m.content or '' }}<turn|>{% endgeneration %}\n{% else %}<|turn>{{ m.role }}\n"
+    "{{ m.content }}<turn|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+@pytest.mark.parametrize("cities, answer", [(["Oslo"], "It is sunny in Oslo."), (["Oslo", "Paris"], "Both wet.")])
+def test_the_replies_trained_on_are_transformers_assistant_tokens(gemma4_tok, tmp_path, cities, answer):
+    """Every reply trained on, tool calls and text, is the run of tokens transformers' apply_chat_template marks
+    as the assistant's (return_assistant_tokens_mask, from the template's {% generation %} marks)."""
+    from test_tokenizer import _with_transformers
+
+    ours, theirs = _with_transformers(gemma4_tok, tmp_path, chat_template=MASKED_TEMPLATE)
+    calls = [_gemma_call("weather", {"city": city}) for city in cities]
+    chat = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "content": "rain"}, {"role": "assistant", "content": answer}]
+    out = theirs.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert out["input_ids"] == ours.apply_chat_template(chat, add_generation_prompt=False, tokenize=True)
+    marked = [[t for t, _ in run] for on, run in itertools.groupby(zip(out["input_ids"], out["assistant_masks"]),
+                                                                    key=lambda pair: pair[1]) if on]
+    assert marked == [e.response for e in parse_examples({"messages": chat}, ours, "d.jsonl:1")]
+    assert len(marked) == 2 and "<|tool_call>call:weather" in ours.decode(marked[0], skip_special_tokens=False)

@@ -712,6 +712,28 @@ def test_chat_data_trains_every_assistant_turn(tmp_path, capsys):
     assert not (tmp_path / "pairs").exists()
 
 
+def test_an_agent_chat_of_tool_calls_and_thoughts_trains(tmp_path):
+    """A chat whose assistant turns call tools or think was refused ('the assistant's reply trained on must be
+    text'); with a Gemma-4-style tokenizer every turn trains, calls in the template's format, thoughts between the
+    response template's markers (test_data.py)."""
+    from test_response import gemma4_tokenizer
+    from test_tokenizer import GEMMA4_STYLE_TEMPLATE
+
+    tok = gemma4_tokenizer()
+    tok.chat_template = GEMMA4_STYLE_TEMPLATE
+    tok.save(tmp_path / "tok")
+    call = {"id": "a", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    chat = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "Ask the tool."},
+            {"role": "tool", "tool_call_id": "a", "name": "weather", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": "It says sunny."}]
+    data = tmp_path / "agent.jsonl"
+    data.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": chat[:2]}) + "\n")
+    assert main(train_args(data, tmp_path / "out", steps=2) + ["--tokenizer", str(tmp_path / "tok")]) == 0
+    state = torch.load(tmp_path / "out" / "trainer_state.pt", weights_only=True)
+    assert state["data"]["size"] == "3 examples" and state["step"] == 2
+
+
 def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
     """A folder of .py files (and {"text": ...} JSONL, a .txt file) was refused: "is a directory; expected ..."."""
     source = os.path.dirname(blockpress.__file__)
