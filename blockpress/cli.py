@@ -1519,10 +1519,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         named = base_name(lm) is not None  # the folder names its base (one loaded from a folder): it loads alone
         flags = f"--model {adapter}" if named else f"--model BASE --adapter {adapter} --quantize {cfg.quantize}"
         python = repr(str(adapter)) if named else f"BASE, adapter={str(adapter)!r}, quantize={cfg.quantize!r}"
-        print(f"--quantize {cfg.quantize}: {adapter} holds the adapters, unmerged (no checkpoint of the quantized "
-              f"base); run them as trained, over the {cfg.quantize} base: `blockpress generate {flags} PROMPT` (chat, "
-              f"serve and info alike; --quantize none merges them into the unquantized base instead), or in Python "
-              f"blockpress.load({python})", file=sys.stderr)
+        # a base saved quantized is itself the quantized checkpoint, and has no unquantized weights to merge into
+        from blockpress.checkpoint import folder_quantization
+
+        saved_quantized = lm.path is not None and folder_quantization(lm.path) is not None
+        base = (f"(over {lm.path}, saved {cfg.quantize})" if saved_quantized
+                else "(no checkpoint of the quantized base)")
+        merge = "" if saved_quantized else "; --quantize none merges them into the unquantized base instead"
+        print(f"--quantize {cfg.quantize}: {adapter} holds the adapters, unmerged {base}; run them as trained, over "
+              f"the {cfg.quantize} base: `blockpress generate {flags} PROMPT` (chat, serve and info alike{merge}), or "
+              f"in Python blockpress.load({python})", file=sys.stderr)
     elif cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
         base = str(base_dtype)[6:]
         # (--dtype takes float32 and bfloat16: a float16 base, trained with loss scaling, is cast by save's dtype)

@@ -353,8 +353,12 @@ def test_train_cli_over_a_folder_saved_quantized(tmp_path, capsys):
     run = args("inferred", "--lora-rank", "2")
     run.remove("--quiet")
     assert main(run) == 0
-    assert "stored quantized (int8); its LoRA adapters train over it as QLoRA (--quantize int8)" in \
-        capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "stored quantized (int8); its LoRA adapters train over it as QLoRA (--quantize int8)" in said
+    # the closing advice: the base is the quantized checkpoint, with nothing unquantized to merge into (it said
+    # "no checkpoint of the quantized base" and offered --quantize none, which the load then refused)
+    assert f"holds the adapters, unmerged (over {base}, saved int8); run them as trained" in said
+    assert "--quantize none" not in said and "no checkpoint of the quantized base" not in said
     inferred = blockpress.load(tmp_path / "inferred" / "adapter")
     assert inferred.quantization == "int8" and inferred.path == base
     assert torch.equal(inferred.logits(*(ids := (torch.randint(0, 32, (1, 5)), torch.randint(0, 32, (1, 8))))),
