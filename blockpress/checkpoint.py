@@ -175,6 +175,19 @@ def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, .
     stored weight's when the real fault is that the two disagree. A folder stored quantized: `shapes` is the quantized
     model's layout, and `coded` its codes' and scales' names (quantize.coded_tensors), each in exactly its dtype."""
     coded = coded or {}
+    if not coded:  # a quantized save whose config.json lost its quantization_config (edited out for transformers):
+        # its codes would be refused one by one as a weight's wrong shape or dtype, or its scales as unknown tensors
+        from .quantize import SCALE_SUFFIX
+
+        for f in files:
+            names = set(f.keys())
+            scale = next((name for name in sorted(names) if name.endswith(SCALE_SUFFIX)
+                          and name.removesuffix(SCALE_SUFFIX) in names), None)
+            if scale is not None:
+                raise CheckpointError(f"{f.path.name}: unexpected tensor {scale!r}: the scales of a quantized "
+                                      f"{scale.removesuffix(SCALE_SUFFIX)!r} (a folder saved quantized), but "
+                                      "config.json has no quantization_config naming the scheme; put back the one "
+                                      "it was saved with, or load the unquantized checkpoint")
     for f in files:
         for name in f.keys():
             try:

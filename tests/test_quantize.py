@@ -672,6 +672,11 @@ Q = "model.decoder.layers.0.self_attn.q_proj.weight"
      r"config.json: quantization_config.format_version: expected 1 .*got 2"),
     (None, lambda c: c["quantization_config"].update(scheme="int4"),  # int4 says its group size
      r"config.json: quantization_config.group_size: expected 32 .*got None"),
+    # edited out (for transformers, say): its codes and scales were refused as an unknown tensor "for this config"
+    (None, lambda c: c.pop("quantization_config"),
+     r"model.safetensors: unexpected tensor '.*_scale': the scales of a quantized '.*' \(a folder saved "
+     r"quantized\), but config.json has no quantization_config naming the scheme"),
+    (None, lambda c: c.__setitem__("quantization_config", {}), r"but config.json has no quantization_config"),
     (None, lambda c: c.__setitem__("quantization_config", ["int8"]),
      r"config.json: quantization_config: expected a JSON object, got \['int8'\]"),
     (None, lambda c: c["quantization_config"].update(quantizer="mine"),
