@@ -301,10 +301,16 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls, as the client's earlier turn recorded them
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    # An assistant's thought, as this server answers it (vLLM's name): an agent loop sends the reply back as it came,
+    # and a template such as Gemma 4's reads it (or leaves past thoughts out)
+    reasoning_content: str | None = None
 
     def check(self, i: int) -> None:
         """OpenAI's rules between the fields, as a 400 naming messages[i]'s field."""
         where = f"messages[{i}]"
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise APIError(400, f"{where}.reasoning_content: only an assistant message has a thought, not a "
+                           f"{self.role!r} one", f"{where}.reasoning_content")
         if self.tool_calls is not None and self.role != "assistant":
             raise APIError(400, f"{where}.tool_calls: only an assistant message has them, not a {self.role!r} one",
                            f"{where}.tool_calls")
@@ -323,7 +329,7 @@ class Message(BaseModel):
             for c in self.tool_calls]
         try:  # chat_message also maps "developer" to "system"
             return chat_message({"role": self.role, "content": content, "name": self.name, "tool_calls": calls,
-                                 "tool_call_id": self.tool_call_id}, i)
+                                 "tool_call_id": self.tool_call_id, "reasoning_content": self.reasoning_content}, i)
         except MessageError as exc:
             raise APIError(400, str(exc), exc.field) from None
 

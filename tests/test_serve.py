@@ -2057,6 +2057,34 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         srv.should_exit = True
 
 
+def test_an_agent_loop_sends_a_reply_with_its_thought_back(tmp_path, monkeypatch):
+    """A reply's thought comes back as reasoning_content, and an agent loop appends the message as it came (OpenAI's
+    client sends its extra fields) with the tool results: the next request was refused, "unknown field
+    'messages[2].reasoning_content'". The thought now reaches the template, as the chat command gives it."""
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch, own_template=False)
+    monkeypatch.setattr(lm.tokenizer, "chat_template", TOOL_TEMPLATE.replace(
+        "{% if m['content'] is string %}", "{% if m['reasoning_content'] %}[{{ m['reasoning_content'] }}]{% endif %}"
+        "{% if m['content'] is string %}"))
+    prompts, forced = [], lm.stream
+    monkeypatch.setattr(lm, "stream", lambda ids, **kw: (prompts.extend(ids), forced(ids, **kw))[1])
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    try:
+        reply[0] = "<|channel>thought\nCheck Oslo.<channel|><|tool_call>call:weather{city:<|\"|>Oslo<|\"|>}<tool_call|>"
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        message = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
+        assert message.model_extra["reasoning_content"] == "Check Oslo." and message.tool_calls
+        messages += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}]
+        reply[0] = "It is sunny."
+        assert client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message.content \
+            == "It is sunny."
+        assert "[Check Oslo.]" in lm.tokenizer.decode(prompts[-1])
+        bad = [{"role": "user", "content": "hi", "reasoning_content": "no"}]
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.reasoning_content: only an assistant"):
+            client.chat.completions.create(model=MODEL, messages=bad)
+    finally:
+        srv.should_exit = True
+
+
 def test_a_gemma4_checkpoint_without_a_response_template_answers_with_calls_and_thoughts(tmp_path, monkeypatch):
     """A real Gemma 4 or DiffusionGemma checkpoint ships no response_template, so its replies came back as text: the
     calls unread ("call:weather{city:Oslo}"), the thought glued to the answer ("thoughtTwo cities.Checking both.").
