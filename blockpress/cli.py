@@ -439,6 +439,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = None
     # The text and the new tokens committed so far, as the last Commit has them: a Ctrl-C's result.
     text, n, passes = "", 0, 0
+    answer, thought = "", None  # the whole reply's (Done), its thought apart where the response template reads one
     try:
         for event in lm.stream(prompt, drafts=live, token_healing=healing, stop=args.stop,
                                **sampling_kwargs(args, lm)):
@@ -453,8 +454,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     view.commit(text)
             elif isinstance(event, Done):
                 out = event.output
-                if view:
-                    view.commit(decoded(out.texts, "generate")[0], final=True)
+                answer, thought = decoded(out.texts, "generate")[0], None
+                if args.chat:  # a thought the response template reads, apart from the answer, as `chat` gives it
+                    reply = ReplyReader(lm, prompt).read(out)
+                    answer, thought = reply.answer, reply.thought
+                if view:  # the thought (where there is one) and the answer on a line of its own, as `chat` shows them
+                    view.commit(f"{thought}\n{answer}" if thought else answer, final=True)
     except KeyboardInterrupt as exc:  # a Ctrl-C, or a SIGTERM or SIGHUP (Stopped)
         # The text committed so far is the run's result, as the README promises: on the live view it stays on
         # screen; piped or --no-live it goes to stdout like a finished run's, and --json says it was cut short.
@@ -476,11 +481,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if out is None:  # (LM.stream ends every run with its Done)
         raise ValueError("generate: the run ended without its output")
     stats = stats_line(out, time.perf_counter() - t0)
-    answer = decoded(out.texts, "generate")[0]
     if args.json:
         # the seed the text was drawn with (a fresh one without --seed): --seed with it repeats the text
-        print(json.dumps(dict(text=answer, prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
-                              interrupted=False)))
+        print(json.dumps(dict(text=answer, **({"reasoning": thought} if thought else {}), prompt=args.prompt,
+                              **stats, seed=out.extra["seeds"][0], interrupted=False)))
     else:
         if not live:
             print(printable(shown + answer))

@@ -3452,7 +3452,7 @@ def test_commands_give_torch_a_short_openmp_spin_unless_the_user_set_one(own, mo
     assert f"SEEN [{expected!r}]" in done.stdout
 
 
-def gemma4_chat(tmp_path, monkeypatch, replies):
+def gemma4_chat(tmp_path, monkeypatch, replies, methods=("chat_ids", "chat_stream")):
     """A tiny model whose tokenizer has Gemma 4's markers as special tokens and no response template (as a real
     Gemma 4 checkpoint), with test_tokenizer's Gemma-4-style chat template, saved to `tmp_path`; each chat turn
     writes the next of `replies` (forced by a logits processor, a canvas a step: --steps 1), then <eos>. Returns
@@ -3480,12 +3480,12 @@ def gemma4_chat(tmp_path, monkeypatch, replies):
             return forced
         return force
 
-    for name in ("chat_ids", "chat_stream"):
+    for name in methods:  # ("stream": generate's)
         original = getattr(blockpress.lm.LM, name)
 
         def turn(self, ids, *a, original=original, **kw):
             prompts.append(list(ids))
-            return original(self, ids, *a, logits_processor=forcing(tok.encode(left.pop(0)) + [tok.eos_id]), **kw)
+            return original(self, ids, *a, **{**kw, "logits_processor": forcing(tok.encode(left.pop(0)) + [tok.eos_id])})
         monkeypatch.setattr(blockpress.lm.LM, name, turn)
     return prompts, tok
 
@@ -3532,6 +3532,26 @@ def test_chat_on_a_terminal_shows_a_gemma4_thought_dimmed_above_the_answer(tmp_p
     monkeypatch.setattr(sys, "stdout", piped)
     assert main(flags) == 0
     assert piped.getvalue() == "Hello there.\n"
+
+
+def test_generate_chat_gives_a_gemma4_thought_apart_from_the_answer(tmp_path, monkeypatch, capsys):
+    """generate --chat with a Gemma 4 template's thinking on (--chat-template-kwargs) printed the reply with its
+    thought channel's markers left out, "thought\\nLet me think.Hello there.", as chat did before it read replies
+    with the response template: now the answer alone (--json: text, and the thought as reasoning), as chat gives it."""
+    reply = "<|channel>thought\nLet me think.<channel|>Hello there."
+    plain = "No thought."
+    prompts, tok = gemma4_chat(tmp_path, monkeypatch, [reply, reply, plain], methods=("stream",))
+    flags = ["generate", "--model", str(tmp_path), "--chat", "hi", "--chat-template-kwargs", '{"enable_thinking": true}',
+             "--steps", "1", "--max-new-tokens", "60", "--threads", "1", "--no-live"]
+    assert main([*flags, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert (said["text"], said["reasoning"]) == ("Hello there.", "Let me think.")
+    assert "<|think|>" in tok.decode(prompts[0], skip_special_tokens=False)  # the kwargs reached the template
+    assert main(flags) == 0
+    assert capsys.readouterr().out == "Hello there.\n"
+    assert main([*flags, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert said["text"] == plain and "reasoning" not in said
 
 
 def test_chat_template_kwargs_reach_the_template_of_chat_and_generate_chat(tmp_path, monkeypatch, capsys):
