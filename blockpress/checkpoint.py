@@ -815,6 +815,7 @@ def save_model(
     metadata: dict[str, str] | None = None,
     files: StagedFiles | None = None,
     dtype: torch.dtype | None = None,
+    quantized_from: str | None = None,
 ) -> None:
     """Write config.json and safetensors in the reference's layout (sharded above `max_shard_bytes`); `metadata`:
     string entries added to each safetensors file's header (`MappedSafetensors.metadata` reads them back). `dtype`:
@@ -822,7 +823,7 @@ def save_model(
     the model itself is left as it is and the copies never take more than a shard's bytes. A quantized model's codes
     and scales are written as they are held, whatever `dtype` (which then applies to its unquantized tensors:
     embedding, norms, router), under the plain names (a scale: its weight's name + "_scale"), and config.json records
-    the scheme (`quantization_config`, quantize.quantization_config).
+    the scheme (`quantization_config`, quantize.quantization_config, with `quantized_from` where given).
 
     Everything is read and checked before the first file is written, and the files are written under temporary
     names and moved into place together (StagedFiles), so a save that cannot complete, or is killed, leaves the
@@ -874,7 +875,7 @@ def save_model(
     with staging(files) as staged:
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout
         staged.write(path / "config.json", lambda file: model.config.save(
-            file, dtype=dtype, quantization=quantization_config(scheme) if scheme else None))
+            file, dtype=dtype, quantization=quantization_config(scheme, quantized_from) if scheme else None))
         for fname, shard in zip(names, shards):
             def write_shard(file: Path, shard: dict[str, torch.Tensor] = shard) -> None:
                 save_file(written(shard), str(file), metadata=meta)

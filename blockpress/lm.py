@@ -1590,7 +1590,8 @@ class LM:
         except TypeError as exc:
             raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
         with staging(files) as staged:
-            save_model(self.model, path, self.passthrough, metadata=metadata, files=staged, dtype=dtype)
+            save_model(self.model, path, self.passthrough, metadata=metadata, files=staged, dtype=dtype,
+                       quantized_from=self._quantized_from())
             text = self.config.text
             gen.setdefault("bos_token_id", text.bos_token_id)
             gen.setdefault("pad_token_id", text.pad_token_id)
@@ -1609,6 +1610,23 @@ class LM:
             else:  # an earlier model's tokenizer in this folder would load with these weights
                 for name in TOKENIZER_FILES:
                     staged.remove(path / name)
+
+    def _quantized_from(self) -> str | None:
+        """The checkpoint a quantized model's codes were made from, as a LoRA run records its base (train.base_name),
+        for a save's quantization_config: the folder it was loaded from, or the one a folder saved quantized names
+        itself; None for a plain model, random weights, or weights an adapter changed."""
+        if self.quantization is None or self.path is None or self.adapter is not None:
+            return None
+        from .train import base_name
+
+        try:
+            stored = read_json_object(self.path / "config.json").get("quantization_config")
+        except (OSError, ValueError):  # the folder moved or changed since the load: nothing to say
+            return None
+        if not stored:
+            return base_name(self)
+        origin = stored.get("quantized_from") if isinstance(stored, dict) else None
+        return origin if isinstance(origin, str) else None
 
     def __repr__(self) -> str:
         return f"LM({self.config.describe()}, dtype={self.dtype}, device={self.device})"

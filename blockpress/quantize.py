@@ -452,13 +452,17 @@ def coded_tensors(model: nn.Module) -> dict[str, torch.dtype]:
     return coded
 
 
-def quantization_config(scheme: str) -> dict[str, Any]:
+def quantization_config(scheme: str, quantized_from: str | None = None) -> dict[str, Any]:
     """config.json's `quantization_config` for a model saved quantized with `scheme`: what a load needs to read the
     codes back exactly. int4's `group_size` is the largest group; a weight's own is gcd(its input size, group_size)
-    (int4_group), which its scales' shape also says."""
+    (int4_group), which its scales' shape also says. `quantized_from`: the checkpoint the codes were made from, as a
+    LoRA run records its base (train.base_name), where known: adapters trained over that base quantized alike load
+    over this folder as over their own (train.check_adapter_pairing); a load never reads it."""
     config: dict[str, Any] = {"quantizer": QUANTIZER, "format_version": QUANT_FORMAT, "scheme": check_scheme(scheme)}
     if scheme == "int4":
         config["group_size"] = INT4_GROUP
+    if quantized_from is not None:
+        config["quantized_from"] = quantized_from
     return config
 
 

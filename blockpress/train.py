@@ -571,13 +571,27 @@ def check_adapter_pairing(path: str | Path, base: str | Path) -> None:
         raise CheckpointError(f"adapter {path}: {base} is the merged checkpoint of the run that trained it, which holds "
                               f"its update already (applied again it counts twice); give --model {base} alone, or "
                               f"the adapter folder alone (--model {path}: its base with it)")
-    recorded = adapter_record(path)["base"]
+    record = adapter_record(path)
+    recorded = record["base"]
     if recorded is None:
         return
     try:
-        same = resolve_path(recorded).resolve() == base.resolve()
+        trained_on = resolve_path(recorded).resolve()
     except (FileNotFoundError, ValueError):
-        same = False
+        trained_on = None
+    same = trained_on == base.resolve()
+    if not same and trained_on is not None and record["quantize"] is not None:
+        # QLoRA adapters over a folder saved quantized from their base with their scheme: the codes they trained over
+        try:
+            stored = read_json_object(base / "config.json").get("quantization_config")
+        except (OSError, ValueError):
+            stored = None
+        if isinstance(stored, dict) and stored.get("scheme") == record["quantize"] and isinstance(
+                origin := stored.get("quantized_from"), str):
+            try:
+                same = resolve_path(origin).resolve() == trained_on
+            except (OSError, ValueError):  # (a hand-edited record: no folder, a name too long for one)
+                pass
     if not same:
         warn_user(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
                   "added to weights it was not learned on (give the adapter folder alone, --model "

@@ -6,6 +6,7 @@ import copy
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,31 @@ def test_a_qlora_run_loads_by_its_adapter_folder_quantized_as_it_trained(tmp_pat
     merged = blockpress.load(adapter, quantize="none")
     assert merged.quantization is None and not lora_layers(merged.model)
     assert torch.equal(merged.logits(prompt, canvas), blockpress.load(base, adapter=adapter).logits(prompt, canvas))
+
+
+def test_qlora_adapters_load_over_their_base_saved_quantized_without_a_warning(tmp_path):
+    """`blockpress quantize` of a QLoRA run's base with the run's scheme writes the codes the adapters trained over
+    (what quantize's refusal of an adapter folder advises: --model THAT_FOLDER --adapter ...), but the adapters over
+    it warned "applied to ..., another model; its update is added to weights it was not learned on". The folder now
+    names the checkpoint it was quantized from, kept when it is saved again; another scheme, or a folder quantized
+    from elsewhere, still warns."""
+    base, out, trained = qlora_run(tmp_path)
+    adapter = out / "adapter"
+    blockpress.load(base, quantize="int8").save(tmp_path / "q8")
+    blockpress.load(tmp_path / "q8").save(tmp_path / "copy")  # saved again as stored: the record stays
+    assert json.loads((tmp_path / "copy" / "config.json").read_text())["quantization_config"]["quantized_from"] == \
+        str(base.resolve())
+    prompt, canvas = torch.randint(0, 32, (1, 5)), torch.randint(0, 32, (1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for folder in ("q8", "copy"):
+            lm = blockpress.load(tmp_path / folder, adapter=adapter)
+            assert torch.equal(lm.logits(prompt, canvas), trained.logits(prompt, canvas))
+    blockpress.load(base, quantize="int4").save(tmp_path / "q4")
+    tiny_lm().quantize("int8").save(tmp_path / "unnamed")  # random weights: no checkpoint to name
+    for folder in ("q4", "unnamed"):
+        with pytest.warns(UserWarning, match="another model; its update is added to weights it was not learned on"):
+            blockpress.load(tmp_path / folder, adapter=adapter)
 
 
 def test_an_adapter_folder_whose_base_is_gone_or_another_is_refused_by_name(tmp_path):
