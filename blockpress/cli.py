@@ -522,11 +522,15 @@ def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, heal
         print(f"{stop_word(exc)} (--ar prints its text once it is done)", file=sys.stderr)
         return stop_status(exc)
     stats = stats_line(out, time.perf_counter() - t0)
+    answer, thought = out.texts[0], None
+    if args.chat:  # a thought the response template reads, apart from the answer, as a diffusion run gives it
+        reply = ReplyReader(lm, prompt).read(out)
+        answer, thought = reply.answer, reply.thought
     if args.json:
-        print(json.dumps(dict(text=out.texts[0], prompt=args.prompt, **stats, seed=out.extra["seeds"][0],
-                              interrupted=False)))
+        print(json.dumps(dict(text=answer, **({"reasoning": thought} if thought else {}), prompt=args.prompt,
+                              **stats, seed=out.extra["seeds"][0], interrupted=False)))
     else:
-        print(printable(shown + out.texts[0]))
+        print(printable(shown + answer))
         print_stats(stats)
     return 0
 

@@ -3552,6 +3552,22 @@ def test_generate_chat_gives_a_gemma4_thought_apart_from_the_answer(tmp_path, mo
     assert main([*flags, "--json"]) == 0
     said = json.loads(capsys.readouterr().out)
     assert said["text"] == plain and "reasoning" not in said
+    import torch
+
+    from blockpress.generate import GenerationOutput
+
+    def ar_output(self, ids, **kw):  # --ar decodes with generate_ar: its output, the reply's tokens
+        new = tok.encode(reply) + [tok.eos_id]
+        return GenerationOutput(
+            sequences=torch.tensor([ids + new]), prompt_length=len(ids), texts=[tok.decode(new)],
+            tokens_per_forward=torch.ones(1), forward_passes=torch.tensor([len(new)]),
+            num_new_tokens=torch.tensor([len(new)]), steps_per_canvas=torch.ones(1, 1, dtype=torch.long),
+            extra={"seeds": [0]})
+    monkeypatch.setattr(blockpress.lm.LM, "generate_ar", ar_output)
+    at = flags.index("--steps")
+    assert main([*flags[:at], *flags[at + 2:], "--ar", "--json"]) == 0  # (--ar takes no --steps)
+    said = json.loads(capsys.readouterr().out)
+    assert (said["text"], said["reasoning"]) == ("Hello there.", "Let me think.")
 
 
 def test_chat_template_kwargs_reach_the_template_of_chat_and_generate_chat(tmp_path, monkeypatch, capsys):
