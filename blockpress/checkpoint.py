@@ -661,8 +661,8 @@ def plan_model(
     saved = stored_quantization(config.extra.get("quantization_config"), path)
     if saved is not None and quantize is not None and quantize != saved:
         raise ValueError(f"quantize: {quantize!r} asked for, but {path} is stored quantized with {saved} (its codes, "
-                         f"not the unquantized weights): load it as saved (quantize={saved!r}, or none given), or "
-                         f"quantize the unquantized checkpoint with {quantize!r}")
+                         f"not the unquantized weights): load it as saved (quantize={saved!r}, or none given; "
+                         f"--quantize {saved}), or quantize the unquantized checkpoint with {quantize!r}")
     dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     try:
