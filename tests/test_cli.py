@@ -3679,6 +3679,32 @@ def test_quantize_random_weights_and_overwrite(scheme, tmp_path, capsys):
     assert blockpress.load(out).quantization == other and (out / "notes.txt").read_text() == "mine"
 
 
+def test_quantize_onto_a_full_disk_says_so_and_leaves_the_folder_as_it_was(tmp_path, monkeypatch, capsys):
+    """A disk that filled while the safetensors were written ended quantize (and any save) in a traceback:
+    safetensors' SafetensorError ('I/O error: No space left on device') is not an OSError. Now it is one, naming the
+    file, said in one line; the checkpoint written over is left whole."""
+    from safetensors import SafetensorError
+
+    from blockpress import checkpoint
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", "random-tiny", "--quantize", "int8", "--device", "cpu", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:  # part of it written, as a disk that fills does
+            f.write(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    assert main(["quantize", "--model", "random-tiny", "--quantize", "int4", "--overwrite", "--device", "cpu",
+                 str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"blockpress quantize: error: OUT {out}: cannot write it ({out / 'model.safetensors'}: I/O error: "
+                   "No space left on device (os error 28))\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_quantize_in_bfloat16_has_no_note_of_slow_matmuls(tmp_path, monkeypatch, capsys):
     """The note that a CPU without native bf16 runs bf16 matmuls emulated is for the commands that run the model:
     quantize runs none, and said it on every --dtype bfloat16 there (the CPU is stood in for)."""
