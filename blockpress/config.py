@@ -600,9 +600,11 @@ class ModelConfig:
         # transformers >= 5.15 stores the full layers' shape as per_layer_config alone (and reads it first); the
         # published checkpoint, and readers written for it (transformers 5.8, converters), as these two keys: both
         # are written, agreeing (with per_layer_config alone, such a reader took its defaults for the full layers).
-        text.pop("global_head_dim")
-        text.pop("num_global_key_value_heads")
-        text.update(self.text.global_shape())
+        if self.text.per_layer_config is not None:  # (None, set back after construction: the two keys stay, for
+            # from_dict to draw it from them again)
+            text.pop("global_head_dim")
+            text.pop("num_global_key_value_heads")
+            text.update(self.text.global_shape())
         text["model_type"] = "diffusion_gemma_text"
         out = dict(self.extra)
         out.update(

@@ -1731,3 +1731,17 @@ def test_a_saved_config_gives_the_full_layers_shape_as_the_published_one_does(te
         head_dim = layer.self_attn.q_proj.weight.shape[0] // saved["num_attention_heads"]
         shapes.append((head_dim, layer.self_attn.k_proj.weight.shape[0] // head_dim))
     assert shapes == [(s.head_dim, s.num_kv_heads) for s in cfg.text.layers]
+
+
+def test_a_config_whose_per_layer_config_was_set_back_to_none_writes_the_keys_to_draw_it_from():
+    """A config edited after construction (layers changed, per_layer_config set back to None so that a new one draws
+    it, as tests/test_sudoku_model.py builds its tiny model) failed in to_dict, which read the full layers' shape off
+    per_layer_config to write global_head_dim beside it: the two keys it was drawn from are written as they are."""
+    cfg = blockpress.ModelConfig.tiny()
+    cfg.text.global_head_dim, cfg.text.num_global_key_value_heads = 24, 1
+    cfg.text.num_hidden_layers, cfg.text.layer_types = 2, ["sliding_attention", "full_attention"]
+    cfg.text.per_layer_config = None
+    again = blockpress.ModelConfig.from_dict(cfg.to_dict())
+    full = again.text.per_layer_config["1"]
+    assert full["head_dim"] == 24 and full.get("num_key_value_heads") == 1
+    assert again.text.resolved_layer_types == ["sliding_attention", "full_attention"]
