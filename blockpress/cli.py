@@ -241,6 +241,12 @@ def check_cuda_graphs(args: argparse.Namespace) -> None:
 DEVICE_HELP = "torch device: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N or mps"
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """--threads, for the commands that run a model (run_command sets torch's threads from it)."""
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
+
+
 def add_model_args(p: argparse.ArgumentParser, device_help: str = DEVICE_HELP + " (default: auto)",
                    runs: bool = True) -> None:
     """--model and how it loads. `runs=False` (info, which counts a model and runs nothing): no flag that only
@@ -256,8 +262,7 @@ def add_model_args(p: argparse.ArgumentParser, device_help: str = DEVICE_HELP + 
                         "without native half-precision matmuls)")
     p.add_argument("--device", default="auto", help=device_help)
     if runs:
-        p.add_argument("--threads", type=int, default=0,
-                       help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
+        add_threads_arg(p)
     add_load_args(p, runs)
 
 
@@ -733,10 +738,10 @@ class ReplyReader:
     prefix: str = dataclasses.field(init=False)  # the prompt's text, its special tokens kept
 
     def __post_init__(self) -> None:
-        from blockpress.response import compile_template
+        from blockpress.response import compile_template, reads_thoughts
 
         spec = self.lm.tokenizer.reply_template
-        thoughts = spec is not None and "reasoning_content" in spec.get("fields", {})
+        thoughts = reads_thoughts(spec)
         self.template = compile_template(spec) if thoughts else None
         self.prefix = self.lm.tokenizer.decode(self.prompt, skip_special_tokens=False) if thoughts else ""
 
@@ -786,7 +791,7 @@ class ReplyReader:
         except ValueError:
             return ""  # the rest is printed whole when the reply is done
         thought = partial.settled_text("reasoning_content")
-        seen = bool(thought) or partial.open == "reasoning_content" or "reasoning_content" in partial.closed
+        seen = bool(thought) or partial.began("reasoning_content")
         answer = partial.settled_text("content")
         if not seen:  # the answer may yet be the plain text
             answer = os.path.commonprefix([settled.rstrip("\ufffd"), answer])
@@ -2237,8 +2242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
+    add_threads_arg(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer state, "
                    "step) with its saved settings; flags given now override them (--steps: the new end of the "
@@ -2432,8 +2436,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "router) are written in (default: the checkpoint's)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto): where the weights are "
                                                                   "quantized")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for torch (default: 0, torch's choice; 1 can be faster on a busy machine)")
+    add_threads_arg(p)
     p.add_argument("--overwrite", action="store_true",
                    help="write over the checkpoint OUT holds (its weights, config and tokenizer files replaced "
                         "together once all are written; other files left as they are); without it a folder that "

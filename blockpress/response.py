@@ -163,6 +163,12 @@ def builtin_response_template(is_special: Callable[[str], bool]) -> dict[str, An
     return gemma4_response_template() if all(is_special(marker) for marker in GEMMA4_MARKERS) else None
 
 
+def reads_thoughts(spec: Mapping[str, Any] | None) -> bool:
+    """Whether a response template (spec) has a `reasoning_content` field: replies read with it give their thought
+    apart from the answer (the server's reasoning_content, the chat command's dimmed thought)."""
+    return spec is not None and "reasoning_content" in spec.get("fields", {})
+
+
 def reasoning_markers(spec: Mapping[str, Any] | None) -> tuple[str, str] | None:
     """The literal texts a response template's `reasoning_content` field opens and closes with (the first of each
     list: what the model writes), e.g. Gemma 4's ("<|channel>thought\n", "<channel|>"); None where the template has
@@ -549,6 +555,10 @@ class PartialMessage:
     closed: dict[str, Any]  # the values of the regions it has closed, gathered as parse_response gathers them
     open: str | None  # the field whose region it ends in (None: none, or the implicit one with no text yet)
     text: str  # that region's text so far, short of a tail where a marker may yet begin
+
+    def began(self, name: str) -> bool:
+        """Whether the reply has opened field `name`'s region: it is open now, or one of its regions closed."""
+        return self.open == name or name in self.closed
 
     def settled_text(self, name: str) -> str:
         """The start of text field `name`'s value that more text cannot change while its region stays the last

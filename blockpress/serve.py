@@ -117,7 +117,14 @@ from .generate import (
 from .healing import heal, heal_into_template, strip_prefix
 from .lm import LM
 from .prefix import PrefixCache
-from .response import PartialMessage, PatternBudget, compile_template, parse_partial, parse_response
+from .response import (
+    PartialMessage,
+    PatternBudget,
+    compile_template,
+    parse_partial,
+    parse_response,
+    reads_thoughts,
+)
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
 from .tokenizer import MessageError, chat_message, template_variables
 
@@ -1119,12 +1126,12 @@ class ToolStream:
         except ValueError:
             self.unread = True
             return []
-        if not reply.calls_wanted and (partial.open == "tool_calls" or "tool_calls" in partial.closed):
+        if not reply.calls_wanted and partial.began("tool_calls"):
             self.unread = True  # a call where the request offers no tools: the answer is text (Reply.tool_message)
             return []
         deltas: list[dict[str, Any]] = []
         reasoning = partial.settled_text("reasoning_content")
-        thought = bool(reasoning) or partial.open == "reasoning_content" or "reasoning_content" in partial.closed
+        thought = bool(reasoning) or partial.began("reasoning_content")
         if len(reasoning) > len(self.reasoning) and reasoning.startswith(self.reasoning):
             deltas.append({"reasoning_content": reasoning[len(self.reasoning):]})
             self.reasoning = reasoning
@@ -1690,7 +1697,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
         # read for its calls where the request offers tools; for its thought alone where it does not (or asks for no
         # call), as transformers' server and vLLM's reasoning parsers read every reply: a thought was the content's
         # start, glued to the answer ("thought\nHmm.The answer")
-        if spec is not None and (calls or "reasoning_content" in spec.get("fields", {})):
+        if spec is not None and (calls or reads_thoughts(spec)):
             # the prompt as the template reads it: its anchor marks where the reply's turn began
             template = compile_template(spec)
             # One PatternBudget for every read of the request's replies (each stream reads its reply again at each
