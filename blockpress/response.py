@@ -16,12 +16,13 @@ XML or key-value lines, and optionally reshaped by a transform. For example (Gem
 The field with no opening marker collects the text outside every other region (here the reply's content). Parsing
 gives the same message as transformers' `parse_response` for the same template, prompt and reply. A reply still
 being written is read by the same scan (`parse_partial`): what it has settled so far, the regions it has closed and
-the open region's text short of a tail where a marker may yet begin, as transformers' stream parser holds it back.
+the open region's text short of a tail where a marker may yet begin, as transformers' stream parser holds it back;
+a stream reads it chunk after chunk with a PartialReader, which reads on from where its last read stopped.
 Patterns are compiled as transformers compiles them, with the `regex` module (its default syntax is Python `re`'s,
 and it also knows `\\p{...}` classes). They are the checkpoint maker's, and one with nested repeats (`(a|a)*`,
 `(\\w|\\w\\w)+`) backtracks for hours on a reply of 40 characters that almost matches it: one read of a reply may
-spend RESPONSE_PATTERN_SECONDS in them, and all the reads of one reply together (a stream's parse_partial at each
-chunk and its last parse_response) RESPONSE_PATTERN_TOTAL_SECONDS, past which it is refused (PatternTooCostly).
+spend RESPONSE_PATTERN_SECONDS in them, and all the reads of one reply together (a stream's read at each chunk and
+its last parse_response) RESPONSE_PATTERN_TOTAL_SECONDS, past which it is refused (PatternTooCostly).
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ STASH_OPEN, STASH_CLOSE = "\x01", "\x02"
 # What the template's patterns may take: one read of a reply (a parse_response, or a stream's parse_partial of the
 # reply so far), and all the reads of one reply together (PatternBudget). A real template's patterns read a reply in
 # milliseconds: streamed in chunks of 8 characters, a reply of 16,000 took 0.03 s of Gemma 4's in all and 0.17 s of
-# Qwen 3.5's, growing with its length squared (each chunk reads the reply again), so the total allows a reply 7 times
-# that long. The server reads replies on its event loop: these are also the longest it stops answering for them.
+# Qwen 3.5's when each chunk read the reply again, growing with its length squared, so the total allows a reply 7
+# times that long read so; a PartialReader of a template whose markers settle (Gemma 4's) searches each chunk's
+# text once. The server reads replies on its event loop: these are also the longest it stops answering for them.
 RESPONSE_PATTERN_SECONDS = 1.0
 RESPONSE_PATTERN_TOTAL_SECONDS = 10.0
 T = TypeVar("T")
@@ -71,7 +73,7 @@ class PatternTooCostly(ValueError):
 @dataclass
 class PatternBudget:
     """The time the template's patterns may take reading one reply: `seconds` a read, `total` all its reads
-    together. A stream gives its parse_partial calls and its last parse_response one budget. Each search gets what
+    together. A stream gives its reads (a PartialReader's) and its last parse_response one budget. Each search gets what
     is left as the `regex` module's timeout, which counts the process's CPU time, and spends the clock's time it
     took (on a loaded machine, more: the next search then finds less left). A read that runs out is refused
     (PatternTooCostly), and so is every later read of the reply, at once and with the same words (a pattern that
@@ -199,6 +201,10 @@ class Field:
     optional: bool
     transform: Any
     transform_each: bool
+    # The non-empty literal texts each marker's matches start with (its texts, or a pattern's _pattern_heads), read
+    # once here: a growing reply's tail that may begin one is held back (_pending)
+    open_heads: tuple[str, ...] = ()
+    close_heads: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,9 @@ class ResponseTemplate:
     fields: dict[str, Field]
     implicit: str | None
     defaults: dict[str, Any]
+    # Every region marker is literal text or a pattern whose match more text cannot change (_settles): a growing
+    # reply's read (PartialReader) then goes on from where the last one stopped instead of reading it all again.
+    resumable: bool = False
 
 
 def compile_template(spec: Any) -> ResponseTemplate:
@@ -235,7 +244,9 @@ def compile_template(spec: Any) -> ResponseTemplate:
     if anchor is None:
         raise ValueError("response_template: needs start_anchor (text) or start_anchor_pattern (a regex): where the "
                          "assistant's message starts in the prompt")
-    return ResponseTemplate(anchor, fields, implicit[0] if implicit else None, copy.deepcopy(defaults))
+    resumable = all(marker is None or isinstance(marker, re.Pattern) or _settles(marker.pattern)
+                    for f in fields.values() for marker in (f.open, f.close))
+    return ResponseTemplate(anchor, fields, implicit[0] if implicit else None, copy.deepcopy(defaults), resumable)
 
 
 def _compile_field(name: str, raw: Any) -> Field:
@@ -269,8 +280,17 @@ def _compile_field(name: str, raw: Any) -> Field:
                              "transform (e.g. {\"name\": \"{name}\", \"arguments\": \"{content}\"}) or drop the names")
     else:
         _check_transform(transform, f"{where}.transform")
-    return Field(name, opener, closer, _marker_texts(raw, "open"), _marker_texts(raw, "close"), content, args,
-                 bool(repeats), join, bool(raw.get("optional", True)), transform, each)
+    open_texts, close_texts = _marker_texts(raw, "open"), _marker_texts(raw, "close")
+    return Field(name, opener, closer, open_texts, close_texts, content, args,
+                 bool(repeats), join, bool(raw.get("optional", True)), transform, each,
+                 _heads(opener, open_texts), _heads(closer, close_texts))
+
+
+def _heads(marker: Marker | None, texts: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The non-empty literal texts a marker's matches start with: its texts, or its pattern's _pattern_heads."""
+    if marker is None:
+        return ()
+    return tuple(head for head in (texts or _pattern_heads(marker.pattern)) if head)
 
 
 def _marker_texts(spec: Mapping[str, Any], literal: str) -> tuple[str, ...] | None:
@@ -536,7 +556,7 @@ def parse_response(template: ResponseTemplate, text: str, prefix: str = "", tool
     time the template's patterns may take (a new PatternBudget where None; a stream's reads share one), past which
     PatternTooCostly. `keep_empty`: keep the fields whose regions the reply has but left empty (an empty thought,
     <|channel>thought\n<channel|>), which transformers' message leaves out, as this does by default."""
-    message, _, _ = _scan(template, text, prefix, tools, ended=True, budget=budget or PatternBudget())
+    message, _, _ = _read(template, text, prefix, tools, ended=True, budget=budget or PatternBudget())
     fields = template.fields
     if missing := [name for name, f in fields.items() if not f.optional and name not in message]:
         raise ValueError(f"the reply has no {missing} (fields the response_template marks optional: false)")
@@ -580,8 +600,55 @@ def parse_partial(template: ResponseTemplate, text: str, prefix: str = "", tools
     marker that more text could lengthen). `prefix`, `tools` and `budget` as for parse_response, whose scan this
     is: the whole reply's message holds these values. A stream reads its reply again at each chunk: give every read
     of one reply the same budget, so that their time together is bounded."""
-    message, current, body = _scan(template, text, prefix, tools, ended=False, budget=budget or PatternBudget())
+    message, current, body = _read(template, text, prefix, tools, ended=False, budget=budget or PatternBudget())
     return PartialMessage(template, message, current, body)
+
+
+class PartialReader:
+    """parse_partial of one growing reply, read after read, at a cost that grows with the text each read adds
+    rather than with all of it: a stream's reads of a reply of N characters take about O(N) together, where
+    reading it whole at every chunk took O(N^2) (each read searched the reply from its start). Each read gives the
+    PartialMessage that parse_partial gives for the same text. What a read settles (the regions it has closed, the
+    open region's text short of a marker's possible start) is what every longer reply settles (parse_partial's
+    premise); the next read goes on from there, its searches from where the last one held back. It does so only
+    for a template whose markers are literal texts or patterns that match the same once found (_settles: Gemma 4's
+    built-in one); any other's reply is read whole at each read, as parse_partial reads it. A read whose text does
+    not continue the last one's is read from the start. A read that fails (ValueError: a region that cannot be
+    read, PatternTooCostly) fails again for every later, longer text, with the same words."""
+
+    def __init__(self, template: ResponseTemplate, prefix: str = "", tools: Any = None,
+                 budget: PatternBudget | None = None) -> None:
+        self.template, self.prefix, self.tools = template, prefix, tools
+        self.budget = budget or PatternBudget()
+        self.params = tool_parameters(tools)
+        self.start: str | None = None  # the prompt's part the reply goes on (_reply_start), once read
+        self.text = ""  # the text of the last read
+        self.state: _Scan | None = None  # where the last read stopped: None, read from the start
+        self.failed: ValueError | None = None
+
+    def read(self, text: str) -> PartialMessage:
+        """What the reply's start `text` settles (parse_partial(template, text, prefix, tools, budget))."""
+        if not isinstance(text, str):
+            raise ValueError(f"text: expected a str, got {type(text).__name__}")
+        if not (self.template.resumable and self.state is not None and text.startswith(self.text)):
+            self.state, self.failed = None, None
+        if self.failed is not None:
+            raise self.failed
+        self.budget.begin_read()
+        if self.start is None:
+            self.start = _reply_start(self.template, self.prefix, self.budget)
+        if self.state is None:
+            self.state = _Scan(copy.deepcopy(self.template.defaults), self.template.implicit, {})
+        self.text = text
+        try:
+            message, current, body = _scan(self.template, self.start + text, self.params, False, self.budget,
+                                           self.state)
+        except ValueError as exc:
+            self.failed = exc
+            raise
+        # (a copy: the next read adds to the reader's own lists; the values in them are not changed after)
+        closed = {key: list(value) if isinstance(value, list) else value for key, value in message.items()}
+        return PartialMessage(self.template, closed, current, body)
 
 
 def _literal_heads(items: Any) -> list[str]:
@@ -611,16 +678,87 @@ def _pattern_heads(pattern: str) -> list[str]:
         return []
 
 
-def _pending(buffer: str, pos: int, pattern: Marker, texts: tuple[str, ...] | None,
+# What one character of text may be, as the stdlib's parser writes it (a class's categories: as `regex` reads them).
+ONE_CHARACTER = (sre_constants.LITERAL, sre_constants.NOT_LITERAL, sre_constants.ANY, sre_constants.IN)
+CATEGORIES = {sre_constants.CATEGORY_DIGIT: r"\d", sre_constants.CATEGORY_NOT_DIGIT: r"\D",
+              sre_constants.CATEGORY_SPACE: r"\s", sre_constants.CATEGORY_NOT_SPACE: r"\S",
+              sre_constants.CATEGORY_WORD: r"\w", sre_constants.CATEGORY_NOT_WORD: r"\W"}
+
+
+def _takes(op: Any, arg: Any, char: str) -> bool | None:
+    """Whether the one-character item (op, arg) matches `char`; None where this cannot tell."""
+    if op is sre_constants.LITERAL:
+        return arg == ord(char)
+    if op is sre_constants.NOT_LITERAL:
+        return arg != ord(char)
+    if op is sre_constants.ANY:  # (the markers are compiled DOTALL)
+        return True
+    negate, hit = False, False
+    for item_op, item_arg in arg:
+        if item_op is sre_constants.NEGATE:
+            negate = True
+        elif item_op is sre_constants.LITERAL:
+            hit = hit or item_arg == ord(char)
+        elif item_op is sre_constants.RANGE:
+            hit = hit or item_arg[0] <= ord(char) <= item_arg[1]
+        elif item_op is sre_constants.CATEGORY and item_arg in CATEGORIES:
+            hit = hit or regex.fullmatch(CATEGORIES[item_arg], char) is not None
+        else:
+            return None
+    return hit != negate
+
+
+def _settles(pattern: str) -> bool:
+    """Whether a marker pattern's match, once found short of the text's end, is the one any longer text gives,
+    and whether the marker's every match starts with its literal head: a literal start, then literal or
+    one-character items and greedy repeats of one character that end the pattern or are followed by a literal the
+    repeat cannot take (Gemma 4's <\\|tool_call>call:(?P<name>\\w+)). The regex engine then never chooses between
+    ways to match, so what it matched depends on no text after the match's end but the character that ended a
+    repeat; a text's end that falls inside a match, or inside the literal head, is held back (_pending). Anything
+    else (alternatives, lookarounds, anchors, lazy repeats, inline flags, a pattern the stdlib cannot parse) is
+    read whole again at every chunk, as it may match differently once more text comes."""
+    try:
+        parsed = sre_parser.parse(pattern, re.DOTALL)
+    except re.error:
+        return False
+    if parsed.state.flags & ~(re.DOTALL | re.UNICODE):
+        return False
+    items: list[tuple[Any, Any]] = []
+
+    def flatten(sub: Any) -> bool:
+        for op, arg in sub:
+            if op is sre_constants.SUBPATTERN:
+                if arg[1] or arg[2] or not flatten(arg[3]):  # (a group's own flags)
+                    return False
+            else:
+                items.append((op, arg))
+        return True
+
+    if not flatten(parsed) or not items or items[0][0] is not sre_constants.LITERAL:
+        return False
+    for k, (op, arg) in enumerate(items):
+        if op in ONE_CHARACTER:
+            continue
+        if op is not sre_constants.MAX_REPEAT or len(arg[2]) != 1 or arg[2][0][0] not in ONE_CHARACTER:
+            return False
+        if k + 1 < len(items):
+            after_op, after = items[k + 1]
+            repeated_op, repeated = arg[2][0]
+            if after_op is not sre_constants.LITERAL or _takes(repeated_op, repeated, chr(after)) is not False:
+                return False
+    return True
+
+
+def _pending(buffer: str, pos: int, texts: tuple[str, ...] | None, heads: tuple[str, ...],
              match: re.Match[str] | regex.Match[str] | None) -> int:
     """Where a growing reply's text (read from `pos`) may hold a marker that more text would complete or change,
     len(buffer) where nowhere: a complete `match` that ends at the text's end and could still grow, a tail that is
-    a proper prefix of the marker's text, or (a pattern's) text that starts as its matches start."""
+    a proper prefix of the marker's text, or (a pattern's) text that starts as its matches start (`heads`:
+    Field.open_heads or close_heads)."""
     if match is not None and match.end() == len(buffer) and (
             match.start() == match.end() or texts is None
             or any(len(t) > match.end() - match.start() and t.startswith(match.group()) for t in texts)):
         return match.start()
-    heads = [h for h in (texts or _pattern_heads(pattern.pattern)) if h]
     found = len(buffer)
     for head in heads:
         if texts is None:  # a pattern: what follows its literal start may yet make a match there
@@ -634,31 +772,37 @@ def _pending(buffer: str, pos: int, pattern: Marker, texts: tuple[str, ...] | No
     return found
 
 
-def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended: bool,
-          budget: PatternBudget) -> tuple[dict[str, Any], str | None, str]:
-    """Read a reply into (the values of the regions it closes, the region open at its end, that region's text).
-    `ended`: the reply is whole, so its end closes the last region; else markers the text's end may still be
-    part of wait for more text, and the text before them is the open region's. Every search of the template's
-    patterns spends `budget`."""
-    if not isinstance(text, str) or not isinstance(prefix, str):
-        bad, value = ("text", text) if not isinstance(text, str) else ("prefix", prefix)
-        raise ValueError(f"{bad}: expected a str, got {type(value).__name__}")
-    budget.begin_read()
-    ends = [m.end() for m in budget.finditer("response_template.start_anchor", template.start_anchor, prefix)]
-    buffer = (prefix[ends[-1]:] if ends else prefix) + text
-    params = tool_parameters(tools)
-    message = copy.deepcopy(template.defaults)
-    fields = template.fields
-    captures: dict[str, str] = {}
-    current, body, opened = template.implicit, "", False
+@dataclass
+class _Scan:
+    """Where a read of a reply stands between its rounds (_scan): the values of the regions it has closed, the
+    region it is in (its field, its opening marker's captures, its text so far, whether it has begun) and where the
+    next round starts. `resume`: where that round's searches may start (>= pos), as the reply's text before it
+    holds no marker nor a marker's possible start (see PartialReader)."""
+
+    message: dict[str, Any]
+    current: str | None
+    captures: dict[str, str]
+    body: str = ""
+    opened: bool = False
+    pos: int = 0
+    resume: int = 0
+
+
+def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, Any]], ended: bool,
+          budget: PatternBudget, state: _Scan) -> tuple[dict[str, Any], str | None, str]:
+    """Read a reply (`buffer`: the prompt's part after its last start anchor, then the reply) from `state` into
+    (the values of the regions it closes, the region open at its end, that region's text), and leave `state` at
+    the start of its last round. `ended`: the reply is whole, so its end closes the last region; else markers the
+    text's end may still be part of wait for more text, and the text before them is the open region's. `params`:
+    the tools' parameters (tool_parameters). Every search of the template's patterns spends `budget`."""
+    message, fields = state.message, template.fields
 
     def close() -> None:
         """End the current region: its value goes into the message (when it got any text or was opened by a
         marker); the implicit region is current again."""
-        nonlocal current, captures, body, opened
-        if current is not None and opened:
-            field = fields[current]
-            value = _field_value(body, field, captures, budget)
+        if state.current is not None and state.opened:
+            field = fields[state.current]
+            value = _field_value(state.body, field, state.captures, budget)
             if params:
                 value = _type_arguments(value, params)
             if field.join is not None:
@@ -670,26 +814,27 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended:
                 message.setdefault(field.name, []).append(value)
             else:
                 message[field.name] = value
-        current, captures, body, opened = template.implicit, {}, "", False
+        state.current, state.captures, state.body, state.opened = template.implicit, {}, "", False
 
-    pos = 0
     # Every round moves past text or changes region; patterns that match empty text at one place could go round
     # forever, so the rounds are bounded.
     for _ in range(4 * len(buffer) + 8):
+        pos, current = state.pos, state.current
+        start = max(pos, state.resume)  # (no marker, nor a marker's start, before it)
         # (kind, field, its marker's pattern and texts) of each marker that could come next
-        watch: list[tuple[str, Field, Marker, tuple[str, ...] | None]] = []
+        watch: list[tuple[str, Field, Marker, tuple[str, ...] | None, tuple[str, ...]]] = []
         if current is None or current == template.implicit:  # else inside a marked region: only its end counts
-            watch = [("open", f, f.open, f.open_texts) for f in fields.values() if f.open is not None]
+            watch = [("open", f, f.open, f.open_texts, f.open_heads) for f in fields.values() if f.open is not None]
         if current is not None and (end := fields[current].close) is not None:
-            watch.append(("close", fields[current], end, fields[current].close_texts))
+            watch.append(("close", fields[current], end, fields[current].close_texts, fields[current].close_heads))
         best: tuple[str, Field, re.Match[str] | regex.Match[str]] | None = None
         best_key: tuple[int, int, bool, str] | None = None
         hold = len(buffer)
-        for kind, field, pattern, texts in watch:
+        for kind, field, pattern, texts, heads in watch:
             where = f"response_template.fields.{field.name}.{kind}" + ("" if texts else "_pattern")
-            match = budget.search(where, pattern, buffer, pos)
+            match = budget.search(where, pattern, buffer, start)
             if not ended:
-                pending = _pending(buffer, pos, pattern, texts, match)
+                pending = _pending(buffer, start, texts, heads, match)
                 hold = min(hold, pending)
                 if match is not None and match.start() >= pending:  # not a marker yet: more text may change it
                     continue
@@ -702,22 +847,25 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended:
         if best is not None and best[2].start() >= hold:  # a marker that may still begin earlier goes first
             best = None
         if best is None:  # no marker left: the rest is the current region's, and the reply's end ends it
+            body, opened = state.body, state.opened
             if pos < hold and current is not None:
                 body, opened = body + buffer[pos:hold], True
             if not ended:
+                state.resume = hold
                 return message, current if opened else None, body
+            state.body, state.opened = body, opened
             close()
             break
         kind, field, match = best
         if match.start() > pos and current is not None:
-            body, opened = body + buffer[pos:match.start()], True
-        pos = match.end()
+            state.body, state.opened = state.body + buffer[pos:match.start()], True
+        state.pos = match.end()
         if kind == "open":
             close()
-            current, body, opened = field.name, "", True
-            captures = {k: v for k, v in match.groupdict().items() if v is not None}
+            state.current, state.body, state.opened = field.name, "", True
+            state.captures = {k: v for k, v in match.groupdict().items() if v is not None}
         else:
-            was_open = opened
+            was_open = state.opened
             close()
             if not was_open and match.start() == match.end():  # an empty closing of an empty region: nothing left
                 if not ended:
@@ -727,3 +875,22 @@ def _scan(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended:
         raise ValueError("response_template: its patterns match empty text at one place over and over; give the "
                          "markers some text to match")
     return message, None, ""
+
+
+def _reply_start(template: ResponseTemplate, prefix: str, budget: PatternBudget) -> str:
+    """The prompt's part that the reply goes on: after its last start anchor (all of it where it has none)."""
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix: expected a str, got {type(prefix).__name__}")
+    ends = [m.end() for m in budget.finditer("response_template.start_anchor", template.start_anchor, prefix)]
+    return prefix[ends[-1]:] if ends else prefix
+
+
+def _read(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended: bool,
+          budget: PatternBudget) -> tuple[dict[str, Any], str | None, str]:
+    """_scan of a whole reply, or of a reply's start, from its beginning."""
+    if not isinstance(text, str):
+        raise ValueError(f"text: expected a str, got {type(text).__name__}")
+    budget.begin_read()
+    state = _Scan(copy.deepcopy(template.defaults), template.implicit, {})
+    return _scan(template, _reply_start(template, prefix, budget) + text, tool_parameters(tools), ended, budget,
+                 state)

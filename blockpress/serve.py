@@ -54,7 +54,7 @@ the checkpoint's tokenizer_config.json has a `response_template` (transformers 5
 tokenizer has Gemma 4's markers as special tokens (a built-in template then: Tokenizer.reply_template), a reply
 to a request with tools is read with it, and the calls it holds come back as OpenAI's `message.tool_calls` (arguments
 as JSON text) with finish_reason "tool_calls", the rest as the content; streamed, the content goes out as the reply
-settles it (response.parse_partial: short of a tail that may begin a call's marker) and each call as one
+settles it (response.PartialReader: short of a tail that may begin a call's marker) and each call as one
 `delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A thought
 the template marks is `reasoning_content` (streamed as it is written), call or no call. A reply that holds neither a call nor
 a thought, or one the template cannot read, is text as before, and without a response template every reply is
@@ -118,10 +118,9 @@ from .healing import heal, heal_into_template, strip_prefix
 from .lm import LM
 from .prefix import PrefixCache
 from .response import (
-    PartialMessage,
+    PartialReader,
     PatternBudget,
     compile_template,
-    parse_partial,
     parse_response,
     reads_thoughts,
 )
@@ -1018,9 +1017,10 @@ class Reply:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # A chat reply's reader for tool calls (response.py's parse_response with the checkpoint's response template, the
     # prompt and the tools), when the request has tools and the checkpoint a response template; its jobs keep
-    # special tokens (Job.keep_special). `parse_partial`: the same reader for the reply so far, when streamed.
+    # special tokens (Job.keep_special). `read_partial`: a new reader of the same template for a streamed reply so
+    # far, chunk after chunk (response.PartialReader, one a choice).
     parse: Callable[[str], dict] | None = None
-    parse_partial: Callable[[str], PartialMessage] | None = None
+    read_partial: Callable[[], PartialReader] | None = None
     # OpenAI's parallel_tool_calls false: at most one call per reply. A model writes what it writes, so the reply
     # keeps its first call and drops the rest (as vLLM does); the calls it keeps are answered in the next turn.
     one_call: bool = False
@@ -1113,16 +1113,19 @@ class ToolStream:
     reasoning: str = ""
     calls: list[dict] = field(default_factory=list)
     unread: bool = False  # the template cannot read the reply so far (a malformed call): the answer is text
+    reader: PartialReader | None = None  # the reply's (Reply.read_partial), made at its first chunk
 
     def settle(self, reply: Reply, item: JobText, stops: Sequence[str]) -> list[dict]:
         """The deltas that the reply so far settles and that have not been sent."""
-        if reply.parse_partial is None:
-            raise ValueError("settle: the reply has no parse_partial to read it with (a reply read for tool calls "
-                             "has parse and parse_partial both)")
+        if reply.read_partial is None:
+            raise ValueError("settle: the reply has no read_partial to read it with (a reply read for tool calls "
+                             "has parse and read_partial both)")
         if self.unread or item.raw is None:
             return []
+        if self.reader is None:
+            self.reader = reply.read_partial()
         try:  # (a stop string cuts the answer: only text before every one that may be starting is settled)
-            partial = reply.parse_partial(settled_text(cut_at_stop(item.raw, stops), stops))
+            partial = self.reader.read(settled_text(cut_at_stop(item.raw, stops), stops))
         except ValueError:
             self.unread = True
             return []
@@ -1137,7 +1140,7 @@ class ToolStream:
             self.reasoning = reasoning
         content = partial.settled_text("content")
         if not thought:  # the answer may yet be the plain text
-            content = os.path.commonprefix([settled_text(item.text, stops), content])
+            content = common_prefix(settled_text(item.text, stops), content, self.content)
         if len(content) > len(self.content) and content.startswith(self.content):
             deltas.append({"content": content[len(self.content):]})
             self.content = content
@@ -1170,6 +1173,18 @@ class ToolStream:
         for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
             deltas.append({"tool_calls": [{"index": k, **call}]})
         return deltas, called["finish_reason"] if called is not None else done.finish
+
+
+def common_prefix(a: str, b: str, known: str) -> str:
+    """os.path.commonprefix([a, b]), compared from the end of `known` where both start with it (what a stream has
+    sent of them): a stream's comparisons of its growing texts then take time in the text each chunk adds, where
+    comparing them whole at each chunk (a character a step, in Python) took time in the reply's length squared."""
+    if not (a.startswith(known) and b.startswith(known)):
+        return os.path.commonprefix([a, b])
+    end = len(known)
+    while end < len(a) and end < len(b) and a[end] == b[end]:
+        end += 1
+    return a[:end]
 
 
 def field_path(loc: Sequence[str | int]) -> str:
@@ -1706,10 +1721,10 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
             read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools,
                     "budget": PatternBudget()}
             parse = functools.partial(parse_response, template, keep_empty=True, **read)
-            partial = functools.partial(parse_partial, template, **read)
+            partial = functools.partial(PartialReader, template, **read)
             for job in jobs:
                 job.keep_special = True
-        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, parse_partial=partial,
+        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, read_partial=partial,
                       one_call=body.parallel_tool_calls is False, calls_wanted=calls)
         return await respond(engine, reply, body, request)
 

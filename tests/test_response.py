@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from blockpress.response import (
     GEMMA4_MARKERS,
+    PartialReader,
     PatternBudget,
     PatternTooCostly,
     compile_template,
@@ -175,6 +176,45 @@ def test_a_growing_reply_settles_what_transformers_stream_parser_settles(templat
     if name == "qwen" and ours is not ValueError and theirs is not ValueError:
         ours, theirs = (ours[0], ours[1].rstrip()), (theirs[0], theirs[1].rstrip())
     assert ours == theirs
+
+
+# Qwen 3.5's, with markers that settle once found (response._settles: a literal start, repeats followed by a
+# literal they cannot take), so that its growing replies are read on from where the last read stopped.
+QWEN_SETTLING = json.loads(json.dumps(QWEN35))
+QWEN_SETTLING["fields"]["tool_calls"]["open_pattern"] = r"<tool_call>\s*<function=(?P<name>[^>\n]+)>"
+QWEN_SETTLING["fields"]["content"] = {"close": ["<|im_end|>", "<|endoftext|>"]}
+
+
+def partial_or_error(read: Callable[[], Any]) -> Any:
+    try:
+        partial = read()
+    except ValueError as exc:
+        return type(exc), str(exc)
+    return partial.closed, partial.open, partial.text
+
+
+@HYPOTHESIS
+@given(st.sampled_from([("gemma", GEMMA4, True), ("qwen", QWEN35, False), ("qwen", QWEN_SETTLING, True)]),
+       st.data(), st.lists(st.integers(0, 400), max_size=12),
+       st.sampled_from(["", "<|turn>model\n<|channel>thought\n", "<|im_start|>assistant\n<think>\n"]),
+       st.sampled_from([None, TOOLS]))
+def test_a_growing_reply_read_on_settles_what_it_settles_read_whole(template: Any, data: Any, cuts: list[int],
+                                                                    prefix: str, tools: Any) -> None:
+    """A stream read its reply whole at every chunk (parse_partial), a cost growing with its length squared.
+    PartialReader reads on from where its last read stopped (a template whose markers settle once found, as Gemma
+    4's do), and each of its reads is the whole read of the same text: the regions closed, the open one and its
+    text, or the same error; a text that does not go on from the last one's (here: a shorter one) too."""
+    name, spec, resumable = template
+    reply = data.draw(gemma_replies() if name == "gemma" else qwen_replies())
+    compiled = compile_template(spec)
+    assert compiled.resumable is resumable
+    reader = PartialReader(compiled, prefix, tools)
+    ends = sorted(min(cut, len(reply)) for cut in cuts) + [len(reply)]
+    if data.draw(st.booleans()):  # the same reply, read in an order that goes back too
+        ends = [min(cut, len(reply)) for cut in cuts] + [len(reply)]
+    for end in ends:
+        whole = partial_or_error(lambda end=end: parse_partial(compiled, reply[:end], prefix, tools))
+        assert partial_or_error(lambda end=end: reader.read(reply[:end])) == whole, reply[:end]
 
 
 def test_a_growing_reply_holds_back_a_marker_that_may_be_starting() -> None:

@@ -569,6 +569,18 @@ def test_prefix_cache_benchmark_smoke(monkeypatch, capsys):
         assert w["encode_ratio"] > 0 and w["total_ratio"] > 0
 
 
+def test_stream_parse_benchmark_smoke(monkeypatch, capsys):
+    """Its two readers of a streamed reply agree at every chunk (it exits naming the reply where they do not), and
+    the server's stream of a reply with a call sends the call."""
+    code, out, err = run_script_in_process("benchmarks/stream_parse.py", ["--tokens", "60", "--chunk-tokens", "3",
+                                                                          "--repeats", "1"], monkeypatch, capsys)
+    assert code in (0, None), err
+    rows = json.loads(out)["rows"]
+    assert [row["kind"] for row in rows] == ["plain", "thought", "thought+call"]
+    assert [row["calls_sent"] for row in rows] == [0, 0, 1]
+    assert all(row["chunks"] == -(-row["chars"] // 12) and row["whole_s"] > 0 and row["read_on_s"] > 0 for row in rows)
+
+
 def test_prefill_memory_refuses_a_cache_that_cannot_fit(monkeypatch, capsys):
     """--batch 100000000 started a child that died in torch's allocator, its traceback relayed. (In this process:
     a traceback would propagate; the refusal comes before any child is started.)"""

@@ -2251,12 +2251,12 @@ def test_a_streamed_reply_sends_its_content_and_each_call_as_soon_as_they_are_wr
     call once its closing marker is there, not at the reply's end."""
     from test_response import GEMMA4, gemma_value
 
-    from blockpress.response import compile_template, parse_partial, parse_response
+    from blockpress.response import PartialReader, compile_template, parse_response
     from blockpress.serve import JobText, Reply, ToolStream
 
     template = compile_template(GEMMA4)
     reply = Reply([], "chat", MODEL, 1, parse=lambda text: parse_response(template, text),
-                  parse_partial=lambda text: parse_partial(template, text))
+                  read_partial=lambda: PartialReader(template))
     call = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
     stream, sent = ToolStream(), []
     for raw in ["Checking", "Checking the <|tool_", "Checking the " + call[:12], "Checking the " + call,
