@@ -28,6 +28,7 @@ its last parse_response) RESPONSE_PATTERN_TOTAL_SECONDS, past which it is refuse
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import time
@@ -156,6 +157,16 @@ def gemma4_response_template() -> dict[str, Any]:
             "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"]},
         },
     }
+
+
+def regions_only(template: ResponseTemplate) -> ResponseTemplate:
+    """The template with each field that makes a value of its text (json, a transform, ...) keeping it as text: the
+    same regions, opened and closed at the same markers, read whatever their text holds (a malformed call reads),
+    for where a reply's regions are (PartialMessage.opened_at, closed_at)."""
+    fields = {name: f if f.content == "text" and f.transform is None
+              else dataclasses.replace(f, content="text", content_args={}, transform=None, transform_each=False)
+              for name, f in template.fields.items()}
+    return dataclasses.replace(template, fields=fields)
 
 
 def builtin_response_template(is_special: Callable[[str], bool]) -> dict[str, Any] | None:
@@ -575,6 +586,10 @@ class PartialMessage:
     closed: dict[str, Any]  # the values of the regions it has closed, gathered as parse_response gathers them
     open: str | None  # the field whose region it ends in (None: none, or the implicit one with no text yet)
     text: str  # that region's text so far, short of a tail where a marker may yet begin
+    # Where in the reply's text each field's first region opened (its marker's start; 0 for one the prompt opened),
+    # and where its last closed region ended (past its closing marker, or where the next region's marker starts)
+    opened_at: dict[str, int] = dataclasses.field(default_factory=dict)
+    closed_at: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def began(self, name: str) -> bool:
         """Whether the reply has opened field `name`'s region: it is open now, or one of its regions closed."""
@@ -600,8 +615,7 @@ def parse_partial(template: ResponseTemplate, text: str, prefix: str = "", tools
     marker that more text could lengthen). `prefix`, `tools` and `budget` as for parse_response, whose scan this
     is: the whole reply's message holds these values. A stream reads its reply again at each chunk: give every read
     of one reply the same budget, so that their time together is bounded."""
-    message, current, body = _read(template, text, prefix, tools, ended=False, budget=budget or PatternBudget())
-    return PartialMessage(template, message, current, body)
+    return PartialReader(template, prefix, tools, budget).read(text)
 
 
 class PartialReader:
@@ -648,7 +662,10 @@ class PartialReader:
             raise
         # (a copy: the next read adds to the reader's own lists; the values in them are not changed after)
         closed = {key: list(value) if isinstance(value, list) else value for key, value in message.items()}
-        return PartialMessage(self.template, closed, current, body)
+        lead = len(self.start)
+        return PartialMessage(self.template, closed, current, body,
+                              {name: max(0, at - lead) for name, at in self.state.opened_at.items()},
+                              {name: max(0, at - lead) for name, at in self.state.closed_at.items()})
 
 
 def _literal_heads(items: Any) -> list[str]:
@@ -786,6 +803,10 @@ class _Scan:
     opened: bool = False
     pos: int = 0
     resume: int = 0
+    # where in the reply (its buffer) each field's first region opened (its marker's start), and where its last
+    # closed region ended (past its closing marker, or where the next region's marker starts)
+    opened_at: dict[str, int] = dataclasses.field(default_factory=dict)
+    closed_at: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, Any]], ended: bool,
@@ -797,10 +818,11 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
     the tools' parameters (tool_parameters). Every search of the template's patterns spends `budget`."""
     message, fields = state.message, template.fields
 
-    def close() -> None:
-        """End the current region: its value goes into the message (when it got any text or was opened by a
-        marker); the implicit region is current again."""
+    def close(at: int) -> None:
+        """End the current region at `at`: its value goes into the message (when it got any text or was opened by
+        a marker); the implicit region is current again."""
         if state.current is not None and state.opened:
+            state.closed_at[state.current] = at
             field = fields[state.current]
             value = _field_value(state.body, field, state.captures, budget)
             if params:
@@ -854,19 +876,20 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
                 state.resume = hold
                 return message, current if opened else None, body
             state.body, state.opened = body, opened
-            close()
+            close(len(buffer))
             break
         kind, field, match = best
         if match.start() > pos and current is not None:
             state.body, state.opened = state.body + buffer[pos:match.start()], True
         state.pos = match.end()
         if kind == "open":
-            close()
+            close(match.start())
             state.current, state.body, state.opened = field.name, "", True
+            state.opened_at.setdefault(field.name, match.start())
             state.captures = {k: v for k, v in match.groupdict().items() if v is not None}
         else:
             was_open = state.opened
-            close()
+            close(match.end())
             if not was_open and match.start() == match.end():  # an empty closing of an empty region: nothing left
                 if not ended:
                     return message, None, ""

@@ -61,7 +61,8 @@ a thought, or one the template cannot read, is text as before, and without a res
 text (the client parses it). A request without tools (or with tool_choice "none") is read for its thought alone,
 where the template reads thoughts, as transformers' server and vLLM's reasoning parsers read every reply: the thought
 is `reasoning_content` (an empty one is left out), not glued to the content; a call such a reply writes anyway makes
-it text, as before (streamed after a thought, what was sent stays). `tool_choice` is only "auto" or "none";
+it text, as before, but for a thought written before the call, which a stream has sent: that stays the answer's
+`reasoning_content`, the text around it the content (Reply.thought_then_text). `tool_choice` is only "auto" or "none";
 `parallel_tool_calls: false` keeps a reply's first call alone (Reply.one_call).
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
@@ -123,6 +124,7 @@ from .response import (
     compile_template,
     parse_response,
     reads_thoughts,
+    regions_only,
 )
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
 from .tokenizer import MessageError, chat_message, template_variables
@@ -1025,8 +1027,13 @@ class Reply:
     # keeps its first call and drops the rest (as vLLM does); the calls it keeps are answered in the next turn.
     one_call: bool = False
     # The request offers tools (and tool_choice is not "none"): a call comes back as one. Else the reply is read for
-    # its thought alone, and one that writes a call anyway is answered as text, as before.
+    # its thought alone, and one that writes a call anyway is answered as text, as before (but for a thought before
+    # the call, which a stream has sent: Reply.thought_then_text).
     calls_wanted: bool = True
+    # The answer's text of a part of the reply read with special tokens (Job.keep_special): those left out, as the
+    # answer's text is decoded. `read_regions`: a reader of where the reply's regions are (response.regions_only).
+    plain: Callable[[str], str] | None = None
+    read_regions: Callable[[], PartialReader] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -1050,11 +1057,15 @@ class Reply:
         try:
             parsed = self.parse(done.raw)
         except ValueError as exc:
+            if not self.calls_wanted:  # (a call the request offers no tools for is text, whatever it holds)
+                return self.thought_then_text(done)
             log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
             return None
         calls = self.calls(parsed.get("tool_calls"), ids)
         reasoning = parsed.get("reasoning_content")
-        if calls is None or not (calls or isinstance(reasoning, str)) or (calls and not self.calls_wanted):
+        if calls and not self.calls_wanted:
+            return self.thought_then_text(done)
+        if calls is None or not (calls or isinstance(reasoning, str)):
             return None
         reasoning = reasoning or None  # (an empty thought: none to show)
         content = parsed.get("content")
@@ -1065,6 +1076,30 @@ class Reply:
         if reasoning is not None:  # what vLLM and DeepSeek's API call it
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
+
+    def thought_then_text(self, done: JobDone) -> dict | None:
+        """The answer to a request without tools whose reply writes a call, which makes the reply text: None (the
+        text, as before) unless a thought came before the call. A stream sends that thought as it is written, before
+        the call's marker shows, so the answer keeps it as `reasoning_content`, the thought the template reads
+        before the call, and its content is the reply's text around that thought (before it, then after it: the
+        call written as text), its ends trimmed as the template trims a content. (A thought after the call, which a
+        stream has not sent, is text too.)"""
+        if self.read_regions is None or self.plain is None or done.raw is None:
+            return None
+        try:
+            whole = self.read_regions().read(done.raw)
+            call_at, thought_at = whole.opened_at.get("tool_calls"), whole.opened_at.get("reasoning_content")
+            if call_at is None or thought_at is None or thought_at > call_at:
+                return None
+            before = self.read_regions().read(done.raw[:call_at])  # (the call's marker: the reply's start settles)
+        except ValueError:  # (the template's patterns out of time: the text, as before)
+            return None
+        reasoning, thought_end = before.closed.get("reasoning_content"), before.closed_at.get("reasoning_content")
+        if not isinstance(reasoning, str) or thought_end is None:
+            return None
+        content = (self.plain(done.raw[:thought_at]) + self.plain(done.raw[thought_end:])).strip()
+        message = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+        return {"message": message, "finish_reason": done.finish}
 
     def calls(self, found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
         """openai_calls of a parsed reply, the first alone where the request allows one (one_call)."""
@@ -1706,7 +1741,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
             broken = str(exc).startswith("chat_template:")
             raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
                            "server_error" if broken else "invalid_request_error") from None
-        jobs, parse, partial = build_jobs(state, body, prompt), None, None
+        jobs, parse, partial, regions = build_jobs(state, body, prompt), None, None, None
         spec = lm.tokenizer.reply_template  # the checkpoint's response template, or the built-in one its tokens tell
         calls = bool(tools) and body.tool_choice != "none"
         # read for its calls where the request offers tools; for its thought alone where it does not (or asks for no
@@ -1722,10 +1757,12 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
                     "budget": PatternBudget()}
             parse = functools.partial(parse_response, template, keep_empty=True, **read)
             partial = functools.partial(PartialReader, template, **read)
+            regions = functools.partial(PartialReader, regions_only(template), **read)
             for job in jobs:
                 job.keep_special = True
         reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, read_partial=partial,
-                      one_call=body.parallel_tool_calls is False, calls_wanted=calls)
+                      one_call=body.parallel_tool_calls is False, calls_wanted=calls,
+                      plain=lambda raw: lm.tokenizer.decode(lm.tokenizer.encode(raw)), read_regions=regions)
         return await respond(engine, reply, body, request)
 
     @app.post("/v1/completions")

@@ -190,7 +190,7 @@ def partial_or_error(read: Callable[[], Any]) -> Any:
         partial = read()
     except ValueError as exc:
         return type(exc), str(exc)
-    return partial.closed, partial.open, partial.text
+    return partial.closed, partial.open, partial.text, partial.opened_at, partial.closed_at
 
 
 @HYPOTHESIS

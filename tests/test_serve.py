@@ -1991,7 +1991,7 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
     syntax. With the checkpoint's response template they come back as OpenAI's message.tool_calls (arguments as JSON
     text), the rest as the content, finish_reason "tool_calls"; streamed, as they are written. A reply
     with no call, tool_choice "none", a call the template cannot read, or a checkpoint with no response template:
-    text, as before."""
+    text, as before (but for a thought before the calls that tool_choice "none" makes text, which stays apart)."""
     from test_response import gemma_value
 
     base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
@@ -2037,22 +2037,24 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         def text_reply(**extra):
             choice = client.chat.completions.create(**{**kw, **extra}).choices[0]
             assert choice.message.tool_calls is None and choice.finish_reason == "stop"
-            return choice.message.content
+            assert streamed_message(client, **{**kw, **extra}) == whole_message(client, **{**kw, **extra})
+            return choice.message.content, (choice.message.model_extra or {}).get("reasoning_content")
 
-        plain = lm.tokenizer.decode(lm.tokenizer.encode(reply[0]))  # the special tokens left out, as ever
-        assert text_reply(tool_choice="none") == plain
-        assert text_reply(tools=[]) == plain
+        # no tools: the calls are text (the special tokens left out, as ever), the thought before them the reasoning
+        after = lm.tokenizer.decode(lm.tokenizer.encode(reply[0].split("<channel|>")[1]))
+        assert text_reply(tool_choice="none") == (after, "Two cities.")
+        assert text_reply(tools=[]) == (after, "Two cities.")
         reply[0] = "<|tool_call>call:weather{city:Paris}<tool_call|>"  # an unquoted string: not JSON
-        assert text_reply() == "call:weather{city:Paris}"
+        assert text_reply() == ("call:weather{city:Paris}", None)
         reply[0] = "No call needed.<turn|>"
-        assert text_reply() == "No call needed."
+        assert text_reply() == ("No call needed.", None)
         chunks = list(client.chat.completions.create(stream=True, **kw))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == "No call needed."
         assert chunks[-1].choices[0].finish_reason == "stop"
         reply[0] = f"<|tool_call>call:weather{gemma_value(oslo)}<tool_call|>"
         lm.tokenizer.response_template = None  # a checkpoint without one, and no built-in one: text, as before
         monkeypatch.setattr("blockpress.tokenizer.builtin_response_template", lambda is_special: None)
-        assert text_reply() == "call:weather{city:Oslo,metric:true}"
+        assert text_reply() == ("call:weather{city:Oslo,metric:true}", None)
     finally:
         srv.should_exit = True
 
@@ -2127,6 +2129,41 @@ def test_a_gemma4_checkpoint_without_a_response_template_answers_with_calls_and_
         monkeypatch.setattr("blockpress.tokenizer.builtin_response_template", lambda is_special: None)
         reply[0], reply[1] = "<|channel>thought\nShort.<channel|>It is sunny.<turn|>", 0
         assert whole_message(client, **no_tools)["content"] == "thought\nShort.It is sunny."
+    finally:
+        srv.should_exit = True
+
+
+def test_a_reply_without_tools_that_thinks_then_calls_streams_what_it_answers(tmp_path, monkeypatch):
+    """A request without tools is read for its thought alone, and a call its reply writes anyway makes the reply
+    text. Where the thought came before the call, a stream had sent the thought as reasoning_content (and the
+    content after it) before the call's marker showed, yet answered, as unstreamed, the whole text with the thought
+    glued to it: chunks of reasoning 'Let me think.' and content 'Checking.' against the answer
+    'thought\nLet me think.Checking.call:weather{city:Oslo}'. Both now answer with that thought as reasoning_content
+    and the rest of the reply as text (its special tokens left out, the ends trimmed as the template trims a
+    content), a call that does not read too; a call before any thought leaves the reply text, as before, and the
+    stream sends no thought."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch, own_template=False)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    call = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
+    kw = dict(model=MODEL, messages=TOOL_TURNS[:2], max_tokens=200, seed=1)
+    answer = {"tool_calls": [], "finish_reason": "stop", "reasoning_content": "Let me think."}
+    try:
+        for written, content, reasoning in [
+                (f"<|channel>thought\nLet me think.<channel|> Checking. {call} Done.<turn|>",
+                 "Checking. call:weather{city:Oslo} Done.", "Let me think."),
+                (f"Sure. <|channel>thought\nLet me think.<channel|>Checking.{call}",
+                 "Sure. Checking.call:weather{city:Oslo}", "Let me think."),
+                ("<|channel>thought\nLet me think.<channel|>Checking.<|tool_call>call:weather{city:}<tool_call|>",
+                 "Checking.call:weather{city:}", "Let me think."),  # a call that does not read: text all the same
+                (f"Checking.{call}<|channel>thought\nHm.<channel|>Done.<turn|>",
+                 "Checking.call:weather{city:Oslo}thought\nHm.Done.", None)]:
+            for canvas in (0, 1, 3, 5):
+                reply[0], reply[1] = written, canvas
+                expected = {**answer, "content": content, "reasoning_content": reasoning}
+                assert whole_message(client, **kw) == expected, written
+                assert streamed_message(client, **kw) == expected, (written, canvas)
     finally:
         srv.should_exit = True
 
