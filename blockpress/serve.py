@@ -1175,7 +1175,14 @@ class ToolStream:
             self.reasoning = reasoning
         content = partial.settled_text("content")
         if not thought:  # the answer may yet be the plain text
-            content = common_prefix(settled_text(item.text, stops), content, self.content)
+            plain = settled_text(item.text, stops)
+            if content and not reply.calls_wanted:
+                # Without tools the answer is the plain text unless a thought shows (a call leaves it text), so the
+                # plain text's leading whitespace, which the template's content trims, is its start once text
+                # follows. Where the request offers tools, a call would make the answer the template's trimmed
+                # content: a reply that opens with whitespace then sends nothing until its call or its end.
+                content = plain[: len(plain) - len(plain.lstrip())] + content
+            content = common_prefix(plain, content, self.content)
         if len(content) > len(self.content) and content.startswith(self.content):
             deltas.append({"content": content[len(self.content):]})
             self.content = content

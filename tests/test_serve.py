@@ -2168,6 +2168,41 @@ def test_a_reply_without_tools_that_thinks_then_calls_streams_what_it_answers(tm
         srv.should_exit = True
 
 
+def test_a_reply_without_tools_streams_its_leading_whitespace_with_its_text(tmp_path, monkeypatch):
+    """A reply to a request without tools that opened with whitespace ("  Hello ...", "\\nHello ...") sent nothing
+    until its end, then all of it in one chunk: the template's content trims the whitespace that the answer, its
+    plain text, keeps, so the two shared no start. It now goes out with the first text after it, as the rest does.
+    Where the request offers tools it cannot: a call would make the answer the template's content, without it, so
+    such a reply's content waits for the call or the end (whitespace alone waits either way: a thought may follow)."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch, own_template=False)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    kw = dict(model=MODEL, messages=TOOL_TURNS[:2], max_tokens=200, seed=1)
+    call = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
+
+    def pieces(**extra):
+        return [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw, **extra)
+                if c.choices[0].delta.content]
+
+    try:
+        for lead in ("  ", "\n"):
+            reply[0], reply[1] = lead + "Hello there, how are you today?<turn|>", 3
+            answer = lm.tokenizer.decode(lm.tokenizer.encode(reply[0]))
+            assert answer.startswith(lead) and whole_message(client, **kw)["content"] == answer
+            sent = pieces()
+            assert "".join(sent) == answer and sent[0].startswith(lead) and sent[0].strip() and len(sent) > 2, sent
+            assert pieces(tools=TOOLS) == [answer]  # with tools: at the end
+            reply[0] = lead + "<|channel>thought\nHm.<channel|>Hello.<turn|>"  # whitespace, then a thought
+            assert streamed_message(client, **kw) == whole_message(client, **kw) == {
+                "content": "Hello.", "tool_calls": [], "finish_reason": "stop", "reasoning_content": "Hm."}
+            reply[0] = lead + "Checking." + call
+            assert whole_message(client, tools=TOOLS, **kw)["content"] == "Checking."  # (why: trimmed)
+            assert streamed_message(client, tools=TOOLS, **kw)["content"] == "Checking."
+    finally:
+        srv.should_exit = True
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
     """parallel_tool_calls false was accepted and ignored: a reply with two calls returned both, where OpenAI's
     semantics allow one. The reply keeps its first call (as vLLM does), unstreamed and streamed alike; true or
