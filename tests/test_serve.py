@@ -2203,6 +2203,57 @@ def test_a_reply_without_tools_streams_its_leading_whitespace_with_its_text(tmp_
         srv.should_exit = True
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["", "  ", "\n"]), st.booleans(), st.sampled_from(["", "Checking.", " a < b ", "Sure: "]),
+       st.lists(st.sampled_from(["good", "bad"]), max_size=2), st.sampled_from(["", "<turn|>"]), st.data())
+def test_a_streamed_reply_without_tools_adds_up_to_its_answer(lead, thought, text, calls, end, data):
+    """A request without tools, its reply cut into chunks anywhere between its tokens: the chunks that the stream
+    sends (ToolStream.settle, then finish) join into the unstreamed answer (Reply.tool_message, or the plain text),
+    its reasoning_content and its content, and the stream sends nothing its answer does not start with (finish
+    warns where it did)."""
+    from blockpress.response import (
+        GEMMA4_MARKERS,
+        PartialReader,
+        compile_template,
+        gemma4_response_template,
+        parse_response,
+        regions_only,
+    )
+    from blockpress.serve import JobDone, JobText, Reply, ToolStream
+
+    template = compile_template(gemma4_response_template())
+    special = [*GEMMA4_MARKERS, '<|"|>']
+
+    def plain(raw):
+        for token in special:
+            raw = raw.replace(token, "")
+        return raw
+
+    atoms = [lead, *(["<|channel>", "thought\nLet me think.", "<channel|>"] if thought else []), text]
+    for call in calls:
+        atoms += ["<|tool_call>", "call:weather", *(["{city:", '<|"|>', "Oslo", '<|"|>', "}"] if call == "good"
+                                                     else ["{city:}"]), "<tool_call|>", " then"]
+    atoms = [piece for atom in atoms for piece in ([atom] if atom in special else list(atom))] + [end]
+    raw = "".join(atoms)
+    reply = Reply([], "chat", MODEL, 1, parse=lambda text: parse_response(template, text, keep_empty=True),
+                  read_partial=lambda: PartialReader(template), calls_wanted=False, plain=plain,
+                  read_regions=lambda: PartialReader(regions_only(template)))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(atoms)), max_size=8)))
+    stream, sent = ToolStream(), []
+    for cut in cuts:
+        so_far = "".join(atoms[:cut])
+        sent += stream.settle(reply, JobText(plain(so_far), so_far), [])
+    done = JobDone(plain(raw), len(atoms), 1, "stop", 0, raw)
+    rest, finish = stream.finish(reply, done)
+    called = reply.tool_message(done)
+    answer = called["message"] if called is not None else {"content": plain(raw)}
+    joined = {key: "".join(d.get(key, "") for d in sent + rest) for key in ("content", "reasoning_content")}
+    assert joined == {"content": answer["content"], "reasoning_content": answer.get("reasoning_content") or ""}, raw
+    for key, whole in joined.items():  # every chunk before the last extends what was sent
+        assert whole.startswith("".join(d.get(key, "") for d in sent)), raw
+    assert finish == "stop" and not any("tool_calls" in d for d in sent + rest)
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
     """parallel_tool_calls false was accepted and ignored: a reply with two calls returned both, where OpenAI's
     semantics allow one. The reply keeps its first call (as vLLM does), unstreamed and streamed alike; true or
