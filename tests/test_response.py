@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -329,8 +330,10 @@ def test_a_streamed_replys_reads_share_one_budget() -> None:
     reads = [lambda end=end: parse_partial(template, reply[:end], budget=budget) for end in range(1, len(reply) + 1)]
     raised = [raised_in_time(read) for read in reads + [lambda: parse_response(template, reply, budget=budget)]]
     first = next(i for i, exc in enumerate(raised) if exc is not None)
-    assert "ran past the 0.05 s that all the reads of one reply may take together (RESPONSE_PATTERN_TOTAL_SECONDS)" \
-        in str(raised[first])
+    # (the search that runs out is refused as it runs past; on a loaded machine the clock's time of the searches
+    # before it may spend the budget first, and the next is refused unrun, naming the same limit)
+    assert re.search(r"(ran past|spent) the 0\.05 s that all the reads of one reply may take together "
+                     r"\(RESPONSE_PATTERN_TOTAL_SECONDS\)", str(raised[first])), str(raised[first])
     assert all(isinstance(exc, PatternTooCostly) and str(exc) == str(raised[first]) for exc in raised[first:])
     assert first > reply.index("<call>")  # the text before the near miss was read within the budget
 
