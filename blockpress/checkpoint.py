@@ -681,7 +681,9 @@ def plan_model(
             from .quantize import coded_tensors
             from .quantize import quantize as quantize_model
 
-            quantize_model(model, saved)  # on the meta device: only the layout (quantized buffers, scales)
+            # on the meta device: only the layout (quantized buffers, scales); int4's small groups were said when the
+            # folder was quantized, and its scales' shapes hold them: a load of it (every run of an int4 folder) warned
+            quantize_model(model, saved, warn_groups=False)
             coded = coded_tensors(model)
             shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
             quantize = saved

@@ -380,9 +380,11 @@ def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Ten
 _quantized_experts_op.register_autograd(_quantized_experts_backward, setup_context=_quantized_experts_setup)
 
 
-def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
+def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) -> DiffusionGemma:
     """Quantize `model` in place (see the module docstring) and return it. Every refusal comes before the first
-    module is swapped: a refusal half-way would leave the model half quantized."""
+    module is swapped: a refusal half-way would leave the model half quantized. `warn_groups=False` keeps int4's
+    small-group warning back: a load laying out a folder saved int4 (its groups chosen when it was quantized, and
+    said then) is not the user choosing int4."""
     check_scheme(scheme)
     if quantization_of(model) is not None:
         raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
@@ -402,7 +404,7 @@ def quantize(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     for name, shape in weights:
         check_quantizable(shape, scheme, name)
     check_runs(scheme, model.device, model.dtype)
-    if scheme == "int4":  # after every refusal: a refused model is not worth a warning
+    if scheme == "int4" and warn_groups:  # after every refusal: a refused model is not worth a warning
         warn_small_int4_groups(weights)
     model.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
     for parent, name, child, _ in targets:

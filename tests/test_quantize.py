@@ -132,6 +132,29 @@ def test_info_warns_of_int4_groups_below_32(tmp_path, capsys):
                      capsys.readouterr().err, re.M)
 
 
+def test_int4s_small_group_warning_comes_once_per_quantizing_and_not_on_loading_a_folder_saved_int4(tmp_path, capsys):
+    """Quantizing warns once, counting the weights with small groups, whether lm.quantize, a quantizing load or
+    blockpress quantize; a folder saved int4 (its groups chosen, and said, when it was quantized) loads without it,
+    where every load and every command run over it repeated it."""
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(tmp_path / "plain")  # intermediate 48: groups of 16
+
+    def notes(call, *args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(*args, **kwargs)
+        return [str(w.message) for w in caught if "int4 shares a scale" in str(w.message)]
+
+    said = [notes(blockpress.load, tmp_path / "plain", quantize="int4"),
+            notes(lambda: blockpress.load(tmp_path / "plain").quantize("int4"))]
+    assert [len(n) for n in said] == [1, 1] and said[0] == said[1]
+    assert re.search(r"input size of (\d+) of the (\d+) projection weights", said[0][0])
+    assert main(["quantize", "--model", str(tmp_path / "plain"), "--quantize", "int4", str(tmp_path / "q")]) == 0
+    assert capsys.readouterr().err.count("int4 shares a scale") == 1
+    assert notes(blockpress.load, tmp_path / "q") == [] and notes(blockpress.load, tmp_path / "q", quantize="int4") == []
+    assert main(["info", "--model", str(tmp_path / "q")]) == 0
+    assert "int4 shares a scale" not in capsys.readouterr().err
+
+
 # Widths 24 and 40: torch's packed bf16 int8 kernel crashed the process (segfault) on inputs whose width 16 does
 # not divide; those take the plain GEMM.
 @pytest.mark.parametrize("width", [32, 24, 40])
