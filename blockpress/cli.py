@@ -1060,7 +1060,7 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.adapter is not None and adapter is not None:  # its own run's merged checkpoint refused, another base
         from blockpress.train import check_adapter_pairing  # warned about, as a load
 
-        check_adapter_pairing(adapter, path)
+        check_adapter_pairing(adapter, path, quantize)
     plan = plan_model(path, args.dtype, args.device, quantize, weights=False)  # config.json alone works too
     tokenizer = None
     if (path / "tokenizer.json").exists():  # as blockpress.load reads it

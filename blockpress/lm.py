@@ -1821,7 +1821,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     if given is not None and adapter is not None:  # (an adapter folder given as the model loads over its own base)
         from .train import check_adapter_pairing
 
-        check_adapter_pairing(adapter, path)
+        check_adapter_pairing(adapter, path, quantize)
     plan = plan_model(path, dtype=_dtype_argument(dtype), device=_device_argument(device), quantize=quantize)
     if progress is True and sys.stderr is None:  # pythonw, a service: no stream to draw on (tqdm's AttributeError)
         progress = False

@@ -561,11 +561,13 @@ def adapter_generation(path: str | Path) -> dict[str, Any]:
     return {key: record[key] for key in ADAPTER_GENERATION_KEYS if record.get(key) is not None}
 
 
-def check_adapter_pairing(path: str | Path, base: str | Path) -> None:
+def check_adapter_pairing(path: str | Path, base: str | Path, quantize: str | None = None) -> None:
     """Refuse the adapters in `path` over the merged checkpoint of their own run (`--model OUT --adapter
     OUT/adapter`: OUT already holds them, so their update would count twice), and warn, naming both, where `base`
-    is another folder than the base they record (the shapes may fit, and the update then lands on weights it was not
-    learned for)."""
+    (loaded with `quantize`) is another folder than the base they record (the shapes may fit, and the update then
+    lands on weights it was not learned for). A folder saved quantized stands for the checkpoint it was quantized
+    from in its scheme (quantization_config.quantized_from): QLoRA adapters trained over it load over that checkpoint
+    quantized alike, and the other way round, without a word; quantized otherwise, the warning names both schemes."""
     path, base = Path(path), Path(base)
     if path.name == ADAPTER_DIR and path.resolve().parent == base.resolve() and (base / "config.json").is_file():
         raise CheckpointError(f"adapter {path}: {base} is the merged checkpoint of the run that trained it, which holds "
@@ -579,23 +581,49 @@ def check_adapter_pairing(path: str | Path, base: str | Path) -> None:
         trained_on = resolve_path(recorded).resolve()
     except (FileNotFoundError, ValueError):
         trained_on = None
-    same = trained_on == base.resolve()
-    if not same and trained_on is not None and record["quantize"] is not None:
-        # QLoRA adapters over a folder saved quantized from their base with their scheme: the codes they trained over
-        try:
-            stored = read_json_object(base / "config.json").get("quantization_config")
-        except (OSError, ValueError):
-            stored = None
-        if isinstance(stored, dict) and stored.get("scheme") == record["quantize"] and isinstance(
-                origin := stored.get("quantized_from"), str):
-            try:
-                same = resolve_path(origin).resolve() == trained_on
-            except (OSError, ValueError):  # (a hand-edited record: no folder, a name too long for one)
-                pass
-    if not same:
-        warn_user(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
-                  "added to weights it was not learned on (give the adapter folder alone, --model "
-                  f"{path}, to load it over its own base)")
+    if trained_on == base.resolve():  # its own base, quantized as asked (quantize="none" merges, as documented)
+        return
+    if trained_on is not None:
+        (origin, scheme, stored), (here, here_scheme, here_stored) = (_weights_source(trained_on, record["quantize"]),
+                                                                      _weights_source(base, quantize))
+        if origin is not None and origin == here:
+            if scheme == here_scheme:  # the same codes: what the adapters trained over
+                return
+            way = (f"load it with quantize={scheme!r} (--quantize {scheme}), or give" if not here_stored and scheme
+                   else "give")
+            warn_user(f"adapter {path}: trained over {_described(recorded, origin, scheme, stored)}, and applied to "
+                      f"{_described(base, here, here_scheme, here_stored)}, another quantization; its update is added "
+                      f"to weights it was not learned on ({way} the adapter folder alone, --model {path}, to load it "
+                      "over its own base as it trained)")
+            return
+    warn_user(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
+              "added to weights it was not learned on (give the adapter folder alone, --model "
+              f"{path}, to load it over its own base)")
+
+
+def _weights_source(folder: Path, quantize: str | None) -> tuple[Path | None, str | None, bool]:
+    """(the checkpoint whose weights `folder` loaded with `quantize` computes with, the scheme they are quantized with,
+    whether the folder is saved quantized): a folder saved quantized stands for the checkpoint named by its
+    quantization_config.quantized_from (None where it names none: random weights, or a folder gone), in its own
+    scheme; any other folder for itself, quantized as asked."""
+    try:
+        stored = read_json_object(folder / "config.json").get("quantization_config")
+    except (OSError, ValueError):
+        stored = None
+    if not isinstance(stored, dict) or not isinstance(stored.get("scheme"), str):
+        return folder.resolve(), quantize, False
+    origin = stored.get("quantized_from")
+    try:
+        return (resolve_path(origin).resolve() if isinstance(origin, str) else None), stored["scheme"], True
+    except (OSError, ValueError):  # (a hand-edited record: no folder, a name too long for one)
+        return None, stored["scheme"], True
+
+
+def _described(folder: str | Path, origin: Path, scheme: str | None, stored: bool) -> str:
+    """A base as check_adapter_pairing's warning names it: the folder, and the weights it computes with."""
+    if stored:
+        return f"{folder} (saved {scheme} from {origin})"
+    return f"{folder} ({f'quantized {scheme}' if scheme else 'unquantized'})"
 
 
 def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:

@@ -280,10 +280,40 @@ def test_qlora_adapters_load_over_their_base_saved_quantized_without_a_warning(t
             lm = blockpress.load(tmp_path / folder, adapter=adapter)
             assert torch.equal(lm.logits(prompt, canvas), trained.logits(prompt, canvas))
     blockpress.load(base, quantize="int4").save(tmp_path / "q4")
+    with pytest.warns(UserWarning, match=rf"trained over {base} \(quantized int8\), and applied to .*q4 \(saved int4 "
+                                         r"from .*\), another quantization; its update is added to weights it was not"):
+        blockpress.load(tmp_path / "q4", adapter=adapter)
     tiny_lm().quantize("int8").save(tmp_path / "unnamed")  # random weights: no checkpoint to name
-    for folder in ("q4", "unnamed"):
-        with pytest.warns(UserWarning, match="another model; its update is added to weights it was not learned on"):
-            blockpress.load(tmp_path / folder, adapter=adapter)
+    with pytest.warns(UserWarning, match="another model; its update is added to weights it was not learned on"):
+        blockpress.load(tmp_path / "unnamed", adapter=adapter)
+
+
+def test_qlora_adapters_trained_over_a_folder_saved_quantized_load_over_its_checkpoint_quantized_alike(tmp_path):
+    """The other way round: adapters trained over a folder saved quantized (train --lora-rank --model Q) loaded over
+    the checkpoint Q was quantized from with Q's scheme (generate --model PLAIN --adapter A --quantize int8) run over
+    the same codes, yet warned "another model". They now load without a word, as trained; quantized otherwise, or not
+    at all, the warning names both schemes and the flag that loads it as trained."""
+    base = tmp_path / "base"
+    tiny_lm().save(base)
+    blockpress.load(base, quantize="int8").save(tmp_path / "q8")
+    lm = blockpress.load(tmp_path / "q8")
+    train(tmp_path, lm, 2, quantize="int8")
+    adapter = tmp_path / "out" / "adapter"
+    prompt, canvas = torch.randint(0, 32, (1, 5)), torch.randint(0, 32, (1, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        over_plain = blockpress.load(base, adapter=adapter, quantize="int8")
+        assert main(["info", "--model", str(base), "--adapter", str(adapter), "--quantize", "int8"]) == 0
+    assert torch.equal(over_plain.logits(prompt, canvas), lm.logits(prompt, canvas))
+    for quantize, named in (("int4", "quantized int4"), (None, "unquantized")):
+        with pytest.warns(UserWarning) as caught:
+            blockpress.load(base, adapter=adapter, quantize=quantize)
+        said = [str(w.message) for w in caught if str(w.message).startswith("adapter")]
+        assert said == [f"adapter {adapter}: trained over {(tmp_path / 'q8').resolve()} (saved int8 from {base.resolve()}), and "
+                        f"applied to {base} ({named}), another quantization; its update is added to weights it was not "
+                        f"learned on (load it with quantize='int8' (--quantize int8), or give the adapter folder alone, "
+                        f"--model {adapter}, to load it over its own base as it trained)"]
+
 
 
 def test_an_adapter_folder_whose_base_is_gone_or_another_is_refused_by_name(tmp_path):
