@@ -859,7 +859,6 @@ def save_model(
 
     def nbytes_of(name: str) -> int:
         return tensors[name].numel() * (dtype.itemsize if name in cast else tensors[name].element_size())
-    path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):
@@ -876,6 +875,7 @@ def save_model(
         names.append("model.safetensors.index.json")
     stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
     with staging(files) as staged:
+        staged.make_folder(path)  # (one this save made is removed again if it fails)
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout
         staged.write(path / "config.json", lambda file: model.config.save(
             file, dtype=dtype, quantization=quantization_config(scheme, quantized_from) if scheme else None))

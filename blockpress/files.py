@@ -30,20 +30,38 @@ class StagedFiles:
 
     def __init__(self) -> None:
         self.moves: list[tuple[Path | None, Path]] = []  # (temporary, destination); (None, path): remove path
+        self.made: list[Path] = []  # folders this save created, parents first: discarding removes them again
+
+    def make_folder(self, path: str | Path) -> None:
+        """Create the folder at `path` and any missing parents, for the files staged in it. A save that fails then
+        removes those it created (left empty once its temporaries are gone): a full disk left a new folder behind,
+        empty, where none was before."""
+        missing = [folder for folder in (Path(path), *Path(path).parents) if not folder.exists()]
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+            self.made.append(folder)
 
     def write(self, path: str | Path, write: Callable[[Path], object]) -> None:
-        """Stage `path`, its content written by `write(temporary)` (staged again: the later content wins)."""
+        """Stage `path`, its content written by `write(temporary)` (staged again: the later content wins). An OSError
+        while writing names `path` (a full disk's "[Errno 28] No space left on device" named no file)."""
         path = Path(path)
         temporary = temporary_path(path)
         self.moves = [move for move in self.moves if move[1] != path]
-        temporary.unlink(missing_ok=True)  # one left by a killed save
-        temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)
-        mode = temporary.stat().st_mode & 0o777
-        self.moves.append((temporary, path))  # before writing: discarding removes a partial one
-        write(temporary)
-        os.chmod(temporary, mode)
-        with open(temporary, "rb+") as f:  # on disk before any destination is replaced by it
-            os.fsync(f.fileno())
+        try:
+            temporary.unlink(missing_ok=True)  # one left by a killed save
+            temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)
+            mode = temporary.stat().st_mode & 0o777
+            self.moves.append((temporary, path))  # before writing: discarding removes a partial one
+            write(temporary)
+            os.chmod(temporary, mode)
+            with open(temporary, "rb+") as f:  # on disk before any destination is replaced by it
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if str(path) in str(exc):  # named already (a writer's own message: save_model's of safetensors')
+                raise
+            named = OSError(f"{path}: {exc.strerror or exc}")
+            named.errno = exc.errno  # (ENOSPC stays testable)
+            raise named from None
 
     def write_text(self, path: str | Path, text: str) -> None:
         self.write(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
@@ -106,7 +124,7 @@ class StagedFiles:
                 path.unlink(missing_ok=True)
             if path.parent not in folders:
                 folders.append(path.parent)
-        self.moves = []
+        self.moves, self.made = [], []
         if os.name == "posix":  # the renames themselves on disk (a folder cannot be opened for fsync on Windows)
             for folder in (folder for folder in folders if folder.is_dir()):  # (not one removed, left empty)
                 fd = os.open(folder, os.O_RDONLY)
@@ -119,7 +137,12 @@ class StagedFiles:
         for temporary, _ in self.moves:
             if temporary is not None:
                 temporary.unlink(missing_ok=True)
-        self.moves = []
+        for folder in reversed(self.made):  # innermost first; one that holds anything else is kept
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        self.moves, self.made = [], []
 
     def __enter__(self) -> StagedFiles:
         return self

@@ -280,9 +280,9 @@ class Tokenizer:
         stage them there instead, for its owner to commit with the rest of a larger save (a model's).
         """
         folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
         config, special_map, template_files = self._files_to_save()
         with staging(files) as staged:
+            staged.make_folder(folder)  # (one this save made is removed again if it fails)
             # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
             staged.write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
             named_dir = folder / NAMED_TEMPLATES_DIR
@@ -293,7 +293,7 @@ class Tokenizer:
                 templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
                 for name, text in templates.items():
                     file = folder / "chat_template.jinja" if name == "default" else named_dir / f"{name}.jinja"
-                    file.parent.mkdir(exist_ok=True)
+                    staged.make_folder(file.parent)
                     staged.write_text(file, text)
                     written.add(file)
             # Template files left from an earlier save would win over the templates written here on loading: removed

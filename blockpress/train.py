@@ -480,7 +480,6 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
                     # a copy each: safetensors refuses tensors that share memory
                     tensors[f"base_model.model.{target}.lora_{side}.weight"] = weight.detach().float().cpu().clone()
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     # A base from the Hugging Face cache at another commit than main's (base_name: "owner/name@commit") is written as
     # peft writes one: the repo id, and the commit as `revision` (AutoPeftModel loads the base from both).
     revision = None
@@ -496,6 +495,7 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
         record["noise_token_id"] = -1  # unless the run's settings name a noise token: uniform noise
     record.update({k: v for k, v in (generation or {}).items() if k in ADAPTER_GENERATION_KEYS})
     with staging(files) as staged:
+        staged.make_folder(path)  # (one this save made is removed again if it fails)
         staged.write_text(path / ADAPTER_FILES[0], config_text)
         staged.write(path / ADAPTER_FILES[1], lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
         staged.write_text(path / ADAPTER_RECORD, json.dumps(record, indent=2) + "\n")

@@ -1382,6 +1382,49 @@ def test_a_save_that_fails_part_way_leaves_the_folder_as_it_was(lm, tmp_path, mo
     assert all(Path(f).parent == tmp_path / "c" and Path(f).name.startswith(".") for f in written)
 
 
+def test_a_save_into_a_new_folder_that_fails_leaves_no_folder_and_names_the_file(tmp_path, monkeypatch):
+    """A disk that fills at any file of lm.save (weights, configs, tokenizer) left the new folder behind, empty
+    (and its missing parents), and the error said "[Errno 28] No space left on device" naming no file. Now the folders
+    the save made are gone, the error names the file, and a folder there before is left as it was."""
+    import errno
+
+    from blockpress.files import StagedFiles
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer([""], vocab_size=300)
+    lm = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), tokenizer=tokenizer)
+    lm.save(tmp_path / "whole")
+    real, staged = StagedFiles.write, []
+
+    def fills_at(index):
+        def write(self, path, writer):
+            staged.append(Path(path))
+            if len(staged) - 1 != index:
+                return real(self, path, writer)
+
+            def part_then_full(file):
+                Path(file).write_bytes(b"\0" * 64)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(self, path, part_then_full)
+        return write
+
+    (tmp_path / "there").mkdir()
+    for index in range(len(list((tmp_path / "whole").iterdir()))):  # each file the save writes, in turn
+        staged.clear()
+        monkeypatch.setattr(StagedFiles, "write", fills_at(index))
+        for folder in (tmp_path / "new" / "a" / "b", tmp_path / "there"):
+            with pytest.raises(OSError) as caught:
+                lm.save(folder)
+            assert str(caught.value) == f"{staged[index]}: No space left on device" and staged[index].parent == folder
+            assert caught.value.errno == errno.ENOSPC
+            staged.clear()
+        assert not (tmp_path / "new").exists() and list((tmp_path / "there").iterdir()) == []
+    monkeypatch.undo()
+    lm.save(tmp_path / "new" / "a" / "b")  # and a save that completes keeps the folders it made
+    assert sorted(p.name for p in (tmp_path / "new" / "a" / "b").iterdir()) == sorted(
+        p.name for p in (tmp_path / "whole").iterdir())
+
+
 def test_a_save_removes_the_temporaries_a_killed_save_of_another_layout_left(lm, tmp_path, monkeypatch):
     """Only the temporary of a name written again was removed: a sharded save killed part-way left its shards'
     beside every later single-file save (gigabytes for a real model)."""

@@ -3703,6 +3703,12 @@ def test_quantize_onto_a_full_disk_says_so_and_leaves_the_folder_as_it_was(tmp_p
     assert err == (f"blockpress quantize: error: OUT {out}: cannot write it ({out / 'model.safetensors'}: I/O error: "
                    "No space left on device (os error 28))\n")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a new OUT (its parent too) is not left behind, empty
+    fresh = tmp_path / "new" / "q"
+    assert main(["quantize", "--model", "random-tiny", "--quantize", "int4", "--device", "cpu", str(fresh)]) == 2
+    assert capsys.readouterr().err == (f"blockpress quantize: error: OUT {fresh}: cannot write it ({fresh / 'model.safetensors'}: "
+                                       "I/O error: No space left on device (os error 28))\n")
+    assert not (tmp_path / "new").exists()
 
 
 def test_quantize_in_bfloat16_has_no_note_of_slow_matmuls(tmp_path, monkeypatch, capsys):
