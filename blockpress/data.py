@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checks import warn_user
 from .config import CHAT_TURNS
 from .files import parse_json
 from .response import reasoning_markers
@@ -115,11 +116,14 @@ def _ids_field(obj: dict, key: str, where: str) -> list[int]:
 
 
 def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None = None,
-                   context: tuple[int, int, int | None] | None = None, chat_turns: str = "all") -> list[Example]:
+                   context: tuple[int, int, int | None] | None = None, chat_turns: str = "all",
+                   cut: list[tuple[str, bool]] | None = None) -> list[Example]:
     """The examples of one JSONL record: {"prompt", "response"} text, {"prompt_ids", "response_ids"}, or a
     {"messages"} chat. A chat gives one example per assistant turn that answers a user (chat_turns "all", as chat
     fine-tuning trains every reply), each prompted with the conversation before it, or the last turn alone ("last").
-    `context`: as load_jsonl's."""
+    `context`: as load_jsonl's. `cut`: the trained assistant turns whose content the chat template rendered only in
+    part (content_cut) are appended to it, each as (where, whether its content holds a thought's opening marker), for
+    the caller to warn once for all its records; None: this call warns of its own."""
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if not ({"prompt_ids", "response_ids", "messages"} & set(obj) or {"prompt", "response"} <= set(obj)):
@@ -135,7 +139,12 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None 
         raise ValueError(f"{where}: text records need a tokenizer; this model has none (a fresh model takes "
                          "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
     elif "messages" in obj:
-        examples = _chat_examples(obj["messages"], tokenizer, where, chat_turns)
+        turns_cut: list[tuple[str, bool]] = []
+        examples = _chat_examples(obj["messages"], tokenizer, where, chat_turns, turns_cut)
+        if cut is not None:
+            cut += turns_cut
+        elif turns_cut:
+            warn_content_cut(turns_cut, tokenizer, where)
     else:
         for key in ("prompt", "response"):
             if not isinstance(obj[key], str):
@@ -151,9 +160,10 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None 
 KNOWN_ROLES = ("system", "user", "assistant", "model", "tool")  # the roles chat templates render ("developer": system)
 
 
-def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -> list[tuple[str, Example]]:
+def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str,
+                   cut: list[tuple[str, bool]]) -> list[tuple[str, Example]]:
     """(where, example) of each assistant turn of a `messages` record trained on (parse_examples); `where` names
-    the turn when there are several."""
+    the turn when there are several. The turns whose content the template rendered only in part are named in `cut`."""
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
             messages[-1].get("role") not in ("assistant", "model"):
         raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
@@ -179,6 +189,10 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -
         at = f"{where}: messages[{i}]" if len(trained) > 1 else where
         prompt = str(tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True))
         reply = _rendered_reply(tokenizer, chat, i, prompt, at)
+        content = chat[i].get("content")
+        if isinstance(content, str) and content_cut(content, reply):
+            markers = reasoning_markers(tokenizer.reply_template)
+            cut.append((f"{where}: messages[{i}]", markers is not None and markers[0].strip() in content))
         response = tokenizer.encode(reply)
         # The reply ends at the template's end of turn (Gemma's <end_of_turn>, Gemma 4's <turn|>), then the EOS
         # make_batch adds: what the template writes after it (a newline) is between turns, where generation has
@@ -192,6 +206,33 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str) -
     for _, ex in examples[:-1]:
         ex.split_key = key
     return examples
+
+
+def content_cut(content: str | None, reply: str) -> bool:
+    """Whether the rendered assistant turn `reply` lost text of its message's `content`: the content, whitespace aside
+    (templates trim it, and may lay a thought out on lines of their own), is not in it. Gemma 4's template strips a
+    thought written in content (<|channel>thought ...<channel|>), so the turn trains on the answer alone."""
+    if not isinstance(content, str):  # (tool calls alone: no content)
+        return False
+    squeezed = "".join(content.split())
+    return bool(squeezed) and squeezed not in "".join(reply.split())
+
+
+def warn_content_cut(turns: list[tuple[str, bool]], tokenizer: Any, where: str) -> None:
+    """One warning for the assistant turns `turns` ((where, whether its content holds a thought's opening marker),
+    where "file:line: messages[i]") whose content the chat template rendered only in part (content_cut), of the
+    records read at `where`: the turns train on what it rendered, which a user whose data was cut must hear of."""
+    markers = reasoning_markers(tokenizer.reply_template)
+    thoughts = sum(thought for _, thought in turns)
+    many = len(turns) > 1
+    hint = ""
+    if markers and thoughts:
+        held = f"{thoughts} of them hold" if many else "it holds"
+        hint = (f"; {held} a thought in content ({markers[0].strip()}...{markers[1].strip()}), which the template "
+                "strips: give it as the message's reasoning_content to train on it")
+    warn_user(f"{where}: the chat template leaves out part of the assistant's content in {len(turns)} "
+              f"turn{'s' if many else ''} trained on ({'the first at ' if many else ''}{turns[0][0]}), which "
+              f"train{'' if many else 's'} on the turn as the template renders it{hint}")
 
 
 def _rendered_reply(tokenizer: Any, chat: list[dict[str, Any]], i: int, prompt: str, where: str) -> str:
@@ -372,15 +413,18 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
     line. `context`: (canvas length, the model's max positions, the most canvases a response keeps or None), to
     refuse an example that would not fit before a batch allocates it."""
     out = []
+    cut: list[tuple[str, bool]] = []  # warned of once for the whole data, not a line per record
     records = (record for file in jsonl_files(path) or [Path(path)] for record in jsonl_objects(file))
     for where, obj in records:
         try:
-            out += parse_examples(obj, tokenizer, where, vocab_size, context, chat_turns)
+            out += parse_examples(obj, tokenizer, where, vocab_size, context, chat_turns, cut)
         except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
             message = str(exc)
             raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
     if not out:
         raise ValueError(f"{path}: no examples")
+    if cut:
+        warn_content_cut(cut, tokenizer, str(path))
     return out
 
 

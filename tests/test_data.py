@@ -756,6 +756,64 @@ def test_every_turn_of_an_agent_chat_trains_its_prompt_holding_the_tools_answers
     assert parse_examples({"messages": chat}, tok, "d.jsonl:1", chat_turns="last") == [answer]
 
 
+@hypothesis.settings(max_examples=15, deadline=None)
+@hypothesis.given(st.lists(st.tuples(st.sampled_from(["none", "content", "reasoning_content"]),
+                                     st.text(alphabet="ab \n", max_size=6)), min_size=1, max_size=5),
+                  st.sampled_from(["all", "last"]))
+def test_a_thought_the_template_strips_from_content_is_warned_of_once_for_the_data(gemma4_tok, records, turns):
+    """Gemma 4's template strips a thought written in an assistant turn's content (<|channel>thought ...<channel|>),
+    so the turn trained on the answer alone, without a word. One warning for the data counts the turns cut and
+    names the first (its line and message), and says to give the thought as reasoning_content, which trains; a
+    content rendered whole (its ends trimmed, as the template does) is not warned of."""
+    import tempfile
+    import warnings
+
+    tok, rows, cut, trained = gemma4_tok, [], [], []
+    for line, (where, answer) in enumerate(records, start=1):
+        reply = {"role": "assistant", "content": f" a{answer} "}  # (trimmed by the template: not a cut)
+        if where == "content":
+            reply["content"] = f"<|channel>thought\nHm {answer}<channel|>{reply['content']}"
+        elif where == "reasoning_content":
+            reply["reasoning_content"] = f"Hm {answer}"
+        chat = [{"role": "user", "content": "Hi"}, reply]
+        if turns == "all":  # an earlier turn of the chat, cut alike, counts too
+            chat = [*chat[:1], {**reply}, {"role": "user", "content": "And?"}, reply]
+            cut += [f"{line}: messages[1]", f"{line}: messages[3]"] if where == "content" else []
+        else:
+            cut += [f"{line}: messages[1]"] if where == "content" else []
+        rows.append({"messages": chat})
+        # what each turn trains on: the answer as rendered, a thought in reasoning_content first, one in content gone
+        thought = f"<|channel>thought\nHm {answer}<channel|>" if where == "reasoning_content" else ""
+        trained += [f"{thought}a{answer.rstrip()}<turn|>"] * (2 if turns == "all" else 1)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "d.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            examples = load_jsonl(path, tok, chat_turns=turns)
+    said = [str(w.message) for w in caught]
+    if not cut:
+        assert said == []
+    else:
+        many = len(cut) > 1
+        assert said == [
+            f"{path}: the chat template leaves out part of the assistant's content in {len(cut)} "
+            f"turn{'s' if many else ''} trained on ({'the first at ' if many else ''}{path}:{cut[0]}), which "
+            f"train{'' if many else 's'} on the turn as the template renders it; "
+            f"{f'{len(cut)} of them hold' if many else 'it holds'} a thought in content (<|channel>thought...<channel|>), "
+            "which the template strips: give it as the message's reasoning_content to train on it"]
+    assert [tok.decode(ex.response, skip_special_tokens=False) for ex in examples] == trained
+
+
+def test_parse_examples_alone_warns_of_its_records_cut_turns(gemma4_tok):
+    """Called on one record (no data to warn once for), parse_examples warns of it itself."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<|channel>thought\nHm<channel|>a"}]
+    with pytest.warns(UserWarning, match=r"^d.jsonl:4: the chat template leaves out part of the assistant's content "
+                                         r"in 1 turn trained on \(d.jsonl:4: messages\[1\]\), which trains"):
+        [example] = parse_examples({"messages": chat}, gemma4_tok, "d.jsonl:4")
+    assert gemma4_tok.decode(example.response, skip_special_tokens=False) == "a<turn|>"
+
+
 def test_a_thought_the_template_writes_itself_is_trained_on_once(tok):
     """A template that renders reasoning_content (Qwen 3's <think>) writes the thought where it puts it: it is not
     put before it a second time."""
