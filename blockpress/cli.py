@@ -723,9 +723,11 @@ class ChatReply:
 class ReplyReader:
     """Reads a chat reply with the tokenizer's response template (Tokenizer.reply_template: the checkpoint's, or
     Gemma 4's built in) where that template reads thoughts: the thought apart from the answer, as the server gives
-    it (reasoning_content). The reply's text leaves special tokens out, so a Gemma 4 reply's thought channel read
-    "thought\\n...answer": shown glued to the answer, and kept so in the conversation, where the chat template's
-    strip_thinking (which cuts at <|channel> / <channel|>) could no longer drop it from later prompts."""
+    it (reasoning_content) to a request without tools, streamed and whole alike (response.AnswerStream and
+    answer_without_tools, which the server's replies use). The reply's text leaves special tokens out, so a Gemma 4
+    reply's thought channel read "thought\\n...answer": shown glued to the answer, and kept so in the conversation,
+    where the chat template's strip_thinking (which cuts at <|channel> / <channel|>) could no longer drop it from
+    later prompts."""
 
     lm: Any
     prompt: list[int]  # the conversation's ids: the template's start_anchor in it marks where the reply began
@@ -736,66 +738,69 @@ class ReplyReader:
     # the compiled template, or None where replies are text (no template, or one that reads no thought)
     template: Any = dataclasses.field(init=False)
     prefix: str = dataclasses.field(init=False)  # the prompt's text, its special tokens kept
+    # what `live` has settled of the reply, read on from where its last read stopped (one PartialReader a reply)
+    stream: Any = dataclasses.field(init=False)
+    budget: Any = dataclasses.field(init=False)  # the time the template's patterns may take: all the reply's reads
 
     def __post_init__(self) -> None:
-        from blockpress.response import compile_template, reads_thoughts
+        from blockpress.response import AnswerStream, PatternBudget, compile_template, reads_thoughts
 
         spec = self.lm.tokenizer.reply_template
         thoughts = reads_thoughts(spec)
         self.template = compile_template(spec) if thoughts else None
         self.prefix = self.lm.tokenizer.decode(self.prompt, skip_special_tokens=False) if thoughts else ""
+        self.stream, self.budget = AnswerStream(), PatternBudget()
 
     def raw(self, tokens: list[int]) -> str:
         from blockpress.generate import text_with_special_tokens
 
         return text_with_special_tokens(self.lm.tokenizer, tokens, self.lm._eos_ids(), "", [])
 
+    def plain(self, raw: str) -> str:
+        """The answer's text of a part of the reply read with its special tokens: those left out, as the answer
+        is decoded."""
+        tok = self.lm.tokenizer
+        return tok.decode(tok.encode(raw))
+
+    def reader(self, regions: bool = False) -> Any:
+        """A new PartialReader of the reply (`regions`: of where its regions are, response.regions_only)."""
+        from blockpress.response import PartialReader, regions_only
+
+        template = regions_only(self.template) if regions else self.template
+        return PartialReader(template, self.prefix, budget=self.budget)
+
     def read(self, out: Any) -> ChatReply:
         """The whole reply (Done's output): its answer and thought where the template reads a thought (an empty one
         too: its markers are out of the answer), else its text, as before (a call, which chat offers no tools for,
-        or a reply the template cannot read, is text too)."""
-        from blockpress.response import parse_response
+        or a reply the template cannot read, is text too, but for a thought written before the call): the message
+        the server answers a request without tools with (response.answer_without_tools)."""
+        from blockpress.response import answer_without_tools, parse_response
 
         text = decoded(out.texts, "chat")[0]
-        plain = ChatReply(text, None, {"role": "assistant", "content": text})
         template = self.template
-        if template is None:
-            return plain
-        try:
-            parsed = parse_response(template, self.raw(out.new_tokens[0, : int(out.num_new_tokens[0])].tolist()),
-                                    self.prefix, keep_empty=True)
-        except ValueError:
-            return plain
-        thought, answer = parsed.get("reasoning_content"), parsed.get("content", "")
-        if not isinstance(thought, str) or not isinstance(answer, str) or parsed.get("tool_calls"):
-            return plain
-        # the template sees what the model wrote: its answer, and its thought as reasoning_content (Gemma 4's
-        # templates leave a past thought out of the prompt; those that replay it read it there)
-        message = {"role": "assistant", "content": answer, **({"reasoning_content": thought} if thought else {})}
-        return ChatReply(answer, thought, message)
+        if template is not None:
+            raw = self.raw(out.new_tokens[0, : int(out.num_new_tokens[0])].tolist())
+            message = answer_without_tools(
+                lambda reply: parse_response(template, reply, self.prefix, budget=self.budget, keep_empty=True),
+                lambda: self.reader(regions=True), self.plain, raw)
+            if message is not None:
+                # the template sees what the model wrote: its answer, and its thought as reasoning_content (Gemma
+                # 4's templates leave a past thought out of the prompt; those that replay it read it there)
+                return ChatReply(message["content"], message.get("reasoning_content"), message)
+        return ChatReply(text, None, {"role": "assistant", "content": text})
 
     def live(self, event: Any, settled: str) -> str:
         """What a Commit adds to the screen: the thought's growth dimmed, then the answer's on a line of its own, as
-        the template settles them (parse_partial); `settled`, the plain settled text, until a thought shows."""
-        import os.path
+        the template settles them (response.AnswerStream, as the server streams them); `settled`, the plain settled
+        text, until a thought shows."""
+        from blockpress.generate import settled_text
 
-        from blockpress.response import parse_partial
-
-        template = self.template
-        if template is None:
+        if self.template is None:
             return self._grow("", settled)
         written = int(event.num_new_tokens[0])
         self.tokens += event.tokens[0, : written - len(self.tokens)].tolist()
-        try:
-            partial = parse_partial(template, self.raw(self.tokens), self.prefix)
-        except ValueError:
-            return ""  # the rest is printed whole when the reply is done
-        thought = partial.settled_text("reasoning_content")
-        seen = bool(thought) or partial.began("reasoning_content")
-        answer = partial.settled_text("content")
-        if not seen:  # the answer may yet be the plain text
-            answer = os.path.commonprefix([settled.rstrip("\ufffd"), answer])
-        return self._grow(thought, answer)
+        self.stream.advance(self.reader, settled_text(self.raw(self.tokens), []), settled, calls_wanted=False)
+        return self._grow(self.stream.reasoning, self.stream.content)  # (unread: the rest is printed once done)
 
     def _grow(self, thought: str, answer: str) -> str:
         """The text that takes the screen from what it shows to `thought` and `answer` (what it shows of each that

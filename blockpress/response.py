@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os.path
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -917,3 +918,113 @@ def _read(template: ResponseTemplate, text: str, prefix: str, tools: Any, ended:
     state = _Scan(copy.deepcopy(template.defaults), template.implicit, {})
     return _scan(template, _reply_start(template, prefix, budget) + text, tool_parameters(tools), ended, budget,
                  state)
+
+
+# -- a reply's answer, whole or streamed (the server's chat replies and `blockpress chat` alike) ----------------------
+
+
+def common_prefix(a: str, b: str, known: str) -> str:
+    """os.path.commonprefix([a, b]), compared from the end of `known` where both start with it (what a stream has
+    sent of them): a stream's comparisons of its growing texts then take time in the text each chunk adds, where
+    comparing them whole at each chunk (a character a step, in Python) took time in the reply's length squared."""
+    if not (a.startswith(known) and b.startswith(known)):
+        return os.path.commonprefix([a, b])
+    end = len(known)
+    while end < len(a) and end < len(b) and a[end] == b[end]:
+        end += 1
+    return a[:end]
+
+
+def thought_then_text(regions: Callable[[], PartialReader], plain: Callable[[str], str],
+                      raw: str) -> dict[str, Any] | None:
+    """The assistant message of a reply to which no tools were offered and that writes a call, which makes the
+    reply text: None (the text) unless a thought came before the call. A stream shows that thought as it is
+    written, before the call's marker does, so the answer keeps it as `reasoning_content`, the thought the template
+    reads before the call, and its content is the reply's text around that thought (before it, then after it: the
+    call written as text), its ends trimmed as the template trims a content. (A thought after the call, which a
+    stream has not shown, is text too.) `regions`: a new reader of where the reply's regions are (regions_only);
+    `plain`: the answer's text of a part of the reply `raw` (its special tokens left out)."""
+    try:
+        whole = regions().read(raw)
+        call_at, thought_at = whole.opened_at.get("tool_calls"), whole.opened_at.get("reasoning_content")
+        if call_at is None or thought_at is None or thought_at > call_at:
+            return None
+        before = regions().read(raw[:call_at])  # (the call's marker: the reply's start settles)
+    except ValueError:  # (the template's patterns out of time: the text, as before)
+        return None
+    reasoning, thought_end = before.closed.get("reasoning_content"), before.closed_at.get("reasoning_content")
+    if not isinstance(reasoning, str) or thought_end is None:
+        return None
+    content = (plain(raw[:thought_at]) + plain(raw[thought_end:])).strip()
+    return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
+
+
+def answer_without_tools(parse: Callable[[str], dict[str, Any]], regions: Callable[[], PartialReader],
+                         plain: Callable[[str], str], raw: str) -> dict[str, Any] | None:
+    """The assistant message of a whole reply `raw` to which no tools were offered, read with a template that reads
+    thoughts (`parse`: parse_response of it, keep_empty): its thought as `reasoning_content` apart from the content
+    (an empty thought is one: its markers are out of the content, but it is not kept); None where the answer is
+    the reply's text: no thought, or a reply the template cannot read. A call makes the reply text, but for a thought
+    before it (thought_then_text)."""
+    try:
+        parsed = parse(raw)
+    except ValueError:  # (a call the request offers no tools for is text, whatever it holds)
+        return thought_then_text(regions, plain, raw)
+    if parsed.get("tool_calls"):
+        return thought_then_text(regions, plain, raw)
+    reasoning, content = parsed.get("reasoning_content"), parsed.get("content")
+    if not isinstance(reasoning, str):
+        return None
+    return {"role": "assistant", "content": content if isinstance(content, str) else "",
+            **({"reasoning_content": reasoning} if reasoning else {})}
+
+
+@dataclass
+class AnswerStream:
+    """What a stream of a reply read with a response template has sent of its answer's thought and content: each
+    goes out as the reply settles it, so that what is sent adds up to the whole answer (answer_without_tools, or
+    the server's tool message). Until a thought shows, the content sent is also the start of the reply's plain
+    text, which is the answer where no thought (nor, with tools, call) comes; after one, the answer is the
+    template's reading."""
+
+    content: str = ""
+    reasoning: str = ""
+    unread: bool = False  # the template cannot read the reply so far (a malformed call): the answer is text
+    reader: PartialReader | None = None  # the reply's, made at its first read
+
+    def advance(self, read_partial: Callable[[], PartialReader], raw: str, plain: str,
+                calls_wanted: bool) -> tuple[list[dict[str, str]], PartialMessage | None]:
+        """The deltas ({"reasoning_content": ...} or {"content": ...}) that the reply so far settles and that were
+        not sent, and what it reads (None: it is unread). `raw`: the reply so far with its special tokens, `plain`
+        its answer's text, each short of a tail that may yet change; `calls_wanted`: the request offers tools."""
+        if self.unread:
+            return [], None
+        if self.reader is None:
+            self.reader = read_partial()
+        try:
+            partial = self.reader.read(raw)
+        except ValueError:
+            self.unread = True
+            return [], None
+        if not calls_wanted and partial.began("tool_calls"):
+            self.unread = True  # a call where the request offers no tools: the answer is text (answer_without_tools)
+            return [], None
+        deltas: list[dict[str, str]] = []
+        reasoning = partial.settled_text("reasoning_content")
+        thought = bool(reasoning) or partial.began("reasoning_content")
+        if len(reasoning) > len(self.reasoning) and reasoning.startswith(self.reasoning):
+            deltas.append({"reasoning_content": reasoning[len(self.reasoning):]})
+            self.reasoning = reasoning
+        content = partial.settled_text("content")
+        if not thought:  # the answer may yet be the plain text
+            if content and not calls_wanted:
+                # Without tools the answer is the plain text unless a thought shows (a call leaves it text), so the
+                # plain text's leading whitespace, which the template's content trims, is its start once text
+                # follows. Where the request offers tools, a call would make the answer the template's trimmed
+                # content: a reply that opens with whitespace then sends nothing until its call or its end.
+                content = plain[: len(plain) - len(plain.lstrip())] + content
+            content = common_prefix(plain, content, self.content)
+        if len(content) > len(self.content) and content.startswith(self.content):
+            deltas.append({"content": content[len(self.content):]})
+            self.content = content
+        return deltas, partial

@@ -62,7 +62,7 @@ text (the client parses it). A request without tools (or with tool_choice "none"
 where the template reads thoughts, as transformers' server and vLLM's reasoning parsers read every reply: the thought
 is `reasoning_content` (an empty one is left out), not glued to the content; a call such a reply writes anyway makes
 it text, as before, but for a thought written before the call, which a stream has sent: that stays the answer's
-`reasoning_content`, the text around it the content (Reply.thought_then_text). `tool_choice` is only "auto" or "none";
+`reasoning_content`, the text around it the content (response.thought_then_text). `tool_choice` is only "auto" or "none";
 `parallel_tool_calls: false` keeps a reply's first call alone (Reply.one_call).
 
 Prompts are kept encoded between requests (prefix.py, a byte budget): a request that starts like an earlier
@@ -79,7 +79,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import threading
 import time
@@ -119,8 +118,10 @@ from .healing import heal, heal_into_template, strip_prefix
 from .lm import LM
 from .prefix import PrefixCache
 from .response import (
+    AnswerStream,
     PartialReader,
     PatternBudget,
+    answer_without_tools,
     compile_template,
     parse_response,
     reads_thoughts,
@@ -1028,7 +1029,7 @@ class Reply:
     one_call: bool = False
     # The request offers tools (and tool_choice is not "none"): a call comes back as one. Else the reply is read for
     # its thought alone, and one that writes a call anyway is answered as text, as before (but for a thought before
-    # the call, which a stream has sent: Reply.thought_then_text).
+    # the call, which a stream has sent: response.thought_then_text).
     calls_wanted: bool = True
     # The answer's text of a part of the reply read with special tokens (Job.keep_special): those left out, as the
     # answer's text is decoded. `read_regions`: a reader of where the reply's regions are (response.regions_only).
@@ -1054,17 +1055,18 @@ class Reply:
         template cannot read (the model wrote a malformed call), which is logged."""
         if self.parse is None or done.raw is None:
             return None
+        if not self.calls_wanted:  # (as `blockpress chat` reads its replies)
+            if self.read_regions is None or self.plain is None:
+                raise ValueError("tool_message: a reply read without tools needs plain and read_regions")
+            answer = answer_without_tools(self.parse, self.read_regions, self.plain, done.raw)
+            return None if answer is None else {"message": answer, "finish_reason": done.finish}
         try:
             parsed = self.parse(done.raw)
         except ValueError as exc:
-            if not self.calls_wanted:  # (a call the request offers no tools for is text, whatever it holds)
-                return self.thought_then_text(done)
             log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
             return None
         calls = self.calls(parsed.get("tool_calls"), ids)
         reasoning = parsed.get("reasoning_content")
-        if calls and not self.calls_wanted:
-            return self.thought_then_text(done)
         if calls is None or not (calls or isinstance(reasoning, str)):
             return None
         reasoning = reasoning or None  # (an empty thought: none to show)
@@ -1076,30 +1078,6 @@ class Reply:
         if reasoning is not None:  # what vLLM and DeepSeek's API call it
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
-
-    def thought_then_text(self, done: JobDone) -> dict | None:
-        """The answer to a request without tools whose reply writes a call, which makes the reply text: None (the
-        text, as before) unless a thought came before the call. A stream sends that thought as it is written, before
-        the call's marker shows, so the answer keeps it as `reasoning_content`, the thought the template reads
-        before the call, and its content is the reply's text around that thought (before it, then after it: the
-        call written as text), its ends trimmed as the template trims a content. (A thought after the call, which a
-        stream has not sent, is text too.)"""
-        if self.read_regions is None or self.plain is None or done.raw is None:
-            return None
-        try:
-            whole = self.read_regions().read(done.raw)
-            call_at, thought_at = whole.opened_at.get("tool_calls"), whole.opened_at.get("reasoning_content")
-            if call_at is None or thought_at is None or thought_at > call_at:
-                return None
-            before = self.read_regions().read(done.raw[:call_at])  # (the call's marker: the reply's start settles)
-        except ValueError:  # (the template's patterns out of time: the text, as before)
-            return None
-        reasoning, thought_end = before.closed.get("reasoning_content"), before.closed_at.get("reasoning_content")
-        if not isinstance(reasoning, str) or thought_end is None:
-            return None
-        content = (self.plain(done.raw[:thought_at]) + self.plain(done.raw[thought_end:])).strip()
-        message = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
-        return {"message": message, "finish_reason": done.finish}
 
     def calls(self, found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
         """openai_calls of a parsed reply, the first alone where the request allows one (one_call)."""
@@ -1137,18 +1115,12 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
 
 
 @dataclass
-class ToolStream:
+class ToolStream(AnswerStream):
     """A streamed chat reply read for tool calls (Reply.parse): what of it has been sent. Its thought and content go
-    out as the reply settles them, and each call once its closing marker is written, so that the chunks add up to
-    the whole answer (Reply.tool_message). Until a thought shows, the content sent is also the start of the
-    reply's plain text, which is the answer where no call comes; after one, the answer is the template's reading
-    (Reply.tool_message), call or not."""
+    out as the reply settles them (AnswerStream, as `blockpress chat` shows them), and each call once its closing
+    marker is written, so that the chunks add up to the whole answer (Reply.tool_message)."""
 
-    content: str = ""
-    reasoning: str = ""
     calls: list[dict] = field(default_factory=list)
-    unread: bool = False  # the template cannot read the reply so far (a malformed call): the answer is text
-    reader: PartialReader | None = None  # the reply's (Reply.read_partial), made at its first chunk
 
     def settle(self, reply: Reply, item: JobText, stops: Sequence[str]) -> list[dict]:
         """The deltas that the reply so far settles and that have not been sent."""
@@ -1157,43 +1129,20 @@ class ToolStream:
                              "has parse and read_partial both)")
         if self.unread or item.raw is None:
             return []
-        if self.reader is None:
-            self.reader = reply.read_partial()
-        try:  # (a stop string cuts the answer: only text before every one that may be starting is settled)
-            partial = self.reader.read(settled_text(cut_at_stop(item.raw, stops), stops))
-        except ValueError:
-            self.unread = True
-            return []
-        if not reply.calls_wanted and partial.began("tool_calls"):
-            self.unread = True  # a call where the request offers no tools: the answer is text (Reply.tool_message)
-            return []
-        deltas: list[dict[str, Any]] = []
-        reasoning = partial.settled_text("reasoning_content")
-        thought = bool(reasoning) or partial.began("reasoning_content")
-        if len(reasoning) > len(self.reasoning) and reasoning.startswith(self.reasoning):
-            deltas.append({"reasoning_content": reasoning[len(self.reasoning):]})
-            self.reasoning = reasoning
-        content = partial.settled_text("content")
-        if not thought:  # the answer may yet be the plain text
-            plain = settled_text(item.text, stops)
-            if content and not reply.calls_wanted:
-                # Without tools the answer is the plain text unless a thought shows (a call leaves it text), so the
-                # plain text's leading whitespace, which the template's content trims, is its start once text
-                # follows. Where the request offers tools, a call would make the answer the template's trimmed
-                # content: a reply that opens with whitespace then sends nothing until its call or its end.
-                content = plain[: len(plain) - len(plain.lstrip())] + content
-            content = common_prefix(plain, content, self.content)
-        if len(content) > len(self.content) and content.startswith(self.content):
-            deltas.append({"content": content[len(self.content):]})
-            self.content = content
+        # (a stop string cuts the answer: only text before every one that may be starting is settled)
+        deltas, partial = self.advance(reply.read_partial, settled_text(cut_at_stop(item.raw, stops), stops),
+                                       settled_text(item.text, stops), reply.calls_wanted)
+        if partial is None:
+            return list(deltas)
         calls = reply.calls(partial.closed.get("tool_calls"), [c["id"] for c in self.calls])
         if calls is None:
             self.unread = True
-            return deltas
+            return list(deltas)
+        out: list[dict] = list(deltas)
         for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
-            deltas.append({"tool_calls": [{"index": k, **call}]})
+            out.append({"tool_calls": [{"index": k, **call}]})
         self.calls = calls
-        return deltas
+        return out
 
     def finish(self, reply: Reply, done: JobDone) -> tuple[list[dict], str]:
         """The deltas left of the whole answer, and its finish_reason."""
@@ -1215,18 +1164,6 @@ class ToolStream:
         for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
             deltas.append({"tool_calls": [{"index": k, **call}]})
         return deltas, called["finish_reason"] if called is not None else done.finish
-
-
-def common_prefix(a: str, b: str, known: str) -> str:
-    """os.path.commonprefix([a, b]), compared from the end of `known` where both start with it (what a stream has
-    sent of them): a stream's comparisons of its growing texts then take time in the text each chunk adds, where
-    comparing them whole at each chunk (a character a step, in Python) took time in the reply's length squared."""
-    if not (a.startswith(known) and b.startswith(known)):
-        return os.path.commonprefix([a, b])
-    end = len(known)
-    while end < len(a) and end < len(b) and a[end] == b[end]:
-        end += 1
-    return a[:end]
 
 
 def field_path(loc: Sequence[str | int]) -> str:

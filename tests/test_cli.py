@@ -3534,6 +3534,72 @@ def test_chat_on_a_terminal_shows_a_gemma4_thought_dimmed_above_the_answer(tmp_p
     assert piped.getvalue() == "Hello there.\n"
 
 
+CHAT_REPLIES = {  # Gemma 4 replies that each read differently
+    "plain": "Hello there, how are you today?",
+    "thought then text": "<|channel>thought\nLet me think.<channel|>Hello there, how are you?",
+    "thought then call": '<|channel>thought\nLet me think.<channel|>Checking.<|tool_call>call:weather{city:<|"|>Oslo<|"|>}'
+                         '<tool_call|>',
+    "leading whitespace": "  Hello there, how are you today?",
+}
+
+
+@pytest.mark.parametrize("name", list(CHAT_REPLIES))
+def test_chat_shows_and_keeps_the_answer_the_server_gives(name, tmp_path, monkeypatch):
+    """`chat` read a reply as the server did before it read its thought-then-call and leading-whitespace replies
+    anew: a thought then a call showed the thought and "Checking." live, then kept the whole text, the thought glued
+    to it ("thought\\nLet me think.Checking.call:weather..."), and a reply opening with whitespace showed nothing
+    until its end. What it shows (the thought dimmed, the answer under it) and keeps in the conversation is now the
+    message the server answers the same reply with, unstreamed, to a request without tools (Reply.tool_message), and
+    the answer's start is on screen before the reply is done."""
+    pytest.importorskip("fastapi")
+    import blockpress.lm
+    from blockpress.generate import Done
+    from blockpress.response import (
+        PartialReader,
+        compile_template,
+        gemma4_response_template,
+        parse_response,
+        regions_only,
+    )
+    from blockpress.serve import JobDone, Reply
+
+    reply = CHAT_REPLIES[name]
+    prompts, tok = gemma4_chat(tmp_path, monkeypatch, [reply, "Fine."])
+    screen = TerminalIO()
+    live = []  # the screen when the reply was done, before its rest was printed
+    stream = blockpress.lm.LM.chat_stream
+
+    def spy(self, *a, **kw):
+        for event in stream(self, *a, **kw):
+            if isinstance(event, Done):
+                live.append(screen.getvalue())
+            yield event
+    monkeypatch.setattr(blockpress.lm.LM, "chat_stream", spy)
+    monkeypatch.setattr(sys, "stdin", TerminalIO("hi\nand again\n"))
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert main(["chat", "--model", str(tmp_path), "--steps", "1", "--max-new-tokens", "96", "--threads", "1"]) == 0
+    # the server's unstreamed answer to the same prompt and reply, read as serve reads a request without tools
+    template, prefix = compile_template(gemma4_response_template()), tok.decode(prompts[0], skip_special_tokens=False)
+    text = tok.decode(tok.encode(reply))
+    served = Reply([], "chat", "m", 1, parse=lambda raw: parse_response(template, raw, prefix, keep_empty=True),
+                   read_partial=lambda: PartialReader(template, prefix), calls_wanted=False,
+                   plain=lambda raw: tok.decode(tok.encode(raw)),
+                   read_regions=lambda: PartialReader(regions_only(template), prefix))
+    called = served.tool_message(JobDone(text, len(tok.encode(reply)) + 1, 1, "stop", 0, reply))
+    message = called["message"] if called is not None else {"role": "assistant", "content": text}
+    thought = message.get("reasoning_content")
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", screen.getvalue())
+    assert shown.startswith("you> model> " + (f"{thought}\n" if thought else "") + message["content"] + "\nyou> ")
+    assert "".join(re.findall("\x1b\\[2m(.*?)\x1b\\[0m", screen.getvalue(), re.DOTALL)) == (thought or "")
+    kept = [{"role": "user", "content": "hi"}, message, {"role": "user", "content": "and again"}]
+    assert prompts[1] == tok.apply_chat_template(kept, tokenize=True)  # the conversation goes on with it
+    before_done = re.sub(r"\x1b\[[0-9;]*m", "", live[0])
+    assert shown.startswith(before_done)
+    # more than the thought was on screen before the reply's end
+    assert len(before_done) > len("you> model> " + (f"{thought}\n" if thought else "")), before_done
+
+
 def test_generate_chat_gives_a_gemma4_thought_apart_from_the_answer(tmp_path, monkeypatch, capsys):
     """generate --chat with a Gemma 4 template's thinking on (--chat-template-kwargs) printed the reply with its
     thought channel's markers left out, "thought\\nLet me think.Hello there.", as chat did before it read replies
