@@ -1156,8 +1156,9 @@ class ToolStream(AnswerStream):
                 deltas.append({key: whole[len(sent):]})
         if not content.startswith(self.content) or not reasoning.startswith(self.reasoning) or \
                 calls[: len(self.calls)] != self.calls:
-            # a template whose content keeps only its last part, written after a call, or a malformed call after
-            # well-formed ones sent already: what was sent cannot be taken back
+            # a template whose content (or thought) keeps only its last part, written after a call or a thought
+            # (no point of a reply rules a later one out), or a malformed call after well-formed ones sent already:
+            # what was sent cannot be taken back
             log.warning("serve: a streamed reply's chunks differ from its whole answer (%d calls, %.80r and thought "
                         "%.80r sent; the answer has %.80r, thought %.80r and %d calls)", len(self.calls), self.content,
                         self.reasoning, content, reasoning, len(calls))
