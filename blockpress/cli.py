@@ -741,20 +741,25 @@ class ReplyReader:
     # what `live` has settled of the reply, read on from where its last read stopped (one PartialReader a reply)
     stream: Any = dataclasses.field(init=False)
     budget: Any = dataclasses.field(init=False)  # the time the template's patterns may take: all the reply's reads
+    decoded: Any = dataclasses.field(init=False)  # the reply's text with special tokens, decoded on at each commit
 
     def __post_init__(self) -> None:
         from blockpress.response import AnswerStream, PatternBudget, compile_template, reads_thoughts
+        from blockpress.tokenizer import TextStream
 
         spec = self.lm.tokenizer.reply_template
         thoughts = reads_thoughts(spec)
         self.template = compile_template(spec) if thoughts else None
         self.prefix = self.lm.tokenizer.decode(self.prompt, skip_special_tokens=False) if thoughts else ""
         self.stream, self.budget = AnswerStream(), PatternBudget()
+        self.decoded = TextStream(self.lm.tokenizer, skip_special_tokens=False)
 
     def raw(self, tokens: list[int]) -> str:
+        """The reply's text with its special tokens (a TextStream's: what the tokens since the last call add is
+        decoded, not the whole reply again)."""
         from blockpress.generate import text_with_special_tokens
 
-        return text_with_special_tokens(self.lm.tokenizer, tokens, self.lm._eos_ids(), "", [])
+        return text_with_special_tokens(self.lm.tokenizer, tokens, self.lm._eos_ids(), "", [], self.decoded)
 
     def plain(self, raw: str) -> str:
         """The answer's text of a part of the reply read with its special tokens: those left out, as the answer

@@ -38,6 +38,7 @@ from .sampling import (
     sample,
     take_rows,
 )
+from .tokenizer import TextStream
 
 # A marker and the backslashes right before it (they escape it): ASCII digits, as \d would take "３" or "٣" as well
 _HOLE_RE = re.compile(r"(\\*)(<\|hole(?::([0-9]+))?\|>)")
@@ -758,22 +759,26 @@ def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[li
 @dataclass
 class _RowTexts:
     """Each row's text as its new tokens grow, for the stop search, the Commit events' texts so far and Done's
-    output.texts: decoded whole (a character whose bytes straddle two canvases comes out whole) and once per length, shared by the
-    three. A row only grows (tokens once written stay), so its newest text is all there is to keep; the text of its
-    first min_new_tokens (the stop floor) is fixed once it has them, so that is decoded once per generation."""
+    output.texts: the text of all its tokens, as decoded whole (a character whose bytes straddle two canvases comes out
+    whole), once per length, shared by the three. A row only grows (tokens once written stay), so its newest text is
+    all there is to keep, and each row's TextStream decodes only what its new tokens add (but for a template's rows,
+    decoded whole: which special tokens they keep depends on the position); the text of its first min_new_tokens (the
+    stop floor) is fixed once it has them, so that is decoded once per generation."""
 
     req: Request
     tokenizer: Any
     newest: list[tuple[int, str] | None]  # per row: (tokens, their text) last decoded
     floors: list[int | None]  # per row: stop_floor, once the row has more than its min_new_tokens tokens
     minimums: list[int]  # per row: the new tokens no stop string ends in (min_new_tokens, or 0: eos_only_minimum)
+    streams: list[TextStream]  # per row: its text so far, decoded on (special tokens dropped, as decode_rows does)
 
     @classmethod
     def of(cls, req: Request, tokenizer: Any) -> _RowTexts:
         b = req.prompt.shape[0]
         eos_only = req.eos_only_minimum or (False,) * b
         return cls(req, tokenizer, [None] * b, [None] * b,
-                   [0 if only else m for m, only in zip(req.row_budgets()[1], eos_only)])
+                   [0 if only else m for m, only in zip(req.row_budgets()[1], eos_only)],
+                   [TextStream(tokenizer) for _ in range(b)])
 
     def _decode(self, r: int, row: list[int]) -> str:
         template = None if self.req.template is None else self.req.template[r : r + 1]
@@ -785,7 +790,12 @@ class _RowTexts:
         decode_rows), without the healed prefix the prompt holds, not cut at a stop string."""
         newest = self.newest[r]
         if newest is None or newest[0] != len(row):
-            newest = self.newest[r] = (len(row), self._decode(r, row))
+            if self.req.template is None:
+                prefix = self.req.heal_prefixes[r] if self.req.heal_prefixes else ""
+                text = strip_prefix(self.streams[r].text(row), prefix)
+            else:
+                text = self._decode(r, row)
+            newest = self.newest[r] = (len(row), text)
         return newest[1]
 
     def floor(self, r: int, row: list[int]) -> int:
@@ -936,14 +946,16 @@ def settled_text(text: str, stops: Sequence[str]) -> str:
 
 
 def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,
-                             stops: Sequence[str]) -> str:
+                             stops: Sequence[str], stream: TextStream | None = None) -> str:
     """An answer's valid new `tokens` as a response template reads them: decoded with their special tokens, but
     without the end-of-turn token that ended the row, the healed prefix that the prompt holds, and the stop string
     that ended it (`stops`: the row's, when one did; it completes in the last token, so the cut is at the first
-    occurrence ending there, as the answer's text is cut)."""
+    occurrence ending there, as the answer's text is cut). `stream`: a TextStream of `tok` keeping special tokens,
+    which read the answer's earlier tokens (a reply read at each commit): it decodes only what the new ones add."""
     if tokens and tokens[-1] in eos_ids:
         tokens = tokens[:-1]
-    text = strip_prefix(tok.decode(tokens, skip_special_tokens=False), heal_prefix)
+    text = strip_prefix(tok.decode(tokens, skip_special_tokens=False) if stream is None else stream.text(tokens),
+                        heal_prefix)
     if stops and tokens:
         text = cut_at_stop(text, stops, len(strip_prefix(tok.decode(tokens[:-1], skip_special_tokens=False),
                                                          heal_prefix)))

@@ -128,7 +128,7 @@ from .response import (
     regions_only,
 )
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
-from .tokenizer import MessageError, chat_message, template_variables
+from .tokenizer import MessageError, TextStream, chat_message, template_variables
 
 # -- request bodies (OpenAI fields + diffusion extras; anything else is rejected with a clear 400) ---------
 
@@ -713,6 +713,8 @@ class Batch:
         self.events: Iterator[Draft | Commit | Done | Cancelled] | None = None  # made at the first advance
         self.texts = [""] * len(jobs)  # each job's answer so far (the engine's text of all its committed tokens)
         self.tokens: list[list[int]] = [[] for _ in jobs]  # each job's valid new tokens so far (Job.keep_special)
+        # their text with special tokens, decoded on at each commit (Job.keep_special), not whole again
+        self.raws = [TextStream(engine.lm.tokenizer, skip_special_tokens=False) for _ in jobs]
         self.committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
 
     def advance(self) -> bool:
@@ -757,7 +759,8 @@ class Batch:
             raw = None
             if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
                 self.tokens[i] += event.tokens[i, : int(written[i]) - len(self.tokens[i])].tolist()
-                raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [])
+                raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [],
+                                               self.raws[i])
             job.put(JobText(self.texts[i], raw))
 
     def done(self, out: Any) -> None:

@@ -581,6 +581,20 @@ def test_stream_parse_benchmark_smoke(monkeypatch, capsys):
     assert all(row["chunks"] == -(-row["chars"] // 12) and row["whole_s"] > 0 and row["read_on_s"] > 0 for row in rows)
 
 
+def test_detokenize_benchmark_smoke(monkeypatch, capsys):
+    """Its stream's texts are the whole decodes at every commit (it exits naming the reply where they are not), with
+    special tokens dropped and kept, in commits of each size."""
+    code, out, err = run_script_in_process("benchmarks/detokenize.py", ["--tokens", "300", "--commit-tokens", "7", "64",
+                                                                        "--repeats", "1"], monkeypatch, capsys)
+    assert code in (0, None), err
+    rows = json.loads(out)["rows"]
+    timed = [row for row in rows if "commits" in row]
+    assert [(row["commit_tokens"], row["special_tokens"]) for row in timed] == [
+        (7, "dropped"), (7, "kept"), (64, "dropped"), (64, "kept")]
+    assert all(row["tokens"] == 300 and row["commits"] == -(-300 // row["commit_tokens"]) for row in timed)
+    assert all(row["whole_s"] > 0 and row["stream_s"] > 0 for row in timed) and rows[-1]["plain_round_trip_s"] > 0
+
+
 def test_prefill_memory_refuses_a_cache_that_cannot_fit(monkeypatch, capsys):
     """--batch 100000000 started a child that died in torch's allocator, its traceback relayed. (In this process:
     a traceback would propagate; the refusal comes before any child is started.)"""

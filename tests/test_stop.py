@@ -327,9 +327,10 @@ def test_each_row_is_decoded_once_a_commit_and_reads_as_a_plain_decode(tiny_lm, 
     for k, (commit, n_calls) in enumerate(zip(commits, counts)):
         now = commit.num_new_tokens.tolist()
         stopped_here = [out.extra["stopped"][r] and now[r] == want[r] and written[r] < want[r] for r in range(2)]
-        # A canvas decoded on its own and the row's text so far; a row's floor the commit it passes min_new_tokens;
-        # where a stop string ends, a bisection.
-        bound = sum(2 + (written[r] <= kw["min_new_tokens"] < now[r]) + stopped_here[r] * len(ids[r]).bit_length()
+        # A canvas decoded on its own and the row's text so far (tokenizer.TextStream: the last few settled tokens,
+        # then those with the new ones); a row's floor the commit it passes min_new_tokens; where a stop string ends,
+        # a bisection.
+        bound = sum(3 + (written[r] <= kw["min_new_tokens"] < now[r]) + stopped_here[r] * len(ids[r]).bit_length()
                     for r in range(2))
         assert n_calls <= bound, (k, n_calls, bound)
         for r in range(2):

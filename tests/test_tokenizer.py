@@ -1190,3 +1190,97 @@ def test_a_template_renders_untraced_and_its_time_limit_holds_under_a_tracer(tok
     finally:
         sys.settrace(before)
     assert "<template>" in seen
+
+
+def _sentencepiece_like() -> Tokenizer:
+    """A Gemma-style SentencePiece tokenizer, as tokenizer.json writes one: pieces with ▁ for a space, one token per
+    byte for what they lack (byte fallback: a character's bytes may be split over tokens, and a byte that makes the
+    bytes before it invalid turns each into U+FFFD), a decoder that strips the text's leading space, special tokens
+    and an added token that is not special."""
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<unk>"])}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "a", "b", "c", "é", "日", "▁a", "ab", "▁ab", "▁▁"]:
+        vocab[piece] = len(vocab)
+    backend = tokenizers.Tokenizer(models.BPE(vocab, [("▁", "a"), ("a", "b"), ("▁a", "b"), ("▁", "▁")],
+                                              byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"])
+    backend.add_tokens(["<mask>"])
+    return Tokenizer(backend=backend, bos_id=2, eos_ids=[1, 4], pad_id=0)
+
+
+def _code_tokenizer() -> Tokenizer:
+    from blockpress.lm import MODELS_DIR
+
+    return Tokenizer.from_dir(MODELS_DIR / "blockpress-code")
+
+
+STREAM_TOKENIZERS = {"blockpress-code": _code_tokenizer(), "sentencepiece-like": _sentencepiece_like()}
+
+
+@st.composite
+def _token_runs(draw: Any, tokenizer: Tokenizer) -> list[int]:
+    """Ids as a reply may hold them: any token (a byte alone), runs of special tokens, and text's tokens, whose
+    characters' bytes byte fallback spreads over several."""
+    special = sorted(tokenizer.special_ids)
+    parts = st.one_of(st.integers(0, tokenizer.vocab_size - 1).map(lambda i: [i]),
+                      st.lists(st.sampled_from(special), min_size=1, max_size=8),  # a run of them: the window's all
+                      st.text(alphabet="ab c\n é日€🙂\ufffd<>", max_size=6).map(tokenizer.encode),
+                      st.text(alphabet="€🙂", min_size=2, max_size=4).map(tokenizer.encode))  # a run of byte tokens
+    return [i for part in draw(st.lists(parts, max_size=24)) for i in part]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(STREAM_TOKENIZERS)), skip=st.booleans())
+def test_a_text_stream_reads_every_prefix_as_the_whole_decode(data: Any, name: str, skip: bool) -> None:
+    """TextStream decodes a window of the ids since its settled text: at each call, in steps of any size, its text is
+    decode's of all the ids so far, a character split over tokens, a byte that spoils the bytes before it, special
+    tokens and a decoder that strips the text's leading space included; and after ids that do not continue the
+    last ones (a shorter row)."""
+    from blockpress.tokenizer import TextStream
+
+    tokenizer = STREAM_TOKENIZERS[name]
+    ids = data.draw(_token_runs(tokenizer), "ids")
+    steps = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=len(ids) + 1), "steps")
+    stream = TextStream(tokenizer, skip_special_tokens=skip)
+    end = 0
+    for step in steps * (len(ids) + 1):
+        end = min(end + step, len(ids))
+        assert stream.text(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=skip), ids[:end]
+        if end == len(ids):
+            break
+    other = ids[: data.draw(st.integers(0, len(ids)), "kept")] + data.draw(_token_runs(tokenizer), "other")
+    assert stream.text(other) == tokenizer.decode(other, skip_special_tokens=skip), other
+
+
+class _CountingDecodes:
+    """A tokenizer that counts the ids it decodes."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer, self.decoded = tokenizer, 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_TOKENIZERS))
+def test_a_text_stream_decodes_the_new_ids_not_the_whole_reply_again(name: str) -> None:
+    """Each call decodes a few ids before the new ones twice, not all of them (each commit of a reply decoded the
+    whole reply: its length squared), a character split over a step's edge and a reply's special tokens included."""
+    from blockpress.tokenizer import STREAM_OVERLAP, TextStream
+
+    tokenizer = STREAM_TOKENIZERS[name]
+    ids = tokenizer.encode("<start_of_turn>" + "a b 日€ é🙂 ab\n" * 40 + "<end_of_turn>")
+    for skip in (True, False):
+        counting = _CountingDecodes(tokenizer)
+        stream = TextStream(counting, skip_special_tokens=skip)
+        for end in range(7, len(ids) + 7, 7):
+            before = counting.decoded
+            assert stream.text(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=skip)
+            assert counting.decoded - before <= 2 * (7 + 7 + 2 * STREAM_OVERLAP), (end, counting.decoded - before)
