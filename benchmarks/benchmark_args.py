@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,16 @@ def _int_at_least(least: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The fewest seconds `run()` took in `repeats` runs: the run least disturbed by the machine's other work."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def preset_name(text: str) -> str:

@@ -17,9 +17,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import time
 
-from benchmark_args import Formatter, positive_int
+from benchmark_args import Formatter, best_seconds, positive_int
 
 from blockpress.lm import MODELS_DIR
 from blockpress.tokenizer import TextStream, Tokenizer
@@ -68,14 +67,7 @@ def main() -> None:
                     texts = TextStream(tok, skip_special_tokens=skip)
                     return [texts.text(ids[:end]) for end in ends]
 
-                seconds = {}
-                for name, run in (("whole", whole), ("stream", stream)):
-                    best = float("inf")
-                    for _ in range(args.repeats):
-                        start = time.perf_counter()
-                        run()
-                        best = min(best, time.perf_counter() - start)
-                    seconds[name] = best
+                seconds = {name: best_seconds(run, args.repeats) for name, run in (("whole", whole), ("stream", stream))}
                 if whole() != stream():
                     raise SystemExit(f"the stream's texts differ from the whole decodes ({tokens} tokens, commits of "
                                      f"{step}, skip_special_tokens={skip})")
@@ -84,11 +76,7 @@ def main() -> None:
                              "stream_s": round(seconds["stream"], 4),
                              "speedup": round(seconds["whole"] / seconds["stream"], 1)})
         raw = tok.decode(ids, skip_special_tokens=False)
-        best = float("inf")
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            tok.decode(tok.encode(raw))
-            best = min(best, time.perf_counter() - start)
+        best = best_seconds(lambda raw=raw: tok.decode(tok.encode(raw)), args.repeats)
         rows.append({"tokens": len(ids), "plain_round_trip_s": round(best, 4)})
     print(json.dumps({"rows": rows}, indent=1))
 

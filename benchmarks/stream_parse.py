@@ -18,7 +18,7 @@ import json
 import random
 import time
 
-from benchmark_args import Formatter, positive_int
+from benchmark_args import Formatter, best_seconds, positive_int
 
 from blockpress.response import (
     GEMMA4_MARKERS,
@@ -101,14 +101,7 @@ def main() -> None:
                 reader = PartialReader(template, prefix, budget=PatternBudget(seconds=1e9, total=1e9))
                 return [reader.read(text[:end]) for end in ends]
 
-            seconds = {}
-            for name, run in (("whole", whole), ("read_on", read_on)):
-                best = float("inf")
-                for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    run()
-                    best = min(best, time.perf_counter() - start)
-                seconds[name] = best
+            seconds = {name: best_seconds(run, args.repeats) for name, run in (("whole", whole), ("read_on", read_on))}
             if whole() != read_on():
                 raise SystemExit(f"the readers differ on a {kind} reply of {tokens} tokens")
             settle = min((settle_all(template, prefix, text, ends) for _ in range(args.repeats)),
