@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Generator, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import IO, Any, TypeVar, overload
 
 import blockpress
 from blockpress.checks import check_text, compile_failure, utf8_problem
@@ -410,6 +410,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.healing import heal
     from blockpress.live import LiveView, live_terminal
 
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("prompt: give PROMPT (one text) or --input FILE (a JSONL file of prompts), "
+                         f"{'not both' if args.input is not None else 'got neither'}")
+    if args.input is None and (args.output, args.overwrite, args.resume) != (None, False, False):
+        flag = "--output" if args.output is not None else "--overwrite" if args.overwrite else "--resume"
+        raise ValueError(f"{flag}: goes with --input FILE (one PROMPT's result is printed)")
+    if args.input is not None:
+        return generate_file(args)
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
     if args.chat_template_kwargs and not args.chat:
@@ -502,15 +510,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 DIFFUSION_ONLY_FLAGS = ("steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min")
 
 
-def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, healing: bool) -> int:
-    """`generate --ar`: the same backbone decoding one token at a time (lm.generate_ar), greedy unless
-    --temperature > 0, with the checkpoint's top_k, top_p and penalties under the flags; no live canvas (there is
-    none), the text and the stats line (or --json) as a diffusion run prints them."""
+def check_ar_flags(args: argparse.Namespace) -> None:
     given = ["--" + name.replace("_", "-") for name in DIFFUSION_ONLY_FLAGS if getattr(args, name) is not None]
     if given:
         raise ValueError(f"{given[0]}: --ar decodes one token at a time, with no denoising steps, acceptance rule or "
                          "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "
                          "AR's draws)")
+
+
+def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, healing: bool) -> int:
+    """`generate --ar`: the same backbone decoding one token at a time (lm.generate_ar), greedy unless
+    --temperature > 0, with the checkpoint's top_k, top_p and penalties under the flags; no live canvas (there is
+    none), the text and the stats line (or --json) as a diffusion run prints them."""
+    check_ar_flags(args)
     t0 = time.perf_counter()
     try:
         out = lm.generate_ar(prompt, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
@@ -537,6 +549,159 @@ def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, heal
     else:
         print(printable(shown + answer))
         print_stats(stats)
+    return 0
+
+
+@dataclasses.dataclass
+class FileRow:
+    """An --input row made ready to run: its prompt's ids, whether it is a chat (no healing: a call's), its
+    budget and seed (its own, else the flags'; None: the library draws one)."""
+
+    ids: list[int]
+    chat: bool
+    healing: bool
+    max_new_tokens: int
+    seed: int | None
+
+
+def generate_file(args: argparse.Namespace) -> int:
+    """`generate --input FILE`: every line read and checked (batchfile.read_input, then each row's prompt as the
+    run alone would take it) before anything runs; then batches of --batch-size rows of similar length, each row
+    with its own budget and seed (so each is what it gives alone), written in input order as they finish."""
+    from blockpress.batchfile import InOrderWriter, batches, done_lines, read_input
+    from blockpress.generate import encode_texts
+    from blockpress.healing import heal
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer (rows per call), got {args.batch_size}")
+    if args.output is None and (args.overwrite or args.resume):
+        raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
+                         "output is written as it goes)")
+    if args.overwrite and args.resume:
+        raise ValueError("--resume: not with --overwrite (which starts the output again); give one")
+    if args.ar:
+        check_ar_flags(args)
+    output = Path(args.output) if args.output is not None else None
+    if output is not None and output.exists() and not (args.overwrite or args.resume):
+        raise ValueError(f"--output {output}: exists; give --overwrite to replace it, or --resume to continue it")
+    name, rows = read_input(args.input)  # every line checked before the model loads
+    chats = [args.chat or row.messages is not None for row in rows]
+    if not any(chats):
+        for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs)):
+            if value:
+                raise ValueError(f"{flag}: no line of {name} is a chat (give --chat, or \"messages\" lines), so "
+                                 "the chat template renders none")
+    if any(chats) and args.no_token_healing is False:
+        raise ValueError("--token-healing: not with chat lines, whose prompt ends with the chat template's turn "
+                         "header (the template's own, never healed)")
+    lm = load_announced(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    if any(chats):
+        check_chat_template(lm, args, "a chat line (--chat, or \"messages\")")
+    kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "seed")}
+    wanted = lm.generation_config.get("token_healing", True) if args.no_token_healing is None else not args.no_token_healing
+    if not args.ar:  # the flags alone, on a one-token prompt: their errors name the flag, not a line
+        lm.stream("x", max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, **kw)
+    ready: dict[int, FileRow] = {}
+    for row, chat in zip(rows, chats, strict=True):
+        where = f"{name}:{row.line}"
+        try:
+            if chat:
+                given = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
+                if args.system is not None and any(isinstance(m, dict) and m.get("role") == "system" for m in given):
+                    raise ValueError("messages: has a system message, and --system gives one too; drop one")
+                ids = lm.chat_prompt([*system_turn(args), *given], **args.chat_template_kwargs)
+            else:
+                ids = encode_texts([row.prompt or ""], lm.tokenizer)[0]  # (a line without messages has a prompt)
+            healing = wanted and not chat
+            budget = row.max_new_tokens or args.max_new_tokens
+            if budget is None:  # the checkpoint's default, as the run alone counts it: after the prompt (healed)
+                budget = lm.default_new_tokens(len(heal(lm.tokenizer, ids).ids) if healing else len(ids))
+            seed = row.seed if row.seed is not None else args.seed
+            if args.ar:  # (generate_ar runs as it checks: only the context is checked here)
+                context = lm.config.text.max_position_embeddings
+                if len(ids) + budget > context:
+                    raise ValueError(f"prompt: {len(ids)} prompt + {budget} new tokens exceed the model's context "
+                                     f"of {context} tokens")
+            else:  # checked as the run alone would be, and not run (the stream is never iterated)
+                lm.stream(ids, max_new_tokens=budget, seed=seed, token_healing=healing, stop=args.stop, **kw)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        ready[row.line] = FileRow(ids, chat, healing, budget, seed)
+    todo = rows
+    if output is not None and output.exists() and args.resume:
+        done = done_lines(output, rows)
+        todo = [row for row in rows if row.line not in done]
+    out: IO[str]
+    if output is not None:
+        out = output.open("a" if args.resume else "w" if args.overwrite else "x", encoding="utf-8")
+    else:
+        out = sys.stdout
+    try:
+        return run_file_rows(lm, args, todo, ready, InOrderWriter(out, [r.line for r in todo]),
+                             batches(todo, args.batch_size, {r.line: len(ready[r.line].ids) for r in todo},
+                                     {r.line: (ready[r.line].chat, ready[r.line].seed is None) for r in todo}),
+                             kw, output)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def run_file_rows(lm: Any, args: argparse.Namespace, todo: list[Any], ready: dict[int, FileRow], writer: Any,
+                  groups: Iterable[list[Any]], kw: dict[str, Any], output: Path | None) -> int:
+    """generate_file's loop: one lm.generate (--ar: lm.generate_ar) a batch, its rows written as they can be; a
+    progress bar on a terminal's stderr, and the stats line at the end (or after a Ctrl-C, what was written)."""
+    from types import SimpleNamespace
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), unit="row", desc="generate", dynamic_ncols=True, leave=False,
+               disable=None if sys.stderr is not None else True, file=sys.stderr)
+    t0, new_tokens = time.perf_counter(), 0
+    try:
+        for batch in groups:
+            rows = [ready[r.line] for r in batch]
+            first = rows[0]  # a batch's rows share healing and whether they have seeds (batchfile.batches)
+            seeds = dict(seeds=[r.seed for r in rows]) if first.seed is not None else dict(seed=None)
+            budgets = [r.max_new_tokens for r in rows]
+            if args.ar:
+                out = lm.generate_ar([r.ids for r in rows], max_new_tokens=budgets,
+                                     min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+                                     top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
+                                     frequency_penalty=args.frequency_penalty, token_healing=first.healing,
+                                     stop=args.stop, **seeds)
+            else:
+                out = lm.generate([r.ids for r in rows], max_new_tokens=budgets, token_healing=first.healing,
+                                  stop=args.stop, **seeds, **kw)
+            texts = decoded(out.texts, "generate")
+            for i, (row, prepared) in enumerate(zip(batch, rows, strict=True)):
+                answer, thought = texts[i], None
+                if prepared.chat:  # a thought the response template reads, apart, as generate --chat gives it
+                    alone = SimpleNamespace(texts=[texts[i]], new_tokens=out.new_tokens[i:i + 1],
+                                            num_new_tokens=out.num_new_tokens[i:i + 1])
+                    reply = ReplyReader(lm, prepared.ids).read(alone)
+                    answer, thought = reply.answer, reply.thought
+                n = int(out.num_new_tokens[i])
+                new_tokens += n
+                writer.add(row.line, dict(
+                    line=row.line, **row.carried, text=answer, **({"reasoning": thought} if thought else {}),
+                    **({"prompt": row.prompt} if row.prompt is not None else {}), new_tokens=n,
+                    forward_passes=int(out.forward_passes[i]),
+                    tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
+            bar.update(len(batch))
+            seconds = time.perf_counter() - t0
+            bar.set_postfix_str(f"{new_tokens / seconds:.1f} tok/s" if seconds > 0 else "")
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP: the lines written stay, and --resume goes on
+        bar.close()
+        where = f" to {output}; --resume continues" if output is not None else ""
+        print(f"{fresh_line(exc)}{stop_word(exc)} ({writer.written} of {len(todo)} lines written{where})",
+              file=sys.stderr)
+        return stop_status(exc)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    tok_s = round(new_tokens / seconds, 2) if seconds > 0 else None
+    print(f"[{len(todo)} rows · {new_tokens} new tokens · {seconds:.1f} s · {tok_s} tok/s]", file=sys.stderr)
     return 0
 
 
@@ -2132,8 +2297,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Complete PROMPT, or with --chat answer it as a chat message. On a terminal "
                                    "the canvas is drawn live as tokens settle (dim = still changing, bright = "
                                    "settled); a stats line ends the run.")
-    p.add_argument("prompt", help="the text to continue (with --chat: the user's message), or - to read it from "
-                                  "standard input")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the text to continue (with --chat: the user's message), or - to read it from standard "
+                        "input (or --input FILE instead, for many)")
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--chat", action="store_true",
@@ -2168,6 +2334,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "with it repeats the text), interrupted (true after a Ctrl-C: text is what was committed "
                         "until then, the figures too, seed null unless --seed was given; with --ar, which prints its "
                         "text once done, only text null, prompt and seed; exit status 130)")
+    g = p.add_argument_group("many prompts from a file (instead of PROMPT)")
+    g.add_argument("--input", default=None, metavar="FILE",
+                   help='a JSONL file (- for standard input), a line each: {"prompt": "text"} or {"messages": '
+                        '[...]} (a conversation, through the chat template as --chat renders one; --system comes '
+                        'first), with its own new-token limit and seed where it gives them (docs/cli.md); other '
+                        'keys ("id") are copied to the output line; read and checked whole before anything runs')
+    g.add_argument("--output", default=None, metavar="FILE",
+                   help="write the results here (default: standard output): a JSON object a line, in input order, "
+                        "--json's fields (but tok_s and seconds) with `line` (the input line) and the copied keys, "
+                        "each written as soon as the lines before it are")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an existing --output file: the input lines it holds are skipped, the rest appended")
+    g.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="rows a call (rows of similar length together; each row's result is what it gives alone)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",

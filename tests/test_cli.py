@@ -3868,3 +3868,102 @@ def test_info_before_the_shards_are_fetched_gives_the_bytes_their_index_says(tmp
     del index["metadata"]
     (fetched / "model.safetensors.index.json").write_text(json.dumps(index))
     assert stored_bytes(fetched) is None
+
+
+# generate --input: a JSONL file of prompts, batched by length and written back in input order
+INPUT_LINES = [
+    {"prompt": "def add(a, b):", "id": "a"},
+    {"prompt": "class Stack:\n    def push(self, x):\n        ", "id": "b", "seed": 7, "max_new_tokens": 5},
+    {"prompt": "x", "max_new_tokens": 3},
+    {"messages": [{"role": "user", "content": "Write a haiku."}], "id": "d"},
+    {"prompt": "import os\nimport sys\n\ndef main(argv):", "seed": 3, "tags": ["long", 1]},
+]
+
+
+def write_input(path: Path, lines=INPUT_LINES) -> Path:
+    """The lines as JSONL, a blank line after the first (skipped, but counted in the line numbers)."""
+    texts = [json.dumps(x) for x in lines]
+    path.write_text("\n".join(texts[:1] + [""] + texts[1:]) + "\n")
+    return path
+
+
+def output_lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("flags", [["--steps", "2"], ["--steps", "2", "--temperature", "1.5"], ["--ar"]],
+                         ids=["greedy", "sampled", "ar"])
+def test_generate_input_rows_are_their_runs_alone_in_input_order(tmp_path, capsys, flags):
+    """Rows of mixed lengths (in batches of 2, sorted by length) come back in input order, each with its carried
+    keys and line number, and each row's text is what `generate PROMPT --json` gives it alone with its seed and
+    budget (a messages line: `generate --chat`'s)."""
+    base = ["--model", MODEL, "--max-new-tokens", "6", "--threads", "1", *flags]
+    src, out = write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    assert main(["generate", "--input", str(src), "--output", str(out), "--batch-size", "2", *base]) == 0
+    got = output_lines(out)
+    assert [g["line"] for g in got] == [1, 3, 4, 5, 6]
+    assert [g.get("id") for g in got] == ["a", "b", None, "d", None] and got[4]["tags"] == ["long", 1]
+    assert "rows" in capsys.readouterr().err  # the stats line
+    for line, g in zip(INPUT_LINES, got):
+        alone = ["generate", line.get("prompt") or line["messages"][0]["content"], "--json", *base]
+        alone += ["--chat"] * ("messages" in line) + ["--seed", str(g["seed"])]
+        alone += ["--max-new-tokens", str(line["max_new_tokens"])] if "max_new_tokens" in line else []
+        assert main(alone) == 0
+        want = json.loads(capsys.readouterr().out)
+        assert g["text"] == want["text"] and g["new_tokens"] == want["new_tokens"]
+        assert g["forward_passes"] == want["forward_passes"] and g.get("prompt") == line.get("prompt")
+        if "seed" in line:
+            assert g["seed"] == line["seed"]
+
+
+def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_path, capsys, monkeypatch):
+    from blockpress.batchfile import read_rows
+
+    cases = [('{"prompt": 3}', "prompt: expected a str"), ('[1]', "expected an object"),
+             ('{"text": "x"}', 'one of "prompt"'), ('{"prompt": "a", "messages": []}', "got both"),
+             ('{"prompt": "a", "seed": -1}', "seed: expected an integer"),
+             ('{"prompt": "a", "max_new_tokens": 1.5}', "max_new_tokens: expected an integer"),
+             ('{"prompt": "a", "text": "b"}', "text: a key the output line writes"), ('{"prompt": ', "not JSON")]
+    for line, message in cases:
+        with pytest.raises(ValueError) as err:
+            read_rows("f.jsonl", b'{"prompt": "ok"}\n\n' + line.encode() + b"\n")
+        assert str(err.value).startswith("f.jsonl:3: ") and message in str(err.value)
+    # a line the model refuses (a message without content; a prompt past the context) is named too, and nothing ran
+    calls = []
+    monkeypatch.setattr(blockpress.LM, "generate", lambda *a, **kw: calls.append(a))
+    out = tmp_path / "out.jsonl"
+    for bad, message in [({"messages": [{"role": "user"}]}, "messages[0].content"),
+                         ({"prompt": "x " * 5000}, "exceed the model's context")]:
+        src = tmp_path / "in.jsonl"
+        src.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(bad) + "\n")
+        assert main(["generate", "--input", str(src), "--output", str(out), "--model", MODEL]) == 2
+        err = capsys.readouterr().err
+        assert f"{src}:2: " in err and message in err
+    assert not calls and not out.exists()
+    assert main(["generate", "hi", "--input", str(src)]) == 2 and "not both" in capsys.readouterr().err
+    assert main(["generate", "--model", MODEL]) == 2 and "got neither" in capsys.readouterr().err
+
+
+def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path, capsys):
+    """An existing --output is refused unless --overwrite; --resume over a run cut short (two lines and half a
+    third) generates only the lines it lacks, and the file ends as one whole run's."""
+    src, out = write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    base = ["generate", "--input", str(src), "--output", str(out), "--model", MODEL, "--max-new-tokens", "6",
+            "--steps", "2", "--threads", "1", "--temperature", "1.5", "--seed", "11"]
+    assert main(base) == 0
+    whole = out.read_text()
+    out.write_text("partial")
+    assert main(base) == 2 and "--overwrite" in capsys.readouterr().err and out.read_text() == "partial"
+    assert main([*base, "--overwrite"]) == 0 and out.read_text() == whole
+    lines = whole.splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + lines[2][:10])  # cut short while writing the third line
+    calls = []
+    original = blockpress.LM.generate
+    import unittest.mock
+
+    with unittest.mock.patch.object(blockpress.LM, "generate", lambda self, p, *a, **kw: calls.append(len(p))
+                                    or original(self, p, *a, **kw)):
+        assert main([*base, "--resume"]) == 0
+    assert out.read_text() == whole and sum(calls) == 3
+    out.write_text(json.dumps({"line": 99, "text": ""}) + "\n")
+    assert main([*base, "--resume"]) == 2 and "line 99" in capsys.readouterr().err

@@ -1,0 +1,159 @@
+"""`blockpress generate --input FILE`: a JSONL file of prompts read and checked whole, ordered into batches of
+similar length, and the results written back in input order. Torch-free: the command runs the model (cli.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from blockpress.checks import check_text, is_int
+from blockpress.files import parse_json
+
+# The keys an input line is read by; any other key is carried to its output line unchanged (an "id", a label).
+INPUT_KEYS = ("prompt", "messages", "max_new_tokens", "seed")
+# The keys an output line writes: an input line may not carry one of these, which its output would overwrite.
+OUTPUT_KEYS = ("line", "text", "reasoning", "prompt", "new_tokens", "forward_passes", "tokens_per_forward", "seed")
+# Rows are sorted by length within a window of this many batches, not across the whole file: the output is written
+# in input order, so a line can only be written once the lines before it are, and a crash or Ctrl-C loses at most
+# one window's rows rather than everything after a long first prompt.
+WINDOW_BATCHES = 8
+
+
+@dataclass
+class Row:
+    """One input line: `prompt` (text to continue, or with --chat the user's message) or `messages` (a
+    conversation), its own `max_new_tokens` and `seed` where it gives them, and the keys carried to its output."""
+
+    line: int
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    carried: dict[str, Any] = field(default_factory=dict)
+
+
+def read_rows(name: str, data: bytes) -> list[Row]:
+    """Every non-blank line of the JSONL `data` (the file `name`) as a Row; the first bad line is a ValueError
+    naming NAME:LINE and its field, so no generation starts on a file that would fail part way."""
+    rows = []
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        where = f"{name}:{number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})") from None
+        if not text.strip():
+            continue
+        try:
+            obj = parse_json(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f'{where}: expected an object {{"prompt": "..."}} or {{"messages": [...]}}, got '
+                             f"{type(obj).__name__}")
+        rows.append(_row(obj, number, where))
+    if not rows:
+        raise ValueError(f"{name}: no lines to generate from (every line is blank)")
+    return rows
+
+
+def _row(obj: dict[str, Any], number: int, where: str) -> Row:
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError(f'{where}: expected one of "prompt" (a text) or "messages" (a conversation), got '
+                         f"{'both' if 'prompt' in obj else 'neither'}")
+    row = Row(number, carried={k: v for k, v in obj.items() if k not in INPUT_KEYS})
+    clash = [k for k in row.carried if k in OUTPUT_KEYS]
+    if clash:
+        raise ValueError(f"{where}: {clash[0]}: a key the output line writes ({', '.join(OUTPUT_KEYS)}); rename it")
+    if "prompt" in obj:
+        row.prompt = check_text(obj["prompt"], f"{where}: prompt")
+    elif not isinstance(obj["messages"], list) or not obj["messages"]:
+        raise ValueError(f"{where}: messages: expected a list of messages ({{\"role\": ..., \"content\": ...}}), "
+                         f"got {json.dumps(obj['messages'])[:40]}")
+    else:
+        row.messages = obj["messages"]
+    for key, least in (("max_new_tokens", 1), ("seed", 0)):
+        value = obj.get(key)
+        if value is not None and (not is_int(value) or not least <= value < 2**63):
+            raise ValueError(f"{where}: {key}: expected an integer of at least {least}, got {json.dumps(value)}")
+        setattr(row, key, value)
+    return row
+
+
+def read_input(path: str) -> tuple[str, list[Row]]:
+    """--input's rows, and the name its errors use ("-": standard input, named so)."""
+    if path == "-":
+        return "<stdin>", read_rows("<stdin>", sys.stdin.buffer.read())
+    return path, read_rows(path, Path(path).read_bytes())
+
+
+def done_lines(path: Path, rows: list[Row]) -> set[int]:
+    """The input lines an existing output already holds (--resume). A last line cut short (the run stopped while
+    writing it) is dropped from the file, to be written again; any other line that is not an output line is an
+    error naming it, and so is a line number the input does not have (the output of another file)."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] and not data.endswith(b"\n"):
+        try:
+            parse_json(lines[-1])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            with path.open("r+b") as f:  # the partial line goes; the rest is kept as written
+                f.truncate(len(data) - len(lines[-1]))
+            lines = lines[:-1]
+    known = {r.line for r in rows}
+    done = set()
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = parse_json(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path}:{number}: not an output line (not JSON); --resume reads the output a run "
+                             "wrote") from None
+        if not isinstance(obj, dict) or not is_int(obj.get("line")):
+            raise ValueError(f"{path}:{number}: not an output line (no \"line\" number); --resume reads the output "
+                             "a run wrote")
+        if obj["line"] not in known:
+            raise ValueError(f"{path}:{number}: line {obj['line']}: the input has no such line to generate from "
+                             "(is this the output of another input file?)")
+        done.add(obj["line"])
+    return done
+
+
+def batches(rows: list[Row], size: int, length: dict[int, int], kind: dict[int, tuple[Any, ...]]) -> Iterator[list[Row]]:
+    """`rows` in batches of at most `size`, each window of WINDOW_BATCHES batches sorted by prompt `length` (by
+    line number) so a batch's rows pad little. `kind`: what rows of one call must share (chat or not: healing is
+    a call's; a seed of their own or not): a batch never mixes kinds, so one may be smaller than `size`."""
+    window = size * WINDOW_BATCHES
+    for start in range(0, len(rows), window):
+        ordered = sorted(rows[start:start + window], key=lambda r: (kind[r.line], length[r.line], r.line))
+        batch: list[Row] = []
+        for row in ordered:
+            if batch and (len(batch) == size or kind[batch[0].line] != kind[row.line]):
+                yield batch
+                batch = []
+            batch.append(row)
+        if batch:
+            yield batch
+
+
+class InOrderWriter:
+    """Output lines written in input order as soon as every line before them is (and flushed at once): a batch's
+    results come out of order, sorted by length."""
+
+    def __init__(self, out: IO[str], order: list[int]) -> None:
+        self.out, self.order, self.next = out, order, 0
+        self.waiting: dict[int, str] = {}  # lines done before the ones ahead of them, as their JSON
+        self.written = 0
+
+    def add(self, line: int, obj: dict[str, Any]) -> None:
+        self.waiting[line] = json.dumps(obj)  # as generate --json writes its object
+        while self.next < len(self.order) and self.order[self.next] in self.waiting:
+            self.out.write(self.waiting.pop(self.order[self.next]) + "\n")
+            self.next += 1
+            self.written += 1
+        self.out.flush()
