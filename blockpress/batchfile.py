@@ -4,6 +4,7 @@ similar length, and the results written back in input order. Torch-free: the com
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -89,6 +90,19 @@ def read_input(path: str) -> tuple[str, list[Row]]:
     if path == "-":
         return "<stdin>", read_rows("<stdin>", sys.stdin.buffer.read())
     return path, read_rows(path, Path(path).read_bytes())
+
+
+def check_output(output: Path, input_path: str) -> None:
+    """--output's path, checked before the model loads: not a folder, in a folder that exists, and not the --input
+    file itself (opened to write, with --overwrite, it emptied the prompts once read; the run then wrote its output
+    over them)."""
+    if output.is_dir():
+        raise ValueError(f"--output {output}: is a folder; give a file to write the output lines to")
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
+    if input_path != "-" and output.exists() and os.path.samefile(output, input_path):
+        raise ValueError(f"--output {output}: is the --input file; write the output to another file (it would "
+                         "replace the prompts)")
 
 
 def done_lines(path: Path, rows: list[Row]) -> set[int]:

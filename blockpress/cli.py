@@ -568,7 +568,7 @@ def generate_file(args: argparse.Namespace) -> int:
     """`generate --input FILE`: every line read and checked (batchfile.read_input, then each row's prompt as the
     run alone would take it) before anything runs; then batches of --batch-size rows of similar length, each row
     with its own budget and seed (so each is what it gives alone), written in input order as they finish."""
-    from blockpress.batchfile import InOrderWriter, batches, done_lines, read_input
+    from blockpress.batchfile import InOrderWriter, batches, check_output, done_lines, read_input
     from blockpress.generate import encode_texts
     from blockpress.healing import heal
 
@@ -582,6 +582,8 @@ def generate_file(args: argparse.Namespace) -> int:
     if args.ar:
         check_ar_flags(args)
     output = Path(args.output) if args.output is not None else None
+    if output is not None:
+        check_output(output, args.input)
     if output is not None and output.exists() and not (args.overwrite or args.resume):
         raise ValueError(f"--output {output}: exists; give --overwrite to replace it, or --resume to continue it")
     name, rows = read_input(args.input)  # every line checked before the model loads
@@ -635,7 +637,10 @@ def generate_file(args: argparse.Namespace) -> int:
         todo = [row for row in rows if row.line not in done]
     out: IO[str]
     if output is not None:
-        out = output.open("a" if args.resume else "w" if args.overwrite else "x", encoding="utf-8")
+        try:
+            out = output.open("a" if args.resume else "w" if args.overwrite else "x", encoding="utf-8")
+        except OSError as exc:  # a read-only file or folder: the error named no flag
+            raise OSError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
     else:
         out = sys.stdout
     try:

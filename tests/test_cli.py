@@ -3967,3 +3967,22 @@ def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path
     assert out.read_text() == whole and sum(calls) == 3
     out.write_text(json.dumps({"line": 99, "text": ""}) + "\n")
     assert main([*base, "--resume"]) == 2 and "line 99" in capsys.readouterr().err
+
+
+def test_generate_output_that_is_the_input_or_no_file_is_refused_before_the_model_loads(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """--output naming the --input file (by another spelling too) is refused whatever the flags, the prompts kept
+    (with --overwrite it emptied them, then wrote the output over them); a folder, or a path in a folder that does
+    not exist, is named as --output's, and nothing loads."""
+    src = write_input(tmp_path / "in.jsonl")
+    prompts = src.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("blockpress.cli.load_announced", lambda args: pytest.fail("the model loaded"))
+    for output in [str(src), "./in.jsonl", "../" + tmp_path.name + "/in.jsonl"]:
+        for flags in [[], ["--overwrite"], ["--resume"]]:
+            assert main(["generate", "--input", "in.jsonl", "--output", output, "--model", MODEL, *flags]) == 2
+            assert "is the --input file" in capsys.readouterr().err and src.read_bytes() == prompts
+    (tmp_path / "d").mkdir()
+    for output, message in [("d", "--output d: is a folder"), ("no/out.jsonl", "the folder no does not exist")]:
+        assert main(["generate", "--input", "in.jsonl", "--output", output, "--model", MODEL, "--overwrite"]) == 2
+        assert message in capsys.readouterr().err
