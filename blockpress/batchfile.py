@@ -118,7 +118,7 @@ def done_lines(path: Path, rows: list[Row]) -> set[int]:
             with path.open("r+b") as f:  # the partial line goes; the rest is kept as written
                 f.truncate(len(data) - len(lines[-1]))
             lines = lines[:-1]
-    known = {r.line for r in rows}
+    known = {r.line: r for r in rows}
     done = set()
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -134,6 +134,14 @@ def done_lines(path: Path, rows: list[Row]) -> set[int]:
         if obj["line"] not in known:
             raise ValueError(f"{path}:{number}: line {obj['line']}: the input has no such line to generate from "
                              "(is this the output of another input file?)")
+        # the prompt and the copied keys, as the input line gives them: the same line number in another file's
+        # output was taken as done, and its text kept under this file's line
+        row = known[obj["line"]]
+        given = {"prompt": row.prompt, **row.carried}
+        other = [k for k in (*given, *sorted(set(obj) - set(OUTPUT_KEYS))) if obj.get(k) != given.get(k)]
+        if other:
+            raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (is this "
+                             "the output of another input file?)")
         done.add(obj["line"])
     return done
 

@@ -3986,3 +3986,26 @@ def test_generate_output_that_is_the_input_or_no_file_is_refused_before_the_mode
     for output, message in [("d", "--output d: is a folder"), ("no/out.jsonl", "the folder no does not exist")]:
         assert main(["generate", "--input", "in.jsonl", "--output", output, "--model", MODEL, "--overwrite"]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_keys(tmp_path):
+    """--resume reads an output line as done only where its prompt and copied keys are the input line's: another
+    file's output, with lines at the same numbers, had its texts kept under this file's lines."""
+    from blockpress.batchfile import done_lines, read_rows
+
+    src = write_input(tmp_path / "in.jsonl")
+    rows = read_rows("in.jsonl", src.read_bytes())
+    out = tmp_path / "out.jsonl"
+
+    def written(row, **change):  # the output line a run writes for `row`, with `change` over it
+        obj = {"line": row.line, **row.carried, "text": "t", **({"prompt": row.prompt} if row.prompt else {}),
+               "new_tokens": 1, "forward_passes": 1, "tokens_per_forward": 1.0, "seed": 0, **change}
+        return json.dumps({k: v for k, v in obj.items() if v is not None}) + "\n"
+
+    out.write_text("".join(written(r) for r in rows[:3]))
+    assert done_lines(out, rows) == {1, 3, 4}
+    for change, key in [({"prompt": "def sub(a, b):"}, "prompt"), ({"id": "z"}, "id"), ({"id": None}, "id"),
+                        ({"label": 1}, "label")]:
+        out.write_text(written(rows[0]) + written(rows[1], **change))
+        with pytest.raises(ValueError, match=f"out.jsonl:2: line 3: its {key} is not the input line's"):
+            done_lines(out, rows)
