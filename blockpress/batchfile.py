@@ -107,7 +107,7 @@ def check_output(output: Path, input_path: str) -> None:
 
 def done_lines(path: Path, rows: list[Row]) -> set[int]:
     """The input lines an existing output already holds (--resume). A last line cut short (the run stopped while
-    writing it) is dropped from the file, to be written again; any other line that is not an output line is an
+    writing it) is dropped from the file, to be written again (one whole but for its newline gets it); any other line that is not an output line is an
     error naming it, and so is a line number the input does not have (the output of another file)."""
     data = path.read_bytes()
     lines = data.split(b"\n")
@@ -118,6 +118,10 @@ def done_lines(path: Path, rows: list[Row]) -> set[int]:
             with path.open("r+b") as f:  # the partial line goes; the rest is kept as written
                 f.truncate(len(data) - len(lines[-1]))
             lines = lines[:-1]
+        else:  # a whole line without its newline (cut just before it, or an editor's save): the first line
+            # appended ran on from it, two objects on one line
+            with path.open("ab") as f:
+                f.write(b"\n")
     known = {r.line: r for r in rows}
     done = set()
     for number, raw in enumerate(lines, 1):

@@ -4009,3 +4009,17 @@ def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_key
         out.write_text(written(rows[0]) + written(rows[1], **change))
         with pytest.raises(ValueError, match=f"out.jsonl:2: line 3: its {key} is not the input line's"):
             done_lines(out, rows)
+
+
+def test_resume_after_a_whole_last_line_without_its_newline_appends_on_a_line_of_its_own(tmp_path):
+    """An output whose last line is whole but lacks its newline (a cut just before it, an editor's save) keeps the
+    line and gets its newline, so the next line appended starts a line of its own (it ran on from it)."""
+    from blockpress.batchfile import done_lines, read_rows
+
+    rows = read_rows("in.jsonl", write_input(tmp_path / "in.jsonl").read_bytes())
+    out = tmp_path / "out.jsonl"
+    first = json.dumps({"line": 1, "id": "a", "text": "t", "prompt": rows[0].prompt})
+    for held in [first, first + "\n"]:
+        out.write_text(held)
+        assert done_lines(out, rows) == {1}
+        assert out.read_text() == first + "\n"
