@@ -2347,7 +2347,7 @@ def build_parser() -> argparse.ArgumentParser:
                         'keys ("id") are copied to the output line; read and checked whole before anything runs')
     g.add_argument("--output", default=None, metavar="FILE",
                    help="write the results here (default: standard output): a JSON object a line, in input order, "
-                        "--json's fields (but tok_s and seconds) with `line` (the input line) and the copied keys, "
+                        "--json's fields (but tok_s, seconds and interrupted) with `line` (the input line) and the copied keys, "
                         "each written as soon as the lines before it are")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     g.add_argument("--resume", action="store_true",
