@@ -89,7 +89,12 @@ def read_input(path: str) -> tuple[str, list[Row]]:
     """--input's rows, and the name its errors use ("-": standard input, named so)."""
     if path == "-":
         return "<stdin>", read_rows("<stdin>", sys.stdin.buffer.read())
-    return path, read_rows(path, Path(path).read_bytes())
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:  # (a bare "[Errno 2] No such file or directory: 'x'" named no flag)
+        what = "is a folder" if Path(path).is_dir() else exc.strerror or str(exc)
+        raise ValueError(f"--input {path}: {what} (expected a JSONL file of prompts, or - for standard input)") from None
+    return path, read_rows(path, data)
 
 
 def check_output(output: Path, input_path: str) -> None:

@@ -3986,6 +3986,10 @@ def test_generate_output_that_is_the_input_or_no_file_is_refused_before_the_mode
     for output, message in [("d", "--output d: is a folder"), ("no/out.jsonl", "the folder no does not exist")]:
         assert main(["generate", "--input", "in.jsonl", "--output", output, "--model", MODEL, "--overwrite"]) == 2
         assert message in capsys.readouterr().err
+    # an --input that cannot be read is named as --input's (it was a bare "[Errno 2] No such file or directory")
+    for path, message in [("nope.jsonl", "--input nope.jsonl: No such file or directory"), ("d", "--input d: is a folder")]:
+        assert main(["generate", "--input", path, "--model", MODEL]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_keys(tmp_path):
