@@ -41,7 +41,8 @@ def read_rows(name: str, data: bytes) -> list[Row]:
     """Every non-blank line of the JSONL `data` (the file `name`) as a Row; the first bad line is a ValueError
     naming NAME:LINE and its field, so no generation starts on a file that would fail part way."""
     rows = []
-    for number, raw in enumerate(data.split(b"\n"), 1):
+    # a byte-order mark (Notepad's "UTF-8 with BOM") is no part of the first line, as training's JSONL reading takes it
+    for number, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
         where = f"{name}:{number}"
         try:
             text = raw.decode("utf-8")

@@ -4027,3 +4027,13 @@ def test_resume_after_a_whole_last_line_without_its_newline_appends_on_a_line_of
         out.write_text(held)
         assert done_lines(out, rows) == {1}
         assert out.read_text() == first + "\n"
+
+
+def test_input_lines_read_the_same_from_a_file_with_a_byte_order_mark_and_crlf_endings(tmp_path):
+    """A file saved as "UTF-8 with BOM" with Windows line endings reads as the plain one: its first line was refused
+    as "not JSON (Unexpected UTF-8 BOM ...)", where training's JSONL reading takes such a file."""
+    from blockpress.batchfile import read_rows
+
+    plain = write_input(tmp_path / "in.jsonl").read_bytes()
+    windows = b"\xef\xbb\xbf" + plain.replace(b"\n", b"\r\n")
+    assert read_rows("w.jsonl", windows) == read_rows("in.jsonl", plain)
