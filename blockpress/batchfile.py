@@ -1,12 +1,13 @@
-"""`blockpress generate --input FILE`: a JSONL file of prompts read and checked whole, ordered into batches of
-similar length, and the results written back in input order. Torch-free: the command runs the model (cli.py)."""
+"""`blockpress generate --input FILE` and `infill --input FILE`: a JSONL file of prompts (or templates) read and
+checked whole, ordered into batches of similar length, and the results written back in input order. Torch-free: the
+command runs the model (cli.py). The two commands differ only in their lines' keys (a LineKind)."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -14,10 +15,6 @@ from typing import IO, Any
 from blockpress.checks import check_text, is_int
 from blockpress.files import parse_json
 
-# The keys an input line is read by; any other key is carried to its output line unchanged (an "id", a label).
-INPUT_KEYS = ("prompt", "messages", "max_new_tokens", "seed")
-# The keys an output line writes: an input line may not carry one of these, which its output would overwrite.
-OUTPUT_KEYS = ("line", "text", "reasoning", "prompt", "new_tokens", "forward_passes", "tokens_per_forward", "seed")
 # Rows are sorted by length within a window of this many batches, not across the whole file: the output is written
 # in input order, so a line can only be written once the lines before it are, and a crash or Ctrl-C loses at most
 # one window's rows rather than everything after a long first prompt.
@@ -27,7 +24,8 @@ WINDOW_BATCHES = 8
 @dataclass
 class Row:
     """One input line: `prompt` (text to continue, or with --chat the user's message) or `messages` (a
-    conversation), its own `max_new_tokens` and `seed` where it gives them, and the keys carried to its output."""
+    conversation), its own `max_new_tokens` and `seed` where it gives them, and the keys carried to its output;
+    for infill, `template` (text with hole markers) and `prefix` (context before it) in place of the first two."""
 
     line: int
     prompt: str | None = None
@@ -35,11 +33,77 @@ class Row:
     max_new_tokens: int | None = None
     seed: int | None = None
     carried: dict[str, Any] = field(default_factory=dict)
+    template: str | None = None
+    prefix: str | None = None
 
 
-def read_rows(name: str, data: bytes) -> list[Row]:
-    """Every non-blank line of the JSONL `data` (the file `name`) as a Row; the first bad line is a ValueError
-    naming NAME:LINE and its field, so no generation starts on a file that would fail part way."""
+@dataclass(frozen=True)
+class LineKind:
+    """What a command's lines hold: `input_keys` (read; any other key is carried to its output line unchanged, an
+    "id", a label), `output_keys` (written: a line may not carry one, which its output would overwrite), `shape`
+    (an example line, for the errors), `what` (the lines' plural, for the errors), `read` (fills a Row's own
+    fields from a line's object, its errors naming the field) and `given` (a Row's own fields as its output line
+    repeats them: --resume checks them against the input's)."""
+
+    input_keys: tuple[str, ...]
+    output_keys: tuple[str, ...]
+    shape: str
+    what: str
+    read: Callable[[dict[str, Any], Row, str], None]
+    given: Callable[[Row], dict[str, Any]]
+
+
+def _read_prompt(obj: dict[str, Any], row: Row, where: str) -> None:
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError(f'{where}: expected one of "prompt" (a text) or "messages" (a conversation), got '
+                         f"{'both' if 'prompt' in obj else 'neither'}")
+    if "prompt" in obj:
+        row.prompt = check_text(obj["prompt"], f"{where}: prompt")
+    elif not isinstance(obj["messages"], list) or not obj["messages"]:
+        raise ValueError(f"{where}: messages: expected a list of messages ({{\"role\": ..., \"content\": ...}}), "
+                         f"got {json.dumps(obj['messages'])[:40]}")
+    else:
+        row.messages = obj["messages"]
+    _read_ints(obj, row, where, ("max_new_tokens", "seed"))
+
+
+def _read_template(obj: dict[str, Any], row: Row, where: str) -> None:
+    if "template" not in obj:
+        raise ValueError(f'{where}: expected "template" (text with <|hole|> markers), got none')
+    if obj.get("max_new_tokens") is not None:  # it would be carried and ignored: the template sets the length
+        raise ValueError(f"{where}: max_new_tokens: an infill is as long as its template; size the holes with "
+                         "<|hole:N|> or --hole-length")
+    row.template = check_text(obj["template"], f"{where}: template")
+    if obj.get("prefix") is not None:
+        row.prefix = check_text(obj["prefix"], f"{where}: prefix")
+    _read_ints(obj, row, where, ("seed",))
+
+
+def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        least = 1 if key == "max_new_tokens" else 0
+        value = obj.get(key)
+        if value is not None and (not is_int(value) or not least <= value < 2**63):
+            raise ValueError(f"{where}: {key}: expected an integer of at least {least}, got {json.dumps(value)}")
+        setattr(row, key, value)
+
+
+GENERATE = LineKind(
+    input_keys=("prompt", "messages", "max_new_tokens", "seed"),
+    output_keys=("line", "text", "reasoning", "prompt", "new_tokens", "forward_passes", "tokens_per_forward", "seed"),
+    shape='{"prompt": "..."} or {"messages": [...]}', what="prompts", read=_read_prompt,
+    given=lambda row: {"prompt": row.prompt})
+INFILL = LineKind(
+    input_keys=("template", "prefix", "seed", "max_new_tokens"),
+    output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
+                 "forward_passes", "tokens_per_forward", "seed"),
+    shape='{"template": "... <|hole|> ..."}', what="templates", read=_read_template,
+    given=lambda row: {"template": row.template, "prefix": row.prefix})
+
+
+def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
+    """Every non-blank line of the JSONL `data` (the file `name`) as a Row of `kind`; the first bad line is a
+    ValueError naming NAME:LINE and its field, so no generation starts on a file that would fail part way."""
     rows = []
     # a byte-order mark (Notepad's "UTF-8 with BOM") is no part of the first line, as training's JSONL reading takes it
     for number, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
@@ -55,50 +119,37 @@ def read_rows(name: str, data: bytes) -> list[Row]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
         if not isinstance(obj, dict):
-            raise ValueError(f'{where}: expected an object {{"prompt": "..."}} or {{"messages": [...]}}, got '
-                             f"{type(obj).__name__}")
-        rows.append(_row(obj, number, where))
+            raise ValueError(f"{where}: expected an object {kind.shape}, got {type(obj).__name__}")
+        rows.append(_row(obj, number, where, kind))
     if not rows:
         raise ValueError(f"{name}: no lines to generate from (every line is blank)")
     return rows
 
 
-def _row(obj: dict[str, Any], number: int, where: str) -> Row:
-    if ("prompt" in obj) == ("messages" in obj):
-        raise ValueError(f'{where}: expected one of "prompt" (a text) or "messages" (a conversation), got '
-                         f"{'both' if 'prompt' in obj else 'neither'}")
-    row = Row(number, carried={k: v for k, v in obj.items() if k not in INPUT_KEYS})
-    clash = [k for k in row.carried if k in OUTPUT_KEYS]
+def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:
+    row = Row(number, carried={k: v for k, v in obj.items() if k not in kind.input_keys})
+    kind.read(obj, row, where)
+    clash = [k for k in row.carried if k in kind.output_keys]
     if clash:
-        raise ValueError(f"{where}: {clash[0]}: a key the output line writes ({', '.join(OUTPUT_KEYS)}); rename it")
-    if "prompt" in obj:
-        row.prompt = check_text(obj["prompt"], f"{where}: prompt")
-    elif not isinstance(obj["messages"], list) or not obj["messages"]:
-        raise ValueError(f"{where}: messages: expected a list of messages ({{\"role\": ..., \"content\": ...}}), "
-                         f"got {json.dumps(obj['messages'])[:40]}")
-    else:
-        row.messages = obj["messages"]
-    for key, least in (("max_new_tokens", 1), ("seed", 0)):
-        value = obj.get(key)
-        if value is not None and (not is_int(value) or not least <= value < 2**63):
-            raise ValueError(f"{where}: {key}: expected an integer of at least {least}, got {json.dumps(value)}")
-        setattr(row, key, value)
+        raise ValueError(f"{where}: {clash[0]}: a key the output line writes ({', '.join(kind.output_keys)}); "
+                         "rename it")
     return row
 
 
-def read_input(path: str) -> tuple[str, list[Row]]:
+def read_input(path: str, kind: LineKind = GENERATE) -> tuple[str, list[Row]]:
     """--input's rows, and the name its errors use ("-": standard input, named so)."""
     if path == "-":
-        return "<stdin>", read_rows("<stdin>", sys.stdin.buffer.read())
+        return "<stdin>", read_rows("<stdin>", sys.stdin.buffer.read(), kind)
     try:
         data = Path(path).read_bytes()
     except OSError as exc:  # (a bare "[Errno 2] No such file or directory: 'x'" named no flag)
         what = "is a folder" if Path(path).is_dir() else exc.strerror or str(exc)
-        raise ValueError(f"--input {path}: {what} (expected a JSONL file of prompts, or - for standard input)") from None
-    return path, read_rows(path, data)
+        raise ValueError(f"--input {path}: {what} (expected a JSONL file of {kind.what}, or - for standard "
+                         "input)") from None
+    return path, read_rows(path, data, kind)
 
 
-def check_output(output: Path, input_path: str) -> None:
+def check_output(output: Path, input_path: str, kind: LineKind = GENERATE) -> None:
     """--output's path, checked before the model loads: not a folder, in a folder that exists, and not the --input
     file itself (opened to write, with --overwrite, it emptied the prompts once read; the run then wrote its output
     over them)."""
@@ -108,10 +159,10 @@ def check_output(output: Path, input_path: str) -> None:
         raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
     if input_path != "-" and output.exists() and os.path.samefile(output, input_path):
         raise ValueError(f"--output {output}: is the --input file; write the output to another file (it would "
-                         "replace the prompts)")
+                         f"replace the {kind.what})")
 
 
-def done_lines(path: Path, rows: list[Row]) -> set[int]:
+def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[int]:
     """The input lines an existing output already holds (--resume). A last line cut short (the run stopped while
     writing it) is dropped from the file, to be written again (one whole but for its newline gets it); any other line that is not an output line is an
     error naming it, and so is a line number the input does not have (the output of another file)."""
@@ -144,11 +195,11 @@ def done_lines(path: Path, rows: list[Row]) -> set[int]:
         if obj["line"] not in known:
             raise ValueError(f"{path}:{number}: line {obj['line']}: the input has no such line to generate from "
                              "(is this the output of another input file?)")
-        # the prompt and the copied keys, as the input line gives them: the same line number in another file's
-        # output was taken as done, and its text kept under this file's line
+        # the prompt (template) and the copied keys, as the input line gives them: the same line number in another
+        # file's output was taken as done, and its text kept under this file's line
         row = known[obj["line"]]
-        given = {"prompt": row.prompt, **row.carried}
-        other = [k for k in (*given, *sorted(set(obj) - set(OUTPUT_KEYS))) if obj.get(k) != given.get(k)]
+        given = {**kind.given(row), **row.carried}
+        other = [k for k in (*given, *sorted(set(obj) - set(kind.output_keys))) if obj.get(k) != given.get(k)]
         if other:
             raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (is this "
                              "the output of another input file?)")

@@ -15,7 +15,7 @@ import re
 import sys
 import time
 import warnings
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, TypeVar, overload
@@ -405,18 +405,24 @@ def print_stats(stats: dict[str, Any]) -> None:
           f"{stats['tokens_per_forward']} tokens/forward · {stats['tok_s']} tok/s]", file=sys.stderr)
 
 
+def from_file(args: argparse.Namespace, given: str | None, name: str, what: str) -> bool:
+    """Whether the command runs --input FILE (a JSONL file of `what`) rather than its one `name` argument (`given`):
+    one of them, and --input's companion flags only with it."""
+    if (given is None) == (args.input is None):
+        raise ValueError(f"{name}: give {name.upper()} (one text) or --input FILE (a JSONL file of {what}), "
+                         f"{'not both' if args.input is not None else 'got neither'}")
+    if args.input is None and (args.output, args.overwrite, args.resume) != (None, False, False):
+        flag = "--output" if args.output is not None else "--overwrite" if args.overwrite else "--resume"
+        raise ValueError(f"{flag}: goes with --input FILE (one {name.upper()}'s result is printed)")
+    return args.input is not None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
     from blockpress.healing import heal
     from blockpress.live import LiveView, live_terminal
 
-    if (args.prompt is None) == (args.input is None):
-        raise ValueError("prompt: give PROMPT (one text) or --input FILE (a JSONL file of prompts), "
-                         f"{'not both' if args.input is not None else 'got neither'}")
-    if args.input is None and (args.output, args.overwrite, args.resume) != (None, False, False):
-        flag = "--output" if args.output is not None else "--overwrite" if args.overwrite else "--resume"
-        raise ValueError(f"{flag}: goes with --input FILE (one PROMPT's result is printed)")
-    if args.input is not None:
+    if from_file(args, args.prompt, "prompt", "prompts"):
         return generate_file(args)
     if args.system is not None and not args.chat:
         raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
@@ -568,25 +574,14 @@ def generate_file(args: argparse.Namespace) -> int:
     """`generate --input FILE`: every line read and checked (batchfile.read_input, then each row's prompt as the
     run alone would take it) before anything runs; then batches of --batch-size rows of similar length, each row
     with its own budget and seed (so each is what it gives alone), written in input order as they finish."""
-    from blockpress.batchfile import InOrderWriter, batches, check_output, done_lines, read_input
+    from blockpress.batchfile import GENERATE, read_input
     from blockpress.generate import encode_texts
     from blockpress.healing import heal
 
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size: expected a positive integer (rows per call), got {args.batch_size}")
-    if args.output is None and (args.overwrite or args.resume):
-        raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
-                         "output is written as it goes)")
-    if args.overwrite and args.resume:
-        raise ValueError("--resume: not with --overwrite (which starts the output again); give one")
     if args.ar:
         check_ar_flags(args)
-    output = Path(args.output) if args.output is not None else None
-    if output is not None:
-        check_output(output, args.input)
-    if output is not None and output.exists() and not (args.overwrite or args.resume):
-        raise ValueError(f"--output {output}: exists; give --overwrite to replace it, or --resume to continue it")
-    name, rows = read_input(args.input)  # every line checked before the model loads
+    output = check_file_flags(args, GENERATE)
+    name, rows = read_input(args.input, GENERATE)  # every line checked before the model loads
     chats = [args.chat or row.messages is not None for row in rows]
     if not any(chats):
         for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs)):
@@ -631,9 +626,75 @@ def generate_file(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         ready[row.line] = FileRow(ids, chat, healing, budget, seed)
+
+    def run_batch(batch: list[Any]) -> list[dict[str, Any]]:
+        """One lm.generate (--ar: lm.generate_ar) for `batch`: each row's output line."""
+        from types import SimpleNamespace
+
+        rows = [ready[r.line] for r in batch]
+        first = rows[0]  # a batch's rows share healing and whether they have seeds (batchfile.batches)
+        seeds = dict(seeds=[r.seed for r in rows]) if first.seed is not None else dict(seed=None)
+        budgets = [r.max_new_tokens for r in rows]
+        if args.ar:
+            out = lm.generate_ar([r.ids for r in rows], max_new_tokens=budgets,
+                                 min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
+                                 frequency_penalty=args.frequency_penalty, token_healing=first.healing,
+                                 stop=args.stop, **seeds)
+        else:
+            out = lm.generate([r.ids for r in rows], max_new_tokens=budgets, token_healing=first.healing,
+                              stop=args.stop, **seeds, **kw)
+        texts = decoded(out.texts, "generate")
+        lines = []
+        for i, (row, prepared) in enumerate(zip(batch, rows, strict=True)):
+            answer, thought = texts[i], None
+            if prepared.chat:  # a thought the response template reads, apart, as generate --chat gives it
+                alone = SimpleNamespace(texts=[texts[i]], new_tokens=out.new_tokens[i:i + 1],
+                                        num_new_tokens=out.num_new_tokens[i:i + 1])
+                reply = ReplyReader(lm, prepared.ids).read(alone)
+                answer, thought = reply.answer, reply.thought
+            lines.append(dict(
+                line=row.line, **row.carried, text=answer, **({"reasoning": thought} if thought else {}),
+                **({"prompt": row.prompt} if row.prompt is not None else {}), new_tokens=int(out.num_new_tokens[i]),
+                forward_passes=int(out.forward_passes[i]),
+                tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
+        return lines
+
+    return run_file(args, output, rows, GENERATE, run_batch, "generate", {r: len(ready[r].ids) for r in ready},
+                    {r: (ready[r].chat, ready[r].seed is None) for r in ready})
+
+
+def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
+    """--input's companion flags (--batch-size, --output, --overwrite, --resume), checked before anything loads;
+    the --output path, if one is given."""
+    from blockpress.batchfile import check_output
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer (rows per call), got {args.batch_size}")
+    if args.output is None and (args.overwrite or args.resume):
+        raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
+                         "output is written as it goes)")
+    if args.overwrite and args.resume:
+        raise ValueError("--resume: not with --overwrite (which starts the output again); give one")
+    output = Path(args.output) if args.output is not None else None
+    if output is not None:
+        check_output(output, args.input, kind)
+    if output is not None and output.exists() and not (args.overwrite or args.resume):
+        raise ValueError(f"--output {output}: exists; give --overwrite to replace it, or --resume to continue it")
+    return output
+
+
+def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any,
+             run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, length: dict[int, int],
+             group: dict[int, tuple[Any, ...]]) -> int:
+    """An --input run's rows (every one checked) to --output or stdout: the lines an --output already holds skipped
+    (--resume), the rest in batches (batchfile.batches: by `length`, never mixing a `group`) through
+    `run_batch`, which gives each row's output line (its new_tokens counted for the stats)."""
+    from blockpress.batchfile import InOrderWriter, batches, done_lines
+
     todo = rows
     if output is not None and output.exists() and args.resume:
-        done = done_lines(output, rows)
+        done = done_lines(output, rows, kind)
         todo = [row for row in rows if row.line not in done]
     out: IO[str]
     if output is not None:
@@ -644,56 +705,27 @@ def generate_file(args: argparse.Namespace) -> int:
     else:
         out = sys.stdout
     try:
-        return run_file_rows(lm, args, todo, ready, InOrderWriter(out, [r.line for r in todo]),
-                             batches(todo, args.batch_size, {r.line: len(ready[r.line].ids) for r in todo},
-                                     {r.line: (ready[r.line].chat, ready[r.line].seed is None) for r in todo}),
-                             kw, output)
+        return run_file_rows(todo, InOrderWriter(out, [r.line for r in todo]),
+                             batches(todo, args.batch_size, length, group), run_batch, command, output)
     finally:
         if out is not sys.stdout:
             out.close()
 
 
-def run_file_rows(lm: Any, args: argparse.Namespace, todo: list[Any], ready: dict[int, FileRow], writer: Any,
-                  groups: Iterable[list[Any]], kw: dict[str, Any], output: Path | None) -> int:
-    """generate_file's loop: one lm.generate (--ar: lm.generate_ar) a batch, its rows written as they can be; a
-    progress bar on a terminal's stderr, and the stats line at the end (or after a Ctrl-C, what was written)."""
-    from types import SimpleNamespace
-
+def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
+                  run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, output: Path | None) -> int:
+    """An --input run's loop: one `run_batch` a batch, its rows written as they can be; a progress bar on a
+    terminal's stderr, and the stats line at the end (or after a Ctrl-C, what was written)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(todo), unit="row", desc="generate", dynamic_ncols=True, leave=False,
+    bar = tqdm(total=len(todo), unit="row", desc=command, dynamic_ncols=True, leave=False,
                disable=None if sys.stderr is not None else True, file=sys.stderr)
     t0, new_tokens = time.perf_counter(), 0
     try:
         for batch in groups:
-            rows = [ready[r.line] for r in batch]
-            first = rows[0]  # a batch's rows share healing and whether they have seeds (batchfile.batches)
-            seeds = dict(seeds=[r.seed for r in rows]) if first.seed is not None else dict(seed=None)
-            budgets = [r.max_new_tokens for r in rows]
-            if args.ar:
-                out = lm.generate_ar([r.ids for r in rows], max_new_tokens=budgets,
-                                     min_new_tokens=args.min_new_tokens, temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
-                                     frequency_penalty=args.frequency_penalty, token_healing=first.healing,
-                                     stop=args.stop, **seeds)
-            else:
-                out = lm.generate([r.ids for r in rows], max_new_tokens=budgets, token_healing=first.healing,
-                                  stop=args.stop, **seeds, **kw)
-            texts = decoded(out.texts, "generate")
-            for i, (row, prepared) in enumerate(zip(batch, rows, strict=True)):
-                answer, thought = texts[i], None
-                if prepared.chat:  # a thought the response template reads, apart, as generate --chat gives it
-                    alone = SimpleNamespace(texts=[texts[i]], new_tokens=out.new_tokens[i:i + 1],
-                                            num_new_tokens=out.num_new_tokens[i:i + 1])
-                    reply = ReplyReader(lm, prepared.ids).read(alone)
-                    answer, thought = reply.answer, reply.thought
-                n = int(out.num_new_tokens[i])
-                new_tokens += n
-                writer.add(row.line, dict(
-                    line=row.line, **row.carried, text=answer, **({"reasoning": thought} if thought else {}),
-                    **({"prompt": row.prompt} if row.prompt is not None else {}), new_tokens=n,
-                    forward_passes=int(out.forward_passes[i]),
-                    tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
+            for row, line in zip(batch, run_batch(batch), strict=True):
+                new_tokens += line["new_tokens"]
+                writer.add(row.line, line)
             bar.update(len(batch))
             seconds = time.perf_counter() - t0
             bar.set_postfix_str(f"{new_tokens / seconds:.1f} tok/s" if seconds > 0 else "")
@@ -750,13 +782,16 @@ def check_template(text: str, hole_length: int, context: int) -> None:
 
 
 def cmd_infill(args: argparse.Namespace) -> int:
-    text = args.template if args.template != "-" else sys.stdin.read()
+    file = from_file(args, args.template, "template", "templates")
     for flag in ("max_new_tokens", "min_new_tokens"):
         if getattr(args, flag) not in (None, 0):  # an infill's length is its template's
             raise ValueError(f"--{flag.replace('_', '-')}: an infill is as long as its template; size the holes "
                              "with <|hole:N|> or --hole-length")
     if args.hole_length < 1:
         raise ValueError(f"--hole-length: expected a positive integer, got {args.hole_length}")
+    if file:
+        return infill_file(args)
+    text = args.template if args.template != "-" else sys.stdin.read()
     for flag, value in (("--prefix", args.prefix), ("template", text)):
         check_text(value, flag)  # bytes that were not UTF-8 arrive as surrogates: it names the byte, as chat does
     check_template(text, args.hole_length, model_context(args))
@@ -777,13 +812,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
         print(f"{stop_word(exc)} (an infill is printed once every hole is filled)", file=sys.stderr)
         return stop_status(exc)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
-    # new_tokens (also filled_tokens) are the tokens the model wrote, the holes', as generate's are and as
-    # tokens_per_forward and tok_s count them; template_tokens is the whole template, fixed tokens included.
-    filled_n = int(out.num_chosen_tokens.sum())
-    stats = stats_of(filled_n, int(out.forward_passes.max()), float(out.tokens_per_forward.mean()),
-                     time.perf_counter() - t0)
-    stats["template_tokens"] = int(out.num_new_tokens.sum())
-    stats["filled_tokens"] = filled_n
+    stats = infill_stats(out, 0, time.perf_counter() - t0)
     if args.json:
         print(json.dumps(dict(text=filled, fills=out.fills[0], template=text, **stats, seed=out.extra["seeds"][0],
                               interrupted=False)))
@@ -791,6 +820,69 @@ def cmd_infill(args: argparse.Namespace) -> int:
         print(printable(filled))
         print_stats(stats)
     return 0
+
+
+def infill_stats(out: Any, i: int, seconds: float) -> dict[str, Any]:
+    """Row `i`'s figures in an infill's output: new_tokens (also filled_tokens) are the tokens the model wrote, the
+    holes', as generate's are and as tokens_per_forward and tok_s count them; template_tokens is the whole
+    template, fixed tokens included."""
+    filled_n = int(out.num_chosen_tokens[i])
+    stats = stats_of(filled_n, int(out.forward_passes[i]), float(out.tokens_per_forward[i]), seconds)
+    stats["template_tokens"] = int(out.num_new_tokens[i])
+    stats["filled_tokens"] = filled_n
+    return stats
+
+
+def infill_file(args: argparse.Namespace) -> int:
+    """`infill --input FILE`: generate --input's run (check_file_flags, run_file) for a file of templates, every
+    template checked before the model loads (as `infill TEMPLATE` checks its one) and again, with its prefix, as
+    the run alone would take it; each batch one lm.infill, each row with its own seed."""
+    from blockpress.batchfile import INFILL, read_input
+
+    if args.prefix:  # one context for every line would not be in the output lines --resume checks
+        raise ValueError('--prefix: not with --input; give each line that has one its own "prefix"')
+    output = check_file_flags(args, INFILL)
+    name, rows = read_input(args.input, INFILL)
+    context = model_context(args)
+    for row in rows:
+        try:
+            check_template(row.template or "", args.hole_length, context)  # (an infill line has one)
+        except ValueError as exc:
+            raise ValueError(f"{name}:{row.line}: {exc}") from None
+    lm = load_announced(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
+    kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "min_new_tokens", "seed")}
+    healing = False if args.no_token_healing else None
+    lm.stream("", template="<|hole:1|>", seed=args.seed, **kw)  # the flags alone: their errors name the flag
+    seeds: dict[int, int | None] = {}
+    for row in rows:
+        seeds[row.line] = row.seed if row.seed is not None else args.seed
+        try:  # checked as the run alone would be, and not run (the stream is never iterated); "": BOS alone,
+            # as infill without a prefix starts
+            lm.stream(row.prefix or "", template=row.template, hole_length=args.hole_length, seed=seeds[row.line],
+                      token_healing=healing, **kw)
+        except ValueError as exc:
+            raise ValueError(f"{name}:{row.line}: {as_flags(str(exc), {'prompt': 'prefix'})}") from None
+
+    def run_batch(batch: list[Any]) -> list[dict[str, Any]]:
+        given = [seeds[r.line] for r in batch]  # a batch's rows all have seeds, or none has (batchfile.batches)
+        out = lm.infill([r.template for r in batch], prompt=[r.prefix or "" for r in batch],
+                        hole_length=args.hole_length, token_healing=healing,
+                        **(dict(seeds=given) if given[0] is not None else dict(seed=None)), **kw)
+        texts = decoded(out.texts, "infill")
+        lines = []
+        for i, row in enumerate(batch):
+            stats = {k: v for k, v in infill_stats(out, i, 0.0).items() if k not in ("tok_s", "seconds")}
+            lines.append(dict(line=row.line, **row.carried, text=texts[i], fills=out.fills[i], template=row.template,
+                              **({"prefix": row.prefix} if row.prefix is not None else {}), **stats,
+                              seed=out.extra["seeds"][i]))
+        return lines
+
+    return run_file(args, output, rows, INFILL, run_batch, "infill",
+                    # the text's length in characters: the templates are not tokenized until the batch
+                    {r.line: len(r.template or "") + len(r.prefix or "") for r in rows},
+                    {r.line: (seeds[r.line] is None,) for r in rows})
 
 
 # A line of this alone opens a message of several lines, and the next one sends it (a code model's chat is sent
@@ -2288,6 +2380,23 @@ def as_flags(message: str, flag_of: dict[str, str]) -> str:
     return "/".join(flag_of[n] for n in names) + sep + rest
 
 
+def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
+    """--input FILE and its companions (generate's and infill's batch-file mode); `line`: what a line holds."""
+    g = p.add_argument_group(title)
+    g.add_argument("--input", default=None, metavar="FILE",
+                   help=f"a JSONL file (- for standard input), a line each: {line} (docs/cli.md); other keys (\"id\") "
+                        "are copied to the output line; read and checked whole before anything runs")
+    g.add_argument("--output", default=None, metavar="FILE",
+                   help="write the results here (default: standard output): a JSON object a line, in input order, "
+                        "--json's fields (but tok_s, seconds and interrupted) with `line` (the input line) and the copied keys, "
+                        "each written as soon as the lines before it are")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an existing --output file: the input lines it holds are skipped, the rest appended")
+    g.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="rows a call (rows of similar length together; each row's result is what it gives alone)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="blockpress",
@@ -2339,21 +2448,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with it repeats the text), interrupted (true after a Ctrl-C: text is what was committed "
                         "until then, the figures too, seed null unless --seed was given; with --ar, which prints its "
                         "text once done, only text null, prompt and seed; exit status 130)")
-    g = p.add_argument_group("many prompts from a file (instead of PROMPT)")
-    g.add_argument("--input", default=None, metavar="FILE",
-                   help='a JSONL file (- for standard input), a line each: {"prompt": "text"} or {"messages": '
-                        '[...]} (a conversation, through the chat template as --chat renders one; --system comes '
-                        'first), with its own new-token limit and seed where it gives them (docs/cli.md); other '
-                        'keys ("id") are copied to the output line; read and checked whole before anything runs')
-    g.add_argument("--output", default=None, metavar="FILE",
-                   help="write the results here (default: standard output): a JSON object a line, in input order, "
-                        "--json's fields (but tok_s, seconds and interrupted) with `line` (the input line) and the copied keys, "
-                        "each written as soon as the lines before it are")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an existing --output file: the input lines it holds are skipped, the rest appended")
-    g.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="rows a call (rows of similar length together; each row's result is what it gives alone)")
+    add_input_args(p, "many prompts from a file (instead of PROMPT)",
+                   '{"prompt": "text"} or {"messages": [...]} (a conversation, through the chat template as --chat '
+                   'renders one; --system comes first), with its own new-token limit and seed where it gives them')
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",
@@ -2364,7 +2461,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "\"<|hole\") is refused as a typo unless a backslash keeps it so too "
                                    "(\\<|HOLE|> is the text <|HOLE|>; in Python, blockpress.escape_template "
                                    "escapes a whole text).")
-    p.add_argument("template", help="text with hole markers, or - to read it from standard input")
+    p.add_argument("template", nargs="?", default=None,
+                   help="text with hole markers, or - to read it from standard input (or --input FILE instead, for "
+                        "many)")
     p.add_argument("--prefix", default="", help="context before the template (encoded, not shown)")
     p.add_argument("--hole-length", type=int, default=8, help="tokens per plain <|hole|> marker (default 8)")
     add_model_args(p)
@@ -2381,6 +2480,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "without --seed: --seed with it repeats the fills), interrupted (false; after a Ctrl-C, exit 130, the object "
                         "holds only text and fills null, template and interrupted true: an infill is printed "
                         "whole)")
+    add_input_args(p, "many templates from a file (instead of TEMPLATE)",
+                   '{"template": "text with <|hole|> markers"}, with its own "prefix" (--prefix\'s context) and '
+                   'seed where it gives them')
     p.set_defaults(func=cmd_infill)
 
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",

@@ -4037,3 +4037,80 @@ def test_input_lines_read_the_same_from_a_file_with_a_byte_order_mark_and_crlf_e
     plain = write_input(tmp_path / "in.jsonl").read_bytes()
     windows = b"\xef\xbb\xbf" + plain.replace(b"\n", b"\r\n")
     assert read_rows("w.jsonl", windows) == read_rows("in.jsonl", plain)
+
+
+# infill --input: a JSONL file of templates, through generate --input's machinery
+INFILL_LINES = [
+    {"template": "def add(a, b):\n    return <|hole:4|>", "id": "a"},
+    {"template": "x = <|hole:3|> + 1", "prefix": "a = 2\n", "seed": 5},
+    {"template": "import <|hole|>\nimport <|hole:2|>", "tags": ["two holes"]},
+]
+
+
+def test_infill_input_rows_are_their_runs_alone_in_input_order_and_resume_appends_the_rest(tmp_path, capsys):
+    """Templates of mixed lengths (in batches of 2) come back in input order with their carried keys, and each
+    row's fills are what `infill TEMPLATE --seed S --json` gives it alone (its prefix too); --resume over a run
+    cut short runs only the lines it lacks, and the file ends as one whole run's."""
+    base = ["--model", MODEL, "--steps", "2", "--threads", "1", "--temperature", "1.5"]
+    src, out = write_input(tmp_path / "in.jsonl", INFILL_LINES), tmp_path / "out.jsonl"
+    run = ["infill", "--input", str(src), "--output", str(out), "--batch-size", "2", *base]
+    assert main(run) == 0
+    got = output_lines(out)
+    assert [g["line"] for g in got] == [1, 3, 4] and [g.get("id") for g in got] == ["a", None, None]
+    assert got[2]["tags"] == ["two holes"] and got[1]["seed"] == 5 and len(got[2]["fills"]) == 2
+    capsys.readouterr()
+    for line, g in zip(INFILL_LINES, got):
+        alone = ["infill", line["template"], "--json", "--seed", str(g["seed"]), *base]
+        assert main(alone + (["--prefix", line["prefix"]] if "prefix" in line else [])) == 0
+        want = json.loads(capsys.readouterr().out)
+        assert {k: g[k] for k in want if k in g} == {k: v for k, v in want.items() if k in g}
+        assert g.get("prefix") == line.get("prefix") and "tok_s" not in g and "interrupted" not in g
+    run += ["--seed", "11"]  # (a seed drawn afresh would fill the resumed lines otherwise)
+    assert main([*run, "--overwrite"]) == 0
+    whole = out.read_text()
+    lines = whole.splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][:10])  # cut short while writing the second line
+    calls = []
+    original = blockpress.LM.infill
+    import unittest.mock
+
+    with unittest.mock.patch.object(blockpress.LM, "infill", lambda self, t, *a, **kw: calls.append(len(t))
+                                    or original(self, t, *a, **kw)):
+        assert main([*run, "--resume"]) == 0
+    assert out.read_text() == whole and sum(calls) == 2
+    # another file's output at the same line numbers is not taken as done
+    src.write_text(json.dumps({"template": "y = <|hole:2|>", "id": "a"}) + "\n")
+    assert main([*run, "--resume"]) == 2 and "line 1: its template is not the input line's" in capsys.readouterr().err
+
+
+def test_infill_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_path, capsys, monkeypatch):
+    """A bad line (no template, a template without a hole or with an unterminated marker, a length of its own, a
+    key the output writes) is refused by FILE:LINE before the model loads; a prefix past the context after it, and
+    nothing runs; --output naming the --input file is refused as generate's is."""
+    from blockpress.batchfile import INFILL, read_rows
+
+    for line, message in [('{"prompt": "x"}', '"template"'), ('{"template": 3}', "template: expected a str"),
+                          ('{"template": "<|hole|>", "max_new_tokens": 4}', "max_new_tokens: an infill is as long"),
+                          ('{"template": "<|hole|>", "fills": []}', "fills: a key the output line writes")]:
+        with pytest.raises(ValueError) as err:
+            read_rows("f.jsonl", b'{"template": "<|hole|>"}\n\n' + line.encode() + b"\n", INFILL)
+        assert str(err.value).startswith("f.jsonl:3: ") and message in str(err.value)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    calls = []
+    monkeypatch.setattr(blockpress.LM, "infill", lambda *a, **kw: calls.append(a))
+    with monkeypatch.context() as m:
+        m.setattr("blockpress.cli.load_announced", lambda args: pytest.fail("the model loaded"))
+        for bad, message in [({"template": "x = 1"}, "template: has no holes to fill"),
+                             ({"template": "x = <|hole:3"}, "template: '<|hole:3' looks like a hole marker")]:
+            src.write_text(json.dumps({"template": "<|hole|>"}) + "\n" + json.dumps(bad) + "\n")
+            assert main(["infill", "--input", str(src), "--output", str(out), "--model", MODEL]) == 2
+            err = capsys.readouterr().err
+            assert f"{src}:2: {message}" in err
+        assert main(["infill", "--input", str(src), "--output", str(src), "--model", MODEL, "--overwrite"]) == 2
+        assert "is the --input file" in capsys.readouterr().err
+        assert main(["infill", "x <|hole|>", "--input", str(src)]) == 2 and "not both" in capsys.readouterr().err
+        assert main(["infill", "x <|hole|>", "--resume"]) == 2 and "goes with --input" in capsys.readouterr().err
+        assert main(["infill", "--input", str(src), "--prefix", "x"]) == 2 and '"prefix"' in capsys.readouterr().err
+    src.write_text(json.dumps({"template": "<|hole|>", "prefix": "x " * 5000}) + "\n")
+    assert main(["infill", "--input", str(src), "--output", str(out), "--model", MODEL]) == 2
+    assert f"{src}:1: prefix: " in capsys.readouterr().err and not calls and not out.exists()
