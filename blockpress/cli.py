@@ -417,6 +417,15 @@ def from_file(args: argparse.Namespace, given: str | None, name: str, what: str)
     return args.input is not None
 
 
+def healing_wanted(lm: Any, args: argparse.Namespace) -> bool:
+    """Whether generate heals a plain prompt's last token: --token-healing / --no-token-healing where given, else
+    the model's generation settings (a model fine-tuned on prompts ending in whitespace learned to follow that lone
+    token: its training run wrote token_healing false), else yes."""
+    if args.no_token_healing is None:
+        return bool(lm.generation_config.get("token_healing", True))
+    return not args.no_token_healing
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from blockpress.generate import Commit, Done, Draft, encode_texts
     from blockpress.healing import heal
@@ -445,11 +454,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt, shown = lm.chat_prompt([*system_turn(args), {"role": "user", "content": args.prompt}],
                                        **args.chat_template_kwargs), ""
-    # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token.
-    # Not given, the model's generation settings decide (a model fine-tuned on prompts ending in whitespace learned
-    # to follow that lone token: its training run wrote token_healing false), else healing is on.
-    wanted = lm.generation_config.get("token_healing", True) if args.no_token_healing is None else not args.no_token_healing
-    healing = wanted and not args.chat
+    # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token
+    healing = healing_wanted(lm, args) and not args.chat
     prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
     if args.ar:
         return generate_ar(lm, args, prompt, shown, healing)
@@ -597,7 +603,7 @@ def generate_file(args: argparse.Namespace) -> int:
     if any(chats):
         check_chat_template(lm, args, "a chat line (--chat, or \"messages\")")
     kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "seed")}
-    wanted = lm.generation_config.get("token_healing", True) if args.no_token_healing is None else not args.no_token_healing
+    wanted = healing_wanted(lm, args)
     if not args.ar:  # the flags alone, on a one-token prompt: their errors name the flag, not a line
         lm.stream("x", max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, **kw)
     ready: dict[int, FileRow] = {}
