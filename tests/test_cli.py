@@ -1,5 +1,6 @@
 """The command line, end to end (random-tiny until the shipped model lands)."""
 
+import contextlib
 import importlib.util
 import inspect
 import io
@@ -3887,6 +3888,18 @@ def write_input(path: Path, lines=INPUT_LINES) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def rows_asked(monkeypatch, method: str):
+    """blockpress.LM.<method> (generate, infill) counting the rows of each call: the list of counts, filled as the
+    calls come (an --input run's --resume asks only for the rows its output lacks)."""
+    calls: list[int] = []
+    original = getattr(blockpress.LM, method)
+    with monkeypatch.context() as patch:
+        patch.setattr(blockpress.LM, method, lambda self, rows, *a, **kw: calls.append(len(rows))
+                      or original(self, rows, *a, **kw))
+        yield calls
+
+
 def output_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
@@ -3944,7 +3957,7 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     assert main(["generate", "--model", MODEL]) == 2 and "got neither" in capsys.readouterr().err
 
 
-def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path, capsys):
+def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path, capsys, monkeypatch):
     """An existing --output is refused unless --overwrite; --resume over a run cut short (two lines and half a
     third) generates only the lines it lacks, and the file ends as one whole run's."""
     src, out = write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
@@ -3957,12 +3970,7 @@ def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path
     assert main([*base, "--overwrite"]) == 0 and out.read_text() == whole
     lines = whole.splitlines(keepends=True)
     out.write_text("".join(lines[:2]) + lines[2][:10])  # cut short while writing the third line
-    calls = []
-    original = blockpress.LM.generate
-    import unittest.mock
-
-    with unittest.mock.patch.object(blockpress.LM, "generate", lambda self, p, *a, **kw: calls.append(len(p))
-                                    or original(self, p, *a, **kw)):
+    with rows_asked(monkeypatch, "generate") as calls:
         assert main([*base, "--resume"]) == 0
     assert out.read_text() == whole and sum(calls) == 3
     out.write_text(json.dumps({"line": 99, "text": ""}) + "\n")
@@ -4047,7 +4055,7 @@ INFILL_LINES = [
 ]
 
 
-def test_infill_input_rows_are_their_runs_alone_in_input_order_and_resume_appends_the_rest(tmp_path, capsys):
+def test_infill_input_rows_are_their_runs_alone_in_input_order_and_resume_appends_the_rest(tmp_path, capsys, monkeypatch):
     """Templates of mixed lengths (in batches of 2) come back in input order with their carried keys, and each
     row's fills are what `infill TEMPLATE --seed S --json` gives it alone (its prefix too); --resume over a run
     cut short runs only the lines it lacks, and the file ends as one whole run's."""
@@ -4070,12 +4078,7 @@ def test_infill_input_rows_are_their_runs_alone_in_input_order_and_resume_append
     whole = out.read_text()
     lines = whole.splitlines(keepends=True)
     out.write_text(lines[0] + lines[1][:10])  # cut short while writing the second line
-    calls = []
-    original = blockpress.LM.infill
-    import unittest.mock
-
-    with unittest.mock.patch.object(blockpress.LM, "infill", lambda self, t, *a, **kw: calls.append(len(t))
-                                    or original(self, t, *a, **kw)):
+    with rows_asked(monkeypatch, "infill") as calls:
         assert main([*run, "--resume"]) == 0
     assert out.read_text() == whole and sum(calls) == 2
     # another file's output at the same line numbers is not taken as done
