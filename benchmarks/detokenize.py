@@ -9,6 +9,11 @@ far; kept, as the text a response template reads), the seconds each took in all 
 ratio; and the seconds of one encode and decode of the whole reply's text (`plain` in chat and the server: once a
 reply, where it read a thought).
 
+A template row (lm.infill, generate's template=) of the same tokens, a hole of --hole-tokens every --hole-every, is
+read in commits of --template-commit-tokens: its text and fills at each commit, decoded whole (decode_rows and
+hole_fills, as the engine did) against a TemplateRowText (what it does now); both must give the same text and fills
+at every commit (checked).
+
     python benchmarks/detokenize.py --tokens 8000 --commit-tokens 256
 """
 
@@ -18,8 +23,10 @@ import argparse
 import inspect
 import json
 
+import torch
 from benchmark_args import Formatter, best_seconds, positive_int
 
+from blockpress.generate import TemplateRowText, decode_rows, hole_fills
 from blockpress.lm import MODELS_DIR
 from blockpress.tokenizer import TextStream, Tokenizer
 
@@ -45,8 +52,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=positive_int, nargs="+", default=[8000], help="reply lengths, in tokens")
     ap.add_argument("--commit-tokens", type=positive_int, nargs="+", default=[256, 8],
                     help="tokens a commit (a canvas) adds")
+    ap.add_argument("--template-commit-tokens", type=positive_int, nargs="+", default=[256],
+                    help="tokens a commit adds to the template row (decoded whole, commits of 32 at 8,000 tokens "
+                         "take a minute)")
+    ap.add_argument("--hole-every", type=positive_int, default=64, help="a template row's tokens from one hole to the next")
+    ap.add_argument("--hole-tokens", type=positive_int, default=16, help="a template row's tokens a hole")
     ap.add_argument("--repeats", type=positive_int, default=3, help="runs of each; the fastest counts")
     return ap
+
+
+def template_rows(tok: Tokenizer, ids: list[int], args: argparse.Namespace) -> list[dict]:
+    """A template row of `ids` (a hole of --hole-tokens every --hole-every tokens, its fixed special tokens kept)
+    read at each commit, whole and decoded on: the seconds of each, per commit size."""
+    fixed = [-1 if p % args.hole_every < args.hole_tokens else t for p, t in enumerate(ids)]
+    spans = [(p, min(p + args.hole_tokens, len(ids))) for p in range(0, len(ids), args.hole_every)]
+    template = torch.tensor([fixed])
+    rows = []
+    for step in args.template_commit_tokens:
+        ends = list(range(step, len(ids), step)) + [len(ids)]
+
+        def whole(ends: list[int] = ends) -> list[tuple[str, list[str]]]:
+            return [(decode_rows(tok, [ids[:end]], template)[0], hole_fills(tok, [ids[:end]], [spans], {}, template)[0])
+                    for end in ends]
+
+        def stream(ends: list[int] = ends) -> list[tuple[str, list[str]]]:
+            texts = TemplateRowText(tok, fixed, spans, {})
+            return [(texts.text(ids[:end]), texts.fills(ids[:end])) for end in ends]
+
+        seconds = {name: best_seconds(run, args.repeats) for name, run in (("whole", whole), ("stream", stream))}
+        if whole() != stream():
+            raise SystemExit(f"the template row's texts or fills differ from the whole decodes ({len(ids)} tokens, "
+                             f"commits of {step})")
+        rows.append({"template_tokens": len(ids), "holes": len(spans), "commit_tokens": step, "commits": len(ends),
+                     "whole_s": round(seconds["whole"], 4), "stream_s": round(seconds["stream"], 4),
+                     "speedup": round(seconds["whole"] / seconds["stream"], 1)})
+    return rows
 
 
 def main() -> None:
@@ -78,6 +118,7 @@ def main() -> None:
         raw = tok.decode(ids, skip_special_tokens=False)
         best = best_seconds(lambda raw=raw: tok.decode(tok.encode(raw)), args.repeats)
         rows.append({"tokens": len(ids), "plain_round_trip_s": round(best, 4)})
+        rows += template_rows(tok, ids, args)
     print(json.dumps({"rows": rows}, indent=1))
 
 

@@ -689,8 +689,73 @@ def hole_fills(tokenizer: Any, rows: list[list[int]], holes: list[list[tuple[int
         # so where it parts from the whole text, that character begins (adjacent holes share their edge).
         at = {p: len(commonprefix([decode_rows(tokenizer, [row[:p]], fixed)[0], text]))
               for p in {p for span in spans for p in span}}
-        fills.append([strip_prefix(text[at[start] : at[end]], prefixes.get((r, start), "")) for start, end in spans])
+        fills.append(_cut_fills(text, spans, at, {start: prefixes.get((r, start), "") for start, _ in spans}))
     return fills
+
+
+def _cut_fills(text: str, spans: list[tuple[int, int]], at: Mapping[int, int], prefixes: Mapping[int, str]) -> list[str]:
+    """A row's fills: `text` cut at each span's edges (`at`: an edge's position -> its offset in `text`), less the
+    template's whitespace that a healed hole's first token starts with (`prefixes`, by the span's start)."""
+    return [strip_prefix(text[at[start] : at[end]], prefixes.get(start, "")) for start, end in spans]
+
+
+def _shared_length(edge: str, text: str) -> int:
+    """len(commonprefix([edge, text])), compared in C: the text nearly always starts with an edge's text, and where
+    it does not (a character the edge split on), a bisection finds where they part (a character at a time in
+    Python, as commonprefix goes, cost as much as decoding the row)."""
+    if text.startswith(edge):
+        return len(edge)
+    lo, hi = 0, min(len(edge), len(text))  # edge[:lo] is shared; edge[:hi + 1] is not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if text.startswith(edge[:mid]) else (lo, mid - 1)
+    return lo
+
+
+class TemplateRowText:
+    """One template row's text and the offsets of its holes' edges in it as its new tokens grow: what decode_rows
+    and hole_fills give for the whole row, from a TextStream (special tokens kept) over the ids that decode_rows
+    decodes, which only grow as the row does (whether a position's id is kept depends on that position alone). Each
+    edge's text is read once, when the row first reaches it; the row's text at each call costs its new tokens, where
+    decode_rows and hole_fills decoded the row again and once more for each hole's edges at each commit."""
+
+    def __init__(self, tokenizer: Any, fixed: list[int], spans: list[tuple[int, int]], prefixes: Mapping[int, str]) -> None:
+        self.fixed, self.spans, self.prefixes = fixed, spans, prefixes
+        self.special = tokenizer.special_ids
+        self.edges = sorted({p for span in spans for p in span})
+        self.stream = TextStream(tokenizer, skip_special_tokens=False)
+        self._restart()
+
+    def _restart(self) -> None:
+        self.row: list[int] = []  # the new tokens read so far
+        self.kept: list[int] = []  # those that decode_rows decodes (a hole's special tokens dropped)
+        self.kept_at = [0]  # kept_at[p]: len(kept) for the row's first p tokens
+        self.edge_texts: dict[int, str] = {}  # the text of the row's first p tokens, for each edge p reached
+
+    def text(self, row: list[int]) -> str:
+        """decode_rows' text of `row` (the row's new tokens so far, a list of ints)."""
+        if row[: len(self.row)] != self.row:  # not a continuation (a shorter row): start again
+            self._restart()
+        for p in range(len(self.row), len(row)):
+            t = row[p]
+            if self.fixed[p] >= 0 or t not in self.special:  # (a row is never longer than its template)
+                self.kept.append(t)
+            self.kept_at.append(len(self.kept))
+        self.row = list(row)
+        for p in self.edges:  # in order: the stream reads each edge's ids, then the row's, as ids that grow
+            if p > len(row):
+                break
+            if p not in self.edge_texts:
+                self.edge_texts[p] = self.stream.text(self.kept[: self.kept_at[p]])
+        return self.stream.text(self.kept)
+
+    def fills(self, row: list[int]) -> list[str]:
+        """hole_fills' fills of `row`: its text cut at each hole's edges."""
+        text = self.text(row)
+        spans = [(s, e) for s, e in self.spans if s < len(row)]  # (as hole_fills: no text for later holes)
+        at = {p: len(text) if p >= len(row) else _shared_length(self.edge_texts[p], text)
+              for span in spans for p in span}
+        return _cut_fills(text, spans, at, self.prefixes)
 
 
 def _through_first(is_eos: torch.Tensor) -> torch.Tensor:
@@ -719,7 +784,7 @@ def _output(
     texts = fills = None
     if texts_of is not None:  # what the stop search and the Commit events decoded is not decoded again
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
-        texts, fills = texts_of.answers(rows), answer_fills(req, texts_of.tokenizer, rows)
+        texts, fills = texts_of.answers(rows), texts_of.fills(rows)
     chosen = num_valid
     if req.template is not None:  # fixed tokens are given, not decoded: count the holes within the valid tokens
         within = torch.arange(req.template.shape[1], device=num_valid.device) < num_valid[:, None]
@@ -747,23 +812,14 @@ def _heal_texts(req: Request, texts: list[str]) -> list[str]:
     return [strip_prefix(t, p) for t, p in zip(texts, req.heal_prefixes)]
 
 
-def answer_fills(req: Request, tokenizer: Any, rows: list[list[int]]) -> list[list[str]] | None:
-    """A template's holes as text, per row, from its new tokens `rows` (all of them, or those so far: a hole not
-    yet reached has no text, one reached in part its part); None without a template. See hole_fills."""
-    if req.template is None:
-        return None
-    holes = req.template_holes or [hole_runs(r) for r in req.template.tolist()]
-    return hole_fills(tokenizer, rows, holes, req.hole_prefixes or {}, req.template)
-
-
 @dataclass
 class _RowTexts:
     """Each row's text as its new tokens grow, for the stop search, the Commit events' texts so far and Done's
     output.texts: the text of all its tokens, as decoded whole (a character whose bytes straddle two canvases comes out
     whole), once per length, shared by the three. A row only grows (tokens once written stay), so its newest text is
-    all there is to keep, and each row's TextStream decodes only what its new tokens add (but for a template's rows,
-    decoded whole: which special tokens they keep depends on the position); the text of its first min_new_tokens (the
-    stop floor) is fixed once it has them, so that is decoded once per generation."""
+    all there is to keep, and each row's TextStream decodes only what its new tokens add (a template's row's, with its
+    holes' edges: TemplateRowText); the text of its first min_new_tokens (the stop floor) is fixed once it has them,
+    so that is decoded once per generation."""
 
     req: Request
     tokenizer: Any
@@ -771,14 +827,22 @@ class _RowTexts:
     floors: list[int | None]  # per row: stop_floor, once the row has more than its min_new_tokens tokens
     minimums: list[int]  # per row: the new tokens no stop string ends in (min_new_tokens, or 0: eos_only_minimum)
     streams: list[TextStream]  # per row: its text so far, decoded on (special tokens dropped, as decode_rows does)
+    templates: list[TemplateRowText] | None  # per row, with a template: its text and fills so far, decoded on
 
     @classmethod
     def of(cls, req: Request, tokenizer: Any) -> _RowTexts:
         b = req.prompt.shape[0]
         eos_only = req.eos_only_minimum or (False,) * b
+        templates = None
+        if req.template is not None:
+            fixed = req.template.tolist()
+            holes = req.template_holes or [hole_runs(row) for row in fixed]
+            prefixes = req.hole_prefixes or {}
+            templates = [TemplateRowText(tokenizer, row, spans, {start: prefixes.get((r, start), "") for start, _ in spans})
+                         for r, (row, spans) in enumerate(zip(fixed, holes))]
         return cls(req, tokenizer, [None] * b, [None] * b,
                    [0 if only else m for m, only in zip(req.row_budgets()[1], eos_only)],
-                   [TextStream(tokenizer) for _ in range(b)])
+                   [TextStream(tokenizer) for _ in range(b)], templates)
 
     def _decode(self, r: int, row: list[int]) -> str:
         template = None if self.req.template is None else self.req.template[r : r + 1]
@@ -790,13 +854,17 @@ class _RowTexts:
         decode_rows), without the healed prefix the prompt holds, not cut at a stop string."""
         newest = self.newest[r]
         if newest is None or newest[0] != len(row):
-            if self.req.template is None:
-                prefix = self.req.heal_prefixes[r] if self.req.heal_prefixes else ""
-                text = strip_prefix(self.streams[r].text(row), prefix)
-            else:
-                text = self._decode(r, row)
-            newest = self.newest[r] = (len(row), text)
+            prefix = self.req.heal_prefixes[r] if self.req.heal_prefixes else ""
+            raw = self.streams[r].text(row) if self.templates is None else self.templates[r].text(row)
+            newest = self.newest[r] = (len(row), strip_prefix(raw, prefix))
         return newest[1]
+
+    def fills(self, rows: list[list[int]]) -> list[list[str]] | None:
+        """A template's holes as text, per row, from its new tokens `rows` (all of them, or those so far: a hole not
+        yet reached has no text, one reached in part its part); None without a template. See hole_fills."""
+        if self.templates is None:
+            return None
+        return [template.fills(row) for template, row in zip(self.templates, rows)]
 
     def floor(self, r: int, row: list[int]) -> int:
         """How many characters of the text the first min_new_tokens tokens make: no stop string ends in them
@@ -868,7 +936,7 @@ class _Answers:
         is padding); returns (texts so far, fills so far)."""
         for row, new, n in zip(self.rows, committed, written):
             row += new[: n - len(row)]
-        return self.texts.answers(self.rows), answer_fills(self.texts.req, self.texts.tokenizer, self.rows)
+        return self.texts.answers(self.rows), self.texts.fills(self.rows)
 
 
 def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:

@@ -2624,6 +2624,88 @@ def test_fills_read_back_as_the_text_when_two_holes_share_a_character(code_tiny,
     assert [e for e in events if isinstance(e, Commit)][-1].fills_so_far == out.fills
 
 
+@pytest.fixture(scope="module")
+def stream_tokenizers():
+    """test_tokenizer's tokenizers and reply ids for TextStream's tests (imported here: a module of @given tests
+    imported inside one fails hypothesis's nesting check)."""
+    import test_tokenizer
+
+    return test_tokenizer
+
+
+@st.composite
+def _template_row(draw, streams, tokenizer):
+    """A template row as the engine holds it, with new tokens written into it: the tokens (text's, special tokens,
+    byte-fallback runs: test_tokenizer's), which positions are fixed (the rest holes), the holes split into markers
+    anywhere (adjacent markers share an edge), past the row's end more holes or pads (a row cut short), and the
+    whitespace some healed holes took over."""
+    from blockpress.generate import hole_runs
+
+    ids = draw(streams._token_runs(tokenizer)) or [tokenizer.pad_id]
+    past = draw(st.lists(st.sampled_from([-1, tokenizer.pad_id]), max_size=4))
+    fixed = [t if draw(st.booleans()) else -1 for t in ids] + past
+    if all(f >= 0 for f in fixed):
+        fixed[-1] = -1
+    spans = []
+    for start, end in hole_runs(fixed):
+        cuts = sorted(set(draw(st.lists(st.integers(start + 1, end), max_size=2))) | {end})
+        spans += list(zip([start, *cuts[:-1]], cuts))
+    prefixes = {start: draw(st.sampled_from([" ", "\n", "  "])) for start, _ in spans if draw(st.booleans())}
+    return ids, fixed, spans, prefixes
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), name=st.sampled_from(["blockpress-code", "sentencepiece-like"]))
+def test_a_template_rows_text_and_fills_read_on_as_the_whole_decode(stream_tokenizers, data, name):
+    """A template row's text and fills at each commit are decoded on from the last (TemplateRowText): at commits of
+    any size they are decode_rows' and hole_fills' of the whole row so far (special tokens kept at fixed positions,
+    dropped in holes; a character split over holes or commits; edges past the row's end), and again after a row that
+    does not continue the last one."""
+    from blockpress.generate import TemplateRowText, decode_rows, hole_fills
+
+    tok = stream_tokenizers.STREAM_TOKENIZERS[name]
+    ids, fixed, spans, prefixes = data.draw(_template_row(stream_tokenizers, tok), "row")
+    template = torch.tensor([fixed])
+
+    def whole(row):
+        by_row = {(0, start): prefix for start, prefix in prefixes.items()}
+        return decode_rows(tok, [row], template)[0], hole_fills(tok, [row], [spans], by_row, template)[0]
+
+    texts = TemplateRowText(tok, fixed, spans, prefixes)
+    end = 0
+    for step in data.draw(st.lists(st.integers(1, 9), min_size=1), "steps") * (len(ids) + 1):
+        end = min(end + step, len(ids))
+        row = ids[:end]
+        assert (texts.text(row), texts.fills(row)) == whole(row), row
+        if end == len(ids):
+            break
+    other = ids[: data.draw(st.integers(0, len(ids)), "kept")]
+    other += [t if f < 0 else f for t, f in zip(data.draw(st.permutations(ids), "other"), fixed[len(other) :])]
+    assert (texts.fills(other), texts.text(other)) == whole(other)[::-1], other
+
+
+def test_a_template_row_decodes_its_new_tokens_not_the_whole_row_at_each_commit(stream_tokenizers):
+    """Each commit of a template row decoded the whole row, then again up to each of its holes' edges (hole_fills):
+    an 8,000-token template's length squared times its holes. A commit now decodes a window before its new tokens
+    and each edge it reaches, whatever the row's length."""
+    from blockpress.generate import TemplateRowText, decode_rows, hole_fills
+    from blockpress.tokenizer import STREAM_OVERLAP
+
+    tok = stream_tokenizers.STREAM_TOKENIZERS["blockpress-code"]
+    ids = tok.encode("x = f(a, 'é日') + 1\n" * 60)
+    fixed = [-1 if p % 10 < 4 else t for p, t in enumerate(ids)]  # a hole of 4 tokens every 10
+    spans = [(p, p + 4) for p in range(0, len(ids), 10)]
+    counting = stream_tokenizers._CountingDecodes(tok)
+    counting.special_ids = tok.special_ids
+    texts = TemplateRowText(counting, fixed, spans, {})
+    for end in range(16, len(ids) + 16, 16):
+        row, before = ids[:end], counting.decoded
+        assert texts.fills(row) == hole_fills(tok, [row], [spans], {}, torch.tensor([fixed]))[0]
+        assert texts.text(row) == decode_rows(tok, [row], torch.tensor([fixed]))[0]
+        # two windows an edge reached (at most 4 in 16 tokens) and the row's new tokens
+        assert counting.decoded - before <= 2 * 5 * (16 + 2 * STREAM_OVERLAP), (end, counting.decoded - before)
+
+
 near_markers = st.sampled_from(["<|hole|>", "<|hole:2|>", "<|HOLE|>", "<| hole |>", '"<|hole"', "<|hole:x|>",
                                 "<|Hole:3|>", "<|\nhole", "\\", "\\\\", "<|hole|", "<|hole:0|>", "<|hole:３|>"])
 

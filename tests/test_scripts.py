@@ -583,16 +583,24 @@ def test_stream_parse_benchmark_smoke(monkeypatch, capsys):
 
 def test_detokenize_benchmark_smoke(monkeypatch, capsys):
     """Its stream's texts are the whole decodes at every commit (it exits naming the reply where they are not), with
-    special tokens dropped and kept, in commits of each size."""
+    special tokens dropped and kept, in commits of each size; and a template row's texts and fills, in commits of
+    each of its sizes."""
     code, out, err = run_script_in_process("benchmarks/detokenize.py", ["--tokens", "300", "--commit-tokens", "7", "64",
+                                                                        "--template-commit-tokens", "5", "32",
+                                                                        "--hole-every", "20", "--hole-tokens", "3",
                                                                         "--repeats", "1"], monkeypatch, capsys)
     assert code in (0, None), err
     rows = json.loads(out)["rows"]
-    timed = [row for row in rows if "commits" in row]
+    timed = [row for row in rows if "special_tokens" in row]
     assert [(row["commit_tokens"], row["special_tokens"]) for row in timed] == [
         (7, "dropped"), (7, "kept"), (64, "dropped"), (64, "kept")]
     assert all(row["tokens"] == 300 and row["commits"] == -(-300 // row["commit_tokens"]) for row in timed)
-    assert all(row["whole_s"] > 0 and row["stream_s"] > 0 for row in timed) and rows[-1]["plain_round_trip_s"] > 0
+    assert all(row["whole_s"] > 0 and row["stream_s"] > 0 for row in timed)
+    assert [row["plain_round_trip_s"] > 0 for row in rows if "plain_round_trip_s" in row] == [True]
+    template = [row for row in rows if "template_tokens" in row]
+    assert [(row["template_tokens"], row["holes"], row["commit_tokens"], row["commits"]) for row in template] == [
+        (300, 15, 5, 60), (300, 15, 32, 10)]
+    assert all(row["whole_s"] > 0 and row["stream_s"] > 0 for row in template)
 
 
 def test_prefill_memory_refuses_a_cache_that_cannot_fit(monkeypatch, capsys):
