@@ -770,13 +770,9 @@ def _settles(pattern: str) -> bool:
 def _pending(buffer: str, pos: int, texts: tuple[str, ...] | None, heads: tuple[str, ...],
              match: re.Match[str] | regex.Match[str] | None) -> int:
     """Where a growing reply's text (read from `pos`) may hold a marker that more text would complete or change,
-    len(buffer) where nowhere: a complete `match` that ends at the text's end and could still grow, a tail that is
-    a proper prefix of the marker's text, or (a pattern's) text that starts as its matches start (`heads`:
-    Field.open_heads or close_heads)."""
-    if match is not None and match.end() == len(buffer) and (
-            match.start() == match.end() or texts is None
-            or any(len(t) > match.end() - match.start() and t.startswith(match.group()) for t in texts)):
-        return match.start()
+    len(buffer) where nowhere: the earliest of a complete `match` that ends at the text's end and could still grow,
+    a tail that is a proper prefix of the marker's text, and (a pattern's) text that starts as its matches start
+    (`heads`: Field.open_heads or close_heads)."""
     found = len(buffer)
     for head in heads:
         if texts is None:  # a pattern: what follows its literal start may yet make a match there
@@ -787,6 +783,11 @@ def _pending(buffer: str, pos: int, texts: tuple[str, ...] | None, heads: tuple[
             if head.startswith(buffer[start:]):
                 found = start
                 break
+    if match is not None and match.end() == len(buffer) and (
+            match.start() == match.end() or texts is None
+            or any(len(t) > match.end() - match.start() and t.startswith(match.group()) for t in texts)):
+        # (no earlier than a possible start before it: the next read, the match no longer at the end, holds there)
+        return min(found, match.start())
     return found
 
 

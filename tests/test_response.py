@@ -218,6 +218,28 @@ def test_a_growing_reply_read_on_settles_what_it_settles_read_whole(template: An
         assert partial_or_error(lambda end=end: reader.read(reply[:end])) == whole, reply[:end]
 
 
+@pytest.mark.parametrize("name, spec, reply", [
+    ("gemma", GEMMA4, f"<|tool_call>call:{{<|tool_call>call:ab{gemma_value({'c': 1})}<tool_call|>ok<turn|>"),
+    ("qwen", QWEN_SETTLING, "<tool_call>x<tool_call>\n<function=weather>\n</function>\n</tool_call>ok<|im_end|>"),
+])
+def test_a_marker_at_the_text_end_after_a_start_that_came_to_nothing_takes_no_text_back(name: str, spec: Any,
+                                                                                       reply: str) -> None:
+    """A call's marker whose pattern match ended at the text's end was held back from its own start, past an earlier
+    start of the marker that more text had already ruled out ('<|tool_call>call:{'); the next read, the match no
+    longer at the end, held back from that earlier start: the open text read '<|tool_call>call:{', then '', and a
+    reader going on from the first read missed the earlier start and read another message. Each read holds back
+    from the earliest: its open text only grows, and reading on reads as reading whole."""
+    compiled = compile_template(spec)
+    reader, before = PartialReader(compiled), None
+    for end in range(len(reply) + 1):
+        partial = parse_partial(compiled, reply[:end])
+        assert partial_or_error(lambda end=end: reader.read(reply[:end])) == partial_or_error(lambda p=partial: p)
+        if before is not None and (before.closed, before.open) == (partial.closed, partial.open):
+            assert partial.text.startswith(before.text), reply[:end]
+        before = partial
+    assert parse_response(compiled, reply)["content"].endswith("ok")
+
+
 def test_a_growing_reply_holds_back_a_marker_that_may_be_starting() -> None:
     template = compile_template(GEMMA4)
     call = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
