@@ -217,6 +217,11 @@ class Field:
     # once here: a growing reply's tail that may begin one is held back (_pending)
     open_heads: tuple[str, ...] = ()
     close_heads: tuple[str, ...] = ()
+    # The one-character items (op, arg) of the optional repeats a marker's pattern starts with before its literal
+    # head (Qwen's \s* before <tool_call>): a run of the characters they take before a head's possible start may be
+    # the match's start, so a read that goes on holds its searches back to the run's start (_lead_start)
+    open_lead: tuple[tuple[Any, Any], ...] = ()
+    close_lead: tuple[tuple[Any, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -295,7 +300,8 @@ def _compile_field(name: str, raw: Any) -> Field:
     open_texts, close_texts = _marker_texts(raw, "open"), _marker_texts(raw, "close")
     return Field(name, opener, closer, open_texts, close_texts, content, args,
                  bool(repeats), join, bool(raw.get("optional", True)), transform, each,
-                 _heads(opener, open_texts), _heads(closer, close_texts))
+                 _heads(opener, open_texts), _heads(closer, close_texts),
+                 _lead(opener, open_texts), _lead(closer, close_texts))
 
 
 def _heads(marker: Marker | None, texts: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -303,6 +309,15 @@ def _heads(marker: Marker | None, texts: tuple[str, ...] | None) -> tuple[str, .
     if marker is None:
         return ()
     return tuple(head for head in (texts or _pattern_heads(marker.pattern)) if head)
+
+
+def _lead(marker: Marker | None, texts: tuple[str, ...] | None) -> tuple[tuple[Any, Any], ...]:
+    """The one-character items of the optional repeats a pattern marker starts with (_pattern_items); none for
+    literal texts."""
+    if marker is None or texts is not None:
+        return ()
+    items = _pattern_items(marker.pattern)
+    return () if items is None else tuple(arg[2][0] for _, arg in items[: _leading_repeats(items)])
 
 
 def _marker_texts(spec: Mapping[str, Any], literal: str) -> tuple[str, ...] | None:
@@ -627,7 +642,8 @@ class PartialReader:
     open region's text short of a marker's possible start) is what every longer reply settles (parse_partial's
     premise); the next read goes on from there, its searches from where the last one held back. It does so only
     for a template whose markers are literal texts or patterns that match the same once found (_settles: Gemma 4's
-    built-in one); any other's reply is read whole at each read, as parse_partial reads it. A read whose text does
+    built-in one, Qwen 3.5's \\s*<tool_call>, whose searches go on from the start of a run of whitespace that may
+    begin a match); any other's reply is read whole at each read, as parse_partial reads it. A read whose text does
     not continue the last one's is read from the start. A read that fails (ValueError: a region that cannot be
     read, PatternTooCostly) fails again for every later, longer text, with the same words."""
 
@@ -726,21 +742,15 @@ def _takes(op: Any, arg: Any, char: str) -> bool | None:
     return hit != negate
 
 
-def _settles(pattern: str) -> bool:
-    """Whether a marker pattern's match, once found short of the text's end, is the one any longer text gives,
-    and whether the marker's every match starts with its literal head: a literal start, then literal or
-    one-character items and greedy repeats of one character that end the pattern or are followed by a literal the
-    repeat cannot take (Gemma 4's <\\|tool_call>call:(?P<name>\\w+)). The regex engine then never chooses between
-    ways to match, so what it matched depends on no text after the match's end but the character that ended a
-    repeat; a text's end that falls inside a match, or inside the literal head, is held back (_pending). Anything
-    else (alternatives, lookarounds, anchors, lazy repeats, inline flags, a pattern the stdlib cannot parse) is
-    read whole again at every chunk, as it may match differently once more text comes."""
+def _pattern_items(pattern: str) -> list[tuple[Any, Any]] | None:
+    """A pattern's items as the stdlib's parser reads it, groups flattened; None where it cannot (a parse error, an
+    inline flag, a group's own flags)."""
     try:
         parsed = sre_parser.parse(pattern, re.DOTALL)
     except re.error:
-        return False
+        return None
     if parsed.state.flags & ~(re.DOTALL | re.UNICODE):
-        return False
+        return None
     items: list[tuple[Any, Any]] = []
 
     def flatten(sub: Any) -> bool:
@@ -752,19 +762,76 @@ def _settles(pattern: str) -> bool:
                 items.append((op, arg))
         return True
 
-    if not flatten(parsed) or not items or items[0][0] is not sre_constants.LITERAL:
+    return items if flatten(parsed) else None
+
+
+def _leading_repeats(items: list[tuple[Any, Any]]) -> int:
+    """How many optional greedy repeats of one character a pattern's items start with (\\s*, \\n?)."""
+    k = 0
+    while (k < len(items) and items[k][0] is sre_constants.MAX_REPEAT and items[k][1][0] == 0
+           and len(items[k][1][2]) == 1 and items[k][1][2][0][0] in ONE_CHARACTER):
+        k += 1
+    return k
+
+
+def _first_characters(op: Any, arg: Any) -> list[str] | None:
+    """The characters a literal item may start with: a literal's own, or each alternative's first of a choice
+    between literal texts of which none starts another (at one place at most one of them can match: Qwen's
+    (?:<|im_end|>|<|endoftext|>)); None for any other item."""
+    if op is sre_constants.LITERAL:
+        return [chr(arg)]
+    if op is not sre_constants.BRANCH:
+        return None
+    texts = []
+    for branch in arg[1]:
+        if not branch or any(item_op is not sre_constants.LITERAL for item_op, _ in branch):
+            return None
+        texts.append("".join(chr(c) for _, c in branch))
+    if any(a != b and b.startswith(a) for a in texts for b in texts) or len(set(texts)) < len(texts):
+        return None
+    return [text[0] for text in texts]
+
+
+def _settles(pattern: str) -> bool:
+    """Whether a marker pattern's match, once found short of the text's end, is the one any longer text gives:
+    optional repeats of one character that cannot take what follows them (Qwen's \\s* before <tool_call>), then a
+    literal head (a text, or a choice between texts of which none starts another), then literal or one-character
+    items, such choices, and greedy repeats of one character that end the pattern or are followed by a literal the
+    repeat cannot take (Gemma 4's <\\|tool_call>call:(?P<name>\\w+)). The regex engine then never chooses between
+    ways to match: the match starts at the earliest run of the leading repeats' characters just before its head
+    (text before the head), and what it matched depends on no text after its end but the character that ended a
+    repeat; a text's end that falls inside a match, inside the literal head, or in a run of the leading repeats'
+    characters that a head may yet follow is held back (_pending, _lead_start). Anything else (other alternatives,
+    lookarounds, anchors, lazy repeats, inline flags, a pattern the stdlib cannot parse) is read whole again at
+    every chunk, as it may match differently once more text comes."""
+    items = _pattern_items(pattern)
+    if items is None:
         return False
-    for k, (op, arg) in enumerate(items):
-        if op in ONE_CHARACTER:
+    lead = _leading_repeats(items)
+    if lead == len(items) or (heads := _first_characters(*items[lead])) is None:
+        return False
+    if any(_takes(op, arg, char) is not False for _, (_, _, [(op, arg)]) in items[:lead] for char in heads):
+        return False
+    for k, (op, arg) in enumerate(items[lead:], lead):
+        if op in ONE_CHARACTER or _first_characters(op, arg) is not None:
             continue
         if op is not sre_constants.MAX_REPEAT or len(arg[2]) != 1 or arg[2][0][0] not in ONE_CHARACTER:
             return False
         if k + 1 < len(items):
-            after_op, after = items[k + 1]
+            after = _first_characters(*items[k + 1])
             repeated_op, repeated = arg[2][0]
-            if after_op is not sre_constants.LITERAL or _takes(repeated_op, repeated, chr(after)) is not False:
+            if after is None or any(_takes(repeated_op, repeated, char) is not False for char in after):
                 return False
     return True
+
+
+def _lead_start(buffer: str, lo: int, at: int, lead: tuple[tuple[Any, Any], ...]) -> int:
+    """Where the run of characters that a marker's leading repeats take (`lead`: Field.open_lead or close_lead)
+    ending at `at` starts, no earlier than `lo`: a head there, or after more text, makes a match that starts
+    there (Qwen's \\s*<tool_call> after "text  \\n"). A character the item cannot tell counts as taken."""
+    while at > lo and any(_takes(op, arg, buffer[at - 1]) is not False for op, arg in lead):
+        at -= 1
+    return at
 
 
 def _pending(buffer: str, pos: int, texts: tuple[str, ...] | None, heads: tuple[str, ...],
@@ -845,21 +912,25 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
     for _ in range(4 * len(buffer) + 8):
         pos, current = state.pos, state.current
         start = max(pos, state.resume)  # (no marker, nor a marker's start, before it)
-        # (kind, field, its marker's pattern and texts) of each marker that could come next
-        watch: list[tuple[str, Field, Marker, tuple[str, ...] | None, tuple[str, ...]]] = []
+        # (kind, field, its marker's pattern, texts, heads and lead) of each marker that could come next
+        watch: list[tuple[str, Field, Marker, tuple[str, ...] | None, tuple[str, ...], tuple[tuple[Any, Any], ...]]] = []
         if current is None or current == template.implicit:  # else inside a marked region: only its end counts
-            watch = [("open", f, f.open, f.open_texts, f.open_heads) for f in fields.values() if f.open is not None]
+            watch = [("open", f, f.open, f.open_texts, f.open_heads, f.open_lead)
+                     for f in fields.values() if f.open is not None]
         if current is not None and (end := fields[current].close) is not None:
-            watch.append(("close", fields[current], end, fields[current].close_texts, fields[current].close_heads))
+            field = fields[current]
+            watch.append(("close", field, end, field.close_texts, field.close_heads, field.close_lead))
         best: tuple[str, Field, re.Match[str] | regex.Match[str]] | None = None
         best_key: tuple[int, int, bool, str] | None = None
-        hold = len(buffer)
-        for kind, field, pattern, texts, heads in watch:
+        hold = resume = len(buffer)
+        for kind, field, pattern, texts, heads, lead in watch:
             where = f"response_template.fields.{field.name}.{kind}" + ("" if texts else "_pattern")
             match = budget.search(where, pattern, buffer, start)
             if not ended:
                 pending = _pending(buffer, start, texts, heads, match)
                 hold = min(hold, pending)
+                if lead:  # a match may start before its possible head, in the run of characters its lead takes
+                    resume = min(resume, _lead_start(buffer, start, pending, lead))
                 if match is not None and match.start() >= pending:  # not a marker yet: more text may change it
                     continue
             # The earliest marker wins; then the longest; then an opening over a closing; then by name.
@@ -875,7 +946,7 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
             if pos < hold and current is not None:
                 body, opened = body + buffer[pos:hold], True
             if not ended:
-                state.resume = hold
+                state.resume = min(hold, resume)
                 return message, current if opened else None, body
             state.body, state.opened = body, opened
             close(len(buffer))

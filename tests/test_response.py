@@ -179,8 +179,8 @@ def test_a_growing_reply_settles_what_transformers_stream_parser_settles(templat
     assert ours == theirs
 
 
-# Qwen 3.5's, with markers that settle once found (response._settles: a literal start, repeats followed by a
-# literal they cannot take), so that its growing replies are read on from where the last read stopped.
+# Qwen 3.5's with markers that start with their literal (response._settles: Qwen 3.5's own settle too, through the
+# whitespace their patterns start with), so that both kinds of marker are read on from where the last read stopped.
 QWEN_SETTLING = json.loads(json.dumps(QWEN35))
 QWEN_SETTLING["fields"]["tool_calls"]["open_pattern"] = r"<tool_call>\s*<function=(?P<name>[^>\n]+)>"
 QWEN_SETTLING["fields"]["content"] = {"close": ["<|im_end|>", "<|endoftext|>"]}
@@ -195,7 +195,7 @@ def partial_or_error(read: Callable[[], Any]) -> Any:
 
 
 @HYPOTHESIS
-@given(st.sampled_from([("gemma", GEMMA4, True), ("qwen", QWEN35, False), ("qwen", QWEN_SETTLING, True)]),
+@given(st.sampled_from([("gemma", GEMMA4, True), ("qwen", QWEN35, True), ("qwen", QWEN_SETTLING, True)]),
        st.data(), st.lists(st.integers(0, 400), max_size=12),
        st.sampled_from(["", "<|turn>model\n<|channel>thought\n", "<|im_start|>assistant\n<think>\n"]),
        st.sampled_from([None, TOOLS]))
@@ -238,6 +238,51 @@ def test_a_marker_at_the_text_end_after_a_start_that_came_to_nothing_takes_no_te
             assert partial.text.startswith(before.text), reply[:end]
         before = partial
     assert parse_response(compiled, reply)["content"].endswith("ok")
+
+
+# Pieces of a Qwen reply where whitespace runs meet its markers, whose patterns take the whitespace before them
+# (\s*<tool_call>, \s*<|im_end|>): runs before a marker, before text, at the end, and markers' starts alone.
+QWEN_PIECES = st.sampled_from([" ", "\n", "  \n ", "\t", "a", "b.", "<", "<tool", "<tool_call>", "<|im_end|>",
+                               "<|endoftext|>", "<|im_", "<think>", "</think>", "\n<tool_call>\n<function=weather>\n",
+                               "<parameter=city>\nOslo\n</parameter>\n", "</function>", "</function>\n </tool_call>",
+                               "</tool_call>"])
+
+
+@HYPOTHESIS
+@given(st.lists(QWEN_PIECES, max_size=16).map("".join), st.lists(st.integers(1, 6), min_size=1, max_size=4),
+       st.sampled_from(["", "<|im_start|>assistant\n<think>\n"]), st.sampled_from([None, TOOLS]))
+def test_a_qwen_reply_read_on_where_whitespace_runs_meet_its_markers(reply: str, steps: list[int], prefix: str,
+                                                                    tools: Any) -> None:
+    """Qwen 3.5's markers are patterns that take the whitespace before them (\\s*<tool_call>), and its replies were
+    read whole at every chunk. They are read on now, and a chunk's edge inside a run of whitespace that a marker may
+    yet follow (its match would start at the run's start) reads as the whole read of the same text: at chunks of
+    any size, a run cut anywhere, before a marker, text or the reply's end."""
+    compiled = compile_template(QWEN35)
+    assert compiled.resumable
+    reader, end = PartialReader(compiled, prefix, tools), 0
+    for step in steps * (len(reply) + 1):
+        end = min(end + step, len(reply))
+        whole = partial_or_error(lambda end=end: parse_partial(compiled, reply[:end], prefix, tools))
+        assert partial_or_error(lambda end=end: reader.read(reply[:end])) == whole, reply[:end]
+        if end == len(reply):
+            break
+
+
+@pytest.mark.parametrize("pattern, settles", [
+    (r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>", True), (r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", True),
+    (r"\n?<x>", True), (r"[ \t]*\n?<x>", True), (r"<x>\s*", True),  # (a match at the text's end is held back)
+    (r".*<x>", False),  # takes the head's start: a later <x> moves the match's end
+    (r"\s*\n<x>", False), (r"\s*", False), (r"(?:ab|a)", False),  # the repeat takes \n; no literal; a starts ab
+    (r"\s*?<x>", False), (r"(?:<a|<ab)", False),  # lazy; one text starts another (a later b lengthens <a)
+    (r"(?:<a>|<ab>)", True),  # none starts another: at one place one of them at most
+])
+def test_which_patterns_settle_once_their_literal_is_found(pattern: str, settles: bool) -> None:
+    """_settles: a marker pattern whose match no longer changes once its literal is found, so that a growing reply
+    is read on from where the last read stopped: optional leading repeats of characters that the literal does not
+    start with, literal texts, and repeats followed by a literal they cannot take."""
+    from blockpress.response import _settles
+
+    assert _settles(pattern) is settles
 
 
 def test_a_growing_reply_holds_back_a_marker_that_may_be_starting() -> None:

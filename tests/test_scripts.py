@@ -571,13 +571,15 @@ def test_prefix_cache_benchmark_smoke(monkeypatch, capsys):
 
 def test_stream_parse_benchmark_smoke(monkeypatch, capsys):
     """Its two readers of a streamed reply agree at every chunk (it exits naming the reply where they do not), and
-    the server's stream of a reply with a call sends the call."""
+    the server's stream of a reply with a call sends the call, with Gemma 4's template and Qwen 3.5's (whose
+    markers' patterns start with \\s*: read on too)."""
     code, out, err = run_script_in_process("benchmarks/stream_parse.py", ["--tokens", "60", "--chunk-tokens", "3",
                                                                           "--repeats", "1"], monkeypatch, capsys)
     assert code in (0, None), err
     rows = json.loads(out)["rows"]
-    assert [row["kind"] for row in rows] == ["plain", "thought", "thought+call"]
-    assert [row["calls_sent"] for row in rows] == [0, 0, 1]
+    assert [(row["template"], row["kind"]) for row in rows] == [
+        (name, kind) for name in ("gemma4", "qwen3.5") for kind in ("plain", "thought", "thought+call")]
+    assert [row["calls_sent"] for row in rows] == [0, 0, 1] * 2 and all(row["resumable"] for row in rows)
     assert all(row["chunks"] == -(-row["chars"] // 12) and row["whole_s"] > 0 and row["read_on_s"] > 0 for row in rows)
 
 
