@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from blockpress.cli import DefaultsFormatter
+from blockpress.cli.parser import DefaultsFormatter
 from blockpress.config import ModelConfig, preset_names
 
 RANDOM_PREFIX = "random-"  # serve_load's --model also takes random-<preset>, as `blockpress serve` does

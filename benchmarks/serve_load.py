@@ -20,7 +20,7 @@ import time
 import openai
 from benchmark_args import Formatter, checkpoint_or_random, positive_int
 
-from blockpress.cli import load_model
+from blockpress.cli.common import load_model
 from blockpress.serve import create_app, start_in_background
 
 

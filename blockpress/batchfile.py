@@ -1,6 +1,6 @@
 """`blockpress generate --input FILE` and `infill --input FILE`: a JSONL file of prompts (or templates) read and
 checked whole, ordered into batches of similar length, and the results written back in input order. Torch-free: the
-command runs the model (cli.py). The two commands differ only in their lines' keys (a LineKind)."""
+command runs the model (cli/generate.py, cli/infill.py). The two commands differ only in their lines' keys (a LineKind)."""
 
 from __future__ import annotations
 

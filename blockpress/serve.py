@@ -1530,7 +1530,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 
 
 # What warm_up generates: a row alone, again with a longer prompt, then both as two rows (another batch size, left
-# padding), then two rows of one prompt (no padding). Under serve's compile options (cli.serve_compile_options:
+# padding), then two rows of one prompt (no padding). Under serve's compile options (cli/common.py's serve_compile_options:
 # dynamic sizes) and dynamo's graphs counted with a pass-through backend on random-tiny, requests then compiled
 # nothing new but for new sampler settings (alone, long or short, three together, n=3, batches shrinking to one row,
 # a template). Inductor guards the cache's length by ranges as well: there n=3 and three padded rows still compiled

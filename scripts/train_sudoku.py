@@ -26,7 +26,7 @@ import torch
 
 import blockpress
 from blockpress.checkpoint import resolve_device
-from blockpress.cli import as_flags, train_flag_of
+from blockpress.cli.common import as_flags, train_flag_of
 from blockpress.config import FULL, SLIDING, ModelConfig, TextConfig
 from blockpress.data import Example
 from blockpress.lm import read_generation_config, resolve_path

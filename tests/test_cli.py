@@ -304,7 +304,7 @@ def replies(err):
 def test_a_bad_turn_does_not_end_the_chat(monkeypatch, capsys):
     """A message longer than the context used to end the whole session; now it is dropped and the chat goes on,
     and the next turn still continues the cache of the turns before."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     lm = load_model(MODEL, None, "cpu")
     cfg = lm.config
@@ -329,7 +329,7 @@ def test_chat_a_message_too_long_for_any_conversation_is_not_told_to_reset(monke
     """A message that alone outgrows the context, sent after a turn, was refused with "no room for a reply ...
     /reset starts a new one" (a 10,500-character paste: 6043 tokens of 4096), and after /reset the same message
     was refused again, the conversation lost for nothing. It is "too long" wherever it comes, the turns kept."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
     lines = iter(["hello there", "x " * context, "and again", "/exit"])
@@ -531,7 +531,7 @@ def test_help_names_flags_not_setting_names(command):
     """`train --help` said "give heldout_data" (TrainConfig's field) where the user types --heldout-data. No
     command's help names one of its own settings by its underscored name (its dest, or the library's name a flag
     stands for in FLAG_OF) where a flag exists; a choice's value (the entropy_bound sampler) is no setting."""
-    from blockpress.cli import flags_of
+    from blockpress.cli.common import flags_of
 
     parser = subcommands()[command]
     options = [a for a in parser._actions if a.option_strings]
@@ -548,7 +548,7 @@ def test_errors_name_only_flags_the_command_has(command):
     """One global map turned every library error's setting into one flag: bench's context errors named
     --max-new-tokens (its flag is --new-tokens) and `prompt` (--prompt-length). Each command's map names only
     its own flags, whatever setting a library error starts with."""
-    from blockpress.cli import FLAG_OF, as_flags, flags_of
+    from blockpress.cli.common import FLAG_OF, as_flags, flags_of
 
     flags = {s for a in subcommands()[command]._actions for s in a.option_strings}
     names = {n for per_command in FLAG_OF.values() for n in per_command} | {"max_new_tokens", "prompt", "new_tokens"}
@@ -602,7 +602,7 @@ def test_temperature_flag_is_the_servers_temperature(command, temperature, sampl
     pytest.importorskip("fastapi")
     from types import SimpleNamespace
 
-    from blockpress.cli import sampling_kwargs
+    from blockpress.cli.common import sampling_kwargs
     from blockpress.serve import APIError, CompletionRequest, sampler_config
 
     defaults = blockpress.SamplerConfig(sampler=default, candidates=candidates)
@@ -1009,9 +1009,9 @@ def test_cuda_graphs_where_they_cannot_replay_is_one_line_before_loading(monkeyp
     """--cuda-graphs on a CPU, or in float32 (the experts' grouped GEMM on CUDA is bf16 only), is refused naming the
     flag and what it needs before the model loads (a 26B takes minutes), exit 2; with --compile too, argparse
     refuses the pair (lm.cuda_graphs() would replace the compiled steps)."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     given = {"generate": ["x"], "infill": ["a <|hole|>"], "sudoku": [SUDOKU], "serve": ["--port", "0"]}
     args = [command, *given.get(command, []), *(["--model", "random-tiny"] if command != "sudoku" else []), *flags]
     assert main([*args, "--cuda-graphs"]) == 2
@@ -1168,9 +1168,9 @@ def test_bench_engines_take_turns_and_keep_their_fastest_run():
 def test_serve_rejects_a_negative_or_unbounded_prefix_cache_before_loading(capsys, monkeypatch, gb):
     """A budget must be a finite number of GiB (nan got 'cannot convert float NaN to integer', naming no flag,
     and inf an OverflowError traceback, both after the model had loaded)."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["serve", "--model", "random-tiny", "--prefix-cache-gb", gb]) == 2
     assert f"blockpress serve: error: --prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {gb}" in (
         capsys.readouterr().err)
@@ -1181,9 +1181,9 @@ def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
     served (before: the line, then uvicorn's error; an out-of-range port a traceback)."""
     import socket
 
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["serve", "--port", "99999"]) == 2
     assert "--port: expected 0-65535" in capsys.readouterr().err
     with socket.socket() as busy:
@@ -1200,7 +1200,7 @@ def serve_answering(monkeypatch, send):
     of the app serve built, and returns: the list each run's result is appended to."""
     from fastapi.testclient import TestClient
 
-    import blockpress.cli
+    import blockpress.cli.serve
 
     answers = []
 
@@ -1212,7 +1212,7 @@ def serve_answering(monkeypatch, send):
             with TestClient(self.app) as http:
                 answers.append(send(http))
 
-    monkeypatch.setattr(blockpress.cli, "_server_class", lambda: Server)
+    monkeypatch.setattr(blockpress.cli.serve, "_server_class", lambda: Server)
     return answers
 
 
@@ -1235,14 +1235,14 @@ def test_serve_caps_a_requests_context_with_max_context(monkeypatch, capsys):
 
 def test_serve_lets_the_origins_named_call_it_from_a_browser(monkeypatch, capsys):
     """serve had no way to let a web front end on another origin call it (its preflight got a 405)."""
-    import blockpress.cli
+    import blockpress.cli.serve
 
     answers = serve_answering(monkeypatch, lambda http: http.options("/v1/completions", headers={
         "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}))
     assert main(["serve", "--model", "random-tiny", "--port", "0", "--allowed-origins", "http://localhost:5173"]) == 0
     assert answers[0].status_code == 200
     assert answers[0].headers["access-control-allow-origin"] == "http://localhost:5173"
-    monkeypatch.setattr(blockpress.cli, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(blockpress.cli.serve, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
     assert main(["serve", "--port", "0", "--allowed-origins", "http://localhost:5173/"]) == 2
     assert "--allowed-origins: 'http://localhost:5173/' is not an origin" in capsys.readouterr().err
 
@@ -1250,7 +1250,7 @@ def test_serve_lets_the_origins_named_call_it_from_a_browser(monkeypatch, capsys
 def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch, capsys):
     """serve had no key: on --host 0.0.0.0 anyone who reached the port could use the model. --api-key (else
     BLOCKPRESS_API_KEY) is required of /v1 requests; the startup line says a key is needed, never the key."""
-    import blockpress.cli
+    import blockpress.cli.serve
 
     answers = serve_answering(monkeypatch, lambda http: [http.get("/v1/models", headers=h).status_code for h in (
         {}, {"Authorization": "Bearer nope"}, {"Authorization": "Bearer s3cret-key"})])
@@ -1267,7 +1267,7 @@ def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch
     assert main(["serve", "--model", "random-tiny", "--port", "0", "--host", "0.0.0.0"]) == 0
     assert answers.pop() == [200, 200, 200]  # no key: open, as before, and said so beyond loopback
     assert "no API key, so anyone who reaches 0.0.0.0:" in capsys.readouterr().err
-    monkeypatch.setattr(blockpress.cli, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(blockpress.cli.serve, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
     assert main(["serve", "--port", "0", "--api-key", " s3cret "]) == 2
     err = capsys.readouterr().err
     assert "--api-key: expected a non-empty key of printable ASCII" in err and "s3cret" not in err
@@ -1276,7 +1276,7 @@ def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch
 @pytest.mark.parametrize("flag", ["--max-batch", "--max-queue", "--max-stops"])
 def test_serve_rejects_an_empty_batch_or_queue(flag):
     """A batch of 0 never took a request (every one hung, the engine spinning); a queue of 0 meant no limit."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
     from blockpress.serve import create_app
 
     assert main(["serve", "--model", "random-tiny", flag, "0"]) == 2
@@ -1469,9 +1469,9 @@ def test_chat_with_a_stdout_that_cannot_be_written_says_so(stdout, reason):
 
 def test_a_missing_optional_package_names_its_extra(tmp_path, capsys, monkeypatch):
     """`serve` without fastapi/uvicorn and `train --lora-rank` without peft were ModuleNotFoundError tracebacks."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "fastapi", None)
     monkeypatch.delitem(sys.modules, "blockpress.serve", raising=False)  # nor imported yet
@@ -1615,12 +1615,12 @@ def test_a_closed_stdout_is_no_crash():
 
 
 def test_an_installed_but_unusable_optional_package_keeps_its_own_error(monkeypatch, capsys):
-    import blockpress.cli as cli
+    import blockpress.cli.parser
 
     def too_old(args):
         raise ImportError("cannot import name 'inject_adapter_in_model' from 'peft'", name="peft")
 
-    monkeypatch.setattr(cli, "cmd_info", too_old)
+    monkeypatch.setattr(blockpress.cli.parser, "cmd_info", too_old)
     with pytest.raises(ImportError, match="cannot import name"):
         main(["info", "--model", MODEL])
 
@@ -1655,7 +1655,7 @@ def test_an_interrupted_generate_keeps_the_text_committed_so_far(monkeypatch, ca
     assert main(base + ["--no-live"]) == 130
     captured = capsys.readouterr()
     assert first[0] and captured.out == "def f(x):" + first[0] + "\n"
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     canvas = load_model(MODEL, None, "meta").config.canvas_length
     assert f"interrupted ({canvas} new tokens committed)" in captured.err
@@ -1694,13 +1694,13 @@ def test_info_counts_without_reading_the_weights(monkeypatch, capsys, tmp_path):
 
 def test_serve_says_it_is_loading(monkeypatch, capsys):
     """A big checkpoint loads for tens of seconds with nothing on screen, while a client's request got no answer."""
-    import blockpress.cli
+    import blockpress.cli.common
 
     def load(*args, **kwargs):
         print("load started", file=sys.stderr)
         raise ValueError("--model random-tiny: stop here")
 
-    monkeypatch.setattr(blockpress.cli, "load_model", load)
+    monkeypatch.setattr(blockpress.cli.common, "load_model", load)
     assert main(["serve", "--model", "random-tiny", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("blockpress: loading random-tiny ... (http://127.0.0.1:") and "load started" in err
@@ -1748,7 +1748,7 @@ def test_chat_lines_ending_in_crlf_send_no_carriage_return(monkeypatch, capsys):
 def test_chat_bad_messages_are_named_by_their_own_text(monkeypatch, capsys):
     """Invalid UTF-8 was placed in the rendered template ("at character 27"); a first message longer than the
     context was told "the conversation so far holds 0 of 4096 tokens: /reset starts a new one"."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
     chat_turns(monkeypatch, ["caf\udcff", "x " * context])
@@ -1762,7 +1762,7 @@ def test_chat_near_a_full_context_shortens_the_reply(monkeypatch, capsys):
     """A turn that left fewer positions than --max-new-tokens was refused outright; it now gets what fits: the
     whole canvases left (a reply of every position left ran its last canvas past the context)."""
     import blockpress.lm
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     lm = load_model(MODEL, None, "meta")
     context = lm.config.text.max_position_embeddings
@@ -2224,9 +2224,9 @@ def test_info_on_a_config_alone_ignores_a_dtype_it_cannot_compute_in(tmp_path, c
 def test_infill_refuses_a_bad_template_before_loading(template, message, monkeypatch, capsys):
     """infill loaded the model first, so a typo in a marker cost a full load (minutes for a 26B) before its error;
     sudoku already checked its puzzles first. The library's own parser checks it now, before the load."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["infill", template, "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert f"infill: error: {message}" in err and "-1 ids" not in err
@@ -2244,9 +2244,9 @@ def test_infill_refuses_a_hole_past_the_context_before_loading(args, message, mo
     """The check before the load parsed the template with no context to check against, so it laid each hole out
     as a list of its length first: an OverflowError traceback for 10**20 tokens, an 80 GB list for 10**10. The
     context is read from the model's config (a preset's here) without loading it."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     assert main(["infill", *args, "--model", "random-tiny", "--threads", "1"]) == 2
     assert f"infill: error: {message}" in capsys.readouterr().err
 
@@ -2288,7 +2288,7 @@ def test_generate_chat_prompts_through_the_chat_template(monkeypatch, capsys):
     """`generate` sent <bos> + the raw text even to an instruction-tuned model; --chat renders it as a user message
     (after --system's) with the template's generation prompt, and prints the reply alone."""
     import blockpress.lm
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     prompts, original = [], blockpress.lm.LM.stream
     monkeypatch.setattr(blockpress.lm.LM, "stream", lambda self, prompt, *a, **kw: prompts.append(prompt)
@@ -2314,7 +2314,7 @@ def test_chat_json_lines_are_the_replies(monkeypatch, capsys):
     """Piped replies hold newlines themselves, so plain stdout could not be split into replies; --json gives one
     line per line read: its reply, the error that dropped it, or the command it was ("/bogus" and "/help" got no
     line, so a script reading one line per line it wrote fell out of step, or waited forever)."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
     lines = ["def add(a, b):", "/help", "/bogus", "x " * context, "", "/reset", "now a class", "/exit", "unread"]
@@ -2361,7 +2361,7 @@ def test_chat_json_says_how_much_of_the_prompt_the_cache_held(monkeypatch, capsy
 
 def test_chat_help_lists_the_commands(monkeypatch, capsys):
     """"/help" was refused as an unknown command."""
-    from blockpress.cli import CHAT_HELP
+    from blockpress.cli.chat import CHAT_HELP
 
     sent = chat_turns(monkeypatch, ["/help", "/exit"])
     err = capsys.readouterr().err
@@ -2387,9 +2387,9 @@ def test_chat_needs_a_chat_template(tmp_path, capsys):
 def test_generate_chat_refuses_token_healing_by_name(monkeypatch, capsys):
     """--chat never heals (its prompt ends with the template's turn header), and an explicit --token-healing with it
     was dropped without a word: the reply was the unhealed one. It is refused before the model loads."""
-    import blockpress.cli
+    import blockpress.cli.generate
 
-    monkeypatch.setattr(blockpress.cli, "load_announced", lambda args: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(blockpress.cli.generate, "load_announced", lambda args: pytest.fail("loaded the model first"))
     assert main(["generate", "hi", "--chat", "--token-healing"]) == 2
     assert "error: --token-healing: not with --chat, whose prompt ends with the chat template's turn header" in (
         capsys.readouterr().err)
@@ -2408,7 +2408,7 @@ def test_chat_without_a_tokenizer_names_the_tokenizer(tmp_path, capsys):
 
 def test_prefill_chunk_is_set_on_the_model_and_changes_nothing_but_memory(capsys):
     """--prefill-chunk N: prompts encode N tokens a pass (the model's prefill_chunk); the output is the same."""
-    from blockpress.cli import load_announced
+    from blockpress.cli.common import load_announced
 
     args = build_parser().parse_args(["generate", "x", "--model", "random-tiny", "--prefill-chunk", "3"])
     assert load_announced(args).model.prefill_chunk == 3
@@ -2508,7 +2508,7 @@ def test_chat_refuses_a_bad_sampling_flag_at_start(flags, message, monkeypatch, 
 def test_chat_refuses_a_system_message_that_leaves_no_room(monkeypatch, capsys):
     """A --system longer than the context made every message "too long ... shorten it" (and /reset did not help):
     a session that could never work, exit 0. It is refused at start, naming --system."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
     monkeypatch.setattr("builtins.input", lambda _prompt: pytest.fail("read a message"))
@@ -2818,7 +2818,7 @@ def test_loading_line_on_a_terminal_is_erased_without_escape_sequences(monkeypat
     """The "loading M ..." line a terminal's stderr shows during the load was erased with "\\r\\x1b[K": shown as
     "^[[K" where TERM=dumb (Emacs' shell) and "←[K" on a Windows console without VT processing. Spaces erase it
     on any terminal; a pipe still gets no line at all."""
-    from blockpress.cli import load_announced
+    from blockpress.cli.common import load_announced
 
     args = build_parser().parse_args(["generate", "x", "--model", "random-tiny"])
     for stderr, shown in ((TerminalIO(), True), (io.StringIO(), False)):
@@ -2832,12 +2832,12 @@ def test_loading_line_on_a_terminal_is_erased_without_escape_sequences(monkeypat
 def test_loading_line_on_a_terminal_shows_the_share_read(monkeypatch, tmp_path):
     """A load that reads for more than a second shows how much of the checkpoint is read (a 26B's 50 GB took
     minutes behind a bare "loading M ..."), then the widest line shown is erased."""
-    import blockpress.cli
-    from blockpress.cli import load_announced
+    import blockpress.cli.common
+    from blockpress.cli.common import load_announced
 
     blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0).save(tmp_path / "m")
     clock = iter(range(0, 10_000, 2))  # every reading of the clock two seconds on: each weight read is shown
-    monkeypatch.setattr(blockpress.cli, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    monkeypatch.setattr(blockpress.cli.common, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     stderr = TerminalIO()
     monkeypatch.setattr(sys, "stderr", stderr)
     args = build_parser().parse_args(["generate", "x", "--model", str(tmp_path / "m"), "--dtype", "float32"])
@@ -2877,7 +2877,7 @@ def test_out_of_memory_is_one_line_naming_what_takes_less(monkeypatch, capsys, a
 def test_every_flag_an_out_of_memory_hint_names_is_one_its_command_takes():
     """sudoku's hint said "a smaller --max-new-tokens or --prefill-chunk": it has no --max-new-tokens (its canvas is
     the 81 cells), and what it can shrink, the puzzles and --ensemble views a batch holds, went unnamed."""
-    from blockpress.cli import OOM_HINTS
+    from blockpress.cli.output import OOM_HINTS
 
     subparsers = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
     for command, hint in OOM_HINTS.items():
@@ -3137,7 +3137,7 @@ WORKING = [  # (what is made to wait for the stop, the command, the stop line's 
     ("blockpress.tasks.sudoku_model:solve", ["sudoku", "." + "34678912672195348198342567859761423426853791713924856961537284287419635345286179"], b"interrupted (0 of 1 puzzles"),
     ("blockpress.bench:run_bench", ["bench", "--preset", "tiny"], b"bench: interrupted after 0 rows"),
 ]
-LOADING = ("blockpress.cli:load_model", ["generate", "x"], b"blockpress generate: interrupted")  # run_command's own
+LOADING = ("blockpress.cli.common:load_model", ["generate", "x"], b"blockpress generate: interrupted")  # run_command's own
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
@@ -3354,16 +3354,16 @@ def test_serve_refuses_the_meta_device_as_the_other_commands_do(monkeypatch, cap
     pytest.importorskip("uvicorn")
     served = []
     server = lambda config: types.SimpleNamespace(run=lambda sockets: served.append(config))  # noqa: E731
-    monkeypatch.setattr("blockpress.cli._server_class", lambda: server)
+    monkeypatch.setattr("blockpress.cli.serve._server_class", lambda: server)
     assert main(["serve", "--model", "random-tiny", "--device", "meta", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("blockpress serve: error: --device: this model is on the meta device")
     assert served == []
 
 
-@pytest.mark.parametrize("command, loader", [(["generate", "def f():"], "blockpress.cli.load_model"),
+@pytest.mark.parametrize("command, loader", [(["generate", "def f():"], "blockpress.cli.common.load_model"),
                                              (["info"], "blockpress.checkpoint.plan_model"),
-                                             (["infill", "a <|hole|> b"], "blockpress.cli.load_model")])
+                                             (["infill", "a <|hole|> b"], "blockpress.cli.common.load_model")])
 def test_a_ctrl_c_while_the_model_loads_says_so(monkeypatch, capsys, command, loader):
     """A Ctrl-C (or SIGTERM) before a command's own handling, while its model loaded, exited 130 without a word."""
     import signal
@@ -3727,7 +3727,7 @@ def test_quantize_writes_the_folder_a_quantized_load_saves(tmp_path, capsys):
 def test_quantize_random_weights_and_overwrite(scheme, tmp_path, capsys):
     """random-<preset> quantizes as a load of it does, and prints one line naming the folder and scheme; a folder
     holding a checkpoint is written over only with --overwrite (its files replaced, another file left)."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     out = tmp_path / "q"
     out.mkdir()
@@ -3830,7 +3830,7 @@ def test_quantize_refusals_are_one_line_before_the_load(tmp_path, monkeypatch, c
     def no_load(*args, **kwargs):
         raise AssertionError("loaded")
 
-    monkeypatch.setattr("blockpress.cli.load_model", no_load)
+    monkeypatch.setattr("blockpress.cli.common.load_model", no_load)
     for argv, said in cases:
         assert main(["quantize", *argv]) == 2, argv
         err = capsys.readouterr().err
@@ -3985,7 +3985,7 @@ def test_generate_output_that_is_the_input_or_no_file_is_refused_before_the_mode
     src = write_input(tmp_path / "in.jsonl")
     prompts = src.read_bytes()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("blockpress.cli.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
     for output in [str(src), "./in.jsonl", "../" + tmp_path.name + "/in.jsonl"]:
         for flags in [[], ["--overwrite"], ["--resume"]]:
             assert main(["generate", "--input", "in.jsonl", "--output", output, "--model", MODEL, *flags]) == 2
@@ -4102,7 +4102,7 @@ def test_infill_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_pat
     calls = []
     monkeypatch.setattr(blockpress.LM, "infill", lambda *a, **kw: calls.append(a))
     with monkeypatch.context() as m:
-        m.setattr("blockpress.cli.load_announced", lambda args: pytest.fail("the model loaded"))
+        m.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
         for bad, message in [({"template": "x = 1"}, "template: has no holes to fill"),
                              ({"template": "x = <|hole:3"}, "template: '<|hole:3' looks like a hole marker")]:
             src.write_text(json.dumps({"template": "<|hole|>"}) + "\n" + json.dumps(bad) + "\n")

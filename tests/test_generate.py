@@ -963,7 +963,7 @@ def test_generate_documents_every_sampler_option():
     (range(-1, 3), 8, "template: expected text with .* got range"),
 ])
 def test_bad_hole_lengths(template, hole_length, message):
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     with pytest.raises(ValueError, match=message):
         load_model("random-tiny", None, "cpu").infill(template, hole_length=hole_length)
@@ -972,7 +972,7 @@ def test_bad_hole_lengths(template, hole_length, message):
 def test_a_batch_of_templates_without_a_prompt():
     """Text templates in a list, and id rows, of any lengths, fill row by row; with no prompt each row starts
     from BOS (before: a list of texts was 'expected integer token ids', a batch of ids wanted a prompt batch)."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     lm = load_model("random-tiny", None, "cpu")
     ids = lm.infill([[7, -1, 8], [9, 10, -1, 11]], max_denoising_steps=2, seed=0).new_tokens
@@ -987,7 +987,7 @@ def test_a_batch_of_templates_without_a_prompt():
 def test_a_batch_of_text_templates_names_the_row_it_refuses():
     """A refused template of a batch names its row (before: "template: empty text" and a typo's message named
     none, in a batch of any size); an empty list is refused as empty (before: "got 1 rows of [0] ids")."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     lm = load_model("random-tiny", None, "cpu")
     with pytest.raises(ValueError, match=r"^template: row 1: empty text"):
@@ -1007,7 +1007,7 @@ def test_a_text_turn_continuing_a_cache_gets_no_second_bos():
     """The next turn of a conversation continues a sequence that began with BOS: its text is not given another
     one mid-way (before: the continuation equalled a fresh call with BOS between the turns). Nor does a prompt
     that starts with the BOS token's text get two."""
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     lm = load_model("random-tiny", None, "cpu")
     kw = dict(max_new_tokens=8, max_denoising_steps=2, sampler="greedy", min_new_tokens=8)
@@ -2061,7 +2061,7 @@ def test_a_mask_of_exact_zeros_and_ones_in_any_dtype_reads_like_an_integer_one(l
 
 
 def test_a_template_sets_the_length():
-    from blockpress.cli import load_model
+    from blockpress.cli.common import load_model
 
     lm = load_model("random-tiny", None, "cpu")
     with pytest.raises(ValueError, match="max_new_tokens: the template sets the length \\(4 tokens\\)"):

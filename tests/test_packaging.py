@@ -240,10 +240,10 @@ def test_what_type_checkers_see_is_what_the_package_exports():
 
 def test_the_readmes_layout_names_every_module():
     """The README's Layout section, the map of the package, left out live.py, response.py, files.py and
-    tasks/code.py. Each module is named there (as `name.py`, `tasks/name.py` or `blockpress/name.py`; a package's
+    tasks/code.py. Each module is named there (as `name.py`, `tasks/name.py`, `cli/name.py` or `blockpress/name.py`; a package's
     __init__ / __main__ aside), and each .py file it names exists."""
     layout = (ROOT / "README.md").read_text().split("\n## Layout\n")[1].split("\n## ")[0]
-    named = set(re.findall(r"`((?:blockpress/)?(?:tasks/)?\w+\.py)`", layout))
+    named = set(re.findall(r"`((?:blockpress/)?(?:(?:tasks|cli)/)?\w+\.py)`", layout))
     package = ROOT / "blockpress"
     modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py") if p.name[:2] != "__"}
     in_package = {name.removeprefix("blockpress/") for name in named}

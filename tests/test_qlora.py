@@ -442,7 +442,7 @@ def test_resuming_a_finished_qlora_run_says_so_before_loading_its_base(tmp_path,
     def no_load(*args, **kwargs):
         raise AssertionError("the base was loaded")
 
-    monkeypatch.setattr(blockpress.cli, "load_model", no_load)
+    monkeypatch.setattr("blockpress.cli.train.load_model", no_load)
     for out, more in (("done", []), ("done", ["--model", str(base)]), ("saved", [])):
         assert main(["train", "--out", str(tmp_path / out), "--resume", *common[:2], "--steps", "4", *more]) == 2
         err = capsys.readouterr().err

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from blockpress.cli import load_model  # noqa: E402
+from blockpress.cli.common import load_model  # noqa: E402
 from blockpress.generate import cut_at_stop, settled_text  # noqa: E402
 from blockpress.serve import create_app, start_in_background  # noqa: E402
 
@@ -1270,7 +1270,7 @@ def test_a_chat_to_a_model_without_a_chat_template_is_a_400_naming_it(server, mo
 
 
 def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
-    from blockpress.cli import served_name
+    from blockpress.cli.serve import served_name
 
     (tmp_path / "my-ckpt").mkdir()
     assert served_name(str(tmp_path / "my-ckpt") + "/") == "my-ckpt"
@@ -1282,7 +1282,7 @@ def test_the_served_name_is_a_folders_name_or_the_id_as_given(tmp_path):
 def test_the_served_name_of_a_lora_runs_adapter_folder_is_the_runs(tmp_path):
     """Every LoRA run's adapter folder is OUT/adapter: `serve --model OUT/adapter` served the id 'adapter' whatever
     the run, so the servers of two runs could not be told apart."""
-    from blockpress.cli import served_name
+    from blockpress.cli.serve import served_name
 
     adapter = tmp_path / "sql-lora" / "adapter"
     adapter.mkdir(parents=True)
@@ -1296,7 +1296,7 @@ def test_the_served_name_of_a_lora_runs_adapter_folder_is_the_runs(tmp_path):
 def test_the_served_name_of_the_current_folder_is_its_name(tmp_path, monkeypatch):
     """`serve --model .` from inside the checkpoint folder served the id '' (Path('.').name), which /v1/models
     listed and every request had to send."""
-    from blockpress.cli import served_name
+    from blockpress.cli.serve import served_name
 
     (tmp_path / "my-ckpt" / "sub").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "my-ckpt")
@@ -1524,7 +1524,7 @@ def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included
 def _threaded_server(grace: float | None):
     """blockpress serve's server class on random-tiny (one request at a time, 8 steps a canvas) in a thread:
     (server, its thread, base URL), started."""
-    from blockpress.cli import _server_class
+    from blockpress.cli.serve import _server_class
 
     lm = load_model("random-tiny", None, "cpu")
     lm.generation_config = {"max_denoising_steps": 8}

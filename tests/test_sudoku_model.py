@@ -391,9 +391,9 @@ def test_solve_takes_one_puzzle_string_as_a_batch_of_one(tiny_sudoku):
 @pytest.mark.parametrize("source", [["-", "-"], ["-", "--file", "-"]])
 def test_cli_refuses_reading_stdin_twice(source, capsys, monkeypatch):
     """`sudoku - -`: the second reader met an empty stdin without a word."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     monkeypatch.setattr(sys, "stdin", io.StringIO(generate(5, "easy").puzzle + "\n"))
     assert main(["sudoku", *source]) == 2
     assert "sudoku: error: standard input can be read once: give - once" in capsys.readouterr().err
@@ -405,9 +405,9 @@ def test_cli_names_bytes_that_are_not_utf8_as_such(source, said, capsys, monkeyp
     """Piped bytes that are not UTF-8 reach the CLI as surrogates (stdin's surrogateescape): sudoku called one
     "illegal character '\\udcff'", a character the input never held, where generate, infill and chat say "not valid
     UTF-8 (byte 0xff ...)" as README promises for piped text."""
-    import blockpress.cli
+    import blockpress.cli.common
 
-    monkeypatch.setattr(blockpress.cli, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
     p = generate(5, "easy").puzzle
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{p}\n\udcff{p[1:]}\n"))
     assert main(["sudoku", *(f"\udcff{p[1:]}" if word == "ARG" else word for word in source)]) == 2

@@ -605,7 +605,7 @@ def test_a_stop_that_reaches_one_process_stops_them_all_at_one_step(tmp_path):
         "        super().__init__()\n"
         "        Stop.last = self\n"
         "real = T.Trainer.train_step\n"
-        "import blockpress.cli as C\n"
+        "import blockpress.cli.train as C\n"
         "real_plot = C._plot_training\n"
         "def slow_plot(*args, **kwargs):  # rank 0's work after the run (its plot, then 'saved in'), slowed: rank 1\n"
         "    import time  # left at once, torchrun stopped rank 0 meanwhile, and nothing said where the run was saved\n"
@@ -741,7 +741,7 @@ def test_raw_text_trains_from_a_folder_with_held_out_text(tmp_path, capsys):
     folder.mkdir()
     for name in ("data.py", "train.py"):
         shutil.copy(f"{source}/{name}", folder / name)
-    (tmp_path / "held.jsonl").write_text(json.dumps({"text": open(f"{source}/cli.py").read()}) + "\n")
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": open(f"{source}/serve.py").read()}) + "\n")
     args = train_args(folder, tmp_path / "out", steps=2)
     args[args.index("--heldout") : args.index("--heldout") + 2] = ["--heldout-data", str(tmp_path / "held.jsonl")]
     args += ["--tokenizer", str(MODELS_DIR / "blockpress-code")]

@@ -1,0 +1,132 @@
+"""The `blockpress` command line: `main` parses the arguments (parser.py) and runs the command (run_command), one
+module a command or family (generate.py, infill.py, chat.py, train.py, serve.py, sudoku.py, bench.py, info.py for
+info and quantize) over what they share (common.py, output.py), ending with the exit status and message the README
+lists.
+
+Torch and the modules that import it are imported by the commands that run a model, not here: importing torch takes
+seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows come from
+torch-free modules (config, train_config)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from blockpress.checks import compile_failure
+from blockpress.cli.common import as_flags, flags_of, train_flag_of
+from blockpress.cli.output import (
+    OutputError,
+    compile_failed,
+    guard_stdout,
+    out_of_memory,
+    out_of_memory_message,
+    output_failed,
+    show_warning,
+    utf8_stdio,
+)
+from blockpress.cli.parser import build_parser
+from blockpress.stopping import fresh_line, stop_signals_interrupt, stop_status, stop_word
+
+OPENMP_SPINS = 10_000  # GOMP_SPINCOUNT for every command's torch (see run_command)
+
+
+# Optional packages: the extra of pyproject.toml that installs each, and what needs it, by command ("*": any other).
+# peft is needed by train's --lora-rank and by every command that loads a LoRA adapter: a message naming
+# --lora-rank to `generate --model OUT/adapter` named a flag generate does not have.
+EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve", {"*": "blockpress serve"}),
+            "peft": ("train", {"train": "--lora-rank", "*": "a LoRA adapter: --adapter, or an adapter folder as --model"}),
+            "matplotlib": ("train", {"bench": "--plot", "*": "loss.png"})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    utf8_stdio()
+    replaced = guard_stdout()
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:  # --help, --version: their text is out once flushed, and that can fail too
+            if exc.code in (0, None) and sys.stdout is not None:
+                sys.stdout.flush()
+            raise
+        # Set for the command's run alone, not on import: the library's users keep Python's warnings.
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning
+            # Each run says each of its warnings once: a new filter also clears the record of warnings an earlier
+            # main() in this process already showed (a test, a notebook), which would silence them here.
+            warnings.filterwarnings("default", category=UserWarning)
+            return run_command(args)
+    except (BrokenPipeError, OutputError) as exc:  # the parser's (a command's own are run_command's)
+        return output_failed(exc, "blockpress")
+    finally:
+        if replaced is not False:  # the caller's stream back, ours flushed (a failure in it was said, or is moot)
+            try:
+                sys.stdout.flush()
+            except (OutputError, OSError, ValueError):
+                pass
+            sys.stdout = replaced
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command; a bad argument, a missing optional package or a broken pipe ends it with the exit
+    status the README lists, and a message under the command's name."""
+    # libgomp (torch's OpenMP on Linux) has each idle thread spin 300,000 times before it sleeps. Beside other work
+    # those spins take the cores the other threads wait for: blockpress-code wrote 6-8 tok/s on 2 busy cores against
+    # 14-20 sleeping at once, and 50 alone either way. 10,000 spins kept 47-51 alone and gave 13-19 there. Set before
+    # the command imports torch (the parser imports none), and only where the user set no value of their own.
+    os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
+    try:
+        if getattr(args, "threads", 0):
+            if args.threads < 0:
+                raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
+            cpus = os.cpu_count()
+            if cpus is not None and args.threads > cpus:  # 100000: a segmentation fault in torch's thread pool
+                raise ValueError(f"--threads: expected 0 (torch's default) to {cpus}, the CPUs of this machine "
+                                 f"(more threads only wait for one), got {args.threads}")
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if getattr(args, "device", None) == "auto":  # (the default) named before the command reads it: its notes,
+            # torchrun's GPU per process and its --json say the device the run is on
+            import torch
+
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.command in ("train", "serve"):  # each takes its stop signals itself (a save; uvicorn's shutdown)
+            code = args.func(args)
+        else:
+            with stop_signals_interrupt():
+                code = args.func(args)
+        if sys.stdout is not None:  # a reader gone away (`| head`) is met here, not in the interpreter's last flush
+            sys.stdout.flush()
+        return code
+    except ImportError as exc:
+        package = (exc.name or "").partition(".")[0]
+        # only a package that is missing: one installed but too old fails with its own message
+        if package not in EXTRA_OF or not isinstance(exc, ModuleNotFoundError) or exc.name != package:
+            raise
+        extra, uses = EXTRA_OF[package]
+        print(f"blockpress {args.command}: error: {package} is not installed (needed for "
+              f"{uses.get(args.command, uses['*'])}); pip install 'blockpress[{extra}]'", file=sys.stderr)
+        return 2
+    except (BrokenPipeError, OutputError) as exc:  # before OSError's: not the arguments' fault
+        return output_failed(exc, f"blockpress {args.command}")
+    except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
+        flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve", "quantize")
+        message = as_flags(str(exc), flags_of(args.command)) if args.command in flagged else str(exc)
+        if args.command == "train":
+            message = as_flags(message, train_flag_of())
+        print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:  # a command without its own handling, or before it (while loading)
+        # said, as the commands' own handlers say it: a Ctrl-C while the model loaded exited 130 without a word
+        print(f"{fresh_line(exc)}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)  # off the "^C"
+        return stop_status(exc)
+    except RuntimeError as exc:
+        if getattr(args, "compile", False) and compile_failed(exc):
+            print(f"blockpress {args.command}: error: {compile_failure(exc)}", file=sys.stderr)
+            return 2
+        if not out_of_memory(exc):
+            raise
+        print(f"blockpress {args.command}: error: {out_of_memory_message(exc, args.command)}", file=sys.stderr)
+        return 1

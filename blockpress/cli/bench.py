@@ -1,0 +1,96 @@
+"""`blockpress bench`: bench.py's speed harness, its --out and --plot written after each row."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from blockpress.cli.common import RANDOM_PREFIX
+from blockpress.stopping import fresh_line, stop_status, stop_word
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from blockpress.bench import PLOT_FORMATS, BenchSettings, plot, run_bench
+
+    if args.model is not None:
+        preset = args.model[len(RANDOM_PREFIX):] if args.model.startswith(RANDOM_PREFIX) else None
+        raise ValueError("--model: bench times random weights of a preset's shape, never a checkpoint; "
+                         + (f"use --preset {preset}" if preset else
+                            "use --preset tiny, small, medium or 26b-a4b (a checkpoint's speed: the stats line of "
+                            "`blockpress generate --model M`)"))
+    s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
+                      prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
+                      ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
+                      cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize)
+    # Found now, not after minutes of benchmarking.
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag}: no folder {str(Path(path).parent)!r} to write {path!r} into")
+        if path and Path(path).is_dir():
+            raise ValueError(f"{flag}: {path!r} is a folder; give a file name")
+        if path and not os.access(Path(path).resolve().parent, os.W_OK):  # a read-only disk, another user's folder:
+            # the first write, after the first row (minutes at a large preset), was the first to find it
+            raise ValueError(f"{flag}: cannot write into the folder {str(Path(path).parent)!r} (read-only, or not "
+                             "yours)")
+    if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
+                         f"got {args.plot!r}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # run_command names the extra that has it
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    def write(result: dict[str, Any], done: bool) -> None:
+        """--out and --plot as the run stands: after each row too, so a sweep cut short (a timeout, a failure at a
+        larger batch) keeps the rows it measured, its JSON marked "partial"."""
+        if args.plot:
+            result["plot"] = str(args.plot)
+        if args.out:  # written beside it, then moved into place: a kill while it writes leaves the last one whole
+            out = Path(args.out)
+            written = out.with_name(f".{out.name}.partial")
+            try:
+                written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
+                os.replace(written, out)
+            except OSError as exc:  # a full disk: the half-written file went on lying beside it, and the error
+                # ("[Errno 28] No space left on device") named no file
+                try:
+                    written.unlink(missing_ok=True)
+                except OSError:
+                    pass
+                raise OSError(f"--out {args.out}: cannot write it ({exc.strerror or exc})") from None
+        if args.plot:  # (matplotlib is there: checked above)
+            plot(result, args.plot)
+
+    measured: dict[str, Any] = {}  # the result as of the last row measured
+
+    def on_row(so_far: dict[str, Any]) -> None:
+        measured.update(so_far)
+        write(so_far, done=False)
+
+    try:
+        result = run_bench(s, on_row=on_row)
+    except OSError:  # --out could not be written (a full disk): the rows measured still go to stdout, as on a Ctrl-C
+        if measured.get("rows"):
+            print(json.dumps({**measured, "partial": True}, indent=2))
+        raise
+    except KeyboardInterrupt as exc:
+        # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too (they were
+        # in --out alone, and without it lost: exit 130, nothing said).
+        rows = len(measured.get("rows", []))
+        print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
+        if rows:
+            print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
+        print(f"bench: {stop_word(exc)} after {rows} row{'s' if rows != 1 else ''}"
+              + (f" (their JSON on stdout{' and in ' + str(args.out) if args.out else ''}, marked \"partial\")"
+                 if rows else ""), file=sys.stderr)
+        return stop_status(exc)
+    if args.plot:
+        result["plot"] = str(args.plot)
+    try:
+        print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen
+    finally:  # and --out gets the whole run when stdout's reader has gone (`| true`): it kept the last row's "partial"
+        write(result, done=True)
+    return 0

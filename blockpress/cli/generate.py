@@ -1,0 +1,369 @@
+"""`blockpress generate`: one prompt (drawn live on a terminal), --ar, and --input FILE's batch run, which `infill
+--input` shares (check_file_flags, run_file)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from blockpress.cli.chat import ReplyReader, check_chat_template, system_turn
+from blockpress.cli.common import (
+    decoded,
+    load_announced,
+    print_stats,
+    printable,
+    sampling_kwargs,
+    stats_line,
+    stats_of,
+)
+from blockpress.stopping import fresh_line, stop_status, stop_word
+
+
+def from_file(args: argparse.Namespace, given: str | None, name: str, what: str) -> bool:
+    """Whether the command runs --input FILE (a JSONL file of `what`) rather than its one `name` argument (`given`):
+    one of them, and --input's companion flags only with it."""
+    if (given is None) == (args.input is None):
+        raise ValueError(f"{name}: give {name.upper()} (one text) or --input FILE (a JSONL file of {what}), "
+                         f"{'not both' if args.input is not None else 'got neither'}")
+    if args.input is None and (args.output, args.overwrite, args.resume) != (None, False, False):
+        flag = "--output" if args.output is not None else "--overwrite" if args.overwrite else "--resume"
+        raise ValueError(f"{flag}: goes with --input FILE (one {name.upper()}'s result is printed)")
+    return args.input is not None
+
+
+def healing_wanted(lm: Any, args: argparse.Namespace) -> bool:
+    """Whether generate heals a plain prompt's last token: --token-healing / --no-token-healing where given, else
+    the model's generation settings (a model fine-tuned on prompts ending in whitespace learned to follow that lone
+    token: its training run wrote token_healing false), else yes."""
+    if args.no_token_healing is None:
+        return bool(lm.generation_config.get("token_healing", True))
+    return not args.no_token_healing
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockpress.generate import Commit, Done, Draft, encode_texts
+    from blockpress.healing import heal
+    from blockpress.live import LiveView, live_terminal
+
+    if from_file(args, args.prompt, "prompt", "prompts"):
+        return generate_file(args)
+    if args.system is not None and not args.chat:
+        raise ValueError("--system: a system message goes with --chat (the chat template renders it)")
+    if args.chat_template_kwargs and not args.chat:
+        raise ValueError("--chat-template-kwargs: the chat template's variables go with --chat (without it the prompt "
+                         "is not rendered through the template)")
+    if args.chat and args.no_token_healing is False:  # --token-healing: asked for by name, it would do nothing
+        raise ValueError("--token-healing: not with --chat, whose prompt ends with the chat template's turn header "
+                         "(the template's own, never healed); drop --token-healing, or --chat to heal a plain prompt")
+    lm = load_announced(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    if args.chat:
+        check_chat_template(lm, args, "--chat (drop it to continue the prompt as plain text)")
+    if args.prompt == "-":  # as infill's template
+        args.prompt = sys.stdin.read()
+    live = live_terminal(sys.stdout) and not args.no_live and not args.json
+    prompt: Any = args.prompt
+    shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone
+    if args.chat:
+        prompt, shown = lm.chat_prompt([*system_turn(args), {"role": "user", "content": args.prompt}],
+                                       **args.chat_template_kwargs), ""
+    # a chat prompt ends with the template's turn header, which is the template's to keep, not a typed last token
+    healing = healing_wanted(lm, args) and not args.chat
+    prefix = heal(lm.tokenizer, encode_texts([args.prompt], lm.tokenizer)[0]).prefix if healing else ""
+    if args.ar:
+        return generate_ar(lm, args, prompt, shown, healing)
+    view = LiveView(lm.tokenizer, shown, prefix, color=not os.environ.get("NO_COLOR")) if live else None
+    t0 = time.perf_counter()
+    out = None
+    # The text and the new tokens committed so far, as the last Commit has them: a Ctrl-C's result.
+    text, n, passes = "", 0, 0
+    answer, thought = "", None  # the whole reply's (Done), its thought apart where the response template reads one
+    try:
+        for event in lm.stream(prompt, drafts=live, token_healing=healing, stop=args.stop,
+                               **sampling_kwargs(args, lm)):
+            if isinstance(event, Draft) and view:
+                view.draft(event.tokens[0].tolist())
+            elif isinstance(event, Commit):
+                if event.num_new_tokens is None:  # (every Commit of the decoding loop has it)
+                    raise ValueError("generate: a commit without its num_new_tokens")
+                text, n = decoded(event.texts_so_far, "generate")[0], int(event.num_new_tokens[0])
+                passes += int(event.steps[0])
+                if view:
+                    view.commit(text)
+            elif isinstance(event, Done):
+                out = event.output
+                answer, thought = decoded(out.texts, "generate")[0], None
+                if args.chat:  # a thought the response template reads, apart from the answer, as `chat` gives it
+                    reply = ReplyReader(lm, prompt).read(out)
+                    answer, thought = reply.answer, reply.thought
+                if view:  # the thought (where there is one) and the answer on a line of its own, as `chat` shows them
+                    view.commit(f"{thought}\n{answer}" if thought else answer, final=True)
+    except KeyboardInterrupt as exc:  # a Ctrl-C, or a SIGTERM or SIGHUP (Stopped)
+        # The text committed so far is the run's result, as the README promises: on the live view it stays on
+        # screen; piped or --no-live it goes to stdout like a finished run's, and --json says it was cut short.
+        seconds = time.perf_counter() - t0
+        stats = stats_of(n, passes, n / passes if passes else 0.0, seconds)
+        if view:
+            view.abort()  # the text so far stays, the draft goes, and the shell's prompt gets its own line
+        else:
+            # off the terminal's "^C", where the text or the object would have started (the live view redraws
+            # its region from the start of a line)
+            print(fresh_line(exc), end="", file=sys.stderr, flush=True)
+            if args.json:
+                # the seed a drawn one was is known only once the run is done (out.extra["seeds"]): null then
+                print(json.dumps(dict(text=text, prompt=args.prompt, **stats, seed=args.seed, interrupted=True)))
+            else:
+                print(printable(shown + text))
+        print(f"{stop_word(exc)} ({n} new tokens committed)", file=sys.stderr)
+        return stop_status(exc)
+    if out is None:  # (LM.stream ends every run with its Done)
+        raise ValueError("generate: the run ended without its output")
+    stats = stats_line(out, time.perf_counter() - t0)
+    if args.json:
+        # the seed the text was drawn with (a fresh one without --seed): --seed with it repeats the text
+        print(json.dumps(dict(text=answer, **({"reasoning": thought} if thought else {}), prompt=args.prompt,
+                              **stats, seed=out.extra["seeds"][0], interrupted=False)))
+    else:
+        if not live:
+            print(printable(shown + answer))
+        print_stats(stats)
+    return 0
+
+
+# The flags of block diffusion's acceptance rule and schedule: generate_ar has neither, so --ar refuses them by
+# name rather than run without them (its draws take --temperature, --top-k, --top-p and the penalties).
+DIFFUSION_ONLY_FLAGS = ("steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min")
+
+
+def check_ar_flags(args: argparse.Namespace) -> None:
+    given = ["--" + name.replace("_", "-") for name in DIFFUSION_ONLY_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise ValueError(f"{given[0]}: --ar decodes one token at a time, with no denoising steps, acceptance rule or "
+                         "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "
+                         "AR's draws)")
+
+
+def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, healing: bool) -> int:
+    """`generate --ar`: the same backbone decoding one token at a time (lm.generate_ar), greedy unless
+    --temperature > 0, with the checkpoint's top_k, top_p and penalties under the flags; no live canvas (there is
+    none), the text and the stats line (or --json) as a diffusion run prints them."""
+    check_ar_flags(args)
+    t0 = time.perf_counter()
+    try:
+        out = lm.generate_ar(prompt, max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                             temperature=args.temperature, seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+                             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                             token_healing=healing, stop=args.stop)
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP
+        # generate_ar gives its text once it is done (no commits along the way): a Ctrl-C leaves none to show, and
+        # says so, as infill's does (--json: one object that says it was cut short; it exited 130 with nothing at
+        # all, so a script reading the object got none)
+        print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
+        if args.json:
+            print(json.dumps(dict(text=None, prompt=args.prompt, seed=args.seed, interrupted=True)))
+        print(f"{stop_word(exc)} (--ar prints its text once it is done)", file=sys.stderr)
+        return stop_status(exc)
+    stats = stats_line(out, time.perf_counter() - t0)
+    answer, thought = out.texts[0], None
+    if args.chat:  # a thought the response template reads, apart from the answer, as a diffusion run gives it
+        reply = ReplyReader(lm, prompt).read(out)
+        answer, thought = reply.answer, reply.thought
+    if args.json:
+        print(json.dumps(dict(text=answer, **({"reasoning": thought} if thought else {}), prompt=args.prompt,
+                              **stats, seed=out.extra["seeds"][0], interrupted=False)))
+    else:
+        print(printable(shown + answer))
+        print_stats(stats)
+    return 0
+
+
+@dataclasses.dataclass
+class FileRow:
+    """An --input row made ready to run: its prompt's ids, whether it is a chat (no healing: a call's), its
+    budget and seed (its own, else the flags'; None: the library draws one)."""
+
+    ids: list[int]
+    chat: bool
+    healing: bool
+    max_new_tokens: int
+    seed: int | None
+
+
+def generate_file(args: argparse.Namespace) -> int:
+    """`generate --input FILE`: every line read and checked (batchfile.read_input, then each row's prompt as the
+    run alone would take it) before anything runs; then batches of --batch-size rows of similar length, each row
+    with its own budget and seed (so each is what it gives alone), written in input order as they finish."""
+    from blockpress.batchfile import GENERATE, read_input
+    from blockpress.generate import encode_texts
+    from blockpress.healing import heal
+
+    if args.ar:
+        check_ar_flags(args)
+    output = check_file_flags(args, GENERATE)
+    name, rows = read_input(args.input, GENERATE)  # every line checked before the model loads
+    chats = [args.chat or row.messages is not None for row in rows]
+    if not any(chats):
+        for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs)):
+            if value:
+                raise ValueError(f"{flag}: no line of {name} is a chat (give --chat, or \"messages\" lines), so "
+                                 "the chat template renders none")
+    if any(chats) and args.no_token_healing is False:
+        raise ValueError("--token-healing: not with chat lines, whose prompt ends with the chat template's turn "
+                         "header (the template's own, never healed)")
+    lm = load_announced(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
+    if any(chats):
+        check_chat_template(lm, args, "a chat line (--chat, or \"messages\")")
+    kw = {k: v for k, v in sampling_kwargs(args, lm).items() if k not in ("max_new_tokens", "seed")}
+    wanted = healing_wanted(lm, args)
+    if not args.ar:  # the flags alone, on a one-token prompt: their errors name the flag, not a line
+        lm.stream("x", max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, **kw)
+    ready: dict[int, FileRow] = {}
+    for row, chat in zip(rows, chats, strict=True):
+        where = f"{name}:{row.line}"
+        try:
+            if chat:
+                given = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
+                if args.system is not None and any(isinstance(m, dict) and m.get("role") == "system" for m in given):
+                    raise ValueError("messages: has a system message, and --system gives one too; drop one")
+                ids = lm.chat_prompt([*system_turn(args), *given], **args.chat_template_kwargs)
+            else:
+                ids = encode_texts([row.prompt or ""], lm.tokenizer)[0]  # (a line without messages has a prompt)
+            healing = wanted and not chat
+            budget = row.max_new_tokens or args.max_new_tokens
+            if budget is None:  # the checkpoint's default, as the run alone counts it: after the prompt (healed)
+                budget = lm.default_new_tokens(len(heal(lm.tokenizer, ids).ids) if healing else len(ids))
+            seed = row.seed if row.seed is not None else args.seed
+            if args.ar:  # (generate_ar runs as it checks: only the context is checked here)
+                context = lm.config.text.max_position_embeddings
+                if len(ids) + budget > context:
+                    raise ValueError(f"prompt: {len(ids)} prompt + {budget} new tokens exceed the model's context "
+                                     f"of {context} tokens")
+            else:  # checked as the run alone would be, and not run (the stream is never iterated)
+                lm.stream(ids, max_new_tokens=budget, seed=seed, token_healing=healing, stop=args.stop, **kw)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        ready[row.line] = FileRow(ids, chat, healing, budget, seed)
+
+    def run_batch(batch: list[Any]) -> list[dict[str, Any]]:
+        """One lm.generate (--ar: lm.generate_ar) for `batch`: each row's output line."""
+        from types import SimpleNamespace
+
+        rows = [ready[r.line] for r in batch]
+        first = rows[0]  # a batch's rows share healing and whether they have seeds (batchfile.batches)
+        seeds = dict(seeds=[r.seed for r in rows]) if first.seed is not None else dict(seed=None)
+        budgets = [r.max_new_tokens for r in rows]
+        if args.ar:
+            out = lm.generate_ar([r.ids for r in rows], max_new_tokens=budgets,
+                                 min_new_tokens=args.min_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, presence_penalty=args.presence_penalty,
+                                 frequency_penalty=args.frequency_penalty, token_healing=first.healing,
+                                 stop=args.stop, **seeds)
+        else:
+            out = lm.generate([r.ids for r in rows], max_new_tokens=budgets, token_healing=first.healing,
+                              stop=args.stop, **seeds, **kw)
+        texts = decoded(out.texts, "generate")
+        lines = []
+        for i, (row, prepared) in enumerate(zip(batch, rows, strict=True)):
+            answer, thought = texts[i], None
+            if prepared.chat:  # a thought the response template reads, apart, as generate --chat gives it
+                alone = SimpleNamespace(texts=[texts[i]], new_tokens=out.new_tokens[i:i + 1],
+                                        num_new_tokens=out.num_new_tokens[i:i + 1])
+                reply = ReplyReader(lm, prepared.ids).read(alone)
+                answer, thought = reply.answer, reply.thought
+            lines.append(dict(
+                line=row.line, **row.carried, text=answer, **({"reasoning": thought} if thought else {}),
+                **({"prompt": row.prompt} if row.prompt is not None else {}), new_tokens=int(out.num_new_tokens[i]),
+                forward_passes=int(out.forward_passes[i]),
+                tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
+        return lines
+
+    return run_file(args, output, rows, GENERATE, run_batch, "generate", {r: len(ready[r].ids) for r in ready},
+                    {r: (ready[r].chat, ready[r].seed is None) for r in ready})
+
+
+def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
+    """--input's companion flags (--batch-size, --output, --overwrite, --resume), checked before anything loads;
+    the --output path, if one is given."""
+    from blockpress.batchfile import check_output
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer (rows per call), got {args.batch_size}")
+    if args.output is None and (args.overwrite or args.resume):
+        raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
+                         "output is written as it goes)")
+    if args.overwrite and args.resume:
+        raise ValueError("--resume: not with --overwrite (which starts the output again); give one")
+    output = Path(args.output) if args.output is not None else None
+    if output is not None:
+        check_output(output, args.input, kind)
+    if output is not None and output.exists() and not (args.overwrite or args.resume):
+        raise ValueError(f"--output {output}: exists; give --overwrite to replace it, or --resume to continue it")
+    return output
+
+
+def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any,
+             run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, length: dict[int, int],
+             group: dict[int, tuple[Any, ...]]) -> int:
+    """An --input run's rows (every one checked) to --output or stdout: the lines an --output already holds skipped
+    (--resume), the rest in batches (batchfile.batches: by `length`, never mixing a `group`) through
+    `run_batch`, which gives each row's output line (its new_tokens counted for the stats)."""
+    from blockpress.batchfile import InOrderWriter, batches, done_lines
+
+    todo = rows
+    if output is not None and output.exists() and args.resume:
+        done = done_lines(output, rows, kind)
+        todo = [row for row in rows if row.line not in done]
+    out: IO[str]
+    if output is not None:
+        try:
+            out = output.open("a" if args.resume else "w" if args.overwrite else "x", encoding="utf-8")
+        except OSError as exc:  # a read-only file or folder: the error named no flag
+            raise OSError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+    else:
+        out = sys.stdout
+    try:
+        return run_file_rows(todo, InOrderWriter(out, [r.line for r in todo]),
+                             batches(todo, args.batch_size, length, group), run_batch, command, output)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
+                  run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, output: Path | None) -> int:
+    """An --input run's loop: one `run_batch` a batch, its rows written as they can be; a progress bar on a
+    terminal's stderr, and the stats line at the end (or after a Ctrl-C, what was written)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(todo), unit="row", desc=command, dynamic_ncols=True, leave=False,
+               disable=None if sys.stderr is not None else True, file=sys.stderr)
+    t0, new_tokens = time.perf_counter(), 0
+    try:
+        for batch in groups:
+            for row, line in zip(batch, run_batch(batch), strict=True):
+                new_tokens += line["new_tokens"]
+                writer.add(row.line, line)
+            bar.update(len(batch))
+            seconds = time.perf_counter() - t0
+            bar.set_postfix_str(f"{new_tokens / seconds:.1f} tok/s" if seconds > 0 else "")
+    except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP: the lines written stay, and --resume goes on
+        bar.close()
+        where = f" to {output}; --resume continues" if output is not None else ""
+        print(f"{fresh_line(exc)}{stop_word(exc)} ({writer.written} of {len(todo)} lines written{where})",
+              file=sys.stderr)
+        return stop_status(exc)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    tok_s = round(new_tokens / seconds, 2) if seconds > 0 else None
+    print(f"[{len(todo)} rows · {new_tokens} new tokens · {seconds:.1f} s · {tok_s} tok/s]", file=sys.stderr)
+    return 0

@@ -1,0 +1,190 @@
+"""Standard output and standard error for the commands: stdout guarded (a failed write said as such), read and
+written as UTF-8, warnings as `warning:` lines, and what a run that ran out of memory says."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import sys
+from typing import Any
+
+
+class OutputError(Exception):
+    """A write to standard output failed for a reason other than its reader going away (a full disk, `> /dev/full`,
+    a descriptor the shell closed, `>&-`): the command's output is lost, and the run ends saying so (exit 1)."""
+
+
+class GuardedStdout(io.RawIOBase):
+    """Descriptor 1 under the command's sys.stdout (guard_stdout), its failures raised as OutputError: as the
+    OSError they were, a full disk ended in "error: [Errno 28] No space left on device", status 2 (a bad argument's)
+    or, once the interpreter's last flush met it, 120 and "Exception ignored ... OSError", and never said that
+    standard output was what failed. After one failure the rest is dropped, so the run's end cannot fail again. `fd`
+    None: no standard output at all (`>&-`), where Python's sys.stdout was None, and generate failed on
+    None.isatty() and info printed nothing with status 0. A reader gone away stays a BrokenPipeError (141, quietly)."""
+
+    def __init__(self, fd: int | None):
+        super().__init__()
+        self.fd, self.failed = fd, False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        if self.fd is None:
+            raise io.UnsupportedOperation("standard output is closed")
+        return self.fd
+
+    def isatty(self) -> bool:
+        return self.fd is not None and os.isatty(self.fd)
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data))
+        if self.failed:
+            return size
+        try:
+            if self.fd is None:
+                raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+            return os.write(self.fd, data)
+        except (BrokenPipeError, BlockingIOError):
+            raise
+        except OSError as exc:
+            self.failed = True
+            raise OutputError(exc.strerror or str(exc)) from None
+
+
+def guard_stdout() -> Any:
+    """Point sys.stdout at a GuardedStdout on descriptor 1, with the encoding, error handler and buffering Python
+    gave it; returns the stream it replaced (to put back), or False where it was left as it is: a caller's own
+    stream (a test's capture) and a Windows console, whose stream is not a plain descriptor."""
+    old = sys.stdout
+    if old is not None and old is not sys.__stdout__:
+        return False
+    fd = None
+    if old is not None:
+        try:
+            fd = old.fileno()
+            old.flush()
+        except (OSError, ValueError):
+            return False
+        if sys.platform == "win32" and old.isatty():
+            return False
+    raw = GuardedStdout(fd)
+    # PYTHONUNBUFFERED (-u) gives stdout no buffer under its text layer: kept so
+    unbuffered = old is not None and not isinstance(getattr(old, "buffer", None), io.BufferedIOBase)
+    sys.stdout = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw),
+                                  encoding=getattr(old, "encoding", None) or "utf-8",
+                                  errors=getattr(old, "errors", None) or "strict",
+                                  newline=None if sys.platform == "win32" else "\n",
+                                  line_buffering=getattr(old, "line_buffering", False),
+                                  write_through=unbuffered or getattr(old, "write_through", False))
+    return old
+
+
+def silence_output() -> None:
+    """Point stdout and stderr at the null device: after a broken pipe, any later write (the interpreter's last
+    flush, an error line) would hit it again and end in a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream without a file descriptor (a test's capture) has nothing to flush there
+            pass
+    os.close(devnull)
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                 line: str | None = None) -> None:
+    """warnings.showwarning for the command line: `warning: MESSAGE` on stderr, as its errors are lines of their
+    own (Python's form names a file and line of blockpress and prints that line of its source)."""
+    stream = sys.stderr if file is None else file
+    if stream is not None:  # no console at all (pythonw): nowhere to say it
+        print(f"warning: {message}", file=stream)
+
+
+def print_warning(message: str) -> None:
+    """A command's own warning (a flag that cannot act as given, a file left out): the line show_warning gives the
+    library's, so a script that looks for `warning:` on stderr finds every one."""
+    show_warning(message, UserWarning, __file__, 0)
+
+
+def is_utf8(stream: Any) -> bool:
+    """Whether text stream `stream` encodes as UTF-8 (a stream without an encoding, a test's capture, counts)."""
+    import codecs
+
+    encoding = getattr(stream, "encoding", None)
+    return not encoding or codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
+
+
+def utf8_stdio() -> None:
+    """Standard output written, and standard input read, as UTF-8 when they are a file or pipe: the encoding every
+    file blockpress reads and writes has. Python gives them the locale's, which on Windows is an ANSI code page
+    (cp1252): `generate ... > out.txt` ended in "'charmap' codec can't encode character" after the whole
+    generation for any text outside it (CJK, emoji, "✓"), and a piped UTF-8 prompt was read as mojibake ("grüße"
+    as "grÃ¼ÃŸe"), silently. Stdin keeps surrogateescape, so bytes that are not UTF-8 reach the prompt checks,
+    which name them. A terminal keeps its own encoding (a Windows console is UTF-8 already); one that cannot show
+    a character gets "?" rather than the error."""
+    stdout, stdin = sys.stdout, sys.stdin
+    if stdout is not None and hasattr(stdout, "reconfigure") and not is_utf8(stdout):
+        if stdout.isatty():
+            stdout.reconfigure(errors="replace")
+        else:
+            stdout.reconfigure(encoding="utf-8")
+    if stdin is not None and hasattr(stdin, "reconfigure") and not stdin.isatty():
+        try:  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
+            stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape")
+        except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
+            pass
+
+
+def output_failed(exc: BrokenPipeError | OutputError, who: str) -> int:
+    """The status of a run whose standard output failed: its reader gone away (`| head`: quietly, 128 + SIGPIPE, as
+    Unix tools stop), or a write that failed (GuardedStdout: said under `who`, a runtime error's 1)."""
+    if isinstance(exc, BrokenPipeError):
+        silence_output()
+        return 141
+    print(f"{who}: error: cannot write to standard output: {exc}", file=sys.stderr)
+    return 1
+
+
+# What uses the memory a command ran out of, and the flags that take less (each command's own).
+OOM_HINTS = {
+    "generate": "a smaller --max-new-tokens or --prefill-chunk, fewer prompts at once, or --quantize int8 / fp8 "
+                "take less",
+    "chat": "a smaller --max-new-tokens or --prefill-chunk, or --quantize int8 / fp8 take less",
+    # sudoku's canvas is always 81 cells after an 83-token prompt: its memory is the batch, a row per puzzle and view
+    "sudoku": "a smaller --batch-size (puzzles at once), a smaller --ensemble (each view is a row of the batch), or "
+              "--quantize int8 / fp8 take less",
+    "infill": "smaller holes, a smaller --prefill-chunk, or --quantize int8 / fp8 take less",
+    "bench": "smaller --batch-sizes or --new-tokens take less (the rows measured so far are in --out)",
+    "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "
+             "--max-canvases",
+}
+
+
+def out_of_memory_message(exc: BaseException, command: str, before_hint: str = "") -> str:
+    """"the device ran out of memory (torch's first line); ..." with what takes less for `command` (OOM_HINTS)."""
+    reason = (str(exc).splitlines() or [""])[0]
+    hint = OOM_HINTS.get(command, "a smaller model, --dtype bfloat16, or --quantize")
+    return f"the device ran out of memory ({reason}); {before_hint}{hint}"
+
+
+def compile_failed(exc: BaseException) -> bool:
+    """torch.compile's own error (dynamo's, inductor's wrapped in it: no C++ compiler, say), checked without
+    importing torch's compiler for a run that never compiled."""
+    errors = sys.modules.get("torch._dynamo.exc")
+    return errors is not None and isinstance(exc, errors.TorchDynamoException)
+
+
+def release_device_memory() -> None:
+    """Hand the blocks torch's caching allocator holds back to the GPU after an out-of-memory error, so the next
+    try (a shorter reply, another request) starts from what is really in use."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError (a GPU's), checked without importing torch for a command that never did."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ()))

@@ -1,0 +1,175 @@
+"""`blockpress serve`: serve.py's OpenAI-compatible app under uvicorn, its socket bound and its flags checked
+before the model loads."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+import sys
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+from blockpress.cli.common import load_announced
+from blockpress.stopping import fresh_line, stop_status, stop_word
+
+
+def served_name(model: str) -> str:
+    """The model id clients send: a folder's own name; a shipped name or a cached repo id as given (a hub model
+    keeps its "owner/name", as vLLM serves it); a LoRA run's adapter folder (OUT/adapter), its run's name."""
+    from blockpress.train import ADAPTER_DIR, is_adapter_folder
+
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        return model
+    # its name as the absolute path spells it (".." taken out, links kept): "." and "./" have no name of their own,
+    # so `serve --model .` from inside the folder served the id ''
+    path = Path(os.path.abspath(folder))
+    if path.name == ADAPTER_DIR and is_adapter_folder(path) and path.parent.name:
+        # every run's adapter folder has that name: two runs served were both 'adapter'
+        return path.parent.name
+    return path.name or model
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.prefix_cache_gb < math.inf:  # nan and inf too: int() of them failed after the model loaded
+        raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {args.prefix_cache_gb}")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-context", args.max_context), ("--max-body-bytes", args.max_body_bytes),
+                        ("--max-stops", args.max_stops)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
+    import uvicorn
+
+    from blockpress.serve import check_api_key, check_origins, create_app, header_deadline_protocol, warm_up
+
+    check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
+    # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
+    api_key = check_api_key(args.api_key if args.api_key is not None else os.environ.get("BLOCKPRESS_API_KEY") or None)
+    sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    # A big checkpoint loads for tens of seconds before the server answers: say what the wait is.
+    lm = load_announced(args, keep=f"blockpress: loading {args.model} ... (http://{url_host}:{port}/v1 answers "
+                                   "once it is loaded)")
+    name = args.served_name or served_name(args.model)
+    app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
+                     prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
+                     api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops,
+                     chat_template_kwargs=args.chat_template_kwargs)
+    if args.compile or args.cuda_graphs:
+        # Here, before the engine thread that owns the model starts: the first clients waited minutes for the compile
+        # (vLLM captures its graphs at startup too). Connections made meanwhile wait in the socket's backlog.
+        flag, doing = (("--compile", "compiling the model's steps (minutes on a CPU)") if args.compile else
+                       ("--cuda-graphs", "capturing CUDA graphs"))
+        print(f"blockpress: {flag}: {doing} with a few short generations before serving ...", file=sys.stderr,
+              flush=True)
+        started = time.perf_counter()
+        warm_up(app)  # a compiler that cannot build stops the start here, in one line (run_command)
+        print(f"blockpress: warmed up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    # that a key is required, never the key: the line lands in logs and terminals others read
+    access = "; requests to /v1 need the API key" if api_key is not None else ""
+    print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1{access}", file=sys.stderr)
+    if api_key is None and not ipaddress.ip_address(host).is_loopback:
+        print(f"blockpress: no API key, so anyone who reaches {url_host}:{port} can use the model: set "
+              "BLOCKPRESS_API_KEY (or --api-key) to require one", file=sys.stderr)
+    try:
+        _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
+                                       timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
+    except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
+        # stop's, on the line after "stopping" (run_command's went off a "^C" long gone: a blank line between)
+        print(f"blockpress serve: {stop_word(exc)}", file=sys.stderr)
+        return stop_status(exc)
+    return 0
+
+
+def _server_class() -> type:
+    import asyncio
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    from blockpress.stopping import on_signals
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
+        server finishing a long request looked hung)."""
+
+        signals = 0  # stop signals received
+        loop: asyncio.AbstractEventLoop | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.signals += 1
+            if self.signals == 1:
+                grace = self.config.timeout_graceful_shutdown  # None (uvicorn's default): no limit
+                print(f"{fresh_line(sig)}blockpress: stopping; requests in flight get "
+                      + ("all the time they take" if grace is None else f"up to {grace:g} s")
+                      + " to finish (signal again to stop now)", file=sys.stderr)
+                return super().handle_exit(sig, frame)
+            engine = self._engine()
+            if self.signals == 2 and engine is not None and self.loop is not None:
+                # Stop now: end the grace period by cutting what is in flight (each request a 503), so the shutdown
+                # finishes as at the grace period's end and the engine thread is joined. uvicorn's own second
+                # signal forces the exit: only SIGINT's (a second SIGTERM waited out the grace period), and its
+                # skipped shutdown left the requests a bare 500 and the engine thread inside torch (rc 134).
+                # Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
+                # engine's lock.
+                print(f"{fresh_line(sig)}blockpress: stopping now; requests in flight are cut", file=sys.stderr)
+                self.loop.call_soon_threadsafe(engine.cut)
+                return None
+            self.force_exit = True  # a third signal: uvicorn's forced exit, whatever is left
+
+        def _engine(self) -> Any:
+            return getattr(getattr(self.config.app, "state", None), "engine", None)
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            """uvicorn's SIGINT and SIGTERM, and a SIGHUP (the terminal closed: an ssh session that dropped) taken
+            as they are: it killed the server where it stood, each request in flight a dropped connection ("Server
+            disconnected without sending a response") rather than finished in the grace period. uvicorn raises the
+            signal again once shut down (after ours is put back), so the exit status is still SIGHUP's."""
+            hangup = getattr(signal, "SIGHUP", None)
+            with super().capture_signals(), on_signals(() if hangup is None else (hangup,), self.handle_exit):
+                yield
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them
+            # first, so they get a 503 (a stream: an error event) and the engine stops within a step (a cancel
+            # alone answered a bare 500 and left the engine generating for nobody, and the exit aborted).
+            engine, grace = self._engine(), self.config.timeout_graceful_shutdown
+            if engine is not None and grace is not None:  # None: uvicorn waits for them without a limit
+                asyncio.get_running_loop().call_later(grace, engine.cut)
+            await super().shutdown(sockets)
+
+    return Server
+
+
+def bind_socket(host: str, port: int) -> Any:
+    """A listening socket on host:port, or an error that names them."""
+    import socket
+
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # As uvicorn does: IPv4 unless the host is an IPv6 address ("localhost" may list ::1 first, and clients
+        # of http://127.0.0.1 would then be refused).
+        info = next((a for a in found if a[0] == socket.AF_INET), found[0]) if ":" not in host else found[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+    except OSError as exc:
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,445 @@
+"""`blockpress train`: its flags over --train-config and a resumed run's settings, the data read and summed up,
+the Trainer run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from blockpress.cli.common import RANDOM_PREFIX, load_model, preset_config
+from blockpress.cli.output import print_warning
+
+DEFAULT_HELDOUT = 0.02  # train: the fraction of JSONL examples held out when --heldout is not given
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    import blockpress
+    from blockpress.data import is_examples, left_out, load_jsonl, split_heldout
+    from blockpress.train import (
+        ExampleSource,
+        ShardSource,
+        TrainConfig,
+        Trainer,
+        check_resumable,
+        init_distributed,
+    )
+
+    args.device = init_distributed(args.device)  # under torchrun on CUDA: this process's GPU, cuda:LOCAL_RANK
+    args.out = os.path.expanduser(args.out)  # --out=~/x reaches us unexpanded (bash expands ~ only at a word's start)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out}: a file, not a folder")
+    # before the model loads: the folder is made only at the first save, minutes later
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out}: cannot be created ({existing} is "
+                         f"{'not a folder' if not existing.is_dir() else 'not writable'})")
+    if args.resume:
+        check_resumable(args.out)
+    if args.data is None:
+        if not args.resume:
+            raise ValueError("--data: required (the training data; with --resume, the run's own is read from --out)")
+        from blockpress.train import recorded_data
+
+        args.data = recorded_data(out)
+        if args.data is None:
+            raise ValueError(f"--resume: the run in {args.out} does not record its data (a run saved before it was, "
+                             "or one a Trainer ran without it); give it again with --data")
+        print(f"--resume: training on the run's own data, {args.data}", file=sys.stderr)
+    if not args.resume and (out / "trainer_state.pt").exists():
+        raise ValueError(f"--out {args.out}: already holds a training run (trainer_state.pt); continue it with "
+                         "--resume, or give another folder")
+    # metrics.jsonl alone: a run that stopped before its first save, nothing to resume; this run starts it over.
+    stale_metrics = not args.resume and (out / "metrics.jsonl").is_file()
+    if not args.resume and (out / "config.json").exists():  # e.g. --model X --out X: the run would overwrite it
+        raise ValueError(f"--out {args.out}: already holds a checkpoint (config.json); give another folder")
+    # A resumed run keeps its own settings; --train-config and flags given now override them.
+    raw: dict[str, Any] = resumed_train_config(out) if args.resume else {}
+    saved = dict(raw)
+    if args.train_config:
+        from blockpress.files import read_json_object
+
+        try:
+            given = read_json_object(args.train_config, where="--train-config ")
+        except OSError as exc:
+            raise ValueError(f"--train-config {args.train_config}: {exc}") from None
+        # each value its field's type, before the model loads: the file is named, where from_dict below cannot
+        TrainConfig.check_fields(given, where=f"--train-config {args.train_config}: ")
+        raw.update(given)
+    for f in fields(TrainConfig):
+        value = getattr(args, f.name)
+        if value is not None:
+            raw[f.name] = value
+    cfg = TrainConfig.from_dict(raw)
+    if args.resume and saved.get("lora_rank"):
+        from blockpress.train import TRAINER_STATE_FILE, check_continues, read_trainer_state
+
+        # before the base is looked for and loaded (a minute for a quantized one): a finished LoRA run said "give
+        # --model", then, with it, that it had finished
+        state = read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu")
+        check_continues(args.out, state, cfg)
+        lora_shape = state.get("base_shape")  # (checked against the model as soon as it loads)
+        del state
+    if args.resume and saved.get("lora_rank") and args.model is not None:
+        from blockpress.train import check_lora_resume_model
+
+        check_lora_resume_model(args.out, args.model)  # before it loads, and before the data is read with it
+    if args.resume and args.model is None and args.config is None:
+        from blockpress.train import LORA_BASE_FILE, lora_base
+
+        # A LoRA run to be resumed keeps its adapters apart from the base they adapt, recorded beside them (a run its
+        # clock stopped also holds its merged checkpoint, which is not that base).
+        if (out / LORA_BASE_FILE).is_file() or not (out / "config.json").is_file():
+            args.model = lora_base(out)
+            if args.model is None:
+                raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, and not the base model they "
+                                 "adapt; give it again with --model (or --config)")
+        else:
+            args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
+    if (args.model is None) == (args.config is None):
+        raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
+    if args.model and args.tokenizer:
+        raise ValueError("--tokenizer: only for a fresh model (--config); a checkpoint given by --model brings its own")
+    if args.resume and saved.get("heldout") is not None and raw.get("heldout") != saved["heldout"]:
+        # another split would score examples the run already trained on as held out (or train on held-out ones)
+        raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout']} of its examples; a resumed "
+                         "run keeps its split (leave --heldout out, or start a new run)")
+    # (--heldout-data is recorded whole, below: the same file typed relative again is no change)
+    changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v
+               and not (k == "heldout_data" and v and saved[k] and Path(v).resolve() == Path(saved[k]).resolve())}
+    if changed:  # after the arguments are checked: an error there comes alone
+        print_warning("--resume: the run's saved settings, except " +
+                      ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    if args.model:
+        # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
+        # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
+        # adapters, so its frozen base may stay in its own dtype.
+        # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
+        # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
+        from blockpress.checkpoint import folder_quantization
+        from blockpress.lm import resolve_path
+
+        stored = (None if cfg.quantize or args.model.startswith(RANDOM_PREFIX)  # (random weights: no folder)
+                  else folder_quantization(resolve_path(args.model)))
+        if stored is not None and cfg.lora_rank:  # QLoRA over it, as --quantize of its scheme would say (recorded
+            # with the run and its adapters, so that a resume and a load of them take the same base)
+            raw["quantize"] = stored
+            cfg = dataclasses.replace(cfg, quantize=stored)
+            if not args.quiet:
+                print(f"--model {args.model}: stored quantized ({stored}); its LoRA adapters train over it as QLoRA "
+                      f"(--quantize {stored})", file=sys.stderr)
+        elif stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
+            raise ValueError(f"--model {args.model}: stored quantized ({stored}); a full fine-tune needs the "
+                             f"unquantized weights; train LoRA adapters over it instead (--lora-rank R: QLoRA), or "
+                             "fine-tune the unquantized checkpoint")
+        lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
+                        cfg.quantize or "none")
+        if args.resume and saved.get("lora_rank") and lora_shape:
+            from blockpress.train import shape_differences
+
+            # another base (its recorded one gone) of another shape: said before the data is read with it
+            differ = shape_differences(lora_shape, lm.model, "this model")
+            if differ:
+                raise ValueError(f"--model {args.model}: not of the shape of the base the LoRA run in {args.out} "
+                                 f"trained its adapters over: {', '.join(differ)}")
+        if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
+            # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
+            cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
+    else:
+        if not args.config.endswith(".json"):
+            mcfg = preset_config(args.config, f"--config {args.config}")
+        else:
+            try:
+                mcfg = blockpress.ModelConfig.from_file(args.config)
+            except (ValueError, OSError) as exc:  # their messages start with the path, or name a field
+                message = str(exc)
+                raise ValueError(f"--config {message}" if message.startswith(str(Path(args.config)))
+                                 else f"--config {args.config}: {message}") from None
+        tokenizer = None
+        if args.tokenizer:
+            from blockpress.lm import check_tokenizer, resolve_path
+            from blockpress.tokenizer import Tokenizer
+
+            tokenizer_path = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
+            if tokenizer_path.is_file() and tokenizer_path.name != "tokenizer.json":  # its folder's own would be read
+                raise ValueError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json, the folder that holds "
+                                 "one, or a shipped model's name")
+            try:
+                tokenizer = Tokenizer.from_dir(tokenizer_path.parent if tokenizer_path.is_file()
+                                               else resolve_path(args.tokenizer))
+            except (ValueError, OSError) as exc:
+                raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from None
+            if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
+                mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
+            check_tokenizer(tokenizer, mcfg.text.vocab_size, f"--tokenizer {args.tokenizer}")  # (random_model's check)
+            if tokenizer.eos_id is None:  # an example's end is learned as this token: without one, answers never end
+                raise ValueError(f"--tokenizer {args.tokenizer}: names no EOS token (eos_token in "
+                                 "tokenizer_config.json); the model learns to end its answers with it")
+            # The saved model's specials must be the tokenizer's: the preset's Gemma ids (pad 0, eos 1, bos 2) would
+            # fill the canvases after an answer with whatever token the tokenizer put there.
+            eos = tokenizer.eos_ids if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
+            # (an id the tokenizer does not name keeps the config's)
+            text = mcfg.text
+            mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(
+                text, eos_token_id=eos,
+                bos_token_id=text.bos_token_id if tokenizer.bos_id is None else tokenizer.bos_id,
+                pad_token_id=text.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id))
+        lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=cfg.dtype or "float32", device=args.device,
+                                     tokenizer=tokenizer)
+    vocab = lm.config.text.vocab_size
+
+    def examples_of(path: str, flag: str) -> list[Any]:
+        try:
+            return load_jsonl(path, lm.tokenizer, vocab, context=(lm.config.canvas_length,
+                              lm.config.text.max_position_embeddings, cfg.max_canvases or None),
+                              chat_turns=cfg.chat_turns)
+        except (ValueError, OSError) as exc:  # missing, unreadable, empty, a bad line: the flag's path (as text's)
+            raise type(exc)(f"{flag} {exc}") from None
+
+    for flag, data in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
+        try:  # a README.md beside JSONL files: say it is not trained on
+            note = left_out(data) if data else None
+            # what the data is, read from its first line: an error there (not JSON, not UTF-8) names the flag as one
+            # on a later line does (it named the file alone, whichever of --data and --heldout-data it was)
+            is_examples(data) if data else None
+        except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
+            raise ValueError(f"{flag} {exc}") from None
+        if note:
+            print_warning(f"{flag} {data}: {note}")
+    source: ExampleSource | ShardSource
+    heldout: ExampleSource | ShardSource | None
+    if is_examples(args.data):
+        cfg.check_examples()  # before the examples are read (the Trainer checks again)
+        if cfg.heldout_data:  # the held-out examples are a file of their own
+            if not is_examples(cfg.heldout_data):
+                raise ValueError(f"--heldout-data {cfg.heldout_data}: not JSONL examples; with JSONL examples as --data, "
+                                 "held-out examples are a JSONL file of them (or the --heldout fraction of --data)")
+            if cfg.heldout:
+                raise ValueError("--heldout/--heldout-data: the held-out examples are a fraction of --data or the "
+                                 "examples of --heldout-data; give one of them")
+            train, held = examples_of(args.data, "--data"), examples_of(cfg.heldout_data, "--heldout-data")
+        else:
+            fraction = cfg.heldout
+            if fraction is None:
+                if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
+                    print_warning(f"--resume: the run in {args.out} did not record its --heldout; holding out "
+                                  f"{DEFAULT_HELDOUT} (give the value it was started with, if another)")
+                fraction = DEFAULT_HELDOUT
+                cfg = dataclasses.replace(cfg, heldout=fraction)  # saved with the run: --resume keeps the split
+            examples = examples_of(args.data, "--data")
+            train, held = split_heldout(examples, fraction)
+            if fraction > 0 and not held:
+                print_warning(f"--heldout {fraction}: holds out none of {len(examples)} examples; no held-out "
+                              "loss")
+        if cfg.chat_turns != cfg.default("chat_turns") and not any(e.templated for e in (*train, *held)):
+            # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
+            raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; the examples "
+                             "given are prompt/response (or ids) records, one example each, with no turns")
+        source = ExampleSource(train, cfg.seed)
+        heldout = ExampleSource(held, cfg.seed) if held else None
+    else:
+        if cfg.heldout:  # it would be ignored: running text has no examples to split
+            raise ValueError("--heldout: for JSONL examples (a fraction of them); with raw text or token shards "
+                             "give the held-out text or shards with --heldout-data")
+        if cfg.chat_turns != cfg.default("chat_turns"):  # it would be ignored: running text has no chats
+            raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; running text "
+                             "has no turns")
+        # each window after the BOS that generate puts before a text prompt (ShardSource)
+        bos = lm.tokenizer.bos_id if lm.tokenizer is not None else None
+        source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length, bos)
+        heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
+                              lm.config.canvas_length, bos) if cfg.heldout_data else None
+    base_dtype = lm.dtype
+    # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
+    import torch
+
+    merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
+    if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
+        cfg = dataclasses.replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
+    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
+                      data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
+    if trainer.prompts_healed and trainer.rank == 0 and isinstance(source, ExampleSource):  # (only examples heal)
+        print(f"--data: {trainer.prompts_healed} of {len(source.examples)} training prompts end in whitespace that "
+              "token healing would re-choose, and the model learns to answer after it as it is: its generation "
+              "settings say token_healing false, so `blockpress generate` keeps a prompt's end as typed "
+              "(--token-healing heals it)", file=sys.stderr)
+    if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
+        print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
+              "trainer_state.pt to resume from)", file=sys.stderr)
+        (out / "metrics.jsonl").unlink()
+    if args.resume:
+        trainer.resume()
+    if not args.quiet and trainer.rank == 0:  # what the run trains on: nothing said it (a folder's stray files,
+        # a chat's turns, a --heldout split, how many passes --steps makes went unseen); after --resume, which
+        # says where the run's data stands
+        print(data_summary(args.data, source, heldout, cfg, lm.config.canvas_length, trainer.data_start),
+              file=sys.stderr)
+    trainable = {"trainable_parameters": trainer.trainable_parameters,
+                 "trainable_fraction": round(trainer.trainable_parameters / max(trainer.total_parameters, 1), 6)}
+    if cfg.lora_rank and not args.quiet and trainer.rank == 0:
+        print(f"--lora-rank {cfg.lora_rank}: training {trainer.trainable_parameters:,} of "
+              f"{trainer.total_parameters:,} parameters ({100 * trainable['trainable_fraction']:.3g}%) on "
+              f"{cfg.lora_targets}", file=sys.stderr)
+    if cfg.warmup_steps > cfg.steps:
+        print_warning(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never "
+                      f"reaches --lr {cfg.lr}")
+    result = trainer.train()
+    if trainer.rank == 0:
+        _plot_training(Path(args.out), quiet=args.quiet)
+    if not args.quiet and trainer.rank == 0:  # under torchrun, one summary, not one a process
+        losses = result.losses
+        print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
+                          "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+                          "eval_losses": result.eval_losses,
+                          "tokens_per_second": round(result.tokens_per_second, 1), **trainable}))
+    if cfg.quantize and result.stopped != "interrupted" and trainer.rank == 0:
+        from blockpress.train import ADAPTER_DIR, base_name
+
+        adapter = Path(args.out) / ADAPTER_DIR
+        named = base_name(lm) is not None  # the folder names its base (one loaded from a folder): it loads alone
+        flags = f"--model {adapter}" if named else f"--model BASE --adapter {adapter} --quantize {cfg.quantize}"
+        python = repr(str(adapter)) if named else f"BASE, adapter={str(adapter)!r}, quantize={cfg.quantize!r}"
+        # a base saved quantized is itself the quantized checkpoint, and has no unquantized weights to merge into
+        from blockpress.checkpoint import folder_quantization
+
+        saved_quantized = lm.path is not None and folder_quantization(lm.path) is not None
+        base = (f"(over {lm.path}, saved {cfg.quantize})" if saved_quantized
+                else "(no checkpoint of the quantized base)")
+        merge = "" if saved_quantized else "; --quantize none merges them into the unquantized base instead"
+        print(f"--quantize {cfg.quantize}: {adapter} holds the adapters, unmerged {base}; run them as trained, over "
+              f"the {cfg.quantize} base: `blockpress generate {flags} PROMPT` (chat, serve and info alike{merge}), or "
+              f"in Python blockpress.load({python})", file=sys.stderr)
+    elif cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
+        base = str(base_dtype)[6:]
+        # (--dtype takes float32 and bfloat16: a float16 base, trained with loss scaling, is cast by save's dtype)
+        how = (f"--dtype {base} saves that" if base != "float16" else
+               f"blockpress.load({str(args.out)!r}).save(FOLDER, dtype='float16') writes that")
+        print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a {str(merged_dtype)[6:]} "
+              f"checkpoint (the base was {base}; {how}, rounding part of the adapters' update away)", file=sys.stderr)
+    if result.stopped == "interrupted":
+        import signal
+
+        adapters = f" (its adapters so far load as --model {Path(args.out) / 'adapter'})" if cfg.lora_rank else ""
+        # 128 + the signal, as a shell reports a process it ended: a scheduler's SIGTERM (timeout, Slurm, docker stop)
+        # exited 130, Ctrl-C's status, and a job script could not tell the two apart
+        signum = result.stop_signal or signal.SIGINT
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        if trainer.rank == 0:  # the process that saves (under torchrun each said "saved")
+            print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
+                  file=sys.stderr)
+        _leave_peers()  # rank 0 has saved and said so: only now may a process exit non-zero
+        return 128 + signum
+    _leave_peers()
+    return 0
+
+
+def _leave_peers() -> None:
+    """Under torchrun: wait for every process, then leave the process group. torchrun stops the other processes as
+    soon as one exits non-zero (a stop's 130 or 143), so a process that left at once cut rank 0 short after its save,
+    before it said where the run was saved, or during it; and a group never left could abort at exit ("terminate
+    called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: int,
+                 start: tuple[int, int] = (0, 0)) -> str:
+    """The line `train` starts with: how much data --data gave, how much of it is held out, and how many passes over
+    it --steps x --batch-size make. `start`: (step, examples consumed) where a resumed run goes on (Trainer's
+    data_start); a run resumed at another batch size consumed its first steps at the old one."""
+    from blockpress.train import ExampleSource
+
+    step, seen = start
+    drawn = seen + (cfg.steps - step) * cfg.batch_size
+
+    def span(first: int, last: int) -> str:
+        return f"step {last}" if first == last else f"steps {first}-{last}"
+
+    if seen == step * cfg.batch_size:  # one batch size all along
+        steps, draw = f"--steps {cfg.steps} x --batch-size {cfg.batch_size}", "draws"
+    else:
+        steps = f"the {seen:,} of {span(1, step)} and {span(step + 1, cfg.steps)} x --batch-size {cfg.batch_size}"
+        draw = "draw"
+    upto = "up to " if cfg.max_minutes else ""  # the clock may end the run first
+    if isinstance(source, ExampleSource):
+        n = len(source.examples)
+        held = len(heldout.examples) if isinstance(heldout, ExampleSource) else None
+        of = (f"{n:,} examples (--heldout-data: {held:,})" if cfg.heldout_data and held is not None else
+              f"{n + held:,} examples, {held:,} held out, {n:,} trained on" if held is not None else f"{n:,} examples")
+        from blockpress.data import canvas_count
+
+        cut = sum(canvas_count(e, canvas_length) > cfg.max_canvases for e in source.examples) if cfg.max_canvases else 0
+        cuts = (f"; --max-canvases {cfg.max_canvases} cuts {cut:,} of their responses short (their end, EOS, is not "
+                "trained)") if cut else ""
+        return f"--data {data}: {of}; {steps} {draw} {upto}{drawn:,}: {drawn / n:.3g} epochs{cuts}"
+    shards = source.shards
+    count, kind = (shards.documents, "document") if shards.documents else (len(shards.arrays), "shard file")
+    where = f" in {count:,} {kind}{'s' if count != 1 else ''}"
+    response = cfg.response_canvases * canvas_length
+    return (f"--data {data}: {shards.tokens:,} tokens{where}; {steps} windows of {response} response tokens cover "
+            f"{upto}{_times(drawn * response / shards.tokens)} of them")
+
+
+def _times(ratio: float) -> str:
+    """A share of the data as a reader takes it in: "2.5x", or "0.56%" for a small one (not "0.0056x")."""
+    return f"{ratio:.3g}x" if ratio >= 0.1 else f"{100 * ratio:.2g}%"
+
+
+def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int) -> Any:
+    """Running text for `train` as TokenShards: raw text (a .txt/.py/.md file, a folder of them, JSONL lines
+    {"text": ...}) tokenised in memory, or a glob of token shards; errors name `flag`."""
+    from blockpress.data import TokenShards, is_examples, is_raw_text, load_text, shard_files
+
+    if is_examples(path):  # neither running text nor shards, whatever its name
+        raise ValueError(f"{flag} {path}: JSONL examples (prompt/response, messages or ids); running text is "
+                         "{\"text\": ...} JSONL lines, a .txt/.py/.md file or a folder of them, or a glob of token "
+                         "shards")
+    if not is_raw_text(path):
+        return TokenShards(shard_files(path, flag), vocab_size)
+    try:
+        return load_text(path, tokenizer, vocab_size)
+    except (ValueError, OSError) as exc:  # their messages start with the path
+        raise type(exc)(f"{flag} {exc}") from None
+
+
+def resumed_train_config(out: Path) -> dict[str, Any]:
+    """The settings the run in `out` was started with (train_config.json; older runs: trainer_state.pt)."""
+    from dataclasses import fields
+
+    from blockpress.files import read_json_object
+    from blockpress.train import TRAIN_CONFIG_FILE, TRAINER_STATE_FILE, TrainConfig, read_trainer_state
+
+    file = out / TRAIN_CONFIG_FILE
+    if file.is_file():
+        saved = read_json_object(file, where="--resume: ")
+    else:
+        saved = read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu").get("config", {})
+    known = {f.name for f in fields(TrainConfig)}
+    return {k: v for k, v in saved.items() if k in known}
+
+
+def _plot_training(out: Path, quiet: bool) -> None:
+    """loss.png beside metrics.jsonl: the curves of the whole run, resumed parts included."""
+    from blockpress.train import plot_metrics
+
+    metrics = out / "metrics.jsonl"
+    if not metrics.is_file():
+        return
+    try:
+        plot_metrics(metrics, out / "loss.png")
+    except ImportError:
+        if not quiet:
+            print_warning("no loss.png: matplotlib is not installed (pip install 'blockpress[train]')")
+        return
+    if not quiet:
+        print(f"loss curves: {out / 'loss.png'}", file=sys.stderr)
