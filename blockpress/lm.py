@@ -770,7 +770,11 @@ class LM:
                 raise ValueError("self_conditioning_logits: a position has no distribution (NaN or +inf logits, or "
                                  "every token -inf); expected finite logits, -inf only for tokens it rules out")
         if self_conditioning_mask is not None:
-            mask = torch.as_tensor(self_conditioning_mask)
+            try:  # a list of flags is taken as the tensor it reads as
+                mask = torch.as_tensor(self_conditioning_mask)
+            except (TypeError, ValueError, RuntimeError):  # None in a list, a dict: torch's 'Could not infer dtype'
+                raise ValueError(f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one "
+                                 f"flag per canvas row), got {type(self_conditioning_mask).__name__}") from None
             if mask.dtype != torch.bool or tuple(mask.shape) != (canvas.shape[0],):
                 raise ValueError(f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one "
                                  f"flag per canvas row), got {mask.dtype} {list(mask.shape)}")
