@@ -1111,10 +1111,12 @@ class LM:
         lengths = (torch.full((b,), req.prompt.shape[1]) if req.attention_mask is None
                    else req.attention_mask.sum(-1).cpu()).long()
         budgets = req.row_budgets()[0]
-        taken = torch.tensor([n if canvas_length is None else canvas_positions(n, canvas_length) for n in budgets],
-                             dtype=torch.long)
-        r = int(torch.argmax(held + lengths + taken))
-        h, p, n, t = int(held[r]), int(lengths[r]), budgets[r], int(taken[r])
+        # Python ints: a max_new_tokens past int64 (2**63) is refused below by name, where a long tensor of it
+        # raised 'Overflow when unpacking long long'
+        taken = [n if canvas_length is None else canvas_positions(n, canvas_length) for n in budgets]
+        totals = [h + p + t for h, p, t in zip(held.tolist(), lengths.tolist(), taken)]
+        r = max(range(b), key=totals.__getitem__)  # the first row that needs the most positions
+        h, p, n, t = int(held[r]), int(lengths[r]), budgets[r], taken[r]
         if h + p + t > limit:
             where = f"{h} cached + " if h else ""
             row = f" (row {r})" if b > 1 else ""

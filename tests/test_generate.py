@@ -1888,6 +1888,12 @@ def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
         lm.infill([-1] * 62, prompt=[5, 6, 7])
     with pytest.raises(ValueError, match="context of 64"):
         lm.generate_ar([5, 6, 7], max_new_tokens=10**9)
+    # past int64, one count or one a row (a long tensor of them raised 'Overflow when unpacking long long')
+    for call in (lm.generate, lm.generate_ar):
+        with pytest.raises(ValueError, match=rf"max_new_tokens: 1 prompt \+ {2**63} new tokens \(row 1\)"):
+            call([[5, 6, 7], [8]], max_new_tokens=[4, 2**63])
+        with pytest.raises(ValueError, match=rf"max_new_tokens: 3 prompt \+ {10**30} new tokens exceed"):
+            call([5, 6, 7], max_new_tokens=10**30)
     with pytest.raises(ValueError, match=r"prompt: 70 prompt \+ 4 new tokens exceed"):  # the prompt is what to cut
         lm.generate([5] * 70, max_new_tokens=4)
     assert lm.generate([5, 6, 7], max_new_tokens=61, max_denoising_steps=1, seed=0).new_tokens.shape[1] == 61  # fits
