@@ -11,6 +11,18 @@ from pathlib import Path
 from typing import Any
 
 
+def expand_user(path: str | Path, name: str) -> Path:
+    """`path` with a leading ~ or ~user expanded, as a shell would. A ~user with no such user (or no home known) is
+    a ValueError naming `name` (the argument it came from): pathlib raised a bare RuntimeError, 'Could not determine
+    home directory.', naming neither the path nor the argument."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        user = str(path).replace(os.sep, "/").split("/")[0]
+        raise ValueError(f"{name}: {str(path)!r} starts with {user}, and no home folder is known for "
+                         f"{'this user' if user == '~' else f'a user {user[1:]!r}'}; give the path without it") from None
+
+
 def temporary_path(path: str | Path) -> Path:
     """Where `path` is staged: beside it, hidden, so no checkpoint file pattern matches it."""
     path = Path(path)

@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .checks import check_flag, check_keywords, is_finite_number, is_int, warn_user
 from .config import ModelConfig
-from .files import StagedFiles, read_json_object, staging
+from .files import StagedFiles, expand_user, read_json_object, staging
 from .generate import (
     Cancelled,
     Commit,
@@ -119,7 +119,7 @@ def resolve_path(path_or_name: str | Path) -> Path:
     ("owner/name", or "owner/name@revision") that is already in the local Hugging Face cache."""
     if not isinstance(path_or_name, (str, Path)) or not str(path_or_name).strip():
         raise ValueError(f"model: expected a checkpoint folder or a shipped model name, got {path_or_name!r}")
-    path = Path(path_or_name).expanduser()
+    path = expand_user(path_or_name, "model")
     # A bare shipped name is the shipped model, whatever the current folder holds: the CLI's default --model is
     # one, and a folder of that name here (a run's --out, a copy) silently loaded in its place. "./name" (or any
     # path that is not the bare name) is the folder.
@@ -1582,7 +1582,7 @@ class LM:
         if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
             raise ValueError(f"save: expected a folder path, got {path!r}")
         self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)
-        path = Path(path).expanduser()  # as load reads one: "~/out" made a folder named ~ in the current one
+        path = expand_user(path, "save")  # as load reads one: "~/out" made a folder named ~ in the current one
         if path.exists() and not path.is_dir():
             raise ValueError(f"save: {str(path)!r} is a file; give a folder")
         if path.is_symlink() and not path.exists():  # mkdir would fail with a bare "File exists"
@@ -1794,7 +1794,7 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
         path, adapter = base, path
         if quantize is None:
             quantize = record["quantize"]
-    adapter = None if adapter is None else Path(adapter).expanduser()  # as the model's path is
+    adapter = None if adapter is None else expand_user(adapter, "adapter")  # as the model's path is
     if quantize == NO_QUANTIZATION and (saved := folder_quantization(path)) is not None:
         raise ValueError(f"quantize: 'none' (unquantized) asked for, but {path} is stored quantized with {saved}: it "
                          f"holds the codes, not the unquantized weights; load it as saved (quantize={saved!r}, or none "

@@ -56,7 +56,7 @@ from .checkpoint import (
 from .checks import is_finite_number, is_int, warn_user
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, check_fits, make_batch
-from .files import StagedFiles, parse_json, read_json_object, staging, temporary_path
+from .files import StagedFiles, expand_user, parse_json, read_json_object, staging, temporary_path
 from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
 from .model import DiffusionGemma
@@ -919,7 +919,7 @@ class Trainer:
             raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
                              "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "
                              "with running text, --heldout-data)")
-        self.out = Path(out_dir).expanduser()  # as load reads a model at ~/...
+        self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()
         if cfg.batch_size % self.world:

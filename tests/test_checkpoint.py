@@ -670,6 +670,15 @@ def test_a_home_path_is_expanded_where_a_model_is_written_and_an_adapter_read(tm
     assert blockpress.load("~/saved").path == home / "saved"
     (home / "ad").mkdir()
     assert blockpress.lm.resolve_model("~/saved", adapter="~/ad")[1] == home / "ad"
+    # a ~user that names no user is refused by the argument, where pathlib's bare RuntimeError ('Could not
+    # determine home directory.') named neither it nor the path; nothing is written
+    user = "~no-such-user-blockpress"
+    for call, name in ((lambda: lm.save(f"{user}/out"), "save"), (lambda: blockpress.load(f"{user}/m"), "model"),
+                       (lambda: blockpress.lm.resolve_model("~/saved", adapter=f"{user}/a"), "adapter")):
+        with pytest.raises(ValueError, match=rf"^{name}: '{user}/\w+' starts with {user}, and no home folder is known "
+                                             "for a user 'no-such-user-blockpress'"):
+            call()
+    assert sorted(p.name for p in work.iterdir()) == []
 
 
 def test_saving_onto_a_dangling_link_names_the_link_and_its_target(tmp_path):

@@ -156,6 +156,15 @@ def test_examples_longer_than_the_context_are_refused_by_the_library_too(tmp_pat
     Trainer(lm, ExampleSource([*EXAMPLES, long], 0), TrainConfig(max_canvases=7), tmp_path / "c", progress=False)
 
 
+def test_an_out_dir_under_an_unknown_user_is_refused_by_name(tmp_path, monkeypatch):
+    """Trainer(out_dir="~nobody/run") raised pathlib's bare RuntimeError 'Could not determine home directory.'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^out_dir: '~no-such-user-blockpress/run' starts with "
+                                         r"~no-such-user-blockpress, and no home folder is known"):
+        Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(), "~no-such-user-blockpress/run", progress=False)
+    assert not any(tmp_path.iterdir())
+
+
 def test_any_allowed_seed_trains(tmp_path):
     """A seed past about 9.2e12 overflowed int64 in the seeds drawn from it (seed * 1_000_003 + step): 'Overflow when
     unpacking long long' at the first batch, naming no setting. Each stream's seed is taken modulo 2**63 now."""
