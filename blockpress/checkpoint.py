@@ -333,7 +333,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError):
+    except (RuntimeError, TypeError, ValueError):  # ValueError: an index past int64 ('Overflow when unpacking long long')
         raise ValueError(f"device: {device!r} is not a torch device (expected auto, cpu, cuda, cuda:N, mps or meta)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} asked for, but this torch sees no CUDA GPU "

@@ -198,6 +198,7 @@ def test_to_moves_and_remakes_compiled_steps(ref_checkpoint, monkeypatch):
     ({"dtype": torch.float64}, r"dtype: expected one of \['bfloat16', 'float16', 'float32'\]"),
     ({"device": "cuda:99"}, r"device: 'cuda:99' asked for"),
     ({"device": "gpu"}, r"device: 'gpu' is not a torch device"),
+    ({"device": 2**63}, rf"device: {2**63} is not a torch device"),  # torch: 'Overflow when unpacking long long'
     ({"device": "meta"}, r"device: 'meta' holds no weights"),
     ({"device": torch.bfloat16}, r"device: torch.bfloat16 is a dtype; pass it as lm.to\(dtype=torch.bfloat16\)"),
     ({"device": "bf16"}, r"device: 'bf16' is a dtype; pass it as lm.to\(dtype='bf16'\)"),
