@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag, check_text, utf8_problem
-from .files import StagedFiles, lfs_pointer_problem, read_json_object, staging
+from .files import StagedFiles, lfs_pointer_problem, parse_json, read_json_object, staging
 from .response import builtin_response_template, compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -923,6 +923,8 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
                                             f"{'nothing' if 'role' not in message else type(message['role']).__name__}")
     if message["role"] == "developer":  # templates know "system" (Gemma's raises on any other role)
         message = {**message, "role": "system"}
+    if message.get("tool_calls") is not None:
+        message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}
     content = message.get("content")
     if content is None:
         if message.get("tool_calls"):
@@ -942,6 +944,41 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise MessageError(f"{where}.content", f"expected str or a list of text parts, got {type(content).__name__}")
     return {**message, "content": content}
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool_calls as transformers' tool templates take them: each call's function arguments an object.
+    OpenAI writes them as JSON text ('{"city": "Oslo"}'), which the server parses for the template; lm.chat and a
+    training file passed the text on, and a template printed it as written: Gemma 4's trained on
+    'call:weather{{"city": "Oslo"}}', a call no response template reads back. Text that is no JSON object, and
+    calls that are not OpenAI's {"function": {"name", "arguments"}} objects, are refused by field, as the server
+    refuses them."""
+    if not isinstance(calls, list):
+        raise MessageError(f"{where}.tool_calls", f"expected a list of calls ({{'type': 'function', 'function': "
+                                                  f"{{'name': ..., 'arguments': ...}}}}), got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise MessageError(f"{at}.function", "expected an object {'name': ..., 'arguments': ...}, got "
+                                                 f"{'nothing' if isinstance(call, dict) else type(call).__name__}")
+        if not (isinstance(function.get("name"), str) and function["name"]):
+            raise MessageError(f"{at}.function.name", f"expected the function's name, got {function.get('name')!r}")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = parse_json(arguments)
+            except json.JSONDecodeError:  # (parse_json's too: nested past the parser's depth, a number too long)
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise MessageError(f"{at}.function.arguments", f"expected a JSON object as text (as OpenAI writes "
+                                                               f"them) or an object, got {function['arguments'][:80]!r}")
+        elif not isinstance(arguments, dict):
+            raise MessageError(f"{at}.function.arguments", "expected an object, or a JSON object as text (as OpenAI "
+                                                           f"writes them), got {type(arguments).__name__}")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 # What apply_chat_template itself passes a template, or takes as its own arguments: a template variable of these names

@@ -736,6 +736,26 @@ def test_a_reply_of_tool_calls_trains_on_the_calls_the_server_reads_back(gemma4_
     assert tok.parse_response(text) == theirs(text, _RESPONSE_TEMPLATE_FALLBACKS[("gemma4",)]) == expected
 
 
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(st.dictionaries(st.sampled_from(["city", "days", "unit"]),
+                                  st.one_of(st.text(alphabet="Oslo é", max_size=6), st.integers(-9, 9)), max_size=3))
+def test_tool_call_arguments_as_openai_json_text_train_as_the_object(gemma4_tok, arguments):
+    """A call's arguments as OpenAI writes them, JSON text ('{"city": "Oslo"}', what a logged conversation holds and
+    the server parses for the template), trained on the text printed as written ('call:weather{{"city": "Oslo"}}',
+    a call no response template reads back); they now train as the object does, and text that is no JSON object is
+    refused by field (load_jsonl puts the file and line before it)."""
+    def response(args):
+        chat = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [_gemma_call("weather", args)]}]
+        return parse_examples({"messages": chat}, gemma4_tok, "d.jsonl:3")[0].response
+
+    assert response(json.dumps(arguments)) == response(arguments)
+    for bad, got in (("{", "'{'"), ("[1]", "'\\[1\\]'"), (None, "NoneType")):
+        with pytest.raises(ValueError, match=rf"^messages\[1\]\.tool_calls\[0\]\.function\.arguments: expected .*"
+                                             rf"got {got}$"):
+            response(bad)
+
+
 def test_every_turn_of_an_agent_chat_trains_its_prompt_holding_the_tools_answers(gemma4_tok):
     """The turns of a chat with tool calls: the call turn is trained on (it was context only), and the answer after
     the tools' responses is prompted with the calls and responses as the template renders them; a thought and an

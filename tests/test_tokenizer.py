@@ -749,6 +749,28 @@ TOOL_TEMPLATE = (
 TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
 
 
+@pytest.mark.parametrize("calls, field, problem", [
+    ("x", "tool_calls", "expected a list of calls .*got str"),
+    ([1], r"tool_calls\[0\]\.function", "expected an object .*got int"),
+    ([{"id": "a"}], r"tool_calls\[0\]\.function", "expected an object .*got nothing"),
+    ([{"function": {"name": "", "arguments": {}}}], r"tool_calls\[0\]\.function\.name", "expected the function's name"),
+    ([TOOL_CALL, {"function": {"name": "f", "arguments": '{"a": 1'}}], r"tool_calls\[1\]\.function\.arguments",
+     "expected a JSON object as text"),
+])
+def test_tool_calls_the_server_refuses_are_refused_by_field_in_lm_chat_and_training(calls, field, problem):
+    """lm.chat and a training file took tool_calls the server refuses ("x", calls without a function) and rendered
+    the assistant's turn empty; a call's arguments as OpenAI's JSON text reach the template as the object, as the
+    server passes them."""
+    from blockpress.tokenizer import MessageError, chat_message
+
+    with pytest.raises(MessageError, match=rf"^messages\[2\]\.{field}: {problem}"):
+        chat_message({"role": "assistant", "content": None, "tool_calls": calls}, 2)
+    as_text = {**TOOL_CALL, "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    message = {"role": "assistant", "content": None, "tool_calls": [as_text]}
+    assert chat_message(message, 2)["tool_calls"] == [TOOL_CALL]
+    assert message["tool_calls"] == [as_text]  # the caller's message is left as it was
+
+
 @pytest.mark.parametrize("assistant", [
     {"role": "assistant", "tool_calls": [TOOL_CALL]},  # OpenAI's shape: no content key at all
     {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},  # the same, written out as null
