@@ -198,8 +198,9 @@ def lfs_pointer_problem(path: str | Path) -> str | None:
 
 
 class JSONTooDeep(json.JSONDecodeError):
-    """JSON nested deeper than Python's parser recurses: a JSONDecodeError, so each reader's own handling of bad JSON
-    names the file (json.loads raised a bare RecursionError, a traceback out of `blockpress info` or `train`)."""
+    """JSON nested deeper than Python's parser recurses, or holding a number longer than it converts: a JSONDecodeError,
+    so each reader's own handling of bad JSON names the file (json.loads raised a bare RecursionError or ValueError, a
+    traceback out of `blockpress info` or `train`)."""
 
     def __str__(self) -> str:
         return self.msg
@@ -207,12 +208,19 @@ class JSONTooDeep(json.JSONDecodeError):
 
 def parse_json(text: str | bytes) -> Any:
     """json.loads(text), with JSON nested past Python's recursion limit (~1,000 levels: `[[[...]]]` of 100,000, or a
-    hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError."""
+    hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError, and likewise
+    an integer longer than Python converts from text (4,300 digits: sys.get_int_max_str_digits), whose bare ValueError
+    named neither the file nor the line."""
     try:
         return json.loads(text)
     except RecursionError:
         raise JSONTooDeep("nested deeper than Python's JSON parser reads (about 1,000 levels of arrays or objects)",
                           text if isinstance(text, str) else "", 0) from None
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError) or "integer string conversion" not in str(exc):
+            raise
+        raise JSONTooDeep(f"a number of more digits than Python reads ({exc})", text if isinstance(text, str) else "",
+                          0) from None
 
 
 def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:

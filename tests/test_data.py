@@ -367,6 +367,10 @@ def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, 
     path.write_text(good + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")  # was a bare RecursionError
     with pytest.raises(ValueError, match=r"d.jsonl:2: not valid JSON \(nested deeper than Python's JSON parser"):
         load_jsonl(path, tok)
+    path.write_text(good + '{"prompt_ids": [' + "9" * 5000 + '], "response_ids": [3]}\n')  # was a bare ValueError
+    with pytest.raises(ValueError, match=r"^.*d.jsonl:2: not valid JSON \(a number of more digits than Python reads "
+                                         r"\(Exceeds the limit \(4300 digits\)"):
+        load_jsonl(path, tok)
     path.write_text(good + json.dumps({"messages": [{"role": "banana", "content": "hi"},
                                                     {"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:2: "):
