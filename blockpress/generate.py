@@ -1380,10 +1380,14 @@ class _Decoding:
     def cancelled(self) -> torch.Tensor | bool:
         """Ask `req.cancelled`: True when the whole batch is cancelled, the rows it newly cut [B] bool when it cut some
         (`self.cut_rows` and `self.finished` then hold them), else False. Compared on the host: no device sync a step."""
-        said = self.req.cancelled() if self.req.cancelled is not None else False
+        said: Any = self.req.cancelled() if self.req.cancelled is not None else False
+        b = self.finished.shape[0]
+        if isinstance(said, torch.Tensor) or hasattr(said, "__array__"):  # one flag a row in a tensor or array, as
+            said = said.tolist()  # per-row settings are taken (bool() of it raised 'ambiguous' for two rows and more)
+        if isinstance(said, str):  # any text is truthy: "no" would have cancelled the stream
+            raise ValueError(f"cancelled: expected True / False or one bool per row ({b}), got {said!r}")
         if not isinstance(said, (list, tuple)):
             return bool(said)
-        b = self.finished.shape[0]
         if len(said) != b:
             raise ValueError(f"cancelled: expected True / False or one bool per row ({b}), got {len(said)} values")
         said = [bool(x) for x in said]

@@ -1224,10 +1224,11 @@ class LM:
         the left; `truncate(cache.length noted before)` is refused then).
         `cancelled() -> bool`: asked before every step, on the host (no device sync); once it says True the stream
         ends there, with a `Cancelled` (the passes and tokens done so far) in place of `Done` (a server's clients
-        that left free the engine within a step). It may say one bool per row instead: a row marked True ends
-        there as at its max_new_tokens (its text so far stays; the rest of the batch goes on as it would) and, unless
-        the cache is handed back or a logits processor mixes rows, its cache row is freed at the next canvas (a
-        server's client that left a shared batch); every row True is the whole stream's `Cancelled`.
+        that left free the engine within a step). It may say one bool per row instead (a list, or a 1-D tensor or
+        array): a row marked True ends there as at its max_new_tokens (its text so far stays; the rest of the batch
+        goes on as it would) and, unless the cache is handed back or a logits processor mixes rows, its cache row is
+        freed at the next canvas (a server's client that left a shared batch); every row True is the whole stream's
+        `Cancelled`.
         """
         if prompt is None or TRANSFORMERS_KEYWORDS & sampler_options.keys():
             args = {k: v for k, v in locals().items() if k not in ("self", "sampler_options")}

@@ -2392,6 +2392,15 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
     assert [c for c in copies if c[2]] == [(2, 1, True)] and torch.equal(two.new_tokens[0], whole.new_tokens[0])
     with pytest.raises(ValueError, match=r"cancelled: expected True / False or one bool per row \(3\), got 2"):
         lm.generate(prompts, cancelled=lambda: [False, True], **kw)
+    # the flags as a tensor or array, as the per-row settings take them (torch's RuntimeError 'Boolean value of Tensor
+    # with more than one value is ambiguous' named no argument); text, truthy whatever it says, is refused
+    asked.clear()
+    as_tensor = lm.generate(prompts, cancelled=lambda: torch.tensor(cancelled()), **kw)
+    assert torch.equal(as_tensor.new_tokens, out.new_tokens) and as_tensor.num_new_tokens.tolist() == \
+        out.num_new_tokens.tolist()
+    assert torch.equal(lm.generate(prompts, cancelled=lambda: np.zeros(3, dtype=bool), **kw).new_tokens, whole.new_tokens)
+    with pytest.raises(ValueError, match=r"^cancelled: expected True / False or one bool per row \(3\), got 'no'"):
+        lm.generate(prompts, cancelled=lambda: "no", **kw)
     with pytest.raises(RuntimeError, match="cancelled"):  # every row cut is the whole stream's Cancelled
         lm.generate(prompts, cancelled=lambda: [True] * 3, **kw)
 
