@@ -162,10 +162,12 @@ def test_clear_errors(lm):
             PrefixCache(**bad)
 
 
-@pytest.mark.parametrize("change", ["quantize", "round trip"])
+@pytest.mark.parametrize("change", ["quantize", "round trip", "own edit"])
 def test_caches_filled_before_the_weights_changed_are_not_reused_after(change):
     """Quantizing swaps the projections in place, and a float32 -> bf16 -> float32 round trip rounds the weights
-    (same object, same layout): the old keys were reused silently. A PrefixCache drops them, a KVCache is refused."""
+    (same object, same layout): the old keys were reused silently. A PrefixCache drops them, a KVCache is refused.
+    A caller's own edit in place (an optimizer step, load_state_dict) says so with lm.model.weights_changed(), as
+    python-api.md has it: without it a PrefixCache reuses the old keys."""
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
     prompt = list(range(5, 25))
     pc = PrefixCache(min_tokens=1)
@@ -174,8 +176,12 @@ def test_caches_filled_before_the_weights_changed_are_not_reused_after(change):
     assert lm.generate(prompt, prefix_cache=pc, **kw).extra["reused_prompt_tokens"] == [len(prompt) - 1]
     if change == "quantize":
         lm.quantize("int8")
-    else:
+    elif change == "round trip":
         lm.to(dtype="bfloat16").to(dtype="float32")
+    else:
+        with torch.no_grad():
+            lm.model.embed_tokens.weight.mul_(2)
+        lm.model.weights_changed()
     reused = lm.generate(prompt, prefix_cache=pc, **kw)
     assert reused.extra["reused_prompt_tokens"] == [0]
     assert torch.equal(reused.sequences, lm.generate(prompt, **kw).sequences)
