@@ -947,38 +947,48 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant's tool_calls as transformers' tool templates take them: each call's function arguments an object.
+    """An assistant's tool_calls as transformers' tool templates take them: each call's arguments an object.
     OpenAI writes them as JSON text ('{"city": "Oslo"}'), which the server parses for the template; lm.chat and a
     training file passed the text on, and a template printed it as written: Gemma 4's trained on
-    'call:weather{{"city": "Oslo"}}', a call no response template reads back. Text that is no JSON object, and
-    calls that are not OpenAI's {"function": {"name", "arguments"}} objects, are refused by field, as the server
-    refuses them."""
+    'call:weather{{"city": "Oslo"}}', a call no response template reads back. A call is OpenAI's
+    {"function": {"name", "arguments"}}, or the flat {"name", "arguments"} that many templates also take (Qwen's,
+    Llama's: `tool_call.function if defined`); text that is no JSON object, and calls of neither shape, are refused
+    by field, as the server refuses them."""
     if not isinstance(calls, list):
         raise MessageError(f"{where}.tool_calls", f"expected a list of calls ({{'type': 'function', 'function': "
                                                   f"{{'name': ..., 'arguments': ...}}}}), got {type(calls).__name__}")
     out = []
     for j, call in enumerate(calls):
         at = f"{where}.tool_calls[{j}]"
+        if isinstance(call, dict) and "function" not in call and "name" in call:  # the flat shape
+            out.append({**call, "arguments": _call_arguments(call, at)})
+            continue
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict):
             raise MessageError(f"{at}.function", "expected an object {'name': ..., 'arguments': ...}, got "
                                                  f"{'nothing' if isinstance(call, dict) else type(call).__name__}")
-        if not (isinstance(function.get("name"), str) and function["name"]):
-            raise MessageError(f"{at}.function.name", f"expected the function's name, got {function.get('name')!r}")
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = parse_json(arguments)
-            except json.JSONDecodeError:  # (parse_json's too: nested past the parser's depth, a number too long)
-                arguments = None
-            if not isinstance(arguments, dict):
-                raise MessageError(f"{at}.function.arguments", f"expected a JSON object as text (as OpenAI writes "
-                                                               f"them) or an object, got {function['arguments'][:80]!r}")
-        elif not isinstance(arguments, dict):
-            raise MessageError(f"{at}.function.arguments", "expected an object, or a JSON object as text (as OpenAI "
-                                                           f"writes them), got {type(arguments).__name__}")
-        out.append({**call, "function": {**function, "arguments": arguments}})
+        out.append({**call, "function": {**function, "arguments": _call_arguments(function, f"{at}.function")}})
     return out
+
+
+def _call_arguments(function: dict[str, Any], at: str) -> dict[str, Any]:
+    """A call's arguments as an object (`function`: what holds its name and arguments, `at`: its field), from an
+    object or OpenAI's JSON text of one; a call without a name, or arguments of neither kind, refused by field."""
+    if not (isinstance(function.get("name"), str) and function["name"]):
+        raise MessageError(f"{at}.name", f"expected the function's name, got {function.get('name')!r}")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = parse_json(arguments)
+        except json.JSONDecodeError:  # (parse_json's too: nested past the parser's depth, a number too long)
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise MessageError(f"{at}.arguments", f"expected a JSON object as text (as OpenAI writes them) or an "
+                                                  f"object, got {function['arguments'][:80]!r}")
+    elif not isinstance(arguments, dict):
+        raise MessageError(f"{at}.arguments", "expected an object, or a JSON object as text (as OpenAI writes "
+                                              f"them), got {type(arguments).__name__}")
+    return arguments
 
 
 # What apply_chat_template itself passes a template, or takes as its own arguments: a template variable of these names

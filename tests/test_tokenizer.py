@@ -771,6 +771,21 @@ def test_tool_calls_the_server_refuses_are_refused_by_field_in_lm_chat_and_train
     assert message["tool_calls"] == [as_text]  # the caller's message is left as it was
 
 
+def test_flat_tool_calls_are_taken_with_their_arguments_read_as_an_object():
+    """Calls written flat ({"name", "arguments"}, which Qwen's and Llama's templates take beside OpenAI's
+    {"function": ...}) reached such templates before the calls were checked; they still do, their JSON-text arguments
+    read as the object, and a flat call's faults are named at its own fields."""
+    from blockpress.tokenizer import MessageError, chat_message
+
+    flat = {"name": "weather", "arguments": '{"city": "Paris"}'}
+    message = chat_message({"role": "assistant", "content": None, "tool_calls": [flat, TOOL_CALL]}, 1)
+    assert message["tool_calls"] == [{"name": "weather", "arguments": {"city": "Paris"}}, TOOL_CALL]
+    with pytest.raises(MessageError, match=r"^messages\[1\]\.tool_calls\[0\]\.arguments: expected a JSON object as text"):
+        chat_message({"role": "assistant", "content": None, "tool_calls": [{"name": "f", "arguments": "[1]"}]}, 1)
+    with pytest.raises(MessageError, match=r"^messages\[1\]\.tool_calls\[0\]\.name: expected the function's name"):
+        chat_message({"role": "assistant", "content": None, "tool_calls": [{"name": 3, "arguments": {}}]}, 1)
+
+
 @pytest.mark.parametrize("assistant", [
     {"role": "assistant", "tool_calls": [TOOL_CALL]},  # OpenAI's shape: no content key at all
     {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},  # the same, written out as null
