@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import functools
@@ -9,7 +10,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -314,6 +315,21 @@ TRANSFORMERS_HINTS = {
                           "from the logits of tokens in the new text only",
     "num_beams": "block diffusion has no beam search; for several samples pass num_return_sequences (or seeds)",
 }
+
+
+@contextlib.contextmanager
+def _named_as_given(given_as: dict[str, str]) -> Iterator[None]:
+    """A refusal of a transformers keyword's value names the keyword the caller gave (`stop_strings: ...`), not the
+    blockpress argument it was mapped onto (`stop: ...`), which the caller never wrote. `given_as`: blockpress's
+    name, as an error starts with it, -> the caller's keyword."""
+    try:
+        yield
+    except ValueError as e:
+        message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else ""
+        ours = next((name for name in given_as if message.startswith(f"{name}:")), None)
+        if ours is not None:  # the same error, traceback and all, under the caller's name
+            e.args = (given_as[ours] + message[len(ours):],)
+        raise
 
 
 def _generation_settings(config: Any) -> dict[str, Any]:
@@ -1025,15 +1041,17 @@ class LM:
                             defaulted=asked is None and template is None and self._max_length_from != "call")
         return req
 
-    def _from_transformers(self, call: str, args: dict[str, Any]) -> tuple[LM, dict[str, Any]]:
+    def _from_transformers(self, call: str, args: dict[str, Any]) -> tuple[LM, dict[str, Any], dict[str, str]]:
         """transformers' generate keywords (TRANSFORMERS_KEYWORDS) in `args`, a call's arguments by name, as
-        blockpress's: (the LM to run it on, the arguments). input_ids is the prompt, stop_strings `stop`,
+        blockpress's: (the LM to run it on, the arguments, the names the caller gave: `_named_as_given`'s). input_ids is the prompt, stop_strings `stop`,
         num_return_sequences repeats each row with seeds of its own (the server's n); generation_config (over the
         checkpoint's, as in transformers), eos_token_id, pad_token_id and max_length (the prompt's width + new
         tokens; max_new_tokens wins when both are given, as in transformers) are the call's generation settings: a
         copy of this LM that holds them, so the checkpoint's are not changed."""
         hf = {k: args.pop(k) for k in TRANSFORMERS_KEYWORDS if k in args}
+        given_as = {}  # blockpress's name (as its errors start) -> the keyword the caller used for it
         if "input_ids" in hf:
+            given_as["prompt"] = "input_ids"
             if args.get("prompt") is not None:
                 raise ValueError(f"input_ids: {call} was given the prompt twice (input_ids and prompt); give one")
             args["prompt"] = hf.pop("input_ids")
@@ -1043,6 +1061,7 @@ class LM:
             if args.get("stop") is not None:
                 raise ValueError("stop_strings: transformers' name for stop, which was given too; give one")
             args["stop"] = hf["stop_strings"]
+            given_as["stop"] = "stop_strings"
         gen = dict(self.generation_config)
         if hf.get("generation_config") is not None:
             gen.update(_generation_settings(hf["generation_config"]))
@@ -1050,11 +1069,13 @@ class LM:
             if hf.get(key) is not None:  # a tensor or numpy id (list), as the reference takes it, as plain ints
                 value = hf[key]
                 gen[key] = value.tolist() if isinstance(value, torch.Tensor) or hasattr(value, "__array__") else value
+                given_as[f"generation_config {key}"] = key  # checked against the vocabulary as the settings' own
         if hf.get("max_length") is not None:
             if args.get("max_new_tokens") is not None:
                 warn_user("max_length: max_new_tokens was given too and takes precedence, as in transformers")
             else:  # the call's max_length, not a max_new_tokens the checkpoint's settings hold
                 gen.update(max_length=hf["max_length"], max_new_tokens=None)
+                given_as["max_new_tokens"] = "max_length"  # the count it leaves is what the context check names
         n = hf.get("num_return_sequences")
         if n is not None and not (is_int(n) and n >= 1):
             raise ValueError(f"num_return_sequences: expected a positive integer, got {n!r}")
@@ -1088,13 +1109,13 @@ class LM:
             if seed is not None:  # None draws a fresh seed per row, which differ already
                 args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]
         if gen == self.generation_config:
-            return self, args
+            return self, args, given_as
         check_generation_settings(gen, f"{call}'s generation settings")
         lm = copy.copy(self)  # shares the model, tokenizer and compiled steps; only the settings are its own
         lm.generation_config = gen
         if hf.get("max_length") is not None and args.get("max_new_tokens") is None:
             lm._max_length_from = "call"
-        return lm, args
+        return lm, args, given_as
 
     def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None,
                        defaulted: bool = False) -> None:
@@ -1232,8 +1253,9 @@ class LM:
         """
         if prompt is None or TRANSFORMERS_KEYWORDS & sampler_options.keys():
             args = {k: v for k, v in locals().items() if k not in ("self", "sampler_options")}
-            lm, args = self._from_transformers("stream", {**args, **sampler_options})
-            return lm.stream(**args)
+            lm, args, given_as = self._from_transformers("stream", {**args, **sampler_options})
+            with _named_as_given(given_as):
+                return lm.stream(**args)
         _check_keywords("stream", STREAM_OPTIONS, sampler_options)
         if cancelled is not None and not callable(cancelled):
             raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")
@@ -1305,10 +1327,11 @@ class LM:
             raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
                              "the canvas settle")
         if prompt is None or TRANSFORMERS_KEYWORDS & kwargs.keys():
-            lm, args = self._from_transformers("generate", dict(
+            lm, args, given_as = self._from_transformers("generate", dict(
                 kwargs, prompt=prompt, max_new_tokens=max_new_tokens, max_denoising_steps=max_denoising_steps,
                 sampler=sampler, seed=seed))
-            return lm.generate(**args)
+            with _named_as_given(given_as):
+                return lm.generate(**args)
         _check_keywords("generate", STREAM_OPTIONS, kwargs, leave_out=("drafts",))
         events = self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
                              seed=seed, drafts=False, **kwargs)
@@ -1521,8 +1544,9 @@ class LM:
         Any other keyword is a ValueError naming it and the closest one taken (as generate's)."""
         if prompt is None or TRANSFORMERS_KEYWORDS & unknown.keys():
             args = {k: v for k, v in locals().items() if k not in ("self", "unknown")}
-            lm, args = self._from_transformers("generate_ar", {**args, **unknown})
-            return lm.generate_ar(**args)
+            lm, args, given_as = self._from_transformers("generate_ar", {**args, **unknown})
+            with _named_as_given(given_as):
+                return lm.generate_ar(**args)
         _check_keywords("generate_ar", GENERATE_AR_OPTIONS, unknown, sampler_settings=False)
         temperature = _as_rows(temperature, "temperature", "a number")
         per_row = isinstance(temperature, list)

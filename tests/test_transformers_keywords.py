@@ -210,6 +210,27 @@ def test_stop_strings_is_stop():
         code.generate(prompt, 4, stop="x", stop_strings="y")
 
 
+@pytest.mark.parametrize("engine", ["generate", "stream", "generate_ar"])
+def test_a_mapped_keywords_refusal_names_the_keyword_given(lm, ids, engine):
+    call = getattr(lm, engine)
+    refusals = [(dict(stop_strings=5), r"^stop_strings: expected a string"),
+                (dict(stop_strings=["a"]), r"^stop_strings: stop strings need a model with a tokenizer"),
+                (dict(input_ids=[[1.5]]), r"^input_ids: expected integer token ids, got 1.5"),
+                (dict(input_ids=ids, max_length=10**30), r"^max_length: 6 prompt \+ 9+4 new tokens .*exceed the "
+                                                          r"model's context"),
+                (dict(input_ids=ids, eos_token_id=500), r"^eos_token_id: expected token ids in \[0, 128\)"),
+                (dict(input_ids=ids, pad_token_id=torch.tensor(500)), r"^pad_token_id: expected a token id in \[0, 128\)")]
+    for given, error in refusals:
+        given = {"input_ids": ids, **({} if "max_length" in given else {"max_new_tokens": 4}), **given}
+        with pytest.raises(ValueError, match=error):
+            call(**given)
+    # blockpress's own names stay its own
+    with pytest.raises(ValueError, match=r"^stop: expected a string"):
+        call(ids, 4, stop=5)
+    with pytest.raises(ValueError, match=r"^prompt: expected integer token ids"):
+        call([[1.5]], 4)
+
+
 def test_num_return_sequences_repeats_per_row_templates(lm):
     seeds = [choice_seed(5, i) for _ in range(2) for i in range(2)]
     template = [[7, -1, -1, 9], [11, 12, -1, -1, -1, 13]]  # one per row, of their own lengths
