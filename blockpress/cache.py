@@ -77,6 +77,10 @@ class KVCache:
             if not is_int(value) or value <= 0:  # 2.0 or "2" would fail inside torch.zeros; True would pass for 1
                 raise ValueError(f"KVCache: {name}: expected a positive int, got {value!r}")
         batch_size, capacity = int(batch_size), int(capacity)  # numpy integers: plain ones, as the shapes hold
+        nbytes = cls.allocation_bytes(config, dtype, batch_size, capacity)
+        if nbytes >= 2**63:  # torch's sizes are int64: past that, torch.zeros raised 'Overflow when unpacking long long'
+            raise ValueError(f"KVCache: batch_size {batch_size} x capacity {capacity} would take {nbytes:.3g} bytes, "
+                             "past what any device addresses (2**63)")
         keys, values = [], []
         for spec in config.layers:
             shape = (batch_size, spec.num_kv_heads, capacity, spec.head_dim)
@@ -92,6 +96,12 @@ class KVCache:
         too), so a cache of capacity N takes N times this per row. What `blockpress info` reports and what
         `blockpress bench` checks a run against before it starts."""
         return 2 * dtype.itemsize * sum(spec.num_kv_heads * spec.head_dim for spec in config.layers)
+
+    @classmethod
+    def allocation_bytes(cls, config: TextConfig, dtype: torch.dtype, batch_size: int, capacity: int) -> int:
+        """The bytes `allocate(config, batch_size, capacity, dtype)` takes: keys and values, then the validity mask
+        and the positions."""
+        return batch_size * capacity * (cls.bytes_per_token(config, dtype) + 1) + batch_size * 8
 
     def buffers_key(self) -> tuple:
         """Where every buffer lives, and the host flag that picks the masked path: what a CUDA graph bakes in.

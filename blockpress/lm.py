@@ -24,6 +24,7 @@ from .checkpoint import (
     DTYPE_ALIASES,
     DTYPES,
     Passthrough,
+    available_bytes,
     check_fits,
     folder_quantization,
     hf_cached_snapshot,
@@ -730,6 +731,16 @@ class LM:
                              "bytes); build or load it on cpu or cuda to run it")
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty KVCache for this model: `batch_size` rows of `capacity` token slots each (positive ints), on
+        its device in its dtype. One that would not fit in the memory the device has free now (Linux's
+        MemAvailable, CUDA's free memory) is refused with the figures, before torch tries to allocate it."""
+        if is_int(batch_size) and is_int(capacity) and batch_size > 0 and capacity > 0:
+            nbytes = KVCache.allocation_bytes(self.config.text, self.dtype, int(batch_size), int(capacity))
+            free = available_bytes(self.device)
+            if free is not None and 2**63 > nbytes > free:
+                raise ValueError(f"KVCache: batch_size {batch_size} x capacity {capacity} needs {nbytes / 1e9:,.1f} GB "
+                                 f"on {self.device} but {free / 1e9:.1f} GB are available")
+        # (allocate refuses sizes that are no positive ints, or past what torch addresses, by name)
         return KVCache.allocate(self.config.text, batch_size, capacity, self.dtype, self.device)
 
     @torch.no_grad()

@@ -2049,6 +2049,29 @@ def test_a_cache_size_that_is_not_a_positive_int_is_named(lm, batch_size, capaci
         lm.new_cache(batch_size, capacity)
 
 
+@pytest.mark.parametrize("batch_size, capacity", [(10**30, 1), (2, 10**30), (2**62, 2), (1, 2**63)])
+def test_a_cache_size_past_what_torch_addresses_is_named(lm, batch_size, capacity):
+    """torch.zeros' TypeError 'Overflow when unpacking long long' before; on meta too, which allocates nothing."""
+    pattern = rf"^KVCache: batch_size {batch_size} x capacity {capacity} would take .* bytes, past what any device"
+    with pytest.raises(ValueError, match=pattern):
+        lm.new_cache(batch_size, capacity)
+    with pytest.raises(ValueError, match=pattern):
+        blockpress.KVCache.allocate(lm.config.text, batch_size, capacity, device="meta")
+
+
+def test_a_cache_past_the_free_memory_is_refused_with_the_figures(lm, monkeypatch):
+    """torch's 'DefaultCPUAllocator: can't allocate memory' before (or the OOM killer, where Linux overcommits)."""
+    need = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, 3, 1000)
+    cache = lm.new_cache(3, 1000)
+    assert need >= sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values, cache.valid, cache.next_pos))
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=rf"^KVCache: batch_size 3 x capacity 1000 needs {need / 1e9:,.1f} GB on cpu "
+                                         rf"but {(need - 1) / 1e9:.1f} GB are available"):
+        lm.new_cache(3, 1000)
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: need)
+    assert lm.new_cache(3, 1000).capacity == 1000
+
+
 def test_a_numpy_cache_size_is_an_int(lm):
     cache = lm.new_cache(np.int64(2), np.int32(12))
     assert (cache.batch_size, cache.capacity) == (2, 12) and type(cache.keys[0].shape[0]) is int
