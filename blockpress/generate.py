@@ -7,6 +7,7 @@ canvas, `Done` at the end, or `Cancelled` where the caller's `cancelled` ended i
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import re
 import time
@@ -19,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from .cache import KVCache
-from .checks import check_flag, check_text, is_int, utf8_problem
+from .checks import check_flag, check_keywords, check_text, is_int, utf8_problem
 from .healing import strip_prefix
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
@@ -67,6 +68,7 @@ class StepFunctions:
         """torch.compile'd step functions (`options` go to torch.compile, e.g. mode or backend). The first
         calls compile (minutes on a 2-core CPU, even for a tiny model); a changing cache length recompiles once as dynamic,
         and the sampler's numbers are tensors (StepNumbers), so new values compile nothing (see LM.compile)."""
+        check_compile_options(options)
         return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
                    torch.compile(model.encode, **options))
 
@@ -75,6 +77,30 @@ class StepFunctions:
         """The decoder pass and the AR one-token encoder pass replayed from CUDA graphs (GraphedDenoise,
         GraphedEncodeStep); the sampler stays eager."""
         return cls(GraphedDenoise(model), denoise_step, GraphedEncodeStep(model))
+
+
+# torch.compile's modes as its documentation lists them, for a torch that does not list them itself
+# (torch._inductor.list_mode_options)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_compile_options(options: Mapping[str, Any]) -> None:
+    """Refuse, by name, a keyword torch.compile does not take, and an unknown mode for its default compiler
+    (inductor), as every other bad argument is: torch's were a RuntimeError ('Unrecognized mode=x') and a
+    TypeError, which an app that catches ValueError for bad parameters would miss."""
+    check_keywords("compile", options, [name for name in inspect.signature(torch.compile).parameters if name != "model"])
+    mode = options.get("mode")
+    if mode is None or options.get("backend") not in (None, "inductor"):  # another compiler reads its own modes
+        return
+    try:
+        from torch._inductor import list_mode_options
+
+        modes = tuple(list_mode_options())
+    except (ImportError, AttributeError):
+        modes = COMPILE_MODES
+    if not isinstance(mode, str) or mode not in modes:
+        raise ValueError(f"mode: {mode!r} is not a torch.compile mode; torch {torch.__version__} takes "
+                         f"{', '.join(modes)}")
 
 
 def _capture_graph(fn: Callable[[], torch.Tensor], device: torch.device, pool: Any = None) -> tuple[Any, torch.Tensor]:

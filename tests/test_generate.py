@@ -1,5 +1,6 @@
 """The decoding loop's mechanics on tiny random models."""
 
+import copy
 import re
 from dataclasses import asdict, fields, replace
 from os.path import commonprefix
@@ -2047,6 +2048,23 @@ def test_a_cache_size_that_is_not_a_positive_int_is_named(lm, batch_size, capaci
     value = batch_size if name == "batch_size" else capacity
     with pytest.raises(ValueError, match=re.escape(f"KVCache: {name}: expected a positive int, got {value!r}")):
         lm.new_cache(batch_size, capacity)
+
+
+def test_an_unknown_compile_mode_or_keyword_is_refused_by_name(lm):
+    """torch's RuntimeError 'Unrecognized mode=x' and TypeError before; the steps stay as they were."""
+    from torch._inductor import list_mode_options
+
+    lm = copy.copy(lm)
+    modes = ", ".join(list_mode_options())
+    for mode in ("x", "Default", 5):
+        with pytest.raises(ValueError, match=rf"^mode: {mode!r} is not a torch.compile mode; torch .* takes {modes}$"):
+            lm.compile(mode=mode)
+    with pytest.raises(ValueError, match=r"^modes: compile takes no such keyword \(did you mean mode\?\)"):
+        lm.compile(modes="default")
+    assert lm.step_functions is None
+    for mode in list_mode_options():  # each of torch's own is taken (compiling waits for the first step)
+        assert lm.compile(mode=mode).step_functions is not None
+    lm.compile(backend="eager", mode="x")  # another compiler's modes are its own
 
 
 @pytest.mark.parametrize("batch_size, capacity", [(10**30, 1), (2, 10**30), (2**62, 2), (1, 2**63)])
