@@ -14,7 +14,11 @@ from typing import Any
 def expand_user(path: str | Path, name: str) -> Path:
     """`path` with a leading ~ or ~user expanded, as a shell would. A ~user with no such user (or no home known) is
     a ValueError naming `name` (the argument it came from): pathlib raised a bare RuntimeError, 'Could not determine
-    home directory.', naming neither the path nor the argument."""
+    home directory.', naming neither the path nor the argument. So is a path holding a NUL byte, which no file
+    system takes: every os call on it raised a bare ValueError 'embedded null byte'."""
+    if "\x00" in str(path):
+        raise ValueError(f"{name}: {str(path)!r} holds a NUL byte (\\x00), which no file name may; give the path "
+                         "without it")
     try:
         return Path(path).expanduser()
     except RuntimeError:

@@ -682,6 +682,20 @@ def test_a_home_path_is_expanded_where_a_model_is_written_and_an_adapter_read(tm
     assert sorted(p.name for p in work.iterdir()) == []
 
 
+def test_a_path_with_a_nul_byte_is_refused_by_the_argument(tmp_path, monkeypatch):
+    """Python's bare ValueError 'embedded null byte' named neither the argument nor the path (save), and load
+    looked for it as a shipped name and in the Hugging Face cache first."""
+    monkeypatch.chdir(tmp_path)
+    lm = blockpress.random_model(ModelConfig.tiny())
+    for call, name, path in ((lambda p: lm.save(p), "save", "out/a\x00b"), (blockpress.load, "model", "\x00"),
+                             (lambda p: blockpress.lm.resolve_model("blockpress-code", adapter=p), "adapter", "ad\x00"),
+                             (lambda p: blockpress.load(Path(p)), "model", "m\x00/x")):
+        with pytest.raises(ValueError, match=rf"^{name}: {re.escape(repr(path))} holds a NUL byte \(\\x00\), which no "
+                                             "file name may"):
+            call(path)
+    assert not any(tmp_path.iterdir())
+
+
 def test_saving_onto_a_dangling_link_names_the_link_and_its_target(tmp_path):
     """lm.save onto a symlink whose target is missing failed with a bare `FileExistsError: File exists`."""
     link = tmp_path / "out"

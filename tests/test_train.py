@@ -165,6 +165,14 @@ def test_an_out_dir_under_an_unknown_user_is_refused_by_name(tmp_path, monkeypat
     assert not any(tmp_path.iterdir())
 
 
+def test_an_out_dir_with_a_nul_byte_is_refused_by_name(tmp_path, monkeypatch):
+    """Python's bare ValueError 'embedded null byte' at the first save, after the run's first steps."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^out_dir: 'run\\x00' holds a NUL byte"):
+        Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(), "run\x00", progress=False)
+    assert not any(tmp_path.iterdir())
+
+
 def test_any_allowed_seed_trains(tmp_path):
     """A seed past about 9.2e12 overflowed int64 in the seeds drawn from it (seed * 1_000_003 + step): 'Overflow when
     unpacking long long' at the first batch, naming no setting. Each stream's seed is taken modulo 2**63 now."""
