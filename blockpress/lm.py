@@ -1091,6 +1091,7 @@ class LM:
         if n is not None and not (is_int(n) and n >= 1):
             raise ValueError(f"num_return_sequences: expected a positive integer, got {n!r}")
         if n is not None and n > 1:
+            self._check_copies(call, args["prompt"], int(n))
             if args.get("seeds") is not None:
                 raise ValueError("num_return_sequences: not with seeds (it gives each repeated row a seed of its "
                                  "own); pass one seed per row in seeds and repeat the prompt yourself")
@@ -1127,6 +1128,27 @@ class LM:
         if hf.get("max_length") is not None and args.get("max_new_tokens") is None:
             lm._max_length_from = "call"
         return lm, args, given_as
+
+    def _check_copies(self, call: str, prompt: Any, n: int) -> None:
+        """num_return_sequences' batch, the prompt's rows x `n`, before the rows are repeated: at most 2**31 - 1
+        rows (past that the batch is absurd on any device, and a Python or torch size past int64 overflowed), and
+        where the device's free memory is known (Linux's MemAvailable, CUDA's free memory), rows whose KV cache
+        fits in it at the least a generation holds: one canvas a row (generate_ar: one token). A floor, not a
+        forecast: the prompt's tokens and the step's work come on top (a huge n built a gigantic batch on the
+        host, then failed in torch's allocator, or raised OverflowError)."""
+        rows = len(_repeat_rows(prompt, 1, "prompt"))
+        total = rows * n
+        what = f"{rows} prompt {'row' if rows == 1 else 'rows'} x {n} copies"
+        if total >= 2**31:
+            raise ValueError(f"num_return_sequences: {what} make {total} rows, past the 2**31 - 1 any batch may hold")
+        positions = 1 if call == "generate_ar" else self.config.canvas_length
+        nbytes = KVCache.allocation_bytes(self.config.text, self.dtype, total, positions)
+        free = available_bytes(self.device)
+        if free is not None and nbytes > free:
+            raise ValueError(f"num_return_sequences: {what} make {total} rows, whose KV cache needs at least "
+                             f"{nbytes / 1e9:,.1f} GB on {self.device} ({positions} "
+                             f"{'token' if positions == 1 else 'tokens'} a row), but {free / 1e9:.1f} GB are "
+                             "available")
 
     def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None,
                        defaulted: bool = False) -> None:
@@ -1329,6 +1351,8 @@ class LM:
         transformers' keywords (input_ids, max_length, generation_config, eos_token_id, pad_token_id,
         num_return_sequences, stop_strings) have the reference generate's meaning, here, in `stream` and in
         `generate_ar` (`_from_transformers`); do_sample and repetition_penalty are refused, naming the nearest setting.
+        num_return_sequences' batch (the prompt's rows x n) is refused past 2**31 - 1 rows, or where the device's
+        free memory is known, when even one canvas a row (generate_ar: one token) of KV cache would not fit in it.
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode

@@ -231,6 +231,29 @@ def test_a_mapped_keywords_refusal_names_the_keyword_given(lm, ids, engine):
         call([[1.5]], 4)
 
 
+@pytest.mark.parametrize("engine", ["generate", "stream", "generate_ar"])
+def test_num_return_sequences_past_any_batch_is_refused_before_the_rows_are_built(lm, ids, engine, monkeypatch):
+    """OverflowError 'cannot fit 'int' into an index-sized integer' (2**63), or a batch of 10**9 rows built on the
+    host, then torch's allocator's 'can't allocate memory' or Python's MemoryError."""
+    call = getattr(lm, engine)
+    for prompt, rows in ((ids, 2), ([3, 4, 5], 1), (["a", "b"], 2)):
+        with pytest.raises(ValueError, match=rf"^num_return_sequences: {rows} prompt rows? x {2**63} copies make "
+                                             rf"{rows * 2**63} rows, past the 2\*\*31 - 1 any batch may hold"):
+            call(prompt, 2, num_return_sequences=2**63)
+    per_row = 1 if engine == "generate_ar" else lm.config.canvas_length
+    need = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, 2 * 10**6, per_row)
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: need - 1)
+    with pytest.raises(ValueError, match=rf"^num_return_sequences: 2 prompt rows x 1000000 copies make 2000000 rows, "
+                                         rf"whose KV cache needs at least {need / 1e9:,.1f} GB on cpu \({per_row} "
+                                         rf"tokens? a row\), but"):
+        call(ids, 2, num_return_sequences=10**6)
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: None)  # unknown (meta): 2**31 - 1 alone
+    with pytest.raises(ValueError, match=r"^num_return_sequences: 2 prompt rows x 1073741824 copies make 2147483648"):
+        call(ids, 2, num_return_sequences=2**30)
+    out = call(ids, 2, num_return_sequences=2, seed=0, **(STEPS if engine != "generate_ar" else {}))
+    assert (done(out) if engine == "stream" else out).sequences.shape[0] == 4
+
+
 def test_num_return_sequences_repeats_per_row_templates(lm):
     seeds = [choice_seed(5, i) for _ in range(2) for i in range(2)]
     template = [[7, -1, -1, 9], [11, 12, -1, -1, -1, 13]]  # one per row, of their own lengths
