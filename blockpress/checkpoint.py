@@ -351,9 +351,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def available_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation can take on `device` now (Linux MemAvailable; CUDA's free memory), or None."""
+    """Memory a new allocation can take on `device` now (Linux MemAvailable; on CUDA the driver's free memory and
+    what torch's caching allocator holds reserved but unused), or None."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        # The driver's free memory leaves out the blocks torch keeps reserved after earlier work (a server's last
+        # batch): a new cache reuses those, so counting only the driver's figure refused caches that fit.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(0, cached)
     if device.type != "cpu":
         return None
     try:

@@ -1812,3 +1812,17 @@ def test_a_config_whose_per_layer_config_was_set_back_to_none_writes_the_keys_to
     full = again.text.per_layer_config["1"]
     assert full["head_dim"] == 24 and full.get("num_key_value_heads") == 1
     assert again.text.resolved_layer_types == ["sliding_attention", "full_attention"]
+
+
+def test_cuda_memory_available_counts_what_torchs_allocator_holds_unused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After earlier work torch keeps freed blocks reserved, outside the driver's free figure; a new cache reuses
+    them, so counting the driver's figure alone refused caches (and num_return_sequences batches) that fit."""
+    from blockpress.checkpoint import available_bytes
+
+    gb = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gb, 80 * gb))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 50 * gb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * gb)
+    assert available_bytes(torch.device("cuda", 0)) == 32 * gb
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 50 * gb)  # nothing held unused
+    assert available_bytes(torch.device("cuda", 0)) == 2 * gb
