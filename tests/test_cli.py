@@ -4000,6 +4000,31 @@ def test_generate_output_that_is_the_input_or_no_file_is_refused_before_the_mode
         assert message in capsys.readouterr().err
 
 
+def test_input_refuses_json_before_the_model_loads_and_no_live_hides_the_progress_bar(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """--json and --no-live were taken with --input and changed nothing. --json is refused (the output lines are
+    JSON already), naming the keys a line has, before the model loads; --no-live hides the progress bar a terminal's
+    stderr shows, the stats line kept."""
+    src = write_input(tmp_path / "in.jsonl", INPUT_LINES[:2])
+    holes = write_input(tmp_path / "holes.jsonl", INFILL_LINES[:1])
+    with monkeypatch.context() as m:
+        for module in ("generate", "infill"):
+            m.setattr(f"blockpress.cli.{module}.load_announced", lambda args: pytest.fail("the model loaded"))
+        for command, path in [("generate", src), ("infill", holes)]:
+            assert main([command, "--input", str(path), "--json", "--model", MODEL]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"blockpress {command}: error: --json: not with --input") and "\n" not in err
+            assert "line, text, " in err and "seed" in err
+    base = ["generate", "--input", str(src), "--model", MODEL, "--max-new-tokens", "2", "--steps", "1",
+            "--threads", "1"]
+    for flags, bar in [([], True), (["--no-live"], False)]:
+        monkeypatch.setattr(sys, "stderr", TerminalIO())
+        assert main([*base, *flags]) == 0
+        err = sys.stderr.getvalue()
+        assert ("row/s" in err) is bar and "[2 rows · " in err  # tqdm's rate, and the stats line either way
+        assert [json.loads(x)["line"] for x in capsys.readouterr().out.splitlines()] == [1, 3]
+
+
 def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_keys(tmp_path):
     """--resume reads an output line as done only where its prompt and copied keys are the input line's: another
     file's output, with lines at the same numbers, had its texts kept under this file's lines."""

@@ -298,6 +298,9 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer (rows per call), got {args.batch_size}")
+    if args.json:  # accepted, it changed nothing: a flag either means something or is refused
+        raise ValueError(f"--json: not with --input, whose output is JSON lines already, one object a row "
+                         f"({', '.join(kind.output_keys)} where they apply, and the copied keys); drop --json")
     if args.output is None and (args.overwrite or args.resume):
         raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
                          "output is written as it goes)")
@@ -333,36 +336,39 @@ def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], kin
         out = sys.stdout
     try:
         return run_file_rows(todo, InOrderWriter(out, [r.line for r in todo]),
-                             batches(todo, args.batch_size, length, group), run_batch, command, output)
+                             batches(todo, args.batch_size, length, group), run_batch, command, output,
+                             bar=not getattr(args, "no_live", False))  # (infill has no --no-live)
     finally:
         if out is not sys.stdout:
             out.close()
 
 
 def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
-                  run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, output: Path | None) -> int:
+                  run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, output: Path | None,
+                  bar: bool = True) -> int:
     """An --input run's loop: one `run_batch` a batch, its rows written as they can be; a progress bar on a
-    terminal's stderr, and the stats line at the end (or after a Ctrl-C, what was written)."""
+    terminal's stderr unless `bar` is False (--no-live), and the stats line at the end (or after a Ctrl-C, what was
+    written)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(todo), unit="row", desc=command, dynamic_ncols=True, leave=False,
-               disable=None if sys.stderr is not None else True, file=sys.stderr)
+    progress = tqdm(total=len(todo), unit="row", desc=command, dynamic_ncols=True, leave=False,
+                    disable=None if bar and sys.stderr is not None else True, file=sys.stderr)
     t0, new_tokens = time.perf_counter(), 0
     try:
         for batch in groups:
             for row, line in zip(batch, run_batch(batch), strict=True):
                 new_tokens += line["new_tokens"]
                 writer.add(row.line, line)
-            bar.update(len(batch))
+            progress.update(len(batch))
             seconds = time.perf_counter() - t0
-            bar.set_postfix_str(f"{new_tokens / seconds:.1f} tok/s" if seconds > 0 else "")
+            progress.set_postfix_str(f"{new_tokens / seconds:.1f} tok/s" if seconds > 0 else "")
     except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP: the lines written stay, and --resume goes on
-        bar.close()
+        progress.close()
         where = f" to {output}; --resume continues" if output is not None else ""
         print(f"{fresh_line(exc)}{stop_word(exc)} ({writer.written} of {len(todo)} lines written{where})",
               file=sys.stderr)
         return stop_status(exc)
-    bar.close()
+    progress.close()
     seconds = time.perf_counter() - t0
     tok_s = round(new_tokens / seconds, 2) if seconds > 0 else None
     print(f"[{len(todo)} rows · {new_tokens} new tokens · {seconds:.1f} s · {tok_s} tok/s]", file=sys.stderr)

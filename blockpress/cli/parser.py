@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --chat: a system message before PROMPT (as the template renders one)")
     add_template_kwargs_arg(p, " (with --chat)")
     p.add_argument("--no-live", action="store_true",
-                   help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then")
+                   help="print only the final text (no live canvas); after a Ctrl-C, the text committed until then. "
+                        "With --input: no progress bar (the stats line stays)")
     add_token_healing_arg(p, "the prompt's last token", "e.g. a trailing newline before indentation; never with "
                                                           "--chat, whose prompt ends with the template's turn header. "
                           "A model whose generation settings say token_healing false (blockpress train writes that "
@@ -156,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds, seed (the one the text was drawn with, fresh each run without --seed: --seed "
                         "with it repeats the text), interrupted (true after a Ctrl-C: text is what was committed "
                         "until then, the figures too, seed null unless --seed was given; with --ar, which prints its "
-                        "text once done, only text null, prompt and seed; exit status 130)")
+                        "text once done, only text null, prompt and seed; exit status 130). Not with --input, whose "
+                        "output lines are JSON already")
     add_input_args(p, "many prompts from a file (instead of PROMPT)",
                    '{"prompt": "text"} or {"messages": [...]} (a conversation, through the chat template as --chat '
                    'renders one; --system comes first), with its own new-token limit and seed where it gives them')
@@ -188,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tokens written), seconds, seed (the one the holes were drawn with, fresh each run "
                         "without --seed: --seed with it repeats the fills), interrupted (false; after a Ctrl-C, exit 130, the object "
                         "holds only text and fills null, template and interrupted true: an infill is printed "
-                        "whole)")
+                        "whole). Not with --input, whose output lines are JSON already")
     add_input_args(p, "many templates from a file (instead of TEMPLATE)",
                    '{"template": "text with <|hole|> markers"}, with its own "prefix" (--prefix\'s context) and '
                    'seed where it gives them')
