@@ -42,8 +42,9 @@ class LineKind:
     """What a command's lines hold: `input_keys` (read; any other key is carried to its output line unchanged, an
     "id", a label), `output_keys` (written: a line may not carry one, which its output would overwrite), `shape`
     (an example line, for the errors), `what` (the lines' plural, for the errors), `read` (fills a Row's own
-    fields from a line's object, its errors naming the field) and `given` (a Row's own fields as its output line
-    repeats them: --resume checks them against the input's)."""
+    fields from a line's object, its errors naming the field), `given` (a Row's own fields as its output line
+    repeats them: --resume checks them against the input's) and `added` (keys of `given` that outputs written
+    before they were repeated lack: --resume takes such a line on its line number and copied keys, as it did)."""
 
     input_keys: tuple[str, ...]
     output_keys: tuple[str, ...]
@@ -51,6 +52,7 @@ class LineKind:
     what: str
     read: Callable[[dict[str, Any], Row, str], None]
     given: Callable[[Row], dict[str, Any]]
+    added: tuple[str, ...] = ()
 
 
 def _read_prompt(obj: dict[str, Any], row: Row, where: str) -> None:
@@ -90,9 +92,12 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
 
 GENERATE = LineKind(
     input_keys=("prompt", "messages", "max_new_tokens", "seed"),
-    output_keys=("line", "text", "reasoning", "prompt", "new_tokens", "forward_passes", "tokens_per_forward", "seed"),
+    output_keys=("line", "text", "reasoning", "prompt", "messages", "new_tokens", "forward_passes",
+                 "tokens_per_forward", "seed"),
     shape='{"prompt": "..."} or {"messages": [...]}', what="prompts", read=_read_prompt,
-    given=lambda row: {"prompt": row.prompt})
+    # a messages line's output repeats its messages as a prompt line's repeats its prompt (it repeated nothing, so
+    # --resume could not tell another conversation's output line from this one's)
+    given=lambda row: {"prompt": row.prompt, "messages": row.messages}, added=("messages",))
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
@@ -198,7 +203,7 @@ def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[in
         # the prompt (template) and the copied keys, as the input line gives them: the same line number in another
         # file's output was taken as done, and its text kept under this file's line
         row = known[obj["line"]]
-        given = {**kind.given(row), **row.carried}
+        given = {k: v for k, v in {**kind.given(row), **row.carried}.items() if k in obj or k not in kind.added}
         other = [k for k in (*given, *sorted(set(obj) - set(kind.output_keys))) if obj.get(k) != given.get(k)]
         if other:
             raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (is this "

@@ -3925,6 +3925,7 @@ def test_generate_input_rows_are_their_runs_alone_in_input_order(tmp_path, capsy
         want = json.loads(capsys.readouterr().out)
         assert g["text"] == want["text"] and g["new_tokens"] == want["new_tokens"]
         assert g["forward_passes"] == want["forward_passes"] and g.get("prompt") == line.get("prompt")
+        assert g.get("messages") == line.get("messages")  # what --resume checks a messages line by
         if "seed" in line:
             assert g["seed"] == line["seed"]
 
@@ -4046,6 +4047,36 @@ def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_key
         out.write_text(written(rows[0]) + written(rows[1], **change))
         with pytest.raises(ValueError, match=f"out.jsonl:2: line 3: its {key} is not the input line's"):
             done_lines(out, rows)
+
+
+def test_resume_refuses_the_output_of_another_conversation_by_its_messages(tmp_path):
+    """A messages line's output repeats its messages, as a prompt line's repeats its prompt, and --resume checks
+    them: the output line wrote no prompt, so another file's conversation at the same line number was taken as done.
+    An output written before the key was (no "messages") is taken on its line number and copied keys, as it was."""
+    from blockpress.batchfile import done_lines, read_rows
+
+    rows = read_rows("in.jsonl", write_input(tmp_path / "in.jsonl").read_bytes())
+    chat = rows[3]  # {"messages": [...], "id": "d"}, line 5
+    assert chat.messages is not None and chat.line == 5
+    out = tmp_path / "out.jsonl"
+
+    def written(**change):
+        obj = {"line": chat.line, **chat.carried, "text": "t", "messages": chat.messages, "new_tokens": 1, **change}
+        return json.dumps({k: v for k, v in obj.items() if v is not None}) + "\n"
+
+    for held in [written(), written(messages=None)]:
+        out.write_text(held)
+        assert done_lines(out, rows) == {5}
+    other = [{"role": "user", "content": "Write a sonnet."}]
+    for change, key in [({"messages": other}, "messages"), ({"messages": chat.messages + other}, "messages"),
+                        ({"messages": None, "prompt": "Write a haiku."}, "prompt")]:
+        out.write_text(written(**change))
+        with pytest.raises(ValueError, match=f"out.jsonl:1: line 5: its {key} is not the input line's"):
+            done_lines(out, rows)
+    # a prompt line's output naming messages is another file's too
+    out.write_text(json.dumps({"line": 1, "id": "a", "text": "t", "prompt": rows[0].prompt, "messages": other}) + "\n")
+    with pytest.raises(ValueError, match="line 1: its messages is not the input line's"):
+        done_lines(out, rows)
 
 
 def test_resume_after_a_whole_last_line_without_its_newline_appends_on_a_line_of_its_own(tmp_path):

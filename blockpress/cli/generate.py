@@ -282,7 +282,8 @@ def generate_file(args: argparse.Namespace) -> int:
                 answer, thought = reply.answer, reply.thought
             lines.append(dict(
                 line=row.line, **row.carried, text=answer, **({"reasoning": thought} if thought else {}),
-                **({"prompt": row.prompt} if row.prompt is not None else {}), new_tokens=int(out.num_new_tokens[i]),
+                **({"prompt": row.prompt} if row.prompt is not None else {"messages": row.messages}),
+                new_tokens=int(out.num_new_tokens[i]),
                 forward_passes=int(out.forward_passes[i]),
                 tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
         return lines
