@@ -4093,6 +4093,66 @@ def test_resume_after_a_whole_last_line_without_its_newline_appends_on_a_line_of
         assert out.read_text() == first + "\n"
 
 
+# The command with its AT-th call of LM.generate held in generation until a stop comes: that call's rows are
+# generated again and again (the signal lands inside the model's run, as a user's Ctrl-C does), for at most 60 s.
+HELD = """
+import signal, sys, time
+import blockpress
+from blockpress.cli import main
+
+# Python leaves SIGINT ignored where its parent did (a job started with & by a shell without job control)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+at, args = int(sys.argv[1]), sys.argv[2:]
+original, calls = blockpress.LM.generate, []
+
+def held(*a, **kw):
+    calls.append(1)
+    if len(calls) < at:
+        return original(*a, **kw)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        original(*a, **kw)
+    sys.exit("no stop came")
+
+blockpress.LM.generate = held
+sys.exit(main(args))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGINT to send a process on Windows")
+def test_generate_input_stopped_by_ctrl_c_keeps_whole_lines_and_resume_finishes_the_run(tmp_path):
+    """A SIGINT to `generate --input F --output O` once O has a line (the next batch generating): exit 130, a line
+    on stderr naming the lines written and saying --resume continues, every line of O whole JSON; --resume then
+    ends O as the run that was never stopped writes it (same seeds)."""
+    import signal
+    import time
+
+    # prompts of ascending length, so batches of one run (and are written) in input order
+    src = write_input(tmp_path / "in.jsonl", [{"prompt": " ".join("abcdef"[:n]), "id": n} for n in range(1, 7)])
+    out, whole = tmp_path / "out.jsonl", tmp_path / "whole.jsonl"
+    flags = ["generate", "--input", str(src), "--model", MODEL, "--batch-size", "1", "--max-new-tokens", "4",
+             "--steps", "2", "--temperature", "1.5", "--seed", "11", "--threads", "1"]
+    proc = subprocess.Popen([sys.executable, "-c", HELD, "2", *flags, "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out.exists() and out.read_text().endswith("\n")):  # the first batch's line, written whole
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    kept = out.read_text().splitlines(keepends=True)
+    assert all(x.endswith("\n") and json.loads(x)["line"] for x in kept) and len(kept) == 1
+    assert f"interrupted (1 of 6 lines written to {out}; --resume continues)" in err and "Traceback" not in err
+    assert main([*flags, "--output", str(out), "--resume"]) == 0
+    assert main([*flags, "--output", str(whole)]) == 0
+    assert out.read_text() == whole.read_text() and [g["id"] for g in output_lines(out)] == list(range(1, 7))
+
+
 def test_input_lines_read_the_same_from_a_file_with_a_byte_order_mark_and_crlf_endings(tmp_path):
     """A file saved as "UTF-8 with BOM" with Windows line endings reads as the plain one: its first line was refused
     as "not JSON (Unexpected UTF-8 BOM ...)", where training's JSONL reading takes such a file."""
