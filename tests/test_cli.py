@@ -1379,6 +1379,9 @@ def test_python_m_blockpress_runs_the_command():
     (["bench", "--preset", "bogus"], "bench: error: --preset: unknown preset 'bogus'; expected one of"),
     (["info", "--model", "random-bogus"], "info: error: --model random-bogus: unknown preset 'bogus'; expected one of"),
     (["generate", "x", "--model", "random-huge"], "generate: error: --model random-huge: unknown preset 'huge'"),
+    # past int64: torch's "Overflow when unpacking long long" named no flag
+    (["generate", "x", "--model", "random-tiny", "--max-new-tokens", "9" * 23],
+     f"generate: error: --max-new-tokens: 2 prompt + {'9' * 23} new tokens"),
     (["infill", "x = 1", "--model", "random-tiny"],
      "infill: error: template: has no holes to fill; mark them with <|hole|> (--hole-length tokens) or <|hole:N|>"),
     # the library's prompt is infill's --prefix (the error said "prompt:", a flag infill does not have)
