@@ -137,13 +137,23 @@ def test_a_model_that_is_not_a_sudoku_model_is_refused(capsys):
         sudoku_model.solve_ar(blockpress.random_model(blockpress.ModelConfig.tiny()), [puzzle])
 
 
-def test_an_unreadable_puzzle_file_is_a_clear_error(tmp_path, capsys):
+def test_an_unreadable_puzzle_file_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    """Each in one line naming --file and why in words (it gave Python's "[Errno 21] Is a directory: '...'"); a
+    file (or stdin) that holds no puzzle is named, where the error said to give a puzzle "or --file"."""
     binary = tmp_path / "puzzles.bin"
     binary.write_bytes(b"\xff\xfe" * 50)
-    for path in (tmp_path, binary, tmp_path / "missing.txt"):
+    for path, why in [(tmp_path, "is a folder"), (binary, "not UTF-8: byte 0xff at byte 1"),
+                      (tmp_path / "missing.txt", "No such file or directory")]:
         assert main(["sudoku", "--file", str(path)]) == 2
         err = capsys.readouterr().err
-        assert f"--file {path}: cannot read puzzles from it" in err and "Traceback" not in err
+        assert err == f"blockpress sudoku: error: --file {path}: cannot read puzzles from it ({why})\n"
+    empty = tmp_path / "empty.txt"
+    for text in ["", "# a comment alone\n\n"]:
+        empty.write_text(text)
+        assert main(["sudoku", "--file", str(empty)]) == 2
+        assert f"error: --file {empty}: holds no puzzle (expected 81 characters" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    assert main(["sudoku", "-"]) == 2 and "error: stdin: holds no puzzle" in capsys.readouterr().err
 
 
 def test_shipped_model_solves_easy_puzzles():

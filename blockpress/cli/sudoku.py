@@ -31,8 +31,10 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         raise ValueError("standard input can be read once: give - once (a puzzle argument or --file -)")
     puzzles: list[str] = []
     expected: list[str | None] = []  # each puzzle's solution, where a CSV gave one: the answers are scored against it
+    read_from: list[str] = []  # the files (stdin) read: one that held no puzzle is named, not told to give --file
 
     def read(text: str, name: str) -> None:
+        read_from.append(name)
         # stdin keeps bytes that are not UTF-8 as surrogates (as generate's does): named here as such, by line, where
         # the puzzle reader saw "illegal character '\udcff'", a character the input never held
         for n, line in enumerate(text.splitlines(), start=1):
@@ -57,8 +59,14 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             # utf-8-sig: the file's own encoding whatever the locale says, a BOM (Notepad's) left out
             lines = Path(args.file).read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
-            raise ValueError(f"--file {args.file}: cannot read puzzles from it ({exc})") from None
+            # (Python's own text, "[Errno 21] Is a directory: 'd'", repeated the path and named no flag's terms)
+            why = ("is a folder" if Path(args.file).is_dir() else exc.strerror or str(exc) if isinstance(exc, OSError)
+                   else f"not UTF-8: byte 0x{exc.object[exc.start]:02x} at byte {exc.start + 1}")
+            raise ValueError(f"--file {args.file}: cannot read puzzles from it ({why})") from None
         read("\n".join(lines), f"--file {args.file}")
+    if not puzzles and read_from:  # it said "give at least one puzzle ..., or --file" to a --file of none
+        raise ValueError(f"{read_from[-1]}: holds no puzzle (expected 81 characters a line, 0 . - _ or * for empty, "
+                         "9-line grids, or a quizzes,solutions CSV)")
     if not puzzles:
         raise ValueError("give at least one puzzle (81 characters, 0 . - _ or * for empty), or --file")
     if args.batch_size < 1:  # before the model loads
