@@ -4029,6 +4029,19 @@ def test_input_refuses_json_before_the_model_loads_and_no_live_hides_the_progres
         assert [json.loads(x)["line"] for x in capsys.readouterr().out.splitlines()] == [1, 3]
 
 
+def test_input_output_dash_is_standard_output(tmp_path, capsys, monkeypatch):
+    """--output - writes standard output, as --input - reads standard input (it wrote a file named "-"); --resume and
+    --overwrite, which need a file, are refused with it."""
+    monkeypatch.chdir(tmp_path)
+    write_input(tmp_path / "in.jsonl", INPUT_LINES[:1])
+    base = ["generate", "--input", "in.jsonl", "--output", "-", "--model", MODEL, "--max-new-tokens", "2",
+            "--steps", "1", "--threads", "1"]
+    assert main(base) == 0 and json.loads(capsys.readouterr().out)["line"] == 1
+    assert not (tmp_path / "-").exists()
+    for flag in ("--resume", "--overwrite"):
+        assert main([*base, flag]) == 2 and f"{flag}: goes with --output FILE" in capsys.readouterr().err
+
+
 def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_keys(tmp_path):
     """--resume reads an output line as done only where its prompt and copied keys are the input line's: another
     file's output, with lines at the same numbers, had its texts kept under this file's lines."""

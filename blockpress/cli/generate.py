@@ -302,12 +302,13 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
     if args.json:  # accepted, it changed nothing: a flag either means something or is refused
         raise ValueError(f"--json: not with --input, whose output is JSON lines already, one object a row "
                          f"({', '.join(kind.output_keys)} where they apply, and the copied keys); drop --json")
-    if args.output is None and (args.overwrite or args.resume):
+    # "-" is standard output, as --input's "-" is standard input (it wrote a file named "-")
+    output = Path(args.output) if args.output not in (None, "-") else None
+    if output is None and (args.overwrite or args.resume):
         raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
                          "output is written as it goes)")
     if args.overwrite and args.resume:
         raise ValueError("--resume: not with --overwrite (which starts the output again); give one")
-    output = Path(args.output) if args.output is not None else None
     if output is not None:
         check_output(output, args.input, kind)
     if output is not None and output.exists() and not (args.overwrite or args.resume):

@@ -77,7 +77,7 @@ def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
                    help=f"a JSONL file (- for standard input), a line each: {line} (docs/cli.md); other keys (\"id\") "
                         "are copied to the output line; read and checked whole before anything runs")
     g.add_argument("--output", default=None, metavar="FILE",
-                   help="write the results here (default: standard output): a JSON object a line, in input order, "
+                   help="write the results here (default, or -: standard output): a JSON object a line, in input order, "
                         "--json's fields (but tok_s, seconds and interrupted) with `line` (the input line) and the copied keys, "
                         "each written as soon as the lines before it are")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
