@@ -147,6 +147,18 @@ def test_train_config_file_values_are_checked_before_the_model_loads(tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_a_train_config_that_cannot_be_read_is_named_in_words(tmp_path, capsys):
+    """A missing --train-config, or a folder, is said in words (it was Python's "[Errno 2] No such file or
+    directory: '...'", the path again), before the model loads."""
+    data = write_data(tmp_path / "d.jsonl")
+    for path, why in [(tmp_path / "nope.json", "No such file or directory"), (tmp_path, "is a folder")]:
+        assert main(train_args(data, tmp_path / "out") + ["--train-config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"blockpress train: error: --train-config {path}: {why} (expected a JSON object of training "
+                       "settings)\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_diverging_run_exits_2_and_saves_no_checkpoint(tmp_path, capsys):
     """--lr 1e10 printed 'loss nan', saved NaN weights as the run's checkpoint and exited 0."""
     data = write_data(tmp_path / "d.jsonl")

@@ -68,8 +68,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         try:
             given = read_json_object(args.train_config, where="--train-config ")
-        except OSError as exc:
-            raise ValueError(f"--train-config {args.train_config}: {exc}") from None
+        except OSError as exc:  # Python's own text repeated the path: "[Errno 2] No such file or directory: 'x'"
+            why = "is a folder" if Path(args.train_config).is_dir() else exc.strerror or str(exc)
+            raise ValueError(f"--train-config {args.train_config}: {why} (expected a JSON object of training "
+                             "settings)") from None
         # each value its field's type, before the model loads: the file is named, where from_dict below cannot
         TrainConfig.check_fields(given, where=f"--train-config {args.train_config}: ")
         raw.update(given)
