@@ -373,5 +373,6 @@ def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
     progress.close()
     seconds = time.perf_counter() - t0
     tok_s = round(new_tokens / seconds, 2) if seconds > 0 else None
-    print(f"[{len(todo)} rows · {new_tokens} new tokens · {seconds:.1f} s · {tok_s} tok/s]", file=sys.stderr)
+    rows = f"{len(todo)} row{'' if len(todo) == 1 else 's'}"  # (it said "[1 rows · ...")
+    print(f"[{rows} · {new_tokens} new tokens · {seconds:.1f} s · {tok_s} tok/s]", file=sys.stderr)
     return 0
