@@ -86,7 +86,9 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
         least = 1 if key == "max_new_tokens" else 0
         value = obj.get(key)
         if value is not None and (not is_int(value) or not least <= value < 2**63):
-            raise ValueError(f"{where}: {key}: expected an integer of at least {least}, got {json.dumps(value)}")
+            # (a value past int64 was told it should be "at least 1", which it was)
+            what = "below 2**63" if is_int(value) and value >= least else f"of at least {least}"
+            raise ValueError(f"{where}: {key}: expected an integer {what}, got {json.dumps(value)}")
         setattr(row, key, value)
 
 

@@ -3939,7 +3939,8 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     cases = [('{"prompt": 3}', "prompt: expected a str"), ('[1]', "expected an object"),
              ('{"text": "x"}', 'one of "prompt"'), ('{"prompt": "a", "messages": []}', "got both"),
              ('{"prompt": "a", "seed": -1}', "seed: expected an integer"),
-             ('{"prompt": "a", "max_new_tokens": 1.5}', "max_new_tokens: expected an integer"),
+             ('{"prompt": "a", "max_new_tokens": 1.5}', "max_new_tokens: expected an integer of at least 1"),
+             ('{"prompt": "a", "seed": 9223372036854775808}', "seed: expected an integer below 2**63, got 9223"),
              ('{"prompt": "a", "text": "b"}', "text: a key the output line writes"), ('{"prompt": ', "not JSON")]
     for line, message in cases:
         with pytest.raises(ValueError) as err:
