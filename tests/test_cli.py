@@ -4252,3 +4252,15 @@ def test_infill_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_pat
     src.write_text(json.dumps({"template": "<|hole|>", "prefix": "x " * 5000}) + "\n")
     assert main(["infill", "--input", str(src), "--output", str(out), "--model", MODEL]) == 2
     assert f"{src}:1: prefix: " in capsys.readouterr().err and not calls and not out.exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails")
+@pytest.mark.parametrize("command, lines", [("generate", INPUT_LINES[:2]), ("infill", INFILL_LINES[:2])])
+def test_an_output_file_that_cannot_be_written_is_named_once(tmp_path, capsys, command, lines):
+    """A full disk under --output ended in "error: [Errno 28] No space left on device", naming no flag; it names
+    --output and says --resume continues (exit 2, as bench's --out that cannot be written)."""
+    src = write_input(tmp_path / "in.jsonl", lines)
+    assert main([command, "--input", str(src), "--output", "/dev/full", "--overwrite", "--model", MODEL, "--steps",
+                 "1", "--threads", "1", *(["--max-new-tokens", "2"] if command == "generate" else [])]) == 2
+    assert capsys.readouterr().err == (f"blockpress {command}: error: --output /dev/full: cannot write it (No space "
+                                       "left on device); the whole lines it holds stay, and --resume continues\n")

@@ -342,7 +342,10 @@ def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], kin
                              bar=not getattr(args, "no_live", False))  # (infill has no --no-live)
     finally:
         if out is not sys.stdout:
-            out.close()
+            try:
+                out.close()
+            except OSError:  # the rest of a line whose write failed, said already (run_file_rows): all others
+                pass  # were flushed as they were written
 
 
 def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
@@ -360,7 +363,16 @@ def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
         for batch in groups:
             for row, line in zip(batch, run_batch(batch), strict=True):
                 new_tokens += line["new_tokens"]
-                writer.add(row.line, line)
+                try:
+                    writer.add(row.line, line)
+                except OSError as exc:
+                    if output is None:  # standard output's failures are run_command's (a reader gone: 141)
+                        raise
+                    # a full disk said "error: [Errno 28] No space left on device", naming no flag (exit 2, as
+                    # bench's --out and quantize's OUT that cannot be written)
+                    progress.close()
+                    raise OSError(f"--output {output}: cannot write it ({exc.strerror or exc}); the whole lines it "
+                                  "holds stay, and --resume continues") from None
             progress.update(len(batch))
             seconds = time.perf_counter() - t0
             progress.set_postfix_str(f"{new_tokens / seconds:.1f} tok/s" if seconds > 0 else "")
