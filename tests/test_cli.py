@@ -4264,3 +4264,13 @@ def test_an_output_file_that_cannot_be_written_is_named_once(tmp_path, capsys, c
                  "1", "--threads", "1", *(["--max-new-tokens", "2"] if command == "generate" else [])]) == 2
     assert capsys.readouterr().err == (f"blockpress {command}: error: --output /dev/full: cannot write it (No space "
                                        "left on device); the whole lines it holds stay, and --resume continues\n")
+
+
+def test_a_system_message_that_is_not_utf8_is_named_as_system(tmp_path, capsys, monkeypatch):
+    """--system's bytes that are not UTF-8 (a command line's arrive as surrogates) were named "messages[0].content",
+    and with --input a message of none of the file's lines; they are --system's."""
+    src = write_input(tmp_path / "in.jsonl", [line for line in INPUT_LINES if "messages" in line])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    for args in (["generate", "x", "--chat"], ["generate", "--input", str(src)], ["chat"]):
+        assert main([*args, "--system", "\udcff", "--model", MODEL, "--threads", "1"]) == 2
+        assert capsys.readouterr().err.endswith("error: --system: not valid UTF-8 (byte 0xff at character 0)\n")

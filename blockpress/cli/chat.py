@@ -12,7 +12,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from blockpress.checks import utf8_problem
+from blockpress.checks import check_text, utf8_problem
 from blockpress.cli.common import (
     as_flags,
     decoded,
@@ -50,8 +50,10 @@ def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> list[int
 
 
 def system_turn(args: argparse.Namespace) -> list[dict[str, str]]:
-    """--system as the message a conversation starts with (generate --chat, chat); [] without it."""
-    return [{"role": "system", "content": args.system}] if args.system is not None else []
+    """--system as the message a conversation starts with (generate --chat, chat); [] without it. Checked here,
+    so its bytes that are not UTF-8 are named as --system's (they were "messages[0].content", a message of the
+    conversation, or with generate --input none of the file's)."""
+    return [{"role": "system", "content": check_text(args.system, "--system")}] if args.system is not None else []
 
 
 def reply_needs(min_new_tokens: int, canvas: int) -> str:
