@@ -3978,6 +3978,11 @@ def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path
     with rows_asked(monkeypatch, "generate") as calls:
         assert main([*base, "--resume"]) == 0
     assert out.read_text() == whole and sum(calls) == 3
+    capsys.readouterr()
+    # an output of every line, or another file's, is read before the model loads (a 26B's load takes minutes)
+    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+    assert main([*base, "--resume"]) == 0 and out.read_text() == whole
+    assert capsys.readouterr().err == f"--resume: {out} holds every line of {src} already; nothing is left to run\n"
     out.write_text(json.dumps({"line": 99, "text": ""}) + "\n")
     assert main([*base, "--resume"]) == 2 and "line 99" in capsys.readouterr().err
 
@@ -4216,7 +4221,9 @@ def test_infill_input_rows_are_their_runs_alone_in_input_order_and_resume_append
     with rows_asked(monkeypatch, "infill") as calls:
         assert main([*run, "--resume"]) == 0
     assert out.read_text() == whole and sum(calls) == 2
-    # another file's output at the same line numbers is not taken as done
+    # another file's output at the same line numbers is not taken as done, nor loads the model; nor does a whole one
+    monkeypatch.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+    assert main([*run, "--resume"]) == 0 and "holds every line" in capsys.readouterr().err
     src.write_text(json.dumps({"template": "y = <|hole:2|>", "id": "a"}) + "\n")
     assert main([*run, "--resume"]) == 2 and "line 1: its template is not the input line's" in capsys.readouterr().err
 

@@ -218,6 +218,9 @@ def generate_file(args: argparse.Namespace) -> int:
     if any(chats) and args.no_token_healing is False:
         raise ValueError("--token-healing: not with chat lines, whose prompt ends with the chat template's turn "
                          "header (the template's own, never healed)")
+    done = lines_done(args, output, rows, GENERATE)
+    if len(done) == len(rows):
+        return all_done(output, name)
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
@@ -288,7 +291,7 @@ def generate_file(args: argparse.Namespace) -> int:
                 tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
         return lines
 
-    return run_file(args, output, rows, GENERATE, run_batch, "generate", {r: len(ready[r].ids) for r in ready},
+    return run_file(args, output, rows, done, run_batch, "generate", {r: len(ready[r].ids) for r in ready},
                     {r: (ready[r].chat, ready[r].seed is None) for r in ready})
 
 
@@ -316,18 +319,29 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
     return output
 
 
-def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any,
+def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any) -> set[int]:
+    """The input lines an existing --output holds already (--resume; none otherwise), read before the model loads:
+    another file's output is refused then, where it was refused once a model of minutes had loaded."""
+    from blockpress.batchfile import done_lines
+
+    return done_lines(output, rows, kind) if output is not None and output.exists() and args.resume else set()
+
+
+def all_done(output: Path | None, name: str) -> int:
+    """--resume over an --output that holds every line: said, and no model loaded."""
+    print(f"--resume: {output} holds every line of {name} already; nothing is left to run", file=sys.stderr)
+    return 0
+
+
+def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], done: set[int],
              run_batch: Callable[[list[Any]], list[dict[str, Any]]], command: str, length: dict[int, int],
              group: dict[int, tuple[Any, ...]]) -> int:
-    """An --input run's rows (every one checked) to --output or stdout: the lines an --output already holds skipped
-    (--resume), the rest in batches (batchfile.batches: by `length`, never mixing a `group`) through
-    `run_batch`, which gives each row's output line (its new_tokens counted for the stats)."""
-    from blockpress.batchfile import InOrderWriter, batches, done_lines
+    """An --input run's rows (every one checked) to --output or stdout: the lines `done` (lines_done: an --output
+    holds them already) skipped, the rest in batches (batchfile.batches: by `length`, never mixing a `group`)
+    through `run_batch`, which gives each row's output line (its new_tokens counted for the stats)."""
+    from blockpress.batchfile import InOrderWriter, batches
 
-    todo = rows
-    if output is not None and output.exists() and args.resume:
-        done = done_lines(output, rows, kind)
-        todo = [row for row in rows if row.line not in done]
+    todo = [row for row in rows if row.line not in done]
     out: IO[str]
     if output is not None:
         try:

@@ -22,7 +22,7 @@ from blockpress.cli.common import (
     sampling_kwargs,
     stats_of,
 )
-from blockpress.cli.generate import check_file_flags, from_file, run_file
+from blockpress.cli.generate import all_done, check_file_flags, from_file, lines_done, run_file
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -133,6 +133,9 @@ def infill_file(args: argparse.Namespace) -> int:
             check_template(row.template or "", args.hole_length, context)  # (an infill line has one)
         except ValueError as exc:
             raise ValueError(f"{name}:{row.line}: {exc}") from None
+    done = lines_done(args, output, rows, INFILL)
+    if len(done) == len(rows):
+        return all_done(output, name)
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text template")
@@ -163,7 +166,7 @@ def infill_file(args: argparse.Namespace) -> int:
                               seed=out.extra["seeds"][i]))
         return lines
 
-    return run_file(args, output, rows, INFILL, run_batch, "infill",
+    return run_file(args, output, rows, done, run_batch, "infill",
                     # the text's length in characters: the templates are not tokenized until the batch
                     {r.line: len(r.template or "") + len(r.prefix or "") for r in rows},
                     {r.line: (seeds[r.line] is None,) for r in rows})
