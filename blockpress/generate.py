@@ -88,7 +88,9 @@ def check_compile_options(options: Mapping[str, Any]) -> None:
     """Refuse, by name, a keyword torch.compile does not take, and an unknown mode for its default compiler
     (inductor), as every other bad argument is: torch's were a RuntimeError ('Unrecognized mode=x') and a
     TypeError, which an app that catches ValueError for bad parameters would miss."""
-    check_keywords("compile", options, [name for name in inspect.signature(torch.compile).parameters if name != "model"])
+    parameters = inspect.signature(torch.compile).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):  # (a wrapper's **options: any)
+        check_keywords("compile", options, [name for name in parameters if name != "model"])
     mode = options.get("mode")
     if mode is None or options.get("backend") not in (None, "inductor"):  # another compiler reads its own modes
         return
