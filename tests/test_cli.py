@@ -1,5 +1,6 @@
 """The command line, end to end (random-tiny until the shipped model lands)."""
 
+import argparse
 import contextlib
 import importlib.util
 import inspect
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 import blockpress
 from blockpress.cli import build_parser, main
+from blockpress.cli.common import TypedFlag
 from blockpress.live import terminal_text
 
 # The shipped model when the package has it (it does in the repository); random weights otherwise.
@@ -69,6 +71,31 @@ def test_max_denoising_steps_is_the_library_name_of_steps(capsys):
     assert runs["--steps"]["text"] == runs["--max-denoising-steps"]["text"]
     # two steps a canvas at most: the 12 tokens took at most one canvas's two passes (more steps would take more)
     assert runs["--max-denoising-steps"]["forward_passes"] <= 2 * -(-12 // blockpress.load(MODEL).config.canvas_length)
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["generate", "hi", "--ar"], ["infill", "a<|hole:2|>"]])
+def test_an_error_names_the_flag_as_typed(capsys, command):
+    """`--max-denoising-steps 0` was refused as '--steps: expected an integer ...', a flag the user never typed (and
+    --ar's refusal of it too): the error names the name typed, an abbreviation by its full name, the last one given
+    where both are."""
+    for typed, flags in [("--max-denoising-steps", ["--max-denoising-steps", "0"]),
+                         ("--max-denoising-steps", ["--max-den", "0"]), ("--steps", ["--steps", "0"]),
+                         ("--steps", ["--max-denoising-steps", "0", "--steps", "0"])]:
+        assert main([*command, "--model", "random-tiny", *flags]) == 2
+        assert capsys.readouterr().err.split("error: ")[1].startswith(typed + ": "), (command, flags)
+
+
+def test_every_flag_of_several_names_records_the_one_typed():
+    """A flag with another name (an alias, as --max-denoising-steps is --steps') is a TypedFlag, so the errors of its
+    setting name the name the user typed; --help and a --x/--no-x pair (a name each value) are not aliases."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    aliases = [(name, a.option_strings) for name, p in commands.items() for a in p._actions
+               if len(a.option_strings) > 1 and not isinstance(a, (argparse._HelpAction,
+                                                                     argparse.BooleanOptionalAction))]
+    assert ("generate", ["--steps", "--max-denoising-steps"]) in aliases
+    for name, strings in aliases:
+        action = next(a for a in commands[name]._actions if a.option_strings == strings)
+        assert isinstance(action, TypedFlag), (name, strings)
 
 
 @pytest.mark.parametrize("command", [["generate", "def add(a, b):", "--max-new-tokens", "8"],

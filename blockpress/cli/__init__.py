@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from blockpress.checks import compile_failure
-from blockpress.cli.common import as_flags, flags_of, train_flag_of
+from blockpress.cli.common import as_flags, command_flags, train_flag_of
 from blockpress.cli.output import (
     OutputError,
     compile_failed,
@@ -113,7 +113,7 @@ def run_command(args: argparse.Namespace) -> int:
         return output_failed(exc, f"blockpress {args.command}")
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve", "quantize")
-        message = as_flags(str(exc), flags_of(args.command)) if args.command in flagged else str(exc)
+        message = as_flags(str(exc), command_flags(args)) if args.command in flagged else str(exc)
         if args.command == "train":
             message = as_flags(message, train_flag_of())
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)

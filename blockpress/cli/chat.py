@@ -15,8 +15,8 @@ from typing import Any
 from blockpress.checks import check_text, utf8_problem
 from blockpress.cli.common import (
     as_flags,
+    command_flags,
     decoded,
-    flags_of,
     load_announced,
     print_stats,
     printable,
@@ -241,7 +241,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     lm = load_announced(args)
     check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
     context = lm.config.text.max_position_embeddings
-    chat_flags = flags_of("chat")
+    chat_flags = command_flags(args)
     system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
     messages: list[dict[str, str]] = list(system)
     cache = None

@@ -265,7 +265,7 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--min-new-tokens", type=int, default=0,
                    help="no end-of-sequence before this many tokens" if lengths else argparse.SUPPRESS)
     # (also under the library's and generation_config.json's name, which users carry over from the Python API)
-    g.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None,
+    g.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None, action=TypedFlag,
                    help="max denoising steps per canvas")
     g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
@@ -398,6 +398,30 @@ FLAG_OF: dict[str, dict[str, str]] = {
     "infill": {"max_denoising_steps": "--steps", "prompt": "--prefix"},  # --prefix is the library's prompt
     "bench": {"max_denoising_steps": "--steps", "max_new_tokens": "--new-tokens", "prompt": "--prompt-length"},
 }
+
+
+class TypedFlag(argparse.Action):
+    """A flag of several names (--steps, --max-denoising-steps), stored as argparse stores one, that also records
+    the name typed (args.typed_flags: each of its names to that one), so an error names the flag the user wrote:
+    '--steps: expected ...' answered a --max-denoising-steps that the command line never held a --steps in."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        if option_string is not None:  # (an abbreviation comes as the full name: --max-den, --max-denoising-steps)
+            typed = {**getattr(namespace, "typed_flags", {}), **{name: option_string for name in self.option_strings}}
+            namespace.typed_flags = typed
+
+
+def typed_flag(args: argparse.Namespace, flag: str) -> str:
+    """`flag` as the user typed it: another of its names where a TypedFlag recorded one, else itself."""
+    typed: dict[str, str] = getattr(args, "typed_flags", {})
+    return typed.get(flag, flag)
+
+
+def command_flags(args: argparse.Namespace) -> dict[str, str]:
+    """flags_of(args.command), each flag under the name the user typed it by (typed_flag)."""
+    return {name: typed_flag(args, flag) for name, flag in flags_of(args.command).items()}
 
 
 def flags_of(command: str) -> dict[str, str]:

@@ -22,6 +22,7 @@ from blockpress.cli.common import (
     sampling_kwargs,
     stats_line,
     stats_of,
+    typed_flag,
 )
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
@@ -144,7 +145,8 @@ DIFFUSION_ONLY_FLAGS = ("steps", "sampler", "entropy_bound", "confidence", "rank
 
 
 def check_ar_flags(args: argparse.Namespace) -> None:
-    given = ["--" + name.replace("_", "-") for name in DIFFUSION_ONLY_FLAGS if getattr(args, name) is not None]
+    given = [typed_flag(args, "--" + name.replace("_", "-")) for name in DIFFUSION_ONLY_FLAGS
+             if getattr(args, name) is not None]
     if given:
         raise ValueError(f"{given[0]}: --ar decodes one token at a time, with no denoising steps, acceptance rule or "
                          "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "

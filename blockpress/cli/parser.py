@@ -14,6 +14,7 @@ from blockpress.cli.common import (
     CONFIDENCE_HELP,
     DEFAULT_MODEL,
     DEVICE_HELP,
+    TypedFlag,
     add_load_args,
     add_model_args,
     add_sampling_args,
@@ -279,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="weights dtype")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto)")
     add_load_args(p)
-    p.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None,
+    p.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None, action=TypedFlag,
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
     p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
                    help="acceptance rule (default: the model's; topk for blockpress-sudoku)")
