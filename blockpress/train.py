@@ -570,7 +570,7 @@ def check_adapter_pairing(path: str | Path, base: str | Path, quantize: str | No
     quantized alike, and the other way round, without a word; quantized otherwise, the warning names both schemes."""
     path, base = Path(path), Path(base)
     if path.name == ADAPTER_DIR and path.resolve().parent == base.resolve() and (base / "config.json").is_file():
-        raise CheckpointError(f"adapter {path}: {base} is the merged checkpoint of the run that trained it, which holds "
+        raise CheckpointError(f"adapter {str(path)!r}: {base} is the merged checkpoint of the run that trained it, which holds "
                               f"its update already (applied again it counts twice); give --model {base} alone, or "
                               f"the adapter folder alone (--model {path}: its base with it)")
     record = adapter_record(path)
@@ -635,7 +635,7 @@ def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:
     differ = shape_differences(record["base_shape"], model)
     if differ:
         trained_on = f" ({record['base']})" if record["base"] else ""
-        raise CheckpointError(f"adapter {path}: trained on a base of another shape{trained_on}: {', '.join(differ)}; load it onto "
+        raise CheckpointError(f"adapter {str(path)!r}: trained on a base of another shape{trained_on}: {', '.join(differ)}; load it onto "
                               "the base it was trained on")
 
 
@@ -704,7 +704,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
     base = cfg.get("base_model_name_or_path")
 
     def refuse(why: str) -> CheckpointError:
-        return CheckpointError(f"adapter {path}: {why}" + (f" (it was trained on {base})" if base else ""))
+        return CheckpointError(f"adapter {str(path)!r}: {why}" + (f" (it was trained on {base})" if base else ""))
 
     if cfg.get("peft_type") != "LORA":
         raise refuse(f"peft_type {cfg.get('peft_type')!r}; blockpress applies LoRA adapters only")

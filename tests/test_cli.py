@@ -610,8 +610,38 @@ def test_every_rank_by_offers_every_ranking():
 def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2
-    assert "model '/no/such/folder': no such folder" in r.stderr and "Traceback" not in r.stderr
+    assert "error: --model /no/such/folder: no such folder" in r.stderr and "Traceback" not in r.stderr
     assert "hf download" not in r.stderr  # a path is no model to download
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["infill", "a<|hole|>"], ["chat"], ["serve"], ["info"],
+                                     ["sudoku", "0" * 81], ["quantize", "q", "--quantize", "int8"],
+                                     ["train", "--data", "d.jsonl", "--out", "o"]], ids=lambda c: c[0])
+def test_a_model_not_found_is_named_by_its_flag(command, capsys, monkeypatch, tmp_path):
+    """A model not found read "error: model 'nope': ..." where every other error names the flag: it is the flag and
+    the value typed, as a shell takes it ('--model 'my model': ...'), in every command that takes --model."""
+    monkeypatch.chdir(tmp_path)  # (quantize's and train's folders, were they made)
+    for typed, shown in [("nope", "--model nope: "), ("my model", "--model 'my model': "),
+                         ("blockpress-cod", "--model blockpress-cod: ")]:
+        assert main([*command, "--model", typed]) == 2
+        assert capsys.readouterr().err.split("error: ", 1)[1].startswith(shown), (command, typed)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.text(min_size=1), rest=st.text().filter(lambda t: "\n" not in t))
+def test_as_flags_names_a_valued_setting_as_typed(value, rest):
+    """A library error naming its setting and value ("model 'x': ...") names the flag and the value a shell reads
+    back as the value typed; one that is not printable keeps Python's repr, escapes and all."""
+    import shlex
+
+    from blockpress.cli.common import as_flags
+
+    message = as_flags(f"model {value!r}: {rest}", {"model": "--model"})
+    flag, _, shown = message.partition(" ")
+    assert flag == "--model" and message.endswith(f": {rest}")
+    shown = shown[:len(shown) - len(rest) - 2]
+    assert (shlex.split(shown) == [value]) if value.isprintable() else shown == repr(value)
+    assert as_flags(f"model {value!r}: {rest}", {"prompt": "--prefix"}) == f"model {value!r}: {rest}"
 
 
 @settings(max_examples=60, deadline=None)

@@ -478,7 +478,8 @@ def test_every_command_that_loads_a_model_takes_an_adapter(command, tmp_path, ca
     other = tmp_path / "other"
     blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8, hidden_size=64)).save(other)
     assert main([*command, "--model", str(other), "--adapter", str(out / "adapter")]) == 2
-    assert "trained on a base of another shape" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: --adapter {out / 'adapter'}: trained on a base of another shape" in err  # the flag, as others are
 
 
 def test_generate_runs_an_adapter_by_its_folder_or_over_its_base(tmp_path, capsys):

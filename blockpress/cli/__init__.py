@@ -114,8 +114,8 @@ def run_command(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # OSError: a missing, unreadable or existing path
         flagged = ("generate", "infill", "chat", "bench", "sudoku", "info", "serve", "quantize")
         message = as_flags(str(exc), command_flags(args)) if args.command in flagged else str(exc)
-        if args.command == "train":
-            message = as_flags(message, train_flag_of())
+        if args.command == "train":  # (--resume's model is the run's own, or its base, which no --model named)
+            message = as_flags(message, {**train_flag_of(), **({} if args.resume else {"model": "--model"})})
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a command without its own handling, or before it (while loading)

@@ -5,8 +5,10 @@ flags a library error is named by (as_flags)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -420,8 +422,12 @@ def typed_flag(args: argparse.Namespace, flag: str) -> str:
 
 
 def command_flags(args: argparse.Namespace) -> dict[str, str]:
-    """flags_of(args.command), each flag under the name the user typed it by (typed_flag)."""
-    return {name: typed_flag(args, flag) for name, flag in flags_of(args.command).items()}
+    """flags_of(args.command), each flag under the name the user typed it by (typed_flag). Without --adapter, an
+    adapter the library names is the folder given as --model (its base loads with it), so none is named --adapter."""
+    flags = {name: typed_flag(args, flag) for name, flag in flags_of(args.command).items()}
+    if getattr(args, "adapter", None) is None:
+        flags.pop("adapter", None)
+    return flags
 
 
 def flags_of(command: str) -> dict[str, str]:
@@ -445,8 +451,16 @@ def train_flag_of() -> dict[str, str]:
 
 
 def as_flags(message: str, flag_of: dict[str, str]) -> str:
-    """`message` with the setting it starts with ("max_new_tokens: ...") named as the flag `flag_of` maps it to,
-    and so where it suggests a value for one of them ("...; prompt_max 56 fits": "--prompt-max 56")."""
+    """`message` with the setting it starts with ("max_new_tokens: ...", "model 'nope': ...") named as the flag
+    `flag_of` maps it to, and so where it suggests a value for one of them ("...; prompt_max 56 fits": "--prompt-max 56")."""
+    # A check that names the value too ("model 'nope': not a checkpoint folder ..."): the flag, then the value as a
+    # shell takes it ("--model nope: ..."), as the commands' own checks name both (a value that is not printable
+    # keeps its Python quotes and escapes)
+    valued = re.match(r"""(\w+) ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"):""", message)
+    if valued and valued[1] in flag_of:
+        value = ast.literal_eval(valued[2])
+        shown = shlex.quote(value) if value.isprintable() else valued[2]
+        return f"{flag_of[valued[1]]} {shown}{message[valued.end() - 1:]}"
     name, sep, rest = message.partition(":")
     names = name.split("/")  # a check of two settings together names both: "prompt_min/prompt_max: ..."
     if not (sep and all(n in flag_of for n in names)):
