@@ -1233,6 +1233,18 @@ def test_serve_rejects_a_negative_or_unbounded_prefix_cache_before_loading(capsy
         capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("name", ["", " ", "\t\n"])
+def test_serve_refuses_an_empty_served_name_before_loading(capsys, monkeypatch, name):
+    """--served-name "" served the model's default name without a word (an empty value read as no flag); one of
+    spaces only would make an id no client sends. Refused by the flag, before the model loads."""
+    import blockpress.cli.common
+
+    monkeypatch.setattr(blockpress.cli.common, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    assert main(["serve", "--model", "random-tiny", "--port", "0", "--served-name", name]) == 2
+    assert f"blockpress serve: error: --served-name: expected the model id clients send, got {name!r}" in (
+        capsys.readouterr().err)
+
+
 def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
     """The port is bound before the model loads: one clear line, and no "serving" line for a server that never
     served (before: the line, then uvicorn's error; an out-of-range port a traceback)."""

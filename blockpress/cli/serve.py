@@ -42,6 +42,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         ("--max-stops", args.max_stops)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: expected a positive integer, got {value}")
+    if args.served_name is not None and not args.served_name.strip():  # ("" read as not given: the default served)
+        raise ValueError(f"--served-name: expected the model id clients send, got {args.served_name!r}; leave the "
+                         "flag out to serve the model's own name")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
