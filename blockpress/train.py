@@ -466,6 +466,10 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     together (files.StagedFiles); `files`: stage them there instead, for its owner to commit with the rest of a larger
     save (a training run's). `generation`: generation settings the run changed (ADAPTER_GENERATION_KEYS), recorded
     too, so the adapter over its base generates as the run's merged checkpoint does."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
+        raise ValueError(f"save_adapter: expected a folder path, got {path!r}")
+    # as lm.save's: "~/a" made a folder named ~, and a NUL byte failed as Python's bare 'embedded null byte'
+    path = expand_user(path, "save_adapter")
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
@@ -479,7 +483,6 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
                 for side, weight in zip("AB", lora_weights(module)):
                     # a copy each: safetensors refuses tensors that share memory
                     tensors[f"base_model.model.{target}.lora_{side}.weight"] = weight.detach().float().cpu().clone()
-    path = Path(path)
     # A base from the Hugging Face cache at another commit than main's (base_name: "owner/name@commit") is written as
     # peft writes one: the repo id, and the commit as `revision` (AutoPeftModel loads the base from both).
     revision = None

@@ -1076,6 +1076,29 @@ def test_an_adapter_save_that_fails_part_way_leaves_the_folder_as_it_was(tmp_pat
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+def test_an_adapter_path_is_refused_by_the_argument_as_lm_saves_is(tmp_path, monkeypatch):
+    """save_adapter took its path as given: a NUL byte failed as Python's bare 'embedded null byte', "" wrote the
+    adapter into the current folder, and "~/a" or "~nobody/a" into a folder of that name here; each is
+    files.expand_user's now, as lm.save's path is, and nothing is written where it is refused."""
+    pytest.importorskip("peft")
+    from blockpress.train import add_lora, is_adapter_folder, save_adapter
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model = add_lora(tiny_lm().model, rank=2, alpha=4)
+    for path, why in [("ad\x00", r"'ad\\x00' holds a NUL byte \(\\x00\), which no file name may"),
+                      ("~no-such-user-blockpress/ad", r"'~no-such-user-blockpress/ad' starts with ~no-such-user-blockpress, "
+                                                      r"and no home folder is known"),
+                      ("", "expected a folder path, got ''")]:
+        with pytest.raises(ValueError, match=rf"^save_adapter: {why}"):
+            save_adapter(model, path, 2, 4, None)
+    assert not any(work.iterdir())
+    save_adapter(model, "~/ad", 2, 4, None)
+    assert not any(work.iterdir()) and is_adapter_folder(home / "ad")
+
+
 def test_a_truncated_trainer_state_is_a_clear_error(tmp_path):
     """It was torch's 15-line traceback (PytorchStreamReader failed reading zip archive, EOFError, ...)."""
     from blockpress.train import check_resumable, read_trainer_state
