@@ -366,7 +366,8 @@ class ChatRequest(_Common):
 
 class CompletionRequest(_Common):
     # OpenAI's forms: one prompt (text or token ids), or a batch of them (choice j of prompt i has index i*n + j)
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    # ("" is a prompt: BOS alone, as lm.generate("") and `blockpress generate ""` take it; request_prompts refuses [])
+    prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's insert mode: the completion fills exactly max_tokens tokens between the prompt and this text
     suffix: str | None = None
     # blockpress: text with <|hole|> / <|hole:N|> markers after the prompt; the answer is the filled text
@@ -1343,6 +1344,8 @@ def _one_id_list(prompt: list[int] | list[str] | list[list[int]]) -> TypeIs[list
 def request_prompts(body: CompletionRequest) -> tuple[Sequence[str | list[int]], bool]:
     """A completion request's prompts as sent (texts or id lists), and whether it sent one alone (not in a list)."""
     prompt = body.prompt
+    if not isinstance(prompt, str) and not prompt:  # no prompt at all, or one of no token ids
+        raise APIError(400, "prompt: must not be empty", "prompt")
     if isinstance(prompt, str) or _one_id_list(prompt):
         return [prompt], True
     return prompt, False
@@ -1355,16 +1358,19 @@ def completion_prompts(state: ServerState, body: CompletionRequest) -> Iterator[
     prompts, one = request_prompts(body)
     for i, prompt in enumerate(prompts):
         name = "prompt" if one else f"prompt[{i}]"
-        if not prompt:
-            raise APIError(400, f"{name}: must not be empty", "prompt")
         if isinstance(prompt, str):
             state.check_length(len(prompt), name, "prompt")
             try:
                 encoded = state.lm.tokenizer.encode_prompt(check_text(prompt, name))
             except ValueError as exc:
                 raise APIError(400, str(exc), "prompt") from None
+            if not encoded:  # "" where the tokenizer has no BOS: no token to start from, as the library refuses it
+                raise APIError(400, f"{name}: must not be empty (this tokenizer has no BOS token to start from)",
+                               "prompt")
             yield encoded, True
             continue
+        if not prompt:
+            raise APIError(400, f"{name}: must not be empty", "prompt")
         bad = [t for t in prompt if not 0 <= t < state.lm.config.text.vocab_size]
         if bad:
             raise APIError(400, f"{name}: token id {bad[0]} is outside the vocabulary", "prompt")

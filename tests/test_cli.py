@@ -607,6 +607,30 @@ def test_every_rank_by_offers_every_ranking():
     assert build_parser().parse_args(["sudoku", "." * 81, "--rank-by", "position"]).rank_by == "position"
 
 
+def test_an_empty_prompt_is_bos_alone_in_every_generate(capsys, tmp_path):
+    """An empty prompt is taken alike by lm.generate, lm.generate_ar, `generate ""`, `generate --ar ""` and an
+    --input line {"prompt": ""} (the server's completions too: test_serve): BOS alone, the same text as BOS's id
+    given as the prompt, as docs/cli.md and docs/python-api.md say."""
+    from blockpress.cli.common import load_model
+
+    lm = load_model("random-tiny", None, "cpu")  # the CLI's random-tiny, weights and tokenizer
+    bos = lm.tokenizer.bos_id
+    texts = {}
+    for ar, kw in ((False, {"max_denoising_steps": 2}), (True, {})):
+        run = lm.generate_ar if ar else lm.generate
+        out = run("", max_new_tokens=4, seed=3, **kw)
+        assert out.prompt_length == 1 and out.sequences[0, 0] == bos and out.num_new_tokens.tolist() == [4]
+        assert out.texts == run([[bos]], max_new_tokens=4, seed=3, **kw).texts
+        texts[ar] = out.texts[0]
+    flags = ["--model", "random-tiny", "--max-new-tokens", "4", "--seed", "3"]
+    for ar in (False, True):
+        assert main(["generate", "", *flags, "--json", *(["--ar"] if ar else ["--steps", "2"])]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == texts[ar]
+    (tmp_path / "in.jsonl").write_text('{"prompt": ""}\n')
+    assert main(["generate", "--input", str(tmp_path / "in.jsonl"), *flags, "--steps", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == texts[False]
+
+
 def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2

@@ -1475,8 +1475,16 @@ def test_openai_clients_message_shapes(server):
 
 
 def test_empty_prompt_and_full_queue_say_so(server):
-    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt: must not be empty"
+    """An empty text is a prompt of BOS alone, as lm.generate("") and `blockpress generate ""` take it (the server
+    alone refused it): the same answer and usage as BOS's id sent; no prompt, or one of no ids, is refused."""
+    bos = server[1].state.engine.lm.tokenizer.bos_id
+    answers = [httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                               "seed": 5}, timeout=30).json() for prompt in ("", [bos])]
+    assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+    assert answers[0]["usage"]["prompt_tokens"] == answers[1]["usage"]["prompt_tokens"] == 1
+    for prompt, name in (([], "prompt"), ([[]], "prompt[0]")):
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"{name}: must not be empty"
     with queue_of(server[1].state.engine, 1, waiting=1):
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -1759,7 +1767,7 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, server):
     for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
         streamed[chunk.choices[0].index] = streamed.get(chunk.choices[0].index, "") + chunk.choices[0].text
     assert [streamed[i] for i in range(4)] == [c.text for c in both.choices]
-    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": ["a", ""]}, timeout=30)
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": [[5], []]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"] == "prompt[1]: must not be empty"
 
 
