@@ -27,6 +27,14 @@ def expand_user(path: str | Path, name: str) -> Path:
                          f"{'this user' if user == '~' else f'a user {user[1:]!r}'}; give the path without it") from None
 
 
+def output_folder(path: Any, name: str) -> Path:
+    """A folder path to write into, given as argument `name`: a str or Path, not empty ("" would be the current
+    folder), expanded as expand_user expands it (its refusals too)."""
+    if not isinstance(path, (str, Path)) or not str(path).strip():
+        raise ValueError(f"{name}: expected a folder path, got {path!r}")
+    return expand_user(path, name)
+
+
 def temporary_path(path: str | Path) -> Path:
     """Where `path` is staged: beside it, hidden, so no checkpoint file pattern matches it."""
     path = Path(path)

@@ -37,7 +37,7 @@ from .checkpoint import (
 )
 from .checks import check_flag, check_keywords, is_finite_number, is_int, warn_user
 from .config import ModelConfig
-from .files import StagedFiles, expand_user, read_json_object, staging
+from .files import StagedFiles, expand_user, output_folder, read_json_object, staging
 from .generate import (
     Cancelled,
     Commit,
@@ -1639,10 +1639,9 @@ class LM:
                 raise ValueError(f"save: the model holds LoRA adapters, unmerged over its quantized base ({self.quantization}, "
                                  f"layer {adapted!r}); save the adapters apart (blockpress.train.save_adapter), or "
                                  "merge them into the unquantized base (blockpress.load(base, adapter=...)) and save that")
-        if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
-            raise ValueError(f"save: expected a folder path, got {path!r}")
+        # as load reads one: "~/out" made a folder named ~ in the current one, and "" wrote into the current one
+        path = output_folder(path, "save")
         self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)
-        path = expand_user(path, "save")  # as load reads one: "~/out" made a folder named ~ in the current one
         if path.exists() and not path.is_dir():
             raise ValueError(f"save: {str(path)!r} is a file; give a folder")
         if path.is_symlink() and not path.exists():  # mkdir would fail with a bare "File exists"

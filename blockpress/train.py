@@ -56,7 +56,15 @@ from .checkpoint import (
 from .checks import is_finite_number, is_int, warn_user
 from .config import ModelConfig
 from .data import Batch, Example, TokenShards, check_fits, make_batch
-from .files import StagedFiles, expand_user, parse_json, read_json_object, staging, temporary_path
+from .files import (
+    StagedFiles,
+    expand_user,
+    output_folder,
+    parse_json,
+    read_json_object,
+    staging,
+    temporary_path,
+)
 from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
 from .model import DiffusionGemma
@@ -466,10 +474,8 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     together (files.StagedFiles); `files`: stage them there instead, for its owner to commit with the rest of a larger
     save (a training run's). `generation`: generation settings the run changed (ADAPTER_GENERATION_KEYS), recorded
     too, so the adapter over its base generates as the run's merged checkpoint does."""
-    if not isinstance(path, (str, Path)) or not str(path).strip():  # "" would be the current folder
-        raise ValueError(f"save_adapter: expected a folder path, got {path!r}")
     # as lm.save's: "~/a" made a folder named ~, and a NUL byte failed as Python's bare 'embedded null byte'
-    path = expand_user(path, "save_adapter")
+    path = output_folder(path, "save_adapter")
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
