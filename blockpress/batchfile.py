@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
 GENERATE = LineKind(
     input_keys=("prompt", "messages", "max_new_tokens", "seed"),
     output_keys=("line", "text", "reasoning", "prompt", "messages", "new_tokens", "forward_passes",
-                 "tokens_per_forward", "seed"),
+                 "tokens_per_forward", "seed", "settings"),
     shape='{"prompt": "..."} or {"messages": [...]}', what="prompts", read=_read_prompt,
     # a messages line's output repeats its messages as a prompt line's repeats its prompt (it repeated nothing, so
     # --resume could not tell another conversation's output line from this one's)
@@ -103,7 +104,7 @@ GENERATE = LineKind(
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
-                 "forward_passes", "tokens_per_forward", "seed"),
+                 "forward_passes", "tokens_per_forward", "seed", "settings"),
     shape='{"template": "... <|hole|> ..."}', what="templates", read=_read_template,
     given=lambda row: {"template": row.template, "prefix": row.prefix})
 
@@ -212,6 +213,49 @@ def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[in
                              "the output of another input file?)")
         done.add(obj["line"])
     return done
+
+
+def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], str]) -> int:
+    """--resume's check that every line of the output `path` (done_lines has read it) was made with this run's
+    `settings` (the flags that change what a row gets, as its output lines record them): the first line made
+    otherwise is refused by the first setting that differs, named by its `flag` with both values, so a resumed file
+    never holds lines made two ways. The count of lines written before output lines recorded their settings (taken
+    unchecked, as they were)."""
+    wanted = json.loads(json.dumps(settings))  # as a line holds them (a tuple as a list, a float as JSON reads it)
+    unchecked = 0
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        held = parse_json(raw).get("settings")
+        if held is None:
+            unchecked += 1
+            continue
+        if not isinstance(held, dict):
+            raise ValueError(f"{path}:{number}: settings: expected an object of the settings the line was made with, "
+                             f"got {json.dumps(held)[:40]}")
+        for key in [*wanted, *(k for k in held if k not in wanted)]:
+            if held.get(key) != wanted.get(key):
+                raise ValueError(f"{flag(key)}: {path}:{number} was written {_with(held, key)}, this run "
+                                 f"{_asks(wanted, key)}; resume with the flags the output was made with, or give "
+                                 "--overwrite to start it again")
+    return unchecked
+
+
+def _with(settings: dict[str, Any], key: str) -> str:
+    return "without it" if key not in settings else "with it" if settings[key] is True else \
+        f"with {_shown(settings[key])}"
+
+
+def _asks(settings: dict[str, Any], key: str) -> str:
+    return "is without it" if key not in settings else "asks for it" if settings[key] is True else \
+        f"asks {_shown(settings[key])}"
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as a shell takes it (a model's path, a --system text), else as JSON (a --stop list)."""
+    if isinstance(value, str):
+        return shlex.quote(value) if value.isprintable() else json.dumps(value)
+    return json.dumps(value)
 
 
 def batches(rows: list[Row], size: int, length: dict[int, int], kind: dict[int, tuple[Any, ...]]) -> Iterator[list[Row]]:

@@ -4210,6 +4210,74 @@ def test_resume_after_a_whole_last_line_without_its_newline_appends_on_a_line_of
         assert out.read_text() == first + "\n"
 
 
+def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_model_loads(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Each output line records the flags that change what its row gets (`settings`); --resume with another value of
+    one, or one added or left out, is refused by that flag as typed, with both values, before the model loads, where
+    the file silently got lines made two ways. --batch-size and --no-live change no row and are not compared; an
+    output written before lines recorded settings is taken as it was, with one warning line."""
+    src, out = write_input(tmp_path / "in.jsonl", INPUT_LINES[:3]), tmp_path / "out.jsonl"
+    base = ["generate", "--input", str(src), "--output", str(out), "--model", MODEL, "--max-new-tokens", "4",
+            "--steps", "2", "--threads", "1", "--temperature", "1.5", "--seed", "11"]
+    assert main(base) == 0
+    whole = out.read_text()
+    first, *rest = whole.splitlines(keepends=True)
+    out.write_text(first)
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+        for flags, message in [
+                ([*base, "--max-new-tokens", "8"], "--max-new-tokens: {}:1 was written with 4, this run asks 8"),
+                ([*base, "--max-denoising-steps", "3"], "--max-denoising-steps: {}:1 was written with 2, this run asks 3"),
+                ([*base, "--top-k", "5"], "--top-k: {}:1 was written without it, this run asks 5"),
+                ([*base, "--chat"], "--chat: {}:1 was written without it, this run asks for it"),
+                ([*base, "--no-token-healing"], "--no-token-healing: {}:1 was written without it, this run asks for it"),
+                ([*base, "--dtype", "bfloat16"], "--dtype: {}:1 was written without it, this run asks bfloat16"),
+                (base[:-2], "--seed: {}:1 was written with 11, this run is without it")]:
+            assert main([*flags, "--resume"]) == 2
+            assert capsys.readouterr().err == (f"blockpress generate: error: {message.format(out)}; resume with the "
+                                               "flags the output was made with, or give --overwrite to start it again\n")
+            assert out.read_text() == first
+    assert json.loads(first)["settings"]["max_new_tokens"] == 4
+    assert main([*base, "--resume", "--batch-size", "1", "--no-live"]) == 0 and out.read_text() == whole
+    # an output of before: its lines taken unchecked, said once
+    old = json.dumps({k: v for k, v in json.loads(first).items() if k != "settings"}) + "\n"
+    out.write_text(old)
+    capsys.readouterr()
+    assert main([*base, "--resume"]) == 0 and out.read_text() == old + "".join(rest)
+    assert capsys.readouterr().err.startswith(f"warning: --resume: 1 line of {out} was written before output lines "
+                                              "recorded their settings; the flags they were made with could not be "
+                                              "checked against this run's\n[2 rows · ")
+    # infill --input's lines alike, --hole-length among them
+    holes, filled = write_input(tmp_path / "holes.jsonl", INFILL_LINES[:1]), tmp_path / "filled.jsonl"
+    run = ["infill", "--input", str(holes), "--output", str(filled), "--model", MODEL, "--steps", "1", "--threads", "1"]
+    assert main(run) == 0 and json.loads(filled.read_text())["settings"]["hole_length"] == 8
+    monkeypatch.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+    assert main([*run, "--hole-length", "4", "--resume"]) == 2
+    assert f"--hole-length: {filled}:1 was written with 8, this run asks 4;" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["seed", "steps", "model"]), st.integers(0, 2) | st.booleans()),
+       st.dictionaries(st.sampled_from(["seed", "steps", "model"]), st.integers(0, 2) | st.booleans()))
+def test_resume_settings_check_refuses_exactly_a_difference_naming_a_setting_that_differs(tmp_path_factory, held,
+                                                                                          wanted):
+    """check_settings passes an output whose every line holds this run's settings (a line of no settings unchecked,
+    counted), and refuses one that differs in any setting, naming a flag whose values differ."""
+    from blockpress.batchfile import check_settings
+
+    out = tmp_path_factory.mktemp("settings") / "out.jsonl"
+    out.write_text(json.dumps({"line": 1}) + "\n" + json.dumps({"line": 2, "settings": held}) + "\n")
+    flag = lambda key: f"--{key}"  # noqa: E731
+    if held == wanted:
+        assert check_settings(out, wanted, flag) == 1
+        return
+    with pytest.raises(ValueError) as err:
+        check_settings(out, wanted, flag)
+    key = str(err.value).split(":")[0].removeprefix("--")
+    assert held.get(key, "absent") != wanted.get(key, "absent") and f"{out}:2 was written " in str(err.value)
+
+
 # The command with its AT-th call of LM.generate held in generation until a stop comes: that call's rows are
 # generated again and again (the signal lands inside the model's run, as a user's Ctrl-C does), for at most 60 s.
 HELD = """

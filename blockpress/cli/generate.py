@@ -24,6 +24,7 @@ from blockpress.cli.common import (
     stats_of,
     typed_flag,
 )
+from blockpress.cli.output import print_warning
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -220,7 +221,8 @@ def generate_file(args: argparse.Namespace) -> int:
     if any(chats) and args.no_token_healing is False:
         raise ValueError("--token-healing: not with chat lines, whose prompt ends with the chat template's turn "
                          "header (the template's own, never healed)")
-    done = lines_done(args, output, rows, GENERATE)
+    settings = run_settings(args, GENERATE_SETTINGS)
+    done = lines_done(args, output, rows, GENERATE, settings)
     if len(done) == len(rows):
         return all_done(output, name)
     lm = load_announced(args)
@@ -290,7 +292,8 @@ def generate_file(args: argparse.Namespace) -> int:
                 **({"prompt": row.prompt} if row.prompt is not None else {"messages": row.messages}),
                 new_tokens=int(out.num_new_tokens[i]),
                 forward_passes=int(out.forward_passes[i]),
-                tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i]))
+                tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i],
+                settings=settings))
         return lines
 
     return run_file(args, output, rows, done, run_batch, "generate", {r: len(ready[r].ids) for r in ready},
@@ -321,12 +324,50 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
     return output
 
 
-def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any) -> set[int]:
+def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any,
+               settings: dict[str, Any]) -> set[int]:
     """The input lines an existing --output holds already (--resume; none otherwise), read before the model loads:
-    another file's output is refused then, where it was refused once a model of minutes had loaded."""
-    from blockpress.batchfile import done_lines
+    another file's output is refused then, where it was refused once a model of minutes had loaded, and so is one
+    made with other `settings` (run_settings), by the flag that differs; lines written before output lines
+    recorded their settings are taken unchecked, with a warning."""
+    from blockpress.batchfile import check_settings, done_lines
 
-    return done_lines(output, rows, kind) if output is not None and output.exists() and args.resume else set()
+    if output is None or not output.exists() or not args.resume:
+        return set()
+    done = done_lines(output, rows, kind)
+    unchecked = check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")))
+    if unchecked:
+        print_warning(f"--resume: {unchecked} line{'' if unchecked == 1 else 's'} of {output} "
+                      f"{'was' if unchecked == 1 else 'were'} written before output lines recorded their settings; "
+                      "the flags they were made with could not be checked against this run's")
+    return done
+
+
+# The flags that change what an --input row gets, which each output line records (run_settings) and --resume checks.
+# Not --batch-size: each row draws as it would alone (a resumed run batches the rows left otherwise anyway); nor
+# --prefill-chunk, --compile, --cuda-graphs, --threads (the same computation, up to the rounding batching moves too),
+# --no-live or --output. --device by its kind: a seed draws from a generator on the device, so a seeded row on cuda
+# is not the row on cpu.
+LOAD_SETTINGS = ("model", "adapter", "quantize", "dtype", "device")
+SAMPLING_SETTINGS = ("steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min", "temperature",
+                     "top_k", "top_p", "presence_penalty", "frequency_penalty", "seed", "no_token_healing")
+GENERATE_SETTINGS = (*LOAD_SETTINGS, "max_new_tokens", "min_new_tokens", *SAMPLING_SETTINGS, "stop", "ar", "chat",
+                     "system", "chat_template_kwargs")
+
+
+def run_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    """The flags `names` as an --input run's output lines record them: each by its dest, a flag not given (None,
+    False, empty) left out; --device by its kind, and --token-healing (no_token_healing False) under its own name."""
+    settings: dict[str, Any] = {}
+    for name in names:
+        value = getattr(args, name)
+        if name == "device":
+            value = value.split(":")[0]  # (cuda:1's rows are cuda:0's)
+        if name == "no_token_healing" and value is False:
+            name, value = "token_healing", True
+        if value is not None and value is not False and value != {} and value != []:
+            settings[name] = value
+    return settings
 
 
 def all_done(output: Path | None, name: str) -> int:

@@ -22,7 +22,16 @@ from blockpress.cli.common import (
     sampling_kwargs,
     stats_of,
 )
-from blockpress.cli.generate import all_done, check_file_flags, from_file, lines_done, run_file
+from blockpress.cli.generate import (
+    LOAD_SETTINGS,
+    SAMPLING_SETTINGS,
+    all_done,
+    check_file_flags,
+    from_file,
+    lines_done,
+    run_file,
+    run_settings,
+)
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -133,7 +142,8 @@ def infill_file(args: argparse.Namespace) -> int:
             check_template(row.template or "", args.hole_length, context)  # (an infill line has one)
         except ValueError as exc:
             raise ValueError(f"{name}:{row.line}: {exc}") from None
-    done = lines_done(args, output, rows, INFILL)
+    settings = run_settings(args, (*LOAD_SETTINGS, "hole_length", *SAMPLING_SETTINGS))
+    done = lines_done(args, output, rows, INFILL, settings)
     if len(done) == len(rows):
         return all_done(output, name)
     lm = load_announced(args)
@@ -163,7 +173,7 @@ def infill_file(args: argparse.Namespace) -> int:
             stats = {k: v for k, v in infill_stats(out, i, 0.0).items() if k not in ("tok_s", "seconds")}
             lines.append(dict(line=row.line, **row.carried, text=texts[i], fills=out.fills[i], template=row.template,
                               **({"prefix": row.prefix} if row.prefix is not None else {}), **stats,
-                              seed=out.extra["seeds"][i]))
+                              seed=out.extra["seeds"][i], settings=settings))
         return lines
 
     return run_file(args, output, rows, done, run_batch, "infill",

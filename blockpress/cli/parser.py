@@ -79,12 +79,14 @@ def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
                         "are copied to the output line; read and checked whole before anything runs")
     g.add_argument("--output", default=None, metavar="FILE",
                    help="write the results here (default, or -: standard output): a JSON object a line, in input order, "
-                        "--json's fields (but tok_s, seconds and interrupted) with `line` (the input line) and the copied keys, "
+                        "--json's fields (but tok_s, seconds and interrupted) with `line` (the input line), the copied keys and "
+                        "`settings` (the flags that change a row, which --resume checks), "
                         "each written as soon as the lines before it are")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     g.add_argument("--resume", action="store_true",
                    help="continue an existing --output file: the input lines it holds are skipped (each checked against "
-                        "its input line: prompt, messages or template, and the copied keys), the rest appended")
+                        "its input line: prompt, messages or template, and the copied keys, and its settings against this run's flags), "
+                        "the rest appended")
     g.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="rows a call (rows of similar length together; each row's result is what it gives alone)")
 
