@@ -631,6 +631,29 @@ def test_an_empty_prompt_is_bos_alone_in_every_generate(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["text"] == texts[False]
 
 
+def test_an_empty_chat_message_is_a_turn_as_lm_chat_takes_it_and_the_repl_skips_it(capsys, tmp_path, monkeypatch):
+    """An empty user message is a turn the chat template renders, as lm.chat and the server's chat completions take
+    it: `generate --chat ""` and an --input line of it reply as lm.chat does (with --system it asks something). The
+    REPL alone, where an empty message is a slip as a blank line is, sends none: an empty or whitespace-only \"\"\"
+    block is said on one line and skipped, and the conversation goes on."""
+    from blockpress.cli.common import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    flags = ["--model", "random-tiny", "--max-new-tokens", "4", "--steps", "2", "--seed", "3", "--threads", "1"]
+    for system in (None, "Greet the user."):
+        messages = [{"role": "system", "content": system}] * (system is not None) + [{"role": "user", "content": ""}]
+        want = lm.chat(messages, max_new_tokens=4, max_denoising_steps=2, seed=3).texts[0]
+        given = ["--system", system] if system else []
+        assert main(["generate", "", "--chat", *flags, *given, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == want
+        (tmp_path / "in.jsonl").write_text(json.dumps({"messages": messages[-1:]}) + "\n" + '{"prompt": ""}\n')
+        assert main(["generate", "--input", str(tmp_path / "in.jsonl"), "--chat", *flags, *given]) == 0
+        assert [json.loads(x)["text"] for x in capsys.readouterr().out.splitlines()] == [want, want]
+    sent = chat_turns(monkeypatch, ['"""', "  ", "\t", '"""', "hi"])
+    assert sent == ["hi"]  # the block never reached the model
+    assert capsys.readouterr().err.count("error: the message is empty; it was not sent\n") == 1
+
+
 def test_bad_model_path_is_a_clear_error():
     r = run_cli("generate", "x", "--model", "/no/such/folder")
     assert r.returncode == 2
