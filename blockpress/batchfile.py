@@ -123,15 +123,32 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         if not text.strip():
             continue
         try:
-            obj = parse_json(text)
+            obj = parse_json(text, object_pairs_hook=_one_value_a_key)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
+        except _KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) was silently lost
+            raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
+                             "the last); give it once") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected an object {kind.shape}, got {type(obj).__name__}")
         rows.append(_row(obj, number, where, kind))
     if not rows:
         raise ValueError(f"{name}: no lines to generate from (every line is blank)")
     return rows
+
+
+class _KeyTwice(ValueError):
+    """A JSON object of an --input line that gives a key twice (args[0]: the key)."""
+
+
+def _one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook for --input lines: the object, unless it gives a key twice (_KeyTwice)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise _KeyTwice(key)
+        obj[key] = value
+    return obj
 
 
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:

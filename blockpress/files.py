@@ -218,13 +218,13 @@ class JSONTooDeep(json.JSONDecodeError):
         return self.msg
 
 
-def parse_json(text: str | bytes) -> Any:
+def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
     """json.loads(text), with JSON nested past Python's recursion limit (~1,000 levels: `[[[...]]]` of 100,000, or a
     hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError, and likewise
     an integer longer than Python converts from text (4,300 digits: sys.get_int_max_str_digits), whose bare ValueError
-    named neither the file nor the line."""
+    named neither the file nor the line. `object_pairs_hook`: json.loads' (its own ValueError passes through)."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=object_pairs_hook)
     except RecursionError:
         raise JSONTooDeep("nested deeper than Python's JSON parser reads (about 1,000 levels of arrays or objects)",
                           text if isinstance(text, str) else "", 0) from None

@@ -4057,7 +4057,10 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
              ('{"prompt": "a", "seed": -1}', "seed: expected an integer"),
              ('{"prompt": "a", "max_new_tokens": 1.5}', "max_new_tokens: expected an integer of at least 1"),
              ('{"prompt": "a", "seed": 9223372036854775808}', "seed: expected an integer below 2**63, got 9223"),
-             ('{"prompt": "a", "text": "b"}', "text: a key the output line writes"), ('{"prompt": ', "not JSON")]
+             ('{"prompt": "a", "text": "b"}', "text: a key the output line writes"), ('{"prompt": ', "not JSON"),
+             # json.loads keeps a key's last value: the first prompt, id or message content was silently lost
+             ('{"prompt": "a", "id": 1, "prompt": "b"}', '"prompt" is given twice in one object'),
+             ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}', '"content" is given twice')]
     for line, message in cases:
         with pytest.raises(ValueError) as err:
             read_rows("f.jsonl", b'{"prompt": "ok"}\n\n' + line.encode() + b"\n")
