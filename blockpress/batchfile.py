@@ -93,20 +93,27 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
         setattr(row, key, value)
 
 
+def _own_seed(row: Row) -> dict[str, Any]:
+    """A line's own seed, as its output line holds it (the seed it was drawn with): a seed edited in the input was
+    taken as done with the old one. (A line without one is drawn with --seed's, which the settings check, or afresh.)"""
+    return {"seed": row.seed} if row.seed is not None else {}
+
+
 GENERATE = LineKind(
     input_keys=("prompt", "messages", "max_new_tokens", "seed"),
-    output_keys=("line", "text", "reasoning", "prompt", "messages", "new_tokens", "forward_passes",
+    output_keys=("line", "text", "reasoning", "prompt", "messages", "max_new_tokens", "new_tokens", "forward_passes",
                  "tokens_per_forward", "seed", "settings"),
     shape='{"prompt": "..."} or {"messages": [...]}', what="prompts", read=_read_prompt,
     # a messages line's output repeats its messages as a prompt line's repeats its prompt (it repeated nothing, so
-    # --resume could not tell another conversation's output line from this one's)
-    given=lambda row: {"prompt": row.prompt, "messages": row.messages}, added=("messages",))
+    # --resume could not tell another conversation's output line from this one's), and its own max_new_tokens
+    given=lambda row: {"prompt": row.prompt, "messages": row.messages, "max_new_tokens": row.max_new_tokens,
+                       **_own_seed(row)}, added=("messages", "max_new_tokens"))
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
                  "forward_passes", "tokens_per_forward", "seed", "settings"),
     shape='{"template": "... <|hole|> ..."}', what="templates", read=_read_template,
-    given=lambda row: {"template": row.template, "prefix": row.prefix})
+    given=lambda row: {"template": row.template, "prefix": row.prefix, **_own_seed(row)})
 
 
 def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
@@ -223,11 +230,13 @@ def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[in
         # the prompt (template) and the copied keys, as the input line gives them: the same line number in another
         # file's output was taken as done, and its text kept under this file's line
         row = known[obj["line"]]
-        given = {k: v for k, v in {**kind.given(row), **row.carried}.items() if k in obj or k not in kind.added}
+        # (a line that records its settings was written since every key of `added` was: each is checked)
+        given = {k: v for k, v in {**kind.given(row), **row.carried}.items()
+                 if k in obj or k not in kind.added or "settings" in obj}
         other = [k for k in (*given, *sorted(set(obj) - set(kind.output_keys))) if obj.get(k) != given.get(k)]
         if other:
-            raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (is this "
-                             "the output of another input file?)")
+            raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (was the "
+                             "input line edited, or is this the output of another input file?)")
         done.add(obj["line"])
     return done
 

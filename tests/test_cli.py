@@ -4178,18 +4178,30 @@ def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_key
     rows = read_rows("in.jsonl", src.read_bytes())
     out = tmp_path / "out.jsonl"
 
-    def written(row, **change):  # the output line a run writes for `row`, with `change` over it
+    def written(row, **change):  # the output line a run writes for `row` (its own seed, if it has one), `change` over it
         obj = {"line": row.line, **row.carried, "text": "t", **({"prompt": row.prompt} if row.prompt else {}),
-               "new_tokens": 1, "forward_passes": 1, "tokens_per_forward": 1.0, "seed": 0, **change}
+               "new_tokens": 1, "forward_passes": 1, "tokens_per_forward": 1.0, "seed": row.seed or 0, **change}
         return json.dumps({k: v for k, v in obj.items() if v is not None}) + "\n"
 
     out.write_text("".join(written(r) for r in rows[:3]))
     assert done_lines(out, rows) == {1, 3, 4}
     for change, key in [({"prompt": "def sub(a, b):"}, "prompt"), ({"id": "z"}, "id"), ({"id": None}, "id"),
-                        ({"label": 1}, "label")]:
+                        ({"label": 1}, "label"), ({"seed": 8}, "seed")]:  # (the line gives seed 7)
         out.write_text(written(rows[0]) + written(rows[1], **change))
         with pytest.raises(ValueError, match=f"out.jsonl:2: line 3: its {key} is not the input line's"):
             done_lines(out, rows)
+    # a line's own max_new_tokens (5), which an output line records where it has settings (one of before does not)
+    out.write_text(written(rows[1]))
+    assert done_lines(out, rows) == {3}
+    for change in [{"max_new_tokens": 6}, {"settings": {}}]:
+        out.write_text(written(rows[1], **change))
+        with pytest.raises(ValueError, match="out.jsonl:1: line 3: its max_new_tokens is not the input line's"):
+            done_lines(out, rows)
+    out.write_text(written(rows[1], max_new_tokens=5, settings={}) + written(rows[2], max_new_tokens=3, settings={}))
+    assert done_lines(out, rows) == {3, 4}
+    out.write_text(written(rows[0], max_new_tokens=5, settings={}))  # (a line that gives none)
+    with pytest.raises(ValueError, match="line 1: its max_new_tokens is not the input line's"):
+        done_lines(out, rows)
 
 
 def test_resume_refuses_the_output_of_another_conversation_by_its_messages(tmp_path):

@@ -290,6 +290,7 @@ def generate_file(args: argparse.Namespace) -> int:
             lines.append(dict(
                 line=row.line, **row.carried, text=answer, **({"reasoning": thought} if thought else {}),
                 **({"prompt": row.prompt} if row.prompt is not None else {"messages": row.messages}),
+                **({"max_new_tokens": row.max_new_tokens} if row.max_new_tokens is not None else {}),
                 new_tokens=int(out.num_new_tokens[i]),
                 forward_passes=int(out.forward_passes[i]),
                 tokens_per_forward=round(float(out.tokens_per_forward[i]), 3), seed=out.extra["seeds"][i],

@@ -85,7 +85,7 @@ def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
     g.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     g.add_argument("--resume", action="store_true",
                    help="continue an existing --output file: the input lines it holds are skipped (each checked against "
-                        "its input line: prompt, messages or template, and the copied keys, and its settings against this run's flags), "
+                        "its input line: prompt, messages or template, the seed and new-token limit it gives, and the copied keys, and its settings against this run's flags), "
                         "the rest appended")
     g.add_argument("--batch-size", type=int, default=8, metavar="N",
                    help="rows a call (rows of similar length together; each row's result is what it gives alone)")
