@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from blockpress.checks import check_text, is_int
-from blockpress.files import parse_json
+from blockpress.files import parse_json, utf16_note
 
 # Rows are sorted by length within a window of this many batches, not across the whole file: the output is written
 # in input order, so a line can only be written once the lines before it are, and a crash or Ctrl-C loses at most
@@ -126,7 +126,8 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})") from None
+            raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})"
+                             f"{utf16_note(data[:2])}") from None
         if not text.strip():
             continue
         try:

@@ -23,7 +23,7 @@ import torch
 
 from .checks import warn_user
 from .config import CHAT_TURNS
-from .files import parse_json
+from .files import parse_json, utf16_note
 from .response import reasoning_markers
 from .tokenizer import REASONING_FIELDS, chat_message
 
@@ -291,15 +291,6 @@ def check_fits(ex: Example, where: str, context: tuple[int, int, int | None], fl
                          f"the model's context of {positions}{cut}")
 
 
-def _utf16(head: bytes) -> str:
-    """What a file's first bytes say when they are UTF-16's byte-order mark: what Windows PowerShell 5's `>` and
-    Out-File write (the file was refused as 'invalid start byte at byte 0', which said nothing of why)."""
-    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        return ("; it is UTF-16 (it starts with a UTF-16 byte-order mark, as Windows PowerShell's > and Out-File "
-                "write text): save it as UTF-8 (in PowerShell: Out-File -Encoding utf8)")
-    return ""
-
-
 def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
     """("file:line", the decoded JSON value) of each non-blank line; errors name the file and line."""
     if path.is_dir():
@@ -312,7 +303,7 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}){_utf16(raw)}") from None
+                raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(raw)}") from None
             if n == 1:  # a byte-order mark, as some Windows editors write: json.loads refuses it
                 line = line.removeprefix("\ufeff")
             if not line.strip():
@@ -671,7 +662,7 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
             texts.append((str(file), file.read_text(encoding="utf-8-sig")))
         except UnicodeDecodeError as exc:
             raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                             f"{_utf16(exc.object[:2])}") from None
+                             f"{utf16_note(exc.object[:2])}") from None
         except OSError as exc:  # unreadable: the path first, as every error here
             raise OSError(f"{file}: cannot be read ({exc.strerror or exc})") from None
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]

@@ -235,6 +235,15 @@ def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, A
                           0) from None
 
 
+def utf16_note(head: bytes) -> str:
+    """What a file's first bytes say when they are UTF-16's byte-order mark: what Windows PowerShell 5's `>` and
+    Out-File write (the file was refused as 'invalid start byte at byte 0', which said nothing of why); "" else."""
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return ("; it is UTF-16 (it starts with a UTF-16 byte-order mark, as Windows PowerShell's > and Out-File "
+                "write text): save it as UTF-8 (in PowerShell: Out-File -Encoding utf8)")
+    return ""
+
+
 def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:
     """The JSON object in the file at `path`; anything else (not UTF-8, not JSON, a list) raises `error` naming the
     file, `where` first (e.g. "--resume: "), rather than json's own traceback."""

@@ -4384,6 +4384,14 @@ def test_input_lines_read_the_same_from_a_file_with_a_byte_order_mark_and_crlf_e
     plain = write_input(tmp_path / "in.jsonl").read_bytes()
     windows = b"\xef\xbb\xbf" + plain.replace(b"\n", b"\r\n")
     assert read_rows("w.jsonl", windows) == read_rows("in.jsonl", plain)
+    # Windows PowerShell 5's > writes UTF-16: said so, as training's data reading says it (it read 'not UTF-8 (byte
+    # 0xff at byte 1)' alone); a file of another encoding is not called UTF-16
+    for data, why in [(plain.decode().encode("utf-16"), "; it is UTF-16 (it starts with a UTF-16 byte-order mark"),
+                      ('{"prompt": "caf\xe9"}'.encode("latin-1"), "")]:
+        with pytest.raises(ValueError) as err:
+            read_rows("u.jsonl", data)
+        assert str(err.value).startswith("u.jsonl:1: not UTF-8 (byte 0x") and why in str(err.value)
+        assert ("UTF-16" in str(err.value)) is bool(why)
 
 
 # infill --input: a JSONL file of templates, through generate --input's machinery
