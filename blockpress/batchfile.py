@@ -213,7 +213,7 @@ def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[in
             with path.open("ab") as f:
                 f.write(b"\n")
     known = {r.line: r for r in rows}
-    done = set()
+    done: dict[int, int] = {}  # each input line's output line
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -238,8 +238,11 @@ def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[in
         if other:
             raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (was the "
                              "input line edited, or is this the output of another input file?)")
-        done.add(obj["line"])
-    return done
+        if obj["line"] in done:  # (two outputs put together): the file would end with the line twice
+            raise ValueError(f"{path}:{number}: line {obj['line']}: written already, at {path}:{done[obj['line']]}; an "
+                             "output holds each input line once")
+        done[obj["line"]] = number
+    return set(done)
 
 
 def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], str]) -> int:

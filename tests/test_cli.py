@@ -4185,6 +4185,9 @@ def test_resume_refuses_the_output_of_another_input_by_its_prompt_and_copied_key
 
     out.write_text("".join(written(r) for r in rows[:3]))
     assert done_lines(out, rows) == {1, 3, 4}
+    out.write_text("".join(written(r) for r in [*rows[:3], rows[1]]))  # two outputs put together: line 3 twice
+    with pytest.raises(ValueError, match="out.jsonl:4: line 3: written already, at .*out.jsonl:2; an output holds each"):
+        done_lines(out, rows)
     for change, key in [({"prompt": "def sub(a, b):"}, "prompt"), ({"id": "z"}, "id"), ({"id": None}, "id"),
                         ({"label": 1}, "label"), ({"seed": 8}, "seed")]:  # (the line gives seed 7)
         out.write_text(written(rows[0]) + written(rows[1], **change))
