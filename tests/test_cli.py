@@ -4081,6 +4081,19 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     assert main(["generate", "--model", MODEL]) == 2 and "got neither" in capsys.readouterr().err
 
 
+def test_generate_input_refuses_a_system_message_beside_system_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A messages line with a system message (or a "developer" one, OpenAI's name for it, which the template reads as
+    system) beside --system is refused by FILE:LINE before the model loads: "developer" met the template's own
+    'Chat template error: Only the first message may have the system role', and either came after the load."""
+    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+    for role in ("system", "developer"):
+        src = write_input(tmp_path / "in.jsonl", [INPUT_LINES[0], {"messages": [{"role": role, "content": "Be brief."},
+                                                                                {"role": "user", "content": "hi"}]}])
+        assert main(["generate", "--input", str(src), "--model", MODEL, "--system", "Be kind."]) == 2
+        assert capsys.readouterr().err == (f"blockpress generate: error: {src}:3: messages: has a system message, and "
+                                           "--system gives one too; drop one\n")
+
+
 def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path, capsys, monkeypatch):
     """An existing --output is refused unless --overwrite; --resume over a run cut short (two lines and half a
     third) generates only the lines it lacks, and the file ends as one whole run's."""

@@ -218,6 +218,12 @@ def generate_file(args: argparse.Namespace) -> int:
             if value:
                 raise ValueError(f"{flag}: no line of {name} is a chat (give --chat, or \"messages\" lines), so "
                                  "the chat template renders none")
+    # before the load: the lines' own. "developer" is OpenAI's name for the system role, read as "system": it met the
+    # template's refusal ('Chat template error: Only the first message may have the system role')
+    system_roles = ("system", "developer") if args.system is not None else ()
+    for row in rows:
+        if any(isinstance(m, dict) and m.get("role") in system_roles for m in row.messages or []):
+            raise ValueError(f"{name}:{row.line}: messages: has a system message, and --system gives one too; drop one")
     if any(chats) and args.no_token_healing is False:
         raise ValueError("--token-healing: not with chat lines, whose prompt ends with the chat template's turn "
                          "header (the template's own, never healed)")
@@ -240,8 +246,6 @@ def generate_file(args: argparse.Namespace) -> int:
         try:
             if chat:
                 given = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
-                if args.system is not None and any(isinstance(m, dict) and m.get("role") == "system" for m in given):
-                    raise ValueError("messages: has a system message, and --system gives one too; drop one")
                 ids = lm.chat_prompt([*system_turn(args), *given], **args.chat_template_kwargs)
             else:
                 ids = encode_texts([row.prompt or ""], lm.tokenizer)[0]  # (a line without messages has a prompt)
