@@ -197,21 +197,33 @@ def check_output(output: Path, input_path: str, kind: LineKind = GENERATE) -> No
 
 def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[int]:
     """The input lines an existing output already holds (--resume). A last line cut short (the run stopped while
-    writing it) is dropped from the file, to be written again (one whole but for its newline gets it); any other line that is not an output line is an
-    error naming it, and so is a line number the input does not have (the output of another file)."""
+    writing it) is dropped from the file, to be written again (one whole but for its newline gets it), once every
+    other line is read as this input's output: any line that is not an output line is an error naming it, and so is
+    a line number the input does not have (the output of another file), and the file is left as it was."""
     data = path.read_bytes()
     lines = data.split(b"\n")
+    cut = newline = False
     if lines and lines[-1] and not data.endswith(b"\n"):
         try:
             parse_json(lines[-1])
         except (json.JSONDecodeError, UnicodeDecodeError):
-            with path.open("r+b") as f:  # the partial line goes; the rest is kept as written
-                f.truncate(len(data) - len(lines[-1]))
-            lines = lines[:-1]
+            cut, lines = True, lines[:-1]
         else:  # a whole line without its newline (cut just before it, or an editor's save): the first line
             # appended ran on from it, two objects on one line
-            with path.open("ab") as f:
-                f.write(b"\n")
+            newline = True
+    done = _output_lines(path, lines, rows, kind)
+    # only now: a file that is no output (--output notes.txt by mistake) lost its last line to the cut, then was refused
+    if cut:
+        with path.open("r+b") as f:  # the partial line goes; the rest is kept as written
+            f.truncate(len(data) - len(data.split(b"\n")[-1]))
+    if newline:
+        with path.open("ab") as f:
+            f.write(b"\n")
+    return done
+
+
+def _output_lines(path: Path, lines: list[bytes], rows: list[Row], kind: LineKind) -> set[int]:
+    """done_lines' reading of the output's whole `lines`: the input lines they hold, each checked."""
     known = {r.line: r for r in rows}
     done: dict[int, int] = {}  # each input line's output line
     for number, raw in enumerate(lines, 1):

@@ -4262,6 +4262,14 @@ def test_resume_after_a_whole_last_line_without_its_newline_appends_on_a_line_of
         out.write_text(held)
         assert done_lines(out, rows) == {1}
         assert out.read_text() == first + "\n"
+    # a file that is no output (--output notes.txt by mistake), or another input's, is refused as it is: its last line
+    # was cut (or a newline added) before the lines above it were read and refused
+    other = json.dumps({"line": 1, "text": "t", "prompt": "another prompt"})
+    for held in ["my notes\nthe last line", "my notes\n" + first, other + "\n" + first[:10], other + "\n" + first]:
+        out.write_text(held)
+        with pytest.raises(ValueError, match="out.jsonl:1: "):
+            done_lines(out, rows)
+        assert out.read_text() == held
 
 
 def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_model_loads(tmp_path, capsys,
