@@ -121,7 +121,8 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
     ValueError naming NAME:LINE and its field, so no generation starts on a file that would fail part way."""
     rows = []
     # a byte-order mark (Notepad's "UTF-8 with BOM") is no part of the first line, as training's JSONL reading takes it
-    for number, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
+    data = data.removeprefix(b"\xef\xbb\xbf")
+    for number, raw in enumerate(data.split(b"\n"), 1):
         where = f"{name}:{number}"
         try:
             text = raw.decode("utf-8")
@@ -133,16 +134,35 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         try:
             obj = parse_json(text, object_pairs_hook=_one_value_a_key)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
+            raise _one_document(name, data) or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
         except _KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) was silently lost
             raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
                              "the last); give it once") from None
         if not isinstance(obj, dict):
-            raise ValueError(f"{where}: expected an object {kind.shape}, got {type(obj).__name__}")
+            raise _one_document(name, data) or ValueError(f"{where}: expected an object {kind.shape}, got "
+                                                          f"{type(obj).__name__}")
         rows.append(_row(obj, number, where, kind))
     if not rows:
         raise ValueError(f"{name}: no lines to generate from (every line is blank)")
     return rows
+
+
+def _one_document(name: str, data: bytes) -> ValueError | None:
+    """The error for a file that is one JSON document (a list of lines, a .json file, pretty-printed across lines)
+    rather than JSON Lines, None for any other: its first line was refused as 'not JSON (Expecting value, column
+    2)', which said nothing of why."""
+    try:
+        whole = parse_json(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if isinstance(whole, list):
+        what, jq = f"a list of {len(whole)} item{'' if len(whole) == 1 else 's'}", "jq -c '.[]'"
+    elif isinstance(whole, dict):  # (an object on one line is a line: this is one across several)
+        what, jq = "an object across several lines", "jq -c ."
+    else:
+        return None
+    return ValueError(f"{name}: is one JSON document ({what}), not JSON Lines: give each object a line of its own "
+                      f"({jq} writes them so)")
 
 
 class _KeyTwice(ValueError):

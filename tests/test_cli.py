@@ -4081,6 +4081,27 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     assert main(["generate", "--model", MODEL]) == 2 and "got neither" in capsys.readouterr().err
 
 
+def test_input_that_is_one_json_document_is_said_to_be_not_json_lines():
+    """A .json file of a list of prompts, or an object pretty-printed across lines, was refused by its first line as
+    'not JSON (Expecting value, column 2)', which said nothing of why: it is named as one JSON document, with how to
+    write JSON Lines. A JSON Lines file with a bad line is still refused by that line."""
+    from blockpress.batchfile import INFILL, read_rows
+
+    lines = [{"prompt": "a"}, {"prompt": "b", "id": 2}]
+    for data, what in [(json.dumps(lines, indent=2), "a list of 2 items"), (json.dumps(lines), "a list of 2 items"),
+                       (json.dumps(lines[1], indent=2), "an object across several lines")]:
+        with pytest.raises(ValueError) as err:
+            read_rows("p.json", b"\xef\xbb\xbf" + data.encode())
+        assert str(err.value).startswith(f"p.json: is one JSON document ({what}), not JSON Lines: give each object a "
+                                         "line of its own (jq -c ")
+    with pytest.raises(ValueError, match=re.escape("h.json: is one JSON document (a list of 1 item)")):
+        read_rows("h.json", json.dumps([{"template": "<|hole|>"}], indent=1).encode(), INFILL)
+    for data, said in [(b'{"prompt": "a"}\n{"prompt": \n', "p.jsonl:2: not JSON"),
+                       (b'{"prompt": "a"}\n[1]\n', "p.jsonl:2: expected an object")]:
+        with pytest.raises(ValueError, match=re.escape(said)):
+            read_rows("p.jsonl", data)
+
+
 def test_generate_input_refuses_a_system_message_beside_system_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """A messages line with a system message (or a "developer" one, OpenAI's name for it, which the template reads as
     system) beside --system is refused by FILE:LINE before the model loads: "developer" met the template's own
