@@ -76,6 +76,7 @@ from .sampling import (
 )
 
 MODELS_DIR = Path(__file__).parent / "models"
+DEFAULT_NEW_TOKENS = 256  # max_new_tokens for a call that gives none, when the checkpoint's settings say nothing
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
 Counts = int | Sequence[int] | torch.Tensor | np.ndarray
 # Token ids as prompt_to_ids reads them: a tensor or array [P] / [B, P], a list of ids, or a list of rows that may
@@ -834,7 +835,7 @@ class LM:
         """generation_config.json's `max_new_tokens`, else 256; max_length aside (see default_new_tokens)."""
         value = self.generation_config.get("max_new_tokens")
         if value is None:
-            return 256
+            return DEFAULT_NEW_TOKENS
         if not is_int(value) or value <= 0:
             raise ValueError(f"generation_config max_new_tokens: expected a positive integer, got {value!r}")
         return int(value)
@@ -1091,7 +1092,7 @@ class LM:
         if n is not None and not (is_int(n) and n >= 1):
             raise ValueError(f"num_return_sequences: expected a positive integer, got {n!r}")
         if n is not None and n > 1:
-            self._check_copies(call, args["prompt"], int(n))
+            self._check_copies(call, args["prompt"], int(n), args.get("max_new_tokens"), gen, args.get("cache"))
             if args.get("seeds") is not None:
                 raise ValueError("num_return_sequences: not with seeds (it gives each repeated row a seed of its "
                                  "own); pass one seed per row in seeds and repeat the prompt yourself")
@@ -1129,26 +1130,67 @@ class LM:
             lm._max_length_from = "call"
         return lm, args, given_as
 
-    def _check_copies(self, call: str, prompt: Any, n: int) -> None:
+    def _check_copies(self, call: str, prompt: Any, n: int, max_new_tokens: Any = None,
+                      settings: Mapping[str, Any] | None = None, cache: Any = None) -> None:
         """num_return_sequences' batch, the prompt's rows x `n`, before the rows are repeated: at most 2**31 - 1
         rows (past that the batch is absurd on any device, and a Python or torch size past int64 overflowed), and
         where the device's free memory is known (Linux's MemAvailable, CUDA's free memory), rows whose KV cache
-        fits in it at the least a generation holds: one canvas a row (generate_ar: one token). A floor, not a
-        forecast: the prompt's tokens and the step's work come on top (a huge n built a gigantic batch on the
-        host, then failed in torch's allocator, or raised OverflowError)."""
+        fits in it at the least a generation holds. A floor, not a forecast: the step's work comes on top (a huge
+        n built a gigantic batch on the host, then failed in torch's allocator, or raised OverflowError).
+        generate's cache grows a canvas at a time, so its floor is one canvas a row; generate_ar's (`_ar_floor`)
+        is allocated whole at the start, the prompt and every new token, with a float32 row of logits beside it
+        (`max_new_tokens` and `settings`: the call's; a `cache` given holds its slots already)."""
         rows = len(_repeat_rows(prompt, 1, "prompt"))
         total = rows * n
         what = f"{rows} prompt {'row' if rows == 1 else 'rows'} x {n} copies"
         if total >= 2**31:
             raise ValueError(f"num_return_sequences: {what} make {total} rows, past the 2**31 - 1 any batch may hold")
-        positions = 1 if call == "generate_ar" else self.config.canvas_length
-        nbytes = KVCache.allocation_bytes(self.config.text, self.dtype, total, positions)
+        if call == "generate_ar":
+            positions, extra, says = self._ar_floor(prompt, max_new_tokens, settings or self.generation_config, cache)
+        else:
+            positions, extra, says = self.config.canvas_length, 0, ""
+        nbytes = KVCache.allocation_bytes(self.config.text, self.dtype, total, positions) + total * extra
         free = available_bytes(self.device)
         if free is not None and nbytes > free:
             raise ValueError(f"num_return_sequences: {what} make {total} rows, whose KV cache needs at least "
                              f"{nbytes / 1e9:,.1f} GB on {self.device} ({positions} "
-                             f"{'token' if positions == 1 else 'tokens'} a row), but {free / 1e9:.1f} GB are "
+                             f"{'token' if positions == 1 else 'tokens'} a row{says}), but {free / 1e9:.1f} GB are "
                              "available")
+
+    def _ar_floor(self, prompt: Any, max_new_tokens: Any, settings: Mapping[str, Any],
+                  cache: Any = None) -> tuple[int, int, str]:
+        """What generate_ar allocates a row at the least, for `_check_copies`: (its cache's positions, the bytes beside
+        them, how the message says them). run_ar's cache holds the prompt's padded width, every new token and one
+        slot more from the start, and its logits are a float32 row of the vocabulary (10**7 copies of a one-token
+        prompt passed a floor of one position a row, then failed in torch's allocator). A prompt or count that
+        cannot be read counts as one token: the request's own checks name it after this. A conversation's `cache`
+        is in memory already: only a cache grown past its capacity is new."""
+        try:
+            width = int(prompt_to_ids(prompt, self.tokenizer, self.pad_id)[0].shape[1])
+        except (ValueError, TypeError):
+            width = 1
+        given = max_new_tokens.tolist() if getattr(max_new_tokens, "ndim", None) == 1 else max_new_tokens
+        counts = [c for c in (given if isinstance(given, (list, tuple)) else [given]) if is_int(c) and c > 0]
+        new = int(max(counts)) if counts else 1
+        setting: Any = settings.get("max_new_tokens")
+        length: Any = settings.get("max_length")
+        if given is None and setting is None and length is None:
+            new = DEFAULT_NEW_TOKENS
+        elif given is None and setting is not None:  # the call's settings, as default_new_tokens reads them
+            new = int(setting) if is_int(setting) and setting > 0 else 1
+        elif given is None:  # its max_length less the prompt
+            new = int(length) - width if is_int(length) and length > width else 1
+        # a count past the context is refused by _check_context: what the context leaves is all it could allocate
+        room = max(1, self.config.text.max_position_embeddings - width)
+        capped = " (what the context leaves)" if new > room else ""
+        new = min(new, room)
+        vocab = self.config.text.vocab_size
+        held = cache.length if isinstance(cache, KVCache) else 0
+        positions = held + width + new + 1
+        if isinstance(cache, KVCache) and positions <= cache.capacity:
+            return 0, 4 * vocab, f": the cache given holds them; {vocab:,} float32 logits"
+        cached = f"{held} cached + " if held else ""
+        return positions, 4 * vocab, f": {cached}{width} prompt + {new} new{capped} + 1, and {vocab:,} float32 logits"
 
     def _check_context(self, req: Request, cache: KVCache | None, canvas_length: int | None,
                        defaulted: bool = False) -> None:

@@ -5,9 +5,12 @@ nearest setting named. (Against the reference's own generate: tests/test_referen
 
 import warnings
 
+import hypothesis
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 import blockpress
 from blockpress.generate import Done
@@ -240,12 +243,16 @@ def test_num_return_sequences_past_any_batch_is_refused_before_the_rows_are_buil
         with pytest.raises(ValueError, match=rf"^num_return_sequences: {rows} prompt rows? x {2**63} copies make "
                                              rf"{rows * 2**63} rows, past the 2\*\*31 - 1 any batch may hold"):
             call(prompt, 2, num_return_sequences=2**63)
-    per_row = 1 if engine == "generate_ar" else lm.config.canvas_length
-    need = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, 2 * 10**6, per_row)
+    # generate_ar's cache holds the 6 prompt tokens, the 2 new ones and one more from the start, beside its logits
+    per_row = 6 + 2 + 1 if engine == "generate_ar" else lm.config.canvas_length
+    vocab = lm.config.text.vocab_size
+    logits = 2 * 10**6 * 4 * vocab if engine == "generate_ar" else 0
+    need = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, 2 * 10**6, per_row) + logits
+    says = rf": 6 prompt \+ 2 new \+ 1, and {vocab} float32 logits" if engine == "generate_ar" else ""
     monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: need - 1)
     with pytest.raises(ValueError, match=rf"^num_return_sequences: 2 prompt rows x 1000000 copies make 2000000 rows, "
                                          rf"whose KV cache needs at least {need / 1e9:,.1f} GB on cpu \({per_row} "
-                                         rf"tokens? a row\), but"):
+                                         rf"tokens a row{says}\), but"):
         call(ids, 2, num_return_sequences=10**6)
     monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: None)  # unknown (meta): 2**31 - 1 alone
     with pytest.raises(ValueError, match=r"^num_return_sequences: 2 prompt rows x 1073741824 copies make 2147483648"):
@@ -275,3 +282,46 @@ def test_num_return_sequences_repeats_per_row_stops():
         native = code.generate([p for p in prompts for _ in range(2)], 24, seeds=seeds,
                                stop=[s for s in stops for _ in range(2)])
     assert out.texts == native.texts and torch.equal(out.sequences, native.sequences)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@hypothesis.given(widths=st.lists(st.integers(1, 7), min_size=1, max_size=3), n=st.integers(2, 3),
+       budget=st.sampled_from([dict(max_new_tokens=3), dict(max_new_tokens="rows"), dict(max_length=12),
+                               dict(generation_config={"max_new_tokens": 2})]))
+def test_generate_ar_copies_floor_is_what_it_allocates(lm, monkeypatch, widths, n, budget):
+    """generate_ar's floor counted one cache slot a row: 10**7 copies of a one-token prompt passed it, then failed in
+    torch's allocator. It now counts what run_ar allocates before its first token (a cache of the prompt's padded
+    width, every new token and one slot more, and a float32 row of logits): a request the memory holds exactly runs,
+    one byte less is refused by name."""
+    prompt = [list(range(3, 3 + w)) for w in widths]
+    if budget == dict(max_new_tokens="rows"):  # one count per prompt row, the largest sizes the cache
+        budget = dict(max_new_tokens=[1 + r % 3 for r in range(len(widths))])
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: None)
+    out = lm.generate_ar(prompt, num_return_sequences=n, return_cache=True, **budget)
+    rows = len(widths) * n
+    held = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, rows, out.cache.capacity)
+    held += rows * 4 * lm.config.text.vocab_size
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: held)
+    assert torch.equal(lm.generate_ar(prompt, num_return_sequences=n, **budget).sequences, out.sequences)
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: held - 1)
+    with pytest.raises(ValueError, match=rf"^num_return_sequences: {len(widths)} prompt rows? x {n} copies make "
+                                         rf"{rows} rows, whose KV cache needs at least .* \({out.cache.capacity} "
+                                         rf"tokens a row: {max(widths)} prompt \+ \d+ new \+ 1, and"):
+        lm.generate_ar(prompt, num_return_sequences=n, **budget)
+
+
+def test_generate_ar_copies_floor_counts_a_given_cache_as_held(lm, ids, monkeypatch):
+    """A conversation's cache is in memory already: only the logits are new while it has room, its growth past it."""
+    cache = lm.new_cache(4, 64)
+    logits = 4 * 4 * lm.config.text.vocab_size
+    room = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, 4, 0) + logits
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: room - 1)
+    with pytest.raises(ValueError, match=r"^num_return_sequences: .* \(0 tokens a row: the cache given holds them; "):
+        lm.generate_ar(ids, 2, cache=cache, num_return_sequences=2)
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: room)
+    assert lm.generate_ar(ids, 2, cache=cache, num_return_sequences=2).sequences.shape == (4, 8)
+    grown = blockpress.KVCache.allocation_bytes(lm.config.text, lm.dtype, 4, cache.length + 6 + 60 + 1) + logits
+    monkeypatch.setattr(blockpress.lm, "available_bytes", lambda device: grown - 1)
+    with pytest.raises(ValueError, match=rf"^num_return_sequences: .* \({cache.length + 67} tokens a row: "
+                                         rf"{cache.length} cached \+ 6 prompt \+ 60 new \+ 1, and"):
+        lm.generate_ar(ids, 60, cache=cache, num_return_sequences=2)
