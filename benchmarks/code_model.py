@@ -13,6 +13,12 @@ Figures (JSON):
   penalties).
 - trailing_newline: parseable rate when the prompt ends with the `def` line's newline, as people type it,
   with and without token healing (`--healing-functions` of the same functions; 0 skips it).
+- space_infill: mid-line infills after a space (`--space-infills`, 0 skips them): a body line's text up to a space
+  inside it is a text template's fixed text, the rest of the line its hole (as long as running text's tokens of
+  the space and the rest), the lines after fixed behind it. Diffusion only, its holes as typed
+  (token_healing=False: the lone space token stays) and healed (infill's default: the space's position joins the
+  hole); `exact` is the rate of fills that are the line's rest, `double_space` of fills that start with whitespace
+  after the template's space.
 
     python benchmarks/code_model.py --model blockpress-code --functions 100
 """
@@ -31,13 +37,14 @@ from benchmark_args import Formatter, checkpoint, non_negative_int, positive_int
 from tqdm import tqdm
 
 import blockpress
-from blockpress.generate import canvas_positions
+from blockpress.generate import canvas_positions, escape_template
 from blockpress.sampling import SamplerConfig
 from blockpress.tasks.code import (
     completion_parses,
     completion_parses_without_loops,
     infill_cases,
     model_heldout_functions,
+    space_infill_cases,
 )
 
 PROMPT_MAX = 256  # a prompt's last tokens kept: the function's source up to its `def` line, cut to fit
@@ -74,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the one shipped with the model)")
     ap.add_argument("--functions", type=positive_int, default=100, help="held-out functions to complete")
     ap.add_argument("--infills", type=non_negative_int, default=100, help="single-line infills (0: skip them)")
+    ap.add_argument("--space-infills", type=non_negative_int, default=100,
+                    help="mid-line infills after a space, as typed and healed (0: skip them)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per completion")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the functions and seeds the sampler")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
@@ -166,6 +175,22 @@ def main() -> None:
     # null without cases (--infills 0): no rate was measured, and 0.0 would read as every infill missed
     result["diffusion"]["infill_exact"] = hits_diff / len(cases) if cases else None
     result["ar"]["infill_exact"] = hits_ar / len(cases) if cases else None
+
+    spaced = space_infill_cases(funcs, tok, lm.config.canvas_length, args.space_infills, args.seed)
+    if spaced:
+        result["space_infill"] = {"cases": len(spaced)}
+    for healing in (False, None) if spaced else ():  # None: infill's default, which heals a text template's holes
+        exact = double = 0
+        for i, case in enumerate(tqdm(spaced, desc=f"space infills, {'healed' if healing is None else 'as typed'}",
+                                      unit="infill", leave=False)):
+            prompt = tok.encode(case.before, add_bos=True)[-PROMPT_MAX:]
+            template = (escape_template("\n" + case.start, before_hole=True) + f"<|hole:{case.length}|>"
+                        + escape_template(case.suffix))
+            fill = lm.infill(template, prompt=[prompt], seed=args.seed + i, token_healing=healing, **options).fills[0][0]
+            exact += fill == case.target
+            double += fill[:1].isspace()
+        result["space_infill"]["healed" if healing is None else "as_typed"] = {
+            "exact": exact / len(spaced), "double_space": double / len(spaced)}
     print(json.dumps(result, indent=2))
 
 

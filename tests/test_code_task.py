@@ -12,6 +12,7 @@ from blockpress.tasks.code import (
     functions_in,
     heldout_functions,
     infill_cases,
+    space_infill_cases,
 )
 
 SOURCE = textwrap.dedent('''\
@@ -80,6 +81,9 @@ class CharTokenizer:
     def encode(self, text):
         return [ord(c) for c in text]
 
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
 
 def test_a_body_that_loops_parses_but_is_not_counted_by_the_strict_reading():
     from blockpress.tasks.code import (
@@ -128,6 +132,27 @@ def test_infill_cases_refuses_a_negative_limit():
     assert infill_cases(funcs, CharTokenizer(), canvas=64, limit=0, seed=0) == []
     with pytest.raises(ValueError, match="limit: expected a non-negative integer, got -1"):
         infill_cases(funcs, CharTokenizer(), canvas=64, limit=-1, seed=0)
+
+
+def test_space_infill_cases_cut_a_line_after_a_space_between_words():
+    funcs = functions_in(SOURCE, "m.py")
+    cases = space_infill_cases(funcs, CharTokenizer(), canvas=64, limit=10, seed=0)
+    assert cases
+    for case in cases:
+        assert case.start.endswith(" ") and not case.start[-2].isspace() and case.target[:1].strip()
+        assert "\n" not in case.start + case.target and case.length == len(" " + case.target)
+        assert not case.before.endswith("\n") and case.length + len(case.suffix) <= 64
+        assert case.before + "\n" + case.start + case.target + case.suffix in SOURCE  # the source, cut at the canvas
+
+
+@given(functions=st.integers(0, 8), limit=st.integers(0, 12), seed=st.integers(0, 3))
+def test_space_infill_cases_are_at_most_limit_and_the_same_first_ones(functions, limit, seed):
+    source = "".join(f"def f{k}(x):\n    y = x + {k}\n    return y\n\n" for k in range(functions))
+    funcs = functions_in(source, "m.py")
+    every = space_infill_cases(funcs, CharTokenizer(), canvas=64, limit=functions, seed=seed)
+    assert len(every) == functions  # each function here has a case: the limit is all that cuts them
+    assert all(c.start + c.target in (f"    y = x + {k}", "    return y") for k, c in enumerate(every))
+    assert space_infill_cases(funcs, CharTokenizer(), canvas=64, limit=limit, seed=seed) == every[:limit]
 
 
 def test_model_heldout_functions_reads_the_manifest(tmp_path):

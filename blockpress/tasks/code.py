@@ -164,3 +164,44 @@ def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, 
             continue
         cases.append(InfillCase(before, lines[i], hole, suffix[:room]))
     return cases
+
+
+@dataclass(frozen=True)
+class SpaceInfillCase:
+    before: str  # context and body lines above the hole's line, without the newline that ends them
+    start: str  # the hole's line up to and including a space ("    x = "): a template's fixed text before the hole
+    target: str  # the rest of the line, which the hole should recover ("compute(y)")
+    length: int  # the tokens of " " + target: running text merges the space into the target's first token
+    suffix: str  # the lines after, from their newline, cut to what fits on the canvas
+
+
+def space_infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int,
+                       seed: int) -> list[SpaceInfillCase]:
+    """One body line per function is cut after a space inside it (one following a word, followed by a word: the
+    template's fixed text ends in a lone space token, which running text never holds before a word); the rest of the
+    line is the hole. The hole is as long as running text's tokens of the space and the rest, which token healing
+    fills (the space's position opened into the hole, see blockpress.healing.heal_holes); the lines after follow it,
+    as far as the canvas holds them. At most `limit` cases (0: none), from the first functions that have one."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit: expected a non-negative integer, got {limit!r}")
+    rng = random.Random(seed)
+    cases: list[SpaceInfillCase] = []
+    for f in functions:
+        if len(cases) >= limit:
+            break
+        lines = f.body.split("\n")
+        cuts = [(i, k) for i, line in enumerate(lines[:-1]) if line.strip() and not line.strip().startswith("#")
+                for k in range(len(line) - len(line.lstrip()) + 1, len(line) - 1)
+                if line[k] == " " and not line[k - 1].isspace() and not line[k + 1].isspace()]
+        if not cuts:
+            continue
+        i, k = rng.choice(cuts)
+        target = lines[i][k + 1 :]
+        length = len(tokenizer.encode(" " + target))
+        room = canvas - length
+        suffix = tokenizer.encode("\n" + "\n".join(lines[i + 1 :]))[: max(0, room)]
+        if room < 4:
+            continue
+        cases.append(SpaceInfillCase(f.prompt_text + "".join("\n" + line for line in lines[:i]), lines[i][: k + 1],
+                                     target, length, tokenizer.decode(suffix)))
+    return cases
