@@ -313,10 +313,26 @@ class Message(BaseModel):
     # An assistant's thought, as this server answers it (vLLM's name): an agent loop sends the reply back as it came,
     # and a template such as Gemma 4's reads it (or leaves past thoughts out)
     reasoning_content: str | None = None
+    # The rest of an openai client's reply object (ChatCompletionMessage), which an agent loop sends back as
+    # `message.model_dump()` writes it, each null: a second turn was a 400 ("unknown field 'messages[1].refusal'").
+    # Null (annotations: also []) asks for nothing; a value this server cannot render is refused by name (check).
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+    unread: ClassVar[dict[str, str]] = {
+        "refusal": "this server's replies hold no refusals, and the chat template renders none",
+        "annotations": "the chat template renders none", "audio": "the reply is text",
+        "function_call": "send the call as tool_calls, which the chat template renders"}
 
     def check(self, i: int) -> None:
         """OpenAI's rules between the fields, as a 400 naming messages[i]'s field."""
         where = f"messages[{i}]"
+        for name, why in self.unread.items():
+            if getattr(self, name) not in (None, []):
+                accepted = "null or []" if name == "annotations" else "null"
+                raise APIError(400, f"{where}.{name}: not supported by this server ({why}; only {accepted} is "
+                                    "accepted)", f"{where}.{name}")
         if self.reasoning_content is not None and self.role != "assistant":
             raise APIError(400, f"{where}.reasoning_content: only an assistant message has a thought, not a "
                            f"{self.role!r} one", f"{where}.reasoning_content")

@@ -1507,6 +1507,29 @@ def test_openai_clients_message_shapes(server):
     assert image.status_code == 400 and image.json()["error"]["param"] == "messages[0].content"
 
 
+def test_a_reply_sent_back_as_the_openai_clients_model_dump_writes_it_is_taken(client):
+    """An agent loop that appends `reply.choices[0].message.model_dump()` sends the rest of the SDK's reply object
+    too, each null (refusal, annotations, audio, function_call): its second turn was a 400 naming an unknown field
+    'messages[1].refusal'. Null asks for nothing, so it reads as the message object itself; a value that would ask
+    for something is refused by name."""
+    first = [{"role": "user", "content": "hi"}]
+    message = client.chat.completions.create(model=MODEL, messages=first, max_tokens=4, seed=1).choices[0].message
+    dumped = message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+
+    def turn(sent):
+        return client.chat.completions.create(model=MODEL, messages=[*first, sent, {"role": "user", "content": "and?"}],
+                                              max_tokens=4, seed=2)
+
+    a, b = turn(message), turn(dumped)
+    assert (b.choices[0].message.content, b.usage.prompt_tokens) == (a.choices[0].message.content, a.usage.prompt_tokens)
+    for name, value in (("refusal", "I cannot."), ("annotations", [{"type": "url_citation"}]),
+                        ("function_call", {"name": "f", "arguments": "{}"})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            turn({**dumped, name: value})
+        assert refused.value.body["param"] == f"messages[1].{name}", refused.value.body
+
+
 def test_empty_prompt_and_full_queue_say_so(server):
     """An empty text is a prompt of BOS alone, as lm.generate("") and `blockpress generate ""` take it (the server
     alone refused it): the same answer and usage as BOS's id sent; no prompt, or one of no ids, is refused."""
