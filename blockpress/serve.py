@@ -850,14 +850,20 @@ class Engine:
         raise APIError(400, f"prompt: {prompts} prompts{per} ({prompts * each} jobs) {room}; send fewer prompts "
                             "a request", "prompt")
 
-    def submit(self, jobs: list[Job]) -> None:
-        """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), each
-        checked alone first (`check`)."""
+    def check_request(self, jobs: list[Job]) -> None:
+        """Refuse a request whose jobs can never fit the queue (check_room) or one the library would refuse (check),
+        before any of them is queued. The library reads every prompt id (3 ms for 4,000), so a handler runs this in a
+        worker thread (respond): on the event loop, 64 prompts of 4,000 ids held every other client (/health, each
+        stream's next chunk) 0.2 s."""
         if jobs:
             prompts = len({j.group for j in jobs})
             self.check_room(prompts, len(jobs) // prompts)  # a prompt's sampled choices (greedy ones are one job)
         for job in jobs:
             self.check(job)
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), once
+        check_request has passed them."""
         with self.lock:
             if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
                 raise APIError(503, "the server is shutting down", kind="server_error")
@@ -1445,6 +1451,9 @@ async def respond(engine: Engine, reply: Reply, body: _Common, request: Request)
     """Queue a request's jobs and answer it: one JSON object, or a stream of server-sent events."""
     if body.stream_options is not None and not body.stream:  # checked before any job is queued
         raise APIError(400, "stream_options: only with stream: true", "stream_options")
+    # the library's checks read every prompt id: off the event loop (Engine.check_request). Nothing is queued before
+    # they pass, so a client that leaves meanwhile leaves nothing behind.
+    await asyncio.to_thread(engine.check_request, reply.jobs)
     engine.submit(reply.jobs)  # a refused request counts in rejected_total; an answered one in requests_total
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage

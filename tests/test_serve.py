@@ -215,6 +215,28 @@ def test_a_value_only_the_library_refuses_fails_its_request_alone(server, monkey
     assert [r.status_code for r in rs[:2] + rs[3:]] == [200, 200, 200]
 
 
+def test_the_librarys_checks_of_a_request_run_off_the_event_loop(server, monkeypatch):
+    """Engine.check reads every prompt id (the library's checks: 3 ms for 4,000 ids). Run on the event loop, a
+    request of 64 prompts of 4,000 ids held /health and every stream's next chunk 0.2 s; a worker thread runs
+    them now, chat's and completions' alike, and a value they refuse is still that request's 400."""
+    engine = server[1].state.engine
+    on_loop, check = [], engine.check
+
+    def recording(job):
+        try:
+            on_loop.append(asyncio.get_running_loop() is not None)
+        except RuntimeError:  # no event loop in this thread
+            on_loop.append(False)
+        return check(job)
+
+    monkeypatch.setattr(engine, "check", recording)
+    common = {"model": MODEL, "max_tokens": 4, "n": 2, "temperature": 1.0}
+    assert httpx.post(server[0] + "/v1/completions", json={**common, "prompt": ["a", "b"]}, timeout=60).status_code == 200
+    assert httpx.post(server[0] + "/v1/chat/completions", timeout=60,
+                      json={**common, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert on_loop == [False] * 6
+
+
 # The sampler settings a request may send, each with values on both sides of the library's bounds.
 SAMPLER_FIELDS = {
     **{name: st.one_of(st.sampled_from([0.0, -0.0, 1.0, -1.0, 1e39]), st.floats(-2.0, 2.0))
