@@ -363,6 +363,29 @@ def test_a_list_of_many_bad_items_is_refused_at_its_first(server, body, bad):
     assert answers[0].status_code == 400 and answers[0].json() == answers[1].json()
 
 
+@pytest.mark.parametrize("route", ["completions", "messages", "parts", "stream_options"])
+def test_many_unknown_fields_are_refused_by_the_first(server, route):
+    """Each unknown field was an error of its own, read one by one on the event loop (100,000 unknown keys, 1.3 MB,
+    held every client 1.7 s for the 400): the first alone is reported, named as it was."""
+    from blockpress.serve import ChatRequest, CompletionRequest
+
+    def body(unknown):
+        extra = {f"k{i}": 1 for i in range(unknown)}
+        if route == "completions":
+            return {"model": MODEL, "prompt": "x", **extra}
+        if route == "stream_options":
+            return {"model": MODEL, "prompt": "x", "stream": True, "stream_options": extra}
+        content = [{"type": "text", "text": "x", **extra}] if route == "parts" else "x"
+        return {"model": MODEL, "messages": [{"role": "user", "content": content, **({} if route == "parts" else extra)}]}
+
+    kind, path = (CompletionRequest, "/v1/completions") if "prompt" in body(0) else (ChatRequest, "/v1/chat/completions")
+    with pytest.raises(pydantic.ValidationError) as refused:
+        kind.model_validate(body(5000))
+    assert refused.value.error_count() <= 2  # (content's forms: a text, a list of parts)
+    one, many = (httpx.post(server[0] + path, json=body(n), timeout=30) for n in (1, 5000))
+    assert one.status_code == 400 and one.json() == many.json() and "k0" in one.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("body, param, says", [
     ({"prompt": "\ud800"}, "prompt", "prompt: not valid UTF-8 (lone surrogate U+D800 at character 0)"),
     ({"prompt": "ab\udcff"}, "prompt", "prompt: not valid UTF-8 (byte 0xff at character 2)"),
