@@ -477,9 +477,15 @@ class RequireKey:
         await response(scope, receive, send)
 
 
+# The most bytes of a refused body read and dropped before its 413 (BodyLimit.drain), so that its connection closes
+# cleanly: past it the body is a client's mistake too large to wait for.
+DRAIN_BYTES = 64 << 20
+
+
 class BodyLimit:
-    """ASGI middleware: a request body of more than `limit` bytes gets a 413 in OpenAI's error shape, before any of
-    it is read when its Content-Length says so, else as soon as a chunked body passes the limit. FastAPI reads and
+    """ASGI middleware: a request body of more than `limit` bytes gets a 413 in OpenAI's error shape, none of it
+    kept when its Content-Length says so, else as soon as a chunked body passes the limit (the rest is read and
+    dropped first, up to `drain_bytes`: see drain). FastAPI reads and
     JSON-parses a body whole before any check of the handlers: a 200 MB prompt took 3.5 s and 300 MB of memory for
     the 400 its length got, and a list of prompts or tools each under the per-text bound had no bound at all. The
     body read here is handed on to the app as one message (it is read whole anyway), then the client's own, so
@@ -487,15 +493,16 @@ class BodyLimit:
     seconds without a byte (nginx's client_body_timeout): before, a connection that sent a Content-Length and then
     nothing was held open for good, so a few hundred such clients could take every file descriptor."""
 
-    def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0) -> None:
-        self.app, self.limit, self.idle_timeout = app, limit, idle_timeout
+    def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0, drain_bytes: int = DRAIN_BYTES) -> None:
+        self.app, self.limit, self.idle_timeout, self.drain_bytes = app, limit, idle_timeout, drain_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
         if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
-            return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than")
+            return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than", True,
+                                     int(declared[0]))
         chunks: list[bytes] = []
         size = 0
         message: dict[str, Any] = {"type": "http.request", "body": b"", "more_body": True}  # an ASGI message
@@ -506,7 +513,7 @@ class BodyLimit:
                 return await self.timed_out(scope, receive, send)
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await self.refuse(scope, receive, send, "is more than")
+                return await self.refuse(scope, receive, send, "is more than", message.get("more_body", False))
             chunks.append(message.get("body", b""))
         first = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}
                  if message["type"] == "http.request" else message]  # (a client that left mid-body: its disconnect)
@@ -521,10 +528,35 @@ class BodyLimit:
                               f"the request body stopped arriving: nothing came for {self.idle_timeout:g} s, so the "
                               "request was given up; send the whole body at once")
 
-    async def refuse(self, scope: dict, receive: Any, send: Any, size: str) -> None:
+    async def refuse(self, scope: dict, receive: Any, send: Any, size: str, more: bool,
+                     declared: int | None = None) -> None:
+        await self.drain(scope, receive, more, declared)
         await self.close_with(scope, receive, send, 413, "request_too_large",
                               f"the request body {size} the {self.limit} bytes this server takes (room for the "
                               "context's text as JSON; serve's --max-body-bytes sets it)")
+
+    async def drain(self, scope: dict, receive: Any, more: bool, declared: int | None) -> None:
+        """Read the rest of a refused body (`more`: some is still to come), dropping it, before the 413: a
+        connection closed with bytes of it unread is reset (TCP RST), which can destroy the answer on its way, so
+        the client read a connection error in place of the 413 (httpx's AsyncClient, the openai AsyncOpenAI
+        client's: 44 of 60 bodies of 3 MB), and an openai client sends the body again on a connection error. As
+        nginx's lingering close, within bounds: not past `drain_bytes` (nor a body declared longer: it is closed
+        at once), nor past `idle_timeout` without a byte, nor where the client waits for `100 Continue` before
+        it sends any (it reads the 413 first)."""
+        expects = [v for k, v in scope.get("headers", []) if k.lower() == b"expect"]
+        if not more or (declared is not None and declared > self.drain_bytes) or \
+                any(v.strip().lower() == b"100-continue" for v in expects):
+            return
+        drained = 0
+        while more and drained <= self.drain_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout)
+            except TimeoutError:
+                return
+            if message["type"] != "http.request":  # the client left
+                return
+            drained += len(message.get("body", b""))
+            more = message.get("more_body", False)
 
     @staticmethod
     async def close_with(scope: dict, receive: Any, send: Any, status: int, code: str, message: str) -> None:
@@ -1657,7 +1689,7 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
     call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model.
     `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
-    None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is read
+    None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is parsed
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a
     request may send (more: a 400 naming `stop`); each one is searched for in every row's text at every canvas on the
     engine thread that serves every client, so a million of them (5 MB of JSON) held it for seconds a canvas.
