@@ -948,6 +948,15 @@ class Engine:
         with self.lock:
             return sum(not j.cancelled.is_set() for j in self.waiting)
 
+    def running(self) -> int:
+        """The rows of running batches that hold a place of `max_batch`: those of clients that left not counted
+        (their rows stop within a step)."""
+        with self.lock:
+            return self._running()
+
+    def _running(self) -> int:
+        return sum(not j.cancelled.is_set() for batch in self.batches for j in batch.jobs)  # (the lock held)
+
     def _drop_cancelled(self) -> None:
         self.waiting = [j for j in self.waiting if not j.cancelled.is_set()]
 
@@ -981,7 +990,7 @@ class Engine:
         self._drop_cancelled()
         # A row whose client left is no longer computed and its cache row goes at its batch's next canvas: its place
         # is free now (it held a short request behind a long batch for the whole batch, 107 s for 0.5 s of work).
-        room = self.max_batch - sum(not j.cancelled.is_set() for batch in self.batches for j in batch.jobs)
+        room = self.max_batch - self._running()
         while self.waiting and room > 0:
             key = self.waiting[0].key()
             jobs = [j for j in self.waiting if j.key() == key][:room]
@@ -1868,12 +1877,13 @@ def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_
     @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_depth": served().engine.depth()}
+        engine = served().engine
+        return {"status": "ok", "queue_depth": engine.depth(), "running_rows": engine.running()}
 
     @app.get("/metrics")
     async def metrics():
         engine = served().engine
-        gauges = {"queue_depth": engine.depth()}
+        gauges = {"queue_depth": engine.depth(), "running_rows": engine.running()}
         if engine.prefix_cache is not None:
             gauges.update(prefix_cache_entries=len(engine.prefix_cache), prefix_cache_bytes=engine.prefix_cache.nbytes)
         return PlainTextResponse(engine.metrics.render(gauges))

@@ -684,6 +684,43 @@ def test_metrics_count_the_work_of_clients_that_left_and_the_requests_not_answer
     assert "# TYPE blockpress_cancelled_total counter" in text and "# TYPE blockpress_failed_total counter" in text
 
 
+def test_health_and_metrics_count_the_running_rows_and_clients_that_leave_free_them(server):
+    """/health and /metrics said how many rows wait (queue_depth), not how many run, so that rows left running for
+    nobody could not be seen from outside. running_rows counts the rows of running batches (those that hold a place
+    of --max-batch): a request's sampled choices while it runs, none once clients that left mid-stream or
+    mid-request are noticed."""
+    engine = server[1].state.engine
+    before = engine.metrics.counters["cancelled_total"]
+    long = {"model": MODEL, "prompt": "x", "max_tokens": 400, "min_tokens": 400, "max_denoising_steps": 4,
+            "stability_threshold": 100, "temperature": 1.0}  # every canvas takes its 4 steps
+
+    def gauges():
+        health, metrics = httpx.get(server[0] + "/health").json(), httpx.get(server[0] + "/metrics").text
+        assert f"blockpress_running_rows {health['running_rows']}\n" in metrics  # (both read now: none is running)
+        return health["running_rows"], health["queue_depth"]
+
+    longer = {**long, "max_tokens": 1600, "min_tokens": 1600, "max_denoising_steps": 8}  # (runs on past the check)
+    with httpx.stream("POST", server[0] + "/v1/completions", json={**longer, "n": 3, "seed": 1, "stream": True},
+                      timeout=60) as r:
+        lines = r.iter_lines()  # (kept: a dropped iterator closes the stream, as a client that leaves)
+        next(lines)  # the first chunk is in
+        assert httpx.get(server[0] + "/health").json()["running_rows"] == 3
+
+    def leave(i: int) -> None:
+        if i % 2:
+            with httpx.stream("POST", server[0] + "/v1/completions", json={**long, "seed": i, "stream": True},
+                              timeout=60) as r:
+                next(r.iter_lines())
+        else:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(server[0] + "/v1/completions", json={**long, "seed": i}, timeout=0.3)
+
+    with cf.ThreadPoolExecutor(10) as pool:
+        list(pool.map(leave, range(10)))
+    wait_idle(engine)
+    assert gauges() == (0, 0) and engine.metrics.counters["cancelled_total"] - before == 11
+
+
 def test_a_finished_batch_lets_go_of_its_stream_at_once(server, monkeypatch):
     """A batch's stream stops at its last event holding the batch's KV cache. The engine thread's list of the round
     it advanced kept the batches that finished in it until another round began, which an idle server never begins:
