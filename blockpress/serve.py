@@ -1611,23 +1611,30 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
         release(engine, reply, unanswered)  # a client that left frees its rows
 
 
+async def client_left(request: Request) -> None:
+    """Return once the client has closed the connection. Once a body is read whole, the next message the server
+    gives is the disconnect (or none until the answer is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
     """A request's answer as one JSON object, once every job is done."""
     choices, totals = [], Usage()
-    checked = time.monotonic()
     working = len(reply.jobs)
     unanswered: str | None = "failed_total"  # until every choice is in, or the client leaves
+    # A client that leaves frees its rows at once, as a stream's does: its leaving was asked twice a second, so a
+    # burst of clients that gave up held their queue places (429s to the next) for up to half a second more
+    left = asyncio.ensure_future(client_left(request))
     try:
         while working:
-            try:
-                job, item = await asyncio.wait_for(reply.events.get(), timeout=0.5)
-            except TimeoutError:
-                item = None
-            if time.monotonic() - checked > 0.5:  # twice a second, whether or not events keep coming
-                checked = time.monotonic()
-                if await request.is_disconnected():  # the client left: free its rows, as a stream does
-                    unanswered = "cancelled_total"
-                    raise APIError(499, "the client closed the connection", kind="client_closed")
+            event = asyncio.ensure_future(reply.events.get())
+            await asyncio.wait((event, left), return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():  # the client left
+                event.cancel()
+                unanswered = "cancelled_total"
+                raise APIError(499, "the client closed the connection", kind="client_closed")
+            job, item = event.result()
             if isinstance(item, JobError):
                 raise APIError(item.status, item.message if item.status == 503 else
                                f"generation failed: {item.message}", kind="server_error")
@@ -1640,6 +1647,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
         choices.sort(key=lambda c: c["index"])
         unanswered = None
     finally:
+        left.cancel()
         # Answered, failed, or the handler cancelled (uvicorn ends a shutdown's grace period so: a cut)
         release(engine, reply, unanswered)
     finished(engine, reply, totals)

@@ -567,6 +567,27 @@ def test_a_client_that_left_frees_its_place_in_the_queue_at_once(server):
     assert answer.result().status_code == 200
 
 
+def test_a_plain_request_whose_client_left_is_noticed_without_asking(server, monkeypatch):
+    """A plain request asked twice a second whether its client had left (request.is_disconnected), so a burst of
+    clients that gave up held their queue places, and got the next clients 429s, for up to half a second more. It
+    waits for the client's disconnect itself now, as a stream does: here one that is never asked is still seen."""
+    from starlette.requests import Request
+
+    async def never(self):
+        return False
+
+    monkeypatch.setattr(Request, "is_disconnected", never)
+    engine = server[1].state.engine
+    with queue_of(engine, 4):  # nothing starts: the request waits in the queue
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 3,
+                                                            "temperature": 1.0}, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while engine.depth():  # its 3 rows leave the queue
+            assert time.monotonic() < deadline, "the request's rows still wait for a client that left"
+            time.sleep(0.01)
+
+
 def test_a_request_is_queued_whole_or_not_at_all(server):
     """n choices that did not all fit used to get a 429 while the choices queued before it ran for nobody."""
     engine = server[1].state.engine
