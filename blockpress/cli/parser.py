@@ -330,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "canvases); a longer request gets a 400 naming max_tokens or the prompt and this limit (vLLM's "
                         "--max-model-len; default: the model's context, max_position_embeddings)")
     p.add_argument("--max-body-bytes", type=int, default=None, metavar="BYTES",
-                   help="the largest request body taken; a larger one gets a 413 before it is read (from its "
-                        "Content-Length, or as soon as a chunked body passes it). Default: room for the context's "
+                   help="the largest request body taken; a larger one gets a 413, none of it kept (from its "
+                        "Content-Length, or as soon as a chunked body passes it; the rest, up to 64 MiB, is read and "
+                        "dropped first so the client gets the answer). Default: room for the context's "
                         "text as JSON, 12 bytes a character of the longest text that could fit, plus 1 MiB "
                         "(4 MiB on blockpress-code)")
     p.add_argument("--max-stops", type=int, default=16, metavar="N",
