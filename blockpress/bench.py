@@ -36,6 +36,7 @@ from .checks import compile_failure
 from .config import ModelConfig, TextConfig
 from .generate import canvas_positions, device_sync
 from .lm import LM, random_model
+from .sampling import MAX_COUNT
 
 # What each figure of an engine's entry in a row means. "Diffusion engines": blockpress `generate`, its variants
 # (the AR ones excepted) and the reference. "After the prefill": from the end of the first encoder call to the end of the run.
@@ -104,6 +105,8 @@ class BenchSettings:
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
+        if self.steps > MAX_COUNT:  # the sampler's own bound: met only as the first row was timed, the model built
+            raise ValueError(f"steps: expected an integer in [1, {MAX_COUNT}], got {self.steps}")
         self._check_context(ModelConfig.preset(self.preset))  # an unknown preset: a clear error now
         if self.quantize is not None:
             from .quantize import check_scheme

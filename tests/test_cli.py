@@ -1405,6 +1405,8 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     (["--batch-sizes", "0"], "--batch-sizes: expected positive integers"),
     (["--canvas-lengths", "0"], "--canvas-lengths: expected positive integers"),
     (["--repeats", "0"], "--repeats: expected a positive integer"),
+    # the sampler's bound was met once the model was built and the first row timing (26b-a4b: 50 GB built first)
+    (["--steps", str(2**31)], f"--steps: expected an integer in [1, {2**31 - 1}], got {2**31}"),
     (["--device", "cuda"], "device: 'cuda' asked for, but this torch sees no CUDA GPU"),  # was torch's assertion
     (["--threads", "-1"], "--threads: expected 0"),
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
