@@ -12,6 +12,7 @@ from typing import Any
 
 from blockpress.cli.parser import DefaultsFormatter
 from blockpress.config import ModelConfig, preset_names
+from blockpress.sampling import MAX_COUNT
 
 RANDOM_PREFIX = "random-"  # serve_load's --model also takes random-<preset>, as `blockpress serve` does
 
@@ -20,13 +21,13 @@ class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
     """The module docstring as written, and each option's default after its help (as `blockpress --help`)."""
 
 
-def _int_at_least(least: int, what: str) -> Callable[[str], int]:
+def _int_at_least(least: int, what: str, most: int | None = None) -> Callable[[str], int]:
     def check(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < least:
+        if value is None or value < least or (most is not None and value > most):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
 
@@ -36,6 +37,14 @@ def _int_at_least(least: int, what: str) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1, "a positive integer")
 non_negative_int = _int_at_least(0, "an integer >= 0")
+
+
+def int_between(least: int, most: int) -> Callable[[str], int]:
+    """An integer in [least, most]: what a library call refuses past `most` was its traceback after the work before."""
+    return _int_at_least(least, f"an integer in [{least}, {most}]", most)
+
+
+step_count = int_between(1, MAX_COUNT)  # denoising steps, as the sampler takes them
 
 
 def best_seconds(run: Callable[[], object], repeats: int) -> float:

@@ -25,6 +25,7 @@ from benchmark_args import (
     positive_int,
     preset_name,
     preset_weights_that_cannot_fit,
+    step_count,
 )
 
 import blockpress
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--user-tokens", type=positive_int, default=48, help="tokens of each new user message / question")
     ap.add_argument("--turns", type=positive_int, default=6, help="chat turns, and independent requests of `shared`")
     ap.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per request")
-    ap.add_argument("--steps", type=positive_int, default=16, help="denoising steps per canvas (fixed)")
+    ap.add_argument("--steps", type=step_count, default=16, help="denoising steps per canvas (fixed)")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
     ap.add_argument("--repeats", type=positive_int, default=2,
                     help="runs of each engine, alternating; the fastest is kept")

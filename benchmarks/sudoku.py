@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from benchmark_args import Formatter, checkpoint, checkpoint_or_none, non_negative_int, positive_int
+from benchmark_args import Formatter, checkpoint, checkpoint_or_none, int_between, positive_int, step_count
 from tqdm import tqdm
 
 import blockpress
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the AR baseline checkpoint (same backbone, AR-trained; default: the one kept here; '' skips it)")
     ap.add_argument("--per-difficulty", type=positive_int, default=200,
                     help="fresh puzzles per difficulty (default 200: one puzzle is half a point)")
-    ap.add_argument("--steps", type=positive_int, default=None, help="max denoising steps (default: the model's)")
+    ap.add_argument("--steps", type=step_count, default=None, help="max denoising steps (default: the model's)")
     ap.add_argument("--sampler", default=None, choices=SAMPLERS, help="the sampler (default: the model's)")
     ap.add_argument("--batch", type=positive_int, default=25, help="puzzles decoded together")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also decode with the rule-aware option (reported separately as diffusion_rules)")
     ap.add_argument("--compare-skip", action="store_true",
                     help="also decode with stopped puzzles kept in the batch (skip_stopped_rows=False)")
-    ap.add_argument("--ensemble", type=non_negative_int, default=0,
+    # past MAX_VIEWS: a traceback after the first difficulty's plain run (200 puzzles: minutes)
+    ap.add_argument("--ensemble", type=int_between(0, sudoku_model.MAX_VIEWS), default=0,
                     help="also decode each puzzle as N pooled symmetric views (reported separately as "
                          "diffusion_ensemble; 0 or 1: off)")
     return ap

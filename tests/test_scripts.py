@@ -974,7 +974,11 @@ def run_script_in_process(script: str, argv: list[str], monkeypatch, capsys) -> 
     ("prefix_cache", ["--system-tokens", "-1"], "--system-tokens: expected an integer >= 0, got '-1'"),
     ("sudoku", ["--per-difficulty", "0"], "--per-difficulty: expected a positive integer"),  # was ZeroDivisionError
     ("sudoku", ["--batch", "x"], "--batch: expected a positive integer, got 'x'"),
-    ("sudoku", ["--ensemble", "-2"], "--ensemble: expected an integer >= 0"),
+    ("sudoku", ["--ensemble", "-2"], "--ensemble: expected an integer in [0, 64], got '-2'"),
+    # past what the library takes: a traceback once the model was loaded, after the first difficulty's plain run
+    ("sudoku", ["--ensemble", "65"], "--ensemble: expected an integer in [0, 64], got '65'"),
+    ("sudoku", ["--steps", str(2**31)], f"--steps: expected an integer in [1, {2**31 - 1}], got '{2**31}'"),
+    ("prefix_cache", ["--steps", str(2**31)], f"--steps: expected an integer in [1, {2**31 - 1}], got '{2**31}'"),
     ("code_model", ["--functions", "0"], "--functions: expected a positive integer"),
     ("code_model", ["--healing-functions", "-1"], "--healing-functions: expected an integer >= 0"),
     ("serve_load", ["--levels", "1", "0"], "--levels: expected a positive integer"),  # was a ThreadPool traceback

@@ -36,6 +36,8 @@ from .sudoku import (
     verify,
 )
 
+# The most symmetric views an ensemble takes: each view is a row of the batch, and 8 already add little over 4.
+MAX_VIEWS = 64
 _DIGIT_IDS = torch.tensor([VOCAB.digit_id(str(d)) for d in range(1, 10)])
 
 
@@ -69,9 +71,9 @@ def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Cal
 
 def symmetric_views(n: int, seed: int = 0) -> list[Symmetry]:
     """The identity, then n - 1 seeded random symmetries of the board."""
-    # each view is a row of the batch; 8 already add little over 4. is_int: a bool is no count (True ran as 1 view).
-    if not is_int(n) or not 1 <= n <= 64:
-        raise ValueError(f"ensemble: expected 1 to 64 views, got {n!r}")
+    # is_int: a bool is no count (True ran as 1 view)
+    if not is_int(n) or not 1 <= n <= MAX_VIEWS:
+        raise ValueError(f"ensemble: expected 1 to {MAX_VIEWS} views, got {n!r}")
     rng = random.Random(seed)
     return [Symmetry(tuple(range(81)), "0123456789")] + [random_symmetry(rng) for _ in range(n - 1)]
 
