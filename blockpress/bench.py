@@ -112,7 +112,12 @@ class BenchSettings:
             from .quantize import check_scheme
 
             check_scheme(self.quantize)
-        resolve_device(self.device)  # a device this torch lacks: a clear error now, not an assertion inside torch
+        # a device this torch lacks: a clear error now, not an assertion inside torch; meta (shapes only) was refused
+        # by the first row's generate, after the model was built and "warming up and timing" said
+        if resolve_device(self.device).type == "meta":
+            raise ValueError(f"device: {self.device!r} holds shapes only, so nothing runs there to time; give cpu or "
+                             f"cuda (`blockpress info --model random-{self.preset} --device meta` counts the preset "
+                             "without allocating)")
 
     def _check_context(self, cfg: ModelConfig) -> None:
         """Refuse, before any model is built, a run past the preset's context: the prompt and, for each canvas

@@ -1408,6 +1408,7 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     # the sampler's bound was met once the model was built and the first row timing (26b-a4b: 50 GB built first)
     (["--steps", str(2**31)], f"--steps: expected an integer in [1, {2**31 - 1}], got {2**31}"),
     (["--device", "cuda"], "device: 'cuda' asked for, but this torch sees no CUDA GPU"),  # was torch's assertion
+    (["--device", "meta"], "--device: 'meta' holds shapes only, so nothing runs there to time; give cpu or cuda"),
     (["--threads", "-1"], "--threads: expected 0"),
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
     (["--out", "/tmp"], "--out: '/tmp' is a folder"),
