@@ -256,7 +256,9 @@ def test_info_shows_the_context_length(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["max_position_embeddings"] == 96 and "context 96," in data["summary"]
     assert main(["info", "--model", str(tmp_path)]) == 0
-    assert re.search(r"^ *max_position_embeddings: 96$", capsys.readouterr().out, re.M)
+    text = capsys.readouterr().out
+    assert re.search(r"^ *max_position_embeddings: 96$", text, re.M)
+    assert len({line.index(": ") for line in text.splitlines()}) == 1  # one column of names, the longest's
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

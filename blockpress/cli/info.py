@@ -107,8 +107,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
+        width = max(map(len, info))  # a fixed 20 put the longer names' colons (kv_cache_bytes_per_token) out of line
         for k, v in info.items():
-            print(f"{k:>20}: {v}")
+            print(f"{k:>{width}}: {v}")
     return 0
 
 
