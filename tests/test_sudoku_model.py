@@ -526,3 +526,18 @@ def test_cli_reads_dashed_puzzles_and_points_one_that_starts_with_a_dash_past_ar
     with pytest.raises(SystemExit):  # argparse's error, before anything loads
         main(["sudoku", dashed, "--model", str(path)])
     assert "a puzzle that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- PUZZLE)" in capsys.readouterr().err
+
+
+def test_the_docs_give_the_shipped_sudoku_models_size_on_disk():
+    """README, RESULTS.md and quantization.md said 4.4 MB for a safetensors file of 4,349,296 bytes (what
+    `blockpress quantize` prints as 'against 4.3 MB for blockpress-sudoku')."""
+    import re
+
+    from blockpress.checkpoint import checkpoint_files
+    from blockpress.lm import resolve_path
+
+    megabytes = sum(f.stat().st_size for f in checkpoint_files(resolve_path("blockpress-sudoku"))) / 1e6
+    root = Path(__file__).resolve().parent.parent
+    said = [(page, float(m.group(1))) for page in ("README.md", "benchmarks/RESULTS.md", "docs/quantization.md")
+            for m in re.finditer(r"blockpress-sudoku`? ?[:(][^\n]{0,50}?\b(\d+\.\d) MB", (root / page).read_text())]
+    assert len(said) == 3 and all(size == round(megabytes, 1) for _, size in said), (said, megabytes)
