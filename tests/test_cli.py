@@ -1415,6 +1415,7 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     (["--out", "/no/such/folder/b.json"], "--out: no folder"),
     (["--out", "/tmp"], "--out: '/tmp' is a folder"),
     (["--plot", "/tmp/b.txt"], "--plot: expected a file ending in one of .png"),
+    (["--out", "/tmp/b.png", "--plot", "/tmp/./b.png"], "--out: '/tmp/b.png' is the --plot file too; give the JSON"),
 ])
 def test_bench_bad_arguments_fail_before_running(args, message, monkeypatch, capsys):
     """In process, through main() (a subprocess each paid torch's import: about 3 s apiece); a bench that ran

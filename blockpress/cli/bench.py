@@ -37,6 +37,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # the first write, after the first row (minutes at a large preset), was the first to find it
             raise ValueError(f"{flag}: cannot write into the folder {str(Path(path).parent)!r} (read-only, or not "
                              "yours)")
+    if args.out and args.plot and Path(args.out).resolve() == Path(args.plot).resolve():  # the plot, written after
+        # the JSON each row, replaced it: the run ended 0 with its --out an image
+        raise ValueError(f"--out: {args.out!r} is the --plot file too; give the JSON and the plot a file each")
     if args.plot and Path(args.plot).suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise ValueError(f"--plot: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
                          f"got {args.plot!r}")
