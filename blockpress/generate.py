@@ -11,6 +11,7 @@ import inspect
 import numbers
 import re
 import time
+from array import array
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -402,7 +403,9 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.as_tensor(list(r), dtype=torch.long)
+        # through an int64 array, read in C: torch.as_tensor reads a list one Python int at a time (4 ms per
+        # 30,000 ids against 1 ms)
+        ids[i, width - len(r) :] = torch.frombuffer(array("q", r), dtype=torch.long)
         mask[i, width - len(r) :] = 1
     return ids, (None if bool(mask.all()) else mask)
 
@@ -446,10 +449,14 @@ def _id_row(row: Any, name: str) -> list[int]:
         return row.tolist()
     if not isinstance(row, (list, tuple)):
         raise ValueError(f"{name}: expected integer token ids, got {row!r}")
-    odd = [t for t in row if not is_int(t)]
-    if odd:  # torch would truncate 1.5 to 1 and read True as 1, silently
-        raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
-    return [int(t) for t in row]
+    # is_int asks of a value's type alone, so each type the row holds is asked once (set(map(type, ...)) runs in C):
+    # is_int on every id took 25 ms per 30,000, what a server's batch paid for each such prompt as it started
+    kinds = set(map(type, row))
+    if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in kinds):
+        odd = [t for t in row if not is_int(t)]
+        if odd:  # torch would truncate 1.5 to 1 and read True as 1, silently
+            raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
+    return list(row) if kinds <= {int} else list(map(int, row))
 
 
 def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[list[int]]:
@@ -476,8 +483,11 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
         rows = [_id_row(r, name) for r in ids] if nested else [_id_row(ids, name)]
         if any(not r for r in rows):
             raise ValueError(f"{name}: every row needs at least one token id")
-        for token in (token for r in rows for token in r):
-            if not 0 <= token < 2**63:  # beyond int64 torch would fail with an overflow; the vocabulary check comes later
+        # beyond int64 torch would fail with an overflow; the vocabulary check comes later. (min and max run in C;
+        # the first bad id is looked for only in a row that holds one.)
+        for r in rows:
+            if min(r) < 0 or max(r) >= 2**63:
+                token = next(t for t in r if not 0 <= t < 2**63)
                 raise ValueError(f"{name}: token id {token} is not a token id (expected 0 <= id < vocab_size)")
         return rows
     empty = isinstance(ids, (list, tuple, str)) and not ids

@@ -540,6 +540,63 @@ def test_every_container_of_ids_reads_like_lists(rows, kinds):
         assert torch.equal(prompt_to_ids(given_rows[0], None, PAD)[0], want_ids)
 
 
+def ids_read_one_by_one(rows):
+    """read_token_ids' rule for lists of ids, asked of each id in turn: the rows as plain ints, or the error (its
+    text after "prompt: ") for the first id that is not an integer (a bool is not), then for an empty row, then for
+    the first id outside int64's 0 <= id < 2**63."""
+    import numbers
+
+    for row in rows:
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                return f"expected integer token ids, got {t!r}"
+    if any(len(row) == 0 for row in rows):
+        return "every row needs at least one token id"
+    for row in rows:
+        for t in row:
+            if not 0 <= t < 2**63:
+                return f"token id {t} is not a token id (expected 0 <= id < vocab_size)"
+    return [[int(t) for t in row] for row in rows]
+
+
+id_values = st.one_of(st.integers(0, 95), st.integers(0, 95).map(np.int64), st.integers(0, 95).map(np.uint8),
+                      st.integers(-3, -1), st.integers(2**63 - 1, 2**63 + 1), st.booleans(), st.just(1.5),
+                      st.just(np.float64(2)), st.none())
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.one_of(st.integers(0, 95), id_values), max_size=6), min_size=1, max_size=4))
+def test_lists_of_ids_are_read_as_each_id_alone_reads(rows):
+    """read_token_ids asks is_int of each type a row holds, and min / max of each row, where it asked of each id
+    (25 ms per 30,000 ids): any mix of ints, numpy integers, bools, floats, None, negative and past-int64 ids
+    reads to the same plain-int rows, or the same error naming the same first bad id, and prompt_to_ids pads
+    them as torch reads each row."""
+    from blockpress.generate import prompt_to_ids, read_token_ids
+
+    # the rows, and the first alone as one flat list of ids where it reads as one (it starts with an id)
+    flat = [(rows[0], [rows[0]])] if rows[0] and is_an_id(rows[0][0]) else []
+    for given_ids, as_rows in [*flat, (rows, rows)]:
+        want = ids_read_one_by_one(as_rows)
+        if isinstance(want, str):
+            with pytest.raises(ValueError, match=f"^prompt: {re.escape(want)}$"):
+                read_token_ids(given_ids, "prompt")
+            continue
+        got = read_token_ids(given_ids, "prompt")
+        assert got == want and all(type(t) is int for row in got for t in row)
+        ids, mask = prompt_to_ids(given_ids, None, PAD)
+        width = max(len(row) for row in got)
+        for r, row in enumerate(got):
+            assert ids[r, width - len(row):].tolist() == row
+            assert ids[r, : width - len(row)].eq(PAD).all() and (mask is None or mask[r].sum() == len(row))
+
+
+def is_an_id(value) -> bool:
+    """Whether read_token_ids reads a list starting with `value` as one row of ids (not a list of rows)."""
+    from blockpress.checks import is_int
+
+    return is_int(value)
+
+
 def hint_admits(value, hint) -> bool:
     """Whether a type checker takes `value` where `hint` is written, for the values these tests build: unions,
     Sequence[X] and Mapping[K, V] element by element, Any, None and plain classes."""
