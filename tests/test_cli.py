@@ -4121,6 +4121,23 @@ def test_generate_input_refuses_a_system_message_beside_system_before_the_model_
                                            "--system gives one too; drop one\n")
 
 
+def test_generate_input_names_messages_in_a_chat_template_error(tmp_path, capsys, monkeypatch):
+    """A messages line the chat template refuses (its raise_exception) is named by FILE:LINE and its messages field,
+    where 'in.jsonl:3: Chat template error: ...' named no field; with --system, as the messages after its message.
+    The template's own text names no message, so the error names none either; nothing is generated."""
+    monkeypatch.setattr(blockpress.LM, "generate", lambda *a, **kw: pytest.fail("a row was generated"))
+    tokenizer = blockpress.load(MODEL).tokenizer
+    late_system = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Be brief."}]
+    tool = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]  # a role the template has not
+    for messages, flags, field in ((late_system, [], "messages"), (tool, [], "messages"),
+                                   (tool, ["--system", "Be kind."], "messages (after --system's message)")):
+        with pytest.raises(ValueError, match="^Chat template error: ") as refused:
+            tokenizer.apply_chat_template(messages)
+        src = write_input(tmp_path / "in.jsonl", [INPUT_LINES[0], {"messages": messages}])
+        assert main(["generate", "--input", str(src), "--model", MODEL, *flags]) == 2
+        assert capsys.readouterr().err == f"blockpress generate: error: {src}:3: {field}: {refused.value}\n"
+
+
 def test_generate_output_is_not_overwritten_and_resume_appends_the_rest(tmp_path, capsys, monkeypatch):
     """An existing --output is refused unless --overwrite; --resume over a run cut short (two lines and half a
     third) generates only the lines it lacks, and the file ends as one whole run's."""

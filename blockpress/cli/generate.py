@@ -207,6 +207,7 @@ def generate_file(args: argparse.Namespace) -> int:
     from blockpress.batchfile import GENERATE, read_input
     from blockpress.generate import encode_texts
     from blockpress.healing import heal
+    from blockpress.tokenizer import TemplateRaised
 
     if args.ar:
         check_ar_flags(args)
@@ -246,7 +247,14 @@ def generate_file(args: argparse.Namespace) -> int:
         try:
             if chat:
                 given = row.messages if row.messages is not None else [{"role": "user", "content": row.prompt}]
-                ids = lm.chat_prompt([*system_turn(args), *given], **args.chat_template_kwargs)
+                try:
+                    ids = lm.chat_prompt([*system_turn(args), *given], **args.chat_template_kwargs)
+                except TemplateRaised as exc:  # the template's raise_exception, about the line's messages: named
+                    # so (its text is the template's own, which names no message, so none is guessed at here)
+                    if row.messages is None:
+                        raise
+                    after = " (after --system's message)" if args.system is not None else ""
+                    raise ValueError(f"messages{after}: {exc}") from None
             else:
                 ids = encode_texts([row.prompt or ""], lm.tokenizer)[0]  # (a line without messages has a prompt)
             healing = wanted and not chat
