@@ -4087,6 +4087,30 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     assert main(["generate", "--model", MODEL]) == 2 and "got neither" in capsys.readouterr().err
 
 
+def test_input_whose_lines_end_in_cr_alone_is_said_to():
+    """A file saved with classic Mac OS line endings (a CR alone) was one line to the reader, refused as 'not JSON
+    (Extra data, column 17)', which said nothing of why: the endings are named, with how to save it; its lines
+    saved with LF or CRLF read as the rows they are, and a bad line with no CR in it is refused as before."""
+    from blockpress.batchfile import GENERATE, INFILL, read_rows
+
+    for kind, lines in ((GENERATE, [{"prompt": "a"}, {"prompt": "b", "id": 2}, {"messages": [{"role": "user",
+                                                                                             "content": "c"}]}]),
+                        (INFILL, [{"template": "x = <|hole|>"}, {"template": "<|hole:2|>"}, {"template": "<|hole|>;"}])):
+        texts = [json.dumps(x).encode() for x in lines]
+        want = read_rows("in.jsonl", b"\n".join(texts) + b"\n", kind)
+        assert [r.line for r in want] == list(range(1, len(lines) + 1))
+        assert read_rows("in.jsonl", b"\r\n".join(texts) + b"\r\n", kind) == want
+        for data in (b"\r".join(texts) + b"\r", b"\r".join(texts), texts[0] + b"\n" + b"\r".join(texts[1:])):
+            where = "in.jsonl:1" if data.startswith(b"\r".join(texts[:2])) else "in.jsonl:2"
+            with pytest.raises(ValueError) as err:
+                read_rows("in.jsonl", data, kind)
+            assert str(err.value) == (f"{where}: is several lines ended by a CR alone (as classic Mac OS saved text), "
+                                      "not by LF or CRLF: save the file with LF or CRLF line endings (tr '\\r' '\\n' "
+                                      "writes them so)")
+    with pytest.raises(ValueError, match=re.escape("p.jsonl:2: not JSON (Extra data, column 17)")):
+        read_rows("p.jsonl", b'{"prompt": "a"}\n{"prompt": "b"} {"prompt": "c"}\r\n')
+
+
 def test_input_that_is_one_json_document_is_said_to_be_not_json_lines():
     """A .json file of a list of prompts, or an object pretty-printed across lines, was refused by its first line as
     'not JSON (Expecting value, column 2)', which said nothing of why: it is named as one JSON document, with how to
