@@ -197,6 +197,11 @@ def _unmasked_to_pad(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torc
     return ids.masked_fill(mask.to(ids.device) == 0, pad_id)
 
 
+def _token_rows(ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[int]]:
+    """Each row's token ids, its padding (0 in `mask`) left out; mask None: every position is a token."""
+    return ids.tolist() if mask is None else [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+
+
 def _padding_to_the_left(
     ids: torch.Tensor, mask: torch.Tensor, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -206,7 +211,7 @@ def _padding_to_the_left(
     a right-padded short row are all padding. The result stays on the ids' device."""
     if not bool((mask[:, :-1] > mask[:, 1:]).any()):
         return ids, mask
-    left, left_mask = left_pad([r[m.bool()].tolist() for r, m in zip(ids, mask)], pad_id)
+    left, left_mask = left_pad(_token_rows(ids, mask), pad_id)
     return left.to(ids.device), None if left_mask is None else left_mask.to(ids.device)
 
 
@@ -955,7 +960,7 @@ class LM:
             if self.tokenizer is None:
                 raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
         if token_healing and template is None:
-            rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
+            rows = _token_rows(ids, mask)
             healed = [heal(self.tokenizer, row) for row in rows]
             ids, mask = left_pad([h.ids for h in healed], pad_id)
         v = self.config.text.vocab_size
@@ -1001,7 +1006,7 @@ class LM:
             seed = 0
         if heal_holes and parsed is not None:  # (heal_holes: a template was given, parsed above)
             if is_text_template(prompt):  # a text prompt's trailing space joins a hole the template starts with
-                rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] if mask is not None else ids.tolist()
+                rows = _token_rows(ids, mask)
                 moved, parsed = heal_into_template(self.tokenizer, rows, parsed)
                 if any(h.prefix for h in moved):
                     ids, mask = left_pad([h.ids for h in moved], pad_id)
