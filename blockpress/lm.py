@@ -243,10 +243,15 @@ def _device_argument(device: Any) -> Any:
     return "cpu" if device is None else device
 
 
+def _check_function(value: Any, name: str, signature: str) -> Any:
+    """`value` where it is None or callable, else a ValueError naming `name` and the function it takes."""
+    if value is not None and not callable(value):
+        raise ValueError(f"{name}: expected a function {signature}, got {type(value).__name__}")
+    return value
+
+
 def _check_logits_processor(processor: Any) -> Any:
-    if processor is not None and not callable(processor):
-        raise ValueError(f"logits_processor: expected a function (logits, rows) -> logits, got {type(processor).__name__}")
-    return processor
+    return _check_function(processor, "logits_processor", "(logits, rows) -> logits")
 
 
 def _chat_copies(kwargs: dict[str, Any], cache: KVCache | None) -> int:
@@ -1337,10 +1342,8 @@ class LM:
             with _named_as_given(given_as):
                 return lm.stream(**args)
         _check_keywords("stream", STREAM_OPTIONS, sampler_options)
-        if cancelled is not None and not callable(cancelled):
-            raise ValueError(f"cancelled: expected a function () -> bool, got {type(cancelled).__name__}")
-        if constraint is not None and not callable(constraint):
-            raise ValueError(f"constraint: expected a function (draft, settled) -> banned, got {type(constraint).__name__}")
+        _check_function(cancelled, "cancelled", "() -> bool")
+        _check_function(constraint, "constraint", "(draft, settled) -> banned")
         check_flag("skip_stopped_rows", skip_stopped_rows)
         check_flag("return_cache", return_cache)
         check_flag("drafts", drafts)
