@@ -808,14 +808,14 @@ class LM:
                 raise ValueError("self_conditioning_logits: a position has no distribution (NaN or +inf logits, or "
                                  "every token -inf); expected finite logits, -inf only for tokens it rules out")
         if self_conditioning_mask is not None:
+            expected = (f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one flag per "
+                        "canvas row)")
             try:  # a list of flags is taken as the tensor it reads as
                 mask = torch.as_tensor(self_conditioning_mask)
             except (TypeError, ValueError, RuntimeError):  # None in a list, a dict: torch's 'Could not infer dtype'
-                raise ValueError(f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one "
-                                 f"flag per canvas row), got {type(self_conditioning_mask).__name__}") from None
+                raise ValueError(f"{expected}, got {type(self_conditioning_mask).__name__}") from None
             if mask.dtype != torch.bool or tuple(mask.shape) != (canvas.shape[0],):
-                raise ValueError(f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one "
-                                 f"flag per canvas row), got {mask.dtype} {list(mask.shape)}")
+                raise ValueError(f"{expected}, got {mask.dtype} {list(mask.shape)}")
             if self_conditioning_logits is None:
                 raise ValueError("self_conditioning_mask: says which rows get self_conditioning_logits, which are None")
             self_conditioning_mask = mask.to(self.device)

@@ -134,7 +134,8 @@ def test_self_conditioning_mask(lm, ref_checkpoint):
     assert (ours[0] - lm.logits(prompt[:1], canvas[:1], self_conditioning_logits=sc[:1])[0]).abs().max() <= TOL
     # not a tensor at all: torch.as_tensor's RuntimeError ('Could not infer dtype of dict') named no argument
     for bad in (torch.tensor([1, 0, 1]), torch.tensor([True, False]), [True, None, True], {"rows": 3}, object()):
-        with pytest.raises(ValueError, match=r"self_conditioning_mask: expected a bool tensor of shape \[3\]"):
+        with pytest.raises(ValueError, match=r"self_conditioning_mask: expected a bool tensor of shape \[3\] "
+                                              r"\(one flag per canvas row\), got \w"):
             lm.logits(prompt, canvas, self_conditioning_logits=sc, self_conditioning_mask=bad)
     with pytest.raises(ValueError, match="self_conditioning_mask: says which rows"):
         lm.logits(prompt, canvas, self_conditioning_mask=mask)
