@@ -66,13 +66,12 @@ from .model import DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_cast, check_runs, check_scheme
 from .sampling import (
-    IN_FLOAT32,
     ROW_SETTINGS,
     TEMPERATURE_HINT,
     SamplerConfig,
     check_row_setting,
+    check_temperature,
     choice_seed,
-    is_float32,
 )
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -1641,10 +1640,8 @@ class LM:
                 raise ValueError(f"temperature[{zero}]: 0 (greedy) is a whole batch's setting, not one row's (greedy "
                                  "takes the argmax where the other rows draw); pass temperature=0, or one > 0 for "
                                  "every row")
-        elif temperature is not None and (isinstance(temperature, Sequence)  # a str (_as_rows listed the others)
-                                          or not (is_float32(temperature) and temperature >= 0)):
-            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
-                             f"{temperature!r}")
+        elif temperature is not None:  # (a str too: _as_rows listed the others)
+            check_temperature(temperature)
         if sampler is not None and not isinstance(sampler, SamplerConfig):
             raise ValueError(f"sampler: expected a SamplerConfig (its candidate draw and penalties are used) or None, "
                              f"got {sampler!r}; generate_ar has no acceptance rule: for greedy pass temperature=0")

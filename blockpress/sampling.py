@@ -35,6 +35,12 @@ def is_float32(value: Any) -> bool:
     return is_finite_number(value) and abs(value) <= FLOAT32_MAX
 
 
+def check_temperature(temperature: Any) -> None:
+    """One temperature for a whole batch (OpenAI's, generate_ar's): a number >= 0 that float32 holds, 0 greedy."""
+    if not is_float32(temperature) or temperature < 0:
+        raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got {temperature!r}")
+
+
 # The largest top_k, stability_threshold and max_denoising_steps, counts that meet int32/int64 tensors: unbounded, a
 # value past int64 (a client's 10**30) was accepted and then failed the step, and with top_k the tensor of a whole
 # batch's values; a step count past int32 failed the first step's temperature (an int32 tensor) with torch's
@@ -248,9 +254,7 @@ class SamplerConfig:
         habit, so it is not refused as a draw_temperature would be); argmax candidates become draws."""
         if temperature is None:
             return self
-        if not is_float32(temperature) or temperature < 0:
-            raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got "
-                             f"{temperature!r}")
+        check_temperature(temperature)
         if temperature == 0:
             return self if self.sampler == "greedy" else self.with_(candidates="argmax")
         if self.sampler == "greedy" and sampler_given:
