@@ -645,11 +645,14 @@ class CanvasState:
     settled: torch.Tensor  # [B, C] bool: positions holding an accepted or fixed token (the rest is noise)
 
 
+# CanvasState's [B, ...] tensors but sc_probs (which may be None): what take_rows and put_rows move
+_ROW_TENSORS = ("canvas", "argmax", "stable_steps", "done", "accepted", "settled")
+
+
 def take_rows(state: CanvasState, rows: torch.Tensor) -> CanvasState:
     """The state of the rows `rows` only (a sub-batch)."""
     sc = None if state.sc_probs is None else state.sc_probs.index_select(0, rows)
-    names = ("canvas", "argmax", "stable_steps", "done", "accepted", "settled")
-    return CanvasState(sc_probs=sc, **{n: getattr(state, n).index_select(0, rows) for n in names})
+    return CanvasState(sc_probs=sc, **{n: getattr(state, n).index_select(0, rows) for n in _ROW_TENSORS})
 
 
 def put_rows(state: CanvasState, rows: torch.Tensor, sub: CanvasState) -> CanvasState:
@@ -658,8 +661,7 @@ def put_rows(state: CanvasState, rows: torch.Tensor, sub: CanvasState) -> Canvas
     The result carries no self-conditioning probabilities: it is for reading (drafts, the commit), while
     denoising continues on `sub`, which keeps them.
     """
-    names = ("canvas", "argmax", "stable_steps", "done", "accepted", "settled")
-    return CanvasState(sc_probs=None, **{n: getattr(state, n).index_copy(0, rows, getattr(sub, n)) for n in names})
+    return CanvasState(sc_probs=None, **{n: getattr(state, n).index_copy(0, rows, getattr(sub, n)) for n in _ROW_TENSORS})
 
 
 def init_state(canvas: torch.Tensor, fixed: torch.Tensor | None = None) -> CanvasState:
