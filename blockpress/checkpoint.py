@@ -818,6 +818,7 @@ def save_model(
     model: DiffusionGemma,
     path: str | Path,
     passthrough: Passthrough | None = None,
+    *,
     max_shard_bytes: int = 4 << 30,
     metadata: dict[str, str] | None = None,
     files: StagedFiles | None = None,

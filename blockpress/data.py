@@ -115,7 +115,7 @@ def _ids_field(obj: dict, key: str, where: str) -> list[int]:
 
 
 
-def parse_examples(obj: Any, tokenizer: Any, where: str, vocab_size: int | None = None,
+def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | None = None,
                    context: tuple[int, int, int | None] | None = None, chat_turns: str = "all",
                    cut: list[tuple[str, bool]] | None = None) -> list[Example]:
     """The examples of one JSONL record: {"prompt", "response"} text, {"prompt_ids", "response_ids"}, or a
@@ -408,7 +408,8 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
     records = (record for file in jsonl_files(path) or [Path(path)] for record in jsonl_objects(file))
     for where, obj in records:
         try:
-            out += parse_examples(obj, tokenizer, where, vocab_size, context, chat_turns, cut)
+            out += parse_examples(obj, tokenizer, where, vocab_size=vocab_size, context=context,
+                                  chat_turns=chat_turns, cut=cut)
         except (ValueError, TypeError) as exc:  # the tokenizer's and chat template's own messages lack the line
             message = str(exc)
             raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None

@@ -1696,7 +1696,7 @@ def warm_up(app: FastAPI) -> None:
             engine.prefix_cache.clear()
 
 
-def create_app(lm: LM, model_name: str = "blockpress", max_queue: int = 64, max_batch: int = 8,
+def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), api_key: str | None = None,
                max_body_bytes: int | None = None, max_stops: int = 16,

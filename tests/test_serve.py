@@ -2902,6 +2902,21 @@ def test_create_app_is_hinted_with_the_model_it_takes():
     assert typing.get_type_hints(create_app)["lm"] is blockpress.LM
 
 
+@pytest.mark.parametrize("function, positional", [("blockpress.serve.create_app", ["lm", "model_name"]),
+                                                  ("blockpress.checkpoint.save_model", ["model", "path", "passthrough"]),
+                                                  ("blockpress.data.parse_examples", ["obj", "tokenizer", "where"])])
+def test_a_helpers_options_after_what_it_works_on_are_keywords(function, positional):
+    """create_app's nine server options, save_model's five and parse_examples' four are keywords: as positions
+    (parse_examples was called with seven, create_app took eleven) two ints or two Nones of a row swap unseen."""
+    import importlib
+    import inspect
+
+    module, name = function.rsplit(".", 1)
+    parameters = inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
+    assert [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    assert all(p.kind is p.KEYWORD_ONLY for p in parameters if p.name not in positional)
+
+
 @pytest.mark.parametrize("max_batch, batches, eos_first", [(8, [1, 1, 2, 2], False), (1, [1, 1], False),
                                                       (8, [1, 1, 2, 2], True)])
 def test_warm_up_runs_a_row_alone_and_two_rows_over_two_canvases_before_the_engine_starts(max_batch, batches,
