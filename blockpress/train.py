@@ -462,8 +462,8 @@ def shape_differences(recorded: dict[str, Any], model: DiffusionGemma, this: str
             if name in own and own[name] != value]
 
 
-def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: float, base: str | None,
-                 quantize: str | None = None, *, files: StagedFiles | None = None,
+def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: float, base: str | None, *,
+                 quantize: str | None = None, files: StagedFiles | None = None,
                  generation: dict[str, Any] | None = None) -> None:
     """`model`'s LoRA adapters (add_lora's) as a PEFT folder, its modules named as the reference model names them,
     so `peft.PeftModel.from_pretrained(DiffusionGemmaForBlockDiffusion, path)` runs them. The reference's encoder
@@ -806,7 +806,7 @@ class StepBatches(torch.utils.data.Dataset):
     s (a run resumed there with another batch size: its part before ran at another), so step k reads on from example
     n + (k - s) x batch_size; (0, 0), every step at this batch size, is example k x batch_size."""
 
-    def __init__(self, source: ExampleSource | ShardSource, cfg: TrainConfig, canvas_length: int, vocab_size: int,
+    def __init__(self, source: ExampleSource | ShardSource, cfg: TrainConfig, *, canvas_length: int, vocab_size: int,
                  pad: int, eos: int, start: tuple[int, int] = (0, 0)):
         self.source, self.cfg, self.canvas_length, self.vocab_size = source, cfg, canvas_length, vocab_size
         self.pad, self.eos, self.start = pad, eos, start
@@ -1083,8 +1083,8 @@ class Trainer:
     def _batches(self, source: ExampleSource | ShardSource) -> StepBatches:
         # the training data reads on from where the run's examples stand; held-out batches are fixed by their index
         start = self.data_start if source is self.source else (0, 0)
-        return StepBatches(source, self.cfg, self.lm.config.canvas_length, self.lm.config.text.vocab_size,
-                           self.pad, self.eos, start)
+        return StepBatches(source, self.cfg, canvas_length=self.lm.config.canvas_length,
+                           vocab_size=self.lm.config.text.vocab_size, pad=self.pad, eos=self.eos, start=start)
 
     @property
     def examples_seen(self) -> int:
@@ -1254,7 +1254,8 @@ class Trainer:
                 # LoRA: the adapters apart (a PEFT folder) at every save, as a full fine-tune's weights are: they are
                 # small, and a save mid-run then loads (--model OUT/adapter, or OUT) while the run goes on
                 save_adapter(self.model, self.out / ADAPTER_DIR, self.cfg.lora_rank, self.cfg.lora_alpha,
-                             base_name(self.lm), self.cfg.quantize, files=files, generation=self.lm.generation_config)
+                             base_name(self.lm), quantize=self.cfg.quantize, files=files,
+                             generation=self.lm.generation_config)
             if not self.cfg.lora_rank:
                 self.lm.save(self.out, metadata={WEIGHTS_STEP_KEY: str(self.step)}, dtype=self.lm.dtype, files=files)
             elif final and self.cfg.quantize is None:  # LoRA over an unquantized base, at the end: a plain

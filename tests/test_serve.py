@@ -2904,10 +2904,14 @@ def test_create_app_is_hinted_with_the_model_it_takes():
 
 @pytest.mark.parametrize("function, positional", [("blockpress.serve.create_app", ["lm", "model_name"]),
                                                   ("blockpress.checkpoint.save_model", ["model", "path", "passthrough"]),
-                                                  ("blockpress.data.parse_examples", ["obj", "tokenizer", "where"])])
+                                                  ("blockpress.data.parse_examples", ["obj", "tokenizer", "where"]),
+                                                  ("blockpress.train.StepBatches", ["source", "cfg"]),
+                                                  ("blockpress.train.save_adapter",
+                                                   ["model", "path", "rank", "alpha", "base"])])
 def test_a_helpers_options_after_what_it_works_on_are_keywords(function, positional):
-    """create_app's nine server options, save_model's five and parse_examples' four are keywords: as positions
-    (parse_examples was called with seven, create_app took eleven) two ints or two Nones of a row swap unseen."""
+    """create_app's nine server options, save_model's five, parse_examples' four, StepBatches' sizes and token ids
+    and save_adapter's quantize are keywords: as positions (parse_examples and StepBatches were called with seven,
+    create_app took eleven) two ints, two strs or two Nones side by side swap unseen."""
     import importlib
     import inspect
 
