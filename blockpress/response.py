@@ -196,7 +196,7 @@ def reasoning_markers(spec: Mapping[str, Any] | None) -> tuple[str, str] | None:
     return opens[0], closes[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # (16 fields, several pairs of one type: by name, none can swap)
 class Field:
     """One region of a reply, compiled."""
 
@@ -298,10 +298,11 @@ def _compile_field(name: str, raw: Any) -> Field:
     else:
         _check_transform(transform, f"{where}.transform")
     open_texts, close_texts = _marker_texts(raw, "open"), _marker_texts(raw, "close")
-    return Field(name, opener, closer, open_texts, close_texts, content, args,
-                 bool(repeats), join, bool(raw.get("optional", True)), transform, each,
-                 _heads(opener, open_texts), _heads(closer, close_texts),
-                 _lead(opener, open_texts), _lead(closer, close_texts))
+    return Field(name=name, open=opener, close=closer, open_texts=open_texts, close_texts=close_texts,
+                 content=content, content_args=args, repeats=bool(repeats), join=join,
+                 optional=bool(raw.get("optional", True)), transform=transform, transform_each=each,
+                 open_heads=_heads(opener, open_texts), close_heads=_heads(closer, close_texts),
+                 open_lead=_lead(opener, open_texts), close_lead=_lead(closer, close_texts))
 
 
 def _heads(marker: Marker | None, texts: tuple[str, ...] | None) -> tuple[str, ...]:
