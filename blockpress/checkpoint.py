@@ -589,7 +589,7 @@ def folder_quantization(path: Path) -> str | None:
     return stored_quantization(raw, path)
 
 
-@dataclass
+@dataclass(kw_only=True)  # (12 fields, dtypes and sets side by side: by name, none can swap)
 class ModelPlan:
     """What loading a folder will do, decided from config.json and the safetensors headers before any tensor's
     data is read. `load_model` carries it out; `blockpress info` describes it (`meta_model`), so the two cannot
@@ -710,8 +710,9 @@ def plan_model(
         from .quantize import check_runs
 
         check_runs(quantize, device, dtype)
-    return ModelPlan(path, config, opened, stored, dtype, device, quantize, model, shapes, quantized, widened_from,
-                     coded)
+    return ModelPlan(path=path, config=config, files=opened, stored=stored, dtype=dtype, device=device,
+                     quantize=quantize, model=model, shapes=shapes, quantized=quantized, widened_from=widened_from,
+                     coded=coded)
 
 
 def load_model(

@@ -2908,12 +2908,14 @@ def test_create_app_is_hinted_with_the_model_it_takes():
                                                   ("blockpress.train.StepBatches", ["source", "cfg"]),
                                                   ("blockpress.train.save_adapter",
                                                    ["model", "path", "rank", "alpha", "base"]),
-                                                  ("blockpress.response.Field", [])])
+                                                  ("blockpress.response.Field", []),
+                                                  ("blockpress.checkpoint.ModelPlan", [])])
 def test_a_helpers_options_after_what_it_works_on_are_keywords(function, positional):
     """create_app's nine server options, save_model's five, parse_examples' four, StepBatches' sizes and token ids
     and save_adapter's quantize are keywords: as positions (parse_examples and StepBatches were called with seven,
     create_app took eleven) two ints, two strs or two Nones side by side swap unseen. A response template's compiled
-    Field takes its sixteen fields by name alone (pairs of open and close markers, texts, heads, leads)."""
+    Field takes its sixteen fields by name alone (pairs of open and close markers, texts, heads, leads), a load's
+    ModelPlan its twelve (two dtypes, two name sets)."""
     import importlib
     import inspect
 
