@@ -1395,12 +1395,12 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     # the healed token's text, which the first new tokens repeat (the LM heals each prompt the same way)
     prefix = heal(lm.tokenizer, prompt).prefix if body.token_healing else ""
     eos_only = "min_tokens" not in body.model_fields_set  # the default: chat's 1 (ChatRequest.min_tokens)
-    if cfg.argmax_candidates:  # n greedy choices are one answer n times, as OpenAI's: run it once
-        return [Job(prompt, max_tokens, body.min_tokens, cfg, seed, stops, body.drafts, body.token_healing, loop,
-                    asyncio.Queue(), copies=body.n, heal_prefix=prefix, eos_only_minimum=eos_only)]
-    return [Job(prompt, max_tokens, body.min_tokens, cfg, choice_seed(seed, i), stops, body.drafts,
-                body.token_healing, loop, asyncio.Queue(), heal_prefix=prefix, eos_only_minimum=eos_only)
-            for i in range(body.n)]
+    # n greedy choices are one answer n times, as OpenAI's: run it once, as n copies; else a job a choice
+    greedy = cfg.argmax_candidates
+    seeds = [seed] if greedy else [choice_seed(seed, i) for i in range(body.n)]
+    return [Job(prompt=prompt, max_tokens=max_tokens, min_tokens=body.min_tokens, sampler=cfg, seed=s, stop=stops,
+                drafts=body.drafts, token_healing=body.token_healing, loop=loop, events=asyncio.Queue(),
+                copies=body.n if greedy else 1, heal_prefix=prefix, eos_only_minimum=eos_only) for s in seeds]
 
 
 def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
