@@ -591,6 +591,7 @@ class LM:
         model: DiffusionGemma,
         tokenizer: Any = None,
         generation_config: dict[str, Any] | None = None,
+        *,
         passthrough: Passthrough | None = None,
         path: Path | None = None,
         adapter: Path | None = None,
@@ -1965,7 +1966,8 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     # Merged weights are not the checkpoint's: written back in the dtype the load widened from (bf16), the update
     # merged in float32 would be rounded to the base weights' step, as a LoRA run's own checkpoint is not (float32)
     widened_from = plan.widened_from if adapter is None else None
-    return LM(model, tokenizer, generation, passthrough, path, adapter, widened_from)
+    return LM(model, tokenizer, generation, passthrough=passthrough, path=path, adapter=adapter,
+              widened_from=widened_from)
 
 
 def random_model(

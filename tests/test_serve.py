@@ -2909,13 +2909,15 @@ def test_create_app_is_hinted_with_the_model_it_takes():
                                                   ("blockpress.train.save_adapter",
                                                    ["model", "path", "rank", "alpha", "base"]),
                                                   ("blockpress.response.Field", []),
-                                                  ("blockpress.checkpoint.ModelPlan", [])])
+                                                  ("blockpress.checkpoint.ModelPlan", []),
+                                                  ("blockpress.lm.LM", ["model", "tokenizer", "generation_config"])])
 def test_a_helpers_options_after_what_it_works_on_are_keywords(function, positional):
     """create_app's nine server options, save_model's five, parse_examples' four, StepBatches' sizes and token ids
     and save_adapter's quantize are keywords: as positions (parse_examples and StepBatches were called with seven,
     create_app took eleven) two ints, two strs or two Nones side by side swap unseen. A response template's compiled
     Field takes its sixteen fields by name alone (pairs of open and close markers, texts, heads, leads), a load's
-    ModelPlan its twelve (two dtypes, two name sets)."""
+    ModelPlan its twelve (two dtypes, two name sets); an LM what a load adds past the generation config (its path
+    and adapter's path side by side)."""
     import importlib
     import inspect
 
