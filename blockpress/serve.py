@@ -1738,10 +1738,11 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
         raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     template_defaults = template_variables(chat_template_kwargs)
-    engine = Engine(lm, max_queue, max_batch, PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
+    engine = Engine(lm, max_queue=max_queue, max_batch=max_batch,
+                    prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
     token_chars = longest_token(lm.tokenizer)
-    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context, token_chars, max_stops,
-                        template_defaults)
+    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
+                        token_chars=token_chars, max_stops=max_stops, template_defaults=template_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
