@@ -319,8 +319,10 @@ class StepNumbers:
         def i64(x: int) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long)
 
-        return cls(i64(cfg.max_denoising_steps), f32(cfg.t_min), f32(cfg.t_max - cfg.t_min), f32(cfg.entropy_bound),
-                   f32(cfg.confidence), i64(cfg.stability_threshold), f32(cfg.confidence_threshold))
+        return cls(max_denoising_steps=i64(cfg.max_denoising_steps), t_min=f32(cfg.t_min),
+                   t_span=f32(cfg.t_max - cfg.t_min), entropy_bound=f32(cfg.entropy_bound),
+                   confidence=f32(cfg.confidence), stability_threshold=i64(cfg.stability_threshold),
+                   confidence_threshold=f32(cfg.confidence_threshold))
 
 
 def temperature(cfg: SamplerConfig | StepNumbers, step: int) -> torch.Tensor:
@@ -674,7 +676,8 @@ def init_state(canvas: torch.Tensor, fixed: torch.Tensor | None = None) -> Canva
         canvas = torch.where(settled, fixed, canvas)
     # a tensor of its own each: torch.compile guards on which inputs alias, and the compiled step recompiled once
     # stable_steps and accepted, one zeros tensor here, came back from a step as two
-    return CanvasState(canvas, canvas.clone(), None, zeros, zeros.bool(), zeros.clone(), settled)
+    return CanvasState(canvas=canvas, argmax=canvas.clone(), sc_probs=None, stable_steps=zeros, done=zeros.bool(),
+                       accepted=zeros.clone(), settled=settled)
 
 
 @dataclass(frozen=True)
