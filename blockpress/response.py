@@ -682,8 +682,8 @@ class PartialReader:
         closed = {key: list(value) if isinstance(value, list) else value for key, value in message.items()}
         lead = len(self.start)
         return PartialMessage(self.template, closed, current, body,
-                              {name: max(0, at - lead) for name, at in self.state.opened_at.items()},
-                              {name: max(0, at - lead) for name, at in self.state.closed_at.items()})
+                              opened_at={name: max(0, at - lead) for name, at in self.state.opened_at.items()},
+                              closed_at={name: max(0, at - lead) for name, at in self.state.closed_at.items()})
 
 
 def _literal_heads(items: Any) -> list[str]:
