@@ -445,6 +445,11 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
 
+def unknown_model(name: str, served: str) -> APIError:
+    """The 404 of a model name that is not the one this server serves (`served`), a request's or /v1/models/{name}'s."""
+    return APIError(404, f"model {name!r} does not exist; this server has {served!r}", "model", "not_found_error")
+
+
 def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
@@ -1342,8 +1347,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     # The served name alone, as /v1/models lists it (a folder's name too was taken here, under --served-name, while
     # /v1/models/{its name} answered 404; vLLM refuses it as well)
     if body.model != model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server has {model_name!r}", "model",
-                       "not_found_error")
+        raise unknown_model(body.model, model_name)
     field_name = body.unsupported()
     if field_name:
         accepted = ", ".join(repr(v) for v in body.noop_values[field_name])
@@ -1883,8 +1887,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):  # OpenAI's retrieve; a hub model's id holds a slash
         if model_id != model_name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server has {model_name!r}", "model",
-                           "not_found_error")
+            raise unknown_model(model_id, model_name)
         return model_card
 
     # some probes send HEAD: a route of its own, out of the schema, since one route of both methods gave both the

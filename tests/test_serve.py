@@ -1539,6 +1539,7 @@ def test_a_model_is_known_by_its_served_name_alone(tmp_path):
             r = http.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2})
             assert card.status_code == r.status_code == status, (name, r.text)
         assert r.json()["error"]["message"] == "model 'tinyck' does not exist; this server has 'team/tiny'"
+        assert card.json()["error"] == r.json()["error"]  # the model route's 404 says it in the same words
         assert http.post("/v1/completions", json={"model": "team/tiny", "prompt": "x", "max_tokens": 2}).json()[
             "model"] == "team/tiny"
 
