@@ -699,6 +699,11 @@ def describe_adapter(path: str | Path) -> dict[str, Any]:
             "parameters": sum(modules.values()), "base": record["base"], "trained_quantization": record["quantize"]}
 
 
+# why apply_adapter refuses an encoder module adapted unlike (or without) its decoder twin
+_TWINS_ALIKE = ("the reference's encoder and decoder share these weights and blockpress runs both on one module, so "
+                "both must change alike")
+
+
 def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
     """Merge a PEFT LoRA folder into `model`: adapter_config.json and adapter_model.safetensors, the modules named
     as the reference model names them (save_adapter's, or peft's own on DiffusionGemmaForBlockDiffusion). The sum
@@ -755,8 +760,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         twins = [name.removesuffix(".weight") for name in reference_names(f"{module}.weight")]
         absent = [twin for twin in twins if twin not in by_target]
         if absent:
-            raise refuse(f"it adapts {next(iter(by_target))!r} but not {absent[0]!r}: the reference's encoder and "
-                         "decoder share these weights and blockpress runs both on one module, so both must change alike")
+            raise refuse(f"it adapts {next(iter(by_target))!r} but not {absent[0]!r}: {_TWINS_ALIKE}")
         layer = model.get_submodule(module)
         for target, tensors in by_target.items():
             for side, shape in (("A", (rank, layer.in_features)), ("B", (layer.out_features, rank))):
@@ -768,8 +772,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         unlike = [target for target, tensors in by_target.items()
                   if not all(torch.equal(tensors[side], first[side]) for side in "AB")]
         if unlike:
-            raise refuse(f"{unlike[0]!r} is adapted unlike {twins[0]!r}: the reference's encoder and decoder share "
-                         "these weights and blockpress runs both on one module, so both must change alike")
+            raise refuse(f"{unlike[0]!r} is adapted unlike {twins[0]!r}: {_TWINS_ALIKE}")
     dtype = model.dtype
     model = add_lora(model, rank, alpha, targets=sorted(found))
     from peft.tuners.lora import LoraLayer

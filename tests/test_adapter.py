@@ -131,8 +131,12 @@ def other_rank(config, tensors):
 @pytest.mark.parametrize("mutate, message", [
     (edit_config(r=8), r"layers\.0\.\S+\.lora_A\.weight: shape \[4, (\d+)\]; r=8 on this base needs \[8, \1\]"),
     (other_rank, r"q_proj\.lora_A\.weight: shape \[2, 32\]; r=4 on this base needs \[4, 32\]"),
-    (drop_encoder, r"adapts 'model\.decoder\.layers\.\d+\..+' but not 'model\.encoder\.language_model\.layers"),
-    (untie, r"'model\.encoder\.language_model\.layers\.0\.self_attn\.q_proj' is adapted unlike"),
+    (drop_encoder, r"adapts 'model\.decoder\.layers\.\d+\..+' but not 'model\.encoder\.language_model\.layers.+: "
+                   r"the reference's encoder and decoder share these weights and blockpress runs both on one module, "
+                   r"so both must change alike"),
+    (untie, r"'model\.encoder\.language_model\.layers\.0\.self_attn\.q_proj' is adapted unlike 'model\.decoder.+: "
+            r"the reference's encoder and decoder share these weights and blockpress runs both on one module, so "
+            r"both must change alike"),
     (vision_target, r"adapts 'model\.encoder\.vision_tower.+', which is not a linear layer of this base"),
     (experts_target, r"adapts the routed experts \('model\.decoder\.layers\.0\.experts': peft's target_parameters.*"
                      r"linear layers only, attention's and the dense MLP's \(q_proj, k_proj"),
