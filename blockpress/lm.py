@@ -214,6 +214,13 @@ def _padding_to_the_left(
     return left.to(ids.device), None if left_mask is None else left_mask.to(ids.device)
 
 
+def _model_bytes(model: DiffusionGemma, dtype: torch.dtype) -> int:
+    """The bytes `model` takes with its parameters in `dtype`: what moving or casting it there allocates (its buffers,
+    rotary tables and masks, keep their own dtype)."""
+    params = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
 def _graphs_refusal(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why CUDA graphs cannot replay a model on `device` in `dtype` (None: they can). A graph holds no host sync:
     the experts must run as one grouped GEMM, which CUDA has in bf16 only (other dtypes loop over the experts,
@@ -723,8 +730,7 @@ class LM:
                              "model anew to run it there")
         if scheme is not None:
             check_runs(scheme, target_device, target_dtype)
-        params = sum(p.numel() for p in self.model.parameters()) * target_dtype.itemsize
-        check_fits(params + sum(b.numel() * b.element_size() for b in self.model.buffers()), target_device,
+        check_fits(_model_bytes(self.model, target_dtype), target_device,
                    f"to: {self.config.describe()} in {str(target_dtype).removeprefix('torch.')}")
         if target_dtype == self.dtype:  # a quantized model's float32 scales keep their dtype
             self.model.to(target_device)
@@ -1996,8 +2002,8 @@ def random_model(
     model = model.to(dtype)
     if device.type == "meta":
         return LM(model, tokenizer)
-    nbytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    check_fits(nbytes, device, f"random_model: {config.describe()} in {str(dtype).replace('torch.', '')}")
+    check_fits(_model_bytes(model, dtype), device,
+               f"random_model: {config.describe()} in {str(dtype).replace('torch.', '')}")
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(checked_seed)
     model.init_weights(generator)
