@@ -35,6 +35,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def check_positive_int(value: Any, name: str) -> None:
+    """A count of the public API (max_new_tokens, num_return_sequences): an integer (is_int) above 0, else a
+    ValueError naming `name`."""
+    if not is_int(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+
 def utf8_problem(text: str) -> str | None:
     """What keeps `text` from being UTF-8, or None. Python holds such text with lone surrogates: a byte that was
     not UTF-8 on a command line or stdin ("byte 0xff at character 3", U+DC80..U+DCFF), or half of a UTF-16 pair

@@ -35,7 +35,7 @@ from .checkpoint import (
     resolve_dtype,
     save_model,
 )
-from .checks import check_flag, check_keywords, is_finite_number, is_int, warn_user
+from .checks import check_flag, check_keywords, check_positive_int, is_finite_number, is_int, warn_user
 from .config import ModelConfig
 from .files import StagedFiles, expand_user, output_folder, read_json_object, staging
 from .generate import (
@@ -504,8 +504,7 @@ def _check_budgets(max_new_tokens: Any, min_new_tokens: Any) -> tuple[int | tupl
     for i, (most, least) in enumerate(zip(maxes, mins)):
         max_name, min_name = (name + (f"[{i}]" if isinstance(x, list) else "") for name, x in
                               (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)))
-        if not is_int(most) or most <= 0:
-            raise ValueError(f"{max_name}: expected a positive integer, got {most!r}")
+        check_positive_int(most, max_name)
         if not is_int(least) or not 0 <= least <= most:
             raise ValueError(f"{min_name}: expected an integer in [0, {max_name}={most}], got {least!r}")
     def plain(x: Any) -> int | tuple[int, ...]:  # numpy integers as plain ints
@@ -852,8 +851,7 @@ class LM:
         value = self.generation_config.get("max_new_tokens")
         if value is None:
             return DEFAULT_NEW_TOKENS
-        if not is_int(value) or value <= 0:
-            raise ValueError(f"generation_config max_new_tokens: expected a positive integer, got {value!r}")
+        check_positive_int(value, "generation_config max_new_tokens")
         return int(value)
 
     def default_new_tokens(self, prompt_length: int) -> int:
@@ -864,8 +862,7 @@ class LM:
         if self.generation_config.get("max_new_tokens") is not None or max_length is None:
             return self._max_new_tokens_setting()
         name = "max_length" if self._max_length_from == "call" else "generation_config max_length"
-        if not is_int(max_length) or max_length <= 0:
-            raise ValueError(f"{name}: expected a positive integer, got {max_length!r}")
+        check_positive_int(max_length, name)
         if max_length <= prompt_length:
             raise ValueError(f"max_length: the {self._max_length_from}'s max_length ({max_length}) leaves no room "
                              f"after a {prompt_length}-token prompt; pass "
@@ -1105,8 +1102,8 @@ class LM:
                 gen.update(max_length=hf["max_length"], max_new_tokens=None)
                 given_as["max_new_tokens"] = "max_length"  # the count it leaves is what the context check names
         n = hf.get("num_return_sequences")
-        if n is not None and not (is_int(n) and n >= 1):
-            raise ValueError(f"num_return_sequences: expected a positive integer, got {n!r}")
+        if n is not None:
+            check_positive_int(n, "num_return_sequences")
         if n is not None and n > 1:
             self._check_copies(call, args["prompt"], int(n), args.get("max_new_tokens"), gen, args.get("cache"))
             if args.get("seeds") is not None:
@@ -1815,8 +1812,8 @@ def check_generation_settings(raw: dict[str, Any], file: str) -> None:
     if raw.get("token_healing") is not None and not isinstance(raw["token_healing"], bool):
         raise ValueError(f"{file}: token_healing: expected true or false, got {raw['token_healing']!r}")
     for key in ("max_new_tokens", "max_length"):  # null: unset, as in the reference
-        if raw.get(key) is not None and not (is_int(raw[key]) and raw[key] > 0):
-            raise ValueError(f"{file}: {key}: expected a positive integer, got {raw[key]!r}")
+        if raw.get(key) is not None:
+            check_positive_int(raw[key], f"{file}: {key}")
     try:
         SamplerConfig.from_generation_config(raw)
     except (ValueError, TypeError) as exc:
