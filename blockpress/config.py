@@ -196,10 +196,8 @@ class TextConfig:
         else:
             layer_types = list(self.layer_types)
         self.layer_types = layer_types
-        if layer_types and layer_types[-1] == SLIDING:
-            # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
-            warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
-            layer_types[-1] = FULL
+        # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
+        _last_layer_full(layer_types)
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
@@ -350,9 +348,7 @@ class TextConfig:
         # sliced as [-0:], i.e. all of them): refuse it rather than compute something else.
         need(self.sliding_window >= 2 or SLIDING not in layer_types, "sliding_window",
              f"expected at least 2 when layers use sliding attention, got {self.sliding_window}")
-        if layer_types[-1] != FULL:
-            warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
-            layer_types[-1] = FULL
+        _last_layer_full(layer_types)  # (a list set after construction: __post_init__ forced the first)
         for key, over in per_layer.items():
             need(key.isdigit() and int(key) < self.num_hidden_layers, f"per_layer_config[{key!r}]",
                  f"expected a layer index below {self.num_hidden_layers}")
@@ -664,6 +660,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                              moe_intermediate_size=384, layer_types=[SLIDING, SLIDING, SLIDING, FULL]),
                    canvas=128),
 }
+
+
+def _last_layer_full(layer_types: list[str]) -> None:
+    """Make the last of `layer_types` full attention, with a warning, where it is sliding (as the reference does)."""
+    if layer_types and layer_types[-1] == SLIDING:
+        warn_user("text_config.layer_types: the last layer must be full attention; forcing it")
+        layer_types[-1] = FULL
 
 
 def _human(n: int) -> str:
