@@ -1240,6 +1240,11 @@ class ToolStream(AnswerStream):
 
     calls: list[dict] = field(default_factory=list)
 
+    def new_calls(self, calls: Sequence[Any]) -> list[dict]:
+        """A delta for each of `calls` past those sent (`self.calls`), at its index in the reply."""
+        sent = len(self.calls)
+        return [{"tool_calls": [{"index": k, **call}]} for k, call in enumerate(calls[sent:], sent)]
+
     def settle(self, reply: Reply, item: JobText, stops: Sequence[str]) -> list[dict]:
         """The deltas that the reply so far settles and that have not been sent."""
         if reply.read_partial is None:
@@ -1256,9 +1261,7 @@ class ToolStream(AnswerStream):
         if calls is None:
             self.unread = True
             return list(deltas)
-        out: list[dict] = list(deltas)
-        for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
-            out.append({"tool_calls": [{"index": k, **call}]})
+        out = [*deltas, *self.new_calls(calls)]
         self.calls = calls
         return out
 
@@ -1280,8 +1283,7 @@ class ToolStream(AnswerStream):
             log.warning("serve: a streamed reply's chunks differ from its whole answer (%d calls, %.80r and thought "
                         "%.80r sent; the answer has %.80r, thought %.80r and %d calls)", len(self.calls), self.content,
                         self.reasoning, content, reasoning, len(calls))
-        for k, call in enumerate(calls[len(self.calls):], len(self.calls)):
-            deltas.append({"tool_calls": [{"index": k, **call}]})
+        deltas += self.new_calls(calls)
         return deltas, called["finish_reason"] if called is not None else done.finish
 
 
