@@ -2267,6 +2267,21 @@ def test_right_padding_reads_like_left_padding(lm):
     assert torch.equal(right.new_tokens[0], alone.new_tokens[0])
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 12), st.integers(0, 2**32 - 1))
+def test_token_rows_leave_out_exactly_the_masked_positions(rows, width, seed):
+    """_token_rows (a prompt's rows without their padding: moving padding left, token healing, healing into a
+    template) reads the mask through numpy: it must keep what indexing each row by its mask keeps, for masks of any
+    layout (left, right, gapped, a row of all padding) and mask values other than 1."""
+    from blockpress.lm import _token_rows
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 2**40, (rows, width), generator=g)
+    mask = torch.randint(0, 3, (rows, width), generator=g)
+    assert _token_rows(ids, mask) == [r[m != 0].tolist() for r, m in zip(ids, mask)]
+    assert _token_rows(ids, None) == ids.tolist()
+
+
 def test_a_continued_cache_grows_in_place_and_truncate_rewinds_it(lm):
     """What the `cache` docstring promises: continuing extends the cache itself; truncate() to the length noted
     before gives a retry exactly the first continuation."""
