@@ -96,7 +96,7 @@ from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, mo
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .checks import check_text
+from .checks import check_positive_int, check_text, is_int
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # (typing's own from 3.13; only read by type checkers here)
@@ -1723,8 +1723,8 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
     # with /health "ok" and every request a 400 that blamed the client's `device`
     lm._check_runnable()
-    if prefix_cache_bytes < 0:
-        raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes}")
+    if not is_int(prefix_cache_bytes) or prefix_cache_bytes < 0:  # (True was a cache of one byte; "1" a TypeError)
+        raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes!r}")
     steps = lm.sampler_defaults.max_denoising_steps  # what every request that sends none would take
     if steps > MAX_STEPS:
         raise ValueError(f"serve: the model's default max_denoising_steps ({steps}, its generation_config.json's) is "
@@ -1732,16 +1732,20 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
                          "row of its batch; set a smaller max_denoising_steps in generation_config.json")
     if lm.tokenizer.reply_template is not None:  # a broken one fails here, not in every request with tools
         compile_template(lm.tokenizer.reply_template)
+    # a batch of 0 would never take a request: every one would hang; True is no count (it passed as 1)
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):
-        if not isinstance(value, int) or value < 1:  # a batch of 0 would never take a request: every one would hang
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        check_positive_int(value, name)
     limit = lm.config.text.max_position_embeddings
     # past the model's positions the library refuses anyway: a larger limit would only be one the server never keeps
-    if max_context is not None and (not isinstance(max_context, int) or not 1 <= max_context <= limit):
+    if max_context is not None and (not is_int(max_context) or not 1 <= max_context <= limit):
         raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
                          f"(max_position_embeddings), got {max_context!r}")
-    if max_body_bytes is not None and (not isinstance(max_body_bytes, int) or max_body_bytes < 1):
+    if max_body_bytes is not None and (not is_int(max_body_bytes) or max_body_bytes < 1):
         raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
+    # as plain ints: numpy's pass the checks, and a limit reaches responses (/v1/models, /health), which JSON writes
+    max_queue, max_batch, max_stops, prefix_cache_bytes = map(int, (max_queue, max_batch, max_stops, prefix_cache_bytes))
+    max_context = None if max_context is None else int(max_context)
+    max_body_bytes = None if max_body_bytes is None else int(max_body_bytes)
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     template_defaults = template_variables(chat_template_kwargs)
     engine = Engine(lm, max_queue=max_queue, max_batch=max_batch,

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pydantic
 import pytest
 import torch
@@ -1020,6 +1021,26 @@ def test_prefix_cache_can_be_off():
     assert create_app(lm, MODEL, prefix_cache_bytes=0).state.engine.prefix_cache is None
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         create_app(lm, MODEL, prefix_cache_bytes=-1)
+
+
+def test_server_limits_are_counts_not_flags_or_text():
+    """create_app's limits took True as 1 (isinstance(True, int)): max_batch=True served batches of one, and
+    prefix_cache_bytes="1" failed in a comparison with Python's TypeError. Each is refused by name; numpy integers,
+    which the library's counts take, are taken here too."""
+    lm = load_model("random-tiny", None, "cpu")
+    for name in ("max_queue", "max_batch", "max_stops", "max_context", "max_body_bytes"):
+        for bad in (True, "4", 2.0):
+            with pytest.raises(ValueError, match=rf"^{name}: expected a positive integer"):
+                create_app(lm, MODEL, prefix_cache_bytes=0, **{name: bad})
+    for bad in (True, "1", -1):
+        with pytest.raises(ValueError, match=r"^prefix_cache_bytes: expected 0 \(off\) or more"):
+            create_app(lm, MODEL, prefix_cache_bytes=bad)
+    from fastapi.testclient import TestClient
+
+    app = create_app(lm, MODEL, prefix_cache_bytes=np.int64(0), max_batch=np.int64(3), max_context=np.int64(40))
+    assert app.state.engine.max_batch == 3
+    with TestClient(app) as http:  # a limit that responses carry is written as JSON
+        assert http.get("/v1/models").status_code == 200 and http.get("/health").status_code == 200
 
 
 def test_max_context_is_at_most_the_models():
