@@ -411,11 +411,18 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, (None if bool(mask.all()) else mask)
 
 
-def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True) -> list[list[int]]:
+def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True, context: int | None = None) -> list[list[int]]:
     """Text prompts as token ids, BOS first when the tokenizer has one and `bos` (a conversation's next turn
-    has none: it continues a sequence that has one), and not twice (a rendered chat template brings its own)."""
+    has none: it continues a sequence that has one), and not twice (a rendered chat template brings its own).
+    `context`: the model's, whose tokens a text longer than it times the longest token cannot fit: such a text is
+    refused before it is tokenized (a 20 MB prompt was tokenized for 49 s to learn that it did not fit)."""
     for i, text in enumerate(texts):  # named as the caller wrote it, not as the tokenizer's "text"
-        check_text(text, "prompt" if len(texts) == 1 else f"prompt[{i}]")
+        name = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+        check_text(text, name)
+        if context is not None and len(text) > context * (most := tokenizer.longest_token()):
+            raise ValueError(f"{name}: {len(text):,} characters cannot fit the model's context of {context} tokens "
+                             f"(no token of this vocabulary holds more than {most} characters, so a text of more "
+                             f"than {context * most:,} is refused before it is tokenized)")
     return [tokenizer.encode_prompt(t) if bos else tokenizer.encode(t) for t in texts]
 
 
@@ -496,14 +503,16 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
                      f"rows of ids; got {type(ids).__name__}{' (empty)' if empty else ''}")
 
 
-def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True,
+                  context: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """str | list[str] | token ids (see read_token_ids; ragged rows are left-padded) -> (ids [B, P], mask or
     None). Texts get BOS first when `bos` (see encode_texts); ids are taken as given."""
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
                                    and all(isinstance(p, str) for p in prompt)):
         if tokenizer is None:
             raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
-        return left_pad(encode_texts([prompt] if isinstance(prompt, str) else list(prompt), tokenizer, bos), pad_id)
+        return left_pad(encode_texts([prompt] if isinstance(prompt, str) else list(prompt), tokenizer, bos,
+                                     context), pad_id)
     ids = read_token_ids(prompt, "prompt", also="str, list[str], ")
     return (ids.cpu(), None) if isinstance(ids, torch.Tensor) else left_pad(ids, pad_id)
 

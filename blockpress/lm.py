@@ -947,7 +947,8 @@ class LM:
         # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
         cached = cache.length if isinstance(cache, KVCache) else 0
         continuing = cached > 0
-        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing)
+        ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing,
+                                  context=self.config.text.max_position_embeddings)
         if attention_mask is not None:
             # blockpress pads texts and ragged rows itself, so a caller's mask could only be shaped like the result
             # by accident, and would then mark some row's tokens as padding (is_text_template: the same test for

@@ -1083,8 +1083,8 @@ class ServerState:
     engine: Engine
     model_name: str
     context: int  # the most tokens a prompt and its answer may take
-    # The most characters one token of the vocabulary holds (longest_token), which bounds the text that can fit the
-    # context before it is tokenized; None: no such check.
+    # The most characters one token of the vocabulary holds (Tokenizer.longest_token), which bounds the text that
+    # can fit the context before it is tokenized; None: no such check.
     token_chars: int | None = None
     max_stops: int = 16  # the most stop strings a request may send (create_app's max_stops)
     # chat-template variables every chat request renders with, under its own chat_template_kwargs (create_app's)
@@ -1098,13 +1098,6 @@ class ServerState:
             raise APIError(400, f"{name}: {chars} characters cannot fit the context of {self.context} tokens (no token "
                                 f"of this vocabulary holds more than {self.token_chars} characters, so more than "
                                 f"{self.context * self.token_chars} are refused before tokenizing)", param)
-
-
-def longest_token(tok: Any) -> int:
-    """The most characters one token of `tok`'s vocabulary holds, added tokens included (a byte-level vocabulary's
-    entries have a character per byte, at least one per character of text): a text longer than the context times
-    this cannot fit it."""
-    return max(map(len, tok.backend.get_vocab(with_added_tokens=True)), default=1)
 
 
 @dataclass
@@ -1750,7 +1743,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     template_defaults = template_variables(chat_template_kwargs)
     engine = Engine(lm, max_queue=max_queue, max_batch=max_batch,
                     prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
-    token_chars = longest_token(lm.tokenizer)
+    token_chars = lm.tokenizer.longest_token()
     state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
                         token_chars=token_chars, max_stops=max_stops, template_defaults=template_defaults)
 

@@ -172,6 +172,7 @@ class Tokenizer:
     _special_ids: tuple[tuple[Any, ...], frozenset[int]] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
     _turn_ends: dict[str, int | None] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _longest_token: int | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
 
@@ -516,6 +517,14 @@ class Tokenizer:
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         check_flag("skip_special_tokens", skip_special_tokens)  # before the first row: an empty batch too
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
+
+    def longest_token(self) -> int:
+        """The most characters one token of the vocabulary holds, added tokens included, computed once (a byte-level
+        vocabulary's entries have a character per byte, at least one per character of text): a text longer than a
+        context times this cannot fit it, which is known without tokenizing it."""
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return self._longest_token
 
     def token_texts(self) -> list[str]:
         """Every id's text on its own (special tokens as ""), computed once: what token healing matches on."""

@@ -4076,7 +4076,9 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     monkeypatch.setattr(blockpress.LM, "generate", lambda *a, **kw: calls.append(a))
     out = tmp_path / "out.jsonl"
     for bad, message in [({"messages": [{"role": "user"}]}, "messages[0].content"),
-                         ({"prompt": "x " * 5000}, "exceed the model's context")]:
+                         ({"prompt": "x " * 5000}, "exceed the model's context"),
+                         # past the context times the longest token: refused before it is tokenized
+                         ({"prompt": "x" * 10**6}, "1,000,000 characters cannot fit the model's context")]:
         src = tmp_path / "in.jsonl"
         src.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps(bad) + "\n")
         assert main(["generate", "--input", str(src), "--output", str(out), "--model", MODEL]) == 2

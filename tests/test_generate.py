@@ -1991,6 +1991,29 @@ def test_penalties_leave_a_templates_given_tokens_alone(lm, monkeypatch, token):
     assert out.new_tokens[0, c] == token
 
 
+def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(monkeypatch):
+    """A text prompt longer than the context times the vocabulary's longest token cannot fit however it tokenizes:
+    it was tokenized first (a 20 MB prompt for 49 s) to learn so. It is refused by name with the bound, without a
+    call to the tokenizer; a text at the bound is tokenized and meets the token count's check as before."""
+    lm = blockpress.load("blockpress-code")
+    context, most = lm.config.text.max_position_embeddings, lm.tokenizer.longest_token()
+    assert most == max(len(t) for t in lm.tokenizer.backend.get_vocab(with_added_tokens=True))
+    calls = []
+    encode = lm.tokenizer.encode
+    monkeypatch.setattr(lm.tokenizer, "encode", lambda *a, **k: (calls.append(1), encode(*a, **k))[1])
+    long = "a" * (context * most + 1)
+    for call, prompt, name in [(lm.generate, long, "prompt"), (lm.generate, ["x", long], "prompt[1]"),
+                               (lm.generate_ar, long, "prompt")]:
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)}: {len(long):,} characters cannot fit the model's "
+                                             rf"context of {context} tokens \(no token of this vocabulary holds more "
+                                             rf"than {most} characters"):
+            call(prompt, max_new_tokens=4)
+    assert not calls
+    with pytest.raises(ValueError, match="exceed the model's context"):  # at the bound: tokenized, then counted
+        lm.generate("a" * (context * most), max_new_tokens=4)
+    assert calls
+
+
 def test_more_than_the_context_is_a_clear_error_not_a_huge_allocation():
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(max_position_embeddings=64, canvas_length=1), seed=0)
     with pytest.raises(ValueError, match=r"max_new_tokens: 3 prompt \+ 62 new tokens exceed the model's context of 64"):

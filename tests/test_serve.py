@@ -1099,10 +1099,8 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monk
     tokens: a prompt, a chat's messages, a suffix or a template of that size is refused without tokenizing it."""
     from fastapi.testclient import TestClient
 
-    from blockpress.serve import longest_token
-
     lm = load_model("random-tiny", None, "cpu")
-    most = 40 * longest_token(lm.tokenizer)
+    most = 40 * lm.tokenizer.longest_token()
     assert most >= 40
     encoded = []
     encode = lm.tokenizer.encode

@@ -256,7 +256,8 @@ def generate_file(args: argparse.Namespace) -> int:
                     after = " (after --system's message)" if args.system is not None else ""
                     raise ValueError(f"messages{after}: {exc}") from None
             else:
-                ids = encode_texts([row.prompt or ""], lm.tokenizer)[0]  # (a line without messages has a prompt)
+                ids = encode_texts([row.prompt or ""], lm.tokenizer,  # (a line without messages has a prompt)
+                                   context=lm.config.text.max_position_embeddings)[0]
             healing = wanted and not chat
             budget = row.max_new_tokens or args.max_new_tokens
             if budget is None:  # the checkpoint's default, as the run alone counts it: after the prompt (healed)
