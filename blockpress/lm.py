@@ -1479,10 +1479,24 @@ class LM:
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages: expected a list of {{'role', 'content'}} dicts, or a list of such lists, got "
                              f"{messages!r:.80}")
-        rows = [self.tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(conversation)],
-                                                   tokenize=True, **template_options)
-                for conversation in conversations]
+        read = [[chat_message(m, i) for i, m in enumerate(conversation)] for conversation in conversations]
+        for c, conversation in enumerate(read):
+            self._check_chat_length(conversation, f"messages[{c}]" if batch else "messages")
+        rows = [self.tokenizer.apply_chat_template(conversation, tokenize=True, **template_options)
+                for conversation in read]
         return rows if batch else rows[0]
+
+    def _check_chat_length(self, conversation: list[dict[str, Any]], name: str) -> None:
+        """Refuse a conversation whose messages' text alone cannot fit the context, before the template renders it
+        and the tokenizer reads it: a 3 MB message took 8.3 s to learn that its 2M tokens did not fit (the bound is
+        encode_texts', the server's too)."""
+        assert self.tokenizer is not None  # chat_prompt checked
+        context = self.config.text.max_position_embeddings
+        chars = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
+        if chars > context * (most := self.tokenizer.longest_token()):
+            raise ValueError(f"{name}: {chars:,} characters of message content cannot fit the model's context of "
+                             f"{context} tokens (no token of this vocabulary holds more than {most} characters, so "
+                             f"more than {context * most:,} are refused before the chat template renders them)")
 
     def chat(self, messages: Messages, template_options: dict[str, Any] | None = None, **kwargs: Any) -> GenerationOutput:
         """The model's reply to a conversation (or one reply per conversation of a batch): `generate` on

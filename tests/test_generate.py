@@ -3364,6 +3364,30 @@ def test_chat_prompt_refuses_what_the_server_refuses_by_field(chat_lm, message, 
         chat_lm.chat_prompt([message])
 
 
+def test_a_conversation_too_long_for_the_context_is_refused_before_the_template_renders_it(chat_lm, monkeypatch):
+    """Messages whose text alone is longer than the context times the vocabulary's longest token cannot fit: lm.chat,
+    generate --chat and the REPL rendered and tokenized them first (3 MB for 8.3 s on blockpress-code) to learn it.
+    They are refused by name (messages[i] for a batch of conversations), the template never called; text parts
+    count as joined, and a conversation at the bound is rendered as before."""
+    context, most = chat_lm.config.text.max_position_embeddings, chat_lm.tokenizer.longest_token()
+    calls = []
+    render = chat_lm.tokenizer.apply_chat_template
+    monkeypatch.setattr(chat_lm.tokenizer, "apply_chat_template", lambda *a, **k: (calls.append(1), render(*a, **k))[1])
+    half = "a" * (context * most // 2)
+    over = [{"role": "user", "content": half}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": [{"type": "text", "text": half}]}]
+    for call, messages, name in [(chat_lm.chat_prompt, over, "messages"), (chat_lm.chat, over, "messages"),
+                                 (chat_lm.chat_prompt, [[{"role": "user", "content": "hi"}], over], r"messages\[1\]")]:
+        with pytest.raises(ValueError, match=rf"^{name}: {len(half) * 2 + 1:,} characters of message content cannot "
+                                             rf"fit the model's context of {context} tokens \(no token of this "
+                                             rf"vocabulary holds more than {most} characters"):
+            call(messages)
+    assert not calls
+    at_bound = [{"role": "user", "content": half}, {"role": "user", "content": "a" * (context * most - len(half))}]
+    assert len(chat_lm.chat_prompt(at_bound)) > context  # rendered and tokenized: too long, but for generate to say
+    assert calls
+
+
 @pytest.mark.parametrize("tokenize", [False, True])
 def test_chat_prompt_names_tokenize_and_says_how_to_get_the_text(chat_lm, tokenize):
     """template_options go to apply_chat_template, but tokenize=False reached it twice: a bare TypeError ("multiple
