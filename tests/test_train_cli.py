@@ -1175,3 +1175,37 @@ def test_an_error_on_the_first_line_of_the_data_names_its_flag(tmp_path, capsys)
         assert main(args) == 2
         flag = "--data" if "--heldout-data" not in args else "--heldout-data"
         assert f"error: {flag} {bad}:1: not valid JSON (Expecting value)" in capsys.readouterr().err
+
+
+def test_train_refuses_in_its_order_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """Where a command line holds two mistakes, the first check says its own, and every one of these is said before
+    a model loads (a checkpoint's load takes minutes): the order cmd_train's steps keep."""
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("blockpress.cli.train.load_model", no_load)
+    monkeypatch.setattr("blockpress.random_model", no_load)
+    data = write_data(tmp_path / "d.jsonl")
+    (tmp_path / "a_file").write_text("x")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "trainer_state.pt").write_bytes(b"")
+    (run / "config.json").write_text("{}")
+    (tmp_path / "bad.json").write_text("[1]")
+    no_data = [a for a in train_args(data, run) if a not in ("--data", str(data))]
+    for argv, message in (
+            # --out before --data, --data before the folder's run, the run before its checkpoint
+            ([*no_data[:no_data.index("--out") + 1], str(tmp_path / "a_file"), *no_data[no_data.index("--out") + 2:]],
+             "--out " + str(tmp_path / "a_file") + ": a file, not a folder"),
+            (no_data, "--data: required"),
+            (train_args(data, run), "already holds a training run (trainer_state.pt)"),
+            # the settings (a --train-config) before the model's flags
+            (train_args(data, tmp_path / "o") + ["--model", "random-tiny", "--train-config", str(tmp_path / "bad.json")],
+             "--train-config " + str(tmp_path / "bad.json")),
+            (train_args(data, tmp_path / "o") + ["--model", "random-tiny", "--lr", "-1"], "--lr: expected > 0"),
+            (train_args(data, tmp_path / "o") + ["--model", "random-tiny"], "give exactly one of --model"),
+            ([*train_args(data, tmp_path / "o")[:1], "--model", "random-tiny", *train_args(data, tmp_path / "o")[3:],
+              "--tokenizer", "x"], "--tokenizer: only for a fresh model")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
