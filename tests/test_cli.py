@@ -4582,3 +4582,28 @@ def test_a_system_message_that_is_not_utf8_is_named_as_system(tmp_path, capsys, 
     for args in (["generate", "x", "--chat"], ["generate", "--input", str(src)], ["chat"]):
         assert main([*args, "--system", "\udcff", "--model", MODEL, "--threads", "1"]) == 2
         assert capsys.readouterr().err.endswith("error: --system: not valid UTF-8 (byte 0xff at character 0)\n")
+
+
+def test_chat_caps_a_reply_to_the_room_the_context_has_left(monkeypatch, capsys):
+    """A message that leaves room for a reply shorter than --max-new-tokens gets the shorter reply, and says so on
+    stderr (one line, before the reply), rather than a refusal."""
+    from blockpress.cli.common import load_model
+    from blockpress.generate import canvas_room
+
+    lm = load_model(MODEL, None, "cpu")
+    context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
+
+    def length(k):
+        return len(lm.chat_prompt([{"role": "user", "content": "x " * k}]))
+
+    k = next(k for k in range(context - canvas, 0, -1) if length(k) <= context - canvas)
+    room = canvas_room(context, length(k), canvas)
+    wanted = room + canvas
+    lines = iter(["x " * k, "/exit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", str(wanted), "--steps", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; " \
+           "/reset starts a new conversation)" in captured.err
+    out = [json.loads(line) for line in captured.out.splitlines()]
+    assert "text" in out[0] and out[0]["prompt_tokens"] == length(k) and out[1] == {"prompt": "/exit", "command": "exit"}
