@@ -9,31 +9,87 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockpress.cli.common import RANDOM_PREFIX, load_model, preset_config
 from blockpress.cli.output import print_warning
 
+if TYPE_CHECKING:
+    import torch
+
+    from blockpress.config import ModelConfig
+    from blockpress.lm import LM
+    from blockpress.tokenizer import Tokenizer
+    from blockpress.train import ExampleSource, ShardSource, TrainConfig, Trainer, TrainResult
+
 DEFAULT_HELDOUT = 0.02  # train: the fraction of JSONL examples held out when --heldout is not given
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from dataclasses import fields
+@dataclasses.dataclass
+class Settings:
+    """A run's settings: `cfg`, and what it was made from: `raw`, the settings given (a resumed run's own, then
+    --train-config's, then the flags'), and `saved`, a resumed run's own ({} for a new run)."""
 
-    import blockpress
-    from blockpress.data import is_examples, left_out, load_jsonl, split_heldout
-    from blockpress.train import (
-        ExampleSource,
-        ShardSource,
-        TrainConfig,
-        Trainer,
-        check_resumable,
-        init_distributed,
-    )
+    cfg: TrainConfig
+    raw: dict[str, Any]
+    saved: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Sources:
+    """What a run trains and evaluates on, and its settings (with the --heldout fraction it took, where none was
+    given)."""
+
+    source: ExampleSource | ShardSource
+    heldout: ExampleSource | ShardSource | None
+    cfg: TrainConfig
+
+
+@dataclasses.dataclass
+class Run:
+    """A Trainer ready to run, and what its report needs: the settings it runs (--heldout-data recorded whole), and
+    the base's dtype and that of the checkpoint a LoRA run merges into."""
+
+    lm: LM
+    trainer: Trainer
+    cfg: TrainConfig
+    base_dtype: torch.dtype
+    merged_dtype: torch.dtype
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from blockpress.train import init_distributed
 
     args.device = init_distributed(args.device)  # under torchrun on CUDA: this process's GPU, cuda:LOCAL_RANK
     args.out = os.path.expanduser(args.out)  # --out=~/x reaches us unexpanded (bash expands ~ only at a word's start)
     out = Path(args.out)
+    # Every check of the flags comes before the model loads (a checkpoint's load takes minutes), in this order.
+    _check_out(args, out)
+    args.data = _run_data(args, out)
+    stale_metrics = _check_new_run(args, out)
+    settings = _train_settings(args, out)
+    lora_shape = _check_lora_resume(args, settings)
+    args.model = _model_to_train(args, out)
+    _check_model_flags(args, settings)
+    if args.model:
+        lm, cfg = _load_checkpoint(args, settings, lora_shape)
+    else:
+        lm, cfg = _fresh_model(args, settings.cfg), settings.cfg
+    _check_data_files(args.data, cfg.heldout_data)
+    sources = _sources(args, lm, cfg)
+    run = _start_run(args, lm, sources, stale_metrics)
+    _say_what_runs(args, run, sources)
+    result = run.trainer.train()
+    if run.trainer.rank == 0:
+        _plot_training(Path(args.out), quiet=args.quiet)
+    _report(args, run, result)
+    return _exit_status(args, run, result)
+
+
+def _check_out(args: argparse.Namespace, out: Path) -> None:
+    """--out can hold the run: a folder, or one that can be made; with --resume, one that holds a run to resume."""
+    from blockpress.train import check_resumable
+
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: a file, not a folder")
     # before the model loads: the folder is made only at the first save, minutes later
@@ -43,24 +99,40 @@ def cmd_train(args: argparse.Namespace) -> int:
                          f"{'not a folder' if not existing.is_dir() else 'not writable'})")
     if args.resume:
         check_resumable(args.out)
-    if args.data is None:
-        if not args.resume:
-            raise ValueError("--data: required (the training data; with --resume, the run's own is read from --out)")
-        from blockpress.train import recorded_data
 
-        args.data = recorded_data(out)
-        if args.data is None:
-            raise ValueError(f"--resume: the run in {args.out} does not record its data (a run saved before it was, "
-                             "or one a Trainer ran without it); give it again with --data")
-        print(f"--resume: training on the run's own data, {args.data}", file=sys.stderr)
+
+def _run_data(args: argparse.Namespace, out: Path) -> str:
+    """--data, or where it is left out of a resumed run, the data the run in `out` records."""
+    if args.data is not None:
+        return args.data
+    if not args.resume:
+        raise ValueError("--data: required (the training data; with --resume, the run's own is read from --out)")
+    from blockpress.train import recorded_data
+
+    data = recorded_data(out)
+    if data is None:
+        raise ValueError(f"--resume: the run in {args.out} does not record its data (a run saved before it was, "
+                         "or one a Trainer ran without it); give it again with --data")
+    print(f"--resume: training on the run's own data, {data}", file=sys.stderr)
+    return data
+
+
+def _check_new_run(args: argparse.Namespace, out: Path) -> bool:
+    """A new run's --out holds no run or checkpoint it would overwrite. Returns whether it holds the metrics.jsonl
+    alone of a run that stopped before its first save (nothing to resume; this run starts it over)."""
     if not args.resume and (out / "trainer_state.pt").exists():
         raise ValueError(f"--out {args.out}: already holds a training run (trainer_state.pt); continue it with "
                          "--resume, or give another folder")
-    # metrics.jsonl alone: a run that stopped before its first save, nothing to resume; this run starts it over.
     stale_metrics = not args.resume and (out / "metrics.jsonl").is_file()
     if not args.resume and (out / "config.json").exists():  # e.g. --model X --out X: the run would overwrite it
         raise ValueError(f"--out {args.out}: already holds a checkpoint (config.json); give another folder")
-    # A resumed run keeps its own settings; --train-config and flags given now override them.
+    return stale_metrics
+
+
+def _train_settings(args: argparse.Namespace, out: Path) -> Settings:
+    """The run's settings: a resumed run keeps its own, and --train-config and flags given now override them."""
+    from blockpress.train import TrainConfig
+
     raw: dict[str, Any] = resumed_train_config(out) if args.resume else {}
     saved = dict(raw)
     if args.train_config:
@@ -75,40 +147,59 @@ def cmd_train(args: argparse.Namespace) -> int:
         # each value its field's type, before the model loads: the file is named, where from_dict below cannot
         TrainConfig.check_fields(given, where=f"--train-config {args.train_config}: ")
         raw.update(given)
-    for f in fields(TrainConfig):
+    for f in dataclasses.fields(TrainConfig):
         value = getattr(args, f.name)
         if value is not None:
             raw[f.name] = value
-    cfg = TrainConfig.from_dict(raw)
-    if args.resume and saved.get("lora_rank"):
-        from blockpress.train import TRAINER_STATE_FILE, check_continues, read_trainer_state
+    return Settings(cfg=TrainConfig.from_dict(raw), raw=raw, saved=saved)
 
-        # before the base is looked for and loaded (a minute for a quantized one): a finished LoRA run said "give
-        # --model", then, with it, that it had finished
-        state = read_trainer_state(out / TRAINER_STATE_FILE, map_location="cpu")
-        check_continues(args.out, state, cfg)
-        lora_shape = state.get("base_shape")  # (checked against the model as soon as it loads)
-        del state
-    if args.resume and saved.get("lora_rank") and args.model is not None:
-        from blockpress.train import check_lora_resume_model
 
+def _check_lora_resume(args: argparse.Namespace, settings: Settings) -> Any:
+    """A resumed LoRA run can go on (it has not finished, --model is a base it can take), said before the base is
+    looked for and loaded (a minute for a quantized one): a finished LoRA run said "give --model", then, with it,
+    that it had finished. Returns the shape of the base its adapters trained over, checked against the model as
+    soon as it loads (None: no such run, or none recorded)."""
+    if not (args.resume and settings.saved.get("lora_rank")):
+        return None
+    from blockpress.train import (
+        TRAINER_STATE_FILE,
+        check_continues,
+        check_lora_resume_model,
+        read_trainer_state,
+    )
+
+    state = read_trainer_state(Path(args.out) / TRAINER_STATE_FILE, map_location="cpu")
+    check_continues(args.out, state, settings.cfg)
+    if args.model is not None:
         check_lora_resume_model(args.out, args.model)  # before it loads, and before the data is read with it
-    if args.resume and args.model is None and args.config is None:
-        from blockpress.train import LORA_BASE_FILE, lora_base
+    return state.get("base_shape")
 
-        # A LoRA run to be resumed keeps its adapters apart from the base they adapt, recorded beside them (a run its
-        # clock stopped also holds its merged checkpoint, which is not that base).
-        if (out / LORA_BASE_FILE).is_file() or not (out / "config.json").is_file():
-            args.model = lora_base(out)
-            if args.model is None:
-                raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, and not the base model they "
-                                 "adapt; give it again with --model (or --config)")
-        else:
-            args.model = args.out  # the run's own last checkpoint; Trainer.resume restores optimizer and step
+
+def _model_to_train(args: argparse.Namespace, out: Path) -> str | None:
+    """--model, or where a resumed run is given neither --model nor --config, the model it goes on from."""
+    if not (args.resume and args.model is None and args.config is None):
+        return args.model
+    from blockpress.train import LORA_BASE_FILE, lora_base
+
+    # A LoRA run to be resumed keeps its adapters apart from the base they adapt, recorded beside them (a run its
+    # clock stopped also holds its merged checkpoint, which is not that base).
+    if (out / LORA_BASE_FILE).is_file() or not (out / "config.json").is_file():
+        model = lora_base(out)
+        if model is None:
+            raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, and not the base model they "
+                             "adapt; give it again with --model (or --config)")
+        return model
+    return args.out  # the run's own last checkpoint; Trainer.resume restores the rest
+
+
+def _check_model_flags(args: argparse.Namespace, settings: Settings) -> None:
+    """One model to train, flags that apply to it, and a resumed run's held-out split kept; then the warning that
+    names the settings a resumed run changes (after the checks: an error there comes alone)."""
     if (args.model is None) == (args.config is None):
         raise ValueError("give exactly one of --model (fine-tune a checkpoint) or --config (a fresh model)")
     if args.model and args.tokenizer:
         raise ValueError("--tokenizer: only for a fresh model (--config); a checkpoint given by --model brings its own")
+    raw, saved = settings.raw, settings.saved
     if args.resume and saved.get("heldout") is not None and raw.get("heldout") != saved["heldout"]:
         # another split would score examples the run already trained on as held out (or train on held-out ones)
         raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout']} of its examples; a resumed "
@@ -116,156 +207,216 @@ def cmd_train(args: argparse.Namespace) -> int:
     # (--heldout-data is recorded whole, below: the same file typed relative again is no change)
     changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v
                and not (k == "heldout_data" and v and saved[k] and Path(v).resolve() == Path(saved[k]).resolve())}
-    if changed:  # after the arguments are checked: an error there comes alone
+    if changed:
         print_warning("--resume: the run's saved settings, except " +
                       ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-    if args.model:
-        # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
-        # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
-        # adapters, so its frozen base may stay in its own dtype.
-        # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
-        # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
-        from blockpress.checkpoint import folder_quantization
-        from blockpress.lm import resolve_path
 
-        stored = (None if cfg.quantize or args.model.startswith(RANDOM_PREFIX)  # (random weights: no folder)
-                  else folder_quantization(resolve_path(args.model)))
-        if stored is not None and cfg.lora_rank:  # QLoRA over it, as --quantize of its scheme would say (recorded
-            # with the run and its adapters, so that a resume and a load of them take the same base)
-            raw["quantize"] = stored
-            cfg = dataclasses.replace(cfg, quantize=stored)
-            if not args.quiet:
-                print(f"--model {args.model}: stored quantized ({stored}); its LoRA adapters train over it as QLoRA "
-                      f"(--quantize {stored})", file=sys.stderr)
-        elif stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
-            raise ValueError(f"--model {args.model}: stored quantized ({stored}); a full fine-tune needs the "
-                             f"unquantized weights; train LoRA adapters over it instead (--lora-rank R: QLoRA), or "
-                             "fine-tune the unquantized checkpoint")
-        lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
-                        cfg.quantize or "none")
-        if args.resume and saved.get("lora_rank") and lora_shape:
-            from blockpress.train import shape_differences
 
-            # another base (its recorded one gone) of another shape: said before the data is read with it
-            differ = shape_differences(lora_shape, lm.model, "this model")
-            if differ:
-                raise ValueError(f"--model {args.model}: not of the shape of the base the LoRA run in {args.out} "
-                                 f"trained its adapters over: {', '.join(differ)}")
-        if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
-            # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
-            cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
+def _load_checkpoint(args: argparse.Namespace, settings: Settings, lora_shape: Any) -> tuple[LM, TrainConfig]:
+    """--model loaded to be trained, and the settings it trains with: QLoRA over a base stored quantized, and the
+    model's own noise unless the settings name one."""
+    # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
+    # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
+    # adapters, so its frozen base may stay in its own dtype.
+    # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
+    # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
+    from blockpress.checkpoint import folder_quantization
+    from blockpress.lm import resolve_path
+    from blockpress.train import TrainConfig
+
+    cfg, raw = settings.cfg, settings.raw
+    stored = (None if cfg.quantize or args.model.startswith(RANDOM_PREFIX)  # (random weights: no folder)
+              else folder_quantization(resolve_path(args.model)))
+    if stored is not None and cfg.lora_rank:  # QLoRA over it, as --quantize of its scheme would say (recorded
+        # with the run and its adapters, so that a resume and a load of them take the same base)
+        raw = {**raw, "quantize": stored}
+        cfg = dataclasses.replace(cfg, quantize=stored)
+        if not args.quiet:
+            print(f"--model {args.model}: stored quantized ({stored}); its LoRA adapters train over it as QLoRA "
+                  f"(--quantize {stored})", file=sys.stderr)
+    elif stored is not None:  # (with --quantize, the load refuses another scheme than the stored one)
+        raise ValueError(f"--model {args.model}: stored quantized ({stored}); a full fine-tune needs the "
+                         f"unquantized weights; train LoRA adapters over it instead (--lora-rank R: QLoRA), or "
+                         "fine-tune the unquantized checkpoint")
+    lm = load_model(args.model, cfg.dtype or (None if cfg.lora_rank else "float32"), args.device,
+                    cfg.quantize or "none")
+    if lora_shape:
+        from blockpress.train import shape_differences
+
+        # another base (its recorded one gone) of another shape: said before the data is read with it
+        differ = shape_differences(lora_shape, lm.model, "this model")
+        if differ:
+            raise ValueError(f"--model {args.model}: not of the shape of the base the LoRA run in {args.out} "
+                             f"trained its adapters over: {', '.join(differ)}")
+    if "noise_token_id" not in raw and "noise_token_id" in lm.generation_config:
+        # continue the model's own recipe: an absorbing-noise model fine-tuned with uniform noise forgets it
+        cfg = TrainConfig.from_dict({**raw, "noise_token_id": lm.generation_config["noise_token_id"]})
+    return lm, cfg
+
+
+def _fresh_model(args: argparse.Namespace, cfg: TrainConfig) -> LM:
+    """A model of random weights of --config's shape, with --tokenizer's vocabulary and special ids where given."""
+    import blockpress
+
+    if not args.config.endswith(".json"):
+        mcfg = preset_config(args.config, f"--config {args.config}")
     else:
-        if not args.config.endswith(".json"):
-            mcfg = preset_config(args.config, f"--config {args.config}")
-        else:
-            try:
-                mcfg = blockpress.ModelConfig.from_file(args.config)
-            except (ValueError, OSError) as exc:  # their messages start with the path, or name a field
-                message = str(exc)
-                raise ValueError(f"--config {message}" if message.startswith(str(Path(args.config)))
-                                 else f"--config {args.config}: {message}") from None
-        tokenizer = None
-        if args.tokenizer:
-            from blockpress.lm import check_tokenizer, resolve_path
-            from blockpress.tokenizer import Tokenizer
-
-            tokenizer_path = Path(args.tokenizer)  # its tokenizer.json, its folder, or a shipped model's name
-            if tokenizer_path.is_file() and tokenizer_path.name != "tokenizer.json":  # its folder's own would be read
-                raise ValueError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json, the folder that holds "
-                                 "one, or a shipped model's name")
-            try:
-                tokenizer = Tokenizer.from_dir(tokenizer_path.parent if tokenizer_path.is_file()
-                                               else resolve_path(args.tokenizer))
-            except (ValueError, OSError) as exc:
-                raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from None
-            if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
-                mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
-            check_tokenizer(tokenizer, mcfg.text.vocab_size, f"--tokenizer {args.tokenizer}")  # (random_model's check)
-            if tokenizer.eos_id is None:  # an example's end is learned as this token: without one, answers never end
-                raise ValueError(f"--tokenizer {args.tokenizer}: names no EOS token (eos_token in "
-                                 "tokenizer_config.json); the model learns to end its answers with it")
-            # The saved model's specials must be the tokenizer's: the preset's Gemma ids (pad 0, eos 1, bos 2) would
-            # fill the canvases after an answer with whatever token the tokenizer put there.
-            eos = tokenizer.eos_ids if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
-            # (an id the tokenizer does not name keeps the config's)
-            text = mcfg.text
-            mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(
-                text, eos_token_id=eos,
-                bos_token_id=text.bos_token_id if tokenizer.bos_id is None else tokenizer.bos_id,
-                pad_token_id=text.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id))
-        lm = blockpress.random_model(mcfg, seed=cfg.seed, dtype=cfg.dtype or "float32", device=args.device,
-                                     tokenizer=tokenizer)
-    vocab = lm.config.text.vocab_size
-
-    def examples_of(path: str, flag: str) -> list[Any]:
         try:
-            return load_jsonl(path, lm.tokenizer, vocab, context=(lm.config.canvas_length,
-                              lm.config.text.max_position_embeddings, cfg.max_canvases or None),
-                              chat_turns=cfg.chat_turns)
-        except (ValueError, OSError) as exc:  # missing, unreadable, empty, a bad line: the flag's path (as text's)
-            raise type(exc)(f"{flag} {exc}") from None
+            mcfg = blockpress.ModelConfig.from_file(args.config)
+        except (ValueError, OSError) as exc:  # their messages start with the path, or name a field
+            message = str(exc)
+            raise ValueError(f"--config {message}" if message.startswith(str(Path(args.config)))
+                             else f"--config {args.config}: {message}") from None
+    tokenizer = None
+    if args.tokenizer:
+        tokenizer = _fresh_tokenizer(args)
+        mcfg = _with_tokenizer(args, mcfg, tokenizer)
+    return blockpress.random_model(mcfg, seed=cfg.seed, dtype=cfg.dtype or "float32", device=args.device,
+                                   tokenizer=tokenizer)
 
-    for flag, data in (("--data", args.data), ("--heldout-data", cfg.heldout_data)):
-        try:  # a README.md beside JSONL files: say it is not trained on
-            note = left_out(data) if data else None
+
+def _fresh_tokenizer(args: argparse.Namespace) -> Tokenizer:
+    """--tokenizer read: its tokenizer.json, its folder, or a shipped model's name."""
+    from blockpress.lm import resolve_path
+    from blockpress.tokenizer import Tokenizer
+
+    tokenizer_path = Path(args.tokenizer)
+    if tokenizer_path.is_file() and tokenizer_path.name != "tokenizer.json":  # its folder's own would be read
+        raise ValueError(f"--tokenizer {args.tokenizer}: expected a tokenizer.json, the folder that holds "
+                         "one, or a shipped model's name")
+    try:
+        return Tokenizer.from_dir(tokenizer_path.parent if tokenizer_path.is_file() else resolve_path(args.tokenizer))
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from None
+
+
+def _with_tokenizer(args: argparse.Namespace, mcfg: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """--config's model config fitted to `tokenizer`: a preset takes its vocabulary, and every config its special
+    ids; a tokenizer that does not fit, or names no EOS, is refused."""
+    from blockpress.lm import check_tokenizer
+
+    if not args.config.endswith(".json"):  # a preset is a shape; its vocabulary is the tokenizer's
+        mcfg = dataclasses.replace(mcfg, text=dataclasses.replace(mcfg.text, vocab_size=tokenizer.vocab_size))
+    check_tokenizer(tokenizer, mcfg.text.vocab_size, f"--tokenizer {args.tokenizer}")  # (random_model's check)
+    if tokenizer.eos_id is None:  # an example's end is learned as this token: without one, answers never end
+        raise ValueError(f"--tokenizer {args.tokenizer}: names no EOS token (eos_token in "
+                         "tokenizer_config.json); the model learns to end its answers with it")
+    # The saved model's specials must be the tokenizer's: the preset's Gemma ids (pad 0, eos 1, bos 2) would
+    # fill the canvases after an answer with whatever token the tokenizer put there.
+    eos = tokenizer.eos_ids if len(tokenizer.eos_ids) > 1 else tokenizer.eos_id
+    # (an id the tokenizer does not name keeps the config's)
+    text = mcfg.text
+    return dataclasses.replace(mcfg, text=dataclasses.replace(
+        text, eos_token_id=eos,
+        bos_token_id=text.bos_token_id if tokenizer.bos_id is None else tokenizer.bos_id,
+        pad_token_id=text.pad_token_id if tokenizer.pad_id is None else tokenizer.pad_id))
+
+
+def _check_data_files(data: str, heldout_data: str | None) -> None:
+    """--data and --heldout-data can be read as what their first line says they are; files of a folder or glob that
+    are not trained on (a README.md beside JSONL files) are said to be left out."""
+    from blockpress.data import is_examples, left_out
+
+    for flag, path in (("--data", data), ("--heldout-data", heldout_data)):
+        try:
+            note = left_out(path) if path else None
             # what the data is, read from its first line: an error there (not JSON, not UTF-8) names the flag as one
             # on a later line does (it named the file alone, whichever of --data and --heldout-data it was)
-            is_examples(data) if data else None
+            is_examples(path) if path else None
         except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
             raise ValueError(f"{flag} {exc}") from None
         if note:
-            print_warning(f"{flag} {data}: {note}")
-    source: ExampleSource | ShardSource
-    heldout: ExampleSource | ShardSource | None
-    if is_examples(args.data):
-        cfg.check_examples()  # before the examples are read (the Trainer checks again)
-        if cfg.heldout_data:  # the held-out examples are a file of their own
-            if not is_examples(cfg.heldout_data):
-                raise ValueError(f"--heldout-data {cfg.heldout_data}: not JSONL examples; with JSONL examples as --data, "
-                                 "held-out examples are a JSONL file of them (or the --heldout fraction of --data)")
-            if cfg.heldout:
-                raise ValueError("--heldout/--heldout-data: the held-out examples are a fraction of --data or the "
-                                 "examples of --heldout-data; give one of them")
-            train, held = examples_of(args.data, "--data"), examples_of(cfg.heldout_data, "--heldout-data")
-        else:
-            fraction = cfg.heldout
-            if fraction is None:
-                if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
-                    print_warning(f"--resume: the run in {args.out} did not record its --heldout; holding out "
-                                  f"{DEFAULT_HELDOUT} (give the value it was started with, if another)")
-                fraction = DEFAULT_HELDOUT
-                cfg = dataclasses.replace(cfg, heldout=fraction)  # saved with the run: --resume keeps the split
-            examples = examples_of(args.data, "--data")
-            train, held = split_heldout(examples, fraction)
-            if fraction > 0 and not held:
-                print_warning(f"--heldout {fraction}: holds out none of {len(examples)} examples; no held-out "
-                              "loss")
-        if cfg.chat_turns != cfg.default("chat_turns") and not any(e.templated for e in (*train, *held)):
-            # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
-            raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; the examples "
-                             "given are prompt/response (or ids) records, one example each, with no turns")
-        source = ExampleSource(train, cfg.seed)
-        heldout = ExampleSource(held, cfg.seed) if held else None
+            print_warning(f"{flag} {path}: {note}")
+
+
+def _sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Sources:
+    """--data (and --heldout-data) read: JSONL examples, or running text and token shards."""
+    from blockpress.data import is_examples
+
+    return _example_sources(args, lm, cfg) if is_examples(args.data) else _shard_sources(args, lm, cfg)
+
+
+def _examples(path: str, flag: str, lm: LM, cfg: TrainConfig) -> list[Any]:
+    """The JSONL examples at `path`, tokenized and checked against the model's context; errors name `flag`."""
+    from blockpress.data import load_jsonl
+
+    try:
+        return load_jsonl(path, lm.tokenizer, lm.config.text.vocab_size, context=(lm.config.canvas_length,
+                          lm.config.text.max_position_embeddings, cfg.max_canvases or None),
+                          chat_turns=cfg.chat_turns)
+    except (ValueError, OSError) as exc:  # missing, unreadable, empty, a bad line: the flag's path (as text's)
+        raise type(exc)(f"{flag} {exc}") from None
+
+
+def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Sources:
+    """JSONL examples to train on, and those held out: --heldout-data's, or the --heldout fraction of --data."""
+    from blockpress.data import is_examples, split_heldout
+    from blockpress.train import ExampleSource
+
+    cfg.check_examples()  # before the examples are read (the Trainer checks again)
+    if cfg.heldout_data:  # the held-out examples are a file of their own
+        if not is_examples(cfg.heldout_data):
+            raise ValueError(f"--heldout-data {cfg.heldout_data}: not JSONL examples; with JSONL examples as --data, "
+                             "held-out examples are a JSONL file of them (or the --heldout fraction of --data)")
+        if cfg.heldout:
+            raise ValueError("--heldout/--heldout-data: the held-out examples are a fraction of --data or the "
+                             "examples of --heldout-data; give one of them")
+        train, held = _examples(args.data, "--data", lm, cfg), _examples(cfg.heldout_data, "--heldout-data", lm, cfg)
     else:
-        if cfg.heldout:  # it would be ignored: running text has no examples to split
-            raise ValueError("--heldout: for JSONL examples (a fraction of them); with raw text or token shards "
-                             "give the held-out text or shards with --heldout-data")
-        if cfg.chat_turns != cfg.default("chat_turns"):  # it would be ignored: running text has no chats
-            raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; running text "
-                             "has no turns")
-        # each window after the BOS that generate puts before a text prompt (ShardSource)
-        bos = lm.tokenizer.bos_id if lm.tokenizer is not None else None
-        source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length, bos)
-        heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
-                              lm.config.canvas_length, bos) if cfg.heldout_data else None
-    base_dtype = lm.dtype
-    # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
+        fraction = cfg.heldout
+        if fraction is None:
+            if args.resume:  # a run saved before train_config.json kept it: the split may differ from the run's
+                print_warning(f"--resume: the run in {args.out} did not record its --heldout; holding out "
+                              f"{DEFAULT_HELDOUT} (give the value it was started with, if another)")
+            fraction = DEFAULT_HELDOUT
+            cfg = dataclasses.replace(cfg, heldout=fraction)  # saved with the run: --resume keeps the split
+        examples = _examples(args.data, "--data", lm, cfg)
+        train, held = split_heldout(examples, fraction)
+        if fraction > 0 and not held:
+            print_warning(f"--heldout {fraction}: holds out none of {len(examples)} examples; no held-out "
+                          "loss")
+    if cfg.chat_turns != cfg.default("chat_turns") and not any(e.templated for e in (*train, *held)):
+        # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
+        raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; the examples "
+                         "given are prompt/response (or ids) records, one example each, with no turns")
+    return Sources(source=ExampleSource(train, cfg.seed), heldout=ExampleSource(held, cfg.seed) if held else None,
+                   cfg=cfg)
+
+
+def _shard_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Sources:
+    """Running text or token shards to train on, and --heldout-data's to evaluate on."""
+    from blockpress.train import ShardSource
+
+    if cfg.heldout:  # it would be ignored: running text has no examples to split
+        raise ValueError("--heldout: for JSONL examples (a fraction of them); with raw text or token shards "
+                         "give the held-out text or shards with --heldout-data")
+    if cfg.chat_turns != cfg.default("chat_turns"):  # it would be ignored: running text has no chats
+        raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; running text "
+                         "has no turns")
+    # each window after the BOS that generate puts before a text prompt (ShardSource)
+    bos = lm.tokenizer.bos_id if lm.tokenizer is not None else None
+    vocab = lm.config.text.vocab_size
+    source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length, bos)
+    heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
+                          lm.config.canvas_length, bos) if cfg.heldout_data else None
+    return Sources(source=source, heldout=heldout, cfg=cfg)
+
+
+def _start_run(args: argparse.Namespace, lm: LM, sources: Sources, stale_metrics: bool) -> Run:
+    """The Trainer built (its checks are the last a run is refused by), the stale metrics of a run that never saved
+    replaced, and a resumed run's state restored."""
     import torch
 
+    from blockpress.train import ExampleSource, Trainer
+
+    cfg, source = sources.cfg, sources.source
+    base_dtype = lm.dtype
+    # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
     if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
         cfg = dataclasses.replace(cfg, heldout_data=str(Path(cfg.heldout_data).resolve()))
-    trainer = Trainer(lm, source, cfg, args.out, heldout=heldout, progress=not args.quiet, merged_dtype=merged_dtype,
+    trainer = Trainer(lm, source, cfg, args.out, heldout=sources.heldout, progress=not args.quiet,
+                      merged_dtype=merged_dtype,
                       data=str(Path(args.data).resolve()))  # one spelling of a file: --resume compares them
     if trainer.prompts_healed and trainer.rank == 0 and isinstance(source, ExampleSource):  # (only examples heal)
         print(f"--data: {trainer.prompts_healed} of {len(source.examples)} training prompts end in whitespace that "
@@ -275,65 +426,90 @@ def cmd_train(args: argparse.Namespace) -> int:
     if stale_metrics and trainer.rank == 0:  # after every check: a refused run leaves the folder as it was
         print(f"--out {args.out}: replacing the metrics.jsonl of a run that stopped before its first save (no "
               "trainer_state.pt to resume from)", file=sys.stderr)
-        (out / "metrics.jsonl").unlink()
+        (Path(args.out) / "metrics.jsonl").unlink()
     if args.resume:
         trainer.resume()
-    if not args.quiet and trainer.rank == 0:  # what the run trains on: nothing said it (a folder's stray files,
-        # a chat's turns, a --heldout split, how many passes --steps makes went unseen); after --resume, which
-        # says where the run's data stands
-        print(data_summary(args.data, source, heldout, cfg, lm.config.canvas_length, trainer.data_start),
-              file=sys.stderr)
-    trainable = {"trainable_parameters": trainer.trainable_parameters,
-                 "trainable_fraction": round(trainer.trainable_parameters / max(trainer.total_parameters, 1), 6)}
+    return Run(lm=lm, trainer=trainer, cfg=cfg, base_dtype=base_dtype, merged_dtype=merged_dtype)
+
+
+def _trainable(trainer: Trainer) -> dict[str, Any]:
+    """How many parameters train, and their share of the model's (peft's print_trainable_parameters)."""
+    return {"trainable_parameters": trainer.trainable_parameters,
+            "trainable_fraction": round(trainer.trainable_parameters / max(trainer.total_parameters, 1), 6)}
+
+
+def _say_what_runs(args: argparse.Namespace, run: Run, sources: Sources) -> None:
+    """What the run trains on, and how much of the model: nothing said it (a folder's stray files, a chat's turns, a
+    --heldout split, how many passes --steps makes went unseen); after --resume, which says where the run's data
+    stands. Then a warmup the run never ends."""
+    cfg, trainer = run.cfg, run.trainer
+    if not args.quiet and trainer.rank == 0:
+        print(data_summary(args.data, sources.source, sources.heldout, cfg, run.lm.config.canvas_length,
+                           trainer.data_start), file=sys.stderr)
     if cfg.lora_rank and not args.quiet and trainer.rank == 0:
+        fraction = _trainable(trainer)["trainable_fraction"]
         print(f"--lora-rank {cfg.lora_rank}: training {trainer.trainable_parameters:,} of "
-              f"{trainer.total_parameters:,} parameters ({100 * trainable['trainable_fraction']:.3g}%) on "
-              f"{cfg.lora_targets}", file=sys.stderr)
+              f"{trainer.total_parameters:,} parameters ({100 * fraction:.3g}%) on {cfg.lora_targets}",
+              file=sys.stderr)
     if cfg.warmup_steps > cfg.steps:
         print_warning(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never "
                       f"reaches --lr {cfg.lr}")
-    result = trainer.train()
-    if trainer.rank == 0:
-        _plot_training(Path(args.out), quiet=args.quiet)
+
+
+def _report(args: argparse.Namespace, run: Run, result: TrainResult) -> None:
+    """The run's summary (a JSON line on stdout), and where a run that was not interrupted left what it trained: a
+    QLoRA run's unmerged adapters, a LoRA run's checkpoint of another dtype than its base."""
+    cfg, trainer = run.cfg, run.trainer
     if not args.quiet and trainer.rank == 0:  # under torchrun, one summary, not one a process
         losses = result.losses
         print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
                           "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                           "eval_losses": result.eval_losses,
-                          "tokens_per_second": round(result.tokens_per_second, 1), **trainable}))
+                          "tokens_per_second": round(result.tokens_per_second, 1), **_trainable(trainer)}))
     if cfg.quantize and result.stopped != "interrupted" and trainer.rank == 0:
-        from blockpress.train import ADAPTER_DIR, base_name
-
-        adapter = Path(args.out) / ADAPTER_DIR
-        named = base_name(lm) is not None  # the folder names its base (one loaded from a folder): it loads alone
-        flags = f"--model {adapter}" if named else f"--model BASE --adapter {adapter} --quantize {cfg.quantize}"
-        python = repr(str(adapter)) if named else f"BASE, adapter={str(adapter)!r}, quantize={cfg.quantize!r}"
-        # a base saved quantized is itself the quantized checkpoint, and has no unquantized weights to merge into
-        from blockpress.checkpoint import folder_quantization
-
-        saved_quantized = lm.path is not None and folder_quantization(lm.path) is not None
-        base = (f"(over {lm.path}, saved {cfg.quantize})" if saved_quantized
-                else "(no checkpoint of the quantized base)")
-        merge = "" if saved_quantized else "; --quantize none merges them into the unquantized base instead"
-        print(f"--quantize {cfg.quantize}: {adapter} holds the adapters, unmerged {base}; run them as trained, over "
-              f"the {cfg.quantize} base: `blockpress generate {flags} PROMPT` (chat, serve and info alike{merge}), or "
-              f"in Python blockpress.load({python})", file=sys.stderr)
-    elif cfg.lora_rank and result.stopped != "interrupted" and base_dtype != merged_dtype and trainer.rank == 0:
-        base = str(base_dtype)[6:]
+        _say_quantized_adapters(args, run.lm, cfg.quantize)
+    elif (cfg.lora_rank and result.stopped != "interrupted" and run.base_dtype != run.merged_dtype
+          and trainer.rank == 0):
+        base = str(run.base_dtype)[6:]
         # (--dtype takes float32 and bfloat16: a float16 base, trained with loss scaling, is cast by save's dtype)
         how = (f"--dtype {base} saves that" if base != "float16" else
                f"blockpress.load({str(args.out)!r}).save(FOLDER, dtype='float16') writes that")
-        print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a {str(merged_dtype)[6:]} "
-              f"checkpoint (the base was {base}; {how}, rounding part of the adapters' update away)", file=sys.stderr)
+        print(f"--lora-rank: the adapters were merged in float32 and {args.out} holds a "
+              f"{str(run.merged_dtype)[6:]} checkpoint (the base was {base}; {how}, rounding part of the adapters' "
+              "update away)", file=sys.stderr)
+
+
+def _say_quantized_adapters(args: argparse.Namespace, lm: LM, quantize: str) -> None:
+    """Where a QLoRA run's adapters are, unmerged, and how to run them over their quantized base."""
+    from blockpress.checkpoint import folder_quantization
+    from blockpress.train import ADAPTER_DIR, base_name
+
+    adapter = Path(args.out) / ADAPTER_DIR
+    named = base_name(lm) is not None  # the folder names its base (one loaded from a folder): it loads alone
+    flags = f"--model {adapter}" if named else f"--model BASE --adapter {adapter} --quantize {quantize}"
+    python = repr(str(adapter)) if named else f"BASE, adapter={str(adapter)!r}, quantize={quantize!r}"
+    # a base saved quantized is itself the quantized checkpoint, and has no unquantized weights to merge into
+    saved_quantized = lm.path is not None and folder_quantization(lm.path) is not None
+    base = (f"(over {lm.path}, saved {quantize})" if saved_quantized
+            else "(no checkpoint of the quantized base)")
+    merge = "" if saved_quantized else "; --quantize none merges them into the unquantized base instead"
+    print(f"--quantize {quantize}: {adapter} holds the adapters, unmerged {base}; run them as trained, over "
+          f"the {quantize} base: `blockpress generate {flags} PROMPT` (chat, serve and info alike{merge}), or "
+          f"in Python blockpress.load({python})", file=sys.stderr)
+
+
+def _exit_status(args: argparse.Namespace, run: Run, result: TrainResult) -> int:
+    """0, or for a run a signal stopped, 128 + the signal, once it is said where the run was saved; under torchrun
+    only after every process is done."""
     if result.stopped == "interrupted":
         import signal
 
-        adapters = f" (its adapters so far load as --model {Path(args.out) / 'adapter'})" if cfg.lora_rank else ""
+        adapters = f" (its adapters so far load as --model {Path(args.out) / 'adapter'})" if run.cfg.lora_rank else ""
         # 128 + the signal, as a shell reports a process it ended: a scheduler's SIGTERM (timeout, Slurm, docker stop)
         # exited 130, Ctrl-C's status, and a job script could not tell the two apart
         signum = result.stop_signal or signal.SIGINT
         what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        if trainer.rank == 0:  # the process that saves (under torchrun each said "saved")
+        if run.trainer.rank == 0:  # the process that saves (under torchrun each said "saved")
             print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
                   file=sys.stderr)
         _leave_peers()  # rank 0 has saved and said so: only now may a process exit non-zero
