@@ -234,44 +234,48 @@ class ReplyReader:
         """What the screen still needs once the reply is done."""
         return self._grow(reply.thought or "", reply.answer)
 
+@dataclasses.dataclass
+class Message:
+    """A message as read: its text, and whether it is one whatever it holds (a block or a JSON string: never a
+    command)."""
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from blockpress.generate import Commit, Done, canvas_room
+    text: str
+    verbatim: bool
 
-    lm = load_announced(args)
-    check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
-    context = lm.config.text.max_position_embeddings
-    chat_flags = command_flags(args)
-    system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
-    messages: list[dict[str, str]] = list(system)
-    cache = None
-    print(f"blockpress chat — /help lists the commands, /exit or Ctrl-D quits; {BLOCK} on a line of its own "
-          "starts and ends a message of several lines", file=sys.stderr)
-    # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
-    # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
-    # message and nothing else, and so does a stdout sent elsewhere from a terminal (`> chat.txt`, `| tee log`):
-    # "you> " goes to stderr, the screen (input() would write it to stdout: the file got "you> model> " and the
-    # user typed at no prompt), replies get no mark.
-    interactive = sys.stdin.isatty()
-    on_screen = interactive and not args.json and sys.stdout is not None and sys.stdout.isatty()
-    marker = "model> " if on_screen else ""
-    if interactive:
-        enable_line_editing()
-    # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
-    # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
-    opened = False  # "model> " and the reply's start are on screen: an error that ends the turn takes a new line
 
-    def live_reply(events: Generator[Any, None, None], reader: ReplyReader) -> Any:
+@dataclasses.dataclass
+class ChatSession:
+    """A chat's state from message to message: the conversation and its cache, where its lines come from and its
+    replies go, and what a reply has put on screen so far."""
+
+    lm: Any
+    args: argparse.Namespace
+    system: list[dict[str, str]]  # every conversation starts with it, one after /reset too: as the model was tuned
+    flags: dict[str, str]  # the names its settings were typed by, which an error names (command_flags)
+    interactive: bool  # stdin is a terminal
+    on_screen: bool  # and stdout too, without --json: the turns are marked and the reply printed as it commits
+    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    cache: Any = None
+    # "model> " and the reply's start are on screen: an error that ends the turn takes a new line
+    opened: bool = False
+    pending: list[str] = dataclasses.field(default_factory=list)  # the lines of a paste still to be read (read_line)
+
+    @property
+    def marker(self) -> str:
+        return "model> " if self.on_screen else ""
+
+    def live_reply(self, events: Generator[Any, None, None], reader: ReplyReader) -> Any:
         """Print "model> " and each Commit's growth of its settled text (no half character, no start of a stop
         string that may yet be cut: Commit.settled_texts; a thought dimmed, the answer under it: ReplyReader.live),
         flushed; returns Done's output. A Ctrl-C leaves the part printed on screen."""
-        nonlocal opened
-        opened = False
+        from blockpress.generate import Commit, Done
+
+        self.opened = False
         try:
             for n, event in enumerate(events):
                 if n == 0:  # after the request's checks: an error in them is said on a line of its own
-                    print(marker, end="", flush=True)
-                    opened = True
+                    print(self.marker, end="", flush=True)
+                    self.opened = True
                 if isinstance(event, Commit):
                     settled = decoded(event.settled_texts, "chat")[0]
                     settled = settled[: len(settled) - 1] if settled.endswith("\r") else settled  # "\r\n": one newline
@@ -282,53 +286,50 @@ def cmd_chat(args: argparse.Namespace) -> int:
             events.close()
         raise RuntimeError("the reply's stream ended without its end")  # chat passes no `cancelled`
 
-    pending: list[str] = []  # the lines of a paste still to be read, after the first (read_line)
-
-    def read_line(first: bool) -> str:
+    def read_line(self, first: bool) -> str:
         """A line, without its terminator; on a terminal prompted "you> " (`first`: a message's first line) or, in
         a block of several lines, "...> ". A terminal's paste of several lines comes back whole, newlines and all
         (readline 8.1+ takes it as one line: bracketed paste); one that holds a BLOCK line is read a line at a
         time, as typed lines are, so its blocks open and close: whole, the BLOCK lines were sent to the model as
         part of the message, and a paste that should close an open block left it open."""
-        if pending:
-            return pending.pop(0)
+        if self.pending:
+            return self.pending.pop(0)
         mark = "you> " if first else "...> "
-        if interactive and not on_screen:  # stdout holds the replies (or JSON lines) alone
+        if self.interactive and not self.on_screen:  # stdout holds the replies (or JSON lines) alone
             print(mark, end="", file=sys.stderr, flush=True)
-        line = input(mark if on_screen else "")
+        line = input(mark if self.on_screen else "")
         if "\n" in line and any(part.rstrip("\r").rstrip() == BLOCK for part in line.split("\n")):
             line, *rest = line.split("\n")
-            pending.extend(part.removesuffix("\r") for part in rest)
+            self.pending.extend(part.removesuffix("\r") for part in rest)
         return line.removesuffix("\r")  # "\r\n" ends one too
 
-    def new_line() -> str:
+    def new_line(self) -> str:
         """"\n" where a reply that failed midway (a GPU out of memory, non-finite logits) is part way along a line
         on screen: its error was written on after the last word ("model> def f(error: ...")."""
-        return "\n" if on_screen and opened else ""
+        return "\n" if self.on_screen and self.opened else ""
 
-    def no_reply(user: str, **fields: Any) -> None:
+    def no_reply(self, user: str, **fields: Any) -> None:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
         JSON line: a script that wrote N lines reads N back, in order, and never waits on one that will not come."""
-        if args.json:
+        if self.args.json:
             shown = user.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bad bytes as U+FFFD
             print(json.dumps(dict(prompt=shown, **fields)), flush=True)
-    # Under a UTF-8 locale stdin decodes strictly, and one bad byte would raise out of input() and end the chat;
-    # as surrogates it reaches the per-message check below, which names the byte and goes on.
-    if hasattr(sys.stdin, "reconfigure"):
-        sys.stdin.reconfigure(errors="surrogateescape")
-    while True:
+
+    def read_message(self) -> Message | None:
+        """The next message: a line, a block of lines between BLOCK lines, a paste, or with --json a JSON string;
+        None at the end of the input (a block it cut short is said, and not sent)."""
         block: list[str] | None = None  # a message of several lines, as read so far
         verbatim = False  # a block or a JSON string: the text it holds is the message, never a command
         try:
-            user = read_line(first=True)
+            user = self.read_line(first=True)
             if user.rstrip() == BLOCK:  # its lines are the message, as typed, up to the next such line
                 block = []
-                while (line := read_line(first=False)).rstrip() != BLOCK:
+                while (line := self.read_line(first=False)).rstrip() != BLOCK:
                     block.append(line)
                 user, verbatim = "\n".join(block), True
             elif "\n" in user:  # a paste of several lines: one message, as a block is (never a command)
                 verbatim = True
-            elif args.json and user.startswith('"'):
+            elif self.args.json and user.startswith('"'):
                 text = json_line(user)
                 user, verbatim = text, text != user  # a JSON string never reads back as itself
         except EOFError:
@@ -336,125 +337,207 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if block is not None:  # cut short: not the message that was meant
                 error = f"the message started by a line of {BLOCK} ended without the line of {BLOCK} that sends it"
                 print(f"error: {error}; it was not sent", file=sys.stderr)
-                no_reply("\n".join(block), error=error)
-            break
-        except KeyboardInterrupt as exc:  # at the prompt, as in a shell: a fresh line (a block typed so far is dropped)
-            # ("you> " is on the line, or, read from a file or pipe, at most the "^C")
-            print(end="\n" if interactive else fresh_line(exc), file=sys.stderr)
-            if isinstance(exc, Stopped):  # a SIGTERM or SIGHUP ends the chat, as Ctrl-D does, and says so
-                print(f"{stop_word(exc)}: the chat ends", file=sys.stderr)
-                return stop_status(exc)
-            pending.clear()
-            continue
-        if not user.strip():  # a blank line is skipped, not an end: piped conversations have them between messages
-            if verbatim:  # an empty block or JSON string was sent as a message: a script waits for its line
-                error = "the message is empty"
-                print(f"error: {error}; it was not sent", file=sys.stderr)
-                no_reply(user, error=error)
-            continue
-        # A block or a JSON string is a message whatever it starts with: a script that JSON-encodes each message
-        # sends "/usr/bin is slow" as it is (only a plain line is a command, and only there // escapes a /).
-        command = "" if verbatim else user.strip()
-        if command in ("/exit", "/quit"):  # answered too: a script reads one line per line it wrote
-            no_reply(user, command=command[1:])
-            break
+                self.no_reply("\n".join(block), error=error)
+            return None
+        return Message(user, verbatim)
+
+    def interrupted_at_prompt(self, exc: KeyboardInterrupt) -> int | None:
+        """A Ctrl-C at the prompt, as in a shell: a fresh line (a block typed so far is dropped), and the chat goes
+        on (None); a SIGTERM or SIGHUP ends the chat, as Ctrl-D does, and says so: its exit status."""
+        # ("you> " is on the line, or, read from a file or pipe, at most the "^C")
+        print(end="\n" if self.interactive else fresh_line(exc), file=sys.stderr)
+        if isinstance(exc, Stopped):
+            print(f"{stop_word(exc)}: the chat ends", file=sys.stderr)
+            return stop_status(exc)
+        self.pending.clear()
+        return None
+
+    def to_send(self, message: Message, command: str) -> str | None:
+        """The text to send the model, or None where the line is not one: a command, done (but /exit, which the
+        loop ends at), one refused, or a message that is not UTF-8, said and dropped."""
+        user = message.text
         if command == "/help":
             print(CHAT_HELP, file=sys.stderr)
-            no_reply(user, command="help")
-            continue
+            self.no_reply(user, command="help")
+            return None
         if command == "/reset":
-            messages, cache = list(system), None
+            self.messages, self.cache = list(self.system), None
             print("(a new conversation)", file=sys.stderr)
-            no_reply(user, command="reset")
-            continue
+            self.no_reply(user, command="reset")
+            return None
         if command.startswith("//"):  # the escape: a message that starts with a slash
             user = user.replace("/", "", 1)
         elif command.startswith("/"):  # a mistyped command ("/exit now", "/rest") is not a message to the model
             error = f"unknown command {command!r}; {CHAT_HELP}"
             print(f"error: {error}", file=sys.stderr)
-            no_reply(user, error=error)
-            continue
+            self.no_reply(user, error=error)
+            return None
         problem = utf8_problem(user)  # bytes that were not UTF-8 arrive as surrogates; the position is the line's
         if problem is not None:
             error = f"not valid UTF-8 ({problem} of the message)"
             print(f"error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
-            no_reply(user, error=error)
-            continue
-        messages.append({"role": "user", "content": user})
-        opened = False  # nothing of this turn's reply is on screen yet
+            self.no_reply(user, error=error)
+            return None
+        return user
+
+    def reply_settings(self, ids: list[int]) -> dict[str, Any]:
+        """The sampling settings of the reply to the conversation `ids`: --max-new-tokens capped to the room the
+        context has left, said; refused where not even the shortest reply fits."""
+        from blockpress.generate import canvas_room
+
+        args, lm, context = self.args, self.lm, self.lm.config.text.max_position_embeddings
+        kw = sampling_kwargs(args, lm)
+        wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
+        canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
+        room = canvas_room(context, len(ids), canvas)
+        if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
+            # Would a new conversation take it? If not, the message itself is too long, and "/reset" would
+            # only throw the conversation away for the same refusal.
+            alone = ids if len(self.messages) == len(self.system) + 1 else lm.chat_prompt(
+                [*self.system, self.messages[-1]], **args.chat_template_kwargs)
+            if canvas_room(context, len(alone), canvas) < max(1, kw["min_new_tokens"]):
+                raise ValueError(f"the message is too long: {len(alone)} tokens with the chat template"
+                                 f"{' and --system' if self.system else ''}, and the "
+                                 f"model's context holds {context} (the reply included); shorten it")
+            raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "
+                             f"model's {context} tokens, leaving {max(0, context - len(ids))}, and "
+                             f"{reply_needs(kw['min_new_tokens'], canvas)}; /reset starts a new one")
+        if room < wanted:  # a shorter reply than asked, rather than none
+            kw["max_new_tokens"] = room
+            print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "
+                  "/reset starts a new conversation)", file=sys.stderr)
+        return kw
+
+    def turn(self, user: str) -> int | None:
+        """`user` sent and its reply shown; a turn that fails (too long, stopped, out of memory) is dropped and the
+        conversation goes on. None, or where a SIGTERM or SIGHUP ends the chat, its exit status."""
+        lm, args = self.lm, self.args
+        self.messages.append({"role": "user", "content": user})
+        self.opened = False  # nothing of this turn's reply is on screen yet
         try:
-            ids = lm.chat_prompt(messages, **args.chat_template_kwargs)
-            kw = sampling_kwargs(args, lm)
-            wanted = kw["max_new_tokens"] if kw["max_new_tokens"] is not None else lm.default_new_tokens(len(ids))
-            canvas = lm.config.canvas_length  # the reply takes whole canvases: the new tokens that fit fill them
-            room = canvas_room(context, len(ids), canvas)
-            if room < wanted and room < max(1, kw["min_new_tokens"]):  # not even the shortest reply fits: refuse
-                # Would a new conversation take it? If not, the message itself is too long, and "/reset" would
-                # only throw the conversation away for the same refusal.
-                alone = ids if len(messages) == len(system) + 1 else lm.chat_prompt([*system, messages[-1]],
-                                                                                    **args.chat_template_kwargs)
-                if canvas_room(context, len(alone), canvas) < max(1, kw["min_new_tokens"]):
-                    raise ValueError(f"the message is too long: {len(alone)} tokens with the chat template"
-                                     f"{' and --system' if system else ''}, and the "
-                                     f"model's context holds {context} (the reply included); shorten it")
-                raise ValueError(f"no room for a reply: the conversation with this message holds {len(ids)} of the "
-                                 f"model's {context} tokens, leaving {max(0, context - len(ids))}, and "
-                                 f"{reply_needs(kw['min_new_tokens'], canvas)}; /reset starts a new one")
-            if room < wanted:  # a shorter reply than asked, rather than none
-                kw["max_new_tokens"] = room
-                print(f"(the context has room for {room} more tokens: this reply gets at most {room}, not {wanted}; "
-                      "/reset starts a new conversation)", file=sys.stderr)
+            ids = lm.chat_prompt(self.messages, **args.chat_template_kwargs)
+            kw = self.reply_settings(ids)
             t0 = time.perf_counter()
             reader = ReplyReader(lm, ids, color=not os.environ.get("NO_COLOR"))
             # only what the conversation does not share with the cache is encoded (lm.chat_ids)
-            if on_screen:
-                out = live_reply(lm.chat_stream(ids, cache=cache, return_cache=True, drafts=False, **kw), reader)
+            if self.on_screen:
+                out = self.live_reply(lm.chat_stream(ids, cache=self.cache, return_cache=True, drafts=False, **kw),
+                                      reader)
             else:
-                out = lm.chat_ids(ids, cache=cache, return_cache=True, **kw)
+                out = lm.chat_ids(ids, cache=self.cache, return_cache=True, **kw)
         except KeyboardInterrupt as exc:  # the reply is abandoned, the conversation is not
-            messages.pop()  # lm.chat_stream / chat_ids took the stopped turn out of the cache
-            pending.clear()  # and the rest of a paste with it, as a terminal drops what was typed ahead
+            self.messages.pop()  # lm.chat_stream / chat_ids took the stopped turn out of the cache
+            self.pending.clear()  # and the rest of a paste with it, as a terminal drops what was typed ahead
             if isinstance(exc, Stopped):  # a SIGTERM or SIGHUP: the reply so far stays, its line ended, and the chat ends
-                print(f"{new_line() or fresh_line(exc)}({stop_word(exc)}; that message was dropped and the chat ends)",
-                      file=sys.stderr)
-                no_reply(user, error=stop_word(exc))
+                print(f"{self.new_line() or fresh_line(exc)}({stop_word(exc)}; that message was dropped and the chat "
+                      "ends)", file=sys.stderr)
+                self.no_reply(user, error=stop_word(exc))
                 return stop_status(exc)
             # on a line of its own: off the reply's last word, or the terminal's "^C" (a blank line in a log)
-            print(f"{new_line() or fresh_line(exc)}(stopped; that message was dropped, the conversation goes on)",
+            print(f"{self.new_line() or fresh_line(exc)}(stopped; that message was dropped, the conversation goes on)",
                   file=sys.stderr)
-            no_reply(user, error="stopped")
-            continue
+            self.no_reply(user, error="stopped")
+            return None
         except ValueError as exc:  # one bad turn (too long, a bad template) must not end the conversation
-            messages.pop()
-            print(f"{new_line()}error: {as_flags(str(exc), chat_flags)}; that message was dropped, the conversation "
-                  "goes on", file=sys.stderr)
-            no_reply(user, error=as_flags(str(exc), chat_flags))
-            continue
+            self.messages.pop()
+            error = as_flags(str(exc), self.flags)
+            print(f"{self.new_line()}error: {error}; that message was dropped, the conversation goes on",
+                  file=sys.stderr)
+            self.no_reply(user, error=error)
+            return None
         except RuntimeError as exc:  # a GPU out of memory on a long conversation: the turns before it stay usable
             if not out_of_memory(exc):
                 raise
-            messages.pop()  # the cache holds the turns before this one (lm.chat_ids / chat_stream roll it back)
+            self.messages.pop()  # the cache holds the turns before this one (lm.chat_ids / chat_stream roll it back)
             release_device_memory()
             error = out_of_memory_message(exc, "chat", "/reset frees the conversation's cache, and ")
-            print(f"{new_line()}error: {error}; that message was dropped, the conversation goes on", file=sys.stderr)
-            no_reply(user, error=error)
-            continue
-        cache = out.cache
+            print(f"{self.new_line()}error: {error}; that message was dropped, the conversation goes on",
+                  file=sys.stderr)
+            self.no_reply(user, error=error)
+            return None
+        self.cache = out.cache
         read = reader.read(out)
+        self.show(user, ids, out, reader, read, time.perf_counter() - t0)
+        self.messages.append(read.message)
+        return None
+
+    def show(self, user: str, ids: list[int], out: Any, reader: ReplyReader, read: ChatReply, seconds: float) -> None:
+        """The reply, as stdout takes it: a JSON line (--json), the rest of what is on screen, or the reply alone;
+        then its stats."""
         reply = read.answer
-        stats = stats_line(out, time.perf_counter() - t0)
-        if args.json:  # the conversation's tokens, and those the cache held (the rest were encoded this turn)
+        stats = stats_line(out, seconds)
+        if self.args.json:  # the conversation's tokens, and those the cache held (the rest were encoded this turn)
             # and the seed the reply was drawn with (a fresh one each turn without --seed): seeds= repeats it
             stats.update(prompt_tokens=len(ids), cached_tokens=out.extra["reused_prompt_tokens"][0],
                          seed=out.extra["seeds"][0])
             thought = {"reasoning": read.thought} if read.thought else {}  # (text: the answer alone; an empty one: none)
             print(json.dumps(dict(text=reply, **thought, prompt=user, **stats)), flush=True)
-        elif on_screen:  # the reply is on screen already, up to its last settled text
+        elif self.on_screen:  # the reply is on screen already, up to its last settled text
             print(reader.rest(read), flush=True)
             print_stats(stats)
         else:
             # flushed: a script waits for each reply, and `| tee log` shows it before its stats line on stderr
             print(printable(reply), flush=True)  # unmarked: stdout is not the screen, or stdin is no terminal
             print_stats(stats)
-        messages.append(read.message)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    lm = load_announced(args)
+    check_chat_start(lm, args, check_chat_template(lm, args, "chat"))
+    chat = open_chat(lm, args)
+    while True:
+        try:
+            message = chat.read_message()
+        except KeyboardInterrupt as exc:
+            status = chat.interrupted_at_prompt(exc)
+            if status is not None:
+                return status
+            continue
+        if message is None:
+            break
+        # a blank line is skipped, not an end: piped conversations have them between messages
+        if not message.text.strip():
+            if message.verbatim:  # an empty block or JSON string was sent as a message: a script waits for its line
+                error = "the message is empty"
+                print(f"error: {error}; it was not sent", file=sys.stderr)
+                chat.no_reply(message.text, error=error)
+            continue
+        # A block or a JSON string is a message whatever it starts with: a script that JSON-encodes each message
+        # sends "/usr/bin is slow" as it is (only a plain line is a command, and only there // escapes a /).
+        command = "" if message.verbatim else message.text.strip()
+        if command in ("/exit", "/quit"):  # answered too: a script reads one line per line it wrote
+            chat.no_reply(message.text, command=command[1:])
+            break
+        user = chat.to_send(message, command)
+        if user is None:
+            continue
+        status = chat.turn(user)
+        if status is not None:
+            return status
     return 0
+
+
+def open_chat(lm: Any, args: argparse.Namespace) -> ChatSession:
+    """The chat's session, its banner said and its input set up: line editing on a terminal, and bytes that are not
+    UTF-8 read as surrogates."""
+    flags = command_flags(args)
+    system = system_turn(args)  # every conversation starts with it, one after /reset too: as the model was tuned
+    print(f"blockpress chat — /help lists the commands, /exit or Ctrl-D quits; {BLOCK} on a line of its own "
+          "starts and ends a message of several lines", file=sys.stderr)
+    # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
+    # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
+    # message and nothing else, and so does a stdout sent elsewhere from a terminal (`> chat.txt`, `| tee log`):
+    # "you> " goes to stderr, the screen (input() would write it to stdout: the file got "you> model> " and the
+    # user typed at no prompt), replies get no mark.
+    interactive = sys.stdin.isatty()
+    on_screen = interactive and not args.json and sys.stdout is not None and sys.stdout.isatty()
+    if interactive:
+        enable_line_editing()
+    # Under a UTF-8 locale stdin decodes strictly, and one bad byte would raise out of input() and end the chat;
+    # as surrogates it reaches the per-message check, which names the byte and goes on.
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
+    # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
+    return ChatSession(lm=lm, args=args, system=system, flags=flags, interactive=interactive, on_screen=on_screen,
+                       messages=list(system))
