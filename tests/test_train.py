@@ -1238,3 +1238,22 @@ def test_a_run_stopped_between_rows_logs_the_mean_of_its_unlogged_steps(tmp_path
     assert rows[-1]["stopped"] == "interrupted" and rows[-1]["step"] == 6
     assert rows[-1]["steps_averaged"] == 2
     assert rows[-1]["loss"] == pytest.approx(sum(result.losses[4:6]) / 2)
+
+
+def test_a_trainer_with_several_mistakes_names_the_first_in_its_order(tmp_path):
+    """The Trainer's refusals come in one order, each before anything changes: the evaluation settings, then the
+    model's weights, then the data against the context, then the noise token; the model's settings untouched."""
+    long = [Example([2] * 100, [10] * 8)]  # more than the model's context of 64
+    lm = tiny_lm(max_position_embeddings=64)
+    settings = dict(lm.generation_config)
+    half = tiny_lm(max_position_embeddings=64)
+    half.to(dtype="float16")
+    for model, examples, cfg, message in (
+            (half, EXAMPLES, dict(eval_every=2, noise_token_id=99), r"^eval_every: "),
+            (half, long, dict(noise_token_id=99), r"^dtype: the model's weights are float16"),
+            (lm, long, dict(noise_token_id=99), r"^example 0: "),
+            (lm, EXAMPLES, dict(noise_token_id=99), r"^noise_token_id: 99 is outside the vocabulary \(size 32\)")):
+        tc = TrainConfig(steps=1, batch_size=4, **cfg)
+        with pytest.raises(ValueError, match=message):
+            Trainer(model, ExampleSource(examples, 0), tc, tmp_path / "out", progress=False)
+    assert lm.generation_config == settings and lm.model.training is False and not (tmp_path / "out").exists()
