@@ -900,6 +900,160 @@ def data_parallel(module: nn.Module) -> nn.Module:
     return ddp(module, broadcast_buffers=False)
 
 
+def _source_size(source: Any) -> str | None:
+    """How much data a source holds, which resume compares: a source is anything with batch(step, size)
+    (scripts/train_sudoku.py's draws augmented puzzles); one of ours also says its size."""
+    return (f"{len(source.examples)} examples" if isinstance(source, ExampleSource)
+            else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
+
+
+def _check_evaluation(cfg: TrainConfig, source: Any, heldout: Any) -> None:
+    """The settings of the examples, and of the evaluation: held-out data and evaluating settings go together."""
+    if isinstance(source, ExampleSource):
+        cfg.check_examples()
+    if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
+        raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
+    if heldout is None and cfg.eval_every:  # it would never evaluate, without a word
+        raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
+                         "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "
+                         "with running text, --heldout-data)")
+
+
+def _check_trainable(lm: LM, cfg: TrainConfig, world: int) -> None:
+    """The model can be trained as the settings say: its batch splits over the processes, and its weights are ones
+    this run can update (not float16 ones, not quantized ones but under adapters, no adapters over adapters)."""
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {world} processes")
+    if lm.dtype == torch.float16 and not cfg.lora_rank:
+        # AdamW's updates of float16 weights overflow or round away (a full fine-tune went NaN at its first
+        # update, reported as a divergence to cure with a lower lr). Adapters over a float16 base train in float32,
+        # their gradient brought through the base's float16 activations by loss scaling (below).
+        raise ValueError("dtype: the model's weights are float16, which a full fine-tune cannot update (AdamW's "
+                         "float16 steps overflow or round away); train float32 weights (blockpress.load(..., "
+                         "dtype='float32'); blockpress train: --dtype float32), whose matmuls can still run in "
+                         "float16 with loss scaling (--autocast-dtype float16, the default on a GPU without "
+                         "bfloat16), or bfloat16 ones, or LoRA adapters over the float16 base (--lora-rank R)")
+    if lm.quantization is not None and lm.quantization != cfg.quantize:
+        # its projections are frozen buffers: only adapters over them train (QLoRA), and the config records the
+        # scheme so that --resume quantizes the base alike
+        raise ValueError(f"train: the model is quantized ({lm.quantization}); train LoRA adapters over it with "
+                         f"lora_rank > 0 and quantize={lm.quantization!r} (--lora-rank R --quantize "
+                         f"{lm.quantization}), or the unquantized weights (load without quantize)")
+    adapted = next((name for name, module in lm.model.named_modules() if hasattr(module, "lora_A")), None)
+    if adapted is not None:  # (peft would wrap its layers again, and the optimizer train both sets)
+        raise ValueError(f"train: the model holds LoRA adapters, unmerged over its quantized base (layer "
+                         f"{adapted!r}); fine-tune it unquantized, where they are merged into the base, or train "
+                         "new adapters over the base alone")
+    if cfg.lora_rank and lm.adapter is not None:
+        # The new adapters' folder could name no base: theirs is the base and these adapters together, and nothing
+        # loads an adapter over another (the folder written named base null, and loaded nowhere).
+        raise ValueError(f"lora_rank: the model is the LoRA adapters in {lm.adapter} merged into their base; "
+                         "new adapters over it would name no base that they can be loaded onto. Train them "
+                         "over a checkpoint of the merged model: that LoRA run's --out holds one (unless it was "
+                         f"QLoRA), or write one with blockpress.load({str(lm.adapter)!r}).save(FOLDER) and give "
+                         "--model FOLDER")
+
+
+def _check_data_fits(lm: LM, cfg: TrainConfig, source: Any, heldout: Any, data: str | None) -> None:
+    """The data fits the model's context: each example, and each window of running text, which must also be
+    shorter than the text it is cut from."""
+    text = lm.config.text
+    # Examples longer than the context would train positions the model never uses (load_jsonl refuses them for
+    # the CLI; a list built in Python comes here unchecked).
+    context = (lm.config.canvas_length, text.max_position_embeddings, cfg.max_canvases or None)
+    for name, s in (("example", source), ("held-out example", heldout)):
+        if isinstance(s, ExampleSource):
+            for i, example in enumerate(s.examples):
+                check_fits(example, f"{name} {i}", context, flag="max_canvases")
+    # Running text is cut into windows of the settings' length: one past the context trains positions the model
+    # is never allowed to use (JSONL examples that long are refused by load_jsonl).
+    windows = [s for s in (source, heldout) if isinstance(s, ShardSource)]
+    positions = max((s.positions for s in windows), default=0)
+    if positions > text.max_position_embeddings:
+        bos = any(s.bos is not None for s in windows)
+        fits = window_fits(cfg, text.max_position_embeddings - bos, lm.config.canvas_length)
+        raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
+                         f"positions ({'BOS and ' if bos else ''}a prompt of up to {cfg.prompt_max} tokens, then "
+                         f"{cfg.response_canvases} canvases of {lm.config.canvas_length}), more than the model's "
+                         f"context of {text.max_position_embeddings}"
+                         + (f"; {' or '.join(fits)} fits" if fits else "; a model of a longer context is needed"))
+    # Running text shorter than its longest window: refused now, not at the first step that draws one that long
+    if isinstance(source, ShardSource):
+        source.check_length(f"--data {data}" if data else "the training text")
+    if isinstance(heldout, ShardSource):
+        heldout.check_length(f"--heldout-data {cfg.heldout_data}" if cfg.heldout_data else "the held-out text")
+
+
+def _set_noise(lm: LM, cfg: TrainConfig) -> None:
+    """The run's noise token checked, and made the model's: the saved model must decode with the noise it was
+    trained on (a model that decoded with another is warned of)."""
+    text = lm.config.text
+    if cfg.noise_token_id >= text.vocab_size:
+        raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
+    trained_on = lm.generation_config.get("noise_token_id")
+    if trained_on is not None and trained_on != cfg.noise_token_id:  # fine-tuning an absorbing-noise model
+        warn_user(f"noise_token_id: the model decodes with noise_token_id {trained_on} and this run corrupts "
+                  f"with {cfg.noise_token_id} ({'uniform noise' if cfg.noise_token_id < 0 else 'that token'}); "
+                  "the saved model will decode with the run's. To continue the model's own recipe, set "
+                  f"noise_token_id={trained_on}")
+    if cfg.noise_token_id >= 0:
+        lm.generation_config["noise_token_id"] = cfg.noise_token_id
+    else:
+        lm.generation_config.pop("noise_token_id", None)
+
+
+def _trained_model(lm: LM, cfg: TrainConfig) -> DiffusionGemma:
+    """The model in train mode, quantized and given LoRA adapters as the settings say, its trained weights each in
+    memory of its own."""
+    if cfg.lora_rank:  # before the adapters are built: a rank far too large is a silent OOM there
+        check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
+    if cfg.quantize is not None and lm.quantization is None:  # (blockpress train quantizes while loading)
+        lm.quantize(cfg.quantize)
+    model = lm.model.train()
+    if cfg.lora_rank:
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed, targets=lora_modules(cfg.lora_targets))
+    # The weights training updates are its own, each in memory of its own: a checkpoint loads as zero-copy views
+    # of its mmapped file, placed at offsets its header's length sets, and CPU kernels round differently on data
+    # placed otherwise. A run resumed from its own folder (whose header records the step) drifted by 1e-6 from
+    # the run it continued, however its weights were copied back. (On a GPU, loading copied them already; a
+    # copy there would leave CUDA graphs captured before, lm.cuda_graphs(), reading the old ones.)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.device.type == "cpu":
+                p.data = p.data.clone()
+    return model
+
+
+def _warn_slow_autocast(dtype: torch.dtype | None, device: torch.device) -> None:
+    """A warning where autocast to `dtype` on this CPU runs without native matmuls, many times slower."""
+    if device.type == "cpu" and dtype is not None and not cpu_computes_natively(dtype):
+        name = str(dtype).removeprefix("torch.")
+        warn_user(f"cpu_autocast: this CPU has no native {name} matmuls (AVX512-BF16 / AVX512-FP16 / AMX), so "
+                  f"{name} autocast runs a scalar fallback: training steps on an AVX2 EPYC measured 8x "
+                  "(bfloat16) and 12x (float16) slower than float32")
+
+
+def _pad_and_eos(lm: LM) -> tuple[int, int]:
+    """The ids a batch pads with and ends an example with: the model's own EOS (a generation config may list
+    end-of-turn ids before it)."""
+    text = lm.config.text
+    pad = text.pad_token_id if text.pad_token_id is not None else 0
+    stops = lm._eos_ids()
+    eos = [i for i in text.eos_token_ids if i in stops] or stops
+    return pad, eos[0] if eos else pad
+
+
+def _optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trained parameters in two groups, the matrices and the vectors (each group's weight decay and
+    the betas: Trainer._set_optimizer_settings)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay}, {"params": rest}], lr=cfg.lr,
+        fused=device.type == "cuda",  # one kernel for every parameter: a small model's step is launch-bound
+    )
+
+
 class Trainer:
     def __init__(
         self,
@@ -918,96 +1072,20 @@ class Trainer:
         `resume` warns when a run continues on other data."""
         self.lm, self.source, self.cfg, self.heldout = lm, source, cfg, heldout
         self.merged_dtype = merged_dtype
-        # A source is anything with batch(step, size) (scripts/train_sudoku.py's draws augmented puzzles); one of ours
-        # also says how much data it holds, which resume compares.
-        size = (f"{len(source.examples)} examples" if isinstance(source, ExampleSource)
-                else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
-        self.data = {"path": data, "size": size}
-        if isinstance(source, ExampleSource):
-            cfg.check_examples()
-        if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
-            raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
-        if heldout is None and cfg.eval_every:  # it would never evaluate, without a word
-            raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
-                             "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "
-                             "with running text, --heldout-data)")
+        self.data = {"path": data, "size": _source_size(source)}
+        _check_evaluation(cfg, source, heldout)
         self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()
-        if cfg.batch_size % self.world:
-            raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {self.world} processes")
-        if lm.dtype == torch.float16 and not cfg.lora_rank:
-            # AdamW's updates of float16 weights overflow or round away (a full fine-tune went NaN at its first
-            # update, reported as a divergence to cure with a lower lr). Adapters over a float16 base train in float32,
-            # their gradient brought through the base's float16 activations by loss scaling (below).
-            raise ValueError("dtype: the model's weights are float16, which a full fine-tune cannot update (AdamW's "
-                             "float16 steps overflow or round away); train float32 weights (blockpress.load(..., "
-                             "dtype='float32'); blockpress train: --dtype float32), whose matmuls can still run in "
-                             "float16 with loss scaling (--autocast-dtype float16, the default on a GPU without "
-                             "bfloat16), or bfloat16 ones, or LoRA adapters over the float16 base (--lora-rank R)")
-        if lm.quantization is not None and lm.quantization != cfg.quantize:
-            # its projections are frozen buffers: only adapters over them train (QLoRA), and the config records the
-            # scheme so that --resume quantizes the base alike
-            raise ValueError(f"train: the model is quantized ({lm.quantization}); train LoRA adapters over it with "
-                             f"lora_rank > 0 and quantize={lm.quantization!r} (--lora-rank R --quantize "
-                             f"{lm.quantization}), or the unquantized weights (load without quantize)")
-        adapted = next((name for name, module in lm.model.named_modules() if hasattr(module, "lora_A")), None)
-        if adapted is not None:  # (peft would wrap its layers again, and the optimizer train both sets)
-            raise ValueError(f"train: the model holds LoRA adapters, unmerged over its quantized base (layer "
-                             f"{adapted!r}); fine-tune it unquantized, where they are merged into the base, or train "
-                             "new adapters over the base alone")
-        if cfg.lora_rank and lm.adapter is not None:
-            # The new adapters' folder could name no base: theirs is the base and these adapters together, and nothing
-            # loads an adapter over another (the folder written named base null, and loaded nowhere).
-            raise ValueError(f"lora_rank: the model is the LoRA adapters in {lm.adapter} merged into their base; "
-                             "new adapters over it would name no base that they can be loaded onto. Train them "
-                             "over a checkpoint of the merged model: that LoRA run's --out holds one (unless it was "
-                             f"QLoRA), or write one with blockpress.load({str(lm.adapter)!r}).save(FOLDER) and give "
-                             "--model FOLDER")
-        text = lm.config.text
+        _check_trainable(lm, cfg, self.world)
         # config.json's attention_dropout, as the reference applies it in train mode: it was read, kept and never
         # applied (a config of 0.1 trained without dropout, and without a word). A value outside [0, 1) is refused by
         # name before anything runs.
         self.attention_dropout = lm.config.attention_dropout
         for layer in lm.model.decoder_layers():
             layer.self_attn.dropout = self.attention_dropout
-        # Examples longer than the context would train positions the model never uses (load_jsonl refuses them for
-        # the CLI; a list built in Python comes here unchecked).
-        context = (lm.config.canvas_length, text.max_position_embeddings, cfg.max_canvases or None)
-        for name, s in (("example", source), ("held-out example", heldout)):
-            if isinstance(s, ExampleSource):
-                for i, example in enumerate(s.examples):
-                    check_fits(example, f"{name} {i}", context, flag="max_canvases")
-        # Running text is cut into windows of the settings' length: one past the context trains positions the model
-        # is never allowed to use (JSONL examples that long are refused by load_jsonl).
-        windows = [s for s in (source, heldout) if isinstance(s, ShardSource)]
-        positions = max((s.positions for s in windows), default=0)
-        if positions > text.max_position_embeddings:
-            bos = any(s.bos is not None for s in windows)
-            fits = window_fits(cfg, text.max_position_embeddings - bos, lm.config.canvas_length)
-            raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
-                             f"positions ({'BOS and ' if bos else ''}a prompt of up to {cfg.prompt_max} tokens, then "
-                             f"{cfg.response_canvases} canvases of {lm.config.canvas_length}), more than the model's "
-                             f"context of {text.max_position_embeddings}"
-                             + (f"; {' or '.join(fits)} fits" if fits else "; a model of a longer context is needed"))
-        # Running text shorter than its longest window: refused now, not at the first step that draws one that long
-        if isinstance(source, ShardSource):
-            source.check_length(f"--data {data}" if data else "the training text")
-        if isinstance(heldout, ShardSource):
-            heldout.check_length(f"--heldout-data {cfg.heldout_data}" if cfg.heldout_data else "the held-out text")
-        if cfg.noise_token_id >= text.vocab_size:
-            raise ValueError(f"noise_token_id: {cfg.noise_token_id} is outside the vocabulary (size {text.vocab_size})")
-        trained_on = lm.generation_config.get("noise_token_id")
-        if trained_on is not None and trained_on != cfg.noise_token_id:  # fine-tuning an absorbing-noise model
-            warn_user(f"noise_token_id: the model decodes with noise_token_id {trained_on} and this run corrupts "
-                      f"with {cfg.noise_token_id} ({'uniform noise' if cfg.noise_token_id < 0 else 'that token'}); "
-                      "the saved model will decode with the run's. To continue the model's own recipe, set "
-                      f"noise_token_id={trained_on}")
-        # The saved model must decode with the noise it was trained on.
-        if cfg.noise_token_id >= 0:
-            lm.generation_config["noise_token_id"] = cfg.noise_token_id
-        else:
-            lm.generation_config.pop("noise_token_id", None)
+        _check_data_fits(lm, cfg, source, heldout, data)
+        _set_noise(lm, cfg)
         # A prompt/response record's prompt is tokenized alone, so a prompt that ends in whitespace ("A: ", "return ")
         # ends in a lone whitespace token, and the model learns to answer after it. Token healing (the CLI's
         # generate heals by default) drops that token and makes the answer start with it: a state the fine-tune
@@ -1017,33 +1095,9 @@ class Trainer:
         if self.prompts_healed:
             lm.generation_config["token_healing"] = False
         self.autocast_dtype = autocast_dtype(cfg, lm.device)
-        if lm.device.type == "cpu" and self.autocast_dtype is not None and not cpu_computes_natively(self.autocast_dtype):
-            name = str(self.autocast_dtype).removeprefix("torch.")
-            warn_user(f"cpu_autocast: this CPU has no native {name} matmuls (AVX512-BF16 / AVX512-FP16 / AMX), so "
-                      f"{name} autocast runs a scalar fallback: training steps on an AVX2 EPYC measured 8x "
-                      "(bfloat16) and 12x (float16) slower than float32")
-        self.pad = text.pad_token_id if text.pad_token_id is not None else 0
-        # The model's own EOS ends an example (a generation config may list end-of-turn ids before it).
-        stops = lm._eos_ids()
-        eos = [i for i in text.eos_token_ids if i in stops] or stops
-        self.eos = eos[0] if eos else self.pad
-        if cfg.lora_rank:  # before the adapters are built: a rank far too large is a silent OOM there
-            check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
-        if cfg.quantize is not None and lm.quantization is None:  # (blockpress train quantizes while loading)
-            lm.quantize(cfg.quantize)
-        model = lm.model.train()
-        if cfg.lora_rank:
-            model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed, targets=lora_modules(cfg.lora_targets))
-        # The weights training updates are its own, each in memory of its own: a checkpoint loads as zero-copy views
-        # of its mmapped file, placed at offsets its header's length sets, and CPU kernels round differently on data
-        # placed otherwise. A run resumed from its own folder (whose header records the step) drifted by 1e-6 from
-        # the run it continued, however its weights were copied back. (On a GPU, loading copied them already; a
-        # copy there would leave CUDA graphs captured before, lm.cuda_graphs(), reading the old ones.)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad and p.device.type == "cpu":
-                    p.data = p.data.clone()
-        self.model = model
+        _warn_slow_autocast(self.autocast_dtype, lm.device)
+        self.pad, self.eos = _pad_and_eos(lm)
+        model = self.model = _trained_model(lm, cfg)
         # What trains, and of how much (peft's print_trainable_parameters): a LoRA run's adapters are a small share.
         # The total is the base's parameters (a quantized base's codes counted as the weights they stand for) plus
         # the adapters.
@@ -1058,12 +1112,7 @@ class Trainer:
             # A small model's step is bound by per-op overhead, on a GPU as on a CPU: fused kernels pay.
             self.objective = torch.compile(self.objective)
         self.compile_error: str | None = None  # why compilation failed, when the run fell back to eager
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay}, {"params": rest}], lr=cfg.lr,
-            fused=lm.device.type == "cuda",  # one kernel for every parameter: a small model's step is launch-bound
-        )
+        self.optimizer = _optimizer(model, cfg, lm.device)
         self._set_optimizer_settings()  # each group's weight decay and the betas
         # Dynamic loss scaling wherever the backward runs through float16 (float16 autocast, or adapters over a float16
         # base): the loss is multiplied up so that small gradients do not underflow to zero there, and a step whose
