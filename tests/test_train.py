@@ -1257,3 +1257,16 @@ def test_a_trainer_with_several_mistakes_names_the_first_in_its_order(tmp_path):
         with pytest.raises(ValueError, match=message):
             Trainer(model, ExampleSource(examples, 0), tc, tmp_path / "out", progress=False)
     assert lm.generation_config == settings and lm.model.training is False and not (tmp_path / "out").exists()
+
+
+def test_a_log_line_gives_the_held_out_loss_of_its_row(tmp_path, capsys):
+    """Without a terminal, a metrics row that evaluated the held-out data says its eval loss in its line, as
+    metrics.jsonl holds it, and a row that did not says none."""
+    tc = TrainConfig(steps=4, batch_size=2, log_every=1, eval_every=2, eval_batches=1, warmup_steps=0)
+    Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", heldout=ExampleSource(EXAMPLES[:2], 0),
+            progress=True).train()
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: step ")]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    said = [x.split(", eval loss ")[1].split(",")[0] if ", eval loss " in x else None for x in lines]
+    assert said == [None if "eval_loss" not in r else f"{r['eval_loss']:.4f}" for r in rows]
+    assert said[0] is None and said[1] is not None and said[3] is not None
