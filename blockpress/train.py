@@ -1439,15 +1439,7 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             metrics = (self.out / "metrics.jsonl").open("a")
-        bar = None
-        if self.progress and self.rank == 0:
-            from tqdm import tqdm
-
-            # disable=None: no bar when stderr is not a terminal (a log file would fill with its redraws)
-            # a time-scheduled run is measured in minutes: --steps is then only a cap (its default, 1000, unused);
-            # else --steps ends the run (and spans its lr schedule) unless --max-minutes ends it first
-            bar = tqdm(total=None if cfg.time_schedule else cfg.steps, initial=self.step, desc="train", unit="step",
-                       dynamic_ncols=True, disable=None)
+        bar = self._progress_bar()
         # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
         plain = bar is not None and bar.disable
         t0, seen = time.perf_counter(), 0
@@ -1464,16 +1456,7 @@ class Trainer:
         save_first, saved = not cfg.lora_rank, False
         try:
             while self.step < cfg.steps:
-                self.minutes = (time.perf_counter() - clock) / 60
-                requested = interrupt.requested
-                if self.world > 1:
-                    # Every process stops at the same step, and anneals by the same clock: each met the signal (and
-                    # its clock) at its own moment, and under torchrun a Ctrl-C that reached one process after its
-                    # check left it in the next step's all-reduce with a peer gone: it died there, in a traceback,
-                    # and rank 0 never saved. The latest clock and any process's signal count for all of them.
-                    agreed = torch.tensor([self.minutes, float(requested)], dtype=torch.float64, device=self.lm.device)
-                    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-                    self.minutes, requested = float(agreed[0]), bool(agreed[1])
+                requested = self._clock_and_signal(clock, interrupt)
                 spent = self.minutes / cfg.max_minutes if cfg.max_minutes else 0.0
                 if spent > 1:
                     result.stopped = "max_minutes"  # the time budget is spent: save what we have
@@ -1512,17 +1495,9 @@ class Trainer:
                     metrics.write(json.dumps(logged) + "\n")
                     metrics.flush()
                     if plain:
-                        held = f", eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-                        of = ("" if cfg.time_schedule else f"/{cfg.steps}") + (
-                            f", {self.minutes:.2f}/{cfg.max_minutes:g} min" if cfg.max_minutes else "")
-                        # the bar's ETA, which a log had not: paced by the wall time of this run's steps so far
-                        # (evaluations and saves included), or the clock's budget where that ends it first
+                        # paced by the wall time of this run's steps so far (evaluations and saves included)
                         pace = (time.perf_counter() - t0) / (self.step - first)
-                        left = [(cfg.steps - self.step) * pace]
-                        left += [(cfg.max_minutes - self.minutes) * 60] if cfg.max_minutes else []
-                        eta = "" if last else f", ETA {duration(min(left))}"
-                        print(f"train: step {self.step}{of}, loss {logged['loss']:.4f}{held}, {tok_s:.0f} tok/s{eta}",
-                              file=sys.stderr, flush=True)
+                        print(self._progress_line(logged, tok_s, pace, last), file=sys.stderr, flush=True)
                 if bar is not None:  # (a bar without a total has no truth value)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tok_s:.0f}",
                                     **({"min": f"{self.minutes:.1f}/{cfg.max_minutes:g}"} if cfg.max_minutes else {}))
@@ -1539,17 +1514,7 @@ class Trainer:
                 self.save(final=final)
                 saved = True
             if result.stopped:
-                # (with the losses of the steps since the last row, which the curve would otherwise end before)
-                row = {"step": self.step, "stopped": result.stopped, **(_interval_means(interval) if interval else {})}
-                if result.stopped == "max_minutes" and self.heldout is not None:  # the run ends here: evaluate it
-                    if result.eval_losses and result.eval_losses[-1][0] == self.step:
-                        # its last step was evaluated (--eval-every) just before the clock ran out: the same held-out
-                        # batches on the same weights, whose second pass cost a whole evaluation and listed the
-                        # step twice in eval_losses
-                        row["eval_loss"] = result.eval_losses[-1][1]
-                    else:
-                        row["eval_loss"] = self.evaluate()
-                        result.eval_losses.append((self.step, row["eval_loss"]))
+                row = self._stopped_row(result, interval)
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
             if not saved:
@@ -1566,6 +1531,61 @@ class Trainer:
             self.lm.model.eval()
         result.tokens_per_second = seen / max(training, 1e-9)
         return result
+
+    def _progress_bar(self) -> Any:
+        """The progress bar of rank 0 (None: no progress asked, or another process); disabled where stderr is not
+        a terminal (a log file would fill with its redraws): the loop then writes a plain line per metrics row."""
+        if not (self.progress and self.rank == 0):
+            return None
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        # a time-scheduled run is measured in minutes: --steps is then only a cap (its default, 1000, unused);
+        # else --steps ends the run (and spans its lr schedule) unless --max-minutes ends it first
+        return tqdm(total=None if cfg.time_schedule else cfg.steps, initial=self.step, desc="train", unit="step",
+                    dynamic_ncols=True, disable=None)
+
+    def _clock_and_signal(self, clock: float, interrupt: _StopOnInterrupt) -> bool:
+        """The run's minutes so far (since `clock`, its start) kept in self.minutes, and whether a stop was
+        requested: under torchrun, the latest clock and any process's signal, which count for all of them."""
+        self.minutes = (time.perf_counter() - clock) / 60
+        requested = interrupt.requested
+        if self.world > 1:
+            # Every process stops at the same step, and anneals by the same clock: each met the signal (and
+            # its clock) at its own moment, and under torchrun a Ctrl-C that reached one process after its
+            # check left it in the next step's all-reduce with a peer gone: it died there, in a traceback,
+            # and rank 0 never saved.
+            agreed = torch.tensor([self.minutes, float(requested)], dtype=torch.float64, device=self.lm.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            self.minutes, requested = float(agreed[0]), bool(agreed[1])
+        return requested
+
+    def _progress_line(self, logged: dict[str, Any], tok_s: float, pace: float, last: bool) -> str:
+        """A metrics row as the plain line a log gets where there is no bar, with the bar's ETA, which a log had
+        not: `pace` seconds a step, or the clock's budget where that ends the run first."""
+        cfg = self.cfg
+        held = f", eval loss {logged['eval_loss']:.4f}" if "eval_loss" in logged else ""
+        of = ("" if cfg.time_schedule else f"/{cfg.steps}") + (
+            f", {self.minutes:.2f}/{cfg.max_minutes:g} min" if cfg.max_minutes else "")
+        left = [(cfg.steps - self.step) * pace]
+        left += [(cfg.max_minutes - self.minutes) * 60] if cfg.max_minutes else []
+        eta = "" if last else f", ETA {duration(min(left))}"
+        return f"train: step {self.step}{of}, loss {logged['loss']:.4f}{held}, {tok_s:.0f} tok/s{eta}"
+
+    def _stopped_row(self, result: TrainResult, interval: list[dict[str, Any]]) -> dict[str, Any]:
+        """The metrics row of a run stopped before its last step, with the losses of the steps since the last row
+        (which the curve would otherwise end before); a run its clock stopped is evaluated where it ends."""
+        row = {"step": self.step, "stopped": result.stopped, **(_interval_means(interval) if interval else {})}
+        if result.stopped == "max_minutes" and self.heldout is not None:
+            if result.eval_losses and result.eval_losses[-1][0] == self.step:
+                # its last step was evaluated (--eval-every) just before the clock ran out: the same held-out
+                # batches on the same weights, whose second pass cost a whole evaluation and listed the
+                # step twice in eval_losses
+                row["eval_loss"] = result.eval_losses[-1][1]
+            else:
+                row["eval_loss"] = self.evaluate()
+                result.eval_losses.append((self.step, row["eval_loss"]))
+        return row
 
 
 def duration(seconds: float) -> str:
