@@ -14,6 +14,7 @@ import json
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,10 @@ NAMED_TOKENS: tuple[str, ...] = ("unk_token", "sep_token", "cls_token", "mask_to
 # server, or took all memory. A real template renders a conversation in milliseconds.
 TEMPLATE_SECONDS = 10.0
 TEMPLATE_CHARS = 50_000_000  # a prompt's text, and any one string or list a template makes (past any model's context)
+# Template texts kept compiled (and their turn-end ids), least recently used first out: a tokenizer has one or a few,
+# but a caller may pass a new text every call (a date or a user's name written into it), and each kept one cost
+# 16 KB for good (300 texts: 4.9 MB). transformers' own cache of compiled templates is bounded too.
+TEMPLATES_KEPT = 32
 
 # Where transformers 5 saves named chat templates other than the default one (as NAME.jinja).
 NAMED_TEMPLATES_DIR = "additional_chat_templates"
@@ -159,11 +164,9 @@ class Tokenizer:
     response_template: dict[str, Any] | None = None
     # The tokenizer files this came from (from_dir), written back by save(); None for one blockpress built itself.
     files: TokenizerFiles | None = field(default=None, repr=False, compare=False)
-    _compiled_templates: dict[str, jinja2.Template] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
-    _template_variables: dict[str, frozenset[str]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
+    # template text -> (compiled template, the variables it reads); at most TEMPLATES_KEPT
+    _compiled_templates: OrderedDict[str, tuple[jinja2.Template, frozenset[str]]] = field(
+        default_factory=OrderedDict, init=False, repr=False, compare=False
     )
     _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
@@ -171,7 +174,8 @@ class Tokenizer:
     _unknown_ids: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _special_ids: tuple[tuple[Any, ...], frozenset[int]] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
-    _turn_ends: dict[str, int | None] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _turn_ends: OrderedDict[str, int | None] = field(default_factory=OrderedDict, init=False, repr=False,
+                                                     compare=False)  # at most TEMPLATES_KEPT
     _longest_token: int | None = field(default=None, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------------------------- loading
@@ -605,7 +609,7 @@ class Tokenizer:
         if continue_final_message:
             field_name = "content" if continue_final_message is True else continue_final_message
             final_text = _mark_continuation(chat[-1], field_name, source)
-        template = self._template(source)  # a syntax error is its own ValueError, not a failed rendering
+        template = self._template(source)[0]  # a syntax error is its own ValueError, not a failed rendering
         try:
             rendered = _render(template, {"messages": chat, **variables})
         except (TemplateRaised, TemplateTooCostly):  # its raise_exception (about the conversation); limits named
@@ -629,7 +633,8 @@ class Tokenizer:
             rendered = str(self.apply_chat_template(chat, add_generation_prompt=False, chat_template=source))
             after = rendered.rpartition(TURN_END_MARK)[2] if TURN_END_MARK in rendered else ""
             first = self.encode(after)[:1]
-            self._turn_ends[source] = first[0] if first and first[0] in self.special_ids else None
+            _keep(self._turn_ends, source, first[0] if first and first[0] in self.special_ids else None)
+        self._turn_ends.move_to_end(source)
         return self._turn_ends[source]
 
     def parse_response(self, text: str, prefix: str = "", tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -679,12 +684,11 @@ class Tokenizer:
     def chat_template_variables(self, chat_template: str | None = None, tools: Any = None) -> frozenset[str]:
         """The variables that the template apply_chat_template(chat_template=..., tools=...) renders reads (messages,
         tools, add_generation_prompt, ...): whether it would use `tools` at all, before sending them."""
-        source = self._pick_template(chat_template, tools)
-        self._template(source)
-        return self._template_variables[source]
+        return self._template(self._pick_template(chat_template, tools))[1]
 
-    def _template(self, source: str) -> jinja2.Template:
-        # Compile each template text once (a tokenizer has one or a few; a caller's own texts are few too).
+    def _template(self, source: str) -> tuple[jinja2.Template, frozenset[str]]:
+        """(the compiled template, the variables it reads) of a template text: compiled once, while it is among the
+        TEMPLATES_KEPT texts used last."""
         if source not in self._compiled_templates:
             env = _TemplateSandbox(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
@@ -694,11 +698,12 @@ class Tokenizer:
             try:  # parsed once: the variables it reads come from the same tree
                 tree = env.parse(source)
                 variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
-                self._compiled_templates[source] = env.from_string(tree)
+                compiled = env.from_string(tree)
             except jinja2.TemplateSyntaxError as exc:
                 # exc.message alone: str(exc) adds a 'File "<introspection>"' line for an unknown filter
                 raise ValueError(f"chat_template: not a valid template: {exc.message} (line {exc.lineno})") from None
-            self._template_variables[source] = variables
+            _keep(self._compiled_templates, source, (compiled, variables))
+        self._compiled_templates.move_to_end(source)
         return self._compiled_templates[source]
 
     def _token(self, token_id: int | None) -> str | None:
@@ -852,6 +857,13 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
+
+
+def _keep(kept: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """Add `key` to a cache of at most TEMPLATES_KEPT entries, the least recently used going first."""
+    kept[key] = value
+    while len(kept) > TEMPLATES_KEPT:
+        kept.popitem(last=False)
 
 
 def _config_template(templates: str | dict[str, str]) -> str | list[dict[str, str]]:

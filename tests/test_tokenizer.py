@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import processors
 
-from blockpress.tokenizer import GEMMA_CHAT_TEMPLATE, Tokenizer, train_bpe_tokenizer
+from blockpress.tokenizer import GEMMA_CHAT_TEMPLATE, TEMPLATES_KEPT, Tokenizer, train_bpe_tokenizer
 
 SAMPLES = [
     "",
@@ -391,6 +391,25 @@ def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:
 def test_chat_template_without_generation_prompt(tok: Tokenizer) -> None:
     expected = "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4.<end_of_turn>\n"
     assert tok.apply_chat_template(TWO_TURNS, add_generation_prompt=False) == expected
+
+
+def test_template_texts_kept_compiled_are_bounded(tok: Tokenizer) -> None:
+    """Every template text a caller passed stayed compiled for good (16 KB each: a notebook or app writing a date or
+    a name into its template, 300 calls, 4.9 MB), and so did the turn-end id of every chat_template set. Now the
+    TEMPLATES_KEPT used last are kept: each text still renders as its own, and one used again is not compiled again."""
+    ours = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0, chat_template=GEMMA_CHAT_TEMPLATE)
+    texts = [GEMMA_CHAT_TEMPLATE + f"{{{{- '#{i}' -}}}}" for i in range(TEMPLATES_KEPT + 8)]
+    default = ours.apply_chat_template(TWO_TURNS)
+    for i, text in enumerate(texts):
+        assert ours.apply_chat_template(TWO_TURNS, chat_template=text) == default + f"#{i}"
+        assert ours.apply_chat_template(TWO_TURNS) == default  # the tokenizer's own, kept throughout
+        ours.chat_template = text
+        assert ours.turn_end_id() == ours.token_to_id("<end_of_turn>")
+        ours.chat_template = GEMMA_CHAT_TEMPLATE
+    assert len(ours._compiled_templates) == len(ours._turn_ends) == TEMPLATES_KEPT
+    compiled = ours._template(GEMMA_CHAT_TEMPLATE)
+    ours.apply_chat_template(TWO_TURNS, chat_template=texts[0])
+    assert ours._template(GEMMA_CHAT_TEMPLATE) is compiled
 
 
 def test_system_message_is_folded_into_first_user_turn(tok: Tokenizer) -> None:
