@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 import jinja2.ext
@@ -58,6 +58,8 @@ TEMPLATE_CHARS = 50_000_000  # a prompt's text, and any one string or list a tem
 # but a caller may pass a new text every call (a date or a user's name written into it), and each kept one cost
 # 16 KB for good (300 texts: 4.9 MB). transformers' own cache of compiled templates is bounded too.
 TEMPLATES_KEPT = 32
+_NOT_KEPT: Any = object()  # a cache's answer for a text it does not hold, where None is a value it holds
+_T = TypeVar("_T")
 
 # Where transformers 5 saves named chat templates other than the default one (as NAME.jinja).
 NAMED_TEMPLATES_DIR = "additional_chat_templates"
@@ -628,14 +630,13 @@ class Tokenizer:
         with, so a fine-tuned model ends its turns as the template renders them. Read off the default template once
         (a conversation of one user message and a reply); a template that cannot render that raises its error."""
         source = self._pick_template(None, None)
-        if source not in self._turn_ends:
-            chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": TURN_END_MARK}]
-            rendered = str(self.apply_chat_template(chat, add_generation_prompt=False, chat_template=source))
-            after = rendered.rpartition(TURN_END_MARK)[2] if TURN_END_MARK in rendered else ""
-            first = self.encode(after)[:1]
-            _keep(self._turn_ends, source, first[0] if first and first[0] in self.special_ids else None)
-        self._turn_ends.move_to_end(source)
-        return self._turn_ends[source]
+        if (known := self._turn_ends.get(source, _NOT_KEPT)) is not _NOT_KEPT:  # (None: the template writes none)
+            return _keep(self._turn_ends, source, known)
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": TURN_END_MARK}]
+        rendered = str(self.apply_chat_template(chat, add_generation_prompt=False, chat_template=source))
+        after = rendered.rpartition(TURN_END_MARK)[2] if TURN_END_MARK in rendered else ""
+        first = self.encode(after)[:1]
+        return _keep(self._turn_ends, source, first[0] if first and first[0] in self.special_ids else None)
 
     def parse_response(self, text: str, prefix: str = "", tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The message a model's reply holds, read with the tokenizer's response template, as transformers'
@@ -689,22 +690,21 @@ class Tokenizer:
     def _template(self, source: str) -> tuple[jinja2.Template, frozenset[str]]:
         """(the compiled template, the variables it reads) of a template text: compiled once, while it is among the
         TEMPLATES_KEPT texts used last."""
-        if source not in self._compiled_templates:
-            env = _TemplateSandbox(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
-            )
-            # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
-            env.filters["tojson"] = _tojson
-            try:  # parsed once: the variables it reads come from the same tree
-                tree = env.parse(source)
-                variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
-                compiled = env.from_string(tree)
-            except jinja2.TemplateSyntaxError as exc:
-                # exc.message alone: str(exc) adds a 'File "<introspection>"' line for an unknown filter
-                raise ValueError(f"chat_template: not a valid template: {exc.message} (line {exc.lineno})") from None
-            _keep(self._compiled_templates, source, (compiled, variables))
-        self._compiled_templates.move_to_end(source)
-        return self._compiled_templates[source]
+        if (kept := self._compiled_templates.get(source)) is not None:
+            return _keep(self._compiled_templates, source, kept)
+        env = _TemplateSandbox(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+        )
+        # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
+        env.filters["tojson"] = _tojson
+        try:  # parsed once: the variables it reads come from the same tree
+            tree = env.parse(source)
+            variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
+            compiled = env.from_string(tree)
+        except jinja2.TemplateSyntaxError as exc:
+            # exc.message alone: str(exc) adds a 'File "<introspection>"' line for an unknown filter
+            raise ValueError(f"chat_template: not a valid template: {exc.message} (line {exc.lineno})") from None
+        return _keep(self._compiled_templates, source, (compiled, variables))
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -859,11 +859,18 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
-def _keep(kept: OrderedDict[str, Any], key: str, value: Any) -> None:
-    """Add `key` to a cache of at most TEMPLATES_KEPT entries, the least recently used going first."""
+def _keep(kept: OrderedDict[str, _T], key: str, value: _T) -> _T:
+    """`value`, put (back) last in a cache of at most TEMPLATES_KEPT entries, the least recently used going first.
+    Each step is one dict operation, so threads sharing a tokenizer (the server renders in worker threads) cannot
+    pop a key between another's test and read: the caller returns `value`, never reads the cache again."""
+    kept.pop(key, None)
     kept[key] = value
     while len(kept) > TEMPLATES_KEPT:
-        kept.popitem(last=False)
+        try:
+            kept.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            break
+    return value
 
 
 def _config_template(templates: str | dict[str, str]) -> str | list[dict[str, str]]:

@@ -412,6 +412,24 @@ def test_template_texts_kept_compiled_are_bounded(tok: Tokenizer) -> None:
     assert ours._template(GEMMA_CHAT_TEMPLATE) is compiled
 
 
+def test_templates_kept_compiled_are_shared_safely_by_threads(tok: Tokenizer) -> None:
+    """The server renders chats in worker threads on one tokenizer: with more template texts in use than are kept,
+    one thread's eviction must not pull an entry from under another between its test and its read (a KeyError), nor
+    hand it another text's template."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ours = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0, chat_template=GEMMA_CHAT_TEMPLATE)
+    default = ours.apply_chat_template(TWO_TURNS)
+    texts = [GEMMA_CHAT_TEMPLATE + f"{{{{- '#{i}' -}}}}" for i in range(TEMPLATES_KEPT * 2)]
+
+    def render(i: int) -> bool:
+        return ours.apply_chat_template(TWO_TURNS, chat_template=texts[i % len(texts)]) == default + f"#{i % len(texts)}"
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(render, range(len(texts) * 2)))
+    assert len(ours._compiled_templates) <= TEMPLATES_KEPT
+
+
 def test_system_message_is_folded_into_first_user_turn(tok: Tokenizer) -> None:
     messages = [{"role": "system", "content": "Be terse."}, *TWO_TURNS]
     expected = (
