@@ -40,12 +40,14 @@ import blockpress
 from blockpress.generate import canvas_positions, escape_template
 from blockpress.sampling import SamplerConfig
 from blockpress.tasks.code import (
+    Function,
     completion_parses,
     completion_parses_without_loops,
     infill_cases,
     model_heldout_functions,
     space_infill_cases,
 )
+from blockpress.tokenizer import Tokenizer
 
 PROMPT_MAX = 256  # a prompt's last tokens kept: the function's source up to its `def` line, cut to fit
 
@@ -72,6 +74,51 @@ def sampler_options(text: str) -> dict:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return options
+
+
+def exit_if_past_context(lm: blockpress.LM, max_new_tokens: int, model: str) -> None:
+    """Exit naming --max-new-tokens when a prompt of PROMPT_MAX tokens and its new tokens' whole canvases (as
+    generate takes them) pass the model's context: it was generate's traceback at the first long prompt."""
+    context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
+    taken = canvas_positions(max_new_tokens, canvas)
+    if PROMPT_MAX + taken > context:
+        fits = (context - PROMPT_MAX) // canvas * canvas
+        sys.exit(f"--max-new-tokens: prompts of up to {PROMPT_MAX} tokens + {max_new_tokens} new tokens in whole "
+                 f"{canvas}-token canvases ({taken} positions) exceed {model}'s context of {context} tokens; "
+                 f"at most {fits} fits")
+
+
+def function_prompt(tok: Tokenizer, function: Function) -> list[int]:
+    """A function's prompt ids: its source up to the `def` line, the last PROMPT_MAX tokens of it."""
+    return tok.encode(function.prompt_text, add_bos=True)[-PROMPT_MAX:]
+
+
+def completion_figures(lm: blockpress.LM, funcs: list[Function], engine: str, max_new_tokens: int, seed: int,
+                       options: dict) -> tuple[dict, list[str]]:
+    """Complete each function's body with `engine` ("diffusion": lm.generate, seeded seed + its index; "ar":
+    lm.generate_ar) and `options`: (the figures the module docstring names, the completions' texts)."""
+    ok, strict, new, passes, seconds, examples, texts = 0, 0, 0, 0, 0.0, [], []
+    # a bar on stderr, as benchmarks/sudoku.py draws (a run of 100 functions takes minutes and printed nothing)
+    for i, f in enumerate(tqdm(funcs, desc=f"{engine} completions", unit="function", leave=False)):
+        prompt = function_prompt(lm.tokenizer, f)
+        t0 = time.perf_counter()
+        if engine == "diffusion":
+            out = lm.generate([prompt], max_new_tokens=max_new_tokens, seed=seed + i, **options)
+        else:
+            out = lm.generate_ar([prompt], max_new_tokens=max_new_tokens, **options)
+        seconds += time.perf_counter() - t0
+        text = out.texts[0]
+        texts.append(text)
+        good = completion_parses(f, text)
+        ok += good
+        strict += completion_parses_without_loops(f, text)
+        new += int(out.num_new_tokens[0])
+        passes += int(out.forward_passes[0])
+        if len(examples) < 3:
+            examples.append({"prompt_tail": f.prompt_text[-120:], "completion": text[:300], "parses": good})
+    figures = {"parseable": ok / max(1, len(funcs)), "parseable_without_loops": strict / max(1, len(funcs)),
+               "tokens_per_forward": new / max(1, passes), "tok_s": new / max(seconds, 1e-9), "examples": examples}
+    return figures, texts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,13 +150,7 @@ def main() -> None:
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
     tok = lm.tokenizer
-    context, canvas = lm.config.text.max_position_embeddings, lm.config.canvas_length
-    taken = canvas_positions(args.max_new_tokens, canvas)  # whole canvases, as generate takes them
-    if PROMPT_MAX + taken > context:  # was generate's traceback at the first long prompt
-        fits = (context - PROMPT_MAX) // canvas * canvas
-        sys.exit(f"--max-new-tokens: prompts of up to {PROMPT_MAX} tokens + {args.max_new_tokens} new tokens in whole "
-                 f"{canvas}-token canvases ({taken} positions) exceed {args.model}'s context of {context} tokens; "
-                 f"at most {fits} fits")
+    exit_if_past_context(lm, args.max_new_tokens, args.model)
     heldout = model_heldout_functions(lm.path, args.manifest, args.seed)
     if args.skip >= len(heldout):  # no function left: a ZeroDivisionError, or (--healing-functions 0) rates of 0.0
         sys.exit(f"--skip: {args.skip} skips all {len(heldout)} held-out functions; at most {len(heldout) - 1} "
@@ -122,28 +163,8 @@ def main() -> None:
                     "sampler_options": options or "generation_config"}
 
     for engine in ("diffusion", "ar"):
-        ok, strict, new, passes, seconds, examples = 0, 0, 0, 0, 0.0, []
-        # a bar on stderr, as benchmarks/sudoku.py draws (a run of 100 functions takes minutes and printed nothing)
-        for i, f in enumerate(tqdm(funcs, desc=f"{engine} completions", unit="function", leave=False)):
-            prompt = tok.encode(f.prompt_text, add_bos=True)[-PROMPT_MAX:]
-            t0 = time.perf_counter()
-            if engine == "diffusion":
-                out = lm.generate([prompt], max_new_tokens=args.max_new_tokens, seed=args.seed + i, **options)
-            else:
-                out = lm.generate_ar([prompt], max_new_tokens=args.max_new_tokens, **ar_options)
-            seconds += time.perf_counter() - t0
-            text = out.texts[0]
-            good = completion_parses(f, text)
-            ok += good
-            strict += completion_parses_without_loops(f, text)
-            new += int(out.num_new_tokens[0])
-            passes += int(out.forward_passes[0])
-            if len(examples) < 3:
-                examples.append({"prompt_tail": f.prompt_text[-120:], "completion": text[:300], "parses": good})
-        result[engine] = {"parseable": ok / max(1, len(funcs)),
-                          "parseable_without_loops": strict / max(1, len(funcs)),
-                          "tokens_per_forward": new / max(1, passes),
-                          "tok_s": new / max(seconds, 1e-9), "examples": examples}
+        result[engine] = completion_figures(lm, funcs, engine, args.max_new_tokens, args.seed,
+                                            options if engine == "diffusion" else ar_options)[0]
 
     if args.healing_functions:
         # The prompt as typed ends with the newline; healing lets the model merge it with the indentation.

@@ -727,6 +727,76 @@ def test_code_model_sampler_options_reach_both_engines_as_a_dict():
     assert args.sampler_options == {"frequency_penalty": 0.5, "t_max": 0.7}
 
 
+def test_quant_quality_benchmark_smoke(monkeypatch, capsys):
+    """Every scheme's block, each judged against the unquantized load: that one agrees with itself exactly, the
+    quantized ones hold fewer bytes and differ in their logits; the rates are rates (1 function: not a threshold)."""
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    code, out, err = run_script_in_process("benchmarks/quant_quality.py", ["--functions", "1", "--max-new-tokens", "1",
+                                                                           "--threads", "1"], monkeypatch, capsys)
+    assert code in (0, None), err
+    data = json.loads(out)
+    assert data["functions"] == 1 and data["dtype"] == "float32"
+    schemes = ("none", "int8", "fp8", "int4")
+    assert [key for key in data if key in schemes] == list(schemes)  # the reference first
+    exact = {"top1_agreement": 1.0, "mean_kl": 0.0, "max_abs_diff": 0.0}
+    assert data["none"]["logits"] == {"clean": exact, "masked": exact}  # blockpress-code: absorbing noise
+    assert data["none"]["diffusion"]["same_text"] == 1.0
+    for scheme in schemes:
+        diffusion = data[scheme]["diffusion"]
+        for logits in data[scheme]["logits"].values():
+            assert 0 <= logits["top1_agreement"] <= 1 and logits["mean_kl"] >= 0
+            if scheme != "none":
+                assert logits["max_abs_diff"] > 0 and logits["mean_kl"] > 0
+        assert 0 <= diffusion["parseable_without_loops"] <= diffusion["parseable"] <= 1
+        assert 0 <= diffusion["same_text"] <= 1 and diffusion["tokens_per_forward"] > 0 and diffusion["tok_s"] > 0
+    sizes = {scheme: data[scheme]["weights_bytes"] for scheme in schemes}
+    assert sizes["int4"] < sizes["int8"] == sizes["fp8"] < sizes["none"]
+
+
+@given(st.integers(1, 6), st.integers(2, 9), st.floats(-50, 50), st.integers(0, 2**16))
+@settings(max_examples=30, deadline=None)
+def test_quant_quality_logit_agreement_is_kl_top1_and_max_difference(rows, vocab, shift, seed):
+    """Shifting a row's logits changes no probability: KL 0 and the same argmax, with |shift| the largest
+    difference; against other logits the KL is torch's kl_div of the two log-softmaxes."""
+    import torch.nn.functional as F
+
+    module = benchmark_module("quant_quality")
+    generator = torch.Generator().manual_seed(seed)
+    ref = [torch.randn(rows, vocab, generator=generator) * 3 for _ in range(2)]
+    shifted = module.logit_agreement(ref, [r + shift for r in ref])
+    assert shifted["top1_agreement"] == 1.0 and abs(shifted["mean_kl"]) < 1e-4
+    assert shifted["max_abs_diff"] == pytest.approx(abs(shift), abs=1e-4)
+    other = [torch.randn(rows, vocab, generator=generator) for _ in range(2)]
+    figures = module.logit_agreement(ref, other)
+    p, q = torch.cat(ref).log_softmax(-1), torch.cat(other).log_softmax(-1)
+    assert figures["mean_kl"] == pytest.approx(F.kl_div(q, p, log_target=True, reduction="batchmean").item(), rel=1e-4)
+    assert figures["top1_agreement"] == (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+    assert figures["max_abs_diff"] == (torch.cat(ref) - torch.cat(other)).abs().max().item()
+
+
+def test_quant_quality_clean_canvas_is_the_body_then_eos():
+    """The canvas the logits are taken on: the newline the prompt leaves out and the body, cut to one canvas, with
+    eos after a body shorter than a canvas (as training fills one)."""
+    import blockpress
+    from blockpress.tasks.code import Function
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    module = benchmark_module("quant_quality")
+    lm = blockpress.load("blockpress-code", dtype="float32")
+    canvas, eos = lm.config.canvas_length, lm.eos_ids[0]
+    short = Function("m.py", "def f(x):\n", "def f(x):\n", "    y = x\n    return y\n")
+    ids = lm.tokenizer.encode("\n" + short.body, add_bos=False)
+    assert len(ids) < canvas and module.clean_canvas(lm, short) == ids + [eos] * (canvas - len(ids))
+    long = Function("m.py", "def g():\n", "def g():\n", "".join(f"    a{i} = {i}\n" for i in range(40)))
+    got = module.clean_canvas(lm, long)
+    assert len(got) == canvas and eos not in got
+    assert ("\n" + long.body).startswith(lm.tokenizer.decode(got))
+
+
 def test_sudoku_benchmark_interrupted_prints_the_difficulties_finished(monkeypatch, capsys):
     """A Ctrl-C was a KeyboardInterrupt traceback with nothing on stdout: an ensemble run's finished difficulties,
     many minutes of it, were lost."""
@@ -981,6 +1051,9 @@ def run_script_in_process(script: str, argv: list[str], monkeypatch, capsys) -> 
     ("prefix_cache", ["--steps", str(2**31)], f"--steps: expected an integer in [1, {2**31 - 1}], got '{2**31}'"),
     ("code_model", ["--functions", "0"], "--functions: expected a positive integer"),
     ("code_model", ["--healing-functions", "-1"], "--healing-functions: expected an integer >= 0"),
+    ("quant_quality", ["--functions", "0"], "--functions: expected a positive integer"),
+    ("quant_quality", ["--schemes", "int2"], "--schemes: invalid choice: 'int2'"),
+    ("quant_quality", ["--model", "blockpress-cod"], "--model: model 'blockpress-cod': no such folder"),
     ("serve_load", ["--levels", "1", "0"], "--levels: expected a positive integer"),  # was a ThreadPool traceback
     ("serve_load", ["--max-batch", "0"], "--max-batch: expected a positive integer"),
     ("load_memory", ["--dtype", "float64"], "--dtype: invalid choice"),
@@ -1008,7 +1081,8 @@ def test_benchmark_scripts_refuse_bad_values_by_flag(script, argv, message, caps
     assert done.value.code == 2 and f"error: argument {message}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script", ["prefix_cache", "sudoku", "code_model", "serve_load", "load_memory"])
+@pytest.mark.parametrize("script", ["prefix_cache", "sudoku", "code_model", "serve_load", "load_memory",
+                                    "quant_quality"])
 def test_benchmark_scripts_explain_every_option_and_its_default(script):
     """--functions, --model, --max-batch, ... had no help, and no option showed its default."""
     if script == "serve_load":
