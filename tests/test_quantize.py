@@ -78,6 +78,33 @@ def test_int4_groups_shrink_to_divide_the_input_and_odd_inputs_are_refused():
         quantize_weight(torch.randn(4, 7), "int4")
 
 
+@settings(max_examples=30, deadline=None)
+@given(scheme=st.sampled_from(["int8", "fp8", "int4"]), experts=st.sampled_from([(), (1,), (3,)]),
+       rows=st.integers(1, 5), half_cols=st.integers(1, 40))
+def test_a_meta_weight_quantizes_to_the_layout_of_a_real_one_without_computing(scheme, experts, rows, half_cols):
+    """A load plans its model on the meta device: quantize_weight there gives the real codes' and scales' shapes and
+    dtypes (a real weight's are then assigned into them) and runs no op but their allocation. The quantizing
+    arithmetic on meta tensors went through torch's Python meta kernels, whose first use imports torch._dynamo:
+    blockpress-code's quantized load took seconds more than its plain one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    shape = (*experts, rows, 2 * half_cols)
+    real = quantize_weight(torch.randn(shape), scheme)
+    with Ops() as ops:
+        meta = quantize_weight(torch.empty(shape, device="meta"), scheme)
+    assert [(m.shape, m.dtype, m.device.type) for m in meta] == [(r.shape, r.dtype, "meta") for r in real]
+    assert ops.seen <= {"empty"}, ops.seen
+
+
 @settings(max_examples=12, deadline=None)
 @given(hidden=st.integers(2, 48), intermediate=st.integers(2, 48), moe=st.integers(1, 24))
 def test_int4_warns_when_its_groups_fall_below_32_with_the_bits_they_take(hidden, intermediate, moe):
