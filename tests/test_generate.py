@@ -3660,7 +3660,11 @@ def test_a_batch_of_templates_of_different_lengths_fills_each_as_alone(lm, data,
     rows = [data.draw(st.lists(cell, min_size=n, max_size=n).filter(lambda r: -1 in r), "row") for n in lengths]
     rows = data.draw(st.permutations(rows), "order")
     seeds = data.draw(st.lists(st.integers(0, 2**20), min_size=b, max_size=b), "seeds")
-    kw = dict(max_denoising_steps=3, sampler=sampler)
+    # Accepted left to right: the random model's entropies all lie within 0.04 of log(vocab), where an exact float32
+    # tie alone (settled by the sort's tie-break) comes apart by an ulp in a batch (MKL rounds a row by the batch's
+    # shape), so ranking by entropy failed 1 of 240 fresh examples for the rounding's sake, not the layout's (greedy,
+    # rows [87, -1, 27, 85, -1, 9, 45, -1, -1] and [-1], seeds [26666, 1]: positions 1 and 4 at the first step).
+    kw = dict(max_denoising_steps=3, sampler=sampler, rank_by="position")
     batch = lm.infill(rows, seeds=seeds, **kw)
     assert batch.new_tokens.shape[1] == max(lengths)
     for r, row in enumerate(rows):
