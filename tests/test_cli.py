@@ -1883,6 +1883,27 @@ def test_chat_bad_messages_are_named_by_their_own_text(monkeypatch, capsys):
     assert replies(err) == 0
 
 
+def test_chat_text_past_the_context_in_characters_is_refused_in_the_chats_words(monkeypatch, capsys):
+    """A message, or a conversation, whose text alone is more characters than the context times the vocabulary's
+    longest token holds is refused before the template renders it; lm.chat_prompt's error named the API's
+    `messages`, where the chat says whether to shorten the message or /reset. (The bound is lowered to one
+    character a token here, so that a few thousand characters cross it.)"""
+    import blockpress.tokenizer
+    from blockpress.cli.common import load_model
+
+    context = load_model(MODEL, None, "meta").config.text.max_position_embeddings
+    monkeypatch.setattr(blockpress.tokenizer.Tokenizer, "longest_token", lambda self: 1)
+    first, second, alone = "x" * (context * 3 // 4), "y" * (context // 2), "z" * (context + 1)
+    sent = chat_turns(monkeypatch, [first, second, alone, "hi"])
+    err = capsys.readouterr().err
+    assert sent == [first, "hi"]  # neither refused turn reached the template
+    held = re.search(r"error: no room for a reply: the conversation with this message holds ([\d,]+) characters, "
+                     rf"and the model's context of {context} tokens holds at most {context:,} characters", err)
+    assert held and int(held[1].replace(",", "")) >= len(first) + len(second)  # the first reply's text besides
+    assert f"error: the message is too long: {len(alone):,} characters, and the model's context" in err
+    assert err.count("/reset starts a new one") == 1 and replies(err) == 2
+
+
 def test_chat_near_a_full_context_shortens_the_reply(monkeypatch, capsys):
     """A turn that left fewer positions than --max-new-tokens was refused outright; it now gets what fits: the
     whole canvases left (a reply of every position left ran its last canvas past the context)."""

@@ -408,6 +408,21 @@ class ChatSession:
                   "/reset starts a new conversation)", file=sys.stderr)
         return kw
 
+    def check_characters(self) -> None:
+        """Refuse a turn whose text alone the context cannot hold, before the template renders it (lm.chat_prompt's
+        bound, which named the API's `messages`), in the chat's words: the message is too long (shorten it) or the
+        conversation is (/reset), as reply_settings says them for the tokens."""
+        context, most = self.lm.config.text.max_position_embeddings, self.lm.tokenizer.longest_token()
+        bound = (f"the model's context of {context} tokens holds at most {context * most:,} characters (no token of "
+                 f"this vocabulary holds more than {most})")
+        alone = sum(len(m["content"]) for m in self.system) + len(self.messages[-1]["content"])
+        if alone > context * most:
+            raise ValueError(f"the message is too long: {alone:,} characters"
+                             f"{' with --system' if self.system else ''}, and {bound}; shorten it")
+        if (chars := sum(len(m["content"]) for m in self.messages)) > context * most:
+            raise ValueError(f"no room for a reply: the conversation with this message holds {chars:,} characters, "
+                             f"and {bound}; /reset starts a new one")
+
     def turn(self, user: str) -> int | None:
         """`user` sent and its reply shown; a turn that fails (too long, stopped, out of memory) is dropped and the
         conversation goes on. None, or where a SIGTERM or SIGHUP ends the chat, its exit status."""
@@ -415,6 +430,7 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user})
         self.opened = False  # nothing of this turn's reply is on screen yet
         try:
+            self.check_characters()
             ids = lm.chat_prompt(self.messages, **args.chat_template_kwargs)
             kw = self.reply_settings(ids)
             t0 = time.perf_counter()
