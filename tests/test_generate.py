@@ -3782,3 +3782,38 @@ def test_every_activation_pickles(name):
 
     function = ACTIVATION_FUNCTIONS[ACTIVATIONS[name]]
     assert pickle.loads(pickle.dumps(function)) is function
+
+
+def test_a_call_with_several_mistakes_names_the_first_in_its_order(code_tiny):
+    """A generate's refusals come in one order, each mistake fixed bringing the next to light: the prompt's mask, the
+    token_healing flag, the prompt's ids, the budgets, the EOS-only flag, the seed, the draws, the sampler against
+    per-row temperatures, the template's ids, min_new_tokens and max_new_tokens against a template, a stop with one;
+    with all fixed the call runs. (For the split of LM._request: each step of its own, in this order.)"""
+    lm = code_tiny
+    v = lm.config.text.vocab_size
+    template = [[5, -1, -1, 6], [7, -1, 8, -1]]
+    kw = dict(prompt=["a b", "c"], attention_mask=torch.ones(2, 2, dtype=torch.long), token_healing="yes",
+              max_new_tokens=[4], min_new_tokens=[1, 20], min_new_tokens_eos_only="yes", seed=-1, sampler="greedy",
+              draw_temperature=[0.5, -1.0], template=[[5, -1, -1, v], [7, -1, 8, -1]], stop="x",
+              max_denoising_steps=2)
+    steps = [
+        (r"^attention_mask: not with text prompts", dict(attention_mask=None, prompt=[[3, 4, 5], [6, 7, v + 1]])),
+        (r"^token_healing: ", dict(token_healing=None)),
+        (rf"^prompt: token ids must be in \[0, {v}\)", dict(prompt=[[3, 4, 5], [6, 7, 9]])),
+        (r"^max_new_tokens: expected an integer, or one per row", dict(max_new_tokens=[4, 5])),
+        (r"^min_new_tokens\[1\]: ", dict(min_new_tokens=1)),
+        (r"^min_new_tokens_eos_only: ", dict(min_new_tokens_eos_only=False)),
+        (r"^seed: ", dict(seed=None)),
+        (r"^draw_temperature\[1\]: ", dict(draw_temperature=[0.5, 1.0])),
+        (r"^draw_temperature: sampler='greedy' takes the most likely", dict(draw_temperature=1.0)),
+        (r"^template: token ids must be below the vocabulary size", dict(template=template)),
+        (r"^min_new_tokens: not with a template", dict(min_new_tokens=0)),
+        (r"^max_new_tokens: the template sets the length", dict(max_new_tokens=None)),
+        (r"^stop: not with a template", dict(stop=None)),
+    ]
+    for message, fix in steps:
+        with pytest.raises(ValueError, match=message):
+            lm.generate(**kw)
+        kw.update(fix)
+    out = lm.generate(**kw)
+    assert out.num_new_tokens.tolist() == [4, 4]  # each row its template's length
