@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from .generate import (
     GenerationOutput,
     Request,
     StepFunctions,
+    Template,
     as_tensor,
     canvas_positions,
     canvas_room,
@@ -60,7 +61,7 @@ from .generate import (
     run_ar,
     special_stop_ids,
 )
-from .healing import Healed, allowed_first_tokens, heal, heal_into_template
+from .healing import allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
 from .model import DiffusionGemma
 from .prefix import PrefixCache
@@ -539,6 +540,64 @@ def _each(count: int | tuple[int, ...]) -> tuple[int, ...]:
     return count if isinstance(count, tuple) else (count,)
 
 
+@dataclass
+class _PromptRows:
+    """A request's prompt as left-padded id rows [B, P] (`mask` None where nothing is padded), `pad_id` their padding."""
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    pad_id: int
+
+    def rows(self) -> list[list[int]]:
+        """Each row's token ids, its padding left out."""
+        return _token_rows(self.ids, self.mask)
+
+    def padded(self, rows: list[list[int]]) -> _PromptRows:
+        """Other rows (the prompt's, healed), left-padded alike."""
+        return _PromptRows(*left_pad(rows, self.pad_id), self.pad_id)
+
+
+@dataclass
+class _Budgets:
+    """A request's token budgets, checked: max_new_tokens as the call gave it (`asked`, None: unset) and as it runs,
+    min_new_tokens, and each row's min_new_tokens_eos_only where any row's is True (else None)."""
+    asked: Any
+    max_new_tokens: int | tuple[int, ...]
+    min_new_tokens: int | tuple[int, ...]
+    eos_only_minimum: tuple[bool, ...] | None
+
+
+@dataclass
+class _TemplateLayout:
+    """A request's template, parsed and healed, and the prompt it follows (healing may move a text prompt's
+    trailing space into a hole): with the prefixes healing gave the rows and the holes, and what each hole's first
+    token may be."""
+    template: Template
+    prompt: _PromptRows
+    heal_prefixes: list[str] | None = None
+    hole_prefixes: dict[tuple[int, int], str] | None = None
+    hole_allowed: dict[tuple[int, int], torch.Tensor] | None = None
+
+
+def _template_budget(template: Template, budgets: _Budgets, vocab: int) -> tuple[int, ...]:
+    """Each row's budget under a template: its own length, as healed (healing moves a space into each hole after
+    one). The batch is laid out to its longest row, and each row's budget ends at its own end, as it would alone.
+    A min_new_tokens, or a max_new_tokens other than that length, is refused: it would be ignored."""
+    lengths = tuple(template.lengths)
+    count = lengths[0] if len(set(lengths)) == 1 else list(lengths)
+    says = f"{count} tokens" + (", one per row" if isinstance(count, list) else "")
+    if max(max(r) for r in template.rows) >= vocab:
+        raise ValueError(f"template: token ids must be below the vocabulary size {vocab}")
+    if any(_each(budgets.min_new_tokens)):  # a template's length is fixed, its holes never end early
+        raise ValueError(f"min_new_tokens: not with a template (its {says} are all written, no EOS inside), "
+                         f"got {budgets.min_new_tokens}")
+    budget = budgets.max_new_tokens
+    given = budget if isinstance(budget, tuple) else (budget,) * len(lengths)
+    if budgets.asked is not None and given != lengths:
+        raise ValueError(f"max_new_tokens: the template sets the length ({says}); leave max_new_tokens "
+                         f"unset or give {count}, got {budgets.asked}")
+    return lengths
+
+
 def _row_seeds(seeds: Any) -> list[int] | None:
     """`seeds`: None, or one seed per row (overriding `seed`), each row then sampled as it would be alone: a list,
     or a 1-D integer array or tensor (each element checked like a list's; the count against the batch is
@@ -944,9 +1003,57 @@ class LM:
         logits_processor, cancelled)."""
         self._check_runnable()
         pad_id = self.pad_id
-        # A text turn that continues a cache continues a sequence that began with BOS: no second one mid-way.
         cached = cache.length if isinstance(cache, KVCache) else 0
-        continuing = cached > 0
+        rows = self._prompt_rows(prompt, attention_mask, pad_id, continuing=cached > 0)
+        check_flag("token_healing", token_healing, none=True)
+        if token_healing and self.tokenizer is None:
+            raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
+        healed = None
+        # With a template, healing applies to its holes' edges instead (the prompt's end is followed by fixed tokens)
+        if token_healing and template is None:
+            healed = [heal(self.tokenizer, row) for row in rows.rows()]
+            rows = rows.padded([h.ids for h in healed])
+        v = self.config.text.vocab_size
+        check_vocab_range(rows.ids, "prompt", v)
+        budgets = self._budgets(max_new_tokens, min_new_tokens, min_new_tokens_eos_only, rows.ids.shape[0],
+                                prompt_width=cached + rows.ids.shape[1], templated=template is not None)
+        seed = check_seed(seed, "seed")
+        cfg, per_row = self._sampler_config(sampler, sampler_options, rows.ids.shape[0], temperature_name)
+        if cfg.argmax_candidates and seed is None:
+            # greedy (and any sampler with argmax candidates, what temperature 0 gives a chosen sampler) promises
+            # the same answer every time: the starting canvas may not be random either
+            seed = 0
+        budget, tmpl, layout = budgets.max_new_tokens, None, None
+        if template is not None:
+            layout = self._template_layout(template, hole_length, token_healing, is_text_template(prompt), rows)
+            rows = layout.prompt
+            budget = _template_budget(layout.template, budgets, v)
+            tmpl = layout.template.ids(pad_id)
+        unknown = self._unknown_ids(tmpl)
+        heal_prefixes = first_allowed = None
+        if healed is not None and any(h.prefix for h in healed):
+            heal_prefixes = [h.prefix for h in healed]
+            first_allowed = allowed_first_tokens(self.tokenizer, heal_prefixes, v)
+        elif layout is not None:
+            heal_prefixes = layout.heal_prefixes
+        stops = self._stops(stop, rows.ids.shape[0], tmpl)
+        req = Request(prompt=rows.ids, attention_mask=rows.mask, max_new_tokens=budget,
+                      min_new_tokens=budgets.min_new_tokens, sampler=cfg, seed=seed, template=tmpl,
+                      eos_ids=self._eos_ids(), pad_id=pad_id, stops=stops, stop_ids=special_stop_ids(self.tokenizer, stops),
+                      draw_temperatures=per_row.get("draw_temperature"), top_ks=per_row.get("top_k"),
+                      top_ps=per_row.get("top_p"), eos_only_minimum=budgets.eos_only_minimum, unknown_ids=unknown,
+                      heal_prefixes=heal_prefixes, first_allowed=first_allowed,
+                      template_holes=None if layout is None else layout.template.holes,
+                      hole_prefixes=None if layout is None else layout.hole_prefixes,
+                      hole_allowed=None if layout is None else layout.hole_allowed, **fields)
+        req.row_seeds()  # checks the count of `seeds` now, not mid-generation
+        self._check_context(req, cache, self.config.canvas_length if canvases else None,
+                            defaulted=budgets.asked is None and template is None and self._max_length_from != "call")
+        return req
+
+    def _prompt_rows(self, prompt: Any, attention_mask: Any, pad_id: int, continuing: bool) -> _PromptRows:
+        """The prompt as left-padded id rows, with the caller's attention_mask where it gave one (id rows only).
+        `continuing`: the prompt continues a cache, a sequence that began with BOS: a text turn gets no second one."""
         ids, mask = prompt_to_ids(prompt, self.tokenizer, pad_id, bos=not continuing,
                                   context=self.config.text.max_position_embeddings)
         if attention_mask is not None:
@@ -963,35 +1070,32 @@ class LM:
                                  "equal-length rows (a tensor) with their mask")
             mask = _check_mask(attention_mask, ids.shape, "the prompt")
             ids, mask = _padding_to_the_left(_unmasked_to_pad(ids, mask, pad_id), mask, pad_id)
-        healed: list[Healed] | None = None
-        # With a template, healing applies to its holes' edges (the prompt's end is followed by fixed tokens):
-        # always for text templates, whose fixed part is text; for token ids only when asked.
-        check_flag("token_healing", token_healing, none=True)
-        # None (the default): a text template's holes are healed, nothing else; True/False say so for all.
-        heal_holes = template is not None and self.tokenizer is not None and (
-            token_healing is True or (token_healing is None and is_text_template(template)))
-        if token_healing:
-            if self.tokenizer is None:
-                raise ValueError("token_healing: needs a model with a tokenizer (to know which tokens could merge)")
-        if token_healing and template is None:
-            rows = _token_rows(ids, mask)
-            healed = [heal(self.tokenizer, row) for row in rows]
-            ids, mask = left_pad([h.ids for h in healed], pad_id)
-        v = self.config.text.vocab_size
-        check_vocab_range(ids, "prompt", v)
-        asked = max_new_tokens = _row_counts(max_new_tokens, "max_new_tokens", ids.shape[0])
-        if max_new_tokens is None and template is None:
-            max_new_tokens = self.default_new_tokens(cached + ids.shape[1])
+        return _PromptRows(ids, mask, pad_id)
+
+    def _budgets(self, max_new_tokens: Counts | None, min_new_tokens: Counts,
+                 min_new_tokens_eos_only: bool | Sequence[bool], batch: int, *, prompt_width: int,
+                 templated: bool) -> _Budgets:
+        """The token budgets of a `batch`-row request, checked: max_new_tokens unset is the checkpoint's default for
+        a prompt of `prompt_width` tokens (the cache's included), or, `templated`, a stand-in that the template's
+        length replaces."""
+        asked = max_new_tokens = _row_counts(max_new_tokens, "max_new_tokens", batch)
+        if max_new_tokens is None and not templated:
+            max_new_tokens = self.default_new_tokens(prompt_width)
         elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
             max_new_tokens = self._max_new_tokens_setting()
-        budget, least = _check_budgets(max_new_tokens, _row_counts(min_new_tokens, "min_new_tokens", ids.shape[0]))
-        eos_only = _row_counts(min_new_tokens_eos_only, "min_new_tokens_eos_only", ids.shape[0], "True or False")
+        budget, least = _check_budgets(max_new_tokens, _row_counts(min_new_tokens, "min_new_tokens", batch))
+        eos_only = _row_counts(min_new_tokens_eos_only, "min_new_tokens_eos_only", batch, "True or False")
         for i, flag in enumerate(eos_only if isinstance(eos_only, list) else [eos_only]):
             check_flag("min_new_tokens_eos_only" + (f"[{i}]" if isinstance(eos_only, list) else ""), flag)
+        minimum = None
         if eos_only is True or (isinstance(eos_only, list) and any(eos_only)):
-            fields.update(eos_only_minimum=tuple(eos_only) if isinstance(eos_only, list) else (True,) * ids.shape[0])
-        seed = check_seed(seed, "seed")
-        sampler_options, per_row = _row_draws(sampler_options, ids.shape[0], temperature_name)
+            minimum = tuple(eos_only) if isinstance(eos_only, list) else (True,) * batch
+        return _Budgets(asked, budget, least, minimum)
+
+    def _sampler_config(self, sampler: str | SamplerConfig | None, sampler_options: dict[str, Any], batch: int,
+                        temperature_name: str) -> tuple[SamplerConfig, dict[str, tuple]]:
+        """The request's SamplerConfig, and the settings given one per row (`_row_draws`)."""
+        sampler_options, per_row = _row_draws(sampler_options, batch, temperature_name)
         if isinstance(sampler, SamplerConfig):
             # The noise token is how the model was trained (absorbing noise), not a decoding preference: a config
             # built to pick a sampler leaves it None, and decoding such a model with uniform noise gave word salad.
@@ -1010,67 +1114,46 @@ class LM:
             fix = "sampler='entropy_bound'" if greedy else "candidates='sample'"
             raise ValueError(f"{temperature_name}: {rule} takes the most likely candidates and draws none, so the "
                              f"per-row {temperature_name} would be ignored; draw them with {fix}")
-        tmpl = parsed = None
-        if template is not None:
-            parsed = parse_template(template, self.tokenizer, ids.shape[0], hole_length,
-                                    self.config.text.max_position_embeddings)
-        if cfg.argmax_candidates and seed is None:
-            # greedy (and any sampler with argmax candidates, what temperature 0 gives a chosen sampler) promises
-            # the same answer every time: the starting canvas may not be random either
-            seed = 0
-        if heal_holes and parsed is not None:  # (heal_holes: a template was given, parsed above)
-            if is_text_template(prompt):  # a text prompt's trailing space joins a hole the template starts with
-                rows = _token_rows(ids, mask)
-                moved, parsed = heal_into_template(self.tokenizer, rows, parsed)
-                if any(h.prefix for h in moved):
-                    ids, mask = left_pad([h.ids for h in moved], pad_id)
-                    fields.update(heal_prefixes=[h.prefix for h in moved])
-            parsed, hole_prefixes = heal_holes_of(self.tokenizer, parsed)
-            if hole_prefixes:
-                unique = sorted(set(hole_prefixes.values()))
-                masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, v)))
-                fields.update(hole_allowed={pos: masks[prefix] for pos, prefix in hole_prefixes.items()},
-                              hole_prefixes=hole_prefixes)
-        if parsed is not None:
-            # Each row writes its own length, as healed (healing moves a space into each hole after one): the batch
-            # is laid out to its longest row, and each row's budget ends at its own end, as it would alone.
-            lengths = tuple(parsed.lengths)
-            count = lengths[0] if len(set(lengths)) == 1 else list(lengths)
-            says = f"{count} tokens" + (", one per row" if isinstance(count, list) else "")
-            if max(max(r) for r in parsed.rows) >= v:
-                raise ValueError(f"template: token ids must be below the vocabulary size {v}")
-            if any(_each(least)):  # it would be ignored: a template's length is fixed, its holes never end early
-                raise ValueError(f"min_new_tokens: not with a template (its {says} are all written, no EOS inside), "
-                                 f"got {least}")
-            given = budget if isinstance(budget, tuple) else (budget,) * len(lengths)
-            if asked is not None and given != lengths:  # ignored: the template sets it
-                raise ValueError(f"max_new_tokens: the template sets the length ({says}); leave max_new_tokens "
-                                 f"unset or give {count}, got {asked}")
-            tmpl, budget = parsed.ids(pad_id), lengths
-            fields.update(template_holes=parsed.holes)
-        # The ids past the tokenizer's vocabulary that the model's (padded) embedding has: never generated, since
-        # they have no text (transformers samples them, and its decode drops them without a word).
+        return cfg, per_row
+
+    def _template_layout(self, template: Any, hole_length: int, token_healing: bool | None, text_prompt: bool,
+                         rows: _PromptRows) -> _TemplateLayout:
+        """The template parsed for the prompt's rows and healed: None (token_healing's default) heals a text
+        template's holes, nothing else; True/False say so for all. A `text_prompt`'s trailing space joins a hole the
+        template starts with."""
+        parsed = parse_template(template, self.tokenizer, rows.ids.shape[0], hole_length,
+                                self.config.text.max_position_embeddings)
+        layout = _TemplateLayout(parsed, rows)
+        if self.tokenizer is None or not (token_healing is True or (token_healing is None
+                                                                    and is_text_template(template))):
+            return layout
+        if text_prompt:
+            moved, layout.template = heal_into_template(self.tokenizer, rows.rows(), layout.template)
+            if any(h.prefix for h in moved):
+                layout.prompt = rows.padded([h.ids for h in moved])
+                layout.heal_prefixes = [h.prefix for h in moved]
+        layout.template, hole_prefixes = heal_holes_of(self.tokenizer, layout.template)
+        if hole_prefixes:
+            unique = sorted(set(hole_prefixes.values()))
+            masks = dict(zip(unique, allowed_first_tokens(self.tokenizer, unique, self.config.text.vocab_size)))
+            layout.hole_allowed = {pos: masks[prefix] for pos, prefix in hole_prefixes.items()}
+            layout.hole_prefixes = hole_prefixes
+        return layout
+
+    def _unknown_ids(self, template: torch.Tensor | None) -> torch.Tensor | None:
+        """The ids past the tokenizer's vocabulary that the model's (padded) embedding has: never generated, since
+        they have no text (transformers samples them, and its decode drops them without a word); a template that
+        holds one is refused. None: there are none."""
+        v = self.config.text.vocab_size
         unknown = self.tokenizer.unknown_ids(v) if self.tokenizer is not None else []
-        if unknown:
-            fields.update(unknown_ids=torch.tensor(unknown))
-            if tmpl is not None and bool(torch.isin(tmpl, fields["unknown_ids"]).any()):
-                bad = int(tmpl[torch.isin(tmpl, fields["unknown_ids"])][0])
-                raise ValueError(f"template: token id {bad} has no token in the tokenizer (its vocabulary has "
-                                 f"{self.tokenizer.vocab_size}; the model's embedding is padded to {v}), so no text")
-        if healed is not None and any(h.prefix for h in healed):
-            heal_prefixes = [h.prefix for h in healed]
-            fields.update(heal_prefixes=heal_prefixes,
-                          first_allowed=allowed_first_tokens(self.tokenizer, heal_prefixes, v))
-        stops = self._stops(stop, ids.shape[0], tmpl)
-        req = Request(prompt=ids, attention_mask=mask, max_new_tokens=budget, min_new_tokens=least,
-                      sampler=cfg, seed=seed, template=tmpl, eos_ids=self._eos_ids(), pad_id=pad_id, stops=stops,
-                      stop_ids=special_stop_ids(self.tokenizer, stops),
-                      draw_temperatures=per_row.get("draw_temperature"), top_ks=per_row.get("top_k"),
-                      top_ps=per_row.get("top_p"), **fields)
-        req.row_seeds()  # checks the count of `seeds` now, not mid-generation
-        self._check_context(req, cache, self.config.canvas_length if canvases else None,
-                            defaulted=asked is None and template is None and self._max_length_from != "call")
-        return req
+        if not unknown:
+            return None
+        ids = torch.tensor(unknown)
+        if template is not None and bool(torch.isin(template, ids).any()):
+            bad = int(template[torch.isin(template, ids)][0])
+            raise ValueError(f"template: token id {bad} has no token in the tokenizer (its vocabulary has "
+                             f"{self.tokenizer.vocab_size}; the model's embedding is padded to {v}), so no text")
+        return ids
 
     def _from_transformers(self, call: str, args: dict[str, Any]) -> tuple[LM, dict[str, Any], dict[str, str]]:
         """transformers' generate keywords (TRANSFORMERS_KEYWORDS) in `args`, a call's arguments by name, as
