@@ -3024,3 +3024,19 @@ def test_chat_template_kwargs_reach_the_template_over_the_servers_defaults(serve
     assert r.status_code == 400 and "chat_template_kwargs" in r.text
     with pytest.raises(ValueError, match=r"^chat_template_kwargs: 'tools' is set by the chat rendering itself"):
         create_app(lm, MODEL, chat_template_kwargs={"tools": []})
+
+
+def test_a_chat_with_several_mistakes_is_refused_for_the_first_in_its_order(server, monkeypatch):
+    """A chat request's refusals come in one order: its messages, then its chat_template_kwargs, then the model's
+    lack of a chat template; each fixed brings the next to light (for the split of create_app's chat route)."""
+    lm = server[1].state.engine.lm
+    monkeypatch.setattr(lm.tokenizer, "chat_template", None)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "reasoning_content": "hmm"}],
+            "chat_template_kwargs": {"raise_exception": 1}}
+    fixes = [{"messages": [{"role": "user", "content": "hi"}]}, {"chat_template_kwargs": {}}]
+    for param, words in (("messages[0].reasoning_content", "only an assistant message has a thought"),
+                         ("chat_template_kwargs", "reserved"), ("messages", "no chat template")):
+        r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
+        body.update(fixes.pop(0) if fixes else {})
