@@ -1695,6 +1695,141 @@ def warm_up(app: FastAPI) -> None:
             engine.prefix_cache.clear()
 
 
+async def api_error(_: Request, exc: APIError) -> JSONResponse:
+    """An APIError in OpenAI's error shape."""
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
+
+
+async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An unknown route or method in OpenAI's error shape, not FastAPI's {"detail": ...}."""
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    return JSONResponse(error_body(str(exc.detail), kind, None), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A body that does not parse as the route's request, in OpenAI's error shape (`validation_error`)."""
+    return validation_error(exc, request.headers.get("content-type"))
+
+
+def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, origins: list[str]) -> None:
+    """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None) and the
+    CORS of `origins`."""
+    # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
+    app.add_middleware(BodyLimit, limit=body_bytes)
+    if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
+        app.add_middleware(RequireKey, key=api_key)
+    if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
+                           expose_headers=["Retry-After"])  # a 429's back-off, for the page to read
+
+
+def template_messages(state: ServerState, body: ChatRequest) -> list[dict]:
+    """The messages, each checked, as the template takes them: in a worker thread, as a conversation of 50,000
+    messages took 0.3 s, which held every other client on the event loop."""
+    for i, message in enumerate(body.messages):
+        message.check(i)
+    # the template renders every message's text: more than the context can hold is refused before rendering
+    state.check_length(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                           for m in body.messages if m.content is not None), "messages", "messages")
+    return [m.for_template(i) for i, m in enumerate(body.messages)]
+
+
+async def render_chat(state: ServerState, body: ChatRequest) -> tuple[list[int], list[dict] | None]:
+    """A chat request's prompt, its messages and tools rendered by the chat template, and the tools."""
+    lm = state.lm
+    messages, tools = await asyncio.to_thread(template_messages, state, body), body.template_tools()
+    try:
+        variables = {**state.template_defaults, **template_variables(body.chat_template_kwargs)}
+    except ValueError as exc:
+        raise APIError(400, str(exc), "chat_template_kwargs") from None
+    if lm.tokenizer.chat_template is None:  # a model that cannot chat: the request's to change, not a failure
+        raise APIError(400, "messages: this model has no chat template (no chat_template.jinja, nor chat_template "
+                            "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "
+                            "/v1/completions", "messages")
+    try:
+        # as `blockpress chat` and lm.chat render them; in a worker thread, as the encode of a long text takes
+        # a while (0.25 s for 240 KB) and the event loop serves every other client meanwhile
+        prompt = await asyncio.to_thread(functools.partial(lm.chat_prompt, messages, tools=tools, **variables))
+    except MessageError as exc:  # a field of the request's to change: tools a template never reads, say
+        raise APIError(400, str(exc), exc.field) from None
+    except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
+        broken = str(exc).startswith("chat_template:")
+        raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
+                       "server_error" if broken else "invalid_request_error") from None
+    return prompt, tools
+
+
+@dataclass
+class ReplyReaders:
+    """What reads a chat reply with the checkpoint's response template (Reply's parse, read_partial, read_regions):
+    all None where the reply is read as plain text."""
+    parse: Callable[[str], dict] | None = None
+    read_partial: Callable[[], PartialReader] | None = None
+    read_regions: Callable[[], PartialReader] | None = None
+
+
+def reply_readers(lm: LM, prompt: list[int], tools: list[dict] | None, calls: bool) -> ReplyReaders:
+    """The readers of a chat reply: for its calls where the request offers tools (`calls`); for its thought alone
+    where it does not (or asks for no call), as transformers' server and vLLM's reasoning parsers read every reply: a
+    thought was the content's start, glued to the answer."""
+    spec = lm.tokenizer.reply_template  # the checkpoint's response template, or the built-in one its tokens tell
+    if spec is None or not (calls or reads_thoughts(spec)):
+        return ReplyReaders()
+    # the prompt as the template reads it: its anchor marks where the reply's turn began
+    template = compile_template(spec)
+    # One PatternBudget for every read of the request's replies (each stream reads its reply again at each
+    # chunk), so that the template's patterns hold the event loop a bounded time for it; past that each
+    # reply is refused (PatternTooCostly), so answered as text, as a reply the template cannot read.
+    read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools,
+            "budget": PatternBudget()}
+    return ReplyReaders(functools.partial(parse_response, template, keep_empty=True, **read),
+                        functools.partial(PartialReader, template, **read),
+                        functools.partial(PartialReader, regions_only(template), **read))
+
+
+async def chat_reply(state: ServerState, body: ChatRequest, request: Request) -> Any:
+    """/v1/chat/completions: the messages rendered, the reply read with the response template where it applies."""
+    lm = state.lm
+    prompt, tools = await render_chat(state, body)
+    jobs = build_jobs(state, body, prompt)
+    calls = bool(tools) and body.tool_choice != "none"
+    readers = reply_readers(lm, prompt, tools, calls)
+    if readers.parse is not None:
+        for job in jobs:
+            job.keep_special = True
+    reply = Reply(jobs, "chat", body.model, len(prompt), parse=readers.parse, read_partial=readers.read_partial,
+                  one_call=body.parallel_tool_calls is False, calls_wanted=calls,
+                  plain=lambda raw: lm.tokenizer.decode(lm.tokenizer.encode(raw)), read_regions=readers.read_regions)
+    return await respond(state.engine, reply, body, request)
+
+
+def completion_batch(state: ServerState, body: CompletionRequest,
+                     loop: asyncio.AbstractEventLoop) -> tuple[list[Job], int]:
+    """A completions request's jobs, each prompt's in its group, and the prompt tokens they take."""
+    jobs, prompt_tokens = [], 0
+    count = len(request_prompts(body)[0])
+    for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
+        group = completion_jobs(state, body, prompt, from_text, loop)
+        if i == 0:  # before the others are tokenized: 100,000 prompts took 29 s and 350 MB to be refused so
+            state.engine.check_room(count, len(group))
+        for job in group:
+            job.group = i
+            jobs.append(job)
+        # a canvas's fixed tokens are the client's too (a text prompt's healed space moved into them: once)
+        prompt_tokens += len(group[0].prompt) + group[0].fixed_tokens
+    return jobs, prompt_tokens
+
+
+async def completion_reply(state: ServerState, body: CompletionRequest, request: Request) -> Any:
+    """/v1/completions: each prompt's jobs, answered."""
+    # The prompts, a suffix and a template are tokenized in a worker thread (the tokenizer lets go of the GIL):
+    # on the event loop a 240 KB prompt held /health and every stream in flight for the whole encode
+    jobs, prompt_tokens = await asyncio.to_thread(completion_batch, state, body, asyncio.get_running_loop())
+    return await respond(state.engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
+
+
 def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), api_key: str | None = None,
@@ -1767,111 +1902,20 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
         if state is None:
             raise APIError(503, "the server has shut down", None, "server_error")
         return state
-    # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
-    app.add_middleware(BodyLimit, limit=max_body_bytes or body_limit(state.context, token_chars))
-    if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
-        app.add_middleware(RequireKey, key=api_key)
-    if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
-        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
-                           allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
-                           expose_headers=["Retry-After"])  # a 429's back-off, for the page to read
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # An unknown route or method in OpenAI's error shape, not FastAPI's {"detail": ...}
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return JSONResponse(error_body(str(exc.detail), kind, None), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc, request.headers.get("content-type"))
+    add_middleware_stack(app, max_body_bytes or body_limit(state.context, token_chars), api_key, origins)
+    # errors in OpenAI's shape: the API's own, an unknown route or method, a body that does not parse
+    app.exception_handler(APIError)(api_error)
+    app.exception_handler(StarletteHTTPException)(http_error)
+    app.exception_handler(RequestValidationError)(request_validation_error)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        state = served()
-        lm, engine = state.lm, state.engine
-
-        def template_messages() -> list[dict]:
-            """The messages, each checked, as the template takes them: in a worker thread, as a conversation of
-            50,000 messages took 0.3 s, which held every other client on the event loop."""
-            for i, message in enumerate(body.messages):
-                message.check(i)
-            # the template renders every message's text: more than the context can hold is refused before rendering
-            state.check_length(sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
-                                   for m in body.messages if m.content is not None), "messages", "messages")
-            return [m.for_template(i) for i, m in enumerate(body.messages)]
-
-        messages, tools = await asyncio.to_thread(template_messages), body.template_tools()
-        try:
-            variables = {**state.template_defaults, **template_variables(body.chat_template_kwargs)}
-        except ValueError as exc:
-            raise APIError(400, str(exc), "chat_template_kwargs") from None
-        if lm.tokenizer.chat_template is None:  # a model that cannot chat: the request's to change, not a failure
-            raise APIError(400, "messages: this model has no chat template (no chat_template.jinja, nor chat_template "
-                                "in tokenizer_config.json), so it cannot render messages; send the prompt as text to "
-                                "/v1/completions", "messages")
-        try:
-            # as `blockpress chat` and lm.chat render them; in a worker thread, as the encode of a long text takes
-            # a while (0.25 s for 240 KB) and the event loop serves every other client meanwhile
-            prompt = await asyncio.to_thread(functools.partial(lm.chat_prompt, messages, tools=tools, **variables))
-        except MessageError as exc:  # a field of the request's to change: tools a template never reads, say
-            raise APIError(400, str(exc), exc.field) from None
-        except ValueError as exc:  # a broken chat template is the server's fault (500), bad messages the client's
-            broken = str(exc).startswith("chat_template:")
-            raise APIError(500 if broken else 400, str(exc) if broken else f"messages: {exc}", "messages",
-                           "server_error" if broken else "invalid_request_error") from None
-        jobs, parse, partial, regions = build_jobs(state, body, prompt), None, None, None
-        spec = lm.tokenizer.reply_template  # the checkpoint's response template, or the built-in one its tokens tell
-        calls = bool(tools) and body.tool_choice != "none"
-        # read for its calls where the request offers tools; for its thought alone where it does not (or asks for no
-        # call), as transformers' server and vLLM's reasoning parsers read every reply: a thought was the content's
-        # start, glued to the answer ("thought\nHmm.The answer")
-        if spec is not None and (calls or reads_thoughts(spec)):
-            # the prompt as the template reads it: its anchor marks where the reply's turn began
-            template = compile_template(spec)
-            # One PatternBudget for every read of the request's replies (each stream reads its reply again at each
-            # chunk), so that the template's patterns hold the event loop a bounded time for it; past that each
-            # reply is refused (PatternTooCostly), so answered as text, as a reply the template cannot read.
-            read = {"prefix": lm.tokenizer.decode(prompt, skip_special_tokens=False), "tools": tools,
-                    "budget": PatternBudget()}
-            parse = functools.partial(parse_response, template, keep_empty=True, **read)
-            partial = functools.partial(PartialReader, template, **read)
-            regions = functools.partial(PartialReader, regions_only(template), **read)
-            for job in jobs:
-                job.keep_special = True
-        reply = Reply(jobs, "chat", body.model, len(prompt), parse=parse, read_partial=partial,
-                      one_call=body.parallel_tool_calls is False, calls_wanted=calls,
-                      plain=lambda raw: lm.tokenizer.decode(lm.tokenizer.encode(raw)), read_regions=regions)
-        return await respond(engine, reply, body, request)
+        return await chat_reply(served(), body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        state = served()
-        loop = asyncio.get_running_loop()
-
-        def prepare() -> tuple[list[Job], int]:
-            jobs, prompt_tokens = [], 0
-            count = len(request_prompts(body)[0])
-            for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
-                group = completion_jobs(state, body, prompt, from_text, loop)
-                if i == 0:  # before the others are tokenized: 100,000 prompts took 29 s and 350 MB to be refused so
-                    state.engine.check_room(count, len(group))
-                for job in group:
-                    job.group = i
-                    jobs.append(job)
-                # a canvas's fixed tokens are the client's too (a text prompt's healed space moved into them: once)
-                prompt_tokens += len(group[0].prompt) + group[0].fixed_tokens
-            return jobs, prompt_tokens
-
-        # The prompts, a suffix and a template are tokenized in a worker thread (the tokenizer lets go of the GIL):
-        # on the event loop a 240 KB prompt held /health and every stream in flight for the whole encode
-        jobs, prompt_tokens = await asyncio.to_thread(prepare)
-        return await respond(state.engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
+        return await completion_reply(served(), body, request)
 
     model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "blockpress"}
 
