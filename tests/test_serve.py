@@ -3040,3 +3040,30 @@ def test_a_chat_with_several_mistakes_is_refused_for_the_first_in_its_order(serv
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param and words in error["message"], r.text
         body.update(fixes.pop(0) if fixes else {})
+
+
+def test_create_app_given_several_mistakes_names_the_first_in_its_order():
+    """create_app's refusals come in one order, each fixed bringing the next to light: the model's tokenizer, the
+    prefix cache's size, the model's default steps, the counts, max_context, max_body_bytes, the origins, the key,
+    the chat-template variables; with all fixed the app is made (for the split of create_app's checks)."""
+    lm = load_model("random-tiny", None, "cpu")
+    tokenizer, lm.tokenizer = lm.tokenizer, None
+    lm.generation_config = {"max_denoising_steps": 10**9}
+    kw = dict(prefix_cache_bytes=-1, max_queue=0, max_batch=0, max_stops=0, max_context=0, max_body_bytes=0,
+              allowed_origins="http://localhost", api_key=" key", chat_template_kwargs={"tools": []})
+    steps = [(r"^serve: the model has no tokenizer", lambda: setattr(lm, "tokenizer", tokenizer)),
+             (r"^prefix_cache_bytes: ", lambda: kw.update(prefix_cache_bytes=0)),
+             (r"^serve: the model's default max_denoising_steps", lambda: setattr(lm, "generation_config", {})),
+             (r"^max_queue: ", lambda: kw.update(max_queue=4)),
+             (r"^max_batch: ", lambda: kw.update(max_batch=2)),
+             (r"^max_stops: ", lambda: kw.update(max_stops=2)),
+             (r"^max_context: ", lambda: kw.update(max_context=None)),
+             (r"^max_body_bytes: ", lambda: kw.update(max_body_bytes=None)),
+             (r"^allowed_origins: ", lambda: kw.update(allowed_origins=["http://localhost"])),
+             (r"^api_key: ", lambda: kw.update(api_key="key")),
+             (r"^chat_template_kwargs: ", lambda: kw.update(chat_template_kwargs=None))]
+    for message, fix in steps:
+        with pytest.raises(ValueError, match=message):
+            create_app(lm, MODEL, **kw)
+        fix()
+    assert create_app(lm, MODEL, **kw).state.server.context == lm.config.text.max_position_embeddings
