@@ -1695,6 +1695,51 @@ def warm_up(app: FastAPI) -> None:
             engine.prefix_cache.clear()
 
 
+@dataclass
+class ServerLimits:
+    """create_app's limits, checked: `context` is max_context, or the model's where it gives none."""
+    max_queue: int
+    max_batch: int
+    max_stops: int
+    prefix_cache_bytes: int
+    context: int
+    max_body_bytes: int | None
+
+
+def check_serving(lm: LM, *, max_queue: int, max_batch: int, max_context: int | None, prefix_cache_bytes: int,
+                  max_body_bytes: int | None, max_stops: int) -> ServerLimits:
+    """create_app's model checked servable (a tokenizer, runnable weights, default steps a request may take, a
+    response template that compiles) and its limits checked, each refused by name; the limits as plain ints."""
+    if lm.tokenizer is None:
+        raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
+    # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
+    # with /health "ok" and every request a 400 that blamed the client's `device`
+    lm._check_runnable()
+    if not is_int(prefix_cache_bytes) or prefix_cache_bytes < 0:  # (True was a cache of one byte; "1" a TypeError)
+        raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes!r}")
+    steps = lm.sampler_defaults.max_denoising_steps  # what every request that sends none would take
+    if steps > MAX_STEPS:
+        raise ValueError(f"serve: the model's default max_denoising_steps ({steps}, its generation_config.json's) is "
+                         f"more than the {MAX_STEPS} a request may ask for, and each step is a forward pass of every "
+                         "row of its batch; set a smaller max_denoising_steps in generation_config.json")
+    if lm.tokenizer.reply_template is not None:  # a broken one fails here, not in every request with tools
+        compile_template(lm.tokenizer.reply_template)
+    # a batch of 0 would never take a request: every one would hang; True is no count (it passed as 1)
+    for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):
+        check_positive_int(value, name)
+    limit = lm.config.text.max_position_embeddings
+    # past the model's positions the library refuses anyway: a larger limit would only be one the server never keeps
+    if max_context is not None and (not is_int(max_context) or not 1 <= max_context <= limit):
+        raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
+                         f"(max_position_embeddings), got {max_context!r}")
+    if max_body_bytes is not None and (not is_int(max_body_bytes) or max_body_bytes < 1):
+        raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
+    # as plain ints: numpy's pass the checks, and a limit reaches responses (/v1/models, /health), which JSON writes
+    return ServerLimits(int(max_queue), int(max_batch), int(max_stops), int(prefix_cache_bytes),
+                        limit if max_context is None else int(max_context),
+                        None if max_body_bytes is None else int(max_body_bytes))
+
+
 async def api_error(_: Request, exc: APIError) -> JSONResponse:
     """An APIError in OpenAI's error shape."""
     return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
@@ -1846,41 +1891,15 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     engine thread that serves every client, so a million of them (5 MB of JSON) held it for seconds a canvas.
     `chat_template_kwargs`: chat-template variables for every chat request ({"enable_thinking": True}); a request's
     own chat_template_kwargs win, name by name."""
-    if lm.tokenizer is None:
-        raise ValueError("serve: the model has no tokenizer.json; the OpenAI API needs text in and out")
-    # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
-    # with /health "ok" and every request a 400 that blamed the client's `device`
-    lm._check_runnable()
-    if not is_int(prefix_cache_bytes) or prefix_cache_bytes < 0:  # (True was a cache of one byte; "1" a TypeError)
-        raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes!r}")
-    steps = lm.sampler_defaults.max_denoising_steps  # what every request that sends none would take
-    if steps > MAX_STEPS:
-        raise ValueError(f"serve: the model's default max_denoising_steps ({steps}, its generation_config.json's) is "
-                         f"more than the {MAX_STEPS} a request may ask for, and each step is a forward pass of every "
-                         "row of its batch; set a smaller max_denoising_steps in generation_config.json")
-    if lm.tokenizer.reply_template is not None:  # a broken one fails here, not in every request with tools
-        compile_template(lm.tokenizer.reply_template)
-    # a batch of 0 would never take a request: every one would hang; True is no count (it passed as 1)
-    for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):
-        check_positive_int(value, name)
-    limit = lm.config.text.max_position_embeddings
-    # past the model's positions the library refuses anyway: a larger limit would only be one the server never keeps
-    if max_context is not None and (not is_int(max_context) or not 1 <= max_context <= limit):
-        raise ValueError(f"max_context: expected a positive integer of at most the model's context of {limit} tokens "
-                         f"(max_position_embeddings), got {max_context!r}")
-    if max_body_bytes is not None and (not is_int(max_body_bytes) or max_body_bytes < 1):
-        raise ValueError(f"max_body_bytes: expected a positive integer (bytes), got {max_body_bytes!r}")
-    # as plain ints: numpy's pass the checks, and a limit reaches responses (/v1/models, /health), which JSON writes
-    max_queue, max_batch, max_stops, prefix_cache_bytes = map(int, (max_queue, max_batch, max_stops, prefix_cache_bytes))
-    max_context = None if max_context is None else int(max_context)
-    max_body_bytes = None if max_body_bytes is None else int(max_body_bytes)
+    limits = check_serving(lm, max_queue=max_queue, max_batch=max_batch, max_context=max_context,
+                           prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, max_stops=max_stops)
     origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
     template_defaults = template_variables(chat_template_kwargs)
-    engine = Engine(lm, max_queue=max_queue, max_batch=max_batch,
-                    prefix_cache=PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None)
+    engine = Engine(lm, max_queue=limits.max_queue, max_batch=limits.max_batch,
+                    prefix_cache=PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes > 0 else None)
     token_chars = lm.tokenizer.longest_token()
-    state = ServerState(lm, engine, model_name, limit if max_context is None else max_context,
-                        token_chars=token_chars, max_stops=max_stops, template_defaults=template_defaults)
+    state = ServerState(lm, engine, model_name, limits.context, token_chars=token_chars, max_stops=limits.max_stops,
+                        template_defaults=template_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -1903,7 +1922,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
             raise APIError(503, "the server has shut down", None, "server_error")
         return state
 
-    add_middleware_stack(app, max_body_bytes or body_limit(state.context, token_chars), api_key, origins)
+    add_middleware_stack(app, limits.max_body_bytes or body_limit(state.context, token_chars), api_key, origins)
     # errors in OpenAI's shape: the API's own, an unknown route or method, a body that does not parse
     app.exception_handler(APIError)(api_error)
     app.exception_handler(StarletteHTTPException)(http_error)
