@@ -12,6 +12,7 @@ from pathlib import Path
 import hypothesis
 import pytest
 import torch
+from fp8 import FP8
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
@@ -296,7 +297,7 @@ def test_missing_tensor_named(ref_checkpoint, tmp_path):
         load_quiet(path, quantize="int8")  # the scale is missing too, but the weight is what the file lacks
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", FP8, "int4"])
 def test_quantizing_while_loading_is_quantizing_after(ref_checkpoint, scheme):
     """load(quantize=) quantizes each tensor as it is read (the full-precision model never exists at once) and
     gives exactly the model that quantizing after a plain load gives."""
@@ -1366,7 +1367,7 @@ def test_shard_names_that_leave_the_folder_are_refused(lm, ref_checkpoint, tmp_p
         assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), lm.model.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4", "fp8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", FP8])
 @pytest.mark.parametrize("stored, dtype", [("bfloat16", None), ("float32", "bfloat16"), ("float16", "float32")])
 def test_a_plans_meta_model_is_the_loaded_model_on_meta(tmp_path, stored, dtype, quantize):
     """plan_model is what both a load and `blockpress info` start from: its meta model must hold, tensor for

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8 import FP8
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -3869,7 +3870,7 @@ def test_quantize_writes_the_folder_a_quantized_load_saves(tmp_path, capsys):
     assert written.strip() and written == capsys.readouterr().out
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", FP8, "int4"])
 def test_quantize_random_weights_and_overwrite(scheme, tmp_path, capsys):
     """random-<preset> quantizes as a load of it does, and prints one line naming the folder and scheme; a folder
     holding a checkpoint is written over only with --overwrite (its files replaced, another file left)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8 import FP8, needs_fp8
 from torch import nn
 
 import blockpress
@@ -23,7 +24,7 @@ from blockpress.train import ExampleSource, Objective, TrainConfig, Trainer, add
 pytest.importorskip("peft")
 
 EXAMPLES = [Example([2, 5], [10, 11, 12, 13, 20, 21]), Example([2, 6], [14, 15, 16, 17, 22, 23])]
-SCHEMES = ["int8", "fp8", "int4"]
+SCHEMES = ["int8", FP8, "int4"]
 
 
 def tiny_lm(seed=0, dtype="float32"):
@@ -74,7 +75,7 @@ def dequantized_twin(model):
     return twin
 
 
-@pytest.mark.parametrize("scheme, dtype", [("int8", "float32"), ("int8", "bfloat16"), ("fp8", "float32"),
+@pytest.mark.parametrize("scheme, dtype", [("int8", "float32"), ("int8", "bfloat16"), pytest.param("fp8", "float32", marks=needs_fp8),
                                            ("int4", "float32")])
 def test_each_adapted_layer_is_the_quantized_layer_plus_the_adapters_delta(scheme, dtype):
     """Per layer, by hand: base(x) + alpha / r * x A^T B^T, the base the quantized layer as quantize() made it
@@ -127,6 +128,7 @@ def test_qlora_forward_and_gradients_are_those_of_lora_over_the_dequantized_base
         assert (p.grad - expected).abs().max() <= 1e-3 * expected.abs().max(), name
 
 
+@needs_fp8
 def test_fp8_base_passes_the_gradient_through():
     """fp8 quantizes activations too (no derivative): the gradient is the dequantized weights' (straight through)."""
     model = add_lora(tiny_lm().quantize("fp8").model, rank=4, alpha=8)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8 import FP8, SCHEMES, needs_fp8
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -232,7 +233,7 @@ def test_int8_in_float16_does_not_overflow():
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # int8 weights plus float16 rounding
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", FP8])
 def test_quantized_experts_trace_as_one_graph(scheme):
     """The per-expert loop syncs with the host (which experts have rows); under torch.compile it split the
     graph in every MoE layer and recompiled per routing pattern. It is now one opaque op: fullgraph traces."""
@@ -265,6 +266,7 @@ def test_quantizing_a_compiled_model_keeps_it_compiled():
     assert torch.equal(lm.generate([3, 4], **kw).sequences, eager.generate([3, 4], **kw).sequences)
 
 
+@needs_fp8
 def test_fp8_matmul_error_comes_from_both_roundings_only():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(7, 64, generator=g), torch.randn(48, 64, generator=g)
@@ -320,6 +322,7 @@ def _rows_rounded_to_e4m3(x):
     return ((flat / scale).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape).to(x.dtype)
 
 
+@needs_fp8
 def test_fp8_model_is_the_model_with_rounded_weights_and_rows():
     """fp8's counterpart of the test above: the quantized model's logits are those of the float model with every
     projection's weight round-tripped and every projection's input rows rounded to e4m3 (one scale a row), the
@@ -348,6 +351,7 @@ def test_fp8_model_is_the_model_with_rounded_weights_and_rows():
     assert not torch.allclose(got, weights_only, atol=1e-3)  # the activations' rounding did change something
 
 
+@needs_fp8
 def test_quantized_generation_and_memory():
     lm = tiny_lm()
     before = lm.weights_bytes()
@@ -359,7 +363,7 @@ def test_quantized_generation_and_memory():
     assert ar.sequences.shape == (1, 9)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", FP8, "int4"])
 def test_quantized_shipped_sudoku_model_still_solves_easy_puzzles(scheme):
     """Thresholds as for the unquantized model's CI test (it solves 10 of these 10 here)."""
     if "blockpress-sudoku" not in blockpress.shipped_models():
@@ -509,7 +513,7 @@ def test_lora_adapters_must_be_merged_before_quantizing():
 
 
 @pytest.mark.filterwarnings("ignore:quantize. int4 shares a scale")
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", FP8, "int4"])
 def test_module_casts_of_a_quantized_model_are_refused_like_lm_to(scheme):
     """lm.model.to(dtype) / .half() / .bfloat16() cast the scales (and fp8's e4m3 codes) without a word: fp8 then
     failed inside torch._scaled_mm at the next generate, int8 and int4 ran with rounded scales. They now give lm.to's
@@ -582,8 +586,7 @@ def same_bits(a, b):
 
 
 @settings(max_examples=8, deadline=None)
-@given(scheme=st.sampled_from(blockpress.config.SCHEMES), dtype=st.sampled_from(["float32", "bfloat16"]),
-       sharded=st.booleans())
+@given(scheme=st.sampled_from(SCHEMES), dtype=st.sampled_from(["float32", "bfloat16"]), sharded=st.booleans())
 def test_a_quantized_model_saves_and_loads_back_bit_for_bit(scheme, dtype, sharded):
     """The codes and scales are written as held and read back as stored (no dequantize / requantize round trip): the
     same buffers, bit for bit, and the same logits; config.json names the scheme. Sharded too (the index lists the
@@ -677,7 +680,7 @@ def test_info_counts_a_quantized_folder_as_loaded(int8_folder, capsys):
 
 def test_save_dtype_applies_to_the_unquantized_tensors_alone(int8_folder, tmp_path):
     """The codes and scales keep their dtypes; the embedding, norms and router are written in `dtype`, which config.json
-    records as the dtype the folder loads in. float16's range check looks at those alone (fp8 codes included it)."""
+    records as the dtype the folder loads in."""
     from blockpress.checkpoint import MappedSafetensors
 
     _, lm = int8_folder
@@ -690,6 +693,11 @@ def test_save_dtype_applies_to_the_unquantized_tensors_alone(int8_folder, tmp_pa
     back = blockpress.load(tmp_path / "bf16", dtype="bfloat16")
     assert back.dtype == torch.bfloat16 and same_bits(back.model.layers[0].self_attn.q_proj.weight,
                                                      lm.model.layers[0].self_attn.q_proj.weight)
+
+
+@needs_fp8
+def test_save_in_float16_checks_the_range_of_the_unquantized_tensors_alone(tmp_path):
+    """float16's range check looks at the tensors written in float16 alone, not fp8's codes (it looked at them too)."""
     fp8 = tiny_lm().quantize("fp8")
     fp8.save(tmp_path / "fp16", dtype="float16")
     assert blockpress.load(tmp_path / "fp16", dtype="float16").quantization == "fp8"

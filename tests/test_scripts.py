@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8 import needs_fp8
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +36,7 @@ def run_code_model_script(name: str, *args: str, monkeypatch, capsys) -> str:
     return out
 
 
+@needs_fp8  # its last phase runs fp8 on this CPU
 def test_gpu_bench_smoke_on_cpu(tmp_path, monkeypatch, capsys):
     # In this process (a subprocess paid torch's import, 3-4 s), on one thread as ONE_THREAD gave it; the suite's
     # fixture puts the thread count back.
@@ -148,6 +150,7 @@ def test_gpu_bench_times_graphed_ar_with_the_shape_it_warmed_up():
     assert captures == step.captures - 1 >= 0
 
 
+@needs_fp8  # its last phase runs fp8 on this CPU
 def test_gpu_bench_keeps_going_past_a_failing_profiler(tmp_path, monkeypatch, capsys):
     """The profile phase raised out of the script: the FP8 phase after it never ran, and the reason was lost."""
     script = gpu_bench_module()
@@ -234,6 +237,7 @@ def test_gpu_bench_result_stays_whole_when_a_write_is_cut(tmp_path, monkeypatch)
     assert data["params_total"] > 0 and "diffusion" not in data
 
 
+@needs_fp8  # its last phase runs fp8 on this CPU
 def test_gpu_bench_warms_up_fp8_ar_before_timing_it(tmp_path, monkeypatch):
     """The FP8 phase timed AR on its first call after quantize (diffusion had a warm-up): the kernels' first call
     was in the figure."""
@@ -727,6 +731,7 @@ def test_code_model_sampler_options_reach_both_engines_as_a_dict():
     assert args.sampler_options == {"frequency_penalty": 0.5, "t_max": 0.7}
 
 
+@needs_fp8  # one of its schemes is fp8, on this CPU
 def test_quant_quality_benchmark_smoke(monkeypatch, capsys):
     """Every scheme's block, each judged against the unquantized load: that one agrees with itself exactly, the
     quantized ones hold fewer bytes and differ in their logits; the rates are rates (1 function: not a threshold)."""
