@@ -826,9 +826,11 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _read_template_file(path: Path) -> str:
     """A chat template file's text, or a ValueError naming the file when it is not UTF-8 (the codec's own error named
-    neither the file nor that it was the chat template, and ended every command, plain prompts too, at loading)."""
+    neither the file nor that it was the chat template, and ended every command, plain prompts too, at loading).
+    A byte-order mark (Notepad's "UTF-8 with BOM") is no part of the template: kept, it was rendered as U+FEFF before
+    the BOS of every prompt. Read as text, CRLF line endings are the LF ones, as transformers reads the file."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: a chat template is UTF-8 text, and this is not ({exc.reason} at byte "
                          f"{exc.start}); save it as UTF-8") from None

@@ -379,6 +379,25 @@ def test_a_template_file_that_is_not_utf8_is_named(tok: Tokenizer, tmp_path: Pat
         Tokenizer.from_dir(folder)
 
 
+@pytest.mark.parametrize("name", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
+def test_a_template_file_saved_on_windows_renders_as_the_plain_one(tok: Tokenizer, tmp_path: Path, name: str) -> None:
+    """A template file saved with a UTF-8 byte-order mark (Notepad's "UTF-8 with BOM") put U+FEFF before the BOS of
+    every prompt it rendered; CRLF line endings (and no newline at the end) render as LF ones."""
+    template = "[{{ messages[0]['content'] }}]\n[{{ messages[1]['content'] }}]\n"
+    rendered = []
+    for variant, data in [("plain", template.encode()), ("bom", b"\xef\xbb\xbf" + template.encode()),
+                          ("crlf", template.replace("\n", "\r\n").encode()),
+                          ("both", b"\xef\xbb\xbf" + template.rstrip("\n").replace("\n", "\r\n").encode())]:
+        folder = _write_checkpoint(tmp_path / variant, tok)
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_bytes(data)
+        loaded = Tokenizer.from_dir(folder)
+        rendered.append(loaded.apply_chat_template(TWO_TURNS, chat_template=None if name.startswith("chat") else
+                                                   "tool_use"))
+    assert rendered[0].startswith("[What is 2+2?]\n[4.]")
+    assert rendered[1:3] == [rendered[0], rendered[0]] and rendered[3] == rendered[0].removesuffix("\n")
+
+
 def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:
     expected = (
         "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n"
