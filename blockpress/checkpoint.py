@@ -361,7 +361,7 @@ def available_bytes(device: torch.device) -> int | None:
     if device.type != "cpu":
         return None
     try:
-        with open("/proc/meminfo") as f:
+        with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -437,7 +437,7 @@ def hub_name(folder: str | Path) -> str | None:
     if not repo.name.startswith("models--") or not (sep and owner and name):
         return None
     try:
-        on_main = (repo / "refs" / "main").read_text().strip() == folder.name
+        on_main = (repo / "refs" / "main").read_text(encoding="utf-8").strip() == folder.name
     except OSError:
         on_main = False
     return f"{owner}/{name}" if on_main else f"{owner}/{name}@{folder.name}"
@@ -460,7 +460,7 @@ def hf_cached_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     held = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
     ref = repo / "refs" / revision
     if ref.is_file():
-        commit = ref.read_text().strip()
+        commit = ref.read_text(encoding="utf-8").strip()
         if commit not in held:
             raise FileNotFoundError(f"{repo_id}@{revision}: the cache's {ref} names snapshot {commit!r}, which "
                                     f"{snapshots} does not hold (an interrupted download? fetch it again)")
@@ -495,7 +495,7 @@ def index_total_size(path: Path) -> int | None:
     metadata.total_size, as the hub's indexes write it), or None where it has no index or no such number: what
     `blockpress info` reports for a folder whose shards are not fetched yet."""
     try:
-        raw = parse_json((path / "model.safetensors.index.json").read_text())
+        raw = parse_json((path / "model.safetensors.index.json").read_text(encoding="utf-8-sig"))
     except (OSError, ValueError):
         return None
     meta = raw.get("metadata") if isinstance(raw, dict) else None
@@ -518,7 +518,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            raw = parse_json(index.read_text())
+            # UTF-8 whatever the locale (read_text() took the locale's, cp1252 on Windows), a BOM read past as
+            # read_json_object reads the folder's other JSON files
+            raw = parse_json(index.read_text(encoding="utf-8-sig"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None

@@ -489,7 +489,7 @@ def _open_shard(path: Path, vocab_size: int | None) -> np.ndarray:
     count that matches the bytes, and (given vocab_size) ids the model has."""
     sidecar = Path(str(path) + ".json")
     try:
-        meta = parse_json(sidecar.read_text())
+        meta = parse_json(sidecar.read_text(encoding="utf-8-sig"))  # whatever the locale's encoding
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot read its sidecar {sidecar.name} ({exc}); token shards come with one "
                          f"({SHARD_SOURCE})") from None

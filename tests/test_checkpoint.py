@@ -1827,3 +1827,27 @@ def test_cuda_memory_available_counts_what_torchs_allocator_holds_unused(monkeyp
     assert available_bytes(torch.device("cuda", 0)) == 32 * gb
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 50 * gb)  # nothing held unused
     assert available_bytes(torch.device("cuda", 0)) == 2 * gb
+
+
+def test_a_folder_whose_json_files_were_saved_on_windows_loads_as_the_plain_one(tmp_path):
+    """config.json, generation_config.json, tokenizer_config.json and the shards' index saved with a UTF-8 byte-order
+    mark (Notepad's "UTF-8 with BOM") and CRLF line endings: json refused each as 'Unexpected UTF-8 BOM', and the
+    index was read in the locale's encoding (cp1252 on Windows). Each now loads as the plain file does."""
+    from blockpress.checkpoint import save_model
+
+    plain = tmp_path / "plain"
+    shutil.copytree(blockpress.lm.MODELS_DIR / "blockpress-code", plain)
+    (plain / "model.safetensors").unlink()
+    shipped = load_quiet("blockpress-code")
+    save_model(shipped.model, plain, max_shard_bytes=8_000_000)
+    edited = tmp_path / "edited"
+    shutil.copytree(plain, edited)
+    names = ("config.json", "generation_config.json", "tokenizer_config.json", "model.safetensors.index.json")
+    for name in names:
+        (edited / name).write_bytes(b"\xef\xbb\xbf" + (plain / name).read_bytes().replace(b"\n", b"\r\n"))
+    a, b = load_quiet(plain), load_quiet(edited)
+    assert a.model.config == b.model.config and a.generation_config == b.generation_config
+    assert a.tokenizer.chat_template == b.tokenizer.chat_template and a.tokenizer.eos_ids == b.tokenizer.eos_ids
+    assert a.tokenizer.bos_id == b.tokenizer.bos_id is not None
+    for (n1, p1), (n2, p2) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
