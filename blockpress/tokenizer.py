@@ -8,6 +8,7 @@ trim_blocks/lstrip_blocks), so prompts built here match prompts built there.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import datetime
 import json
@@ -30,7 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag, check_text, utf8_problem
-from .files import StagedFiles, lfs_pointer_problem, parse_json, read_json_object, staging
+from .files import StagedFiles, lfs_pointer_problem, parse_json, read_json_object, staging, utf16_note
 from .response import builtin_response_template, compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -195,7 +196,17 @@ class Tokenizer:
         if (pointer := lfs_pointer_problem(tokenizer_file)) is not None:
             raise ValueError(pointer)
         try:
-            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            # Decoded here, not by the Rust library: a UTF-8 byte-order mark (Notepad's "UTF-8 with BOM") is read
+            # past (it said "expected value at line 1 column 1"), and bytes that are not UTF-8 are named by offset
+            # (it said "stream did not contain valid UTF-8", naming none).
+            data = tokenizer_file.read_bytes()
+            mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+            text = data[mark:].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{tokenizer_file}: not UTF-8 ({exc.reason} at byte {exc.start + mark}){utf16_note(data)}"
+                             "; tokenizer.json is UTF-8 JSON") from None
+        try:
+            backend = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # the Rust library raises plain Exception ("key must be a string at line 1 column 2")
             raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads ({exc})") from None
         tok_cfg = _read_json(folder / "tokenizer_config.json")

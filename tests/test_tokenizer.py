@@ -268,7 +268,8 @@ def test_a_damaged_tokenizer_json_is_named(saved_dir: Path, tmp_path: Path, text
 
     folder = shutil.copytree(saved_dir, tmp_path / "ckpt")
     (folder / "tokenizer.json").write_bytes(text.encode("utf-8", "surrogateescape"))
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder / 'tokenizer.json'))}: not a tokenizer the "):
+    why = r"not UTF-8 \(invalid start byte at byte 0\)" if text == "\udcff" else "not a tokenizer the "
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(folder / 'tokenizer.json'))}: {why}"):
         Tokenizer.from_dir(folder)
 
 
@@ -363,6 +364,23 @@ def test_chat_template_jinja_file_wins(tok: Tokenizer, tmp_path: Path) -> None:
         chat_template__jinja="FROM FILE {{ bos_token }}",
     )
     assert Tokenizer.from_dir(folder).apply_chat_template(TWO_TURNS) == "FROM FILE <bos>"
+
+
+def test_a_tokenizer_json_saved_on_windows_loads_and_one_not_utf8_is_named(tok: Tokenizer, tmp_path: Path) -> None:
+    """tokenizer.json with a UTF-8 byte-order mark (Notepad's "UTF-8 with BOM") was refused as "expected value at
+    line 1 column 1"; one holding a Latin-1 byte as "stream did not contain valid UTF-8", naming no byte."""
+    plain = _write_checkpoint(tmp_path / "plain", tok)
+    data = (plain / "tokenizer.json").read_bytes()
+    edited = _write_checkpoint(tmp_path / "edited", tok)
+    (edited / "tokenizer.json").write_bytes(b"\xef\xbb\xbf" + data.replace(b"\n", b"\r\n"))
+    text = "def grüße(x):\n    return x  # ✓\n"
+    assert Tokenizer.from_dir(edited).encode(text) == Tokenizer.from_dir(plain).encode(text) == tok.encode(text)
+    at = data.index(b'"')
+    for mark in (b"", b"\xef\xbb\xbf"):
+        (edited / "tokenizer.json").write_bytes(mark + data[:at] + "é".encode("latin-1") + data[at:])
+        with pytest.raises(ValueError, match=re.escape(f"{edited / 'tokenizer.json'}: not UTF-8 (invalid continuation byte "
+                                                       f"at byte {len(mark) + at})")):
+            Tokenizer.from_dir(edited)
 
 
 # ---------------------------------------------------------------------------------- chat templates
