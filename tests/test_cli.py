@@ -38,6 +38,39 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "blockpress.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+def test_a_path_flag_given_after_an_equals_sign_expands_a_home_path(tmp_path, capsys, monkeypatch):
+    """A shell leaves a ~ after = as it is (`--input=~/in.jsonl`; cmd.exe and PowerShell in any argument), and the
+    file was looked for in a folder named ~ ('--input ~/in.jsonl: No such file or directory'), where --model and
+    train's --out expanded it. Each command's path flags expand it now, and a ~user with no home is named by flag."""
+    from blockpress.cli.common import PATH_FLAGS, expand_path_flags
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    (home / "in.jsonl").write_text('{"prompt": "def f(x):"}\n{"prompt": "x"}\n')
+    assert main(["generate", "--input=~/in.jsonl", "--output=~/out.jsonl", "--model", "random-tiny",
+                 "--max-new-tokens", "2", "--steps", "1", "--threads", "1"]) == 0
+    assert [json.loads(x)["line"] for x in (home / "out.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no folder named ~
+    given = {"generate": ["--input=~/a", "--output=~/b"], "infill": ["--input=~/a", "--output=~/b"],
+             "sudoku": ["--file=~/a"], "bench": ["--out=~/a", "--plot=~/b"],
+             "train": ["--data=~/a", "--heldout-data=~/b", "--train-config=~/c", "--out=~/d"]}
+    seen = set()
+    for command, flags in given.items():
+        args = build_parser().parse_args([command, *flags])
+        expand_path_flags(args)
+        paths = {name: getattr(args, name) for name in PATH_FLAGS if getattr(args, name, None) is not None}
+        assert sorted(paths.values()) == [str(home / x) for x in "abcd"[:len(flags)]], command
+        seen |= set(paths)
+    assert seen == set(PATH_FLAGS)
+    capsys.readouterr()
+    assert main(["sudoku", "--file=~no-such-user-blockpress/p.txt"]) == 2
+    assert capsys.readouterr().err == ("blockpress sudoku: error: --file: '~no-such-user-blockpress/p.txt' starts with "
+                                       "~no-such-user-blockpress, and no home folder is known for a user "
+                                       "'no-such-user-blockpress'; give the path without it\n")
+
+
 def test_generate_ar_is_generate_ar_with_the_flags(capsys):
     """`generate --ar` decodes with lm.generate_ar: its text is the library's for the same settings, one token a
     pass; the diffusion-only flags are refused by name."""

@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from blockpress.checks import compile_failure
-from blockpress.cli.common import as_flags, command_flags, train_flag_of
+from blockpress.cli.common import as_flags, command_flags, expand_path_flags, train_flag_of
 from blockpress.cli.output import (
     OutputError,
     compile_failed,
@@ -77,6 +77,7 @@ def run_command(args: argparse.Namespace) -> int:
     # the command imports torch (the parser imports none), and only where the user set no value of their own.
     os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
     try:
+        expand_path_flags(args)
         if getattr(args, "threads", 0):
             if args.threads < 0:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")

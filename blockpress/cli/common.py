@@ -415,6 +415,24 @@ class TypedFlag(argparse.Action):
             namespace.typed_flags = typed
 
 
+# The flags that name a file or folder to read or write (each command's that has it: generate's and infill's --input
+# and --output, sudoku's --file, train's --data, --heldout-data, --train-config and --out, bench's --out and --plot)
+PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot")
+
+
+def expand_path_flags(args: argparse.Namespace) -> None:
+    """Each path flag of `args` that starts with ~ or ~user, expanded as a shell would (files.expand_user, its
+    refusal of a ~user with no home naming the flag): a shell leaves a ~ after `=` as it is (`--input=~/in.jsonl`),
+    as Windows' cmd.exe and PowerShell leave it in any argument to a program, so the file was looked for in a
+    folder named ~ ("--input ~/in.jsonl: No such file or directory"), where --model and train's --out expanded it."""
+    from blockpress.files import expand_user
+
+    for name in PATH_FLAGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(args, name, str(expand_user(value, typed_flag(args, "--" + name.replace("_", "-")))))
+
+
 def typed_flag(args: argparse.Namespace, flag: str) -> str:
     """`flag` as the user typed it: another of its names where a TypedFlag recorded one, else itself."""
     typed: dict[str, str] = getattr(args, "typed_flags", {})
