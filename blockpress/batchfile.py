@@ -219,8 +219,15 @@ def check_output(output: Path, input_path: str, kind: LineKind = GENERATE) -> No
     over them)."""
     if output.is_dir():
         raise ValueError(f"--output {output}: is a folder; give a file to write the output lines to")
+    if output.parent.exists() and not output.parent.is_dir():  # (it said "the folder ... does not exist")
+        raise ValueError(f"--output {output}: {output.parent} is a file, not a folder")
     if not output.parent.is_dir():
         raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
+    # a read-only disk or another user's folder: found by the first write, once the model had loaded (minutes for a
+    # large one). A file there that can be written (--resume, --overwrite) is written in place.
+    if not os.access(output if output.exists() else output.parent, os.W_OK):
+        raise ValueError(f"--output {output}: cannot be written (its folder {output.parent} or the file is "
+                         "read-only, or not yours)")
     if input_path != "-" and output.exists() and os.path.samefile(output, input_path):
         raise ValueError(f"--output {output}: is the --input file; write the output to another file (it would "
                          f"replace the {kind.what})")

@@ -4617,6 +4617,31 @@ def test_infill_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_pat
     assert f"{src}:1: prefix: " in capsys.readouterr().err and not calls and not out.exists()
 
 
+@pytest.mark.parametrize("command, lines", [("generate", INPUT_LINES[:2]), ("infill", INFILL_LINES[:2])])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch, command,
+                                                                            lines):
+    """An --output in a read-only folder (a read-only disk, another user's folder) was found by its first write, once
+    the model had loaded; a path under a file was said to be in a folder that 'does not exist'."""
+    import os
+
+    src = write_input(tmp_path / "in.jsonl", lines)
+    readonly = (tmp_path / "ro").resolve()
+    readonly.mkdir()
+    (readonly / "old.jsonl").write_text("")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if mode & os.W_OK and Path(p).resolve() in
+                        (readonly, readonly / "old.jsonl") else real_access(p, mode, **kw))
+    monkeypatch.setattr(f"blockpress.cli.{command}.load_announced", lambda args: pytest.fail("the model loaded"))
+    for output, flags, message in [
+            (readonly / "out.jsonl", [], f"cannot be written (its folder {readonly} or the file is read-only, or not "
+                                         "yours)"),
+            (readonly / "old.jsonl", ["--resume"], f"cannot be written (its folder {readonly} or the file is "
+                                                   "read-only, or not yours)"),
+            (src / "out.jsonl", [], f"{src} is a file, not a folder")]:
+        assert main([command, "--input", str(src), "--output", str(output), "--model", MODEL, *flags]) == 2
+        assert capsys.readouterr().err == f"blockpress {command}: error: --output {output}: {message}\n"
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails")
 @pytest.mark.parametrize("command, lines", [("generate", INPUT_LINES[:2]), ("infill", INFILL_LINES[:2])])
 def test_an_output_file_that_cannot_be_written_is_named_once(tmp_path, capsys, command, lines):
