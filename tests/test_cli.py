@@ -215,6 +215,25 @@ def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):
     assert "prompt: not valid UTF-8 (byte 0xfc at character 6)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["generate", "infill"])
+def test_a_piped_text_with_windows_line_endings_is_the_text_with_lf_ones(capsys, monkeypatch, command):
+    """stdin is split at "\n" alone on Linux and macOS (Python translates CRLF only on Windows): a prompt file saved
+    on Windows and piped in prompted the model with "\r\n", other tokens and another answer than the same text."""
+    base = [command, "-", "--model", "random-tiny", "--steps", "2", "--seed", "3", "--json", "--threads", "1"]
+    base += ["--max-new-tokens", "4"] if command == "generate" else []
+    text = "def add(a, b):\n    <|hole|>\n\nprint(add(1, 2))\n"
+    got = []
+    for data in (text, text.replace("\n", "\r\n"), "\ufeff" + text.replace("\n", "\r")):
+        # stdin as Python opens a pipe on Linux and macOS: lines end at "\n" alone
+        stream = io.TextIOWrapper(io.BytesIO(data.encode()), encoding="utf-8", newline="\n")
+        monkeypatch.setattr(sys, "stdin", stream)
+        assert main(base) == 0
+        got.append(json.loads(capsys.readouterr().out))
+    key = "prompt" if command == "generate" else "template"
+    kept = [{k: v for k, v in g.items() if k not in ("tok_s", "seconds")} for g in got]  # (the clock's)
+    assert got[0][key] == text and kept[1] == kept[0] and kept[2] == kept[0]
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr

@@ -122,8 +122,10 @@ def utf8_stdio() -> None:
     (cp1252): `generate ... > out.txt` ended in "'charmap' codec can't encode character" after the whole
     generation for any text outside it (CJK, emoji, "✓"), and a piped UTF-8 prompt was read as mojibake ("grüße"
     as "grÃ¼ÃŸe"), silently. Stdin keeps surrogateescape, so bytes that are not UTF-8 reach the prompt checks,
-    which name them. A terminal keeps its own encoding (a Windows console is UTF-8 already); one that cannot show
-    a character gets "?" rather than the error."""
+    which name them. Piped text's line endings are read as Python reads them on Windows: CRLF (or a CR alone) as
+    "\n" (on Linux and macOS the CRs stayed: a prompt file saved on Windows prompted the model with "\r\n", other
+    tokens and another answer than the same text's). A terminal keeps its own encoding (a Windows console is UTF-8
+    already); one that cannot show a character gets "?" rather than the error."""
     stdout, stdin = sys.stdout, sys.stdin
     if stdout is not None and hasattr(stdout, "reconfigure") and not is_utf8(stdout):
         if stdout.isatty():
@@ -132,7 +134,7 @@ def utf8_stdio() -> None:
             stdout.reconfigure(encoding="utf-8")
     if stdin is not None and hasattr(stdin, "reconfigure") and not stdin.isatty():
         try:  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
-            stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape")
+            stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape", newline=None)
         except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
             pass
 
