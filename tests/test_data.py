@@ -569,9 +569,12 @@ def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
     plain = load_text(tmp_path / "plain.txt", tok).arrays[0].tolist()
     assert load_text(tmp_path / "bom.txt", tok).arrays[0].tolist() == plain
     assert tok.decode(plain) == "hello world\nline two\n"  # (Windows line ends read as \n, as before)
-    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9\n")  # still named where it is not UTF-8
-    with pytest.raises(ValueError, match="bad.txt: not valid UTF-8"):
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9\n")  # still named where it is not UTF-8, by the
+    # file's own offset (the mark's 3 bytes counted: it said byte 3)
+    with pytest.raises(ValueError, match=r"bad.txt: not valid UTF-8 \(invalid continuation byte at byte 6\)$"):
         load_text(tmp_path / "bad.txt", tok)
+    (tmp_path / "mac.txt").write_bytes(b"hello world\rline two\r")  # a CR alone: a line end, as read as text
+    assert load_text(tmp_path / "mac.txt", tok).arrays[0].tolist() == plain
 
 
 @hypothesis.given(st.lists(st.sampled_from(list("ab Z09 \n\t\r'\"(){}.,;:-_é🙂") + ["  ", "\n\n", "'s", "<eos>"]),
