@@ -4661,6 +4661,27 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_
         assert capsys.readouterr().err == f"blockpress {command}: error: --output {output}: {message}\n"
 
 
+def test_a_file_flag_that_ends_with_a_separator_is_refused_as_a_folders_path(tmp_path, capsys, monkeypatch):
+    """pathlib drops a trailing "/": `--output results/` (a folder that is not there yet) wrote a file named results,
+    as bench's --out and --plot did; each is refused before anything loads or runs."""
+    import blockpress.bench as bench
+
+    src = write_input(tmp_path / "in.jsonl", INPUT_LINES[:1])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("blockpress.cli.generate.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr("blockpress.cli.infill.load_announced", lambda args: pytest.fail("the model loaded"))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: pytest.fail("measured before refusing the flag"))
+    for argv, flag in [(["generate", "--input", str(src), "--output"], "--output"),
+                       (["infill", "--input", str(src), "--output"], "--output"),
+                       (["bench", "--preset", "tiny", "--out"], "--out"), (["bench", "--preset", "tiny", "--plot"],
+                                                                          "--plot")]:
+        for path in ["results/", f"sub{os.sep}"]:
+            assert main([*argv, path]) == 2
+            assert capsys.readouterr().err == (f"blockpress {argv[0]}: error: {flag} {path}: ends with {path[-1]}, "
+                                               "as a folder's path does; give a file (a name after the folder)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a file every write to fails")
 @pytest.mark.parametrize("command, lines", [("generate", INPUT_LINES[:2]), ("infill", INFILL_LINES[:2])])
 def test_an_output_file_that_cannot_be_written_is_named_once(tmp_path, capsys, command, lines):

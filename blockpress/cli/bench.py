@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from blockpress.cli.common import RANDOM_PREFIX
+from blockpress.cli.common import RANDOM_PREFIX, check_file_path
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -33,6 +33,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: no folder {str(Path(path).parent)!r} to write {path!r} into")
         if path and Path(path).is_dir():
             raise ValueError(f"{flag}: {path!r} is a folder; give a file name")
+        if path:
+            check_file_path(flag, path)
         if path and not os.access(Path(path).resolve().parent, os.W_OK):  # a read-only disk, another user's folder:
             # the first write, after the first row (minutes at a large preset), was the first to find it
             raise ValueError(f"{flag}: cannot write into the folder {str(Path(path).parent)!r} (read-only, or not "

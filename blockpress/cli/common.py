@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import re
 import shlex
 import sys
@@ -431,6 +432,14 @@ def expand_path_flags(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str) and value.startswith("~"):
             setattr(args, name, str(expand_user(value, typed_flag(args, "--" + name.replace("_", "-")))))
+
+
+def check_file_path(flag: str, value: str) -> None:
+    """A flag's path to write a file at, refused where it ends with a path separator: pathlib drops a trailing one,
+    so `--output results/` wrote a file named results where the folder results/ was meant (and is not there)."""
+    if value.endswith(("/", os.sep)):
+        raise ValueError(f"{flag} {value}: ends with {value[-1]}, as a folder's path does; give a file (a name "
+                         "after the folder)")
 
 
 def typed_flag(args: argparse.Namespace, flag: str) -> str:

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from blockpress.cli.chat import ReplyReader, check_chat_template, system_turn
 from blockpress.cli.common import (
+    check_file_path,
     decoded,
     load_announced,
     print_stats,
@@ -326,6 +327,8 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
                          f"({', '.join(kind.output_keys)} where they apply, and the copied keys); drop --json")
     # "-" is standard output, as --input's "-" is standard input (it wrote a file named "-")
     output = Path(args.output) if args.output not in (None, "-") else None
+    if output is not None and not output.is_dir():  # (a folder that is there is named as one by check_output)
+        check_file_path(typed_flag(args, "--output"), args.output)
     if output is None and (args.overwrite or args.resume):
         raise ValueError(f"{'--overwrite' if args.overwrite else '--resume'}: goes with --output FILE (standard "
                          "output is written as it goes)")
