@@ -8,7 +8,6 @@ at the same slot; canvases a row does not have are padding, never attended and n
 
 from __future__ import annotations
 
-import codecs
 import glob
 import hashlib
 import itertools
@@ -24,7 +23,7 @@ import torch
 
 from .checks import warn_user
 from .config import CHAT_TURNS
-from .files import parse_json, utf16_note
+from .files import parse_json, text_of_file, utf16_note
 from .response import reasoning_markers
 from .tokenizer import REASONING_FIELDS, chat_message
 
@@ -662,17 +661,13 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
             data = file.read_bytes()
         except OSError as exc:  # unreadable: the path first, as every error here
             raise OSError(f"{file}: cannot be read ({exc.strerror or exc})") from None
-        # A byte-order mark (Notepad's "UTF-8 with BOM") is no text to train on, as JSONL leaves it out
-        # (jsonl_objects): read with it, it was three tokens of U+FEFF before each such document. Cut here rather
-        # than by utf-8-sig, whose error offsets left it out: a byte named 3 where the file has it at 6.
-        mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
         try:
-            text = data[mark:].decode("utf-8")
+            # a byte-order mark (Notepad's "UTF-8 with BOM") is no text to train on, as JSONL leaves it out
+            # (jsonl_objects): read with it, it was three tokens of U+FEFF before each such document
+            texts.append((str(file), text_of_file(data)))
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start + mark})"
-                             f"{utf16_note(data[:2])}") from None
-        # CRLF and a CR alone as "\n", as reading the file as text gives on every system
-        texts.append((str(file), text.replace("\r\n", "\n").replace("\r", "\n")))
+            raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(data[:2])}"
+                             ) from None
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints took 36 bytes a
     # token, and the int64 corpus 8), uint16 in the end where the ids fit, as write_shard's shards

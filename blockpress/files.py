@@ -3,6 +3,7 @@ here. No torch: the tokenizer, which imports without it, writes its files with i
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -242,6 +243,18 @@ def utf16_note(head: bytes) -> str:
         return ("; it is UTF-16 (it starts with a UTF-16 byte-order mark, as Windows PowerShell's > and Out-File "
                 "write text): save it as UTF-8 (in PowerShell: Out-File -Encoding utf8)")
     return ""
+
+
+def text_of_file(data: bytes) -> str:
+    """A UTF-8 text file's `data` as reading it as text gives on every system: a leading byte-order mark (Notepad's
+    "UTF-8 with BOM") dropped, CRLF and a CR alone as "\n". A UnicodeDecodeError's start is the byte's offset in
+    `data`, the mark's 3 bytes counted (utf-8-sig's left them out: a byte at 6 was named 3)."""
+    mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[mark:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnicodeDecodeError("utf-8", data, exc.start + mark, exc.end + mark, exc.reason) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:

@@ -31,7 +31,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from .checks import check_flag, check_text, utf8_problem
-from .files import StagedFiles, lfs_pointer_problem, parse_json, read_json_object, staging, utf16_note
+from .files import (
+    StagedFiles,
+    lfs_pointer_problem,
+    parse_json,
+    read_json_object,
+    staging,
+    text_of_file,
+    utf16_note,
+)
 from .response import builtin_response_template, compile_template, parse_response
 
 # Gemma order: pad=0, eos=1, bos=2; the turn markers and the infilling hole follow.
@@ -839,9 +847,9 @@ def _read_template_file(path: Path) -> str:
     """A chat template file's text, or a ValueError naming the file when it is not UTF-8 (the codec's own error named
     neither the file nor that it was the chat template, and ended every command, plain prompts too, at loading).
     A byte-order mark (Notepad's "UTF-8 with BOM") is no part of the template: kept, it was rendered as U+FEFF before
-    the BOS of every prompt. Read as text, CRLF line endings are the LF ones, as transformers reads the file."""
+    the BOS of every prompt. CRLF line endings are the LF ones, as transformers reads the file (as text)."""
     try:
-        return path.read_text(encoding="utf-8-sig")
+        return text_of_file(path.read_bytes())
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: a chat template is UTF-8 text, and this is not ({exc.reason} at byte "
                          f"{exc.start}); save it as UTF-8") from None

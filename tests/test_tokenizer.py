@@ -392,9 +392,11 @@ def test_a_template_file_that_is_not_utf8_is_named(tok: Tokenizer, tmp_path: Pat
     "'utf-8' codec can't decode byte 0xe9 in position 18", which named no file."""
     folder = _write_checkpoint(tmp_path / "ckpt", tok)
     (folder / name).parent.mkdir(exist_ok=True)
-    (folder / name).write_bytes("{{ bos_token }}café".encode("latin-1"))
-    with pytest.raises(ValueError, match=re.escape(str(folder / name)) + ": a chat template is UTF-8 text"):
-        Tokenizer.from_dir(folder)
+    for mark in (b"", b"\xef\xbb\xbf"):  # the byte named at its offset in the file (a BOM's 3 bytes counted)
+        (folder / name).write_bytes(mark + "{{ bos_token }}café".encode("latin-1"))
+        with pytest.raises(ValueError, match=re.escape(f"{folder / name}: a chat template is UTF-8 text, and this is "
+                                                       f"not (unexpected end of data at byte {18 + len(mark)})")):
+            Tokenizer.from_dir(folder)
 
 
 @pytest.mark.parametrize("name", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
