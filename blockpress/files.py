@@ -260,10 +260,11 @@ def text_of_file(data: bytes) -> str:
 def read_json_object(path: str | Path, error: type[Exception] = ValueError, where: str = "") -> dict[str, Any]:
     """The JSON object in the file at `path`; anything else (not UTF-8, not JSON, a list) raises `error` naming the
     file, `where` first (e.g. "--resume: "), rather than json's own traceback. A UTF-8 byte-order mark (a config.json
-    saved by Notepad as "UTF-8 with BOM") is read past: json refused it as 'Unexpected UTF-8 BOM'."""
+    saved by Notepad as "UTF-8 with BOM") is read past (json refused it as 'Unexpected UTF-8 BOM'), and a byte that is
+    not UTF-8 is named at its offset in the file (text_of_file)."""
     path = Path(path)
     try:
-        raw = parse_json(path.read_text(encoding="utf-8-sig"))
+        raw = parse_json(text_of_file(path.read_bytes()))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise error(f"{where}{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):

@@ -1851,3 +1851,10 @@ def test_a_folder_whose_json_files_were_saved_on_windows_loads_as_the_plain_one(
     assert a.tokenizer.bos_id == b.tokenizer.bos_id is not None
     for (n1, p1), (n2, p2) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
         assert n1 == n2 and torch.equal(p1, p2)
+    # a Latin-1 byte in one is named at its offset in the file, the mark's 3 bytes counted (utf-8-sig's left them out)
+    data = (edited / "config.json").read_bytes()
+    at = data.index(b'"model_type"') + 1
+    (edited / "config.json").write_bytes(data[:at] + "é".encode("latin-1") + data[at:])
+    with pytest.raises(ConfigError, match=re.escape(f"{edited / 'config.json'}: not valid JSON ('utf-8' codec can't "
+                                                    f"decode byte 0xe9 in position {at}: invalid continuation byte)")):
+        load_quiet(edited)
