@@ -234,6 +234,19 @@ def test_a_piped_text_with_windows_line_endings_is_the_text_with_lf_ones(capsys,
     assert got[0][key] == text and kept[1] == kept[0] and kept[2] == kept[0]
 
 
+def test_a_terminal_said_to_be_ascii_is_read_as_utf8(capsys, monkeypatch):
+    """Under PYTHONIOENCODING=ascii (or an ASCII locale) a terminal's stdin decoded strictly as ASCII: "grüße" typed
+    at `generate -` ended it with "'ascii' codec can't decode byte 0xc3 in position 6", and chat refused the message
+    as "not valid UTF-8", which it was. ASCII's superset, UTF-8, reads what the terminal sent."""
+    class Terminal(io.BytesIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(Terminal("def grüße(x):\n".encode()), encoding="ascii"))
+    assert main(["generate", "-", "--model", "random-tiny", "--max-new-tokens", "2", "--steps", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt"] == "def grüße(x):\n"
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr

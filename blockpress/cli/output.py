@@ -3,6 +3,7 @@ written as UTF-8, warnings as `warning:` lines, and what a run that ran out of m
 
 from __future__ import annotations
 
+import codecs
 import errno
 import io
 import os
@@ -110,8 +111,6 @@ def print_warning(message: str) -> None:
 
 def is_utf8(stream: Any) -> bool:
     """Whether text stream `stream` encodes as UTF-8 (a stream without an encoding, a test's capture, counts)."""
-    import codecs
-
     encoding = getattr(stream, "encoding", None)
     return not encoding or codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
 
@@ -125,18 +124,25 @@ def utf8_stdio() -> None:
     which name them. Piped text's line endings are read as Python reads them on Windows: CRLF (or a CR alone) as
     "\n" (on Linux and macOS the CRs stayed: a prompt file saved on Windows prompted the model with "\r\n", other
     tokens and another answer than the same text's). A terminal keeps its own encoding (a Windows console is UTF-8
-    already); one that cannot show a character gets "?" rather than the error."""
+    already); one that cannot show a character gets "?" rather than the error. A terminal said to be ASCII
+    (PYTHONIOENCODING=ascii, an ASCII locale) is read as UTF-8, ASCII's superset and what terminals send: typed
+    "grüße" ended `generate -` with "'ascii' codec can't decode byte 0xc3" and was refused by chat as "not valid
+    UTF-8", which it was."""
     stdout, stdin = sys.stdout, sys.stdin
     if stdout is not None and hasattr(stdout, "reconfigure") and not is_utf8(stdout):
         if stdout.isatty():
             stdout.reconfigure(errors="replace")
         else:
             stdout.reconfigure(encoding="utf-8")
-    if stdin is not None and hasattr(stdin, "reconfigure") and not stdin.isatty():
-        try:  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
+    if stdin is None or not hasattr(stdin, "reconfigure"):
+        return
+    try:
+        if not stdin.isatty():  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
             stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape", newline=None)
-        except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
-            pass
+        elif stdin.encoding and codecs.lookup(stdin.encoding).name == "ascii":
+            stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
+    except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
+        pass
 
 
 def output_failed(exc: BrokenPipeError | OutputError, who: str) -> int:
