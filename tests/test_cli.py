@@ -69,6 +69,8 @@ def test_a_path_flag_given_after_an_equals_sign_expands_a_home_path(tmp_path, ca
     assert capsys.readouterr().err == ("blockpress sudoku: error: --file: '~no-such-user-blockpress/p.txt' starts with "
                                        "~no-such-user-blockpress, and no home folder is known for a user "
                                        "'no-such-user-blockpress'; give the path without it\n")
+    assert main(["quantize", "--model", "random-tiny", "~no-such-user-blockpress/q"]) == 2  # an argument, not a flag
+    assert capsys.readouterr().err.startswith("blockpress quantize: error: OUT: '~no-such-user-blockpress/q' starts")
 
 
 def test_generate_ar_is_generate_ar_with_the_flags(capsys):

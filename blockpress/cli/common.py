@@ -431,7 +431,10 @@ def expand_path_flags(args: argparse.Namespace) -> None:
     for name in PATH_FLAGS:
         value = getattr(args, name, None)
         if isinstance(value, str) and value.startswith("~"):
-            setattr(args, name, str(expand_user(value, typed_flag(args, "--" + name.replace("_", "-")))))
+            # (quantize's folder is its argument OUT, not a flag)
+            flag = "OUT" if (name, getattr(args, "command", None)) == ("out", "quantize") else \
+                typed_flag(args, "--" + name.replace("_", "-"))
+            setattr(args, name, str(expand_user(value, flag)))
 
 
 def check_file_path(flag: str, value: str) -> None:
