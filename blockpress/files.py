@@ -30,10 +30,15 @@ def expand_user(path: str | Path, name: str) -> Path:
 
 def output_folder(path: Any, name: str) -> Path:
     """A folder path to write into, given as argument `name`: a str or Path, not empty ("" would be the current
-    folder), expanded as expand_user expands it (its refusals too)."""
+    folder), expanded as expand_user expands it (its refusals too), and not under a file (making it said only
+    "[Errno 20] Not a directory")."""
     if not isinstance(path, (str, Path)) or not str(path).strip():
         raise ValueError(f"{name}: expected a folder path, got {path!r}")
-    return expand_user(path, name)
+    folder = expand_user(path, name)
+    above = next((p for p in folder.parents if p.exists()), None)  # the nearest part of it that is there
+    if above is not None and not above.is_dir():
+        raise ValueError(f"{name}: {str(folder)!r} is under {str(above)!r}, which is a file, not a folder")
+    return folder
 
 
 def temporary_path(path: str | Path) -> Path:

@@ -2356,6 +2356,8 @@ def test_small_api_mistakes_are_clear_errors(lm, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file; give a folder"):
         lm.save(tmp_path / "file")
+    with pytest.raises(ValueError, match="save: '.*file/sub/out' is under '.*file', which is a file, not a folder"):
+        lm.save(tmp_path / "file" / "sub" / "out")
     meta = blockpress.random_model(blockpress.ModelConfig.tiny(), device="meta")
     with pytest.raises(ValueError, match="meta device"):
         meta.save(tmp_path / "meta")
