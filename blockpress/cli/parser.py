@@ -110,16 +110,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, type=kind, default=None, choices=f.metadata["choices"], help=text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="blockpress",
-        description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
-    )
-    # the package's own figure, which pyproject.toml's version is read from: the installed metadata can be an
-    # editable install's, written before __version__ last changed
-    ap.add_argument("--version", action="version", version=f"blockpress {blockpress.__version__}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
-
+def add_generate_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress generate`'s flags."""
     p = sub.add_parser("generate", formatter_class=DefaultsFormatter, help="complete a prompt, showing the canvas as it settles",
                        description="Complete PROMPT, or with --chat answer it as a chat message. On a terminal "
                                    "the canvas is drawn live as tokens settle (dim = still changing, bright = "
@@ -168,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    'renders one; --system comes first), with its own new-token limit and seed where it gives them')
     p.set_defaults(func=cmd_generate)
 
+
+def add_infill_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress infill`'s flags."""
     p = sub.add_parser("infill", formatter_class=DefaultsFormatter, help="fill the <|hole|> markers of a text, keeping every other token",
                        description="Fill the holes of TEMPLATE (<|hole|> is a hole of --hole-length tokens, "
                                    "<|hole:N|> one of N tokens). Fixed text is never changed. A backslash keeps "
@@ -200,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                    'seed where it gives them')
     p.set_defaults(func=cmd_infill)
 
+
+def add_chat_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress chat`'s flags."""
     p = sub.add_parser("chat", formatter_class=DefaultsFormatter, help="multi-turn chat with the model's chat template (cache reused)",
                        description="A multi-turn REPL. The KV cache of the conversation is kept between turns, "
                                    "so each turn encodes the new message and whatever of the last reply "
@@ -237,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_template_kwargs_arg(p, " of every turn")
     p.set_defaults(func=cmd_chat, min_new_tokens=1)
 
+
+def add_train_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress train`'s flags."""
     p = sub.add_parser("train", formatter_class=DefaultsFormatter, help="train or fine-tune a model (block diffusion + auxiliary AR loss)",
         description="Train a fresh model (--config PRESET|config.json) or fine-tune one (--model). --out receives "
                     "an HF-format checkpoint, metrics.jsonl and loss.png. Data lines: {\"prompt\": str, \"response\": str}, "
@@ -264,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(p)
     p.set_defaults(func=cmd_train)
 
+
+def add_sudoku_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress sudoku`'s flags."""
     p = sub.add_parser("sudoku", formatter_class=DefaultsFormatter, help="solve sudoku puzzles with a block-diffusion model",
                        description="Solve PUZZLE(s): 81 characters each, 0 . - _ or * for an empty cell (a puzzle "
                                    "that starts with - goes after --). The givens are "
@@ -309,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "cell_accuracy (of the empty cells)")
     p.set_defaults(func=cmd_sudoku)
 
+
+def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress serve`'s flags."""
     p = sub.add_parser("serve", formatter_class=DefaultsFormatter, help="OpenAI-compatible HTTP server (chat, completions, streaming)",
                        description="Serve the model over an OpenAI-compatible API: /v1/chat/completions, "
                                    "/v1/completions, /v1/models, /health, /metrics. Diffusion settings are "
@@ -359,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_template_kwargs_arg(p, " of every chat request (a request's own win, name by name)")
     p.set_defaults(func=cmd_serve)
 
+
+def add_bench_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress bench`'s flags."""
     p = sub.add_parser("bench", formatter_class=DefaultsFormatter, help="speed: diffusion vs AR vs the reference, same random checkpoint",
                        description="Side-by-side speed of blockpress generate, blockpress generate_ar and the "
                                    "reference transformers generate (when installed) on one random checkpoint, fixed "
@@ -398,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "short keeps the rows it measured")
     p.set_defaults(func=cmd_bench)
 
+
+def add_info_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress info`'s flags."""
     p = sub.add_parser("info", formatter_class=DefaultsFormatter, help="parameters, config summary, dtype, memory",
                        description="Describe a model: parameters (total and active per token), shape, dtype, memory. "
                                    "Nothing is loaded: the model is counted on the meta device from config.json and "
@@ -422,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_info)
 
+
+def add_quantize_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
+    """`blockpress quantize`'s flags."""
     p = sub.add_parser("quantize", formatter_class=DefaultsFormatter,
                        help="write a quantized copy of a model (int8, fp8, int4) that loads as stored",
                        description="Quantize --model with --quantize and write it to OUT as blockpress.load(model, "
@@ -462,4 +478,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "(loading, quantizing and writing)")
     # what load_announced reads of a loading command's flags: none of them here (nothing runs the model)
     p.set_defaults(func=cmd_quantize, adapter=None, prefill_chunk=None, compile=False, cuda_graphs=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="blockpress",
+        description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
+    )
+    # the package's own figure, which pyproject.toml's version is read from: the installed metadata can be an
+    # editable install's, written before __version__ last changed
+    ap.add_argument("--version", action="version", version=f"blockpress {blockpress.__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+
+    add_generate_command(sub)
+    add_infill_command(sub)
+    add_chat_command(sub)
+    add_train_command(sub)
+    add_sudoku_command(sub)
+    add_serve_command(sub)
+    add_bench_command(sub)
+    add_info_command(sub)
+    add_quantize_command(sub)
     return ap
