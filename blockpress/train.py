@@ -24,6 +24,7 @@ import math
 import os
 import pickle
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -579,9 +580,10 @@ def check_adapter_pairing(path: str | Path, base: str | Path, quantize: str | No
     quantized alike, and the other way round, without a word; quantized otherwise, the warning names both schemes."""
     path, base = Path(path), Path(base)
     if path.name == ADAPTER_DIR and path.resolve().parent == base.resolve() and (base / "config.json").is_file():
-        raise CheckpointError(f"adapter {str(path)!r}: {base} is the merged checkpoint of the run that trained it, which holds "
-                              f"its update already (applied again it counts twice); give --model {base} alone, or "
-                              f"the adapter folder alone (--model {path}: its base with it)")
+        raise CheckpointError(f"adapter {str(path)!r}: {str(base)!r} is the merged checkpoint of the run that trained "
+                              f"it, which holds its update already (applied again it counts twice); give --model "
+                              f"{shell_word(base)} alone, or the adapter folder alone (--model {shell_word(path)}: its "
+                              "base with it)")
     record = adapter_record(path)
     recorded = record["base"]
     if recorded is None:
@@ -600,14 +602,14 @@ def check_adapter_pairing(path: str | Path, base: str | Path, quantize: str | No
                 return
             way = (f"load it with quantize={scheme!r} (--quantize {scheme}), or give" if not here_stored and scheme
                    else "give")
-            warn_user(f"adapter {path}: trained over {_described(recorded, origin, scheme, stored)}, and applied to "
-                      f"{_described(base, here, here_scheme, here_stored)}, another quantization; its update is added "
-                      f"to weights it was not learned on ({way} the adapter folder alone, --model {path}, to load it "
-                      "over its own base as it trained)")
+            warn_user(f"adapter {str(path)!r}: trained over {_described(recorded, origin, scheme, stored)}, and "
+                      f"applied to {_described(base, here, here_scheme, here_stored)}, another quantization; its "
+                      f"update is added to weights it was not learned on ({way} the adapter folder alone, --model "
+                      f"{shell_word(path)}, to load it over its own base as it trained)")
             return
-    warn_user(f"adapter {path}: trained on {recorded}, and applied to {base}, another model; its update is "
-              "added to weights it was not learned on (give the adapter folder alone, --model "
-              f"{path}, to load it over its own base)")
+    warn_user(f"adapter {str(path)!r}: trained on {recorded!r}, and applied to {str(base)!r}, another model; its "
+              "update is added to weights it was not learned on (give the adapter folder alone, --model "
+              f"{shell_word(path)}, to load it over its own base)")
 
 
 def _weights_source(folder: Path, quantize: str | None) -> tuple[Path | None, str | None, bool]:
@@ -631,8 +633,14 @@ def _weights_source(folder: Path, quantize: str | None) -> tuple[Path | None, st
 def _described(folder: str | Path, origin: Path, scheme: str | None, stored: bool) -> str:
     """A base as check_adapter_pairing's warning names it: the folder, and the weights it computes with."""
     if stored:
-        return f"{folder} (saved {scheme} from {origin})"
-    return f"{folder} ({f'quantized {scheme}' if scheme else 'unquantized'})"
+        return f"{str(folder)!r} (saved {scheme} from {str(origin)!r})"
+    return f"{str(folder)!r} ({f'quantized {scheme}' if scheme else 'unquantized'})"
+
+
+def shell_word(path: str | Path) -> str:
+    """`path` as a flag's value in a command a message suggests: as a shell takes it (quoted where it holds a
+    space or a quote), so it can be copied as it reads."""
+    return shlex.quote(str(path))
 
 
 def check_adapter_base(path: str | Path, model: DiffusionGemma) -> None:
@@ -751,7 +759,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         found.setdefault(module, {}).setdefault(target, {})[side] = stored.tensor(key)
     if untargeted:
         kept = f"applied to the {sum(map(len, found.values()))} it selects" if found else "none applied"
-        warn_user(f"adapter {path}: {ADAPTER_FILES[1]} holds the adapters of {len(untargeted)} module(s) that "
+        warn_user(f"adapter {str(path)!r}: {ADAPTER_FILES[1]} holds the adapters of {len(untargeted)} module(s) that "
                   f"{ADAPTER_FILES[0]}'s target_modules does not select (e.g. {min(untargeted)!r}); they are left "
                   f"out, as peft leaves them out ({kept})")
     if not found:

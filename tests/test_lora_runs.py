@@ -121,7 +121,7 @@ def test_an_adapter_over_its_own_merged_output_is_refused_and_over_another_base_
     # another folder of the same shape: allowed, and said, naming both
     copy = tmp_path / "copy"
     shutil.copytree(base, copy)
-    with pytest.warns(UserWarning, match=re.escape(f"trained on {base.resolve()}, and applied to {copy}, another")):
+    with pytest.warns(UserWarning, match=re.escape(f"trained on {str(base.resolve())!r}, and applied to {str(copy)!r}, another")):
         blockpress.load(copy, adapter=out / "adapter")
     with warnings.catch_warnings(record=True) as record:  # its own base: not a word
         warnings.simplefilter("always")

@@ -282,7 +282,7 @@ def test_qlora_adapters_load_over_their_base_saved_quantized_without_a_warning(t
             lm = blockpress.load(tmp_path / folder, adapter=adapter)
             assert torch.equal(lm.logits(prompt, canvas), trained.logits(prompt, canvas))
     blockpress.load(base, quantize="int4").save(tmp_path / "q4")
-    with pytest.warns(UserWarning, match=rf"trained over {base} \(quantized int8\), and applied to .*q4 \(saved int4 "
+    with pytest.warns(UserWarning, match=rf"trained over '{base}' \(quantized int8\), and applied to .*q4' \(saved int4 "
                                          r"from .*\), another quantization; its update is added to weights it was not"):
         blockpress.load(tmp_path / "q4", adapter=adapter)
     tiny_lm().quantize("int8").save(tmp_path / "unnamed")  # random weights: no checkpoint to name
@@ -311,10 +311,32 @@ def test_qlora_adapters_trained_over_a_folder_saved_quantized_load_over_its_chec
         with pytest.warns(UserWarning) as caught:
             blockpress.load(base, adapter=adapter, quantize=quantize)
         said = [str(w.message) for w in caught if str(w.message).startswith("adapter")]
-        assert said == [f"adapter {adapter}: trained over {(tmp_path / 'q8').resolve()} (saved int8 from {base.resolve()}), and "
-                        f"applied to {base} ({named}), another quantization; its update is added to weights it was not "
-                        f"learned on (load it with quantize='int8' (--quantize int8), or give the adapter folder alone, "
-                        f"--model {adapter}, to load it over its own base as it trained)"]
+        assert said == [f"adapter {str(adapter)!r}: trained over {str((tmp_path / 'q8').resolve())!r} (saved int8 from "
+                        f"{str(base.resolve())!r}), and applied to {str(base)!r} ({named}), another quantization; its "
+                        f"update is added to weights it was not learned on (load it with quantize='int8' (--quantize "
+                        f"int8), or give the adapter folder alone, --model {adapter}, to load it over its own base as it "
+                        "trained)"]
+
+
+@pytest.mark.parametrize("name", ["my runs", "it's"])
+def test_an_adapters_warning_quotes_its_paths_and_its_advice_reads_as_a_command(tmp_path, name, capsys):
+    """The warnings of an adapter over another base named its folders bare, where its errors quote them: with a
+    space in a folder's name ("my runs") neither where a path ended nor the --model it advised could be read off
+    the line. Each path is now quoted, and the advised flag's value is quoted as a shell takes it."""
+    import shlex
+
+    base, out, _ = qlora_run(tmp_path / name)
+    adapter = out / "adapter"
+    other = tmp_path / name / "other base"
+    tiny_lm(seed=3).save(other)
+    capsys.readouterr()
+    assert main(["info", "--model", str(other), "--adapter", str(adapter)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: adapter")]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"warning: adapter {str(adapter)!r}: trained on {str(base)!r}, and applied to "
+                              f"{str(other)!r}, another model")
+    advice = re.search(r"\(give the adapter folder alone, (--model .*), to load it over its own base\)$", said[0])
+    assert advice and shlex.split(advice[1]) == ["--model", str(adapter)]
 
 
 
