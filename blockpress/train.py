@@ -1132,6 +1132,7 @@ class Trainer:
         # there (Trainer.resume sets it from the saved state: a resumed run may take another batch size)
         self.data_start = (0, 0)
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
+        self.saved_step: int | None = None  # the step of the run's last save in `out` (None: none yet)
 
     def _set_optimizer_settings(self) -> None:
         """AdamW's betas and weight decay as the settings say, when it is built and over those a saved state brought
@@ -1237,13 +1238,13 @@ class Trainer:
         overflow = scaled and math.isfinite(loss) and not math.isfinite(grad_norm)
         if overflow and scale < 1:
             raise Diverged(f"step {self.step + 1}: the gradient overflows float16 at a loss scale of {scale:g}, "
-                           f"below 1: training in float16 cannot hold it, and the run stops here without saving (a "
-                           f"save made before, in {self.out}, is kept); train with --autocast-dtype bfloat16 or in "
+                           f"below 1: training in float16 cannot hold it, and the run stops here without saving "
+                           f"({self._kept()}); train with --autocast-dtype bfloat16 or in "
                            f"float32 (--no-autocast), or with a lower --lr than {cfg.lr:g}")
         if not overflow and not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
             raise Diverged(f"step {self.step + 1}: the {what}: training diverged, and the run stops here without "
-                           f"saving (a save made before, in {self.out}, is kept); start again with a lower --lr than "
+                           f"saving ({self._kept()}); start again with a lower --lr than "
                            f"{cfg.lr:g}, or check the data")
         self.scaler.step(self.optimizer)  # optimizer.step(), unless the gradient overflowed
         self.scaler.update()
@@ -1288,19 +1289,37 @@ class Trainer:
         trained = [p for p in self.model.parameters() if p.requires_grad]
         if trained and not bool(torch.stack([torch.isfinite(p).all() for p in trained]).all()):
             raise Diverged(f"step {self.step}: the trained weights hold values that are not finite: training diverged, "
-                           f"and they are not saved (a save made before, in {self.out}, is kept); start again with a "
+                           f"and they are not saved ({self._kept()}); start again with a "
                            f"lower --lr than {self.cfg.lr:g}, or check the data")
         self.out.mkdir(parents=True, exist_ok=True)
         state = {"step": self.step, "minutes": self.minutes, "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict(),  # the loss scale reached ({} unscaled)
                  "config": asdict(self.cfg), "base_shape": base_shape(self.model),  # (--resume checks the model's)
                  "data": self.data, "examples_seen": self.examples_seen}
-        done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
         # Every file is staged under a temporary name in one StagedFiles (the weights, the tokenizer, the adapters:
         # lm.save and save_adapter stage into it), and all are moved into place together once all are written,
         # trainer_state.pt last: a save killed part-way leaves the previous save to resume (before, a file written
         # in place was left truncated, and the run lost), and one killed while its files were moved leaves its own
         # whole state beside them, which --resume moves into place too (finish_interrupted_save).
+        try:
+            self._save_files(state, final)
+        except OSError as exc:  # a full disk, a quota: what the folder holds now, since this save is not in it
+            failed = OSError(f"{exc}; step {self.step} is not saved ({self._kept()})")
+            failed.errno = exc.errno
+            raise failed from None
+        self.saved_step = self.step
+
+    def _kept(self) -> str:
+        """What `out` holds of the run where a save is not made (it failed, or training diverged): the last save,
+        or no model, the metrics.jsonl of the steps logged alone (a folder that looks like a run's output)."""
+        if self.saved_step is not None:
+            return f"the run as saved at step {self.saved_step} is kept in {self.out}"
+        return (f"{self.out} holds no model, only the metrics.jsonl of the steps logged; a new run with this --out "
+                "replaces it")
+
+    def _save_files(self, state: dict[str, Any], final: bool) -> None:
+        """save's files, staged together and moved into place at once."""
+        done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
         with StagedFiles() as files:
             if self.cfg.lora_rank and self.step < self.cfg.steps:
                 # LoRA, a run to be resumed (mid-run, interrupted, or stopped by its clock): the adapters live in
@@ -1402,6 +1421,7 @@ class Trainer:
         # The clock goes on where it stopped, as the step does: a time-scheduled lr continues its decay (restarted,
         # it jumped back to the peak on weights already annealed). Runs saved before it was kept start from 0.
         self.minutes = state.get("minutes", 0.0)
+        self.saved_step = self.step
         if self.cfg.max_minutes and self.minutes >= self.cfg.max_minutes:
             raise ValueError(f"--resume: the run in {self.out} has trained {self.minutes:.3g} minutes of --max-minutes "
                              f"{self.cfg.max_minutes}, the budget of the whole run; give a larger --max-minutes to "

@@ -168,6 +168,53 @@ def test_a_diverging_run_exits_2_and_saves_no_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_diverging_run_without_a_save_says_its_out_holds_no_model(tmp_path, capsys):
+    """It said "a save made before, in OUT, is kept" where no save had been made: OUT held metrics.jsonl alone."""
+    data, out = write_data(tmp_path / "d.jsonl"), tmp_path / "out"
+    assert main(train_args(data, out) + ["--lr", "1e10"]) == 2
+    err = capsys.readouterr().err
+    assert f"without saving ({out} holds no model, only the metrics.jsonl of the steps logged; a new run with this " \
+           "--out replaces it)" in err and "a save made before" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("save_every", [0, 2])
+def test_a_save_that_fails_says_what_its_out_keeps(tmp_path, capsys, monkeypatch, save_every):
+    """A full disk at the final save ended in "error: OUT/model.safetensors: No space left on device", and OUT held
+    the run's metrics.jsonl, looking like a run's output with no model in it. The error now says the step was not
+    saved and what OUT holds instead: the run's last save, or no model (and a new run there replaces the metrics)."""
+    import errno
+
+    from blockpress.files import StagedFiles
+
+    data, out = write_data(tmp_path / "d.jsonl"), tmp_path / "out"
+    write, saves = StagedFiles.write, []
+
+    def disk_full(file):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_at_the_last(self, path, writer):
+        if path.name == "model.safetensors":
+            saves.append(path)
+            if len(saves) == (2 if save_every else 1):
+                writer = disk_full
+        return write(self, path, writer)
+
+    monkeypatch.setattr(StagedFiles, "write", full_at_the_last)
+    assert main(train_args(data, out, steps=4) + ["--save-every", str(save_every)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    kept = (f"the run as saved at step 2 is kept in {out}" if save_every else
+            f"{out} holds no model, only the metrics.jsonl of the steps logged; a new run with this --out replaces it")
+    assert err == f"blockpress train: error: {out / 'model.safetensors'}: No space left on device; step 4 is not " \
+                  f"saved ({kept})"
+    held = sorted(p.name for p in out.iterdir())
+    assert ("trainer_state.pt" in held) == bool(save_every) and "metrics.jsonl" in held
+    if not save_every:  # as said: a new run there replaces the metrics of the one that saved nothing
+        monkeypatch.setattr(StagedFiles, "write", write)
+        assert main(train_args(data, out, steps=4)) == 0
+        assert "replacing the metrics.jsonl" in capsys.readouterr().err and len(losses(out)) == 4
+
+
 def test_resume_continues_the_run_exactly(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "whole", steps=5)) == 0
