@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from blockpress.cli.parser import DefaultsFormatter
 from blockpress.config import ModelConfig, preset_names
@@ -19,6 +20,15 @@ RANDOM_PREFIX = "random-"  # serve_load's --model also takes random-<preset>, as
 
 class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsFormatter):
     """The module docstring as written, and each option's default after its help (as `blockpress --help`)."""
+
+
+def fail(message: str, status: int = 2) -> NoReturn:
+    """End the run with `PROG: error: MESSAGE` on stderr, PROG the script's file name, as argparse ends one whose
+    flags it refuses: the checks made once the flags were read (a size past the context, weights that cannot fit)
+    said their message bare, and a run's own failures named it otherwise. Status 2, argparse's, for the flags; 1 for
+    a failure of the run itself (a measuring process's error, a server's refusal)."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    raise SystemExit(status)
 
 
 def _int_at_least(least: int, what: str, most: int | None = None) -> Callable[[str], int]:
@@ -112,7 +122,7 @@ def checkpoint_or_random(text: str) -> str:
     return checkpoint(text)
 
 
-def measure_in_child(cmd: list[str], who: str, what: str) -> dict[str, Any]:
+def measure_in_child(cmd: list[str], what: str) -> dict[str, Any]:
     """Run a measuring process (`cmd`, printing its figures as JSON on its last stdout line) and return its figures.
     A child that fails ends this one with its own error, named `what` ("the loading process"); a CalledProcessError
     would hide it. A SIGTERM or SIGHUP to this process stops the child too, and ends with 128 + the signal: by
@@ -123,8 +133,8 @@ def measure_in_child(cmd: list[str], who: str, what: str) -> dict[str, Any]:
         with stop_signals_interrupt():  # as a KeyboardInterrupt: subprocess.run kills the child on its way out
             out = subprocess.run(cmd, capture_output=True, text=True)
     except KeyboardInterrupt as exc:
-        print(f"{who}: {stop_word(exc)}", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: {stop_word(exc)}", file=sys.stderr)
         raise SystemExit(stop_status(exc)) from None
     if out.returncode != 0:
-        sys.exit(f"{who}: {what} failed (exit status {out.returncode}):\n{out.stderr.strip()}")
+        fail(f"{what} failed (exit status {out.returncode}):\n{out.stderr.strip()}", 1)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 import warnings
 
 import torch
-from benchmark_args import Formatter, checkpoint, non_negative_int, positive_int
+from benchmark_args import Formatter, checkpoint, fail, non_negative_int, positive_int
 from tqdm import tqdm
 
 import blockpress
@@ -83,7 +82,7 @@ def exit_if_past_context(lm: blockpress.LM, max_new_tokens: int, model: str) -> 
     taken = canvas_positions(max_new_tokens, canvas)
     if PROMPT_MAX + taken > context:
         fits = (context - PROMPT_MAX) // canvas * canvas
-        sys.exit(f"--max-new-tokens: prompts of up to {PROMPT_MAX} tokens + {max_new_tokens} new tokens in whole "
+        fail(f"--max-new-tokens: prompts of up to {PROMPT_MAX} tokens + {max_new_tokens} new tokens in whole "
                  f"{canvas}-token canvases ({taken} positions) exceed {model}'s context of {context} tokens; "
                  f"at most {fits} fits")
 
@@ -153,7 +152,7 @@ def main() -> None:
     exit_if_past_context(lm, args.max_new_tokens, args.model)
     heldout = model_heldout_functions(lm.path, args.manifest, args.seed)
     if args.skip >= len(heldout):  # no function left: a ZeroDivisionError, or (--healing-functions 0) rates of 0.0
-        sys.exit(f"--skip: {args.skip} skips all {len(heldout)} held-out functions; at most {len(heldout) - 1} "
+        fail(f"--skip: {args.skip} skips all {len(heldout)} held-out functions; at most {len(heldout) - 1} "
                  "leaves one")
     funcs = heldout[args.skip : args.skip + args.functions]
     options = args.sampler_options or {}

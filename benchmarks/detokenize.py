@@ -24,7 +24,7 @@ import inspect
 import json
 
 import torch
-from benchmark_args import Formatter, best_seconds, positive_int
+from benchmark_args import Formatter, best_seconds, fail, positive_int
 
 from blockpress.generate import TemplateRowText, decode_rows, hole_fills
 from blockpress.lm import MODELS_DIR
@@ -81,8 +81,8 @@ def template_rows(tok: Tokenizer, ids: list[int], args: argparse.Namespace) -> l
 
         seconds = {name: best_seconds(run, args.repeats) for name, run in (("whole", whole), ("stream", stream))}
         if whole() != stream():
-            raise SystemExit(f"the template row's texts or fills differ from the whole decodes ({len(ids)} tokens, "
-                             f"commits of {step})")
+            fail(f"the template row's texts or fills differ from the whole decodes ({len(ids)} tokens, "
+                 f"commits of {step})", 1)
         rows.append({"template_tokens": len(ids), "holes": len(spans), "commit_tokens": step, "commits": len(ends),
                      "whole_s": round(seconds["whole"], 4), "stream_s": round(seconds["stream"], 4),
                      "speedup": round(seconds["whole"] / seconds["stream"], 1)})
@@ -109,8 +109,8 @@ def main() -> None:
 
                 seconds = {name: best_seconds(run, args.repeats) for name, run in (("whole", whole), ("stream", stream))}
                 if whole() != stream():
-                    raise SystemExit(f"the stream's texts differ from the whole decodes ({tokens} tokens, commits of "
-                                     f"{step}, skip_special_tokens={skip})")
+                    fail(f"the stream's texts differ from the whole decodes ({tokens} tokens, commits of "
+                         f"{step}, skip_special_tokens={skip})", 1)
                 rows.append({"tokens": len(ids), "commit_tokens": step, "commits": len(ends),
                              "special_tokens": "dropped" if skip else "kept", "whole_s": round(seconds["whole"], 4),
                              "stream_s": round(seconds["stream"], 4),

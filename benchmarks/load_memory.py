@@ -26,6 +26,7 @@ from typing import Any
 from benchmark_args import (
     PRESET_HELP,
     Formatter,
+    fail,
     measure_in_child,
     preset_name,
     preset_weights_that_cannot_fit,
@@ -118,7 +119,7 @@ def main() -> None:
         print(json.dumps(measure_load(args.child, scheme)))
         return
     if (why := preset_weights_that_cannot_fit(args.preset, args.dtype, "--preset/--dtype")) is not None:
-        sys.exit(why)
+        fail(why)
     import blockpress
 
     lm = blockpress.random_model(blockpress.ModelConfig.preset(args.preset), dtype=args.dtype)
@@ -129,7 +130,7 @@ def main() -> None:
         result = {"benchmark": "load_memory", "preset": args.preset, "dtype": args.dtype, "quantize": args.quantize,
                   "disk_bytes": disk}
         row = measure_in_child([sys.executable, __file__, "--child", tmp, "--quantize", args.quantize],
-                               "load_memory", "the loading process")  # (a stop: the folder is removed on the way out)
+                               "the loading process")  # (a stop: the folder is removed on the way out)
         row["resident_over_disk"] = row["rss_growth_after_touch"] / disk
         # What reading every weight adds after `load` returned: a plain load maps the file and reads a weight when it
         # is first used, so this is its weights; a quantized load has already read and converted them (~0 here).

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from benchmark_args import PRESET_HELP, Formatter, measure_in_child, positive_int, preset_name
+from benchmark_args import PRESET_HELP, Formatter, fail, measure_in_child, positive_int, preset_name
 from load_memory import RssSampler, reset_peak, status
 
 
@@ -87,21 +87,21 @@ def main() -> None:
                                         args.repeats)))
         return
     if any(chunk < 0 for chunk in args.chunks):
-        sys.exit(f"--chunks: expected sizes >= 0 (0: one pass), got {args.chunks}")
+        fail(f"--chunks: expected sizes >= 0 (0: one pass), got {args.chunks}")
     from blockpress import ModelConfig
 
     context = ModelConfig.preset(args.preset).text.max_position_embeddings
     if args.tokens > context:  # was encoded anyway, positions past the context, for minutes before any figure
-        sys.exit(f"--tokens: {args.tokens} tokens exceed the {args.preset} preset's context of {context} tokens "
+        fail(f"--tokens: {args.tokens} tokens exceed the {args.preset} preset's context of {context} tokens "
                  "(max_position_embeddings)")
     if (why := what_cannot_fit(args.preset, args.batch, args.tokens)) is not None:
-        sys.exit(why)
+        fail(why)
     rows = []
     for chunk in args.chunks:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--tokens", str(args.tokens),
                "--batch", str(args.batch), "--threads", str(args.threads), "--repeats", str(args.repeats),
                "--child", str(chunk)]
-        rows.append(measure_in_child(cmd, "prefill_memory", "the encoding process"))
+        rows.append(measure_in_child(cmd, "the encoding process"))
     print(json.dumps({"benchmark": "prefill_memory", "preset": args.preset, "tokens": args.tokens,
                       "batch": args.batch, "runs": rows}, indent=2))
 

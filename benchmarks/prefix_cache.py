@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
 from benchmark_args import (
     PRESET_HELP,
     Formatter,
+    fail,
     non_negative_int,
     positive_int,
     preset_name,
@@ -71,14 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     if (why := preset_weights_that_cannot_fit(args.preset)) is not None:
-        sys.exit(why)
+        fail(why)
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.preset(args.preset)
     # the chat's last request is the longest: the system prompt, every user message and every reply before it
     longest = args.system_tokens + args.turns * args.user_tokens + (args.turns - 1) * args.new_tokens
     taken = canvas_positions(args.new_tokens, cfg.canvas_length)  # its reply, in whole canvases
     if longest + taken > cfg.text.max_position_embeddings:  # was generate's traceback, at the request that passed it
-        sys.exit(f"--system-tokens/--user-tokens/--turns/--new-tokens: the chat's last request, {longest} prompt "
+        fail(f"--system-tokens/--user-tokens/--turns/--new-tokens: the chat's last request, {longest} prompt "
                  f"tokens + {args.new_tokens} new tokens in whole {cfg.canvas_length}-token canvases ({taken} "
                  f"positions), exceeds the {args.preset} preset's context of {cfg.text.max_position_embeddings} "
                  "tokens (max_position_embeddings)")

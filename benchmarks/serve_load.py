@@ -14,11 +14,10 @@ import concurrent.futures as cf
 import json
 import math
 import statistics
-import sys
 import time
 
 import openai
-from benchmark_args import Formatter, checkpoint_or_random, positive_int
+from benchmark_args import Formatter, checkpoint_or_random, fail, positive_int
 
 from blockpress.cli.common import load_model
 from blockpress.serve import create_app, start_in_background
@@ -68,7 +67,7 @@ def main() -> None:
                 "requests_per_s": len(rows) / wall, "completion_tok_s": sum(r[1] for r in rows) / wall,
             }
     except openai.APIStatusError as exc:  # was the openai client's 21-line traceback (--max-tokens 100000)
-        sys.exit(refused(exc))
+        fail(refused(exc), 1)
     finally:
         server.should_exit = True
     print(json.dumps(result, indent=2))
@@ -80,7 +79,7 @@ def refused(exc: openai.APIStatusError) -> str:
     body = exc.body if isinstance(exc.body, dict) else {}
     reason = body.get("message") or str(exc)
     hint = "; a smaller --max-tokens fits" if "max_tokens" in reason else ""
-    return f"serve_load: the server refused a request (HTTP {exc.status_code}: {reason}){hint}"
+    return f"the server refused a request (HTTP {exc.status_code}: {reason}){hint}"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import json
 import random
 import time
 
-from benchmark_args import Formatter, best_seconds, positive_int
+from benchmark_args import Formatter, best_seconds, fail, positive_int
 
 from blockpress.response import (
     GEMMA4_MARKERS,
@@ -138,7 +138,7 @@ def main() -> None:
 
                 seconds = {way: best_seconds(run, args.repeats) for way, run in (("whole", whole), ("read_on", read_on))}
                 if whole() != read_on():
-                    raise SystemExit(f"the readers differ on a {kind} reply of {tokens} tokens ({name})")
+                    fail(f"the readers differ on a {kind} reply of {tokens} tokens ({name})", 1)
                 settle = min((settle_all(template, prefix, text, ends, special) for _ in range(args.repeats)),
                              key=lambda run: run["seconds"])
                 rows.append({"template": name, "resumable": template.resumable, "tokens": tokens, "kind": kind,

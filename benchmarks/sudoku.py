@@ -27,7 +27,15 @@ import warnings
 from pathlib import Path
 
 import torch
-from benchmark_args import Formatter, checkpoint, checkpoint_or_none, int_between, positive_int, step_count
+from benchmark_args import (
+    Formatter,
+    checkpoint,
+    checkpoint_or_none,
+    fail,
+    int_between,
+    positive_int,
+    step_count,
+)
 from tqdm import tqdm
 
 import blockpress
@@ -82,7 +90,7 @@ def main() -> None:
             if model is not None:
                 sudoku_model.check_sudoku_model(model)
         except ValueError as exc:
-            sys.exit(f"{flag} {name}: {str(exc).removeprefix('model: ')}")
+            fail(f"{flag} {name}: {str(exc).removeprefix('model: ')}")
     out = {"benchmark": "sudoku", "model": args.model, "ar_model": args.ar_model,
            "params": lm.num_parameters(active=False), "per_difficulty": args.per_difficulty}
     try:
@@ -114,7 +122,7 @@ def main() -> None:
         done = [level for level in DIFFICULTIES if level in out]
         if done:
             print(json.dumps({**out, "partial": True, "interrupted": True}, indent=2))
-        print(f"sudoku: interrupted after {len(done)} of {len(DIFFICULTIES)} difficulties"
+        print(f"{Path(sys.argv[0]).name}: interrupted after {len(done)} of {len(DIFFICULTIES)} difficulties"
               + (f" ({', '.join(done)}: their JSON on stdout, marked \"partial\")" if done else ""), file=sys.stderr)
         sys.exit(130)  # as blockpress's commands on Ctrl-C
     print(json.dumps(out, indent=2))

@@ -60,7 +60,7 @@ def main() -> None:
             shutil.copy(args.manifest, new / "corpus_manifest.json")
         size = sum(f.stat().st_size for f in new.iterdir()) / 1e6
         if size > args.max_mb:
-            raise SystemExit(f"{args.name}: {size:.1f} MB is over the {args.max_mb} MB limit; the package is unchanged")
+            ap.error(f"{args.name}: {size:.1f} MB is over --max-mb {args.max_mb:g}; the package is unchanged")
         blockpress.load(new)  # it loads as shipped, or the old one stays
         if dst.exists():
             shutil.rmtree(dst)

@@ -614,8 +614,8 @@ def test_prefill_memory_refuses_a_cache_that_cannot_fit(monkeypatch, capsys):
     a traceback would propagate; the refusal comes before any child is started.)"""
     code, _, err = run_script_in_process("benchmarks/prefill_memory.py",
                                          ["--tokens", "64", "--batch", "100000000", "--chunks", "0"], monkeypatch, capsys)
-    assert code == 1 and "Traceback" not in err
-    assert err.startswith("--batch/--tokens: 100000000 x 64 tokens need a ")
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("prefill_memory.py: error: --batch/--tokens: 100000000 x 64 tokens need a ")
 
 
 @pytest.mark.parametrize("script, argv, message", [
@@ -625,7 +625,8 @@ def test_prefill_memory_refuses_a_cache_that_cannot_fit(monkeypatch, capsys):
      "--preset/--dtype: medium in bfloat16 needs 0.1 GB of weights but 0.0 GB are available; a smaller --preset or "
      "--dtype"),
 ])
-def test_benchmark_scripts_refuse_weights_that_cannot_fit_before_building_them(script, argv, message, monkeypatch):
+def test_benchmark_scripts_refuse_weights_that_cannot_fit_before_building_them(script, argv, message, monkeypatch,
+                                                                               capsys):
     """--preset 26b-a4b (101 GB in float32) on a 24 GB machine was random_model's traceback."""
     import blockpress
     import blockpress.checkpoint
@@ -638,10 +639,10 @@ def test_benchmark_scripts_refuse_weights_that_cannot_fit_before_building_them(s
     monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
     with pytest.raises(SystemExit) as done:
         module.main()
-    assert done.value.code == message
+    assert done.value.code == 2 and capsys.readouterr().err.startswith(f"{script}.py: error: {message}")
 
 
-def test_prefix_cache_refuses_a_chat_past_the_context(monkeypatch):
+def test_prefix_cache_refuses_a_chat_past_the_context(monkeypatch, capsys):
     """--system-tokens 140000 on the tiny preset (a 131,072-token context) was generate's traceback."""
     import blockpress
 
@@ -654,17 +655,19 @@ def test_prefix_cache_refuses_a_chat_past_the_context(monkeypatch):
                                       "--user-tokens", "16", "--turns", "3", "--new-tokens", "8"])
     with pytest.raises(SystemExit) as done:
         module.main()
-    assert done.value.code == ("--system-tokens/--user-tokens/--turns/--new-tokens: the chat's last request, 131064 "
-                               "prompt tokens + 8 new tokens in whole 16-token canvases (16 positions), exceeds the "
-                               "tiny preset's context of 131072 tokens (max_position_embeddings)")
+    assert done.value.code == 2
+    assert capsys.readouterr().err == ("prefix_cache.py: error: --system-tokens/--user-tokens/--turns/--new-tokens: the "
+                                       "chat's last request, 131064 prompt tokens + 8 new tokens in whole 16-token "
+                                       "canvases (16 positions), exceeds the tiny preset's context of 131072 tokens "
+                                       "(max_position_embeddings)\n")
 
 
 def test_prefill_memory_refuses_a_prompt_past_the_context():
     """--tokens 140000 on the tiny preset (a 131,072-token context) was encoded anyway, for minutes."""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefill_memory.py"), "--tokens", "140000",
                         "--chunks", "512", "--repeats", "1"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
-    assert r.stderr == ("--tokens: 140000 tokens exceed the tiny preset's context of 131072 tokens "
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr == ("prefill_memory.py: error: --tokens: 140000 tokens exceed the tiny preset's context of 131072 tokens "
                         "(max_position_embeddings)\n")
 
 
@@ -708,8 +711,8 @@ def test_code_model_refuses_a_skip_past_every_held_out_function(healing, monkeyp
         pytest.skip("blockpress-code is not in this package")
     code, out, err = run_script_in_process("benchmarks/code_model.py", ["--skip", "100000", "--infills", "0",
                                            "--healing-functions", healing], monkeypatch, capsys)
-    assert code == 1 and out == "" and "Traceback" not in err
-    assert re.fullmatch(r"--skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", err)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert re.fullmatch(r"code_model.py: error: --skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", err)
 
 
 def test_code_model_refuses_new_tokens_past_the_context(monkeypatch, capsys):
@@ -720,9 +723,9 @@ def test_code_model_refuses_new_tokens_past_the_context(monkeypatch, capsys):
         pytest.skip("blockpress-code is not in this package")
     code, out, err = run_script_in_process("benchmarks/code_model.py", ["--max-new-tokens", "3841", "--functions",
                                            "1"], monkeypatch, capsys)
-    assert code == 1 and out == "" and "Traceback" not in err
-    assert err == ("--max-new-tokens: prompts of up to 256 tokens + 3841 new tokens in whole 32-token canvases "
-                        "(3872 positions) exceed blockpress-code's context of 4096 tokens; at most 3840 fits\n")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err == ("code_model.py: error: --max-new-tokens: prompts of up to 256 tokens + 3841 new tokens in whole "
+                   "32-token canvases (3872 positions) exceed blockpress-code's context of 4096 tokens; at most 3840 fits\n")
 
 
 def test_code_model_sampler_options_reach_both_engines_as_a_dict():
@@ -824,7 +827,7 @@ def test_sudoku_benchmark_interrupted_prints_the_difficulties_finished(monkeypat
     data = json.loads(captured.out)
     assert done.value.code == 130 and data["partial"] is data["interrupted"] is True
     assert "easy" in data and "medium" not in data and 0 <= data["easy"]["diffusion"]["exact"] <= 1
-    assert captured.err.strip().splitlines()[-1] == ('sudoku: interrupted after 1 of 3 difficulties (easy: their '
+    assert captured.err.strip().splitlines()[-1] == ('sudoku.py: interrupted after 1 of 3 difficulties (easy: their '
                                                      'JSON on stdout, marked "partial")')
 
 
@@ -836,9 +839,9 @@ def test_sudoku_benchmark_refuses_a_model_of_another_task_before_making_puzzles(
         pytest.skip("blockpress-code is not in this package")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sudoku.py"), "--model", "blockpress-code",
                         "--ar-model", "", "--per-difficulty", "1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
     assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line
-    assert r.stderr.startswith("--model blockpress-code: not a sudoku model: its vocabulary has 8192 tokens")
+    assert r.stderr.startswith("sudoku.py: error: --model blockpress-code: not a sudoku model: its vocabulary has 8192 tokens")
 
 
 def test_serve_load_says_in_one_line_why_the_server_refused_its_requests():
@@ -848,7 +851,7 @@ def test_serve_load_says_in_one_line_why_the_server_refused_its_requests():
                         "--max-tokens", "200000", "--levels", "1", "--requests", "1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
-    assert r.stderr.startswith("serve_load: the server refused a request (HTTP 400: max_tokens: ")
+    assert r.stderr.startswith("serve_load.py: error: the server refused a request (HTTP 400: max_tokens: ")
     assert "exceed the context of 131072 tokens); a smaller --max-tokens fits" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -895,6 +898,22 @@ def test_package_model_refuses_names_outside_the_models_folder(name):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "package_model.py"), "blockpress-code", name],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "name: expected a plain folder name" in r.stderr
+    assert sorted(p.name for p in models.iterdir()) == before
+
+
+def test_package_model_over_its_size_limit_says_it_as_its_other_refusals(tmp_path, monkeypatch, capsys):
+    """A package over --max-mb ended with its message bare (exit 1), where the script's other refusals say
+    "package_model.py: error: ..." (exit 2, argparse's); the shipped models stay as they were."""
+    import blockpress
+
+    models = ROOT / "blockpress" / "models"
+    before = sorted(p.name for p in models.iterdir())
+    blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8)).save(tmp_path / "ckpt")
+    code, out, err = run_script_in_process("scripts/package_model.py", [str(tmp_path / "ckpt"), "tiny-test",
+                                           "--dtype", "float32", "--max-mb", "0.01"], monkeypatch, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert re.search(r"\npackage_model.py: error: tiny-test: \d+\.\d MB is over --max-mb 0.01; the package is "
+                     r"unchanged\n$", err)
     assert sorted(p.name for p in models.iterdir()) == before
 
 
@@ -957,8 +976,9 @@ def test_load_memory_shows_the_childs_error(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["load_memory.py", "--preset", "tiny"])
     with pytest.raises(SystemExit) as done:
         load_memory.main()
-    assert "the loading process failed (exit status 1)" in str(done.value.code)
-    assert "ValueError: load: the child broke" in str(done.value.code)
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and err.startswith("load_memory.py: error: the loading process failed (exit status 1)")
+    assert "ValueError: load: the child broke" in err
 
 
 def signal_self_once(signum: int, ready) -> None:
@@ -1005,7 +1025,7 @@ def test_a_stop_signal_to_a_memory_benchmark_stops_its_measuring_child(tmp_path,
     signal_self_once(signum, lambda: pid_file.exists() and pid_file.read_text())
     started = time.time()
     with signal_fails_the_test(signum), pytest.raises(SystemExit) as done:
-        module.measure_in_child(child, "load_memory", "the loading process")
+        module.measure_in_child(child, "the loading process")
     assert done.value.code == 128 + signum and time.time() - started < 30
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped: no such process
