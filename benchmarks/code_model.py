@@ -32,8 +32,7 @@ import time
 import warnings
 
 import torch
-from benchmark_args import Formatter, checkpoint, fail, non_negative_int, positive_int
-from tqdm import tqdm
+from benchmark_args import Formatter, checkpoint, fail, non_negative_int, positive_int, progress
 
 import blockpress
 from blockpress.generate import canvas_positions, escape_template
@@ -98,7 +97,7 @@ def completion_figures(lm: blockpress.LM, funcs: list[Function], engine: str, ma
     lm.generate_ar) and `options`: (the figures the module docstring names, the completions' texts)."""
     ok, strict, new, passes, seconds, examples, texts = 0, 0, 0, 0, 0.0, [], []
     # a bar on stderr, as benchmarks/sudoku.py draws (a run of 100 functions takes minutes and printed nothing)
-    for i, f in enumerate(tqdm(funcs, desc=f"{engine} completions", unit="function", leave=False)):
+    for i, f in enumerate(progress(funcs, desc=f"{engine} completions", unit="function")):
         prompt = function_prompt(lm.tokenizer, f)
         t0 = time.perf_counter()
         if engine == "diffusion":
@@ -171,7 +170,7 @@ def main() -> None:
         for engine in ("diffusion", "ar"):
             for healing in (False, True):
                 ok = 0
-                for i, f in enumerate(tqdm(funcs[: args.healing_functions], unit="function", leave=False,
+                for i, f in enumerate(progress(funcs[: args.healing_functions], unit="function",
                                            desc=f"{engine} trailing newline, {'healed' if healing else 'plain'}")):
                     prompt = tok.encode(f.prompt_text + "\n", add_bos=True)[-PROMPT_MAX:]
                     kw = dict(max_new_tokens=args.max_new_tokens, token_healing=healing)
@@ -184,7 +183,7 @@ def main() -> None:
 
     cases = infill_cases(funcs, tok, lm.config.canvas_length, args.infills, args.seed)
     hits_diff = hits_ar = 0
-    for i, case in enumerate(tqdm(cases, desc="infills", unit="infill", leave=False)):
+    for i, case in enumerate(progress(cases, desc="infills", unit="infill")):
         prompt = tok.encode(case.before, add_bos=True)[-PROMPT_MAX:]
         out = lm.infill([-1] * len(case.hole) + case.suffix, prompt=[prompt], seed=args.seed + i, **options)
         got = tok.decode(out.new_tokens[0, : len(case.hole)].tolist())
@@ -201,8 +200,8 @@ def main() -> None:
         result["space_infill"] = {"cases": len(spaced)}
     for healing in (False, None) if spaced else ():  # None: infill's default, which heals a text template's holes
         exact = double = 0
-        for i, case in enumerate(tqdm(spaced, desc=f"space infills, {'healed' if healing is None else 'as typed'}",
-                                      unit="infill", leave=False)):
+        for i, case in enumerate(progress(spaced, desc=f"space infills, {'healed' if healing is None else 'as typed'}",
+                                      unit="infill")):
             prompt = tok.encode(case.before, add_bos=True)[-PROMPT_MAX:]
             template = (escape_template("\n" + case.start, before_hole=True) + f"<|hole:{case.length}|>"
                         + escape_template(case.suffix))

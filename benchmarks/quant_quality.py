@@ -24,9 +24,8 @@ import json
 import warnings
 
 import torch
-from benchmark_args import Formatter, checkpoint, positive_int
+from benchmark_args import Formatter, checkpoint, positive_int, progress
 from code_model import completion_figures, exit_if_past_context, function_prompt
-from tqdm import tqdm
 
 import blockpress
 from blockpress.config import SCHEMES
@@ -47,7 +46,7 @@ def denoiser_logits(lm: blockpress.LM, funcs: list[Function], masked: bool) -> l
     noise = lm.sampler_defaults.noise_token_id
     out = []
     with torch.inference_mode():
-        for f in tqdm(funcs, desc=f"{'masked' if masked else 'clean'} canvases", unit="function", leave=False):
+        for f in progress(funcs, desc=f"{'masked' if masked else 'clean'} canvases", unit="function"):
             canvas = [noise] * lm.config.canvas_length if masked else clean_canvas(lm, f)
             out.append(lm.logits([function_prompt(lm.tokenizer, f)], [canvas])[0])
     return out
@@ -84,7 +83,7 @@ def main() -> None:
     reference: dict[str, list[torch.Tensor]] = {}
     reference_texts: list[str] = []
     schemes = ("none", *dict.fromkeys(args.schemes))  # a scheme named twice is measured once
-    for scheme in tqdm(schemes, desc="schemes", unit="scheme", leave=False):
+    for scheme in progress(schemes, desc="schemes", unit="scheme"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lm = blockpress.load(args.model, dtype="float32", quantize=None if scheme == "none" else scheme)

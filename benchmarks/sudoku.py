@@ -34,9 +34,9 @@ from benchmark_args import (
     fail,
     int_between,
     positive_int,
+    progress,
     step_count,
 )
-from tqdm import tqdm
 
 import blockpress
 from blockpress.sampling import SAMPLERS
@@ -96,7 +96,7 @@ def main() -> None:
     try:
         for level in DIFFICULTIES:
             truth = [generate(TEST_SEED + i, level)
-                     for i in tqdm(range(args.per_difficulty), desc=f"{level} puzzles", unit="puzzle", leave=False)]
+                     for i in progress(range(args.per_difficulty), desc=f"{level} puzzles", unit="puzzle")]
             row = {}
             for name, fn in (("diffusion", lambda b: sudoku_model.solve(lm, b, args.steps, args.sampler)),
                              ("diffusion_no_skip", (lambda b: sudoku_model.solve(
@@ -111,7 +111,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 results = []
                 # progress on stderr: an ensemble of 200 puzzles a difficulty runs for many minutes on a CPU
-                for i in tqdm(range(0, len(truth), args.batch), desc=f"{level} {name}", unit="batch", leave=False):
+                for i in progress(range(0, len(truth), args.batch), desc=f"{level} {name}", unit="batch"):
                     results += fn([t.puzzle for t in truth[i : i + args.batch]])
                 row[name] = evaluate(results, truth, time.perf_counter() - t0)
             if "diffusion_no_skip" in row:

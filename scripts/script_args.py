@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import sys
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def json_flag(ap: argparse.ArgumentParser, flag: str, text: str, expected: str) -> Any:
@@ -19,3 +23,11 @@ def json_flag(ap: argparse.ArgumentParser, flag: str, text: str, expected: str) 
     if expected == "objects" and not (isinstance(value, list) and value and all(isinstance(v, dict) for v in value)):
         ap.error(f"{flag}: expected a JSON list of objects (settings), got {text!r}")
     return value
+
+
+def progress(items: Iterable[T], **options: Any) -> Iterable[T]:
+    """tqdm's bar over `items` on stderr (stdout carries the JSON), drawn on a terminal only: on a pipe or a log
+    file (CI, nohup) its redraws, up to 10 a second, filled the log with carriage returns. Cleared when done."""
+    from tqdm import tqdm
+
+    return tqdm(items, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None, **options)

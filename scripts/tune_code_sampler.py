@@ -14,8 +14,7 @@ import json
 import warnings
 
 import torch
-from script_args import json_flag
-from tqdm import tqdm
+from script_args import json_flag, progress
 
 import blockpress
 from blockpress.tasks.code import completion_parses, model_heldout_functions
@@ -68,8 +67,7 @@ def main() -> None:
     for setting in settings:
         ok = new = passes = 0
         # Batched (left-padded, one seed per row): every row computes what it would alone, only faster.
-        for lo in tqdm(range(0, len(funcs), args.batch), desc=json.dumps(setting or "generation_config"), unit="batch",
-                       leave=False):
+        for lo in progress(range(0, len(funcs), args.batch), desc=json.dumps(setting or "generation_config"), unit="batch"):
             batch = prompts[lo : lo + args.batch]
             out = (lm.generate_ar(batch, max_new_tokens=args.max_new_tokens, **setting) if args.ar else
                    lm.generate(batch, max_new_tokens=args.max_new_tokens,

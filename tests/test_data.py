@@ -276,6 +276,7 @@ def test_corpus_script_smoke(tmp_path):
                         "--vocab-size", "400", "--max-files", "40", "--heldout", "0.2"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr  # its bars (reading, encoding) are a terminal's alone: none in a pipe
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["train_files"] > 0 and manifest["heldout_files"] > 0
     assert manifest["train_tokens"] == TokenShards([tmp_path / "train.bin"]).tokens

@@ -682,6 +682,43 @@ def test_prefill_memory_benchmark_smoke(monkeypatch, capsys):
     assert all(run["seconds"] > 0 and run["peak_growth_bytes"] >= 0 for run in runs)
 
 
+@pytest.mark.parametrize("folder", ["benchmarks", "scripts"])
+def test_the_scripts_progress_bars_are_drawn_on_a_terminal_alone(folder, monkeypatch):
+    """The benchmarks' bars (tqdm's defaults) were drawn on any stderr: a run logged by CI or nohup filled its log
+    with carriage-return redraws. benchmark_args.progress and script_args.progress draw on a terminal (a pty here),
+    on stderr, and nothing on a pipe; the items pass through either way."""
+    import fcntl
+    import importlib.util
+    import io
+    import pty
+    import select
+    import struct
+    import termios
+
+    name = "benchmark_args" if folder == "benchmarks" else "script_args"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    main_fd, terminal_fd = pty.openpty()
+    # a terminal of 100 columns (a new pty has 0, and tqdm draws nothing in 0)
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
+    try:
+        for stream, drawn in ((terminal, True), (io.StringIO(), False)):
+            monkeypatch.setattr(sys, "stderr", stream)
+            assert list(module.progress(range(3), desc="puzzles under test", mininterval=0)) == [0, 1, 2]
+            if drawn:
+                terminal.flush()
+                assert select.select([main_fd], [], [], 10)[0], "nothing drawn on the terminal"
+                shown = os.read(main_fd, 65536).decode()
+                assert "puzzles under test" in shown and "\r" in shown
+            else:
+                assert stream.getvalue() == ""
+    finally:
+        terminal.close()
+        os.close(main_fd)
+
+
 def test_sudoku_benchmark_smoke(monkeypatch, capsys):
     """The side-by-side table's script on the shipped model and the kept AR baseline: every engine, every
     difficulty, figures in range (the puzzles are fresh, so the rates are not fixed; the easy ones the model
@@ -691,6 +728,7 @@ def test_sudoku_benchmark_smoke(monkeypatch, capsys):
         "benchmarks/sudoku.py", ["--per-difficulty", "2", "--batch", "2", "--steps", "12", "--rules", "--ensemble", "2",
                                  "--threads", "1"], monkeypatch, capsys)
     assert code in (0, None), err
+    assert "\r" not in err  # its bars are a terminal's: a log (here a capture, as CI's pipe) gets no redraws
     data = json.loads(out)
     assert data["per_difficulty"] == 2 and data["params"] > 1_000_000
     for level in ("easy", "medium", "hard"):
@@ -745,6 +783,7 @@ def test_quant_quality_benchmark_smoke(monkeypatch, capsys):
     code, out, err = run_script_in_process("benchmarks/quant_quality.py", ["--functions", "1", "--max-new-tokens", "1",
                                                                            "--threads", "1"], monkeypatch, capsys)
     assert code in (0, None), err
+    assert "\r" not in err  # (no bar redraws off a terminal)
     data = json.loads(out)
     assert data["functions"] == 1 and data["dtype"] == "float32"
     schemes = ("none", "int8", "fp8", "int4")
