@@ -13,7 +13,7 @@ import hashlib
 import itertools
 import json
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -627,11 +627,13 @@ def _encoded_pieces(tokenizer: Any, text: str, chunk: int | None = None) -> Iter
         start = end
 
 
-def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -> TokenShards:
+def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *,
+              progress: Callable[[int, int], None] | None = None) -> TokenShards:
     """Raw text as one in-memory shard, laid out as write_shard lays out documents (scripts/build_code_corpus.py:
     each document's tokens, then EOS), so training cuts it into windows as it cuts token shards. `path`: a
     .txt/.py/.md file, a folder of them (searched recursively), or JSONL lines {"text": ...} (a file, a glob or
-    a folder of them: jsonl_files)."""
+    a folder of them: jsonl_files). `progress(done, total)`: called with the characters tokenized so far and in all,
+    after each document (a corpus of hundreds of MB takes minutes)."""
     files = jsonl_files(path)  # {"text"} lines: a file, a glob or a folder of them
     path = Path(path)
     if tokenizer is None:
@@ -672,8 +674,13 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None) -
     # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints took 36 bytes a
     # token, and the int64 corpus 8), uint16 in the end where the ids fit, as write_shard's shards
     documents = [text for _, text in texts if text.strip()]
-    tokens = [np.array(ids, dtype=np.uint32) for text in documents
-              for ids in itertools.chain(_encoded_pieces(tokenizer, text), [eos])]
+    tokens: list[np.ndarray] = []
+    done, total = 0, sum(map(len, documents))
+    for text in documents:
+        tokens += [np.array(ids, dtype=np.uint32) for ids in itertools.chain(_encoded_pieces(tokenizer, text), [eos])]
+        done += len(text)
+        if progress is not None:
+            progress(done, total)
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.uint32)
     if vocab_size is not None and len(flat) and int(flat.max()) >= vocab_size:
         raise ValueError(f"{path}: the tokenizer gives id {int(flat.max())}, outside the model's vocabulary of "

@@ -390,6 +390,48 @@ def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, 
     assert str(err.value).endswith("; --max-canvases 2 keeps the first 2 canvases of each response and fits it")
 
 
+def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
+    """`train --data` on a folder of raw text tokenized it in silence (the standard library's 162 MB: minutes).
+    load_text reports the characters done after each document, and train's bar is drawn on a terminal's stderr
+    (a pty here) alone: nothing on a pipe or with --quiet; the tokens are the same either way."""
+    import fcntl
+    import io
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+
+    from blockpress.cli.train import train_corpus
+
+    docs = ["def f(x):\n    return x + 1\n", "   \n", "# notes\nsome text\n", "plain words\n"]
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, text in zip(["a.py", "b.py", "c.md", "d.txt"], docs):
+        (folder / name).write_text(text)
+    calls = []
+    plain = load_text(folder, tok).arrays[0].tolist()
+    assert load_text(folder, tok, progress=lambda done, total: calls.append((done, total))).arrays[0].tolist() == plain
+    kept = [len(d) for d in docs if d.strip()]  # (a blank document is left out)
+    assert calls == [(sum(kept[: i + 1]), sum(kept)) for i in range(len(kept))]
+    main_fd, terminal_fd = pty.openpty()
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
+    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
+    try:
+        for stream, quiet, drawn in ((terminal, False, True), (terminal, True, False), (io.StringIO(), False, False)):
+            monkeypatch.setattr(sys, "stderr", stream)
+            assert train_corpus(str(folder), "--data", tok, 300, quiet=quiet).arrays[0].tolist() == plain
+            stream.flush()
+            shown = os.read(main_fd, 65536).decode() if select.select([main_fd], [], [], 2 if drawn else 0.2)[0] else ""
+            if stream is terminal:
+                assert ("--data tokenizing" in shown) == drawn, (quiet, shown)
+            else:
+                assert stream.getvalue() == ""
+    finally:
+        terminal.close()
+        os.close(main_fd)
+
+
 def test_raw_text_is_laid_out_as_a_token_shard(tmp_path, tok):
     """.txt/.py/.md files, a folder of them and {"text": ...} JSONL lines could not be trained on at all."""
     docs = ["def f(x):\n    return x + 1\n", "# notes\nsome text\n", "plain words\n"]

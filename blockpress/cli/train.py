@@ -396,9 +396,10 @@ def _shard_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Source
     # each window after the BOS that generate puts before a text prompt (ShardSource)
     bos = lm.tokenizer.bos_id if lm.tokenizer is not None else None
     vocab = lm.config.text.vocab_size
-    source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab), cfg, lm.config.canvas_length, bos)
-    heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab), cfg,
-                          lm.config.canvas_length, bos) if cfg.heldout_data else None
+    source = ShardSource(train_corpus(args.data, "--data", lm.tokenizer, vocab, quiet=args.quiet), cfg,
+                         lm.config.canvas_length, bos)
+    heldout = ShardSource(train_corpus(cfg.heldout_data, "--heldout-data", lm.tokenizer, vocab, quiet=args.quiet),
+                          cfg, lm.config.canvas_length, bos) if cfg.heldout_data else None
     return Sources(source=source, heldout=heldout, cfg=cfg)
 
 
@@ -573,9 +574,10 @@ def _times(ratio: float) -> str:
     return f"{ratio:.3g}x" if ratio >= 0.1 else f"{100 * ratio:.2g}%"
 
 
-def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int) -> Any:
+def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, quiet: bool = False) -> Any:
     """Running text for `train` as TokenShards: raw text (a .txt/.py/.md file, a folder of them, JSONL lines
-    {"text": ...}) tokenised in memory, or a glob of token shards; errors name `flag`."""
+    {"text": ...}) tokenised in memory, with a bar of the characters done on a terminal's stderr unless `quiet`
+    (160 MB of text took minutes without a sign), or a glob of token shards; errors name `flag`."""
     from blockpress.data import TokenShards, is_examples, is_raw_text, load_text, shard_files
 
     if is_examples(path):  # neither running text nor shards, whatever its name
@@ -584,10 +586,22 @@ def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int) -> Any:
                          "shards")
     if not is_raw_text(path):
         return TokenShards(shard_files(path, flag), vocab_size)
+    from tqdm import tqdm
+
+    # drawn on a terminal alone (disable=None): a log gets no redraws
+    bar = tqdm(desc=f"{flag} tokenizing", unit="char", unit_scale=True, leave=False, dynamic_ncols=True,
+               disable=True if quiet or sys.stderr is None else None, file=sys.stderr)
+
+    def advance(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
     try:
-        return load_text(path, tokenizer, vocab_size)
+        return load_text(path, tokenizer, vocab_size, progress=advance)
     except (ValueError, OSError) as exc:  # their messages start with the path
         raise type(exc)(f"{flag} {exc}") from None
+    finally:
+        bar.close()
 
 
 def resumed_train_config(out: Path) -> dict[str, Any]:
