@@ -3526,6 +3526,43 @@ def test_sudoku_solves_a_batch_at_a_time_and_a_ctrl_c_keeps_the_answers_printed(
     assert err.strip().splitlines()[-1] == "interrupted (4 of 5 puzzles solved, printed above)"
 
 
+def test_sudoku_shows_a_bar_on_a_terminal_while_its_answers_go_to_a_file(monkeypatch, capsys):
+    """`sudoku --json --file big.csv > out.jsonl` solved for minutes without a sign on the terminal. A bar of the
+    puzzles solved is drawn on stderr when it is a terminal (a pty here) and stdout is not; on a pipe, or with one
+    batch, nothing; stdout holds the answers alone."""
+    import fcntl
+    import io
+    import pty
+    import select
+    import struct
+    import termios
+
+    from blockpress.tasks import sudoku_model
+
+    def solve(lm, puzzles, **kwargs):
+        return [sudoku_model.ModelSolution(puzzle=p, solution=SOLVED, valid=True, steps=1, errors=[])
+                for p in puzzles]
+
+    monkeypatch.setattr(sudoku_model, "solve", solve)
+    main_fd, terminal_fd = pty.openpty()
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
+    terminal = open(terminal_fd, "w", buffering=1, closefd=True)
+    try:
+        for stream, count, drawn in ((terminal, 5, True), (terminal, 2, False), (io.StringIO(), 5, False)):
+            monkeypatch.setattr(sys, "stderr", stream)
+            assert main(["sudoku", *[SOLVED[:80] + "."] * count, "--json", "--batch-size", "2", "--threads", "1"]) == 0
+            assert [json.loads(line)["solution"] for line in capsys.readouterr().out.splitlines()] == [SOLVED] * count
+            stream.flush()
+            shown = os.read(main_fd, 65536).decode() if select.select([main_fd], [], [], 2 if drawn else 0.2)[0] else ""
+            if stream is terminal:
+                assert ("sudoku: " in shown and "/5 [" in shown and "puzzle/s" in shown) == drawn, shown
+            else:
+                assert "\r" not in stream.getvalue()
+    finally:
+        terminal.close()
+        os.close(main_fd)
+
+
 def test_sudoku_batches_are_bounded_by_default_and_the_flag_is_checked(monkeypatch, capsys):
     from blockpress.tasks import sudoku_model
 

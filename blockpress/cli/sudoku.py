@@ -83,6 +83,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     results: list[Any] = []
     scored = []  # (matches the file's solution, cell accuracy on the empty cells) of each puzzle that came with one
     t0 = time.perf_counter()
+    bar = _puzzle_bar(len(puzzles), args.batch_size)
     try:
         # --batch-size puzzles at a time, each batch's answers printed as it ends: one batch of every puzzle given
         # grew ~2.2 MB a puzzle (400: 1.2 GB peak; a Kaggle CSV of 100,000 would want ~220 GB), printed nothing until
@@ -101,10 +102,13 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             results.extend(done)
             if sys.stdout is not None:  # each batch's answers out now (piped, Python holds them in a buffer)
                 sys.stdout.flush()
+            bar.update(len(done))
     except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP (off the terminal's "^C")
+        bar.close()
         print(f"{fresh_line(exc)}{stop_word(exc)} ({len(results)} of {len(puzzles)} puzzles solved, printed above)",
               file=sys.stderr)
         return stop_status(exc)
+    bar.close()
     seconds = time.perf_counter() - t0
     if not args.json:
         solved = sum(r.valid for r in results)
@@ -118,6 +122,18 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
             print("hint: --ensemble 8 pools the model's predictions over 8 symmetric views of each puzzle (no "
                   "rules; 8x the work); --rules adds candidate filtering", file=sys.stderr)
     return 0 if all(r.valid for r in results) else 1  # scripts can tell a failed solve without parsing
+
+
+def _puzzle_bar(puzzles: int, batch_size: int) -> Any:
+    """A bar of the puzzles solved, on a terminal's stderr while the answers go to a file or pipe (`--json >
+    out.jsonl`: a CSV of thousands solved for minutes without a sign), over more than one batch. With the answers on
+    the terminal too, they are the progress, a batch at a time; on a log (no terminal) a bar would be redraws."""
+    from tqdm import tqdm
+
+    answers_shown = sys.stdout is not None and sys.stdout.isatty()
+    shown = sys.stderr is not None and not answers_shown and puzzles > batch_size
+    return tqdm(total=puzzles, desc="sudoku", unit="puzzle", leave=False, dynamic_ncols=True, file=sys.stderr,
+                disable=None if shown else True)
 
 
 def print_sudoku_answer(r: Any, truth: str | None, score: tuple[bool, float] | None, as_json: bool) -> None:
