@@ -1282,7 +1282,8 @@ class Trainer:
     def save(self, final: bool = False) -> None:
         """The run in `out_dir`, resumable while steps remain; a LoRA run's adapter folder each time. `final`: the run
         ends here, so a LoRA run also writes its merged checkpoint (an interrupted one only saves, to be resumed)."""
-        if self.rank != 0:
+        if self.rank != 0:  # rank 0 writes the run's saves: the others say what `out` keeps as it does
+            self.saved_step = self.step
             return
         # An update that overflowed (finite loss, weights grown to inf) is met by the next step's loss check; the last
         # step has none, so the weights are checked here (one sync, per save), never saved over the run's last save.
