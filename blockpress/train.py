@@ -65,6 +65,7 @@ from .files import (
     read_json_object,
     staging,
     temporary_path,
+    text_of_file,
 )
 from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
@@ -499,7 +500,7 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
                         base_model_name_or_path=base, revision=revision)  # (lora_alpha: see add_lora)
     with tempfile.TemporaryDirectory() as made:  # peft writes its config into a folder: its own, then staged
         config.save_pretrained(made)
-        config_text = (Path(made) / ADAPTER_FILES[0]).read_text()
+        config_text = (Path(made) / ADAPTER_FILES[0]).read_text(encoding="utf-8")
     record: dict[str, Any] = {"base_shape": base_shape(model), "quantize": quantize}
     if generation is not None:
         record["noise_token_id"] = -1  # unless the run's settings name a noise token: uniform noise
@@ -522,7 +523,7 @@ def _read_adapter_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"adapter: {path} has no {' or '.join(missing)} (expected a PEFT LoRA folder, as "
                               f"`blockpress train --lora-rank` writes in <out>/{ADAPTER_DIR})")
     try:
-        cfg = parse_json((path / ADAPTER_FILES[0]).read_text())
+        cfg = parse_json(text_of_file((path / ADAPTER_FILES[0]).read_bytes()))  # (a BOM read past)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"adapter: {path / ADAPTER_FILES[0]}: not valid JSON ({exc})") from None
     return cfg if isinstance(cfg, dict) else {}
@@ -1458,7 +1459,7 @@ class Trainer:
         if self.rank != 0 or not path.is_file():
             return
         kept = [line for line, row in metrics_rows(path) if row.get("step", 0) <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -1467,7 +1468,7 @@ class Trainer:
         metrics = None
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            metrics = (self.out / "metrics.jsonl").open("a")
+            metrics = (self.out / "metrics.jsonl").open("a", encoding="utf-8")
         bar = self._progress_bar()
         # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
         plain = bar is not None and bar.disable
@@ -1628,7 +1629,7 @@ def metrics_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     """(line, row) of each readable row of a metrics.jsonl, skipping a line cut short when a run was killed
     mid-write."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
             row = parse_json(line)
         except json.JSONDecodeError:
@@ -1730,7 +1731,7 @@ def recorded_data(out: str | Path) -> str | None:
 def lora_base(out: str | Path) -> str | None:
     """The base model a LoRA run in `out` was adapting, as saved with its adapters; None if not recorded."""
     try:
-        return json.loads((Path(out) / LORA_BASE_FILE).read_text())["model"]
+        return json.loads((Path(out) / LORA_BASE_FILE).read_text(encoding="utf-8"))["model"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -1,6 +1,7 @@
 """A LoRA run's PEFT adapter folder: peft runs it on the reference model, blockpress merges it back, and an adapter
 that does not fit the base is refused by name."""
 
+import codecs
 import json
 import shutil
 import warnings
@@ -193,3 +194,14 @@ def test_the_adapter_folder_loads_by_name_onto_its_recorded_base(run, tmp_path):
         assert torch.equal(lm.logits(prompt, canvas), merged)
     with pytest.raises(ValueError, match="adapter: the model .* is itself an adapter folder; give its base"):
         load(out / "adapter", adapter=out / "adapter")
+
+
+def test_an_adapter_config_saved_with_a_byte_order_mark_loads_as_the_plain_one(run, tmp_path):
+    """An adapter_config.json edited in Notepad ("UTF-8 with BOM", CRLF endings) was refused as 'not valid JSON
+    (Unexpected UTF-8 BOM)'; it reads as the file it holds."""
+    base, out = run
+    edited = older_folder(out, tmp_path)  # (found by its config's base_model_name_or_path, which it must read)
+    config = edited / "adapter_config.json"
+    config.write_bytes(codecs.BOM_UTF8 + config.read_text(encoding="utf-8").replace("\n", "\r\n").encode())
+    prompt, canvas = inputs()
+    assert torch.equal(load(edited).logits(prompt, canvas), load(out).logits(prompt, canvas))

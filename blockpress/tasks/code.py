@@ -83,7 +83,7 @@ def model_heldout_functions(model_dir: str | Path, manifest: str | Path | None =
     path = Path(manifest) if manifest else Path(model_dir) / "corpus_manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no corpus manifest (pass --manifest, the corpus build's manifest.json)")
-    modules = json.loads(path.read_text())["heldout_modules"]
+    modules = json.loads(path.read_text(encoding="utf-8"))["heldout_modules"]
     return heldout_functions(sysconfig.get_paths()["stdlib"], modules, seed)
 
 
