@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -1063,6 +1063,20 @@ def _optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torc
     )
 
 
+@contextlib.contextmanager
+def _labelled(bar: Any, phase: str) -> Iterator[None]:
+    """The training bar labelled "train (`phase`)" while the phase runs: a large model's save or evaluation takes
+    minutes, during which the bar stood still at its last step, as if the run had hung. None: no bar."""
+    if bar is None:
+        yield
+        return
+    bar.set_description(f"train ({phase})")
+    try:
+        yield
+    finally:
+        bar.set_description("train")
+
+
 class Trainer:
     def __init__(
         self,
@@ -1513,9 +1527,11 @@ class Trainer:
                 last = self.step == cfg.steps
                 if self.heldout is not None and ((cfg.eval_every and self.step % cfg.eval_every == 0) or last):
                     if last and save_first:
-                        self.save(final=True)
+                        with _labelled(bar, "saving"):
+                            self.save(final=True)
                         saved = True
-                    row["eval_loss"] = self.evaluate()
+                    with _labelled(bar, "evaluating"):
+                        row["eval_loss"] = self.evaluate()
                     result.eval_losses.append((self.step, row["eval_loss"]))
                 logged = None
                 if self.step % cfg.log_every == 0 or last or "eval_loss" in row or "compile_error" in row:
@@ -1535,20 +1551,23 @@ class Trainer:
                 if self.on_step:
                     self.on_step(self.step, row["loss"])
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
-                    self.save()
+                    with _labelled(bar, "saving"):
+                        self.save()
             result.steps = self.step
             # An interrupted run is saved to be resumed; one stopped by its clock is also a usable checkpoint (a
             # LoRA run merged, its adapters kept apart too while steps remain).
             final = result.stopped != "interrupted"
             if save_first and not saved:
-                self.save(final=final)
+                with _labelled(bar, "saving"):
+                    self.save(final=final)
                 saved = True
             if result.stopped:
                 row = self._stopped_row(result, interval)
                 if metrics:
                     metrics.write(json.dumps(row) + "\n")
             if not saved:
-                self.save(final=final)
+                with _labelled(bar, "saving"):
+                    self.save(final=final)
         finally:
             interrupt.restore()
             prefetched = None  # a run cut short: the loader's worker processes end now, not at garbage collection

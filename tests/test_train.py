@@ -940,6 +940,47 @@ def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys)
     assert [f"{r['loss']:.4f}" for r in rows] == [x.split("loss ")[1].split(",")[0] for x in lines]
 
 
+def test_the_bar_says_when_the_run_saves_or_evaluates(tmp_path, monkeypatch):
+    """A large model's save or evaluation takes minutes, and the bar stood still at its step meanwhile, as if hung:
+    its label says the phase while it runs, and "train" again after."""
+    labels, phases = [], []
+
+    class Bar:
+        disable = False  # (drawn: a terminal)
+
+        def set_description(self, text):
+            labels.append(text)
+
+        def set_postfix(self, **_):
+            pass
+
+        def update(self, _):
+            pass
+
+        def close(self):
+            pass
+
+    real_save, real_evaluate = Trainer.save, Trainer.evaluate
+
+    def save(self, *args, **kwargs):
+        phases.append(("save", labels[-1] if labels else None))
+        return real_save(self, *args, **kwargs)
+
+    def evaluate(self):
+        phases.append(("evaluate", labels[-1] if labels else None))
+        return real_evaluate(self)
+
+    monkeypatch.setattr(Trainer, "_progress_bar", lambda self: Bar())
+    monkeypatch.setattr(Trainer, "save", save)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    tc = TrainConfig(steps=4, batch_size=2, save_every=2, eval_every=2, warmup_steps=0)
+    Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", heldout=ExampleSource(EXAMPLES, 1),
+            progress=True).train()
+    assert phases == [("evaluate", "train (evaluating)"), ("save", "train (saving)"),
+                      ("save", "train (saving)"), ("evaluate", "train (evaluating)")]
+    assert labels[-1] == "train"
+
+
 def test_buffers_are_registered_in_the_same_order_in_every_process():
     """DDP pairs buffers across processes by their order; the RoPE frequencies were registered in a set's order, which
     follows the per-process string hash (PYTHONHASHSEED 0 and 1 differ), so syncing them broadcast one process's
