@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def main() -> None:
     if args.tokenizer:
         tokenizer = Tokenizer.from_dir(args.tokenizer)
     else:
-        tokenizer = train_bpe_tokenizer((t for _, t in train), vocab_size=args.vocab_size)
+        # the tokenizers library's bars (stderr) end each phase with a newline on stdout: only where both are a terminal
+        tokenizer = train_bpe_tokenizer((t for _, t in train), vocab_size=args.vocab_size,
+                                        progress=all(s is not None and s.isatty() for s in (sys.stdout, sys.stderr)))
     tokenizer.save(out / "tokenizer")
     eos = tokenizer.eos_id
 

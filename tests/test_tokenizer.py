@@ -1397,3 +1397,31 @@ def test_a_text_stream_decodes_the_new_ids_not_the_whole_reply_again(name: str) 
             before = counting.decoded
             assert stream.text(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=skip)
             assert counting.decoded - before <= 2 * (7 + 7 + 2 * STREAM_OVERLAP), (end, counting.decoded - before)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_training_a_tokenizer_shows_its_progress_on_a_terminal_when_asked(progress):
+    """train_bpe_tokenizer kept the tokenizers library's bars off, so scripts/build_code_corpus.py trained its
+    vocabulary (minutes over the standard library) in silence; progress=True shows them, on a terminal."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    code = ("from blockpress.tokenizer import train_bpe_tokenizer; "
+            f"train_bpe_tokenizer(['ab cd ef gh'] * 200, vocab_size=300, progress={progress})")
+    main_fd, terminal_fd = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=terminal_fd, stdout=terminal_fd, stderr=terminal_fd)
+    os.close(terminal_fd)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:  # (the child closed the terminal)
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main_fd)
+    assert child.wait(timeout=60) == 0
+    assert (b"Pre-processing sequences" in shown) is progress, shown[:200]
