@@ -637,6 +637,11 @@ class Tokenizer:
             raise
         except Exception as exc:  # the checkpoint's template is broken, or breaks on these messages
             raise ValueError(f"chat_template: rendering failed: {type(exc).__name__}: {exc}") from None
+        if chat and not rendered.strip():  # (an empty chat_template.jinja): the prompt was empty, refused downstream
+            # as "prompt: expected str, ... got list (empty)", which named neither the template nor the fix
+            raise ValueError(f"chat_template: rendered no text for {len(chat)} message(s); the template is empty or "
+                             "writes nothing for them (check the checkpoint's chat_template.jinja, or "
+                             "tokenizer_config.json's chat_template)")
         if final_text is not None:
             rendered = _cut_at_continuation(rendered, final_text)
         if tokenize:

@@ -540,6 +540,8 @@ def test_no_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
     ("{{ 1 // 0 }}", "rendering failed: ZeroDivisionError"),  # escaped as a bare traceback before
     ("{% for m in messages %}", "not a valid template"),
     ("{{ messages | no_such_filter }}", "not a valid template"),
+    ("", "rendered no text for 2 message"),  # an empty chat_template.jinja: an empty prompt, refused as "prompt: ..."
+    ("{# none yet #}\n", "rendered no text for 2 message"),
 ])
 def test_a_broken_chat_template_is_a_clear_error(tok: Tokenizer, template: str, cause: str) -> None:
     """A syntax error was wrapped twice ("chat_template: rendering failed: ValueError: chat_template: not a valid
