@@ -200,6 +200,10 @@ class TextConfig:
         _last_layer_full(layer_types)
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
+        elif any(isinstance(self.rope_parameters.get(kind), dict) for kind in (SLIDING, FULL)):
+            # Entries by layer type rule, as the reference reads them; flat keys beside them are dropped: transformers
+            # 5.15 writes `rope_type: default, rope_theta: null` there when layer_types holds one kind only.
+            self.rope_parameters = {k: v for k, v in self.rope_parameters.items() if k in (SLIDING, FULL)}
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
             # A flat rope dict applies to every layer type.
             self.rope_parameters = {kind: dict(self.rope_parameters) for kind in (SLIDING, FULL)}

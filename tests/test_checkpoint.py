@@ -1858,3 +1858,17 @@ def test_a_folder_whose_json_files_were_saved_on_windows_loads_as_the_plain_one(
     with pytest.raises(ConfigError, match=re.escape(f"{edited / 'config.json'}: not valid JSON ('utf-8' codec can't "
                                                     f"decode byte 0xe9 in position {at}: invalid continuation byte)")):
         load_quiet(edited)
+
+
+def test_rope_entries_by_layer_type_rule_over_flat_keys_beside_them():
+    """transformers 5.15 saves a config whose layer_types hold one kind only with `rope_type: default, rope_theta:
+    null` beside the entries by layer type, which its rotary embedding reads alone: blockpress refused such a
+    config.json ('full_attention.rope_theta: expected a positive number, got None'); it now reads those entries."""
+    by_kind = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+    mixed = ModelConfig.tiny(layer_types=["full_attention"] * 3,
+                             rope_parameters={**by_kind, "rope_type": "default", "rope_theta": None})
+    assert mixed.text.rope_parameters == by_kind
+    # a flat dict alone still applies to every layer type
+    flat = ModelConfig.tiny(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    assert flat.text.rope_parameters == {k: {"rope_type": "default", "rope_theta": 500.0} for k in by_kind}
