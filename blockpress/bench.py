@@ -17,6 +17,7 @@ import contextlib
 import copy
 import ctypes
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -665,11 +666,23 @@ def _ar(lm: LM, prompt: torch.Tensor, s: BenchSettings, memory: bool = False) ->
             "tok_s_without_prefill": (n - prompt.shape[0]) / after if steps else None, **run.memory}
 
 
+# The oldest transformers whose DiffusionGemma loads the folder lm.save writes: 5.15-5.19 cannot build a model whose
+# config has no vision_config, and blockpress saves none for a text-only one
+REFERENCE_SINCE = (5, 20)
+
+
 def _reference(lm: LM) -> Any:
+    """The reference model of lm's weights, or None where transformers is not installed, or too old (said)."""
     try:
+        import transformers
         from transformers import DiffusionGemmaForBlockDiffusion
         from transformers.utils import logging as hf_logging
     except ImportError:
+        return None
+    version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    if version < REFERENCE_SINCE:  # (it failed inside from_pretrained, and the whole run with it)
+        _note(f"the reference is left out: transformers {transformers.__version__} cannot load the checkpoint "
+              f"blockpress saves; it needs {'.'.join(map(str, REFERENCE_SINCE))} or later")
         return None
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its load report lists the vision tower we do not save: noise in a benchmark
