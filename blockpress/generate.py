@@ -1484,6 +1484,7 @@ class _Decoding:
         # a logits processor sees the whole batch (the sudoku ensemble mixes rows): see CanvasRules.rows_mix
         rules = CanvasRules(canvas.fixed, canvas.scored, self.draws, self.model.dtype,
                             rows_mix=req.logits_processor is not None, numbers=self.numbers)
+        step_cfg = cfg.step_choices()  # the step reads its numbers from `rules` (see SamplerConfig.step_choices)
         w = _Working(rows=all_rows, state=state, cache=self.cache, rules=rules, writable=canvas.writable,
                      bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds, finished=self.finished,
                      history=self.history)
@@ -1519,7 +1520,7 @@ class _Decoding:
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
                 uniforms = None if cfg.argmax_candidates else hashed_uniforms(w.seeds, canvas.index, step, canvas_len)
                 w.state = self.fns.sampler_step(
-                    cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
+                    step_cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
                     uniforms, w.rules, own_logits=True,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget

@@ -212,6 +212,15 @@ class SamplerConfig:
         defaults: dict[str, Any] = {f.name: f.default for f in fields(self) if f.name in ROW_SETTINGS}
         return replace(self, **defaults)
 
+    def step_choices(self) -> SamplerConfig:
+        """This config with every number at its default, its strings and flags kept: what a denoising step given
+        CanvasRules' `numbers` (StepNumbers) and `draws` (RowDraws) reads of it, as the numbers come from those
+        tensors and the noise and repeat penalties are applied outside the step. torch 2.6's torch.compile guards on
+        every field of a frozen dataclass it is passed, read or not (2.13 on the fields read), so a new t_max or
+        frequency_penalty compiled the step again and, past the recompile limit (8), ran it eagerly."""
+        defaults: dict[str, Any] = {f.name: f.default for f in fields(self) if not isinstance(f.default, (str, bool))}
+        return replace(self, **defaults)
+
     def with_(self, **changes: Any) -> SamplerConfig:
         check_keywords("SamplerConfig", changes, (), [f.name for f in fields(self)],
                        hints={"temperature": TEMPERATURE_HINT})

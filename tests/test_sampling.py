@@ -992,3 +992,33 @@ def test_any_top_k_is_a_filter_or_a_refusal_by_name(k, seed):
 def test_bad_top_filters_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"{field}: expected"):
         SamplerConfig(**{field: value})
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1000), sampler=st.sampled_from(["entropy_bound", "confidence", "topk", "greedy"]),
+       steps=st.integers(1, 6), t_max=st.floats(0.5, 2.0), bound=st.floats(0.05, 3.0), conf=st.floats(0.1, 1.0),
+       stability=st.integers(0, 3), threshold=st.floats(0.001, 2.0), top_k=st.integers(0, 20), top_p=st.floats(0.3, 1.0),
+       penalty=st.floats(-2.0, 2.0))
+def test_a_step_given_its_numbers_as_tensors_reads_none_from_the_config(seed, sampler, steps, t_max, bound, conf,
+                                                                         stability, threshold, top_k, top_p, penalty):
+    """The decoding loop hands a step cfg.step_choices(), every number at its default (torch 2.6's compile guarded
+    on each, read or not), with the numbers in CanvasRules (StepNumbers, RowDraws): a step then computes what it
+    computes from the config itself, step by step."""
+    from blockpress.sampling import StepNumbers
+
+    cfg = SamplerConfig(sampler=sampler, max_denoising_steps=steps, t_max=t_max, t_min=t_max / 2, entropy_bound=bound,
+                        confidence=conf, stability_threshold=stability, confidence_threshold=threshold, top_k=top_k,
+                        top_p=top_p, frequency_penalty=penalty, presence_penalty=-penalty, noise_token_id=3,
+                        **({} if sampler == "greedy" else dict(draw_temperature=0.7)))
+    g = torch.Generator().manual_seed(seed)
+    b, c, v = 2, 6, 11
+    noise = torch.randint(v, (b, c), generator=g)
+    rules = CanvasRules(numbers=StepNumbers.of(cfg), draws=RowDraws.of(cfg, b))
+    plain = given_numbers = init_state(noise)
+    for step in range(steps, 0, -1):
+        raw, uniforms = 3 * torch.randn(b, c, v, generator=g), torch.rand(b, c, generator=g)
+        plain = denoise_step(cfg, plain, raw, step, noise, uniforms)
+        given_numbers = denoise_step(cfg.step_choices(), given_numbers, raw, step, noise, uniforms, rules)
+        for name, x in vars(plain).items():
+            y = getattr(given_numbers, name)
+            assert (x is None and y is None) or torch.equal(x, y), (step, name)
