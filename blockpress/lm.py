@@ -63,7 +63,7 @@ from .generate import (
 )
 from .healing import allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
-from .model import DiffusionGemma
+from .model import GROUPED_MM, DiffusionGemma
 from .prefix import PrefixCache
 from .quantize import check_cast, check_runs, check_scheme
 from .sampling import (
@@ -748,6 +748,10 @@ class LM:
         if why is not None:
             raise ValueError(f"cuda_graphs: {why}; load the model with device='cuda', dtype='bfloat16', or move it "
                              "with lm.to('cuda', 'bfloat16')")
+        if GROUPED_MM is None:  # torch 2.6 and 2.7: no torch._grouped_mm (it came in 2.8)
+            raise ValueError(f"cuda_graphs: torch {torch.__version__} has no grouped GEMM (torch._grouped_mm, from "
+                             "torch 2.8 on), so the experts run one GEMM each with host syncs, which a graph cannot "
+                             "hold; use a newer torch, or eager decoding")
         if self.quantization == "fp8":  # find out now, eagerly, whether the FP8 grouped GEMM runs here
             c = self.config.canvas_length
             self.logits(torch.full((1, 1), 3, device=self.device), torch.full((1, c), 3, device=self.device))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from .cache import KVCache
 from .checks import is_int
@@ -271,8 +272,12 @@ class Router(nn.Module):
         return weights * self.per_expert_scale[index], index
 
 
-# torch's grouped GEMM: F.grouped_mm where public, else the private op of the same signature, else None.
+# torch's grouped GEMM: F.grouped_mm where public, else the private op of the same signature, else None (torch 2.6
+# and 2.7, which have neither).
 GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# torch 2.8's has no CPU kernel ("Could not run 'aten::_grouped_mm' with arguments from the 'CPU' backend", any shape
+# or dtype): a CPU's experts take it from torch 2.9 on.
+GROUPED_MM_ON_CPU = GROUPED_MM is not None and TorchVersion(torch.__version__) >= "2.9"
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
@@ -308,6 +313,8 @@ def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
 def _grouped_mm_applies(a: torch.Tensor, b: torch.Tensor, *sizes: int) -> bool:
     """Can torch's grouped GEMM take these operands: one dtype it supports on this device (CUDA: bf16 only),
     and the given row sizes 16-byte aligned?"""
+    if a.device.type == "cpu" and not GROUPED_MM_ON_CPU:
+        return False
     supported = (torch.bfloat16,) if a.is_cuda else (torch.float32, torch.bfloat16)
     return (GROUPED_MM is not None and a.dtype == b.dtype and a.dtype in supported
             and all((n * a.element_size()) % 16 == 0 for n in sizes))

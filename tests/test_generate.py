@@ -1416,7 +1416,10 @@ def test_compiled_bf16_on_cpu_hands_the_experts_to_grouped_mm():
     keeps the custom op. Either way the tokens equal eager decoding's."""
     import torch._dynamo
 
-    for dtype, native in (("bfloat16", True), ("float32", False)):
+    from blockpress.model import GROUPED_MM_ON_CPU
+
+    # (torch 2.6 to 2.8 have no grouped GEMM for a CPU: the custom op in either dtype)
+    for dtype, native in (("bfloat16", GROUPED_MM_ON_CPU), ("float32", False)):
         lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1, dtype=dtype)
         kw = dict(max_new_tokens=12, max_denoising_steps=3, seed=2)
         eager = lm.generate([[3, 4, 5]], **kw)
@@ -1538,6 +1541,10 @@ def test_captured_passes_have_no_host_sync_in_bf16():
     """A CUDA graph cannot hold a host sync (`.item()`, `.tolist()`, `nonzero`, any shape read from data). The
     passes that `cuda_graphs` captures run on the meta device, in the dtype a GPU runs, where every such
     sync raises: so a sync slipped into the decoder or the AR step fails here, not first on a GPU."""
+    from blockpress.model import GROUPED_MM
+
+    if GROUPED_MM is None:  # torch 2.6 and 2.7: the experts loop, and cuda_graphs refuses (the test after next)
+        pytest.skip("this torch has no grouped GEMM")
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=3, dtype="bfloat16", device="meta")
     m, c, v = lm.model, lm.config.canvas_length, lm.config.text.vocab_size
     with torch.no_grad():
@@ -1607,15 +1614,26 @@ def test_cuda_graphs_need_bf16_experts(lm, monkeypatch):
         lm.cuda_graphs()
 
 
+def test_cuda_graphs_need_a_torch_with_a_grouped_gemm(lm, monkeypatch):
+    """torch 2.6 and 2.7 have no torch._grouped_mm, so even bf16 experts loop with host syncs: refused by name up
+    front (on what would be a bf16 CUDA model), where the capture failed inside CUDA."""
+    monkeypatch.setattr(blockpress.lm.LM, "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(blockpress.lm.LM, "dtype", property(lambda self: torch.bfloat16))
+    monkeypatch.setattr(blockpress.lm, "GROUPED_MM", None)
+    with pytest.raises(ValueError, match=r"cuda_graphs: torch .* has no grouped GEMM \(torch._grouped_mm, from torch "
+                                         r"2.8 on\), so the experts run one GEMM each"):
+        lm.cuda_graphs()
+
+
 @pytest.mark.parametrize("dtype, scheme, reads", [("float16", None, 1), ("float32", "int8", 1), ("float32", None, 0)])
 def test_experts_read_their_groups_on_the_host_once_a_layer(dtype, scheme, reads, monkeypatch):
     """Where the grouped GEMM does not apply (float16, int8 experts; float32 on CUDA) the experts loop over those
     with rows, which the host must know: one read a layer serves both projections (it was one each, two device
     syncs a layer). Where the grouped GEMM applies (float32 on a CPU) there is none."""
-    from blockpress.model import GROUPED_MM
+    from blockpress.model import GROUPED_MM_ON_CPU
 
-    if reads == 0 and GROUPED_MM is None:
-        pytest.skip("this torch has no grouped GEMM")
+    if reads == 0 and not GROUPED_MM_ON_CPU:
+        pytest.skip("this torch has no grouped GEMM for a CPU")
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0, dtype=dtype)
     if scheme:
         lm.quantize(scheme)
@@ -1630,6 +1648,21 @@ def test_experts_read_their_groups_on_the_host_once_a_layer(dtype, scheme, reads
         with torch.no_grad():
             one_pass()
         assert len(host_reads) == reads * layers, host_reads
+
+
+def test_a_cpu_torch_without_a_grouped_gemm_kernel_loops_over_the_experts(monkeypatch):
+    """torch 2.8 has torch._grouped_mm but no CPU kernel for it, so every pass of a model on a CPU failed there
+    ("Could not run 'aten::_grouped_mm' with arguments from the 'CPU' backend"). Where a CPU has none
+    (GROUPED_MM_ON_CPU), the experts loop, to the grouped GEMM's logits within float32 rounding."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompt, canvas = torch.randint(2, 128, (2, 11), generator=g), torch.randint(2, 128, (2, 8), generator=g)
+    grouped = lm.logits(prompt, canvas)
+    monkeypatch.setattr(blockpress.model, "GROUPED_MM_ON_CPU", False)
+    looped = []
+    ops = aten_ops(lambda: looped.append(lm.logits(prompt, canvas)))
+    assert not [name for name, _ in ops if "grouped_mm" in name]
+    torch.testing.assert_close(looped[0], grouped, rtol=0, atol=1e-5)
 
 
 def test_constraint_bans_tokens_every_step_and_sees_settled_positions(lm, monkeypatch):
