@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+
+from blockpress.model import CPU_FLASH_GROUPS
+
+# torch 2.6 to 2.8's CPU flash attention takes no grouped key/value heads (CPU_FLASH_GROUPS): the reference then gives
+# them grouped to SDPA's math kernel where it passes no mask and repeated to the flash kernel where it passes one,
+# blockpress repeated to the flash kernel throughout, so their passes round apart in the last bit (up to 2e-5 on the
+# tiny model's logits), which self-conditioning grows into other tokens. Comparisons to the bit need one kernel.
+one_attention_kernel = pytest.mark.skipif(not CPU_FLASH_GROUPS, reason="this torch's CPU flash attention takes no "
+                                          "grouped heads, so the reference's SDPA kernel differs by pass")
 
 TINY_TEXT = dict(
     vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,

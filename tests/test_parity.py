@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import one_attention_kernel
 
 import blockpress
 from blockpress.config import ACTIVATIONS
@@ -49,6 +50,7 @@ def test_prompt_longer_than_sliding_window(lm, ref_checkpoint):
     assert diff <= TOL
 
 
+@one_attention_kernel
 def test_one_pass_is_the_references_bit_for_bit_on_one_thread(ref_checkpoint):
     """float32, one thread, the weights aligned as the reference's are: encoder and decoder passes give the reference's
     logits to the last bit (every op rounds as the reference's does). One-row batches, where the experts' groups are
@@ -224,8 +226,11 @@ def test_chunked_prefill_matches_reference(lm, ref_checkpoint, chunk):
 
 
 def test_bf16_matches_reference_in_bf16(ref_checkpoint):
-    """Both engines in bfloat16 on one input: within half the reference's own bf16-vs-fp32 spread. (Not a law: on
-    random weights one ulp can grow to several logits either way, and other inputs have come out level.)"""
+    """Both engines in bfloat16 on 16 inputs: blockpress's mean error against the float32 reference within 1.25x the
+    reference's own bf16 one (bf16 logits scaled by 1.1 come to 1.37x). The largest difference of one input, checked
+    against half the reference's spread, was luck (on random weights one ulp grows to several logits either way):
+    seed 6 passed it under torch 2.13 and not under 2.6 (5.6 against 2.6), seeds 2, 3, 4, 9 and 10 failed it under
+    2.13; these means stay within 0.89x to 1.18x of the reference's under both (seeds 6 to 9)."""
     import copy
 
     path, ref = ref_checkpoint
@@ -235,15 +240,15 @@ def test_bf16_matches_reference_in_bf16(ref_checkpoint):
         lm16 = blockpress.load(path, dtype="bfloat16")
     assert lm16.dtype == torch.bfloat16
     g = torch.Generator().manual_seed(6)
-    prompt, canvas = ids(g, 2, 10), ids(g, 2, 8)
+    prompt, canvas = ids(g, 16, 10), ids(g, 16, 8)
     ours = lm16.logits(prompt, canvas)
-    expected = ref_logits(ref16, prompt, canvas)
+    expected = ref_logits(ref16, prompt, canvas).float()
     fp32 = ref_logits(ref, prompt, canvas)
-    diff = (ours - expected).abs().max().item()
-    spread = (expected - fp32).abs().max().item()
-    print(f"bf16 max|diff| vs reference bf16 = {diff:.3f} (reference bf16 vs fp32: {spread:.3f})")
+    error = (ours - fp32).abs().mean().item()
+    spread = (expected - fp32).abs().mean().item()
+    print(f"bf16 mean|error| vs reference fp32 = {error:.3f} (reference bf16: {spread:.3f})")
     assert ours.dtype == torch.float32
-    assert diff <= max(0.25, 0.5 * spread)
+    assert error <= 1.25 * spread
 
 
 def test_a_checkpoint_with_ten_layers_or_more(tmp_path):
