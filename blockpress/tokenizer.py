@@ -8,7 +8,6 @@ trim_blocks/lstrip_blocks), so prompts built here match prompts built there.
 
 from __future__ import annotations
 
-import codecs
 import copy
 import datetime
 import json
@@ -208,10 +207,9 @@ class Tokenizer:
             # past (it said "expected value at line 1 column 1"), and bytes that are not UTF-8 are named by offset
             # (it said "stream did not contain valid UTF-8", naming none).
             data = tokenizer_file.read_bytes()
-            mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
-            text = data[mark:].decode("utf-8")
+            text = text_of_file(data)  # (CRLF as LF: JSON's whitespace alike)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{tokenizer_file}: not UTF-8 ({exc.reason} at byte {exc.start + mark}){utf16_note(data)}"
+            raise ValueError(f"{tokenizer_file}: not UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(data)}"
                              "; tokenizer.json is UTF-8 JSON") from None
         try:
             backend = tokenizers.Tokenizer.from_str(text)
