@@ -8,14 +8,16 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import Any, NoReturn
 
+from blockpress.cli.output import progress_bar
 from blockpress.cli.parser import DefaultsFormatter
 from blockpress.config import ModelConfig, preset_names
 from blockpress.sampling import MAX_COUNT
 
-T = TypeVar("T")
+progress = progress_bar  # the benchmarks' bars: a terminal's alone, on stderr
+
 RANDOM_PREFIX = "random-"  # serve_load's --model also takes random-<preset>, as `blockpress serve` does
 
 
@@ -31,13 +33,6 @@ def fail(message: str, status: int = 2) -> NoReturn:
     print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
     raise SystemExit(status)
 
-
-def progress(items: Iterable[T], **options: Any) -> Iterable[T]:
-    """tqdm's bar over `items` on stderr (stdout carries the JSON), drawn on a terminal only: on a pipe or a log
-    file (CI, nohup) its redraws, up to 10 a second, filled the log with carriage returns. Cleared when done."""
-    from tqdm import tqdm
-
-    return tqdm(items, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None, **options)
 
 
 def _int_at_least(least: int, what: str, most: int | None = None) -> Callable[[str], int]:

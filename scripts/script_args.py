@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from blockpress.cli.output import progress_bar
+
+progress = progress_bar  # the scripts' bars: a terminal's alone, on stderr
 
 
 def json_flag(ap: argparse.ArgumentParser, flag: str, text: str, expected: str) -> Any:
@@ -24,10 +24,3 @@ def json_flag(ap: argparse.ArgumentParser, flag: str, text: str, expected: str) 
         ap.error(f"{flag}: expected a JSON list of objects (settings), got {text!r}")
     return value
 
-
-def progress(items: Iterable[T], **options: Any) -> Iterable[T]:
-    """tqdm's bar over `items` on stderr (stdout carries the JSON), drawn on a terminal only: on a pipe or a log
-    file (CI, nohup) its redraws, up to 10 a second, filled the log with carriage returns. Cleared when done."""
-    from tqdm import tqdm
-
-    return tqdm(items, file=sys.stderr, leave=False, dynamic_ncols=True, disable=None, **options)

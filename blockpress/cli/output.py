@@ -8,8 +8,18 @@ import errno
 import io
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any
 
+
+def progress_bar(items: Iterable[Any] | None = None, *, hidden: bool = False, **options: Any) -> Any:
+    """tqdm's bar (over `items`, or updated by hand) on stderr, which stdout's JSON or answers never share, drawn on a
+    terminal alone (disable=None): on a pipe or a log file (CI, nohup) its redraws, up to 10 a second, filled the log
+    with carriage returns. Cleared when done. `hidden`, or no stderr (pythonw, a service): none drawn."""
+    from tqdm import tqdm
+
+    return tqdm(items, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=True if hidden or sys.stderr is None else None, **options)
 
 class OutputError(Exception):
     """A write to standard output failed for a reason other than its reader going away (a full disk, `> /dev/full`,

@@ -128,12 +128,10 @@ def _puzzle_bar(puzzles: int, batch_size: int) -> Any:
     """A bar of the puzzles solved, on a terminal's stderr while the answers go to a file or pipe (`--json >
     out.jsonl`: a CSV of thousands solved for minutes without a sign), over more than one batch. With the answers on
     the terminal too, they are the progress, a batch at a time; on a log (no terminal) a bar would be redraws."""
-    from tqdm import tqdm
+    from blockpress.cli.output import progress_bar
 
     answers_shown = sys.stdout is not None and sys.stdout.isatty()
-    shown = sys.stderr is not None and not answers_shown and puzzles > batch_size
-    return tqdm(total=puzzles, desc="sudoku", unit="puzzle", leave=False, dynamic_ncols=True, file=sys.stderr,
-                disable=None if shown else True)
+    return progress_bar(total=puzzles, desc="sudoku", unit="puzzle", hidden=answers_shown or puzzles <= batch_size)
 
 
 def print_sudoku_answer(r: Any, truth: str | None, score: tuple[bool, float] | None, as_json: bool) -> None:

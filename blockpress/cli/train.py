@@ -586,11 +586,9 @@ def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, quiet: b
                          "shards")
     if not is_raw_text(path):
         return TokenShards(shard_files(path, flag), vocab_size)
-    from tqdm import tqdm
+    from blockpress.cli.output import progress_bar
 
-    # drawn on a terminal alone (disable=None): a log gets no redraws
-    bar = tqdm(desc=f"{flag} tokenizing", unit="char", unit_scale=True, leave=False, dynamic_ncols=True,
-               disable=True if quiet or sys.stderr is None else None, file=sys.stderr)
+    bar = progress_bar(desc=f"{flag} tokenizing", unit="char", unit_scale=True, hidden=quiet)
 
     def advance(done: int, total: int) -> None:
         bar.total = total
