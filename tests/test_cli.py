@@ -1251,8 +1251,17 @@ def test_serve_compiles_before_it_answers_and_the_engine_runs_the_compiled_steps
     said = [err.index(line) for line in ("--compile: compiling the model's steps (minutes on a CPU) with a few short "
                                          "generations before serving", "warmed up in", "blockpress serving 'random-tiny'")]
     assert said == sorted(said)
-    # the requests, their batches and their prompts kept: as the eager server's (the warm-up's are in none of them)
-    assert "blockpress_requests_total 3" in metrics and metrics == eager_metrics
+    # the requests and their prompts kept: as the eager server's (the warm-up's are in none of them). How the three
+    # were batched is the engine's timing (on a busy CI machine the first came alone once: batches 2, the eager 1), so
+    # the batches are counted, each run's own
+    def batches(lines):
+        return int(next(line for line in lines if line.startswith("blockpress_batches_total")).split()[1])
+
+    def others(lines):
+        return [line for line in lines if not line.startswith("blockpress_batches_total")]
+
+    assert "blockpress_requests_total 3" in metrics and others(metrics) == others(eager_metrics)
+    assert 1 <= batches(metrics) <= 3 and 1 <= batches(eager_metrics) <= 3
 
 
 @pytest.mark.parametrize("args", [["serve", "--port", "0"], ["generate", "x", "--json"], ["generate", "x", "--ar"]])
