@@ -637,6 +637,10 @@ class ModelPlan:
             dtype = self.coded.get(local, self.stored or self.dtype)
             state.update(self.convert(local, torch.empty(shape, dtype=dtype, device=meta), meta))
         self.model.load_state_dict(state, strict=True, assign=True)
+        if self.quantize is not None:  # laid out as the load will hold it on its device (int4's CPU layout)
+            from .quantize import fit_cpu_kernels
+
+            fit_cpu_kernels(self.model, self.device, self.dtype)
         return self.model
 
 

@@ -567,7 +567,7 @@ class DiffusionGemma(nn.Module):
         refuses a change of dtype before anything moves (quantize.check_cast), and so does a cast to float16 of a
         weight past its range (checkpoint.check_float16_range): cast, it would be inf."""
         from .checkpoint import check_float16_range  # both import this module
-        from .quantize import check_cast
+        from .quantize import check_cast, fit_cpu_kernels
 
         check_cast(self, fn)
         if self.device.type != "meta":
@@ -577,6 +577,7 @@ class DiffusionGemma(nn.Module):
         self.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
         super()._apply(fn, recurse)
         self.reset_buffers()
+        fit_cpu_kernels(self)  # quantized weights laid out for the kernels of the device they landed on
         self.weights_changed()
         return self
 

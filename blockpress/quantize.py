@@ -31,6 +31,7 @@ the backward multiplies by each weight dequantized on the spot, so the base stay
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,11 @@ QUANTIZED_DTYPES = {"int8": (torch.float32, torch.int8), "fp8": (torch.float32, 
 QUANTIZER = "blockpress"
 QUANT_FORMAT = 1
 SCALE_SUFFIX = "_scale"  # a stored weight's scales: its name + this (the buffers' own names)
+# int4 on a CPU in bfloat16 holds its codes as torch's CPU int4 GEMM reads them ("int4-cpu", see to_cpu_int4), and that
+# GEMM takes inputs of up to this many rows: it dequantizes the weights afresh for each block of 4 rows, so past about
+# 128 rows one dequantization and a bf16 GEMM are faster (the 26B-A4B's [4096, 2816] q_proj on one thread: 17 against
+# 31 ms at 64 rows, 35 against 37 at 128, 69 against 50 at 256; at one row 0.85 ms against 95 for [5632, 2816])
+INT4_CPU_MAX_ROWS = 128
 
 
 def check_scheme(scheme: Any) -> str:
@@ -203,14 +209,112 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if q.dtype == torch.uint8:  # int4, packed
-        codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).float() - 8
-        return (codes.unflatten(-1, (scale.shape[-1], -1)) * scale.float()[..., None]).flatten(-2).to(dtype)
+        # In bfloat16 or float32 the arithmetic runs in `dtype` itself: (code - 8) * scale is exact in float32 (3 bits
+        # times the scale's 8), so rounding it once to the result's dtype gives the same bits as via float32, with a
+        # third of the temporaries' bytes (7x faster on a CPU). float16 cannot hold a bfloat16 scale: float32 first.
+        work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+        codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).to(work).sub_(8)
+        return codes.unflatten(-1, (scale.shape[-1], -1)).mul_(scale.to(work)[..., None]).flatten(-2).to(dtype)
     return (q.float() * scale[..., None]).to(dtype)
+
+
+@functools.cache
+def cpu_int4_layout() -> tuple[int, bool] | None:
+    """How torch's CPU int4 GEMM (torch._weight_int4pack_mm_for_cpu, the kernel gpt-fast and torchao call) wants its
+    codes laid out, found by packing a probe with torch's own packer: (rows a block, whether a full block pairs row j
+    with row j + block / 2 in a byte rather than rows 2j and 2j + 1). The layout follows the CPU's vector width (64
+    rows with AVX-512, 32 with AVX2) and is torch's own business; None when this torch packs otherwise or has no
+    such kernel, and int4 then dequantizes per call on a CPU as elsewhere."""
+    pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if pack is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    codes = torch.randint(0, 16, (208, 4), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    try:
+        packed = pack(codes, 1)
+    except (RuntimeError, NotImplementedError):
+        return None
+    for layout in ((64, True), (32, True), (32, False), (64, False)):
+        if torch.equal(_pack_rows(codes.to(torch.uint8), layout), packed):
+            return layout
+    return None
+
+
+def _pack_rows(codes: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
+    """codes [..., N, K] (uint8, 0..15) as torch's CPU int4 packing lays them out: per block of rows, [K, rows / 2]
+    bytes, each byte two rows' codes of one input. A last block shorter than the layout's pairs neighbours."""
+    block, halves = layout
+    *lead, n, k = codes.shape
+    full = n - n % block
+    parts = []
+    for rows, size in ((codes[..., :full, :], block), (codes[..., full:, :], n - full)):
+        if size == 0:
+            continue
+        rows = rows.unflatten(-2, (-1, size))  # [..., blocks, size, K]
+        low, high = ((rows[..., :size // 2, :], rows[..., size // 2:, :]) if halves and size == block
+                     else (rows[..., 0::2, :], rows[..., 1::2, :]))
+        parts.append((low | (high << 4)).transpose(-1, -2).reshape(*lead, -1))  # each block [K, size / 2]
+    return torch.cat(parts, dim=-1).view(*lead, n, k // 2)
+
+
+def _unpack_rows(packed: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
+    """_pack_rows undone: codes [..., N, K] (uint8, 0..15) of packed [..., N, K / 2]."""
+    block, halves = layout
+    *lead, n, half = packed.shape
+    full = n - n % block
+    flat = packed.reshape(*lead, -1)
+    parts = []
+    for bytes_, size in ((flat[..., :full * half], block), (flat[..., full * half:], n - full)):
+        if size == 0:
+            continue
+        pairs = bytes_.unflatten(-1, (-1, 2 * half, size // 2)).transpose(-1, -2)  # [..., blocks, size / 2, K]
+        low, high = pairs & 15, pairs >> 4
+        rows = (torch.cat([low, high], dim=-2) if halves and size == block
+                else torch.stack([low, high], dim=-2).flatten(-3, -2))
+        parts.append(rows.flatten(-3, -2))
+    return torch.cat(parts, dim=-2)
+
+
+def int4_cpu_fits(shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether torch's CPU int4 GEMM takes an int4 weight of `shape` [..., out, in] (its rows a multiple of 16, its
+    groups of INT4_GROUP inputs) on this torch."""
+    return cpu_int4_layout() is not None and shape[-2] % 16 == 0 and int4_group(shape[-1]) == INT4_GROUP
+
+
+def to_cpu_int4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes and scales as stored (q uint8 [..., out, in / 2], two codes a byte, the even input low; scale bf16
+    [..., out, groups]) as torch's CPU int4 GEMM reads them: the codes re-laid in its layout (same bytes), and the
+    scales beside a zero per group ([..., groups, out, 2]: that GEMM computes (code - 8) * scale + zero). One matrix
+    at a time, so the temporaries are one expert's. The inverse is from_cpu_int4."""
+    layout = cpu_int4_layout()
+    assert layout is not None and int4_cpu_fits((*q.shape[:-1], 2 * q.shape[-1]))  # set_cpu_int4 checked it
+    if q.device.type == "meta":  # the layout alone (a load's plan, info): torch's meta kernels would import dynamo
+        return torch.empty_like(q), scale.new_empty(*scale.shape[:-2], scale.shape[-1], scale.shape[-2], 2)
+    if q.dim() > 2:
+        parts = [to_cpu_int4(w, s) for w, s in zip(q, scale)]
+        return torch.stack([p for p, _ in parts]), torch.stack([z for _, z in parts])
+    codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2)
+    scale_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).contiguous()
+    return _pack_rows(codes, layout), scale_zeros
+
+
+def from_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_cpu_int4 undone: the codes and scales as stored, bit for bit."""
+    layout = cpu_int4_layout()
+    assert layout is not None
+    if packed.device.type == "meta":
+        return torch.empty_like(packed), scale_zeros.new_empty(*scale_zeros.shape[:-3], scale_zeros.shape[-2],
+                                                               scale_zeros.shape[-3])
+    if packed.dim() > 2:
+        parts = [from_cpu_int4(p, z) for p, z in zip(packed, scale_zeros)]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+    codes = _unpack_rows(packed, layout)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale_zeros[..., 0].t().contiguous()
 
 
 def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """x [N, in] times the quantized weight q [out, in] transposed, in x's dtype. Differentiable in x (LoRA over a
-    quantized base, see _QuantizedMatmul); the weight is frozen."""
+    quantized base, see _QuantizedMatmul); the weight is frozen. `scheme` is the weight's layout: a scheme, or
+    "int4-cpu" for int4 codes laid out by to_cpu_int4."""
     if x.requires_grad and torch.is_grad_enabled():
         return _QuantizedMatmul.apply(x, q, scale, scheme)
     return _quantized_matmul(x, q, scale, scheme)
@@ -225,18 +329,27 @@ class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
         ctx.save_for_backward(q, scale)
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.scheme = x.dtype, scheme
         return _quantized_matmul(x, q, scale, scheme)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         q, scale = ctx.saved_tensors
-        return (grad @ dequantize_weight(q, scale, grad.dtype)).to(ctx.x_dtype), None, None, None
+        return (grad @ _dequantize_as(q, scale, ctx.scheme, grad.dtype)).to(ctx.x_dtype), None, None, None
+
+
+def _dequantize_as(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize_weight of codes held in `scheme`'s layout (quantized_matmul's)."""
+    if scheme == "int4-cpu":
+        q, scale = from_cpu_int4(q, scale)
+    return dequantize_weight(q, scale, dtype)
 
 
 def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    if scheme == "int4":
-        return F.linear(x, dequantize_weight(q, scale, x.dtype))
+    if scheme == "int4-cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= INT4_CPU_MAX_ROWS:
+        return _int4_cpu_mm(x, q, scale)
+    if scheme in ("int4", "int4-cpu"):
+        return F.linear(x, _dequantize_as(q, scale, scheme, x.dtype))
     if scheme == "int8":
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
@@ -250,6 +363,17 @@ def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sch
     _check_fp8_dtype(x.device, x.dtype)  # quantize() refused such a model already; this guards direct calls
     xq, x_scale = _fp8_rows(x)
     return torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
+
+
+@torch.library.custom_op("blockpress::int4_cpu_mm", mutates_args=())
+def _int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4 GEMM (to_cpu_int4's layout), one opaque op under torch.compile as _int8pack_mm is."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, INT4_GROUP, scale_zeros)
+
+
+@_int4_cpu_mm.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 @torch.library.custom_op("blockpress::int8pack_mm", mutates_args=())
@@ -271,14 +395,62 @@ def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / x_scale[:, None]).to(FP8), x_scale
 
 
-class QuantizedLinear(nn.Module):
+class _CodedWeights(nn.Module):
+    """A module holding quantized weights (buffers `{name}` and `{name}_scale` for each of `coded_names`), whose int4
+    codes may be laid out for torch's CPU int4 GEMM (to_cpu_int4) while the model runs on a CPU in bfloat16
+    (fit_cpu_kernels decides). Its state dict holds them as stored whatever the layout held, so a save, a load_state_dict
+    or a copy never sees the CPU's layout."""
+
+    scheme: str
+    coded_names: tuple[str, ...]
+    cpu_int4 = False  # the int4 codes and scales are held as to_cpu_int4 lays them out
+
+    @property
+    def kernel(self) -> str:
+        """The layout quantized_matmul is given: the scheme, or "int4-cpu"."""
+        return "int4-cpu" if self.cpu_int4 else self.scheme
+
+    def set_cpu_int4(self, on: bool) -> None:
+        """Hold the int4 codes in the CPU GEMM's layout (on) or as stored (off); bit for bit either way."""
+        if on == self.cpu_int4:
+            return
+        if on:
+            for name in self.coded_names:
+                shape = getattr(self, name).shape
+                if self.scheme != "int4" or not int4_cpu_fits((*shape[:-1], 2 * shape[-1])):
+                    raise ValueError(f"set_cpu_int4: torch's CPU int4 GEMM does not take this {self.scheme} weight "
+                                     f"{name} (codes {list(shape)}): it needs int4, out sizes of 16s and groups of "
+                                     f"{INT4_GROUP} inputs, and a torch whose CPU int4 layout is known")
+        convert = to_cpu_int4 if on else from_cpu_int4
+        for name in self.coded_names:
+            codes, scales = convert(getattr(self, name), getattr(self, name + SCALE_SUFFIX))
+            setattr(self, name, codes)
+            setattr(self, name + SCALE_SUFFIX, scales)
+        self.cpu_int4 = on
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.cpu_int4:
+            for name in self.coded_names:
+                codes, scales = from_cpu_int4(getattr(self, name), getattr(self, name + SCALE_SUFFIX))
+                destination[prefix + name], destination[prefix + name + SCALE_SUFFIX] = codes, scales
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        held = self.cpu_int4
+        self.set_cpu_int4(False)  # the state dict holds them as stored
+        super()._load_from_state_dict(*args, **kwargs)
+        if held and all(getattr(self, name).device.type == "cpu" for name in self.coded_names):
+            self.set_cpu_int4(True)
+
+
+class QuantizedLinear(_CodedWeights):
     """A bias-free nn.Linear whose weight is stored quantized (buffers `weight` and `weight_scale`)."""
 
     weight: torch.Tensor  # buffers, registered in __init__
     weight_scale: torch.Tensor
-    scheme: str
     in_features: int
     out_features: int
+    coded_names = ("weight",)
 
     def __init__(self, linear: nn.Linear, scheme: str):
         super().__init__()
@@ -292,16 +464,16 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        return quantized_matmul(flat, self.weight, self.weight_scale, self.scheme).view(*x.shape[:-1], self.out_features)
+        return quantized_matmul(flat, self.weight, self.weight_scale, self.kernel).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}"
 
 
-class QuantizedExperts(Experts):
+class QuantizedExperts(_CodedWeights, Experts):
     """Experts with quantized 3-D weights: the routing of Experts, each expert's rows through its own weight."""
 
-    scheme: str
+    coded_names = ("gate_up_proj", "down_proj")
 
     def __init__(self, experts: Experts, scheme: str):
         nn.Module.__init__(self)
@@ -320,13 +492,14 @@ class QuantizedExperts(Experts):
             # LoRA training over a frozen quantized base: one expert at a time, whose backward keeps the codes alone
             # (the grouped paths below would keep every expert's dequantized weight, or have no backward).
             if torch.compiler.is_compiling():
-                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.scheme)
-            return _quantized_experts(x, q, scale, rows, self.scheme)
+                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel)
+            return _quantized_experts(x, q, scale, rows, self.kernel)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if self.scheme == "int4" or (self.scheme == "int8" and capturing):
-            # Every expert's weight at once (one transient copy per projection), then the grouped GEMM. For int8
-            # only inside a CUDA graph, which cannot hold the loop's host syncs: eagerly, copying all 128 experts
-            # of the 26B-A4B costs more memory traffic than the loop over the experts that have rows.
+        if (self.scheme == "int4" and x.is_cuda) or (self.scheme == "int8" and capturing):
+            # Every expert's weight at once (one transient copy per projection), then the grouped GEMM: inside a CUDA
+            # graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there otherwise).
+            # Elsewhere the loop dequantizes the experts that have rows alone: on a CPU, the 26B-A4B's 128 int4
+            # experts at once made an AR token 6.5x slower than the 8 it routes to, and a 256-token canvas 2.6x.
             return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), rows)
         if self.scheme == "fp8" and x.is_cuda and x.dtype == torch.bfloat16 and self.grouped_fp8:
             try:  # one FP8 grouped GEMM for all experts (CUTLASS, SM90): no per-expert launches, no host sync
@@ -337,8 +510,8 @@ class QuantizedExperts(Experts):
                 warn_user(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                           f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each")
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
-            return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.scheme)
-        return _quantized_experts(x, q, scale, rows, self.scheme)
+            return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel)
+        return _quantized_experts(x, q, scale, rows, self.kernel)
 
 
 def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: ExpertRows,
@@ -362,34 +535,35 @@ def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tens
 
 
 def _quantized_experts_grad(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
-                            in_features: int) -> torch.Tensor:
+                            in_features: int, scheme: str) -> torch.Tensor:
     """The gradient of _quantized_experts in x: each expert's rows of `grad` times its dequantized weight."""
     out = grad.new_zeros(grad.shape[0], in_features)
     for e, start, end in expert_groups(offsets):
-        out[start:end] = grad[start:end] @ dequantize_weight(q[e], scale[e], grad.dtype)
+        out[start:end] = grad[start:end] @ _dequantize_as(q[e], scale[e], scheme, grad.dtype)
     return out
 
 
 @torch.library.custom_op("blockpress::quantized_experts_grad", mutates_args=())
 def _quantized_experts_grad_op(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
-                               in_features: int) -> torch.Tensor:
-    return _quantized_experts_grad(grad, q, scale, offsets, in_features)
+                               in_features: int, scheme: str) -> torch.Tensor:
+    return _quantized_experts_grad(grad, q, scale, offsets, in_features, scheme)
 
 
 @_quantized_experts_grad_op.register_fake
-def _(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, in_features: int) -> torch.Tensor:
+def _(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, in_features: int,
+      scheme: str) -> torch.Tensor:
     return grad.new_empty(grad.shape[0], in_features)
 
 
 def _quantized_experts_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, q, scale, offsets, _ = inputs
+    x, q, scale, offsets, scheme = inputs
     ctx.save_for_backward(q, scale, offsets)
-    ctx.x_dtype, ctx.in_features = x.dtype, x.shape[-1]
+    ctx.x_dtype, ctx.in_features, ctx.scheme = x.dtype, x.shape[-1], scheme
 
 
 def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
     q, scale, offsets = ctx.saved_tensors
-    grad_x = torch.ops.blockpress.quantized_experts_grad(grad, q, scale, offsets, ctx.in_features)
+    grad_x = torch.ops.blockpress.quantized_experts_grad(grad, q, scale, offsets, ctx.in_features, ctx.scheme)
     return grad_x.to(ctx.x_dtype), None, None, None, None
 
 
@@ -426,8 +600,28 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
     for parent, name, child, _ in targets:
         setattr(parent, name, QuantizedLinear(child, scheme) if isinstance(child, nn.Linear)
                 else QuantizedExperts(child, scheme))
+    fit_cpu_kernels(model)
     model.weights_changed()
     return model
+
+
+def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    """Lay the quantized weights out for the CPU kernels that run them where the model computes (`device` and `dtype`,
+    the model's own unless given: a load's plan describes a model not yet there). quantize calls it, and
+    DiffusionGemma._apply after every move (a load ends with one).
+
+    - int4 on a CPU in bfloat16: each weight whose shape torch's CPU int4 GEMM takes (int4_cpu_fits) is held in that
+      GEMM's layout, and as stored everywhere else. An AR token then reads a quarter of bf16's bytes: the 26B-A4B's
+      [5632, 2816] projection took 0.85 ms a token against 95 ms dequantized per call."""
+    device = model.device if device is None else device
+    dtype = model.dtype if dtype is None else dtype
+    runs_there = device.type == "cpu" and dtype == torch.bfloat16
+    for module in model.modules():
+        if not isinstance(module, _CodedWeights):
+            continue
+        if module.scheme == "int4":
+            shapes = [getattr(module, name).shape for name in module.coded_names]
+            module.set_cpu_int4(runs_there and all(int4_cpu_fits((*s[:-1], 2 * s[-1])) for s in shapes))
 
 
 def check_cast(model: DiffusionGemma, cast: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -461,10 +655,9 @@ def coded_tensors(model: nn.Module) -> dict[str, torch.dtype]:
     never casting them to the model's dtype."""
     coded: dict[str, torch.dtype] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, QuantizedExperts)):
-            names = ("weight",) if isinstance(module, QuantizedLinear) else ("gate_up_proj", "down_proj")
+        if isinstance(module, _CodedWeights):
             scales, codes = QUANTIZED_DTYPES[module.scheme]
-            for name in names:
+            for name in module.coded_names:
                 coded[f"{prefix}.{name}"] = codes
                 coded[f"{prefix}.{name}{SCALE_SUFFIX}"] = scales
     return coded

@@ -1,0 +1,244 @@
+"""int4 on a CPU: the experts dequantized only where they have rows, and, in bfloat16, the codes held in the layout of
+torch's CPU int4 GEMM (quantize.to_cpu_int4) while state dicts, saves and loads keep the stored layout."""
+
+import copy
+import tempfile
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import blockpress
+import blockpress.quantize as quantize_module
+from blockpress.model import ExpertRows, Experts
+from blockpress.quantize import (
+    INT4_CPU_MAX_ROWS,
+    QuantizedExperts,
+    QuantizedLinear,
+    _pack_rows,
+    _unpack_rows,
+    cpu_int4_layout,
+    dequantize_weight,
+    from_cpu_int4,
+    quantize_weight,
+    quantized_matmul,
+    to_cpu_int4,
+)
+
+needs_layout = pytest.mark.skipif(cpu_int4_layout() is None, reason="this torch has no CPU int4 GEMM of a known layout")
+
+
+def quiet(call, *args, **kwargs):
+    """call(*args, **kwargs) without its warnings (int4's groups below 32 in the tiny shapes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return call(*args, **kwargs)
+
+
+def int4_lm(dtype="bfloat16", seed=3):
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8), seed=seed, dtype=dtype)
+    return quiet(lm.quantize, "int4")
+
+
+def coded_modules(lm):
+    return [m for m in lm.model.modules() if isinstance(m, (QuantizedLinear, QuantizedExperts))]
+
+
+@settings(max_examples=30, deadline=None)
+@given(layout=st.sampled_from([(64, True), (32, True), (32, False), (64, False)]), lead=st.integers(0, 2),
+       blocks=st.integers(0, 3), tail=st.sampled_from([0, 16, 32, 48]), half=st.integers(1, 6), seed=st.integers(0, 99))
+def test_the_cpu_layout_is_a_permutation_of_the_codes_undone_exactly(layout, lead, blocks, tail, half, seed):
+    """_pack_rows then _unpack_rows gives the codes back for every layout torch's packer is known to use, with full
+    blocks and a shorter last one, and for stacked (expert) weights."""
+    rows = blocks * layout[0] + tail
+    if rows == 0:
+        rows = 16
+    shape = (*([2] * lead), rows, 2 * half)
+    codes = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = _pack_rows(codes, layout)
+    assert packed.shape == (*shape[:-1], half) and packed.dtype == torch.uint8
+    assert torch.equal(_unpack_rows(packed, layout), codes)
+
+
+@needs_layout
+@settings(max_examples=20, deadline=None)
+@given(rows=st.sampled_from([16, 48, 64, 80, 128, 208]), groups=st.integers(1, 3), seed=st.integers(0, 99))
+def test_to_cpu_int4_packs_as_torch_does_and_from_cpu_int4_gives_the_stored_codes_back(rows, groups, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, scale = quantize_weight(torch.randn(rows, 32 * groups, generator=g), "int4")
+    packed, scale_zeros = to_cpu_int4(q, scale)
+    codes = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).to(torch.int32)  # the stored code + 8, as torch reads
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+    assert scale_zeros.shape == (groups, rows, 2) and torch.equal(scale_zeros[..., 1], torch.zeros(groups, rows,
+                                                                                                  dtype=scale.dtype))
+    back_q, back_scale = from_cpu_int4(packed, scale_zeros)
+    assert torch.equal(back_q, q) and torch.equal(back_scale, scale)
+
+
+@needs_layout
+@pytest.mark.parametrize("rows", [1, 5, INT4_CPU_MAX_ROWS, INT4_CPU_MAX_ROWS + 1, 300])
+def test_the_cpu_int4_matmul_is_the_dequantized_matmul(rows):
+    """Up to INT4_CPU_MAX_ROWS rows torch's int4 GEMM, past it the weight dequantized from the CPU layout: both are x
+    times the dequantized weight, up to bf16's rounding of the output (and of the kernel's sums)."""
+    g = torch.Generator().manual_seed(rows)
+    q, scale = quantize_weight(torch.randn(80, 96, generator=g), "int4")
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    exact = x.float() @ dequantize_weight(q, scale, torch.float32).T
+    got = quantized_matmul(x, *to_cpu_int4(q, scale), "int4-cpu")
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
+    assert (got.float() - exact).abs().max() <= 2 * 2**-8 * exact.abs().max()
+    stored = quantized_matmul(x, q, scale, "int4")  # the stored layout's path: the same product
+    assert (got.float() - stored.float()).abs().max() <= 2 * 2**-8 * exact.abs().max()
+
+
+def test_a_bf16_int4_model_on_a_cpu_holds_the_cpu_layout_where_it_fits_and_computes_as_stored():
+    lm = int4_lm()
+    modules = coded_modules(lm)
+    fits = [m for m in modules if all(quantize_module.int4_cpu_fits((*getattr(m, n).shape[:-1], 2 * getattr(m, n).shape[-1]))
+                                      for n in m.coded_names)]
+    expected = cpu_int4_layout() is not None
+    assert fits and all(m.cpu_int4 == expected for m in fits)
+    assert not any(m.cpu_int4 for m in modules if m not in fits)  # e.g. a 48-input projection: groups of 16
+    stored = copy.deepcopy(lm)
+    for m in coded_modules(stored):
+        m.set_cpu_int4(False)
+    sd, stored_sd = lm.model.state_dict(), stored.model.state_dict()
+    assert sd.keys() == stored_sd.keys() and all(torch.equal(sd[k], stored_sd[k]) for k in sd)  # layout-free
+    float32 = int4_lm(dtype="float32")  # computes in float32: no CPU layout (its kernel is slower than dequantizing)
+    assert not any(m.cpu_int4 for m in coded_modules(float32))
+    # The same codes computed in float32 are the reference: both bf16 layouts are off it by bf16's rounding (a random
+    # 3-layer model's logits by up to a quarter of their largest), the CPU GEMM no more than the stored layout's
+    float32.model.load_state_dict({k: v.float() if v.is_floating_point() and not k.endswith("_scale") else v
+                                   for k, v in stored_sd.items()})
+    g = torch.Generator().manual_seed(0)
+    errors = {"cpu": 0.0, "stored": 0.0}
+    for _ in range(8):
+        prompt, canvas = torch.randint(3, 60, (2, 5), generator=g), torch.randint(3, 60, (2, 8), generator=g)
+        exact = float32.logits(prompt, canvas)
+        errors["cpu"] += (lm.logits(prompt, canvas) - exact).abs().mean().item()
+        errors["stored"] += (stored.logits(prompt, canvas) - exact).abs().mean().item()
+    assert 0 < errors["cpu"] <= 1.25 * errors["stored"], errors
+
+
+@needs_layout
+def test_a_cpu_layout_model_saves_the_stored_layout_and_loads_back_into_the_cpu_layout():
+    lm = int4_lm()
+    prompt, canvas = torch.randint(3, 60, (2, 5)), torch.randint(3, 60, (2, 8))
+    with tempfile.TemporaryDirectory() as folder:
+        lm.save(folder)
+        from safetensors.torch import load_file
+
+        files = load_file(f"{folder}/model.safetensors")
+        module = lm.model.layers[0].self_attn.q_proj
+        assert module.cpu_int4
+        q, scale = from_cpu_int4(module.weight, module.weight_scale)
+        assert torch.equal(files["model.decoder.layers.0.self_attn.q_proj.weight"], q)
+        assert torch.equal(files["model.decoder.layers.0.self_attn.q_proj.weight_scale"], scale)
+        back = quiet(blockpress.load, folder)
+    assert [m.cpu_int4 for m in coded_modules(back)] == [m.cpu_int4 for m in coded_modules(lm)]
+    assert torch.equal(back.model.layers[0].self_attn.q_proj.weight, module.weight)
+    assert torch.equal(back.logits(prompt, canvas), lm.logits(prompt, canvas))
+    # load_state_dict into a model holding the CPU layout: the stored layout in, the CPU's kept
+    other = int4_lm(seed=9)
+    other.model.load_state_dict(back.model.state_dict())
+    assert [m.cpu_int4 for m in coded_modules(other)] == [m.cpu_int4 for m in coded_modules(lm)]
+    assert torch.equal(other.logits(prompt, canvas), lm.logits(prompt, canvas))
+
+
+@needs_layout
+def test_generation_in_the_cpu_layout_matches_the_stored_layout():
+    """The kernel's sums round otherwise than a bf16 GEMM's, so tokens may differ in a random model; greedy AR on the
+    same weights agrees on most tokens, and both engines run."""
+    lm = int4_lm()
+    stored = copy.deepcopy(lm)
+    for m in coded_modules(stored):
+        m.set_cpu_int4(False)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    out = lm.generate(prompt, max_new_tokens=8, max_denoising_steps=3, seed=0)
+    assert out.sequences.shape == (1, 12)
+    ar, ar_stored = lm.generate_ar(prompt, max_new_tokens=8), stored.generate_ar(prompt, max_new_tokens=8)
+    assert (ar.sequences == ar_stored.sequences).float().mean() >= 0.75
+
+
+@needs_layout
+def test_the_input_gradient_through_the_cpu_layout_is_the_stored_layouts():
+    """QLoRA over a bf16 int4 base on a CPU: the backward dequantizes from the CPU layout, the same weight exactly."""
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(96, 80, bias=False).to(torch.bfloat16)
+    stored = QuantizedLinear(linear, "int4")
+    held = copy.deepcopy(stored)
+    held.set_cpu_int4(True)
+    x = torch.randn(3, 96, generator=g).to(torch.bfloat16).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    upstream = torch.randn(3, 80, generator=g).to(torch.bfloat16)
+    held(x).backward(upstream)
+    stored(x2).backward(upstream)
+    assert torch.equal(x.grad, x2.grad)
+
+
+def plain_experts(dtype):
+    torch.manual_seed(0)
+    # inputs of 32 (hidden) and 32 (the experts' width): groups of 32 both ways, as the CPU layout needs
+    plain = Experts(blockpress.ModelConfig.tiny(vocab_size=64, moe_intermediate_size=32).text)
+    for weight in plain.parameters():  # Experts allocates its weights uninitialised (a checkpoint fills them)
+        torch.nn.init.normal_(weight, std=0.1)
+    return plain.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_experts_on_a_cpu_dequantize_only_the_experts_with_rows(dtype, monkeypatch):
+    """Before, every expert's weight was dequantized on each call: an AR token of the 26B-A4B (8 of 128 experts)
+    dequantized 16x the weights it used. The output is each expert's rows through its own dequantized weight."""
+    experts = quiet(QuantizedExperts, plain_experts(dtype), "int4")
+    x = torch.randn(6, experts.gate_up_proj.shape[-1] * 2, dtype=dtype)
+    offsets = torch.tensor([2, 2, 2, 6], dtype=torch.int32)  # experts 1 and 2 have no rows
+    seen = []
+    real = quantize_module.dequantize_weight
+    monkeypatch.setattr(quantize_module, "dequantize_weight", lambda q, s, d: seen.append(tuple(q.shape)) or real(q, s, d))
+    got = experts.project(x, "gate_up_proj", ExpertRows(offsets))
+    assert seen == [tuple(experts.gate_up_proj.shape[1:])] * 2  # experts 0 and 3, one matrix each
+    q, scale = experts.gate_up_proj, experts.gate_up_proj_scale
+    want = torch.cat([x[:2] @ real(q[0], scale[0], dtype).T, x[2:] @ real(q[3], scale[3], dtype).T])
+    assert torch.equal(got, want)
+
+
+@needs_layout
+def test_int4_experts_in_the_cpu_layout_trace_as_one_graph_and_match_the_stored_layout():
+    experts = quiet(QuantizedExperts, plain_experts(torch.bfloat16), "int4")
+    held = copy.deepcopy(experts)
+    held.set_cpu_int4(True)
+    assert held.kernel == "int4-cpu" and experts.kernel == "int4"
+    x = torch.randn(12, experts.gate_up_proj.shape[-1] * 2, dtype=torch.bfloat16)
+    offsets = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
+
+    def project(x, offsets):
+        return held.project(x, "gate_up_proj", ExpertRows(offsets))
+
+    got = project(x, offsets)
+    assert torch.equal(torch.compile(project, fullgraph=True, backend="eager")(x, offsets), got)
+    want = experts.project(x, "gate_up_proj", ExpertRows(offsets))
+    assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+
+
+@needs_layout
+def test_a_weight_the_cpu_int4_gemm_does_not_take_is_refused_by_name():
+    layer = QuantizedLinear(torch.nn.Linear(48, 32, bias=False), "int4")  # 48 inputs: groups of 16
+    with pytest.raises(ValueError, match=r"set_cpu_int4: .* int4 weight weight \(codes \[32, 24\]\)"):
+        layer.set_cpu_int4(True)
+    assert not layer.cpu_int4
+    with pytest.raises(ValueError, match=r"set_cpu_int4: .* int8 weight"):
+        QuantizedLinear(torch.nn.Linear(64, 32, bias=False), "int8").set_cpu_int4(True)
+
+
+@needs_layout
+def test_an_int4_bf16_projection_in_the_cpu_layout_compiles_with_inductor():
+    layer = QuantizedLinear(torch.nn.Linear(64, 48, bias=False), "int4")
+    layer.set_cpu_int4(True)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+
+    def step(x):
+        return layer(torch.nn.functional.gelu(x) * 2)
+
+    assert torch.equal(torch.compile(step)(x), step(x))
