@@ -379,8 +379,15 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch
 @torch.library.custom_op("blockpress::int8pack_mm", mutates_args=())
 def _int8pack_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """torch's packed int8 GEMM as one opaque op: inductor cannot lower the aten op on a fused input (an
-    InductorError under `lm.compile()`, torch 2.13), and gains nothing from seeing inside it."""
-    return torch._weight_int8pack_mm(x.contiguous(), q, scale)
+    InductorError under `lm.compile()`, torch 2.13), and gains nothing from seeing inside it.
+
+    That GEMM crashes the process (a segfault, torch 2.13 on AVX-512) on codes off a 16-byte boundary or inputs off a
+    32-byte one: an input is copied to one (its rows are few), and codes off one, which fit_cpu_kernels copies away
+    on every model, take the plain GEMM rather than crash."""
+    if q.data_ptr() % 64:
+        return F.linear(x, q.to(x.dtype)) * scale
+    x = x.contiguous()
+    return torch._weight_int8pack_mm(x if x.data_ptr() % 64 == 0 else x.clone(), q, scale)
 
 
 @_int8pack_mm.register_fake
@@ -612,7 +619,10 @@ def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, d
 
     - int4 on a CPU in bfloat16: each weight whose shape torch's CPU int4 GEMM takes (int4_cpu_fits) is held in that
       GEMM's layout, and as stored everywhere else. An AR token then reads a quarter of bf16's bytes: the 26B-A4B's
-      [5632, 2816] projection took 0.85 ms a token against 95 ms dequantized per call."""
+      [5632, 2816] projection took 0.85 ms a token against 95 ms dequantized per call.
+    - int8 on a CPU in bfloat16: codes not on a 64-byte boundary are copied to one. torch's packed int8 GEMM (bfloat16) crashes
+      the process (a segfault, torch 2.13 on AVX-512) on codes off a 16-byte one, and a quantized folder's codes are
+      views of its mapped file wherever the file put them."""
     device = model.device if device is None else device
     dtype = model.dtype if dtype is None else dtype
     runs_there = device.type == "cpu" and dtype == torch.bfloat16
@@ -622,6 +632,11 @@ def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, d
         if module.scheme == "int4":
             shapes = [getattr(module, name).shape for name in module.coded_names]
             module.set_cpu_int4(runs_there and all(int4_cpu_fits((*s[:-1], 2 * s[-1])) for s in shapes))
+        elif module.scheme == "int8" and runs_there:
+            for name in module.coded_names:
+                codes = getattr(module, name)
+                if codes.device.type == "cpu" and codes.data_ptr() % 64:
+                    setattr(module, name, codes.clone())  # torch's CPU allocator aligns to 64 bytes
 
 
 def check_cast(model: DiffusionGemma, cast: Callable[[torch.Tensor], torch.Tensor]) -> None:

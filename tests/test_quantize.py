@@ -207,6 +207,32 @@ def test_int8_matmul_is_the_dequantized_matmul(dtype, width):
         assert ((got.float() - exact).abs() <= 2 * 2**-8 * exact.abs() + 1e-6 * exact.abs().max()).all()
 
 
+def test_the_packed_int8_gemm_is_never_given_codes_or_inputs_off_its_alignment(tmp_path):
+    """torch's packed int8 GEMM (bfloat16, torch 2.13 on AVX-512) crashed the process (a segfault) on codes off a
+    16-byte boundary or inputs off a 32-byte one, and a folder saved int8 holds its codes where its file put them:
+    `blockpress generate` on one crashed. Inputs are copied to a boundary; codes off one take the plain GEMM; a load
+    in bfloat16 on a CPU copies such codes to one."""
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_weight(torch.randn(48, 64, generator=g), "int8")
+    codes = torch.empty(q.numel() + 64, dtype=torch.int8)[8:8 + q.numel()].view_as(q)  # 8 bytes off
+    codes.copy_(q)
+    rows = torch.empty(5 * 64 + 64, dtype=torch.bfloat16)[8:8 + 5 * 64].view(5, 64)  # 16 bytes off
+    rows.copy_(torch.randn(5, 64, generator=g))
+    exact = rows.float() @ dequantize_weight(q, scale, torch.float32).T
+    for held in (q, codes):
+        got = quantized_matmul(rows, held, scale, "int8")
+        assert (got.float() - exact).abs().max() <= 2e-2 * exact.abs().max()
+    lm = quiet(blockpress.random_model, blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8), seed=1,
+               dtype="bfloat16")
+    lm.quantize("int8").save(tmp_path)
+    back = blockpress.load(tmp_path)
+    held = [getattr(m, name) for m in back.model.modules() if isinstance(m, (QuantizedLinear, QuantizedExperts))
+            for name in m.coded_names]
+    assert held and all(t.data_ptr() % 64 == 0 for t in held)
+    out = back.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=0)
+    assert torch.equal(out.sequences, lm.generate([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=0).sequences)
+
+
 def test_int8_bf16_projection_compiles_with_inductor():
     """The packed int8 kernel behind a fused input: inductor could not lower the aten op (InductorError under
     lm.compile() for int8 + bf16 on a CPU, the README's suggested pairing); it is now one opaque op."""
