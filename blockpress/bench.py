@@ -95,6 +95,7 @@ class BenchSettings:
     cuda_graphs: bool = False  # also time blockpress with its passes replayed from CUDA graphs (CUDA only)
     canvas_lengths: list[int] | None = None  # sweep these canvas lengths (None: the preset's)
     quantize: str | None = None  # also time blockpress with the projections quantized ("int8", "fp8", "int4")
+    layers: int | None = None  # the preset's first this many layers alone (ModelConfig.first_layers; None: all)
 
     def __post_init__(self) -> None:
         for name in ("batch_sizes", "canvas_lengths"):
@@ -108,7 +109,7 @@ class BenchSettings:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
         if self.steps > MAX_COUNT:  # the sampler's own bound: met only as the first row was timed, the model built
             raise ValueError(f"steps: expected an integer in [1, {MAX_COUNT}], got {self.steps}")
-        self._check_context(ModelConfig.preset(self.preset))  # an unknown preset: a clear error now
+        self._check_context(self.model_config())  # an unknown preset or layer count: a clear error now
         if self.quantize is not None:
             from .quantize import check_scheme
 
@@ -119,6 +120,17 @@ class BenchSettings:
             raise ValueError(f"device: {self.device!r} holds shapes only, so nothing runs there to time; give cpu or "
                              f"cuda (`blockpress info --model random-{self.preset} --device meta` counts the preset "
                              "without allocating)")
+
+    def model_config(self) -> ModelConfig:
+        """The shape timed: the preset's, cut to its first `layers` layers when given."""
+        cfg = ModelConfig.preset(self.preset)
+        return cfg if self.layers is None else cfg.first_layers(self.layers)
+
+    def shape_name(self) -> str:
+        """The preset as the run's messages name it: with the layers kept, when cut."""
+        if self.layers is None:
+            return self.preset
+        return f"{self.preset} (its first {self.layers} of {ModelConfig.preset(self.preset).text.num_hidden_layers} layers)"
 
     def _check_context(self, cfg: ModelConfig) -> None:
         """Refuse, before any model is built, a run past the preset's context: the prompt and, for each canvas
@@ -135,14 +147,14 @@ class BenchSettings:
                      else "canvas_lengths" if self.canvas_lengths
                      else "prompt_length" if self.prompt_length + canvas > limit else "new_tokens")
             raise ValueError(f"{blame}: {self.prompt_length} prompt + {self.new_tokens} new tokens in whole "
-                             f"{canvas}-token canvases ({taken} positions) exceed the {self.preset} preset's context "
+                             f"{canvas}-token canvases ({taken} positions) exceed the {self.shape_name()} preset's context "
                              f"of {limit} tokens (max_position_embeddings)")
 
     def long_canvas(self) -> str | None:
         """What run_bench says when a canvas (the preset's, or one swept) is longer than the new tokens: a canvas
         denoises all its positions, kept or not. That is what a model of that canvas pays for short replies, so
         it is timed, but the comparison with AR, which makes only what it keeps, needs saying. None otherwise."""
-        canvases = self.canvas_lengths or [ModelConfig.preset(self.preset).canvas_length]
+        canvases = self.canvas_lengths or [self.model_config().canvas_length]
         if max(canvases) <= self.new_tokens:
             return None
         what = (f"canvas lengths {self.canvas_lengths} (--canvas-lengths)" if self.canvas_lengths
@@ -337,7 +349,7 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
         _note(long_canvas)
     if s.cuda_graphs and torch.device(s.device).type != "cuda":
         raise ValueError(f"cuda_graphs: needs a CUDA device, got device {s.device!r}")
-    base = ModelConfig.preset(s.preset)
+    base = s.model_config()
     _refuse_what_cannot_fit(base, s)
     canvases = s.canvas_lengths or [base.canvas_length]
     out: dict[str, Any] = {"settings": asdict(s), "machine": machine(s.device), "params": base.num_parameters(),
@@ -350,10 +362,10 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
         names.append(s.quantize)
     ar_rows: dict[int, dict[str, Any]] = {}  # batch size -> the row whose AR entries it uses
     for canvas in canvases:
-        cfg = ModelConfig.preset(s.preset)
+        cfg = s.model_config()
         cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint
         cfg.text.eos_token_id = None  # fixed work: random weights would otherwise end at random
-        _note(f"canvas {canvas}: building the {s.preset} model ({s.dtype}, {s.device})"
+        _note(f"canvas {canvas}: building the {s.shape_name()} model ({s.dtype}, {s.device})"
               + (" and the reference" if s.reference else ""))
         lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
         ref = _reference(lm) if s.reference else None
@@ -395,9 +407,9 @@ def _refuse_what_cannot_fit(cfg: ModelConfig, s: BenchSettings) -> None:
     meta = random_model(cfg, dtype=s.dtype, device="meta")
     needed = meta.weights_bytes()
     if free is not None and needed > free:
-        raise ValueError(f"preset: {s.preset} in {s.dtype} needs {needed / 1e9:.1f} GB of weights on {device} but "
-                         f"{free / 1e9:.1f} GB are available; bench times a model it holds: a smaller --preset or "
-                         f"--dtype (`blockpress info --model random-{s.preset} --device meta` counts it without "
+        raise ValueError(f"preset: {s.shape_name()} in {s.dtype} needs {needed / 1e9:.1f} GB of weights on {device} "
+                         f"but {free / 1e9:.1f} GB are available; bench times a model it holds: a smaller --preset, "
+                         f"--dtype or --layers (`blockpress info --model random-{s.preset} --device meta` counts it without "
                          "allocating)")
     if free is None:
         return
@@ -413,7 +425,7 @@ def _refuse_what_cannot_fit(cfg: ModelConfig, s: BenchSettings) -> None:
         fits = f"; at most {room // sum(row.values())} rows fit" if blame == "batch_sizes" else ""
         raise ValueError(f"{blame}: batch {batch} with a {canvas}-token canvas needs at least "
                          f"{describe_run_memory(run_memory(cfg.text, meta.dtype, batch, s.prompt_length, s.new_tokens, canvas))} "
-                         f"on {device}, beside {needed / 1e9:.1f} GB of {s.preset} weights in {s.dtype}, but "
+                         f"on {device}, beside {needed / 1e9:.1f} GB of {s.shape_name()} weights in {s.dtype}, but "
                          f"{free / 1e9:.1f} GB are available{fits}")
 
 
@@ -786,7 +798,8 @@ def figure(result: dict[str, Any]) -> Any:
     threads = result.get("machine", {}).get("threads")
     where = (f"{s['device']}, {threads} thread{'s' if threads != 1 else ''}" if s["device"] == "cpu" and threads
              else s["device"])
-    ax.set_title(f"{s['preset']} ({result['params'] / 1e6:.2g}M, {s['dtype']}), {s['new_tokens']} new tokens, "
+    layers = f", {s['layers']} layers" if s.get("layers") else ""  # (a JSON of before held no "layers")
+    ax.set_title(f"{s['preset']}{layers} ({result['params'] / 1e6:.2g}M, {s['dtype']}), {s['new_tokens']} new tokens, "
                  f"{s['steps']} step{'s' if s['steps'] != 1 else ''} a canvas, {where}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0, fontsize=8)

@@ -530,6 +530,25 @@ class ModelConfig:
         p = PRESETS[name]
         return cls(text=TextConfig(**p["text"]), canvas_length=p["canvas"])
 
+    def first_layers(self, count: int) -> ModelConfig:
+        """This config cut to its first `count` decoder layers, each as it was (kind, heads, rope): a model of the same
+        widths that a machine can hold when the whole one does not (speed per layer, `blockpress bench --layers`).
+        The cut must end in a full-attention layer, as every DiffusionGemma does: the 26B-A4B's first 6 hold its
+        pattern once, 5 sliding layers and a full one."""
+        text = self.text
+        kinds = text.layer_types or []
+        ends = [i + 1 for i, kind in enumerate(kinds) if kind == FULL]
+        if isinstance(count, bool) or not isinstance(count, int) or count not in ends:
+            raise ConfigError(f"layers: expected a count of layers that ends in a full-attention one, as a "
+                              f"DiffusionGemma's last layer is: one of {', '.join(map(str, ends))}; got {count!r}")
+        cut = copy.deepcopy(self)
+        cut.text.num_hidden_layers = count
+        cut.text.layer_types = list(text.layer_types or [])[:count]
+        cut.text.per_layer_config = {key: dict(over) for key, over in text.resolved_per_layer_config.items()
+                                     if int(key) < count}
+        cut.text.validate()
+        return cut
+
     @classmethod
     def gemma_26b_a4b(cls) -> ModelConfig:
         """The released DiffusionGemma 26B-A4B text shape (for speed work with random weights)."""

@@ -1507,6 +1507,8 @@ def test_serve_rejects_an_empty_batch_or_queue(flag):
     (["--out", "/tmp"], "--out: '/tmp' is a folder"),
     (["--plot", "/tmp/b.txt"], "--plot: expected a file ending in one of .png"),
     (["--out", "/tmp/b.png", "--plot", "/tmp/./b.png"], "--out: '/tmp/b.png' is the --plot file too; give the JSON"),
+    (["--layers", "1"], "--layers: expected a count of layers that ends in a full-attention one, as a DiffusionGemma's "
+                        "last layer is: one of 2; got 1"),
 ])
 def test_bench_bad_arguments_fail_before_running(args, message, monkeypatch, capsys):
     """In process, through main() (a subprocess each paid torch's import: about 3 s apiece); a bench that ran
@@ -1545,6 +1547,45 @@ def test_bench_refuses_a_run_past_the_context_before_building_a_model(monkeypatc
     assert main(["bench", "--preset", "tiny", "--new-tokens", "16", "--steps", "1", "--no-reference", *args]) == 2
     err = capsys.readouterr().err
     assert f"blockpress bench: error: {message}" in err and "context of 131072 tokens" in err
+
+
+def test_bench_layers_times_the_presets_first_layers_and_counts_their_weights(monkeypatch, capsys):
+    """--layers N: the 26b-a4b's first 6 layers (5 sliding, 1 full, as in the whole) are 11.3 GB in bf16 where the whole
+    is 50.5: a shape this 24 GB CPU holds. The weights the refusal counts and the JSON's settings are the cut's."""
+    import blockpress.bench as bench
+
+    monkeypatch.setattr(bench, "available_bytes", lambda device: 4 * 10**9)
+    monkeypatch.setattr(bench, "random_model", lambda *a, device="cpu", **k: blockpress.random_model(
+        *a, device=device, **k) if device == "meta" else pytest.fail("built a model"))
+    assert main(["bench", "--preset", "26b-a4b", "--layers", "6", "--dtype", "bfloat16", "--no-reference"]) == 2
+    err = capsys.readouterr().err
+    cut = blockpress.random_model(blockpress.ModelConfig.gemma_26b_a4b().first_layers(6), dtype="bfloat16",
+                                  device="meta").weights_bytes()
+    assert (f"--preset: 26b-a4b (its first 6 of 30 layers) in bfloat16 needs {cut / 1e9:.1f} GB of weights on cpu but "
+            "4.0 GB are available" in err)
+    assert 11e9 < cut < 12e9
+    monkeypatch.undo()
+    assert main(["bench", "--preset", "tiny", "--layers", "2", "--new-tokens", "8", "--steps", "1", "--repeats", "1",
+                 "--no-reference", "--no-ar"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["settings"]["layers"] == 2
+    assert result["params"] == blockpress.ModelConfig.preset("tiny").num_parameters()
+
+
+def test_first_layers_keeps_each_layer_as_it_was():
+    from blockpress.config import ConfigError
+
+    whole = blockpress.ModelConfig.gemma_26b_a4b()
+    cut = whole.first_layers(12)
+    assert cut.text.num_hidden_layers == 12 and cut.text.layer_types == whole.text.layer_types[:12]
+    assert [(s.kind, s.head_dim, s.num_kv_heads) for s in cut.text.layers] == [
+        (s.kind, s.head_dim, s.num_kv_heads) for s in whole.text.layers[:12]]
+    assert cut.text.hidden_size == whole.text.hidden_size and cut.text.vocab_size == whole.text.vocab_size
+    six = [whole.first_layers(n).num_parameters() for n in (6, 12)]  # each 6 layers hold the pattern once
+    assert whole.num_parameters() - six[0] == 4 * (six[1] - six[0]) and cut.num_parameters() == six[1]
+    assert whole.text.num_hidden_layers == 30  # the preset itself unchanged
+    with pytest.raises(ConfigError, match=r"layers: .* one of 6, 12, 18, 24, 30; got 7"):
+        whole.first_layers(7)
 
 
 def test_bench_refuses_a_batch_whose_cache_cannot_fit_before_building_a_model(monkeypatch, capsys):

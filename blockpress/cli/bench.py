@@ -26,7 +26,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     s = BenchSettings(preset=args.preset, batch_sizes=args.batch_sizes, new_tokens=args.new_tokens, steps=args.steps,
                       prompt_length=args.prompt_length, repeats=args.repeats, reference=not args.no_reference,
                       ar=not args.no_ar, dtype=args.dtype, device=args.device, compile=args.compile,
-                      cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize)
+                      cuda_graphs=args.cuda_graphs, canvas_lengths=args.canvas_lengths, quantize=args.quantize,
+                      layers=args.layers)
     # Found now, not after minutes of benchmarking.
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path and not Path(path).resolve().parent.is_dir():

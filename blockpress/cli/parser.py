@@ -401,6 +401,10 @@ def add_bench_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     p.add_argument("--quantize", choices=SCHEMES, default=None,
                    help="also time blockpress (diffusion and AR) with the projections quantized, on the same "
                         "checkpoint")
+    p.add_argument("--layers", type=int, default=None,
+                   help="time the preset's first N layers alone, each as in the whole model (N must end on a "
+                        "full-attention layer: 6 holds the 26b-a4b's pattern once, 5 sliding and 1 full): a shape "
+                        "a machine can hold when the whole one does not (default: every layer)")
     p.add_argument("--plot", default=None, help="write a plot of tok/s against batch size here (.png, .svg, .pdf, "
                                                  ".jpg, .jpeg or .webp: the suffix picks the format)")
     p.add_argument("--out", default=None, help="also write the JSON here (and the plot, with --plot) after each "
