@@ -15,8 +15,10 @@ a cast).
 - "int4": weights only, symmetric 4-bit, two to a byte, one bfloat16 scale per group of 32 inputs (4.5 bits a
   weight: the 26B-A4B fits in 18 GB, as published). Where 32 does not divide the input size the group is
   gcd(in, 32), which costs more (12 bits a weight for an input size of 2 x odd, more than int8): `quantize`
-  warns, naming the shapes. Weights are dequantized per call (the experts' all at once, then the usual grouped
-  GEMM; in chunks, see dequantize_weight): it buys memory, not speed.
+  warns, naming the shapes. On a CPU in bfloat16 each weight torch's CPU int4 GEMM takes is held in that GEMM's
+  layout and multiplied by it (to_cpu_int4, fit_cpu_kernels): an AR token reads a quarter of bf16's bytes. Elsewhere,
+  and for inputs of many rows, weights are dequantized per call (on a GPU the experts' all at once, then the usual
+  grouped GEMM; in chunks, see dequantize_weight).
 
 int8 and fp8 halve the bytes of bf16 weights (int8 quarters float32 ones).
 

@@ -242,3 +242,36 @@ def test_an_int4_bf16_projection_in_the_cpu_layout_compiles_with_inductor():
         return layer(torch.nn.functional.gelu(x) * 2)
 
     assert torch.equal(torch.compile(step)(x), step(x))
+
+
+@needs_layout
+def test_a_move_off_the_cpu_holds_the_stored_layout_again():
+    """The CPU layout is the CPU GEMM's alone: a model moved elsewhere (a GPU dequantizes from the stored layout) is
+    laid out as stored on arrival, by DiffusionGemma._apply. Moved to the meta device here, which no GPU is needed for:
+    the shapes are the stored ones."""
+    lm = int4_lm()
+    module = lm.model.layers[0].self_attn.q_proj
+    assert module.cpu_int4 and module.weight_scale.dim() == 3  # [groups, out, 2]
+    stored_shapes = {k: tuple(v.shape) for k, v in lm.model.state_dict().items()}
+    lm.model.to("meta")
+    assert not any(m.cpu_int4 for m in coded_modules(lm))
+    assert {k: tuple(v.shape) for k, v in lm.model.state_dict().items()} == stored_shapes
+    assert module.weight_scale.shape == (module.out_features, module.in_features // 32)
+
+
+@needs_layout
+def test_info_counts_int4_as_a_cpu_in_bf16_holds_it(capsys):
+    """`info --device cpu` counts what a load there would hold: the CPU layout's scales carry a zero each; on the meta
+    device (the stored layout) they do not."""
+    import json
+
+    from blockpress.cli import main
+
+    held = quiet(blockpress.random_model(blockpress.ModelConfig.preset("tiny"), dtype="bfloat16").quantize, "int4")
+    assert any(m.cpu_int4 for m in coded_modules(held))
+    counted = {}
+    for device in ("cpu", "meta"):
+        assert quiet(main, ["info", "--model", "random-tiny", "--device", device, "--dtype", "bfloat16", "--quantize",
+                            "int4", "--json"]) == 0
+        counted[device] = json.loads(capsys.readouterr().out)["weights_bytes"]
+    assert counted["cpu"] == held.weights_bytes() > counted["meta"]

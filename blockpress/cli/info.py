@@ -24,9 +24,12 @@ def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from blockpress.lm import LM, read_generation_config, resolve_model
 
     if args.model.startswith(RANDOM_PREFIX):  # random weights: float32 unless --dtype, as `random_model` makes them
-        resolve_device(args.device)  # checked as a load would: the figures are for this device
-        return load_model(args.model, args.dtype, "meta", args.quantize, args.adapter), dict(
-            checkpoint_dtype=None, dtype_note=None, checkpoint_bytes=None, tied_copies=None)
+        from blockpress.quantize import fit_cpu_kernels
+
+        device = resolve_device(args.device)  # checked as a load would: the figures are for this device
+        lm = load_model(args.model, args.dtype, "meta", args.quantize, args.adapter)
+        fit_cpu_kernels(lm.model, device, lm.dtype)  # laid out as on --device (int4's CPU layout holds more scales)
+        return lm, dict(checkpoint_dtype=None, dtype_note=None, checkpoint_bytes=None, tied_copies=None)
     path, adapter, quantize = resolve_model(args.model, args.quantize, args.adapter)  # the base, as a load takes it
     if args.adapter is not None and adapter is not None:  # its own run's merged checkpoint refused, another base
         from blockpress.train import check_adapter_pairing  # warned about, as a load
