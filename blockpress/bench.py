@@ -452,12 +452,15 @@ def _note(message: str) -> None:
 
 def _variant(name: str, lm: LM, cfg: ModelConfig, s: BenchSettings) -> LM:
     """A variant as its own LM beside the eager one, so the eager engines can take turns with it: compiled or
-    graphed steps over the same weights, or a quantized twin (the same seed gives the same weights)."""
+    graphed steps over the same weights, or a quantized twin of them built beside them (quantize.quantized_copy: a
+    second random model quantized after it peaked at twice the weights)."""
     if name == "compiled":
         return copy.copy(lm).compile()
     if name == "cuda_graphs":
         return copy.copy(lm).cuda_graphs()
-    return random_model(cfg, seed=0, dtype=s.dtype, device=s.device).quantize(name)
+    from .quantize import quantized_copy
+
+    return LM(quantized_copy(lm.model, name), lm.tokenizer)
 
 
 def _add_ratios(row: dict[str, Any], variants: list[str]) -> None:

@@ -2423,7 +2423,7 @@ def test_bench_errors_name_the_flags_and_give_advice_bench_can_take(monkeypatch,
     monkeypatch.setattr(bench, "available_bytes", too_little, raising=False)
     assert main(["bench", "--preset", "tiny", "--new-tokens", "16", "--steps", "1", "--no-reference"]) == 2
     err = capsys.readouterr().err
-    assert "GB are available" in err and "a smaller --preset or --dtype" in err and "device='meta'" not in err
+    assert "GB are available" in err and "a smaller --preset, --dtype or --layers" in err and "device='meta'" not in err
     assert "blockpress info --model random-tiny --device meta" in err
 
 

@@ -275,3 +275,43 @@ def test_info_counts_int4_as_a_cpu_in_bf16_holds_it(capsys):
                             "int4", "--json"]) == 0
         counted[device] = json.loads(capsys.readouterr().out)["weights_bytes"]
     assert counted["cpu"] == held.weights_bytes() > counted["meta"]
+
+
+@pytest.mark.parametrize("scheme, dtype", [("int4", "bfloat16"), ("int4", "float32"), ("int8", "bfloat16")])
+def test_a_quantized_copy_is_quantize_of_a_copy_bit_for_bit_and_shares_the_rest(scheme, dtype):
+    """quantize.quantized_copy (bench's quantized engine): what copy-then-quantize gives, built from the model's own
+    weights one matrix at a time, the unquantized tensors shared, the model left as it was."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from blockpress.quantize import quantized_copy
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8), seed=4, dtype=dtype)
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    expected = quiet(copy.deepcopy(lm).quantize, scheme)
+
+    class Allocations(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor) and a.device.type == "cpu"}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if (isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "cpu"
+                        and t.untyped_storage().data_ptr() not in inputs):  # new memory, not a view of an input
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    with Allocations() as seen:
+        twin = quiet(quantized_copy, lm.model, scheme)
+    matrices = [w[0] if w.dim() == 3 else w for name, w in lm.model.named_parameters()
+                if w.dim() >= 2 and name != "embed_tokens.weight"]  # the embedding is shared, never copied
+    assert seen.largest <= max(w.numel() for w in matrices)  # float temporaries of one matrix at a time
+    got, want = twin.state_dict(), expected.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert twin.embed_tokens.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()
+    assert lm.quantization is None and all(torch.equal(v, before[k]) for k, v in lm.model.state_dict().items())
+    prompt, canvas = torch.randint(3, 60, (2, 5)), torch.randint(3, 60, (2, 8))
+    assert torch.equal(blockpress.LM(twin).logits(prompt, canvas), expected.logits(prompt, canvas))
+    with pytest.raises(ValueError, match=r"quantize: the model is already quantized \(" + scheme):
+        quantized_copy(expected.model, scheme)
