@@ -744,14 +744,22 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     derived: list[str] = []  # rotary tables stored as tensors: recomputed from the config, so skipped
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
+    copied, added = (0, 0)
+    if quantize is not None:  # int4 on a CPU in bf16 is copied into the CPU GEMM's layout, scales doubled
+        from .quantize import cpu_layout_bytes
+
+        copied, added = cpu_layout_bytes(model, device, dtype)
+    what = f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}" + (f", {quantize}" if quantize
+                                                                                            else "")
     if device.type != "cpu" or dtype != plan.stored or (quantize is not None and not plan.coded):
         # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate (a folder
-        # stored quantized too: its codes and scales are read as stored).
+        # stored quantized too: its codes and scales are read as stored), but for int4's CPU layout.
         params = {name for name, _ in model.named_parameters()}
         nbytes = sum(t.numel() * (dtype.itemsize if name in params else t.element_size())
                      for name, t in expected.items())
-        check_fits(nbytes, device, f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}"
-                   + (f", {quantize}" if quantize else ""))
+        check_fits(nbytes + added, device, what)
+    elif copied:
+        check_fits(copied, device, what)
     total = sum(f.nbytes(name) for f in plan.files for name in f.keys() if tensor_kind(name)[0] == "weight")
     done = 0
     for f in plan.files:

@@ -315,3 +315,24 @@ def test_a_quantized_copy_is_quantize_of_a_copy_bit_for_bit_and_shares_the_rest(
     assert torch.equal(blockpress.LM(twin).logits(prompt, canvas), expected.logits(prompt, canvas))
     with pytest.raises(ValueError, match=r"quantize: the model is already quantized \(" + scheme):
         quantized_copy(expected.model, scheme)
+
+
+@needs_layout
+def test_a_load_counts_the_copies_of_the_cpu_layout_before_reading(tmp_path, monkeypatch):
+    """A folder saved int4 and loaded in bf16 on a CPU was not counted at all (its codes stay views of the file), yet the
+    CPU layout copies every fitting int4 weight, scales doubled: the 26B-A4B's 16.8 GB. Too little memory for them is
+    now refused by name before anything is read, as for any other load."""
+    import blockpress.checkpoint as checkpoint
+    from blockpress.quantize import cpu_layout_bytes
+
+    quiet(int4_lm().save, tmp_path)
+    plan = checkpoint.plan_model(tmp_path, None, "cpu", None)
+    copied, added = cpu_layout_bytes(plan.model, plan.device, plan.dtype)
+    monkeypatch.setattr(checkpoint, "available_bytes", lambda device: copied - 1)
+    with pytest.raises(ValueError, match=r"load: .* in bfloat16, int4: needs 0\.0 GB on cpu but 0\.0 GB are available"):
+        quiet(blockpress.load, tmp_path)
+    monkeypatch.setattr(checkpoint, "available_bytes", lambda device: copied)
+    back = quiet(blockpress.load, tmp_path)
+    held = [(getattr(m, n), getattr(m, n + "_scale")) for m in coded_modules(back) if m.cpu_int4 for n in m.coded_names]
+    assert copied == sum(c.numel() * c.element_size() + s.numel() * s.element_size() for c, s in held)
+    assert added * 2 == sum(s.numel() * s.element_size() for _, s in held)  # a zero beside each scale
