@@ -330,7 +330,8 @@ def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypa
     code = "\n".join(blocks if page.startswith("docs/") else blocks[:1])
     code = (code.replace('"/path/to/diffusiongemma-26B-A4B-it"', '"blockpress-code"').replace('"cuda"', '"cpu"')
             # 50 GB of random weights: counted on the meta device, as the line's own advice says
-            .replace('gemma_26b_a4b(), dtype="bfloat16", device="cpu"', 'gemma_26b_a4b(), dtype="bfloat16", device="meta"'))
+            .replace('gemma_26b_a4b(), dtype="bfloat16", device="cpu"', 'gemma_26b_a4b(), dtype="bfloat16", device="meta"')
+            .replace('first_layers(6), dtype="bfloat16", device="cpu"', 'first_layers(6), dtype="bfloat16", device="meta"'))
     if not FP8_ON_CPU:  # torch 2.6 and 2.7 have no CPU kernel for fp8 (see fp8.py): int8 stands in for the calls
         code = code.replace('quantize="fp8"', 'quantize="int8"')
 
