@@ -343,15 +343,42 @@ class _QuantizedMatmul(torch.autograd.Function):
 def _dequantize_as(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: torch.dtype) -> torch.Tensor:
     """dequantize_weight of codes held in `scheme`'s layout (quantized_matmul's)."""
     if scheme == "int4-cpu":
-        q, scale = from_cpu_int4(q, scale)
+        return _dequantize_cpu_int4(q, scale, dtype).t()
     return dequantize_weight(q, scale, dtype)
+
+
+def _dequantize_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of to_cpu_int4's layout, transposed ([in, out]), in `dtype`: dequantized where it lies, each block's
+    bytes holding an input's codes for the block's rows, so nothing is unpacked to the stored layout first (81 -> 71
+    ms for a [4096, 2816] projection at 256 rows, one thread). The same bits as dequantize_weight."""
+    layout = cpu_int4_layout()
+    assert layout is not None
+    block, halves = layout
+    n, half = packed.shape
+    full = n - n % block
+    flat = packed.reshape(-1)
+    parts = []
+    for bytes_, size in ((flat[:full * half], block), (flat[full * half:], n - full)):
+        if size == 0:
+            continue
+        pairs = bytes_.view(-1, 2 * half, size // 2)  # [blocks, in, size / 2]
+        low, high = pairs & 15, pairs >> 4
+        codes = torch.cat([low, high], -1) if halves and size == block else torch.stack([low, high], -1).flatten(-2)
+        parts.append(codes.transpose(0, 1).reshape(2 * half, -1))  # [in, rows of these blocks]
+    codes = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32  # as _dequantize, for the same bits
+    scales = scale_zeros[..., 0].to(work).contiguous()  # [groups, out]
+    weight = codes.to(work).sub_(8).view(scales.shape[0], -1, n).mul_(scales[:, None, :])
+    return weight.view(2 * half, n).to(dtype)
 
 
 def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     if scheme == "int4-cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= INT4_CPU_MAX_ROWS:
         return _int4_cpu_mm(x, q, scale)
-    if scheme in ("int4", "int4-cpu"):
-        return F.linear(x, _dequantize_as(q, scale, scheme, x.dtype))
+    if scheme == "int4-cpu":
+        return x @ _dequantize_cpu_int4(q, scale, x.dtype)
+    if scheme == "int4":
+        return F.linear(x, dequantize_weight(q, scale, x.dtype))
     if scheme == "int8":
         if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.

@@ -78,6 +78,20 @@ def test_to_cpu_int4_packs_as_torch_does_and_from_cpu_int4_gives_the_stored_code
 
 
 @needs_layout
+@settings(max_examples=20, deadline=None)
+@given(rows=st.sampled_from([16, 48, 64, 80, 128, 208]), groups=st.integers(1, 3), seed=st.integers(0, 99),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]))
+def test_dequantizing_where_the_cpu_layout_lies_gives_dequantize_weights_bits(rows, groups, seed, dtype):
+    """Past INT4_CPU_MAX_ROWS rows (and in QLoRA's backward) the weight is dequantized from the CPU layout directly,
+    transposed: the same bits as the stored layout's dequantize_weight, whatever the dtype."""
+    from blockpress.quantize import _dequantize_cpu_int4
+
+    q, scale = quantize_weight(torch.randn(rows, 32 * groups, generator=torch.Generator().manual_seed(seed)), "int4")
+    got = _dequantize_cpu_int4(*to_cpu_int4(q, scale), dtype)
+    assert got.shape == (32 * groups, rows) and torch.equal(got, dequantize_weight(q, scale, dtype).t())
+
+
+@needs_layout
 @pytest.mark.parametrize("rows", [1, 5, INT4_CPU_MAX_ROWS, INT4_CPU_MAX_ROWS + 1, 300])
 def test_the_cpu_int4_matmul_is_the_dequantized_matmul(rows):
     """Up to INT4_CPU_MAX_ROWS rows torch's int4 GEMM, past it the weight dequantized from the CPU layout: both are x
