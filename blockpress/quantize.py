@@ -258,22 +258,22 @@ def _pack_rows(codes: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
     return torch.cat(parts, dim=-1).view(*lead, n, k // 2)
 
 
-def _unpack_rows(packed: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
-    """_pack_rows undone: codes [..., N, K] (uint8, 0..15) of packed [..., N, K / 2]."""
+def _codes_by_input(packed: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
+    """_pack_rows undone, transposed: the codes (uint8, 0..15) of packed [N, K / 2] as [K, N], the order its blocks hold
+    them in (each block's bytes give an input's codes for the block's rows), so no copy goes against the grain."""
     block, halves = layout
-    *lead, n, half = packed.shape
+    n, half = packed.shape
     full = n - n % block
-    flat = packed.reshape(*lead, -1)
+    flat = packed.reshape(-1)
     parts = []
-    for bytes_, size in ((flat[..., :full * half], block), (flat[..., full * half:], n - full)):
+    for bytes_, size in ((flat[:full * half], block), (flat[full * half:], n - full)):
         if size == 0:
             continue
-        pairs = bytes_.unflatten(-1, (-1, 2 * half, size // 2)).transpose(-1, -2)  # [..., blocks, size / 2, K]
+        pairs = bytes_.view(-1, 2 * half, size // 2)  # [blocks, K, size / 2]
         low, high = pairs & 15, pairs >> 4
-        rows = (torch.cat([low, high], dim=-2) if halves and size == block
-                else torch.stack([low, high], dim=-2).flatten(-3, -2))
-        parts.append(rows.flatten(-3, -2))
-    return torch.cat(parts, dim=-2)
+        codes = torch.cat([low, high], -1) if halves and size == block else torch.stack([low, high], -1).flatten(-2)
+        parts.append(codes.transpose(0, 1).reshape(2 * half, -1))  # [K, the rows of these blocks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def int4_cpu_fits(shape: torch.Size | tuple[int, ...]) -> bool:
@@ -309,8 +309,8 @@ def from_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torc
     if packed.dim() > 2:
         parts = [from_cpu_int4(p, z) for p, z in zip(packed, scale_zeros)]
         return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
-    codes = _unpack_rows(packed, layout)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale_zeros[..., 0].t().contiguous()
+    codes = _codes_by_input(packed, layout).t()
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scale_zeros[..., 0].t().contiguous()
 
 
 def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -348,28 +348,16 @@ def _dequantize_as(q: torch.Tensor, scale: torch.Tensor, scheme: str, dtype: tor
 
 
 def _dequantize_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight of to_cpu_int4's layout, transposed ([in, out]), in `dtype`: dequantized where it lies, each block's
-    bytes holding an input's codes for the block's rows, so nothing is unpacked to the stored layout first (81 -> 71
-    ms for a [4096, 2816] projection at 256 rows, one thread). The same bits as dequantize_weight."""
+    """The weight of to_cpu_int4's layout, transposed ([in, out]), in `dtype`: dequantized where it lies, with no
+    unpacking to the stored layout first (81 -> 71 ms for a [4096, 2816] projection at 256 rows, one thread). The same
+    bits as dequantize_weight."""
     layout = cpu_int4_layout()
     assert layout is not None
-    block, halves = layout
-    n, half = packed.shape
-    full = n - n % block
-    flat = packed.reshape(-1)
-    parts = []
-    for bytes_, size in ((flat[:full * half], block), (flat[full * half:], n - full)):
-        if size == 0:
-            continue
-        pairs = bytes_.view(-1, 2 * half, size // 2)  # [blocks, in, size / 2]
-        low, high = pairs & 15, pairs >> 4
-        codes = torch.cat([low, high], -1) if halves and size == block else torch.stack([low, high], -1).flatten(-2)
-        parts.append(codes.transpose(0, 1).reshape(2 * half, -1))  # [in, rows of these blocks]
-    codes = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    codes = _codes_by_input(packed, layout)
     work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32  # as _dequantize, for the same bits
     scales = scale_zeros[..., 0].to(work).contiguous()  # [groups, out]
-    weight = codes.to(work).sub_(8).view(scales.shape[0], -1, n).mul_(scales[:, None, :])
-    return weight.view(2 * half, n).to(dtype)
+    weight = codes.to(work).sub_(8).view(scales.shape[0], -1, codes.shape[1]).mul_(scales[:, None, :])
+    return weight.view(codes.shape).to(dtype)
 
 
 def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
