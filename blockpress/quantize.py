@@ -657,7 +657,7 @@ def quantized_copy(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
 
 
 def cpu_layout_bytes(model: DiffusionGemma, device: torch.device, dtype: torch.dtype) -> tuple[int, int]:
-    """What fit_cpu_kernels will allocate for `model` (its stored layout, on the meta device or not) laid out on `device`
+    """What fit_cpu_kernels will allocate for `model` (on the meta device or not, in either layout) laid out on `device`
     in `dtype`: (bytes copied afresh, of which bytes beyond the stored layout). int4 weights taken into the CPU GEMM's
     layout are copied whole, codes and scales, and their scales carry a zero each; a load checks them (check_fits)
     where the weights would otherwise stay views of the file."""
@@ -665,11 +665,12 @@ def cpu_layout_bytes(model: DiffusionGemma, device: torch.device, dtype: torch.d
     if device.type != "cpu" or dtype != torch.bfloat16:
         return copied, added
     for module in model.modules():
-        if isinstance(module, _CodedWeights) and module.scheme == "int4" and not module.cpu_int4:
+        if isinstance(module, _CodedWeights) and module.scheme == "int4":
             tensors = [(getattr(module, name), getattr(module, name + SCALE_SUFFIX)) for name in module.coded_names]
-            if all(int4_cpu_fits((*codes.shape[:-1], 2 * codes.shape[-1])) for codes, _ in tensors):
+            if module.cpu_int4 or all(int4_cpu_fits((*codes.shape[:-1], 2 * codes.shape[-1])) for codes, _ in tensors):
                 for codes, scales in tensors:
-                    scale_bytes = scales.numel() * scales.element_size()
+                    # the stored scales' bytes (held in the CPU layout, they carry their zeros already)
+                    scale_bytes = scales.numel() * scales.element_size() // (2 if module.cpu_int4 else 1)
                     copied += codes.numel() * codes.element_size() + 2 * scale_bytes
                     added += scale_bytes
     return copied, added

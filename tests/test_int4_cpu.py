@@ -341,6 +341,8 @@ def test_a_load_counts_the_copies_of_the_cpu_layout_before_reading(tmp_path, mon
     quiet(int4_lm().save, tmp_path)
     plan = checkpoint.plan_model(tmp_path, None, "cpu", None)
     copied, added = cpu_layout_bytes(plan.model, plan.device, plan.dtype)
+    # the same counted from the plan's meta model laid out as the load will hold it (what info describes)
+    assert cpu_layout_bytes(plan.meta_model(), plan.device, plan.dtype) == (copied, added) and copied > 0
     monkeypatch.setattr(checkpoint, "available_bytes", lambda device: copied - 1)
     with pytest.raises(ValueError, match=r"load: .* in bfloat16, int4: needs 0\.0 GB on cpu but 0\.0 GB are available"):
         quiet(blockpress.load, tmp_path)
