@@ -749,8 +749,7 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
         from .quantize import cpu_layout_bytes
 
         copied, added = cpu_layout_bytes(model, device, dtype)
-    what = f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}" + (f", {quantize}" if quantize
-                                                                                            else "")
+    what = f"load: {path} ({config.describe()}) in {str(dtype).removeprefix('torch.')}{f', {quantize}' if quantize else ''}"
     if device.type != "cpu" or dtype != plan.stored or (quantize is not None and not plan.coded):
         # Read in the file's own dtype on a CPU, weights stay views of the mapped file: nothing to allocate (a folder
         # stored quantized too: its codes and scales are read as stored), but for int4's CPU layout.

@@ -361,9 +361,9 @@ def _dequantize_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor, dtype:
 
 
 def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
-    if scheme == "int4-cpu" and x.dtype == torch.bfloat16 and x.shape[0] <= INT4_CPU_MAX_ROWS:
-        return _int4_cpu_mm(x, q, scale)
     if scheme == "int4-cpu":
+        if x.dtype == torch.bfloat16 and x.shape[0] <= INT4_CPU_MAX_ROWS:
+            return _int4_cpu_mm(x, q, scale)
         return x @ _dequantize_cpu_int4(q, scale, x.dtype)
     if scheme == "int4":
         return F.linear(x, dequantize_weight(q, scale, x.dtype))
@@ -434,17 +434,25 @@ class _CodedWeights(nn.Module):
         """The layout quantized_matmul is given: the scheme, or "int4-cpu"."""
         return "int4-cpu" if self.cpu_int4 else self.scheme
 
+    def _cpu_int4_misfit(self) -> str | None:
+        """The first of this module's weights torch's CPU int4 GEMM does not take (int4_cpu_fits; the codes' shape is
+        the same in either layout), or None when it takes them all."""
+        return next((name for name in self.coded_names if self.scheme != "int4" or not int4_cpu_fits(
+            (*getattr(self, name).shape[:-1], 2 * getattr(self, name).shape[-1]))), None)
+
+    def fits_cpu_int4(self) -> bool:
+        """Whether torch's CPU int4 GEMM takes every weight of this module."""
+        return self._cpu_int4_misfit() is None
+
     def set_cpu_int4(self, on: bool) -> None:
         """Hold the int4 codes in the CPU GEMM's layout (on) or as stored (off); bit for bit either way."""
         if on == self.cpu_int4:
             return
-        if on:
-            for name in self.coded_names:
-                shape = getattr(self, name).shape
-                if self.scheme != "int4" or not int4_cpu_fits((*shape[:-1], 2 * shape[-1])):
-                    raise ValueError(f"set_cpu_int4: torch's CPU int4 GEMM does not take this {self.scheme} weight "
-                                     f"{name} (codes {list(shape)}): it needs int4, out sizes of 16s and groups of "
-                                     f"{INT4_GROUP} inputs, and a torch whose CPU int4 layout is known")
+        misfit = self._cpu_int4_misfit() if on else None
+        if misfit is not None:
+            raise ValueError(f"set_cpu_int4: torch's CPU int4 GEMM does not take this {self.scheme} weight "
+                             f"{misfit} (codes {list(getattr(self, misfit).shape)}): it needs int4, out sizes of 16s "
+                             f"and groups of {INT4_GROUP} inputs, and a torch whose CPU int4 layout is known")
         convert = to_cpu_int4 if on else from_cpu_int4
         for name in self.coded_names:
             codes, scales = convert(getattr(self, name), getattr(self, name + SCALE_SUFFIX))
@@ -665,14 +673,12 @@ def cpu_layout_bytes(model: DiffusionGemma, device: torch.device, dtype: torch.d
     if device.type != "cpu" or dtype != torch.bfloat16:
         return copied, added
     for module in model.modules():
-        if isinstance(module, _CodedWeights) and module.scheme == "int4":
-            tensors = [(getattr(module, name), getattr(module, name + SCALE_SUFFIX)) for name in module.coded_names]
-            if module.cpu_int4 or all(int4_cpu_fits((*codes.shape[:-1], 2 * codes.shape[-1])) for codes, _ in tensors):
-                for codes, scales in tensors:
-                    # the stored scales' bytes (held in the CPU layout, they carry their zeros already)
-                    scale_bytes = scales.numel() * scales.element_size() // (2 if module.cpu_int4 else 1)
-                    copied += codes.numel() * codes.element_size() + 2 * scale_bytes
-                    added += scale_bytes
+        if isinstance(module, _CodedWeights) and module.fits_cpu_int4():
+            for codes, scales in ((getattr(module, n), getattr(module, n + SCALE_SUFFIX)) for n in module.coded_names):
+                # the stored scales' bytes (held in the CPU layout, they carry their zeros already)
+                scale_bytes = scales.numel() * scales.element_size() // (2 if module.cpu_int4 else 1)
+                copied += codes.numel() * codes.element_size() + 2 * scale_bytes
+                added += scale_bytes
     return copied, added
 
 
@@ -694,8 +700,7 @@ def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, d
         if not isinstance(module, _CodedWeights):
             continue
         if module.scheme == "int4":
-            shapes = [getattr(module, name).shape for name in module.coded_names]
-            module.set_cpu_int4(runs_there and all(int4_cpu_fits((*s[:-1], 2 * s[-1])) for s in shapes))
+            module.set_cpu_int4(runs_there and module.fits_cpu_int4())
         elif module.scheme == "int8" and runs_there:
             for name in module.coded_names:
                 codes = getattr(module, name)
