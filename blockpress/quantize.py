@@ -526,13 +526,13 @@ class QuantizedExperts(_CodedWeights, Experts):
             if torch.compiler.is_compiling():
                 return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel)
             return _quantized_experts(x, q, scale, rows, self.kernel)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if (self.scheme == "int4" and x.is_cuda) or (self.scheme == "int8" and capturing):
-            # Every expert's weight at once (one transient copy per projection), then the grouped GEMM: inside a CUDA
-            # graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there otherwise).
-            # Elsewhere the loop dequantizes the experts that have rows alone: on a CPU, the 26B-A4B's 128 int4
-            # experts at once made an AR token 6.5x slower than the 8 it routes to, and a 256-token canvas 2.6x.
-            return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), rows)
+        if self._dequantizes_without_sync(x):
+            # Inside a CUDA graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there
+            # otherwise). The loop below dequantizes the experts that have rows alone: on a CPU, the 26B-A4B's 128
+            # int4 experts at once made an AR token 6.5x slower than the 8 it routes to, and a 256-token canvas 2.6x.
+            if x.shape[0] < self.num_experts:  # fewer rows than experts (an AR step): each row's weight alone
+                return _dequantized_per_row(x, q, scale, rows)
+            return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), rows)  # all at once, one transient copy
         if self.scheme == "fp8" and x.is_cuda and x.dtype == torch.bfloat16 and self.grouped_fp8:
             try:  # one FP8 grouped GEMM for all experts (CUTLASS, SM90): no per-expert launches, no host sync
                 xq, x_scale = _fp8_rows(x)
@@ -544,6 +544,21 @@ class QuantizedExperts(_CodedWeights, Experts):
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
             return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel)
         return _quantized_experts(x, q, scale, rows, self.kernel)
+
+    def _dequantizes_without_sync(self, x: torch.Tensor) -> bool:
+        """Whether the experts dequantize on the device with no host sync (the per-expert loop syncs once a layer)."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        return (self.scheme == "int4" and x.is_cuda) or (self.scheme == "int8" and capturing)
+
+
+def _dequantized_per_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
+    """Each row of x (sorted by expert) through its own expert's weight, dequantized for that row alone: with fewer
+    rows than experts, fewer weights than all the experts', and no host sync (the shapes are the rows'). An AR token of
+    the 26B-A4B routes 8 rows a layer to its 128 experts. A row's expert is the number of groups ending at or before it."""
+    row = torch.arange(x.shape[0], dtype=rows.offsets.dtype, device=x.device)
+    expert = torch.searchsorted(rows.offsets, row, right=True)
+    weight = dequantize_weight(q[expert], scale[expert], x.dtype)  # [rows, out, in]
+    return torch.bmm(weight, x[:, :, None])[:, :, 0]
 
 
 def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: ExpertRows,

@@ -281,6 +281,62 @@ def test_quantized_experts_trace_as_one_graph(scheme):
     assert torch.equal(compiled(x, offsets), project(x, offsets))
 
 
+def noisy_experts(num_experts, dtype):
+    """Experts of the tiny config's widths with `num_experts` experts and N(0, 0.1) weights."""
+    plain = Experts(blockpress.ModelConfig.tiny(vocab_size=64, num_experts=num_experts, top_k_experts=1).text)
+    for weight in plain.parameters():  # Experts allocates its weights uninitialised (a checkpoint fills them)
+        torch.nn.init.normal_(weight, std=0.1)
+    return plain.to(dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scheme=st.sampled_from(["int4", "int8"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       routed=st.lists(st.integers(0, 7), min_size=0, max_size=7), seed=st.integers(0, 2**16))
+def test_dequantizing_per_row_gives_each_row_its_own_experts_weight(scheme, dtype, routed, seed):
+    """Fewer rows than experts (an AR step), dequantized without a host sync (int4 on a GPU, int8 in a CUDA graph):
+    each row's expert alone, found on the device from the group ends. Before, all the experts were dequantized
+    (for an AR token of the 26B-A4B, 16x the weights it uses). The result is each row times its expert's weight."""
+    from blockpress.quantize import _dequantized_per_row
+
+    torch.manual_seed(seed)
+    experts = QuantizedExperts(noisy_experts(8, dtype), scheme)
+    q, scale = experts.gate_up_proj, experts.gate_up_proj_scale
+    expert_of_row = sorted(routed)  # rows sorted by expert, as Experts.forward hands them over
+    offsets = torch.tensor([sum(e <= k for e in expert_of_row) for k in range(8)], dtype=torch.int32)
+    x = torch.randn(len(expert_of_row), q.shape[-1] * (2 if scheme == "int4" else 1), dtype=dtype)
+
+    torch._dynamo.reset()  # a fresh trace per example: the recompile limit would end the run, not a failure
+    # fullgraph: the function traces as one graph, so nothing in it syncs with the host
+    got = torch.compile(_dequantized_per_row, fullgraph=True, backend="eager")(x, q, scale, ExpertRows(offsets))
+    assert got.shape == (len(routed), q.shape[1]) and got.dtype == dtype
+    for row, e in enumerate(expert_of_row):
+        want = x[row].float() @ dequantize_weight(q[e], scale[e], dtype).float().T
+        assert (got[row].float() - want).abs().max() <= (1e-5 if dtype == torch.float32 else 2**-7) * want.abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize(("rows", "dequantized"), [(5, (5,)), (11, (8,))], ids=["fewer-rows", "more-rows"])
+def test_experts_that_dequantize_without_a_sync_take_each_rows_weight_when_rows_are_fewer(
+        scheme, rows, dequantized, monkeypatch):
+    """Where the experts dequantize on the device (a GPU's int4, int8 under CUDA graphs: here forced on a CPU), fewer
+    rows than experts dequantize one weight a row, and as many or more all the experts' at once; both give the loop's
+    result."""
+    from blockpress import quantize as quantize_module
+
+    torch.manual_seed(0)
+    experts = QuantizedExperts(noisy_experts(8, torch.float32), scheme)
+    x = torch.randn(rows, experts.down_proj.shape[-1] * (2 if scheme == "int4" else 1))
+    offsets = torch.tensor([min(rows, 2 * k + 1) for k in range(8)], dtype=torch.int32)
+    looped = experts.project(x, "down_proj", ExpertRows(offsets))
+    seen = []
+    real = quantize_module.dequantize_weight
+    monkeypatch.setattr(quantize_module, "dequantize_weight", lambda q, s, d: seen.append(q.shape[0]) or real(q, s, d))
+    monkeypatch.setattr(QuantizedExperts, "_dequantizes_without_sync", lambda self, x: True)
+    got = experts.project(x, "down_proj", ExpertRows(offsets))
+    assert tuple(seen) == dequantized
+    assert (got - looped).abs().max() <= 1e-5 * looped.abs().max()
+
+
 def test_quantizing_a_compiled_model_keeps_it_compiled():
     """compile() then quantize(): the steps are compiled again over the quantized modules (before: dropped to
     eager without a word)."""
