@@ -268,7 +268,8 @@ def test_gpu_bench_warms_up_fp8_ar_before_timing_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("script", ["benchmarks/prefix_cache.py", "benchmarks/load_memory.py",
-                                    "benchmarks/prefill_memory.py", "scripts/gpu_bench.py"])
+                                    "benchmarks/prefill_memory.py", "benchmarks/expert_dequant.py",
+                                    "scripts/gpu_bench.py"])
 def test_preset_help_names_every_preset_the_script_takes(script, monkeypatch, capsys):
     """prefix_cache's and load_memory's --preset help listed tiny, small and medium, yet took 26b-a4b; gpu_bench
     listed all four and took any name (a traceback after startup for one it did not know)."""
@@ -1318,3 +1319,19 @@ def test_small_scripts_refuse_bad_flags_in_one_line(script, argv, message, monke
     code, out, err = run_script_in_process(f"scripts/{script}", argv, monkeypatch, capsys)
     assert code == 2, out + err
     assert f"{script}: error: {message}" in err and "Traceback" not in err
+
+
+def test_expert_dequant_benchmark_smoke(monkeypatch, capsys):
+    """Each scheme and row count times its ways side by side: one expert's weight per row only for fewer rows than
+    experts (as the experts take it), and the ratios are the times' own."""
+    code, out, err = run_script_in_process("benchmarks/expert_dequant.py", ["--preset", "tiny", "--rows", "2", "9",
+                                                                            "--repeats", "1", "--threads", "1"],
+                                           monkeypatch, capsys)
+    assert code in (0, None), err
+    rows = json.loads(out)["rows"]
+    assert [(row["scheme"], row["rows"]) for row in rows] == [("int4", 2), ("int4", 9), ("int8", 2), ("int8", 9)]
+    assert all(row["experts"] == 4 and row["all_ms"] > 0 and row["loop_ms"] > 0 for row in rows)
+    assert [row["per_row_ms"] is None for row in rows] == [False, True, False, True]
+    for row in rows:
+        for way in ("per_row", "loop"):
+            assert row.get(f"all_over_{way}") == (round(row["all_ms"] / row[f"{way}_ms"], 2) if row[f"{way}_ms"] else None)
