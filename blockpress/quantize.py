@@ -15,10 +15,10 @@ a cast).
 - "int4": weights only, symmetric 4-bit, two to a byte, one bfloat16 scale per group of 32 inputs (4.5 bits a
   weight: the 26B-A4B fits in 18 GB, as published). Where 32 does not divide the input size the group is
   gcd(in, 32), which costs more (12 bits a weight for an input size of 2 x odd, more than int8): `quantize`
-  warns, naming the shapes. On a CPU in bfloat16 each weight torch's CPU int4 GEMM takes is held in that GEMM's
-  layout and multiplied by it (to_cpu_int4, fit_cpu_kernels): an AR token reads a quarter of bf16's bytes. Elsewhere,
-  and for inputs of many rows, weights are dequantized per call (on a GPU the experts' all at once, then the usual
-  grouped GEMM; in chunks, see dequantize_weight).
+  warns, naming the shapes. On a CPU in bfloat16 or float32 each weight torch's CPU int4 GEMM takes is held in that
+  GEMM's layout and multiplied by it (to_cpu_int4, fit_cpu_kernels; float32 rows in bfloat16): an AR token reads a
+  quarter of bf16's bytes. Elsewhere, and for inputs of many rows, weights are dequantized per call (on a GPU the
+  experts' all at once, or one weight per row for fewer rows than experts; in chunks, see dequantize_weight).
 
 int8 and fp8 halve the bytes of bf16 weights (int8 quarters float32 ones).
 
@@ -62,11 +62,16 @@ QUANTIZED_DTYPES = {"int8": (torch.float32, torch.int8), "fp8": (torch.float32, 
 QUANTIZER = "blockpress"
 QUANT_FORMAT = 1
 SCALE_SUFFIX = "_scale"  # a stored weight's scales: its name + this (the buffers' own names)
-# int4 on a CPU in bfloat16 holds its codes as torch's CPU int4 GEMM reads them ("int4-cpu", see to_cpu_int4), and that
-# GEMM takes inputs of up to this many rows: it dequantizes the weights afresh for each block of 4 rows, so past about
+# int4 on a CPU in bfloat16 or float32 holds its codes as torch's CPU int4 GEMM reads them ("int4-cpu", see to_cpu_int4),
+# and that GEMM takes inputs of up to this many rows: it dequantizes the weights afresh for each block of 4 rows, so past about
 # 128 rows one dequantization and a bf16 GEMM are faster (the 26B-A4B's [4096, 2816] q_proj on one thread: 17 against
 # 31 ms at 64 rows, 35 against 37 at 128, 69 against 50 at 256; at one row 0.85 ms against 95 for [5632, 2816])
 INT4_CPU_MAX_ROWS = 128
+# The model dtypes whose int4 weights take that GEMM. Its kernel is vectorized for bfloat16 activations alone: float32
+# ones ran 27x slower than dequantizing (20 against 0.76 ms a token for a [4096, 2816] projection, one thread), so a
+# float32 model's rows go through it in bfloat16 and come back in float32. The rounding (2^-9 of each activation and
+# output) is far below int4's own error (a weight off by up to half its group's step, 1/14 of the group's largest).
+INT4_CPU_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def check_scheme(scheme: Any) -> str:
@@ -313,13 +318,16 @@ def from_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torc
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scale_zeros[..., 0].t().contiguous()
 
 
-def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str, *,
+                     exact: bool = False) -> torch.Tensor:
     """x [N, in] times the quantized weight q [out, in] transposed, in x's dtype. Differentiable in x (LoRA over a
     quantized base, see _QuantizedMatmul); the weight is frozen. `scheme` is the weight's layout: a scheme, or
-    "int4-cpu" for int4 codes laid out by to_cpu_int4."""
+    "int4-cpu" for int4 codes laid out by to_cpu_int4. `exact`: float32 rows stay float32 where the int4 GEMM would
+    take them in bfloat16 (INT4_CPU_DTYPES). Grad mode implies it: training keeps float32's arithmetic (a LoRA's
+    gradient depends on the base's outputs even where x needs none), inference (no_grad) takes the GEMM."""
     if x.requires_grad and torch.is_grad_enabled():
         return _QuantizedMatmul.apply(x, q, scale, scheme)
-    return _quantized_matmul(x, q, scale, scheme)
+    return _quantized_matmul(x, q, scale, scheme, exact or torch.is_grad_enabled())
 
 
 class _QuantizedMatmul(torch.autograd.Function):
@@ -332,7 +340,7 @@ class _QuantizedMatmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
         ctx.save_for_backward(q, scale)
         ctx.x_dtype, ctx.scheme = x.dtype, scheme
-        return _quantized_matmul(x, q, scale, scheme)
+        return _quantized_matmul(x, q, scale, scheme, exact=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -360,10 +368,11 @@ def _dequantize_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor, dtype:
     return weight.view(codes.shape).to(dtype)
 
 
-def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
+def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str,
+                      exact: bool = False) -> torch.Tensor:
     if scheme == "int4-cpu":
-        if x.dtype == torch.bfloat16 and x.shape[0] <= INT4_CPU_MAX_ROWS:
-            return _int4_cpu_mm(x, q, scale)
+        if x.shape[0] <= INT4_CPU_MAX_ROWS and (x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not exact)):
+            return _int4_cpu_mm(x.to(torch.bfloat16), q, scale).to(x.dtype)
         return x @ _dequantize_cpu_int4(q, scale, x.dtype)
     if scheme == "int4":
         return F.linear(x, dequantize_weight(q, scale, x.dtype))
@@ -421,7 +430,7 @@ def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _CodedWeights(nn.Module):
     """A module holding quantized weights (buffers `{name}` and `{name}_scale` for each of `coded_names`), whose int4
-    codes may be laid out for torch's CPU int4 GEMM (to_cpu_int4) while the model runs on a CPU in bfloat16
+    codes may be laid out for torch's CPU int4 GEMM (to_cpu_int4) while the model runs on a CPU in bfloat16 or float32
     (fit_cpu_kernels decides). Its state dict holds them as stored whatever the layout held, so a save, a load_state_dict
     or a copy never sees the CPU's layout."""
 
@@ -524,7 +533,7 @@ class QuantizedExperts(_CodedWeights, Experts):
             # LoRA training over a frozen quantized base: one expert at a time, whose backward keeps the codes alone
             # (the grouped paths below would keep every expert's dequantized weight, or have no backward).
             if torch.compiler.is_compiling():
-                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel)
+                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, True)
             return _quantized_experts(x, q, scale, rows, self.kernel)
         if self._dequantizes_without_sync(x):
             # Inside a CUDA graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there
@@ -542,7 +551,8 @@ class QuantizedExperts(_CodedWeights, Experts):
                 warn_user(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                           f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each")
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
-            return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel)
+            exact = torch.is_grad_enabled()  # as quantized_matmul: the op's forward may not see the caller's grad mode
+            return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, exact)
         return _quantized_experts(x, q, scale, rows, self.kernel)
 
     def _dequantizes_without_sync(self, x: torch.Tensor) -> bool:
@@ -561,23 +571,26 @@ def _dequantized_per_row(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, 
     return torch.bmm(weight, x[:, :, None])[:, :, 0]
 
 
-def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: ExpertRows,
-                       scheme: str) -> torch.Tensor:
-    """Each expert's rows of x (sorted by expert, grouped as `rows` says) through its own quantized weight."""
+def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, rows: ExpertRows, scheme: str,
+                       exact: bool = False) -> torch.Tensor:
+    """Each expert's rows of x (sorted by expert, grouped as `rows` says) through its own quantized weight (`exact`:
+    quantized_matmul's)."""
     out = x.new_empty(x.shape[0], q.shape[1])
     for e, start, end in rows.groups:  # experts without rows cost nothing
-        out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], scheme)
+        out[start:end] = quantized_matmul(x[start:end], q[e], scale[e], scheme, exact=exact)
     return out
 
 
 @torch.library.custom_op("blockpress::quantized_experts", mutates_args=())
 def _quantized_experts_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
-                          scheme: str) -> torch.Tensor:
-    return _quantized_experts(x, q, scale, ExpertRows(offsets), scheme)
+                          scheme: str, exact: bool) -> torch.Tensor:
+    """_quantized_experts as one opaque op; `exact`: the caller's grad mode (see quantized_matmul)."""
+    return _quantized_experts(x, q, scale, ExpertRows(offsets), scheme, exact)
 
 
 @_quantized_experts_op.register_fake
-def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, scheme: str) -> torch.Tensor:
+def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor, scheme: str,
+      exact: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[1])
 
 
@@ -603,15 +616,15 @@ def _(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.T
 
 
 def _quantized_experts_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, q, scale, offsets, scheme = inputs
+    x, q, scale, offsets, scheme, _ = inputs
     ctx.save_for_backward(q, scale, offsets)
     ctx.x_dtype, ctx.in_features, ctx.scheme = x.dtype, x.shape[-1], scheme
 
 
-def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
     q, scale, offsets = ctx.saved_tensors
     grad_x = torch.ops.blockpress.quantized_experts_grad(grad, q, scale, offsets, ctx.in_features, ctx.scheme)
-    return grad_x.to(ctx.x_dtype), None, None, None, None
+    return grad_x.to(ctx.x_dtype), None, None, None, None, None
 
 
 _quantized_experts_op.register_autograd(_quantized_experts_backward, setup_context=_quantized_experts_setup)
@@ -685,7 +698,7 @@ def cpu_layout_bytes(model: DiffusionGemma, device: torch.device, dtype: torch.d
     layout are copied whole, codes and scales, and their scales carry a zero each; a load checks them (check_fits)
     where the weights would otherwise stay views of the file."""
     copied = added = 0
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype not in INT4_CPU_DTYPES:
         return copied, added
     for module in model.modules():
         if isinstance(module, _CodedWeights) and module.fits_cpu_int4():
@@ -702,21 +715,21 @@ def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, d
     the model's own unless given: a load's plan describes a model not yet there). quantize calls it, and
     DiffusionGemma._apply after every move (a load ends with one).
 
-    - int4 on a CPU in bfloat16: each weight whose shape torch's CPU int4 GEMM takes (int4_cpu_fits) is held in that
-      GEMM's layout, and as stored everywhere else. An AR token then reads a quarter of bf16's bytes: the 26B-A4B's
+    - int4 on a CPU in bfloat16 or float32 (INT4_CPU_DTYPES): each weight whose shape torch's CPU int4 GEMM takes
+      (int4_cpu_fits) is held in that GEMM's layout, and as stored everywhere else. An AR token then reads a quarter of bf16's bytes: the 26B-A4B's
       [5632, 2816] projection took 0.85 ms a token against 95 ms dequantized per call.
     - int8 on a CPU in bfloat16: codes not on a 64-byte boundary are copied to one. torch's packed int8 GEMM (bfloat16) crashes
       the process (a segfault, torch 2.13 on AVX-512) on codes off a 16-byte one, and a quantized folder's codes are
       views of its mapped file wherever the file put them."""
     device = model.device if device is None else device
     dtype = model.dtype if dtype is None else dtype
-    runs_there = device.type == "cpu" and dtype == torch.bfloat16
+    on_cpu = device.type == "cpu"
     for module in model.modules():
         if not isinstance(module, _CodedWeights):
             continue
         if module.scheme == "int4":
-            module.set_cpu_int4(runs_there and module.fits_cpu_int4())
-        elif module.scheme == "int8" and runs_there:
+            module.set_cpu_int4(on_cpu and dtype in INT4_CPU_DTYPES and module.fits_cpu_int4())
+        elif module.scheme == "int8" and on_cpu and dtype == torch.bfloat16:
             for name in module.coded_names:
                 codes = getattr(module, name)
                 if codes.device.type == "cpu" and codes.data_ptr() % 64:

@@ -1,5 +1,5 @@
-"""int4 on a CPU: the experts dequantized only where they have rows, and, in bfloat16, the codes held in the layout of
-torch's CPU int4 GEMM (quantize.to_cpu_int4) while state dicts, saves and loads keep the stored layout."""
+"""int4 on a CPU: the experts dequantized only where they have rows, and, in bfloat16 or float32, the codes held in the
+layout of torch's CPU int4 GEMM (quantize.to_cpu_int4) while state dicts, saves and loads keep the stored layout."""
 
 import copy
 import tempfile
@@ -91,22 +91,26 @@ def test_dequantizing_where_the_cpu_layout_lies_gives_dequantize_weights_bits(ro
 
 
 @needs_layout
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 5, INT4_CPU_MAX_ROWS, INT4_CPU_MAX_ROWS + 1, 300])
-def test_the_cpu_int4_matmul_is_the_dequantized_matmul(rows):
+def test_the_cpu_int4_matmul_is_the_dequantized_matmul(rows, dtype):
     """Up to INT4_CPU_MAX_ROWS rows torch's int4 GEMM, past it the weight dequantized from the CPU layout: both are x
-    times the dequantized weight, up to bf16's rounding of the output (and of the kernel's sums)."""
+    times the dequantized weight, up to bf16's rounding of the output (and of the kernel's sums). float32 rows go
+    through the GEMM in bf16 and come back in float32; past it, float32 throughout, the stored layout's result."""
     g = torch.Generator().manual_seed(rows)
     q, scale = quantize_weight(torch.randn(80, 96, generator=g), "int4")
-    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
     exact = x.float() @ dequantize_weight(q, scale, torch.float32).T
     got = quantized_matmul(x, *to_cpu_int4(q, scale), "int4-cpu")
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 80)
+    assert got.dtype == dtype and got.shape == (rows, 80)
     assert (got.float() - exact).abs().max() <= 2 * 2**-8 * exact.abs().max()
     stored = quantized_matmul(x, q, scale, "int4")  # the stored layout's path: the same product
     assert (got.float() - stored.float()).abs().max() <= 2 * 2**-8 * exact.abs().max()
+    if dtype == torch.float32 and rows > INT4_CPU_MAX_ROWS:
+        torch.testing.assert_close(got, stored, rtol=1e-5, atol=1e-5)
 
 
-def test_a_bf16_int4_model_on_a_cpu_holds_the_cpu_layout_where_it_fits_and_computes_as_stored():
+def test_an_int4_model_on_a_cpu_holds_the_cpu_layout_where_it_fits_and_computes_as_stored():
     lm = int4_lm()
     modules = coded_modules(lm)
     fits = [m for m in modules if all(quantize_module.int4_cpu_fits((*getattr(m, n).shape[:-1], 2 * getattr(m, n).shape[-1]))
@@ -119,20 +123,27 @@ def test_a_bf16_int4_model_on_a_cpu_holds_the_cpu_layout_where_it_fits_and_compu
         m.set_cpu_int4(False)
     sd, stored_sd = lm.model.state_dict(), stored.model.state_dict()
     assert sd.keys() == stored_sd.keys() and all(torch.equal(sd[k], stored_sd[k]) for k in sd)  # layout-free
-    float32 = int4_lm(dtype="float32")  # computes in float32: no CPU layout (its kernel is slower than dequantizing)
-    assert not any(m.cpu_int4 for m in coded_modules(float32))
-    # The same codes computed in float32 are the reference: both bf16 layouts are off it by bf16's rounding (a random
-    # 3-layer model's logits by up to a quarter of their largest), the CPU GEMM no more than the stored layout's
+    # A float32 model holds the CPU layout too (its rows go through the GEMM in bf16: INT4_CPU_DTYPES)
+    float32 = int4_lm(dtype="float32")
+    assert [m.cpu_int4 for m in coded_modules(float32)] == [m.cpu_int4 for m in modules]
     float32.model.load_state_dict({k: v.float() if v.is_floating_point() and not k.endswith("_scale") else v
                                    for k, v in stored_sd.items()})
+    exact = copy.deepcopy(float32)
+    for m in coded_modules(exact):
+        m.set_cpu_int4(False)
+    # The same codes computed in float32 in the stored layout are the reference: both bf16 layouts are off it by bf16's
+    # rounding (a random 3-layer model's logits by up to a quarter of their largest), the CPU GEMM no more than the
+    # stored layout's; float32 through the GEMM, whose activations alone are rounded to bf16, by less than either
     g = torch.Generator().manual_seed(0)
-    errors = {"cpu": 0.0, "stored": 0.0}
+    errors = {"cpu": 0.0, "stored": 0.0, "float32 cpu": 0.0}
     for _ in range(8):
         prompt, canvas = torch.randint(3, 60, (2, 5), generator=g), torch.randint(3, 60, (2, 8), generator=g)
-        exact = float32.logits(prompt, canvas)
-        errors["cpu"] += (lm.logits(prompt, canvas) - exact).abs().mean().item()
-        errors["stored"] += (stored.logits(prompt, canvas) - exact).abs().mean().item()
+        want = exact.logits(prompt, canvas)
+        errors["cpu"] += (lm.logits(prompt, canvas) - want).abs().mean().item()
+        errors["stored"] += (stored.logits(prompt, canvas) - want).abs().mean().item()
+        errors["float32 cpu"] += (float32.logits(prompt, canvas) - want).abs().mean().item()
     assert 0 < errors["cpu"] <= 1.25 * errors["stored"], errors
+    assert 0 < errors["float32 cpu"] <= 0.75 * min(errors["cpu"], errors["stored"]), errors
 
 
 @needs_layout
@@ -233,6 +244,40 @@ def test_int4_experts_in_the_cpu_layout_trace_as_one_graph_and_match_the_stored_
     assert torch.equal(torch.compile(project, fullgraph=True, backend="eager")(x, offsets), got)
     want = experts.project(x, "gate_up_proj", ExpertRows(offsets))
     assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+
+
+@needs_layout
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-op"])
+def test_float32_rows_take_the_int4_gemm_in_bf16_at_inference_and_stay_float32_in_grad_mode(compiled):
+    """A float32 model's int4 weights in the CPU layout: at inference (no_grad) their rows go through the int4 GEMM in
+    bf16, its vectorized kernel (float32 rows ran 27x slower than dequantizing); with grad enabled, training's
+    arithmetic stays float32 (a LoRA's gradient depends on the base's outputs), the stored layout's result."""
+    torch.manual_seed(0)
+    experts = quiet(QuantizedExperts, plain_experts(torch.float32), "int4")
+    held = copy.deepcopy(experts)
+    held.set_cpu_int4(True)
+    x = torch.randn(12, experts.gate_up_proj.shape[-1] * 2)
+    offsets = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
+
+    def project(module, x):
+        return module.project(x, "gate_up_proj", ExpertRows(offsets))
+
+    # (aot_eager: AOTAutograd runs the op with grad mode off, so the flag the op is handed is what keeps it float32)
+    run = torch.compile(project, fullgraph=True, backend="aot_eager") if compiled else project
+    exact = project(experts, x)  # the stored layout: dequantized, float32 throughout
+    q, scale = held.gate_up_proj, held.gate_up_proj_scale
+    in_bf16 = torch.cat([quantized_matmul(x[a:b].bfloat16(), q[e], scale[e], "int4-cpu").float()
+                         for e, a, b in ((0, 0, 3), (2, 3, 9), (3, 9, 12))])
+    with torch.no_grad():
+        inference = run(held, x)
+    assert inference.dtype == torch.float32 and torch.equal(inference, in_bf16)
+    assert not torch.allclose(inference, exact, rtol=1e-5, atol=1e-5)  # rounded: the bf16 kernel did run
+    assert (inference - exact).abs().max() <= 2 * 2**-8 * exact.abs().max()
+    torch.testing.assert_close(run(held, x), exact, rtol=1e-5, atol=1e-5)  # grad mode: float32
+    layer = quiet(QuantizedLinear, torch.nn.Linear(96, 80, bias=False), "int4")
+    stored = layer(x[:, :1].expand(-1, 96).contiguous())
+    layer.set_cpu_int4(True)
+    torch.testing.assert_close(layer(x[:, :1].expand(-1, 96).contiguous()), stored, rtol=1e-5, atol=1e-5)
 
 
 @needs_layout

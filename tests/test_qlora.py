@@ -52,6 +52,13 @@ def objective_loss(model, seed=0):
     return diffusion + ar
 
 
+def stored_weight(module, name):
+    """`module`'s weight `name` dequantized in float32 from the stored layout (its state dict's, whatever layout the
+    module holds: int4 on a CPU keeps the CPU GEMM's)."""
+    state = module.state_dict()
+    return dequantize_weight(state[name], state[f"{name}_scale"], torch.float32)
+
+
 def dequantized_twin(model):
     """A deep copy of the quantized `model` with every quantized projection replaced by its dequantized weights as
     a plain (frozen) float32 module: what the quantized base computes, in autograd's own arithmetic."""
@@ -61,7 +68,7 @@ def dequantized_twin(model):
         parent = twin.get_submodule(parent_name) if parent_name else twin
         if isinstance(module, QuantizedLinear):
             linear = nn.Linear(module.in_features, module.out_features, bias=False)
-            linear.weight = nn.Parameter(dequantize_weight(module.weight, module.weight_scale, torch.float32), False)
+            linear.weight = nn.Parameter(stored_weight(module, "weight"), False)
             setattr(parent, child, linear)
         elif isinstance(module, QuantizedExperts):
             experts = Experts.__new__(Experts)  # the routing of Experts, plain frozen 3-D weights
@@ -69,7 +76,7 @@ def dequantized_twin(model):
             experts.num_experts = module.num_experts
             experts.act = module.act
             for w in ("gate_up_proj", "down_proj"):
-                weight = dequantize_weight(getattr(module, w), getattr(module, f"{w}_scale"), torch.float32)
+                weight = stored_weight(module, w)
                 setattr(experts, w, nn.Parameter(weight, requires_grad=False))
             setattr(parent, child, experts)
     return twin
@@ -93,8 +100,8 @@ def test_each_adapted_layer_is_the_quantized_layer_plus_the_adapters_delta(schem
         assert isinstance(base, QuantizedLinear) and layer.get_base_layer().weight.dtype == base.weight.dtype
         x = torch.randn(3, 5, base.in_features, generator=g).to(base.weight_scale.device, getattr(torch, dtype))
         a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-        by_hand = base(x) + (2.0 * (x.float() @ a.T @ b.T)).to(x.dtype)  # alpha / r = 8 / 4
-        with torch.no_grad():
+        with torch.no_grad():  # both at inference (a float32 int4 base takes its rows in bf16 there, not in training)
+            by_hand = base(x) + (2.0 * (x.float() @ a.T @ b.T)).to(x.dtype)  # alpha / r = 8 / 4
             got = layer(x)
         assert got.dtype == x.dtype
         assert torch.allclose(got.float(), by_hand.float(), atol=1e-2 if dtype == "bfloat16" else 1e-5), name
@@ -114,6 +121,7 @@ def test_qlora_forward_and_gradients_are_those_of_lora_over_the_dequantized_base
     twin = add_lora(twin, rank=4, alpha=8)
     randomize_adapters(model)
     randomize_adapters(twin)
+    # (int4 in float32 on a CPU: rows the int4 GEMM takes in bf16 at inference stay float32 where a gradient flows)
     loss, twin_loss = objective_loss(model), objective_loss(twin)
     assert torch.allclose(loss, twin_loss, rtol=1e-5)
     loss.backward()
@@ -157,10 +165,10 @@ def test_the_base_stays_quantized_and_no_dequantized_weight_is_kept_for_the_back
     dequantized = []  # every full-precision copy of a projection the backward could have kept, transposes too
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            dequantized.append(dequantize_weight(module.weight, module.weight_scale, torch.float32))
+            dequantized.append(stored_weight(module, "weight"))
         elif isinstance(module, QuantizedExperts):
             for w in ("gate_up_proj", "down_proj"):
-                stacked = dequantize_weight(getattr(module, w), getattr(module, f"{w}_scale"), torch.float32)
+                stacked = stored_weight(module, w)
                 dequantized += [stacked, stacked.transpose(1, 2), *stacked]
     dequantized += [w.T for w in dequantized if w.dim() == 2]
     kept = []
@@ -484,7 +492,7 @@ def test_the_compiled_experts_op_has_the_eager_loops_gradient(scheme):
     x = torch.randn(5, 32, requires_grad=True)
     grad = torch.randn(5, 16)
     eager = torch.autograd.grad(_quantized_experts(x, q, scale, ExpertRows(offsets), scheme), x, grad)[0]
-    op = torch.autograd.grad(torch.ops.blockpress.quantized_experts(x, q, scale, offsets, scheme), x, grad)[0]
+    op = torch.autograd.grad(torch.ops.blockpress.quantized_experts(x, q, scale, offsets, scheme, True), x, grad)[0]
     assert torch.equal(op, eager)
     by_hand = torch.cat([grad[:2] @ dequantize_weight(q[0], scale[0], torch.float32),
                          grad[2:] @ dequantize_weight(q[2], scale[2], torch.float32)])
