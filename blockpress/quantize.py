@@ -7,7 +7,8 @@ a cast).
 
 - "int8": weight-only, symmetric, one scale per output channel. Activations stay in the model's dtype. On a CPU
   in bfloat16 the packed int8 kernel reads a quarter of the bytes: for one-token (AR) passes it is faster than
-  a bf16 GEMM; for a 64-token canvas it is slower (see README). Elsewhere weights are dequantized per call.
+  a bf16 GEMM; for a 64-token canvas it is slower (see README). In float32 rows of up to INT8_FLOAT32_MAX_ROWS take
+  it too, in bfloat16 at inference (CPU_KERNEL_DTYPES). Elsewhere weights are dequantized per call.
 - "fp8": e4m3 weights with one scale per output channel, activations quantized per row on the fly (W8A8
   dynamic, as vLLM serves DiffusionGemma), multiplied by `torch._scaled_mm` (FP8 tensor cores on Hopper). A CPU
   runs the same arithmetic, slowly: it is there so that the numerics are tested without a GPU.
@@ -67,11 +68,18 @@ SCALE_SUFFIX = "_scale"  # a stored weight's scales: its name + this (the buffer
 # 128 rows one dequantization and a bf16 GEMM are faster (the 26B-A4B's [4096, 2816] q_proj on one thread: 17 against
 # 31 ms at 64 rows, 35 against 37 at 128, 69 against 50 at 256; at one row 0.85 ms against 95 for [5632, 2816])
 INT4_CPU_MAX_ROWS = 128
-# The model dtypes whose int4 weights take that GEMM. Its kernel is vectorized for bfloat16 activations alone: float32
-# ones ran 27x slower than dequantizing (20 against 0.76 ms a token for a [4096, 2816] projection, one thread), so a
-# float32 model's rows go through it in bfloat16 and come back in float32. The rounding (2^-9 of each activation and
-# output) is far below int4's own error (a weight off by up to half its group's step, 1/14 of the group's largest).
-INT4_CPU_DTYPES = (torch.bfloat16, torch.float32)
+# The model dtypes whose quantized weights take torch's CPU kernels: that int4 GEMM, and the packed int8 one. Both are
+# vectorized for bfloat16 rows alone: float32 rows ran 27x slower than dequantizing through the int4 one (20 against
+# 0.76 ms a token for a [4096, 2816] projection, one thread), and int8's float32 path had the codes converted to
+# float32 on every call (23.8 ms, against 1.7 through the packed GEMM in bf16). So at inference a float32 model's rows
+# go through them in bfloat16 and come back in float32 (with grad enabled they stay float32: quantized_matmul's
+# `exact`). The rounding, 2^-9 of each activation and output, is far below int4's own error (a weight off by up to half
+# its group's step, 1/14 of the group's largest: a tiny random model's logits moved a fortieth as much) and about half
+# of int8's (one step is 1/127 of a row's largest; the same model's logits moved 0.3-0.5x as much as by int8 itself).
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# int8 in float32 takes the packed GEMM for up to this many rows: past it the bf16 detour gains nothing (the [4096, 2816]
+# projection at 256 rows: 129 against 130 ms converting the codes; at 128, 57 against 82)
+INT8_FLOAT32_MAX_ROWS = 128
 
 
 def check_scheme(scheme: Any) -> str:
@@ -322,9 +330,10 @@ def quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sche
                      exact: bool = False) -> torch.Tensor:
     """x [N, in] times the quantized weight q [out, in] transposed, in x's dtype. Differentiable in x (LoRA over a
     quantized base, see _QuantizedMatmul); the weight is frozen. `scheme` is the weight's layout: a scheme, or
-    "int4-cpu" for int4 codes laid out by to_cpu_int4. `exact`: float32 rows stay float32 where the int4 GEMM would
-    take them in bfloat16 (INT4_CPU_DTYPES). Grad mode implies it: training keeps float32's arithmetic (a LoRA's
-    gradient depends on the base's outputs even where x needs none), inference (no_grad) takes the GEMM."""
+    "int4-cpu" for int4 codes laid out by to_cpu_int4. `exact`: float32 rows stay float32 where torch's CPU kernels
+    would take them in bfloat16 (CPU_KERNEL_DTYPES): the quantized modules pass it in training mode (all of a training
+    step, its no_grad self-conditioning pass too), and grad mode implies it (a LoRA's gradient depends on the base's
+    outputs even where x needs none). Inference (eval mode, no_grad) takes the kernels."""
     if x.requires_grad and torch.is_grad_enabled():
         return _QuantizedMatmul.apply(x, q, scale, scheme)
     return _quantized_matmul(x, q, scale, scheme, exact or torch.is_grad_enabled())
@@ -371,16 +380,16 @@ def _dequantize_cpu_int4(packed: torch.Tensor, scale_zeros: torch.Tensor, dtype:
 def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: str,
                       exact: bool = False) -> torch.Tensor:
     if scheme == "int4-cpu":
-        if x.shape[0] <= INT4_CPU_MAX_ROWS and (x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not exact)):
+        if x.shape[0] <= INT4_CPU_MAX_ROWS and _rows_in_bf16(x, exact, INT4_CPU_MAX_ROWS):
             return _int4_cpu_mm(x.to(torch.bfloat16), q, scale).to(x.dtype)
         return x @ _dequantize_cpu_int4(q, scale, x.dtype)
     if scheme == "int4":
         return F.linear(x, dequantize_weight(q, scale, x.dtype))
     if scheme == "int8":
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % 16 == 0:
+        if x.device.type == "cpu" and x.shape[-1] % 16 == 0 and _rows_in_bf16(x, exact, INT8_FLOAT32_MAX_ROWS):
             # The packed kernel exists for bf16 activations; its float32 path is far slower than a plain GEMM.
             # It reads its input in blocks of 16 columns: other widths crash the process (segfault, torch 2.13).
-            return _int8pack_mm(x, q, scale.to(x.dtype))
+            return _int8pack_mm(x.to(torch.bfloat16), q, scale.to(torch.bfloat16)).to(x.dtype)
         if x.dtype == torch.float16:
             # Scaling after the GEMM would leave x @ codes ~1/scale (about 1,000x) too large first: past
             # float16's 65,504 on real activations. bf16 and float32 have float32's range.
@@ -389,6 +398,12 @@ def _quantized_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sch
     _check_fp8_dtype(x.device, x.dtype)  # quantize() refused such a model already; this guards direct calls
     xq, x_scale = _fp8_rows(x)
     return torch._scaled_mm(xq, q.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=x.dtype)
+
+
+def _rows_in_bf16(x: torch.Tensor, exact: bool, float32_rows: int) -> bool:
+    """Whether x's rows take a CPU kernel made for bfloat16 rows (CPU_KERNEL_DTYPES): bfloat16 ones, and float32 ones of
+    up to `float32_rows` rows at inference (not `exact`)."""
+    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not exact and x.shape[0] <= float32_rows)
 
 
 @torch.library.custom_op("blockpress::int4_cpu_mm", mutates_args=())
@@ -505,7 +520,8 @@ class QuantizedLinear(_CodedWeights):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        return quantized_matmul(flat, self.weight, self.weight_scale, self.kernel).view(*x.shape[:-1], self.out_features)
+        out = quantized_matmul(flat, self.weight, self.weight_scale, self.kernel, exact=self.training)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}"
@@ -534,7 +550,7 @@ class QuantizedExperts(_CodedWeights, Experts):
             # (the grouped paths below would keep every expert's dequantized weight, or have no backward).
             if torch.compiler.is_compiling():
                 return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, True)
-            return _quantized_experts(x, q, scale, rows, self.kernel)
+            return _quantized_experts(x, q, scale, rows, self.kernel, exact=True)
         if self._dequantizes_without_sync(x):
             # Inside a CUDA graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there
             # otherwise). The loop below dequantizes the experts that have rows alone: on a CPU, the 26B-A4B's 128
@@ -551,9 +567,10 @@ class QuantizedExperts(_CodedWeights, Experts):
                 warn_user(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                           f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each")
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
-            exact = torch.is_grad_enabled()  # as quantized_matmul: the op's forward may not see the caller's grad mode
+            # (grad mode read here, as quantized_matmul reads it: the op's forward may run with it off)
+            exact = self.training or torch.is_grad_enabled()
             return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, exact)
-        return _quantized_experts(x, q, scale, rows, self.kernel)
+        return _quantized_experts(x, q, scale, rows, self.kernel, exact=self.training)
 
     def _dequantizes_without_sync(self, x: torch.Tensor) -> bool:
         """Whether the experts dequantize on the device with no host sync (the per-expert loop syncs once a layer)."""
@@ -584,7 +601,7 @@ def _quantized_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, ro
 @torch.library.custom_op("blockpress::quantized_experts", mutates_args=())
 def _quantized_experts_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offsets: torch.Tensor,
                           scheme: str, exact: bool) -> torch.Tensor:
-    """_quantized_experts as one opaque op; `exact`: the caller's grad mode (see quantized_matmul)."""
+    """_quantized_experts as one opaque op; `exact`: the caller's training or grad mode (see quantized_matmul)."""
     return _quantized_experts(x, q, scale, ExpertRows(offsets), scheme, exact)
 
 
@@ -658,8 +675,9 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
         warn_small_int4_groups(weights)
     model.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
     for parent, name, child, _ in targets:
-        setattr(parent, name, QuantizedLinear(child, scheme) if isinstance(child, nn.Linear)
-                else QuantizedExperts(child, scheme))
+        twin = QuantizedLinear(child, scheme) if isinstance(child, nn.Linear) else QuantizedExperts(child, scheme)
+        # in the mode of the module it replaces (a new module starts in training mode): its kernels read it
+        setattr(parent, name, twin.train(child.training))
     fit_cpu_kernels(model)
     model.weights_changed()
     return model
@@ -698,7 +716,7 @@ def cpu_layout_bytes(model: DiffusionGemma, device: torch.device, dtype: torch.d
     layout are copied whole, codes and scales, and their scales carry a zero each; a load checks them (check_fits)
     where the weights would otherwise stay views of the file."""
     copied = added = 0
-    if device.type != "cpu" or dtype not in INT4_CPU_DTYPES:
+    if device.type != "cpu" or dtype not in CPU_KERNEL_DTYPES:
         return copied, added
     for module in model.modules():
         if isinstance(module, _CodedWeights) and module.fits_cpu_int4():
@@ -715,12 +733,12 @@ def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, d
     the model's own unless given: a load's plan describes a model not yet there). quantize calls it, and
     DiffusionGemma._apply after every move (a load ends with one).
 
-    - int4 on a CPU in bfloat16 or float32 (INT4_CPU_DTYPES): each weight whose shape torch's CPU int4 GEMM takes
-      (int4_cpu_fits) is held in that GEMM's layout, and as stored everywhere else. An AR token then reads a quarter of bf16's bytes: the 26B-A4B's
-      [5632, 2816] projection took 0.85 ms a token against 95 ms dequantized per call.
-    - int8 on a CPU in bfloat16: codes not on a 64-byte boundary are copied to one. torch's packed int8 GEMM (bfloat16) crashes
-      the process (a segfault, torch 2.13 on AVX-512) on codes off a 16-byte one, and a quantized folder's codes are
-      views of its mapped file wherever the file put them."""
+    - int4 on a CPU in bfloat16 or float32 (CPU_KERNEL_DTYPES): each weight whose shape torch's CPU int4 GEMM takes
+      (int4_cpu_fits) is held in that GEMM's layout, and as stored everywhere else. An AR token then reads a quarter
+      of bf16's bytes: the 26B-A4B's [5632, 2816] projection took 0.85 ms a token against 95 ms dequantized per call.
+    - int8 on a CPU in bfloat16 or float32: codes not on a 64-byte boundary are copied to one. torch's packed int8
+      GEMM crashes the process (a segfault, torch 2.13 on AVX-512) on codes off a 16-byte one, and a quantized
+      folder's codes are views of its mapped file wherever the file put them."""
     device = model.device if device is None else device
     dtype = model.dtype if dtype is None else dtype
     on_cpu = device.type == "cpu"
@@ -728,8 +746,8 @@ def fit_cpu_kernels(model: DiffusionGemma, device: torch.device | None = None, d
         if not isinstance(module, _CodedWeights):
             continue
         if module.scheme == "int4":
-            module.set_cpu_int4(on_cpu and dtype in INT4_CPU_DTYPES and module.fits_cpu_int4())
-        elif module.scheme == "int8" and on_cpu and dtype == torch.bfloat16:
+            module.set_cpu_int4(on_cpu and dtype in CPU_KERNEL_DTYPES and module.fits_cpu_int4())
+        elif module.scheme == "int8" and on_cpu and dtype in CPU_KERNEL_DTYPES:
             for name in module.coded_names:
                 codes = getattr(module, name)
                 if codes.device.type == "cpu" and codes.data_ptr() % 64:

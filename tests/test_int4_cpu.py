@@ -123,7 +123,7 @@ def test_an_int4_model_on_a_cpu_holds_the_cpu_layout_where_it_fits_and_computes_
         m.set_cpu_int4(False)
     sd, stored_sd = lm.model.state_dict(), stored.model.state_dict()
     assert sd.keys() == stored_sd.keys() and all(torch.equal(sd[k], stored_sd[k]) for k in sd)  # layout-free
-    # A float32 model holds the CPU layout too (its rows go through the GEMM in bf16: INT4_CPU_DTYPES)
+    # A float32 model holds the CPU layout too (its rows go through the GEMM in bf16: CPU_KERNEL_DTYPES)
     float32 = int4_lm(dtype="float32")
     assert [m.cpu_int4 for m in coded_modules(float32)] == [m.cpu_int4 for m in modules]
     float32.model.load_state_dict({k: v.float() if v.is_floating_point() and not k.endswith("_scale") else v
@@ -254,7 +254,7 @@ def test_float32_rows_take_the_int4_gemm_in_bf16_at_inference_and_stay_float32_i
     arithmetic stays float32 (a LoRA's gradient depends on the base's outputs), the stored layout's result."""
     torch.manual_seed(0)
     experts = quiet(QuantizedExperts, plain_experts(torch.float32), "int4")
-    held = copy.deepcopy(experts)
+    held = copy.deepcopy(experts).eval()  # (a module starts in training mode, which keeps float32 rows float32)
     held.set_cpu_int4(True)
     x = torch.randn(12, experts.gate_up_proj.shape[-1] * 2)
     offsets = torch.tensor([3, 3, 9, 12], dtype=torch.int32)
@@ -274,7 +274,7 @@ def test_float32_rows_take_the_int4_gemm_in_bf16_at_inference_and_stay_float32_i
     assert not torch.allclose(inference, exact, rtol=1e-5, atol=1e-5)  # rounded: the bf16 kernel did run
     assert (inference - exact).abs().max() <= 2 * 2**-8 * exact.abs().max()
     torch.testing.assert_close(run(held, x), exact, rtol=1e-5, atol=1e-5)  # grad mode: float32
-    layer = quiet(QuantizedLinear, torch.nn.Linear(96, 80, bias=False), "int4")
+    layer = quiet(QuantizedLinear, torch.nn.Linear(96, 80, bias=False), "int4").eval()
     stored = layer(x[:, :1].expand(-1, 96).contiguous())
     layer.set_cpu_int4(True)
     torch.testing.assert_close(layer(x[:, :1].expand(-1, 96).contiguous()), stored, rtol=1e-5, atol=1e-5)
@@ -293,14 +293,14 @@ def test_a_weight_the_cpu_int4_gemm_does_not_take_is_refused_by_name():
 @needs_layout
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_an_int4_projection_in_the_cpu_layout_compiles_with_inductor(dtype):
-    layer = QuantizedLinear(torch.nn.Linear(64, 48, bias=False), "int4")
+    layer = QuantizedLinear(torch.nn.Linear(64, 48, bias=False), "int4").eval()
     layer.set_cpu_int4(True)
     x = torch.randn(16, 64, dtype=dtype)
 
     def step(x):
         return layer(torch.nn.functional.gelu(x) * 2)
 
-    with torch.no_grad():  # (float32 rows take the int4 GEMM at inference alone)
+    with torch.no_grad():  # (float32 rows take the int4 GEMM at inference alone: eval mode, no_grad)
         assert torch.equal(torch.compile(step)(x), step(x))
 
 

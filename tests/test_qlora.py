@@ -121,7 +121,10 @@ def test_qlora_forward_and_gradients_are_those_of_lora_over_the_dequantized_base
     twin = add_lora(twin, rank=4, alpha=8)
     randomize_adapters(model)
     randomize_adapters(twin)
-    # (int4 in float32 on a CPU: rows the int4 GEMM takes in bf16 at inference stay float32 where a gradient flows)
+    # In training mode, as train.py runs it: float32 rows stay float32 where torch's CPU kernels would take them in bf16
+    # at inference (CPU_KERNEL_DTYPES), the objective's no_grad self-conditioning pass included
+    model.train()
+    twin.train()
     loss, twin_loss = objective_loss(model), objective_loss(twin)
     assert torch.allclose(loss, twin_loss, rtol=1e-5)
     loss.backward()

@@ -132,10 +132,11 @@ def emulated_dtype_note(dtype: str | None, device: str) -> str | None:
             f"times slower than float32 (the default here)")
 
 
-QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CPU, --dtype bfloat16 runs a packed "
-                 "int8 kernel, which pays only with native bf16 matmuls, AVX512-BF16 or AMX: elsewhere bf16's other "
-                 "ops take scalar fallbacks and float32 is faster), fp8 (weights and activations, for GPUs with FP8 "
-                 "tensor cores) or int4 (weights, groups of 32: for memory, not speed). Default: none (a folder saved "
+QUANTIZE_HELP = ("quantize the projections while loading: int8 (weights; on a CPU a packed int8 kernel multiplies "
+                 "bf16 rows, and a float32 model's passes of up to 128 rows in bf16; --dtype bfloat16 pays only with "
+                 "native bf16 matmuls, AVX512-BF16 or AMX: elsewhere float32 is faster), fp8 (weights and activations, for GPUs with FP8 tensor "
+                 "cores) or int4 (weights, groups of 32: for memory; on a CPU in bfloat16 or float32 torch's int4 "
+                 "GEMM multiplies passes of up to 128 rows). Default: none (a folder saved "
                  "quantized: its own scheme, the only one it takes; an adapter folder given as --model: the "
                  "quantization it was trained over; none loads its base unquantized)")
 

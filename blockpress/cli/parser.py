@@ -463,7 +463,7 @@ def add_quantize_command(sub: argparse._SubParsersAction[CommandParser]) -> None
                         f"Default: {DEFAULT_MODEL}")
     p.add_argument("--quantize", choices=SCHEMES, default=None,
                    help="(required) the scheme: int8 (weights), fp8 (weights and activations, for GPUs with FP8 "
-                        "tensor cores) or int4 (weights, groups of 32: for memory, not speed); see "
+                        "tensor cores) or int4 (weights, groups of 32: for memory, and on a CPU fast AR passes); see "
                         "docs/quantization.md")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="the dtype the model loads in, and the one the tensors left unquantized (embedding, norms, "
