@@ -72,10 +72,11 @@ INT4_CPU_MAX_ROWS = 128
 # vectorized for bfloat16 rows alone: float32 rows ran 27x slower than dequantizing through the int4 one (20 against
 # 0.76 ms a token for a [4096, 2816] projection, one thread), and int8's float32 path had the codes converted to
 # float32 on every call (23.8 ms, against 1.7 through the packed GEMM in bf16). So at inference a float32 model's rows
-# go through them in bfloat16 and come back in float32 (with grad enabled they stay float32: quantized_matmul's
-# `exact`). The rounding, 2^-9 of each activation and output, is far below int4's own error (a weight off by up to half
-# its group's step, 1/14 of the group's largest: a tiny random model's logits moved a fortieth as much) and about half
-# of int8's (one step is 1/127 of a row's largest; the same model's logits moved 0.3-0.5x as much as by int8 itself).
+# go through them in bfloat16 and come back in float32 (in training mode or with grad enabled they stay float32:
+# quantized_matmul's `exact`). The rounding, 2^-9 of each activation and output, is far below int4's own error (a
+# weight off by up to half its group's step, 1/14 of the group's largest: a tiny random model's logits moved
+# 0.025-0.08x as much, four draws at a time) and below int8's (a step is 1/127 of a row's largest: 0.33-0.78x; on
+# blockpress-code as far as a bf16 model's own rounding moves them, KL to float32 0.0016 against int8's own 0.0018).
 CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # int8 in float32 takes the packed GEMM for up to this many rows: past it the bf16 detour gains nothing (the [4096, 2816]
 # projection at 256 rows: 129 against 130 ms converting the codes; at 128, 57 against 82)
@@ -406,32 +407,56 @@ def _rows_in_bf16(x: torch.Tensor, exact: bool, float32_rows: int) -> bool:
     return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not exact and x.shape[0] <= float32_rows)
 
 
-@torch.library.custom_op("blockpress::int4_cpu_mm", mutates_args=())
+# torch's CPU kernels for quantized weights run as opaque custom ops under torch.compile, and as themselves in eager:
+# there a custom op's dispatch cost about 15 us a call on one thread, more than the kernel itself for a small model's
+# projection (a [256, 256] int8 weight at one row: 8 us with its casts, 24.5 through the op; blockpress-code's AR
+# then ran 10% slower in float32 int8 through the packed GEMM than converting its codes to float32).
+
+
 def _int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-    """torch's CPU int4 GEMM (to_cpu_int4's layout), one opaque op under torch.compile as _int8pack_mm is."""
+    """torch's CPU int4 GEMM (to_cpu_int4's layout)."""
+    return (_int4_cpu_mm_op if torch.compiler.is_compiling() else _int4_cpu_gemm)(x, packed, scale_zeros)
+
+
+def _int4_cpu_gemm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, INT4_GROUP, scale_zeros)
 
 
-@_int4_cpu_mm.register_fake
+@torch.library.custom_op("blockpress::int4_cpu_mm", mutates_args=())
+def _int4_cpu_mm_op(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """_int4_cpu_gemm as one opaque op under torch.compile, as int8pack_mm is."""
+    return _int4_cpu_gemm(x, packed, scale_zeros)
+
+
+@_int4_cpu_mm_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@torch.library.custom_op("blockpress::int8pack_mm", mutates_args=())
 def _int8pack_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """torch's packed int8 GEMM as one opaque op: inductor cannot lower the aten op on a fused input (an
-    InductorError under `lm.compile()`, torch 2.13), and gains nothing from seeing inside it.
+    """torch's packed int8 GEMM (bf16 rows) where it is safe to call, x times the codes q [out, in] transposed, scaled.
 
     That GEMM crashes the process (a segfault, torch 2.13 on AVX-512) on codes off a 16-byte boundary or inputs off a
     32-byte one: an input is copied to one (its rows are few), and codes off one, which fit_cpu_kernels copies away
     on every model, take the plain GEMM rather than crash."""
+    return (_int8pack_mm_op if torch.compiler.is_compiling() else _int8pack_gemm)(x, q, scale)
+
+
+def _int8pack_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if q.data_ptr() % 64:
         return F.linear(x, q.to(x.dtype)) * scale
     x = x.contiguous()
     return torch._weight_int8pack_mm(x if x.data_ptr() % 64 == 0 else x.clone(), q, scale)
 
 
-@_int8pack_mm.register_fake
+@torch.library.custom_op("blockpress::int8pack_mm", mutates_args=())
+def _int8pack_mm_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """_int8pack_gemm as one opaque op: inductor cannot lower the aten op on a fused input (an InductorError under
+    `lm.compile()`, torch 2.13), and gains nothing from seeing inside it."""
+    return _int8pack_gemm(x, q, scale)
+
+
+@_int8pack_mm_op.register_fake
 def _(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 
