@@ -745,7 +745,7 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
     copied, added = (0, 0)
-    if quantize is not None:  # int4 on a CPU in bf16 is copied into the CPU GEMM's layout, scales doubled
+    if quantize is not None:  # int4 on a CPU in bf16 or float32 is copied into the CPU GEMM's layout, scales doubled
         from .quantize import cpu_layout_bytes
 
         copied, added = cpu_layout_bytes(model, device, dtype)
