@@ -570,12 +570,14 @@ class QuantizedExperts(_CodedWeights, Experts):
 
     def project(self, x: torch.Tensor, name: str, rows: ExpertRows) -> torch.Tensor:
         q, scale = getattr(self, name), getattr(self, f"{name}_scale")
+        # quantized_matmul's `exact`, read here: the compiled op's forward may run with grad mode off
+        exact = self.training or torch.is_grad_enabled()
         if x.requires_grad and torch.is_grad_enabled():
             # LoRA training over a frozen quantized base: one expert at a time, whose backward keeps the codes alone
             # (the grouped paths below would keep every expert's dequantized weight, or have no backward).
             if torch.compiler.is_compiling():
-                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, True)
-            return _quantized_experts(x, q, scale, rows, self.kernel, exact=True)
+                return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, exact)
+            return _quantized_experts(x, q, scale, rows, self.kernel, exact=exact)
         if self._dequantizes_without_sync(x):
             # Inside a CUDA graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there
             # otherwise). The loop below dequantizes the experts that have rows alone: on a CPU, the 26B-A4B's 128
@@ -592,10 +594,8 @@ class QuantizedExperts(_CodedWeights, Experts):
                 warn_user(f"quantize: FP8 grouped GEMM unavailable here ({type(err).__name__}: "
                           f"{(str(err).splitlines() or [''])[0][:200]}); experts run one GEMM each")
         if torch.compiler.is_compiling():  # the loop's host sync would split the compiled graph at every layer
-            # (grad mode read here, as quantized_matmul reads it: the op's forward may run with it off)
-            exact = self.training or torch.is_grad_enabled()
             return torch.ops.blockpress.quantized_experts(x, q, scale, rows.offsets, self.kernel, exact)
-        return _quantized_experts(x, q, scale, rows, self.kernel, exact=self.training)
+        return _quantized_experts(x, q, scale, rows, self.kernel, exact=exact)
 
     def _dequantizes_without_sync(self, x: torch.Tensor) -> bool:
         """Whether the experts dequantize on the device with no host sync (the per-expert loop syncs once a layer)."""
