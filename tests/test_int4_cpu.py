@@ -7,12 +7,13 @@ import warnings
 
 import pytest
 import torch
+from experts import noisy_experts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blockpress
 import blockpress.quantize as quantize_module
-from blockpress.model import ExpertRows, Experts
+from blockpress.model import ExpertRows
 from blockpress.quantize import (
     INT4_CPU_MAX_ROWS,
     QuantizedExperts,
@@ -206,10 +207,7 @@ def test_the_input_gradient_through_the_cpu_layout_is_the_stored_layouts():
 def plain_experts(dtype):
     torch.manual_seed(0)
     # inputs of 32 (hidden) and 32 (the experts' width): groups of 32 both ways, as the CPU layout needs
-    plain = Experts(blockpress.ModelConfig.tiny(vocab_size=64, moe_intermediate_size=32).text)
-    for weight in plain.parameters():  # Experts allocates its weights uninitialised (a checkpoint fills them)
-        torch.nn.init.normal_(weight, std=0.1)
-    return plain.to(dtype)
+    return noisy_experts(4, dtype, width=32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from experts import noisy_experts
 from fp8 import FP8, SCHEMES, needs_fp8
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -333,15 +334,6 @@ def test_quantized_experts_trace_as_one_graph(scheme):
 
     compiled = torch.compile(project, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x, offsets), project(x, offsets))
-
-
-def noisy_experts(num_experts, dtype, width=16):
-    """Experts of the tiny config's hidden size, `width` wide, with `num_experts` experts and N(0, 0.1) weights."""
-    plain = Experts(blockpress.ModelConfig.tiny(vocab_size=64, num_experts=num_experts, top_k_experts=1,
-                                                moe_intermediate_size=width).text)
-    for weight in plain.parameters():  # Experts allocates its weights uninitialised (a checkpoint fills them)
-        torch.nn.init.normal_(weight, std=0.1)
-    return plain.to(dtype)
 
 
 @settings(max_examples=25, deadline=None)
