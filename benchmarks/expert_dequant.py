@@ -31,7 +31,7 @@ def measure(preset: str, schemes: list[str], row_counts: list[int], device: str,
 
     from blockpress.config import ModelConfig
     from blockpress.model import ExpertRows, Experts
-    from blockpress.quantize import QuantizedExperts
+    from blockpress.quantize import CPU_KERNEL_DTYPES, QuantizedExperts
 
     dtype = getattr(torch, dtype_name)
     text = ModelConfig.preset(preset).text
@@ -43,9 +43,10 @@ def measure(preset: str, schemes: list[str], row_counts: list[int], device: str,
     synced = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     results = []
     for scheme in schemes:
-        experts = QuantizedExperts(plain, scheme).to(device)  # the stored layout, which `all` and `per_row` read
+        # the stored layout, which `all` and `per_row` read; eval mode, as a loaded model generates
+        experts = QuantizedExperts(plain, scheme).to(device).eval()
         looped = experts
-        if device == "cpu" and dtype == torch.bfloat16 and scheme == "int4" and experts.fits_cpu_int4():
+        if device == "cpu" and dtype in CPU_KERNEL_DTYPES and scheme == "int4" and experts.fits_cpu_int4():
             looped = copy.deepcopy(experts)
             looped.set_cpu_int4(True)  # as a loaded model holds it: the loop multiplies with torch's CPU int4 GEMM
         for rows in row_counts:
