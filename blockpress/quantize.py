@@ -672,9 +672,11 @@ def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Ten
 _quantized_experts_op.register_autograd(_quantized_experts_backward, setup_context=_quantized_experts_setup)
 
 
+@torch.inference_mode(False)  # the codes outlive the call (a QLoRA backward saves them): not inference tensors
 def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) -> DiffusionGemma:
     """Quantize `model` in place (see the module docstring) and return it. Every refusal comes before the first
-    module is swapped: a refusal half-way would leave the model half quantized. `warn_groups=False` keeps int4's
+    module is swapped, and a failure after it (out of memory, Ctrl-C) puts back the modules swapped so far: a model
+    left half quantized would call itself quantized and fail in every pass. `warn_groups=False` keeps int4's
     small-group warning back: a load laying out a folder saved int4 (its groups chosen when it was quantized, and
     said then) is not the user choosing int4."""
     check_scheme(scheme)
@@ -699,15 +701,27 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
     if scheme == "int4" and warn_groups:  # after every refusal: a refused model is not worth a warning
         warn_small_int4_groups(weights)
     model.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
-    for parent, name, child, _ in targets:
-        twin = QuantizedLinear(child, scheme) if isinstance(child, nn.Linear) else QuantizedExperts(child, scheme)
-        # in the mode of the module it replaces (a new module starts in training mode): its kernels read it
-        setattr(parent, name, twin.train(child.training))
-    fit_cpu_kernels(model)
-    model.weights_changed()
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent, name, child, _ in targets:
+            twin = QuantizedLinear(child, scheme) if isinstance(child, nn.Linear) else QuantizedExperts(child, scheme)
+            # in the mode of the module it replaces (a new module starts in training mode): its kernels read it
+            setattr(parent, name, twin.train(child.training))
+            swapped.append((parent, name, child))
+        fit_cpu_kernels(model)
+    except BaseException:
+        # All or nothing: a failure part-way (out of memory, Ctrl-C) puts the modules swapped so far back, where it
+        # left a half-quantized model that called itself quantized and failed in every pass. `targets` holds the
+        # originals until the end anyway, so this costs no memory.
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
+        raise
+    finally:
+        model.weights_changed()
     return model
 
 
+@torch.inference_mode(False)  # as quantize
 def quantized_copy(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     """A quantized twin of `model` built beside it, as `quantize` would make of a copy, bit for bit: each projection is
     quantized straight from `model`'s weight (one matrix at a time), so no full-precision copy is ever made, and the

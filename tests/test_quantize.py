@@ -602,6 +602,52 @@ def test_a_refused_quantization_changes_nothing():
     lm.quantize("int8")  # and another scheme still applies
 
 
+@pytest.mark.parametrize("fails_at", ["experts", "fit_cpu_kernels"])
+def test_a_quantization_that_fails_part_way_puts_back_what_it_swapped(monkeypatch, fails_at):
+    """A failure after quantize's checks (out of memory, Ctrl-C, torch refusing a tensor) left the projections swapped
+    so far quantized: the model said lm.quantization == 'int8' and every pass failed. Now it is the model it was."""
+    import blockpress.quantize as quantize_module
+
+    lm = tiny_lm()
+    before = lm.logits([[2, 5, 6]], [[7] * lm.config.canvas_length])
+    modules = dict(lm.model.named_modules())
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if fails_at == "experts":  # after the layers' attention and the first projections were swapped
+        monkeypatch.setattr(quantize_module.QuantizedExperts, "__init__", fail)
+    else:  # after every module was swapped
+        monkeypatch.setattr(quantize_module, "fit_cpu_kernels", fail)
+    with pytest.raises(KeyboardInterrupt):
+        lm.quantize("int8")
+    assert lm.quantization is None
+    assert all(module is modules[name] for name, module in lm.model.named_modules())  # the same modules, every one
+    assert torch.equal(lm.logits([[2, 5, 6]], [[7] * lm.config.canvas_length]), before)
+    monkeypatch.undo()
+    lm.quantize("int8")  # and it quantizes as any model does
+    assert lm.quantization == "int8"
+
+
+def test_a_model_loaded_under_inference_mode_quantizes_after_a_cast(tmp_path):
+    """Loaded under torch.inference_mode, cast, then quantized: torch refused to split the experts' weights ("Inference
+    tensors do not track version counter") half-way through quantize. Weights are now made outside inference mode."""
+    tiny_lm().save(tmp_path / "m")
+    with torch.inference_mode():
+        lm = blockpress.load(tmp_path / "m", dtype="bfloat16")
+        fresh = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=64, canvas_length=8), seed=0)
+    assert not any(t.is_inference() for t in (*lm.model.parameters(), *fresh.model.parameters()))
+    lm.to(dtype="float32")
+    with torch.inference_mode():
+        fresh.to(dtype="bfloat16")
+        fresh.quantize("int4")
+    lm.quantize("int8")
+    assert not any(t.is_inference() for t in (*fresh.model.parameters(), *fresh.model.buffers()))
+    assert lm.quantization == "int8" and fresh.quantization == "int4"
+    for model in (lm, fresh):
+        assert torch.isfinite(model.logits([[2, 5, 6]], [[7] * model.config.canvas_length])).all()
+
+
 @pytest.mark.parametrize("overrides, layer", [(dict(intermediate_size=45), "self_conditioning.down_proj.weight"),
                                               (dict(moe_intermediate_size=15), "layers.0.experts.down_proj")])
 def test_int4_refusal_names_the_layer(overrides, layer):
