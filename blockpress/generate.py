@@ -506,7 +506,13 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
 def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True,
                   context: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """str | list[str] | token ids (see read_token_ids; ragged rows are left-padded) -> (ids [B, P], mask or
-    None). Texts get BOS first when `bos` (see encode_texts); ids are taken as given."""
+    None). Texts get BOS first when `bos` (see encode_texts); ids are taken as given. A numpy array of strings is
+    texts, as a list of them (as `stop` takes one)."""
+    if isinstance(prompt, np.ndarray) and prompt.dtype.kind in "US":
+        if prompt.ndim > 1:
+            raise ValueError(f"prompt: a {prompt.ndim}-D array of strings; texts go as a str or a 1-D list or array "
+                             "of them, one a row")
+        prompt = prompt.tolist()
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and prompt
                                    and all(isinstance(p, str) for p in prompt)):
         if tokenizer is None:

@@ -520,6 +520,18 @@ def test_numpy_prompts_read_like_tensors(lm):
     assert torch.equal(lm.generate(np.array([[3, 4, 5]]), **kw).sequences, lm.generate([[3, 4, 5]], **kw).sequences)
 
 
+def test_a_numpy_array_of_strings_is_texts():
+    """np.array(["a", "bb"]) was refused as "expected integer token ids", torch's own complaint quoted after it:
+    `stop` took such an array, the prompt did not. A 1-D one is now a list of texts; more dimensions, a clear error."""
+    lm = blockpress.load("blockpress-code")
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    texts = ["def f(x):", "import os\n"]
+    assert lm.generate(np.array(texts), **kw).texts == lm.generate(texts, **kw).texts
+    assert lm.generate(np.array(texts[0]), **kw).texts == lm.generate(texts[0], **kw).texts  # 0-D: one text
+    with pytest.raises(ValueError, match="prompt: a 2-D array of strings; texts go as a str or a 1-D list"):
+        lm.generate(np.array([texts]), **kw)
+
+
 @settings(max_examples=25, deadline=None)
 @given(rows=st.lists(st.lists(st.integers(0, 95), min_size=1, max_size=5), min_size=1, max_size=4),
        kinds=st.lists(st.sampled_from(["list", "tuple", "tensor", "int32 tensor", "array", "numpy ints"]),
