@@ -64,7 +64,10 @@ class KVCache:
     # are the old weights', and LM refuses to continue it.
     weights_version: int | None = field(default=None, repr=False, compare=False)
 
+    # A cache outlives the call that made it: its tensors are made outside torch.inference_mode, even under one, so
+    # that it can be continued in either mode (an inference tensor refuses in-place writes outside inference mode).
     @classmethod
+    @torch.inference_mode(False)
     def allocate(
         cls,
         config: TextConfig,
@@ -219,6 +222,7 @@ class KVCache:
                 f"but was allocated with capacity {self.capacity}"
             )
 
+    @torch.inference_mode(False)
     def ensure_capacity(self, capacity: int, most: int | None = None) -> None:
         """Grow (by reallocating once, at least doubling) so that `capacity` slots fit. Multi-turn chats use it.
         `most`: the slots the model can ever use (its context and a canvas of scratch); doubling stops there, so a
@@ -315,6 +319,7 @@ class KVCache:
                 self.has_padding = True
         self.length = start + new_tokens
 
+    @torch.inference_mode(False)
     def rows(self, index: torch.Tensor, scratch: int) -> KVCache:
         """A new cache holding only the rows `index` (the encoded slots plus `scratch` free ones).
 

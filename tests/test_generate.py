@@ -161,6 +161,30 @@ def test_a_batched_conversation_continues_each_row_as_alone(lm):
         assert torch.equal(again.new_tokens[0], second.new_tokens[r])
 
 
+def test_a_cache_made_under_inference_mode_continues_outside_it(lm):
+    """A cache filled under torch.inference_mode held inference tensors, which torch refuses to write in place
+    outside it: continuing the conversation (diffusion or AR), going back to a mark, or growing it failed with
+    torch's "Inplace update to inference tensor outside InferenceMode". Its tensors are now made outside."""
+    prompts, follow = [list(range(5, 15)), list(range(20, 33))], [list(range(40, 50)), list(range(50, 60))]
+    kw = dict(max_denoising_steps=3, sampler="greedy")
+    with torch.inference_mode():
+        first = lm.generate(prompts, max_new_tokens=16, seed=1, return_cache=True,
+                            logits_processor=_end_row0_at(3), **kw)  # row 0 ends first: the rows are compacted
+    plain = lm.generate(prompts, max_new_tokens=16, seed=1, return_cache=True, logits_processor=_end_row0_at(3), **kw)
+    cache, mark = first.cache, first.cache.mark()
+    for cached in (cache, plain.cache):
+        cached.ensure_capacity(cached.capacity + 64)  # room for both turns below, grown outside inference mode
+    assert not any(t.is_inference() for t in (*cache.keys, *cache.values, cache.valid, cache.next_pos))
+    second = lm.generate(follow, max_new_tokens=8, seed=2, cache=cache, **kw)
+    assert torch.equal(second.new_tokens, lm.generate(follow, max_new_tokens=8, seed=2, cache=plain.cache,
+                                                      **kw).new_tokens)
+    cache.truncate(mark)
+    with torch.inference_mode():
+        ar = lm.generate_ar(follow, max_new_tokens=4, cache=cache, return_cache=True)
+    cache.truncate(mark)  # and back again outside inference mode
+    assert torch.equal(lm.generate_ar(follow, max_new_tokens=4, cache=cache).new_tokens, ar.new_tokens)
+
+
 def test_an_ar_conversation_keeps_no_pads_in_its_cache(lm, monkeypatch):
     """AR rows that end go on encoding pads until every row has ended (the end is checked every 8 tokens): the
     returned cache must hold each row's text only, so a next turn sees what a fresh encode would."""
