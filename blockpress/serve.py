@@ -507,7 +507,7 @@ class BodyLimit:
         declared = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
         if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
             return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than", True,
-                                     int(declared[0]))
+                                     int(declared[0]), started=False)
         chunks: list[bytes] = []
         size = 0
         message: dict[str, Any] = {"type": "http.request", "body": b"", "more_body": True}  # an ASGI message
@@ -518,7 +518,8 @@ class BodyLimit:
                 return await self.timed_out(scope, receive, send)
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await self.refuse(scope, receive, send, "is more than", message.get("more_body", False))
+                return await self.refuse(scope, receive, send, "is more than", message.get("more_body", False),
+                                         started=True)
             chunks.append(message.get("body", b""))
         first = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}
                  if message["type"] == "http.request" else message]  # (a client that left mid-body: its disconnect)
@@ -534,23 +535,25 @@ class BodyLimit:
                               "request was given up; send the whole body at once")
 
     async def refuse(self, scope: dict, receive: Any, send: Any, size: str, more: bool,
-                     declared: int | None = None) -> None:
-        await self.drain(scope, receive, more, declared)
+                     declared: int | None = None, *, started: bool) -> None:
+        await self.drain(scope, receive, more, declared, started)
         await self.close_with(scope, receive, send, 413, "request_too_large",
                               f"the request body {size} the {self.limit} bytes this server takes (room for the "
                               "context's text as JSON; serve's --max-body-bytes sets it)")
 
-    async def drain(self, scope: dict, receive: Any, more: bool, declared: int | None) -> None:
+    async def drain(self, scope: dict, receive: Any, more: bool, declared: int | None, started: bool) -> None:
         """Read the rest of a refused body (`more`: some is still to come), dropping it, before the 413: a
         connection closed with bytes of it unread is reset (TCP RST), which can destroy the answer on its way, so
         the client read a connection error in place of the 413 (httpx's AsyncClient, the openai AsyncOpenAI
         client's: 44 of 60 bodies of 3 MB), and an openai client sends the body again on a connection error. As
         nginx's lingering close, within bounds: not past `drain_bytes` (nor a body declared longer: it is closed
         at once), nor past `idle_timeout` without a byte, nor where the client waits for `100 Continue` before
-        it sends any (it reads the 413 first)."""
+        it sends any and none was read (not `started`: it reads the 413 first). Once a read asked for the body,
+        the server has sent `100 Continue` and the client is sending: a chunked body over the limit with `Expect:
+        100-continue` (curl's default) got the 413's headers and then a reset, its body lost."""
         expects = [v for k, v in scope.get("headers", []) if k.lower() == b"expect"]
         if not more or (declared is not None and declared > self.drain_bytes) or \
-                any(v.strip().lower() == b"100-continue" for v in expects):
+                (not started and any(v.strip().lower() == b"100-continue" for v in expects)):
             return
         drained = 0
         while more and drained <= self.drain_bytes:
