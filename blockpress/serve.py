@@ -1371,7 +1371,9 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
             raise APIError(400, f"{param}: {len(prompt)} prompt tokens leave room for {room} new tokens (whole "
                                 f"{canvas}-token canvases) in the context of {context} tokens, too few for {needs}",
                            param)
-        max_tokens = min(max_tokens, room)
+        # the default grows to a min_tokens past it (a 400 named a max_tokens the client never sent for min_tokens 100
+        # over blockpress-code's default 64), as vLLM's default, the context's room, takes it
+        max_tokens = min(max(max_tokens, body.min_tokens), room)
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
     taken = canvas_positions(max_tokens, canvas)  # block diffusion's new tokens take whole canvases

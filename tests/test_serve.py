@@ -1092,6 +1092,29 @@ def test_a_request_without_max_tokens_near_the_context_gets_what_fits():
             assert err["param"] == param and says in err["message"], err
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_min_tokens_past_the_default_length_raises_the_default(route):
+    """min_tokens 100 with no max_tokens, on blockpress-code (default 64 new tokens, a 4,096-token context), got "400
+    min_tokens: 100 is more than max_tokens 64", a max_tokens the client never sent. The default now grows to it,
+    as vLLM's (the context's room) takes it; past the room it is still refused, and a max_tokens sent still binds."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 24}
+    body = dict(prompt=[5] * 4) if route == "completions" else dict(messages=[{"role": "user", "content": "hi"}])
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, max_context=120)) as http:
+        def post(**extra):
+            return http.post(f"/v1/{route}", json={"model": MODEL, "temperature": 0, **body, **extra})
+
+        r = post(min_tokens=40)  # past the default 24, within the room (80 or 96 tokens: whole 16-token canvases)
+        assert r.status_code == 200, r.json()
+        assert r.json()["usage"]["completion_tokens"] >= 40
+        err = post(min_tokens=40, max_tokens=24).json()["error"]
+        assert err["param"] == "min_tokens" and "min_tokens: 40 is more than max_tokens 24" in err["message"], err
+        err = post(min_tokens=200).json()["error"]
+        assert err["param"] == "min_tokens" and "too few for min_tokens 200" in err["message"], err
+
+
 def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(monkeypatch):
     """The handlers tokenized a prompt of any size on the event loop, and the tokenizer holds the GIL: a 3 MB prompt
     held /health (and every stream in flight) for 8.6 s, a 20 MB one for 85 s and 3.6 GB, all for the 400 its
