@@ -161,6 +161,21 @@ def test_a_batched_conversation_continues_each_row_as_alone(lm):
         assert torch.equal(again.new_tokens[0], second.new_tokens[r])
 
 
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_a_min_new_tokens_past_the_default_length_raises_it(engine):
+    """min_new_tokens 100 on blockpress-code (default 64 new tokens) was refused as "expected an integer in [0,
+    max_new_tokens=64]", a count the call never gave. With no max_new_tokens the default grows to each row's
+    minimum; a max_new_tokens given still binds."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm.generation_config = {"max_new_tokens": 8, "max_denoising_steps": 2}
+    run = getattr(lm, engine)
+    out = run([[3, 4, 5], [6, 7]], min_new_tokens=[0, 20], seed=0)
+    assert out.num_new_tokens[0] <= 8 and out.num_new_tokens[1] >= 20
+    assert run([[3, 4, 5]], min_new_tokens=20, seed=0).num_new_tokens[0] >= 20
+    with pytest.raises(ValueError, match=r"min_new_tokens: expected an integer in \[0, max_new_tokens=8\], got 20"):
+        run([[3, 4, 5]], min_new_tokens=20, max_new_tokens=8)
+
+
 def test_a_cache_made_under_inference_mode_continues_outside_it(lm):
     """A cache filled under torch.inference_mode held inference tensors, which torch refuses to write in place
     outside it: continuing the conversation (diffusion or AR), going back to a mark, or growing it failed with
