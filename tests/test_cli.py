@@ -2890,6 +2890,17 @@ def test_chat_json_strings_are_messages_never_commands(monkeypatch, capsys):
     assert ["text" in line for line in out] == [True, True, True, False] and out[3]["command"] == "reset"
 
 
+def test_chat_json_answers_a_json_string_holding_a_lone_surrogate_and_goes_on(monkeypatch, capsys):
+    """'"\\ud800"' (a lone surrogate no byte read stands for) was dropped as not UTF-8, and then its JSON line failed to
+    encode it: the chat ended with exit 2 and the lines after it were never read. Its line now says it, U+FFFD for
+    the surrogate, and the chat goes on."""
+    sent = chat_turns(monkeypatch, ["hi", '"\\ud800"', '"a\\udfffb"', "hello"], "--json")
+    assert sent == ["hi", "hello"]
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in out] == ["hi", "\ufffd", "a\ufffdb", "hello"]
+    assert "lone surrogate U+D800" in out[1]["error"] and "text" in out[3]
+
+
 def test_chat_json_answers_an_empty_message(monkeypatch, capsys):
     """An empty JSON string or block is no blank line: it was skipped with no JSON line, and a script that waits
     for one line per line it wrote waited forever. It is refused, with its line; blank lines are still skipped."""

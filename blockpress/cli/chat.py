@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Generator
@@ -312,7 +313,10 @@ class ChatSession:
         """With --json, a line that gets no reply (a dropped message, said on stderr, or a command) still gets its
         JSON line: a script that wrote N lines reads N back, in order, and never waits on one that will not come."""
         if self.args.json:
-            shown = user.encode("utf-8", "surrogateescape").decode("utf-8", "replace")  # bad bytes as U+FFFD
+            try:  # bad bytes read from stdin (surrogate escapes) as U+FFFD
+                shown = user.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            except UnicodeEncodeError:  # a lone surrogate no byte stands for: a JSON string's "\ud800"
+                shown = re.sub("[\ud800-\udfff]", "\ufffd", user)
             print(json.dumps(dict(prompt=shown, **fields)), flush=True)
 
     def read_message(self) -> Message | None:
