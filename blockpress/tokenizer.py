@@ -308,7 +308,10 @@ class Tokenizer:
         with staging(files) as staged:
             staged.make_folder(folder)  # (one this save made is removed again if it fails)
             # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
-            staged.write(folder / "tokenizer.json", lambda file: self.backend.save(str(file)))
+            # written by Python, as the rest: the tokenizers library's own save refused a path that is not UTF-8
+            # (a folder named in bytes, which Python holds as surrogates), failing a whole save or training run
+            staged.write(folder / "tokenizer.json",
+                         lambda file: file.write_bytes(self.backend.to_str(pretty=True).encode("utf-8")))
             named_dir = folder / NAMED_TEMPLATES_DIR
             if named_dir.is_dir():  # templates a save killed part-way staged under other names
                 staged.remove_leftovers(named_dir, "*.jinja")

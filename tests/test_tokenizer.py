@@ -6,6 +6,7 @@ import inspect
 import json
 import json.decoder
 import re
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,21 @@ def test_save_from_dir_round_trip(tok: Tokenizer, saved_dir: Path) -> None:
     for text in SAMPLES:
         assert loaded.encode(text) == tok.encode(text)
     assert loaded.apply_chat_template(TWO_TURNS) == tok.apply_chat_template(TWO_TURNS)
+
+
+@pytest.mark.skipif(sys.platform in ("win32", "darwin"), reason="file names there are Unicode, not bytes")
+def test_a_folder_named_in_bytes_that_are_not_utf8_saves_and_loads(tok: Tokenizer, tmp_path: Path) -> None:
+    """`blockpress quantize $'q\\xff'` and `train --out` such a folder failed: the tokenizers library's own save
+    refused the path ("surrogates not allowed"), where every other file of the save was written. Python writes it."""
+    import blockpress
+
+    folder = tmp_path / "q\udcff"  # the byte 0xff, as Python holds a file name that is not UTF-8
+    tok.save(folder)
+    assert Tokenizer.from_dir(folder).encode(SAMPLES[0]) == tok.encode(SAMPLES[0])
+    assert json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")) == json.loads(tok.backend.to_str())
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=tok.vocab_size), tokenizer=tok)
+    lm.save(tmp_path / "m\udcff")
+    assert blockpress.load(tmp_path / "m\udcff").tokenizer.encode(SAMPLES[0]) == tok.encode(SAMPLES[0])
 
 
 def test_transformers_loads_saved_tokenizer(hf_tok: Any) -> None:
