@@ -4761,6 +4761,11 @@ def test_infill_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_pat
         assert "is the --input file" in capsys.readouterr().err
         assert main(["infill", "x <|hole|>", "--input", str(src)]) == 2 and "not both" in capsys.readouterr().err
         assert main(["infill", "x <|hole|>", "--resume"]) == 2 and "goes with --input" in capsys.readouterr().err
+        # --batch-size was taken without --input, any value (0, -3) accepted for a run it changed nothing in
+        for command, given in (("infill", "x <|hole|>"), ("generate", "x")):
+            for size in ("0", "4"):
+                assert main([command, given, "--batch-size", size]) == 2
+                assert "--batch-size: goes with --input FILE" in capsys.readouterr().err
         assert main(["infill", "--input", str(src), "--prefix", "x"]) == 2 and '"prefix"' in capsys.readouterr().err
     src.write_text(json.dumps({"template": "<|hole|>", "prefix": "x " * 5000}) + "\n")
     assert main(["infill", "--input", str(src), "--output", str(out), "--model", MODEL]) == 2

@@ -28,6 +28,8 @@ from blockpress.cli.common import (
 from blockpress.cli.output import print_warning
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
+FILE_BATCH_SIZE = 8  # --input's rows a call when --batch-size is not given
+
 
 def from_file(args: argparse.Namespace, given: str | None, name: str, what: str) -> bool:
     """Whether the command runs --input FILE (a JSONL file of `what`) rather than its one `name` argument (`given`):
@@ -35,8 +37,9 @@ def from_file(args: argparse.Namespace, given: str | None, name: str, what: str)
     if (given is None) == (args.input is None):
         raise ValueError(f"{name}: give {name.upper()} (one text) or --input FILE (a JSONL file of {what}), "
                          f"{'not both' if args.input is not None else 'got neither'}")
-    if args.input is None and (args.output, args.overwrite, args.resume) != (None, False, False):
-        flag = "--output" if args.output is not None else "--overwrite" if args.overwrite else "--resume"
+    if args.input is None and (args.output, args.overwrite, args.resume, args.batch_size) != (None, False, False, None):
+        flag = ("--output" if args.output is not None else "--overwrite" if args.overwrite else
+                "--resume" if args.resume else "--batch-size")
         raise ValueError(f"{flag}: goes with --input FILE (one {name.upper()}'s result is printed)")
     return args.input is not None
 
@@ -320,7 +323,7 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
     the --output path, if one is given."""
     from blockpress.batchfile import check_output
 
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer (rows per call), got {args.batch_size}")
     if args.json:  # accepted, it changed nothing: a flag either means something or is refused
         raise ValueError(f"--json: not with --input, whose output is JSON lines already, one object a row "
@@ -412,7 +415,7 @@ def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], don
         out = sys.stdout
     try:
         return run_file_rows(todo, InOrderWriter(out, [r.line for r in todo]),
-                             batches(todo, args.batch_size, length, group), run_batch, command, output,
+                             batches(todo, args.batch_size or FILE_BATCH_SIZE, length, group), run_batch, command, output,
                              bar=not getattr(args, "no_live", False))  # (infill has no --no-live)
     finally:
         if out is not sys.stdout:

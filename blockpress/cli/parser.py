@@ -22,7 +22,7 @@ from blockpress.cli.common import (
     add_threads_arg,
     add_token_healing_arg,
 )
-from blockpress.cli.generate import cmd_generate
+from blockpress.cli.generate import FILE_BATCH_SIZE, cmd_generate
 from blockpress.cli.infill import cmd_infill
 from blockpress.cli.info import cmd_info, cmd_quantize
 from blockpress.cli.serve import cmd_serve
@@ -87,8 +87,9 @@ def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
                    help="continue an existing --output file: the input lines it holds are skipped (each checked against "
                         "its input line: prompt, messages or template, the seed and new-token limit it gives, and the copied keys, and its settings against this run's flags), "
                         "the rest appended")
-    g.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="rows a call (rows of similar length together; each row's result is what it gives alone)")
+    g.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help=f"rows a call (default {FILE_BATCH_SIZE}; rows of similar length together; each row's result "
+                        "is what it gives alone)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
