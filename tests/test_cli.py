@@ -4144,6 +4144,9 @@ def quantize_refusals(tmp_path):
         (["--model", str(plain), "--quantize", "int8", "--overwrite", str(tmp_path / "other")],
          f"OUT {tmp_path / 'other'}: --overwrite: holds no checkpoint to write over (no config.json, but notes.txt)"),
         (["--model", str(plain), "--quantize", "int8", str(tmp_path / "file")], f"OUT {tmp_path / 'file'}: a file"),
+        # "" was the current folder: "not empty (holds ...)", and with --overwrite the checkpoint there written over
+        (["--model", str(plain), "--quantize", "int8", "--overwrite", ""],
+         "OUT: expected the folder to write the quantized checkpoint to, got ''"),
         (["--model", "random-huge", "--quantize", "int8", new], "--model random-huge: unknown preset 'huge'"),
     ]
 

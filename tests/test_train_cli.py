@@ -1244,6 +1244,9 @@ def test_train_refuses_in_its_order_before_any_model_loads(tmp_path, capsys, mon
             # --out before --data, --data before the folder's run, the run before its checkpoint
             ([*no_data[:no_data.index("--out") + 1], str(tmp_path / "a_file"), *no_data[no_data.index("--out") + 2:]],
              "--out " + str(tmp_path / "a_file") + ": a file, not a folder"),
+            # "" was the current folder: the run's files were written among whatever it held
+            ([*no_data[:no_data.index("--out") + 1], "", *no_data[no_data.index("--out") + 2:]],
+             "--out: expected the folder to write the run to, got ''"),
             (no_data, "--data: required"),
             (train_args(data, run), "already holds a training run (trainer_state.pt)"),
             # the settings (a --train-config) before the model's flags

@@ -144,6 +144,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             raise ValueError(f"--model {args.model}: stored quantized with {stored} (its codes, not the unquantized "
                              f"weights), so --quantize {args.quantize} cannot be made from it; give the unquantized "
                              f"checkpoint as --model (or --quantize {stored} to copy it as it is)")
+    if not args.out.strip():  # Path("") is the current folder: written over with --overwrite
+        raise ValueError(f"OUT: expected the folder to write the quantized checkpoint to, got {args.out!r}")
     out = Path(os.path.expanduser(args.out))
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT {args.out}: a file, not a folder")

@@ -90,6 +90,8 @@ def _check_out(args: argparse.Namespace, out: Path) -> None:
     """--out can hold the run: a folder, or one that can be made; with --resume, one that holds a run to resume."""
     from blockpress.train import check_resumable
 
+    if not args.out.strip():  # Path("") is the current folder: the run's files were written among the user's own
+        raise ValueError(f"--out: expected the folder to write the run to, got {args.out!r}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: a file, not a folder")
     # before the model loads: the folder is made only at the first save, minutes later
