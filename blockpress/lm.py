@@ -1087,17 +1087,17 @@ class LM:
         a prompt of `prompt_width` tokens (the cache's included), or, `templated`, a stand-in that the template's
         length replaces."""
         asked = max_new_tokens = _row_counts(max_new_tokens, "max_new_tokens", batch)
-        min_new_tokens = _row_counts(min_new_tokens, "min_new_tokens", batch)
+        mins = _row_counts(min_new_tokens, "min_new_tokens", batch)
         if max_new_tokens is None and not templated:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
             # does), where "min_new_tokens: expected an integer in [0, max_new_tokens=64]" named a count not given.
             default = self.default_new_tokens(prompt_width)
-            max_new_tokens = ([max(default, n) if is_int(n) else default for n in min_new_tokens]
-                              if isinstance(min_new_tokens, list) else
-                              max(default, min_new_tokens) if is_int(min_new_tokens) else default)
+            max_new_tokens = ([max(default, int(n)) if is_int(n) else default for n in mins]
+                              if isinstance(mins, list) else
+                              max(default, int(mins)) if is_int(mins) else default)
         elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
             max_new_tokens = self._max_new_tokens_setting()
-        budget, least = _check_budgets(max_new_tokens, min_new_tokens)
+        budget, least = _check_budgets(max_new_tokens, mins)
         eos_only = _row_counts(min_new_tokens_eos_only, "min_new_tokens_eos_only", batch, "True or False")
         for i, flag in enumerate(eos_only if isinstance(eos_only, list) else [eos_only]):
             check_flag("min_new_tokens_eos_only" + (f"[{i}]" if isinstance(eos_only, list) else ""), flag)

@@ -713,8 +713,8 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
         # All or nothing: a failure part-way (out of memory, Ctrl-C) puts the modules swapped so far back, where it
         # left a half-quantized model that called itself quantized and failed in every pass. `targets` holds the
         # originals until the end anyway, so this costs no memory.
-        for parent, name, child in reversed(swapped):
-            setattr(parent, name, child)
+        for parent, name, original in reversed(swapped):
+            setattr(parent, name, original)
         raise
     finally:
         model.weights_changed()
