@@ -370,14 +370,25 @@ def left_out(path: str | Path) -> str | None:
     return f"reads {_some(jsonl, path)}; " * bool(cards) + "; ".join(notes)
 
 
+TRAIN_CONFIG_FILE = "train_config.json"  # a training run's settings, beside its trainer_state.pt (train.py)
+TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
+RUN_FILES = (TRAIN_CONFIG_FILE, TRAINER_STATE_FILE)  # what marks a training run's folder
+
+
 def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     """A data folder's files of each suffix that data is read from (.jsonl and TEXT_SUFFIXES), searched recursively,
     each list sorted. Hidden files and folders (a name starting with ".") are left out, as git and ls leave them:
     a project folder's .venv put its site-packages into the training text (91% of the tokens of a one-file project),
-    and a .ipynb_checkpoints folder a second copy of each file. `hidden`: those left out, instead."""
+    and a .ipynb_checkpoints folder a second copy of each file. `hidden`: those left out, instead.
+
+    A training run's folder below `folder` (one holding RUN_FILES) is left out too, its files being the run's, not
+    data: `train --data . --out run` read run/metrics.jsonl as data when it was resumed, and every later run on the
+    same folder failed on it."""
     found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
-    for file in sorted(folder.rglob("*")):
-        if file.is_file() and file.suffix.lower() in found and \
+    paths = sorted(folder.rglob("*"))
+    runs = {p.parent for p in paths if p.name in RUN_FILES and p.parent != folder}
+    for file in paths:
+        if file.is_file() and file.suffix.lower() in found and not runs.intersection(file.parents) and \
                 hidden == any(part.startswith(".") for part in file.relative_to(folder).parts):
             found[file.suffix.lower()].append(file)
     return found

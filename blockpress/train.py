@@ -56,7 +56,7 @@ from .checkpoint import (
 )
 from .checks import is_finite_number, is_int, warn_user
 from .config import ModelConfig
-from .data import Batch, Example, TokenShards, check_fits, make_batch
+from .data import TRAIN_CONFIG_FILE, TRAINER_STATE_FILE, Batch, Example, TokenShards, check_fits, make_batch
 from .files import (
     StagedFiles,
     expand_user,
@@ -77,8 +77,6 @@ from .train_config import LORA_MODULES, LORA_TARGETS, TrainConfig, lora_modules
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer  # (peft is the train extra's: imported where it is used)
 
-TRAIN_CONFIG_FILE = "train_config.json"  # a run's settings, beside its trainer_state.pt
-TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
 # A full fine-tune's weights record, in their safetensors headers, the step they were saved at: --resume refuses
 # them with a trainer_state.pt of another step (a save killed between the two files' moves, that
 # finish_interrupted_save could not complete).

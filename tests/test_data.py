@@ -17,6 +17,7 @@ from blockpress.data import (
     Example,
     TokenShards,
     is_raw_text,
+    jsonl_files,
     load_jsonl,
     load_text,
     make_batch,
@@ -603,6 +604,24 @@ def test_a_data_folder_leaves_its_hidden_folders_out(tmp_path, tok):
         (data / name).write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     assert len(load_jsonl(data, tok)) == 1
     assert left_out(data).startswith("leaves out 1 hidden file, named or inside a folder named with a leading '.'")
+
+
+@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt"])
+def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, marker):
+    """`train --data dd --out dd/run`: resumed, the run read dd/run/metrics.jsonl as data ("expected 'prompt'+
+    'response'"), and a raw-text folder then held "JSONL files and raw text"; every later run on dd failed alike. A
+    folder holding a run's files is the run's, not data; a run's folder named itself as --data is still read."""
+    data = tmp_path / "dd"
+    (data / "run" / "adapter").mkdir(parents=True)
+    (data / "train.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    (data / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (data / "run" / "adapter" / "notes.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # a folder inside a run
+    (data / "run" / marker).write_text("{}")
+    assert jsonl_files(data) == [data / "train.jsonl"] and len(load_jsonl(data, tok)) == 1
+    (data / "train.jsonl").unlink()
+    (data / "main.py").write_text("def main():\n    return 1\n")
+    assert load_text(data, tok).arrays[0].tolist() == tok.encode("def main():\n    return 1\n") + [tok.eos_id]
+    assert jsonl_files(data / "run") == [data / "run" / "adapter" / "notes.jsonl", data / "run" / "metrics.jsonl"]
 
 
 def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
