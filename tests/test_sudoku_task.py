@@ -261,6 +261,19 @@ def test_verify_accepts_solution() -> None:
     assert verdict.errors == []
 
 
+def test_a_bad_solution_is_named_as_the_solution() -> None:
+    """verify(puzzle, "123") said "puzzle has 3 cells, expected 81", of a good puzzle: the solution is named now, as
+    cell_accuracy's arguments are."""
+    with pytest.raises(ValueError, match="^solution has 3 cells, expected 81"):
+        verify(WIKI_PUZZLE, "123")
+    with pytest.raises(ValueError, match="illegal character 'x' at position 0 of the solution"):
+        verify(WIKI_PUZZLE, "x" + WIKI_SOLUTION[1:])
+    with pytest.raises(ValueError, match="^puzzle has 3 cells"):
+        verify("123", WIKI_SOLUTION)
+    with pytest.raises(ValueError, match="^solution_pred has 80 cells"):
+        sudoku.cell_accuracy(WIKI_SOLUTION[:80], WIKI_SOLUTION, WIKI_PUZZLE)
+
+
 def test_verify_row_duplicate() -> None:
     # Swap two cells of one column inside one box: columns and boxes stay permutations, two rows break.
     bad = swap_cells(WIKI_SOLUTION, cell(0, 0), cell(1, 0))

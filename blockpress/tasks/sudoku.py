@@ -338,17 +338,17 @@ def join_grid_rows(texts: list[str]) -> list[str]:
     return out
 
 
-def parse_puzzle(text: str) -> str:
+def parse_puzzle(text: str, name: str = "puzzle") -> str:
     """Normalize a puzzle/solution to 81 digits ('0' = empty).
 
     Accepts digits and '.', '-', '_' or '*' (empty); whitespace and the grid characters '|' and '+' are
     ignored wherever they appear, and so are border lines ('------+-------+------'), which covers both the
     one-line form and the 9-line grid form.
     Raises ValueError naming the first illegal character (and its 0-based position in ``text``) or the
-    number of cells found when it is not 81.
+    number of cells found when it is not 81. `name`: what `text` is (a puzzle, a solution), for those errors.
     """
     if not isinstance(text, str):
-        raise TypeError(f"puzzle must be a str, got {type(text).__name__}")
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}")
     cells: list[str] = []
     start = 0  # where the line begins in text, for the position of an illegal character
     grid_rows = 0  # lines of 9 cells so far, while every line of cells has held 9 (a grid's rows)
@@ -369,7 +369,7 @@ def parse_puzzle(text: str) -> str:
                 elif ch in _EMPTY:
                     cells.append("0")
                 elif not (ch.isspace() or ch in _SEPARATORS):
-                    raise ValueError(f"illegal character {ch!r} at position {pos} of the input (would be cell "
+                    raise ValueError(f"illegal character {ch!r} at position {pos} of the {name} (would be cell "
                                      f"{len(cells) + 1}); {_EXPECTED}")
             held = len(cells) - before
             if held:
@@ -377,7 +377,7 @@ def parse_puzzle(text: str) -> str:
         start += len(line)
     if len(cells) != 81:
         hint = _dashes_hint(dashes) if len(cells) < 81 and len(cells) % 9 == 0 else ""
-        raise ValueError(f"puzzle has {len(cells)} cells, expected 81{hint}")
+        raise ValueError(f"{name} has {len(cells)} cells, expected 81{hint}")
     return "".join(cells)
 
 
@@ -668,7 +668,7 @@ def verify(puzzle: str, solution: str) -> Verdict:
     first, which always yields 81 characters.
     """
     p = parse_puzzle(puzzle)
-    s = parse_puzzle(solution)
+    s = parse_puzzle(solution, "solution")  # (its errors said "puzzle has 3 cells" of a bad solution)
     errors: list[str] = []
     for i in range(81):
         if p[i] != "0" and s[i] != p[i]:
@@ -689,8 +689,8 @@ def cell_accuracy(solution_pred: str, solution_true: str, puzzle: str) -> float:
     A puzzle with no empty cells scores 1.0 (there was nothing to get wrong).
     """
     p = parse_puzzle(puzzle)
-    pred = parse_puzzle(solution_pred)
-    true = parse_puzzle(solution_true)
+    pred = parse_puzzle(solution_pred, "solution_pred")
+    true = parse_puzzle(solution_true, "solution_true")
     blanks = [i for i in range(81) if p[i] == "0"]
     if not blanks:
         return 1.0
