@@ -18,6 +18,7 @@ import torch
 from fp8 import FP8
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from terminal import read_terminal
 
 import blockpress
 from blockpress.cli import build_parser, main
@@ -3608,7 +3609,6 @@ def test_sudoku_shows_a_bar_on_a_terminal_while_its_answers_go_to_a_file(monkeyp
     import fcntl
     import io
     import pty
-    import select
     import struct
     import termios
 
@@ -3628,7 +3628,7 @@ def test_sudoku_shows_a_bar_on_a_terminal_while_its_answers_go_to_a_file(monkeyp
             assert main(["sudoku", *[SOLVED[:80] + "."] * count, "--json", "--batch-size", "2", "--threads", "1"]) == 0
             assert [json.loads(line)["solution"] for line in capsys.readouterr().out.splitlines()] == [SOLVED] * count
             stream.flush()
-            shown = os.read(main_fd, 65536).decode() if select.select([main_fd], [], [], 2 if drawn else 0.2)[0] else ""
+            shown = read_terminal(main_fd, 2 if drawn else 0.2)
             if stream is terminal:
                 assert ("sudoku: " in shown and "/5 [" in shown and "puzzle/s" in shown) == drawn, shown
             else:

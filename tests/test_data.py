@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import strategies as st
+from terminal import read_terminal
 
 from blockpress.data import (
     Example,
@@ -399,7 +400,6 @@ def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path
     import io
     import os
     import pty
-    import select
     import struct
     import termios
 
@@ -423,7 +423,7 @@ def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path
             monkeypatch.setattr(sys, "stderr", stream)
             assert train_corpus(str(folder), "--data", tok, 300, quiet=quiet).arrays[0].tolist() == plain
             stream.flush()
-            shown = os.read(main_fd, 65536).decode() if select.select([main_fd], [], [], 2 if drawn else 0.2)[0] else ""
+            shown = read_terminal(main_fd, 2 if drawn else 0.2)
             if stream is terminal:
                 assert ("--data tokenizing" in shown) == drawn, (quiet, shown)
             else:

@@ -15,6 +15,7 @@ import torch
 from fp8 import needs_fp8
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from terminal import read_terminal
 
 ROOT = Path(__file__).parent.parent
 # For the scripts that take no --threads (as tests/test_train_cli.py does, and gpu_session.sh for its trainings): torch's
@@ -692,7 +693,6 @@ def test_the_scripts_progress_bars_are_drawn_on_a_terminal_alone(folder, monkeyp
     import importlib.util
     import io
     import pty
-    import select
     import struct
     import termios
 
@@ -710,8 +710,8 @@ def test_the_scripts_progress_bars_are_drawn_on_a_terminal_alone(folder, monkeyp
             assert list(module.progress(range(3), desc="puzzles under test", mininterval=0)) == [0, 1, 2]
             if drawn:
                 terminal.flush()
-                assert select.select([main_fd], [], [], 10)[0], "nothing drawn on the terminal"
-                shown = os.read(main_fd, 65536).decode()
+                shown = read_terminal(main_fd, 10)
+                assert shown, "nothing drawn on the terminal"
                 assert "puzzles under test" in shown and "\r" in shown
             else:
                 assert stream.getvalue() == ""
