@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checks import is_int
+from .checks import is_int, outside_inference_mode
 from .config import TextConfig
 
 # Why a mark is gone, unless the caller that went back says otherwise (KVCache.keep's `why`)
@@ -67,7 +67,7 @@ class KVCache:
     # A cache outlives the call that made it: its tensors are made outside torch.inference_mode, even under one, so
     # that it can be continued in either mode (an inference tensor refuses in-place writes outside inference mode).
     @classmethod
-    @torch.inference_mode(False)
+    @outside_inference_mode
     def allocate(
         cls,
         config: TextConfig,
@@ -222,7 +222,7 @@ class KVCache:
                 f"but was allocated with capacity {self.capacity}"
             )
 
-    @torch.inference_mode(False)
+    @outside_inference_mode
     def ensure_capacity(self, capacity: int, most: int | None = None) -> None:
         """Grow (by reallocating once, at least doubling) so that `capacity` slots fit. Multi-turn chats use it.
         `most`: the slots the model can ever use (its context and a canvas of scratch); doubling stops there, so a
@@ -319,7 +319,7 @@ class KVCache:
                 self.has_padding = True
         self.length = start + new_tokens
 
-    @torch.inference_mode(False)
+    @outside_inference_mode
     def rows(self, index: torch.Tensor, scratch: int) -> KVCache:
         """A new cache holding only the rows `index` (the encoded slots plus `scratch` free ones).
 

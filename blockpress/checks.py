@@ -4,14 +4,15 @@ no torch: a tokenizer-only tool should not load it)."""
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import numbers
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # blockpress/, for warn_user
 
@@ -89,6 +90,23 @@ def check_keywords(call: str, given: Iterable[str], options: Iterable[str], sett
     takes = ", and ".join(([", ".join(options)] if options else [])
                           + ([f"the sampler settings {', '.join(settings)}"] if settings else []))
     raise ValueError(f"{name}: {call} takes no such keyword{guess}{hint}; it takes {takes}")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def outside_inference_mode(fn: F) -> F:
+    """`fn` run with torch.inference_mode off even when called under it, for calls whose tensors outlive them (a
+    model's weights, a cache): a parameter made under it could not be quantized or trained later ("Inference tensors
+    do not track version counter"), and a cache made under it refused writes outside it. torch's own decorator
+    would put a frame of torch's between a caller and blockpress's code, which warn_user would name as the caller."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import torch  # (this module imports no torch: the CLI's parser uses it)
+
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
 
 
 def warn_user(message: str) -> None:

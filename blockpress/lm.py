@@ -35,7 +35,15 @@ from .checkpoint import (
     resolve_dtype,
     save_model,
 )
-from .checks import check_flag, check_keywords, check_positive_int, is_finite_number, is_int, warn_user
+from .checks import (
+    check_flag,
+    check_keywords,
+    check_positive_int,
+    is_finite_number,
+    is_int,
+    outside_inference_mode,
+    warn_user,
+)
 from .config import ModelConfig
 from .files import StagedFiles, expand_user, output_folder, read_json_object, staging
 from .generate import (
@@ -75,9 +83,6 @@ from .sampling import (
     choice_seed,
 )
 
-# Weights outlive the call that makes them, so load, random_model, LM.to and quantize make theirs outside
-# torch.inference_mode even when called under it: a parameter made there could not be quantized or trained later
-# (torch: "Inference tensors do not track version counter"). KVCache does the same for its tensors.
 MODELS_DIR = Path(__file__).parent / "models"
 DEFAULT_NEW_TOKENS = 256  # max_new_tokens for a call that gives none, when the checkpoint's settings say nothing
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
@@ -765,7 +770,7 @@ class LM:
         self._reapply_steps = self.cuda_graphs
         return self
 
-    @torch.inference_mode(False)  # its tensors outlive the call: see the note at MODELS_DIR
+    @outside_inference_mode
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None) -> LM:
         """Move the model to `device` and/or cast its weights to `dtype` ("bfloat16", torch.float16, ...), in place;
         None keeps either as it is. The model then computes what `blockpress.load(..., dtype=, device=)` would
@@ -2029,7 +2034,7 @@ def resolve_model(path_or_name: str | Path, quantize: str | None = None, adapter
     return path, adapter, None if quantize == NO_QUANTIZATION else quantize
 
 
-@torch.inference_mode(False)  # its tensors outlive the call: see the note at MODELS_DIR
+@outside_inference_mode
 def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = "cpu",
          quantize: str | None = None, adapter: str | Path | None = None,
          progress: bool | Callable[[int, int], None] = False) -> LM:
@@ -2091,7 +2096,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
               widened_from=widened_from)
 
 
-@torch.inference_mode(False)  # its tensors outlive the call: see the note at MODELS_DIR
+@outside_inference_mode
 def random_model(
     config: ModelConfig,
     seed: int = 0,

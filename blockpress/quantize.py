@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checks import warn_user
+from .checks import outside_inference_mode, warn_user
 from .config import SCHEMES
 from .model import DiffusionGemma, ExpertRows, Experts, Router, _grouped_linear, expert_groups
 
@@ -672,7 +672,7 @@ def _quantized_experts_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Ten
 _quantized_experts_op.register_autograd(_quantized_experts_backward, setup_context=_quantized_experts_setup)
 
 
-@torch.inference_mode(False)  # the codes outlive the call (a QLoRA backward saves them): not inference tensors
+@outside_inference_mode  # the codes outlive the call (a QLoRA backward saves them)
 def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) -> DiffusionGemma:
     """Quantize `model` in place (see the module docstring) and return it. Every refusal comes before the first
     module is swapped, and a failure after it (out of memory, Ctrl-C) puts back the modules swapped so far: a model
@@ -721,7 +721,7 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
     return model
 
 
-@torch.inference_mode(False)  # as quantize
+@outside_inference_mode
 def quantized_copy(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     """A quantized twin of `model` built beside it, as `quantize` would make of a copy, bit for bit: each projection is
     quantized straight from `model`'s weight (one matrix at a time), so no full-precision copy is ever made, and the
