@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from blockpress.checks import check_text, is_int
-from blockpress.files import parse_json, utf16_note
+from blockpress.files import KeyTwice, one_value_a_key, parse_json, utf16_note
 
 # Rows are sorted by length within a window of this many batches, not across the whole file: the output is written
 # in input order, so a line can only be written once the lines before it are, and a crash or Ctrl-C loses at most
@@ -132,11 +132,11 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         if not text.strip():
             continue
         try:
-            obj = parse_json(text, object_pairs_hook=_one_value_a_key)
+            obj = parse_json(text, object_pairs_hook=one_value_a_key)
         except json.JSONDecodeError as exc:
             raise (_one_document(name, data) or _cr_alone(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
-        except _KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) was silently lost
+        except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) was silently lost
             raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
                              "the last); give it once") from None
         if not isinstance(obj, dict):
@@ -174,20 +174,6 @@ def _cr_alone(where: str, raw: bytes) -> ValueError | None:
         return None
     return ValueError(f"{where}: is several lines ended by a CR alone (as classic Mac OS saved text), not by LF or "
                       "CRLF: save the file with LF or CRLF line endings (tr '\\r' '\\n' writes them so)")
-
-
-class _KeyTwice(ValueError):
-    """A JSON object of an --input line that gives a key twice (args[0]: the key)."""
-
-
-def _one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """json's object_pairs_hook for --input lines: the object, unless it gives a key twice (_KeyTwice)."""
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise _KeyTwice(key)
-        obj[key] = value
-    return obj
 
 
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:

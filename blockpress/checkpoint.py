@@ -24,12 +24,21 @@ from safetensors.torch import save_file
 
 from .checks import warn_user
 from .config import ModelConfig
-from .files import StagedFiles, lfs_pointer_problem, parse_json, read_json_object, staging
+from .files import (
+    KeyTwice,
+    StagedFiles,
+    lfs_pointer_problem,
+    one_value_a_key,
+    parse_json,
+    read_json_object,
+    staging,
+)
 from .model import DiffusionGemma
 
 DECODER = "model.decoder."
 ENCODER_TEXT = "model.encoder.language_model."
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+DECODER_ONLY = ("self_conditioning.",)  # decoder weights the encoder has no copy of, even untied
 # Rotary tables older transformers saved as buffers (per layer or per model, per layer type): derived from the
 # config, which blockpress recomputes its own from, so a checkpoint holding them loads without them.
 _ROTARY_BUFFER = re.compile(r"^(model\.decoder|model\.encoder\.language_model)\.(.+\.)?rotary_emb\.(\w+_)?inv_freq$")
@@ -74,9 +83,14 @@ class MappedSafetensors:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:  # checked before reading: a damaged length would ask for exabytes
                     raise ValueError(f"its header claims {n} bytes but the file has {size}")
-                self.header = parse_json(f.read(n))
+                # a key given twice is damage (json.loads keeps the last: a second entry for a tensor was read
+                # silently), as the safetensors library, and so transformers, refuses it
+                self.header = parse_json(f.read(n), object_pairs_hook=one_value_a_key)
                 if not isinstance(self.header, dict):
                     raise ValueError("its header is not a JSON object")
+            except KeyTwice as exc:
+                raise CheckpointError(f"{path}: not a safetensors file (its header gives {exc.args[0]!r} twice); the "
+                                      "file is damaged") from None
             except (struct.error, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
             self.data_start = 8 + n
@@ -86,6 +100,7 @@ class MappedSafetensors:
         self.path = path
         for name, info in self.header.items():
             self._check_entry(name, info, size - self.data_start)
+        self._check_layout(size - self.data_start)
 
     def _check_entry(self, name: str, info: Any, data_bytes: int) -> None:
         """Every entry names a dtype, a shape and offsets that lie in the file and match dtype x shape: a damaged
@@ -108,6 +123,22 @@ class MappedSafetensors:
         expected = math.prod(shape) * dtype.itemsize
         if offsets[1] - offsets[0] != expected:
             raise bad(f"{offsets[1] - offsets[0]} bytes of data, but {info['dtype']} {shape} needs {expected}")
+
+    def _check_layout(self, data_bytes: int) -> None:
+        """The tensors' data lie one after another from the data's first byte to its last, as the safetensors library
+        checks: two entries whose bytes overlapped loaded silently (a damaged header giving the final norm a layer's
+        norm's bytes: logits 5 off the intact file's), where transformers refuses the file."""
+        end = 0
+        for name, info in sorted(self.header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+            begin = info["data_offsets"][0]
+            if begin != end:
+                why = (f"its data starts at byte {begin}, inside the tensor before it (which ends at {end})"
+                       if begin < end else f"its data starts at byte {begin}, leaving bytes {end}-{begin} to no tensor")
+                raise CheckpointError(f"{self.path}: tensor {name!r}: {why}; the file is damaged")
+            end = info["data_offsets"][1]
+        if end != data_bytes:
+            raise CheckpointError(f"{self.path}: its tensors' data ends at byte {end} of {data_bytes}; the file is "
+                                  "damaged (or holds bytes past its tensors)")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -195,10 +226,14 @@ def check_headers(files: list[MappedSafetensors], shapes: dict[str, tuple[int, .
                 kind, local = tensor_kind(name)
             except KeyError:
                 raise CheckpointError(f"{f.path.name}: unexpected tensor {name!r} (not a DiffusionGemma text weight)") from None
-            if kind != "weight":
+            if kind == "copy":  # a tied copy of a decoder weight the config has (a typo's copy loaded unseen)
+                local = hf_to_local(tied_source(name))
+            if kind not in ("weight", "copy"):
                 continue
             if local not in shapes:
                 raise CheckpointError(f"{f.path.name}: unexpected tensor {name!r} for this config")
+            if kind == "copy":  # its values (and shape) are compared with the decoder's by check_tied_copies
+                continue
             if f.shape(name) != shapes[local]:
                 raise CheckpointError(f"{f.path.name}: tensor {name!r}: shape {list(f.shape(name))} in the checkpoint, "
                                       f"config needs {list(shapes[local])}")
@@ -237,7 +272,21 @@ def check_tied_copies(copies: dict[str, Path], sources: dict[str, Path], tied: b
     released. A checkpoint may store copies anyway (tie_word_embeddings=false always does); it loads only when
     every copy equals its decoder tensor. A copy that differs is refused whatever the flag says: with the flag
     false it is the checkpoint's own weight, and with it true transformers unties that pair and runs the stored
-    copy, so dropping it would silently give other logits than the reference."""
+    copy, so dropping it would silently give other logits than the reference. With the flag false every copy must be
+    there: transformers starts an absent one from random weights (a tied checkpoint whose config.json was edited to
+    false loaded here, running the decoder's weights, 10 logits off the reference's)."""
+    if not tied:
+        wanted = ["lm_head.weight", *(ENCODER_TEXT + source[len(DECODER):] for source in sources
+                                      if source.startswith(DECODER) and not source[len(DECODER):].startswith(DECODER_ONLY)
+                                      and tensor_kind(ENCODER_TEXT + source[len(DECODER):])[0] == "copy")]
+        absent = [name for name in wanted if name not in copies]
+        if absent:
+            shown = ", ".join(repr(n) for n in absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
+            raise CheckpointError(
+                f"tie_word_embeddings is false, but the checkpoint stores no {shown}: transformers would start "
+                f"{'it' if len(absent) == 1 else 'them'} from random weights, and blockpress runs the decoder's; if "
+                "the encoder and LM head are the decoder's (as DiffusionGemma is released), set tie_word_embeddings "
+                "to true in config.json")
     for name, file in copies.items():
         source = tied_source(name)
         if source not in sources:
@@ -534,6 +583,8 @@ def checkpoint_files(path: Path) -> list[Path]:
             if not parts or shard.startswith(("/", "\\")) or ".." in parts:
                 raise CheckpointError(f"{index}: tensor {name!r} is mapped to shard {shard!r}, which is not a file "
                                       f"name inside {path} (an absolute path or '..'); shards must lie in the folder")
+        if not weight_map:  # (no shard to read: the load failed inside torch, every weight missing)
+            raise CheckpointError(f"{index}: not a valid safetensors index (its \"weight_map\" lists no tensors)")
         files = sorted({path / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing and len(missing) == len(files):

@@ -224,6 +224,21 @@ class JSONTooDeep(json.JSONDecodeError):
         return self.msg
 
 
+class KeyTwice(ValueError):
+    """A JSON object that gives a key twice (args[0]: the key), which json.loads would read as its last value."""
+
+
+def one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook for JSON whose repeated keys are damage, not an edit (an --input line, a
+    safetensors header): the object, unless it gives a key twice (KeyTwice)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise KeyTwice(key)
+        obj[key] = value
+    return obj
+
+
 def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
     """json.loads(text), with JSON nested past Python's recursion limit (~1,000 levels: `[[[...]]]` of 100,000, or a
     hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError, and likewise

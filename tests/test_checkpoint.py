@@ -379,7 +379,10 @@ def test_a_config_that_disagrees_with_the_shards_names_the_shard(lm, tmp_path, q
 
 @pytest.mark.parametrize("quantize", [None, "int8", "fp8", "int4"])
 @pytest.mark.parametrize("name", ["model.decoder.layers.0.mystery.weight",
-                                  "model.decoder.layers.0.mlp.gate_proj.weight_scale"])
+                                  "model.decoder.layers.0.mlp.gate_proj.weight_scale",
+                                  # an encoder name counted as a tied copy, of a decoder weight there is none of:
+                                  # loaded without a word, where the decoder's own typo was refused
+                                  "model.encoder.language_model.layers.0.mystery.weight"])
 def test_unexpected_tensor_named(ref_checkpoint, tmp_path, name, quantize):
     """A `*.weight_scale` (an fp8 export without its quantization_config) is unexpected too when loading quantized,
     though the quantized model holds such a buffer (it was a bare KeyError)."""
@@ -898,12 +901,25 @@ def _rewrite_header(path, edit):
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8 : 8 + n])
     edit(header)
-    text = json.dumps(header).encode()
+    pairs = header.pop("__pairs__", None)  # an edit's own list of entries, repeated keys and all
+    text = (json.dumps(header) if pairs is None else
+            "{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in pairs) + "}").encode()
     path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
 
 
 def _first_tensor(header):
     return header[next(k for k in header if k != "__metadata__" and "up_proj" in k)]
+
+
+_NORM, _LAYER_NORM = "model.decoder.norm.weight", "model.decoder.layers.0.input_layernorm.weight"  # same size
+
+
+def _entry_twice(header):
+    """`_rewrite_header`'s edit that gives the final norm's entry twice, first with the layer norm's bytes."""
+    entries = list(header.items())
+    header.clear()
+    header["__pairs__"] = [(_NORM, {**dict(entries)[_NORM], "data_offsets": dict(entries)[_LAYER_NORM]["data_offsets"]}),
+                           *entries]
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -915,6 +931,12 @@ def _first_tensor(header):
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="I64")), "needs|expected a floating-point"),
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="Q3")), "unsupported safetensors dtype"),
     (lambda p: _rewrite_header(p, lambda h: h.clear() or h.update(x=[1])), "expected dtype, shape"),
+    # two tensors' bytes overlapping (the final norm given a layer norm's), bytes past the last tensor, an entry given
+    # twice (json.loads kept the last): each loaded, the first with logits 5 off, where transformers refuses the file
+    (lambda p: _rewrite_header(p, lambda h: h[_NORM].update(data_offsets=h[_LAYER_NORM]["data_offsets"])),
+     r"its data starts at byte \d+, (inside the tensor before it|leaving bytes)"),
+    (lambda p: p.write_bytes(p.read_bytes() + bytes(8)), "or holds bytes past its tensors"),
+    (lambda p: _rewrite_header(p, _entry_twice), f"its header gives '{_NORM}' twice"),
     # JSON nested past Python's parser: a RecursionError, no CheckpointError, named no file
     (lambda p: p.write_bytes(len(deep := b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}").to_bytes(8, "little") + deep),
      "not a safetensors file .*nested deeper than Python's JSON parser reads"),
@@ -930,7 +952,8 @@ def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, 
 
 
 @pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", "{}", '{"weight_map": {"x": 3}}', "{nope",
-                                   "[" * 100_000 + "]" * 100_000])
+                                   "[" * 100_000 + "]" * 100_000,
+                                   '{"weight_map": {}}'])  # (no shard read: it failed inside torch, all missing)
 def test_a_bad_shard_index_is_a_clear_error(ref_checkpoint, tmp_path, index):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")  # else the index is not read
@@ -1058,6 +1081,21 @@ def _untied_reference(path, same_weights: bool):
     names = load_file(path / "model.safetensors").keys()
     assert "lm_head.weight" in names and any(n.startswith("model.encoder.language_model.layers") for n in names)
     return ref
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_an_untied_config_over_a_checkpoint_that_stores_no_copies_is_refused(ref_checkpoint, tmp_path, where):
+    """A tied checkpoint (no encoder or LM head tensors stored) whose config.json says tie_word_embeddings false loaded
+    running the decoder's weights, where transformers starts the encoder and LM head from random weights (logits 10
+    off): nothing was compared, the copies being absent. Refused now, naming what is missing."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    raw = json.loads((path / "config.json").read_text())
+    (raw if where == "top" else raw["text_config"])["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(blockpress.CheckpointError, match=r"^tie_word_embeddings is false, but the checkpoint stores no "
+                                                         r"'lm_head.weight', 'model.encoder.language_model.[^']+', '[^']+'"
+                                                         r" and \d+ more: transformers would start them from random"):
+        load_quiet(path)
 
 
 def test_untied_checkpoint_with_weights_of_its_own_is_refused(tmp_path):
