@@ -179,6 +179,10 @@ class TextConfig:
                                       f"got {over!r}")
         if not (self.layer_types is None or isinstance(self.layer_types, list)):  # list() of a string splits it
             raise ConfigError(f"text_config.layer_types: expected a list of layer types, got {self.layer_types!r}")
+        if self.layer_types is not None and not all(isinstance(k, str) for k in self.layer_types):
+            # (a list in it failed as "unhashable type: 'list'", a number as "'<' not supported", naming no field)
+            kind = next(k for k in self.layer_types if not isinstance(k, str))
+            raise ConfigError(f"text_config.layer_types: unknown layer type {kind!r}; expected {SLIDING!r} or {FULL!r}")
         if self.per_layer_config is None:
             # These two only build the full layers' overrides below (the reference pops them; a checkpoint it saved
             # holds per_layer_config instead). Checked here, by name: int() read 1.5, "1" and true as 1, and a null
@@ -346,8 +350,8 @@ class TextConfig:
              f"expected a positive finite number, got {self.rms_norm_eps!r}")
         need(len(layer_types) == self.num_hidden_layers, "layer_types",
              f"has {len(layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
-        bad = sorted({k for k in layer_types if k not in (SLIDING, FULL)})
-        need(not bad, "layer_types", f"unknown layer type(s) {bad}; expected {SLIDING!r} or {FULL!r}")
+        bad = list(dict.fromkeys(repr(k) for k in layer_types if not (isinstance(k, str) and k in (SLIDING, FULL))))
+        need(not bad, "layer_types", f"unknown layer type(s) {', '.join(bad)}; expected {SLIDING!r} or {FULL!r}")
         # A window of one token is ill-defined in the reference (its cache keeps the last window - 1 = 0 keys,
         # sliced as [-0:], i.e. all of them): refuse it rather than compute something else.
         need(self.sliding_window >= 2 or SLIDING not in layer_types, "sliding_window",
@@ -485,6 +489,13 @@ class ModelConfig:
     text_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse, naming the field, a config blockpress cannot build a working model of: what construction checks,
+        checked again where a model is built (DiffusionGemma), since fields may change after (`cfg.text.x = v`:
+        final_logit_softcapping 0 gave all-zero logits, top_k_experts past num_experts failed inside torch)."""
+        self.text.validate()
         if not _positive_int(self.canvas_length):
             raise ConfigError(f"canvas_length: expected a positive integer{_past_int64(self.canvas_length)}, "
                               f"got {self.canvas_length!r}")

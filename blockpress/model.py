@@ -495,6 +495,7 @@ def _cache_source(cache: KVCache, start: int, sliding_from: int) -> KVSource:
 class DiffusionGemma(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        config.validate()
         self.config = config
         # Counts in-place changes of the weights (a cast, a move, quantizing): keys and values encoded under another
         # count are stale, so a KVCache records the count it was filled under and a PrefixCache too (LM._check_cache,

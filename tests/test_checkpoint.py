@@ -875,6 +875,35 @@ def test_random_model_meta_init_any_size():
     assert 3.5e9 < big.num_parameters(active=True) < 4.2e9
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("final_logit_softcapping", 0.0, "final_logit_softcapping: expected a positive finite number"),  # logits all 0
+    ("num_attention_heads", 0, "num_attention_heads: expected a positive integer"),  # ran with no attention
+    ("rms_norm_eps", -1.0, "rms_norm_eps: expected a positive finite number"),  # NaN logits
+    ("num_key_value_heads", 3, "num_key_value_heads: 3 does not divide num_attention_heads"),  # SDPA's RuntimeError
+    ("top_k_experts", 9, "top_k_experts: 9 is more than num_experts"),  # "selected index k out of range"
+    ("hidden_activation", "bogus", "hidden_activation: 'bogus' is not supported"),  # KeyError: 'bogus'
+])
+def test_a_config_changed_after_it_was_built_is_checked_again_when_a_model_is_built(field, value, message):
+    """A config is checked when it is built; one changed after (`cfg.text.x = v`) built a model that gave all-zero or
+    NaN logits, or failed deep inside torch at the first pass. The model's construction checks it again."""
+    config = ModelConfig.tiny()
+    setattr(config.text, field, value)
+    with pytest.raises(ConfigError, match=rf"^text_config\.(per_layer_config\[0\]\.)?{message}"):
+        blockpress.random_model(config)
+    config = ModelConfig.tiny()
+    config.canvas_length = 0
+    with pytest.raises(ConfigError, match="^canvas_length: expected a positive integer"):
+        blockpress.random_model(config, device="meta")
+
+
+@pytest.mark.parametrize("kind", [1, ["sliding_attention"], None])
+def test_a_layer_type_that_is_no_string_is_named(kind):
+    """layer_types [1, ...] failed as "text_config: '<' not supported between instances of 'int' and 'str'", and a
+    list in it as a bare TypeError (unhashable type)."""
+    with pytest.raises(ConfigError, match=rf"^text_config\.layer_types: unknown layer type {re.escape(repr(kind))}; "):
+        ModelConfig.tiny(num_hidden_layers=2, layer_types=[kind, "full_attention"])
+
+
 def test_loaded_weights_are_file_backed_and_writable(ref_checkpoint, tmp_path):
     """CPU loads map the file copy-on-write: no copy at load, and training can still write the weights."""
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
