@@ -805,8 +805,9 @@ def denoise_step(
         sc_probs=sc_probs,
         stable_steps=torch.where(done, state.stable_steps, stable_steps),
         done=done | stop,
-        # `accept` holds the kept and the given positions too, which were not accepted at this step
-        accepted=torch.where(done, state.accepted, (accept & ~held).sum(-1)),
+        # `accept` holds the kept and the given positions too, which were not accepted at this step; a row that had
+        # stopped accepted none (it repeated its last step's count, and a canvas's Drafts added up past its length)
+        accepted=(accept & ~held & ~keep).sum(-1),
         settled=torch.where(keep, state.settled, accept | ~free),
     )
 

@@ -312,26 +312,30 @@ def test_keep_accepted_never_changes_an_accepted_token(seed, steps, sampler, can
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), steps=st.integers(2, 8), keep_accepted=st.booleans(),
-       sampler=st.sampled_from(["topk", "entropy_bound", "confidence", "greedy"]))
-def test_accepted_counts_the_steps_own_acceptances(seed, steps, keep_accepted, sampler):
+       sampler=st.sampled_from(["topk", "entropy_bound", "confidence", "greedy"]), stopping=st.booleans())
+def test_accepted_counts_the_steps_own_acceptances(seed, steps, keep_accepted, sampler, stopping):
     """state.accepted (a Draft's `accepted`) is the positions the step's rule accepted: with keep_accepted the new
     ones only, so a canvas's steps add up to the free positions it settled (it counted every held one again: 1, 2,
-    ..., 32 over blockpress-code's canvas); a template's givens never count."""
+    ..., 32 over blockpress-code's canvas); a template's givens never count. A row that stopped (`stopping`: its
+    canvas stable for a step, while the batch goes on) accepts none: it repeated its last step's count, so a
+    blockpress-code canvas's Drafts added up to 41 of its 32 positions."""
     g = torch.Generator().manual_seed(seed)
     c, vocab = 12, 9
     fixed = torch.randint(0, vocab, (2, c), generator=g)
     fixed[:, torch.randperm(c, generator=g)[:9]] = -1
     free = fixed < 0
     cfg = SamplerConfig(sampler=sampler, max_denoising_steps=steps, keep_accepted=keep_accepted, entropy_bound=0.5,
-                        confidence=0.5, adaptive_stopping=False)
+                        confidence=0.5, adaptive_stopping=stopping, stability_threshold=1, confidence_threshold=100.0)
     state = init_state(torch.zeros(2, c, dtype=torch.long), fixed)
     total = torch.zeros(2, dtype=torch.long)
+    same_logits = torch.randn(2, c, vocab, generator=g) * 3  # (with `stopping`: the canvas is stable, and stops)
     for step in range(steps, 0, -1):
-        before = state.settled if keep_accepted else ~free
-        state = denoise_step(cfg, state, torch.randn(2, c, vocab, generator=g) * 3, step,
-                             torch.zeros(2, c, dtype=torch.long), rules=CanvasRules(fixed))
-        assert torch.equal(state.accepted, (state.settled & ~before).sum(-1)), step
+        before, stopped = (state.settled if keep_accepted else ~free), state.done
+        logits = same_logits if stopping else torch.randn(2, c, vocab, generator=g) * 3
+        state = denoise_step(cfg, state, logits, step, torch.zeros(2, c, dtype=torch.long), rules=CanvasRules(fixed))
+        assert torch.equal(state.accepted, (state.settled & ~before).sum(-1) * ~stopped), step
         total += state.accepted
+    assert not stopping or steps < 3 or bool(state.done.all())  # (the case is there: both rows stopped early)
     if keep_accepted:
         assert torch.equal(total, (state.settled & free).sum(-1))
 
