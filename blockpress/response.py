@@ -386,7 +386,12 @@ def _json(text: str, args: dict[str, Any], budget: PatternBudget) -> Any:
     for opener, closer in delims:
         rewritten = re.sub(re.escape(opener) + "(.*?)" + re.escape(closer), stash, rewritten, flags=re.DOTALL)
     if args.get("unquoted_keys", False):
-        rewritten = re.sub(r"(?<=[{,])(\w+):", r'"\1":', rewritten)
+        # A quoted string is matched whole and put back as it was, so that text inside a value that looks like a key
+        # ({a:"x,b:y"}) is never quoted; a bare key may have whitespace around it ({a:1, b:2}). As transformers reads
+        # it: the key-only pattern quoted inside strings and skipped keys after ", ".
+        rewritten = re.sub(r'"(?:\\.|[^"\\])*"|(?<=[{,])(\s*)(\w+)(\s*):',
+                           lambda m: m.group(0) if m.group(2) is None else f'{m.group(1)}"{m.group(2)}"{m.group(3)}:',
+                           rewritten)
     for i, string in enumerate(strings):
         rewritten = rewritten.replace(f"{STASH_OPEN}{i}{STASH_CLOSE}", json.dumps(string))
     try:
@@ -416,13 +421,17 @@ def _xml_inline(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[
     except (regex.error, TypeError) as exc:
         raise ValueError(f"xml-inline: tag_pattern {pattern!r:.120} is not a valid regular expression: {exc}") from None
     out: dict[str, Any] = {}
+    merged: set[str] = set()  # keys holding a list of their values (a first value that is a list stays one value)
     for match in budget.finditer("response_template: an xml-inline content's tag_pattern", compiled, text):
         found = match.groupdict()
         if found.get("key") is None:
             raise ValueError(f"xml-inline: tag_pattern {pattern!r} has no group named 'key'")
         key, value = found["key"], _sub_value(found.get("value", ""), args.get("value_parser"), budget)
         if args.get("merge_duplicates", False) and key in out:
-            out[key] = (out[key] if isinstance(out[key], list) else [out[key]]) + [value]
+            if key not in merged:
+                out[key] = [out[key]]
+                merged.add(key)
+            out[key].append(value)
         else:
             out[key] = value
     return out
@@ -440,6 +449,7 @@ def _kv_lines(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[st
     return out
 
 
+TYPED_CONTENT = frozenset({"json"})  # content parsers whose values carry their own types (see _type_arguments)
 # Each takes the text, its content_args and the reply's PatternBudget (for a pattern the template gives them).
 CONTENT_PARSERS: dict[str, Callable[[str, dict[str, Any], PatternBudget], Any]] = {
     "text": _text,
@@ -551,11 +561,13 @@ def _typed(text: str, types: list[str]) -> Any:
     return text
 
 
-def _type_arguments(value: Any, params: dict[str, dict[str, Any]]) -> Any:
+def _type_arguments(value: Any, params: dict[str, dict[str, Any]], typed: bool = False) -> Any:
     """Tool calls in `value` with their text arguments read as their schema's types: "7" is 7 for an integer
-    parameter and stays "7" for a string one (text-based call formats write every value as text)."""
+    parameter and stays "7" for a string one (text-based call formats write every value as text). `typed`: the
+    arguments came from a format with types of its own (JSON), where a string is one on purpose: a parameter whose
+    schema allows strings keeps it ("007" for ["string", "integer"] was read as 7), as transformers does."""
     if isinstance(value, list):
-        return [_type_arguments(item, params) for item in value]
+        return [_type_arguments(item, params, typed) for item in value]
     function = value.get("function") if isinstance(value, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         return value
@@ -564,7 +576,7 @@ def _type_arguments(value: Any, params: dict[str, dict[str, Any]]) -> Any:
         return value
     for key, argument in arguments.items():
         types = _types(properties.get(key))
-        if not types:
+        if not types or (typed and "string" in types):
             continue
         if isinstance(argument, str):
             arguments[key] = _typed(argument, types)
@@ -896,7 +908,7 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
             field = fields[state.current]
             value = _field_value(state.body, field, state.captures, budget)
             if params:
-                value = _type_arguments(value, params)
+                value = _type_arguments(value, params, typed=field.content in TYPED_CONTENT)
             if field.join is not None:
                 if not isinstance(value, str):
                     raise ValueError(f"{field.name}: join needs each occurrence to be text, got {value!r:.80}")

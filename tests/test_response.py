@@ -138,6 +138,33 @@ def test_xml_tool_calls_typed_by_the_tools_parse_as_in_transformers(reply: str, 
     assert ours(reply, QWEN35, prefix, tools) == theirs(reply, QWEN35, prefix, tools)
 
 
+ID_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "id": {"type": ["string", "integer"]}, "n": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+    "k": {"type": "integer"}}}}}]
+QWEN35_JSON_VALUES = {**QWEN35, "fields": {**QWEN35["fields"], "tool_calls": {
+    **QWEN35["fields"]["tool_calls"], "content_args": {**QWEN35["fields"]["tool_calls"]["content_args"],
+                                                      "value_parser": {"name": "json"}}}}}
+
+
+@pytest.mark.parametrize("template, reply, tools, expected", [
+    # unquoted keys: text inside a quoted value that looks like a key was quoted ({"a":"x,"b":y"}), and a key after ", "
+    # was not ({"a":1, b:2}): both replies were refused as JSON and answered as plain text, the call lost
+    (GEMMA4, '<|tool_call>call:f{a:"x,b:y"}<tool_call|>', None, {"a": "x,b:y"}),
+    (GEMMA4, "<|tool_call>call:f{a:1, b:2}<tool_call|>", None, {"a": 1, "b": 2}),
+    (GEMMA4, '<|tool_call>call:f{ a : 1 ,b:{c :"d:e"}}<tool_call|>', None, {"a": 1, "b": {"c": "d:e"}}),
+    # a string in JSON is one on purpose: a parameter whose schema allows strings keeps it (it was read as 7)
+    (GEMMA4, '<|tool_call>call:f{id:<|"|>007<|"|>,n:<|"|>3.0<|"|>,k:<|"|>5<|"|>}<tool_call|>', ID_TOOLS,
+     {"id": "007", "n": "3.0", "k": 5}),
+    # merge_duplicates: a first value that is itself a list stays one value (it was spread into the merged list)
+    (QWEN35_JSON_VALUES, "<tool_call>\n<function=f>\n<parameter=a>\n[1, 2]\n</parameter>\n<parameter=a>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", None, {"a": [[1, 2], 3]}),
+])
+def test_tool_call_arguments_read_as_in_transformers(template: dict, reply: str, tools: Any, expected: Any) -> None:
+    want = theirs(reply, template, tools=tools)
+    assert want["tool_calls"][0]["function"]["arguments"] == expected  # (the case is transformers' reading)
+    assert ours(reply, template, tools=tools) == want
+
+
 def settled_by_transformers(template: dict, text: str, prefix: str, cut: int) -> Any:
     """(the regions transformers' stream parser has closed, the open region's text it has let through) once fed
     `text` in two pieces at `cut`; or ValueError."""
