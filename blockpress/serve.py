@@ -57,7 +57,8 @@ as JSON text) with finish_reason "tool_calls", the rest as the content; streamed
 settles it (response.PartialReader: short of a tail that may begin a call's marker) and each call as one
 `delta.tool_calls` chunk once its closing marker is written, so the chunks add up to the whole answer (ToolStream). A thought
 the template marks is `reasoning_content` (streamed as it is written), call or no call. A reply that holds neither a call nor
-a thought, or one the template cannot read, is text as before, and without a response template every reply is
+a thought, or one the template cannot read, is text as before (but for a thought before a call it cannot read, kept as
+`reasoning_content`, as below), and without a response template every reply is
 text (the client parses it). A request without tools (or with tool_choice "none") is read for its thought alone,
 where the template reads thoughts, as transformers' server and vLLM's reasoning parsers read every reply: the thought
 is `reasoning_content` (an empty one is left out), not glued to the content; a call such a reply writes anyway makes
@@ -126,6 +127,7 @@ from .response import (
     parse_response,
     reads_thoughts,
     regions_only,
+    thought_then_text,
 )
 from .sampling import MAX_COUNT, ROW_SETTINGS, SamplerConfig, choice_seed
 from .tokenizer import MessageError, TextStream, chat_message, template_variables
@@ -1178,7 +1180,11 @@ class Reply:
             parsed = self.parse(done.raw)
         except ValueError as exc:
             log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
-            return None
+            # but for a thought before the call it cannot read, which a stream sent apart as it was written (the
+            # whole answer then held the thought again in its content): kept apart, as a reply without tools does
+            answer = None if self.read_regions is None or self.plain is None else \
+                thought_then_text(self.read_regions, self.plain, done.raw)
+            return None if answer is None else {"message": answer, "finish_reason": done.finish}
         calls = self.calls(parsed.get("tool_calls"), ids)
         reasoning = parsed.get("reasoning_content")
         if calls is None or not (calls or isinstance(reasoning, str)):

@@ -14,7 +14,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
@@ -2529,12 +2529,16 @@ def test_a_reply_without_tools_streams_its_leading_whitespace_with_its_text(tmp_
 
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(["", "  ", "\n"]), st.booleans(), st.sampled_from(["", "Checking.", " a < b ", "Sure: "]),
-       st.lists(st.sampled_from(["good", "bad"]), max_size=2), st.sampled_from(["", "<turn|>"]), st.data())
-def test_a_streamed_reply_without_tools_adds_up_to_its_answer(lead, thought, text, calls, end, data):
-    """A request without tools, its reply cut into chunks anywhere between its tokens: the chunks that the stream
-    sends (ToolStream.settle, then finish) join into the unstreamed answer (Reply.tool_message, or the plain text),
-    its reasoning_content and its content, and the stream sends nothing its answer does not start with (finish
-    warns where it did)."""
+       st.lists(st.sampled_from(["good", "bad"]), max_size=2), st.sampled_from(["", "<turn|>"]), st.booleans(),
+       st.data())
+def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end, tools, data):
+    """A request with or without tools, its reply cut into chunks anywhere between its tokens: the chunks that the
+    stream sends (ToolStream.settle, then finish) join into the unstreamed answer (Reply.tool_message, or the plain
+    text), its reasoning_content, content and calls, and the stream sends nothing its answer does not start with
+    (finish warns where it did). With tools, a thought then a call the template cannot read was answered as the
+    reply's text, thought and all, after the stream had sent the thought apart: it is kept apart now, as without
+    tools. (A malformed call after a well-formed one the stream sent is the documented exception.)"""
+    assume(not (tools and calls == ["good", "bad"]))
     from blockpress.response import (
         GEMMA4_MARKERS,
         PartialReader,
@@ -2556,12 +2560,15 @@ def test_a_streamed_reply_without_tools_adds_up_to_its_answer(lead, thought, tex
     atoms = [lead, *(["<|channel>", "thought\nLet me think.", "<channel|>"] if thought else []), text]
     for call in calls:
         atoms += ["<|tool_call>", "call:weather", *(["{city:", '<|"|>', "Oslo", '<|"|>', "}"] if call == "good"
-                                                     else ["{city:}"]), "<tool_call|>", " then"]
+                                                     else ["{city:}"]), "<tool_call|>",
+                  # (with tools, text after a call is the documented exception: the content keeps its last part)
+                  *([] if tools else [" then"])]
     atoms = [piece for atom in atoms for piece in ([atom] if atom in special else list(atom))] + [end]
     raw = "".join(atoms)
-    reply = Reply([], "chat", MODEL, 1, parse=lambda text: parse_response(template, text, keep_empty=True),
-                  read_partial=lambda: PartialReader(template), calls_wanted=False, plain=plain,
-                  read_regions=lambda: PartialReader(regions_only(template)))
+    offered = TOOLS if tools else None
+    reply = Reply([], "chat", MODEL, 1, parse=lambda text: parse_response(template, text, tools=offered, keep_empty=True),
+                  read_partial=lambda: PartialReader(template, tools=offered), calls_wanted=tools, plain=plain,
+                  read_regions=lambda: PartialReader(regions_only(template), tools=offered))
     cuts = sorted(data.draw(st.sets(st.integers(1, len(atoms)), max_size=8)))
     stream, sent = ToolStream(), []
     for cut in cuts:
@@ -2572,10 +2579,16 @@ def test_a_streamed_reply_without_tools_adds_up_to_its_answer(lead, thought, tex
     called = reply.tool_message(done)
     answer = called["message"] if called is not None else {"content": plain(raw)}
     joined = {key: "".join(d.get(key, "") for d in sent + rest) for key in ("content", "reasoning_content")}
-    assert joined == {"content": answer["content"], "reasoning_content": answer.get("reasoning_content") or ""}, raw
+    # (a reply of calls alone has content null, OpenAI's shape)
+    assert joined == {"content": answer["content"] or "", "reasoning_content": answer.get("reasoning_content") or ""}, raw
     for key, whole in joined.items():  # every chunk before the last extends what was sent
         assert whole.startswith("".join(d.get(key, "") for d in sent)), raw
-    assert finish == "stop" and not any("tool_calls" in d for d in sent + rest)
+    def without_ids(calls):  # (each read of a reply gives its calls new ids)
+        return [{k: v for k, v in call.items() if k not in ("index", "id")} for call in calls]
+
+    assert without_ids(c for d in sent + rest for c in d.get("tool_calls", [])) == without_ids(
+        answer.get("tool_calls", [])), raw
+    assert finish == ("tool_calls" if answer.get("tool_calls") else "stop"), raw
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
