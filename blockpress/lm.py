@@ -271,6 +271,13 @@ def _check_function(value: Any, name: str, signature: str) -> Any:
 
 
 def _check_logits_processor(processor: Any) -> Any:
+    if type(processor).__module__.startswith("transformers."):  # a LogitsProcessorList, a LogitsProcessor or warper
+        # (called as blockpress calls its own, with the arguments in other roles, it failed inside transformers)
+        raise ValueError(f"logits_processor: a transformers {type(processor).__name__}, which is called as "
+                         "(input_ids, scores); blockpress calls logits_processor(logits, rows) -> logits, the logits "
+                         "[B, C, V] of a canvas (generate_ar: [B, 1, V]) and the batch rows [B] they are; for "
+                         "transformers' settings use blockpress's own: temperature / draw_temperature, top_k, top_p, "
+                         "presence_penalty / frequency_penalty")
     return _check_function(processor, "logits_processor", "(logits, rows) -> logits")
 
 
@@ -339,13 +346,24 @@ ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
 TRANSFORMERS_HINTS = {
     "do_sample": "transformers' switch between greedy and sampled decoding, which DiffusionGemma's generate has "
-                 "not (it always draws candidates on its temperature schedule); the nearest: sampler='greedy' (or "
-                 "generate_ar's temperature=0) takes the argmax, as do_sample=False would, and the default sampler "
-                 "draws, as do_sample=True",
+                 "not (it always draws candidates on its temperature schedule); the nearest: generate's "
+                 "sampler='greedy' and generate_ar's temperature=0 take the argmax, as do_sample=False would, and "
+                 "generate's sampler='entropy_bound' and generate_ar's temperature=1 draw, as do_sample=True (the "
+                 "checkpoint's generation_config.json says which each does by default)",
     "repetition_penalty": "transformers' repetition_penalty divides a repeated token's logit, the prompt's tokens "
                           "included; the nearest: presence_penalty / frequency_penalty (OpenAI's), which subtract "
                           "from the logits of tokens in the new text only",
     "num_beams": "block diffusion has no beam search; for several samples pass num_return_sequences (or seeds)",
+    "use_cache": "blockpress always encodes into a KV cache of its own (`cache=` is a conversation's cache to "
+                 "continue, from return_cache=True); leave use_cache out",
+    "min_length": "transformers' min_length counts the prompt; the nearest: min_new_tokens, which counts new tokens",
+    "stopping_criteria": "the nearest: stop= (strings that end a row) and cancelled= (a callable that ends the "
+                         "call), or lm.stream(...) to stop reading whenever you like",
+    "output_scores": "generate returns no scores; lm.logits(prompt_ids, canvas_ids) gives a canvas's logits",
+    "output_logits": "generate returns no logits; lm.logits(prompt_ids, canvas_ids) gives a canvas's logits",
+    "return_dict_in_generate": "generate always returns a GenerationOutput (.sequences is transformers' tensor)",
+    "bad_words_ids": "the nearest: generate's constraint(draft, settled) -> banned [B, C, V] or a logits_processor",
+    "suppress_tokens": "the nearest: generate's constraint(draft, settled) -> banned [B, C, V] or a logits_processor",
 }
 
 
@@ -379,6 +397,9 @@ def _generation_settings(config: Any) -> dict[str, Any]:
     for key, value in raw.items():
         if value is None or key.startswith("_") or key == "transformers_version":
             continue
+        if key == "return_dict_in_generate" and value is False:  # (the reference then returns a bare tensor)
+            raise ValueError(f"generation_config: return_dict_in_generate: false is not a blockpress setting; "
+                             f"{TRANSFORMERS_HINTS[key]}")
         if key not in KNOWN_GENERATION_KEYS:
             hint = f"; {TRANSFORMERS_HINTS[key]}" if key in TRANSFORMERS_HINTS else ""
             raise ValueError(f"generation_config: {key}: not a blockpress setting (it reads max_new_tokens, "
@@ -958,6 +979,8 @@ class LM:
         """`eos_ids`, computed (callers inside blockpress use this spelling)."""
         v = self.config.text.vocab_size
         raw = self.generation_config.get("eos_token_id")
+        if isinstance(raw, list) and not raw:  # none at all, as the reference reads []: no EOS ends a row
+            return []
         listed = raw if isinstance(raw, list) else [raw] if raw is not None else []
         if listed:
             # `load` drops ids past the vocabulary with a warning; one set by hand since is refused, as banning EOS

@@ -104,6 +104,24 @@ def test_eos_token_id_ends_the_rows(lm, ids):
         assert int(lm.generate(ids, 16, seed=2, eos_token_id=given, **STEPS).num_new_tokens[0]) == first + 1
 
 
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_an_empty_eos_token_id_ends_no_row(lm, ids, engine):
+    """eos_token_id=[] was read as unset: the checkpoint's EOS ids still ended rows, where the reference, whose EOS
+    set is then empty, runs every row to its budget."""
+    eos = lm.eos_ids[0]
+
+    def only_eos(logits, rows):  # every token the model's own EOS
+        logits = logits.clone()
+        logits[..., eos] = 1e4
+        return logits
+
+    run = getattr(lm, engine)
+    kw = dict(seed=2, logits_processor=only_eos, **(STEPS if engine == "generate" else {}))
+    assert run(ids, 16, **kw).num_new_tokens.tolist() == [1, 1]
+    out = run(ids, 16, eos_token_id=[], **kw)
+    assert out.num_new_tokens.tolist() == [16, 16] and (out.new_tokens == eos).all()
+
+
 def test_pad_token_id_fills_after_eos(lm, ids):
     eos, _ = stopping_token(lm, ids)
     out = lm.generate(ids, 16, seed=2, eos_token_id=eos, pad_token_id=7, **STEPS)
@@ -127,6 +145,11 @@ def test_generation_config_dict_is_read_as_the_file(lm, ids):
         lm.generate(ids, generation_config={"max_new_tokens": "8"})
     with pytest.raises(ValueError, match=r"^generation_config: expected transformers' Diffusion.*got str"):
         lm.generate(ids, generation_config="greedy")
+    # return_dict_in_generate false asks the reference for a bare tensor: it was accepted and changed nothing
+    for call in (lm.generate, lm.generate_ar):
+        with pytest.raises(ValueError, match=r"^generation_config: return_dict_in_generate: false .*GenerationOutput"):
+            call(ids, 4, generation_config={"return_dict_in_generate": False})
+        assert call(ids, 4, generation_config={"return_dict_in_generate": True}).sequences.shape == (2, 10)
 
 
 def test_the_references_generation_config_object(lm, ids):
@@ -198,6 +221,29 @@ def test_habits_without_a_meaning_here_name_the_nearest_setting(lm, ids, engine)
         call(ids, 4, do_sample=False)
     with pytest.raises(ValueError, match=r"^repetition_penalty: .*presence_penalty / frequency_penalty"):
         call(ids, 4, repetition_penalty=1.2)
+    # each got the generic list of keywords (use_cache: "did you mean cache?", which takes a KVCache, not a flag)
+    for keyword, value, nearest in [("use_cache", True, "leave use_cache out"), ("min_length", 8, "min_new_tokens"),
+                                    ("stopping_criteria", [], "stop= .* cancelled="), ("output_scores", True, "lm.logits"),
+                                    ("output_logits", True, "lm.logits"), ("bad_words_ids", [[3]], "constraint"),
+                                    ("suppress_tokens", [3], "constraint"),
+                                    ("return_dict_in_generate", True, "always returns a GenerationOutput")]:
+        with pytest.raises(ValueError, match=rf"^{keyword}: {engine} takes no such keyword; .*{nearest}"):
+            call(ids, 4, **{keyword: value})
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_a_transformers_logits_processor_is_refused_naming_the_call_blockpress_makes(lm, ids, engine):
+    """A transformers LogitsProcessorList (or one processor) was taken as a callable and called as blockpress calls its
+    own, (logits, rows), where transformers' take (input_ids, scores): it failed inside transformers ("Dimension out
+    of range", an int64 overflow) or with a misleading shape error."""
+    generation = pytest.importorskip("transformers.generation")
+    call = getattr(lm, engine)
+    for processor in (generation.LogitsProcessorList([generation.TemperatureLogitsWarper(0.7)]),
+                      generation.TopKLogitsWarper(5), generation.RepetitionPenaltyLogitsProcessor(1.3)):
+        with pytest.raises(ValueError, match=rf"^logits_processor: a transformers {type(processor).__name__}, which "
+                                             r"is called as \(input_ids, scores\); blockpress calls "
+                                             r"logits_processor\(logits, rows\)"):
+            call(ids, 4, logits_processor=processor)
 
 
 def test_stop_strings_is_stop():
