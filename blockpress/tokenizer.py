@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import jinja2
+import jinja2.defaults
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
@@ -1051,8 +1052,12 @@ def _call_arguments(function: dict[str, Any], at: str) -> dict[str, Any]:
 # What apply_chat_template itself passes a template, or takes as its own arguments: a template variable of these names
 # (a server's chat_template_kwargs) would replace the conversation, the tools or raise_exception, or change how the
 # prompt is rendered rather than what the template reads.
+# The names a chat rendering sets itself, and jinja's own globals (namespace, range, ...): a template variable of one
+# of those names would replace it, and a template calling it then failed ({"namespace": 1} over a template that
+# calls namespace(...): "'int' object is not callable", which the server answered as its own fault, a 500)
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                                     "chat_template", "tokenize", "raise_exception", "strftime_now"})
+                                     "chat_template", "tokenize", "raise_exception", "strftime_now",
+                                     *jinja2.defaults.DEFAULT_NAMESPACE})
 
 
 def template_variables(variables: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:

@@ -3080,8 +3080,12 @@ def test_chat_template_kwargs_reach_the_template_over_the_servers_defaults(serve
     monkeypatch.setitem(state.template_defaults, "enable_thinking", True)
     assert prompt_tokens() == plain + marker
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) == plain
+    # jinja's own globals too: {"namespace": 1} replaced the template's namespace(...), a 500 ("'int' object is not
+    # callable"), and --chat-template-kwargs '{"namespace": 1}' made every chat request one
     for bad, words in (({"messages": []}, "'messages' is set by the chat rendering itself"),
-                       ({"raise_exception": 1}, "reserved"), ({"not a name": 1}, "not a template variable's name")):
+                       ({"raise_exception": 1}, "reserved"), ({"not a name": 1}, "not a template variable's name"),
+                       *(({name: 1}, f"'{name}' is set by the chat rendering itself")
+                         for name in ("namespace", "range", "dict", "cycler", "joiner", "lipsum"))):
         r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": bad})
         error = r.json()["error"]
@@ -3089,8 +3093,9 @@ def test_chat_template_kwargs_reach_the_template_over_the_servers_defaults(serve
     r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["enable_thinking"]})
     assert r.status_code == 400 and "chat_template_kwargs" in r.text
-    with pytest.raises(ValueError, match=r"^chat_template_kwargs: 'tools' is set by the chat rendering itself"):
-        create_app(lm, MODEL, chat_template_kwargs={"tools": []})
+    for name in ("tools", "namespace"):
+        with pytest.raises(ValueError, match=rf"^chat_template_kwargs: '{name}' is set by the chat rendering itself"):
+            create_app(lm, MODEL, chat_template_kwargs={name: []})
 
 
 def test_a_chat_with_several_mistakes_is_refused_for_the_first_in_its_order(server, monkeypatch):
