@@ -66,13 +66,18 @@ def windows_vt_mode(stream: TextIO) -> bool:
         return False
 
 
+# A format character (Cf) that terminals draw one cell wide (wcwidth 1): counted as none, every redraw of a line
+# holding it fell a row short and left a copy of the line behind
+SOFT_HYPHEN = "\u00ad"
+
+
 def display_width(text: str) -> int:
     """Terminal cells `text` takes: wide East Asian characters two, combining marks none, tabs to the next stop."""
     width = 0
     for ch in text:
         if ch == "\t":
             width += 8 - width % 8
-        elif unicodedata.combining(ch) or unicodedata.category(ch) in ("Cf", "Mn", "Me"):
+        elif (unicodedata.combining(ch) or unicodedata.category(ch) in ("Cf", "Mn", "Me")) and ch != SOFT_HYPHEN:
             continue  # combining marks, zero-width spaces and joiners, variation selectors: no cell
         else:
             width += 2 if unicodedata.east_asian_width(ch) in "WF" else 1
@@ -151,6 +156,14 @@ def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
                 tail.insert(0, (text[len(text) - n :], style))
             if n < len(text):
                 break
+        # A cell budget is not a row count: on an odd width a row of wide characters leaves its last cell empty,
+        # and the kept line ran past the screen (its top scrolled off, the redraw left "…" rows behind). So the
+        # line's start goes, a character at a time, until it takes the rows it may.
+        while tail and rows_of("".join(t for t, _ in tail), columns) > max_rows - 1:
+            text, style = tail[0]
+            tail[0] = (text[1:], style)
+            if not tail[0][0]:
+                tail.pop(0)
         kept = [tail]
     out: list[Piece] = [("…", ELIDED)]
     for line in kept:
@@ -188,10 +201,14 @@ class LiveView:
 
     def commit(self, text: str, final: bool = False) -> None:
         """Show the answer so far (Commit.texts_so_far: decoded whole, so a character whose bytes two canvases share
-        is drawn once it is complete), or (`final`) the whole answer, written out in full rather than redrawn."""
+        is drawn once it is complete), or (`final`) the whole answer, written out in full rather than redrawn, and
+        its line ended: with stderr (the stats line) elsewhere the shell's prompt came on the text's last line."""
         self.committed = text
         self.previous = None
         self._draw([(self.committed, "")], live=not final)
+        if final:
+            self.out.write("\n")
+            self.out.flush()
 
     def abort(self) -> None:
         """After Ctrl-C: the text committed so far, plainly, and a newline for the shell's prompt."""

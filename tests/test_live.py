@@ -88,8 +88,21 @@ def test_fit_keeps_the_last_lines_within_the_rows(text, columns, max_rows):
         assert text.endswith(body) or last_line.endswith(body)  # the end of the text, never the start
 
 
+@pytest.mark.parametrize("columns", [10, 11, 20, 21, 41])
+def test_fit_keeps_a_line_of_wide_characters_taller_than_the_screen_within_it(columns):
+    """One line taller than the screen kept as many characters as (rows - 1) x columns cells hold: on an odd width a
+    row of wide characters leaves its last cell empty, so the kept line ran past the screen (11 columns, 24 rows:
+    11 stray "…" rows and 70 rows where 60 fit)."""
+    kept = fit([("中" * 600, "")], columns, 24)
+    shown = "".join(t for t, _ in kept)
+    assert shown.startswith("…\n") and rows_of(shown, columns) <= 24
+    assert rows_of(shown, columns) >= 23 and ("中" * 600).endswith(shown[2:])  # (as much as fits, of its end)
+
+
 def test_widths():
     assert display_width("ab\t") == 8 and display_width("中文") == 4 and display_width("e\u0301") == 1
+    # a soft hyphen is drawn one cell wide (wcwidth 1); counted as none, each redraw left a copy of its line behind
+    assert display_width("hy\u00adphen") == 7 and display_width("a\u200bb\u200d") == 2
     assert rows_of("x" * 10, 10) == 1 and rows_of("x" * 11, 10) == 2 and rows_of("a\n\nb", 10) == 3
     assert rows_of("x" * 9 + "中", 10) == 2 and rows_of("x" * 8 + "中", 10) == 1  # a wide one wraps whole
     assert rows_of("\t" * 3, 10) == 1 and rows_of("ab\tc", 10) == 1 and rows_of("ab\tcde", 10) == 2
@@ -105,8 +118,10 @@ def test_the_cli_live_view_leaves_one_copy_of_the_answer(capsys, monkeypatch):
     monkeypatch.setenv("TERM", "xterm")
     monkeypatch.setattr("shutil.get_terminal_size", lambda *a: os.terminal_size((30, 6)))
     assert main(base) == 0
-    drawn = capsys.readouterr().out
+    drawn, stderr = capsys.readouterr()
     assert "\x1b[" in drawn  # it did draw live
+    # the text's line ended on stdout (with stderr elsewhere the shell's prompt came on it), the stats line right after
+    assert drawn.endswith("\n") and stderr.startswith("[40 new tokens")
     plain = terminal_text("hello" + want)  # as a terminal is given it: control characters as U+FFFD
     assert settled(screen_after(drawn, 30, 6, above=10), screen_after(plain, 30, 6, above=10))
 
@@ -155,7 +170,7 @@ def test_control_characters_from_the_model_never_reach_the_terminal():
     view.commit(answer, final=True)
     written = out.getvalue()
     assert "\x1b[31m" not in written and "\x07" not in written and "\x9b" not in written and "\r\n" not in written
-    assert written.endswith("pred \ufffd[31mtext\ufffd \ufffd2J x\ny")
+    assert written.endswith("pred \ufffd[31mtext\ufffd \ufffd2J x\ny\n")  # (the final text's line ended)
 
 
 class _Tty(io.StringIO):

@@ -385,10 +385,12 @@ def printable(text: str) -> str:
     return terminal_text(text) if sys.stdout is not None and sys.stdout.isatty() else text
 
 
-def print_stats(stats: dict[str, Any]) -> None:
+def print_stats(stats: dict[str, Any], own_line: bool = False) -> None:
+    """The stats line on stderr, after an empty line unless `own_line` (the output before it ended its line)."""
     made = (f"{stats['filled_tokens']} filled of {stats['template_tokens']} template tokens" if "filled_tokens" in stats
             else f"{stats['new_tokens']} new tokens")
-    print(f"\n[{made} · {stats['forward_passes']} forward passes · "
+    lead = "" if own_line else "\n"
+    print(f"{lead}[{made} · {stats['forward_passes']} forward passes · "
           f"{stats['tokens_per_forward']} tokens/forward · {stats['tok_s']} tok/s]", file=sys.stderr)
 
 

@@ -140,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if not live:
             print(printable(shown + answer))
-        print_stats(stats)
+        print_stats(stats, own_line=live)  # (the live view's last line ended with the text)
     return 0
 
 
