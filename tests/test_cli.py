@@ -175,8 +175,9 @@ def test_the_live_view_ends_on_the_answers_text(capsys, monkeypatch):
         monkeypatch.undo()
         screen = capsys.readouterr().out
         assert "\x1b[2m" in screen or "\x1b[" in screen  # it did draw
-        # the last redraw: the prompt's line and the answer, as a terminal is given it (control characters as U+FFFD)
-        assert screen.rsplit("\r\x1b[J", 1)[1] == terminal_text("hello" + want)
+        # the last redraw: the prompt's line and the answer, as a terminal is given it (control characters as U+FFFD),
+        # its line ended
+        assert screen.rsplit("\r\x1b[J", 1)[1] == terminal_text("hello" + want) + "\n"
 
 
 def test_generate_reads_the_prompt_from_stdin_given_a_dash(capsys, monkeypatch):
