@@ -258,8 +258,13 @@ def check_complete(path: Path, files: list[MappedSafetensors], shapes: dict[str,
                 stored.add(local)
     missing = [local_to_hf(k) for k in shapes if k not in stored and not k.endswith("layer_scalar")]
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        shown = _first_few(missing, 5)
         raise CheckpointError(f"{path}: missing tensor(s) {shown}")
+
+
+def _first_few(names: list[str], shown: int) -> str:
+    """The first `shown` of `names`, joined, and how many more there are, for a message."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def tied_source(name: str) -> str:
@@ -276,12 +281,12 @@ def check_tied_copies(copies: dict[str, Path], sources: dict[str, Path], tied: b
     there: transformers starts an absent one from random weights (a tied checkpoint whose config.json was edited to
     false loaded here, running the decoder's weights, 10 logits off the reference's)."""
     if not tied:
-        wanted = ["lm_head.weight", *(ENCODER_TEXT + source[len(DECODER):] for source in sources
-                                      if source.startswith(DECODER) and not source[len(DECODER):].startswith(DECODER_ONLY)
-                                      and tensor_kind(ENCODER_TEXT + source[len(DECODER):])[0] == "copy")]
-        absent = [name for name in wanted if name not in copies]
+        inner = [source[len(DECODER):] for source in sources if source.startswith(DECODER)]  # the decoder's own names
+        wanted = ["lm_head.weight", *(ENCODER_TEXT + rest for rest in inner if not rest.startswith(DECODER_ONLY)
+                                      and tensor_kind(ENCODER_TEXT + rest)[0] == "copy")]
+        absent = [repr(name) for name in wanted if name not in copies]
         if absent:
-            shown = ", ".join(repr(n) for n in absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
+            shown = _first_few(absent, 3)
             raise CheckpointError(
                 f"tie_word_embeddings is false, but the checkpoint stores no {shown}: transformers would start "
                 f"{'it' if len(absent) == 1 else 'them'} from random weights, and blockpress runs the decoder's; if "
@@ -598,7 +603,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     # trainers leave their own pickles beside the weights (training_args.bin, optimizer.pt): not checkpoints
     pickles = sorted(p.name for pattern in PICKLE_PATTERNS for p in path.glob(pattern) if p.name not in TRAINER_PICKLES)
     if pickles:  # say what is there, and why it is not read: "no model.safetensors" alone reads as a wrong folder
-        shown = ", ".join(pickles[:3]) + (f" and {len(pickles) - 3} more" if len(pickles) > 3 else "")
+        shown = _first_few(pickles, 3)
         raise FileNotFoundError(
             f"{path}: no model.safetensors or model.safetensors.index.json, but a PyTorch pickle checkpoint ({shown}); "
             "blockpress does not load pickles (unpickling can run arbitrary code). If you trust the file, convert it "
