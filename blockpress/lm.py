@@ -1120,9 +1120,11 @@ class LM:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
             # does), where "min_new_tokens: expected an integer in [0, max_new_tokens=64]" named a count not given.
             default = self.default_new_tokens(prompt_width)
-            max_new_tokens = ([max(default, int(n)) if is_int(n) else default for n in mins]
-                              if isinstance(mins, list) else
-                              max(default, int(mins)) if is_int(mins) else default)
+
+            def grown(least: Any) -> int:  # (a value that is no count is left to _check_budgets to refuse)
+                return max(default, int(least)) if is_int(least) else default
+
+            max_new_tokens = [grown(n) for n in mins] if isinstance(mins, list) else grown(mins)
         elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
             max_new_tokens = self._max_new_tokens_setting()
         budget, least = _check_budgets(max_new_tokens, mins)
