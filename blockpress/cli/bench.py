@@ -89,6 +89,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if rows:
             print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
+            if args.out:  # it held the last row's "partial" alone, as if the run had failed, not been stopped
+                try:
+                    write({**measured, "interrupted": True}, done=False)
+                except OSError:  # (a full disk) the rows are on stdout, and the stop is what is said
+                    pass
         print(f"bench: {stop_word(exc)} after {rows} row{'s' if rows != 1 else ''}"
               + (f" (their JSON on stdout{' and in ' + str(args.out) if args.out else ''}, marked \"partial\")"
                  if rows else ""), file=sys.stderr)
