@@ -1133,9 +1133,10 @@ def model_logits_fault(model: Any, where: str) -> NonFiniteLogits:
 
 def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
                      rows: torch.Tensor) -> torch.Tensor:
-    """`processor(logits [b, C, V], rows [b]) -> logits`, checked: float logits of the same shape. Contiguous: the
-    bans written after it go in place, which an expanded view (one row's logits for all, say) would spread to
-    every row."""
+    """`processor(logits [b, C, V], rows [b]) -> logits`, checked: float logits of the same shape, contiguous and
+    blockpress's own: the temperature and the bans written after it go in place, which an expanded view (one row's
+    logits for all, say) would spread to every row, and which would change a tensor the caller keeps (a table of
+    logits returned at every step was divided by each step's temperature in turn)."""
     processed = processor(logits, rows)
     if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
             or not processed.dtype.is_floating_point):
@@ -1145,6 +1146,8 @@ def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     if processed.device != logits.device:  # a processor that works on the CPU (numpy, say) for a GPU model
         raise ValueError(f"logits_processor: expected logits on the model's device {logits.device}, got them on "
                          f"{processed.device} (return them with .to(logits.device))")
+    if processed.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+        return processed.clone(memory_format=torch.contiguous_format)  # not ours: perhaps the caller's to keep
     return processed.contiguous()
 
 

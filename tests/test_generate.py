@@ -2816,6 +2816,32 @@ def test_a_logits_processor_may_return_a_broadcast_view(lm):
     assert not bool((outputs[0][0, [1, 2, 4, 5]] % 16 == 3).all())  # row 0 is free to draw other tokens
 
 
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_a_logits_processor_may_return_a_tensor_it_keeps(lm, engine):
+    """The temperature and bans go into the step's logits in place: a processor that hands back a table it keeps had
+    the table divided by each step's temperature in turn (and EOS banned in it), so the same logits decoded otherwise
+    than from a fresh tensor. The caller's tensor is left alone, and both decode alike."""
+    v = lm.config.text.vocab_size
+
+    def table(positions):
+        t = torch.zeros(1, positions, v)
+        t[..., 7], t[..., 9], t[..., 1] = 3.0, 2.5, 2.8
+        return t
+
+    positions = 1 if engine == "generate_ar" else lm.config.canvas_length
+    kept = table(positions)
+    kw = dict(max_new_tokens=8, seed=3, min_new_tokens=4, eos_token_id=[1])
+    if engine == "generate":  # the schedule's temperatures divide the logits, 0.8 down to 0.4
+        kw.update(max_denoising_steps=6, stability_threshold=1, confidence_threshold=0.5)
+    else:
+        kw.update(temperature=0.7)
+    outs = [getattr(lm, engine)([5, 6, 7], logits_processor=lambda logits, rows: kept, **kw),
+            getattr(lm, engine)([5, 6, 7], logits_processor=lambda logits, rows: table(positions), **kw)]
+    assert torch.equal(kept, table(positions))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(outs[0].forward_passes, outs[1].forward_passes)
+
+
 def test_one_stop_search_serves_both_loops(code_lm):
     """`run` and `run_ar` share `_Stops.find`: a row ends at the token completing a stop string, skipped rows
     are left alone, and the rows it ends are marked finished and stopped."""
