@@ -834,7 +834,9 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
                 done += f.nbytes(name)
                 if progress is not None:
                     progress(done, total)
-    tied = config.extra.get("tie_word_embeddings", True) is not False and config.text.tie_word_embeddings
+    # The top-level flag alone: transformers ties on the config of the whole model, so a text_config flag false
+    # under a top-level true loads tied there (and lm.save writes such a pair back as it read it)
+    tied = config.extra.get("tie_word_embeddings", True) is not False
     check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
     if passthrough.tensors:
         warn_user(

@@ -499,7 +499,7 @@ class ModelConfig:
         if not _positive_int(self.canvas_length):
             raise ConfigError(f"canvas_length: expected a positive integer{_past_int64(self.canvas_length)}, "
                               f"got {self.canvas_length!r}")
-        # transformers' top-level copy of text_config's flag: the load ties the weights unless either one is false
+        # the flag transformers ties the weights by (text_config's own is read by nothing there)
         tied = self.extra.get("tie_word_embeddings", True)
         if not isinstance(tied, bool):
             raise ConfigError(f"tie_word_embeddings: expected true or false, got {tied!r}")

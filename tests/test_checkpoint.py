@@ -1112,19 +1112,40 @@ def _untied_reference(path, same_weights: bool):
     return ref
 
 
-@pytest.mark.parametrize("where", ["top", "text_config"])
-def test_an_untied_config_over_a_checkpoint_that_stores_no_copies_is_refused(ref_checkpoint, tmp_path, where):
+def test_an_untied_config_over_a_checkpoint_that_stores_no_copies_is_refused(ref_checkpoint, tmp_path):
     """A tied checkpoint (no encoder or LM head tensors stored) whose config.json says tie_word_embeddings false loaded
     running the decoder's weights, where transformers starts the encoder and LM head from random weights (logits 10
     off): nothing was compared, the copies being absent. Refused now, naming what is missing."""
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     raw = json.loads((path / "config.json").read_text())
-    (raw if where == "top" else raw["text_config"])["tie_word_embeddings"] = False
+    raw["tie_word_embeddings"] = False
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(blockpress.CheckpointError, match=r"^tie_word_embeddings is false, but the checkpoint stores no "
                                                          r"'lm_head.weight', 'model.encoder.language_model.[^']+', '[^']+'"
                                                          r" and \d+ more: transformers would start them from random"):
         load_quiet(path)
+
+
+def test_a_text_config_untied_under_a_tied_top_level_loads_tied_as_in_transformers(ref_checkpoint, tmp_path):
+    """transformers ties by the top-level flag alone: text_config's tie_word_embeddings false under a top-level true
+    loads tied there. blockpress refused it (for copies the checkpoint need not store), its own save of such a folder
+    included."""
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"]["tie_word_embeddings"] = False
+    (path / "config.json").write_text(json.dumps(raw))
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(path).eval()
+    assert ref.lm_head.weight.data_ptr() == ref.model.decoder.embed_tokens.weight.data_ptr()  # tied there
+    g = torch.Generator().manual_seed(0)
+    prompt, canvas = torch.randint(0, 96, (2, 13), generator=g), torch.randint(0, 96, (2, 8), generator=g)
+    with torch.no_grad():
+        expected = ref(input_ids=prompt, decoder_input_ids=canvas).logits
+    lm = load_quiet(path)
+    assert (lm.logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
+    lm.save(tmp_path / "saved")
+    assert (load_quiet(tmp_path / "saved").logits(prompt, canvas) - expected).abs().max().item() <= 1e-4
 
 
 def test_untied_checkpoint_with_weights_of_its_own_is_refused(tmp_path):
