@@ -167,9 +167,13 @@ class MappedSafetensors:
 
 @dataclass
 class Passthrough:
-    """Tensors blockpress does not use but must not lose on save: name -> source file."""
+    """Tensors blockpress does not use but must not lose on save (the vision tower): name -> tensor, a view of the
+    loaded file's mapping (read on saving alone). Held, not re-read by path: a path read again at save time was
+    another file by then (a relative one after a chdir, one another save had replaced, the shards a save over the
+    folder had removed), so a save wrote another model's vision weights or failed. A mapping outlives its file
+    being replaced or deleted."""
 
-    tensors: dict[str, Path] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def hf_to_local(name: str) -> str | None:
@@ -822,7 +826,7 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
         for name in f.keys():
             kind, local = tensor_kind(name)  # names, shapes and dtypes were checked by plan_model (check_headers)
             if kind == "vision":
-                passthrough.tensors[name] = file
+                passthrough.tensors[name] = f.tensor(name)
             elif kind == "derived":
                 derived.append(name)
             elif kind == "copy":
@@ -857,33 +861,6 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     model.reset_buffers()
     model.to(device)
     return model, passthrough
-
-
-def read_passthrough(passthrough: Passthrough, dest: Path) -> dict[str, torch.Tensor]:
-    """The kept (vision) tensors, from the files they were loaded from. They are views of those files mapped now,
-    so saving over the very folder they came from still writes them (the old files are unlinked, not rewritten
-    in place). A file gone or changed since loading is a clear error before anything is written."""
-    by_file: dict[Path, list[str]] = {}
-    for name, file in passthrough.tensors.items():
-        by_file.setdefault(file, []).append(name)
-    gone = sorted(str(file) for file in by_file if not file.is_file())
-    if gone:
-        raise FileNotFoundError(
-            f"save: the {len(passthrough.tensors)} vision tensors kept from the loaded checkpoint are read on saving, "
-            f"and their file(s) {gone} are gone (moved or deleted since loading); nothing was written to {dest}. "
-            "Put the file(s) back, or drop the vision tower and save the text model alone with "
-            "lm.passthrough.tensors.clear()")
-    tensors = {}
-    for file, names in by_file.items():
-        source = MappedSafetensors(file)
-        lost = [name for name in names if name not in source.header]
-        if lost:
-            more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
-            raise CheckpointError(f"save: {file} no longer holds the vision tensor {lost[0]!r}{more} it was loaded "
-                                  "with (it changed since loading); nothing was written to "
-                                  f"{dest}. Restore it, or drop the vision tower with lm.passthrough.tensors.clear()")
-        tensors.update({name: source.tensor(name) for name in names})
-    return tensors
 
 
 def save_model(
@@ -929,7 +906,7 @@ def save_model(
     if dtype == torch.float16:  # before the folder is made: a value past float16's range would be written as inf
         check_float16_range(((name, tensors[name]) for name in sorted(cast)), f"nothing was written to {path}")
     if passthrough:  # the vision tensors, kept in their own dtype
-        tensors.update(read_passthrough(passthrough, path))
+        tensors.update(passthrough.tensors)
 
     def written(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: t.to(dtype) if name in cast else t for name, t in shard.items()}
