@@ -1852,6 +1852,9 @@ class LM:
             json.dumps(gen)
         except TypeError as exc:
             raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
+        # as a load reads them back: a value generate refuses (entropy_bound 0) was saved, and the folder then
+        # loaded neither here nor in transformers
+        check_generation_settings(gen, "save: generation_config")
         with staging(files) as staged:
             save_model(self.model, path, self.passthrough, metadata=metadata, files=staged, dtype=dtype,
                        quantized_from=self._quantized_from())

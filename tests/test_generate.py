@@ -2611,6 +2611,28 @@ def test_numpy_values_in_a_generation_config_save_as_json(tmp_path):
     assert json.dumps(asdict(SamplerConfig(entropy_bound=np.float32(0.5))))
 
 
+@pytest.mark.parametrize("setting, field", [({"entropy_bound": 0}, "entropy_bound"),
+                                            ({"confidence_threshold": 0}, "confidence_threshold"),
+                                            ({"max_denoising_steps": 5.0}, "max_denoising_steps"),
+                                            ({"eos_token_id": [1, -2]}, "eos_token_id")])
+def test_a_generation_config_no_load_reads_is_refused_before_saving(tmp_path, setting, field):
+    """save wrote any value JSON holds: the folder then loaded neither in blockpress nor in transformers (whose
+    validation refused it, or failed on it with an AttributeError). Refused by name now, nothing written; a valid
+    set saves and loads back."""
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
+    lm.generation_config = dict(setting)
+    with pytest.raises(ValueError, match=rf"^save: generation_config: {field}: "):
+        lm.save(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    lm.generation_config = {"entropy_bound": 0.5, "confidence_threshold": 2.0, "max_denoising_steps": 5}
+    lm.save(tmp_path / "out")
+    from blockpress.sampling import SamplerConfig
+
+    loaded = blockpress.load(tmp_path / "out").generation_config
+    assert loaded["max_denoising_steps"] == 5
+    assert SamplerConfig.from_generation_config(loaded) == SamplerConfig.from_generation_config(lm.generation_config)
+
+
 def test_a_cancelled_stream_ends_within_a_step_and_the_model_stays_usable(lm):
     """`cancelled` is asked before every step: a stream ends there (no Done), without drafts to poll."""
     asked = []
