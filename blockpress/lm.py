@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -338,7 +339,7 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
 # transformers' generate keywords that have blockpress's meaning: `LM._from_transformers` maps them, one place for
 # generate, stream and generate_ar (a DiffusionGemma user's `model.generate(input_ids=..., max_length=...)`)
 TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config", "eos_token_id", "pad_token_id",
-                                   "num_return_sequences", "stop_strings"})
+                                   "num_return_sequences", "stop_strings", "sampler_config"})
 # The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
 # (as it does one list of stop strings per row, and one template per row)
 ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
@@ -407,6 +408,17 @@ def _generation_settings(config: Any) -> dict[str, Any]:
                              f"{hint}")
         out[key] = value.to_dict() if callable(getattr(value, "to_dict", None)) else value  # sampler_config
     return out
+
+
+def _sampler_config_setting(value: Any) -> dict[str, Any]:
+    """generate's sampler_config= (the reference's EntropyBoundSamplerConfig, or a dict of its fields) as
+    generation_config.json holds it; its bound is checked with the rest of the call's settings."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"_cls_name": type(value).__name__, **dataclasses.asdict(value)}
+    if isinstance(value, dict):
+        return dict(value)
+    raise ValueError(f"sampler_config: expected transformers' EntropyBoundSamplerConfig or a dict "
+                     f"{{'entropy_bound': <number>}}, got {type(value).__name__} (or pass entropy_bound= itself)")
 
 
 def _repeat_rows(value: Any, n: int, name: str) -> Any:
@@ -1222,7 +1234,13 @@ class LM:
             given_as["stop"] = "stop_strings"
         gen = dict(self.generation_config)
         if hf.get("generation_config") is not None:
-            gen.update(_generation_settings(hf["generation_config"]))
+            settings = _generation_settings(hf["generation_config"])
+            if "sampler_config" in settings and "entropy_bound" not in settings:
+                gen.pop("entropy_bound", None)  # blockpress's spelling, which wins over sampler_config in one dict
+            gen.update(settings)
+        if hf.get("sampler_config") is not None:  # the reference's per-call spelling of the entropy bound
+            gen.pop("entropy_bound", None)
+            gen["sampler_config"] = _sampler_config_setting(hf["sampler_config"])
         for key in ("eos_token_id", "pad_token_id"):
             if hf.get(key) is not None:  # a tensor or numpy id (list), as the reference takes it, as plain ints
                 value = hf[key]

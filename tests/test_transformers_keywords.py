@@ -1,5 +1,5 @@
 """transformers' generate keywords (input_ids, max_length, generation_config, eos_token_id, pad_token_id,
-num_return_sequences, stop_strings) mapped onto blockpress's, in generate, stream and generate_ar: each mapped call
+num_return_sequences, stop_strings, sampler_config) mapped onto blockpress's, in generate, stream and generate_ar: each mapped call
 is the native call with the same seed, token for token; the habits with no exact meaning here are refused with the
 nearest setting named. (Against the reference's own generate: tests/test_reference_generate.py.)"""
 
@@ -43,6 +43,27 @@ def test_input_ids_and_attention_mask_are_the_prompt(lm, ids):
                        native.sequences)
     assert torch.equal(lm.generate_ar(input_ids=ids, attention_mask=mask, max_new_tokens=5).sequences,
                        lm.generate_ar(ids, 5, attention_mask=mask).sequences)
+
+
+def test_sampler_config_is_the_entropy_bound(lm, ids):
+    """The reference's per-call spelling of the entropy bound, sampler_config=EntropyBoundSamplerConfig(...), was
+    refused as no keyword of generate's. It is the bound, over the checkpoint's and a generation_config's, and below
+    a call's own entropy_bound."""
+    G = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    native = lm.generate(ids, 8, entropy_bound=50.0, seed=3, **STEPS)
+    assert not torch.equal(native.sequences, lm.generate(ids, 8, seed=3, **STEPS).sequences)  # the bound matters
+    for value in (G.EntropyBoundSamplerConfig(entropy_bound=50.0), {"entropy_bound": 50.0}):
+        assert torch.equal(lm.generate(ids, 8, sampler_config=value, seed=3, **STEPS).sequences, native.sequences)
+        assert torch.equal(done(lm.stream(ids, 8, sampler_config=value, seed=3, **STEPS)).sequences, native.sequences)
+    over = lm.generate(ids, 8, sampler_config={"entropy_bound": 50.0}, seed=3, **STEPS,
+                       generation_config={"sampler_config": {"entropy_bound": 0.2}})
+    assert torch.equal(over.sequences, native.sequences)
+    under = lm.generate(ids, 8, sampler_config={"entropy_bound": 0.2}, entropy_bound=50.0, seed=3, **STEPS)
+    assert torch.equal(under.sequences, native.sequences)
+    with pytest.raises(ValueError, match=r"sampler_config: expected transformers' EntropyBoundSamplerConfig .*got float"):
+        lm.generate(ids, 8, sampler_config=0.9)
+    with pytest.raises(ValueError, match=r"entropy_bound: expected > 0"):
+        lm.generate(ids, 8, sampler_config={"entropy_bound": 0})
 
 
 def test_a_prompt_is_given_once(lm, ids):
