@@ -2130,6 +2130,11 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
         from .tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(path)
+        vocab = model.config.text.vocab_size
+        if tokenizer.vocab_size > vocab:  # loaded as the reference loads it, said now: random_model refuses it
+            warn_user(f"{path / 'tokenizer.json'}: {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
+                      f"of {vocab}: its ids past {vocab - 1} have no embedding, and a text that encodes to one is "
+                      "refused when it is generated from")
     generation = read_generation_config(path, model.config.text.vocab_size)
     if adapter is not None:
         from .train import adapter_generation

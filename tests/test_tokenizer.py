@@ -722,6 +722,25 @@ def test_lm_save_keeps_a_checkpoints_tokenizer_as_transformers_reads_it(tmp_path
     assert _behaviour(again) == _behaviour(lm.tokenizer) == _behaviour(Tokenizer.from_dir(original))
 
 
+def test_a_tokenizer_larger_than_the_model_is_said_at_load(tmp_path: Path) -> None:
+    """A checkpoint whose tokenizer.json has more tokens than config.json's vocab_size loaded without a word (as the
+    reference loads it), and its first text whose ids pass the embedding failed at generate. Said at load now."""
+    import shutil
+
+    import blockpress
+    from blockpress.config import ModelConfig
+
+    blockpress.random_model(ModelConfig.tiny(vocab_size=96)).save(tmp_path / "ckpt")
+    code = blockpress.load("blockpress-code")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(code.path / name, tmp_path / "ckpt" / name)
+    with pytest.warns(UserWarning, match=rf"tokenizer.json: {code.tokenizer.vocab_size} tokens, more than config.json's "
+                                         r"vocab_size of 96: its ids past 95 have no embedding"):
+        lm = blockpress.load(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 96\)"):
+        lm.generate("def add(a, b): return a + b", max_new_tokens=8, max_denoising_steps=2, seed=0)
+
+
 def test_save_changes_only_the_settings_changed_since_loading(tmp_path: Path) -> None:
     """Settings changed after loading are saved where the files keep them; everything else stays as loaded."""
     original = _gemma_like_checkpoint(tmp_path / "ckpt")
