@@ -224,9 +224,14 @@ class Tokenizer:
         text_cfg = model_cfg.get("text_config")
         id_sources = [gen_cfg, model_cfg, text_cfg if isinstance(text_cfg, dict) else {}]
 
+        # transformers 5 reads special_tokens_map.json only beside a tokenizer_config.json without
+        # added_tokens_decoder (the older layout), and there the map's entries override the config's; the current
+        # layout (every save since writes added_tokens_decoder) names its tokens in the config alone
+        legacy_map = special_map if "added_tokens_decoder" not in tok_cfg else {}
+
         def token_id(name: str) -> int | None:
             # Token strings win; the numeric ids in the model/generation configs are fallbacks.
-            for source in (tok_cfg, special_map):
+            for source in (legacy_map, tok_cfg):
                 content = _token_content(source.get(name))
                 if content is not None and (tid := backend.token_to_id(content)) is not None:
                     return tid
@@ -263,11 +268,13 @@ class Tokenizer:
 
         # Every other NAME_token key names a special token, as transformers 5 reads them: the standard ones and
         # model-specific ones (image_token, ...), at the top level or in an extra_special_tokens dict (a list there is
-        # unnamed: not template variables). special_tokens_map.json wins here, as in transformers (unlike for the ids
-        # above), then the dict, as there.
+        # unnamed: not template variables). The older layout's special_tokens_map.json wins, as for the ids above,
+        # then the dict, as in transformers.
         named_tokens: dict[str, str] = {}
         extra = tok_cfg.get("extra_special_tokens")
-        for source in (special_map, extra if isinstance(extra, dict) else {}, tok_cfg):
+        legacy_extra = legacy_map.get("extra_special_tokens")
+        for source in (legacy_map, legacy_extra if isinstance(legacy_extra, dict) else {},
+                       extra if isinstance(extra, dict) else {}, tok_cfg):
             for name, value in source.items():
                 content = _token_content(value)  # (not add_bos_token's bool)
                 if name.endswith("_token") and name not in ID_TOKENS and content is not None:

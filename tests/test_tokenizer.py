@@ -341,20 +341,29 @@ def test_config_json_ids_are_fallbacks(tok: Tokenizer, tmp_path: Path) -> None:
     assert loaded.add_bos_token is False
 
 
-def test_special_tokens_map_and_dict_tokens(tok: Tokenizer, tmp_path: Path) -> None:
-    folder = _write_checkpoint(
-        tmp_path / "ckpt",
-        tok,
-        special_tokens_map__json={
-            "bos_token": {"content": "<bos>", "lstrip": False},
-            "eos_token": "<end_of_turn>",
-            "pad_token": {"content": "<pad>"},
-        },
-        # tokenizer_config.json wins over special_tokens_map.json.
-        tokenizer_config__json={"eos_token": {"content": "<eos>"}},
-    )
-    loaded = Tokenizer.from_dir(folder)
-    assert (loaded.bos_id, loaded.eos_ids, loaded.pad_id) == (2, [1], 0)
+@pytest.mark.parametrize("layout", ["older", "current"])
+def test_special_tokens_map_and_the_config_disagreeing_read_as_transformers_reads_them(tok: Tokenizer, tmp_path: Path,
+                                                                                      layout: str) -> None:
+    """transformers 5 reads special_tokens_map.json only beside a tokenizer_config.json without added_tokens_decoder
+    (the older layout), where the map's tokens override the config's; in the current layout it ignores the file.
+    blockpress let the config win the ids in the older layout and the map name the template's tokens in both, so a
+    template rendered other tokens (and the older layout stopped on another EOS)."""
+    transformers = pytest.importorskip("transformers")
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<|hole|>",
+              "chat_template": "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ unk_token }}|"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    if layout == "current":
+        config["added_tokens_decoder"] = {
+            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                     "special": True} for i, t in enumerate(SPECIALS)}
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json=config, special_tokens_map__json={
+        "bos_token": {"content": "<start_of_turn>", "lstrip": False}, "eos_token": "<end_of_turn>",
+        "pad_token": {"content": "<eos>"}, "unk_token": "<pad>"})
+    ours, theirs = Tokenizer.from_dir(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert ours.apply_chat_template(TWO_TURNS) == theirs.apply_chat_template(TWO_TURNS, tokenize=False)
+    assert (ours.bos_id, ours.eos_ids[0], ours.pad_id) == (theirs.bos_token_id, theirs.eos_token_id,
+                                                           theirs.pad_token_id)
+    assert ours.bos_id == (3 if layout == "older" else 2)  # the two layouts do differ
 
 
 def test_chat_template_list_takes_default(tok: Tokenizer, tmp_path: Path) -> None:
