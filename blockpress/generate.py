@@ -248,6 +248,11 @@ class Commit:
     # still arriving, and a tail that a stop string may yet start with (it would be cut). Each is a prefix of the
     # next and of Done's text, which a row that has finished shows whole: what an app prints as it streams.
     settled_texts: list[str] | None = None
+    # [B] whether a stop string ended the row (Done's output.extra["stopped"] so far), and the prompt tokens each row
+    # reused from a prefix cache (its extra["reused_prompt_tokens"]): with num_new_tokens and the steps, what a row
+    # that `finished` here will end with, so a consumer (the server) answers it now, not when its batch ends
+    stopped: list[bool] | None = None
+    reused_prompt_tokens: list[int] | None = None
     kind: str = "commit"
 
 
@@ -1713,7 +1718,7 @@ def run(
             settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
                        for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
         yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
-                     dec.written.cpu(), so_far, fills, settled)
+                     dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused))
         if last:
             break
 

@@ -1688,6 +1688,9 @@ class LM:
                 if isinstance(event, Done):
                     done = True
                     self._chat_finish(event.output, *_repeat_chat_rows(rows, common, copies))
+                elif isinstance(event, Commit) and event.reused_prompt_tokens is not None:  # counted as Done's
+                    held = _repeat_chat_rows(rows, common, copies)[1]
+                    event.reused_prompt_tokens = [n + r for n, r in zip(held, event.reused_prompt_tokens)]
                 elif isinstance(event, Cancelled):
                     self._chat_undo(cache, rows, common)
                 yield event

@@ -810,6 +810,13 @@ class Batch:
         # their text with special tokens, decoded on at each commit (Job.keep_special), not whole again
         self.raws = [TextStream(engine.lm.tokenizer, skip_special_tokens=False) for _ in jobs]
         self.committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
+        # Each job's valid new tokens, forward passes and last valid token so far, and whether it has had its JobDone:
+        # a free row is answered at the commit it finishes in, not when its batch's longest row ends (a 16-token
+        # answer batched beside a 480-token one came 28.6 s late, its stream's finish_reason and [DONE] with it)
+        self.counts = [0] * len(jobs)
+        self.passes = [0] * len(jobs)
+        self.last_token: list[int | None] = [None] * len(jobs)
+        self.answered = [False] * len(jobs)
 
     def advance(self) -> bool:
         """Handle the stream's events up to and including its next Commit (and the Done after it, where that commit
@@ -828,8 +835,10 @@ class Batch:
                 self.done(event.output)
                 return True
             elif isinstance(event, Cancelled):  # every client left, or a cut: the work done for nobody is load too
-                self.engine.metrics.add(completion_tokens_total=int(event.num_new_tokens.sum()),
-                                        forward_passes_total=int(event.forward_passes.sum()))
+                def unanswered(counts: Any) -> int:  # (the answered rows were counted then)
+                    return sum(n for n, answered in zip(counts.tolist(), self.answered) if not answered)
+                self.engine.metrics.add(completion_tokens_total=unanswered(event.num_new_tokens),
+                                        forward_passes_total=unanswered(event.forward_passes))
                 return True
         return True
 
@@ -856,33 +865,54 @@ class Batch:
         if texts is None or written is None:  # the decoding loop sets both where a tokenizer is, as a server's has
             raise ValueError("commit: the event has no texts_so_far or num_new_tokens (a model without a tokenizer?)")
         for i, job in enumerate(self.jobs):
+            if self.answered[i]:
+                continue
             # decoded whole, healed prefix left out, cut at a stop string past the min_tokens' text
             self.texts[i] = job.answer(texts, event.fills_so_far, i)
+            n = int(written[i])
+            fresh = event.tokens[i, : n - self.counts[i]].tolist()  # this canvas's valid tokens
+            self.counts[i], self.passes[i] = n, self.passes[i] + int(event.steps[i])
+            if fresh:
+                self.last_token[i] = fresh[-1]
             raw = None
             if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
-                self.tokens[i] += event.tokens[i, : int(written[i]) - len(self.tokens[i])].tolist()
+                self.tokens[i] += fresh
                 raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [],
                                                self.raws[i])
             job.put(JobText(self.texts[i], raw))
+            # (a canvas's answer counts the holes of its healed layout, which Done's output holds)
+            if (bool(event.finished[i]) and job.canvas is None and event.stopped is not None
+                    and event.reused_prompt_tokens is not None):
+                self.answer(i, self.texts[i], event.stopped[i], event.reused_prompt_tokens[i])
 
     def done(self, out: Any) -> None:
-        lm = self.engine.lm
         for i, job in enumerate(self.jobs):
-            n = int(out.num_new_tokens[i])
-            # "length" where the job's own max_tokens ended it, not an EOS nor a stop string
-            ended = (n < job.max_tokens or out.extra["stopped"][i] or job.canvas is not None
-                     or (n == job.max_tokens and int(out.new_tokens[i, n - 1]) in lm._eos_ids()))
-            text = job.answer(out.texts, out.fills, i)
-            if job.canvas is not None:  # what the model wrote: the holes (with the healed spaces)
-                n = int(out.num_chosen_tokens[i])
-            reused = out.extra["reused_prompt_tokens"][i]
-            raw = None
-            if job.keep_special:
-                raw = text_with_special_tokens(lm.tokenizer, out.new_tokens[i, :n].tolist(), lm._eos_ids(),
-                                               job.heal_prefix, job.stop if out.extra["stopped"][i] else [])
-            # (the prompt, its cached part and the latency count once per request, in `respond`)
-            self.engine.metrics.add(completion_tokens_total=n, forward_passes_total=int(out.forward_passes[i]))
-            job.put(JobDone(text, n, int(out.forward_passes[i]), "stop" if ended else "length", reused, raw))
+            if self.answered[i]:
+                continue
+            self.counts[i], self.passes[i] = int(out.num_new_tokens[i]), int(out.forward_passes[i])
+            n = self.counts[i]
+            self.last_token[i] = int(out.new_tokens[i, n - 1]) if n else None
+            self.tokens[i] = out.new_tokens[i, :n].tolist()
+            self.answer(i, job.answer(out.texts, out.fills, i), out.extra["stopped"][i],
+                        out.extra["reused_prompt_tokens"][i],
+                        None if job.canvas is None else int(out.num_chosen_tokens[i]))
+
+    def answer(self, i: int, text: str, stopped: bool, reused: int, chosen: int | None = None) -> None:
+        """Job `i`'s JobDone, its row having ended (EOS, its max_tokens, a stop string, or its canvas written) with
+        `text`; `chosen`: a canvas's tokens the model wrote (its holes), the completion tokens there."""
+        lm, job, n = self.engine.lm, self.jobs[i], self.counts[i]
+        # "length" where the job's own max_tokens ended it, not an EOS nor a stop string
+        ended = (n < job.max_tokens or stopped or job.canvas is not None
+                 or (n == job.max_tokens and self.last_token[i] in lm._eos_ids()))
+        raw = None
+        if job.keep_special:
+            raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix,
+                                           job.stop if stopped else [])
+        tokens = n if chosen is None else chosen
+        # (the prompt, its cached part and the latency count once per request, in `respond`)
+        self.engine.metrics.add(completion_tokens_total=tokens, forward_passes_total=self.passes[i])
+        self.answered[i] = True
+        job.put(JobDone(text, tokens, self.passes[i], "stop" if ended else "length", reused, raw))
 
 
 class Engine:

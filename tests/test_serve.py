@@ -2816,6 +2816,61 @@ def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server,
     assert alone[0]["choices"][0]["finish_reason"] == "length" and alone[0]["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_row_that_ends_is_answered_before_its_batch_does(server, monkeypatch, stream):
+    """A row's answer (its finish_reason and usage, a stream's last chunk and [DONE]) went out only when its batch's
+    longest row ended: a 16-token answer batched beside a 480-token one came 28.6 s late. It goes out at the commit
+    its row ends in now, and is what it is alone."""
+    from blockpress.generate import Commit, Done
+
+    base, app = server
+    engine = app.state.engine
+    long = {"model": MODEL, "prompt": "a", "max_tokens": 64, "min_tokens": 64, "seed": 1}  # 8 canvases, no early end
+    short = {"model": MODEL, "prompt": "b", "max_tokens": 4, "min_tokens": 4, "seed": 2, "stream": stream}
+
+    def post(body):
+        if not body.get("stream"):
+            return httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+        return {"choices": [{"text": "".join(c["choices"][0]["text"] for c in chunks),
+                             "finish_reason": chunks[-1]["choices"][0]["finish_reason"]}]}
+
+    alone = post(short)
+    gate, answered, order, streams = threading.Event(), threading.Event(), [], engine._stream
+
+    def watched(batch):
+        events = streams(batch)
+
+        def run():
+            gate.wait(30)  # the first request's batch is held until both others are queued: they share one
+            for event in events:
+                if isinstance(event, Done) and len(batch) == 2:
+                    order.append("batch done")
+                yield event
+                if isinstance(event, Commit) and len(batch) == 2 and bool(event.finished.any()):
+                    answered.wait(45)  # the short row has ended: its answer goes out while the long row runs on
+        return run()
+
+    monkeypatch.setattr(engine, "_stream", watched)
+    with cf.ThreadPoolExecutor(3) as pool:
+        held = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1})
+        while engine.running() == 0:
+            threading.Event().wait(0.01)
+        futures = [pool.submit(post, body) for body in (long, short)]
+        futures[1].add_done_callback(lambda f: (order.append("short answered"), answered.set()))
+        while engine.depth() < 2:
+            threading.Event().wait(0.01)
+        gate.set()
+        got = [f.result() for f in futures]
+        held.result()
+    assert order == ["short answered", "batch done"]
+    assert got[1]["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert got[1]["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"] == "length"
+    if not stream:
+        assert got[1]["usage"] == alone["usage"] and got[0]["usage"]["completion_tokens"] == 64
+
+
 def test_a_short_request_is_answered_while_a_long_one_runs():
     """A batch ran to its end before the engine looked at the queue again, so a 4-token request sent while a
     600-token one ran waited for all of it (52 s), free rows or not. Now running batches take turns a canvas at a time
