@@ -567,7 +567,7 @@ class ModelConfig:
             vocab_size=262_144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
             num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
             num_global_key_value_heads=2, sliding_window=1024, num_experts=128, top_k_experts=8,
-            moe_intermediate_size=704,
+            moe_intermediate_size=704, max_position_embeddings=262_144,  # its 256K context (the class default: 128K)
         )
         return cls(text=text, canvas_length=256)
 

@@ -347,6 +347,7 @@ def test_info_on_a_random_26b_counts_without_allocating(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["device"] == "cpu" and 25e9 < data["parameters_total"] < 26e9  # the figures are for --device
     assert 3.7e9 < data["parameters_active"] < 3.9e9 and data["weights_bytes"] == pytest.approx(2 * data["parameters_total"], rel=0.01)
+    assert data["max_position_embeddings"] == 256 * 1024  # the released model's context: 256K tokens (it said 128K)
 
 
 def test_weights_that_cannot_fit_are_refused_before_allocating(monkeypatch, capsys):
