@@ -8,6 +8,7 @@ trim_blocks/lstrip_blocks), so prompts built here match prompts built there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -470,10 +471,24 @@ class Tokenizer:
         return builtin_response_template(lambda text: self.backend.token_to_id(text) in special)
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of the token whose text is `token`; None where no token is it."""
+        check_text(token, "token")  # (a lone surrogate, which no token holds, is named; tokenizers failed on it)
         return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self.backend.id_to_token(token_id)
+        """The text of token `token_id`; None where it has none (past the vocabulary). tokenizers took True as 1 and
+        failed on -1 or an id past 32 bits with an OverflowError."""
+        number = token_id
+        if hasattr(token_id, "item") and hasattr(token_id, "dtype"):  # a numpy integer, a one-element tensor
+            with contextlib.suppress(ValueError, RuntimeError):  # (more elements: refused below)
+                number = token_id.item()
+        if isinstance(number, bool) or not isinstance(number, int):
+            raise ValueError(f"token_id: expected an integer token id, got {type(token_id).__name__} {token_id!r:.40}")
+        token_id = int(number)
+        if token_id < 0:
+            raise ValueError(f"token_id: {token_id} is negative (expected a token id, 0 <= id < vocab_size "
+                             f"{self.vocab_size})")
+        return self.backend.id_to_token(token_id) if token_id <= 0xFFFFFFFF else None
 
     # ------------------------------------------------------------------------------- encode / decode
 
@@ -523,15 +538,21 @@ class Tokenizer:
     def _id_list(self, ids: Iterable[int]) -> list[int]:
         # A tensor or numpy array becomes plain python numbers in one call (floats stay floats, bools stay bools).
         values = ids.tolist() if hasattr(ids, "tolist") and hasattr(ids, "dtype") else list(ids)
+        if not isinstance(values, list):  # a 0-d tensor or array: one number, where a sequence of them is asked
+            raise ValueError(f"ids: expected a sequence of token ids, got a single {type(ids).__name__} {values!r:.40} "
+                             "(pass [id], or a 1-D tensor)")
         if not all(type(v) is int for v in values):  # the usual case is only this one pass
             values = [_one_id(v, position) for position, v in enumerate(values)]
         if values and (low := min(values)) < 0:
             raise ValueError(f"ids: token id {low} at position {values.index(low)} is negative (expected a token id, "
                              f"0 <= id < vocab_size {self.vocab_size})")
         if values and max(values) >= self.vocab_size:  # the usual case is only this one test
-            unknown = set(self.unknown_ids(max(values) + 1))
+            # each id past the vocabulary asked of itself: unknown_ids(max + 1) listed every id up to the largest
+            # (decode([2**40]) ran for minutes, gigabytes growing) and kept the list
+            special = self.special_ids
             for position, value in enumerate(values):
-                if value in unknown:
+                if value >= self.vocab_size and value not in special and (
+                        value > 0xFFFFFFFF or self.backend.id_to_token(value) is None):  # (the backend's ids are u32)
                     raise ValueError(f"ids: token id {value} at position {position} has no token in this tokenizer "
                                      f"(its vocabulary has {self.vocab_size}; a model's embedding may be padded past "
                                      "it, and generation never chooses those ids)")

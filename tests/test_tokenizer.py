@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tokenizers
 from hypothesis import HealthCheck, given, settings
@@ -1275,6 +1276,45 @@ def test_block_tags_take_their_line_with_them_as_in_transformers(tok: Tokenizer,
     expected = "  U: What is 2+2?\n"
     assert tok.apply_chat_template(TWO_TURNS, chat_template=template) == expected
     assert hf_tok.apply_chat_template(TWO_TURNS, chat_template=template, tokenize=False) == expected
+
+
+@pytest.mark.parametrize("token_id", [4_000_000, 2**40, 2**63 - 1])
+def test_an_id_far_past_the_vocabulary_is_refused_at_once_keeping_nothing(tok: Tokenizer, token_id: int) -> None:
+    """decode listed every id from the vocabulary's end up to the largest one given, and kept the list: decode([2**40])
+    ran for minutes, gigabytes growing, and each refused id stayed in memory. Each id is asked alone now."""
+    import threading
+
+    refused: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            tok.decode([5, token_id])
+        except ValueError as exc:
+            refused.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "decode of one huge id did not return"
+    assert refused and f"token id {token_id} at position 1 has no token" in str(refused[0])
+    assert tok._unknown_ids == {} or max(map(len, tok._unknown_ids.values())) < 10_000
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.id_to_token(-1), r"^token_id: -1 is negative"),
+    (lambda t: t.id_to_token(True), r"^token_id: expected an integer token id, got bool"),
+    (lambda t: t.id_to_token(2.0), r"^token_id: expected an integer token id, got float"),
+    (lambda t: t.token_to_id(5), r"^token: expected a str, got int"),
+    (lambda t: t.token_to_id("\ud800"), r"^token: not valid UTF-8"),
+    (lambda t: t.decode(np.int64(5)), r"^ids: expected a sequence of token ids, got a single"),
+])
+def test_token_lookups_name_a_bad_argument(tok: Tokenizer, call: Any, message: str) -> None:
+    """id_to_token and token_to_id handed their argument to tokenizers: True was token 1, -1 and ids past 32 bits an
+    OverflowError, an int or a lone surrogate a TypeError or UnicodeEncodeError; decode of one number a bare
+    TypeError."""
+    with pytest.raises(ValueError, match=message):
+        call(tok)
+    assert tok.id_to_token(2**64) is None and tok.id_to_token(np.int64(2)) == tok.id_to_token(2) == "<bos>"
 
 
 def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
