@@ -1835,8 +1835,15 @@ class LM:
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
                             prefix_cache=_check_prefix_cache(prefix_cache), canvases=False,
                             temperature_name="temperature", logits_processor=_check_logits_processor(logits_processor))
-        return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
-                      tokenizer=self.tokenizer, fns=self.step_functions)
+        # as generate's: a call that fails or is interrupted takes its part of the turn back out of the cache
+        undo = _turn_undo(cache) if cache is not None else None  # (_request checked it; nothing is encoded yet)
+        try:
+            return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
+                          tokenizer=self.tokenizer, fns=self.step_functions)
+        except BaseException as e:
+            if undo is not None:
+                undo(e)
+            raise
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None, *,
              dtype: torch.dtype | str | None = None, files: StagedFiles | None = None) -> None:

@@ -73,6 +73,22 @@ def test_an_interrupted_turn_leaves_the_cache_as_it_was_and_the_rerun_gets_the_t
     assert torch.equal(again.new_tokens, expected.new_tokens)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, lambda: ValueError("hook")])
+def test_an_interrupted_ar_turn_leaves_the_cache_as_it_was(lm, error):
+    """generate_ar takes cache= as generate does, but a turn that failed part way (a Ctrl-C, an error in a hook) left
+    its prompt and tokens so far in the cache, and the rerun continued from that half turn."""
+    first = lm.generate_ar([[3, 4, 5], [6, 7]], max_new_tokens=6, return_cache=True)
+    cache, mark = first.cache, first.cache.mark()
+    turn = [[9, 10], [11, 12, 13]]
+    expected = lm.generate_ar(turn, cache=cache, max_new_tokens=6)
+    cache.truncate(mark)
+    held, length = cache.next_pos.tolist(), cache.length
+    with pytest.raises((KeyboardInterrupt, ValueError)):
+        lm.generate_ar(turn, cache=cache, max_new_tokens=6, logits_processor=Interrupt(4, error))
+    assert cache.next_pos.tolist() == held and cache.length == length
+    assert torch.equal(lm.generate_ar(turn, cache=cache, max_new_tokens=6).new_tokens, expected.new_tokens)
+
+
 def test_a_stream_that_fails_leaves_the_cache_and_one_left_keeps_its_part(lm):
     """A stream that fails inside (an error, a Ctrl-C) takes its part of the turn back out of the cache, as generate
     does; one that is left (a break) keeps it as documented: the cache may have been continued since."""
