@@ -635,6 +635,11 @@ class Tokenizer:
         """
         check_flag("add_generation_prompt", add_generation_prompt, none=True)
         check_flag("tokenize", tokenize)
+        reserved = sorted(RESERVED_TEMPLATE_NAMES & template_vars.keys())
+        if reserved:  # as the server refuses them in chat_template_kwargs: {"namespace": 1} failed inside the
+            # template, blamed on chat_template ("'int' object is not callable"), and {"range": 3} passed unsaid
+            raise ValueError(f"{reserved[0]}: not a template variable a caller may set: the chat rendering sets it "
+                             f"itself (reserved: {', '.join(sorted(RESERVED_TEMPLATE_NAMES))})")
         if not isinstance(continue_final_message, (bool, str)):
             raise ValueError(f"continue_final_message: expected a bool or a message field's name, got "
                              f"{type(continue_final_message).__name__}")

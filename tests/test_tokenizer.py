@@ -1317,6 +1317,15 @@ def test_token_lookups_name_a_bad_argument(tok: Tokenizer, call: Any, message: s
     assert tok.id_to_token(2**64) is None and tok.id_to_token(np.int64(2)) == tok.id_to_token(2) == "<bos>"
 
 
+@pytest.mark.parametrize("name", ["namespace", "range", "raise_exception", "strftime_now", "dict"])
+def test_a_template_variable_the_rendering_sets_is_refused_by_name(tok: Tokenizer, name: str) -> None:
+    """The server refuses such names in chat_template_kwargs; apply_chat_template (lm.chat's template_options) passed
+    them on: {"namespace": 1} failed inside the template blamed on chat_template, {"range": 3} went unsaid."""
+    with pytest.raises(ValueError, match=rf"^{name}: not a template variable a caller may set"):
+        tok.apply_chat_template(TWO_TURNS, **{name: 1})
+    assert tok.apply_chat_template(TWO_TURNS, enable_thinking=True) == tok.apply_chat_template(TWO_TURNS)
+
+
 def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     """A config may name an EOS id past tokenizer.json's vocabulary (the model's embedding is padded): it ends a
     text, so it is not among unknown_ids (whose logits generation masks) and decode drops it. test_tokenizer.py
