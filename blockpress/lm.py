@@ -645,6 +645,7 @@ def _row_seeds(seeds: Any) -> list[int] | None:
     Request.row_seeds')."""
     if seeds is None:
         return None
+    _no_meta_tensors(seeds=seeds)
     if hasattr(seeds, "ndim") and hasattr(seeds, "tolist"):  # numpy / torch: np.arange(b) + base, say
         if seeds.ndim != 1:
             raise ValueError(f"seeds: expected one seed per row (1-D), got shape {list(seeds.shape)}")
@@ -656,6 +657,17 @@ def _row_seeds(seeds: Any) -> list[int] | None:
     if None in checked:  # one row random, the others seeded: give it a seed of its own
         raise ValueError(f"seeds[{checked.index(None)}]: expected an integer (each row needs its seed)")
     return [seed for seed in checked if seed is not None]  # (all of them)
+
+
+def _no_meta_tensors(**args: Any) -> None:
+    """Refuse, by name, an argument that is a tensor (or a list of them) on the meta device, which holds shapes and
+    no values (what `random_model(device="meta")` and `lm.to("meta")` make): torch failed on one deep inside
+    ("Cannot copy out of meta tensor; no data!")."""
+    for name, value in args.items():
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in values):
+            raise ValueError(f"{name}: a tensor on the meta device holds no values (shapes only); give it on the "
+                             "CPU or the model's device")
 
 
 def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
@@ -884,6 +896,8 @@ class LM:
         and the logits are still those of `canvas_ids`, row for row. `self_conditioning_mask` [B] bool, as the
         reference's forward takes it: False rows get no self-conditioning (training drops it for some rows)."""
         self._check_runnable()
+        _no_meta_tensors(prompt_ids=prompt_ids, canvas_ids=canvas_ids, self_conditioning_logits=self_conditioning_logits,
+                         attention_mask=attention_mask, self_conditioning_mask=self_conditioning_mask)
         v = self.config.text.vocab_size
         prompt = _as_ids(prompt_ids, "prompt_ids", None, self.device)
         canvas = _as_ids(canvas_ids, "canvas_ids", v, self.device)
@@ -1050,6 +1064,8 @@ class LM:
         as the caller checked them (seeds, prefix_cache, and stream's skip_stopped_rows, constraint,
         logits_processor, cancelled)."""
         self._check_runnable()
+        _no_meta_tensors(prompt=prompt, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                         min_new_tokens=min_new_tokens, template=template, **sampler_options, **fields)
         pad_id = self.pad_id
         cached = cache.length if isinstance(cache, KVCache) else 0
         rows = self._prompt_rows(prompt, attention_mask, pad_id, continuing=cached > 0)

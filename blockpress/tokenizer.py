@@ -537,6 +537,8 @@ class Tokenizer:
 
     def _id_list(self, ids: Iterable[int]) -> list[int]:
         # A tensor or numpy array becomes plain python numbers in one call (floats stay floats, bools stay bools).
+        if getattr(ids, "is_meta", False):  # (torch failed on it: "Cannot copy out of meta tensor")
+            raise ValueError("ids: a tensor on the meta device holds no values (shapes only); give it on the CPU")
         values = ids.tolist() if hasattr(ids, "tolist") and hasattr(ids, "dtype") else list(ids)
         if not isinstance(values, list):  # a 0-d tensor or array: one number, where a sequence of them is asked
             raise ValueError(f"ids: expected a sequence of token ids, got a single {type(ids).__name__} {values!r:.40} "

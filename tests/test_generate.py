@@ -1868,6 +1868,28 @@ def test_a_hook_may_ban_every_token_where_the_canvas_writes_none(lm, kw):
         assert torch.equal(ruled.new_tokens, free.new_tokens)
 
 
+@pytest.mark.parametrize("name, call", [
+    ("prompt", lambda lm, m: lm.generate(m(torch.tensor([5, 6, 7])), max_new_tokens=4, max_denoising_steps=1)),
+    ("prompt", lambda lm, m: lm.generate_ar(m(torch.tensor([5, 6, 7])), max_new_tokens=4)),
+    ("attention_mask", lambda lm, m: lm.generate(torch.tensor([[5, 6]]), attention_mask=m(torch.ones(1, 2)),
+                                                 max_new_tokens=4, max_denoising_steps=1)),
+    ("max_new_tokens", lambda lm, m: lm.generate([[5, 6]], max_new_tokens=m(torch.tensor([4])))),
+    ("seeds", lambda lm, m: lm.generate([[5, 6]], max_new_tokens=4, seeds=m(torch.tensor([4])))),
+    ("draw_temperature", lambda lm, m: lm.generate([[5, 6]], max_new_tokens=4, sampler="entropy_bound",
+                                                   draw_temperature=m(torch.tensor([0.5])))),
+    ("template", lambda lm, m: lm.generate([5, 6], template=m(torch.tensor([5, -1, -1])))),
+    ("prompt_ids", lambda lm, m: lm.logits(m(torch.tensor([[5, 6]])), [[5] * 8])),
+    ("canvas_ids", lambda lm, m: lm.logits([[5, 6]], m(torch.tensor([[5] * 8])))),
+    ("self_conditioning_logits", lambda lm, m: lm.logits([[5, 6]], [[5] * 8], self_conditioning_logits=m(
+        torch.zeros(1, 8, lm.config.text.vocab_size)))),
+])
+def test_a_tensor_argument_on_the_meta_device_is_named(lm, name, call):
+    """A meta tensor (shapes, no values: what random_model(device="meta") makes) as an argument failed deep in torch
+    ("Cannot copy out of meta tensor; no data!", or torch.nonzero's register_meta error for a mask)."""
+    with pytest.raises(ValueError, match=rf"^{name}: a tensor on the meta device holds no values"):
+        call(lm, lambda t: t.to("meta"))
+
+
 @pytest.mark.parametrize("result, message", [
     (lambda x, rows: None, "expected float logits of shape"),
     (lambda x, rows: x[:, :1], "expected float logits of shape"),
