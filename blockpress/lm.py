@@ -415,10 +415,10 @@ def _sampler_config_setting(value: Any) -> dict[str, Any]:
     generation_config.json holds it; its bound is checked with the rest of the call's settings."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {"_cls_name": type(value).__name__, **dataclasses.asdict(value)}
-    if isinstance(value, dict):
+    if isinstance(value, dict) and "entropy_bound" in value:  # ({} set no bound: the checkpoint's was dropped)
         return dict(value)
     raise ValueError(f"sampler_config: expected transformers' EntropyBoundSamplerConfig or a dict "
-                     f"{{'entropy_bound': <number>}}, got {type(value).__name__} (or pass entropy_bound= itself)")
+                     f"{{'entropy_bound': <number>}}, got {value!r:.60} (or pass entropy_bound= itself)")
 
 
 def _repeat_rows(value: Any, n: int, name: str) -> Any:

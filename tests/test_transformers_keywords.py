@@ -3,6 +3,7 @@ num_return_sequences, stop_strings, sampler_config) mapped onto blockpress's, in
 is the native call with the same seed, token for token; the habits with no exact meaning here are refused with the
 nearest setting named. (Against the reference's own generate: tests/test_reference_generate.py.)"""
 
+import re
 import warnings
 
 import hypothesis
@@ -60,8 +61,10 @@ def test_sampler_config_is_the_entropy_bound(lm, ids):
     assert torch.equal(over.sequences, native.sequences)
     under = lm.generate(ids, 8, sampler_config={"entropy_bound": 0.2}, entropy_bound=50.0, seed=3, **STEPS)
     assert torch.equal(under.sequences, native.sequences)
-    with pytest.raises(ValueError, match=r"sampler_config: expected transformers' EntropyBoundSamplerConfig .*got float"):
-        lm.generate(ids, 8, sampler_config=0.9)
+    for bad in (0.9, {}):  # ({} set no bound, and dropped the checkpoint's)
+        with pytest.raises(ValueError, match=rf"sampler_config: expected transformers' EntropyBoundSamplerConfig .*got "
+                                             rf"{re.escape(repr(bad))}"):
+            lm.generate(ids, 8, sampler_config=bad)
     with pytest.raises(ValueError, match=r"entropy_bound: expected > 0"):
         lm.generate(ids, 8, sampler_config={"entropy_bound": 0})
 
