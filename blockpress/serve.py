@@ -853,7 +853,7 @@ class Batch:
     def draft(self, event: Draft) -> None:
         tok = self.engine.lm.tokenizer
         for i, job in enumerate(self.jobs):
-            if job.drafts:
+            if job.drafts and not self.answered[i]:  # (an answered row's stream has ended)
                 draft = tok.decode(event.tokens[i].tolist())
                 draft = draft if self.committed else strip_prefix(draft, job.heal_prefix)
                 job.put(JobDraft(self.texts[i] + draft, event.step))

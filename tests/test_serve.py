@@ -2871,6 +2871,28 @@ def test_a_row_that_ends_is_answered_before_its_batch_does(server, monkeypatch, 
         assert got[1]["usage"] == alone["usage"] and got[0]["usage"]["completion_tokens"] == 64
 
 
+def test_a_choice_that_ends_gets_no_chunk_after_its_last(server):
+    """Answering a row at the commit it ends in left Batch.draft sending it the batch's drafts: a streamed choice got
+    draft chunks after its finish_reason chunk while the request's other choice ran on."""
+    base = server[0]
+
+    def alone(prompt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "min_tokens": 24, "temperature": 0}
+        return httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    prompts = ["abc", "hello there"]
+    first, other = map(alone, prompts)
+    # a stop string early in the first prompt's answer that the other's never holds: that choice ends first
+    stop = next(first[i:i + 3] for i in range(1, len(first) - 3) if first[i:i + 3] not in other)
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 24, "min_tokens": 0, "temperature": 0, "stop": [stop],
+            "stream": True, "drafts": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    ends = {c["choices"][0]["index"]: n for n, c in enumerate(chunks) if c["choices"][0]["finish_reason"]}
+    assert sorted(ends) == [0, 1] and ends[0] < ends[1] - 1  # the first choice did end before the other
+    assert not [n for n, c in enumerate(chunks) if c["choices"][0]["index"] == 0 and n > ends[0]]
+
+
 def test_a_short_request_is_answered_while_a_long_one_runs():
     """A batch ran to its end before the engine looked at the queue again, so a 4-token request sent while a
     600-token one ran waited for all of it (52 s), free rows or not. Now running batches take turns a canvas at a time
