@@ -1065,7 +1065,8 @@ class LM:
         logits_processor, cancelled)."""
         self._check_runnable()
         _no_meta_tensors(prompt=prompt, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                         min_new_tokens=min_new_tokens, template=template, **sampler_options, **fields)
+                         min_new_tokens=min_new_tokens, min_new_tokens_eos_only=min_new_tokens_eos_only, seed=seed,
+                         template=template, **sampler_options, **fields)
         pad_id = self.pad_id
         cached = cache.length if isinstance(cache, KVCache) else 0
         rows = self._prompt_rows(prompt, attention_mask, pad_id, continuing=cached > 0)
@@ -1235,6 +1236,7 @@ class LM:
         tokens; max_new_tokens wins when both are given, as in transformers) are the call's generation settings: a
         copy of this LM that holds them, so the checkpoint's are not changed."""
         hf = {k: args.pop(k) for k in TRANSFORMERS_KEYWORDS if k in args}
+        _no_meta_tensors(**{k: v for k, v in hf.items() if k in ("input_ids", "eos_token_id", "pad_token_id")})
         given_as = {}  # blockpress's name (as its errors start) -> the keyword the caller used for it
         if "input_ids" in hf:
             given_as["prompt"] = "input_ids"
@@ -1820,6 +1822,7 @@ class LM:
             with _named_as_given(given_as):
                 return lm.generate_ar(**args)
         _check_keywords("generate_ar", GENERATE_AR_OPTIONS, unknown, sampler_settings=False)
+        _no_meta_tensors(temperature=temperature, top_k=top_k, top_p=top_p)  # (read before _request's check)
         temperature = _as_rows(temperature, "temperature", "a number")
         per_row = isinstance(temperature, list)
         if isinstance(temperature, list):  # each checked with the other per-row settings (`_row_draws`); 0 is another rule

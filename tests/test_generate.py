@@ -1878,6 +1878,12 @@ def test_a_hook_may_ban_every_token_where_the_canvas_writes_none(lm, kw):
     ("draw_temperature", lambda lm, m: lm.generate([[5, 6]], max_new_tokens=4, sampler="entropy_bound",
                                                    draw_temperature=m(torch.tensor([0.5])))),
     ("template", lambda lm, m: lm.generate([5, 6], template=m(torch.tensor([5, -1, -1])))),
+    ("seed", lambda lm, m: lm.generate([5, 6], max_new_tokens=4, seed=m(torch.tensor(3)))),
+    ("min_new_tokens_eos_only", lambda lm, m: lm.generate([[5, 6]], max_new_tokens=4,
+                                                          min_new_tokens_eos_only=m(torch.tensor([True])))),
+    ("temperature", lambda lm, m: lm.generate_ar([5, 6], max_new_tokens=4, temperature=m(torch.tensor(0.5)))),
+    ("eos_token_id", lambda lm, m: lm.generate([5, 6], max_new_tokens=4, eos_token_id=m(torch.tensor([1])))),
+    ("pad_token_id", lambda lm, m: lm.generate([5, 6], max_new_tokens=4, pad_token_id=m(torch.tensor(0)))),
     ("prompt_ids", lambda lm, m: lm.logits(m(torch.tensor([[5, 6]])), [[5] * 8])),
     ("canvas_ids", lambda lm, m: lm.logits([[5, 6]], m(torch.tensor([[5] * 8])))),
     ("self_conditioning_logits", lambda lm, m: lm.logits([[5, 6]], [[5] * 8], self_conditioning_logits=m(
