@@ -253,6 +253,7 @@ class Commit:
     # that `finished` here will end with, so a consumer (the server) answers it now, not when its batch ends
     stopped: list[bool] | None = None
     reused_prompt_tokens: list[int] | None = None
+    num_chosen_tokens: torch.Tensor | None = None  # [B] of num_new_tokens, those the model chose (a template's holes)
     kind: str = "commit"
 
 
@@ -847,10 +848,7 @@ def _output(
     if texts_of is not None:  # what the stop search and the Commit events decoded is not decoded again
         rows = [row[: int(n)] for row, n in zip(new_tokens.tolist(), num_valid.tolist())]
         texts, fills = texts_of.answers(rows), texts_of.fills(rows)
-    chosen = num_valid
-    if req.template is not None:  # fixed tokens are given, not decoded: count the holes within the valid tokens
-        within = torch.arange(req.template.shape[1], device=num_valid.device) < num_valid[:, None]
-        chosen = ((req.template.to(num_valid.device) < 0) & within).sum(-1)
+    chosen = chosen_tokens(req, num_valid)
     return GenerationOutput(
         sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
         prompt_length=req.prompt.shape[1],
@@ -865,6 +863,15 @@ def _output(
         num_chosen_tokens=chosen.cpu(),
         fills=fills,
     )
+
+
+def chosen_tokens(req: Request, num_valid: torch.Tensor) -> torch.Tensor:
+    """[B] the new tokens the model chose of each row's `num_valid`: a template's fixed tokens are given, not
+    decoded, so there its holes within the valid tokens are counted."""
+    if req.template is None:
+        return num_valid
+    within = torch.arange(req.template.shape[1], device=num_valid.device) < num_valid[:, None]
+    return ((req.template.to(num_valid.device) < 0) & within).sum(-1)
 
 
 def _heal_texts(req: Request, texts: list[str]) -> list[str]:
@@ -1718,7 +1725,8 @@ def run(
             settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
                        for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
         yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
-                     dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused))
+                     dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused),
+                     chosen_tokens(req, dec.written).cpu())
         if last:
             break
 

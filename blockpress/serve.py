@@ -880,10 +880,10 @@ class Batch:
                 raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [],
                                                self.raws[i])
             job.put(JobText(self.texts[i], raw))
-            # (a canvas's answer counts the holes of its healed layout, which Done's output holds)
-            if (bool(event.finished[i]) and job.canvas is None and event.stopped is not None
-                    and event.reused_prompt_tokens is not None):
-                self.answer(i, self.texts[i], event.stopped[i], event.reused_prompt_tokens[i])
+            if (bool(event.finished[i]) and event.stopped is not None and event.reused_prompt_tokens is not None
+                    and event.num_chosen_tokens is not None):
+                self.answer(i, self.texts[i], event.stopped[i], event.reused_prompt_tokens[i],
+                            None if job.canvas is None else int(event.num_chosen_tokens[i]))
 
     def done(self, out: Any) -> None:
         for i, job in enumerate(self.jobs):
