@@ -1468,7 +1468,9 @@ class LM:
         token; the rest of the draft is noise).
         `logits_processor(logits [b, C, V], rows [b]) -> logits`: transforms every step's logits before
         sampling; `rows` are the working rows' indices in the batch (all of them with skip_stopped_rows=False),
-        so it may combine rows, e.g. sudoku's ensemble of symmetric views (tasks/sudoku_model.py).
+        so it may combine rows, e.g. sudoku's ensemble of symmetric views (tasks/sudoku_model.py). The sampler
+        writes into the logits it returns: `logits` itself, changed in place or not, costs nothing; any other
+        tensor is copied first (one [b, C, V] copy a step), as the processor may keep it.
         `token_healing`: let the model re-choose each prompt's whitespace-only last token when a longer token
         could have merged there (a trailing newline before indentation, say; see healing.py for why punctuation
         is left alone); needs a tokenizer; texts start after the prompt. With a template it heals the holes
