@@ -386,7 +386,11 @@ def printable(text: str) -> str:
 
 
 def print_stats(stats: dict[str, Any], own_line: bool = False) -> None:
-    """The stats line on stderr, after an empty line unless `own_line` (the output before it ended its line)."""
+    """The stats line on stderr, after an empty line unless `own_line` (the output before it ended its line). The
+    text before it is flushed first: a standard output that cannot be written (`> /dev/full`, `>&-`) then fails
+    here, said in one line, where the stats line came first, as if the text had been written."""
+    if sys.stdout is not None:
+        sys.stdout.flush()
     made = (f"{stats['filled_tokens']} filled of {stats['template_tokens']} template tokens" if "filled_tokens" in stats
             else f"{stats['new_tokens']} new tokens")
     lead = "" if own_line else "\n"
