@@ -1273,13 +1273,18 @@ class Trainer:
     def evaluate(self) -> float:
         if self.heldout is None:
             raise ValueError("evaluate: no held-out data was given")
+        # the mode it found is put back: it set train mode whatever it found, so a call after train() (which ends in
+        # eval mode) left every later generation dropping attention at random (attention_dropout)
+        was_training = self.model.training
         self.model.eval()
         total = 0.0
-        for i in range(self.cfg.eval_batches):
-            batch, noise = self._batch(self.heldout, 1_000_000 + i)  # fixed held-out batches
-            diff, ar, _ = self._losses(batch, noise, train=False)
-            total += self.cfg.diffusion_weight * diff + self.cfg.aux_ar_weight * ar
-        self.model.train()
+        try:
+            for i in range(self.cfg.eval_batches):
+                batch, noise = self._batch(self.heldout, 1_000_000 + i)  # fixed held-out batches
+                diff, ar, _ = self._losses(batch, noise, train=False)
+                total += self.cfg.diffusion_weight * diff + self.cfg.aux_ar_weight * ar
+        finally:
+            self.model.train(was_training)
         return total / self.cfg.eval_batches
 
     def _prefetch(self) -> Any:

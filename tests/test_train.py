@@ -44,6 +44,18 @@ def run(tmp_path, steps, name="out", lm=None, resume=False, **cfg):
     return lm, trainer.train()
 
 
+@pytest.mark.parametrize("mode", [False, True])
+def test_evaluate_puts_back_the_mode_it_found(tmp_path, mode):
+    """evaluate() ended in train mode whatever it found: called after train() (which ends in eval mode), it left every
+    later generation of a model with attention_dropout dropping attention at random."""
+    lm = tiny_lm()
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4), tmp_path / "e",
+                      progress=False, heldout=ExampleSource(EXAMPLES, 0))
+    lm.model.train(mode)
+    first = trainer.evaluate()
+    assert lm.model.training is mode and trainer.evaluate() == first
+
+
 def test_overfit_until_greedy_reproduces(tmp_path):
     lm, result = run(tmp_path, 300)
     assert result.losses[-1] < 0.25 * result.losses[0]
