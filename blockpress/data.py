@@ -328,7 +328,7 @@ def jsonl_files(path: str | Path) -> list[Path]:
     left_out), sorted; [] else. A folder of .jsonl and also .txt/.py files is refused: which one was meant?"""
     text = str(path)
     if is_glob(text):
-        matches = sorted(glob.glob(text))
+        matches = sorted(glob.glob(text, recursive=True))  # ** is any depth, as in a shell's globstar and HF datasets
         jsonl = [Path(m) for m in matches if m.lower().endswith(".jsonl")]
         other = [m for m in matches if not m.lower().endswith(".jsonl")]
         if jsonl and other:  # read as token shards, it failed on the other file's missing sidecar
@@ -488,7 +488,8 @@ def shard_files(pattern: str, flag: str) -> list[str]:
                       f"{shlex.quote(str(path))} > {shlex.quote(str(path.with_suffix('.jsonl')))}")
         raise ValueError(f"{flag} {pattern}: expected a .jsonl file (one JSON object per line) or token shards, each "
                          f"with its .json sidecar ({SHARD_SOURCE}){rename}")
-    files = [pattern] if path.is_file() else sorted(f for f in glob.glob(pattern) if not f.endswith(".json"))
+    files = [pattern] if path.is_file() else sorted(f for f in glob.glob(pattern, recursive=True)
+                                                    if not f.endswith(".json"))
     if not files:
         raise FileNotFoundError(f"{flag} {pattern}: no token shards match (expected a .jsonl file or a glob of "
                                 ".bin shards, each with its .json sidecar)")

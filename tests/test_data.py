@@ -511,6 +511,7 @@ def test_several_jsonl_files_as_a_glob_or_a_folder(tmp_path, tok):
         assert is_examples(given) and not is_raw_text(given)
     assert load_jsonl(pairs, tok) == one_by_one  # recursively, in name order
     assert load_jsonl(str(pairs / "*.jsonl"), tok) == one_by_one[:1]
+    assert load_jsonl(str(pairs / "**" / "*.jsonl"), tok) == one_by_one  # any depth (it was one level down alone)
     assert is_raw_text(text) and is_raw_text(str(text / "*.jsonl")) and not is_examples(text)
     documents = [tok.encode(w) + [tok.eos_id] for w in ("hello", "world", "hello")]  # b.jsonl, then sub/a.jsonl
     assert load_text(text, tok).arrays[0].tolist() == [t for doc in documents for t in doc]
