@@ -679,15 +679,7 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
     left half quantized would call itself quantized and fail in every pass. `warn_groups=False` keeps int4's
     small-group warning back: a load laying out a folder saved int4 (its groups chosen when it was quantized, and
     said then) is not the user choosing int4."""
-    check_scheme(scheme)
-    if quantization_of(model) is not None:
-        raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
-    # peft's LoRA layers hold nn.Linear modules (base_layer, lora_A, lora_B) that the swap below would quantize
-    # too; merging them afterwards then fails deep inside peft.
-    lora = next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
-    if lora is not None:
-        raise ValueError(f"quantize: the model holds LoRA adapters (layer {lora!r}); merge them first "
-                         "(blockpress.train.merge_lora), or add them after quantizing (QLoRA)")
+    _check_quantizable(model, scheme)
     roots = [("self_conditioning", model.self_conditioning), *((f"layers.{i}", m) for i, m in enumerate(model.layers))]
     targets = [(parent, name, child, f"{path}.{name}") for root, module in roots
                for path, parent in module.named_modules(prefix=root) for name, child in parent.named_children()
@@ -722,15 +714,27 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
 
 
 @outside_inference_mode
+def _check_quantizable(model: DiffusionGemma, scheme: str) -> None:
+    """Refuse, before anything changes, a scheme blockpress lacks, a model already quantized, and one holding LoRA
+    adapters: peft's LoRA layers hold nn.Linear modules (base_layer, lora_A, lora_B) that quantize's swap would
+    quantize too (merging them afterwards failed deep inside peft), and quantized_copy's twin has no place for them
+    (torch's 4,500-character strict-load error)."""
+    check_scheme(scheme)
+    if quantization_of(model) is not None:
+        raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
+    lora = next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
+    if lora is not None:
+        raise ValueError(f"quantize: the model holds LoRA adapters (layer {lora!r}); merge them first "
+                         "(blockpress.train.merge_lora), or add them after quantizing (QLoRA)")
+
+
 def quantized_copy(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     """A quantized twin of `model` built beside it, as `quantize` would make of a copy, bit for bit: each projection is
     quantized straight from `model`'s weight (one matrix at a time), so no full-precision copy is ever made, and the
     tensors quantize leaves as they are (embedding, norms, router, layer scalars) are `model`'s own, shared. `model`
     is unchanged. For a benchmark's quantized engine beside the unquantized one: a copy then quantize peaked at twice
     the model (the 26B-A4B's first 6 layers: 22.6 GB in bf16, more than a 24 GB machine)."""
-    check_scheme(scheme)
-    if quantization_of(model) is not None:
-        raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
+    _check_quantizable(model, scheme)
     check_runs(scheme, model.device, model.dtype)
     with torch.device("meta"):
         twin = DiffusionGemma(model.config).to(model.dtype)
@@ -738,7 +742,7 @@ def quantized_copy(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     coded = coded_tensors(twin)
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
-        if name not in coded:  # LoRA adapters' tensors too: refused below by the strict load, naming them
+        if name not in coded:
             state[name] = tensor
             continue
         codes, scales = quantize_weight(tensor, scheme)

@@ -699,6 +699,11 @@ def test_lora_adapters_must_be_merged_before_quantizing():
     with pytest.raises(ValueError, match=r"LoRA adapters \(layer 'layers.0.self_attn.q_proj'\); merge them first"):
         lm.quantize("int8")
     assert lm.quantization is None
+    from blockpress.quantize import quantized_copy
+
+    # (quantized_copy failed in torch's strict load, a 4,500-character list of missing and unexpected keys)
+    with pytest.raises(ValueError, match=r"^quantize: the model holds LoRA adapters \(layer 'layers.0.self_attn"):
+        quantized_copy(lm.model, "int8")
     lm.model = merge_lora(lm.model)
     lm.quantize("int8")
     lm.model = add_lora(lm.model, 4, 8)  # adapters over the quantized model (QLoRA): its projections stay quantized
