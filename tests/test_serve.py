@@ -2817,62 +2817,71 @@ def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server,
 
 
 @pytest.mark.parametrize("mode", ["plain", "stream", "suffix"])
-def test_a_row_that_ends_is_answered_before_its_batch_does(server, monkeypatch, mode):
+def test_a_row_that_ends_is_answered_before_its_batch_does(mode):
     """A row's answer (its finish_reason and usage, a stream's last chunk and [DONE]) went out only when its batch's
     longest row ended: a 16-token answer batched beside a 480-token one came 28.6 s late. It goes out at the commit
     its row ends in now, and is what it is alone (a fill-in-the-middle row too, its usage its hole's tokens)."""
     from blockpress.generate import Commit, Done
 
-    base, app = server
+    lm = load_model("random-tiny", None, "cpu")  # a server of its own: no other test's batch shares its engine
+    lm.generation_config = {"max_denoising_steps": 3}
+    app = create_app(lm, MODEL, max_batch=8, prefix_cache_bytes=0)
+    base, srv = start_in_background(app)
     engine = app.state.engine
     long = {"model": MODEL, "prompt": "a", "max_tokens": 64, "min_tokens": 64, "seed": 1}  # 8 canvases, no early end
     short = {"model": MODEL, "prompt": "b", "max_tokens": 4, "min_tokens": 4, "seed": 2, "stream": mode == "stream"}
     if mode == "suffix":  # canvas requests batch apart from free ones: both are
         long, short = {**long, "suffix": "z"}, {**short, "suffix": "y"}
         del long["min_tokens"], short["min_tokens"]
-    stream = mode == "stream"
 
     def post(body):
         if not body.get("stream"):
-            return httpx.post(base + "/v1/completions", json=body, timeout=60).json()
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            return httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
             chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
         return {"choices": [{"text": "".join(c["choices"][0]["text"] for c in chunks),
                              "finish_reason": chunks[-1]["choices"][0]["finish_reason"]}]}
 
-    alone = post(short)
-    gate, answered, order, streams = threading.Event(), threading.Event(), [], engine._stream
+    try:
+        alone = post(short)
+        held, gate, answered, order, streams = threading.Event(), threading.Event(), threading.Event(), [], engine._stream
 
-    def watched(batch):
-        events = streams(batch)
+        def watched(batch):
+            events = streams(batch)
+            both = sorted(j.max_tokens for j in batch) == [4, 64]
 
-        def run():
-            gate.wait(30)  # the first request's batch is held until both others are queued: they share one
-            for event in events:
-                if isinstance(event, Done) and len(batch) == 2:
-                    order.append("batch done")
-                yield event
-                if isinstance(event, Commit) and len(batch) == 2 and bool(event.finished.any()):
-                    answered.wait(45)  # the short row has ended: its answer goes out while the long row runs on
-        return run()
+            def run():
+                held.set()
+                gate.wait(60)  # the first request's batch is held until both others are queued: they share one
+                for event in events:
+                    if isinstance(event, Done) and both:
+                        order.append("batch done")
+                    yield event
+                    if isinstance(event, Commit) and both and bool(event.finished.any()):
+                        answered.wait(60)  # the short row has ended: its answer goes out while the long one runs on
+            return run()
 
-    monkeypatch.setattr(engine, "_stream", watched)
-    with cf.ThreadPoolExecutor(3) as pool:
-        held = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1})
-        while engine.running() == 0:
+        engine._stream = watched
+        with cf.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(post, {"model": MODEL, "prompt": "z", "max_tokens": 1})
+            assert held.wait(60)  # the engine is inside the first batch: what comes now waits together
+            futures = [pool.submit(post, body) for body in (long, short)]
+            futures[1].add_done_callback(lambda f: (order.append("short answered"), answered.set()))
+            while engine.depth() < 2:
+                threading.Event().wait(0.01)
+            gate.set()
+            got = [f.result() for f in futures]
+            first.result()
+        deadline = time.monotonic() + 30  # the long answer goes out at its last commit, just before the batch's Done
+        while len(order) < 2 and time.monotonic() < deadline:
             threading.Event().wait(0.01)
-        futures = [pool.submit(post, body) for body in (long, short)]
-        futures[1].add_done_callback(lambda f: (order.append("short answered"), answered.set()))
-        while engine.depth() < 2:
-            threading.Event().wait(0.01)
-        gate.set()
-        got = [f.result() for f in futures]
-        held.result()
-    assert order == ["short answered", "batch done"]
-    assert got[1]["choices"][0]["text"] == alone["choices"][0]["text"]
-    assert got[1]["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"]
-    if not stream:
-        assert got[1]["usage"] == alone["usage"] and got[0]["usage"]["completion_tokens"] == 64
+        assert order == ["short answered", "batch done"]
+        assert got[1]["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert got[1]["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"]
+        if mode != "stream":
+            assert got[1]["usage"] == alone["usage"] and got[0]["usage"]["completion_tokens"] == 64
+    finally:
+        srv.should_exit = True
 
 
 def test_a_choice_that_ends_gets_no_chunk_after_its_last(server):
@@ -2939,6 +2948,9 @@ def test_a_short_request_is_answered_while_a_long_one_runs():
             assert answer.result().json()["choices"] == alone[1]["choices"]
         assert chunks[-1] == "data: [DONE]"
         assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in chunks[:-1]) == alone[0]["choices"][0]["text"]
+        deadline = time.monotonic() + 30  # the long answer goes out at its last commit, just before its batch's Done
+        while len(done) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert done == [4, 96]  # before: [96, 4], the short one waiting for every canvas of the long one
     finally:
         srv.should_exit = True
