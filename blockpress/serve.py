@@ -811,7 +811,7 @@ class Batch:
         self.raws = [TextStream(engine.lm.tokenizer, skip_special_tokens=False) for _ in jobs]
         self.committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
         # Each job's valid new tokens, forward passes and last valid token so far, and whether it has had its JobDone:
-        # a free row is answered at the commit it finishes in, not when its batch's longest row ends (a 16-token
+        # a row is answered at the commit it finishes in, not when its batch's longest row ends (a 16-token
         # answer batched beside a 480-token one came 28.6 s late, its stream's finish_reason and [DONE] with it)
         self.counts = [0] * len(jobs)
         self.passes = [0] * len(jobs)
