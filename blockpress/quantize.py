@@ -713,7 +713,6 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
     return model
 
 
-@outside_inference_mode
 def _check_quantizable(model: DiffusionGemma, scheme: str) -> None:
     """Refuse, before anything changes, a scheme blockpress lacks, a model already quantized, and one holding LoRA
     adapters: peft's LoRA layers hold nn.Linear modules (base_layer, lora_A, lora_B) that quantize's swap would
@@ -728,6 +727,7 @@ def _check_quantizable(model: DiffusionGemma, scheme: str) -> None:
                          "(blockpress.train.merge_lora), or add them after quantizing (QLoRA)")
 
 
+@outside_inference_mode
 def quantized_copy(model: DiffusionGemma, scheme: str) -> DiffusionGemma:
     """A quantized twin of `model` built beside it, as `quantize` would make of a copy, bit for bit: each projection is
     quantized straight from `model`'s weight (one matrix at a time), so no full-precision copy is ever made, and the

@@ -644,6 +644,11 @@ def test_a_model_loaded_under_inference_mode_quantizes_after_a_cast(tmp_path):
     lm.quantize("int8")
     assert not any(t.is_inference() for t in (*fresh.model.parameters(), *fresh.model.buffers()))
     assert lm.quantization == "int8" and fresh.quantization == "int4"
+    from blockpress.quantize import quantized_copy
+
+    with torch.inference_mode():
+        twin = quantized_copy(tiny_lm().model, "int8")  # (its weights made outside it too)
+    assert not any(t.is_inference() for t in (*twin.parameters(), *twin.buffers()))
     for model in (lm, fresh):
         assert torch.isfinite(model.logits([[2, 5, 6]], [[7] * model.config.canvas_length])).all()
 
