@@ -478,17 +478,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The text of token `token_id`; None where it has none (past the vocabulary). tokenizers took True as 1 and
         failed on -1 or an id past 32 bits with an OverflowError."""
-        number = token_id
-        if hasattr(token_id, "item") and hasattr(token_id, "dtype"):  # a numpy integer, a one-element tensor
-            with contextlib.suppress(ValueError, RuntimeError):  # (more elements: refused below)
-                number = token_id.item()
-        if isinstance(number, bool) or not isinstance(number, int):
-            raise ValueError(f"token_id: expected an integer token id, got {type(token_id).__name__} {token_id!r:.40}")
-        token_id = int(number)
+        token_id = token_id if type(token_id) is int else _one_id(token_id)
         if token_id < 0:
             raise ValueError(f"token_id: {token_id} is negative (expected a token id, 0 <= id < vocab_size "
                              f"{self.vocab_size})")
-        return self.backend.id_to_token(token_id) if token_id <= 0xFFFFFFFF else None
+        return self.backend.id_to_token(token_id) if token_id <= 0xFFFFFFFF else None  # (the backend's ids are u32)
 
     # ------------------------------------------------------------------------------- encode / decode
 
@@ -553,8 +547,7 @@ class Tokenizer:
             # (decode([2**40]) ran for minutes, gigabytes growing) and kept the list
             special = self.special_ids
             for position, value in enumerate(values):
-                if value >= self.vocab_size and value not in special and (
-                        value > 0xFFFFFFFF or self.backend.id_to_token(value) is None):  # (the backend's ids are u32)
+                if value >= self.vocab_size and value not in special and self.id_to_token(value) is None:
                     raise ValueError(f"ids: token id {value} at position {position} has no token in this tokenizer "
                                      f"(its vocabulary has {self.vocab_size}; a model's embedding may be padded past "
                                      "it, and generation never chooses those ids)")
@@ -962,10 +955,16 @@ def _read_chat_template(value: Any, where: Path) -> str | dict[str, str] | None:
                      f"{type(value).__name__}")
 
 
-def _one_id(value: Any, position: int) -> int:
-    """A token id that is not a plain int: a numpy integer or a one-element integer tensor, else an error."""
-    number = value.item() if hasattr(value, "item") and hasattr(value, "dtype") else value
+def _one_id(value: Any, position: int | None = None) -> int:
+    """A token id that is not a plain int: a numpy integer or a one-element integer tensor, else an error naming
+    `ids` at `position` (None: id_to_token's `token_id`)."""
+    number = value
+    if hasattr(value, "item") and hasattr(value, "dtype"):
+        with contextlib.suppress(ValueError, RuntimeError):  # (more elements than one: refused below)
+            number = value.item()
     if isinstance(number, bool) or not isinstance(number, int):
+        if position is None:
+            raise ValueError(f"token_id: expected an integer token id, got {type(value).__name__} {value!r:.40}")
         raise ValueError(f"ids: expected integer token ids (python or numpy ints, or an integer tensor), got "
                          f"{type(value).__name__} {value!r:.40} at position {position}")
     return int(number)
