@@ -688,6 +688,20 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
     return undo
 
 
+@contextlib.contextmanager
+def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
+    """A call that continues `cache` (None: none): one that fails or is interrupted inside the block takes its part
+    of the turn back out of it (_turn_undo). Entered once the call's arguments are checked, before anything is
+    encoded."""
+    undo = _turn_undo(cache) if cache is not None else None
+    try:
+        yield
+    except BaseException as e:
+        if undo is not None:
+            undo(e)
+        raise
+
+
 def _undone_on_error(events: Events, cache: KVCache) -> Events:
     """`events` of a call that continues `cache`, which goes back to where it stood when the stream started if the
     stream fails (a Ctrl-C inside it, an error). Not when it is left (a break, close, or garbage collection): the
@@ -1594,19 +1608,16 @@ class LM:
         _check_keywords("generate", STREAM_OPTIONS, kwargs, leave_out=("drafts",))
         events = self.stream(prompt, max_new_tokens, max_denoising_steps=max_denoising_steps, sampler=sampler,
                              seed=seed, drafts=False, **kwargs)
-        cache = kwargs.get("cache")
-        undo = _turn_undo(cache) if cache is not None else None  # (stream checked it; nothing is encoded yet)
-        try:
-            for event in events:
-                if isinstance(event, Done):
-                    return event.output
-            # run ends with Done unless `cancelled` said so
-            raise RuntimeError("cancelled: generation was cancelled before it finished")
-        except BaseException as e:  # a Ctrl-C between two events too: the stream's own undo did not see it
-            events.close()
-            if undo is not None:
-                undo(e)
-            raise
+        with _undone_on_failure(kwargs.get("cache")):  # (stream checked it; nothing is encoded yet)
+            try:
+                for event in events:
+                    if isinstance(event, Done):
+                        return event.output
+                # run ends with Done unless `cancelled` said so
+                raise RuntimeError("cancelled: generation was cancelled before it finished")
+            except BaseException:  # a Ctrl-C between two events too: the stream's own undo did not see it
+                events.close()
+                raise
 
     def chat_prompt(self, messages: Messages, **template_options: Any) -> list[int] | list[list[int]]:
         """The ids of a conversation rendered through the checkpoint's chat template, ending with the header of the
@@ -1702,15 +1713,15 @@ class LM:
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
         copies = _chat_copies(kwargs, cache)
         rows, common = self._chat_start(ids, cache)
+        each_rows, each_held = _repeat_chat_rows(rows, common, copies)  # one per output row
         done = False
         try:
             for event in self.stream([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs):
                 if isinstance(event, Done):
                     done = True
-                    self._chat_finish(event.output, *_repeat_chat_rows(rows, common, copies))
+                    self._chat_finish(event.output, each_rows, each_held)
                 elif isinstance(event, Commit) and event.reused_prompt_tokens is not None:  # counted as Done's
-                    held = _repeat_chat_rows(rows, common, copies)[1]
-                    event.reused_prompt_tokens = [n + r for n, r in zip(held, event.reused_prompt_tokens)]
+                    event.reused_prompt_tokens = [n + r for n, r in zip(each_held, event.reused_prompt_tokens)]
                 elif isinstance(event, Cancelled):
                     self._chat_undo(cache, rows, common)
                 yield event
@@ -1856,15 +1867,9 @@ class LM:
                             token_healing=token_healing, stop=stop, seeds=_row_seeds(seeds),
                             prefix_cache=_check_prefix_cache(prefix_cache), canvases=False,
                             temperature_name="temperature", logits_processor=_check_logits_processor(logits_processor))
-        # as generate's: a call that fails or is interrupted takes its part of the turn back out of the cache
-        undo = _turn_undo(cache) if cache is not None else None  # (_request checked it; nothing is encoded yet)
-        try:
+        with _undone_on_failure(cache):  # as generate's (_request checked it; nothing is encoded yet)
             return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
                           tokenizer=self.tokenizer, fns=self.step_functions)
-        except BaseException as e:
-            if undo is not None:
-                undo(e)
-            raise
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None, *,
              dtype: torch.dtype | str | None = None, files: StagedFiles | None = None) -> None:
