@@ -3,7 +3,9 @@
 A checkpoint may ship a `response_template` in tokenizer_config.json, the format transformers 5 reads for
 `tokenizer.parse_response`: regions of the reply ("fields") that open and close at literal markers or regex
 patterns, each parsed as text, a number, JSON (with dialect knobs for tool-call syntaxes such as Gemma 4's), shallow
-XML or key-value lines, and optionally reshaped by a transform. For example (Gemma 4's tool calls):
+XML (each value read by a parser of its own, or by one a group of its tag picks), key-value lines or a Python-style
+list of calls by keyword (`[f(city="Paris")]`), and optionally reshaped by a transform. For example (Gemma 4's tool
+calls):
 
     {"start_anchor": "<|turn>model\\n", "defaults": {"role": "assistant"},
      "fields": {"tool_calls": {"open_pattern": "<\\\\|tool_call>call:(?P<name>\\\\w+)", "close": "<tool_call|>",
@@ -30,12 +32,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os.path
 import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import regex
 
@@ -420,13 +423,16 @@ def _xml_inline(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[
         compiled = regex.compile(pattern, regex.DOTALL)
     except (regex.error, TypeError) as exc:
         raise ValueError(f"xml-inline: tag_pattern {pattern!r:.120} is not a valid regular expression: {exc}") from None
+    by_group, by_capture = _value_parser_by(args.get("value_parser_by"), compiled)
     out: dict[str, Any] = {}
     merged: set[str] = set()  # keys holding a list of their values (a first value that is a list stays one value)
     for match in budget.finditer("response_template: an xml-inline content's tag_pattern", compiled, text):
         found = match.groupdict()
         if found.get("key") is None:
             raise ValueError(f"xml-inline: tag_pattern {pattern!r} has no group named 'key'")
-        key, value = found["key"], _sub_value(found.get("value", ""), args.get("value_parser"), budget)
+        # the tag says how its value reads (<int name=n>7</int>); a capture with no parser of its own takes value_parser
+        parser = by_capture.get(found[by_group], args.get("value_parser")) if by_group else args.get("value_parser")
+        key, value = found["key"], _sub_value(found.get("value", ""), parser, budget)
         if args.get("merge_duplicates", False) and key in out:
             if key not in merged:
                 out[key] = [out[key]]
@@ -435,6 +441,21 @@ def _xml_inline(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[
         else:
             out[key] = value
     return out
+
+
+def _value_parser_by(spec: Any, compiled: regex.Pattern[str]) -> tuple[str | None, dict[str, Any]]:
+    """xml-inline's `value_parser_by`, {"group": a named group of tag_pattern, "parsers": {what it captures: a
+    value_parser}}, as (group, parsers); (None, {}) where it is not given."""
+    if spec is None:
+        return None, {}
+    group, parsers = (spec.get("group"), spec.get("parsers")) if isinstance(spec, dict) else (None, None)
+    if not isinstance(group, str) or not isinstance(parsers, dict):
+        raise ValueError("xml-inline: content_args.value_parser_by: expected {\"group\": a named group of tag_pattern, "
+                         f"\"parsers\": {{what it captures: a value_parser}}}}, got {spec!r:.120}")
+    if group not in compiled.groupindex:
+        raise ValueError(f"xml-inline: content_args.value_parser_by.group: tag_pattern has no group named {group!r} "
+                         f"(it has {sorted(compiled.groupindex)})")
+    return group, parsers
 
 
 def _kv_lines(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[str, Any]:
@@ -449,7 +470,154 @@ def _kv_lines(text: str, args: dict[str, Any], budget: PatternBudget) -> dict[st
     return out
 
 
-TYPED_CONTENT = frozenset({"json"})  # content parsers whose values carry their own types (see _type_arguments)
+# python-call-list: `[get_weather(city="Paris"), f()]`, a strict grammar (no positional arguments, no trailing
+# commas, JSON's numbers and string escapes plus '...' strings, True/False/None or true/false/null), so that what it
+# reads is read alike by every implementation: its tokens, then _CallList reads them.
+_CALL_TOKENS = regex.compile(r"""
+      (?P<space>[ \t\n\r]+)
+    | (?P<string>'(?:[^'\\\n\r]|\\.)*'|"(?:[^"\\\n\r]|\\.)*")
+    | (?P<number>-?(?:0|[1-9][0-9]*)(?P<fraction>\.[0-9]+)?(?P<exponent>[eE][+-]?[0-9]+)?)
+    | (?P<name>[A-Za-z_][A-Za-z0-9_]*(?:[-.][A-Za-z0-9_]+)*)
+    | (?P<mark>[][{}(),:=])
+""", regex.VERBOSE | regex.DOTALL)
+_CALL_CONSTANTS = {"True": True, "true": True, "False": False, "false": False, "None": None, "null": None}
+_CALL_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_CALL_MAX_INTEGER = 2**53 - 1  # JSON's safe integers: the arguments go on as JSON
+_CALL_MAX_NESTING = 100  # lists and dicts inside one argument
+
+
+class _CallList:
+    """One python-call-list text, read token by token (`kind`, `text`, `start`)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.tokens, self.at = text, [], 0
+        pos = 0
+        while pos < len(text):
+            match = _CALL_TOKENS.match(text, pos)
+            if match is None:
+                self.fail(f"unexpected {text[pos]!r}", pos)
+            if match.lastgroup != "space":
+                kind = "mark" if match.lastgroup == "mark" else match.lastgroup
+                self.tokens.append((kind, match.group(), match.start()))
+            pos = match.end()
+        self.tokens.append(("end", "", len(text)))
+
+    def fail(self, what: str, pos: int | None = None) -> NoReturn:
+        pos = self.tokens[self.at][2] if pos is None else pos
+        raise ValueError(f"python-call-list: {what} at character {pos} of {self.text!r:.200}")
+
+    def peek(self, text: str) -> bool:
+        kind, got, _ = self.tokens[self.at]
+        return kind == "mark" and got == text
+
+    def take(self, kind: str, what: str, mark: str | None = None) -> str:
+        """The next token, which must be of `kind` (and be `mark`, given one): else an error expecting `what`."""
+        got_kind, got, _ = self.tokens[self.at]
+        if got_kind != kind or (mark is not None and got != mark):
+            self.fail(f"expected {what}, got {got!r}" if got_kind != "end" else f"expected {what}, got the end")
+        self.at += 1
+        return got
+
+    def sequence(self, close: str, item: Callable[[], T]) -> list[T]:
+        """Items up to `close`, a comma between each (none after the last)."""
+        items: list[T] = []
+        if not self.peek(close):
+            items.append(item())
+            while not self.peek(close):
+                self.take("mark", f"',' or {close!r}", ",")
+                items.append(item())
+        self.take("mark", repr(close), close)
+        return items
+
+    def unique(self, pairs: list[tuple[str, Any]], what: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                self.fail(f"{what} {key!r} given twice")
+            out[key] = value
+        return out
+
+    def calls(self) -> list[dict[str, Any]]:
+        self.take("mark", "'['", "[")
+        calls = self.sequence("]", self.call)
+        self.take("end", "the end after the closing ']'")
+        return calls
+
+    def call(self) -> dict[str, Any]:
+        name = self.take("name", "a function name")
+        self.take("mark", "'('", "(")
+        return {"name": name, "arguments": self.unique(self.sequence(")", self.argument), "argument")}
+
+    def argument(self) -> tuple[str, Any]:
+        key = self.take("name", "an argument's name (arguments are given by name)")
+        self.take("mark", "'=' (arguments are given by name)", "=")
+        return key, self.value(0)
+
+    def value(self, nesting: int) -> Any:
+        kind, got, _ = self.tokens[self.at]
+        if kind == "mark" and got in "[{":
+            if nesting >= _CALL_MAX_NESTING:
+                self.fail(f"lists and dicts nested more than {_CALL_MAX_NESTING} deep")
+            self.at += 1
+            if got == "[":
+                return self.sequence("]", lambda: self.value(nesting + 1))
+            return self.unique(self.sequence("}", lambda: self.entry(nesting + 1)), "key")
+        if kind == "string":
+            self.at += 1
+            return self.unquote(got)
+        if kind == "number":
+            return self.number(got)
+        if kind == "name" and got in _CALL_CONSTANTS:
+            self.at += 1
+            return _CALL_CONSTANTS[got]
+        self.fail(f"expected a value (a string, number, list, dict, True, False or None), got {got!r}")
+
+    def entry(self, nesting: int) -> tuple[str, Any]:
+        if self.tokens[self.at][0] != "string":
+            self.fail("expected a dict key, which must be a string")
+        key = self.value(nesting)
+        self.take("mark", "':'", ":")
+        return key, self.value(nesting)
+
+    def number(self, got: str) -> int | float:
+        if regex.fullmatch(r"-?[0-9]+", got):  # an integer: checked by its digits before int() reads them
+            if len(got.lstrip("-")) > 16 or abs(int(got)) > _CALL_MAX_INTEGER:
+                self.fail(f"integer {got:.30} outside +-(2**53 - 1)")
+            self.at += 1
+            return int(got)
+        if math.isinf(value := float(got)):
+            self.fail(f"number {got:.30} too large")
+        self.at += 1
+        return value
+
+    def unquote(self, quoted: str) -> str:
+        body, out, i = quoted[1:-1], [], 0
+        if regex.search(r"[\ud800-\udfff]", body):
+            self.fail("a lone surrogate in a string")
+        while (slash := body.find("\\", i)) >= 0:
+            out.append(body[i:slash])
+            code, i = body[slash + 1], slash + 2
+            if code in _CALL_ESCAPES:
+                out.append(_CALL_ESCAPES[code])
+                continue
+            if code != "u" or not regex.fullmatch(r"[0-9a-fA-F]{4}", body[i:i + 4]):
+                self.fail(f"the escape {body[slash:slash + 2]!r} (a string takes JSON's escapes alone, and \\\\' in '...')")
+            point, i = int(body[i:i + 4], 16), i + 4
+            low = regex.match(r"\\u([dD][c-fC-F][0-9a-fA-F]{2})", body[i:i + 6])
+            if 0xD800 <= point < 0xDC00 and low:  # a UTF-16 pair: one character
+                point, i = 0x10000 + ((point - 0xD800) << 10) + (int(low[1], 16) - 0xDC00), i + 6
+            if 0xD800 <= point <= 0xDFFF:
+                self.fail("a lone surrogate escape in a string")
+            out.append(chr(point))
+        return "".join(out) + body[i:]
+
+
+def _python_call_list(text: str, args: dict[str, Any], budget: PatternBudget) -> list[dict[str, Any]]:
+    """Calls by keyword, `[get_weather(city="Paris")]`, as [{"name": "get_weather", "arguments": {"city": "Paris"}}]."""
+    return _CallList(text).calls()
+
+
+TYPED_CONTENT = frozenset({"json", "python-call-list"})  # content parsers whose values carry their own types (see _type_arguments)
 # Each takes the text, its content_args and the reply's PatternBudget (for a pattern the template gives them).
 CONTENT_PARSERS: dict[str, Callable[[str, dict[str, Any], PatternBudget], Any]] = {
     "text": _text,
@@ -459,6 +627,7 @@ CONTENT_PARSERS: dict[str, Callable[[str, dict[str, Any], PatternBudget], Any]] 
     "json": _json,
     "xml-inline": _xml_inline,
     "kv-lines": _kv_lines,
+    "python-call-list": _python_call_list,
 }
 
 
@@ -907,7 +1076,8 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
             state.closed_at[state.current] = at
             field = fields[state.current]
             value = _field_value(state.body, field, state.captures, budget)
-            if params:
+            # with value_parser_by the reply itself says how each value reads, which the tools' schemas must not undo
+            if params and "value_parser_by" not in field.content_args:
                 value = _type_arguments(value, params, typed=field.content in TYPED_CONTENT)
             if field.join is not None:
                 if not isinstance(value, str):
@@ -975,6 +1145,8 @@ def _scan(template: ResponseTemplate, buffer: str, params: dict[str, dict[str, A
             state.captures = {k: v for k, v in match.groupdict().items() if v is not None}
         else:
             was_open = state.opened
+            # the closing marker's own captures (</call:(?P<id>...)>) are the region's too, as the opening's are
+            state.captures.update({k: v for k, v in match.groupdict().items() if v is not None})
             close(match.end())
             if not was_open and match.start() == match.end():  # an empty closing of an empty region: nothing left
                 if not ended:
