@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from blockpress.checks import check_text, is_int
-from blockpress.files import KeyTwice, one_value_a_key, parse_json, utf16_note
+from blockpress.files import (
+    KeyTwice,
+    NotJSONNumber,
+    one_value_a_key,
+    parse_json,
+    refuse_non_json_numbers,
+    utf16_note,
+)
 
 # Rows are sorted by length within a window of this many batches, not across the whole file: the output is written
 # in input order, so a line can only be written once the lines before it are, and a crash or Ctrl-C loses at most
@@ -132,13 +139,16 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         if not text.strip():
             continue
         try:
-            obj = parse_json(text, object_pairs_hook=one_value_a_key)
+            obj = parse_json(text, object_pairs_hook=one_value_a_key, parse_constant=refuse_non_json_numbers)
         except json.JSONDecodeError as exc:
             raise (_one_document(name, data) or _cr_alone(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
         except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) was silently lost
             raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
                              "the last); give it once") from None
+        except NotJSONNumber as exc:  # Python writes it back as it came, and no JSON reader takes the output then
+            raise ValueError(f"{where}: {exc.args[0]} is not JSON (JSON has no number for it); write null or a "
+                             "string instead") from None
         if not isinstance(obj, dict):
             raise _one_document(name, data) or ValueError(f"{where}: expected an object {kind.shape}, got "
                                                           f"{type(obj).__name__}")

@@ -239,13 +239,25 @@ def one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None) -> Any:
+class NotJSONNumber(ValueError):
+    """NaN, Infinity or -Infinity, which Python's json reads and writes but JSON has not (refuse_non_json_numbers)."""
+
+
+def refuse_non_json_numbers(name: str) -> Any:
+    """json's parse_constant for text that goes on as JSON: a line copied into an output file as NaN would make
+    that file unreadable as JSON and, NaN being unequal to itself, never match its input line again."""
+    raise NotJSONNumber(name)
+
+
+def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
+               parse_constant: Callable[[str], Any] | None = None) -> Any:
     """json.loads(text), with JSON nested past Python's recursion limit (~1,000 levels: `[[[...]]]` of 100,000, or a
     hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError, and likewise
     an integer longer than Python converts from text (4,300 digits: sys.get_int_max_str_digits), whose bare ValueError
-    named neither the file nor the line. `object_pairs_hook`: json.loads' (its own ValueError passes through)."""
+    named neither the file nor the line. `object_pairs_hook`, `parse_constant`: json.loads' (their own ValueErrors pass
+    through)."""
     try:
-        return json.loads(text, object_pairs_hook=object_pairs_hook)
+        return json.loads(text, object_pairs_hook=object_pairs_hook, parse_constant=parse_constant)
     except RecursionError:
         raise JSONTooDeep("nested deeper than Python's JSON parser reads (about 1,000 levels of arrays or objects)",
                           text if isinstance(text, str) else "", 0) from None

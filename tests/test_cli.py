@@ -4276,7 +4276,10 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
              ('{"prompt": "a", "text": "b"}', "text: a key the output line writes"), ('{"prompt": ', "not JSON"),
              # json.loads keeps a key's last value: the first prompt, id or message content was silently lost
              ('{"prompt": "a", "id": 1, "prompt": "b"}', '"prompt" is given twice in one object'),
-             ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}', '"content" is given twice')]
+             ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}', '"content" is given twice'),
+             # Python's json reads them and writes them back into the output, which no JSON reader (nor --resume,
+             # NaN being unequal to itself) took then
+             ('{"prompt": "a", "score": NaN}', "NaN is not JSON"), ('{"prompt": "a", "x": [-Infinity]}', "-Infinity is")]
     for line, message in cases:
         with pytest.raises(ValueError) as err:
             read_rows("f.jsonl", b'{"prompt": "ok"}\n\n' + line.encode() + b"\n")
