@@ -63,6 +63,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path, monkeypatch, capsys):
     assert "diffusion_compiled" not in data and "compile_error" not in data
     fp8 = data["fp8"]  # the last phase: the same model quantized in place
     assert "fp8_error" not in data and fp8["tok_s"] > 0 and fp8["ar_tok_s"] > 0
+    assert fp8["ar_new_tokens"] == 6  # its AR count (at most 64) was in no field, beside eager AR's --ar-tokens
     assert fp8["weights_gb"] < 0.6 * fp8["weights_gb_before"]
     assert 0 < fp8["logits_max_abs_error"] < fp8["logits_max_abs"] and fp8["top1_agreement"] > 0.5
     for trace in data["profile"].values():  # where the next speed change should look
@@ -91,7 +92,7 @@ def test_gpu_bench_ar_rates_count_the_passes_after_the_prefill():
                            tokens_per_forward=torch.ones(1), forward_passes=torch.tensor([6]),
                            num_new_tokens=torch.tensor([6]), steps_per_canvas=torch.ones(1, 1),
                            encode_seconds=0.5, denoise_seconds=0.5)
-    assert script.ar_rates(out, 1.0) == pytest.approx({"tok_s": 6.0, "tok_s_without_prefill": 10.0,
+    assert script.ar_rates(out, 1.0) == pytest.approx({"new_tokens": 6, "tok_s": 6.0, "tok_s_without_prefill": 10.0,
                                                         "ms_per_token": 100.0})
     assert script.diffusion_rates(out, 1.0) == pytest.approx({"tok_s": 6.0, "tok_s_without_prefill": 12.0})
 
@@ -200,6 +201,26 @@ def gpu_bench_argv(tmp_path, *extra):
     return ["gpu_bench.py", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--prompt-length", "8",
             "--new-tokens", "8", "--steps", "1", "--ar-tokens", "2", "--compile-mode", "none", "--no-profile",
             "--out", str(tmp_path), *extra]
+
+
+def test_gpu_bench_times_compiled_ar_with_the_shape_it_warmed_up(tmp_path, monkeypatch):
+    """The compiled phase warmed AR up on 8 tokens and timed --ar-tokens: the cache's capacity is in the compiled
+    graph, so the timed run recompiled (2.3 tok/s against eager's 98 on the tiny preset). compile is a stand-in
+    here (compiling takes minutes on a CPU): the runs after it are what is checked."""
+    import blockpress
+
+    script = gpu_bench_module()
+    calls = []
+    real = blockpress.LM.generate_ar
+    monkeypatch.setattr(blockpress.LM, "compile", lambda self, **kw: calls.append("compile"))
+    monkeypatch.setattr(blockpress.LM, "generate_ar",
+                        lambda self, *a, **kw: calls.append(kw["max_new_tokens"]) or real(self, *a, **kw))
+    argv = gpu_bench_argv(tmp_path, "--no-fp8", "--ar-tokens", "5")
+    monkeypatch.setattr(sys, "argv", [*argv[:argv.index("--compile-mode") + 1], "default",
+                                      *argv[argv.index("--compile-mode") + 2:]])
+    script.main()
+    assert calls[calls.index("compile"):] == ["compile", 5, 5]
+    assert json.loads((tmp_path / "result.json").read_text())["ar_compiled"]["new_tokens"] == 5
 
 
 def test_gpu_bench_says_each_phase_on_stderr_as_it_goes(tmp_path, monkeypatch, capsys):
