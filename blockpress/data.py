@@ -394,6 +394,16 @@ def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     return found
 
 
+def named_files(path: str | Path) -> set[Path]:
+    """Every file `path` may read data from, resolved: itself, a glob's matches, or a folder's data files (the
+    suffixes of _folder_files, whichever kind the folder turns out to hold); for telling two flags' files apart."""
+    if is_glob(path):
+        return {Path(m).resolve() for m in glob.glob(str(path), recursive=True) if Path(m).is_file()}
+    if Path(path).is_dir():
+        return {f.resolve() for files in _folder_files(Path(path)).values() for f in files}
+    return {Path(path).resolve()} if Path(path).is_file() else set()
+
+
 def hidden_data_files(folder: str | Path) -> list[Path]:
     """The files of a data folder that load_text and load_jsonl leave out as hidden (_folder_files), for a message."""
     folder = Path(folder)

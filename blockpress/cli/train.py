@@ -317,8 +317,14 @@ def _with_tokenizer(args: argparse.Namespace, mcfg: ModelConfig, tokenizer: Toke
 def _check_data_files(data: str, heldout_data: str | None) -> None:
     """--data and --heldout-data can be read as what their first line says they are; files of a folder or glob that
     are not trained on (a README.md beside JSONL files) are said to be left out."""
-    from blockpress.data import is_examples, left_out
+    from blockpress.data import is_examples, left_out, named_files
 
+    if heldout_data and (both := sorted(named_files(data) & named_files(heldout_data))):
+        # its examples were trained on and then scored as held out, without a word
+        shown = ", ".join(map(str, both[:3])) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
+        raise ValueError(f"--heldout-data {heldout_data}: {shown} {'is' if len(both) == 1 else 'are'} also read by "
+                         f"--data {data}, so the held-out data would be trained on; give --data the training files "
+                         "alone (a file, or a glob that leaves the held-out ones out)")
     for flag, path in (("--data", data), ("--heldout-data", heldout_data)):
         try:
             note = left_out(path) if path else None
