@@ -442,21 +442,44 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
 
 
 def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Deterministic held-out split by content hash (stable across runs and machines); the turns of one chat are
-    held out together (Example.split_key)."""
+    """Deterministic held-out split by content hash (stable across runs and machines). Examples fall on one side
+    together when they are copies of one another or turns of one chat (Example.split_key), and so, through a turn
+    they share, do chats that extend one another (a conversation and its prefix, as chat-tree datasets hold them):
+    hashed by its own record alone, a turn held out in one record was trained on in the other."""
     if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
         raise ValueError(f"heldout: expected a fraction in [0, 1), got {fraction!r}")
+    own = [json.dumps([e.prompt, e.response]) for e in examples]
+    records = [json.dumps(list(e.split_key)) if e.split_key else key for e, key in zip(examples, own)]
+    group: dict[str, str] = {}  # union-find over the keys: each example joins its own key to its record's
+
+    def root(key: str) -> str:
+        while (up := group.setdefault(key, key)) != key:
+            group[key] = key = group[up]
+        return key
+
+    for key, record in zip(own, records):
+        group[root(key)] = root(record)
+    # A group's side is its record key's, one record picked by a second, independent hash: a group of one record
+    # falls as that record always did, and a group of many is held out as often as one.
+    picked: dict[str, str] = {}
+    for record in records:
+        top = root(record)
+        if top not in picked or _digest("pick", record) < _digest("pick", picked[top]):
+            picked[top] = record
     train: list[Example] = []
     held: list[Example] = []
-    for e in examples:
-        key = e.split_key or (e.prompt, e.response)
-        h = int(hashlib.sha1(json.dumps(list(key)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    for e, record in zip(examples, records):
+        h = int(_digest("", picked[root(record)])[:8], 16) / 0xFFFFFFFF
         (held if h < fraction else train).append(e)
     if not train:  # (it said "split_heldout: the held-out fraction left no training examples", naming no setting)
         raise ValueError(f"heldout: {fraction} holds out all {len(examples)} example{'s' if len(examples) > 1 else ''}, "
                          "leaving none to train on (each is held out by a hash of its content: a few examples, or "
                          "copies of one, fall together); give a smaller fraction, or 0")
     return train, held
+
+
+def _digest(salt: str, key: str) -> str:
+    return hashlib.sha1((salt + key).encode()).hexdigest()
 
 
 # -- raw corpora -------------------------------------------------------------------------------------------
