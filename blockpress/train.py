@@ -325,12 +325,12 @@ class Objective(nn.Module):
 
 def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
     """Linear warmup, then cosine decay to lr * min_lr_ratio over the steps, or over the wall-clock budget
-    (`time_fraction` of it spent) when that ends first: a run cut short by max_minutes still anneals."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = max((step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), time_fraction)
+    (`time_fraction` of it spent) when that ends first: a run cut short by max_minutes still anneals, its warmup
+    included (the clock's cosine caps the ramp: a budget spent within --warmup-steps ended at the ramp's top)."""
+    ramp = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
+    progress = max(max(0, step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), time_fraction)
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return min(cfg.lr * ramp, floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 # -- LoRA ----------------------------------------------------------------------------------------------------

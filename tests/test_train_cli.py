@@ -100,9 +100,26 @@ def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
     args[args.index("--heldout") + 1], args[args.index("--warmup-steps") + 1] = "0.02", "5"
     assert main(args) == 0
     err = capsys.readouterr().err.splitlines()
-    for start in ("--heldout 0.02: holds out none of 8 examples", "--warmup-steps 5 is more than --steps 2",
+    for start in ("--heldout 0.02: holds out none of 8 examples",
+                  "--warmup-steps 5 leaves --steps 2 no step to decay in: the learning rate ends at 0.00012 (0.4x --lr)",
                   "no loss.png: matplotlib is not installed (pip install 'blockpress[train]')"):
         assert any(line.startswith("warning: " + start) for line in err), (start, err)
+
+
+@pytest.mark.parametrize("warmup, warned", [(3, True), (2, True), (1, False)])
+def test_a_warmup_that_leaves_no_step_to_decay_is_warned_of(tmp_path, capsys, warmup, warned):
+    """Only a warmup longer than --steps was warned of ("never reaches --lr"): one of --steps or --steps - 1 left
+    no step to decay in, so the run ended at the peak learning rate with no word."""
+    args = [a for a in train_args(write_data(tmp_path / "d.jsonl"), tmp_path / "out", steps=3) if a != "--quiet"]
+    args[args.index("--warmup-steps") + 1] = str(warmup)
+    assert main(args) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --warmup-steps")]
+    assert bool(said) == warned, said
+    from blockpress.train import TrainConfig
+
+    lr = TrainConfig().lr
+    if warned:
+        assert f"ends at {lr:.3g} (1x --lr)" in said[0] and "give fewer warmup steps" in said[0]
 
 
 def test_train_quantize_shows_its_choices(tmp_path, capsys):

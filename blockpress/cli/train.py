@@ -460,9 +460,14 @@ def _say_what_runs(args: argparse.Namespace, run: Run, sources: Sources) -> None
         print(f"--lora-rank {cfg.lora_rank}: training {trainer.trainable_parameters:,} of "
               f"{trainer.total_parameters:,} parameters ({100 * fraction:.3g}%) on {cfg.lora_targets}",
               file=sys.stderr)
-    if cfg.warmup_steps > cfg.steps:
-        print_warning(f"--warmup-steps {cfg.warmup_steps} is more than --steps {cfg.steps}: the learning rate never "
-                      f"reaches --lr {cfg.lr}")
+    if cfg.warmup_steps >= cfg.steps - 1:  # no step after the warmup's end decays (step warmup_steps is the peak)
+        from blockpress.train import lr_at
+
+        last = lr_at(cfg, cfg.steps - 1)
+        print_warning(f"--warmup-steps {cfg.warmup_steps} leaves --steps {cfg.steps} no step to decay in: the "
+                      f"learning rate ends at {last:.3g} ({last / cfg.lr:.2g}x --lr), not at --lr x --min-lr-ratio "
+                      f"({cfg.lr * cfg.min_lr_ratio:.3g}) as the cosine schedule does; give fewer warmup steps "
+                      "(the decay takes the steps after them)")
 
 
 def _report(args: argparse.Namespace, run: Run, result: TrainResult) -> None:
