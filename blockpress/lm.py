@@ -1315,7 +1315,9 @@ class LM:
             if _template_batch(args.get("template")):  # one template per row, not one for every row
                 args["template"] = _repeat_rows(args["template"], int(n), "template")
             seed = check_seed(args.get("seed"), "seed")
-            if seed is not None:  # None draws a fresh seed per row, which differ already
+            # None draws a fresh seed per row, which differ already; greedy copies are one answer, as the server's n
+            # greedy choices are (and as seed=None's, which greedy reads as 0, were: seed=0 gave n answers)
+            if seed is not None and not (call != "generate_ar" and self._greedy(gen, args)):
                 args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]
         if gen == self.generation_config:
             return self, args, given_as
@@ -1325,6 +1327,17 @@ class LM:
         if hf.get("max_length") is not None and args.get("max_new_tokens") is None:
             lm._max_length_from = "call"
         return lm, args, given_as
+
+    def _greedy(self, settings: dict[str, Any], args: dict[str, Any]) -> bool:
+        """Whether a generate or stream call's `args` decode with argmax candidates under the generation
+        `settings`: its copies are then one answer. A setting it refuses is refused later, naming it."""
+        held = copy.copy(self)
+        held.generation_config = settings
+        options = {k: v for k, v in args.items() if k not in STREAM_OPTIONS or k == "max_denoising_steps"}
+        try:
+            return held._sampler_config(args.get("sampler"), options, 1, "temperature")[0].argmax_candidates
+        except (ValueError, TypeError):
+            return False
 
     def _check_copies(self, call: str, prompt: Any, n: int, max_new_tokens: Any = None,
                       settings: Mapping[str, Any] | None = None, cache: Any = None) -> None:

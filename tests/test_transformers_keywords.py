@@ -201,6 +201,18 @@ def test_num_return_sequences_gives_each_copy_its_own_seed(lm, ids, engine):
     assert torch.equal(masked.sequences, out.sequences)
 
 
+@pytest.mark.parametrize("greedy", [dict(sampler="greedy"), dict(candidates="argmax")])
+def test_greedy_copies_are_one_answer_whatever_the_seed(lm, ids, greedy):
+    """Greedy copies (argmax candidates) are one answer, as the server's n greedy choices are: seed=None's were
+    (greedy reads it as 0), while seed=0 gave each copy a seed of its own, so n different answers."""
+    for seed in (None, 0, 5):
+        out = lm.generate(ids, 8, seed=seed, num_return_sequences=3, **STEPS, **greedy)
+        assert out.extra["seeds"] == [seed or 0] * 6
+        alone = lm.generate(ids, 8, seed=seed or 0, **STEPS, **greedy)
+        for copy in range(3):
+            assert torch.equal(out.sequences[copy::3], alone.sequences)
+
+
 @pytest.mark.parametrize("engine", ["generate", "generate_ar"])
 def test_num_return_sequences_repeats_per_row_settings(lm, ids, engine):
     call = getattr(lm, engine)
