@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import os
 import re
 import time
 from array import array
@@ -32,6 +33,7 @@ from .sampling import (
     SamplerConfig,
     StepNumbers,
     candidate_probs,
+    choice_seed,
     denoise_step,
     hashed_uniforms,
     init_state,
@@ -42,6 +44,8 @@ from .sampling import (
     take_rows,
 )
 from .tokenizer import TextStream
+
+_IMPORTED_IN = os.getpid()  # the process that imported blockpress (Request.row_seeds: a fork's child differs)
 
 # A marker and the backslashes right before it (they escape it): ASCII digits, as \d would take "３" or "٣" as well
 _HOLE_RE = re.compile(r"(\\*)(<\|hole(?::([0-9]+))?\|>)")
@@ -394,7 +398,13 @@ class Request:
             return torch.tensor(self.seeds, dtype=torch.long)
         if self.seed is not None:
             return torch.full((b,), self.seed, dtype=torch.long)
-        return torch.randint(0, 2**47, (b,))
+        drawn = torch.randint(0, 2**47, (b,))
+        if os.getpid() != _IMPORTED_IN:
+            # a process forked after the import (a multiprocessing Pool's worker) holds its parent's torch generator,
+            # so every worker drew the same "fresh" seeds: each mixes in its process id (Python's random reseeds at
+            # a fork for the same reason); unforked, torch.manual_seed still makes the draws repeatable
+            drawn ^= choice_seed(os.getpid(), 1) % 2**47
+        return drawn
 
 
 def device_sync(device: torch.device) -> None:

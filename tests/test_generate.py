@@ -2,6 +2,7 @@
 
 import copy
 import re
+import sys
 from dataclasses import asdict, fields, replace
 from os.path import commonprefix
 from pathlib import Path
@@ -3979,3 +3980,34 @@ def test_a_call_with_several_mistakes_names_the_first_in_its_order(code_tiny):
         kw.update(fix)
     out = lm.generate(**kw)
     assert out.num_new_tokens.tolist() == [4, 4]  # each row its template's length
+
+
+_FORKED_LM: list = []  # the model a forked worker inherits (test_forked_workers_draw_fresh_seeds_of_their_own)
+
+
+def _fresh_seed_in_worker(_: int) -> int:
+    out = _FORKED_LM[0].generate(torch.tensor([[2, 5, 7, 9]]), 2, max_denoising_steps=1)
+    return int(out.extra["seeds"][0])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_forked_workers_draw_fresh_seeds_of_their_own():
+    """Workers forked after the import inherit torch's generator: with seed=None every worker of a Pool drew the
+    same "fresh" seed, so the same sample. In the importing process torch.manual_seed still repeats the draw."""
+    import multiprocessing
+
+    _FORKED_LM[:] = [blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)]
+    try:
+        with multiprocessing.get_context("fork").Pool(3) as pool:
+            seeds = pool.map(_fresh_seed_in_worker, range(3), chunksize=1)
+        assert len(set(seeds)) == 3, seeds
+        state = torch.get_rng_state()
+        try:
+            torch.manual_seed(11)
+            first = _fresh_seed_in_worker(0)
+            torch.manual_seed(11)
+            assert _fresh_seed_in_worker(0) == first
+        finally:
+            torch.set_rng_state(state)
+    finally:
+        _FORKED_LM.clear()
