@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -309,12 +310,22 @@ def test_ensemble_refuses_what_is_not_a_count_of_views(tiny_sudoku, ensemble):
     (dict(rules=1), "rules: expected True or False, got 1"),
     (dict(checked="no"), "checked: expected True or False"),
     (dict(on_draft=5), "on_draft: expected a function .*, got int"),  # failed at the first draft, after a pass
+    (dict(seed=-1), "seed: expected an integer"), (dict(seed="3"), "seed: expected an integer"),
 ])
 def test_solve_refuses_bad_options_before_any_decoding(tiny_sudoku, monkeypatch, options, message):
     _, lm = tiny_sudoku
     monkeypatch.setattr(lm, "stream", lambda *a, **kw: pytest.fail("decoded before the options were checked"))
     with pytest.raises(ValueError, match=message):
         sudoku_model.solve(lm, [generate(2, "medium").puzzle], **options)
+
+
+def test_solve_takes_a_numpy_seed_as_generate_does(tiny_sudoku):
+    """A numpy integer seed (as generate takes it) failed inside random.Random, naming nothing."""
+    _, lm = tiny_sudoku
+    p = [generate(2, "medium").puzzle]
+    for ensemble in (1, 3):
+        assert sudoku_model.solve(lm, p, max_denoising_steps=2, seed=np.int64(4), ensemble=ensemble) == \
+            sudoku_model.solve(lm, p, max_denoising_steps=2, seed=4, ensemble=ensemble)
 
 
 def test_cli_ensemble(tiny_sudoku, capsys):

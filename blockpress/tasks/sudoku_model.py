@@ -23,6 +23,7 @@ import torch
 
 from ..checks import check_flag, is_int
 from ..generate import Commit, Done, Draft
+from ..lm import check_seed
 from .sudoku import (
     VOCAB,
     NotUnique,
@@ -69,7 +70,7 @@ def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Cal
     return constraint
 
 
-def symmetric_views(n: int, seed: int = 0) -> list[Symmetry]:
+def symmetric_views(n: int, seed: int | None = 0) -> list[Symmetry]:
     """The identity, then n - 1 seeded random symmetries of the board."""
     # is_int: a bool is no count (True ran as 1 view)
     if not is_int(n) or not 1 <= n <= MAX_VIEWS:
@@ -185,7 +186,7 @@ def solve(
     puzzles: str | Sequence[str],
     max_denoising_steps: int | None = None,
     sampler: str | None = None,
-    seed: int = 0,
+    seed: int | None = 0,
     on_draft: Callable[[int, list[str]], None] | None = None,
     skip_stopped_rows: bool = True,
     rules: bool = False,
@@ -208,6 +209,7 @@ def solve(
     if on_draft is not None and not callable(on_draft):
         raise ValueError(f"on_draft: expected a function (step, boards) -> None, got {type(on_draft).__name__}")
     check_sudoku_model(lm)
+    seed = check_seed(seed, "seed")  # (a numpy integer failed inside random.Random, naming nothing)
     puzzles = puzzle_list(puzzles) if checked else prepare(puzzles)
     views = symmetric_views(ensemble, seed)
     # the processor pools whole groups of views: no row of a group may stop alone
