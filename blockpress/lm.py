@@ -739,7 +739,8 @@ class LM:
         self.generation_config = dict(generation_config or {})
         self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
         self.passthrough = passthrough or Passthrough()
-        self.path = path  # the base's folder
+        # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
+        self.path = None if path is None else Path(path).absolute()
         self.adapter = adapter  # the LoRA folder applied over it (then the weights are not `path`'s alone)
         # The checkpoint's dtype where `load` computes in a wider one for this CPU (dtype=None: bf16 as float32 without
         # native bf16 matmuls): `save` writes it back, so a saved folder does not depend on the CPU that saved it.

@@ -301,6 +301,21 @@ def test_qlora_adapters_load_over_their_base_saved_quantized_without_a_warning(t
         blockpress.load(tmp_path / "unnamed", adapter=adapter)
 
 
+def test_a_quantized_save_after_a_chdir_names_the_folder_it_was_loaded_from(tmp_path, monkeypatch):
+    """A model loaded by a relative path kept it relative: saved after a chdir, its quantized_from named the
+    folder of that name under the new working directory (another model, or nothing there)."""
+    for where in ("one", "two"):
+        (tmp_path / where).mkdir()
+        tiny_lm(seed=len(where)).save(tmp_path / where / "base")
+    monkeypatch.chdir(tmp_path / "one")
+    lm = blockpress.load("base", quantize="int8")
+    monkeypatch.chdir(tmp_path / "two")
+    lm.save(tmp_path / "q")
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["quantized_from"] == \
+        str((tmp_path / "one" / "base").resolve())
+    assert lm.path == tmp_path / "one" / "base"
+
+
 def test_qlora_adapters_trained_over_a_folder_saved_quantized_load_over_its_checkpoint_quantized_alike(tmp_path):
     """The other way round: adapters trained over a folder saved quantized (train --lora-rank --model Q) loaded over
     the checkpoint Q was quantized from with Q's scheme (generate --model PLAIN --adapter A --quantize int8) run over
