@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 
 def expand_user(path: str | Path, name: str) -> Path:
     """`path` with a leading ~ or ~user expanded, as a shell would. A ~user with no such user (or no home known) is
@@ -86,11 +88,16 @@ class StagedFiles:
             os.chmod(temporary, mode)
             with open(temporary, "rb+") as f:  # on disk before any destination is replaced by it
                 os.fsync(f.fileno())
-        except OSError as exc:
-            if str(path) in str(exc):  # named already (a writer's own message: save_model's of safetensors')
+        except (OSError, RuntimeError, SafetensorError) as exc:
+            reason = _write_failure(exc)
+            if reason is None:  # no failed write: the writer's own error
                 raise
-            named = OSError(f"{path}: {exc.strerror or exc}")
-            named.errno = exc.errno  # (ENOSPC stays testable)
+            if str(path) in reason:  # named already (a writer's own message)
+                if isinstance(exc, OSError):
+                    raise
+                raise OSError(reason) from None
+            named = OSError(f"{path}: {reason}")
+            named.errno = getattr(exc, "errno", None)  # (ENOSPC stays testable)
             raise named from None
 
     def write_text(self, path: str | Path, text: str) -> None:
@@ -237,6 +244,20 @@ def one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise KeyTwice(key)
         obj[key] = value
     return obj
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """What a writer's exception says of a write that failed (a full disk, a quota), or None for one that is no
+    failed write. safetensors and torch.save raise a full disk in their own words, neither an OSError: a training
+    run's save ended in torch's "[enforce fail at inline_container.cc] unexpected pos", 20 lines of traceback."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = str(exc)
+    if isinstance(exc, SafetensorError):
+        return text.removeprefix("Error while serializing: ")
+    if "inline_container" in text or "PytorchStreamWriter" in text:
+        return f"torch.save could not write it, as when the disk is full or a quota is reached ({text.strip():.200})"
+    return None
 
 
 class NotJSONNumber(ValueError):

@@ -35,7 +35,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -1541,8 +1541,7 @@ class Trainer:
                     logged = {**row, **_interval_means(interval)}
                     interval = []
                 if metrics and logged:
-                    metrics.write(json.dumps(logged) + "\n")
-                    metrics.flush()
+                    self._write_row(metrics, logged)
                     if plain:
                         # paced by the wall time of this run's steps so far (evaluations and saves included)
                         pace = (time.perf_counter() - t0) / (self.step - first)
@@ -1567,7 +1566,7 @@ class Trainer:
             if result.stopped:
                 row = self._stopped_row(result, interval)
                 if metrics:
-                    metrics.write(json.dumps(row) + "\n")
+                    self._write_row(metrics, row)
             if not saved:
                 with _labelled(bar, "saving"):
                     self.save(final=final)
@@ -1577,12 +1576,25 @@ class Trainer:
             if bar is not None:
                 bar.close()
             if metrics:
-                metrics.close()
+                with contextlib.suppress(OSError):  # (each row was flushed: only a failed one is left to fail again)
+                    metrics.close()
             # eval mode whatever ended the run (a Diverged step, an error): under attention_dropout a model left in
             # train mode would drop attention in every generation after
             self.lm.model.eval()
         result.tokens_per_second = seen / max(training, 1e-9)
         return result
+
+    def _write_row(self, metrics: IO[str], row: dict[str, Any]) -> None:
+        """A row of metrics.jsonl, on disk at once; a write that fails (a full disk) names the file and what `out`
+        keeps (it said "[Errno 28] No space left on device", naming neither)."""
+        try:
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+        except OSError as exc:
+            failed = OSError(f"{self.out / 'metrics.jsonl'}: {exc.strerror or exc}; the run stops at step {self.step} "
+                             f"({self._kept()})")
+            failed.errno = exc.errno
+            raise failed from None
 
     def _progress_bar(self) -> Any:
         """The progress bar of rank 0 (None: no progress asked, or another process); disabled where stderr is not

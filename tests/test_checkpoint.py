@@ -6,6 +6,9 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -1963,3 +1966,31 @@ def test_rope_entries_by_layer_type_rule_over_flat_keys_beside_them():
     # a flat dict alone still applies to every layer type
     flat = ModelConfig.tiny(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
     assert flat.text.rope_parameters == {k: {"rope_type": "default", "rope_theta": 500.0} for k in by_kind}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE")
+def test_a_full_disk_in_torch_save_or_safetensors_is_an_oserror_naming_the_file(tmp_path):
+    """torch.save and safetensors raise a full disk in their own words, neither an OSError: a training run's save
+    ended in torch's "[enforce fail at inline_container.cc] unexpected pos" (20 lines of traceback), a LoRA run's in
+    a SafetensorError, and neither said what --out keeps. A file-size limit stands in for the full disk."""
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from safetensors.torch import save_file
+        from blockpress.files import StagedFiles
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+        big = torch.zeros(1 << 20)  # 4 MB
+        for name, writer in (("state.pt", lambda f: torch.save({{"w": big}}, f)),
+                             ("a.safetensors", lambda f: save_file({{"w": big}}, str(f)))):
+            try:
+                with StagedFiles() as files:
+                    files.write({str(tmp_path)!r} + "/" + name, writer)
+            except OSError as exc:
+                print(type(exc).__name__, exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done.stderr[-2000:]
+    assert lines[0].startswith(f"OSError {tmp_path / 'state.pt'}: torch.save could not write it, as when the disk is full")
+    assert lines[1].startswith(f"OSError {tmp_path / 'a.safetensors'}: ") and "File too large" in lines[1]
+    assert not list(tmp_path.iterdir())  # nothing half-written is left

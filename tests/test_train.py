@@ -1325,3 +1325,21 @@ def test_a_log_line_gives_the_held_out_loss_of_its_row(tmp_path, capsys):
     said = [x.split(", eval loss ")[1].split(",")[0] if ", eval loss " in x else None for x in lines]
     assert said == [None if "eval_loss" not in r else f"{r['eval_loss']:.4f}" for r in rows]
     assert said[0] is None and said[1] is not None and said[3] is not None
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_metrics_row_that_cannot_be_written_names_the_file_and_what_out_keeps(tmp_path):
+    """A disk that filled between saves ended the run with "[Errno 28] No space left on device", naming no file and
+    not what `out` kept. /dev/full stands in for the full disk under metrics.jsonl."""
+    import errno
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")
+    with pytest.raises(OSError) as caught:
+        lm = tiny_lm()
+        tc = TrainConfig(steps=3, batch_size=4, warmup_steps=1, log_every=2)
+        Trainer(lm, ExampleSource(EXAMPLES, 0), tc, out, progress=False).train()
+    kept = f"{out} holds no model, only the metrics.jsonl of the steps logged; a new run with this --out replaces it"
+    assert str(caught.value) == f"{out / 'metrics.jsonl'}: No space left on device; the run stops at step 2 ({kept})"
+    assert caught.value.errno == errno.ENOSPC
