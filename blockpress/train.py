@@ -71,7 +71,7 @@ from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
 from .model import DiffusionGemma
 from .quantize import QuantizedLinear, check_scheme, quantization_of
-from .stopping import STOP_SIGNALS, leave_hung_up_terminal, terminal_fds
+from .stopping import STOP_SIGNALS, Stopped, leave_hung_up_terminal, terminal_fds
 from .train_config import LORA_MODULES, LORA_TARGETS, TrainConfig, lora_modules
 
 if TYPE_CHECKING:
@@ -1814,8 +1814,8 @@ class _StopOnInterrupt:
             self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
+        if self.requested:  # the second: stop at once, with this signal's exit status (143 for a SIGTERM)
+            raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
         self.requested, self.signum = True, signum
         if signum == getattr(signal, "SIGHUP", None):
             leave_hung_up_terminal(self.terminal)

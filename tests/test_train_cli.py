@@ -232,6 +232,17 @@ def test_a_save_that_fails_says_what_its_out_keeps(tmp_path, capsys, monkeypatch
         assert "replacing the metrics.jsonl" in capsys.readouterr().err and len(losses(out)) == 4
 
 
+def test_resuming_a_full_fine_tune_whose_config_json_is_gone_says_so(tmp_path, capsys):
+    """It was said to be a LoRA run's adapters without their base ("give it again with --model")."""
+    data, out = write_data(tmp_path / "d.jsonl"), tmp_path / "out"
+    assert main(train_args(data, out, steps=2)) == 0
+    (out / "config.json").unlink()
+    resume = [a for a in train_args(data, out, steps=3) if a not in ("--config", "tiny")] + ["--resume"]
+    assert main(resume) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: {out} holds no config.json, which a full fine-tune saves" in err and "LoRA" not in err
+
+
 def test_resume_continues_the_run_exactly(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "whole", steps=5)) == 0
@@ -495,6 +506,32 @@ def test_ctrl_c_saves_a_run_that_resumes_exactly(tmp_path, signum, capsys):
     again.resume()
     rest = again.train()
     assert cut.losses + rest.losses == pytest.approx(whole.losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_stops_at_once_with_its_own_status(tmp_path, name):
+    """The second signal raised a bare KeyboardInterrupt whatever it was: two SIGTERMs (`timeout` then its kill
+    grace, a scheduler) exited 130 "interrupted", where cli.md promises 143 on a SIGTERM."""
+    import signal
+
+    from blockpress.stopping import Stopped, stop_status
+    from blockpress.train import ExampleSource, TrainConfig, Trainer
+
+    signum = getattr(signal, name)
+    previous = signal.signal(signal.SIGTERM, lambda *_: pytest.fail("SIGTERM reached the default handler"))
+    twice = lambda step, loss: [os.kill(os.getpid(), signum) for _ in range(2)]  # noqa: E731
+    examples = [blockpress.data.Example([2, 5 + i, 6], [10 + i] * 3) for i in range(4)]
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0)
+    trainer = Trainer(lm, ExampleSource(examples, 0), TrainConfig(steps=3, batch_size=2, warmup_steps=1),
+                      tmp_path / "out", progress=False, on_step=twice)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            trainer.train()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert isinstance(caught.value, Stopped) == (name == "SIGTERM")
+    assert stop_status(caught.value) == 128 + signum
+    assert not (tmp_path / "out" / "trainer_state.pt").exists()  # at once, unsaved
 
 
 @pytest.mark.parametrize("signum, status, said", [("SIGINT", 130, "interrupted at step 1"),

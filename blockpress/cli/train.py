@@ -186,6 +186,11 @@ def _model_to_train(args: argparse.Namespace, out: Path) -> str | None:
     # A LoRA run to be resumed keeps its adapters apart from the base they adapt, recorded beside them (a run its
     # clock stopped also holds its merged checkpoint, which is not that base).
     if (out / LORA_BASE_FILE).is_file() or not (out / "config.json").is_file():
+        if not (out / LORA_BASE_FILE).is_file() and not resumed_train_config(out).get("lora_rank"):
+            # a full fine-tune's checkpoint is its config.json and weights (it was said to be a LoRA run's adapters)
+            raise ValueError(f"--resume: {args.out} holds no config.json, which a full fine-tune saves with its "
+                             "weights at every save, so its checkpoint is incomplete; give the model to go on from "
+                             "with --model, or start the run again")
         model = lora_base(out)
         if model is None:
             raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, and not the base model they "
