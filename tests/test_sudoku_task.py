@@ -613,6 +613,19 @@ def test_a_header_line_that_holds_cells_is_refused_not_skipped(line):
     assert split_puzzle_file(f"Grid 01\n{p}\nDaily 2024.01.15\n{p}\n", "f") == [p, p]
 
 
+@pytest.mark.parametrize("label", ["Row {r}: {row}", "Row {r} {row}", "Row {r}: {spaced}", "Line {r}:{row}"])
+def test_a_grid_whose_rows_carry_labels_is_refused_not_skipped(label):
+    """Nine "Row 1: 530070000" lines each held 10 cells, under the header rule's 16: the grid was skipped as nine
+    headers, and the file's second puzzle lost with no message. Titles with a number or a date still are headers."""
+    p, q = generate(7, "medium").puzzle, generate(8, "easy").puzzle
+    rows = "\n".join(label.format(r=r + 1, row=q[9 * r:9 * r + 9], spaced=" ".join(q[9 * r:9 * r + 9]))
+                     for r in range(9))
+    with pytest.raises(ValueError, match=r"f line 4: a grid row after a label \('"):
+        split_puzzle_file(f"{p}\n\nPuzzle 2\n{rows}\n", "f")
+    for title in ("Puzzle 2", "Grid 01", "Daily 2024.01.15", "Level: hard", "Set 3: 12 puzzles", "Game 1234567"):
+        assert split_puzzle_file(f"{title}\n{q}\n", "f") == [q], title
+
+
 def test_a_puzzle_file_saved_with_a_byte_order_mark_reads_as_without():
     """A file saved as "UTF-8 with BOM" (Windows' Notepad) was refused: "line 1: illegal character '\\ufeff'"."""
     a, b = generate(32, "easy").puzzle, generate(33, "medium").puzzle

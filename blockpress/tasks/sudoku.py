@@ -124,6 +124,13 @@ def _dashes_hint(line: tuple[int, str] | None) -> str:
                                     "with no givens as '...|...|...' or '000000000'")
 
 
+def _labelled_row(line: str) -> bool:
+    """A line that starts with a word and ends with a grid row's 9 cells: after its last ':' ("Row 1: 5 3 0 0 7 0 0 0
+    0"), or as its last word ("Row 1 530070000"); a title's number or date ("Daily 2024.01.15") is no row."""
+    tail = line.rpartition(":")[2] if ":" in line else line.split()[-1]
+    return _count_cells(tail) == 9 and not _HEADER.search(tail)
+
+
 def _count_cells(line: str) -> int:
     """The cells of one line: 0 for a border line."""
     return 0 if _is_border(line) else sum(ch in _DIGITS or ch in _EMPTY for ch in line)
@@ -264,6 +271,10 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                 raise ValueError(f"{name} line {n}: starts with a word, as a header line does, but holds {cells} "
                                  "cells, which skipping it would lose; put the label on a line of its own (or after "
                                  "'#' there) and the puzzle on the next")
+            if _labelled_row(stripped):  # "Row 1: 530070000": nine such lines were a whole grid skipped unsaid
+                raise ValueError(f"{name} line {n}: a grid row after a label ({stripped!r}), which skipping as a "
+                                 "header would lose; write the grid's rows without labels (a label on a line of its "
+                                 "own, or after '#')")
             continue
         odd = next((ch for ch in line if not (ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS)),
                    None)
