@@ -76,7 +76,7 @@ def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1
                  levels: tuple[str, ...] = DIFFICULTIES) -> list[Puzzle]:
     """Puzzles seed0..seed0+n-1, the `levels` in turn (by default a third of each difficulty); cached as JSON
     lines. A cache that holds the first puzzles of the same levels is extended, so a bigger run reuses a smaller
-    one's work. Each puzzle is appended as it is made (in seed order), so a run stopped part-way (SIGTERM, a
+    one's work; one of other levels is refused (a ValueError naming it), and left as it is. Each puzzle is appended as it is made (in seed order), so a run stopped part-way (SIGTERM, a
     deadline's `timeout`) keeps what it made: at most its last line cut short, which the next read drops."""
     have: list[Puzzle] = []
     if cache is not None and cache.exists():
@@ -86,6 +86,11 @@ def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1
         if rows and rows[0]["seed"] == seed0 and all(r["difficulty"] == levels[i % len(levels)]
                                                      for i, r in enumerate(rows[: len(levels)])):
             have = [Puzzle(**row) for row in rows[:n]]
+        elif rows:  # another run's puzzles: replaced by this run's, they were lost (up to 150k, tens of CPU minutes)
+            made = ",".join(dict.fromkeys(r["difficulty"] for r in rows[: len(DIFFICULTIES)]))
+            raise ValueError(f"--puzzle-cache {cache}: holds {len(rows):,} puzzles of --levels {made} from seed "
+                             f"{rows[0]['seed']}, not of --levels {','.join(levels)} from seed {seed0}; give another "
+                             "--puzzle-cache (it is kept as it is)")
     if len(have) >= n:
         return have
     seeds = range(seed0 + len(have), seed0 + n)
@@ -249,7 +254,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers, levels)
+    try:
+        base = base_puzzles(args.puzzles, 0, args.puzzle_cache, args.puzzle_workers, levels)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.only_puzzles:
         print(json.dumps({"puzzles": len(base), "seconds": round(time.perf_counter() - t0, 1)}))
         return

@@ -374,11 +374,19 @@ def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_
     assert [json.loads(x)["difficulty"] for x in cache.read_text().splitlines()] == ["easy", "medium", "hard", "easy"]
     run = [sys.executable, str(ROOT / "scripts" / "train_sudoku.py"), "--out", str(tmp_path / "x"), "--puzzles", "4",
            "--puzzle-cache", str(cache), "--only-puzzles"]
+    # The all-levels cache is not reused for another mix, nor replaced by it (its puzzles, up to 150k made in tens of
+    # CPU minutes, were lost without a word): refused, naming it, and kept as it was.
+    before = cache.read_text()
     r = subprocess.run([*run, "--levels", "medium,hard"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and cache.read_text() == before
+    assert f"--puzzle-cache {cache}: holds 4 puzzles of --levels easy,medium,hard from seed 0, not of --levels " \
+           "medium,hard from seed 0" in r.stderr
+    cache = tmp_path / "medium-hard.jsonl"
+    r = subprocess.run([*run[:-2], str(cache), "--only-puzzles", "--levels", "medium,hard"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["puzzles"] == 4
     rows = [json.loads(x) for x in cache.read_text().splitlines()]
-    # The all-levels cache is not reused for another mix: the puzzles are generated again, medium and hard in turn.
     assert [x["difficulty"] for x in rows] == ["medium", "hard", "medium", "hard"]
     assert all(x["givens"] < 40 for x in rows)
     code, _, err = run_script_in_process("scripts/train_sudoku.py", [*run[2:], "--levels", "medium,expert"],
