@@ -10,6 +10,8 @@ and hard puzzles. The model alone decides every cell in every setting (no rules,
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import warnings
 
@@ -17,6 +19,7 @@ import torch
 from script_args import json_flag
 
 import blockpress
+from blockpress.sampling import SamplerConfig
 from blockpress.tasks import sudoku_model
 from blockpress.tasks.sudoku import cell_accuracy, generate
 
@@ -62,10 +65,20 @@ def main(argv: list[str] | None = None) -> None:
     settings = SETTINGS
     if args.settings is not None:
         settings = json_flag(ap, "--settings", args.settings, "objects")
+    # a misspelt option ran the settings before it, then ended in a traceback without the "best" line
+    takes = {*inspect.signature(sudoku_model.solve).parameters, *(f.name for f in dataclasses.fields(SamplerConfig))}
+    takes -= {"lm", "puzzles", "sampler_options", "on_draft", "checked"}
+    for i, setting in enumerate(settings):
+        if unknown := sorted(set(setting) - takes):
+            ap.error(f"--settings[{i}]: {unknown[0]!r} is no option of sudoku_model.solve (it takes {', '.join(sorted(takes))})")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32", quantize=args.quantize)
+    try:  # before the puzzles are made: another model (blockpress-code) was a traceback after them
+        sudoku_model.check_sudoku_model(lm)
+    except ValueError as exc:
+        ap.error(f"--model {args.model}: {str(exc).removeprefix('model: ')}")
     truth = {level: [generate(VALIDATION_SEED + i, level) for i in range(args.per_difficulty)]
              for level in ("medium", "hard")}
     out = []

@@ -546,6 +546,8 @@ def tune_sudoku_module():
     (["--settings", "[{"], "--settings: not JSON"),
     (["--settings", '{"sampler": "topk"}'], "--settings: expected a JSON list of objects"),
     (["--settings", "[]"], "--settings: expected a JSON list of objects"),
+    # a misspelt option ran the settings before it, then ended in a traceback, without the "best" line
+    (["--settings", '[{}, {"temprature": 1.0}]'], "--settings[1]: 'temprature' is no option of sudoku_model.solve"),
 ])
 def test_tune_sudoku_sampler_refuses_bad_values_by_flag_before_loading(argv, message, capsys, monkeypatch):
     script = tune_sudoku_module()
@@ -554,6 +556,21 @@ def test_tune_sudoku_sampler_refuses_bad_values_by_flag_before_loading(argv, mes
     with pytest.raises(SystemExit) as done:
         script.main(argv)
     assert done.value.code == 2 and f"tune_sudoku_sampler.py: error: {message}" in capsys.readouterr().err
+
+
+def test_tune_sudoku_sampler_refuses_a_model_that_is_no_sudoku_model_before_making_puzzles(capsys, monkeypatch):
+    """--model blockpress-code was a traceback from solve, after the puzzles were made."""
+    import blockpress
+
+    script = tune_sudoku_module()
+    monkeypatch.setattr(sys, "argv", ["tune_sudoku_sampler.py"])
+    monkeypatch.setattr(script.blockpress, "load",
+                        lambda *a, **kw: blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0))
+    monkeypatch.setattr(script, "generate", lambda *a: pytest.fail("made the puzzles first"))
+    with pytest.raises(SystemExit) as done:
+        script.main(["--model", "some-model", "--per-difficulty", "1"])
+    assert done.value.code == 2
+    assert "tune_sudoku_sampler.py: error: --model some-model: not a sudoku model" in capsys.readouterr().err
 
 
 def test_tune_sudoku_sampler_settings_without_sampler_or_steps_take_the_models(capsys, monkeypatch):
