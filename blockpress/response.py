@@ -839,8 +839,10 @@ class PartialReader:
         self.state: _Scan | None = None  # where the last read stopped: None, read from the start
         self.failed: ValueError | None = None
 
-    def read(self, text: str) -> PartialMessage:
-        """What the reply's start `text` settles (parse_partial(template, text, prefix, tools, budget))."""
+    def read(self, text: str, ended: bool = False) -> PartialMessage:
+        """What the reply's start `text` settles (parse_partial(template, text, prefix, tools, budget)); `ended`:
+        `text` is the whole reply, so a marker at its end is one (a call's `<|tool_call>call:weathe`, which more
+        text could lengthen, opened no region), and its last region closes. A read after an ended one starts over."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a str, got {type(text).__name__}")
         if not (self.template.resumable and self.state is not None and text.startswith(self.text)):
@@ -854,17 +856,18 @@ class PartialReader:
             self.state = _Scan(copy.deepcopy(self.template.defaults), self.template.implicit, {})
         self.text = text
         try:
-            message, current, body = _scan(self.template, self.start + text, self.params, False, self.budget,
+            message, current, body = _scan(self.template, self.start + text, self.params, ended, self.budget,
                                            self.state)
         except ValueError as exc:
             self.failed = exc
             raise
+        scanned, self.state = self.state, None if ended else self.state
         # (a copy: the next read adds to the reader's own lists; the values in them are not changed after)
         closed = {key: list(value) if isinstance(value, list) else value for key, value in message.items()}
         lead = len(self.start)
         return PartialMessage(self.template, closed, current, body,
-                              opened_at={name: max(0, at - lead) for name, at in self.state.opened_at.items()},
-                              closed_at={name: max(0, at - lead) for name, at in self.state.closed_at.items()})
+                              opened_at={name: max(0, at - lead) for name, at in scanned.opened_at.items()},
+                              closed_at={name: max(0, at - lead) for name, at in scanned.closed_at.items()})
 
 
 def _literal_heads(items: Any) -> list[str]:
@@ -1202,7 +1205,7 @@ def thought_then_text(regions: Callable[[], PartialReader], plain: Callable[[str
     stream has not shown, is text too.) `regions`: a new reader of where the reply's regions are (regions_only);
     `plain`: the answer's text of a part of the reply `raw` (its special tokens left out)."""
     try:
-        whole = regions().read(raw)
+        whole = regions().read(raw, ended=True)  # (a reply cut inside a call's name still opened that call)
         call_at, thought_at = whole.opened_at.get("tool_calls"), whole.opened_at.get("reasoning_content")
         if call_at is None or thought_at is None or thought_at > call_at:
             return None

@@ -2481,6 +2481,10 @@ def test_a_reply_without_tools_that_thinks_then_calls_streams_what_it_answers(tm
                  "Sure. Checking.call:weather{city:Oslo}", "Let me think."),
                 ("<|channel>thought\nLet me think.<channel|>Checking.<|tool_call>call:weather{city:}<tool_call|>",
                  "Checking.call:weather{city:}", "Let me think."),  # a call that does not read: text all the same
+                # ended inside the call's name (a stop string, max_tokens): its pattern's \w+ could have gone on,
+                # so the call was not found, and the thought was glued into the content (the stream lost the rest)
+                ("<|channel>thought\nLet me think.<channel|>Checking.<|tool_call>call:weathe",
+                 "Checking.call:weathe", "Let me think."),
                 (f"Checking.{call}<|channel>thought\nHm.<channel|>Done.<turn|>",
                  "Checking.call:weather{city:Oslo}thought\nHm.Done.", None)]:
             for canvas in (0, 1, 3, 5):
