@@ -1587,7 +1587,7 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
 
     def sse(choices: list[dict], **extra: Any) -> str:
         chunk = {"id": reply.id, "object": chunk_object, "created": reply.created, "model": reply.model,
-                 "choices": choices, **extra}
+                 "choices": [{**c, "logprobs": None} for c in choices], **extra}  # (every choice has it, null)
         if with_usage and "usage" not in chunk:
             chunk["usage"] = None  # as OpenAI: every chunk but the last carries a null usage
         return f"data: {json.dumps(chunk)}\n\n"
@@ -1685,6 +1685,8 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
                 totals.add(job, item)
                 working -= 1
         choices.sort(key=lambda c: c["index"])
+        if reply.kind == "chat":  # fields OpenAI's schema requires of a choice and its message: null here
+            choices = [{**c, "message": {**c["message"], "refusal": None}, "logprobs": None} for c in choices]
         unanswered = None
     finally:
         left.cancel()

@@ -137,6 +137,18 @@ def test_stream_chunks_in_openais_shape(server):
                                                    "stream_options": {"include_usage": True}})
     assert all(c["object"] == "text_completion" for c in plain)
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] > 0
+    # every choice has logprobs (null), as OpenAI's schema requires of it, chat's too (it was missing there)
+    assert all(choice["logprobs"] is None for c in chat + plain for choice in c["choices"])
+
+
+def test_chat_choices_carry_the_fields_openais_schema_requires(server):
+    """A chat choice had no "logprobs" and its message no "refusal", which OpenAI's schema requires (null here);
+    strict typed clients refused the answer. A completions choice had its logprobs already."""
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "yo"}], "max_tokens": 4, "seed": 3, "n": 2})
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and all(c["logprobs"] is None and c["message"]["refusal"] is None for c in choices)
+    assert all(c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str) for c in choices)
 
 
 def test_draft_events_opt_in(server):
