@@ -1264,6 +1264,19 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
     return calls
 
 
+def copy_calls(value: Any, copy: int) -> Any:
+    """A job's choice message, or stream delta, for its copy `copy` (n greedy choices are one answer computed once):
+    its calls' ids its own, each derived from the first copy's (the copies shared one id, where OpenAI's are unique
+    per call); copy 0 and a value with no calls as they are."""
+    if copy == 0 or not isinstance(value, dict):
+        return value
+    if "tool_calls" in value:
+        return {**value, "tool_calls": [
+            {**call, "id": "call_" + hashlib.sha256(f"{call['id']}/{copy}".encode()).hexdigest()[:24]}
+            if "id" in call else call for call in value["tool_calls"]]}
+    return {**value, **{key: copy_calls(value[key], copy) for key in ("message", "delta") if key in value}}
+
+
 @dataclass
 class ToolStream(AnswerStream):
     """A streamed chat reply read for tool calls (Reply.parse): what of it has been sent. Its thought and content go
@@ -1620,7 +1633,8 @@ async def stream_reply(engine: Engine, reply: Reply, with_usage: bool) -> AsyncI
                     totals.add(job, item)
                     deltas, finish = tools.finish(reply, item)
                 for delta in deltas:
-                    yield sse([{"index": i, "delta": delta, "finish_reason": None} for i in job.choices])
+                    yield sse([{"index": i, "delta": copy_calls(delta, i - job.choices.start), "finish_reason": None}
+                               for i in job.choices])
                 if finish is not None:
                     yield sse([{"index": i, "delta": {}, "finish_reason": finish} for i in job.choices])
                     working -= 1
@@ -1680,8 +1694,8 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
                                f"generation failed: {item.message}", kind="server_error")
             if isinstance(item, JobDone):  # the engine ended stopped rows and cut their text
                 called = reply.tool_message(item)
-                choices += [{"index": i, **called} if called else reply.choice(i, item.text, item.finish, False)
-                            for i in job.choices]
+                choices += [{"index": i, **copy_calls(called, i - job.choices.start)} if called
+                            else reply.choice(i, item.text, item.finish, False) for i in job.choices]
                 totals.add(job, item)
                 working -= 1
         choices.sort(key=lambda c: c["index"])

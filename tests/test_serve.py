@@ -6,6 +6,7 @@ import contextlib
 import functools
 import inspect
 import json
+import re
 import threading
 import time
 
@@ -2504,6 +2505,30 @@ def test_a_reply_without_tools_that_thinks_then_calls_streams_what_it_answers(tm
                 expected = {**answer, "content": content, "reasoning_content": reasoning}
                 assert whole_message(client, **kw) == expected, written
                 assert streamed_message(client, **kw) == expected, (written, canvas)
+    finally:
+        srv.should_exit = True
+
+
+def test_greedy_copies_of_a_call_carry_ids_of_their_own(tmp_path, monkeypatch):
+    """n greedy choices are one answer computed once: their tool calls shared one id across the choices, streamed
+    or not, where OpenAI's ids are unique per call (code that gathers calls by id merged them)."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch, own_template=False)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    reply[0], reply[1] = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>", 1
+    kw = dict(model=MODEL, messages=TOOL_TURNS[:1], tools=TOOLS, max_tokens=200, n=3, temperature=0)
+    try:
+        whole = client.chat.completions.create(**kw).choices
+        assert [c.message.tool_calls[0].function.arguments for c in whole] == ['{"city": "Oslo"}'] * 3
+        streamed = {}
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                for t in c.delta.tool_calls or []:
+                    if t.id:
+                        streamed[c.index] = t.id
+        for ids in ([c.message.tool_calls[0].id for c in whole], [streamed[i] for i in range(3)]):
+            assert len(set(ids)) == 3 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids), ids
     finally:
         srv.should_exit = True
 
