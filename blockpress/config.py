@@ -251,7 +251,12 @@ class TextConfig:
         """rope_parameters by layer type: the defaults where none were given, a flat entry copied to each type."""
         if self.rope_parameters is None:
             raise _unresolved("rope_parameters")
-        return self.rope_parameters
+        # yarn's null factor is the context's growth over the original, as the reference reads it (DeepSeek-V3's)
+        return {kind: {**rope, "factor": self.max_position_embeddings / rope["original_max_position_embeddings"]}
+                if isinstance(rope, dict) and rope.get("rope_type") == "yarn" and "factor" in rope
+                and rope["factor"] is None and _is_number(rope.get("original_max_position_embeddings"))
+                and rope["original_max_position_embeddings"] > 0 else rope
+                for kind, rope in self.rope_parameters.items()}
 
     @property
     def kinds(self) -> list[str]:
@@ -403,22 +408,25 @@ class TextConfig:
         theta = rope.get("rope_theta")
         need(_is_number(theta) and theta > 0, "rope_theta", f"expected a positive number, got {theta!r}")
         factor = rope.get("partial_rotary_factor", 1.0)
-        need(_is_number(factor) and 0 < factor <= 1, "partial_rotary_factor", f"expected a fraction in (0, 1], got {factor!r}")
+        # (0 rotates no angle: a layer kind without positions, as the reference builds it)
+        need(_is_number(factor) and 0 <= factor <= 1, "partial_rotary_factor", f"expected a fraction in [0, 1], got {factor!r}")
         # The reference's other types make a shorter table than the head and fail on the first forward.
         need(rope_type == "proportional" or factor == 1.0, "partial_rotary_factor",
              "partial rotary factors need rope_type 'proportional'")
         for name in ROPE_FIELDS[rope_type]:
             need(name in rope, name, f"rope_type {rope_type!r} needs {name}")
+        if "original_max_position_embeddings" in ROPE_FIELDS[rope_type]:
+            value = rope["original_max_position_embeddings"]  # (8.0 as some JSON writers write 8: read as it is)
+            need(_is_number(value) and value > 0, "original_max_position_embeddings",
+                 f"expected a positive number (the context the model was trained on), got {value!r}")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = rope.get(name, 1.0)
-            need(_is_number(value) and value > 0, name, f"expected a positive number, got {value!r}")
-        if "original_max_position_embeddings" in ROPE_FIELDS[rope_type]:
-            value = rope["original_max_position_embeddings"]
-            need(_positive_int(value), "original_max_position_embeddings",
-                 f"expected a positive integer (the context the model was trained on), got {value!r}")
-        if rope_type == "llama3":
-            need(rope["high_freq_factor"] > rope["low_freq_factor"], "high_freq_factor",
-                 f"expected more than low_freq_factor={rope['low_freq_factor']}, got {rope['high_freq_factor']}")
+            null = " or null (max_position_embeddings / original_max_position_embeddings)" if (
+                rope_type == "yarn" and name == "factor") else ""
+            need(_is_number(value) and value > 0, name, f"expected a positive number{null}, got {value!r}")
+        if rope_type == "llama3":  # (equal: no band between the kept and the scaled wavelengths)
+            need(rope["high_freq_factor"] >= rope["low_freq_factor"], "high_freq_factor",
+                 f"expected at least low_freq_factor={rope['low_freq_factor']}, got {rope['high_freq_factor']}")
         if rope_type == "dynamic":
             need(self.layers[self.resolved_layer_types.index(kind)].head_dim > 2, "rope_type",
                  "'dynamic' needs a head_dim above 2 (its base is raised to head_dim / (head_dim - 2))")

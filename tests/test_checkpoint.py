@@ -484,14 +484,17 @@ def _hand_written(raw, **fields):
             rope_type="yarn", factor=4.0, original_max_position_embeddings=8, attention_factor="x"),
          "sliding_attention.attention_factor: expected a positive number or null"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
-            rope_type="yarn", factor=4.0, original_max_position_embeddings=8.5),
-         "original_max_position_embeddings: expected a positive integer"),
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=-8),
+         "original_max_position_embeddings: expected a positive number"),
+        (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
+            rope_type="yarn", factor="4", original_max_position_embeddings=8),
+         r"sliding_attention.factor: expected a positive number or null \(max_position_embeddings"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
             rope_type="llama3", factor=4.0, high_freq_factor=4.0, original_max_position_embeddings=8),
          "sliding_attention.low_freq_factor: rope_type 'llama3' needs"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(
             rope_type="llama3", factor=4.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=8),
-         "high_freq_factor: expected more than low_freq_factor"),
+         "high_freq_factor: expected at least low_freq_factor"),
         (lambda c: c["text_config"]["rope_parameters"]["sliding_attention"].update(rope_type="dynamic"),
          "sliding_attention.factor: rope_type 'dynamic' needs"),
         (lambda c: c["text_config"].update(num_key_value_heads=3), "num_key_value_heads"),

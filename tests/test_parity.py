@@ -297,6 +297,17 @@ def test_a_checkpoint_with_ten_layers_or_more(tmp_path):
                                                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5},
                           "full_attention": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0,
                                              "original_max_position_embeddings": 4, "attention_factor": 0.9}}),
+    # Each was refused, though the reference builds and runs it: yarn's null factor (max_position_embeddings over the
+    # original context, 256 / 16), a whole-number original context written as a float, a proportional layer that
+    # rotates no angle, and Llama 3.1's scaling with no band between its two factors
+    dict(rope_parameters={"sliding_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.0,
+                                                "rope_theta": 10_000.0},
+                          "full_attention": {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": None,
+                                             "original_max_position_embeddings": 16.0}}),
+    dict(rope_parameters={"sliding_attention": {"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 4.0,
+                                                "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+                                                "original_max_position_embeddings": 8},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}}),
     # dynamic NTK on both kinds, the prompt and canvas filling the whole context (31 = 23 + 8): the reference only
     # rescales past it
     dict(max_position_embeddings=31,
