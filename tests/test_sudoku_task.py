@@ -704,6 +704,16 @@ def test_command_line_words_that_add_up_to_a_puzzle_are_one():
     assert [parse_puzzle(p) for p in join_grid_rows([*cells, b, *thirds, *rows])] == [a, b, b, a]
     # short of a cell: still refused by count, never joined with the next puzzle's words
     assert join_grid_rows(rows[:8] + [rows[8][:8]] + rows) == ["\n".join(rows[:8] + [rows[8][:8]]), "\n".join(rows)]
+    # a row or a box's row with no givens written with dashes ('---|---|---', '---') was a border: the 9 rows were
+    # refused as 72 cells, and the 27 box rows split into 27 puzzles; a file read them as cells already
+    empty_row = a[:9] + "0" * 9 + a[18:]  # its second row (a file reads a first one as the grid's top border)
+    dashed = [empty_row[r * 9 : r * 9 + 9].replace("0", "-") for r in range(9)]
+    boxed = ["|".join(row[i : i + 3] for i in (0, 3, 6)) for row in dashed]
+    assert boxed[1] == "---|---|---"
+    assert [parse_puzzle(p) for p in join_grid_rows(boxed)] == [empty_row]
+    assert [parse_puzzle(p) for p in join_grid_rows([row[i : i + 3] for row in dashed for i in (0, 3, 6)])] == \
+        [empty_row]
+    assert [parse_puzzle(p) for p in split_puzzle_file("\n".join(boxed) + "\n", "f")] == [empty_row]  # as a file
     assert join_grid_rows(cells[:80]) == cells[:80] and join_grid_rows(rows[:8]) == rows[:8]
     assert join_grid_rows(["-", *rows]) == ["-", "\n".join(rows)]
 

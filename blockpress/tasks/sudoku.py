@@ -315,6 +315,15 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     return puzzles
 
 
+def _empty_cells_word(word: str) -> bool:
+    """A command-line word of a grid row, or a box's row, with no givens, written with dashes: 9 or 3 dashes in runs
+    of three or fewer, '|' between them, no '+' ('---|---|---', '---'). As a line of a file it would be a border
+    (_is_border) unless its place says otherwise; a word stands for cells, as the words beside it do."""
+    runs = re.findall("-+", word)
+    return (bool(runs) and set(word) <= set("-|") and word.count("-") in (3, 9)
+            and max(len(run) for run in runs) <= 3)
+
+
 def join_grid_rows(texts: list[str]) -> list[str]:
     """Puzzles typed as command-line words: each word is a puzzle, except that words in a row that each hold a
     grid row or less (1-9 cells) are one puzzle once their cells add up to 81: a grid's 9 rows (`530070000
@@ -331,6 +340,8 @@ def join_grid_rows(texts: list[str]) -> list[str]:
         run, cells = [], 0
 
     for text in texts:
+        if _empty_cells_word(text):  # '---|---|---', '---': a word is no border (a file's place-rule, _row_shaped)
+            text = _as_row(text)
         # '-' alone is standard input (the CLI's word for it), not a row of one empty cell
         row = text != "-" and all(ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS for ch in text)
         n = _count_cells(text) if row else 0
