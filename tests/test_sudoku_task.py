@@ -427,6 +427,19 @@ def test_generate_refuses_a_seed_that_is_not_an_integer_from_0(seed: object) -> 
             make()
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda: generate_many(2.5, 0), "n: expected an integer >= 0, got 2.5"),  # a TypeError from range()
+    (lambda: generate_many("2", 0), "n: expected an integer >= 0, got '2'"),  # a TypeError from <
+    (lambda: generate_many(True, 0), "n: expected an integer >= 0, got True"),  # one puzzle
+    (lambda: count_solutions(WIKI_PUZZLE, "2"), "limit: expected an integer >= 1, got '2'"),
+    (lambda: check_puzzle(WIKI_PUZZLE, require_unique="no"), "require_unique: expected True or False, got 'no'"),
+    (lambda: decode_digits("abc"), "ids: expected canvas token ids, got a str"),  # int('a') failed
+])
+def test_the_task_functions_name_a_bad_argument(call, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
+
+
 def test_generate_many_is_deterministic_and_reproducible() -> None:
     batch = generate_many(5, seed=11, difficulty="medium")
     assert len(batch) == 5

@@ -613,8 +613,8 @@ def count_solutions(puzzle: str, limit: int = 2) -> int:
 
     Returns 0 for contradictory givens. With the default limit of 2, a result of 1 means "unique".
     """
-    if limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    if not _is_count(limit) or limit < 1:
+        raise ValueError(f"limit: expected an integer >= 1, got {limit!r}")
     return _count(parse_puzzle(puzzle), limit)
 
 
@@ -657,6 +657,8 @@ def check_puzzle(puzzle: str, require_unique: bool = False, max_nodes: int | Non
     With ``max_nodes``, raises Undecided when the search branches more often than that without an answer
     (rare: 17-given puzzles with no solution took a few thousand).
     """
+    if not isinstance(require_unique, bool):  # ('no' was truthy: uniqueness was required)
+        raise ValueError(f"require_unique: expected True or False, got {require_unique!r}")
     p = parse_puzzle(puzzle)
     conflicts = _find_conflicts(p)
     if conflicts:
@@ -755,6 +757,11 @@ def _check_difficulty(difficulty: str) -> None:
         raise ValueError(f"unknown difficulty {difficulty!r}; expected one of {', '.join(DIFFICULTIES)}")
 
 
+def _is_count(value: object) -> bool:
+    """An int that is no bool (True is 1 to Python, and made one puzzle where a count was meant)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_seed(seed: object) -> None:
     # random.Random seeds from abs() of an int (seed -1 gave seed 1's puzzle) and takes str, float and bool (True
     # gave seed 1's) as well, so anything else would quietly be another seed's puzzle, or a puzzle no int names.
@@ -817,8 +824,8 @@ def generate_many(n: int, seed: int, difficulty: str = "medium") -> list[Puzzle]
 
     Derived (rather than consecutive) seeds keep the lists for seeds s and s+1 from sharing puzzles.
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    if not _is_count(n) or n < 0:  # (True made one puzzle; 2.5 and '2' were TypeErrors from range and <)
+        raise ValueError(f"n: expected an integer >= 0, got {n!r}")
     _check_seed(seed)
     _check_difficulty(difficulty)
     return [generate(_derive_seed("many", seed, k), difficulty) for k in range(n)]
@@ -870,6 +877,8 @@ def encode_solution(solution: str, vocab: SudokuVocab = VOCAB) -> list[int]:
 def decode_digits(ids: Iterable[int], vocab: SudokuVocab = VOCAB) -> str:
     """Map canvas ids to an 81-character digit string; non-digit ids become '0', extra ids are dropped
     and a short output is padded with '0', so any model output can be passed to ``verify``."""
+    if isinstance(ids, (str, bytes)):  # (its characters failed in int() one by one)
+        raise ValueError(f"ids: expected canvas token ids, got a {type(ids).__name__}; a digit string is a board")
     chars: list[str] = []
     for token_id in ids:
         if len(chars) == CANVAS_LEN:
