@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -560,6 +561,24 @@ def index_total_size(path: Path) -> int | None:
     return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
 
 
+# Each shard of one sharded save holds the same mark in its metadata: a save stopped while it moved its shards into
+# place (a Ctrl-C, a kill) left a folder of some new shards and some old ones that loaded without a word.
+SAVE_MARK_KEY = "blockpress_save"
+
+
+def mixed_saves(path: Path, shards: list[MappedSafetensors]) -> None:
+    """Refuse shards that are not of one save (SAVE_MARK_KEY); shards that hold no mark (another tool's, or saved
+    before marks were written) pass where none holds one."""
+    marks = {shard.path.name: shard.metadata.get(SAVE_MARK_KEY) for shard in shards}
+    if len(set(marks.values())) > 1:
+        a, mark = next(iter(marks.items()))
+        b = next(name for name, other in marks.items() if other != mark)
+        raise CheckpointError(f"{path}: {a} and {b} are shards of two different saves: a save was stopped while it "
+                              "moved its shards into place, so the folder holds some of the new weights and some of "
+                              "the old. Save the model there again (a training run's --resume finishes the save it "
+                              "was stopped in)")
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files holding the folder's weights, picked as transformers' from_pretrained picks them:
     model.safetensors when it is there, else the shards model.safetensors.index.json lists. A folder holding both
@@ -742,6 +761,7 @@ def plan_model(
             raise
         files = []
     opened = [MappedSafetensors(file) for file in files]  # reads each header; the data stays on disk
+    mixed_saves(path, opened)
     coded: dict[str, torch.dtype] = {}
     with torch.device("meta"):
         model = DiffusionGemma(config)
@@ -922,6 +942,8 @@ def save_model(
         shards[-1][name] = tensors[name]
         size += nbytes
     meta = {"format": "pt", **(metadata or {})}
+    if len(shards) > 1:  # one mark for all of one save's shards: a load refuses shards of two (mixed_saves)
+        meta[SAVE_MARK_KEY] = uuid.uuid4().hex
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) > 1:

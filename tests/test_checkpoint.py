@@ -68,6 +68,36 @@ def test_sharded_checkpoint_loads_the_same(lm, tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_shards_of_two_saves_are_refused_by_name(lm, tmp_path, monkeypatch):
+    """A sharded save stopped while it moved its shards into place (a Ctrl-C between two moves) left some new
+    shards beside old ones, and the folder loaded without a word: 23 tensors of the new model, 108 of the old."""
+    import blockpress.files
+    from blockpress.checkpoint import CheckpointError, save_model
+
+    folder = tmp_path / "sharded"
+    save_model(lm.model, folder, max_shard_bytes=20_000)
+    other = blockpress.random_model(lm.config, seed=9)
+    real, moved = os.replace, []
+
+    def stopped_after_one_shard(src, dst):
+        real(src, dst)
+        moved.append(Path(dst).name)
+        if Path(dst).name.startswith("model-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(blockpress.files.os, "replace", stopped_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(other.model, folder, max_shard_bytes=20_000)
+    monkeypatch.setattr(blockpress.files.os, "replace", real)
+    first = next(name for name in moved if name.startswith("model-"))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder))}: .*{first}.* are shards of two different "
+                                              r"saves: a save was stopped while it moved its shards into place"):
+        blockpress.load(folder)
+    save_model(other.model, folder, max_shard_bytes=20_000)  # saved again, whole: it loads
+    again = load_quiet(folder).model.state_dict()
+    assert all(torch.equal(again[name], t) for name, t in other.model.state_dict().items())
+
+
 def test_an_index_whose_shards_are_not_fetched_is_a_folder_without_weights(lm, tmp_path):
     """A download of a repo's JSON files (config.json, the shards' index, the tokenizer's) is what one fetches to look
     at a model first. `info` described config.json alone but refused it with the index beside it ("lists shard(s)
