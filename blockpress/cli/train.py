@@ -325,11 +325,13 @@ def _check_data_files(data: str, heldout_data: str | None) -> None:
     from blockpress.data import is_examples, left_out, named_files
 
     if heldout_data and (both := sorted(named_files(data) & named_files(heldout_data))):
-        # its examples were trained on and then scored as held out, without a word
+        # its examples were trained on and then scored as held out, without a word (the same file for both is a
+        # way to watch a run fit its data: said, not refused)
         shown = ", ".join(map(str, both[:3])) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
-        raise ValueError(f"--heldout-data {heldout_data}: {shown} {'is' if len(both) == 1 else 'are'} also read by "
-                         f"--data {data}, so the held-out data would be trained on; give --data the training files "
-                         "alone (a file, or a glob that leaves the held-out ones out)")
+        print_warning(f"--heldout-data {heldout_data}: {shown} {'is' if len(both) == 1 else 'are'} also read by "
+                      f"--data {data}, so the held-out data is trained on, and its loss says how well the run fits "
+                      "it, not how it does on data it has not seen; give --data the training files alone (a file, "
+                      "or a glob that leaves the held-out ones out)")
     for flag, path in (("--data", data), ("--heldout-data", heldout_data)):
         try:
             note = left_out(path) if path else None
