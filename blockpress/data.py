@@ -442,44 +442,27 @@ def load_jsonl(path: str | Path, tokenizer: Any = None, vocab_size: int | None =
 
 
 def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Deterministic held-out split by content hash (stable across runs and machines). Examples fall on one side
-    together when they are copies of one another or turns of one chat (Example.split_key), and so, through a turn
-    they share, do chats that extend one another (a conversation and its prefix, as chat-tree datasets hold them):
-    hashed by its own record alone, a turn held out in one record was trained on in the other."""
+    """Deterministic held-out split by content hash (stable across runs and machines); the turns of one chat are
+    held out together (Example.split_key). An example also trained on is no held-out example: its copies that a
+    held-out record holds (a conversation's first turn, which its extension by one more turn, a record of its own in
+    chat-tree datasets, repeats) train, so no example is on both sides."""
     if not (isinstance(fraction, (int, float)) and 0 <= fraction < 1):
         raise ValueError(f"heldout: expected a fraction in [0, 1), got {fraction!r}")
     own = [json.dumps([e.prompt, e.response]) for e in examples]
-    records = [json.dumps(list(e.split_key)) if e.split_key else key for e, key in zip(examples, own)]
-    group: dict[str, str] = {}  # union-find over the keys: each example joins its own key to its record's
-
-    def root(key: str) -> str:
-        while (up := group.setdefault(key, key)) != key:
-            group[key] = key = group[up]
-        return key
-
-    for key, record in zip(own, records):
-        group[root(key)] = root(record)
-    # A group's side is its record key's, one record picked by a second, independent hash: a group of one record
-    # falls as that record always did, and a group of many is held out as often as one.
-    picked: dict[str, str] = {}
-    for record in records:
-        top = root(record)
-        if top not in picked or _digest("pick", record) < _digest("pick", picked[top]):
-            picked[top] = record
+    sides = [int(hashlib.sha1((json.dumps(list(e.split_key)) if e.split_key else key).encode()).hexdigest()[:8], 16)
+             / 0xFFFFFFFF < fraction for e, key in zip(examples, own)]
+    # (not whole groups of records joined by a shared turn: chats that open with one canned exchange were then one
+    # group, and --heldout held out none of them or all)
+    trained = {key for key, held_out in zip(own, sides) if not held_out}
     train: list[Example] = []
     held: list[Example] = []
-    for e, record in zip(examples, records):
-        h = int(_digest("", picked[root(record)])[:8], 16) / 0xFFFFFFFF
-        (held if h < fraction else train).append(e)
+    for e, key, held_out in zip(examples, own, sides):
+        (held if held_out and key not in trained else train).append(e)
     if not train:  # (it said "split_heldout: the held-out fraction left no training examples", naming no setting)
         raise ValueError(f"heldout: {fraction} holds out all {len(examples)} example{'s' if len(examples) > 1 else ''}, "
                          "leaving none to train on (each is held out by a hash of its content: a few examples, or "
                          "copies of one, fall together); give a smaller fraction, or 0")
     return train, held
-
-
-def _digest(salt: str, key: str) -> str:
-    return hashlib.sha1((salt + key).encode()).hexdigest()
 
 
 # -- raw corpora -------------------------------------------------------------------------------------------

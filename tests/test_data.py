@@ -217,29 +217,29 @@ def test_the_turns_of_a_chat_are_held_out_together(tmp_path, tok):
     assert {tok.decode(e.response) for e in split_heldout(last, 0.3)[1]} == {r for r in held_replies if r[0] == "b"}
 
 
-def test_chats_that_share_a_turn_are_held_out_together(tmp_path, tok):
+def test_no_example_is_both_trained_and_held_out_where_chats_share_a_turn(tmp_path, tok):
     """A conversation and its extension by one more turn (as chat-tree datasets hold them) each hashed their turns
     by their own last turn: the first turn, the same example in both, was held out in one and trained on in the
-    other (35 such of 600 examples). Copies now fall together, whole trees with them, and the split is the same in
-    any order."""
-    path = tmp_path / "d.jsonl"
-    records = []
-    for i in range(80):
-        base = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
-        records += [base, [*base, {"role": "user", "content": "more"}, {"role": "assistant", "content": f"b{i}"}],
-                    [*base, {"role": "user", "content": "other"}, {"role": "assistant", "content": f"c{i}"}]]
-    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in records))
-    examples = load_jsonl(path, tok)
-    assert len(examples) == 400
-    train, held = split_heldout(examples, 0.3)
+    other (35 such of 600 examples). A held-out copy of a trained example now trains. Chats that all open with one
+    canned exchange keep their held-out share (joining every chat that shares a turn held out none of them or all),
+    and the split is the same in any order."""
     key = lambda e: (tuple(e.prompt), tuple(e.response))  # noqa: E731
-    assert not {key(e) for e in train} & {key(e) for e in held}
-    held_replies = {tok.decode(e.response) for e in held}
-    assert 0 < len(held) < 400
-    for i in range(80):  # each tree on one side
-        assert len({f"{r}{i}" in held_replies for r in "abc"}) == 1, i
-    again = split_heldout(list(reversed(examples)), 0.3)[1]
-    assert sorted(map(key, again)) == sorted(map(key, held))
+    greeting = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! What shall we do?"}]
+    for name, records in (
+            ("trees", [r for i in range(80) for base in [[{"role": "user", "content": f"q{i}"},
+                                                         {"role": "assistant", "content": f"a{i}"}]]
+                       for r in (base, [*base, {"role": "user", "content": "more"}, {"role": "assistant",
+                                                                                    "content": f"b{i}"}])]),
+            ("greeted", [[*greeting, {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+                         for i in range(100)])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in records))
+        examples = load_jsonl(path, tok)
+        train, held = split_heldout(examples, 0.3)
+        assert not {key(e) for e in train} & {key(e) for e in held}, name
+        assert 0.1 * len(examples) < len(held) < 0.4 * len(examples), (name, len(held), len(examples))
+        again = split_heldout(list(reversed(examples)), 0.3)[1]
+        assert sorted(map(key, again)) == sorted(map(key, held))
 
 
 def test_a_chat_turn_too_long_for_the_context_is_named(tmp_path, tok):
