@@ -8,6 +8,7 @@ canvas, `Done` at the end, or `Cancelled` where the caller's `cancelled` ended i
 from __future__ import annotations
 
 import inspect
+import multiprocessing
 import numbers
 import os
 import re
@@ -399,10 +400,11 @@ class Request:
         if self.seed is not None:
             return torch.full((b,), self.seed, dtype=torch.long)
         drawn = torch.randint(0, 2**47, (b,))
-        if os.getpid() != _IMPORTED_IN:
-            # a process forked after the import (a multiprocessing Pool's worker) holds its parent's torch generator,
-            # so every worker drew the same "fresh" seeds: each mixes in its process id (Python's random reseeds at
-            # a fork for the same reason); unforked, torch.manual_seed still makes the draws repeatable
+        if multiprocessing.parent_process() is not None or os.getpid() != _IMPORTED_IN:
+            # a forked process (a multiprocessing Pool's worker, or an os.fork after the import) holds its parent's
+            # torch generator, so every worker drew the same "fresh" seeds: each mixes in its process id (Python's
+            # random reseeds at a fork for the same reason); in the main process torch.manual_seed still makes the
+            # draws repeatable
             drawn ^= choice_seed(os.getpid(), 1) % 2**47
         return drawn
 

@@ -2,7 +2,9 @@
 
 import copy
 import re
+import subprocess
 import sys
+import textwrap
 from dataclasses import asdict, fields, replace
 from os.path import commonprefix
 from pathlib import Path
@@ -4001,6 +4003,21 @@ def test_forked_workers_draw_fresh_seeds_of_their_own():
         with multiprocessing.get_context("fork").Pool(3) as pool:
             seeds = pool.map(_fresh_seed_in_worker, range(3), chunksize=1)
         assert len(set(seeds)) == 3, seeds
+        # the common form: the parent imports blockpress alone (which loads generate lazily), each worker loads
+        # the model in its initializer; the first fix, keyed on the process that imported generate, missed it
+        script = textwrap.dedent("""
+            import multiprocessing, torch, blockpress
+            def init():
+                global lm
+                lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+            def seed_of(_):
+                return int(lm.generate(torch.tensor([[2, 5, 7, 9]]), 2, max_denoising_steps=1).extra["seeds"][0])
+            if __name__ == "__main__":
+                with multiprocessing.get_context("fork").Pool(3, initializer=init) as pool:
+                    print(len(set(pool.map(seed_of, range(3), chunksize=1))))
+        """)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.stdout.strip() == "3", done.stderr[-2000:]
         state = torch.get_rng_state()
         try:
             torch.manual_seed(11)
