@@ -859,7 +859,10 @@ class PartialReader:
             message, current, body = _scan(self.template, self.start + text, self.params, ended, self.budget,
                                            self.state)
         except ValueError as exc:
-            self.failed = exc
+            if ended:  # a whole reply's failure says nothing of a longer one's: the next read starts over
+                self.state = None
+            else:
+                self.failed = exc
             raise
         scanned, self.state = self.state, None if ended else self.state
         # (a copy: the next read adds to the reader's own lists; the values in them are not changed after)

@@ -630,3 +630,18 @@ def test_a_bad_value_parser_by_is_refused_naming_it(by: Any, says: str) -> None:
         **field, "content_args": {**field["content_args"], "value_parser_by": by}}}}
     with pytest.raises(ValueError, match=re.escape(says)):
         parse_response(compile_template(template), "<call=f><int name=a>1</int></call>")
+
+
+def test_a_read_after_a_whole_replys_read_starts_over_even_after_a_failure() -> None:
+    """A reader's read of a whole reply (ended=True) that failed, on a call cut inside its JSON, failed every later
+    read of a longer text with the same words, where a fresh reader reads it."""
+    cut = 'Sure. <|tool_call>call:get{city:<|"|>Par'
+    whole = cut + 'is<|"|>}<tool_call|>'
+    template = compile_template(GEMMA4)
+    reader = PartialReader(template)
+    with pytest.raises(ValueError):
+        reader.read(cut, ended=True)
+    fresh = PartialReader(template).read(whole)
+    again = reader.read(whole)
+    assert again.closed == fresh.closed and again.closed["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert reader.read(whole, ended=True).closed == PartialReader(template).read(whole, ended=True).closed
