@@ -17,6 +17,7 @@ from blockpress.checks import check_text, is_int
 from blockpress.files import (
     KeyTwice,
     NotJSONNumber,
+    finite_float,
     one_value_a_key,
     parse_json,
     refuse_non_json_numbers,
@@ -139,7 +140,8 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         if not text.strip():
             continue
         try:
-            obj = parse_json(text, object_pairs_hook=one_value_a_key, parse_constant=refuse_non_json_numbers)
+            obj = parse_json(text, object_pairs_hook=one_value_a_key, parse_constant=refuse_non_json_numbers,
+                             parse_float=finite_float)
         except json.JSONDecodeError as exc:
             raise (_one_document(name, data) or _cr_alone(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
@@ -147,8 +149,7 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
             raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
                              "the last); give it once") from None
         except NotJSONNumber as exc:  # Python writes it back as it came, and no JSON reader takes the output then
-            raise ValueError(f"{where}: {exc.args[0]} is not JSON (JSON has no number for it); write null or a "
-                             "string instead") from None
+            raise ValueError(f"{where}: {exc.args[0]}; write null or a string instead") from None
         if not isinstance(obj, dict):
             raise _one_document(name, data) or ValueError(f"{where}: expected an object {kind.shape}, got "
                                                           f"{type(obj).__name__}")

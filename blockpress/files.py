@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -267,18 +268,30 @@ class NotJSONNumber(ValueError):
 def refuse_non_json_numbers(name: str) -> Any:
     """json's parse_constant for text that goes on as JSON: a line copied into an output file as NaN would make
     that file unreadable as JSON and, NaN being unequal to itself, never match its input line again."""
-    raise NotJSONNumber(name)
+    raise NotJSONNumber(f"{name} is not JSON (JSON has no number for it)")
+
+
+def finite_float(text: str) -> float:
+    """json's parse_float beside refuse_non_json_numbers: 1e400 is JSON, but Python reads it as inf, and writes it
+    back as Infinity, which is not."""
+    value = float(text)
+    if math.isinf(value):
+        raise NotJSONNumber(f"{text} is past a float's range (read as {value}, it would be written back as "
+                            f"{'-' if value < 0 else ''}Infinity, which is not JSON)")
+    return value
 
 
 def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, Any]]], Any] | None = None,
-               parse_constant: Callable[[str], Any] | None = None) -> Any:
+               parse_constant: Callable[[str], Any] | None = None,
+               parse_float: Callable[[str], Any] | None = None) -> Any:
     """json.loads(text), with JSON nested past Python's recursion limit (~1,000 levels: `[[[...]]]` of 100,000, or a
     hostile file's few hundred kilobytes) a JSONDecodeError (JSONTooDeep) rather than a RecursionError, and likewise
     an integer longer than Python converts from text (4,300 digits: sys.get_int_max_str_digits), whose bare ValueError
-    named neither the file nor the line. `object_pairs_hook`, `parse_constant`: json.loads' (their own ValueErrors pass
-    through)."""
+    named neither the file nor the line. `object_pairs_hook`, `parse_constant`, `parse_float`: json.loads' (their own
+    ValueErrors pass through)."""
     try:
-        return json.loads(text, object_pairs_hook=object_pairs_hook, parse_constant=parse_constant)
+        return json.loads(text, object_pairs_hook=object_pairs_hook, parse_constant=parse_constant,
+                          parse_float=parse_float)
     except RecursionError:
         raise JSONTooDeep("nested deeper than Python's JSON parser reads (about 1,000 levels of arrays or objects)",
                           text if isinstance(text, str) else "", 0) from None

@@ -4279,7 +4279,11 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
              ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}', '"content" is given twice'),
              # Python's json reads them and writes them back into the output, which no JSON reader (nor --resume,
              # NaN being unequal to itself) took then
-             ('{"prompt": "a", "score": NaN}', "NaN is not JSON"), ('{"prompt": "a", "x": [-Infinity]}', "-Infinity is")]
+             ('{"prompt": "a", "score": NaN}', "NaN is not JSON"), ('{"prompt": "a", "x": [-Infinity]}', "-Infinity is"),
+             # JSON, but past a float: Python reads inf and writes Infinity back
+             ('{"prompt": "a", "id": 1e400}', "1e400 is past a float's range (read as inf, it would be written back "
+                                              "as Infinity, which is not JSON)"),
+             ('{"prompt": "a", "id": -1e999}', "-1e999 is past a float's range")]
     for line, message in cases:
         with pytest.raises(ValueError) as err:
             read_rows("f.jsonl", b'{"prompt": "ok"}\n\n' + line.encode() + b"\n")
