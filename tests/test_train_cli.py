@@ -106,11 +106,12 @@ def test_train_notes_are_warning_lines(tmp_path, capsys, monkeypatch):
         assert any(line.startswith("warning: " + start) for line in err), (start, err)
 
 
-@pytest.mark.parametrize("warmup, warned", [(3, True), (2, True), (1, False)])
+@pytest.mark.parametrize("warmup, warned", [(3, True), (2, True), (1, False), (0, False)])
 def test_a_warmup_that_leaves_no_step_to_decay_is_warned_of(tmp_path, capsys, warmup, warned):
     """Only a warmup longer than --steps was warned of ("never reaches --lr"): one of --steps or --steps - 1 left
     no step to decay in, so the run ended at the peak learning rate with no word."""
-    args = [a for a in train_args(write_data(tmp_path / "d.jsonl"), tmp_path / "out", steps=3) if a != "--quiet"]
+    steps = 1 if warmup == 0 else 3  # (no warmup: nothing to say, even where --steps leaves none to decay in)
+    args = [a for a in train_args(write_data(tmp_path / "d.jsonl"), tmp_path / "out", steps=steps) if a != "--quiet"]
     args[args.index("--warmup-steps") + 1] = str(warmup)
     assert main(args) == 0
     said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: --warmup-steps")]

@@ -467,7 +467,8 @@ def _say_what_runs(args: argparse.Namespace, run: Run, sources: Sources) -> None
         print(f"--lora-rank {cfg.lora_rank}: training {trainer.trainable_parameters:,} of "
               f"{trainer.total_parameters:,} parameters ({100 * fraction:.3g}%) on {cfg.lora_targets}",
               file=sys.stderr)
-    if cfg.warmup_steps >= cfg.steps - 1:  # no step after the warmup's end decays (step warmup_steps is the peak)
+    # no step after the warmup's end decays (step warmup_steps is the peak); no warmup, no word (--steps 1 smoke runs)
+    if cfg.warmup_steps and cfg.warmup_steps >= cfg.steps - 1:
         from blockpress.train import lr_at
 
         last = lr_at(cfg, cfg.steps - 1)
