@@ -633,9 +633,11 @@ def test_a_grid_whose_rows_carry_labels_is_refused_not_skipped(label):
     p, q = generate(7, "medium").puzzle, generate(8, "easy").puzzle
     rows = "\n".join(label.format(r=r + 1, row=q[9 * r:9 * r + 9], spaced=" ".join(q[9 * r:9 * r + 9]))
                      for r in range(9))
-    with pytest.raises(ValueError, match=r"f line 4: a grid row after a label \('"):
+    with pytest.raises(ValueError, match=r"f lines 4-5: grid rows after labels \('"):
         split_puzzle_file(f"{p}\n\nPuzzle 2\n{rows}\n", "f")
-    for title in ("Puzzle 2", "Grid 01", "Daily 2024.01.15", "Level: hard", "Set 3: 12 puzzles", "Game 1234567"):
+    # one line alone may end like a row (a 9-digit number, a date of 9 characters): a title, as before
+    for title in ("Puzzle 2", "Grid 01", "Daily 2024.01.15", "Level: hard", "Set 3: 12 puzzles", "Game 1234567",
+                  "Daily 2024.1.15", "Date: 2024-1-15", "Puzzle 100000001"):
         assert split_puzzle_file(f"{title}\n{q}\n", "f") == [q], title
 
 

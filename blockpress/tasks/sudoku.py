@@ -256,6 +256,7 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
 
     # A byte-order mark (Notepad's "UTF-8 with BOM", PowerShell's pipes) is no character of the file's first line:
     # left there, it was refused as an illegal character the user cannot see.
+    labelled: tuple[int, str] | None = None  # the header line just before, where it ends like a grid row
     for n, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         line = line.partition("#")[0]  # a comment, on a line of its own or after a puzzle ("<81 cells>  # easy")
         stripped = line.strip()
@@ -271,11 +272,18 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                 raise ValueError(f"{name} line {n}: starts with a word, as a header line does, but holds {cells} "
                                  "cells, which skipping it would lose; put the label on a line of its own (or after "
                                  "'#' there) and the puzzle on the next")
-            if _labelled_row(stripped):  # "Row 1: 530070000": nine such lines were a whole grid skipped unsaid
-                raise ValueError(f"{name} line {n}: a grid row after a label ({stripped!r}), which skipping as a "
-                                 "header would lose; write the grid's rows without labels (a label on a line of its "
-                                 "own, or after '#')")
+            # "Row 1: 530070000": nine such lines were a whole grid skipped unsaid. One line alone may be a title
+            # ("Puzzle 100000001", "Daily 2024.1.15"); two in a row are a grid's rows.
+            if _labelled_row(stripped):
+                if labelled is not None:
+                    raise ValueError(f"{name} lines {labelled[0]}-{n}: grid rows after labels ({labelled[1]!r}, "
+                                     f"{stripped!r}), which skipping as headers would lose; write the grid's rows "
+                                     "without labels (a label on a line of its own, or after '#')")
+                labelled = (n, stripped)
+            else:
+                labelled = None
             continue
+        labelled = None
         odd = next((ch for ch in line if not (ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS)),
                    None)
         if odd is not None:
