@@ -72,6 +72,25 @@ def test_messages_that_name_a_script_say_where_it_is():
     assert bare == []
 
 
+def test_messages_name_no_docs_page_an_install_lacks():
+    """docs/ is in the source repository, not in the wheel: `quantize` said "see docs/quantization.md" and
+    `generate --help` "(docs/cli.md)", pages an installed user has nowhere. No string the package shows (docstrings
+    and comments aside) sends one there."""
+    import ast
+
+    named = []
+    for path in sorted((ROOT / "blockpress").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                    and re.search(r"docs/\w+\.md", node.value)):
+                named.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert named == []
+
+
 def third_party_imports(path: Path) -> set[str]:
     """The top-level modules outside the standard library and blockpress that a file imports, at any depth."""
     import ast

@@ -125,7 +125,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from blockpress.train import ADAPTER_DIR, is_adapter_folder
 
     if args.quantize is None:
-        raise ValueError("--quantize: required: the scheme to write, int8, fp8 or int4 (see docs/quantization.md)")
+        raise ValueError("--quantize: required: the scheme to write, int8, fp8 or int4 (`blockpress quantize --help` says what each keeps)")
     source = None  # the folder the weights are read from (random-<preset>: none)
     if args.model.startswith(RANDOM_PREFIX):
         preset_config(args.model[len(RANDOM_PREFIX):], f"--model {args.model}")

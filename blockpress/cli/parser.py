@@ -75,7 +75,7 @@ def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
     """--input FILE and its companions (generate's and infill's batch-file mode); `line`: what a line holds."""
     g = p.add_argument_group(title)
     g.add_argument("--input", default=None, metavar="FILE",
-                   help=f"a JSONL file (- for standard input), a line each: {line} (docs/cli.md); other keys (\"id\") "
+                   help=f"a JSONL file (- for standard input), a line each: {line}; other keys (\"id\") "
                         "are copied to the output line; read and checked whole before anything runs")
     g.add_argument("--output", default=None, metavar="FILE",
                    help="write the results here (default, or -: standard output): a JSON object a line, in input order, "
@@ -464,8 +464,7 @@ def add_quantize_command(sub: argparse._SubParsersAction[CommandParser]) -> None
                         f"Default: {DEFAULT_MODEL}")
     p.add_argument("--quantize", choices=SCHEMES, default=None,
                    help="(required) the scheme: int8 (weights), fp8 (weights and activations, for GPUs with FP8 "
-                        "tensor cores) or int4 (weights, groups of 32: for memory, and on a CPU fast AR passes); see "
-                        "docs/quantization.md")
+                        "tensor cores) or int4 (weights, groups of 32: for memory, and on a CPU fast AR passes)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="the dtype the model loads in, and the one the tensors left unquantized (embedding, norms, "
                         "router) are written in (default: the checkpoint's)")
