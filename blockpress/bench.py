@@ -366,7 +366,7 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
         cfg.canvas_length = canvas  # no weight depends on it: the same seed gives the same checkpoint
         cfg.text.eos_token_id = None  # fixed work: random weights would otherwise end at random
         _note(f"canvas {canvas}: building the {s.shape_name()} model ({s.dtype}, {s.device})"
-              + (" and the reference" if s.reference else ""))
+              + (" and the reference, where transformers can build it" if s.reference else ""))
         lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
         ref = _reference(lm) if s.reference else None
         out["reference_available"] = ref is not None
@@ -690,14 +690,20 @@ def _reference(lm: LM) -> Any:
     """The reference model of lm's weights, or None where transformers is not installed, or too old (said)."""
     try:
         import transformers
+    except ImportError:  # (--help says "when installed")
+        return None
+    since = ".".join(map(str, REFERENCE_SINCE))
+    try:
         from transformers import DiffusionGemmaForBlockDiffusion
         from transformers.utils import logging as hf_logging
-    except ImportError:
+    except ImportError:  # a transformers 4 (peft's loose requirements pull one in) was left out without a word
+        _note(f"the reference is left out: transformers {transformers.__version__} has no DiffusionGemma; it needs "
+              f"{since} or later")
         return None
     version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
     if version < REFERENCE_SINCE:  # (it failed inside from_pretrained, and the whole run with it)
         _note(f"the reference is left out: transformers {transformers.__version__} cannot load the checkpoint "
-              f"blockpress saves; it needs {'.'.join(map(str, REFERENCE_SINCE))} or later")
+              f"blockpress saves; it needs {since} or later")
         return None
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its load report lists the vision tower we do not save: noise in a benchmark

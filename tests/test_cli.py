@@ -923,6 +923,23 @@ def test_bench_leaves_out_a_reference_too_old_to_load_the_checkpoint_and_says_so
             "needs 5.20 or later") in err.splitlines()
 
 
+def test_bench_leaves_out_a_transformers_without_diffusiongemma_and_says_so(monkeypatch, capsys):
+    """A transformers 4 (which peft's loose requirements pull in) has no DiffusionGemmaForBlockDiffusion: the
+    reference was left out without a word, while the progress line said it was being built."""
+    import sys
+    import types
+
+    old = types.ModuleType("transformers")  # as transformers 4 is, for this: a version and no DiffusionGemma
+    old.__version__ = "4.46.3"
+    monkeypatch.setitem(sys.modules, "transformers", old)
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "--new-tokens", "16", "--steps", "1",
+                 "--repeats", "1", "--no-ar"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["reference_available"] is False
+    assert ("bench: the reference is left out: transformers 4.46.3 has no DiffusionGemma; it needs 5.20 or later"
+            in err.splitlines())
+
+
 def test_bench_says_each_row_on_stderr_as_it_goes(capsys):
     """bench said nothing until it ended: a run cut by a timeout (the GPU session's) left an empty log. Now a line
     as each model is built and as each row starts and ends; stdout is still the JSON alone."""
