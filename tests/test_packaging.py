@@ -53,42 +53,35 @@ def test_the_sdist_carries_what_its_tests_need(monkeypatch):
     assert not any(f.endswith(".pyc") for f in shipped)
 
 
-def test_messages_that_name_a_script_say_where_it_is():
-    """scripts/ is in the source repository, not in the wheel: `train --help`, the token-shard errors and the sudoku
-    check said "see scripts/" or "scripts/train_sudoku.py", which an installed user has nowhere. Every string the
-    package shows (docstrings and comments aside) that names scripts/ also says where to find it."""
+def shown_strings() -> list[tuple[str, str]]:
+    """Every string the package can show ("path:line", text): its string constants, docstrings aside (comments are
+    no constants)."""
     import ast
 
-    bare = []
+    found = []
     for path in sorted((ROOT / "blockpress").rglob("*.py")):
         tree = ast.parse(path.read_text())
         docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                       if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                       and node.body and isinstance(node.body[0], ast.Expr)}
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                    and "scripts/" in node.value and "in a clone of the blockpress repository" not in node.value):
-                bare.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
-    assert bare == []
+        found += [(f"{path.relative_to(ROOT)}:{node.lineno}", node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+    return found
+
+
+def test_messages_that_name_a_script_say_where_it_is():
+    """scripts/ is in the source repository, not in the wheel: `train --help`, the token-shard errors and the sudoku
+    check said "see scripts/" or "scripts/train_sudoku.py", which an installed user has nowhere. Every string the
+    package shows that names scripts/ also says where to find it."""
+    assert [(where, text) for where, text in shown_strings()
+            if "scripts/" in text and "in a clone of the blockpress repository" not in text] == []
 
 
 def test_messages_name_no_docs_page_an_install_lacks():
     """docs/ is in the source repository, not in the wheel: `quantize` said "see docs/quantization.md" and
-    `generate --help` "(docs/cli.md)", pages an installed user has nowhere. No string the package shows (docstrings
-    and comments aside) sends one there."""
-    import ast
-
-    named = []
-    for path in sorted((ROOT / "blockpress").rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr)}
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                    and re.search(r"docs/\w+\.md", node.value)):
-                named.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
-    assert named == []
+    `generate --help` "(docs/cli.md)", pages an installed user has nowhere. No string the package shows sends one
+    there."""
+    assert [(where, text) for where, text in shown_strings() if re.search(r"docs/\w+\.md", text)] == []
 
 
 def third_party_imports(path: Path) -> set[str]:
