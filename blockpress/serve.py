@@ -33,8 +33,8 @@ model's default) over the most likely candidates (candidates="argmax"): greedy d
 likely tokens); where the candidates are argmax (greedy) they change nothing, as the argmax is always kept.
 OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see SamplerConfig).
 
-Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` makes the answer exactly
-`max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
+Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` (one not empty) makes the answer
+exactly `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
 joins the hole, as a text template's does); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
 requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones. In the
@@ -428,6 +428,13 @@ class CompletionRequest(_Common):
     # The legacy logprobs is a count of alternatives, and 0 still asks for the sampled tokens' own log probabilities
     # (OpenAI: "always returns the logprob of the sampled token"; vLLM alike): not a no-op here, as chat's false is
     noop_values: ClassVar[dict[str, tuple]] = {**NOOP_VALUES, "logprobs": (False,)}
+
+    @field_validator("suffix")
+    @classmethod
+    def _nothing_after(cls, suffix: str | None) -> str | None:
+        """An empty suffix is none: a fill-in-the-middle client at a file's end sends one, and its answer was a
+        canvas of exactly max_tokens, never shorter."""
+        return suffix or None
 
 
 @dataclass(frozen=True)

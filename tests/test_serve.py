@@ -1472,6 +1472,16 @@ def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == r.choices[0].text
 
 
+def test_an_empty_suffix_is_none(client):
+    """A fill-in-the-middle client at a file's end sends suffix "": the answer was a canvas of exactly max_tokens
+    that always said "stop", never a shorter completion. It is now a plain completion, stop strings and all."""
+    kw = dict(model=MODEL, prompt="def area(r):\n    return ", max_tokens=12, seed=4)
+    for extra in ({}, {"stop": ["\n"]}):
+        empty, plain = (client.completions.create(**kw, **extra, **suffix) for suffix in ({"suffix": ""}, {}))
+        assert (empty.choices[0].text, empty.choices[0].finish_reason, empty.usage) == \
+               (plain.choices[0].text, plain.choices[0].finish_reason, plain.usage)
+
+
 def test_template_answers_with_the_filled_text(client, server):
     lm = server[1].state.engine.lm
     kw = dict(model=MODEL, prompt="# a point\n", max_tokens=16, seed=9,
