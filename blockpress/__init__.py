@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+# The process that imported blockpress: a process forked after it (a multiprocessing Pool's worker) differs, and its
+# fresh seeds mix in its process id (generate.Request.row_seeds); a spawned one imports blockpress itself
+_IMPORTED_IN = os.getpid()
 
 # What the README and LM's docstrings tell users to pass or check: SamplerConfig for `sampler`, the events of
 # `stream` (isinstance), GenerationOutput, KVCache and PrefixCache; escape_template for infill's fixed text.

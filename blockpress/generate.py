@@ -8,7 +8,6 @@ canvas, `Done` at the end, or `Cancelled` where the caller's `cancelled` ended i
 from __future__ import annotations
 
 import inspect
-import multiprocessing
 import numbers
 import os
 import re
@@ -23,6 +22,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from . import _IMPORTED_IN
 from .cache import KVCache
 from .checks import check_flag, check_keywords, check_text, is_int, utf8_problem
 from .healing import strip_prefix
@@ -45,8 +45,6 @@ from .sampling import (
     take_rows,
 )
 from .tokenizer import TextStream
-
-_IMPORTED_IN = os.getpid()  # the process that imported blockpress (Request.row_seeds: a fork's child differs)
 
 # A marker and the backslashes right before it (they escape it): ASCII digits, as \d would take "３" or "٣" as well
 _HOLE_RE = re.compile(r"(\\*)(<\|hole(?::([0-9]+))?\|>)")
@@ -400,11 +398,11 @@ class Request:
         if self.seed is not None:
             return torch.full((b,), self.seed, dtype=torch.long)
         drawn = torch.randint(0, 2**47, (b,))
-        if multiprocessing.parent_process() is not None or os.getpid() != _IMPORTED_IN:
-            # a forked process (a multiprocessing Pool's worker, or an os.fork after the import) holds its parent's
-            # torch generator, so every worker drew the same "fresh" seeds: each mixes in its process id (Python's
-            # random reseeds at a fork for the same reason); in the main process torch.manual_seed still makes the
-            # draws repeatable
+        if os.getpid() != _IMPORTED_IN:
+            # a process forked after `import blockpress` (a multiprocessing Pool's worker, an os.fork) holds its
+            # parent's torch generator, so every worker drew the same "fresh" seeds: each mixes in its process id
+            # (Python's random reseeds at a fork for the same reason); elsewhere (the main process, a spawned worker,
+            # which torch seeds afresh) torch.manual_seed still makes the draws repeatable
             drawn ^= choice_seed(os.getpid(), 1) % 2**47
         return drawn
 

@@ -3993,7 +3993,7 @@ def _fresh_seed_in_worker(_: int) -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork")
-def test_forked_workers_draw_fresh_seeds_of_their_own():
+def test_forked_workers_draw_fresh_seeds_of_their_own(tmp_path):
     """Workers forked after the import inherit torch's generator: with seed=None every worker of a Pool drew the
     same "fresh" seed, so the same sample. In the importing process torch.manual_seed still repeats the draw."""
     import multiprocessing
@@ -4012,12 +4012,20 @@ def test_forked_workers_draw_fresh_seeds_of_their_own():
                 lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
             def seed_of(_):
                 return int(lm.generate(torch.tensor([[2, 5, 7, 9]]), 2, max_denoising_steps=1).extra["seeds"][0])
+            def seeded(_):
+                torch.manual_seed(11)
+                return seed_of(_)
             if __name__ == "__main__":
                 with multiprocessing.get_context("fork").Pool(3, initializer=init) as pool:
                     print(len(set(pool.map(seed_of, range(3), chunksize=1))))
+                # a spawned worker (macOS's and Windows' Pool) has a generator of its own: manual_seed repeats there
+                with multiprocessing.get_context("spawn").Pool(1, initializer=init) as pool:
+                    init()
+                    print(pool.map(seeded, [0])[0] == seeded(0))
         """)
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-        assert done.stdout.strip() == "3", done.stderr[-2000:]
+        (tmp_path / "pool.py").write_text(script)  # (a spawned worker imports its functions from a file)
+        done = subprocess.run([sys.executable, str(tmp_path / "pool.py")], capture_output=True, text=True, timeout=300)
+        assert done.stdout.split() == ["3", "True"], done.stderr[-2000:]
         state = torch.get_rng_state()
         try:
             torch.manual_seed(11)
