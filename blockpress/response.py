@@ -827,7 +827,8 @@ class PartialReader:
     built-in one, Qwen 3.5's \\s*<tool_call>, whose searches go on from the start of a run of whitespace that may
     begin a match); any other's reply is read whole at each read, as parse_partial reads it. A read whose text does
     not continue the last one's is read from the start. A read that fails (ValueError: a region that cannot be
-    read, PatternTooCostly) fails again for every later, longer text, with the same words."""
+    read, PatternTooCostly) fails again for every later, longer text, with the same words; a whole reply's read
+    (ended=True) that fails does not: the next read starts over."""
 
     def __init__(self, template: ResponseTemplate, prefix: str = "", tools: Any = None,
                  budget: PatternBudget | None = None) -> None:
