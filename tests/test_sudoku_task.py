@@ -626,6 +626,10 @@ def test_a_header_line_that_holds_cells_is_refused_not_skipped(line):
     assert split_puzzle_file(f"Grid 01\n{p}\nDaily 2024.01.15\n{p}\n", "f") == [p, p]
 
 
+def rows_of(puzzle: str) -> str:
+    return "\n".join(puzzle[9 * r : 9 * r + 9] for r in range(9))
+
+
 @pytest.mark.parametrize("label", ["Row {r}: {row}", "Row {r} {row}", "Row {r}: {spaced}", "Line {r}:{row}"])
 def test_a_grid_whose_rows_carry_labels_is_refused_not_skipped(label):
     """Nine "Row 1: 530070000" lines each held 10 cells, under the header rule's 16: the grid was skipped as nine
@@ -635,10 +639,14 @@ def test_a_grid_whose_rows_carry_labels_is_refused_not_skipped(label):
                      for r in range(9))
     with pytest.raises(ValueError, match=r"f lines 4-5: grid rows after labels \('"):
         split_puzzle_file(f"{p}\n\nPuzzle 2\n{rows}\n", "f")
-    # one line alone may end like a row (a 9-digit number, a date of 9 characters): a title, as before
     for title in ("Puzzle 2", "Grid 01", "Daily 2024.01.15", "Level: hard", "Set 3: 12 puzzles", "Game 1234567",
-                  "Daily 2024.1.15", "Date: 2024-1-15", "Puzzle 100000001"):
-        assert split_puzzle_file(f"{title}\n{q}\n", "f") == [q], title
+                  "Daily 2024.1.15", "Date: 2024-1-15", "Daily 2024.1.15\nGrid 01"):  # a date is no row
+        assert [parse_puzzle(x) for x in split_puzzle_file(f"{title}\n{q}\n{rows_of(q)}\n", "f")] == [q, q], title
+    # a line that ends in 9 cells over a one-line puzzle is a title; over a grid's rows, the labelled first of them
+    # (skipped, it took the next grid's first row in its place, without a word)
+    assert split_puzzle_file(f"Puzzle 100000001\n{q}\n", "f") == [q]
+    with pytest.raises(ValueError, match=r"f line 1: a grid row after a label \('Row 1: "):
+        split_puzzle_file(f"Row 1: {q[:9]}\n" + rows_of(q).partition("\n")[2] + "\n" + rows_of(p) + "\n", "f")
 
 
 def test_a_puzzle_file_saved_with_a_byte_order_mark_reads_as_without():

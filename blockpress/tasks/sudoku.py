@@ -124,11 +124,15 @@ def _dashes_hint(line: tuple[int, str] | None) -> str:
                                     "with no givens as '...|...|...' or '000000000'")
 
 
+# A date at a title's end ("Daily 2024.1.15", "Date: 15-1-2024"): its 9 characters are no grid row
+_DATE = re.compile(r"\b\d{1,4}[.-]\d{1,2}[.-]\d{1,4}$")
+
+
 def _labelled_row(line: str) -> bool:
     """A line that starts with a word and ends with a grid row's 9 cells: after its last ':' ("Row 1: 5 3 0 0 7 0 0 0
     0"), or as its last word ("Row 1 530070000"); a title's number or date ("Daily 2024.01.15") is no row."""
     tail = line.rpartition(":")[2] if ":" in line else line.split()[-1]
-    return _count_cells(tail) == 9 and not _HEADER.search(tail)
+    return _count_cells(tail) == 9 and not _HEADER.search(tail) and not _DATE.search(line)
 
 
 def _count_cells(line: str) -> int:
@@ -283,13 +287,19 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             else:
                 labelled = None
             continue
-        labelled = None
+        label, labelled = labelled, None
         odd = next((ch for ch in line if not (ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS)),
                    None)
         if odd is not None:
             raise ValueError(f"{name} line {n}: illegal character {odd!r}; {_EXPECTED} ('#' starts a comment, a word "
                              "at the start of a line a header between puzzles)")
         cells = _count_cells(line)
+        if label is not None and 0 < cells <= 9:
+            # "Row 1: 530070000" over the grid's other rows: skipped as a title, it took the next grid's first row
+            # in its place (a title that ends in 9 cells over a grid of 9 rows: its number after '#', or a date)
+            raise ValueError(f"{name} line {label[0]}: a grid row after a label ({label[1]!r}), which skipping as a "
+                             "header would lose, over the grid's next row; write the grid's rows without labels (a "
+                             "label on a line of its own, or after '#')")
         if cells == 0 and rows and (len(rows) % 3 or after_border) and _row_shaped(line):
             # inside a band of an open grid no border goes, nor right after one: '53-|-7-|---' rows make a row with
             # no givens '---|---|---', which read as a border took the next grid's first row in its place (or ended
