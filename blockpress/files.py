@@ -93,10 +93,6 @@ class StagedFiles:
             reason = _write_failure(exc)
             if reason is None:  # no failed write: the writer's own error
                 raise
-            if str(path) in reason:  # named already (a writer's own message)
-                if isinstance(exc, OSError):
-                    raise
-                raise OSError(reason) from None
             named = OSError(f"{path}: {reason}")
             named.errno = getattr(exc, "errno", None)  # (ENOSPC stays testable)
             raise named from None
