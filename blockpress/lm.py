@@ -427,7 +427,8 @@ def _repeat_rows(value: Any, n: int, name: str) -> Any:
     if isinstance(value, str):
         return [value] * n
     if isinstance(value, (list, tuple)):
-        if value and all(is_int(x) for x in value):  # one row of ids
+        # one row of ids, or of a mask's 0/1, False/True or 0.0/1.0 (numbers alone: a row, not rows)
+        if value and all(isinstance(x, (int, float, np.integer, np.floating, np.bool_)) for x in value):
             return [list(value)] * n
         return [row for row in value for _ in range(n)]
     try:
@@ -1293,6 +1294,8 @@ class LM:
             if args.get("seeds") is not None:
                 raise ValueError("num_return_sequences: not with seeds (it gives each repeated row a seed of its "
                                  "own); pass one seed per row in seeds and repeat the prompt yourself")
+            # asked before the rows are repeated: a setting given one per prompt row is then the right length
+            greedy = self._greedy(call, gen, args, len(_repeat_rows(args["prompt"], 1, "prompt")))
             args["prompt"] = _repeat_rows(args["prompt"], int(n), "prompt")
             if args.get("attention_mask") is not None:
                 args["attention_mask"] = _repeat_rows(args["attention_mask"], int(n), "attention_mask")
@@ -1318,7 +1321,7 @@ class LM:
             seed = check_seed(args.get("seed"), "seed")
             # None draws a fresh seed per row, which differ already; greedy copies are one answer, as the server's n
             # greedy choices are (and as seed=None's, which greedy reads as 0, were: seed=0 gave n answers)
-            if seed is not None and not (call != "generate_ar" and self._greedy(gen, args)):
+            if seed is not None and not greedy:
                 args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]
         if gen == self.generation_config:
             return self, args, given_as
@@ -1329,14 +1332,19 @@ class LM:
             lm._max_length_from = "call"
         return lm, args, given_as
 
-    def _greedy(self, settings: dict[str, Any], args: dict[str, Any]) -> bool:
-        """Whether a generate or stream call's `args` decode with argmax candidates under the generation
+    def _greedy(self, call: str, settings: dict[str, Any], args: dict[str, Any], rows: int) -> bool:
+        """Whether a `call`'s `args` for `rows` prompt rows decode with argmax candidates under the generation
         `settings`: its copies are then one answer. A setting it refuses is refused later, naming it."""
+        if call == "generate_ar":  # its own rule (generate_ar's docstring): temperature 0, or none and no sampler
+            temperature, sampler = _number(args.get("temperature")), args.get("sampler")
+            if temperature is None:
+                return sampler is None or (isinstance(sampler, SamplerConfig) and sampler.argmax_candidates)
+            return is_finite_number(temperature) and temperature == 0
         held = copy.copy(self)
         held.generation_config = settings
         options = {k: v for k, v in args.items() if k not in STREAM_OPTIONS or k == "max_denoising_steps"}
         try:
-            return held._sampler_config(args.get("sampler"), options, 1, "temperature")[0].argmax_candidates
+            return held._sampler_config(args.get("sampler"), options, rows, "temperature")[0].argmax_candidates
         except (ValueError, TypeError):
             return False
 

@@ -213,6 +213,31 @@ def test_greedy_copies_are_one_answer_whatever_the_seed(lm, ids, greedy):
             assert torch.equal(out.sequences[copy::3], alone.sequences)
 
 
+def test_greedy_copies_with_per_row_settings_are_one_answer(lm, ids):
+    """Settings given one per prompt row (top_k=[40, 40]) leave greedy greedy: the check ran on the rows already
+    repeated, where two values for six rows were refused as a mismatch, read as "not greedy", so each copy got a seed
+    of its own and, under uniform noise, an answer of its own."""
+    out = lm.generate(ids, 8, sampler="greedy", seed=3, num_return_sequences=3, top_k=[40, 40], **STEPS)
+    assert out.extra["seeds"] == [3] * 6
+    for copy in range(3):
+        assert torch.equal(out.sequences[copy::3], out.sequences[::3])
+
+
+@pytest.mark.parametrize("greedy", [{}, dict(temperature=0), dict(temperature=np.float64(0.0))])
+def test_generate_ar_greedy_copies_share_the_seed(lm, ids, greedy):
+    out = lm.generate_ar(ids, max_new_tokens=6, seed=3, num_return_sequences=2, **greedy)
+    assert out.extra["seeds"] == [3] * 4
+    sampled = lm.generate_ar(ids, max_new_tokens=6, seed=3, num_return_sequences=2, temperature=1.0)
+    assert sampled.extra["seeds"] == [choice_seed(3, i) for _ in range(2) for i in range(2)]
+
+
+@pytest.mark.parametrize("mask", [[1.0] * 6, [True] * 6, np.ones(6, dtype=np.float32).tolist()])
+def test_a_one_row_float_or_bool_mask_is_repeated_as_one_row(lm, ids, mask):
+    out = lm.generate(ids[0].tolist(), 4, attention_mask=mask, seed=1, num_return_sequences=2, **STEPS)
+    plain = lm.generate(ids[0].tolist(), 4, seed=1, num_return_sequences=2, **STEPS)
+    assert torch.equal(out.sequences, plain.sequences)
+
+
 @pytest.mark.parametrize("engine", ["generate", "generate_ar"])
 def test_num_return_sequences_repeats_per_row_settings(lm, ids, engine):
     call = getattr(lm, engine)
