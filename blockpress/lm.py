@@ -401,6 +401,9 @@ def _generation_settings(config: Any) -> dict[str, Any]:
         if key == "return_dict_in_generate" and value is False:  # (the reference then returns a bare tensor)
             raise ValueError(f"generation_config: return_dict_in_generate: false is not a blockpress setting; "
                              f"{TRANSFORMERS_HINTS[key]}")
+        if key == "token_healing":  # a checkpoint's default for the CLI, which generate's own argument is per call
+            raise ValueError("generation_config: token_healing: a checkpoint's default for `blockpress generate`; "
+                             f"per call pass token_healing={value!r} itself")
         if key not in KNOWN_GENERATION_KEYS:
             hint = f"; {TRANSFORMERS_HINTS[key]}" if key in TRANSFORMERS_HINTS else ""
             raise ValueError(f"generation_config: {key}: not a blockpress setting (it reads max_new_tokens, "
@@ -584,10 +587,13 @@ def _each(count: int | tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass
 class _PromptRows:
-    """A request's prompt as left-padded id rows [B, P] (`mask` None where nothing is padded), `pad_id` their padding."""
+    """A request's prompt as left-padded id rows [B, P] (`mask` None where nothing is padded), `pad_id` their padding;
+    `trimmed`: the columns of padding that re-laying the caller's right-padded rows on the left left out (max_length
+    counts the width the caller passed, as in transformers)."""
     ids: torch.Tensor
     mask: torch.Tensor | None
     pad_id: int
+    trimmed: int = 0
 
     def rows(self) -> list[list[int]]:
         """Each row's token ids, its padding left out."""
@@ -595,7 +601,7 @@ class _PromptRows:
 
     def padded(self, rows: list[list[int]]) -> _PromptRows:
         """Other rows (the prompt's, healed), left-padded alike."""
-        return _PromptRows(*left_pad(rows, self.pad_id), self.pad_id)
+        return _PromptRows(*left_pad(rows, self.pad_id), self.pad_id, self.trimmed)
 
 
 @dataclass
@@ -1097,7 +1103,7 @@ class LM:
         v = self.config.text.vocab_size
         check_vocab_range(rows.ids, "prompt", v)
         budgets = self._budgets(max_new_tokens, min_new_tokens, min_new_tokens_eos_only, rows.ids.shape[0],
-                                prompt_width=cached + rows.ids.shape[1], templated=template is not None)
+                                prompt_width=cached + rows.ids.shape[1] + rows.trimmed, templated=template is not None)
         seed = check_seed(seed, "seed")
         cfg, per_row = self._sampler_config(sampler, sampler_options, rows.ids.shape[0], temperature_name)
         if cfg.argmax_candidates and seed is None:
@@ -1150,7 +1156,9 @@ class LM:
                                  "left-pads them and masks the padding itself); leave attention_mask out, or pass "
                                  "equal-length rows (a tensor) with their mask")
             mask = _check_mask(attention_mask, ids.shape, "the prompt")
+            width = ids.shape[1]
             ids, mask = _padding_to_the_left(_unmasked_to_pad(ids, mask, pad_id), mask, pad_id)
+            return _PromptRows(ids, mask, pad_id, width - ids.shape[1])
         return _PromptRows(ids, mask, pad_id)
 
     def _budgets(self, max_new_tokens: Counts | None, min_new_tokens: Counts,
@@ -1165,8 +1173,13 @@ class LM:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
             # does), where "min_new_tokens: expected an integer in [0, max_new_tokens=64]" named a count not given.
             default = self.default_new_tokens(prompt_width)
+            capped = self._max_length_from == "call"  # a call's max_length is a bound, as in transformers
 
             def grown(least: Any) -> int:  # (a value that is no count is left to _check_budgets to refuse)
+                if capped and is_int(least) and least > default:
+                    raise ValueError(f"min_new_tokens: {least} new tokens, past the {default} that max_length="
+                                     f"{self.generation_config['max_length']} leaves after the prompt's {prompt_width} "
+                                     "tokens; pass a larger max_length, or max_new_tokens")
                 return max(default, int(least)) if is_int(least) else default
 
             max_new_tokens = [grown(n) for n in mins] if isinstance(mins, list) else grown(mins)
@@ -1267,11 +1280,12 @@ class LM:
             args["stop"] = hf["stop_strings"]
             given_as["stop"] = "stop_strings"
         gen = dict(self.generation_config)
+        call_settings: dict[str, Any] = {}
         if hf.get("generation_config") is not None:
-            settings = _generation_settings(hf["generation_config"])
-            if "sampler_config" in settings and "entropy_bound" not in settings:
+            call_settings = _generation_settings(hf["generation_config"])
+            if "sampler_config" in call_settings and "entropy_bound" not in call_settings:
                 gen.pop("entropy_bound", None)  # blockpress's spelling, which wins over sampler_config in one dict
-            gen.update(settings)
+            gen.update(call_settings)
         if hf.get("sampler_config") is not None:  # the reference's per-call spelling of the entropy bound
             gen.pop("entropy_bound", None)
             gen["sampler_config"] = _sampler_config_setting(hf["sampler_config"])
@@ -1281,8 +1295,9 @@ class LM:
                 gen[key] = value.tolist() if isinstance(value, torch.Tensor) or hasattr(value, "__array__") else value
                 given_as[f"generation_config {key}"] = key  # checked against the vocabulary as the settings' own
         if hf.get("max_length") is not None:
-            if args.get("max_new_tokens") is not None:
-                warn_user("max_length: max_new_tokens was given too and takes precedence, as in transformers")
+            if args.get("max_new_tokens") is not None or call_settings.get("max_new_tokens") is not None:
+                given = "max_new_tokens" if args.get("max_new_tokens") is not None else "generation_config's max_new_tokens"
+                warn_user(f"max_length: {given} was given too and takes precedence, as in transformers")
             else:  # the call's max_length, not a max_new_tokens the checkpoint's settings hold
                 gen.update(max_length=hf["max_length"], max_new_tokens=None)
                 given_as["max_new_tokens"] = "max_length"  # the count it leaves is what the context check names
@@ -1328,8 +1343,9 @@ class LM:
         check_generation_settings(gen, f"{call}'s generation settings")
         lm = copy.copy(self)  # shares the model, tokenizer and compiled steps; only the settings are its own
         lm.generation_config = gen
-        if hf.get("max_length") is not None and args.get("max_new_tokens") is None:
-            lm._max_length_from = "call"
+        if (hf.get("max_length") is not None or call_settings.get("max_length") is not None) and \
+                args.get("max_new_tokens") is None and gen.get("max_new_tokens") is None:
+            lm._max_length_from = "call"  # the call's bound, not the checkpoint's default
         return lm, args, given_as
 
     def _greedy(self, call: str, settings: dict[str, Any], args: dict[str, Any], rows: int) -> bool:

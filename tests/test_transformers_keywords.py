@@ -106,6 +106,50 @@ def test_max_length_overrides_the_checkpoints_max_new_tokens(ids):
     assert lm.generate(ids, max_length=ids.shape[1] + 4, seed=1, **STEPS).new_tokens.shape[1] == 4
 
 
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_a_calls_max_length_bounds_min_new_tokens(lm, ids, engine):
+    """A call's max_length is a bound (transformers stops there whatever min_new_tokens says): a minimum past it is
+    refused, where the default grew to it and the sequences came out longer than max_length asked."""
+    call = getattr(lm, engine)
+    extra = STEPS if engine == "generate" else {}
+    with pytest.raises(ValueError, match=r"^min_new_tokens: 30 new tokens, past the 8 that max_length=14 leaves after "
+                                         r"the prompt's 6 tokens"):
+        call(ids, max_length=14, min_new_tokens=30, **extra)
+    with pytest.raises(ValueError, match=r"^min_new_tokens: 30 new tokens, past the 8 that max_length=14"):
+        call(ids, generation_config={"max_length": 14}, min_new_tokens=30, **extra)
+    assert call(ids, max_length=14, min_new_tokens=8, seed=1, **extra).sequences.shape[1] == 14
+    grown = blockpress.LM(lm.model, lm.tokenizer, {"max_length": 14})  # the checkpoint's default grows to it
+    assert call.__func__(grown, ids, min_new_tokens=10, seed=1, **extra).new_tokens.shape[1] == 10
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_max_length_counts_the_width_passed_right_padding_included(lm, ids, engine):
+    """transformers' max_length less input_ids.shape[1]: right-padded rows (re-laid on the left, their padding
+    trimmed) got the trimmed columns as extra new tokens."""
+    call = getattr(lm, engine)
+    extra = STEPS if engine == "generate" else {}
+    right, left = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
+    right[:, :5], left[:, 4:] = ids[:, :5], ids[:, :5]
+    right_mask, left_mask = (right != 0).long(), (left != 0).long()
+    assert bool(right_mask[:, :5].all()) and bool(left_mask[:, 4:].all())
+    for rows, mask in ((right, right_mask), (left, left_mask)):
+        out = call(input_ids=rows, attention_mask=mask, max_length=13, seed=1, **extra)
+        assert out.new_tokens.shape[1] == 4
+
+
+def test_generation_configs_max_new_tokens_wins_over_max_length(lm, ids):
+    with pytest.warns(UserWarning, match="max_length: generation_config's max_new_tokens was given too and takes"):
+        out = lm.generate(ids, generation_config={"max_new_tokens": 3}, max_length=ids.shape[1] + 9, seed=1, **STEPS)
+    assert out.new_tokens.shape[1] == 3
+
+
+def test_generation_config_token_healing_is_refused_for_the_argument(lm, ids):
+    """generation_config.json's token_healing is the CLI's default; given per call it was accepted and did nothing."""
+    for call in (lm.generate, lm.generate_ar):
+        with pytest.raises(ValueError, match=r"^generation_config: token_healing: .*pass token_healing=True itself"):
+            call(ids, 4, generation_config={"token_healing": True})
+
+
 def stopping_token(lm, ids):
     """A token row 0 writes at position 3 of its native output, and that output."""
     native = lm.generate(ids, 16, seed=2, **STEPS)
