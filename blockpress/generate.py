@@ -1541,6 +1541,8 @@ class _Decoding:
                 if cut is not False:  # rows whose caller left: frozen from this step on
                     w.state = replace(w.state, done=w.state.done | cut[w.rows])
                     w.finished = w.finished | cut[w.rows]
+                    if bool((w.state.done | w.finished).all()):  # (a sync only on a step that cut rows)
+                        break  # nothing left to denoise: without adaptive stopping the steps ran on for no row
             active = ~(w.state.done | w.finished)
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
@@ -1709,39 +1711,46 @@ def run(
     texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
     dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), texts_of, drafts, keep_cache)
     answers = _Answers.of(texts_of) if texts_of is not None else None
-    for ci in range(n_canvases):
-        canvas = _Canvas.of(req, ci, canvas_len, device)
-        t_canvas = time.perf_counter()
-        state = yield from dec.denoise(canvas)
-        if state is None:  # cancelled: the stream ends here, saying what it did
-            yield Cancelled(dec.passes.cpu(), dec.written.cpu())
-            return
-        committed, valid = dec.commit(canvas, state)
-        last = ci == n_canvases - 1 or bool(dec.finished.all())
-        if not last or keep_cache:
-            dec.encode(committed, valid)
-        device_sync(device)
-        denoise_s += time.perf_counter() - t_canvas
-        host = committed.cpu()
-        texts = so_far = fills = settled = None
-        finished = (dec.finished | last).cpu()
-        if answers is not None:
-            rows = host.tolist()
-            if valid is not None:  # each row's own tokens: a template row's fixed pads past its end are no text
-                rows = [row[:n] for row, n in zip(rows, valid.sum(-1).tolist())]
-            texts = decode_rows(tokenizer, rows, None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
-            texts = _heal_texts(req, texts) if ci == 0 else texts
-            so_far, fills = answers.add(rows, dec.written.tolist())
-            settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
-                       for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
-        yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
-                     dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused),
-                     chosen_tokens(req, dec.written).cpu())
-        if last:
-            break
+    try:
+        for ci in range(n_canvases):
+            canvas = _Canvas.of(req, ci, canvas_len, device)
+            t_canvas = time.perf_counter()
+            state = yield from dec.denoise(canvas)
+            if state is None:  # cancelled: the stream ends here, saying what it did
+                if keep_cache:
+                    cache.compact()
+                yield Cancelled(dec.passes.cpu(), dec.written.cpu())
+                return
+            committed, valid = dec.commit(canvas, state)
+            last = ci == n_canvases - 1 or bool(dec.finished.all())
+            if not last or keep_cache:
+                dec.encode(committed, valid)
+            device_sync(device)
+            denoise_s += time.perf_counter() - t_canvas
+            host = committed.cpu()
+            texts = so_far = fills = settled = None
+            finished = (dec.finished | last).cpu()
+            if answers is not None:
+                rows = host.tolist()
+                if valid is not None:  # each row's own tokens: a template row's fixed pads past its end are no text
+                    rows = [row[:n] for row, n in zip(rows, valid.sum(-1).tolist())]
+                texts = decode_rows(tokenizer, rows, None if canvas.fixed is None else canvas.fixed[:, : canvas.keep])
+                texts = _heal_texts(req, texts) if ci == 0 else texts
+                so_far, fills = answers.add(rows, dec.written.tolist())
+                settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
+                           for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
+            if last and keep_cache:  # before the last Commit: a stream left there (every row ended) keeps it too
+                cache.compact()
+            yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
+                         dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused),
+                         chosen_tokens(req, dec.written).cpu())
+            if last:
+                break
+    except GeneratorExit:  # a stream left midway keeps what it encoded, each row as it would be alone
+        if keep_cache:
+            cache.compact()
+        raise
 
-    if keep_cache:
-        cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
     out = _output(req, new_tokens=dec.new_tokens, num_valid=dec.written, passes=dec.passes,
                   steps_per_canvas=dec.steps_per_canvas, encode_s=encode_s, decode_s=denoise_s,
                   cache=cache if keep_cache else None, texts_of=texts_of)

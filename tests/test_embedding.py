@@ -177,3 +177,42 @@ def test_a_progress_bar_where_there_is_no_stderr_is_left_out(monkeypatch):
     monkeypatch.setattr(sys, "stderr", None)
     lm = blockpress.load("blockpress-code", progress=True)
     assert lm.generate("def add(a, b):", max_new_tokens=8).num_new_tokens.tolist() == [8]
+
+
+def _holes(cache):
+    """Whether some row has an invalid slot after a valid one (padding anywhere but on the left)."""
+    valid = cache.valid[:, : cache.length]
+    return bool((valid[:, :-1] & ~valid[:, 1:]).any())
+
+
+@pytest.mark.parametrize("leave", ["last commit", "second commit", "cancelled"])
+def test_a_batch_stream_left_early_on_a_cache_leaves_it_as_drained(lm, leave):
+    """Rows that end at different canvases leave holes in a continued cache, which the end of the stream compacted:
+    a stream left at its last Commit (every row ended, Done unread), at an earlier one, or cancelled, skipped that,
+    and the next turn of the row that ended first saw fewer earlier tokens than it does alone."""
+    c = lm.config.canvas_length
+    kw = dict(max_denoising_steps=2, seed=3, eos_token_id=[], sampler="greedy")
+    turn = dict(max_new_tokens=[c, 3 * c], **kw)
+
+    def history():
+        return lm.generate([[2, 5, 9, 11], [2, 40, 41, 42, 43, 44, 45]], max_new_tokens=c, return_cache=True,
+                           **kw).cache
+
+    def next_turn(cache):
+        return lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=2 * c, cache=cache, **kw).new_tokens
+
+    drained = history()
+    for _ in lm.stream([[60, 61], [80, 81]], cache=drained, **turn):
+        pass
+    left = history()
+    commits = []
+    cancel = leave == "cancelled"
+    for event in lm.stream([[60, 61], [80, 81]], cache=left, cancelled=lambda: cancel and len(commits) >= 2, **turn):
+        if isinstance(event, blockpress.Commit):
+            commits.append(event)
+            if (leave == "second commit" and len(commits) == 2) or (leave == "last commit" and bool(event.finished.all())):
+                break
+    assert not _holes(left)
+    if leave == "last commit":
+        assert left.next_pos.tolist() == drained.next_pos.tolist()
+        assert torch.equal(next_turn(left), next_turn(drained))

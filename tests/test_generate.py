@@ -2733,6 +2733,25 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
         lm.generate(prompts, cancelled=lambda: [True] * 3, **kw)
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_cut_that_ends_the_last_working_row_ends_the_canvas(lm, monkeypatch, adaptive):
+    """Row 0 ends after canvas 0; row 1's client leaves mid canvas 1. Every row has then ended: without adaptive
+    stopping the canvas ran its remaining steps for nobody (80 denoiser passes where 45 are spent)."""
+    calls = []
+    denoise = lm.model.denoise
+    monkeypatch.setattr(lm.model, "denoise", lambda *a, **k: calls.append(None) or denoise(*a, **k))
+    asked = []
+
+    def cancelled():
+        asked.append(None)
+        return [False, len(asked) >= 45]  # row 1 cut before canvas 1's fifth step
+
+    out = lm.generate([[2, 5, 9, 11, 13, 17, 19], [2, 40, 41, 42, 43]], max_new_tokens=[8, 40], max_denoising_steps=40,
+                      sampler="greedy", eos_token_id=[], cancelled=cancelled, adaptive_stopping=adaptive)
+    assert out.forward_passes.tolist() == [40, 44]
+    assert len(calls) == 44 and len(asked) == 45
+
+
 def test_a_row_cut_mid_canvas_leaves_the_rows_already_done_frozen(lm):
     """Cutting a row mid-canvas freezes it and only it: the rows already done in that canvas (here a template row
     with no hole there, kept in the batch by skip_stopped_rows=False) stay frozen, costing no pass. With the cut
