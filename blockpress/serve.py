@@ -120,6 +120,7 @@ from .lm import LM, Events
 from .prefix import PrefixCache
 from .response import (
     AnswerStream,
+    PartialMessage,
     PartialReader,
     PatternBudget,
     answer_without_tools,
@@ -1216,12 +1217,19 @@ class Reply:
         try:
             parsed = self.parse(done.raw)
         except ValueError as exc:
-            log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
-            # but for a thought before the call it cannot read, which a stream sent apart as it was written (the
-            # whole answer then held the thought again in its content): kept apart, as a reply without tools does
-            answer = None if self.read_regions is None or self.plain is None else \
-                thought_then_text(self.read_regions, self.plain, done.raw)
-            return None if answer is None else {"message": answer, "finish_reason": done.finish}
+            start = self.readable_start(done.raw)
+            if start is None:
+                log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
+                # but for a thought before the call it cannot read, which a stream sent apart as it was written (the
+                # whole answer then held the thought again in its content): kept apart, as a reply without tools does
+                answer = None if self.read_regions is None or self.plain is None else \
+                    thought_then_text(self.read_regions, self.plain, done.raw)
+                return None if answer is None else {"message": answer, "finish_reason": done.finish}
+            # a call cut by max_tokens, or a malformed one, after calls that closed: those are answered (a stream
+            # sent each as it closed), the rest dropped, as parallel_tool_calls false drops a reply's later calls
+            log.warning("serve: the response template cannot read the end of a reply (%s); the calls it closed "
+                        "before are answered, the rest dropped", exc)
+            parsed = start
         calls = self.calls(parsed.get("tool_calls"), ids)
         reasoning = parsed.get("reasoning_content")
         if calls is None or not (calls or isinstance(reasoning, str)):
@@ -1235,6 +1243,32 @@ class Reply:
         if reasoning is not None:  # what vLLM and DeepSeek's API call it
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
+
+    def readable_start(self, raw: str) -> dict[str, Any] | None:
+        """A reply the response template cannot read whole, read up to there: the tool calls, content and thought of
+        its longest start that reads, where that start closed a call (None: it closed none, or no reader)."""
+        if self.read_partial is None:
+            return None
+        read_partial = self.read_partial
+
+        def read(end: int) -> PartialMessage | None:
+            try:
+                return read_partial().read(raw[:end])
+            except ValueError:
+                return None
+
+        partial = read(len(raw))
+        if partial is None:  # the longest start that reads (a start that does not is followed by none that does)
+            low, high = 0, len(raw)
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if read(middle) is not None else (low, middle - 1)
+            partial = read(low)
+        if partial is None or not partial.closed.get("tool_calls"):
+            return None
+        return {"tool_calls": partial.closed["tool_calls"], "content": partial.settled_text("content"),
+                "reasoning_content": partial.settled_text("reasoning_content") if partial.began("reasoning_content")
+                else None}
 
     def calls(self, found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
         """openai_calls of a parsed reply, the first alone where the request allows one (one_call)."""
@@ -1265,6 +1299,19 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
                         "answered as text", call)
             return None
         arguments = function.get("arguments", {})
+        if isinstance(arguments, str):  # a template's raw text (allow_non_json): a call only if it is an object
+            try:
+                arguments_value = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments_value = None
+        else:
+            arguments_value = arguments
+        if not isinstance(arguments_value, dict):
+            # OpenAI's arguments are an object's JSON, and the server refuses any other in the assistant message an
+            # agent sends back next turn (a template prints them as an object's keys): the reply is text
+            log.warning("serve: the response template gave a tool call whose arguments are no object, %.200r; the "
+                        "reply is answered as text", call)
+            return None
         calls.append({"id": ids[k] if k < len(ids) else "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": function["name"], "arguments": arguments if isinstance(arguments, str)
                                    else json.dumps(arguments, ensure_ascii=False)}})
@@ -1480,7 +1527,9 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
     tok = state.lm.tokenizer
     given = "suffix" if body.suffix is not None else "template"
     for other, clash in (("template", body.suffix is not None and body.template is not None),
-                         ("stop", bool(body.stop)), ("token_healing", body.token_healing)):
+                         # (empty stop strings are none, as build_jobs drops them: "" and [""] alike)
+                         ("stop", any([body.stop] if isinstance(body.stop, str) else body.stop or [])),
+                         ("token_healing", body.token_healing)):
         if clash:
             raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "
                                 "tokens)", other)

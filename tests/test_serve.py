@@ -15,7 +15,7 @@ import numpy as np
 import pydantic
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 openai = pytest.importorskip("openai")
@@ -1509,6 +1509,17 @@ def test_bad_infill_requests(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("stop", ["", [], [""], ["", ""]])
+def test_empty_stop_strings_are_none_beside_a_suffix(server, stop):
+    """Empty stop strings are dropped as none; beside a suffix [""] was refused ("stop: not with suffix") where ""
+    and [] were accepted."""
+    body = {"model": MODEL, "prompt": "a", "suffix": "b", "max_tokens": 4, "seed": 1}
+    r = httpx.post(server[0] + "/v1/completions", json={**body, "stop": stop}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == httpx.post(server[0] + "/v1/completions", json=body,
+                                                        timeout=60).json()["choices"][0]["text"]
+
+
 def prefer_eos_then_a(lm, monkeypatch):
     """Patch the model's head so that every canvas position prefers EOS, then the letter a."""
     eos, letter, original = lm._eos_ids()[0], lm.tokenizer.encode("a")[-1], lm.model.head
@@ -2393,6 +2404,9 @@ def test_tool_calls_come_back_as_openais_tool_calls(tmp_path, monkeypatch):
         assert text_reply(tools=[]) == (after, "Two cities.")
         reply[0] = "<|tool_call>call:weather{city:Paris}<tool_call|>"  # an unquoted string: not JSON
         assert text_reply() == ("call:weather{city:Paris}", None)
+        # arguments that are no object: answered as '[1, 2]', which the server refused when the agent sent it back
+        reply[0] = "<|tool_call>call:weather[1,2]<tool_call|>"
+        assert text_reply() == ("call:weather[1,2]", None)
         reply[0] = "No call needed.<turn|>"
         assert text_reply() == ("No call needed.", None)
         chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -2580,7 +2594,7 @@ def test_a_reply_without_tools_streams_its_leading_whitespace_with_its_text(tmp_
 
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(["", "  ", "\n"]), st.booleans(), st.sampled_from(["", "Checking.", " a < b ", "Sure: "]),
-       st.lists(st.sampled_from(["good", "bad"]), max_size=2), st.sampled_from(["", "<turn|>"]), st.booleans(),
+       st.lists(st.sampled_from(["good", "bad"]), max_size=2), st.sampled_from(["", "<turn|>", "cut"]), st.booleans(),
        st.data())
 def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end, tools, data):
     """A request with or without tools, its reply cut into chunks anywhere between its tokens: the chunks that the
@@ -2588,8 +2602,8 @@ def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end,
     text), its reasoning_content, content and calls, and the stream sends nothing its answer does not start with
     (finish warns where it did). With tools, a thought then a call the template cannot read was answered as the
     reply's text, thought and all, after the stream had sent the thought apart: it is kept apart now, as without
-    tools. (A malformed call after a well-formed one the stream sent is the documented exception.)"""
-    assume(not (tools and calls == ["good", "bad"]))
+    tools. A malformed call after a well-formed one the stream sent made the whole answer text (the stream had sent
+    the call): the calls before it are answered now, the rest dropped, streamed or not."""
     from blockpress.response import (
         GEMMA4_MARKERS,
         PartialReader,
@@ -2614,7 +2628,10 @@ def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end,
                                                      else ["{city:}"]), "<tool_call|>",
                   # (with tools, text after a call is the documented exception: the content keeps its last part)
                   *([] if tools else [" then"])]
-    atoms = [piece for atom in atoms for piece in ([atom] if atom in special else list(atom))] + [end]
+    if end == "cut":  # max_tokens ends the reply inside a call
+        atoms += ["<|tool_call>", "call:weather", "{city:", '<|"|>', "Os"]
+    atoms = [piece for atom in atoms for piece in ([atom] if atom in special else list(atom))]
+    atoms += [end] if end != "cut" else []
     raw = "".join(atoms)
     offered = TOOLS if tools else None
     reply = Reply([], "chat", MODEL, 1, parse=lambda text: parse_response(template, text, tools=offered, keep_empty=True),
@@ -2625,7 +2642,7 @@ def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end,
     for cut in cuts:
         so_far = "".join(atoms[:cut])
         sent += stream.settle(reply, JobText(plain(so_far), so_far), [])
-    done = JobDone(plain(raw), len(atoms), 1, "stop", 0, raw)
+    done = JobDone(plain(raw), len(atoms), 1, "length" if end == "cut" else "stop", 0, raw)
     rest, finish = stream.finish(reply, done)
     called = reply.tool_message(done)
     answer = called["message"] if called is not None else {"content": plain(raw)}
@@ -2639,7 +2656,7 @@ def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end,
 
     assert without_ids(c for d in sent + rest for c in d.get("tool_calls", [])) == without_ids(
         answer.get("tool_calls", [])), raw
-    assert finish == ("tool_calls" if answer.get("tool_calls") else "stop"), raw
+    assert finish == ("length" if end == "cut" else "tool_calls" if answer.get("tool_calls") else "stop"), raw
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
