@@ -345,8 +345,15 @@ class Tokenizer:
             else:  # one left from an earlier save would override the tokens named in the config
                 staged.remove(folder / "special_tokens_map.json")
             gen_path = folder / "generation_config.json"
-            gen_cfg = _read_json(staged.read_path(gen_path))  # a model's, when saved with one (LM.save)
-            if len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg:  # a model's own EOS set (LM.save) stays
+            source = staged.read_path(gen_path)
+            gen_cfg = _read_json(source)  # a model's, when saved with one (LM.save): its own EOS set stays
+            loaded_eos = None if self.files is None else self.files.settings.get("eos_ids")
+            if source == gen_path and loaded_eos is not None and list(self.eos_ids) != loaded_eos:
+                # the folder's own file, and eos_ids changed since loading: else the file's list came back on loading
+                write = _as_id_list(gen_cfg.get("eos_token_id")) != list(self.eos_ids)
+            else:
+                write = len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg
+            if write:
                 gen_cfg["eos_token_id"] = list(self.eos_ids)
                 staged.write_text(gen_path, _json_text(gen_cfg))
 
@@ -355,6 +362,7 @@ class Tokenizer:
         the chat template(s) and the response template."""
         tokens = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         return {"tokens": {**tokens, **self.named_tokens}, "add_bos_token": self.add_bos_token,
+                "eos_ids": list(self.eos_ids),
                 "chat_template": copy.deepcopy(self.chat_template),
                 "response_template": copy.deepcopy(self.response_template)}
 
@@ -907,14 +915,10 @@ def _token_content(value: Any) -> str | None:
 
 
 def _as_id_list(value: Any) -> list[int]:
-    """Config ids may be an int, a list of ints, or null."""
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
+    """Config ids may be an int, a list of ints, or null; a negative one is none (LLaMA's configs say pad_token_id -1
+    for no pad token, and the tokenizers library failed on it, deep inside, at the load or the first stop string)."""
+    values = [value] if isinstance(value, int) else value if isinstance(value, list) else []
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
 def _keep(kept: OrderedDict[str, _T], key: str, value: _T) -> _T:

@@ -313,6 +313,33 @@ def test_eos_token_string_comes_first_then_generation_config_ids(tok: Tokenizer,
     assert Tokenizer.from_dir(folder).eos_ids == [1, 5, 3]
 
 
+def test_a_negative_config_id_is_no_token(tok: Tokenizer, tmp_path: Path) -> None:
+    """LLaMA's configs say pad_token_id -1 for no pad token: the tokenizers library failed on it ("number too small
+    to fit in target type") at the load, and on an eos_token_id -1 at the first stop string."""
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json={"eos_token": "<eos>"},
+                               config__json={"pad_token_id": -1, "eos_token_id": [-1, 3], "bos_token_id": -1})
+    loaded = Tokenizer.from_dir(folder)
+    assert (loaded.pad_id, loaded.bos_id, loaded.eos_ids) == (None, None, [1, 3])
+    assert "<eos>" in loaded.special_texts()
+
+
+@pytest.mark.parametrize("eos_ids", [[4, 1, 3], [1]])
+def test_eos_ids_changed_since_loading_are_saved_over_the_folders_own_list(tok: Tokenizer, tmp_path: Path,
+                                                                           eos_ids: list[int]) -> None:
+    """Saved back into a folder whose generation_config.json lists EOS ids, a changed list was not written (the file
+    said eos_token_id already), so a reload gave the old one; an unchanged one leaves the file as it was."""
+    gen = {"eos_token_id": [4, 1], "max_new_tokens": 7}
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json={"bos_token": "<bos>"},
+                               generation_config__json=gen)
+    loaded = Tokenizer.from_dir(folder)
+    loaded.save(folder)
+    assert json.loads((folder / "generation_config.json").read_text()) == gen
+    loaded.eos_ids = eos_ids
+    loaded.save(folder)
+    assert json.loads((folder / "generation_config.json").read_text()) == {**gen, "eos_token_id": eos_ids}
+    assert Tokenizer.from_dir(folder).eos_ids == eos_ids
+
+
 def test_extra_eos_id_that_is_an_ordinary_token_is_special(tok: Tokenizer, tmp_path: Path) -> None:
     # A stop id from generation_config.json that tokenizer.json does not mark special must still be
     # treated as special: reported in special_ids and dropped by decode.
