@@ -135,6 +135,10 @@ def _default_rope() -> dict[str, dict[str, Any]]:
     }
 
 
+# per_layer_config's keys, and the text_config keys it is drawn from where a config.json holds none
+DRAWN_FROM = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
+
+
 @dataclass
 class TextConfig:
     """The text backbone. Defaults follow the reference config class (not the released model's sizes)."""
@@ -211,7 +215,10 @@ class TextConfig:
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
             # A flat rope dict applies to every layer type.
             self.rope_parameters = {kind: dict(self.rope_parameters) for kind in (SLIDING, FULL)}
+            self._given_flat = {"rope_parameters"}  # (not a field: its errors name the flat dict the file holds)
+        self._given_flat = getattr(self, "_given_flat", set())
         if self.per_layer_config is None:
+            self._given_flat.add("per_layer_config")  # drawn from global_head_dim / num_global_key_value_heads
             override: dict[str, int] = {"head_dim": self.global_head_dim}
             if self.num_global_key_value_heads is not None:
                 override["num_key_value_heads"] = self.num_global_key_value_heads
@@ -368,11 +375,20 @@ class TextConfig:
             unknown = set(over) - {"head_dim", "num_key_value_heads"}
             need(not unknown, f"per_layer_config[{key!r}]",
                  f"unsupported override(s) {sorted(unknown)}; expected head_dim / num_key_value_heads")
+        drawn = "per_layer_config" in getattr(self, "_given_flat", ())
+
+        def shape_field(i: int, key: str) -> str:
+            """The field of the file that gave layer i's `key`: per_layer_config's entry, or the keys it was drawn
+            from (global_head_dim, num_global_key_value_heads), or the base one every other layer takes."""
+            if key not in per_layer.get(str(i), {}):
+                return key
+            return DRAWN_FROM[key] if drawn else f"per_layer_config[{i}].{key}"
+
         for i, spec in enumerate(self.layers):
-            need(_positive_int(spec.head_dim) and spec.head_dim % 2 == 0, f"per_layer_config[{i}].head_dim",
+            need(_positive_int(spec.head_dim) and spec.head_dim % 2 == 0, shape_field(i, "head_dim"),
                  f"expected a positive even integer, got {spec.head_dim}")
             need(_positive_int(spec.num_kv_heads) and self.num_attention_heads % spec.num_kv_heads == 0,
-                 f"per_layer_config[{i}].num_key_value_heads",
+                 shape_field(i, "num_key_value_heads"),
                  f"{spec.num_kv_heads} does not divide num_attention_heads={self.num_attention_heads}")
         for kind in sorted(set(layer_types)):
             # One rotary table serves each kind of layer (the reference also refuses mixed sizes within a kind).
@@ -397,9 +413,11 @@ class TextConfig:
 
     def _validate_rope(self, kind: str, rope: dict[str, Any]) -> None:
         """One layer type's rope_parameters entry, field by field: every field its rope_type reads, by name."""
+        where = "rope_parameters" if "rope_parameters" in getattr(self, "_given_flat", ()) else f"rope_parameters.{kind}"
+
         def need(cond: bool, field_name: str, msg: str) -> None:
             if not cond:
-                raise ConfigError(f"text_config.rope_parameters.{kind}.{field_name}: {msg}")
+                raise ConfigError(f"text_config.{where}.{field_name}: {msg}")
 
         rope_type = rope.get("rope_type", "default")
         need(isinstance(rope_type, str) and rope_type in ROPE_FIELDS, "rope_type",

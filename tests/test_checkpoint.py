@@ -624,6 +624,24 @@ def test_bad_config_fields_named(ref_checkpoint, edit, field):
         ModelConfig.from_dict(raw)
 
 
+@pytest.mark.parametrize("over, field", [
+    (dict(head_dim=7), "head_dim: expected a positive even integer, got 7"),
+    (dict(num_key_value_heads=3), "num_key_value_heads: 3 does not divide"),
+    (dict(global_head_dim=15), "global_head_dim: expected a positive even integer, got 15"),
+    (dict(num_global_key_value_heads=3), "num_global_key_value_heads: 3 does not divide"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": -1.0}), r"rope_parameters\.rope_theta: expected a "),
+    (dict(per_layer_config={"1": {"head_dim": 15}}), r"per_layer_config\[1\]\.head_dim: expected a positive even"),
+])
+def test_a_config_without_per_layer_config_names_the_keys_it_holds(over, field):
+    """A config.json with no per_layer_config (the published checkpoint's layout) or a flat rope_parameters: the
+    errors named per_layer_config[0].head_dim and rope_parameters.full_attention.rope_theta, keys it does not have."""
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, sliding_window=6,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=16, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ConfigError, match=rf"^text_config\.{field}"):
+        ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": {**text, **over}})
+
+
 def test_not_a_folder_or_name():
     with pytest.raises(FileNotFoundError, match="never downloads"):
         blockpress.load("no-such-model-anywhere")
@@ -924,7 +942,7 @@ def test_a_config_changed_after_it_was_built_is_checked_again_when_a_model_is_bu
     NaN logits, or failed deep inside torch at the first pass. The model's construction checks it again."""
     config = ModelConfig.tiny()
     setattr(config.text, field, value)
-    with pytest.raises(ConfigError, match=rf"^text_config\.(per_layer_config\[0\]\.)?{message}"):
+    with pytest.raises(ConfigError, match=rf"^text_config\.{message}"):
         blockpress.random_model(config)
     config = ModelConfig.tiny()
     config.canvas_length = 0
