@@ -269,17 +269,21 @@ class Tokenizer:
 
         # Every other NAME_token key names a special token, as transformers 5 reads them: the standard ones and
         # model-specific ones (image_token, ...), at the top level or in an extra_special_tokens dict (a list there is
-        # unnamed: not template variables). The older layout's special_tokens_map.json wins, as for the ids above,
-        # then the dict, as in transformers.
+        # unnamed: not template variables). For the standard ones (NAMED_TOKENS) the older layout's
+        # special_tokens_map.json wins, as for the ids above; a model-specific one the config names wins over the
+        # map's (transformers takes the map's as a fallback only); the dict wins over the top level, as there.
         named_tokens: dict[str, str] = {}
         extra = tok_cfg.get("extra_special_tokens")
         legacy_extra = legacy_map.get("extra_special_tokens")
-        for source in (legacy_map, legacy_extra if isinstance(legacy_extra, dict) else {},
-                       extra if isinstance(extra, dict) else {}, tok_cfg):
-            for name, value in source.items():
-                content = _token_content(value)  # (not add_bos_token's bool)
-                if name.endswith("_token") and name not in ID_TOKENS and content is not None:
-                    named_tokens.setdefault(name, content)
+        legacy = (legacy_map, legacy_extra if isinstance(legacy_extra, dict) else {})
+        config = (extra if isinstance(extra, dict) else {}, tok_cfg)
+        for name, value in [(name, value) for source in (*legacy, *config) for name, value in source.items()
+                            if name in NAMED_TOKENS] + \
+                [(name, value) for source in (*config, *legacy) for name, value in source.items()
+                 if name not in NAMED_TOKENS]:
+            content = _token_content(value)  # (not add_bos_token's bool)
+            if name.endswith("_token") and name not in ID_TOKENS and content is not None:
+                named_tokens.setdefault(name, content)
 
         tokenizer = cls(
             backend=backend,

@@ -394,6 +394,27 @@ def test_special_tokens_map_and_the_config_disagreeing_read_as_transformers_read
     assert ours.bos_id == (3 if layout == "older" else 2)  # the two layouts do differ
 
 
+@pytest.mark.parametrize("where", ["top level", "extra_special_tokens"])
+def test_a_model_specific_token_the_config_names_wins_over_the_older_map(tok: Tokenizer, tmp_path: Path,
+                                                                         where: str) -> None:
+    """In the older layout the map's standard tokens win, but a model-specific one (image_token) that the config
+    names wins over the map's (transformers takes the map's as a fallback): the map's won here, and a template
+    rendered another token."""
+    transformers = pytest.importorskip("transformers")
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<pad>",
+              "chat_template": "{{ image_token }}|{{ audio_token }}|{{ unk_token }}|"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}"}
+    if where == "top level":
+        config["image_token"] = "<start_of_turn>"
+    else:
+        config["extra_special_tokens"] = {"image_token": "<start_of_turn>"}
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json=config, special_tokens_map__json={
+        "image_token": "<end_of_turn>", "audio_token": "<eos>", "unk_token": "<bos>"})
+    ours, theirs = Tokenizer.from_dir(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert ours.apply_chat_template(TWO_TURNS) == theirs.apply_chat_template(TWO_TURNS, tokenize=False)
+    assert ours.apply_chat_template(TWO_TURNS).startswith("<start_of_turn>|<eos>|<bos>|")
+
+
 def test_chat_template_list_takes_default(tok: Tokenizer, tmp_path: Path) -> None:
     folder = _write_checkpoint(
         tmp_path / "ckpt",
