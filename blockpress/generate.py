@@ -1722,6 +1722,9 @@ def run(
                 yield Cancelled(dec.passes.cpu(), dec.written.cpu())
                 return
             committed, valid = dec.commit(canvas, state)
+            # let go of the canvas's state: held to the next canvas's end, its self-conditioning softmax [B, C, V]
+            # (256 MB a row at a 262k vocabulary, float32) stayed beside the next canvas's own
+            del state
             last = ci == n_canvases - 1 or bool(dec.finished.all())
             if not last or keep_cache:
                 dec.encode(committed, valid)

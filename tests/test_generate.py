@@ -2733,6 +2733,27 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
         lm.generate(prompts, cancelled=lambda: [True] * 3, **kw)
 
 
+def test_a_canvas_lets_go_of_the_last_canvases_self_conditioning_softmax():
+    """The loop held the finished canvas's state to the end of the next canvas, its self-conditioning softmax
+    [B, C, V] (256 MB a row at the real 262k vocabulary, float32) beside the next canvas's own."""
+    import gc
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=4099, canvas_length=16), seed=0)
+    c, v = 16, 4099
+
+    def live():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape[-2:]) == (c, v))
+
+    counts = {}
+    for event in lm.stream([5, 6, 7], max_new_tokens=3 * c, max_denoising_steps=3, seed=0, adaptive_stopping=False):
+        if isinstance(event, Draft):
+            counts.setdefault(event.canvas_index, set()).add(live())
+        elif isinstance(event, Commit):
+            assert live() == 0, event.canvas_index
+    assert counts[1] == counts[2] == counts[0], counts
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_a_cut_that_ends_the_last_working_row_ends_the_canvas(lm, monkeypatch, adaptive):
     """Row 0 ends after canvas 0; row 1's client leaves mid canvas 1. Every row has then ended: without adaptive
