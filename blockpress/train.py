@@ -1811,7 +1811,9 @@ class _StopOnInterrupt:
         self.previous: dict[int, Any] = {}
         self.terminal = terminal_fds()  # what a SIGHUP leaves for /dev/null
         if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+            # a signal the process ignores stays ignored: `nohup blockpress train` stopped when its terminal closed
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS
+                             if signal.getsignal(sig) != signal.SIG_IGN}
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:  # the second: stop at once, with this signal's exit status (143 for a SIGTERM)
