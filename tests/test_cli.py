@@ -3517,6 +3517,42 @@ def test_the_stop_signal_handlers_are_put_back_after_a_command():
             signal.signal(signal.SIGHUP, old)
 
 
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGHUP"), reason="no SIGHUP")
+def test_a_training_runs_stop_handlers_leave_an_ignored_signal_ignored():
+    """`nohup blockpress train` stopped at its next step when the terminal closed: the run's handler took the SIGHUP
+    that nohup had the process ignore (generate's and serve's left it ignored)."""
+    import signal
+
+    from blockpress.train import _StopOnInterrupt
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stop = _StopOnInterrupt()
+        try:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
+        finally:
+            stop.restore()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def test_a_closed_stdin_and_stderr_read_as_dev_null(tmp_path):
+    """A descriptor the shell closed (`<&-`, `2>&-`) is None to Python: a closed stdin ended `infill -` and chat in
+    AttributeError tracebacks, and print(file=None) writes to stdout, so a closed stderr's stats line went into
+    generate --input's JSON lines."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f():"}\n')
+    base = [sys.executable, "-m", "blockpress"]
+    r = subprocess.run([*base, "infill", "-"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: os.close(0))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "template: empty text" in r.stderr, r.stderr
+    r = subprocess.run([*base, "generate", "--input", str(tmp_path / "p.jsonl"), "--max-new-tokens", "4", "--threads",
+                        "1"], capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.close(2))
+    assert r.returncode == 0
+    assert [json.loads(line)["prompt"] for line in r.stdout.splitlines()] == ["def f():"], r.stdout
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_sudoku_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, as_json):
     """A Ctrl-C during sudoku exited 130 with nothing said, where generate, infill and bench say they were cut short

@@ -43,6 +43,14 @@ EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve"
 def main(argv: list[str] | None = None) -> int:
     utf8_stdio()
     replaced = guard_stdout()
+    # A descriptor the shell closed (`<&-`, `2>&-`) is None to Python: a closed stdin failed as AttributeError
+    # tracebacks ('NoneType' object has no attribute 'read'), and print(file=None) writes to stdout, so a closed
+    # stderr's messages went into the output (a JSON-lines file got a stats line) or ended chat and train silently.
+    # Each reads as /dev/null instead: stdin empty, stderr's messages dropped (the exit status still tells).
+    closed = {name: open(os.devnull, "w" if name == "stderr" else "r", encoding="utf-8")
+              for name in ("stdin", "stderr") if getattr(sys, name) is None}
+    for name, stream in closed.items():
+        setattr(sys, name, stream)
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -66,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             except (OutputError, OSError, ValueError):
                 pass
             sys.stdout = replaced
+        for name, stream in closed.items():
+            setattr(sys, name, None)
+            stream.close()
 
 
 def run_command(args: argparse.Namespace) -> int:
