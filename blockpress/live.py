@@ -103,6 +103,16 @@ def terminal_columns(stream: TextIO) -> int:
         return 0
 
 
+def terminal_size(stream: TextIO) -> os.terminal_size:
+    """The size of the terminal `stream` is, asked of the terminal itself: shutil.get_terminal_size reads COLUMNS and
+    LINES first, and a stale or overridden one (COLUMNS=10, a resized window's old value) left copies of a redrawn
+    view behind or erased the lines above it. Else shutil's answer (its variables, then 80x24)."""
+    try:
+        return os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return shutil.get_terminal_size()
+
+
 def rows_of(text: str, columns: int) -> int:
     """Terminal rows `text` takes from column 0, wrapped as xterm does: a wide character that does not fit at
     the end of a row starts the next one, and a line exactly as wide as the screen takes one row."""
@@ -179,7 +189,7 @@ class LiveView:
     def __init__(self, tokenizer: Any, prompt: str, healed_prefix: str = "", color: bool = True,
                  out: TextIO | None = None, size: Any = None):
         self.tokenizer, self.color, self.out = tokenizer, color, out or sys.stdout
-        self.size = size or shutil.get_terminal_size  # () -> (columns, lines)
+        self.size = size or (lambda: terminal_size(self.out))  # () -> (columns, lines)
         self.healed_prefix = healed_prefix  # the first draft token repeats it (token healing): not drawn twice
         head, newline, self.tail = prompt.rpartition("\n")
         self.out.write(head + newline)  # the prompt's earlier lines are written once; its last one is redrawn

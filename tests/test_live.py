@@ -282,3 +282,27 @@ def test_the_loading_line_never_wraps_on_a_narrow_terminal():
     loading = out.decode().split("def f(x):")[0]  # the loading line's redraws, before the answer
     assert "loading" in loading or "…" in loading, out
     assert all(len(piece) < 20 for piece in loading.split("\r")), out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no pty")
+def test_the_view_sizes_itself_by_its_terminal_not_columns(monkeypatch):
+    """shutil.get_terminal_size reads COLUMNS and LINES first: a stale or overridden one (COLUMNS=10 in an 80-column
+    window) moved every redraw's cursor by the wrong count of rows, erasing the lines above or leaving copies."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main_fd, terminal_fd = pty.openpty()
+    try:
+        fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 20, 50, 0, 0))
+        monkeypatch.setenv("COLUMNS", "10")
+        monkeypatch.setenv("LINES", "300")
+        with open(terminal_fd, "w", closefd=False) as out:
+            view = LiveView(Chars("a"), "p", color=False, out=out)
+            assert tuple(view.size()) == (50, 20)
+        view = LiveView(Chars("a"), "p", color=False, out=io.StringIO())  # no terminal: the variables, as shutil
+        assert tuple(view.size()) == (10, 300)
+    finally:
+        os.close(main_fd)
+        os.close(terminal_fd)
