@@ -3900,16 +3900,25 @@ def test_chat_on_a_terminal_shows_a_gemma4_thought_dimmed_above_the_answer(tmp_p
     """On a terminal the thought is shown dimmed as it is written, the answer on a line of its own under it (it
     was "thought\\nLet me think.Hello there."); piped, stdout holds the answer alone."""
     reply = "<|channel>thought\nLet me think.<channel|>Hello there."
-    gemma4_chat(tmp_path, monkeypatch, [reply, reply])
+    gemma4_chat(tmp_path, monkeypatch, [reply, reply, reply])
     screen = TerminalIO()
     monkeypatch.setattr(sys, "stdin", TerminalIO("hi\n"))
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
     flags = ["chat", "--model", str(tmp_path), "--steps", "1", "--max-new-tokens", "60", "--threads", "1"]
     assert main(flags) == 0
     shown = screen.getvalue()
     assert "".join(re.findall("\x1b\\[2m(.*?)\x1b\\[0m", shown, re.DOTALL)) == "Let me think."  # all of it dim
     assert re.sub(r"\x1b\[[0-9;]*m", "", shown) == "you> model> Let me think.\nHello there.\nyou> "
+    # TERM=dumb (Emacs' shell) prints escapes as text: the thought was dimmed there too
+    monkeypatch.setenv("TERM", "dumb")
+    screen = TerminalIO()
+    monkeypatch.setattr(sys, "stdin", TerminalIO("hi\n"))
+    monkeypatch.setattr(sys, "stdout", screen)
+    assert main(flags) == 0
+    assert screen.getvalue() == "you> model> Let me think.\nHello there.\nyou> "
+    monkeypatch.setenv("TERM", "xterm-256color")
     piped = io.StringIO()
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
     monkeypatch.setattr(sys, "stdout", piped)
@@ -3961,6 +3970,7 @@ def test_chat_shows_and_keeps_the_answer_the_server_gives(name, tmp_path, monkey
     monkeypatch.setattr(sys, "stdin", TerminalIO("hi\nand again\n"))
     monkeypatch.setattr(sys, "stdout", screen)
     monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
     assert main(["chat", "--model", str(tmp_path), "--steps", "1", "--max-new-tokens", "96", "--threads", "1"]) == 0
     # the server's unstreamed answer to the same prompt and reply, read as serve reads a request without tools
     template, prefix = compile_template(gemma4_response_template()), tok.decode(prompts[0], skip_special_tokens=False)

@@ -26,6 +26,7 @@ from blockpress.cli.common import (
 )
 from blockpress.cli.output import out_of_memory, out_of_memory_message, release_device_memory
 from blockpress.files import parse_json
+from blockpress.live import live_terminal
 from blockpress.stopping import Stopped, fresh_line, stop_status, stop_word
 
 # A line of this alone opens a message of several lines, and the next one sends it (a code model's chat is sent
@@ -139,7 +140,7 @@ class ReplyReader:
     lm: Any
     prompt: list[int]  # the conversation's ids: the template's start_anchor in it marks where the reply began
     tokens: list[int] = dataclasses.field(default_factory=list)  # the reply's valid tokens so far (Commit)
-    color: bool = True  # the thought dimmed on screen (off: NO_COLOR, as generate's live view)
+    color: bool = True  # the thought dimmed on screen (off: NO_COLOR or TERM=dumb, as generate's live view)
     shown_thought: str = ""  # what `live` printed
     shown_answer: str = ""
     # the compiled template, or None where replies are text (no template, or one that reads no thought)
@@ -438,7 +439,8 @@ class ChatSession:
             ids = lm.chat_prompt(self.messages, **args.chat_template_kwargs)
             kw = self.reply_settings(ids)
             t0 = time.perf_counter()
-            reader = ReplyReader(lm, ids, color=not os.environ.get("NO_COLOR"))
+            # dimmed only where escapes show as such: not under NO_COLOR, TERM=dumb, or a Windows console without VT
+            reader = ReplyReader(lm, ids, color=not os.environ.get("NO_COLOR") and live_terminal(sys.stdout))
             # only what the conversation does not share with the cache is encoded (lm.chat_ids)
             if self.on_screen:
                 out = self.live_reply(lm.chat_stream(ids, cache=self.cache, return_cache=True, drafts=False, **kw),
