@@ -1599,7 +1599,7 @@ class Trainer:
     def _progress_bar(self) -> Any:
         """The progress bar of rank 0 (None: no progress asked, or another process); disabled where stderr is not
         a terminal (a log file would fill with its redraws): the loop then writes a plain line per metrics row."""
-        if not (self.progress and self.rank == 0):
+        if not (self.progress and self.rank == 0) or sys.stderr is None:  # (pythonw, a service: tqdm's AttributeError)
             return None
         from tqdm import tqdm
 

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -952,6 +953,16 @@ def test_without_a_terminal_progress_is_a_line_per_metrics_row(tmp_path, capsys)
     assert [x.split(",")[0] for x in lines] == ["train: step 2/6", "train: step 4/6", "train: step 6/6"]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [f"{r['loss']:.4f}" for r in rows] == [x.split("loss ")[1].split(",")[0] for x in lines]
+
+
+def test_progress_without_a_stderr_trains_quietly(tmp_path, monkeypatch, capsys):
+    """pythonw or a service has sys.stderr None: tqdm's bar failed at the start with an AttributeError, so the run
+    trained nothing and saved nothing."""
+    monkeypatch.setattr(sys, "stderr", None)
+    tc = TrainConfig(steps=2, batch_size=2, log_every=1, warmup_steps=0)
+    result = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), tc, tmp_path / "run", progress=True).train()
+    assert result.steps == 2 and (tmp_path / "run" / "model.safetensors").is_file()
+    assert capsys.readouterr().out == ""
 
 
 def test_the_bar_says_when_the_run_saves_or_evaluates(tmp_path, monkeypatch):
