@@ -753,6 +753,9 @@ class LM:
         # native bf16 matmuls): `save` writes it back, so a saved folder does not depend on the CPU that saved it.
         # None once lm.to names a dtype: the model is then saved in it.
         self.widened_from = widened_from
+        # quantized here from weights rounded below the checkpoint's own (a float32 folder loaded in bf16): other codes
+        # than load(..., quantize=) makes from the stored weights, so a save records no quantized_from
+        self.quantized_rounded = False
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
         _guard_fork()
@@ -799,9 +802,14 @@ class LM:
     def quantize(self, scheme: str) -> LM:
         """Quantize the model's projections in place: "int8" (weights), "fp8" (weights and activations, for
         GPUs with FP8 tensor cores) or "int4" (weights, for memory); see blockpress.quantize. Returns self."""
+        from .checkpoint import declared_dtype
         from .quantize import quantize
 
+        stored = declared_dtype(self.config) if self.path is not None and self.quantization is None else None
+        rounded = stored is not None and self.dtype != stored and not (
+            self.dtype == torch.float32 and stored in (torch.bfloat16, torch.float16))  # (widening keeps the values)
         quantize(self.model, check_scheme(scheme))
+        self.quantized_rounded = rounded
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
@@ -1972,8 +1980,9 @@ class LM:
     def _quantized_from(self) -> str | None:
         """The checkpoint a quantized model's codes were made from, as a LoRA run records its base (train.base_name),
         for a save's quantization_config: the folder it was loaded from, or the one a folder saved quantized names
-        itself; None for a plain model, random weights, or weights an adapter changed."""
-        if self.quantization is None or self.path is None or self.adapter is not None:
+        itself; None for a plain model, random weights, weights an adapter changed, or codes quantize made from weights
+        rounded below the checkpoint's (quantized_rounded)."""
+        if self.quantization is None or self.path is None or self.adapter is not None or self.quantized_rounded:
             return None
         from .train import base_name
 

@@ -316,6 +316,22 @@ def test_a_quantized_save_after_a_chdir_names_the_folder_it_was_loaded_from(tmp_
     assert lm.path == tmp_path / "one" / "base"
 
 
+def test_a_quantize_of_weights_rounded_below_the_checkpoints_names_no_origin(tmp_path):
+    """A float32 folder loaded in bf16, then lm.quantize: the codes are the bf16 rounding's, not those
+    load(..., quantize=) makes from the stored float32 weights, yet the save named the folder as quantized_from, so a
+    QLoRA adapter trained over it loaded over the folder quantized in the load without a warning (logits 0.25 off)."""
+    tiny_lm().save(tmp_path / "base")  # float32
+    def origin(lm, name):
+        lm.save(tmp_path / name)
+        return json.loads((tmp_path / name / "config.json").read_text())["quantization_config"].get("quantized_from")
+
+    assert origin(blockpress.load(tmp_path / "base", dtype="bfloat16").quantize("int4"), "rounded") is None
+    assert origin(blockpress.load(tmp_path / "base").to(dtype="bfloat16").quantize("int8"), "cast") is None
+    exact = str((tmp_path / "base").resolve())
+    assert origin(blockpress.load(tmp_path / "base").quantize("int4"), "own") == exact
+    assert origin(blockpress.load(tmp_path / "base", dtype="bfloat16", quantize="int4"), "in the load") == exact
+
+
 def test_qlora_adapters_trained_over_a_folder_saved_quantized_load_over_its_checkpoint_quantized_alike(tmp_path):
     """The other way round: adapters trained over a folder saved quantized (train --lora-rank --model Q) loaded over
     the checkpoint Q was quantized from with Q's scheme (generate --model PLAIN --adapter A --quantize int8) run over
