@@ -62,7 +62,7 @@ class KVCache:
     tokens: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # The model's weights_version when a generation filled it (None: none did): after lm.to or quantize the keys
     # are the old weights', and LM refuses to continue it.
-    weights_version: int | None = field(default=None, repr=False, compare=False)
+    weights_version: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     # A cache outlives the call that made it: its tensors are made outside torch.inference_mode, even under one, so
     # that it can be continued in either mode (an inference tensor refuses in-place writes outside inference mode).

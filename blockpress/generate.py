@@ -1665,12 +1665,12 @@ WEIGHTS_CHANGED = ("model: its weights changed (lm.to, lm.quantize, a training s
 
 
 @contextmanager
-def weights_unchanged(model: Any, version: int | None) -> Iterator[None]:
+def weights_unchanged(model: Any, version: tuple[int, int] | None) -> Iterator[None]:
     """Run a forward pass of a call whose cache holds keys of the weights at `version` (model.weights_version; None:
     unchecked). Once the weights changed in place (lm.to, quantize, a training step: another thread's, or the
     caller's between two events of a stream), refuse to go on, and say so where the pass failed on half-changed
     weights: a cast went on into torch's "Expected query, key, and value to have the same dtype", and a quantize
-    went on silently, the old weights' keys under the new ones. An integer compared a pass."""
+    went on silently, the old weights' keys under the new ones. Two integers compared a pass."""
     if version is not None and model.weights_version != version:
         raise RuntimeError(WEIGHTS_CHANGED)
     try:

@@ -1483,6 +1483,10 @@ class LM:
         if cache.batch_size != batch:
             raise ValueError(f"cache: holds {cache.batch_size} rows, the prompt has {batch}")
         if cache.length and cache.weights_version not in (None, self.model.weights_version):
+            if cache.weights_version[0] != self.model.weights_version[0]:
+                raise ValueError("cache: filled by another model (another LM's return_cache), so it holds that "
+                                 "model's keys and values; continue it with the LM that returned it, or start the "
+                                 "conversation anew (return_cache=True)")
             raise ValueError("cache: filled before this model's weights changed (lm.to, quantize, a training step), so it holds the "
                              "old weights' keys and values; start the conversation anew (return_cache=True)")
 

@@ -12,6 +12,7 @@ The model knows nothing of sampling. Module and parameter names follow the Huggi
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -492,15 +493,20 @@ def _cache_source(cache: KVCache, start: int, sliding_from: int) -> KVSource:
     return source
 
 
+# Each model's own first element of weights_version (itertools.count's next() is atomic under the GIL)
+MODEL_SERIALS = itertools.count()
+
+
 class DiffusionGemma(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         config.validate()
         self.config = config
-        # Counts in-place changes of the weights (a cast, a move, quantizing): keys and values encoded under another
-        # count are stale, so a KVCache records the count it was filled under and a PrefixCache too (LM._check_cache,
-        # PrefixCache.check_model).
-        self.weights_version = 0
+        # (this model's serial in the process, the in-place changes of its weights: a cast, a move, quantizing): keys
+        # and values encoded under another version are stale, or another model's, so a KVCache records the version it
+        # was filled under and a PrefixCache too (LM._check_cache, PrefixCache.check_model). A count alone began at 0
+        # in every model: one model's cache continued another's conversation unrefused.
+        self.weights_version: tuple[int, int] = (next(MODEL_SERIALS), 0)
         cfg = config.text
         # Built on the meta device (every load and random_model), nn.Embedding's own normal_ init runs through torch's
         # Python reference ops, whose first call imports torch._dynamo: 1.5-3.5 s of each process's first load (each
@@ -590,7 +596,7 @@ class DiffusionGemma(nn.Module):
 
     def weights_changed(self) -> None:
         """Say that the weights changed in place: keys and values encoded before are stale."""
-        self.weights_version += 1
+        self.weights_version = (self.weights_version[0], self.weights_version[1] + 1)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight

@@ -78,7 +78,7 @@ class PrefixCache:
     _next: int = field(default=0, repr=False)
     _layout: tuple | None = field(default=None, repr=False)
     _model: Any = field(default=None, repr=False)  # a weak reference to the model whose keys and values these are
-    _version: int | None = field(default=None, repr=False)  # that model's weights_version when they were encoded
+    _version: tuple[int, int] | None = field(default=None, repr=False)  # that model's weights_version when they were encoded
     _bytes: int = field(default=0, repr=False)
     # Guards _entries, _bytes, _next, the model fields and the counters. An entry's tensors never change once
     # made, so a row copies from an entry it holds without the lock (an eviction meanwhile only drops the dict's

@@ -189,6 +189,17 @@ def test_caches_filled_before_the_weights_changed_are_not_reused_after(change):
         lm.generate([7], cache=before.cache, **kw)
 
 
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_another_models_conversation_cache_is_refused(engine):
+    """Two models of one shape each began at weights_version 0, so one's return_cache continued a conversation on the
+    other unrefused (its keys and values under the other's weights); a model changed in place is told apart."""
+    a, b = (blockpress.random_model(blockpress.ModelConfig.tiny(), seed=s) for s in (0, 1))
+    cache = a.generate([3, 4, 5], max_new_tokens=4, max_denoising_steps=2, seed=0, return_cache=True).cache
+    with pytest.raises(ValueError, match=r"^cache: filled by another model \(another LM's return_cache\)"):
+        getattr(b, engine)([7], cache=cache, max_new_tokens=4)
+    getattr(a, engine)([7], cache=cache, max_new_tokens=4)  # its own model continues it
+
+
 def test_one_cache_shared_by_threads_that_generate_at_once(lm):
     """Threads encoding at once through one PrefixCache (request threads sharing an LM): its dict was iterated while
     another thread changed it (RuntimeError), an entry was evicted between lookup and load (KeyError), and the
