@@ -26,7 +26,6 @@ from blockpress.cli.common import (
 )
 from blockpress.cli.output import out_of_memory, out_of_memory_message, release_device_memory
 from blockpress.files import parse_json
-from blockpress.live import live_terminal
 from blockpress.stopping import Stopped, fresh_line, stop_status, stop_word
 
 # A line of this alone opens a message of several lines, and the next one sends it (a code model's chat is sent
@@ -439,6 +438,8 @@ class ChatSession:
             ids = lm.chat_prompt(self.messages, **args.chat_template_kwargs)
             kw = self.reply_settings(ids)
             t0 = time.perf_counter()
+            from blockpress.live import live_terminal
+
             # dimmed only where escapes show as such: not under NO_COLOR, TERM=dumb, or a Windows console without VT
             reader = ReplyReader(lm, ids, color=not os.environ.get("NO_COLOR") and live_terminal(sys.stdout))
             # only what the conversation does not share with the cache is encoded (lm.chat_ids)
