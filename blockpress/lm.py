@@ -383,10 +383,11 @@ def _named_as_given(given_as: dict[str, str]) -> Iterator[None]:
         raise
 
 
-def _generation_settings(config: Any) -> dict[str, Any]:
+def _generation_settings(config: Any, own: Mapping[str, Any]) -> dict[str, Any]:
     """generate's generation_config=: transformers' (Diffusion Gemma)GenerationConfig or a plain dict, as
     generation_config.json's fields: what it sets (its unset None values, metadata and the reference's cache
-    settings left out). A field blockpress does not read is refused: per call, it would look in effect."""
+    settings left out). A field blockpress does not read is refused: per call, it would look in effect; so is a
+    token_healing other than the checkpoint's `own` (the CLI's default: a call passes token_healing= itself)."""
     if isinstance(config, dict):
         raw = dict(config)
     elif callable(getattr(config, "to_diff_dict", None)):  # what differs from the class's defaults: what is set
@@ -402,6 +403,8 @@ def _generation_settings(config: Any) -> dict[str, Any]:
             raise ValueError(f"generation_config: return_dict_in_generate: false is not a blockpress setting; "
                              f"{TRANSFORMERS_HINTS[key]}")
         if key == "token_healing":  # a checkpoint's default for the CLI, which generate's own argument is per call
+            if value == own.get("token_healing"):  # the checkpoint's settings passed back: nothing asked
+                continue
             raise ValueError("generation_config: token_healing: a checkpoint's default for `blockpress generate`; "
                              f"per call pass token_healing={value!r} itself")
         if key not in KNOWN_GENERATION_KEYS:
@@ -1290,7 +1293,7 @@ class LM:
         gen = dict(self.generation_config)
         call_settings: dict[str, Any] = {}
         if hf.get("generation_config") is not None:
-            call_settings = _generation_settings(hf["generation_config"])
+            call_settings = _generation_settings(hf["generation_config"], self.generation_config)
             if "sampler_config" in call_settings and "entropy_bound" not in call_settings:
                 gen.pop("entropy_bound", None)  # blockpress's spelling, which wins over sampler_config in one dict
             gen.update(call_settings)

@@ -148,6 +148,10 @@ def test_generation_config_token_healing_is_refused_for_the_argument(lm, ids):
     for call in (lm.generate, lm.generate_ar):
         with pytest.raises(ValueError, match=r"^generation_config: token_healing: .*pass token_healing=True itself"):
             call(ids, 4, generation_config={"token_healing": True})
+    # a tuned model's own settings passed back (blockpress train writes token_healing false) are taken as they are
+    tuned = blockpress.LM(lm.model, lm.tokenizer, {"token_healing": False, "max_new_tokens": 6})
+    out = tuned.generate(ids, seed=1, generation_config={**tuned.generation_config, "max_new_tokens": 4}, **STEPS)
+    assert torch.equal(out.sequences, tuned.generate(ids, 4, seed=1, **STEPS).sequences)
 
 
 def stopping_token(lm, ids):
