@@ -108,9 +108,11 @@ def terminal_size(stream: TextIO) -> os.terminal_size:
     LINES first, and a stale or overridden one (COLUMNS=10, a resized window's old value) left copies of a redrawn
     view behind or erased the lines above it. Else shutil's answer (its variables, then 80x24)."""
     try:
-        return os.get_terminal_size(stream.fileno())
+        size = os.get_terminal_size(stream.fileno())
     except (OSError, ValueError, AttributeError):
         return shutil.get_terminal_size()
+    # a pty no one sized (ssh -tt from a script, os.openpty) says 0 x 0: unknown, as shutil reads it
+    return size if size.columns > 0 and size.lines > 0 else shutil.get_terminal_size()
 
 
 def rows_of(text: str, columns: int) -> int:

@@ -303,6 +303,10 @@ def test_the_view_sizes_itself_by_its_terminal_not_columns(monkeypatch):
             assert tuple(view.size()) == (50, 20)
         view = LiveView(Chars("a"), "p", color=False, out=io.StringIO())  # no terminal: the variables, as shutil
         assert tuple(view.size()) == (10, 300)
+        # a terminal that reports no size (0 x 0: a pty no one sized) is unknown: the variables again
+        fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        with open(terminal_fd, "w", closefd=False) as out:
+            assert tuple(LiveView(Chars("a"), "p", color=False, out=out).size()) == (10, 300)
     finally:
         os.close(main_fd)
         os.close(terminal_fd)
