@@ -1220,19 +1220,17 @@ class Reply:
             start = self.readable_start(done.raw)
             if start is None:
                 log.warning("serve: the response template cannot read a reply (%s), so it is answered as text", exc)
-                # but for a thought before the call it cannot read, which a stream sent apart as it was written (the
-                # whole answer then held the thought again in its content): kept apart, as a reply without tools does
-                answer = None if self.read_regions is None or self.plain is None else \
-                    thought_then_text(self.read_regions, self.plain, done.raw)
-                return None if answer is None else {"message": answer, "finish_reason": done.finish}
+                return self.text_answer(done)
             # a call cut by max_tokens, or a malformed one, after calls that closed: those are answered (a stream
             # sent each as it closed), the rest dropped, as parallel_tool_calls false drops a reply's later calls
             log.warning("serve: the response template cannot read the end of a reply (%s); the calls it closed "
                         "before are answered, the rest dropped", exc)
             parsed = start
         calls = self.calls(parsed.get("tool_calls"), ids)
+        if calls is None:  # its first call has a shape OpenAI's calls have not (logged): text, as above
+            return self.text_answer(done)
         reasoning = parsed.get("reasoning_content")
-        if calls is None or not (calls or isinstance(reasoning, str)):
+        if not (calls or isinstance(reasoning, str)):
             return None
         reasoning = reasoning or None  # (an empty thought: none to show)
         content = parsed.get("content")
@@ -1243,6 +1241,14 @@ class Reply:
         if reasoning is not None:  # what vLLM and DeepSeek's API call it
             message["reasoning_content"] = reasoning
         return {"message": message, "finish_reason": "tool_calls" if calls and done.finish == "stop" else done.finish}
+
+    def text_answer(self, done: JobDone) -> dict | None:
+        """A reply with tools answered as text (None: its plain text) but for a thought before the call that made it
+        text, which a stream sent apart as it was written (the whole answer then held the thought again in its
+        content): kept apart, as a reply without tools does."""
+        answer = None if self.read_regions is None or self.plain is None or done.raw is None else \
+            thought_then_text(self.read_regions, self.plain, done.raw)
+        return None if answer is None else {"message": answer, "finish_reason": done.finish}
 
     def readable_start(self, raw: str) -> dict[str, Any] | None:
         """A reply the response template cannot read whole, read up to there: the tool calls, content and thought of
@@ -1290,7 +1296,8 @@ class Reply:
 
 def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
     """A parsed message's tool calls as OpenAI's (ids from `ids`, then new ones; arguments as JSON text); None where
-    one has a shape that is not {"type": "function", "function": {"name": ..., "arguments": ...}}, which is logged."""
+    one has a shape that is not {"type": "function", "function": {"name": ..., "arguments": ...}}, which is logged.
+    A call whose arguments are no JSON object ends them: the calls before it (None where it is the first)."""
     calls = []
     for k, call in enumerate([found] if isinstance(found, dict) else found or []):  # (a field without "repeats")
         function = call.get("function") if isinstance(call, dict) else None
@@ -1308,10 +1315,11 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
             arguments_value = arguments
         if not isinstance(arguments_value, dict):
             # OpenAI's arguments are an object's JSON, and the server refuses any other in the assistant message an
-            # agent sends back next turn (a template prints them as an object's keys): the reply is text
-            log.warning("serve: the response template gave a tool call whose arguments are no object, %.200r; the "
-                        "reply is answered as text", call)
-            return None
+            # agent sends back next turn (a template prints them as an object's keys): the calls before it are the
+            # answer, the rest dropped (as after a malformed call); as the first, the reply is text
+            log.warning("serve: the response template gave a tool call whose arguments are no object, %.200r; %s",
+                        call, "the reply is answered as text" if k == 0 else "it and the calls after it are dropped")
+            return calls or None
         calls.append({"id": ids[k] if k < len(ids) else "call_" + uuid.uuid4().hex[:24], "type": "function",
                       "function": {"name": function["name"], "arguments": arguments if isinstance(arguments, str)
                                    else json.dumps(arguments, ensure_ascii=False)}})

@@ -2594,7 +2594,7 @@ def test_a_reply_without_tools_streams_its_leading_whitespace_with_its_text(tmp_
 
 @settings(max_examples=150, deadline=None)
 @given(st.sampled_from(["", "  ", "\n"]), st.booleans(), st.sampled_from(["", "Checking.", " a < b ", "Sure: "]),
-       st.lists(st.sampled_from(["good", "bad"]), max_size=2), st.sampled_from(["", "<turn|>", "cut"]), st.booleans(),
+       st.lists(st.sampled_from(["good", "bad", "list"]), max_size=2), st.sampled_from(["", "<turn|>", "cut"]), st.booleans(),
        st.data())
 def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end, tools, data):
     """A request with or without tools, its reply cut into chunks anywhere between its tokens: the chunks that the
@@ -2625,7 +2625,7 @@ def test_a_streamed_reply_adds_up_to_its_answer(lead, thought, text, calls, end,
     atoms = [lead, *(["<|channel>", "thought\nLet me think.", "<channel|>"] if thought else []), text]
     for call in calls:
         atoms += ["<|tool_call>", "call:weather", *(["{city:", '<|"|>', "Oslo", '<|"|>', "}"] if call == "good"
-                                                     else ["{city:}"]), "<tool_call|>",
+                                                     else ["[1,2]"] if call == "list" else ["{city:}"]), "<tool_call|>",
                   # (with tools, text after a call is the documented exception: the content keeps its last part)
                   *([] if tools else [" then"])]
     if end == "cut":  # max_tokens ends the reply inside a call
