@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -12,6 +13,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # test's own threads, a subprocess beside the test) two OpenMP threads wait on each other at every op: 20 training
 # steps of test_train.py's model took 15-27 s on two threads and 0.9-1.1 s on one, side by side on a loaded machine.
 torch.set_num_threads(1)
+
+# A background job of a non-interactive shell (`pytest ... &` in a script) starts with SIGINT ignored, which a training
+# run rightly leaves ignored (nohup's SIGHUP alike): the tests that send themselves a Ctrl-C assume Python's own
+# handler, which an interactive run has, and ran on past it. The tests of an ignored signal set one themselves.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Property tests draw the same examples on every run ("ci", the default): a failure then reproduces, and CI's
 # verdict does not hang on which examples a run happened to draw. A batch row equals its run alone only up to
