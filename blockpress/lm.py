@@ -229,6 +229,11 @@ def _padding_to_the_left(
     return left.to(ids.device), None if left_mask is None else left_mask.to(ids.device)
 
 
+def keeps_values(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting `source` weights to `target` keeps every value (bf16 and fp16 widen to float32 exactly)."""
+    return source == target or (target == torch.float32 and source in (torch.bfloat16, torch.float16))
+
+
 def _model_bytes(model: DiffusionGemma, dtype: torch.dtype) -> int:
     """The bytes `model` takes with its parameters in `dtype`: what moving or casting it there allocates (its buffers,
     rotary tables and masks, keep their own dtype)."""
@@ -756,9 +761,10 @@ class LM:
         # native bf16 matmuls): `save` writes it back, so a saved folder does not depend on the CPU that saved it.
         # None once lm.to names a dtype: the model is then saved in it.
         self.widened_from = widened_from
-        # quantized here from weights rounded below the checkpoint's own (a float32 folder loaded in bf16): other codes
-        # than load(..., quantize=) makes from the stored weights, so a save records no quantized_from
-        self.quantized_rounded = False
+        # The weights were held in a dtype that rounds the checkpoint's (a float32 folder loaded or cast to bf16, even if
+        # cast back): lm.quantize then makes other codes than load(..., quantize=) makes from the stored weights, so a
+        # save records no quantized_from (load sets it; lm.to sets it on a rounding cast)
+        self.weights_rounded = False
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
         _guard_fork()
@@ -805,14 +811,9 @@ class LM:
     def quantize(self, scheme: str) -> LM:
         """Quantize the model's projections in place: "int8" (weights), "fp8" (weights and activations, for
         GPUs with FP8 tensor cores) or "int4" (weights, for memory); see blockpress.quantize. Returns self."""
-        from .checkpoint import declared_dtype
         from .quantize import quantize
 
-        stored = declared_dtype(self.config) if self.path is not None and self.quantization is None else None
-        rounded = stored is not None and self.dtype != stored and not (
-            self.dtype == torch.float32 and stored in (torch.bfloat16, torch.float16))  # (widening keeps the values)
         quantize(self.model, check_scheme(scheme))
-        self.quantized_rounded = rounded
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
@@ -889,6 +890,7 @@ class LM:
         if target_dtype == self.dtype:  # a quantized model's float32 scales keep their dtype
             self.model.to(target_device)
         else:
+            self.weights_rounded |= not keeps_values(self.dtype, target_dtype)
             self.model.to(target_device, target_dtype)
         if chosen is not None:  # named now: the dtype saved too
             self.widened_from = None
@@ -1988,8 +1990,8 @@ class LM:
         """The checkpoint a quantized model's codes were made from, as a LoRA run records its base (train.base_name),
         for a save's quantization_config: the folder it was loaded from, or the one a folder saved quantized names
         itself; None for a plain model, random weights, weights an adapter changed, or codes quantize made from weights
-        rounded below the checkpoint's (quantized_rounded)."""
-        if self.quantization is None or self.path is None or self.adapter is not None or self.quantized_rounded:
+        rounded below the checkpoint's (weights_rounded)."""
+        if self.quantization is None or self.path is None or self.adapter is not None or self.weights_rounded:
             return None
         from .train import base_name
 
@@ -2233,8 +2235,12 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     # Merged weights are not the checkpoint's: written back in the dtype the load widened from (bf16), the update
     # merged in float32 would be rounded to the base weights' step, as a LoRA run's own checkpoint is not (float32)
     widened_from = plan.widened_from if adapter is None else None
-    return LM(model, tokenizer, generation, passthrough=passthrough, path=path, adapter=adapter,
-              widened_from=widened_from)
+    lm = LM(model, tokenizer, generation, passthrough=passthrough, path=path, adapter=adapter,
+            widened_from=widened_from)
+    # (codes made in the load, or stored, are the stored weights': only a plain load's rounding counts)
+    lm.weights_rounded = quantize is None and not plan.quantized and plan.stored is not None and \
+        not keeps_values(plan.stored, plan.dtype)
+    return lm
 
 
 @outside_inference_mode

@@ -1298,7 +1298,7 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
     """A parsed message's tool calls as OpenAI's (ids from `ids`, then new ones; arguments as JSON text); None where
     one has a shape that is not {"type": "function", "function": {"name": ..., "arguments": ...}}, which is logged.
     A call whose arguments are no JSON object ends them: the calls before it (None where it is the first)."""
-    calls = []
+    calls: list[dict] = []
     for k, call in enumerate([found] if isinstance(found, dict) else found or []):  # (a field without "repeats")
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):

@@ -327,6 +327,13 @@ def test_a_quantize_of_weights_rounded_below_the_checkpoints_names_no_origin(tmp
 
     assert origin(blockpress.load(tmp_path / "base", dtype="bfloat16").quantize("int4"), "rounded") is None
     assert origin(blockpress.load(tmp_path / "base").to(dtype="bfloat16").quantize("int8"), "cast") is None
+    round_trip = blockpress.load(tmp_path / "base").to(dtype="bfloat16").to(dtype="float32")  # rounded all the same
+    assert origin(round_trip.quantize("int8"), "round trip") is None
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)  # the stored tensors' dtype tells it then
+    shutil.copytree(tmp_path / "base", tmp_path / "undeclared")
+    (tmp_path / "undeclared" / "config.json").write_text(json.dumps(config))
+    assert origin(blockpress.load(tmp_path / "undeclared", dtype="bfloat16").quantize("int4"), "undeclared") is None
     exact = str((tmp_path / "base").resolve())
     assert origin(blockpress.load(tmp_path / "base").quantize("int4"), "own") == exact
     assert origin(blockpress.load(tmp_path / "base", dtype="bfloat16", quantize="int4"), "in the load") == exact
