@@ -1702,6 +1702,7 @@ def run(
         raise ValueError(f"noise_token_id: {noise_token_id} is outside the vocabulary (size {vocab})")
 
     t0 = time.perf_counter()
+    given = cache is not None  # the caller's: a stream left before Done hands back no other
     with torch.no_grad():
         cache, _, reused = _encode_prompt(model, req, prompt, cache, prompt.shape[1] + n_new + canvas_len, logits=False)
     device_sync(device)
@@ -1717,7 +1718,7 @@ def run(
             t_canvas = time.perf_counter()
             state = yield from dec.denoise(canvas)
             if state is None:  # cancelled: the stream ends here, saying what it did
-                if keep_cache:
+                if given:
                     cache.compact()
                 yield Cancelled(dec.passes.cpu(), dec.written.cpu())
                 return
@@ -1750,7 +1751,7 @@ def run(
             if last:
                 break
     except GeneratorExit:  # a stream left midway keeps what it encoded, each row as it would be alone
-        if keep_cache:
+        if given:
             cache.compact()
         raise
 
