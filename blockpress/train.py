@@ -1362,6 +1362,12 @@ class Trainer:
                 self.lm.model = merge_lora(self.model, self.merged_dtype)
                 self.lm.save(self.out, dtype=self.merged_dtype, files=files)
                 done = "lora" not in state
+            elif (self.out / "config.json").is_file():
+                # A save mid-run after an earlier end (a run its clock stopped, resumed): that end's merged checkpoint
+                # is behind the adapters now, and `--model OUT` loaded it rather than its base with the adapters so far
+                for file in [self.out / "config.json", self.out / "model.safetensors.index.json",
+                             *self.out.glob("model*.safetensors")]:
+                    files.remove(file)
             # The settings again as JSON: `--resume` reads them without loading the optimizer state.
             files.write_text(self.out / TRAIN_CONFIG_FILE, json.dumps(asdict(self.cfg), indent=2) + "\n")
             # lora_base.json goes after trainer_state.pt: a kill between leaves a finished run, which --resume

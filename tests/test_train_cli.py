@@ -1008,6 +1008,34 @@ def test_a_lora_run_stopped_by_its_clock_resumes(tmp_path, capsys):
     assert not (tmp_path / "cut" / "lora_base.json").exists()  # finished: nothing left to resume
 
 
+def test_a_lora_run_resumed_after_its_clock_stopped_it_drops_that_merged_checkpoint_when_it_saves(tmp_path,
+                                                                                                 monkeypatch):
+    """The clock's stop merged the adapters into --out; resumed and saved mid-run (a Ctrl-C here), the adapters moved
+    on while that merged checkpoint stayed, and `--model OUT` ("its base with the adapters so far") loaded it."""
+    pytest.importorskip("peft")
+    from blockpress.train import Trainer
+
+    data = write_data(tmp_path / "d.jsonl")
+    assert main(train_args(data, tmp_path / "base", steps=1)) == 0
+    lora = [a for a in train_args(data, tmp_path / "cut", steps=50) if a not in ("--config", "tiny")] + [
+        "--model", str(tmp_path / "base"), "--lora-rank", "2", "--warmup-steps", "3", "--lr", "1e-2"]
+    assert main(lora + ["--max-minutes", "1e-5"]) == 0
+    assert (tmp_path / "cut" / "config.json").is_file()  # merged at the clock's stop
+    real = Trainer.train_step
+
+    def step_then_ctrl_c(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # the run saves after this step, to be resumed
+        return result
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_ctrl_c)
+    assert main(lora + ["--resume", "--max-minutes", "0"]) == 130
+    assert not (tmp_path / "cut" / "config.json").exists() and not (tmp_path / "cut" / "model.safetensors").exists()
+    ids, canvas = torch.tensor([[2, 5, 6, 7]]), torch.full((1, 8), 5)
+    now, adapters = blockpress.load(tmp_path / "cut"), blockpress.load(tmp_path / "cut" / "adapter")
+    assert torch.equal(now.logits(ids, canvas), adapters.logits(ids, canvas))
+
+
 def test_held_out_examples_from_a_file_of_their_own(tmp_path, capsys):
     """--heldout-data was refused with JSONL data ("for token-shard data", though it takes raw text too), and a
     JSONL file of examples given with raw text was to be "renamed" to the name it had."""
