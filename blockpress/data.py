@@ -373,6 +373,20 @@ def left_out(path: str | Path) -> str | None:
 TRAIN_CONFIG_FILE = "train_config.json"  # a training run's settings, beside its trainer_state.pt (train.py)
 TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
 RUN_FILES = (TRAIN_CONFIG_FILE, TRAINER_STATE_FILE)  # what marks a training run's folder
+METRICS_FILE = "metrics.jsonl"  # a run's log (train.py), a row a line: all a run that stopped before its first save left
+
+
+def _is_run_log(path: Path) -> bool:
+    """Whether `path` is a training run's metrics.jsonl: its first line one of the run's rows ({"step": ..., "loss":
+    ...}), not data that happens to bear the name."""
+    if path.name != METRICS_FILE:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            row = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and "step" in row and ("loss" in row or "stopped" in row)
 
 
 def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
@@ -381,12 +395,13 @@ def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     a project folder's .venv put its site-packages into the training text (91% of the tokens of a one-file project),
     and a .ipynb_checkpoints folder a second copy of each file. `hidden`: those left out, instead.
 
-    A training run's folder below `folder` (one holding RUN_FILES) is left out too, its files being the run's, not
-    data: `train --data . --out run` read run/metrics.jsonl as data when it was resumed, and every later run on the
-    same folder failed on it."""
+    A training run's folder below `folder` (one holding RUN_FILES, or the log of a run that stopped before its first
+    save) is left out too, its files being the run's, not data: `train --data . --out run` read run/metrics.jsonl as
+    data when it was resumed (or run again after a divergence at step 2), and every later run on the same folder
+    failed on it."""
     found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
     paths = sorted(folder.rglob("*"))
-    runs = {p.parent for p in paths if p.name in RUN_FILES and p.parent != folder}
+    runs = {p.parent for p in paths if (p.name in RUN_FILES or _is_run_log(p)) and p.parent != folder}
     for file in paths:
         if file.is_file() and file.suffix.lower() in found and not runs.intersection(file.parents) and \
                 hidden == any(part.startswith(".") for part in file.relative_to(folder).parts):

@@ -632,7 +632,7 @@ def test_a_data_folder_leaves_its_hidden_folders_out(tmp_path, tok):
     assert left_out(data).startswith("leaves out 1 hidden file, named or inside a folder named with a leading '.'")
 
 
-@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt"])
+@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt", None])
 def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, marker):
     """`train --data dd --out dd/run`: resumed, the run read dd/run/metrics.jsonl as data ("expected 'prompt'+
     'response'"), and a raw-text folder then held "JSONL files and raw text"; every later run on dd failed alike. A
@@ -642,12 +642,21 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
     (data / "train.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     (data / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     (data / "run" / "adapter" / "notes.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # a folder inside a run
-    (data / "run" / marker).write_text("{}")
+    if marker is not None:  # None: a run that stopped before its first save (a divergence) left its log alone
+        (data / "run" / marker).write_text("{}")
     assert jsonl_files(data) == [data / "train.jsonl"] and len(load_jsonl(data, tok)) == 1
     (data / "train.jsonl").unlink()
     (data / "main.py").write_text("def main():\n    return 1\n")
     assert load_text(data, tok).arrays[0].tolist() == tok.encode("def main():\n    return 1\n") + [tok.eos_id]
     assert jsonl_files(data / "run") == [data / "run" / "adapter" / "notes.jsonl", data / "run" / "metrics.jsonl"]
+
+
+def test_data_named_metrics_jsonl_is_still_data(tmp_path, tok):
+    """Only a run's own log (rows of step and loss) marks its folder as a run's: data that bears the name is read."""
+    data = tmp_path / "dd"
+    (data / "eval").mkdir(parents=True)
+    (data / "eval" / "metrics.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    assert jsonl_files(data) == [data / "eval" / "metrics.jsonl"] and len(load_jsonl(data, tok)) == 1
 
 
 def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
