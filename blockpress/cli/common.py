@@ -425,7 +425,7 @@ class TypedFlag(argparse.Action):
 
 # The flags that name a file or folder to read or write (each command's that has it: generate's and infill's --input
 # and --output, sudoku's --file, train's --data, --heldout-data, --train-config and --out, bench's --out and --plot)
-PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot")
+PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot", "config")
 
 
 def expand_path_flags(args: argparse.Namespace) -> None:
@@ -437,10 +437,12 @@ def expand_path_flags(args: argparse.Namespace) -> None:
 
     for name in PATH_FLAGS:
         value = getattr(args, name, None)
+        # (quantize's folder is its argument OUT, not a flag)
+        flag = "OUT" if (name, getattr(args, "command", None)) == ("out", "quantize") else \
+            typed_flag(args, "--" + name.replace("_", "-"))
+        if value == "":  # an unset variable in a script (`--out "$OUT"`): bench wrote nothing and said nothing
+            raise ValueError(f"{flag}: an empty path; give a file or folder name")
         if isinstance(value, str) and value.startswith("~"):
-            # (quantize's folder is its argument OUT, not a flag)
-            flag = "OUT" if (name, getattr(args, "command", None)) == ("out", "quantize") else \
-                typed_flag(args, "--" + name.replace("_", "-"))
             setattr(args, name, str(expand_user(value, flag)))
 
 
