@@ -4376,6 +4376,25 @@ def test_generate_input_refuses_a_bad_line_by_file_and_line_before_running(tmp_p
     assert main(["generate", "--model", MODEL]) == 2 and "got neither" in capsys.readouterr().err
 
 
+def test_generate_ar_input_checks_its_flags_and_every_line_before_the_output_is_made(tmp_path, capsys):
+    """--ar --input checked only as each batch ran: a line whose own max_new_tokens was below --min-new-tokens was
+    refused after the lines before it were written, naming no line ("max_new_tokens[0]"), and a bad --top-p left an
+    empty --output that the rerun then had to --overwrite."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "def f():"}) + "\n" + json.dumps({"prompt": "g", "max_new_tokens": 2}) + "\n")
+    base = ["generate", "--input", str(src), "--output", str(out), "--model", MODEL, "--ar", "--batch-size", "1",
+            "--threads", "1"]
+    assert main([*base, "--min-new-tokens", "4", "--max-new-tokens", "6"]) == 2
+    assert f"{src}:2: min_new_tokens: expected an integer in [0, max_new_tokens=2], got 4" in capsys.readouterr().err
+    assert not out.exists()
+    for flags, says in [(["--top-p", "0"], "--top-p: expected a probability"),
+                        (["--max-new-tokens", "0"], "--max-new-tokens: expected a positive integer, got 0"),
+                        (["--min-new-tokens", "3", "--max-new-tokens", "2"], "--min-new-tokens: expected an integer")]:
+        assert main([*base, *flags]) == 2
+        assert says in capsys.readouterr().err and not out.exists(), flags
+    assert main([*base, "--max-new-tokens", "3"]) == 0 and len(out.read_text().splitlines()) == 2
+
+
 def test_input_whose_lines_end_in_cr_alone_is_said_to():
     """A file saved with classic Mac OS line endings (a CR alone) was one line to the reader, refused as 'not JSON
     (Extra data, column 17)', which said nothing of why: the endings are named, with how to save it; its lines

@@ -245,6 +245,15 @@ def generate_file(args: argparse.Namespace) -> int:
     wanted = healing_wanted(lm, args)
     if not args.ar:  # the flags alone, on a one-token prompt: their errors name the flag, not a line
         lm.stream("x", max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, **kw)
+    else:  # generate_ar checks as it runs: run on a one-token prompt for the fewest tokens the flags allow, before
+        # --output is made (a bad --top-p left an empty file that a rerun then had to --overwrite)
+        least = max(args.min_new_tokens or 0, 1)
+        given = args.max_new_tokens  # (one below the minimum, or 0, is refused as given)
+        lm.generate_ar("x", max_new_tokens=given if given is not None and given < least else least,
+                       min_new_tokens=args.min_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                       stop=args.stop, seed=args.seed)
     ready: dict[int, FileRow] = {}
     for row, chat in zip(rows, chats, strict=True):
         where = f"{name}:{row.line}"
@@ -267,8 +276,11 @@ def generate_file(args: argparse.Namespace) -> int:
             if budget is None:  # the checkpoint's default, as the run alone counts it: after the prompt (healed)
                 budget = lm.default_new_tokens(len(heal(lm.tokenizer, ids).ids) if healing else len(ids))
             seed = row.seed if row.seed is not None else args.seed
-            if args.ar:  # (generate_ar runs as it checks: only the context is checked here)
+            if args.ar:  # (generate_ar runs as it checks: the line's own settings are checked here)
                 context = lm.config.text.max_position_embeddings
+                if (args.min_new_tokens or 0) > budget:  # refused by the line, not mid-file by a batch
+                    raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={budget}], got "
+                                     f"{args.min_new_tokens}")
                 if len(ids) + budget > context:
                     raise ValueError(f"prompt: {len(ids)} prompt + {budget} new tokens exceed the model's context "
                                      f"of {context} tokens")
