@@ -311,11 +311,20 @@ def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], s
             raise ValueError(f"{path}:{number}: settings: expected an object of the settings the line was made with, "
                              f"got {json.dumps(held)[:40]}")
         for key in [*wanted, *(k for k in held if k not in wanted)]:
-            if held.get(key) != wanted.get(key):
+            if held.get(key) != wanted.get(key) and not _same_folder(key, held.get(key), wanted.get(key)):
                 raise ValueError(f"{flag(key)}: {path}:{number} was written {_with(held, key)}, this run "
                                  f"{_asks(wanted, key)}; resume with the flags the output was made with, or give "
                                  "--overwrite to start it again")
     return unchecked
+
+
+def _same_folder(key: str, held: Any, wanted: Any) -> bool:
+    """A --model or --adapter that lines written before it was recorded by its resolved folder hold as typed, relative
+    to this run's working directory: the folder this run names."""
+    if key not in ("model", "adapter") or not isinstance(held, str) or not isinstance(wanted, str):
+        return False
+    folder = Path(held).expanduser()
+    return not folder.is_absolute() and folder.exists() and str(folder.resolve()) == wanted
 
 
 def _with(settings: dict[str, Any], key: str) -> str:

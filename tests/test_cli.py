@@ -4699,6 +4699,38 @@ def test_resume_refuses_an_output_made_with_other_settings_by_flag_before_the_mo
     assert f"--hole-length: {filled}:1 was written with 8, this run asks 4;" in capsys.readouterr().err
 
 
+def test_resume_knows_a_model_folder_however_it_is_spelled(tmp_path, capsys, monkeypatch):
+    """--resume compared --model as typed: the same folder given as --model=~/code, or relatively from its parent,
+    was refused, while two folders each typed `m` from two working directories were taken as one (the output then
+    held lines of two models). A folder is recorded by where it is; a line of before that holds it as typed,
+    relative to this run's working directory, still matches."""
+    home = tmp_path / "home"
+    from blockpress.cli.common import load_model
+
+    lm = load_model("random-tiny", None, "cpu")  # (a tokenizer with it, for the text prompts)
+    for folder in (home / "code", tmp_path / "A" / "m", tmp_path / "B" / "m"):
+        lm.save(folder)
+    monkeypatch.setenv("HOME", str(home))
+    src, out = write_input(tmp_path / "in.jsonl", INPUT_LINES[:2]), tmp_path / "out.jsonl"
+    run = ["generate", "--input", str(src), "--output", str(out), "--max-new-tokens", "2", "--steps", "1",
+           "--threads", "1", "--seed", "1"]
+    assert main([*run, "--model", str(home / "code")]) == 0
+    assert json.loads(out.read_text().splitlines()[0])["settings"]["model"] == str((home / "code").resolve())
+    monkeypatch.chdir(home)
+    for spelling in ("--model=~/code", "--model=code"):
+        assert main([*run, spelling, "--resume"]) == 0 and "holds every line" in capsys.readouterr().err
+    legacy = [json.loads(line) for line in out.read_text().splitlines()]
+    for line in legacy:
+        line["settings"]["model"] = "code"
+    out.write_text("".join(json.dumps(line) + "\n" for line in legacy))
+    assert main([*run, "--model", "code", "--resume"]) == 0
+    monkeypatch.chdir(tmp_path / "A")
+    assert main([*run, "--model", "m", "--overwrite"]) == 0
+    monkeypatch.chdir(tmp_path / "B")
+    assert main([*run, "--model", "m", "--resume"]) == 2
+    assert f"was written with {tmp_path / 'A' / 'm'}, this run asks {tmp_path / 'B' / 'm'}" in capsys.readouterr().err
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.sampled_from(["seed", "steps", "model"]), st.integers(0, 2) | st.booleans()),
        st.dictionaries(st.sampled_from(["seed", "steps", "model"]), st.integers(0, 2) | st.booleans()))

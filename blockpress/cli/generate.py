@@ -397,6 +397,12 @@ def run_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
             value = value.split(":")[0]  # (cuda:1's rows are cuda:0's)
         if name == "no_token_healing" and value is False:
             name, value = "token_healing", True
+        if name in ("model", "adapter") and isinstance(value, str) and value:
+            # a folder by where it is, however it was spelled (--model=~/code, code from its parent, an absolute
+            # path): as typed, the same folder was refused on resuming, and two folders both typed `m` from two
+            # working directories were taken as one (a shipped or hub name stays as it is)
+            folder = Path(value).expanduser()
+            value = str(folder.resolve()) if folder.exists() else value
         if value is not None and value is not False and value != {} and value != []:
             settings[name] = value
     return settings
