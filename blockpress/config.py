@@ -215,16 +215,18 @@ class TextConfig:
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
             # A flat rope dict applies to every layer type.
             self.rope_parameters = {kind: dict(self.rope_parameters) for kind in (SLIDING, FULL)}
-            self._given_flat = {"rope_parameters"}  # (not a field: its errors name the flat dict the file holds)
-        self._given_flat = getattr(self, "_given_flat", set())
+            # (not a field: what __post_init__ drew from the file's flat forms, whose errors name those forms while
+            # the values are still the ones drawn; a value set after construction is named as it is)
+            self._drawn = {"rope_parameters": copy.deepcopy(self.rope_parameters)}
+        self._drawn = getattr(self, "_drawn", {})
         if self.per_layer_config is None:
-            self._given_flat.add("per_layer_config")  # drawn from global_head_dim / num_global_key_value_heads
             override: dict[str, int] = {"head_dim": self.global_head_dim}
             if self.num_global_key_value_heads is not None:
                 override["num_key_value_heads"] = self.num_global_key_value_heads
             self.per_layer_config = {
                 str(i): dict(override) for i, kind in enumerate(layer_types) if kind == FULL
             }
+            self._drawn["per_layer_config"] = copy.deepcopy(self.per_layer_config)  # from global_head_dim / ...
         else:
             # transformers writes the keys zero-padded to the widest index ("05" of 30 layers) and reads int(key)
             layers: dict[str, dict[str, int]] = {}
@@ -375,7 +377,7 @@ class TextConfig:
             unknown = set(over) - {"head_dim", "num_key_value_heads"}
             need(not unknown, f"per_layer_config[{key!r}]",
                  f"unsupported override(s) {sorted(unknown)}; expected head_dim / num_key_value_heads")
-        drawn = "per_layer_config" in getattr(self, "_given_flat", ())
+        drawn = getattr(self, "_drawn", {}).get("per_layer_config") == per_layer
 
         def shape_field(i: int, key: str) -> str:
             """The field of the file that gave layer i's `key`: per_layer_config's entry, or the keys it was drawn
@@ -413,7 +415,8 @@ class TextConfig:
 
     def _validate_rope(self, kind: str, rope: dict[str, Any]) -> None:
         """One layer type's rope_parameters entry, field by field: every field its rope_type reads, by name."""
-        where = "rope_parameters" if "rope_parameters" in getattr(self, "_given_flat", ()) else f"rope_parameters.{kind}"
+        flat = getattr(self, "_drawn", {}).get("rope_parameters") == self.rope_parameters
+        where = "rope_parameters" if flat else f"rope_parameters.{kind}"
 
         def need(cond: bool, field_name: str, msg: str) -> None:
             if not cond:

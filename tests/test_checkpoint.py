@@ -642,6 +642,20 @@ def test_a_config_without_per_layer_config_names_the_keys_it_holds(over, field):
         ModelConfig.from_dict({"model_type": "diffusion_gemma", "text_config": {**text, **over}})
 
 
+def test_a_shape_set_after_construction_is_named_as_set():
+    """The names of the file's flat forms hold while the values are the ones drawn from them: a per_layer_config or a
+    rope entry set after construction was named global_head_dim (16 all along) or rope_parameters without its kind."""
+    config = ModelConfig.tiny(num_hidden_layers=3)
+    config.text.per_layer_config = {"2": {"head_dim": 15}}
+    with pytest.raises(ConfigError, match=r"^text_config\.per_layer_config\[2\]\.head_dim: expected a positive even"):
+        config.text.validate()
+    config = ModelConfig.tiny(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config.text.rope_parameters = {**config.text.rope_parameters,
+                                   "full_attention": {"rope_type": "default", "rope_theta": -1.0}}
+    with pytest.raises(ConfigError, match=r"^text_config\.rope_parameters\.full_attention\.rope_theta: expected"):
+        config.text.validate()
+
+
 def test_not_a_folder_or_name():
     with pytest.raises(FileNotFoundError, match="never downloads"):
         blockpress.load("no-such-model-anywhere")
