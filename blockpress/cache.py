@@ -260,13 +260,16 @@ class KVCache:
         A batch leaves holes behind a row that ended before the others (its later slots are invalid). Sliding
         windows count slots, so tokens encoded after such a hole (the next turn of a conversation) would see
         fewer earlier tokens than they do alone; after compacting they see exactly what they would. Keys already
-        hold their rotary positions, so moving them changes nothing else.
+        hold their rotary positions, so moving them changes nothing else. The slots that are then padding in every
+        row are let go (the cache ends at its longest row): kept, they grew with every turn whose rows wrote unlike
+        lengths (two rows taking turns at 16 and 1 tokens: 90 such slots of 207 after 12 turns), each attended to.
         """
         n = self.length
         valid = self.valid[:, :n]
         if n == 0 or not bool((valid[:, :-1] & ~valid[:, 1:]).any()):  # already left-padded
             return
-        self._left_pad(valid.sum(dim=1), n)
+        counts = valid.sum(dim=1)
+        self._left_pad(counts, int(counts.max()))
 
     def _left_pad(self, counts: torch.Tensor, length: int) -> None:
         """Keep each row's first `counts[r]` valid slots, in order, moved to the end of the first `length` slots

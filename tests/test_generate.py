@@ -243,9 +243,25 @@ def test_compact_moves_padding_left_and_keeps_order():
         t.copy_(torch.arange(8.0)[None, None, :, None].expand_as(t))
     cache.commit(torch.tensor([[1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 1]]), 6)
     cache.compact()
-    assert cache.valid[:, :6].tolist() == [[False, False, False, True, True, True], [False, True, True, True, True, True]]
-    assert cache.keys[0][0, 0, 3:6, 0].tolist() == [0.0, 1.0, 3.0] and cache.keys[0][1, 0, 1:6, 0].tolist() == [1, 2, 3, 4, 5]
+    # the column that is padding in every row once compacted is let go: the cache ends at its longest row, 5
+    assert cache.length == 5
+    assert cache.valid[:, :5].tolist() == [[False, False, True, True, True], [True, True, True, True, True]]
+    assert cache.keys[0][0, 0, 2:5, 0].tolist() == [0.0, 1.0, 3.0] and cache.keys[0][1, 0, 0:5, 0].tolist() == [1, 2, 3, 4, 5]
     assert cache.next_pos.tolist() == [3, 5] and cache.has_padding
+
+
+def test_a_batch_conversation_whose_rows_take_turns_keeps_no_slot_that_every_row_pads():
+    """Two rows taking turns at writing 16 tokens and 1: each turn's compaction kept the slots that were padding in
+    every row, so the cache grew by ~15 of them a turn pair (90 of 207 after 12 turns), each attended to."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    kw = dict(max_denoising_steps=2, seed=1, eos_token_id=[], sampler="greedy")
+    out = lm.generate([[2, 5, 6], [2, 7, 8]], max_new_tokens=[16, 1], return_cache=True, **kw)
+    cache = out.cache
+    for turn in range(6):
+        lm.generate([[9], [10]], max_new_tokens=[1, 16] if turn % 2 == 0 else [16, 1], cache=cache, **kw)
+    held = cache.valid[:, : cache.length]
+    assert bool(held.any(dim=0).all())  # no slot is padding in every row
+    assert cache.length == int(cache.next_pos.max())
 
 
 @settings(max_examples=40, deadline=None)
