@@ -216,3 +216,16 @@ def test_a_batch_stream_left_early_on_a_cache_leaves_it_as_drained(lm, leave):
     if leave == "last commit":
         assert left.next_pos.tolist() == drained.next_pos.tolist()
         assert torch.equal(next_turn(left), next_turn(drained))
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_an_interrupted_ragged_turn_leaves_the_slots_truncate_may_take(lm, engine):
+    """A ragged next turn compacts the cache as it encodes; interrupted, it went back to the mark, every slot where
+    it was, yet truncate(2) was refused after as "slots 0 and on moved", where the cache before the turn took it."""
+    cache = lm.generate([[2, 3], [2, 4]], max_new_tokens=8, max_denoising_steps=2, seed=0, return_cache=True).cache
+    assert cache.moved_from is None
+    with pytest.raises(KeyboardInterrupt):
+        getattr(lm, engine)([[5], [6, 7]], cache=cache, max_new_tokens=4, logits_processor=Interrupt(1))
+    assert cache.moved_from is None
+    cache.truncate(2)
+    assert cache.next_pos.tolist() == [2, 2]
