@@ -440,7 +440,9 @@ def expand_path_flags(args: argparse.Namespace) -> None:
         # (quantize's folder is its argument OUT, not a flag)
         flag = "OUT" if (name, getattr(args, "command", None)) == ("out", "quantize") else \
             typed_flag(args, "--" + name.replace("_", "-"))
-        if value == "":  # an unset variable in a script (`--out "$OUT"`): bench wrote nothing and said nothing
+        # an unset variable in a script (`--out "$OUT"`): bench wrote nothing and said nothing (train's and
+        # quantize's folders have refusals of their own, which say what the folder is for)
+        if value == "" and (name, getattr(args, "command", None)) not in (("out", "train"), ("out", "quantize")):
             raise ValueError(f"{flag}: an empty path; give a file or folder name")
         if isinstance(value, str) and value.startswith("~"):
             setattr(args, name, str(expand_user(value, flag)))
