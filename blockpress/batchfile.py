@@ -319,12 +319,16 @@ def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], s
 
 
 def _same_folder(key: str, held: Any, wanted: Any) -> bool:
-    """A --model or --adapter that lines written before it was recorded by its resolved folder hold as typed, relative
-    to this run's working directory: the folder this run names."""
+    """A --model or --adapter that lines written before it was recorded by its resolved folder hold as typed (~,
+    relative to this run's working directory, through a symlink): the folder this run names."""
     if key not in ("model", "adapter") or not isinstance(held, str) or not isinstance(wanted, str):
         return False
+    from .lm import shipped_models
+
+    if key == "model" and (held in shipped_models() or held.startswith("random-")):  # names no folder: loads as named
+        return False
     folder = Path(held).expanduser()
-    return not folder.is_absolute() and folder.exists() and str(folder.resolve()) == wanted
+    return folder.is_dir() and str(folder.resolve()) == wanted
 
 
 def _with(settings: dict[str, Any], key: str) -> str:

@@ -4726,6 +4726,18 @@ def test_resume_knows_a_model_folder_however_it_is_spelled(tmp_path, capsys, mon
         line["settings"]["model"] = "code"
     out.write_text("".join(json.dumps(line) + "\n" for line in legacy))
     assert main([*run, "--model", "code", "--resume"]) == 0
+    for line in legacy:  # as typed with ~, the identical flags
+        line["settings"]["model"] = "~/code"
+    out.write_text("".join(json.dumps(line) + "\n" for line in legacy))
+    assert main([*run, "--model=~/code", "--resume"]) == 0
+    # a bare shipped name is the shipped model whatever folder of that name is here: recorded as the name, and a
+    # folder of that name (./name) is another model
+    for name in {"random-tiny", MODEL}:
+        (home / name).mkdir()
+        assert main([*run, "--model", name, "--overwrite"]) == 0
+        assert json.loads(out.read_text().splitlines()[0])["settings"]["model"] == name
+        assert main([*run, "--model", f"./{name}", "--resume"]) == 2
+        assert f"was written with {name}, this run asks {home / name}" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path / "A")
     assert main([*run, "--model", "m", "--overwrite"]) == 0
     monkeypatch.chdir(tmp_path / "B")

@@ -398,14 +398,24 @@ def run_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
         if name == "no_token_healing" and value is False:
             name, value = "token_healing", True
         if name in ("model", "adapter") and isinstance(value, str) and value:
-            # a folder by where it is, however it was spelled (--model=~/code, code from its parent, an absolute
-            # path): as typed, the same folder was refused on resuming, and two folders both typed `m` from two
-            # working directories were taken as one (a shipped or hub name stays as it is)
-            folder = Path(value).expanduser()
-            value = str(folder.resolve()) if folder.exists() else value
+            value = model_setting(value, name)
         if value is not None and value is not False and value != {} and value != []:
             settings[name] = value
     return settings
+
+
+def model_setting(value: str, name: str) -> str:
+    """--model's (or --adapter's) value as an output line records it: a folder by where it is, however it was spelled
+    (--model=~/code, code from its parent, through a symlink): as typed, the same folder was refused on resuming, and
+    two folders both typed `m` from two working directories were taken as one. A name that loads no folder (a shipped
+    model, which a bare name always is, random-<preset>, a hub repo id) stays as it is."""
+    from blockpress.cli.common import RANDOM_PREFIX
+    from blockpress.lm import shipped_models
+
+    if name == "model" and (value in shipped_models() or value.startswith(RANDOM_PREFIX)):
+        return value
+    folder = Path(value).expanduser()
+    return str(folder.resolve()) if folder.is_dir() else value
 
 
 def all_done(output: Path | None, name: str) -> int:
