@@ -772,6 +772,7 @@ class LM:
         # cast back): lm.quantize then makes other codes than load(..., quantize=) makes from the stored weights, so a
         # save records no quantized_from (load sets it; lm.to sets it on a rounding cast)
         self.weights_rounded = False
+        self.values_dtype: torch.dtype | None = None  # the checkpoint's stored dtype, whose values the weights hold
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
         _guard_fork()
@@ -897,7 +898,8 @@ class LM:
         if target_dtype == self.dtype:  # a quantized model's float32 scales keep their dtype
             self.model.to(target_device)
         else:
-            self.weights_rounded |= not keeps_values(self.dtype, target_dtype)
+            # judged against the values held (a bf16 folder widened to float32 and cast back is the folder's own)
+            self.weights_rounded |= not keeps_values(self.values_dtype or self.dtype, target_dtype)
             self.model.to(target_device, target_dtype)
         if chosen is not None:  # named now: the dtype saved too
             self.widened_from = None
@@ -2247,6 +2249,7 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     # (codes made in the load, or stored, are the stored weights': only a plain load's rounding counts)
     lm.weights_rounded = quantize is None and not plan.quantized and plan.stored is not None and \
         not keeps_values(plan.stored, plan.dtype)
+    lm.values_dtype = plan.stored
     return lm
 
 

@@ -334,6 +334,10 @@ def test_a_quantize_of_weights_rounded_below_the_checkpoints_names_no_origin(tmp
     shutil.copytree(tmp_path / "base", tmp_path / "undeclared")
     (tmp_path / "undeclared" / "config.json").write_text(json.dumps(config))
     assert origin(blockpress.load(tmp_path / "undeclared", dtype="bfloat16").quantize("int4"), "undeclared") is None
+    # a bf16 folder widened to float32 and cast back holds its own values: its origin is recorded
+    tiny_lm().to(dtype="bfloat16").save(tmp_path / "base16")
+    widened = blockpress.load(tmp_path / "base16", dtype="float32").to(dtype="bfloat16").quantize("int8")
+    assert origin(widened, "widened") == str((tmp_path / "base16").resolve())
     exact = str((tmp_path / "base").resolve())
     assert origin(blockpress.load(tmp_path / "base").quantize("int4"), "own") == exact
     assert origin(blockpress.load(tmp_path / "base", dtype="bfloat16", quantize="int4"), "in the load") == exact
