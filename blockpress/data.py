@@ -377,15 +377,20 @@ METRICS_FILE = "metrics.jsonl"  # a run's log (train.py), a row a line: all a ru
 
 
 def _is_run_log(path: Path) -> bool:
-    """Whether `path` is a training run's metrics.jsonl: its first line one of the run's rows ({"step": ..., "loss":
-    ...}), not data that happens to bear the name."""
+    """Whether `path` is a training run's metrics.jsonl: empty (a run that diverged before it logged a row), its
+    first line cut short (a run killed as it wrote it), or one of the run's rows ({"step": ..., "loss": ...}); not
+    data that happens to bear the name."""
     if path.name != METRICS_FILE:
         return False
     try:
         with open(path, encoding="utf-8") as f:
-            row = json.loads(f.readline())
+            first = f.readline()
     except (OSError, ValueError):
         return False
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return True
     return isinstance(row, dict) and "step" in row and ("loss" in row or "stopped" in row)
 
 

@@ -632,7 +632,7 @@ def test_a_data_folder_leaves_its_hidden_folders_out(tmp_path, tok):
     assert left_out(data).startswith("leaves out 1 hidden file, named or inside a folder named with a leading '.'")
 
 
-@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt", None])
+@pytest.mark.parametrize("marker", ["train_config.json", "trainer_state.pt", None, "empty log", "cut log"])
 def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, marker):
     """`train --data dd --out dd/run`: resumed, the run read dd/run/metrics.jsonl as data ("expected 'prompt'+
     'response'"), and a raw-text folder then held "JSONL files and raw text"; every later run on dd failed alike. A
@@ -642,7 +642,9 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
     (data / "train.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     (data / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     (data / "run" / "adapter" / "notes.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # a folder inside a run
-    if marker is not None:  # None: a run that stopped before its first save (a divergence) left its log alone
+    if marker in ("empty log", "cut log"):  # a divergence before the first row logged (--log-every 10), or a kill
+        (data / "run" / "metrics.jsonl").write_text("" if marker == "empty log" else '{"step": 1, "lo')
+    elif marker is not None:  # None: a run that stopped before its first save (a divergence) left its log alone
         (data / "run" / marker).write_text("{}")
     assert jsonl_files(data) == [data / "train.jsonl"] and len(load_jsonl(data, tok)) == 1
     (data / "train.jsonl").unlink()
