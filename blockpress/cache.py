@@ -41,6 +41,9 @@ class CacheMark:
     # Why the cache dropped it (None while it holds): what truncate(mark) then tells the caller, who may not have
     # gone back themselves (lm.chat keeps only what a re-rendered conversation shares with the cache).
     gone: str | None = field(default=None, repr=False, compare=False)
+    # The cache's moved_from then, where its rows were laid out left-padded (else False): going back lays them out so,
+    # every slot where it was, and truncate(int) may take what it could take then
+    moved_from: int | None | bool = field(default=False, repr=False, compare=False)
 
 
 @dataclass
@@ -145,7 +148,10 @@ class KVCache:
     def mark(self) -> CacheMark:
         """Where the conversation ends now, for `truncate` to go back to (branch, retry; as often as wanted). It
         holds until the cache goes back to before it: then what it marked may be overwritten."""
-        m = CacheMark(self.length, tuple(self.next_pos.tolist()), weakref.ref(self))
+        valid = self.valid[:, : self.length]
+        left_padded = not bool((valid[:, :-1] & ~valid[:, 1:]).any())
+        m = CacheMark(self.length, tuple(self.next_pos.tolist()), weakref.ref(self),
+                      moved_from=self.moved_from if left_padded else False)
         self.marks.add(m)
         return m
 
@@ -164,6 +170,8 @@ class KVCache:
                                  "may have been overwritten")
             self._left_pad(torch.tensor(to.counts, device=self.device), to.length)
             self._rewound()
+            if to.moved_from is not False:  # every slot back where it was when marked
+                self.moved_from = to.moved_from
             return
         if not isinstance(to, int) or isinstance(to, bool):
             raise ValueError(f"KVCache.truncate: expected a slot count (int) or a CacheMark, got {type(to).__name__}")

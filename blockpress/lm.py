@@ -691,11 +691,6 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
     prompt and the canvases so far in the cache, and running the cell again continued from that half turn: another
     text, silently. The argument is the exception that stopped the call, told if the cache cannot go back."""
     mark, tokens = cache.mark(), None if cache.tokens is None else [list(row) for row in cache.tokens]
-    # Going back to a mark lays each row out left-padded: where the cache was so already, every slot is back where
-    # it was, and so is what truncate(int) may take (moved_from; the turn's compaction had set it, and a later
-    # truncate(2) was refused as "slots 0 and on moved", nothing being anywhere else)
-    valid = cache.valid[:, : cache.length]
-    moved_from = cache.moved_from if not bool((valid[:, :-1] & ~valid[:, 1:]).any()) else False
 
     def undo(stopped: BaseException) -> None:
         try:
@@ -704,8 +699,6 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
             stopped.add_note(f"cache: holds part of this call's turn, as it could not go back ({e})")
             return
         cache.tokens = tokens
-        if moved_from is not False:
-            cache.moved_from = moved_from
 
     return undo
 

@@ -229,3 +229,10 @@ def test_an_interrupted_ragged_turn_leaves_the_slots_truncate_may_take(lm, engin
     assert cache.moved_from is None
     cache.truncate(2)
     assert cache.next_pos.tolist() == [2, 2]
+    # the same through the public route: a mark, a ragged turn, truncate(mark)
+    cache = lm.generate([[2, 3], [2, 4]], max_new_tokens=8, max_denoising_steps=2, seed=0, return_cache=True).cache
+    mark = cache.mark()
+    getattr(lm, engine)([[5], [6, 7]], cache=cache, max_new_tokens=4)
+    cache.truncate(mark)
+    assert cache.moved_from is None
+    cache.truncate(2)
