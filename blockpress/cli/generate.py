@@ -245,12 +245,14 @@ def generate_file(args: argparse.Namespace) -> int:
     wanted = healing_wanted(lm, args)
     if not args.ar:  # the flags alone, on a one-token prompt: their errors name the flag, not a line
         lm.stream("x", max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, **kw)
-    else:  # generate_ar checks as it runs: run on a one-token prompt for the fewest tokens the flags allow, before
-        # --output is made (a bad --top-p left an empty file that a rerun then had to --overwrite)
-        least = max(args.min_new_tokens or 0, 1)
-        given = args.max_new_tokens  # (one below the minimum, or 0, is refused as given)
-        lm.generate_ar("x", max_new_tokens=given if given is not None and given < least else least,
-                       min_new_tokens=args.min_new_tokens,
+    else:  # generate_ar checks as it runs: one token on a one-token prompt, before --output is made (a bad --top-p
+        # left an empty file that a rerun then had to --overwrite); the counts' bounds are checked here, so that a
+        # --min-new-tokens of 200 does not cost a 200-token run first
+        least, given = args.min_new_tokens or 0, args.max_new_tokens
+        if given is not None and given >= 1 and not 0 <= least <= given:
+            raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={given}], got {least}")
+        lm.generate_ar("x", max_new_tokens=given if given is not None and given < 1 else 1,
+                       min_new_tokens=least if least < 0 else min(least, 1),
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                        stop=args.stop, seed=args.seed)
