@@ -236,3 +236,24 @@ def test_an_interrupted_ragged_turn_leaves_the_slots_truncate_may_take(lm, engin
     cache.truncate(mark)
     assert cache.moved_from is None
     cache.truncate(2)
+
+
+def test_a_stream_left_midway_compacts_no_cache_it_cannot_hand_back(lm, monkeypatch):
+    """return_cache's cache reaches the caller at Done: a stream left before it (or cancelled) compacted a cache that
+    no one could reach, one gather-copy of every layer's keys and values for nothing."""
+    from blockpress.cache import KVCache
+
+    compacted = []
+    real = KVCache.compact
+    monkeypatch.setattr(KVCache, "compact", lambda self: (compacted.append(self), real(self))[1])
+    c = lm.config.canvas_length
+    kw = dict(max_new_tokens=[c, 3 * c], max_denoising_steps=2, seed=3, eos_token_id=[], sampler="greedy")
+    for event in lm.stream([[2, 5, 9], [2, 40, 41]], return_cache=True, **kw):
+        if isinstance(event, blockpress.Commit) and event.canvas_index == 1:
+            break
+    assert compacted == []
+    cache = lm.generate([[2, 5, 9], [2, 40, 41]], max_new_tokens=c, return_cache=True, max_denoising_steps=2).cache
+    for event in lm.stream([[3], [4]], cache=cache, **kw):
+        if isinstance(event, blockpress.Commit) and event.canvas_index == 1:
+            break
+    assert compacted and compacted[-1] is cache  # the caller's: compacted
