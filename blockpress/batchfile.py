@@ -292,12 +292,15 @@ def _output_lines(path: Path, lines: list[bytes], rows: list[Row], kind: LineKin
     return set(done)
 
 
-def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], str]) -> int:
+def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], str],
+                   recorded: Callable[[str, Any], Any] = lambda key, value: value) -> int:
     """--resume's check that every line of the output `path` (done_lines has read it) was made with this run's
     `settings` (the flags that change what a row gets, as its output lines record them): the first line made
     otherwise is refused by the first setting that differs, named by its `flag` with both values, so a resumed file
     never holds lines made two ways. The count of lines written before output lines recorded their settings (taken
-    unchecked, as they were)."""
+    unchecked, as they were).
+    `recorded(key, value)`: a held value as this run would record it (a --model folder typed otherwise in lines of
+    before: by where it is)"""
     wanted = json.loads(json.dumps(settings))  # as a line holds them (a tuple as a list, a float as JSON reads it)
     unchecked = 0
     for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
@@ -310,25 +313,13 @@ def check_settings(path: Path, settings: dict[str, Any], flag: Callable[[str], s
         if not isinstance(held, dict):
             raise ValueError(f"{path}:{number}: settings: expected an object of the settings the line was made with, "
                              f"got {json.dumps(held)[:40]}")
+        held = {key: recorded(key, value) for key, value in held.items()}
         for key in [*wanted, *(k for k in held if k not in wanted)]:
-            if held.get(key) != wanted.get(key) and not _same_folder(key, held.get(key), wanted.get(key)):
+            if held.get(key) != wanted.get(key):
                 raise ValueError(f"{flag(key)}: {path}:{number} was written {_with(held, key)}, this run "
                                  f"{_asks(wanted, key)}; resume with the flags the output was made with, or give "
                                  "--overwrite to start it again")
     return unchecked
-
-
-def _same_folder(key: str, held: Any, wanted: Any) -> bool:
-    """A --model or --adapter that lines written before it was recorded by its resolved folder hold as typed (~,
-    relative to this run's working directory, through a symlink): the folder this run names."""
-    if key not in ("model", "adapter") or not isinstance(held, str) or not isinstance(wanted, str):
-        return False
-    from .lm import shipped_models
-
-    if key == "model" and (held in shipped_models() or held.startswith("random-")):  # names no folder: loads as named
-        return False
-    folder = Path(held).expanduser()
-    return folder.is_dir() and str(folder.resolve()) == wanted
 
 
 def _with(settings: dict[str, Any], key: str) -> str:

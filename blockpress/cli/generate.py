@@ -369,7 +369,8 @@ def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], k
     if output is None or not output.exists() or not args.resume:
         return set()
     done = done_lines(output, rows, kind)
-    unchecked = check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")))
+    unchecked = check_settings(output, settings, lambda key: typed_flag(args, "--" + key.replace("_", "-")),
+                               recorded=recorded_setting)
     if unchecked:
         print_warning(f"--resume: {unchecked} line{'' if unchecked == 1 else 's'} of {output} "
                       f"{'was' if unchecked == 1 else 'were'} written before output lines recorded their settings; "
@@ -399,21 +400,23 @@ def run_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
             value = value.split(":")[0]  # (cuda:1's rows are cuda:0's)
         if name == "no_token_healing" and value is False:
             name, value = "token_healing", True
-        if name in ("model", "adapter") and isinstance(value, str) and value:
-            value = model_setting(value, name)
+        value = recorded_setting(name, value)
         if value is not None and value is not False and value != {} and value != []:
             settings[name] = value
     return settings
 
 
-def model_setting(value: str, name: str) -> str:
-    """--model's (or --adapter's) value as an output line records it: a folder by where it is, however it was spelled
-    (--model=~/code, code from its parent, through a symlink): as typed, the same folder was refused on resuming, and
-    two folders both typed `m` from two working directories were taken as one. A name that loads no folder (a shipped
-    model, which a bare name always is, random-<preset>, a hub repo id) stays as it is."""
+def recorded_setting(name: str, value: Any) -> Any:
+    """A setting's value as an output line records it (--resume reads lines of before through it too): --model's and
+    --adapter's folder by where it is, however it was spelled (--model=~/code, code from its parent, through a
+    symlink): as typed, the same folder was refused on resuming, and two folders both typed `m` from two working
+    directories were taken as one. A name that loads no folder (a shipped model, which a bare name always is,
+    random-<preset>, a hub repo id) stays as it is, as does every other setting."""
     from blockpress.cli.common import RANDOM_PREFIX
     from blockpress.lm import shipped_models
 
+    if name not in ("model", "adapter") or not isinstance(value, str) or not value:
+        return value
     if name == "model" and (value in shipped_models() or value.startswith(RANDOM_PREFIX)):
         return value
     folder = Path(value).expanduser()
