@@ -148,10 +148,8 @@ class KVCache:
     def mark(self) -> CacheMark:
         """Where the conversation ends now, for `truncate` to go back to (branch, retry; as often as wanted). It
         holds until the cache goes back to before it: then what it marked may be overwritten."""
-        valid = self.valid[:, : self.length]
-        left_padded = not bool((valid[:, :-1] & ~valid[:, 1:]).any())
         m = CacheMark(self.length, tuple(self.next_pos.tolist()), weakref.ref(self),
-                      moved_from=self.moved_from if left_padded else False)
+                      moved_from=False if self._holes() else self.moved_from)
         self.marks.add(m)
         return m
 
@@ -272,12 +270,15 @@ class KVCache:
         row are let go (the cache ends at its longest row): kept, they grew with every turn whose rows wrote unlike
         lengths (two rows taking turns at 16 and 1 tokens: 90 such slots of 207 after 12 turns), each attended to.
         """
-        n = self.length
-        valid = self.valid[:, :n]
-        if n == 0 or not bool((valid[:, :-1] & ~valid[:, 1:]).any()):  # already left-padded
+        if not self._holes():  # already left-padded
             return
-        counts = valid.sum(dim=1)
+        counts = self.valid[:, : self.length].sum(dim=1)
         self._left_pad(counts, int(counts.max()))
+
+    def _holes(self) -> bool:
+        """Whether a row has padding after a token (a host sync): the layout compact and going back to a mark undo."""
+        valid = self.valid[:, : self.length]
+        return bool((valid[:, :-1] & ~valid[:, 1:]).any())
 
     def _left_pad(self, counts: torch.Tensor, length: int) -> None:
         """Keep each row's first `counts[r]` valid slots, in order, moved to the end of the first `length` slots

@@ -1743,18 +1743,18 @@ def run(
                 so_far, fills = answers.add(rows, dec.written.tolist())
                 settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
                            for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
-            if last and keep_cache:  # before the last Commit: a stream left there (every row ended) keeps it too
-                cache.compact()
             yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
                          dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused),
                          chosen_tokens(req, dec.written).cpu())
             if last:
                 break
-    except GeneratorExit:  # a stream left midway keeps what it encoded, each row as it would be alone
+    except GeneratorExit:  # a stream left midway (at the last Commit too) keeps what it encoded, each row as alone
         if given:
             cache.compact()
         raise
 
+    if keep_cache:
+        cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
     out = _output(req, new_tokens=dec.new_tokens, num_valid=dec.written, passes=dec.passes,
                   steps_per_canvas=dec.steps_per_canvas, encode_s=encode_s, decode_s=denoise_s,
                   cache=cache if keep_cache else None, texts_of=texts_of)
