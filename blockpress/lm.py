@@ -761,11 +761,11 @@ class LM:
         # native bf16 matmuls): `save` writes it back, so a saved folder does not depend on the CPU that saved it.
         # None once lm.to names a dtype: the model is then saved in it.
         self.widened_from = widened_from
-        # The weights were held in a dtype that rounds the checkpoint's (a float32 folder loaded or cast to bf16, even if
-        # cast back): lm.quantize then makes other codes than load(..., quantize=) makes from the stored weights, so a
-        # save records no quantized_from (load sets it; lm.to sets it on a rounding cast)
-        self.weights_rounded = False
-        self.values_dtype: torch.dtype | None = None  # the checkpoint's stored dtype, whose values the weights hold
+        # The checkpoint's stored dtype while the weights hold its values exactly (load sets it), None once a cast
+        # rounded them (a float32 folder loaded or cast to bf16, even if cast back) or where they are no checkpoint's:
+        # lm.quantize then makes other codes than load(..., quantize=) makes from the stored weights, so a save records
+        # no quantized_from
+        self.stored_values: torch.dtype | None = None
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
         _guard_fork()
@@ -892,7 +892,8 @@ class LM:
             self.model.to(target_device)
         else:
             # judged against the values held (a bf16 folder widened to float32 and cast back is the folder's own)
-            self.weights_rounded |= not keeps_values(self.values_dtype or self.dtype, target_dtype)
+            if self.stored_values is not None and not keeps_values(self.stored_values, target_dtype):
+                self.stored_values = None
             self.model.to(target_device, target_dtype)
         if chosen is not None:  # named now: the dtype saved too
             self.widened_from = None
@@ -1992,8 +1993,8 @@ class LM:
         """The checkpoint a quantized model's codes were made from, as a LoRA run records its base (train.base_name),
         for a save's quantization_config: the folder it was loaded from, or the one a folder saved quantized names
         itself; None for a plain model, random weights, weights an adapter changed, or codes quantize made from weights
-        rounded below the checkpoint's (weights_rounded)."""
-        if self.quantization is None or self.path is None or self.adapter is not None or self.weights_rounded:
+        rounded below the checkpoint's (stored_values None)."""
+        if self.quantization is None or self.path is None or self.adapter is not None or self.stored_values is None:
             return None
         from .train import base_name
 
@@ -2240,9 +2241,9 @@ def load(path_or_name: str | Path, dtype: torch.dtype | str | None = None, devic
     lm = LM(model, tokenizer, generation, passthrough=passthrough, path=path, adapter=adapter,
             widened_from=widened_from)
     # (codes made in the load, or stored, are the stored weights': only a plain load's rounding counts)
-    lm.weights_rounded = quantize is None and not plan.quantized and plan.stored is not None and \
+    rounded = quantize is None and not plan.quantized and plan.stored is not None and \
         not keeps_values(plan.stored, plan.dtype)
-    lm.values_dtype = plan.stored
+    lm.stored_values = None if rounded else plan.stored or plan.dtype
     return lm
 
 
