@@ -206,6 +206,9 @@ class TextConfig:
         self.layer_types = layer_types
         # Before the per-layer shapes below are derived: the forced full layer takes the full layers' shape.
         _last_layer_full(layer_types)
+        # (not a field: what this draws from the file's flat forms, whose errors name those forms while the values are
+        # still the ones drawn; a value set after construction is named as it is)
+        self._drawn: dict[str, Any] = {}
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
         elif any(isinstance(self.rope_parameters.get(kind), dict) for kind in (SLIDING, FULL)):
@@ -215,10 +218,7 @@ class TextConfig:
         elif "rope_type" in self.rope_parameters or "rope_theta" in self.rope_parameters:
             # A flat rope dict applies to every layer type.
             self.rope_parameters = {kind: dict(self.rope_parameters) for kind in (SLIDING, FULL)}
-            # (not a field: what __post_init__ drew from the file's flat forms, whose errors name those forms while
-            # the values are still the ones drawn; a value set after construction is named as it is)
-            self._drawn = {"rope_parameters": copy.deepcopy(self.rope_parameters)}
-        self._drawn = getattr(self, "_drawn", {})
+            self._drawn["rope_parameters"] = copy.deepcopy(self.rope_parameters)
         if self.per_layer_config is None:
             override: dict[str, int] = {"head_dim": self.global_head_dim}
             if self.num_global_key_value_heads is not None:
