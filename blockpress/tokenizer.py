@@ -277,13 +277,13 @@ class Tokenizer:
         legacy_extra = legacy_map.get("extra_special_tokens")
         legacy = (legacy_map, legacy_extra if isinstance(legacy_extra, dict) else {})
         config = (extra if isinstance(extra, dict) else {}, tok_cfg)
-        for name, value in [(name, value) for source in (*legacy, *config) for name, value in source.items()
-                            if name in NAMED_TOKENS] + \
-                [(name, value) for source in (*config, *legacy) for name, value in source.items()
-                 if name not in NAMED_TOKENS]:
-            content = _token_content(value)  # (not add_bos_token's bool)
-            if name.endswith("_token") and name not in ID_TOKENS and content is not None:
-                named_tokens.setdefault(name, content)
+        for standard, sources in ((True, (*legacy, *config)), (False, (*config, *legacy))):
+            for source in sources:
+                for name, value in source.items():
+                    content = _token_content(value)  # (not add_bos_token's bool)
+                    if (name in NAMED_TOKENS) == standard and name.endswith("_token") and name not in ID_TOKENS \
+                            and content is not None:
+                        named_tokens.setdefault(name, content)
 
         tokenizer = cls(
             backend=backend,
