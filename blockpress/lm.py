@@ -1302,6 +1302,11 @@ class LM:
             if "sampler_config" in call_settings and "entropy_bound" not in call_settings:
                 gen.pop("entropy_bound", None)  # blockpress's spelling, which wins over sampler_config in one dict
             gen.update(call_settings)
+            if "max_length" in call_settings and "max_new_tokens" not in call_settings:
+                # the call's bound replaces the checkpoint's max_new_tokens, as the max_length keyword's does (and
+                # as in transformers): left in place, that count won and the bound was silently ignored
+                gen["max_new_tokens"] = None
+                given_as["max_new_tokens"] = "generation_config max_length"
         if hf.get("sampler_config") is not None:  # the reference's per-call spelling of the entropy bound
             gen.pop("entropy_bound", None)
             gen["sampler_config"] = _sampler_config_setting(hf["sampler_config"])

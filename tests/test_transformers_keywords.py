@@ -107,6 +107,24 @@ def test_max_length_overrides_the_checkpoints_max_new_tokens(ids):
 
 
 @pytest.mark.parametrize("engine", ["generate", "generate_ar"])
+def test_a_generation_configs_max_length_overrides_the_checkpoints_max_new_tokens(ids, engine):
+    """As the max_length keyword does, and as transformers does: the checkpoint's max_new_tokens won, and the call's
+    bound was silently ignored (20 new tokens for a bound that leaves 4)."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm.generation_config["max_new_tokens"] = 20
+    call = getattr(lm, engine)
+    extra = STEPS if engine == "generate" else {}
+    G = pytest.importorskip("transformers.models.diffusion_gemma.generation_diffusion_gemma")
+    bound = ids.shape[1] + 4
+    for config in ({"max_length": bound}, G.DiffusionGemmaGenerationConfig(max_length=bound)):
+        assert call(ids, generation_config=config, seed=1, **extra).new_tokens.shape[1] == 4
+    both = {"max_length": ids.shape[1] + 4, "max_new_tokens": 6}  # its own max_new_tokens still wins
+    assert call(ids, generation_config=both, seed=1, **extra).new_tokens.shape[1] == 6
+    with pytest.raises(ValueError, match=r"^min_new_tokens: 9 new tokens, past the 4 that"):
+        call(ids, generation_config={"max_length": ids.shape[1] + 4}, min_new_tokens=9, **extra)
+
+
+@pytest.mark.parametrize("engine", ["generate", "generate_ar"])
 def test_a_calls_max_length_bounds_min_new_tokens(lm, ids, engine):
     """A call's max_length is a bound (transformers stops there whatever min_new_tokens says): a minimum past it is
     refused, where the default grew to it and the sequences came out longer than max_length asked."""
