@@ -52,8 +52,9 @@ class LineKind:
     "id", a label), `output_keys` (written: a line may not carry one, which its output would overwrite), `shape`
     (an example line, for the errors), `what` (the lines' plural, for the errors), `read` (fills a Row's own
     fields from a line's object, its errors naming the field), `given` (a Row's own fields as its output line
-    repeats them: --resume checks them against the input's) and `added` (keys of `given` that outputs written
-    before they were repeated lack: --resume takes such a line on its line number and copied keys, as it did)."""
+    repeats them: --resume checks them against the input's), `added` (keys of `given` that outputs written
+    before they were repeated lack: --resume takes such a line on its line number and copied keys, as it did) and
+    `refused` (keys a line is refused for, -> what gives that setting: `_row`)."""
 
     input_keys: tuple[str, ...]
     output_keys: tuple[str, ...]
@@ -62,6 +63,7 @@ class LineKind:
     read: Callable[[dict[str, Any], Row, str], None]
     given: Callable[[Row], dict[str, Any]]
     added: tuple[str, ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 def _read_prompt(obj: dict[str, Any], row: Row, where: str) -> None:
@@ -101,6 +103,20 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
         setattr(row, key, value)
 
 
+def _run_wide(*names: str) -> dict[str, str]:
+    """Run settings that a line might give for itself, each -> how to give it: the run's flag."""
+    flags = {"max_denoising_steps": "steps", "stop_strings": "stop", "token_healing": "token-healing"}
+    return {name: f"give --{flags.get(name, name.replace('_', '-'))} for the whole run (lines that need another "
+                  "value in a file of their own)" for name in names}
+
+
+# Keys a line may give that name a setting no line reads (the run's flags set it): carried to the output line beside
+# the run's settings, each looked applied (a line's "stop", and its text running past it; an infill line's "prompt",
+# lm.infill's name for the context, filled without one), so each is refused, naming what does set it.
+SAMPLING_KEYS = ("steps", "max_denoising_steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min",
+                 "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "token_healing")
+
+
 def _own_seed(row: Row) -> dict[str, Any]:
     """A line's own seed, as its output line holds it (the seed it was drawn with): a seed edited in the input was
     taken as done with the old one. (A line without one is drawn with --seed's, which the settings check, or afresh.)"""
@@ -115,13 +131,19 @@ GENERATE = LineKind(
     # a messages line's output repeats its messages as a prompt line's repeats its prompt (it repeated nothing, so
     # --resume could not tell another conversation's output line from this one's), and its own max_new_tokens
     given=lambda row: {"prompt": row.prompt, "messages": row.messages, "max_new_tokens": row.max_new_tokens,
-                       **_own_seed(row)}, added=("messages", "max_new_tokens"))
+                       **_own_seed(row)}, added=("messages", "max_new_tokens"),
+    refused={**_run_wide(*SAMPLING_KEYS, "min_new_tokens", "stop", "stop_strings"),
+             "system": 'give the line "messages" with a system message first, or --system for the whole run',
+             "max_tokens": 'OpenAI\'s name for a line\'s budget, which is "max_new_tokens" here'})
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
                  "forward_passes", "tokens_per_forward", "seed", "settings"),
     shape='{"template": "... <|hole|> ..."}', what="templates", read=_read_template,
-    given=lambda row: {"template": row.template, "prefix": row.prefix, **_own_seed(row)})
+    given=lambda row: {"template": row.template, "prefix": row.prefix, **_own_seed(row)},
+    refused={**_run_wide(*SAMPLING_KEYS),
+             "hole_length": "size a hole with <|hole:N|> in the template, or give --hole-length for the whole run",
+             "prompt": 'lm.infill\'s name for the context before the template, which is "prefix" here'})
 
 
 def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
@@ -190,6 +212,10 @@ def _cr_alone(where: str, raw: bytes) -> ValueError | None:
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:
     row = Row(number, carried={k: v for k, v in obj.items() if k not in kind.input_keys})
     kind.read(obj, row, where)
+    refused = next((k for k in obj if k in kind.refused), None)
+    if refused is not None:
+        raise ValueError(f"{where}: {refused}: not read from a line (copied to its output line, it would look "
+                         f"applied); {kind.refused[refused]}")
     clash = [k for k in row.carried if k in kind.output_keys]
     if clash:
         raise ValueError(f"{where}: {clash[0]}: a key the output line writes ({', '.join(kind.output_keys)}); "

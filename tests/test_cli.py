@@ -4442,6 +4442,28 @@ def test_input_that_is_one_json_document_is_said_to_be_not_json_lines():
             read_rows("p.jsonl", data)
 
 
+@pytest.mark.parametrize("kind_name", ["GENERATE", "INFILL"])
+def test_an_input_line_giving_a_setting_no_line_reads_is_refused_by_it(kind_name):
+    """A line's "stop" or "min_new_tokens" (generate), or "prompt" (lm.infill's name for the context) or
+    "hole_length" (infill), was copied to its output line beside the run's settings, as if applied, and was not:
+    the text ran past the stop, the template was filled without the context. Each is refused by FILE:LINE, naming
+    what gives it; a label the run does not know (an "id", a "label") is still copied."""
+    from blockpress import batchfile
+
+    kind = getattr(batchfile, kind_name)
+    base = {"prompt": "def f(x):"} if kind is batchfile.GENERATE else {"template": "x = <|hole|>"}
+    own = ({"stop": ["\n"]}, {"min_new_tokens": 5}, {"max_tokens": 9}, {"system": "be brief"}) \
+        if kind is batchfile.GENERATE else ({"prompt": "def area(r):\n"}, {"hole_length": 4})
+    for extra in (*own, {"temperature": 0.5}, {"max_denoising_steps": 4}, {"token_healing": False}):
+        (key,) = extra
+        with pytest.raises(ValueError, match=rf"^p.jsonl:2: {key}: not read from a line .*; "):
+            batchfile.read_rows("p.jsonl", (json.dumps(base) + "\n" + json.dumps({**base, **extra})).encode(), kind)
+    rows = batchfile.read_rows("p.jsonl", json.dumps({**base, "id": 3, "label": "stop"}).encode(), kind)
+    assert rows[0].carried == {"id": 3, "label": "stop"}
+    assert "--stop for the whole run" in batchfile.GENERATE.refused["stop_strings"]
+    assert "--steps for the whole run" in kind.refused["max_denoising_steps"]
+
+
 def test_generate_input_refuses_a_system_message_beside_system_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """A messages line with a system message (or a "developer" one, OpenAI's name for it, which the template reads as
     system) beside --system is refused by FILE:LINE before the model loads: "developer" met the template's own
