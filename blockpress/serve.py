@@ -209,12 +209,17 @@ NOOP_VALUES: dict[str, tuple] = {
     "response_format": ({"type": "text"},), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
     "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
 }
+# OpenAI chat fields of which only null asks for nothing here (ChatRequest's).
+CHAT_ONLY_NOOPS = ("reasoning_effort", "verbosity", "audio", "prediction", "prompt_cache_retention",
+                   "prompt_cache_options", "moderation", "web_search_options")
 # Why a field is refused, where it is not simply missing from a block-diffusion engine.
 NOOP_WHY = {"tool_choice": "the server does not force tool calls: it reads those the model writes, where the "
                            "checkpoint has a response_template",
             "tools": "only /v1/chat/completions renders tools, through the chat template",
             "store": "answers are not kept for retrieval", "service_tier": "one engine serves every request alike",
-            "modalities": "the reply is text"}
+            "modalities": "the reply is text", "audio": "the reply is text",
+            "reasoning_effort": "a thinking template's thought is turned on or off with chat_template_kwargs, "
+                                "e.g. {\"enable_thinking\": true}"}
 
 
 # The request field that each library argument the engine passes comes from (Engine.check's errors name the field).
@@ -411,7 +416,18 @@ class ChatRequest(_Common):
     # vLLM's and SGLang's extra: variables for the chat template ({"enable_thinking": true} turns Gemma 4's thinking
     # on), over the server's defaults (create_app's chat_template_kwargs); a template that never reads one ignores it
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's chat fields that only its own models serve: null (which the openai client sends for a None argument)
+    # asks for nothing and passes; a value is refused by name, as the other unimplemented fields' are
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    moderation: Any = None
+    web_search_options: dict | None = None
     implemented: ClassVar[frozenset[str]] = frozenset({"tools", "parallel_tool_calls"})  # (false: one call, see Reply)
+    noop_values: ClassVar[dict[str, tuple]] = {**NOOP_VALUES, **dict.fromkeys(CHAT_ONLY_NOOPS, ())}
 
     def template_tools(self) -> list[dict] | None:
         """The tools as templates take them; [] (what some clients send for none) is none."""
@@ -1459,9 +1475,10 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         raise unknown_model(body.model, model_name)
     field_name = body.unsupported()
     if field_name:
-        accepted = ", ".join(repr(v) for v in body.noop_values[field_name])
+        noop = [repr(v) for v in body.noop_values[field_name]]
+        accepted = f"{', '.join(noop)} or " if noop else ""
         raise APIError(400, f"{field_name}: not supported by this server ({NOOP_WHY.get(field_name, 'block diffusion')}"
-                            f"; only {accepted} or null is accepted)", field_name)
+                            f"; only {accepted}null is accepted)", field_name)
     # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens

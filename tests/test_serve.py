@@ -513,6 +513,27 @@ def test_fields_current_clients_send_are_accepted_where_they_ask_for_nothing(ser
         assert r.status_code == 400 and err["param"] == field and "not supported" in err["message"], r.text
 
 
+def test_openais_chat_fields_for_its_own_models_take_null_and_refuse_a_value_by_name(server):
+    """The openai client sends null for reasoning_effort=None (and verbosity, audio, prediction, ...): each was
+    400 "unknown field". Null passes; a value is refused naming the field, with what is accepted."""
+    from blockpress.serve import CHAT_ONLY_NOOPS
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "seed": 1}
+    r = httpx.post(server[0] + "/v1/chat/completions", json={**body, **dict.fromkeys(CHAT_ONLY_NOOPS)}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert {"reasoning_effort", "verbosity", "audio", "prediction"} <= set(CHAT_ONLY_NOOPS)
+    for field, value in (("reasoning_effort", "high"), ("verbosity", "low"), ("audio", {"voice": "x"})):
+        r = httpx.post(server[0] + "/v1/chat/completions", json={**body, field: value}, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field, r.text
+        assert err["message"].startswith(f"{field}: not supported by this server (") and \
+            err["message"].endswith("; only null is accepted)"), err["message"]
+    r = httpx.post(server[0] + "/v1/chat/completions", json={**body, "service_tier": "flex"}, timeout=60)
+    assert r.json()["error"]["message"].endswith("; only 'auto', 'default' or null is accepted)"), r.text
+    r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "reasoning_effort": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text  # a chat field only
+
+
 def test_malformed_json(server):
     r = httpx.post(server[0] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
