@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.message
 import functools
 import hashlib
 import hmac
@@ -1421,6 +1422,17 @@ def union_tag(loc: Sequence[str | int], names: frozenset[str]) -> int | None:
     return next((i for i, x in enumerate(loc) if isinstance(x, str) and x not in names), None)
 
 
+def read_as_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body with this Content-Type as JSON: none, application/json or application/*+json
+    (text/json and application/jsonl are read as bytes, which then are "not a JSON object")."""
+    if not content_type:
+        return True
+    header = email.message.Message()
+    header["content-type"] = content_type
+    subtype = header.get_content_subtype()
+    return header.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 def validation_error(exc: RequestValidationError, content_type: str | None) -> JSONResponse:
     """A request body that does not fit its model, as OpenAI's 400 naming the field."""
     names = frozenset(f for m in (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, Tool, FunctionDef,
@@ -1450,8 +1462,8 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> J
             msg += ", got null"
     if not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
         msg = "the request body must be a JSON object"
-        if "json" not in (content_type or ""):  # FastAPI reads a body as JSON only when the header says so
-            msg += f" sent with Content-Type: application/json (got {content_type or 'no Content-Type'})"
+        if not read_as_json(content_type):
+            msg += f" sent with Content-Type: application/json (got {content_type})"
     elif err.get("type") == "extra_forbidden":
         msg = f"unknown field {param!r}"
         if param == "max_completion_tokens":  # OpenAI's chat field; the legacy completions take max_tokens
@@ -1886,7 +1898,12 @@ async def api_error(_: Request, exc: APIError) -> JSONResponse:
 async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     """An unknown route or method in OpenAI's error shape, not FastAPI's {"detail": ...}."""
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-    return JSONResponse(error_body(str(exc.detail), kind, None), status_code=exc.status_code,
+    detail = str(exc.detail)
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body", of bytes
+        cause = exc.__cause__  # that are not UTF-8: said as the server's other bodies that are not JSON
+        detail = (f"the request body is not valid JSON: not UTF-8 ({cause.reason} at byte {cause.start}); send "
+                  "JSON as UTF-8")
+    return JSONResponse(error_body(detail, kind, None), status_code=exc.status_code,
                         headers=getattr(exc, "headers", None))
 
 

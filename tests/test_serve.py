@@ -696,6 +696,28 @@ def test_unknown_routes_and_models_answer_in_openais_error_shape(client, server)
         assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
 
 
+def test_a_body_not_read_as_json_says_why(server):
+    """A JSON object sent as text/json or application/jsonl (which FastAPI reads as bytes) was told it "must be a
+    JSON object", with no word of the Content-Type that text/plain got; a body that is not UTF-8 got FastAPI's
+    "There was an error parsing the body"."""
+    from blockpress.serve import read_as_json
+
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 2}).encode()
+    for content_type in ("text/json", "application/jsonl", "text/plain; charset=utf-8"):
+        r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": content_type})
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            "the request body must be a JSON object sent with Content-Type: application/json (got "
+            f"{content_type})"), r.text
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json", "Application/JSON"):
+        assert read_as_json(content_type), content_type
+        r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": content_type})
+        assert r.status_code == 200, (content_type, r.text)
+    latin = json.dumps({"model": MODEL, "prompt": "caf\u00e9"}, ensure_ascii=False).encode("latin-1")
+    r = httpx.post(server[0] + "/v1/completions", content=latin, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        "the request body is not valid JSON: not UTF-8 (invalid continuation byte at byte "), r.text
+
+
 def test_disconnect_frees_the_engine(server):
     counters = server[1].state.engine.metrics.counters
     before = dict(counters)
