@@ -97,6 +97,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, FailFast, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .checks import check_positive_int, check_text, is_int
 
@@ -1895,16 +1896,21 @@ async def api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
 
 
-async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """An unknown route or method in OpenAI's error shape, not FastAPI's {"detail": ...}."""
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:  # every method the path answers (Starlette names the first route's: GET, not HEAD)
+        methods = {m for route in request.app.router.routes if route.matches(request.scope)[0] != Match.NONE
+                   for m in getattr(route, "methods", None) or ()}
+        if methods:
+            headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))}
     detail = str(exc.detail)
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body", of bytes
         cause = exc.__cause__  # that are not UTF-8: said as the server's other bodies that are not JSON
         detail = (f"the request body is not valid JSON: not UTF-8 ({cause.reason} at byte {cause.start}); send "
                   "JSON as UTF-8")
-    return JSONResponse(error_body(detail, kind, None), status_code=exc.status_code,
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(error_body(detail, kind, None), status_code=exc.status_code, headers=headers)
 
 
 async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -696,6 +696,17 @@ def test_unknown_routes_and_models_answer_in_openais_error_shape(client, server)
         assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
 
 
+def test_a_405_allows_every_method_the_path_answers(server):
+    """The routes that answer HEAD as well as GET said "Allow: GET" (RFC 9110: a 405's Allow lists the methods the
+    resource supports), since Starlette names the first matching route's alone."""
+    for path, allowed in (("/v1/models", "GET, HEAD"), (f"/v1/models/{MODEL}", "GET, HEAD"), ("/health", "GET, HEAD"),
+                          ("/v1/completions", "POST"), ("/metrics", "GET")):
+        assert httpx.head(server[0] + path).status_code in (200, 405), path
+        r = httpx.put(server[0] + path, content=b"")
+        assert r.status_code == 405 and r.headers["allow"] == allowed, (path, r.headers)
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
 def test_a_body_not_read_as_json_says_why(server):
     """A JSON object sent as text/json or application/jsonl (which FastAPI reads as bytes) was told it "must be a
     JSON object", with no word of the Content-Type that text/plain got; a body that is not UTF-8 got FastAPI's
