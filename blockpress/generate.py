@@ -74,6 +74,8 @@ class StepFunctions:
         calls compile (minutes on a 2-core CPU, even for a tiny model); a changing cache length recompiles once as dynamic,
         and the sampler's numbers are tensors (StepNumbers), so new values compile nothing (see LM.compile)."""
         check_compile_options(options)
+        if "recompile_limit" in inspect.signature(torch.compile).parameters:  # (torch 2.13; older ones keep 8)
+            options = {"recompile_limit": RECOMPILE_LIMIT, **options}
         return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
                    torch.compile(model.encode, **options))
 
@@ -83,6 +85,12 @@ class StepFunctions:
         GraphedEncodeStep); the sampler stays eager."""
         return cls(GraphedDenoise(model), denoise_step, GraphedEncodeStep(model))
 
+
+# Graphs a compiled step may hold before it runs eagerly (torch's default: 8). Each kind of batch (one row or
+# several, padded or not, a canvas's first step or a later one, a fixed cache length then a dynamic one) takes a
+# graph of its own: a plain user's calls at batch 1, then 2, then 2 with rows of other budgets held torch's 8 for the
+# decoder pass, and every batch after them decoded eagerly.
+RECOMPILE_LIMIT = 32
 
 # torch.compile's modes as its documentation lists them, for a torch that does not list them itself
 # (torch._inductor.list_mode_options)

@@ -1810,7 +1810,7 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 # dynamic sizes) and dynamo's graphs counted with a pass-through backend on random-tiny, requests then compiled
 # nothing new but for new sampler settings (alone, long or short, three together, n=3, batches shrinking to one row,
 # a template). Inductor guards the cache's length by ranges as well: there n=3 and three padded rows still compiled
-# 4 and 2 more graphs of the decoder pass (14 in all), past torch's default limit of 8.
+# 4 and 2 more graphs of the decoder pass (14 in all), past torch's default limit of 8 (lm.compile's is 32).
 WARM_UP_PROMPTS = (("Hello",), ("Write a function that adds two numbers.",),
                    ("Hello", "Write a function that adds two numbers."), ("Hello", "Hello"))
 

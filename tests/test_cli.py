@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import inspect
 import io
@@ -1161,6 +1162,7 @@ def counted_compile(monkeypatch) -> dict[str, list[str]]:
 
     calls: dict[str, list[str]] = {}
 
+    @functools.wraps(torch.compile)  # its signature, which StepFunctions.compiled reads for recompile_limit
     def compile_(fn, **options):
         calls.setdefault("dynamic", []).append(repr(options.get("dynamic")))
         calls.setdefault("recompile_limit", []).append(repr(options.get("recompile_limit")))
@@ -1203,7 +1205,9 @@ def test_compile_decodes_through_the_compiled_steps_and_gives_the_same_text(monk
     else:
         assert len(calls["denoise"]) == len(calls["denoise_step"]) == compiled[0]["forward_passes"]
     assert "--compile: the first steps of each batch size and prompt length compile" in captured.err
-    assert calls["dynamic"] == calls["recompile_limit"] == ["None"] * 3  # torch's defaults
+    assert calls["dynamic"] == ["None"] * 3  # torch's default; a limit for several kinds of batch, where torch has it
+    assert calls["recompile_limit"] == [str(blockpress.generate.RECOMPILE_LIMIT)] * 3 or \
+        "recompile_limit" not in inspect.signature(torch.compile).parameters
 
 
 def test_chat_compile_decodes_through_the_compiled_steps(monkeypatch, capsys):
@@ -1276,7 +1280,8 @@ def test_serve_compiles_before_it_answers_and_the_engine_runs_the_compiled_steps
     assert set(calls["denoise"][len(warm["denoise"]):]) == {"blockpress-engine"}
     assert calls["dynamic"] == ["True"] * 3  # every size dynamic from the start: serve's shapes never settle
     # and room for more kinds of batch than torch's 8 graphs a step (past them a step ran eagerly), where torch has it
-    assert calls["recompile_limit"] == ["32"] * 3 or "recompile_limit" not in inspect.signature(torch.compile).parameters
+    assert calls["recompile_limit"] == [str(blockpress.generate.RECOMPILE_LIMIT)] * 3 or \
+        "recompile_limit" not in inspect.signature(torch.compile).parameters
     said = [err.index(line) for line in ("--compile: compiling the model's steps (minutes on a CPU) with a few short "
                                          "generations before serving", "warmed up in", "blockpress serving 'random-tiny'")]
     assert said == sorted(said)

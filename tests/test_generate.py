@@ -1374,6 +1374,34 @@ def test_compiled_steps_stop_recompiling_once_batch_and_lengths_vary():
     assert len(compiles) == warm, f"{len(compiles) - warm} more compiles"
 
 
+def test_compiled_steps_hold_graphs_for_several_kinds_of_batch(monkeypatch):
+    """Each kind of batch (one row or several, padded or not, a fixed cache length then a dynamic one, with and
+    without self-conditioning) takes graphs of its own: at torch's limit of 8 a function, calls at batch 1, then 2,
+    then 2 with rows of other budgets held it for the decoder pass, and every batch after them decoded eagerly.
+    lm.compile raises the limit to RECOMPILE_LIMIT unless the caller gives one."""
+    import functools
+    import inspect
+
+    from blockpress.generate import RECOMPILE_LIMIT
+
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        pytest.skip("this torch's compile takes no recompile_limit")
+    given = []
+
+    @functools.wraps(torch.compile)  # (its signature: lm.compile reads it)
+    def recording(fn, **options):
+        given.append(options)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    lm.compile()
+    lm.compile(recompile_limit=3, dynamic=True)
+    assert RECOMPILE_LIMIT >= 32 and given == [{"recompile_limit": RECOMPILE_LIMIT}] * 3 + \
+        [{"recompile_limit": 3, "dynamic": True}] * 3
+    assert lm.generate([[3, 4, 5]], max_new_tokens=4, max_denoising_steps=2, seed=0).sequences.shape == (1, 7)
+
+
 def test_compiled_sampler_step_compiles_once_for_every_value_of_the_numbers():
     """The sampler step read its numbers (t_max, entropy_bound, ...) from the SamplerConfig, and torch.compile guards
     on a Python number's value: each setting changed compiled the step twice more (its first step, then the rest), and

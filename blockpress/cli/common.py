@@ -177,23 +177,12 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}{warm}. Not with --compile")
 
 
-SERVE_RECOMPILE_LIMIT = 32  # graphs a compiled step may hold in `serve --compile` (torch's default: 8)
-
 
 def serve_compile_options() -> dict[str, Any]:
     """torch.compile's options for serve, whose batches and prompts never settle: every size dynamic from the
-    start, and room for more graphs a step. Each kind of batch (one row or several, padded or not, a canvas's first
-    step or a later one, inductor's cache-length ranges) is a graph of its own: on random-tiny the decoder pass held
-    torch's limit of 8 after the warm-up, and the next kind (n=3) ran eagerly from then on. The limit is torch.compile's
-    own argument (torch 2.13; older ones keep 8): dynamo's config is per thread, and the engine thread runs the steps."""
-    import inspect
-
-    import torch
-
-    options: dict[str, Any] = {"dynamic": True}
-    if "recompile_limit" in inspect.signature(torch.compile).parameters:
-        options["recompile_limit"] = SERVE_RECOMPILE_LIMIT
-    return options
+    start (each kind of batch still takes graphs of its own, within lm.compile's recompile limit: generate.py's
+    RECOMPILE_LIMIT)."""
+    return {"dynamic": True}
 
 
 def check_cuda_graphs(args: argparse.Namespace) -> None:
