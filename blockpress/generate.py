@@ -1144,12 +1144,20 @@ class NonFiniteLogits(ValueError):
     """The model itself gave NaN or infinite logits (not a hook): decoding them would write token 0 everywhere."""
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether `t` holds no NaN or inf. FP8 codes (torch has no isfinite for them: "not implemented for
+    'Float8_e4m3fn'") are widened to float32 a slice at a time, never a whole expert tensor's worth at once."""
+    if t.element_size() > 1:
+        return bool(torch.isfinite(t).all())
+    return all(bool(torch.isfinite(part.float()).all()) for part in t.reshape(-1).split(1 << 24))
+
+
 def model_logits_fault(model: Any, where: str) -> NonFiniteLogits:
     """The error for NaN / inf logits from the model at `where`, saying why: weights that hold NaN or inf (a damaged
     checkpoint, or one saved from a run that diverged), else activations that overflowed the model's dtype. Looked
     into only once it has happened, so the check itself costs one reduction of a canvas's first logits."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    bad = [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [name for name, t in tensors if t.is_floating_point() and not _all_finite(t)]
     if bad:
         why = (f"{len(bad)} of its {len(tensors)} weight tensors hold NaN or inf ({', '.join(bad[:3])}"
                f"{', ...' if len(bad) > 3 else ''}): the checkpoint is damaged, or was saved from a run that diverged")

@@ -35,6 +35,24 @@ def test_nan_weights_are_named_instead_of_decoding_zeros(nan_lm, how):
         run()
 
 
+@pytest.mark.parametrize("where", ["embedding", "fp8 codes"])
+def test_an_fp8_model_with_nan_weights_is_named(where):
+    """The cause was looked for with torch.isfinite over every float tensor, FP8 codes too, which torch has no
+    isfinite for: NotImplementedError ("not implemented for 'Float8_e4m3fn'") in place of NonFiniteLogits."""
+    lm = tiny().quantize("fp8")
+    codes = [(name, t) for name, t in lm.model.named_buffers() if t.dtype == torch.float8_e4m3fn]
+    assert codes
+    with torch.no_grad():
+        if where == "embedding":
+            name, tensor = "embed_tokens.weight", lm.model.embed_tokens.weight
+        else:
+            name, tensor = codes[0]
+        tensor.view(-1)[0] = float("nan")
+    lm.model.weights_changed()
+    with pytest.raises(blockpress.NonFiniteLogits, match=rf"1 of its \d+ weight tensors hold NaN or inf \({name}\)"):
+        lm.generate([5, 6, 7], max_new_tokens=8, max_denoising_steps=2, seed=1)
+
+
 def test_a_nan_model_is_blamed_before_a_logits_processor():
     """The hooks' own check (a processor that leaves no token) read the model's NaN as the processor's fault."""
     lm = poison(tiny(), float("nan"))
