@@ -336,7 +336,9 @@ class KVCache:
         """A new cache holding only the rows `index` (the encoded slots plus `scratch` free ones).
 
         Decoding uses it to stop computing rows of a batch that have finished their canvas. Each call copies the
-        rows kept, so decoding calls it only when at least half the working rows have stopped.
+        rows kept, so within a canvas decoding calls it only when at least half the working rows have stopped; at a
+        canvas's start, for the rows that ended in an earlier one: once where no cache is handed back (the batch's
+        cache then holds them no more), at each canvas where one is.
         """
         n = self.length
         # slice, then select: index_select writes a fresh tensor of just the slots kept (one copy, not two)

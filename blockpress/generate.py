@@ -1313,12 +1313,13 @@ class _Working:
 
     def shrink(self, keep: torch.Tensor, canvas_len: int, cache_rows: torch.Tensor | None = None) -> _Working:
         """Only the sub-batch positions `keep` (the cache rows are copied here, once per shrink; `cache_rows`: their
-        rows in the cache, where it holds fewer rows than the batch)."""
+        rows in the cache, where it holds fewer rows than the batch: every one of them is the cache as it is)."""
         scored, draws = self.rules.scored, self.rules.draws
         assert scored is not None and draws is not None  # (the decoding loop's rules carry both)
+        whole = cache_rows is not None and cache_rows.numel() == self.cache.batch_size  # (sorted, distinct rows)
         return _Working(
             rows=self.rows[keep], state=take_rows(self.state, keep),
-            cache=self.cache.rows(keep if cache_rows is None else cache_rows, canvas_len),
+            cache=self.cache if whole else self.cache.rows(keep if cache_rows is None else cache_rows, canvas_len),
             rules=replace(self.rules, fixed=None if self.rules.fixed is None else self.rules.fixed[keep],
                           scored=scored[keep], draws=draws.take(keep)),
             writable=self.writable[keep], bans=None if self.bans is None else self.bans.take(keep, self.rows.numel()),
@@ -1450,11 +1451,13 @@ class _Decoding:
     stops: _Stops
     start: float  # when denoising began (the events' elapsed time)
     # Rows `cancelled` ended alone (it said so of some rows, not all): a bool per row, on the host, None while it
-    # named none. They end as at their max_new_tokens, within a step; where `drop_cut` (no cache handed back, no
-    # logits processor that mixes rows), the cache lets go of their rows at the next canvas (`held`: the rows it
-    # still holds; None: all), so a server's client that left a shared batch stops costing passes and memory at once.
+    # named none. They end as at their max_new_tokens, within a step. Where `drop_ended` (no cache handed back, no
+    # logits processor that mixes rows), the cache lets go of every ended row at the next canvas, cut or ended by an
+    # EOS, a stop string or its budget (`held`: the rows it still holds; None: all), once: a server's client that left
+    # a shared batch stops costing passes and memory at once, and later canvases neither copy the ended rows' cache
+    # out of the way (each canvas copied the others' rows, a second cache's worth at the peak) nor encode them.
     cut_rows: list[bool] | None = None
-    drop_cut: bool = False
+    drop_ended: bool = False
     held: torch.Tensor | None = None
 
     @classmethod
@@ -1473,7 +1476,7 @@ class _Decoding:
                    torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
                    None if req.unknown_ids is None else req.unknown_ids.to(device),
                    _Stops.of(req, texts, device), time.perf_counter(),
-                   drop_cut=req.skip_stopped_rows and req.logits_processor is None and not keep_cache)
+                   drop_ended=req.skip_stopped_rows and req.logits_processor is None and not keep_cache)
 
     def cancelled(self) -> torch.Tensor | bool:
         """Ask `req.cancelled`: True when the whole batch is cancelled, the rows it newly cut [B] bool when it cut some
@@ -1500,13 +1503,13 @@ class _Decoding:
         self.finished = self.finished | new
         return new
 
-    def drop_cut_rows(self) -> None:
-        """Copy the cache without the rows cut since the last canvas (see `cut`), freeing theirs."""
-        if not self.drop_cut or self.cut_rows is None:
+    def drop_ended_rows(self) -> None:
+        """Copy the cache without the rows that ended since the last canvas (cut, or `finished` otherwise), freeing
+        theirs (see `drop_ended`)."""
+        if not self.drop_ended:
             return
-        cut = torch.tensor(self.cut_rows, device=self.finished.device)
-        held = torch.arange(cut.shape[0], device=cut.device) if self.held is None else self.held
-        keep = (~cut[held]).nonzero()[:, 0]
+        held = torch.arange(self.finished.shape[0], device=self.finished.device) if self.held is None else self.held
+        keep = (~self.finished[held]).nonzero()[:, 0]  # (a canvas's one host read here; its start read one anyway)
         if keep.numel() == held.numel() or keep.numel() == 0:
             return
         self.cache = self.cache.rows(keep, self.cache.keys[0].shape[2] - self.cache.length)
@@ -1518,11 +1521,11 @@ class _Decoding:
         canvas_len, vocab = self.model.config.canvas_length, self.model.config.text.vocab_size
         b = self.finished.shape[0]
         all_rows = torch.arange(b, device=self.finished.device)
-        self.drop_cut_rows()
+        self.drop_ended_rows()
         noise = noise_tokens(cfg, self.seeds, canvas.index, cfg.max_denoising_steps + 1, canvas_len, vocab)
         state = init_state(noise, canvas.fixed)
         # Denoising runs on the rows still working (`w`: their rows, state, cache rows, constraints). When rows stop
-        # (adaptive stopping, or an EOS in an earlier canvas) the batch shrinks, so stopped rows cost nothing;
+        # (adaptive stopping, once half have; or an EOS in an earlier canvas) the batch shrinks, so they cost little;
         # every random number is per row, so the survivors compute exactly what they would have.
         # Rows with nothing to write here: ended earlier, or a template canvas without holes (its tokens are given).
         # They start done (a done row's state is frozen and costs no pass), and leave the batch when it shrinks.
@@ -1536,7 +1539,7 @@ class _Decoding:
                      bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds, finished=self.finished,
                      history=self.history)
         all_idle = canvas.fixed is not None and bool(idle.all())  # a stretch of given text: commit it as it is
-        if not all_idle and self.held is not None:  # the cache holds only the rows not cut (cut rows are idle)
+        if not all_idle and self.held is not None:  # the cache holds only the rows not ended (ended rows are idle)
             keep = (~idle).nonzero()[:, 0]
             w = w.shrink(keep, canvas_len, torch.searchsorted(self.held, keep))
         elif not all_idle and req.skip_stopped_rows and b > 1 and bool(idle.any()):
@@ -1664,7 +1667,7 @@ class _Decoding:
 
     def encode(self, committed: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Append the committed tokens to the cache, for the next canvas or the next turn."""
-        if self.held is not None:  # the cache's rows only (`drop_cut_rows`)
+        if self.held is not None:  # the cache's rows only (`drop_ended_rows`)
             committed, valid = committed[self.held], None if valid is None else valid[self.held]
         enc, enc_mask = committed, valid
         if valid is not None and committed.shape[0] == 1:

@@ -2781,6 +2781,34 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
         lm.generate(prompts, cancelled=lambda: [True] * 3, **kw)
 
 
+def test_rows_that_ended_leave_the_batchs_cache_once_not_at_every_canvas(lm, monkeypatch):
+    """A row that ended by its budget (or an EOS) in an earlier canvas was left out of every later canvas by copying
+    the other rows' cache rows, at each canvas: 7 copies of 3 rows for 8 canvases here, a second cache's worth at
+    the peak each time. The batch's cache now lets go of the ended row once, and the other rows' tokens are the
+    ones they get with stopped rows kept; with the cache handed back (a caller's), it keeps every row."""
+    from blockpress.cache import KVCache
+
+    copies = []
+    rows = KVCache.rows
+
+    def recorded(cache, index, scratch):
+        copies.append((cache.batch_size, index.numel()))
+        return rows(cache, index, scratch)
+
+    prompts = [[7] * 20, [8] * 21, [9] * 22, [10] * 23]
+    kw = dict(max_new_tokens=[8, 64, 64, 64], max_denoising_steps=2, seeds=[1, 2, 3, 4], eos_token_id=[],
+              adaptive_stopping=False)
+    kept = lm.generate(prompts, skip_stopped_rows=False, **kw)
+    monkeypatch.setattr(KVCache, "rows", recorded)
+    out = lm.generate(prompts, **kw)
+    assert out.steps_per_canvas.shape[1] == 64 // lm.config.canvas_length and copies == [(4, 3)]
+    assert torch.equal(out.sequences, kept.sequences)
+    copies.clear()
+    cache = lm.new_cache(4, 23 + 64)
+    given = lm.generate(prompts, cache=cache, **kw)
+    assert torch.equal(given.sequences, kept.sequences) and cache.batch_size == 4 and len(copies) >= 2
+
+
 def test_a_canvas_lets_go_of_the_last_canvases_self_conditioning_softmax():
     """The loop held the finished canvas's state to the end of the next canvas, its self-conditioning softmax
     [B, C, V] (256 MB a row at the real 262k vocabulary, float32) beside the next canvas's own."""
