@@ -279,12 +279,14 @@ class Noise:
 
 def draw_noise(batch: Batch, vocab_size: int, cfg: TrainConfig, generator: torch.Generator) -> Noise:
     b, n = batch.canvas_ids.shape
-    t = cfg.t_eps + (1 - 2 * cfg.t_eps) * torch.rand(b, generator=generator)
-    corrupt = torch.rand(b, n, generator=generator) < t[:, None]
+    # float32 whatever the process's torch.set_default_dtype: a float64 default drew other noise (a resumed run is
+    # exact only where the draws are the same), a bfloat16 one rounded the noise levels
+    t = cfg.t_eps + (1 - 2 * cfg.t_eps) * torch.rand(b, generator=generator, dtype=torch.float32)
+    corrupt = torch.rand(b, n, generator=generator, dtype=torch.float32) < t[:, None]
     tokens = torch.randint(0, vocab_size, (b, n), generator=generator)
     if cfg.noise_token_id >= 0:  # drawn anyway, so the other draws stay the same whichever noise is used
         tokens = torch.full_like(tokens, cfg.noise_token_id)
-    sc = torch.rand(b, generator=generator) < cfg.self_conditioning_prob
+    sc = torch.rand(b, generator=generator, dtype=torch.float32) < cfg.self_conditioning_prob
     return Noise(t, corrupt, tokens, sc)
 
 
@@ -1199,7 +1201,7 @@ class Trainer:
         device = self.lm.device
         # on the run's device: nccl all-reduces CUDA tensors alone (a CPU one raised "No backend type associated
         # with device type cpu" at the first step), and no micro-batch waits for the GPU to copy its sums back
-        sums = torch.zeros(2, device=device)
+        sums = torch.zeros(2, device=device, dtype=torch.float32)  # (not the process's default dtype)
         for lo in range(0, per_rank, micro):
             part = slice(lo, min(lo + micro, per_rank))
             b, nz = mine.rows(part).to(device), my_noise.rows(part).to(device)
@@ -1207,8 +1209,9 @@ class Trainer:
                 diff_sum, ar_sum = self.objective(b, nz)
                 loss = (self.cfg.diffusion_weight * diff_sum / max(n_diff, 1)
                         + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1))
-            if train:
-                self.scaler.scale(loss * self.world).backward()  # DDP averages gradients over processes
+            if train:  # out of autocast, but with grad on, as the forward had it (a caller's no_grad scaled the
+                with torch.enable_grad():  # loss without grad: "element 0 of tensors does not require grad")
+                    self.scaler.scale(loss * self.world).backward()  # DDP averages gradients over processes
             sums += torch.stack([diff_sum.detach().float(), ar_sum.detach().float()])
         sums = _all_sum(sums).cpu()
         return float(sums[0]) / max(n_diff, 1), float(sums[1]) / max(n_ar, 1), int(batch.valid.sum())
@@ -1487,6 +1490,14 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         cfg = self.cfg
+        # (grad turned off by the caller is turned back on where the run needs it; inference mode cannot be)
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError("Trainer.train: called under torch.inference_mode(), where no gradient can be "
+                               "computed; call it outside that block")
+        if any(p.is_inference() for p in self.lm.model.parameters() if p.requires_grad):
+            raise RuntimeError("Trainer.train: the weights to train were made under torch.inference_mode() (the "
+                               "model loaded, or the Trainer made, in that block), so no gradient reaches them; "
+                               "make both outside it")
         result = TrainResult(steps=cfg.steps)
         metrics = None
         if self.rank == 0:

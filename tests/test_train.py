@@ -224,6 +224,35 @@ def test_grad_accumulation_changes_nothing(tmp_path):
     assert whole.losses == pytest.approx(micro.losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("lora", [0, 4])
+def test_a_callers_grad_mode_and_default_dtype_change_no_run(tmp_path, lora):
+    """Under a caller's torch.no_grad() the loss was scaled without grad (torch's "element 0 of tensors does not
+    require grad"); under a float64 default dtype the noise was drawn otherwise (another first loss: a resume across
+    processes was not exact). Both now train as a plain run does (up to AdamW's own step count, which torch keeps
+    in the default dtype); inference mode, where nothing can be trained, is refused by name."""
+    _, plain = run(tmp_path, 2, "plain", lora_rank=lora)
+    with torch.no_grad():
+        _, no_grad = run(tmp_path, 2, "no_grad", lora_rank=lora)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _, wide = run(tmp_path, 2, "wide", lora_rank=lora)
+    finally:
+        torch.set_default_dtype(default)
+    assert plain.losses == no_grad.losses and len(plain.losses) == 2
+    # the same draws and sums; torch's AdamW keeps its step count in the default dtype, a last-bit difference after
+    assert wide.losses[0] == plain.losses[0] and wide.losses == pytest.approx(plain.losses, rel=1e-5)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"^Trainer.train: called under "
+                                                                   r"torch.inference_mode\(\)"):
+        run(tmp_path, 2, "inference", lora_rank=lora)
+    if lora:  # adapters made with the Trainer in that block, trained after it
+        with torch.inference_mode():
+            trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=2, batch_size=4, lora_rank=lora),
+                              tmp_path / "made_in_inference", progress=False)
+        with pytest.raises(RuntimeError, match=r"^Trainer.train: the weights to train were made under torch.infer"):
+            trainer.train()
+
+
 def test_resume_is_exact(tmp_path):
     _, straight = run(tmp_path, 6, "straight")
     lm = tiny_lm()
