@@ -1951,12 +1951,18 @@ class LM:
         the scheme; `blockpress.load` gives it back bit for bit (transformers cannot read it). `dtype` then applies
         to the tensors left unquantized (embedding, norms, router)."""
         dtype = resolve_dtype(_dtype_argument(dtype)) or self.widened_from or self.dtype
-        if self.quantization is not None:
-            adapted = next((name for name, module in self.model.named_modules() if hasattr(module, "lora_A")), None)
-            if adapted is not None:  # peft's modules would be saved under its names, which no load reads
+        adapted = next((name for name, module in self.model.named_modules() if hasattr(module, "lora_A")), None)
+        if adapted is not None:  # peft's modules would be saved under its names, which no load reads
+            if self.quantization is not None:
                 raise ValueError(f"save: the model holds LoRA adapters, unmerged over its quantized base ({self.quantization}, "
                                  f"layer {adapted!r}); save the adapters apart (blockpress.train.save_adapter), or "
                                  "merge them into the unquantized base (blockpress.load(base, adapter=...)) and save that")
+            # (a LoRA run stopped before its last save, by Ctrl-C or an error, leaves them so): the folder written
+            # looked whole, and neither load read it (transformers filled the missing weights with random ones)
+            raise ValueError(f"save: the model holds LoRA adapters, unmerged (layer {adapted!r}: a LoRA training run "
+                             "stopped before its final save leaves them so); save the adapters apart "
+                             "(blockpress.train.save_adapter), or fold them into the weights first "
+                             "(blockpress.train.merge_lora(lm.model)) and save that")
         # as load reads one: "~/out" made a folder named ~ in the current one, and "" wrote into the current one
         path = output_folder(path, "save")
         self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)

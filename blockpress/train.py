@@ -950,9 +950,12 @@ def _check_trainable(lm: LM, cfg: TrainConfig, world: int) -> None:
                          f"{lm.quantization}), or the unquantized weights (load without quantize)")
     adapted = next((name for name, module in lm.model.named_modules() if hasattr(module, "lora_A")), None)
     if adapted is not None:  # (peft would wrap its layers again, and the optimizer train both sets)
-        raise ValueError(f"train: the model holds LoRA adapters, unmerged over its quantized base (layer "
-                         f"{adapted!r}); fine-tune it unquantized, where they are merged into the base, or train "
-                         "new adapters over the base alone")
+        over = f" over its quantized base ({lm.quantization})" if lm.quantization is not None else ""
+        fold = ("fine-tune it unquantized, where they are merged into the base" if over else
+                "fold them into the weights first (blockpress.train.merge_lora(lm.model)), as a LoRA run that was "
+                "stopped before its final save did not")
+        raise ValueError(f"train: the model holds LoRA adapters, unmerged{over} (layer {adapted!r}); {fold}, or "
+                         "train new adapters over the base alone")
     if cfg.lora_rank and lm.adapter is not None:
         # The new adapters' folder could name no base: theirs is the base and these adapters together, and nothing
         # loads an adapter over another (the folder written named base null, and loaded nowhere).

@@ -253,6 +253,27 @@ def test_a_callers_grad_mode_and_default_dtype_change_no_run(tmp_path, lora):
             trainer.train()
 
 
+def test_a_model_left_with_unmerged_adapters_is_not_saved_as_a_checkpoint(tmp_path):
+    """A LoRA run stopped before its final save (Ctrl-C, an error) leaves the model's layers wrapped by peft: save
+    wrote a folder that looked whole and that neither load read (blockpress: "unexpected tensor
+    '...base_layer.weight'"; transformers filled the missing weights with random ones), and a new run was told the
+    adapters sat "over its quantized base", which there was none of. Both are refused, saying how to fold them in;
+    folded, the save loads back with the same logits (to float32 rounding)."""
+    from blockpress.train import add_lora, merge_lora
+
+    lm = tiny_lm()
+    add_lora(lm.model, rank=4, alpha=8)
+    with pytest.raises(ValueError, match=r"^save: the model holds LoRA adapters, unmerged \(layer '.*'.*merge_lora\(lm"):
+        lm.save(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"^train: the model holds LoRA adapters, unmerged \(layer '[^;]*'\); fold "):
+        Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=2), tmp_path / "run", progress=False)
+    merge_lora(lm.model)
+    lm.save(tmp_path / "out")
+    prompt, canvas = torch.tensor([[2, 5, 6]]), torch.tensor([[7] * 8])
+    torch.testing.assert_close(blockpress.load(tmp_path / "out").logits(prompt, canvas), lm.logits(prompt, canvas))
+
+
 def test_resume_is_exact(tmp_path):
     _, straight = run(tmp_path, 6, "straight")
     lm = tiny_lm()
