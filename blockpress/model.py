@@ -26,6 +26,7 @@ from torch.torch_version import TorchVersion
 from .cache import KVCache
 from .checks import is_int
 from .config import ACTIVATIONS, PREFILL_CHUNK, LayerSpec, ModelConfig, TextConfig
+from .stopping import interrupts_deferred
 
 # (layer index, spec, new keys, new values) -> (all keys, all values) that the new queries may read.
 KVSource = Callable[[int, LayerSpec, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -582,10 +583,11 @@ class DiffusionGemma(nn.Module):
             check_float16_range(((name, t) for name, t in (*self.named_parameters(), *self.named_buffers())
                                  if cast_to[t.dtype] == torch.float16 != t.dtype), "nothing was cast")
         self.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
-        super()._apply(fn, recurse)
-        self.reset_buffers()
-        fit_cpu_kernels(self)  # quantized weights laid out for the kernels of the device they landed on
-        self.weights_changed()
+        with interrupts_deferred():  # a Ctrl-C part-way left some weights cast and others not (or the tables not
+            super()._apply(fn, recurse)  # made anew): every later pass failed in torch, or differed unsaid
+            self.reset_buffers()
+            fit_cpu_kernels(self)  # quantized weights laid out for the kernels of the device they landed on
+            self.weights_changed()
         return self
 
     def dtypes_after(self, cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[torch.dtype, torch.dtype]:

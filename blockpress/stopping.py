@@ -115,6 +115,20 @@ def on_signals(signals: tuple[int, ...], handler: Callable[[int, Any], None]) ->
                 signal.signal(sig, was)
 
 
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """While inside, a Ctrl-C (SIGINT) waits, and is delivered as the block ends: for work that must be all or
+    nothing and cannot be undone cheaply (an in-place cast of every weight, which an interrupt part-way left half
+    cast: every later pass failed in torch, and a second cast to the dtype the model claimed did nothing)."""
+    caught: list[int] = []
+    try:
+        with on_signals((signal.SIGINT,), lambda signum, frame: caught.append(signum)):
+            yield
+    finally:
+        if caught:  # to whatever takes it now (Python's KeyboardInterrupt, an app's own handler)
+            signal.raise_signal(signal.SIGINT)
+
+
 def stop_signals_interrupt() -> AbstractContextManager[None]:
     """While inside, a SIGTERM or SIGHUP raises Stopped (a KeyboardInterrupt) in the main thread, as a Ctrl-C raises
     KeyboardInterrupt: they killed the process where it stood, so `timeout 60 blockpress generate --json` printed

@@ -250,6 +250,43 @@ def test_device_none_is_the_default_device(ref_checkpoint):
     assert blockpress.random_model(blockpress.ModelConfig.tiny(), device=None).device.type == "cpu"
 
 
+def test_a_ctrl_c_during_a_cast_waits_for_the_cast_to_end(monkeypatch):
+    """A Ctrl-C that landed inside lm.to(dtype=...) (or lm.model.bfloat16()) left the model half cast: some weights
+    bfloat16 and some float32, or the rotary tables not made anew, so every later pass failed in torch or differed
+    unsaid, and a second lm.to to the dtype the model claimed did nothing. The interrupt now comes as the cast ends,
+    and the model is what a clean cast gives."""
+    import signal
+    import threading
+
+    from blockpress.model import DiffusionGemma
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("signals reach the main thread's Python handler alone")
+    ids = torch.tensor([[2, 5, 7, 9]])
+    want = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).to(dtype="bfloat16")
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    reset = DiffusionGemma.reset_buffers
+
+    def interrupted(model):  # a real SIGINT, part-way through the cast (the weights cast, the tables not yet)
+        signal.raise_signal(signal.SIGINT)
+        reset(model)
+
+    monkeypatch.setattr(DiffusionGemma, "reset_buffers", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lm.to(dtype="bfloat16")
+    monkeypatch.setattr(DiffusionGemma, "reset_buffers", reset)
+    assert {p.dtype for p in lm.model.parameters()} == {torch.bfloat16}
+    for (name, a), b in zip(lm.model.named_buffers(), want.model.buffers()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    kw = dict(max_new_tokens=16, seed=1, max_denoising_steps=4)
+    assert torch.equal(lm.generate(ids, **kw).new_tokens, want.generate(ids, **kw).new_tokens)
+    with pytest.raises(KeyboardInterrupt):  # the model's own casts alike
+        monkeypatch.setattr(DiffusionGemma, "reset_buffers", interrupted)
+        lm.model.float()
+    assert {p.dtype for p in lm.model.parameters()} == {torch.float32}
+
+
 def test_to_keeps_a_quantized_model_in_its_dtype(ref_checkpoint):
     """Casting would round the scales the quantization chose for this dtype: refused, naming the way that works."""
     lm = load_quiet(ref_checkpoint[0], quantize="int8")
