@@ -596,6 +596,12 @@ class DiffusionGemma(nn.Module):
         dtypes = dict.fromkeys(t.dtype for t in (*self.parameters(), *self.buffers()))
         return {d: cast(torch.empty(0, dtype=d, device=self.device)).dtype for d in dtypes}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (copy.deepcopy; pickle, whose serial is another process's, maybe a model's here) is a model of its
+        own: it kept the serial of the one copied, and continued that one's caches, or another model's, unrefused."""
+        super().__setstate__(state)
+        self.weights_version = (next(MODEL_SERIALS), 0)
+
     def weights_changed(self) -> None:
         """Say that the weights changed in place: keys and values encoded before are stale."""
         self.weights_version = (self.weights_version[0], self.weights_version[1] + 1)

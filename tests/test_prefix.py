@@ -200,6 +200,26 @@ def test_another_models_conversation_cache_is_refused(engine):
     getattr(a, engine)([7], cache=cache, max_new_tokens=4)  # its own model continues it
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_model_is_a_model_of_its_own_to_the_caches(how):
+    """A copy (copy.deepcopy; pickle, whose serial is another process's, maybe a model's here: a multiprocessing
+    result, torch.save of an LM) kept the serial of the model copied, so it continued that model's conversation, or
+    another model's, unrefused. The copy refuses it, continues its own, and computes what the original does."""
+    import copy
+    import pickle
+
+    a = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    b = copy.deepcopy(a) if how == "deepcopy" else pickle.loads(pickle.dumps(a))
+    assert b.model.weights_version[0] != a.model.weights_version[0]
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=0)
+    cache = a.generate([3, 4, 5], return_cache=True, **kw).cache
+    with pytest.raises(ValueError, match=r"^cache: filled by another model \(another LM's return_cache\)"):
+        b.generate([7], cache=cache, **kw)
+    mine = b.generate([3, 4, 5], return_cache=True, **kw)
+    assert torch.equal(mine.sequences, a.generate([3, 4, 5], **kw).sequences)
+    assert torch.equal(b.generate([7], cache=mine.cache, **kw).sequences, a.generate([7], cache=cache, **kw).sequences)
+
+
 def test_one_cache_shared_by_threads_that_generate_at_once(lm):
     """Threads encoding at once through one PrefixCache (request threads sharing an LM): its dict was iterated while
     another thread changed it (RuntimeError), an entry was evicted between lookup and load (KeyError), and the
