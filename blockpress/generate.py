@@ -1700,6 +1700,10 @@ def weights_unchanged(model: Any, version: tuple[int, int] | None) -> Iterator[N
         raise
 
 
+# Each resume runs outside torch.inference_mode, whatever the caller's mode then (torch's decorator enters it per
+# resume of a generator): a stream whose first events were read under inference mode made its counters there, and
+# drained outside it failed ("Inplace update to inference tensor outside InferenceMode")
+@torch.inference_mode(False)
 def run(
     model: Any,
     req: Request,

@@ -179,6 +179,24 @@ def test_a_min_new_tokens_past_the_default_length_raises_it(engine):
         run([[3, 4, 5]], min_new_tokens=20, max_new_tokens=8)
 
 
+def test_a_stream_begun_under_inference_mode_drains_outside_it(lm):
+    """A handler under @torch.inference_mode() that reads a stream's first event and hands the rest on (to a web
+    framework's response, say): the stream's counters were made under inference mode, and the next step outside it
+    failed ("Inplace update to inference tensor outside InferenceMode"). The events are the ones read in one go."""
+    kw = dict(max_new_tokens=32, max_denoising_steps=4, seed=3)
+    want = list(lm.stream([3, 4, 5], **kw))
+
+    @torch.inference_mode()
+    def start():
+        events = lm.stream([3, 4, 5], **kw)
+        return next(events), events
+
+    first, rest = start()
+    got = [first, *rest]
+    assert len(got) == len(want) and torch.equal(got[-1].output.sequences, want[-1].output.sequences)
+    assert not torch.is_inference_mode_enabled()
+
+
 def test_a_cache_made_under_inference_mode_continues_outside_it(lm):
     """A cache filled under torch.inference_mode held inference tensors, which torch refuses to write in place
     outside it: continuing the conversation (diffusion or AR), going back to a mark, or growing it failed with
