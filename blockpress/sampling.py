@@ -361,7 +361,10 @@ def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     probs = torch.softmax(lf, dim=-1)
     top, argmax = lf.max(dim=-1, keepdim=True)
     shifted = (lf - top).clamp_(min=-1e30)
-    ent = -probs.gather(-1, argmax).squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
+    # float32 under a caller's torch.autocast too, which runs vecdot in its lower dtype: the entropy moved by up to
+    # 5e-3 and the tokens accepted with it, where the model's logits were the same bit for bit
+    with torch.autocast(lf.device.type, enabled=False):
+        ent = -probs.gather(-1, argmax).squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
     return probs, ent, argmax.squeeze(-1)
 
 
