@@ -453,6 +453,10 @@ def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True, context
 def as_tensor(x: Any, name: str, expected: str = "integer token ids") -> torch.Tensor:
     """`x` as a tensor, or a ValueError naming `name` and what was `expected` (not torch's "could not infer
     dtype of NoneType")."""
+    if isinstance(x, np.ndarray) and (not x.dtype.isnative or any(s < 0 for s in x.strides)):
+        # a numpy array torch does not read as it is: a reversed view (a[::-1]), or big-endian ids (">i8", as a
+        # file or another machine wrote them): copied, in this machine's byte order
+        x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
     try:  # no dtype forced: 1.5 or True must be refused by the caller, not truncated to a token id
         return torch.as_tensor(x)
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
@@ -699,7 +703,7 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         return Template(rows, holes)
     shape_error = f"template: expected [N] or [{batch}, N] token ids with N > 0 (id rows may differ in length), got "
     if isinstance(template, torch.Tensor) or hasattr(template, "__array__"):  # a tensor or a numpy array
-        t = torch.as_tensor(template)
+        t = as_tensor(template, "template", "integer token ids (-1 for holes)")
         if not _holds_ids(t):
             raise ValueError(f"template: expected integer token ids (-1 for holes), got a {t.dtype} tensor")
         t = t.detach().to("cpu", torch.long)

@@ -3995,6 +3995,23 @@ def test_template_rows_may_be_tensors_or_arrays(lm):
         lm.infill([torch.tensor([rows[0]]), rows[1]])
 
 
+def test_numpy_ids_torch_does_not_read_as_they_are_are_copied_or_refused_by_name(lm):
+    """A reversed view (a[::-1]) or big-endian ids (">i8") are ordinary numpy arrays that torch.as_tensor refuses:
+    they are copied in this machine's order, for templates and prompts alike; an object array is refused naming the
+    argument (lm.infill's template raised torch's own ValueError / TypeError, naming none)."""
+    template = np.array([[7, -1, -1, 8]])
+    want = lm.infill(template, seed=3, max_denoising_steps=2)
+    for same in (template.astype(">i8"), np.ascontiguousarray(template[:, ::-1])[:, ::-1]):
+        assert torch.equal(lm.infill(same, seed=3, max_denoising_steps=2).sequences, want.sequences)
+    prompt = np.array([3, 4, 5, 6])
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    assert torch.equal(lm.generate(np.ascontiguousarray(prompt[::-1])[::-1], **kw).sequences,
+                       lm.generate(prompt, **kw).sequences)
+    with pytest.raises(ValueError, match=r"^template: expected integer token ids \(-1 for holes\), got a value torch "
+                                         r"cannot read"):
+        lm.infill(template.astype(object))
+
+
 def test_text_templates_of_different_lengths_heal_and_fill_each_as_alone(code_lm):
     """Text templates of different token counts, their holes healed (a space before a hole joins it; a text prompt's
     trailing space joins a template that starts with a hole): each row's tokens, text and fills are those it gets
