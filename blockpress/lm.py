@@ -757,6 +757,8 @@ class LM:
         # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
         self.path = None if path is None else Path(path).absolute()
         self.adapter = adapter  # the LoRA folder applied over it (then the weights are not `path`'s alone)
+        # Both are said of the weights as they were when set (`_while_unchanged`): a change made around this LM's own
+        # methods (an in-place edit and weights_changed(), lm.model.bfloat16(), a training step) ends them.
         # The checkpoint's dtype where `load` computes in a wider one for this CPU (dtype=None: bf16 as float32 without
         # native bf16 matmuls): `save` writes it back, so a saved folder does not depend on the CPU that saved it.
         # None once lm.to names a dtype: the model is then saved in it.
@@ -765,10 +767,34 @@ class LM:
         # rounded them (a float32 folder loaded or cast to bf16, even if cast back) or where they are no checkpoint's:
         # lm.quantize then makes other codes than load(..., quantize=) makes from the stored weights, so a save records
         # no quantized_from
-        self.stored_values: torch.dtype | None = None
+        self.stored_values = None
         self.step_functions: StepFunctions | None = None  # None: eager; see `compile`
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
         _guard_fork()
+
+    @property
+    def widened_from(self) -> torch.dtype | None:
+        return self._while_unchanged(self._widened_from)
+
+    @widened_from.setter
+    def widened_from(self, dtype: torch.dtype | None) -> None:
+        self._widened_from = (dtype, self.model.weights_version)
+
+    @property
+    def stored_values(self) -> torch.dtype | None:
+        return self._while_unchanged(self._stored_values)
+
+    @stored_values.setter
+    def stored_values(self, dtype: torch.dtype | None) -> None:
+        self._stored_values = (dtype, self.model.weights_version)
+
+    def _while_unchanged(self, said: tuple[torch.dtype | None, tuple[int, int]]) -> torch.dtype | None:
+        """What was said of the weights (a dtype, and the weights' version then), while they are unchanged: edited
+        in place (weights_changed()) or cast by the model's own methods, they no longer hold the checkpoint's values,
+        and a save wrote them back in the dtype of a folder they were no longer (a widened float16 folder cast with
+        lm.model.bfloat16() saved float16) or recorded the folder as the base of codes made from other values."""
+        dtype, version = said
+        return dtype if version == self.model.weights_version else None
 
     @property
     def config(self) -> ModelConfig:
@@ -817,7 +843,9 @@ class LM:
         GPUs with FP8 tensor cores) or "int4" (weights, for memory); see blockpress.quantize. Returns self."""
         from .quantize import quantize
 
+        stored, widened = self.stored_values, self.widened_from
         quantize(self.model, check_scheme(scheme))
+        self.stored_values, self.widened_from = stored, widened  # (codes made from the values these describe)
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
@@ -891,15 +919,15 @@ class LM:
             check_runs(scheme, target_device, target_dtype)
         check_fits(_model_bytes(self.model, target_dtype), target_device,
                    f"to: {self.config.describe()} in {str(target_dtype).removeprefix('torch.')}")
+        # judged against the values held (a bf16 folder widened to float32 and cast back is the folder's own)
+        stored = self.stored_values
+        stored = None if stored is not None and not keeps_values(stored, target_dtype) else stored
+        widened = None if chosen is not None else self.widened_from  # named now: the dtype saved too
         if target_dtype == self.dtype:  # a quantized model's float32 scales keep their dtype
             self.model.to(target_device)
         else:
-            # judged against the values held (a bf16 folder widened to float32 and cast back is the folder's own)
-            if self.stored_values is not None and not keeps_values(self.stored_values, target_dtype):
-                self.stored_values = None
             self.model.to(target_device, target_dtype)
-        if chosen is not None:  # named now: the dtype saved too
-            self.widened_from = None
+        self.stored_values, self.widened_from = stored, widened  # (of the values moved or cast here)
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old tensors: make them anew
         return self

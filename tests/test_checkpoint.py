@@ -1182,6 +1182,43 @@ def test_save_writes_the_dtype_a_load_widened_from(ref_checkpoint, tmp_path, mon
     assert saved_dtype(tmp_path / "named") == lm.dtype
 
 
+def test_what_a_load_said_of_the_weights_ends_when_they_change_around_the_lm(ref_checkpoint, tmp_path, monkeypatch):
+    """widened_from and stored_values were ended by lm.to alone: a widened bf16 folder cast with lm.model.half()
+    still saved bfloat16 (the values rounded through float16, config.json saying bfloat16), and codes quantized
+    from weights edited in place (weights_changed(), as the docs ask) or cast with lm.model.half().float() were
+    recorded as made from the checkpoint (quantized_from), so its QLoRA adapters loaded over them unwarned.
+    lm.to, lm.quantize and a plain load keep both, as before."""
+    from saved import saved_dtype
+
+    from blockpress import checkpoint
+
+    load_quiet(ref_checkpoint[0], dtype="bfloat16").save(tmp_path / "m")
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)
+    lm = load_quiet(tmp_path / "m")
+    assert lm.widened_from == lm.stored_values == torch.bfloat16 and lm.dtype == torch.float32
+    lm.to("cpu")  # (moved, not changed)
+    assert lm.widened_from == lm.stored_values == torch.bfloat16
+    lm.model.half()
+    assert lm.widened_from is None and lm.stored_values is None
+    lm.save(tmp_path / "half")
+    assert saved_dtype(tmp_path / "half") == torch.float16
+
+    def quantized_from(change):
+        lm = load_quiet(tmp_path / "m", dtype="float32")
+        change(lm)
+        lm.quantize("int8").save(tmp_path / "q")
+        return json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"].get("quantized_from")
+
+    def edited(lm):
+        with torch.no_grad():
+            lm.model.embed_tokens.weight[3, 0] += 1
+        lm.model.weights_changed()
+
+    assert quantized_from(lambda lm: None) is not None  # codes made from the stored values
+    assert quantized_from(edited) is None
+    assert quantized_from(lambda lm: lm.model.half().float()) is None
+
+
 def test_a_sharded_save_in_another_dtype_counts_the_bytes_written(lm, tmp_path):
     from blockpress.checkpoint import save_model
 
