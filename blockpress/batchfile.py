@@ -53,9 +53,8 @@ class LineKind:
     (an example line, for the errors), `what` (the lines' plural, for the errors), `read` (fills a Row's own
     fields from a line's object, its errors naming the field), `given` (a Row's own fields as its output line
     repeats them: --resume checks them against the input's), `added` (keys of `given` that outputs written
-    before they were repeated lack: --resume takes such a line on its line number and copied keys, as it did; of
-    them, `added_after_settings` were first repeated after lines recorded their settings, so a line with settings
-    may lack them too) and `refused` (keys a line is refused for, -> what gives that setting: `_row`)."""
+    before they were repeated lack: --resume takes such a line on its line number and copied keys, as it did) and
+    `refused` (keys a line is refused for, -> what gives that setting: `_row`)."""
 
     input_keys: tuple[str, ...]
     output_keys: tuple[str, ...]
@@ -64,7 +63,6 @@ class LineKind:
     read: Callable[[dict[str, Any], Row, str], None]
     given: Callable[[Row], dict[str, Any]]
     added: tuple[str, ...] = ()
-    added_after_settings: tuple[str, ...] = ()
     refused: dict[str, str] = field(default_factory=dict)
 
 
@@ -133,7 +131,7 @@ GENERATE = LineKind(
     # a messages line's output repeats its messages as a prompt line's repeats its prompt (it repeated nothing, so
     # --resume could not tell another conversation's output line from this one's), and its own max_new_tokens
     given=lambda row: {"prompt": row.prompt, "messages": row.messages, "max_new_tokens": row.max_new_tokens,
-                       **_own_seed(row)}, added=("messages", "max_new_tokens"), added_after_settings=("max_new_tokens",),
+                       **_own_seed(row)}, added=("messages", "max_new_tokens"),
     refused={**_run_wide(*SAMPLING_KEYS, "min_new_tokens", "stop", "stop_strings"),
              "system": 'give the line "messages" with a system message first, or --system for the whole run',
              "max_tokens": 'OpenAI\'s name for a line\'s budget, which is "max_new_tokens" here'})
@@ -306,9 +304,9 @@ def _output_lines(path: Path, lines: list[bytes], rows: list[Row], kind: LineKin
         # the prompt (template) and the copied keys, as the input line gives them: the same line number in another
         # file's output was taken as done, and its text kept under this file's line
         row = known[obj["line"]]
-        # (a line that records its settings was written since every key of `added` was but those added after)
+        # (a line that records its settings was written since every key of `added` was: each is checked)
         given = {k: v for k, v in {**kind.given(row), **row.carried}.items()
-                 if k in obj or k not in kind.added or ("settings" in obj and k not in kind.added_after_settings)}
+                 if k in obj or k not in kind.added or "settings" in obj}
         other = [k for k in (*given, *sorted(set(obj) - set(kind.output_keys))) if obj.get(k) != given.get(k)]
         if other:
             raise ValueError(f"{path}:{number}: line {obj['line']}: its {other[0]} is not the input line's (was the "
