@@ -1738,6 +1738,8 @@ def run(
     # Each row's text is decoded once a commit, for its stop search, the Commit's texts so far and Done's output.texts.
     texts_of = _RowTexts.of(req, tokenizer) if tokenizer is not None else None
     dec = _Decoding.begin(model, req, cache, fns or StepFunctions.eager(model), texts_of, drafts, keep_cache)
+    if not (given or keep_cache):
+        del cache  # the decoding holds it alone: the rows that end leave it (drop_ended_rows), and free their memory
     answers = _Answers.of(texts_of) if texts_of is not None else None
     try:
         for ci in range(n_canvases):

@@ -2802,8 +2802,11 @@ def test_a_row_cancelled_alone_ends_there_and_frees_its_cache_row_while_the_othe
 def test_rows_that_ended_leave_the_batchs_cache_once_not_at_every_canvas(lm, monkeypatch):
     """A row that ended by its budget (or an EOS) in an earlier canvas was left out of every later canvas by copying
     the other rows' cache rows, at each canvas: 7 copies of 3 rows for 8 canvases here, a second cache's worth at
-    the peak each time. The batch's cache now lets go of the ended row once, and the other rows' tokens are the
-    ones they get with stopped rows kept; with the cache handed back (a caller's), it keeps every row."""
+    the peak each time. The batch's cache now lets go of the ended row once, and its memory (the loop kept the whole
+    batch's cache beside the copy), and the other rows' tokens are the ones they get with stopped rows kept; with the
+    cache handed back (a caller's), it keeps every row."""
+    import gc
+
     from blockpress.cache import KVCache
 
     copies = []
@@ -2825,6 +2828,16 @@ def test_rows_that_ended_leave_the_batchs_cache_once_not_at_every_canvas(lm, mon
     cache = lm.new_cache(4, 23 + 64)
     given = lm.generate(prompts, cache=cache, **kw)
     assert torch.equal(given.sequences, kept.sequences) and cache.batch_size == 4 and len(copies) >= 2
+    monkeypatch.setattr(KVCache, "rows", rows)
+
+    def live_rows():  # the cache rows alive between two canvases (the loop held the whole batch's beside the copy)
+        gc.collect()
+        return sum(o.batch_size for o in gc.get_objects() if isinstance(o, KVCache))
+
+    before = live_rows()  # (the caller's cache above, and whatever else this process holds)
+    alive = [live_rows() - before for event in lm.stream(prompts, drafts=False, **kw)
+             if isinstance(event, blockpress.Commit)]
+    assert alive[0] == 4 and set(alive[1:]) == {3}, alive
 
 
 def test_a_canvas_lets_go_of_the_last_canvases_self_conditioning_softmax():
