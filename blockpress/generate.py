@@ -75,7 +75,11 @@ class StepFunctions:
         and the sampler's numbers are tensors (StepNumbers), so new values compile nothing (see LM.compile)."""
         check_compile_options(options)
         if "recompile_limit" in inspect.signature(torch.compile).parameters:  # (torch 2.13; older ones keep 8)
-            options = {"recompile_limit": RECOMPILE_LIMIT, **options}
+            import torch._dynamo as dynamo  # (torch.compile's own, loaded on its first use)
+
+            # never below a limit the process raised for itself (a function's own limit wins over dynamo's config)
+            limit = max(RECOMPILE_LIMIT, getattr(dynamo.config, "recompile_limit", 0))
+            options = {"recompile_limit": limit, **options}
         return cls(torch.compile(model.denoise, **options), torch.compile(denoise_step, **options),
                    torch.compile(model.encode, **options))
 
