@@ -1708,11 +1708,15 @@ def weights_unchanged(model: Any, version: tuple[int, int] | None) -> Iterator[N
         raise
 
 
-# Each resume runs outside torch.inference_mode, whatever the caller's mode then (torch's decorator enters it per
-# resume of a generator): a stream whose first events were read under inference mode made its counters there, and
-# drained outside it failed ("Inplace update to inference tensor outside InferenceMode")
-@torch.inference_mode(False)
-def run(
+def run(*args: Any, **kwargs: Any) -> Generator[Draft | Commit | Done | Cancelled, None, None]:
+    """`_run`'s loop, each resume in the inference mode of the call that began it (torch's decorator enters it per
+    resume of a generator): a stream begun under torch.inference_mode made its tensors there, and drained outside it
+    failed ("Inplace update to inference tensor outside InferenceMode"); run outside it always, a caller's hook that
+    updates its own inference tensors failed, and inference-mode callers lost its speed."""
+    return torch.inference_mode(torch.is_inference_mode_enabled())(_run)(*args, **kwargs)
+
+
+def _run(
     model: Any,
     req: Request,
     cache: KVCache | None = None,

@@ -182,7 +182,8 @@ def test_a_min_new_tokens_past_the_default_length_raises_it(engine):
 def test_a_stream_begun_under_inference_mode_drains_outside_it(lm):
     """A handler under @torch.inference_mode() that reads a stream's first event and hands the rest on (to a web
     framework's response, say): the stream's counters were made under inference mode, and the next step outside it
-    failed ("Inplace update to inference tensor outside InferenceMode"). The events are the ones read in one go."""
+    failed ("Inplace update to inference tensor outside InferenceMode"). The events are the ones read in one go.
+    Each resume runs in the mode the call began in."""
     kw = dict(max_new_tokens=32, max_denoising_steps=4, seed=3)
     want = list(lm.stream([3, 4, 5], **kw))
 
@@ -195,6 +196,17 @@ def test_a_stream_begun_under_inference_mode_drains_outside_it(lm):
     got = [first, *rest]
     assert len(got) == len(want) and torch.equal(got[-1].output.sequences, want[-1].output.sequences)
     assert not torch.is_inference_mode_enabled()
+    # a call made under inference mode runs in it to its end: a hook that updates its own tensors made there (which
+    # run outside inference mode refused) works, and the mode's speed is kept
+    with torch.inference_mode():
+        bias = torch.zeros(lm.config.text.vocab_size)
+
+        def biased(logits, rows):
+            bias.add_(0.0)
+            return logits + bias
+
+        out = lm.generate([3, 4, 5], logits_processor=biased, **kw)
+    assert torch.equal(out.sequences, lm.generate([3, 4, 5], logits_processor=lambda x, rows: x, **kw).sequences)
 
 
 def test_a_cache_made_under_inference_mode_continues_outside_it(lm):
