@@ -778,7 +778,7 @@ class LM:
 
     @widened_from.setter
     def widened_from(self, dtype: torch.dtype | None) -> None:
-        self._widened_from = (dtype, self.model.weights_version)
+        self._widened_from = (dtype, self.model.values_changes)
 
     @property
     def stored_values(self) -> torch.dtype | None:
@@ -786,15 +786,16 @@ class LM:
 
     @stored_values.setter
     def stored_values(self, dtype: torch.dtype | None) -> None:
-        self._stored_values = (dtype, self.model.weights_version)
+        self._stored_values = (dtype, self.model.values_changes)
 
-    def _while_unchanged(self, said: tuple[torch.dtype | None, tuple[int, int]]) -> torch.dtype | None:
-        """What was said of the weights (a dtype, and the weights' version then), while they are unchanged: edited
-        in place (weights_changed()) or cast by the model's own methods, they no longer hold the checkpoint's values,
-        and a save wrote them back in the dtype of a folder they were no longer (a widened float16 folder cast with
-        lm.model.bfloat16() saved float16) or recorded the folder as the base of codes made from other values."""
-        dtype, version = said
-        return dtype if version == self.model.weights_version else None
+    def _while_unchanged(self, said: tuple[torch.dtype | None, int]) -> torch.dtype | None:
+        """What was said of the weights (a dtype, and the model's values_changes then), while their values are
+        unchanged: edited in place (weights_changed()) or cast by the model's own methods (not moved), they no longer
+        hold the checkpoint's values, and a save wrote them back in the dtype of a folder they were no longer (a
+        widened float16 folder cast with lm.model.bfloat16() saved float16) or recorded the folder as the base of
+        codes made from other values."""
+        dtype, changes = said
+        return dtype if changes == self.model.values_changes else None
 
     @property
     def config(self) -> ModelConfig:
@@ -844,8 +845,10 @@ class LM:
         from .quantize import quantize
 
         stored, widened = self.stored_values, self.widened_from
-        quantize(self.model, check_scheme(scheme))
-        self.stored_values, self.widened_from = stored, widened  # (codes made from the values these describe)
+        try:
+            quantize(self.model, check_scheme(scheme))
+        finally:  # codes made from the values these describe, or (refused, or undone part-way) those values still
+            self.stored_values, self.widened_from = stored, widened
         if self.step_functions is not None and self._reapply_steps is not None:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self

@@ -508,6 +508,9 @@ class DiffusionGemma(nn.Module):
         # was filled under and a PrefixCache too (LM._check_cache, PrefixCache.check_model). A count alone began at 0
         # in every model: one model's cache continued another's conversation unrefused.
         self.weights_version: tuple[int, int] = (next(MODEL_SERIALS), 0)
+        # The changes of the weights' values alone (not moves): what the LM says of the values it loaded (its stored
+        # dtype) holds while this is unchanged. Kept by a copy, whose values are the copied model's.
+        self.values_changes = 0
         cfg = config.text
         # Built on the meta device (every load and random_model), nn.Embedding's own normal_ init runs through torch's
         # Python reference ops, whose first call imports torch._dynamo: 1.5-3.5 s of each process's first load (each
@@ -578,16 +581,19 @@ class DiffusionGemma(nn.Module):
         from .quantize import check_cast, fit_cpu_kernels
 
         check_cast(self, fn)
+        rounds = True  # (meta tensors hold no values: to_empty's are new)
         if self.device.type != "meta":
             cast_to = self.dtypes_after(fn)
             check_float16_range(((name, t) for name, t in (*self.named_parameters(), *self.named_buffers())
                                  if cast_to[t.dtype] == torch.float16 != t.dtype), "nothing was cast")
-        self.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
+            rounds = any(old != new for old, new in cast_to.items())  # a move alone keeps every value
+        # before too: a pass that another thread runs meanwhile can tell why it failed
+        self.weights_changed(values=rounds)
         with interrupts_deferred():  # a Ctrl-C part-way left some weights cast and others not (or the tables not
             super()._apply(fn, recurse)  # made anew): every later pass failed in torch, or differed unsaid
             self.reset_buffers()
             fit_cpu_kernels(self)  # quantized weights laid out for the kernels of the device they landed on
-            self.weights_changed()
+            self.weights_changed(values=False)
         return self
 
     def dtypes_after(self, cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[torch.dtype, torch.dtype]:
@@ -599,12 +605,15 @@ class DiffusionGemma(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy (copy.deepcopy; pickle, whose serial is another process's, maybe a model's here) is a model of its
         own: it kept the serial of the one copied, and continued that one's caches, or another model's, unrefused."""
-        super().__setstate__(state)
+        super().__setstate__({"values_changes": 0, **state})  # (0: a model pickled before it was kept)
         self.weights_version = (next(MODEL_SERIALS), 0)
 
-    def weights_changed(self) -> None:
-        """Say that the weights changed in place: keys and values encoded before are stale."""
+    def weights_changed(self, values: bool = True) -> None:
+        """Say that the weights changed in place: keys and values encoded before are stale. `values`: False where
+        they were moved (another device) and hold the same values, which `values_changes` then does not count."""
         self.weights_version = (self.weights_version[0], self.weights_version[1] + 1)
+        if values:
+            self.values_changes += 1
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight

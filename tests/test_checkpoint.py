@@ -1187,17 +1187,29 @@ def test_what_a_load_said_of_the_weights_ends_when_they_change_around_the_lm(ref
     still saved bfloat16 (the values rounded through float16, config.json saying bfloat16), and codes quantized
     from weights edited in place (weights_changed(), as the docs ask) or cast with lm.model.half().float() were
     recorded as made from the checkpoint (quantized_from), so its QLoRA adapters loaded over them unwarned.
-    lm.to, lm.quantize and a plain load keep both, as before."""
+    What keeps the values keeps both: lm.to, moves, lm.quantize (or one undone part-way), a copy of the LM."""
+    from copy import deepcopy
+
     from saved import saved_dtype
 
     from blockpress import checkpoint
+    from blockpress.quantize import fit_cpu_kernels
 
     load_quiet(ref_checkpoint[0], dtype="bfloat16").save(tmp_path / "m")
     monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)
     lm = load_quiet(tmp_path / "m")
     assert lm.widened_from == lm.stored_values == torch.bfloat16 and lm.dtype == torch.float32
-    lm.to("cpu")  # (moved, not changed)
+    lm.to("cpu")  # moved, or cast to the dtype they are in, or copied: the values are the same
+    lm.model.to("cpu").float()
     assert lm.widened_from == lm.stored_values == torch.bfloat16
+    copied = deepcopy(lm)
+    assert copied.widened_from == copied.stored_values == torch.bfloat16
+    failed = deepcopy(lm)
+    monkeypatch.setattr(sys.modules["blockpress.quantize"], "fit_cpu_kernels", lambda model: 1 / 0)  # undone part-way
+    with pytest.raises(ZeroDivisionError):
+        failed.quantize("int8")
+    assert failed.quantization is None and failed.widened_from == failed.stored_values == torch.bfloat16
+    monkeypatch.setattr(sys.modules["blockpress.quantize"], "fit_cpu_kernels", fit_cpu_kernels)
     lm.model.half()
     assert lm.widened_from is None and lm.stored_values is None
     lm.save(tmp_path / "half")
