@@ -454,15 +454,20 @@ def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True, context
     return [tokenizer.encode_prompt(t) if bos else tokenizer.encode(t) for t in texts]
 
 
+def readable_array(x: Any) -> Any:
+    """`x`, or where it is a numpy array torch does not read as it is (a reversed view, a[::-1]; big-endian values,
+    ">i8", as a file or another machine wrote them: torch's "given numpy array has byte order different from the
+    native byte order"), a copy in this machine's byte order."""
+    if isinstance(x, np.ndarray) and (not x.dtype.isnative or any(s < 0 for s in x.strides)):
+        return np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
+    return x
+
+
 def as_tensor(x: Any, name: str, expected: str = "integer token ids") -> torch.Tensor:
     """`x` as a tensor, or a ValueError naming `name` and what was `expected` (not torch's "could not infer
     dtype of NoneType")."""
-    if isinstance(x, np.ndarray) and (not x.dtype.isnative or any(s < 0 for s in x.strides)):
-        # a numpy array torch does not read as it is: a reversed view (a[::-1]), or big-endian ids (">i8", as a
-        # file or another machine wrote them): copied, in this machine's byte order
-        x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("="))
     try:  # no dtype forced: 1.5 or True must be refused by the caller, not truncated to a token id
-        return torch.as_tensor(x)
+        return torch.as_tensor(readable_array(x))
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
         raise ValueError(f"{name}: expected {expected}, got a value torch cannot read ({exc})") from None
 
@@ -679,7 +684,7 @@ def _template_row(row: Any) -> Any:
     """A 1-D tensor or array in a list of template rows, as a list of its ids; anything else as it is."""
     if not (isinstance(row, torch.Tensor) or hasattr(row, "__array__")) or getattr(row, "ndim", 0) == 0:
         return row
-    t = torch.as_tensor(row)
+    t = as_tensor(row, "template", "rows of integer token ids (-1 for holes)")
     if t.dim() != 1 or not _holds_ids(t):
         raise ValueError(f"template: a row given as a tensor or array must hold 1-D integer token ids (-1 for "
                          f"holes), got {str(t.dtype).removeprefix('torch.')} {list(t.shape)}")

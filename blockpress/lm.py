@@ -66,6 +66,7 @@ from .generate import (
     parse_template,
     prompt_to_ids,
     read_token_ids,
+    readable_array,
     run,
     run_ar,
     special_stop_ids,
@@ -443,7 +444,7 @@ def _repeat_rows(value: Any, n: int, name: str) -> Any:
             return [list(value)] * n
         return [row for row in value for _ in range(n)]
     try:
-        t = torch.as_tensor(value)
+        t = torch.as_tensor(readable_array(value))
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{name}: expected a text, a list of them, or ids, got {type(value).__name__}") from None
     return (t[None] if t.dim() == 1 else t).repeat_interleave(n, dim=0)
@@ -1012,7 +1013,7 @@ class LM:
             expected = (f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one flag per "
                         "canvas row)")
             try:  # a list of flags is taken as the tensor it reads as
-                mask = torch.as_tensor(self_conditioning_mask)
+                mask = torch.as_tensor(readable_array(self_conditioning_mask))
             except (TypeError, ValueError, RuntimeError):  # None in a list, a dict: torch's 'Could not infer dtype'
                 raise ValueError(f"{expected}, got {type(self_conditioning_mask).__name__}") from None
             if mask.dtype != torch.bool or tuple(mask.shape) != (canvas.shape[0],):

@@ -4040,6 +4040,12 @@ def test_numpy_ids_torch_does_not_read_as_they_are_are_copied_or_refused_by_name
     with pytest.raises(ValueError, match=r"^template: expected integer token ids \(-1 for holes\), got a value torch "
                                          r"cannot read"):
         lm.infill(template.astype(object))
+    # by every route: rows of a template, prompts repeated by num_return_sequences
+    reversed_row = np.ascontiguousarray(template[0, ::-1])[::-1]
+    assert torch.equal(lm.infill([reversed_row, template[0].astype(">i8")], seed=3, max_denoising_steps=2).sequences,
+                       lm.infill([template[0], template[0]], seed=3, max_denoising_steps=2).sequences)
+    assert torch.equal(lm.generate(prompt[None].astype(">i8"), num_return_sequences=2, **kw).sequences,
+                       lm.generate(prompt[None], num_return_sequences=2, **kw).sequences)
 
 
 def test_text_templates_of_different_lengths_heal_and_fill_each_as_alone(code_lm):
