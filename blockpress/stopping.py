@@ -120,12 +120,18 @@ def interrupts_deferred() -> Iterator[None]:
     """While inside, a Ctrl-C (SIGINT) waits, and is delivered as the block ends: for work that must be all or
     nothing and cannot be undone cheaply (an in-place cast of every weight, which an interrupt part-way left half
     cast: every later pass failed in torch, and a second cast to the dtype the model claimed did nothing)."""
-    caught: list[int] = []
+    caught: list[Any] = []
     try:
-        with on_signals((signal.SIGINT,), lambda signum, frame: caught.append(signum)):
+        with on_signals((signal.SIGINT,), lambda signum, frame: caught.append(frame)):
             yield
     finally:
-        if caught:  # to whatever takes it now (Python's KeyboardInterrupt, an app's own handler)
+        handler = signal.getsignal(signal.SIGINT)
+        if caught and callable(handler):
+            # to the handler found (Python's KeyboardInterrupt, an app's own), called as the signal would have: not
+            # the signal raised again, which a loop's wakeup fd (asyncio's add_signal_handler) had already been
+            # told of while it waited, so its callback ran twice (a second Ctrl-C: "force exit" to some servers)
+            handler(signal.SIGINT, caught[0])
+        elif caught:  # the default action (SIG_DFL), which only the signal itself takes
             signal.raise_signal(signal.SIGINT)
 
 

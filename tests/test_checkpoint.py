@@ -255,6 +255,7 @@ def test_a_ctrl_c_during_a_cast_waits_for_the_cast_to_end(monkeypatch):
     bfloat16 and some float32, or the rotary tables not made anew, so every later pass failed in torch or differed
     unsaid, and a second lm.to to the dtype the model claimed did nothing. The interrupt now comes as the cast ends,
     and the model is what a clean cast gives."""
+    import asyncio
     import signal
     import threading
 
@@ -285,6 +286,19 @@ def test_a_ctrl_c_during_a_cast_waits_for_the_cast_to_end(monkeypatch):
         monkeypatch.setattr(DiffusionGemma, "reset_buffers", interrupted)
         lm.model.float()
     assert {p.dtype for p in lm.model.parameters()} == {torch.float32}
+
+    async def app():  # an asyncio app's handler (a wakeup fd) runs once for one Ctrl-C, not again as the cast ends
+        loop, hits = asyncio.get_running_loop(), []
+        loop.add_signal_handler(signal.SIGINT, lambda: hits.append(1))
+        try:
+            lm.model.bfloat16()
+            for _ in range(5):
+                await asyncio.sleep(0.02)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+        return hits
+
+    assert asyncio.run(app()) == [1] and {p.dtype for p in lm.model.parameters()} == {torch.bfloat16}
 
 
 def test_to_keeps_a_quantized_model_in_its_dtype(ref_checkpoint):
