@@ -54,7 +54,7 @@ class LineKind:
     fields from a line's object, its errors naming the field), `given` (a Row's own fields as its output line
     repeats them: --resume checks them against the input's), `added` (keys of `given` that outputs written
     before they were repeated lack: --resume takes such a line on its line number and copied keys, as it did) and
-    `refused` (keys a line is refused for, -> what gives that setting: `_row`)."""
+    `unapplied` (keys that name a setting no line reads, -> what gives it: `unapplied_notes`)."""
 
     input_keys: tuple[str, ...]
     output_keys: tuple[str, ...]
@@ -63,7 +63,7 @@ class LineKind:
     read: Callable[[dict[str, Any], Row, str], None]
     given: Callable[[Row], dict[str, Any]]
     added: tuple[str, ...] = ()
-    refused: dict[str, str] = field(default_factory=dict)
+    unapplied: dict[str, str] = field(default_factory=dict)
 
 
 def _read_prompt(obj: dict[str, Any], row: Row, where: str) -> None:
@@ -103,18 +103,21 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
         setattr(row, key, value)
 
 
-def _run_wide(*names: str) -> dict[str, str]:
-    """Run settings that a line might give for itself, each -> how to give it: the run's flag."""
-    flags = {"max_denoising_steps": "steps", "stop_strings": "stop", "token_healing": "token-healing"}
-    return {name: f"give --{flags.get(name, name.replace('_', '-'))} for the whole run (lines that need another "
-                  "value in a file of their own)" for name in names}
+def _run_wide(*names: str, flags: dict[str, str]) -> dict[str, str]:
+    """Run settings that a line might give for itself, each -> how to give it: the run's flag (`flags`: a name's
+    own, where it is not --NAME)."""
+    return {name: f"{flags.get(name, '--' + name.replace('_', '-'))} sets it for the whole run (lines that need "
+                  "another value go in a file of their own)" for name in names}
 
 
-# Keys a line may give that name a setting no line reads (the run's flags set it): carried to the output line beside
-# the run's settings, each looked applied (a line's "stop", and its text running past it; an infill line's "prompt",
-# lm.infill's name for the context, filled without one), so each is refused, naming what does set it.
+# Keys a line may give that name a setting no line reads (the run's flags set it). They are copied to the output line
+# as any other key is (a dataset's own fields, "prompt" and "suffix" of an infilling benchmark, say), but said to be
+# not applied: beside the run's settings each looked applied (a line's "stop", and its text running past it).
 SAMPLING_KEYS = ("steps", "max_denoising_steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min",
-                 "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "token_healing")
+                 "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "token_healing",
+                 "no_token_healing")
+SAMPLING_FLAGS = {"max_denoising_steps": "--steps", "token_healing": "--token-healing / --no-token-healing",
+                  "no_token_healing": "--no-token-healing"}
 
 
 def _own_seed(row: Row) -> dict[str, Any]:
@@ -132,18 +135,21 @@ GENERATE = LineKind(
     # --resume could not tell another conversation's output line from this one's), and its own max_new_tokens
     given=lambda row: {"prompt": row.prompt, "messages": row.messages, "max_new_tokens": row.max_new_tokens,
                        **_own_seed(row)}, added=("messages", "max_new_tokens"),
-    refused={**_run_wide(*SAMPLING_KEYS, "min_new_tokens", "stop", "stop_strings"),
-             "system": 'give the line "messages" with a system message first, or --system for the whole run',
-             "max_tokens": 'OpenAI\'s name for a line\'s budget, which is "max_new_tokens" here'})
+    unapplied={**_run_wide(*SAMPLING_KEYS, "min_new_tokens", "min_tokens", "stop", "stop_strings", "stop_sequences",
+                           "chat_template_kwargs", flags={**SAMPLING_FLAGS, "min_tokens": "--min-new-tokens",
+                                                          "stop_strings": "--stop", "stop_sequences": "--stop"}),
+               "system": 'a "messages" line\'s own system message, or --system for the whole run, sets it',
+               **dict.fromkeys(("max_tokens", "max_completion_tokens", "max_length"),
+                               'a line\'s own budget is "max_new_tokens" here')})
 INFILL = LineKind(
     input_keys=("template", "prefix", "seed", "max_new_tokens"),
     output_keys=("line", "text", "fills", "template", "prefix", "new_tokens", "template_tokens", "filled_tokens",
                  "forward_passes", "tokens_per_forward", "seed", "settings"),
     shape='{"template": "... <|hole|> ..."}', what="templates", read=_read_template,
     given=lambda row: {"template": row.template, "prefix": row.prefix, **_own_seed(row)},
-    refused={**_run_wide(*SAMPLING_KEYS),
-             "hole_length": "size a hole with <|hole:N|> in the template, or give --hole-length for the whole run",
-             "prompt": 'lm.infill\'s name for the context before the template, which is "prefix" here'})
+    unapplied={**_run_wide(*SAMPLING_KEYS, flags={**SAMPLING_FLAGS, "token_healing": "--no-token-healing"}),
+               "hole_length": "<|hole:N|> in the template sizes a hole, or --hole-length every bare one",
+               "prompt": 'the context before a template is a line\'s "prefix" here'})
 
 
 def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
@@ -212,15 +218,22 @@ def _cr_alone(where: str, raw: bytes) -> ValueError | None:
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:
     row = Row(number, carried={k: v for k, v in obj.items() if k not in kind.input_keys})
     kind.read(obj, row, where)
-    refused = next((k for k in obj if k in kind.refused), None)
-    if refused is not None:
-        raise ValueError(f"{where}: {refused}: not read from a line (copied to its output line, it would look "
-                         f"applied); {kind.refused[refused]}")
     clash = [k for k in row.carried if k in kind.output_keys]
     if clash:
         raise ValueError(f"{where}: {clash[0]}: a key the output line writes ({', '.join(kind.output_keys)}); "
                          "rename it")
     return row
+
+
+def unapplied_notes(name: str, rows: list[Row], kind: LineKind = GENERATE) -> list[str]:
+    """A line for each key of `kind.unapplied` that the lines of `name` give (not null): copied to the output lines,
+    not applied, and what sets it; said before a run, so a dataset's "stop" or "temperature" does not look used."""
+    notes = []
+    for key, how in kind.unapplied.items():
+        first = next((row.line for row in rows if row.carried.get(key) is not None), None)
+        if first is not None:
+            notes.append(f"{name}:{first}: {key}: copied to the output lines as it is, not applied; {how}")
+    return notes
 
 
 def read_input(path: str, kind: LineKind = GENERATE) -> tuple[str, list[Row]]:

@@ -4448,11 +4448,12 @@ def test_input_that_is_one_json_document_is_said_to_be_not_json_lines():
 
 
 @pytest.mark.parametrize("kind_name", ["GENERATE", "INFILL"])
-def test_an_input_line_giving_a_setting_no_line_reads_is_refused_by_it(kind_name):
+def test_an_input_line_giving_a_setting_no_line_reads_is_said_to_be_copied_not_applied(kind_name):
     """A line's "stop" or "min_new_tokens" (generate), or "prompt" (lm.infill's name for the context) or
     "hole_length" (infill), was copied to its output line beside the run's settings, as if applied, and was not:
-    the text ran past the stop, the template was filled without the context. Each is refused by FILE:LINE, naming
-    what gives it; a label the run does not know (an "id", a "label") is still copied."""
+    the text ran past the stop, the template was filled without the context. Such keys are still copied (a
+    dataset's own fields: an infilling benchmark's "prompt" and "suffix"), and each is said once, by FILE:LINE, with
+    what sets it; a null one, or a label the run does not know, is not."""
     from blockpress import batchfile
 
     kind = getattr(batchfile, kind_name)
@@ -4461,12 +4462,22 @@ def test_an_input_line_giving_a_setting_no_line_reads_is_refused_by_it(kind_name
         if kind is batchfile.GENERATE else ({"prompt": "def area(r):\n"}, {"hole_length": 4})
     for extra in (*own, {"temperature": 0.5}, {"max_denoising_steps": 4}, {"token_healing": False}):
         (key,) = extra
-        with pytest.raises(ValueError, match=rf"^p.jsonl:2: {key}: not read from a line .*; "):
-            batchfile.read_rows("p.jsonl", (json.dumps(base) + "\n" + json.dumps({**base, **extra})).encode(), kind)
-    rows = batchfile.read_rows("p.jsonl", json.dumps({**base, "id": 3, "label": "stop"}).encode(), kind)
-    assert rows[0].carried == {"id": 3, "label": "stop"}
-    assert "--stop for the whole run" in batchfile.GENERATE.refused["stop_strings"]
-    assert "--steps for the whole run" in kind.refused["max_denoising_steps"]
+        data = json.dumps({**base, "temperature": None}) + "\n" + json.dumps({**base, "id": 2, **extra}) + "\n"
+        rows = batchfile.read_rows("p.jsonl", data.encode(), kind)
+        assert rows[1].carried == {"id": 2, **extra}
+        notes = batchfile.unapplied_notes("p.jsonl", rows, kind)
+        assert len(notes) == 1 and notes[0].startswith(f"p.jsonl:2: {key}: copied to the output lines as it is, not "
+                                                       "applied; "), notes
+    assert batchfile.unapplied_notes("p.jsonl", batchfile.read_rows("p.jsonl", json.dumps(
+        {**base, "id": 3, "label": "stop"}).encode(), kind), kind) == []
+    flags = {name: how.split(" sets it")[0] for name, how in kind.unapplied.items() if how.startswith("--")}
+    assert flags["max_denoising_steps"] == "--steps" and flags["temperature"] == "--temperature"
+    assert flags["token_healing"] == ("--token-healing / --no-token-healing" if kind is batchfile.GENERATE
+                                      else "--no-token-healing")
+    parser = build_parser()  # every flag named is one the command takes
+    command = "generate" if kind is batchfile.GENERATE else "infill"
+    taken = {o for a in parser._subparsers._group_actions[0].choices[command]._actions for o in a.option_strings}
+    assert {f for how in flags.values() for f in how.split(" / ")} <= taken
 
 
 def test_generate_input_refuses_a_system_message_beside_system_before_the_model_loads(tmp_path, capsys, monkeypatch):

@@ -208,7 +208,7 @@ def generate_file(args: argparse.Namespace) -> int:
     """`generate --input FILE`: every line read and checked (batchfile.read_input, then each row's prompt as the
     run alone would take it) before anything runs; then batches of --batch-size rows of similar length, each row
     with its own budget and seed (so each is what it gives alone), written in input order as they finish."""
-    from blockpress.batchfile import GENERATE, read_input
+    from blockpress.batchfile import GENERATE, read_input, unapplied_notes
     from blockpress.generate import encode_texts
     from blockpress.healing import heal
     from blockpress.tokenizer import TemplateRaised
@@ -217,6 +217,8 @@ def generate_file(args: argparse.Namespace) -> int:
         check_ar_flags(args)
     output = check_file_flags(args, GENERATE)
     name, rows = read_input(args.input, GENERATE)  # every line checked before the model loads
+    for note in unapplied_notes(name, rows, GENERATE):
+        print(note, file=sys.stderr)
     chats = [args.chat or row.messages is not None for row in rows]
     if not any(chats):
         for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs)):

@@ -130,12 +130,14 @@ def infill_file(args: argparse.Namespace) -> int:
     """`infill --input FILE`: generate --input's run (check_file_flags, run_file) for a file of templates, every
     template checked before the model loads (as `infill TEMPLATE` checks its one) and again, with its prefix, as
     the run alone would take it; each batch one lm.infill, each row with its own seed."""
-    from blockpress.batchfile import INFILL, read_input
+    from blockpress.batchfile import INFILL, read_input, unapplied_notes
 
     if args.prefix:  # one context for every line would not be in the output lines --resume checks
         raise ValueError('--prefix: not with --input; give each line that has one its own "prefix"')
     output = check_file_flags(args, INFILL)
     name, rows = read_input(args.input, INFILL)
+    for note in unapplied_notes(name, rows, INFILL):
+        print(note, file=sys.stderr)
     context = model_context(args)
     for row in rows:
         try:
