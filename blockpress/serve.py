@@ -211,9 +211,10 @@ NOOP_VALUES: dict[str, tuple] = {
     "response_format": ({"type": "text"},), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
     "store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],),
 }
-# OpenAI chat fields of which only null asks for nothing here (ChatRequest's).
-CHAT_ONLY_NOOPS = ("reasoning_effort", "verbosity", "audio", "prediction", "prompt_cache_retention",
-                   "prompt_cache_options", "moderation", "web_search_options")
+# OpenAI chat fields (ChatRequest's) that only its own models serve: the values that ask for nothing here (null always
+# does; "medium" is OpenAI's default verbosity)
+CHAT_ONLY_NOOPS: dict[str, tuple] = {"reasoning_effort": (), "verbosity": ("medium",), "audio": (), "prediction": (),
+                                     "moderation": (), "web_search_options": ()}
 # Why a field is refused, where it is not simply missing from a block-diffusion engine.
 NOOP_WHY = {"tool_choice": "the server does not force tool calls: it reads those the model writes, where the "
                            "checkpoint has a response_template",
@@ -424,12 +425,13 @@ class ChatRequest(_Common):
     verbosity: str | None = None
     audio: dict | None = None
     prediction: dict | None = None
-    prompt_cache_retention: str | None = None
-    prompt_cache_options: dict | None = None
     moderation: Any = None
     web_search_options: dict | None = None
+    # hints for OpenAI's prompt cache, as prompt_cache_key is: labels here (the prefix cache keeps what it keeps)
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
     implemented: ClassVar[frozenset[str]] = frozenset({"tools", "parallel_tool_calls"})  # (false: one call, see Reply)
-    noop_values: ClassVar[dict[str, tuple]] = {**NOOP_VALUES, **dict.fromkeys(CHAT_ONLY_NOOPS, ())}
+    noop_values: ClassVar[dict[str, tuple]] = {**NOOP_VALUES, **CHAT_ONLY_NOOPS}
 
     def template_tools(self) -> list[dict] | None:
         """The tools as templates take them; [] (what some clients send for none) is none."""

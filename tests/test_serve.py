@@ -519,15 +519,18 @@ def test_openais_chat_fields_for_its_own_models_take_null_and_refuse_a_value_by_
     from blockpress.serve import CHAT_ONLY_NOOPS
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "seed": 1}
-    r = httpx.post(server[0] + "/v1/chat/completions", json={**body, **dict.fromkeys(CHAT_ONLY_NOOPS)}, timeout=60)
+    labels = {"prompt_cache_retention": "in_memory", "prompt_cache_options": {"ttl": "30m"}, "verbosity": "medium"}
+    r = httpx.post(server[0] + "/v1/chat/completions", json={**body, **dict.fromkeys(CHAT_ONLY_NOOPS), **labels},
+                   timeout=60)
     assert r.status_code == 200, r.text
     assert {"reasoning_effort", "verbosity", "audio", "prediction"} <= set(CHAT_ONLY_NOOPS)
     for field, value in (("reasoning_effort", "high"), ("verbosity", "low"), ("audio", {"voice": "x"})):
         r = httpx.post(server[0] + "/v1/chat/completions", json={**body, field: value}, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == field, r.text
+        accepted = "'medium' or null" if field == "verbosity" else "null"
         assert err["message"].startswith(f"{field}: not supported by this server (") and \
-            err["message"].endswith("; only null is accepted)"), err["message"]
+            err["message"].endswith(f"; only {accepted} is accepted)"), err["message"]
     r = httpx.post(server[0] + "/v1/chat/completions", json={**body, "service_tier": "flex"}, timeout=60)
     assert r.json()["error"]["message"].endswith("; only 'auto', 'default' or null is accepted)"), r.text
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "reasoning_effort": None})
