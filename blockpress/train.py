@@ -359,10 +359,17 @@ def add_lora(model: _Model, rank: int, alpha: float, seed: int = 0, targets: Seq
     # peft's dense LoRA layer only calls its base layer and reads in/out_features, which a QuantizedLinear has.
     cfg._register_custom_module({QuantizedLinear: LoraLinear})
     # peft makes the adapters on the CPU, then moves them to the base's device
+    default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Unsupported layer type .*QuantizedLinear")  # it is, by the above
         torch.default_generator.manual_seed(seed)
-        injected = inject_adapter_in_model(cfg, model)
+        # peft draws lora_A in torch's default dtype: under a caller's float64 or bfloat16 default the same seed drew
+        # other adapters (0.3 apart); the default is put back as fork_rng puts back the generator
+        torch.set_default_dtype(torch.float32)
+        try:
+            injected = inject_adapter_in_model(cfg, model)
+        finally:
+            torch.set_default_dtype(default)
     if injected is not model:  # peft adapts the model in place and returns it (as an nn.Module)
         raise RuntimeError("add_lora: peft returned another model than the one it adapted")
     for name, p in model.named_parameters():
@@ -1498,9 +1505,9 @@ class Trainer:
             raise RuntimeError("Trainer.train: called under torch.inference_mode(), where no gradient can be "
                                "computed; call it outside that block")
         if any(p.is_inference() for p in self.lm.model.parameters() if p.requires_grad):
-            raise RuntimeError("Trainer.train: the weights to train were made under torch.inference_mode() (the "
-                               "model loaded, or the Trainer made, in that block), so no gradient reaches them; "
-                               "make both outside it")
+            raise RuntimeError("Trainer.train: the weights to train were made under torch.inference_mode() (a "
+                               "Trainer made in that block makes its LoRA adapters there), so no gradient reaches "
+                               "them; make the Trainer outside it")
         result = TrainResult(steps=cfg.steps)
         metrics = None
         if self.rank == 0:

@@ -230,18 +230,19 @@ def test_a_callers_grad_mode_and_default_dtype_change_no_run(tmp_path, lora):
     require grad"); under a float64 default dtype the noise was drawn otherwise (another first loss: a resume across
     processes was not exact). Both now train as a plain run does (up to AdamW's own step count, which torch keeps
     in the default dtype); inference mode, where nothing can be trained, is refused by name."""
-    _, plain = run(tmp_path, 2, "plain", lora_rank=lora)
+    _, plain = run(tmp_path, 3, "plain", lora_rank=lora)
     with torch.no_grad():
-        _, no_grad = run(tmp_path, 2, "no_grad", lora_rank=lora)
+        _, no_grad = run(tmp_path, 3, "no_grad", lora_rank=lora)
+    assert plain.losses == no_grad.losses and len(plain.losses) == 3
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        _, wide = run(tmp_path, 2, "wide", lora_rank=lora)
-    finally:
-        torch.set_default_dtype(default)
-    assert plain.losses == no_grad.losses and len(plain.losses) == 2
-    # the same draws and sums; torch's AdamW keeps its step count in the default dtype, a last-bit difference after
-    assert wide.losses[0] == plain.losses[0] and wide.losses == pytest.approx(plain.losses, rel=1e-5)
+    for dtype in (torch.float64, torch.bfloat16):  # (LoRA's adapters were drawn in it too)
+        torch.set_default_dtype(dtype)
+        try:
+            _, wide = run(tmp_path, 3, f"wide_{dtype}", lora_rank=lora)
+        finally:
+            torch.set_default_dtype(default)
+        # the same draws and sums; torch's AdamW keeps its step count in the default dtype, a last-bit difference
+        assert wide.losses[0] == plain.losses[0] and wide.losses == pytest.approx(plain.losses, rel=1e-5), dtype
     with torch.inference_mode(), pytest.raises(RuntimeError, match=r"^Trainer.train: called under "
                                                                    r"torch.inference_mode\(\)"):
         run(tmp_path, 2, "inference", lora_rank=lora)
