@@ -68,6 +68,24 @@ def test_train_lora_over_a_float16_base_scales_its_loss(tmp_path, capsys, monkey
     assert lm.generate([[1, 2, 3]], max_new_tokens=4).sequences.shape == (1, 7)
 
 
+def test_train_lora_says_the_merge_against_the_checkpoints_dtype_on_any_cpu(tmp_path, capsys, monkeypatch):
+    """A bfloat16 base that a CPU without native bf16 loads widened to float32: the notice that the merged checkpoint
+    is float32 where the base was bfloat16 compared the float32 it computed in, and said nothing there (a
+    checkpoint twice the base's size, unsaid), where a CPU with native bf16 said it."""
+    pytest.importorskip("peft")
+    from blockpress import checkpoint
+
+    blockpress.random_model(blockpress.ModelConfig.preset("tiny"), dtype="bfloat16").save(tmp_path / "bf16")
+    data = write_data(tmp_path / "d.jsonl")
+    for native in (True, False):
+        monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype, native=native: native)
+        args = train_args(data, tmp_path / f"out_{native}")
+        args[1:3] = ["--model", str(tmp_path / "bf16")]
+        assert main([*args, "--lora-rank", "2"]) == 0
+        err = capsys.readouterr().err
+        assert "holds a float32 checkpoint (the base was bfloat16; --dtype bfloat16 saves that" in err, (native, err)
+
+
 def test_train_cli_writes_checkpoint_and_metrics(tmp_path):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "out")) == 0

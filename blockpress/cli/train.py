@@ -426,7 +426,7 @@ def _start_run(args: argparse.Namespace, lm: LM, sources: Sources, stale_metrics
     from blockpress.train import ExampleSource, Trainer
 
     cfg, source = sources.cfg, sources.source
-    base_dtype = lm.dtype
+    base_dtype = lm.widened_from or lm.dtype  # the checkpoint's (a bf16 base widened for this CPU is a bf16 base)
     # LoRA: the adapters are merged in float32 at the end; the checkpoint stays float32 unless --dtype asks to round
     merged_dtype = getattr(torch, cfg.dtype) if cfg.dtype else torch.float32
     if cfg.heldout_data:  # recorded with the run as --data is, whole: --resume from another folder reads it too
