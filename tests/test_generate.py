@@ -1431,8 +1431,8 @@ def test_compiled_steps_hold_graphs_for_several_kinds_of_batch(monkeypatch):
         [{"recompile_limit": 3, "dynamic": True}] * 3
     import torch._dynamo as dynamo
 
-    monkeypatch.setattr(dynamo.config, "recompile_limit", 2 * RECOMPILE_LIMIT)  # a process's own, raised
-    lm.compile()
+    with dynamo.config.patch(recompile_limit=2 * RECOMPILE_LIMIT):  # a process's own, raised
+        lm.compile()
     assert given[-3:] == [{"recompile_limit": 2 * RECOMPILE_LIMIT}] * 3  # is not lowered (a function's wins)
     assert lm.generate([[3, 4, 5]], max_new_tokens=4, max_denoising_steps=2, seed=0).sequences.shape == (1, 7)
 
