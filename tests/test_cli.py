@@ -4480,6 +4480,22 @@ def test_an_input_line_giving_a_setting_no_line_reads_is_said_to_be_copied_not_a
     assert {f for how in flags.values() for f in how.split(" / ")} <= taken
 
 
+@pytest.mark.parametrize("command", ["generate", "infill"])
+def test_input_says_on_stderr_which_line_keys_are_copied_not_applied(tmp_path, capsys, command):
+    """The notes are printed before the run, once a key, and the lines run as they would without the key."""
+    line = {"prompt": "x", "stop": ["\n"], "temperature": 0.1} if command == "generate" else \
+        {"template": "x = <|hole|>", "prompt": "y", "hole_length": 3}
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps(line) + "\n" + json.dumps(line) + "\n")
+    assert main([command, "--model", "random-tiny", "--input", str(src), "--seed", "1",
+                 *(["--max-new-tokens", "2", "--no-live"] if command == "generate" else ["--hole-length", "2"])]) == 0
+    captured = capsys.readouterr()
+    notes = [x for x in captured.err.splitlines() if "copied to the output lines as it is, not applied" in x]
+    named = {"stop", "temperature"} if command == "generate" else {"prompt", "hole_length"}
+    assert sorted(x.split(": ")[1] for x in notes) == sorted(named), notes
+    assert all(x.startswith(f"{src}:1: ") for x in notes) and len(captured.out.splitlines()) == 2
+
+
 def test_generate_input_refuses_a_system_message_beside_system_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """A messages line with a system message (or a "developer" one, OpenAI's name for it, which the template reads as
     system) beside --system is refused by FILE:LINE before the model loads: "developer" met the template's own

@@ -4046,6 +4046,10 @@ def test_numpy_ids_torch_does_not_read_as_they_are_are_copied_or_refused_by_name
                        lm.infill([template[0], template[0]], seed=3, max_denoising_steps=2).sequences)
     assert torch.equal(lm.generate(prompt[None].astype(">i8"), num_return_sequences=2, **kw).sequences,
                        lm.generate(prompt[None], num_return_sequences=2, **kw).sequences)
+    canvas, flags = torch.tensor([[5] * lm.config.canvas_length] * 2), np.array([True, False])
+    sc = torch.randn(2, lm.config.canvas_length, lm.config.text.vocab_size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lm.logits([[3, 4], [3, 4]], canvas, sc, self_conditioning_mask=np.ascontiguousarray(flags[::-1])[::-1]),
+                       lm.logits([[3, 4], [3, 4]], canvas, sc, self_conditioning_mask=torch.tensor(flags)))
 
 
 def test_text_templates_of_different_lengths_heal_and_fill_each_as_alone(code_lm):
