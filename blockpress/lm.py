@@ -830,11 +830,12 @@ class LM:
         once more (twice with a logits_processor: its first step, then the rest): the sampler, rank_by, candidates,
         keep_accepted, self_conditioning, adaptive_stopping, and whether any row draws at a temperature other than 1,
         filters by top_k or by top_p. So each new kind of batch takes a few graphs (a fixed cache length, then a
-        dynamic one, each with and without self-conditioning), and past the recompile limit (torch.compile's
-        recompile_limit, which this sets to 32 a function, generate.RECOMPILE_LIMIT, where torch's default is 8; a
-        torch before 2.13 keeps torch._dynamo.config.recompile_limit's) a step runs eagerly, as torch's warning "hit
-        config.recompile_limit" says: pass recompile_limit= for more, or dynamic=True (what `serve --compile` does)
-        to compile each kind once, dynamic from the start.
+        dynamic one, each with and without self-conditioning; calls under torch.inference_mode take their own, its
+        tensors being another kind), and past the recompile limit a step runs eagerly, as torch's warning "hit
+        config.recompile_limit" says. That limit is torch.compile's recompile_limit, which this sets to
+        generate.RECOMPILE_LIMIT (32 a function; torch's default is 8), or to the process's own
+        torch._dynamo.config.recompile_limit where that is higher (a torch before 2.13 keeps the latter alone): pass
+        recompile_limit= for more, or dynamic=True (what `serve --compile` does) to compile each kind once.
         """
         self.step_functions = StepFunctions.compiled(self.model, **options)
         self._reapply_steps = partial(self.compile, **options)

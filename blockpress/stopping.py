@@ -130,7 +130,7 @@ def interrupts_deferred() -> Iterator[None]:
             # to the handler found (Python's KeyboardInterrupt, an app's own), called as the signal would have: not
             # the signal raised again, which a loop's wakeup fd (asyncio's add_signal_handler) had already been
             # told of while it waited, so its callback ran twice (a second Ctrl-C: "force exit" to some servers)
-            handler(signal.SIGINT, caught[0])
+            handler(int(signal.SIGINT), caught[0])  # (a plain int, as a signal's delivery passes it)
         elif caught:  # the default action (SIG_DFL), which only the signal itself takes
             signal.raise_signal(signal.SIGINT)
 
