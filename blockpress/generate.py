@@ -108,8 +108,21 @@ def check_compile_options(options: Mapping[str, Any]) -> None:
     parameters = inspect.signature(torch.compile).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):  # (a wrapper's **options: any)
         check_keywords("compile", options, [name for name in parameters if name != "model"])
+    backend = options.get("backend")
+    if isinstance(backend, str):  # (a callable is a backend of the caller's own)
+        try:  # torch names an unknown one with a RuntimeError (InvalidBackend) at the first compiled call
+            from torch._dynamo.backends.registry import list_backends, lookup_backend
+            from torch._dynamo.exc import InvalidBackend
+        except ImportError:  # (another torch's layout: torch.compile says it then)
+            pass
+        else:
+            try:
+                lookup_backend(backend)
+            except InvalidBackend:
+                raise ValueError(f"backend: {backend!r} is not a torch.compile backend; torch {torch.__version__} "
+                                 f"has {', '.join(list_backends())}") from None
     mode = options.get("mode")
-    if mode is None or options.get("backend") not in (None, "inductor"):  # another compiler reads its own modes
+    if mode is None or backend not in (None, "inductor"):  # another compiler reads its own modes
         return
     try:
         from torch._inductor import list_mode_options

@@ -2382,7 +2382,8 @@ def test_a_cache_size_that_is_not_a_positive_int_is_named(lm, batch_size, capaci
 
 
 def test_an_unknown_compile_mode_or_keyword_is_refused_by_name(lm):
-    """torch's RuntimeError 'Unrecognized mode=x' and TypeError before; the steps stay as they were."""
+    """torch's RuntimeError 'Unrecognized mode=x' (and InvalidBackend for a backend) and TypeError before; the steps
+    stay as they were."""
     from torch._inductor import list_mode_options
 
     lm = copy.copy(lm)
@@ -2392,6 +2393,9 @@ def test_an_unknown_compile_mode_or_keyword_is_refused_by_name(lm):
             lm.compile(mode=mode)
     with pytest.raises(ValueError, match=r"^modes: compile takes no such keyword \(did you mean mode\?\)"):
         lm.compile(modes="default")
+    # an unknown backend: torch's RuntimeError (InvalidBackend) at the first generation, naming no argument
+    with pytest.raises(ValueError, match=r"^backend: 'nope' is not a torch.compile backend; torch .* has .*inductor"):
+        lm.compile(backend="nope")
     assert lm.step_functions is None
     for mode in list_mode_options():  # each of torch's own is taken (compiling waits for the first step)
         assert lm.compile(mode=mode).step_functions is not None
