@@ -581,7 +581,7 @@ class DiffusionGemma(nn.Module):
         from .quantize import check_cast, fit_cpu_kernels
 
         check_cast(self, fn)
-        rounds = True  # (meta tensors hold no values: to_empty's are new)
+        rounds = True  # (meta tensors hold no values; to_empty counts its own)
         if self.device.type != "meta":
             cast_to = self.dtypes_after(fn)
             check_float16_range(((name, t) for name, t in (*self.named_parameters(), *self.named_buffers())
@@ -594,6 +594,13 @@ class DiffusionGemma(nn.Module):
             self.reset_buffers()
             fit_cpu_kernels(self)  # quantized weights laid out for the kernels of the device they landed on
             self.weights_changed(values=False)
+        return self
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> DiffusionGemma:
+        """nn.Module's: every tensor made anew, uninitialised, on `device`. Counted as a change of the values (as
+        _apply cannot tell it from a move, which keeps them)."""
+        super().to_empty(device=device, recurse=recurse)
+        self.values_changes += 1
         return self
 
     def dtypes_after(self, cast: Callable[[torch.Tensor], torch.Tensor]) -> dict[torch.dtype, torch.dtype]:

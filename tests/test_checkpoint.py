@@ -1243,6 +1243,9 @@ def test_what_a_load_said_of_the_weights_ends_when_they_change_around_the_lm(ref
     assert quantized_from(lambda lm: None) is not None  # codes made from the stored values
     assert quantized_from(edited) is None
     assert quantized_from(lambda lm: lm.model.half().float()) is None
+    emptied = load_quiet(tmp_path / "m", dtype="float32")
+    emptied.model.to_empty(device="cpu")  # (uninitialised memory, of the same dtype and device: not a move)
+    assert emptied.stored_values is None
 
 
 def test_a_sharded_save_in_another_dtype_counts_the_bytes_written(lm, tmp_path):
