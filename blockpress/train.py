@@ -1186,6 +1186,18 @@ class Trainer:
         return torch.autocast(self.lm.device.type, dtype=self.autocast_dtype)
 
     @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """The model in eval mode (no attention dropout) inside, then in the mode it found: set to train mode
+        whatever it found, a call after train() (which ends in eval mode) left every later generation dropping
+        attention at random; left in train mode, an on_step callback that generated (a sample each step) did."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    @contextlib.contextmanager
     def _dropout_draws(self, step: int) -> Any:
         """Attention dropout draws from torch's global generator: seeded here by (seed, step, process), so a resumed
         run drops what the run it continues would have dropped at that step (the rest of a step's randomness is seeded
@@ -1286,18 +1298,12 @@ class Trainer:
     def evaluate(self) -> float:
         if self.heldout is None:
             raise ValueError("evaluate: no held-out data was given")
-        # the mode it found is put back: it set train mode whatever it found, so a call after train() (which ends in
-        # eval mode) left every later generation dropping attention at random (attention_dropout)
-        was_training = self.model.training
-        self.model.eval()
         total = 0.0
-        try:
+        with self._eval_mode():
             for i in range(self.cfg.eval_batches):
                 batch, noise = self._batch(self.heldout, 1_000_000 + i)  # fixed held-out batches
                 diff, ar, _ = self._losses(batch, noise, train=False)
                 total += self.cfg.diffusion_weight * diff + self.cfg.aux_ar_weight * ar
-        finally:
-            self.model.train(was_training)
         return total / self.cfg.eval_batches
 
     def _prefetch(self) -> Any:
@@ -1578,7 +1584,8 @@ class Trainer:
                                     **({"min": f"{self.minutes:.1f}/{cfg.max_minutes:g}"} if cfg.max_minutes else {}))
                     bar.update(1)
                 if self.on_step:
-                    self.on_step(self.step, row["loss"])
+                    with self._eval_mode():  # (what it generates is generation's, no attention dropout)
+                        self.on_step(self.step, row["loss"])
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
                     with _labelled(bar, "saving"):
                         self.save()

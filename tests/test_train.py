@@ -57,6 +57,29 @@ def test_evaluate_puts_back_the_mode_it_found(tmp_path, mode):
     assert lm.model.training is mode and trainer.evaluate() == first
 
 
+def test_an_on_step_callback_runs_with_the_model_in_eval_mode(tmp_path):
+    """on_step ran in train mode: a callback that generated a sample each step dropped attention at random
+    (attention_dropout), two same-seed generations differing. It now runs in eval mode, the steps go on in train
+    mode, and the run's losses are those of a run without the callback."""
+    raw = blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8).to_dict()
+    raw["text_config"]["attention_dropout"] = 0.3
+    cfg = blockpress.ModelConfig.from_dict(raw)
+    seen = []
+
+    def sample(step, loss):
+        once = lm.generate([[2, 5, 6]], max_new_tokens=8, max_denoising_steps=2, seed=1).new_tokens
+        again = lm.generate([[2, 5, 6]], max_new_tokens=8, max_denoising_steps=2, seed=1).new_tokens
+        seen.append((lm.model.training, torch.equal(once, again)))
+
+    results = []
+    for name, callback in (("with", sample), ("without", None)):
+        lm = blockpress.random_model(cfg, seed=0)
+        trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=3, batch_size=4, lr=3e-3), tmp_path / name,
+                          progress=False, on_step=callback)
+        results.append(trainer.train().losses)
+    assert seen == [(False, True)] * 3 and results[0] == results[1]
+
+
 def test_overfit_until_greedy_reproduces(tmp_path):
     lm, result = run(tmp_path, 300)
     assert result.losses[-1] < 0.25 * result.losses[0]
