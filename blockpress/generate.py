@@ -1535,7 +1535,7 @@ class _Decoding:
         if not self.drop_ended:
             return
         held = torch.arange(self.finished.shape[0], device=self.finished.device) if self.held is None else self.held
-        keep = (~self.finished[held]).nonzero()[:, 0]  # (a canvas's one host read here; its start read one anyway)
+        keep = (~self.finished[held]).nonzero()[:, 0]  # (a host read a canvas, not a step, as the canvas's start's)
         if keep.numel() == held.numel() or keep.numel() == 0:
             return
         self.cache = self.cache.rows(keep, self.cache.keys[0].shape[2] - self.cache.length)

@@ -177,7 +177,6 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}{warm}. Not with --compile")
 
 
-
 def serve_compile_options() -> dict[str, Any]:
     """torch.compile's options for serve, whose batches and prompts never settle: every size dynamic from the
     start (each kind of batch still takes graphs of its own, within lm.compile's recompile limit: generate.py's
