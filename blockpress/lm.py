@@ -73,7 +73,7 @@ from .generate import (
 )
 from .healing import allowed_first_tokens, heal, heal_into_template
 from .healing import heal_holes as heal_holes_of
-from .model import GROUPED_MM, DiffusionGemma
+from .model import GROUPED_MM, DiffusionGemma, lora_wrapped_layer
 from .prefix import PrefixCache
 from .quantize import check_cast, check_runs, check_scheme
 from .sampling import (
@@ -1984,7 +1984,7 @@ class LM:
         the scheme; `blockpress.load` gives it back bit for bit (transformers cannot read it). `dtype` then applies
         to the tensors left unquantized (embedding, norms, router)."""
         dtype = resolve_dtype(_dtype_argument(dtype)) or self.widened_from or self.dtype
-        adapted = next((name for name, module in self.model.named_modules() if hasattr(module, "lora_A")), None)
+        adapted = lora_wrapped_layer(self.model)
         if adapted is not None:  # peft's modules would be saved under its names, which no load reads
             if self.quantization is not None:
                 raise ValueError(f"save: the model holds LoRA adapters, unmerged over its quantized base ({self.quantization}, "

@@ -494,6 +494,12 @@ def _cache_source(cache: KVCache, start: int, sliding_from: int) -> KVSource:
     return source
 
 
+def lora_wrapped_layer(model: nn.Module) -> str | None:
+    """The name of the first layer that holds LoRA adapters not merged into it (peft's, with its lora_A), or None:
+    such a model can neither be quantized, saved as a checkpoint nor trained afresh until they are merged."""
+    return next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
+
+
 # Each model's own first element of weights_version (itertools.count's next() is atomic under the GIL)
 MODEL_SERIALS = itertools.count()
 

@@ -45,7 +45,15 @@ from torch import nn
 
 from .checks import outside_inference_mode, warn_user
 from .config import SCHEMES
-from .model import DiffusionGemma, ExpertRows, Experts, Router, _grouped_linear, expert_groups
+from .model import (
+    DiffusionGemma,
+    ExpertRows,
+    Experts,
+    Router,
+    _grouped_linear,
+    expert_groups,
+    lora_wrapped_layer,
+)
 
 INT8_MAX = 127.0
 INT4_GROUP = 32  # inputs sharing one int4 scale
@@ -721,7 +729,7 @@ def _check_quantizable(model: DiffusionGemma, scheme: str) -> None:
     check_scheme(scheme)
     if quantization_of(model) is not None:
         raise ValueError(f"quantize: the model is already quantized ({quantization_of(model)})")
-    lora = next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
+    lora = lora_wrapped_layer(model)
     if lora is not None:
         raise ValueError(f"quantize: the model holds LoRA adapters (layer {lora!r}); merge them first "
                          "(blockpress.train.merge_lora), or add them after quantizing (QLoRA)")

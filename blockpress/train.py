@@ -69,7 +69,7 @@ from .files import (
 )
 from .healing import heal
 from .lm import LM, MODELS_DIR, resolve_path
-from .model import DiffusionGemma
+from .model import DiffusionGemma, lora_wrapped_layer
 from .quantize import QuantizedLinear, check_scheme, quantization_of
 from .stopping import STOP_SIGNALS, Stopped, leave_hung_up_terminal, terminal_fds
 from .train_config import LORA_MODULES, LORA_TARGETS, TrainConfig, lora_modules
@@ -955,7 +955,7 @@ def _check_trainable(lm: LM, cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"train: the model is quantized ({lm.quantization}); train LoRA adapters over it with "
                          f"lora_rank > 0 and quantize={lm.quantization!r} (--lora-rank R --quantize "
                          f"{lm.quantization}), or the unquantized weights (load without quantize)")
-    adapted = next((name for name, module in lm.model.named_modules() if hasattr(module, "lora_A")), None)
+    adapted = lora_wrapped_layer(lm.model)
     if adapted is not None:  # (peft would wrap its layers again, and the optimizer train both sets)
         over = f" over its quantized base ({lm.quantization})" if lm.quantization is not None else ""
         fold = ("fine-tune it unquantized, where they are merged into the base" if over else
