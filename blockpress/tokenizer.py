@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import json
 import math
+import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -761,8 +763,6 @@ class Tokenizer:
         env = _TemplateSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
         )
-        # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
-        env.filters["tojson"] = _tojson
         try:  # parsed once: the variables it reads come from the same tree
             tree = env.parse(source)
             variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
@@ -770,6 +770,9 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as exc:
             # exc.message alone: str(exc) adds a 'File "<introspection>"' line for an unknown filter
             raise ValueError(f"chat_template: not a valid template: {exc.message} (line {exc.lineno})") from None
+        except (SyntaxError, RecursionError) as exc:  # Python's limits on the code jinja writes (20 nested loops)
+            raise ValueError(f"chat_template: not a valid template: nested too deeply for Python "
+                             f"({type(exc).__name__}: {exc.msg if isinstance(exc, SyntaxError) else exc})") from None
         return _keep(self._compiled_templates, source, (compiled, variables))
 
     def _token(self, token_id: int | None) -> str | None:
@@ -1237,34 +1240,127 @@ class TemplateTooCostly(ValueError):
 
 class _DeadlineCodeGenerator(CodeGenerator):
     """jinja's code generator, with a check of the render's time limit at the top of every block of code it writes:
-    each pass of a loop's body (an empty one too), each call of a macro, each branch taken. A template's work that
-    calls nothing (a loop that writes nothing) runs in these blocks, so it is stopped there. (A loop's `if` filter runs
-    between two passes of its body unchecked: one pass over one sequence at most, 100,000 items of a range or
-    TEMPLATE_CHARS of a string.) A sys.settrace of every line did the same at 3.3-3.9x the render's time: every Python
-    call jinja makes paid the tracer."""
+    each pass of a loop's body (an empty one too), each call of a macro, each branch taken, and at each `set`. A
+    template's work that calls nothing (a loop that writes nothing, a run of `set`s) runs there, so it is stopped
+    there. (A loop's `if` filter runs between two passes of its body unchecked: one pass over one sequence at most,
+    100,000 items of a range or TEMPLATE_CHARS of a string.) A sys.settrace of every line did the same at 3.3-3.9x the
+    render's time: every Python call jinja makes paid the tracer. `~` joins through the sandbox's `joined`, which
+    measures the text before making it."""
 
     def blockvisit(self, nodes: Iterable[jinja2.nodes.Node], frame: Frame) -> None:
         self.writeline("environment.check_deadline()")
         super().blockvisit(nodes, frame)
 
+    def visit_Assign(self, node: jinja2.nodes.Assign, frame: Frame) -> None:
+        self.writeline("environment.check_deadline()")
+        super().visit_Assign(node, frame)
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:  # Markup's join (never in a chat template's env)
+            super().visit_Concat(node, frame)
+            return
+        self.write("environment.joined((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+def _size(value: Any) -> int:
+    """About how many characters `value` is as text, without making the text: a string's length, a list's or
+    tuple's items plus its strings' lengths (a list of one long string repeated is as long as their join)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return len(value) + sum(len(item) for item in value if isinstance(item, str))
+    return 0
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _too_costly(what: str) -> TemplateTooCostly:
+    return TemplateTooCostly(f"chat_template: {what}, past {TEMPLATE_CHARS:,} characters")
+
 
 class _TemplateSandbox(ImmutableSandboxedEnvironment):
-    """jinja's immutable sandbox, with `*` and `**` checked before they run: repeating a string or list past
-    TEMPLATE_CHARS, or a power of more than 4,096 bits, is refused (either took all memory or minutes of CPU); and
-    its templates' code checks the render's deadline (_DeadlineCodeGenerator, set by _render for the thread that
-    renders: one template may render in several server threads at once)."""
+    """jinja's immutable sandbox, with the operations that can make a long text or a big number measured before they
+    run, and every value a call or operator makes measured after: a text, list or mapping past TEMPLATE_CHARS, or a
+    number of more than 4,096 bits, is refused (either took all memory or minutes of CPU). Measured before: `*` and
+    `+` of texts and lists, `~`, a number past TEMPLATE_CHARS passed to a filter or method (center(10**9), a width),
+    the widths in a format text, join, replace, indent, expandtabs and tojson's indent. Its templates' code checks
+    the render's deadline (_DeadlineCodeGenerator, set by _render for the thread that renders: one template may render
+    in several server threads at once). Not measured: text made by printing whole a list nested in lists of long
+    strings; _render's own check of the whole text bounds what reaches the prompt."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
     code_generator_class = _DeadlineCodeGenerator
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.deadlines = threading.local()
+        # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
+        self.filters["tojson"] = _tojson
+        # A template's code calls its filters directly, not through call_filter: each is measured in a wrapper.
+        self.filters = {name: self._measured(name, f) for name, f in self.filters.items()}
+
+    def _measured(self, name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        passes_first = getattr(f, "jinja_pass_arg", None) is not None  # (a context or environment, then the value)
+
+        @functools.wraps(f)  # (keeps jinja_pass_arg)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            value, rest = (args[1], args[2:]) if passes_first else (args[0], args[1:])
+            self.check_arguments(name, value, rest, kwargs)
+            return self.made(f(*args, **kwargs), f"the filter {name}")
+
+        return measured
 
     def check_deadline(self) -> None:
         deadline = getattr(self.deadlines, "at", None)
         if deadline is not None and time.monotonic() > deadline:
             raise TemplateTooCostly(f"chat_template: rendering ran past {TEMPLATE_SECONDS:g} s")
+
+    def made(self, value: Any, what: str) -> Any:
+        """`value`, which `what` made, refused when it is past the limits."""
+        if isinstance(value, (str, list, tuple, dict)) and len(value) > TEMPLATE_CHARS:
+            raise _too_costly(f"{what} made a {type(value).__name__} of {len(value):,} items")
+        return value
+
+    def joined(self, parts: tuple[Any, ...]) -> str:
+        if sum(map(_size, parts)) > TEMPLATE_CHARS:
+            raise _too_costly(f"joins texts of {sum(map(_size, parts)):,} characters with ~")
+        return self.made("".join(map(str, parts)), "~")
+
+    def check_arguments(self, name: str, value: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """Refuses the call `name`(value, *args, **kwargs) of a filter or method before it runs when what it would
+        make is past the limits (the size of its result is known from its arguments)."""
+        self.check_deadline()
+        for arg in (*args, *kwargs.values()):
+            if (n := _count(arg)) is not None and abs(n) > TEMPLATE_CHARS:
+                raise _too_costly(f"passes {n:,} to {name}")
+        first = args[0] if args else None
+        estimate = 0
+        if name == "join" and isinstance(value, (list, tuple)):
+            sep = first if isinstance(first, str) else kwargs.get("d", "")
+            estimate = _size(value) + len(sep if isinstance(sep, str) else "") * len(value)
+        elif name == "replace" and isinstance(value, str) and len(args) >= 2 and isinstance(args[0], str) \
+                and isinstance(args[1], str):
+            old, new = args[0], args[1]
+            estimate = len(value) + (value.count(old) if old else len(value) + 1) * max(len(new) - len(old), 0)
+        elif name == "indent" and isinstance(value, str):  # (its width: a number of spaces, or a text)
+            width = first if first is not None else kwargs.get("width", 4)
+            per_line = len(width) if isinstance(width, str) else _count(width) or 0
+            estimate = len(value) + (value.count("\n") + 1) * per_line
+        elif name == "expandtabs" and isinstance(value, str):
+            tab = _count(first if first is not None else kwargs.get("tabsize", 8)) or 0
+            estimate = len(value) + value.count("\t") * tab
+        elif name == "tojson":
+            indent = _count(kwargs.get("indent", args[1] if len(args) > 1 else None)) or 0
+            if indent > 64:
+                raise TemplateTooCostly(f"chat_template: tojson with an indent of {indent:,} (at most 64 here)")
+        if estimate > TEMPLATE_CHARS:
+            raise _too_costly(f"{name} would make {estimate:,} characters")
 
     # map('upper'), select('odd'), reject(...) call these once an item, in jinja's code, not the template's: a filter
     # over a long sequence ('x' * 5_000_000) would run on past the deadline without a check here.
@@ -1278,21 +1374,48 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         self.check_deadline()
         return super().call_test(name, value, args, kwargs, context=context, eval_ctx=eval_ctx)
 
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        def count(x: Any) -> int | None:
-            return x if isinstance(x, int) and not isinstance(x, bool) else None
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 (jinja's names)
+        name = getattr(__obj, "__name__", type(__obj).__name__)
+        bound = getattr(__obj, "__self__", None)
+        __self.check_arguments(name, bound if isinstance(bound, str) else None, args, kwargs)
+        return __self.made(super().call(__context, __obj, *args, **kwargs), f"{name}()")
 
+    def wrap_str_format(self, value: Any) -> Any:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:  # '{:>1000000000}'.format(1): the width is in the format text
+            _check_widths(value.__self__)
+        return wrapped
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
-            for seq, n in ((left, count(right)), (right, count(left))):
-                if isinstance(seq, (str, list, tuple)) and n is not None and len(seq) * n > TEMPLATE_CHARS:
-                    raise TemplateTooCostly(f"chat_template: repeats a {type(seq).__name__} of {len(seq):,} items "
-                                            f"{n:,} times, past {TEMPLATE_CHARS:,}")
+            for seq, n in ((left, _count(right)), (right, _count(left))):
+                if isinstance(seq, (str, list, tuple)) and n is not None and _size(seq) * n > TEMPLATE_CHARS:
+                    raise _too_costly(f"repeats a {type(seq).__name__} of {len(seq):,} items {n:,} times")
+            a, b = _count(left), _count(right)
+            if a is not None and b is not None and a.bit_length() + b.bit_length() > 4096:
+                raise TemplateTooCostly("chat_template: multiplies two numbers into one of more than 4,096 bits")
         elif operator == "**":
-            base, exponent = count(left), count(right)
+            base, exponent = _count(left), _count(right)
             if base is not None and exponent is not None and abs(base) > 1 and exponent * math.log2(abs(base)) > 4096:
                 raise TemplateTooCostly(f"chat_template: computes {base} ** {exponent}, a number of more than 4,096 "
                                         "bits")
-        return super().call_binop(context, operator, left, right)
+        elif operator == "+":
+            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
+                    and _size(left) + _size(right) > TEMPLATE_CHARS:
+                raise _too_costly(f"adds texts or lists of {_size(left) + _size(right):,} characters")
+        elif operator == "%" and isinstance(left, str):
+            _check_widths(left)
+        return self.made(super().call_binop(context, operator, left, right), f"`{operator}`")
+
+
+_WIDTH = re.compile(r"\d{8,}")
+
+
+def _check_widths(text: str) -> None:
+    """A format text ('%0100000000d', '{:>100000000}') whose numbers would make a text past TEMPLATE_CHARS."""
+    for match in _WIDTH.finditer(text):
+        if int(match.group()) > TEMPLATE_CHARS:
+            raise _too_costly(f"formats with a width of {int(match.group()):,}")
 
 
 def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:

@@ -614,6 +614,11 @@ def test_no_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
     ("{{ 1 // 0 }}", "rendering failed: ZeroDivisionError"),  # escaped as a bare traceback before
     ("{% for m in messages %}", "not a valid template"),
     ("{{ messages | no_such_filter }}", "not a valid template"),
+    # past Python's limits on the code jinja writes: SyntaxError, IndentationError, RecursionError escaped (a 500 from
+    # the server, a 3,000-line traceback from `blockpress chat`)
+    ("{% for a in messages %}" * 21 + "{% endfor %}" * 21, "not a valid template: nested too deeply for Python"),
+    ("{% if messages %}" * 120 + "{% endif %}" * 120, "not a valid template: nested too deeply for Python"),
+    ("{{ " + "1+(" * 400 + "1" + ")" * 400 + " }}", "not a valid template: nested too deeply for Python"),
     ("", "rendered no text for 2 message"),  # an empty chat_template.jinja: an empty prompt, refused as "prompt: ..."
     ("{# none yet #}\n", "rendered no text for 2 message"),
 ])
@@ -1394,6 +1399,21 @@ def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     ("{{ [0] * 10**9 }}", r"repeats a list of 1 items 1,000,000,000 times"),
     ("{{ 2 ** 100000000 }}", r"computes 2 \*\* 100000000, a number of more than 4,096 bits"),
     ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", r"its text passed 50,000,000 characters"),
+    # each of these made 10**8 characters or more, or ran for seconds, before the text or the number was measured
+    ("{% set a = 'x' * 50000000 %}{% set b = a ~ a %}{{ b | length }}", r"joins texts of 100,000,000 characters"),
+    ("{% set a = 'x' * 50000000 %}{{ (a + a) | length }}", r"adds texts or lists of 100,000,000 characters"),
+    ("{{ (['x' * 1000000] * 100) | join }}", r"repeats a list of 1 items 100 times"),
+    ("{{ 'x' | center(10**8) }}", r"passes 100,000,000 to center"),
+    ("{{ 'x'.ljust(10**8) }}", r"passes 100,000,000 to ljust"),
+    ("{{ '%0100000000d' % 1 }}", r"formats with a width of 100,000,000"),
+    ("{{ '{:>100000000}'.format(1) }}", r"formats with a width of 100,000,000"),
+    ("{{ ('x' * 10000).replace('x', 'y' * 10000) }}", r"replace would make 100,000,000 characters"),
+    ("{{ ('x' * 10000) | replace('x', 'y' * 10000) }}", r"replace would make 100,000,000 characters"),
+    ("{{ ('\t' * 10000).expandtabs(10000) }}", r"expandtabs would make 100,010,000 characters"),
+    ("{{ ('x\n' * 10000) | indent(10000) }}", r"indent would make 100,030,000 characters"),
+    ("{{ (['x' * 10000] * 1000) | join('y' * 50000) }}", r"join would make 60,001,000 characters"),
+    ("{{ messages | tojson(indent=1000) }}", r"tojson with an indent of 1,000"),
+    ("{% set v = 2 ** 4000 %}{% set w = v * v %}", r"multiplies two numbers into one of more than 4,096 bits"),
 ])
 def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, monkeypatch, template, message) -> None:
     """A checkpoint's chat template is its maker's code: the sandbox kept it from Python's internals but not from a
@@ -1411,6 +1431,11 @@ def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, mo
     assert time.monotonic() - started < 30
     assert tok.apply_chat_template(messages, chat_template="{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ messages[0].content }}") \
         == "ababab1024hi"
+    ordinary = ("{{ 'a' ~ 'b' + 'c' }}{{ 'x' | center(3) }}{{ '%03d' % 7 }}{{ '{:>3}'.format(1) }}{{ 'ab'.replace('a', 'c') }}"
+                "{{ ['p', 'q'] | join(',') }}{{ 'u\nv' | indent(2) }}{{ messages | tojson(indent=2) | length }}"
+                "{{ 'hi' | upper }}{{ messages | map(attribute='role') | join }}{{ 3 * 4 }}")
+    assert tok.apply_chat_template(messages, chat_template=ordinary) \
+        == f"abc x 007  1cbp,qu\n  v{len(json.dumps(messages, indent=2))}HIuser12"
     assert "hi" in tok.apply_chat_template(messages)
 
 
@@ -1443,6 +1468,8 @@ def test_a_template_renders_untraced_and_its_time_limit_holds_under_a_tracer(tok
         monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 0.0)  # past at the template's first check
         with pytest.raises(ValueError, match="^chat_template: rendering ran past 0 s"):
             tok.apply_chat_template(messages, chat_template="{% for i in range(1000) %}{% endfor %}")
+        with pytest.raises(ValueError, match="^chat_template: rendering ran past 0 s"):  # a `set` is checked too
+            tok.apply_chat_template(messages, chat_template="{% set a = 1 %}")
         assert sys.gettrace() is tracer
     finally:
         sys.settrace(before)
