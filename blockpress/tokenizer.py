@@ -503,9 +503,7 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids for `text`; BOS is prepended only when asked, never by the post-processor."""
         check_flag("add_bos", add_bos)
-        # encode_batch, not encode: the library's encode holds the GIL throughout (0.25 s for 240 KB of text, which
-        # froze a server's event loop even from a worker thread), encode_batch lets go of it; the ids are the same
-        ids = self.backend.encode_batch([_checked_text(text)], add_special_tokens=False)[0].ids
+        ids = _encoded(self.backend, _checked_text(text))
         if add_bos:
             if self.bos_id is None:
                 raise ValueError("add_bos=True but this tokenizer has no BOS token.")
@@ -521,7 +519,7 @@ class Tokenizer:
             plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
             plain.encode_special_tokens = True
             self._plain_backend = plain
-        return self._plain_backend.encode_batch([text], add_special_tokens=False)[0].ids  # (as encode: the GIL)
+        return _encoded(self._plain_backend, text)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt's ids: BOS first when the tokenizer has one, but not twice (a rendered chat template,
@@ -1438,6 +1436,22 @@ def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:
         return "".join(parts)
     finally:
         deadlines.at = None
+
+
+def _encoded(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    """The ids of `text` through `backend`. encode_batch, not encode: the library's encode holds the GIL throughout
+    (0.25 s for 240 KB of text, which froze a server's event loop even from a worker thread), encode_batch lets go of
+    it; the ids are the same. A checkpoint's tokenizer.json whose regex backtracks past the library's limit
+    (`(a|aa)+$` on 35 characters) makes the library panic, which Python sees as a BaseException that no `except
+    Exception` catches (the server answered a plain-text 500): it is a ValueError here, naming the file."""
+    try:
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":  # (pyo3's; the tokenizers package does not export the class)
+            raise
+        raise ValueError(f"tokenizer.json: the tokenizer failed on this text of {len(text):,} characters "
+                         f"({str(exc).splitlines()[0] if str(exc) else 'the library panicked'}); the checkpoint's "
+                         "tokenizer.json is at fault (e.g. a pre-tokenizer regex that backtracks)") from None
 
 
 def _raise_template_error(message: str) -> None:

@@ -1596,3 +1596,18 @@ def test_training_a_tokenizer_shows_its_progress_on_a_terminal_when_asked(progre
     os.close(main_fd)
     assert child.wait(timeout=60) == 0
     assert (b"Pre-processing sequences" in shown) is progress, shown[:200]
+
+
+def test_a_tokenizer_json_that_makes_the_library_panic_is_a_clear_error(tok: Tokenizer, tmp_path: Path) -> None:
+    """A checkpoint's pre-tokenizer regex that backtracks past the library's limit made `tokenizers` panic, a
+    BaseException that no `except Exception` caught: the server answered a plain-text 500. It is a ValueError naming
+    tokenizer.json, for encode and encode_plain, and other texts still encode."""
+    spec = json.loads(tok.backend.to_str())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        spec["pre_tokenizer"]]}
+    hostile = Tokenizer(backend=tokenizers.Tokenizer.from_str(json.dumps(spec)), bos_id=2, eos_ids=[1])
+    for encode in (hostile.encode, hostile.encode_plain):
+        with pytest.raises(ValueError, match=r"^tokenizer.json: the tokenizer failed on this text of 35 characters"):
+            encode("a" * 34 + "b")
+        assert encode("aab") == tok.encode("aab")
