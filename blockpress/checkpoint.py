@@ -64,7 +64,10 @@ _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
 }
+# A safetensors dtype past these (F4, F6_*: packed, several values a byte) is valid but not read here.
+_INT64_MAX = 2**63 - 1
 
 
 class MappedSafetensors:
@@ -112,8 +115,11 @@ class MappedSafetensors:
             raise bad("expected dtype, shape and data_offsets in its header entry")
         dtype, shape, offsets = _ST_DTYPES.get(info["dtype"]), info["shape"], info["data_offsets"]
         if dtype is None:
-            raise bad(f"unsupported safetensors dtype {info['dtype']!r}")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"{self.path}: tensor {name!r}: safetensors dtype {info['dtype']!r}, which blockpress "
+                                  f"does not read (it reads {', '.join(_ST_DTYPES)})")
+        # (a bool is an int to Python; a size past int64, or sizes whose product is, overflowed inside torch)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                and math.prod(max(d, 1) for d in shape) <= _INT64_MAX):
             raise bad(f"shape {shape!r} is not a list of sizes")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
                 and 0 <= offsets[0] <= offsets[1]):
@@ -642,6 +648,10 @@ def read_config(path: Path) -> ModelConfig:
     config = ModelConfig.from_file(path / "config.json")
     # another tool's codes come with scales blockpress does not read: refused by name here, not tensor by tensor
     stored_quantization(config.extra.get("quantization_config"), path)
+    if isinstance(mlx := config.extra.get("quantization"), dict) and "bits" in mlx:  # mlx-lm's key for the same
+        raise CheckpointError(f"{path / 'config.json'}: a pre-quantized checkpoint (quantization: {mlx['bits']!r}-bit, "
+                              "as mlx-lm writes) is not supported: load the unquantized one with quantize='int8', "
+                              "'fp8' or 'int4' instead")
     return config
 
 

@@ -436,6 +436,32 @@ def test_a_prequantized_checkpoint_is_named_as_such(ref_checkpoint, tmp_path):
         load_quiet(path)
 
 
+def test_an_mlx_quantized_checkpoint_is_named_as_such(ref_checkpoint, tmp_path):
+    """mlx-lm writes its scheme under config.json's `quantization` and packs codes in U32 tensors: refused as the
+    pre-quantized checkpoint it is (before: "unsupported safetensors dtype 'U32'; the file is damaged")."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization"] = {"group_size": 64, "bits": 4}
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(blockpress.CheckpointError, match=r"pre-quantized checkpoint \(quantization: 4-bit, as mlx-lm"):
+        load_quiet(path)
+
+
+def test_unsigned_and_e8m0_tensors_pass_through(ref_checkpoint, tmp_path):
+    """U16/U32/U64 and F8_E8M0 are safetensors dtypes transformers reads: a vision-tower buffer in one was refused as
+    "damaged or truncated"; it loads, and lm.save writes it back as it was."""
+    path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
+    tensors = load_file(path / "model.safetensors")
+    extra = {f"model.encoder.vision_tower.extra_{i}": torch.arange(6).to(dtype).reshape(2, 3)
+             for i, dtype in enumerate((torch.uint16, torch.uint32, torch.uint64))}
+    extra["model.encoder.vision_tower.extra_e8m0"] = torch.tensor([1.0, 2.0, 0.5]).to(torch.float8_e8m0fnu)
+    save_file({**tensors, **extra}, path / "model.safetensors", metadata={"format": "pt"})
+    load_quiet(path).save(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    for name, tensor in extra.items():
+        assert saved[name].dtype == tensor.dtype and torch.equal(saved[name].view(torch.uint8), tensor.view(torch.uint8))
+
+
 def test_wrong_shape_named(ref_checkpoint, tmp_path):
     path = copy_ckpt(ref_checkpoint[0], tmp_path / "c")
     tensors = load_file(path / "model.safetensors")
@@ -1059,6 +1085,12 @@ def _first_tensor(header):
     return header[next(k for k in header if k != "__metadata__" and "up_proj" in k)]
 
 
+def _empty_entry(header, shape):
+    """An entry of no bytes, after the last tensor's, for a vision-tower tensor of `shape` (holding a 0)."""
+    end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    header["model.encoder.vision_tower.extra"] = {"dtype": "F32", "shape": shape, "data_offsets": [end, end]}
+
+
 _NORM, _LAYER_NORM = "model.decoder.norm.weight", "model.decoder.layers.0.input_layernorm.weight"  # same size
 
 
@@ -1077,7 +1109,13 @@ def _entry_twice(header):
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(data_offsets=[0, 4])), "needs"),
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).pop("data_offsets")), "expected dtype, shape and data_offsets"),
     (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="I64")), "needs|expected a floating-point"),
-    (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="Q3")), "unsupported safetensors dtype"),
+    (lambda p: _rewrite_header(p, lambda h: _first_tensor(h).update(dtype="Q3")),
+     "safetensors dtype 'Q3', which blockpress does not read"),
+    # a size that is a bool, past int64, or sizes whose product is: each failed inside torch (TypeError, "Storage size
+    # calculation overflowed") for an entry blockpress passes through as stored (the vision tower's)
+    (lambda p: _rewrite_header(p, lambda h: _empty_entry(h, [0, 2**70])), r"shape \[0, 1180591620717411303424\] is not"),
+    (lambda p: _rewrite_header(p, lambda h: _empty_entry(h, [True, 0])), r"shape \[True, 0\] is not a list of sizes"),
+    (lambda p: _rewrite_header(p, lambda h: _empty_entry(h, [2**40, 2**40, 0])), r"shape \[1099511627776, .* is not"),
     (lambda p: _rewrite_header(p, lambda h: h.clear() or h.update(x=[1])), "expected dtype, shape"),
     # two tensors' bytes overlapping (the final norm given a layer norm's), bytes past the last tensor, an entry given
     # twice (json.loads kept the last): each loaded, the first with logits 5 off, where transformers refuses the file
