@@ -988,8 +988,8 @@ class _RowTexts:
         if len(row) <= m:
             return len(self.text(r, row))
         floor = self.floors[r]
-        if floor is None:
-            floor = self.floors[r] = len(self._decode(r, row[:m]))
+        if floor is None:  # (a character the m-th token leaves unfinished ends after it: not floor)
+            floor = self.floors[r] = len(self._decode(r, row[:m]).rstrip("\ufffd"))
         return floor
 
     def answers(self, rows: list[list[int]]) -> list[str]:
@@ -1107,10 +1107,12 @@ def special_stop_ids(tokenizer: Any, stops: list[list[str]] | None) -> list[froz
 
 def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0) -> str:
     """`text` up to (not including) the earliest stop string it holds that ends past its first `floor`
-    characters (the text of the min_new_tokens, where a stop does not count: vLLM's min_tokens)."""
-    cut = len(text)
+    characters (the text of the min_new_tokens, where a stop does not count: vLLM's min_tokens). Replacement
+    characters that end the text are a character whose bytes are still arriving, not text: a stop string never ends
+    in them (one holding U+FFFD cut a text at a half-written character that the final text does not have)."""
+    cut, searched = len(text), text.rstrip("\ufffd")
     for s in stops:
-        at = text.find(s, max(0, floor - len(s) + 1)) if s else -1
+        at = searched.find(s, max(0, floor - len(s) + 1)) if s else -1
         if at >= 0:
             cut = min(cut, at)
     return text[:cut]
@@ -1139,7 +1141,7 @@ def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int]
                         heal_prefix)
     if stops and tokens:
         text = cut_at_stop(text, stops, len(strip_prefix(tok.decode(tokens[:-1], skip_special_tokens=False),
-                                                         heal_prefix)))
+                                                         heal_prefix).rstrip("\ufffd")))
     return text
 
 

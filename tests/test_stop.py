@@ -462,3 +462,53 @@ def test_a_stop_string_holding_a_special_token_among_other_text_is_refused(tiny_
     special = "<eos>" if isinstance(stop[0], list) else SOT
     with pytest.raises(ValueError, match=f"stop: '.*{special}.*' holds the special token '{special}' among other text"):
         make(["x", "y"], max_new_tokens=4, stop=stop)
+
+
+SPLIT_TEXT = "ab✓日本語"  # the byte-level tokenizer writes 本 as 3 byte tokens: new tokens 8, 9 and 10
+
+
+def _writing(lm, target, engine):
+    """A logits_processor that makes `engine` write `target` (one denoising step a canvas for diffusion)."""
+    calls, c = [0], lm.config.canvas_length
+
+    def force(logits, rows):
+        k = calls[0]
+        calls[0] += 1
+        at = [k * c + p for p in range(logits.shape[1])] if engine == "diffusion" else [k]
+        ids = torch.tensor([target[min(i, len(target) - 1)] for i in at])
+        logits.fill_(-1e4)
+        logits[:, torch.arange(logits.shape[1]), ids] = 1e4
+        return logits
+
+    return force
+
+
+def _run_written(lm, engine, **kw):
+    target = lm.tokenizer.encode(SPLIT_TEXT) + [lm.tokenizer.eos_id]
+    common = dict(max_new_tokens=len(target), logits_processor=_writing(lm, target, engine), **kw)
+    return (lm.generate("hi", max_denoising_steps=1, seed=0, **common) if engine == "diffusion"
+            else lm.generate_ar("hi", **common))
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_a_character_the_minimum_leaves_unfinished_ends_after_it(tiny_lm, engine):
+    """The floor of min_new_tokens is the text of the characters its tokens finish: with the 8th or 9th token
+    part-way through 本, the floor's text ended in U+FFFD counted as a character, and a stop '本' (finished by the
+    10th token, past the minimum) was ignored: the whole text came back."""
+    tok = tiny_lm.tokenizer
+    assert [len(tok.decode(tok.encode(SPLIT_TEXT)[:k])) for k in (7, 10)] == [4, 5]  # (日 ends at token 7, 本 at 10)
+    for m, text in ((0, "ab✓日"), (7, "ab✓日"), (8, "ab✓日"), (9, "ab✓日"), (10, SPLIT_TEXT)):
+        out = _run_written(tiny_lm, engine, stop=["本"], min_new_tokens=m)
+        assert out.texts[0] == text, m
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+def test_a_stop_holding_a_replacement_character_never_ends_in_a_half_written_one(tiny_lm, engine):
+    """A text whose character is still arriving (bytes of 本 split over two canvases, or the tokens so far in AR)
+    ends in U+FFFD until it is finished: a stop string holding U+FFFD cut the answer there, at 'ab✓', though the
+    text never held one."""
+    plain = _run_written(tiny_lm, engine)
+    assert plain.texts[0] == SPLIT_TEXT
+    out = _run_written(tiny_lm, engine, stop=["\ufffd"])
+    assert out.texts[0] == SPLIT_TEXT and out.num_new_tokens.tolist() == plain.num_new_tokens.tolist()
+    assert cut_at_stop("ab\ufffd", ["\ufffd"]) == "ab\ufffd" and cut_at_stop("a\ufffdb", ["\ufffd"]) == "a"
