@@ -2958,6 +2958,12 @@ def test_chat_json_says_which_seed_each_reply_was_drawn_with(monkeypatch, capsys
     again = lm.chat([{"role": "user", "content": "def add(a, b):"}], max_new_tokens=8, min_new_tokens=1,
                     sampler=sampler, seeds=[line["seed"]])
     assert again.texts[0] == line["text"]
+    # as chat's --help says: generate --chat repeats it too, given chat's minimum of 1 (its own default is 0)
+    assert main(["generate", "def add(a, b):", "--chat", "--model", MODEL, *flags, "--seed", str(line["seed"]),
+                 "--min-new-tokens", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == line["text"]
+    assert "lm.chat(..., seeds=[seed], min_new_tokens=1) repeats the reply" in " ".join(
+        run_cli("chat", "--help").stdout.split())
 
 
 def test_chat_without_json_reads_a_json_line_as_typed(monkeypatch, capsys):
