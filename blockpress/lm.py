@@ -1782,6 +1782,11 @@ class LM:
         if template_options is not None and not isinstance(template_options, dict):
             raise ValueError(f"template_options: expected a dict of apply_chat_template's options (tools=..., ...), "
                              f"got {type(template_options).__name__}")
+        if kwargs.get("token_healing") and not (template_options or {}).get("continue_final_message"):
+            raise ValueError("token_healing: not with a chat prompt that ends with the chat template's turn header "
+                             "(the template's own, never healed: as `generate --chat` and the server refuse it); a "
+                             "reply continued with template_options={'continue_final_message': True} ends with its "
+                             "text, which heals")
         return self.chat_ids(self.chat_prompt(messages, **(template_options or {})), **kwargs)
 
     def chat_ids(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,

@@ -2000,6 +2000,10 @@ def reply_readers(lm: LM, prompt: list[int], tools: list[dict] | None, calls: bo
 async def chat_reply(state: ServerState, body: ChatRequest, request: Request) -> Any:
     """/v1/chat/completions: the messages rendered, the reply read with the response template where it applies."""
     lm = state.lm
+    if body.token_healing:  # as `generate --chat --token-healing` and lm.chat refuse it
+        raise APIError(400, "token_healing: not with chat completions, whose prompt ends with the chat template's "
+                            "turn header (the template's own, never healed); send a plain prompt to /v1/completions "
+                            "to heal it", "token_healing")
     prompt, tools = await render_chat(state, body)
     jobs = build_jobs(state, body, prompt)
     calls = bool(tools) and body.tool_choice != "none"

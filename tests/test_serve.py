@@ -959,6 +959,27 @@ def test_token_healing_field(client, server):
     assert r.choices[0].text == direct.texts[0]
 
 
+def test_a_chat_request_asking_for_token_healing_is_refused_as_generate_chat_refuses_it(client, server):
+    """A chat prompt ends with the chat template's turn header: `generate --chat --token-healing` refused it, while
+    the server (and lm.chat) healed the template's own newline and answered another reply. Each refuses it by name;
+    lm.chat heals a final message it continues, whose text ends the prompt."""
+    import openai
+
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                       extra_body={"token_healing": True})
+    assert caught.value.body["param"] == "token_healing" and "turn header" in caught.value.body["message"]
+    lm = server[1].state.engine.lm
+    with pytest.raises(ValueError, match="^token_healing: not with a chat prompt that ends with the chat template's"):
+        lm.chat(messages, max_new_tokens=8, token_healing=True)
+    continued = [*messages, {"role": "assistant", "content": "def f(x):\n"}]
+    out = lm.chat(continued, template_options={"continue_final_message": True}, max_new_tokens=8, token_healing=True,
+                  seeds=[1])
+    ids = lm.chat_prompt(continued, continue_final_message=True)
+    assert out.texts == lm.generate(ids, max_new_tokens=8, token_healing=True, seeds=[1]).texts
+
+
 def test_stop_ends_the_request_early_and_cuts_the_text(client):
     kw = dict(model=MODEL, prompt="abc", max_tokens=24, seed=7)
     whole = client.completions.create(**kw)
