@@ -1224,8 +1224,13 @@ class LM:
         if max_new_tokens is None and not templated:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
             # does), where "min_new_tokens: expected an integer in [0, max_new_tokens=64]" named a count not given.
-            default = self.default_new_tokens(prompt_width)
             capped = self._max_length_from == "call"  # a call's max_length is a bound, as in transformers
+            try:
+                default = self.default_new_tokens(prompt_width)
+            except ValueError:  # the checkpoint's max_length leaves no room: every row's minimum is the length asked
+                if capped or not all(is_int(n) and n > 0 for n in (mins if isinstance(mins, list) else [mins])):
+                    raise
+                default = 0  # (grown to each row's minimum, as it grows past the one token a longer max_length leaves)
 
             def grown(least: Any) -> int:  # (a value that is no count is left to _check_budgets to refuse)
                 if capped and is_int(least) and least > default:

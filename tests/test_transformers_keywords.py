@@ -138,6 +138,12 @@ def test_a_calls_max_length_bounds_min_new_tokens(lm, ids, engine):
     assert call(ids, max_length=14, min_new_tokens=8, seed=1, **extra).sequences.shape[1] == 14
     grown = blockpress.LM(lm.model, lm.tokenizer, {"max_length": 14})  # the checkpoint's default grows to it
     assert call.__func__(grown, ids, min_new_tokens=10, seed=1, **extra).new_tokens.shape[1] == 10
+    # a checkpoint's max_length that leaves one token grew to the minimum, one that leaves none was refused
+    for room in (1, 0):
+        grown = blockpress.LM(lm.model, lm.tokenizer, {"max_length": ids.shape[1] + room})
+        assert call.__func__(grown, ids, min_new_tokens=3, seed=1, **extra).new_tokens.shape[1] == 3
+    with pytest.raises(ValueError, match=r"^max_length: the generation config's max_length \(6\) leaves no room"):
+        call.__func__(grown, ids, min_new_tokens=[3, 0], seed=1, **extra)
 
 
 @pytest.mark.parametrize("engine", ["generate", "generate_ar"])
