@@ -107,6 +107,18 @@ def test_generation_config_keys_blockpress_ignores_are_named_at_load(ref_checkpo
     assert "draw_temperature" in warned[0] and "t_max down to t_min" in warned[0]  # what to set instead
 
 
+def test_a_gemma_style_files_top_k_and_top_p_are_said_to_be_read(ref_checkpoint, tmp_path):
+    """A Gemma generation_config.json ({"do_sample": true, "top_k": 64, "top_p": 0.95}) holds autoregressive
+    settings whose names are SamplerConfig's candidate filters: the warning named do_sample and temperature as
+    ignored and said nothing of top_k and top_p, which changed every draw. It says they are read."""
+    path = folder_with(ref_checkpoint, tmp_path, {"do_sample": True, "top_k": 64, "top_p": 0.95, "temperature": 1.0})
+    lm, warned = load_recording(path)
+    assert len(warned) == 2 and "do_sample, temperature: not blockpress settings" in warned[0]
+    assert f"{path / 'generation_config.json'}: top_k, top_p: read as blockpress's candidate filters" in warned[1]
+    assert (lm.sampler_defaults.top_k, lm.sampler_defaults.top_p) == (64, 0.95)  # (read, as said)
+    assert load_recording(folder_with(ref_checkpoint, tmp_path / "own", {"top_k": 64}))[1] == []  # without do_sample
+
+
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
     path = folder_with(ref_checkpoint, tmp_path, own={"sampler": "greedy", "top_p": 0.9, "typical_p": 0.9})
     _, warned = load_recording(path)
