@@ -36,6 +36,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from .checks import check_flag, check_text, utf8_problem
 from .files import (
     StagedFiles,
+    expand_user,
     lfs_pointer_problem,
     parse_json,
     read_json_object,
@@ -196,8 +197,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer of a Hugging Face checkpoint folder."""
-        folder = Path(path)
+        """Load the tokenizer of a Hugging Face checkpoint folder (~ expanded, as `load` expands it)."""
+        folder = expand_user(path, "path")
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(

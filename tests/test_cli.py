@@ -57,13 +57,14 @@ def test_a_path_flag_given_after_an_equals_sign_expands_a_home_path(tmp_path, ca
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no folder named ~
     given = {"generate": ["--input=~/a", "--output=~/b"], "infill": ["--input=~/a", "--output=~/b"],
              "sudoku": ["--file=~/a"], "bench": ["--out=~/a", "--plot=~/b"],
-             "train": ["--data=~/a", "--heldout-data=~/b", "--train-config=~/c", "--out=~/d", "--config=~/e"]}
+             "train": ["--data=~/a", "--heldout-data=~/b", "--train-config=~/c", "--out=~/d", "--config=~/e",
+                       "--tokenizer=~/f"]}
     seen = set()
     for command, flags in given.items():
         args = build_parser().parse_args([command, *flags])
         expand_path_flags(args)
         paths = {name: getattr(args, name) for name in PATH_FLAGS if getattr(args, name, None) is not None}
-        assert sorted(paths.values()) == [str(home / x) for x in "abcde"[:len(flags)]], command
+        assert sorted(paths.values()) == [str(home / x) for x in "abcdef"[:len(flags)]], command
         seen |= set(paths)
     assert seen == set(PATH_FLAGS)
     # an empty one (an unset variable in a script): bench --out '' wrote nothing and said nothing

@@ -222,6 +222,13 @@ def test_save_from_dir_round_trip(tok: Tokenizer, saved_dir: Path) -> None:
     assert loaded.apply_chat_template(TWO_TURNS) == tok.apply_chat_template(TWO_TURNS)
 
 
+def test_from_dir_expands_a_home_path(tok: Tokenizer, saved_dir: Path, monkeypatch) -> None:
+    """`load("~/m")` expanded the ~ but Tokenizer.from_dir("~/m"), which error messages point to, said the folder
+    had no tokenizer.json."""
+    monkeypatch.setenv("HOME", str(saved_dir.parent))
+    assert Tokenizer.from_dir(f"~/{saved_dir.name}").vocab_size == tok.vocab_size
+
+
 @pytest.mark.skipif(sys.platform in ("win32", "darwin"), reason="file names there are Unicode, not bytes")
 def test_a_folder_named_in_bytes_that_are_not_utf8_saves_and_loads(tok: Tokenizer, tmp_path: Path) -> None:
     """`blockpress quantize $'q\\xff'` and `train --out` such a folder failed: the tokenizers library's own save

@@ -413,7 +413,7 @@ class TypedFlag(argparse.Action):
 
 # The flags that name a file or folder to read or write (each command's that has it: generate's and infill's --input
 # and --output, sudoku's --file, train's --data, --heldout-data, --train-config and --out, bench's --out and --plot)
-PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot", "config")
+PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config", "out", "plot", "config", "tokenizer")
 
 
 def expand_path_flags(args: argparse.Namespace) -> None:
