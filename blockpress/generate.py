@@ -1396,7 +1396,10 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
     reused per row)."""
     b = prompt.shape[0]
     version = model.weights_version  # before encoding: weights changed meanwhile are caught at the first step
-    with weights_unchanged(model, version):
+    # A continued cache holds keys of the weights it was filled with: checked by LM._check_cache when the call was
+    # made, and here again, as a stream begins at its first event (weights changed in between went on silently).
+    held = cache.weights_version if cache is not None and cache.length else None
+    with weights_unchanged(model, version if held is None else held):
         if req.prefix_cache is not None:
             if cache is not None:
                 raise ValueError("prefix_cache: not together with cache= (a continued conversation already skips what "

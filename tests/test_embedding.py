@@ -135,6 +135,25 @@ def test_a_stream_whose_lm_changed_since_it_began_stops_with_a_clear_error(chang
     assert lm.generate([3, 4, 5], **kw).num_new_tokens.tolist() == [3 * lm.config.canvas_length]
 
 
+@pytest.mark.parametrize("change", ["to", "quantize"])
+def test_a_stream_on_a_cache_whose_lm_changed_before_its_first_event_stops_with_a_clear_error(change):
+    """A stream is checked when made, but begins at its first event: one continuing a conversation's cache, made
+    and then read after lm.quantize, went on silently on a cache of the old weights' keys and the new ones' (and the
+    next turn took that cache as current); after lm.to it failed in torch's dtype mismatch. It stops at once, the
+    cache untouched, and the next turn refuses the cache by name."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    kw = dict(max_new_tokens=lm.config.canvas_length, max_denoising_steps=2, seed=1)
+    first = lm.generate([3, 4, 5], return_cache=True, **kw)
+    held = first.cache.tokens
+    events = lm.stream([6, 7], cache=first.cache, **kw)
+    lm.to(dtype="bfloat16") if change == "to" else lm.quantize("int8")
+    with pytest.raises(RuntimeError, match=r"^model: its weights changed"):
+        next(events)
+    assert first.cache.tokens == held
+    with pytest.raises(ValueError, match=r"^cache: (filled before this model's weights changed|built by another mod)"):
+        lm.generate([6, 7], cache=first.cache, **kw)  # (after lm.to, the cache's dtype is named first)
+
+
 def test_generate_ar_on_a_thread_whose_lm_changes_meanwhile_stops_with_a_clear_error():
     """generate_ar checks before each token: weights changed by another thread while it ran (here by the logits
     processor, which runs between two tokens as another thread may) stop it with the same error."""
