@@ -193,6 +193,13 @@ class Tokenizer:
                                                      compare=False)  # at most TEMPLATES_KEPT
     _longest_token: int | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy's state (copy.deepcopy, pickle) without the compiled chat templates: jinja's code objects and its
+        sandbox's thread-locals copy neither way (both failed once a chat had rendered); a copy compiles its own."""
+        state = self.__dict__.copy()
+        state["_compiled_templates"] = OrderedDict()
+        return state
+
     # ----------------------------------------------------------------------------------------- loading
 
     @classmethod

@@ -1618,3 +1618,15 @@ def test_a_tokenizer_json_that_makes_the_library_panic_is_a_clear_error(tok: Tok
         with pytest.raises(ValueError, match=r"^tokenizer.json: the tokenizer failed on this text of 35 characters"):
             encode("a" * 34 + "b")
         assert encode("aab") == tok.encode("aab")
+
+
+def test_a_tokenizer_that_rendered_a_chat_copies_and_pickles(tok: Tokenizer) -> None:
+    """copy.deepcopy and pickle of an LM worked until its first chat, then failed on the compiled templates the
+    tokenizer keeps (jinja's code objects, the sandbox's thread-locals): a copy compiles its own."""
+    import copy
+    import pickle
+
+    rendered = tok.apply_chat_template(TWO_TURNS)
+    for copied in (copy.deepcopy(tok), pickle.loads(pickle.dumps(tok))):
+        assert copied.apply_chat_template(TWO_TURNS) == rendered
+    assert tok.apply_chat_template(TWO_TURNS) == rendered  # (the original keeps its own)
