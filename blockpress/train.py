@@ -1022,13 +1022,11 @@ def _set_noise(lm: LM, cfg: TrainConfig) -> None:
 
 
 def _trained_model(lm: LM, cfg: TrainConfig) -> DiffusionGemma:
-    """The model in train mode, quantized and given LoRA adapters as the settings say, its trained weights each in
-    memory of its own."""
-    if cfg.lora_rank:  # before the adapters are built: a rank far too large is a silent OOM there
-        check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
+    """The model, quantized and given LoRA adapters as the settings say, its trained weights each in memory of its
+    own (in train mode at each step alone: Trainer.train_step)."""
     if cfg.quantize is not None and lm.quantization is None:  # (blockpress train quantizes while loading)
         lm.quantize(cfg.quantize)
-    model = lm.model.train()
+    model = lm.model
     if cfg.lora_rank:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed, targets=lora_modules(cfg.lora_targets))
     # The weights training updates are its own, each in memory of its own: a checkpoint loads as zero-copy views
@@ -1111,13 +1109,17 @@ class Trainer:
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()
         _check_trainable(lm, cfg, self.world)
+        # Every refusal before anything changes the LM (its noise token, token_healing, dropout): a Trainer refused
+        # for a LoRA rank left the model decoding with another noise.
+        if cfg.lora_rank:  # a rank far too large is a silent OOM where the adapters are built
+            check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
+        _check_data_fits(lm, cfg, source, heldout, data)
         # config.json's attention_dropout, as the reference applies it in train mode: it was read, kept and never
         # applied (a config of 0.1 trained without dropout, and without a word). A value outside [0, 1) is refused by
         # name before anything runs.
         self.attention_dropout = lm.config.attention_dropout
         for layer in lm.model.decoder_layers():
             layer.self_attn.dropout = self.attention_dropout
-        _check_data_fits(lm, cfg, source, heldout, data)
         _set_noise(lm, cfg)
         # A prompt/response record's prompt is tokenized alone, so a prompt that ends in whitespace ("A: ", "return ")
         # ends in a lone whitespace token, and the model learns to answer after it. Token healing (the CLI's
@@ -1158,6 +1160,9 @@ class Trainer:
         self.data_start = (0, 0)
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
         self.saved_step: int | None = None  # the step of the run's last save in `out` (None: none yet)
+        # Train mode is each step's alone (train_step): a Trainer made and never run (a refused resume, train() refused
+        # under inference mode) left the model dropping attention in every generation after.
+        model.eval()
 
     def _set_optimizer_settings(self) -> None:
         """AdamW's betas and weight decay as the settings say, when it is built and over those a saved state brought
@@ -1239,7 +1244,15 @@ class Trainer:
         return float(sums[0]) / max(n_diff, 1), float(sums[1]) / max(n_ar, 1), int(batch.valid.sum())
 
     def train_step(self, prepared: tuple[Batch, Noise] | None = None, time_fraction: float = 0.0) -> dict[str, Any]:
-        """One optimizer step on the batch of `self.step` (`prepared`: that batch, built ahead by a worker)."""
+        """One optimizer step on the batch of `self.step` (`prepared`: that batch, built ahead by a worker), in train
+        mode, the model in eval mode after it (see __init__)."""
+        self.model.train()
+        try:
+            return self._train_step(prepared, time_fraction)
+        finally:
+            self.model.eval()
+
+    def _train_step(self, prepared: tuple[Batch, Noise] | None, time_fraction: float) -> dict[str, Any]:
         cfg = self.cfg
         batch, noise = prepared if prepared is not None else self._batch(self.source, self.step)
         lr = lr_at(cfg, self.step, time_fraction)

@@ -80,6 +80,32 @@ def test_an_on_step_callback_runs_with_the_model_in_eval_mode(tmp_path):
     assert seen == [(False, True)] * 3 and results[0] == results[1]
 
 
+def test_a_trainer_leaves_the_model_in_eval_mode_and_a_refused_one_leaves_the_lm_as_it_was(tmp_path):
+    """Trainer() put the model in train mode: one made and never run (a refused resume) left every generation after
+    dropping attention at random (attention_dropout). Its steps alone run in train mode. And one refused for a LoRA
+    rank had already taken the checkpoint's noise token out of its generation config (another decoding after)."""
+    raw = blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8).to_dict()
+    raw["text_config"]["attention_dropout"] = 0.5
+    lm = blockpress.random_model(blockpress.ModelConfig.from_dict(raw), seed=0)
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=2, batch_size=4), tmp_path / "t",
+                      progress=False)
+    assert not lm.model.training
+    with pytest.raises(FileNotFoundError):
+        trainer.resume()  # (no run saved there yet)
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    assert torch.equal(lm.generate([[2, 5, 6]], **kw).new_tokens, lm.generate([[2, 5, 6]], **kw).new_tokens)
+    modes = []
+    lm.model.layers[0].register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    trainer.train_step()
+    assert modes and all(modes) and not lm.model.training  # the step in train mode, eval mode after it
+    lm.generation_config["noise_token_id"] = 7
+    before = dict(lm.generation_config)
+    with pytest.raises(ValueError, match="lora_rank: 100000 is more than any adapted layer can use"):
+        Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, lora_rank=100000),
+                tmp_path / "r", progress=False)
+    assert lm.generation_config == before
+
+
 def test_overfit_until_greedy_reproduces(tmp_path):
     lm, result = run(tmp_path, 300)
     assert result.losses[-1] < 0.25 * result.losses[0]
