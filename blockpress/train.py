@@ -349,6 +349,9 @@ def add_lora(model: _Model, rank: int, alpha: float, seed: int = 0, targets: Seq
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import Linear as LoraLinear
 
+    if (adapted := lora_wrapped_layer(model)) is not None:  # (its layers are wrapped: "no q_proj layer" was said)
+        raise ValueError(f"add_lora: the model holds LoRA adapters already (layer {adapted!r}); merge them first "
+                         "(merge_lora), then add others")
     linear = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))]
     absent = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in linear)]
     if absent:  # (peft's own error lists every target, found or not)

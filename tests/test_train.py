@@ -479,6 +479,9 @@ def test_lora_trains_adapters_and_merges_exactly(tmp_path):
     model = add_lora(lm.model, rank=4, alpha=8)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+    # adapters over adapters: "this model has no q_proj layer to adapt" was said of a model whose layers were wrapped
+    with pytest.raises(ValueError, match=r"^add_lora: the model holds LoRA adapters already \(layer '.*q_proj'\)"):
+        add_lora(model, rank=4, alpha=8)
     assert not any("experts" in n or "router" in n or "self_conditioning" in n for n in trainable)
     with torch.no_grad():
         for n, p in model.named_parameters():
