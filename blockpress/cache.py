@@ -19,6 +19,8 @@ needed. That is why `capacity` must leave room for one canvas past the last enco
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -88,12 +90,13 @@ class KVCache:
             raise ValueError(f"KVCache: batch_size {batch_size} x capacity {capacity} would take {nbytes:.3g} bytes, "
                              "past what any device addresses (2**63)")
         keys, values = [], []
-        for spec in config.layers:
-            shape = (batch_size, spec.num_kv_heads, capacity, spec.head_dim)
-            keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            values.append(torch.zeros(shape, dtype=dtype, device=device))
-        valid = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)
-        next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        with _allocating(f"batch_size {batch_size} x capacity {capacity}", nbytes):
+            for spec in config.layers:
+                shape = (batch_size, spec.num_kv_heads, capacity, spec.head_dim)
+                keys.append(torch.zeros(shape, dtype=dtype, device=device))
+                values.append(torch.zeros(shape, dtype=dtype, device=device))
+            valid = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)
+            next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         return cls(keys=keys, values=values, valid=valid, next_pos=next_pos)
 
     @staticmethod
@@ -238,11 +241,13 @@ class KVCache:
         doubled = 2 * self.capacity if most is None else min(2 * self.capacity, most)
         new = max(capacity, doubled)
         n = self.length
-        for tensors in (self.keys, self.values):
-            for i, t in enumerate(tensors):
-                grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
-                grown[:, :, :n] = t[:, :, :n]
-                tensors[i] = grown
+        grown_bytes = sum(t.element_size() * t[:, :, :1].numel() for t in (*self.keys, *self.values)) * new
+        with _allocating(f"batch_size {self.batch_size} x capacity {new} (grown from {self.capacity})", grown_bytes):
+            for tensors in (self.keys, self.values):
+                for i, t in enumerate(tensors):
+                    grown = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                    grown[:, :, :n] = t[:, :, :n]
+                    tensors[i] = grown
         valid = self.valid.new_ones(self.batch_size, new)
         valid[:, :n] = self.valid[:, :n]
         self.valid = valid
@@ -351,3 +356,26 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether `exc` is a device's refusal to allocate: torch's OutOfMemoryError (a GPU's), or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or Python's MemoryError."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+@contextmanager
+def _allocating(what: str, nbytes: int) -> Iterator[None]:
+    """A cache's allocation, whose failure says what was asked (the allocator's own message named neither the cache
+    nor the count behind it: 'tried to allocate 768000029184 bytes' for a max_new_tokens of 10**9). Raised as
+    torch.OutOfMemoryError whatever the device, so that one handler (the CLI's, the server's) takes both."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:
+        if not allocation_failed(exc):
+            raise
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise torch.OutOfMemoryError(
+            f"KVCache: {what} positions need {nbytes / 2**30:,.1f} GiB, which the device could not allocate "
+            f"({reason}); ask for fewer new tokens (max_new_tokens; the server's max_tokens) or fewer rows") from None

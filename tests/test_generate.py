@@ -2425,6 +2425,37 @@ def test_a_cache_past_the_free_memory_is_refused_with_the_figures(lm, monkeypatc
     assert lm.new_cache(3, 1000).capacity == 1000
 
 
+def test_a_cache_the_device_cannot_allocate_names_itself_and_what_to_ask_for(lm, monkeypatch):
+    """A generation whose cache the allocator refuses (max_new_tokens=10**9 over a long context) raised torch's
+    'DefaultCPUAllocator: can't allocate memory: you tried to allocate 256000008960 bytes', naming neither the cache
+    nor the count behind it. It is torch.OutOfMemoryError whatever the device (one handler takes both), naming the
+    cache's rows and positions and max_new_tokens; other errors pass as they were."""
+    zeros = torch.zeros
+
+    def refusing_caches(*args, **kwargs):  # a cache's keys and values: [batch, heads, capacity, head_dim]
+        if args and isinstance(args[0], tuple) and len(args[0]) == 4:
+            refusing()
+        return zeros(*args, **kwargs)
+
+    def refusing(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 256000008960 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(torch, "zeros", refusing_caches)
+    with pytest.raises(torch.OutOfMemoryError, match=r"^KVCache: batch_size 1 x capacity \d+ positions need .* GiB, "
+                                                     r"which the device could not allocate \(\[enforce fail .*\); ask "
+                                                     r"for fewer new tokens \(max_new_tokens"):
+        lm.generate([[5, 6]], max_new_tokens=8)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("another failure")))
+    with pytest.raises(RuntimeError, match="^another failure$"):
+        blockpress.KVCache.allocate(lm.config.text, 1, 8)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    cache = lm.generate([[5, 6]], max_new_tokens=8, return_cache=True).cache
+    monkeypatch.setattr(torch.Tensor, "new_zeros", lambda *a, **k: refusing())
+    with pytest.raises(torch.OutOfMemoryError, match=r"^KVCache: batch_size 1 x capacity 4000 \(grown from "):
+        cache.ensure_capacity(4000)
+
+
 def test_a_numpy_cache_size_is_an_int(lm):
     cache = lm.new_cache(np.int64(2), np.int32(12))
     assert (cache.batch_size, cache.capacity) == (2, 12) and type(cache.keys[0].shape[0]) is int
