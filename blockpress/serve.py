@@ -99,6 +99,7 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from .cache import allocation_failed
 from .checks import check_positive_int, check_text, is_int
 
 if TYPE_CHECKING:
@@ -752,12 +753,14 @@ class Job:
     # The minimum is chat's default, not the client's min_tokens: it bans only the end of turn, and a stop string
     # inside it ends the reply as anywhere (an OpenAI client never sees its stop string in the content).
     eos_only_minimum: bool = False
+    # Runs in a batch of its own: its batch could not allocate its memory (Engine._advance)
+    alone: bool = False
 
     def key(self) -> tuple:
         """What the jobs of one batch share. Not max_tokens nor min_tokens, nor the candidate draw's temperature,
         top_p and top_k (ROW_SETTINGS): the engine takes them per row; nor a canvas's length, as the engine lays out
         canvases of any lengths together. Canvas jobs and free ones stay apart: a template is the whole batch's."""
-        return (self.sampler.batch_wide(), self.token_healing, self.canvas is not None)
+        return (self.sampler.batch_wide(), self.token_healing, self.canvas is not None, id(self) if self.alone else 0)
 
     @property
     def holes(self) -> int:
@@ -838,6 +841,7 @@ class Batch:
         # their text with special tokens, decoded on at each commit (Job.keep_special), not whole again
         self.raws = [TextStream(engine.lm.tokenizer, skip_special_tokens=False) for _ in jobs]
         self.committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
+        self.told = False  # whether any job was sent anything (a draft, a commit's text)
         # Each job's valid new tokens, forward passes and last valid token so far, and whether it has had its JobDone:
         # a row is answered at the commit it finishes in, not when its batch's longest row ends (a 16-token
         # answer batched beside a 480-token one came 28.6 s late, its stream's finish_reason and [DONE] with it)
@@ -884,11 +888,12 @@ class Batch:
             if job.drafts and not self.answered[i]:  # (an answered row's stream has ended)
                 draft = tok.decode(event.tokens[i].tolist())
                 draft = draft if self.committed else strip_prefix(draft, job.heal_prefix)
+                self.told = True
                 job.put(JobDraft(self.texts[i] + draft, event.step))
 
     def commit(self, event: Commit) -> None:
         lm = self.engine.lm
-        self.committed = True
+        self.committed = self.told = True
         texts, written = event.texts_so_far, event.num_new_tokens
         if texts is None or written is None:  # the decoding loop sets both where a tokenizer is, as a server's has
             raise ValueError("commit: the event has no texts_so_far or num_new_tokens (a model without a tokenizer?)")
@@ -1091,6 +1096,17 @@ class Engine:
         try:
             finished = batch.advance()
         except Exception as exc:  # keep serving; this batch's requests get a 500-style error event, the rest go on
+            if allocation_failed(exc) and len(batch.jobs) > 1 and not batch.told:
+                # A batch's cache is its rows x its longest row: one request's max_tokens failed every request beside
+                # it (each answered alone). Nothing was told yet: each runs alone, and one that fails alone is told.
+                log.warning("serve: a batch of %d could not allocate its memory (%s); its requests run one by one",
+                            len(batch.jobs), (str(exc).splitlines() or [""])[0])
+                for job in batch.jobs:
+                    job.alone = True
+                with self.lock:
+                    self.waiting[:0] = batch.jobs
+                batch.close()
+                return True
             log.exception("serve: a batch of %d failed", len(batch.jobs))
             for job in batch.jobs:
                 try:

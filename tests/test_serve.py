@@ -2962,6 +2962,57 @@ def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server,
     assert alone[0]["choices"][0]["finish_reason"] == "length" and alone[0]["usage"]["completion_tokens"] == 5
 
 
+def test_a_batch_that_cannot_allocate_its_cache_runs_its_requests_one_by_one(server, monkeypatch):
+    """A batch's cache is its rows x its longest row: one request with a huge max_tokens (here, memory for 200
+    positions x rows) failed every request beside it with a 500 and torch's allocator text, though each honest one
+    succeeds alone. Nothing was sent yet, so each runs alone: the honest ones answer as alone, and only the one that
+    cannot be allocated alone fails, its message naming the cache and max_tokens."""
+    from blockpress.cache import KVCache, _allocating
+
+    engine = server[1].state.engine
+    allocate, shapes = KVCache.allocate.__func__, []
+
+    def small_device(cls, config, batch_size, capacity, *args, **kwargs):
+        shapes.append((batch_size, capacity))
+        if batch_size * capacity > 200:
+            with _allocating(f"batch_size {batch_size} x capacity {capacity}", batch_size * capacity):
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return allocate(cls, config, batch_size, capacity, *args, **kwargs)
+
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 16, "seed": i} for i, p in enumerate(("abc", "hi", "x"))]
+    huge = {"model": MODEL, "prompt": "y", "max_tokens": 400, "seed": 9}
+    alone = [httpx.post(server[0] + "/v1/completions", json=b, timeout=60).json() for b in bodies]
+    monkeypatch.setattr(KVCache, "allocate", classmethod(small_device))
+    gate, started, stream = threading.Event(), threading.Event(), engine._stream
+
+    def gated(batch):  # the engine held on a first request until the others are queued, so that they batch
+        events = stream(batch)
+
+        def held():
+            started.set()
+            gate.wait(30)
+            yield from events
+        return held()
+
+    monkeypatch.setattr(engine, "_stream", gated)
+    with cf.ThreadPoolExecutor(5) as pool:
+        first = pool.submit(httpx.post, server[0] + "/v1/completions",
+                            json={"model": MODEL, "prompt": "z", "max_tokens": 1}, timeout=60)
+        started.wait(30)
+        together = [pool.submit(httpx.post, server[0] + "/v1/completions", json=b, timeout=60)
+                    for b in [*bodies, huge]]
+        while engine.depth() < 4:
+            threading.Event().wait(0.01)
+        gate.set()
+        together = [f.result() for f in together]
+        assert first.result().status_code == 200
+    assert any(b == 4 for b, _ in shapes)  # (they did batch, and that batch failed)
+    assert [r.status_code for r in together] == [200, 200, 200, 500], [r.text for r in together]
+    assert [r.json()["choices"][0]["text"] for r in together[:3]] == [a["choices"][0]["text"] for a in alone]
+    message = together[3].json()["error"]["message"]
+    assert "KVCache: batch_size 1 x capacity" in message and "max_tokens" in message, message
+
+
 @pytest.mark.parametrize("mode", ["plain", "stream", "suffix"])
 def test_a_row_that_ends_is_answered_before_its_batch_does(mode):
     """A row's answer (its finish_reason and usage, a stream's last chunk and [DONE]) went out only when its batch's
