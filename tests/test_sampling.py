@@ -1044,3 +1044,17 @@ def test_the_sampler_maths_stay_float32_under_a_callers_autocast():
     plain = lm.generate([2, 10, 11, 12, 13], **kw)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(lm.generate([2, 10, 11, 12, 13], **kw).sequences, plain.sequences)
+
+
+def test_the_sampler_enters_no_autocast_block_where_none_is_on(monkeypatch):
+    """Turning a caller's autocast off cost every step 28 Python calls even where no autocast was on: the block is
+    entered only under one."""
+    from blockpress.sampling import probs_and_entropy
+
+    entered, autocast = [], torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: entered.append(k.get("enabled")) or autocast(*a, **k))
+    x = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(0))
+    want = probs_and_entropy(x)
+    assert entered == []
+    with autocast("cpu", dtype=torch.bfloat16):
+        assert all(torch.equal(a, b) for a, b in zip(probs_and_entropy(x), want)) and entered == [False]
