@@ -2963,8 +2963,8 @@ def test_chat_json_says_which_seed_each_reply_was_drawn_with(monkeypatch, capsys
     assert main(["generate", "def add(a, b):", "--chat", "--model", MODEL, *flags, "--seed", str(line["seed"]),
                  "--min-new-tokens", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == line["text"]
-    assert "lm.chat(..., seeds=[seed], min_new_tokens=1) repeats the reply" in " ".join(
-        run_cli("chat", "--help").stdout.split())
+    assert "lm.chat(..., seeds=[seed]) repeats the reply given this command's --min-new-tokens as its minimum, 1 by " \
+           "default here and 0 in lm.chat" in " ".join(run_cli("chat", "--help").stdout.split())
 
 
 def test_chat_without_json_reads_a_json_line_as_typed(monkeypatch, capsys):
