@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -11,6 +12,7 @@ import inspect
 import json
 import os
 import sys
+import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
@@ -716,6 +718,20 @@ def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
         if undo is not None:
             undo(e)
         raise
+
+
+# Streams still open when the interpreter exits are closed first, while torch is whole: one suspended over a
+# conversation's cache and left to the interpreter's teardown aborted the process (torch's INTERNAL ASSERT in
+# THPVariable_clear, exit status 134) where the script had ended normally, or with its own error (status 1). A
+# process-wide registry, as the exit is the process's.
+_OPEN_STREAMS: weakref.WeakSet[Events] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_streams() -> None:
+    for events in list(_OPEN_STREAMS):
+        with contextlib.suppress(Exception):
+            events.close()
 
 
 def _undone_on_error(events: Events, cache: KVCache) -> Events:
@@ -1650,7 +1666,9 @@ class LM:
             cancelled=cancelled)
         events = run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                      tokenizer=self.tokenizer, fns=self.step_functions)
-        return events if cache is None else _undone_on_error(events, cache)
+        events = events if cache is None else _undone_on_error(events, cache)
+        _OPEN_STREAMS.add(events)
+        return events
 
     def generate(self, prompt: Prompt | None = None, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
@@ -1820,6 +1838,11 @@ class LM:
         `settled_texts` the reply so far (print their growth), and Done's output what chat_ids returns, its cache
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
+        events = self._chat_events(ids, cache, kwargs)
+        _OPEN_STREAMS.add(events)  # (closed at exit: see _close_open_streams)
+        return events
+
+    def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
         copies = _chat_copies(kwargs, cache)
         rows, common = self._chat_start(ids, cache)
         each_rows, each_held = _repeat_chat_rows(rows, common, copies)  # one per output row

@@ -154,6 +154,43 @@ def test_a_stream_on_a_cache_whose_lm_changed_before_its_first_event_stops_with_
         lm.generate([6, 7], cache=first.cache, **kw)  # (after lm.to, the cache's dtype is named first)
 
 
+OPEN_AT_EXIT = """
+import sys
+
+import torch
+
+import blockpress
+
+torch.set_num_threads(1)
+lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+kw = dict(max_new_tokens=2 * lm.config.canvas_length, max_denoising_steps=2, seed=1)
+cache = (lm.chat_ids if sys.argv[1] == "chat" else lm.generate)([3, 4, 5], return_cache=True, **kw).cache
+if sys.argv[1] == "chat":
+    events = lm.chat_stream([3, 4, 5, 6, 7, 8], cache=cache, **kw)
+else:
+    events = lm.stream([6, 7], cache=cache, **kw)
+next(events)
+if sys.argv[2] == "raise":
+    raise ValueError("the caller's own error")
+"""
+
+
+@pytest.mark.parametrize("kind", ["stream", "chat"])
+@pytest.mark.parametrize("ending", ["end", "raise"])
+def test_a_stream_left_open_on_a_cache_at_exit_lets_the_process_end_as_it_would(kind, ending, tmp_path):
+    """A stream over a conversation's cache, suspended when the script ended (or failed with its own error), was
+    left to the interpreter's teardown: the process aborted (torch's INTERNAL ASSERT in THPVariable_clear, status
+    134, a core dump). Open streams are closed at exit, while torch is whole."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "open_at_exit.py"
+    script.write_text(OPEN_AT_EXIT)
+    done = subprocess.run([sys.executable, str(script), kind, ending], capture_output=True, text=True, timeout=300)
+    assert done.returncode == (1 if ending == "raise" else 0), done.stderr[-2000:]
+    assert "INTERNAL ASSERT" not in done.stderr
+
+
 def test_generate_ar_on_a_thread_whose_lm_changes_meanwhile_stops_with_a_clear_error():
     """generate_ar checks before each token: weights changed by another thread while it ran (here by the logits
     processor, which runs between two tokens as another thread may) stop it with the same error."""
