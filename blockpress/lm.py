@@ -789,6 +789,16 @@ class LM:
         self._reapply_steps: Callable[[], LM] | None = None  # compile / cuda_graphs again, after a quantize
         _guard_fork()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (copy.deepcopy) of a compiled LM compiles its own steps: torch.compile's functions copy as they
+        are, bound to the original's model, and the copy ran the original's weights (after lm.to on the original, a
+        float32 copy failed inside dynamo). A shallow copy (copy.copy) shares the model, and its steps with it: its
+        compile-again is still the original's, so nothing is compiled anew."""
+        self.__dict__.update(state)
+        again = getattr(self._reapply_steps, "func", self._reapply_steps)  # (compile's partial, or cuda_graphs)
+        if self.step_functions is not None and getattr(again, "__self__", None) is self:
+            self._reapply_steps()
+
     @property
     def widened_from(self) -> torch.dtype | None:
         return self._while_unchanged(self._widened_from)

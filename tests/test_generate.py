@@ -1359,6 +1359,27 @@ def test_skipping_finished_rows_changes_nothing(lm):
     assert {d.tokens.shape[1] for d in short} == {c, 3}  # only the positions kept
 
 
+def test_a_deep_copy_of_a_compiled_lm_compiles_its_own_steps():
+    """torch.compile's functions copied as they were, bound to the original's model: the copy ran the original's
+    weights (cast to bf16 after the copy, the float32 copy failed inside dynamo). A deep copy compiles its own; a
+    shallow copy shares the model, and its steps with it."""
+    import copy
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).compile(backend="eager")
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    twin = copy.deepcopy(lm)
+    assert twin.step_functions is not lm.step_functions and copy.copy(lm).step_functions is lm.step_functions
+    before = twin.generate([3, 4, 5], **kw).sequences
+    lm.to(dtype="bfloat16")  # the original alone
+    assert twin.dtype == torch.float32 and torch.equal(twin.generate([3, 4, 5], **kw).sequences, before)
+    with torch.no_grad():
+        twin.model.embed_tokens.weight.mul_(3)
+    twin.model.weights_changed()
+    eager = copy.deepcopy(twin)
+    eager.step_functions = None
+    assert torch.equal(twin.generate([3, 4, 5], **kw).sequences, eager.generate([3, 4, 5], **kw).sequences)
+
+
 def test_compiled_steps_trace_and_match_eager():
     """`LM.compile` runs the same step functions through torch.compile (traced here with the eager backend,
     so the test checks tracing without paying for code generation)."""
