@@ -1018,8 +1018,8 @@ class _RowTexts:
         row = row if at is None else row[:at]
         floor = self.floor(r, row)
 
-        def holds(text: str) -> bool:
-            return len(cut_at_stop(text, stops, floor)) < len(text)
+        def holds(text: str) -> bool:  # (the row goes on past `row` unless a stop or a special token ends it)
+            return len(cut_at_stop(text, stops, floor, growing=True)) < len(text)
 
         hi, at_hi = len(row), self.text(r, row)
         if not holds(at_hi):
@@ -1105,12 +1105,13 @@ def special_stop_ids(tokenizer: Any, stops: list[list[str]] | None) -> list[froz
     return rows if any(rows) else None
 
 
-def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0) -> str:
+def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0, growing: bool = False) -> str:
     """`text` up to (not including) the earliest stop string it holds that ends past its first `floor`
-    characters (the text of the min_new_tokens, where a stop does not count: vLLM's min_tokens). Replacement
-    characters that end the text are a character whose bytes are still arriving, not text: a stop string never ends
-    in them (one holding U+FFFD cut a text at a half-written character that the final text does not have)."""
-    cut, searched = len(text), text.rstrip("\ufffd")
+    characters (the text of the min_new_tokens, where a stop does not count: vLLM's min_tokens). `growing`: the text
+    of a row that may go on, whose trailing replacement characters may be a character whose bytes are still
+    arriving: a stop string does not end in them yet (one holding U+FFFD ended a row at a half-written character
+    that its final text does not have); the next token settles them, and a U+FFFD the model wrote then counts."""
+    cut, searched = len(text), text.rstrip("\ufffd") if growing else text
     for s in stops:
         at = searched.find(s, max(0, floor - len(s) + 1)) if s else -1
         if at >= 0:

@@ -511,4 +511,20 @@ def test_a_stop_holding_a_replacement_character_never_ends_in_a_half_written_one
     assert plain.texts[0] == SPLIT_TEXT
     out = _run_written(tiny_lm, engine, stop=["\ufffd"])
     assert out.texts[0] == SPLIT_TEXT and out.num_new_tokens.tolist() == plain.num_new_tokens.tolist()
-    assert cut_at_stop("ab\ufffd", ["\ufffd"]) == "ab\ufffd" and cut_at_stop("a\ufffdb", ["\ufffd"]) == "a"
+    assert cut_at_stop("ab\ufffd", ["\ufffd"], growing=True) == "ab\ufffd" == cut_at_stop("ab\ufffd", ["x"])
+    assert cut_at_stop("a\ufffdb", ["\ufffd"], growing=True) == "a" == cut_at_stop("ab\ufffd", ["\ufffd"])[:1]
+
+
+@pytest.mark.parametrize("engine", ["diffusion", "ar"])
+@pytest.mark.parametrize("written, stop, text", [("ab\ufffd", "\ufffd", "ab"), ("ab\ufffd", "b\ufffd", "a"),
+                                                 ("ab\ufffd\ufffd", "\ufffd", "ab")])
+def test_a_replacement_character_the_model_writes_is_text_a_stop_finds(tiny_lm, engine, written, stop, text):
+    """The other side of a character still arriving: U+FFFD written whole (its 3 bytes, then EOS) is text, and a stop
+    string ending in it cuts the answer there (the finished text was searched as if its U+FFFD were still
+    arriving, and came back whole)."""
+    tok = tiny_lm.tokenizer
+    target = tok.encode(written) + [tok.eos_id]
+    common = dict(max_new_tokens=len(target), logits_processor=_writing(tiny_lm, target, engine), stop=[stop])
+    out = (tiny_lm.generate("hi", max_denoising_steps=1, seed=0, **common) if engine == "diffusion"
+           else tiny_lm.generate_ar("hi", **common))
+    assert out.texts[0] == text
