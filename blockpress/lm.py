@@ -1078,15 +1078,18 @@ class LM:
         check_positive_int(value, "generation_config max_new_tokens")
         return int(value)
 
-    def default_new_tokens(self, prompt_length: int) -> int:
+    def default_new_tokens(self, prompt_length: int, *, room_needed: bool = True) -> int:
         """max_new_tokens for a call that gives none: generation_config.json's `max_new_tokens`, else its
         `max_length` less the prompt, as in the reference (which counts the prompt's padded width and what a
-        continued cache holds), else 256."""
+        continued cache holds), else 256. `room_needed=False`: 0 where max_length leaves no room (a minimum the call
+        gives is the length then), not an error."""
         max_length = self.generation_config.get("max_length")
         if self.generation_config.get("max_new_tokens") is not None or max_length is None:
             return self._max_new_tokens_setting()
         name = "max_length" if self._max_length_from == "call" else "generation_config max_length"
         check_positive_int(max_length, name)
+        if max_length <= prompt_length and not room_needed:
+            return 0
         if max_length <= prompt_length:
             raise ValueError(f"max_length: the {self._max_length_from}'s max_length ({max_length}) leaves no room "
                              f"after a {prompt_length}-token prompt; pass "
@@ -1251,12 +1254,10 @@ class LM:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
             # does), where "min_new_tokens: expected an integer in [0, max_new_tokens=64]" named a count not given.
             capped = self._max_length_from == "call"  # a call's max_length is a bound, as in transformers
-            try:
-                default = self.default_new_tokens(prompt_width)
-            except ValueError:  # the checkpoint's max_length leaves no room: every row's minimum is the length asked
-                if capped or not all(is_int(n) and n > 0 for n in (mins if isinstance(mins, list) else [mins])):
-                    raise
-                default = 0  # (grown to each row's minimum, as it grows past the one token a longer max_length leaves)
+            # A checkpoint's max_length that leaves no room: every row's minimum is the length asked, as it grows
+            # past the one token a longer max_length leaves
+            minimums = all(is_int(n) and n > 0 for n in (mins if isinstance(mins, list) else [mins]))
+            default = self.default_new_tokens(prompt_width, room_needed=capped or not minimums)
 
             def grown(least: Any) -> int:  # (a value that is no count is left to _check_budgets to refuse)
                 if capped and is_int(least) and least > default:

@@ -144,6 +144,10 @@ def test_a_calls_max_length_bounds_min_new_tokens(lm, ids, engine):
         assert call.__func__(grown, ids, min_new_tokens=3, seed=1, **extra).new_tokens.shape[1] == 3
     with pytest.raises(ValueError, match=r"^max_length: the generation config's max_length \(6\) leaves no room"):
         call.__func__(grown, ids, min_new_tokens=[3, 0], seed=1, **extra)
+    for bad in (0, -3, 2.5, True):  # still refused, whatever minimum is given
+        broken = blockpress.LM(lm.model, lm.tokenizer, {"max_length": bad})
+        with pytest.raises(ValueError, match=r"^generation_config max_length: expected a positive integer"):
+            call.__func__(broken, ids, min_new_tokens=3, seed=1, **extra)
 
 
 @pytest.mark.parametrize("engine", ["generate", "generate_ar"])
