@@ -2183,6 +2183,7 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
         return {}
     raw: dict[str, Any] = {}
     source: dict[str, Path] = {}  # the file each key's value comes from, for the messages
+    ar_file: Path | None = None  # a generation_config.json with do_sample (an autoregressive model's settings)
     for f in files:
         content = read_json_object(f)
         raw.update(content)
@@ -2194,12 +2195,17 @@ def read_generation_config(path: Path, vocab_size: int) -> dict[str, Any]:
                 hint = f"; {TEMPERATURE_HINT}"
             warn_user(f"{f}: {', '.join(unused)}: not blockpress settings, ignored (it reads max_new_tokens, "
                       f"max_length, eos_token_id, pad_token_id, sampler_config and SamplerConfig's fields){hint}")
-        # A Gemma-style file ({"do_sample": true, "top_k": 64, "top_p": 0.95}) holds an autoregressive model's
-        # settings; their names are also SamplerConfig's candidate filters, which blockpress reads: said, not silent.
-        if "do_sample" in content and (read := sorted({"top_k", "top_p"} & set(content))):
-            warn_user(f"{f}: {', '.join(read)}: read as blockpress's candidate filters (SamplerConfig's "
-                      f"{' and '.join(read)}), though the file's do_sample says they were written for autoregressive "
-                      "sampling; drop them from the file to draw from the whole distribution")
+        # A Gemma-style generation_config.json ({"do_sample": true, "top_k": 64, "top_p": 0.95}) holds an
+        # autoregressive model's settings; their names are also SamplerConfig's candidate filters, which blockpress
+        # reads (where its own file does not set them): said, not silent.
+        if f.name == "generation_config.json" and "do_sample" in content:
+            ar_file = f
+    read = sorted(k for k in ("top_k", "top_p") if ar_file is not None and source.get(k) == ar_file
+                  and raw.get(k) is not None)
+    if read:
+        warn_user(f"{ar_file}: {', '.join(read)}: read as blockpress's candidate filters (SamplerConfig's "
+                  f"{' and '.join(read)}), though the file's do_sample says they were written for autoregressive "
+                  "sampling; drop them from the file to draw from the whole distribution")
     file = " + ".join(str(f) for f in files)
     check_generation_settings(raw, file)
     # The reference loads ids past the vocabulary and simply never meets them (no token is one). They are dropped

@@ -117,6 +117,15 @@ def test_a_gemma_style_files_top_k_and_top_p_are_said_to_be_read(ref_checkpoint,
     assert f"{path / 'generation_config.json'}: top_k, top_p: read as blockpress's candidate filters" in warned[1]
     assert (lm.sampler_defaults.top_k, lm.sampler_defaults.top_p) == (64, 0.95)  # (read, as said)
     assert load_recording(folder_with(ref_checkpoint, tmp_path / "own", {"top_k": 64}))[1] == []  # without do_sample
+    # blockpress's own file sets them (null: unset): none is read from the Gemma-style file, so nothing is said of it
+    path = folder_with(ref_checkpoint, tmp_path / "over", {"do_sample": True, "top_k": 64, "top_p": 0.95},
+                       own={"top_k": None, "top_p": 1.0})
+    lm, warned = load_recording(path)
+    assert (lm.sampler_defaults.top_k, lm.sampler_defaults.top_p) == (0, 1.0)
+    assert not any("candidate filters" in w for w in warned)
+    lm, _ = load_recording(folder_with(ref_checkpoint, tmp_path / "again", {"do_sample": True, "top_k": 64}))
+    lm.save(tmp_path / "saved")  # (its settings move to blockpress's own file: no Gemma-style file is left)
+    assert not any("candidate filters" in w for w in load_recording(tmp_path / "saved")[1])
 
 
 def test_blockpress_own_file_is_checked_too_and_known_keys_pass_quietly(ref_checkpoint, tmp_path):
