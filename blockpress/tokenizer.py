@@ -1262,8 +1262,10 @@ class _DeadlineCodeGenerator(CodeGenerator):
         super().visit_Assign(node, frame)
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
-        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:  # Markup's join (never in a chat template's env)
+        if frame.eval_ctx.volatile or frame.eval_ctx.autoescape:  # Markup's join ({% autoescape true %}): measured
+            self.write("environment.made(")                        # after, as it escapes its parts
             super().visit_Concat(node, frame)
+            self.write(", '~')")
             return
         self.write("environment.joined((")
         for arg in node.nodes:
@@ -1294,8 +1296,9 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
     """jinja's immutable sandbox, with the operations that can make a long text or a big number measured before they
     run, and every value a call or operator makes measured after: a text, list or mapping past TEMPLATE_CHARS, or a
     number of more than 4,096 bits, is refused (either took all memory or minutes of CPU). Measured before: `*` and
-    `+` of texts and lists, `~`, a number past TEMPLATE_CHARS passed to a filter or method (center(10**9), a width),
-    the widths in a format text, join, replace, indent, expandtabs and tojson's indent. Its templates' code checks
+    `+` of texts and lists, `~`, a size past TEMPLATE_CHARS passed to a call that makes text or lists of that size
+    (center(10**9): SIZED), a format text's widths and fields (`%`, str.format, the format filter), join, replace,
+    indent, expandtabs and tojson's indent and separators; and every value written ({{ }}). Its templates' code checks
     the render's deadline (_DeadlineCodeGenerator, set by _render for the thread that renders: one template may render
     in several server threads at once). Not measured: text made by printing whole a list nested in lists of long
     strings; _render's own check of the whole text bounds what reaches the prompt."""
@@ -1306,6 +1309,9 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.deadlines = threading.local()
+        # Every {{ value }} written is measured: a {% set %} block that writes a value twice doubles it with no
+        # operator to measure (27 passes of a loop made 134M characters).
+        self.finalize = self._written
         # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
         self.filters["tojson"] = _tojson
         # A template's code calls its filters directly, not through call_filter: each is measured in a wrapper.
@@ -1321,6 +1327,11 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
             return self.made(f(*args, **kwargs), f"the filter {name}")
 
         return measured
+
+    def _written(self, value: Any) -> Any:
+        if _size(value) > TEMPLATE_CHARS:
+            raise _too_costly(f"writes a {type(value).__name__} of {_size(value):,} characters")
+        return value
 
     def check_deadline(self) -> None:
         deadline = getattr(self.deadlines, "at", None)
@@ -1340,16 +1351,20 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
 
     def check_arguments(self, name: str, value: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Refuses the call `name`(value, *args, **kwargs) of a filter or method before it runs when what it would
-        make is past the limits (the size of its result is known from its arguments)."""
+        make is past the limits (the size of its result is known from its arguments). A number is a size only to the
+        calls that make text or lists of it (SIZED): a timestamp passed to format() or default() is none."""
         self.check_deadline()
-        for arg in (*args, *kwargs.values()):
-            if (n := _count(arg)) is not None and abs(n) > TEMPLATE_CHARS:
-                raise _too_costly(f"passes {n:,} to {name}")
+        if name in SIZED:
+            for arg in (*args, *kwargs.values()):
+                if (n := _count(arg)) is not None and abs(n) > TEMPLATE_CHARS:
+                    raise _too_costly(f"passes {n:,} to {name}")
         first = args[0] if args else None
         estimate = 0
-        if name == "join" and isinstance(value, (list, tuple)):
+        if name == "join" and isinstance(value, (list, tuple)):  # the filter: items | join(separator)
             sep = first if isinstance(first, str) else kwargs.get("d", "")
             estimate = _size(value) + len(sep if isinstance(sep, str) else "") * len(value)
+        elif name == "join" and isinstance(value, str) and isinstance(first, (list, tuple)):  # separator.join(items)
+            estimate = _size(first) + len(value) * len(first)
         elif name == "replace" and isinstance(value, str) and len(args) >= 2 and isinstance(args[0], str) \
                 and isinstance(args[1], str):
             old, new = args[0], args[1]
@@ -1361,10 +1376,16 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         elif name == "expandtabs" and isinstance(value, str):
             tab = _count(first if first is not None else kwargs.get("tabsize", 8)) or 0
             estimate = len(value) + value.count("\t") * tab
-        elif name == "tojson":
-            indent = _count(kwargs.get("indent", args[1] if len(args) > 1 else None)) or 0
-            if indent > 64:
-                raise TemplateTooCostly(f"chat_template: tojson with an indent of {indent:,} (at most 64 here)")
+        elif name == "format" and isinstance(value, str):  # the filter: '%s ...' | format(...), %-formatting
+            _check_format(value, [*args, *kwargs.values()], "%")
+        elif name == "tojson":  # its indent (a number, or a text) and separators are written once a line and item
+            indent = kwargs.get("indent", args[1] if len(args) > 1 else None)
+            separators = kwargs.get("separators", args[2] if len(args) > 2 else None)
+            parts = [indent if isinstance(indent, str) else " " * min(_count(indent) or 0, 65),
+                     *(separators if isinstance(separators, (list, tuple)) else ())]
+            if any(isinstance(part, str) and len(part) > 64 for part in parts):
+                raise TemplateTooCostly("chat_template: tojson with an indent or separator of more than 64 "
+                                        "characters (at most 64 here)")
         if estimate > TEMPLATE_CHARS:
             raise _too_costly(f"{name} would make {estimate:,} characters")
 
@@ -1388,9 +1409,17 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value: Any) -> Any:
         wrapped = super().wrap_str_format(value)
-        if wrapped is not None:  # '{:>1000000000}'.format(1): the width is in the format text
-            _check_widths(value.__self__)
-        return wrapped
+        if wrapped is None:
+            return None
+        text = value.__self__
+
+        @functools.wraps(wrapped)
+        def measured(*args: Any, **kwargs: Any) -> Any:  # '{:>1000000000}'.format(1): the width is in the text
+            _check_format(text, [*args, *kwargs.values(), *(v for a in args if isinstance(a, dict) for v in a.values())],
+                          "{")
+            return wrapped(*args, **kwargs)
+
+        return measured
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -1410,18 +1439,34 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
                     and _size(left) + _size(right) > TEMPLATE_CHARS:
                 raise _too_costly(f"adds texts or lists of {_size(left) + _size(right):,} characters")
         elif operator == "%" and isinstance(left, str):
-            _check_widths(left)
+            values = list(right) if isinstance(right, tuple) else list(right.values()) if isinstance(right, dict) \
+                else [right]
+            _check_format(left, values, "%")
         return self.made(super().call_binop(context, operator, left, right), f"`{operator}`")
 
 
-_WIDTH = re.compile(r"\d{8,}")
+# What makes a text or list as long as a number says: a width, a number of lines or parts.
+SIZED = frozenset({"center", "ljust", "rjust", "zfill", "indent", "wordwrap", "expandtabs", "slice", "batch",
+                   "tojson"})
+# A %-format's field (its flags, width and precision: each a number, or * for the next value) and a str.format field
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
+_BRACE_FIELD = re.compile(r"\{[^{}]*\}")
 
 
-def _check_widths(text: str) -> None:
-    """A format text ('%0100000000d', '{:>100000000}') whose numbers would make a text past TEMPLATE_CHARS."""
-    for match in _WIDTH.finditer(text):
-        if int(match.group()) > TEMPLATE_CHARS:
-            raise _too_costly(f"formats with a width of {int(match.group()):,}")
+def _check_format(text: str, values: Sequence[Any], style: str) -> None:
+    """A format text ('%0100000000d', '{:>100000000}', '{0}' repeated) whose widths, or whose fields times its
+    longest value, would make a text past TEMPLATE_CHARS. `style`: "%" or "{" (str.format)."""
+    fields = list(_PERCENT_FIELD.finditer(text)) if style == "%" else list(_BRACE_FIELD.finditer(text))
+    for spec in fields:
+        numbers = [g for g in spec.groups() if g and g != "*"] if style == "%" else \
+            re.findall(r"\d+", spec.group().partition(":")[2])
+        if any(int(n) > TEMPLATE_CHARS for n in numbers):
+            raise _too_costly(f"formats with a width of {max(map(int, numbers)):,}")
+        if style == "%" and "*" in spec.groups() and any(abs(_count(v) or 0) > TEMPLATE_CHARS for v in values):
+            raise _too_costly("formats with a * width past the limit")
+    longest = max(map(_size, values), default=0)
+    if len(text) + len(fields) * longest > TEMPLATE_CHARS:
+        raise _too_costly(f"formats {len(fields):,} fields of up to {longest:,} characters")
 
 
 def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:

@@ -1419,7 +1419,19 @@ def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     ("{{ ('\t' * 10000).expandtabs(10000) }}", r"expandtabs would make 100,010,000 characters"),
     ("{{ ('x\n' * 10000) | indent(10000) }}", r"indent would make 100,030,000 characters"),
     ("{{ (['x' * 10000] * 1000) | join('y' * 50000) }}", r"join would make 60,001,000 characters"),
-    ("{{ messages | tojson(indent=1000) }}", r"tojson with an indent of 1,000"),
+    ("{{ messages | tojson(indent=1000) }}", r"tojson with an indent or separator of more than 64 characters"),
+    ("{{ messages | tojson(indent=' ' * 100) }}", r"tojson with an indent or separator of more than 64 characters"),
+    # routes a review found past those checks: Markup's ~, a {% set %} block that writes a value twice, the format
+    # filter's width, a * width, repeated fields, str.join
+    ("{% autoescape true %}{% set ns = namespace(s='x' * 40000000) %}{% set ns.s = ns.s ~ ns.s %}{% endautoescape %}",
+     r"~ made a str of 80,000,000 items"),
+    ("{% set ns = namespace(s='x' * 40000000) %}{% set ns.s %}{{ ns.s }}{{ ns.s }}{% endset %}{{ ns.s }}",
+     r"writes a str of 80,000,000 characters"),
+    ("{{ '%0200000000d' | format(1) }}", r"formats with a width of 200,000,000"),
+    ("{{ '%*d' % (200000000, 1) }}", r"formats with a \* width past the limit"),
+    ("{{ ('{0}' * 2000).format('x' * 100000) }}", r"formats 2,000 fields of up to 100,000 characters"),
+    ("{{ ('%(a)s' * 2000) % {'a': 'x' * 100000} }}", r"formats 2,000 fields of up to 100,000 characters"),
+    ("{{ ('y' * 200000).join(['a'] * 1000) }}", r"join would make 200,002,000 characters"),
     ("{% set v = 2 ** 4000 %}{% set w = v * v %}", r"multiplies two numbers into one of more than 4,096 bits"),
 ])
 def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, monkeypatch, template, message) -> None:
@@ -1443,6 +1455,12 @@ def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, mo
                 "{{ 'hi' | upper }}{{ messages | map(attribute='role') | join }}{{ 3 * 4 }}")
     assert tok.apply_chat_template(messages, chat_template=ordinary) \
         == f"abc x 007  1cbp,qu\n  v{len(json.dumps(messages, indent=2))}HIuser12"
+    # a big number is no size where the call makes nothing of its size (a timestamp, a default, a phone number)
+    numbers = ("{{ 'sent at {}'.format(1717171717) }}|{{ {}.get('b', 100000000) }}|{{ x | default(100000000) }}|"
+               "{{ 'call +1 5551234567, %s' % 'me' }}|{{ 'Build 20240601123000: {}'.format('r') }}|"
+               "{{ namespace(seed=3141592653).seed }}")
+    assert tok.apply_chat_template(messages, chat_template=numbers) == \
+        "sent at 1717171717|100000000|100000000|call +1 5551234567, me|Build 20240601123000: r|3141592653"
     assert "hi" in tok.apply_chat_template(messages)
 
 
