@@ -25,7 +25,7 @@ models, with their near-ties everywhere, far more often). --prefix-cache-gb 0 ma
 
 Diffusion settings are per request, as extra body fields: max_denoising_steps, sampler, entropy_bound,
 confidence, t_min, t_max, stability_threshold, confidence_threshold, min_tokens, drafts (stream the
-settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py). `temperature` T > 0 tempers
+settling canvas too), token_healing (let the model re-choose the prompt's last token; see healing.py; completions only). `temperature` T > 0 tempers
 the candidate draws (SamplerConfig.draw_temperature = T: the schedule's temperature times T), while acceptance,
 ranking and stopping keep the schedule, so a small T approaches the greedy answer; 0 means the acceptance rule of the request's `sampler` (else the
 model's default) over the most likely candidates (candidates="argmax"): greedy decoding.
