@@ -33,7 +33,7 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from .checks import check_flag, check_text, utf8_problem
+from .checks import check_flag, check_text, is_int, utf8_problem
 from .files import (
     StagedFiles,
     expand_user,
@@ -228,6 +228,11 @@ class Tokenizer:
         except Exception as exc:  # the Rust library raises plain Exception ("key must be a string at line 1 column 2")
             raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads ({exc})") from None
         tok_cfg = _read_json(folder / "tokenizer_config.json")
+        # Tokens the folder declares beside tokenizer.json, which transformers adds after its own (and lm.save's
+        # tokenizer.json then holds): missing, a chat template's <tool> was encoded as <unk>
+        declared = [t for t in _declared_tokens(tok_cfg, folder) if backend.token_to_id(t.content) is None]
+        if declared:
+            backend.add_tokens(list({t.content: t for t in declared}.values()))
         special_map = _read_json(folder / "special_tokens_map.json")
         gen_cfg = _read_json(folder / "generation_config.json")
         model_cfg = _read_json(folder / "config.json")
@@ -916,6 +921,33 @@ def _read_template_file(path: Path) -> str:
 def _json_text(data: Mapping[str, Any]) -> str:
     return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
 
+
+
+def _declared_tokens(tok_cfg: dict[str, Any], folder: Path) -> list[tokenizers.AddedToken]:
+    """The added tokens a folder declares outside tokenizer.json, in the order transformers 5 adds them:
+    tokenizer_config.json's added_tokens_decoder by id (or, in the older layout without one, added_tokens.json's, a
+    token special where a config names it), then extra_special_tokens' list (special)."""
+    def added(entry: Any) -> tokenizers.AddedToken | None:
+        content = _token_content(entry)
+        if content is None:
+            return None
+        flags = {k: bool(entry[k]) for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
+                 if isinstance(entry, dict) and k in entry}
+        return tokenizers.AddedToken(content, **flags)
+
+    tokens: list[tokenizers.AddedToken | None] = []
+    decoder = tok_cfg.get("added_tokens_decoder")
+    extra = tok_cfg.get("extra_special_tokens")
+    if isinstance(decoder, dict):
+        tokens += [added(entry) for _, entry in sorted((int(k), v) for k, v in decoder.items() if str(k).isdigit())]
+    elif isinstance(legacy := _read_json(folder / "added_tokens.json"), dict) and legacy:
+        named = {c for k, v in tok_cfg.items() if k.endswith("_token") and (c := _token_content(v)) is not None}
+        named |= {c for v in (extra if isinstance(extra, list) else []) if (c := _token_content(v)) is not None}
+        tokens += [tokenizers.AddedToken(content, normalized=content not in named, special=content in named)
+                   for content, _ in sorted(legacy.items(), key=lambda item: item[1] if is_int(item[1]) else math.inf)]
+    if isinstance(extra, list):
+        tokens += [added(entry if isinstance(entry, dict) else {"content": entry, "special": True}) for entry in extra]
+    return [t for t in tokens if t is not None]
 
 
 def _token_content(value: Any) -> str | None:

@@ -1648,3 +1648,32 @@ def test_a_tokenizer_that_rendered_a_chat_copies_and_pickles(tok: Tokenizer) -> 
     for copied in (copy.deepcopy(tok), pickle.loads(pickle.dumps(tok))):
         assert copied.apply_chat_template(TWO_TURNS) == rendered
     assert tok.apply_chat_template(TWO_TURNS) == rendered  # (the original keeps its own)
+
+
+@pytest.mark.parametrize("declared", ["added_tokens_decoder", "added_tokens.json", "extra_special_tokens"])
+def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_them(tok: Tokenizer, tmp_path: Path,
+                                                                                   declared: str) -> None:
+    """A token a folder declares in tokenizer_config.json's added_tokens_decoder, an older added_tokens.json, or an
+    extra_special_tokens list, but tokenizer.json lacks: transformers adds it; blockpress encoded a chat template's
+    <tool> as ordinary text. Added here too, it encodes to transformers' id, and a save keeps it in tokenizer.json."""
+    from transformers import AutoTokenizer
+
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>"}
+    files: dict[str, Any] = {}
+    if declared == "added_tokens_decoder":
+        config["added_tokens_decoder"] = {str(tok.vocab_size): {"content": "<tool>", "special": True, "lstrip": False,
+                                                                "rstrip": False, "normalized": False,
+                                                                "single_word": False}}
+    elif declared == "added_tokens.json":
+        files["added_tokens__json"] = {"<tool>": tok.vocab_size}
+    else:
+        config["extra_special_tokens"] = ["<tool>"]
+    folder = _write_checkpoint(tmp_path / "c", tok, tokenizer_config__json=config, **files)
+    ours, theirs = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(str(folder))
+    text = "def f(x): <tool> return x"
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert tok.vocab_size in ours.encode(text) and ours.vocab_size == tok.vocab_size + 1
+    ours.save(tmp_path / "saved")
+    again = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
+    assert Tokenizer.from_dir(tmp_path / "saved").encode(text) == again.encode(text, add_special_tokens=False) \
+        == ours.encode(text)
