@@ -727,6 +727,13 @@ def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
 _OPEN_STREAMS: weakref.WeakSet[Events] = weakref.WeakSet()
 
 
+def _kept_open(events: Events) -> Events:
+    """`events`, closed at exit if still open (see _OPEN_STREAMS)."""
+    with contextlib.suppress(TypeError):  # (a stand-in iterator that is no generator cannot be weakly referenced)
+        _OPEN_STREAMS.add(events)
+    return events
+
+
 @atexit.register
 def _close_open_streams() -> None:
     for events in list(_OPEN_STREAMS):
@@ -1677,9 +1684,7 @@ class LM:
             cancelled=cancelled)
         events = run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
                      tokenizer=self.tokenizer, fns=self.step_functions)
-        events = events if cache is None else _undone_on_error(events, cache)
-        _OPEN_STREAMS.add(events)
-        return events
+        return _kept_open(events if cache is None else _undone_on_error(events, cache))
 
     def generate(self, prompt: Prompt | None = None, max_new_tokens: Counts | None = None, *, max_denoising_steps: int | None = None,
                  sampler: str | SamplerConfig | None = None, seed: int | None = None, **kwargs: Any) -> GenerationOutput:
@@ -1849,9 +1854,7 @@ class LM:
         `settled_texts` the reply so far (print their growth), and Done's output what chat_ids returns, its cache
         included. A stream that is cancelled, fails, or is left before its Done (a Ctrl-C, a `break`) leaves the
         cache holding the conversation before the turn, as chat_ids does. `kwargs`: stream's."""
-        events = self._chat_events(ids, cache, kwargs)
-        _OPEN_STREAMS.add(events)  # (closed at exit: see _close_open_streams)
-        return events
+        return _kept_open(self._chat_events(ids, cache, kwargs))
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
         copies = _chat_copies(kwargs, cache)
