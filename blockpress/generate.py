@@ -937,7 +937,7 @@ class _RowTexts:
     req: Request
     tokenizer: Any
     newest: list[tuple[int, str] | None]  # per row: (tokens, their text) last decoded
-    floors: list[int | None]  # per row: stop_floor, once the row has more than its min_new_tokens tokens
+    floors: list[str | None]  # per row: the text of its first min_new_tokens tokens, once it has more (see floor)
     minimums: list[int]  # per row: the new tokens no stop string ends in (min_new_tokens, or 0: eos_only_minimum)
     streams: list[TextStream]  # per row: its text so far, decoded on (special tokens dropped, as decode_rows does)
     templates: list[TemplateRowText] | None  # per row, with a template: its text and fills so far, decoded on
@@ -987,10 +987,12 @@ class _RowTexts:
             return 0
         if len(row) <= m:
             return len(self.text(r, row))
-        floor = self.floors[r]
-        if floor is None:  # (a character the m-th token leaves unfinished ends after it: not floor)
-            floor = self.floors[r] = len(self._decode(r, row[:m]).rstrip("\ufffd"))
-        return floor
+        first = self.floors[r]
+        if first is None:
+            first = self.floors[r] = self._decode(r, row[:m])
+        # A character the m-th token leaves unfinished ends after it, and is no floor: the first m tokens' text ends
+        # in U+FFFD where the row's text has that character. One the model wrote whole is in both.
+        return len(first) if self.text(r, row).startswith(first) else len(first.rstrip("\ufffd"))
 
     def answers(self, rows: list[list[int]]) -> list[str]:
         """Each row's text as the answer reads, from its valid new tokens `rows` (all of them, or those so far):
@@ -1001,12 +1003,13 @@ class _RowTexts:
         return [cut_at_stop(text, stops, self.floor(r, row))
                 for r, (text, row, stops) in enumerate(zip(texts, rows, self.req.stops))]
 
-    def first_stop(self, r: int, row: list[int], checked: int) -> int | None:
+    def first_stop(self, r: int, row: list[int], checked: int, final: bool = False) -> int | None:
         """The fewest tokens of `row` whose text holds one of row `r`'s stop strings ending past the floor, or that
         end with a special token one names (None: no stop yet). The first `checked` tokens were searched before, so
         the answer lies after them; bisection, as a prefix that holds a stop keeps holding it. The whole text is
         `text`'s (shared with the answer so far), so a row without a stop costs no decode of its own; the text at
-        the answer is kept for the answer."""
+        the answer is kept for the answer. `final`: the row ends with `row` (its EOS, its budget), so the U+FFFD
+        that ends its text is written, not a character still arriving (see cut_at_stop)."""
         stops, m = self.req.stops[r] if self.req.stops else [], self.minimums[r]
         lo = max(checked, m)  # a row of at most min_new_tokens tokens is all floor: no stop counts in it
         if not stops or len(row) <= lo:
@@ -1018,16 +1021,18 @@ class _RowTexts:
         row = row if at is None else row[:at]
         floor = self.floor(r, row)
 
-        def holds(text: str) -> bool:  # (the row goes on past `row` unless a stop or a special token ends it)
-            return len(cut_at_stop(text, stops, floor, growing=True)) < len(text)
+        def holds(text: str, written: bool) -> bool:
+            return len(cut_at_stop(text, stops, floor, growing=not written)) < len(text)
 
         hi, at_hi = len(row), self.text(r, row)
-        if not holds(at_hi):
+        if not holds(at_hi, final or at is not None):
             return at  # the row's answer is its text through the special token (`text` kept it), or no stop yet
         while hi - lo > 1:  # holds(lo) is False, holds(hi) is True
             mid = (lo + hi) // 2
             text = self._decode(r, row[:mid])
-            lo, hi, at_hi = (lo, mid, text) if holds(text) else (mid, hi, at_hi)
+            # (a prefix's trailing U+FFFD reads as one still arriving: its text cannot tell the bytes of one the
+            # model wrote from the first of them, so a stop ending in one it wrote counts a token late)
+            lo, hi, at_hi = (lo, mid, text) if holds(text, False) else (mid, hi, at_hi)
         self.newest[r] = (hi, at_hi)  # the row's answer is its text through here
         return hi
 
@@ -1383,8 +1388,9 @@ class _Stops:
         texts = self.texts
         assert texts is not None
         hits = {}
+        ends, budgets = finished.tolist(), self.length.tolist()  # (a row that ends here, by its EOS or its budget)
         for r, (row, c, s) in enumerate(zip(tokens.tolist(), counts, skip)):
-            if not s and (m := texts.first_stop(r, row[:c], checked[r])) is not None:
+            if not s and (m := texts.first_stop(r, row[:c], checked[r], ends[r] or c >= budgets[r])) is not None:
                 hits[r] = m
                 finished[r], self.length[r], self.stopped[r] = True, m, True
         return hits

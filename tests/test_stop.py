@@ -523,8 +523,19 @@ def test_a_replacement_character_the_model_writes_is_text_a_stop_finds(tiny_lm, 
     string ending in it cuts the answer there (the finished text was searched as if its U+FFFD were still
     arriving, and came back whole)."""
     tok = tiny_lm.tokenizer
-    target = tok.encode(written) + [tok.eos_id]
-    common = dict(max_new_tokens=len(target), logits_processor=_writing(tiny_lm, target, engine), stop=[stop])
-    out = (tiny_lm.generate("hi", max_denoising_steps=1, seed=0, **common) if engine == "diffusion"
-           else tiny_lm.generate_ar("hi", **common))
-    assert out.texts[0] == text
+
+    def run(target, **kw):
+        common = dict(max_new_tokens=len(target), logits_processor=_writing(tiny_lm, target, engine), stop=[stop], **kw)
+        return (tiny_lm.generate("hi", max_denoising_steps=1, seed=0, **common) if engine == "diffusion"
+                else tiny_lm.generate_ar("hi", **common))
+
+    for end in ([tok.eos_id], []):  # its EOS after it, or its budget ending on it: the row stopped there, said so
+        out = run(tok.encode(written) + end)
+        assert out.texts[0] == text and out.extra["stopped"] == [True]
+        # through the stop, exactly where the row's budget ends on it (else it may count the tokens after it up to
+        # the next character that is no U+FFFD: a prefix's U+FFFD reads as still arriving)
+        if not end and written == text + stop:
+            assert int(out.num_new_tokens[0]) == len(tok.encode(written))
+    # one the first min_new_tokens write is in their floor, as any character they finish
+    written_first = tok.encode(written) + tok.encode("cd") + [tok.eos_id]
+    assert run(written_first, min_new_tokens=len(tok.encode(written))).texts[0] == written + "cd"
