@@ -1408,6 +1408,10 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         elif name == "expandtabs" and isinstance(value, str):
             tab = _count(first if first is not None else kwargs.get("tabsize", 8)) or 0
             estimate = len(value) + value.count("\t") * tab
+        elif name == "generate_lorem_ipsum":  # lipsum(n=5, html=True, min=20, max=100): n paragraphs of up to max
+            n = _count(first if first is not None else kwargs.get("n", 5)) or 0  # words of up to 12 characters
+            words = _count(args[3] if len(args) > 3 else kwargs.get("max", 100)) or 0
+            estimate = n * words * 13
         elif name == "format" and isinstance(value, str):  # the filter: '%s ...' | format(...), %-formatting
             _check_format(value, [*args, *kwargs.values()], "%")
         elif name == "tojson":  # its indent (a number, or a text) and separators are written once a line and item
@@ -1479,26 +1483,46 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
 
 # What makes a text or list as long as a number says: a width, a number of lines or parts.
 SIZED = frozenset({"center", "ljust", "rjust", "zfill", "indent", "wordwrap", "expandtabs", "slice", "batch",
-                   "tojson"})
+                   "tojson", "generate_lorem_ipsum"})  # (the last: jinja's lipsum(n) global, n paragraphs)
 # A %-format's field (its flags, width and precision: each a number, or * for the next value) and a str.format field
 _PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[#0 +\-]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
 _BRACE_FIELD = re.compile(r"\{[^{}]*\}")
 
 
 def _check_format(text: str, values: Sequence[Any], style: str) -> None:
-    """A format text ('%0100000000d', '{:>100000000}', '{0}' repeated) whose widths, or whose fields times its
-    longest value, would make a text past TEMPLATE_CHARS. `style`: "%" or "{" (str.format)."""
+    """A format text whose output would pass TEMPLATE_CHARS, refused before it is made: a width or precision it
+    writes ('%0100000000d', '{:>100000000}') or takes from a value ('%*d', '{:>{w}}'), or fields that repeat its
+    values ('{0}' 2,000 times). `values`: the values formatted, in order (a %-format's tuple) or not; `style`: "%" or
+    "{" (str.format)."""
     fields = list(_PERCENT_FIELD.finditer(text)) if style == "%" else list(_BRACE_FIELD.finditer(text))
     for spec in fields:
         numbers = [g for g in spec.groups() if g and g != "*"] if style == "%" else \
             re.findall(r"\d+", spec.group().partition(":")[2])
         if any(int(n) > TEMPLATE_CHARS for n in numbers):
             raise _too_costly(f"formats with a width of {max(map(int, numbers)):,}")
-        if style == "%" and "*" in spec.groups() and any(abs(_count(v) or 0) > TEMPLATE_CHARS for v in values):
-            raise _too_costly("formats with a * width past the limit")
-    longest = max(map(_size, values), default=0)
-    if len(text) + len(fields) * longest > TEMPLATE_CHARS:
-        raise _too_costly(f"formats {len(fields):,} fields of up to {longest:,} characters")
+    if style == "%":  # each * takes the next value as a width, and each field but %% the value after it
+        taken = 0
+        for spec in fields:
+            for group in spec.groups():
+                if group == "*":
+                    if taken < len(values) and _width(values[taken]) > TEMPLATE_CHARS:
+                        raise _too_costly(f"formats with a * width of {_width(values[taken]):,}")
+                    taken += 1
+            taken += spec.group() != "%%"
+    elif re.search(r"\{[^{}]*\{", text) and any(_width(v) > TEMPLATE_CHARS for v in values):  # a nested field
+        raise _too_costly(f"formats with a width of {max(map(_width, values)):,} taken from a value")
+    sizes = [_size(v) for v in values]
+    # each value once where there are as many values as fields; else a field may repeat the longest
+    estimate = len(text) + (sum(sizes) if len(fields) <= len(values) else len(fields) * max(sizes, default=0))
+    if estimate > TEMPLATE_CHARS:
+        raise _too_costly(f"formats {len(fields):,} fields of up to {max(sizes, default=0):,} characters")
+
+
+def _width(value: Any) -> int:
+    """A value read as a width: a number, or a text of digits (str.format takes both in a nested field)."""
+    if isinstance(value, str) and value.isdigit() and value.isascii():
+        return int(value) if len(value) < 20 else 10**20
+    return abs(_count(value) or 0)
 
 
 def _render(template: jinja2.Template, variables: dict[str, Any]) -> str:

@@ -1428,10 +1428,16 @@ def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     ("{% set ns = namespace(s='x' * 40000000) %}{% set ns.s %}{{ ns.s }}{{ ns.s }}{% endset %}{{ ns.s }}",
      r"writes a str of 80,000,000 characters"),
     ("{{ '%0200000000d' | format(1) }}", r"formats with a width of 200,000,000"),
-    ("{{ '%*d' % (200000000, 1) }}", r"formats with a \* width past the limit"),
+    ("{{ '%*d' % (200000000, 1) }}", r"formats with a \* width of 200,000,000"),
     ("{{ ('{0}' * 2000).format('x' * 100000) }}", r"formats 2,000 fields of up to 100,000 characters"),
     ("{{ ('%(a)s' * 2000) % {'a': 'x' * 100000} }}", r"formats 2,000 fields of up to 100,000 characters"),
     ("{{ ('y' * 200000).join(['a'] * 1000) }}", r"join would make 200,002,000 characters"),
+    # and a second review's: jinja's lipsum global (unbounded once sizes were read only where they are sizes), a
+    # width from a nested field (built whole, 10**9 characters, before it was refused)
+    ("{{ lipsum(10**8, html=False) }}", r"passes 100,000,000 to generate_lorem_ipsum"),
+    ("{{ lipsum(100000, html=False) }}", r"generate_lorem_ipsum would make 130,000,000 characters"),
+    ("{{ '{:>{w}}'.format(1, w=10**9) }}", r"formats with a width of 1,000,000,000 taken from a value"),
+    ("{{ '{0:>{1}}'.format(1, '1000000000') }}", r"formats with a width of 1,000,000,000 taken from a value"),
     ("{% set v = 2 ** 4000 %}{% set w = v * v %}", r"multiplies two numbers into one of more than 4,096 bits"),
 ])
 def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, monkeypatch, template, message) -> None:
@@ -1458,9 +1464,11 @@ def test_a_template_that_would_hang_or_fill_memory_is_refused(tok: Tokenizer, mo
     # a big number is no size where the call makes nothing of its size (a timestamp, a default, a phone number)
     numbers = ("{{ 'sent at {}'.format(1717171717) }}|{{ {}.get('b', 100000000) }}|{{ x | default(100000000) }}|"
                "{{ 'call +1 5551234567, %s' % 'me' }}|{{ 'Build 20240601123000: {}'.format('r') }}|"
-               "{{ namespace(seed=3141592653).seed }}")
+               "{{ namespace(seed=3141592653).seed }}|{{ '%*d' % (12, 1717171717) }}|"
+               "{{ ('{}' * 10).format(1, 2, 3, 4, 5, 6, 7, 8, 9, 'c' * 6000000) | length }}")
     assert tok.apply_chat_template(messages, chat_template=numbers) == \
-        "sent at 1717171717|100000000|100000000|call +1 5551234567, me|Build 20240601123000: r|3141592653"
+        "sent at 1717171717|100000000|100000000|call +1 5551234567, me|Build 20240601123000: r|3141592653|" \
+        "  1717171717|6000009"
     assert "hi" in tok.apply_chat_template(messages)
 
 
