@@ -1065,12 +1065,16 @@ class Engine:
         # is free now (it held a short request behind a long batch for the whole batch, 107 s for 0.5 s of work).
         room = self.max_batch - self._running()
         while self.waiting and room > 0:
+            if self.waiting[0].alone and self.batches:  # its batch could not allocate beside others: it runs alone
+                break
             key = self.waiting[0].key()
             jobs = [j for j in self.waiting if j.key() == key][:room]
             taken = {id(j) for j in jobs}
             self.waiting = [j for j in self.waiting if id(j) not in taken]
             self.batches.append(Batch(self, jobs))
             room -= len(jobs)
+            if jobs[0].alone:  # (nothing starts beside it either)
+                break
 
     def _round(self) -> list[Batch] | None:
         """The batches to advance next, once there are any (new ones started first), or None once closing."""

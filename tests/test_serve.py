@@ -2973,7 +2973,7 @@ def test_a_batch_that_cannot_allocate_its_cache_runs_its_requests_one_by_one(ser
     allocate, shapes = KVCache.allocate.__func__, []
 
     def small_device(cls, config, batch_size, capacity, *args, **kwargs):
-        shapes.append((batch_size, capacity))
+        shapes.append((batch_size, capacity, len(engine.batches)))  # (and the batches running beside it)
         if batch_size * capacity > 200:
             with _allocating(f"batch_size {batch_size} x capacity {capacity}", batch_size * capacity):
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
@@ -3006,7 +3006,9 @@ def test_a_batch_that_cannot_allocate_its_cache_runs_its_requests_one_by_one(ser
         gate.set()
         together = [f.result() for f in together]
         assert first.result().status_code == 200
-    assert any(b == 4 for b, _ in shapes)  # (they did batch, and that batch failed)
+    assert any(b == 4 for b, _, _ in shapes)  # (they did batch, and that batch failed)
+    after = shapes[[b for b, _, _ in shapes].index(4) + 1:]
+    assert len(after) == 4 and all(b == 1 and running == 1 for b, _, running in after)  # one by one, nothing beside
     assert [r.status_code for r in together] == [200, 200, 200, 500], [r.text for r in together]
     assert [r.json()["choices"][0]["text"] for r in together[:3]] == [a["choices"][0]["text"] for a in alone]
     message = together[3].json()["error"]["message"]
