@@ -230,7 +230,10 @@ class Tokenizer:
         tok_cfg = _read_json(folder / "tokenizer_config.json")
         # Tokens the folder declares beside tokenizer.json, which transformers adds after its own (and lm.save's
         # tokenizer.json then holds): missing, a chat template's <tool> was encoded as <unk>
-        declared = [t for t in _declared_tokens(tok_cfg, folder) if backend.token_to_id(t.content) is None]
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        # (one in the vocabulary that a config declares special becomes an added token, as in transformers)
+        declared = [t for t in _declared_tokens(tok_cfg, folder)
+                    if backend.token_to_id(t.content) is None or (t.special and t.content not in added)]
         if declared:
             backend.add_tokens(list({t.content: t for t in declared}.values()))
         special_map = _read_json(folder / "special_tokens_map.json")
@@ -926,7 +929,8 @@ def _json_text(data: Mapping[str, Any]) -> str:
 def _declared_tokens(tok_cfg: dict[str, Any], folder: Path) -> list[tokenizers.AddedToken]:
     """The added tokens a folder declares outside tokenizer.json, in the order transformers 5 adds them:
     tokenizer_config.json's added_tokens_decoder by id (or, in the older layout without one, added_tokens.json's, a
-    token special where a config names it), then extra_special_tokens' list (special)."""
+    token special where a config names it), then extra_special_tokens (a list, or named ones) and transformers 4's
+    additional_special_tokens (special)."""
     def added(entry: Any) -> tokenizers.AddedToken | None:
         content = _token_content(entry)
         if content is None:
@@ -945,8 +949,11 @@ def _declared_tokens(tok_cfg: dict[str, Any], folder: Path) -> list[tokenizers.A
         named |= {c for v in (extra if isinstance(extra, list) else []) if (c := _token_content(v)) is not None}
         tokens += [tokenizers.AddedToken(content, normalized=content not in named, special=content in named)
                    for content, _ in sorted(legacy.items(), key=lambda item: item[1] if is_int(item[1]) else math.inf)]
-    if isinstance(extra, list):
-        tokens += [added(entry if isinstance(entry, dict) else {"content": entry, "special": True}) for entry in extra]
+    # extra_special_tokens: a list, or named ones ({"image_token": "<image>"}); transformers 4's name for the list
+    for listed in (list(extra.values()) if isinstance(extra, dict) else extra, tok_cfg.get("additional_special_tokens")):
+        if isinstance(listed, list):
+            tokens += [added(entry if isinstance(entry, dict) else {"content": entry, "special": True})
+                       for entry in listed]
     return [t for t in tokens if t is not None]
 
 

@@ -1658,7 +1658,8 @@ def test_a_tokenizer_that_rendered_a_chat_copies_and_pickles(tok: Tokenizer) -> 
     assert tok.apply_chat_template(TWO_TURNS) == rendered  # (the original keeps its own)
 
 
-@pytest.mark.parametrize("declared", ["added_tokens_decoder", "added_tokens.json", "extra_special_tokens"])
+@pytest.mark.parametrize("declared", ["added_tokens_decoder", "added_tokens.json", "extra_special_tokens",
+                                      "extra_special_tokens dict", "additional_special_tokens"])
 def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_them(tok: Tokenizer, tmp_path: Path,
                                                                                    declared: str) -> None:
     """A token a folder declares in tokenizer_config.json's added_tokens_decoder, an older added_tokens.json, or an
@@ -1674,8 +1675,12 @@ def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_th
                                                                 "single_word": False}}
     elif declared == "added_tokens.json":
         files["added_tokens__json"] = {"<tool>": tok.vocab_size}
-    else:
+    elif declared == "extra_special_tokens":
         config["extra_special_tokens"] = ["<tool>"]
+    elif declared == "extra_special_tokens dict":  # named, as a model's image_token
+        config["extra_special_tokens"] = {"tool_token": "<tool>"}
+    else:  # transformers 4's name
+        config["additional_special_tokens"] = ["<tool>"]
     folder = _write_checkpoint(tmp_path / "c", tok, tokenizer_config__json=config, **files)
     ours, theirs = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(str(folder))
     text = "def f(x): <tool> return x"
@@ -1685,3 +1690,22 @@ def test_tokens_declared_beside_tokenizer_json_are_added_as_transformers_adds_th
     again = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
     assert Tokenizer.from_dir(tmp_path / "saved").encode(text) == again.encode(text, add_special_tokens=False) \
         == ours.encode(text)
+
+
+def test_a_vocabulary_word_a_config_declares_special_is_special_as_in_transformers(tok: Tokenizer,
+                                                                                  tmp_path: Path) -> None:
+    """A token tokenizer.json has as an ordinary word, which added_tokens_decoder declares special: transformers makes
+    it a special added token (matched whole, dropped by decode); blockpress left it ordinary."""
+    from transformers import AutoTokenizer
+
+    word = next(w for w in ("return", "self", "def") if tok.backend.token_to_id(w) is not None)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": {
+        str(tok.backend.token_to_id(word)): {"content": word, "special": True, "lstrip": False, "rstrip": False,
+                                            "normalized": False, "single_word": False}}}
+    folder = _write_checkpoint(tmp_path / "c", tok, tokenizer_config__json=config)
+    ours, theirs = Tokenizer.from_dir(folder), AutoTokenizer.from_pretrained(str(folder))
+    text = f"x = 1\n{word} x"
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text, add_special_tokens=False),
+                                                           skip_special_tokens=True)
+    assert ours.vocab_size == tok.vocab_size and tok.backend.token_to_id(word) in ours.special_ids
