@@ -736,7 +736,15 @@ def _kept_open(events: Events) -> Events:
 
 @atexit.register
 def _close_open_streams() -> None:
-    for events in list(_OPEN_STREAMS):
+    for _ in range(3):  # (another thread making a stream while the set is copied: "Set changed size", tried again)
+        try:
+            streams = list(_OPEN_STREAMS)
+            break
+        except RuntimeError:
+            continue
+    else:
+        return
+    for events in streams:
         with contextlib.suppress(Exception):
             events.close()
 

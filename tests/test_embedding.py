@@ -1,5 +1,6 @@
 """blockpress inside other programs: forked workers, interrupted calls, an LM changed under a running stream."""
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -189,6 +190,29 @@ def test_a_stream_left_open_on_a_cache_at_exit_lets_the_process_end_as_it_would(
     done = subprocess.run([sys.executable, str(script), kind, ending], capture_output=True, text=True, timeout=300)
     assert done.returncode == (1 if ending == "raise" else 0), done.stderr[-2000:]
     assert "INTERNAL ASSERT" not in done.stderr
+
+
+def test_streams_are_closed_at_exit_though_another_thread_adds_one_meanwhile(monkeypatch):
+    """The exit's copy of the open streams raised "Set changed size during iteration" where another thread made a
+    stream meanwhile, and no stream was closed: it is copied again."""
+    import blockpress.lm as lm_module
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    events = lm.stream([3, 4, 5], max_new_tokens=8, max_denoising_steps=2, seed=1)
+    next(events)
+
+    class Busy(list):  # its first copy meets another thread's addition
+        copies = 0
+
+        def __iter__(self):
+            Busy.copies += 1
+            if Busy.copies == 1:
+                raise RuntimeError("Set changed size during iteration")
+            return super().__iter__()
+
+    monkeypatch.setattr(lm_module, "_OPEN_STREAMS", Busy([events]))
+    lm_module._close_open_streams()
+    assert Busy.copies == 2 and inspect.getgeneratorstate(events) == inspect.GEN_CLOSED
 
 
 def test_generate_ar_on_a_thread_whose_lm_changes_meanwhile_stops_with_a_clear_error():
