@@ -1760,6 +1760,7 @@ def test_the_engine_survives_a_failed_error_report_and_stops_with_the_app():
 
     class Gone:
         cancelled = __import__("threading").Event()
+        alone = False  # (a Job's: see Engine._admit)
 
         def key(self):
             return ("gone",)
