@@ -786,6 +786,15 @@ class Job:
 log = logging.getLogger("blockpress.serve")
 
 
+def report(job: Job, error: JobError) -> None:
+    """Send `job` its error, where anyone still waits for it: a request whose event loop is gone (shutdown) cannot
+    be told, and trying raised out of the engine thread."""
+    try:
+        job.put(error)
+    except RuntimeError:
+        pass
+
+
 class Metrics:
     BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -1042,10 +1051,7 @@ class Engine:
                 job.cancelled.set()
             self.arrived.notify()
         for job in jobs:
-            try:
-                job.put(JobError(message, 503))
-            except RuntimeError:  # its event loop is gone: nobody is waiting for it
-                pass
+            report(job, JobError(message, 503))
 
     def close(self, timeout: float = 10.0) -> None:
         """Cut what is still queued or running and stop the engine thread (the app's shutdown calls this).
@@ -1065,13 +1071,25 @@ class Engine:
         # is free now (it held a short request behind a long batch for the whole batch, 107 s for 0.5 s of work).
         room = self.max_batch - self._running()
         while self.waiting and room > 0:
-            if self.waiting[0].alone and self.batches:  # its batch could not allocate beside others: it runs alone
+            first = self.waiting[0]
+            if first.alone and self.batches:  # its batch could not allocate beside others: it runs alone
                 break
-            key = self.waiting[0].key()
-            jobs = [j for j in self.waiting if j.key() == key][:room]
+            jobs = [first]
+            try:
+                key = first.key()
+                jobs = [j for j in self.waiting if j.key() == key][:room]
+                batch: Batch | None = Batch(self, jobs)
+            except Exception as exc:  # a defect of ours: these requests get an error, not the engine thread's end
+                # (it ended, and every request after it waited forever)
+                log.exception("serve: could not start a batch of %d", len(jobs))
+                for job in jobs:
+                    report(job, JobError(f"the server could not start this request: {exc}"))
+                batch = None
             taken = {id(j) for j in jobs}
             self.waiting = [j for j in self.waiting if id(j) not in taken]
-            self.batches.append(Batch(self, jobs))
+            if batch is None:
+                continue
+            self.batches.append(batch)
             room -= len(jobs)
             if jobs[0].alone:  # (nothing starts beside it either)
                 break
@@ -1113,10 +1131,7 @@ class Engine:
                 return True
             log.exception("serve: a batch of %d failed", len(batch.jobs))
             for job in batch.jobs:
-                try:
-                    job.put(JobError(str(exc)))
-                except RuntimeError:  # its event loop is gone (shutdown): nobody is waiting for it
-                    pass
+                report(job, JobError(str(exc)))
             finished = True
         if finished:  # its cache goes now, not when the batch object does (see Batch.close)
             batch.close()

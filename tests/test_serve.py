@@ -1782,6 +1782,37 @@ def test_the_engine_survives_a_failed_error_report_and_stops_with_the_app():
     assert not engine.thread.is_alive()  # the app's shutdown ended it
 
 
+def test_a_job_that_cannot_start_a_batch_gets_an_error_and_the_engine_goes_on():
+    """Starting a batch (Engine._admit) ran outside the guard that keeps the engine thread serving: a job whose batch
+    could not be made ended the thread, and every later request waited forever. That job now gets an error."""
+    from fastapi.testclient import TestClient
+
+    told = []
+
+    class Broken:
+        cancelled = threading.Event()
+        alone = False
+
+        def key(self):
+            raise TypeError("a defect in the job's settings")
+
+        def put(self, item):
+            told.append(item)
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    with TestClient(create_app(lm, MODEL)) as http:
+        engine = http.app.state.engine
+        with engine.lock:
+            engine.waiting.append(Broken())
+            engine.arrived.notify()
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert engine.thread.is_alive()
+        assert [type(t).__name__ for t in told] == ["JobError"] and "a defect in the job's settings" in told[0].message
+        assert not engine.waiting
+
+
 def test_an_app_that_is_never_served_keeps_no_thread():
     """create_app started the engine thread at once and only the app's shutdown ended it: an app made and never
     served (a notebook cell run again, a script that failed before uvicorn ran it) left a thread waiting forever,
