@@ -1532,10 +1532,11 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
-        max_tokens = given or lm.default_new_tokens(len(prompt))
-    except ValueError as exc:
-        raise APIError(400, f"prompt: {exc}; send max_tokens", "prompt") from None
+    try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt (where that
+        # leaves none, a min_tokens is the length, as in the library: a 400 named a max_tokens never sent)
+        max_tokens = given or lm.default_new_tokens(len(prompt), room_needed=not body.min_tokens)
+    except ValueError as exc:  # (the library's advice names its own argument, max_new_tokens: the client's is below)
+        raise APIError(400, f"prompt: {str(exc).split('; pass ')[0]}; send max_tokens", "prompt") from None
     canvas = lm.config.canvas_length
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
     if not given and getattr(body, "template", None) is None:  # a template's length is its own, checked below

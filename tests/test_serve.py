@@ -1964,6 +1964,11 @@ def test_max_length_in_the_generation_config_bounds_a_request_without_max_tokens
         assert r.status_code == 200 and usage["prompt_tokens"] + usage["completion_tokens"] == 12
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 20})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "max_length" in r.text
+        assert r.json()["error"]["message"].endswith("; send max_tokens") and "max_new_tokens" not in r.text
+        # Where max_length leaves nothing, a min_tokens is the length, as lm.generate's min_new_tokens is (a 400
+        # named a max_tokens the client never sent)
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 20, "min_tokens": 3, "seed": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
 
 
 def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included():
