@@ -330,7 +330,9 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
     (`time_fraction` of it spent) when that ends first: a run cut short by max_minutes still anneals, its warmup
     included (the clock's cosine caps the ramp: a budget spent within --warmup-steps ended at the ramp's top)."""
     ramp = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
-    progress = max(max(0, step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps), time_fraction)
+    # the last step (steps - 1) is at the floor, as the help says the schedule ends there (over steps - warmup it
+    # ended 45% above it in a 10-step run)
+    progress = max(max(0, step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps), time_fraction)
     floor = cfg.lr * cfg.min_lr_ratio
     return min(cfg.lr * ramp, floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 

@@ -781,6 +781,20 @@ def test_time_schedule_anneals_over_the_budget(step, fraction, later):
         assert lr == pytest.approx(min(cfg.lr * (step + 1) / cfg.warmup_steps, lr_at(cfg, cfg.warmup_steps, fraction)))
 
 
+@given(steps=st.integers(1, 300), warmup=st.integers(0, 300), ratio=st.floats(0.0, 1.0))
+def test_the_cosine_schedule_ends_at_its_floor(steps, warmup, ratio):
+    """The help says the schedule ends at --lr x --min-lr-ratio; over steps - warmup the last step (steps - 1) never
+    reached it (a 10-step run with 3 warmup ended at 0.145x --lr for a floor of 0.1x). Where a step is left to decay
+    in, the last one is at the floor; the schedule never goes below it and never rises after the warmup."""
+    cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=warmup, min_lr_ratio=ratio)
+    lrs = [lr_at(cfg, step) for step in range(steps)]
+    floor = cfg.lr * ratio
+    assert all(lr >= floor - 1e-15 for lr in lrs[warmup:])  # (the warmup's ramp starts below it)
+    assert all(b <= a + 1e-15 for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    if steps - 1 > warmup:  # (no step after the warmup's peak: the CLI warns that it ends there)
+        assert lrs[-1] == pytest.approx(floor, abs=1e-15)
+
+
 def test_ar_only_baseline_trains_the_encoder(tmp_path):
     lm, result = run(tmp_path, 150, "ar", diffusion_weight=0.0)
     assert result.losses[-1] < 0.5 * result.losses[0]
