@@ -208,10 +208,17 @@ class ExampleSource:
         return out
 
 
+def window_canvases(cfg: TrainConfig) -> int:
+    """A running-text window's canvases: response_canvases, at most max_canvases (a longer window was drawn, then cut
+    by make_batch: the start-up line's coverage counted the cut part, and text long enough for the kept part was
+    refused)."""
+    return min(cfg.response_canvases, cfg.max_canvases or cfg.response_canvases)
+
+
 def window_fits(cfg: TrainConfig, room: int, canvas_length: int) -> list[str]:
     """The settings that would make running-text windows fit `room` tokens, for a message: a smaller prompt_max
     (when prompt_min allows it) or fewer response_canvases."""
-    prompt_room = room - cfg.response_canvases * canvas_length
+    prompt_room = room - window_canvases(cfg) * canvas_length
     canvas_room = (room - cfg.prompt_max) // canvas_length
     return ([f"prompt_max {prompt_room}"] if prompt_room >= cfg.prompt_min else []) + \
         ([f"response_canvases {canvas_room}"] if canvas_room >= 1 else [])
@@ -228,17 +235,19 @@ class ShardSource:
         self.shards, self.cfg, self.c, self.bos = shards, cfg, canvas_length, bos
 
     @property
+    def canvases(self) -> int:
+        return window_canvases(self.cfg)
+
+    @property
     def positions(self) -> int:
-        """The most positions a window takes in a batch: its BOS, the longest prompt, then its canvases (at most
-        max_canvases of them, as make_batch keeps)."""
-        canvases = min(self.cfg.response_canvases, self.cfg.max_canvases or self.cfg.response_canvases)
-        return (self.bos is not None) + self.cfg.prompt_max + canvases * self.c
+        """The most positions a window takes in a batch: its BOS, the longest prompt, then its canvases."""
+        return (self.bos is not None) + self.cfg.prompt_max + self.canvases * self.c
 
     def check_length(self, where: str) -> None:
         """Refuse text shorter than the longest window up front: else the run dies at the first draw of a prompt too
         long for it, mid-run and with nothing saved. `where`: the text, as the message names it ("--data FILE")."""
-        cfg, c = self.cfg, self.c
-        need = cfg.prompt_max + cfg.response_canvases * c  # a window never crosses from one file into the next
+        cfg, c, canvases = self.cfg, self.c, self.canvases
+        need = cfg.prompt_max + canvases * c  # a window never crosses from one file into the next
         longest = int(self.shards.sizes.max())
         if longest >= need:
             return
@@ -252,7 +261,7 @@ class ShardSource:
     def batch(self, step: int, size: int) -> list[Example]:
         g = torch.Generator().manual_seed(derived_seed(self.cfg.seed, 1_000_003, step))
         examples = [self.shards.sample(g, (self.cfg.prompt_min, self.cfg.prompt_max),
-                                       self.cfg.response_canvases * self.c) for _ in range(size)]
+                                       self.canvases * self.c) for _ in range(size)]
         if self.bos is not None:
             for e in examples:
                 if e.prompt[:1] != [self.bos]:  # not twice, as encode_prompt: shards may hold BOS themselves
@@ -998,7 +1007,7 @@ def _check_data_fits(lm: LM, cfg: TrainConfig, source: Any, heldout: Any, data: 
         fits = window_fits(cfg, text.max_position_embeddings - bos, lm.config.canvas_length)
         raise ValueError(f"prompt_max/response_canvases: windows of running text take up to {positions} "
                          f"positions ({'BOS and ' if bos else ''}a prompt of up to {cfg.prompt_max} tokens, then "
-                         f"{cfg.response_canvases} canvases of {lm.config.canvas_length}), more than the model's "
+                         f"{window_canvases(cfg)} canvases of {lm.config.canvas_length}), more than the model's "
                          f"context of {text.max_position_embeddings}"
                          + (f"; {' or '.join(fits)} fits" if fits else "; a model of a longer context is needed"))
     # Running text shorter than its longest window: refused now, not at the first step that draws one that long

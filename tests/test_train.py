@@ -1351,6 +1351,48 @@ def test_windows_of_running_text_start_with_bos_as_generation_prompts_do():
                for e in ShardSource(with_bos, cfg, 8, bos=2).batch(0, 6))
 
 
+def test_running_text_windows_are_drawn_as_long_as_max_canvases_keeps():
+    """With --max-canvases under --response-canvases a window was drawn whole and cut in make_batch: text long
+    enough for every window trained was refused, and the start-up line counted the cut tokens as covered."""
+    import numpy as np
+
+    from blockpress.data import TokenShards
+    from blockpress.train import ShardSource
+
+    cfg = TrainConfig(steps=1, batch_size=4, prompt_min=4, prompt_max=8, response_canvases=8, max_canvases=1)
+    source = ShardSource(TokenShards.of_tokens(np.arange(3, 103)), cfg, 16)  # 100 tokens: 8 + 16 fit, 8 + 128 not
+    source.check_length("--data short.bin")
+    assert source.canvases == 1 and source.positions == 8 + 16
+    assert {len(e.response) for e in source.batch(0, 4)} == {16}
+    with pytest.raises(ValueError, match=r"fewer than the longest window of running text, 40 \(a prompt of up to 8 "
+                                         r"tokens, then 2 canvases of 16\)"):
+        ShardSource(TokenShards.of_tokens(np.arange(3, 33)), replace(cfg, max_canvases=2), 16).check_length("it")
+
+
+def test_settings_a_run_cannot_apply_are_refused(tmp_path):
+    """Taken silently, each trained exactly as without it: eval_batches with nothing held out (eval_every is
+    refused there), the diffusion loss's settings with diffusion_weight 0, and autocast_dtype where no mixed
+    precision runs (a CPU run without cpu_autocast)."""
+    lm = tiny_lm()
+    source = ExampleSource(EXAMPLES, 0)
+    with pytest.raises(ValueError, match=r"^eval_batches: 9 batches .* no held-out data"):
+        Trainer(lm, source, TrainConfig(steps=1, batch_size=4, eval_batches=9), tmp_path / "a", progress=False)
+    Trainer(lm, source, TrainConfig(steps=1, batch_size=4, eval_batches=0), tmp_path / "b", progress=False)
+    for setting in ({"reweight": True}, {"self_conditioning_prob": 1.0}, {"t_eps": 0.4}):
+        with pytest.raises(ValueError, match=rf"^{next(iter(setting))}: settings of the diffusion loss, which "
+                                             "diffusion_weight 0 turns off"):
+            TrainConfig(diffusion_weight=0.0, **setting)
+        TrainConfig(**setting)  # (with the diffusion loss on, each applies)
+    with pytest.raises(ValueError, match=r"^autocast_dtype: float16 .* this run on cpu has none: it needs "
+                                         r"cpu_autocast \(--cpu-autocast\)"):
+        Trainer(lm, source, TrainConfig(steps=1, batch_size=4, autocast_dtype="float16"), tmp_path / "c",
+                progress=False)
+    assert autocast_dtype(TrainConfig(autocast_dtype="bfloat16", cpu_autocast=True), torch.device("cpu")) \
+        == torch.bfloat16
+    with pytest.raises(ValueError, match=r"needs autocast \(--autocast\)"):
+        autocast_dtype(TrainConfig(autocast_dtype="bfloat16", autocast=False), torch.device("cuda"))
+
+
 def _torchrun_here(monkeypatch, local_rank, gpus):
     """torchrun's environment for process `local_rank` of two, on a machine with `gpus` GPUs (stand-ins): what
     init_distributed asks torch.cuda and torch.distributed is recorded, nothing is joined."""

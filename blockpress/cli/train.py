@@ -585,7 +585,7 @@ def data_summary(data: str, source: Any, heldout: Any, cfg: Any, canvas_length: 
     shards = source.shards
     count, kind = (shards.documents, "document") if shards.documents else (len(shards.arrays), "shard file")
     where = f" in {count:,} {kind}{'s' if count != 1 else ''}"
-    response = cfg.response_canvases * canvas_length
+    response = source.canvases * canvas_length
     return (f"--data {data}: {shards.tokens:,} tokens{where}; {steps} windows of {response} response tokens cover "
             f"{upto}{_times(drawn * response / shards.tokens)} of them")
 
