@@ -761,6 +761,29 @@ def test_without_clipping_the_gradient_norm_is_logged_and_checked(tmp_path):
     assert all(torch.isfinite(p).all() for p in lm.model.parameters())  # stopped before the update
 
 
+@pytest.mark.parametrize("clip", [0.01, 0.5])
+def test_grad_clip_bounds_the_gradient_each_update_takes(tmp_path, clip):
+    """The norm of the gradient AdamW steps on is the clip where the raw one is larger (grad_norm logs the raw one),
+    and the raw one where it is not (a clip of 1e9 elsewhere changes nothing, which a dropped clip passed too)."""
+    lm = tiny_lm()
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=3, batch_size=4, grad_clip=clip, log_every=1),
+                      tmp_path, progress=False)
+    applied, step = [], trainer.optimizer.step
+
+    def measured_step(*args, **kwargs):
+        grads = [p.grad for p in lm.model.parameters() if p.grad is not None]
+        applied.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = measured_step
+    trainer.train()
+    raw = [json.loads(line)["grad_norm"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(applied) == len(raw) == 3
+    for norm, logged in zip(applied, raw):
+        assert norm == pytest.approx(min(clip, logged), rel=1e-4)
+    assert any(logged > clip for logged in raw)  # (the clip was in play)
+
+
 def test_batches_built_by_workers_change_nothing(tmp_path):
     _, inline = run(tmp_path, 4, "inline")
     _, workers = run(tmp_path, 4, "workers", data_workers=2)
