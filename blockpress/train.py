@@ -255,7 +255,7 @@ class ShardSource:
         holds = f"its longest file holds {longest}" if len(self.shards.arrays) > 1 else f"holds {longest}"
         raise ValueError(f"prompt_max/response_canvases: {where} {holds} tokens, fewer than the longest window of "
                          f"running text, {need} (a prompt of up to {cfg.prompt_max} tokens, then "
-                         f"{cfg.response_canvases} canvas{'es' if cfg.response_canvases > 1 else ''} of {c}); "
+                         f"{canvases} canvas{'es' if canvases > 1 else ''} of {c}); "
                          + (f"{' or '.join(fits)} fits it" if fits else "give more text"))
 
     def batch(self, step: int, size: int) -> list[Example]:
@@ -899,6 +899,11 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     where the hardware computes it natively, else float16 (with loss scaling, Trainer): a T4 or V100 has no bf16
     matmuls, and torch's bf16 check, which counts emulation, said yes there."""
     if not (cfg.autocast if device.type == "cuda" else cfg.cpu_autocast if device.type == "cpu" else False):
+        if cfg.autocast_dtype != "auto":  # it was taken, and the run went on in the weights' dtype without a word
+            switch = {"cuda": "autocast (--autocast)", "cpu": "cpu_autocast (--cpu-autocast)"}.get(device.type)
+            raise ValueError(f"autocast_dtype: {cfg.autocast_dtype} is the mixed precision's dtype, and this run on "
+                             f"{device.type} has none" + (f": it needs {switch}" if switch else
+                                                          " (mixed precision runs on cuda and cpu only)"))
         return None
     if cfg.autocast_dtype == "auto":
         native = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
@@ -943,6 +948,9 @@ def _check_evaluation(cfg: TrainConfig, source: Any, heldout: Any) -> None:
         cfg.check_examples()
     if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
         raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
+    if heldout is None and cfg.eval_batches not in (0, cfg.default("eval_batches")):  # (as eval_every, below)
+        raise ValueError(f"eval_batches: {cfg.eval_batches} batches a held-out evaluation averages, and this run has "
+                         "no held-out data")
     if heldout is None and cfg.eval_every:  # it would never evaluate, without a word
         raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
                          "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "

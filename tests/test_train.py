@@ -5,6 +5,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
