@@ -571,6 +571,25 @@ def test_t_min_help_says_where_the_schedule_ends(command):
     assert float(temperature(cfg, 4)) == pytest.approx(cfg.t_max)
 
 
+@pytest.mark.parametrize("command", ["generate", "infill", "chat", "sudoku", "serve"])
+def test_cuda_graphs_help_says_which_dtype_the_check_reads(command):
+    """Every --cuda-graphs help said a checkpoint that stores bf16 needs no --dtype; sudoku loads float32 unless told
+    (its --dtype's default), and so refused blockpress-sudoku (stored in bf16) on a GPU. The help says what the
+    check reads: the command's own --dtype default where it has one."""
+    from blockpress.cli.common import check_cuda_graphs
+
+    parser = subcommands()[command]
+    help_text = " ".join(parser.format_help().split())
+    default = parser.get_default("dtype")
+    assert ("--dtype bfloat16 unless the checkpoint stores bf16" in help_text) == (default is None), command
+    if default is not None:
+        assert f"--dtype bfloat16: this command loads {default} unless told" in help_text
+        args = argparse.Namespace(cuda_graphs=True, device="cuda", dtype=default, model="blockpress-sudoku")
+        with pytest.raises(ValueError, match=f"needs bfloat16 weights .*, not {default}; run with --device cuda "
+                                             "--dtype bfloat16"):
+            check_cuda_graphs(args)  # (the flag's default, not the checkpoint's bf16: as the help now says)
+
+
 @pytest.mark.parametrize("command", ["generate", "infill", "chat"])
 def test_seed_help_shows_its_default(command):
     """The README says every --help includes defaults; --seed's said only "make the run reproducible"."""

@@ -172,9 +172,13 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     """--compile and --cuda-graphs: one or the other (lm.cuda_graphs() replaces the compiled steps, and a graph
     replays the eager pass), so argparse refuses both together."""
     warm = SERVE_WARM_UP if p.prog.endswith(" serve") else ""
+    graphs = GRAPHS_HELP
+    if p.get_default("dtype") is not None:  # (sudoku's: float32 unless told, whatever the checkpoint stores)
+        graphs = graphs.replace(" unless the checkpoint stores bf16", f": this command loads {p.get_default('dtype')} "
+                                                                      "unless told, whatever the checkpoint stores")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compile", action="store_true", help=f"{COMPILE_HELP}{warm}. Not with --cuda-graphs")
-    g.add_argument("--cuda-graphs", action="store_true", help=f"{GRAPHS_HELP}{warm}. Not with --compile")
+    g.add_argument("--cuda-graphs", action="store_true", help=f"{graphs}{warm}. Not with --compile")
 
 
 def serve_compile_options() -> dict[str, Any]:
