@@ -14,6 +14,8 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from .stopping import STOP_SIGNALS, interrupts_deferred
+
 
 def expand_user(path: str | Path, name: str) -> Path:
     """`path` with a leading ~ or ~user expanded, as a shell would. A ~user with no such user (or no home known) is
@@ -82,9 +84,9 @@ class StagedFiles:
         self.moves = [move for move in self.moves if move[1] != path]
         try:
             temporary.unlink(missing_ok=True)  # one left by a killed save
+            self.moves.append((temporary, path))  # before it is made: discarding removes a partial (or empty) one
             temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)
             mode = temporary.stat().st_mode & 0o777
-            self.moves.append((temporary, path))  # before writing: discarding removes a partial one
             write(temporary)
             os.chmod(temporary, mode)
             with open(temporary, "rb+") as f:  # on disk before any destination is replaced by it
@@ -182,10 +184,18 @@ class StagedFiles:
         return self
 
     def __exit__(self, kind: Any, *_: Any) -> None:
-        if kind is None:
-            self.commit()
-        else:
+        if kind is not None:
             self.discard()
+            return
+        try:
+            # A stop signal waits for the renames (a Ctrl-C between two left new weights beside the old settings,
+            # which loaded as one checkpoint); one that fails part-way leaves no staged copy behind (a hidden
+            # temporary as large as the weights stayed)
+            with interrupts_deferred(STOP_SIGNALS):
+                self.commit()
+        except BaseException:
+            self.discard()
+            raise
 
 
 @contextmanager

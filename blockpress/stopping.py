@@ -116,23 +116,26 @@ def on_signals(signals: tuple[int, ...], handler: Callable[[int, Any], None]) ->
 
 
 @contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """While inside, a Ctrl-C (SIGINT) waits, and is delivered as the block ends: for work that must be all or
-    nothing and cannot be undone cheaply (an in-place cast of every weight, which an interrupt part-way left half
-    cast: every later pass failed in torch, and a second cast to the dtype the model claimed did nothing)."""
-    caught: list[Any] = []
+def interrupts_deferred(signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator[None]:
+    """While inside, a Ctrl-C (SIGINT; each of `signals`) waits, and is delivered as the block ends: for work that
+    must be all or nothing and cannot be undone cheaply (an in-place cast of every weight, which an interrupt part-way
+    left half cast: every later pass failed in torch, and a second cast to the dtype the model claimed did nothing)."""
+    caught: list[tuple[int, Any]] = []
     try:
-        with on_signals((signal.SIGINT,), lambda signum, frame: caught.append(frame)):
+        with on_signals(signals, lambda signum, frame: caught.append((signum, frame))):
             yield
     finally:
-        handler = signal.getsignal(signal.SIGINT)
-        if caught and callable(handler):
-            # to the handler found (Python's KeyboardInterrupt, an app's own), called as the signal would have: not
-            # the signal raised again, which a loop's wakeup fd (asyncio's add_signal_handler) had already been
-            # told of while it waited, so its callback ran twice (a second Ctrl-C: "force exit" to some servers)
-            handler(int(signal.SIGINT), caught[0])  # (a plain int, as a signal's delivery passes it)
-        elif caught:  # the default action (SIG_DFL), which only the signal itself takes
-            signal.raise_signal(signal.SIGINT)
+        if caught:
+            signum, frame = caught[0]
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                # to the handler found (Python's KeyboardInterrupt, an app's own), called as the signal would have:
+                # not the signal raised again, which a loop's wakeup fd (asyncio's add_signal_handler) had already
+                # been told of while it waited, so its callback ran twice (a second Ctrl-C: "force exit" to some
+                # servers)
+                handler(int(signum), frame)  # (a plain int, as a signal's delivery passes it)
+            else:  # the default action (SIG_DFL), which only the signal itself takes
+                signal.raise_signal(signum)
 
 
 def stop_signals_interrupt() -> AbstractContextManager[None]:

@@ -1750,6 +1750,48 @@ def test_a_save_into_a_new_folder_that_fails_leaves_no_folder_and_names_the_file
         p.name for p in (tmp_path / "whole").iterdir())
 
 
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "OSError"])
+def test_a_save_stopped_while_its_files_move_into_place_is_whole_or_leaves_no_temporary(tmp_path, monkeypatch, stop):
+    """A Ctrl-C (or SIGTERM) between two of the commit's renames left the new weights beside the old
+    generation_config and tokenizer, loading as one checkpoint, and the staged files not yet moved (a hidden copy
+    of the weights among them) stayed. A stop signal now waits for the renames, then stops the save's caller; a
+    rename that fails leaves no staged file behind."""
+    import signal
+
+    import blockpress.files as files
+    from blockpress.stopping import Stopped, stop_signals_interrupt
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["abc def"], vocab_size=300)
+    old = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=0, tokenizer=tokenizer)
+    old.generation_config = {"max_new_tokens": 7}
+    new = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=1, tokenizer=tokenizer)
+    new.generation_config = {"max_new_tokens": 9}
+    folder = tmp_path / "c"
+    old.save(folder)
+    moves, real = [], os.replace
+
+    def stopped_at_the_second(source, destination):
+        moves.append(Path(destination).name)
+        if len(moves) == 2:
+            if stop == "OSError":
+                raise OSError(5, "Input/output error")
+            signal.raise_signal(getattr(signal, stop))  # delivered here, at once, had nothing deferred it
+        return real(source, destination)
+
+    monkeypatch.setattr(files.os, "replace", stopped_at_the_second)
+    with stop_signals_interrupt(), pytest.raises(OSError if stop == "OSError" else KeyboardInterrupt) as caught:
+        new.save(folder)
+    monkeypatch.undo()
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    if stop == "OSError":  # (a rename that fails part-way is not undone: its folder is refused or mixed)
+        return
+    assert isinstance(caught.value, Stopped) == (stop == "SIGTERM") and len(moves) > 3  # after every rename
+    back = blockpress.load(folder)
+    assert back.generation_config["max_new_tokens"] == 9
+    assert torch.equal(back.model.embed_tokens.weight, new.model.embed_tokens.weight)
+
+
 def test_a_save_removes_the_temporaries_a_killed_save_of_another_layout_left(lm, tmp_path, monkeypatch):
     """Only the temporary of a name written again was removed: a sharded save killed part-way left its shards'
     beside every later single-file save (gigabytes for a real model)."""
