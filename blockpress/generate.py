@@ -246,8 +246,9 @@ class Draft:
     tokens: torch.Tensor  # [B, n] current argmax of the canvas positions kept (cpu); pad for rows that ended and
     # past a row's max_new_tokens
     # [B] positions accepted at this step: with keep_accepted=True only the new ones (the tokens held from earlier
-    # steps are not counted again, so a canvas's Drafts add up to the positions it settled); never a template's
-    # given tokens. Without keep_accepted every position is re-decided, so each step's count stands alone.
+    # steps are not counted again, so a canvas's Drafts add up to the positions the sampler accepted: a canvas that
+    # runs out of steps or stops early commits the rest as they stand, uncounted); never a template's given tokens.
+    # Without keep_accepted every position is re-decided, so each step's count stands alone.
     accepted: torch.Tensor
     done: torch.Tensor  # [B] bool: row has stopped denoising this canvas (or ended in an earlier one)
     elapsed: float
