@@ -64,8 +64,10 @@ _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "F8_E8M0": torch.float8_e8m0fnu,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # torch 2.7 on; named unconditionally, no model loaded on 2.6 (pyproject's floor)
+    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 # A safetensors dtype past these (F4, F6_*: packed, several values a byte) is valid but not read here.
 _INT64_MAX = 2**63 - 1
 
