@@ -317,3 +317,23 @@ def test_a_batch_of_templates_runs_each_row_at_its_healed_length(tiny, tok, b, c
                 alone = tiny.infill(template, token_healing=healing, max_denoising_steps=1, seed=r + 1)
                 assert out.new_tokens[r, : lengths[r]].tolist() == alone.new_tokens[0].tolist()
                 assert out.texts[r] == alone.texts[0] and out.fills[r] == alone.fills[0]
+
+
+
+class Vocab:
+    texts = ["a", "b", "  x", " "]  # id 3 (the last) is a lone space that " x"-like tokens extend
+
+    def token_texts(self):
+        return self.texts
+
+    def extendable_texts(self):
+        return frozenset({" "})
+
+
+def test_a_hole_with_no_fixed_token_before_it_is_left_alone():
+    """a hole at the start of a row, or right after another, has no fixed token before it: heal_holes
+    must not read the vocabulary's last token (index -1) as if it were one. A stub vocabulary whose last token is a
+    whitespace that longer tokens extend shows it (the mutant pops a position that is not there, or another hole's)."""
+    template = Template(rows=[[-1, -1, 0, -1, -1, -1]], holes=[[(0, 2), (3, 4), (4, 6)]])
+    healed, prefixes = heal_holes(Vocab(), template)
+    assert healed.rows == template.rows and healed.holes == template.holes and prefixes == {}

@@ -1,5 +1,7 @@
 """Sampler pieces against the reference's on identical inputs, plus properties that hold for all inputs."""
 
+import itertools
+import math
 from collections import Counter
 from dataclasses import asdict, replace
 
@@ -14,6 +16,7 @@ from blockpress.sampling import (
     CanvasRules,
     RowDraws,
     SamplerConfig,
+    StepNumbers,
     accept_confidence,
     accept_entropy_bound,
     accept_topk,
@@ -24,6 +27,7 @@ from blockpress.sampling import (
     init_state,
     penalize_repeats,
     probs_and_entropy,
+    sample,
     take_rows,
     temperature,
     top_filter,
@@ -1058,3 +1062,110 @@ def test_the_sampler_enters_no_autocast_block_where_none_is_on(monkeypatch):
     assert entered == []
     with autocast("cpu", dtype=torch.bfloat16):
         assert all(torch.equal(a, b) for a, b in zip(probs_and_entropy(x), want)) and entered == [False]
+
+
+# -- behaviours no test held, found by mutating the sampler (each test fails on its mutant) -----------------
+
+@pytest.mark.parametrize("change", [dict(candidates="argmax"), dict(sampler="greedy")])
+def test_argmax_candidates_with_a_draw_temperature_given_together_is_refused(change):
+    """argmax candidates and a draw temperature given together in one with_() call must be refused,
+    as SamplerConfig(...) refuses them; with_ drops draw_temperature only when it was NOT given (an earlier one)."""
+    with pytest.raises(ValueError, match="draw_temperature"):
+        SamplerConfig().with_(draw_temperature=0.7, **change)
+    # an earlier draw temperature (a checkpoint's) is dropped, as documented
+    assert SamplerConfig(draw_temperature=0.7).with_(**change).draw_temperature == 1.0
+
+
+@pytest.mark.parametrize("t_max, t_min", [(0.3, 0.1), (0.7, 0.3), (1.3, 0.2), (0.9, 0.6), (0.5, 0.4)])
+@pytest.mark.parametrize("n", [7, 48])
+def test_temperature_schedule_matches_reference_for_other_ends(t_max, t_min, n):
+    """the schedule matches the reference bit for bit for any (t_max, t_min), not only 0.8/0.4:
+    t_max - t_min is taken in float64 (the reference's Python floats), then rounded once."""
+    proc = ref_gen.LinearTemperatureScheduleLogitsProcessor(t_min=t_min, t_max=t_max, max_denoising_steps=n)
+    cfg = SamplerConfig(max_denoising_steps=n, t_max=t_max, t_min=t_min)
+    x = torch.randn(1, 8, 50, generator=torch.Generator().manual_seed(n)) * 5
+    for step in range(n, 0, -1):
+        assert torch.equal(proc(None, x, torch.tensor(step, dtype=torch.int32)), x / temperature(cfg, step)), step
+
+
+def test_a_uniform_rounding_to_one_never_draws_a_zero_probability_token():
+    """`sample` never draws a token of probability 0, also for a uniform that rounds up to 1.0
+    in float32 (a float64 0.99999999 from a caller) and for a row whose probabilities are all 0 (it stays in range)."""
+    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    u = torch.tensor([0.99999999], dtype=torch.float64)  # float32(u) == 1.0
+    assert sample(probs, u).tolist() == [1]
+
+
+def test_an_all_zero_row_draws_a_token_in_range():
+    out = sample(torch.zeros(2, 5), torch.tensor([0.0, 0.5]))
+    assert ((out >= 0) & (out < 5)).all()
+
+
+def test_frequency_penalty_alone_lowers_a_repeated_tokens_logit():
+    """frequency_penalty alone (presence_penalty 0) penalises repeats; it was only ever tested
+    beside a presence penalty, which switched the penalties on by itself."""
+    cfg = SamplerConfig(frequency_penalty=1.0)
+    assert cfg.penalizes_repeats
+    logits = torch.zeros(1, 3, 6)
+    history = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
+    out = penalize_repeats(cfg, logits, history)
+    assert torch.allclose(out[0, :, 1], torch.full((3,), -2.0)) and (out[0, :, [0, 2, 3, 4, 5]] == 0).all()
+
+
+def test_a_draw_temperature_of_1e_5_is_applied_as_given():
+    """a tiny draw temperature (1e-5, accepted: > 0) draws from softmax(logits / 1e-5): only
+    temperatures below MIN_TEMPERATURE (1e-6) are clamped. A clamp at 1e-3 drew the runner-up 27% of the time here."""
+    cfg = SamplerConfig(draw_temperature=1e-5)
+    logits = torch.tensor([[[1.0, 0.999, -5.0]]])
+    probs = candidate_probs(RowDraws.of(cfg, 1), logits, torch.softmax(logits, -1))
+    assert probs[0, 0, 1] < 1e-30  # exp(-0.001 / 1e-5) = exp(-100)
+
+
+def test_top_k_one_beside_a_top_k_past_the_vocabulary():
+    """a batch where one row's top_k is 1 and another's is at or past the vocabulary's size (no
+    limit, as documented): the first row still keeps only its argmax. RowDraws.top_k_range's low end decides whether
+    any row filters at all."""
+    v = 8
+    logits = torch.randn(2, 3, v, generator=torch.Generator().manual_seed(0))
+    draws = RowDraws.of(SamplerConfig(), 2, top_k=[1, v + 5])
+    probs = candidate_probs(draws, logits, torch.softmax(logits, -1))
+    assert ((probs[0] > 0).sum(-1) == 1).all()          # row 0: only the argmax
+    assert torch.equal(probs[1], torch.softmax(logits[1], -1))  # row 1: unfiltered
+
+
+@pytest.mark.parametrize("keep, sc, adaptive", list(itertools.product([False, True], repeat=3)))
+def test_step_choices_keeps_the_flags(keep, sc, adaptive):
+    """the decoding loop hands denoise_step cfg.step_choices(); it must keep the config's strings
+    AND flags (keep_accepted, self_conditioning, adaptive_stopping), which the step reads as code choices. The existing
+    test_a_step_given_its_numbers_as_tensors_reads_none_from_the_config draws only numbers, never a flag."""
+    cfg = SamplerConfig(sampler="topk", max_denoising_steps=4, keep_accepted=keep, self_conditioning=sc,
+                        adaptive_stopping=adaptive, stability_threshold=0, confidence_threshold=100.0)
+    g = torch.Generator().manual_seed(0)
+    b, c, v = 2, 6, 11
+    noise = torch.randint(v, (b, c), generator=g)
+    rules = CanvasRules(numbers=StepNumbers.of(cfg), draws=RowDraws.of(cfg, b))
+    plain = given = init_state(noise)
+    for step in range(4, 0, -1):
+        raw, u = 3 * torch.randn(b, c, v, generator=g), torch.rand(b, c, generator=g)
+        plain = denoise_step(cfg, plain, raw, step, noise, u)
+        given = denoise_step(cfg.step_choices(), given, raw, step, noise, u, rules)
+        for name, x in vars(plain).items():
+            y = getattr(given, name)
+            assert (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)), (step, name)
+
+
+def test_a_mean_entropy_equal_to_the_threshold_does_not_stop():
+    """the stop test is `mean entropy < confidence_threshold`, strictly, as the reference's
+    StableAndConfidentStoppingCriteria: a canvas whose mean entropy equals the threshold exactly does not stop."""
+    raw = torch.full((1, 4, 5), -1e4)
+    raw[..., :2] = 0.0  # two equally likely tokens everywhere: entropy ln 2 at any temperature
+    cfg0 = SamplerConfig(max_denoising_steps=2, stability_threshold=0, entropy_bound=1e9)
+    ent = probs_and_entropy(raw / temperature(cfg0, 2))[1]
+    thr = float(ent.mean(-1)[0])
+    assert abs(thr - math.log(2)) < 1e-6
+    cfg = SamplerConfig(max_denoising_steps=2, stability_threshold=0, entropy_bound=1e9, confidence_threshold=thr)
+    state = denoise_step(cfg, init_state(torch.zeros(1, 4, dtype=torch.long)), raw, 2, torch.zeros(1, 4, dtype=torch.long),
+                         uniforms=torch.zeros(1, 4))
+    crit = ref_gen.StableAndConfidentStoppingCriteria(0, thr)
+    processed = raw / temperature(cfg, 2)
+    assert not bool(state.done[0]) and not bool(crit(processed.argmax(-1), processed)[0])
