@@ -65,6 +65,7 @@ class StagedFiles:
 
     def __init__(self) -> None:
         self.moves: list[tuple[Path | None, Path]] = []  # (temporary, destination); (None, path): remove path
+        self.started = False  # whether commit has begun moving files into place
         self.made: list[Path] = []  # folders this save created, parents first: discarding removes them again
 
     def make_folder(self, path: str | Path) -> None:
@@ -158,6 +159,7 @@ class StagedFiles:
                     path.rmdir()
             else:
                 path.unlink(missing_ok=True)
+            self.started = True
             if path.parent not in folders:
                 folders.append(path.parent)
         self.moves, self.made = [], []
@@ -188,13 +190,16 @@ class StagedFiles:
             self.discard()
             return
         try:
-            # A stop signal waits for the renames (a Ctrl-C between two left new weights beside the old settings,
-            # which loaded as one checkpoint); one that fails part-way leaves no staged copy behind (a hidden
-            # temporary as large as the weights stayed)
+            # A stop signal waits for the renames: a Ctrl-C between two left new weights beside the old settings,
+            # which loaded as one checkpoint
             with interrupts_deferred(STOP_SIGNALS):
                 self.commit()
         except BaseException:
-            self.discard()
+            # Failed before any file moved: the old files stand whole, and no staged copy stays (a hidden temporary
+            # as large as the weights did). Once one has moved, what is left staged stays for a commit record to
+            # finish (a training run's resume: StagedFiles.finish)
+            if not self.started:
+                self.discard()
             raise
 
 
