@@ -1071,28 +1071,44 @@ class Engine:
         # is free now (it held a short request behind a long batch for the whole batch, 107 s for 0.5 s of work).
         room = self.max_batch - self._running()
         while self.waiting and room > 0:
-            first = self.waiting[0]
-            if first.alone and self.batches:  # its batch could not allocate beside others: it runs alone
+            keys = self._keys()
+            if not keys:
                 break
-            jobs = [first]
-            try:
-                key = first.key()
-                jobs = [j for j in self.waiting if j.key() == key][:room]
-                batch: Batch | None = Batch(self, jobs)
-            except Exception as exc:  # a defect of ours: these requests get an error, not the engine thread's end
-                # (it ended, and every request after it waited forever)
-                log.exception("serve: could not start a batch of %d", len(jobs))
-                for job in jobs:
-                    report(job, JobError(f"the server could not start this request: {exc}"))
-                batch = None
+            if self.waiting[0].alone and self.batches:  # its batch could not allocate beside others: it runs alone
+                break
+            jobs = [j for j, key in zip(self.waiting, keys) if key == keys[0]][:room]
             taken = {id(j) for j in jobs}
             self.waiting = [j for j in self.waiting if id(j) not in taken]
-            if batch is None:
+            try:
+                batch = Batch(self, jobs)
+            except Exception as exc:  # a defect of ours: these requests get an error, not the engine thread's end
+                self._failed(jobs, exc)
                 continue
             self.batches.append(batch)
             room -= len(jobs)
             if jobs[0].alone:  # (nothing starts beside it either)
                 break
+
+    def _keys(self) -> list[tuple]:
+        """Each waiting job's Job.key, in order (the lock held). A job whose key cannot be made leaves the queue with
+        an error, itself alone: a defect of ours there ended the engine thread, and every request after it waited
+        forever."""
+        keys, kept = [], []
+        for job in self.waiting:
+            try:
+                keys.append(job.key())
+            except Exception as exc:
+                self._failed([job], exc)
+                continue
+            kept.append(job)
+        self.waiting = kept
+        return keys
+
+    @staticmethod
+    def _failed(jobs: list[Job], exc: Exception) -> None:
+        log.exception("serve: could not start a batch of %d", len(jobs))
+        for job in jobs:
+            report(job, JobError(f"the server could not start this request: {exc}"))
 
     def _round(self) -> list[Batch] | None:
         """The batches to advance next, once there are any (new ones started first), or None once closing."""
@@ -1534,9 +1550,12 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
     try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt (where that
         # leaves none, a min_tokens is the length, as in the library: a 400 named a max_tokens never sent)
-        max_tokens = given or lm.default_new_tokens(len(prompt), room_needed=not body.min_tokens)
+        asked = body.min_tokens if "min_tokens" in body.model_fields_set and getattr(body, "template", None) is None \
+            else 0  # (chat's default 1 only bans an empty reply; a template's length is its own)
+        max_tokens = given or lm.default_new_tokens(len(prompt), room_needed=not asked)
     except ValueError as exc:  # (the library's advice names its own argument, max_new_tokens: the client's is below)
-        raise APIError(400, f"prompt: {str(exc).split('; pass ')[0]}; send max_tokens", "prompt") from None
+        param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (chat's 400 named a prompt it never sent)
+        raise APIError(400, f"{param}: {str(exc).split('; pass ')[0]}; send {limit_name}", param) from None
     canvas = lm.config.canvas_length
     prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
     if not given and getattr(body, "template", None) is None:  # a template's length is its own, checked below

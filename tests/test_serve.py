@@ -1806,6 +1806,10 @@ def test_a_job_that_cannot_start_a_batch_gets_an_error_and_the_engine_goes_on():
         with engine.lock:
             engine.waiting.append(Broken())
             engine.arrived.notify()
+        deadline = time.monotonic() + 60  # (bounded: a request sent to a dead engine thread waits forever)
+        while not told and engine.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert told and engine.thread.is_alive()
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert engine.thread.is_alive()
@@ -1969,6 +1973,13 @@ def test_max_length_in_the_generation_config_bounds_a_request_without_max_tokens
         # named a max_tokens the client never sent)
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 20, "min_tokens": 3, "seed": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+        # not chat's own minimum of 1 (it bans an empty reply; no client asked for one token), nor beside a template,
+        # whose length is its own
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "ab " * 20}]})
+        assert r.status_code == 400 and "max_length" in r.text and r.json()["error"]["param"] == "messages", r.text
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 20, "min_tokens": 3,
+                                               "template": "x<|hole:2|>"})
+        assert r.status_code == 400 and "max_length" in r.text and "max_tokens 0" not in r.text, r.text
 
 
 def test_a_streamed_template_adds_up_to_the_plain_answer_special_tokens_included():
