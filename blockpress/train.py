@@ -899,11 +899,6 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     where the hardware computes it natively, else float16 (with loss scaling, Trainer): a T4 or V100 has no bf16
     matmuls, and torch's bf16 check, which counts emulation, said yes there."""
     if not (cfg.autocast if device.type == "cuda" else cfg.cpu_autocast if device.type == "cpu" else False):
-        if cfg.autocast_dtype != "auto":  # it was taken, and the run went on in the weights' dtype without a word
-            switch = {"cuda": "autocast (--autocast)", "cpu": "cpu_autocast (--cpu-autocast)"}.get(device.type)
-            raise ValueError(f"autocast_dtype: {cfg.autocast_dtype} is the mixed precision's dtype, and this run on "
-                             f"{device.type} has none" + (f": it needs {switch}" if switch else
-                                                          " (mixed precision runs on cuda and cpu only)"))
         return None
     if cfg.autocast_dtype == "auto":
         native = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
@@ -942,15 +937,30 @@ def _source_size(source: Any) -> str | None:
             else f"{source.shards.tokens} tokens" if isinstance(source, ShardSource) else None)
 
 
+def warn_unused_settings(cfg: TrainConfig, device: torch.device, heldout: Any) -> None:
+    """Say which settings this run cannot apply; each trained exactly as without it, and nothing said so. Warned, not
+    refused: a run saved with one (by older code, or on another device) resumes, as does a float16 run resumed with
+    --no-autocast."""
+    unused = []
+    if cfg.autocast_dtype != "auto" and autocast_dtype(cfg, device) is None:
+        switch = {"cuda": "--autocast", "cpu": "--cpu-autocast"}.get(device.type)
+        unused.append(f"autocast_dtype {cfg.autocast_dtype}: the dtype of a mixed precision this run on {device.type} "
+                      "does not use" + (f" (without {switch})" if switch else ""))
+    if heldout is None and cfg.eval_batches not in (0, cfg.default("eval_batches")):
+        unused.append(f"eval_batches {cfg.eval_batches}: this run has no held-out data to evaluate")
+    if not cfg.diffusion_weight:  # the autoregressive baseline's loss reads none of the diffusion objective's
+        unused += [f"{name} {getattr(cfg, name)}: a setting of the diffusion loss, which diffusion_weight 0 turns off"
+                   for name in ("reweight", "self_conditioning_prob", "t_eps") if getattr(cfg, name) != cfg.default(name)]
+    for why in unused:
+        warn_user(f"{why}; ignored")
+
+
 def _check_evaluation(cfg: TrainConfig, source: Any, heldout: Any) -> None:
     """The settings of the examples, and of the evaluation: held-out data and evaluating settings go together."""
     if isinstance(source, ExampleSource):
         cfg.check_examples()
     if heldout is not None and cfg.eval_batches < 1:  # it would average over no batches, after the whole run
         raise ValueError("eval_batches: expected a positive integer with held-out data, got 0")
-    if heldout is None and cfg.eval_batches not in (0, cfg.default("eval_batches")):  # (as eval_every, below)
-        raise ValueError(f"eval_batches: {cfg.eval_batches} batches a held-out evaluation averages, and this run has "
-                         "no held-out data")
     if heldout is None and cfg.eval_every:  # it would never evaluate, without a word
         raise ValueError(f"eval_every: evaluates the held-out data every {cfg.eval_every} steps, and this run has "
                          "none (with JSONL examples, a --heldout fraction that holds some out, or --heldout-data; "
@@ -1127,6 +1137,7 @@ class Trainer:
         self.merged_dtype = merged_dtype
         self.data = {"path": data, "size": _source_size(source)}
         _check_evaluation(cfg, source, heldout)
+        warn_unused_settings(cfg, lm.device, heldout)
         self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()

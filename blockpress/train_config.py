@@ -198,12 +198,6 @@ class TrainConfig:
         if self.lora_alpha != self.default("lora_alpha") and not self.lora_rank:
             raise ValueError(f"lora_alpha: {self.lora_alpha:g} scales LoRA adapters; it needs lora_rank > 0 (full "
                              "fine-tuning has no adapters to scale)")
-        if not self.diffusion_weight:  # the autoregressive baseline's loss reads none of the diffusion objective's
-            unused = [name for name in ("reweight", "self_conditioning_prob", "t_eps")
-                      if getattr(self, name) != self.default(name)]
-            if unused:
-                raise ValueError(f"{'/'.join(unused)}: settings of the diffusion loss, which diffusion_weight 0 "
-                                 "turns off (the run trains the autoregressive baseline only)")
         if self.lora_targets != self.default("lora_targets") and not self.lora_rank:
             raise ValueError(f"lora_targets: {self.lora_targets!r} chooses the layers LoRA adapts; it needs "
                              "lora_rank > 0 (full fine-tuning trains every weight)")
