@@ -66,6 +66,7 @@ class StagedFiles:
     def __init__(self) -> None:
         self.moves: list[tuple[Path | None, Path]] = []  # (temporary, destination); (None, path): remove path
         self.started = False  # whether commit has begun moving files into place
+        self.recorded = False  # whether a record of the commit was taken, for `finish` to complete it (a training save)
         self.made: list[Path] = []  # folders this save created, parents first: discarding removes them again
 
     def make_folder(self, path: str | Path) -> None:
@@ -131,6 +132,7 @@ class StagedFiles:
         """What a commit will do, as JSON-able data to keep with the save's commit marker: each destination by its
         path in `folder`, and whether it is written (False: removed). `finish` completes such a commit, killed
         part-way, from it."""
+        self.recorded = True
         return [(Path(path).relative_to(folder).as_posix(), temporary is not None) for temporary, path in self.moves]
 
     @classmethod
@@ -195,10 +197,9 @@ class StagedFiles:
             with interrupts_deferred(STOP_SIGNALS):
                 self.commit()
         except BaseException:
-            # Failed before any file moved: the old files stand whole, and no staged copy stays (a hidden temporary
-            # as large as the weights did). Once one has moved, what is left staged stays for a commit record to
-            # finish (a training run's resume: StagedFiles.finish)
-            if not self.started:
+            # No staged copy stays (a hidden temporary as large as the weights did), unless files have moved and a
+            # record of the commit was kept to finish it from (a training run's resume: StagedFiles.finish)
+            if not (self.started and self.recorded):
                 self.discard()
             raise
 
