@@ -1137,7 +1137,6 @@ class Trainer:
         self.merged_dtype = merged_dtype
         self.data = {"path": data, "size": _source_size(source)}
         _check_evaluation(cfg, source, heldout)
-        warn_unused_settings(cfg, lm.device, heldout)
         self.out = expand_user(out_dir, "out_dir")  # as load reads a model at ~/...
         self.progress, self.on_step = progress, on_step
         self.rank, self.world = _world()
@@ -1147,6 +1146,8 @@ class Trainer:
         if cfg.lora_rank:  # a rank far too large is a silent OOM where the adapters are built
             check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
         _check_data_fits(lm, cfg, source, heldout, data)
+        if self.rank == 0:  # (once a run, after its refusals: under torchrun each process said it)
+            warn_unused_settings(cfg, lm.device, heldout)
         # config.json's attention_dropout, as the reference applies it in train mode: it was read, kept and never
         # applied (a config of 0.1 trained without dropout, and without a word). A value outside [0, 1) is refused by
         # name before anything runs.
@@ -1388,7 +1389,10 @@ class Trainer:
         try:
             self._save_files(state, final)
         except OSError as exc:  # a full disk, a quota: what the folder holds now, since this save is not in it
-            failed = OSError(f"{exc}; step {self.step} is not saved ({self._kept()})")
+            kept = self._kept()
+            if temporary_path(self.out / TRAINER_STATE_FILE).is_file():  # (kept staged: files had moved)
+                kept = f"its files were being moved into place in {self.out}; --resume finishes the save"
+            failed = OSError(f"{exc}; step {self.step} is not saved ({kept})")
             failed.errno = exc.errno
             raise failed from None
         self.saved_step = self.step

@@ -1254,6 +1254,33 @@ def test_resume_finishes_a_save_killed_while_its_files_were_moved(tmp_path, monk
     assert rest.train().losses == pytest.approx(straight.losses[step:], rel=1e-6)  # that save, whole
 
 
+def test_a_save_that_fails_while_its_files_move_says_resume_finishes_it(tmp_path, monkeypatch):
+    """A rename that failed after the weights had moved said "the run as saved at step 3 is kept", while the folder's
+    weights were step 4's (what --model OUT loads); and discarding the staged state made --resume refuse the run.
+    The staged files stay for the commit record, the error says so, and --resume finishes the save."""
+    import blockpress.files
+
+    _, straight = run(tmp_path, 6, "straight")
+    run(tmp_path, 3, "split")
+    trainer = _resumed(tmp_path, "split", 6)
+    trainer.train_step()
+    real = os.replace
+
+    def fails_at_the_state(src, dst):
+        if Path(dst).name == "trainer_state.pt":
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(blockpress.files.os, "replace", fails_at_the_state)
+    with pytest.raises(OSError, match=r"step 4 is not saved \(its files were being moved into place in .*; --resume "
+                                      r"finishes the save\)"):
+        trainer.save()
+    monkeypatch.undo()
+    rest = _resumed(tmp_path, "split", 6)
+    assert rest.step == 4
+    assert rest.train().losses == pytest.approx(straight.losses[4:], rel=1e-6)
+
+
 def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch):
     """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
     which --resume combined silently. Without the staged step-4 state there is no save to finish."""
