@@ -587,6 +587,32 @@ def test_a_run_stopped_by_a_signal_exits_with_its_status(tmp_path, monkeypatch, 
     assert read_trainer_state(tmp_path / "out" / "trainer_state.pt")["step"] == 1  # saved, to be resumed
 
 
+@pytest.mark.parametrize("saved_before", [False, True])
+def test_a_second_ctrl_c_says_what_the_folder_holds(tmp_path, monkeypatch, capsys, saved_before):
+    """A second Ctrl-C stops at once, that step unsaved, and said only "blockpress train: interrupted", where the
+    first says "saved in OUT; continue with --resume": the folder's last save (or none) went unsaid."""
+    from blockpress.train import Trainer
+
+    real = Trainer.train_step
+
+    def step_then_twice(self, *args, **kwargs):
+        row = real(self, *args, **kwargs)
+        if self.step == 3:
+            for _ in range(2):
+                os.kill(os.getpid(), signal.SIGINT)
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_twice)
+    data = write_data(tmp_path / "d.jsonl")
+    save_every = ["--save-every", "2"] if saved_before else []
+    assert main(train_args(data, tmp_path / "out", steps=5) + save_every) == 130
+    err = capsys.readouterr().err
+    said = (f"stopped at once: {tmp_path / 'out'} holds the run's last save (continue it with --resume)"
+            if saved_before else f"stopped at once: {tmp_path / 'out'} holds no save of this run")
+    assert said in err and "blockpress train: interrupted" in err, err
+    assert (tmp_path / "out" / "trainer_state.pt").is_file() == saved_before
+
+
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="no pseudo-terminals here")
 def test_a_hung_up_terminal_is_left_for_dev_null(tmp_path):
     """After a SIGHUP every write to the closed terminal fails (EIO): the progress bar's next one would have ended

@@ -79,7 +79,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     sources = _sources(args, lm, cfg)
     run = _start_run(args, lm, sources, stale_metrics)
     _say_what_runs(args, run, sources)
-    result = run.trainer.train()
+    try:
+        result = run.trainer.train()
+    except KeyboardInterrupt:  # a second stop signal: at once, this step unsaved; the command's handler says so too
+        if run.trainer.rank == 0:  # what the folder holds, which went unsaid ("blockpress train: interrupted")
+            from blockpress.train import TRAINER_STATE_FILE
+
+            saved = (Path(args.out) / TRAINER_STATE_FILE).is_file()
+            print(f"\nstopped at once: {args.out} holds the run's last save (continue it with --resume)" if saved
+                  else f"\nstopped at once: {args.out} holds no save of this run", file=sys.stderr)
+        raise
     if run.trainer.rank == 0:
         _plot_training(Path(args.out), quiet=args.quiet)
     _report(args, run, result)
