@@ -1795,6 +1795,26 @@ def test_a_save_stopped_while_its_files_move_into_place_is_whole_or_leaves_no_te
     assert torch.equal(back.model.embed_tokens.weight, new.model.embed_tokens.weight)
 
 
+def test_every_stop_signal_held_back_is_delivered_once_a_ctrl_c_last():
+    """Only the first signal a save held back was delivered: a SIGTERM after a Ctrl-C was lost, where the Ctrl-C's
+    KeyboardInterrupt was caught (a REPL goes on) and the process then ignored what its scheduler asked."""
+    import signal
+
+    from blockpress.stopping import STOP_SIGNALS, interrupts_deferred
+
+    got = []
+    previous = {sig: signal.signal(sig, lambda signum, _: got.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with interrupts_deferred(STOP_SIGNALS):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+                signal.raise_signal(sig)
+            assert got == []  # (held back while inside)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert got == [signal.SIGTERM, signal.SIGINT]
+
+
 def test_a_save_removes_the_temporaries_a_killed_save_of_another_layout_left(lm, tmp_path, monkeypatch):
     """Only the temporary of a name written again was removed: a sharded save killed part-way left its shards'
     beside every later single-file save (gigabytes for a real model)."""
