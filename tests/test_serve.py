@@ -2943,15 +2943,14 @@ def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_t
         create_app(lm, MODEL)
 
 
-def alone_then_batched(server, monkeypatch, bodies, first, key):
-    """Each of `bodies` posted alone, then all of them while the engine is held on `first`, so that they queue and
-    run as one batch: each answer batched must be the answer alone. Returns (the answers, each batch's sorted `key(job)`s)."""
+def held_together(server, monkeypatch, bodies, first, key):
+    """`bodies` posted while the engine is held on `first`, so that they queue and are admitted in one round. Returns
+    (their answers, each batch's sorted `key(job)`s, the batches started)."""
     engine = server[1].state.engine
 
     def post(body):
         return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
 
-    alone = [post(body) for body in bodies]
     gate, batches, stream = threading.Event(), [], engine._stream
 
     def gated(batch):  # hold the engine on a first request until the others are queued
@@ -2975,13 +2974,74 @@ def alone_then_batched(server, monkeypatch, bodies, first, key):
         gate.set()
         together = [f.result() for f in together]
         assert "choices" in held.result()
-    assert engine.metrics.counters["batches_total"] - before == 2
+    return together, batches, engine.metrics.counters["batches_total"] - before
+
+
+def alone_then_batched(server, monkeypatch, bodies, first, key, started=2):
+    """Each of `bodies` posted alone, then all of them while the engine is held on `first` (held_together), so that
+    they queue and run in `started` - 1 batches (one, by default): each answer batched must be the answer alone.
+    Returns (the answers, each batch's sorted `key(job)`s)."""
+    alone = [httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json() for body in bodies]
+    together, batches, made = held_together(server, monkeypatch, bodies, first, key)
+    assert made == started
     for a, t in zip(alone, together):
         assert t["choices"][0]["text"] == a["choices"][0]["text"]
         assert t["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"]
         assert t["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
         assert t["usage"]["forward_passes"] == a["usage"]["forward_passes"]
     return alone, batches
+
+
+def test_requests_that_must_not_share_a_batch_answer_as_alone(server, monkeypatch):
+    """The engine takes a batch's canvas from its first job: a suffix request (a constrained canvas) batched with
+    free ones lost its canvas (its text came back ''). Job.key keeps them apart (found by mutating it: no test
+    queued both kinds together)."""
+    bodies = [{"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "seed": 1},
+              {"model": MODEL, "prompt": "def g(y):", "suffix": "return y", "max_tokens": 8, "seed": 2},
+              {"model": MODEL, "prompt": "abc", "max_tokens": 8, "seed": 3}]
+    first = {"model": MODEL, "prompt": "z", "max_tokens": 1}
+    _, batches = alone_then_batched(server, monkeypatch, bodies, first, lambda j: j.canvas is not None, started=3)
+    assert sorted(batches[1:]) == [[False, False], [True]]
+
+
+def test_token_healing_and_plain_requests_do_not_share_a_batch():
+    """The engine takes token_healing from a batch's first job: a healed request batched with a plain one answered
+    as the other (found by mutating Job.key; random-tiny's tokenizer heals nothing, so this is blockpress-code)."""
+    import contextlib
+
+    lm = load_model("blockpress-code", None, "cpu")
+    lm.generation_config = dict(lm.generation_config, max_denoising_steps=4)
+    app = create_app(lm, MODEL, prefix_cache_bytes=0)
+    base, srv = start_in_background(app)
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 8, "seed": 3, "token_healing": heal}
+              for p in ("def f(x):\n", "x = 1\n") for heal in (False, True)]
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            alone, batches = alone_then_batched((base, app), monkeypatch, bodies, {"model": MODEL, "prompt": "z",
+                                                "max_tokens": 1}, lambda j: j.token_healing, started=3)
+        assert alone[0]["choices"][0]["text"] != alone[1]["choices"][0]["text"]  # (healing changes the answer)
+        assert sorted(batches[1:]) == [[False, False], [True, True]]
+    finally:
+        with contextlib.suppress(Exception):
+            srv.should_exit = True
+
+
+def test_waiting_requests_start_no_more_rows_than_max_batch_leaves():
+    """Jobs of one key waiting together started as one batch whatever max_batch left (no test queued more than the
+    free rows): with max_batch 2 and one row running, three requests start one, then two."""
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 3, "max_new_tokens": 24}
+    app = create_app(lm, MODEL, max_batch=2)
+    base, srv = start_in_background(app)
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 8, "seed": i} for i, p in enumerate(("abc", "hi", "x"))]
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            together, batches, _ = held_together((base, app), monkeypatch, bodies, {"model": MODEL, "prompt": "z",
+                                                 "max_tokens": 1}, lambda j: j.prompt)
+    finally:
+        srv.should_exit = True
+    assert all("choices" in t for t in together)
+    assert max(len(b) for b in batches) <= 2 and sorted(len(b) for b in batches[1:]) == [1, 2]
 
 
 def test_requests_of_different_temperatures_share_a_batch_and_answer_as_alone(server, monkeypatch):
