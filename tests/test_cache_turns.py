@@ -2,10 +2,13 @@
 shrinks, masks with no fully masked query, and a continued stream or chat stream that fails, is cancelled or is left.
 Each test holds a behaviour that mutating cache.py, model.py, generate.py or lm.py showed no other test held."""
 
+import sys
+
 import pytest
 import torch
 
 import blockpress
+import blockpress.lm as lm_module
 from blockpress.tokenizer import train_bpe_tokenizer
 
 
@@ -208,3 +211,107 @@ def test_a_cancelled_chat_stream_leaves_the_conversation_before_the_turn():
             commits.append(event)
     assert kinds[-1] == "cancelled"
     assert (cache.length, cache.next_pos.tolist(), cache.tokens) == held
+
+
+@pytest.mark.parametrize("call", ["generate", "chat_ids"])
+def test_a_failed_turn_gives_the_cache_back_its_tokens(call):
+    """A chat turn that fails part-way
+    must leave the conversation's cache as it was, tokens included, so the next turn continues it (chat refuses a cache
+    whose tokens it does not know)."""
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    c = lm.config.canvas_length
+    kw = dict(max_denoising_steps=2, seed=0)
+    cache = lm.chat_ids([2, 40, 41, 42, 43], return_cache=True, max_new_tokens=8, **kw).cache
+    held = (cache.length, cache.next_pos.tolist(), [list(r) for r in cache.tokens])
+    calls = []
+
+    def processor(logits, rows):
+        calls.append(1)
+        if len(calls) > 3:  # canvas 1: the prompt and canvas 0 are in the cache by now
+            raise KeyError("boom")
+        return logits
+
+    with pytest.raises(KeyError):
+        if call == "generate":
+            lm.generate([50, 51, 52], cache=cache, max_new_tokens=3 * c, logits_processor=processor, **kw)
+        else:
+            lm.chat_ids(held[2][0] + [50, 51, 52], cache=cache, max_new_tokens=3 * c, logits_processor=processor, **kw)
+    assert (cache.length, cache.next_pos.tolist(), cache.tokens) == held
+    # and the conversation goes on from it
+    lm.chat_ids(held[2][0] + [50, 51, 52], cache=cache, max_new_tokens=4, **kw)
+
+
+def test_a_template_canvas_with_nothing_to_fill_after_a_row_ended_reads_each_rows_own_cache():
+    """Once an ended row has
+    left the batch's cache (drop_ended_rows), a canvas in which a row's template is all given (idle) shrinks the batch
+    again, and each working row must read its own cache row, searchsorted in `held`. The rows' tokens must be those of
+    the same batch with stopped rows kept (skip_stopped_rows=False), which never drops a cache row."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    c = lm.config.canvas_length
+    H = -1
+    rows = [
+        [H] + [5] * (c - 1),                                     # ends after canvas 0
+        [H] * c + [H] * c + [6] * c + [H] * c,                   # canvas 2 all given: idle there
+        [H] * c + [H] * c + [7] + [H] * (c - 1) + [H] * c,       # holes everywhere
+        [H] * c + [H] * c + [H] * c + [8] * c,                   # holes in canvas 2, canvas 3 all given
+    ]
+    width = max(map(len, rows))
+    kw = dict(max_denoising_steps=2, seeds=[1, 2, 3, 4], adaptive_stopping=False)
+    prompt = [[3, 4], [5, 6, 7], [8], [9, 10]]
+    kept = lm.infill(rows, prompt=prompt, skip_stopped_rows=False, **kw)
+    out = lm.infill(rows, prompt=prompt, **kw)
+    assert out.new_tokens.shape[1] == width
+    assert torch.equal(out.new_tokens, kept.new_tokens)
+
+
+def test_encoding_past_a_caches_capacity_is_a_clear_error():
+    """Encoding more tokens than a cache was allocated
+    for must be the clear "KVCache: needs N slots ... capacity C" error, not torch's shape error from deep inside."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    cache = lm.new_cache(1, 8)
+    with pytest.raises(ValueError, match=r"KVCache: needs 12 slots .* capacity 8"):
+        lm.model.encode(torch.tensor([[3] * 12]), cache)
+    assert cache.length == 0
+
+
+def test_a_ctrl_c_between_two_events_closes_generates_stream():
+    """A Ctrl-C between two of generate's events left its stream suspended, still holding the cache and its GeneratorExit clean-up, until the traceback that keeps it
+    alive goes (a notebook keeps the last one): its clean-up (cache.compact) then runs at some later moment, on a cache
+    the user has gone on with. The Ctrl-C is raised in generate's own frame, between two events, by a trace function."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    c = lm.config.canvas_length
+    kw = dict(max_denoising_steps=2, seed=0, sampler="greedy")
+    cache = lm.generate([[3, 4, 5], [6, 7]], max_new_tokens=c, return_cache=True, **kw).cache
+    held = (cache.length, cache.next_pos.tolist())
+    code = lm_module.LM.generate.__code__
+    seen = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and "isinstance(event, Done)" in _line(frame):
+                seen.append(1)
+                if len(seen) == 2:  # after the first event, before the second is looked at
+                    raise KeyboardInterrupt
+            return local
+        return local
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            lm.generate([[8], [9]], cache=cache, max_new_tokens=3 * c, **kw)
+    finally:
+        sys.settrace(None)
+    assert (cache.length, cache.next_pos.tolist()) == held  # the turn taken back out
+    # The traceback is still held (as a notebook holds the last one): the stream must be closed nonetheless.
+    open_streams = [s for s in list(lm_module._OPEN_STREAMS) if getattr(s, "gi_frame", None) is not None]
+    assert open_streams == [], "generate left its stream suspended over the cache"
+    del caught
+
+
+def _line(frame):
+    import linecache
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
