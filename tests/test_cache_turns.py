@@ -122,6 +122,26 @@ def test_no_encoder_query_is_fully_masked():
             assert mask.any(-1).all(), (kind, start)
 
 
+def a_first_chat_turn(kw):
+    """A tiny chat model, the cache of a conversation's first turn, and (length, next_pos, tokens) as it holds them."""
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    cache = lm.chat_ids([2, 40, 41, 42, 43], return_cache=True, max_new_tokens=8, **kw).cache
+    return lm, cache, (cache.length, cache.next_pos.tolist(), [list(r) for r in cache.tokens])
+
+
+def failing_at_canvas_1():
+    """A logits_processor that raises in canvas 1: the prompt and canvas 0 are in the cache by then."""
+    calls = []
+
+    def processor(logits, rows):
+        calls.append(1)
+        if len(calls) > 3:
+            raise KeyError("boom")
+        return logits
+    return processor
+
+
 def test_a_failed_stream_leaves_the_continued_cache_as_it_was():
     """A stream over a conversation's cache that
     fails part-way leaves the cache as it was before the stream (the docstring's promise; generate has its own undo)."""
@@ -130,13 +150,7 @@ def test_a_failed_stream_leaves_the_continued_cache_as_it_was():
     kw = dict(max_denoising_steps=2, seed=0, sampler="greedy")
     cache = lm.generate([[3, 4, 5], [6, 7]], max_new_tokens=c, return_cache=True, **kw).cache
     before = (cache.length, cache.next_pos.tolist(), cache.valid[:, : cache.length].clone())
-    calls = []
-
-    def processor(logits, rows):
-        calls.append(1)
-        if len(calls) > 3:  # canvas 1: the prompt and canvas 0 are in the cache by now
-            raise KeyError("boom")
-        return logits
+    processor = failing_at_canvas_1()
 
     with pytest.raises(KeyError):
         for _ in lm.stream([[8], [9]], cache=cache, max_new_tokens=3 * c, logits_processor=processor, **kw):
@@ -195,12 +209,9 @@ def test_a_cancelled_chat_stream_leaves_the_conversation_before_the_turn():
     """A chat stream continuing a
     cache that `cancelled` ends leaves the cache holding the conversation before the turn, whose tokens it still knows
     (so the next chat turn continues it)."""
-    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
-                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
-    c = lm.config.canvas_length
     kw = dict(max_denoising_steps=2, seed=0)
-    cache = lm.chat_ids([2, 40, 41, 42, 43], return_cache=True, max_new_tokens=8, **kw).cache
-    held = (cache.length, cache.next_pos.tolist(), [list(r) for r in cache.tokens])
+    lm, cache, held = a_first_chat_turn(kw)
+    c = lm.config.canvas_length
     commits = []
     events = lm.chat_stream(held[2][0] + [50, 51, 52], cache=cache, max_new_tokens=3 * c,
                             cancelled=lambda: len(commits) >= 1, **kw)
@@ -218,19 +229,10 @@ def test_a_failed_turn_gives_the_cache_back_its_tokens(call):
     """A chat turn that fails part-way
     must leave the conversation's cache as it was, tokens included, so the next turn continues it (chat refuses a cache
     whose tokens it does not know)."""
-    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
-                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
-    c = lm.config.canvas_length
     kw = dict(max_denoising_steps=2, seed=0)
-    cache = lm.chat_ids([2, 40, 41, 42, 43], return_cache=True, max_new_tokens=8, **kw).cache
-    held = (cache.length, cache.next_pos.tolist(), [list(r) for r in cache.tokens])
-    calls = []
-
-    def processor(logits, rows):
-        calls.append(1)
-        if len(calls) > 3:  # canvas 1: the prompt and canvas 0 are in the cache by now
-            raise KeyError("boom")
-        return logits
+    lm, cache, held = a_first_chat_turn(kw)
+    c = lm.config.canvas_length
+    processor = failing_at_canvas_1()
 
     with pytest.raises(KeyError):
         if call == "generate":
@@ -276,8 +278,8 @@ def test_encoding_past_a_caches_capacity_is_a_clear_error():
 
 
 def test_a_ctrl_c_between_two_events_closes_generates_stream():
-    """A Ctrl-C between two of generate's events left its stream suspended, still holding the cache and its GeneratorExit clean-up, until the traceback that keeps it
-    alive goes (a notebook keeps the last one): its clean-up (cache.compact) then runs at some later moment, on a cache
+    """A Ctrl-C between two of generate's events left its stream suspended, still holding the cache and its
+    GeneratorExit clean-up, until the traceback that keeps it alive goes (a notebook keeps the last one): its clean-up (cache.compact) then runs at some later moment, on a cache
     the user has gone on with. The Ctrl-C is raised in generate's own frame, between two events, by a trace function."""
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
     c = lm.config.canvas_length
