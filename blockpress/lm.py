@@ -1103,9 +1103,9 @@ class LM:
             return self._max_new_tokens_setting()
         name = "max_length" if self._max_length_from == "call" else "generation_config max_length"
         check_positive_int(max_length, name)
-        if max_length <= prompt_length and not room_needed:
-            return 0
         if max_length <= prompt_length:
+            if not room_needed:
+                return 0
             raise ValueError(f"max_length: the {self._max_length_from}'s max_length ({max_length}) leaves no room "
                              f"after a {prompt_length}-token prompt; pass "
                              f"{'a larger max_length, or ' if self._max_length_from == 'call' else ''}max_new_tokens")

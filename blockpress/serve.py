@@ -1548,17 +1548,18 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt (where that
-        # leaves none, a min_tokens is the length, as in the library: a 400 named a max_tokens never sent)
-        asked = body.min_tokens if "min_tokens" in body.model_fields_set and getattr(body, "template", None) is None \
-            else 0  # (chat's default 1 only bans an empty reply; a template's length is its own)
+    prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (chat's 400s named a prompt)
+    free = getattr(body, "template", None) is None  # (a template's length is its own, checked below)
+    # Where max_length leaves no room, a min_tokens the client sent is the length, as in the library (a 400 named a
+    # max_tokens never sent); not chat's default 1, which only bans an empty reply
+    asked = free and "min_tokens" in body.model_fields_set and body.min_tokens > 0
+    try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
         max_tokens = given or lm.default_new_tokens(len(prompt), room_needed=not asked)
     except ValueError as exc:  # (the library's advice names its own argument, max_new_tokens: the client's is below)
-        param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (chat's 400 named a prompt it never sent)
-        raise APIError(400, f"{param}: {str(exc).split('; pass ')[0]}; send {limit_name}", param) from None
+        raise APIError(400, f"{prompt_param}: {str(exc).split('; pass ')[0]}; send {limit_name}",
+                       prompt_param) from None
     canvas = lm.config.canvas_length
-    prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"
-    if not given and getattr(body, "template", None) is None:  # a template's length is its own, checked below
+    if not given and free:
         # No limit sent: the default is cut to the whole canvases the context has left, as vLLM gives what fits and
         # `blockpress chat` shortens its reply (a conversation near the context got a 400 naming a max_tokens the
         # client never sent). Where not even min_tokens (at least one token) fits, that is what is said.

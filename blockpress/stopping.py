@@ -120,14 +120,11 @@ def interrupts_deferred(signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator
     """While inside, a Ctrl-C (SIGINT; each of `signals`) waits, and is delivered as the block ends: for work that
     must be all or nothing and cannot be undone cheaply (an in-place cast of every weight, which an interrupt part-way
     left half cast: every later pass failed in torch, and a second cast to the dtype the model claimed did nothing)."""
-    caught: list[tuple[int, Any]] = []
+    first: dict[int, Any] = {}  # each signal caught, with the frame it first came in
     try:
-        with on_signals(signals, lambda signum, frame: caught.append((signum, frame))):
+        with on_signals(signals, lambda signum, frame: first.setdefault(signum, frame)):
             yield
     finally:
-        first: dict[int, Any] = {}
-        for signum, frame in caught:
-            first.setdefault(signum, frame)
         # Each signal caught, once, a Ctrl-C last: only the first was delivered, and a SIGTERM after a Ctrl-C was lost
         # where the Ctrl-C's KeyboardInterrupt was caught (a REPL goes on) or its handler raised first
         for signum in sorted(first, key=lambda s: s == signal.SIGINT):

@@ -1389,9 +1389,9 @@ class Trainer:
         try:
             self._save_files(state, final)
         except OSError as exc:  # a full disk, a quota: what the folder holds now, since this save is not in it
-            kept = self._kept()
-            if temporary_path(self.out / TRAINER_STATE_FILE).is_file():  # (kept staged: files had moved)
-                kept = f"its files were being moved into place in {self.out}; --resume finishes the save"
+            kept = (f"its files were being moved into place in {self.out}; --resume finishes the save"
+                    if temporary_path(self.out / TRAINER_STATE_FILE).is_file()  # (kept staged: files had moved)
+                    else self._kept())
             failed = OSError(f"{exc}; step {self.step} is not saved ({kept})")
             failed.errno = exc.errno
             raise failed from None
