@@ -135,6 +135,57 @@ def _default_rope() -> dict[str, dict[str, Any]]:
     }
 
 
+def _rope_entries(rope_parameters: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rope settings dicts of `rope_parameters` by layer type, or {"flat": the flat dict itself}."""
+    nested = {k: v for k, v in rope_parameters.items() if k in (SLIDING, FULL) and isinstance(v, dict)}
+    return nested or {"flat": rope_parameters}
+
+
+def _rope_type_spelled_new(rope_parameters: dict[str, Any]) -> dict[str, Any]:
+    """A copy whose entries name their rope type as `rope_type`: an older config spells it `type`, which transformers
+    still reads (a `rope_type` beside it wins). Read as default, a linear or yarn entry ran unscaled without a word."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in rope_parameters.items()}
+    for entry in _rope_entries(out).values():
+        if "rope_type" not in entry and "type" in entry:
+            entry["rope_type"] = entry["type"]
+    return out
+
+
+def _read_legacy_rope_keys(text_raw: dict[str, Any]) -> None:
+    """text_config's older rope keys, read into rope_parameters (in place) as transformers reads them:
+    - `rope_scaling` (the old name of rope_parameters) replaces rope_parameters; the reference fails on any form but
+      one entry per layer type, so the others are refused by name here;
+    - a top-level `partial_rotary_factor` fills every entry that names none, once an entry is not 'default' (the
+      reference copies it while building a non-default rope; with only default ones it is ignored, as here with a
+      warning). An entry whose type takes no partial factor cannot get one: the reference fails on its first forward.
+    """
+    if "rope_scaling" in text_raw:
+        scaling = text_raw.pop("rope_scaling")
+        if not (isinstance(scaling, dict) and scaling and set(scaling) <= {SLIDING, FULL}):
+            raise ConfigError(f"text_config.rope_scaling: expected the rope settings by layer type ({{'{SLIDING}': "
+                              f"{{...}}, '{FULL}': {{...}}}}), the older name of rope_parameters that transformers "
+                              f"reads as it; got {scaling!r:.120}")
+        text_raw["rope_parameters"] = scaling
+    factor = text_raw.get("partial_rotary_factor")
+    rope = text_raw.get("rope_parameters")
+    if factor is None or not (rope is None or isinstance(rope, dict)):
+        return
+    rope = _default_rope() if rope is None else _rope_type_spelled_new(rope)
+    entries = _rope_entries(rope)
+    if all(e.get("rope_type", "default") == "default" for e in entries.values()):
+        return  # ignored, as by the reference (from_dict's warning says so)
+    for kind, entry in entries.items():
+        rope_type = entry.get("rope_type", "default")
+        if "partial_rotary_factor" not in entry and rope_type != "proportional" and factor != 1:
+            raise ConfigError(f"text_config.partial_rotary_factor: transformers copies it into every rope_parameters "
+                              f"entry that names none, and the {kind} entry's rope_type {rope_type!r} takes "
+                              f"no partial factor (the reference fails on its first forward); give the factor inside "
+                              f"the 'proportional' entries instead")
+        entry.setdefault("partial_rotary_factor", factor)
+    text_raw["rope_parameters"] = rope
+    del text_raw["partial_rotary_factor"]
+
+
 # per_layer_config's keys, and the text_config keys it is drawn from where a config.json holds none
 DRAWN_FROM = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
 
@@ -211,7 +262,9 @@ class TextConfig:
         self._drawn: dict[str, Any] = {}
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
-        elif any(isinstance(self.rope_parameters.get(kind), dict) for kind in (SLIDING, FULL)):
+        elif isinstance(self.rope_parameters, dict):
+            self.rope_parameters = _rope_type_spelled_new(self.rope_parameters)
+        if any(isinstance(self.rope_parameters.get(kind), dict) for kind in (SLIDING, FULL)):
             # Entries by layer type rule, as the reference reads them; flat keys beside them are dropped: transformers
             # 5.15 writes `rope_type: default, rope_theta: null` there when layer_types holds one kind only.
             self.rope_parameters = {k: v for k, v in self.rope_parameters.items() if k in (SLIDING, FULL)}
@@ -617,6 +670,7 @@ class ModelConfig:
         text_type = text_raw.get("model_type")
         if text_type not in (None, "diffusion_gemma_text"):
             raise ConfigError(f"text_config.model_type: expected 'diffusion_gemma_text', got {text_type!r}")
+        _read_legacy_rope_keys(text_raw)
         kwargs, text_extra = {}, {}
         for key, value in text_raw.items():
             if key in _TEXT_FIELDS:

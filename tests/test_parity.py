@@ -331,6 +331,75 @@ def test_other_configs_the_reference_runs(tmp_path, overrides):
     assert (lm.logits(prompt, canvas, self_conditioning_logits=sc) - ref_logits(ref, prompt, canvas, sc)).abs().max().item() <= TOL
 
 
+def _legacy_type(text):  # a rope type spelled `type`, as older configs write it
+    text["rope_parameters"]["full_attention"] = {"type": "linear", "factor": 4.0, "rope_theta": 1e6}
+
+
+def _legacy_scaling(text):  # rope_parameters under its older name, which wins over rope_parameters
+    text["rope_scaling"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+                            "full_attention": {"type": "yarn", "factor": 2.0, "rope_theta": 70.0,
+                                               "original_max_position_embeddings": 8}}
+
+
+def _legacy_factor(text):  # a top-level partial_rotary_factor, copied into the entries that name none
+    text["partial_rotary_factor"] = 0.5
+    text["rope_parameters"] = {"sliding_attention": {"rope_type": "proportional", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                  "partial_rotary_factor": 0.25}}
+
+
+def _ignored_factor(text):  # beside default entries only: the reference builds no partial rope, nor does blockpress
+    text["partial_rotary_factor"] = 0.5
+    text["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+
+
+@pytest.mark.parametrize("edit", [_legacy_type, _legacy_scaling, _legacy_factor, _ignored_factor])
+def test_older_rope_spellings_read_as_the_reference_reads_them(tmp_path, edit):
+    """config.json's older rope keys that transformers still reads: each ran default rope, unscaled and whole, with
+    nothing said (or "unknown field, ignored"), the logits 5-10 away from the reference's."""
+    import json
+
+    from reference import make_reference
+    from transformers import DiffusionGemmaForBlockDiffusion
+
+    make_reference(tmp_path, seed=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config["text_config"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path).eval()
+        lm = blockpress.load(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    prompt, canvas = ids(g, 1, 11), ids(g, 1, 8)
+    assert (lm.logits(prompt, canvas) - ref_logits(ref, prompt, canvas)).abs().max().item() <= TOL
+    lm.save(tmp_path / "saved")  # written in today's spelling, which both read the same way
+    again = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path / "saved").eval()
+    assert (lm.logits(prompt, canvas) - ref_logits(again, prompt, canvas)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda t: t.update(rope_scaling=None), "text_config.rope_scaling: expected the rope settings by layer type"),
+    (lambda t: t.update(rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+     "text_config.rope_scaling: expected the rope settings by layer type"),
+    # a default entry would get the factor: the reference's rope table is then too short for its heads
+    (lambda t: t.update(partial_rotary_factor=0.5),
+     "text_config.partial_rotary_factor: .* the sliding_attention entry's rope_type 'default' takes no partial"),
+])
+def test_older_rope_spellings_the_reference_cannot_run_are_refused_by_name(tmp_path, edit, match):
+    import json
+
+    from reference import make_reference
+
+    make_reference(tmp_path, seed=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    edit(config["text_config"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        blockpress.load(tmp_path)
+
+
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.1, 3.0, 30.0]))
