@@ -509,7 +509,9 @@ def candidate_probs(draws: RowDraws, logits: torch.Tensor, probs: torch.Tensor |
     `probs`: softmax(logits), when the caller has it already (reused where every row draws at temperature 1)."""
     if probs is None or draws.tempered:
         t = draws.temperature.clamp(min=MIN_TEMPERATURE).view(-1, *[1] * (logits.dim() - 1))
-        probs = torch.softmax(logits.float() / t, dim=-1)
+        # clamped: a huge finite logit (a logits processor's way to favour a token) overflows to +inf below
+        # t = 1, and a softmax of +inf is NaN, drawn as the vocabulary's last token
+        probs = torch.softmax((logits.float() / t).clamp_(max=torch.finfo(torch.float32).max), dim=-1)
     if not draws.filtered:
         return probs
     return top_filter(probs, draws.top_k, draws.top_p, k_range=draws.top_k_range, nucleus=draws.nucleus)
@@ -742,6 +744,7 @@ def denoise_step(
     numbers = StepNumbers.of(cfg) if rules.numbers is None else rules.numbers
     t = temperature(numbers, step)
     logits = raw_logits.div_(t) if own_logits else raw_logits / t
+    logits.clamp_(max=torch.finfo(logits.dtype).max)  # see candidate_probs
     free = torch.ones_like(state.canvas, dtype=torch.bool) if fixed is None else fixed < 0
     # Positions already decided: the givens, and with keep_accepted every token accepted at an earlier step.
     held = state.settled | ~free if cfg.keep_accepted else ~free

@@ -159,3 +159,26 @@ def test_a_stream_stops_at_the_step_that_overflowed_not_after_showing_it(half_lm
     finally:
         handle.remove()
     assert [e.step for e in seen if isinstance(e, Draft)] == list(range(1, step))
+
+
+@pytest.mark.parametrize(("sampler", "ar"), [
+    (dict(), dict()),
+    (dict(t_max=0.5, t_min=0.1), dict(temperature=0.5)),  # the schedule's temperature, and AR's
+    (dict(draw_temperature=0.25, top_k=5), dict(temperature=0.25, top_k=5)),
+    (dict(draw_temperature=0.5, top_p=0.9), dict(temperature=0.5, top_p=0.9)),
+])
+def test_a_processor_that_favours_a_token_with_the_largest_finite_logit_gets_it(sampler, ar):
+    """What the processors' error advises ("favour one with a large finite value"): divided by a temperature below 1,
+    float32's largest value overflowed to +inf and its softmax to NaN, so AR wrote the vocabulary's last token and
+    diffusion blamed the processor for NaN it never returned."""
+    lm = tiny()
+
+    def favour3(logits, rows):
+        logits[..., 3] = torch.finfo(logits.dtype).max
+        return logits
+
+    out = lm.generate_ar([[5, 6, 7]], max_new_tokens=6, seed=1, logits_processor=favour3, **ar)
+    assert out.new_tokens.tolist() == [[3] * 6]
+    out = lm.generate([[5, 6, 7]], max_new_tokens=8, max_denoising_steps=4, seed=1, logits_processor=favour3,
+                      **sampler)
+    assert out.new_tokens.tolist() == [[3] * 8]
