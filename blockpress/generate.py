@@ -885,9 +885,12 @@ def _output(
     passes: torch.Tensor,
     steps_per_canvas: torch.Tensor,
     encode_s: float,
-    decode_s: float,
+    denoise_s: float,
     cache: KVCache | None,
     texts_of: _RowTexts | None,
+    stopped: list[bool],
+    reused: list[int],
+    seeds: torch.Tensor,
 ) -> GenerationOutput:
     texts = fills = None
     if texts_of is not None:  # what the stop search and the Commit events decoded is not decoded again
@@ -903,10 +906,13 @@ def _output(
         num_new_tokens=num_valid.cpu(),
         steps_per_canvas=steps_per_canvas.cpu(),
         encode_seconds=encode_s,
-        denoise_seconds=decode_s,
+        denoise_seconds=denoise_s,
         cache=cache,
         num_chosen_tokens=chosen.cpu(),
         fills=fills,
+        # stopped: whether a stop string ended each row; seeds: each row's, drawn where seed was None (seeds= repeats
+        # the sample)
+        extra={"stopped": stopped, "reused_prompt_tokens": reused, "seeds": seeds.tolist()},
     )
 
 
@@ -1591,6 +1597,14 @@ class _Decoding:
         # read each checked step's flag first, as a draft reads the device anyway).
         every_step = self.model.dtype == torch.float16
         broken = torch.zeros(cfg.max_denoising_steps if every_step else 1, dtype=torch.bool, device=all_rows.device)
+
+        def step_fault(k: int) -> NonFiniteLogits:
+            return model_logits_fault(self.model, f"canvas {canvas.index}'s "
+                                      + ("first denoising step" if k == 1 else f"denoising step {k}"))
+
+        def whole() -> CanvasState:  # every row's state: the working rows' put back among the rest
+            return w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+
         for k, step in enumerate(range(0 if all_idle else cfg.max_denoising_steps, 0, -1), start=1):
             if req.cancelled is not None:
                 cut = self.cancelled()
@@ -1604,8 +1618,9 @@ class _Decoding:
             active = ~(w.state.done | w.finished)
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
+            checked = broken[k - 1] if every_step else broken[0] if k == 1 else None  # this step's NaN/inf flag
             with torch.no_grad():
-                logits = self.logits(w, broken[k - 1] if every_step else broken[0] if k == 1 else None)
+                logits = self.logits(w, checked)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     trouble |= no_choice(logits, w.writable & ~w.state.done[:, None])
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
@@ -1615,12 +1630,10 @@ class _Decoding:
                     uniforms, w.rules, own_logits=True,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
-                checked = broken[k - 1] if every_step else broken[0] if k == 1 else None
                 if checked is not None and bool(checked):  # (a draft reads the device anyway: no sync of its own)
                     # a draft of NaN logits is token 0 everywhere: streamed, it was shown before the canvas's error
-                    raise model_logits_fault(self.model, f"canvas {canvas.index}'s "
-                                             + ("first denoising step" if k == 1 else f"denoising step {k}"))
-                view = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+                    raise step_fault(k)
+                view = whole()
                 tokens = view.argmax[:, : canvas.keep].masked_fill(self.finished[:, None] | ~canvas.scored[:, : canvas.keep],
                                                                    req.pad_id)
                 yield Draft(canvas.index, k, tokens.cpu(), view.accepted.cpu(), (view.done | self.finished).cpu(),
@@ -1634,20 +1647,18 @@ class _Decoding:
                 # graphs, recaptures), and rows stop on nearby steps, so shrinking on every stop costs more than
                 # computing a few frozen rows does. At most log2(batch) copies a canvas.
                 if req.skip_stopped_rows and n_working <= w.rows.numel() // 2:
-                    state = w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+                    state = whole()
                     w = w.shrink(working.nonzero()[:, 0], canvas_len)
         bad = broken.tolist()  # read with the canvas's end (no host sync in a step); the cause, before the hooks' check
         if True in bad:
-            first = bad.index(True) + 1
-            raise model_logits_fault(self.model, f"canvas {canvas.index}'s "
-                                     + ("first denoising step" if first == 1 else f"denoising step {first}"))
+            raise step_fault(bad.index(True) + 1)
         if hooked and bool(trouble):
             hooks = " / ".join(n for n, f in (("logits_processor", req.logits_processor), ("constraint", req.constraint))
                                if f is not None)
             raise ValueError(f"{hooks}: left a position of canvas {canvas.index} with no token to choose "
                              "(NaN or +inf logits, or every token banned); ban tokens with -inf or a constraint, and "
                              "favour one with a large finite value")
-        return w.state if w.rows is all_rows else put_rows(state, w.rows, w.state)
+        return whole()
 
     def logits(self, w: _Working, broken: torch.Tensor | None = None) -> torch.Tensor:
         """One step's logits [b', C, V] for the working rows: the decoder's, through the logits processor and the
@@ -1824,11 +1835,9 @@ def _run(
     if keep_cache:
         cache.compact()  # rows that ended early left holes; a next turn must see each row as it would alone
     out = _output(req, new_tokens=dec.new_tokens, num_valid=dec.written, passes=dec.passes,
-                  steps_per_canvas=dec.steps_per_canvas, encode_s=encode_s, decode_s=denoise_s,
-                  cache=cache if keep_cache else None, texts_of=texts_of)
-    out.extra["stopped"] = dec.stops.stopped
-    out.extra["reused_prompt_tokens"] = reused
-    out.extra["seeds"] = dec.seeds.tolist()  # each row's, drawn where seed was None: seeds= repeats the sample
+                  steps_per_canvas=dec.steps_per_canvas, encode_s=encode_s, denoise_s=denoise_s,
+                  cache=cache if keep_cache else None, texts_of=texts_of, stopped=dec.stops.stopped, reused=reused,
+                  seeds=dec.seeds)
     yield Done(out)
 
 
@@ -1930,9 +1939,6 @@ def run_ar(
     passes = torch.minimum(passes, stops.length)
     if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
         cache.end_rows(start + num_valid)
-    out = _output(req, new_tokens=new_tokens, num_valid=num_valid, passes=passes, steps_per_canvas=passes[:, None],
-                  encode_s=encode_s, decode_s=decode_s, cache=cache if keep_cache else None, texts_of=texts_of)
-    out.extra["stopped"] = stops.stopped
-    out.extra["reused_prompt_tokens"] = reused
-    out.extra["seeds"] = row_seed.tolist()
-    return out
+    return _output(req, new_tokens=new_tokens, num_valid=num_valid, passes=passes, steps_per_canvas=passes[:, None],
+                  encode_s=encode_s, denoise_s=decode_s, cache=cache if keep_cache else None, texts_of=texts_of,
+                  stopped=stops.stopped, reused=reused, seeds=row_seed)
