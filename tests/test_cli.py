@@ -262,6 +262,50 @@ def test_a_terminal_said_to_be_ascii_is_read_as_utf8(capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out)["prompt"] == "def grüße(x):\n"
 
 
+@pytest.mark.parametrize("tty", [True, False])
+def test_stderr_said_to_be_ascii_gets_one_character_for_each_it_cannot_show(monkeypatch, tty):
+    """Under PYTHONIOENCODING=ascii stderr wrote "…" (a loading line cut to one row) as the six characters "\u2026",
+    so the line wrapped and its erase left the first row on screen, and the stats line's "·" came out as "\xb7". A
+    terminal now gets "?" (one column, as the character took); a file or pipe gets UTF-8, as stdout does."""
+    from blockpress.cli.output import utf8_stdio
+
+    class Stream(io.BytesIO):
+        def isatty(self) -> bool:
+            return tty
+
+    raw = Stream()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(raw, encoding="ascii", errors="backslashreplace"))
+    utf8_stdio()
+    print("…ng random-tiny · 3 tok/s", file=sys.stderr, flush=True)
+    assert raw.getvalue() == (b"?ng random-tiny ? 3 tok/s\n" if tty else "…ng random-tiny · 3 tok/s\n".encode())
+
+
+def test_chat_json_on_a_terminal_lets_line_editing_draw_its_prompt(monkeypatch, capsys):
+    """chat --json on a terminal printed "you> " itself and read with input(""): stdout being the terminal, input()
+    edits the line with readline, which took the line to start at column 0, so Ctrl-A, the arrows or history drew
+    over the prompt ("y/helphelp" for "you> //help"). readline is given the prompt wherever it edits the line."""
+    import builtins
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    prompts = []
+    lines = iter(["/help", "/exit"])
+
+    def typed(prompt=""):
+        prompts.append(prompt)
+        return next(lines)
+
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr(builtins, "input", typed)
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    assert main(["chat", "--model", "random-tiny", "--json"]) == 0
+    assert prompts == ["you> ", "you> "] and "you> " not in capsys.readouterr().err
+    assert [json.loads(line)["prompt"] for line in screen.getvalue().splitlines()] == ["/help", "/exit"]
+
+
 def test_generate_plain_prints_text_and_stats():
     r = run_cli("generate", "def add(a, b):", "--max-new-tokens", "16", "--steps", "2", "--no-live")  # default model
     assert r.returncode == 0, r.stderr

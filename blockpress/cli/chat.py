@@ -296,9 +296,12 @@ class ChatSession:
         if self.pending:
             return self.pending.pop(0)
         mark = "you> " if first else "...> "
-        if self.interactive and not self.on_screen:  # stdout holds the replies (or JSON lines) alone
+        # input() edits the line with readline where stdout is a terminal too (--json on one): readline must know the
+        # prompt there, or it redraws the line over it. Elsewhere stdout holds the replies (or JSON lines) alone.
+        edited = self.interactive and sys.stdout is not None and sys.stdout.isatty()
+        if self.interactive and not edited:
             print(mark, end="", file=sys.stderr, flush=True)
-        line = input(mark if self.on_screen else "")
+        line = input(mark if edited else "")
         if "\n" in line and any(part.rstrip("\r").rstrip() == BLOCK for part in line.split("\n")):
             line, *rest = line.split("\n")
             self.pending.extend(part.removesuffix("\r") for part in rest)

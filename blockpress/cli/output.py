@@ -138,12 +138,14 @@ def utf8_stdio() -> None:
     (PYTHONIOENCODING=ascii, an ASCII locale) is read as UTF-8, ASCII's superset and what terminals send: typed
     "grüße" ended `generate -` with "'ascii' codec can't decode byte 0xc3" and was refused by chat as "not valid
     UTF-8", which it was."""
-    stdout, stdin = sys.stdout, sys.stdin
-    if stdout is not None and hasattr(stdout, "reconfigure") and not is_utf8(stdout):
-        if stdout.isatty():
-            stdout.reconfigure(errors="replace")
-        else:
-            stdout.reconfigure(encoding="utf-8")
+    stdin = sys.stdin
+    for out in (sys.stdout, sys.stderr):  # (stderr: the progress lines and stats; its default backslashreplace wrote
+        # "…" as the six characters "\u2026", which wrapped a line cut to one row, and its erase left the first row)
+        if out is not None and hasattr(out, "reconfigure") and not is_utf8(out):
+            if out.isatty():
+                out.reconfigure(errors="replace")
+            else:
+                out.reconfigure(encoding="utf-8")
     if stdin is None or not hasattr(stdin, "reconfigure"):
         return
     try:
