@@ -1,6 +1,6 @@
 """The KV cache: owned by the caller, allocated once for a generation (a continued conversation grows it with
 `ensure_capacity` only when a turn needs more room); its encoded slots are written only by encoding (the
-encoder, or a prefix cache copying in slots it encoded before).
+encoder, or a prefix cache copying in slots it encoded before), and moved within a row by compaction.
 
 Layout: one key and one value tensor per layer, `[batch, kv_heads, capacity, head_dim]`, plus a
 `[batch, capacity]` validity mask. Rows of a batch share one slot count; a row with a shorter prompt is

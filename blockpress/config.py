@@ -602,7 +602,7 @@ class ModelConfig:
     # -- presets -------------------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
-        """A few-thousand-parameter model for tests."""
+        """A ~50k-parameter model for tests (not `preset("tiny")`, which has ~190k)."""
         text: dict[str, Any] = dict(
             vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,

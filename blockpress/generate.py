@@ -258,9 +258,9 @@ class Draft:
 @dataclass
 class Commit:
     canvas_index: int
-    tokens: torch.Tensor  # [B, n] committed tokens (cpu), pad after EOS
+    tokens: torch.Tensor  # [B, n] committed tokens (cpu), pad after EOS or a stop string
     steps: torch.Tensor  # [B] denoising steps this canvas took per row
-    finished: torch.Tensor  # [B] bool: row has ended (EOS or budget)
+    finished: torch.Tensor  # [B] bool: row has ended (EOS, stop string, budget, or cut by `cancelled`)
     elapsed: float
     # This canvas's tokens decoded on their own, when a tokenizer is present: a character whose bytes a canvas edge
     # splits is U+FFFD in both commits, and a stop string is not cut; to show the answer use `texts_so_far`.
@@ -288,7 +288,7 @@ class Commit:
 
 @dataclass
 class GenerationOutput:
-    sequences: torch.Tensor  # [B, P + N]: prompt (as given, left padded) + new tokens, pad after EOS
+    sequences: torch.Tensor  # [B, P + N]: prompt (as given, left padded) + new tokens, pad after EOS or a stop string
     prompt_length: int
     texts: list[str] | None
     tokens_per_forward: torch.Tensor  # [B] new tokens the model chose / decoder passes (a template's fixed ones are given)

@@ -788,7 +788,8 @@ class DiffusionGemma(nn.Module):
     ) -> torch.Tensor:
         """Bidirectional pass over the canvas, reading (never advancing) the cache. Returns float32 logits.
 
-        Self-conditioning comes from the previous step's logits, or directly from their softmax (`_probs`).
+        Self-conditioning comes from the previous step's logits, or directly from their softmax
+        (`self_conditioning_probs`).
         """
         b, length = canvas_ids.shape
         cache.reserve(0, scratch=length)

@@ -1,4 +1,5 @@
-"""Samplers: pure tensor functions over one denoising step. No state objects, no host syncs.
+"""Samplers: pure tensor functions over one denoising step. No state objects; no host syncs given the canvas's
+`CanvasRules.draws` and `numbers` (as the decoding loop passes them).
 
 One step, for every sampler:
   temperature(step)  -> logits / T

@@ -15,6 +15,10 @@ import random
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blockpress.tokenizer import Tokenizer
 
 CONTEXT_LINES = 20  # source lines before the def that the prompt keeps
 
@@ -139,7 +143,7 @@ class InfillCase:
     suffix: list[int]  # tokens after the hole that fit on the canvas
 
 
-def infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int, seed: int) -> list[InfillCase]:
+def infill_cases(functions: list[Function], tokenizer: Tokenizer, canvas: int, limit: int, seed: int) -> list[InfillCase]:
     """One body line per function becomes a hole of its own token length; the following lines stay fixed.
 
     The newline before the target belongs to the hole, as running text tokenizes it (see `prompt_text`). At most
@@ -175,7 +179,7 @@ class SpaceInfillCase:
     suffix: str  # the lines after, from their newline, cut to what fits on the canvas
 
 
-def space_infill_cases(functions: list[Function], tokenizer, canvas: int, limit: int,
+def space_infill_cases(functions: list[Function], tokenizer: Tokenizer, canvas: int, limit: int,
                        seed: int) -> list[SpaceInfillCase]:
     """One body line per function is cut after a space inside it (one following a word, followed by a word: the
     template's fixed text ends in a lone space token, which running text never holds before a word); the rest of the
