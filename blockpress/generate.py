@@ -16,6 +16,7 @@ from array import array
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from os.path import commonprefix
 from typing import Any, cast
 
@@ -1505,6 +1506,12 @@ class _Decoding:
     drop_ended: bool = False
     held: torch.Tensor | None = None
 
+    @cached_property
+    def step_cfg(self) -> SamplerConfig:
+        """What a denoising step reads of the sampler config (its numbers come from `rules`: see
+        SamplerConfig.step_choices), built once a generation: building it validates a whole config."""
+        return self.req.sampler.step_choices()
+
     @classmethod
     def begin(cls, model: Any, req: Request, cache: KVCache, fns: StepFunctions, texts: _RowTexts | None,
               drafts: bool, keep_cache: bool = False) -> _Decoding:
@@ -1579,7 +1586,6 @@ class _Decoding:
         # a logits processor sees the whole batch (the sudoku ensemble mixes rows): see CanvasRules.rows_mix
         rules = CanvasRules(canvas.fixed, canvas.scored, self.draws, self.model.dtype,
                             rows_mix=req.logits_processor is not None, numbers=self.numbers)
-        step_cfg = cfg.step_choices()  # the step reads its numbers from `rules` (see SamplerConfig.step_choices)
         w = _Working(rows=all_rows, state=state, cache=self.cache, rules=rules, writable=canvas.writable,
                      bans=canvas.bans, eos_banned=canvas.eos_banned, seeds=self.seeds, finished=self.finished,
                      history=self.history)
@@ -1626,7 +1632,7 @@ class _Decoding:
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
                 uniforms = None if cfg.argmax_candidates else hashed_uniforms(w.seeds, canvas.index, step, canvas_len)
                 w.state = self.fns.sampler_step(
-                    step_cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
+                    self.step_cfg, w.state, logits, step, noise_tokens(cfg, w.seeds, canvas.index, step, canvas_len, vocab),
                     uniforms, w.rules, own_logits=True,
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
