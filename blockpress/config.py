@@ -24,6 +24,7 @@ from .files import read_json_object
 # still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass as before.
 PREFILL_CHUNK = 2048
 SCHEMES = ("int8", "fp8", "int4")  # the quantization schemes (quantize.py)
+SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")  # the acceptance rules (SamplerConfig.sampler)
 RANKINGS = ("entropy", "margin", "position")  # the orders acceptance ranks positions in (SamplerConfig.rank_by)
 CHAT_TURNS = ("all", "last")  # which assistant turns of a `messages` record are trained on (data.parse_examples)
 

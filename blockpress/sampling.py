@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .checks import check_flag, check_keywords, is_finite_number, is_int
-from .config import RANKINGS
+from .config import RANKINGS, SAMPLERS
 
 # The samplers compute in float32: a setting past its range became inf there (a t_max of 1e308 made the schedule's
 # temperature inf, which flattened every logit to 0, so token 0 won every position: an empty answer billed as 8
@@ -51,7 +51,6 @@ def check_temperature(temperature: Any) -> None:
 # never stops a canvas early, as adaptive_stopping=False).
 MAX_COUNT = 2**31 - 1
 
-SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")
 # The candidate draw's settings, which a batch may hold one per row (RowDraws: a server batches requests that differ
 # in them, as real clients' temperatures and top_p do); the rest of a SamplerConfig is the whole batch's.
 ROW_SETTINGS = ("draw_temperature", "top_k", "top_p")

@@ -1169,3 +1169,15 @@ def test_a_mean_entropy_equal_to_the_threshold_does_not_stop():
     crit = ref_gen.StableAndConfidentStoppingCriteria(0, thr)
     processed = raw / temperature(cfg, 2)
     assert not bool(state.done[0]) and not bool(crit(processed.argmax(-1), processed)[0])
+
+
+def test_the_server_offers_the_samplers_the_library_has():
+    """The server's request model names the samplers in a Literal (its schema lists them); the CLI's choices and
+    SamplerConfig's check read SAMPLERS itself."""
+    import typing
+
+    from blockpress.config import SAMPLERS
+    from blockpress.serve import CompletionRequest
+
+    literal, none = typing.get_args(CompletionRequest.model_fields["sampler"].annotation)  # Literal[...] | None
+    assert none is type(None) and sorted(typing.get_args(literal)) == sorted(SAMPLERS)

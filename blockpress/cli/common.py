@@ -15,7 +15,7 @@ import time
 import warnings
 from typing import Any
 
-from blockpress.config import PREFILL_CHUNK, RANKINGS, SCHEMES
+from blockpress.config import PREFILL_CHUNK, RANKINGS, SAMPLERS, SCHEMES
 
 DEFAULT_MODEL = "blockpress-code"
 RANDOM_PREFIX = "random-"
@@ -263,7 +263,7 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     # (also under the library's and generation_config.json's name, which users carry over from the Python API)
     g.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None, action=TypedFlag,
                    help="max denoising steps per canvas")
-    g.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
+    g.add_argument("--sampler", choices=SAMPLERS, default=None,
                    help="acceptance rule: entropy_bound (the reference's), confidence, topk, greedy")
     g.add_argument("--entropy-bound", type=float, default=None,
                    help="read by the entropy_bound and greedy samplers: each step accepts the most certain positions "

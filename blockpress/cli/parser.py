@@ -28,7 +28,7 @@ from blockpress.cli.info import cmd_info, cmd_quantize
 from blockpress.cli.serve import cmd_serve
 from blockpress.cli.sudoku import cmd_sudoku
 from blockpress.cli.train import cmd_train
-from blockpress.config import RANKINGS, SCHEMES
+from blockpress.config import RANKINGS, SAMPLERS, SCHEMES
 
 _Namespace = TypeVar("_Namespace")
 
@@ -291,7 +291,7 @@ def add_sudoku_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     add_load_args(p)
     p.add_argument("--steps", "--max-denoising-steps", dest="steps", type=int, default=None, action=TypedFlag,
                    help="max denoising steps (default: the model's; 81 for blockpress-sudoku)")
-    p.add_argument("--sampler", choices=["entropy_bound", "confidence", "topk", "greedy"], default=None,
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
                    help="acceptance rule (default: the model's; topk for blockpress-sudoku)")
     p.add_argument("--rank-by", choices=RANKINGS, default=None,
                    help="the order cells are accepted in (topk, entropy_bound, greedy): lowest entropy first, widest "
