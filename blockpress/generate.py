@@ -1519,15 +1519,16 @@ class _Decoding:
         b, vocab = req.prompt.shape[0], model.config.text.vocab_size
         n_canvases = -(-n_new // model.config.canvas_length)
         zeros = torch.zeros(b, dtype=torch.long, device=device)
-        return cls(model, fns, req, cache, drafts, req.row_seeds().to(device), req.row_draws(device),
-                   StepNumbers.of(req.sampler),
-                   torch.tensor(req.eos_ids or [-1], device=device),
-                   torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device), zeros.clone(), zeros.bool(),
-                   torch.tensor(req.row_budgets()[0], dtype=torch.long, device=device), zeros,
-                   torch.zeros(b, n_canvases, dtype=torch.long, device=device),
-                   torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
-                   None if req.unknown_ids is None else req.unknown_ids.to(device),
-                   _Stops.of(req, texts, device), time.perf_counter(),
+        return cls(model, fns, req, cache, drafts, seeds=req.row_seeds().to(device), draws=req.row_draws(device),
+                   numbers=StepNumbers.of(req.sampler),
+                   eos=torch.tensor(req.eos_ids or [-1], device=device),
+                   new_tokens=torch.full((b, n_new), req.pad_id, dtype=torch.long, device=device),
+                   written=zeros.clone(), finished=zeros.bool(),
+                   budgets=torch.tensor(req.row_budgets()[0], dtype=torch.long, device=device), passes=zeros,
+                   steps_per_canvas=torch.zeros(b, n_canvases, dtype=torch.long, device=device),
+                   history=torch.zeros(b, vocab, device=device) if req.sampler.penalizes_repeats else None,
+                   unknown=None if req.unknown_ids is None else req.unknown_ids.to(device),
+                   stops=_Stops.of(req, texts, device), start=time.perf_counter(),
                    drop_ended=req.skip_stopped_rows and req.logits_processor is None and not keep_cache)
 
     def cancelled(self) -> torch.Tensor | bool:
@@ -1828,9 +1829,11 @@ def _run(
                 so_far, fills = answers.add(rows, dec.written.tolist())
                 settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
                            for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
-            yield Commit(ci, host, dec.steps_per_canvas[:, ci].cpu(), finished, time.perf_counter() - dec.start, texts,
-                         dec.written.cpu(), so_far, fills, settled, list(dec.stops.stopped), list(reused),
-                         chosen_tokens(req, dec.written).cpu())
+            yield Commit(ci, host, steps=dec.steps_per_canvas[:, ci].cpu(), finished=finished,
+                         elapsed=time.perf_counter() - dec.start, texts=texts, num_new_tokens=dec.written.cpu(),
+                         texts_so_far=so_far, fills_so_far=fills, settled_texts=settled,
+                         stopped=list(dec.stops.stopped), reused_prompt_tokens=list(reused),
+                         num_chosen_tokens=chosen_tokens(req, dec.written).cpu())
             if last:
                 break
     except GeneratorExit:  # a stream left midway (at the last Commit too) keeps what it encoded, each row as alone
