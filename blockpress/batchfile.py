@@ -97,7 +97,7 @@ def _read_ints(obj: dict[str, Any], row: Row, where: str, keys: tuple[str, ...])
         least = 1 if key == "max_new_tokens" else 0
         value = obj.get(key)
         if value is not None and (not is_int(value) or not least <= value < 2**63):
-            # (a value past int64 was told it should be "at least 1", which it was)
+            # (a value past int64 must not be told it should be "at least 1", which it is)
             what = "below 2**63" if is_int(value) and value >= least else f"of at least {least}"
             raise ValueError(f"{where}: {key}: expected an integer {what}, got {json.dumps(value)}")
         setattr(row, key, value)
@@ -112,7 +112,7 @@ def _run_wide(*names: str, flags: dict[str, str]) -> dict[str, str]:
 
 # Keys a line may give that name a setting no line reads (the run's flags set it). They are copied to the output line
 # as any other key is (a dataset's own fields, "prompt" and "suffix" of an infilling benchmark, say), but said to be
-# not applied: beside the run's settings each looked applied (a line's "stop", and its text running past it).
+# not applied: beside the run's settings each would look applied (a line's "stop", and its text running past it).
 SAMPLING_KEYS = ("steps", "max_denoising_steps", "sampler", "entropy_bound", "confidence", "rank_by", "t_max", "t_min",
                  "temperature", "top_k", "top_p", "presence_penalty", "frequency_penalty", "token_healing",
                  "no_token_healing")
@@ -173,7 +173,7 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
         except json.JSONDecodeError as exc:
             raise (_one_document(name, data) or _cr_alone(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
-        except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) was silently lost
+        except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) would be silently lost
             raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
                              "the last); give it once") from None
         except NotJSONNumber as exc:  # Python writes it back as it came, and no JSON reader takes the output then
@@ -255,12 +255,12 @@ def check_output(output: Path, input_path: str, kind: LineKind = GENERATE) -> No
     over them)."""
     if output.is_dir():
         raise ValueError(f"--output {output}: is a folder; give a file to write the output lines to")
-    if output.parent.exists() and not output.parent.is_dir():  # (it said "the folder ... does not exist")
+    if output.parent.exists() and not output.parent.is_dir():  # (not "the folder ... does not exist")
         raise ValueError(f"--output {output}: {output.parent} is a file, not a folder")
     if not output.parent.is_dir():
         raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
-    # a read-only disk or another user's folder: found by the first write, once the model had loaded (minutes for a
-    # large one). A file there that can be written (--resume, --overwrite) is written in place.
+    # a read-only disk or another user's folder: else found by the first write, once the model has loaded (minutes for
+    # a large one). A file there that can be written (--resume, --overwrite) is written in place.
     if not os.access(output if output.exists() else output.parent, os.W_OK):
         raise ValueError(f"--output {output}: cannot be written (its folder {output.parent} or the file is "
                          "read-only, or not yours)")
@@ -283,10 +283,11 @@ def done_lines(path: Path, rows: list[Row], kind: LineKind = GENERATE) -> set[in
         except (json.JSONDecodeError, UnicodeDecodeError):
             cut, lines = True, lines[:-1]
         else:  # a whole line without its newline (cut just before it, or an editor's save): the first line
-            # appended ran on from it, two objects on one line
+            # appended would run on from it, two objects on one line
             newline = True
     done = _output_lines(path, lines, rows, kind)
-    # only now: a file that is no output (--output notes.txt by mistake) lost its last line to the cut, then was refused
+    # only now: a file that is no output (--output notes.txt by mistake) would lose its last line to the cut,
+    # then be refused
     if cut:
         with path.open("r+b") as f:  # the partial line goes; the rest is kept as written
             f.truncate(len(data) - len(data.split(b"\n")[-1]))
@@ -315,7 +316,7 @@ def _output_lines(path: Path, lines: list[bytes], rows: list[Row], kind: LineKin
             raise ValueError(f"{path}:{number}: line {obj['line']}: the input has no such line to generate from "
                              "(is this the output of another input file?)")
         # the prompt (template) and the copied keys, as the input line gives them: the same line number in another
-        # file's output was taken as done, and its text kept under this file's line
+        # file's output would be taken as done, and its text kept under this file's line
         row = known[obj["line"]]
         # (a line that records its settings was written since every key of `added` was: each is checked)
         given = {k: v for k, v in {**kind.given(row), **row.carried}.items()

@@ -107,15 +107,15 @@ class BenchSettings:
         for name in ("new_tokens", "steps", "prompt_length", "repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)!r}")
-        if self.steps > MAX_COUNT:  # the sampler's own bound: met only as the first row was timed, the model built
+        if self.steps > MAX_COUNT:  # the sampler's own bound, checked now, not as the first row is timed
             raise ValueError(f"steps: expected an integer in [1, {MAX_COUNT}], got {self.steps}")
         self._check_context(self.model_config())  # an unknown preset or layer count: a clear error now
         if self.quantize is not None:
             from .quantize import check_scheme
 
             check_scheme(self.quantize)
-        # a device this torch lacks: a clear error now, not an assertion inside torch; meta (shapes only) was refused
-        # by the first row's generate, after the model was built and "warming up and timing" said
+        # a device this torch lacks: a clear error now, not an assertion inside torch; meta (shapes only) would be
+        # refused only by the first row's generate, after the model is built and "warming up and timing" said
         if resolve_device(self.device).type == "meta":
             raise ValueError(f"device: {self.device!r} holds shapes only, so nothing runs there to time; give cpu or "
                              f"cuda (`blockpress info --model random-{self.preset} --device meta` counts the preset "
@@ -523,7 +523,7 @@ def _bench_row(lm: LM, ref: Any, variants: dict[str, LM], b: int, s: BenchSettin
             if name != "compiled":
                 raise
             # No C++ compiler (a Windows install without MSVC's cl, a slim container), an unsupported platform or
-            # Python: a page of torch._dynamo traceback said it, as the last line of 120.
+            # Python: torch._dynamo says it in the last line of a page of traceback.
             raise compile_failure(err, "compile") from None
         if name == "compiled":
             _note(f"compiled in {time.perf_counter() - started:.0f} s")
@@ -696,12 +696,12 @@ def _reference(lm: LM) -> Any:
     try:
         from transformers import DiffusionGemmaForBlockDiffusion
         from transformers.utils import logging as hf_logging
-    except ImportError:  # a transformers 4 (peft's loose requirements pull one in) was left out without a word
+    except ImportError:  # a transformers 4 (peft's loose requirements pull one in) is left out by name
         _note(f"the reference is left out: transformers {transformers.__version__} has no DiffusionGemma; it needs "
               f"{since} or later")
         return None
     version = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
-    if version < REFERENCE_SINCE:  # (it failed inside from_pretrained, and the whole run with it)
+    if version < REFERENCE_SINCE:  # (it would fail inside from_pretrained, and the whole run with it)
         _note(f"the reference is left out: transformers {transformers.__version__} cannot load the checkpoint "
               f"blockpress saves; it needs {since} or later")
         return None
@@ -758,7 +758,7 @@ def _reference_run(ref: Any, prompt: torch.Tensor, s: BenchSettings, device: tor
                      device, memory)
     o, total = run.out, run.seconds
     # It denoises whole canvases, as blockpress does, and returns them whole: count the new tokens asked for, as
-    # for blockpress (a last canvas only partly used was credited in full, flattering the reference).
+    # for blockpress (crediting a last canvas only partly used in full would flatter the reference).
     per_row = min(s.new_tokens, o.sequences.shape[1] - prompt.shape[1])
     n = per_row * prompt.shape[0]
     passes = counted.count or None  # over every canvas it denoised; none seen: a compiled reference bypassed the hook
@@ -807,7 +807,7 @@ def figure(result: dict[str, Any]) -> Any:
     threads = result.get("machine", {}).get("threads")
     where = (f"{s['device']}, {threads} thread{'s' if threads != 1 else ''}" if s["device"] == "cpu" and threads
              else s["device"])
-    layers = f", {s['layers']} layers" if s.get("layers") else ""  # (a JSON of before held no "layers")
+    layers = f", {s['layers']} layers" if s.get("layers") else ""  # (a JSON of older versions holds no "layers")
     ax.set_title(f"{s['preset']}{layers} ({result['params'] / 1e6:.2g}M, {s['dtype']}), {s['new_tokens']} new tokens, "
                  f"{s['steps']} step{'s' if s['steps'] != 1 else ''} a canvas, {where}", fontsize=9)
     ax.grid(alpha=0.3)

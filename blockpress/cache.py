@@ -86,7 +86,7 @@ class KVCache:
                 raise ValueError(f"KVCache: {name}: expected a positive int, got {value!r}")
         batch_size, capacity = int(batch_size), int(capacity)  # numpy integers: plain ones, as the shapes hold
         nbytes = cls.allocation_bytes(config, dtype, batch_size, capacity)
-        if nbytes >= 2**63:  # torch's sizes are int64: past that, torch.zeros raised 'Overflow when unpacking long long'
+        if nbytes >= 2**63:  # sizes are int64: past that, torch.zeros fails ('Overflow when unpacking long long')
             raise ValueError(f"KVCache: batch_size {batch_size} x capacity {capacity} would take {nbytes:.3g} bytes, "
                              "past what any device addresses (2**63)")
         keys, values = [], []

@@ -88,7 +88,7 @@ class MappedSafetensors:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:  # checked before reading: a damaged length would ask for exabytes
                     raise ValueError(f"its header claims {n} bytes but the file has {size}")
-                # a key given twice is damage (json.loads keeps the last: a second entry for a tensor was read
+                # a key given twice is damage (json.loads keeps the last: a second entry for a tensor would be read
                 # silently), as the safetensors library, and so transformers, refuses it
                 self.header = parse_json(f.read(n), object_pairs_hook=one_value_a_key)
                 if not isinstance(self.header, dict):
@@ -421,7 +421,7 @@ def available_bytes(device: torch.device) -> int | None:
     what torch's caching allocator holds reserved but unused), or None."""
     if device.type == "cuda":
         # The driver's free memory leaves out the blocks torch keeps reserved after earlier work (a server's last
-        # batch): a new cache reuses those, so counting only the driver's figure refused caches that fit.
+        # batch): a new cache reuses those, so counting only the driver's figure would refuse caches that fit.
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + max(0, cached)
     if device.type != "cpu":
@@ -569,8 +569,8 @@ def index_total_size(path: Path) -> int | None:
     return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
 
 
-# Each shard of one sharded save holds the same mark in its metadata: a save stopped while it moved its shards into
-# place (a Ctrl-C, a kill) left a folder of some new shards and some old ones that loaded without a word.
+# Each shard of one sharded save holds the same mark in its metadata: a save stopped while it moves its shards into
+# place (a Ctrl-C, a kill) leaves a folder of some new shards and some old ones, which must not load without a word.
 SAVE_MARK_KEY = "blockpress_save"
 
 
@@ -602,7 +602,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            # UTF-8 whatever the locale (read_text() took the locale's, cp1252 on Windows), a BOM read past as
+            # UTF-8 whatever the locale (read_text() takes the locale's, cp1252 on Windows), a BOM read past as
             # read_json_object reads the folder's other JSON files
             raw = parse_json(index.read_text(encoding="utf-8-sig"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -613,7 +613,7 @@ def checkpoint_files(path: Path) -> list[Path]:
                                   "\"weight_map\" of tensor name -> shard file name)")
         for name, shard in weight_map.items():
             # A name, not a resolved path, is checked: a folder of links (a cache snapshot, one a user made) keeps
-            # loading, while "../other/model.safetensors" or "/abs/x" no longer reads a file outside the folder.
+            # loading, while "../other/model.safetensors" or "/abs/x" reads no file outside the folder.
             parts = PurePosixPath(shard.replace("\\", "/")).parts
             if not parts or shard.startswith(("/", "\\")) or ".." in parts:
                 raise CheckpointError(f"{index}: tensor {name!r} is mapped to shard {shard!r}, which is not a file "
@@ -783,7 +783,7 @@ def plan_model(
             from .quantize import quantize as quantize_model
 
             # on the meta device: only the layout (quantized buffers, scales); int4's small groups were said when the
-            # folder was quantized, and its scales' shapes hold them: a load of it (every run of an int4 folder) warned
+            # folder was quantized, and its scales' shapes hold them: no warning again at every load of an int4 folder
             quantize_model(model, saved, warn_groups=False)
             coded = coded_tensors(model)
             shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}

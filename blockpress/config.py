@@ -21,7 +21,7 @@ from .files import read_json_object
 # building the parser does not import torch: that takes seconds, and `blockpress --help` needs none of it.
 # Queries per encoder pass over a long prompt (DiffusionGemma.prefill_chunk's default). Each pass builds masks
 # (and, where SDPA falls back to its math kernel, scores) over chunk x keys, not prompt x prompt; 2048 queries
-# still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass as before.
+# still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass.
 PREFILL_CHUNK = 2048
 SCHEMES = ("int8", "fp8", "int4")  # the quantization schemes (quantize.py)
 SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")  # the acceptance rules (SamplerConfig.sampler)
@@ -89,7 +89,7 @@ def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-# torch's sizes are 64-bit: a larger JSON integer (Python reads any) loaded and then failed deep in torch with
+# torch's sizes are 64-bit: a larger JSON integer (Python reads any) would load and then fail deep in torch with
 # "empty(): argument 'size' failed to unpack the object ... Overflow when unpacking long long", naming no field.
 MAX_INT64 = 2**63 - 1
 
@@ -100,8 +100,8 @@ def _positive_int(value: object) -> TypeGuard[int]:
 
 # The most layers a config may ask for. Not a limit of the maths: building the model takes ~2.5 ms a layer even on the
 # meta device (before any weight is compared with the config), and a config without layer_types has its pattern drawn
-# as a list of num_hidden_layers entries, so an untrusted config.json of 10**6 layers held `blockpress.load` and
-# `blockpress info` for hours, and one of 10**12 took memory until the OOM killer. 1,024 is eight times the deepest
+# as a list of num_hidden_layers entries, so an untrusted config.json of 10**6 layers would hold `blockpress.load` and
+# `blockpress info` for hours, and one of 10**12 take memory until the OOM killer. 1,024 is eight times the deepest
 # released models' (Llama 3.1 405B: 126 layers; DiffusionGemma 26B-A4B: 30), and builds in seconds.
 MAX_LAYERS = 1024
 
@@ -236,13 +236,13 @@ class TextConfig:
         if not (self.layer_types is None or isinstance(self.layer_types, list)):  # list() of a string splits it
             raise ConfigError(f"text_config.layer_types: expected a list of layer types, got {self.layer_types!r}")
         if self.layer_types is not None and not all(isinstance(k, str) for k in self.layer_types):
-            # (a list in it failed as "unhashable type: 'list'", a number as "'<' not supported", naming no field)
+            # (a list in it would fail as "unhashable type: 'list'", a number as "'<' not supported", naming no field)
             kind = next(k for k in self.layer_types if not isinstance(k, str))
             raise ConfigError(f"text_config.layer_types: unknown layer type {kind!r}; expected {SLIDING!r} or {FULL!r}")
         if self.per_layer_config is None:
             # These two only build the full layers' overrides below (the reference pops them; a checkpoint it saved
-            # holds per_layer_config instead). Checked here, by name: int() read 1.5, "1" and true as 1, and a null
-            # failed as "text_config: int() argument must be ..."; the reference refuses all of them.
+            # holds per_layer_config instead). Checked here, by name: int() reads 1.5, "1" and true as 1, and a null
+            # fails as "text_config: int() argument must be ..."; the reference refuses all of them.
             for name, optional in (("global_head_dim", False), ("num_global_key_value_heads", True)):
                 value = getattr(self, name)
                 if not ((optional and value is None)
@@ -389,7 +389,7 @@ class TextConfig:
              "eos_token_id", f"expected a token id (or a list of them) in [0, {self.vocab_size}), got {self.eos_token_id!r}")
         cap = self.final_logit_softcapping
         # The reference divides the logits by it unconditionally: a null would load here and then fail there.
-        # JSON's Infinity too: tanh(logits / inf) * inf made every logit NaN, which generation then blamed on
+        # JSON's Infinity too: tanh(logits / inf) * inf makes every logit NaN, which generation would then blame on
         # activations overflowing float32
         need(_is_number(cap) and cap > 0,
              "final_logit_softcapping", f"expected a positive finite number, got {cap!r}")
@@ -404,7 +404,7 @@ class TextConfig:
              f"{self.top_k_experts} is more than num_experts={self.num_experts}")
         need(isinstance(self.hidden_activation, str) and self.hidden_activation in ACTIVATIONS, "hidden_activation",
              f"{self.hidden_activation!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
-        # (a string "false" is truthy: it tied the weights, and was saved back for transformers to read as true too)
+        # (a string "false" is truthy: it would tie the weights, and be saved back for transformers to read as true)
         for name in ("attention_bias", "tie_word_embeddings"):
             need(isinstance(getattr(self, name), bool), name, f"expected true or false, got {getattr(self, name)!r}")
         # "all" would make the encoder bidirectional with a halved, two-sided sliding window; the reference's forward
@@ -453,7 +453,7 @@ class TextConfig:
                  "must share one head_dim")
             # The reference builds each kind's layers from one view of per_layer_config, and refuses to build a model
             # whose layers of one kind have entries that differ in anything (num_key_value_heads too, or an entry
-            # beside none): blockpress ran those, and saved a checkpoint transformers could not load.
+            # beside none): refused here too, as a checkpoint saved from such a model is one transformers cannot load.
             layers = [i for i, k in enumerate(layer_types) if k == kind]
             first = per_layer.get(str(layers[0]), {})
             other = next((i for i in layers if per_layer.get(str(i), {}) != first), None)
@@ -713,7 +713,7 @@ class ModelConfig:
         text.update({f.name: copy.deepcopy(getattr(self.text, f.name)) for f in fields(TextConfig)})
         # transformers >= 5.15 stores the full layers' shape as per_layer_config alone (and reads it first); the
         # published checkpoint, and readers written for it (transformers 5.8, converters), as these two keys: both
-        # are written, agreeing (with per_layer_config alone, such a reader took its defaults for the full layers).
+        # are written, agreeing (a reader given per_layer_config alone would take its defaults for the full layers).
         if self.text.per_layer_config is not None:  # (None, set back after construction: the two keys stay, for
             # from_dict to draw it from them again)
             text.pop("global_head_dim")

@@ -201,7 +201,7 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str,
             response = response[: len(response) - response[::-1].index(end)]
         examples.append((at, Example(tokenizer.encode(prompt), response, templated=True)))
     # A later turn's prompt holds the earlier replies: the turns of a conversation fall on one side of the held-out
-    # split together, that of its last turn (split_heldout), as the conversation did when only it was trained on.
+    # split together, that of its last turn (split_heldout), the side the conversation takes when only it is trained on.
     key = (examples[-1][1].prompt, examples[-1][1].response)
     for _, ex in examples[:-1]:
         ex.split_key = key
@@ -331,7 +331,7 @@ def jsonl_files(path: str | Path) -> list[Path]:
         matches = sorted(glob.glob(text, recursive=True))  # ** is any depth, as in a shell's globstar and HF datasets
         jsonl = [Path(m) for m in matches if m.lower().endswith(".jsonl")]
         other = [m for m in matches if not m.lower().endswith(".jsonl")]
-        if jsonl and other:  # read as token shards, it failed on the other file's missing sidecar
+        if jsonl and other:  # read as token shards, it would fail on the other file's missing sidecar
             more = f" and {len(other) - 3} more" if len(other) > 3 else ""
             raise ValueError(f"{path}: matches JSONL files ({', '.join(map(str, jsonl[:3]))}"
                              f"{' and more' if len(jsonl) > 3 else ''}) and also {', '.join(other[:3])}{more}, which "
@@ -471,14 +471,14 @@ def split_heldout(examples: Sequence[Example], fraction: float) -> tuple[list[Ex
     own = [json.dumps([e.prompt, e.response]) for e in examples]
     sides = [int(hashlib.sha1((json.dumps(list(e.split_key)) if e.split_key else key).encode()).hexdigest()[:8], 16)
              / 0xFFFFFFFF < fraction for e, key in zip(examples, own)]
-    # (not whole groups of records joined by a shared turn: chats that open with one canned exchange were then one
-    # group, and --heldout held out none of them or all)
+    # (not whole groups of records joined by a shared turn: chats that open with one canned exchange would then be one
+    # group, and --heldout would hold out none of them or all)
     trained = {key for key, held_out in zip(own, sides) if not held_out}
     train: list[Example] = []
     held: list[Example] = []
     for e, key, held_out in zip(examples, own, sides):
         (held if held_out and key not in trained else train).append(e)
-    if not train:  # (it said "split_heldout: the held-out fraction left no training examples", naming no setting)
+    if not train:  # (else: "split_heldout: the held-out fraction left no training examples", naming no setting)
         raise ValueError(f"heldout: {fraction} holds out all {len(examples)} example{'s' if len(examples) > 1 else ''}, "
                          "leaving none to train on (each is held out by a hash of its content: a few examples, or "
                          "copies of one, fall together); give a smaller fraction, or 0")
@@ -550,8 +550,8 @@ def _open_shard(path: Path, vocab_size: int | None) -> np.ndarray:
         raise ValueError(f"{path}: {size} bytes is not a whole number (> 0) of {dtype} tokens")
     with path.open("rb") as f:
         # np.save's file: its header (magic, then a dict as text) would be read as tokens, silently where the sidecar
-        # gives no count (a uint16 shard began 20115, 19797, 22864, ...). Raw ids never start so: these are 3 uint16
-        # ids in a row, or one uint32 id past any vocabulary.
+        # gives no count (a uint16 shard would begin 20115, 19797, 22864, ...). Raw ids never start so: these are 3
+        # uint16 ids in a row, or one uint32 id past any vocabulary.
         if f.read(6) == b"\x93NUMPY":
             raise ValueError(f"{path}: is a NumPy .npy file (np.save), whose header would be read as tokens; a token "
                              f"shard holds the raw ids alone: write it with write_shard, or with "
@@ -713,13 +713,13 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *
             raise OSError(f"{file}: cannot be read ({exc.strerror or exc})") from None
         try:
             # a byte-order mark (Notepad's "UTF-8 with BOM") is no text to train on, as JSONL leaves it out
-            # (jsonl_objects): read with it, it was three tokens of U+FEFF before each such document
+            # (jsonl_objects): read with it, it would be three tokens of U+FEFF before each such document
             texts.append((str(file), text_of_file(data)))
         except UnicodeDecodeError as exc:
             raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(data[:2])}"
                              ) from None
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints took 36 bytes a
+    # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints takes 36 bytes a
     # token, and the int64 corpus 8), uint16 in the end where the ids fit, as write_shard's shards
     documents = [text for _, text in texts if text.strip()]
     tokens: list[np.ndarray] = []

@@ -192,12 +192,12 @@ class StagedFiles:
             self.discard()
             return
         try:
-            # A stop signal waits for the renames: a Ctrl-C between two left new weights beside the old settings,
-            # which loaded as one checkpoint
+            # A stop signal waits for the renames: a Ctrl-C between two would leave new weights beside the old settings,
+            # which would load as one checkpoint
             with interrupts_deferred(STOP_SIGNALS):
                 self.commit()
         except BaseException:
-            # No staged copy stays (a hidden temporary as large as the weights did), unless files have moved and a
+            # No staged copy stays (a hidden temporary as large as the weights), unless files have moved and a
             # record of the commit was kept to finish it from (a training run's resume: StagedFiles.finish)
             if not (self.started and self.recorded):
                 self.discard()

@@ -93,8 +93,8 @@ class StepFunctions:
 
 # Graphs a compiled step may hold before it runs eagerly (torch's default: 8). Each kind of batch (one row or
 # several, padded or not, a canvas's first step or a later one, a fixed cache length then a dynamic one) takes a
-# graph of its own: a plain user's calls at batch 1, then 2, then 2 with rows of other budgets held torch's 8 for the
-# decoder pass, and every batch after them decoded eagerly.
+# graph of its own: a plain user's first few kinds of batch can fill torch's 8 for the decoder pass, and every
+# batch after them would decode eagerly.
 RECOMPILE_LIMIT = 32
 
 # torch.compile's modes as its documentation lists them, for a torch that does not list them itself
@@ -510,7 +510,7 @@ def _id_row(row: Any, name: str) -> list[int]:
     if not isinstance(row, (list, tuple)):
         raise ValueError(f"{name}: expected integer token ids, got {row!r}")
     # is_int asks of a value's type alone, so each type the row holds is asked once (set(map(type, ...)) runs in C):
-    # is_int on every id took 25 ms per 30,000, what a server's batch paid for each such prompt as it started
+    # is_int on every id would cost a server's batch milliseconds for each long prompt as it starts
     kinds = set(map(type, row))
     if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in kinds):
         odd = [t for t in row if not is_int(t)]
@@ -606,7 +606,7 @@ class Template:
 
 def hole_runs(row: Sequence[int]) -> list[tuple[int, int]]:
     """The (start, end) spans of a row's runs of -1: a token-id template's holes."""
-    # where the row turns from fixed to hole and back, found by numpy: a loop over the ids took 7-9 ms per 128k
+    # where the row turns from fixed to hole and back, found by numpy: a Python loop over a long row's ids is slow
     try:
         holes = np.frombuffer(array("q", row), dtype=np.int64) < 0
     except OverflowError:  # an id past int64 (the vocabulary's range check refuses it later) is no hole
@@ -738,10 +738,10 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
         rows = t.tolist()
     else:
         expected = "text with <|hole|> markers, token ids [N] or [B, N] (-1 or None for holes)"
-        if not isinstance(template, (list, tuple)):  # bytes iterate as ints: read as ids, they "had no holes"
+        if not isinstance(template, (list, tuple)):  # bytes iterate as ints: read as ids, a template with no holes
             hint = " (decode it to str)" if isinstance(template, (bytes, bytearray)) else ""
             raise ValueError(f"template: expected {expected}, got {type(template).__name__}{hint}")
-        if not template:  # read as one row of no ids, it was "1 rows of [0] ids"
+        if not template:  # read as one row of no ids, it would pass for a template
             raise ValueError(f"template: expected {expected}, got an empty {type(template).__name__}")
         # rows of their own lengths come as a list: of lists, or of 1-D tensors / arrays, as prompts may
         if not set(map(type, template)) <= {int, type(None)}:  # (one row of plain ids has no row to convert)
@@ -1412,7 +1412,8 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
     b = prompt.shape[0]
     version = model.weights_version  # before encoding: weights changed meanwhile are caught at the first step
     # A continued cache holds keys of the weights it was filled with: checked by LM._check_cache when the call was
-    # made, and here again, as a stream begins at its first event (weights changed in between went on silently).
+    # made, and here again, as a stream begins at its first event (weights changed in between would go on
+    # silently).
     held = cache.weights_version if cache is not None and cache.length else None
     with weights_unchanged(model, version if held is None else held):
         if req.prefix_cache is not None:
@@ -1501,7 +1502,7 @@ class _Decoding:
     # logits processor that mixes rows), the cache lets go of every ended row at the next canvas, cut or ended by an
     # EOS, a stop string or its budget (`held`: the rows it still holds; None: all), once: a server's client that left
     # a shared batch stops costing passes and memory at once, and later canvases neither copy the ended rows' cache
-    # out of the way (each canvas copied the others' rows, a second cache's worth at the peak) nor encode them.
+    # out of the way (copying the others' rows takes a second cache's worth at the peak) nor encode them.
     cut_rows: list[bool] | None = None
     drop_ended: bool = False
     held: torch.Tensor | None = None
@@ -1537,8 +1538,8 @@ class _Decoding:
         said: Any = self.req.cancelled() if self.req.cancelled is not None else False
         b = self.finished.shape[0]
         if isinstance(said, torch.Tensor) or hasattr(said, "__array__"):  # one flag a row in a tensor or array, as
-            said = said.tolist()  # per-row settings are taken (bool() of it raised 'ambiguous' for two rows and more)
-        if isinstance(said, str):  # any text is truthy: "no" would have cancelled the stream
+            said = said.tolist()  # per-row settings are taken (bool() of it raises 'ambiguous' for two rows and more)
+        if isinstance(said, str):  # any text is truthy: "no" would cancel the stream
             raise ValueError(f"cancelled: expected True / False or one bool per row ({b}), got {said!r}")
         if not isinstance(said, (list, tuple)):
             return bool(said)
@@ -1621,7 +1622,7 @@ class _Decoding:
                     w.state = replace(w.state, done=w.state.done | cut[w.rows])
                     w.finished = w.finished | cut[w.rows]
                     if bool((w.state.done | w.finished).all()):  # (a sync only on a step that cut rows)
-                        break  # nothing left to denoise: without adaptive stopping the steps ran on for no row
+                        break  # nothing left to denoise: without adaptive stopping the steps would run on for no row
             active = ~(w.state.done | w.finished)
             self.passes[w.rows] += active
             self.steps_per_canvas[w.rows, canvas.index] += active
@@ -1638,7 +1639,7 @@ class _Decoding:
                 )
             if self.drafts:  # the positions kept, and nothing for rows that ended earlier nor past a row's budget
                 if checked is not None and bool(checked):  # (a draft reads the device anyway: no sync of its own)
-                    # a draft of NaN logits is token 0 everywhere: streamed, it was shown before the canvas's error
+                    # a draft of NaN logits is token 0 everywhere: streamed, it would show before the canvas's error
                     raise step_fault(k)
                 view = whole()
                 tokens = view.argmax[:, : canvas.keep].masked_fill(self.finished[:, None] | ~canvas.scored[:, : canvas.keep],
@@ -1810,7 +1811,7 @@ def _run(
                 return
             committed, valid = dec.commit(canvas, state)
             # let go of the canvas's state: held to the next canvas's end, its self-conditioning softmax [B, C, V]
-            # (256 MB a row at a 262k vocabulary, float32) stayed beside the next canvas's own
+            # (256 MB a row at a 262k vocabulary, float32) would stay beside the next canvas's own
             del state
             last = ci == n_canvases - 1 or bool(dec.finished.all())
             if not last or keep_cache:
@@ -1944,9 +1945,9 @@ def run_ar(
     decode_s = time.perf_counter() - t1
     num_valid = torch.minimum(_count_valid(new_tokens, eos), stops.length)
     # One pass per token kept, as for an EOS row (its EOS counts): stops are found every 8 tokens, and the
-    # passes a stopped row ran past its stop string until then made no token of its.
+    # passes a stopped row runs past its stop string until then make no token of its.
     passes = torch.minimum(passes, stops.length)
-    if keep_cache:  # a row that ended went on encoding pads (until every row ended): they are not its text
+    if keep_cache:  # a row that ended goes on encoding pads (until every row ends): they are not its text
         cache.end_rows(start + num_valid)
     return _output(req, new_tokens=new_tokens, num_valid=num_valid, passes=passes, steps_per_canvas=passes[:, None],
                   encode_s=encode_s, denoise_s=decode_s, cache=cache if keep_cache else None, texts_of=texts_of,

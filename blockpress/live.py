@@ -67,7 +67,7 @@ def windows_vt_mode(stream: TextIO) -> bool:
 
 
 # A format character (Cf) that terminals draw one cell wide (wcwidth 1): counted as none, every redraw of a line
-# holding it fell a row short and left a copy of the line behind
+# holding it would fall a row short and leave a copy of the line behind
 SOFT_HYPHEN = "\u00ad"
 
 
@@ -169,8 +169,8 @@ def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
             if n < len(text):
                 break
         # A cell budget is not a row count: on an odd width a row of wide characters leaves its last cell empty,
-        # and the kept line ran past the screen (its top scrolled off, the redraw left "…" rows behind). So the
-        # line's start goes, a character at a time, until it takes the rows it may.
+        # and the kept line would run past the screen (its top scrolled off, the redraw leaving "…" rows behind). So
+        # the line's start goes, a character at a time, until it takes the rows it may.
         while tail and rows_of("".join(t for t, _ in tail), columns) > max_rows - 1:
             text, style = tail[0]
             tail[0] = (text[1:], style)

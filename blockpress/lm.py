@@ -281,7 +281,7 @@ def _check_function(value: Any, name: str, signature: str) -> Any:
 
 def _check_logits_processor(processor: Any) -> Any:
     if type(processor).__module__.startswith("transformers."):  # a LogitsProcessorList, a LogitsProcessor or warper
-        # (called as blockpress calls its own, with the arguments in other roles, it failed inside transformers)
+        # (called as blockpress calls its own, with the arguments in other roles, it would fail inside transformers)
         raise ValueError(f"logits_processor: a transformers {type(processor).__name__}, which is called as "
                          "(input_ids, scores); blockpress calls logits_processor(logits, rows) -> logits, the logits "
                          "[B, C, V] of a canvas (generate_ar: [B, 1, V]) and the batch rows [B] they are; for "
@@ -429,7 +429,7 @@ def _sampler_config_setting(value: Any) -> dict[str, Any]:
     generation_config.json holds it; its bound is checked with the rest of the call's settings."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {"_cls_name": type(value).__name__, **dataclasses.asdict(value)}
-    if isinstance(value, dict) and "entropy_bound" in value:  # ({} set no bound: the checkpoint's was dropped)
+    if isinstance(value, dict) and "entropy_bound" in value:  # ({} would set no bound, dropping the checkpoint's)
         return dict(value)
     raise ValueError(f"sampler_config: expected transformers' EntropyBoundSamplerConfig or a dict "
                      f"{{'entropy_bound': <number>}}, got {value!r:.60} (or pass entropy_bound= itself)")
@@ -721,9 +721,8 @@ def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
 
 
 # Streams still open when the interpreter exits are closed first, while torch is whole: one suspended over a
-# conversation's cache and left to the interpreter's teardown aborted the process (torch's INTERNAL ASSERT in
-# THPVariable_clear, exit status 134) where the script had ended normally, or with its own error (status 1). A
-# process-wide registry, as the exit is the process's.
+# conversation's cache and left to the interpreter's teardown aborts the process (torch's INTERNAL ASSERT in
+# THPVariable_clear) however the script ended. A process-wide registry, as the exit is the process's.
 _OPEN_STREAMS: weakref.WeakSet[Events] = weakref.WeakSet()
 
 
@@ -1267,7 +1266,7 @@ class LM:
         mins = _row_counts(min_new_tokens, "min_new_tokens", batch)
         if max_new_tokens is None and not templated:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
-            # does), where "min_new_tokens: expected an integer in [0, max_new_tokens=64]" named a count not given.
+            # does), not to "min_new_tokens: expected an integer in [0, max_new_tokens=64]", naming a count not given.
             capped = self._max_length_from == "call"  # a call's max_length is a bound, as in transformers
             # A checkpoint's max_length that leaves no room: every row's minimum is the length asked, as it grows
             # past the one token a longer max_length leaves
@@ -1299,9 +1298,9 @@ class LM:
         sampler_options, per_row = _row_draws(sampler_options, batch, temperature_name)
         if isinstance(sampler, SamplerConfig):
             # The noise token is how the model was trained (absorbing noise), not a decoding preference: a config
-            # built to pick a sampler leaves it None, and decoding such a model with uniform noise gave word salad.
+            # built to pick a sampler leaves it None, and decoding such a model with uniform noise gives word salad.
             # None takes the checkpoint's; uniform noise there is asked for with noise_token_id=-1 (in the config
-            # or as a keyword), which the config keeps as -1: mapped to None, it took the checkpoint's token here.
+            # or as a keyword), which the config keeps as -1: mapped to None, it would take the checkpoint's token here.
             if sampler.noise_token_id is None:
                 sampler = sampler.with_(noise_token_id=self.sampler_defaults.noise_token_id)
             cfg = sampler.with_(**sampler_options)
@@ -1387,7 +1386,7 @@ class LM:
             gen.update(call_settings)
             if "max_length" in call_settings and "max_new_tokens" not in call_settings:
                 # the call's bound replaces the checkpoint's max_new_tokens, as the max_length keyword's does (and
-                # as in transformers): left in place, that count won and the bound was silently ignored
+                # as in transformers): left in place, that count would win and the bound be silently ignored
                 gen["max_new_tokens"] = None
                 given_as["max_new_tokens"] = "generation_config max_length"
         if hf.get("sampler_config") is not None:  # the reference's per-call spelling of the entropy bound
@@ -1438,8 +1437,8 @@ class LM:
             if _template_batch(args.get("template")):  # one template per row, not one for every row
                 args["template"] = _repeat_rows(args["template"], int(n), "template")
             seed = check_seed(args.get("seed"), "seed")
-            # None draws a fresh seed per row, which differ already; greedy copies are one answer, as the server's n
-            # greedy choices are (and as seed=None's, which greedy reads as 0, were: seed=0 gave n answers)
+            # None draws a fresh seed per row, which differ already; greedy copies are one answer whatever the seed, as
+            # the server's n greedy choices are (and as seed=None's, which greedy reads as 0)
             if seed is not None and not greedy:
                 args["seeds"] = [choice_seed(seed, i) for _ in range(rows) for i in range(int(n))]
         if gen == self.generation_config:
@@ -1546,7 +1545,7 @@ class LM:
                    else req.attention_mask.sum(-1).cpu()).long()
         budgets = req.row_budgets()[0]
         # Python ints: a max_new_tokens past int64 (2**63) is refused below by name, where a long tensor of it
-        # raised 'Overflow when unpacking long long'
+        # would raise 'Overflow when unpacking long long'
         taken = [n if canvas_length is None else canvas_positions(n, canvas_length) for n in budgets]
         totals = [h + p + t for h, p, t in zip(held.tolist(), lengths.tolist(), taken)]
         r = max(range(b), key=totals.__getitem__)  # the first row that needs the most positions
@@ -1560,7 +1559,7 @@ class LM:
             blame = ("prompt" if h + p + (canvas_length or 1) > limit else "template" if req.template is not None
                      else "max_new_tokens")
             # `defaulted`: the call gave no max_new_tokens, so the count is the checkpoint's default (a long chat
-            # met a refusal of "256 new tokens" it never asked for): say so, and what would fit
+            # would otherwise meet a refusal of "256 new tokens" it never asked for): say so, and what would fit
             room = limit - h - p if canvas_length is None else canvas_room(limit, h + p, canvas_length)
             hint = (f"; none was given, so {n} is the checkpoint's default: max_new_tokens {room} fits"
                     if defaulted and blame == "max_new_tokens" else "")
@@ -1761,7 +1760,7 @@ class LM:
                         return event.output
                 # run ends with Done unless `cancelled` said so
                 raise RuntimeError("cancelled: generation was cancelled before it finished")
-            except BaseException:  # a Ctrl-C between two events too: the stream's own undo did not see it
+            except BaseException:  # a Ctrl-C between two events too: the stream's own undo does not see it
                 events.close()
                 raise
 
@@ -2046,14 +2045,14 @@ class LM:
                                  f"layer {adapted!r}); save the adapters apart (blockpress.train.save_adapter), or "
                                  "merge them into the unquantized base (blockpress.load(base, adapter=...)) and save that")
             # (a LoRA run stopped before its last save, by Ctrl-C or an error, leaves them so): the folder written
-            # looked whole, and neither load read it (transformers filled the missing weights with random ones)
+            # would look whole, and neither load would read it (transformers fills the missing weights with random ones)
             raise ValueError(f"save: the model holds LoRA adapters, unmerged (layer {adapted!r}: a LoRA training run "
                              "stopped before its final save leaves them so); save the adapters apart "
                              "(blockpress.train.save_adapter), or fold them into the weights first "
                              "(blockpress.train.merge_lora(lm.model)) and save that")
-        # as load reads one: "~/out" made a folder named ~ in the current one, and "" wrote into the current one
+        # as load reads one: else "~/out" makes a folder named ~ in the current one, and "" writes into this one
         path = output_folder(path, "save")
-        self._check_runnable()  # a meta-device model has no weights to write (it failed half-way before)
+        self._check_runnable()  # a meta-device model has no weights to write (it would fail half-way)
         if path.exists() and not path.is_dir():
             raise ValueError(f"save: {str(path)!r} is a file; give a folder")
         if path.is_symlink() and not path.exists():  # mkdir would fail with a bare "File exists"
@@ -2066,8 +2065,8 @@ class LM:
             json.dumps(gen)
         except TypeError as exc:
             raise ValueError(f"save: generation_config holds a value JSON cannot store ({exc})") from None
-        # as a load reads them back: a value generate refuses (entropy_bound 0) was saved, and the folder then
-        # loaded neither here nor in transformers
+        # as a load reads them back: a value generate refuses (entropy_bound 0), saved, makes a folder that loads
+        # neither here nor in transformers
         check_generation_settings(gen, "save: generation_config")
         with staging(files) as staged:
             save_model(self.model, path, self.passthrough, metadata=metadata, files=staged, dtype=dtype,

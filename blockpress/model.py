@@ -409,9 +409,8 @@ class Experts(nn.Module):
         tokens, k = index.shape
         flat = index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs, sorted by expert
-        # Where each expert's rows end: the pairs routed to it or to a lower one. A comparison and a sum, where a
-        # scatter-add and a cumsum were: torch.compile fuses them, and both of those ran as separate library
-        # calls on a CPU (0.2 ms a layer of a small model's step, one thread).
+        # Where each expert's rows end: the pairs routed to it or to a lower one. A comparison and a sum, not a
+        # scatter-add and a cumsum: torch.compile fuses these, where those run as separate library calls on a CPU.
         experts = torch.arange(self.num_experts, device=flat.device)
         rows = ExpertRows((flat[None, :] <= experts[:, None]).sum(1, dtype=torch.int32))
         gate, up = self.project(x[order // k], "gate_up_proj", rows).chunk(2, dim=-1)
@@ -511,16 +510,16 @@ class DiffusionGemma(nn.Module):
         self.config = config
         # (this model's serial in the process, the in-place changes of its weights: a cast, a move, quantizing): keys
         # and values encoded under another version are stale, or another model's, so a KVCache records the version it
-        # was filled under and a PrefixCache too (LM._check_cache, PrefixCache.check_model). A count alone began at 0
-        # in every model: one model's cache continued another's conversation unrefused.
+        # was filled under and a PrefixCache too (LM._check_cache, PrefixCache.check_model). The serial keeps two
+        # models apart, so one model's cache cannot continue another's conversation.
         self.weights_version: tuple[int, int] = (next(MODEL_SERIALS), 0)
         # The changes of the weights' values alone (not moves): what the LM says of the values it loaded (its stored
         # dtype) holds while this is unchanged. Kept by a copy, whose values are the copied model's.
         self.values_changes = 0
         cfg = config.text
         # Built on the meta device (every load and random_model), nn.Embedding's own normal_ init runs through torch's
-        # Python reference ops, whose first call imports torch._dynamo: 1.5-3.5 s of each process's first load (each
-        # CLI run's), for values a load replaces. So the weight comes empty, initialised only where it is real.
+        # Python reference ops, whose first call imports torch._dynamo (seconds of a process's first load), for values
+        # a load replaces. So the weight comes empty, initialised only where it is real.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size,
                                                                                              cfg.hidden_size))
         if self.embed_tokens.weight.device.type != "meta":
@@ -564,7 +563,7 @@ class DiffusionGemma(nn.Module):
     def _inv_freqs(self) -> dict[str, torch.Tensor]:
         cfg = self.config.text
         # In layer order: a set's order follows the per-process string hash, and DDP pairs buffers across processes
-        # by their order (one process's sliding frequencies were broadcast into another's full ones)
+        # by their order (else one process's sliding frequencies are broadcast into another's full ones)
         # On the CPU whatever device is the default: under `with torch.device("meta")` (a load's construction) the
         # arithmetic would run through torch's Python reference ops, which import torch._dynamo (seconds) to do it.
         with torch.device("cpu"):
@@ -595,8 +594,8 @@ class DiffusionGemma(nn.Module):
             rounds = any(old != new for old, new in cast_to.items())  # a move alone keeps every value
         # before too: a pass that another thread runs meanwhile can tell why it failed
         self.weights_changed(values=rounds)
-        with interrupts_deferred():  # a Ctrl-C part-way left some weights cast and others not (or the tables not
-            super()._apply(fn, recurse)  # made anew): every later pass failed in torch, or differed unsaid
+        with interrupts_deferred():  # a Ctrl-C part-way would leave some weights cast and others not (or
+            super()._apply(fn, recurse)  # the tables stale): every later pass would fail in torch, or differ unsaid
             self.reset_buffers()
             fit_cpu_kernels(self)  # quantized weights laid out for the kernels of the device they landed on
             self.weights_changed(values=False)
@@ -696,8 +695,8 @@ class DiffusionGemma(nn.Module):
             keys = torch.arange(lo, end, device=device)
             allowed = keys[None, :] <= slots[:, None]
             if kind == "sliding_attention":
-                # the position vectors compared broadcast, in place: `slots - keys` made an int64 [P, P] first
-                # (80 GB for a 100k-token prompt, 8x the bool mask itself)
+                # the position vectors compared broadcast, in place: `slots - keys` would make an int64 [P, P]
+                # first, 8x the bool mask itself
                 allowed &= keys[None, :] > slots[:, None] - self.window
             if valid is not None:
                 # Pad queries attend to themselves only, so no row is fully masked (no NaNs anywhere).
@@ -745,7 +744,7 @@ class DiffusionGemma(nn.Module):
             valid = valid.clone()
             valid[:, start : start + length] = attention_mask
         outs = []
-        for lo in range(0, max(length, 1), chunk):  # an empty input still makes one (empty) pass, as it did
+        for lo in range(0, max(length, 1), chunk):  # an empty input still makes one (empty) pass
             hi = min(lo + chunk, length)
             first = start + lo
             # Sliding layers read only the window before this chunk's first query; full layers the whole cache.
@@ -873,8 +872,8 @@ class DiffusionGemma(nn.Module):
         x = self.self_conditioning(self.embed(noisy), soft)
         # The canvases are numbered on from the prompt's last token, as inference numbers a canvas (the cache's next
         # position onwards), padding included: a running-text window that ends inside its last canvas leaves a
-        # padded tail there, which the encoder's positions (a running count of valid slots) gave the last token's
-        # position over and over, so the scored positions attended to a tail at the wrong place.
+        # padded tail there, and a running count of valid slots would give each padded slot the last token's
+        # position, putting the tail the scored positions attend to at the wrong place.
         after = positions[:, prompt_length - 1 : prompt_length] + 1 if prompt_length else positions.new_zeros(b, 1)
         x = self.run_layers(x, after + torch.arange(total, device=device), masks, source, False)
         return self.head(x)

@@ -72,7 +72,7 @@ class PrefixCache:
     reused_tokens: int = 0
     _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict, repr=False)
     # (_sort_key(ids), key) of every entry, in order: the entry sharing the longest prefix with a prompt sorts right
-    # before or after it, so a lookup compares two entries, not all of them (a scan of every entry cost ~9 us each:
+    # before or after it, so a lookup compares two entries, not all of them (a scan of every entry costs ~9 us each:
     # 0.07 s a lookup at 8,000 entries, two lookups a prompt row, where 1 GiB holds ~20,000 short prompts)
     _sorted: list[tuple[bytes, int]] = field(default_factory=list, repr=False)
     _next: int = field(default=0, repr=False)

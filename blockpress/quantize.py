@@ -77,14 +77,13 @@ SCALE_SUFFIX = "_scale"  # a stored weight's scales: its name + this (the buffer
 # 31 ms at 64 rows, 35 against 37 at 128, 69 against 50 at 256; at one row 0.85 ms against 95 for [5632, 2816])
 INT4_CPU_MAX_ROWS = 128
 # The model dtypes whose quantized weights take torch's CPU kernels: that int4 GEMM, and the packed int8 one. Both are
-# vectorized for bfloat16 rows alone: float32 rows ran 27x slower than dequantizing through the int4 one (20 against
-# 0.76 ms a token for a [4096, 2816] projection, one thread), and int8's float32 path had the codes converted to
-# float32 on every call (23.8 ms, against 1.7 through the packed GEMM in bf16). So at inference a float32 model's rows
-# go through them in bfloat16 and come back in float32 (in training mode or with grad enabled they stay float32:
-# quantized_matmul's `exact`). The rounding, 2^-9 of each activation and output, is far below int4's own error (a
-# weight off by up to half its group's step, 1/14 of the group's largest: a tiny random model's logits moved
-# 0.025-0.08x as much, four draws at a time) and below int8's (a step is 1/127 of a row's largest: 0.33-0.78x; on
-# blockpress-code as far as a bf16 model's own rounding moves them, KL to float32 0.0016 against int8's own 0.0018).
+# vectorized for bfloat16 rows alone: float32 rows run about 27x slower than dequantizing through the int4 one, and
+# int8's float32 path converts the codes to float32 on every call (over 10x the packed GEMM in bf16). So at inference
+# a float32 model's rows go through them in bfloat16 and come back in float32 (in training mode or with grad enabled
+# they stay float32: quantized_matmul's `exact`). The rounding, 2^-9 of each activation and output, is far below
+# int4's own error (a weight off by up to half its group's step, 1/14 of the group's largest) and below int8's (a
+# step is 1/127 of a row's largest); on blockpress-code it moves the logits about as far as a bf16 model's own
+# rounding does.
 CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # int8 in float32 takes the packed GEMM for up to this many rows: past it the bf16 detour gains nothing (the [4096, 2816]
 # projection at 256 rows: 129 against 130 ms converting the codes; at 128, 57 against 82)
@@ -416,9 +415,8 @@ def _rows_in_bf16(x: torch.Tensor, exact: bool, float32_rows: int) -> bool:
 
 
 # torch's CPU kernels for quantized weights run as opaque custom ops under torch.compile, and as themselves in eager:
-# there a custom op's dispatch cost about 15 us a call on one thread, more than the kernel itself for a small model's
-# projection (a [256, 256] int8 weight at one row: 8 us with its casts, 24.5 through the op; blockpress-code's AR
-# then ran 10% slower in float32 int8 through the packed GEMM than converting its codes to float32).
+# there a custom op's dispatch costs about 15 us a call on one thread, more than the kernel itself for a small model's
+# projection, enough to make a small model's int8 through the packed GEMM slower than converting its codes.
 
 
 def _int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
@@ -588,8 +586,8 @@ class QuantizedExperts(_CodedWeights, Experts):
             return _quantized_experts(x, q, scale, rows, self.kernel, exact=exact)
         if self._dequantizes_without_sync(x):
             # Inside a CUDA graph, which cannot hold the loop's host syncs, and for int4 on a GPU (not measured there
-            # otherwise). The loop below dequantizes the experts that have rows alone: on a CPU, the 26B-A4B's 128
-            # int4 experts at once made an AR token 6.5x slower than the 8 it routes to, and a 256-token canvas 2.6x.
+            # otherwise). The loop below dequantizes the experts that have rows alone: on a CPU, dequantizing all of the
+            # 26B-A4B's 128 int4 experts at once makes an AR token several times slower than the 8 it routes to.
             if x.shape[0] < self.num_experts:  # fewer rows than experts (an AR step): each row's weight alone
                 return _dequantized_per_row(x, q, scale, rows)
             return _grouped_linear(x, dequantize_weight(q, scale, x.dtype), rows)  # all at once, one transient copy
@@ -710,8 +708,8 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
             swapped.append((parent, name, child))
         fit_cpu_kernels(model)
     except BaseException:
-        # All or nothing: a failure part-way (out of memory, Ctrl-C) puts the modules swapped so far back, where it
-        # left a half-quantized model that called itself quantized and failed in every pass. `targets` holds the
+        # All or nothing: a failure part-way (out of memory, Ctrl-C) puts the modules swapped so far back, rather than
+        # leave a half-quantized model that calls itself quantized and fails in every pass. `targets` holds the
         # originals until the end anyway, so this costs no memory.
         for parent, name, original in reversed(swapped):
             setattr(parent, name, original)

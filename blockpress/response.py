@@ -60,8 +60,8 @@ PLACEHOLDER = re.compile(r"\{(\w+(?:\.\w+)*)\}")
 STASH_OPEN, STASH_CLOSE = "\x01", "\x02"
 # What the template's patterns may take: one read of a reply (a parse_response, or a stream's parse_partial of the
 # reply so far), and all the reads of one reply together (PatternBudget). A real template's patterns read a reply in
-# milliseconds: streamed in chunks of 8 characters, a reply of 16,000 took 0.03 s of Gemma 4's in all and 0.17 s of
-# Qwen 3.5's when each chunk read the reply again, growing with its length squared, so the total allows a reply 7
+# milliseconds: streamed in chunks of 8 characters, a reply of 16,000 takes 0.03 s of Gemma 4's in all and 0.17 s of
+# Qwen 3.5's when each chunk reads the reply again, growing with its length squared, so the total allows a reply 7
 # times that long read so; a PartialReader of a template whose markers settle (Gemma 4's) searches each chunk's
 # text once. The server reads replies on its event loop: these are also the longest it stops answering for them.
 RESPONSE_PATTERN_SECONDS = 1.0

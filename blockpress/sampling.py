@@ -25,9 +25,9 @@ import torch
 from .checks import check_flag, check_keywords, is_finite_number, is_int
 from .config import RANKINGS, SAMPLERS
 
-# The samplers compute in float32: a setting past its range became inf there (a t_max of 1e308 made the schedule's
-# temperature inf, which flattened every logit to 0, so token 0 won every position: an empty answer billed as 8
-# tokens). Tiny values are fine: a temperature below MIN_TEMPERATURE is divided as that (greedy).
+# The samplers compute in float32: a setting past its range becomes inf there (a t_max of 1e308 makes the
+# schedule's temperature inf, which flattens every logit to 0, so token 0 wins every position). Tiny values are
+# fine: a temperature below MIN_TEMPERATURE is divided as that (greedy).
 FLOAT32_MAX = torch.finfo(torch.float32).max
 IN_FLOAT32 = f"within float32's range (|x| <= {FLOAT32_MAX:.3g})"
 
@@ -43,12 +43,12 @@ def check_temperature(temperature: Any) -> None:
         raise ValueError(f"temperature: expected a finite number >= 0 (0: greedy) {IN_FLOAT32}, got {temperature!r}")
 
 
-# The largest top_k, stability_threshold and max_denoising_steps, counts that meet int32/int64 tensors: unbounded, a
-# value past int64 (a client's 10**30) was accepted and then failed the step, and with top_k the tensor of a whole
-# batch's values; a step count past int32 failed the first step's temperature (an int32 tensor) with torch's
-# "cannot be converted to type int32", naming no setting. No vocabulary comes near it (any k at or above a
-# vocabulary's size keeps every token, as 0 does), nor any canvas's steps (a threshold above max_denoising_steps
-# never stops a canvas early, as adaptive_stopping=False).
+# The largest top_k, stability_threshold and max_denoising_steps, counts that meet int32/int64 tensors: a value
+# past int64 would be accepted and then fail the step (with top_k, the tensor of a whole batch's values), and a
+# step count past int32 fails the first step's temperature (an int32 tensor) with torch's "cannot be converted
+# to type int32", naming no setting. No vocabulary comes near it (any k at or above a vocabulary's size keeps
+# every token, as 0 does), nor any canvas's steps (a threshold above max_denoising_steps never stops a canvas
+# early, as adaptive_stopping=False).
 MAX_COUNT = 2**31 - 1
 
 # The candidate draw's settings, which a batch may hold one per row (RowDraws: a server batches requests that differ
@@ -91,8 +91,8 @@ class SamplerConfig:
     candidates: str = "sample"
     # Candidates are drawn at the schedule's temperature times this; acceptance, ranking, stopping and
     # self-conditioning keep the schedule. This is OpenAI's `temperature` on the server: scaling the whole schedule
-    # instead made every position look certain at a low temperature, so the entropy bound took a whole canvas
-    # of noise in one or two passes (0.05 gave `ospathpathpath...`, worse than both 0 and 1).
+    # instead would make every position look certain at a low temperature, so the entropy bound would take a whole
+    # canvas of noise in one or two passes.
     draw_temperature: float = 1.0
     # The candidate draw keeps only the top_k most likely tokens (0: all), then, of those, the smallest set of
     # most likely ones whose probability reaches top_p (the nucleus; 1: all), as in HF's and vLLM's samplers.
@@ -269,8 +269,8 @@ class SamplerConfig:
             return self if self.sampler == "greedy" else self.with_(candidates="argmax")
         if self.sampler == "greedy" and sampler_given:
             return self
-        # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule made every position
-        # look certain at a low temperature, so a canvas of noise was accepted in a pass or two.
+        # It tempers the draws alone: acceptance keeps the schedule. Scaling the schedule would make every position
+        # look certain at a low temperature, so a canvas of noise would be accepted in a pass or two.
         return self.with_(sampler="entropy_bound" if self.sampler == "greedy" else None,
                           candidates="sample", draw_temperature=temperature)
 
@@ -362,9 +362,9 @@ def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     probs = torch.softmax(lf, dim=-1)
     top, argmax = lf.max(dim=-1, keepdim=True)
     shifted = (lf - top).clamp_(min=-1e30)
-    # float32 under a caller's torch.autocast too, which runs vecdot in its lower dtype: the entropy moved by up to
-    # 5e-3 and the tokens accepted with it, where the model's logits were the same bit for bit. (Entered only under
-    # one: the block cost 28 Python calls a step where none is on.)
+    # float32 under a caller's torch.autocast too, which runs vecdot in its lower dtype: the entropy, and the tokens
+    # accepted with it, would move where the model's logits are the same bit for bit. (Entered only under one:
+    # the block costs Python calls every step where none is on.)
     calm = torch.autocast(lf.device.type, enabled=False) if torch.is_autocast_enabled(lf.device.type) else nullcontext()
     with calm:
         ent = -probs.gather(-1, argmax).squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
@@ -424,8 +424,8 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         ordered = ordered.masked_fill(ids >= k, 0.0)
         # a token stays while the more likely ones before it hold less than top_p of the mass, the first always (by
-        # position: a top_p below float32's smallest, 1e-320, is 0 here, and 0 >= 0 dropped every token). At top_p 1
-        # nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
+        # position: a top_p below float32's smallest, 1e-320, is 0 here, and 0 >= 0 would drop every token). At top_p
+        # 1 nothing goes: the sum's rounding could otherwise drop the least likely tokens of an unfiltered row.
         before = torch.cumsum(ordered, dim=-1) - ordered
         past = (before >= p * ordered.sum(-1, keepdim=True)) & (ids > 0) & (p < 1.0)
         # The nucleus ends at the first token past it (the running sum's rounding can wobble by an ulp in a long
@@ -461,11 +461,10 @@ class RowDraws:
     top_p: torch.Tensor  # [B] float32, 1: no nucleus filter
     # Read on the host once, when made (never inside a step): whether any row tempers its draws, the smallest and
     # the largest top_k above 0 ((0, 0): no row's) and whether any row's top_p is below 1. A batch where none does
-    # skips that work, as a single unfiltered request always did; one without a nucleus filters by torch.topk,
-    # with no sort (`top_filter`). Two numbers, not a row's each nor each value once: torch.compile guards on these,
-    # and a tuple as long as the batch recompiled the compiled sampler step for every batch size, past its
-    # recompile limit (8), after which the step ran eagerly, unsaid (a batch sweep of `bench --compile` from 8 rows
-    # on); a tuple of the distinct values did so for every count of them (a server's batches of requests).
+    # skips that work, as a single unfiltered request does; one without a nucleus filters by torch.topk, with no
+    # sort (`top_filter`). Two numbers, not a row's each nor each value once: torch.compile guards on these, and a
+    # tuple as long as the batch (or of the distinct values) would compile the sampler step again for every batch
+    # size (or count of values), past torch's recompile limit, after which the step runs eagerly, unsaid.
     tempered: bool
     top_k_range: tuple[int, int]
     nucleus: bool
@@ -616,11 +615,11 @@ def _hash(seed: torch.Tensor, stream: int, canvas_index: int, step: int, length:
     never on its neighbours in a batch, nor on how many rows there are.
     """
     pos = torch.arange(length, device=seed.device, dtype=torch.int64)
-    # Python ints are unbounded: mask the counter's product before it meets int64 (long generations overflowed).
-    # Only the low 47 bits matter, and int64 addition keeps them, so this draws the numbers it always did.
+    # Python ints are unbounded: mask the counter's product before it meets int64, which a long generation's
+    # would overflow. Only the low 47 bits matter, and int64 addition keeps them, so the mask changes no draw.
     counter = (((canvas_index * 1_000_003 + step) * 4 + stream) * 0x85EBCA6B) & _MASK47
     # Seeds below 2**47 are themselves; the bits above are spread by an odd multiplier, not xored into the low
-    # bits (that made seed 1 and seed 2**47 draw the same numbers).
+    # bits (which would make seed 1 and seed 2**47 draw the same numbers).
     folded = ((seed & _MASK47) + (seed >> 47) * 0x5DEECE66D) & _MASK47
     x = folded[:, None] * 0x9E3779B1 + counter + pos[None, :] * 0xC2B2AE35
     x = x & _MASK47
@@ -691,8 +690,8 @@ def init_state(canvas: torch.Tensor, fixed: torch.Tensor | None = None) -> Canva
     if fixed is not None:
         settled = fixed >= 0
         canvas = torch.where(settled, fixed, canvas)
-    # a tensor of its own each: torch.compile guards on which inputs alias, and the compiled step recompiled once
-    # stable_steps and accepted, one zeros tensor here, came back from a step as two
+    # a tensor of its own each: torch.compile guards on which inputs alias, and stable_steps and accepted sharing
+    # one zeros tensor here, then coming back from a step as two, would compile the step again
     return CanvasState(canvas=canvas, argmax=canvas.clone(), sc_probs=None, stable_steps=zeros, done=zeros.bool(),
                        accepted=zeros.clone(), settled=settled)
 
@@ -763,8 +762,8 @@ def denoise_step(
         candidates = torch.where(kept, state.canvas, drawn)
 
     # Positions past max_new_tokens are cut away: no rule ranks them (they stay noise), so they neither use up a
-    # step's acceptance nor push a kept position back (8 new tokens of a 32-token canvas took 31 passes, more than
-    # 32 did, as about one position a step was accepted and often one past the 8). Decided ones stay in.
+    # step's acceptance nor push a kept position back (a few new tokens of a long canvas would otherwise take
+    # about one pass each). Decided ones stay in.
     within = None if scored is None else scored | held
     if cfg.sampler in ("entropy_bound", "greedy"):
         # Decided positions rank first (-1) and add no entropy, so they never use up the bound.
@@ -790,7 +789,7 @@ def denoise_step(
         argmax = torch.where(free, argmax, fixed)
 
     # Stable and confident where it counts: positions past max_new_tokens are cut away, so their churn must not
-    # hold the canvas (one new token took 24 passes of a 32-token canvas waiting on the 31 it throws away).
+    # hold the canvas (a short answer would wait on the positions it throws away).
     agree = argmax == state.argmax if scored is None else (argmax == state.argmax) | ~scored
     same = agree.all(dim=-1) & (step < numbers.max_denoising_steps)  # the first step has no "before"
     stable_steps = torch.where(same, state.stable_steps + 1, 0)
@@ -805,7 +804,7 @@ def denoise_step(
     keep = done[:, None]
     sc_probs = probs.to(rules.sc_dtype) if cfg.self_conditioning else None  # off: nothing to keep for the next pass
     # rows_mix first: torch.compile guards on what the step reads, and reading state.sc_probs (None at a canvas's
-    # first step) made the compiled step two graphs, the first step's and the rest's, for every choice of code
+    # first step) would make the compiled step two graphs, the first step's and the rest's, for every choice of code
     if rules.rows_mix and sc_probs is not None and state.sc_probs is not None:
         sc_probs = torch.where(keep[..., None], state.sc_probs, sc_probs)
     return CanvasState(
@@ -814,8 +813,8 @@ def denoise_step(
         sc_probs=sc_probs,
         stable_steps=torch.where(done, state.stable_steps, stable_steps),
         done=done | stop,
-        # `accept` holds the kept and the given positions too, which were not accepted at this step; a row that had
-        # stopped accepted none (it repeated its last step's count, and a canvas's Drafts added up past its length)
+        # `accept` holds the kept and the given positions too, which were not accepted at this step; a row that has
+        # stopped accepts none (else it repeats its last step's count, and a canvas's Drafts add up past its length)
         accepted=(accept & ~held & ~keep).sum(-1),
         settled=torch.where(keep, state.settled, accept | ~free),
     )

@@ -152,9 +152,8 @@ class FirstBadItem(FailFast):
 
 
 T = TypeVar("T")
-# A request's list, validated to its first bad item only. Every bad item was an error of its own, which FastAPI and
-# validation_error then read one by one on the event loop: a 1.5 MB prompt of 300,000 floats (one error per item
-# and per list form of `prompt`) held every client 17.5 s for its 400, and a stop of 300,000 numbers 4.8 s.
+# A request's list, validated to its first bad item only: an error for every bad item, each read one by one on
+# the event loop (FastAPI, validation_error), would hold every client for seconds on a long list's 400.
 Items = Annotated[list[T], FirstBadItem()]
 
 # The most denoising steps a canvas may take, a request's max_denoising_steps or the model's default: each step is a
@@ -258,7 +257,7 @@ class _Common(_NullIsDefault):
     max_denoising_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
     # SamplerConfig checks these (sampler_config answers a 400 naming the field): their ranges are not restated
-    # here, where a copy had drifted (t_max > 0 refused the 0 the library and the CLI take)
+    # here, where a copy would drift from the library's
     entropy_bound: float | None = None
     confidence: float | None = None
     t_min: float | None = None
@@ -361,8 +360,9 @@ class Message(_Body):
     # and a template such as Gemma 4's reads it (or leaves past thoughts out)
     reasoning_content: str | None = None
     # The rest of an openai client's reply object (ChatCompletionMessage), which an agent loop sends back as
-    # `message.model_dump()` writes it, each null: a second turn was a 400 ("unknown field 'messages[1].refusal'").
-    # Null (annotations: also []) asks for nothing; a value this server cannot render is refused by name (check).
+    # `message.model_dump()` writes it, each null: refused, they would make every second turn a 400 ("unknown
+    # field 'messages[1].refusal'"). Null (annotations: also []) asks for nothing; a value this server cannot
+    # render is refused by name (check).
     refusal: str | None = None
     annotations: list | None = None
     audio: dict | None = None
@@ -804,8 +804,8 @@ class Metrics:
         self.counters = {"requests_total": 0, "rejected_total": 0, "cancelled_total": 0, "failed_total": 0,
                          "completion_tokens_total": 0, "prompt_tokens_total": 0, "cached_prompt_tokens_total": 0,
                          "forward_passes_total": 0, "batches_total": 0}
-        # Cumulative histogram counts, as Prometheus reads them: a list of every latency grew without end, and
-        # rendering it held the lock the engine thread needs (0.2 s at 200k requests).
+        # Cumulative histogram counts, as Prometheus reads them: a list of every latency would grow without end, and
+        # rendering it would hold the lock the engine thread needs.
         self.buckets = [0] * len(self.BUCKETS)
         self.latency_sum = 0.0
         self.latency_count = 0
@@ -852,8 +852,8 @@ class Batch:
         self.committed = False  # whether a canvas has committed: until then a draft starts with the healed prompt text
         self.told = False  # whether any job was sent anything (a draft, a commit's text)
         # Each job's valid new tokens, forward passes and last valid token so far, and whether it has had its JobDone:
-        # a row is answered at the commit it finishes in, not when its batch's longest row ends (a 16-token
-        # answer batched beside a 480-token one came 28.6 s late, its stream's finish_reason and [DONE] with it)
+        # a row is answered at the commit it finishes in, not when its batch's longest row ends (a short answer
+        # batched beside a long one would otherwise wait for it, its stream's finish_reason and [DONE] with it)
         self.counts = [0] * len(jobs)
         self.passes = [0] * len(jobs)
         self.last_token: list[int | None] = [None] * len(jobs)
@@ -974,8 +974,8 @@ class Engine:
         self.batches: list[Batch] = []  # the batches the engine thread is generating, in the order they started
         self.metrics = Metrics()
         # Started when the app starts or the first request comes (`start`), not here: only the app's shutdown ends
-        # it, so an app that was made and never served (a notebook cell run again, a refused setting after it)
-        # kept a thread waiting forever, and the model with it (10 create_app calls: 10 threads).
+        # it, so an app made and never served (a notebook cell run again, a refused setting after it) would keep a
+        # thread waiting forever, and the model with it.
         self.thread = threading.Thread(target=self._loop, daemon=True, name="blockpress-engine")
 
     def start(self) -> None:
@@ -1068,7 +1068,7 @@ class Engine:
         job of the same settings (Job.key) that fits beside it, then the next oldest's."""
         self._drop_cancelled()
         # A row whose client left is no longer computed and its cache row goes at its batch's next canvas: its place
-        # is free now (it held a short request behind a long batch for the whole batch, 107 s for 0.5 s of work).
+        # is free now (else it holds a short request behind a long batch for the whole batch).
         room = self.max_batch - self._running()
         while self.waiting and room > 0:
             keys = self._keys()
@@ -1135,8 +1135,8 @@ class Engine:
             finished = batch.advance()
         except Exception as exc:  # keep serving; this batch's requests get a 500-style error event, the rest go on
             if allocation_failed(exc) and len(batch.jobs) > 1 and not batch.told:
-                # A batch's cache is its rows x its longest row: one request's max_tokens failed every request beside
-                # it (each answered alone). Nothing was told yet: each runs alone, and one that fails alone is told.
+                # A batch's cache is its rows x its longest row: one request's max_tokens would fail the requests beside
+                # it (each answerable alone). Nothing is told yet: each runs alone, and one that fails alone is told.
                 log.warning("serve: a batch of %d could not allocate its memory (%s); its requests run one by one",
                             len(batch.jobs), (str(exc).splitlines() or [""])[0])
                 for job in batch.jobs:
@@ -1253,8 +1253,8 @@ class Reply:
     # keeps its first call and drops the rest (as vLLM does); the calls it keeps are answered in the next turn.
     one_call: bool = False
     # The request offers tools (and tool_choice is not "none"): a call comes back as one. Else the reply is read for
-    # its thought alone, and one that writes a call anyway is answered as text, as before (but for a thought before
-    # the call, which a stream has sent: response.thought_then_text).
+    # its thought alone, and one that writes a call anyway is answered as text (but for a thought before the
+    # call, which a stream has sent: response.thought_then_text).
     calls_wanted: bool = True
     # The answer's text of a part of the reply read with special tokens (Job.keep_special): those left out, as the
     # answer's text is decoded. `read_regions`: a reader of where the reply's regions are (response.regions_only).
@@ -1535,8 +1535,8 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     """A request's jobs for one prompt: one per sampled choice, or one for all its greedy choices. `loop`: the event
     loop their events go to (None: the running one; given where they are built in a worker thread)."""
     lm, model_name, context = state.lm, state.model_name, state.context
-    # The served name alone, as /v1/models lists it (a folder's name too was taken here, under --served-name, while
-    # /v1/models/{its name} answered 404; vLLM refuses it as well)
+    # The served name alone, as /v1/models lists it (a folder's name too, under --served-name, would be taken
+    # here while /v1/models/{its name} answers 404; vLLM refuses it as well)
     if body.model != model_name:
         raise unknown_model(body.model, model_name)
     field_name = body.unsupported()
@@ -1548,10 +1548,10 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     # the field the limit came from, for the errors: chat's max_completion_tokens (the openai client's name) wins
     limit_name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     given = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (chat's 400s named a prompt)
+    prompt_param = "messages" if isinstance(body, ChatRequest) else "prompt"  # (so chat's 400s name messages)
     free = getattr(body, "template", None) is None  # (a template's length is its own, checked below)
-    # Where max_length leaves no room, a min_tokens the client sent is the length, as in the library (a 400 named a
-    # max_tokens never sent); not chat's default 1, which only bans an empty reply
+    # Where max_length leaves no room, a min_tokens the client sent is the length, as in the library (not a 400
+    # naming a max_tokens never sent); not chat's default 1, which only bans an empty reply
     asked = free and "min_tokens" in body.model_fields_set and body.min_tokens > 0
     try:  # the model's default: its generation config's max_new_tokens, or max_length less the prompt
         max_tokens = given or lm.default_new_tokens(len(prompt), room_needed=not asked)
@@ -1561,8 +1561,8 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     canvas = lm.config.canvas_length
     if not given and free:
         # No limit sent: the default is cut to the whole canvases the context has left, as vLLM gives what fits and
-        # `blockpress chat` shortens its reply (a conversation near the context got a 400 naming a max_tokens the
-        # client never sent). Where not even min_tokens (at least one token) fits, that is what is said.
+        # `blockpress chat` shortens its reply (not a 400 naming a max_tokens the client never sent). Where not
+        # even min_tokens (at least one token) fits, that is what is said.
         room = canvas_room(context, len(prompt), canvas)
         if room < max(1, body.min_tokens):
             param = prompt_param if room == 0 else "min_tokens"
@@ -1570,8 +1570,8 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
             raise APIError(400, f"{param}: {len(prompt)} prompt tokens leave room for {room} new tokens (whole "
                                 f"{canvas}-token canvases) in the context of {context} tokens, too few for {needs}",
                            param)
-        # the default grows to a min_tokens past it (a 400 named a max_tokens the client never sent for min_tokens 100
-        # over blockpress-code's default 64), as vLLM's default, the context's room, takes it
+        # the default grows to a min_tokens past it (not a 400 naming a max_tokens the client never sent), as
+        # vLLM's default, the context's room, takes it
         max_tokens = min(max(max_tokens, body.min_tokens), room)
     if body.min_tokens > max_tokens:
         raise APIError(400, f"min_tokens: {body.min_tokens} is more than {limit_name} {max_tokens}", "min_tokens")
@@ -1739,7 +1739,7 @@ async def respond(engine: Engine, reply: Reply, body: _Common, request: Request)
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         # An event stream is neither cached nor buffered on its way: nginx (proxy_buffering on by default) in front of
-        # a web front end held every chunk until the answer's end, since nothing said not to
+        # a web front end would hold every chunk until the answer's end, unless told not to
         return StreamingResponse(stream_reply(engine, reply, with_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await collect_reply(engine, reply, request)
@@ -1829,8 +1829,8 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
     choices, totals = [], Usage()
     working = len(reply.jobs)
     unanswered: str | None = "failed_total"  # until every choice is in, or the client leaves
-    # A client that leaves frees its rows at once, as a stream's does: its leaving was asked twice a second, so a
-    # burst of clients that gave up held their queue places (429s to the next) for up to half a second more
+    # A client that leaves frees its rows at once, as a stream's does: asking after it only now and then, a
+    # burst of clients that gave up would keep their queue places (429s to the next) a while longer
     left = asyncio.ensure_future(client_left(request))
     try:
         while working:
@@ -1864,11 +1864,10 @@ async def collect_reply(engine: Engine, reply: Reply, request: Request) -> dict:
 
 
 # What warm_up generates: a row alone, again with a longer prompt, then both as two rows (another batch size, left
-# padding), then two rows of one prompt (no padding). Under serve's compile options (cli/common.py's serve_compile_options:
-# dynamic sizes) and dynamo's graphs counted with a pass-through backend on random-tiny, requests then compiled
-# nothing new but for new sampler settings (alone, long or short, three together, n=3, batches shrinking to one row,
-# a template). Inductor guards the cache's length by ranges as well: there n=3 and three padded rows still compiled
-# 4 and 2 more graphs of the decoder pass (14 in all), past torch's default limit of 8 (lm.compile's is 32).
+# padding), then two rows of one prompt (no padding). Under serve's compile options (cli/common.py's
+# serve_compile_options: dynamic sizes) these leave later requests nothing new to compile but for new
+# sampler settings. Inductor guards the cache's length by ranges as well, so some batches (n=3, three padded
+# rows) still add graphs of the decoder pass, past torch's default limit of 8 (lm.compile's is 32).
 WARM_UP_PROMPTS = (("Hello",), ("Write a function that adds two numbers.",),
                    ("Hello", "Write a function that adds two numbers."), ("Hello", "Hello"))
 
@@ -1924,7 +1923,7 @@ def check_serving(lm: LM, *, max_queue: int, max_batch: int, max_context: int | 
     # a model on the meta device (shapes only) cannot run: refused here, as generate refuses it, rather than served
     # with /health "ok" and every request a 400 that blamed the client's `device`
     lm._check_runnable()
-    if not is_int(prefix_cache_bytes) or prefix_cache_bytes < 0:  # (True was a cache of one byte; "1" a TypeError)
+    if not is_int(prefix_cache_bytes) or prefix_cache_bytes < 0:  # (True would be a cache of one byte; "1" a TypeError)
         raise ValueError(f"prefix_cache_bytes: expected 0 (off) or more, got {prefix_cache_bytes!r}")
     steps = lm.sampler_defaults.max_denoising_steps  # what every request that sends none would take
     if steps > MAX_STEPS:
@@ -1933,7 +1932,7 @@ def check_serving(lm: LM, *, max_queue: int, max_batch: int, max_context: int | 
                          "row of its batch; set a smaller max_denoising_steps in generation_config.json")
     if lm.tokenizer.reply_template is not None:  # a broken one fails here, not in every request with tools
         compile_template(lm.tokenizer.reply_template)
-    # a batch of 0 would never take a request: every one would hang; True is no count (it passed as 1)
+    # a batch of 0 would never take a request: every one would hang; True is no count (it would pass as 1)
     for name, value in (("max_queue", max_queue), ("max_batch", max_batch), ("max_stops", max_stops)):
         check_positive_int(value, name)
     limit = lm.config.text.max_position_embeddings
@@ -2080,7 +2079,7 @@ def completion_batch(state: ServerState, body: CompletionRequest,
     count = len(request_prompts(body)[0])
     for i, (prompt, from_text) in enumerate(completion_prompts(state, body)):
         group = completion_jobs(state, body, prompt, from_text, loop)
-        if i == 0:  # before the others are tokenized: 100,000 prompts took 29 s and 350 MB to be refused so
+        if i == 0:  # before the others are tokenized: refusing a huge list only after would cost seconds and memory
             state.engine.check_room(count, len(group))
         for job in group:
             job.group = i
@@ -2093,7 +2092,7 @@ def completion_batch(state: ServerState, body: CompletionRequest,
 async def completion_reply(state: ServerState, body: CompletionRequest, request: Request) -> Any:
     """/v1/completions: each prompt's jobs, answered."""
     # The prompts, a suffix and a template are tokenized in a worker thread (the tokenizer lets go of the GIL):
-    # on the event loop a 240 KB prompt held /health and every stream in flight for the whole encode
+    # on the event loop a long prompt would hold /health and every stream in flight for the whole encode
     jobs, prompt_tokens = await asyncio.to_thread(completion_batch, state, body, asyncio.get_running_loop())
     return await respond(state.engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
 
@@ -2134,8 +2133,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     app.state.engine, app.state.server = engine, state
     # The app alone holds the model: FastAPI keeps every endpoint function in a cache of the process
     # (fastapi.dependencies.models, 4096 of them), so an endpoint that closed over the model, its engine or its
-    # prefix cache kept them once the app had shut down and gone (3 blockpress-code apps served and stopped in one
-    # process: 3 models kept, RSS 248 -> 445 MB). The endpoints reach them through this.
+    # prefix cache would keep them after the app has shut down and gone. The endpoints reach them through this.
     serving = weakref.ref(state)
 
     def served() -> ServerState:
@@ -2175,8 +2173,8 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
             raise unknown_model(model_id, model_name)
         return model_card
 
-    # some probes send HEAD: a route of its own, out of the schema, since one route of both methods gave both the
-    # same operation id, and every fetch of /openapi.json (a visit to /docs) logged FastAPI's warning of it
+    # some probes send HEAD: a route of its own, out of the schema, since one route of both methods gives both the
+    # same operation id, and every fetch of /openapi.json (a visit to /docs) would log FastAPI's warning of it
     @app.head("/health", include_in_schema=False)
     @app.get("/health")
     async def health():

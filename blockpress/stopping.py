@@ -125,14 +125,14 @@ def interrupts_deferred(signals: tuple[int, ...] = (signal.SIGINT,)) -> Iterator
         with on_signals(signals, lambda signum, frame: first.setdefault(signum, frame)):
             yield
     finally:
-        # Each signal caught, once, a Ctrl-C last: only the first was delivered, and a SIGTERM after a Ctrl-C was lost
-        # where the Ctrl-C's KeyboardInterrupt was caught (a REPL goes on) or its handler raised first
+        # Each signal caught, once, a Ctrl-C last: only the first is delivered, and a SIGTERM after a Ctrl-C would be
+        # lost where the Ctrl-C's KeyboardInterrupt was caught (a REPL goes on) or its handler raised first
         for signum in sorted(first, key=lambda s: s == signal.SIGINT):
             handler = signal.getsignal(signum)
             if callable(handler):
                 # to the handler found (Python's KeyboardInterrupt, an app's own), called as the signal would have:
-                # not the signal raised again, which a loop's wakeup fd (asyncio's add_signal_handler) had already
-                # been told of while it waited, so its callback ran twice (a second Ctrl-C: "force exit" to some
+                # not the signal raised again, which a loop's wakeup fd (asyncio's add_signal_handler) has already
+                # been told of while it waited, so its callback would run twice (a second Ctrl-C: "force exit" to some
                 # servers)
                 handler(int(signum), first[signum])  # (a plain int, as a signal's delivery passes it)
             else:  # the default action (SIG_DFL), which only the signal itself takes

@@ -63,13 +63,13 @@ NAMED_TOKENS: tuple[str, ...] = ("unk_token", "sep_token", "cls_token", "mask_to
 
 # What one rendering of a chat template may take. A checkpoint's template is code from whoever made the checkpoint:
 # the sandbox keeps it from Python's internals, not from loops of loops (range is capped at 100,000 a call, so two
-# nested ranges are 10**10 iterations), `'x' * 10**10` or `2 ** 10**10`, which held `chat` and every request to the
-# server, or took all memory. A real template renders a conversation in milliseconds.
+# nested ranges are 10**10 iterations), `'x' * 10**10` or `2 ** 10**10`, which would hold `chat` and every request
+# to the server, or take all memory. A real template renders a conversation in milliseconds.
 TEMPLATE_SECONDS = 10.0
 TEMPLATE_CHARS = 50_000_000  # a prompt's text, and any one string or list a template makes (past any model's context)
 # Template texts kept compiled (and their turn-end ids), least recently used first out: a tokenizer has one or a few,
-# but a caller may pass a new text every call (a date or a user's name written into it), and each kept one cost
-# 16 KB for good (300 texts: 4.9 MB). transformers' own cache of compiled templates is bounded too.
+# but a caller may pass a new text every call (a date or a user's name written into it), and each kept one costs
+# 16 KB for good. transformers' own cache of compiled templates is bounded too.
 TEMPLATES_KEPT = 32
 _NOT_KEPT: Any = object()  # a cache's answer for a text it does not hold, where None is a value it holds
 _T = TypeVar("_T")
@@ -216,8 +216,8 @@ class Tokenizer:
             raise ValueError(pointer)
         try:
             # Decoded here, not by the Rust library: a UTF-8 byte-order mark (Notepad's "UTF-8 with BOM") is read
-            # past (it said "expected value at line 1 column 1"), and bytes that are not UTF-8 are named by offset
-            # (it said "stream did not contain valid UTF-8", naming none).
+            # past (it says "expected value at line 1 column 1"), and bytes that are not UTF-8 are named by offset
+            # (it says "stream did not contain valid UTF-8", naming none).
             data = tokenizer_file.read_bytes()
             text = text_of_file(data)  # (CRLF as LF: JSON's whitespace alike)
         except UnicodeDecodeError as exc:
@@ -229,7 +229,7 @@ class Tokenizer:
             raise ValueError(f"{tokenizer_file}: not a tokenizer the tokenizers library reads ({exc})") from None
         tok_cfg = _read_json(folder / "tokenizer_config.json")
         # Tokens the folder declares beside tokenizer.json, which transformers adds after its own (and lm.save's
-        # tokenizer.json then holds): missing, a chat template's <tool> was encoded as <unk>
+        # tokenizer.json then holds): missing, a chat template's <tool> would be encoded as <unk>
         added = {t.content for t in backend.get_added_tokens_decoder().values()}
         # (one in the vocabulary that a config declares special becomes an added token, as in transformers)
         declared = [t for t in _declared_tokens(tok_cfg, folder)
@@ -338,9 +338,9 @@ class Tokenizer:
         config, special_map, template_files = self._files_to_save()
         with staging(files) as staged:
             staged.make_folder(folder)  # (one this save made is removed again if it fails)
-            # whole or not at all: a save killed mid-write left a truncated tokenizer.json, which no longer loads
-            # written by Python, as the rest: the tokenizers library's own save refused a path that is not UTF-8
-            # (a folder named in bytes, which Python holds as surrogates), failing a whole save or training run
+            # whole or not at all: a save killed mid-write would leave a truncated tokenizer.json, which no longer loads
+            # written by Python, as the rest: the tokenizers library's own save refuses a path that is not UTF-8
+            # (a folder named in bytes, which Python holds as surrogates), which would fail a whole save or training run
             staged.write(folder / "tokenizer.json",
                          lambda file: file.write_bytes(self.backend.to_str(pretty=True).encode("utf-8")))
             named_dir = folder / NAMED_TEMPLATES_DIR
@@ -355,7 +355,7 @@ class Tokenizer:
                     staged.write_text(file, text)
                     written.add(file)
             # Template files left from an earlier save would win over the templates written here on loading: removed
-            # at the commit (before, deleted at once: a save killed then left the model without its template).
+            # at the commit (not at once: a save killed then would leave the model without its template).
             for file in [folder / "chat_template.jinja", *named_dir.glob("*.jinja")]:
                 if file not in written:
                     staged.remove(file)
@@ -371,7 +371,7 @@ class Tokenizer:
             gen_cfg = _read_json(source)  # a model's, when saved with one (LM.save): its own EOS set stays
             loaded_eos = None if self.files is None else self.files.settings.get("eos_ids")
             if source == gen_path and loaded_eos is not None and list(self.eos_ids) != loaded_eos:
-                # the folder's own file, and eos_ids changed since loading: else the file's list came back on loading
+                # the folder's own file, and eos_ids changed since loading: else the file's list comes back on loading
                 write = _as_id_list(gen_cfg.get("eos_token_id")) != list(self.eos_ids)
             else:
                 write = len(self.eos_ids) > 1 and "eos_token_id" not in gen_cfg
@@ -502,7 +502,7 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         """The id of the token whose text is `token`; None where no token is it."""
-        check_text(token, "token")  # (a lone surrogate, which no token holds, is named; tokenizers failed on it)
+        check_text(token, "token")  # (a lone surrogate, which no token holds, is named; tokenizers fails on it)
         return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
@@ -559,7 +559,7 @@ class Tokenizer:
 
     def _id_list(self, ids: Iterable[int]) -> list[int]:
         # A tensor or numpy array becomes plain python numbers in one call (floats stay floats, bools stay bools).
-        if getattr(ids, "is_meta", False):  # (torch failed on it: "Cannot copy out of meta tensor")
+        if getattr(ids, "is_meta", False):  # (torch fails on it: "Cannot copy out of meta tensor")
             raise ValueError("ids: a tensor on the meta device holds no values (shapes only); give it on the CPU")
         values = ids.tolist() if hasattr(ids, "tolist") and hasattr(ids, "dtype") else list(ids)
         if not isinstance(values, list):  # a 0-d tensor or array: one number, where a sequence of them is asked
@@ -571,8 +571,8 @@ class Tokenizer:
             raise ValueError(f"ids: token id {low} at position {values.index(low)} is negative (expected a token id, "
                              f"0 <= id < vocab_size {self.vocab_size})")
         if values and max(values) >= self.vocab_size:  # the usual case is only this one test
-            # each id past the vocabulary asked of itself: unknown_ids(max + 1) listed every id up to the largest
-            # (decode([2**40]) ran for minutes, gigabytes growing) and kept the list
+            # each id past the vocabulary asked of itself: unknown_ids(max + 1) would list every id up to the largest
+            # (decode([2**40]) would run for minutes, gigabytes growing) and keep the list
             special = self.special_ids
             for position, value in enumerate(values):
                 if value >= self.vocab_size and value not in special and self.id_to_token(value) is None:
@@ -659,8 +659,8 @@ class Tokenizer:
         check_flag("add_generation_prompt", add_generation_prompt, none=True)
         check_flag("tokenize", tokenize)
         reserved = sorted(RESERVED_TEMPLATE_NAMES & template_vars.keys())
-        if reserved:  # as the server refuses them in chat_template_kwargs: {"namespace": 1} failed inside the
-            # template, blamed on chat_template ("'int' object is not callable"), and {"range": 3} passed unsaid
+        if reserved:  # as the server refuses them in chat_template_kwargs: {"namespace": 1} would fail inside the
+            # template, blamed on chat_template ("'int' object is not callable"), and {"range": 3} pass unsaid
             raise ValueError(f"{reserved[0]}: not a template variable a caller may set: the chat rendering sets it "
                              f"itself (reserved: {', '.join(sorted(RESERVED_TEMPLATE_NAMES))})")
         if not isinstance(continue_final_message, (bool, str)):
@@ -695,8 +695,8 @@ class Tokenizer:
             raise
         except Exception as exc:  # the checkpoint's template is broken, or breaks on these messages
             raise ValueError(f"chat_template: rendering failed: {type(exc).__name__}: {exc}") from None
-        if chat and not rendered.strip():  # (an empty chat_template.jinja): the prompt was empty, refused downstream
-            # as "prompt: expected str, ... got list (empty)", which named neither the template nor the fix
+        if chat and not rendered.strip():  # (an empty chat_template.jinja): an empty prompt, refused downstream
+            # as "prompt: expected str, ... got list (empty)", which names neither the template nor the fix
             raise ValueError(f"chat_template: rendered no text for {len(chat)} message(s); the template is empty or "
                              "writes nothing for them (check the checkpoint's chat_template.jinja, or "
                              "tokenizer_config.json's chat_template)")
@@ -1143,8 +1143,8 @@ def _call_arguments(function: dict[str, Any], at: str) -> dict[str, Any]:
 # (a server's chat_template_kwargs) would replace the conversation, the tools or raise_exception, or change how the
 # prompt is rendered rather than what the template reads.
 # The names a chat rendering sets itself, and jinja's own globals (namespace, range, ...): a template variable of one
-# of those names would replace it, and a template calling it then failed ({"namespace": 1} over a template that
-# calls namespace(...): "'int' object is not callable", which the server answered as its own fault, a 500)
+# of those names would replace it, and a template calling it then fail ({"namespace": 1} over a template that
+# calls namespace(...): "'int' object is not callable", which the server would answer as its own fault, a 500)
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                                      "chat_template", "tokenize", "raise_exception", "strftime_now",
                                      *jinja2.defaults.DEFAULT_NAMESPACE})
@@ -1349,7 +1349,7 @@ class _TemplateSandbox(ImmutableSandboxedEnvironment):
         super().__init__(**options)
         self.deadlines = threading.local()
         # Every {{ value }} written is measured: a {% set %} block that writes a value twice doubles it with no
-        # operator to measure (27 passes of a loop made 134M characters).
+        # operator to measure (a loop of them grows the text exponentially).
         self.finalize = self._written
         # jinja2's own tojson HTML-escapes <, >, & and '; chat templates want plain JSON.
         self.filters["tojson"] = _tojson

@@ -340,7 +340,7 @@ def lr_at(cfg: TrainConfig, step: int, time_fraction: float = 0.0) -> float:
     included (the clock's cosine caps the ramp: a budget spent within --warmup-steps ended at the ramp's top)."""
     ramp = (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
     # the last step (steps - 1) is at the floor, as the help says the schedule ends there (over steps - warmup it
-    # ended 45% above it in a 10-step run)
+    # would end above it)
     progress = max(max(0, step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps), time_fraction)
     floor = cfg.lr * cfg.min_lr_ratio
     return min(cfg.lr * ramp, floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
@@ -360,7 +360,7 @@ def add_lora(model: _Model, rank: int, alpha: float, seed: int = 0, targets: Seq
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import Linear as LoraLinear
 
-    if (adapted := lora_wrapped_layer(model)) is not None:  # (its layers are wrapped: "no q_proj layer" was said)
+    if (adapted := lora_wrapped_layer(model)) is not None:  # (its layers are wrapped: peft would say "no q_proj layer")
         raise ValueError(f"add_lora: the model holds LoRA adapters already (layer {adapted!r}); merge them first "
                          "(merge_lora), then add others")
     linear = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))]
@@ -497,7 +497,7 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     together (files.StagedFiles); `files`: stage them there instead, for its owner to commit with the rest of a larger
     save (a training run's). `generation`: generation settings the run changed (ADAPTER_GENERATION_KEYS), recorded
     too, so the adapter over its base generates as the run's merged checkpoint does."""
-    # as lm.save's: "~/a" made a folder named ~, and a NUL byte failed as Python's bare 'embedded null byte'
+    # as lm.save's: else "~/a" makes a folder named ~, and a NUL byte fails as Python's bare 'embedded null byte'
     path = output_folder(path, "save_adapter")
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
@@ -973,8 +973,8 @@ def _check_trainable(lm: LM, cfg: TrainConfig, world: int) -> None:
     if cfg.batch_size % world:
         raise ValueError(f"batch_size: {cfg.batch_size} is not divisible by the {world} processes")
     if lm.dtype == torch.float16 and not cfg.lora_rank:
-        # AdamW's updates of float16 weights overflow or round away (a full fine-tune went NaN at its first
-        # update, reported as a divergence to cure with a lower lr). Adapters over a float16 base train in float32,
+        # AdamW's updates of float16 weights overflow or round away (a full fine-tune goes NaN at its first update,
+        # which reads as a divergence to cure with a lower lr). Adapters over a float16 base train in float32,
         # their gradient brought through the base's float16 activations by loss scaling (below).
         raise ValueError("dtype: the model's weights are float16, which a full fine-tune cannot update (AdamW's "
                          "float16 steps overflow or round away); train float32 weights (blockpress.load(..., "
@@ -997,7 +997,7 @@ def _check_trainable(lm: LM, cfg: TrainConfig, world: int) -> None:
                          "train new adapters over the base alone")
     if cfg.lora_rank and lm.adapter is not None:
         # The new adapters' folder could name no base: theirs is the base and these adapters together, and nothing
-        # loads an adapter over another (the folder written named base null, and loaded nowhere).
+        # loads an adapter over another (the folder written would name base null, and load nowhere).
         raise ValueError(f"lora_rank: the model is the LoRA adapters in {lm.adapter} merged into their base; "
                          "new adapters over it would name no base that they can be loaded onto. Train them "
                          "over a checkpoint of the merged model: that LoRA run's --out holds one (unless it was "
@@ -1063,9 +1063,9 @@ def _trained_model(lm: LM, cfg: TrainConfig) -> DiffusionGemma:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed, targets=lora_modules(cfg.lora_targets))
     # The weights training updates are its own, each in memory of its own: a checkpoint loads as zero-copy views
     # of its mmapped file, placed at offsets its header's length sets, and CPU kernels round differently on data
-    # placed otherwise. A run resumed from its own folder (whose header records the step) drifted by 1e-6 from
-    # the run it continued, however its weights were copied back. (On a GPU, loading copied them already; a
-    # copy there would leave CUDA graphs captured before, lm.cuda_graphs(), reading the old ones.)
+    # placed otherwise. A run resumed from its own folder (whose header records the step) would drift from the
+    # run it continues, however its weights were copied back. (On a GPU, loading copies them already; a copy
+    # there would leave CUDA graphs captured before, lm.cuda_graphs(), reading the old ones.)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad and p.device.type == "cpu":
@@ -1142,15 +1142,15 @@ class Trainer:
         self.rank, self.world = _world()
         _check_trainable(lm, cfg, self.world)
         # Every refusal before anything changes the LM (its noise token, token_healing, dropout): a Trainer refused
-        # for a LoRA rank left the model decoding with another noise.
+        # for a LoRA rank must not leave the model decoding with another noise.
         if cfg.lora_rank:  # a rank far too large is a silent OOM where the adapters are built
             check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
         _check_data_fits(lm, cfg, source, heldout, data)
-        if self.rank == 0:  # (once a run, after its refusals: under torchrun each process said it)
+        if self.rank == 0:  # (once a run, after its refusals: under torchrun each process would say it)
             warn_unused_settings(cfg, lm.device, heldout)
-        # config.json's attention_dropout, as the reference applies it in train mode: it was read, kept and never
-        # applied (a config of 0.1 trained without dropout, and without a word). A value outside [0, 1) is refused by
-        # name before anything runs.
+        # config.json's attention_dropout, applied as the reference applies it, in train mode: a config of 0.1 must
+        # not train without dropout, and without a word. A value outside [0, 1) is refused by name before anything
+        # runs.
         self.attention_dropout = lm.config.attention_dropout
         for layer in lm.model.decoder_layers():
             layer.self_attn.dropout = self.attention_dropout
@@ -1158,7 +1158,7 @@ class Trainer:
         # A prompt/response record's prompt is tokenized alone, so a prompt that ends in whitespace ("A: ", "return ")
         # ends in a lone whitespace token, and the model learns to answer after it. Token healing (the CLI's
         # generate heals by default) drops that token and makes the answer start with it: a state the fine-tune
-        # never saw ("ZEBRA_..." came out "wBRA_..."). The saved model then says so in its generation settings
+        # never saw, which garbles the answer's start. The saved model then says so in its generation settings
         # (token_healing false: the CLI's default follows it, its flags still win); else the model's own setting stays.
         self.prompts_healed = prompts_healed(lm, source)
         if self.prompts_healed:
@@ -1195,7 +1195,7 @@ class Trainer:
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
         self.saved_step: int | None = None  # the step of the run's last save in `out` (None: none yet)
         # Train mode is each step's alone (train_step): a Trainer made and never run (a refused resume, train() refused
-        # under inference mode) left the model dropping attention in every generation after.
+        # under inference mode) must not leave the model dropping attention in every generation after.
         model.eval()
 
     def _set_optimizer_settings(self) -> None:
@@ -1260,8 +1260,8 @@ class Trainer:
         n_ar = float(batch.ar_scored[:, :-1].sum())
         micro = self.cfg.micro_batch_size or per_rank
         device = self.lm.device
-        # on the run's device: nccl all-reduces CUDA tensors alone (a CPU one raised "No backend type associated
-        # with device type cpu" at the first step), and no micro-batch waits for the GPU to copy its sums back
+        # on the run's device: nccl all-reduces CUDA tensors alone (a CPU one raises "No backend type associated
+        # with device type cpu"), and no micro-batch waits for the GPU to copy its sums back
         sums = torch.zeros(2, device=device, dtype=torch.float32)  # (not the process's default dtype)
         for lo in range(0, per_rank, micro):
             part = slice(lo, min(lo + micro, per_rank))
@@ -1270,8 +1270,8 @@ class Trainer:
                 diff_sum, ar_sum = self.objective(b, nz)
                 loss = (self.cfg.diffusion_weight * diff_sum / max(n_diff, 1)
                         + self.cfg.aux_ar_weight * ar_sum / max(n_ar, 1))
-            if train:  # out of autocast, but with grad on, as the forward had it (a caller's no_grad scaled the
-                with torch.enable_grad():  # loss without grad: "element 0 of tensors does not require grad")
+            if train:  # out of autocast, with grad on as in the forward (under a caller's no_grad the scaled loss
+                with torch.enable_grad():  # has no grad: "element 0 of tensors does not require grad")
                     self.scaler.scale(loss * self.world).backward()  # DDP averages gradients over processes
             sums += torch.stack([diff_sum.detach().float(), ar_sum.detach().float()])
         sums = _all_sum(sums).cpu()
@@ -1311,8 +1311,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)  # the true gradient, for the clip and the norm (a no-op unscaled)
         if cfg.grad_clip:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        else:  # not clipped, but measured all the same: it was logged as 0.0, and a gradient that was not finite went
-            # unchecked into the update (the run then stopped a step later, on the NaN loss of its NaN weights)
+        else:  # not clipped, but measured all the same: logged as it is, and a gradient
+            # that is not finite is caught before the update (not a step later, on the NaN loss of NaN weights)
             grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         # Checked on the host floats the step makes anyway (no sync of its own), before the update: a non-finite
         # gradient would make every weight NaN. Every process holds the same all-reduced values, so all stop. Under
@@ -1383,8 +1383,8 @@ class Trainer:
                  "data": self.data, "examples_seen": self.examples_seen}
         # Every file is staged under a temporary name in one StagedFiles (the weights, the tokenizer, the adapters:
         # lm.save and save_adapter stage into it), and all are moved into place together once all are written,
-        # trainer_state.pt last: a save killed part-way leaves the previous save to resume (before, a file written
-        # in place was left truncated, and the run lost), and one killed while its files were moved leaves its own
+        # trainer_state.pt last: a save killed part-way leaves the previous save to resume (a file written in place
+        # would be left truncated, and the run lost), and one killed while its files were moved leaves its own
         # whole state beside them, which --resume moves into place too (finish_interrupted_save).
         try:
             self._save_files(state, final)
@@ -1433,7 +1433,8 @@ class Trainer:
                 done = "lora" not in state
             elif (self.out / "config.json").is_file():
                 # A save mid-run after an earlier end (a run its clock stopped, resumed): that end's merged checkpoint
-                # is behind the adapters now, and `--model OUT` loaded it rather than its base with the adapters so far
+                # is behind the adapters now, and `--model OUT` would load it rather than its base with the adapters
+                # so far
                 for file in [self.out / "config.json", self.out / "model.safetensors.index.json",
                              *self.out.glob("model*.safetensors")]:
                     files.remove(file)
@@ -1455,9 +1456,9 @@ class Trainer:
         check_continues(self.out, state, self.cfg)
         if self.cfg.lora_rank and self.lm.path is not None:
             check_lora_resume_model(self.out, self.lm.path)
-        # A model of another shape than the run's: refused by the fields that differ (torch's size mismatches were
-        # 40 lines for adapters, a deep traceback for weights). The run's shape: as saved with it (runs saved before
-        # it was: a full fine-tune's config.json; a LoRA run's adapters, refused by torch's first line below).
+        # A model of another shape than the run's: refused by the fields that differ (torch's size mismatches run to
+        # dozens of lines for adapters, a deep traceback for weights). The run's shape: as saved with it (runs saved
+        # before it was: a full fine-tune's config.json; a LoRA run's adapters, refused by torch's first line below).
         recorded = state.get("base_shape") or (None if self.cfg.lora_rank else base_shape(read_config(self.out)))
         differ = shape_differences(recorded, self.model, "this model") if recorded else []
         if differ:
@@ -1481,9 +1482,9 @@ class Trainer:
         except ValueError as exc:  # e.g. another LoRA rank: torch's "parameter group that doesn't match"
             raise ValueError(f"--resume: the saved optimizer state does not fit this run's trained weights (was it "
                              f"trained with another --lora-rank?): {exc}") from None
-        # load_state_dict puts the saved groups' hyperparameters back too: a --weight-decay, --beta1 or --beta2 given
-        # to --resume (warned about as overriding the run's, and recorded with it) was dropped for the saved ones.
-        # The moments are the run's; the settings are this one's (lr is set at every step).
+        # load_state_dict puts the saved groups' hyperparameters back too, which would drop a --weight-decay, --beta1
+        # or --beta2 given to --resume (warned about as overriding the run's, and recorded with it) for the saved
+        # ones. The moments are the run's; the settings are this one's (lr is set at every step).
         self._set_optimizer_settings()
         if self.scaler.is_enabled() and state.get("scaler"):  # else a fresh scale, as a run that starts scaling
             self.scaler.load_state_dict(state["scaler"])
@@ -1499,8 +1500,8 @@ class Trainer:
         # Where the data stands: the examples consumed, at the batch size of each part of the run (runs saved before
         # it was recorded consumed step x their batch size). A step's batch is the batch size's next examples of the
         # stream, so a run resumed with another --batch-size reads on from there: indexed by step, its batches
-        # started at step x the new size, over examples the run had seen (a smaller one) or past ones it never saw (a
-        # larger one).
+        # would start at step x the new size, over examples the run has seen (a smaller one) or past ones it never
+        # saw (a larger one).
         was = (state.get("config") or {}).get("batch_size", self.cfg.batch_size)
         seen = state.get("examples_seen", self.step * was)
         if was != self.cfg.batch_size and not isinstance(self.source, (ExampleSource, ShardSource)):
@@ -1513,7 +1514,7 @@ class Trainer:
             raise ValueError(f"--resume: the run in {self.out} is already at step {self.step} of --steps "
                              f"{self.cfg.steps}; give a larger --steps to train on")
         # The clock goes on where it stopped, as the step does: a time-scheduled lr continues its decay (restarted,
-        # it jumped back to the peak on weights already annealed). Runs saved before it was kept start from 0.
+        # it would jump back to the peak on weights already annealed). Runs saved before it was kept start from 0.
         self.minutes = state.get("minutes", 0.0)
         self.saved_step = self.step
         if self.cfg.max_minutes and self.minutes >= self.cfg.max_minutes:
@@ -1573,8 +1574,8 @@ class Trainer:
         # Without a bar (a log file, nohup), a plain line per metrics row: else nothing between start and end.
         plain = bar is not None and bar.disable
         t0, seen = time.perf_counter(), 0
-        # tokens/s is the training steps' own: held-out evaluations and saves take time of their own (with
-        # --eval-every 1 --eval-batches 8 a tiny run said 298 tok/s where its steps ran at 1751)
+        # tokens/s is the training steps' own: held-out evaluations and saves take time of their own (counted in,
+        # frequent evaluations would hide most of the steps' speed)
         training = 0.0
         interval: list[dict[str, Any]] = []  # the step rows since the last written one
         first = self.step  # (a resumed run's ETA is paced by its own steps)
@@ -1605,8 +1606,8 @@ class Trainer:
                     result.compile_error = row["compile_error"] = self.compile_error
                 result.losses.append(row["loss"])
                 # A written row's losses are the means over the steps since the row before it (HF Trainer's habit):
-                # one step's loss, with a small batch, swung so much that --log-every 10's curve and log lines showed
-                # the noise of every tenth step rather than the trend
+                # one step's loss, with a small batch, swings so much that --log-every 10's curve and log lines would
+                # show the noise of every tenth step rather than the trend
                 interval.append(row)
                 tok_s = seen / max(training, 1e-9)
                 row["tok_s"] = tok_s
@@ -1699,10 +1700,10 @@ class Trainer:
         self.minutes = (time.perf_counter() - clock) / 60
         requested = interrupt.requested
         if self.world > 1:
-            # Every process stops at the same step, and anneals by the same clock: each met the signal (and
-            # its clock) at its own moment, and under torchrun a Ctrl-C that reached one process after its
-            # check left it in the next step's all-reduce with a peer gone: it died there, in a traceback,
-            # and rank 0 never saved.
+            # Every process stops at the same step, and anneals by the same clock: each meets the signal (and
+            # its clock) at its own moment, and under torchrun a Ctrl-C that reaches one process after its
+            # check would leave it in the next step's all-reduce with a peer gone, to die there in a traceback
+            # with nothing saved by rank 0.
             agreed = torch.tensor([self.minutes, float(requested)], dtype=torch.float64, device=self.lm.device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             self.minutes, requested = float(agreed[0]), bool(agreed[1])
@@ -1727,7 +1728,7 @@ class Trainer:
         if result.stopped == "max_minutes" and self.heldout is not None:
             if result.eval_losses and result.eval_losses[-1][0] == self.step:
                 # its last step was evaluated (--eval-every) just before the clock ran out: the same held-out
-                # batches on the same weights, whose second pass cost a whole evaluation and listed the
+                # batches on the same weights, whose second pass would cost a whole evaluation and list the
                 # step twice in eval_losses
                 row["eval_loss"] = result.eval_losses[-1][1]
             else:

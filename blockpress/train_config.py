@@ -177,7 +177,7 @@ class TrainConfig:
             raise ValueError(f"self_conditioning_prob: expected a probability, got {self.self_conditioning_prob}")
         if not 0 < self.t_eps < 0.5:
             raise ValueError(f"t_eps: expected in (0, 0.5), got {self.t_eps}")
-        # As inference seeds (lm.check_seed): -1 was taken here while generate refused it, and 2**64 failed later.
+        # As inference seeds (lm.check_seed): -1 refused here as generate refuses it, and 2**64 here, not later.
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed: expected an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.noise_token_id, int) or self.noise_token_id < -1:
@@ -193,7 +193,7 @@ class TrainConfig:
                              f"{self.heldout_data!r}")
         if not 0 < self.prompt_min <= self.prompt_max:
             raise ValueError(f"prompt_min/prompt_max: need 0 < prompt_min <= prompt_max, got {self.prompt_min}/{self.prompt_max}")
-        # Settings that cannot apply are refused, as flags and from a file alike (they were ignored silently); a value
+        # Settings that cannot apply are refused, as flags and from a file alike (not ignored silently); a value
         # as its default is no setting: a saved train_config.json holds every field.
         if self.lora_alpha != self.default("lora_alpha") and not self.lora_rank:
             raise ValueError(f"lora_alpha: {self.lora_alpha:g} scales LoRA adapters; it needs lora_rank > 0 (full "

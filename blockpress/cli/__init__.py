@@ -43,10 +43,10 @@ EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve"
 def main(argv: list[str] | None = None) -> int:
     utf8_stdio()
     replaced = guard_stdout()
-    # A descriptor the shell closed (`<&-`, `2>&-`) is None to Python: a closed stdin failed as AttributeError
+    # A descriptor the shell closed (`<&-`, `2>&-`) is None to Python: a closed stdin would fail as AttributeError
     # tracebacks ('NoneType' object has no attribute 'read'), and print(file=None) writes to stdout, so a closed
-    # stderr's messages went into the output (a JSON-lines file got a stats line) or ended chat and train silently.
-    # Each reads as /dev/null instead: stdin empty, stderr's messages dropped (the exit status still tells).
+    # stderr's messages would go into the output (a JSON-lines file would get a stats line) or end chat and train
+    # silently. Each reads as /dev/null instead: stdin empty, stderr's messages dropped (the exit status still tells).
     closed = {name: open(os.devnull, "w" if name == "stderr" else "r", encoding="utf-8")
               for name in ("stdin", "stderr") if getattr(sys, name) is None}
     for name, stream in closed.items():
@@ -83,9 +83,9 @@ def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command; a bad argument, a missing optional package or a broken pipe ends it with the exit
     status the README lists, and a message under the command's name."""
     # libgomp (torch's OpenMP on Linux) has each idle thread spin 300,000 times before it sleeps. Beside other work
-    # those spins take the cores the other threads wait for: blockpress-code wrote 6-8 tok/s on 2 busy cores against
-    # 14-20 sleeping at once, and 50 alone either way. 10,000 spins kept 47-51 alone and gave 13-19 there. Set before
-    # the command imports torch (the parser imports none), and only where the user set no value of their own.
+    # those spins take the cores the other threads wait for (blockpress-code writes less than half its tokens a
+    # second on 2 busy cores); 10,000 spins keep its speed alone and win most of that back. Set before the command
+    # imports torch (the parser imports none), and only where the user set no value of their own.
     os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
     try:
         expand_path_flags(args)
@@ -131,7 +131,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"blockpress {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # a command without its own handling, or before it (while loading)
-        # said, as the commands' own handlers say it: a Ctrl-C while the model loaded exited 130 without a word
+        # said, as the commands' own handlers say it: a Ctrl-C while the model loads must not exit 130 without a word
         print(f"{fresh_line(exc)}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)  # off the "^C"
         return stop_status(exc)
     except RuntimeError as exc:

@@ -37,7 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if path:
             check_file_path(flag, path)
         if path and not os.access(Path(path).resolve().parent, os.W_OK):  # a read-only disk, another user's folder:
-            # the first write, after the first row (minutes at a large preset), was the first to find it
+            # else the first write, after the first row (minutes at a large preset), is the first to find it
             raise ValueError(f"{flag}: cannot write into the folder {str(Path(path).parent)!r} (read-only, or not "
                              "yours)")
     if args.out and args.plot and Path(args.out).resolve() == Path(args.plot).resolve():  # the plot, written after
@@ -60,8 +60,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             try:
                 written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
                 os.replace(written, out)
-            except OSError as exc:  # a full disk: the half-written file went on lying beside it, and the error
-                # ("[Errno 28] No space left on device") named no file
+            except OSError as exc:  # a full disk: the half-written file must not lie beside it, and the
+                # error ("[Errno 28] No space left on device") names no file
                 try:
                     written.unlink(missing_ok=True)
                 except OSError:
@@ -83,13 +83,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(json.dumps({**measured, "partial": True}, indent=2))
         raise
     except KeyboardInterrupt as exc:
-        # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too (they were
-        # in --out alone, and without it lost: exit 130, nothing said).
+        # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too, not in --out
+        # alone (and without it lost).
         rows = len(measured.get("rows", []))
         print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if rows:
             print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
-            if args.out:  # it held the last row's "partial" alone, as if the run had failed, not been stopped
+            if args.out:  # else it holds the last row's "partial" alone, as if the run had failed, not been stopped
                 try:
                     write({**measured, "interrupted": True}, done=False)
                 except OSError:  # (a full disk) the rows are on stdout, and the stop is what is said
@@ -102,6 +102,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result["plot"] = str(args.plot)
     try:
         print(json.dumps(result, indent=2))  # first: whatever fails after this, the figures are on screen
-    finally:  # and --out gets the whole run when stdout's reader has gone (`| true`): it kept the last row's "partial"
+    finally:  # and --out gets the whole run when stdout's reader has gone (`| true`), not the last row's "partial"
         write(result, done=True)
     return 0

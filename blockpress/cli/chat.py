@@ -29,7 +29,7 @@ from blockpress.files import parse_json
 from blockpress.stopping import Stopped, fresh_line, stop_status, stop_word
 
 # A line of this alone opens a message of several lines, and the next one sends it (a code model's chat is sent
-# code: one line, one message, split a pasted function into a message per line). Ollama's REPL takes the same.
+# code: one line, one message, would split a pasted function into a message per line). Ollama's REPL takes the same.
 BLOCK = '"""'
 
 # The chat REPL's commands: one text for /help, for a refused line and for --help.
@@ -553,8 +553,8 @@ def open_chat(lm: Any, args: argparse.Namespace) -> ChatSession:
     # On a terminal the turns are marked "you> " and "model> "; piped, stdout holds the replies alone, one after
     # another (a script reads what the model said, not our decoration). With --json stdout holds one JSON line per
     # message and nothing else, and so does a stdout sent elsewhere from a terminal (`> chat.txt`, `| tee log`):
-    # "you> " goes to stderr, the screen (input() would write it to stdout: the file got "you> model> " and the
-    # user typed at no prompt), replies get no mark.
+    # "you> " goes to stderr, the screen (input() would write it to stdout: the file would get "you> model> " and
+    # the user type at no prompt), replies get no mark.
     interactive = sys.stdin.isatty()
     on_screen = interactive and not args.json and sys.stdout is not None and sys.stdout.isatty()
     if interactive:
@@ -563,7 +563,7 @@ def open_chat(lm: Any, args: argparse.Namespace) -> ChatSession:
     # as surrogates it reaches the per-message check, which names the byte and goes on.
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
-    # On a terminal the reply is printed as each canvas commits (an 819-token reply was ~30 s of blank screen, and
-    # a Ctrl-C showed nothing of it); piped or --json, it is written whole once done, as before.
+    # On a terminal the reply is printed as each canvas commits (else a long reply is a long blank screen, and a
+    # Ctrl-C shows nothing of it); piped or --json, it is written whole once done.
     return ChatSession(lm=lm, args=args, system=system, flags=flags, interactive=interactive, on_screen=on_screen,
                        messages=list(system))

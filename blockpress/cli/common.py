@@ -75,7 +75,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
 
     line = f"loading {args.model} ..."
     # Cut to one row: "\r" goes back to the start of a wrapped line's last row only, so each redraw on a terminal
-    # narrower than the line (a split tmux pane) left a copy of its first rows behind, and so did the erasing.
+    # narrower than the line (a split tmux pane) would leave a copy of its first rows behind, and so would the erasing.
     columns = terminal_columns(sys.stderr) if terminal else 0
     shown = [clip_to_row(line, columns)]  # every line shown, the widest erased at the end
     if terminal and not keep:
@@ -105,7 +105,7 @@ def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
             lm.cuda_graphs()  # an FP8 model whose GPU lacks the grouped GEMM is refused here, naming the flag
     finally:
         if terminal and not keep:  # the line erased, loaded or not: overwritten with spaces, which every terminal
-            # takes; the escape "\x1b[K" showed as "^[[K" where TERM=dumb (Emacs' shell) and on a Windows console
+            # takes; the escape "\x1b[K" shows as "^[[K" where TERM=dumb (Emacs' shell) and on a Windows console
             # without VT processing (conhost, cmd.exe) as "←[K"
             width = max(display_width(x) for x in shown)
             print("\r" + " " * width + "\r", end="", file=sys.stderr, flush=True)
@@ -432,7 +432,7 @@ def expand_path_flags(args: argparse.Namespace) -> None:
         # (quantize's folder is its argument OUT, not a flag)
         flag = "OUT" if (name, getattr(args, "command", None)) == ("out", "quantize") else \
             typed_flag(args, "--" + name.replace("_", "-"))
-        # an unset variable in a script (`--out "$OUT"`): bench wrote nothing and said nothing (train's and
+        # an unset variable in a script (`--out "$OUT"`): bench would write nothing and say nothing (train's and
         # quantize's folders have refusals of their own, which say what the folder is for)
         if value == "" and (name, getattr(args, "command", None)) not in (("out", "train"), ("out", "quantize")):
             raise ValueError(f"{flag}: an empty path; give a file or folder name")

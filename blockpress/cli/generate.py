@@ -171,8 +171,8 @@ def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, heal
                              token_healing=healing, stop=args.stop)
     except KeyboardInterrupt as exc:  # a Ctrl-C, SIGTERM or SIGHUP
         # generate_ar gives its text once it is done (no commits along the way): a Ctrl-C leaves none to show, and
-        # says so, as infill's does (--json: one object that says it was cut short; it exited 130 with nothing at
-        # all, so a script reading the object got none)
+        # says so, as infill's does (--json: one object that says it was cut short, so that a script reading the
+        # object gets one)
         print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if args.json:
             print(json.dumps(dict(text=None, prompt=args.prompt, seed=args.seed, interrupted=True)))
@@ -225,8 +225,8 @@ def generate_file(args: argparse.Namespace) -> int:
             if value:
                 raise ValueError(f"{flag}: no line of {name} is a chat (give --chat, or \"messages\" lines), so "
                                  "the chat template renders none")
-    # before the load: the lines' own. "developer" is OpenAI's name for the system role, read as "system": it met the
-    # template's refusal ('Chat template error: Only the first message may have the system role')
+    # before the load: the lines' own. "developer" is OpenAI's name for the system role, read as "system": else it
+    # meets the template's refusal ('Chat template error: Only the first message may have the system role')
     system_roles = ("system", "developer") if args.system is not None else ()
     for row in rows:
         if any(isinstance(m, dict) and m.get("role") in system_roles for m in row.messages or []):
@@ -248,8 +248,8 @@ def generate_file(args: argparse.Namespace) -> int:
     if not args.ar:  # the flags alone, on a one-token prompt: their errors name the flag, not a line
         lm.stream("x", max_new_tokens=args.max_new_tokens, seed=args.seed, stop=args.stop, **kw)
     else:  # generate_ar checks as it runs: one token on a one-token prompt, before --output is made (a bad --top-p
-        # left an empty file that a rerun then had to --overwrite); the counts' bounds are checked here, so that a
-        # --min-new-tokens of 200 does not cost a 200-token run first
+        # would leave an empty file that a rerun then has to --overwrite); the counts' bounds are checked here, so
+        # that a --min-new-tokens of 200 does not cost a 200-token run first
         least, given = args.min_new_tokens or 0, args.max_new_tokens
         if given is not None and given >= 1 and not 0 <= least <= given:
             raise ValueError(f"min_new_tokens: expected an integer in [0, max_new_tokens={given}], got {least}")
@@ -344,7 +344,7 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
     if args.json:  # accepted, it changed nothing: a flag either means something or is refused
         raise ValueError(f"--json: not with --input, whose output is JSON lines already, one object a row "
                          f"({', '.join(kind.output_keys)} where they apply, and the copied keys); drop --json")
-    # "-" is standard output, as --input's "-" is standard input (it wrote a file named "-")
+    # "-" is standard output, as --input's "-" is standard input (not a file named "-")
     output = Path(args.output) if args.output not in (None, "-") else None
     if output is not None and not output.is_dir():  # (a folder that is there is named as one by check_output)
         check_file_path(typed_flag(args, "--output"), args.output)
@@ -444,7 +444,7 @@ def run_file(args: argparse.Namespace, output: Path | None, rows: list[Any], don
     if output is not None:
         try:
             out = output.open("a" if args.resume else "w" if args.overwrite else "x", encoding="utf-8")
-        except OSError as exc:  # a read-only file or folder: the error named no flag
+        except OSError as exc:  # a read-only file or folder: the error alone names no flag
             raise OSError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
     else:
         out = sys.stdout
@@ -480,7 +480,7 @@ def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
                 except OSError as exc:
                     if output is None:  # standard output's failures are run_command's (a reader gone: 141)
                         raise
-                    # a full disk said "error: [Errno 28] No space left on device", naming no flag (exit 2, as
+                    # a full disk says "error: [Errno 28] No space left on device", naming no flag (exit 2, as
                     # bench's --out and quantize's OUT that cannot be written)
                     progress.close()
                     raise OSError(f"--output {output}: cannot write it ({exc.strerror or exc}); the whole lines it "
@@ -497,6 +497,6 @@ def run_file_rows(todo: list[Any], writer: Any, groups: Iterable[list[Any]],
     progress.close()
     seconds = time.perf_counter() - t0
     tok_s = round(new_tokens / seconds, 2) if seconds > 0 else None
-    rows = f"{len(todo)} row{'' if len(todo) == 1 else 's'}"  # (it said "[1 rows · ...")
+    rows = f"{len(todo)} row{'' if len(todo) == 1 else 's'}"  # (not "[1 rows · ...")
     print(f"[{rows} · {new_tokens} new tokens · {seconds:.1f} s · {tok_s} tok/s]", file=sys.stderr)
     return 0

@@ -110,7 +110,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
-        width = max(map(len, info))  # a fixed 20 put the longer names' colons (kv_cache_bytes_per_token) out of line
+        width = max(map(len, info))  # a fixed width would put longer names' colons out of line
         for k, v in info.items():
             print(f"{k:>{width}}: {v}")
     return 0
@@ -174,7 +174,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         print(line, end="", file=sys.stderr, flush=True)
     try:
         lm.save(out)
-    except OSError as exc:  # a full disk: the save left OUT as it was (StagedFiles), and the error named no path
+    except OSError as exc:  # a full disk: the save leaves OUT as it was (StagedFiles), and the error names no path
         raise OSError(f"OUT {args.out}: cannot write it ({exc.strerror or exc})") from None
     finally:
         if terminal:

@@ -26,16 +26,16 @@ def served_name(model: str) -> str:
     if not folder.is_dir():
         return model
     # its name as the absolute path spells it (".." taken out, links kept): "." and "./" have no name of their own,
-    # so `serve --model .` from inside the folder served the id ''
+    # so `serve --model .` from inside the folder would serve the id ''
     path = Path(os.path.abspath(folder))
     if path.name == ADAPTER_DIR and is_adapter_folder(path) and path.parent.name:
-        # every run's adapter folder has that name: two runs served were both 'adapter'
+        # every run's adapter folder has that name: two runs served would both be 'adapter'
         return path.parent.name
     return path.name or model
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if not 0 <= args.prefix_cache_gb < math.inf:  # nan and inf too: int() of them failed after the model loaded
+    if not 0 <= args.prefix_cache_gb < math.inf:  # nan and inf too: int() of them would fail after the model loaded
         raise ValueError(f"--prefix-cache-gb: expected 0 (off) or more GiB, a finite number, got {args.prefix_cache_gb}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
                         ("--max-context", args.max_context), ("--max-body-bytes", args.max_body_bytes),
@@ -68,8 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops,
                      chat_template_kwargs=args.chat_template_kwargs)
     if args.compile or args.cuda_graphs:
-        # Here, before the engine thread that owns the model starts: the first clients waited minutes for the compile
-        # (vLLM captures its graphs at startup too). Connections made meanwhile wait in the socket's backlog.
+        # Here, before the engine thread that owns the model starts, so the first clients do not wait minutes for the
+        # compile (vLLM captures its graphs at startup too). Connections made meanwhile wait in the socket's backlog.
         flag, doing = (("--compile", "compiling the model's steps (minutes on a CPU)") if args.compile else
                        ("--cuda-graphs", "capturing CUDA graphs"))
         print(f"blockpress: {flag}: {doing} with a few short generations before serving ...", file=sys.stderr,
@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
                                        timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
     except KeyboardInterrupt as exc:  # uvicorn raises the Ctrl-C again once shut down: the last line, said as the
-        # stop's, on the line after "stopping" (run_command's went off a "^C" long gone: a blank line between)
+        # stop's, on the line after "stopping" (run_command's would go off a "^C" long gone: a blank line between)
         print(f"blockpress serve: {stop_word(exc)}", file=sys.stderr)
         return stop_status(exc)
     return 0
@@ -121,8 +121,8 @@ def _server_class() -> type:
             if self.signals == 2 and engine is not None and self.loop is not None:
                 # Stop now: end the grace period by cutting what is in flight (each request a 503), so the shutdown
                 # finishes as at the grace period's end and the engine thread is joined. uvicorn's own second
-                # signal forces the exit: only SIGINT's (a second SIGTERM waited out the grace period), and its
-                # skipped shutdown left the requests a bare 500 and the engine thread inside torch (rc 134).
+                # signal forces the exit: only SIGINT's (a second SIGTERM waits out the grace period), and its
+                # skipped shutdown would leave the requests a bare 500 and the engine thread inside torch (an abort).
                 # Scheduled on the loop: this handler may interrupt the loop's thread while it holds the
                 # engine's lock.
                 print(f"{fresh_line(sig)}blockpress: stopping now; requests in flight are cut", file=sys.stderr)
@@ -150,7 +150,7 @@ def _server_class() -> type:
         async def shutdown(self, sockets: Any = None) -> None:
             # The grace period ends here, a moment before uvicorn cancels the requests still running: cut them
             # first, so they get a 503 (a stream: an error event) and the engine stops within a step (a cancel
-            # alone answered a bare 500 and left the engine generating for nobody, and the exit aborted).
+            # alone answers a bare 500 and leaves the engine generating for nobody, and the exit aborts).
             engine, grace = self._engine(), self.config.timeout_graceful_shutdown
             if engine is not None and grace is not None:  # None: uvicorn waits for them without a limit
                 asyncio.get_running_loop().call_later(grace, engine.cut)

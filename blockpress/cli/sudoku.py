@@ -36,7 +36,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     def read(text: str, name: str) -> None:
         read_from.append(name)
         # stdin keeps bytes that are not UTF-8 as surrogates (as generate's does): named here as such, by line, where
-        # the puzzle reader saw "illegal character '\udcff'", a character the input never held
+        # the puzzle reader would see "illegal character '\udcff'", a character the input never held
         for n, line in enumerate(text.splitlines(), start=1):
             if (problem := utf8_problem(line)) is not None:
                 raise ValueError(f"{name} line {n}: not valid UTF-8 ({problem})")
@@ -64,7 +64,7 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
                    else f"not UTF-8: byte 0x{exc.object[exc.start]:02x} at byte {exc.start + 1}")
             raise ValueError(f"--file {args.file}: cannot read puzzles from it ({why})") from None
         read("\n".join(lines), f"--file {args.file}")
-    if not puzzles and read_from:  # it said "give at least one puzzle ..., or --file" to a --file of none
+    if not puzzles and read_from:  # not "give at least one puzzle ..., or --file" to a --file of none
         raise ValueError(f"{read_from[-1]}: holds no puzzle (expected 81 characters a line, 0 . - _ or * for empty, "
                          "9-line grids, or a quizzes,solutions CSV)")
     if not puzzles:
@@ -86,9 +86,9 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     bar = _puzzle_bar(len(puzzles), args.batch_size)
     try:
         # --batch-size puzzles at a time, each batch's answers printed as it ends: one batch of every puzzle given
-        # grew ~2.2 MB a puzzle (400: 1.2 GB peak; a Kaggle CSV of 100,000 would want ~220 GB), printed nothing until
-        # the last was solved, and a Ctrl-C lost them all. A row's answer is the same in any batch (its randomness
-        # is its seed's), up to float rounding.
+        # would grow ~2.2 MB a puzzle (a Kaggle CSV of 100,000 would want ~220 GB), print nothing until the last was
+        # solved, and lose them all to a Ctrl-C. A row's answer is the same in any batch (its randomness is its
+        # seed's), up to float rounding.
         for start in range(0, len(puzzles), args.batch_size):
             batch = puzzles[start:start + args.batch_size]
             done = sudoku_model.solve(lm, batch, max_denoising_steps=args.steps, sampler=args.sampler,

@@ -82,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         result = run.trainer.train()
     except KeyboardInterrupt:  # a second stop signal: at once, this step unsaved; the command's handler says so too
-        if run.trainer.rank == 0:  # what the folder holds, which went unsaid ("blockpress train: interrupted")
+        if run.trainer.rank == 0:  # what the folder holds, which would otherwise go unsaid
             from blockpress.train import TRAINER_STATE_FILE
 
             saved = (Path(args.out) / TRAINER_STATE_FILE).is_file()
@@ -99,7 +99,7 @@ def _check_out(args: argparse.Namespace, out: Path) -> None:
     """--out can hold the run: a folder, or one that can be made; with --resume, one that holds a run to resume."""
     from blockpress.train import check_resumable
 
-    if not args.out.strip():  # Path("") is the current folder: the run's files were written among the user's own
+    if not args.out.strip():  # Path("") is the current folder: the run's files would be written among the user's own
         raise ValueError(f"--out: expected the folder to write the run to, got {args.out!r}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out}: a file, not a folder")
@@ -196,7 +196,7 @@ def _model_to_train(args: argparse.Namespace, out: Path) -> str | None:
     # clock stopped also holds its merged checkpoint, which is not that base).
     if (out / LORA_BASE_FILE).is_file() or not (out / "config.json").is_file():
         if not (out / LORA_BASE_FILE).is_file() and not resumed_train_config(out).get("lora_rank"):
-            # a full fine-tune's checkpoint is its config.json and weights (it was said to be a LoRA run's adapters)
+            # a full fine-tune's checkpoint is its config.json and weights (not a LoRA run's adapters)
             raise ValueError(f"--resume: {args.out} holds no config.json, which a full fine-tune saves with its "
                              "weights at every save, so its checkpoint is incomplete; give the model to go on from "
                              "with --model, or start the run again")
@@ -231,8 +231,8 @@ def _check_model_flags(args: argparse.Namespace, settings: Settings) -> None:
 def _load_checkpoint(args: argparse.Namespace, settings: Settings, lora_shape: Any) -> tuple[LM, TrainConfig]:
     """--model loaded to be trained, and the settings it trains with: QLoRA over a base stored quantized, and the
     model's own noise unless the settings name one."""
-    # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 checkpoint
-    # fine-tuned in bf16 changed 10% of its weights where float32 changed 19%). LoRA trains float32
+    # float32 weights unless asked: AdamW steps on bf16 weights round small updates away (a bf16 fine-tune
+    # changes about half as many weights as a float32 one). LoRA trains float32
     # adapters, so its frozen base may stay in its own dtype.
     # --quantize: each projection quantized as it is read (QLoRA: the full-precision base never exists at once)
     # (an adapter folder as --model: merged into its base, unquantized unless --quantize says otherwise)
@@ -334,7 +334,7 @@ def _check_data_files(data: str, heldout_data: str | None) -> None:
     from blockpress.data import is_examples, left_out, named_files
 
     if heldout_data and (both := sorted(named_files(data) & named_files(heldout_data))):
-        # its examples were trained on and then scored as held out, without a word (the same file for both is a
+        # its examples would be trained on and then scored as held out, without a word (the same file for both is a
         # way to watch a run fit its data: said, not refused)
         shown = ", ".join(map(str, both[:3])) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
         print_warning(f"--heldout-data {heldout_data}: {shown} {'is' if len(both) == 1 else 'are'} also read by "
@@ -345,7 +345,7 @@ def _check_data_files(data: str, heldout_data: str | None) -> None:
         try:
             note = left_out(path) if path else None
             # what the data is, read from its first line: an error there (not JSON, not UTF-8) names the flag as one
-            # on a later line does (it named the file alone, whichever of --data and --heldout-data it was)
+            # on a later line does (not the file alone, whichever of --data and --heldout-data it was)
             is_examples(path) if path else None
         except ValueError as exc:  # a folder or glob of JSONL and other files; the message starts with the path
             raise ValueError(f"{flag} {exc}") from None
@@ -540,7 +540,7 @@ def _exit_status(args: argparse.Namespace, run: Run, result: TrainResult) -> int
         # exited 130, Ctrl-C's status, and a job script could not tell the two apart
         signum = result.stop_signal or signal.SIGINT
         what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-        if run.trainer.rank == 0:  # the process that saves (under torchrun each said "saved")
+        if run.trainer.rank == 0:  # the process that saves (under torchrun each would say "saved")
             print(f"{what} at step {result.steps}: saved in {args.out}{adapters}; continue with --resume",
                   file=sys.stderr)
         _leave_peers()  # rank 0 has saved and said so: only now may a process exit non-zero

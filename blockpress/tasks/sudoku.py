@@ -259,7 +259,7 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                           f"({cells} cells), not a whole puzzle of 81; {what}{_dashes_hint(dashes)}")
 
     # A byte-order mark (Notepad's "UTF-8 with BOM", PowerShell's pipes) is no character of the file's first line:
-    # left there, it was refused as an illegal character the user cannot see.
+    # left there, it would be refused as an illegal character the user cannot see.
     labelled: tuple[int, str] | None = None  # the header line just before, where it ends like a grid row
     for n, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         line = line.partition("#")[0]  # a comment, on a line of its own or after a puzzle ("<81 cells>  # easy")
@@ -276,8 +276,8 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                 raise ValueError(f"{name} line {n}: starts with a word, as a header line does, but holds {cells} "
                                  "cells, which skipping it would lose; put the label on a line of its own (or after "
                                  "'#' there) and the puzzle on the next")
-            # "Row 1: 530070000": nine such lines were a whole grid skipped unsaid. One line alone may be a title
-            # ("Puzzle 100000001", "Daily 2024.1.15"); two in a row are a grid's rows.
+            # "Row 1: 530070000": nine such lines are a whole grid, not to be skipped unsaid. One line alone may be a
+            # title ("Puzzle 100000001", "Daily 2024.1.15"); two in a row are a grid's rows.
             if _labelled_row(stripped):
                 if labelled is not None:
                     raise ValueError(f"{name} lines {labelled[0]}-{n}: grid rows after labels ({labelled[1]!r}, "
@@ -295,14 +295,14 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                              "at the start of a line a header between puzzles)")
         cells = _count_cells(line)
         if label is not None and 0 < cells <= 9:
-            # "Row 1: 530070000" over the grid's other rows: skipped as a title, it took the next grid's first row
+            # "Row 1: 530070000" over the grid's other rows: skipped as a title, it would take the next grid's first row
             # in its place (a title that ends in 9 cells over a grid of 9 rows: its number after '#', or a date)
             raise ValueError(f"{name} line {label[0]}: a grid row after a label ({label[1]!r}), which skipping as a "
                              "header would lose, over the grid's next row; write the grid's rows without labels (a "
                              "label on a line of its own, or after '#')")
         if cells == 0 and rows and (len(rows) % 3 or after_border) and _row_shaped(line):
             # inside a band of an open grid no border goes, nor right after one: '53-|-7-|---' rows make a row with
-            # no givens '---|---|---', which read as a border took the next grid's first row in its place (or ended
+            # no givens '---|---|---', which read as a border would take the next grid's first row in its place (or end
             # the file short of one). Before a grid's first row it stays a border: one grid's bottom border and the
             # next one's top ('|---|---|---|' over '|53-|-7-|---|' rows) come in pairs
             line, cells = _as_row(line), 9
@@ -675,7 +675,7 @@ def check_puzzle(puzzle: str, require_unique: bool = False, max_nodes: int | Non
     With ``max_nodes``, raises Undecided when the search branches more often than that without an answer
     (rare: 17-given puzzles with no solution took a few thousand).
     """
-    if not isinstance(require_unique, bool):  # ('no' was truthy: uniqueness was required)
+    if not isinstance(require_unique, bool):  # ('no' is truthy: uniqueness would be required)
         raise ValueError(f"require_unique: expected True or False, got {require_unique!r}")
     p = parse_puzzle(puzzle)
     conflicts = _find_conflicts(p)
@@ -710,7 +710,7 @@ def verify(puzzle: str, solution: str) -> Verdict:
     first, which always yields 81 characters.
     """
     p = parse_puzzle(puzzle)
-    s = parse_puzzle(solution, "solution")  # (its errors said "puzzle has 3 cells" of a bad solution)
+    s = parse_puzzle(solution, "solution")  # (else its errors say "puzzle has 3 cells" of a bad solution)
     errors: list[str] = []
     for i in range(81):
         if p[i] != "0" and s[i] != p[i]:
@@ -781,8 +781,8 @@ def _is_count(value: object) -> bool:
 
 
 def _check_seed(seed: object) -> None:
-    # random.Random seeds from abs() of an int (seed -1 gave seed 1's puzzle) and takes str, float and bool (True
-    # gave seed 1's) as well, so anything else would quietly be another seed's puzzle, or a puzzle no int names.
+    # random.Random seeds from abs() of an int (seed -1 gives seed 1's puzzle) and takes str, float and bool (True
+    # gives seed 1's) as well, so anything else would quietly be another seed's puzzle, or a puzzle no int names.
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
 
@@ -842,7 +842,7 @@ def generate_many(n: int, seed: int, difficulty: str = "medium") -> list[Puzzle]
 
     Derived (rather than consecutive) seeds keep the lists for seeds s and s+1 from sharing puzzles.
     """
-    if not _is_count(n) or n < 0:  # (True made one puzzle; 2.5 and '2' were TypeErrors from range and <)
+    if not _is_count(n) or n < 0:  # (True would make one puzzle; 2.5 and '2' fail as TypeErrors from range and <)
         raise ValueError(f"n: expected an integer >= 0, got {n!r}")
     _check_seed(seed)
     _check_difficulty(difficulty)
@@ -895,7 +895,7 @@ def encode_solution(solution: str, vocab: SudokuVocab = VOCAB) -> list[int]:
 def decode_digits(ids: Iterable[int], vocab: SudokuVocab = VOCAB) -> str:
     """Map canvas ids to an 81-character digit string; non-digit ids become '0', extra ids are dropped
     and a short output is padded with '0', so any model output can be passed to ``verify``."""
-    if isinstance(ids, (str, bytes)):  # (its characters failed in int() one by one)
+    if isinstance(ids, (str, bytes)):  # (its characters would fail in int() one by one)
         raise ValueError(f"ids: expected canvas token ids, got a {type(ids).__name__}; a digit string is a board")
     chars: list[str] = []
     for token_id in ids:

@@ -72,7 +72,7 @@ def rules_constraint(vocab_size: int, device: torch.device | str = "cpu") -> Cal
 
 def symmetric_views(n: int, seed: int | None = 0) -> list[Symmetry]:
     """The identity, then n - 1 seeded random symmetries of the board."""
-    # is_int: a bool is no count (True ran as 1 view)
+    # is_int: a bool is no count (True would run as 1 view)
     if not is_int(n) or not 1 <= n <= MAX_VIEWS:
         raise ValueError(f"ensemble: expected 1 to {MAX_VIEWS} views, got {n!r}")
     rng = random.Random(seed)
@@ -202,14 +202,14 @@ def solve(
     `ensemble`: denoise each puzzle as this many symmetric views with pooled predictions (module docstring).
     `checked`: the puzzles are as prepare() returned them (the CLI checks them before loading the model).
     `sampler_options`: sampler settings (entropy_bound, confidence, ...) over the model's defaults."""
-    # Checked before any work: rules="false" read as True (rule-aware results are reported apart from the model's
-    # own), and on_draft=5 failed at the first draft, after a denoising pass.
+    # Checked before any work: rules="false" would read as True (rule-aware results are reported apart from the
+    # model's own), and on_draft=5 would fail at the first draft, after a denoising pass.
     for name, value in (("rules", rules), ("checked", checked), ("skip_stopped_rows", skip_stopped_rows)):
         check_flag(name, value)
     if on_draft is not None and not callable(on_draft):
         raise ValueError(f"on_draft: expected a function (step, boards) -> None, got {type(on_draft).__name__}")
     check_sudoku_model(lm)
-    seed = check_seed(seed, "seed")  # (a numpy integer failed inside random.Random, naming nothing)
+    seed = check_seed(seed, "seed")  # (a numpy integer fails inside random.Random, naming nothing)
     puzzles = puzzle_list(puzzles) if checked else prepare(puzzles)
     views = symmetric_views(ensemble, seed)
     # the processor pools whole groups of views: no row of a group may stop alone
