@@ -152,14 +152,10 @@ def _rope_type_spelled_new(rope_parameters: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _read_legacy_rope_keys(text_raw: dict[str, Any]) -> None:
-    """text_config's older rope keys, read into rope_parameters (in place) as transformers reads them:
-    - `rope_scaling` (the old name of rope_parameters) replaces rope_parameters; the reference fails on any form but
-      one entry per layer type, so the others are refused by name here;
-    - a top-level `partial_rotary_factor` fills every entry that names none, once an entry is not 'default' (the
-      reference copies it while building a non-default rope; with only default ones it is ignored, as here with a
-      warning). An entry whose type takes no partial factor cannot get one: the reference fails on its first forward.
-    """
+def _read_rope_scaling(text_raw: dict[str, Any]) -> None:
+    """text_config's `rope_scaling`, the older name of rope_parameters, read as transformers reads it: it replaces
+    rope_parameters (in place). The reference fails on any form but one entry per layer type: the others are refused
+    by name here."""
     if "rope_scaling" in text_raw:
         scaling = text_raw.pop("rope_scaling")
         if not (isinstance(scaling, dict) and scaling and set(scaling) <= {SLIDING, FULL}):
@@ -167,24 +163,29 @@ def _read_legacy_rope_keys(text_raw: dict[str, Any]) -> None:
                               f"{{...}}, '{FULL}': {{...}}}}), the older name of rope_parameters that transformers "
                               f"reads as it; got {scaling!r:.120}")
         text_raw["rope_parameters"] = scaling
-    factor = text_raw.get("partial_rotary_factor")
-    rope = text_raw.get("rope_parameters")
-    if factor is None or not (rope is None or isinstance(rope, dict)):
-        return
-    rope = _default_rope() if rope is None else _rope_type_spelled_new(rope)
-    entries = _rope_entries(rope)
-    if all(e.get("rope_type", "default") == "default" for e in entries.values()):
-        return  # ignored, as by the reference (from_dict's warning says so)
+
+
+def _fill_partial_rotary_factor(text: TextConfig, factor: Any) -> bool:
+    """A top-level `partial_rotary_factor` (an older spelling) copied into the rope entries of `text`'s layer kinds
+    that name none, as transformers copies it while it builds a rope other than 'default'; False where every such
+    entry is 'default' (the reference builds those without it: ignored). An entry whose type takes no partial factor
+    cannot get one: the reference's first forward fails."""
+    assert isinstance(text.rope_parameters, dict)  # (built by TextConfig)
+    entries = {kind: text.rope_parameters[kind] for kind in dict.fromkeys(text.layer_types or ())}
+    if all(entry.get("rope_type", "default") == "default" for entry in entries.values()):
+        return False
+    if isinstance(factor, bool) or not (_is_number(factor) and 0 <= factor <= 1):
+        raise ConfigError(f"text_config.partial_rotary_factor: expected a fraction in [0, 1], got {factor!r}")
     for kind, entry in entries.items():
         rope_type = entry.get("rope_type", "default")
         if "partial_rotary_factor" not in entry and rope_type != "proportional" and factor != 1:
             raise ConfigError(f"text_config.partial_rotary_factor: transformers copies it into every rope_parameters "
-                              f"entry that names none, and the {kind} entry's rope_type {rope_type!r} takes "
-                              f"no partial factor (the reference fails on its first forward); give the factor inside "
+                              f"entry that names none, and the {kind} entry's rope_type {rope_type!r} takes no "
+                              f"partial factor (the reference fails on its first forward); give the factor inside "
                               f"the 'proportional' entries instead")
         entry.setdefault("partial_rotary_factor", factor)
-    text_raw["rope_parameters"] = rope
-    del text_raw["partial_rotary_factor"]
+    text.validate()
+    return True
 
 
 # per_layer_config's keys, and the text_config keys it is drawn from where a config.json holds none
@@ -671,7 +672,8 @@ class ModelConfig:
         text_type = text_raw.get("model_type")
         if text_type not in (None, "diffusion_gemma_text"):
             raise ConfigError(f"text_config.model_type: expected 'diffusion_gemma_text', got {text_type!r}")
-        _read_legacy_rope_keys(text_raw)
+        _read_rope_scaling(text_raw)
+        factor = text_raw.pop("partial_rotary_factor", None)  # read once the layer kinds are known
         kwargs, text_extra = {}, {}
         for key, value in text_raw.items():
             if key in _TEXT_FIELDS:
@@ -685,6 +687,10 @@ class ModelConfig:
             text = TextConfig(**kwargs)
         except TypeError as exc:  # a field of the wrong kind that the dataclass itself rejects
             raise ConfigError(f"text_config: {exc}") from exc
+        if factor is not None and not _fill_partial_rotary_factor(text, factor):
+            text_extra["partial_rotary_factor"] = factor
+            warn_user("text_config.partial_rotary_factor: ignored, as transformers ignores it where every layer kind's "
+                      "rope_type is 'default'")
         canvas_length = raw.pop("canvas_length", 256)
         vision = raw.pop("vision_config", None)
         return cls(text=text, canvas_length=canvas_length, vision_config=vision, extra=raw, text_extra=text_extra)

@@ -354,7 +354,15 @@ def _ignored_factor(text):  # beside default entries only: the reference builds 
                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
 
 
-@pytest.mark.parametrize("edit", [_legacy_type, _legacy_scaling, _legacy_factor, _ignored_factor])
+def _factor_of_the_kinds_used(text):  # a sliding entry of a model without sliding layers takes no part
+    assert set(text["layer_types"]) == {"full_attention"}  # (made so: see the test)
+    text["partial_rotary_factor"] = 0.5
+    text["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "proportional", "rope_theta": 1e6}}
+
+
+@pytest.mark.parametrize("edit", [_legacy_type, _legacy_scaling, _legacy_factor, _ignored_factor,
+                                  _factor_of_the_kinds_used])
 def test_older_rope_spellings_read_as_the_reference_reads_them(tmp_path, edit):
     """config.json's older rope keys that transformers still reads: each ran default rope, unscaled and whole, with
     nothing said (or "unknown field, ignored"), the logits 5-10 away from the reference's."""
@@ -363,7 +371,8 @@ def test_older_rope_spellings_read_as_the_reference_reads_them(tmp_path, edit):
     from reference import make_reference
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    make_reference(tmp_path, seed=3)
+    full = ["full_attention"] * 4 if edit is _factor_of_the_kinds_used else None
+    make_reference(tmp_path, seed=3, **({"num_hidden_layers": 4, "layer_types": full} if full else {}))
     config = json.loads((tmp_path / "config.json").read_text())
     edit(config["text_config"])
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -386,6 +395,10 @@ def test_older_rope_spellings_read_as_the_reference_reads_them(tmp_path, edit):
     # a default entry would get the factor: the reference's rope table is then too short for its heads
     (lambda t: t.update(partial_rotary_factor=0.5),
      "text_config.partial_rotary_factor: .* the sliding_attention entry's rope_type 'default' takes no partial"),
+    (lambda t: t.update(partial_rotary_factor="0.5"),
+     r"text_config.partial_rotary_factor: expected a fraction in \[0, 1\], got '0.5'$"),
+    (lambda t: t.update(partial_rotary_factor=1.5),
+     r"text_config.partial_rotary_factor: expected a fraction in \[0, 1\], got 1.5$"),
 ])
 def test_older_rope_spellings_the_reference_cannot_run_are_refused_by_name(tmp_path, edit, match):
     import json
