@@ -280,6 +280,16 @@ def test_stderr_said_to_be_ascii_gets_one_character_for_each_it_cannot_show(monk
     assert raw.getvalue() == (b"?ng random-tiny ? 3 tok/s\n" if tty else "…ng random-tiny · 3 tok/s\n".encode())
 
 
+def test_an_error_naming_undecodable_bytes_reaches_an_ascii_stderr_file():
+    """A path of bytes the locale cannot decode reaches Python as surrogates; stderr said to be ASCII and written
+    to a file or pipe is made UTF-8 with its own backslashreplace kept, so the error naming the path is written
+    (strict, the reporter itself failed: "lost sys.stderr", exit 1)."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    r = subprocess.run([sys.executable, "-m", "blockpress", "info", "--model", b"/nonexistent/caf\xff"],
+                       capture_output=True, env=env, timeout=120)
+    assert r.returncode == 2 and b"no such folder" in r.stderr and b"caf\\udcff" in r.stderr, r.stderr
+
+
 def test_chat_json_on_a_terminal_lets_line_editing_draw_its_prompt(monkeypatch, capsys):
     """chat --json on a terminal printed "you> " itself and read with input(""): stdout being the terminal, input()
     edits the line with readline, which took the line to start at column 0, so Ctrl-A, the arrows or history drew

@@ -144,6 +144,8 @@ def utf8_stdio() -> None:
         if out is not None and hasattr(out, "reconfigure") and not is_utf8(out):
             if out.isatty():
                 out.reconfigure(errors="replace")
+            elif out is sys.stderr:  # an error naming a path of undecodable bytes (surrogates) is still written
+                out.reconfigure(encoding="utf-8", errors="backslashreplace")
             else:
                 out.reconfigure(encoding="utf-8")
     if stdin is None or not hasattr(stdin, "reconfigure"):
