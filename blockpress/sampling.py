@@ -25,9 +25,9 @@ import torch
 from .checks import check_flag, check_keywords, is_finite_number, is_int
 from .config import RANKINGS, SAMPLERS
 
-# The samplers compute in float32: a setting past its range becomes inf there (a t_max of 1e308 makes the
-# schedule's temperature inf, which flattens every logit to 0, so token 0 wins every position). Tiny values are
-# fine: a temperature below MIN_TEMPERATURE is divided as that (greedy).
+# The samplers compute in float32, so settings past its range are refused: one would become inf there (a t_max of
+# 1e308 would make the schedule's temperature inf, flatten every logit to 0, and token 0 would win every position).
+# Tiny values are fine: a temperature below MIN_TEMPERATURE is divided as that (greedy).
 FLOAT32_MAX = torch.finfo(torch.float32).max
 IN_FLOAT32 = f"within float32's range (|x| <= {FLOAT32_MAX:.3g})"
 
@@ -45,7 +45,7 @@ def check_temperature(temperature: Any) -> None:
 
 # The largest top_k, stability_threshold and max_denoising_steps, counts that meet int32/int64 tensors: a value
 # past int64 would be accepted and then fail the step (with top_k, the tensor of a whole batch's values), and a
-# step count past int32 fails the first step's temperature (an int32 tensor) with torch's "cannot be converted
+# step count past int32 would fail the first step's temperature (an int32 tensor) with torch's "cannot be converted
 # to type int32", naming no setting. No vocabulary comes near it (any k at or above a vocabulary's size keeps
 # every token, as 0 does), nor any canvas's steps (a threshold above max_denoising_steps never stops a canvas
 # early, as adaptive_stopping=False).
@@ -364,7 +364,7 @@ def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     shifted = (lf - top).clamp_(min=-1e30)
     # float32 under a caller's torch.autocast too, which runs vecdot in its lower dtype: the entropy, and the tokens
     # accepted with it, would move where the model's logits are the same bit for bit. (Entered only under one:
-    # the block costs Python calls every step where none is on.)
+    # the block would cost Python calls every step where none is on.)
     calm = torch.autocast(lf.device.type, enabled=False) if torch.is_autocast_enabled(lf.device.type) else nullcontext()
     with calm:
         ent = -probs.gather(-1, argmax).squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
