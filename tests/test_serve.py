@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import re
+import socket
 import threading
 import time
 
@@ -140,6 +141,14 @@ def test_stream_chunks_in_openais_shape(server):
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] > 0
     # every choice has logprobs (null), as OpenAI's schema requires of it, chat's too (it was missing there)
     assert all(choice["logprobs"] is None for c in chat + plain for choice in c["choices"])
+
+
+def test_a_streamed_chat_choice_ends_with_an_empty_delta(server):
+    """Each streamed chat choice ends as OpenAI's does: a last chunk whose delta is {} beside its finish_reason
+    (not {"content": ""})."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1, "n": 2, "temperature": 1.0}
+    last = [c["choices"][0] for c in sse_chunks(server, "/v1/chat/completions", body) if c["choices"][0]["finish_reason"]]
+    assert sorted(c["index"] for c in last) == [0, 1] and all(c["delta"] == {} for c in last), last
 
 
 def test_chat_choices_carry_the_fields_openais_schema_requires(server):
@@ -926,6 +935,70 @@ def test_a_client_that_leaves_a_shared_batch_frees_its_row_for_the_next_request(
     wait_idle(engine)
 
 
+def test_a_client_that_leaves_a_batch_before_its_first_canvas_leaves_its_batchmates_answered(server, monkeypatch):
+    """A batch is dropped unstarted only when every client of it has left: one whose clients partly left runs for
+    those that stay (dropped when any had left, its other requests were never answered). Here request A runs, a batch
+    B of one client that leaves and one that stays is admitted beside it, and the leaver goes before B's first
+    canvas (A is held before its second, which the round that admitted B runs first)."""
+    engine = server[1].state.engine
+    stream = engine._stream
+    reached, gate = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+
+    def gated(batch):  # only A (seed 11) is held: before its first canvas, and before its second
+        events = stream(batch)
+        if batch[0].seed != 11:
+            return events
+
+        def held():
+            reached[0].set()
+            gate[0].wait(30)
+            for event in events:
+                yield event
+                if type(event).__name__ == "Commit" and not reached[1].is_set():
+                    reached[1].set()
+                    gate[1].wait(30)
+        return held()
+
+    monkeypatch.setattr(engine, "_stream", gated)
+    pool = cf.ThreadPoolExecutor(2)
+    leaver = None
+    try:
+        a = pool.submit(httpx.post, server[0] + "/v1/completions", timeout=30,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 17, "min_tokens": 17, "seed": 11})
+        assert reached[0].wait(30)
+        b = {"model": MODEL, "prompt": "y", "max_tokens": 2, "seed": 5}
+        data = json.dumps(b).encode()
+        host, port = server[0].removeprefix("http://").split(":")
+        leaver = socket.create_connection((host, int(port)))  # a client that sends its request, then closes
+        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        stays = pool.submit(httpx.post, server[0] + "/v1/completions", json={**b, "seed": 6}, timeout=10)
+        deadline = time.monotonic() + 30
+        while engine.depth() < 2:
+            assert time.monotonic() < deadline, "B's two requests did not queue"
+            time.sleep(0.01)
+        gate[0].set()  # A's first canvas; the next round admits B and holds A before its second
+        assert reached[1].wait(30)
+        with engine.lock:
+            shapes, new = [len(batch.jobs) for batch in engine.batches], engine.batches[-1]
+        assert shapes == [1, 2] and new.events is None, shapes  # B is admitted, not started
+        leaver.close()
+        while not any(j.cancelled.is_set() for j in new.jobs):
+            assert time.monotonic() < deadline, "the leaver's leaving was not seen"
+            time.sleep(0.01)
+        gate[1].set()
+        r = stays.result()  # (dropped with the leaver, it is never answered: httpx's timeout)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
+        assert a.result().status_code == 200
+    finally:
+        for g in gate:
+            g.set()
+        if leaver is not None:
+            leaver.close()
+        pool.shutdown(wait=True)
+    wait_idle(engine)
+
+
 def test_metrics_count_a_request_once_however_many_choices(client, server):
     metrics = server[1].state.engine.metrics
     counters = metrics.counters
@@ -944,6 +1017,16 @@ def test_metrics_count_a_request_once_however_many_choices(client, server):
     again = client.completions.create(model=MODEL, prompt="abc " * 20, max_tokens=4, n=3, seed=6)
     reused = again.usage.prompt_tokens_details.cached_tokens
     assert reused > 0 and counters["cached_prompt_tokens_total"] - cached <= reused + again.usage.prompt_tokens
+
+
+def test_cached_prompt_tokens_count_once_however_many_choices(server):
+    """n sampled choices share their prompt, so the prefix cache's reuse counts once a prompt: cached_tokens is at
+    most prompt_tokens (summed over the choices, it was n times the reuse)."""
+    body = {"model": MODEL, "prompt": "def cached(prompt): return prompt * 2", "max_tokens": 2, "seed": 3,
+            "temperature": 1.0}
+    assert httpx.post(server[0] + "/v1/completions", json=body, timeout=60).status_code == 200  # cached now
+    usage = httpx.post(server[0] + "/v1/completions", json={**body, "n": 3}, timeout=60).json()["usage"]
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
 
 
 def test_metrics(server):
@@ -1498,6 +1581,15 @@ def test_errors_about_the_answers_length_name_max_completion_tokens_where_the_re
             assert err["param"] == param and says in err["message"], err
 
 
+def test_max_completion_tokens_wins_over_max_tokens(server):
+    """A chat request that sends both takes max_completion_tokens, OpenAI's current name (as vLLM does, and as the
+    server's own errors name it), not the deprecated max_tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1, "min_tokens": 5,
+            "max_completion_tokens": 5, "max_tokens": 3}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+
+
 def test_a_web_page_on_an_allowed_origin_can_call_the_api():
     """A browser front end on another origin (a dev server on another port) could not call the server at all: its
     preflight OPTIONS got a 405, and no answer carried Access-Control-Allow-Origin. allowed_origins (serve's
@@ -1556,8 +1648,11 @@ def test_an_empty_suffix_is_none(client):
     kw = dict(model=MODEL, prompt="def area(r):\n    return ", max_tokens=12, seed=4)
     for extra in ({}, {"stop": ["\n"]}):
         empty, plain = (client.completions.create(**kw, **extra, **suffix) for suffix in ({"suffix": ""}, {}))
-        assert (empty.choices[0].text, empty.choices[0].finish_reason, empty.usage) == \
-               (plain.choices[0].text, plain.choices[0].finish_reason, plain.usage)
+        # (the usage less what the prefix cache held: the second of the two reuses the first's prompt)
+        assert (empty.choices[0].text, empty.choices[0].finish_reason,
+                empty.usage.model_dump(exclude={"prompt_tokens_details"})) == \
+               (plain.choices[0].text, plain.choices[0].finish_reason,
+                plain.usage.model_dump(exclude={"prompt_tokens_details"}))
 
 
 def test_template_answers_with_the_filled_text(client, server):
@@ -2810,6 +2905,69 @@ def test_parallel_tool_calls_false_keeps_the_first_call(tmp_path, monkeypatch):
         srv.should_exit = True
 
 
+def test_a_tool_reply_cut_by_max_tokens_in_a_later_canvas_carries_no_token_past_it(tmp_path, monkeypatch):
+    """The reply a response template reads is the row's valid tokens: of each canvas, those past the row's count so
+    far up to its num_new_tokens (a canvas's whole width carried its tail past max_tokens into the content). The
+    engine is forced as the library streams: full-width canvases, whose tail past the budget is not the answer's,
+    and the row answered at the Commit it ends in."""
+    import torch
+    from test_response import gemma_value
+
+    from blockpress.generate import Commit, Done, GenerationOutput
+
+    base, srv, lm, _ = tool_server(tmp_path, monkeypatch)
+    tok, width = lm.tokenizer, 8  # the forced canvas width
+    call = f"<|tool_call>call:weather{gemma_value({'city': 'Paris'})}<tool_call|>"
+    ids = tok.encode(call + "Here is the weather for you and for all of your friends today.")
+    junk = tok.encode("JUNK") * width
+
+    def forced(prompts, max_new_tokens=None, **kwargs):
+        b, m = len(prompts), max_new_tokens[0]
+        valid = ids[:m]
+        for k, start in enumerate(range(0, m, width)):
+            n = min(m, start + width)
+            text = [tok.decode(valid[:n])] * b
+            yield Commit(k, torch.tensor([(valid[start:n] + junk)[:width]] * b), torch.ones(b, dtype=torch.long),
+                         torch.full((b,), n == m), 0.0, texts=[tok.decode(valid[start:n])] * b,
+                         num_new_tokens=torch.full((b,), n), texts_so_far=text, settled_texts=text,
+                         stopped=[False] * b, reused_prompt_tokens=[0] * b, num_chosen_tokens=torch.full((b,), n))
+        yield Done(GenerationOutput(
+            sequences=torch.tensor([valid] * b), prompt_length=0, texts=[tok.decode(valid)] * b,
+            tokens_per_forward=torch.ones(b), forward_passes=torch.ones(b, dtype=torch.long),
+            num_new_tokens=torch.full((b,), m), steps_per_canvas=torch.ones(b, 1, dtype=torch.long),
+            extra={"stopped": [False] * b, "reused_prompt_tokens": [0] * b}))
+
+    monkeypatch.setattr(lm, "stream", forced)
+    called = len(tok.encode(call))
+    m = (called // width + 1) * width + 3  # 3 tokens into a canvas after the call's: 5 of it past the budget
+    assert width < m < len(ids)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    try:
+        choice = client.chat.completions.create(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=m,
+                                                seed=1).choices[0]
+        assert [c.function.name for c in choice.message.tool_calls or []] == ["weather"], choice.message
+        assert choice.message.content == tok.decode(ids[called:m]) and choice.finish_reason == "length", choice
+    finally:
+        srv.should_exit = True
+
+
+def test_a_reply_that_only_calls_has_null_content(tmp_path, monkeypatch):
+    """A reply that is tool calls and nothing else answers content null, as OpenAI's assistant message with
+    tool_calls does ("" is what a reply without calls that says nothing gets)."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    try:
+        reply[0] = f"<|tool_call>call:weather{gemma_value({'city': 'Oslo'})}<tool_call|>"
+        choice = client.chat.completions.create(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=200,
+                                                seed=1).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert choice.message.content is None, choice.message
+    finally:
+        srv.should_exit = True
+
+
 def test_a_response_template_that_backtracks_without_end_answers_as_text(tmp_path, monkeypatch, caplog):
     """A checkpoint's tool-call pattern with nested repeats held the server's event loop (every request, /health
     too) for hours on a malformed call of 40 characters. Its read is refused past its limit (0.05 s a read, 0.2 s a
@@ -2943,13 +3101,13 @@ def test_the_text_a_response_template_reads_keeps_special_tokens_and_is_cut_as_t
         create_app(lm, MODEL)
 
 
-def held_together(server, monkeypatch, bodies, first, key):
-    """`bodies` posted while the engine is held on `first`, so that they queue and are admitted in one round. Returns
-    (their answers, each batch's sorted `key(job)`s, the batches started)."""
+def held_together(server, monkeypatch, bodies, first, key, path="/v1/completions"):
+    """`bodies` posted to `path` while the engine is held on `first` (a completion), so that they queue and are
+    admitted in one round. Returns (their answers, each batch's sorted `key(job)`s, the batches started)."""
     engine = server[1].state.engine
 
-    def post(body):
-        return httpx.post(server[0] + "/v1/completions", json=body, timeout=60).json()
+    def post(body, route="/v1/completions"):
+        return httpx.post(server[0] + route, json=body, timeout=60).json()
 
     gate, batches, stream = threading.Event(), [], engine._stream
 
@@ -2968,7 +3126,7 @@ def held_together(server, monkeypatch, bodies, first, key):
         held = pool.submit(post, first)
         while not batches:
             threading.Event().wait(0.01)
-        together = [pool.submit(post, body) for body in bodies]
+        together = [pool.submit(post, body, path) for body in bodies]
         while engine.depth() < len(bodies):
             threading.Event().wait(0.01)
         gate.set()
@@ -3070,6 +3228,29 @@ def test_requests_of_different_lengths_share_a_batch_and_answer_as_alone(server,
     assert alone[0]["choices"][0]["finish_reason"] == "length" and alone[0]["usage"]["completion_tokens"] == 5
 
 
+def test_a_mixed_batch_passes_drafts_and_eos_only_minimums_per_row(server, monkeypatch):
+    """Settings that differ between the rows of one batch reach the library per row: drafts when any row's client
+    asked for them (not only when all did), and each row's own eos-only minimum (chat's default min_tokens 1 bans
+    only the end of turn; a min_tokens the client sent also holds stop strings back), not the first row's for all."""
+    lm = server[1].state.engine.lm
+    stream, asked = lm.stream, []
+
+    def recording(prompts, **kwargs):
+        eos_only = kwargs["min_new_tokens_eos_only"]
+        asked.append((len(prompts), kwargs["drafts"], dict(zip(kwargs["min_new_tokens"], eos_only))
+                      if isinstance(eos_only, list) else eos_only))
+        return stream(prompts, **kwargs)
+
+    monkeypatch.setattr(lm, "stream", recording)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1}
+    bodies = [{**chat, "drafts": True}, {**chat, "seed": 2, "min_tokens": 2}]
+    answers, batches, made = held_together(server, monkeypatch, bodies, {"model": MODEL, "prompt": "z",
+                                           "max_tokens": 1}, lambda j: j.seed, path="/v1/chat/completions")
+    assert all("choices" in a for a in answers) and made == 2 and batches[1] == [1, 2], (answers, batches)
+    rows = [a for a in asked if a[0] == 2]  # (Engine.check's calls have one row each)
+    assert rows == [(2, True, {1: True, 2: False})], asked  # (whichever row came first)
+
+
 def test_a_batch_that_cannot_allocate_its_cache_runs_its_requests_one_by_one(server, monkeypatch):
     """A batch's cache is its rows x its longest row: one request with a huge max_tokens (here, memory for 200
     positions x rows) failed every request beside it with a 500 and torch's allocator text, though each honest one
@@ -3121,6 +3302,56 @@ def test_a_batch_that_cannot_allocate_its_cache_runs_its_requests_one_by_one(ser
     assert [r.json()["choices"][0]["text"] for r in together[:3]] == [a["choices"][0]["text"] for a in alone]
     message = together[3].json()["error"]["message"]
     assert "KVCache: batch_size 1 x capacity" in message and "max_tokens" in message, message
+
+
+def test_requests_of_a_batch_that_could_not_allocate_keep_their_place_ahead_of_later_ones(server, monkeypatch):
+    """A batch that cannot allocate its cache puts its requests back at the head of the queue, each to run alone:
+    they came first, so they run before a request that came after them (put at the tail, they waited behind it)."""
+    from blockpress.cache import KVCache, _allocating
+
+    engine = server[1].state.engine
+    monkeypatch.setattr(engine, "max_batch", 4)  # the batch of four leaves no row for the later request
+    allocate, order = KVCache.allocate.__func__, []
+
+    def small_device(cls, config, batch_size, capacity, *args, **kwargs):
+        if batch_size * capacity > 200:
+            with _allocating(f"batch_size {batch_size} x capacity {capacity}", batch_size * capacity):
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return allocate(cls, config, batch_size, capacity, *args, **kwargs)
+
+    monkeypatch.setattr(KVCache, "allocate", classmethod(small_device))
+    gate, started, stream = threading.Event(), threading.Event(), engine._stream
+
+    def gated(batch):  # the engine held on a first request until the others are queued; each batch's seeds noted
+        events = stream(batch)
+
+        def held():
+            order.append([j.seed for j in batch])
+            started.set()
+            gate.wait(30)
+            yield from events
+        return held()
+
+    monkeypatch.setattr(engine, "_stream", gated)
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 4, "seed": i} for i, p in enumerate(("abc", "hi", "x"))]
+    huge = {"model": MODEL, "prompt": "y", "max_tokens": 400, "seed": 9}
+    later = {"model": MODEL, "prompt": "w", "max_tokens": 4, "seed": 7, "token_healing": True}  # (another Job.key)
+    with cf.ThreadPoolExecutor(6) as pool:
+        first = pool.submit(httpx.post, server[0] + "/v1/completions",
+                            json={"model": MODEL, "prompt": "z", "max_tokens": 1, "seed": 5}, timeout=60)
+        started.wait(30)
+        together = [pool.submit(httpx.post, server[0] + "/v1/completions", json=b, timeout=60)
+                    for b in [*bodies, huge]]
+        while engine.depth() < 4:
+            threading.Event().wait(0.01)
+        after = pool.submit(httpx.post, server[0] + "/v1/completions", json=later, timeout=60)
+        while engine.depth() < 5:
+            threading.Event().wait(0.01)
+        gate.set()
+        assert [f.result().status_code for f in together] == [200, 200, 200, 500]
+        assert after.result().status_code == 200 and first.result().status_code == 200
+    assert order[0] == [5] and sorted(order[1]) == [0, 1, 2, 9], order  # they did batch; the later one waited
+    assert order[2:] == [[seed] for seed in order[1]] + [[7]], order  # then each alone, in its place, then it
 
 
 @pytest.mark.parametrize("mode", ["plain", "stream", "suffix"])
