@@ -18,6 +18,7 @@ needed. That is why `capacity` must leave room for one canvas past the last enco
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +69,26 @@ class KVCache:
     # The model's weights_version when a generation filled it (None: none did): after lm.to or quantize the keys
     # are the old weights', and LM refuses to continue it.
     weights_version: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    # The threads of the calls continuing this cache now, one entry a call (see `in_use`).
+    users: list[int] = field(default_factory=list, repr=False, compare=False)
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Held by each call that continues this cache (generate, stream, generate_ar and chat with cache=...): a
+        call from another thread meanwhile is refused, as both would write the same slots and each reply read the
+        other's tokens. Calls of one thread nest (chat runs generate; a stream left suspended does not block the
+        next turn). Released where the call ends, in whatever thread closes it."""
+        me = threading.get_ident()
+        self.users.append(me)
+        # (list operations are atomic: of two threads arriving at once both may be refused, never both let in)
+        if any(user != me for user in self.users):
+            self.users.remove(me)
+            raise ValueError("cache: in use by a call in another thread; a KVCache (a conversation) is continued by "
+                             "one call at a time: wait for that call to end, or give each thread its own cache")
+        try:
+            yield
+        finally:
+            self.users.remove(me)
 
     # A cache outlives the call that made it: its tensors are made outside torch.inference_mode, even under one, so
     # that it can be continued in either mode (an inference tensor refuses in-place writes outside inference mode).

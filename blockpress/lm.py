@@ -712,12 +712,13 @@ def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
     of the turn back out of it (_turn_undo). Entered once the call's arguments are checked, before anything is
     encoded."""
     undo = _turn_undo(cache) if cache is not None else None
-    try:
-        yield
-    except BaseException as e:
-        if undo is not None:
-            undo(e)
-        raise
+    with cache.in_use() if cache is not None else contextlib.nullcontext():
+        try:
+            yield
+        except BaseException as e:
+            if undo is not None:
+                undo(e)
+            raise
 
 
 # Streams still open when the interpreter exits are closed first, while torch is whole: one suspended over a
@@ -753,14 +754,15 @@ def _undone_on_error(events: Events, cache: KVCache) -> Events:
     stream fails (a Ctrl-C inside it, an error). Not when it is left (a break, close, or garbage collection): the
     cache may have been continued since by another call, whose turn going back would drop. The mark is taken at the
     first event, when encoding starts, not when the stream is made."""
-    undo = _turn_undo(cache)
-    try:
-        yield from events
-    except GeneratorExit:
-        raise
-    except BaseException as e:
-        undo(e)
-        raise
+    with cache.in_use():
+        undo = _turn_undo(cache)
+        try:
+            yield from events
+        except GeneratorExit:
+            raise
+        except BaseException as e:
+            undo(e)
+            raise
 
 
 class LM:
@@ -1846,13 +1848,14 @@ class LM:
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
         copies = _chat_copies(kwargs, cache)
-        rows, common = self._chat_start(ids, cache)
-        try:
-            out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
-        except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so
-            self._chat_undo(cache, rows, common)
-            raise
-        self._chat_finish(out, *_repeat_chat_rows(rows, common, copies))
+        with cache.in_use() if cache is not None else contextlib.nullcontext():
+            rows, common = self._chat_start(ids, cache)
+            try:
+                out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
+            except BaseException:  # a bad turn or a Ctrl-C: the cache holds the conversation before it, and says so
+                self._chat_undo(cache, rows, common)
+                raise
+            self._chat_finish(out, *_repeat_chat_rows(rows, common, copies))
         return out
 
     def chat_stream(self, ids: list[int] | list[list[int]], *, cache: KVCache | None = None,
@@ -1864,24 +1867,25 @@ class LM:
         return _kept_open(self._chat_events(ids, cache, kwargs))
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
-        copies = _chat_copies(kwargs, cache)
-        rows, common = self._chat_start(ids, cache)
-        each_rows, each_held = _repeat_chat_rows(rows, common, copies)  # one per output row
-        done = False
-        try:
-            for event in self.stream([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs):
-                if isinstance(event, Done):
-                    done = True
-                    self._chat_finish(event.output, each_rows, each_held)
-                elif isinstance(event, Commit) and event.reused_prompt_tokens is not None:  # counted as Done's
-                    event.reused_prompt_tokens = [n + r for n, r in zip(each_held, event.reused_prompt_tokens)]
-                elif isinstance(event, Cancelled):
+        with cache.in_use() if cache is not None else contextlib.nullcontext():
+            copies = _chat_copies(kwargs, cache)
+            rows, common = self._chat_start(ids, cache)
+            each_rows, each_held = _repeat_chat_rows(rows, common, copies)  # one per output row
+            done = False
+            try:
+                for event in self.stream([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs):
+                    if isinstance(event, Done):
+                        done = True
+                        self._chat_finish(event.output, each_rows, each_held)
+                    elif isinstance(event, Commit) and event.reused_prompt_tokens is not None:  # counted as Done's
+                        event.reused_prompt_tokens = [n + r for n, r in zip(each_held, event.reused_prompt_tokens)]
+                    elif isinstance(event, Cancelled):
+                        self._chat_undo(cache, rows, common)
+                    yield event
+            except BaseException:  # a bad turn, a Ctrl-C, or a caller that left early (GeneratorExit): the cache holds
+                if not done:  # the conversation before the turn, and says so
                     self._chat_undo(cache, rows, common)
-                yield event
-        except BaseException:  # a bad turn, a Ctrl-C, or a caller that left early (GeneratorExit): the cache holds
-            if not done:  # the conversation before the turn, and says so
-                self._chat_undo(cache, rows, common)
-            raise
+                raise
 
     def _chat_start(self, ids: Any, cache: KVCache | None) -> tuple[list[list[int]], list[int]]:
         """chat_ids' rows and, per row, how many of its first tokens `cache` holds already (it keeps those alone)."""

@@ -317,3 +317,48 @@ def test_a_ctrl_c_between_two_events_closes_generates_stream():
 def _line(frame):
     import linecache
     return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+@pytest.mark.parametrize("call", ["chat", "generate", "generate_ar", "chat_stream"])
+def test_a_cache_another_thread_is_continuing_is_refused_by_name(call):
+    """Two threads continuing one cache: the second's chat rewound it under the first's decoding, which answered a
+    reply that was not its turn's (and the second failed on an unrelated capacity error). The second call is
+    refused by name while the first holds the cache; once that ends, it runs as alone."""
+    import copy
+    import threading
+
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    msgs = [{"role": "user", "content": "hello there"}]
+    first = lm.chat(msgs, return_cache=True, **kw)
+    turn = msgs + [{"role": "assistant", "content": first.texts[0]}, {"role": "user", "content": "and then"}]
+    alone = lm.chat(turn, cache=copy.deepcopy(first.cache), **kw).texts
+    held = lm.chat_stream(lm.chat_prompt(turn), cache=first.cache, **kw)
+    next(held)  # the first thread's turn has begun, and waits between two events
+    tried = {}
+
+    def other():
+        try:
+            if call == "chat_stream":
+                next(lm.chat_stream(lm.chat_prompt(turn), cache=first.cache, **kw))
+            elif call == "chat":
+                lm.chat(turn, cache=first.cache, **kw)
+            elif call == "generate":
+                lm.generate([[5, 6]], cache=first.cache, **kw)
+            else:
+                lm.generate_ar([[5, 6]], cache=first.cache, max_new_tokens=4)
+        except ValueError as e:
+            tried["error"] = str(e)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert tried.get("error", "").startswith("cache: in use by a call in another thread"), tried
+    answer = [e for e in held if type(e).__name__ == "Done"][0].output.texts  # the first turn, undisturbed
+    assert answer == alone
+    done = []
+    thread = threading.Thread(target=lambda: done.append(lm.chat(turn, cache=copy.deepcopy(first.cache), **kw).texts))
+    thread.start()
+    thread.join()
+    assert done == [alone] and first.cache.users == []
