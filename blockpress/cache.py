@@ -293,8 +293,8 @@ class KVCache:
         windows count slots, so tokens encoded after such a hole (the next turn of a conversation) would see
         fewer earlier tokens than they do alone; after compacting they see exactly what they would. Keys already
         hold their rotary positions, so moving them changes nothing else. The slots that are then padding in every
-        row are let go (the cache ends at its longest row): kept, they grew with every turn whose rows wrote unlike
-        lengths (two rows taking turns at 16 and 1 tokens: 90 such slots of 207 after 12 turns), each attended to.
+        row are let go (the cache ends at its longest row): kept, they would grow with every turn whose rows write
+        unlike lengths, each attended to.
         """
         if not self._holes():  # already left-padded
             return
@@ -388,8 +388,8 @@ def allocation_failed(exc: BaseException) -> bool:
 
 @contextmanager
 def _allocating(what: str, nbytes: int) -> Iterator[None]:
-    """A cache's allocation, whose failure says what was asked (the allocator's own message named neither the cache
-    nor the count behind it: 'tried to allocate 768000029184 bytes' for a max_new_tokens of 10**9). Raised as
+    """A cache's allocation, whose failure says what is asked (the allocator's own message names neither the cache
+    nor the count behind it, only 'tried to allocate N bytes'). Raised as
     torch.OutOfMemoryError whatever the device, so that one handler (the CLI's, the server's) takes both."""
     try:
         yield

@@ -176,9 +176,9 @@ class MappedSafetensors:
 @dataclass
 class Passthrough:
     """Tensors blockpress does not use but must not lose on save (the vision tower): name -> tensor, a view of the
-    loaded file's mapping (read on saving alone). Held, not re-read by path: a path read again at save time was
-    another file by then (a relative one after a chdir, one another save had replaced, the shards a save over the
-    folder had removed), so a save wrote another model's vision weights or failed. A mapping outlives its file
+    loaded file's mapping (read on saving alone). Held, not re-read by path: a path read again at save time may be
+    another file by then (a relative one after a chdir, one another save has replaced, the shards a save over the
+    folder has removed), so a save would write another model's vision weights or fail. A mapping outlives its file
     being replaced or deleted."""
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -290,8 +290,8 @@ def check_tied_copies(copies: dict[str, Path], sources: dict[str, Path], tied: b
     every copy equals its decoder tensor. A copy that differs is refused whatever the flag says: with the flag
     false it is the checkpoint's own weight, and with it true transformers unties that pair and runs the stored
     copy, so dropping it would silently give other logits than the reference. With the flag false every copy must be
-    there: transformers starts an absent one from random weights (a tied checkpoint whose config.json was edited to
-    false loaded here, running the decoder's weights, 10 logits off the reference's)."""
+    there: transformers starts an absent one from random weights (a tied checkpoint whose config.json is edited to
+    false would otherwise load here, running the decoder's weights, far off the reference's logits)."""
     if not tied:
         inner = [source[len(DECODER):] for source in sources if source.startswith(DECODER)]  # the decoder's own names
         wanted = ["lm_head.weight", *(ENCODER_TEXT + rest for rest in inner if not rest.startswith(DECODER_ONLY)
@@ -368,7 +368,7 @@ FLOAT16_OVERFLOW = 65520.0
 
 def check_float16_range(tensors: Iterable[tuple[str, torch.Tensor]], outcome: str) -> None:
     """Refuse casting `tensors` ((name, tensor) pairs) to float16 where a finite value of one would become inf there:
-    Gemma-family weights can pass float16's range, and the cast wrote inf without a word (NaN logits after, or a
+    Gemma-family weights can pass float16's range, and the cast would write inf without a word (NaN logits after, or a
     checkpoint of infs). The ValueError names the first such tensor and its largest magnitude, and ends with
     `outcome` (what was left undone). One reduction per tensor (aminmax: no temporary), launched before any is read
     back; a tensor that holds inf or NaN already (a damaged one, model_logits_fault's to name) is looked at again
@@ -590,8 +590,8 @@ def mixed_saves(path: Path, shards: list[MappedSafetensors]) -> None:
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files holding the folder's weights, picked as transformers' from_pretrained picks them:
     model.safetensors when it is there, else the shards model.safetensors.index.json lists. A folder holding both
-    (a stale leftover of one layout) reads model.safetensors, with a warning: reading the index, as blockpress
-    once did, silently gave other weights, and other logits, than the reference on the same folder."""
+    (a stale leftover of one layout) reads model.safetensors, with a warning: reading the index instead would
+    silently give other weights, and other logits, than the reference on the same folder."""
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if single.is_file():

@@ -19,9 +19,9 @@ from .stopping import STOP_SIGNALS, interrupts_deferred
 
 def expand_user(path: str | Path, name: str) -> Path:
     """`path` with a leading ~ or ~user expanded, as a shell would. A ~user with no such user (or no home known) is
-    a ValueError naming `name` (the argument it came from): pathlib raised a bare RuntimeError, 'Could not determine
+    a ValueError naming `name` (the argument it came from): pathlib raises a bare RuntimeError, 'Could not determine
     home directory.', naming neither the path nor the argument. So is a path holding a NUL byte, which no file
-    system takes: every os call on it raised a bare ValueError 'embedded null byte'."""
+    system takes: every os call on it raises a bare ValueError 'embedded null byte'."""
     if "\x00" in str(path):
         raise ValueError(f"{name}: {str(path)!r} holds a NUL byte (\\x00), which no file name may; give the path "
                          "without it")
@@ -54,10 +54,10 @@ def temporary_path(path: str | Path) -> Path:
 
 class StagedFiles:
     """Files written beside their destinations under temporary names, then moved into place together by `commit`.
-    os.replace is atomic, so a save killed part-way (SIGKILL, a full disk, a crash) leaves each destination whole, as
-    it was or as written: written in place, a killed save left a truncated file, and a training run that saves over
-    its own checkpoint lost it. Files are flushed to disk before the first is moved, and moved in the order they were
-    staged (a checkpoint's commit marker last); files staged for removal go at their turn in that order, so a stale
+    os.replace is atomic, so a save killed part-way (SIGKILL, a full disk, a crash) leaves each destination whole, as it
+    was or as written: written in place, a killed save would leave a truncated file, and a training run that saves over
+    its own checkpoint would lose it. Files are flushed to disk before the first is moved, and moved in the order they
+    were staged (a checkpoint's commit marker last); files staged for removal go at their turn in that order, so a stale
     file outlives the save's new ones. As a context manager: committed on leaving, discarded on an error.
 
     One save of several parts (a training run's weights, tokenizer and state) stages them all in one StagedFiles
@@ -71,8 +71,8 @@ class StagedFiles:
 
     def make_folder(self, path: str | Path) -> None:
         """Create the folder at `path` and any missing parents, for the files staged in it. A save that fails then
-        removes those it created (left empty once its temporaries are gone): a full disk left a new folder behind,
-        empty, where none was before."""
+        removes those it created (left empty once its temporaries are gone): else a full disk would leave a new folder
+        behind, empty, where none was before."""
         missing = [folder for folder in (Path(path), *Path(path).parents) if not folder.exists()]
         for folder in reversed(missing):
             folder.mkdir(exist_ok=True)
@@ -222,7 +222,7 @@ LFS_POINTER_START = b"version https://git-lfs.github.com/spec/"
 
 def lfs_pointer_problem(path: str | Path) -> str | None:
     """What is wrong with the file at `path` when it is a Git LFS pointer rather than the content, else None: parsed as
-    safetensors or JSON, a pointer's error ("header claims 2336927755350992246 bytes") never said what it was."""
+    safetensors or JSON, a pointer's error ("header claims 2336927755350992246 bytes") never says what it is."""
     try:
         with open(path, "rb") as f:
             start = f.read(len(LFS_POINTER_START))
@@ -237,8 +237,8 @@ def lfs_pointer_problem(path: str | Path) -> str | None:
 
 class JSONTooDeep(json.JSONDecodeError):
     """JSON nested deeper than Python's parser recurses, or holding a number longer than it converts: a JSONDecodeError,
-    so each reader's own handling of bad JSON names the file (json.loads raised a bare RecursionError or ValueError, a
-    traceback out of `blockpress info` or `train`)."""
+    so each reader's own handling of bad JSON names the file (json.loads raises a bare RecursionError or ValueError,
+    which would be a traceback out of `blockpress info` or `train`)."""
 
     def __str__(self) -> str:
         return self.msg
@@ -262,7 +262,7 @@ def one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _write_failure(exc: BaseException) -> str | None:
     """What a writer's exception says of a write that failed (a full disk, a quota), or None for one that is no
     failed write. safetensors and torch.save raise a full disk in their own words, neither an OSError: a training
-    run's save ended in torch's "[enforce fail at inline_container.cc] unexpected pos", 20 lines of traceback."""
+    run's save would end in torch's "[enforce fail at inline_container.cc] unexpected pos", a long traceback."""
     if isinstance(exc, OSError):
         return exc.strerror or str(exc)
     text = str(exc)
@@ -316,7 +316,8 @@ def parse_json(text: str | bytes, object_pairs_hook: Callable[[list[tuple[str, A
 
 def utf16_note(head: bytes) -> str:
     """What a file's first bytes say when they are UTF-16's byte-order mark: what Windows PowerShell 5's `>` and
-    Out-File write (the file was refused as 'invalid start byte at byte 0', which said nothing of why); "" else."""
+    Out-File write (read as UTF-8, it is refused as 'invalid start byte at byte 0', which says nothing of why); ""
+    else."""
     if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
         return ("; it is UTF-16 (it starts with a UTF-16 byte-order mark, as Windows PowerShell's > and Out-File "
                 "write text): save it as UTF-8 (in PowerShell: Out-File -Encoding utf8)")
@@ -326,7 +327,7 @@ def utf16_note(head: bytes) -> str:
 def text_of_file(data: bytes) -> str:
     """A UTF-8 text file's `data` as reading it as text gives on every system: a leading byte-order mark (Notepad's
     "UTF-8 with BOM") dropped, CRLF and a CR alone as "\n". A UnicodeDecodeError's start is the byte's offset in
-    `data`, the mark's 3 bytes counted (utf-8-sig's left them out: a byte at 6 was named 3)."""
+    `data`, the mark's 3 bytes counted (utf-8-sig's leave them out: a byte at 6 would be named 3)."""
     mark = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
         text = data[mark:].decode("utf-8")

@@ -104,7 +104,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 def check_compile_options(options: Mapping[str, Any]) -> None:
     """Refuse, by name, a keyword torch.compile does not take, and an unknown mode for its default compiler
-    (inductor), as every other bad argument is: torch's were a RuntimeError ('Unrecognized mode=x') and a
+    (inductor), as every other bad argument is: torch's are a RuntimeError ('Unrecognized mode=x') and a
     TypeError, which an app that catches ValueError for bad parameters would miss."""
     parameters = inspect.signature(torch.compile).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):  # (a wrapper's **options: any)
@@ -141,8 +141,8 @@ def _capture_graph(fn: Callable[[], torch.Tensor], device: torch.device, pool: A
     initialisation (cuBLAS handles, workspaces) stays out of the graph.
 
     With `device` the current GPU: torch.cuda.graph captures on a stream of the current one, and a model on
-    another (cuda:1 while cuda:0 is current, as it is in every new thread: the server's worker) ran its kernels on
-    its own GPU's stream, outside the capture."""
+    another (cuda:1 while cuda:0 is current, as it is in every new thread: the server's worker) would run its kernels
+    on its own GPU's stream, outside the capture."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -458,7 +458,7 @@ def encode_texts(texts: Sequence[str], tokenizer: Any, bos: bool = True, context
     """Text prompts as token ids, BOS first when the tokenizer has one and `bos` (a conversation's next turn
     has none: it continues a sequence that has one), and not twice (a rendered chat template brings its own).
     `context`: the model's, whose tokens a text longer than it times the longest token cannot fit: such a text is
-    refused before it is tokenized (a 20 MB prompt was tokenized for 49 s to learn that it did not fit)."""
+    refused before it is tokenized, which for a huge prompt takes seconds just to learn that it cannot fit."""
     for i, text in enumerate(texts):  # named as the caller wrote it, not as the tokenizer's "text"
         name = "prompt" if len(texts) == 1 else f"prompt[{i}]"
         check_text(text, name)
@@ -685,7 +685,7 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
 def _parse_text_row(template: str, r: int, rows: int, tokenizer: Any, hole_length: int,
                     max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
     """`_parse_text` of row `r` of a batch of `rows` text templates: its errors name the row when there are several
-    (before, "template: empty text" or a typo's message left the user to find which of the batch it was)."""
+    ("template: empty text" or a typo's message alone would leave the user to find which of the batch it is)."""
     try:
         return _parse_text(template, tokenizer, hole_length, max_length)
     except ValueError as exc:
@@ -785,8 +785,8 @@ def hole_fills(tokenizer: Any, rows: list[list[int]], holes: list[list[tuple[int
                prefixes: dict[tuple[int, int], str], template: torch.Tensor) -> list[list[str]]:
     """Each row's holes ((start, end) spans of the new tokens, one per marker) as text: cut from the row's whole text
     (decode_rows, as `texts` reads it with `template` [B, N]) at the characters that the tokens before each edge
-    make. Decoded on its own, a hole that held part of a character's bytes (adjacent holes sharing one) read as
-    U+FFFD; cut from the whole text, the character goes whole to the later span. A healed hole's first token
+    make. Decoded on its own, a hole that holds part of a character's bytes (adjacent holes sharing one) would read
+    as U+FFFD; cut from the whole text, the character goes whole to the later span. A healed hole's first token
     starts with the whitespace the template wrote before it (`prefixes`, by (row, position)); that text is the
     template's, so the fill leaves it out: fixed text + fills reads as the filled template."""
     fills = []
@@ -826,7 +826,7 @@ class TemplateRowText:
     and hole_fills give for the whole row, from a TextStream (special tokens kept) over the ids that decode_rows
     decodes, which only grow as the row does (whether a position's id is kept depends on that position alone). Each
     edge's text is read once, when the row first reaches it; the row's text at each call costs its new tokens, where
-    decode_rows and hole_fills decoded the row again and once more for each hole's edges at each commit."""
+    decode_rows and hole_fills would decode the row again, and once more for each hole's edges, at each commit."""
 
     def __init__(self, tokenizer: Any, fixed: list[int], spans: list[tuple[int, int]], prefixes: Mapping[int, str]) -> None:
         self.fixed, self.spans, self.prefixes = fixed, spans, prefixes
@@ -1121,9 +1121,9 @@ def special_stop_ids(tokenizer: Any, stops: list[list[str]] | None) -> list[froz
 def cut_at_stop(text: str, stops: Sequence[str], floor: int = 0, growing: bool = False) -> str:
     """`text` up to (not including) the earliest stop string it holds that ends past its first `floor`
     characters (the text of the min_new_tokens, where a stop does not count: vLLM's min_tokens). `growing`: the text
-    of a row that may go on, whose trailing replacement characters may be a character whose bytes are still
-    arriving: a stop string does not end in them yet (one holding U+FFFD ended a row at a half-written character
-    that its final text does not have); the next token settles them, and a U+FFFD the model wrote then counts."""
+    of a row that may go on, whose trailing replacement characters may be a character whose bytes are still arriving: a
+    stop string does not end in them yet (one holding U+FFFD would end a row at a half-written character that its final
+    text does not have); the next token settles them, and a U+FFFD the model wrote then counts."""
     cut, searched = len(text), text.rstrip("\ufffd") if growing else text
     for s in stops:
         at = searched.find(s, max(0, floor - len(s) + 1)) if s else -1
@@ -1216,7 +1216,7 @@ def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     """`processor(logits [b, C, V], rows [b]) -> logits`, checked: float logits of the same shape, contiguous and
     blockpress's own: the temperature and the bans written after it go in place, which an expanded view (one row's
     logits for all, say) would spread to every row, and which would change a tensor the caller keeps (a table of
-    logits returned at every step was divided by each step's temperature in turn)."""
+    logits returned at every step would be divided by each step's temperature in turn)."""
     processed = processor(logits, rows)
     if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
             or not processed.dtype.is_floating_point):
@@ -1236,7 +1236,7 @@ class _Bans:
     """Tokens banned at a few (row, position) pairs of a canvas: the first new token under token healing, and a
     healed template hole's first position (its token must extend the whitespace it took over). Kept sparse: a
     dense [B, C, V] mask is 64 MiB a row at a 262,144-token vocabulary, and indexing it by the working rows
-    copied it on every step."""
+    copies it on every step."""
 
     rows: torch.Tensor  # [n] rows (of the batch, or of the working sub-batch once `take`n)
     positions: torch.Tensor  # [n] canvas positions
@@ -1744,10 +1744,10 @@ WEIGHTS_CHANGED = ("model: its weights changed (lm.to, lm.quantize, a training s
 @contextmanager
 def weights_unchanged(model: Any, version: tuple[int, int] | None) -> Iterator[None]:
     """Run a forward pass of a call whose cache holds keys of the weights at `version` (model.weights_version; None:
-    unchecked). Once the weights changed in place (lm.to, quantize, a training step: another thread's, or the
-    caller's between two events of a stream), refuse to go on, and say so where the pass failed on half-changed
-    weights: a cast went on into torch's "Expected query, key, and value to have the same dtype", and a quantize
-    went on silently, the old weights' keys under the new ones. Two integers compared a pass."""
+    unchecked). Once the weights have changed in place (lm.to, quantize, a training step: another thread's, or the
+    caller's between two events of a stream), refuse to go on, and say so where the pass would fail on half-changed
+    weights: a cast would go on into torch's "Expected query, key, and value to have the same dtype", and a quantize
+    would go on silently, the old weights' keys under the new ones. Two integers compared a pass."""
     if version is not None and model.weights_version != version:
         raise RuntimeError(WEIGHTS_CHANGED)
     try:
@@ -1760,9 +1760,9 @@ def weights_unchanged(model: Any, version: tuple[int, int] | None) -> Iterator[N
 
 def run(*args: Any, **kwargs: Any) -> Generator[Draft | Commit | Done | Cancelled, None, None]:
     """`_run`'s loop, each resume in the inference mode of the call that began it (torch's decorator enters it per
-    resume of a generator): a stream begun under torch.inference_mode made its tensors there, and drained outside it
-    failed ("Inplace update to inference tensor outside InferenceMode"); run outside it always, a caller's hook that
-    updates its own inference tensors failed, and inference-mode callers lost its speed."""
+    resume of a generator): a stream begun under torch.inference_mode makes its tensors there, and drained outside it
+    would fail ("Inplace update to inference tensor outside InferenceMode"); run outside it always, a caller's hook
+    that updates its own inference tensors would fail, and inference-mode callers would lose its speed."""
     return torch.inference_mode(torch.is_inference_mode_enabled())(_run)(*args, **kwargs)
 
 

@@ -110,7 +110,7 @@ def _one_thread_after_fork() -> None:
     """In a process forked from one holding an LM: torch's CPU ops on one thread (what torch's DataLoader gives its
     workers). GNU OpenMP's thread pool does not survive a fork: once the parent has run a threaded op (loading a
     checkpoint does), a forked child's first threaded op waits forever on threads that are not there, so a
-    multiprocessing.Pool (fork, Linux's default before Python 3.14) of lm.generate calls hung in every worker."""
+    multiprocessing.Pool (fork, Linux's default before Python 3.14) of lm.generate calls would hang in every worker."""
     if torch.get_num_threads() > 1:
         torch.set_num_threads(1)
 
@@ -211,7 +211,7 @@ def _unmasked_to_pad(ids: torch.Tensor, mask: torch.Tensor, pad_id: int) -> torc
 
 def _token_rows(ids: torch.Tensor, mask: torch.Tensor | None) -> list[list[int]]:
     """Each row's token ids, its padding (0 in `mask`) left out; mask None: every position is a token. Read through
-    numpy on the host: torch's boolean indexing row by row wakes its worker threads, which on a busy machine cost
+    numpy on the host: torch's boolean indexing row by row wakes its worker threads, which on a busy machine costs
     up to 60 ms for 8 rows of 4,000 ids (numpy: under 5 ms)."""
     if mask is None:
         return ids.tolist()
@@ -679,7 +679,7 @@ def _row_seeds(seeds: Any) -> list[int] | None:
 
 def _no_meta_tensors(**args: Any) -> None:
     """Refuse, by name, an argument that is a tensor (or a list of them) on the meta device, which holds shapes and
-    no values (what `random_model(device="meta")` and `lm.to("meta")` make): torch failed on one deep inside
+    no values (what `random_model(device="meta")` and `lm.to("meta")` make): torch would fail on one deep inside
     ("Cannot copy out of meta tensor; no data!")."""
     for name, value in args.items():
         values = value if isinstance(value, (list, tuple)) else (value,)
@@ -689,10 +689,11 @@ def _no_meta_tensors(**args: Any) -> None:
 
 
 def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
-    """A function that takes a failed call's part of a turn back out of `cache`: what it held now (its known tokens
-    too) is what it holds again. A generate that a Ctrl-C (a notebook's interrupt) or an error stopped left the
-    prompt and the canvases so far in the cache, and running the cell again continued from that half turn: another
-    text, silently. The argument is the exception that stopped the call, told if the cache cannot go back."""
+    """A function that takes a failed call's part of a turn back out of `cache`: what it holds now (its known tokens
+    too) is what it holds again. Otherwise a generate that a Ctrl-C (a notebook's interrupt) or an error stops would
+    leave the prompt and the canvases so far in the cache, and running the cell again would continue from that half
+    turn: another text, silently. The argument is the exception that stopped the call, told if the cache cannot go
+    back."""
     mark, tokens = cache.mark(), None if cache.tokens is None else [list(row) for row in cache.tokens]
 
     def undo(stopped: BaseException) -> None:
@@ -806,9 +807,9 @@ class LM:
         _guard_fork()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy (copy.deepcopy) of a compiled LM compiles its own steps: torch.compile's functions copy as they
-        are, bound to the original's model, and the copy ran the original's weights (after lm.to on the original, a
-        float32 copy failed inside dynamo). A shallow copy (copy.copy) shares the model, and its steps with it: its
+        """A copy (copy.deepcopy) of a compiled LM compiles its own steps: torch.compile's functions copy as they are,
+        bound to the original's model, so the copy would run the original's weights (after lm.to on the original, a
+        float32 copy would fail inside dynamo). A shallow copy (copy.copy) shares the model, and its steps with it: its
         compile-again is still the original's, so nothing is compiled anew."""
         self.__dict__.update(state)
         again = getattr(self._reapply_steps, "func", self._reapply_steps)  # (compile's partial, or cuda_graphs)
@@ -834,9 +835,9 @@ class LM:
     def _while_unchanged(self, said: tuple[torch.dtype | None, int]) -> torch.dtype | None:
         """What was said of the weights (a dtype, and the model's values_changes then), while their values are
         unchanged: edited in place (weights_changed()) or cast by the model's own methods (not moved), they no longer
-        hold the checkpoint's values, and a save wrote them back in the dtype of a folder they were no longer (a
-        widened float16 folder cast with lm.model.bfloat16() saved float16) or recorded the folder as the base of
-        codes made from other values."""
+        hold the checkpoint's values, and a save would write them back in the dtype of a folder they no longer are
+        (a widened float16 folder cast with lm.model.bfloat16() would save float16) or record the folder as the base
+        of codes made from other values."""
         dtype, changes = said
         return dtype if changes == self.model.values_changes else None
 
@@ -936,7 +937,7 @@ class LM:
 
         `compile` / `cuda_graphs` steps are made anew for the moved weights. KV caches made before hold the old
         weights' keys and are refused (make new ones); a PrefixCache drops what it held and fills again. A dtype
-        named here is also the one `save` writes (it no longer writes back the one a load widened from).
+        named here is also the one `save` writes (not the one a load widened from).
         A quantized model can change device, not dtype (a cast would cast its scales, which keep their own dtype,
         too: quantize.check_cast): load it again with dtype= and quantize=."""
         self._check_runnable()
@@ -1472,10 +1473,10 @@ class LM:
     def _check_copies(self, call: str, prompt: Any, n: int, max_new_tokens: Any = None,
                       settings: Mapping[str, Any] | None = None, cache: Any = None) -> None:
         """num_return_sequences' batch, the prompt's rows x `n`, before the rows are repeated: at most 2**31 - 1
-        rows (past that the batch is absurd on any device, and a Python or torch size past int64 overflowed), and
+        rows (past that the batch is absurd on any device, and a Python or torch size past int64 overflows), and
         where the device's free memory is known (Linux's MemAvailable, CUDA's free memory), rows whose KV cache
-        fits in it at the least a generation holds. A floor, not a forecast: the step's work comes on top (a huge
-        n built a gigantic batch on the host, then failed in torch's allocator, or raised OverflowError).
+        fits in it at the least a generation holds. A floor, not a forecast: the step's work comes on top (unchecked, a
+        huge n builds a gigantic batch on the host, then fails in torch's allocator, or raises OverflowError).
         generate's cache grows a canvas at a time, so its floor is one canvas a row; generate_ar's (`_ar_floor`)
         is allocated whole at the start, the prompt and every new token, with a float32 row of logits beside it
         (`max_new_tokens` and `settings`: the call's; a `cache` given holds its slots already)."""
@@ -1500,8 +1501,8 @@ class LM:
                   cache: Any = None) -> tuple[int, int, str]:
         """What generate_ar allocates a row at the least, for `_check_copies`: (its cache's positions, the bytes beside
         them, how the message says them). run_ar's cache holds the prompt's padded width, every new token and one
-        slot more from the start, and its logits are a float32 row of the vocabulary (10**7 copies of a one-token
-        prompt passed a floor of one position a row, then failed in torch's allocator). A prompt or count that
+        slot more from the start, and its logits are a float32 row of the vocabulary (a floor of one position a row
+        would pass a huge n of one-token prompts, which then fail in torch's allocator). A prompt or count that
         cannot be read counts as one token: the request's own checks name it after this. A conversation's `cache`
         is in memory already: only a cache grown past its capacity is new."""
         try:
@@ -1535,8 +1536,8 @@ class LM:
                        defaulted: bool = False) -> None:
         """Positions past max_position_embeddings were never trained, and an absurd max_new_tokens would first
         allocate a cache that long: refuse with a clear error instead. `canvas_length`: block diffusion's, whose
-        new tokens take whole canvases (a 140000-token canvas for 16 new tokens was accepted, then ran for
-        minutes past the context); None for AR, one position a token."""
+        new tokens take whole canvases (a few new tokens on a canvas longer than the context would otherwise
+        pass, then run for minutes past it); None for AR, one position a token."""
         if cache is not None:
             self._check_cache(cache, req.prompt.shape[0])
         limit = self.config.text.max_position_embeddings
@@ -1811,8 +1812,8 @@ class LM:
 
     def _check_chat_length(self, conversation: list[dict[str, Any]], name: str) -> None:
         """Refuse a conversation whose messages' text alone cannot fit the context, before the template renders it
-        and the tokenizer reads it: a 3 MB message took 8.3 s to learn that its 2M tokens did not fit (the bound is
-        encode_texts', the server's too)."""
+        and the tokenizer reads it, which for a huge message take seconds just to learn that it cannot fit (the bound
+        is encode_texts', the server's too)."""
         assert self.tokenizer is not None  # chat_prompt checked
         context = self.config.text.max_position_embeddings
         chars = sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))

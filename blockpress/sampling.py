@@ -217,8 +217,9 @@ class SamplerConfig:
         """This config with every number at its default, its strings and flags kept: what a denoising step given
         CanvasRules' `numbers` (StepNumbers) and `draws` (RowDraws) reads of it, as the numbers come from those
         tensors and the noise and repeat penalties are applied outside the step. torch 2.6's torch.compile guards on
-        every field of a frozen dataclass it is passed, read or not (2.13 on the fields read), so a new t_max or
-        frequency_penalty compiled the step again and, past the recompile limit (8), ran it eagerly."""
+        every field of a frozen dataclass it is passed, read or not (2.13 on the fields read), so passed the config
+        itself, a new t_max or frequency_penalty would compile the step again and, past the recompile limit, run it
+        eagerly."""
         defaults: dict[str, Any] = {f.name: f.default for f in fields(self) if not isinstance(f.default, (str, bool))}
         return replace(self, **defaults)
 
@@ -307,9 +308,9 @@ MIN_TEMPERATURE = 1e-6
 class StepNumbers:
     """The numbers of a SamplerConfig that a denoising step only computes with, as 0-d host tensors made once per
     request (`of`; CanvasRules carries them). torch.compile guards on the value of a Python number it reads, not on a
-    tensor's: read from the config, each new value (a notebook's t_max 0.8, 0.9, ...; a server's requests) compiled the
-    compiled sampler step again, twice (its first step, then the rest), and once four settings had changed it passed
-    torch's recompile limit (8) and ran eagerly. On the host, as the Python numbers were: a device op reads them as
+    tensor's: read from the config, each new value (a notebook's t_max 0.8, 0.9, ...; a server's requests) would compile
+    the sampler step again, twice (its first step, then the rest), and a few changed settings would pass torch's
+    recompile limit, past which the step runs eagerly. On the host, as the Python numbers are: a device op reads them as
     scalars, with no device sync. Each holds the float32 (or int64) value that the step's float32 (int64) arithmetic
     made of the Python number, so a step computes the same bits from either."""
 
@@ -356,7 +357,7 @@ def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     H = log Z - E_p[shifted logit] (log_softmax then exp would cost ~3x on CPU). Banned tokens (-inf logits) are
     clamped to a finite floor: probability 0, entropy term 0, no NaN.
     One max gives the largest logit and the argmax (the first in a tie, as argmax); the largest probability is the
-    one at the argmax (softmax keeps the order), bit for bit what amax of the probabilities gave.
+    one at the argmax (softmax keeps the order), bit for bit what amax of the probabilities gives.
     """
     lf = logits.float()
     probs = torch.softmax(lf, dim=-1)

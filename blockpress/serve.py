@@ -169,9 +169,9 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _first_unknown_field(cls, data: Any) -> Any:
-        """The object with its first unknown field alone of all it has, the one the 400 names: each was an error of
-        its own, which FastAPI and validation_error read one by one on the event loop (100,000 unknown keys, 1.3 MB,
-        held every client 1.7 s for the 400)."""
+        """The object with its first unknown field alone of all it has, the one the 400 names: an error for each,
+        which FastAPI and validation_error read one by one on the event loop, would hold every client for seconds on
+        an object of many unknown keys."""
         if not isinstance(data, dict):
             return data
         first = next((k for k in data if k not in cls.model_fields), None)
@@ -454,8 +454,8 @@ class CompletionRequest(_Common):
     @field_validator("suffix")
     @classmethod
     def _nothing_after(cls, suffix: str | None) -> str | None:
-        """An empty suffix is none: a fill-in-the-middle client at a file's end sends one, and its answer was a
-        canvas of exactly max_tokens, never shorter."""
+        """An empty suffix is none: a fill-in-the-middle client at a file's end sends one, whose answer would
+        otherwise be a canvas of exactly max_tokens, never shorter."""
         return suffix or None
 
 
@@ -522,12 +522,13 @@ class BodyLimit:
     """ASGI middleware: a request body of more than `limit` bytes gets a 413 in OpenAI's error shape, none of it
     kept when its Content-Length says so, else as soon as a chunked body passes the limit (the rest is read and
     dropped first, up to `drain_bytes`: see drain). FastAPI reads and
-    JSON-parses a body whole before any check of the handlers: a 200 MB prompt took 3.5 s and 300 MB of memory for
-    the 400 its length got, and a list of prompts or tools each under the per-text bound had no bound at all. The
+    JSON-parses a body whole before any check of the handlers: a huge prompt would take seconds and memory of its
+    own size for the 400 its length gets, and a list of prompts or tools each under the per-text bound would have no
+    bound at all. The
     body read here is handed on to the app as one message (it is read whole anyway), then the client's own, so
     a disconnect still reaches a stream. A client that stops sending mid-body gets a 408 after `idle_timeout`
-    seconds without a byte (nginx's client_body_timeout): before, a connection that sent a Content-Length and then
-    nothing was held open for good, so a few hundred such clients could take every file descriptor."""
+    seconds without a byte (nginx's client_body_timeout): else a connection that sends a Content-Length and then
+    nothing would be held open for good, so a few hundred such clients could take every file descriptor."""
 
     def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0, drain_bytes: int = DRAIN_BYTES) -> None:
         self.app, self.limit, self.idle_timeout, self.drain_bytes = app, limit, idle_timeout, drain_bytes
@@ -575,13 +576,13 @@ class BodyLimit:
     async def drain(self, scope: dict, receive: Any, more: bool, declared: int | None, started: bool) -> None:
         """Read the rest of a refused body (`more`: some is still to come), dropping it, before the 413: a
         connection closed with bytes of it unread is reset (TCP RST), which can destroy the answer on its way, so
-        the client read a connection error in place of the 413 (httpx's AsyncClient, the openai AsyncOpenAI
-        client's: 44 of 60 bodies of 3 MB), and an openai client sends the body again on a connection error. As
+        the client reads a connection error in place of the 413 (httpx's AsyncClient, the openai AsyncOpenAI
+        client's), and an openai client sends the body again on a connection error. As
         nginx's lingering close, within bounds: not past `drain_bytes` (nor a body declared longer: it is closed
         at once), nor past `idle_timeout` without a byte, nor where the client waits for `100 Continue` before
         it sends any and none was read (not `started`: it reads the 413 first). Once a read asked for the body,
         the server has sent `100 Continue` and the client is sending: a chunked body over the limit with `Expect:
-        100-continue` (curl's default) got the 413's headers and then a reset, its body lost."""
+        100-continue` (curl's default) would otherwise get the 413's headers and then a reset, its body lost."""
         expects = [v for k, v in scope.get("headers", []) if k.lower() == b"expect"]
         if not more or (declared is not None and declared > self.drain_bytes) or \
                 (not started and any(v.strip().lower() == b"100-continue" for v in expects)):
@@ -621,8 +622,8 @@ def header_deadline_protocol(seconds: float = HEADER_TIMEOUT) -> type:
     """uvicorn's h11 protocol with a deadline on the request line and headers: a connection that has not sent them
     whole within `seconds` of opening (or of the next request's first byte) gets a 408 in OpenAI's error shape and is closed.
     uvicorn arms its only timer (keep-alive) after a first response and cancels it on any byte, so a client that
-    connected and sent nothing, or half a header, or a header byte a minute, held a file descriptor for good: a
-    thousand such took every descriptor a default ulimit allows. The whole header, not the gap between bytes, is
+    connects and sends nothing, or half a header, or a header byte a minute, would hold a file descriptor for good: a
+    thousand such take every descriptor a default ulimit allows. The whole header, not the gap between bytes, is
     timed, so trickling does not keep a connection. Once the headers are in, BodyLimit times the body."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -788,7 +789,7 @@ log = logging.getLogger("blockpress.serve")
 
 def report(job: Job, error: JobError) -> None:
     """Send `job` its error, where anyone still waits for it: a request whose event loop is gone (shutdown) cannot
-    be told, and trying raised out of the engine thread."""
+    be told, and trying would raise out of the engine thread."""
     try:
         job.put(error)
     except RuntimeError:
@@ -885,9 +886,9 @@ class Batch:
 
     def close(self) -> None:
         """Let go of a finished batch's stream, which stops at its last event (Done, Cancelled) holding the batch's
-        KV cache and outputs until it is closed. The engine thread's list of the round it advanced kept the batches
-        that finished in it until the next round began, which an idle server never begins: the last round's caches
-        stayed while nothing ran (blockpress-code, n=8 of 1,024 tokens: 52 MB held after the answer)."""
+        KV cache and outputs until it is closed. Left to the engine thread's list of the round it advanced, the
+        batches that finished in it would stay until the next round begins, which an idle server never begins: the
+        last round's caches would stay while nothing runs."""
         if self.events is not None:
             self.events.close()
 
@@ -1001,9 +1002,9 @@ class Engine:
 
     def check_request(self, jobs: list[Job]) -> None:
         """Refuse a request whose jobs can never fit the queue (check_room) or one the library would refuse (check),
-        before any of them is queued. The library reads every prompt id (3 ms for 4,000), so a handler runs this in a
-        worker thread (respond): on the event loop, 64 prompts of 4,000 ids held every other client (/health, each
-        stream's next chunk) 0.2 s."""
+        before any of them is queued. The library reads every prompt id, so a handler runs this in a worker thread
+        (respond): on the event loop, a request of many long prompts would hold every other client (/health, each
+        stream's next chunk)."""
         if jobs:
             prompts = len({j.group for j in jobs})
             self.check_room(prompts, len(jobs) // prompts)  # a prompt's sampled choices (greedy ones are one job)
@@ -1055,8 +1056,8 @@ class Engine:
 
     def close(self, timeout: float = 10.0) -> None:
         """Cut what is still queued or running and stop the engine thread (the app's shutdown calls this).
-        Waiting for a batch nobody would receive held the exit, and an interpreter that finalised while the engine
-        thread was inside torch aborted (rc 134)."""
+        Waiting for a batch nobody would receive would hold the exit, and an interpreter that finalises while the
+        engine thread is inside torch aborts."""
         with self.lock:
             self.stopping = True
         self.cut()
@@ -1091,8 +1092,8 @@ class Engine:
 
     def _keys(self) -> list[tuple]:
         """Each waiting job's Job.key, in order (the lock held). A job whose key cannot be made leaves the queue with
-        an error, itself alone: a defect of ours there ended the engine thread, and every request after it waited
-        forever."""
+        an error, itself alone: a defect of ours there would end the engine thread, and every request after it would
+        wait forever."""
         keys, kept = [], []
         for job in self.waiting:
             try:
@@ -1155,7 +1156,7 @@ class Engine:
 
     def check(self, job: Job) -> None:
         """Refuse a job the library would refuse (a 400 naming the field), before it is queued: alone, so that a
-        value one request sends can never fail a batch that others joined (a top_k past int64 once did, with a 500
+        value one request sends can never fail a batch that others joined (a top_k past int64 would, with a 500
         for every request in it). The library checks everything before it generates, and this starts nothing."""
         try:
             self._stream([job])
@@ -1206,8 +1207,8 @@ class ServerState:
 
     def check_length(self, chars: int, name: str, param: str) -> None:
         """Refuse text of `chars` characters that cannot fit the context whatever its tokens, before it is tokenized:
-        the tokenizer holds the GIL, so a 20 MB prompt froze every client (streams, /health) for 85 s before the
-        400 that its token count got, and took 3.6 GB."""
+        the tokenizer holds the GIL, so a huge prompt would freeze every client (streams, /health) for a minute or
+        more before the 400 that its token count gets, and take gigabytes of memory."""
         if self.token_chars is not None and chars > self.context * self.token_chars:
             raise APIError(400, f"{name}: {chars} characters cannot fit the context of {self.context} tokens (no token "
                                 f"of this vocabulary holds more than {self.token_chars} characters, so more than "
@@ -1315,8 +1316,8 @@ class Reply:
 
     def text_answer(self, done: JobDone) -> dict | None:
         """A reply with tools answered as text (None: its plain text) but for a thought before the call that made it
-        text, which a stream sent apart as it was written (the whole answer then held the thought again in its
-        content): kept apart, as a reply without tools does."""
+        text, which a stream sent apart as it was written (left in the content, the whole answer would hold the
+        thought again): kept apart, as a reply without tools does."""
         answer = None if self.read_regions is None or self.plain is None or done.raw is None else \
             thought_then_text(self.read_regions, self.plain, done.raw)
         return None if answer is None else {"message": answer, "finish_reason": done.finish}
@@ -1399,8 +1400,8 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
 
 def copy_calls(value: Any, copy: int) -> Any:
     """A job's choice message, or stream delta, for its copy `copy` (n greedy choices are one answer computed once):
-    its calls' ids its own, each derived from the first copy's (the copies shared one id, where OpenAI's are unique
-    per call); copy 0 and a value with no calls as they are."""
+    its calls' ids its own, each derived from the first copy's (else the copies would share one id, where OpenAI's
+    are unique per call); copy 0 and a value with no calls as they are."""
     if copy == 0 or not isinstance(value, dict):
         return value
     if "tool_calls" in value:
@@ -1875,12 +1876,11 @@ WARM_UP_PROMPTS = (("Hello",), ("Write a function that adds two numbers.",),
 def warm_up(app: FastAPI) -> None:
     """Run the server's first generations now, on the calling thread, before the engine thread starts (so before
     the app serves): under lm.compile() the first passes of each shape compile (minutes on a CPU), and under
-    lm.cuda_graphs() the first capture pays CUDA's lazy setup, which the first clients waited for. Each batch of
-    WARM_UP_PROMPTS goes as a request's jobs go (completion_jobs, Engine._stream), over two canvases (the cache grows
-    between them; no EOS before the end, min_tokens, as a row that ended in its first canvas left the second
-    unwarmed); the two-row ones only where max_batch takes them. Nothing is
-    answered or counted, and the prefix cache is left empty. The compiled code is the process's, so the engine
-    thread runs it as it is."""
+    lm.cuda_graphs() the first capture pays CUDA's lazy setup, which the first clients would otherwise wait for. Each
+    batch of WARM_UP_PROMPTS goes as a request's jobs go (completion_jobs, Engine._stream), over two canvases (the cache
+    grows between them; no EOS before the end, min_tokens, as a row that ends in its first canvas would leave the second
+    unwarmed); the two-row ones only where max_batch takes them. Nothing is answered or counted, and the prefix cache is
+    left empty. The compiled code is the process's, so the engine thread runs it as it is."""
     state: ServerState = app.state.server
     engine, canvas = state.engine, state.lm.config.canvas_length
     if engine.thread.ident is not None:  # it owns the model from then on
@@ -1989,8 +1989,8 @@ def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, ori
 
 
 def template_messages(state: ServerState, body: ChatRequest) -> list[dict]:
-    """The messages, each checked, as the template takes them: in a worker thread, as a conversation of 50,000
-    messages took 0.3 s, which held every other client on the event loop."""
+    """The messages, each checked, as the template takes them: in a worker thread, as checking a conversation of tens of
+    thousands of messages on the event loop would hold every other client."""
     for i, message in enumerate(body.messages):
         message.check(i)
     # the template renders every message's text: more than the context can hold is refused before rendering
@@ -2035,8 +2035,8 @@ class ReplyReaders:
 
 def reply_readers(lm: LM, prompt: list[int], tools: list[dict] | None, calls: bool) -> ReplyReaders:
     """The readers of a chat reply: for its calls where the request offers tools (`calls`); for its thought alone
-    where it does not (or asks for no call), as transformers' server and vLLM's reasoning parsers read every reply: a
-    thought was the content's start, glued to the answer."""
+    where it does not (or asks for no call), as transformers' server and vLLM's reasoning parsers read every reply: else
+    a thought would be the content's start, glued to the answer."""
     spec = lm.tokenizer.reply_template  # the checkpoint's response template, or the built-in one its tokens tell
     if spec is None or not (calls or reads_thoughts(spec)):
         return ReplyReaders()
@@ -2110,7 +2110,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is parsed
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a
     request may send (more: a 400 naming `stop`); each one is searched for in every row's text at every canvas on the
-    engine thread that serves every client, so a million of them (5 MB of JSON) held it for seconds a canvas.
+    engine thread that serves every client, so a million of them would hold it for seconds a canvas.
     `chat_template_kwargs`: chat-template variables for every chat request ({"enable_thinking": True}); a request's
     own chat_template_kwargs win, name by name."""
     limits = check_serving(lm, max_queue=max_queue, max_batch=max_batch, max_context=max_context,

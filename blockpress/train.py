@@ -108,8 +108,8 @@ def check_resumable(out: str | Path) -> Path:
 def finish_interrupted_save(out: str | Path) -> None:
     """Complete the save of the run in `out` that was killed while its files were moved into place (some moved,
     the weights say at which step; trainer_state.pt, moved last, still the one before, or none yet): its new state
-    is whole beside them under its temporary name, with the record of its save. Refused, --resume dropped the run
-    although every file of it was there."""
+    is whole beside them under its temporary name, with the record of its save. Refused, --resume would drop the run
+    although every file of it is there."""
     out = Path(out)
     pending = temporary_path(out / TRAINER_STATE_FILE)
     if not pending.is_file():  # (the usual case: nothing to read)
@@ -171,7 +171,7 @@ def read_trainer_state(path: str | Path, map_location: str | None = None) -> dic
 def derived_seed(seed: int, multiplier: int, offset: int) -> int:
     """The seed of one stream of a run's draws (an epoch's order, a step's batch or noise): seed * multiplier +
     offset, taken modulo 2**63 so that any seed in [0, 2**63) gives a Generator seed (unreduced, a seed past about
-    9.2e12 overflowed int64: 'Overflow when unpacking long long'). Where it fits, as for every small seed, it is the
+    9.2e12 overflows int64: 'Overflow when unpacking long long'). Where it fits, as for every small seed, it is the
     plain product, so a run draws as it always did."""
     return (seed * multiplier + offset) % 2**63
 
@@ -187,7 +187,7 @@ class ExampleSource:
 
     def order(self, epoch: int) -> torch.Tensor:
         """The permutation of the examples in `epoch`, a function of (seed, epoch); kept while batches stay in that
-        epoch (drawn per example, it cost 1.8 s a batch at a million examples)."""
+        epoch (drawn per example, it would cost seconds a batch at a million examples)."""
         if epoch != self._epoch:
             n = len(self.examples)
             g = torch.Generator().manual_seed(derived_seed(self.seed, 7919, epoch))
@@ -209,9 +209,9 @@ class ExampleSource:
 
 
 def window_canvases(cfg: TrainConfig) -> int:
-    """A running-text window's canvases: response_canvases, at most max_canvases (a longer window was drawn, then cut
-    by make_batch: the start-up line's coverage counted the cut part, and text long enough for the kept part was
-    refused)."""
+    """A running-text window's canvases: response_canvases, at most max_canvases (a longer window would be drawn, then
+    cut by make_batch: the start-up line's coverage would count the cut part, and text long enough for the kept part
+    would be refused)."""
     return min(cfg.response_canvases, cfg.max_canvases or cfg.response_canvases)
 
 
@@ -227,8 +227,8 @@ def window_fits(cfg: TrainConfig, room: int, canvas_length: int) -> list[str]:
 class ShardSource:
     """Windows of running text from token shards: a random-length prompt and whole canvases of response. `bos`: the
     token put before each window's prompt, the tokenizer's BOS, as generation puts it before every text prompt
-    (Tokenizer.encode_prompt): trained on bare windows, a model met BOS first only at inference, and a tiny one that
-    had learned its corpus to a loss of 0.09 garbled it after a BOS it had never seen. None: the bare window (a model
+    (Tokenizer.encode_prompt): trained on bare windows, a model would meet BOS first at inference, and even one that
+    has learned its corpus well can garble it after a BOS it has never seen. None: the bare window (a model
     without a tokenizer is prompted with ids as given)."""
 
     def __init__(self, shards: TokenShards, cfg: TrainConfig, canvas_length: int, bos: int | None = None):
@@ -354,7 +354,7 @@ def add_lora(model: _Model, rank: int, alpha: float, seed: int = 0, targets: Seq
              ) -> _Model:
     """LoRA adapters (peft) on `targets` (module names or their ends; default attention q/k/v/o and the dense MLP),
     in float32 whatever the base's dtype; everything else frozen. `seed` draws lora_A (peft draws it from torch's
-    global generator, which nothing seeded: two runs of one command differed from step 2 on); the caller's global
+    global generator, which nothing seeds: two runs of one command would differ from step 2 on); the caller's global
     generator is left as it was. A quantized base (QLoRA) keeps its quantized projections, wrapped as peft wraps an
     nn.Linear: the adapters' output is added to theirs, and the gradient reaches the adapters through them."""
     from peft import LoraConfig, inject_adapter_in_model
@@ -406,7 +406,8 @@ def lora_weights(module: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
 def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_TARGETS) -> None:
     """Refuse a LoRA rank above any adapted layer's full rank, min(in_features, out_features): B @ A of a larger rank
     is no more than a full-rank update there, and its adapters only cost memory (peft builds them without a check:
-    --lora-rank 100000 on a hidden size of 256 was killed for memory while the adapters were made, without a word).
+    a huge --lora-rank on a small hidden size would be killed for memory while the adapters are made, without a
+    word).
     A rank above some layers' full rank and not others' is taken, as peft takes it."""
     sizes = {name: min(module.in_features, module.out_features) for name, module in model.named_modules()
              if isinstance(module, (nn.Linear, QuantizedLinear)) and any(name == t or name.endswith(f".{t}")
@@ -880,8 +881,8 @@ class TrainResult:
 
 class Diverged(ValueError):
     """Training met a loss or gradient norm that is not finite (a learning rate too high, or bad data): the run
-    stops there, and nothing non-finite is saved (the loss went NaN, and the run went on to save NaN weights and
-    exit 0). A ValueError, as the CLI's other refusals are: `train` exits 2 with its message."""
+    stops there, and nothing non-finite is saved (unchecked, the loss goes NaN, and the run goes on to save NaN weights
+    and exit 0). A ValueError, as the CLI's other refusals are: `train` exits 2 with its message."""
 
 
 LOSS_KEYS = ("loss", "diffusion_loss", "ar_loss")
@@ -1106,7 +1107,7 @@ def _optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torc
 @contextlib.contextmanager
 def _labelled(bar: Any, phase: str) -> Iterator[None]:
     """The training bar labelled "train (`phase`)" while the phase runs: a large model's save or evaluation takes
-    minutes, during which the bar stood still at its last step, as if the run had hung. None: no bar."""
+    minutes, during which the bar would stand still at its last step, as if the run had hung. None: no bar."""
     if bar is None:
         yield
         return
@@ -1227,8 +1228,9 @@ class Trainer:
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
         """The model in eval mode (no attention dropout) inside, then in the mode it found: set to train mode
-        whatever it found, a call after train() (which ends in eval mode) left every later generation dropping
-        attention at random; left in train mode, an on_step callback that generated (a sample each step) did."""
+        whatever it found, a call after train() (which ends in eval mode) would leave every later generation
+        dropping attention at random; left in train mode, an on_step callback that generates (a sample each step)
+        would too."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -1710,8 +1712,8 @@ class Trainer:
         return requested
 
     def _progress_line(self, logged: dict[str, Any], tok_s: float, pace: float, last: bool) -> str:
-        """A metrics row as the plain line a log gets where there is no bar, with the bar's ETA, which a log had
-        not: `pace` seconds a step, or the clock's budget where that ends the run first."""
+        """A metrics row as the plain line a log gets where there is no bar, with the bar's ETA, which a log
+        otherwise lacks: `pace` seconds a step, or the clock's budget where that ends the run first."""
         cfg = self.cfg
         held = f", eval loss {logged['eval_loss']:.4f}" if "eval_loss" in logged else ""
         of = ("" if cfg.time_schedule else f"/{cfg.steps}") + (
@@ -1797,8 +1799,8 @@ LORA_BASE_FILE = "lora_base.json"  # a LoRA run cut short: the base model its ad
 
 
 def base_name(lm: LM) -> str | None:
-    """The base model as a LoRA run records it: its absolute folder (as typed, a relative path broke --resume from
-    another folder), a shipped model's name (its folder moves on reinstall), or a Hugging Face cache snapshot's
+    """The base model as a LoRA run records it: its absolute folder (as typed, a relative path would break --resume
+    from another folder), a shipped model's name (its folder moves on reinstall), or a Hugging Face cache snapshot's
     repo id (hub_name: its folder is a hash path no other machine has); None when not loaded from a folder, or loaded
     with an adapter (its weights are not the folder's)."""
     if lm.path is None or lm.adapter is not None:
@@ -1858,9 +1860,9 @@ def lora_base(out: str | Path) -> str | None:
 def check_lora_resume_model(out: str | Path, model: str | Path) -> None:
     """Refuse `model` as the base of the LoRA run in `out` to be resumed (`--resume --out OUT --model MODEL`) where it
     is not the base the run's adapters train over, naming both: the run's own folder or its adapter folder (their
-    weights hold the adapters' update already, which would count twice: it was taken without a word, and the run
-    then recorded itself as its own base), or another model than the recorded base, while that one is there (one
-    of another shape failed on whatever it lacked first, e.g. "text records need a tokenizer"). A base recorded as
+    weights hold the adapters' update already, which would count twice, and the run would then
+    record itself as its own base), or another model than the recorded base, while that one is there (one
+    of another shape would fail on whatever it lacks first, e.g. "text records need a tokenizer"). A base recorded as
     none, or gone, lets `model` stand in for it; Trainer.resume checks its shape."""
     from .lm import resolve_path
 
@@ -1922,9 +1924,9 @@ def init_distributed(device: str = "cpu") -> str:
     """Join the torchrun process group when launched by torchrun, and return the device this process trains on.
 
     The backend follows the run's device, not the machine: nccl takes CUDA tensors alone, so a --device cpu run on
-    a GPU machine under nccl failed at its first all-reduce. On CUDA each process takes the GPU of its LOCAL_RANK
+    a GPU machine under nccl would fail at its first all-reduce. On CUDA each process takes the GPU of its LOCAL_RANK
     (and makes it current, as NCCL needs): "cuda" without an index is the current GPU, GPU 0 in every process, so
-    all of them loaded onto one GPU, which NCCL refuses ("Duplicate GPU detected")."""
+    all of them would load onto one GPU, which NCCL refuses ("Duplicate GPU detected")."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return device
     dev = resolve_device(device)

@@ -52,8 +52,8 @@ def check_chat_template(lm: Any, args: argparse.Namespace, use: str) -> list[int
 
 def system_turn(args: argparse.Namespace) -> list[dict[str, str]]:
     """--system as the message a conversation starts with (generate --chat, chat); [] without it. Checked here,
-    so its bytes that are not UTF-8 are named as --system's (they were "messages[0].content", a message of the
-    conversation, or with generate --input none of the file's)."""
+    so its bytes that are not UTF-8 are named as --system's (else they would be "messages[0].content", a message of
+    the conversation, or with generate --input none of the file's)."""
     return [{"role": "system", "content": check_text(args.system, "--system")}] if args.system is not None else []
 
 
@@ -101,9 +101,9 @@ def json_line(line: str) -> str:
 
 def enable_line_editing() -> None:
     """Line editing (the arrow keys, Ctrl-A/E, ...) and history (Up, Down) for input() on a terminal: Python's
-    input() reads through readline once the module is imported, and without it the arrow keys reached the model as
-    escape sequences ("\\x1b[D"). A pipe is read as it was: input() uses readline only on a terminal. Some
-    Pythons have no readline (Windows'): lines are then read plainly, as before."""
+    input() reads through readline once the module is imported, and without it the arrow keys would reach the model as
+    escape sequences ("\\x1b[D"). A pipe is read plainly: input() uses readline only on a terminal. Some
+    Pythons have no readline (Windows'): lines are then read plainly too."""
     try:
         import readline  # noqa: F401  (importing it is what turns it on)
     except ImportError:
@@ -131,10 +131,10 @@ class ReplyReader:
     """Reads a chat reply with the tokenizer's response template (Tokenizer.reply_template: the checkpoint's, or
     Gemma 4's built in) where that template reads thoughts: the thought apart from the answer, as the server gives
     it (reasoning_content) to a request without tools, streamed and whole alike (response.AnswerStream and
-    answer_without_tools, which the server's replies use). The reply's text leaves special tokens out, so a Gemma 4
-    reply's thought channel read "thought\\n...answer": shown glued to the answer, and kept so in the conversation,
-    where the chat template's strip_thinking (which cuts at <|channel> / <channel|>) could no longer drop it from
-    later prompts."""
+    answer_without_tools, which the server's replies use). The reply's text leaves special tokens out, so read as text a
+    Gemma 4 reply's thought channel would be "thought\\n...answer": shown glued to the answer, and kept so in the
+    conversation, where the chat template's strip_thinking (which cuts at <|channel> / <channel|>) could not drop it
+    from later prompts."""
 
     lm: Any
     prompt: list[int]  # the conversation's ids: the template's start_anchor in it marks where the reply began
@@ -291,8 +291,8 @@ class ChatSession:
         """A line, without its terminator; on a terminal prompted "you> " (`first`: a message's first line) or, in
         a block of several lines, "...> ". A terminal's paste of several lines comes back whole, newlines and all
         (readline 8.1+ takes it as one line: bracketed paste); one that holds a BLOCK line is read a line at a
-        time, as typed lines are, so its blocks open and close: whole, the BLOCK lines were sent to the model as
-        part of the message, and a paste that should close an open block left it open."""
+        time, as typed lines are, so its blocks open and close: whole, the BLOCK lines would go to the model as
+        part of the message, and a paste that should close an open block would leave it open."""
         if self.pending:
             return self.pending.pop(0)
         mark = "you> " if first else "...> "
@@ -309,7 +309,7 @@ class ChatSession:
 
     def new_line(self) -> str:
         """"\n" where a reply that failed midway (a GPU out of memory, non-finite logits) is part way along a line
-        on screen: its error was written on after the last word ("model> def f(error: ...")."""
+        on screen: its error would otherwise be written on after the last word ("model> def f(error: ...")."""
         return "\n" if self.on_screen and self.opened else ""
 
     def no_reply(self, user: str, **fields: Any) -> None:
@@ -417,7 +417,7 @@ class ChatSession:
 
     def check_characters(self) -> None:
         """Refuse a turn whose text alone the context cannot hold, before the template renders it (lm.chat_prompt's
-        bound, which named the API's `messages`), in the chat's words: the message is too long (shorten it) or the
+        bound, which names the API's `messages`), in the chat's words: the message is too long (shorten it) or the
         conversation is (/reset), as reply_settings says them for the tokens."""
         context, most = self.lm.config.text.max_position_embeddings, self.lm.tokenizer.longest_token()
         bound = (f"the model's context of {context} tokens holds at most {context * most:,} characters (no token of "

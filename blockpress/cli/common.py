@@ -58,7 +58,7 @@ def preset_config(name: str, flag: str) -> Any:
 
 
 def load_announced(args: argparse.Namespace, keep: str | None = None) -> Any:
-    """load_model, saying so on stderr first: a large checkpoint takes tens of seconds that looked like a hang.
+    """load_model, saying so on stderr first: a large checkpoint takes tens of seconds that would look like a hang.
     `keep`: a line that stays (serve's log, naming where it will listen); otherwise the line is shown only on a
     terminal and erased once loaded, so it never mixes into the output or a script's stderr."""
     if args.prefill_chunk is not None and args.prefill_chunk <= 0:  # before the load, which can take a while
@@ -380,7 +380,7 @@ def printable(text: str) -> str:
 def print_stats(stats: dict[str, Any], own_line: bool = False) -> None:
     """The stats line on stderr, after an empty line unless `own_line` (the output before it ended its line). The
     text before it is flushed first: a standard output that cannot be written (`> /dev/full`, `>&-`) then fails
-    here, said in one line, where the stats line came first, as if the text had been written."""
+    here, said in one line, where otherwise the stats line would come first, as if the text had been written."""
     if sys.stdout is not None:
         sys.stdout.flush()
     made = (f"{stats['filled_tokens']} filled of {stats['template_tokens']} template tokens" if "filled_tokens" in stats
@@ -404,8 +404,8 @@ FLAG_OF: dict[str, dict[str, str]] = {
 
 class TypedFlag(argparse.Action):
     """A flag of several names (--steps, --max-denoising-steps), stored as argparse stores one, that also records
-    the name typed (args.typed_flags: each of its names to that one), so an error names the flag the user wrote:
-    '--steps: expected ...' answered a --max-denoising-steps that the command line never held a --steps in."""
+    the name typed (args.typed_flags: each of its names to that one), so an error names the flag the user wrote,
+    not '--steps: expected ...' for a --max-denoising-steps on a command line that holds no --steps."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
@@ -423,8 +423,8 @@ PATH_FLAGS = ("input", "output", "file", "data", "heldout_data", "train_config",
 def expand_path_flags(args: argparse.Namespace) -> None:
     """Each path flag of `args` that starts with ~ or ~user, expanded as a shell would (files.expand_user, its
     refusal of a ~user with no home naming the flag): a shell leaves a ~ after `=` as it is (`--input=~/in.jsonl`),
-    as Windows' cmd.exe and PowerShell leave it in any argument to a program, so the file was looked for in a
-    folder named ~ ("--input ~/in.jsonl: No such file or directory"), where --model and train's --out expanded it."""
+    as Windows' cmd.exe and PowerShell leave it in any argument to a program, so the file would be looked for in a
+    folder named ~ ("--input ~/in.jsonl: No such file or directory"), where --model and train's --out expand it."""
     from blockpress.files import expand_user
 
     for name in PATH_FLAGS:
@@ -442,7 +442,8 @@ def expand_path_flags(args: argparse.Namespace) -> None:
 
 def check_file_path(flag: str, value: str) -> None:
     """A flag's path to write a file at, refused where it ends with a path separator: pathlib drops a trailing one,
-    so `--output results/` wrote a file named results where the folder results/ was meant (and is not there)."""
+    so `--output results/` would write a file named results where the folder results/ is meant (and is not
+    there)."""
     if value.endswith(("/", os.sep)):
         raise ValueError(f"{flag} {value}: ends with {value[-1]}, as a folder's path does; give a file (a name "
                          "after the folder)")

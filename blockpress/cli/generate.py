@@ -363,7 +363,7 @@ def check_file_flags(args: argparse.Namespace, kind: Any) -> Path | None:
 def lines_done(args: argparse.Namespace, output: Path | None, rows: list[Any], kind: Any,
                settings: dict[str, Any]) -> set[int]:
     """The input lines an existing --output holds already (--resume; none otherwise), read before the model loads:
-    another file's output is refused then, where it was refused once a model of minutes had loaded, and so is one
+    another file's output is refused then, not once a model of minutes has loaded, and so is one
     made with other `settings` (run_settings), by the flag that differs; lines written before output lines
     recorded their settings are taken unchecked, with a warning."""
     from blockpress.batchfile import check_settings, done_lines
@@ -411,8 +411,8 @@ def run_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, 
 def recorded_setting(name: str, value: Any) -> Any:
     """A setting's value as an output line records it (--resume reads lines of before through it too): --model's and
     --adapter's folder by where it is, however it was spelled (--model=~/code, code from its parent, through a
-    symlink): as typed, the same folder was refused on resuming, and two folders both typed `m` from two working
-    directories were taken as one. A name that loads no folder (a shipped model, which a bare name always is,
+    symlink): as typed, the same folder would be refused on resuming, and two folders both typed `m` from two working
+    directories would be taken as one. A name that loads no folder (a shipped model, which a bare name always is,
     random-<preset>, a hub repo id) stays as it is, as does every other setting."""
     from blockpress.cli.common import RANDOM_PREFIX
     from blockpress.lm import shipped_models

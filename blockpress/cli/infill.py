@@ -55,7 +55,7 @@ def check_template(text: str, hole_length: int, context: int) -> None:
     cannot fit the model's `context`, found by the library's own parser before the model loads: a large checkpoint
     takes minutes to load. The fixed text is passed over, not tokenized (no tokenizer yet): one stand-in token per
     piece of it, so the length checked is a lower bound and the load's check has the last word. (Without the
-    context, a hole of 10**10 tokens was laid out as a list of 10**10 ids before any check.)"""
+    context, a huge hole would be laid out as a list of ids before any check.)"""
     from types import SimpleNamespace
 
     from blockpress.generate import parse_template

@@ -18,8 +18,8 @@ from blockpress.cli.common import RANDOM_PREFIX, load_announced, load_model, pre
 def meta_model(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The model `args` names, built on the meta device (shapes, dtypes, no memory) by the plan `blockpress.load`
     carries out on --device (checkpoint.plan_model), and what its folder stores: the safetensors headers only,
-    never a tensor's data. (Loading to count converted a bf16 checkpoint to float32 on a CPU without native bf16:
-    101 GB for a 26B.)"""
+    never a tensor's data. (Loading to count would convert a bf16 checkpoint to float32 on a CPU without native bf16:
+    four bytes a parameter.)"""
     from blockpress.checkpoint import index_total_size, plan_model, resolve_device, tensor_kind
     from blockpress.lm import LM, read_generation_config, resolve_model
 

@@ -27,12 +27,12 @@ class OutputError(Exception):
 
 
 class GuardedStdout(io.RawIOBase):
-    """Descriptor 1 under the command's sys.stdout (guard_stdout), its failures raised as OutputError: as the
-    OSError they were, a full disk ended in "error: [Errno 28] No space left on device", status 2 (a bad argument's)
-    or, once the interpreter's last flush met it, 120 and "Exception ignored ... OSError", and never said that
-    standard output was what failed. After one failure the rest is dropped, so the run's end cannot fail again. `fd`
-    None: no standard output at all (`>&-`), where Python's sys.stdout was None, and generate failed on
-    None.isatty() and info printed nothing with status 0. A reader gone away stays a BrokenPipeError (141, quietly)."""
+    """Descriptor 1 under the command's sys.stdout (guard_stdout), its failures raised as OutputError: as plain
+    OSErrors, a full disk would end in "error: [Errno 28] No space left on device", status 2 (a bad argument's) or,
+    once the interpreter's last flush meets it, 120 and "Exception ignored ... OSError", never saying that standard
+    output is what failed. After one failure the rest is dropped, so the run's end cannot fail again. `fd` None: no
+    standard output at all (`>&-`), where Python's sys.stdout is None, on which generate would fail (None.isatty()) and
+    info would print nothing with status 0. A reader gone away stays a BrokenPipeError (141, quietly)."""
 
     def __init__(self, fd: int | None):
         super().__init__()
@@ -128,16 +128,16 @@ def is_utf8(stream: Any) -> bool:
 def utf8_stdio() -> None:
     """Standard output written, and standard input read, as UTF-8 when they are a file or pipe: the encoding every
     file blockpress reads and writes has. Python gives them the locale's, which on Windows is an ANSI code page
-    (cp1252): `generate ... > out.txt` ended in "'charmap' codec can't encode character" after the whole
-    generation for any text outside it (CJK, emoji, "✓"), and a piped UTF-8 prompt was read as mojibake ("grüße"
-    as "grÃ¼ÃŸe"), silently. Stdin keeps surrogateescape, so bytes that are not UTF-8 reach the prompt checks,
+    (cp1252): `generate ... > out.txt` would end in "'charmap' codec can't encode character" after the whole
+    generation for any text outside it (CJK, emoji, "✓"), and a piped UTF-8 prompt would be read as mojibake
+    ("grüße" as "grÃ¼ÃŸe"), silently. Stdin keeps surrogateescape, so bytes that are not UTF-8 reach the prompt checks,
     which name them. Piped text's line endings are read as Python reads them on Windows: CRLF (or a CR alone) as
-    "\n" (on Linux and macOS the CRs stayed: a prompt file saved on Windows prompted the model with "\r\n", other
-    tokens and another answer than the same text's). A terminal keeps its own encoding (a Windows console is UTF-8
+    "\n" (on Linux and macOS the CRs would stay: a prompt file saved on Windows would prompt the model with "\r\n",
+    other tokens and another answer than the same text's). A terminal keeps its own encoding (a Windows console is UTF-8
     already); one that cannot show a character gets "?" rather than the error. A terminal said to be ASCII
     (PYTHONIOENCODING=ascii, an ASCII locale) is read as UTF-8, ASCII's superset and what terminals send: typed
-    "grüße" ended `generate -` with "'ascii' codec can't decode byte 0xc3" and was refused by chat as "not valid
-    UTF-8", which it was."""
+    "grüße" would otherwise end `generate -` with "'ascii' codec can't decode byte 0xc3", and chat would refuse it as
+    "not valid UTF-8", which it is."""
     stdin = sys.stdin
     for out in (sys.stdout, sys.stderr):  # (stderr: the progress lines and stats; its default backslashreplace wrote
         # "…" as the six characters "\u2026", which wrapped a line cut to one row, and its erase left the first row)

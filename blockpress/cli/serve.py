@@ -104,7 +104,7 @@ def _server_class() -> type:
 
     class Server(uvicorn.Server):
         """uvicorn's server, saying what a stop signal does (uvicorn says it at INFO, below our log level: a
-        server finishing a long request looked hung)."""
+        server finishing a long request would look hung)."""
 
         signals = 0  # stop signals received
         loop: asyncio.AbstractEventLoop | None = None
@@ -140,9 +140,10 @@ def _server_class() -> type:
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
             """uvicorn's SIGINT and SIGTERM, and a SIGHUP (the terminal closed: an ssh session that dropped) taken
-            as they are: it killed the server where it stood, each request in flight a dropped connection ("Server
-            disconnected without sending a response") rather than finished in the grace period. uvicorn raises the
-            signal again once shut down (after ours is put back), so the exit status is still SIGHUP's."""
+            as they are: left alone, a SIGHUP kills the server where it stands, each request in flight a dropped
+            connection ("Server disconnected without sending a response") rather than finished in the grace period.
+            uvicorn raises the signal again once shut down (after ours is put back), so the exit status is still
+            SIGHUP's."""
             hangup = getattr(signal, "SIGHUP", None)
             with super().capture_signals(), on_signals(() if hangup is None else (hangup,), self.handle_exit):
                 yield

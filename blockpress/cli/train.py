@@ -167,9 +167,9 @@ def _train_settings(args: argparse.Namespace, out: Path) -> Settings:
 
 def _check_lora_resume(args: argparse.Namespace, settings: Settings) -> Any:
     """A resumed LoRA run can go on (it has not finished, --model is a base it can take), said before the base is
-    looked for and loaded (a minute for a quantized one): a finished LoRA run said "give --model", then, with it,
-    that it had finished. Returns the shape of the base its adapters trained over, checked against the model as
-    soon as it loads (None: no such run, or none recorded)."""
+    looked for and loaded (a minute for a quantized one): else a finished LoRA run would say "give --model", then, with
+    it, that it has finished. Returns the shape of the base its adapters trained over, checked against the model as soon
+    as it loads (None: no such run, or none recorded)."""
     if not (args.resume and settings.saved.get("lora_rank")):
         return None
     from blockpress.train import (
@@ -464,8 +464,8 @@ def _trainable(trainer: Trainer) -> dict[str, Any]:
 
 
 def _say_what_runs(args: argparse.Namespace, run: Run, sources: Sources) -> None:
-    """What the run trains on, and how much of the model: nothing said it (a folder's stray files, a chat's turns, a
-    --heldout split, how many passes --steps makes went unseen); after --resume, which says where the run's data
+    """What the run trains on, and how much of the model, which would otherwise go unseen (a folder's stray files, a
+    chat's turns, a --heldout split, how many passes --steps makes); after --resume, which says where the run's data
     stands. Then a warmup the run never ends."""
     cfg, trainer = run.cfg, run.trainer
     if not args.quiet and trainer.rank == 0:
@@ -551,8 +551,8 @@ def _exit_status(args: argparse.Namespace, run: Run, result: TrainResult) -> int
 
 def _leave_peers() -> None:
     """Under torchrun: wait for every process, then leave the process group. torchrun stops the other processes as
-    soon as one exits non-zero (a stop's 130 or 143), so a process that left at once cut rank 0 short after its save,
-    before it said where the run was saved, or during it; and a group never left could abort at exit ("terminate
+    soon as one exits non-zero (a stop's 130 or 143), so a process that left at once would cut rank 0 short after its
+    save, before it says where the run was saved, or during it; and a group never left can abort at exit ("terminate
     called without an active exception")."""
     import torch.distributed as dist
 
@@ -607,7 +607,7 @@ def _times(ratio: float) -> str:
 def train_corpus(path: str, flag: str, tokenizer: Any, vocab_size: int, quiet: bool = False) -> Any:
     """Running text for `train` as TokenShards: raw text (a .txt/.py/.md file, a folder of them, JSONL lines
     {"text": ...}) tokenised in memory, with a bar of the characters done on a terminal's stderr unless `quiet`
-    (160 MB of text took minutes without a sign), or a glob of token shards; errors name `flag`."""
+    (a large corpus takes minutes without a sign), or a glob of token shards; errors name `flag`."""
     from blockpress.data import TokenShards, is_examples, is_raw_text, load_text, shard_files
 
     if is_examples(path):  # neither running text nor shards, whatever its name
