@@ -58,7 +58,8 @@ FIGURES = {
                              "token; AR: all but each row's first (null for one new token)",
     "peak_memory_growth_gb": "the most memory one more untimed run held beyond what was in use at its start: its "
                              "caches, logits and work, not weights (every engine's stay resident on the device "
-                             "throughout). CUDA: the allocator's; CPU: the C heap's, sampled (null without glibc)",
+                             "throughout). CUDA: the allocator's; CPU: the C heap's, sampled every 2 ms (null without glibc, or "
+                             "for a run over before its first sample)",
 }
 # What a row's own figures mean (beside its batch, canvas and one entry per engine).
 ROW_FIGURES = {
@@ -190,15 +191,16 @@ def _heap_reader() -> Callable[[], int] | None:
 
 class PeakMemory:
     """Peak memory of one engine run: `peak_memory_growth_gb`, the most the run held beyond what was in use when
-    it started (caches, logits, the step's work; None without glibc on a CPU). Not the peak itself: every engine's
-    weights (blockpress's, the reference's copy, a quantized twin) stay on the device during each engine's run, so
-    the device-wide peak counted all of them in every engine's figure. CUDA: the allocator's peak since the start;
+    it started (caches, logits, the step's work; None without glibc on a CPU, or for a run over before the first
+    sample). Not the peak itself: every engine's weights (blockpress's, the reference's copy, a quantized twin) stay
+    on the device during each engine's run, so the device-wide peak would count all of them in every engine's
+    figure. CUDA: the allocator's peak since the start;
     on a CPU a thread samples the C heap's bytes in use every `interval` s."""
 
     def __init__(self, device: torch.device, interval: float = 0.002):
         self.device, self.interval = device, interval
         self.read = None if device.type == "cuda" else _heap_reader()
-        self.start = self.peak = 0
+        self.start = self.peak = self.samples = 0
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -215,6 +217,7 @@ class PeakMemory:
     def _sample(self, read: Callable[[], int]) -> None:
         while not self._done.wait(self.interval):
             self.peak = max(self.peak, read())
+            self.samples += 1
 
     def __exit__(self, *exc: Any) -> None:
         self._done.set()
@@ -224,7 +227,7 @@ class PeakMemory:
     def figures(self) -> dict[str, float | None]:
         if self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device)
-        elif self.read is None:
+        elif self.read is None or self.samples == 0:  # (a run over before the thread's first sample: not a 0)
             return {"peak_memory_growth_gb": None}
         return {"peak_memory_growth_gb": (self.peak - self.start) / 1e9}
 

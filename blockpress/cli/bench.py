@@ -73,6 +73,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     measured: dict[str, Any] = {}  # the result as of the last row measured
 
     def on_row(so_far: dict[str, Any]) -> None:
+        if args.plot:  # (as write() names it: stdout's JSON of an interrupted run is the --out file's)
+            so_far["plot"] = str(args.plot)
         measured.update(so_far)
         write(so_far, done=False)
 
@@ -88,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = len(measured.get("rows", []))
         print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if rows:
-            print(json.dumps({**measured, "partial": True, "interrupted": True}, indent=2))
+            print(json.dumps({**measured, "interrupted": True, "partial": True}, indent=2))
             if args.out:  # else it holds the last row's "partial" alone, as if the run had failed, not been stopped
                 try:
                     write({**measured, "interrupted": True}, done=False)
