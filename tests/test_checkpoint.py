@@ -1138,6 +1138,40 @@ def test_damaged_safetensors_are_clear_errors(ref_checkpoint, tmp_path, damage, 
     assert "model.safetensors" in str(caught.value)
 
 
+def _raw_safetensors(path, header, data):
+    import struct
+
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("offsets", [[0, 8], [4, 12]])
+def test_a_tensor_starting_inside_the_one_before_is_refused_as_an_overlap(tmp_path, offsets):
+    """Two tensors sharing bytes, every byte owned: only the overlap check sees it (the damaged-file case above
+    also leaves a gap, which a second check refuses)."""
+    from blockpress.checkpoint import MappedSafetensors
+
+    path = tmp_path / "model.safetensors"
+    _raw_safetensors(path, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                            "b": {"dtype": "F32", "shape": [2], "data_offsets": offsets}}, bytes(offsets[1]))
+    with pytest.raises(blockpress.CheckpointError, match=rf"'b': its data starts at byte {offsets[0]}, inside the "
+                                                         "tensor before it"):
+        MappedSafetensors(path)
+
+
+def test_a_tensor_of_no_elements_reads_as_its_shape_and_dtype(tmp_path):
+    """torch.frombuffer refuses a count of 0: an empty tensor is made, not read."""
+    from blockpress.checkpoint import MappedSafetensors
+
+    path = tmp_path / "model.safetensors"
+    save_file({"empty": torch.empty(0, 3, dtype=torch.bfloat16), "last": torch.arange(4, dtype=torch.float32)},
+              str(path))
+    f = MappedSafetensors(path)
+    empty = f.tensor("empty")
+    assert empty.shape == (0, 3) and empty.dtype == torch.bfloat16
+    assert torch.equal(f.tensor("last"), torch.arange(4, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', "[]", "{}", '{"weight_map": {"x": 3}}', "{nope",
                                    "[" * 100_000 + "]" * 100_000,
                                    '{"weight_map": {}}'])  # (no shard read: it failed inside torch, all missing)

@@ -23,6 +23,7 @@ from blockpress.quantize import (
     cpu_int4_layout,
     dequantize_weight,
     from_cpu_int4,
+    int4_cpu_fits,
     quantize_weight,
     quantized_matmul,
     to_cpu_int4,
@@ -417,3 +418,18 @@ def test_a_load_counts_the_copies_of_the_cpu_layout_before_reading(tmp_path, mon
     held = [(getattr(m, n), getattr(m, n + "_scale")) for m in coded_modules(back) if m.cpu_int4 for n in m.coded_names]
     assert copied == sum(c.numel() * c.element_size() + s.numel() * s.element_size() for c, s in held)
     assert added * 2 == sum(s.numel() * s.element_size() for _, s in held)  # a zero beside each scale
+
+
+@needs_layout
+def test_out_sizes_of_8_not_16_stay_in_the_stored_layout():
+    """torch's CPU int4 GEMM takes rows in 16s: a weight of 24 rows is refused that layout by name and computes as
+    stored."""
+    assert not int4_cpu_fits((24, 64)) and int4_cpu_fits((32, 64))
+    torch.manual_seed(0)
+    layer = QuantizedLinear(torch.nn.Linear(64, 24, bias=False), "int4").eval()
+    with pytest.raises(ValueError, match=r"set_cpu_int4: .* int4 weight weight \(codes \[24, 32\]\)"):
+        layer.set_cpu_int4(True)
+    assert not layer.cpu_int4
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), x @ dequantize_weight(layer.weight, layer.weight_scale, torch.bfloat16).t())
