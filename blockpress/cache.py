@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -69,26 +70,43 @@ class KVCache:
     # The model's weights_version when a generation filled it (None: none did): after lm.to or quantize the keys
     # are the old weights', and LM refuses to continue it.
     weights_version: tuple[int, int] | None = field(default=None, repr=False, compare=False)
-    # The threads of the calls continuing this cache now, one entry a call (see `in_use`).
-    users: list[int] = field(default_factory=list, repr=False, compare=False)
+    # The threads of the calls continuing this cache now, one entry a call, and the lock their entry is taken under
+    # (see `in_use`). A copy (copy.deepcopy, pickle) is held by no call: see __getstate__.
+    users: list[tuple[int, object]] = field(default_factory=list, init=False, repr=False, compare=False)
+    _claim: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """This cache's state for a copy, without its calls' claims: a copy taken while a call held the cache (a
+        branch of the conversation) is free, not refused to other threads forever. (A lock does not copy.)"""
+        state = self.__dict__.copy()
+        del state["_claim"]
+        state["users"] = []
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._claim = threading.Lock()
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
         """Held by each call that continues this cache (generate, stream, generate_ar and chat with cache=...): a
         call from another thread meanwhile is refused, as both would write the same slots and each reply read the
         other's tokens. Calls of one thread nest (chat runs generate; a stream left suspended does not block the
-        next turn). Released where the call ends, in whatever thread closes it."""
+        next turn). A stream's claim is its starting thread's, released where the stream ends, in whatever thread
+        closes it: a stream handed to another thread to iterate is not told apart from its starter's next call."""
         me = threading.get_ident()
-        self.users.append(me)
-        # (list operations are atomic: of two threads arriving at once both may be refused, never both let in)
-        if any(user != me for user in self.users):
-            self.users.remove(me)
-            raise ValueError("cache: in use by a call in another thread; a KVCache (a conversation) is continued by "
-                             "one call at a time: wait for that call to end, or give each thread its own cache")
+        claim = (me, object())  # this call's own entry: given back only if taken, wherever a Ctrl-C lands
         try:
+            with self._claim:  # (checked and taken at once)
+                if any(thread != me for thread, _ in self.users):
+                    raise ValueError("cache: in use by a call in another thread; a KVCache (a conversation) is "
+                                     "continued by one call at a time: wait for that call to end, or give each "
+                                     "thread its own cache")
+                self.users.append(claim)
             yield
         finally:
-            self.users.remove(me)
+            with suppress(ValueError):  # (not there: refused, or stopped before it was taken)
+                self.users.remove(claim)
 
     # A cache outlives the call that made it: its tensors are made outside torch.inference_mode, even under one, so
     # that it can be continued in either mode (an inference tensor refuses in-place writes outside inference mode).

@@ -362,3 +362,58 @@ def test_a_cache_another_thread_is_continuing_is_refused_by_name(call):
     thread.start()
     thread.join()
     assert done == [alone] and first.cache.users == []
+
+
+def test_a_copy_of_a_held_cache_is_free_and_a_ctrl_c_anywhere_in_the_claim_gives_it_back():
+    """A copy (copy.deepcopy: a branch of the conversation) taken while a stream held the cache kept the stream's
+    claim, so every other thread was refused the copy forever; a Ctrl-C between taking the claim and the block that
+    gives it back kept it the same way. Interrupted at each line of the claim up to its `finally` (whose own first
+    line a traced exception can always precede), the cache is free afterwards."""
+    import copy
+    import inspect
+    import linecache
+    import threading
+
+    import blockpress.cache as cache_module
+
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    first = lm.generate([[5, 6, 7]], return_cache=True, **kw)
+    held = lm.stream([[8, 9]], cache=first.cache, **kw)
+    next(held)
+    branch = copy.deepcopy(first.cache)
+    held.close()
+    assert branch.users == [] and first.cache.users == []
+    done = []
+    thread = threading.Thread(target=lambda: done.append(lm.generate([[8, 9]], cache=branch, **kw).texts))
+    thread.start()
+    thread.join()
+    assert len(done) == 1
+
+    code = cache_module.KVCache.in_use.__wrapped__.__code__
+    source, start = inspect.getsourcelines(code)
+    end = start + next(i for i, text in enumerate(source) if text.strip() == "finally:")
+    lines = sorted({line for _, _, line in code.co_lines() if line is not None and code.co_firstlineno < line < end})
+    assert len(lines) >= 5
+    for stop_at in lines:
+        fired = []
+
+        def tracer(frame, event, arg, stop_at=stop_at, fired=fired):
+            if frame.f_code is not code:
+                return None
+
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == stop_at and not fired:
+                    fired.append(linecache.getline(frame.f_code.co_filename, stop_at).strip())
+                    raise KeyboardInterrupt
+                return local
+            return local
+
+        sys.settrace(tracer)
+        try:
+            lm.generate([[8, 9]], cache=first.cache, **kw)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert first.cache.users == [], (stop_at, fired)
