@@ -471,14 +471,16 @@ class Canvas:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+        self.code = code
 
 
 def unknown_model(name: str, served: str) -> APIError:
     """The 404 of a model name that is not the one this server serves (`served`), a request's or /v1/models/{name}'s."""
-    return APIError(404, f"model {name!r} does not exist; this server has {served!r}", "model", "not_found_error")
+    return APIError(404, f"model {name!r} does not exist; this server has {served!r}", "model",
+                    code="model_not_found")  # (OpenAI's type and code for it)
 
 
 def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> dict:
@@ -1950,24 +1952,27 @@ def check_serving(lm: LM, *, max_queue: int, max_batch: int, max_context: int | 
 
 async def api_error(_: Request, exc: APIError) -> JSONResponse:
     """An APIError in OpenAI's error shape."""
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code), status_code=exc.status,
+                        headers=exc.headers)
 
 
 async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """An unknown route or method in OpenAI's error shape, not FastAPI's {"detail": ...}."""
-    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-    headers = getattr(exc, "headers", None)
+    headers, code = getattr(exc, "headers", None), None
     if exc.status_code == 405:  # every method the path answers (Starlette names the first route's: GET, not HEAD)
         methods = {m for route in request.app.router.routes if route.matches(request.scope)[0] != Match.NONE
                    for m in getattr(route, "methods", None) or ()}
         if methods:
             headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))}
     detail = str(exc.detail)
+    if exc.status_code == 404 and detail == "Not Found":  # an unknown route, said as OpenAI says it
+        detail, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body", of bytes
         cause = exc.__cause__  # that are not UTF-8: said as the server's other bodies that are not JSON
         detail = (f"the request body is not valid JSON: not UTF-8 ({cause.reason} at byte {cause.start}); send "
                   "JSON as UTF-8")
-    return JSONResponse(error_body(detail, kind, None), status_code=exc.status_code, headers=headers)
+    return JSONResponse(error_body(detail, "invalid_request_error", None, code), status_code=exc.status_code,
+                        headers=headers)
 
 
 async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

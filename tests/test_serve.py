@@ -699,10 +699,16 @@ def test_min_tokens_beside_a_template_is_not_a_server_error(server):
 
 def test_unknown_routes_and_models_answer_in_openais_error_shape(client, server):
     assert client.models.retrieve(MODEL).id == MODEL
-    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405),
-                                 ("GET", "/v1/models/other", 404)):
+    for method, path, status, code in (("GET", "/v1/nothing", 404, "unknown_url"),
+                                       ("GET", "/v1/completions", 405, None),
+                                       ("GET", "/v1/models/other", 404, "model_not_found")):
         r = httpx.request(method, server[0] + path)
-        assert r.status_code == status and set(r.json()["error"]) >= {"message", "type"}, (path, r.text)
+        # OpenAI's: invalid_request_error with a code (a 404's "not_found_error" is a type OpenAI never sends)
+        assert r.status_code == status and r.json()["error"]["type"] == "invalid_request_error", (path, r.text)
+        assert r.json()["error"]["code"] == code, (path, r.text)
+    assert httpx.get(server[0] + "/v1/nothing").json()["error"]["message"] == "Invalid URL (GET /v1/nothing)"
+    r = httpx.post(server[0] + "/v1/completions", json={"model": "other", "prompt": "x"})
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (404, "model_not_found", "model")
     for content in (b"", b"[1, 2]"):
         r = httpx.post(server[0] + "/v1/completions", content=content, headers={"content-type": "application/json"})
         assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"], r.text
