@@ -5163,3 +5163,14 @@ def test_chat_caps_a_reply_to_the_room_the_context_has_left(monkeypatch, capsys)
            "/reset starts a new conversation)" in captured.err
     out = [json.loads(line) for line in captured.out.splitlines()]
     assert "text" in out[0] and out[0]["prompt_tokens"] == length(k) and out[1] == {"prompt": "/exit", "command": "exit"}
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "infill", "sudoku", "bench", "train", "serve", "info"])
+def test_help_fits_an_80_column_terminal(command, monkeypatch, capsys):
+    """argparse wraps help and descriptions but not a group's title: the sampling group's 159-character title ran
+    past the edge of every terminal."""
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    wide = [line for line in capsys.readouterr().out.splitlines() if len(line) > 80]
+    assert wide == []

@@ -253,8 +253,9 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     """`lengths=False` (infill: the template sets the length) hides the length flags; given anyway, they get an
     error that says how to size the holes instead of argparse's "unrecognized arguments". `stop=False`: the
     command has no --stop, so the help does not name it."""
-    g = p.add_argument_group("sampling (defaults: the checkpoint's generation_config.json, and "
-                             "blockpress_generation_config.json over it; run `blockpress info --model M` to see them)")
+    # (said in the description, which argparse wraps to the terminal's width; a group's title is one line)
+    g = p.add_argument_group("sampling", "defaults: the checkpoint's generation_config.json, and "
+                             "blockpress_generation_config.json over it; run `blockpress info --model M` to see them")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"new tokens to generate (at most: EOS{' or --stop' if stop else ''} may end sooner)"
                    if lengths else argparse.SUPPRESS)
