@@ -264,7 +264,7 @@ class TextConfig:
         self._drawn: dict[str, Any] = {}
         if self.rope_parameters is None:
             self.rope_parameters = _default_rope()
-        elif isinstance(self.rope_parameters, dict):
+        else:
             self.rope_parameters = _rope_type_spelled_new(self.rope_parameters)
         if any(isinstance(self.rope_parameters.get(kind), dict) for kind in (SLIDING, FULL)):
             # Entries by layer type rule, as the reference reads them; flat keys beside them are dropped: transformers

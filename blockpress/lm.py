@@ -711,9 +711,10 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
 def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
     """A call that continues `cache` (None: none): one that fails or is interrupted inside the block takes its part
     of the turn back out of it (_turn_undo). Entered once the call's arguments are checked, before anything is
-    encoded."""
-    undo = _turn_undo(cache) if cache is not None else None
+    encoded; the mark it goes back to is taken under the cache's claim (taken before, it could be another thread's
+    turn that ended meanwhile, and going back to it would drop that turn)."""
     with cache.in_use() if cache is not None else contextlib.nullcontext():
+        undo = _turn_undo(cache) if cache is not None else None
         try:
             yield
         except BaseException as e:

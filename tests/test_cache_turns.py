@@ -417,3 +417,43 @@ def test_a_copy_of_a_held_cache_is_free_and_a_ctrl_c_anywhere_in_the_claim_gives
         finally:
             sys.settrace(None)
         assert first.cache.users == [], (stop_at, fired)
+
+
+def test_a_failed_turn_goes_back_to_where_the_cache_stood_when_it_took_the_cache(monkeypatch):
+    """generate took the mark it goes back to on failure before it claimed the cache: taken while another thread's
+    turn ran, and claimed once that turn had ended, a failure went back past the other turn, dropping it from the
+    conversation unsaid. The other thread's turn is forced to end between the two here."""
+    import threading
+
+    import blockpress.cache as cache_module
+
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    cache = lm.generate([[5, 6, 7]], return_cache=True, **kw).cache
+    real_in_use, main = cache_module.KVCache.in_use, threading.get_ident()
+    arrived, other_done = threading.Event(), threading.Event()
+
+    def late_in_use(self):  # the second thread is held at its claim until the first thread's turn has ended
+        if threading.get_ident() != main and not arrived.is_set():
+            arrived.set()
+            other_done.wait(60)
+        return real_in_use(self)
+
+    monkeypatch.setattr(cache_module.KVCache, "in_use", late_in_use)
+    held = lm.stream([[8, 9]], cache=cache, **kw)
+    next(held)  # the first thread's turn has begun
+
+    def failing(logits, rows):
+        raise RuntimeError("the second turn fails")
+
+    failed = []
+    thread = threading.Thread(target=lambda: failed.append(pytest.raises(
+        RuntimeError, lm.generate, [[1, 2]], cache=cache, logits_processor=failing, **kw)))
+    thread.start()
+    assert arrived.wait(60)
+    for _ in held:  # the first thread's turn ends and lets the cache go
+        pass
+    after_first = (cache.length, cache.next_pos.tolist())
+    other_done.set()
+    thread.join()
+    assert failed and (cache.length, cache.next_pos.tolist()) == after_first
