@@ -52,8 +52,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def write(result: dict[str, Any], done: bool) -> None:
         """--out and --plot as the run stands: after each row too, so a sweep cut short (a timeout, a failure at a
         larger batch) keeps the rows it measured, its JSON marked "partial"."""
-        if args.plot:
-            result["plot"] = str(args.plot)
         if args.out:  # written beside it, then moved into place: a kill while it writes leaves the last one whole
             out = Path(args.out)
             written = out.with_name(f".{out.name}.partial")
@@ -73,7 +71,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     measured: dict[str, Any] = {}  # the result as of the last row measured
 
     def on_row(so_far: dict[str, Any]) -> None:
-        if args.plot:  # (as write() names it: stdout's JSON of an interrupted run is the --out file's)
+        if args.plot:  # (named in each row's JSON: an interrupted run's on stdout is the --out file's)
             so_far["plot"] = str(args.plot)
         measured.update(so_far)
         write(so_far, done=False)
