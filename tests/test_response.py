@@ -23,6 +23,8 @@ from blockpress.response import (
     gemma4_response_template,
     parse_partial,
     parse_response,
+    reads_thoughts,
+    reasoning_markers,
 )
 from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
 
@@ -138,6 +140,99 @@ def test_xml_tool_calls_typed_by_the_tools_parse_as_in_transformers(reply: str, 
     assert ours(reply, QWEN35, prefix, tools) == theirs(reply, QWEN35, prefix, tools)
 
 
+@st.composite
+def small_templates(draw: st.DrawFn) -> dict:
+    """Response templates beyond Gemma 4's and Qwen 3.5's: other content parsers and their args, optional and
+    repeated fields joined or not, lists of literal markers where one starts another, a second field, an implicit
+    field with or without a close, and defaults."""
+    kind = draw(st.sampled_from(["text", "int", "float", "bool", "json", "kv-lines"]))
+    one: dict[str, Any] = {"open": draw(st.sampled_from(["<a>", ["<a>", "<a>b"], ["<a>b", "<a>"]])),
+                           "close": draw(st.sampled_from(["</a>", ["</a>", "END"]])), "content": kind}
+    args = {"strip": draw(st.booleans())} if draw(st.booleans()) else {}
+    if kind == "json" and draw(st.booleans()):
+        args["allow_non_json"] = True
+    if kind == "kv-lines" and draw(st.booleans()):
+        args["kv_sep"] = draw(st.sampled_from([":", "="]))
+    if args:
+        one["content_args"] = args
+    if draw(st.booleans()):
+        one["repeats"] = True
+        if kind == "text" and draw(st.booleans()):
+            one["join"] = draw(st.sampled_from(["", "|"]))
+    if draw(st.booleans()):
+        one["optional"] = draw(st.booleans())
+    fields: dict[str, Any] = {"one": one}
+    if draw(st.booleans()):
+        fields["two"] = draw(st.sampled_from([{"open": "<b>", "close": "</b>"}, {"open": "<b>"}]))
+    if draw(st.booleans()):
+        fields["content"] = draw(st.sampled_from([{}, {"close": "END"}, {"close": ["END", "[S]"]},
+                                                  {"content_args": {"strip": False}}]))
+    template = {"start_anchor": "[S]", "fields": fields}
+    if draw(st.booleans()):
+        template["defaults"] = {"role": "assistant"}
+    return template
+
+
+SMALL_PIECES = st.sampled_from(["a", " ", "\n", "1", "true", "x:1", "k: v", "<a>", "<a>b", "<ab>", "</a>", "<b>",
+                                "</b>", "[S]", "END", "0", "\t", "{", "}", ":"])
+
+
+@settings(HYPOTHESIS, max_examples=600)
+@given(small_templates(), st.lists(SMALL_PIECES, max_size=10).map("".join),
+       st.sampled_from(["", "[S]", "x[S]<a>", "[S]a[S]", "<a>x"]))
+def test_other_content_parsers_and_marker_lists_parse_as_in_transformers(template: dict, reply: str,
+                                                                         prefix: str) -> None:
+    """The differential tests above read with Gemma 4's and Qwen 3.5's templates alone: the other parsers (int,
+    float, bool, json, kv-lines), strip, optional, join, lists of markers and a prompt with several start anchors
+    (the reply's turn begins after the last) read the same message as transformers', or are refused as there."""
+    assert ours(reply, template, prefix) == theirs(reply, template, prefix)
+
+
+def one_field(field: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A template of `field` (named "one") and the implicit content field."""
+    return {"start_anchor": "[S]", "defaults": defaults or {}, "fields": {"one": field, "content": {}}}
+
+
+TWO_AT_ONE_PLACE = {"start_anchor": "[S]", "fields": {"one": {"open": "<x>", "close": "</x>"},
+                                                      "two": {"open": "<x>y", "close": "</x>"}, "content": {}}}
+OPEN_AT_A_CLOSE = {"start_anchor": "[S]", "fields": {"one": {"open": "<x>", "close": "</x>"},
+                                                     "content": {"close": "<x>"}}}
+
+
+@pytest.mark.parametrize("template, reply, expected", [
+    # of markers found at one place, the longer wins: in one field's list, and between two fields; and an opening
+    # wins over a closing
+    (one_field({"open": ["<a>", "<a>b"], "close": "</a>"}), "<a>by</a>", {"one": "y"}),
+    (TWO_AT_ONE_PLACE, "<x>yz</x>", {"two": "z"}),
+    (OPEN_AT_A_CLOSE, "a<x>b</x>c", {"one": "b", "content": "c"}),
+    # bool reads true in any case
+    (one_field({"open": "<a>", "close": "</a>", "content": "bool"}), "<a> True </a>", {"one": True}),
+    (one_field({"open": "<a>", "close": "</a>", "content": "bool"}), "<a>TRUE</a>x", {"one": True, "content": "x"}),
+    # a default is kept even where it is empty
+    (one_field({"open": "<a>", "close": "</a>"}, {"role": "assistant", "content": ""}), "",
+     {"role": "assistant", "content": ""}),
+    # join: the occurrences in the order written
+    (one_field({"open": "<a>", "close": "</a>", "repeats": True, "join": "|"}), "<a>x</a><a> y</a>z",
+     {"one": "x|y", "content": "z"}),
+])
+def test_markers_content_parsers_and_defaults_read_as_in_transformers(template: dict, reply: str,
+                                                                      expected: Any) -> None:
+    """Single cases the drawn templates above seldom meet, each as transformers' parse_response reads it."""
+    assert theirs(reply, template) == expected
+    assert ours(reply, template) == expected
+
+
+TYPED_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "number"}, "b": {"type": ["integer", "boolean"]}, "flag": {"type": "boolean"},
+    "n": {"oneOf": [{"type": "integer"}]}, "hours": {"type": "array"}}}}}]
+
+
+def qwen_call(*params: tuple[str, str]) -> str:
+    """A Qwen 3.5 call of f with these (key, value) parameters, as the model writes one."""
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in params)
+    return f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+
+
 ID_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "id": {"type": ["string", "integer"]}, "n": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
     "k": {"type": "integer"}}}}}]
@@ -158,11 +253,17 @@ QWEN35_JSON_VALUES = {**QWEN35, "fields": {**QWEN35["fields"], "tool_calls": {
     # merge_duplicates: a first value that is itself a list stays one value (it was spread into the merged list)
     (QWEN35_JSON_VALUES, "<tool_call>\n<function=f>\n<parameter=a>\n[1, 2]\n</parameter>\n<parameter=a>\n3\n"
      "</parameter>\n</function>\n</tool_call>", None, {"a": [[1, 2], 3]}),
+    # typed by the schema: a number written 3.0 stays a float, a boolean written 0 is false; a type in a oneOf
+    # counts as one in an anyOf; an array argument given twice is the list of both texts
+    (QWEN35, qwen_call(("x", "3.0"), ("b", "1"), ("flag", "0"), ("n", "7")), TYPED_TOOLS,
+     {"x": 3.0, "b": 1, "flag": False, "n": 7}),
+    (QWEN35, qwen_call(("hours", "[1]"), ("hours", "[2]")), TYPED_TOOLS, {"hours": ["[1]", "[2]"]}),
 ])
 def test_tool_call_arguments_read_as_in_transformers(template: dict, reply: str, tools: Any, expected: Any) -> None:
+    """Compared as the JSON text the server sends, where 3 and 3.0, or 1 and true, differ (== takes them for equal)."""
     want = theirs(reply, template, tools=tools)
     assert want["tool_calls"][0]["function"]["arguments"] == expected  # (the case is transformers' reading)
-    assert ours(reply, template, tools=tools) == want
+    assert json.dumps(ours(reply, template, tools=tools), sort_keys=True) == json.dumps(want, sort_keys=True)
 
 
 def settled_by_transformers(template: dict, text: str, prefix: str, cut: int) -> Any:
@@ -323,6 +424,16 @@ def test_a_growing_reply_holds_back_a_marker_that_may_be_starting() -> None:
         assert len(partial.closed.get("tool_calls", [])) == calls, text
 
 
+@pytest.mark.parametrize("reply, settled", [("<a>  x", "x"), ("<a>x</a><a> y", "x|y"), ("<a>x</a>", "x")])
+def test_a_fields_settled_text_is_the_start_of_its_whole_value(reply: str, settled: str) -> None:
+    """settled_text, what a stream sends of a field so far: the open region's text trimmed on both sides as its whole
+    value will be, after the field's closed occurrences joined as the whole value joins them (a delta sent is never
+    taken back, so text the whole value lacks is a wrong reply)."""
+    template = compile_template(one_field({"open": "<a>", "close": "</a>", "repeats": True, "join": "|"}))
+    assert parse_partial(template, reply).settled_text("one") == settled
+    assert parse_response(template, reply + "</a>")["one"].startswith(settled)
+
+
 def test_a_gemma4_call_reads_as_the_call_written() -> None:
     args = {"city": "Paris, <FR>", "days": 3, "hours": [9, 12.5], "metric": True, "where": {"lat": 1}}
     reply = f"Checking.<|tool_call>call:weather{gemma_value(args)}<tool_call|><turn|>"
@@ -341,12 +452,25 @@ def test_a_gemma4_call_reads_as_the_call_written() -> None:
     ({"start_anchor": "x", "fields": {"a": {"open_pattern": "(?P<n>x)"}}}, "only a transform can use"),
     ({"start_anchor": "x", "fields": {"a": {"open": "x", "transform": "id-{content}"}}}, "mixes a {placeholder}"),
     ({"start_anchor": "x", "fields": {"a": {"open": "x", "joins": ","}}}, "unknown keys ['joins']"),
+    ({"start_anchor": "x", "fields": {"a": {"open": "x", "join": ","}}}, 'join: only with "repeats": true'),
     ({"start_anchor": "x", "version": 2, "fields": {"a": {}}}, "version"),
 ])
 def test_a_bad_response_template_is_a_clear_error(template: Any, says: str) -> None:
     with pytest.raises(ValueError, match="response_template") as err:
         compile_template(template)
     assert says in str(err.value)
+
+
+def test_a_template_reads_thoughts_with_a_reasoning_content_field_written_with_its_first_markers() -> None:
+    """reads_thoughts: a template with a reasoning_content field gives a reply's thought apart (the server's
+    reasoning_content, the chat command's dimmed thought), one without it gives none. reasoning_markers: the texts
+    training writes a thought between, the first of each list, which is what the model writes; None where patterns
+    mark the thought (they say how to read one, not how to write one)."""
+    assert reads_thoughts(QWEN35) and reads_thoughts(GEMMA4)
+    assert not reads_thoughts({"start_anchor": "x", "fields": {"content": {}}}) and not reads_thoughts(None)
+    spec = {"fields": {"reasoning_content": {"open": ["<think>", "<thinking>"], "close": ["</think>", "</thinking>"]}}}
+    assert reasoning_markers(spec) == ("<think>", "</think>")
+    assert reasoning_markers({"fields": {"reasoning_content": {"open_pattern": "<t>", "close": "</t>"}}}) is None
 
 
 def test_empty_matches_do_not_hang() -> None:
@@ -587,6 +711,22 @@ def test_a_python_call_list_reads_into_calls_typed_by_the_tools() -> None:
     assert message == theirs(reply, PYCALLS, tools=PY_TOOLS)
 
 
+@pytest.mark.parametrize("calls", [
+    "[f(a=" + "1" * 5000 + ")]",  # past Python's digits for int(): refused by the grammar's own limit, in its words
+    "[f(a=" + "9" * 17 + ")]",  # past 16 digits
+    '[f(s="\\udc00\\udc00")]',  # two low surrogates are no pair
+    '[f(s="\\udbff\\udfff")]',  # the last pair
+])
+def test_a_python_call_lists_long_integers_and_surrogates_read_as_in_transformers(calls: str) -> None:
+    """Integers past 16 digits are refused (past 4,300, int() itself would refuse them, with Python's words, not the
+    parser's), and a \\u escape pairs a high surrogate with a low one only, as transformers' grammar reads them."""
+    reply = f"<calls>{calls}</calls>"
+    assert ours(reply, PYCALLS) == theirs(reply, PYCALLS)
+    if theirs(reply, PYCALLS) is ValueError:
+        with pytest.raises(ValueError, match="python-call-list"):
+            parse_response(compile_template(PYCALLS), reply)
+
+
 def test_a_closing_patterns_captures_reach_the_transform() -> None:
     """A closing marker's named groups are the region's, as its opening's are (they never reached the transform,
     while a template without a transform for them was refused as losing them)."""
@@ -600,6 +740,16 @@ def test_a_closing_patterns_captures_reach_the_transform() -> None:
     assert message == theirs(reply, template)
 
 
+def test_a_transform_naming_a_key_of_a_text_value_is_a_clear_error() -> None:
+    """A transform's {content.a} where the content read as text: refused naming the key, as transformers refuses it
+    (not a TypeError from indexing a string)."""
+    template = {"start_anchor": "[S]", "fields": {"one": {"open": "<a>", "close": "</a>",
+                                                          "transform": {"x": "{content.a}"}}, "content": {}}}
+    assert theirs("<a>abc</a>", template) is ValueError
+    with pytest.raises(ValueError, match="has no key 'a'"):
+        parse_response(compile_template(template), "<a>abc</a>")
+
+
 XML_BY_TAG = {"start_anchor": "<start>", "fields": {"content": {}, "tool_calls": {
     "open_pattern": r"<call=(?P<name>\w+)>", "close": "</call>", "content": "xml-inline",
     "content_args": {"tag_pattern": r"<(?P<type>int|str|json|any) name=(?P<key>\w+)>(?P<value>.*?)</(?P=type)>",
@@ -609,13 +759,17 @@ XML_BY_TAG = {"start_anchor": "<start>", "fields": {"content": {}, "tool_calls":
 
 
 @pytest.mark.parametrize("tools", [None, PY_TOOLS])
-def test_xml_inline_reads_each_value_by_its_tags_parser(tools: Any) -> None:
+@pytest.mark.parametrize("reply, arguments", [
+    ('x <call=f><int name=a>7</int><str name=s>007</str><json name=b>[1]</json><any name=c> 5 </any></call>',
+     {"a": 7, "s": "007", "b": [1], "c": "5"}),
+    ("<call=f><str name=a>7</str></call>", {"a": "7"}),  # text by its tag, for an integer parameter of PY_TOOLS
+])
+def test_xml_inline_reads_each_value_by_its_tags_parser(tools: Any, reply: str, arguments: dict[str, Any]) -> None:
     """value_parser_by picks each value's parser from what a group of the tag captures, falling back to
     value_parser; the tools' schemas then leave the values as the reply typed them (it was ignored: every value
     was text, then typed by the schema)."""
-    reply = 'x <call=f><int name=a>7</int><str name=s>007</str><json name=b>[1]</json><any name=c> 5 </any></call>'
     message = ours(reply, XML_BY_TAG, tools=tools)
-    assert message["tool_calls"]["function"]["arguments"] == {"a": 7, "s": "007", "b": [1], "c": "5"}
+    assert message["tool_calls"]["function"]["arguments"] == arguments
     assert message == theirs(reply, XML_BY_TAG, tools=tools)
 
 

@@ -153,6 +153,15 @@ def test_decode_skips_special_tokens_by_default(tok: Tokenizer) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == "<start_of_turn>hi<end_of_turn><eos>"
 
 
+def test_a_pad_id_that_is_an_ordinary_token_is_left_out_by_decode(tok: Tokenizer) -> None:
+    """The pad id is special wherever a config points it, an ordinary word included, as transformers takes its
+    pad_token: decode leaves it out with the BOS and EOS ids (left in, a padded row decodes with words it never had)."""
+    word = tok.encode("return")[0]
+    padded = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=word)
+    assert word in padded.special_ids
+    assert padded.decode([word, *tok.encode(" x")]) == " x"
+
+
 class _CountingBackend:
     """A tokenizers.Tokenizer that counts how often its added tokens are read (the Rust object takes no patches)."""
 
@@ -199,6 +208,29 @@ def test_post_processor_never_adds_special_tokens(tok: Tokenizer) -> None:
 def test_decode_batch(tok: Tokenizer) -> None:
     batch = [tok.encode(t, add_bos=True) for t in SAMPLES[:3]]
     assert tok.decode_batch(batch) == SAMPLES[:3]
+
+
+def test_longest_token_counts_the_added_tokens(tok: Tokenizer) -> None:
+    """longest_token bounds the characters one token holds, added tokens included: a text longer than a context
+    times it cannot fit, refused untokenized, so a bound from the trained words alone refuses a prompt of long
+    special tokens that fits."""
+    long = "<|a_special_token_longer_than_any_word|>"
+    backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    backend.add_special_tokens([long])
+    assert Tokenizer(backend=backend, bos_id=2, eos_ids=[1], pad_id=0).longest_token() == len(long)
+
+
+def test_token_texts_blank_the_special_tokens_and_extendable_texts_are_those_a_longer_text_starts_with(
+        tok: Tokenizer) -> None:
+    """What token healing matches on: each id's text, "" for special ones (healing never extends a special token),
+    and the texts some longer token's text starts with, found in one sorted pass; here checked against that
+    definition by brute force (a text one character shorter than the next included)."""
+    texts = tok.token_texts()
+    assert [texts[i] for i in sorted(tok.special_ids)] == [""] * len(tok.special_ids)
+    distinct = set(texts) - {""}
+    expected = {a for a in distinct if any(b != a and b.startswith(a) for b in distinct)}
+    assert tok.extendable_texts() == expected
+    assert any(b.startswith(a) and len(b) == len(a) + 1 for a in expected for b in distinct)
 
 
 def test_add_bos_without_bos_token_is_an_error(tok: Tokenizer) -> None:
@@ -345,6 +377,22 @@ def test_eos_ids_changed_since_loading_are_saved_over_the_folders_own_list(tok: 
     loaded.save(folder)
     assert json.loads((folder / "generation_config.json").read_text()) == {**gen, "eos_token_id": eos_ids}
     assert Tokenizer.from_dir(folder).eos_ids == eos_ids
+
+
+def test_a_tokenizer_writes_its_eos_list_only_where_the_folder_names_none(tok: Tokenizer, tmp_path: Path) -> None:
+    """A list of EOS ids goes to generation_config.json, where transformers reads it. A folder's own file keeps its
+    eos_token_id (LM.save writes the model's first: its EOS set stays); a single EOS id, which the config's
+    eos_token says, writes no file at all."""
+    two = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1, 4], pad_id=0)
+    gen = {"eos_token_id": 7, "temperature": 0.5}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps(gen))
+    two.save(tmp_path / "model")
+    assert json.loads((tmp_path / "model" / "generation_config.json").read_text()) == gen
+    two.save(tmp_path / "fresh")
+    assert json.loads((tmp_path / "fresh" / "generation_config.json").read_text()) == {"eos_token_id": [1, 4]}
+    Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0).save(tmp_path / "one")
+    assert not (tmp_path / "one" / "generation_config.json").exists()
 
 
 def test_extra_eos_id_that_is_an_ordinary_token_is_special(tok: Tokenizer, tmp_path: Path) -> None:
@@ -513,6 +561,17 @@ def test_chat_template_without_generation_prompt(tok: Tokenizer) -> None:
     assert tok.apply_chat_template(TWO_TURNS, add_generation_prompt=False) == expected
 
 
+@pytest.mark.parametrize("after, turn_end", [("<end_of_turn>\n", "<end_of_turn>"), ("\nhello", None)])
+def test_the_turn_end_is_the_special_token_a_template_writes_after_a_reply(tok: Tokenizer, after: str,
+                                                                          turn_end: str | None) -> None:
+    """turn_end_id: the special token the template writes right after an assistant message's text, what a reply
+    trained on ends with; where it writes plain text there, none (not the text's first token, "\n", which
+    training would then teach every reply to end with)."""
+    ours = Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], pad_id=0,
+                     chat_template=f"{{% for m in messages %}}{{{{ m.content }}}}{after}{{% endfor %}}")
+    assert ours.turn_end_id() == (None if turn_end is None else tok.token_to_id(turn_end))
+
+
 def test_template_texts_kept_compiled_are_bounded(tok: Tokenizer) -> None:
     """Every template text a caller passed stayed compiled for good (16 KB each: a notebook or app writing a date or
     a name into its template, 300 calls, 4.9 MB), and so did the turn-end id of every chat_template set. Now the
@@ -628,6 +687,7 @@ def test_no_chat_template_is_a_clear_error(tok: Tokenizer) -> None:
     ("{{ " + "1+(" * 400 + "1" + ")" * 400 + " }}", "not a valid template: nested too deeply for Python"),
     ("", "rendered no text for 2 message"),  # an empty chat_template.jinja: an empty prompt, refused as "prompt: ..."
     ("{# none yet #}\n", "rendered no text for 2 message"),
+    ("{% for m in messages %} \n{% endfor %}", "rendered no text for 2 message"),  # whitespace alone: no text either
 ])
 def test_a_broken_chat_template_is_a_clear_error(tok: Tokenizer, template: str, cause: str) -> None:
     """A syntax error was wrapped twice ("chat_template: rendering failed: ValueError: chat_template: not a valid
@@ -820,9 +880,11 @@ def test_save_changes_only_the_settings_changed_since_loading(tmp_path: Path) ->
     ours.named_tokens["audio_token"] = "<start_of_turn>"
     del ours.named_tokens["unk_token"]
     ours.chat_template = "NEW {{ messages[0].content }}"
+    ours.add_bos_token = False
     ours.save(tmp_path / "saved")
     config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
-    changed = {"pad_token": "<mask>", "image_token": "<|hole|>", "audio_token": "<start_of_turn>", "unk_token": None}
+    changed = {"pad_token": "<mask>", "image_token": "<|hole|>", "audio_token": "<start_of_turn>", "unk_token": None,
+               "add_bos_token": False}
     assert {key: config.get(key) for key in changed} == changed
     assert {key: value for key, value in config.items() if key not in changed} == {
         key: value for key, value in GEMMA_LIKE_CONFIG.items() if key not in changed}
@@ -866,6 +928,8 @@ def test_a_tokenizer_blockpress_built_saves_a_complete_config(tok: Tokenizer, sa
         assert hf.decode(ids) == ours.decode(ids)
         assert not (folder / "special_tokens_map.json").exists()
         assert Tokenizer.from_dir(folder).files is not None  # and saving it again keeps that config
+        # (transformers 5 no longer cleans " ," to "," unasked; the config says so for the versions that do)
+        assert json.loads((folder / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
 
 
 def test_text_that_was_not_utf8_is_a_clear_error(tok: Tokenizer) -> None:
@@ -1081,6 +1145,8 @@ CONTINUE_TEMPLATES = {
     # Templates that trim the content cut the prompt where the trimmed text ends.
     "trimming": "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}",
     "reasoning": "{% for m in messages %}[{{ m.thinking }}]{{ m.content }}<end>{% endfor %}",
+    # One that writes the flag where the cut keeps it (a generation prompt after the last message is cut off).
+    "flag": "{{ add_generation_prompt }}|{% for m in messages %}{{ m.content }};{% endfor %}",
 }
 
 
@@ -1090,6 +1156,7 @@ CONTINUE_TEMPLATES = {
      True),
     ("trimming", {"role": "assistant", "content": "The answer is  "}, True),
     ("reasoning", {"role": "assistant", "reasoning_content": "Let me th", "content": "x"}, "reasoning_content"),
+    ("flag", {"role": "assistant", "content": "The answer is"}, True),
 ])
 def test_continue_final_message_matches_transformers(
     tok: Tokenizer, tmp_path: Path, template: str, last: dict[str, Any], field: bool | str
@@ -1256,15 +1323,32 @@ def test_model_specific_token_names_at_the_top_level_reach_templates(tok: Tokeni
     (before: blockpress read model-specific names only from an extra_special_tokens dict, so they were undefined)."""
     from transformers import AutoTokenizer
 
-    template = "{{ boi_token }}|{{ image_token }}|{{ eoi_token is defined }}|{{ add_bos_token is defined }}"
+    template = ("{{ boi_token }}|{{ image_token }}|{{ eoi_token is defined }}|{{ add_bos_token is defined }}|"
+                "{{ tokenizer_class is defined }}|{{ padding_side is defined }}")
     folder = _write_checkpoint(
         tmp_path / "ckpt", tok,
         tokenizer_config__json={"chat_template": template, "boi_token": "<start_of_turn>", "add_bos_token": True,
-                                "image_token": "<|hole|>", "extra_special_tokens": {"image_token": "<eos>"}},
+                                "image_token": "<|hole|>", "extra_special_tokens": {"image_token": "<eos>"},
+                                "tokenizer_class": "PreTrainedTokenizerFast", "padding_side": "left"},
     )
     ours = Tokenizer.from_dir(folder)
     mine, expected = _both(ours, AutoTokenizer.from_pretrained(str(folder)), TWO_TURNS)
-    assert mine == expected == "<start_of_turn>|<eos>|False|False"  # the dict wins, as there
+    # the dict wins, as there; only NAME_token keys are tokens (tokenizer_class is a string, not a token)
+    assert mine == expected == "<start_of_turn>|<eos>|False|False|False|False"
+
+
+def test_a_changed_model_specific_token_is_saved_where_the_config_has_it(tok: Tokenizer, tmp_path: Path) -> None:
+    """A model-specific token the config names at its top level, changed since loading, is saved there, where the
+    file keeps it, and the config's extra_special_tokens dict beside it stays as it was (not given the token: only a
+    name new to the config goes into the dict)."""
+    folder = _write_checkpoint(tmp_path / "ckpt", tok, tokenizer_config__json={
+        "image_token": "<|hole|>", "extra_special_tokens": {"audio_token": "<pad>"}})
+    ours = Tokenizer.from_dir(folder)
+    ours.named_tokens["image_token"] = "<start_of_turn>"
+    ours.save(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    assert (config["image_token"], config["extra_special_tokens"]) == ("<start_of_turn>", {"audio_token": "<pad>"})
+    assert Tokenizer.from_dir(tmp_path / "saved").named_tokens["image_token"] == "<start_of_turn>"
 
 
 def test_tools_must_be_json_schemas(tok: Tokenizer) -> None:
