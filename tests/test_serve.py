@@ -153,19 +153,27 @@ def test_a_streamed_chat_choice_ends_with_an_empty_delta(server):
 
 def test_chat_choices_carry_the_fields_openais_schema_requires(server):
     """A chat choice had no "logprobs" and its message no "refusal", which OpenAI's schema requires (null here);
-    strict typed clients refused the answer. A completions choice had its logprobs already."""
+    strict typed clients refused the answer. A completions choice carries its null logprobs too, each prompt's."""
     r = httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "yo"}], "max_tokens": 4, "seed": 3, "n": 2})
     choices = r.json()["choices"]
     assert len(choices) == 2 and all(c["logprobs"] is None and c["message"]["refusal"] is None for c in choices)
     assert all(c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str) for c in choices)
+    r = httpx.post(server[0] + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
+    assert r.status_code == 200 and [c["logprobs"] for c in r.json()["choices"]] == [None, None], r.text
 
 
 def test_draft_events_opt_in(server):
+    """A stream that asks for drafts gets, beside its text, each denoising step's draft and the step it is of (a
+    viewer orders and labels them by it)."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, "drafts": True, "seed": 1}
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60) as r:
         lines = [x for x in r.iter_lines() if x.startswith("data: ")]
     assert any('"draft"' in x for x in lines) and lines[-1] == "data: [DONE]"
+    drafts = [json.loads(x[6:])["blockpress"] for x in lines if '"blockpress"' in x]
+    assert drafts and all(isinstance(d["draft"], str) and isinstance(d["step"], int) and d["step"] >= 0
+                          for d in drafts), drafts
 
 
 def test_concurrent_clients_get_what_they_get_alone(client):
@@ -547,8 +555,13 @@ def test_openais_chat_fields_for_its_own_models_take_null_and_refuse_a_value_by_
 
 
 def test_malformed_json(server):
-    r = httpx.post(server[0] + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    """A syntax error is the whole body's: its error names no param (FastAPI's loc holds the byte offset of the
+    error there, which was sent as the param and put before the message)."""
+    for body in (b"{nope", b'{"model": "tiny", "prompt": "x",}', b"[1, 2"):
+        r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "the request body is not valid JSON", "type": "invalid_request_error", "param": None,
+            "code": None}, (body, r.text)
 
 
 class Waiting:
@@ -1035,6 +1048,23 @@ def test_cached_prompt_tokens_count_once_however_many_choices(server):
     assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
 
 
+def test_the_cached_tokens_of_several_prompts_add_up(server):
+    """A list of prompts is several prompts: its cached_tokens is the sum of each one's reuse, as its prompt_tokens
+    is the sum of theirs (taking the largest one's reused undercounted it)."""
+    prompts = ["def alpha(x): return x + 1  # " * 3, "class Beta: pass  # beta beta " * 3]
+    body = {"model": MODEL, "max_tokens": 2, "seed": 1}
+
+    def usage(prompt):
+        r = httpx.post(server[0] + "/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    usage(prompts)  # cached now
+    alone = [usage(p)["prompt_tokens_details"]["cached_tokens"] for p in prompts]
+    both = usage(prompts)
+    assert min(alone) > 0 and both["prompt_tokens_details"]["cached_tokens"] == sum(alone), (alone, both)
+
+
 def test_metrics(server):
     text = httpx.get(server[0] + "/metrics").text
     assert "blockpress_requests_total" in text and "blockpress_request_seconds_count" in text
@@ -1410,6 +1440,34 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_read():
         asyncio.run(BodyLimit(app, 5000, drain_bytes=20_000)(
             {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive, send))
         assert sent[0]["status"] == 413 and sum(taken) == read, (headers, sum(taken))
+
+
+def test_a_body_of_exactly_the_limit_is_taken():
+    """max_body_bytes is the most a body may hold: one of exactly that many bytes reaches the app, whether its
+    Content-Length says so or it comes chunked; a byte more is a 413."""
+    from blockpress.serve import BodyLimit
+
+    def answer(size: int, headers: list) -> tuple[list, list]:  # (what the client was sent, the bodies the app got)
+        chunks, sent, reached = [b"x" * 60, b"x" * (size - 60)], [], []
+
+        async def receive():
+            return {"type": "http.request", "body": chunks.pop(0), "more_body": bool(chunks)}
+
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):
+            reached.append((await receive())["body"])
+
+        asyncio.run(BodyLimit(app, 100)({"type": "http", "method": "POST", "path": "/v1/completions",
+                                         "headers": headers}, receive, send))
+        return sent, reached
+
+    for declared in (True, False):
+        sent, reached = answer(100, [(b"content-length", b"100")] if declared else [])
+        assert not sent and reached == [b"x" * 100], (declared, sent)
+        sent, reached = answer(101, [(b"content-length", b"101")] if declared else [])
+        assert sent[0]["status"] == 413 and not reached, declared
 
 
 def test_a_refused_body_is_answered_not_reset():
@@ -1988,6 +2046,17 @@ def test_latency_histogram_is_cumulative():
     assert "blockpress_request_seconds_sum 107.61" in text
 
 
+def test_a_latency_on_a_buckets_bound_counts_in_that_bucket():
+    """Prometheus's `le` is "less than or equal": an observation of exactly a bucket's bound is in that bucket."""
+    from blockpress.serve import Metrics
+
+    m = Metrics()
+    for s in (0.05, 0.5, 10):
+        m.observe(s)
+    text = m.render({})
+    assert 'le="0.05"} 1\n' in text and 'le="0.5"} 2\n' in text and 'le="10"} 3\n' in text, text
+
+
 def test_null_max_new_tokens_in_generation_config_means_the_default(server):
     lm = load_model("random-tiny", None, "cpu")
     lm.generation_config = {"max_new_tokens": None, "max_denoising_steps": 2}
@@ -2149,7 +2218,9 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
         srv.should_exit = True
         r, lines = answer.result(), stream.result()
     assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down", r.text
-    assert lines and json.loads(lines[-1])["error"]["message"] == "the server is shutting down"
+    # the server's failure, not the client's: its type is OpenAI's server_error, as the plain request's 503 has it
+    assert lines and json.loads(lines[-1])["error"] == {
+        "message": "the server is shutting down", "type": "server_error", "param": None, "code": None}, lines[-1]
     assert "[DONE]" not in lines
     thread.join(30)
     assert not thread.is_alive() and not engine.thread.is_alive()
@@ -2357,6 +2428,9 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, server):
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role", "'assistant'"),
     # an OpenAI chat field the legacy completions do not take (it silently won over max_tokens)
     ({"prompt": "x", "max_tokens": 4, "max_completion_tokens": 8}, "max_completion_tokens", "takes max_tokens"),
+    # in plain words, not pydantic's "List should have at least 1 item after validation, not 0"
+    ({"messages": []}, "messages", "messages: must not be empty"),
+    ({"prompt": None}, "prompt", "prompt: expected str or list[int] or list[str] or list[list[int]], got null"),
 ])
 def test_nested_errors_name_the_field_as_openai_writes_it(server, body, param, says):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -2780,6 +2854,27 @@ def test_greedy_copies_of_a_call_carry_ids_of_their_own(tmp_path, monkeypatch):
                         streamed[c.index] = t.id
         for ids in ([c.message.tool_calls[0].id for c in whole], [streamed[i] for i in range(3)]):
             assert len(set(ids)) == 3 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids), ids
+    finally:
+        srv.should_exit = True
+
+
+def test_every_sampled_choice_of_a_tool_stream_finishes(tmp_path, monkeypatch):
+    """n sampled choices are rows of their own: a streamed reply with tools sends each its calls and its
+    finish_reason before [DONE] (it stopped at the first that finished, the others' calls lost)."""
+    from test_response import gemma_value
+
+    base, srv, lm, reply = tool_server(tmp_path, monkeypatch)
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    reply[0] = f"<|tool_call>call:weather{gemma_value({'city': 'Paris'})}<tool_call|>"
+    try:
+        finish, names = {}, {}
+        for chunk in client.chat.completions.create(model=MODEL, messages=TOOL_TURNS[:2], tools=TOOLS, max_tokens=200,
+                                                    n=2, temperature=1.0, seed=1, stream=True):
+            for c in chunk.choices:
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+                names[c.index] = names.get(c.index, []) + [t.function.name for t in c.delta.tool_calls or []]
+        assert finish == {0: "tool_calls", 1: "tool_calls"}, (finish, names)
+        assert names == {0: ["weather"], 1: ["weather"]}, names
     finally:
         srv.should_exit = True
 
@@ -3450,6 +3545,24 @@ def test_a_choice_that_ends_gets_no_chunk_after_its_last(server):
     assert not [n for n, c in enumerate(chunks) if c["choices"][0]["index"] == 0 and n > ends[0]]
 
 
+def test_choices_come_in_index_order_whichever_row_ends_first(server):
+    """A whole answer lists its choices by index, as OpenAI's does, whichever row ended first: in the order the rows
+    ended, the second prompt's answer came as choices[0]."""
+    base = server[0]
+
+    def alone(prompt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "min_tokens": 24, "temperature": 0}
+        return httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+    prompts = ["hello there", "abc"]
+    other, first = map(alone, prompts)
+    # a stop string early in the second prompt's answer that the first's never holds: that choice ends first
+    stop = next(first[i:i + 3] for i in range(1, len(first) - 3) if first[i:i + 3] not in other)
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 24, "min_tokens": 0, "temperature": 0, "stop": [stop]}
+    choices = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"]
+    assert [(c["index"], c["finish_reason"]) for c in choices] == [(0, "length"), (1, "stop")], choices
+
+
 def test_a_short_request_is_answered_while_a_long_one_runs():
     """A batch ran to its end before the engine looked at the queue again, so a 4-token request sent while a
     600-token one ran waited for all of it (52 s), free rows or not. Now running batches take turns a canvas at a time
@@ -3542,6 +3655,26 @@ def test_an_api_key_is_required_of_v1_requests_and_health_stays_open(keyed_serve
     assert wrong_model.status_code == 404  # past the key, the request's own errors, as before
 
 
+def test_v1_itself_asks_for_the_key_and_a_look_alike_path_does_not(keyed_server):
+    """`/v1` is the API as `/v1/...` is: a stranger gets the 401 there, not the 404 that tells an unknown route
+    (it was left open); `/v1x` is no part of the API (its own 404, no key asked)."""
+    for method in ("GET", "POST"):
+        answer = httpx.request(method, keyed_server + "/v1")
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", answer.text
+        assert answer.headers["www-authenticate"] == "Bearer"
+    answer = httpx.get(keyed_server + "/v1", headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_url", answer.text
+    assert httpx.get(keyed_server + "/v1x").status_code == 404
+
+
+def test_the_key_may_follow_its_scheme_after_several_spaces(keyed_server):
+    """RFC 7235's credentials are `auth-scheme 1*SP token`: the key after `Bearer` and two or more spaces is the key
+    (a 401 for it would refuse a client that pads the header), and a key with a character more is not."""
+    for header in (f"Bearer {KEY}", f"Bearer  {KEY}", f"bearer   {KEY}"):
+        assert httpx.get(keyed_server + "/v1/models", headers={"Authorization": header}).status_code == 200, header
+    assert httpx.get(keyed_server + "/v1/models", headers={"Authorization": f"Bearer  {KEY}x"}).status_code == 401
+
+
 def test_a_browser_page_can_send_the_key_and_read_its_401(keyed_server):
     """A browser's preflight never carries the key: it must pass (and allow the Authorization header), and a 401
     must carry the CORS header, or the page sees a network error in place of the reason."""
@@ -3551,6 +3684,15 @@ def test_a_browser_page_can_send_the_key_and_read_its_401(keyed_server):
     assert preflight.status_code == 200 and "authorization" in preflight.headers["access-control-allow-headers"].lower()
     refused = httpx.get(keyed_server + "/v1/models", headers={"Origin": origin})
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
+
+
+def test_a_page_may_read_retry_after(keyed_server):
+    """A 429 says in Retry-After when to try again, and a browser hides from a page every header CORS does not
+    expose: the server's answers expose it to the origins allowed."""
+    r = httpx.get(keyed_server + "/v1/models", headers={"Origin": "http://localhost:3000",
+                                                         "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "retry-after" in r.headers.get("access-control-expose-headers", "").lower(), r.headers
 
 
 @pytest.mark.parametrize("key", ["", " sk", "sk\n", "clé", 5])
