@@ -3523,19 +3523,22 @@ def test_a_row_that_ends_is_answered_before_its_batch_does(mode):
         srv.should_exit = True
 
 
-def test_a_choice_that_ends_gets_no_chunk_after_its_last(server):
-    """Answering a row at the commit it ends in left Batch.draft sending it the batch's drafts: a streamed choice got
-    draft chunks after its finish_reason chunk while the request's other choice ran on."""
-    base = server[0]
-
+def stop_ending_first(base, ends_first, other):
+    """A stop string early in prompt `ends_first`'s greedy 24-token answer that `other`'s never holds: batched with
+    it, that row ends first."""
     def alone(prompt):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "min_tokens": 24, "temperature": 0}
         return httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
 
-    prompts = ["abc", "hello there"]
-    first, other = map(alone, prompts)
-    # a stop string early in the first prompt's answer that the other's never holds: that choice ends first
-    stop = next(first[i:i + 3] for i in range(1, len(first) - 3) if first[i:i + 3] not in other)
+    first, rest = alone(ends_first), alone(other)
+    return next(first[i:i + 3] for i in range(1, len(first) - 3) if first[i:i + 3] not in rest)
+
+
+def test_a_choice_that_ends_gets_no_chunk_after_its_last(server):
+    """Answering a row at the commit it ends in left Batch.draft sending it the batch's drafts: a streamed choice got
+    draft chunks after its finish_reason chunk while the request's other choice ran on."""
+    base, prompts = server[0], ["abc", "hello there"]
+    stop = stop_ending_first(base, *prompts)
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 24, "min_tokens": 0, "temperature": 0, "stop": [stop],
             "stream": True, "drafts": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
@@ -3548,16 +3551,8 @@ def test_a_choice_that_ends_gets_no_chunk_after_its_last(server):
 def test_choices_come_in_index_order_whichever_row_ends_first(server):
     """A whole answer lists its choices by index, as OpenAI's does, whichever row ended first: in the order the rows
     ended, the second prompt's answer came as choices[0]."""
-    base = server[0]
-
-    def alone(prompt):
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "min_tokens": 24, "temperature": 0}
-        return httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-
-    prompts = ["hello there", "abc"]
-    other, first = map(alone, prompts)
-    # a stop string early in the second prompt's answer that the first's never holds: that choice ends first
-    stop = next(first[i:i + 3] for i in range(1, len(first) - 3) if first[i:i + 3] not in other)
+    base, prompts = server[0], ["hello there", "abc"]
+    stop = stop_ending_first(base, prompts[1], prompts[0])  # the second row ends first
     body = {"model": MODEL, "prompt": prompts, "max_tokens": 24, "min_tokens": 0, "temperature": 0, "stop": [stop]}
     choices = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"]
     assert [(c["index"], c["finish_reason"]) for c in choices] == [(0, "length"), (1, "stop")], choices
