@@ -173,6 +173,10 @@ class Tokenizer:
     # The other special tokens a config names (unk_token, sep_token, cls_token, mask_token, and model-specific names
     # such as image_token): chat templates see them as variables, as they do in transformers, and save() keeps them.
     named_tokens: dict[str, str] = field(default_factory=dict)
+    # Of bos_token, eos_token and pad_token, those whose id came from a model or generation config's number alone (no
+    # tokenizer config names the token): as in transformers, a chat template does not see them (its `bos_token` is
+    # undefined, where a template that starts with it would otherwise write a BOS the checkpoint's own never had).
+    unnamed_tokens: frozenset[str] = frozenset()
     # tokenizer_config.json's response_template (transformers 5's format, see response.py): how a reply reads as a
     # message with content and tool calls (parse_response). The legacy `response_schema` key is left unread, as
     # transformers 5 leaves it, and saved as it was. Replies are read with `reply_template`: this, or a built-in one.
@@ -311,6 +315,8 @@ class Tokenizer:
             chat_template=chat_template,
             add_bos_token=bool(tok_cfg.get("add_bos_token", False)),
             named_tokens=named_tokens,
+            unnamed_tokens=frozenset(name for name in ID_TOKENS
+                                     if all(_token_content(source.get(name)) is None for source in (legacy_map, tok_cfg))),
             response_template=tok_cfg.get("response_template"),
         )
         if (folder / "tokenizer_config.json").is_file():  # without one, save() writes a config of its own
@@ -679,7 +685,8 @@ class Tokenizer:
         # `tools is not none` must not see them defined), the special tokens the tokenizer names (and only those),
         # and the caller's variables win over the tokenizer's.
         variables: dict[str, Any] = {name: token for name, token in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
-                                                     ("pad_token", self.pad_token)) if token is not None}
+                                                     ("pad_token", self.pad_token))
+                                     if token is not None and name not in self.unnamed_tokens}
         variables.update(self.named_tokens)
         variables.update(tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
                          raise_exception=_raise_template_error, strftime_now=_strftime_now)

@@ -738,6 +738,36 @@ def test_transformers_adds_bos_to_plain_prompts_as_blockpress_does(tok: Tokenize
             assert hf.encode(text) == encode_texts([text], ours)[0]
 
 
+@pytest.mark.parametrize("edit", [
+    lambda c: c.update(bos_token=None, eos_token=None),  # named null: no such token
+    lambda c: [c.pop("bos_token"), c.pop("pad_token")],  # not named (config.json still gives their ids)
+    lambda c: None,
+])
+def test_a_template_sees_the_special_tokens_the_tokenizer_config_names(tmp_path: Path, edit) -> None:
+    """A chat template's bos_token, eos_token and pad_token are the tokens the tokenizer config names, as in
+    transformers: one whose id came from config.json alone rendered as its token ("<bos>"), where transformers renders
+    nothing, so the same conversation became another prompt. Saved and loaded again, the folder renders the same."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from blockpress.lm import MODELS_DIR
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(MODELS_DIR / "blockpress-code" / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "[{{ bos_token }}|{{ eos_token }}|{{ pad_token }}]{{ messages[0]['content'] }}"
+    edit(config)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [{"role": "user", "content": "hi"}]
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(messages, tokenize=False)
+    ours = Tokenizer.from_dir(tmp_path)
+    assert ours.apply_chat_template(messages) == theirs
+    assert ours.bos_id == 2  # (its id still starts plain prompts)
+    ours.save(tmp_path / "saved")
+    assert Tokenizer.from_dir(tmp_path / "saved").apply_chat_template(messages) == theirs
+
+
 def test_saving_leaves_no_stale_template_file(tok: Tokenizer, tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_text("OLD {{ messages[0].content }}")
     Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="NEW {{ messages[0].content }}").save(tmp_path)
