@@ -1898,6 +1898,9 @@ class LM:
         common = [0] * len(rows)
         if cache is not None:
             self._check_cache(cache, len(rows))
+            if len(cache.users) > 1:  # (this turn holds one claim: another is a call of this thread still open)
+                raise ValueError("cache: another call of this thread is continuing it (a stream or chat_stream still "
+                                 "open): finish or close it before the next turn")
             held = cache.tokens
             if held is None and cache.length == 0:  # an empty cache holds no token
                 held = [[] for _ in rows]

@@ -457,3 +457,23 @@ def test_a_failed_turn_goes_back_to_where_the_cache_stood_when_it_took_the_cache
     other_done.set()
     thread.join()
     assert failed and (cache.length, cache.next_pos.tolist()) == after_first
+
+
+def test_a_chat_turn_beside_an_open_stream_of_the_same_thread_says_so():
+    """A second chat_stream on a cache whose first is still open was refused as a cache "extended by generate or
+    stream since", which names neither the open stream nor what to do."""
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    first = lm.chat([{"role": "user", "content": "hello there"}], return_cache=True, **kw)
+    ids = lm.chat_prompt([{"role": "user", "content": "hello there"}, {"role": "assistant", "content": first.texts[0]},
+                          {"role": "user", "content": "and then"}])
+    held = lm.chat_stream(ids, cache=first.cache, **kw)
+    next(held)
+    with pytest.raises(ValueError, match="another call of this thread is continuing it"):
+        next(lm.chat_stream(ids, cache=first.cache, **kw))
+    with pytest.raises(ValueError, match="another call of this thread is continuing it"):
+        lm.chat_ids(ids, cache=first.cache, **kw)
+    done = [e for e in held if type(e).__name__ == "Done"]
+    assert done and first.cache.users == []
+    assert lm.chat_ids(ids, cache=first.cache, **kw).texts  # the next turn, once the stream has ended
