@@ -92,8 +92,9 @@ class KVCache:
         """Held by each call that continues this cache (generate, stream, generate_ar and chat with cache=...): a
         call from another thread meanwhile is refused, as both would write the same slots and each reply read the
         other's tokens. Calls of one thread nest (chat runs generate), though a chat turn refuses to start beside
-        another call of its thread still open (a suspended stream), whose cache its rewind would pull from under it. A stream's claim is its starting thread's, released where the stream ends, in whatever thread
-        closes it: a stream handed to another thread to iterate is not told apart from its starter's next call."""
+        another call of its thread still open (a suspended stream), whose cache its rewind would pull from under it.
+        A stream's claim is its starting thread's, released where the stream ends, in whatever thread closes it: a
+        stream handed to another thread to iterate is not told apart from its starter's next call."""
         me = threading.get_ident()
         claim = (me, object())  # this call's own entry: given back only if taken, wherever a Ctrl-C lands
         try:
