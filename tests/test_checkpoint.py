@@ -2299,3 +2299,60 @@ def test_a_full_disk_in_torch_save_or_safetensors_is_an_oserror_naming_the_file(
     assert lines[0].startswith(f"OSError {tmp_path / 'state.pt'}: torch.save could not write it, as when the disk is full")
     assert lines[1].startswith(f"OSError {tmp_path / 'a.safetensors'}: ") and "File too large" in lines[1]
     assert not list(tmp_path.iterdir())  # nothing half-written is left
+
+
+def test_reference_names_ties_a_layers_weights_but_not_its_biases_or_scalars():
+    """The reference's encoder runs the decoder's layer weights (an adapter is written for both names), but each side
+    has attention biases and layer scalars of its own: naming the encoder's bias as the decoder's twin would write
+    one side's adapter over the other's tensor."""
+    from blockpress.checkpoint import reference_names
+
+    assert reference_names("layers.0.self_attn.q_proj.weight") == [
+        "model.decoder.layers.0.self_attn.q_proj.weight", "model.encoder.language_model.layers.0.self_attn.q_proj.weight"]
+    assert reference_names("layers.0.self_attn.bias.q_proj") == ["model.decoder.layers.0.self_attn.q_proj.bias"]
+    assert reference_names("layers.0.self_attn.encoder_bias.q_proj") == [
+        "model.encoder.language_model.layers.0.self_attn.q_proj.bias"]
+    assert reference_names("layers.1.layer_scalar") == ["model.decoder.layers.1.layer_scalar"]
+
+
+def test_an_empty_tensor_is_no_float16_overflow():
+    """A tensor of no elements has no largest value (torch.aminmax refuses it): it is skipped, and a tensor past
+    float16's range beside it is still the one named."""
+    from blockpress.checkpoint import check_float16_range
+
+    check_float16_range([("empty", torch.empty(0, 4))], "nothing was cast")
+    with pytest.raises(ValueError, match="dtype: big holds a value of magnitude 70,000,"):
+        check_float16_range([("empty", torch.empty(0, 4)), ("big", torch.full((2,), 7e4))], "nothing was cast")
+
+
+def test_stored_dtype_leaves_out_codes_and_reads_other_dtypes_as_float32(tmp_path):
+    """A quantized folder's fp8 codes hold most of its bytes, yet its weights are stored in the dtype of the rest
+    (its embedding, norms): the codes are left out, or an fp8 folder saved in bf16 reads as float32. A dtype the
+    model does not compute in (float64, fp8 without scales) reads as float32. Vision tensors (kept in their own
+    dtype, float32 in released checkpoints) are not text weights and do not count."""
+    from blockpress.checkpoint import MappedSafetensors, stored_dtype
+
+    def stored(tensors, coded=()):
+        path = tmp_path / "model.safetensors"
+        save_file(tensors, str(path))
+        return stored_dtype([MappedSafetensors(path)], coded)
+
+    codes = "model.decoder.layers.0.mlp.down_proj.weight"
+    tensors = {"model.decoder.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16),
+               codes: torch.zeros(16, 16).to(torch.float8_e4m3fn)}
+    assert stored(tensors, [codes]) == torch.bfloat16
+    assert stored(tensors) == torch.float32  # fp8 with no scales: not a dtype to compute in
+    assert stored({"model.decoder.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.float64)}) == torch.float32
+    vision = {"model.encoder.vision_tower.patch.weight": torch.zeros(16, 16)}  # kept as stored, not a text weight
+    assert stored({**vision, "model.decoder.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.bfloat16)}) == torch.bfloat16
+
+
+def test_an_index_total_size_of_zero_is_a_size(tmp_path):
+    """index_total_size reads the index's metadata.total_size as stated, 0 included (shards of empty tensors); only
+    what is no byte count (a negative number, a bool, a string) reads as None."""
+    from blockpress.checkpoint import index_total_size
+
+    index = tmp_path / "model.safetensors.index.json"
+    for total, want in ((0, 0), (12, 12), (-1, None), (True, None), ("12", None)):
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": {}}))
+        assert index_total_size(tmp_path) == want

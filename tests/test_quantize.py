@@ -653,6 +653,19 @@ def test_a_model_loaded_under_inference_mode_quantizes_after_a_cast(tmp_path):
         assert torch.isfinite(model.logits([[2, 5, 6]], [[7] * model.config.canvas_length])).all()
 
 
+def test_a_quantized_copy_is_in_eval_mode_as_quantize_of_a_copy_is():
+    """quantized_copy builds its twin as a fresh module, in training mode, and a quantized layer's kernels read the
+    mode (training: the exact dequantized path). The twin of an eval model is in eval mode, every module, as quantize
+    of a copy would leave it, so it computes as that copy does even when run outside an LM (which sets eval itself)."""
+    from blockpress.quantize import quantized_copy
+
+    lm = tiny_lm()
+    twin = quantized_copy(lm.model, "int8")
+    expected = copy.deepcopy(lm).quantize("int8").model
+    assert [m.training for m in twin.modules()] == [m.training for m in expected.modules()]
+    assert not any(m.training for m in twin.modules())
+
+
 @pytest.mark.parametrize("overrides, layer", [(dict(intermediate_size=45), "self_conditioning.down_proj.weight"),
                                               (dict(moe_intermediate_size=15), "layers.0.experts.down_proj")])
 def test_int4_refusal_names_the_layer(overrides, layer):
