@@ -136,17 +136,11 @@ def _default_rope() -> dict[str, dict[str, Any]]:
     }
 
 
-def _rope_entries(rope_parameters: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The rope settings dicts of `rope_parameters` by layer type, or {"flat": the flat dict itself}."""
-    nested = {k: v for k, v in rope_parameters.items() if k in (SLIDING, FULL) and isinstance(v, dict)}
-    return nested or {"flat": rope_parameters}
-
-
 def _rope_type_spelled_new(rope_parameters: dict[str, Any]) -> dict[str, Any]:
     """A copy whose entries name their rope type as `rope_type`: an older config spells it `type`, which transformers
     still reads (a `rope_type` beside it wins). Read as default, a linear or yarn entry ran unscaled without a word."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in rope_parameters.items()}
-    for entry in _rope_entries(out).values():
+    for entry in [v for k, v in out.items() if k in (SLIDING, FULL) and isinstance(v, dict)] or [out]:  # (or flat)
         if "rope_type" not in entry and "type" in entry:
             entry["rope_type"] = entry["type"]
     return out

@@ -707,13 +707,18 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
     return undo
 
 
+def _held(cache: KVCache | None) -> contextlib.AbstractContextManager[None]:
+    """`cache.in_use()` for a call that continues a cache; nothing for one that makes its own."""
+    return cache.in_use() if cache is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _undone_on_failure(cache: KVCache | None) -> Iterator[None]:
     """A call that continues `cache` (None: none): one that fails or is interrupted inside the block takes its part
     of the turn back out of it (_turn_undo). Entered once the call's arguments are checked, before anything is
     encoded; the mark it goes back to is taken under the cache's claim (taken before, it could be another thread's
     turn that ended meanwhile, and going back to it would drop that turn)."""
-    with cache.in_use() if cache is not None else contextlib.nullcontext():
+    with _held(cache):
         undo = _turn_undo(cache) if cache is not None else None
         try:
             yield
@@ -1850,7 +1855,7 @@ class LM:
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
         copies = _chat_copies(kwargs, cache)
-        with cache.in_use() if cache is not None else contextlib.nullcontext():
+        with _held(cache):
             rows, common = self._chat_start(ids, cache)
             try:
                 out = self.generate([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs)
@@ -1869,7 +1874,7 @@ class LM:
         return _kept_open(self._chat_events(ids, cache, kwargs))
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
-        with cache.in_use() if cache is not None else contextlib.nullcontext():
+        with _held(cache):
             copies = _chat_copies(kwargs, cache)
             rows, common = self._chat_start(ids, cache)
             each_rows, each_held = _repeat_chat_rows(rows, common, copies)  # one per output row
