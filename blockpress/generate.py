@@ -27,6 +27,7 @@ from . import _IMPORTED_IN
 from .cache import KVCache
 from .checks import check_flag, check_keywords, check_text, is_int, utf8_problem
 from .healing import strip_prefix
+from .model import DiffusionGemma
 from .prefix import PrefixCache, encode_prompts
 from .sampling import (
     CanvasRules,
@@ -66,11 +67,11 @@ class StepFunctions:
     encode_step: Callable[..., torch.Tensor | None]
 
     @classmethod
-    def eager(cls, model: Any) -> StepFunctions:
+    def eager(cls, model: DiffusionGemma) -> StepFunctions:
         return cls(model.denoise, denoise_step, model.encode)
 
     @classmethod
-    def compiled(cls, model: Any, **options: Any) -> StepFunctions:
+    def compiled(cls, model: DiffusionGemma, **options: Any) -> StepFunctions:
         """torch.compile'd step functions (`options` go to torch.compile, e.g. mode or backend). The first
         calls compile (minutes on a 2-core CPU, even for a tiny model); a changing cache length recompiles once as dynamic,
         and the sampler's numbers are tensors (StepNumbers), so new values compile nothing (see LM.compile)."""
@@ -85,7 +86,7 @@ class StepFunctions:
                    torch.compile(model.encode, **options))
 
     @classmethod
-    def cuda_graphs(cls, model: Any) -> StepFunctions:
+    def cuda_graphs(cls, model: DiffusionGemma) -> StepFunctions:
         """The decoder pass and the AR one-token encoder pass replayed from CUDA graphs (GraphedDenoise,
         GraphedEncodeStep); the sampler stays eager."""
         return cls(GraphedDenoise(model), denoise_step, GraphedEncodeStep(model))
@@ -164,14 +165,14 @@ class GraphedDenoise:
     into the graph's own buffers; the logits it returns live in the graph's memory and are overwritten by the
     next call, so a caller uses them before calling again (the decoding loop does)."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: DiffusionGemma):
         self.model = model
         self.state_key: tuple | None = None
         self.graphs: dict[tuple | None, tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self.pool: Any = None
         self.captures = 0
 
-    def __call__(self, canvas_ids: torch.Tensor, cache: Any,
+    def __call__(self, canvas_ids: torch.Tensor, cache: KVCache,
                  self_conditioning_probs: torch.Tensor | None = None) -> torch.Tensor:
         # The cache's length and buffers are baked into a graph (see KVCache.buffers_key).
         key = (tuple(canvas_ids.shape), cache.length, cache.buffers_key())
@@ -190,7 +191,7 @@ class GraphedDenoise:
         graph.replay()
         return logits
 
-    def capture(self, canvas: torch.Tensor, cache: Any,
+    def capture(self, canvas: torch.Tensor, cache: KVCache,
                 probs: torch.Tensor | None) -> tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(graph, its canvas input, its self-conditioning input, its logits output)."""
         if self.pool is None:
@@ -206,13 +207,13 @@ class GraphedEncodeStep:
     the others. Anything else (a prompt, a mask) runs eagerly. The logits live in the graph's memory and are
     overwritten by the next call."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: DiffusionGemma):
         self.model = model
         self.key: tuple | None = None
         self.graph: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.captures = 0
 
-    def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+    def __call__(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None = None,
                  logits: str = "none") -> torch.Tensor | None:
         if input_ids.shape[1] != 1 or attention_mask is not None or logits != "last":
             return self.model.encode(input_ids, cache, attention_mask=attention_mask, logits=logits)
@@ -232,7 +233,7 @@ class GraphedEncodeStep:
         cache.commit(None, 1)
         return out
 
-    def capture(self, token: torch.Tensor, cache: Any,
+    def capture(self, token: torch.Tensor, cache: KVCache,
                 slot: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(graph, its token input, its slot input, its logits output). The warm-up pass writes the slot that
         the first replay then writes again with the same values."""
@@ -1194,7 +1195,7 @@ def _all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(part.float()).all()) for part in t.reshape(-1).split(1 << 24))
 
 
-def model_logits_fault(model: Any, where: str) -> NonFiniteLogits:
+def model_logits_fault(model: DiffusionGemma, where: str) -> NonFiniteLogits:
     """The error for NaN / inf logits from the model at `where`, saying why: weights that hold NaN or inf (a damaged
     checkpoint, or one saved from a run that diverged), else activations that overflowed the model's dtype. Looked
     into only once it has happened, so the check itself costs one reduction of a canvas's first logits."""
@@ -1404,7 +1405,7 @@ class _Stops:
         return hits
 
 
-def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCache | None, room: int,
+def _encode_prompt(model: DiffusionGemma, req: Request, prompt: torch.Tensor, cache: KVCache | None, room: int,
                    logits: bool) -> tuple[KVCache, torch.Tensor | None, list[int]]:
     """Encode the prompt into `cache` (a new one when None), with `room` more slots past what it holds; through
     `req.prefix_cache` when set. Returns (cache, the last prompt token's logits [B, V] if `logits`, prompt tokens
@@ -1436,7 +1437,7 @@ def _encode_prompt(model: Any, req: Request, prompt: torch.Tensor, cache: KVCach
     return cache, last, reused
 
 
-def _encode_continuation(model: Any, prompt: torch.Tensor, mask: torch.Tensor, cache: KVCache,
+def _encode_continuation(model: DiffusionGemma, prompt: torch.Tensor, mask: torch.Tensor, cache: KVCache,
                          logits: bool) -> torch.Tensor | None:
     """A left-padded batch of next turns, appended to a conversation's cache so that each row is exactly what it
     would be alone. Left padding here would leave a gap between a row's history and its new tokens, and sliding
@@ -1478,7 +1479,7 @@ class _Decoding:
     """A block-diffusion generation between its canvases: the batch's new tokens and counts so far, and the three
     things done to each canvas (`denoise`, `commit`, `encode`)."""
 
-    model: Any
+    model: DiffusionGemma
     fns: StepFunctions
     req: Request
     cache: KVCache
@@ -1514,7 +1515,7 @@ class _Decoding:
         return self.req.sampler.step_choices()
 
     @classmethod
-    def begin(cls, model: Any, req: Request, cache: KVCache, fns: StepFunctions, texts: _RowTexts | None,
+    def begin(cls, model: DiffusionGemma, req: Request, cache: KVCache, fns: StepFunctions, texts: _RowTexts | None,
               drafts: bool, keep_cache: bool = False) -> _Decoding:
         device, n_new = model.device, _new_length(req)
         b, vocab = req.prompt.shape[0], model.config.text.vocab_size
@@ -1742,7 +1743,7 @@ WEIGHTS_CHANGED = ("model: its weights changed (lm.to, lm.quantize, a training s
 
 
 @contextmanager
-def weights_unchanged(model: Any, version: tuple[int, int] | None) -> Iterator[None]:
+def weights_unchanged(model: DiffusionGemma, version: tuple[int, int] | None) -> Iterator[None]:
     """Run a forward pass of a call whose cache holds keys of the weights at `version` (model.weights_version; None:
     unchecked). Once the weights have changed in place (lm.to, quantize, a training step: another thread's, or the
     caller's between two events of a stream), refuse to go on, and say so where the pass would fail on half-changed
@@ -1767,7 +1768,7 @@ def run(*args: Any, **kwargs: Any) -> Generator[Draft | Commit | Done | Cancelle
 
 
 def _run(
-    model: Any,
+    model: DiffusionGemma,
     req: Request,
     cache: KVCache | None = None,
     drafts: bool = False,
@@ -1852,7 +1853,7 @@ def _run(
 
 
 def run_ar(
-    model: Any,
+    model: DiffusionGemma,
     req: Request,
     cache: KVCache | None = None,
     keep_cache: bool = False,
