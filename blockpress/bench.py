@@ -117,10 +117,13 @@ class BenchSettings:
             check_scheme(self.quantize)
         # a device this torch lacks: a clear error now, not an assertion inside torch; meta (shapes only) would be
         # refused only by the first row's generate, after the model is built and "warming up and timing" said
-        if resolve_device(self.device).type == "meta":
+        device = resolve_device(self.device)
+        if device.type == "meta":
             raise ValueError(f"device: {self.device!r} holds shapes only, so nothing runs there to time; give cpu or "
                              f"cuda (`blockpress info --model random-{self.preset} --device meta` counts the preset "
                              "without allocating)")
+        # torch's spelling ("AUTO" and "auto" resolved): machine() and the engines pass it on to torch.device
+        self.device = str(device)
 
     def model_config(self) -> ModelConfig:
         """The shape timed: the preset's, cut to its first `layers` layers when given."""

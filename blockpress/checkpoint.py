@@ -396,7 +396,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """A torch device that exists here, or a clear error (before any weights are read). "auto": the CUDA GPU where
     torch sees one, else the CPU (MPS and other backends only when named: blockpress is not tested on them)."""
     if isinstance(device, str) and device.strip().lower() == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):  # ValueError: an index past int64 ('Overflow when unpacking long long')
@@ -413,6 +413,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
             backend, "is_available", lambda: False)()):
         raise ValueError(f"device: {device!r} asked for, but this torch ({torch.__version__}) has no {dev.type} "
                          "device available")
+    # Tensors report their device with its index (cuda:0, mps:0): "cuda" resolved to the one torch would use, so
+    # that a model already there compares equal (lm.to("cuda") on cuda:0 is then a no-op, not a second copy)
+    if dev.index is None and dev.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if dev.index is None and dev.type == "mps":
+        return torch.device("mps", 0)
     return dev
 
 

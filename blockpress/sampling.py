@@ -646,7 +646,8 @@ def noise_tokens(cfg: SamplerConfig, seed: torch.Tensor, canvas_index: int, step
 
 def hashed_uniforms(seed: torch.Tensor, canvas_index: int, step: int, length: int) -> torch.Tensor:
     """Uniform floats in [0, 1) [B, length] (one per position: the sampling draw)."""
-    return (_hash(seed, 1, canvas_index, step, length) >> 23).double() / float(1 << 24)
+    # float32 holds these 24-bit fractions exactly; float64 would fail on MPS, which has none
+    return (_hash(seed, 1, canvas_index, step, length) >> 23).float() / float(1 << 24)
 
 
 @dataclass

@@ -1526,6 +1526,23 @@ def test_serve_refuses_a_bad_or_busy_port_before_loading(capsys, monkeypatch):
     assert f"--host 127.0.0.1 --port {port}: cannot listen there" in err and "serving" not in err
 
 
+@pytest.mark.parametrize("os_name, reused", [("posix", True), ("nt", False)])
+def test_serve_rebinds_a_lingering_port_but_not_a_windows_port_in_use(monkeypatch, os_name, reused):
+    """SO_REUSEADDR lets a restarted server bind while old connections linger (POSIX); on Windows the same option
+    lets a second `blockpress serve` bind a port another server listens on, so both ran and clients reached either
+    (before: set everywhere). Off where os.name is nt, as socket.create_server leaves it."""
+    import socket
+
+    import blockpress.cli.serve as serve_cli
+
+    monkeypatch.setattr(serve_cli, "os", types.SimpleNamespace(name=os_name))
+    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    try:
+        assert bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)) is reused
+    finally:
+        sock.close()
+
+
 def serve_answering(monkeypatch, send):
     """`blockpress serve` with uvicorn's place taken by a server that calls `send(http)` once, `http` a TestClient
     of the app serve built, and returns: the list each run's result is appended to."""
@@ -3910,7 +3927,8 @@ def test_the_device_defaults_to_a_cuda_gpu_where_torch_sees_one(monkeypatch, arg
     seen = []
     args.func = lambda a: seen.append(a.device) or 0
     assert run_command(args) == 0 and seen == ["cuda" if cuda else "cpu"]
-    assert resolve_device("auto") == resolve_device(" Auto ") == torch.device("cuda" if cuda else "cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("auto") == resolve_device(" Auto ") == torch.device("cuda:0" if cuda else "cpu")
     assert build_parser().parse_args(["bench"]).device == "cpu"
     assert "auto, a CUDA GPU where torch sees one, else the CPU" in " ".join(
         subcommands()[argv[0]].format_help().replace(" (a CUDA", ", a CUDA").split())
@@ -5174,3 +5192,38 @@ def test_help_fits_an_80_column_terminal(command, monkeypatch, capsys):
         main([command, "--help"])
     wide = [line for line in capsys.readouterr().out.splitlines() if len(line) > 80]
     assert wide == []
+
+
+@pytest.mark.parametrize("device", ["auto", "AUTO", " Auto "])
+def test_bench_runs_on_the_device_auto_names(device):
+    """BenchSettings(device="AUTO") (or "auto" from the Python API) passed the settings check, which resolves any
+    spelling, and then crashed as the run began: machine() handed the raw string to torch.device. The settings keep
+    torch's spelling of the device resolved."""
+    from blockpress import bench
+
+    s = bench.BenchSettings(preset="tiny", device=device, new_tokens=2, steps=1, prompt_length=2, repeats=1,
+                            reference=False, ar=False)
+    assert s.device == "cpu"
+    assert bench.run_bench(s)["machine"]["device"] == "cpu"
+
+
+def test_a_model_already_on_the_gpu_that_cuda_names_is_not_moved(monkeypatch):
+    """Tensors report cuda:0, and torch.device("cuda") != torch.device("cuda:0"): lm.to("cuda") on a model loaded
+    there moved it again (a second copy's memory checked, caches dropped, graphs recaptured) where lm.to("cpu") on
+    the CPU is a no-op. resolve_device gives "cuda" with the index torch would use (and "mps" with index 0, as MPS
+    tensors report it). Simulated: torch sees one GPU and the model reports cuda:0."""
+    import blockpress.lm as lm_module
+    from blockpress.checkpoint import resolve_device
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert resolve_device("cuda") == resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("mps") == torch.device("mps", 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(lm_module.LM, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(lm_module, "check_fits", lambda *a: pytest.fail(f"checked room for a move: {a}"))
+    monkeypatch.setattr(lm.model, "to", lambda *a, **k: pytest.fail(f"moved: {a}"))
+    assert lm.to("cuda") is lm and lm.to(torch.device("cuda")) is lm

@@ -1181,3 +1181,28 @@ def test_the_server_offers_the_samplers_the_library_has():
 
     literal, none = typing.get_args(CompletionRequest.model_fields["sampler"].annotation)  # Literal[...] | None
     assert none is type(None) and sorted(typing.get_args(literal)) == sorted(SAMPLERS)
+
+
+def test_a_generation_makes_no_float64_tensor():
+    """MPS has no float64 ("Cannot convert a MPS Tensor to float64 dtype"): the sampling draws were made in float64,
+    so every sampled generation on MPS failed. The 24-bit draws are exact in float32; a float32 model's generate and
+    sampled generate_ar make no float64 tensor at all (watched op by op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from blockpress import ModelConfig, random_model
+
+    made = []
+
+    class Float64Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor) and o.dtype == torch.float64:
+                    made.append(str(func))
+            return out
+
+    lm = random_model(ModelConfig.tiny(), seed=0)
+    with Float64Watch():
+        lm.generate([[1, 5, 9]], max_new_tokens=8, seed=3)
+        lm.generate_ar([[1, 5, 9]], max_new_tokens=4, seed=3, temperature=0.7)
+    assert made == []

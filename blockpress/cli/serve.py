@@ -170,7 +170,8 @@ def bind_socket(host: str, port: int) -> Any:
         # of http://127.0.0.1 would then be refused).
         info = next((a for a in found if a[0] == socket.AF_INET), found[0]) if ":" not in host else found[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if os.name != "nt":  # a restart can rebind while old connections linger; on Windows the same option
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # binds a port in use (socket.create_server)
         sock.bind(info[4])
     except OSError as exc:
         raise OSError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
