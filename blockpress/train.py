@@ -902,7 +902,10 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     if not (cfg.autocast if device.type == "cuda" else cfg.cpu_autocast if device.type == "cpu" else False):
         return None
     if cfg.autocast_dtype == "auto":
-        native = device.type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+        if device.type == "cpu":
+            return torch.bfloat16
+        with torch.cuda.device(device):  # torch's check reads the current GPU, which need not be the run's
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
         return torch.bfloat16 if native else torch.float16
     return getattr(torch, cfg.autocast_dtype)
 

@@ -1020,10 +1020,23 @@ def test_a_gradient_float16_cannot_hold_at_any_scale_stops_the_run(tmp_path):
     ("cpu", {"cpu_autocast": True, "autocast_dtype": "float16"}, True, torch.float16), ("mps", {}, True, None)])
 def test_autocast_dtype_auto_takes_bfloat16_where_the_hardware_computes_it(monkeypatch, device, cfg, bf16_native,
                                                                            expected):
-    """torch.cuda.is_bf16_supported() counts emulation, so a T4 trained in emulated bf16: "auto" asks for native."""
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16_native
-                        or including_emulation)
-    assert autocast_dtype(TrainConfig(**cfg), torch.device(device)) == expected
+    """torch.cuda.is_bf16_supported() counts emulation, so a T4 trained in emulated bf16: "auto" asks for native.
+    It reads the current GPU, so the check is made with the run's GPU current (simulated: GPU 0 answers the
+    opposite, as on a machine with an A100 and a T4; before, a run on cuda:1 was answered for cuda:0)."""
+    import contextlib
+
+    current = [0]
+
+    @contextlib.contextmanager
+    def current_gpu(d):
+        before, current[0] = current[0], torch.device(d).index
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "device", current_gpu)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation or (
+        bf16_native if current[0] == 1 else not bf16_native))
+    assert autocast_dtype(TrainConfig(**cfg), torch.device("cuda:1" if device == "cuda" else device)) == expected
 
 
 @pytest.mark.parametrize("native", [True, False])
