@@ -4283,3 +4283,15 @@ def test_forked_workers_draw_fresh_seeds_of_their_own(tmp_path):
             torch.set_rng_state(state)
     finally:
         _FORKED_LM.clear()
+
+
+def test_the_grouped_gemm_is_left_to_the_devices_torch_runs_it_on():
+    """torch's grouped GEMM has CUDA's kernel and, from 2.9, the CPU's: operands on another device (MPS; here
+    meta, which has no kernel either) take the experts loop, which runs anywhere (before: any device but the
+    CPU was sent to the grouped GEMM)."""
+    from blockpress.model import GROUPED_MM, GROUPED_MM_ON_CPU, _grouped_mm_applies
+
+    a, b = torch.empty(8, 16, device="meta"), torch.empty(2, 16, 16, device="meta")
+    assert not _grouped_mm_applies(a, b, 16, 16)
+    cpu = _grouped_mm_applies(torch.empty(8, 16), torch.empty(2, 16, 16), 16, 16)
+    assert cpu is (GROUPED_MM is not None and GROUPED_MM_ON_CPU)
