@@ -660,10 +660,18 @@ class Tokenizer:
         to continue, e.g. "reasoning_content". chat_template picks one of the tokenizer's named templates, or is a
         template's own text; by default "tool_use" is used when there is one and `tools` are given, else "default".
         `tools` are JSON schemas and `documents` dicts, as transformers' templates expect. Other keyword arguments
-        become template variables. The template itself is responsible for BOS, so tokenize=True adds no other.
+        become template variables (transformers' return_tensors, padding, truncation, ... are refused by name). The
+        template itself is responsible for BOS, so tokenize=True adds no other. Unlike transformers' defaults,
+        tokenize is False and add_generation_prompt True: the prompt a caller renders is most often one to reply to.
         """
         check_flag("add_generation_prompt", add_generation_prompt, none=True)
         check_flag("tokenize", tokenize)
+        options = sorted(TRANSFORMERS_RENDER_OPTIONS & template_vars.keys())
+        if options:  # transformers' keywords for what it returns: here they would become template variables,
+            # unread, and a prompt asked to be truncated would come back whole
+            raise ValueError(f"{options[0]}: a transformers option that apply_chat_template does not take; it returns "
+                             "the text, or with tokenize=True a list of ids (torch.tensor([ids]) for a batch of "
+                             "one; cut or pad the list yourself)")
         reserved = sorted(RESERVED_TEMPLATE_NAMES & template_vars.keys())
         if reserved:  # as the server refuses them in chat_template_kwargs: {"namespace": 1} would fail inside the
             # template, blamed on chat_template ("'int' object is not callable"), and {"range": 3} pass unsaid
@@ -1155,6 +1163,9 @@ def _call_arguments(function: dict[str, Any], at: str) -> dict[str, Any]:
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
                                      "chat_template", "tokenize", "raise_exception", "strftime_now",
                                      *jinja2.defaults.DEFAULT_NAMESPACE})
+# transformers' apply_chat_template keywords that shape what it returns rather than what the template sees
+TRANSFORMERS_RENDER_OPTIONS = frozenset({"return_tensors", "return_dict", "padding", "truncation", "max_length",
+                                         "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
 def template_variables(variables: Any, field: str = "chat_template_kwargs") -> dict[str, Any]:

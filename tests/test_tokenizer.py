@@ -1501,6 +1501,16 @@ def test_a_template_variable_the_rendering_sets_is_refused_by_name(tok: Tokenize
     assert tok.apply_chat_template(TWO_TURNS, enable_thinking=True) == tok.apply_chat_template(TWO_TURNS)
 
 
+@pytest.mark.parametrize("options", [{"return_tensors": "pt"}, {"return_dict": True}, {"padding": "max_length"},
+                                     {"max_length": 5, "truncation": True}, {"return_assistant_tokens_mask": True}])
+def test_transformers_return_options_are_refused_by_name(tok: Tokenizer, options: dict[str, Any]) -> None:
+    """transformers' apply_chat_template keywords for what it returns became template variables, unread: a prompt
+    asked to be cut to 5 tokens came back whole, return_tensors="pt" a list."""
+    first = sorted(options)[0]
+    with pytest.raises(ValueError, match=rf"^{first}: a transformers option that apply_chat_template does not take"):
+        tok.apply_chat_template(TWO_TURNS, tokenize=True, **options)
+
+
 def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     """A config may name an EOS id past tokenizer.json's vocabulary (the model's embedding is padded): it ends a
     text, so it is not among unknown_ids (whose logits generation masks) and decode drops it. test_tokenizer.py
