@@ -1169,10 +1169,10 @@ class LM:
         *,
         cache: KVCache | None,
         max_new_tokens: Counts | None,
-        min_new_tokens: Counts,
+        min_new_tokens: Counts | None,
         sampler: str | SamplerConfig | None,
         sampler_options: dict[str, Any],
-        min_new_tokens_eos_only: bool | Sequence[bool] = False,
+        min_new_tokens_eos_only: bool | Sequence[bool] | None = None,
         seed: int | None,
         attention_mask: Any,
         token_healing: bool | None,
@@ -1265,14 +1265,14 @@ class LM:
             return _PromptRows(ids, mask, pad_id, width - ids.shape[1])
         return _PromptRows(ids, mask, pad_id)
 
-    def _budgets(self, max_new_tokens: Counts | None, min_new_tokens: Counts,
-                 min_new_tokens_eos_only: bool | Sequence[bool], batch: int, *, prompt_width: int,
+    def _budgets(self, max_new_tokens: Counts | None, min_new_tokens: Counts | None,
+                 min_new_tokens_eos_only: bool | Sequence[bool] | None, batch: int, *, prompt_width: int,
                  templated: bool) -> _Budgets:
         """The token budgets of a `batch`-row request, checked: max_new_tokens unset is the checkpoint's default for
         a prompt of `prompt_width` tokens (the cache's included), or, `templated`, a stand-in that the template's
         length replaces."""
         asked = max_new_tokens = _row_counts(max_new_tokens, "max_new_tokens", batch)
-        mins = _row_counts(min_new_tokens, "min_new_tokens", batch)
+        mins = _row_counts(0 if min_new_tokens is None else min_new_tokens, "min_new_tokens", batch)
         if max_new_tokens is None and not templated:
             # A minimum past the default length is what the call wants: the default grows to it (as the server's
             # does), not to "min_new_tokens: expected an integer in [0, max_new_tokens=64]", naming a count not given.
@@ -1293,7 +1293,8 @@ class LM:
         elif max_new_tokens is None:  # the template sets the length; this only has to pass the checks below
             max_new_tokens = self._max_new_tokens_setting()
         budget, least = _check_budgets(max_new_tokens, mins)
-        eos_only = _row_counts(min_new_tokens_eos_only, "min_new_tokens_eos_only", batch, "True or False")
+        eos_only = _row_counts(False if min_new_tokens_eos_only is None else min_new_tokens_eos_only,
+                               "min_new_tokens_eos_only", batch, "True or False")
         for i, flag in enumerate(eos_only if isinstance(eos_only, list) else [eos_only]):
             check_flag("min_new_tokens_eos_only" + (f"[{i}]" if isinstance(eos_only, list) else ""), flag)
         minimum = None
@@ -1374,11 +1375,12 @@ class LM:
         hf = {k: args.pop(k) for k in TRANSFORMERS_KEYWORDS if k in args}
         _no_meta_tensors(**{k: v for k, v in hf.items() if k in ("input_ids", "eos_token_id", "pad_token_id")})
         given_as = {}  # blockpress's name (as its errors start) -> the keyword the caller used for it
-        if "input_ids" in hf:
+        input_ids = hf.pop("input_ids", None)
+        if input_ids is not None:  # (None: not given, as transformers' default)
             given_as["prompt"] = "input_ids"
             if args.get("prompt") is not None:
                 raise ValueError(f"input_ids: {call} was given the prompt twice (input_ids and prompt); give one")
-            args["prompt"] = hf.pop("input_ids")
+            args["prompt"] = input_ids
         if args.get("prompt") is None:
             raise ValueError(f"prompt: {call} needs a prompt (the first argument, or input_ids= as in transformers)")
         if hf.get("stop_strings") is not None:
@@ -1610,16 +1612,16 @@ class LM:
         max_denoising_steps: int | None = None,
         sampler: str | SamplerConfig | None = None,
         seed: int | None = None,
-        min_new_tokens: Counts = 0,
-        min_new_tokens_eos_only: bool | Sequence[bool] = False,
+        min_new_tokens: Counts | None = None,
+        min_new_tokens_eos_only: bool | Sequence[bool] | None = None,
         attention_mask: Any = None,
         template: Prompt | None = None,
         hole_length: int = 8,
         cache: KVCache | None = None,
-        return_cache: bool = False,
-        drafts: bool = True,
+        return_cache: bool | None = None,
+        drafts: bool | None = None,
         seeds: Seeds | None = None,
-        skip_stopped_rows: bool = True,
+        skip_stopped_rows: bool | None = None,
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         token_healing: bool | None = None,
@@ -1686,9 +1688,10 @@ class LM:
         _check_keywords("stream", STREAM_OPTIONS, sampler_options)
         _check_function(cancelled, "cancelled", "() -> bool")
         _check_function(constraint, "constraint", "(draft, settled) -> banned")
-        check_flag("skip_stopped_rows", skip_stopped_rows)
-        check_flag("return_cache", return_cache)
-        check_flag("drafts", drafts)
+        check_flag("skip_stopped_rows", skip_stopped_rows, none=True)
+        check_flag("return_cache", return_cache, none=True)
+        check_flag("drafts", drafts, none=True)
+        skip_stopped_rows, drafts = skip_stopped_rows is not False, drafts is not False  # (None: the defaults)
         req = self._request(
             prompt, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, sampler=sampler,
             sampler_options=dict(sampler_options, max_denoising_steps=max_denoising_steps), seed=seed,
@@ -1698,7 +1701,7 @@ class LM:
             skip_stopped_rows=skip_stopped_rows, constraint=constraint,
             logits_processor=_check_logits_processor(logits_processor),
             cancelled=cancelled)
-        events = run(self.model, req, cache=cache, drafts=drafts, keep_cache=return_cache or cache is not None,
+        events = run(self.model, req, cache=cache, drafts=drafts, keep_cache=bool(return_cache) or cache is not None,
                      tokenizer=self.tokenizer, fns=self.step_functions)
         return _kept_open(events if cache is None else _undone_on_error(events, cache))
 
@@ -1962,11 +1965,11 @@ class LM:
         sampler: SamplerConfig | None = None,
         top_k: int | Sequence[int] | None = None,
         top_p: float | Sequence[float] | None = None,
-        min_new_tokens: Counts = 0,
-        min_new_tokens_eos_only: bool | Sequence[bool] = False,
+        min_new_tokens: Counts | None = None,
+        min_new_tokens_eos_only: bool | Sequence[bool] | None = None,
         attention_mask: Any = None,
         cache: KVCache | None = None,
-        return_cache: bool = False,
+        return_cache: bool | None = None,
         token_healing: bool = False,
         stop: str | list[str] | list[list[str]] | None = None,
         presence_penalty: float | None = None,
@@ -2016,7 +2019,7 @@ class LM:
         if sampler is not None and not isinstance(sampler, SamplerConfig):
             raise ValueError(f"sampler: expected a SamplerConfig (its candidate draw and penalties are used) or None, "
                              f"got {sampler!r}; generate_ar has no acceptance rule: for greedy pass temperature=0")
-        check_flag("return_cache", return_cache)
+        check_flag("return_cache", return_cache, none=True)
         base = self.sampler_defaults if sampler is None else sampler
         cfg = base.with_(presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         if temperature is None and sampler is None:
@@ -2035,7 +2038,7 @@ class LM:
                             prefix_cache=_check_prefix_cache(prefix_cache), canvases=False,
                             temperature_name="temperature", logits_processor=_check_logits_processor(logits_processor))
         with _undone_on_failure(cache):  # as generate's (_request checked it; nothing is encoded yet)
-            return run_ar(self.model, req, cache=cache, keep_cache=return_cache or cache is not None,
+            return run_ar(self.model, req, cache=cache, keep_cache=bool(return_cache) or cache is not None,
                           tokenizer=self.tokenizer, fns=self.step_functions)
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None, *,

@@ -508,3 +508,23 @@ def test_generate_ar_copies_floor_counts_a_given_cache_as_held(lm, ids, monkeypa
     with pytest.raises(ValueError, match=rf"^num_return_sequences: .* \({cache.length + 67} tokens a row: "
                                          rf"{cache.length} cached \+ 6 prompt \+ 60 new \+ 1, and"):
         lm.generate_ar(ids, 60, cache=cache, num_return_sequences=2)
+
+
+@pytest.mark.parametrize("engine, keyword", [
+    ("generate", "min_new_tokens"), ("generate", "min_new_tokens_eos_only"), ("generate", "return_cache"),
+    ("generate", "skip_stopped_rows"), ("generate", "input_ids"), ("stream", "drafts"),
+    ("generate_ar", "min_new_tokens"), ("generate_ar", "min_new_tokens_eos_only"), ("generate_ar", "return_cache"),
+    ("generate_ar", "input_ids")])
+def test_a_keyword_given_as_none_is_not_given(lm, ids, engine, keyword):
+    """None for a keyword is "not given" (docs/python-api.md), and transformers' own default for min_new_tokens and
+    input_ids is None: these were refused ("min_new_tokens: expected an integer ..., got None", "expected True or
+    False", "given the prompt twice")."""
+    steps = {} if engine == "generate_ar" else STEPS
+    call = getattr(lm, engine)
+    plain, with_none = call(ids, 4, seed=1, **steps), call(ids, 4, seed=1, **steps, **{keyword: None})
+    if engine == "stream":
+        plain, with_none = list(plain), list(with_none)
+        assert [type(e) for e in plain] == [type(e) for e in with_none]  # drafts too, as by default
+        plain, with_none = plain[-1].output, with_none[-1].output
+    assert torch.equal(plain.sequences, with_none.sequences) and plain.texts == with_none.texts
+    assert with_none.cache is None  # return_cache=None returns none, as False
