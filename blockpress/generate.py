@@ -572,6 +572,10 @@ def prompt_to_ids(prompt: Any, tokenizer: Any, pad_id: int, bos: bool = True,
             raise ValueError("prompt: text needs a tokenizer, and this model has none; pass token ids instead")
         return left_pad(encode_texts([prompt] if isinstance(prompt, str) else list(prompt), tokenizer, bos,
                                      context), pad_id)
+    if isinstance(prompt, (list, tuple)) and any(isinstance(p, str) for p in prompt):  # texts, and one is not
+        i, item = next((i, p) for i, p in enumerate(prompt) if not isinstance(p, str))
+        raise ValueError(f"prompt[{i}]: a batch of texts holds {type(item).__name__} {item!r:.40} there; expected a "
+                         "str (every row a text, or every row token ids)")
     ids = read_token_ids(prompt, "prompt", also="str, list[str], ")
     return (ids.cpu(), None) if isinstance(ids, torch.Tensor) else left_pad(ids, pad_id)
 

@@ -350,6 +350,9 @@ TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config
                                    "num_return_sequences", "stop_strings", "sampler_config"})
 # The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
 # (as it does one list of stop strings per row, and one template per row)
+# apply_chat_template's own parameters: lm.chat takes them in template_options, beside generate's keywords
+CHAT_TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template", "tools",
+                                   "documents"})
 ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
                 "top_k", "top_p")
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
@@ -709,6 +712,9 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
 
 def _held(cache: KVCache | None) -> contextlib.AbstractContextManager[None]:
     """`cache.in_use()` for a call that continues a cache; nothing for one that makes its own."""
+    if cache is not None and not isinstance(cache, KVCache):  # (before its claim is asked for)
+        raise ValueError(f"cache: expected the KVCache of an earlier call (return_cache=True), got "
+                         f"{type(cache).__name__}")
     return cache.in_use() if cache is not None else contextlib.nullcontext()
 
 
@@ -1410,6 +1416,7 @@ class LM:
                 given_as[f"generation_config {key}"] = key  # checked against the vocabulary as the settings' own
         if hf.get("max_length") is not None:
             if args.get("max_new_tokens") is not None or call_settings.get("max_new_tokens") is not None:
+                check_positive_int(hf["max_length"], "max_length")  # unread, but a mistake all the same
                 given = "max_new_tokens" if args.get("max_new_tokens") is not None else "generation_config's max_new_tokens"
                 warn_user(f"max_length: {given} was given too and takes precedence, as in transformers")
             else:  # the call's max_length, not a max_new_tokens the checkpoint's settings hold
@@ -1840,6 +1847,11 @@ class LM:
         if template_options is not None and not isinstance(template_options, dict):
             raise ValueError(f"template_options: expected a dict of apply_chat_template's options (tools=..., ...), "
                              f"got {type(template_options).__name__}")
+        options = sorted(CHAT_TEMPLATE_OPTIONS & kwargs.keys())
+        if options:  # (passed on, generate would say it takes no such keyword, naming neither chat nor the way)
+            raise ValueError(f"{options[0]}: chat takes the chat template's options in template_options: pass "
+                             f"template_options={{{options[0]!r}: ...}}")
+        check_flag("token_healing", kwargs.get("token_healing"), none=True)
         if kwargs.get("token_healing") and not (template_options or {}).get("continue_final_message"):
             raise ValueError("token_healing: not with a chat prompt that ends with the chat template's turn header "
                              "(the template's own, never healed: as `generate --chat` and the server refuse it); a "
