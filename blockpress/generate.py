@@ -1222,7 +1222,9 @@ def processed_logits(processor: Callable[[torch.Tensor, torch.Tensor], torch.Ten
     blockpress's own: the temperature and the bans written after it go in place, which an expanded view (one row's
     logits for all, say) would spread to every row, and which would change a tensor the caller keeps (a table of
     logits returned at every step would be divided by each step's temperature in turn)."""
-    processed = processor(logits, rows)
+    # rows: a copy, as the engine goes on using its own (a transformers-style fn(input_ids, scores) writes into
+    # its second argument, and writing into these would move rows)
+    processed = processor(logits, rows.clone())
     if (not isinstance(processed, torch.Tensor) or processed.shape != logits.shape
             or not processed.dtype.is_floating_point):
         got = (f"{processed.dtype} {list(processed.shape)}" if isinstance(processed, torch.Tensor)

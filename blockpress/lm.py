@@ -397,8 +397,9 @@ def _named_as_given(given_as: dict[str, str]) -> Iterator[None]:
 def _generation_settings(config: Any, own: Mapping[str, Any]) -> dict[str, Any]:
     """generate's generation_config=: transformers' (Diffusion Gemma)GenerationConfig or a plain dict, as
     generation_config.json's fields: what it sets (its unset None values, metadata and the reference's cache
-    settings left out). A field blockpress does not read is refused: per call, it would look in effect; so is a
-    token_healing other than the checkpoint's `own` (the CLI's default: a call passes token_healing= itself)."""
+    settings left out). A field blockpress does not read is refused: per call, it would look in effect; so are a
+    token_healing (the CLI's default: a call passes token_healing= itself) and a bos_token_id other than the
+    checkpoint's `own`."""
     if isinstance(config, dict):
         raw = dict(config)
     elif callable(getattr(config, "to_diff_dict", None)):  # what differs from the class's defaults: what is set
@@ -418,6 +419,10 @@ def _generation_settings(config: Any, own: Mapping[str, Any]) -> dict[str, Any]:
                 continue
             raise ValueError("generation_config: token_healing: a checkpoint's default for `blockpress generate`; "
                              f"per call pass token_healing={value!r} itself")
+        if key == "bos_token_id" and value != own.get("bos_token_id"):  # the checkpoint's passed back: nothing asked
+            raise ValueError(f"generation_config: bos_token_id: not a per-call setting (the checkpoint's is "
+                             f"{own.get('bos_token_id')}; a text prompt starts with the tokenizer's BOS); to start "
+                             "with another, pass token ids")
         if key not in KNOWN_GENERATION_KEYS:
             hint = f"; {TRANSFORMERS_HINTS[key]}" if key in TRANSFORMERS_HINTS else ""
             raise ValueError(f"generation_config: {key}: not a blockpress setting (it reads max_new_tokens, "

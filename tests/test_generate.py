@@ -4295,3 +4295,19 @@ def test_the_grouped_gemm_is_left_to_the_devices_torch_runs_it_on():
     assert not _grouped_mm_applies(a, b, 16, 16)
     cpu = _grouped_mm_applies(torch.empty(8, 16), torch.empty(2, 16, 16), 16, 16)
     assert cpu is (GROUPED_MM is not None and GROUPED_MM_ON_CPU)
+
+
+def test_a_logits_processor_writing_into_its_rows_changes_nothing():
+    """The processor was handed the engine's own working-rows tensor: one that wrote into it (a transformers-style
+    fn(input_ids, scores) uses its second argument) moved which rows the later steps were, and the output changed
+    though the logits came back untouched."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    ids = torch.randint(2, 96, (3, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=[4, 16, 30], presence_penalty=1.0, seed=0, max_denoising_steps=6)
+
+    def scribbles(logits, rows):
+        rows.fill_(0)
+        return logits
+
+    kept = lm.generate(ids, logits_processor=lambda logits, rows: logits, **kw)
+    assert torch.equal(lm.generate(ids, logits_processor=scribbles, **kw).sequences, kept.sequences)

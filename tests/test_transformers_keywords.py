@@ -182,6 +182,17 @@ def test_generation_config_token_healing_is_refused_for_the_argument(lm, ids):
     assert torch.equal(out.sequences, tuned.generate(ids, 4, seed=1, **STEPS).sequences)
 
 
+def test_generation_config_bos_token_id_is_refused_unless_the_checkpoints(lm, ids):
+    """A per-call bos_token_id was accepted and never read (a text prompt still started with the tokenizer's BOS);
+    the checkpoint's own, passed back with the rest of its settings, is taken."""
+    own = lm.generation_config.get("bos_token_id")
+    for call in (lm.generate, lm.generate_ar):
+        with pytest.raises(ValueError, match=r"^generation_config: bos_token_id: not a per-call setting"):
+            call(ids, 4, generation_config={"bos_token_id": (own or 0) + 1})
+    out = lm.generate(ids, 4, seed=1, generation_config={**lm.generation_config}, **STEPS)
+    assert torch.equal(out.sequences, lm.generate(ids, 4, seed=1, **STEPS).sequences)
+
+
 def stopping_token(lm, ids):
     """A token row 0 writes at position 3 of its native output, and that output."""
     native = lm.generate(ids, 16, seed=2, **STEPS)
