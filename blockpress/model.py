@@ -709,6 +709,12 @@ class DiffusionGemma(nn.Module):
         return masks
 
     # -- the two uses ----------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One model, two passes, so no single forward (nn.Module's own error names neither pass)."""
+        raise TypeError("DiffusionGemma has no single forward: it runs as a causal encoder filling a KVCache "
+                        "(model.encode) and a bidirectional decoder over a canvas (model.denoise); for logits "
+                        "use lm.logits(prompt_ids, canvas_ids), or lm.generate")
+
     def encode(
         self,
         input_ids: torch.Tensor,

@@ -4311,3 +4311,12 @@ def test_a_logits_processor_writing_into_its_rows_changes_nothing():
 
     kept = lm.generate(ids, logits_processor=lambda logits, rows: logits, **kw)
     assert torch.equal(lm.generate(ids, logits_processor=scribbles, **kw).sequences, kept.sequences)
+
+
+def test_calling_the_model_names_its_two_passes():
+    """lm.model(input_ids), the usual forward call, failed with nn.Module's "missing the required forward
+    function", pointing nowhere."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    with pytest.raises(TypeError, match=r"^DiffusionGemma has no single forward: .*model\.encode.*model\.denoise.*"
+                                        r"lm\.logits\(prompt_ids, canvas_ids\)"):
+        lm.model(torch.tensor([[1, 2, 3]]))
