@@ -1,0 +1,49 @@
+"""TrainConfig's bounds at their edges (test_bad_train_config pins values far outside them), each window setting
+refused on examples alone, and LoRA targets named twice (from a mutation hunt: each case kills a mutant of
+train_config.py that moved one bound by one)."""
+import pytest
+
+from blockpress.train_config import TrainConfig, lora_modules
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(t_eps=0.5), r"t_eps: expected in \(0, 0.5\)"),           # U(0.5, 0.5): every example at one noise level
+    (dict(t_eps=0.0), r"t_eps: expected in \(0, 0.5\)"),
+    (dict(lr=0.0), "lr: expected > 0"),
+    (dict(noise_token_id=-2), "noise_token_id: expected -1"),
+    (dict(heldout=1.0), r"heldout: expected a fraction in \[0, 1\)"),  # everything held out: nothing to train on
+    (dict(heldout_data=""), "heldout_data: expected a path"),
+    (dict(prompt_min=0), "prompt_min/prompt_max: need 0 < prompt_min"),
+    (dict(prompt_min=9, prompt_max=8), "prompt_min/prompt_max"),
+    (dict(response_canvases=0), "response_canvases: expected a positive integer"),
+    (dict(beta1=1.0), "beta1"),
+    (dict(max_minutes=-1.0), "max_minutes"),
+    (dict(diffusion_weight=0.0, aux_ar_weight=0.0), "diffusion_weight/aux_ar_weight: must be >= 0 and not both 0"),
+    (dict(quantize="int8"), "quantize: 'int8' trains LoRA adapters .* needs lora_rank > 0"),
+])
+def test_train_config_bounds_refused_at_their_edge(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(t_eps=0.499), dict(noise_token_id=-1), dict(noise_token_id=0), dict(heldout=0.0), dict(heldout=0.999),
+    dict(prompt_min=1, prompt_max=1), dict(seed=2**63 - 1), dict(seed=0), dict(min_lr_ratio=1.0), dict(min_lr_ratio=0.0),
+    dict(self_conditioning_prob=1.0), dict(self_conditioning_prob=0.0), dict(batch_size=4, micro_batch_size=4),
+    dict(eval_batches=0), dict(grad_clip=0.0), dict(weight_decay=0.0), dict(beta1=0.0),
+    dict(diffusion_weight=0.0), dict(aux_ar_weight=0.0), dict(max_minutes=0.5, time_schedule=True),
+    dict(lora_rank=4, quantize="int4"), dict(lora_rank=4, lora_targets="q_proj,q_proj"),
+])
+def test_train_config_bounds_taken_at_their_edge(kwargs):
+    assert TrainConfig(**kwargs)
+
+
+def test_window_settings_each_refused_on_examples():
+    for name, value in (("prompt_min", 4), ("prompt_max", 32), ("response_canvases", 2)):
+        with pytest.raises(ValueError, match=f"^{name}: for running text"):
+            TrainConfig(**{name: value}).check_examples()
+    TrainConfig().check_examples()  # the defaults are no setting
+
+
+def test_a_target_named_twice_is_adapted_once():
+    assert lora_modules("q_proj, q_proj,down_proj") == ["q_proj", "mlp.down_proj"]
