@@ -937,7 +937,9 @@ def save_model(
         if links:  # writing through them would change blobs that other revisions (and their hashes) share
             raise ValueError(f"save: {path} holds links ({', '.join(links[:3])}{', ...' if len(links) > 3 else ''}), "
                              "as a Hugging Face cache snapshot does; save to a folder of your own")
-    tensors = {local_to_hf(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # left where they are: each shard is copied to the host as it is written, so a GPU model's save holds one
+    # shard's bytes in host memory, not the whole model's (50 GB for the 26B)
+    tensors = {local_to_hf(k): v.detach() for k, v in model.state_dict().items()}
     cast = {name for name, t in tensors.items()  # text weights only
             if t.is_floating_point() and t.dtype != dtype and name not in coded}
     if dtype == torch.float16:  # before the folder is made: a value past float16's range would be written as inf
@@ -946,7 +948,7 @@ def save_model(
         tensors.update(passthrough.tensors)
 
     def written(shard: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: t.to(dtype) if name in cast else t for name, t in shard.items()}
+        return {name: (t.to("cpu", dtype) if name in cast else t.cpu()).contiguous() for name, t in shard.items()}
 
     def nbytes_of(name: str) -> int:
         return tensors[name].numel() * (dtype.itemsize if name in cast else tensors[name].element_size())

@@ -1333,6 +1333,35 @@ def test_a_sharded_save_in_another_dtype_counts_the_bytes_written(lm, tmp_path):
     assert lm.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_a_save_copies_to_the_host_one_shard_at_a_time(lm, tmp_path, monkeypatch, dtype):
+    """A GPU model's save moved the whole state dict to the host before writing its first shard: 50 GB of host
+    memory for the 26B, where the docstring promises a shard's bytes. Simulated: Tensor.cpu copies (as from a
+    GPU), and each shard written may follow only its own tensors' copies."""
+    import blockpress.checkpoint as checkpoint
+
+    copied, shards = [0], []
+    real_cpu, real_to = torch.Tensor.cpu, torch.Tensor.to
+
+    def cpu(t, *a, **k):
+        copied[0] += 1
+        return real_cpu(t, *a, **k).clone()
+
+    def to(t, *a, **k):
+        copied[0] += "cpu" in a or k.get("device") == "cpu"
+        return real_to(t, *a, **k)
+
+    def save_file(tensors, filename, metadata=None):
+        shards.append((copied[0], len(tensors)))
+        copied[0] = 0
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    checkpoint.save_model(lm.model, tmp_path / "s", max_shard_bytes=20_000, dtype=dtype)
+    assert len(shards) > 1 and all(copies == count for copies, count in shards)
+
+
 def _untied_reference(path, same_weights: bool):
     """A reference checkpoint saved with tie_word_embeddings=false: its encoder and LM head are stored apart."""
     from reference import TINY_TEXT, TINY_VISION
