@@ -422,16 +422,57 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation can take on `device` now (Linux MemAvailable; on CUDA the driver's free memory and
-    what torch's caching allocator holds reserved but unused), or None."""
-    if device.type == "cuda":
-        # The driver's free memory leaves out the blocks torch keeps reserved after earlier work (a server's last
-        # batch): a new cache reuses those, so counting only the driver's figure would refuse caches that fit.
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return torch.cuda.mem_get_info(device)[0] + max(0, cached)
-    if device.type != "cpu":
+def _cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Room left under the tightest memory limit of this process' cgroups and their parents (a container's: docker
+    --memory, a Kubernetes limit), where MemAvailable is the whole host's; None without a limit. v2's memory.max and
+    v1's memory.limit_in_bytes, less what the group uses besides page cache (the kernel reclaims that before its OOM
+    killer ends the process)."""
+    try:
+        entries = [line.split(":", 2) for line in proc_cgroup.read_text(encoding="ascii").splitlines()]
+    except (OSError, ValueError):
         return None
+    rooms = []
+    for entry in entries:
+        if len(entry) != 3:
+            continue
+        _, controllers, where = entry
+        if controllers == "":  # the unified (v2) hierarchy
+            base, files, cache = mount, ("memory.max", "memory.current"), "file"
+        elif "memory" in controllers.split(","):
+            base, files, cache = mount / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes"), "total_cache"
+        else:
+            continue
+        group = base / where.lstrip("/")
+        # the group and each parent up to the mount (inside a container the mount's root is the container's group)
+        for folder in [group, *group.parents][: len(group.relative_to(base).parts) + 1]:
+            try:
+                limit_text, usage_text = ((folder / name).read_text(encoding="ascii").strip() for name in files)
+                if limit_text == "max" or int(limit_text) >= 1 << 60:  # v1 writes "no limit" as ~2**63
+                    continue
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text(encoding="ascii").splitlines())
+                rooms.append(int(limit_text) - int(usage_text) + int(stat.get(cache, 0)))
+            except (OSError, ValueError):
+                continue
+    return max(0, min(rooms)) if rooms else None
+
+
+def _address_space_room() -> int | None:
+    """Room left under a process limit on address space (`ulimit -v`), past which torch's allocator fails with its
+    own error; None without one (or off POSIX)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status", encoding="ascii") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (ImportError, OSError, ValueError, StopIteration):
+        return None
+    return max(0, soft - size)
+
+
+def _mem_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -440,6 +481,21 @@ def available_bytes(device: torch.device) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on `device` now, or None. On the CPU the least of Linux's MemAvailable, the
+    room under the process' cgroup memory limit and under its address-space limit; on CUDA the driver's free memory
+    and what torch's caching allocator holds reserved but unused."""
+    if device.type == "cuda":
+        # The driver's free memory leaves out the blocks torch keeps reserved after earlier work (a server's last
+        # batch): a new cache reuses those, so counting only the driver's figure would refuse caches that fit.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(0, cached)
+    if device.type != "cpu":
+        return None
+    figures = [room for room in (_mem_available(), _cgroup_room(), _address_space_room()) if room is not None]
+    return min(figures) if figures else None
 
 
 def check_fits(nbytes: int, device: torch.device, what: str) -> None:

@@ -2385,3 +2385,56 @@ def test_an_index_total_size_of_zero_is_a_size(tmp_path):
     for total, want in ((0, 0), (12, 12), (-1, None), (True, None), ("12", None)):
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": {}}))
         assert index_total_size(tmp_path) == want
+
+
+def _cgroup_files(folder, **files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_the_memory_check_sees_a_containers_cgroup_limit(tmp_path):
+    """MemAvailable is the whole host's: in a container (docker --memory, a Kubernetes limit) a model past the
+    limit passed the check and the OOM killer ended the process without a word. The tightest limit of the group and
+    its parents counts, less what the group uses besides page cache; v2 and v1 layouts."""
+    from blockpress.checkpoint import _cgroup_room
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/pods/me\n")
+    v2 = tmp_path / "v2"
+    _cgroup_files(v2 / "pods" / "me", memory_max="max", memory_current="900", memory_stat="anon 700\nfile 200\n")
+    _cgroup_files(v2 / "pods", memory_max="1000", memory_current="950", memory_stat="anon 720\nfile 230\n")
+    assert _cgroup_room(proc, v2) == 1000 - 950 + 230
+    _cgroup_files(v2 / "pods" / "me", memory_max="800")  # the group's own, tighter
+    assert _cgroup_room(proc, v2) == 800 - 900 + 200
+    _cgroup_files(v2 / "pods" / "me", memory_max="100")  # over its limit already: no room, not a negative one
+    assert _cgroup_room(proc, v2) == 0
+    proc.write_text("12:cpu,cpuacct:/x\n4:memory:/docker/abc\n")
+    v1 = tmp_path / "v1"
+    _cgroup_files(v1 / "memory" / "docker" / "abc", memory_limit_in_bytes="2000", memory_usage_in_bytes="1500",
+                  memory_stat="cache 10\ntotal_cache 300\n")
+    _cgroup_files(v1 / "memory", memory_limit_in_bytes=str(9223372036854771712), memory_usage_in_bytes="9",
+                  memory_stat="total_cache 0\n")
+    assert _cgroup_room(proc, v1) == 2000 - 1500 + 300
+    _cgroup_files(v1 / "memory" / "docker" / "abc", memory_limit_in_bytes=str(9223372036854771712))
+    assert _cgroup_room(proc, v1) is None  # no limit anywhere
+    assert _cgroup_room(tmp_path / "absent", v1) is None
+
+
+def test_the_memory_check_sees_an_address_space_limit(monkeypatch):
+    """Under `ulimit -v` a model past the limit passed the check and torch's allocator failed with its own error
+    ("DefaultCPUAllocator: can't allocate memory"); it is refused with the figures first."""
+    import resource
+
+    import blockpress
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    limit = status("VmSize") + (64 << 20)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, resource.RLIM_INFINITY)
+                        if which == resource.RLIMIT_AS else (resource.RLIM_INFINITY,) * 2)
+    cfg = blockpress.ModelConfig.tiny(vocab_size=32768, hidden_size=1024)  # ~150 MB in float32
+    with pytest.raises(ValueError, match=r"^random_model: .* needs 0\.1 GB on cpu but 0\.\d GB are available"):
+        blockpress.random_model(cfg)
