@@ -1000,3 +1000,45 @@ def test_the_replies_trained_on_are_transformers_assistant_tokens(gemma4_tok, tm
                                                                     key=lambda pair: pair[1]) if on]
     assert marked == [e.response for e in parse_examples({"messages": chat}, ours, "d.jsonl:1")]
     assert len(marked) == 2 and "<|tool_call>call:weather" in ours.decode(marked[0], skip_special_tokens=False)
+
+
+# From a mutation hunt over data.py: AR targets end at the first EOS, max_canvases cuts and never adds, the last
+# window of a shard is drawn, a shard's dtype and vocabulary bounds at their edges.
+def test_the_eos_fill_after_the_first_eos_has_no_ar_target():
+    batch = make_batch([Example([2, 3], [5]), Example([2], [5] * 6)], canvas_length=4, pad_id=0, eos_id=1)
+    # row 0: [2 3 | 5 1 1 1 | pad x4]: positions 0, 1 predict 3, 5; position 2 (the 5) predicts the first EOS
+    assert batch.ar_scored[0].nonzero().flatten().tolist() == [0, 1, 2]
+    # row 1: [pad 2 | 5 5 5 5 | 5 5 1 1]: the last 5 (slot 7) predicts the EOS at 8, and nothing after
+    assert batch.ar_scored[1].nonzero().flatten().tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert batch.scored[0].tolist() == [True] * 4 + [False] * 4
+
+
+def test_max_canvases_keeps_that_many_canvases_and_no_more():
+    batch = make_batch([Example([2], [5] * 9), Example([2], [6])], canvas_length=4, pad_id=0, eos_id=1,
+                       max_canvases=2)
+    assert batch.ids.shape == (2, 1 + 2 * 4)
+    assert batch.ids[0, 1:].tolist() == [5] * 8  # the first 2 canvases, no EOS (the response goes on)
+    assert batch.scored[1].tolist() == [True] * 4 + [False] * 4  # the short row keeps its one canvas
+    batch = make_batch([Example([2], [6])], canvas_length=4, pad_id=0, eos_id=1, max_canvases=3)
+    assert batch.ids.shape == (1, 1 + 4)  # a cap above a row's canvases adds none
+
+
+def test_the_last_window_of_a_shard_is_drawn_too():
+    shards = TokenShards.of_tokens(np.arange(10))
+    g = torch.Generator().manual_seed(0)
+    starts = {shards.sample(g, (2, 2), 6).prompt[0] for _ in range(200)}  # need 8 of 10 tokens: starts 0, 1, 2
+    assert starts == {0, 1, 2}
+
+
+def test_a_vocabulary_past_uint16_is_written_wide_enough_for_its_last_id(tmp_path):
+    assert write_shard(tmp_path / "a.bin", [[65_536, 3]], vocab_size=65_537) == 2
+    assert TokenShards([tmp_path / "a.bin"], vocab_size=65_537).arrays[0].tolist() == [65_536, 3]
+    write_shard(tmp_path / "b.bin", [[65_535]], vocab_size=65_536)  # the largest vocabulary uint16 holds
+    assert TokenShards([tmp_path / "b.bin"]).arrays[0].dtype.name == "uint16"
+
+
+def test_an_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    write_shard(tmp_path / "a.bin", [[1, 2, 300]], vocab_size=1000)
+    TokenShards([tmp_path / "a.bin"], vocab_size=301)  # 300 is the last id of 301
+    with pytest.raises(ValueError, match="holds token id 300, outside the model's vocabulary of 300"):
+        TokenShards([tmp_path / "a.bin"], vocab_size=300)

@@ -1585,3 +1585,55 @@ def test_a_metrics_row_that_cannot_be_written_names_the_file_and_what_out_keeps(
     kept = f"{out} holds no model, only the metrics.jsonl of the steps logged; a new run with this --out replaces it"
     assert str(caught.value) == f"{out / 'metrics.jsonl'}: No space left on device; the run stops at step 2 ({kept})"
     assert caught.value.errno == errno.ENOSPC
+
+
+# From a mutation hunt over train.py: settings at values the defaults never exercise, the optimizer stepping at the
+# scheduled rate (not only logging it), running-text windows over prompt_min..prompt_max.
+def test_noise_levels_self_conditioning_and_absorbing_token_follow_their_settings():
+    batch = make_batch(EXAMPLES * 64, 8, 0, 1)
+    g = torch.Generator().manual_seed(0)
+    noise = draw_noise(batch, 32, TrainConfig(t_eps=0.4), g)
+    assert noise.t.min() >= 0.4 and noise.t.max() <= 0.6  # U(eps, 1 - eps)
+    assert not draw_noise(batch, 32, TrainConfig(self_conditioning_prob=0.0), g).self_condition.any()
+    assert draw_noise(batch, 32, TrainConfig(self_conditioning_prob=1.0), g).self_condition.all()
+    sc = draw_noise(batch, 32, TrainConfig(self_conditioning_prob=0.2), g).self_condition.float().mean()
+    assert 0.1 < sc < 0.3
+    assert (draw_noise(batch, 32, TrainConfig(noise_token_id=0), g).tokens == 0).all()  # token 0 is a token too
+
+
+def test_the_logged_loss_weighs_the_ar_loss_by_its_weight(tmp_path):
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), seed=0)
+    cfg = TrainConfig(steps=1, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1, aux_ar_weight=0.25,
+                      diffusion_weight=2.0)
+    row = Trainer(lm, ExampleSource(EXAMPLES, 0), cfg, tmp_path / "out", progress=False).train_step()
+    assert math.isclose(row["loss"], 2.0 * row["diffusion_loss"] + 0.25 * row["ar_loss"], rel_tol=1e-6)
+
+
+def test_each_step_updates_at_the_learning_rate_of_the_schedule(tmp_path):
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), seed=0)
+    cfg = TrainConfig(steps=20, batch_size=4, lr=1e-2, warmup_steps=10, log_every=1)
+    trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), cfg, tmp_path / "out", progress=False)
+    for step in range(3):
+        row = trainer.train_step()
+        assert row["lr"] == lr_at(cfg, step)
+        assert all(group["lr"] == row["lr"] for group in trainer.optimizer.param_groups)
+    # AdamW's first update is lr * sign-like (m / sqrt(v) = +-1 per element): its size shows the rate used
+    lm2 = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8), seed=0)
+    trainer2 = Trainer(lm2, ExampleSource(EXAMPLES, 0), cfg, tmp_path / "out2", progress=False)
+    before = {n: p.detach().clone() for n, p in lm2.model.named_parameters()}
+    trainer2.train_step()
+    moved = max(float((p.detach() - before[n]).abs().max()) for n, p in lm2.model.named_parameters())
+    assert moved < 1.5 * lr_at(cfg, 0)  # 1e-3 (+ weight decay), not --lr's 1e-2
+
+
+def test_window_prompts_span_prompt_min_to_prompt_max_and_an_exact_fit_is_taken():
+    import numpy as np
+
+    from blockpress.data import TokenShards
+    from blockpress.train import ShardSource
+
+    cfg = TrainConfig(prompt_min=2, prompt_max=5, response_canvases=1, seed=0)
+    source = ShardSource(TokenShards.of_tokens(np.arange(3, 200)), cfg, 4)
+    lengths = {len(e.prompt) for step in range(20) for e in source.batch(step, 8)}
+    assert lengths == {2, 3, 4, 5}
+    ShardSource(TokenShards.of_tokens(np.arange(3, 3 + 5 + 4)), cfg, 4).check_length("it")  # 9 tokens: 5 + 4
