@@ -5,6 +5,9 @@ Figures (JSON):
   source up to its `def` line, without the newline that ends it (BPE merges a newline with the indentation
   after it, so the model writes both; see `blockpress.tasks.code`). The completion is cut where the body ends (the first non-blank line indented
   no deeper than the `def`) or at the last complete line, and must hold at least one statement.
+- parseable_ceiling: the same judge over the functions' own bodies cut at --max-new-tokens tokens, as a model
+  writing the original code returns them: the most the budget allows (a body it cuts inside a statement or an open
+  bracket does not parse; at 64 tokens about one in seven). The engines' figures sit under it.
 - parseable_without_loops: the same, less bodies that repeat a line (8+ characters) three times or more: a
   loop that ends on a complete line parses, but it is the model's commonest failure.
 - infill_exact: exact-match rate of single-line infills (null with `--infills 0`). One body line becomes a hole
@@ -39,6 +42,7 @@ from blockpress.generate import canvas_positions, escape_template
 from blockpress.sampling import SamplerConfig
 from blockpress.tasks.code import (
     Function,
+    budget_ceiling,
     completion_parses,
     completion_parses_without_loops,
     infill_cases,
@@ -160,6 +164,7 @@ def main() -> None:
                     "params": lm.num_parameters(active=False), "active_params": lm.num_parameters(active=True),
                     "sampler_options": options or "generation_config"}
 
+    result["parseable_ceiling"] = budget_ceiling(tok, funcs, args.max_new_tokens)
     for engine in ("diffusion", "ar"):
         result[engine] = completion_figures(lm, funcs, engine, args.max_new_tokens, args.seed,
                                             options if engine == "diffusion" else ar_options)[0]

@@ -105,8 +105,12 @@ def parses(header: str, body: str) -> bool:
     """Does `header + body` parse as Python, with at least one statement in the body?"""
     if not any(line.strip() and not line.strip().startswith("#") for line in body.splitlines()):
         return False
+    # Comment lines go first: one at column 0 between the def line and the body (the header keeps it) would stop
+    # dedent, and then no body could parse. (Dropping a comment line changes no parse, inside a string neither.)
+    code = "".join(line for line in (header + body + "\n").splitlines(keepends=True)
+                   if not line.lstrip().startswith("#"))
     try:
-        ast.parse(textwrap.dedent(header + body + "\n"))
+        ast.parse(textwrap.dedent(code))
         return True
     except SyntaxError:
         return False
@@ -114,6 +118,15 @@ def parses(header: str, body: str) -> bool:
 
 def completion_parses(function: Function, completion: str) -> bool:
     return parses(function.header, cut_body(completion, function.indent))
+
+
+def budget_ceiling(tokenizer: Tokenizer, functions: list[Function], max_new_tokens: int) -> float:
+    """The fraction of `functions` whose own body, as a completion cut at `max_new_tokens` tokens (what a model
+    writing the original code returns), `completion_parses` accepts: the most a model can score with that budget,
+    as a body the budget cuts inside a statement or an open bracket does not parse."""
+    fits = sum(completion_parses(f, tokenizer.decode(tokenizer.encode("\n" + f.body)[:max_new_tokens]))
+               for f in functions)
+    return fits / max(1, len(functions))
 
 
 def repeats_a_line(body: str, times: int = 3, shortest: int = 8) -> bool:
