@@ -557,11 +557,12 @@ def test_infill_ctrl_c_says_it_was_interrupted(monkeypatch, capsys, as_json):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(blockpress.lm.LM, "infill", interrupted)
-    assert main(["infill", "x = <|hole:2|>", "--model", MODEL, *(["--json"] if as_json else [])]) == 130
+    assert main(["infill", "x = <|hole:2|>", "--model", MODEL, "--seed", "3",
+                 *(["--json"] if as_json else [])]) == 130
     captured = capsys.readouterr()
     assert "interrupted (an infill is printed once every hole is filled)" in captured.err
-    if as_json:
-        assert json.loads(captured.out) == {"text": None, "fills": None, "template": "x = <|hole:2|>",
+    if as_json:  # the seed asked for, as generate's object gives it (docs/cli.md, "Seeds in --json")
+        assert json.loads(captured.out) == {"text": None, "fills": None, "template": "x = <|hole:2|>", "seed": 3,
                                             "interrupted": True}
     else:
         assert captured.out == ""
@@ -5227,3 +5228,52 @@ def test_a_model_already_on_the_gpu_that_cuda_names_is_not_moved(monkeypatch):
     monkeypatch.setattr(lm_module, "check_fits", lambda *a: pytest.fail(f"checked room for a move: {a}"))
     monkeypatch.setattr(lm.model, "to", lambda *a, **k: pytest.fail(f"moved: {a}"))
     assert lm.to("cuda") is lm and lm.to(torch.device("cuda")) is lm
+
+
+# From a mutation hunt over the CLI: the --input run's closing stats line, how batches are formed, --batch-size 0.
+def test_input_stats_line_counts_rows_tokens_seconds_and_tok_s(monkeypatch, capsys):
+    from blockpress.batchfile import InOrderWriter, Row
+    from blockpress.cli import generate as gen
+
+    clock = iter([100.0, 100.0, 103.0, 103.0])  # t0, the bar's postfix, the end (3 s)
+    monkeypatch.setattr(gen.time, "perf_counter", lambda: next(clock))
+    rows = [Row(1, prompt="a"), Row(2, prompt="b")]
+    out = io.StringIO()
+    code = gen.run_file_rows(rows, InOrderWriter(out, [1, 2]), [rows],
+                             lambda batch: [{"line": r.line, "new_tokens": 5} for r in batch], "generate", None,
+                             bar=False)
+    assert code == 0 and out.getvalue().count("\n") == 2
+    assert capsys.readouterr().err.strip() == "[2 rows · 10 new tokens · 3.0 s · 3.33 tok/s]"
+
+
+def test_batches_sort_a_window_by_length_and_never_mix_kinds():
+    """A batch that mixed chat and plain rows (healing is a call's) or seeded and unseeded rows (run_batch reads the
+    first row's) would come out wrong; sorting within one batch rather than a window of them saves no padding."""
+    from blockpress.batchfile import WINDOW_BATCHES, Row, batches
+
+    def lines(groups):
+        return [[r.line for r in g] for g in groups]
+
+    rows = [Row(n) for n in range(1, 7)]
+    length = {1: 9, 2: 1, 3: 9, 4: 1, 5: 5, 6: 5}
+    same = {n: (False,) for n in length}
+    # a window of 8 batches of 2 holds all six rows: the short ones go together
+    assert lines(batches(rows, 2, length, same)) == [[2, 4], [5, 6], [1, 3]]
+    # chat rows (or rows with seeds of their own) never share a call with the others, even if a batch is left short
+    kind = {1: (True,), 2: (False,), 3: (True,), 4: (False,), 5: (False,), 6: (True,)}
+    got = lines(batches(rows, 4, length, kind))
+    assert got == [[2, 4, 5], [6, 1, 3]]
+    assert all(len({kind[n] for n in g}) == 1 for g in got)
+    # past a window, rows are not moved across it (a line is written once those before it are)
+    many = [Row(n) for n in range(1, 2 * WINDOW_BATCHES + 2)]
+    lengths = {r.line: -r.line for r in many}
+    got = lines(batches(many, 1, lengths, {r.line: () for r in many}))
+    assert [g[0] for g in got[:WINDOW_BATCHES]] == list(range(WINDOW_BATCHES, 0, -1))
+
+
+def test_an_input_run_refuses_a_batch_size_of_0(tmp_path, capsys):
+    rows = tmp_path / "in.jsonl"
+    rows.write_text('{"prompt": "a"}\n')
+    assert main(["generate", "--input", str(rows), "--model", MODEL, "--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
+

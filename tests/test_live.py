@@ -310,3 +310,28 @@ def test_the_view_sizes_itself_by_its_terminal_not_columns(monkeypatch):
     finally:
         os.close(main_fd)
         os.close(terminal_fd)
+
+
+# From a mutation hunt over live.py: a lone CR from the model, and which draft tokens are drawn as settled.
+def test_a_lone_carriage_return_is_drawn_harmlessly_and_crlf_as_a_newline():
+    from blockpress.live import terminal_text
+
+    assert terminal_text("a\rb\r\nc") == "a\ufffdb\nc"
+
+
+def test_a_token_is_settled_only_where_it_is_the_previous_drafts_token():
+    from blockpress.live import CHANGING, SETTLED, LiveView
+
+    class Chars:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    out = io.StringIO()
+    view = LiveView(Chars(), "p", out=out, size=lambda: (80, 24))
+    view.draft([ord("a"), ord("b")])
+    out.truncate(0)
+    out.seek(0)
+    view.draft([ord("a"), ord("c")])
+    drawn = out.getvalue()
+    assert SETTLED + "a" in drawn and CHANGING + "c" in drawn
+

@@ -101,7 +101,7 @@ def cmd_infill(args: argparse.Namespace) -> int:
         # object as generate's says it was cut short, so a script reading it is not left with nothing)
         print(fresh_line(exc), end="", file=sys.stderr, flush=True)  # off the terminal's "^C"
         if args.json:
-            print(json.dumps(dict(text=None, fills=None, template=text, interrupted=True)))
+            print(json.dumps(dict(text=None, fills=None, template=text, seed=args.seed, interrupted=True)))
         print(f"{stop_word(exc)} (an infill is printed once every hole is filled)", file=sys.stderr)
         return stop_status(exc)
     filled = out.texts[0]  # the fixed text as written (special tokens too), the holes filled
