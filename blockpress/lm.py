@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import gc
 import inspect
 import json
 import os
@@ -2058,6 +2059,25 @@ class LM:
             return run_ar(self.model, req, cache=cache, keep_cache=bool(return_cache) or cache is not None,
                           tokenizer=self.tokenizer, fns=self.step_functions)
 
+    def _own_mapped_tensors(self) -> None:
+        """The weights (and kept vision tensors) that are views of the loaded files' mappings, copied into memory
+        of their own, so that the mappings close: Windows refuses to replace a file a process maps, so a save over
+        the folder the model was loaded from would fail as it moves its files into place. (A mapping is the one
+        storage here that cannot be resized.)"""
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t if t.untyped_storage().resizable() else t.clone()
+
+        with torch.no_grad():
+            for module in self.model.modules():
+                for param in module._parameters.values():
+                    if param is not None:
+                        param.data = own(param.data)  # (the Parameter kept: tied weights and optimizers hold it)
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = own(buffer)
+        self.passthrough.tensors = {name: own(t) for name, t in self.passthrough.tensors.items()}
+        gc.collect()  # a mapping closes once nothing views it
+
     def save(self, path: str | Path, metadata: dict[str, str] | None = None, *,
              dtype: torch.dtype | str | None = None, files: StagedFiles | None = None) -> None:
         """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read. The files are
@@ -2102,6 +2122,8 @@ class LM:
         # as a load reads them back: a value generate refuses (entropy_bound 0), saved, makes a folder that loads
         # neither here nor in transformers
         check_generation_settings(gen, "save: generation_config")
+        if MAPPED_FILES_LOCKED and self.path is not None and path.resolve() == self.path.resolve():
+            self._own_mapped_tensors()
         with staging(files) as staged:
             save_model(self.model, path, self.passthrough, metadata=metadata, files=staged, dtype=dtype,
                        quantized_from=self._quantized_from())
@@ -2151,6 +2173,9 @@ class LM:
 STREAM_OPTIONS = _parameters(LM.stream)
 GENERATE_AR_OPTIONS = _parameters(LM.generate_ar)
 
+# Windows refuses to replace or delete a file that a process maps (Linux replaces the name; the mapping keeps the
+# old file): LM.save over the folder the model was loaded from copies what it maps first
+MAPPED_FILES_LOCKED = os.name == "nt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 # The keys the reference's generation config takes; it refuses any other ("Unexpected kwargs"), so blockpress's

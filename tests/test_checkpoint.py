@@ -2438,3 +2438,36 @@ def test_the_memory_check_sees_an_address_space_limit(monkeypatch):
     cfg = blockpress.ModelConfig.tiny(vocab_size=32768, hidden_size=1024)  # ~150 MB in float32
     with pytest.raises(ValueError, match=r"^random_model: .* needs 0\.1 GB on cpu but 0\.\d GB are available"):
         blockpress.random_model(cfg)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads which files the process maps")
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_save_over_the_folder_loaded_from_where_mapped_files_are_locked(tmp_path, monkeypatch, quantize):
+    """Windows refuses to replace a file a process maps, and a CPU load keeps the weights as views of the mapped
+    model.safetensors: lm.save into the folder it was loaded from failed as it moved its files into place
+    (PermissionError, WinError 1224). Simulated: os.replace refuses a mapped destination, as Windows does."""
+    import blockpress
+    import blockpress.lm
+
+    def mapped_inodes():
+        with open("/proc/self/maps") as f:
+            return {int(parts[4]) for parts in map(str.split, f) if len(parts) >= 6 and parts[4] != "0"}
+
+    real_replace = os.replace
+
+    def replace(src, dst, **kw):
+        if os.path.exists(dst) and os.stat(dst).st_ino in mapped_inodes():
+            raise PermissionError(13, "[WinError 1224] a user-mapped section is open (simulated)", str(dst))
+        return real_replace(src, dst, **kw)
+
+    blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).save(tmp_path)
+    lm = blockpress.load(tmp_path, quantize=quantize)
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    monkeypatch.setattr(blockpress.lm, "MAPPED_FILES_LOCKED", True)
+    monkeypatch.setattr(os, "replace", replace)
+    lm.save(tmp_path)
+    monkeypatch.undo()
+    assert all(torch.equal(v, before[k]) for k, v in lm.model.state_dict().items())  # the model kept its values
+    again = blockpress.load(tmp_path)
+    assert again.quantization == quantize
+    assert all(torch.equal(v, before[k]) for k, v in again.model.state_dict().items())
