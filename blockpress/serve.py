@@ -1544,7 +1544,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
         raise unknown_model(body.model, model_name)
     field_name = body.unsupported()
     if field_name:
-        noop = [repr(v) for v in body.noop_values[field_name]]
+        noop = [json.dumps(v) for v in body.noop_values[field_name]]  # as a client writes them
         accepted = f"{', '.join(noop)} or " if noop else ""
         raise APIError(400, f"{field_name}: not supported by this server ({NOOP_WHY.get(field_name, 'block diffusion')}"
                             f"; only {accepted}null is accepted)", field_name)

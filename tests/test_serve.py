@@ -545,11 +545,18 @@ def test_openais_chat_fields_for_its_own_models_take_null_and_refuse_a_value_by_
         r = httpx.post(server[0] + "/v1/chat/completions", json={**body, field: value}, timeout=60)
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == field, r.text
-        accepted = "'medium' or null" if field == "verbosity" else "null"
+        accepted = '"medium" or null' if field == "verbosity" else "null"
         assert err["message"].startswith(f"{field}: not supported by this server (") and \
             err["message"].endswith(f"; only {accepted} is accepted)"), err["message"]
     r = httpx.post(server[0] + "/v1/chat/completions", json={**body, "service_tier": "flex"}, timeout=60)
-    assert r.json()["error"]["message"].endswith("; only 'auto', 'default' or null is accepted)"), r.text
+    assert r.json()["error"]["message"].endswith('; only "auto", "default" or null is accepted)'), r.text
+    for field, value, accepted in (("echo", True, "false or null"), ("response_format", {"type": "json_object"},
+                                                                      '{"type": "text"} or null')):
+        r = httpx.post(server[0] + "/v1/completions" if field == "echo" else server[0] + "/v1/chat/completions",
+                       json={**body, field: value} if field != "echo" else
+                       {"model": MODEL, "prompt": "x", "max_tokens": 2, "echo": value}, timeout=60)
+        # JSON, as the client sends it (Python's False and {'type': 'text'} would not parse if copied)
+        assert r.json()["error"]["message"].endswith(f"; only {accepted} is accepted)"), r.text
     r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "reasoning_effort": None})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text  # a chat field only
 
