@@ -196,3 +196,118 @@ def test_the_budget_ceiling_is_the_share_of_own_bodies_that_fit():
     assert budget_ceiling(tok, functions, full) == 1.0
     assert budget_ceiling(tok, functions, full - 4) == 0.5  # the open bracket's line is cut
     assert budget_ceiling(tok, [], 8) == 0.0
+
+
+# From a mutation hunt over tasks/code.py: rules no test pinned.
+
+def test_a_body_of_comments_alone_is_not_a_statement():
+    """The module docstring: the body "must hold at least one statement that is not a comment". With a header
+    that holds a statement of its own, dropping the comments leaves a program that parses, so only the rule
+    itself can refuse it."""
+    from blockpress.tasks.code import parses
+
+    assert not parses("def f(): pass\n", "    # only a comment\n")
+    assert not parses("def f(): pass\n", "    # one\n\n        # two\n")
+    assert parses("def f():\n", "    # a comment\n    x = 1\n")  # beside a statement it is fine
+    assert parses("def f():\n", '    """A docstring is a statement."""\n')
+
+
+def test_functions_in_leaves_out_a_body_that_starts_on_the_def_line():
+    """"Functions whose body starts on its own line": a body on the def line, even one spanning 2-15 lines,
+    cannot be cut after a prompt that ends with the def line."""
+    from blockpress.tasks.code import functions_in
+
+    assert functions_in("def f(): return (1,\n    2)\n", "m.py") == []
+    assert functions_in("def f(x): y = x; return (y,\n    2,\n    3)\n", "m.py") == []
+    (kept,) = functions_in("def f():\n    return (1,\n    2)\n", "m.py")
+    assert kept.header == "def f():\n" and kept.body == "    return (1,\n    2)\n"
+
+
+def test_functions_in_keeps_bodies_of_2_to_15_lines():
+    """The bounds are the body's line count, blank lines inside it included: 2 and 15 are in, 1 and 16 out."""
+    from blockpress.tasks.code import functions_in
+
+    for length in range(1, 21):
+        for blanks in range(4):
+            statements = [f"    x{k} = {k}\n" for k in range(length)]
+            for k in range(min(blanks, length - 1)):  # a blank line inside the body counts as a line
+                statements[k + 1] = "\n" + statements[k + 1]
+            body = "".join(statements)
+            lines = body.count("\n")
+            found = functions_in("def f():\n" + body + "\n\ndef g():\n    pass\n", "m.py")
+            assert [f.body for f in found] == ([body] if 2 <= lines <= 15 else []), (length, blanks)
+
+
+def test_the_prompt_keeps_exactly_20_lines_of_context():
+    from blockpress.tasks.code import CONTEXT_LINES, functions_in
+
+    assert CONTEXT_LINES == 20
+    for before in (0, 1, 19, 20, 21, 35):
+        context = "".join(f"x{k} = {k}\n" for k in range(before))
+        (f,) = functions_in(context + "def f():\n    a = 1\n    return a\n", "m.py")
+        kept = f.prefix.splitlines(keepends=True)
+        assert kept[-1] == "def f():\n" and len(kept) == min(before, 20) + 1, (before, len(kept))
+        assert context.endswith("".join(kept[:-1]))  # the lines just before the def, none skipped
+
+
+def test_repeats_a_line_counts_lines_of_exactly_the_shortest_length():
+    from blockpress.tasks.code import repeats_a_line
+
+    eight, seven = "x = f(1)", "x = f()"
+    assert len(eight) == 8 and len(seven) == 7
+    assert repeats_a_line(f"    {eight}\n" * 3)  # the default `shortest` is 8: a line of 8 counts
+    assert not repeats_a_line(f"    {seven}\n" * 3)
+    assert repeats_a_line(f"{seven}\n" * 3, shortest=7) and not repeats_a_line(f"{eight}\n" * 3, shortest=9)
+    assert not repeats_a_line(f"{eight}\n" * 2) and repeats_a_line(f"{eight}\n" * 2, times=2)
+
+
+def test_infill_cases_need_room_for_4_suffix_tokens():
+    """A case is made only if the canvas holds the hole and at least 4 more tokens: room 4 is in, 3 is out."""
+    from blockpress.tasks.code import functions_in, infill_cases, space_infill_cases
+
+    funcs = functions_in("def f(x):\n    y = 1\n    z = 2\n", "m.py")  # both candidate lines: holes of 10 chars
+    for seed in range(4):
+        assert [len(c.hole) for c in infill_cases(funcs, CharTokenizer(), canvas=14, limit=1, seed=seed)] == [10]
+        assert infill_cases(funcs, CharTokenizer(), canvas=13, limit=1, seed=seed) == []
+    # the space infill likewise: "y =1" and "z =2" have one cut each, whose hole " =1" / " =2" is 3 characters
+    funcs = functions_in("def f(x):\n    y =1\n    z =2\n", "m.py")
+    for seed in range(4):
+        assert [c.length for c in space_infill_cases(funcs, CharTokenizer(), canvas=7, limit=1, seed=seed)] == [3]
+        assert space_infill_cases(funcs, CharTokenizer(), canvas=6, limit=1, seed=seed) == []
+
+
+def test_a_comment_line_is_never_an_infill_target():
+    """Only code lines become holes: a comment (at any indentation) is left in the context or the suffix."""
+    from blockpress.tasks.code import functions_in, infill_cases, space_infill_cases
+
+    source = "def f(x):\n    y = x + 1\n    # add one more\n    if y:\n        # note this\n        y = 2\n    return y\n"
+    funcs = functions_in(source, "m.py")
+    targets = {c.target for seed in range(40) for c in infill_cases(funcs, CharTokenizer(), 64, 1, seed)}
+    assert targets == {"    y = x + 1", "    if y:", "        y = 2", "    return y"}  # each code line is drawn
+    starts = {c.start for seed in range(40) for c in space_infill_cases(funcs, CharTokenizer(), 64, 1, seed)}
+    assert starts and not any(s.lstrip().startswith("#") for s in starts)
+
+
+def test_space_infill_cuts_only_at_a_single_space_between_words():
+    """"A space following a word, followed by a word": a run of spaces (alignment) is never a cut, since the
+    fixed text would end in a space after a space."""
+    from blockpress.tasks.code import functions_in, space_infill_cases
+
+    funcs = functions_in("def f(x):\n    y  =  x\n    return  y\n", "m.py")  # only double spaces: no cut
+    assert all(space_infill_cases(funcs, CharTokenizer(), 64, 1, seed) == [] for seed in range(10))
+    funcs = functions_in("def f(x):\n    y  = x\n    return  y\n", "m.py")  # one single space: "=" " " "x"
+    cases = {c.start for seed in range(10) for c in space_infill_cases(funcs, CharTokenizer(), 64, 1, seed)}
+    assert cases == {"    y  = "}
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "bc", "=", "(x)", "1"]), st.integers(1, 3)), min_size=1, max_size=6))
+def test_space_infill_start_ends_in_one_space_after_a_word(words):
+    from blockpress.tasks.code import functions_in, space_infill_cases
+
+    line = '    s = "' + "".join(w + " " * gap for w, gap in words).rstrip() + '"'  # spaces inside a string count
+    funcs = functions_in(f"def f(x):\n{line}\n    return x\n", "m.py")
+    assert funcs
+    for seed in range(5):
+        for c in space_infill_cases(funcs, CharTokenizer(), 64, 1, seed):
+            assert c.start.endswith(" ") and not c.start[-2].isspace() and c.target[:1].strip()
+            assert c.start + c.target in (line, "    return x")

@@ -771,3 +771,65 @@ def test_a_malformed_csv_row_is_named_by_its_line(row, message):
         read_puzzle_csv(text, "f")
     with pytest.raises(ValueError, match=message):
         split_puzzle_file(text, "f")
+
+
+# From a mutation hunt over tasks/: random_symmetry draws every part of the group, evenly.
+
+def _decompose(sym):
+    """(rows, cols, transpose) of a Symmetry: row/column source orders and whether it transposes.
+
+    Without a transpose cells[9r + c] == 9 * rows[r] + cols[c]; with one, cells[9r + c] == 9 * cols[c] + rows[r].
+    """
+    cells = sym.cells
+    transpose = cells[0] // 9 != cells[1] // 9  # output row 0's first two cells come from one source column
+    if transpose:
+        rows = [cells[9 * r] % 9 for r in range(9)]
+        cols = [cells[c] // 9 for c in range(9)]
+    else:
+        rows = [cells[9 * r] // 9 for r in range(9)]
+        cols = [cells[c] % 9 for c in range(9)]
+    return rows, cols, transpose
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_a_symmetry_is_a_line_order_a_transpose_and_a_relabelling(seed):
+    """Every draw is exactly a group element: band-then-row orders for rows and columns, maybe a transpose."""
+    import random
+
+    from blockpress.tasks.sudoku import random_symmetry
+
+    sym = random_symmetry(random.Random(seed))
+    rows, cols, transpose = _decompose(sym)
+    for order in (rows, cols):
+        assert sorted(order) == list(range(9))
+        assert all(len({order[3 * b + k] // 3 for k in range(3)}) == 1 for b in range(3))  # bands move whole
+    expected = [9 * cols[c] + rows[r] if transpose else 9 * rows[r] + cols[c] for r in range(9) for c in range(9)]
+    assert list(sym.cells) == expected
+    assert sym.digits[0] == "0" and sorted(sym.digits[1:]) == list("123456789")
+
+
+def test_random_symmetry_reaches_every_part_of_the_group_evenly():
+    """The docstring promises a uniform draw over the group, and training augmentation relies on it: half the
+    draws transpose, any source row or column lands in any slot (bands shuffled and rows shuffled inside their
+    band), rows and columns are drawn apart, and any digit becomes any other. A draw that never transposes or
+    keeps the rows of a band in order is still a valid symmetry, so validity tests cannot see it."""
+    import random
+    from collections import Counter
+
+    from blockpress.tasks.sudoku import random_symmetry
+
+    n = 1800
+    draws = [_decompose(random_symmetry(random.Random(seed))) for seed in range(n)]
+    syms = [random_symmetry(random.Random(seed)) for seed in range(n)]
+    transposed = sum(t for _, _, t in draws)
+    assert 0.4 * n < transposed < 0.6 * n, transposed
+    for slot in (0, 4, 8):  # the first, middle and last slot of different bands
+        for which in (0, 1):  # rows, then columns
+            seen = Counter(d[which][slot] for d in draws)
+            assert set(seen) == set(range(9)), (slot, which, seen)
+            assert min(seen.values()) > n / 9 * 0.6, (slot, which, seen)
+    assert len({(rows[0], cols[0]) for rows, cols, _ in draws}) == 81  # rows and columns drawn independently
+    assert sum(rows == cols for rows, cols, _ in draws) < n / 100
+    relabelled = Counter(s.digits[1] for s in syms)
+    assert set(relabelled) == set("123456789") and min(relabelled.values()) > n / 9 * 0.6
