@@ -396,7 +396,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """A torch device that exists here, or a clear error (before any weights are read). "auto": the CUDA GPU where
     torch sees one, else the CPU (MPS and other backends only when named: blockpress is not tested on them)."""
     if isinstance(device, str) and device.strip().lower() == "auto":
-        return resolve_device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):  # ValueError: an index past int64 ('Overflow when unpacking long long')
@@ -413,13 +413,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
             backend, "is_available", lambda: False)()):
         raise ValueError(f"device: {device!r} asked for, but this torch ({torch.__version__}) has no {dev.type} "
                          "device available")
-    # Tensors report their device with its index (cuda:0, mps:0): "cuda" resolved to the one torch would use, so
-    # that a model already there compares equal (lm.to("cuda") on cuda:0 is then a no-op, not a second copy)
-    if dev.index is None and dev.type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if dev.index is None and dev.type == "mps":
-        return torch.device("mps", 0)
     return dev
+
+
+def indexed_device(device: torch.device) -> torch.device:
+    """`device` with the index its tensors report (cuda: the current GPU; mps: 0), for comparing a device asked
+    for with where a model's weights are: torch.device("cuda") != torch.device("cuda:0")."""
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index is None and device.type == "mps":
+        return torch.device("mps", 0)
+    return device
 
 
 def _cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -445,6 +449,8 @@ def _cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = Pa
         group = base / where.lstrip("/")
         # the group and each parent up to the mount (inside a container the mount's root is the container's group)
         for folder in [group, *group.parents][: len(group.relative_to(base).parts) + 1]:
+            if folder != group and _reads(folder / "memory.use_hierarchy") == "0":
+                break  # (v1) this parent's limit counts its own tasks alone, not its children's, nor do those above
             try:
                 limit_text, usage_text = ((folder / name).read_text(encoding="ascii").strip() for name in files)
                 if limit_text == "max" or int(limit_text) >= 1 << 60:  # v1 writes "no limit" as ~2**63
@@ -454,6 +460,13 @@ def _cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = Pa
             except (OSError, ValueError):
                 continue
     return max(0, min(rooms)) if rooms else None
+
+
+def _reads(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
 
 
 def _address_space_room() -> int | None:

@@ -33,6 +33,7 @@ from .checkpoint import (
     folder_quantization,
     hf_cached_snapshot,
     hf_hub_cache,
+    indexed_device,
     load_plan,
     plan_model,
     resolve_device,
@@ -971,7 +972,8 @@ class LM:
         if target_dtype != self.dtype:  # a quantized model refuses, before anything else is checked
             check_cast(self.model, lambda t: t.to(target_dtype) if t.is_floating_point() else t)  # as model.to casts
         scheme = self.quantization
-        if target_device == self.device and target_dtype == self.dtype:
+        # (lm.to("cuda") on a model on cuda:0 is a no-op, as lm.to("cpu") on the CPU: not a second copy)
+        if indexed_device(target_device) == self.device and target_dtype == self.dtype:
             if chosen is not None:  # named now: the dtype saved too
                 self.widened_from = None
             return self
@@ -1005,8 +1007,8 @@ class LM:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty KVCache for this model: `batch_size` rows of `capacity` token slots each (positive ints), on
-        its device in its dtype. One that would not fit in the memory the device has free now (Linux's
-        MemAvailable, CUDA's free memory) is refused with the figures, before torch tries to allocate it."""
+        its device in its dtype. One that would not fit in the memory the device has free now (checkpoint.available_bytes:
+        Linux's MemAvailable and the process' cgroup and address-space limits, CUDA's free memory) is refused with the figures, before torch tries to allocate it."""
         if is_int(batch_size) and is_int(capacity) and batch_size > 0 and capacity > 0:
             nbytes = KVCache.allocation_bytes(self.config.text, self.dtype, int(batch_size), int(capacity))
             free = available_bytes(self.device)
@@ -1403,7 +1405,10 @@ class LM:
         gen = dict(self.generation_config)
         call_settings: dict[str, Any] = {}
         if hf.get("generation_config") is not None:
-            call_settings = _generation_settings(hf["generation_config"], self.generation_config)
+            own = dict(self.generation_config)
+            if own.get("bos_token_id") is None:  # (what lm.save writes, and a GenerationConfig read back holds)
+                own["bos_token_id"] = self.config.text.bos_token_id
+            call_settings = _generation_settings(hf["generation_config"], own)
             if "sampler_config" in call_settings and "entropy_bound" not in call_settings:
                 gen.pop("entropy_bound", None)  # blockpress's spelling, which wins over sampler_config in one dict
             gen.update(call_settings)
@@ -1495,7 +1500,7 @@ class LM:
                       settings: Mapping[str, Any] | None = None, cache: Any = None) -> None:
         """num_return_sequences' batch, the prompt's rows x `n`, before the rows are repeated: at most 2**31 - 1
         rows (past that the batch is absurd on any device, and a Python or torch size past int64 overflows), and
-        where the device's free memory is known (Linux's MemAvailable, CUDA's free memory), rows whose KV cache
+        where the device's free memory is known (checkpoint.available_bytes), rows whose KV cache
         fits in it at the least a generation holds. A floor, not a forecast: the step's work comes on top (unchecked, a
         huge n builds a gigantic batch on the host, then fails in torch's allocator, or raises OverflowError).
         generate's cache grows a canvas at a time, so its floor is one canvas a row; generate_ar's (`_ar_floor`)
@@ -1766,7 +1771,7 @@ class LM:
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
         and denoise seconds, and `cache` when asked.
         """
-        if "drafts" in kwargs:  # generate returns the end result only; the drafts are stream()'s
+        if kwargs.pop("drafts", None) is not None:  # generate returns the end result only; the drafts are stream()'s
             raise ValueError("drafts: generate returns the finished output; iterate lm.stream(..., drafts=True) to see "
                              "the canvas settle")
         if prompt is None or TRANSFORMERS_KEYWORDS & kwargs.keys():

@@ -315,8 +315,10 @@ def _grouped_linear_eager(x: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
 def _grouped_mm_applies(a: torch.Tensor, b: torch.Tensor, *sizes: int) -> bool:
     """Can torch's grouped GEMM take these operands: one dtype it supports on this device (CUDA: bf16 only),
     and the given row sizes 16-byte aligned?"""
-    if a.device.type not in ("cpu", "cuda") or (a.device.type == "cpu" and not GROUPED_MM_ON_CPU):
-        return False  # (MPS and others: torch's kernel is CUDA's and, from 2.9, the CPU's; the loop runs anywhere)
+    if a.device.type not in ("cpu", "cuda", "meta") or (a.device.type == "cpu" and not GROUPED_MM_ON_CPU):
+        # (MPS and others: torch's kernel is CUDA's and, from 2.9, the CPU's; the loop runs anywhere. meta runs
+        # shapes alone, where the loop's offsets would have to be read on the host)
+        return False
     supported = (torch.bfloat16,) if a.is_cuda else (torch.float32, torch.bfloat16)
     return (GROUPED_MM is not None and a.dtype == b.dtype and a.dtype in supported
             and all((n * a.element_size()) % 16 == 0 for n in sizes))

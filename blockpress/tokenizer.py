@@ -1184,6 +1184,9 @@ def template_variables(variables: Any, field: str = "chat_template_kwargs") -> d
         if name in RESERVED_TEMPLATE_NAMES:
             raise ValueError(f"{field}: {name!r} is set by the chat rendering itself (reserved: "
                              f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))})")
+        if name in TRANSFORMERS_RENDER_OPTIONS:  # (apply_chat_template refuses it: say so naming this field)
+            raise ValueError(f"{field}: {name!r} is a transformers tokenizer option, not a template variable (the "
+                             "rendering returns the whole prompt as text)")
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError):

@@ -2416,8 +2416,13 @@ def test_the_memory_check_sees_a_containers_cgroup_limit(tmp_path):
     _cgroup_files(v1 / "memory", memory_limit_in_bytes=str(9223372036854771712), memory_usage_in_bytes="9",
                   memory_stat="total_cache 0\n")
     assert _cgroup_room(proc, v1) == 2000 - 1500 + 300
+    _cgroup_files(v1 / "memory" / "docker", memory_limit_in_bytes="1000", memory_usage_in_bytes="900",
+                  memory_stat="total_cache 0\n", memory_use_hierarchy="1")
+    assert _cgroup_room(proc, v1) == 1000 - 900  # a parent's limit bounds its children...
+    _cgroup_files(v1 / "memory" / "docker", memory_use_hierarchy="0")
+    assert _cgroup_room(proc, v1) == 2000 - 1500 + 300  # ...unless it counts its own tasks alone (v1)
     _cgroup_files(v1 / "memory" / "docker" / "abc", memory_limit_in_bytes=str(9223372036854771712))
-    assert _cgroup_room(proc, v1) is None  # no limit anywhere
+    assert _cgroup_room(proc, v1) is None  # no limit that bounds the group
     assert _cgroup_room(tmp_path / "absent", v1) is None
 
 

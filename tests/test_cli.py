@@ -3928,8 +3928,7 @@ def test_the_device_defaults_to_a_cuda_gpu_where_torch_sees_one(monkeypatch, arg
     seen = []
     args.func = lambda a: seen.append(a.device) or 0
     assert run_command(args) == 0 and seen == ["cuda" if cuda else "cpu"]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert resolve_device("auto") == resolve_device(" Auto ") == torch.device("cuda:0" if cuda else "cpu")
+    assert resolve_device("auto") == resolve_device(" Auto ") == torch.device("cuda" if cuda else "cpu")
     assert build_parser().parse_args(["bench"]).device == "cpu"
     assert "auto, a CUDA GPU where torch sees one, else the CPU" in " ".join(
         subcommands()[argv[0]].format_help().replace(" (a CUDA", ", a CUDA").split())
@@ -5211,18 +5210,21 @@ def test_bench_runs_on_the_device_auto_names(device):
 def test_a_model_already_on_the_gpu_that_cuda_names_is_not_moved(monkeypatch):
     """Tensors report cuda:0, and torch.device("cuda") != torch.device("cuda:0"): lm.to("cuda") on a model loaded
     there moved it again (a second copy's memory checked, caches dropped, graphs recaptured) where lm.to("cpu") on
-    the CPU is a no-op. resolve_device gives "cuda" with the index torch would use (and "mps" with index 0, as MPS
-    tensors report it). Simulated: torch sees one GPU and the model reports cuda:0."""
+    the CPU is a no-op. The device asked for is compared with the index torch would use (and "mps" with index 0,
+    as MPS tensors report it); resolve_device itself keeps the spelling (torchrun reads an index given as the
+    user's). Simulated: torch sees one GPU and the model reports cuda:0."""
     import blockpress.lm as lm_module
-    from blockpress.checkpoint import resolve_device
+    from blockpress.checkpoint import indexed_device, resolve_device
 
     lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert resolve_device("cuda") == resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
-    assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("mps") == torch.device("mps", 0)
+    assert resolve_device("cuda") == torch.device("cuda")
+    assert indexed_device(resolve_device("cuda")) == indexed_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert indexed_device(resolve_device("cuda:0")) == torch.device("cuda", 0)
+    assert indexed_device(resolve_device("mps")) == torch.device("mps", 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(lm_module.LM, "device", property(lambda self: torch.device("cuda", 0)))
     monkeypatch.setattr(lm_module, "check_fits", lambda *a: pytest.fail(f"checked room for a move: {a}"))

@@ -962,7 +962,7 @@ def test_argument_spellings_from_elsewhere_are_read_or_named(lm, tmp_path):
     """generate_ar took return_cache="y" silently (generate refused it); a bad `quantize` was reported as
     "scheme:"; dtype="auto" (transformers' default) was refused though None means it; integer
     self_conditioning_logits (ids, not logits) ran."""
-    with pytest.raises(ValueError, match="return_cache: expected True or False, got 'y'"):
+    with pytest.raises(ValueError, match="return_cache: expected True, False or None, got 'y'"):
         lm.generate_ar([3, 4], max_new_tokens=4, return_cache="y")
     lm.save(tmp_path)
     with pytest.raises(ValueError, match="^quantize: unknown quantization 'INT8'; expected one of int8, fp8, int4"):
@@ -2597,9 +2597,9 @@ def test_small_api_mistakes_are_clear_errors(lm, tmp_path):
     """Each of these was a TypeError, a RuntimeError, a silent wrong reading or a half-written folder."""
     with pytest.raises(ValueError, match=r"seeds\[1\]: expected an integer"):
         lm.generate([[3, 4], [5, 6]], max_new_tokens=4, seeds=[1, None])
-    with pytest.raises(ValueError, match="skip_stopped_rows: expected True or False"):
+    with pytest.raises(ValueError, match="skip_stopped_rows: expected True, False or None"):
         lm.generate([3, 4], max_new_tokens=4, skip_stopped_rows="no")
-    with pytest.raises(ValueError, match="return_cache: expected True or False"):
+    with pytest.raises(ValueError, match="return_cache: expected True, False or None"):
         lm.generate([3, 4], max_new_tokens=4, return_cache="no")
     with pytest.raises(ValueError, match="seed: expected an integer .* got None"):
         blockpress.random_model(blockpress.ModelConfig.tiny(), seed=None)
@@ -2619,8 +2619,8 @@ def test_small_api_mistakes_are_clear_errors(lm, tmp_path):
 
 
 # Every boolean flag of the public API, as a call that takes the value: 1, "no" and np.True_ are not flags ("no" is
-# truthy, and 1 passed `in (True, False)`). None: token_healing's default, and "not given" for a SamplerConfig field
-# passed to generate (the checkpoint's setting holds), so those take it (TAKE_NONE).
+# truthy, and 1 passed `in (True, False)`). None: "not given" for a keyword of generate, stream and generate_ar
+# (token_healing's default; the checkpoint's setting for a SamplerConfig field), so those take it (TAKE_NONE).
 FLAG_CALLS = {
     "return_cache": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, return_cache=v),
     "return_cache (AR)": lambda lm, v: lm.generate_ar([3, 4], max_new_tokens=2, return_cache=v),
@@ -2634,7 +2634,8 @@ FLAG_CALLS = {
     "keep_accepted": lambda lm, v: blockpress.SamplerConfig(keep_accepted=v),
     "self_conditioning": lambda lm, v: lm.generate([3, 4], max_new_tokens=2, self_conditioning=v),
 }
-TAKE_NONE = {"token_healing", "token_healing (AR)", "adaptive_stopping", "self_conditioning"}
+TAKE_NONE = {"return_cache", "return_cache (AR)", "skip_stopped_rows", "drafts", "token_healing", "token_healing (AR)",
+             "adaptive_stopping", "self_conditioning"}
 
 
 @pytest.mark.parametrize("flag", FLAG_CALLS)
@@ -4286,13 +4287,21 @@ def test_forked_workers_draw_fresh_seeds_of_their_own(tmp_path):
 
 
 def test_the_grouped_gemm_is_left_to_the_devices_torch_runs_it_on():
-    """torch's grouped GEMM has CUDA's kernel and, from 2.9, the CPU's: operands on another device (MPS; here
-    meta, which has no kernel either) take the experts loop, which runs anywhere (before: any device but the
-    CPU was sent to the grouped GEMM)."""
+    """torch's grouped GEMM has CUDA's kernel and, from 2.9, the CPU's: operands on another device (MPS, stood in
+    for here by operands that say they are there) take the experts loop, which runs anywhere (before: any device but
+    the CPU was sent to the grouped GEMM). meta, which runs shapes alone, keeps it (the loop reads offsets)."""
+    import types
+
     from blockpress.model import GROUPED_MM, GROUPED_MM_ON_CPU, _grouped_mm_applies
 
-    a, b = torch.empty(8, 16, device="meta"), torch.empty(2, 16, 16, device="meta")
-    assert not _grouped_mm_applies(a, b, 16, 16)
+    def on(device_type, shape):
+        real = torch.empty(shape)
+        return types.SimpleNamespace(device=torch.device(device_type), dtype=real.dtype, is_cuda=False,
+                                     element_size=real.element_size)
+
+    assert not _grouped_mm_applies(on("mps", (8, 16)), on("mps", (2, 16, 16)), 16, 16)
+    meta = _grouped_mm_applies(torch.empty(8, 16, device="meta"), torch.empty(2, 16, 16, device="meta"), 16, 16)
+    assert meta is (GROUPED_MM is not None)
     cpu = _grouped_mm_applies(torch.empty(8, 16), torch.empty(2, 16, 16), 16, 16)
     assert cpu is (GROUPED_MM is not None and GROUPED_MM_ON_CPU)
 

@@ -1511,6 +1511,18 @@ def test_transformers_return_options_are_refused_by_name(tok: Tokenizer, options
         tok.apply_chat_template(TWO_TURNS, tokenize=True, **options)
 
 
+@pytest.mark.parametrize("field", ["chat_template_kwargs", "--chat-template-kwargs"])
+def test_transformers_return_options_are_refused_as_template_variables_by_field(field: str) -> None:
+    """The server's chat_template_kwargs (a request's, or serve's --chat-template-kwargs defaults) passed
+    max_length on to apply_chat_template, which refuses it: every chat request then failed, blamed on messages."""
+    from blockpress.tokenizer import template_variables
+
+    with pytest.raises(ValueError, match=rf"^{field}: 'max_length' is a transformers tokenizer option, not a "
+                                         r"template variable"):
+        template_variables({"enable_thinking": True, "max_length": 4096}, field)
+    assert template_variables({"enable_thinking": True}, field) == {"enable_thinking": True}
+
+
 def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     """A config may name an EOS id past tokenizer.json's vocabulary (the model's embedding is padded): it ends a
     text, so it is not among unknown_ids (whose logits generation masks) and decode drops it. test_tokenizer.py

@@ -193,6 +193,19 @@ def test_generation_config_bos_token_id_is_refused_unless_the_checkpoints(lm, id
     assert torch.equal(out.sequences, lm.generate(ids, 4, seed=1, **STEPS).sequences)
 
 
+def test_a_models_own_generation_config_read_back_is_taken(tmp_path):
+    """A model whose settings name no bos_token_id (random_model's) saves the config's; its GenerationConfig read
+    back from the folder holds that id and was refused as "not the checkpoint's (None)"."""
+    from transformers import GenerationConfig
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm.save(tmp_path)
+    gen = GenerationConfig.from_pretrained(tmp_path)
+    assert gen.bos_token_id == lm.config.text.bos_token_id
+    out = lm.generate([[3, 4]], 4, seed=1, generation_config=gen, **STEPS)
+    assert torch.equal(out.sequences, lm.generate([[3, 4]], 4, seed=1, **STEPS).sequences)
+
+
 def stopping_token(lm, ids):
     """A token row 0 writes at position 3 of its native output, and that output."""
     native = lm.generate(ids, 16, seed=2, **STEPS)
@@ -525,7 +538,7 @@ def test_generate_ar_copies_floor_counts_a_given_cache_as_held(lm, ids, monkeypa
     ("generate", "min_new_tokens"), ("generate", "min_new_tokens_eos_only"), ("generate", "return_cache"),
     ("generate", "skip_stopped_rows"), ("generate", "input_ids"), ("stream", "drafts"),
     ("generate_ar", "min_new_tokens"), ("generate_ar", "min_new_tokens_eos_only"), ("generate_ar", "return_cache"),
-    ("generate_ar", "input_ids")])
+    ("generate_ar", "input_ids"), ("generate", "drafts")])
 def test_a_keyword_given_as_none_is_not_given(lm, ids, engine, keyword):
     """None for a keyword is "not given" (docs/python-api.md), and transformers' own default for min_new_tokens and
     input_ids is None: these were refused ("min_new_tokens: expected an integer ..., got None", "expected True or
