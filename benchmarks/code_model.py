@@ -6,8 +6,9 @@ Figures (JSON):
   after it, so the model writes both; see `blockpress.tasks.code`). The completion is cut where the body ends (the first non-blank line indented
   no deeper than the `def`) or at the last complete line, and must hold at least one statement.
 - parseable_ceiling: the same judge over the functions' own bodies cut at --max-new-tokens tokens, as a model
-  writing the original code returns them: the most the budget allows (a body it cuts inside a statement or an open
-  bracket does not parse; at 64 tokens about one in seven). The engines' figures sit under it.
+  writing the original code returns them: what faithful code scores under this budget (a body it cuts inside a
+  statement or an open bracket does not parse; at 64 tokens about one in seven). A reference point, not a bound: a
+  body of `pass` parses at any budget.
 - parseable_without_loops: the same, less bodies that repeat a line (8+ characters) three times or more: a
   loop that ends on a complete line parses, but it is the model's commonest failure.
 - infill_exact: exact-match rate of single-line infills (null with `--infills 0`). One body line becomes a hole

@@ -2072,6 +2072,10 @@ class LM:
         def own(t: torch.Tensor) -> torch.Tensor:
             return t if t.untyped_storage().resizable() else t.clone()
 
+        mapped = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (
+            *self.model.state_dict().values(), *self.passthrough.tensors.values()) if not t.untyped_storage().resizable()}
+        check_fits(sum(mapped.values()), torch.device("cpu"), "save: over the folder the model was loaded from, on "
+                   "Windows, the weights that view its files are copied first (a mapped file cannot be replaced)")
         with torch.no_grad():
             for module in self.model.modules():
                 for param in module._parameters.values():

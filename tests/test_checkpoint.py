@@ -2454,14 +2454,16 @@ def test_a_save_over_the_folder_loaded_from_where_mapped_files_are_locked(tmp_pa
     import blockpress
     import blockpress.lm
 
-    def mapped_inodes():
+    def mapped_files():  # (device major, minor, inode) of each mapped file
         with open("/proc/self/maps") as f:
-            return {int(parts[4]) for parts in map(str.split, f) if len(parts) >= 6 and parts[4] != "0"}
+            return {(*(int(n, 16) for n in parts[3].split(":")), int(parts[4]))
+                    for parts in map(str.split, f) if len(parts) >= 6 and parts[4] != "0"}
 
     real_replace = os.replace
 
     def replace(src, dst, **kw):
-        if os.path.exists(dst) and os.stat(dst).st_ino in mapped_inodes():
+        st = os.stat(dst) if os.path.exists(dst) else None
+        if st is not None and (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in mapped_files():
             raise PermissionError(13, "[WinError 1224] a user-mapped section is open (simulated)", str(dst))
         return real_replace(src, dst, **kw)
 
@@ -2476,3 +2478,21 @@ def test_a_save_over_the_folder_loaded_from_where_mapped_files_are_locked(tmp_pa
     again = blockpress.load(tmp_path)
     assert again.quantization == quantize
     assert all(torch.equal(v, before[k]) for k, v in again.model.state_dict().items())
+
+
+def test_copying_the_mapped_weights_before_a_save_is_refused_where_it_cannot_fit(tmp_path, monkeypatch):
+    """The copy that frees the loaded files (Windows) takes the model's bytes: refused with the figures, before a
+    byte is copied or written, where they are not free (else torch's allocator failed part-way)."""
+    import blockpress
+    import blockpress.checkpoint
+    import blockpress.lm
+
+    blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0).save(tmp_path)
+    lm = blockpress.load(tmp_path)
+    written = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    monkeypatch.setattr(blockpress.lm, "MAPPED_FILES_LOCKED", True)
+    monkeypatch.setattr(blockpress.checkpoint, "available_bytes", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"^save: over the folder the model was loaded from, on Windows, .* needs "):
+        lm.save(tmp_path)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == written
+    assert all(not t.untyped_storage().resizable() for t in lm.model.state_dict().values())  # nothing copied

@@ -311,3 +311,21 @@ def test_space_infill_start_ends_in_one_space_after_a_word(words):
         for c in space_infill_cases(funcs, CharTokenizer(), 64, 1, seed):
             assert c.start.endswith(" ") and not c.start[-2].isspace() and c.target[:1].strip()
             assert c.start + c.target in (line, "    return x")
+
+
+def test_the_bodys_own_comment_lines_are_parsed_as_python_parses_them():
+    """The judge dropped every line starting with '#' before parsing, the body's too: one after a backslash, or one
+    inside a triple-quoted string that closes it, changed the parse (code Python refuses accepted, and valid code
+    refused). Only the header's comment lines go (one at column 0 stops dedent)."""
+    import ast
+
+    from blockpress.tasks.code import parses
+
+    for body in ("    x = 1 + \\\n# note\n        2\n    return x\n", '    s = """\n# """ )\n    """\n    return s\n',
+                 '    s = """\n    #"""\n    return s\n', "    # a comment\n    return 1\n"):
+        try:
+            ast.parse("def f():\n" + body)
+            python = True
+        except SyntaxError:
+            python = False
+        assert parses("def f():\n", body) is python, body

@@ -105,12 +105,12 @@ def parses(header: str, body: str) -> bool:
     """Does `header + body` parse as Python, with at least one statement in the body?"""
     if not any(line.strip() and not line.strip().startswith("#") for line in body.splitlines()):
         return False
-    # Comment lines go first: one at column 0 between the def line and the body (the header keeps it) would stop
-    # dedent, and then no body could parse. (Dropping a comment line changes no parse, inside a string neither.)
-    code = "".join(line for line in (header + body + "\n").splitlines(keepends=True)
-                   if not line.lstrip().startswith("#"))
+    # The header's comment lines go first: one at column 0 between the def line and the body (the header keeps it)
+    # would stop dedent, and then no body could parse. (The body holds none: cut_body ends it at such a line. Not
+    # the body's own comment lines: one may close a string or follow a backslash, where deleting it changes the parse.)
+    header = "".join(line for line in header.splitlines(keepends=True) if not line.lstrip().startswith("#"))
     try:
-        ast.parse(textwrap.dedent(code))
+        ast.parse(textwrap.dedent(header + body + "\n"))
         return True
     except SyntaxError:
         return False
@@ -122,8 +122,9 @@ def completion_parses(function: Function, completion: str) -> bool:
 
 def budget_ceiling(tokenizer: Tokenizer, functions: list[Function], max_new_tokens: int) -> float:
     """The fraction of `functions` whose own body, as a completion cut at `max_new_tokens` tokens (what a model
-    writing the original code returns), `completion_parses` accepts: the most a model can score with that budget,
-    as a body the budget cuts inside a statement or an open bracket does not parse."""
+    writing the original code returns), `completion_parses` accepts: a reference point for the engines' figures,
+    as a body the budget cuts inside a statement or an open bracket does not parse (not a bound: a body of `pass`
+    parses at any budget)."""
     fits = sum(completion_parses(f, tokenizer.decode(tokenizer.encode("\n" + f.body)[:max_new_tokens]))
                for f in functions)
     return fits / max(1, len(functions))
