@@ -1636,6 +1636,8 @@ class _Decoding:
             checked = broken[k - 1] if every_step else broken[0] if k == 1 else None  # this step's NaN/inf flag
             with torch.no_grad():
                 logits = self.logits(w, checked)
+                if not w.rules.rows_mix:  # the pass was the last reader of the previous step's softmax [B, C, V]: let
+                    w.state.sc_probs = None  # it go before the step makes its own (rows_mix: done rows keep theirs)
                 if hooked:  # checked on the device; read once the canvas is done (no host sync in a step)
                     trouble |= no_choice(logits, w.writable & ~w.state.done[:, None])
                 # argmax candidates read no draws: their 30-odd hash ops a step are skipped
@@ -1662,8 +1664,8 @@ class _Decoding:
                 # graphs, recaptures), and rows stop on nearby steps, so shrinking on every stop costs more than
                 # computing a few frozen rows does. At most log2(batch) copies a canvas.
                 if req.skip_stopped_rows and n_working <= w.rows.numel() // 2:
-                    state = whole()
-                    w = w.shrink(working.nonzero()[:, 0], canvas_len)
+                    state = replace(whole(), sc_probs=None)  # (put_rows never reads it: held, it would stay to
+                    w = w.shrink(working.nonzero()[:, 0], canvas_len)  # the canvas's end beside the rows' own)
         bad = broken.tolist()  # read with the canvas's end (no host sync in a step); the cause, before the hooks' check
         if True in bad:
             raise step_fault(bad.index(True) + 1)

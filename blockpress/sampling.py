@@ -368,7 +368,11 @@ def probs_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     # the block would cost Python calls every step where none is on.)
     calm = torch.autocast(lf.device.type, enabled=False) if torch.is_autocast_enabled(lf.device.type) else nullcontext()
     with calm:
-        ent = -probs.gather(-1, argmax).squeeze(-1).log() - torch.linalg.vecdot(probs, shifted)
+        # E_p[shifted]: vecdot of more than one dim is the product, then its sum; made here in `shifted`'s own memory,
+        # bit for bit the same, as vecdot's product would be another [B, C, V] float32 tensor at the step's peak
+        # (one dim: vecdot is a BLAS dot, kept)
+        dot = torch.linalg.vecdot(probs, shifted) if lf.dim() == 1 else shifted.mul_(probs).sum(-1)
+        ent = -probs.gather(-1, argmax).squeeze(-1).log() - dot
     return probs, ent, argmax.squeeze(-1)
 
 
