@@ -870,6 +870,32 @@ def test_chat_data_trains_every_assistant_turn(tmp_path, capsys):
     assert not (tmp_path / "pairs").exists()
 
 
+def test_a_run_from_before_chat_turns_resumes_on_the_last_turns(tmp_path, capsys):
+    """A run saved before --chat-turns existed trained on each chat's last assistant turn; resumed, it took the new
+    default (every turn) without a word: other examples for the rest of the run, and train_config.json said "all"
+    for all of it. It goes on as it began, and says so; prompt/response runs of that age resume as they are."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat[:k]}) + "\n" for k in (4, 4, 2)))
+    tok = ["--tokenizer", str(MODELS_DIR / "blockpress-code")]
+    for records, out in ((data, tmp_path / "chats"), (write_data(tmp_path / "pairs.jsonl"), tmp_path / "pairs")):
+        assert main(train_args(records, out, steps=1) + tok + ["--save-every", "1"]) == 0
+        saved = json.loads((out / "train_config.json").read_text())
+        del saved["chat_turns"]  # as a run of that age wrote it
+        (out / "train_config.json").write_text(json.dumps(saved))
+        capsys.readouterr()
+        assert main(train_args(records, out, steps=2) + tok + ["--resume"]) == 0
+        err = capsys.readouterr().err
+        turns = json.loads((out / "train_config.json").read_text())["chat_turns"]
+        if records == data:
+            assert "began before --chat-turns, on each chat's last assistant turn, and goes on so" in err
+            assert turns == "last"
+            assert torch.load(out / "trainer_state.pt", weights_only=True)["data"]["size"] == "3 examples"
+        else:
+            assert "--chat-turns" not in err and turns == "all"
+
+
 def test_an_agent_chat_of_tool_calls_and_thoughts_trains(tmp_path):
     """A chat whose assistant turns call tools or think was refused ('the assistant's reply trained on must be
     text'); with a Gemma-4-style tokenizer every turn trains, calls in the template's format, thoughts between the

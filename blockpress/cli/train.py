@@ -76,7 +76,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         lm, cfg = _fresh_model(args, settings.cfg), settings.cfg
     _check_data_files(args.data, cfg.heldout_data)
-    sources = _sources(args, lm, cfg)
+    # a run saved before --chat-turns existed (0c217e2) trained on each chat's last assistant turn
+    sources = _sources(args, lm, cfg, last_turns=bool(args.resume and settings.saved) and "chat_turns" not in settings.raw)
     run = _start_run(args, lm, sources, stale_metrics)
     _say_what_runs(args, run, sources)
     try:
@@ -353,11 +354,14 @@ def _check_data_files(data: str, heldout_data: str | None) -> None:
             print_warning(f"{flag} {path}: {note}")
 
 
-def _sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Sources:
-    """--data (and --heldout-data) read: JSONL examples, or running text and token shards."""
+def _sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, last_turns: bool = False) -> Sources:
+    """--data (and --heldout-data) read: JSONL examples, or running text and token shards. `last_turns`: a resumed
+    run that predates chat_turns, whose chat records trained on their last assistant turn alone."""
     from blockpress.data import is_examples
 
-    return _example_sources(args, lm, cfg) if is_examples(args.data) else _shard_sources(args, lm, cfg)
+    if is_examples(args.data):
+        return _example_sources(args, lm, cfg, last_turns)
+    return _shard_sources(args, lm, cfg)
 
 
 def _examples(path: str, flag: str, lm: LM, cfg: TrainConfig) -> list[Any]:
@@ -372,12 +376,16 @@ def _examples(path: str, flag: str, lm: LM, cfg: TrainConfig) -> list[Any]:
         raise type(exc)(f"{flag} {exc}") from None
 
 
-def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Sources:
-    """JSONL examples to train on, and those held out: --heldout-data's, or the --heldout fraction of --data."""
+def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, last_turns: bool = False) -> Sources:
+    """JSONL examples to train on, and those held out: --heldout-data's, or the --heldout fraction of --data.
+    `last_turns`: read chat records as the resumed run began on them (see _sources)."""
     from blockpress.data import is_examples, split_heldout
     from blockpress.train import ExampleSource
 
     cfg.check_examples()  # before the examples are read (the Trainer checks again)
+    asked = cfg
+    if last_turns:  # (prompt/response and ids records read the same either way)
+        cfg = dataclasses.replace(cfg, chat_turns="last")
     if cfg.heldout_data:  # the held-out examples are a file of their own
         if not is_examples(cfg.heldout_data):
             raise ValueError(f"--heldout-data {cfg.heldout_data}: not JSONL examples; with JSONL examples as --data, "
@@ -399,7 +407,13 @@ def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig) -> Sour
         if fraction > 0 and not held:
             print_warning(f"--heldout {fraction}: holds out none of {len(examples)} examples; no held-out "
                           "loss")
-    if cfg.chat_turns != cfg.default("chat_turns") and not any(e.templated for e in (*train, *held)):
+    chats = any(e.templated for e in (*train, *held))
+    if last_turns and chats:  # the rest of the run trains on what its start did, and its saved settings say so
+        print_warning(f"--resume: the run in {args.out} began before --chat-turns, on each chat's last assistant "
+                      "turn, and goes on so (--chat-turns all trains on every turn)")
+    elif last_turns:
+        cfg = dataclasses.replace(cfg, chat_turns=asked.chat_turns)
+    if cfg.chat_turns != cfg.default("chat_turns") and not chats:
         # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
         raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; the examples "
                          "given are prompt/response (or ids) records, one example each, with no turns")
