@@ -894,6 +894,16 @@ def test_a_run_from_before_chat_turns_resumes_on_the_last_turns(tmp_path, capsys
             assert torch.load(out / "trainer_state.pt", weights_only=True)["data"]["size"] == "3 examples"
         else:
             assert "--chat-turns" not in err and turns == "all"
+    # --chat-turns all asked for at the resume wins, and the change is said (the saved settings name no reading)
+    out = tmp_path / "asked"
+    assert main(train_args(data, out, steps=1) + tok + ["--save-every", "1"]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    del saved["chat_turns"]
+    (out / "train_config.json").write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(train_args(data, out, steps=2) + tok + ["--resume", "--chat-turns", "all"]) == 0
+    assert "chat_turns 'all' changes what the rest of it trains on" in capsys.readouterr().err
+    assert json.loads((out / "train_config.json").read_text())["chat_turns"] == "all"
 
 
 def test_an_agent_chat_of_tool_calls_and_thoughts_trains(tmp_path):

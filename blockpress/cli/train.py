@@ -77,7 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         lm, cfg = _fresh_model(args, settings.cfg), settings.cfg
     _check_data_files(args.data, cfg.heldout_data)
     # a run saved before --chat-turns existed (0c217e2) trained on each chat's last assistant turn
-    sources = _sources(args, lm, cfg, last_turns=bool(args.resume and settings.saved) and "chat_turns" not in settings.raw)
+    old_reading = bool(args.resume and settings.saved) and "chat_turns" not in settings.saved
+    sources = _sources(args, lm, cfg, old_reading=old_reading, kept="chat_turns" not in settings.raw)
     run = _start_run(args, lm, sources, stale_metrics)
     _say_what_runs(args, run, sources)
     try:
@@ -354,13 +355,15 @@ def _check_data_files(data: str, heldout_data: str | None) -> None:
             print_warning(f"{flag} {path}: {note}")
 
 
-def _sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, last_turns: bool = False) -> Sources:
-    """--data (and --heldout-data) read: JSONL examples, or running text and token shards. `last_turns`: a resumed
-    run that predates chat_turns, whose chat records trained on their last assistant turn alone."""
+def _sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, old_reading: bool = False,
+             kept: bool = True) -> Sources:
+    """--data (and --heldout-data) read: JSONL examples, or running text and token shards. `old_reading`: a resumed
+    run that predates chat_turns, whose chat records trained on their last assistant turn alone; `kept`: no
+    --chat-turns (nor --train-config's) says otherwise now, so the rest of the run reads them so too."""
     from blockpress.data import is_examples
 
     if is_examples(args.data):
-        return _example_sources(args, lm, cfg, last_turns)
+        return _example_sources(args, lm, cfg, old_reading, kept)
     return _shard_sources(args, lm, cfg)
 
 
@@ -376,14 +379,16 @@ def _examples(path: str, flag: str, lm: LM, cfg: TrainConfig) -> list[Any]:
         raise type(exc)(f"{flag} {exc}") from None
 
 
-def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, last_turns: bool = False) -> Sources:
+def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, old_reading: bool = False,
+                     kept: bool = True) -> Sources:
     """JSONL examples to train on, and those held out: --heldout-data's, or the --heldout fraction of --data.
-    `last_turns`: read chat records as the resumed run began on them (see _sources)."""
+    `old_reading`, `kept`: see _sources."""
     from blockpress.data import is_examples, split_heldout
     from blockpress.train import ExampleSource
 
     cfg.check_examples()  # before the examples are read (the Trainer checks again)
     asked = cfg
+    last_turns = old_reading and kept
     if last_turns:  # (prompt/response and ids records read the same either way)
         cfg = dataclasses.replace(cfg, chat_turns="last")
     if cfg.heldout_data:  # the held-out examples are a file of their own
@@ -413,6 +418,9 @@ def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, last_tu
                       "turn, and goes on so (--chat-turns all trains on every turn)")
     elif last_turns:
         cfg = dataclasses.replace(cfg, chat_turns=asked.chat_turns)
+    elif old_reading and chats and cfg.chat_turns != "last":  # asked for now: said, as a changed setting is
+        print_warning(f"--resume: the run in {args.out} began before --chat-turns, on each chat's last assistant "
+                      f"turn; chat_turns {cfg.chat_turns!r} changes what the rest of it trains on")
     if cfg.chat_turns != cfg.default("chat_turns") and not chats:
         # it would be ignored: prompt/response and ids records are one example each, with no turns to choose
         raise ValueError(f"--chat-turns {cfg.chat_turns}: for JSONL examples of chat `messages`; the examples "
