@@ -2496,3 +2496,38 @@ def test_copying_the_mapped_weights_before_a_save_is_refused_where_it_cannot_fit
         lm.save(tmp_path)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == written
     assert all(not t.untyped_storage().resizable() for t in lm.model.state_dict().values())  # nothing copied
+
+
+def test_a_config_that_leaves_out_tie_word_embeddings_loads_tied(tmp_path):
+    """transformers' default is tied (the LM head is the embedding, as DiffusionGemma is released): a config.json
+    that leaves the key out, at the top and in text_config, loads as tied (a default of False would refuse it, the
+    checkpoint storing no lm_head.weight). From a mutation hunt (C35)."""
+    import blockpress
+
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    lm.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)
+    cfg["text_config"].pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    again = blockpress.load(tmp_path)
+    ids = torch.tensor([[2, 5, 6]])
+    canvas = torch.tensor([[7, 8, 9, 10, 11, 12, 13, 14]])
+    assert torch.equal(again.logits(ids, canvas), lm.logits(ids, canvas))
+
+
+def test_shards_fill_up_to_their_limit_and_a_large_tensor_stands_alone(lm, tmp_path):
+    """A shard takes tensors (in name order) while they fit max_shard_bytes, the limit itself included, and a tensor
+    past the limit gets a shard of its own, with no empty shard before it. From a mutation hunt (C37, C38)."""
+    from blockpress.checkpoint import local_to_hf, save_model
+
+    names = sorted(local_to_hf(k) for k in lm.model.state_dict())
+    sizes = {local_to_hf(k): v.numel() * v.element_size() for k, v in lm.model.state_dict().items()}
+    limit = sizes[names[0]] + sizes[names[1]]  # exactly the first two
+    save_model(lm.model, tmp_path / "exact", max_shard_bytes=limit)
+    index = json.loads((tmp_path / "exact" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index[names[0]] == index[names[1]] != index[names[2]]
+    save_model(lm.model, tmp_path / "one", max_shard_bytes=1)
+    folder = tmp_path / "one"
+    shards = [load_file(p) for p in sorted(folder.glob("model-*.safetensors"))]
+    assert [len(s) for s in shards] == [1] * len(names)
