@@ -350,11 +350,11 @@ def _check_keywords(call: str, options: tuple[str, ...], given: dict[str, Any], 
 # generate, stream and generate_ar (a DiffusionGemma user's `model.generate(input_ids=..., max_length=...)`)
 TRANSFORMERS_KEYWORDS = frozenset({"input_ids", "max_length", "generation_config", "eos_token_id", "pad_token_id",
                                    "num_return_sequences", "stop_strings", "sampler_config"})
-# The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
-# (as it does one list of stop strings per row, and one template per row)
 # apply_chat_template's own parameters: lm.chat takes them in template_options, beside generate's keywords
 CHAT_TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template", "tools",
                                    "documents"})
+# The settings that may be one per row (generate's and generate_ar's), which num_return_sequences repeats with the rows
+# (as it does one list of stop strings per row, and one template per row)
 ROW_KEYWORDS = ("max_new_tokens", "min_new_tokens", "min_new_tokens_eos_only", "draw_temperature", "temperature",
                 "top_k", "top_p")
 # transformers' keywords with no exact meaning here: refused, naming the nearest setting and how it differs
@@ -1007,8 +1007,9 @@ class LM:
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty KVCache for this model: `batch_size` rows of `capacity` token slots each (positive ints), on
-        its device in its dtype. One that would not fit in the memory the device has free now (checkpoint.available_bytes:
-        Linux's MemAvailable and the process' cgroup and address-space limits, CUDA's free memory) is refused with the figures, before torch tries to allocate it."""
+        its device in its dtype. One that would not fit in the memory the device has free now
+        (checkpoint.available_bytes: Linux's MemAvailable and the process' cgroup and address-space limits, CUDA's
+        free memory) is refused with the figures, before torch tries to allocate it."""
         if is_int(batch_size) and is_int(capacity) and batch_size > 0 and capacity > 0:
             nbytes = KVCache.allocation_bytes(self.config.text, self.dtype, int(batch_size), int(capacity))
             free = available_bytes(self.device)

@@ -387,7 +387,6 @@ def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, old_rea
     from blockpress.train import ExampleSource
 
     cfg.check_examples()  # before the examples are read (the Trainer checks again)
-    asked = cfg
     last_turns = old_reading and kept
     if last_turns:  # (prompt/response and ids records read the same either way)
         cfg = dataclasses.replace(cfg, chat_turns="last")
@@ -416,8 +415,8 @@ def _example_sources(args: argparse.Namespace, lm: LM, cfg: TrainConfig, old_rea
     if last_turns and chats:  # the rest of the run trains on what its start did, and its saved settings say so
         print_warning(f"--resume: the run in {args.out} began before --chat-turns, on each chat's last assistant "
                       "turn, and goes on so (--chat-turns all trains on every turn)")
-    elif last_turns:
-        cfg = dataclasses.replace(cfg, chat_turns=asked.chat_turns)
+    elif last_turns:  # no chats: the reading asked for, which was the default (`kept`)
+        cfg = dataclasses.replace(cfg, chat_turns=cfg.default("chat_turns"))
     elif old_reading and chats and cfg.chat_turns != "last":  # asked for now: said, as a changed setting is
         print_warning(f"--resume: the run in {args.out} began before --chat-turns, on each chat's last assistant "
                       f"turn; chat_turns {cfg.chat_turns!r} changes what the rest of it trains on")
