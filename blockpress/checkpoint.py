@@ -7,6 +7,7 @@ can copy them through and a saved checkpoint keeps its vision tower.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
@@ -171,6 +172,18 @@ class MappedSafetensors:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(self.map, dtype=torch.uint8, count=count, offset=self.data_start + begin)
         return flat.view(dtype).view(shape)
+
+    def release(self, name: str) -> None:
+        """Drop this process's pages of a tensor that was read and converted (cast or quantized, the copy kept): the
+        mapping would keep them resident, and counted against the process (by the OOM killer too), for as long as any
+        tensor of the file is still a view of it, as a quantized load's embedding is. A page it shares with a
+        neighbour is read back from the file when touched. Only for a load, before any page is written: a written
+        page of this copy-on-write mapping would be thrown away."""
+        begin, end = self.header[name]["data_offsets"]
+        if end == begin or not hasattr(mmap, "MADV_DONTNEED"):  # (Windows has no madvise)
+            return
+        start = (self.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE  # the pages it touches, whole
+        self.map.madvise(mmap.MADV_DONTNEED, start, self.data_start + end - start)
 
 
 @dataclass
@@ -893,8 +906,8 @@ def load_model(
 ) -> tuple[DiffusionGemma, Passthrough]:
     """The model of an HF-format folder. With `quantize` ("int8", "fp8", "int4"; see blockpress.quantize) each projection
     is quantized as soon as it is read, so the full-precision model never exists at once: the device holds the
-    quantized model plus one tensor in transit and its float32 temporaries. On a CPU the resident set also counts
-    the file pages read and what the allocator keeps of freed temporaries (README, Quantization, has figures)."""
+    quantized model plus one tensor in transit and its float32 temporaries. On a CPU the pages read are dropped
+    from the process and the C heap trimmed at the end (benchmarks/RESULTS.md, Quantization, has figures)."""
     return load_plan(plan_model(path, dtype, device, quantize))
 
 
@@ -910,6 +923,7 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     derived: list[str] = []  # rotary tables stored as tensors: recomputed from the config, so skipped
     copies: dict[str, Path] = {}  # tied copies the checkpoint stores anyway (encoder text weights, LM head)
     sources: dict[str, Path] = {}
+    read_into_copies: list[tuple[MappedSafetensors, str]] = []  # (cast or quantized: their file pages are done with)
     copied, added = (0, 0)
     if quantize is not None:  # int4 on a CPU in bf16 or float32 is copied into the CPU GEMM's layout, scales doubled
         from .quantize import cpu_layout_bytes
@@ -940,7 +954,11 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
             else:
                 assert local is not None  # tensor_kind names every "weight"
                 sources[name] = file
-                state.update(plan.convert(local, f.tensor(name)))  # a quantized projection drops its float copy here
+                stored = f.tensor(name)
+                converted = plan.convert(local, stored)  # a quantized projection drops its float copy here
+                state.update(converted)
+                if all(t.untyped_storage().data_ptr() != stored.untyped_storage().data_ptr() for t in converted.values()):
+                    read_into_copies.append((f, name))
                 done += f.nbytes(name)
                 if progress is not None:
                     progress(done, total)
@@ -948,6 +966,10 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     # under a top-level true loads tied there (and lm.save writes such a pair back as it read it)
     tied = config.extra.get("tie_word_embeddings", True) is not False
     check_tied_copies(copies, sources, tied)  # copies are checked whatever the flag: a differing one is never dropped
+    # Dropped once all is read: the kernel maps a faulting page's cached neighbours with it, so pages dropped earlier
+    # came back as the next tensors were read (a tiny model kept 75% of them)
+    for f, name in read_into_copies:
+        f.release(name)
     if passthrough.tensors:
         warn_user(
             f"{path}: {len(passthrough.tensors)} vision tensors ignored (blockpress is text-only); "
@@ -966,7 +988,23 @@ def load_plan(plan: ModelPlan, progress: Callable[[int, int], None] | None = Non
     model.load_state_dict(state, strict=True, assign=True)  # every weight is there: plan_model's check_complete
     model.reset_buffers()
     model.to(device)
+    del state
+    if quantize is not None:
+        return_freed_heap(device)
     return model, passthrough
+
+
+def return_freed_heap(device: torch.device) -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere). Quantizing frees a
+    float32 temporary or two per weight; glibc keeps most of what they held, so a quantized CPU load otherwise stays
+    resident well above the codes it holds (benchmarks/RESULTS.md, Quantization, has the figures)."""
+    if device.type != "cpu":
+        return
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
+        return
+    trim(0)
 
 
 def save_model(

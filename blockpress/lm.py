@@ -38,6 +38,7 @@ from .checkpoint import (
     plan_model,
     resolve_device,
     resolve_dtype,
+    return_freed_heap,
     save_model,
 )
 from .checks import (
@@ -911,6 +912,7 @@ class LM:
         stored, widened = self.stored_values, self.widened_from
         try:
             quantize(self.model, check_scheme(scheme))
+            return_freed_heap(self.device)
         finally:  # codes made from the values these describe, or (refused, or undone part-way) those values still
             self.stored_values, self.widened_from = stored, widened
         if self.step_functions is not None and self._reapply_steps is not None:
