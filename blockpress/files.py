@@ -9,7 +9,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePath, PureWindowsPath
 from typing import Any
 
 from safetensors import SafetensorError
@@ -141,6 +141,15 @@ class StagedFiles:
         destination moved into place, in order, and every removal made again. Staged files are all written (and
         flushed) before the first move, so those left are whole. Returns the number of files moved."""
         finishing = cls()
+        root = Path(folder).resolve()
+        for entry in record:  # all checked before anything moves: the record is read from the folder, as found
+            name = entry[0] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
+            # (a run folder from someone else could name files outside it, which would be replaced or deleted)
+            if not isinstance(name, str) or not isinstance(entry[1], bool) or PurePath(name).is_absolute() \
+                    or PureWindowsPath(name).anchor or ".." in PurePath(name).parts \
+                    or not (Path(folder) / name).parent.resolve().is_relative_to(root):
+                raise ValueError(f"{folder}: the record of its interrupted save names {entry!r}: expected a file's "
+                                 "path inside the folder; nothing was moved or removed")
         for name, written in record:
             path = Path(folder) / name
             if not written:

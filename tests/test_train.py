@@ -1294,6 +1294,32 @@ def test_a_save_that_fails_while_its_files_move_says_resume_finishes_it(tmp_path
     assert rest.train().losses == pytest.approx(straight.losses[4:], rel=1e-6)
 
 
+@pytest.mark.parametrize("entry", [["../victim.txt", False], ["{victim}", False], ["../victim.txt", True],
+                                   ["linked/victim.txt", False], ["C:/victim.txt", False], [3, False],
+                                   ["model.safetensors"], ["model.safetensors", "no"]])
+def test_resume_refuses_a_save_record_naming_files_outside_the_run(tmp_path, entry):
+    """The record of a killed save is read from the run folder as found, and its removals deleted what it named: a
+    run folder someone shared ("resume my run") deleted files outside it ("../x", an absolute path, a name under a
+    link to elsewhere). Such a record is refused before anything moves, naming the entry."""
+    from blockpress.train import finish_interrupted_save
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    run_dir.mkdir(), outside.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (outside / "victim.txt").write_text("the user's too")
+    (run_dir / "linked").symlink_to(outside)
+    (run_dir / "kept.json").write_text("{}")
+    (run_dir / ".kept.json.tmp").write_text('{"new": 1}')  # a file the same record would move, listed first
+    entry = [entry[0].format(victim=victim), *entry[1:]] if isinstance(entry[0], str) else entry
+    torch.save({"step": 7, "commit": [["kept.json", True], entry]}, run_dir / ".trainer_state.pt.tmp")
+    with pytest.raises(ValueError, match=r"the record of its interrupted save names .*expected a file's path inside "
+                                         r"the folder; nothing was moved or removed"):
+        finish_interrupted_save(run_dir)
+    assert victim.read_text() == "the user's" and (outside / "victim.txt").read_text() == "the user's too"
+    assert (run_dir / "kept.json").read_text() == "{}"  # nothing moved either
+
+
 def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch):
     """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
     which --resume combined silently. Without the staged step-4 state there is no save to finish."""
