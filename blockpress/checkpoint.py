@@ -17,7 +17,7 @@ import struct
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
@@ -702,10 +702,12 @@ def checkpoint_files(path: Path) -> list[Path]:
         for name, shard in weight_map.items():
             # A name, not a resolved path, is checked: a folder of links (a cache snapshot, one a user made) keeps
             # loading, while "../other/model.safetensors" or "/abs/x" reads no file outside the folder.
+            # A drive ("C:/x", "C:x") is absolute on Windows, whatever the system reading the index.
             parts = PurePosixPath(shard.replace("\\", "/")).parts
-            if not parts or shard.startswith(("/", "\\")) or ".." in parts:
+            if not parts or shard.startswith(("/", "\\")) or ".." in parts or PureWindowsPath(shard).drive:
                 raise CheckpointError(f"{index}: tensor {name!r} is mapped to shard {shard!r}, which is not a file "
-                                      f"name inside {path} (an absolute path or '..'); shards must lie in the folder")
+                                      f"name inside {path} (an absolute path, a drive or '..'); shards must lie in "
+                                      "the folder")
         if not weight_map:  # (no shard to read: the load failed inside torch, every weight missing)
             raise CheckpointError(f"{index}: not a valid safetensors index (its \"weight_map\" lists no tensors)")
         files = sorted({path / f for f in weight_map.values()})

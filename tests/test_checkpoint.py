@@ -1789,7 +1789,9 @@ def test_shard_names_that_leave_the_folder_are_refused(lm, ref_checkpoint, tmp_p
     from blockpress.checkpoint import save_model
 
     other = copy_ckpt(ref_checkpoint[0], tmp_path / "other")
-    for shard in ("../other/model.safetensors", str(other / "model.safetensors"), "sub/../../other/model.safetensors"):
+    # (a drive is absolute on Windows: "C:/x" there, and drive-relative "C:x", read from anywhere on that drive)
+    for shard in ("../other/model.safetensors", str(other / "model.safetensors"), "sub/../../other/model.safetensors",
+                  "C:/Users/someone/model.safetensors", "C:model.safetensors"):
         path = tmp_path / "c"
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir()
