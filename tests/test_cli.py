@@ -4131,6 +4131,9 @@ def test_generate_chat_gives_a_gemma4_thought_apart_from_the_answer(tmp_path, mo
     assert main([*flags, "--json"]) == 0
     said = json.loads(capsys.readouterr().out)
     assert (said["text"], said["reasoning"]) == ("Hello there.", "Let me think.")
+    json_help = next(a.help for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                     if "--json" in a.option_strings)
+    assert [key for key in said if not re.search(rf"\b{key}\b", json_help)] == []  # (reasoning was left out)
     assert "<|think|>" in tok.decode(prompts[0], skip_special_tokens=False)  # the kwargs reached the template
     assert main(flags) == 0
     assert capsys.readouterr().out == "Hello there.\n"

@@ -150,8 +150,9 @@ def add_generate_command(sub: argparse._SubParsersAction[CommandParser]) -> None
                         "--stop $'\\n\\n' for one paragraph or function; a special token's text, e.g. "
                         "'<end_of_turn>', ends it at that token)")
     p.add_argument("--json", action="store_true",
-                   help="print one JSON object: text, prompt, new_tokens, forward_passes, tokens_per_forward, tok_s, "
-                        "seconds, seed (the one the text was drawn with, fresh each run without --seed: --seed "
+                   help="print one JSON object: text, reasoning (with --chat only: the thought apart from the answer, "
+                        "where the model wrote one its response template reads), prompt, new_tokens, forward_passes, "
+                        "tokens_per_forward, tok_s, seconds, seed (the one the text was drawn with, fresh each run without --seed: --seed "
                         "with it repeats the text), interrupted (true after a Ctrl-C: text is what was committed "
                         "until then, the figures too, seed null unless --seed was given; with --ar, which prints its "
                         "text once done, only text null, prompt and seed; exit status 130). Not with --input, whose "
