@@ -12,7 +12,8 @@ Figures (JSON):
 - parseable_without_loops: the same, less bodies that repeat a line (8+ characters) three times or more: a
   loop that ends on a complete line parses, but it is the model's commonest failure.
 - infill_exact: exact-match rate of single-line infills (null with `--infills 0`). One body line becomes a hole
-  of its own token length; diffusion sees the following lines too (a constrained canvas), AR only the prefix.
+  of its own token length; diffusion sees the following lines too (a constrained canvas), AR only the prefix (its
+  first line is judged). A fill matches with its indentation (tasks.code.fills_the_line).
 - tokens_per_forward and tok/s at the model's default settings (the AR baseline takes the same repetition
   penalties).
 - trailing_newline: parseable rate when the prompt ends with the `def` line's newline, as people type it,
@@ -46,6 +47,7 @@ from blockpress.tasks.code import (
     budget_ceiling,
     completion_parses,
     completion_parses_without_loops,
+    fills_the_line,
     infill_cases,
     model_heldout_functions,
     space_infill_cases,
@@ -193,9 +195,9 @@ def main() -> None:
         prompt = tok.encode(case.before, add_bos=True)[-PROMPT_MAX:]
         out = lm.infill([-1] * len(case.hole) + case.suffix, prompt=[prompt], seed=args.seed + i, **options)
         got = tok.decode(out.new_tokens[0, : len(case.hole)].tolist())
-        hits_diff += got.strip() == case.target.strip()
+        hits_diff += fills_the_line(got, case.target)
         ar = lm.generate_ar([prompt], max_new_tokens=len(case.hole), **ar_options)
-        hits_ar += tok.decode(ar.new_tokens[0].tolist()).lstrip("\n").split("\n")[0].strip() == case.target.strip()
+        hits_ar += fills_the_line(tok.decode(ar.new_tokens[0].tolist()).removeprefix("\n").split("\n")[0], case.target)
     result["infill_cases"] = len(cases)
     # null without cases (--infills 0): no rate was measured, and 0.0 would read as every infill missed
     result["diffusion"]["infill_exact"] = hits_diff / len(cases) if cases else None

@@ -9,6 +9,7 @@ from blockpress.tasks.code import (
     Function,
     completion_parses,
     cut_body,
+    fills_the_line,
     functions_in,
     heldout_functions,
     infill_cases,
@@ -123,6 +124,17 @@ def test_infill_cases_are_at_most_limit_and_the_same_first_ones(functions, limit
     every = infill_cases(funcs, CharTokenizer(), canvas=64, limit=functions, seed=seed)
     assert len(every) == functions  # each function here has a case: the limit is all that cuts them
     assert infill_cases(funcs, CharTokenizer(), canvas=64, limit=limit, seed=seed) == every[:limit]
+
+
+@given(st.text(alphabet=" x=(1)", min_size=1, max_size=12).filter(lambda t: t.strip()), st.integers(0, 8),
+       st.integers(0, 8), st.text(alphabet=" ", max_size=3))
+def test_an_infill_matches_its_line_with_the_lines_indentation(line, indent, other, trailing):
+    """The judge stripped both sides: a fill indented as another block (another program) counted as exact."""
+    target = " " * indent + line.strip()
+    assert fills_the_line("\n" + target + trailing, target)  # (the hole starts with the line's newline)
+    assert fills_the_line(target, target)  # (AR's first line, its newline taken off)
+    assert fills_the_line("\n" + " " * other + line.strip(), target) == (other == indent)
+    assert not fills_the_line("\n\n" + target, target)  # a blank line first is another text
 
 
 def test_infill_cases_refuses_a_negative_limit():

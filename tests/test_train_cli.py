@@ -384,6 +384,22 @@ def test_resume_drops_metrics_rows_past_the_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4] and 9.0 not in losses(out)
 
 
+def test_the_summary_says_which_step_its_first_loss_is_after_resume(tmp_path, capsys):
+    """first_loss is this invocation's first step's: after --resume, a later step of the run than the summary said
+    (it named none), so it read as the run's first loss."""
+    data = write_data(tmp_path / "d.jsonl")
+    out = tmp_path / "run"
+    loud = [a for a in train_args(data, out, steps=2) if a != "--quiet"]
+    assert main(loud) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert first["first_step"] == 1 and first["first_loss"] == losses(out)[0]
+    resumed = [a for a in train_args(data, out, steps=4) if a not in ("--config", "tiny", "--quiet")]
+    assert main([*resumed, "--resume"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    rows = {json.loads(x)["step"]: json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()}
+    assert summary["first_step"] == 3 and summary["first_loss"] == rows[3] and summary["last_loss"] == rows[4]
+
+
 def test_an_earlier_run_in_out_is_not_overwritten(tmp_path, capsys):
     data = write_data(tmp_path / "d.jsonl")
     assert main(train_args(data, tmp_path / "out")) == 0

@@ -514,7 +514,9 @@ def _report(args: argparse.Namespace, run: Run, result: TrainResult) -> None:
     cfg, trainer = run.cfg, run.trainer
     if not args.quiet and trainer.rank == 0:  # under torchrun, one summary, not one a process
         losses = result.losses
-        print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped,
+        # This invocation's losses: after --resume, first_step says which step of the run the first one is
+        first_step = trainer.data_start[0] + 1 if losses else None
+        print(json.dumps({"out": args.out, "steps": result.steps, "stopped": result.stopped, "first_step": first_step,
                           "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                           "eval_losses": result.eval_losses,
                           "tokens_per_second": round(result.tokens_per_second, 1), **_trainable(trainer)}))

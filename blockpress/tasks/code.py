@@ -184,6 +184,13 @@ def infill_cases(functions: list[Function], tokenizer: Tokenizer, canvas: int, l
     return cases
 
 
+def fills_the_line(fill: str, target: str) -> bool:
+    """Whether a single-line infill's text (the hole's, from the newline it starts with) is the target line: its
+    indentation included, which Python reads (a line indented as another block is another program); whitespace
+    at the end aside."""
+    return fill.removeprefix("\n").rstrip() == target.rstrip()
+
+
 @dataclass(frozen=True)
 class SpaceInfillCase:
     before: str  # context and body lines above the hole's line, without the newline that ends them
