@@ -130,6 +130,14 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
         raise ValueError(f"{where}: expected 'prompt'+'response', 'messages', or 'prompt_ids'+'response_ids'")
     if chat_turns not in CHAT_TURNS:
         raise ValueError(f"chat_turns: expected one of {list(CHAT_TURNS)}, got {chat_turns!r}")
+    # A record of two whole formats (a leftover `messages` column beside prompt/response) would train on one of them
+    # alone. A field of no whole format is another's metadata: ultrachat's records hold `prompt` beside `messages`.
+    formats = [name for name, keys in (("'prompt_ids'+'response_ids'", {"prompt_ids", "response_ids"}),
+                                       ("'messages'", {"messages"}), ("'prompt'+'response'", {"prompt", "response"}))
+               if keys <= set(obj)]
+    if len(formats) > 1:
+        raise ValueError(f"{where}: holds the fields of {' and of '.join(formats)}; one format a record (remove "
+                         "the others)")
     if "prompt_ids" in obj or "response_ids" in obj:
         for key in ("prompt_ids", "response_ids"):
             if key not in obj:
@@ -164,9 +172,11 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str,
                    cut: list[tuple[str, bool]]) -> list[tuple[str, Example]]:
     """(where, example) of each assistant turn of a `messages` record trained on (parse_examples); `where` names
     the turn when there are several. The turns whose content the template rendered only in part are named in `cut`."""
-    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict) or \
-            messages[-1].get("role") not in ("assistant", "model"):
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
         raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
+    if messages[-1].get("role") not in ("assistant", "model"):  # named: "Assistant" and "bot" are typos to see
+        raise ValueError(f"{where}: messages[{len(messages) - 1}].role is {messages[-1].get('role')!r}; the last "
+                         "message must be the assistant's ('assistant' or 'model'), the reply trained on")
     # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained
     chat = [chat_message(message, i) for i, message in enumerate(messages)]
     replies = [i for i, message in enumerate(chat) if message["role"] in ("assistant", "model")]

@@ -93,11 +93,33 @@ def test_a_text_record_trains_as_the_ids_record_of_its_tokens(tok, prompt, respo
     assert a.prompt_length == b.prompt_length
 
 
-def test_messages_must_end_with_assistant(tmp_path, tok):
+@pytest.mark.parametrize("role", ["user", "Assistant", "bot", None])
+def test_messages_must_end_with_assistant_and_a_wrong_last_role_is_named(tmp_path, tok, role):
+    """A misspelt last role ("Assistant", "bot") got "'messages' must be a list ending with an assistant message",
+    naming neither the message nor the role read."""
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match="d.jsonl:1.*assistant"):
+    last = {"content": "there"} if role is None else {"role": role, "content": "there"}
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, last]}) + "\n")
+    with pytest.raises(ValueError, match=rf"d.jsonl:1: messages\[1\].role is {re.escape(repr(role))}; the last message "
+                                         r"must be the assistant's \('assistant' or 'model'\)"):
         load_jsonl(path, tok)
+
+
+@pytest.mark.parametrize("record, formats", [
+    ({"prompt": "P", "response": "R", "messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+                                                                                       "content": "b"}]},
+     "'messages' and of 'prompt'\\+'response'"),
+    ({"prompt_ids": [1], "response_ids": [2], "prompt": "P", "response": "R"},
+     "'prompt_ids'\\+'response_ids' and of 'prompt'\\+'response'"),
+])
+def test_a_record_of_two_formats_is_refused_naming_both(tok, record, formats):
+    """It trained on one of them and dropped the other without a word (a leftover `messages` column beside
+    prompt/response). A field of no whole format stays another's metadata: ultrachat's `prompt` beside `messages`."""
+    with pytest.raises(ValueError, match=rf"d.jsonl:1: holds the fields of {formats}; one format a record"):
+        parse_examples(record, tok, "d.jsonl:1")
+    ultrachat = {"prompt": "a", "prompt_id": "x1", "messages": record.get("messages") or
+                 [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert len(parse_examples(ultrachat, tok, "d.jsonl:1")) == 1
 
 
 @hypothesis.settings(max_examples=30, deadline=None)
