@@ -1293,8 +1293,13 @@ def test_gpu_session_fits_the_trainings_threads_to_the_cores(tmp_path, cores, en
     (bin_dir / "fakepy").write_text(f'#!/bin/sh\necho "$OMP_NUM_THREADS $*" >>{calls}\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
+    data = tmp_path / "gpu"  # (what prepare_gpu_session.sh builds, empty)
+    (data / "corpus").mkdir(parents=True)
+    for name in ("corpus/train.bin", "corpus/heldout.bin", "sudoku-puzzles.jsonl"):
+        (data / name).touch()
     run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-               "WORK": str(tmp_path / "work"), "PY": "fakepy", "DEADLINE": "140", "DEVICE": "cpu", **env}
+               "WORK": str(tmp_path / "work"), "PY": "fakepy", "DEADLINE": "140", "DEVICE": "cpu",
+               "GPU_DATA": str(data), **env}
     run_env.pop("OMP_NUM_THREADS", None)
     r = subprocess.run(["bash", "scripts/gpu_session.sh", "1", "0.3"], cwd=ROOT, env=run_env, capture_output=True,
                        text=True, timeout=120)
@@ -1302,6 +1307,54 @@ def test_gpu_session_fits_the_trainings_threads_to_the_cores(tmp_path, cores, en
     trainings = [line for line in calls.read_text().splitlines() if "--time-schedule" in line]  # the three runs
     assert len(trainings) == 3, calls.read_text() + r.stdout + r.stderr
     assert {line.split()[0] for line in trainings} == {threads}
+
+
+@pytest.mark.parametrize(("error", "retried_with"), [("torch.OutOfMemoryError: CUDA out of memory.", "--batch-size 256"),
+                                                   ("RuntimeError: a worker died", "--data-workers 0 --no-autocast")])
+def test_gpu_session_retries_a_training_out_of_memory_with_half_the_batch(tmp_path, error, retried_with):
+    """A run that failed early was retried without autocast at the same batch: out of memory, the likeliest early
+    failure, that takes more memory, and the lease's one training failed twice."""
+    import os
+    import shutil
+
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and coreutils' timeout")
+    bin_dir, data, calls, failed = tmp_path / "bin", tmp_path / "gpu", tmp_path / "calls", tmp_path / "failed"
+    bin_dir.mkdir(), (data / "corpus").mkdir(parents=True)
+    for name in ("corpus/train.bin", "corpus/heldout.bin", "sudoku-puzzles.jsonl"):
+        (data / name).touch()
+    # a Python that records each command, and fails the code training's first start with `error`
+    (bin_dir / "fakepy").write_text(f"""#!/bin/sh
+echo "$*" >>{calls}
+case "$*" in *"cli train"*) [ -e {failed} ] || {{ touch {failed}; echo "{error}" >&2; exit 1; }};; esac
+""")
+    (bin_dir / "fakepy").chmod(0o755)
+    run_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+               "WORK": str(tmp_path / "work"), "PY": "fakepy", "DEADLINE": "140", "DEVICE": "cpu",
+               "GPU_DATA": str(data)}
+    r = subprocess.run(["bash", "scripts/gpu_session.sh", "1", "0.3"], cwd=ROOT, env=run_env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    code_runs = [line for line in calls.read_text().splitlines() if "cli train" in line]
+    assert len(code_runs) == 2 and "--batch-size 512" in code_runs[0], code_runs
+    assert code_runs[1].endswith(retried_with), code_runs[1]
+
+
+def test_gpu_session_stops_at_once_without_what_prepare_builds(tmp_path):
+    """carry=[".gpu"] from a checkout without it (prepared in a worktree the device tool does not send) sends nothing:
+    the session ran on, every training failing, and spent the lease. It says what is missing and stops."""
+    import os
+    import shutil
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    run_env = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "PY": "false",
+               "DEVICE": "cpu", "GPU_DATA": str(tmp_path / "none")}
+    r = subprocess.run(["bash", "scripts/gpu_session.sh", "1", "0.3"], cwd=ROOT, env=run_env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert f"missing {tmp_path / 'none'}/corpus/train.bin: run scripts/prepare_gpu_session.sh in the checkout" in log
 
 
 def test_train_gpu_ends_with_its_steps_error_alone(tmp_path):
