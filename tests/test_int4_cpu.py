@@ -433,3 +433,36 @@ def test_out_sizes_of_8_not_16_stay_in_the_stored_layout():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(layer(x), x @ dequantize_weight(layer.weight, layer.weight_scale, torch.bfloat16).t())
+
+
+@needs_layout
+def test_a_state_dict_loaded_off_the_cpu_into_the_cpu_layout_stays_in_the_stored_layout():
+    """A layer holding the CPU layout takes a state dict of codes on another device (assign=True: they are kept as
+    given) in the stored layout, and keeps that layout: the CPU GEMM's is for codes on a CPU alone (a GPU dequantizes
+    from the stored layout). The meta device stands in for a GPU here; the shapes are the stored ones."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(torch.nn.Linear(64, 32, bias=False), "int4").eval()
+    layer.set_cpu_int4(True)
+    assert layer.cpu_int4 and layer.weight_scale.dim() == 3  # [groups, out, 2]
+    stored = {k: v.to("meta") for k, v in QuantizedLinear(torch.nn.Linear(64, 32, bias=False), "int4").state_dict().items()}
+    layer.load_state_dict(stored, assign=True)
+    assert not layer.cpu_int4 and layer.weight.device.type == "meta"
+    assert (tuple(layer.weight.shape), tuple(layer.weight_scale.shape)) == ((32, 32), (32, 2))
+    # on a CPU the layout is put back, as before the load
+    layer.load_state_dict({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in stored.items()}, assign=True)
+    assert layer.cpu_int4 is False  # (it was not held when this load began)
+    layer.set_cpu_int4(True)
+    layer.load_state_dict({k: torch.zeros(v.shape, dtype=v.dtype) for k, v in stored.items()})
+    assert layer.cpu_int4 and layer.weight_scale.dim() == 3
+
+
+@needs_layout
+def test_an_int4_model_in_float16_on_a_cpu_stays_in_the_stored_layout():
+    """The CPU layout is for bfloat16 and float32 (CPU_KERNEL_DTYPES): a float16 int4 model on a CPU holds its codes
+    as stored, weights that fit torch's CPU int4 GEMM too, and counts the stored bytes."""
+    half = int4_lm(dtype="float16")
+    modules = coded_modules(half)
+    fits = [m for m in modules if all(int4_cpu_fits((*getattr(m, n).shape[:-1], 2 * getattr(m, n).shape[-1]))
+                                      for n in m.coded_names)]
+    assert fits and not any(m.cpu_int4 for m in modules)  # (in bfloat16 the fitting ones hold it)
+    assert all(m.weight_scale.dim() == 2 for m in modules if isinstance(m, QuantizedLinear))

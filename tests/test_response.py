@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os.path
 import re
 import threading
 from collections.abc import Callable
@@ -16,15 +17,19 @@ from hypothesis import strategies as st
 
 from blockpress.response import (
     GEMMA4_MARKERS,
+    AnswerStream,
     PartialReader,
     PatternBudget,
     PatternTooCostly,
+    answer_without_tools,
+    common_prefix,
     compile_template,
     gemma4_response_template,
     parse_partial,
     parse_response,
     reads_thoughts,
     reasoning_markers,
+    regions_only,
 )
 from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
 
@@ -799,3 +804,101 @@ def test_a_read_after_a_whole_replys_read_starts_over_even_after_a_failure() -> 
     again = reader.read(whole)
     assert again.closed == fresh.closed and again.closed["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert reader.read(whole, ended=True).closed == PartialReader(template).read(whole, ended=True).closed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A streamed reply read for its thought (response.AnswerStream, as the server and `blockpress chat` stream a reply to
+# a request without tools): what is sent adds up to the whole answer (answer_without_tools, or the plain text).
+
+GEMMA4_SPECIAL = re.compile("|".join(map(re.escape, (*GEMMA4_MARKERS, '<|"|>'))))
+
+
+def gemma4_plain(raw: str) -> str:
+    """The answer's text of a Gemma 4 reply: its special tokens left out, as a decode leaves them out."""
+    return GEMMA4_SPECIAL.sub("", raw)
+
+
+def streamed(pieces: list[str], calls_wanted: bool = False) -> tuple[AnswerStream, dict[str, Any]]:
+    """A Gemma 4 reply streamed a token (piece) at a time through an AnswerStream, and its whole answer (the assistant
+    message answer_without_tools reads in it, or its plain text where that is None)."""
+    template = compile_template(GEMMA4)
+    stream, raw, sent = AnswerStream(), "", {"content": "", "reasoning_content": ""}
+    for piece in pieces:
+        raw += piece
+        deltas, _ = stream.advance(lambda: PartialReader(template), raw, gemma4_plain(raw), calls_wanted)
+        for delta in deltas:
+            for key, text in delta.items():
+                sent[key] += text
+    assert (sent["content"], sent["reasoning_content"]) == (stream.content, stream.reasoning)  # the deltas add up
+    whole = answer_without_tools(lambda reply: parse_response(template, reply, keep_empty=True),
+                                 lambda: PartialReader(regions_only(template)), gemma4_plain, raw)
+    return stream, whole if whole is not None else {"role": "assistant", "content": gemma4_plain(raw)}
+
+
+CALL = ["<|tool_call>", "call:weather{city:", '<|"|>', "Oslo", '<|"|>', "}", "<tool_call|>"]
+
+
+def test_a_streamed_reply_without_tools_sends_no_thought_written_after_a_call() -> None:
+    """A call where the request offers no tools makes the reply text (a thought after it too, which is not read
+    apart): once the call opens the stream stops reading the template, so the thought written after it is not sent
+    as reasoning_content, which the whole answer (its text) does not have."""
+    stream, whole = streamed(["Checking.", *CALL, "<|channel>", "thought\nHmm.", "<channel|>", "Done."])
+    assert whole == {"role": "assistant", "content": "Checking.call:weather{city:Oslo}thought\nHmm.Done."}
+    assert stream.unread and stream.reasoning == "" and stream.content == "Checking."
+
+
+@pytest.mark.parametrize("calls_wanted, sent", [(False, "  Hello there."), (True, "")])
+def test_a_streamed_reply_opening_with_whitespace_sends_its_text_as_written(calls_wanted: bool, sent: str) -> None:
+    """Without tools a reply with no thought is its plain text, leading whitespace and all (the template's content
+    trims it): the stream sends that text as it is written, not nothing until the end. Where the request offers
+    tools a call would make the answer the trimmed content, so nothing goes out before the call or the end."""
+    stream, whole = streamed(["  ", "Hello", " there", "."], calls_wanted)
+    assert stream.content == sent and stream.reasoning == ""
+    if not calls_wanted:
+        assert whole == {"role": "assistant", "content": "  Hello there."}
+
+
+def test_a_thought_before_a_call_without_tools_keeps_the_text_before_and_after_it() -> None:
+    """A thought then a call, without tools: the thought is reasoning_content (a stream sent it), the content the
+    reply's text before the thought then after it (the call written as text), trimmed at its ends; what the stream
+    sent of it is its start."""
+    stream, whole = streamed(["Intro. ", "<|channel>", "thought\nHmm.", "<channel|>", "Checking.", *CALL])
+    assert whole == {"role": "assistant", "content": "Intro. Checking.call:weather{city:Oslo}",
+                     "reasoning_content": "Hmm."}
+    assert stream.reasoning == "Hmm." and stream.content == "Intro."
+    assert whole["content"].startswith(stream.content)
+
+
+@pytest.mark.parametrize("pieces, content", [
+    (["Checking.", *CALL], "Checking."),  # the text up to a call, all of it: the call is text, but no more is sure
+    (["Hello", " there."], "Hello there."),
+])
+def test_a_streamed_reply_without_tools_sends_all_its_settled_text(pieces: list[str], content: str) -> None:
+    """The content sent is the whole settled text, its last character too (common_prefix of the plain text and the
+    template's content runs to their end where they agree)."""
+    stream, whole = streamed(pieces)
+    assert stream.content == content and whole["content"].startswith(content)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text("ab", max_size=6), st.text("ab", max_size=6), st.text("ab", max_size=6), st.integers(0, 6))
+def test_common_prefix_is_os_paths_from_what_was_sent(head: str, a: str, b: str, cut: int) -> None:
+    """common_prefix compares from the end of what a stream sent where both texts start with it: the same
+    os.path.commonprefix gives, whether both texts start with `known` or not, up to their last character."""
+    a, b = head + a, head + b
+    for known in (head[:cut], a[:cut], b, "b" + a):
+        assert common_prefix(a, b, known) == os.path.commonprefix([a, b]), known
+    assert common_prefix(a, a, "") == a
+
+
+def test_transform_each_gives_an_items_key_over_a_capture_of_the_same_name() -> None:
+    """With transform_each each item's keys join the region's captures in the transform's scope, and an item's key
+    wins over a capture of the same name, as in transformers (process_field: {**captures, **item})."""
+    template = {"start_anchor": "<start>", "fields": {"content": {}, "tool_calls": {
+        "open_pattern": r"<calls from=(?P<name>\w+)>", "close": "</calls>", "content": "json", "transform_each": True,
+        "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{arguments}"}}}}}
+    reply = 'ok <calls from=planner>[{"name": "weather", "arguments": {"city": "Oslo"}}, {"arguments": {}}]</calls>'
+    message = ours(reply, template)
+    assert message["tool_calls"] == [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}},
+                                     {"type": "function", "function": {"name": "planner", "arguments": {}}}]
+    assert message == theirs(reply, template)
