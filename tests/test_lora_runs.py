@@ -173,8 +173,12 @@ def test_resuming_a_lora_run_over_another_model_than_its_base_is_refused_naming_
     for given in (out, out / "adapter"):
         assert main(["train", "--resume", "--out", str(out), "--model", str(given), "--quiet"]) == 2
         assert "the LoRA run in" in (err := capsys.readouterr().err) and "count twice" in err
-    # the recorded base gone: another model stands in for it, if it has the base's shape
+    # the recorded base gone: --resume alone says so and how to go on (it named a missing folder, not whose);
+    # another model stands in for it, if it has the base's shape
     shutil.rmtree(own)
+    assert main(["train", "--resume", "--out", str(out), "--quiet"]) == 2
+    assert (f"--resume: the base model this LoRA run adapts, {own.resolve()} (recorded in {out}" in
+            (err := capsys.readouterr().err) and "is gone; give it where it is now with --model" in err)
     assert main(["train", "--resume", "--out", str(out), "--model", "blockpress-sudoku", "--quiet"]) == 2
     assert "--model blockpress-sudoku: not of the shape of the base" in capsys.readouterr().err
     shutil.copytree(base, tmp_path / "moved")

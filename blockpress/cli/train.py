@@ -206,6 +206,9 @@ def _model_to_train(args: argparse.Namespace, out: Path) -> str | None:
         if model is None:
             raise ValueError(f"--resume: {args.out} holds a LoRA run's adapters, and not the base model they "
                              "adapt; give it again with --model (or --config)")
+        if Path(model).is_absolute() and not Path(model).exists():  # (a folder; shipped names and repo ids are not)
+            raise ValueError(f"--resume: the base model this LoRA run adapts, {model} (recorded in "
+                             f"{out / LORA_BASE_FILE}), is gone; give it where it is now with --model")
         return model
     return args.out  # the run's own last checkpoint; Trainer.resume restores the rest
 
