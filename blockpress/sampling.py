@@ -381,12 +381,13 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return probs_and_entropy(logits)[1]
 
 
-def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample(probs: torch.Tensor, uniforms: torch.Tensor, own_probs: bool = False) -> torch.Tensor:
     """One draw per position from `probs` [..., V] given uniforms [...] in [0, 1): inverse CDF, no host sync.
+    `own_probs`: `probs` may be overwritten (the caller reads them no more): the CDF is summed in place.
 
     (Drawing V exponentials per position for a Gumbel-style race costs ~10x more on CPU.)
     """
-    cdf = torch.cumsum(probs, dim=-1)
+    cdf = probs.cumsum_(-1) if own_probs else torch.cumsum(probs, dim=-1)
     total = cdf[..., -1:]
     # u strictly below the total (u * total can round up to it), and the first index whose cdf exceeds u
     # (right=True): a token of probability 0 never has its cdf step above u, so it is never drawn, also at u = 0.
@@ -506,16 +507,21 @@ class RowDraws:
         return replace(self, temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows])
 
 
-def candidate_probs(draws: RowDraws, logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+def candidate_probs(draws: RowDraws, logits: torch.Tensor, probs: torch.Tensor | None = None,
+                    own_logits: bool = False) -> torch.Tensor:
     """What candidates are drawn from (pass to `sample`): softmax(logits / each row's draw temperature), filtered
     by its top_k and top_p. Both engines draw through it: `denoise_step` with the schedule's tempered logits
     [B, C, V], `run_ar` with the raw ones [B, V] (AR has no schedule: its temperature is the draw temperature).
-    `probs`: softmax(logits), when the caller has it already (reused where every row draws at temperature 1)."""
+    `probs`: softmax(logits), when the caller has it already (reused where every row draws at temperature 1).
+    `own_logits`: `logits` may be overwritten (the caller reads them no more), so the temperature divides them in
+    place rather than in another tensor of their size."""
     if probs is None or draws.tempered:
         t = draws.temperature.clamp(min=MIN_TEMPERATURE).view(-1, *[1] * (logits.dim() - 1))
+        scaled = logits.float()  # (a copy already where the logits are not float32)
+        scaled = scaled.div_(t) if own_logits or scaled is not logits else scaled / t
         # clamped: a huge finite logit (a logits processor's way to favour a token) overflows to +inf below
         # t = 1, and a softmax of +inf is NaN, drawn as the vocabulary's last token
-        probs = torch.softmax((logits.float() / t).clamp_(max=torch.finfo(torch.float32).max), dim=-1)
+        probs = torch.softmax(scaled.clamp_(max=torch.finfo(torch.float32).max), dim=-1)
     if not draws.filtered:
         return probs
     return top_filter(probs, draws.top_k, draws.top_p, k_range=draws.top_k_range, nucleus=draws.nucleus)
@@ -763,8 +769,11 @@ def denoise_step(
         # The draw temperature and filters shape the draws alone; the schedule's `probs` still rank and condition.
         if draws is None:
             draws = RowDraws.of(cfg, argmax.shape[0], argmax.device)
-        drawn = sample(candidate_probs(draws, logits, probs),
-                       torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms)
+        # The logits are read no more (the step's own, or its tempered copy): the draw temperature divides them in
+        # place. Candidates drawn from another softmax than `probs` (tempered, filtered) are summed in place too.
+        drawn_from = candidate_probs(draws, logits, probs, own_logits=True)
+        drawn = sample(drawn_from, torch.rand(argmax.shape, device=argmax.device) if uniforms is None else uniforms,
+                       own_probs=drawn_from is not probs)
         candidates = torch.where(kept, state.canvas, drawn)
 
     # Positions past max_new_tokens are cut away: no rule ranks them (they stay noise), so they neither use up a

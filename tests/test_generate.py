@@ -4334,7 +4334,7 @@ def test_calling_the_model_names_its_two_passes():
 
 
 STEP_PEAK = """
-import gc, json
+import gc, json, sys
 import torch
 import blockpress
 
@@ -4346,23 +4346,27 @@ torch.set_num_threads(1)
 V, B, C = 65536, 2, 256
 lm = blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=V, hidden_size=64, canvas_length=C), seed=0)
 prompt = [[5, 6, 7, 8]] * B
-lm.generate(prompt, max_new_tokens=C, seed=0, max_denoising_steps=2)  # the allocator and lazy imports warmed
+kw = json.loads(sys.argv[1])
+lm.generate(prompt, max_new_tokens=C, seed=0, max_denoising_steps=2, **kw)  # the allocator and lazy imports warmed
 gc.collect()
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS")
-lm.generate(prompt, max_new_tokens=C, seed=1, max_denoising_steps=4)
+lm.generate(prompt, max_new_tokens=C, seed=1, max_denoising_steps=4, **kw)
 print(json.dumps((status("VmHWM") - before) / (B * C * V * 4)))
 """
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="resets the process' peak memory")
-def test_a_denoising_step_holds_three_logits_sized_tensors():
+@pytest.mark.parametrize("settings", [{}, {"sampler": "entropy_bound", "draw_temperature": 0.7}])
+def test_a_denoising_step_holds_three_logits_sized_tensors(settings):
     """A step held 5 float32 tensors of the logits' size [B, C, V] at its peak: the previous step's softmax after the
     pass had read it, and the entropy's product, made apart from `shifted`. For the 26B (V = 262,144) at a batch of
     8 and a 256 canvas that was 10.7 GB where 6.4 do: now the logits, their softmax and `shifted` (a fresh process,
-    its peak memory read around one generate of a narrow model with a wide vocabulary)."""
-    out = subprocess.run([sys.executable, "-c", STEP_PEAK], capture_output=True, text=True, timeout=300)
+    its peak memory read around one generate of a narrow model with a wide vocabulary). A draw temperature (the
+    server's OpenAI temperature) divided the logits into a fourth: now in place."""
+    out = subprocess.run([sys.executable, "-c", STEP_PEAK, json.dumps(settings)], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     copies = json.loads(out.stdout.strip().splitlines()[-1])
     assert copies < 3.5, f"{copies:.2f} logits-sized tensors at the step's peak"
