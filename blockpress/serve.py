@@ -515,6 +515,35 @@ class RequireKey:
         await response(scope, receive, send)
 
 
+def header(scope: dict, name: bytes) -> str | None:
+    """The first value of the request header `name` (lower case), or None where the request sends none."""
+    return next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == name), None)
+
+
+class RequireOrigin:
+    """ASGI middleware: a request from a web page (its Origin header) whose origin is neither one of `origins` nor the
+    server's own (http(s):// and its Host) gets a 403 in OpenAI's error shape, before any of its body is read. CORS
+    alone hides the answer from such a page, not the request from the server: a POST that needs no preflight (a
+    no-cors fetch with a Blob body, which carries no Content-Type, and which FastAPI before 0.132 parses as JSON)
+    would run a generation. A client outside a browser sends no Origin and passes; '*' in `origins` lets any page."""
+
+    def __init__(self, app: Any, origins: Sequence[str]) -> None:
+        self.app, self.origins = app, set(origins)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        origin = header(scope, b"origin") if scope["type"] == "http" else None
+        if origin is None or "*" in self.origins or origin in self.origins:
+            return await self.app(scope, receive, send)
+        host = (header(scope, b"host") or "").lower()
+        if host and origin.lower() in (f"http://{host}", f"https://{host}"):  # a page the server's origin serves
+            return await self.app(scope, receive, send)
+        response = JSONResponse(error_body(f"a web page on {origin!r} may not call this server: only pages on its own "
+                                           "origin or on one that serve's --allowed-origins names (create_app's "
+                                           "allowed_origins) may", "invalid_request_error", None, "origin_not_allowed"),
+                                status_code=403)
+        await response(scope, receive, send)
+
+
 # The most bytes of a refused body read and dropped before its 413 (BodyLimit.drain), so that its connection closes
 # cleanly: past it the body is a client's mistake too large to wait for.
 DRAIN_BYTES = 64 << 20
@@ -1981,12 +2010,14 @@ async def request_validation_error(request: Request, exc: RequestValidationError
 
 
 def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, origins: list[str]) -> None:
-    """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None) and the
-    CORS of `origins`."""
+    """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None), and the
+    CORS of `origins` with the refusal of other pages' requests (RequireOrigin)."""
     # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
     app.add_middleware(BodyLimit, limit=body_bytes)
     if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
         app.add_middleware(RequireKey, key=api_key)
+    # inside CORS: a preflight from a page not allowed is still CORS's to answer (its 400)
+    app.add_middleware(RequireOrigin, origins=origins)
     if origins:  # a browser sends a preflight OPTIONS before a JSON POST from another origin: without this, a 405
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
@@ -2110,7 +2141,8 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
-    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model.
+    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model (a request
+    from a page on another origin gets a 403: RequireOrigin).
     `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
     None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is parsed
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a

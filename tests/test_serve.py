@@ -1690,14 +1690,37 @@ def test_a_web_page_on_an_allowed_origin_can_call_the_api():
     with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:  # by default no page may
         r = http.options("/v1/chat/completions", headers={"Origin": page, **preflight})
         assert "access-control-allow-origin" not in r.headers
-        r = http.post("/v1/completions", json=body, headers={"Origin": page})
-        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = http.post("/v1/completions", json=body, headers={"Origin": page})  # refused, not only hidden
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, allowed_origins=["*"])) as http:
         r = http.options("/v1/completions", headers={"Origin": other, **preflight})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     for bad in ("http://localhost:3000/", "localhost:3000", "http://x.example/app"):  # would never match a browser's
         with pytest.raises(ValueError, match=rf"^allowed_origins: '{bad}' is not an origin; expected scheme://host"):
             create_app(lm, MODEL, allowed_origins=[bad])
+
+
+def test_a_page_on_an_origin_not_allowed_cannot_drive_the_model():
+    """CORS hid the answer from a page on another origin but let its request run: a no-cors fetch with a Blob body
+    sends no Content-Type and needs no preflight, and FastAPI before 0.132 parsed such a body as JSON, so any page the
+    user visited could start generations. Now a request whose Origin is neither allowed nor the server's own gets a
+    403 before it is read, whatever its Content-Type; one from the server's own origin, or without Origin, is served."""
+    from fastapi.testclient import TestClient
+
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2, "seed": 1}).encode()
+    json_type = {"Content-Type": "application/json"}
+    with TestClient(create_app(load_model("random-tiny", None, "cpu"), MODEL, prefix_cache_bytes=0,
+                               allowed_origins=["http://localhost:3000"])) as http:
+        for headers in ({}, json_type):  # the Blob's POST has no Content-Type
+            r = http.post("/v1/completions", content=body, headers={"Origin": "https://evil.example", **headers})
+            assert r.status_code == 403 and "access-control-allow-origin" not in r.headers, r.text
+            error = r.json()["error"]
+            assert error["code"] == "origin_not_allowed" and "'https://evil.example'" in error["message"], error
+            assert "--allowed-origins" in error["message"]
+        # the server's own origin (TestClient's Host is testserver), an allowed one, and a client with no Origin pass
+        for origin in ({"Origin": "http://testserver"}, {"Origin": "http://localhost:3000"}, {}):
+            r = http.post("/v1/completions", content=body, headers={**json_type, **origin})
+            assert r.status_code == 200, (origin, r.text)
 
 
 def test_suffix_fills_exactly_max_tokens_before_it(client, server):

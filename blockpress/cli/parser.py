@@ -361,7 +361,8 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="origins of web pages allowed to call the API from a browser (CORS), as the browser sends "
                         "them: http://localhost:3000 (no path, no trailing slash), or '*' for any (default: none, "
-                        "so only clients outside a browser, and pages served from the server's own origin, can)")
+                        "so only clients outside a browser, and pages served from the server's own origin, can); a request "
+                        "from any other page gets a 403")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require this key of every request to /v1 (`Authorization: Bearer KEY`, the header the openai "
                         "client sends the key it is given in; others get a 401; /health and /metrics stay open), as vLLM's "
