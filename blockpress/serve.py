@@ -79,6 +79,7 @@ import email.message
 import functools
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -540,6 +541,47 @@ class RequireOrigin:
         response = JSONResponse(error_body(f"a web page on {origin!r} may not call this server: only pages on its own "
                                            "origin or on one that serve's --allowed-origins names (create_app's "
                                            "allowed_origins) may", "invalid_request_error", None, "origin_not_allowed"),
+                                status_code=403)
+        await response(scope, receive, send)
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host names a request at a loopback address may carry
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an ASGI scope's server host) is a loopback IP address, IPv4-mapped ones included (a
+    dual-stack socket sees 127.0.0.1 as ::ffff:127.0.0.1); a name or a Unix socket's path is not."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return (ip.ipv4_mapped or ip).is_loopback if isinstance(ip, ipaddress.IPv6Address) else ip.is_loopback
+
+
+class RequireHost:
+    """ASGI middleware: a request that reached the server at a loopback address must name in its Host header one of
+    LOOPBACK_HOSTS or of `hosts` (any port; '*' in `hosts`: any name), else a 403 naming its Host. DNS rebinding: a
+    page on evil.example whose name the attacker then points at 127.0.0.1 is, to the browser, on the server's own
+    origin, so it could drive the model and read every answer (CORS and RequireOrigin see a same-origin page); its
+    requests still say `Host: evil.example`. A request at another address (a server listening beyond loopback) is
+    not checked: there an API key guards it."""
+
+    def __init__(self, app: Any, hosts: Sequence[str]) -> None:
+        self.app, self.hosts = app, {*LOOPBACK_HOSTS, *(h.lower() for h in hosts)}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        server = scope.get("server") or ("",)
+        if scope["type"] != "http" or "*" in self.hosts or not is_loopback(str(server[0])):
+            return await self.app(scope, receive, send)
+        host = header(scope, b"host")
+        # the name without its port: "[::1]" of "[::1]:8000", "localhost" of "localhost:8000"
+        name = (host.partition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]) if host else None
+        if name is None or name.lower() in self.hosts:  # (no Host: HTTP/1.0, never a browser)
+            return await self.app(scope, receive, send)
+        response = JSONResponse(error_body(f"Host {host!r} is not this server's: at a loopback address it answers "
+                                           f"only {', '.join(LOOPBACK_HOSTS)} (any port) and the names serve's "
+                                           "--allowed-hosts gives (create_app's allowed_hosts; a reverse proxy's "
+                                           "public name)", "invalid_request_error", None, "host_not_allowed"),
                                 status_code=403)
         await response(scope, receive, send)
 
@@ -2009,9 +2051,10 @@ async def request_validation_error(request: Request, exc: RequestValidationError
     return validation_error(exc, request.headers.get("content-type"))
 
 
-def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, origins: list[str]) -> None:
-    """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None), and the
-    CORS of `origins` with the refusal of other pages' requests (RequireOrigin)."""
+def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, origins: list[str],
+                         hosts: list[str]) -> None:
+    """The app's middleware: the limit on a request's body, the key check (none where `api_key` is None), the
+    CORS of `origins` with the refusal of other pages' requests (RequireOrigin), and the Host check of `hosts`."""
     # innermost: the key is checked (RequireKey) before a body is read, and CORS lets a page read the 413
     app.add_middleware(BodyLimit, limit=body_bytes)
     if api_key is not None:  # added first, so that CORS (added after it) wraps it: see RequireKey
@@ -2022,6 +2065,7 @@ def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, ori
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"],  # (the openai JS client sends its x-stainless-* headers)
                            expose_headers=["Retry-After"])  # a 429's back-off, for the page to read
+    app.add_middleware(RequireHost, hosts=hosts)  # outermost: a rebound name is refused before anything else
 
 
 def template_messages(state: ServerState, body: ChatRequest) -> list[dict]:
@@ -2135,14 +2179,16 @@ async def completion_reply(state: ServerState, body: CompletionRequest, request:
 
 def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
-               allowed_origins: Sequence[str] = (), api_key: str | None = None,
+               allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (), api_key: str | None = None,
                max_body_bytes: int | None = None, max_stops: int = 16,
                chat_template_kwargs: dict[str, Any] | None = None) -> FastAPI:
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
     call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model (a request
-    from a page on another origin gets a 403: RequireOrigin).
+    from a page on another origin gets a 403: RequireOrigin). `allowed_hosts`: Host names (without the port) that a request reaching the
+    server at a loopback address may carry besides localhost, 127.0.0.1 and [::1] ("*": any), such as the public name a
+    reverse proxy passes on; others get a 403, which stops DNS rebinding (RequireHost).
     `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
     None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is parsed
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a
@@ -2152,7 +2198,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     own chat_template_kwargs win, name by name."""
     limits = check_serving(lm, max_queue=max_queue, max_batch=max_batch, max_context=max_context,
                            prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, max_stops=max_stops)
-    origins, api_key = check_origins(allowed_origins), check_api_key(api_key)
+    origins, hosts, api_key = check_origins(allowed_origins), check_hosts(allowed_hosts), check_api_key(api_key)
     template_defaults = template_variables(chat_template_kwargs)
     engine = Engine(lm, max_queue=limits.max_queue, max_batch=limits.max_batch,
                     prefix_cache=PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes > 0 else None)
@@ -2180,7 +2226,8 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
             raise APIError(503, "the server has shut down", None, "server_error")
         return state
 
-    add_middleware_stack(app, limits.max_body_bytes or body_limit(state.context, token_chars), api_key, origins)
+    add_middleware_stack(app, limits.max_body_bytes or body_limit(state.context, token_chars), api_key, origins,
+                         hosts)
     # errors in OpenAI's shape: the API's own, an unknown route or method, a body that does not parse
     app.exception_handler(APIError)(api_error)
     app.exception_handler(StarletteHTTPException)(http_error)
@@ -2240,6 +2287,18 @@ def check_origins(origins: Sequence[str]) -> list[str]:
             raise ValueError(f"allowed_origins: {origin!r} is not an origin; expected scheme://host[:port] as a "
                              "browser sends it (no path, no trailing slash), or '*' for any")
     return list(origins)
+
+
+def check_hosts(hosts: Sequence[str]) -> list[str]:
+    """`create_app`'s allowed_hosts, each "*" or a name as a Host header carries it, without the port
+    (api.example.com, 10.0.0.5, [::1]): one with a scheme, a path or a port would never match."""
+    if isinstance(hosts, str):
+        raise ValueError(f"allowed_hosts: expected a list of host names, got the string {hosts!r}")
+    for host in hosts:
+        if host != "*" and not (isinstance(host, str) and re.fullmatch(r"\[[0-9a-fA-F:.]+\]|[^\s/:@\[\]]+", host)):
+            raise ValueError(f"allowed_hosts: {host!r} is not a host name; expected a name as a Host header carries "
+                             "it, without the port (api.example.com, 10.0.0.5, [::1]), or '*' for any")
+    return list(hosts)
 
 
 def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0,

@@ -996,7 +996,7 @@ def test_a_client_that_leaves_a_batch_before_its_first_canvas_leaves_its_batchma
         data = json.dumps(b).encode()
         host, port = server[0].removeprefix("http://").split(":")
         leaver = socket.create_connection((host, int(port)))  # a client that sends its request, then closes
-        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
         stays = pool.submit(httpx.post, server[0] + "/v1/completions", json={**b, "seed": 6}, timeout=10)
         deadline = time.monotonic() + 30
@@ -1509,7 +1509,7 @@ def test_a_chunked_body_over_the_limit_sent_after_100_continue_gets_its_413_whol
     chunk = b"a" * 65536
     try:
         with socket.create_connection((host, int(port)), timeout=30) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n")
             assert conn.recv(100).startswith(b"HTTP/1.1 100 Continue")
             for _ in range(32):  # 2 MiB, 20x the limit
@@ -1721,6 +1721,45 @@ def test_a_page_on_an_origin_not_allowed_cannot_drive_the_model():
         for origin in ({"Origin": "http://testserver"}, {"Origin": "http://localhost:3000"}, {}):
             r = http.post("/v1/completions", content=body, headers={**json_type, **origin})
             assert r.status_code == 200, (origin, r.text)
+
+
+def test_a_request_at_loopback_must_name_a_loopback_host(server):
+    """DNS rebinding: a server on 127.0.0.1 answered any Host, so a page on evil.example whose name was then pointed
+    at 127.0.0.1 was on the server's own origin and could drive the model and read its answers. At a loopback
+    address only localhost, 127.0.0.1 and [::1] (any port) and the names allowed_hosts gives (serve's
+    --allowed-hosts, for a reverse proxy) pass; another Host gets a 403 naming it. Elsewhere nothing is checked."""
+    port = server[0].rpartition(":")[2]
+    for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LocalHost"):
+        assert httpx.get(server[0] + "/v1/models", headers={"Host": host}).status_code == 200, host
+    for host in (f"evil.example:{port}", "evil.example", "localhost.evil.example", "127.0.0.1.evil.example"):
+        r = httpx.get(server[0] + "/v1/models", headers={"Host": host})
+        error = r.json()["error"]
+        assert r.status_code == 403 and error["code"] == "host_not_allowed" and repr(host) in error["message"], r.text
+        assert "--allowed-hosts" in error["message"]
+    from blockpress.serve import RequireHost
+
+    passed = []
+
+    async def app(scope, receive, send):
+        passed.append(scope["server"][0])
+
+    async def send(message):
+        pass
+
+    def call(hosts, server, host):
+        scope = {"type": "http", "path": "/v1/models", "server": (server, 8000), "headers": [(b"host", host)]}
+        passed.clear()
+        asyncio.run(RequireHost(app, hosts)(scope, None, send))
+        return bool(passed)
+
+    assert call(["api.example.com"], "127.0.0.1", b"API.example.com:443")  # a reverse proxy's name, any port
+    assert call(["api.example.com"], "::ffff:127.0.0.1", b"localhost:8000")
+    assert not call(["api.example.com"], "::ffff:127.0.0.1", b"evil.example")  # (a dual-stack socket's 127.0.0.1)
+    assert not call([], "::1", b"evil.example") and call(["*"], "::1", b"evil.example")
+    assert call([], "10.0.0.5", b"evil.example")  # beyond loopback: the API key's to guard
+    for bad in ("http://api.example.com", "api.example.com:443", "::1", "a b"):
+        with pytest.raises(ValueError, match=r"^allowed_hosts: .* is not a host name; expected a name as a Host"):
+            create_app(server[1].state.engine.lm, MODEL, allowed_hosts=[bad])
 
 
 def test_suffix_fills_exactly_max_tokens_before_it(client, server):

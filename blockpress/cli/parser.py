@@ -363,6 +363,12 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
                         "them: http://localhost:3000 (no path, no trailing slash), or '*' for any (default: none, "
                         "so only clients outside a browser, and pages served from the server's own origin, can); a request "
                         "from any other page gets a 403")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host names (as the Host header carries them, without the port) that a request reaching the "
+                        "server at a loopback address may name besides localhost, 127.0.0.1 and [::1], or '*' for any: "
+                        "the public name a reverse proxy on this machine passes on (default: none; another Host gets "
+                        "a 403, which stops DNS rebinding: a page whose name is pointed at 127.0.0.1 would otherwise "
+                        "be on the server's own origin and read its answers)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require this key of every request to /v1 (`Authorization: Bearer KEY`, the header the openai "
                         "client sends the key it is given in; others get a 401; /health and /metrics stay open), as vLLM's "

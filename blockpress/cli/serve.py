@@ -51,9 +51,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port: expected 0-65535 (0: any free port), got {args.port}")
     import uvicorn
 
-    from blockpress.serve import check_api_key, check_origins, create_app, header_deadline_protocol, warm_up
+    from blockpress.serve import (
+        check_api_key,
+        check_hosts,
+        check_origins,
+        create_app,
+        header_deadline_protocol,
+        warm_up,
+    )
 
     check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
+    check_hosts(args.allowed_hosts or ())
     # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
     api_key = check_api_key(args.api_key if args.api_key is not None else os.environ.get("BLOCKPRESS_API_KEY") or None)
     sock = bind_socket(args.host, args.port)  # first: a port in use fails before the model loads
@@ -65,7 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
-                     api_key=api_key, max_body_bytes=args.max_body_bytes, max_stops=args.max_stops,
+                     allowed_hosts=args.allowed_hosts or (), api_key=api_key, max_body_bytes=args.max_body_bytes,
+                     max_stops=args.max_stops,
                      chat_template_kwargs=args.chat_template_kwargs)
     if args.compile or args.cuda_graphs:
         # Here, before the engine thread that owns the model starts, so the first clients do not wait minutes for the
