@@ -1762,6 +1762,39 @@ def test_a_request_at_loopback_must_name_a_loopback_host(server):
             create_app(server[1].state.engine.lm, MODEL, allowed_hosts=[bad])
 
 
+def test_a_chat_request_s_tools_and_template_variables_are_checked_off_the_event_loop(monkeypatch):
+    """A chat request's tools were dumped and its chat_template_kwargs checked (every text in them) on the event
+    loop, while its messages went to a worker thread: a 3 MB request held every other client, /health included, for
+    about 3 s. Both now run in a worker thread, where no event loop runs."""
+    from fastapi.testclient import TestClient
+
+    import blockpress.serve as serve
+
+    on_loop = {}
+
+    def running_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    def watched(name, run):
+        def call(*args, **kwargs):
+            on_loop[name] = running_loop()
+            return run(*args, **kwargs)
+        return call
+
+    app = create_app(load_model("random-tiny", None, "cpu"), MODEL, prefix_cache_bytes=0)
+    monkeypatch.setattr(serve, "template_variables", watched("template_variables", serve.template_variables))
+    monkeypatch.setattr(serve.ChatRequest, "template_tools", watched("template_tools", serve.ChatRequest.template_tools))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with TestClient(app) as http:
+        http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 1, "tools": [tool], "chat_template_kwargs": {"x": 1}})
+    assert on_loop == {"template_variables": False, "template_tools": False}, on_loop
+
+
 def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     """OpenAI's insert mode on the constrained canvas: the answer is max_tokens tokens that lead into the suffix,
     what the library's own template generation gives; streamed, it reassembles to the same text."""
