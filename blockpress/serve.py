@@ -589,6 +589,8 @@ class RequireHost:
 # The most bytes of a refused body read and dropped before its 413 (BodyLimit.drain), so that its connection closes
 # cleanly: past it the body is a client's mistake too large to wait for.
 DRAIN_BYTES = 64 << 20
+# Seconds for a request's whole body to arrive (BodyLimit): 35 KB/s for the 4 MiB default limit of blockpress-code.
+BODY_TIMEOUT = 120.0
 
 
 class BodyLimit:
@@ -601,30 +603,37 @@ class BodyLimit:
     body read here is handed on to the app as one message (it is read whole anyway), then the client's own, so
     a disconnect still reaches a stream. A client that stops sending mid-body gets a 408 after `idle_timeout`
     seconds without a byte (nginx's client_body_timeout): else a connection that sends a Content-Length and then
-    nothing would be held open for good, so a few hundred such clients could take every file descriptor."""
+    nothing would be held open for good, so a few hundred such clients could take every file descriptor. So does a
+    body not whole within `body_timeout` seconds of its headers: the idle timer restarts at every byte, so a byte
+    every 59 s would hold the connection as long as the limit lasts (years), as the whole header is timed for the
+    same reason (header_deadline_protocol)."""
 
-    def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0, drain_bytes: int = DRAIN_BYTES) -> None:
+    def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0, drain_bytes: int = DRAIN_BYTES,
+                 body_timeout: float = BODY_TIMEOUT) -> None:
         self.app, self.limit, self.idle_timeout, self.drain_bytes = app, limit, idle_timeout, drain_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.body_timeout  # for the whole body, a drain's included
         declared = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
         if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
             return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than", True,
-                                     int(declared[0]), started=False)
+                                     int(declared[0]), started=False, deadline=deadline)
         chunks: list[bytes] = []
         size = 0
         message: dict[str, Any] = {"type": "http.request", "body": b"", "more_body": True}  # an ASGI message
         while message["type"] == "http.request" and message.get("more_body", False):
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                message = await asyncio.wait_for(receive(), min(self.idle_timeout, max(left, 0.0)))
             except TimeoutError:
-                return await self.timed_out(scope, receive, send)
+                return await self.timed_out(scope, receive, send, whole=left < self.idle_timeout)
             size += len(message.get("body", b""))
             if size > self.limit:
                 return await self.refuse(scope, receive, send, "is more than", message.get("more_body", False),
-                                         started=True)
+                                         started=True, deadline=deadline)
             chunks.append(message.get("body", b""))
         first = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}
                  if message["type"] == "http.request" else message]  # (a client that left mid-body: its disconnect)
@@ -634,26 +643,31 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def timed_out(self, scope: dict, receive: Any, send: Any) -> None:
+    async def timed_out(self, scope: dict, receive: Any, send: Any, whole: bool) -> None:
+        """The 408 of a body that stopped arriving, or (`whole`) that was not whole by its deadline."""
+        late = (f"it did not arrive whole within {self.body_timeout:g} s" if whole else
+                f"nothing came for {self.idle_timeout:g} s")
         await self.close_with(scope, receive, send, 408, "request_timeout",
-                              f"the request body stopped arriving: nothing came for {self.idle_timeout:g} s, so the "
-                              "request was given up; send the whole body at once")
+                              f"the request body stopped arriving: {late}, so the request was given up; send the "
+                              "whole body at once")
 
     async def refuse(self, scope: dict, receive: Any, send: Any, size: str, more: bool,
-                     declared: int | None = None, *, started: bool) -> None:
-        await self.drain(scope, receive, more, declared, started)
+                     declared: int | None = None, *, started: bool, deadline: float) -> None:
+        await self.drain(scope, receive, more, declared, started, deadline)
         await self.close_with(scope, receive, send, 413, "request_too_large",
                               f"the request body {size} the {self.limit} bytes this server takes (room for the "
                               "context's text as JSON; serve's --max-body-bytes sets it)")
 
-    async def drain(self, scope: dict, receive: Any, more: bool, declared: int | None, started: bool) -> None:
+    async def drain(self, scope: dict, receive: Any, more: bool, declared: int | None, started: bool,
+                    deadline: float) -> None:
         """Read the rest of a refused body (`more`: some is still to come), dropping it, before the 413: a
         connection closed with bytes of it unread is reset (TCP RST), which can destroy the answer on its way, so
         the client reads a connection error in place of the 413 (httpx's AsyncClient, the openai AsyncOpenAI
         client's), and an openai client sends the body again on a connection error. As
         nginx's lingering close, within bounds: not past `drain_bytes` (nor a body declared longer: it is closed
-        at once), nor past `idle_timeout` without a byte, nor where the client waits for `100 Continue` before
-        it sends any and none was read (not `started`: it reads the 413 first). Once a read asked for the body,
+        at once), nor past `idle_timeout` without a byte or the body's `deadline` (the event loop's time), nor
+        where the client waits for `100 Continue` before it sends any and none was read (not `started`: it reads
+        the 413 first). Once a read asked for the body,
         the server has sent `100 Continue` and the client is sending: a chunked body over the limit with `Expect:
         100-continue` (curl's default) would otherwise get the 413's headers and then a reset, its body lost."""
         expects = [v for k, v in scope.get("headers", []) if k.lower() == b"expect"]
@@ -662,8 +676,9 @@ class BodyLimit:
             return
         drained = 0
         while more and drained <= self.drain_bytes:
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                message = await asyncio.wait_for(receive(), min(self.idle_timeout, max(left, 0.0)))
             except TimeoutError:
                 return
             if message["type"] != "http.request":  # the client left

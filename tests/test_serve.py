@@ -1559,6 +1559,38 @@ def test_a_body_that_stops_arriving_is_a_408():
     assert reached == [b"{}"] and not sent  # slow, but each chunk within the timeout
 
 
+def test_a_body_that_trickles_in_is_a_408_at_its_deadline():
+    """The idle timeout restarted at every byte, so a client that sent a Content-Length and then a byte every 59 s
+    held its connection for good. The whole body now has a deadline too, as the header has: past it a 408 that says
+    so, the connection closed, and nothing handed on."""
+    from blockpress.serve import BodyLimit
+
+    sent, reached = [], []
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):
+        reached.append(await receive())
+
+    async def trickle():  # a byte every 0.1 s, well within the idle timeout, and never the end
+        await asyncio.sleep(0.1)
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    started = time.monotonic()
+    asyncio.run(BodyLimit(app, 5000, idle_timeout=0.6, body_timeout=1.0)(scope, trickle, send))
+    assert time.monotonic() - started < 2.5 and not reached
+    assert sent[0]["status"] == 408 and dict(sent[0]["headers"])[b"connection"] == b"close"
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == "request_timeout" and "did not arrive whole within 1 s" in error["message"], error
+    # a refused body's drain keeps the same deadline: a trickle past the limit is not read for good either
+    sent.clear()
+    started = time.monotonic()
+    asyncio.run(BodyLimit(app, 0, idle_timeout=0.6, body_timeout=1.0)(scope, trickle, send))
+    assert time.monotonic() - started < 2.5 and sent[0]["status"] == 413 and not reached
+
+
 def test_headers_that_do_not_arrive_in_time_are_a_408():
     """uvicorn timed nothing before a first response and reset its keep-alive timer on every byte, so a client
     that connected and sent nothing, half a request line, or a header byte now and then held a file descriptor
