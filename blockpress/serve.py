@@ -2086,6 +2086,12 @@ def add_middleware_stack(app: FastAPI, body_bytes: int, api_key: str | None, ori
 def template_messages(state: ServerState, body: ChatRequest) -> list[dict]:
     """The messages, each checked, as the template takes them: in a worker thread, as checking a conversation of tens of
     thousands of messages on the event loop would hold every other client."""
+    # a template renders each message as a token at least (its turn's marker), so more messages than the context
+    # has tokens never fit: refused before a render that would run past TEMPLATE_SECONDS (150,000 one-character
+    # messages took 25 s), whose error is the 500 of a broken template, which clients retry
+    if len(body.messages) > state.context:
+        raise APIError(400, f"messages: {len(body.messages)} messages cannot fit the context of {state.context} "
+                            "tokens (each one the template renders takes a token at least)", "messages")
     for i, message in enumerate(body.messages):
         message.check(i)
     # the template renders every message's text: more than the context can hold is refused before rendering

@@ -1827,6 +1827,25 @@ def test_a_chat_request_s_tools_and_template_variables_are_checked_off_the_event
     assert on_loop == {"template_variables": False, "template_tools": False}, on_loop
 
 
+def test_more_messages_than_the_context_has_tokens_are_a_400(monkeypatch):
+    """A conversation of more messages than the context could ever hold ran the chat template until its time limit
+    (25 s for 150,000 one-character messages) and was answered 500 server_error, blamed on the template, which the
+    openai client retries twice. It is now a 400 naming `messages` before any render (here a template given no time
+    at all would fail any render it started)."""
+    from fastapi.testclient import TestClient
+
+    import blockpress.tokenizer as tokenizer
+
+    monkeypatch.setattr(tokenizer, "TEMPLATE_SECONDS", 1e-9)
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "x"} for i in range(41)]
+    with TestClient(create_app(load_model("random-tiny", None, "cpu"), MODEL, prefix_cache_bytes=0,
+                               max_context=40)) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and error["type"] == "invalid_request_error", r.text
+    assert error["message"].startswith("messages: 41 messages cannot fit the context of 40 tokens"), error
+
+
 def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     """OpenAI's insert mode on the constrained canvas: the answer is max_tokens tokens that lead into the suffix,
     what the library's own template generation gives; streamed, it reassembles to the same text."""
