@@ -83,8 +83,10 @@ def base_puzzles(n: int, seed0: int, cache: Path | None = None, workers: int = 1
         text = cache.read_text()
         lines = text.splitlines()[: None if text.endswith("\n") else -1]  # a last line cut short by a kill
         rows = [json.loads(line) for line in lines]
+        # every row kept is checked, not only the first len(levels): a cache of easy,medium,hard starts as one of
+        # easy,medium does, and was taken for it (the run trained on the hard boards it was told to skip)
         if rows and rows[0]["seed"] == seed0 and all(r["difficulty"] == levels[i % len(levels)]
-                                                     for i, r in enumerate(rows[: len(levels)])):
+                                                     for i, r in enumerate(rows[:n])):
             have = [Puzzle(**row) for row in rows[:n]]
         elif rows:  # another run's puzzles: replaced by this run's, they were lost (up to 150k, tens of CPU minutes)
             made = ",".join(dict.fromkeys(r["difficulty"] for r in rows[: len(DIFFICULTIES)]))

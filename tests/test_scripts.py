@@ -394,6 +394,21 @@ def test_train_sudoku_levels_pick_the_difficulties_and_keep_their_own_cache(tmp_
     assert code == 2 and "--levels" in err and "Traceback" not in err
 
 
+def test_train_sudoku_cache_of_more_levels_is_refused_though_it_starts_as_the_runs_levels(tmp_path):
+    """A cache of easy,medium,hard begins as one of easy,medium would (its first two rows): only those were
+    compared, so a run of --levels easy,medium trained on the hard boards from its third row on, without a word."""
+    cache = tmp_path / "puzzles.jsonl"
+    base_puzzles = train_sudoku_module().base_puzzles
+    base_puzzles(4, 0, cache)  # easy, medium, hard, easy
+    before = cache.read_text()
+    with pytest.raises(ValueError, match="holds 4 puzzles of --levels easy,medium,hard from seed 0, not of --levels "
+                                         "easy,medium from seed 0"):
+        base_puzzles(4, 0, cache, levels=("easy", "medium"))
+    assert cache.read_text() == before
+    # the rows it keeps that are the run's own are still reused: the first two are easy, medium either way
+    assert [p.difficulty for p in base_puzzles(2, 0, cache, levels=("easy", "medium"))] == ["easy", "medium"]
+
+
 def test_train_sudoku_init_from_and_resume_keep_the_models_decoding_defaults(tmp_path):
     """A continued model decodes as the model it continues (the shipped one's sampler, steps and temperatures were
     tuned for it; they were replaced by a fresh model's 32 steps), and a resumed run as it saved them."""
