@@ -2,8 +2,9 @@
 
 Weights are stored in bfloat16 (half the bytes; this CPU family computes bf16 natively), with the
 tokenizer, generation defaults, the training metrics and, for code models, the corpus manifest (which
-modules were held out). The package is built beside the old one, loaded once and size-checked, and only then
-takes its place: a failure (over --max-mb, bad settings, a missing file) leaves the shipped model as it was.
+modules were held out: the checkpoint's own corpus_manifest.json, unless --manifest gives another). The
+package is built beside the old one, loaded once and size-checked, and only then takes its place: a failure
+(over --max-mb, bad settings, a missing file) leaves the shipped model as it was.
 
     python scripts/package_model.py runs/code blockpress-code --manifest corpus/manifest.json
 """
@@ -29,7 +30,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="the trained checkpoint folder")
     ap.add_argument("name", help="the model's name in the package: letters, digits, '-', '_' and '.'")
-    ap.add_argument("--manifest", default=None, help="corpus manifest.json to ship as corpus_manifest.json")
+    ap.add_argument("--manifest", default=None, help="corpus manifest.json to ship as corpus_manifest.json "
+                    "(default: the checkpoint's own corpus_manifest.json, where it has one)")
     ap.add_argument("--generation", default=None, help="JSON object of generation defaults to write")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-mb", type=float, default=25.0)
@@ -53,10 +55,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=MODELS) as tmp:
         new = Path(tmp) / args.name
         lm.save(new)
-        for extra in ("metrics.jsonl", "summary.json"):
+        # corpus_manifest.json too: re-packaging a shipped code model (new --generation defaults) dropped it, and
+        # with it the record of the held-out modules the code benchmarks evaluate on
+        for extra in ("metrics.jsonl", "summary.json", "corpus_manifest.json"):
             if (src / extra).exists():
                 shutil.copy(src / extra, new / extra)
-        if args.manifest:
+        if args.manifest:  # over the checkpoint's own
             shutil.copy(args.manifest, new / "corpus_manifest.json")
         size = sum(f.stat().st_size for f in new.iterdir()) / 1e6
         if size > args.max_mb:

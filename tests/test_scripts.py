@@ -1018,6 +1018,32 @@ def test_package_model_over_its_size_limit_says_it_as_its_other_refusals(tmp_pat
     assert sorted(p.name for p in models.iterdir()) == before
 
 
+def test_package_model_carries_the_checkpoints_corpus_manifest_over(tmp_path, monkeypatch, capsys):
+    """Re-packaging a code model (new --generation defaults) without --manifest dropped its corpus_manifest.json,
+    the record of its held-out modules, where metrics.jsonl and summary.json came along: the code benchmarks then
+    stopped with "no corpus manifest". A --manifest given still replaces it."""
+    import shutil
+
+    import blockpress
+
+    src = tmp_path / "ckpt"
+    blockpress.random_model(blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8)).save(src)
+    (src / "corpus_manifest.json").write_text('{"heldout_modules": ["chunk.py"]}')
+    (src / "summary.json").write_text("{}")
+    other = tmp_path / "other.json"
+    other.write_text('{"heldout_modules": ["other.py"]}')
+    dst = ROOT / "blockpress" / "models" / "tiny-manifest-test"  # where the script writes; removed after
+    try:
+        for extra, shipped in (([], src / "corpus_manifest.json"), (["--manifest", str(other)], other)):
+            code, _, err = run_script_in_process("scripts/package_model.py", [str(src), dst.name, "--dtype", "float32",
+                                                 *extra], monkeypatch, capsys)
+            assert code in (0, None), err
+            assert (dst / "corpus_manifest.json").read_text() == shipped.read_text()
+            assert (dst / "summary.json").read_text() == "{}"
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+
+
 def test_load_memory_peak_is_the_childs_own():
     """A child inherits its parent's peak resident size across fork and exec: the peak read in the child was the
     parent's (which had just built and saved the model), so the reported peak growth came out far below the
