@@ -22,10 +22,12 @@ from pathlib import Path
 from script_args import progress
 
 from blockpress.data import write_shard
-from blockpress.tokenizer import Tokenizer, train_bpe_tokenizer
+from blockpress.tokenizer import DEFAULT_SPECIAL_TOKENS, Tokenizer, train_bpe_tokenizer
 
 SKIP_PARTS = {"site-packages", "__pycache__", "ensurepip"}
 MAX_BYTES = 200_000  # generated tables (unicode data, encodings) teach nothing about code
+# the byte alphabet and the special tokens: a smaller --vocab-size was silently this one (no merges learnt)
+MIN_VOCAB = 256 + len(DEFAULT_SPECIAL_TOKENS)
 
 
 def stdlib_files(root: Path) -> list[Path]:
@@ -48,13 +50,23 @@ def is_heldout(rel: str, fraction: float) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--heldout", type=float, default=0.05, help="fraction of modules held out")
-    ap.add_argument("--max-files", type=int, default=0, help="use only the first N files (smoke tests)")
+    ap.add_argument("--vocab-size", type=int, default=8192,
+                    help=f"tokenizer vocabulary, at least {MIN_VOCAB} (the 256 bytes and the special tokens)")
+    ap.add_argument("--heldout", type=float, default=0.05, help="fraction of modules held out, in [0, 1)")
+    ap.add_argument("--max-files", type=int, default=0, help="use only the first N files (smoke tests); 0: all")
     ap.add_argument("--tokenizer", default=None,
                     help="encode with this folder's tokenizer instead of training one (e.g. blockpress/models/"
                          "blockpress-code, to rebuild the corpus that model was trained on)")
     args = ap.parse_args()
+    # Before any work: --heldout 1.5 held out every file (an empty train.bin, a tokenizer trained on nothing),
+    # -1 none; --max-files -1 sliced off the last file; --vocab-size 10 gave a vocabulary of 262, all exit 0.
+    if not 0 <= args.heldout < 1:
+        ap.error(f"--heldout: expected a fraction in [0, 1), got {args.heldout:g}")
+    if args.max_files < 0:
+        ap.error(f"--max-files: expected an integer >= 0 (0: every file), got {args.max_files}")
+    if args.vocab_size < MIN_VOCAB:
+        ap.error(f"--vocab-size: expected at least {MIN_VOCAB} (the 256 bytes and {len(DEFAULT_SPECIAL_TOKENS)} "
+                 f"special tokens), got {args.vocab_size}")
     root = Path(sysconfig.get_paths()["stdlib"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,6 +83,9 @@ def main() -> None:
         seen.add(digest)
         rel = str(path.relative_to(root))
         (held if is_heldout(rel, args.heldout) else train).append((rel, text))
+    if not train:  # a few --max-files under a large --heldout: nothing to train the tokenizer or a model on
+        ap.error(f"--heldout {args.heldout:g}: all {len(held)} files read were held out, none is left to train on; "
+                 "a smaller --heldout or a larger --max-files")
 
     if args.tokenizer:
         tokenizer = Tokenizer.from_dir(args.tokenizer)

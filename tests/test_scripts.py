@@ -991,6 +991,25 @@ def test_serve_load_p95_is_never_below_the_median(values):
     assert p95 in lat and p95 >= statistics.median(lat) and nearest_rank(lat, 1.0) == lat[-1]
 
 
+@pytest.mark.parametrize("argv, message", [
+    # every file held out: an empty train.bin and a tokenizer trained on nothing (exit 0)
+    (["--heldout", "1.5"], "--heldout: expected a fraction in [0, 1), got 1.5"),
+    (["--heldout", "-1"], "--heldout: expected a fraction in [0, 1), got -1"),  # none held out
+    (["--max-files", "-1"], "--max-files: expected an integer >= 0 (0: every file), got -1"),  # files[:-1]
+    (["--vocab-size", "10"], "--vocab-size: expected at least 262 (the 256 bytes and 6 special tokens), got 10"),
+    # one file read, held out (its hash is below 0.999999): nothing left to train on
+    (["--heldout", "0.999999", "--max-files", "1"], "--heldout 0.999999: all 1 files read were held out, none is "
+                                                    "left to train on"),
+])
+def test_build_code_corpus_refuses_flags_that_make_a_broken_corpus(tmp_path, monkeypatch, capsys, argv, message):
+    """Each was a corpus written with exit 0: the flag's values were never checked."""
+    code, out, err = run_script_in_process("scripts/build_code_corpus.py", ["--out", str(tmp_path / "c"), *argv],
+                                           monkeypatch, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert f"build_code_corpus.py: error: {message}" in err
+    assert not (tmp_path / "c" / "train.bin").exists()
+
+
 @pytest.mark.parametrize("name", ["", ".", "..", "../escape", "a/b"])
 def test_package_model_refuses_names_outside_the_models_folder(name):
     """"" or "." named the models folder itself: packaging replaced every shipped model with the new one."""
