@@ -48,12 +48,18 @@ def main() -> None:
                         ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             ap.error(f"{flag}: expected a positive integer, got {value}")
+    if args.test_functions < 0:  # was a slice from the end of the list, into the functions validated on
+        ap.error(f"--test-functions: expected an integer >= 0, got {args.test_functions}")
     sampled = json_flag(ap, "--sampled", args.sampled, "object")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
-    funcs = model_heldout_functions(lm.path, None, seed=0)[args.test_functions : args.test_functions + args.functions]
+    funcs = model_heldout_functions(lm.path, None, seed=0)
+    if args.test_functions >= len(funcs):  # none left to validate on: a ZeroDivisionError after the model loaded
+        ap.error(f"--test-functions: {args.test_functions} skips all {len(funcs)} held-out functions; at most "
+                 f"{len(funcs) - 1} leaves one to validate on")
+    funcs = funcs[args.test_functions : args.test_functions + args.functions]
     hits = {"greedy": 0, "best_total": 0, "best_mean": 0, "any": 0}
     for i, f in enumerate(funcs):
         prompt = lm.tokenizer.encode(f.prompt_text, add_bos=True)[-256:]

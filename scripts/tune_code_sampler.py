@@ -53,6 +53,8 @@ def main() -> None:
                         ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             ap.error(f"{flag}: expected a positive integer, got {value}")
+    if args.test_functions < 0:  # was a slice from the end of the list, into the functions validated on
+        ap.error(f"--test-functions: expected an integer >= 0, got {args.test_functions}")
     settings = SETTINGS
     if args.settings is not None:
         settings = json_flag(ap, "--settings", args.settings, "objects")
@@ -61,6 +63,9 @@ def main() -> None:
         warnings.simplefilter("ignore")
         lm = blockpress.load(args.model, dtype="float32")
     funcs = model_heldout_functions(lm.path, args.manifest, seed=0)
+    if args.test_functions >= len(funcs):  # none left to validate on: a ZeroDivisionError after the model loaded
+        ap.error(f"--test-functions: {args.test_functions} skips all {len(funcs)} held-out functions; at most "
+                 f"{len(funcs) - 1} leaves one to validate on")
     funcs = funcs[args.test_functions : args.test_functions + args.functions]
     prompts = [lm.tokenizer.encode(f.prompt_text, add_bos=True)[-256:] for f in funcs]
     rows = []

@@ -619,6 +619,21 @@ def test_rerank_code_candidates_smoke(monkeypatch, capsys):
     assert all(0 <= rates[k] <= rates["any"] <= 1 for k in ("greedy", "best_total", "best_mean"))
 
 
+@pytest.mark.parametrize("script", ["tune_code_sampler.py", "rerank_code_candidates.py"])
+def test_code_validation_scripts_refuse_a_test_split_that_leaves_no_function(script, monkeypatch, capsys):
+    """--test-functions at or past the held-out list's length left nothing to validate on: a ZeroDivisionError
+    traceback once the model had loaded."""
+    import blockpress
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    code, out, err = run_script_in_process(f"scripts/{script}", ["--test-functions", "100000", "--functions", "1",
+                                                                  "--threads", "1"], monkeypatch, capsys)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert re.search(rf"{script}: error: --test-functions: 100000 skips all (\d+) held-out functions; at most "
+                     r"(\d+) leaves one to validate on", err)
+
+
 def test_prefix_cache_benchmark_smoke(monkeypatch, capsys):
     code, out, err = run_script_in_process(
         "benchmarks/prefix_cache.py", ["--preset", "tiny", "--system-tokens", "40", "--user-tokens", "8", "--turns",
@@ -1469,6 +1484,9 @@ time.sleep(60)
     ("rerank_code_candidates.py", ["--sampled", "[1]"], "--sampled: expected a JSON object"),
     ("tune_code_sampler.py", ["--functions", "0"], "--functions: expected a positive integer, got 0"),
     ("tune_code_sampler.py", ["--settings", '{"sampler": "greedy"}'], "--settings: expected a JSON list of objects"),
+    # read as a slice from the end of the held-out list: (here) none, and a ZeroDivisionError after the model loaded
+    ("tune_code_sampler.py", ["--test-functions", "-1"], "--test-functions: expected an integer >= 0, got -1"),
+    ("rerank_code_candidates.py", ["--test-functions", "-1"], "--test-functions: expected an integer >= 0, got -1"),
     ("canvas_transcript.py", ["x", "--steps", "0"], "--steps: expected a positive integer, got 0"),
     ("canvas_transcript.py", ["x", "--model", "no-such-model"], "--model: model 'no-such-model'"),
 ])
