@@ -2,7 +2,8 @@
 
 Validation functions come from the same held-out modules as `benchmarks/code_model.py` (never trained on),
 taken after the benchmark's first --test-functions of the shuffled list, so the two sets are disjoint.
-Prints one JSON line per setting (parseable rate, tokens per forward) and the best.
+Prints one JSON line per setting (parseable rate, tokens per forward) and the best. With --ar, the AR
+baseline's (generate_ar's) settings: AR_SETTINGS unless --settings gives others.
 
     python scripts/tune_code_sampler.py --model runs/code --functions 40
 """
@@ -17,6 +18,7 @@ import torch
 from script_args import json_flag, progress
 
 import blockpress
+from blockpress.lm import GENERATE_AR_OPTIONS
 from blockpress.tasks.code import completion_parses, model_heldout_functions
 
 SETTINGS = [
@@ -32,6 +34,14 @@ SETTINGS = [
     # keeps accepted tokens and feeds no prediction back.
     {"sampler": "greedy", "entropy_bound": 0.02, "keep_accepted": False, "self_conditioning": True},
 ]
+# --ar's: SETTINGS are diffusion samplers' (t_max is no keyword of generate_ar: the second one was a traceback).
+# Greedy, with the penalties code_model.py gives the AR baseline: generate_ar gets no seed here, so a sampled
+# setting would not repeat.
+AR_SETTINGS = [{}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}]
+# what a --settings entry may give generate_ar: the script passes the prompts and the count, and JSON has no
+# SamplerConfig, cache or function
+AR_KEYWORDS = sorted(set(GENERATE_AR_OPTIONS) - {"prompt", "max_new_tokens", "sampler", "attention_mask", "cache",
+                                                 "return_cache", "prefix_cache", "logits_processor"})
 
 
 def main() -> None:
@@ -44,8 +54,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=10, help="prompts decoded together")
     ap.add_argument("--settings", default=None, help="JSON list of settings to compare instead of the built-in ones")
-    ap.add_argument("--ar", action="store_true", help="decode with generate_ar (settings: presence_penalty, "
-                    "frequency_penalty, temperature, top_k, top_p) to compare the AR baseline under the same settings")
+    ap.add_argument("--ar", action="store_true", help="decode with generate_ar to compare the AR baseline (settings: "
+                    "presence_penalty, frequency_penalty, temperature, top_k, top_p, ...; by default greedy, plain "
+                    "and with each penalty)")
     args = ap.parse_args()
     # Before the model loads: --functions 0 decoded nothing and ended in ZeroDivisionError, --batch 0 in range()'s
     # ValueError, and --settings that is not a JSON list of objects in a JSONDecodeError or TypeError traceback.
@@ -55,9 +66,13 @@ def main() -> None:
             ap.error(f"{flag}: expected a positive integer, got {value}")
     if args.test_functions < 0:  # was a slice from the end of the list, into the functions validated on
         ap.error(f"--test-functions: expected an integer >= 0, got {args.test_functions}")
-    settings = SETTINGS
+    settings = AR_SETTINGS if args.ar else SETTINGS
     if args.settings is not None:
         settings = json_flag(ap, "--settings", args.settings, "objects")
+    for i, setting in enumerate(settings if args.ar else ()):  # was a traceback after the settings before it ran
+        if unknown := sorted(set(setting) - set(AR_KEYWORDS)):
+            ap.error(f"--settings[{i}]: {unknown[0]!r} is no option of generate_ar (--ar; it takes "
+                     f"{', '.join(AR_KEYWORDS)})")
     torch.set_num_threads(args.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

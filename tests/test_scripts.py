@@ -547,6 +547,16 @@ def test_tune_code_sampler_ar_mode_decodes_one_token_per_forward(monkeypatch, ca
     assert all(x["tokens_per_forward"] == 1.0 for x in rows)
 
 
+def test_tune_code_sampler_ar_mode_compares_ar_settings_by_default(monkeypatch, capsys):
+    """--ar ran the built-in diffusion settings: the second one's t_max was generate_ar's ValueError traceback,
+    after the first had run, and no "best" line."""
+    out = run_code_model_script("tune_code_sampler.py", "--functions", "1", "--batch", "1", "--max-new-tokens", "4",
+                                "--ar", monkeypatch=monkeypatch, capsys=capsys)
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [x["setting"] for x in lines[:-1]] == ["generation_config", *tune_code_sampler_module().AR_SETTINGS[1:]]
+    assert "best" in lines[-1]
+
+
 def tune_sudoku_module():
     """scripts/tune_sudoku_sampler.py as a module."""
     import importlib
@@ -1487,6 +1497,9 @@ time.sleep(60)
     # read as a slice from the end of the held-out list: (here) none, and a ZeroDivisionError after the model loaded
     ("tune_code_sampler.py", ["--test-functions", "-1"], "--test-functions: expected an integer >= 0, got -1"),
     ("rerank_code_candidates.py", ["--test-functions", "-1"], "--test-functions: expected an integer >= 0, got -1"),
+    # a diffusion sampler's option under --ar ran the settings before it, then was generate_ar's traceback
+    ("tune_code_sampler.py", ["--ar", "--settings", '[{}, {"t_max": 0.3}]'],
+     "--settings[1]: 't_max' is no option of generate_ar (--ar; it takes frequency_penalty, "),
     ("canvas_transcript.py", ["x", "--steps", "0"], "--steps: expected a positive integer, got 0"),
     ("canvas_transcript.py", ["x", "--model", "no-such-model"], "--model: model 'no-such-model'"),
 ])
