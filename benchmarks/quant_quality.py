@@ -25,7 +25,7 @@ import warnings
 
 import torch
 from benchmark_args import Formatter, checkpoint, positive_int, progress
-from code_model import completion_figures, exit_if_past_context, function_prompt
+from code_model import SPLIT_SEED, completion_figures, exit_if_past_context, function_prompt
 
 import blockpress
 from blockpress.config import SCHEMES
@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the quantizations measured, each against the unquantized load (always measured first)")
     ap.add_argument("--functions", type=positive_int, default=100, help="held-out functions (code_model.py's first)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64, help="new tokens per completion")
-    ap.add_argument("--seed", type=int, default=0, help="shuffles the functions and seeds the sampler")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the sampler (the functions are code_model.py's test "
+                    "split, whatever the seed)")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads")
     return ap
 
@@ -89,7 +90,7 @@ def main() -> None:
             lm = blockpress.load(args.model, dtype="float32", quantize=None if scheme == "none" else scheme)
         if scheme == "none":  # the functions and the context check once, before any scheme's work
             exit_if_past_context(lm, args.max_new_tokens, args.model)
-            funcs = model_heldout_functions(lm.path, args.manifest, args.seed)[: args.functions]
+            funcs = model_heldout_functions(lm.path, args.manifest, SPLIT_SEED)[: args.functions]
             result["functions"] = len(funcs)
             # absorbing noise only: uniform noise has no one canvas that is every position noised
             kinds = ("clean", "masked") if lm.sampler_defaults.noise_token_id not in (None, -1) else ("clean",)

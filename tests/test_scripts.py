@@ -840,6 +840,32 @@ def test_code_model_refuses_a_skip_past_every_held_out_function(healing, monkeyp
     assert re.fullmatch(r"code_model.py: error: --skip: 100000 skips all (\d+) held-out functions; at most (\d+) leaves one\n", err)
 
 
+@pytest.mark.parametrize("script", ["code_model.py", "quant_quality.py"])
+def test_code_benchmarks_split_the_functions_as_the_tuning_scripts_whatever_the_seed(script, monkeypatch, capsys):
+    """--seed shuffled the held-out functions too: with any seed but 0 the test split (the first --functions) took
+    8-15 of its 100 functions from the ones tune_code_sampler.py and rerank_code_candidates.py validate on (shuffled
+    with seed 0, after the first 100), where their docstrings say the two sets are disjoint."""
+    import blockpress
+    import blockpress.tasks.code
+
+    if "blockpress-code" not in blockpress.shipped_models():
+        pytest.skip("blockpress-code is not in this package")
+    shuffles = []
+
+    class Split(Exception):
+        """the run stopped once the split was asked for: the rest is the sampler's"""
+
+    def heldout(model_dir, manifest=None, seed=0):
+        shuffles.append(seed)
+        raise Split
+
+    monkeypatch.setattr(blockpress.tasks.code, "model_heldout_functions", heldout)
+    with pytest.raises(Split):
+        run_script_in_process(f"benchmarks/{script}", ["--seed", "3", "--functions", "1", "--threads", "1"],
+                              monkeypatch, capsys)
+    assert shuffles == [0]
+
+
 def test_code_model_refuses_new_tokens_past_the_context(monkeypatch, capsys):
     """--max-new-tokens 100000 was generate's ValueError traceback at the first prompt."""
     import blockpress
