@@ -17,7 +17,7 @@ import hashlib
 import json
 import sys
 import sysconfig
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from script_args import progress
 
@@ -40,6 +40,12 @@ def stdlib_files(root: Path) -> list[Path]:
             continue
         files.append(path)
     return files
+
+
+def module_name(path: PurePath, root: PurePath) -> str:
+    """`path` under `root`, '/' between its parts on every platform: what the held-out split hashes and the manifest
+    lists (str() gave backslashes on Windows: another split from the same stdlib)."""
+    return path.relative_to(root).as_posix()
 
 
 def is_heldout(rel: str, fraction: float) -> bool:
@@ -81,7 +87,7 @@ def main() -> None:
         if digest in seen:
             continue
         seen.add(digest)
-        rel = str(path.relative_to(root))
+        rel = module_name(path, root)
         (held if is_heldout(rel, args.heldout) else train).append((rel, text))
     if not train:  # a few --max-files under a large --heldout: nothing to train the tokenizer or a model on
         ap.error(f"--heldout {args.heldout:g}: all {len(held)} files read were held out, none is left to train on; "

@@ -1061,6 +1061,40 @@ def test_build_code_corpus_refuses_flags_that_make_a_broken_corpus(tmp_path, mon
     assert not (tmp_path / "c" / "train.bin").exists()
 
 
+def build_code_corpus_module():
+    """scripts/build_code_corpus.py as a module."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    return importlib.import_module("build_code_corpus")
+
+
+def test_build_code_corpus_names_modules_with_slashes_on_every_platform():
+    """The held-out split hashes each module's path under the stdlib: str() of it had backslashes on Windows, so the
+    same stdlib split otherwise there, and its manifest named modules as no other platform does."""
+    from pathlib import PureWindowsPath
+
+    script = build_code_corpus_module()
+    root = PureWindowsPath(r"C:\Python311\Lib")
+    name = script.module_name(root / "concurrent" / "futures" / "process.py", root)
+    assert name == "concurrent/futures/process.py" and script.is_heldout(name, 0.05)  # held out in the shipped split
+
+
+def test_build_code_corpus_reproduces_the_shipped_split():
+    """The names it hashes give the shipped blockpress-code's held-out modules again, from the stdlib it was built
+    from (only there: another Python's stdlib has other files)."""
+    import sysconfig
+
+    manifest = json.loads((ROOT / "blockpress" / "models" / "blockpress-code" / "corpus_manifest.json").read_text())
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if str(root) != manifest["source"]:
+        pytest.skip(f"the shipped corpus was built from {manifest['source']}, not this stdlib ({root})")
+    script = build_code_corpus_module()
+    names = [script.module_name(path, root) for path in script.stdlib_files(root)]
+    assert len(names) == manifest["train_files"] + manifest["heldout_files"]  # (no exact copy dropped here)
+    assert [name for name in names if script.is_heldout(name, 0.05)] == manifest["heldout_modules"]
+
+
 @pytest.mark.parametrize("name", ["", ".", "..", "../escape", "a/b"])
 def test_package_model_refuses_names_outside_the_models_folder(name):
     """"" or "." named the models folder itself: packaging replaced every shipped model with the new one."""
