@@ -1251,8 +1251,19 @@ class Trainer:
             yield
             return
         device = self.lm.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(derived_seed(self.cfg.seed, 1_000_037, step * self.world + self.rank))
+        seed = derived_seed(self.cfg.seed, 1_000_037, step * self.world + self.rank)
+        # The generator the run's dropout draws from alone, forked and seeded: torch.manual_seed reseeds every
+        # device's, so a run on the CPU (or on one GPU) left the caller's GPU (or other GPUs', MPS's) reseeded.
+        accelerator = device.type not in ("cpu", "meta")
+        with torch.random.fork_rng(devices=[device] if accelerator else [],
+                                   device_type=device.type if accelerator else None):
+            if not accelerator:
+                torch.default_generator.manual_seed(seed)
+            elif device.type == "cuda":
+                with torch.cuda.device(device):  # (cuda's manual_seed seeds the current device's)
+                    torch.cuda.manual_seed(seed)
+            else:
+                torch.get_device_module(device.type).manual_seed(seed)
             yield
 
     def _losses(self, batch: Batch, noise: Noise, train: bool) -> tuple[float, float, int]:

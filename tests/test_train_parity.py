@@ -212,6 +212,23 @@ def test_a_training_run_applies_attention_dropout_and_resumes_with_the_same_draw
     assert first + run("parts", 4, resume=True) == whole
 
 
+def test_a_cpu_runs_dropout_seeds_no_gpus_generator_and_leaves_the_callers_as_it_was(dropout_checkpoint, tmp_path,
+                                                                                       monkeypatch):
+    """Each step's dropout was seeded with torch.manual_seed, which reseeds every device's generator: a run on the
+    CPU reseeded the caller's CUDA (or MPS) generators at every step, forking none of them."""
+    path, _ = dropout_checkpoint
+    reseeded = []
+    for module, name in ((torch.cuda, "manual_seed_all"), (torch.cuda, "manual_seed"), (torch.mps, "manual_seed")):
+        monkeypatch.setattr(module, name, lambda seed, name=name: reseeded.append(name))
+    examples = [Example([2, 5 + i, 7], [10 + i, 11, 12 + i]) for i in range(4)]
+    cfg = TrainConfig(steps=2, batch_size=2, lr=1e-3, warmup_steps=1, log_every=1)
+    trainer = Trainer(load(path), ExampleSource(examples, 0), cfg, tmp_path / "run", progress=False)
+    state = torch.get_rng_state()
+    trainer.train()
+    assert reseeded == []
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 @pytest.mark.parametrize("bad", [1.0, -0.1, "0.1", float("nan")])
 def test_an_attention_dropout_training_cannot_take_is_refused_by_name(tmp_path, bad):
     """Refused before any step (torch's own error came mid-run, from inside the attention); a model loads all the
