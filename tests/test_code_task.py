@@ -341,3 +341,25 @@ def test_the_bodys_own_comment_lines_are_parsed_as_python_parses_them():
         except SyntaxError:
             python = False
         assert parses("def f():\n", body) is python, body
+
+
+def test_a_manifest_split_from_another_pythons_stdlib_is_said(tmp_path):
+    """The held-out modules are read from the running interpreter's stdlib: on another Python they hold other code
+    (the published figures' functions are 3.11's), and nothing said so."""
+    import json
+    import sys
+    import warnings
+
+    from blockpress.tasks.code import model_heldout_functions
+
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for source, warned in ((f"/usr/lib/python{running}", False), ("/opt/py/lib/python3.1", True)):
+        (tmp_path / "corpus_manifest.json").write_text(json.dumps({"source": source, "heldout_modules": ["json/decoder.py"]}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            functions = model_heldout_functions(tmp_path)
+        said = [str(w.message) for w in caught if "standard library" in str(w.message)]
+        assert functions and bool(said) == warned, said
+        if warned:
+            assert f"split from Python 3.1's standard library, and this is Python {running}" in said[0]
+

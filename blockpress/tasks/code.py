@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import ast
 import random
+import re
+import sys
 import textwrap
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
+
+from blockpress.checks import warn_user
 
 if TYPE_CHECKING:
     from blockpress.tokenizer import Tokenizer
@@ -87,8 +91,17 @@ def model_heldout_functions(model_dir: str | Path, manifest: str | Path | None =
     path = Path(manifest) if manifest else Path(model_dir) / "corpus_manifest.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no corpus manifest (pass --manifest, the corpus build's manifest.json)")
-    modules = json.loads(path.read_text(encoding="utf-8"))["heldout_modules"]
-    return heldout_functions(sysconfig.get_paths()["stdlib"], modules, seed)
+    manifest_data = json.loads(path.read_text(encoding="utf-8"))
+    stdlib = sysconfig.get_paths()["stdlib"]
+    # The modules are read from this interpreter's stdlib: another Python's holds other code under the same names,
+    # so the functions (and the figures measured on them) are not the manifest's
+    built = re.search(r"python(\d+\.\d+)", PurePath(str(manifest_data.get("source", ""))).name)
+    running = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if built and built.group(1) != running:
+        warn_user(f"{path}: the corpus was split from Python {built.group(1)}'s standard library, and this is Python "
+                  f"{running}: its held-out modules hold other code here, so the functions (and the figures) differ "
+                  f"from those measured on {built.group(1)}")
+    return heldout_functions(stdlib, manifest_data["heldout_modules"], seed)
 
 
 def cut_body(completion: str, indent: int) -> str:
