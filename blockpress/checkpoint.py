@@ -183,7 +183,10 @@ class MappedSafetensors:
         if end == begin or not hasattr(mmap, "MADV_DONTNEED"):  # (Windows has no madvise)
             return
         start = (self.data_start + begin) // mmap.PAGESIZE * mmap.PAGESIZE  # the pages it touches, whole
-        self.map.madvise(mmap.MADV_DONTNEED, start, self.data_start + end - start)
+        try:
+            self.map.madvise(mmap.MADV_DONTNEED, start, self.data_start + end - start)
+        except OSError:  # locked (mlockall) or huge pages: they stay, as they did before; the load goes on
+            pass
 
 
 @dataclass

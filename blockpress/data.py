@@ -130,23 +130,25 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
         raise ValueError(f"{where}: expected 'prompt'+'response', 'messages', or 'prompt_ids'+'response_ids'")
     if chat_turns not in CHAT_TURNS:
         raise ValueError(f"chat_turns: expected one of {list(CHAT_TURNS)}, got {chat_turns!r}")
-    # A record of two whole formats (a leftover `messages` column beside prompt/response) would train on one of them
-    # alone. A field of no whole format is another's metadata: ultrachat's records hold `prompt` beside `messages`.
-    formats = [name for name, keys in (("'prompt_ids'+'response_ids'", {"prompt_ids", "response_ids"}),
-                                       ("'messages'", {"messages"}), ("'prompt'+'response'", {"prompt", "response"}))
-               if keys <= set(obj)]
-    if len(formats) > 1:
-        raise ValueError(f"{where}: holds the fields of {' and of '.join(formats)}; one format a record (remove "
-                         "the others)")
-    if "prompt_ids" in obj or "response_ids" in obj:
+    # A record whose text is both a chat and a prompt/response (a leftover column) would train on the chat alone.
+    # Fields of no whole text (ultrachat's `prompt` beside its `messages`, the nulls a dataframe export writes for
+    # a row's missing columns) are metadata, as is the text beside token ids (they win: the text was tokenized).
+    present = {k for k, v in obj.items() if v is not None}
+    if {"messages", "prompt", "response"} <= present and not {"prompt_ids", "response_ids"} & present:
+        raise ValueError(f"{where}: holds both a chat ('messages') and a 'prompt'+'response'; which one is this "
+                         "record's text? One format a record (remove the other)")
+    # the format its fields that hold values make (a null column beside them is none), else its fields' own
+    keys = present if {"prompt_ids", "response_ids", "messages"} & present or {"prompt", "response"} <= present \
+        else set(obj)
+    if "prompt_ids" in keys or "response_ids" in keys:
         for key in ("prompt_ids", "response_ids"):
-            if key not in obj:
+            if key not in keys:
                 raise ValueError(f"{where}: has {'prompt_ids' if key == 'response_ids' else 'response_ids'} but no {key!r}")
         examples = [(where, Example(_ids_field(obj, "prompt_ids", where), _ids_field(obj, "response_ids", where)))]
     elif tokenizer is None:
         raise ValueError(f"{where}: text records need a tokenizer; this model has none (a fresh model takes "
                          "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
-    elif "messages" in obj:
+    elif "messages" in keys:
         turns_cut: list[tuple[str, bool]] = []
         examples = _chat_examples(obj["messages"], tokenizer, where, chat_turns, turns_cut)
         if cut is not None:

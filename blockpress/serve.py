@@ -85,6 +85,7 @@ import logging
 import re
 import threading
 import time
+import unicodedata
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -1626,7 +1627,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
     lm, model_name, context = state.lm, state.model_name, state.context
     # The served name alone, as /v1/models lists it (a folder's name too, under --served-name, would be taken
     # here while /v1/models/{its name} answers 404; vLLM refuses it as well)
-    if body.model != model_name:
+    if not same_model(body.model, model_name):
         raise unknown_model(body.model, model_name)
     field_name = body.unsupported()
     if field_name:
@@ -2202,6 +2203,12 @@ async def completion_reply(state: ServerState, body: CompletionRequest, request:
     return await respond(state.engine, Reply(jobs, "completion", body.model, prompt_tokens), body, request)
 
 
+def same_model(asked: str, served: str) -> bool:
+    """Whether a request's model id names the served model (`served`, composed: NFC), whichever Unicode form the
+    client spelled it in."""
+    return unicodedata.normalize("NFC", asked) == served
+
+
 def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, max_batch: int = 8,
                max_context: int | None = None, prefix_cache_bytes: int = 1 << 30,
                allowed_origins: Sequence[str] = (), allowed_hosts: Sequence[str] = (), api_key: str | None = None,
@@ -2223,6 +2230,9 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     own chat_template_kwargs win, name by name."""
     limits = check_serving(lm, max_queue=max_queue, max_batch=max_batch, max_context=max_context,
                            prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, max_stops=max_stops)
+    # (a folder name of bytes that are no UTF-8, read as lone surrogates, made every answer naming the model a 500;
+    # composed, as clients type it: a macOS folder name is decomposed, "e" then its accent)
+    model_name = unicodedata.normalize("NFC", check_text(model_name, "model_name"))
     origins, hosts, api_key = check_origins(allowed_origins), check_hosts(allowed_hosts), check_api_key(api_key)
     template_defaults = template_variables(chat_template_kwargs)
     engine = Engine(lm, max_queue=limits.max_queue, max_batch=limits.max_batch,
@@ -2278,7 +2288,7 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     @app.head("/v1/models/{model_id:path}", include_in_schema=False)
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):  # OpenAI's retrieve; a hub model's id holds a slash
-        if model_id != model_name:
+        if not same_model(model_id, model_name):
             raise unknown_model(model_id, model_name)
         return model_card
 

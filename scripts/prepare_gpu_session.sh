@@ -9,11 +9,13 @@
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
-# (in a worktree .git is a file: the exclude file is where git says, so .gpu/ is never committed)
-exclude=$(git rev-parse --git-path info/exclude)
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo /.gpu/ >>"$exclude"; }
-if [ "$(git rev-parse --git-dir)" != "$(git rev-parse --git-common-dir)" ]; then
-  echo "note: $PWD is a git worktree; the device tool sends the session's main checkout, so build .gpu there" >&2
+# (in a worktree .git is a file: the exclude file is where git says, so .gpu/ is never committed; a copy that is
+# no git checkout has none to keep)
+if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
+  grep -qx '/.gpu/' "$exclude" 2>/dev/null || { mkdir -p "$(dirname "$exclude")" && echo /.gpu/ >>"$exclude"; }
+  if [ "$(git rev-parse --git-dir)" != "$(git rev-parse --git-common-dir)" ]; then
+    echo "note: $PWD is a git worktree; the device tool sends the session's main checkout, so build .gpu there" >&2
+  fi
 fi
 mkdir -p .gpu
 [ -f .gpu/corpus/train.bin ] || $PY scripts/build_code_corpus.py --out .gpu/corpus --tokenizer blockpress/models/blockpress-code

@@ -431,6 +431,25 @@ def test_a_quantized_load_keeps_no_page_of_the_weights_it_quantized(scheme, tmp_
     assert lm.quantization == scheme
 
 
+def test_a_page_release_the_system_refuses_leaves_the_load_going(tmp_path):
+    """madvise fails on locked pages (a server that called mlockall): the release, an optimisation, failed the whole
+    quantized (or widened) load with a bare "OSError: [Errno 22] Invalid argument"."""
+    from blockpress.checkpoint import MappedSafetensors
+
+    blockpress.random_model(ModelConfig.tiny(vocab_size=64), dtype=torch.bfloat16).save(tmp_path)
+    opened = MappedSafetensors(tmp_path / "model.safetensors")
+    name = next(n for n in opened.keys() if opened.nbytes(n))
+
+    class Locked:
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    real, opened.map = opened.map, Locked()
+    opened.release(name)  # kept resident, no error
+    opened.map = real
+    assert torch.equal(opened.tensor(name), opened.tensor(name))
+
+
 def test_quantizing_hands_the_heaps_freed_temporaries_back_to_the_system(ref_checkpoint, monkeypatch):
     """glibc keeps what the float32 temporaries of quantizing held (a medium model's int8 load: 67 MB above its codes
     until malloc_trim). A quantized load and lm.quantize trim the C heap once, on a CPU; a plain load has no

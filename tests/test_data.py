@@ -105,21 +105,23 @@ def test_messages_must_end_with_assistant_and_a_wrong_last_role_is_named(tmp_pat
         load_jsonl(path, tok)
 
 
-@pytest.mark.parametrize("record, formats", [
-    ({"prompt": "P", "response": "R", "messages": [{"role": "user", "content": "a"}, {"role": "assistant",
-                                                                                       "content": "b"}]},
-     "'messages' and of 'prompt'\\+'response'"),
-    ({"prompt_ids": [1], "response_ids": [2], "prompt": "P", "response": "R"},
-     "'prompt_ids'\\+'response_ids' and of 'prompt'\\+'response'"),
-])
-def test_a_record_of_two_formats_is_refused_naming_both(tok, record, formats):
-    """It trained on one of them and dropped the other without a word (a leftover `messages` column beside
-    prompt/response). A field of no whole format stays another's metadata: ultrachat's `prompt` beside `messages`."""
-    with pytest.raises(ValueError, match=rf"d.jsonl:1: holds the fields of {formats}; one format a record"):
-        parse_examples(record, tok, "d.jsonl:1")
-    ultrachat = {"prompt": "a", "prompt_id": "x1", "messages": record.get("messages") or
-                 [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    assert len(parse_examples(ultrachat, tok, "d.jsonl:1")) == 1
+def test_a_record_both_a_chat_and_a_prompt_response_is_refused_and_metadata_is_not(tok):
+    """It trained on the chat and dropped the prompt/response without a word (a leftover column). Fields of no whole
+    text stay metadata: ultrachat's `prompt` beside `messages`, the nulls a dataframe export writes for a row's
+    missing columns, and the text kept beside token ids (which win)."""
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(ValueError, match=r"d.jsonl:1: holds both a chat \('messages'\) and a 'prompt'\+'response'; "
+                                         r"which one is this record's text"):
+        parse_examples({"prompt": "P", "response": "R", "messages": chat}, tok, "d.jsonl:1")
+    ids = Example([2, 5], [6, 7])
+    for record, examples in (({"prompt": "a", "prompt_id": "x1", "messages": chat}, 1),
+                             ({"messages": chat, "prompt": None, "response": None}, 1),
+                             ({"messages": None, "prompt": "P", "response": "R"}, 1),
+                             ({"prompt_ids": [2, 5], "response_ids": [6, 7], "prompt": "P", "response": "R"}, [ids]),
+                             ({"prompt_ids": [2, 5], "response_ids": [6, 7], "messages": chat}, [ids]),
+                             ({"prompt_ids": None, "response_ids": None, "prompt": "P", "response": "R"}, 1)):
+        got = parse_examples(record, tok, "d.jsonl:1")
+        assert (len(got) if isinstance(examples, int) else got) == examples, record
 
 
 @hypothesis.settings(max_examples=30, deadline=None)

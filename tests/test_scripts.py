@@ -1485,6 +1485,40 @@ case "$*" in *"cli train"*) [ -e {failed} ] || {{ touch {failed}; echo "{error}"
     assert code_runs[1].endswith(retried_with), code_runs[1]
 
 
+@pytest.mark.parametrize("layout", ["checkout", "worktree", "copy"])
+def test_prepare_gpu_session_keeps_gpu_out_of_git_wherever_it_runs(tmp_path, layout):
+    """In a git worktree (.git a file) it failed to write the exclude ("mkdir: cannot create directory '.git'") and went
+    on, leaving 18 MB of .gpu/ for `git add -A`, in a checkout the device tool does not send; in a copy that is no
+    git checkout it stopped (`git rev-parse` under set -e). What it builds is there already, so nothing runs."""
+    import os
+    import shutil
+
+    if shutil.which("bash") is None or shutil.which("git") is None:
+        pytest.skip("needs bash and git")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "prepare_gpu_session.sh", repo / "scripts")
+    here = repo
+    if layout != "copy":
+        subprocess.run([*git, "init", "-q", str(repo)], check=True)
+        subprocess.run([*git, "-C", str(repo), "add", "scripts"], check=True)
+        subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True)
+    if layout == "worktree":
+        here = tmp_path / "wt"
+        subprocess.run([*git, "-C", str(repo), "worktree", "add", "-q", str(here)], check=True)
+    (here / ".gpu" / "corpus").mkdir(parents=True)
+    (here / ".gpu" / "corpus" / "train.bin").touch()
+    (here / ".gpu" / "sudoku-puzzles.jsonl").touch()
+    r = subprocess.run(["bash", "scripts/prepare_gpu_session.sh"], cwd=here, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PY": "false"})
+    assert r.returncode == 0, r.stderr
+    assert ("worktree" in r.stderr) == (layout == "worktree"), r.stderr
+    if layout != "copy":
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True).stdout
+        assert ".gpu" not in status, status
+
+
 def test_gpu_session_stops_at_once_without_what_prepare_builds(tmp_path):
     """carry=[".gpu"] from a checkout without it (prepared in a worktree the device tool does not send) sends nothing:
     the session ran on, every training failing, and spent the lease. It says what is missing and stops."""

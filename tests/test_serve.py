@@ -2041,6 +2041,34 @@ def test_a_model_is_known_by_its_served_name_alone(tmp_path):
             "model"] == "team/tiny"
 
 
+def test_a_model_named_in_either_unicode_form_is_the_one_served_and_a_name_of_no_utf8_is_refused(tmp_path, capsys):
+    """A macOS folder name is decomposed ("e" then its accent): a client typing it composed got "model 'modèle'
+    does not exist; this server has 'modèle'". A folder named in another encoding (its bytes read as lone
+    surrogates) made every answer naming the model a bare 500."""
+    import os
+    import unicodedata
+
+    from fastapi.testclient import TestClient
+
+    from blockpress.cli import main
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2}
+    decomposed = unicodedata.normalize("NFD", "modèle-café")
+    with TestClient(create_app(lm, decomposed, prefix_cache_bytes=0)) as http:
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["modèle-café"]
+        for asked in ("modèle-café", decomposed):
+            r = http.post("/v1/completions", json={"model": asked, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == http.get(f"/v1/models/{asked}").status_code == 200, r.text
+    with pytest.raises(ValueError, match=r"model_name: not valid UTF-8"):
+        create_app(lm, "mod\udce8le")
+    folder = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"mod\xe8le"))
+    os.mkdir(folder)
+    assert main(["serve", "--model", folder, "--port", "0"]) == 2  # refused before the model loads
+    err = capsys.readouterr().err
+    assert "--model: the folder name 'mod\\udce8le': not valid UTF-8" in err and "--served-name" in err
+
+
 def test_drafts_do_not_repeat_the_healed_prompt_token():
     """With token healing the first new tokens repeat the dropped prompt token's text ("\\n"); the answer drops
     it, and so must the drafts streamed before it (they started with it)."""

@@ -13,6 +13,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+from blockpress.checks import utf8_problem
 from blockpress.cli.common import load_announced
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
@@ -61,6 +62,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
     check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
+    name = args.served_name or served_name(args.model)
+    if utf8_problem(name) is not None:  # (a folder named in another encoding: its bytes read as lone surrogates)
+        flag = "--served-name" if args.served_name else f"--model: the folder name {name!r}"
+        raise ValueError(f"{flag}: not valid UTF-8 ({utf8_problem(name)}), which clients cannot send as a model id; "
+                         "give the id they send with --served-name")
     check_hosts(args.allowed_hosts or ())
     # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
     api_key = check_api_key(args.api_key if args.api_key is not None else os.environ.get("BLOCKPRESS_API_KEY") or None)
@@ -70,7 +76,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # A big checkpoint loads for tens of seconds before the server answers: say what the wait is.
     lm = load_announced(args, keep=f"blockpress: loading {args.model} ... (http://{url_host}:{port}/v1 answers "
                                    "once it is loaded)")
-    name = args.served_name or served_name(args.model)
     app = create_app(lm, name, max_queue=args.max_queue, max_batch=args.max_batch, max_context=args.max_context,
                      prefix_cache_bytes=int(args.prefix_cache_gb * 2**30), allowed_origins=args.allowed_origins or (),
                      allowed_hosts=args.allowed_hosts or (), api_key=api_key, max_body_bytes=args.max_body_bytes,
