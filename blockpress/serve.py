@@ -83,6 +83,7 @@ import ipaddress
 import json
 import logging
 import re
+import socket
 import threading
 import time
 import unicodedata
@@ -522,19 +523,26 @@ def header(scope: dict, name: bytes) -> str | None:
     return next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == name), None)
 
 
+# The body types a page may POST to another origin without a preflight (the fetch standard's CORS-safelisted ones)
+SIMPLE_BODY_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data", "text/plain")
+
+
 class RequireOrigin:
-    """ASGI middleware: a request from a web page (its Origin header) whose origin is neither one of `origins` nor the
-    server's own (http(s):// and its Host) gets a 403 in OpenAI's error shape, before any of its body is read. CORS
-    alone hides the answer from such a page, not the request from the server: a POST that needs no preflight (a
-    no-cors fetch with a Blob body, which carries no Content-Type, and which FastAPI before 0.132 parses as JSON)
-    would run a generation. A client outside a browser sends no Origin and passes; '*' in `origins` lets any page."""
+    """ASGI middleware: a POST from a web page (its Origin header) that needs no preflight, whose origin is neither
+    one of `origins` nor the server's own (http(s):// and its Host), gets a 403 in OpenAI's error shape, before any
+    of its body is read. CORS alone hides the answer from such a page, not the request from the server: a no-cors
+    fetch with a Blob body (no Content-Type, which FastAPI before 0.132 parses as JSON) would run a generation. A
+    JSON POST from another origin is preflighted, which CORS answers for the origins allowed alone, so it is left to
+    CORS: a same-origin page behind a proxy that rewrites Host (nginx's default) keeps working. A client outside a
+    browser sends no Origin and passes; '*' in `origins` lets any page."""
 
     def __init__(self, app: Any, origins: Sequence[str]) -> None:
         self.app, self.origins = app, set(origins)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        origin = header(scope, b"origin") if scope["type"] == "http" else None
-        if origin is None or "*" in self.origins or origin in self.origins:
+        origin = header(scope, b"origin") if scope["type"] == "http" and scope.get("method") == "POST" else None
+        media = (header(scope, b"content-type") or "").partition(";")[0].strip().lower()
+        if origin is None or "*" in self.origins or origin in self.origins or media and media not in SIMPLE_BODY_TYPES:
             return await self.app(scope, receive, send)
         host = (header(scope, b"host") or "").lower()
         if host and origin.lower() in (f"http://{host}", f"https://{host}"):  # a page the server's origin serves
@@ -559,6 +567,15 @@ def is_loopback(address: str) -> bool:
     return (ip.ipv4_mapped or ip).is_loopback if isinstance(ip, ipaddress.IPv6Address) else ip.is_loopback
 
 
+def is_ip_address(name: str) -> bool:
+    """Whether a Host header's name (its port taken off) is an IP address: 10.0.0.5, [::1]."""
+    try:
+        ipaddress.ip_address(name.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
 class RequireHost:
     """ASGI middleware: a request that reached the server at a loopback address must name in its Host header one of
     LOOPBACK_HOSTS or of `hosts` (any port; '*' in `hosts`: any name), else a 403 naming its Host. DNS rebinding: a
@@ -568,7 +585,8 @@ class RequireHost:
     not checked: there an API key guards it."""
 
     def __init__(self, app: Any, hosts: Sequence[str]) -> None:
-        self.app, self.hosts = app, {*LOOPBACK_HOSTS, *(h.lower() for h in hosts)}
+        # (the machine's own name too: Debian and Ubuntu map it to 127.0.1.1, and it is no attacker's to rebind)
+        self.app, self.hosts = app, {*LOOPBACK_HOSTS, socket.gethostname().lower(), *(h.lower() for h in hosts)}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         server = scope.get("server") or ("",)
@@ -577,7 +595,9 @@ class RequireHost:
         host = header(scope, b"host")
         # the name without its port: "[::1]" of "[::1]:8000", "localhost" of "localhost:8000"
         name = (host.partition("]")[0] + "]" if host.startswith("[") else host.partition(":")[0]) if host else None
-        if name is None or name.lower() in self.hosts:  # (no Host: HTTP/1.0, never a browser)
+        # (no Host: HTTP/1.0, never a browser; an IP address, the URL `serve --host 0.0.0.0` prints among them, names
+        # no domain an attacker could point at this machine)
+        if name is None or name.lower().rstrip(".") in self.hosts or is_ip_address(name):
             return await self.app(scope, receive, send)
         response = JSONResponse(error_body(f"Host {host!r} is not this server's: at a loopback address it answers "
                                            f"only {', '.join(LOOPBACK_HOSTS)} (any port) and the names serve's "
@@ -590,8 +610,10 @@ class RequireHost:
 # The most bytes of a refused body read and dropped before its 413 (BodyLimit.drain), so that its connection closes
 # cleanly: past it the body is a client's mistake too large to wait for.
 DRAIN_BYTES = 64 << 20
-# Seconds for a request's whole body to arrive (BodyLimit): 35 KB/s for the 4 MiB default limit of blockpress-code.
+# Seconds for a request's whole body to arrive (BodyLimit): 35 KB/s for the 4 MiB default limit of blockpress-code;
+# a larger limit (--max-body-bytes) gets as long as that rate needs
 BODY_TIMEOUT = 120.0
+BODY_RATE = 32 << 10  # bytes a second
 
 
 class BodyLimit:
@@ -610,9 +632,10 @@ class BodyLimit:
     same reason (header_deadline_protocol)."""
 
     def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0, drain_bytes: int = DRAIN_BYTES,
-                 body_timeout: float = BODY_TIMEOUT) -> None:
+                 body_timeout: float | None = None) -> None:
         self.app, self.limit, self.idle_timeout, self.drain_bytes = app, limit, idle_timeout, drain_bytes
-        self.body_timeout = body_timeout
+        # None: BODY_TIMEOUT, or the time the largest body takes at BODY_RATE where that is longer
+        self.body_timeout = max(BODY_TIMEOUT, limit / BODY_RATE) if body_timeout is None else body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -2330,9 +2353,13 @@ def check_hosts(hosts: Sequence[str]) -> list[str]:
     if isinstance(hosts, str):
         raise ValueError(f"allowed_hosts: expected a list of host names, got the string {hosts!r}")
     for host in hosts:
-        if host != "*" and not (isinstance(host, str) and re.fullmatch(r"\[[0-9a-fA-F:.]+\]|[^\s/:@\[\]]+", host)):
-            raise ValueError(f"allowed_hosts: {host!r} is not a host name; expected a name as a Host header carries "
-                             "it, without the port (api.example.com, 10.0.0.5, [::1]), or '*' for any")
+        # (a wildcard, *.example.com or Django's .example.com, and a trailing dot would never match: a name is
+        # compared whole)
+        if host != "*" and not (isinstance(host, str) and re.fullmatch(r"\[[0-9a-fA-F:.]+\]|[^\s/:@\[\]*.][^\s/:@\[\]*]*",
+                                                                      host) and not host.endswith(".")):
+            raise ValueError(f"allowed_hosts: {host!r} is not a host name; expected a whole name as a Host header "
+                             "carries it, without the port or a wildcard (api.example.com, 10.0.0.5, [::1]), or '*' "
+                             "for any")
     return list(hosts)
 
 
@@ -2343,8 +2370,6 @@ def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 
 
     Returns (base URL, uvicorn server); set `server.should_exit = True` to stop it.
     """
-    import socket
-
     import httpx
     import uvicorn
 

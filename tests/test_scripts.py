@@ -1136,16 +1136,19 @@ def test_package_model_carries_the_checkpoints_corpus_manifest_over(tmp_path, mo
     (src / "summary.json").write_text("{}")
     other = tmp_path / "other.json"
     other.write_text('{"heldout_modules": ["other.py"]}')
-    dst = ROOT / "blockpress" / "models" / "tiny-manifest-test"  # where the script writes; removed after
-    try:
-        for extra, shipped in (([], src / "corpus_manifest.json"), (["--manifest", str(other)], other)):
-            code, _, err = run_script_in_process("scripts/package_model.py", [str(src), dst.name, "--dtype", "float32",
-                                                 *extra], monkeypatch, capsys)
-            assert code in (0, None), err
-            assert (dst / "corpus_manifest.json").read_text() == shipped.read_text()
-            assert (dst / "summary.json").read_text() == "{}"
-    finally:
-        shutil.rmtree(dst, ignore_errors=True)
+    # a copy of the script, whose models folder (beside it, as the package's is) is the test's own: written into the
+    # package, the model would be listed by shipped_models() for tests running meanwhile, and shipped if left behind
+    repo = tmp_path / "repo"
+    (repo / "blockpress" / "models").mkdir(parents=True)
+    shutil.copytree(ROOT / "scripts", repo / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    dst = repo / "blockpress" / "models" / "tiny-manifest-test"
+    for extra, shipped in (([], src / "corpus_manifest.json"), (["--manifest", str(other)], other)):
+        code, _, err = run_script_in_process("scripts/package_model.py", [str(src), dst.name, "--dtype", "float32",
+                                             *extra], monkeypatch, capsys, root=repo)
+        assert code in (0, None), err
+        assert (dst / "corpus_manifest.json").read_text() == shipped.read_text()
+        assert (dst / "summary.json").read_text() == "{}"
+    assert not (ROOT / "blockpress" / "models" / dst.name).exists()
 
 
 def test_load_memory_peak_is_the_childs_own():
@@ -1272,14 +1275,15 @@ def benchmark_module(name: str):
     return importlib.import_module(name)
 
 
-def run_script_in_process(script: str, argv: list[str], monkeypatch, capsys) -> tuple[int | str | None, str, str]:
-    """Run ROOT/<script> as `python <script> *argv` would, in this process: (exit code, stdout, stderr).
+def run_script_in_process(script: str, argv: list[str], monkeypatch, capsys, root: Path = ROOT
+                          ) -> tuple[int | str | None, str, str]:
+    """Run <root>/<script> as `python <script> *argv` would, in this process: (exit code, stdout, stderr).
 
     For a refusal made before any model work, a subprocess only adds torch's import (3-9 s each on a busy 2-core
     CI machine). An exception that is no SystemExit (a traceback in a real run) propagates and fails the test."""
     import runpy
 
-    path = ROOT / script
+    path = root / script
     monkeypatch.setattr(sys, "argv", [str(path), *argv])
     monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])  # as python puts the script's folder first
     code = 0

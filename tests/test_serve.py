@@ -1589,6 +1589,8 @@ def test_a_body_that_trickles_in_is_a_408_at_its_deadline():
     started = time.monotonic()
     asyncio.run(BodyLimit(app, 0, idle_timeout=0.6, body_timeout=1.0)(scope, trickle, send))
     assert time.monotonic() - started < 2.5 and sent[0]["status"] == 413 and not reached
+    # by default 120 s, or as long as the largest body takes at 32 KiB/s (a 64 MiB --max-body-bytes on a slow link)
+    assert [BodyLimit(app, size).body_timeout for size in (1 << 20, 64 << 20)] == [120.0, 2048.0]
 
 
 def test_headers_that_do_not_arrive_in_time_are_a_408():
@@ -1722,7 +1724,8 @@ def test_a_web_page_on_an_allowed_origin_can_call_the_api():
     with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:  # by default no page may
         r = http.options("/v1/chat/completions", headers={"Origin": page, **preflight})
         assert "access-control-allow-origin" not in r.headers
-        r = http.post("/v1/completions", json=body, headers={"Origin": page})  # refused, not only hidden
+        # a POST that needs no preflight is refused, not only hidden (a JSON one is preflighted, which CORS refuses)
+        r = http.post("/v1/completions", content=json.dumps(body), headers={"Origin": page, "Content-Type": "text/plain"})
         assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0, allowed_origins=["*"])) as http:
         r = http.options("/v1/completions", headers={"Origin": other, **preflight})
@@ -1735,15 +1738,19 @@ def test_a_web_page_on_an_allowed_origin_can_call_the_api():
 def test_a_page_on_an_origin_not_allowed_cannot_drive_the_model():
     """CORS hid the answer from a page on another origin but let its request run: a no-cors fetch with a Blob body
     sends no Content-Type and needs no preflight, and FastAPI before 0.132 parsed such a body as JSON, so any page the
-    user visited could start generations. Now a request whose Origin is neither allowed nor the server's own gets a
-    403 before it is read, whatever its Content-Type; one from the server's own origin, or without Origin, is served."""
+    user visited could start generations. Now a POST that needs no preflight (no Content-Type, or a form's or
+    text/plain) whose Origin is neither allowed nor the server's own gets a 403 before it is read; one from the
+    server's own origin, or without Origin, is served. A JSON POST is preflighted, which CORS answers: one that
+    reaches the server comes from a page CORS let through, or the server's own behind a proxy that rewrote Host
+    (nginx's default), which was refused."""
     from fastapi.testclient import TestClient
 
     body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2, "seed": 1}).encode()
     json_type = {"Content-Type": "application/json"}
     with TestClient(create_app(load_model("random-tiny", None, "cpu"), MODEL, prefix_cache_bytes=0,
                                allowed_origins=["http://localhost:3000"])) as http:
-        for headers in ({}, json_type):  # the Blob's POST has no Content-Type
+        simple = ({}, {"Content-Type": "text/plain;charset=UTF-8"}, {"Content-Type": "application/x-www-form-urlencoded"})
+        for headers in simple:  # the Blob's POST has no Content-Type
             r = http.post("/v1/completions", content=body, headers={"Origin": "https://evil.example", **headers})
             assert r.status_code == 403 and "access-control-allow-origin" not in r.headers, r.text
             error = r.json()["error"]
@@ -1753,6 +1760,10 @@ def test_a_page_on_an_origin_not_allowed_cannot_drive_the_model():
         for origin in ({"Origin": "http://testserver"}, {"Origin": "http://localhost:3000"}, {}):
             r = http.post("/v1/completions", content=body, headers={**json_type, **origin})
             assert r.status_code == 200, (origin, r.text)
+        # the page's own origin behind nginx, which sends Host: 127.0.0.1:8000 upstream: its JSON POST is served
+        r = http.post("/v1/completions", content=body, headers={**json_type, "Origin": "https://chat.example.com",
+                                                               "Host": "127.0.0.1:8000"})
+        assert r.status_code == 200, r.text
 
 
 def test_a_request_at_loopback_must_name_a_loopback_host(server):
@@ -1789,8 +1800,16 @@ def test_a_request_at_loopback_must_name_a_loopback_host(server):
     assert not call(["api.example.com"], "::ffff:127.0.0.1", b"evil.example")  # (a dual-stack socket's 127.0.0.1)
     assert not call([], "::1", b"evil.example") and call(["*"], "::1", b"evil.example")
     assert call([], "10.0.0.5", b"evil.example")  # beyond loopback: the API key's to guard
-    for bad in ("http://api.example.com", "api.example.com:443", "::1", "a b"):
-        with pytest.raises(ValueError, match=r"^allowed_hosts: .* is not a host name; expected a name as a Host"):
+    # the URL `serve --host 0.0.0.0` (or ::, 127.0.0.2) prints, the machine's own name (Debian: 127.0.1.1) and a
+    # fully qualified name's trailing dot: no domain an attacker could point here
+    import socket
+
+    for host in (b"0.0.0.0:8000", b"[::]:8000", b"127.0.0.2", b"192.168.1.5:8000", socket.gethostname().encode()):
+        assert call([], "127.0.0.1", host), host
+    assert call(["api.example.com"], "127.0.0.1", b"api.example.com.:8000")
+    for bad in ("http://api.example.com", "api.example.com:443", "::1", "a b", "*.example.com", ".example.com",
+                "api.example.com."):  # (a wildcard or a trailing dot never matched)
+        with pytest.raises(ValueError, match=r"^allowed_hosts: .* is not a host name; expected a whole name as a Host"):
             create_app(server[1].state.engine.lm, MODEL, allowed_hosts=[bad])
 
 

@@ -361,11 +361,12 @@ def add_serve_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="origins of web pages allowed to call the API from a browser (CORS), as the browser sends "
                         "them: http://localhost:3000 (no path, no trailing slash), or '*' for any (default: none, "
-                        "so only clients outside a browser, and pages served from the server's own origin, can); a request "
-                        "from any other page gets a 403")
+                        "so only clients outside a browser, and pages served from the server's own origin, can); a "
+                        "POST from any other page that needs no preflight gets a 403, and CORS refuses the rest")
     p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
-                   help="Host names (as the Host header carries them, without the port) that a request reaching the "
-                        "server at a loopback address may name besides localhost, 127.0.0.1 and [::1], or '*' for any: "
+                   help="Host names (whole, as the Host header carries them, without the port) that a request "
+                        "reaching the server at a loopback address may name besides localhost, 127.0.0.1, [::1], the "
+                        "machine's own name and IP addresses, or '*' for any: "
                         "the public name a reverse proxy on this machine passes on (default: none; another Host gets "
                         "a 403, which stops DNS rebinding: a page whose name is pointed at 127.0.0.1 would otherwise "
                         "be on the server's own origin and read its answers)")
