@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import warn_user
+from .checks import check_text, warn_user
 from .config import CHAT_TURNS
 from .files import parse_json, text_of_file, utf16_note
 from .response import reasoning_markers
@@ -159,6 +159,9 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
         for key in ("prompt", "response"):
             if not isinstance(obj[key], str):
                 raise ValueError(f"{where}: field {key!r} must be a string")
+            # a JSON escape of half an emoji ("\\ud83d", as scraped text holds) named here, with its field: the
+            # tokenizer's own check names its parameter, "text", which this record has not
+            check_text(obj[key], f"{where}: {key}")
         prompt = tokenizer.encode_prompt(obj["prompt"])
         # make_batch ends it with EOS, as an ids record
         examples = [(where, Example(prompt, tokenizer.encode(obj["response"])))]
@@ -715,7 +718,8 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *
             for where, obj in jsonl_objects(file):
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                     raise ValueError(f"{where}: expected {{\"text\": string}} like the file's first line")
-                texts.append((where, obj["text"]))
+                # (the tokenizer's own check of a lone surrogate, "\\ud83d", would name no file or line)
+                texts.append((where, check_text(obj["text"], f"{where}: text")))
             continue
         if not file.is_file():  # (read_text's own error puts "[Errno 2]" before the path)
             raise FileNotFoundError(f"{file}: no such data file")

@@ -515,6 +515,18 @@ def test_bad_raw_text_is_named(tmp_path, tok, lines, message):
         load_text(tmp_path / "t.jsonl", tok)
 
 
+def test_a_lone_surrogate_escape_is_named_by_line_and_field(tmp_path, tok):
+    """A JSON escape of half an emoji ("\\ud83d", as scraped corpora hold) was refused by the tokenizer as
+    "text: not valid UTF-8 (...)": for {"text"} lines with no file or line (`train` then read it as "--data text: ..."),
+    and for a prompt/response record under a field "text" that the record has not."""
+    (tmp_path / "t.jsonl").write_text('{"text": "fine"}\n{"text": "cut \\ud83d here"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:2: text: not valid UTF-8 \(lone surrogate U\+D83D at character 4\)"):
+        load_text(tmp_path / "t.jsonl", tok)
+    (tmp_path / "p.jsonl").write_text('{"prompt": "ok", "response": "ok"}\n{"prompt": "ok", "response": "cut \\ud83d"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: response: not valid UTF-8 \(lone surrogate U\+D83D"):
+        load_jsonl(tmp_path / "p.jsonl", tok)
+
+
 def test_raw_text_errors(tmp_path, tok):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="a folder without .txt/.py/.md or .jsonl files"):
