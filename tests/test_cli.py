@@ -281,6 +281,25 @@ def test_stderr_said_to_be_ascii_gets_one_character_for_each_it_cannot_show(monk
     assert raw.getvalue() == (b"?ng random-tiny ? 3 tok/s\n" if tty else "…ng random-tiny · 3 tok/s\n".encode())
 
 
+@pytest.mark.parametrize("tty", [False, True])
+def test_a_path_of_undecodable_bytes_is_printed_to_a_strict_utf8_stdout(monkeypatch, tty):
+    """Under en_US.UTF-8 (any UTF-8 locale but C.UTF-8) stdout is UTF-8 with errors='strict': a model folder named
+    b"mod\\xe8le" (held as the surrogate "\\udce8") failed `info`, and `quantize` after writing its folder, with
+    "surrogates not allowed", status 2. A file or pipe now gets the path's own bytes, as `ls` writes them; a
+    terminal "?"."""
+    from blockpress.cli.output import utf8_stdio
+
+    class Stream(io.BytesIO):
+        def isatty(self) -> bool:
+            return tty
+
+    raw = Stream()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="utf-8", errors="strict"))
+    utf8_stdio()
+    print("wrote mod\udce8le: int8", flush=True)
+    assert raw.getvalue() == (b"wrote mod?le: int8\n" if tty else b"wrote mod\xe8le: int8\n")
+
+
 def test_an_error_naming_undecodable_bytes_reaches_an_ascii_stderr_file():
     """A path of bytes the locale cannot decode reaches Python as surrogates; stderr said to be ASCII and written
     to a file or pipe is made UTF-8 with its own backslashreplace kept, so the error naming the path is written

@@ -134,7 +134,8 @@ def utf8_stdio() -> None:
     which name them. Piped text's line endings are read as Python reads them on Windows: CRLF (or a CR alone) as
     "\n" (on Linux and macOS the CRs would stay: a prompt file saved on Windows would prompt the model with "\r\n",
     other tokens and another answer than the same text's). A terminal keeps its own encoding (a Windows console is UTF-8
-    already); one that cannot show a character gets "?" rather than the error. A terminal said to be ASCII
+    already); one that cannot show a character gets "?" rather than the error. A path whose bytes are not UTF-8 (Python
+holds them as surrogates) goes to a stdout file or pipe as those bytes, to a terminal as "?". A terminal said to be ASCII
     (PYTHONIOENCODING=ascii, an ASCII locale) is read as UTF-8, ASCII's superset and what terminals send: typed
     "grüße" would otherwise end `generate -` with "'ascii' codec can't decode byte 0xc3", and chat would refuse it as
     "not valid UTF-8", which it is."""
@@ -146,8 +147,15 @@ def utf8_stdio() -> None:
                 out.reconfigure(errors="replace")
             elif out is sys.stderr:  # an error naming a path of undecodable bytes (surrogates) is still written
                 out.reconfigure(encoding="utf-8", errors="backslashreplace")
-            else:
-                out.reconfigure(encoding="utf-8")
+            else:  # such a path printed as its own bytes, as `ls > file` writes it
+                out.reconfigure(encoding="utf-8", errors="surrogateescape")
+        elif out is sys.stdout and out is not None and getattr(out, "errors", None) == "strict" \
+                and hasattr(out, "reconfigure"):
+            # UTF-8 already, but strict (en_US.UTF-8 and every other UTF-8 locale but C.UTF-8): a path of bytes that
+            # are not UTF-8 (b"mod\xe8le", held as the surrogate "\udce8") failed `info` and `quantize` after their
+            # work (quantize's folder written) with "surrogates not allowed", naming no flag. A file or pipe gets the
+            # path's own bytes, as `ls` writes them; a terminal "?", as for any character it cannot show.
+            out.reconfigure(errors="replace" if out.isatty() else "surrogateescape")
     if stdin is None or not hasattr(stdin, "reconfigure"):
         return
     try:
