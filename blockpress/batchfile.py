@@ -21,6 +21,7 @@ from blockpress.files import (
     one_value_a_key,
     parse_json,
     refuse_non_json_numbers,
+    undecodable_byte,
     utf16_note,
 )
 
@@ -157,13 +158,14 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
     ValueError naming NAME:LINE and its field, so no generation starts on a file that would fail part way."""
     rows = []
     # a byte-order mark (Notepad's "UTF-8 with BOM") is no part of the first line, as training's JSONL reading takes it
-    data = data.removeprefix(b"\xef\xbb\xbf")
+    mark = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    data = data[mark:]
     for number, raw in enumerate(data.split(b"\n"), 1):
         where = f"{name}:{number}"
         try:
             text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1})"
+        except UnicodeDecodeError as exc:  # (the first line's byte counted in the file, its mark too, as training's)
+            raise ValueError(f"{where}: not UTF-8 ({undecodable_byte(exc, mark if number == 1 else 0)})"
                              f"{utf16_note(data[:2])}") from None
         if not text.strip():
             continue

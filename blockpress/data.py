@@ -23,7 +23,7 @@ import torch
 
 from .checks import check_text, warn_user
 from .config import CHAT_TURNS
-from .files import parse_json, text_of_file, utf16_note
+from .files import parse_json, text_of_file, undecodable_byte, utf16_note
 from .response import reasoning_markers
 from .tokenizer import REASONING_FIELDS, chat_message
 
@@ -318,7 +318,7 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(raw)}") from None
+                raise ValueError(f"{where}: not valid UTF-8 ({undecodable_byte(exc)}){utf16_note(raw)}") from None
             if n == 1:  # a byte-order mark, as some Windows editors write: json.loads refuses it
                 line = line.removeprefix("\ufeff")
             if not line.strip():
@@ -732,7 +732,7 @@ def load_text(path: str | Path, tokenizer: Any, vocab_size: int | None = None, *
             # (jsonl_objects): read with it, it would be three tokens of U+FEFF before each such document
             texts.append((str(file), text_of_file(data)))
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{file}: not valid UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(data[:2])}"
+            raise ValueError(f"{file}: not valid UTF-8 ({undecodable_byte(exc)}){utf16_note(data[:2])}"
                              ) from None
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     # Each piece's ids as a compact array as soon as it is encoded (a document's Python list of ints takes 36 bytes a

@@ -333,6 +333,21 @@ def utf16_note(head: bytes) -> str:
     return ""
 
 
+def utf16_note_of_text(text: str) -> str:
+    """utf16_note of text read from standard input, whose bytes that are not UTF-8 arrive as surrogates
+    (surrogateescape): UTF-16's byte-order mark is "\\udcff\\udcfe" (or "\\udcfe\\udcff") there."""
+    return utf16_note(text[:2].encode("utf-8", "surrogateescape")) if text[:2] in ("\udcff\udcfe", "\udcfe\udcff") \
+        else ""
+
+
+def undecodable_byte(exc: UnicodeDecodeError, skipped: int = 0) -> str:
+    """"byte 0xe9 at byte 16": the first byte UTF-8 cannot read, by its value and its position counted from 1 (the
+    16th byte), as cmp and an editor's columns count, for every "not UTF-8" error to name a byte alike (Python's
+    exc.start counts from 0, and the reason alone, "invalid continuation byte", named no byte). `skipped`: bytes
+    before exc.object that the position counts too (a byte-order mark taken off before decoding)."""
+    return f"byte 0x{exc.object[exc.start]:02x} at byte {skipped + exc.start + 1}"
+
+
 def text_of_file(data: bytes) -> str:
     """A UTF-8 text file's `data` as reading it as text gives on every system: a leading byte-order mark (Notepad's
     "UTF-8 with BOM") dropped, CRLF and a CR alone as "\n". A UnicodeDecodeError's start is the byte's offset in
@@ -351,9 +366,13 @@ def read_json_object(path: str | Path, error: type[Exception] = ValueError, wher
     saved by Notepad as "UTF-8 with BOM") is read past (json refused it as 'Unexpected UTF-8 BOM'), and a byte that is
     not UTF-8 is named at its offset in the file (text_of_file)."""
     path = Path(path)
+    data = path.read_bytes()
     try:
-        raw = parse_json(text_of_file(path.read_bytes()))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = parse_json(text_of_file(data))
+    except UnicodeDecodeError as exc:
+        raise error(f"{where}{path}: not valid JSON (not UTF-8: {undecodable_byte(exc)}){utf16_note(data[:2])}"
+                    ) from None
+    except json.JSONDecodeError as exc:
         raise error(f"{where}{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise error(f"{where}{path}: expected a JSON object, got {type(raw).__name__}")

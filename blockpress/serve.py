@@ -104,6 +104,7 @@ from starlette.routing import Match
 
 from .cache import allocation_failed
 from .checks import check_positive_int, check_text, is_int
+from .files import undecodable_byte
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # (typing's own from 3.13; only read by type checkers here)
@@ -2079,7 +2080,7 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
         detail, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "There was an error parsing the body", of bytes
         cause = exc.__cause__  # that are not UTF-8: said as the server's other bodies that are not JSON
-        detail = (f"the request body is not valid JSON: not UTF-8 ({cause.reason} at byte {cause.start}); send "
+        detail = (f"the request body is not valid JSON: not UTF-8 ({undecodable_byte(cause)}); send "
                   "JSON as UTF-8")
     return JSONResponse(error_body(detail, "invalid_request_error", None, code), status_code=exc.status_code,
                         headers=headers)

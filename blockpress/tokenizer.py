@@ -42,6 +42,7 @@ from .files import (
     read_json_object,
     staging,
     text_of_file,
+    undecodable_byte,
     utf16_note,
 )
 from .response import builtin_response_template, compile_template, parse_response
@@ -225,7 +226,7 @@ class Tokenizer:
             data = tokenizer_file.read_bytes()
             text = text_of_file(data)  # (CRLF as LF: JSON's whitespace alike)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{tokenizer_file}: not UTF-8 ({exc.reason} at byte {exc.start}){utf16_note(data)}"
+            raise ValueError(f"{tokenizer_file}: not UTF-8 ({undecodable_byte(exc)}){utf16_note(data)}"
                              "; tokenizer.json is UTF-8 JSON") from None
         try:
             backend = tokenizers.Tokenizer.from_str(text)
@@ -932,8 +933,8 @@ def _read_template_file(path: Path) -> str:
     try:
         return text_of_file(path.read_bytes())
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: a chat template is UTF-8 text, and this is not ({exc.reason} at byte "
-                         f"{exc.start}); save it as UTF-8") from None
+        raise ValueError(f"{path}: a chat template is UTF-8 text, and this is not ({undecodable_byte(exc)}); save it "
+                         "as UTF-8") from None
 
 
 def _json_text(data: Mapping[str, Any]) -> str:

@@ -232,6 +232,18 @@ def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["generate", "infill"])
+def test_utf16_piped_in_is_said_to_be_utf16(capsys, monkeypatch, command):
+    """Windows PowerShell 5's `|` and `>` write UTF-16: piped into `generate -` or `infill -` it was refused as "not
+    valid UTF-8 (byte 0xff at character 0)" alone, where --input and --data say it is UTF-16 and how to save it."""
+    stream = io.TextIOWrapper(io.BytesIO("def add(a, b):\n".encode("utf-16")), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stream)
+    assert main([command, "-", "--model", "random-tiny", "--steps", "2"]) == 2
+    key = "prompt" if command == "generate" else "template"
+    assert f"error: {key}: not valid UTF-8 (byte 0xff at character 0); it is UTF-16 (it starts with a UTF-16 " \
+           "byte-order mark" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "infill"])
 def test_a_piped_text_with_windows_line_endings_is_the_text_with_lf_ones(capsys, monkeypatch, command):
     """stdin is split at "\n" alone on Linux and macOS (Python translates CRLF only on Windows): a prompt file saved
     on Windows and piped in prompted the model with "\r\n", other tokens and another answer than the same text."""

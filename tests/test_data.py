@@ -705,8 +705,8 @@ def test_a_byte_order_mark_before_raw_text_is_not_trained_on(tmp_path, tok):
     assert load_text(tmp_path / "bom.txt", tok).arrays[0].tolist() == plain
     assert tok.decode(plain) == "hello world\nline two\n"  # (Windows line ends read as \n, as before)
     (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfcaf\xe9\n")  # still named where it is not UTF-8, by the
-    # file's own offset (the mark's 3 bytes counted: it said byte 3)
-    with pytest.raises(ValueError, match=r"bad.txt: not valid UTF-8 \(invalid continuation byte at byte 6\)$"):
+    # file's own offset (the mark's 3 bytes counted: it said byte 3), from 1: the 7th byte
+    with pytest.raises(ValueError, match=r"bad.txt: not valid UTF-8 \(byte 0xe9 at byte 7\)$"):
         load_text(tmp_path / "bad.txt", tok)
     (tmp_path / "mac.txt").write_bytes(b"hello world\rline two\r")  # a CR alone: a line end, as read as text
     assert load_text(tmp_path / "mac.txt", tok).arrays[0].tolist() == plain
@@ -794,18 +794,35 @@ def test_a_json_array_of_records_says_how_to_write_it_as_jsonl(tmp_path):
     assert [json.loads(x) for x in data.with_suffix(".jsonl").read_text().splitlines()] == records
 
 
+def test_a_byte_that_is_not_utf8_is_named_alike_by_train_and_generate(tmp_path):
+    """The same Latin-1 byte, the 16th of a line, was "byte 16" to `generate --input` (counted from 1, its value named)
+    and "invalid continuation byte at byte 15" to `train --data` (from 0, no value); after a byte-order mark it was
+    "byte 16" to `generate --input` (the mark left out) and "at byte 18" to `train`. Both now count the line's bytes
+    from 1, the first line's mark too, and name the byte."""
+    from blockpress.batchfile import read_rows
+
+    for mark in (b"", b"\xef\xbb\xbf"):
+        data = mark + b'{"prompt": "caf\xe9", "response": "x"}\n'
+        (tmp_path / "d.jsonl").write_bytes(data)
+        said = f"d.jsonl:1: not {{}}UTF-8 (byte 0xe9 at byte {len(mark) + 16})"
+        with pytest.raises(ValueError, match=re.escape(said.format("valid "))):
+            load_jsonl(tmp_path / "d.jsonl")
+        with pytest.raises(ValueError, match=re.escape(said.format(""))):
+            read_rows("d.jsonl", data)
+
+
 def test_a_utf16_file_is_named_as_utf16(tmp_path, tok):
     """Windows PowerShell's `>` writes UTF-16 with a byte-order mark: such a .jsonl or .txt was refused as 'not valid
     UTF-8 (invalid start byte at byte 0)', which said nothing of why."""
     (tmp_path / "d.jsonl").write_bytes('{"prompt": "a", "response": "b"}\r\n'.encode("utf-16"))
     (tmp_path / "t.txt").write_bytes("hello world\r\n".encode("utf-16"))
     said = "it is UTF-16 (it starts with a UTF-16 byte-order mark, as Windows PowerShell's > and Out-File write text)"
-    with pytest.raises(ValueError, match=re.escape(f"d.jsonl:1: not valid UTF-8 (invalid start byte at byte 0); {said}")):
+    with pytest.raises(ValueError, match=re.escape(f"d.jsonl:1: not valid UTF-8 (byte 0xff at byte 1); {said}")):
         load_jsonl(tmp_path / "d.jsonl", tok)
-    with pytest.raises(ValueError, match=re.escape(f"t.txt: not valid UTF-8 (invalid start byte at byte 0); {said}")):
+    with pytest.raises(ValueError, match=re.escape(f"t.txt: not valid UTF-8 (byte 0xff at byte 1); {said}")):
         load_text(tmp_path / "t.txt", tok)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))  # another encoding: no such word
-    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 \(invalid continuation byte at byte 3\)$"):
+    with pytest.raises(ValueError, match=r"latin1.txt: not valid UTF-8 \(byte 0xe9 at byte 4\)$"):
         load_text(tmp_path / "latin1.txt", tok)
 
 

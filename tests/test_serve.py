@@ -764,7 +764,7 @@ def test_a_body_not_read_as_json_says_why(server):
     latin = json.dumps({"model": MODEL, "prompt": "caf\u00e9"}, ensure_ascii=False).encode("latin-1")
     r = httpx.post(server[0] + "/v1/completions", content=latin, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(
-        "the request body is not valid JSON: not UTF-8 (invalid continuation byte at byte "), r.text
+        "the request body is not valid JSON: not UTF-8 (byte 0xe9 at byte "), r.text
 
 
 def test_disconnect_frees_the_engine(server):

@@ -138,12 +138,32 @@ def test_a_model_that_is_not_a_sudoku_model_is_refused(capsys):
         sudoku_model.solve_ar(blockpress.random_model(blockpress.ModelConfig.tiny()), [puzzle])
 
 
+def test_a_puzzle_file_not_utf8_is_named_at_its_byte_and_utf16_is_said(tmp_path, capsys, monkeypatch):
+    """--file read with utf-8-sig named a bad byte 3 bytes early after a byte-order mark ("byte 10" for the 13th), and
+    a UTF-16 --file or stdin was "byte 0xff" alone, where --input and --data say it is UTF-16 and how to save it."""
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf123456789\xe9")
+    assert main(["sudoku", "--file", str(bom)]) == 2
+    assert capsys.readouterr().err.endswith(f"--file {bom}: cannot read puzzles from it (not UTF-8: byte 0xe9 at "
+                                            "byte 13)\n")
+    utf16 = "1" * 81 + "\n"
+    said = "; it is UTF-16 (it starts with a UTF-16 byte-order mark"
+    (tmp_path / "u16.txt").write_bytes(utf16.encode("utf-16"))
+    assert main(["sudoku", "--file", str(tmp_path / "u16.txt")]) == 2
+    assert f"(not UTF-8: byte 0xff at byte 1{said}" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(utf16.encode("utf-16")), encoding="utf-8"))
+    assert main(["sudoku", "-"]) == 2
+    assert f"stdin line 1: not valid UTF-8 (byte 0xff at character 0){said}" in capsys.readouterr().err
+
+
 def test_an_unreadable_puzzle_file_is_a_clear_error(tmp_path, capsys, monkeypatch):
     """Each in one line naming --file and why in words (it gave Python's "[Errno 21] Is a directory: '...'"); a
     file (or stdin) that holds no puzzle is named, where the error said to give a puzzle "or --file"."""
     binary = tmp_path / "puzzles.bin"
     binary.write_bytes(b"\xff\xfe" * 50)
-    for path, why in [(tmp_path, "is a folder"), (binary, "not UTF-8: byte 0xff at byte 1"),
+    for path, why in [(tmp_path, "is a folder"), (binary, "not UTF-8: byte 0xff at byte 1; it is UTF-16 (it starts with a UTF-16 byte-order "
+                                                "mark, as Windows PowerShell's > and Out-File write text): save it as "
+                                                "UTF-8 (in PowerShell: Out-File -Encoding utf8)"),
                       (tmp_path / "missing.txt", "No such file or directory")]:
         assert main(["sudoku", "--file", str(path)]) == 2
         err = capsys.readouterr().err

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from blockpress.checks import utf8_problem
 from blockpress.cli.chat import ReplyReader, check_chat_template, system_turn
 from blockpress.cli.common import (
     check_file_path,
@@ -26,6 +27,7 @@ from blockpress.cli.common import (
     typed_flag,
 )
 from blockpress.cli.output import print_warning
+from blockpress.files import utf16_note_of_text
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 FILE_BATCH_SIZE = 8  # --input's rows a call when --batch-size is not given
@@ -75,6 +77,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_chat_template(lm, args, "--chat (drop it to continue the prompt as plain text)")
     if args.prompt == "-":  # as infill's template
         args.prompt = sys.stdin.read()
+        if note := utf16_note_of_text(args.prompt):  # (UTF-16 piped in: said so, as --input's is)
+            raise ValueError(f"prompt: not valid UTF-8 ({utf8_problem(args.prompt)}){note}")
     live = live_terminal(sys.stdout) and not args.no_live and not args.json
     prompt: Any = args.prompt
     shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone

@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Any
 
-from blockpress.checks import check_text
+from blockpress.checks import check_text, utf8_problem
 from blockpress.cli.common import (
     RANDOM_PREFIX,
     as_flags,
@@ -32,6 +32,7 @@ from blockpress.cli.generate import (
     run_file,
     run_settings,
 )
+from blockpress.files import utf16_note_of_text
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -85,6 +86,8 @@ def cmd_infill(args: argparse.Namespace) -> int:
     if file:
         return infill_file(args)
     text = args.template if args.template != "-" else sys.stdin.read()
+    if args.template == "-" and (note := utf16_note_of_text(text)):  # (UTF-16 piped in: said so, as --input's is)
+        raise ValueError(f"template: not valid UTF-8 ({utf8_problem(text)}){note}")
     for flag, value in (("--prefix", args.prefix), ("template", text)):
         check_text(value, flag)  # bytes that were not UTF-8 arrive as surrogates: it names the byte, as chat does
     check_template(text, args.hole_length, model_context(args))

@@ -13,6 +13,7 @@ from typing import Any
 from blockpress.checks import check_text, utf8_problem
 from blockpress.cli.common import load_announced
 from blockpress.cli.output import print_warning
+from blockpress.files import text_of_file, undecodable_byte, utf16_note, utf16_note_of_text
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -38,8 +39,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         # stdin keeps bytes that are not UTF-8 as surrogates (as generate's does): named here as such, by line, where
         # the puzzle reader would see "illegal character '\udcff'", a character the input never held
         for n, line in enumerate(text.splitlines(), start=1):
-            if (problem := utf8_problem(line)) is not None:
-                raise ValueError(f"{name} line {n}: not valid UTF-8 ({problem})")
+            if (problem := utf8_problem(line)) is not None:  # (UTF-16 piped in: said so, as a --file of it is)
+                raise ValueError(f"{name} line {n}: not valid UTF-8 ({problem}){utf16_note_of_text(line)}")
         pairs = read_puzzle_csv(text, name) if is_puzzle_csv(text) else [(p, None) for p in split_puzzle_file(text, name)]
         puzzles.extend(p for p, _ in pairs)
         expected.extend(s for _, s in pairs)
@@ -55,13 +56,16 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
     if args.file == "-":
         read(sys.stdin.read(), "--file -")
     elif args.file:
+        data = b""
         try:
-            # utf-8-sig: the file's own encoding whatever the locale says, a BOM (Notepad's) left out
-            lines = Path(args.file).read_text(encoding="utf-8-sig").splitlines()
+            # UTF-8 whatever the locale says, a BOM (Notepad's) left out and counted in a bad byte's position (utf-8-sig's
+            # positions left its 3 bytes out)
+            data = Path(args.file).read_bytes()
+            lines = text_of_file(data).splitlines()
         except (OSError, UnicodeDecodeError) as exc:  # a folder, a missing or a binary file
             # (Python's own text, "[Errno 21] Is a directory: 'd'", repeated the path and named no flag's terms)
             why = ("is a folder" if Path(args.file).is_dir() else exc.strerror or str(exc) if isinstance(exc, OSError)
-                   else f"not UTF-8: byte 0x{exc.object[exc.start]:02x} at byte {exc.start + 1}")
+                   else f"not UTF-8: {undecodable_byte(exc)}{utf16_note(data[:2])}")
             raise ValueError(f"--file {args.file}: cannot read puzzles from it ({why})") from None
         read("\n".join(lines), f"--file {args.file}")
     if not puzzles and read_from:  # not "give at least one puzzle ..., or --file" to a --file of none
