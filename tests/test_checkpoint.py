@@ -710,6 +710,9 @@ def _hand_written(raw, **fields):
         # Each of these failed later with a bare AttributeError, TypeError or a torch error.
         (lambda c: c["text_config"].update(per_layer_config=[1]), "per_layer_config: expected an object"),
         (lambda c: c["text_config"].update(per_layer_config={"0": {"head_dim": "x"}}), "per_layer_config"),
+        # a digit to str.isdigit, not to int(): "invalid literal for int() with base 10: '²'", naming no file or field
+        (lambda c: c["text_config"].update(per_layer_config={"²": {"head_dim": 16}}),
+         r"per_layer_config\['²'\]: expected a layer index below"),
         (lambda c: c["text_config"].update(rope_parameters=5), "rope_parameters: expected an object"),
         (lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(partial_rotary_factor=2.0),
          "partial_rotary_factor: expected a fraction"),
