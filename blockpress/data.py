@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batchfile import _cr_alone
 from .checks import check_text, warn_user
 from .config import CHAT_TURNS
 from .files import parse_json, text_of_file, undecodable_byte, utf16_note
@@ -326,7 +327,8 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
             try:
                 yield where, parse_json(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+                # a file of CR-alone line ends is one line, refused as "Extra data": said why, as --input says it
+                raise _cr_alone(where, raw) or ValueError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
 def is_glob(path: str | Path) -> bool:

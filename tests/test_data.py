@@ -811,7 +811,17 @@ def test_a_byte_that_is_not_utf8_is_named_alike_by_train_and_generate(tmp_path):
             read_rows("d.jsonl", data)
 
 
-def test_a_utf16_file_is_named_as_utf16(tmp_path, tok):
+def test_jsonl_with_cr_alone_line_ends_is_said_to_be_so(tmp_path):
+    """A file saved with classic Mac OS line ends (a CR alone) is one line to JSONL, refused as "not valid JSON
+    (Extra data)", which said nothing of why; `generate --input` explained it, training's reading now does too."""
+    (tmp_path / "cr.jsonl").write_bytes(b'{"prompt_ids": [2], "response_ids": [3]}\r' * 2)
+    with pytest.raises(ValueError, match=r"cr.jsonl:1: is several lines ended by a CR alone .*save the file with LF"):
+        load_jsonl(tmp_path / "cr.jsonl")
+    (tmp_path / "crlf.jsonl").write_bytes(b'{"prompt_ids": [2], "response_ids": [3]}\r\n' * 2)  # (CRLF: read)
+    assert len(load_jsonl(tmp_path / "crlf.jsonl")) == 2
+
+
+
     """Windows PowerShell's `>` writes UTF-16 with a byte-order mark: such a .jsonl or .txt was refused as 'not valid
     UTF-8 (invalid start byte at byte 0)', which said nothing of why."""
     (tmp_path / "d.jsonl").write_bytes('{"prompt": "a", "response": "b"}\r\n'.encode("utf-16"))
