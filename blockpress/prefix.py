@@ -197,8 +197,8 @@ def encode_prompts(
     left-padded batch (as blockpress pads) the cache is what `model.encode(prompt, cache, attention_mask)` would
     have built: same slots, same positions. Padding anywhere else ends up on the left.
     Rows that share nothing with the kept prompts are encoded together, as one batch (per-row calls cost a
-    small model more than the tokens); the others then each encode their own tail, and may also reuse what
-    those fresh rows just added.
+    small model more than the tokens), a prompt repeated in the batch once; the others then each encode their own
+    tail, and may also reuse what those fresh rows just added.
     """
     b, p = prompt.shape
     device = prompt.device
@@ -222,7 +222,18 @@ def encode_prompts(
         n = min(shared, ids[i].numel() - 1)
         return n if n >= prefixes.min_tokens else 0
 
-    fresh = [i for i in range(b) if reusable(prefixes.longest(ids[i])[2], i) == 0]
+    fresh: list[int] = []
+    firsts: set[tuple[int, ...]] = set()
+    for i in range(b):
+        if reusable(prefixes.longest(ids[i])[2], i) > 0:
+            continue
+        # n sampled choices are n identical rows: only the first is encoded with the new rows; the others, once it
+        # is kept, load it and encode their last token below (one too big to keep is encoded whole there)
+        row_ids = tuple(ids[i].tolist())
+        if row_ids in firsts and reusable(ids[i].numel(), i) > 0:
+            continue
+        firsts.add(row_ids)
+        fresh.append(i)
     if fresh:
         from .generate import left_pad  # generate imports this module
 

@@ -1339,7 +1339,10 @@ class Usage:
     def add(self, job: Job, done: JobDone) -> None:
         self.completion += done.tokens * job.copies
         self.passes += done.passes
-        self.reused[job.group] = max(self.reused.get(job.group, 0), done.reused)
+        # The least of its choices: the first one encodes a prompt the cache lacks, the others of its batch then
+        # reuse what it kept (prefix.encode_prompts), which the request itself encoded and is no cached token.
+        before = self.reused.get(job.group)
+        self.reused[job.group] = done.reused if before is None else min(before, done.reused)
 
     @property
     def cached(self) -> int:

@@ -48,7 +48,8 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
             want = model.encode(prompt, want_cache, attention_mask=mask, logits="last")
             # Rows that share nothing with the kept prompts are encoded first, together; the others then reuse
             # what they can, those fresh rows and the rows before them included.
-            fresh = [i for i, r in enumerate(batch) if _reuse(seen, r) == 0]
+            # A prompt repeated in the batch is encoded once: its repeats reuse it (all but their last token).
+            fresh = [i for i, r in enumerate(batch) if _reuse(seen, r) == 0 and (len(r) < 2 or r not in batch[:i])]
             seen += [batch[i] for i in fresh]
             expected = [0] * len(batch)
             for i, r in enumerate(batch):
@@ -65,6 +66,33 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
                 torch.testing.assert_close(a[:, :, :n].transpose(1, 2)[v], b[:, :, :n].transpose(1, 2)[v],
                                            rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_n_identical_rows_encode_their_prompt_once(lm, monkeypatch):
+    """n sampled choices are n identical rows (the server batches a job a choice): every one was new to the cache
+    when the batch began, so each was encoded whole (8 choices of a 3,000-token prompt: 6-8x one choice's prefill).
+    The first is encoded, with the other new rows; its repeats load what it kept and encode their last token. The
+    cache, logits and samples are what encoding every row gives."""
+    g = torch.Generator().manual_seed(1)
+    prompt, other = (torch.randint(5, 120, (40,), generator=g).tolist() for _ in range(2))
+    batch = [prompt, other, prompt, prompt]
+    calls = []
+    encode = lm.model.encode
+    monkeypatch.setattr(lm.model, "encode", lambda *a, **k: (calls.append(tuple(a[0].shape)), encode(*a, **k))[1])
+    pc = PrefixCache(min_tokens=4)
+    with torch.no_grad():
+        cache, got, reused = encode_prompts(lm.model, torch.tensor(batch), None, pc, 48, logits=True)
+    assert calls == [(2, 40), (1, 1), (1, 1)] and reused == [0, 0, 39, 39]
+    monkeypatch.undo()
+    with torch.no_grad():
+        want_cache = lm.new_cache(4, 48)
+        want = lm.model.encode(torch.tensor(batch), want_cache, logits="last")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip((*cache.keys, *cache.values), (*want_cache.keys, *want_cache.values)):
+        torch.testing.assert_close(a[:, :, :40], b[:, :, :40], rtol=1e-5, atol=1e-5)
+    kw = dict(max_new_tokens=16, max_denoising_steps=4, seed=3, draw_temperature=1.0)
+    plain = lm.generate(batch, **kw)
+    assert torch.equal(lm.generate(batch, prefix_cache=PrefixCache(min_tokens=4), **kw).sequences, plain.sequences)
 
 
 def _stored(pc):  # the token ids of every entry

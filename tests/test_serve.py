@@ -1055,6 +1055,19 @@ def test_cached_prompt_tokens_count_once_however_many_choices(server):
     assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"], usage
 
 
+def test_the_choices_that_reuse_what_their_first_kept_add_no_cached_tokens():
+    """A prompt new to the cache is encoded once for all its n choices: the first one encodes it, the others reuse
+    what it kept (prefix.encode_prompts). That is no cached token: the prompt's reuse is its least choice's."""
+    from types import SimpleNamespace
+
+    from blockpress.serve import JobDone, Usage
+
+    usage = Usage()
+    for group, reused in ((0, 0), (0, 39), (0, 39), (1, 12), (1, 12)):
+        usage.add(SimpleNamespace(copies=1, group=group), JobDone("", 1, 1, "length", reused))  # type: ignore[arg-type]
+    assert usage.cached == 12 and usage.completion == 5
+
+
 def test_the_cached_tokens_of_several_prompts_add_up(server):
     """A list of prompts is several prompts: its cached_tokens is the sum of each one's reuse, as its prompt_tokens
     is the sum of theirs (taking the largest one's reused undercounted it)."""
