@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from os.path import commonprefix
 from typing import Any, cast
 
@@ -1143,8 +1143,50 @@ def settled_text(text: str, stops: Sequence[str]) -> str:
     without a tail that could be the start of a stop string (the next tokens may complete it). What a stream
     shows, Commit.settled_texts and the server's chunks alike, so that it never has to take text back."""
     text = text.rstrip("\ufffd")
-    hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+    hold = max((_stop_start(text, s) for s in stops), default=0)
     return text[: len(text) - hold]
+
+
+def _stop_start(text: str, stop: str) -> int:
+    """The longest k < len(stop) such that `text` ends with stop[:k], in time linear in len(stop). (Testing every k
+    with text.endswith(stop[:k]) copied stop[:k] each time: quadratic, on every canvas and streamed chunk, so 16
+    stops of 25k characters took 12.7 s of a 15.7 s generation.)"""
+    if len(stop) < 2 or not text:
+        return 0
+    tail = text[-(len(stop) - 1):]  # a start of the stop that is not all of it
+    last = tail[-16:]
+    end = min(len(stop) - 1, len(tail))
+    # A start of 16 characters or more ends where the stop holds the text's last 16: str.rfind finds those, longest
+    # first, and a stop holds few of them, unless it repeats itself; after a few, KMP's linear scan takes over.
+    for _ in range(4):
+        end = stop.rfind(last, 0, end) + len(last)
+        if end < len(last):  # none: a start is shorter than `last`, if any
+            return next((k for k in range(len(last) - 1, 0, -1) if tail.endswith(stop[:k])), 0)
+        if tail.endswith(stop[:end]):
+            return end
+        end -= 1
+    pi = _prefix_function(stop)
+    k = 0  # the longest start of the stop that the tail read so far ends with
+    for c in tail:
+        while k and c != stop[k]:
+            k = pi[k - 1]
+        if c == stop[k]:
+            k += 1
+    return k
+
+
+@lru_cache(maxsize=32)
+def _prefix_function(s: str) -> list[int]:
+    """KMP's prefix function: [i], the longest proper prefix of s[: i + 1] that ends it too. Kept for a stream's
+    stops, which every canvas and chunk tests again."""
+    pi, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        pi[i] = k
+    return pi
 
 
 def text_with_special_tokens(tok: Any, tokens: list[int], eos_ids: Sequence[int], heal_prefix: str,

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import blockpress
-from blockpress.generate import Commit, cut_at_stop, normalize_stops
+from blockpress.generate import Commit, cut_at_stop, normalize_stops, settled_text
 from blockpress.healing import strip_prefix
 from blockpress.tokenizer import Tokenizer
 
@@ -539,3 +539,48 @@ def test_a_replacement_character_the_model_writes_is_text_a_stop_finds(tiny_lm, 
     # one the first min_new_tokens write is in their floor, as any character they finish
     written_first = tok.encode(written) + tok.encode("cd") + [tok.eos_id]
     assert run(written_first, min_new_tokens=len(tok.encode(written))).texts[0] == written + "cd"
+
+
+def _settled_before(text, stops):  # settled_text as first written: test every length of every stop's start
+    text = text.rstrip("\ufffd")
+    hold = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - hold]
+
+
+_small = st.text("ab\ufffd", max_size=12)  # two letters: stops repeat themselves, and start where the text ends
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=_small, stops=st.lists(st.tuples(_small, _small), max_size=4), repeat=st.integers(1, 40))
+@example(text="abab", stops=[("a", "ab"), ("b", "ba")], repeat=20)  # many places to test, none a start: KMP's scan
+def test_settled_text_holds_back_the_longest_start_of_a_stop(text, stops, repeat):
+    """The linear settled_text holds back what testing every start of every stop did: short stops, and long ones
+    (repeat) that hold the text's last 16 characters many times over, after a start that may differ."""
+    stops = [head for head, _ in stops] + [head + body * repeat for head, body in stops]
+    for t in (text, text * repeat, text + "a" * repeat):
+        assert settled_text(t, stops) == _settled_before(t, stops)
+
+
+class _Counted(str):
+    """A stop string that counts the characters read out of it (a slice of k characters is k)."""
+
+    read = 0
+
+    def __getitem__(self, index):
+        out = super().__getitem__(index)
+        _Counted.read += len(out)
+        return out
+
+
+@pytest.mark.parametrize("text, stop", [
+    ("x" * 4000, "y" * 4000),  # the server allows 16 stops of ~250k characters
+    ("ab" * 2000, "ab" * 1999 + "c"),  # a stop that repeats itself, and whose every even start ends the text
+    ("ab" * 2000 + "a", "ab" * 1000 + "abc" + "ab" * 1000),
+])
+def test_settled_text_reads_a_long_stop_a_few_times_not_once_per_start(text, stop):
+    """settled_text runs on every canvas and streamed chunk (the server's event loop): testing text.endswith(
+    stop[:k]) for every k read ~L²/2 characters of a stop of L (16 stops of 25k characters took 12.7 s of a 15.7 s
+    generation); now it reads it a few times at most."""
+    _Counted.read = 0
+    assert settled_text(text, [_Counted(stop)]) == _settled_before(text, [stop])
+    assert _Counted.read <= 16 * len(stop), _Counted.read
