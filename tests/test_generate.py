@@ -3298,6 +3298,31 @@ def test_a_template_row_decodes_its_new_tokens_not_the_whole_row_at_each_commit(
         assert counting.decoded - before <= 2 * 5 * (16 + 2 * STREAM_OVERLAP), (end, counting.decoded - before)
 
 
+def test_a_template_rows_fills_compare_the_text_once_a_commit_not_once_an_edge(stream_tokenizers, monkeypatch):
+    """Each commit compared every edge's text with the row's whole text: a template of many holes cost holes x text
+    a commit (2,048 one-token holes: 0.5 s a row). An edge's offset is kept while the text up to it stays the same:
+    a commit compares the text with the last one, and the edges its new tokens reached."""
+    import blockpress.generate as generate
+    from blockpress.generate import TemplateRowText, hole_fills
+
+    tok = stream_tokenizers.STREAM_TOKENIZERS["blockpress-code"]
+    ids = tok.encode("x = f(a, 'é日') + 1\n" * 30)
+    fixed = [-1 if p % 2 else t for p, t in enumerate(ids)]  # a one-token hole every other token
+    spans = [(p, p + 1) for p in range(1, len(ids), 2)]
+    compared = []
+    shared_length = generate._shared_length
+    monkeypatch.setattr(generate, "_shared_length", lambda edge, text: (compared.append(1), shared_length(edge, text))[1])
+    texts = TemplateRowText(tok, fixed, spans, {})
+    commits = range(8, len(ids) + 8, 8)
+    for end in commits:
+        row = ids[:end]
+        assert texts.fills(row) == hole_fills(tok, [row], [spans], {}, torch.tensor([fixed]))[0]
+    edges = len({p for span in spans for p in span})
+    # one a commit, one an edge when first reached, and again for the few a split character's U+FFFD held open
+    # (510 here; comparing every edge each commit: 13,161)
+    assert len(compared) <= 2 * len(commits) + edges, (len(compared), len(commits), edges)
+
+
 near_markers = st.sampled_from(["<|hole|>", "<|hole:2|>", "<|HOLE|>", "<| hole |>", '"<|hole"', "<|hole:x|>",
                                 "<|Hole:3|>", "<|\nhole", "\\", "\\\\", "<|hole|", "<|hole:0|>", "<|hole:３|>"])
 
