@@ -163,7 +163,23 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
             # a JSON escape of half an emoji ("\\ud83d", as scraped text holds) named here, with its field: the
             # tokenizer's own check names its parameter, "text", which this record has not
             check_text(obj[key], f"{where}: {key}")
+        # A text longer than the context times the longest token's characters cannot fit: refused before it is
+        # tokenized, as the server refuses a request's (a response of 8 MB took 17 s and 1.4 GB to refuse by its
+        # tokens; 100 MB ran out of memory). With max_canvases a response of any length is cut to fit.
+        most = tokenizer.longest_token() if context is not None else 0
+        if context is not None and len(obj["prompt"]) > context[1] * most:
+            raise ValueError(f"{where}: 'prompt': {len(obj['prompt']):,} characters cannot fit the model's context of "
+                             f"{context[1]} tokens (no token of this vocabulary holds more than {most} characters, so "
+                             f"a text of more than {context[1] * most:,} is refused before it is tokenized)")
         prompt = tokenizer.encode_prompt(obj["prompt"])
+        room = 0 if context is None else context[1] - len(prompt)  # the positions the response may take
+        if context is not None and not context[2] and room > 0 and len(obj["response"]) > room * most:
+            fits = room // context[0]  # canvases of response the context has room for, as check_fits says
+            hint = f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it" if fits else ""
+            raise ValueError(f"{where}: 'response': {len(obj['response']):,} characters cannot fit the {room} positions "
+                             f"that the model's context of {context[1]} leaves after a prompt of {len(prompt)} tokens "
+                             f"(no token of this vocabulary holds more than {most} characters, so a response of more "
+                             f"than {room * most:,} is refused before it is tokenized){hint}")
         # make_batch ends it with EOS, as an ids record
         examples = [(where, Example(prompt, tokenizer.encode(obj["response"])))]
     for at, ex in examples:

@@ -441,6 +441,33 @@ def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, 
     assert str(err.value).endswith("; --max-canvases 2 keeps the first 2 canvases of each response and fits it")
 
 
+def test_a_prompt_response_record_too_long_to_fit_is_refused_before_it_is_tokenized(tmp_path, tok, monkeypatch):
+    """A {"prompt","response"} record was tokenized whole before its tokens were counted against the context: an 8 MB
+    response took 17 s and 1.4 GB to refuse, a 100 MB one ran out of memory. No token holds more than
+    longest_token() characters, so a text of more than that times the positions cannot fit: refused by its length,
+    as the server refuses a request's. With --max-canvases a response of any length is cut to fit."""
+    most = tok.longest_token()
+    encoded = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: (encoded.append(len(text)), encode(text, *a, **k))[1])
+    path = tmp_path / "d.jsonl"
+    long = "x" * (64 * most + 1)
+    path.write_text(json.dumps({"prompt": "def f", "response": long}) + "\n")
+    with pytest.raises(ValueError, match=rf"^.*d.jsonl:1: 'response': {len(long):,} characters cannot fit the \d+ "
+                                         rf"positions that the model's context of 64 leaves after a prompt of \d+ "
+                                         rf"tokens \(no token of this vocabulary holds more than {most} characters.*"
+                                         rf"; --max-canvases 3 keeps the first 3 canvases"):
+        load_jsonl(path, tok, context=(16, 64, None))
+    assert len(long) not in encoded
+    assert len(load_jsonl(path, tok, context=(16, 64, 2))) == 1  # cut to 2 canvases: it fits
+    path.write_text(json.dumps({"prompt": long, "response": "x"}) + "\n")
+    encoded.clear()
+    with pytest.raises(ValueError, match=rf"^.*d.jsonl:1: 'prompt': {len(long):,} characters cannot fit the model's "
+                                         rf"context of 64 tokens \(no token of this vocabulary holds more than {most}"):
+        load_jsonl(path, tok, context=(16, 64, 2))
+    assert not encoded
+
+
 def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):
     """`train --data` on a folder of raw text tokenized it in silence (the standard library's 162 MB: minutes).
     load_text reports the characters done after each document, and train's bar is drawn on a terminal's stderr
