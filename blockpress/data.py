@@ -151,7 +151,7 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
                          "one with --tokenizer FOLDER; or write prompt_ids/response_ids)")
     elif "messages" in keys:
         turns_cut: list[tuple[str, bool]] = []
-        examples = _chat_examples(obj["messages"], tokenizer, where, chat_turns, turns_cut)
+        examples = _chat_examples(obj["messages"], tokenizer, where, chat_turns, turns_cut, vocab_size, context)
         if cut is not None:
             cut += turns_cut
         elif turns_cut:
@@ -190,10 +190,11 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
 KNOWN_ROLES = ("system", "user", "assistant", "model", "tool")  # the roles chat templates render ("developer": system)
 
 
-def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str,
-                   cut: list[tuple[str, bool]]) -> list[tuple[str, Example]]:
+def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str, cut: list[tuple[str, bool]],
+                   vocab_size: int | None, context: tuple[int, int, int | None] | None) -> list[tuple[str, Example]]:
     """(where, example) of each assistant turn of a `messages` record trained on (parse_examples); `where` names
-    the turn when there are several. The turns whose content the template rendered only in part are named in `cut`."""
+    the turn when there are several. The turns whose content the template rendered only in part are named in `cut`.
+    Each example is checked (_check_example) as it is made: the first turn too long for `context` stops the record."""
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
         raise ValueError(f"{where}: 'messages' must be a list ending with an assistant message")
     if messages[-1].get("role") not in ("assistant", "model"):  # named: "Assistant" and "bot" are typos to see
@@ -231,7 +232,11 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str,
         # stopped, and the next turn's prompt holds it.
         if end is not None and end in response:
             response = response[: len(response) - response[::-1].index(end)]
-        examples.append((at, Example(tokenizer.encode(prompt), response, templated=True)))
+        example = Example(tokenizer.encode(prompt), response, templated=True)
+        # now, not once every turn is made: each renders the whole chat before it, so a chat of 600 turns spent 6 s
+        # making the turns after the one that could never fit
+        _check_example(example, at, vocab_size, context)
+        examples.append((at, example))
     # A later turn's prompt holds the earlier replies: the turns of a conversation fall on one side of the held-out
     # split together, that of its last turn (split_heldout), the side the conversation takes when only it is trained on.
     key = (examples[-1][1].prompt, examples[-1][1].response)

@@ -275,6 +275,21 @@ def test_a_chat_turn_too_long_for_the_context_is_named(tmp_path, tok):
         load_jsonl(path, tok, context=(4, 40, None))
 
 
+def test_a_chat_is_refused_at_its_first_turn_too_long_without_making_the_later_ones(tmp_path, tok, monkeypatch):
+    """A chat's turns were all rendered and tokenized (each renders the whole chat before it) before any was checked
+    against the context: a chat of 600 turns took 6 s to be refused at messages[33]. The first turn that cannot fit
+    stops the record."""
+    calls = []
+    render = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: (calls.append(1), render(*a, **k))[1])
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x " * 40}] * 20
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+    with pytest.raises(ValueError, match=r"d.jsonl:1: messages\[1\]: prompt and response take"):
+        load_jsonl(path, tok, context=(4, 40, None))
+    assert 0 < len(calls) <= 3, len(calls)  # the first assistant turn's prompt and reply, not the 19 after it
+
+
 def test_heldout_split_is_stable():
     ex = [Example([2], [i]) for i in range(200)]
     a_train, a_held = split_heldout(ex, 0.1)
