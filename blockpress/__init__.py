@@ -39,20 +39,24 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)  # one list: the TYPE_CHECKING imports below re-export the same names
 
 
-def __getattr__(name: str) -> Any:
-    """`blockpress.load` and the rest of __all__ from their modules, and `blockpress.lm` (a submodule) as a plain
-    package import would give it."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    else:
-        try:
-            value = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":  # a module of ours that fails to import: its own error
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value  # found once: later lookups skip this function
-    return value
+# Hidden from type checkers: to them a module with __getattr__ has every attribute, so `blockpress.laod(...)` (a
+# typo) passed mypy --strict as Any; they read the real names from the TYPE_CHECKING imports below instead.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> Any:
+        """`blockpress.load` and the rest of __all__ from their modules, and `blockpress.lm` (a submodule) as a plain
+        package import would give it."""
+        if name in _EXPORTS:
+            value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        else:
+            try:
+                value = importlib.import_module(f".{name}", __name__)
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{__name__}.{name}":  # a module of ours that fails to import: its own error
+                    raise
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+        globals()[name] = value  # found once: later lookups skip this function
+        return value
 
 
 def __dir__() -> list[str]:

@@ -1,6 +1,8 @@
 """What the wheel and sdist carry and declare: the license, the sdist's test suite, the extras."""
 
+import os
 import re
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -277,6 +279,51 @@ def test_what_type_checkers_see_is_what_the_package_exports():
             seen[alias.name] = node.module
     assert seen == blockpress._EXPORTS
 
+
+
+def mypy_errors(tmp_path, program: str) -> dict[int, str]:
+    """mypy's errors on a user's program that imports this checkout's blockpress, by line: what a typed user's
+    checker reports. torch is left unfollowed (its Tensor reads as Any): its stubs take most of a minute to analyse,
+    and each call checked here is about blockpress's own hints. Errors inside blockpress are silenced, as for an
+    installed package."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mypy")  # requirements-dev.txt's
+    (tmp_path / "user.py").write_text(textwrap.dedent(program))
+    (tmp_path / "mypy.ini").write_text("[mypy]\nfollow_imports = silent\n[mypy-torch.*]\nfollow_imports = skip\n")
+    run = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", ".cache",
+                          "--no-error-summary", "--hide-error-context", "user.py"],
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "MYPYPATH": str(ROOT)},
+                         timeout=300)
+    assert run.returncode in (0, 1) and not run.stderr, run.stdout + run.stderr
+    errors: dict[int, str] = {}
+    for line in run.stdout.splitlines():
+        match = re.match(r"user\.py:(\d+): error: (.*)", line)
+        if match:
+            errors.setdefault(int(match[1]), match[2])
+    return errors
+
+
+def test_a_typed_users_checker_reads_the_packages_names(tmp_path):
+    """What a user's mypy makes of `import blockpress`. The lazy-import __getattr__ was visible to checkers, for
+    which a module with one has every attribute: `blockpress.laod(...)` (a typo, an AttributeError at run time)
+    passed mypy --strict as Any, and everything computed from it went unchecked. Each line marked `# error` is an
+    error, and no other line is."""
+    program = """
+    import blockpress
+    import blockpress.lm
+
+    lm: blockpress.LM = blockpress.load("blockpress-code")
+    blockpress.laod("blockpress-code")  # error
+    config = blockpress.SamplerConfg(sampler="greedy")  # error
+    out: blockpress.GenerateOutput  # error
+    model: blockpress.lm.LM = lm
+    """
+    lines = textwrap.dedent(program).splitlines()
+    expected = {number for number, line in enumerate(lines, 1) if line.endswith("# error")}
+    errors = mypy_errors(tmp_path, program)
+    assert set(errors) == expected, errors
 
 
 def test_the_readmes_layout_names_every_module():
