@@ -36,7 +36,30 @@ _EXPORTS = {
     "PrefixCache": "prefix",
     "SamplerConfig": "sampling",
 }
-__all__ = sorted(_EXPORTS)  # one list: the TYPE_CHECKING imports below re-export the same names
+# Written out, not computed (sorted(_EXPORTS)): type checkers read only a literal __all__, so to mypy
+# `from blockpress import *` defined none of these names, and pyright exported every module global (os, Any...).
+# tests/test_packaging.py checks that it is sorted(_EXPORTS), as the TYPE_CHECKING imports below are.
+__all__ = [
+    "Cancelled",
+    "CheckpointError",
+    "Commit",
+    "ConfigError",
+    "DiffusionGemma",
+    "Done",
+    "Draft",
+    "GenerationOutput",
+    "KVCache",
+    "LM",
+    "ModelConfig",
+    "NonFiniteLogits",
+    "PrefixCache",
+    "SamplerConfig",
+    "TextConfig",
+    "escape_template",
+    "load",
+    "random_model",
+    "shipped_models",
+]
 
 
 # Hidden from type checkers: to them a module with __getattr__ has every attribute, so `blockpress.laod(...)` (a

@@ -278,6 +278,11 @@ def test_what_type_checkers_see_is_what_the_package_exports():
             assert alias.asname == alias.name, f"{alias.name} is not re-exported as itself"
             seen[alias.name] = node.module
     assert seen == blockpress._EXPORTS
+    # and __all__ is a literal list (checkers read no other) of the same names: `from blockpress import *` gave
+    # mypy none of them while `sorted(_EXPORTS)` computed it
+    (assign,) = [n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__"]
+    assert isinstance(assign.value, ast.List), "__all__ is computed: type checkers cannot read it"
+    assert blockpress.__all__ == sorted(blockpress._EXPORTS)
 
 
 
@@ -308,13 +313,18 @@ def mypy_errors(tmp_path, program: str) -> dict[int, str]:
 def test_a_typed_users_checker_reads_the_packages_names(tmp_path):
     """What a user's mypy makes of `import blockpress`. The lazy-import __getattr__ was visible to checkers, for
     which a module with one has every attribute: `blockpress.laod(...)` (a typo, an AttributeError at run time)
-    passed mypy --strict as Any, and everything computed from it went unchecked. Each line marked `# error` is an
+    passed mypy --strict as Any, and everything computed from it went unchecked. A computed __all__ left
+    `from blockpress import *` defining none of its names to mypy. Each line marked `# error` is an
     error, and no other line is."""
     program = """
     import blockpress
     import blockpress.lm
 
+    from blockpress import *
+
     lm: blockpress.LM = blockpress.load("blockpress-code")
+    star: LM = load("blockpress-code")
+    greedy: GenerationOutput = star.generate("def f(x):", sampler=SamplerConfig(sampler="greedy"))
     blockpress.laod("blockpress-code")  # error
     config = blockpress.SamplerConfg(sampler="greedy")  # error
     out: blockpress.GenerateOutput  # error
