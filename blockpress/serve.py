@@ -1017,7 +1017,7 @@ class Batch:
     def commit(self, event: Commit) -> None:
         lm = self.engine.lm
         self.committed = self.told = True
-        texts, written = event.texts_so_far, event.num_new_tokens
+        texts, written = event.texts_so_far_or_none, event.num_new_tokens
         if texts is None or written is None:  # the decoding loop sets both where a tokenizer is, as a server's has
             raise ValueError("commit: the event has no texts_so_far or num_new_tokens (a model without a tokenizer?)")
         for i, job in enumerate(self.jobs):
@@ -1049,7 +1049,7 @@ class Batch:
             n = self.counts[i]
             self.last_token[i] = int(out.new_tokens[i, n - 1]) if n else None
             self.tokens[i] = out.new_tokens[i, :n].tolist()
-            self.answer(i, job.answer(out.texts, out.fills, i), out.extra["stopped"][i],
+            self.answer(i, job.answer(out.texts, out.fills_or_none, i), out.extra["stopped"][i],
                         out.extra["reused_prompt_tokens"][i],
                         None if job.canvas is None else int(out.num_chosen_tokens[i]))
 
