@@ -276,13 +276,20 @@ class Commit:
     steps: torch.Tensor  # [B] denoising steps this canvas took per row
     finished: torch.Tensor  # [B] bool: row has ended (EOS, stop string, budget, or cut by `cancelled`)
     elapsed: float
+    # Set at every commit (so hinted without None, and placed before the defaulted fields):
+    # [B] valid new tokens so far (through an EOS or the token completing a stop string): Done's output.num_new_tokens
+    num_new_tokens: torch.Tensor
+    # [B] whether a stop string ended the row (Done's output.extra["stopped"] so far), and the prompt tokens each row
+    # reused from a prefix cache (its extra["reused_prompt_tokens"]): with num_new_tokens and the steps, what a row
+    # that `finished` here will end with, so a consumer (the server) answers it now, not when its batch ends
+    stopped: list[bool]
+    reused_prompt_tokens: list[int]
+    num_chosen_tokens: torch.Tensor  # [B] of num_new_tokens, those the model chose (a template's holes)
     # The texts below are None only for an LM without a tokenizer; each is read through its property (`texts`,
     # `texts_so_far`, `settled_texts`), typed list[str], which refuses by name where there is none.
     # This canvas's tokens decoded on their own: a character whose bytes a canvas edge splits is U+FFFD in both
     # commits, and a stop string is not cut; to show the answer use `texts_so_far`.
     texts_or_none: list[str] | None = None
-    # [B] valid new tokens so far (through an EOS or the token completing a stop string): Done's output.num_new_tokens
-    num_new_tokens: torch.Tensor | None = None
     # Each row's text so far as Done's `output.texts` would read were the generation to end here: decoded whole, no
     # pads, the healed prefix left out, a template's fixed text as written, cut at a stop string. The last Commit's
     # is Done's output.texts.
@@ -293,12 +300,6 @@ class Commit:
     # still arriving, and a tail that a stop string may yet start with (it would be cut). Each is a prefix of the
     # next and of Done's text, which a row that has finished shows whole: what an app prints as it streams.
     settled_texts_or_none: list[str] | None = None
-    # [B] whether a stop string ended the row (Done's output.extra["stopped"] so far), and the prompt tokens each row
-    # reused from a prefix cache (its extra["reused_prompt_tokens"]): with num_new_tokens and the steps, what a row
-    # that `finished` here will end with, so a consumer (the server) answers it now, not when its batch ends
-    stopped: list[bool] | None = None
-    reused_prompt_tokens: list[int] | None = None
-    num_chosen_tokens: torch.Tensor | None = None  # [B] of num_new_tokens, those the model chose (a template's holes)
     kind: str = "commit"
 
     @property
@@ -323,10 +324,10 @@ class GenerationOutput:
     forward_passes: torch.Tensor  # [B] decoder (or AR) forward passes per row
     num_new_tokens: torch.Tensor  # [B] valid new tokens (up to and including EOS)
     steps_per_canvas: torch.Tensor  # [B, canvases]
+    num_chosen_tokens: torch.Tensor  # [B] valid new tokens less a template's fixed ones (its holes)
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     cache: KVCache | None = None
-    num_chosen_tokens: torch.Tensor | None = None  # [B] valid new tokens less a template's fixed ones (its holes)
     # A template's holes as text, per row: one per hole marker, in order (a token-id template: one per run of -1s),
     # cut from `texts`, so that fixed text + fills reads as it (a character two holes share goes whole to the later
     # one); an empty list per row without a template (no holes). Read as `fills` (below): None only for an LM without

@@ -4181,7 +4181,7 @@ def test_generate_chat_gives_a_gemma4_thought_apart_from_the_answer(tmp_path, mo
             sequences=torch.tensor([ids + new]), prompt_length=len(ids), texts_or_none=[tok.decode(new)],
             tokens_per_forward=torch.ones(1), forward_passes=torch.tensor([len(new)]),
             num_new_tokens=torch.tensor([len(new)]), steps_per_canvas=torch.ones(1, 1, dtype=torch.long),
-            extra={"seeds": [0]})
+            num_chosen_tokens=torch.tensor([len(new)]), extra={"seeds": [0]})
     monkeypatch.setattr(blockpress.lm.LM, "generate_ar", ar_output)
     at = flags.index("--steps")
     assert main([*flags[:at], *flags[at + 2:], "--ar", "--json"]) == 0  # (--ar takes no --steps)
