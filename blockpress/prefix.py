@@ -67,23 +67,25 @@ class PrefixCache:
 
     max_bytes: int = 1 << 30
     min_tokens: int = 16
-    lookups: int = 0
-    hits: int = 0
-    reused_tokens: int = 0
-    _entries: OrderedDict[int, _Entry] = field(default_factory=OrderedDict, repr=False)
+    # The counters and the private fields below are state, not settings: init=False keeps them out of the
+    # constructor and its signature (PrefixCache(hits=9) started a server's /metrics at made-up figures).
+    lookups: int = field(default=0, init=False)
+    hits: int = field(default=0, init=False)
+    reused_tokens: int = field(default=0, init=False)
+    _entries: OrderedDict[int, _Entry] = field(init=False, default_factory=OrderedDict, repr=False)
     # (_sort_key(ids), key) of every entry, in order: the entry sharing the longest prefix with a prompt sorts right
     # before or after it, so a lookup compares two entries, not all of them (a scan of every entry costs ~9 us each:
     # 0.07 s a lookup at 8,000 entries, two lookups a prompt row, where 1 GiB holds ~20,000 short prompts)
-    _sorted: list[tuple[bytes, int]] = field(default_factory=list, repr=False)
-    _next: int = field(default=0, repr=False)
-    _layout: tuple | None = field(default=None, repr=False)
-    _model: Any = field(default=None, repr=False)  # a weak reference to the model whose keys and values these are
-    _version: tuple[int, int] | None = field(default=None, repr=False)  # that model's weights_version when they were encoded
-    _bytes: int = field(default=0, repr=False)
+    _sorted: list[tuple[bytes, int]] = field(init=False, default_factory=list, repr=False)
+    _next: int = field(init=False, default=0, repr=False)
+    _layout: tuple | None = field(init=False, default=None, repr=False)
+    _model: Any = field(init=False, default=None, repr=False)  # a weak reference to the model whose keys and values these are
+    _version: tuple[int, int] | None = field(init=False, default=None, repr=False)  # that model's weights_version when they were encoded
+    _bytes: int = field(init=False, default=0, repr=False)
     # Guards _entries, _bytes, _next, the model fields and the counters. An entry's tensors never change once
     # made, so a row copies from an entry it holds without the lock (an eviction meanwhile only drops the dict's
     # reference). Reentrant: check_model clears under it.
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    _lock: threading.RLock = field(init=False, default_factory=threading.RLock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 0:

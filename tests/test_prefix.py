@@ -392,3 +392,16 @@ def test_a_row_whose_match_the_new_rows_evicted_is_encoded_afresh(lm):
     assert _stored(pc) == [batch[1]]  # the new row's prompt evicted the kept one; the longer one does not fit
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(cache.valid, want_cache.valid) and torch.equal(cache.next_pos, want_cache.next_pos)
+
+
+def test_the_constructor_takes_the_settings_alone():
+    """PrefixCache's signature held its counters and eight private fields beside max_bytes and min_tokens:
+    `PrefixCache(hits=9)` started with made-up /metrics figures. The counters start at 0 and the rest is state."""
+    import inspect
+
+    assert list(inspect.signature(PrefixCache).parameters) == ["max_bytes", "min_tokens"]
+    for name in ("hits", "lookups", "reused_tokens", "_entries", "_lock"):
+        with pytest.raises(TypeError, match=name):
+            PrefixCache(**{name: 9})
+    pc = PrefixCache(max_bytes=100, min_tokens=2)
+    assert (pc.lookups, pc.hits, pc.reused_tokens, len(pc), pc.nbytes) == (0, 0, 0, 0, 0)
