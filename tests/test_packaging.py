@@ -416,6 +416,23 @@ def test_every_relative_link_of_the_docs_leads_somewhere(page):
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/python-api.md"])
+def test_the_docs_python_never_rebinds_an_input_it_leaves_to_the_reader(page):
+    """docs/python-api.md's TextStream example bound `ids`, the reader's token-id tensor that its earlier
+    `input_ids=ids` takes, to a list (and `reply`, a GenerationOutput further on, to a TextStream): a reader who runs
+    the page, or type-checks it, met a name of two types. The inputs (those the run test below supplies) are
+    bound by the reader alone; `+=` (adding to the conversation) extends one."""
+    import ast
+
+    inputs = {"prompt_ids", "canvas_ids", "prompts", "ids", "mask", "before", "after", "turn1", "turn2_new_tokens",
+              "messages", "system", "question"}
+    text = (ROOT / page).read_text()
+    code = "\n".join(block.split("```")[0] for block in text.split("\n## Python API\n")[-1].split("```python\n")[1:])
+    tree = ast.parse(code)
+    extended = {id(node.target) for node in ast.walk(tree) if isinstance(node, ast.AugAssign)}
+    rebound = sorted({(node.id, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Name)
+                      and isinstance(node.ctx, ast.Store) and node.id in inputs and id(node) not in extended})
+    assert not rebound, f"{page} binds the reader's inputs: {rebound} (line of its Python blocks)"
+@pytest.mark.parametrize("page", ["README.md", "docs/python-api.md"])
 def test_the_readme_python_api_block_runs_as_written_in_order(tmp_path, monkeypatch, page):
     """A reader runs the Python API block (the README's short one, docs/python-api.md's whole one) top to bottom,
     supplying only the inputs it leaves to them (a prompt, token ids, a conversation). It rebound two of its own names
