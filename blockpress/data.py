@@ -173,6 +173,9 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
                              f"a text of more than {context[1] * most:,} is refused before it is tokenized)")
         prompt = tokenizer.encode_prompt(obj["prompt"])
         room = 0 if context is None else context[1] - len(prompt)  # the positions the response may take
+        if context is not None and room < context[0]:  # not one canvas of response fits, however it is cut
+            raise ValueError(f"{where}: 'prompt': {len(prompt)} tokens leave {max(room, 0)} of the model's context of "
+                             f"{context[1]} positions, less than one canvas of response ({context[0]})")
         if context is not None and not context[2] and room > 0 and len(obj["response"]) > room * most:
             fits = room // context[0]  # canvases of response the context has room for, as check_fits says
             hint = f"; --max-canvases {fits} keeps the first {fits} canvases of each response and fits it" if fits else ""

@@ -195,7 +195,8 @@ def encode_prompts(
 ) -> tuple[KVCache, torch.Tensor | None, list[int]]:
     """Encode a left-padded prompt batch [B, P] into a new cache of `capacity` slots, reusing `prefixes`.
 
-    Returns (the cache, the last prompt token's logits [B, V] when `logits`, tokens reused per row). For a
+    Returns (the cache, the last prompt token's logits [B, V] when `logits`, tokens reused per row of what was kept
+    before this batch: a prompt's repeats in it reuse what its first row kept, and report none). For a
     left-padded batch (as blockpress pads) the cache is what `model.encode(prompt, cache, attention_mask)` would
     have built: same slots, same positions. Padding anywhere else ends up on the left.
     Rows that share nothing with the kept prompts are encoded together, as one batch (per-row calls cost a
@@ -226,6 +227,7 @@ def encode_prompts(
 
     fresh: list[int] = []
     firsts: set[tuple[int, ...]] = set()
+    repeats: set[int] = set()  # rows that reuse what a row of this batch adds: nothing cached before it, as reported
     for i in range(b):
         if reusable(prefixes.longest(ids[i])[2], i) > 0:
             continue
@@ -233,6 +235,7 @@ def encode_prompts(
         # is kept, load it and encode their last token below (one too big to keep is encoded whole there)
         row_ids = tuple(ids[i].tolist())
         if row_ids in firsts and reusable(ids[i].numel(), i) > 0:
+            repeats.add(i)
             continue
         firsts.add(row_ids)
         fresh.append(i)
@@ -268,11 +271,12 @@ def encode_prompts(
         row = view(i)
         if n > 0 and key is not None and entry is not None:  # (n > 0: an entry shares it)
             prefixes.load(key, entry, n, row)
-        prefixes.count(n)
         last[i] = model.encode(ids[i][n:][None].to(device), row, logits="last" if logits else "none")
         if shared < ids[i].numel():  # an entry that already holds all of `ids` serves it as it is
             prefixes.add(ids[i], row, replaces=key)
-        reused[i] = n
+        # (a repeat's tokens were encoded by this batch: none came from before it, as OpenAI's cached_tokens counts)
+        reused[i] = 0 if i in repeats else n
+        prefixes.count(reused[i])
     lengths = torch.tensor([x.numel() for x in ids], device=cache.device)
     cache.valid[:, :p] = torch.arange(p, device=cache.device)[None, :] >= p - lengths[:, None]
     cache.length = p

@@ -611,8 +611,8 @@ class RequireHost:
 # The most bytes of a refused body read and dropped before its 413 (BodyLimit.drain), so that its connection closes
 # cleanly: past it the body is a client's mistake too large to wait for.
 DRAIN_BYTES = 64 << 20
-# Seconds for a request's whole body to arrive (BodyLimit): 35 KB/s for the 4 MiB default limit of blockpress-code;
-# a larger limit (--max-body-bytes) gets as long as that rate needs
+# Seconds for a request's whole body to arrive (BodyLimit), and a second more for each BODY_RATE bytes of it (its
+# Content-Length, or what has come): a large body on a slow link has the time it needs, a trickle of a few bytes not
 BODY_TIMEOUT = 120.0
 BODY_RATE = 32 << 10  # bytes a second
 
@@ -628,37 +628,42 @@ class BodyLimit:
     a disconnect still reaches a stream. A client that stops sending mid-body gets a 408 after `idle_timeout`
     seconds without a byte (nginx's client_body_timeout): else a connection that sends a Content-Length and then
     nothing would be held open for good, so a few hundred such clients could take every file descriptor. So does a
-    body not whole within `body_timeout` seconds of its headers: the idle timer restarts at every byte, so a byte
-    every 59 s would hold the connection as long as the limit lasts (years), as the whole header is timed for the
-    same reason (header_deadline_protocol)."""
+    body not whole within `body_timeout` seconds of its headers, and a second more for each BODY_RATE bytes of its
+    Content-Length (or of what has come): the idle timer restarts at every byte, so a byte every 59 s would hold
+    the connection as long as the limit lasts (years), as the whole header is timed for the same reason
+    (header_deadline_protocol)."""
 
     def __init__(self, app: Any, limit: int, idle_timeout: float = 60.0, drain_bytes: int = DRAIN_BYTES,
                  body_timeout: float | None = None) -> None:
         self.app, self.limit, self.idle_timeout, self.drain_bytes = app, limit, idle_timeout, drain_bytes
-        # None: BODY_TIMEOUT, or the time the largest body takes at BODY_RATE where that is longer
-        self.body_timeout = max(BODY_TIMEOUT, limit / BODY_RATE) if body_timeout is None else body_timeout
+        self.body_timeout = BODY_TIMEOUT if body_timeout is None else body_timeout
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        deadline = asyncio.get_running_loop().time() + self.body_timeout  # for the whole body, a drain's included
+        start = asyncio.get_running_loop().time()
         declared = [v for k, v in scope.get("headers", []) if k.lower() == b"content-length"]
-        if declared and declared[0].strip().isdigit() and int(declared[0]) > self.limit:
-            return await self.refuse(scope, receive, send, f"is {int(declared[0])} bytes, more than", True,
-                                     int(declared[0]), started=False, deadline=deadline)
+        length = int(declared[0]) if declared and declared[0].strip().isdigit() else 0
+
+        def allowed(size: int) -> float:  # seconds for the whole body, a drain's included
+            return self.body_timeout + max(length, size) / BODY_RATE
+
+        if length > self.limit:
+            return await self.refuse(scope, receive, send, f"is {length} bytes, more than", True, length,
+                                     started=False, deadline=start + allowed(0))
         chunks: list[bytes] = []
         size = 0
         message: dict[str, Any] = {"type": "http.request", "body": b"", "more_body": True}  # an ASGI message
         while message["type"] == "http.request" and message.get("more_body", False):
-            left = deadline - asyncio.get_running_loop().time()
+            left = start + allowed(size) - asyncio.get_running_loop().time()
             try:
                 message = await asyncio.wait_for(receive(), min(self.idle_timeout, max(left, 0.0)))
             except TimeoutError:
-                return await self.timed_out(scope, receive, send, whole=left < self.idle_timeout)
+                return await self.timed_out(scope, receive, send, allowed(size) if left < self.idle_timeout else None)
             size += len(message.get("body", b""))
             if size > self.limit:
                 return await self.refuse(scope, receive, send, "is more than", message.get("more_body", False),
-                                         started=True, deadline=deadline)
+                                         started=True, deadline=start + allowed(size))
             chunks.append(message.get("body", b""))
         first = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}
                  if message["type"] == "http.request" else message]  # (a client that left mid-body: its disconnect)
@@ -668,9 +673,9 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def timed_out(self, scope: dict, receive: Any, send: Any, whole: bool) -> None:
-        """The 408 of a body that stopped arriving, or (`whole`) that was not whole by its deadline."""
-        late = (f"it did not arrive whole within {self.body_timeout:g} s" if whole else
+    async def timed_out(self, scope: dict, receive: Any, send: Any, allowed: float | None) -> None:
+        """The 408 of a body that stopped arriving, or that was not whole within the `allowed` seconds."""
+        late = (f"it did not arrive whole within {allowed:.3g} s" if allowed is not None else
                 f"nothing came for {self.idle_timeout:g} s")
         await self.close_with(scope, receive, send, 408, "request_timeout",
                               f"the request body stopped arriving: {late}, so the request was given up; send the "

@@ -481,6 +481,15 @@ def test_a_prompt_response_record_too_long_to_fit_is_refused_before_it_is_tokeni
                                          rf"context of 64 tokens \(no token of this vocabulary holds more than {most}"):
         load_jsonl(path, tok, context=(16, 64, 2))
     assert not encoded
+    # a prompt that fits but leaves less than one canvas: the response is not tokenized either (it was, to 5 MB)
+    prompt = " ".join(["word"] * 80)  # (more tokens than the context: room for no response at all)
+    path.write_text(json.dumps({"prompt": prompt, "response": long}) + "\n")
+    encoded.clear()
+    for cut in (None, 2):
+        with pytest.raises(ValueError, match=r"d.jsonl:1: 'prompt': \d+ tokens leave \d+ of the model's context of 64 "
+                                             r"positions, less than one canvas of response \(16\)"):
+            load_jsonl(path, tok, context=(16, 64, cut))
+    assert len(long) not in encoded
 
 
 def test_raw_texts_tokenizing_is_reported_and_shown_on_a_terminal_alone(tmp_path, tok, monkeypatch):

@@ -48,13 +48,16 @@ def test_reused_cache_equals_a_fresh_encode(lm, data, earlier, later):
             want = model.encode(prompt, want_cache, attention_mask=mask, logits="last")
             # Rows that share nothing with the kept prompts are encoded first, together; the others then reuse
             # what they can, those fresh rows and the rows before them included.
-            # A prompt repeated in the batch is encoded once: its repeats reuse it (all but their last token).
-            fresh = [i for i, r in enumerate(batch) if _reuse(seen, r) == 0 and (len(r) < 2 or r not in batch[:i])]
+            # A prompt repeated in the batch is encoded once: its repeats reuse it (all but their last token), and
+            # report none reused, as nothing of it was kept before the batch.
+            new = [i for i, r in enumerate(batch) if _reuse(seen, r) == 0]
+            repeats = [i for i in new if len(batch[i]) >= 2 and batch[i] in batch[:i]]
+            fresh = [i for i in new if i not in repeats]
             seen += [batch[i] for i in fresh]
             expected = [0] * len(batch)
             for i, r in enumerate(batch):
                 if i not in fresh:
-                    expected[i] = _reuse(seen, r)
+                    expected[i] = 0 if i in repeats else _reuse(seen, r)
                     seen.append(r)
             got_cache, got, reused = encode_prompts(model, prompt, mask, pc, room, logits=True)
             assert reused == expected
@@ -82,7 +85,7 @@ def test_n_identical_rows_encode_their_prompt_once(lm, monkeypatch):
     pc = PrefixCache(min_tokens=4)
     with torch.no_grad():
         cache, got, reused = encode_prompts(lm.model, torch.tensor(batch), None, pc, 48, logits=True)
-    assert calls == [(2, 40), (1, 1), (1, 1)] and reused == [0, 0, 39, 39]
+    assert calls == [(2, 40), (1, 1), (1, 1)] and reused == [0, 0, 0, 0]  # (the repeats reuse what this batch kept: nothing cached before it)
     monkeypatch.undo()
     with torch.no_grad():
         want_cache = lm.new_cache(4, 48)

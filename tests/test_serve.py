@@ -1068,6 +1068,23 @@ def test_the_choices_that_reuse_what_their_first_kept_add_no_cached_tokens():
     assert usage.cached == 12 and usage.completion == 5
 
 
+def test_a_prompt_twice_in_one_request_on_an_empty_cache_counts_no_cached_token():
+    """A prompt repeated in a batch is encoded once (its repeats reuse what the first kept), but nothing of it was
+    cached before the request: a list of the same prompt twice, or n choices, reported the repeat as cached."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2}
+    prompt = "one two three four five six seven eight nine ten eleven twelve " * 3
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=1 << 26)) as http:
+        for body in ({"prompt": [prompt, prompt]}, {"prompt": "fresh " + prompt, "n": 3, "temperature": 1.0}):
+            r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, "seed": 1, **body})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (body, r.json()["usage"])
+        again = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, "seed": 1, "prompt": prompt})
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # kept by the first request
+
+
 def test_the_cached_tokens_of_several_prompts_add_up(server):
     """A list of prompts is several prompts: its cached_tokens is the sum of each one's reuse, as its prompt_tokens
     is the sum of theirs (taking the largest one's reused undercounted it)."""
@@ -1602,8 +1619,14 @@ def test_a_body_that_trickles_in_is_a_408_at_its_deadline():
     started = time.monotonic()
     asyncio.run(BodyLimit(app, 0, idle_timeout=0.6, body_timeout=1.0)(scope, trickle, send))
     assert time.monotonic() - started < 2.5 and sent[0]["status"] == 413 and not reached
-    # by default 120 s, or as long as the largest body takes at 32 KiB/s (a 64 MiB --max-body-bytes on a slow link)
-    assert [BodyLimit(app, size).body_timeout for size in (1 << 20, 64 << 20)] == [120.0, 2048.0]
+    # a second more for each 32 KiB of its Content-Length (a large body on a slow link), not of the limit: a 20-byte
+    # trickle under a 64 MiB --max-body-bytes had 2,048 s
+    sent.clear()
+    started = time.monotonic()
+    scope = {**scope, "headers": [(b"content-length", str(64 << 10).encode())]}
+    asyncio.run(BodyLimit(app, 64 << 20, idle_timeout=0.6, body_timeout=1.0)(scope, trickle, send))
+    assert 2.5 < time.monotonic() - started < 4.5 and sent[0]["status"] == 408, time.monotonic() - started
+    assert "did not arrive whole within 3 s" in json.loads(sent[1]["body"])["error"]["message"]
 
 
 def test_headers_that_do_not_arrive_in_time_are_a_408():

@@ -149,12 +149,13 @@ holds them as surrogates) goes to a stdout file or pipe as those bytes, to a ter
                 out.reconfigure(encoding="utf-8", errors="backslashreplace")
             else:  # such a path printed as its own bytes, as `ls > file` writes it
                 out.reconfigure(encoding="utf-8", errors="surrogateescape")
-        elif out is sys.stdout and out is not None and getattr(out, "errors", None) == "strict" \
-                and hasattr(out, "reconfigure"):
-            # UTF-8 already, but strict (en_US.UTF-8 and every other UTF-8 locale but C.UTF-8): a path of bytes that
+        elif out is sys.stdout and out is not None and hasattr(out, "reconfigure") and \
+                getattr(out, "errors", None) != ("replace" if out.isatty() else "surrogateescape"):
+            # UTF-8 already: strict (en_US.UTF-8 and every other UTF-8 locale but C.UTF-8), where a path of bytes that
             # are not UTF-8 (b"mod\xe8le", held as the surrogate "\udce8") failed `info` and `quantize` after their
-            # work (quantize's folder written) with "surrogates not allowed", naming no flag. A file or pipe gets the
-            # path's own bytes, as `ls` writes them; a terminal "?", as for any character it cannot show.
+            # work (quantize's folder written) with "surrogates not allowed", naming no flag; or surrogateescape
+            # (C.UTF-8, PYTHONUTF8=1), which sent a terminal raw bytes (0x9b is a CSI, a control sequence). A file or
+            # pipe gets the path's own bytes, as `ls` writes them; a terminal "?", as for any character it cannot show.
             out.reconfigure(errors="replace" if out.isatty() else "surrogateescape")
     if stdin is None or not hasattr(stdin, "reconfigure"):
         return
