@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from os.path import commonprefix
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -241,18 +241,6 @@ class GraphedEncodeStep:
         return graph, token, slot, out
 
 
-_T = TypeVar("_T")
-
-
-def _decoded(value: _T | None, name: str, tokens: str) -> _T:
-    """A text field's value, which only an LM without a tokenizer (random_model without tokenizer=) leaves None: read
-    as `list[str]`, so that a typed caller indexes it without a None check, and refused by name where it is None."""
-    if value is None:
-        raise ValueError(f"{name}: this LM has no tokenizer to decode its tokens with; read {tokens} (token ids), "
-                         f"or give random_model a tokenizer=")
-    return value
-
-
 @dataclass
 class Draft:
     canvas_index: int
@@ -276,75 +264,48 @@ class Commit:
     steps: torch.Tensor  # [B] denoising steps this canvas took per row
     finished: torch.Tensor  # [B] bool: row has ended (EOS, stop string, budget, or cut by `cancelled`)
     elapsed: float
-    # Set at every commit (so hinted without None, and placed before the defaulted fields):
+    # This canvas's tokens decoded on their own, when a tokenizer is present: a character whose bytes a canvas edge
+    # splits is U+FFFD in both commits, and a stop string is not cut; to show the answer use `texts_so_far`.
+    texts: list[str] | None = None
     # [B] valid new tokens so far (through an EOS or the token completing a stop string): Done's output.num_new_tokens
-    num_new_tokens: torch.Tensor
-    # [B] whether a stop string ended the row (Done's output.extra["stopped"] so far), and the prompt tokens each row
-    # reused from a prefix cache (its extra["reused_prompt_tokens"]): with num_new_tokens and the steps, what a row
-    # that `finished` here will end with, so a consumer (the server) answers it now, not when its batch ends
-    stopped: list[bool]
-    reused_prompt_tokens: list[int]
-    num_chosen_tokens: torch.Tensor  # [B] of num_new_tokens, those the model chose (a template's holes)
-    # The texts below are None only for an LM without a tokenizer; each is read through its property (`texts`,
-    # `texts_so_far`, `settled_texts`), typed list[str], which refuses by name where there is none.
-    # This canvas's tokens decoded on their own: a character whose bytes a canvas edge splits is U+FFFD in both
-    # commits, and a stop string is not cut; to show the answer use `texts_so_far`.
-    texts_or_none: list[str] | None = None
-    # Each row's text so far as Done's `output.texts` would read were the generation to end here: decoded whole, no
-    # pads, the healed prefix left out, a template's fixed text as written, cut at a stop string. The last Commit's
-    # is Done's output.texts.
-    texts_so_far_or_none: list[str] | None = None
-    # a template's holes so far, as Done's `output.fills` ([] per row without a template; None: no tokenizer)
+    num_new_tokens: torch.Tensor | None = None
+    # Each row's text so far as Done's `output.texts` would read were the generation to end here (when a tokenizer is
+    # present): decoded whole, no pads, the healed prefix left out, a template's fixed text as written, cut at a
+    # stop string. The last Commit's is Done's output.texts.
+    texts_so_far: list[str] | None = None
+    # a template's holes so far, as Done's `output.fills` (None: no template)
     fills_so_far: list[list[str]] | None = None
     # Each row's texts_so_far less what a later Commit may still change (settled_text): a character whose bytes are
     # still arriving, and a tail that a stop string may yet start with (it would be cut). Each is a prefix of the
     # next and of Done's text, which a row that has finished shows whole: what an app prints as it streams.
-    settled_texts_or_none: list[str] | None = None
+    settled_texts: list[str] | None = None
+    # [B] whether a stop string ended the row (Done's output.extra["stopped"] so far), and the prompt tokens each row
+    # reused from a prefix cache (its extra["reused_prompt_tokens"]): with num_new_tokens and the steps, what a row
+    # that `finished` here will end with, so a consumer (the server) answers it now, not when its batch ends
+    stopped: list[bool] | None = None
+    reused_prompt_tokens: list[int] | None = None
+    num_chosen_tokens: torch.Tensor | None = None  # [B] of num_new_tokens, those the model chose (a template's holes)
     kind: str = "commit"
-
-    @property
-    def texts(self) -> list[str]:
-        return _decoded(self.texts_or_none, "Commit.texts", "event.tokens")
-
-    @property
-    def texts_so_far(self) -> list[str]:
-        return _decoded(self.texts_so_far_or_none, "Commit.texts_so_far", "event.tokens")
-
-    @property
-    def settled_texts(self) -> list[str]:
-        return _decoded(self.settled_texts_or_none, "Commit.settled_texts", "event.tokens")
 
 
 @dataclass
 class GenerationOutput:
     sequences: torch.Tensor  # [B, P + N]: prompt (as given, left padded) + new tokens, pad after EOS or a stop string
     prompt_length: int
-    texts_or_none: list[str] | None  # read as `texts` (below): None only for an LM without a tokenizer
+    texts: list[str] | None
     tokens_per_forward: torch.Tensor  # [B] new tokens the model chose / decoder passes (a template's fixed ones are given)
     forward_passes: torch.Tensor  # [B] decoder (or AR) forward passes per row
     num_new_tokens: torch.Tensor  # [B] valid new tokens (up to and including EOS)
     steps_per_canvas: torch.Tensor  # [B, canvases]
-    num_chosen_tokens: torch.Tensor  # [B] valid new tokens less a template's fixed ones (its holes)
     encode_seconds: float = 0.0
     denoise_seconds: float = 0.0
     cache: KVCache | None = None
+    num_chosen_tokens: torch.Tensor | None = None  # [B] valid new tokens less a template's fixed ones (its holes)
     # A template's holes as text, per row: one per hole marker, in order (a token-id template: one per run of -1s),
     # cut from `texts`, so that fixed text + fills reads as it (a character two holes share goes whole to the later
-    # one); an empty list per row without a template (no holes). Read as `fills` (below): None only for an LM without
-    # a tokenizer, as texts_or_none.
-    fills_or_none: list[list[str]] | None = None
+    # one); None without a template
+    fills: list[list[str]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def texts(self) -> list[str]:
-        """Each row's new text (the README's `out.texts[0]`); refused for an LM without a tokenizer."""
-        return _decoded(self.texts_or_none, "out.texts", "out.new_tokens")
-
-    @property
-    def fills(self) -> list[list[str]]:
-        """Each row's holes as text (infill, template=); [] per row without a template; refused for an LM without a
-        tokenizer."""
-        return _decoded(self.fills_or_none, "out.fills", "out.new_tokens")
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -959,7 +920,7 @@ def _output(
     return GenerationOutput(
         sequences=torch.cat([req.prompt, new_tokens.cpu()], dim=1),
         prompt_length=req.prompt.shape[1],
-        texts_or_none=texts,
+        texts=texts,
         tokens_per_forward=(chosen.float() / passes.clamp(min=1)).cpu(),
         forward_passes=passes.cpu(),
         num_new_tokens=num_valid.cpu(),
@@ -968,7 +929,7 @@ def _output(
         denoise_seconds=denoise_s,
         cache=cache,
         num_chosen_tokens=chosen.cpu(),
-        fills_or_none=fills,
+        fills=fills,
         # stopped: whether a stop string ended each row; seeds: each row's, drawn where seed was None (seeds= repeats
         # the sample)
         extra={"stopped": stopped, "reused_prompt_tokens": reused, "seeds": seeds.tolist()},
@@ -1038,12 +999,11 @@ class _RowTexts:
             newest = self.newest[r] = (len(row), strip_prefix(raw, prefix))
         return newest[1]
 
-    def fills(self, rows: list[list[int]]) -> list[list[str]]:
+    def fills(self, rows: list[list[int]]) -> list[list[str]] | None:
         """A template's holes as text, per row, from its new tokens `rows` (all of them, or those so far: a hole not
-        yet reached has no text, one reached in part its part); [] per row without a template (no holes: None is
-        left to mean no tokenizer, as for the texts). See hole_fills."""
+        yet reached has no text, one reached in part its part); None without a template. See hole_fills."""
         if self.templates is None:
-            return [[] for _ in rows]
+            return None
         return [template.fills(row) for template, row in zip(self.templates, rows)]
 
     def floor(self, r: int, row: list[int]) -> int:
@@ -1936,9 +1896,8 @@ def _run(
                 settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
                            for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
             yield Commit(ci, host, steps=dec.steps_per_canvas[:, ci].cpu(), finished=finished,
-                         elapsed=time.perf_counter() - dec.start, texts_or_none=texts,
-                         num_new_tokens=dec.written.cpu(), texts_so_far_or_none=so_far, fills_so_far=fills,
-                         settled_texts_or_none=settled,
+                         elapsed=time.perf_counter() - dec.start, texts=texts, num_new_tokens=dec.written.cpu(),
+                         texts_so_far=so_far, fills_so_far=fills, settled_texts=settled,
                          stopped=list(dec.stops.stopped), reused_prompt_tokens=list(reused),
                          num_chosen_tokens=chosen_tokens(req, dec.written).cpu())
             if last:

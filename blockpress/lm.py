@@ -1913,7 +1913,7 @@ class LM:
                     if isinstance(event, Done):
                         done = True
                         self._chat_finish(event.output, each_rows, each_held)
-                    elif isinstance(event, Commit):  # counted as Done's
+                    elif isinstance(event, Commit) and event.reused_prompt_tokens is not None:  # counted as Done's
                         event.reused_prompt_tokens = [n + r for n, r in zip(each_held, event.reused_prompt_tokens)]
                     elif isinstance(event, Cancelled):
                         self._chat_undo(cache, rows, common)

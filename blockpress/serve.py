@@ -1022,9 +1022,9 @@ class Batch:
     def commit(self, event: Commit) -> None:
         lm = self.engine.lm
         self.committed = self.told = True
-        texts, written = event.texts_so_far_or_none, event.num_new_tokens
-        if texts is None:  # the decoding loop sets it where a tokenizer is, as a server's has
-            raise ValueError("commit: the event has no texts_so_far (a model without a tokenizer?)")
+        texts, written = event.texts_so_far, event.num_new_tokens
+        if texts is None or written is None:  # the decoding loop sets both where a tokenizer is, as a server's has
+            raise ValueError("commit: the event has no texts_so_far or num_new_tokens (a model without a tokenizer?)")
         for i, job in enumerate(self.jobs):
             if self.answered[i]:
                 continue
@@ -1041,7 +1041,8 @@ class Batch:
                 raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [],
                                                self.raws[i])
             job.put(JobText(self.texts[i], raw))
-            if bool(event.finished[i]):
+            if (bool(event.finished[i]) and event.stopped is not None and event.reused_prompt_tokens is not None
+                    and event.num_chosen_tokens is not None):
                 self.answer(i, self.texts[i], event.stopped[i], event.reused_prompt_tokens[i],
                             None if job.canvas is None else int(event.num_chosen_tokens[i]))
 
@@ -1053,7 +1054,7 @@ class Batch:
             n = self.counts[i]
             self.last_token[i] = int(out.new_tokens[i, n - 1]) if n else None
             self.tokens[i] = out.new_tokens[i, :n].tolist()
-            self.answer(i, job.answer(out.texts, out.fills_or_none, i), out.extra["stopped"][i],
+            self.answer(i, job.answer(out.texts, out.fills, i), out.extra["stopped"][i],
                         out.extra["reused_prompt_tokens"][i],
                         None if job.canvas is None else int(out.num_chosen_tokens[i]))
 

@@ -3147,7 +3147,7 @@ def test_chat_replies_on_a_terminal_show_control_characters_harmlessly(terminal,
 
     def reply_with_escapes(self, *a, **kw):
         out = original(self, *a, **kw)
-        out.texts_or_none = ["red \x1b[31malert\x07"]
+        out.texts = ["red \x1b[31malert\x07"]
         return out
 
     monkeypatch.setattr(blockpress.lm.LM, "chat_ids", reply_with_escapes)
@@ -3246,7 +3246,7 @@ def test_chat_failing_midway_on_a_terminal_says_so_on_a_line_of_its_own(monkeypa
         turns.append(1)
         for event in original(self, *a, **kw):
             if isinstance(event, Commit) and len(turns) == 1:
-                yield dataclasses.replace(event, settled_texts_or_none=["def f(x"])  # a line part way along
+                yield dataclasses.replace(event, settled_texts=["def f(x"])  # a line part way along
                 raise failure
             yield event
 
@@ -4180,10 +4180,10 @@ def test_generate_chat_gives_a_gemma4_thought_apart_from_the_answer(tmp_path, mo
     def ar_output(self, ids, **kw):  # --ar decodes with generate_ar: its output, the reply's tokens
         new = tok.encode(reply) + [tok.eos_id]
         return GenerationOutput(
-            sequences=torch.tensor([ids + new]), prompt_length=len(ids), texts_or_none=[tok.decode(new)],
+            sequences=torch.tensor([ids + new]), prompt_length=len(ids), texts=[tok.decode(new)],
             tokens_per_forward=torch.ones(1), forward_passes=torch.tensor([len(new)]),
             num_new_tokens=torch.tensor([len(new)]), steps_per_canvas=torch.ones(1, 1, dtype=torch.long),
-            num_chosen_tokens=torch.tensor([len(new)]), extra={"seeds": [0]})
+            extra={"seeds": [0]})
     monkeypatch.setattr(blockpress.lm.LM, "generate_ar", ar_output)
     at = flags.index("--steps")
     assert main([*flags[:at], *flags[at + 2:], "--ar", "--json"]) == 0  # (--ar takes no --steps)

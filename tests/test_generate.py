@@ -446,26 +446,6 @@ def test_stream_events(lm):
     assert torch.equal(drafts[-1].tokens[:, :4], out.new_tokens[:, 8:])
 
 
-def test_the_texts_read_as_lists_and_name_a_missing_tokenizer(lm, code_lm):
-    """`out.texts`, `out.fills` and a Commit's texts were hinted `list[...] | None`, so the README's `out.texts[0]`
-    failed a user's type check ("not indexable"), for the sake of an LM without a tokenizer. They read as lists:
-    without a template, fills are [] per row (no holes); without a tokenizer each read says so, and the value is
-    None under its `_or_none` name."""
-    events = list(code_lm.stream("def f(x):", max_new_tokens=8, max_denoising_steps=2, seed=0))
-    out, commit = events[-1].output, [e for e in events if isinstance(e, Commit)][-1]
-    assert out.texts == out.texts_or_none and isinstance(out.texts[0], str) and out.fills == [[]] == commit.fills_so_far
-    assert commit.texts_so_far == out.texts and commit.settled_texts == commit.settled_texts_or_none
-    assert commit.texts == commit.texts_or_none
-    events = list(lm.stream([3, 4], max_new_tokens=8, max_denoising_steps=2, seed=0))
-    out, commit = events[-1].output, [e for e in events if isinstance(e, Commit)][-1]
-    assert out.texts_or_none is None and out.fills_or_none is None and commit.texts_so_far_or_none is None
-    for read, name in [(lambda: out.texts, "out.texts"), (lambda: out.fills, "out.fills"),
-                       (lambda: commit.texts, "Commit.texts"), (lambda: commit.texts_so_far, "Commit.texts_so_far"),
-                       (lambda: commit.settled_texts, "Commit.settled_texts")]:
-        with pytest.raises(ValueError, match=f"^{re.escape(name)}: this LM has no tokenizer"):
-            read()
-
-
 def test_steps_bounded(lm):
     out = lm.generate([[3, 4], [5, 6]], max_new_tokens=24, max_denoising_steps=5, seed=0)
     assert (out.steps_per_canvas <= 5).all() and (out.steps_per_canvas[:, 0] >= 1).all()
@@ -4119,7 +4099,7 @@ def test_template_rows_may_be_tensors_or_arrays(lm):
     want = lm.infill(rows, seed=3, max_denoising_steps=2)
     for as_row in (torch.tensor, np.array):
         got = lm.infill([as_row(r) for r in rows], seed=3, max_denoising_steps=2)
-        assert torch.equal(got.new_tokens, want.new_tokens) and got.fills_or_none == want.fills_or_none
+        assert torch.equal(got.new_tokens, want.new_tokens) and got.fills == want.fills
     mixed = lm.infill([np.array(rows[0]), rows[1]], seed=3, max_denoising_steps=2)
     assert torch.equal(mixed.new_tokens, want.new_tokens)
     with pytest.raises(ValueError, match=r"template: a row given as a tensor or array must hold 1-D integer token "

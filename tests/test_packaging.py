@@ -314,9 +314,7 @@ def test_a_typed_users_checker_reads_the_packages_names(tmp_path):
     """What a user's mypy makes of `import blockpress`. The lazy-import __getattr__ was visible to checkers, for
     which a module with one has every attribute: `blockpress.laod(...)` (a typo, an AttributeError at run time)
     passed mypy --strict as Any, and everything computed from it went unchecked. A computed __all__ left
-    `from blockpress import *` defining none of its names to mypy. The README's `out.texts[0]` was "not
-    indexable" (hinted `list[str] | None`, for an LM without a tokenizer), and so were a Commit's counts, which
-    every Commit holds. Each line marked `# error` is an
+    `from blockpress import *` defining none of its names to mypy. Each line marked `# error` is an
     error, and no other line is."""
     program = """
     import blockpress
@@ -331,13 +329,6 @@ def test_a_typed_users_checker_reads_the_packages_names(tmp_path):
     config = blockpress.SamplerConfg(sampler="greedy")  # error
     out: blockpress.GenerateOutput  # error
     model: blockpress.lm.LM = lm
-    out = lm.generate("def f(x):")
-    text: str = out.texts[0] + lm.infill("x = <|hole:2|>").fills[0][0]
-    for event in lm.stream("def f(x):"):
-        if isinstance(event, blockpress.Commit):
-            text = event.texts_so_far[0] + event.settled_texts[0] + event.texts[0]
-            counts: list[int] = [int(event.num_new_tokens[0]), int(event.num_chosen_tokens[0]),
-                                 event.reused_prompt_tokens[0], int(event.stopped[0]), int(out.num_chosen_tokens[0])]
     """
     lines = textwrap.dedent(program).splitlines()
     expected = {number for number, line in enumerate(lines, 1) if line.endswith("# error")}

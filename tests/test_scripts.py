@@ -88,10 +88,9 @@ def test_gpu_bench_ar_rates_count_the_passes_after_the_prefill():
     from blockpress.generate import GenerationOutput
 
     script = gpu_bench_module()
-    out = GenerationOutput(sequences=torch.zeros(1, 9, dtype=torch.long), prompt_length=3, texts_or_none=None,
+    out = GenerationOutput(sequences=torch.zeros(1, 9, dtype=torch.long), prompt_length=3, texts=None,
                            tokens_per_forward=torch.ones(1), forward_passes=torch.tensor([6]),
                            num_new_tokens=torch.tensor([6]), steps_per_canvas=torch.ones(1, 1),
-                           num_chosen_tokens=torch.tensor([6]),
                            encode_seconds=0.5, denoise_seconds=0.5)
     assert script.ar_rates(out, 1.0) == pytest.approx({"new_tokens": 6, "tok_s": 6.0, "tok_s_without_prefill": 10.0,
                                                         "ms_per_token": 100.0})

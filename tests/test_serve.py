@@ -2869,13 +2869,11 @@ def tool_server(tmp_path, monkeypatch, own_template=True):
         for k, start in enumerate(range(0, len(ids), reply[1] or len(ids))):
             n = min(len(ids), start + (reply[1] or len(ids)))
             yield Commit(k, torch.tensor([ids[start:n]] * b), torch.ones(b), torch.full((b,), n == len(ids)), 0.0,
-                         num_new_tokens=torch.full((b,), n), stopped=[False] * b, reused_prompt_tokens=[0] * b,
-                         num_chosen_tokens=torch.full((b,), n), texts_so_far_or_none=[tok.decode(ids[:n])] * b)
+                         None, torch.full((b,), n), [tok.decode(ids[:n])] * b)
         yield Done(GenerationOutput(
-            sequences=torch.tensor([ids] * b), prompt_length=0, texts_or_none=[tok.decode(ids)] * b,
+            sequences=torch.tensor([ids] * b), prompt_length=0, texts=[tok.decode(ids)] * b,
             tokens_per_forward=torch.ones(b), forward_passes=torch.ones(b, dtype=torch.long),
             num_new_tokens=torch.full((b,), len(ids)), steps_per_canvas=torch.ones(b, 1, dtype=torch.long),
-            num_chosen_tokens=torch.full((b,), len(ids)),
             extra={"stopped": [False] * b, "reused_prompt_tokens": [0] * b}))
 
     monkeypatch.setattr(lm, "stream", forced)
@@ -3267,14 +3265,13 @@ def test_a_tool_reply_cut_by_max_tokens_in_a_later_canvas_carries_no_token_past_
             n = min(m, start + width)
             text = [tok.decode(valid[:n])] * b
             yield Commit(k, torch.tensor([(valid[start:n] + junk)[:width]] * b), torch.ones(b, dtype=torch.long),
-                         torch.full((b,), n == m), 0.0, texts_or_none=[tok.decode(valid[start:n])] * b,
-                         num_new_tokens=torch.full((b,), n), texts_so_far_or_none=text, settled_texts_or_none=text,
+                         torch.full((b,), n == m), 0.0, texts=[tok.decode(valid[start:n])] * b,
+                         num_new_tokens=torch.full((b,), n), texts_so_far=text, settled_texts=text,
                          stopped=[False] * b, reused_prompt_tokens=[0] * b, num_chosen_tokens=torch.full((b,), n))
         yield Done(GenerationOutput(
-            sequences=torch.tensor([valid] * b), prompt_length=0, texts_or_none=[tok.decode(valid)] * b,
+            sequences=torch.tensor([valid] * b), prompt_length=0, texts=[tok.decode(valid)] * b,
             tokens_per_forward=torch.ones(b), forward_passes=torch.ones(b, dtype=torch.long),
             num_new_tokens=torch.full((b,), m), steps_per_canvas=torch.ones(b, 1, dtype=torch.long),
-            num_chosen_tokens=torch.full((b,), m),
             extra={"stopped": [False] * b, "reused_prompt_tokens": [0] * b}))
 
     monkeypatch.setattr(lm, "stream", forced)

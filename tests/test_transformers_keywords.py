@@ -550,5 +550,5 @@ def test_a_keyword_given_as_none_is_not_given(lm, ids, engine, keyword):
         plain, with_none = list(plain), list(with_none)
         assert [type(e) for e in plain] == [type(e) for e in with_none]  # drafts too, as by default
         plain, with_none = plain[-1].output, with_none[-1].output
-    assert torch.equal(plain.sequences, with_none.sequences) and plain.texts_or_none == with_none.texts_or_none
+    assert torch.equal(plain.sequences, with_none.sequences) and plain.texts == with_none.texts
     assert with_none.cache is None  # return_cache=None returns none, as False

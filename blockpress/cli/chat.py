@@ -188,7 +188,7 @@ class ReplyReader:
         the server answers a request without tools with (response.answer_without_tools)."""
         from blockpress.response import answer_without_tools, parse_response
 
-        text = decoded(out.texts_or_none, "chat")[0]
+        text = decoded(out.texts, "chat")[0]
         template = self.template
         if template is not None:
             raw = self.raw(out.new_tokens[0, : int(out.num_new_tokens[0])].tolist())
@@ -278,7 +278,7 @@ class ChatSession:
                     print(self.marker, end="", flush=True)
                     self.opened = True
                 if isinstance(event, Commit):
-                    settled = decoded(event.settled_texts_or_none, "chat")[0]
+                    settled = decoded(event.settled_texts, "chat")[0]
                     settled = settled[: len(settled) - 1] if settled.endswith("\r") else settled  # "\r\n": one newline
                     print(reader.live(event, settled), end="", flush=True)
                 elif isinstance(event, Done):

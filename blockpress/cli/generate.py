@@ -104,13 +104,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             elif isinstance(event, Commit):
                 if event.num_new_tokens is None:  # (every Commit of the decoding loop has it)
                     raise ValueError("generate: a commit without its num_new_tokens")
-                text, n = decoded(event.texts_so_far_or_none, "generate")[0], int(event.num_new_tokens[0])
+                text, n = decoded(event.texts_so_far, "generate")[0], int(event.num_new_tokens[0])
                 passes += int(event.steps[0])
                 if view:
                     view.commit(text)
             elif isinstance(event, Done):
                 out = event.output
-                answer, thought = decoded(out.texts_or_none, "generate")[0], None
+                answer, thought = decoded(out.texts, "generate")[0], None
                 if args.chat:  # a thought the response template reads, apart from the answer, as `chat` gives it
                     reply = ReplyReader(lm, prompt).read(out)
                     answer, thought = reply.answer, reply.thought
@@ -315,7 +315,7 @@ def generate_file(args: argparse.Namespace) -> int:
         else:
             out = lm.generate([r.ids for r in rows], max_new_tokens=budgets, token_healing=first.healing,
                               stop=args.stop, **seeds, **kw)
-        texts = decoded(out.texts_or_none, "generate")
+        texts = decoded(out.texts, "generate")
         lines = []
         for i, (row, prepared) in enumerate(zip(batch, rows, strict=True)):
             answer, thought = texts[i], None

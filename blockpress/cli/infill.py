@@ -172,7 +172,7 @@ def infill_file(args: argparse.Namespace) -> int:
         out = lm.infill([r.template for r in batch], prompt=[r.prefix or "" for r in batch],
                         hole_length=args.hole_length, token_healing=healing,
                         **(dict(seeds=given) if given[0] is not None else dict(seed=None)), **kw)
-        texts = decoded(out.texts_or_none, "infill")
+        texts = decoded(out.texts, "infill")
         lines = []
         for i, row in enumerate(batch):
             stats = {k: v for k, v in infill_stats(out, i, 0.0).items() if k not in ("tok_s", "seconds")}
