@@ -579,7 +579,8 @@ def is_ip_address(name: str) -> bool:
 
 class RequireHost:
     """ASGI middleware: a request that reached the server at a loopback address must name in its Host header one of
-    LOOPBACK_HOSTS or of `hosts` (any port; '*' in `hosts`: any name), else a 403 naming its Host. DNS rebinding: a
+    LOOPBACK_HOSTS or of `hosts`, the machine's own name or an IP address (any port; '*' in `hosts`: any name), else
+    a 403 naming its Host. DNS rebinding: a
     page on evil.example whose name the attacker then points at 127.0.0.1 is, to the browser, on the server's own
     origin, so it could drive the model and read every answer (CORS and RequireOrigin see a same-origin page); its
     requests still say `Host: evil.example`. A request at another address (a server listening beyond loopback) is
