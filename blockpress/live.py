@@ -136,8 +136,6 @@ def rows_of(text: str, columns: int) -> int:
 
 def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
     """The last lines of `pieces` that fit in `max_rows` rows, after a dim "…" line when any were left out."""
-    if rows_of("".join(t for t, _ in pieces), columns) <= max_rows:
-        return pieces
     lines: list[list[Piece]] = [[]]
     for text, style in pieces:
         for j, part in enumerate(text.split("\n")):
@@ -145,10 +143,18 @@ def fit(pieces: list[Piece], columns: int, max_rows: int) -> list[Piece]:
                 lines.append([])
             if part:
                 lines[-1].append((part, style))
+    # Measured from the end, as far as a screen holds: the whole text, measured at every step, cost a long answer's
+    # length (a redraw of an 80,000-character answer took 40 ms)
+    needs: list[int] = []
+    for line in reversed(lines):
+        needs.append(rows_of("".join(t for t, _ in line), columns))
+        if sum(needs) > max_rows:  # (each line takes a row at least: a screen's lines are summed at most)
+            break
+    else:
+        return pieces
     kept: list[list[Piece]] = []
     used = 1  # the "…" line
-    for line in reversed(lines):
-        need = rows_of("".join(t for t, _ in line), columns)
+    for line, need in zip(reversed(lines), needs):
         if used + need > max_rows:
             break
         kept.insert(0, line)
