@@ -94,6 +94,11 @@ MODELS_DIR = Path(__file__).parent / "models"
 DEFAULT_NEW_TOKENS = 256  # max_new_tokens for a call that gives none, when the checkpoint's settings say nothing
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
 Counts = int | Sequence[int] | torch.Tensor | np.ndarray
+# A setting for every row, or one per row: a list, or a 1-D tensor / array (temperature, top_p; flags)
+Numbers = float | Sequence[float] | torch.Tensor | np.ndarray
+Flags = bool | Sequence[bool] | torch.Tensor | np.ndarray
+# Stop strings: one, a list of them for every row, or a list of them per row (tuples and other sequences too)
+Stops = str | Sequence[str] | Sequence[Sequence[str]]
 # Token ids as prompt_to_ids reads them: a tensor or array [P] / [B, P], a list of ids, or a list of rows that may
 # differ in length (each a list, a 1-D tensor or array)
 TokenIds = (torch.Tensor | np.ndarray | Sequence[int | np.integer]
@@ -1027,7 +1032,7 @@ class LM:
         prompt_ids: TokenIds,
         canvas_ids: TokenIds,
         self_conditioning_logits: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: TokenIds | None = None,
         self_conditioning_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One denoising pass on a fresh cache: encode the prompt, denoise the canvas. float32 [B, L, V]. A one-row
@@ -1189,7 +1194,7 @@ class LM:
         min_new_tokens: Counts | None,
         sampler: str | SamplerConfig | None,
         sampler_options: dict[str, Any],
-        min_new_tokens_eos_only: bool | Sequence[bool] | None = None,
+        min_new_tokens_eos_only: Flags | None = None,
         seed: int | None,
         attention_mask: Any,
         token_healing: bool | None,
@@ -1283,7 +1288,7 @@ class LM:
         return _PromptRows(ids, mask, pad_id)
 
     def _budgets(self, max_new_tokens: Counts | None, min_new_tokens: Counts | None,
-                 min_new_tokens_eos_only: bool | Sequence[bool] | None, batch: int, *, prompt_width: int,
+                 min_new_tokens_eos_only: Flags | None, batch: int, *, prompt_width: int,
                  templated: bool) -> _Budgets:
         """The token budgets of a `batch`-row request, checked: max_new_tokens unset is the checkpoint's default for
         a prompt of `prompt_width` tokens (the cache's included), or, `templated`, a stand-in that the template's
@@ -1634,7 +1639,7 @@ class LM:
         sampler: str | SamplerConfig | None = None,
         seed: int | None = None,
         min_new_tokens: Counts | None = None,
-        min_new_tokens_eos_only: bool | Sequence[bool] | None = None,
+        min_new_tokens_eos_only: Flags | None = None,
         attention_mask: Any = None,
         template: Prompt | None = None,
         hole_length: int = 8,
@@ -1646,9 +1651,9 @@ class LM:
         constraint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
         token_healing: bool | None = None,
-        stop: str | list[str] | list[list[str]] | None = None,
+        stop: Stops | None = None,
         prefix_cache: PrefixCache | None = None,
-        cancelled: Callable[[], bool | Sequence[bool]] | None = None,
+        cancelled: Callable[[], Flags] | None = None,
         **sampler_options: Any,
     ) -> Events:
         """Generate, yielding `Draft` (each step, if `drafts`), `Commit` (each canvas) and a final `Done`.
@@ -1986,18 +1991,18 @@ class LM:
         prompt: Prompt | None = None,
         max_new_tokens: Counts | None = None,
         *,
-        temperature: float | Sequence[float] | None = None,
+        temperature: Numbers | None = None,
         seed: int | None = None,
         sampler: SamplerConfig | None = None,
-        top_k: int | Sequence[int] | None = None,
-        top_p: float | Sequence[float] | None = None,
+        top_k: Counts | None = None,
+        top_p: Numbers | None = None,
         min_new_tokens: Counts | None = None,
-        min_new_tokens_eos_only: bool | Sequence[bool] | None = None,
+        min_new_tokens_eos_only: Flags | None = None,
         attention_mask: Any = None,
         cache: KVCache | None = None,
         return_cache: bool | None = None,
         token_healing: bool = False,
-        stop: str | list[str] | list[list[str]] | None = None,
+        stop: Stops | None = None,
         presence_penalty: float | None = None,
         frequency_penalty: float | None = None,
         prefix_cache: PrefixCache | None = None,

@@ -336,6 +336,36 @@ def test_a_typed_users_checker_reads_the_packages_names(tmp_path):
     assert set(errors) == expected, errors
 
 
+def test_a_typed_users_checker_takes_what_the_calls_take(tmp_path):
+    """Hints narrower than the code: per-row settings as an array (what the docs show for max_new_tokens and say of
+    the others), a cancelled= that answers with an array of flags, an attention mask as a list, stop strings as a
+    tuple or a Sequence[str]: each call runs, and mypy refused each. A setting of the wrong kind is still an error
+    (one of no tensor: torch is not followed here, so a hint that takes a tensor takes anything)."""
+    program = """
+    from collections.abc import Sequence
+
+    import numpy as np
+
+    import blockpress
+
+    lm = blockpress.load("blockpress-code")
+    rows = ["def f(x):", "class A:"]
+    stops: Sequence[str] = ("\\n\\n", "\\ndef ")
+    for event in lm.stream(rows, max_new_tokens=8, cancelled=lambda: np.array([False, True]), stop=stops):
+        pass
+    for event in lm.stream(rows, max_new_tokens=8, min_new_tokens=[2, 2], min_new_tokens_eos_only=np.array([True, False])):
+        pass
+    lm.generate_ar(rows, max_new_tokens=4, temperature=np.array([0.5, 1.0]), top_k=np.array([3, 5]), seed=0)
+    lm.generate_ar(rows, max_new_tokens=4, temperature=0.7, top_p=np.array([0.9, 1.0]), stop=("\\n",), seed=0)
+    lm.logits([[2, 3]], [5] * 8, attention_mask=[[1, 1]])
+    lm.generate_ar(rows, max_new_tokens=4, stop=3)  # error
+    """
+    lines = textwrap.dedent(program).splitlines()
+    expected = {number for number, line in enumerate(lines, 1) if line.endswith("# error")}
+    errors = mypy_errors(tmp_path, program)
+    assert set(errors) == expected, errors
+
+
 def test_the_readmes_layout_names_every_module():
     """The README's Layout section, the map of the package, left out live.py, response.py, files.py and
     tasks/code.py. Each module is named there (as `name.py`, `tasks/name.py`, `cli/name.py` or `blockpress/name.py`; a package's
