@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,6 +60,11 @@ TEMPERATURE_HINT = ("OpenAI's temperature is draw_temperature here (the server m
                     "candidates='argmax'), while acceptance keeps the schedule from t_max down to t_min; "
                     "sampler='greedy' takes the argmax")
 CANDIDATES = ("sample", "argmax")
+# The choices of SamplerConfig's string settings, as a typed user's checker reads them (a misspelt "gredy" is an error
+# there; at run time, SamplerConfig refuses it naming the choices)
+SamplerName = Literal["entropy_bound", "greedy", "confidence", "topk"]
+RankBy = Literal["entropy", "margin", "position"]
+Candidates = Literal["sample", "argmax"]
 # The settings that only some samplers read (`denoise_step`): given to another, they would change nothing.
 # (rank_by, read by all but confidence, is checked on the config itself: its default is the one value that
 # ranks nothing away.)
@@ -70,7 +75,7 @@ READ_BY = {"entropy_bound": ("entropy_bound", "greedy"), "confidence": ("confide
 class SamplerConfig:
     """Everything that decides how a canvas is denoised. Defaults are the reference's."""
 
-    sampler: str = "entropy_bound"
+    sampler: SamplerName = "entropy_bound"
     max_denoising_steps: int = 48
     entropy_bound: float = 0.1
     confidence: float = 0.9  # `confidence` sampler: accept tokens whose top probability reaches this
@@ -85,10 +90,10 @@ class SamplerConfig:
     # open position and as many open ones after it as the rule allows, never one past a gap; text then grows
     # in order while still taking several tokens a step where the model is sure.
     # topk takes its count in this order; entropy_bound and greedy add entropies up in it.
-    rank_by: str = "entropy"
+    rank_by: RankBy = "entropy"
     # "sample": a candidate is drawn from the tempered softmax (the reference). "argmax": the most likely token
     # (the `greedy` sampler always uses it), while the temperature still shapes ranking and self-conditioning.
-    candidates: str = "sample"
+    candidates: Candidates = "sample"
     # Candidates are drawn at the schedule's temperature times this; acceptance, ranking, stopping and
     # self-conditioning keep the schedule. This is OpenAI's `temperature` on the server: scaling the whole schedule
     # instead would make every position look certain at a low temperature, so the entropy bound would take a whole

@@ -340,7 +340,8 @@ def test_a_typed_users_checker_takes_what_the_calls_take(tmp_path):
     """Hints narrower than the code: per-row settings as an array (what the docs show for max_new_tokens and say of
     the others), a cancelled= that answers with an array of flags, an attention mask as a list, stop strings as a
     tuple or a Sequence[str]: each call runs, and mypy refused each. A setting of the wrong kind is still an error
-    (one of no tensor: torch is not followed here, so a hint that takes a tensor takes anything)."""
+    (one of no tensor: torch is not followed here, so a hint that takes a tensor takes anything), and so is a
+    misspelt sampler or ranking (SamplerConfig's choices are Literal types)."""
     program = """
     from collections.abc import Sequence
 
@@ -359,6 +360,9 @@ def test_a_typed_users_checker_takes_what_the_calls_take(tmp_path):
     lm.generate_ar(rows, max_new_tokens=4, temperature=0.7, top_p=np.array([0.9, 1.0]), stop=("\\n",), seed=0)
     lm.logits([[2, 3]], [5] * 8, attention_mask=[[1, 1]])
     lm.generate_ar(rows, max_new_tokens=4, stop=3)  # error
+    lm.generate(rows, sampler=blockpress.SamplerConfig(sampler="greedy", rank_by="margin", candidates="argmax"))
+    blockpress.SamplerConfig(sampler="gredy")  # error
+    blockpress.SamplerConfig(rank_by="entropi")  # error
     """
     lines = textwrap.dedent(program).splitlines()
     expected = {number for number, line in enumerate(lines, 1) if line.endswith("# error")}

@@ -1206,3 +1206,16 @@ def test_a_generation_makes_no_float64_tensor():
         lm.generate([[1, 5, 9]], max_new_tokens=8, seed=3)
         lm.generate_ar([[1, 5, 9]], max_new_tokens=4, seed=3, temperature=0.7)
     assert made == []
+
+
+def test_the_typed_choices_are_the_ones_sampler_config_takes():
+    """SamplerConfig's string settings are Literal types for a typed user's checker: the same choices as its checks."""
+    from typing import get_args
+
+    from blockpress.config import RANKINGS, SAMPLERS
+    from blockpress.sampling import CANDIDATES, Candidates, RankBy, SamplerName
+
+    assert sorted(get_args(SamplerName)) == sorted(SAMPLERS)
+    assert sorted(get_args(RankBy)) == sorted(RANKINGS)
+    assert sorted(get_args(Candidates)) == sorted(CANDIDATES)
+
