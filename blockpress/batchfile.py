@@ -17,6 +17,7 @@ from blockpress.checks import check_text, is_int
 from blockpress.files import (
     KeyTwice,
     NotJSONNumber,
+    cr_alone_error,
     finite_float,
     one_value_a_key,
     parse_json,
@@ -173,7 +174,7 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
             obj = parse_json(text, object_pairs_hook=one_value_a_key, parse_constant=refuse_non_json_numbers,
                              parse_float=finite_float)
         except json.JSONDecodeError as exc:
-            raise (_one_document(name, data) or _cr_alone(where, raw)
+            raise (_one_document(name, data) or cr_alone_error(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
         except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) would be silently lost
             raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
@@ -205,16 +206,6 @@ def _one_document(name: str, data: bytes) -> ValueError | None:
         return None
     return ValueError(f"{name}: is one JSON document ({what}), not JSON Lines: give each object a line of its own "
                       f"({jq} writes them so)")
-
-
-def _cr_alone(where: str, raw: bytes) -> ValueError | None:
-    """The error for a line that is several lines ended by a carriage return alone (as classic Mac OS saved text),
-    None for any other: JSON reads a CR as a space, so such a file was one line refused as 'not JSON (Extra data,
-    column 17)', which said nothing of why. (A CRLF file's lines end in a CR, which is no line of its own.)"""
-    if b"\r" not in raw.rstrip(b"\r"):
-        return None
-    return ValueError(f"{where}: is several lines ended by a CR alone (as classic Mac OS saved text), not by LF or "
-                      "CRLF: save the file with LF or CRLF line endings (tr '\\r' '\\n' writes them so)")
 
 
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:

@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batchfile import _cr_alone
 from .checks import check_text, warn_user
 from .config import CHAT_TURNS
-from .files import parse_json, text_of_file, undecodable_byte, utf16_note
+from .files import cr_alone_error, parse_json, text_of_file, undecodable_byte, utf16_note
 from .response import reasoning_markers
 from .tokenizer import REASONING_FIELDS, chat_message
 
@@ -156,6 +155,7 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
             cut += turns_cut
         elif turns_cut:
             warn_content_cut(turns_cut, tokenizer, where)
+        return [ex for _, ex in examples]  # (each checked as it was made)
     else:
         for key in ("prompt", "response"):
             if not isinstance(obj[key], str):
@@ -352,7 +352,7 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
                 yield where, parse_json(line)
             except json.JSONDecodeError as exc:
                 # a file of CR-alone line ends is one line, refused as "Extra data": said why, as --input says it
-                raise _cr_alone(where, raw) or ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+                raise cr_alone_error(where, raw) or ValueError(f"{where}: not valid JSON ({exc.msg})") from None
 
 
 def is_glob(path: str | Path) -> bool:

@@ -333,6 +333,16 @@ def utf16_note(head: bytes) -> str:
     return ""
 
 
+def cr_alone_error(where: str, raw: bytes) -> ValueError | None:
+    """The error for a line that is several lines ended by a carriage return alone (as classic Mac OS saved text),
+    None for any other: JSON reads a CR as a space, so such a file was one line refused as 'not JSON (Extra data,
+    column 17)', which said nothing of why. (A CRLF file's lines end in a CR, which is no line of its own.)"""
+    if b"\r" not in raw.rstrip(b"\r"):
+        return None
+    return ValueError(f"{where}: is several lines ended by a CR alone (as classic Mac OS saved text), not by LF or "
+                      "CRLF: save the file with LF or CRLF line endings (tr '\\r' '\\n' writes them so)")
+
+
 def utf16_note_of_text(text: str) -> str:
     """utf16_note of text read from standard input, whose bytes that are not UTF-8 arrive as surrogates
     (surrogateescape): UTF-16's byte-order mark is "\\udcff\\udcfe" (or "\\udcfe\\udcff") there."""

@@ -580,11 +580,10 @@ def is_ip_address(name: str) -> bool:
 class RequireHost:
     """ASGI middleware: a request that reached the server at a loopback address must name in its Host header one of
     LOOPBACK_HOSTS or of `hosts`, the machine's own name or an IP address (any port; '*' in `hosts`: any name), else
-    a 403 naming its Host. DNS rebinding: a
-    page on evil.example whose name the attacker then points at 127.0.0.1 is, to the browser, on the server's own
-    origin, so it could drive the model and read every answer (CORS and RequireOrigin see a same-origin page); its
-    requests still say `Host: evil.example`. A request at another address (a server listening beyond loopback) is
-    not checked: there an API key guards it."""
+    a 403 naming its Host. DNS rebinding: a page on evil.example whose name the attacker then points at 127.0.0.1
+    is, to the browser, on the server's own origin, so it could drive the model and read every answer (CORS and
+    RequireOrigin see a same-origin page); its requests still say `Host: evil.example`. A request at another address
+    (a server listening beyond loopback) is not checked: there an API key guards it."""
 
     def __init__(self, app: Any, hosts: Sequence[str]) -> None:
         # (the machine's own name too: Debian and Ubuntu map it to 127.0.1.1, and it is no attacker's to rebind)
@@ -2250,10 +2249,11 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     """`prefix_cache_bytes`: keys and values of recent prompts kept for reuse (0: none; see prefix.py).
     `max_context`: the most tokens a prompt and its answer may take, at most the model's max_position_embeddings
     (None: that). `allowed_origins`: the browser origins ("http://localhost:3000", or "*" for any) whose pages may
-    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model (a request
-    from a page on another origin gets a 403: RequireOrigin). `allowed_hosts`: Host names (without the port) that a request reaching the
-    server at a loopback address may carry besides localhost, 127.0.0.1 and [::1] ("*": any), such as the public name a
-    reverse proxy passes on; others get a 403, which stops DNS rebinding (RequireHost).
+    call the API (CORS); none by default, so a web page the user happens to visit cannot drive the model (a POST
+    from a page on another origin that needs no preflight gets a 403: RequireOrigin). `allowed_hosts`: Host names
+    (whole, without the port) that a request reaching the server at a loopback address may carry besides localhost,
+    127.0.0.1, [::1], the machine's own name and IP addresses ("*": any), such as the public name a reverse proxy
+    passes on; others get a 403, which stops DNS rebinding (RequireHost).
     `api_key`: requests to /v1/* must send `Authorization: Bearer <api_key>`, else get a 401 (RequireKey);
     None: anyone who reaches the port may. `max_body_bytes`: a larger request body gets a 413 before it is parsed
     (BodyLimit; None: body_limit of the context, 4 MiB on blockpress-code). `max_stops`: the most stop strings a
@@ -2362,11 +2362,11 @@ def check_hosts(hosts: Sequence[str]) -> list[str]:
     (api.example.com, 10.0.0.5, [::1]): one with a scheme, a path or a port would never match."""
     if isinstance(hosts, str):
         raise ValueError(f"allowed_hosts: expected a list of host names, got the string {hosts!r}")
+    # a bracketed IPv6 address, or a name: no scheme, path or port, and (a name is compared whole) no wildcard,
+    # *.example.com or Django's .example.com, nor a trailing dot
+    name = re.compile(r"\[[0-9a-fA-F:.]+\]|[^\s/:@\[\]*.]([^\s/:@\[\]*]*[^\s/:@\[\]*.])?")
     for host in hosts:
-        # (a wildcard, *.example.com or Django's .example.com, and a trailing dot would never match: a name is
-        # compared whole)
-        if host != "*" and not (isinstance(host, str) and re.fullmatch(r"\[[0-9a-fA-F:.]+\]|[^\s/:@\[\]*.][^\s/:@\[\]*]*",
-                                                                      host) and not host.endswith(".")):
+        if host != "*" and not (isinstance(host, str) and name.fullmatch(host)):
             raise ValueError(f"allowed_hosts: {host!r} is not a host name; expected a whole name as a Host header "
                              "carries it, without the port or a wildcard (api.example.com, 10.0.0.5, [::1]), or '*' "
                              "for any")

@@ -63,9 +63,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     check_origins(args.allowed_origins or ())  # before the model loads, as the other flags
     name = args.served_name or served_name(args.model)
-    if utf8_problem(name) is not None:  # (a folder named in another encoding: its bytes read as lone surrogates)
+    problem = utf8_problem(name)
+    if problem is not None:  # (a folder named in another encoding: its bytes read as lone surrogates)
         flag = "--served-name" if args.served_name else f"--model: the folder name {name!r}"
-        raise ValueError(f"{flag}: not valid UTF-8 ({utf8_problem(name)}), which clients cannot send as a model id; "
+        raise ValueError(f"{flag}: not valid UTF-8 ({problem}), which clients cannot send as a model id; "
                          "give the id they send with --served-name")
     check_hosts(args.allowed_hosts or ())
     # the flag, else the variable (an empty one is unset, as vLLM reads VLLM_API_KEY); never printed
