@@ -42,8 +42,8 @@ def ref_checkpoint(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _torch_threads_restored():
-    """The CLI's --threads sets torch's thread count for the whole process: a test that runs main() in process
-    would leave every later test on its count (one thread for the rest of the suite, at half the speed)."""
+    """A test that sets torch's thread count itself (to keep a slow one off the other core) would leave every later
+    test on its count (one thread for the rest of the suite, at half the speed). (main() puts --threads' back.)"""
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:

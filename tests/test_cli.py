@@ -5315,3 +5315,35 @@ def test_an_input_run_refuses_a_batch_size_of_0(tmp_path, capsys):
     assert main(["generate", "--input", str(rows), "--model", MODEL, "--batch-size", "0"]) == 2
     assert "--batch-size" in capsys.readouterr().err
 
+
+
+EMBEDDED_MAIN = """
+import os, sys, torch
+from blockpress.cli import main
+torch.set_num_threads(2)
+def state():
+    return (torch.get_num_threads(), os.environ.get("GOMP_SPINCOUNT"),
+            [(s.encoding, s.errors) for s in (sys.stdin, sys.stdout, sys.stderr)])
+before = state()
+code = main(["generate", "def f", "--model", "random-tiny", "--max-new-tokens", "4", "--steps", "2", "--json",
+             "--threads", "1"])
+after = state()
+print("BEFORE", before, file=sys.stderr)
+print("AFTER", after, file=sys.stderr)
+print("READ", repr(sys.stdin.read()), file=sys.stderr)
+sys.exit(code if before == after else 9)
+"""
+
+
+def test_main_in_a_program_s_own_process_leaves_its_threads_environment_and_streams_as_they_were():
+    """main() called in-process (a notebook, a tool embedding the CLI) set torch's thread count to --threads, put
+    GOMP_SPINCOUNT in the environment every later subprocess inherits, and left stdout writing surrogates as raw bytes
+    and stdin reading as utf-8-sig with its line endings translated, for the rest of that program's life."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "PYTHONUTF8")}
+    env["PYTHONIOENCODING"] = "utf-8:strict"  # (C.UTF-8 would give surrogateescape: the streams as the user had them)
+    done = subprocess.run([sys.executable, "-c", EMBEDDED_MAIN], capture_output=True, env=env, input=b"x\r\ny",
+                          timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    assert "READ 'x\\r\\ny'" in done.stderr.decode()  # the program's own read: its line endings as they came
+    streams = "[('utf-8', 'strict'), ('utf-8', 'strict'), ('utf-8', 'backslashreplace')]"
+    assert f"BEFORE (2, None, {streams})" in done.stderr.decode()

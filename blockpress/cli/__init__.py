@@ -41,7 +41,7 @@ EXTRA_OF = {"fastapi": ("serve", {"*": "blockpress serve"}), "uvicorn": ("serve"
 
 
 def main(argv: list[str] | None = None) -> int:
-    utf8_stdio()
+    restore_stdio = utf8_stdio()
     replaced = guard_stdout()
     # A descriptor the shell closed (`<&-`, `2>&-`) is None to Python: a closed stdin would fail as AttributeError
     # tracebacks ('NoneType' object has no attribute 'read'), and print(file=None) writes to stdout, so a closed
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, stream in closed.items():
             setattr(sys, name, None)
             stream.close()
+        restore_stdio()
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -86,7 +87,11 @@ def run_command(args: argparse.Namespace) -> int:
     # those spins take the cores the other threads wait for (blockpress-code writes less than half its tokens a
     # second on 2 busy cores); 10,000 spins keep its speed alone and win most of that back. Set before the command
     # imports torch (the parser imports none), and only where the user set no value of their own.
+    # It is taken back once the command ends, as is --threads' count: main() called in a program's own process (a
+    # notebook, a tool) leaves that program, and the processes it starts, as they were.
+    spins_ours = "GOMP_SPINCOUNT" not in os.environ
     os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
+    threads_before = None
     try:
         expand_path_flags(args)
         if getattr(args, "threads", 0):
@@ -98,6 +103,7 @@ def run_command(args: argparse.Namespace) -> int:
                                  f"(more threads only wait for one), got {args.threads}")
             import torch
 
+            threads_before = torch.get_num_threads()
             torch.set_num_threads(args.threads)
         if getattr(args, "device", None) == "auto":  # (the default) named before the command reads it: its notes,
             # torchrun's GPU per process and its --json say the device the run is on
@@ -142,3 +148,10 @@ def run_command(args: argparse.Namespace) -> int:
             raise
         print(f"blockpress {args.command}: error: {out_of_memory_message(exc, args.command)}", file=sys.stderr)
         return 1
+    finally:
+        if threads_before is not None:
+            import torch
+
+            torch.set_num_threads(threads_before)
+        if spins_ours:
+            os.environ.pop("GOMP_SPINCOUNT", None)

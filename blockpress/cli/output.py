@@ -8,7 +8,7 @@ import errno
 import io
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -125,7 +125,7 @@ def is_utf8(stream: Any) -> bool:
     return not encoding or codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
 
 
-def utf8_stdio() -> None:
+def utf8_stdio() -> Callable[[], None]:
     """Standard output written, and standard input read, as UTF-8 when they are a file or pipe: the encoding every
     file blockpress reads and writes has. Python gives them the locale's, which on Windows is an ANSI code page
     (cp1252): `generate ... > out.txt` would end in "'charmap' codec can't encode character" after the whole
@@ -140,6 +140,7 @@ holds them as surrogates) goes to a stdout file or pipe as those bytes, to a ter
     "grüße" would otherwise end `generate -` with "'ascii' codec can't decode byte 0xc3", and chat would refuse it as
     "not valid UTF-8", which it is."""
     stdin = sys.stdin
+    restore = stdio_restorer()
     for out in (sys.stdout, sys.stderr):  # (stderr: the progress lines and stats; its default backslashreplace wrote
         # "…" as the six characters "\u2026", which wrapped a line cut to one row, and its erase left the first row)
         if out is not None and hasattr(out, "reconfigure") and not is_utf8(out):
@@ -158,7 +159,7 @@ holds them as surrogates) goes to a stdout file or pipe as those bytes, to a ter
             # pipe gets the path's own bytes, as `ls` writes them; a terminal "?", as for any character it cannot show.
             out.reconfigure(errors="replace" if out.isatty() else "surrogateescape")
     if stdin is None or not hasattr(stdin, "reconfigure"):
-        return
+        return restore
     try:
         if not stdin.isatty():  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
             stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape", newline=None)
@@ -166,6 +167,32 @@ holds them as surrogates) goes to a stdout file or pipe as those bytes, to a ter
             stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
         pass
+    return restore
+
+
+def stdio_restorer() -> Callable[[], None]:
+    """What puts the standard streams' encoding, errors and (stdin's) line endings back as they are now: main() called
+    in a program's own process (a notebook, a test, a tool embedding the CLI) must leave that program's streams as it
+    had them, not writing surrogates as raw bytes or reading a BOM away for the rest of its life."""
+    saved = [(stream, stream.encoding, stream.errors) for stream in (sys.stdin, sys.stdout, sys.stderr)
+             if stream is not None and hasattr(stream, "reconfigure")]
+
+    def restore() -> None:
+        for stream, encoding, errors in saved:
+            if (stream.encoding, stream.errors) == (encoding, errors):
+                continue
+            # stdin's line endings: Python's own (TextIOWrapper shows no newline setting to read back), "\n" but on
+            # Windows, where it reads CRLF as "\n" already; only the stdin whose encoding utf8_stdio changed was moved
+            newline = {"newline": None if os.name == "nt" else "\n"} if stream is sys.__stdin__ else {}
+            try:
+                stream.reconfigure(encoding=encoding, errors=errors, **newline)
+            except (OSError, ValueError):  # read from since (chat): its encoding can no longer change back
+                try:
+                    stream.reconfigure(errors=errors)
+                except (OSError, ValueError):
+                    pass
+
+    return restore
 
 
 def output_failed(exc: BrokenPipeError | OutputError, who: str) -> int:
