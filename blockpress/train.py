@@ -1375,7 +1375,10 @@ class Trainer:
         steps = range(self.step, self.cfg.steps)
         loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(self._batches(self.source), steps), batch_size=None, num_workers=self.cfg.data_workers,
-            prefetch_factor=4, worker_init_fn=_one_thread, multiprocessing_context="fork", persistent_workers=False)
+            prefetch_factor=4, worker_init_fn=_one_thread, multiprocessing_context="fork", persistent_workers=False,
+            # the loader draws its workers' base seed (unused: batches are seeded by step) from `generator`, by
+            # default torch's global one: the caller's next torch.rand would depend on data_workers
+            generator=torch.Generator())
         return iter(loader)
 
     # -- checkpoints ------------------------------------------------------------------------------------------

@@ -786,8 +786,14 @@ def test_grad_clip_bounds_the_gradient_each_update_takes(tmp_path, clip):
 
 
 def test_batches_built_by_workers_change_nothing(tmp_path):
+    """Nor the caller's global generator, which the loader drew its workers' base seed from: the program's next
+    torch.rand after training depended on data_workers."""
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
     _, inline = run(tmp_path, 4, "inline")
+    assert torch.equal(torch.get_rng_state(), state)
     _, workers = run(tmp_path, 4, "workers", data_workers=2)
+    assert torch.equal(torch.get_rng_state(), state)
     assert inline.losses == pytest.approx(workers.losses, rel=1e-6)
 
 
