@@ -422,10 +422,10 @@ class Request:
         if self.seeds is not None:
             if len(self.seeds) != b:
                 raise ValueError(f"seeds: expected {b} per-row seeds, got {len(self.seeds)}")
-            return torch.tensor(self.seeds, dtype=torch.long)
+            return torch.tensor(self.seeds, dtype=torch.long, device="cpu")
         if self.seed is not None:
-            return torch.full((b,), self.seed, dtype=torch.long)
-        drawn = torch.randint(0, 2**47, (b,))
+            return torch.full((b,), self.seed, dtype=torch.long, device="cpu")
+        drawn = torch.randint(0, 2**47, (b,), device="cpu")
         if os.getpid() != _IMPORTED_IN:
             # a process forked after `import blockpress` (a multiprocessing Pool's worker, an os.fork) holds its
             # parent's torch generator, so every worker drew the same "fresh" seeds: each mixes in its process id
@@ -445,8 +445,9 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     if not rows or any(len(r) == 0 for r in rows):
         raise ValueError("prompt: every prompt must have at least one token")
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    # on the CPU, named: a program's torch.set_default_device("cuda") must not move the host's work
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(rows), width, dtype=torch.long, device="cpu")
     for i, r in enumerate(rows):
         # through an int64 array, read in C: torch.as_tensor reads a list one Python int at a time (4 ms per
         # 30,000 ids against 1 ms)
@@ -479,11 +480,18 @@ def readable_array(x: Any) -> Any:
     return x
 
 
+def host_tensor(x: Any) -> torch.Tensor:
+    """A tensor as it is; anything else (a list, an array) read into a CPU tensor, also where the program set another
+    default device (torch.set_default_device("cuda"): the host's bookkeeping must not move to the GPU, nor a tensor
+    the caller placed be moved)."""
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(readable_array(x), device="cpu")
+
+
 def as_tensor(x: Any, name: str, expected: str = "integer token ids") -> torch.Tensor:
     """`x` as a tensor, or a ValueError naming `name` and what was `expected` (not torch's "could not infer
     dtype of NoneType")."""
     try:  # no dtype forced: 1.5 or True must be refused by the caller, not truncated to a token id
-        return torch.as_tensor(readable_array(x))
+        return host_tensor(x)
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
         raise ValueError(f"{name}: expected {expected}, got a value torch cannot read ({exc})") from None
 
@@ -603,7 +611,7 @@ class Template:
     def ids(self, pad_id: int) -> torch.Tensor:
         """[B, N]: the rows as one layout, N the longest row; a shorter row is `pad_id` past its end (given, not a
         hole: its budget ends there, see Request.max_new_tokens)."""
-        ids = torch.full((len(self.rows), max(self.lengths)), pad_id, dtype=torch.long)
+        ids = torch.full((len(self.rows), max(self.lengths)), pad_id, dtype=torch.long, device="cpu")
         for r, row in enumerate(self.rows):  # (through an int64 array, read in C: see left_pad)
             ids[r, : len(row)] = torch.frombuffer(array("q", row), dtype=torch.long)
         return ids

@@ -64,6 +64,7 @@ from .generate import (
     as_tensor,
     canvas_positions,
     canvas_room,
+    host_tensor,
     is_text_template,
     left_pad,
     no_choice,
@@ -71,7 +72,6 @@ from .generate import (
     parse_template,
     prompt_to_ids,
     read_token_ids,
-    readable_array,
     run,
     run_ar,
     special_stop_ids,
@@ -187,7 +187,7 @@ def _as_ids(x: Any, name: str, vocab_size: int | None, device: torch.device) -> 
         lengths = [len(r) for r in ids]
         if len(set(lengths)) > 1:
             raise ValueError(f"{name}: rows of different lengths {lengths}; expected one [B, P] batch of ids")
-        ids = torch.tensor(ids, dtype=torch.long)
+        ids = torch.tensor(ids, dtype=torch.long, device="cpu")
     t = ids.to(device)
     if vocab_size is not None:
         check_vocab_range(t, name, vocab_size)
@@ -462,7 +462,7 @@ def _repeat_rows(value: Any, n: int, name: str) -> Any:
             return [list(value)] * n
         return [row for row in value for _ in range(n)]
     try:
-        t = torch.as_tensor(readable_array(value))
+        t = host_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{name}: expected a text, a list of them, or ids, got {type(value).__name__}") from None
     return (t[None] if t.dim() == 1 else t).repeat_interleave(n, dim=0)
@@ -1085,7 +1085,7 @@ class LM:
             expected = (f"self_conditioning_mask: expected a bool tensor of shape [{canvas.shape[0]}] (one flag per "
                         "canvas row)")
             try:  # a list of flags is taken as the tensor it reads as
-                mask = torch.as_tensor(readable_array(self_conditioning_mask))
+                mask = host_tensor(self_conditioning_mask)
             except (TypeError, ValueError, RuntimeError):  # None in a list, a dict: torch's 'Could not infer dtype'
                 raise ValueError(f"{expected}, got {type(self_conditioning_mask).__name__}") from None
             if mask.dtype != torch.bool or tuple(mask.shape) != (canvas.shape[0],):
@@ -1380,7 +1380,7 @@ class LM:
         unknown = self.tokenizer.unknown_ids(v) if self.tokenizer is not None else []
         if not unknown:
             return None
-        ids = torch.tensor(unknown)
+        ids = torch.tensor(unknown, device="cpu")
         if template is not None and bool(torch.isin(template, ids).any()):
             bad = int(template[torch.isin(template, ids)][0])
             raise ValueError(f"template: token id {bad} has no token in the tokenizer (its vocabulary has "
@@ -1577,8 +1577,8 @@ class LM:
         limit = self.config.text.max_position_embeddings
         # Per row: its own cached positions, its own prompt (left padding takes no position) and its own budget.
         b = req.prompt.shape[0]
-        held = torch.zeros(b, dtype=torch.long) if cache is None else cache.next_pos.cpu().long().expand(b)
-        lengths = (torch.full((b,), req.prompt.shape[1]) if req.attention_mask is None
+        held = torch.zeros(b, dtype=torch.long, device="cpu") if cache is None else cache.next_pos.cpu().long().expand(b)
+        lengths = (torch.full((b,), req.prompt.shape[1], device="cpu") if req.attention_mask is None
                    else req.attention_mask.sum(-1).cpu()).long()
         budgets = req.row_budgets()[0]
         # Python ints: a max_new_tokens past int64 (2**63) is refused below by name, where a long tensor of it

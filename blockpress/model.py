@@ -631,7 +631,9 @@ class DiffusionGemma(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight
-        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        # a CPU scalar in the weights' dtype (the reference's rounding), named: a CPU scalar meets weights on any
+        # device with no copy (a CUDA graph's capture allows none), where torch.set_default_device's would not
+        return F.embedding(ids, w) * torch.tensor(self.embed_scale, dtype=w.dtype, device="cpu")
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, tied LM head, float32 soft-capping."""
@@ -652,7 +654,7 @@ class DiffusionGemma(nn.Module):
             if logits is None:
                 raise ValueError("soft_embedding: expected logits or probs, got neither")
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype)
+        return (probs.to(w.dtype) @ w) * torch.tensor(self.embed_scale, dtype=w.dtype, device="cpu")
 
     def _soft_input(self, logits: torch.Tensor | None, probs: torch.Tensor | None,
                     mask: torch.Tensor | None) -> torch.Tensor | None:

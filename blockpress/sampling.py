@@ -330,10 +330,10 @@ class StepNumbers:
     @classmethod
     def of(cls, cfg: SamplerConfig) -> StepNumbers:
         def f32(x: float) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32)
+            return torch.tensor(x, dtype=torch.float32, device="cpu")
 
         def i64(x: int) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long)
+            return torch.tensor(x, dtype=torch.long, device="cpu")
 
         return cls(max_denoising_steps=i64(cfg.max_denoising_steps), t_min=f32(cfg.t_min),
                    t_span=f32(cfg.t_max - cfg.t_min), entropy_bound=f32(cfg.entropy_bound),
@@ -347,7 +347,7 @@ def temperature(cfg: SamplerConfig | StepNumbers, step: int) -> torch.Tensor:
     reference computes it: a float64 temperature differs from it in the last bit at some steps (12 of 48), and
     self-conditioning feeds that bit back until whole generations part (a host tensor: no device sync)."""
     n = cfg if isinstance(cfg, StepNumbers) else StepNumbers.of(cfg)
-    fraction = torch.tensor(step, dtype=torch.int32) / n.max_denoising_steps
+    fraction = torch.tensor(step, dtype=torch.int32, device="cpu") / n.max_denoising_steps
     return (n.t_min + n.t_span * fraction).clamp_min(MIN_TEMPERATURE)
 
 
@@ -424,10 +424,10 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         return x.view(-1, *[1] * (probs.dim() - 1)) if x.dim() else x
 
     if k_range is None:
-        ks = [x for x in torch.as_tensor(top_k).reshape(-1).tolist() if x > 0]
+        ks = [x for x in torch.as_tensor(top_k, device="cpu").reshape(-1).tolist() if x > 0]
         k_range = (min(ks), max(ks)) if ks else (0, 0)
     if nucleus is None:
-        nucleus = bool((torch.as_tensor(top_p) < 1.0).any())
+        nucleus = bool((torch.as_tensor(top_p, device="cpu") < 1.0).any())
     k, p = per_row(top_k, torch.long), per_row(top_p, probs.dtype)
     k = torch.where((k > 0) & (k < v), k, v)  # how many tokens top_k leaves (0, or k >= V: all)
     ids = torch.arange(v, device=probs.device)

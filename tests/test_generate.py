@@ -4395,3 +4395,33 @@ def test_a_denoising_step_holds_three_logits_sized_tensors(settings):
     assert out.returncode == 0, out.stderr[-2000:]
     copies = json.loads(out.stdout.strip().splitlines()[-1])
     assert copies < 3.5, f"{copies:.2f} logits-sized tensors at the step's peak"
+
+
+def test_a_program_s_default_device_moves_none_of_the_work_of_a_model_elsewhere():
+    """A GPU notebook's torch.set_default_device("cuda") with a model on the CPU (load's default) failed: the embed
+    scale, the left-padded prompt, the seeds, the sampler's numbers and the healing masks were made on the default
+    device, not where the model or the host's bookkeeping is. "meta" stands for the other device here (this machine
+    has no GPU): every call gives what it gives without it."""
+    code = blockpress.load("blockpress-code")
+    prompts = ["def f(x):", "import os\nclass A:\n    def g"]
+    ids, canvas = torch.tensor([[2, 10, 11]]), torch.full((1, 8), 5)  # the caller's, made on the CPU
+    calls = {
+        "batch": lambda m: m.generate(prompts, max_new_tokens=12, seed=1, stop=["\n\n"]).texts,
+        "healed": lambda m: m.generate("def f(x): ret", max_new_tokens=8, seed=1, token_healing=True).texts,
+        "drawn": lambda m: m.generate(prompts, max_new_tokens=8, sampler="entropy_bound", top_k=[5, 0], top_p=0.9,
+                                      draw_temperature=[0.7, 1.0], seed=2).texts,
+        "fresh seeds": lambda m: len(m.generate(prompts, max_new_tokens=4).texts),
+        "template": lambda m: m.generate("def f(x):\n    return <|hole|>\n", max_new_tokens=8, seed=1).texts,
+        "stream": lambda m: [e.kind for e in m.stream("def f", max_new_tokens=8, seed=1)],
+        "chat": lambda m: m.chat([{"role": "user", "content": "hi"}], max_new_tokens=4, seed=1).texts,
+        "ar": lambda m: m.generate_ar("def f(x):", max_new_tokens=6, seed=1).texts,
+        "logits": lambda m: m.logits(ids, canvas).sum().item(),
+        "loaded": lambda m: blockpress.load("blockpress-code").generate("def f", max_new_tokens=4, seed=3).texts,
+    }
+    expected = {name: call(code) for name, call in calls.items()}
+    torch.set_default_device("meta")
+    try:
+        got = {name: call(code) for name, call in calls.items()}
+    finally:
+        torch.set_default_device(None)
+    assert got == expected
