@@ -930,18 +930,25 @@ def _output(
         prompt_length=req.prompt.shape[1],
         texts=texts,
         tokens_per_forward=(chosen.float() / passes.clamp(min=1)).cpu(),
-        forward_passes=passes.cpu(),
-        num_new_tokens=num_valid.cpu(),
-        steps_per_canvas=steps_per_canvas.cpu(),
+        forward_passes=host_copy(passes),
+        num_new_tokens=host_copy(num_valid),
+        steps_per_canvas=host_copy(steps_per_canvas),
         encode_seconds=encode_s,
         denoise_seconds=denoise_s,
         cache=cache,
-        num_chosen_tokens=chosen.cpu(),
+        num_chosen_tokens=host_copy(chosen),
         fills=fills,
         # stopped: whether a stop string ended each row; seeds: each row's, drawn where seed was None (seeds= repeats
         # the sample)
         extra={"stopped": stopped, "reused_prompt_tokens": reused, "seeds": seeds.tolist()},
     )
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the CPU, its own storage: an event's or output's counts are the caller's to edit (`n -= before`), where
+    `.cpu()` of a CPU tensor is the decoder's running counter itself, which the stream goes on counting in (edited,
+    it cut the generation's output)."""
+    return t.to("cpu", copy=True)
 
 
 def chosen_tokens(req: Request, num_valid: torch.Tensor) -> torch.Tensor:
@@ -1880,7 +1887,7 @@ def _run(
             if state is None:  # cancelled: the stream ends here, saying what it did
                 if given:
                     cache.compact()
-                yield Cancelled(dec.passes.cpu(), dec.written.cpu())
+                yield Cancelled(host_copy(dec.passes), host_copy(dec.written))
                 return
             committed, valid = dec.commit(canvas, state)
             # let go of the canvas's state: held to the next canvas's end, its self-conditioning softmax [B, C, V]
@@ -1903,11 +1910,11 @@ def _run(
                 so_far, fills = answers.add(rows, dec.written.tolist())
                 settled = [text if done else settled_text(text, req.stops[r] if req.stops else ())
                            for r, (text, done) in enumerate(zip(so_far, finished.tolist()))]
-            yield Commit(ci, host, steps=dec.steps_per_canvas[:, ci].cpu(), finished=finished,
-                         elapsed=time.perf_counter() - dec.start, texts=texts, num_new_tokens=dec.written.cpu(),
+            yield Commit(ci, host, steps=host_copy(dec.steps_per_canvas[:, ci]), finished=finished,
+                         elapsed=time.perf_counter() - dec.start, texts=texts, num_new_tokens=host_copy(dec.written),
                          texts_so_far=so_far, fills_so_far=fills, settled_texts=settled,
                          stopped=list(dec.stops.stopped), reused_prompt_tokens=list(reused),
-                         num_chosen_tokens=chosen_tokens(req, dec.written).cpu())
+                         num_chosen_tokens=host_copy(chosen_tokens(req, dec.written)))
             if last:
                 break
     except GeneratorExit:  # a stream left midway (at the last Commit too) keeps what it encoded, each row as alone

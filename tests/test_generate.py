@@ -4425,3 +4425,27 @@ def test_a_program_s_default_device_moves_none_of_the_work_of_a_model_elsewhere(
     finally:
         torch.set_default_device(None)
     assert got == expected
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_a_stream_s_events_are_the_caller_s_to_edit(lm, template):
+    """Commit's and Cancelled's counts were the decoder's running counters on a CPU (`.cpu()` of a CPU tensor is
+    itself): a consumer's `added = event.num_new_tokens; added -= before` cut the generation's own output. Every
+    tensor of every event is zeroed as it arrives here, and Done's output is the one an untouched stream gives."""
+    prompt = torch.tensor([[2, 7, 9, 4], [2, 5, 6, 8]])
+    kwargs = dict(max_new_tokens=24, max_denoising_steps=4, sampler="entropy_bound", seed=3)
+    if template:
+        kwargs["template"] = torch.tensor([[11, -1, -1, 12, -1, 13] * 4] * 2)
+        del kwargs["max_new_tokens"]
+    untouched = [e for e in lm.stream(prompt, **kwargs) if isinstance(e, Done)][0].output
+    for event in lm.stream(prompt, **kwargs):
+        if isinstance(event, Done):
+            edited = event.output
+            break
+        for value in vars(event).values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+    for name in ("sequences", "num_new_tokens", "forward_passes", "steps_per_canvas", "num_chosen_tokens"):
+        assert torch.equal(getattr(edited, name), getattr(untouched, name)), name
+    # nor do the output's own counts share storage with each other
+    assert edited.num_chosen_tokens.data_ptr() != edited.num_new_tokens.data_ptr()
