@@ -188,10 +188,10 @@ class Tokenizer:
     _compiled_templates: OrderedDict[str, tuple[jinja2.Template, frozenset[str]]] = field(
         default_factory=OrderedDict, init=False, repr=False, compare=False
     )
-    _token_texts: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _token_texts: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _plain_backend: tokenizers.Tokenizer | None = field(default=None, init=False, repr=False, compare=False)
-    _unknown_ids: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _unknown_ids: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
     _special_ids: tuple[tuple[Any, ...], frozenset[int]] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
     _turn_ends: OrderedDict[str, int | None] = field(default_factory=OrderedDict, init=False, repr=False,
@@ -588,15 +588,16 @@ class Tokenizer:
                                      "it, and generation never chooses those ids)")
         return values
 
-    def unknown_ids(self, limit: int) -> list[int]:
+    def unknown_ids(self, limit: int) -> tuple[int, ...]:
         """The ids below `limit` (a model's vocabulary size) that this tokenizer has no token for, so no text: a
         checkpoint's embedding is often padded past its tokenizer's vocabulary. Generation never chooses them
         (LM masks their logits) and decode refuses them. Ids the configs name special (an extra EOS id) are not
-        among them: they end or pad a text, and decode drops them. Worked out once per limit."""
+        among them: they end or pad a text, and decode drops them. Worked out once per limit, and kept as a tuple:
+        a caller who edited a list in place changed which ids every later generation bans."""
         if limit not in self._unknown_ids:
             special = self.special_ids
-            self._unknown_ids[limit] = [i for i in range(self.vocab_size, limit)
-                                        if i not in special and self.backend.id_to_token(i) is None]
+            self._unknown_ids[limit] = tuple(i for i in range(self.vocab_size, limit)
+                                             if i not in special and self.backend.id_to_token(i) is None)
         return self._unknown_ids[limit]
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
@@ -611,12 +612,13 @@ class Tokenizer:
             self._longest_token = max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
         return self._longest_token
 
-    def token_texts(self) -> list[str]:
-        """Every id's text on its own (special tokens as ""), computed once: what token healing matches on."""
+    def token_texts(self) -> tuple[str, ...]:
+        """Every id's text on its own (special tokens as ""), computed once: what token healing matches on. A tuple:
+        a caller who tidied a list in place (`texts[:] = ...`) changed every later generation's healing."""
         if self._token_texts is None:
             special = self.special_ids
             texts = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
-            self._token_texts = ["" if i in special else t for i, t in enumerate(texts)]
+            self._token_texts = tuple("" if i in special else t for i, t in enumerate(texts))
         return self._token_texts
 
     def special_texts(self) -> dict[str, frozenset[int]]:

@@ -3915,7 +3915,7 @@ def test_ids_past_the_tokenizer_vocabulary_are_never_generated(monkeypatch, engi
     new = out.new_tokens[0, : int(out.num_new_tokens[0])].tolist()
     assert len(new) > 0 and max(new) < n
     assert out.texts[0] == tok.decode(new)
-    assert tok.unknown_ids(n + 16) == list(range(n, n + 16))
+    assert tok.unknown_ids(n + 16) == tuple(range(n, n + 16))
     if engine == "diffusion":
         with pytest.raises(ValueError, match=f"template: token id {n + 3} has no token in the tokenizer"):
             lm.generate("x = ", template=[[n + 3, -1, -1]])

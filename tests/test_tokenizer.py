@@ -231,6 +231,12 @@ def test_token_texts_blank_the_special_tokens_and_extendable_texts_are_those_a_l
     expected = {a for a in distinct if any(b != a and b.startswith(a) for b in distinct)}
     assert tok.extendable_texts() == expected
     assert any(b.startswith(a) and len(b) == len(a) + 1 for a in expected for b in distinct)
+    # the texts every later healing matches on, and the ids every later generation bans, are no caller's to edit:
+    # both were the tokenizer's own lists, and `texts[:] = [t.strip() for t in texts]` changed later generations
+    with pytest.raises(TypeError):
+        texts[0] = "x"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        tok.unknown_ids(tok.vocab_size + 3)[0] = 0  # type: ignore[index]
 
 
 def test_add_bos_without_bos_token_is_an_error(tok: Tokenizer) -> None:
@@ -1529,7 +1535,7 @@ def test_an_eos_id_past_the_vocabulary_is_not_unknown(tok: Tokenizer) -> None:
     passed with unknown_ids counting every id without a token."""
     past = tok.vocab_size
     extra = Tokenizer(backend=tok.backend, bos_id=tok.bos_id, eos_ids=[*tok.eos_ids, past], pad_id=tok.pad_id)
-    assert extra.unknown_ids(past + 2) == [past + 1]
+    assert extra.unknown_ids(past + 2) == (past + 1,)
     assert extra.decode([*tok.encode("x = 1"), past]) == "x = 1"
 
 
