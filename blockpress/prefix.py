@@ -96,6 +96,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __reduce__(self) -> tuple:
+        """A copy (copy.deepcopy, pickle: a server's settings saved, a multiprocessing worker's) has this one's
+        settings and no entries: those are one model's keys and values in this process, which the copy cannot check
+        it serves (a lock and a weak reference, which neither copies)."""
+        return (type(self), (self.max_bytes, self.min_tokens))
+
     @property
     def nbytes(self) -> int:
         return self._bytes  # kept as a count, so another thread (a server's /metrics) can read it any time

@@ -408,3 +408,21 @@ def test_the_constructor_takes_the_settings_alone():
             PrefixCache(**{name: 9})
     pc = PrefixCache(max_bytes=100, min_tokens=2)
     assert (pc.lookups, pc.hits, pc.reused_tokens, len(pc), pc.nbytes) == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_prefix_cache_has_its_settings_and_serves_afresh(lm, how):
+    """copy.deepcopy and pickle of a PrefixCache (an object holding one: a server's settings, a worker's) raised
+    "cannot pickle '_thread.RLock' object". The copy has the settings, not the entries (one model's keys and values
+    in this process), and a generation through it gives what one through the original does."""
+    import copy
+    import pickle
+
+    cache = PrefixCache(max_bytes=1 << 20, min_tokens=2)
+    prompt = torch.tensor([[2, 5, 6, 7, 8]])
+    first = lm.generate(prompt, max_new_tokens=8, seed=1, prefix_cache=cache)
+    assert len(cache) == 1
+    copied = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))
+    assert (copied.max_bytes, copied.min_tokens, len(copied), copied.lookups) == (1 << 20, 2, 0, 0)
+    again = lm.generate(prompt, max_new_tokens=8, seed=1, prefix_cache=copied)
+    assert torch.equal(again.sequences, first.sequences) and len(copied) == 1 and len(cache) == 1
