@@ -1854,6 +1854,8 @@ async def respond(engine: Engine, reply: Reply, body: _Common, request: Request)
     """Queue a request's jobs and answer it: one JSON object, or a stream of server-sent events."""
     if body.stream_options is not None and not body.stream:  # checked before any job is queued
         raise APIError(400, "stream_options: only with stream: true", "stream_options")
+    if body.drafts and not body.stream:  # no stream to carry them, and they cost the whole batch a draft a step
+        raise APIError(400, "drafts: only with stream: true (drafts are streamed as the canvas settles)", "drafts")
     # the library's checks read every prompt id: off the event loop (Engine.check_request). Nothing is queued before
     # they pass, so a client that leaves meanwhile leaves nothing behind.
     await asyncio.to_thread(engine.check_request, reply.jobs)

@@ -119,6 +119,17 @@ def test_stream_usage_on_request(client, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_drafts_without_a_stream_are_refused(server, path):
+    """"drafts": true on a request that does not stream was answered as if absent, and still had the engine make
+    and decode a draft every step for it, for its whole batch: a 400 naming the field, as stream_options gets."""
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(server[0] + path, timeout=30, json={"model": MODEL, "max_tokens": 4, "drafts": True, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "drafts", r.text
+    assert httpx.post(server[0] + path, timeout=30, json={"model": MODEL, "max_tokens": 4, "drafts": False,
+                                                          **body}).status_code == 200
+
+
 def sse_chunks(server, path, body):
     with httpx.stream("POST", server[0] + path, json={"model": MODEL, "stream": True, **body}, timeout=60) as r:
         lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
