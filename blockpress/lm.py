@@ -1338,14 +1338,24 @@ class LM:
             cfg = sampler.with_(**sampler_options)
         else:
             cfg = self.sampler_defaults.with_(sampler=sampler, **sampler_options)
-        if cfg.argmax_candidates and any(t != 1.0 for t in per_row.get("draw_temperature", ())):
-            # as SamplerConfig refuses one draw_temperature for every row: argmax candidates draw none (1, the
-            # default, is what a server's greedy requests carry)
-            greedy = cfg.sampler == "greedy"
-            rule = f"sampler={cfg.sampler!r}" if greedy else f"candidates={cfg.candidates!r}"
-            fix = "sampler='entropy_bound'" if greedy else "candidates='sample'"
-            raise ValueError(f"{temperature_name}: {rule} takes the most likely candidates and draws none, so the "
-                             f"per-row {temperature_name} would be ignored; draw them with {fix}")
+        if cfg.argmax_candidates:
+            # as SamplerConfig refuses one draw_temperature for every row: argmax candidates draw none, so a draw
+            # setting this call gives would be ignored (the idle values are what a server's greedy requests carry;
+            # a checkpoint's own top_k / top_p, in the defaults, are no call's)
+            for name, idle in (("draw_temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
+                given = per_row.get(name, (sampler_options.get(name),))
+                if all(v is None or v == idle for v in given):
+                    continue
+                label = temperature_name if name == "draw_temperature" else name
+                if temperature_name == "temperature":  # generate_ar: greedy unless given a temperature
+                    rule, fix = "temperature 0 (its default)", "a temperature above 0"
+                elif cfg.sampler == "greedy":
+                    rule, fix = f"sampler={cfg.sampler!r}", "sampler='entropy_bound'"
+                else:
+                    rule, fix = f"candidates={cfg.candidates!r}", "candidates='sample'"
+                what = f"the per-row {label}" if name == "draw_temperature" else f"{label}, a filter of the draws,"
+                raise ValueError(f"{label}: {rule} takes the most likely candidates and draws none, so {what} would "
+                                 f"be ignored; draw them with {fix}")
         return cfg, per_row
 
     def _template_layout(self, template: Any, hole_length: int, token_healing: bool | None, text_prompt: bool,

@@ -1734,7 +1734,10 @@ def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
                                                "t_min", "t_max", "stability_threshold", "confidence_threshold",
                                                "presence_penalty", "frequency_penalty", "top_k", "top_p")}
     try:
-        return defaults.with_(**overrides).with_temperature(body.temperature, sampler_given=body.sampler is not None)
+        cfg = defaults.with_(**overrides).with_temperature(body.temperature, sampler_given=body.sampler is not None)
+        # Greedy candidates draw nothing for top_p / top_k to filter: OpenAI's clients send them by habit, so they
+        # are taken and change nothing (the library refuses a call's own, which would be ignored)
+        return cfg.with_(top_k=0, top_p=1.0) if cfg.argmax_candidates else cfg
     except ValueError as exc:
         raise APIError(400, str(exc), str(exc).split(":", 1)[0]) from None
 

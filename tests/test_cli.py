@@ -5347,3 +5347,23 @@ def test_main_in_a_program_s_own_process_leaves_its_threads_environment_and_stre
     assert "READ 'x\\r\\ny'" in done.stderr.decode()  # the program's own read: its line endings as they came
     streams = "[('utf-8', 'strict'), ('utf-8', 'strict'), ('utf-8', 'backslashreplace')]"
     assert f"BEFORE (2, None, {streams})" in done.stderr.decode()
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (["--top-k", "1"], "--top-k 1: this model's default sampler (greedy) takes the most likely tokens"),
+    (["--top-p", "0.5"], "--top-p 0.5: this model's default sampler (greedy)"),
+    (["--temperature", "0", "--top-k", "3"], "--top-k 3: --temperature 0.0 takes the most likely tokens"),
+    (["--sampler", "greedy", "--top-p", "0.2"], "leave out --sampler greedy and give --temperature above 0"),
+    (["--ar", "--top-k", "2"], "--top-k 2: --ar without --temperature takes the most likely tokens"),
+    (["--ar", "--temperature", "0", "--top-p", "0.3"], "--top-p 0.3: --ar --temperature 0 takes"),
+    (["--temperature", "0.5", "--top-k", "3"], None), (["--ar", "--temperature", "0.5", "--top-k", "3"], None),
+    (["--sampler", "entropy_bound", "--top-k", "3"], None), (["--top-k", "0", "--top-p", "1"], None)])
+def test_draw_filters_where_nothing_is_drawn_are_refused_by_flag(flags, refused, capsys):
+    """blockpress-code decodes greedily, as --ar does without --temperature: --top-k and --top-p ran there with the
+    text byte for byte the one without them, and nothing said so (as --temperature with --sampler greedy is refused)."""
+    code = main(["generate", "def f", "--max-new-tokens", "2", "--seed", "1", "--no-live", *flags])
+    err = capsys.readouterr().err
+    if refused is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and refused in err, err

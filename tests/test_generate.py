@@ -4449,3 +4449,25 @@ def test_a_stream_s_events_are_the_caller_s_to_edit(lm, template):
         assert torch.equal(getattr(edited, name), getattr(untouched, name)), name
     # nor do the output's own counts share storage with each other
     assert edited.num_chosen_tokens.data_ptr() != edited.num_new_tokens.data_ptr()
+
+
+@pytest.mark.parametrize("call, kwargs, refused", [
+    ("generate", dict(sampler="greedy", top_k=3), "top_k: sampler='greedy' takes the most likely candidates"),
+    ("generate", dict(sampler="greedy", top_p=[0.5, 1.0]), "top_p: sampler='greedy'"),
+    ("generate", dict(sampler="entropy_bound", candidates="argmax", top_k=[0, 4]), "top_k: candidates='argmax'"),
+    ("generate_ar", dict(top_k=3), "top_k: temperature 0 (its default) takes the most likely candidates"),
+    ("generate_ar", dict(temperature=0.0, top_p=0.9), "top_p: temperature 0"),
+    ("generate", dict(sampler="greedy", top_k=0, top_p=1.0), None),
+    ("generate", dict(sampler="entropy_bound", top_k=3, top_p=0.9), None),
+    ("generate_ar", dict(temperature=0.8, top_k=3), None)])
+def test_a_call_s_draw_filters_where_nothing_is_drawn_are_refused(lm, call, kwargs, refused):
+    """top_k / top_p given to a call whose candidates are the argmax (greedy) filtered nothing and changed nothing,
+    without a word, where the same call's per-row draw_temperature was refused."""
+    def run():
+        return getattr(lm, call)(torch.tensor([[2, 5, 6], [2, 7, 8]]), max_new_tokens=4, seed=1, **kwargs)
+
+    if refused is None:
+        assert run().sequences.shape == (2, 7)
+    else:
+        with pytest.raises(ValueError, match=re.escape(refused)):
+            run()

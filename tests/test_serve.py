@@ -130,6 +130,17 @@ def test_drafts_without_a_stream_are_refused(server, path):
                                                           **body}).status_code == 200
 
 
+@pytest.mark.parametrize("greedy", [dict(temperature=0), dict(sampler="greedy")])
+def test_a_greedy_request_takes_top_p_and_top_k_as_openai_does(server, greedy):
+    """OpenAI's clients send top_p beside temperature 0 by habit: the library now refuses a call's filters where
+    nothing is drawn, and the server still takes them, changing nothing (the argmax is always kept)."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "seed": 5, **greedy}
+    plain = httpx.post(server[0] + "/v1/completions", timeout=30, json=body)
+    filtered = httpx.post(server[0] + "/v1/completions", timeout=30, json={**body, "top_p": 0.3, "top_k": 2})
+    assert plain.status_code == filtered.status_code == 200, filtered.text
+    assert filtered.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
 def sse_chunks(server, path, body):
     with httpx.stream("POST", server[0] + path, json={"model": MODEL, "stream": True, **body}, timeout=60) as r:
         lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]

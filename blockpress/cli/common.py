@@ -278,10 +278,11 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
     g.add_argument("--frequency-penalty", type=float, default=None,
                    help="OpenAI's: lower a token's logit for each time it appears in the new text (-2 to 2)")
     g.add_argument("--top-k", type=int, default=None,
-                   help="draw each candidate token from the k most likely only (0: all)")
+                   help="draw each candidate token from the k most likely only (0: all); refused where nothing is "
+                        "drawn (a greedy sampler, --temperature 0, --ar without --temperature)")
     g.add_argument("--top-p", type=float, default=None,
                    help="draw each candidate token from the nucleus: the fewest most likely tokens holding this "
-                        "probability (1: all)")
+                        "probability (1: all); refused where nothing is drawn, as --top-k is")
     g.add_argument("--t-max", type=float, default=None,
                    help="temperature at the first step (of the candidate draws and of acceptance alike)")
     g.add_argument("--t-min", type=float, default=None,
@@ -339,6 +340,12 @@ def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                     top_k=args.top_k, top_p=args.top_p)
     if args.temperature is None:
+        cfg = lm.sampler_defaults.with_(**settings)
+        check_draw_filters(args, cfg.argmax_candidates, "--sampler greedy" if args.sampler == "greedy" else
+                           f"this model's default sampler ({cfg.sampler}" + (")" if cfg.sampler == "greedy" else
+                                                                             ", argmax candidates)"),
+                           "leave out --sampler greedy and give --temperature above 0" if args.sampler == "greedy"
+                           else "give --temperature above 0")
         return {**kw, **settings}
     if args.sampler == "greedy" and args.temperature != 0:
         # The server keeps greedy then (clients send a temperature by habit); a flag typed on purpose that changes
@@ -348,7 +355,18 @@ def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
                          "temperature, or give --temperature 0")
     cfg = lm.sampler_defaults.with_(**settings).with_temperature(args.temperature,
                                                                  sampler_given=args.sampler is not None)
+    check_draw_filters(args, cfg.argmax_candidates, f"--temperature {args.temperature}", "give one above 0")
     return {**kw, "sampler": cfg}
+
+
+def check_draw_filters(args: argparse.Namespace, argmax: bool, why: str, fix: str) -> None:
+    """--top-k / --top-p typed where the candidates are the most likely tokens (`argmax`, because of `why`): nothing is
+    drawn for them to filter, so the run would ignore them without a word (as --temperature with --sampler greedy
+    is refused). `fix`: how to draw."""
+    for flag, value, idle in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)):
+        if argmax and value is not None and value != idle:
+            raise ValueError(f"{flag} {value}: {why} takes the most likely tokens and draws none, so {flag} would "
+                             f"be ignored; {fix} to draw them")
 
 
 def decoded(texts: list[str] | None, what: str) -> list[str]:

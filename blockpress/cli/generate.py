@@ -16,6 +16,7 @@ from typing import IO, Any
 from blockpress.checks import utf8_problem
 from blockpress.cli.chat import ReplyReader, check_chat_template, system_turn
 from blockpress.cli.common import (
+    check_draw_filters,
     check_file_path,
     decoded,
     load_announced,
@@ -160,6 +161,8 @@ def check_ar_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{given[0]}: --ar decodes one token at a time, with no denoising steps, acceptance rule or "
                          "temperature schedule; drop it (--temperature, --top-k, --top-p and the penalties shape "
                          "AR's draws)")
+    check_draw_filters(args, not args.temperature, "--ar without --temperature" if args.temperature is None else
+                       "--ar --temperature 0", "give --temperature above 0")
 
 
 def generate_ar(lm: Any, args: argparse.Namespace, prompt: Any, shown: str, healing: bool) -> int:
