@@ -92,6 +92,7 @@ from .sampling import (
 
 MODELS_DIR = Path(__file__).parent / "models"
 DEFAULT_NEW_TOKENS = 256  # max_new_tokens for a call that gives none, when the checkpoint's settings say nothing
+HOLE_LENGTH = 8  # the tokens a template's bare <|hole|> marker gets
 # A count of new tokens: one for every row, or one per row (a list, or a 1-D integer tensor / array)
 Counts = int | Sequence[int] | torch.Tensor | np.ndarray
 # A setting for every row, or one per row: a list, or a 1-D tensor / array (temperature, top_p; flags)
@@ -1200,7 +1201,7 @@ class LM:
         token_healing: bool | None,
         stop: Any,
         template: Any = None,
-        hole_length: int = 8,
+        hole_length: int = HOLE_LENGTH,
         canvases: bool = True,
         temperature_name: str = "draw_temperature",
         **fields: Any,
@@ -1242,6 +1243,10 @@ class LM:
             rows = layout.prompt
             budget = _template_budget(layout.template, budgets, v)
             tmpl = layout.template.ids(pad_id)
+        elif not (isinstance(hole_length, int) and hole_length == HOLE_LENGTH):
+            raise ValueError(f"hole_length: the tokens each bare <|hole|> marker of a template gets; this call has no "
+                             f"template (template=, or a prompt with <|hole|> markers), so hole_length={hole_length!r} "
+                             "would be ignored")
         unknown = self._unknown_ids(tmpl)
         heal_prefixes = first_allowed = None
         if healed is not None and any(h.prefix for h in healed):
@@ -1652,7 +1657,7 @@ class LM:
         min_new_tokens_eos_only: Flags | None = None,
         attention_mask: Any = None,
         template: Prompt | None = None,
-        hole_length: int = 8,
+        hole_length: int = HOLE_LENGTH,
         cache: KVCache | None = None,
         return_cache: bool | None = None,
         drafts: bool | None = None,

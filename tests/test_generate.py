@@ -4471,3 +4471,14 @@ def test_a_call_s_draw_filters_where_nothing_is_drawn_are_refused(lm, call, kwar
     else:
         with pytest.raises(ValueError, match=re.escape(refused)):
             run()
+
+
+@pytest.mark.parametrize("hole_length", ["abc", -3, 3])
+def test_a_hole_length_without_a_template_is_refused(lm, hole_length):
+    """hole_length is read by a template alone: without one, "abc", -3 and 3 were taken and ignored, where a template
+    refuses the first two."""
+    with pytest.raises(ValueError, match="hole_length: .* this call has no template"):
+        lm.generate([[2, 5, 6]], max_new_tokens=4, hole_length=hole_length)
+    assert lm.generate([[2, 5, 6]], max_new_tokens=4, hole_length=8).sequences.shape == (1, 7)  # the default's value
+    out = lm.generate([[2, 5, 6]], template=[[9, -1, -1, 9]], hole_length=3)  # read where there is a template
+    assert out.sequences.shape == (1, 7)
