@@ -3,7 +3,7 @@
 
 One step, for every sampler:
   temperature(step)  -> logits / T
-  entropy            -> one computation, shared by acceptance and the stopping test
+  probs_and_entropy  -> the softmax and its entropy, one computation shared by acceptance and the stopping test
   candidates         -> sampled tokens (argmax in greedy mode)
   accept             -> which positions keep their candidate this step (the sampler's rule)
   renoise            -> every other position gets a fresh uniform token (or, for a model trained with
