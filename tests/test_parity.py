@@ -153,8 +153,8 @@ def test_canvas_after_committed_canvases(lm, ref_checkpoint):
     with torch.no_grad():
         cache = DynamicCache(config=ref.config.get_text_config())
         for part in (prompt, c1, c2):
-            ref.model.encoder(input_ids=part, past_key_values=cache)
-        expected = ref(decoder_input_ids=canvas, past_key_values=cache).logits
+            ref.model.encoder(input_ids=part, cache=cache)
+        expected = ref(decoder_input_ids=canvas, cache=cache).logits
     cache = lm.new_cache(1, 5 + 16 + 8)
     for part in (prompt, c1, c2):
         lm.model.encode(part, cache)

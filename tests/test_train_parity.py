@@ -58,11 +58,11 @@ def reference_losses(ref, batch, noise, ar=True):
     for lo in range(0, n, C):
         # the context encoded once, its cache read by both passes (as ours: under dropout, one set of draws for both)
         cache = DynamicCache(config=ref.config.get_text_config())
-        ref.model.encoder(input_ids=batch.ids[:, :p + lo], past_key_values=cache)
+        ref.model.encoder(input_ids=batch.ids[:, :p + lo], cache=cache)
         canvas = noisy[:, lo:lo + C]
         with torch.no_grad():
-            first = ref(decoder_input_ids=canvas, past_key_values=cache).logits
-        logits = ref(decoder_input_ids=canvas, past_key_values=cache, self_conditioning_logits=first,
+            first = ref(decoder_input_ids=canvas, cache=cache).logits
+        logits = ref(decoder_input_ids=canvas, cache=cache, self_conditioning_logits=first,
                      self_conditioning_mask=noise.self_condition).logits
         ce = F.cross_entropy(logits.flatten(0, 1), batch.canvas_ids[:, lo:lo + C].flatten(), reduction="none")
         total += float((ce * batch.scored[:, lo:lo + C].flatten().float()).detach().sum())
