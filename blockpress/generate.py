@@ -1615,6 +1615,11 @@ class _Decoding:
         (`self.cut_rows` and `self.finished` then hold them), else False. Compared on the host: no device sync a step."""
         said: Any = self.req.cancelled() if self.req.cancelled is not None else False
         b = self.finished.shape[0]
+        if inspect.isawaitable(said):  # (a lambda calling an async function): a coroutine is truthy, never run
+            if inspect.iscoroutine(said):
+                said.close()
+            raise ValueError("cancelled: returned an awaitable, which the engine cannot await (it runs outside the "
+                             f"event loop); expected True / False or one bool per row ({b}) from a plain function")
         if isinstance(said, torch.Tensor) or hasattr(said, "__array__"):  # one flag a row in a tensor or array, as
             said = said.tolist()  # per-row settings are taken (bool() of it raises 'ambiguous' for two rows and more)
         if isinstance(said, str):  # any text is truthy: "no" would cancel the stream

@@ -285,6 +285,10 @@ def _check_function(value: Any, name: str, signature: str) -> Any:
     """`value` where it is None or callable, else a ValueError naming `name` and the function it takes."""
     if value is not None and not callable(value):
         raise ValueError(f"{name}: expected a function {signature}, got {type(value).__name__}")
+    if inspect.iscoroutinefunction(value) or inspect.iscoroutinefunction(type(value).__call__):
+        # (Starlette's request.is_disconnected is one): its call gives a coroutine, never run, which reads as True
+        raise ValueError(f"{name}: an async function, which the engine cannot await (it runs outside the event loop); "
+                         f"expected a plain function {signature} (e.g. one reading a flag that async code sets)")
     return value
 
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from dataclasses import asdict, fields, replace
 from os.path import commonprefix
 from pathlib import Path
@@ -4482,3 +4483,23 @@ def test_a_hole_length_without_a_template_is_refused(lm, hole_length):
     assert lm.generate([[2, 5, 6]], max_new_tokens=4, hole_length=8).sequences.shape == (1, 7)  # the default's value
     out = lm.generate([[2, 5, 6]], template=[[9, -1, -1, 9]], hole_length=3)  # read where there is a template
     assert out.sequences.shape == (1, 7)
+
+
+def test_an_async_cancelled_is_refused_by_name(lm):
+    """FastAPI's natural `cancelled=request.is_disconnected` is an async method: its call gives a coroutine, never run,
+    which reads as True, so every generation ended cancelled at its first step with only a "never awaited" warning."""
+    async def disconnected():
+        return False
+
+    class Request:
+        async def is_disconnected(self):
+            return False
+
+    for cancelled in (disconnected, Request().is_disconnected):
+        with pytest.raises(ValueError, match="cancelled: an async function"):
+            lm.generate([[2, 3, 4]], max_new_tokens=4, seed=1, cancelled=cancelled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the coroutine is closed, not left to warn "never awaited"
+        with pytest.raises(ValueError, match="cancelled: returned an awaitable"):
+            list(lm.stream([[2, 3, 4]], max_new_tokens=4, seed=1, cancelled=lambda: disconnected()))
+    assert lm.generate([[2, 3, 4]], max_new_tokens=4, seed=1, cancelled=lambda: False).num_new_tokens.item() == 4
