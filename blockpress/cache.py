@@ -50,7 +50,7 @@ class CacheMark:
     moved_from: int | None | bool = field(default=False, repr=False, compare=False)
 
 
-@dataclass
+@dataclass(repr=False)  # (__repr__ below: the generated one printed every layer's keys and values)
 class KVCache:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -158,6 +158,13 @@ class KVCache:
         on no other: id() or the first buffer's address alone can match a new cache whose other buffers moved."""
         return (self.has_padding, self.valid.data_ptr(), self.next_pos.data_ptr(),
                 *(t.data_ptr() for t in self.keys), *(t.data_ptr() for t in self.values))
+
+    def __repr__(self) -> str:
+        """One line (a notebook shows `out.cache`): the generated repr printed each layer's keys and values, 11,626
+        characters for blockpress-code's, 682,744 for a 30-layer model's, copied from the device on a GPU."""
+        dtype = self.keys[0].dtype if self.keys else None
+        return (f"KVCache(rows={self.batch_size}, layers={len(self.keys)}, length={self.length}, "
+                f"capacity={self.capacity}, dtype={dtype}, device={self.device})")
 
     @property
     def batch_size(self) -> int:

@@ -477,3 +477,15 @@ def test_a_chat_turn_beside_an_open_stream_of_the_same_thread_says_so():
     done = [e for e in held if type(e).__name__ == "Done"]
     assert done and first.cache.users == []
     assert lm.chat_ids(ids, cache=first.cache, **kw).texts  # the next turn, once the stream has ended
+
+
+def test_a_cache_and_an_output_holding_one_show_in_a_line():
+    """A notebook showing `out` or `out.cache` printed every layer's keys and values (682,744 characters for a
+    30-layer tiny model, copied from the device on a GPU): a cache shows its shape in one line."""
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    out = lm.generate([[3, 4, 5], [6, 7, 8]], max_new_tokens=4, max_denoising_steps=2, seed=0, return_cache=True)
+    cache = out.cache
+    shown = repr(cache)
+    assert shown == (f"KVCache(rows=2, layers={len(cache.keys)}, length={cache.length}, capacity={cache.capacity}, "
+                     f"dtype={cache.keys[0].dtype}, device=cpu)")
+    assert shown in repr(out) and len(repr(out)) < 4_000
