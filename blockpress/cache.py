@@ -50,6 +50,15 @@ class CacheMark:
     moved_from: int | None | bool = field(default=False, repr=False, compare=False)
 
 
+@dataclass(eq=False)  # one call's own: compared (removed from a cache's users) as itself
+class Claim:
+    """A call's hold on a cache (KVCache.in_use): the thread running it (a stream's: the thread iterating it now)
+    and whether it is suspended (a stream between its events)."""
+
+    thread: int
+    suspended: bool = False
+
+
 @dataclass(repr=False)  # (__repr__ below: the generated one printed every layer's keys and values)
 class KVCache:
     keys: list[torch.Tensor]
@@ -72,7 +81,7 @@ class KVCache:
     weights_version: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     # The threads of the calls continuing this cache now, one entry a call, and the lock their entry is taken under
     # (see `in_use`). A copy (copy.deepcopy, pickle) is held by no call: see __getstate__.
-    users: list[tuple[int, object]] = field(default_factory=list, init=False, repr=False, compare=False)
+    users: list[Claim] = field(default_factory=list, init=False, repr=False, compare=False)
     _claim: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -88,23 +97,28 @@ class KVCache:
         self._claim = threading.Lock()
 
     @contextmanager
-    def in_use(self) -> Iterator[None]:
+    def in_use(self) -> Iterator[Claim]:
         """Held by each call that continues this cache (generate, stream, generate_ar and chat with cache=...): a
         call from another thread meanwhile is refused, as both would write the same slots and each reply read the
-        other's tokens. Calls of one thread nest (chat runs generate), though a chat turn refuses to start beside
-        another call of its thread still open (a suspended stream), whose cache its rewind would pull from under it.
-        A stream's claim is its starting thread's, released where the stream ends, in whatever thread closes it: a
-        stream handed to another thread to iterate is not told apart from its starter's next call."""
+        other's tokens; so is any call while a stream continuing it is suspended between its events (two async
+        handlers taking turns on one event loop's thread, a stream's consumer calling generate): the stream, resumed,
+        would go on over the other call's tokens. Calls of one thread nest (chat runs generate, generate a stream).
+        A stream marks its claim suspended at each event it hands out and moves it to the thread that resumes it
+        (an executor's pool threads), releasing it where it ends, in whatever thread closes it."""
         me = threading.get_ident()
-        claim = (me, object())  # this call's own entry: given back only if taken, wherever a Ctrl-C lands
+        claim = Claim(me)  # this call's own entry: given back only if taken, wherever a Ctrl-C lands
         try:
             with self._claim:  # (checked and taken at once)
-                if any(thread != me for thread, _ in self.users):
+                if any(other.thread != me for other in self.users):
                     raise ValueError("cache: in use by a call in another thread; a KVCache (a conversation) is "
                                      "continued by one call at a time: wait for that call to end, or give each "
                                      "thread its own cache")
+                if any(other.suspended for other in self.users):
+                    raise ValueError("cache: in use by a stream that is open, suspended between its events; a KVCache "
+                                     "(a conversation) is continued by one call at a time: finish or close that "
+                                     "stream first, or give this call its own cache")
                 self.users.append(claim)
-            yield
+            yield claim
         finally:
             with suppress(ValueError):  # (not there: refused, or stopped before it was taken)
                 self.users.remove(claim)

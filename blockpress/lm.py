@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -728,7 +729,7 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
     return undo
 
 
-def _held(cache: KVCache | None) -> contextlib.AbstractContextManager[None]:
+def _held(cache: KVCache | None) -> contextlib.AbstractContextManager[Any]:
     """`cache.in_use()` for a call that continues a cache; nothing for one that makes its own."""
     if cache is not None and not isinstance(cache, KVCache):  # (before its claim is asked for)
         raise ValueError(f"cache: expected the KVCache of an earlier call (return_cache=True), got "
@@ -784,16 +785,25 @@ def _undone_on_error(events: Events, cache: KVCache) -> Events:
     """`events` of a call that continues `cache`, which goes back to where it stood when the stream started if the
     stream fails (a Ctrl-C inside it, an error). Not when it is left (a break, close, or garbage collection): the
     cache may have been continued since by another call, whose turn going back would drop. The mark is taken at the
-    first event, when encoding starts, not when the stream is made."""
-    with cache.in_use():
+    first event, when encoding starts, not when the stream is made. Between its events the claim is marked suspended
+    (no other call may continue the cache meanwhile, not even one of this thread) and, resumed, it is the resuming
+    thread's."""
+    with cache.in_use() as claim:
         undo = _turn_undo(cache)
         try:
-            yield from events
+            for event in events:
+                claim.suspended = True
+                try:
+                    yield event
+                finally:
+                    claim.suspended, claim.thread = False, threading.get_ident()
         except GeneratorExit:
             raise
         except BaseException as e:
             undo(e)
             raise
+        finally:  # (left early: the inner stream ends here, under the claim, as `yield from` ended it)
+            events.close()
 
 
 class LM:

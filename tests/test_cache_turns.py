@@ -2,6 +2,7 @@
 shrinks, masks with no fully masked query, and a continued stream or chat stream that fails, is cancelled or is left.
 Each test holds a behaviour that mutating cache.py, model.py, generate.py or lm.py showed no other test held."""
 
+import copy
 import sys
 
 import pytest
@@ -470,9 +471,9 @@ def test_a_chat_turn_beside_an_open_stream_of_the_same_thread_says_so():
                           {"role": "user", "content": "and then"}])
     held = lm.chat_stream(ids, cache=first.cache, **kw)
     next(held)
-    with pytest.raises(ValueError, match="another call of this thread is continuing it"):
+    with pytest.raises(ValueError, match="in use by a stream that is open, suspended between its events"):
         next(lm.chat_stream(ids, cache=first.cache, **kw))
-    with pytest.raises(ValueError, match="another call of this thread is continuing it"):
+    with pytest.raises(ValueError, match="in use by a stream that is open, suspended between its events"):
         lm.chat_ids(ids, cache=first.cache, **kw)
     done = [e for e in held if type(e).__name__ == "Done"]
     assert done and first.cache.users == []
@@ -489,3 +490,29 @@ def test_a_cache_and_an_output_holding_one_show_in_a_line():
     assert shown == (f"KVCache(rows=2, layers={len(cache.keys)}, length={cache.length}, capacity={cache.capacity}, "
                      f"dtype={cache.keys[0].dtype}, device=cpu)")
     assert shown in repr(out) and len(repr(out)) < 4_000
+
+
+def test_no_call_continues_a_cache_while_a_stream_over_it_is_suspended():
+    """A stream's claim was its starting thread's for its whole life, so that thread's own next call went on beside it
+    (two async handlers taking turns on one event loop, a stream's consumer calling generate): both wrote the same
+    slots and both replies came out wrong, silently. A stream resumed in another thread (an executor's pool) refused
+    the starter's calls and let the others through."""
+    import concurrent.futures
+
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    cache = lm.generate([[5, 6, 7]], return_cache=True, **kw).cache
+    alone = lm.generate([[8, 9]], cache=copy.deepcopy(cache), **kw).sequences
+    held = lm.stream([[8, 9]], cache=cache, **kw)
+    next(held)
+    for call in (lambda: lm.generate([[1, 2]], cache=cache, **kw), lambda: list(lm.stream([[1]], cache=cache, **kw)),
+                 lambda: lm.generate_ar([[1, 2]], cache=cache, max_new_tokens=2)):
+        with pytest.raises(ValueError, match="in use by a stream that is open, suspended between its events"):
+            call()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # resumed in a pool thread, then a call from another
+        pool.submit(next, held).result()
+        with pytest.raises(ValueError, match="in use by a stream"):
+            pool.submit(lambda: lm.generate([[1]], cache=cache, **kw)).result()
+        done = pool.submit(lambda: [e for e in held if type(e).__name__ == "Done"]).result()
+    assert torch.equal(done[0].output.sequences, alone) and cache.users == []
+    assert lm.generate([[1, 2]], cache=cache, **kw).num_new_tokens.item() == 8  # free once the stream has ended
