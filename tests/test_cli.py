@@ -3136,6 +3136,32 @@ sys.exit({function}())
     assert (r.returncode, r.stderr) == (130, "blockpress info: interrupted\n")
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGTERM or SIGHUP to raise on Windows")
+@pytest.mark.parametrize("signum, status, said", [("SIGINT", 130, "interrupted"),
+                                                  ("SIGTERM", 143, "stopped by SIGTERM")])
+def test_a_stop_signal_while_a_command_imports_torch_stops_it(signum, status, said):
+    """A Ctrl-C in a command's first second, while torch's C start-up imports numpy, raised its KeyboardInterrupt
+    inside that import, which torch clears: the command ran to the end and exited 0. A SIGTERM there killed the
+    process without a word. The signal, raised (as delivered) when numpy starts importing: its status and line."""
+    script = f"""
+import signal, sys
+
+class Stop:  # numpy, imported by torch's C start-up, is where the signal lands
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.{signum})
+
+assert "torch" not in sys.modules
+sys.meta_path.insert(0, Stop())
+from blockpress.cli import main
+sys.exit(main())
+"""
+    r = subprocess.run([sys.executable, "-c", script, "info", "--model", "random-tiny", "--json"], capture_output=True,
+                       text=True, timeout=60)
+    assert (r.returncode, r.stderr, r.stdout) == (status, f"blockpress info: {said}\n", "")
+
+
 @pytest.mark.parametrize("terminal", [True, False])
 def test_chat_replies_on_a_terminal_show_control_characters_harmlessly(terminal, monkeypatch, capsys):
     """A reply went to the terminal as the model wrote it: an escape sequence in it (the tiny random model writes

@@ -3,7 +3,7 @@ module a command or family (generate.py, infill.py, chat.py, train.py, serve.py,
 info and quantize) over what they share (common.py, output.py), ending with the exit status and message the README
 lists.
 
-Torch and the modules that import it are imported by the commands that run a model, not here: importing torch takes
+Torch and the modules that import it are imported once a command runs (run_command), not here: importing torch takes
 seconds, and building the parser (--help, a mistyped flag) needs none of it. The names the help shows come from
 torch-free modules (config, train_config)."""
 
@@ -27,7 +27,14 @@ from blockpress.cli.output import (
     utf8_stdio,
 )
 from blockpress.cli.parser import build_parser
-from blockpress.stopping import fresh_line, stop_signals_interrupt, stop_status, stop_word
+from blockpress.stopping import (
+    STOP_SIGNALS,
+    fresh_line,
+    interrupts_deferred,
+    stop_signals_interrupt,
+    stop_status,
+    stop_word,
+)
 
 OPENMP_SPINS = 10_000  # GOMP_SPINCOUNT for every command's torch (see run_command)
 
@@ -93,6 +100,12 @@ def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
     threads_before = None
     try:
+        # Every command runs torch: imported here, before the command's own handling, with the stop signals held
+        # until it is in. A Ctrl-C's KeyboardInterrupt raised while torch's C start-up imports numpy is cleared there:
+        # the command ran to the end and exited 0. Held, it is raised as the import ends, into the handling below
+        # (130, said); a SIGTERM or SIGHUP, into stop_signals_interrupt's (not the silent death of the default action).
+        with stop_signals_interrupt(), interrupts_deferred(STOP_SIGNALS):
+            import torch  # noqa: F401
         expand_path_flags(args)
         if getattr(args, "threads", 0):
             if args.threads < 0:
