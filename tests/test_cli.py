@@ -1648,7 +1648,7 @@ def test_serve_requires_the_api_key_from_the_flag_or_the_environment(monkeypatch
     monkeypatch.delenv("BLOCKPRESS_API_KEY")
     assert main(["serve", "--model", "random-tiny", "--port", "0", "--host", "0.0.0.0"]) == 0
     assert answers.pop() == [200, 200, 200]  # no key: open, as before, and said so beyond loopback
-    assert "no API key, so anyone who reaches 0.0.0.0:" in capsys.readouterr().err
+    assert "\nwarning: no API key, so anyone who reaches 0.0.0.0:" in capsys.readouterr().err  # as every warning
     monkeypatch.setattr(blockpress.cli.serve, "load_announced", lambda *a, **k: pytest.fail("loaded before the check"))
     assert main(["serve", "--port", "0", "--api-key", " s3cret "]) == 2
     err = capsys.readouterr().err
@@ -4666,8 +4666,9 @@ def test_input_says_on_stderr_which_line_keys_are_copied_not_applied(tmp_path, c
     captured = capsys.readouterr()
     notes = [x for x in captured.err.splitlines() if "copied to the output lines as it is, not applied" in x]
     named = {"stop", "temperature"} if command == "generate" else {"prompt", "hole_length"}
-    assert sorted(x.split(": ")[1] for x in notes) == sorted(named), notes
-    assert all(x.startswith(f"{src}:1: ") for x in notes) and len(captured.out.splitlines()) == 2
+    assert sorted(x.split(": ")[2] for x in notes) == sorted(named), notes
+    # warnings, as every other: a script that looks for "warning:" on stderr finds them
+    assert all(x.startswith(f"warning: {src}:1: ") for x in notes) and len(captured.out.splitlines()) == 2
 
 
 def test_generate_input_refuses_a_system_message_beside_system_before_the_model_loads(tmp_path, capsys, monkeypatch):

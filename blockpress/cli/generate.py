@@ -225,7 +225,7 @@ def generate_file(args: argparse.Namespace) -> int:
     output = check_file_flags(args, GENERATE)
     name, rows = read_input(args.input, GENERATE)  # every line checked before the model loads
     for note in unapplied_notes(name, rows, GENERATE):
-        print(note, file=sys.stderr)
+        print_warning(note)
     chats = [args.chat or row.messages is not None for row in rows]
     if not any(chats):
         for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs)):

@@ -32,6 +32,7 @@ from blockpress.cli.generate import (
     run_file,
     run_settings,
 )
+from blockpress.cli.output import print_warning
 from blockpress.files import utf16_note_of_text
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
@@ -140,7 +141,7 @@ def infill_file(args: argparse.Namespace) -> int:
     output = check_file_flags(args, INFILL)
     name, rows = read_input(args.input, INFILL)
     for note in unapplied_notes(name, rows, INFILL):
-        print(note, file=sys.stderr)
+        print_warning(note)
     context = model_context(args)
     for row in rows:
         try:

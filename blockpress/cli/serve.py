@@ -15,6 +15,7 @@ from typing import Any
 
 from blockpress.checks import utf8_problem
 from blockpress.cli.common import load_announced
+from blockpress.cli.output import print_warning
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -96,8 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     access = "; requests to /v1 need the API key" if api_key is not None else ""
     print(f"blockpress serving {name!r} on http://{url_host}:{port}/v1{access}", file=sys.stderr)
     if api_key is None and not ipaddress.ip_address(host).is_loopback:
-        print(f"blockpress: no API key, so anyone who reaches {url_host}:{port} can use the model: set "
-              "BLOCKPRESS_API_KEY (or --api-key) to require one", file=sys.stderr)
+        print_warning(f"no API key, so anyone who reaches {url_host}:{port} can use the model: set "
+                      "BLOCKPRESS_API_KEY (or --api-key) to require one")
     try:
         _server_class()(uvicorn.Config(app, log_level="warning", http=header_deadline_protocol(),
                                        timeout_graceful_shutdown=args.shutdown_timeout)).run(sockets=[sock])
