@@ -2524,6 +2524,26 @@ def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     assert srv.force_exit is False  # the app's shutdown ran (it joined the engine thread)
 
 
+def test_a_stop_signal_ignored_when_the_server_starts_stays_ignored():
+    """A server started with SIGINT ignored (a script's `blockpress serve &`) took it over anyway (uvicorn installs
+    its handler over SIG_IGN), stopped on a SIGINT, and exited 0: uvicorn's raise once shut down, under the SIG_IGN
+    put back, did nothing. An ignored signal now stays ignored, as generate and train leave it."""
+    import signal
+
+    from blockpress.cli.serve import _server_class
+
+    srv = _server_class()(uvicorn.Config(lambda scope, receive, send: None))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with srv.capture_signals():
+            signal.raise_signal(signal.SIGINT)
+            assert signal.getsignal(signal.SIGTERM) == srv.handle_exit  # one not ignored: the server's
+        assert (srv.signals, srv.should_exit) == (0, False)  # nothing stopped
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_low_temperature_tempers_the_draws_not_the_acceptance(client):
     """temperature scaled the whole schedule, so at 0.05 every position looked certain and the entropy bound took a
     canvas of noise in a pass or two (`ospathpathpath...`). It now tempers only the candidate draws: acceptance

@@ -113,6 +113,7 @@ def _server_class() -> type:
     import asyncio
     import contextlib
     import signal
+    import threading
 
     import uvicorn
 
@@ -159,9 +160,17 @@ def _server_class() -> type:
             as they are: left alone, a SIGHUP kills the server where it stands, each request in flight a dropped
             connection ("Server disconnected without sending a response") rather than finished in the grace period.
             uvicorn raises the signal again once shut down (after ours is put back), so the exit status is still
-            SIGHUP's."""
+            SIGHUP's. A SIGINT or SIGTERM the process ignored on entry (a script's `blockpress serve &` starts with
+            SIGINT ignored) stays ignored, as on_signals leaves nohup's SIGHUP and as generate and train leave it:
+            uvicorn took it over, stopped on it, and its raise once shut down, under the SIG_IGN put back, did
+            nothing, so the server exited 0 as after a clean end."""
             hangup = getattr(signal, "SIGHUP", None)
+            main = threading.current_thread() is threading.main_thread()  # (elsewhere no handler can be set)
+            ignored = [sig for sig in (signal.SIGINT, signal.SIGTERM)
+                       if main and signal.getsignal(sig) == signal.SIG_IGN]
             with super().capture_signals(), on_signals(() if hangup is None else (hangup,), self.handle_exit):
+                for sig in ignored:  # over uvicorn's handler; uvicorn puts the SIG_IGN it found back on the way out
+                    signal.signal(sig, signal.SIG_IGN)
                 yield
 
         async def shutdown(self, sockets: Any = None) -> None:
