@@ -4,6 +4,7 @@ Building it imports no torch (--help, a mistyped flag): the commands import it w
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterable
 from typing import Any, TypeVar, overload
 
@@ -33,7 +34,18 @@ from blockpress.config import RANKINGS, SAMPLERS, SCHEMES
 _Namespace = TypeVar("_Namespace")
 
 
-class CommandParser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """A parser whose --help and --version text fails as any command's output fails: argparse drops an OSError
+    writing it, so `blockpress --help | head -c 10` exited 0 where every command exits 141 (docs/cli.md)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if file is None or file is not sys.stdout:  # an error's usage to stderr: argparse's way (its 2 must get out)
+            return super()._print_message(message, file)
+        if message:
+            file.write(message)  # a BrokenPipeError or OutputError reaches main(): 141, or 1 with its line
+
+
+class CommandParser(Parser):
     """A command's parser: an argument it does not know is its own error, under its usage line (argparse leaves
     them to the top-level parser, whose usage names no command's flags)."""
 
@@ -496,7 +508,7 @@ def add_quantize_command(sub: argparse._SubParsersAction[CommandParser]) -> None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="blockpress",
         description="Run block-diffusion language models (DiffusionGemma and our own small ones) locally.",
     )
