@@ -495,11 +495,17 @@ def test_a_puzzle_that_is_not_a_string_is_named_like_the_other_bad_puzzles():
 
 def test_a_puzzle_with_several_solutions_is_kept_with_a_warning(tiny_sudoku, capsys):
     """An empty grid (or 3 givens) went to the model silently; it has many solutions, none the puzzle's own."""
-    path, _ = tiny_sudoku
+    path, lm = tiny_sudoku
     unique = generate(9, "easy").puzzle
     with pytest.warns(UserWarning, match="^puzzle 2: puzzle has more than one solution") as record:
         assert sudoku_model.prepare([unique, "0" * 81, "123" + "0" * 78]) == [unique, "0" * 81, "123" + "0" * 78]
     assert [str(w.message).split(":")[0] for w in record] == ["puzzle 2", "puzzle 3"]
+    # through solve and solve_ar too, the warning names the caller's line, as every library warning does (a fixed
+    # stacklevel named sudoku_model's own, and the default filter showed it once for every caller)
+    with pytest.warns(UserWarning, match="more than one solution") as record:
+        sudoku_model.solve(lm, "0" * 81, max_denoising_steps=1)
+        sudoku_model.solve_ar(lm, "0" * 81)
+    assert [w.filename for w in record] == [__file__] * 2
     main(["sudoku", unique, "--model", str(path), "--json", "--steps", "1"])
     assert "warning" not in capsys.readouterr().err  # one solution: nothing to say
 

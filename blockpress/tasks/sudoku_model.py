@@ -14,14 +14,13 @@ answers, pooled over board symmetries it was trained to respect (test-time augme
 from __future__ import annotations
 
 import random
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..checks import check_flag, is_int
+from ..checks import check_flag, is_int, warn_user
 from ..generate import Commit, Done, Draft
 from ..lm import check_seed
 from .sudoku import (
@@ -159,13 +158,13 @@ def prepare(puzzles: str | Sequence[str]) -> list[str]:
         try:
             out.append(check_puzzle(parse_puzzle(text), require_unique=True, max_nodes=CHECK_NODES))
         except Undecided as exc:
-            warnings.warn(f"puzzle {i + 1}: {exc}; the model tries it anyway", stacklevel=2)
+            warn_user(f"puzzle {i + 1}: {exc}; the model tries it anyway")  # the caller's line (solve's too)
             out.append(parse_puzzle(text))
         except NotUnique as exc:
             # The model was trained on puzzles with one solution; any grid that keeps the givens and the rules
             # verifies as valid, whichever solution it is.
-            warnings.warn(f"puzzle {i + 1}: {exc} (a proper puzzle has one, as the model's training puzzles do); "
-                          "any grid that keeps the givens and the rules counts as valid", stacklevel=2)
+            warn_user(f"puzzle {i + 1}: {exc} (a proper puzzle has one, as the model's training puzzles do); "
+                      "any grid that keeps the givens and the rules counts as valid")
             out.append(parse_puzzle(text))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"puzzle {i + 1}: {exc}") from None
@@ -251,7 +250,6 @@ def solve(
     return _with_complete_grids(puzzles, denoise)
 
 
-@torch.no_grad()
 def solve_ar(lm: Any, puzzles: str | Sequence[str]) -> list[ModelSolution]:
     """Left-to-right greedy decoding of the solution, givens forced (the AR baseline, same conditions): one encoder
     pass over the prompt, then one a cell for the first 80 cells. Its own loop rather than `lm.generate_ar`, which
@@ -260,6 +258,7 @@ def solve_ar(lm: Any, puzzles: str | Sequence[str]) -> list[ModelSolution]:
     return _with_complete_grids(prepare(puzzles), lambda open_puzzles: _decode_ar(lm, open_puzzles))
 
 
+@torch.no_grad()  # here, not on solve_ar: torch's wrapper frame would be the caller prepare()'s warnings name
 def _decode_ar(lm: Any, puzzles: list[str]) -> list[ModelSolution]:
     """solve_ar of puzzles that each have an empty cell."""
     model = lm.model
