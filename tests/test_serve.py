@@ -628,6 +628,35 @@ def wait_idle(engine, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def wait_until(cond, what: str, requests=(), timeout: float = 30.0) -> None:
+    """Until `cond()` holds, failing after `timeout` s with `what` (what was waited for), or at once with the answer of
+    any of `requests` (futures of the requests sent) that ended first: a bare `while not cond()` loop spun until CI's
+    own limit, naming no test, when the server refused a request (a 429) it should have queued, or never started."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        for request in requests:
+            if request.done():
+                answer = request.result()  # (raises what the request raised)
+                said = f"{answer.status_code} {answer.text}" if isinstance(answer, httpx.Response) else answer
+                raise AssertionError(f"waiting for {what}: a request was answered first: {said}")
+        assert time.monotonic() < deadline, f"waiting for {what}: still not so after {timeout} s"
+        time.sleep(0.01)
+
+
+def test_a_wait_fails_naming_what_it_waited_for_not_hangs():
+    """A server that refused a request it should have queued, or never started, hung the suite's waits until CI's own
+    limit: wait_until fails at once with the refusal, or after its time with what it waited for."""
+    refused = cf.Future()
+    refused.set_result(httpx.Response(429, text="the queue is full"))
+    with pytest.raises(AssertionError, match="^waiting for the 2 requests to queue: a request was answered first: "
+                                             "429 the queue is full$"):
+        wait_until(lambda: False, "the 2 requests to queue", [refused])
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="^waiting for the server to start: still not so after 0.1 s"):
+        wait_until(lambda: False, "the server to start", timeout=0.1)
+    assert time.monotonic() - start < 5
+
+
 def test_full_queue_answers_429(server):
     with queue_of(server[1].state.engine, 1, waiting=1):
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
@@ -649,9 +678,7 @@ def test_a_client_that_left_frees_its_place_in_the_queue_at_once(server):
         # queued now (it runs once the engine may start batches again, as the queue_of block ends)
         answer = pool.submit(httpx.post, server[0] + "/v1/completions", timeout=60,
                              json={"model": MODEL, "prompt": "x", "max_tokens": 4, "n": 2, "temperature": 1})
-        while engine.depth() < 3:
-            assert not answer.done(), answer.result().text
-            time.sleep(0.01)
+        wait_until(lambda: engine.depth() >= 3, "the request's 2 rows to queue beside the one left", [answer])
         assert len(engine.waiting) == 3  # the two that left are gone, not kept beside it
     assert answer.result().status_code == 200
 
@@ -965,8 +992,7 @@ def test_a_client_that_leaves_a_shared_batch_frees_its_row_for_the_next_request(
     with cf.ThreadPoolExecutor(2) as pool:
         try:
             a, b = pool.submit(stream, "a", 1), pool.submit(stream, "b", 2)
-            while engine.depth() < 2:
-                time.sleep(0.01)
+            wait_until(lambda: engine.depth() >= 2, "both streams to queue", [a, b])
         finally:
             with engine.lock:
                 del engine._admit
@@ -2445,8 +2471,8 @@ def _threaded_server(grace: float | None):
                                          timeout_graceful_shutdown=grace))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    while not srv.started:
-        thread.join(0.05)
+    wait_until(lambda: srv.started or not thread.is_alive(), "the server to start")
+    assert srv.started, "the server's thread ended without serving (its error is above)"
     return srv, thread, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
 
 
@@ -2468,11 +2494,9 @@ def test_a_shutdown_cuts_requests_in_flight_with_a_503_and_stops_the_engine():
 
     with cf.ThreadPoolExecutor(2) as pool:
         answer = pool.submit(plain)
-        while not engine.metrics.counters["batches_total"]:  # the plain request is generating
-            thread.join(0.05)
+        wait_until(lambda: engine.metrics.counters["batches_total"], "the plain request to generate", [answer])
         stream = pool.submit(streamed)
-        while engine.depth() < 1:  # the streamed one waits behind it
-            thread.join(0.05)
+        wait_until(lambda: engine.depth() >= 1, "the streamed request to queue behind it", [answer, stream])
         srv.should_exit = True
         r, lines = answer.result(), stream.result()
     assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down", r.text
@@ -2511,8 +2535,7 @@ def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "min_tokens": 2000, "seed": 1}  # many seconds
     with cf.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(httpx.post, base + "/v1/completions", json=body, timeout=15)
-        while not engine.metrics.counters["batches_total"]:  # generating
-            thread.join(0.05)
+        wait_until(lambda: engine.metrics.counters["batches_total"], "the request to generate", [answer])
         start = time.perf_counter()
         for _ in range(2):  # as the signal handler calls it, twice
             srv.handle_exit(getattr(signal, signum), None)
@@ -3502,13 +3525,14 @@ def held_together(server, monkeypatch, bodies, first, key, path="/v1/completions
     monkeypatch.setattr(engine, "_stream", gated)
     before = engine.metrics.counters["batches_total"]
     with cf.ThreadPoolExecutor(len(bodies) + 1) as pool:
-        held = pool.submit(post, first)
-        while not batches:
-            threading.Event().wait(0.01)
-        together = [pool.submit(post, body, path) for body in bodies]
-        while engine.depth() < len(bodies):
-            threading.Event().wait(0.01)
-        gate.set()
+        try:
+            held = pool.submit(post, first)
+            wait_until(lambda: batches, "the first request to start", [held])
+            together = [pool.submit(post, body, path) for body in bodies]
+            wait_until(lambda: engine.depth() >= len(bodies), f"the {len(bodies)} requests to queue",
+                       [held, *together])
+        finally:
+            gate.set()  # (a wait that failed: the pool's end then waits for no batch held at the gate)
         together = [f.result() for f in together]
         assert "choices" in held.result()
     return together, batches, engine.metrics.counters["batches_total"] - before
@@ -3666,11 +3690,10 @@ def test_a_batch_that_cannot_allocate_its_cache_runs_its_requests_one_by_one(ser
     with cf.ThreadPoolExecutor(5) as pool:
         first = pool.submit(httpx.post, server[0] + "/v1/completions",
                             json={"model": MODEL, "prompt": "z", "max_tokens": 1}, timeout=60)
-        started.wait(30)
+        assert started.wait(30), "the first request did not start"
         together = [pool.submit(httpx.post, server[0] + "/v1/completions", json=b, timeout=60)
                     for b in [*bodies, huge]]
-        while engine.depth() < 4:
-            threading.Event().wait(0.01)
+        wait_until(lambda: engine.depth() >= 4, "the 4 requests to queue", [first, *together])
         gate.set()
         together = [f.result() for f in together]
         assert first.result().status_code == 200
@@ -3718,14 +3741,12 @@ def test_requests_of_a_batch_that_could_not_allocate_keep_their_place_ahead_of_l
     with cf.ThreadPoolExecutor(6) as pool:
         first = pool.submit(httpx.post, server[0] + "/v1/completions",
                             json={"model": MODEL, "prompt": "z", "max_tokens": 1, "seed": 5}, timeout=60)
-        started.wait(30)
+        assert started.wait(30), "the first request did not start"
         together = [pool.submit(httpx.post, server[0] + "/v1/completions", json=b, timeout=60)
                     for b in [*bodies, huge]]
-        while engine.depth() < 4:
-            threading.Event().wait(0.01)
+        wait_until(lambda: engine.depth() >= 4, "the 4 requests to queue", [first, *together])
         after = pool.submit(httpx.post, server[0] + "/v1/completions", json=later, timeout=60)
-        while engine.depth() < 5:
-            threading.Event().wait(0.01)
+        wait_until(lambda: engine.depth() >= 5, "the later request to queue", [first, *together, after])
         gate.set()
         assert [f.result().status_code for f in together] == [200, 200, 200, 500]
         assert after.result().status_code == 200 and first.result().status_code == 200
@@ -3784,8 +3805,7 @@ def test_a_row_that_ends_is_answered_before_its_batch_does(mode):
             assert held.wait(60)  # the engine is inside the first batch: what comes now waits together
             futures = [pool.submit(post, body) for body in (long, short)]
             futures[1].add_done_callback(lambda f: (order.append("short answered"), answered.set()))
-            while engine.depth() < 2:
-                threading.Event().wait(0.01)
+            wait_until(lambda: engine.depth() >= 2, "the long and the short request to queue", [first, *futures])
             gate.set()
             got = [f.result() for f in futures]
             first.result()

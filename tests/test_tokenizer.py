@@ -124,25 +124,26 @@ def test_encode_lets_other_threads_run(tok: Tokenizer) -> None:
     """The library's `encode` holds the GIL while it works, so a long prompt tokenized in a server's worker thread
     still froze its event loop (240 KB: /health held 0.2 s); encode_batch lets go of it. A thread that ticks while
     another encodes must get to run throughout, and the ids are the backend's own."""
-    import threading
+    import concurrent.futures as cf
     import time
 
     text = "def f(x):\n    return x + 1\n" * 20000  # 560 KB
     assert tok.encode(text[:300]) == tok.backend.encode(text[:300], add_special_tokens=False).ids
     for encode in (tok.encode, tok.encode_plain):
-        done, result = threading.Event(), []
-        worker = threading.Thread(target=lambda f=encode, out=result, ended=done: (out.append(f(text)), ended.set()))
-        start = last = time.perf_counter()
-        worker.start()
-        gaps = []
-        while not done.is_set():
-            time.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-        worker.join()
+        with cf.ThreadPoolExecutor(1) as pool:
+            start = last = time.perf_counter()
+            # a future, not an event the worker sets: an encode that raises ends the loop, and result() raises it
+            worker = pool.submit(encode, text)
+            gaps = []
+            while not worker.done():
+                assert last - start < 60, f"{encode.__name__} of 560 KB still running after 60 s"
+                time.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+            ids = worker.result()
         took = time.perf_counter() - start
-        assert len(result[0]) > 1000 and took > 0.02, (len(result[0]), took)  # long enough to tell
+        assert len(ids) > 1000 and took > 0.02, (len(ids), took)  # long enough to tell
         assert max(gaps) < took / 2, (encode.__name__, max(gaps), took)
 
 
