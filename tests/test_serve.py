@@ -3509,7 +3509,10 @@ def held_together(server, monkeypatch, bodies, first, key, path="/v1/completions
     engine = server[1].state.engine
 
     def post(body, route="/v1/completions"):
-        return httpx.post(server[0] + route, json=body, timeout=60).json()
+        if not body.get("stream"):
+            return httpx.post(server[0] + route, json=body, timeout=60).json()
+        with httpx.stream("POST", server[0] + route, json=body, timeout=60) as r:  # a stream's answer: its last chunk
+            return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")][-1]
 
     gate, batches, stream = threading.Event(), [], engine._stream
 
@@ -3646,7 +3649,7 @@ def test_a_mixed_batch_passes_drafts_and_eos_only_minimums_per_row(server, monke
 
     monkeypatch.setattr(lm, "stream", recording)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": 1}
-    bodies = [{**chat, "drafts": True}, {**chat, "seed": 2, "min_tokens": 2}]
+    bodies = [{**chat, "drafts": True, "stream": True}, {**chat, "seed": 2, "min_tokens": 2}]  # (drafts: streamed)
     answers, batches, made = held_together(server, monkeypatch, bodies, {"model": MODEL, "prompt": "z",
                                            "max_tokens": 1}, lambda j: j.seed, path="/v1/chat/completions")
     assert all("choices" in a for a in answers) and made == 2 and batches[1] == [1, 2], (answers, batches)
