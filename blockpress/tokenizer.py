@@ -191,7 +191,8 @@ class Tokenizer:
     _token_texts: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _extendable: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _plain_backend: tokenizers.Tokenizer | None = field(default=None, init=False, repr=False, compare=False)
-    _unknown_ids: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _unknown_ids: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict, init=False, repr=False,
+                                                            compare=False)
     _special_ids: tuple[tuple[Any, ...], frozenset[int]] | None = field(default=None, init=False, repr=False,
                                                                        compare=False)
     _turn_ends: OrderedDict[str, int | None] = field(default_factory=OrderedDict, init=False, repr=False,
@@ -593,12 +594,16 @@ class Tokenizer:
         checkpoint's embedding is often padded past its tokenizer's vocabulary. Generation never chooses them
         (LM masks their logits) and decode refuses them. Ids the configs name special (an extra EOS id) are not
         among them: they end or pad a text, and decode drops them. Worked out once per limit, and kept as a tuple:
-        a caller who edited a list in place changed which ids every later generation bans."""
-        if limit not in self._unknown_ids:
+        a caller who edited a list in place changed which ids every later generation bans. The last few limits' are
+        kept (a model asks for its one vocabulary size; a caller's every distinct limit was kept forever)."""
+        if not is_int(limit) or limit < 0:
+            raise ValueError(f"limit: expected a vocabulary size (an integer >= 0), got {limit!r}")
+        found = self._unknown_ids.get(limit)
+        if found is None:
             special = self.special_ids
-            self._unknown_ids[limit] = tuple(i for i in range(self.vocab_size, limit)
-                                             if i not in special and self.backend.id_to_token(i) is None)
-        return self._unknown_ids[limit]
+            found = tuple(i for i in range(self.vocab_size, limit)
+                          if i not in special and self.backend.id_to_token(i) is None)
+        return _keep(self._unknown_ids, limit, found)
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         check_flag("skip_special_tokens", skip_special_tokens)  # before the first row: an empty batch too
@@ -992,7 +997,7 @@ def _as_id_list(value: Any) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
-def _keep(kept: OrderedDict[str, _T], key: str, value: _T) -> _T:
+def _keep(kept: OrderedDict[Any, _T], key: Any, value: _T) -> _T:
     """`value`, put (back) last in a cache of at most TEMPLATES_KEPT entries, the least recently used going first.
     Each step is one dict operation, so threads sharing a tokenizer (the server renders in worker threads) cannot
     pop a key between another's test and read: the caller returns `value`, never reads the cache again."""

@@ -240,6 +240,19 @@ def test_token_texts_blank_the_special_tokens_and_extendable_texts_are_those_a_l
         tok.unknown_ids(tok.vocab_size + 3)[0] = 0  # type: ignore[index]
 
 
+def test_unknown_ids_keeps_a_few_limits_and_names_a_bad_one(tok: Tokenizer) -> None:
+    """Every distinct limit's ids were kept forever (300 limits: 2.9M ids, 106 MB), and a limit of None or -5 raised
+    from inside range() or gave () unsaid."""
+    from blockpress.tokenizer import TEMPLATES_KEPT
+
+    for i in range(3 * TEMPLATES_KEPT):
+        assert tok.unknown_ids(tok.vocab_size + i) == tuple(range(tok.vocab_size, tok.vocab_size + i))
+    assert len(tok._unknown_ids) == TEMPLATES_KEPT
+    for bad in (None, -5, 2.5, True):
+        with pytest.raises(ValueError, match="limit: expected a vocabulary size"):
+            tok.unknown_ids(bad)  # type: ignore[arg-type]
+
+
 def test_add_bos_without_bos_token_is_an_error(tok: Tokenizer) -> None:
     no_bos = Tokenizer(backend=tok.backend, eos_ids=[1], pad_id=0)
     with pytest.raises(ValueError, match="BOS"):
