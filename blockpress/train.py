@@ -447,6 +447,9 @@ def merge_lora(model: _Model, dtype: torch.dtype = torch.float32) -> _Model:
     model.to(dtype)  # layer scalars follow the weights; the RoPE frequencies stay float32 (DiffusionGemma._apply)
     for p in model.parameters():
         p.requires_grad = True
+    # peft's record of the adapters goes with them: left, the next add_lora warned of "multiple adapters"
+    if "peft_config" in vars(model):
+        del model.peft_config
     return model
 
 

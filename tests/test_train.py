@@ -5,6 +5,7 @@ import math
 import os
 import signal
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -497,6 +498,11 @@ def test_lora_trains_adapters_and_merges_exactly(tmp_path):
     assert set(lm.model.state_dict()) == set(base)  # a plain checkpoint again
     assert not torch.equal(lm.model.state_dict()["layers.0.self_attn.q_proj.weight"], base["layers.0.self_attn.q_proj.weight"])
     assert torch.equal(lm.model.state_dict()["layers.0.experts.gate_up_proj"], base["layers.0.experts.gate_up_proj"])
+    # nor peft's record of the adapters: left behind, the next add_lora warned of "multiple adapters"
+    assert not hasattr(lm.model, "peft_config")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        add_lora(lm.model, rank=4, alpha=8)
 
 
 def test_lora_adapters_train_in_float32_on_a_bfloat16_base(tmp_path):
