@@ -827,6 +827,9 @@ class LM:
         self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
         self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
+        # A call's generation_config top_k / top_p (not the checkpoint's): refused, as the keywords are, where nothing
+        # is drawn for them to filter (_sampler_config); set on the call's copy of this LM (_from_transformers)
+        self._call_filters: dict[str, Any] = {}
         self.passthrough = passthrough or Passthrough()
         # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
         self.path = None if path is None else Path(path).absolute()
@@ -1362,12 +1365,13 @@ class LM:
             # setting this call gives would be ignored (the idle values are what a server's greedy requests carry;
             # a checkpoint's own top_k / top_p, in the defaults, are no call's)
             for name, idle in (("draw_temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
-                given = per_row.get(name, (sampler_options.get(name),))
+                value = sampler_options.get(name)
+                given = per_row.get(name, (self._call_filters.get(name) if value is None else value,))
                 if all(v is None or v == idle for v in given):
                     continue
                 label = temperature_name if name == "draw_temperature" else name
                 if temperature_name == "temperature":  # generate_ar: greedy unless given a temperature
-                    rule, fix = "temperature 0 (its default)", "a temperature above 0"
+                    rule, fix = "generate_ar without a temperature above 0", "a temperature above 0"
                 elif cfg.sampler == "greedy":
                     rule, fix = f"sampler={cfg.sampler!r}", "sampler='entropy_bound'"
                 else:
@@ -1515,6 +1519,11 @@ class LM:
         if (hf.get("max_length") is not None or call_settings.get("max_length") is not None) and \
                 args.get("max_new_tokens") is None and gen.get("max_new_tokens") is None:
             lm._max_length_from = "call"  # the call's bound, not the checkpoint's default
+        lm._call_filters = {key: call_settings[key] for key in ("top_k", "top_p")
+                            if call_settings.get(key) is not None and call_settings[key] != self.generation_config.get(key)}
+        for key in lm._call_filters:
+            if args.get(key) is None:  # (a keyword given too is what the call runs with, and names itself)
+                given_as[key] = f"generation_config {key}"
         return lm, args, given_as
 
     def _greedy(self, call: str, settings: dict[str, Any], args: dict[str, Any], rows: int) -> bool:

@@ -4456,8 +4456,13 @@ def test_a_stream_s_events_are_the_caller_s_to_edit(lm, template):
     ("generate", dict(sampler="greedy", top_k=3), "top_k: sampler='greedy' takes the most likely candidates"),
     ("generate", dict(sampler="greedy", top_p=[0.5, 1.0]), "top_p: sampler='greedy'"),
     ("generate", dict(sampler="entropy_bound", candidates="argmax", top_k=[0, 4]), "top_k: candidates='argmax'"),
-    ("generate_ar", dict(top_k=3), "top_k: temperature 0 (its default) takes the most likely candidates"),
-    ("generate_ar", dict(temperature=0.0, top_p=0.9), "top_p: temperature 0"),
+    ("generate_ar", dict(top_k=3), "top_k: generate_ar without a temperature above 0 takes the most likely"),
+    ("generate_ar", dict(temperature=0.0, top_p=0.9), "top_p: generate_ar without a temperature above 0"),
+    ("generate_ar", dict(sampler=blockpress.SamplerConfig(sampler="greedy"), top_k=3),
+     "top_k: generate_ar without a temperature above 0"),
+    # a call's generation_config is the call's too (the checkpoint's own top_k waits for a sampler that draws)
+    ("generate", dict(generation_config={"sampler": "greedy", "top_k": 2}), "generation_config top_k: sampler='greedy'"),
+    ("generate", dict(generation_config={"sampler": "entropy_bound", "top_p": 0.5}), None),
     ("generate", dict(sampler="greedy", top_k=0, top_p=1.0), None),
     ("generate", dict(sampler="entropy_bound", top_k=3, top_p=0.9), None),
     ("generate_ar", dict(temperature=0.8, top_k=3), None)])

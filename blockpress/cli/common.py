@@ -342,8 +342,8 @@ def sampling_kwargs(args: argparse.Namespace, lm: Any) -> dict[str, Any]:
     if args.temperature is None:
         cfg = lm.sampler_defaults.with_(**settings)
         check_draw_filters(args, cfg.argmax_candidates, "--sampler greedy" if args.sampler == "greedy" else
-                           f"this model's default sampler ({cfg.sampler}" + (")" if cfg.sampler == "greedy" else
-                                                                             ", argmax candidates)"),
+                           "this model's default sampler (greedy)" if cfg.sampler == "greedy" else
+                           "this model's default candidates (argmax)",
                            "leave out --sampler greedy and give --temperature above 0" if args.sampler == "greedy"
                            else "give --temperature above 0")
         return {**kw, **settings}
