@@ -1261,9 +1261,11 @@ class LM:
             budget = _template_budget(layout.template, budgets, v)
             tmpl = layout.template.ids(pad_id)
         elif not (isinstance(hole_length, int) and hole_length == HOLE_LENGTH):
+            markers = isinstance(prompt, str) and "<|hole" in prompt
             raise ValueError(f"hole_length: the tokens each bare <|hole|> marker of a template gets; this call has no "
-                             f"template (template=, or a prompt with <|hole|> markers), so hole_length={hole_length!r} "
-                             "would be ignored")
+                             f"template (template=, or lm.infill's text), so hole_length={hole_length!r} would be "
+                             "ignored" + ("; the prompt's <|hole|> markers are text to generate (a prompt is never "
+                                          "filled): pass it as template= or to lm.infill" if markers else ""))
         unknown = self._unknown_ids(tmpl)
         heal_prefixes = first_allowed = None
         if healed is not None and any(h.prefix for h in healed):

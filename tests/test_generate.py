@@ -4488,6 +4488,9 @@ def test_a_hole_length_without_a_template_is_refused(lm, hole_length):
     assert lm.generate([[2, 5, 6]], max_new_tokens=4, hole_length=8).sequences.shape == (1, 7)  # the default's value
     out = lm.generate([[2, 5, 6]], template=[[9, -1, -1, 9]], hole_length=3)  # read where there is a template
     assert out.sequences.shape == (1, 7)
+    # a prompt's markers are text to continue, not holes: the refusal says where they would be holes
+    with pytest.raises(ValueError, match="the prompt's <|hole|> markers are text to generate .* pass it as template="):
+        blockpress.load("blockpress-code").generate("x = <|hole|>\n", max_new_tokens=4, hole_length=3)
 
 
 def test_an_async_cancelled_is_refused_by_name(lm):
