@@ -35,7 +35,8 @@ OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see Sam
 
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` (one not empty) makes the answer
 exactly `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
-joins the hole, as a text template's does); the extra field `template`
+joins the hole, as a text template's does), less what its first stop string cuts (`stop` is cut from the fill once it is
+written; a template takes none); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
 requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones. In the
 usage a canvas's fixed tokens (the template's text, the suffix) are prompt tokens, its holes the completion tokens.
@@ -893,10 +894,13 @@ class Job:
 
     def answer(self, texts: list[str], fills: list[list[str]] | None, row: int) -> str:
         """This job's answer, as row `row` of the engine's `texts` and template `fills` (so far, or final) reads:
-        in suffix mode the hole before the suffix, its fill (the suffix is the client's text); else the text."""
+        in suffix mode the hole before the suffix, its fill (the suffix is the client's text), cut before its first
+        stop string; else the text."""
         if self.answer_tokens is None:
             return texts[row]
-        return fills[row][0] if fills is not None and fills[row] else ""
+        # The hole is written whole (its length is fixed, and the library takes no stop strings with a template:
+        # Engine._stream passes none), so the fill is cut here, as the engine cuts a plain row's text
+        return cut_at_stop(fills[row][0] if fills is not None and fills[row] else "", self.stop)
 
     def put(self, item: JobDraft | JobText | JobDone | JobError) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self, item))
@@ -1036,8 +1040,9 @@ class Batch:
             if fresh:
                 self.last_token[i] = fresh[-1]
             raw = None
-            if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
+            if job.keep_special or job.answer_tokens is not None:  # (a suffix's: its fill's tokens, see fill_tokens)
                 self.tokens[i] += fresh
+            if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
                 raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [],
                                                self.raws[i])
             job.put(JobText(self.texts[i], raw))
@@ -1058,6 +1063,25 @@ class Batch:
                         out.extra["reused_prompt_tokens"][i],
                         None if job.canvas is None else int(out.num_chosen_tokens[i]))
 
+    def fill_tokens(self, i: int) -> int:
+        """Suffix job `i`'s hole tokens through the one that completes the stop string its fill is cut at, as a
+        plain row that a stop string ends counts its tokens (all of the hole's where no stop string is in it). The
+        fewest tokens whose text holds a stop, by bisection: a start of the hole that holds one, longer ones do too."""
+        tok, job = self.engine.lm.tokenizer, self.jobs[i]
+        hole = self.tokens[i][: job.answer_tokens]
+
+        def holds(p: int) -> bool:
+            text = strip_prefix(tok.decode(hole[:p]), job.heal_prefix)  # the fill of its first p tokens
+            return len(cut_at_stop(text, job.stop)) < len(text)
+
+        lo, hi = 0, len(hole)  # holds(lo) is False (no text); holds(hi) is looked at first
+        if not holds(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if holds(mid) else (mid, hi)
+        return hi
+
     def answer(self, i: int, text: str, stopped: bool, reused: int, chosen: int | None = None) -> None:
         """Job `i`'s JobDone, its row having ended (EOS, its max_tokens, a stop string, or its canvas written) with
         `text`; `chosen`: a canvas's tokens the model wrote (its holes), the completion tokens there."""
@@ -1070,6 +1094,8 @@ class Batch:
             raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix,
                                            job.stop if stopped else [])
         tokens = n if chosen is None else chosen
+        if job.answer_tokens is not None and job.stop:  # a suffix's fill cut at a stop string (Job.answer)
+            tokens = min(tokens, self.fill_tokens(i))
         # (the prompt, its cached part and the latency count once per request, in `respond`)
         self.engine.metrics.add(completion_tokens_total=tokens, forward_passes_total=self.passes[i])
         self.answered[i] = True
@@ -1299,7 +1325,9 @@ class Engine:
             # the next canvas (every client gone: the stream's Cancelled)
             cancelled=lambda: [j.cancelled.is_set() for j in batch],
             # a canvas's holes are healed at their edges (its fixed part is text the client wrote)
-            token_healing=first.token_healing or first.canvas is not None, stop=[j.stop for j in batch],
+            # (a suffix's stop strings cut its fill once it is written whole: Job.answer; a template takes none)
+            token_healing=first.token_healing or first.canvas is not None,
+            stop=[j.stop for j in batch] if first.canvas is None else None,
             prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
@@ -1748,8 +1776,11 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
     tok = state.lm.tokenizer
     given = "suffix" if body.suffix is not None else "template"
     for other, clash in (("template", body.suffix is not None and body.template is not None),
-                         # (empty stop strings are none, as build_jobs drops them: "" and [""] alike)
-                         ("stop", any([body.stop] if isinstance(body.stop, str) else body.stop or [])),
+                         # A template's answer is the whole filled text, which a stop string would cut inside the
+                         # client's own text; a suffix's fill is cut at one (Job.answer). (Empty stop strings are
+                         # none, as build_jobs drops them: "" and [""] alike.)
+                         ("stop", body.template is not None
+                          and any([body.stop] if isinstance(body.stop, str) else body.stop or [])),
                          ("token_healing", body.token_healing)):
         if clash:
             raise APIError(400, f"{other}: not with {given} (a constrained canvas has a fixed length and fixed "

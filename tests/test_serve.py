@@ -1962,6 +1962,54 @@ def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == r.choices[0].text
 
 
+def test_a_suffix_fill_is_cut_at_its_first_stop_string():
+    """FIM clients (Continue.dev's, for a diffusion LM) send stop strings beside a suffix, and got a 400 ("stop: not
+    with suffix"), so no completion at all. The hole is still written whole (max_tokens long), and its fill is cut
+    before its first stop string, with finish_reason "stop" and the tokens through the one that completes the stop
+    counted, as a plain completion that stops; streamed, the chunks add up to that text (a tail that may begin a
+    stop is held back) and the usage is the same."""
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    tok = lm.tokenizer
+    # no trailing space in the prompt (none healed into the hole); 24 tokens span two 16-token canvases
+    body = {"model": MODEL, "prompt": "def add(a, b):", "suffix": "\nprint(add(1, 2))\n", "max_tokens": 24,
+            "max_denoising_steps": 3}
+
+    def fill(seed):  # the library's answer: its hole's tokens and text
+        out = lm.generate([tok.encode_prompt(body["prompt"])], template=[[-1] * 24 + tok.encode(body["suffix"])],
+                          seeds=[seed], max_denoising_steps=3)
+        return out.new_tokens[0, :24].tolist(), out.fills[0][0]
+
+    # A stop string across the canvas edge (random-tiny writes a character a token here): the first canvas's text
+    # ends with its start, which the stream holds back until the next canvas settles it.
+    def across(text):
+        stop = text[15:17]
+        return "\ufffd" not in stop and text.find(stop) == 15 and len(text) == 24
+
+    body["seed"] = next(seed for seed in range(5, 40) if across(fill(seed)[1]))
+    hole, text = fill(body["seed"])
+    stop = text[15:17]
+    through = next(p for p in range(1, 25) if stop in tok.decode(hole[:p]))  # the token that completes it
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:
+        r = http.post("/v1/completions", json={**body, "stop": ["\u2603\u2603", stop]})
+        with http.stream("POST", "/v1/completions", json={**body, "stop": ["\u2603\u2603", stop], "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as s:
+            chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+        unstopped = http.post("/v1/completions", json={**body, "stop": "\u2603\u2603"}).json()
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["text"] == cut_at_stop(text, [stop]) == text[:15]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == through < 24
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == answer["choices"][0]["text"] and texts[0] == text[:15]  # the stop's start held back
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"] == answer["usage"]
+    # a stop string the fill does not hold leaves it whole: every hole token counts
+    assert unstopped["choices"][0]["text"] == text and unstopped["usage"]["completion_tokens"] == 24
+
+
 def test_an_empty_suffix_is_none(client):
     """A fill-in-the-middle client at a file's end sends suffix "": the answer was a canvas of exactly max_tokens
     that always said "stop", never a shorter completion. It is now a plain completion, stop strings and all."""
@@ -1990,7 +2038,8 @@ def test_template_answers_with_the_filled_text(client, server):
 
 @pytest.mark.parametrize("body, param", [
     ({"suffix": "b", "template": "<|hole|>"}, "template"),
-    ({"suffix": "b", "stop": ["\n"]}, "stop"),
+    # a template's answer is the whole filled text, which a stop string would cut inside the client's own text
+    ({"template": "<|hole|>", "stop": ["\n"]}, "stop"),
     ({"template": "<|hole|>", "token_healing": True}, "token_healing"),
     ({"template": "no holes here"}, "template"),
     ({"template": "a <|hole:0|> b"}, "template"),
