@@ -306,6 +306,10 @@ class TextPart(_Body):
     model_config = STRICT
     type: Literal["text"]
     text: str
+    # Anthropic's prompt-caching hint ({"type": "ephemeral"}), which litellm's openai/ provider and apps written for
+    # several providers pass through: a label, as prompt_cache_key is (the prefix cache keeps what it keeps), never
+    # given to the chat template (Message.for_template)
+    cache_control: dict | None = None
 
 
 class FunctionDef(_Body):
@@ -399,7 +403,8 @@ class Message(_Body):
     def for_template(self, i: int) -> dict:
         """messages[i] as transformers' templates take it (None fields are left out by the tokenizer), its content
         as `blockpress train` reads it from a file (chat_message: text parts joined; null only beside tool_calls)."""
-        content = self.content if not isinstance(self.content, list) else [p.model_dump() for p in self.content]
+        content = self.content if not isinstance(self.content, list) else [
+            p.model_dump(exclude={"cache_control"}) for p in self.content]
         calls = None if self.tool_calls is None else [
             {"id": c.id, "type": c.type, "function": {"name": c.function.name,
                                                       "arguments": json.loads(c.function.arguments)}}

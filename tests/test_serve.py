@@ -2418,6 +2418,31 @@ def test_openai_clients_message_shapes(server):
     assert image.status_code == 400 and image.json()["error"]["param"] == "messages[0].content"
 
 
+def test_a_text_parts_cache_control_is_a_label(server, monkeypatch):
+    """litellm's openai/ provider passes Anthropic's prompt-caching hint through inside a text part
+    ({"type": "text", "text": ..., "cache_control": {"type": "ephemeral"}}): a 400 "Extra inputs are not permitted".
+    It asks for nothing this server does, so it is taken as a label, as prompt_cache_key is, and the chat template
+    never sees it: the parts render as they do without it."""
+    import blockpress.serve as serve
+
+    rendered = []
+    original = serve.chat_message
+    monkeypatch.setattr(serve, "chat_message", lambda message, i: rendered.append(message) or original(message, i))
+
+    def chat(hint):
+        return httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 4, "seed": 3, "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "be brief", **hint}]},
+                {"role": "user", "content": [{"type": "text", "text": "hi", **hint}]}]})
+
+    plain, hinted = chat({}), chat({"cache_control": {"type": "ephemeral"}})
+    assert plain.status_code == hinted.status_code == 200, hinted.text
+    assert hinted.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    assert len(rendered) == 4 and rendered[2:] == rendered[:2]  # the template's messages, hint or none
+    bad = chat({"cache_control": "ephemeral"})  # a hint is an object, as Anthropic's is
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content", bad.text
+
+
 def test_a_reply_sent_back_as_the_openai_clients_model_dump_writes_it_is_taken(client):
     """An agent loop that appends `reply.choices[0].message.model_dump()` sends the rest of the SDK's reply object
     too, each null (refusal, annotations, audio, function_call): its second turn was a 400 naming an unknown field
