@@ -247,7 +247,9 @@ class _Common(_NullIsDefault):
     n: int = Field(default=1, ge=1, le=8)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # OpenAI's: any int64. The engine's seeds are in [0, 2**63): a negative one (-1, which UIs written for vLLM send)
+    # is folded into that range as seed % 2**63 (build_jobs), so it still repeats its answer (-1 is 2**63 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     stop: str | Items[str] | None = None
@@ -258,7 +260,8 @@ class _Common(_NullIsDefault):
     metadata: dict | None = None
     prompt_cache_key: str | None = None  # a routing hint: the prefix cache reuses prompts without one
     # diffusion extras
-    top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)  # as vLLM's extra: the draws keep the k most likely tokens (0: all)
+    # as vLLM's extra: the draws keep the k most likely tokens (0, or vLLM's -1: all; sampler_config maps -1 to 0)
+    top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     max_denoising_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
     # SamplerConfig checks these (sampler_config answers a 400 naming the field): their ranges are not restated
@@ -1744,7 +1747,7 @@ def build_jobs(state: ServerState, body: _Common, prompt: list[int],
                             "(serve's --max-stops)", "stop")
     stops = [s for s in sent if s]
     if body.seed is not None:
-        seed = body.seed
+        seed = body.seed % 2**63  # a negative int64 folded into the engine's range (see _Common.seed)
     elif cfg.argmax_candidates:  # temperature 0: the same answer every time, so no random starting canvas
         seed = 0
     else:
@@ -1766,6 +1769,8 @@ def sampler_config(defaults: SamplerConfig, body: _Common) -> SamplerConfig:
     overrides = {k: getattr(body, k) for k in ("max_denoising_steps", "sampler", "entropy_bound", "confidence",
                                                "t_min", "t_max", "stability_threshold", "confidence_threshold",
                                                "presence_penalty", "frequency_penalty", "top_k", "top_p")}
+    if body.top_k == -1:  # vLLM's "all tokens", which SamplerConfig calls 0
+        overrides["top_k"] = 0
     try:
         cfg = defaults.with_(**overrides).with_temperature(body.temperature, sampler_given=body.sampler is not None)
         # Greedy candidates draw nothing for top_p / top_k to filter: OpenAI's clients send them by habit, so they

@@ -344,6 +344,28 @@ def test_the_server_takes_the_sampler_settings_the_library_takes(values, sampler
     assert sampler_config(defaults, CompletionRequest(model="m", prompt="x", sampler=sampler, **values)) == want
 
 
+def test_vllms_top_k_of_minus_one_and_a_negative_seed_are_taken():
+    """OpenAI's seed is any int64 and vLLM's top_k -1 means all tokens; clients and UIs written for vLLM send -1 for
+    "no top-k" or "any seed", and got 400s ("greater than or equal to 0"). top_k -1 is 0 (no filter); a negative
+    seed is folded into the engine's range [0, 2**63) as seed % 2**63, so it repeats its answer like any seed."""
+    from fastapi.testclient import TestClient
+
+    from blockpress.serve import CompletionRequest, sampler_config
+
+    lm = load_model("random-tiny", None, "cpu")
+    sampled = {"model": MODEL, "prompt": "x", "temperature": 0.8}
+    assert sampler_config(lm.sampler_defaults, CompletionRequest(**sampled, top_k=-1)) == \
+        sampler_config(lm.sampler_defaults, CompletionRequest(**sampled, top_k=0))
+    body = {**sampled, "prompt": "def add(a, b):", "max_tokens": 8, "max_denoising_steps": 2}
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:
+        answers = [http.post("/v1/completions", json={**body, **extra})
+                   for extra in ({"seed": -1}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"seed": 0},
+                                 {"seed": 3, "top_k": -1}, {"seed": 3, "top_k": 0})]
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers]
+    texts = [r.json()["choices"][0]["text"] for r in answers]
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[4] == texts[5]
+
+
 NUMBER_FIELDS = ("top_k", "stability_threshold", "seed", "min_tokens", "temperature", "top_p", "entropy_bound",
                  "confidence", "t_min", "t_max", "confidence_threshold", "presence_penalty", "frequency_penalty")
 
@@ -371,7 +393,8 @@ def test_no_number_a_request_sends_is_a_server_error(server, name, value):
         ({"model": MODEL, "prompt": "x", "bogus_field": 1}, 400, "bogus_field"),
         ({"model": MODEL, "prompt": "x", "sampler": "beam"}, 400, "sampler"),
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-        ({"model": MODEL, "prompt": "x", "top_k": -1}, 400, "top_k"),
+        ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),  # (-1 is vLLM's "all": 0)
+        ({"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),  # past int64, as OpenAI's
         ({"model": MODEL, "prompt": "x", "t_min": 0.9, "t_max": 0.1}, 400, "t_max"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10, "min_tokens": 20}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 10_000_000}, 400, "max_tokens"),
