@@ -20,7 +20,7 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -51,6 +51,11 @@ class _Entry:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def _settings_copy(cls: type[PrefixCache], settings: dict[str, Any]) -> PrefixCache:
+    """A PrefixCache of class `cls` with `settings` (PrefixCache.__reduce__'s copy)."""
+    return cls(**settings)
 
 
 @dataclass
@@ -97,10 +102,10 @@ class PrefixCache:
         return len(self._entries)
 
     def __reduce__(self) -> tuple:
-        """A copy (copy.deepcopy, pickle: a server's settings saved, a multiprocessing worker's) has this one's
-        settings and no entries: those are one model's keys and values in this process, which the copy cannot check
-        it serves (a lock and a weak reference, which neither copies)."""
-        return (type(self), (self.max_bytes, self.min_tokens))
+        """A copy (copy.copy and copy.deepcopy alike, pickle: a server's settings saved, a multiprocessing worker's)
+        has this one's settings, a subclass's fields included, and no entries: those are one model's keys and values
+        in this process, which the copy cannot check it serves (a lock and a weak reference, which neither copies)."""
+        return (_settings_copy, (type(self), {f.name: getattr(self, f.name) for f in fields(self) if f.init}))
 
     @property
     def nbytes(self) -> int:

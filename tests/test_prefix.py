@@ -2,6 +2,7 @@
 
 import sys
 import threading
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -426,3 +427,12 @@ def test_a_copy_of_a_prefix_cache_has_its_settings_and_serves_afresh(lm, how):
     assert (copied.max_bytes, copied.min_tokens, len(copied), copied.lookups) == (1 << 20, 2, 0, 0)
     again = lm.generate(prompt, max_new_tokens=8, seed=1, prefix_cache=copied)
     assert torch.equal(again.sequences, first.sequences) and len(copied) == 1 and len(cache) == 1
+    # a subclass's own settings come along (the copy was rebuilt from max_bytes and min_tokens alone)
+    tenant = TenantCache(max_bytes=1 << 20, tenant="team-a")
+    tenant_copy = copy.deepcopy(tenant) if how == "deepcopy" else pickle.loads(pickle.dumps(tenant))
+    assert type(tenant_copy) is TenantCache and (tenant_copy.tenant, tenant_copy.max_bytes) == ("team-a", 1 << 20)
+
+
+@dataclass
+class TenantCache(PrefixCache):  # (module level, as pickle finds a class by its name)
+    tenant: str = "default"
