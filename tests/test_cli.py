@@ -5397,3 +5397,18 @@ def test_draw_filters_where_nothing_is_drawn_are_refused_by_flag(flags, refused,
         assert code == 0, err
     else:
         assert code == 2 and refused in err, err
+
+
+def test_main_in_process_leaves_a_program_s_own_stdin_wrapper_its_line_endings():
+    """A program reading stdin through its own TextIOWrapper(newline="") (csv's advice, to keep "\\r\\n") had it
+    translating "\\r\\n" to "\\n" after a main() that never read stdin: only Python's own stdin's could be put back."""
+    program = "\n".join([
+        "import io, sys",
+        "from blockpress.cli import main",
+        'sys.stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="")',
+        'code = main(["generate", "def f", "--model", "random-tiny", "--max-new-tokens", "2", "--steps", "2", "--json"])',
+        'print("RESULT", code, repr(sys.stdin.read()), file=sys.stderr)'])
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "PYTHONUTF8")}
+    done = subprocess.run([sys.executable, "-c", program], input=b"a,b\r\nc,d\r\n", capture_output=True, env=env,
+                          timeout=120)
+    assert "RESULT 0 'a,b\\r\\nc,d\\r\\n'" in done.stderr.decode(), done.stderr.decode()[-2000:]

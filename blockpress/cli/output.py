@@ -162,7 +162,10 @@ holds them as surrogates) goes to a stdout file or pipe as those bytes, to a ter
         return restore
     try:
         if not stdin.isatty():  # a BOM (Notepad's, PowerShell's) is no part of the prompt, under a UTF-8 locale too
-            stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape", newline=None)
+            # (the line endings of Python's own stdin alone: a program's own wrapper, main() called in-process, keeps
+            # its newline setting, which cannot be read back to restore)
+            stdin.reconfigure(encoding="utf-8-sig", errors="surrogateescape",
+                              **({"newline": None} if stdin is sys.__stdin__ else {}))
         elif stdin.encoding and codecs.lookup(stdin.encoding).name == "ascii":
             stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     except (OSError, ValueError):  # read from already (an embedding caller): the encoding can no longer change
@@ -173,7 +176,9 @@ holds them as surrogates) goes to a stdout file or pipe as those bytes, to a ter
 def stdio_restorer() -> Callable[[], None]:
     """What puts the standard streams' encoding, errors and (stdin's) line endings back as they are now: main() called
     in a program's own process (a notebook, a test, a tool embedding the CLI) must leave that program's streams as it
-    had them, not writing surrogates as raw bytes or reading a BOM away for the rest of its life."""
+    had them, not writing surrogates as raw bytes or reading a BOM away for the rest of its life. A stream the
+    command read from (chat's piped stdin) cannot be changed back: Python refuses once it has decoded text buffered,
+    and it keeps the command's decoding."""
     saved = [(stream, stream.encoding, stream.errors) for stream in (sys.stdin, sys.stdout, sys.stderr)
              if stream is not None and hasattr(stream, "reconfigure")]
 
