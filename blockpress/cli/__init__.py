@@ -105,7 +105,7 @@ def run_command(args: argparse.Namespace) -> int:
         # the command ran to the end and exited 0. Held, it is raised as the import ends, into the handling below
         # (130, said); a SIGTERM or SIGHUP, into stop_signals_interrupt's (not the silent death of the default action).
         with stop_signals_interrupt(), interrupts_deferred(STOP_SIGNALS):
-            import torch  # noqa: F401
+            import torch
         expand_path_flags(args)
         if getattr(args, "threads", 0):
             if args.threads < 0:
@@ -114,14 +114,10 @@ def run_command(args: argparse.Namespace) -> int:
             if cpus is not None and args.threads > cpus:  # 100000: a segmentation fault in torch's thread pool
                 raise ValueError(f"--threads: expected 0 (torch's default) to {cpus}, the CPUs of this machine "
                                  f"(more threads only wait for one), got {args.threads}")
-            import torch
-
             threads_before = torch.get_num_threads()
             torch.set_num_threads(args.threads)
         if getattr(args, "device", None) == "auto":  # (the default) named before the command reads it: its notes,
             # torchrun's GPU per process and its --json say the device the run is on
-            import torch
-
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.command in ("train", "serve"):  # each takes its stop signals itself (a save; uvicorn's shutdown)
             code = args.func(args)
@@ -162,9 +158,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"blockpress {args.command}: error: {out_of_memory_message(exc, args.command)}", file=sys.stderr)
         return 1
     finally:
-        if threads_before is not None:
-            import torch
-
+        if threads_before is not None:  # (torch imported: the count was read from it)
             torch.set_num_threads(threads_before)
         if spins_ours:
             os.environ.pop("GOMP_SPINCOUNT", None)
