@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -812,6 +813,11 @@ class LM:
     `generate` / `stream` / `infill` decode by block diffusion, `generate_ar` one token at a time on the same
     weights, `logits` gives one denoising pass; `compile`, `cuda_graphs` and `quantize` transform it in place."""
 
+    # A call's generation_config top_k / top_p (not the checkpoint's): refused, as the keywords are, where nothing is
+    # drawn for them to filter (_sampler_config); set on the call's copy of this LM (_from_transformers). A class
+    # default, read-only: an LM pickled before it existed reads it too.
+    _call_filters: Mapping[str, Any] = MappingProxyType({})
+
     def __init__(
         self,
         model: DiffusionGemma,
@@ -827,9 +833,6 @@ class LM:
         self.tokenizer = check_tokenizer(tokenizer)
         self.generation_config = dict(generation_config or {})
         self._max_length_from = "generation config"  # whose max_length errors name: a call's max_length= is its own
-        # A call's generation_config top_k / top_p (not the checkpoint's): refused, as the keywords are, where nothing
-        # is drawn for them to filter (_sampler_config); set on the call's copy of this LM (_from_transformers)
-        self._call_filters: dict[str, Any] = {}
         self.passthrough = passthrough or Passthrough()
         # the base's folder, absolute: a save after a chdir recorded another folder of that name as quantized_from
         self.path = None if path is None else Path(path).absolute()
