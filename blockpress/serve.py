@@ -75,6 +75,7 @@ reused tokens as `prompt_tokens_details.cached_tokens`, as OpenAI's does.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import email.message
 import functools
@@ -1138,6 +1139,7 @@ class Engine:
 
     def _start(self) -> None:
         if self.thread.ident is None and not self.stopping:  # (the lock held)
+            _LIVE_ENGINES.add(self)
             self.thread.start()
 
     def check_room(self, prompts: int, each: int) -> None:
@@ -1339,6 +1341,30 @@ class Engine:
             prefix_cache=self.prefix_cache,
             template=None if first.canvas is None else [j.canvas for j in batch],
         )
+
+
+# Engines whose thread has started are closed at exit, while torch is whole: a script that ends while a request is
+# in flight (start_in_background, whose daemon thread nobody joins; uvicorn's shutdown waits for the request before
+# the app's lifespan closes the engine) left the engine thread inside torch at the interpreter's teardown, and the
+# process aborted ("terminate called without an active exception"). atexit runs while daemon threads still run, so
+# close's cut and join end it within a step. A process-wide registry, as lm._OPEN_STREAMS is for streams: the exit is
+# the process's. Weak: the engine thread holds its engine while it runs, and a closed one may go.
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    for _ in range(3):  # (another thread starting an engine while the set is copied: "Set changed size", tried again)
+        try:
+            engines = list(_LIVE_ENGINES)
+            break
+        except RuntimeError:
+            continue
+    else:
+        return
+    for engine in engines:
+        with contextlib.suppress(Exception):
+            engine.close()
 
 
 # -- the app --------------------------------------------------------------------------------------------------
@@ -2424,7 +2450,8 @@ def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 
     """Run `app` with uvicorn on a free loopback port in a daemon thread (tests, benchmarks), with `serve`'s
     deadline on request headers.
 
-    Returns (base URL, uvicorn server); set `server.should_exit = True` to stop it.
+    Returns (base URL, uvicorn server); set `server.should_exit = True` to stop it. A script that ends with a request
+    still in flight need not wait for it: at exit the engine cuts it (a 503) and stops.
     """
     import httpx
     import uvicorn

@@ -2619,6 +2619,37 @@ def test_a_server_without_a_grace_limit_shuts_down_and_stops_the_engine():
     assert not thread.is_alive() and not engine.thread.is_alive()
 
 
+EXIT_IN_FLIGHT = """
+import threading, time, httpx, torch
+torch.set_num_threads(1)
+from blockpress.cli.common import load_model
+from blockpress.serve import create_app, start_in_background
+app = create_app(load_model("random-tiny", None, "cpu"), "tiny")
+base, server = start_in_background(app)
+body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "min_tokens": 4000}  # many seconds
+threading.Thread(target=httpx.post, args=(base + "/v1/completions",), kwargs={"json": body, "timeout": 120},
+                 daemon=True).start()  # a client still waiting when the script ends
+deadline = time.monotonic() + 30
+while not app.state.engine.running() and time.monotonic() < deadline:
+    time.sleep(0.01)
+server.should_exit = True
+print("generating:", app.state.engine.running(), flush=True)
+"""
+
+
+def test_a_script_that_ends_while_a_request_is_generated_exits_cleanly():
+    """A script that served with start_in_background, stopped it as its docstring says and ended while a request
+    was in flight aborted (SIGABRT, "terminate called without an active exception"): uvicorn's shutdown waits for the
+    request before the app's lifespan closes the engine, the server's daemon thread is never joined, and the
+    interpreter finalised with the engine thread inside torch. Live engines are closed at exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EXIT_IN_FLIGHT], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "generating: 1\n", (done.stdout, done.stderr[-2000:])
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
 def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     """The startup line says "signal again to stop now": a second SIGTERM (docker stop, systemd) did nothing, the
