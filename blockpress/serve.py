@@ -1367,6 +1367,19 @@ def _close_live_engines() -> None:
             engine.close()
 
 
+def _close_when_gone(engine_ref: weakref.ref[Engine]) -> None:
+    """Close the engine of an app that has been collected, if it is still there. The collection may run in any
+    thread, the engine's own among them, which may hold the engine's lock then (close takes it, and would wait for
+    itself): it closes from another thread there."""
+    engine = engine_ref()
+    if engine is None:
+        return
+    if threading.current_thread() is engine.thread:
+        threading.Thread(target=engine.close, daemon=True, name="blockpress-engine-close").start()
+    else:
+        engine.close()
+
+
 # -- the app --------------------------------------------------------------------------------------------------
 
 
@@ -2332,7 +2345,10 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     request may send (more: a 400 naming `stop`); each one is searched for in every row's text at every canvas on the
     engine thread that serves every client, so a million of them would hold it for seconds a canvas.
     `chat_template_kwargs`: chat-template variables for every chat request ({"enable_thinking": True}); a request's
-    own chat_template_kwargs win, name by name."""
+    own chat_template_kwargs win, name by name.
+    The app's lifespan starts and closes the engine thread. Mounted in another app (host.mount("/llm", app)), whose
+    lifespan Starlette runs instead, it starts at the first request and closes when the app is collected, or at
+    exit; enter `app.router.lifespan_context(app)` in the host's lifespan to close it with the host."""
     limits = check_serving(lm, max_queue=max_queue, max_batch=max_batch, max_context=max_context,
                            prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, max_stops=max_stops)
     # (a folder name of bytes that are no UTF-8, read as lone surrogates, made every answer naming the model a 500;
@@ -2354,6 +2370,13 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
 
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine, app.state.server = engine, state
+    # Starlette runs no mounted app's lifespan (host.mount("/llm", create_app(lm))): the first request started the
+    # engine thread (Engine.submit) and nothing ended it, so the thread and the model outlived the host app (a
+    # notebook cell run again kept one more model a run). The engine now closes when the app goes. The finalizer
+    # holds neither the app nor the engine: a running engine is held by its thread, and one never started or ended
+    # goes with the app (held here, it and the model would outlive the app's collection); the exit is
+    # _close_live_engines's.
+    weakref.finalize(app, _close_when_gone, weakref.ref(engine)).atexit = False
     # The app alone holds the model: FastAPI keeps every endpoint function in a cache of the process
     # (fastapi.dependencies.models, 4096 of them), so an endpoint that closed over the model, its engine or its
     # prefix cache would keep them after the app has shut down and gone. The endpoints reach them through this.

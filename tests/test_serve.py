@@ -2390,6 +2390,31 @@ def test_an_app_that_is_gone_lets_go_of_its_model():
     assert model() is None and cache() is None
 
 
+def test_an_app_mounted_in_a_host_app_closes_its_engine_when_the_host_goes():
+    """Starlette runs no mounted app's lifespan: under host.mount("/llm", create_app(lm)) the first request started
+    the engine thread and nothing ended it, so after the host app's whole lifespan the thread still ran and held the
+    model (a notebook cell run again kept one more model a run). The engine closes when its app is collected."""
+    import gc
+    import weakref
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    model = weakref.ref(lm.model)
+    host, app = FastAPI(), create_app(lm, MODEL)
+    host.mount("/llm", app)
+    with TestClient(host) as http:  # the host's lifespan, start to end
+        r = http.post("/llm/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    thread = app.state.engine.thread
+    assert thread.is_alive()  # (the sub-app's lifespan never ran)
+    del lm, host, app, http, r
+    gc.collect()
+    assert not thread.is_alive() and model() is None
+
+
 def test_latency_histogram_is_cumulative():
     from blockpress.serve import Metrics
 
