@@ -2471,10 +2471,12 @@ def check_hosts(hosts: Sequence[str]) -> list[str]:
 def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 30.0,
                         header_timeout: float = HEADER_TIMEOUT) -> tuple[str, Any]:
     """Run `app` with uvicorn on a free loopback port in a daemon thread (tests, benchmarks), with `serve`'s
-    deadline on request headers.
+    deadline on request headers, once it answers HTTP (any status at /health: a host app that mounts blockpress under
+    a path may have none).
 
     Returns (base URL, uvicorn server); set `server.should_exit = True` to stop it. A script that ends with a request
-    still in flight need not wait for it: at exit the engine cuts it (a 503) and stops.
+    still in flight need not wait for it: at exit the engine cuts it (a 503) and stops. A server whose startup fails
+    (its error logged) raises at once; one that does not answer within `timeout` seconds is stopped, and raises.
     """
     import httpx
     import uvicorn
@@ -2484,14 +2486,19 @@ def start_in_background(app: FastAPI, host: str = "127.0.0.1", timeout: float = 
         port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error",
                                            http=header_deadline_protocol(header_timeout)))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     base = f"http://{host}:{port}"
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
-        try:
-            if httpx.get(base + "/health").status_code == 200:
+        # Started (listening, its lifespan run) and answering, whatever the status: only a 200 at /health was
+        # taken, so a host app without one was waited out for the whole timeout, then called "not up" while it served.
+        if server.started:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(base + "/health")
                 return base, server
-        except httpx.HTTPError:
-            pass
+        if not thread.is_alive():  # its startup failed (the app's lifespan, the port): nothing will come up
+            raise RuntimeError(f"serve: the server on {base} stopped before it came up; its error is logged above")
         time.sleep(0.05)
-    raise RuntimeError(f"serve: the server did not come up on {base} within {timeout} s")
+    server.should_exit = True  # not left running unreturned (if it comes up yet, it stops at once)
+    raise RuntimeError(f"serve: the server did not come up on {base} within {timeout} s; it is stopped")

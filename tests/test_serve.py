@@ -2675,6 +2675,54 @@ def test_a_script_that_ends_while_a_request_is_generated_exits_cleanly():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_start_in_background_serves_a_host_app_that_mounts_blockpress_without_a_health_route():
+    """start_in_background took only a 200 at /health: a host app that mounts blockpress under a path has none, so
+    it waited out its whole timeout, then said "the server did not come up" while the server it started served."""
+    from fastapi import FastAPI
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    host = FastAPI()
+    host.mount("/llm", create_app(lm, MODEL))
+    base, srv = start_in_background(host, timeout=5)
+    try:
+        assert httpx.get(base + "/health").status_code == 404  # (the host's own routes: none)
+        r = httpx.post(base + "/llm/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        srv.should_exit = True
+
+
+# uvicorn ends its thread with SystemExit(3) on a failed startup, which threading passes over and pytest reports
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_start_in_background_says_at_once_that_a_startup_failed_and_stops_a_server_that_is_late():
+    """An app whose startup failed was waited out for the whole timeout (its thread had ended), then called "not
+    up"; one that came up past the timeout was left serving, with nothing returned to stop it."""
+    from fastapi import FastAPI
+
+    @contextlib.asynccontextmanager
+    async def failing(_):
+        raise OSError("no such device")
+        yield
+
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="stopped before it came up; its error is logged above"):
+        start_in_background(FastAPI(lifespan=failing), timeout=20)
+    assert time.perf_counter() - start < 5
+
+    go, stopped = threading.Event(), threading.Event()
+
+    @contextlib.asynccontextmanager
+    async def late(_):
+        await asyncio.to_thread(go.wait, 30)  # comes up once the test lets it, past start_in_background's timeout
+        yield
+        stopped.set()  # (the app's shutdown)
+
+    with pytest.raises(RuntimeError, match=r"did not come up on .* within 0.1 s; it is stopped"):
+        start_in_background(FastAPI(lifespan=late), timeout=0.1)
+    go.set()
+    assert stopped.wait(5), "the server that came up late is still serving"
+
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
 def test_a_second_stop_signal_cuts_requests_in_flight_now(signum):
     """The startup line says "signal again to stop now": a second SIGTERM (docker stop, systemd) did nothing, the
