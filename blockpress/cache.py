@@ -96,6 +96,12 @@ class KVCache:
         self.__dict__.update(state)
         self._claim = threading.Lock()
 
+    def release(self, claim: Claim) -> None:
+        """Let `claim` go before its call ends: a stream that has handed out its last event (Done, Cancelled) writes
+        the cache no more, though its caller may hold it open (a `break` at Done, a notebook's `next`)."""
+        with self._claim, suppress(ValueError):
+            self.users.remove(claim)
+
     @contextmanager
     def in_use(self) -> Iterator[Claim]:
         """Held by each call that continues this cache (generate, stream, generate_ar and chat with cache=...): a

@@ -788,11 +788,15 @@ def _undone_on_error(events: Events, cache: KVCache) -> Events:
     cache may have been continued since by another call, whose turn going back would drop. The mark is taken at the
     first event, when encoding starts, not when the stream is made. Between its events the claim is marked suspended
     (no other call may continue the cache meanwhile, not even one of this thread) and, resumed, it is the resuming
-    thread's."""
+    thread's; it goes with the last event (Done, Cancelled), after which the stream writes the cache no more."""
     with cache.in_use() as claim:
         undo = _turn_undo(cache)
         try:
             for event in events:
+                if isinstance(event, (Done, Cancelled)):  # its last: the stream writes the cache no more
+                    cache.release(claim)
+                    yield event
+                    continue
                 claim.suspended = True
                 try:
                     yield event

@@ -516,3 +516,8 @@ def test_no_call_continues_a_cache_while_a_stream_over_it_is_suspended():
         done = pool.submit(lambda: [e for e in held if type(e).__name__ == "Done"]).result()
     assert torch.equal(done[0].output.sequences, alone) and cache.users == []
     assert lm.generate([[1, 2]], cache=cache, **kw).num_new_tokens.item() == 8  # free once the stream has ended
+    # and once it has handed out its Done, though its caller holds it open (a `break` at Done, a notebook's next())
+    held = lm.stream([[3]], cache=cache, **kw)
+    done = next(e for e in held if type(e).__name__ == "Done")
+    assert cache.users == [] and lm.generate([[4]], cache=done.output.cache, **kw).num_new_tokens.item() == 8
+    held.close()
