@@ -1079,9 +1079,10 @@ class Batch:
         tok, job = self.engine.lm.tokenizer, self.jobs[i]
         hole = self.tokens[i][: job.answer_tokens]
 
-        def holds(p: int) -> bool:
+        def holds(p: int) -> bool:  # as a growing row's text is searched: a trailing U+FFFD may be a character's
+            # first bytes, which a stop ending in U+FFFD must not match (p tokens holding one would not stay so)
             text = strip_prefix(tok.decode(hole[:p]), job.heal_prefix)  # the fill of its first p tokens
-            return len(cut_at_stop(text, job.stop)) < len(text)
+            return len(cut_at_stop(text, job.stop, growing=True)) < len(text)
 
         lo, hi = 0, len(hole)  # holds(lo) is False (no text); holds(hi) is looked at first
         if not holds(hi):

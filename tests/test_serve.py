@@ -1985,6 +1985,34 @@ def test_suffix_fills_exactly_max_tokens_before_it(client, server):
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == r.choices[0].text
 
 
+def test_a_suffix_fill_cut_at_a_stop_holding_a_replacement_character_counts_as_a_growing_row():
+    """The tokens counted through a suffix fill's stop are found by bisection on "the first p tokens' text holds a
+    stop", which a prefix ending inside a character broke: its trailing U+FFFD (the character's first bytes) matched
+    a stop ending in U+FFFD that the next token took away, and the count stopped short (6 where a plain row, searched
+    as it grows, counts 9). Checked against a token-by-token scan on every two-character U+FFFD stop of the fills."""
+    from fastapi.testclient import TestClient
+
+    from blockpress.generate import cut_at_stop
+
+    lm = load_model("random-tiny", None, "cpu")
+    tok = lm.tokenizer
+    body = {"model": MODEL, "prompt": "x =", "suffix": "\ny\n", "max_tokens": 24, "max_denoising_steps": 2}
+    checked = 0
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:
+        for seed in range(4):
+            out = lm.generate([tok.encode_prompt(body["prompt"])], template=[[-1] * 24 + tok.encode(body["suffix"])],
+                              seeds=[seed], max_denoising_steps=2)
+            hole, fill = out.new_tokens[0, :24].tolist(), out.fills[0][0]
+            for stop in sorted({fill[a:a + 2] for a in range(len(fill) - 1) if "\ufffd" in fill[a:a + 2]})[:4]:
+                texts = [tok.decode(hole[:p]) for p in range(25)]
+                through = next((p for p in range(1, 25) if cut_at_stop(texts[p], [stop], growing=True) != texts[p]), 24)
+                r = http.post("/v1/completions", json={**body, "seed": seed, "stop": [stop]}).json()
+                assert r["choices"][0]["text"] == cut_at_stop(fill, [stop])
+                assert r["usage"]["completion_tokens"] == through, (seed, stop)
+                checked += 1
+    assert checked >= 4
+
+
 def test_a_suffix_fill_is_cut_at_its_first_stop_string():
     """FIM clients (Continue.dev's, for a diffusion LM) send stop strings beside a suffix, and got a 400 ("stop: not
     with suffix"), so no completion at all. The hole is still written whole (max_tokens long), and its fill is cut
