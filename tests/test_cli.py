@@ -252,9 +252,11 @@ def test_a_piped_text_with_windows_line_endings_is_the_text_with_lf_ones(capsys,
     text = "def add(a, b):\n    <|hole|>\n\nprint(add(1, 2))\n"
     got = []
     for data in (text, text.replace("\n", "\r\n"), "\ufeff" + text.replace("\n", "\r")):
-        # stdin as Python opens a pipe on Linux and macOS: lines end at "\n" alone
+        # stdin as Python opens a pipe on Linux and macOS: lines end at "\n" alone (Python's own stdin, whose line
+        # endings the CLI sets; a program's own wrapper keeps its own)
         stream = io.TextIOWrapper(io.BytesIO(data.encode()), encoding="utf-8", newline="\n")
         monkeypatch.setattr(sys, "stdin", stream)
+        monkeypatch.setattr(sys, "__stdin__", stream)
         assert main(base) == 0
         got.append(json.loads(capsys.readouterr().out))
     key = "prompt" if command == "generate" else "template"

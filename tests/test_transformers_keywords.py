@@ -314,10 +314,10 @@ def test_greedy_copies_are_one_answer_whatever_the_seed(lm, ids, greedy):
 
 
 def test_greedy_copies_with_per_row_settings_are_one_answer(lm, ids):
-    """Settings given one per prompt row (top_k=[40, 40]) leave greedy greedy: the check ran on the rows already
-    repeated, where two values for six rows were refused as a mismatch, read as "not greedy", so each copy got a seed
-    of its own and, under uniform noise, an answer of its own."""
-    out = lm.generate(ids, 8, sampler="greedy", seed=3, num_return_sequences=3, top_k=[40, 40], **STEPS)
+    """Settings given one per prompt row (top_k=[0, 0]: greedy refuses a filter that would change nothing) leave
+    greedy greedy: the check ran on the rows already repeated, where two values for six rows were refused as a
+    mismatch, read as "not greedy", so each copy got a seed of its own and, under uniform noise, an answer of its own."""
+    out = lm.generate(ids, 8, sampler="greedy", seed=3, num_return_sequences=3, top_k=[0, 0], **STEPS)
     assert out.extra["seeds"] == [3] * 6
     for copy in range(3):
         assert torch.equal(out.sequences[copy::3], out.sequences[::3])

@@ -363,8 +363,10 @@ def check_draw_filters(args: argparse.Namespace, argmax: bool, why: str, fix: st
     """--top-k / --top-p typed where the candidates are the most likely tokens (`argmax`, because of `why`): nothing is
     drawn for them to filter, so the run would ignore them without a word (as --temperature with --sampler greedy
     is refused). `fix`: how to draw."""
-    for flag, value, idle in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)):
-        if argmax and value is not None and value != idle:
+    for flag, value, idle, legal in (("--top-k", args.top_k, 0, lambda k: k > 0),
+                                     ("--top-p", args.top_p, 1.0, lambda p: 0 < p < 1)):
+        # (a value out of its range is left to the range check, which says what the flag takes)
+        if argmax and value is not None and value != idle and legal(value):
             raise ValueError(f"{flag} {value}: {why} takes the most likely tokens and draws none, so {flag} would "
                              f"be ignored; {fix} to draw them")
 
