@@ -1955,7 +1955,7 @@ class LM:
         return _kept_open(self._chat_events(ids, cache, kwargs))
 
     def _chat_events(self, ids: list[int] | list[list[int]], cache: KVCache | None, kwargs: dict[str, Any]) -> Events:
-        with _held(cache):
+        with _held(cache) as claim:
             copies = _chat_copies(kwargs, cache)
             rows, common = self._chat_start(ids, cache)
             each_rows, each_held = _repeat_chat_rows(rows, common, copies)  # one per output row
@@ -1963,12 +1963,16 @@ class LM:
             try:
                 for event in self.stream([row[n:] for row, n in zip(rows, common)], cache=cache, **kwargs):
                     if isinstance(event, Done):
-                        done = True
                         self._chat_finish(event.output, each_rows, each_held)
                     elif isinstance(event, Commit) and event.reused_prompt_tokens is not None:  # counted as Done's
                         event.reused_prompt_tokens = [n + r for n, r in zip(each_held, event.reused_prompt_tokens)]
                     elif isinstance(event, Cancelled):
                         self._chat_undo(cache, rows, common)
+                    if isinstance(event, (Done, Cancelled)):  # the turn is settled, the cache the next call's: held
+                        # open after it (a notebook's next()), neither its claim nor a later undo may touch it
+                        done = True
+                        if cache is not None:
+                            cache.release(claim)
                     yield event
             except BaseException:  # a bad turn, a Ctrl-C, or a caller that left early (GeneratorExit): the cache holds
                 if not done:  # the conversation before the turn, and says so

@@ -521,3 +521,32 @@ def test_no_call_continues_a_cache_while_a_stream_over_it_is_suspended():
     done = next(e for e in held if type(e).__name__ == "Done")
     assert cache.users == [] and lm.generate([[4]], cache=done.output.cache, **kw).num_new_tokens.item() == 8
     held.close()
+
+
+def test_a_chat_stream_held_open_after_its_turn_leaves_the_cache_to_the_next_call():
+    """A chat_stream held open past its Done (a notebook's next()) refused the next chat turn ("another call of this
+    thread is continuing it"); one held open past its Cancelled let a generate in, then, closed, undid the turn
+    again, on a cache that now held the generate's turn, and dropped it unsaid."""
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    conv = [{"role": "user", "content": "hello there"}]
+    first = lm.chat(conv, return_cache=True, **kw)
+    conv += [{"role": "assistant", "content": first.texts[0]}, {"role": "user", "content": "and then"}]
+    held = lm.chat_stream(lm.chat_prompt(conv), cache=first.cache, **kw)
+    done = next(e for e in held if type(e).__name__ == "Done")
+    assert first.cache.users == []
+    assert lm.chat(conv + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "more"}],
+                   cache=done.output.cache, **kw).texts
+    held.close()
+
+    cache = lm.chat(conv, return_cache=True, **kw).cache
+    cancelled = lm.chat_stream(lm.chat_prompt(conv + [{"role": "assistant", "content": "y"}, {"role": "user",
+                                                                                             "content": "go"}]),
+                               cache=cache, cancelled=lambda: True, **kw)
+    assert type(next(e for e in cancelled if type(e).__name__ == "Cancelled")).__name__ == "Cancelled"
+    before = cache.length  # (the conversation the turn began from: what the cancelled turn left)
+    lm.generate([[5, 6, 7]], cache=cache, **kw)  # a turn of its own, beside the stream held open
+    after = cache.length
+    cancelled.close()
+    assert after > before and cache.length == after  # (the closed stream's undo ran once, at its Cancelled)
