@@ -2367,7 +2367,13 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     async def lifespan(_: FastAPI) -> Any:
         engine.start()
         yield
-        await asyncio.to_thread(engine.close)  # the engine thread holds the model: end it with the app
+        # the engine thread holds the model: end it with the app. At the interpreter's exit (start_in_background's
+        # script ending with a request in flight) the exit hook may be closing it already, and the executor that
+        # to_thread needs is gone: it is closed here, in this thread
+        try:
+            await asyncio.to_thread(engine.close)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            engine.close()
 
     app = FastAPI(title="blockpress", description="OpenAI-compatible block-diffusion server", lifespan=lifespan)
     app.state.engine, app.state.server = engine, state
