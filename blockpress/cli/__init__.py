@@ -100,20 +100,21 @@ def run_command(args: argparse.Namespace) -> int:
     os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPINS))
     threads_before = None
     try:
-        # Every command runs torch: imported here, before the command's own handling, with the stop signals held
-        # until it is in. A Ctrl-C's KeyboardInterrupt raised while torch's C start-up imports numpy is cleared there:
-        # the command ran to the end and exited 0. Held, it is raised as the import ends, into the handling below
-        # (130, said); a SIGTERM or SIGHUP, into stop_signals_interrupt's (not the silent death of the default action).
-        with stop_signals_interrupt(), interrupts_deferred(STOP_SIGNALS):
-            import torch
         expand_path_flags(args)
-        if getattr(args, "threads", 0):
+        if getattr(args, "threads", 0):  # (checked before torch's import: a mistyped count is said at once)
             if args.threads < 0:
                 raise ValueError(f"--threads: expected 0 (torch's default) or more, got {args.threads}")
             cpus = os.cpu_count()
             if cpus is not None and args.threads > cpus:  # 100000: a segmentation fault in torch's thread pool
                 raise ValueError(f"--threads: expected 0 (torch's default) to {cpus}, the CPUs of this machine "
                                  f"(more threads only wait for one), got {args.threads}")
+        # Every command runs torch: imported here, before the command's own handling, with the stop signals held
+        # until it is in. A Ctrl-C's KeyboardInterrupt raised while torch's C start-up imports numpy is cleared there:
+        # the command ran to the end and exited 0. Held, it is raised as the import ends, into the handling below
+        # (130, said); a SIGTERM or SIGHUP, into stop_signals_interrupt's (not the silent death of the default action).
+        with stop_signals_interrupt(), interrupts_deferred(STOP_SIGNALS):
+            import torch
+        if getattr(args, "threads", 0):
             threads_before = torch.get_num_threads()
             torch.set_num_threads(args.threads)
         if getattr(args, "device", None) == "auto":  # (the default) named before the command reads it: its notes,
