@@ -10,6 +10,7 @@ import numbers
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, TypeVar
@@ -127,3 +128,17 @@ def compile_failure(err: BaseException, name: str = "--compile") -> ValueError:
     why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
     return ValueError(f"{name}: torch.compile could not compile blockpress's steps ({why}); run without --compile "
                       "(set TORCHDYNAMO_VERBOSE=1 for torch's trace)")
+
+
+_T = TypeVar("_T")
+
+
+def weak_members(live: weakref.WeakSet[_T]) -> list[_T]:
+    """The members of `live` now, for an exit hook to close (the open streams, the live engines): copied again where
+    another thread adds one meanwhile ("Set changed size during iteration"), none after three tries."""
+    for _ in range(3):
+        try:
+            return list(live)
+        except RuntimeError:
+            continue
+    return []

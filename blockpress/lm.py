@@ -51,6 +51,7 @@ from .checks import (
     is_int,
     outside_inference_mode,
     warn_user,
+    weak_members,
 )
 from .config import ModelConfig
 from .files import StagedFiles, expand_user, output_folder, read_json_object, staging
@@ -769,15 +770,7 @@ def _kept_open(events: Events) -> Events:
 
 @atexit.register
 def _close_open_streams() -> None:
-    for _ in range(3):  # (another thread making a stream while the set is copied: "Set changed size", tried again)
-        try:
-            streams = list(_OPEN_STREAMS)
-            break
-        except RuntimeError:
-            continue
-    else:
-        return
-    for events in streams:
+    for events in weak_members(_OPEN_STREAMS):
         with contextlib.suppress(Exception):
             events.close()
 

@@ -105,7 +105,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from .cache import allocation_failed
-from .checks import check_positive_int, check_text, is_int
+from .checks import check_positive_int, check_text, is_int, weak_members
 from .files import undecodable_byte
 
 if TYPE_CHECKING:
@@ -1355,15 +1355,7 @@ _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 @atexit.register
 def _close_live_engines() -> None:
-    for _ in range(3):  # (another thread starting an engine while the set is copied: "Set changed size", tried again)
-        try:
-            engines = list(_LIVE_ENGINES)
-            break
-        except RuntimeError:
-            continue
-    else:
-        return
-    for engine in engines:
+    for engine in weak_members(_LIVE_ENGINES):
         with contextlib.suppress(Exception):
             engine.close()
 
