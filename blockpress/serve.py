@@ -1049,7 +1049,7 @@ class Batch:
             if fresh:
                 self.last_token[i] = fresh[-1]
             raw = None
-            if job.keep_special or job.answer_tokens is not None:  # (a suffix's: its fill's tokens, see fill_tokens)
+            if job.keep_special or (job.answer_tokens is not None and job.stop):  # (a suffix cut at a stop: fill_tokens)
                 self.tokens[i] += fresh
             if job.keep_special:  # (a stop string is the stream's to mind: JobDone.raw is cut at it)
                 raw = text_with_special_tokens(lm.tokenizer, self.tokens[i], lm._eos_ids(), job.heal_prefix, [],
