@@ -405,6 +405,10 @@ class Experts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        if self.gate_up_proj.device.type != "meta":  # built directly (DiffusionGemma(config) on a real device), they
+            # would hold whatever memory held: NaN logits at the first pass, where nn.Linear's layers init themselves
+            self.gate_up_proj.data.normal_(0.0, cfg.initializer_range)
+            self.down_proj.data.normal_(0.0, cfg.initializer_range)
         self.act = activation(cfg)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -480,6 +484,19 @@ class SelfConditioning(nn.Module):
             return self.post_norm(embeds)
         s = self.pre_norm(soft)
         return self.post_norm(embeds + self.down_proj(self.act(self.gate_proj(s)) * self.up_proj(s)))
+
+
+def _check_ids(ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
+    """[B, L] of a pass of your own (encode / denoise over a cache you hold), B the cache's rows: a mismatch otherwise
+    fails deep inside a projection or a mask ("mat1 and mat2 shapes cannot be multiplied"), naming neither."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32):
+        got = (f"{ids.dim()}-D {str(ids.dtype).replace('torch.', '')}" if isinstance(ids, torch.Tensor)
+               else type(ids).__name__)
+        raise ValueError(f"{name}: expected token ids as a 2-D int64 tensor [batch, length], got {got}")
+    if ids.shape[0] != cache.batch_size:
+        raise ValueError(f"{name}: {ids.shape[0]} rows, but the cache holds {cache.batch_size} (one per row; "
+                         f"allocate it with new_cache({ids.shape[0]}, ...))")
+    return ids.shape[0], ids.shape[1]
 
 
 def _cache_source(cache: KVCache, start: int, sliding_from: int) -> KVSource:
@@ -740,7 +757,7 @@ class DiffusionGemma(nn.Module):
             name = "chunk_size" if chunk_size is not None else "prefill_chunk"
             raise ValueError(f"{name}: expected a positive int (queries per encoder pass), got {chunk!r}")
         chunk = int(chunk)
-        b, length = input_ids.shape
+        b, length = _check_ids(input_ids, cache, "input_ids")
         cache.reserve(length)
         if attention_mask is not None:
             attention_mask = attention_mask.to(device=cache.device, dtype=torch.bool)
@@ -800,7 +817,7 @@ class DiffusionGemma(nn.Module):
         Self-conditioning comes from the previous step's logits, or directly from their softmax
         (`self_conditioning_probs`).
         """
-        b, length = canvas_ids.shape
+        b, length = _check_ids(canvas_ids, cache, "canvas_ids")
         cache.reserve(0, scratch=length)
         start = cache.length
         positions = cache.positions(length)

@@ -153,3 +153,28 @@ def test_max_length_is_checked_when_max_new_tokens_wins(lm, max_length):
     with only the precedence warning, where alone it is refused."""
     with pytest.raises(ValueError, match=r"^max_length: expected a positive integer"):
         lm.generate("ab", 3, max_length=max_length, max_denoising_steps=1)
+
+
+@pytest.mark.parametrize("rows, cache_rows, name", [(1, 2, "encode"), (2, 1, "encode"), (2, 1, "denoise")])
+def test_a_pass_of_your_own_names_a_cache_of_other_rows(lm, rows, cache_rows, name):  # model.py _check_ids
+    cache = lm.new_cache(cache_rows, 64)
+    ids = torch.ones(rows, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"(input|canvas)_ids: {rows} rows, but the cache holds {cache_rows}"):
+        getattr(lm.model, name)(ids, cache)
+
+
+@pytest.mark.parametrize("ids", [torch.ones(4, dtype=torch.long), torch.ones(1, 4)])
+def test_a_pass_of_your_own_wants_2d_integer_ids(lm, ids):  # model.py _check_ids
+    with pytest.raises(ValueError, match=r"input_ids: expected token ids as a 2-D int64 tensor"):
+        lm.model.encode(ids, lm.new_cache(1, 64))
+
+
+def test_a_model_built_directly_starts_from_finite_weights():  # model.py Experts: not torch.empty's memory
+    torch.manual_seed(0)
+    model = blockpress.DiffusionGemma(blockpress.ModelConfig.tiny())
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all(), name
+        assert p.abs().max() < 10, name  # (empty memory can hold finite garbage such as 1e37 too)
+        assert p.dim() == 1 or p.std() > 0, name  # (or zeros: fresh pages)
+    out = blockpress.LM(model).logits(torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]]))
+    assert torch.isfinite(out).all()
