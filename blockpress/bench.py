@@ -464,9 +464,7 @@ def _variant(name: str, lm: LM, cfg: ModelConfig, s: BenchSettings) -> LM:
         return copy.copy(lm).compile()
     if name == "cuda_graphs":
         return copy.copy(lm).cuda_graphs()
-    from .quantize import quantized_copy
-
-    return LM(quantized_copy(lm.model, name), lm.tokenizer)
+    return lm.quantized_copy(name)
 
 
 def _add_ratios(row: dict[str, Any], variants: list[str]) -> None:

@@ -942,6 +942,21 @@ class LM:
             self._reapply_steps()  # compiled or captured steps hold the old modules: make them anew, checks included
         return self
 
+    def quantized_copy(self, scheme: str) -> LM:
+        """A quantized twin of this LM beside it (see `quantize` for the schemes): its projections quantized from this
+        model's weights one matrix at a time, its embedding, norms and router this model's own (shared, never copied
+        whole), and everything else this LM's: tokenizer, generation settings (sampler, noise, penalties), folder.
+        This LM is unchanged. The twin runs eager: compile it yourself if you want."""
+        from .quantize import quantized_copy
+
+        twin = copy.copy(self)
+        twin.model = quantized_copy(self.model, check_scheme(scheme))
+        twin.generation_config = dict(self.generation_config)  # its own: a setting changed on one is that one's
+        twin.step_functions, twin._reapply_steps = None, None  # this LM's steps run this LM's modules
+        # said of the same values as this LM's (read before the model changed: what they record is per model)
+        twin.stored_values, twin.widened_from = self.stored_values, self.widened_from
+        return twin
+
     @property
     def quantization(self) -> str | None:
         from .quantize import quantization_of

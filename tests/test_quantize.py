@@ -998,3 +998,19 @@ def test_generate_runs_a_quantized_folder_without_quantize(tmp_path, capsys):
     saved = capsys.readouterr().out
     assert main(["generate", "--model", "blockpress-code", "--quantize", "int8", *common]) == 0
     assert saved.strip() and saved == capsys.readouterr().out
+
+
+def test_lm_quantized_copy_keeps_the_generation_settings_and_writes_what_quantize_writes():
+    """The docs' quantized twin beside an unquantized LM: built as LM(quantized_copy(model), tokenizer) it lost the
+    checkpoint's generation settings (blockpress-code's greedy sampler, absorbing noise, penalty) and wrote noise."""
+    lm = blockpress.load("blockpress-code")
+    twin = lm.quantized_copy("int8")
+    assert lm.quantization is None and twin.quantization == "int8"
+    assert twin.generation_config == lm.generation_config and twin.generation_config is not lm.generation_config
+    assert twin.tokenizer is lm.tokenizer
+    assert twin.model.embed_tokens.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()  # shared
+    expected = copy.deepcopy(lm).quantize("int8")
+    kwargs = dict(max_new_tokens=24, seed=3)
+    assert twin.generate("def add(a, b):", **kwargs).texts == expected.generate("def add(a, b):", **kwargs).texts
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        lm.quantized_copy("int3")
