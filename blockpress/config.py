@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard, get_args
 
 from .checks import check_flag, is_finite_number, warn_user
 from .files import read_json_object
@@ -24,7 +24,10 @@ from .files import read_json_object
 # still keep the projections' and experts' GEMMs large, and shorter prompts run in one pass.
 PREFILL_CHUNK = 2048
 SCHEMES = ("int8", "fp8", "int4")  # the quantization schemes (quantize.py)
-SAMPLERS = ("entropy_bound", "confidence", "topk", "greedy")  # the acceptance rules (SamplerConfig.sampler)
+# The acceptance rules (SamplerConfig.sampler), one list read by the type checker, SamplerConfig's check, the CLI's
+# choices and the server's schema: a rule added here is offered everywhere (and denoise_step refuses one it lacks)
+SamplerName = Literal["entropy_bound", "confidence", "topk", "greedy"]
+SAMPLERS: tuple[str, ...] = get_args(SamplerName)
 RANKINGS = ("entropy", "margin", "position")  # the orders acceptance ranks positions in (SamplerConfig.rank_by)
 CHAT_TURNS = ("all", "last")  # which assistant turns of a `messages` record are trained on (data.parse_examples)
 

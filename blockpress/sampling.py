@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from .checks import check_flag, check_keywords, is_finite_number, is_int
-from .config import RANKINGS, SAMPLERS
+from .config import RANKINGS, SAMPLERS, SamplerName
 
 # The samplers compute in float32, so settings past its range are refused: one would become inf there (a t_max of
 # 1e308 would make the schedule's temperature inf, flatten every logit to 0, and token 0 would win every position).
@@ -61,8 +61,7 @@ TEMPERATURE_HINT = ("OpenAI's temperature is draw_temperature here (the server m
                     "sampler='greedy' takes the argmax")
 CANDIDATES = ("sample", "argmax")
 # The choices of SamplerConfig's string settings, as a typed user's checker reads them (a misspelt "gredy" is an error
-# there; at run time, SamplerConfig refuses it naming the choices)
-SamplerName = Literal["entropy_bound", "greedy", "confidence", "topk"]
+# there; at run time, SamplerConfig refuses it naming the choices); SamplerName is config's
 RankBy = Literal["entropy", "margin", "position"]
 Candidates = Literal["sample", "argmax"]
 # The settings that only some samplers read (`denoise_step`): given to another, they would change nothing.
@@ -791,7 +790,7 @@ def denoise_step(
         accept = accept_entropy_bound(ent_open, numbers.entropy_bound, rank, within)
     elif cfg.sampler == "confidence":
         accept = accept_confidence(probs.gather(-1, best[..., None])[..., 0], numbers.confidence, free & ~kept, within)
-    else:  # topk
+    elif cfg.sampler == "topk":
         # The ramp runs over each row's free positions it may accept; decided ones sort first (-1) and are always
         # in, the ones it may not sort last and are never reached.
         uncertainty = torch.where(held, -1.0, _uncertainty(cfg.rank_by, ent, probs))
@@ -801,6 +800,8 @@ def denoise_step(
             rankable = free & within
         n_free = rankable.sum(-1, keepdim=True)
         accept = accept_topk(uncertainty, topk_count(numbers, step, n_free) + (free.shape[-1] - free.sum(-1, keepdim=True)))
+    else:  # a rule added to SAMPLERS without its branch here would otherwise run as another's without a word
+        raise ValueError(f"sampler: {cfg.sampler!r} has no acceptance rule in denoise_step")
     accept = accept | kept  # a kept token stays whatever the rule says
 
     canvas = torch.where(accept, candidates, noise)

@@ -106,6 +106,7 @@ from starlette.routing import Match
 
 from .cache import allocation_failed
 from .checks import check_positive_int, check_text, is_int, weak_members
+from .config import SamplerName
 from .files import undecodable_byte
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ class _Common(_NullIsDefault):
     # as vLLM's extra: the draws keep the k most likely tokens (0, or vLLM's -1: all; sampler_config maps -1 to 0)
     top_k: int | None = Field(default=None, ge=-1, le=MAX_COUNT)
     max_denoising_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
-    sampler: Literal["entropy_bound", "confidence", "topk", "greedy"] | None = None
+    sampler: SamplerName | None = None  # (the library's own list: a rule added there is offered here)
     # SamplerConfig checks these (sampler_config answers a 400 naming the field): their ranges are not restated
     # here, where a copy would drift from the library's
     entropy_bound: float | None = None

@@ -1219,3 +1219,24 @@ def test_the_typed_choices_are_the_ones_sampler_config_takes():
     assert sorted(get_args(RankBy)) == sorted(RANKINGS)
     assert sorted(get_args(Candidates)) == sorted(CANDIDATES)
 
+
+
+def test_a_sampler_without_an_acceptance_rule_is_refused_not_run_as_topk():
+    """denoise_step's last branch was a bare else (topk): a rule added to SAMPLERS without its own branch decoded as
+    topk without a word."""
+    cfg = SamplerConfig()
+    object.__setattr__(cfg, "sampler", "threshold")  # as a name that passed SamplerConfig's check would arrive
+    state = init_state(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="sampler: 'threshold' has no acceptance rule"):
+        denoise_step(cfg, state, torch.randn(1, 4, 9), 4, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_the_samplers_are_one_list_for_the_library_cli_and_server():
+    """The server restated the names as its own Literal: a rule added to the library was a 400 there."""
+    import typing
+
+    from blockpress.config import SAMPLERS
+    from blockpress.serve import CompletionRequest
+
+    field = CompletionRequest.model_fields["sampler"].annotation
+    assert set(typing.get_args(typing.get_args(field)[0])) == set(SAMPLERS)
