@@ -384,7 +384,7 @@ class Request:
     # Encoded prompts kept between calls (prefix.py): each row encodes only what no earlier prompt shared.
     prefix_cache: PrefixCache | None = None
     # Asked on the host before every step; True ends the generation there, with `Cancelled` (LM.stream); one bool
-    # per row ends the rows marked True there, as their max_new_tokens would (all True: `Cancelled`).
+    # per row ends the rows marked True there, as their max_new_tokens would (all True before any row ended: `Cancelled`).
     cancelled: Callable[[], bool | Sequence[bool]] | None = None
     # Ids the tokenizer has no token for (Tokenizer.unknown_ids: an embedding padded past its vocabulary) [k]: their
     # logits are -inf, so no row ever chooses one (it would have no text). None: every id may be chosen.
@@ -1629,7 +1629,10 @@ class _Decoding:
         if len(said) != b:
             raise ValueError(f"cancelled: expected True / False or one bool per row ({b}), got {len(said)} values")
         said = [bool(x) for x in said]
-        if all(said):
+        # Every row at once, none ended yet: the whole call is cancelled, as True says. Once a row has ended (its
+        # text committed, or cut earlier: a criterion marking rows as each is done), the rest are cut as rows and
+        # the call ends with its Done, keeping every row's text. (The device read runs once, when all are marked.)
+        if all(said) and not bool(self.finished.any()):
             return True
         before = self.cut_rows or [False] * b
         newly = [x and not y for x, y in zip(said, before)]

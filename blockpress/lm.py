@@ -1758,8 +1758,8 @@ class LM:
         that left free the engine within a step). It may say one bool per row instead (a list, or a 1-D tensor or
         array): a row marked True ends there as at its max_new_tokens (its text so far stays; the rest of the batch
         goes on as it would) and, unless the cache is handed back or a logits processor mixes rows, its cache row is
-        freed at the next canvas (a server's client that left a shared batch); every row True is the whole stream's
-        `Cancelled`.
+        freed at the next canvas (a server's client that left a shared batch); every row True at once, before any row
+        has ended, is the whole stream's `Cancelled` (rows marked one by one end so, the last with the stream's Done).
         """
         if prompt is None or TRANSFORMERS_KEYWORDS & sampler_options.keys():
             args = {k: v for k, v in locals().items() if k not in ("self", "sampler_options")}

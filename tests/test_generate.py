@@ -4511,3 +4511,24 @@ def test_an_async_cancelled_is_refused_by_name(lm):
         with pytest.raises(ValueError, match="cancelled: returned an awaitable"):
             list(lm.stream([[2, 3, 4]], max_new_tokens=4, seed=1, cancelled=lambda: disconnected()))
     assert lm.generate([[2, 3, 4]], max_new_tokens=4, seed=1, cancelled=lambda: False).num_new_tokens.item() == 4
+
+
+def test_rows_cancelled_one_by_one_keep_every_rows_text():
+    """A stopping criterion of one's own (cancelled=, which stopping_criteria= points to) that marks each row as it is
+    done: once it had marked them all, generate raised 'cancelled' and every row's committed text was lost, row 0's,
+    ended long before, too. Rows marked one by one end as rows; the last one ends the call with its Done."""
+    lm = blockpress.load("blockpress-code")
+    prompts, kwargs = ["def f(x):", "class A:"], dict(max_new_tokens=96, max_denoising_steps=6, seed=1)
+    calls = [0]
+
+    def one_by_one() -> list[bool]:
+        calls[0] += 1
+        return [calls[0] > 8, calls[0] > 14]
+
+    out = lm.generate(prompts, cancelled=one_by_one, **kwargs)
+    whole = lm.generate(prompts, **kwargs)
+    cut = out.num_new_tokens.tolist()
+    assert 0 < cut[0] < cut[1] < 96 and whole.num_new_tokens.tolist() == [96, 96]
+    assert all(whole.texts[i].startswith(out.texts[i]) and out.texts[i] for i in range(2))
+    with pytest.raises(RuntimeError, match="cancelled"):  # every row at once, none ended: the whole call
+        lm.generate(prompts, cancelled=lambda: [True, True], **kwargs)
