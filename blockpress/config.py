@@ -745,12 +745,16 @@ class ModelConfig:
 
     def save(self, path: str | Path, dtype: Any = None, quantization: dict[str, Any] | None = None) -> None:
         """config.json of weights saved in `dtype`; `quantization`: the `quantization_config` of weights saved
-        quantized (quantize.quantization_config), None for plain ones (whatever a loaded config held)."""
+        quantized (quantize.quantization_config), None for plain ones (whatever a loaded config held). `path` is the
+        file, or a folder to write its config.json in (as lm.save and transformers' save_pretrained take one)."""
+        target = Path(path)
+        if target.is_dir():  # (a folder was an IsADirectoryError)
+            target = target / "config.json"
         out = self.to_dict(dtype)
         out.pop("quantization_config", None)
         if quantization is not None:
             out["quantization_config"] = quantization
-        Path(path).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+        target.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
     def num_parameters(self, active: bool = False) -> int:
         return self.text.num_parameters(active=active)

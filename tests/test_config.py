@@ -81,3 +81,12 @@ def test_surrogates_are_named_as_bytes_only_where_surrogateescape_made_them():
     assert utf8_problem("ab\udc80") == "byte 0x80 at character 2"
     assert utf8_problem("ab\udc41") == "lone surrogate U+DC41 at character 2"
     assert utf8_problem("ab\ud800") == "lone surrogate U+D800 at character 2"
+
+
+def test_a_config_saves_into_a_folder_as_its_config_json(tmp_path):
+    """ModelConfig.save took a file only: a folder (what lm.save and save_pretrained take) was an IsADirectoryError."""
+    cfg = ModelConfig.tiny()
+    cfg.save(tmp_path)
+    assert ModelConfig.from_file(tmp_path / "config.json").to_dict() == cfg.to_dict()
+    cfg.save(tmp_path / "other.json")
+    assert ModelConfig.from_file(tmp_path / "other.json").to_dict() == cfg.to_dict()
