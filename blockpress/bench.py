@@ -691,7 +691,8 @@ REFERENCE_SINCE = (5, 20)
 
 
 def _reference(lm: LM) -> Any:
-    """The reference model of lm's weights, or None where transformers is not installed, or too old (said)."""
+    """The reference model of lm's weights, or None where transformers is not installed, too old, or fails to build
+    or run (said: the blockpress engines are still timed)."""
     try:
         import transformers
     except ImportError:  # (--help says "when installed")
@@ -713,17 +714,37 @@ def _reference(lm: LM) -> Any:
     hf_logging.set_verbosity_error()  # its load report lists the vision tower we do not save: noise in a benchmark
     hf_logging.disable_progress_bar()
     try:
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lm.save(tmp, dtype=lm.dtype)  # the very weights lm computes with (not the dtype a load widened from)
-            model = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp, dtype=lm.dtype)
+        with tempfile.TemporaryDirectory() as tmp:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lm.save(tmp, dtype=lm.dtype)  # the very weights lm computes with (not the dtype a load widened from)
             # transformers declares PreTrainedModel.to as @wraps(nn.Module.to), which typeshed's functools.wraps
             # types as the unbound nn.Module.to (self first): the stub, not this call, is wrong
-            return model.to(lm.device).eval()  # type: ignore[arg-type]
+            model = _reference_or_note(lambda: DiffusionGemmaForBlockDiffusion.from_pretrained(
+                tmp, dtype=lm.dtype).to(lm.device).eval())  # type: ignore[arg-type]
+            # A step of one token, as the timed runs call it: a failure only they would meet (python -W error
+            # turning a torch DeprecationWarning inside it into an error) leaves the reference out here, not the run
+            if model is not None and _reference_or_note(lambda: model.generate(
+                    torch.ones(1, 2, dtype=torch.long, device=lm.device), max_new_tokens=1, max_denoising_steps=1)) is None:
+                return None
+            return model
     finally:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _reference_or_note(build: Callable[[], Any]) -> Any:
+    """What `build` gives, or None with a note where the reference fails in it: any error of transformers' (python
+    -OO strips the docstrings it reads; an unwritable compile cache) left the whole run with a traceback that never
+    said it was the reference's, nor that --no-reference runs without it."""
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - the reference's own failure, whatever it is: blockpress is still timed
+        first = (str(exc).splitlines() or [""])[0]
+        _note(f"the reference is left out: transformers failed ({type(exc).__name__}: {first}); "
+              "--no-reference leaves it out without trying")
+        return None
 
 
 @dataclass

@@ -1045,6 +1045,26 @@ def test_bench_leaves_out_a_reference_too_old_to_load_the_checkpoint_and_says_so
             "needs 5.20 or later") in err.splitlines()
 
 
+@pytest.mark.parametrize("where", ["from_pretrained", "generate"])
+def test_bench_leaves_out_a_reference_that_fails_and_says_so(monkeypatch, capsys, where):
+    """Any failure of the reference's (python -OO: transformers reads docstrings it strips; -W error: a torch
+    DeprecationWarning inside its generate) ended the whole run, exit 2 or a traceback never naming the reference."""
+    transformers = pytest.importorskip("transformers")
+
+    def fails(*args, **kwargs):
+        raise DeprecationWarning("something torch deprecates")
+
+    cls = transformers.DiffusionGemmaForBlockDiffusion
+    monkeypatch.setattr(cls, where, classmethod(fails) if where == "from_pretrained" else fails)
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "--new-tokens", "16", "--steps", "1",
+                 "--repeats", "1", "--no-ar"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["reference_available"] is False and data["rows"][0]["blockpress"]["tok_s"] > 0
+    assert ("bench: the reference is left out: transformers failed (DeprecationWarning: something torch deprecates); "
+            "--no-reference leaves it out without trying") in err.splitlines()
+
+
 def test_bench_leaves_out_a_transformers_without_diffusiongemma_and_says_so(monkeypatch, capsys):
     """A transformers 4 (which peft's loose requirements pull in) has no DiffusionGemmaForBlockDiffusion: the
     reference was left out without a word, while the progress line said it was being built."""
