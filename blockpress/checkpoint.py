@@ -575,11 +575,13 @@ def hf_hub_cache() -> Path:
     XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
     env = os.environ
     if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
-        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+        return Path(os.path.expanduser(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]))
     if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    xdg = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
-    return xdg / "huggingface" / "hub"
+        return Path(os.path.expanduser(env["HF_HOME"])) / "hub"
+    # os.path.expanduser, as huggingface_hub: with no home (HOME unset and a user id with no passwd entry: docker
+    # --user, runAsUser) it leaves "~" as it is, where Path.home() raised "Could not determine home directory"
+    xdg = env.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(os.path.expanduser(xdg)) / "huggingface" / "hub"
 
 
 def hub_name(folder: str | Path) -> str | None:

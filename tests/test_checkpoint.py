@@ -840,6 +840,23 @@ def test_not_a_folder_or_name():
         blockpress.load("no-such-model-anywhere")
 
 
+def test_a_hub_name_with_no_home_known_gets_the_usual_error(monkeypatch, tmp_path):
+    """HOME unset and a user id with no passwd entry (docker --user 1234, runAsUser): Path.home() raised a bare
+    'Could not determine home directory.' for any owner/name, where huggingface_hub's rule (expanduser) keeps "~"."""
+    import pwd
+
+    for name in ("HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        blockpress.load("acme/no-such-model")
+
+
 def fake_hub_cache(root, checkpoint, repo_id="acme/tiny-dg", commits=("a1b2c3d4e5",), refs=None):
     """Lay a checkpoint out as huggingface_hub's cache does: blobs, snapshots/<commit>/ of symlinks, refs/."""
     owner, name = repo_id.split("/")

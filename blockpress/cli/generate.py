@@ -428,7 +428,7 @@ def recorded_setting(name: str, value: Any) -> Any:
         return value
     if name == "model" and (value in shipped_models() or value.startswith(RANDOM_PREFIX)):
         return value
-    folder = Path(value).expanduser()
+    folder = Path(os.path.expanduser(value))  # (Path.expanduser raises with no home known)
     return str(folder.resolve()) if folder.is_dir() else value
 
 

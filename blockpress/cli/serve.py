@@ -24,7 +24,7 @@ def served_name(model: str) -> str:
     keeps its "owner/name", as vLLM serves it); a LoRA run's adapter folder (OUT/adapter), its run's name."""
     from blockpress.train import ADAPTER_DIR, is_adapter_folder
 
-    folder = Path(model).expanduser()
+    folder = Path(os.path.expanduser(model))  # (Path.expanduser raises with no home known)
     if not folder.is_dir():
         return model
     # its name as the absolute path spells it (".." taken out, links kept): "." and "./" have no name of their own,
