@@ -2317,6 +2317,26 @@ def test_warnings_are_lines_of_the_command_not_of_pythons_form(tmp_path, capsys)
         blockpress.ModelConfig.from_dict(config)
 
 
+@pytest.mark.parametrize("action", ["ignore", "error"])
+def test_the_users_warning_filters_still_decide(tmp_path, capsys, action):
+    """main() put its own 'default' filter for UserWarning in front of the user's: python -W ignore, PYTHONWARNINGS
+    and -W error::UserWarning were overridden, and the warning printed anyway."""
+    import warnings
+
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["foo_bar"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter(action)
+        if action == "ignore":
+            assert main(["info", "--model", str(tmp_path)]) == 0
+            assert "warning:" not in capsys.readouterr().err
+        else:
+            with pytest.raises(UserWarning, match="foo_bar"):
+                main(["info", "--model", str(tmp_path)])
+
+
 def test_chat_survives_a_bad_byte_under_a_utf8_locale():
     """Under a UTF-8 locale stdin decodes strictly: the UnicodeDecodeError left input() and ended the chat
     (the in-process tests pass surrogates in directly and never met it)."""

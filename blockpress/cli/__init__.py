@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.showwarning = show_warning
             # Each run says each of its warnings once: a new filter also clears the record of warnings an earlier
-            # main() in this process already showed (a test, a notebook), which would silence them here.
-            warnings.filterwarnings("default", category=UserWarning)
+            # main() in this process already showed (a test, a notebook), which would silence them here. Appended:
+            # the user's own filters (-W ignore, -W error, PYTHONWARNINGS) come first and still decide.
+            warnings.filterwarnings("default", category=UserWarning, append=True)
             return run_command(args)
     except (BrokenPipeError, OutputError) as exc:  # the parser's (a command's own are run_command's)
         return output_failed(exc, "blockpress")
