@@ -7,15 +7,18 @@ can copy them through and a saved checkpoint keeps its vision tower.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import json
 import math
 import mmap
 import os
 import re
 import struct
+import sys
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -73,6 +76,36 @@ if hasattr(torch, "float8_e8m0fnu"):  # torch 2.7 on; named unconditionally, no 
 _INT64_MAX = 2**63 - 1
 
 
+# A mapping keeps a duplicate of its file's descriptor for as long as it lives, unless told not to (Python 3.13 on):
+# a model of many shards held one each (57 for 57 shards) and a load past `ulimit -n` failed with EMFILE.
+_UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+def _descriptors_problem(path: Path, exc: OSError) -> OSError:
+    """`exc` with what to do, where it is the process's limit on open files (EMFILE) or the system's (ENFILE)."""
+    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+        return exc
+    try:
+        import resource
+
+        limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+    except (ImportError, OSError, ValueError):  # (Windows has no resource module)
+        limit = ""
+    held = "" if _UNTRACKED else "; on this Python (before 3.13) each weight file holds one while the model is loaded"
+    return OSError(exc.errno, f"{path}: cannot open it: too many open files{held}; raise the limit of open files "
+                              f"(ulimit -n{limit}) or use fewer, larger shards")
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise _descriptors_problem(path, exc) from None
+    with f:
+        yield f
+
+
 class MappedSafetensors:
     """A safetensors file memory-mapped copy-on-write: tensors are views of the file, read on first touch.
 
@@ -84,7 +117,7 @@ class MappedSafetensors:
         size = path.stat().st_size
         if (pointer := lfs_pointer_problem(path)) is not None:
             raise CheckpointError(pointer)
-        with open(path, "rb") as f:
+        with _opened(path) as f:
             try:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n > size - 8:  # checked before reading: a damaged length would ask for exabytes
@@ -100,7 +133,10 @@ class MappedSafetensors:
             except (struct.error, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                 raise CheckpointError(f"{path}: not a safetensors file ({exc})") from None
             self.data_start = 8 + n
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            try:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY, **_UNTRACKED)
+            except OSError as exc:
+                raise _descriptors_problem(path, exc) from None
         metadata = self.header.pop("__metadata__", None)
         self.metadata: dict[str, Any] = metadata if isinstance(metadata, dict) else {}  # e.g. save_model's `metadata`
         self.path = path

@@ -835,6 +835,22 @@ def test_a_shape_set_after_construction_is_named_as_set():
         config.text.validate()
 
 
+def test_too_many_open_files_says_what_to_do(monkeypatch, tmp_path):
+    """A model of many shards past `ulimit -n` (each mapped file held a descriptor) failed with a bare EMFILE."""
+    import errno
+
+    import blockpress.checkpoint as checkpoint
+
+    blockpress.random_model(blockpress.ModelConfig.tiny()).save(tmp_path)
+
+    def exhausted(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(checkpoint.mmap, "mmap", exhausted)
+    with pytest.raises(OSError, match=r"model.safetensors: cannot open it: too many open files.*ulimit -n"):
+        blockpress.load(tmp_path)
+
+
 def test_not_a_folder_or_name():
     with pytest.raises(FileNotFoundError, match="never downloads"):
         blockpress.load("no-such-model-anywhere")
