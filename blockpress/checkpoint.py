@@ -88,7 +88,7 @@ def _descriptors_problem(path: Path, exc: OSError) -> OSError:
     try:
         import resource
 
-        limit = f" (now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        limit = f"; now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
     except (ImportError, OSError, ValueError):  # (Windows has no resource module)
         limit = ""
     held = "" if _UNTRACKED else "; on this Python (before 3.13) each weight file holds one while the model is loaded"
