@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .checks import is_int, outside_inference_mode
+from .checks import allocation_failed, is_int, outside_inference_mode
 from .config import TextConfig
 
 # Why a mark is gone, unless the caller that went back says otherwise (KVCache.keep's `why`)
@@ -423,13 +423,6 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-
-def allocation_failed(exc: BaseException) -> bool:
-    """Whether `exc` is a device's refusal to allocate: torch's OutOfMemoryError (a GPU's), or the CPU allocator's
-    RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or Python's MemoryError."""
-    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 @contextmanager

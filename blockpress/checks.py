@@ -18,6 +18,15 @@ from typing import Any, TypeVar
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # blockpress/, for warn_user
 
 
+def allocation_failed(exc: BaseException) -> bool:
+    """Whether `exc` is a device's refusal to allocate: torch's OutOfMemoryError (a GPU's), or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or Python's MemoryError. Without importing torch
+    (the CLI asks it of any command's error, and most never import torch)."""
+    torch = sys.modules.get("torch")
+    return isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def check_flag(name: str, value: Any, none: bool = False) -> bool | None:
     """A boolean flag of the public API: True or False (or None where `none` allows it), never a truthy stand-in:
     "no" would read as True, and 1 or np.bool_ pass `in (True, False)`."""

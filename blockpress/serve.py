@@ -104,8 +104,7 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from .cache import allocation_failed
-from .checks import check_positive_int, check_text, is_int, weak_members
+from .checks import allocation_failed, check_positive_int, check_text, is_int, weak_members
 from .config import SamplerName
 from .files import undecodable_byte
 

@@ -3414,6 +3414,36 @@ def test_out_of_memory_is_one_line_naming_what_takes_less(monkeypatch, capsys, a
     assert flag in err[-1] and "Traceback" not in "\n".join(err)
 
 
+CPU_OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes. Error code 12"
+
+
+@pytest.mark.parametrize("failure", [RuntimeError(CPU_OOM), MemoryError()])
+def test_the_cpus_out_of_memory_is_one_line_too(monkeypatch, capsys, failure):
+    """The CLI took torch.OutOfMemoryError alone: the CPU allocator's RuntimeError and Python's MemoryError (what a
+    CPU run meets) escaped main() with a traceback, and a chat lost its conversation."""
+    def out_of_memory(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(blockpress.LM, "stream", out_of_memory)
+    assert main(["generate", "def f(x):", "--max-new-tokens", "8", "--model", "random-tiny", "--no-live"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("blockpress generate: error: the device ran out of memory (") and "--max-new-tokens" in err[-1]
+    monkeypatch.undo()
+    turns = []
+
+    def fails_once(self, *args, **kwargs):
+        turns.append(1)
+        if len(turns) == 1:
+            raise failure
+        return original(self, *args, **kwargs)
+
+    original = blockpress.LM.chat_ids  # (what a chat off a terminal calls)
+    monkeypatch.setattr(blockpress.LM, "chat_ids", fails_once)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1"]) == 0
+    assert len(turns) == 2 and "that message was dropped, the conversation goes on" in capsys.readouterr().err
+
+
 def test_every_flag_an_out_of_memory_hint_names_is_one_its_command_takes():
     """sudoku's hint said "a smaller --max-new-tokens or --prefill-chunk": it has no --max-new-tokens (its canvas is
     the 81 cells), and what it can shrink, the puzzles and --ensemble views a batch holds, went unnamed."""

@@ -14,13 +14,12 @@ import os
 import sys
 import warnings
 
-from blockpress.checks import compile_failure
+from blockpress.checks import allocation_failed, compile_failure
 from blockpress.cli.common import as_flags, command_flags, expand_path_flags, train_flag_of
 from blockpress.cli.output import (
     OutputError,
     compile_failed,
     guard_stdout,
-    out_of_memory,
     out_of_memory_message,
     output_failed,
     show_warning,
@@ -151,11 +150,11 @@ def run_command(args: argparse.Namespace) -> int:
         # said, as the commands' own handlers say it: a Ctrl-C while the model loads must not exit 130 without a word
         print(f"{fresh_line(exc)}blockpress {args.command}: {stop_word(exc)}", file=sys.stderr)  # off the "^C"
         return stop_status(exc)
-    except RuntimeError as exc:
+    except (RuntimeError, MemoryError) as exc:  # (the CPU allocator's error is a RuntimeError, as a GPU's is)
         if getattr(args, "compile", False) and compile_failed(exc):
             print(f"blockpress {args.command}: error: {compile_failure(exc)}", file=sys.stderr)
             return 2
-        if not out_of_memory(exc):
+        if not allocation_failed(exc):
             raise
         print(f"blockpress {args.command}: error: {out_of_memory_message(exc, args.command)}", file=sys.stderr)
         return 1

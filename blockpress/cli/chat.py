@@ -13,7 +13,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from blockpress.checks import check_text, utf8_problem
+from blockpress.checks import allocation_failed, check_text, utf8_problem
 from blockpress.cli.common import (
     as_flags,
     command_flags,
@@ -24,7 +24,7 @@ from blockpress.cli.common import (
     sampling_kwargs,
     stats_line,
 )
-from blockpress.cli.output import out_of_memory, out_of_memory_message, release_device_memory
+from blockpress.cli.output import out_of_memory_message, release_device_memory
 from blockpress.files import parse_json
 from blockpress.stopping import Stopped, fresh_line, stop_status, stop_word
 
@@ -471,8 +471,9 @@ class ChatSession:
                   file=sys.stderr)
             self.no_reply(user, error=error)
             return None
-        except RuntimeError as exc:  # a GPU out of memory on a long conversation: the turns before it stay usable
-            if not out_of_memory(exc):
+        except (RuntimeError, MemoryError) as exc:  # out of memory on a long conversation (a GPU's, the CPU
+            # allocator's, Python's): the turns before it stay usable
+            if not allocation_failed(exc):
                 raise
             self.messages.pop()  # the cache holds the turns before this one (lm.chat_ids / chat_stream roll it back)
             release_device_memory()

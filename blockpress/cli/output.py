@@ -247,7 +247,3 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def out_of_memory(exc: BaseException) -> bool:
-    """torch's OutOfMemoryError (a GPU's), checked without importing torch for a command that never did."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ()))
