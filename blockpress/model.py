@@ -642,9 +642,20 @@ class DiffusionGemma(nn.Module):
     def weights_changed(self, values: bool = True) -> None:
         """Say that the weights changed in place: keys and values encoded before are stale. `values`: False where
         they were moved (another device) and hold the same values, which `values_changes` then does not count."""
-        self.weights_version = (self.weights_version[0], self.weights_version[1] + 1)
+        # past every version this model has had, not the current one + 1: after `weights_restored` went back to an
+        # earlier one, the versions a change undone had used are never this model's again
+        spent = max(self.weights_version[1], getattr(self, "_versions_spent", 0)) + 1
+        self._versions_spent = spent
+        self.weights_version = (self.weights_version[0], spent)
         if values:
             self.values_changes += 1
+
+    def weights_restored(self, version: tuple[int, int], values_changes: int) -> None:
+        """Say that a change of the weights was undone whole (quantize rolled back part-way): the version they had
+        before it is theirs again, so caches filled before it continue, while one filled meanwhile (a version the
+        change used) is refused for good."""
+        self._versions_spent = max(self.weights_version[1], getattr(self, "_versions_spent", 0))
+        self.weights_version, self.values_changes = version, values_changes
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight

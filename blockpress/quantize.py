@@ -698,8 +698,10 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
     check_runs(scheme, model.device, model.dtype)
     if scheme == "int4" and warn_groups:  # after every refusal: a refused model is not worth a warning
         warn_small_int4_groups(weights)
+    before = model.weights_version, model.values_changes
     model.weights_changed()  # before too: a pass that another thread runs meanwhile can tell why it failed
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    undone = False
     try:
         for parent, name, child, _ in targets:
             twin = QuantizedLinear(child, scheme) if isinstance(child, nn.Linear) else QuantizedExperts(child, scheme)
@@ -713,9 +715,13 @@ def quantize(model: DiffusionGemma, scheme: str, *, warn_groups: bool = True) ->
         # originals until the end anyway, so this costs no memory.
         for parent, name, original in reversed(swapped):
             setattr(parent, name, original)
+        undone = True
         raise
     finally:
-        model.weights_changed()
+        if undone:  # the weights of before, whole: caches filled before continue (they were refused once here)
+            model.weights_restored(*before)
+        else:
+            model.weights_changed()
     return model
 
 

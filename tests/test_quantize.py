@@ -629,6 +629,34 @@ def test_a_quantization_that_fails_part_way_puts_back_what_it_swapped(monkeypatc
     assert lm.quantization == "int8"
 
 
+def test_a_quantization_undone_part_way_keeps_the_caches_filled_before_it(monkeypatch):
+    """The rollback put the modules back, yet the version moved on: a conversation's cache filled before the failed
+    quantize was refused after it ('filled before this model's weights changed'), for the same weights. One filled
+    while it ran (a version it used) stays refused, and so do all caches once it is quantized for real."""
+    import blockpress.quantize as quantize_module
+
+    lm = tiny_lm()
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    cache = lm.generate([2, 5, 6], return_cache=True, **kw).cache
+    real = quantize_module.QuantizedExperts.__init__
+    meanwhile = []
+
+    def fail(self, *args, **kwargs):  # a cache another thread fills while quantize runs, then the failure
+        meanwhile.append(lm.generate([2, 5], return_cache=True, **kw).cache)
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(quantize_module.QuantizedExperts, "__init__", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        lm.quantize("int8")
+    monkeypatch.setattr(quantize_module.QuantizedExperts, "__init__", real)
+    assert lm.generate([9], cache=cache, **kw).num_new_tokens.tolist() == [8]  # continues: the weights of before
+    with pytest.raises(ValueError, match="weights changed"):
+        lm.generate([9], cache=meanwhile[0], **kw)
+    lm.quantize("int8")
+    with pytest.raises(ValueError, match="weights changed"):
+        lm.generate([9], cache=cache, **kw)
+
+
 def test_a_model_loaded_under_inference_mode_quantizes_after_a_cast(tmp_path):
     """Loaded under torch.inference_mode, cast, then quantized: torch refused to split the experts' weights ("Inference
     tensors do not track version counter") half-way through quantize. Weights are now made outside inference mode."""
