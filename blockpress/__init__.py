@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-# The process that imported blockpress: a process forked after it (a multiprocessing Pool's worker) differs, and its
-# fresh seeds mix in its process id (generate.Request.row_seeds); a spawned one imports blockpress itself
-_IMPORTED_IN = os.getpid()
+# In a process forked after `import blockpress` (a multiprocessing Pool's worker, an os.fork): torch's seed as the fork
+# left it, its parent's, with its parent's generator state; None elsewhere (the importing process, a spawned worker)
+# and where torch was not imported before the fork (the child's import seeds torch afresh). While torch.initial_seed()
+# is still this one, the child's fresh seeds mix in its process id (generate.Request.row_seeds); a child that seeds
+# torch itself (torch.manual_seed, a Pool initializer's) draws repeatably again.
+_SEED_AT_FORK: int | None = None
+
+
+def _note_seed_at_fork() -> None:
+    global _SEED_AT_FORK
+    torch = sys.modules.get("torch")  # (not imported here: importing torch takes seconds)
+    _SEED_AT_FORK = torch.initial_seed() if torch is not None and hasattr(torch, "initial_seed") else None
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which has no fork)
+    os.register_at_fork(after_in_child=_note_seed_at_fork)
 
 # What the README and LM's docstrings tell users to pass or check: SamplerConfig for `sampler`, the events of
 # `stream` (isinstance), GenerationOutput, KVCache and PrefixCache; escape_template for infill's fixed text.

@@ -23,7 +23,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from . import _IMPORTED_IN
+import blockpress
+
 from .cache import KVCache
 from .checks import check_flag, check_keywords, check_text, is_int, utf8_problem
 from .healing import strip_prefix
@@ -426,11 +427,13 @@ class Request:
         if self.seed is not None:
             return torch.full((b,), self.seed, dtype=torch.long, device="cpu")
         drawn = torch.randint(0, 2**47, (b,), device="cpu")
-        if os.getpid() != _IMPORTED_IN:
+        inherited = blockpress._SEED_AT_FORK
+        if inherited is not None and torch.initial_seed() == inherited:
             # a process forked after `import blockpress` (a multiprocessing Pool's worker, an os.fork) holds its
             # parent's torch generator, so every worker drew the same "fresh" seeds: each mixes in its process id
-            # (Python's random reseeds at a fork for the same reason); elsewhere (the main process, a spawned worker,
-            # which torch seeds afresh) torch.manual_seed still makes the draws repeatable
+            # (Python's random reseeds at a fork for the same reason), but only until it seeds torch itself: a
+            # worker's own torch.manual_seed (e.g. base + worker id) makes its draws repeatable, as it does in the
+            # main process and a spawned worker (which torch seeds afresh)
             drawn ^= choice_seed(os.getpid(), 1) % 2**47
         return drawn
 

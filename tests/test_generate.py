@@ -4314,6 +4314,31 @@ def test_forked_workers_draw_fresh_seeds_of_their_own(tmp_path):
         _FORKED_LM.clear()
 
 
+def _seeded_seed_in_worker(seed: int) -> int:
+    torch.manual_seed(seed)  # the worker's own seed, as a Pool initializer's base + worker id
+    return _fresh_seed_in_worker(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_worker_that_seeds_torch_itself_draws_repeatably():
+    """A forked worker mixed its process id into every seed=None draw, even after it had called torch.manual_seed
+    itself: the same program gave other seeds on every run. It mixes it in only while it holds its parent's
+    generator."""
+    import multiprocessing
+
+    _FORKED_LM[:] = [blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)]
+    state = torch.get_rng_state()
+    try:
+        torch.manual_seed(5)  # the parent's seed at the fork: not the workers'
+        drawn = []
+        for _ in range(2):  # two workers, two process ids
+            with multiprocessing.get_context("fork").Pool(1) as pool:
+                drawn.append(pool.apply_async(_seeded_seed_in_worker, (1234,)).get(timeout=60))
+        assert drawn[0] == drawn[1] == _seeded_seed_in_worker(1234)  # as the main process draws it
+    finally:
+        torch.set_rng_state(state)
+        _FORKED_LM.clear()
+
 def test_the_grouped_gemm_is_left_to_the_devices_torch_runs_it_on():
     """torch's grouped GEMM has CUDA's kernel and, from 2.9, the CPU's: operands on another device (MPS, stood in
     for here by operands that say they are there) take the experts loop, which runs anywhere (before: any device but
