@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import glob
 import os
 import re
 import sys
@@ -35,6 +36,7 @@ from .cache import KVCache
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
 from .checks import compile_failure
 from .config import ModelConfig, TextConfig
+from .files import new_tag, release_tag, remove_stale
 from .generate import canvas_positions, device_sync
 from .lm import LM, random_model
 from .sampling import MAX_COUNT
@@ -847,10 +849,16 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
 
     path = Path(path)
     fig = figure(result)
-    drawn = path.with_name(f".{path.stem}.partial{path.suffix}")  # the same suffix: it picks the format
+    # the same suffix: it picks the format; and a name of this plot's own, as StagedFiles' are (files.new_tag)
+    tag = new_tag()
+    drawn = path.with_name(f".{path.stem}.{tag}.partial{path.suffix}")
     try:
+        # those that killed runs left: of versions before tags, a fixed name; else those whose run is gone
+        path.with_name(f".{path.stem}.partial{path.suffix}").unlink(missing_ok=True)
+        remove_stale(path.parent, f".{glob.escape(path.stem)}", f".partial{path.suffix}")
         fig.savefig(drawn, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
         os.replace(drawn, path)
     finally:
         plt.close(fig)
         drawn.unlink(missing_ok=True)
+        release_tag(tag)

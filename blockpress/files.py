@@ -4,9 +4,12 @@ here. No torch: the tokenizer, which imports without it, writes its files with i
 from __future__ import annotations
 
 import codecs
+import glob
 import json
 import math
 import os
+import re
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePath, PureWindowsPath
@@ -46,10 +49,125 @@ def output_folder(path: Any, name: str) -> Path:
     return folder
 
 
-def temporary_path(path: str | Path) -> Path:
-    """Where `path` is staged: beside it, hidden, so no checkpoint file pattern matches it."""
+# A save's tag, in the names of the files it stages: the saving process's id and a random token. One fixed name a file
+# (`.{name}.tmp`) was shared by every save into a folder, so two at once (two runs on one --out, Pool workers saving to
+# one folder) deleted and moved each other's files: saves failed with FileNotFoundError, or mixed their files.
+_TAG = re.compile(r"(?P<pid>[0-9]+)-[0-9a-f]{8}")
+_LIVE_TAGS: set[str] = set()  # this process's tags whose files are still in use (a save in another thread)
+
+
+def new_tag() -> str:
+    """A tag for one save's staged files, this process's in use until release_tag."""
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    _LIVE_TAGS.add(tag)
+    return tag
+
+
+def release_tag(tag: str) -> None:
+    _LIVE_TAGS.discard(tag)
+
+
+def temporary_path(path: str | Path, tag: str | None = None) -> Path:
+    """Where `path` is staged: beside it, hidden, so no checkpoint file pattern matches it, and named by its save's
+    `tag` (new_tag). None: the fixed name `.{name}.tmp` of saves made before tags, which a killed one may have left."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp")
+    return path.with_name(f".{path.name}.{tag}.tmp" if tag else f".{path.name}.tmp")
+
+
+def tag_of(name: str, suffix: str) -> str | None:
+    """The tag in `name`, a staged file's name ending in `suffix` (".tmp"); None where it holds none."""
+    if not name.endswith(suffix):
+        return None
+    tag = name[:len(name) - len(suffix)].rpartition(".")[2]
+    return tag if _TAG.fullmatch(tag) else None
+
+
+def save_over(tag: str) -> bool:
+    """Whether the save whose staged files are named by `tag` is over, so what it left is dead bytes: its process is
+    gone, or it is this process and no save here holds the tag (one that failed, or an earlier process of this id)."""
+    pid = int(tag.partition("-")[0])
+    if pid == os.getpid():
+        return tag not in _LIVE_TAGS
+    if os.name != "posix":  # no harmless check of another process there (Windows' os.kill ends it): kept
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, the process is only looked up
+    except (ProcessLookupError, OverflowError):  # (OverflowError: past any process id)
+        return True
+    except OSError:  # PermissionError: another user's process, running
+        return False
+    return False
+
+
+def remove_stale(folder: str | Path, pattern: str, suffix: str, keep: set[Path] | frozenset[Path] = frozenset()
+                 ) -> None:
+    """Delete the files in `folder` named `{pattern}.{tag}{suffix}` (`pattern` a glob, ".model*.safetensors*") that
+    saves now over (save_over) left there, except those in `keep`; a running save's are kept."""
+    for leftover in Path(folder).glob(f"{pattern}.*{glob.escape(suffix)}"):
+        tag = tag_of(leftover.name, suffix)
+        if tag is not None and leftover not in keep and save_over(tag) and leftover.is_file():
+            leftover.unlink(missing_ok=True)
+
+
+LOCK_FILE = ".lock"  # in a folder lock_folder holds: the holder's process id
+
+
+def lock_folder(folder: Path, name: str) -> Callable[[], None]:
+    """Hold `folder` (given as `name`, e.g. "--out X") for this process alone until the function returned is called:
+    a ValueError naming `name` and the holder's process id where another holds it. Two training runs on one folder
+    deleted each other's staged files and appended to one metrics.jsonl. The lock is fcntl.flock's on LOCK_FILE in
+    it, which the system lets go when the process ends, however it ends; the folder is made where it is not there
+    (and removed again, left empty, on release). Where flock is not (Windows) or the file system refuses it (some
+    network mounts), nothing is held."""
+    try:
+        import fcntl
+    except ImportError:
+        return lambda: None
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_FILE
+
+    def remove_made() -> None:
+        for made_folder in made:  # innermost first; one that holds anything now is kept
+            try:
+                made_folder.rmdir()
+            except OSError:
+                pass
+
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            remove_made()
+            return lambda: None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip() or "not known yet: it is starting"
+            os.close(fd)
+            raise ValueError(f"{name}: in use by another run (pid {holder}), which holds {path}; wait for it to "
+                             "end, or give another folder") from None
+        except OSError:  # no flock on this file system
+            os.close(fd)
+            remove_made()
+            return lambda: None
+        try:  # a run that ended between the open and the lock removed the file: lock the one there now
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+
+    def release() -> None:
+        try:
+            path.unlink(missing_ok=True)  # while still held: a run that opened it before retries (the check above)
+        finally:
+            os.close(fd)
+            remove_made()
+
+    return release
 
 
 class StagedFiles:
@@ -61,9 +179,11 @@ class StagedFiles:
     file outlives the save's new ones. As a context manager: committed on leaving, discarded on an error.
 
     One save of several parts (a training run's weights, tokenizer and state) stages them all in one StagedFiles
-    (`staging`), so nothing of it is in place before everything of it is written."""
+    (`staging`), so nothing of it is in place before everything of it is written. Its files are named by a tag of its
+    own (new_tag), so saves into one folder at once, from other processes or threads, leave each other's alone."""
 
     def __init__(self) -> None:
+        self.tag = new_tag()
         self.moves: list[tuple[Path | None, Path]] = []  # (temporary, destination); (None, path): remove path
         self.started = False  # whether commit has begun moving files into place
         self.recorded = False  # whether a record of the commit was taken, for `finish` to complete it (a training save)
@@ -82,10 +202,14 @@ class StagedFiles:
         """Stage `path`, its content written by `write(temporary)` (staged again: the later content wins). An OSError
         while writing names `path` (a full disk's "[Errno 28] No space left on device" named no file)."""
         path = Path(path)
-        temporary = temporary_path(path)
+        temporary = temporary_path(path, self.tag)
         self.moves = [move for move in self.moves if move[1] != path]
+        _LIVE_TAGS.add(self.tag)  # (again, after a commit: its files are in use until the next one)
         try:
-            temporary.unlink(missing_ok=True)  # one left by a killed save
+            temporary.unlink(missing_ok=True)  # staged here before
+            # ones of it left by killed saves: of this version's, those whose process is gone
+            temporary_path(path).unlink(missing_ok=True)
+            remove_stale(path.parent, f".{glob.escape(path.name)}", ".tmp")
             self.moves.append((temporary, path))  # before it is made: discarding removes a partial (or empty) one
             temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)
             mode = temporary.stat().st_mode & 0o777
@@ -123,10 +247,11 @@ class StagedFiles:
         """Delete the temporaries that killed saves left in `folder` of files named like `pattern` (a glob), except
         those staged here. Writing a name again replaces its own; these are of names this save does not write (a
         sharded save's shards, beside a single file): dead bytes, gigabytes for a real model."""
-        staged = {temporary for temporary, _ in self.moves}
-        for leftover in Path(folder).glob(temporary_path(pattern).name):
-            if leftover not in staged and leftover.is_file():
+        staged = {temporary for temporary, _ in self.moves if temporary is not None}
+        for leftover in Path(folder).glob(temporary_path(pattern).name):  # the fixed names of saves before tags
+            if tag_of(leftover.name, ".tmp") is None and leftover not in staged and leftover.is_file():
                 leftover.unlink()
+        remove_stale(folder, f".{pattern}", ".tmp", keep=staged)  # a running save's are its own
 
     def record(self, folder: str | Path) -> list[tuple[str, bool]]:
         """What a commit will do, as JSON-able data to keep with the save's commit marker: each destination by its
@@ -136,10 +261,11 @@ class StagedFiles:
         return [(Path(path).relative_to(folder).as_posix(), temporary is not None) for temporary, path in self.moves]
 
     @classmethod
-    def finish(cls, folder: str | Path, record: list[tuple[str, bool]]) -> int:
+    def finish(cls, folder: str | Path, record: list[tuple[str, bool]], tag: str | None = None) -> int:
         """Complete a commit that was killed part-way, from its `record`: every file still staged beside its
-        destination moved into place, in order, and every removal made again. Staged files are all written (and
-        flushed) before the first move, so those left are whole. Returns the number of files moved."""
+        destination (under the save's `tag`) moved into place, in order, and every removal made again. Staged files
+        are all written (and flushed) before the first move, so those left are whole. Returns the number of files
+        moved."""
         finishing = cls()
         root = Path(folder).resolve()
         for entry in record:  # all checked before anything moves: the record is read from the folder, as found
@@ -154,8 +280,8 @@ class StagedFiles:
             path = Path(folder) / name
             if not written:
                 finishing.moves.append((None, path))
-            elif temporary_path(path).is_file():  # (else moved before the kill)
-                finishing.moves.append((temporary_path(path), path))
+            elif temporary_path(path, tag).is_file():  # (else moved before the kill)
+                finishing.moves.append((temporary_path(path, tag), path))
         moved = sum(temporary is not None for temporary, _ in finishing.moves)
         finishing.commit()
         return moved
@@ -174,6 +300,7 @@ class StagedFiles:
             if path.parent not in folders:
                 folders.append(path.parent)
         self.moves, self.made = [], []
+        release_tag(self.tag)
         if os.name == "posix":  # the renames themselves on disk (a folder cannot be opened for fsync on Windows)
             for folder in (folder for folder in folders if folder.is_dir()):  # (not one removed, left empty)
                 fd = os.open(folder, os.O_RDONLY)
@@ -192,6 +319,7 @@ class StagedFiles:
             except OSError:
                 pass
         self.moves, self.made = [], []
+        release_tag(self.tag)
 
     def __enter__(self) -> StagedFiles:
         return self
@@ -211,6 +339,8 @@ class StagedFiles:
             if not (self.started and self.recorded):
                 self.discard()
             raise
+        finally:
+            release_tag(self.tag)  # (files kept for `finish` are a save that is over)
 
 
 @contextmanager

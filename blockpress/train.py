@@ -64,6 +64,7 @@ from .files import (
     parse_json,
     read_json_object,
     staging,
+    tag_of,
     temporary_path,
     text_of_file,
 )
@@ -111,16 +112,24 @@ def finish_interrupted_save(out: str | Path) -> None:
     is whole beside them under its temporary name, with the record of its save. Refused, --resume would drop the run
     although every file of it is there."""
     out = Path(out)
-    pending = temporary_path(out / TRAINER_STATE_FILE)
-    if not pending.is_file():  # (the usual case: nothing to read)
+    # its name holds its save's tag (files.new_tag), which names the save's other staged files too; None: the fixed
+    # name of saves made before tags
+    tags = {tag_of(path.name, ".tmp") for path in out.glob(f".{TRAINER_STATE_FILE}.*.tmp")} - {None}
+    found = []  # (step, record, tag) of each whole one with its record; several where several saves were killed
+    for tag in [None, *tags]:
+        pending = temporary_path(out / TRAINER_STATE_FILE, tag)
+        if pending.is_file():  # (the usual case: none to read)
+            staged = _state_step(pending)
+            if staged is not None and staged[1] is not None:  # (else cut short while written, so its save moved no
+                found.append((staged[0], staged[1], tag))  # file, or from before saves kept their record)
+    if not found:
         return
-    staged, current = _state_step(pending), _state_step(out / TRAINER_STATE_FILE)
-    if staged is None or staged[1] is None:
-        return  # cut short while written (its save moved no file), or from before saves kept their record
-    if current is not None and current[0] >= staged[0]:
+    step, record, tag = max(found, key=lambda item: item[0])  # the latest save's
+    current = _state_step(out / TRAINER_STATE_FILE)
+    if current is not None and current[0] >= step:
         return  # older than the state in place: nothing of it is to be moved
-    moved = StagedFiles.finish(out, staged[1])
-    print(f"--resume: the save of step {staged[0]} in {out} was stopped while its files were moved into place; "
+    moved = StagedFiles.finish(out, record, tag)
+    print(f"--resume: the save of step {step} in {out} was stopped while its files were moved into place; "
           f"all of them were written, and the {moved} left are moved now", file=sys.stderr)
 
 
@@ -1201,6 +1210,7 @@ class Trainer:
         self.data_start = (0, 0)
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
         self.saved_step: int | None = None  # the step of the run's last save in `out` (None: none yet)
+        self.staged_state: Path | None = None  # where the last save staged trainer_state.pt (None: no save yet)
         # Train mode is each step's alone (train_step): a Trainer made and never run (a refused resume, train() refused
         # under inference mode) must not leave the model dropping attention in every generation after.
         model.eval()
@@ -1412,7 +1422,7 @@ class Trainer:
             self._save_files(state, final)
         except OSError as exc:  # a full disk, a quota: what the folder holds now, since this save is not in it
             kept = (f"its files were being moved into place in {self.out}; --resume finishes the save"
-                    if temporary_path(self.out / TRAINER_STATE_FILE).is_file()  # (kept staged: files had moved)
+                    if self.staged_state is not None and self.staged_state.is_file()  # (kept: files had moved)
                     else self._kept())
             failed = OSError(f"{exc}; step {self.step} is not saved ({kept})")
             failed.errno = exc.errno
@@ -1431,6 +1441,7 @@ class Trainer:
         """save's files, staged together and moved into place at once."""
         done = False  # a LoRA run whose adapters are merged: --resume takes nothing but the merged checkpoint
         with StagedFiles() as files:
+            self.staged_state = temporary_path(self.out / TRAINER_STATE_FILE, files.tag)  # (its name is the save's)
             if self.cfg.lora_rank and self.step < self.cfg.steps:
                 # LoRA, a run to be resumed (mid-run, interrupted, or stopped by its clock): the adapters live in
                 # trainer_state.pt, beside the base they adapt (`--resume` takes it from lora_base.json; null: a base

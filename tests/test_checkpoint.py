@@ -2025,16 +2025,73 @@ def test_a_save_removes_the_temporaries_a_killed_save_of_another_layout_left(lm,
         save_file(tensors, filename, metadata=metadata)
 
     monkeypatch.setattr(checkpoint, "save_file", killed_at_the_second_shard)
+    killed = checkpoint.StagedFiles()
     with pytest.raises(KeyboardInterrupt):  # (staged into files of the test's: nothing discards them)
-        checkpoint.save_model(lm.model, tmp_path / "c", max_shard_bytes=20_000, files=checkpoint.StagedFiles())
+        checkpoint.save_model(lm.model, tmp_path / "c", max_shard_bytes=20_000, files=killed)
     monkeypatch.undo()
+    blockpress.files.release_tag(killed.tag)  # its save is over, as a killed process's is
     left = {p.name for p in (tmp_path / "c").iterdir()}
-    assert ".config.json.tmp" in left and any(n.startswith(".model-00002-of-") for n in left)
+    assert f".config.json.{killed.tag}.tmp" in left and any(n.startswith(".model-00002-of-") for n in left)
     for name in (".notes.tmp", ".model-notes.txt"):  # hidden files of the user's own: kept
         (tmp_path / "c" / name).write_text("mine")
     checkpoint.save_model(lm.model, tmp_path / "c")  # one file
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
         ".model-notes.txt", ".notes.tmp", "config.json", "model.safetensors"]
+
+
+def _save_often(job):
+    """`lm.save(folder)` `times` times, for a model of `seed`; the errors raised."""
+    seed, folder, times = job
+    lm = blockpress.random_model(ModelConfig.tiny(), seed=seed)
+    errors = []
+    for _ in range(times):
+        try:
+            lm.save(folder)
+        except Exception as exc:  # noqa: BLE001 - each is what the test finds
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+@pytest.mark.parametrize("side_by_side", ["threads", "processes"])
+def test_saves_into_one_folder_at_once_leave_each_other_alone(tmp_path, side_by_side):
+    """Every save staged its files under fixed names (.config.json.tmp), and first deleted one found there as a
+    killed save's: two saves into one folder at once (fork Pool workers, two runs on one --out) deleted and moved
+    each other's, and most raised FileNotFoundError. Each save names its files by a tag of its own now: none fails,
+    none leaves a file behind, and the folder loads as one save's weights, whole."""
+    import concurrent.futures
+    import multiprocessing
+
+    if side_by_side == "processes" and not hasattr(os, "fork"):
+        pytest.skip("fork")
+    folder = tmp_path / "shared"
+    jobs = [(1, folder, 8), (2, folder, 8)]
+    if side_by_side == "threads":
+        with concurrent.futures.ThreadPoolExecutor(2) as threads:
+            done = list(threads.map(_save_often, jobs, timeout=60))
+    else:
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            done = pool.map_async(_save_often, jobs, chunksize=1).get(timeout=60)
+    assert [error for errors in done for error in errors] == []
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    saved = blockpress.load(folder).model.state_dict()
+    assert any(all(torch.equal(saved[name], weight) for name, weight in
+                   blockpress.random_model(ModelConfig.tiny(), seed=seed).model.state_dict().items())
+               for seed in (1, 2))
+
+
+def test_a_save_removes_the_temporaries_of_saves_whose_process_is_gone(tmp_path):
+    """A killed save's temporaries are removed by the next save of their names, those of a save still running
+    (another process's) kept: of a gone process, and of versions before tags (one fixed name), removed."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=30)
+    folder = tmp_path / "c"
+    folder.mkdir()
+    running, killed = f".config.json.{os.getppid()}-0123abcd.tmp", f".config.json.{gone.stdout.strip()}-0123abcd.tmp"
+    for name in (running, killed, ".config.json.tmp", ".model.safetensors.tmp"):
+        (folder / name).write_text("half a save")
+    blockpress.random_model(ModelConfig.tiny(), seed=0).save(folder)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        running, "config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_save_metadata_is_read_back_and_checked(lm, tmp_path):

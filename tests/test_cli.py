@@ -3857,6 +3857,38 @@ def test_bench_out_on_a_full_disk_keeps_the_rows_and_names_the_file(tmp_path, mo
     assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [1]
 
 
+def test_bench_out_is_staged_under_a_name_of_its_own(tmp_path, monkeypatch, capsys):
+    """--out was staged as .b.json.partial, one name for every run: two runs with one --out wrote, moved and
+    removed each other's file. Each write names it by its process and a token; what runs that are gone left is
+    removed, a running one's kept."""
+    import blockpress.bench
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+    running = f".b.json.{os.getppid()}-0123abcd.partial"
+    for name in (running, f".b.json.{gone}-0123abcd.partial", ".b.json.partial"):
+        (tmp_path / name).write_text("{")
+    staged = []
+    original = Path.write_text
+
+    def noted(self, text, *a, **kw):
+        staged.append(self.name)
+        return original(self, text, *a, **kw)
+
+    def measured(settings, on_row):  # (the measuring itself is not what is tested: seconds on a loaded machine)
+        on_row({"rows": [{"batch": 1}]})
+        return {"rows": [{"batch": 1}, {"batch": 2}]}
+
+    monkeypatch.setattr(Path, "write_text", noted)
+    monkeypatch.setattr(blockpress.bench, "run_bench", measured)
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--out", str(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    assert len(staged) == 2 and all(re.fullmatch(rf"\.b\.json\.{os.getpid()}-[0-9a-f]{{8}}\.partial", name)
+                                    for name in staged)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running, "b.json"]
+    assert json.loads((tmp_path / "b.json").read_text())["rows"] == [{"batch": 1}, {"batch": 2}]
+
+
 @pytest.mark.parametrize("flag", ["--out", "--plot"])
 def test_bench_refuses_an_unwritable_out_folder_before_measuring(tmp_path, monkeypatch, capsys, flag):
     """An --out in a folder that cannot be written (a read-only disk, measured on a read-only tmpfs; another user's

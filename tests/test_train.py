@@ -1336,7 +1336,8 @@ def test_weights_and_state_of_different_steps_are_refused(tmp_path, monkeypatch)
     """A kill between the weights' move and trainer_state.pt's left step-4 weights beside step-3 optimizer state,
     which --resume combined silently. Without the staged step-4 state there is no save to finish."""
     _killed_while_moving(tmp_path, monkeypatch, "trainer_state.pt")
-    (tmp_path / "split" / ".trainer_state.pt.tmp").write_bytes(b"PK\3\4" + b"\0" * 64)  # cut short
+    [staged] = (tmp_path / "split").glob(".trainer_state.pt.*.tmp")  # (named by its save's tag)
+    staged.write_bytes(b"PK\3\4" + b"\0" * 64)  # cut short
     with pytest.raises(ValueError, match=r"weights in .*split \(model.safetensors\) were saved at step 4, and "
                                          r"trainer_state.pt at step 3: the run was stopped while it saved"):
         _resumed(tmp_path, "split", 6)

@@ -414,6 +414,25 @@ def test_an_earlier_run_in_out_is_not_overwritten(tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
+def test_a_second_run_on_an_out_in_use_is_refused(tmp_path, capsys):
+    """Two runs on one --out at once (a job resubmitted while the first still ran) deleted each other's staged
+    files, one dying on a raw FileNotFoundError with wrong --resume advice, and both appended to one metrics.jsonl.
+    A run holds its --out until it ends: a second is refused before it touches the folder, naming the first's pid."""
+    pytest.importorskip("fcntl")
+    from blockpress.files import lock_folder
+
+    data, out = write_data(tmp_path / "d.jsonl"), tmp_path / "out"
+    release = lock_folder(out, "--out")  # as the first run holds it (a lock of this process's own, as flock's are)
+    try:
+        assert main(train_args(data, out)) == 2
+        assert f"error: --out {out}: in use by another run (pid {os.getpid()})" in capsys.readouterr().err
+        assert [p.name for p in out.iterdir()] == [".lock"]  # no metrics.jsonl of the second run's
+    finally:
+        release()
+    assert not out.exists()  # made for the lock alone, and removed with it
+    assert main(train_args(data, out, steps=1)) == 0
+    assert not (out / ".lock").exists()
+
 def test_data_paths_the_user_meant_as_jsonl(tmp_path, capsys):
     """pr.JSONL was read as a shard glob ("cannot read its sidecar"); dir.jsonl said "no such data file"."""
     upper = write_data(tmp_path / "pr.JSONL")

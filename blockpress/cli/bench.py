@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ from blockpress.stopping import fresh_line, stop_status, stop_word
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from blockpress.bench import PLOT_FORMATS, BenchSettings, plot, run_bench
+    from blockpress.files import new_tag, release_tag, remove_stale
 
     if args.model is not None:
         preset = args.model[len(RANDOM_PREFIX):] if args.model.startswith(RANDOM_PREFIX) else None
@@ -54,8 +56,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         larger batch) keeps the rows it measured, its JSON marked "partial"."""
         if args.out:  # written beside it, then moved into place: a kill while it writes leaves the last one whole
             out = Path(args.out)
-            written = out.with_name(f".{out.name}.partial")
+            # under a name of this write's own: two runs with one --out took each other's file from under them
+            tag = new_tag()
+            written = out.with_name(f".{out.name}.{tag}.partial")
             try:
+                # those that killed runs left: of versions before tags, a fixed name; else those whose run is gone
+                out.with_name(f".{out.name}.partial").unlink(missing_ok=True)
+                remove_stale(out.parent, f".{glob.escape(out.name)}", ".partial")
                 written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
                 os.replace(written, out)
             except OSError as exc:  # a full disk: the half-written file must not lie beside it, and the
@@ -65,6 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 except OSError:
                     pass
                 raise OSError(f"--out {args.out}: cannot write it ({exc.strerror or exc})") from None
+            finally:
+                release_tag(tag)
         if args.plot:  # (matplotlib is there: checked above)
             plot(result, args.plot)
 

@@ -269,7 +269,8 @@ def add_train_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
                    "of .jsonl files alone, or a folder of them, its .md files left out as dataset cards), a .txt/.py/.md file, a folder of them, or a glob of token shards "
                    "(blockpress.data.write_shard writes them; scripts/build_code_corpus.py in a clone of the blockpress "
                    "repository builds a corpus of them)")
-    p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt)")
+    p.add_argument("--out", required=True, help="output folder (checkpoint, metrics.jsonl, trainer_state.pt); the run holds it "
+                   "until it ends: a second run on it is refused")
     p.add_argument("--train-config", default=None, help="JSON file with training settings (fields below)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + " (default: auto)")
     add_threads_arg(p)

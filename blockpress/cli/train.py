@@ -58,6 +58,7 @@ class Run:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from blockpress.files import lock_folder
     from blockpress.train import init_distributed
 
     args.device = init_distributed(args.device)  # under torchrun on CUDA: this process's GPU, cuda:LOCAL_RANK
@@ -65,6 +66,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     # Every check of the flags comes before the model loads (a checkpoint's load takes minutes), in this order.
     _check_out(args, out)
+    # The folder is this run's until it ends (rank 0's: torchrun's other ranks share it): a second run on it (a job
+    # resubmitted while the first runs) is refused before it reads or writes anything there; two at once deleted
+    # each other's staged files, and both appended to one metrics.jsonl
+    release = lock_folder(out, f"--out {args.out}") if int(os.environ.get("RANK", "0")) == 0 else lambda: None
+    try:
+        return _run(args, out)
+    finally:
+        release()
+
+
+def _run(args: argparse.Namespace, out: Path) -> int:
+    """cmd_train from --resume's check on, with --out held."""
+    if args.resume:
+        from blockpress.train import check_resumable
+
+        check_resumable(args.out)  # (finishes a save killed while its files moved: in the folder held)
     args.data = _run_data(args, out)
     stale_metrics = _check_new_run(args, out)
     settings = _train_settings(args, out)
@@ -98,9 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check_out(args: argparse.Namespace, out: Path) -> None:
-    """--out can hold the run: a folder, or one that can be made; with --resume, one that holds a run to resume."""
-    from blockpress.train import check_resumable
-
+    """--out can hold the run: a folder, or one that can be made (with --resume, _run checks it holds a run)."""
     if not args.out.strip():  # Path("") is the current folder: the run's files would be written among the user's own
         raise ValueError(f"--out: expected the folder to write the run to, got {args.out!r}")
     if out.exists() and not out.is_dir():
@@ -110,8 +125,6 @@ def _check_out(args: argparse.Namespace, out: Path) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--out {args.out}: cannot be created ({existing} is "
                          f"{'not a folder' if not existing.is_dir() else 'not writable'})")
-    if args.resume:
-        check_resumable(args.out)
 
 
 def _run_data(args: argparse.Namespace, out: Path) -> str:
