@@ -93,13 +93,13 @@ def heal_into_template(tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
 
 def allowed_first_tokens(tokenizer: Tokenizer, prefixes: Sequence[str], vocab_size: int) -> torch.Tensor:
     """[B, vocab_size] bool: the tokens each row's first new token may be (all, for a row not healed)."""
-    texts = tokenizer.token_texts()
     out = torch.ones(len(prefixes), vocab_size, dtype=torch.bool, device="cpu")
     for row, prefix in enumerate(prefixes):
         if prefix:
-            ok = torch.tensor([t.startswith(prefix) for t in texts], dtype=torch.bool, device="cpu")
             out[row] = False
-            out[row, : ok.numel()] = ok[:vocab_size]
+            ok = tokenizer.texts_starting_with(prefix)  # worked out once per prefix (a scan of every token's text)
+            if ok:  # (torch.frombuffer refuses an empty buffer; a copy: the tokenizer's bytes are not writable)
+                out[row, : len(ok)] = torch.frombuffer(bytearray(ok), dtype=torch.bool)[:vocab_size]
     return out
 
 

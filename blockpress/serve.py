@@ -2352,6 +2352,11 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     engine = Engine(lm, max_queue=limits.max_queue, max_batch=limits.max_batch,
                     prefix_cache=PrefixCache(limits.prefix_cache_bytes) if limits.prefix_cache_bytes > 0 else None)
     token_chars = lm.tokenizer.longest_token()
+    # Token healing's texts (each id decoded alone, and those a longer one starts with), worked out once here rather
+    # than by the first request that heals: every `suffix` or `template` canvas does (and `token_healing`), and at
+    # 262,144 tokens they take seconds, which that client (and every one behind it on the engine thread) waited.
+    lm.tokenizer.token_texts()
+    lm.tokenizer.extendable_texts()
     state = ServerState(lm, engine, model_name, limits.context, token_chars=token_chars, max_stops=limits.max_stops,
                         template_defaults=template_defaults)
 

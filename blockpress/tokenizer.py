@@ -72,6 +72,9 @@ TEMPLATE_CHARS = 50_000_000  # a prompt's text, and any one string or list a tem
 # but a caller may pass a new text every call (a date or a user's name written into it), and each kept one costs
 # 16 KB for good. transformers' own cache of compiled templates is bounded too.
 TEMPLATES_KEPT = 32
+# Token-healing masks kept (Tokenizer.texts_starting_with), least recently used first out: healing's prefixes are a
+# few whitespace texts, and each mask is a byte per token (256 KB at 262,144 tokens).
+PREFIXES_KEPT = 16
 _NOT_KEPT: Any = object()  # a cache's answer for a text it does not hold, where None is a value it holds
 _T = TypeVar("_T")
 
@@ -198,6 +201,8 @@ class Tokenizer:
     _turn_ends: OrderedDict[str, int | None] = field(default_factory=OrderedDict, init=False, repr=False,
                                                      compare=False)  # at most TEMPLATES_KEPT
     _longest_token: int | None = field(default=None, init=False, repr=False, compare=False)
+    _prefix_masks: OrderedDict[str, bytes] = field(default_factory=OrderedDict, init=False, repr=False,
+                                                   compare=False)  # at most PREFIXES_KEPT
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy's state (copy.deepcopy, pickle) without the compiled chat templates: jinja's code objects and its
@@ -626,6 +631,16 @@ class Tokenizer:
             self._token_texts = tuple("" if i in special else t for i, t in enumerate(texts))
         return self._token_texts
 
+    def texts_starting_with(self, prefix: str) -> bytes:
+        """One byte per id of token_texts(), 1 where its text starts with `prefix`: what token healing lets a healed
+        row's first new token be. Kept for the PREFIXES_KEPT prefixes used last: each is a scan of every token's text
+        in Python (36 ms at 262,144 tokens), which every healed row of every request paid. Bytes, as token_texts is a
+        tuple: no caller can edit what later generations read."""
+        found = self._prefix_masks.get(prefix)
+        if found is None:
+            found = bytes(text.startswith(prefix) for text in self.token_texts())
+        return _keep(self._prefix_masks, prefix, found, PREFIXES_KEPT)
+
     def special_texts(self) -> dict[str, frozenset[int]]:
         """Each special token's text (as decode writes it with skip_special_tokens=False) -> the ids that have it:
         what decode leaves out of a text by default (a stop string's search, say, never sees them). Ids past the
@@ -997,13 +1012,13 @@ def _as_id_list(value: Any) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
-def _keep(kept: OrderedDict[Any, _T], key: Any, value: _T) -> _T:
-    """`value`, put (back) last in a cache of at most TEMPLATES_KEPT entries, the least recently used going first.
+def _keep(kept: OrderedDict[Any, _T], key: Any, value: _T, most: int = TEMPLATES_KEPT) -> _T:
+    """`value`, put (back) last in a cache of at most `most` entries, the least recently used going first.
     Each step is one dict operation, so threads sharing a tokenizer (the server renders in worker threads) cannot
     pop a key between another's test and read: the caller returns `value`, never reads the cache again."""
     kept.pop(key, None)
     kept[key] = value
-    while len(kept) > TEMPLATES_KEPT:
+    while len(kept) > most:
         try:
             kept.popitem(last=False)
         except KeyError:  # emptied by another thread meanwhile

@@ -86,6 +86,21 @@ def test_allowed_tokens_are_exactly_the_extensions(tok):
     assert not bool(padded[0, len(texts):].any()) and bool(padded[1].all())
 
 
+def test_allowed_first_tokens_scan_the_vocabulary_once_per_prefix(tok, monkeypatch):
+    """Each healed row of every request scanned every token's text in Python (36 ms a row at 262,144 tokens): the
+    tokenizer keeps each prefix's mask, so a prefix is scanned once, and the rows get what the scan gives."""
+    fresh = Tokenizer(backend=tok.backend, bos_id=tok.bos_id, eos_ids=list(tok.eos_ids), pad_id=tok.pad_id)
+    texts = fresh.token_texts()
+    scans = []
+    monkeypatch.setattr(fresh, "token_texts", lambda: scans.append(1) or texts)
+    for size in (len(texts), len(texts) + 3, len(texts) - 2):
+        for prefix in ("\n", " "):
+            mask = allowed_first_tokens(fresh, [prefix, "", prefix], size)
+            want = [i < len(texts) and texts[i].startswith(prefix) for i in range(size)]
+            assert mask[0].tolist() == mask[2].tolist() == want and bool(mask[1].all())
+    assert len(scans) == 2  # once per prefix
+
+
 def test_a_one_token_prompt_is_never_healed(tok):
     """Healing its only token would leave the model nothing to condition on: a lone "\n" prompt stays as it is."""
     newline = tok.encode("def f():\n")[-1]
@@ -223,6 +238,9 @@ class _Vocabulary:
 
     def extendable_texts(self) -> frozenset[str]:
         return frozenset(t for t in self.texts if t and any(len(u) > len(t) and u.startswith(t) for u in self.texts))
+
+    def texts_starting_with(self, prefix: str) -> bytes:
+        return bytes(t.startswith(prefix) for t in self.texts)
 
 
 VOCABULARIES = st.lists(st.sampled_from(["", " ", "  ", "\n", "\n  ", "\t", "a", " a", "):"]), min_size=1, max_size=6)

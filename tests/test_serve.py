@@ -4290,6 +4290,16 @@ def test_a_sighup_lets_requests_in_flight_finish_as_sigterm_does():
         proc.wait()
 
 
+def test_create_app_works_out_token_healings_texts_before_the_first_request():
+    """Every `suffix` or `template` canvas is healed (and a `token_healing` completion), which matches on each id's text
+    decoded alone and on the texts a longer one starts with: worked out by the first such request, they held it (and
+    the engine thread behind it) for seconds at 262,144 tokens. create_app works them out, as the longest token."""
+    lm = load_model("random-tiny", None, "cpu")
+    assert lm.tokenizer._token_texts is None and lm.tokenizer._extendable is None  # a fresh tokenizer
+    create_app(lm, MODEL, prefix_cache_bytes=0)
+    assert lm.tokenizer._token_texts is not None and lm.tokenizer._extendable is not None
+
+
 def test_create_app_is_hinted_with_the_model_it_takes():
     """create_app(lm: Any) told an editor nothing of what to pass and a type checker passed create_app("model-path"),
     which fails inside with "'str' object has no attribute 'tokenizer'": its hint is blockpress.LM, resolvable at

@@ -253,6 +253,23 @@ def test_unknown_ids_keeps_a_few_limits_and_names_a_bad_one(tok: Tokenizer) -> N
             tok.unknown_ids(bad)  # type: ignore[arg-type]
 
 
+def test_texts_starting_with_is_the_scan_kept_for_a_few_prefixes(tok: Tokenizer) -> None:
+    """Token healing's mask of a prefix (a byte per id: its text starts with it) is kept, as a scan of every token's
+    text costs 36 ms at 262,144 tokens, for the PREFIXES_KEPT prefixes used last: a caller passing a new prefix each
+    time keeps a few, not one more every call. Bytes: no caller can edit the mask later rows read."""
+    from blockpress.tokenizer import PREFIXES_KEPT
+
+    texts = tok.token_texts()
+    for prefix in ("\n", " ", "", "\n" + " " * 8, "x"):
+        assert tok.texts_starting_with(prefix) == bytes(t.startswith(prefix) for t in texts)
+    assert tok.texts_starting_with(" ") is tok.texts_starting_with(" ")  # kept, not scanned again
+    for i in range(3 * PREFIXES_KEPT):
+        assert tok.texts_starting_with(" " * i) == bytes(t.startswith(" " * i) for t in texts)
+    assert len(tok._prefix_masks) == PREFIXES_KEPT
+    with pytest.raises(TypeError):
+        tok.texts_starting_with(" ")[0] = 0  # type: ignore[index]
+
+
 def test_add_bos_without_bos_token_is_an_error(tok: Tokenizer) -> None:
     no_bos = Tokenizer(backend=tok.backend, eos_ids=[1], pad_id=0)
     with pytest.raises(ValueError, match="BOS"):
