@@ -455,44 +455,13 @@ def top_filter(probs: torch.Tensor, top_k: int | torch.Tensor = 0, top_p: float 
         cut = top.gather(-1, (k.clamp(max=kmax) - 1).expand(*probs.shape[:-1], 1))
         cut = torch.where(k < v, cut, float("-inf"))  # rows without a top_k keep everything
         # Tokens tied at the cut-off stay by token id, as many as the k leave after the likelier ones.
+        # (the running count in int32, which holds any vocabulary's: an int64 one cost a [B, C, V] copy twice the
+        # size, each step; a search of the few blocks that can hold ties was 1.2-1.5x faster again at 262k tokens,
+        # for 30 lines more: not kept)
         n = k - (top > cut).sum(-1, keepdim=True)
-        if 2 * kmax * TIE_BLOCK * 4 <= v:
-            # up to the n-th of them, found among the few blocks of the vocabulary that _nth_tied searches (at
-            # most a quarter of it): a running count over all of it, in int64, cost 5x the topk at 262k tokens
-            # per step, for ties that float logits almost never have
-            keep = torch.where(ids <= _nth_tied(probs, cut, n, kmax), probs >= cut, probs > cut)
-        else:  # the blocks would be much of the vocabulary: a running count (int32 holds any vocabulary's)
-            tied = probs == cut
-            keep = (probs > cut) | (tied & (tied.cumsum(-1, dtype=torch.int32) <= n.int()))
+        tied = probs == cut
+        keep = (probs > cut) | (tied & (tied.cumsum(-1, dtype=torch.int32) <= n.int()))
     return torch.where(keep, probs, 0.0)
-
-
-TIE_BLOCK = 64  # tokens per block where _nth_tied looks for ties (a max over each: 1/64 of the vocabulary after)
-
-
-def _nth_tied(probs: torch.Tensor, cut: torch.Tensor, n: torch.Tensor, most: int) -> torch.Tensor:
-    """[..., 1]: the id of the n-th token (1-based, in id order) whose probability is `cut` [..., 1], for each
-    position of `probs` [..., V]; V where it has fewer (every tied token stays). top_filter's cut-off: the k-th
-    value of a top k <= `most`, and n = k - the tokens above it.
-
-    No running count over the vocabulary and no host sync: each tied token lies in a block of TIE_BLOCK tokens whose
-    max is not below the cut, and each such block before the n-th tied token's holds one of the n - 1 tied tokens
-    before it, one of the k - n above the cut, or a NaN, which torch.topk ranks first (fewer than k, or the cut is
-    NaN and nothing stays): so the first 2 * `most` such blocks hold the n-th, and only they are searched."""
-    v, s = probs.shape[-1], TIE_BLOCK
-    whole = v // s * s
-    block_max = probs[..., :whole].unflatten(-1, (v // s, s)).amax(-1)  # NaN where a block holds one
-    if whole < v:  # the last, shorter block
-        block_max = torch.cat([block_max, probs[..., whole:].amax(-1, keepdim=True)], -1)
-    reached = (~(block_max < cut)).cumsum(-1, dtype=torch.int32)  # [..., blocks]: how many, up to each
-    m = min(block_max.shape[-1], 2 * most)
-    nth = torch.arange(1, m + 1, dtype=torch.int32, device=probs.device).expand(*reached.shape[:-1], m)
-    # the j-th block not below the cut (the count of blocks where fewer are: its ids are past the vocabulary)
-    blocks = torch.searchsorted(reached, nth.contiguous())
-    ids = (blocks.unsqueeze(-1) * s + torch.arange(s, device=probs.device)).flatten(-2)  # ascending
-    tied = (probs.gather(-1, ids.clamp(max=v - 1)) == cut) & (ids < v)
-    at = tied & (tied.cumsum(-1, dtype=torch.int32) == n)
-    return torch.where(at.any(-1, keepdim=True), ids.gather(-1, at.byte().argmax(-1, keepdim=True)), v)
 
 
 @dataclass(frozen=True)
