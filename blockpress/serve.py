@@ -1126,6 +1126,8 @@ class Engine:
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
         self.stopping = False
+        # Why the engine thread ended on an error of ours (Engine._loop), else None: nothing answers requests then
+        self.failure: str | None = None
         self.batches: list[Batch] = []  # the batches the engine thread is generating, in the order they started
         self.metrics = Metrics()
         # Started when the app starts or the first request comes (`start`), not here: only the app's shutdown ends
@@ -1142,6 +1144,15 @@ class Engine:
         if self.thread.ident is None and not self.stopping:  # (the lock held)
             _LIVE_ENGINES.add(self)
             self.thread.start()
+
+    def stopped(self) -> str | None:
+        """Why a started engine thread no longer runs (an error of ours ended it, or the app shut down), else None:
+        a request queued now would never be answered, and /health says so rather than "ok"."""
+        if self.failure is not None:
+            return self.failure
+        if self.thread.ident is not None and not self.thread.is_alive():
+            return "the server is shutting down" if self.stopping else "the server's engine thread has ended"
+        return None
 
     def check_room(self, prompts: int, each: int) -> None:
         """Refuse a request of `prompts` prompts of `each` jobs that can never fit the queue: a 400 naming what is too
@@ -1172,6 +1183,8 @@ class Engine:
         with self.lock:
             if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
                 raise APIError(503, "the server is shutting down", kind="server_error")
+            if (stopped := self.stopped()) is not None:  # nothing would answer: a 503 now, not a wait forever
+                raise APIError(503, stopped, kind="server_error")
             self._drop_cancelled()  # a client that left frees its place at once, not when the engine next looks
             if self.max_queue - len(self.waiting) < len(jobs):
                 self.metrics.add(rejected_total=1)
@@ -1270,18 +1283,41 @@ class Engine:
         """The batches to advance next, once there are any (new ones started first), or None once closing."""
         with self.lock:
             while not self.stopping:
-                self._admit()
+                try:
+                    self._admit()
+                except Exception as exc:  # a defect of ours: the jobs waiting now get an error, and the engine goes
+                    # on (kept queued, they would meet the same error at every round, the engine spinning on it)
+                    jobs, self.waiting = self.waiting, []
+                    self._failed(jobs, exc)
                 if self.batches:
                     return list(self.batches)
                 self.arrived.wait()
             return None
 
     def _loop(self) -> None:
-        while (batches := self._round()) is not None:
-            for batch in batches:  # a canvas each, in turn: no batch waits for another's end
-                if self._advance(batch):
-                    with self.lock:
-                        self.batches.remove(batch)
+        try:
+            while (batches := self._round()) is not None:
+                for batch in batches:  # a canvas each, in turn: no batch waits for another's end
+                    try:
+                        finished = self._advance(batch)
+                    except Exception as exc:  # a defect of ours outside the batch's advance: as a failed batch's
+                        log.exception("serve: a batch of %d failed", len(batch.jobs))
+                        for job, answered in zip(batch.jobs, batch.answered):
+                            if not answered:
+                                report(job, JobError(str(exc)))
+                        self._close(batch)
+                        finished = True
+                    if finished:
+                        with self.lock:
+                            self.batches.remove(batch)
+        except BaseException as exc:  # (logged here whole: the thread then ends without raising it again)
+            # Nothing answers requests once this thread ends: those queued or running get a 503 now, later ones at
+            # once (submit), and /health is a 503, not "ok" (a load balancer would send traffic to a server that
+            # answers nothing, each request waiting forever)
+            log.critical("serve: the engine thread ended on an error; every request gets a 503", exc_info=True)
+            with self.lock:
+                self.failure = f"the server's engine stopped on an internal error ({type(exc).__name__}: {exc})"
+            self.cut(self.failure)
 
     def _advance(self, batch: Batch) -> bool:
         """Advance `batch` by a canvas: whether it has finished (a failed one has: its jobs got the error)."""
@@ -1299,15 +1335,24 @@ class Engine:
                     job.alone = True
                 with self.lock:
                     self.waiting[:0] = batch.jobs
-                batch.close()
+                self._close(batch)
                 return True
             log.exception("serve: a batch of %d failed", len(batch.jobs))
             for job in batch.jobs:
                 report(job, JobError(str(exc)))
             finished = True
         if finished:  # its cache goes now, not when the batch object does (see Batch.close)
-            batch.close()
+            self._close(batch)
         return finished
+
+    @staticmethod
+    def _close(batch: Batch) -> None:
+        """batch.close(), an error of it logged: its jobs are answered (or queued again) by now, and raised, it would
+        fail the round that every other batch is in."""
+        try:
+            batch.close()
+        except Exception:
+            log.exception("serve: could not close a finished batch of %d", len(batch.jobs))
 
     def check(self, job: Job) -> None:
         """Refuse a job the library would refuse (a 400 naming the field), before it is queued: alone, so that a
@@ -2430,6 +2475,8 @@ def create_app(lm: LM, model_name: str = "blockpress", *, max_queue: int = 64, m
     @app.get("/health")
     async def health():
         engine = served().engine
+        if (stopped := engine.stopped()) is not None:  # nothing answers requests: a probe takes the server out
+            return JSONResponse({"status": "engine stopped", "reason": stopped}, status_code=503)
         return {"status": "ok", "queue_depth": engine.depth(), "running_rows": engine.running()}
 
     @app.get("/metrics")

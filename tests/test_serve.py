@@ -976,6 +976,70 @@ def test_a_finished_batch_lets_go_of_its_stream_at_once(server, monkeypatch):
     assert len(started) == 3 and [inspect.getgeneratorstate(s) for s in started] == [inspect.GEN_CLOSED] * 3
 
 
+def test_an_error_closing_a_finished_batch_leaves_the_engine_serving(server, monkeypatch):
+    """Batch.close ran outside any guard: one error there ended the engine thread, and every later request waited
+    forever while /health said "ok". Now it is logged, and the next request is answered."""
+    engine = server[1].state.engine
+    wait_idle(engine)
+    close, fired = Batch.close, []
+
+    def failing(self):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("a bug in closing a batch's stream")
+        return close(self)
+
+    monkeypatch.setattr(Batch, "close", failing)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "seed": 1}
+    assert httpx.post(server[0] + "/v1/completions", json=body, timeout=10).status_code == 200  # answered, then closed
+    wait_until(lambda: fired, "the answered batch to close")  # (its answer is sent before it closes)
+    assert httpx.post(server[0] + "/v1/completions", json=body, timeout=10).status_code == 200
+    assert engine.thread.is_alive() and httpx.get(server[0] + "/health").json()["status"] == "ok"
+
+
+def test_an_error_in_admitting_fails_the_waiting_requests_and_the_engine_goes_on(server, monkeypatch):
+    """An error in Engine._admit (starting batches of the waiting jobs) ended the engine thread for good. Now the jobs
+    waiting then get a 500 (kept queued, they could meet it again at every round) and the next request is answered."""
+    engine = server[1].state.engine
+    wait_idle(engine)
+    admit, fired = type(engine)._admit, []
+
+    def failing(self):
+        if self.waiting and not fired:  # (not an idle round's: a request is waiting)
+            fired.append(1)
+            raise RuntimeError("a bug in starting a batch")
+        return admit(self)
+
+    monkeypatch.setattr(type(engine), "_admit", failing)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "seed": 1}
+    r = httpx.post(server[0] + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 500 and "a bug in starting a batch" in r.json()["error"]["message"], r.text
+    assert httpx.post(server[0] + "/v1/completions", json=body, timeout=10).status_code == 200
+    assert engine.thread.is_alive() and engine.depth() == 0
+
+
+def test_health_is_a_503_once_the_engine_thread_has_ended(server):
+    """An engine thread ended by an error of ours answered nothing more, while /health said "ok" (a load balancer kept
+    sending it traffic, each request waiting forever). Now /health is a 503 naming why, and a request a 503 at once."""
+    from fastapi.testclient import TestClient
+
+    app = create_app(server[1].state.server.lm, MODEL, prefix_cache_bytes=0)
+    engine = app.state.engine
+
+    def broken():
+        raise RuntimeError("a bug outside any batch")
+
+    engine._round = broken  # (an instance attribute over the method the thread calls)
+    with TestClient(app) as http:
+        engine.thread.join(10)
+        assert not engine.thread.is_alive()
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "engine stopped", r.text
+        assert "a bug outside any batch" in r.json()["reason"]
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"], r.text
+
+
 def test_a_client_that_leaves_mid_canvas_frees_the_engine_within_a_step(server, monkeypatch):
     """Without drafts a stream has events only per canvas: a client that left was noticed when its canvas
     committed (minutes for a long one). Now every step is a chance to stop."""
