@@ -170,6 +170,13 @@ def lock_folder(folder: Path, name: str) -> Callable[[], None]:
     return release
 
 
+def backup_path(path: str | Path) -> Path:
+    """Where a commit keeps the file at `path` that it replaces or removes until the commit is whole (StagedFiles):
+    beside it, hidden, and a name of its own (the process and a random token), so that it meets no other file."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.bak")
+
+
 class StagedFiles:
     """Files written beside their destinations under temporary names, then moved into place together by `commit`.
     os.replace is atomic, so a save killed part-way (SIGKILL, a full disk, a crash) leaves each destination whole, as it
@@ -177,6 +184,9 @@ class StagedFiles:
     its own checkpoint would lose it. Files are flushed to disk before the first is moved, and moved in the order they
     were staged (a checkpoint's commit marker last); files staged for removal go at their turn in that order, so a stale
     file outlives the save's new ones. As a context manager: committed on leaving, discarded on an error.
+    A commit that fails part-way (a rename refused, an I/O error) is undone: each file it replaced or removed is put
+    back and each it added is removed, so the folder is as it was (a mix of the new weights and the old settings would
+    load as one checkpoint). A recorded commit (a training save: `record`) is left to `finish` instead.
 
     One save of several parts (a training run's weights, tokenizer and state) stages them all in one StagedFiles
     (`staging`), so nothing of it is in place before everything of it is written. Its files are named by a tag of its
@@ -267,6 +277,7 @@ class StagedFiles:
         are all written (and flushed) before the first move, so those left are whole. Returns the number of files
         moved."""
         finishing = cls()
+        finishing.recorded = True  # (undone, the staged files it had moved would be lost: a failure leaves the rest)
         root = Path(folder).resolve()
         for entry in record:  # all checked before anything moves: the record is read from the folder, as found
             name = entry[0] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
@@ -288,17 +299,42 @@ class StagedFiles:
 
     def commit(self) -> None:
         folders = []
-        for temporary, path in self.moves:
-            if temporary is not None:
-                os.replace(temporary, path)
-            elif path.is_dir():
-                if not any(path.iterdir()):
-                    path.rmdir()
-            else:
-                path.unlink(missing_ok=True)
-            self.started = True
-            if path.parent not in folders:
-                folders.append(path.parent)
+        # What each move changed, to undo the commit should a later one fail: (destination, its backup, or None where
+        # no file was there; whether it was an empty folder, removed). None for a recorded commit: its record finishes
+        # it (StagedFiles.finish) from the staged files, which undoing would lose.
+        undo: list[tuple[Path, Path | None, bool]] | None = None if self.recorded else []
+        path = None
+        try:
+            for temporary, path in self.moves:
+                if temporary is not None:
+                    if undo is not None:  # a hard link: the old file stays in place meanwhile
+                        there = os.path.lexists(path) and not path.is_dir()
+                        undo.append((path, _keep(path, link=True) if there else None, False))
+                    os.replace(temporary, path)
+                elif path.is_dir():
+                    inside = list(path.iterdir())
+                    if not inside:
+                        path.rmdir()
+                        if undo is not None:
+                            undo.append((path, None, True))
+                    elif undo is not None and set(inside) <= {backup for _, backup, _ in undo}:
+                        # empty but for the backups of its files this commit removed: moved aside with them
+                        undo.append((path, _keep(path, link=False), True))
+                elif undo is None:
+                    path.unlink(missing_ok=True)
+                elif os.path.lexists(path):
+                    undo.append((path, _keep(path, link=False), False))  # moved aside: removed, until the commit is whole
+                self.started = True
+                if path.parent not in folders:
+                    folders.append(path.parent)
+        except Exception as exc:
+            if undo is None or path is None:
+                raise
+            _undo(undo, path, exc)  # raises, naming the file
+        except BaseException:  # a stop (signals wait for the commit, so a kill, or one simulated): as a kill leaves it
+            _drop_backups(undo or [])
+            raise
+        _drop_backups(undo or [])
         self.moves, self.made = [], []
         release_tag(self.tag)
         if os.name == "posix":  # the renames themselves on disk (a folder cannot be opened for fsync on Windows)
@@ -341,6 +377,66 @@ class StagedFiles:
             raise
         finally:
             release_tag(self.tag)  # (files kept for `finish` are a save that is over)
+
+
+def _keep(path: Path, link: bool) -> Path:
+    """A backup of the file at `path` (commit's undo): a hard link to it (`link`; where the file system has none, it
+    is moved aside, as it is where `link` is False: a file the commit removes)."""
+    backup = backup_path(path)
+    if link:
+        try:
+            os.link(path, backup, follow_symlinks=False)
+            return backup
+        except OSError:
+            pass
+    os.replace(path, backup)
+    return backup
+
+
+def _drop_backups(undo: list[tuple[Path, Path | None, bool]]) -> None:
+    """Delete the backups of a commit that is whole (or stopped): dead bytes, as large as the files they kept."""
+    for _, backup, was_folder in undo:
+        if backup is not None and was_folder:  # a folder moved aside, holding only backups
+            for inside in backup.iterdir():
+                inside.unlink()
+            backup.rmdir()
+        elif backup is not None:
+            backup.unlink(missing_ok=True)  # (gone where its folder was moved aside)
+
+
+def _undo(undo: list[tuple[Path, Path | None, bool]], failed: Path, exc: Exception) -> None:
+    """Put back what a commit had changed when its move of `failed` failed with `exc`: each file replaced or removed
+    from its backup, each folder removed made again, each file added removed. Raises an OSError naming `failed`
+    (`exc` itself where it is no OSError) that says whether the folder is as it was; a backup that could not be put
+    back is kept, and named."""
+    unrestored: list[tuple[Path, Path | None]] = []  # (this save's file, the backup of the one it replaced)
+    for path, backup, was_folder in reversed(undo):
+        try:
+            if backup is not None:
+                os.replace(backup, path)
+                if not was_folder:  # (a rename onto a link of the same file, not yet replaced, does nothing)
+                    backup.unlink(missing_ok=True)
+            elif was_folder:
+                path.mkdir(exist_ok=True)
+            elif not path.is_dir():
+                path.unlink(missing_ok=True)
+        except OSError:
+            unrestored.append((path, backup))
+    if not isinstance(exc, OSError):
+        raise exc
+    reason = exc.strerror or str(exc)
+    if unrestored:
+        kept = [f"{path.name} (the one before it kept as {backup.name})" if backup is not None else str(path.name)
+                for path, backup in reversed(unrestored)]
+        message = (f"{failed}: could not be moved into place ({reason}), and the save could not be undone: "
+                   f"{failed.parent} is incomplete, holding this save's new {', '.join(kept)} beside the files it held "
+                   "before; save again")
+    else:
+        message = (f"{failed}: could not be moved into place ({reason}); the save was undone: {failed.parent} was "
+                   "left as it was")
+    named = OSError(message)
+    named.errno = exc.errno  # (EIO, ENOSPC stay testable)
+    raise named from None
 
 
 @contextmanager

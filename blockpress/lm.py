@@ -2158,7 +2158,8 @@ class LM:
              dtype: torch.dtype | str | None = None, files: StagedFiles | None = None) -> None:
         """An HF-format folder that `blockpress.load` and transformers' `from_pretrained` both read. The files are
         written under temporary names and moved into place together (files.StagedFiles): a save killed part-way
-        leaves no truncated file. `metadata`: string entries for the safetensors headers (a training run records its
+        leaves no truncated file, and one whose moves fail part-way (an I/O error) is undone, the folder left as it
+        was, with an OSError naming the file. `metadata`: string entries for the safetensors headers (a training run records its
         step there). `dtype`: the one the weights are written in, cast as they are written (the model keeps its
         own). None: the checkpoint's, where `load` widened it for this CPU (`widened_from`: bf16 loaded as float32
         without native bf16 matmuls), else the model's. `files`: stage them there instead, for its owner to commit

@@ -1994,6 +1994,59 @@ def test_a_save_stopped_while_its_files_move_into_place_is_whole_or_leaves_no_te
     assert torch.equal(back.model.embed_tokens.weight, new.model.embed_tokens.weight)
 
 
+def test_a_save_whose_commit_fails_part_way_is_undone(tmp_path, monkeypatch):
+    """A rename that failed part-way through a save's commit (EIO on its 3rd file) left the new config and weights
+    beside the old generation config and tokenizer, which loaded as one checkpoint without a word, and the error
+    named no file. The commit is undone now, whichever rename fails: the folder holds the old save's files, byte for
+    byte, with no backup or staged file left, and the error names the file; into a new folder, none is left."""
+    import errno
+
+    import blockpress.files as files
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["abc def"], vocab_size=300)
+    old = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=0, tokenizer=tokenizer)
+    old.generation_config = {"max_new_tokens": 7}
+    new = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=1, tokenizer=tokenizer)
+    new.generation_config = {"max_new_tokens": 9}
+    folder = tmp_path / "c"
+    old.save(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real = os.replace
+
+    def save_failing_at(k, into):
+        """new.save(into) with its k-th os.replace failing; the error, or None where it made fewer."""
+        calls = []
+
+        def replace(source, destination):
+            calls.append(destination)
+            if len(calls) == k:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(source, destination)
+
+        monkeypatch.setattr(files.os, "replace", replace)
+        try:
+            new.save(into)
+        except OSError as exc:
+            return exc
+        finally:
+            monkeypatch.setattr(files.os, "replace", real)
+        return None
+
+    for k in range(1, 100):
+        if (exc := save_failing_at(k, folder)) is None:
+            break
+        assert re.match(rf"^{re.escape(str(folder))}/[a-z_]+\.[a-z]+: could not be moved into place \(Input/output "
+                        rf"error\); the save was undone: {re.escape(str(folder))} was left as it was$", str(exc)), exc
+        assert exc.errno == errno.EIO
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before, k  # the old save, whole, and nothing else
+    assert k > 4  # each of its renames failed once, then it saved
+    assert blockpress.load(folder).generation_config["max_new_tokens"] == 9
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert "was left as it was" in str(save_failing_at(3, tmp_path / "new" / "c"))
+    assert not (tmp_path / "new").exists()  # (a partial new folder was left)
+
+
 def test_every_stop_signal_held_back_is_delivered_once_a_ctrl_c_last():
     """Only the first signal a save held back was delivered: a SIGTERM after a Ctrl-C was lost, where the Ctrl-C's
     KeyboardInterrupt was caught (a REPL goes on) and the process then ignored what its scheduler asked."""
