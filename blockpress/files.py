@@ -170,11 +170,12 @@ def lock_folder(folder: Path, name: str) -> Callable[[], None]:
     return release
 
 
-def backup_path(path: str | Path) -> Path:
+def backup_path(path: str | Path, tag: str) -> Path:
     """Where a commit keeps the file at `path` that it replaces or removes until the commit is whole (StagedFiles):
-    beside it, hidden, and a name of its own (the process and a random token), so that it meets no other file."""
+    beside it, hidden, named by its save's `tag` as its staged files are (one a killed save left is removed as theirs
+    are: remove_stale)."""
     path = Path(path)
-    return path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.bak")
+    return path.with_name(f".{path.name}.{tag}.bak")
 
 
 class StagedFiles:
@@ -220,6 +221,7 @@ class StagedFiles:
             # ones of it left by killed saves: of this version's, those whose process is gone
             temporary_path(path).unlink(missing_ok=True)
             remove_stale(path.parent, f".{glob.escape(path.name)}", ".tmp")
+            remove_stale(path.parent, f".{glob.escape(path.name)}", ".bak")  # (a save killed in its commit)
             self.moves.append((temporary, path))  # before it is made: discarding removes a partial (or empty) one
             temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)
             mode = temporary.stat().st_mode & 0o777
@@ -309,7 +311,7 @@ class StagedFiles:
                 if temporary is not None:
                     if undo is not None:  # a hard link: the old file stays in place meanwhile
                         there = os.path.lexists(path) and not path.is_dir()
-                        undo.append((path, _keep(path, link=True) if there else None, False))
+                        undo.append((path, _keep(path, self.tag, link=True) if there else None, False))
                     os.replace(temporary, path)
                 elif path.is_dir():
                     inside = list(path.iterdir())
@@ -319,11 +321,11 @@ class StagedFiles:
                             undo.append((path, None, True))
                     elif undo is not None and set(inside) <= {backup for _, backup, _ in undo}:
                         # empty but for the backups of its files this commit removed: moved aside with them
-                        undo.append((path, _keep(path, link=False), True))
+                        undo.append((path, _keep(path, self.tag, link=False), True))
                 elif undo is None:
                     path.unlink(missing_ok=True)
                 elif os.path.lexists(path):
-                    undo.append((path, _keep(path, link=False), False))  # moved aside: removed, until the commit is whole
+                    undo.append((path, _keep(path, self.tag, link=False), False))  # moved aside: removed, until the commit is whole
                 self.started = True
                 if path.parent not in folders:
                     folders.append(path.parent)
@@ -379,10 +381,10 @@ class StagedFiles:
             release_tag(self.tag)  # (files kept for `finish` are a save that is over)
 
 
-def _keep(path: Path, link: bool) -> Path:
+def _keep(path: Path, tag: str, link: bool) -> Path:
     """A backup of the file at `path` (commit's undo): a hard link to it (`link`; where the file system has none, it
     is moved aside, as it is where `link` is False: a file the commit removes)."""
-    backup = backup_path(path)
+    backup = backup_path(path, tag)
     if link:
         try:
             os.link(path, backup, follow_symlinks=False)

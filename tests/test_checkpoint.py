@@ -2140,7 +2140,8 @@ def test_a_save_removes_the_temporaries_of_saves_whose_process_is_gone(tmp_path)
     folder = tmp_path / "c"
     folder.mkdir()
     running, killed = f".config.json.{os.getppid()}-0123abcd.tmp", f".config.json.{gone.stdout.strip()}-0123abcd.tmp"
-    for name in (running, killed, ".config.json.tmp", ".model.safetensors.tmp"):
+    backup = f".model.safetensors.{gone.stdout.strip()}-0123abcd.bak"  # kept by a save killed in its commit
+    for name in (running, killed, backup, ".config.json.tmp", ".model.safetensors.tmp"):
         (folder / name).write_text("half a save")
     blockpress.random_model(ModelConfig.tiny(), seed=0).save(folder)
     assert sorted(p.name for p in folder.iterdir()) == [
