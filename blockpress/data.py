@@ -224,7 +224,7 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str, c
     for i in trained:
         at = f"{where}: messages[{i}]" if len(trained) > 1 else where
         prompt = str(tokenizer.apply_chat_template(chat[:i], add_generation_prompt=True))
-        reply = _rendered_reply(tokenizer, chat, i, prompt, at)
+        prompt, reply = _rendered_reply(tokenizer, chat, i, prompt, at)
         content = chat[i].get("content")
         if isinstance(content, str) and content_cut(content, reply):
             markers = reasoning_markers(tokenizer.reply_template)
@@ -275,33 +275,42 @@ def warn_content_cut(turns: list[tuple[str, bool]], tokenizer: Any, where: str) 
               f"train{'' if many else 's'} on the turn as the template renders it{hint}")
 
 
-def _rendered_reply(tokenizer: Any, chat: list[dict[str, Any]], i: int, prompt: str, where: str) -> str:
-    """The text of assistant turn chat[i] as the chat template writes it after `prompt` (chat[:i] rendered with
-    add_generation_prompt=True): the rendering of chat[:i+1] past that prompt, as TRL cuts a completion, so tool calls
-    are in the template's own format and the turn ends with its own end marker. Its thought (reasoning_content), where
-    the template does not render it (Gemma 4's never does), goes first, between the markers of the tokenizer's
-    response template's reasoning field; a thought neither can write is refused, never dropped."""
+def _rendered_reply(tokenizer: Any, chat: list[dict[str, Any]], i: int, prompt: str, where: str) -> tuple[str, str]:
+    """(the prompt to train with, the text of assistant turn chat[i] as the chat template writes it after `prompt`
+    (chat[:i] rendered with add_generation_prompt=True)): the rendering of chat[:i+1] past that prompt, as TRL cuts a
+    completion, so tool calls are in the template's own format and the turn ends with its own end marker. Its thought
+    (reasoning_content), where the template does not render it (Gemma 4's tool-less turns), goes first, between the
+    markers of the tokenizer's response template's reasoning field; a thought neither can write is refused, never
+    dropped. The prompt is `prompt`, but where it ends with an empty thought the turn does not hold (below)."""
     full = str(tokenizer.apply_chat_template(chat[: i + 1], add_generation_prompt=False))
-    if not full.startswith(prompt):
+    # Google's Gemma 4 template, thinking off, ends its generation prompt with a closed, empty thought
+    # (<|channel>thought\n<channel|>) that no rendered turn holds: the turn is cut after the prompt without it. A turn
+    # without a thought trains after the whole prompt (what the server prompts with); one with a thought trains
+    # after the prompt without it, the thought in the reply, else it would follow an empty one.
+    markers = reasoning_markers(tokenizer.reply_template)
+    empty = markers[0] + markers[1] if markers else ""
+    start = prompt
+    if empty and prompt.endswith(empty) and not full.startswith(prompt) and full.startswith(prompt[: -len(empty)]):
+        start = prompt[: -len(empty)]
+    if not full.startswith(start):
         raise ValueError(f"{where}: the chat template renders the conversation up to messages[{i}] differently from "
                          f"the prompt before it (messages[:{i}] with add_generation_prompt=True is not its start), so "
                          "the assistant's turn cannot be cut from it to train on")
-    reply = full[len(prompt):]
+    reply = full[len(start):]
     field, thought = next(((k, chat[i][k]) for k in REASONING_FIELDS if chat[i].get(k) is not None), (None, None))
     if field is None or thought == "":
-        return reply
+        return prompt, reply
     if not isinstance(thought, str):
         raise ValueError(f"{where}: messages[{i}].{field}: expected text, got {type(thought).__name__}")
     bare = {key: value for key, value in chat[i].items() if key not in REASONING_FIELDS}
     if str(tokenizer.apply_chat_template([*chat[:i], bare], add_generation_prompt=False)) != full:
-        return reply  # the template writes the thought itself (Qwen 3's <think>...</think>)
-    markers = reasoning_markers(tokenizer.reply_template)
+        return start, reply  # the template writes the thought itself (Qwen 3's <think>...</think>)
     if markers is None:
         raise ValueError(f"{where}: messages[{i}].{field}: the chat template does not render the assistant's thought, "
                          "and the tokenizer's response template has no reasoning_content field with open and close "
                          "texts to write it between, so it cannot be trained on; leave the field out to train the "
                          "turn without it")
-    return markers[0] + thought + markers[1] + reply
+    return start, markers[0] + thought + markers[1] + reply
 
 
 def _check_example(ex: Example, where: str, vocab_size: int | None, context: tuple[int, int, int | None] | None) -> None:
