@@ -1099,8 +1099,8 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
     prompted as it was trained): a copy whose content is text, OpenAI's list of parts [{"type": "text", "text":
     ...}] joined (a template may print the list itself: templates differ on parts), and role "developer" (what
     OpenAI's newer clients call the system role) as "system". Other parts are refused, and so is content null or
-    absent except on an assistant message with tool_calls (OpenAI's rule): a template would render an empty turn.
-    Errors are MessageError naming the field."""
+    absent except on an assistant message with tool_calls (OpenAI's rule), whose content is then "" (vLLM's): a
+    template would render an empty turn. Errors are MessageError naming the field."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise MessageError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
@@ -1115,7 +1115,9 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
     content = message.get("content")
     if content is None:
         if message.get("tool_calls"):
-            return dict(message)
+            # "" as vLLM renders it: templates that read message.content (Qwen 3's '\n' + content, Phi-3.5's,
+            # Granite's) fail on a field left out, and "" renders as null does on the templates that take null
+            return {**message, "content": ""}
         raise MessageError(f"{where}.content", f"expected str or a list of text parts, got "
                                                f"{'null' if 'content' in message else 'nothing'} (only an assistant "
                                                "message with tool_calls may leave it out)")

@@ -3107,6 +3107,22 @@ def test_a_tool_conversation_renders_as_transformers_renders_it(server, monkeypa
                                                                      tokenize=False), add_special_tokens=False)
 
 
+def test_a_tool_call_turn_with_null_content_is_rendered_not_a_server_error(server, monkeypatch):
+    """An agent loop sends the tool-call turn back as OpenAI's clients (and this server's replies) write it, content
+    null: under a template that reads message.content (Qwen 3's, QwQ's, Phi-3.5's, ...) it was a 500 "chat_template:
+    rendering failed: UndefinedError", which the openai SDK retries. It renders as "" (vLLM's), a 200."""
+    from test_tokenizer import QWEN3_STYLE_TEMPLATE
+
+    lm, sent = server[1].state.engine.lm, []
+    monkeypatch.setattr(lm.tokenizer, "chat_template", QWEN3_STYLE_TEMPLATE)
+    submit = server[1].state.engine.submit
+    monkeypatch.setattr(server[1].state.engine, "submit", lambda jobs: (sent.append(jobs[0].prompt), submit(jobs))[1])
+    r = httpx.post(server[0] + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": TOOL_TURNS, "max_tokens": 2, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert "<|im_start|>assistant\n<tool_call>" in lm.tokenizer.decode(sent[0], skip_special_tokens=False)
+
+
 def with_call(**change):
     """TOOL_TURNS[:3] with the first tool call's fields changed (None: removed)."""
     call = {**TOOL_TURNS[2]["tool_calls"][0]}

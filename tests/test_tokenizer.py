@@ -1100,6 +1100,32 @@ def test_flat_tool_calls_are_taken_with_their_arguments_read_as_an_object():
         chat_message({"role": "assistant", "content": None, "tool_calls": [{"name": 3, "arguments": {}}]}, 1)
 
 
+# As Qwen 3's template writes an assistant turn ('\n' + message.content: an error where the field is left out), as do
+# QwQ's, the R1 distills', Phi-3.5's, Granite 3.3's, Devstral's and LFM2's
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content }}{%- for c in m.tool_calls or [] %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}<|im_end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant{%- endif %}")
+
+
+@pytest.mark.parametrize("assistant", [
+    {"role": "assistant", "tool_calls": [TOOL_CALL]},
+    {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},  # what OpenAI's clients and the server send
+])
+def test_a_tool_call_turn_without_content_renders_it_as_empty_text(tok: Tokenizer, assistant: dict[str, Any]) -> None:
+    """A turn of tool calls alone left its content out, and templates that read message.content failed ("'dict
+    object' has no attribute 'content'": a 500 in the server's agent loop). Its content is "" as vLLM renders it."""
+    from blockpress.tokenizer import chat_message
+
+    messages = [{"role": "user", "content": "w?"}, assistant, {"role": "tool", "content": "sunny"}]
+    read = [chat_message(m, i) for i, m in enumerate(messages)]
+    rendered = tok.apply_chat_template(read, chat_template=QWEN3_STYLE_TEMPLATE)
+    assert read[1]["content"] == ""
+    assert rendered == tok.apply_chat_template([*messages[:1], {**assistant, "content": ""}, messages[2]],
+                                               chat_template=QWEN3_STYLE_TEMPLATE)
+    assert '<|im_start|>assistant\n<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}' in rendered
+
+
 @pytest.mark.parametrize("assistant", [
     {"role": "assistant", "tool_calls": [TOOL_CALL]},  # OpenAI's shape: no content key at all
     {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},  # the same, written out as null
