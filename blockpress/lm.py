@@ -1862,8 +1862,8 @@ class LM:
         model's turn: the one rendering that `chat`, `blockpress chat`, `blockpress generate --chat` and the
         server's /v1/chat/completions prompt with. `messages`: one conversation, a list of {"role", "content"}
         dicts (-> a list of ids), or a list of conversations (-> one row of ids each); each message is read as the
-        server and `blockpress train` read it (tokenizer.chat_message: OpenAI's text parts joined, "developer" as
-        "system", other parts and missing content refused by field). `template_options` go to
+        server and `blockpress train` read it (tokenizer.chat_message: OpenAI's text parts joined by "\\n",
+        "developer" as "system", other parts and missing content refused by field). `template_options` go to
         Tokenizer.apply_chat_template (tools, documents, chat_template, continue_final_message, template
         variables; not `tokenize`: ids are what this returns, and their text is
         `lm.tokenizer.decode(ids, skip_special_tokens=False)`); tools are refused where the template never reads

@@ -364,7 +364,8 @@ class Message(_Body):
     model_config = STRICT
     # "developer" is what OpenAI's newer clients call the system role; "tool" carries a tool call's result
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # current SDKs send a list of parts: text ones are joined, others refused. Null only beside tool_calls (check).
+    # current SDKs send a list of parts: text ones are joined by "\n" (vLLM's), others refused. Null only beside
+    # tool_calls (check).
     content: str | Items[TextPart] | None = None
     name: str | None = None
     tool_calls: Items[ToolCall] | None = None  # an assistant's calls, as the client's earlier turn recorded them
@@ -406,7 +407,8 @@ class Message(_Body):
 
     def for_template(self, i: int) -> dict:
         """messages[i] as transformers' templates take it (None fields are left out by the tokenizer), its content
-        as `blockpress train` reads it from a file (chat_message: text parts joined; null only beside tool_calls)."""
+        as `blockpress train` reads it from a file (chat_message: text parts joined by "\\n"; null only beside
+        tool_calls)."""
         content = self.content if not isinstance(self.content, list) else [
             p.model_dump(exclude={"cache_control"}) for p in self.content]
         calls = None if self.tool_calls is None else [

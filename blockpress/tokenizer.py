@@ -1097,10 +1097,10 @@ class MessageError(ValueError):
 def chat_message(message: Any, index: int) -> dict[str, Any]:
     """messages[index] as blockpress renders it, from a server request and a training file alike (so a model is
     prompted as it was trained): a copy whose content is text, OpenAI's list of parts [{"type": "text", "text":
-    ...}] joined (a template may print the list itself: templates differ on parts), and role "developer" (what
-    OpenAI's newer clients call the system role) as "system". Other parts are refused, and so is content null or
-    absent except on an assistant message with tool_calls (OpenAI's rule), whose content is then "" (vLLM's): a
-    template would render an empty turn. Errors are MessageError naming the field."""
+    ...}] joined one line apart ("\\n", as vLLM joins them; a template may print the list itself: templates differ on
+    parts), and role "developer" (what OpenAI's newer clients call the system role) as "system". Other parts are
+    refused, and so is content null or absent except on an assistant message with tool_calls (OpenAI's rule), whose
+    content is then "" (vLLM's): a template would render an empty turn. Errors are MessageError naming the field."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise MessageError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
@@ -1129,7 +1129,9 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise MessageError(f"{where}.content", f"only text parts {{'type': 'text', 'text': str}} are "
                                                        f"supported ({where}.content[{j}] is {kind!r})")
-        content = "".join(part["text"] for part in content)
+        # one line apart, as vLLM joins them for a template that takes text (Granite 4's own template does so too):
+        # glued, "Describe this:" and "The cat sat." read "Describe this:The cat sat."
+        content = "\n".join(part["text"] for part in content)
     elif not isinstance(content, str):
         raise MessageError(f"{where}.content", f"expected str or a list of text parts, got {type(content).__name__}")
     return {**message, "content": content}

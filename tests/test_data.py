@@ -130,14 +130,16 @@ def test_a_record_both_a_chat_and_a_prompt_response_is_refused_and_metadata_is_n
        st.lists(st.text(alphabet="ab x:\n", min_size=1, max_size=6), min_size=1, max_size=3))
 def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
     """OpenAI's content parts were trained on as the Python repr of the list ("[{'type': 'text', ...}]"), while
-    `blockpress serve` joins their text: the model was prompted unlike it was trained."""
+    `blockpress serve` joins their text (one line apart, as vLLM joins them): the model was prompted unlike it was
+    trained."""
     from blockpress.serve import Message
 
     def parts(pieces):
         return [{"type": "text", "text": piece} for piece in pieces]
 
     as_parts = {"messages": [{"role": "user", "content": parts(asked)}, {"role": "assistant", "content": parts(answer)}]}
-    as_text = {"messages": [{"role": "user", "content": "".join(asked)}, {"role": "assistant", "content": "".join(answer)}]}
+    as_text = {"messages": [{"role": "user", "content": "\n".join(asked)},
+                            {"role": "assistant", "content": "\n".join(answer)}]}
     [ex] = parse_examples(as_parts, tok, "d.jsonl:1")
     assert [ex] == parse_examples(as_text, tok, "d.jsonl:1")
     served = Message.model_validate(as_parts["messages"][0]).for_template(0)  # a request's user turn

@@ -3754,13 +3754,13 @@ PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 @given(turns=st.lists(st.lists(st.text(max_size=6), min_size=1, max_size=3), min_size=1, max_size=3),
        developer=st.booleans())
 def test_chat_prompt_reads_messages_as_the_server_and_training_do(chat_lm, turns, developer):
-    """OpenAI's text parts are joined and "developer" is "system" (tokenizer.chat_message, as the server and
+    """OpenAI's text parts are joined by "\\n" and "developer" is "system" (tokenizer.chat_message, as the server and
     `blockpress train` read messages), whatever the template does with a list (this one would print its repr)."""
     from blockpress.tokenizer import chat_message
 
     first = {"role": "developer" if developer else "system", "content": "be brief"}
     parts = [first] + [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]} for texts in turns]
-    joined = [{"role": "system", "content": "be brief"}] + [{"role": "user", "content": "".join(t)} for t in turns]
+    joined = [{"role": "system", "content": "be brief"}] + [{"role": "user", "content": "\n".join(t)} for t in turns]
     got = chat_lm.chat_prompt(parts, chat_template=PLAIN_TEMPLATE)
     assert got == chat_lm.chat_prompt(joined, chat_template=PLAIN_TEMPLATE)
     assert got == chat_lm.tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(parts)],

@@ -2548,8 +2548,9 @@ def test_openai_clients_message_shapes(server):
         return httpx.post(server[0] + "/v1/chat/completions", timeout=60,
                           json={"model": MODEL, "messages": messages, "max_tokens": 4, "seed": 3, **kw})
 
-    plain = chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}])
-    parts = chat([{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+    # the parts' texts one line apart, as vLLM joins them
+    plain = chat([{"role": "system", "content": "be\nbrief"}, {"role": "user", "content": "hi there"}])
+    parts = chat([{"role": "developer", "content": [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]},
                   {"role": "user", "content": [{"type": "text", "text": "hi there"}]}])
     assert plain.status_code == parts.status_code == 200
     assert parts.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]

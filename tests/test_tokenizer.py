@@ -1085,6 +1085,16 @@ def test_tool_calls_the_server_refuses_are_refused_by_field_in_lm_chat_and_train
     assert message["tool_calls"] == [as_text]  # the caller's message is left as it was
 
 
+def test_text_parts_are_joined_one_line_apart_as_vllm_joins_them(tok: Tokenizer) -> None:
+    """Text parts were glued ("Describe this:" and "The cat sat." read "Describe this:The cat sat."), where
+    vLLM joins them with "\\n" for a template that takes text, and Granite 4's own template writes them so."""
+    from blockpress.tokenizer import chat_message
+
+    parts = [{"type": "text", "text": "Describe this:"}, {"type": "text", "text": "The cat sat."}]
+    assert chat_message({"role": "user", "content": parts}, 0)["content"] == "Describe this:\nThe cat sat."
+    assert chat_message({"role": "user", "content": parts[:1]}, 0)["content"] == "Describe this:"  # one: as it is
+
+
 def test_flat_tool_calls_are_taken_with_their_arguments_read_as_an_object():
     """Calls written flat ({"name", "arguments"}, which Qwen's and Llama's templates take beside OpenAI's
     {"function": ...}) reached such templates before the calls were checked; they still do, their JSON-text arguments
