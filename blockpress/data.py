@@ -190,7 +190,8 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
     return [ex for _, ex in examples]
 
 
-KNOWN_ROLES = ("system", "user", "assistant", "model", "tool")  # the roles chat templates render ("developer": system)
+# the roles chat templates render ("developer": OpenAI's system role, rendered as "system" unless the template names it)
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "model", "tool")
 
 
 def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str, cut: list[tuple[str, bool]],
@@ -203,8 +204,10 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str, c
     if messages[-1].get("role") not in ("assistant", "model"):  # named: "Assistant" and "bot" are typos to see
         raise ValueError(f"{where}: messages[{len(messages) - 1}].role is {messages[-1].get('role')!r}; the last "
                          "message must be the assistant's ('assistant' or 'model'), the reply trained on")
-    # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained
-    chat = [chat_message(message, i) for i, message in enumerate(messages)]
+    # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained (every turn is
+    # rendered with the tokenizer's default template)
+    template = tokenizer.chat_template_text()
+    chat = [chat_message(message, i, template) for i, message in enumerate(messages)]
     replies = [i for i, message in enumerate(chat) if message["role"] in ("assistant", "model")]
     asked = next((i for i, message in enumerate(chat) if message["role"] == "user"), len(chat))
     last = replies[-1]

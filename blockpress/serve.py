@@ -362,7 +362,8 @@ class ToolCall(_Body):
 
 class Message(_Body):
     model_config = STRICT
-    # "developer" is what OpenAI's newer clients call the system role; "tool" carries a tool call's result
+    # "developer" is what OpenAI's newer clients call the system role (rendered as "system" unless the chat template
+    # names "developer"); "tool" carries a tool call's result
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # current SDKs send a list of parts: text ones are joined by "\n" (vLLM's), others refused. Null only beside
     # tool_calls (check).
@@ -415,7 +416,7 @@ class Message(_Body):
             {"id": c.id, "type": c.type, "function": {"name": c.function.name,
                                                       "arguments": json.loads(c.function.arguments)}}
             for c in self.tool_calls]
-        try:  # chat_message also maps "developer" to "system"
+        try:  # "developer" stays: lm.chat_prompt's chat_message, which knows the template, decides
             return chat_message({"role": self.role, "content": content, "name": self.name, "tool_calls": calls,
                                  "tool_call_id": self.tool_call_id, "reasoning_content": self.reasoning_content}, i)
         except MessageError as exc:

@@ -802,6 +802,11 @@ class Tokenizer:
         raise ValueError(f"chat_template: this tokenizer's templates are named {sorted(templates)}, none of them "
                          "'default'; pass chat_template=<one of those names>")
 
+    def chat_template_text(self, chat_template: str | None = None, tools: Any = None) -> str:
+        """The template text apply_chat_template(chat_template=..., tools=...) renders with (transformers' choice
+        among named templates): what chat_message reads to decide how role "developer" is rendered."""
+        return self._pick_template(chat_template, tools)
+
     def chat_template_variables(self, chat_template: str | None = None, tools: Any = None) -> frozenset[str]:
         """The variables that the template apply_chat_template(chat_template=..., tools=...) renders reads (messages,
         tools, add_generation_prompt, ...): whether it would use `tools` at all, before sending them."""
@@ -1094,13 +1099,16 @@ class MessageError(ValueError):
         self.field = field
 
 
-def chat_message(message: Any, index: int) -> dict[str, Any]:
+def chat_message(message: Any, index: int, template: str | None = None) -> dict[str, Any]:
     """messages[index] as blockpress renders it, from a server request and a training file alike (so a model is
     prompted as it was trained): a copy whose content is text, OpenAI's list of parts [{"type": "text", "text":
     ...}] joined one line apart ("\\n", as vLLM joins them; a template may print the list itself: templates differ on
-    parts), and role "developer" (what OpenAI's newer clients call the system role) as "system". Other parts are
-    refused, and so is content null or absent except on an assistant message with tool_calls (OpenAI's rule), whose
-    content is then "" (vLLM's): a template would render an empty turn. Errors are MessageError naming the field."""
+    parts), and role "developer" (what OpenAI's newer clients call the system role) as "system" where `template`,
+    the chat template's text it is rendered with, never names "developer" (one that does renders it itself: DeepSeek
+    V4's puts it in the user turn); with no template it is left as it is, for the rendering to decide. Other parts
+    are refused, and so is content null or absent except on an assistant message with tool_calls (OpenAI's rule),
+    whose content is then "" (vLLM's): a template would render an empty turn. Errors are MessageError naming the
+    field."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise MessageError(where, f"expected an object with 'role' and 'content', got {type(message).__name__}")
@@ -1108,7 +1116,9 @@ def chat_message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(message.get("role"), str):
         raise MessageError(f"{where}.role", f"expected a str ('system', 'user', 'assistant', ...), got "
                                             f"{'nothing' if 'role' not in message else type(message['role']).__name__}")
-    if message["role"] == "developer":  # templates know "system" (Gemma's raises on any other role)
+    # templates know "system" (Gemma's raises on any other role), but one that names "developer" has a place of its
+    # own for it (DeepSeek V3.2's and V4's, GigaChat 3's: the user turn, where "system" is a preamble)
+    if message["role"] == "developer" and template is not None and "developer" not in template:
         message = {**message, "role": "system"}
     if message.get("tool_calls") is not None:
         message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}

@@ -146,6 +146,22 @@ def test_chat_content_parts_train_as_the_server_reads_them(tok, asked, answer):
     assert tok.apply_chat_template([served], add_generation_prompt=True, tokenize=True) == ex.prompt
 
 
+def test_a_developer_message_trains_as_the_template_renders_it(tok):
+    """"developer" trained as "system" even under a template that renders it itself (DeepSeek V4's, in the user
+    turn): the prompt is the template's for "developer" where its text names the role, and "system"'s where not."""
+    from test_tokenizer import DEVELOPER_TEMPLATE, ROLE_TEMPLATE
+
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}]
+    for template, asked in ((DEVELOPER_TEMPLATE, "<User>Be brief.<User>Hi<Assistant>"),
+                            (ROLE_TEMPLATE + "{% if add_generation_prompt %}<assistant>{% endif %}",
+                             "<system>Be brief.<user>Hi<assistant>")):
+        custom = copy.copy(tok)
+        custom.chat_template = template
+        [example] = parse_examples({"messages": chat}, custom, "d.jsonl:1")
+        assert custom.decode(example.prompt, skip_special_tokens=False) == asked
+
+
 @pytest.mark.parametrize("messages, message", [
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, {"role": "assistant", "content": "y"}],
      r"d.jsonl:1: messages\[0\].content: only text parts .* \(messages\[0\].content\[0\] is 'image_url'\)"),
@@ -827,7 +843,8 @@ def test_a_chat_whose_user_role_is_mistyped_names_the_role(tok):
     record = {"messages": [{"role": "usr", "content": "a"}, {"role": "assistant", "content": "b"}]}
     with pytest.raises(ValueError, match=re.escape("f.jsonl:2: 'messages' has no user message before the assistant's "
                                                    "(messages[1]) (messages[0].role is 'usr', not one of ['system', "
-                                                   "'user', 'assistant', 'model', 'tool']); give the user turn")):
+                                                   "'developer', 'user', 'assistant', 'model', 'tool']); give the "
+                                                   "user turn")):
         parse_examples(record, tok, "f.jsonl:2")
     record["messages"][0]["role"] = "system"  # a real role: the message as it was
     with pytest.raises(ValueError, match=re.escape("(messages[1]); give the user turn it answers before it")):

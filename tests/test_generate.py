@@ -3754,8 +3754,9 @@ PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 @given(turns=st.lists(st.lists(st.text(max_size=6), min_size=1, max_size=3), min_size=1, max_size=3),
        developer=st.booleans())
 def test_chat_prompt_reads_messages_as_the_server_and_training_do(chat_lm, turns, developer):
-    """OpenAI's text parts are joined by "\\n" and "developer" is "system" (tokenizer.chat_message, as the server and
-    `blockpress train` read messages), whatever the template does with a list (this one would print its repr)."""
+    """OpenAI's text parts are joined by "\\n" and "developer" is "system" under a template that never names it
+    (tokenizer.chat_message, as the server and `blockpress train` read messages), whatever the template does with a
+    list (this one would print its repr)."""
     from blockpress.tokenizer import chat_message
 
     first = {"role": "developer" if developer else "system", "content": "be brief"}
@@ -3763,8 +3764,18 @@ def test_chat_prompt_reads_messages_as_the_server_and_training_do(chat_lm, turns
     joined = [{"role": "system", "content": "be brief"}] + [{"role": "user", "content": "\n".join(t)} for t in turns]
     got = chat_lm.chat_prompt(parts, chat_template=PLAIN_TEMPLATE)
     assert got == chat_lm.chat_prompt(joined, chat_template=PLAIN_TEMPLATE)
-    assert got == chat_lm.tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(parts)],
-                                                        tokenize=True, chat_template=PLAIN_TEMPLATE)
+    read = [chat_message(m, i, PLAIN_TEMPLATE) for i, m in enumerate(parts)]
+    assert got == chat_lm.tokenizer.apply_chat_template(read, tokenize=True, chat_template=PLAIN_TEMPLATE)
+
+
+def test_chat_prompt_leaves_developer_to_a_template_that_names_it(chat_lm):
+    """"developer" was "system" whatever the template: DeepSeek V4's (which renders it in the user turn) got it as its
+    system preamble, in lm.chat and the server alike. A template that names "developer" gets it as it is."""
+    from test_tokenizer import DEVELOPER_TEMPLATE
+
+    messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    got = chat_lm.chat_prompt(messages, chat_template=DEVELOPER_TEMPLATE)
+    assert chat_lm.tokenizer.decode(got, skip_special_tokens=False) == "<User>Answer in French.<User>Hi<Assistant>"
 
 
 @pytest.mark.parametrize("message, field", [

@@ -1095,6 +1095,30 @@ def test_text_parts_are_joined_one_line_apart_as_vllm_joins_them(tok: Tokenizer)
     assert chat_message({"role": "user", "content": parts[:1]}, 0)["content"] == "Describe this:"  # one: as it is
 
 
+# As DeepSeek V4's template (V3.2's and GigaChat 3's alike) renders a developer message: inside the user turn, where a
+# system one is a preamble
+DEVELOPER_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}{% elif m.role == 'user' or "
+    "m.role == 'developer' %}<User>{{ m.content }}{% else %}<Assistant>{{ m.content }}<end>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<Assistant>{% endif %}")
+ROLE_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"  # knows no role by name
+
+
+def test_developer_is_system_only_where_the_template_never_names_it(tok: Tokenizer) -> None:
+    """"developer" was always rewritten to "system", so a template that renders it itself (DeepSeek V4's, in the
+    user turn) rendered it as its system preamble. It stays "developer" where the template's text names it, is
+    "system" where it never does, and is left as it is where no template is given (the server reads a request's
+    messages before the rendering, whose own chat_message decides)."""
+    from blockpress.tokenizer import chat_message
+
+    messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    read = [chat_message(m, i, DEVELOPER_TEMPLATE) for i, m in enumerate(messages)]
+    assert read[0]["role"] == "developer"
+    assert tok.apply_chat_template(read, chat_template=DEVELOPER_TEMPLATE) == "<User>Answer in French.<User>Hi<Assistant>"
+    assert chat_message(messages[0], 0, ROLE_TEMPLATE)["role"] == "system"
+    assert chat_message(messages[0], 0)["role"] == "developer"
+
+
 def test_flat_tool_calls_are_taken_with_their_arguments_read_as_an_object():
     """Calls written flat ({"name", "arguments"}, which Qwen's and Llama's templates take beside OpenAI's
     {"function": ...}) reached such templates before the calls were checked; they still do, their JSON-text arguments
