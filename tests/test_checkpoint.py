@@ -1950,6 +1950,20 @@ def test_a_save_into_a_new_folder_that_fails_leaves_no_folder_and_names_the_file
         p.name for p in (tmp_path / "whole").iterdir())
 
 
+def _saved_and_another(tmp_path):
+    """A model with a tokenizer saved in tmp_path/c, and another (other weights and settings) to save over it."""
+    from blockpress.tokenizer import train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(["abc def"], vocab_size=300)
+    old = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=0, tokenizer=tokenizer)
+    old.generation_config = {"max_new_tokens": 7}
+    new = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=1, tokenizer=tokenizer)
+    new.generation_config = {"max_new_tokens": 9}
+    folder = tmp_path / "c"
+    old.save(folder)
+    return old, new, folder
+
+
 @pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "OSError", "OSError later"])
 def test_a_save_stopped_while_its_files_move_into_place_is_whole_or_leaves_no_temporary(tmp_path, monkeypatch, stop):
     """A Ctrl-C (or SIGTERM) between two of the commit's renames left the new weights beside the old
@@ -1960,15 +1974,8 @@ def test_a_save_stopped_while_its_files_move_into_place_is_whole_or_leaves_no_te
 
     import blockpress.files as files
     from blockpress.stopping import Stopped, stop_signals_interrupt
-    from blockpress.tokenizer import train_bpe_tokenizer
 
-    tokenizer = train_bpe_tokenizer(["abc def"], vocab_size=300)
-    old = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=0, tokenizer=tokenizer)
-    old.generation_config = {"max_new_tokens": 7}
-    new = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=1, tokenizer=tokenizer)
-    new.generation_config = {"max_new_tokens": 9}
-    folder = tmp_path / "c"
-    old.save(folder)
+    old, new, folder = _saved_and_another(tmp_path)
     moves, real = [], os.replace
 
     def stopped_at_the_second(source, destination):
@@ -2002,15 +2009,8 @@ def test_a_save_whose_commit_fails_part_way_is_undone(tmp_path, monkeypatch):
     import errno
 
     import blockpress.files as files
-    from blockpress.tokenizer import train_bpe_tokenizer
 
-    tokenizer = train_bpe_tokenizer(["abc def"], vocab_size=300)
-    old = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=0, tokenizer=tokenizer)
-    old.generation_config = {"max_new_tokens": 7}
-    new = blockpress.random_model(ModelConfig.tiny(vocab_size=tokenizer.vocab_size), seed=1, tokenizer=tokenizer)
-    new.generation_config = {"max_new_tokens": 9}
-    folder = tmp_path / "c"
-    old.save(folder)
+    old, new, folder = _saved_and_another(tmp_path)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     real = os.replace
 
