@@ -190,7 +190,8 @@ def parse_examples(obj: Any, tokenizer: Any, where: str, *, vocab_size: int | No
     return [ex for _, ex in examples]
 
 
-# the roles chat templates render ("developer": OpenAI's system role, rendered as "system" unless the template names it)
+# the roles chat templates render ("developer": OpenAI's system role, rendered as "system" unless the template has a
+# place of its own for it)
 KNOWN_ROLES = ("system", "developer", "user", "assistant", "model", "tool")
 
 
@@ -206,8 +207,8 @@ def _chat_examples(messages: Any, tokenizer: Any, where: str, chat_turns: str, c
                          "message must be the assistant's ('assistant' or 'model'), the reply trained on")
     # as `blockpress serve` reads a request's messages, so the model is prompted as it was trained (every turn is
     # rendered with the tokenizer's default template)
-    template = tokenizer.chat_template_text()
-    chat = [chat_message(message, i, template) for i, message in enumerate(messages)]
+    developer = tokenizer.renders_developer()
+    chat = [chat_message(message, i, developer) for i, message in enumerate(messages)]
     replies = [i for i, message in enumerate(chat) if message["role"] in ("assistant", "model")]
     asked = next((i for i, message in enumerate(chat) if message["role"] == "user"), len(chat))
     last = replies[-1]

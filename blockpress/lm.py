@@ -1863,7 +1863,7 @@ class LM:
         server's /v1/chat/completions prompt with. `messages`: one conversation, a list of {"role", "content"}
         dicts (-> a list of ids), or a list of conversations (-> one row of ids each); each message is read as the
         server and `blockpress train` read it (tokenizer.chat_message: OpenAI's text parts joined by "\\n",
-        "developer" as "system" where the template never names "developer", other parts and missing content refused
+        "developer" as "system" where the template has no place of its own for it, other parts and missing content refused
         by field). `template_options` go to
         Tokenizer.apply_chat_template (tools, documents, chat_template, continue_final_message, template
         variables; not `tokenize`: ids are what this returns, and their text is
@@ -1894,8 +1894,8 @@ class LM:
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages: expected a list of {{'role', 'content'}} dicts, or a list of such lists, got "
                              f"{messages!r:.80}")
-        template = self.tokenizer.chat_template_text(template_options.get("chat_template"), tools)
-        read = [[chat_message(m, i, template) for i, m in enumerate(conversation)] for conversation in conversations]
+        developer = self.tokenizer.renders_developer(template_options.get("chat_template"), tools)
+        read = [[chat_message(m, i, developer) for i, m in enumerate(conversation)] for conversation in conversations]
         for c, conversation in enumerate(read):
             self._check_chat_length(conversation, f"messages[{c}]" if batch else "messages")
         rows = [self.tokenizer.apply_chat_template(conversation, tokenize=True, **template_options)

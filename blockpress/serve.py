@@ -363,7 +363,7 @@ class ToolCall(_Body):
 class Message(_Body):
     model_config = STRICT
     # "developer" is what OpenAI's newer clients call the system role (rendered as "system" unless the chat template
-    # names "developer"); "tool" carries a tool call's result
+    # has a place of its own for it); "tool" carries a tool call's result
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # current SDKs send a list of parts: text ones are joined by "\n" (vLLM's), others refused. Null only beside
     # tool_calls (check).
@@ -416,9 +416,10 @@ class Message(_Body):
             {"id": c.id, "type": c.type, "function": {"name": c.function.name,
                                                       "arguments": json.loads(c.function.arguments)}}
             for c in self.tool_calls]
-        try:  # "developer" stays: lm.chat_prompt's chat_message, which knows the template, decides
+        try:  # "developer" stays (developer=True): lm.chat_prompt's chat_message, which knows the template, decides
             return chat_message({"role": self.role, "content": content, "name": self.name, "tool_calls": calls,
-                                 "tool_call_id": self.tool_call_id, "reasoning_content": self.reasoning_content}, i)
+                                 "tool_call_id": self.tool_call_id, "reasoning_content": self.reasoning_content}, i,
+                                developer=True)
         except MessageError as exc:
             raise APIError(400, str(exc), exc.field) from None
 

@@ -203,6 +203,8 @@ class Tokenizer:
     _longest_token: int | None = field(default=None, init=False, repr=False, compare=False)
     _prefix_masks: OrderedDict[str, bytes] = field(default_factory=OrderedDict, init=False, repr=False,
                                                    compare=False)  # at most PREFIXES_KEPT
+    _developer_places: OrderedDict[str, bool] = field(default_factory=OrderedDict, init=False, repr=False,
+                                                      compare=False)  # renders_developer's; at most TEMPLATES_KEPT
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy's state (copy.deepcopy, pickle) without the compiled chat templates: jinja's code objects and its
@@ -802,10 +804,26 @@ class Tokenizer:
         raise ValueError(f"chat_template: this tokenizer's templates are named {sorted(templates)}, none of them "
                          "'default'; pass chat_template=<one of those names>")
 
-    def chat_template_text(self, chat_template: str | None = None, tools: Any = None) -> str:
-        """The template text apply_chat_template(chat_template=..., tools=...) renders with (transformers' choice
-        among named templates): what chat_message reads to decide how role "developer" is rendered."""
-        return self._pick_template(chat_template, tools)
+    def renders_developer(self, chat_template: str | None = None, tools: Any = None) -> bool:
+        """Whether the template apply_chat_template(chat_template=..., tools=...) renders with has a place of its own
+        for role "developer" (DeepSeek V4's and GigaChat 3's: the user turn): a developer message's text is in its
+        rendering, and it raises nothing. chat_message renders the role as "system" where it has none: most have
+        none (Gemma's raises on any role but its own), and some that name the word only in prose or a variable drop
+        such a message without a word (DeepSeek V3.2's, Command R7B's) or raise (Apertus's). Found by rendering once
+        per template text (kept for the TEMPLATES_KEPT used last)."""
+        source = self._pick_template(chat_template, tools)
+        if "developer" not in source:  # (no rendering for the templates that never name it)
+            return False
+        if (known := self._developer_places.get(source)) is not None:
+            return _keep(self._developer_places, source, known)
+        mark = "blockpress: is this text rendered?"
+        try:
+            text = self.apply_chat_template([{"role": "developer", "content": mark}, {"role": "user", "content": "?"}],
+                                            chat_template=source, add_generation_prompt=True)
+            known = mark in str(text)
+        except Exception:  # noqa: BLE001 - any refusal of the template's (raise_exception, a missing field): no place
+            known = False
+        return _keep(self._developer_places, source, known)
 
     def chat_template_variables(self, chat_template: str | None = None, tools: Any = None) -> frozenset[str]:
         """The variables that the template apply_chat_template(chat_template=..., tools=...) renders reads (messages,
@@ -1099,13 +1117,13 @@ class MessageError(ValueError):
         self.field = field
 
 
-def chat_message(message: Any, index: int, template: str | None = None) -> dict[str, Any]:
+def chat_message(message: Any, index: int, developer: bool = False) -> dict[str, Any]:
     """messages[index] as blockpress renders it, from a server request and a training file alike (so a model is
     prompted as it was trained): a copy whose content is text, OpenAI's list of parts [{"type": "text", "text":
     ...}] joined one line apart ("\\n", as vLLM joins them; a template may print the list itself: templates differ on
-    parts), and role "developer" (what OpenAI's newer clients call the system role) as "system" where `template`,
-    the chat template's text it is rendered with, never names "developer" (one that does renders it itself: DeepSeek
-    V4's puts it in the user turn); with no template it is left as it is, for the rendering to decide. Other parts
+    parts), and role "developer" (what OpenAI's newer clients call the system role) as "system", unless `developer`
+    says the chat template it is rendered with has a place of its own for it (Tokenizer.renders_developer: DeepSeek
+    V4's puts it in the user turn). Other parts
     are refused, and so is content null or absent except on an assistant message with tool_calls (OpenAI's rule),
     whose content is then "" (vLLM's): a template would render an empty turn. Errors are MessageError naming the
     field."""
@@ -1116,9 +1134,9 @@ def chat_message(message: Any, index: int, template: str | None = None) -> dict[
     if not isinstance(message.get("role"), str):
         raise MessageError(f"{where}.role", f"expected a str ('system', 'user', 'assistant', ...), got "
                                             f"{'nothing' if 'role' not in message else type(message['role']).__name__}")
-    # templates know "system" (Gemma's raises on any other role), but one that names "developer" has a place of its
-    # own for it (DeepSeek V3.2's and V4's, GigaChat 3's: the user turn, where "system" is a preamble)
-    if message["role"] == "developer" and template is not None and "developer" not in template:
+    # templates know "system" (Gemma's raises on any other role), but a few have a place of their own for
+    # "developer" (DeepSeek V4's, GigaChat 3's: the user turn, where "system" is a preamble)
+    if message["role"] == "developer" and not developer:
         message = {**message, "role": "system"}
     if message.get("tool_calls") is not None:
         message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}

@@ -3764,7 +3764,7 @@ def test_chat_prompt_reads_messages_as_the_server_and_training_do(chat_lm, turns
     joined = [{"role": "system", "content": "be brief"}] + [{"role": "user", "content": "\n".join(t)} for t in turns]
     got = chat_lm.chat_prompt(parts, chat_template=PLAIN_TEMPLATE)
     assert got == chat_lm.chat_prompt(joined, chat_template=PLAIN_TEMPLATE)
-    read = [chat_message(m, i, PLAIN_TEMPLATE) for i, m in enumerate(parts)]
+    read = [chat_message(m, i) for i, m in enumerate(parts)]
     assert got == chat_lm.tokenizer.apply_chat_template(read, tokenize=True, chat_template=PLAIN_TEMPLATE)
 
 

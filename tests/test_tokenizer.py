@@ -1104,19 +1104,33 @@ DEVELOPER_TEMPLATE = (
 ROLE_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"  # knows no role by name
 
 
-def test_developer_is_system_only_where_the_template_never_names_it(tok: Tokenizer) -> None:
+# The word in a variable's name and in prose only, as DeepSeek V3.2's template has it: a developer message is dropped
+NAMES_DEVELOPER_ONLY = (
+    "{# developer messages are not supported #}{% set developer_prompt = '' %}{% for m in messages %}"
+    "{% if m.role == 'system' %}<sys>{{ m.content }}{% elif m.role == 'user' %}<User>{{ m.content }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<Assistant>{% endif %}")
+RAISES_ON_DEVELOPER = (  # Apertus's way: a role it has no place for is an error, though it names the word
+    "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Invalid message role: ' + m.role + ' (not developer)') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, kept", [(DEVELOPER_TEMPLATE, True), (ROLE_TEMPLATE, False),
+                                            (NAMES_DEVELOPER_ONLY, False), (RAISES_ON_DEVELOPER, False)])
+def test_developer_is_system_unless_the_template_has_a_place_for_it(tok: Tokenizer, template: str, kept: bool) -> None:
     """"developer" was always rewritten to "system", so a template that renders it itself (DeepSeek V4's, in the
-    user turn) rendered it as its system preamble. It stays "developer" where the template's text names it, is
-    "system" where it never does, and is left as it is where no template is given (the server reads a request's
-    messages before the rendering, whose own chat_message decides)."""
+    user turn) rendered it as its system preamble. It stays "developer" where the template renders a developer
+    message; one that only names the word (in a comment, a variable) dropped the message or raised when the role was
+    kept wherever the word appeared, and gets "system" as before."""
     from blockpress.tokenizer import chat_message
 
     messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
-    read = [chat_message(m, i, DEVELOPER_TEMPLATE) for i, m in enumerate(messages)]
-    assert read[0]["role"] == "developer"
-    assert tok.apply_chat_template(read, chat_template=DEVELOPER_TEMPLATE) == "<User>Answer in French.<User>Hi<Assistant>"
-    assert chat_message(messages[0], 0, ROLE_TEMPLATE)["role"] == "system"
-    assert chat_message(messages[0], 0)["role"] == "developer"
+    assert tok.renders_developer(template) is kept
+    read = [chat_message(m, i, tok.renders_developer(template)) for i, m in enumerate(messages)]
+    assert read[0]["role"] == ("developer" if kept else "system")
+    assert "Answer in French." in tok.apply_chat_template(read, chat_template=template)
+    assert chat_message(messages[0], 0)["role"] == "system"
+    assert chat_message(messages[0], 0, developer=True)["role"] == "developer"
 
 
 def test_flat_tool_calls_are_taken_with_their_arguments_read_as_an_object():
