@@ -301,6 +301,13 @@ def _rendered_reply(tokenizer: Any, chat: list[dict[str, Any]], i: int, prompt: 
                          f"the prompt before it (messages[:{i}] with add_generation_prompt=True is not its start), so "
                          "the assistant's turn cannot be cut from it to train on")
     reply = full[len(start):]
+    if chat[i].get("tool_calls"):  # a template that writes no tool calls (Phi-3.5's, Granite 3.3's) would teach an
+        # empty turn where the model should call the tool: refused, as a thought it cannot write is
+        callless = {key: value for key, value in chat[i].items() if key != "tool_calls"}
+        if str(tokenizer.apply_chat_template([*chat[:i], callless], add_generation_prompt=False)) == full:
+            raise ValueError(f"{where}: messages[{i}].tool_calls: the chat template does not render tool calls, so "
+                             "the turn would train without them; write the calls in the content as the model should, "
+                             "or use a template that renders tool_calls")
     field, thought = next(((k, chat[i][k]) for k in REASONING_FIELDS if chat[i].get(k) is not None), (None, None))
     if field is None or thought == "":
         return prompt, reply

@@ -1413,3 +1413,22 @@ def test_an_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
     TokenShards([tmp_path / "a.bin"], vocab_size=301)  # 300 is the last id of 301
     with pytest.raises(ValueError, match="holds token id 300, outside the model's vocabulary of 300"):
         TokenShards([tmp_path / "a.bin"], vocab_size=300)
+
+
+def test_a_tool_call_turn_under_a_template_that_writes_no_calls_is_refused(tok):
+    """A tool-call turn's null content became "" (as vLLM renders it), so a template that renders no tool_calls
+    (Phi-3.5's, Granite 3.3's) trained the turn as an empty reply, teaching the model to end its turn where it should
+    call the tool, without a word. It is refused, naming the field, as a thought such a template cannot write is."""
+    from test_tokenizer import TOOL_CALL
+
+    chat = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]
+    custom = copy.copy(tok)
+    custom.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}<end>{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    with pytest.raises(ValueError, match=r"^d.jsonl:1: messages\[1\]\.tool_calls: the chat template does not render "
+                                         "tool calls"):
+        parse_examples({"messages": chat}, custom, "d.jsonl:1")
+    custom.chat_template = custom.chat_template.replace(
+        "{{ m.content }}", "{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}")
+    [example] = parse_examples({"messages": chat}, custom, "d.jsonl:1")  # one that writes them trains on them
+    assert "weather" in custom.decode(example.response, skip_special_tokens=False)
