@@ -76,9 +76,10 @@ if hasattr(torch, "float8_e8m0fnu"):  # torch 2.7 on; named unconditionally, no 
 _INT64_MAX = 2**63 - 1
 
 
-# A mapping keeps a duplicate of its file's descriptor for as long as it lives, unless told not to (Python 3.13 on):
-# a model of many shards held one each (57 for 57 shards) and a load past `ulimit -n` failed with EMFILE.
-_UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+# A mapping keeps a duplicate of its file's descriptor for as long as it lives, unless told not to (Python 3.13 on,
+# off Windows, whose mmap takes trackfd from 3.15): a model of many shards held one each (57 for 57 shards) and a load
+# past `ulimit -n` failed with EMFILE.
+_UNTRACKED: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) and os.name != "nt" else {}
 
 
 def _descriptors_problem(path: Path, exc: OSError) -> OSError:
@@ -91,7 +92,7 @@ def _descriptors_problem(path: Path, exc: OSError) -> OSError:
         limit = f"; now {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
     except (ImportError, OSError, ValueError):  # (Windows has no resource module)
         limit = ""
-    held = "" if _UNTRACKED else "; on this Python (before 3.13) each weight file holds one while the model is loaded"
+    held = "" if _UNTRACKED else "; here (Python before 3.13, or Windows) each weight file holds one while it is loaded"
     return OSError(exc.errno, f"{path}: cannot open it: too many open files{held}; raise the limit of open files "
                               f"(ulimit -n{limit}) or use fewer, larger shards")
 

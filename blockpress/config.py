@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeGuard, get_args
@@ -746,9 +747,11 @@ class ModelConfig:
     def save(self, path: str | Path, dtype: Any = None, quantization: dict[str, Any] | None = None) -> None:
         """config.json of weights saved in `dtype`; `quantization`: the `quantization_config` of weights saved
         quantized (quantize.quantization_config), None for plain ones (whatever a loaded config held). `path` is the
-        file, or a folder to write its config.json in (as lm.save and transformers' save_pretrained take one)."""
+        file, or a folder to write its config.json in (as lm.save and transformers' save_pretrained take one): one
+        that is there, or a path ending in a separator ("new_model/"), made."""
         target = Path(path)
-        if target.is_dir():  # (a folder was an IsADirectoryError)
+        if target.is_dir() or str(path).endswith(("/", os.sep)):  # (a folder was an IsADirectoryError)
+            target.mkdir(parents=True, exist_ok=True)
             target = target / "config.json"
         out = self.to_dict(dtype)
         out.pop("quantization_config", None)

@@ -90,3 +90,5 @@ def test_a_config_saves_into_a_folder_as_its_config_json(tmp_path):
     assert ModelConfig.from_file(tmp_path / "config.json").to_dict() == cfg.to_dict()
     cfg.save(tmp_path / "other.json")
     assert ModelConfig.from_file(tmp_path / "other.json").to_dict() == cfg.to_dict()
+    cfg.save(f"{tmp_path / 'new' / 'model'}/")  # a folder not there yet, as save_pretrained("new_model/") makes it
+    assert ModelConfig.from_file(tmp_path / "new" / "model" / "config.json").to_dict() == cfg.to_dict()

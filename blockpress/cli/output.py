@@ -227,7 +227,7 @@ OOM_HINTS = {
 
 def out_of_memory_message(exc: BaseException, command: str, before_hint: str = "") -> str:
     """"the device ran out of memory (torch's first line); ..." with what takes less for `command` (OOM_HINTS)."""
-    reason = (str(exc).splitlines() or [""])[0]
+    reason = (str(exc).splitlines() or [""])[0] or type(exc).__name__  # (Python's MemoryError() says nothing)
     hint = OOM_HINTS.get(command, "a smaller model, --dtype bfloat16, or --quantize")
     return f"the device ran out of memory ({reason}); {before_hint}{hint}"
 
