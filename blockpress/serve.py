@@ -1150,12 +1150,14 @@ class Engine:
             self.thread.start()
 
     def stopped(self) -> str | None:
-        """Why a started engine thread no longer runs (an error of ours ended it, or the app shut down), else None:
-        a request queued now would never be answered, and /health says so rather than "ok"."""
+        """Why the engine answers no more requests (the app shutting down, or an error of ours that ended its thread),
+        else None: a request queued now would never be answered, and /health says so rather than "ok"."""
         if self.failure is not None:
             return self.failure
+        if self.stopping:  # (from close's first step: the thread may run on for a step, answering no new request)
+            return "the server is shutting down"
         if self.thread.ident is not None and not self.thread.is_alive():
-            return "the server is shutting down" if self.stopping else "the server's engine thread has ended"
+            return "the server's engine thread has ended"
         return None
 
     def check_room(self, prompts: int, each: int) -> None:
@@ -1185,9 +1187,8 @@ class Engine:
         """Queue a request's choices, all or none (a half-queued request would run choices nobody receives), once
         check_request has passed them."""
         with self.lock:
-            if self.stopping:  # the engine thread has ended (the app shut down): nothing would answer
-                raise APIError(503, "the server is shutting down", kind="server_error")
             if (stopped := self.stopped()) is not None:  # nothing would answer: a 503 now, not a wait forever
+                self.metrics.add(failed_total=1)  # (an error rate alert must see a server that answers nothing)
                 raise APIError(503, stopped, kind="server_error")
             self._drop_cancelled()  # a client that left frees its place at once, not when the engine next looks
             if self.max_queue - len(self.waiting) < len(jobs):

@@ -1142,7 +1142,7 @@ def chat_message(message: Any, index: int, developer: bool = False) -> dict[str,
         message = {**message, "tool_calls": _tool_calls(message["tool_calls"], where)}
     content = message.get("content")
     if content is None:
-        if message.get("tool_calls"):
+        if message.get("tool_calls") and message["role"] in ("assistant", "model"):
             # "" as vLLM renders it: templates that read message.content (Qwen 3's '\n' + content, Phi-3.5's,
             # Granite's) fail on a field left out, and "" renders as null does on the templates that take null
             return {**message, "content": ""}

@@ -1038,6 +1038,11 @@ def test_health_is_a_503_once_the_engine_thread_has_ended(server):
         assert "a bug outside any batch" in r.json()["reason"]
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4})
         assert r.status_code == 503 and "engine stopped" in r.json()["error"]["message"], r.text
+        assert engine.metrics.counters["failed_total"] == 1  # (an error-rate alert sees it)
+        engine.stopping = True  # closing: the thread may still run a step, and answers no new request
+        assert http.get("/health").json()["status"] == "engine stopped"
+    engine.failure = None
+    assert engine.stopped() == "the server is shutting down"
 
 
 def test_a_client_that_leaves_mid_canvas_frees_the_engine_within_a_step(server, monkeypatch):

@@ -1133,6 +1133,17 @@ def test_developer_is_system_unless_the_template_has_a_place_for_it(tok: Tokeniz
     assert chat_message(messages[0], 0, developer=True)["role"] == "developer"
 
 
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+def test_null_content_beside_tool_calls_is_an_assistants_alone(role: str) -> None:
+    """Null content beside tool_calls became "" on any role, where the error itself says only an assistant message
+    may leave it out (and the server refuses the rest)."""
+    from blockpress.tokenizer import MessageError, chat_message
+
+    with pytest.raises(MessageError, match=r"^messages\[0\]\.content: .*only an assistant message with tool_calls"):
+        chat_message({"role": role, "content": None, "tool_calls": [TOOL_CALL]}, 0)
+    assert chat_message({"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}, 0)["content"] == ""
+
+
 def test_flat_tool_calls_are_taken_with_their_arguments_read_as_an_object():
     """Calls written flat ({"name", "arguments"}, which Qwen's and Llama's templates take beside OpenAI's
     {"function": ...}) reached such templates before the calls were checked; they still do, their JSON-text arguments
