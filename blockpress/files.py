@@ -10,6 +10,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePath, PureWindowsPath
@@ -102,11 +103,16 @@ def save_over(tag: str) -> bool:
 def remove_stale(folder: str | Path, pattern: str, suffix: str, keep: set[Path] | frozenset[Path] = frozenset()
                  ) -> None:
     """Delete the files in `folder` named `{pattern}.{tag}{suffix}` (`pattern` a glob, ".model*.safetensors*") that
-    saves now over (save_over) left there, except those in `keep`; a running save's are kept."""
+    saves now over (save_over) left there, except those in `keep`; a running save's are kept. A folder so named is a
+    commit's backup of one it removed (".bak"), deleted whole."""
     for leftover in Path(folder).glob(f"{pattern}.*{glob.escape(suffix)}"):
         tag = tag_of(leftover.name, suffix)
-        if tag is not None and leftover not in keep and save_over(tag) and leftover.is_file():
+        if tag is None or leftover in keep or not save_over(tag):
+            continue
+        if leftover.is_file():
             leftover.unlink(missing_ok=True)
+        elif suffix == ".bak" and leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 LOCK_FILE = ".lock"  # in a folder lock_folder holds: the holder's process id
@@ -264,6 +270,7 @@ class StagedFiles:
             if tag_of(leftover.name, ".tmp") is None and leftover not in staged and leftover.is_file():
                 leftover.unlink()
         remove_stale(folder, f".{pattern}", ".tmp", keep=staged)  # a running save's are its own
+        remove_stale(folder, f".{pattern}", ".bak")  # backups a save killed in its commit kept (of files it removed)
 
     def record(self, folder: str | Path) -> list[tuple[str, bool]]:
         """What a commit will do, as JSON-able data to keep with the save's commit marker: each destination by its
@@ -305,13 +312,21 @@ class StagedFiles:
         # no file was there; whether it was an empty folder, removed). None for a recorded commit: its record finishes
         # it (StagedFiles.finish) from the staged files, which undoing would lose.
         undo: list[tuple[Path, Path | None, bool]] | None = None if self.recorded else []
+        unbacked: list[Path] = []  # files replaced with no backup (no hard links here): an undo cannot put them back
         path = None
         try:
             for temporary, path in self.moves:
                 if temporary is not None:
-                    if undo is not None:  # a hard link: the old file stays in place meanwhile
-                        there = os.path.lexists(path) and not path.is_dir()
-                        undo.append((path, _keep(path, self.tag, link=True) if there else None, False))
+                    if undo is not None and os.path.lexists(path) and not path.is_dir():
+                        # a hard link: the old file stays in place meanwhile. Where the file system has none, no
+                        # backup: moved aside first, a kill before the replace would leave no file there at all
+                        backup = _linked(path, self.tag)
+                        if backup is None:
+                            unbacked.append(path)
+                        else:
+                            undo.append((path, backup, False))
+                    elif undo is not None:
+                        undo.append((path, None, False))
                     os.replace(temporary, path)
                 elif path.is_dir():
                     inside = list(path.iterdir())
@@ -321,21 +336,19 @@ class StagedFiles:
                             undo.append((path, None, True))
                     elif undo is not None and set(inside) <= {backup for _, backup, _ in undo}:
                         # empty but for the backups of its files this commit removed: moved aside with them
-                        undo.append((path, _keep(path, self.tag, link=False), True))
+                        undo.append((path, _keep(path, self.tag), True))
                 elif undo is None:
                     path.unlink(missing_ok=True)
                 elif os.path.lexists(path):
-                    undo.append((path, _keep(path, self.tag, link=False), False))  # moved aside: removed, until the commit is whole
+                    undo.append((path, _keep(path, self.tag), False))  # moved aside: removed, until the commit is whole
                 self.started = True
                 if path.parent not in folders:
                     folders.append(path.parent)
-        except Exception as exc:
+        except BaseException as exc:  # an error, or a stop that did not wait for the commit (sys.exit in a handler
+            # of a signal interrupts_deferred does not hold: SLURM's SIGUSR1): undone either way
             if undo is None or path is None:
                 raise
-            _undo(undo, path, exc)  # raises, naming the file
-        except BaseException:  # a stop (signals wait for the commit, so a kill, or one simulated): as a kill leaves it
-            _drop_backups(undo or [])
-            raise
+            _undo(undo, unbacked, path, exc)  # raises, naming the file
         _drop_backups(undo or [])
         self.moves, self.made = [], []
         release_tag(self.tag)
@@ -381,17 +394,21 @@ class StagedFiles:
             release_tag(self.tag)  # (files kept for `finish` are a save that is over)
 
 
-def _keep(path: Path, tag: str, link: bool) -> Path:
-    """A backup of the file at `path` (commit's undo): a hard link to it (`link`; where the file system has none, it
-    is moved aside, as it is where `link` is False: a file the commit removes)."""
+def _keep(path: Path, tag: str) -> Path:
+    """A backup of the file or folder at `path` that the commit removes (its undo): moved aside."""
     backup = backup_path(path, tag)
-    if link:
-        try:
-            os.link(path, backup, follow_symlinks=False)
-            return backup
-        except OSError:
-            pass
     os.replace(path, backup)
+    return backup
+
+
+def _linked(path: Path, tag: str) -> Path | None:
+    """A backup of the file at `path` that the commit replaces: a hard link to it, None where the file system makes
+    none (vfat, some network mounts)."""
+    backup = backup_path(path, tag)
+    try:
+        os.link(path, backup, follow_symlinks=False)
+    except OSError:
+        return None
     return backup
 
 
@@ -406,7 +423,7 @@ def _drop_backups(undo: list[tuple[Path, Path | None, bool]]) -> None:
             backup.unlink(missing_ok=True)  # (gone where its folder was moved aside)
 
 
-def _undo(undo: list[tuple[Path, Path | None, bool]], failed: Path, exc: Exception) -> None:
+def _undo(undo: list[tuple[Path, Path | None, bool]], unbacked: list[Path], failed: Path, exc: BaseException) -> None:
     """Put back what a commit had changed when its move of `failed` failed with `exc`: each file replaced or removed
     from its backup, each folder removed made again, each file added removed. Raises an OSError naming `failed`
     (`exc` itself where it is no OSError) that says whether the folder is as it was; a backup that could not be put
@@ -424,6 +441,7 @@ def _undo(undo: list[tuple[Path, Path | None, bool]], failed: Path, exc: Excepti
                 path.unlink(missing_ok=True)
         except OSError:
             unrestored.append((path, backup))
+    unrestored += [(path, None) for path in unbacked]  # replaced where no link kept the file before: not restorable
     if not isinstance(exc, OSError):
         raise exc
     reason = exc.strerror or str(exc)

@@ -70,8 +70,12 @@ def test_sharded_checkpoint_loads_the_same(lm, tmp_path):
 
 
 def test_shards_of_two_saves_are_refused_by_name(lm, tmp_path, monkeypatch):
-    """A sharded save stopped while it moved its shards into place (a Ctrl-C between two moves) left some new
-    shards beside old ones, and the folder loaded without a word: 23 tensors of the new model, 108 of the old."""
+    """A sharded save stopped while it moved its shards into place left some new shards beside old ones, and the
+    folder loaded without a word: 23 tensors of the new model, 108 of the old. A stop the process lives through is
+    undone now (the old save, whole); one it does not (a SIGKILL between two moves, stood for here by a shard of
+    another save copied in) is refused by name at load."""
+    import shutil
+
     import blockpress.files
     from blockpress.checkpoint import CheckpointError, save_model
 
@@ -91,6 +95,10 @@ def test_shards_of_two_saves_are_refused_by_name(lm, tmp_path, monkeypatch):
         save_model(other.model, folder, max_shard_bytes=20_000)
     monkeypatch.setattr(blockpress.files.os, "replace", real)
     first = next(name for name in moved if name.startswith("model-"))
+    kept = load_quiet(folder).model.state_dict()  # undone: the first save, whole
+    assert all(torch.equal(kept[name], t) for name, t in lm.model.state_dict().items())
+    save_model(other.model, tmp_path / "other", max_shard_bytes=20_000)
+    shutil.copyfile(tmp_path / "other" / first, folder / first)  # as a kill after its move would leave it
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder))}: .*{first}.* are shards of two different "
                                               r"saves: a save was stopped while it moved its shards into place"):
         blockpress.load(folder)
@@ -2045,6 +2053,55 @@ def test_a_save_whose_commit_fails_part_way_is_undone(tmp_path, monkeypatch):
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
     assert "was left as it was" in str(save_failing_at(3, tmp_path / "new" / "c"))
     assert not (tmp_path / "new").exists()  # (a partial new folder was left)
+
+
+def test_a_commit_stopped_without_waiting_or_without_hard_links_never_mixes_or_loses_files(tmp_path, monkeypatch):
+    """Review of the undo: a stop that did not wait for the commit (sys.exit in an app's SIGUSR1 handler, as SLURM
+    pre-emption installs) dropped the backups and left the mixed folder; where the file system has no hard links the
+    old file was moved aside before the new one came in (a kill between the two: no weights file at all); and a
+    sharded save's backups, kept by a commit killed after its moves, stayed for good beside a single-file save."""
+    import errno
+
+    import blockpress.files as files
+
+    old, new, folder = _saved_and_another(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real_replace, real_link = os.replace, os.link
+    calls = []
+
+    def stopped_at_the_third(source, destination):
+        calls.append(destination)
+        if len(calls) == 3:
+            raise SystemExit("pre-empted")
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(files.os, "replace", stopped_at_the_third)
+    with pytest.raises(SystemExit):
+        new.save(folder)
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # undone: the old save, whole
+
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    moved = []
+
+    def watched(source, destination):  # every destination is there, old or new, at every rename
+        moved.append(destination)
+        assert (folder / "config.json").exists() and (folder / "model.safetensors").exists(), destination
+        return real_replace(source, destination)
+
+    monkeypatch.setattr(files.os, "link", no_links)
+    monkeypatch.setattr(files.os, "replace", watched)
+    new.save(folder)
+    assert not any(".bak" in str(p) for p in moved)  # replaced in one rename each, no file moved aside first
+    monkeypatch.setattr(files.os, "link", real_link)
+    monkeypatch.setattr(files.os, "replace", real_replace)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+    (folder / f".model-00001-of-00002.safetensors.{gone}-0123abcd.bak").write_bytes(b"old weights")  # a killed commit's
+    new.save(folder)
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".bak")]
 
 
 def test_every_stop_signal_held_back_is_delivered_once_a_ctrl_c_last():

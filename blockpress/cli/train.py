@@ -59,7 +59,7 @@ class Run:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from blockpress.files import lock_folder
-    from blockpress.train import init_distributed
+    from blockpress.train import _world, init_distributed
 
     args.device = init_distributed(args.device)  # under torchrun on CUDA: this process's GPU, cuda:LOCAL_RANK
     args.out = os.path.expanduser(args.out)  # --out=~/x reaches us unexpanded (bash expands ~ only at a word's start)
@@ -69,7 +69,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # The folder is this run's until it ends (rank 0's: torchrun's other ranks share it): a second run on it (a job
     # resubmitted while the first runs) is refused before it reads or writes anything there; two at once deleted
     # each other's staged files, and both appended to one metrics.jsonl
-    release = lock_folder(out, f"--out {args.out}") if int(os.environ.get("RANK", "0")) == 0 else lambda: None
+    # (the process group's rank, not $RANK: one left set in a shell would skip the lock)
+    release = lock_folder(out, f"--out {args.out}") if _world()[0] == 0 else lambda: None
     try:
         return _run(args, out)
     finally:
