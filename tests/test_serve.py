@@ -2573,7 +2573,8 @@ def test_a_text_parts_cache_control_is_a_label(server, monkeypatch):
 
     rendered = []
     original = serve.chat_message
-    monkeypatch.setattr(serve, "chat_message", lambda message, i: rendered.append(message) or original(message, i))
+    monkeypatch.setattr(serve, "chat_message",
+                        lambda message, i, **kw: rendered.append(message) or original(message, i, **kw))
 
     def chat(hint):
         return httpx.post(server[0] + "/v1/chat/completions", timeout=60, json={
