@@ -304,7 +304,11 @@ def _rendered_reply(tokenizer: Any, chat: list[dict[str, Any]], i: int, prompt: 
     if chat[i].get("tool_calls"):  # a template that writes no tool calls (Phi-3.5's, Granite 3.3's) would teach an
         # empty turn where the model should call the tool: refused, as a thought it cannot write is
         callless = {key: value for key, value in chat[i].items() if key != "tool_calls"}
-        if str(tokenizer.apply_chat_template([*chat[:i], callless], add_generation_prompt=False)) == full:
+        try:
+            without = str(tokenizer.apply_chat_template([*chat[:i], callless], add_generation_prompt=False))
+        except ValueError:  # a template that refuses a turn with neither content nor calls (Ministral 3's) writes them
+            without = None
+        if without == full:
             raise ValueError(f"{where}: messages[{i}].tool_calls: the chat template does not render tool calls, so "
                              "the turn would train without them; write the calls in the content as the model should, "
                              "or use a template that renders tool_calls")

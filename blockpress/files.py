@@ -312,21 +312,13 @@ class StagedFiles:
         # no file was there; whether it was an empty folder, removed). None for a recorded commit: its record finishes
         # it (StagedFiles.finish) from the staged files, which undoing would lose.
         undo: list[tuple[Path, Path | None, bool]] | None = None if self.recorded else []
-        unbacked: list[Path] = []  # files replaced with no backup (no hard links here): an undo cannot put them back
         path = None
         try:
             for temporary, path in self.moves:
                 if temporary is not None:
-                    if undo is not None and os.path.lexists(path) and not path.is_dir():
-                        # a hard link: the old file stays in place meanwhile. Where the file system has none, no
-                        # backup: moved aside first, a kill before the replace would leave no file there at all
-                        backup = _linked(path, self.tag)
-                        if backup is None:
-                            unbacked.append(path)
-                        else:
-                            undo.append((path, backup, False))
-                    elif undo is not None:
-                        undo.append((path, None, False))
+                    if undo is not None:  # the old file stays in place meanwhile: never a moment without one
+                        there = os.path.lexists(path) and not path.is_dir()
+                        undo.append((path, _copied(path, self.tag) if there else None, False))
                     os.replace(temporary, path)
                 elif path.is_dir():
                     inside = list(path.iterdir())
@@ -348,7 +340,7 @@ class StagedFiles:
             # of a signal interrupts_deferred does not hold: SLURM's SIGUSR1): undone either way
             if undo is None or path is None:
                 raise
-            _undo(undo, unbacked, path, exc)  # raises, naming the file
+            _undo(undo, path, exc)  # raises, naming the file
         _drop_backups(undo or [])
         self.moves, self.made = [], []
         release_tag(self.tag)
@@ -401,14 +393,15 @@ def _keep(path: Path, tag: str) -> Path:
     return backup
 
 
-def _linked(path: Path, tag: str) -> Path | None:
-    """A backup of the file at `path` that the commit replaces: a hard link to it, None where the file system makes
-    none (vfat, some network mounts)."""
+def _copied(path: Path, tag: str) -> Path:
+    """A backup of the file at `path` that the commit replaces, the file staying in place: a hard link to it, or a
+    copy where the file system makes no links (vfat, some network mounts): moved aside instead, a kill between that
+    and the replace would leave no file there at all."""
     backup = backup_path(path, tag)
     try:
         os.link(path, backup, follow_symlinks=False)
     except OSError:
-        return None
+        shutil.copy2(path, backup, follow_symlinks=False)
     return backup
 
 
@@ -423,7 +416,7 @@ def _drop_backups(undo: list[tuple[Path, Path | None, bool]]) -> None:
             backup.unlink(missing_ok=True)  # (gone where its folder was moved aside)
 
 
-def _undo(undo: list[tuple[Path, Path | None, bool]], unbacked: list[Path], failed: Path, exc: BaseException) -> None:
+def _undo(undo: list[tuple[Path, Path | None, bool]], failed: Path, exc: BaseException) -> None:
     """Put back what a commit had changed when its move of `failed` failed with `exc`: each file replaced or removed
     from its backup, each folder removed made again, each file added removed. Raises an OSError naming `failed`
     (`exc` itself where it is no OSError) that says whether the folder is as it was; a backup that could not be put
@@ -441,7 +434,6 @@ def _undo(undo: list[tuple[Path, Path | None, bool]], unbacked: list[Path], fail
                 path.unlink(missing_ok=True)
         except OSError:
             unrestored.append((path, backup))
-    unrestored += [(path, None) for path in unbacked]  # replaced where no link kept the file before: not restorable
     if not isinstance(exc, OSError):
         raise exc
     reason = exc.strerror or str(exc)

@@ -40,6 +40,7 @@ from .files import (
     lfs_pointer_problem,
     parse_json,
     read_json_object,
+    remove_stale,
     staging,
     text_of_file,
     undecodable_byte,
@@ -361,6 +362,8 @@ class Tokenizer:
             named_dir = folder / NAMED_TEMPLATES_DIR
             if named_dir.is_dir():  # templates a save killed part-way staged under other names
                 staged.remove_leftovers(named_dir, "*.jinja")
+            if folder.is_dir():  # the folder of them a save killed in its commit moved aside (removing it)
+                remove_stale(folder, f".{NAMED_TEMPLATES_DIR}", ".bak")
             written = set()
             if template_files and self.chat_template is not None:  # the form the templates came in: files
                 templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}

@@ -2095,6 +2095,20 @@ def test_a_commit_stopped_without_waiting_or_without_hard_links_never_mixes_or_l
     monkeypatch.setattr(files.os, "replace", watched)
     new.save(folder)
     assert not any(".bak" in str(p) for p in moved)  # replaced in one rename each, no file moved aside first
+    saved = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def failing_at_the_third(source, destination):  # and still undone there (the backups are copies)
+        moved.append(destination)
+        if len(moved) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(source, destination)
+
+    moved.clear()
+    monkeypatch.setattr(files.os, "replace", failing_at_the_third)
+    with pytest.raises(OSError, match="the save was undone"):
+        old.save(folder)
+    monkeypatch.setattr(files.os, "replace", watched)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == saved
     monkeypatch.setattr(files.os, "link", real_link)
     monkeypatch.setattr(files.os, "replace", real_replace)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,

@@ -1432,3 +1432,10 @@ def test_a_tool_call_turn_under_a_template_that_writes_no_calls_is_refused(tok):
         "{{ m.content }}", "{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}")
     [example] = parse_examples({"messages": chat}, custom, "d.jsonl:1")  # one that writes them trains on them
     assert "weather" in custom.decode(example.response, skip_special_tokens=False)
+    # and so does one that refuses a turn with neither content nor calls (Ministral 3's): the check's own rendering
+    # without the calls raised, about a message the record never held
+    custom.chat_template = custom.chat_template.replace(
+        "<{{ m.role }}>", "{% if m.role == 'assistant' and not m.content and not m.tool_calls %}"
+        "{{ raise_exception('Assistant message must have content or tool calls') }}{% endif %}<{{ m.role }}>")
+    [example] = parse_examples({"messages": chat}, custom, "d.jsonl:1")
+    assert "weather" in custom.decode(example.response, skip_special_tokens=False)
