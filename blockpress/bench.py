@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import glob
 import os
 import re
 import sys
@@ -36,7 +35,7 @@ from .cache import KVCache
 from .checkpoint import available_bytes, cpu_computes_natively, resolve_device
 from .checks import compile_failure
 from .config import ModelConfig, TextConfig
-from .files import new_tag, release_tag, remove_stale
+from .files import new_tag, release_tag, remove_killed_writes
 from .generate import canvas_positions, device_sync
 from .lm import LM, random_model
 from .sampling import MAX_COUNT
@@ -853,9 +852,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     tag = new_tag()
     drawn = path.with_name(f".{path.stem}.{tag}.partial{path.suffix}")
     try:
-        # those that killed runs left: of versions before tags, a fixed name; else those whose run is gone
-        path.with_name(f".{path.stem}.partial{path.suffix}").unlink(missing_ok=True)
-        remove_stale(path.parent, f".{glob.escape(path.stem)}", f".partial{path.suffix}")
+        remove_killed_writes(path.parent, path.stem, f".partial{path.suffix}")
         fig.savefig(drawn, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
         os.replace(drawn, path)
     finally:

@@ -115,6 +115,13 @@ def remove_stale(folder: str | Path, pattern: str, suffix: str, keep: set[Path] 
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def remove_killed_writes(folder: str | Path, stem: str, suffix: str) -> None:
+    """Delete what killed writes of `folder/stem` left, staged as `.{stem}.{tag}{suffix}`: those whose run is gone
+    (remove_stale), and the one fixed name `.{stem}{suffix}` of versions before tags."""
+    (Path(folder) / f".{stem}{suffix}").unlink(missing_ok=True)
+    remove_stale(folder, f".{glob.escape(stem)}", suffix)
+
+
 LOCK_FILE = ".lock"  # in a folder lock_folder holds: the holder's process id
 
 
@@ -224,9 +231,7 @@ class StagedFiles:
         _LIVE_TAGS.add(self.tag)  # (again, after a commit: its files are in use until the next one)
         try:
             temporary.unlink(missing_ok=True)  # staged here before
-            # ones of it left by killed saves: of this version's, those whose process is gone
-            temporary_path(path).unlink(missing_ok=True)
-            remove_stale(path.parent, f".{glob.escape(path.name)}", ".tmp")
+            remove_killed_writes(path.parent, path.name, ".tmp")  # ones of it that killed saves left
             remove_stale(path.parent, f".{glob.escape(path.name)}", ".bak")  # (a save killed in its commit)
             self.moves.append((temporary, path))  # before it is made: discarding removes a partial (or empty) one
             temporary.touch()  # the mode the umask gives: safetensors creates its files private (0600)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.util
 import json
 import os
@@ -17,7 +16,7 @@ from blockpress.stopping import fresh_line, stop_status, stop_word
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from blockpress.bench import PLOT_FORMATS, BenchSettings, plot, run_bench
-    from blockpress.files import new_tag, release_tag, remove_stale
+    from blockpress.files import new_tag, release_tag, remove_killed_writes
 
     if args.model is not None:
         preset = args.model[len(RANDOM_PREFIX):] if args.model.startswith(RANDOM_PREFIX) else None
@@ -60,9 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             tag = new_tag()
             written = out.with_name(f".{out.name}.{tag}.partial")
             try:
-                # those that killed runs left: of versions before tags, a fixed name; else those whose run is gone
-                out.with_name(f".{out.name}.partial").unlink(missing_ok=True)
-                remove_stale(out.parent, f".{glob.escape(out.name)}", ".partial")
+                remove_killed_writes(out.parent, out.name, ".partial")
                 written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
                 os.replace(written, out)
             except OSError as exc:  # a full disk: the half-written file must not lie beside it, and the
