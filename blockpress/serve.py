@@ -505,6 +505,17 @@ def error_body(message: str, kind: str, param: str | None, code: str | None = No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def route_path(scope: dict) -> str:
+    """The path a request's routes match: its path less the app's root_path. Mounted in another app
+    (host.mount("/llm", app)) or under uvicorn's --root-path, Starlette keeps the whole path ("/llm/v1/models") in
+    scope["path"] and routes on what follows the root_path, so a check of the whole path would miss /v1/ (and let
+    every request past the key). Starlette's own helper for this is private in the versions we allow."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
+
+
 class RequireKey:
     """ASGI middleware: a request to /v1/* without `Authorization: Bearer <key>` gets a 401 in OpenAI's error shape
     (what the openai client sends its api_key as), as vLLM's --api-key; /health and /metrics stay open for probes
@@ -517,7 +528,7 @@ class RequireKey:
         self.app, self.key = app, hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
+        path = route_path(scope)
         if scope["type"] != "http" or not (path == "/v1" or path.startswith("/v1/")):
             return await self.app(scope, receive, send)
         given = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]

@@ -4287,6 +4287,29 @@ def test_v1_itself_asks_for_the_key_and_a_look_alike_path_does_not(keyed_server)
     assert httpx.get(keyed_server + "/v1x").status_code == 404
 
 
+def test_the_key_is_required_of_an_app_mounted_in_another_or_served_under_a_root_path():
+    """The key check matched "/v1/" against the whole path: mounted as docs/serving.md shows
+    (host.mount("/llm", app)) or under uvicorn's --root-path, Starlette keeps the prefix in the path ("/llm/v1/...")
+    and routes on what follows it, so every /v1 request was served without the key."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    lm = load_model("random-tiny", None, "cpu")
+    lm.generation_config = {"max_denoising_steps": 2, "max_new_tokens": 4}
+    host = FastAPI()
+    host.mount("/llm", create_app(lm, MODEL, api_key=KEY, prefix_cache_bytes=0))
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    with TestClient(host) as http:
+        stranger = http.post("/llm/v1/completions", json=body)
+        assert stranger.status_code == 401 and stranger.json()["error"]["code"] == "invalid_api_key", stranger.text
+        assert http.post("/llm/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert http.get("/llm/health").status_code == 200  # (still open)
+    with TestClient(create_app(lm, MODEL, api_key=KEY, prefix_cache_bytes=0), root_path="/llm") as http:
+        # (what uvicorn --root-path /llm hands the app: the path with its prefix, and the root_path)
+        assert http.get("/llm/v1/models").status_code == 401
+        assert http.get("/llm/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 def test_the_key_may_follow_its_scheme_after_several_spaces(keyed_server):
     """RFC 7235's credentials are `auth-scheme 1*SP token`: the key after `Bearer` and two or more spaces is the key
     (a 401 for it would refuse a client that pads the header), and a key with a character more is not."""
