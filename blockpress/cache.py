@@ -48,6 +48,9 @@ class CacheMark:
     # The cache's moved_from then, where its rows were laid out left-padded (else False): going back lays them out so,
     # every slot where it was, and truncate(int) may take what it could take then
     moved_from: int | None | bool = field(default=False, repr=False, compare=False)
+    # The cache's known tokens then (None: not known), for truncate to bring back: an encode since forgot them
+    # (commit), and LM.chat continues only a cache whose tokens are known
+    tokens: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(eq=False)  # one call's own: compared (removed from a cache's users) as itself
@@ -90,11 +93,15 @@ class KVCache:
         state = self.__dict__.copy()
         del state["_claim"]
         state["users"] = []
+        # nor its marks: a mark names the cache it was made on (truncate refuses it on a copy), and a WeakSet and
+        # the marks' weak references do not pickle, which made a cache (and an output holding one) unpicklable
+        del state["marks"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._claim = threading.Lock()
+        self.marks = weakref.WeakSet()
 
     def release(self, claim: Claim) -> None:
         """Let `claim` go before its call ends: a stream that has handed out its last event (Done, Cancelled) writes
@@ -219,7 +226,8 @@ class KVCache:
         """Where the conversation ends now, for `truncate` to go back to (branch, retry; as often as wanted). It
         holds until the cache goes back to before it: then what it marked may be overwritten."""
         m = CacheMark(self.length, tuple(self.next_pos.tolist()), weakref.ref(self),
-                      moved_from=False if self._holes() else self.moved_from)
+                      moved_from=False if self._holes() else self.moved_from,
+                      tokens=None if self.tokens is None else [list(row) for row in self.tokens])
         self.marks.add(m)
         return m
 
@@ -240,6 +248,8 @@ class KVCache:
             self._rewound()
             if to.moved_from is not False:  # every slot back where it was when marked
                 self.moved_from = to.moved_from
+            if to.tokens is not None:  # (else _rewound kept what is known of them)
+                self.tokens = [list(row) for row in to.tokens]
             return
         if not isinstance(to, int) or isinstance(to, bool):
             raise ValueError(f"KVCache.truncate: expected a slot count (int) or a CacheMark, got {type(to).__name__}")

@@ -718,15 +718,13 @@ def _turn_undo(cache: KVCache) -> Callable[[BaseException], None]:
     leave the prompt and the canvases so far in the cache, and running the cell again would continue from that half
     turn: another text, silently. The argument is the exception that stopped the call, told if the cache cannot go
     back."""
-    mark, tokens = cache.mark(), None if cache.tokens is None else [list(row) for row in cache.tokens]
+    mark = cache.mark()  # (which keeps the known tokens, for truncate to bring back)
 
     def undo(stopped: BaseException) -> None:
         try:
             cache.truncate(mark)
         except ValueError as e:  # kept from replacing the exception that stopped the call
             stopped.add_note(f"cache: holds part of this call's turn, as it could not go back ({e})")
-            return
-        cache.tokens = tokens
 
     return undo
 
@@ -946,7 +944,9 @@ class LM:
         """A quantized twin of this LM beside it (see `quantize` for the schemes): its projections quantized from this
         model's weights one matrix at a time, its embedding, norms and router this model's own (shared, never copied
         whole), and everything else this LM's: tokenizer, generation settings (sampler, noise, penalties), folder.
-        This LM is unchanged. The twin runs eager: compile it yourself if you want."""
+        This LM is unchanged. The twin runs eager: compile it yourself if you want. Changing a shared tensor in place
+        changes both: say so to each (`lm.model.weights_changed()` and `twin.model.weights_changed()`), or the twin's
+        caches (a prefix cache above all) go on with keys of the old values."""
         from .quantize import quantized_copy
 
         twin = copy.copy(self)
@@ -2036,13 +2036,21 @@ class LM:
     def infill(self, template: Prompt, prompt: Prompt | None = None, **kwargs: Any) -> GenerationOutput:
         """Fill the holes of `template` (text with <|hole|> / <|hole:N|> markers, a backslash before one keeping it
         as text; or ids with -1), keeping every fixed token. `fills` holds each hole's text, one per marker in
-        order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone). A list of
+        order (per run of -1s in ids); `prompt`: context before the template (default: BOS alone; continuing a
+        `cache`, the turn's own text before the template is needed: BOS would land mid-conversation). A list of
         templates (texts, or id rows of any lengths) is one batch, each row filled as it would be alone: its
         sequences and new_tokens are pad past its own length, its num_new_tokens that length."""
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")
         if prompt is None:
+            cache = kwargs.get("cache")
+            if isinstance(cache, KVCache) and cache.length:
+                # BOS starts a sequence: in the middle of the conversation the cache holds it is a token the model
+                # never saw there (the fills went wrong), and a turn needs at least one token of its own to encode
+                raise ValueError("prompt: infill continuing a cache needs the turn's text before the template as "
+                                 "prompt= (at least one token; its default, BOS, only starts a fresh sequence), e.g. "
+                                 "the template's text up to its first hole")
             bos = self.config.text.bos_token_id
             prompt = [[bos if bos is not None else 0]] * _template_rows(template)
         return self.generate(prompt, template=template, **kwargs)

@@ -550,3 +550,61 @@ def test_a_chat_stream_held_open_after_its_turn_leaves_the_cache_to_the_next_cal
     after = cache.length
     cancelled.close()
     assert after > before and cache.length == after  # (the closed stream's undo ran once, at its Cancelled)
+
+
+def test_a_chat_cache_a_generate_extended_and_truncate_took_back_continues_the_chat():
+    """The docs say a chat cache extended since by generate is refused by chat, and truncating it (to a mark) is fine:
+    but the mark did not bring back the tokens the cache records (generate's encode forgets them), so chat refused
+    the truncated cache all the same. Continued, it answers as the conversation does without a cache."""
+    kw = dict(max_new_tokens=8, max_denoising_steps=2, seed=1)
+    lm = blockpress.random_model(blockpress.ModelConfig.preset("tiny"), seed=0,
+                                 tokenizer=train_bpe_tokenizer([""], vocab_size=300))
+    conv = [{"role": "user", "content": "hello there"}]
+    first = lm.chat(conv, return_cache=True, **kw)
+    mark = first.cache.mark()
+    lm.generate([[5, 6, 7]], cache=first.cache, **kw)  # a side turn ...
+    assert first.cache.tokens is None
+    first.cache.truncate(mark)  # ... taken back out
+    conv += [{"role": "assistant", "content": first.texts[0]}, {"role": "user", "content": "and then"}]
+    assert lm.chat(conv, cache=first.cache, **kw).texts == lm.chat(conv, **kw).texts
+
+
+def test_a_cache_and_an_output_holding_one_pickle_and_the_copy_continues_alike():
+    """A cache with a live mark (every continuing call takes one) did not pickle (its marks' WeakSet and weak
+    references), nor torch.save, nor an output holding it: the copy has no marks (a mark names its own cache)."""
+    import io
+    import pickle
+
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=0, sampler="greedy")
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    out = lm.generate([[2, 3, 4]], return_cache=True, **kw)
+    mark = out.cache.mark()
+    copied = pickle.loads(pickle.dumps(out))
+    buffer = io.BytesIO()
+    torch.save(out.cache, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert len(copied.cache.marks) == 0 and len(out.cache.marks) == 1
+    with pytest.raises(ValueError, match="made on another cache"):
+        copied.cache.truncate(mark)
+    want = lm.generate([[5]], cache=copy.deepcopy(out.cache), **kw).new_tokens
+    assert torch.equal(lm.generate([[5]], cache=copied.cache, **kw).new_tokens, want)
+    assert torch.equal(lm.generate([[5]], cache=loaded, **kw).new_tokens, want)
+
+
+def test_infill_continuing_a_cache_asks_for_the_turns_prompt_rather_than_a_bos_mid_conversation():
+    """infill's default prompt is BOS, which starts a sequence: continuing a cache it put a BOS in the middle of the
+    conversation (the fills went wrong). It asks for the turn's text instead; with one, it fills as the whole
+    conversation given as the prompt does."""
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=0, sampler="greedy")
+    lm = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    first = lm.generate([[2, 3, 4]], return_cache=True, **kw)
+    held = first.cache.length
+    with pytest.raises(ValueError, match="prompt: infill continuing a cache needs the turn's text"):
+        lm.infill([[7, -1, -1, 8]], cache=first.cache, **kw)
+    assert first.cache.length == held  # (refused before anything was encoded)
+    conversation = [2, 3, 4, *first.new_tokens[0].tolist()]
+    alone = lm.infill([[7, -1, -1, 8]], prompt=[conversation + [9]], **kw)
+    continued = lm.infill([[7, -1, -1, 8]], prompt=[[9]], cache=first.cache, **kw)
+    assert torch.equal(continued.new_tokens, alone.new_tokens)
+    assert lm.infill([[7, -1, -1, 8]], cache=None, **kw).sequences[0, 0].item() == lm.config.text.bos_token_id
