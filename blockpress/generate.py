@@ -1746,8 +1746,10 @@ class _Decoding:
                 # graphs, recaptures), and rows stop on nearby steps, so shrinking on every stop costs more than
                 # computing a few frozen rows does. At most log2(batch) copies a canvas.
                 if req.skip_stopped_rows and n_working <= w.rows.numel() // 2:
-                    state = replace(whole(), sc_probs=None)  # (put_rows never reads it: held, it would stay to
-                    w = w.shrink(working.nonzero()[:, 0], canvas_len)  # the canvas's end beside the rows' own)
+                    # (sc_probs: put_rows never reads it: held, it would stay to the canvas's end beside the rows'
+                    # own; accepted: a row that leaves accepts none from now on, as a stopped row that stays does)
+                    state = replace(whole(), sc_probs=None, accepted=w.state.accepted.new_zeros(b))
+                    w = w.shrink(working.nonzero()[:, 0], canvas_len)
         bad = broken.tolist()  # read with the canvas's end (no host sync in a step); the cause, before the hooks' check
         if True in bad:
             raise step_fault(bad.index(True) + 1)
