@@ -2055,6 +2055,36 @@ def test_a_save_whose_commit_fails_part_way_is_undone(tmp_path, monkeypatch):
     assert not (tmp_path / "new").exists()  # (a partial new folder was left)
 
 
+def test_a_commit_that_cannot_be_undone_says_the_folder_is_incomplete_and_keeps_the_old_file(tmp_path, monkeypatch):
+    """When the move that failed is followed by a failure to put a replaced file back, the error says the folder is
+    incomplete, names the new file and the backup of the old one, and the backup is kept (the old bytes are there)."""
+    import errno
+
+    import blockpress.files as files
+
+    old, new, folder = _saved_and_another(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real = os.replace
+    calls = []
+
+    def replace(source, destination):  # the third move into place fails, and so does the undo's first restore
+        calls.append(destination)
+        if len(calls) in (3, 4):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(source, destination)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    with pytest.raises(OSError, match=r"could not be moved into place \(Input/output error\), and the save could "
+                                      r"not be undone: .* is incomplete, holding this save's new ") as caught:
+        new.save(folder)
+    monkeypatch.setattr(files.os, "replace", real)
+    assert caught.value.errno == errno.EIO
+    kept = re.search(r"\(the one before it kept as (\S+)\)", str(caught.value))
+    assert kept is not None, caught.value
+    name = kept.group(1)[1:].rsplit(".", 2)[0]  # (".NAME.TAG.bak")
+    assert (folder / kept.group(1)).read_bytes() == before[name]
+
+
 def test_a_commit_stopped_without_waiting_or_without_hard_links_never_mixes_or_loses_files(tmp_path, monkeypatch):
     """Review of the undo: a stop that did not wait for the commit (sys.exit in an app's SIGUSR1 handler, as SLURM
     pre-emption installs) dropped the backups and left the mixed folder; where the file system has no hard links the

@@ -1418,6 +1418,7 @@ def test_named_templates_are_saved_whole(tok: Tokenizer, tmp_path: Path) -> None
     Tokenizer.from_dir(tmp_path / "theirs").save(tmp_path / "theirs")
     Tokenizer(backend=tok.backend, bos_id=2, eos_ids=[1], chat_template="ONE").save(tmp_path / "theirs")
     assert not (tmp_path / "theirs" / "additional_chat_templates").exists()
+    assert not [p.name for p in (tmp_path / "theirs").iterdir() if p.name.startswith(".")]  # (nor its backup)
     assert Tokenizer.from_dir(tmp_path / "theirs").chat_template == "ONE"
     assert AutoTokenizer.from_pretrained(str(tmp_path / "theirs")).chat_template == "ONE"
 
