@@ -54,6 +54,11 @@ def test_heldout_functions_is_a_seeded_shuffle(tmp_path):
     first = heldout_functions(tmp_path, ["a.py", "b.py", "missing.py"], seed=3)
     assert len(first) == 4 and first == heldout_functions(tmp_path, ["a.py", "b.py"], seed=3)
     assert {f.module for f in first} == {"a.py", "b.py"}
+    # shuffled by the seed: a benchmark's first N are not the first modules' first functions
+    (tmp_path / "m.py").write_text("".join(f"def f{i}(a):\n    b = a\n    return b\n\n" for i in range(30)))
+    orders = [[f.header for f in heldout_functions(tmp_path, ["m.py"], seed=s)] for s in (0, 1)]
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1])
+    assert orders[0] != [f.header for f in functions_in((tmp_path / "m.py").read_text(), "m.py")]
 
 
 def test_cut_body_stops_at_dedent_or_at_the_last_complete_line():
@@ -155,6 +160,14 @@ def test_space_infill_cases_cut_a_line_after_a_space_between_words():
         assert "\n" not in case.start + case.target and case.length == len(" " + case.target)
         assert not case.before.endswith("\n") and case.length + len(case.suffix) <= 64
         assert case.before + "\n" + case.start + case.target + case.suffix in SOURCE  # the source, cut at the canvas
+
+
+def test_space_infill_takes_a_later_body_line_where_the_first_has_no_cut():
+    """Any body line but the last may be the hole: a function whose first line has no space between words gives its
+    case from a later line (taking only the first line left such functions out)."""
+    funcs = functions_in("def f(a):\n    a.x()\n    y = a + 1\n    return y\n", "m.py")
+    cases = space_infill_cases(funcs, CharTokenizer(), canvas=64, limit=5, seed=0)
+    assert len(cases) == 1 and (cases[0].start + cases[0].target).startswith("    y = a"), cases
 
 
 @given(functions=st.integers(0, 8), limit=st.integers(0, 12), seed=st.integers(0, 3))

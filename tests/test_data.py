@@ -1439,3 +1439,22 @@ def test_a_tool_call_turn_under_a_template_that_writes_no_calls_is_refused(tok):
         "{{ raise_exception('Assistant message must have content or tool calls') }}{% endif %}<{{ m.role }}>")
     [example] = parse_examples({"messages": chat}, custom, "d.jsonl:1")
     assert "weather" in custom.decode(example.response, skip_special_tokens=False)
+
+
+def test_token_ids_past_uint16_are_kept_whole_by_raw_text_and_shards(tmp_path):
+    """Ids are stored in 16 bits only while every one fits: with a vocabulary past 65,536 (Gemma's 262k) id 65,536
+    must not wrap to 0, in raw text read for training nor in a shard written for it."""
+
+    class Wide:  # a tokenizer whose ids pass 16 bits
+        eos_id = 1
+        backend = None
+
+        def encode(self, text):
+            return [65_535, 65_536, 7]
+
+    (tmp_path / "a.txt").write_text("hello")
+    assert load_text(tmp_path / "a.txt", Wide()).arrays[0].tolist() == [65_535, 65_536, 7, 1]
+    for vocab in (65_536, 65_537):
+        write_shard(tmp_path / f"s{vocab}.bin", [[65_535, 3]] + ([[65_536]] if vocab > 65_536 else []), vocab)
+    assert (tmp_path / "s65536.bin").stat().st_size == 2 * 2  # (uint16 while the vocabulary fits)
+    assert np.fromfile(tmp_path / "s65537.bin", dtype=np.uint32).tolist() == [65_535, 3, 65_536]
