@@ -376,3 +376,20 @@ def test_a_manifest_split_from_another_pythons_stdlib_is_said(tmp_path):
         if warned:
             assert f"split from Python 3.1's standard library, and this is Python {running}" in said[0]
 
+
+
+def test_functions_in_splits_lines_where_ast_counts_them():
+    """ast's line numbers count only \\n, \\r\\n and \\r: a form feed (an Emacs ^L page break) on a line of its
+    own, or \\v, \\x1c, \\x85, U+2028 in a comment, must not shift the prefix, header or body after it."""
+    from blockpress.tasks.code import functions_in
+
+    for odd in ("\x0c", "\x0b", "\x1c", "\x85", "\u2028"):
+        page = "\x0c\n" if odd == "\x0c" else ""  # only a form feed may stand on a line alone
+        source = f"import os  # a{odd}b\n{page}\ndef area(r):\n    pi = 3.14  # {odd}\n    return pi * r * r\n"
+        (f,) = functions_in(source, "m.py")
+        assert f.header == "def area(r):\n", repr(odd)
+        assert f.body == f"    pi = 3.14  # {odd}\n    return pi * r * r\n", repr(odd)
+        assert f.prefix == f"import os  # a{odd}b\n{page}\ndef area(r):\n", repr(odd)
+    # a lone CR and CRLF are line ends to ast, and stay so
+    (f,) = functions_in("x = 1\r\rdef f():\r\n    a = 1\r    return a\r", "m.py")
+    assert (f.header, f.body) == ("def f():\r\n", "    a = 1\r    return a\r")

@@ -11,6 +11,7 @@ complete line, and it must hold at least one statement that is not a comment.
 from __future__ import annotations
 
 import ast
+import io
 import random
 import re
 import sys
@@ -52,7 +53,9 @@ def functions_in(source: str, module: str) -> list[Function]:
         tree = ast.parse(source)
     except SyntaxError:
         return []
-    lines = source.splitlines(keepends=True)
+    # Split where ast counts lines (\n, \r\n, \r) and nowhere else: str.splitlines also breaks at a form feed
+    # (an Emacs ^L page break), \v, \x1c-\x1e, \x85 and U+2028/9, which shifts every later function's lines
+    lines = io.StringIO(source, newline="").readlines()
     out = []
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
