@@ -23,7 +23,15 @@ import torch
 
 from .checks import check_text, warn_user
 from .config import CHAT_TURNS
-from .files import cr_alone_error, parse_json, text_of_file, undecodable_byte, utf16_note
+from .files import (
+    KeyTwice,
+    cr_alone_error,
+    one_value_a_key,
+    parse_json,
+    text_of_file,
+    undecodable_byte,
+    utf16_note,
+)
 from .response import reasoning_markers
 from .tokenizer import REASONING_FIELDS, chat_message
 
@@ -373,10 +381,14 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield where, parse_json(line)
+                obj = parse_json(line, object_pairs_hook=one_value_a_key)
             except json.JSONDecodeError as exc:
                 # a file of CR-alone line ends is one line, refused as "Extra data": said why, as --input says it
                 raise cr_alone_error(where, raw) or ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+            except KeyTwice as exc:  # json.loads keeps the last value: the first response would be silently lost
+                raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep "
+                                 "only the last); give it once") from None
+            yield where, obj
 
 
 def is_glob(path: str | Path) -> bool:

@@ -444,6 +444,26 @@ def test_a_byte_order_mark_before_the_first_line_is_read_past(tmp_path):
     assert [(e.prompt, e.response) for e in load_jsonl(path)] == [([2], [3])] * 2  # was "Unexpected UTF-8 BOM"
 
 
+def test_a_key_given_twice_in_a_record_is_refused_naming_line_and_key(tmp_path, tok):
+    """json.loads keeps the last of a repeated key: the first response (or a chat message's first content) was
+    trained away without a word, where generate --input refuses the same line."""
+    path = tmp_path / "d.jsonl"
+    good = json.dumps({"prompt": "def f(x):", "response": " return x"}) + "\n"
+    path.write_text(good + '{"prompt": "def f(x):", "response": " return x", "response": " raise ValueError"}\n')
+    with pytest.raises(ValueError, match=r'd.jsonl:2: "response" is given twice in one object \(JSON would keep '
+                                         r"only the last\); give it once"):
+        load_jsonl(path, tok)
+    path.write_text('{"messages": [{"role": "user", "content": "hi", "content": "ho"}, '
+                    '{"role": "assistant", "content": "x"}]}\n')  # nested, too
+    with pytest.raises(ValueError, match=r'd.jsonl:1: "content" is given twice'):
+        load_jsonl(path, tok)
+    path.write_text('{"text": "a", "text": "b"}\n')  # running text reads the same lines
+    with pytest.raises(ValueError, match=r'd.jsonl:1: "text" is given twice'):
+        load_text(path, tok)
+    path.write_text(good * 2)  # the same key in two records is no repeat
+    assert len(load_jsonl(path, tok)) == 2
+
+
 def test_jsonl_errors_name_the_line_for_encoding_templates_and_length(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     good = json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n"
