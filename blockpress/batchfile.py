@@ -174,6 +174,9 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
             obj = parse_json(text, object_pairs_hook=one_value_a_key, parse_constant=refuse_non_json_numbers,
                              parse_float=finite_float)
         except json.JSONDecodeError as exc:
+            note = _utf16_unmarked_note(raw)
+            if note:  # (before cr_alone_error: UTF-16's CRLF, "\r\0\n\0", leaves a CR inside the line it splits)
+                raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno}){note}") from None
             raise (_one_document(name, data) or cr_alone_error(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
         except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) would be silently lost
@@ -195,7 +198,9 @@ def _one_document(name: str, data: bytes) -> ValueError | None:
     rather than JSON Lines, None for any other: its first line was refused as 'not JSON (Expecting value, column
     2)', which said nothing of why."""
     try:
-        whole = parse_json(data)
+        # the text as read_rows decoded it: json.loads(bytes) detects UTF-16 and UTF-32 by itself, so a one-line
+        # UTF-16 file without a byte-order mark was called an object across several lines
+        whole = parse_json(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     if isinstance(whole, list):
@@ -206,6 +211,15 @@ def _one_document(name: str, data: bytes) -> ValueError | None:
         return None
     return ValueError(f"{name}: is one JSON document ({what}), not JSON Lines: give each object a line of its own "
                       f"({jq} writes them so)")
+
+
+def _utf16_unmarked_note(raw: bytes) -> str:
+    """utf16_note for a line of UTF-16 without a byte-order mark (iconv -t UTF-16LE, .NET's Encoding.Unicode): "" but
+    for a line whose every other byte is NUL, which ASCII text in UTF-16 is and no JSON line is (JSON writes a NUL
+    as \\u0000). It decodes as UTF-8, NULs and all, so the line was refused as 'not JSON' with no word of why."""
+    if b"\x00" not in raw or (raw[1::2].strip(b"\x00") and raw[0::2].strip(b"\x00")):
+        return ""
+    return "; it is UTF-16 (every other byte is NUL, as in UTF-16 without a byte-order mark): save it as UTF-8"
 
 
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:

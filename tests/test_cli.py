@@ -4729,6 +4729,23 @@ def test_input_that_is_one_json_document_is_said_to_be_not_json_lines():
             read_rows("p.jsonl", data)
 
 
+def test_input_in_utf16_without_a_byte_order_mark_is_said_to_be_utf16():
+    """A one-line file saved as UTF-16 with no byte-order mark (iconv -t UTF-16LE, .NET's Encoding.Unicode) was
+    called "one JSON document (an object across several lines)": the check re-read the bytes with json.loads, which
+    detects UTF-16 by itself. It is refused by its line, said to be UTF-16; a line with a NUL here and there is not."""
+    from blockpress.batchfile import read_rows
+
+    for codec in ("utf-16-le", "utf-16-be"):
+        for text in ('{"prompt": "def f(x):"}\n', '{"prompt": "a"}\r\n{"prompt": "b"}\r\n'):
+            with pytest.raises(ValueError) as err:
+                read_rows("in.jsonl", text.encode(codec))
+            assert str(err.value).startswith("in.jsonl:1: not JSON (") and str(err.value).endswith(
+                "; it is UTF-16 (every other byte is NUL, as in UTF-16 without a byte-order mark): save it as UTF-8")
+    with pytest.raises(ValueError) as err:
+        read_rows("in.jsonl", b'{"prompt": "a\x00b"}\n')  # a raw NUL in a string, the file UTF-8
+    assert str(err.value) == "in.jsonl:1: not JSON (Invalid control character at, column 14)"
+
+
 @pytest.mark.parametrize("kind_name", ["GENERATE", "INFILL"])
 def test_an_input_line_giving_a_setting_no_line_reads_is_said_to_be_copied_not_applied(kind_name):
     """A line's "stop" or "min_new_tokens" (generate), or "prompt" (lm.infill's name for the context) or
