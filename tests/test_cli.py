@@ -2184,6 +2184,27 @@ def chat_turns(monkeypatch, lines, *flags):
     return sent[1:]  # the first render is the template's check at start
 
 
+def test_chat_refuses_utf16_piped_in_and_sends_nothing(monkeypatch, capsys):
+    """UTF-16 piped in (`type notes.txt | blockpress chat` of a Notepad "Unicode" file) dropped its first line with
+    a bare "not valid UTF-8 (byte 0xff ...)" and sent the model every later line as NUL-interleaved text, exiting 0;
+    it is refused as UTF-16 before any message is sent, as `generate -` refuses it."""
+    import blockpress.tokenizer
+
+    sent, original = [], blockpress.tokenizer.Tokenizer.apply_chat_template
+
+    def spy(self, messages, *args, **kwargs):
+        sent.append(messages[-1]["content"])
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(blockpress.tokenizer.Tokenizer, "apply_chat_template", spy)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("hello\nworld\n".encode("utf-16")), encoding="utf-8"))
+    assert main(["chat", "--model", MODEL, "--max-new-tokens", "4", "--steps", "2", "--threads", "1", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert sent[1:] == [] and out == ""  # (the first render is the template's check at start)
+    assert "error: standard input: not valid UTF-8 (byte 0xff at character 0); it is UTF-16 (it starts with a " \
+           "UTF-16 byte-order mark" in err
+
+
 def test_chat_refuses_unknown_commands(monkeypatch, capsys):
     """"/exit now" and "/foo" went to the model as messages; // sends a message that starts with a slash."""
     sent = chat_turns(monkeypatch, ["/exit now", "/foo", "//etc/hosts?", "/exit", "never sent"])
