@@ -35,7 +35,7 @@ OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see Sam
 
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` (one not empty) makes the answer
 exactly `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
-joins the hole, as a text template's does), less what its first stop string cuts (`stop` is cut from the fill once it is
+joins the hole, as a text template's does; a hole marker in the suffix is its text, as escape_template keeps it), less what its first stop string cuts (`stop` is cut from the fill once it is
 written; a template takes none); the extra field `template`
 takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
 requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones. In the
@@ -116,9 +116,11 @@ from .generate import (
     Done,
     Draft,
     Template,
+    _parse_text,
     canvas_positions,
     canvas_room,
     cut_at_stop,
+    escape_template,
     hole_runs,
     parse_template,
     settled_text,
@@ -1904,7 +1906,11 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
     state.check_length(len(text), given, given)
     if body.suffix is not None:
         try:
-            holes = [-1] * max_tokens + tok.encode(check_text(body.suffix, "suffix"))
+            # The suffix is the client's text, encoded as lm.infill encodes escape_template(suffix): a hole marker in
+            # it (a file that mentions "<|hole|>") is plain text, not the model's absorbing noise token in the fixed
+            # tokens; other special tokens (<eos>) stay special, as in a template
+            fixed, _ = _parse_text(escape_template(check_text(body.suffix, "suffix")), tok, 1, None)
+            holes = [-1] * max_tokens + fixed
         except ValueError as exc:
             raise APIError(400, str(exc), "suffix") from None
         if not from_text:

@@ -2954,6 +2954,29 @@ def test_a_suffix_heals_the_prompts_trailing_space_into_the_hole():
     assert [c["text"] for c in listed["choices"]] == [text, text]
 
 
+def test_a_hole_marker_in_a_suffix_is_text_not_the_noise_token():
+    """A FIM client sends the rest of the file as `suffix`: one that mentions "<|hole|>" (this engine's own code and
+    docs) was encoded with the marker as blockpress-code's absorbing noise token, a masked position in the fixed text.
+    The suffix is encoded as lm.infill encodes escape_template(suffix): the marker is plain text."""
+    from fastapi.testclient import TestClient
+
+    from blockpress import escape_template
+
+    lm = load_model("blockpress-code", "float32", "cpu")
+    tok = lm.tokenizer
+    prompt, suffix = "marker = ", "'<|hole|>'\n"
+    noise = tok.encode("<|hole|>")
+    assert len(noise) == 1 and noise[0] in tok.encode(suffix)  # (what the server encoded the suffix as)
+    fixed = tok.encode("'") + tok.encode_plain("<|hole|>") + tok.encode("'\n")
+    assert noise[0] not in fixed
+    body = {"model": MODEL, "prompt": prompt, "suffix": suffix, "max_tokens": 4, "seed": 3}
+    with TestClient(create_app(lm, MODEL, prefix_cache_bytes=0)) as http:
+        r = http.post("/v1/completions", json=body).json()
+    assert r["usage"]["prompt_tokens"] == len(tok.encode_prompt(prompt)) + len(fixed)  # the suffix's plain tokens
+    assert r["choices"][0]["text"] == lm.infill("<|hole:4|>" + escape_template(suffix), prompt=prompt,
+                                                seed=3).fills[0][0]
+
+
 def test_suffix_jobs_of_different_healed_lengths_share_a_batch():
     """A healed suffix canvas is a token shorter once its space opens into the hole: batched with an unhealed one of
     the same length before healing, the engine refused the batch and both clients got a 500; then jobs batched by
