@@ -1786,7 +1786,13 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> J
         if param == "max_completion_tokens":  # OpenAI's chat field; the legacy completions take max_tokens
             msg += " (a /v1/chat/completions field; /v1/completions takes max_tokens)"
     elif err.get("type") == "json_invalid":
-        msg, param = "the request body is not valid JSON", None
+        # why and where, as --input names a bad line's (loc: the character json stopped at, counted from 0); a raw
+        # newline or tab in a string (a prompt typed over lines in curl -d '...') is the usual cause, so said how to
+        # write one
+        reason = err.get("ctx", {}).get("error", "decode error")
+        where = f", character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        hint = "; a newline or tab inside a string is written \\n or \\t" if "control character" in reason else ""
+        msg, param = f"the request body is not valid JSON ({reason}{where}{hint})", None
     elif err.get("type") == "too_short":  # pydantic says "at least 1 item", also of a string
         msg = "must not be empty"
     return JSONResponse(error_body(f"{param}: {msg}" if param else msg, "invalid_request_error", param),

@@ -607,12 +607,21 @@ def test_openais_chat_fields_for_its_own_models_take_null_and_refuse_a_value_by_
 
 
 def test_malformed_json(server):
-    """A syntax error is the whole body's: its error names no param (FastAPI's loc holds the byte offset of the
-    error there, which was sent as the param and put before the message)."""
-    for body in (b"{nope", b'{"model": "tiny", "prompt": "x",}', b"[1, 2"):
+    """A syntax error is the whole body's: its error names no param (FastAPI's loc holds the offset of the error
+    there, which was sent as the param and put before the message). The message says why and where, as --input
+    does: it said "not valid JSON" alone, and a raw newline in a string (a prompt typed over two lines in curl -d)
+    left the client to guess; that one also says how a newline or tab is written."""
+    for body, why in [(b"{nope", "Expecting property name enclosed in double quotes, character 1"),
+                      (b'{"model": "tiny", "prompt": "x",}', "Expecting property name enclosed in double quotes, "
+                                                             "character 32"),
+                      (b"[1, 2", "Expecting ',' delimiter, character 5"),
+                      (b'{"model": "tiny", "prompt": "def f():\n    return"}', "Invalid control character at, "
+                       "character 37; a newline or tab inside a string is written \\n or \\t"),
+                      (b'{"prompt": "a\tb"}', "Invalid control character at, character 13; a newline or tab inside a "
+                                            "string is written \\n or \\t")]:
         r = httpx.post(server[0] + "/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"] == {
-            "message": "the request body is not valid JSON", "type": "invalid_request_error", "param": None,
+            "message": f"the request body is not valid JSON ({why})", "type": "invalid_request_error", "param": None,
             "code": None}, (body, r.text)
 
 
