@@ -644,7 +644,7 @@ def escape_template(text: str, before_hole: bool = False) -> str:
     return text + "\\" * (len(text) - len(text.rstrip("\\"))) if before_hole else text
 
 
-def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+def parse_text_template(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
     """One text template's ids and hole spans. A backslash before a marker keeps it as text: each pair of
     backslashes right before a marker stands for one, and an odd one left over makes the marker literal
     (`\\<|hole|>` is the text "<|hole|>", `\\\\<|hole|>` a backslash and then a hole); other backslashes are text.
@@ -700,10 +700,10 @@ def _parse_text(template: str, tokenizer: Any, hole_length: int, max_length: int
 
 def _parse_text_row(template: str, r: int, rows: int, tokenizer: Any, hole_length: int,
                     max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
-    """`_parse_text` of row `r` of a batch of `rows` text templates: its errors name the row when there are several
+    """`parse_text_template` of row `r` of a batch of `rows` text templates: its errors name the row when there are several
     ("template: empty text" or a typo's message alone would leave the user to find which of the batch it is)."""
     try:
-        return _parse_text(template, tokenizer, hole_length, max_length)
+        return parse_text_template(template, tokenizer, hole_length, max_length)
     except ValueError as exc:
         message = str(exc)
         if rows == 1 or not message.startswith("template: "):  # hole_length's errors are the setting's, not a row's
@@ -725,7 +725,7 @@ def _template_row(row: Any) -> Any:
 def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
                    max_length: int | None = None) -> Template:
     """A constrained canvas: text with <|hole|> / <|hole:N|> markers (a backslash before one keeps it as text,
-    see `_parse_text`), or ids with -1 (or None) for holes, where a run of -1s is one hole.
+    see `parse_text_template`), or ids with -1 (or None) for holes, where a run of -1s is one hole.
     `max_length`: the most tokens it may hold (the model's context), checked before any hole is laid out."""
     if is_text_template(template):
         texts = [template] if isinstance(template, str) else list(template)

@@ -116,13 +116,13 @@ from .generate import (
     Done,
     Draft,
     Template,
-    _parse_text,
     canvas_positions,
     canvas_room,
     cut_at_stop,
     escape_template,
     hole_runs,
     parse_template,
+    parse_text_template,
     settled_text,
     text_with_special_tokens,
 )
@@ -1915,7 +1915,7 @@ def constrained_canvas(state: ServerState, body: CompletionRequest, prompt: list
             # The suffix is the client's text, encoded as lm.infill encodes escape_template(suffix): a hole marker in
             # it (a file that mentions "<|hole|>") is plain text, not the model's absorbing noise token in the fixed
             # tokens; other special tokens (<eos>) stay special, as in a template
-            fixed, _ = _parse_text(escape_template(check_text(body.suffix, "suffix")), tok, 1, None)
+            fixed, _ = parse_text_template(escape_template(check_text(body.suffix, "suffix")), tok, 1, None)
             holes = [-1] * max_tokens + fixed
         except ValueError as exc:
             raise APIError(400, str(exc), "suffix") from None
