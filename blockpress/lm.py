@@ -1889,10 +1889,12 @@ class LM:
                              "nor chat_template in tokenizer_config.json), so messages cannot be rendered; pass a "
                              "plain prompt to generate, or set lm.tokenizer.chat_template")
         tools = template_options.get("tools")
-        if tools and "tools" not in self.tokenizer.chat_template_variables(template_options.get("chat_template"),
-                                                                           tools):
-            raise MessageError("tools", "this model's chat template does not use tools; describe them in a message "
-                                        "instead")
+        for name, instead in (("tools", "describe them in a message instead"),
+                              ("documents", "put their text in a message instead")):
+            # what the template never reads would vanish from the prompt: a reply written without it, unsaid
+            if template_options.get(name) and name not in self.tokenizer.chat_template_variables(
+                    template_options.get("chat_template"), tools):
+                raise MessageError(name, f"this model's chat template does not use {name}; {instead}")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
             isinstance(m, (list, tuple)) for m in messages)
         conversations = messages if batch else [messages]

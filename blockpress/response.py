@@ -675,6 +675,9 @@ def _field_value(body: str, field: Field, captures: dict[str, str], budget: Patt
 def tool_parameters(tools: Any) -> dict[str, dict[str, Any]]:
     """Each tool's parameter schemas by tool name, from tools as chat templates take them ({"type": "function",
     "function": {...}} or the function object itself)."""
+    if tools is not None and not isinstance(tools, (list, tuple)):  # (one tool's dict matched no name, silently)
+        raise ValueError(f"tools: expected a list of tool schemas (as apply_chat_template takes), got "
+                         f"{type(tools).__name__}")
     params = {}
     for tool in tools or []:
         if callable(tool):

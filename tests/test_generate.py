@@ -3868,6 +3868,13 @@ def test_chat_refuses_tools_a_template_never_reads(chat_lm):
         chat_lm.chat(messages, template_options={"tools": tools}, max_new_tokens=4)
     reads = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ tools | length }}"
     assert chat_lm.chat_prompt(messages, tools=tools, chat_template=reads) == chat_lm.tokenizer.encode("hi1")
+    # documents alike: retrieved context the template never reads left the reply to be written without it
+    documents = [{"title": "Memo", "text": "The launch code is 4711."}]
+    with pytest.raises(ValueError, match="^documents: this model's chat template does not use documents"):
+        chat_lm.chat(messages, template_options={"documents": documents}, max_new_tokens=4)
+    reads = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ documents[0]['text'] }}"
+    assert chat_lm.chat_prompt(messages, documents=documents, chat_template=reads) == chat_lm.tokenizer.encode(
+        "hiThe launch code is 4711.")
 
 
 def test_chat_without_a_chat_template_is_a_clear_error(chat_lm, monkeypatch):

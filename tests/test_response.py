@@ -977,3 +977,12 @@ def test_a_call_with_many_delimited_strings_reads_in_time_linear_in_them() -> No
     small, large = cost(1500), cost(6000)
     # linear: x3.7-4.4 alone; the replace-per-string version: x20 (2.9 and 10.8 ms against 26 and 547 ms)
     assert large / small < 10, f"x4 strings took x{large / small:.1f} the time (linear: ~4, quadratic: ~20)"
+
+
+@pytest.mark.parametrize("tools", [{"type": "function", "function": {"name": "weather"}}, "weather", 3])
+def test_tools_that_are_not_a_list_are_refused_by_name(tools: Any) -> None:
+    """apply_chat_template refuses one tool's dict; parse_response matched no tool with it (arguments left untyped),
+    and crashed on an int with a bare TypeError."""
+    with pytest.raises(ValueError, match=r"^tools: expected a list of tool schemas .*, got (dict|str|int)$"):
+        parse_response(compile_template(GEMMA4), "hi", "", tools)
+    assert parse_response(compile_template(GEMMA4), "hi", "", None)["content"] == "hi"
