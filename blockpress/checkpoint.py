@@ -1051,6 +1051,10 @@ def return_freed_heap(device: torch.device) -> None:
     trim(0)
 
 
+# The names a save gives its weights: one file, or numbered shards with their index (transformers' layout)
+WEIGHTS_FILE = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json")
+
+
 def save_model(
     model: DiffusionGemma,
     path: str | Path,
@@ -1119,7 +1123,10 @@ def save_model(
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if len(shards) > 1:
         names.append("model.safetensors.index.json")
-    stale = [old for old in path.glob("model*.safetensors*") if old.name not in names]
+    # the other layout's files of an earlier save, and nothing else: a glob's model*.safetensors* also took a
+    # user's model.safetensors.bak or model.fp16.safetensors kept beside the checkpoint
+    stale = [old for old in path.glob("model*.safetensors*")
+             if old.name not in names and WEIGHTS_FILE.fullmatch(old.name)]
     with staging(files) as staged:
         staged.make_folder(path)  # (one this save made is removed again if it fails)
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout

@@ -69,6 +69,26 @@ def test_sharded_checkpoint_loads_the_same(lm, tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_a_save_in_the_other_layout_removes_the_old_weights_files_and_no_file_of_the_users(lm, tmp_path):
+    """A save removed every model*.safetensors* it did not write: a user's model.safetensors.bak or
+    model.fp16.safetensors beside the checkpoint went too. Only the other layout's files go."""
+    from blockpress.checkpoint import save_model
+
+    folder = tmp_path / "ckpt"
+    save_model(lm.model, folder, max_shard_bytes=20_000)
+    shards = sorted(p.name for p in folder.glob("model*"))
+    assert len(shards) > 2 and "model.safetensors.index.json" in shards
+    mine = ["model.safetensors.bak", "model_backup.safetensors", "model.fp16.safetensors", "model-1-of-2.safetensors",
+            "model_notes.safetensors.txt"]
+    for name in mine:
+        (folder / name).write_bytes(b"the user's")
+    save_model(lm.model, folder)  # one file now
+    assert sorted(p.name for p in folder.glob("model*")) == sorted([*mine, "model.safetensors"])
+    assert all((folder / name).read_bytes() == b"the user's" for name in mine)
+    save_model(lm.model, folder, max_shard_bytes=20_000)  # and back
+    assert sorted(p.name for p in folder.glob("model*")) == sorted([*mine, *shards])
+
+
 def test_shards_of_two_saves_are_refused_by_name(lm, tmp_path, monkeypatch):
     """A sharded save stopped while it moved its shards into place left some new shards beside old ones, and the
     folder loaded without a word: 23 tensors of the new model, 108 of the old. A stop the process lives through is
