@@ -687,7 +687,9 @@ def parse_text_template(template: str, tokenizer: Any, hole_length: int, max_len
             raise ValueError(f"template: {marker} holds no token; a hole needs a length of 1 or more")
         ids += tokenizer.encode(text) if text else []
         text = ""
-        n = int(length) if length is not None else hole_length
+        # int(): a numpy integer would do the arithmetic below in its own type, which wraps (np.int8(127) past a
+        # few tokens of text laid the hole out backwards; np.int32(2**31 - 1) passed the context check)
+        n = int(length) if length is not None else int(hole_length)
         if max_length is not None and len(ids) + n > max_length:
             raise ValueError(f"template: {marker} takes the template past the model's context of "
                              f"{max_length} tokens")

@@ -1408,7 +1408,8 @@ class LM:
         """The template parsed for the prompt's rows and healed: None (token_healing's default) heals a text
         template's holes, nothing else; True/False say so for all. A `text_prompt`'s trailing space joins a hole the
         template starts with."""
-        parsed = parse_template(template, self.tokenizer, rows.ids.shape[0], hole_length,
+        # _number: a 0-d tensor is a hole length as it is a max_new_tokens
+        parsed = parse_template(template, self.tokenizer, rows.ids.shape[0], _number(hole_length),
                                 self.config.text.max_position_embeddings)
         layout = _TemplateLayout(parsed, rows)
         if self.tokenizer is None or not (token_healing is True or (token_healing is None

@@ -1165,6 +1165,23 @@ def test_bad_hole_lengths(template, hole_length, message):
         load_model("random-tiny", None, "cpu").infill(template, hole_length=hole_length)
 
 
+@pytest.mark.parametrize("hole_length", [np.int8(8), np.uint8(8), torch.tensor(8)])
+def test_a_numpy_or_0d_tensor_hole_length_lays_out_as_an_int(hole_length):
+    """A numpy hole_length was kept in its own type, so the hole's end (the text's length + n) wrapped: np.int8(8)
+    after 249 tokens of text crashed with an IndexError deep in the decode, and np.uint8 gave a hole of the wrong
+    size. A 0-d tensor was refused ("expected a positive integer"), though lm._number promises it works wherever
+    a number does."""
+    from blockpress.cli.common import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    template = "a " * 124 + "<|hole|>"
+    want = lm.infill(template, hole_length=8, max_denoising_steps=1, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # numpy's "overflow encountered in scalar add"
+        got = lm.infill(template, hole_length=hole_length, max_denoising_steps=1, seed=0)
+    assert got.new_tokens.tolist() == want.new_tokens.tolist() and got.texts == want.texts
+
+
 def test_a_batch_of_templates_without_a_prompt():
     """Text templates in a list, and id rows, of any lengths, fill row by row; with no prompt each row starts
     from BOS (before: a list of texts was 'expected integer token ids', a batch of ids wanted a prompt batch)."""
