@@ -46,6 +46,15 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def plain_number(value: Any) -> Any:
+    """An integer (is_int) as a Python int and any other finite number (is_finite_number) as a Python float, for a
+    setting that is kept: np.float32(1e-4) is not JSON (a run's train_config.json and metrics rows), and a numpy
+    integer's arithmetic wraps. Anything else (a bool, a string, inf) as it is, for the caller's check to refuse."""
+    if is_int(value):
+        return int(value)
+    return float(value) if is_finite_number(value) else value
+
+
 def check_positive_int(value: Any, name: str) -> None:
     """A count of the public API (max_new_tokens, num_return_sequences): an integer (is_int) above 0, else a
     ValueError naming `name`."""

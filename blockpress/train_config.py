@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checks import is_finite_number
+from .checks import is_finite_number, plain_number
 from .config import CHAT_TURNS, SCHEMES
 
 # The linear layers LoRA can adapt, by the names peft's target_modules gives them, and the module suffix each stands
@@ -137,6 +137,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.check_fields({f.name: getattr(self, f.name) for f in fields(self)})
         for f in fields(self):
+            # a numpy float passes its field's check (np.float32 from a sweep's array), but the run's
+            # train_config.json and metrics rows failed on it mid-run: kept as the Python number it is
+            setattr(self, f.name, plain_number(getattr(self, f.name)))
             value = getattr(self, f.name)
             if f.metadata["choices"] and value is not None and value not in f.metadata["choices"]:
                 raise ValueError(f"{f.name}: expected one of {list(f.metadata['choices'])}, got {value!r}")

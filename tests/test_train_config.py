@@ -1,6 +1,10 @@
 """TrainConfig's bounds at their edges (test_bad_train_config pins values far outside them), each window setting
 refused on examples alone, and LoRA targets named twice (from a mutation hunt: each case kills a mutant of
 train_config.py that moved one bound by one)."""
+import json
+from dataclasses import asdict
+
+import numpy as np
 import pytest
 
 from blockpress.train_config import TrainConfig, lora_modules
@@ -47,3 +51,14 @@ def test_window_settings_each_refused_on_examples():
 
 def test_a_target_named_twice_is_adapted_once():
     assert lora_modules("q_proj, q_proj,down_proj") == ["q_proj", "mlp.down_proj"]
+
+
+def test_numpy_floats_are_kept_as_python_floats():
+    """np.float32 passes a float field's check, and was kept: a run trained up to its first metrics row and then
+    failed there, "Object of type float32 is not JSON serializable" (train_config.json would have too)."""
+    sweep = np.linspace(1e-4, 1e-3, 3, dtype=np.float32)
+    cfg = TrainConfig(lr=sweep[1], heldout=np.float16(0.25), t_eps=np.float32(0.01), lora_rank=4,
+                      lora_alpha=np.float32(8))
+    for name in ("lr", "heldout", "t_eps", "lora_alpha"):
+        assert type(getattr(cfg, name)) is float, name
+    assert cfg.lr == float(sweep[1]) and json.loads(json.dumps(asdict(cfg)))["heldout"] == 0.25
