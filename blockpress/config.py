@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, TypeGuard, get_args
 
-from .checks import check_flag, is_finite_number, warn_user
+from .checks import check_flag, is_finite_number, plain_number, warn_user
 from .files import read_json_object
 
 # Names and defaults the command line shows in its --help, kept in this module (which imports no torch) so that
@@ -223,6 +223,9 @@ class TextConfig:
     moe_intermediate_size: int = 256
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # a numpy number (np.int64 from an array's arithmetic) as the Python one it is: the
+            # checks below take JSON's types, and config.json is written with json
+            setattr(self, f.name, plain_number(getattr(self, f.name)))
         for name in ("rope_parameters", "per_layer_config"):  # read as dicts just below
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
@@ -572,6 +575,7 @@ class ModelConfig:
     text_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.canvas_length = plain_number(self.canvas_length)  # (as TextConfig's numbers)
         self.validate()
 
     def validate(self) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checks import is_finite_number, plain_number
+from .checks import is_finite_number, is_int, plain_number
 from .config import CHAT_TURNS, SCHEMES
 
 # The linear layers LoRA can adapt, by the names peft's target_modules gives them, and the module suffix each stands
@@ -43,7 +43,7 @@ def lora_modules(targets: str) -> list[str]:
 
 # What a TrainConfig field of each type takes (TrainConfig.check_fields), and how an error names it.
 _TYPE_CHECKS: dict[type, Callable[[Any], bool]] = {
-    bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    bool: lambda v: isinstance(v, bool), int: is_int,  # (numpy's too: __post_init__ keeps int(value))
     float: is_finite_number, str: lambda v: isinstance(v, str)}
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
@@ -137,7 +137,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.check_fields({f.name: getattr(self, f.name) for f in fields(self)})
         for f in fields(self):
-            # a numpy float passes its field's check (np.float32 from a sweep's array), but the run's
+            # a numpy number passes its field's check (np.float32 from a sweep's array, np.int64), but the run's
             # train_config.json and metrics rows failed on it mid-run: kept as the Python number it is
             setattr(self, f.name, plain_number(getattr(self, f.name)))
             value = getattr(self, f.name)

@@ -2,8 +2,10 @@
 may leave out (rope entries, the layer pattern), the older rope spelling beside the new, token ids and windows at their
 bounds, and how text that is not valid UTF-8 is named (from a mutation hunt: each test kills a mutant the rest of the
 suite let live)."""
+import json
 import warnings
 
+import numpy as np
 import pytest
 
 from blockpress.checks import utf8_problem
@@ -92,3 +94,15 @@ def test_a_config_saves_into_a_folder_as_its_config_json(tmp_path):
     assert ModelConfig.from_file(tmp_path / "other.json").to_dict() == cfg.to_dict()
     cfg.save(f"{tmp_path / 'new' / 'model'}/")  # a folder not there yet, as save_pretrained("new_model/") makes it
     assert ModelConfig.from_file(tmp_path / "new" / "model" / "config.json").to_dict() == cfg.to_dict()
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_are():
+    """np.int64(128) was refused as "text_config.vocab_size: expected a positive integer, got np.int64(128)" and
+    np.float32(1e-6) as "rms_norm_eps: expected a positive finite number"; taken, they are kept as Python numbers,
+    which config.json is written with."""
+    cfg = ModelConfig.tiny(vocab_size=np.int64(128), rms_norm_eps=np.float32(1e-6), canvas_length=np.int32(8))
+    assert (type(cfg.text.vocab_size), type(cfg.text.rms_norm_eps), type(cfg.canvas_length)) == (int, float, int)
+    assert cfg.text.vocab_size == 128 and cfg.text.rms_norm_eps == float(np.float32(1e-6))
+    assert json.loads(json.dumps(cfg.to_dict()))["text_config"]["vocab_size"] == 128
+    with pytest.raises(ConfigError, match="text_config.tie_word_embeddings: expected true or false"):
+        ModelConfig.tiny(tie_word_embeddings=np.int64(1))  # a number is no flag

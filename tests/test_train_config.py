@@ -62,3 +62,14 @@ def test_numpy_floats_are_kept_as_python_floats():
     for name in ("lr", "heldout", "t_eps", "lora_alpha"):
         assert type(getattr(cfg, name)) is float, name
     assert cfg.lr == float(sweep[1]) and json.loads(json.dumps(asdict(cfg)))["heldout"] == 0.25
+
+
+def test_numpy_integers_are_taken_as_python_ints():
+    """np.int64 (an array's arithmetic) was refused with "steps: expected an integer, got np.int64(10)", though the
+    generation API takes numpy integers everywhere; taken, it is kept as the Python int train_config.json writes."""
+    cfg = TrainConfig(steps=np.int64(10), seed=np.uint32(1), micro_batch_size=np.int8(2), lr=np.int64(1))
+    assert (cfg.steps, cfg.seed, cfg.micro_batch_size) == (10, 1, 2)
+    assert all(type(getattr(cfg, name)) is int for name in ("steps", "seed", "micro_batch_size", "lr"))
+    json.dumps(asdict(cfg))
+    with pytest.raises(ValueError, match="steps: expected an integer, got np.True_"):  # not a bool for a number
+        TrainConfig(steps=np.True_)
