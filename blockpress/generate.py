@@ -1108,7 +1108,9 @@ def normalize_stops(stop: Any, batch: int) -> list[list[str]] | None:
     """`stop`: a string, a list of strings (every row; a 1-D numpy array of them too), or one list of strings per
     row -> one list per row."""
     expected = "a string, a list of strings or one list per row"
-    if hasattr(stop, "ndim") and hasattr(stop, "tolist"):  # numpy (as other per-batch arguments): a list of strings
+    # numpy (as other per-batch arguments): a list of strings. Not np.str_ (an array's element), which has an ndim
+    # of 0 and is a str
+    if hasattr(stop, "ndim") and hasattr(stop, "tolist") and not isinstance(stop, str):
         if stop.ndim != 1:
             raise ValueError(f"stop: expected {expected}, got a {stop.ndim}-D array (only a 1-D one is a list)")
         stop = stop.tolist()

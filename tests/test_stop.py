@@ -148,6 +148,13 @@ def test_a_1d_numpy_array_of_stop_strings_is_a_list_of_them(stops, batch):
     assert normalize_stops(np.array(stops), batch) == normalize_stops(stops, batch)
 
 
+def test_a_numpy_string_is_a_stop_string():
+    """np.str_ (an element of an array of strings) is a str, as prompts and stop=[np.str_] take it; alone it was
+    refused as "a 0-D array (only a 1-D one is a list)"."""
+    stop = np.array(["\n", ";"])[0]
+    assert normalize_stops(stop, 2) == [["\n"], ["\n"]]
+
+
 @pytest.mark.parametrize("stop, message", [
     (np.array([["a"], ["b"]]), "got a 2-D array"),
     (np.array("a"), "got a 0-D array"),
