@@ -201,6 +201,14 @@ def _as_ids(x: Any, name: str, vocab_size: int | None, device: torch.device) -> 
 def _check_mask(mask: Any, shape: torch.Size, like: str) -> torch.Tensor:
     """An attention mask: 1 for a real token, 0 for padding, shaped like the prompt, a real token in every row. A
     1-D mask is one row, as a 1-D prompt is (`shape` is the prompt as read: [1, P] then)."""
+    if isinstance(mask, (list, tuple)) and mask and all(isinstance(r, torch.Tensor) and r.dim() == 1 for r in mask):
+        # rows as 1-D tensors, as a ragged prompt's may be: torch.as_tensor reads a list of tensors only when each
+        # holds one number ("only integer tensors of a single element can be converted to an index")
+        lengths = [len(r) for r in mask]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"attention_mask: rows of different lengths {lengths}; expected one row per prompt row, "
+                             f"shaped like {like}")
+        mask = torch.stack([r.detach().cpu() for r in mask])
     t = as_tensor(mask, "attention_mask", f"a mask of 0 (padding) and 1 (token) shaped like {like}")
     if t.dim() == 1 and len(shape) == 2 and shape[0] == 1:
         t = t[None]
@@ -507,6 +515,17 @@ def _template_batch(template: Any) -> bool:
     if isinstance(template, (list, tuple)):
         return bool(template) and (isinstance(template[0], (str, list, tuple)) or getattr(template[0], "ndim", 0) >= 1)
     return len(getattr(template, "shape", ())) == 2
+
+
+def _template_texts(template: Any) -> Any:
+    """A numpy array of strings as the list of text templates it holds, as a prompt's array of them is read
+    (prompt_to_ids); anything else as it is. (Read as ids, it was "expected integer token ids".)"""
+    if isinstance(template, np.ndarray) and template.dtype.kind in "US":
+        if template.ndim > 1:
+            raise ValueError(f"template: a {template.ndim}-D array of strings; text templates go as a str or a 1-D "
+                             "list or array of them, one a row")
+        return template.tolist()
+    return template
 
 
 def _template_rows(template: Any) -> int:
@@ -1248,6 +1267,7 @@ class LM:
         _no_meta_tensors(prompt=prompt, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                          min_new_tokens=min_new_tokens, min_new_tokens_eos_only=min_new_tokens_eos_only, seed=seed,
                          template=template, **sampler_options, **fields)
+        template = _template_texts(template)
         pad_id = self.pad_id
         cached = cache.length if isinstance(cache, KVCache) else 0
         rows = self._prompt_rows(prompt, attention_mask, pad_id, continuing=cached > 0)
@@ -2051,6 +2071,7 @@ class LM:
         if template is None:
             raise ValueError("template: expected text with <|hole|> markers or token ids with -1 for holes, got None "
                              "(for a free continuation use generate)")
+        template = _template_texts(template)  # (before its rows are counted)
         if prompt is None:
             cache = kwargs.get("cache")
             if isinstance(cache, KVCache) and cache.length:

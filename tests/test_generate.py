@@ -2549,6 +2549,34 @@ def test_a_mask_of_exact_zeros_and_ones_in_any_dtype_reads_like_an_integer_one(l
                        lm.logits(prompt, [[9], [9]], attention_mask=mask))
 
 
+def test_a_mask_given_as_rows_of_1d_tensors_reads_like_a_nested_list(lm):
+    """A prompt's rows may be 1-D tensors; its mask's rows given the same way failed with torch's own message,
+    "only integer tensors of a single element can be converted to an index"."""
+    prompt, mask = [torch.tensor([0, 0, 3, 4]), torch.tensor([5, 6, 7, 8])], [[0, 0, 1, 1], [1, 1, 1, 1]]
+    want = lm.generate(prompt, attention_mask=mask, max_new_tokens=4, max_denoising_steps=2, seed=1)
+    got = lm.generate(prompt, attention_mask=[torch.tensor(r) for r in mask], max_new_tokens=4, max_denoising_steps=2,
+                      seed=1)
+    assert torch.equal(got.sequences, want.sequences)
+    with pytest.raises(ValueError, match=r"attention_mask: rows of different lengths \[4, 3\]"):
+        lm.generate(prompt, attention_mask=[torch.tensor([0, 1, 1, 1]), torch.tensor([1, 1, 1])], max_new_tokens=4)
+
+
+def test_a_numpy_array_of_text_templates_is_a_batch_of_texts():
+    """As a prompt's numpy array of texts is a list of them, so is a template's: it was read as ids ("expected
+    integer token ids (-1 for holes) ... can't convert np.ndarray of type numpy.str_")."""
+    from blockpress.cli.common import load_model
+
+    lm = load_model("random-tiny", None, "cpu")
+    texts = ["x = <|hole:2|>", "y = <|hole:3|>"]
+    want = lm.infill(texts, seeds=[0, 1], max_denoising_steps=1)
+    got = lm.infill(np.array(texts), seeds=[0, 1], max_denoising_steps=1)
+    assert got.texts == want.texts and got.fills == want.fills
+    got = lm.generate(["a", "b"], template=np.array(texts), seeds=[0, 1], max_denoising_steps=1)
+    assert got.texts == lm.generate(["a", "b"], template=texts, seeds=[0, 1], max_denoising_steps=1).texts
+    with pytest.raises(ValueError, match="template: a 2-D array of strings"):
+        lm.infill(np.array([texts]))
+
+
 def test_a_template_sets_the_length():
     from blockpress.cli.common import load_model
 
