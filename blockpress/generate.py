@@ -525,6 +525,10 @@ def _id_row(row: Any, name: str) -> list[int]:
     # is_int on every id would cost a server's batch milliseconds for each long prompt as it starts
     kinds = set(map(type, row))
     if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in kinds):
+        # a 0-d tensor or array (list(t) of a 1-D tensor gives them) is the number it holds; a float or bool one is
+        # then refused below as that number is
+        row = [t.item() if isinstance(t, (torch.Tensor, np.ndarray)) and t.ndim == 0 else t for t in row]
+        kinds = set(map(type, row))
         odd = [t for t in row if not is_int(t)]
         if odd:  # torch would truncate 1.5 to 1 and read True as 1, silently
             raise ValueError(f"{name}: expected integer token ids, got {odd[0]!r}")
@@ -551,7 +555,9 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
         return t.long()
     if isinstance(ids, (list, tuple)) and ids:
         first = ids[0]
-        nested = not is_int(first) and (isinstance(first, (list, tuple, torch.Tensor)) or hasattr(first, "__array__"))
+        # (a 0-d tensor or array is an id, not a row: list(t) of a 1-D tensor gives them)
+        nested = not is_int(first) and (isinstance(first, (list, tuple, torch.Tensor)) or hasattr(first, "__array__")) \
+            and getattr(first, "ndim", 1) != 0
         rows = [_id_row(r, name) for r in ids] if nested else [_id_row(ids, name)]
         if any(not r for r in rows):
             raise ValueError(f"{name}: every row needs at least one token id")

@@ -611,6 +611,19 @@ def test_numpy_prompts_read_like_tensors(lm):
     assert torch.equal(lm.generate(np.array([[3, 4, 5]]), **kw).sequences, lm.generate([[3, 4, 5]], **kw).sequences)
 
 
+def test_a_list_of_0d_tensors_is_one_row_of_ids(lm):
+    """list(torch.tensor(ids)), the usual way to iterate a tensor, gives 0-d tensors: they were taken for rows,
+    "expected each row of a list to be 1-D token ids, got shape []"; a list of np.int64 was taken."""
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=1)
+    want = lm.generate([3, 4, 5], **kw).sequences
+    assert torch.equal(lm.generate(list(torch.tensor([3, 4, 5])), **kw).sequences, want)
+    assert torch.equal(lm.generate([list(torch.tensor([3, 4, 5]))], **kw).sequences, want)
+    assert torch.equal(lm.generate([np.array(3), torch.tensor(4, dtype=torch.int32), 5], **kw).sequences, want)
+    for odd, shown in ((torch.tensor(3.5), "3.5"), (torch.tensor(True), "True")):  # read as the number it holds
+        with pytest.raises(ValueError, match=f"prompt: expected integer token ids, got {shown}"):
+            lm.generate([odd, torch.tensor(4)], **kw)
+
+
 def test_a_numpy_array_of_strings_is_texts():
     """np.array(["a", "bb"]) was refused as "expected integer token ids", torch's own complaint quoted after it:
     `stop` took such an array, the prompt did not. A 1-D one is now a list of texts; more dimensions, a clear error."""
