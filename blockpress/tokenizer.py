@@ -579,7 +579,15 @@ class Tokenizer:
         # A tensor or numpy array becomes plain python numbers in one call (floats stay floats, bools stay bools).
         if getattr(ids, "is_meta", False):  # (torch fails on it: "Cannot copy out of meta tensor")
             raise ValueError("ids: a tensor on the meta device holds no values (shapes only); give it on the CPU")
-        values = ids.tolist() if hasattr(ids, "tolist") and hasattr(ids, "dtype") else list(ids)
+        if hasattr(ids, "tolist") and hasattr(ids, "dtype"):
+            values = ids.tolist()
+        elif is_int(ids):  # one Python int: a single number below, as a numpy one is (list() said "'int' object is
+            values = ids  # not iterable", naming no argument)
+        else:
+            try:
+                values = list(ids)
+            except TypeError:  # None, a float: Python's "object is not iterable" named no argument
+                raise ValueError(f"ids: expected a sequence of token ids, got {type(ids).__name__} {ids!r:.40}") from None
         if not isinstance(values, list):  # a 0-d tensor or array: one number, where a sequence of them is asked
             raise ValueError(f"ids: expected a sequence of token ids, got a single {type(ids).__name__} {values!r:.40} "
                              "(pass [id], or a 1-D tensor)")

@@ -1604,12 +1604,15 @@ def test_an_id_far_past_the_vocabulary_is_refused_at_once_keeping_nothing(tok: T
     (lambda t: t.token_to_id(5), r"^token: expected a str, got int"),
     (lambda t: t.token_to_id("\ud800"), r"^token: not valid UTF-8"),
     (lambda t: t.decode(np.int64(5)), r"^ids: expected a sequence of token ids, got a single"),
+    (lambda t: t.decode(5), r"^ids: expected a sequence of token ids, got a single int 5 \(pass \[id\]"),
+    (lambda t: t.decode(None), r"^ids: expected a sequence of token ids, got NoneType None$"),
+    (lambda t: t.decode_batch([[5], 6]), r"^ids: expected a sequence of token ids, got a single int 6"),
     (lambda t: t.decode(__import__("torch").tensor([5, 6], device="meta")), r"^ids: a tensor on the meta device"),
 ])
 def test_token_lookups_name_a_bad_argument(tok: Tokenizer, call: Any, message: str) -> None:
     """id_to_token and token_to_id handed their argument to tokenizers: True was token 1, -1 and ids past 32 bits an
-    OverflowError, an int or a lone surrogate a TypeError or UnicodeEncodeError; decode of one number a bare
-    TypeError."""
+    OverflowError, an int or a lone surrogate a TypeError or UnicodeEncodeError; decode of one number (a Python int
+    too) or of None a bare TypeError."""
     with pytest.raises(ValueError, match=message):
         call(tok)
     assert tok.id_to_token(2**64) is None and tok.id_to_token(np.int64(2)) == tok.id_to_token(2) == "<bos>"
