@@ -839,6 +839,8 @@ class ModelPlan:
         """A stored weight as the loaded model holds it: quantized on `device` (weight and scale) when its layer
         is, else cast to the plan's dtype there. `device` defaults to the plan's (meta_model passes meta)."""
         device = device or self.device
+        if self.dtype == torch.float16:  # read in the file's dtype first: a value past float16's range is refused
+            self.check_float16(local, tensor)
         if local in self.coded:  # stored quantized: the codes and scales as saved (their dtypes were checked)
             return {local: tensor.to(device)}
         if self.quantize is not None and local in self.quantized:  # (quantized is empty without a scheme)
@@ -846,9 +848,22 @@ class ModelPlan:
 
             weight, scale = quantize_weight(tensor.to(device), self.quantize)
             return {local: weight, f"{local}_scale": scale}
-        if self.dtype == torch.float16:  # read in the file's dtype first: a value past float16's range is refused
-            check_float16_range([(local_to_hf(local), tensor)], f"nothing was loaded from {self.path}")
         return {local: tensor.to(device=device, dtype=self.dtype)}
+
+    def check_float16(self, local: str, tensor: torch.Tensor) -> None:
+        """Refuse a stored weight that would be inf in a float16 model: cast to it, or, int8 and int4, rebuilt in it
+        from codes and scales by the float16 matmuls (a weight of 70,000 loaded with quantize="int8" computed inf on
+        every call, and NonFiniteLogits blamed the activations). fp8's weights stay in range (448 x scale at most)."""
+        from .quantize import INT8_MAX, SCALE_SUFFIX
+
+        if self.quantize == "fp8" and (local in self.coded or local in self.quantized):
+            return
+        if local in self.coded:  # a weight's largest magnitude is its scale's times its largest code's
+            if not local.endswith(SCALE_SUFFIX):
+                return
+            top = INT8_MAX if self.quantize == "int8" else 8  # (int4's codes run -8..7)
+            local, tensor = local.removesuffix(SCALE_SUFFIX), tensor.float() * top
+        check_float16_range([(local_to_hf(local), tensor)], f"nothing was loaded from {self.path}")
 
     def meta_model(self) -> DiffusionGemma:
         """The model as `load_model` would leave it, on the meta device: every tensor's shape and dtype, no memory.

@@ -2395,6 +2395,27 @@ def test_weights_past_float16_are_refused_by_load_to_and_save(tmp_path, stored):
         assert load_quiet(tmp_path / "m", dtype=dtype).model.layers[1].mlp.down_proj.weight[2, 3] == held.to(dtype)
 
 
+def test_a_float16_load_quantized_refuses_a_weight_its_matmuls_would_rebuild_as_inf(tmp_path):
+    """int8 and int4 weights are rebuilt from codes and scales in the model's dtype: in float16 a weight of 1e5 was
+    inf on every call (NaN logits, blamed on the activations), quantized on load or stored quantized, while the plain
+    float16 load refuses it by name. Refused alike; one in range loads."""
+    lm = _past_float16(torch.float32)
+    lm.save(tmp_path / "m")
+    name = re.escape("model.decoder.layers.1.mlp.down_proj.weight")
+    for scheme in ("int8", "int4"):
+        with pytest.raises(ValueError, match=f"^dtype: {name} holds a value of magnitude 100,000"):
+            load_quiet(tmp_path / "m", dtype="float16", quantize=scheme)
+        lm.quantized_copy(scheme).save(tmp_path / scheme)
+        with pytest.raises(ValueError, match=f"^dtype: {name} holds a value of magnitude "):
+            load_quiet(tmp_path / scheme, dtype="float16")
+    with torch.no_grad():
+        lm.model.layers[1].mlp.down_proj.weight[2, 3] = 6e4
+    lm.model.weights_changed()
+    lm.quantized_copy("int8").save(tmp_path / "fits")
+    fits = load_quiet(tmp_path / "fits", dtype="float16")
+    assert torch.isfinite(fits.logits(torch.tensor([[2, 5, 7]]), torch.full((1, fits.config.canvas_length), 3))).all()
+
+
 @hypothesis.settings(max_examples=40, deadline=None)
 @hypothesis.given(st.floats(min_value=6e4, max_value=7e4) | st.sampled_from([65504.0, 65519.99, 65520.0, 1e38]), st.booleans())
 def test_a_cast_is_refused_exactly_where_float16_would_hold_inf(value, negative):
