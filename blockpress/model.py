@@ -496,6 +496,9 @@ def _check_ids(ids: torch.Tensor, cache: KVCache, name: str) -> tuple[int, int]:
     if ids.shape[0] != cache.batch_size:
         raise ValueError(f"{name}: {ids.shape[0]} rows, but the cache holds {cache.batch_size} (one per row; "
                          f"allocate it with new_cache({ids.shape[0]}, ...))")
+    if ids.shape[1] == 0:  # (a projection cannot lay out no tokens: "cannot reshape tensor of 0 elements")
+        raise ValueError(f"{name}: no tokens (shape {list(ids.shape)}); a pass needs at least one")
+    # (ids past the vocabulary are not looked for: a pass of the denoising loop may not wait for the host)
     return ids.shape[0], ids.shape[1]
 
 
@@ -771,6 +774,10 @@ class DiffusionGemma(nn.Module):
         b, length = _check_ids(input_ids, cache, "input_ids")
         cache.reserve(length)
         if attention_mask is not None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                raise ValueError(f"attention_mask: expected a tensor shaped like input_ids {list(input_ids.shape)} "
+                                 f"(1 = token, 0 = padding), got {got}")
             attention_mask = attention_mask.to(device=cache.device, dtype=torch.bool)
             if bool(attention_mask.all()):
                 attention_mask = None
@@ -782,7 +789,7 @@ class DiffusionGemma(nn.Module):
             valid = valid.clone()
             valid[:, start : start + length] = attention_mask
         outs = []
-        for lo in range(0, max(length, 1), chunk):  # an empty input still makes one (empty) pass
+        for lo in range(0, length, chunk):
             hi = min(lo + chunk, length)
             first = start + lo
             # Sliding layers read only the window before this chunk's first query; full layers the whole cache.

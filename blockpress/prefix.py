@@ -151,6 +151,10 @@ class PrefixCache:
         with self._lock:
             if self._model is not None and self._model() is model and self._version != model.weights_version:
                 self.clear()
+            if self._model is not None and self._model() is None:
+                # the model that made them is gone: nothing can use them (a notebook that loads again would be
+                # refused for good, and they held their memory): dropped, and the next model is this cache's
+                self.clear()
             if self._layout is None:
                 self._layout, self._model, self._version = layout, weakref.ref(model), model.weights_version
                 return

@@ -169,6 +169,22 @@ def test_a_pass_of_your_own_wants_2d_integer_ids(lm, ids):  # model.py _check_id
         lm.model.encode(ids, lm.new_cache(1, 64))
 
 
+@pytest.mark.parametrize("name", ["encode", "denoise"])
+def test_a_pass_of_your_own_of_no_tokens_is_refused_by_name(lm, name):  # model.py _check_ids
+    with pytest.raises(ValueError, match=r"_ids: no tokens \(shape \[1, 0\]\); a pass needs at least one"):
+        getattr(lm.model, name)(torch.ones(1, 0, dtype=torch.long), lm.new_cache(1, 64))
+
+
+@pytest.mark.parametrize("mask", [torch.ones(1, 3), torch.ones(4), [[1, 1, 1, 1]]])
+def test_an_encode_of_your_own_names_a_mask_not_shaped_like_its_ids(lm, mask):
+    cache = lm.new_cache(1, 64)
+    with pytest.raises(ValueError, match=r"^attention_mask: expected a tensor shaped like input_ids \[1, 4\]"):
+        lm.model.encode(torch.ones(1, 4, dtype=torch.long), cache, attention_mask=mask)
+    assert cache.length == 0
+    lm.model.encode(torch.ones(1, 4, dtype=torch.long), cache, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    assert cache.length == 4 and cache.next_pos.tolist() == [3]
+
+
 def test_a_model_built_directly_starts_from_finite_weights():  # model.py Experts: not torch.empty's memory
     torch.manual_seed(0)
     model = blockpress.DiffusionGemma(blockpress.ModelConfig.tiny())

@@ -194,6 +194,24 @@ def test_clear_errors(lm):
             PrefixCache(**bad)
 
 
+def test_a_cache_whose_model_is_gone_serves_the_next_one():
+    """The model that filled a PrefixCache freed (a notebook loading again), its entries stayed, holding their
+    memory, and refused every later model as "another model" until clear(): nothing could use them."""
+    import gc
+
+    pc = PrefixCache(min_tokens=4)
+    ids = [[2, *range(10, 40)]]
+    first = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
+    first.generate(ids, max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc, seed=0)
+    assert len(pc) == 1
+    del first
+    gc.collect()
+    again = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=1)
+    out = again.generate(ids, max_new_tokens=4, max_denoising_steps=1, prefix_cache=pc, seed=0)
+    assert torch.equal(out.sequences, again.generate(ids, max_new_tokens=4, max_denoising_steps=1, seed=0).sequences)
+    assert len(pc) == 1 and pc._model() is again.model  # (the new model's entry alone)
+
+
 @pytest.mark.parametrize("change", ["quantize", "round trip", "own edit"])
 def test_caches_filled_before_the_weights_changed_are_not_reused_after(change):
     """Quantizing swaps the projections in place, and a float32 -> bf16 -> float32 round trip rounds the weights
