@@ -219,6 +219,21 @@ def test_output_to_a_file_is_utf8_whatever_the_locale(monkeypatch):
     assert out.buffer.getvalue().decode("utf-8").startswith(prompt)
 
 
+def test_a_chat_prompt_that_is_not_utf8_is_named_prompt_before_the_model_loads(capsys, monkeypatch):
+    """`generate PROMPT --chat` named a prompt that is no UTF-8 "messages[0].content" (messages[1] with --system),
+    after loading the model, where every other path names `prompt`."""
+    import blockpress.cli.generate as cli_generate
+
+    def no_load(args):
+        raise AssertionError("the model was loaded first")
+
+    monkeypatch.setattr(cli_generate, "load_announced", no_load)
+    for extra in ([], ["--system", "be brief"]):
+        assert main(["generate", "caf\udce9", "--chat", "--model", "random-tiny", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "error: prompt: not valid UTF-8 (byte 0xe9 at character 3)" in err, err
+
+
 def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):
     """Piped on Windows, stdin was decoded as cp1252: a UTF-8 prompt reached the model as mojibake ("grüße" as
     "grÃ¼ÃŸe"), silently. A BOM is dropped; bytes that are not UTF-8 are refused by name, not guessed at."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from blockpress.checks import utf8_problem
+from blockpress.checks import check_text, utf8_problem
 from blockpress.cli.chat import ReplyReader, check_chat_template, system_turn
 from blockpress.cli.common import (
     check_draw_filters,
@@ -71,6 +71,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat and args.no_token_healing is False:  # --token-healing: asked for by name, it would do nothing
         raise ValueError("--token-healing: not with --chat, whose prompt ends with the chat template's turn header "
                          "(the template's own, never healed); drop --token-healing, or --chat to heal a plain prompt")
+    if args.prompt != "-":  # before the model loads; with --chat it was named as the message it becomes
+        check_text(args.prompt, "prompt")
     lm = load_announced(args)
     if lm.tokenizer is None:
         raise ValueError(f"--model {args.model}: has no tokenizer.json, so it cannot take a text prompt")
@@ -80,6 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prompt = sys.stdin.read()
         if note := utf16_note_of_text(args.prompt):  # (UTF-16 piped in: said so, as --input's is)
             raise ValueError(f"prompt: not valid UTF-8 ({utf8_problem(args.prompt)}){note}")
+        check_text(args.prompt, "prompt")
     live = live_terminal(sys.stdout) and not args.no_live and not args.json
     prompt: Any = args.prompt
     shown = args.prompt  # what the output starts with: the text continued; with --chat, the reply stands alone

@@ -101,7 +101,8 @@ def add_input_args(p: argparse.ArgumentParser, title: str, line: str) -> None:
                         "the rest appended")
     g.add_argument("--batch-size", type=int, default=None, metavar="N",
                    help=f"rows a call (default {FILE_BATCH_SIZE}; rows of similar length together; each row's result "
-                        "is what it gives alone)")
+                        "is what it gives alone, up to rounding: in bfloat16 a sampled row can differ, --dtype float32 "
+                        "keeps that to near-ties)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
