@@ -935,15 +935,18 @@ def _all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def data_parallel(module: nn.Module) -> nn.Module:
+def data_parallel(module: nn.Module, find_unused: bool = False) -> nn.Module:
     """`module` under DDP, its buffers not synced each step: they are constants (RoPE frequencies, layer scalars).
     torch 2.13 calls that forward_sync_buffers=False (its old name, broadcast_buffers, warns once a process on every
     run; the new one still syncs them once at the start, which constants do not mind); older torch knows only the
-    old name."""
+    old name. `find_unused`: some trained parameters get no gradient (the autoregressive baseline never runs the
+    decoder's self-conditioning): DDP, which waits for every one, stopped the next step with "Expected to have
+    finished reduction in the prior iteration"; told, it looks for them after each forward (they stay without a
+    gradient, so AdamW leaves them as one process does)."""
     ddp = nn.parallel.DistributedDataParallel
     if "forward_sync_buffers" in inspect.signature(ddp).parameters:
-        return ddp(module, forward_sync_buffers=False)
-    return ddp(module, broadcast_buffers=False)
+        return ddp(module, forward_sync_buffers=False, find_unused_parameters=find_unused)
+    return ddp(module, broadcast_buffers=False, find_unused_parameters=find_unused)
 
 
 def _source_size(source: Any) -> str | None:
@@ -1190,7 +1193,10 @@ class Trainer:
         self.total_parameters = lm.num_parameters(active=False) + (self.trainable_parameters if cfg.lora_rank else 0)
         objective: nn.Module = Objective(model, cfg)
         if self.world > 1:
-            objective = data_parallel(objective)
+            # diffusion_weight 0 returns before the decoder passes, whose own parameters (self-conditioning) then get
+            # no gradient. They stay trained parameters rather than frozen: a run may resume with another
+            # diffusion_weight, and the optimizer state must keep fitting it (and runs saved before).
+            objective = data_parallel(objective, find_unused=not cfg.diffusion_weight)
         self.eager_objective: Callable[[Batch, Noise], tuple[torch.Tensor, torch.Tensor]] = objective
         self.objective: Callable[[Batch, Noise], tuple[torch.Tensor, torch.Tensor]] = objective
         if cfg.compile:

@@ -1205,6 +1205,30 @@ def test_data_parallel_keeps_buffers_unsynced_without_torchs_deprecation_warning
         dist.destroy_process_group()
 
 
+def test_the_autoregressive_baseline_trains_under_ddp(tmp_path, monkeypatch):
+    """torchrun with --diffusion-weight 0 died at step 2 ("Expected to have finished reduction in the prior
+    iteration"): the baseline never runs the decoder, whose self-conditioning parameters got no gradient, and DDP
+    waits for every trained parameter. DDP checks that in one process as in two: the Trainer is made to think it is
+    one of two (the real group has one), so it wraps its objective in DDP."""
+    import torch.distributed as dist
+
+    from blockpress import train
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(train, "_world", lambda: (0, 2))
+        lm = tiny_lm()
+        before = {k: v.clone() for k, v in lm.model.self_conditioning.state_dict().items()}
+        trainer = Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=2, batch_size=4, diffusion_weight=0),
+                          tmp_path / "out", progress=False)
+        assert isinstance(trainer.objective, torch.nn.parallel.DistributedDataParallel)
+        assert len(trainer.train().losses) == 2
+    finally:
+        dist.destroy_process_group()
+    # left as one process leaves them: no gradient, so no update (nor weight decay)
+    assert all(torch.equal(before[k], v) for k, v in lm.model.self_conditioning.state_dict().items())
+
+
 def _resumed(tmp_path, name, steps):
     trainer = Trainer(tiny_lm(seed=9), ExampleSource(EXAMPLES, 0), TrainConfig(steps=steps, batch_size=4, lr=3e-3,
                       warmup_steps=5, log_every=1), tmp_path / name, progress=False)
