@@ -372,11 +372,7 @@ def add_lora(model: _Model, rank: int, alpha: float, seed: int = 0, targets: Seq
     if (adapted := lora_wrapped_layer(model)) is not None:  # (its layers are wrapped: peft would say "no q_proj layer")
         raise ValueError(f"add_lora: the model holds LoRA adapters already (layer {adapted!r}); merge them first "
                          "(merge_lora), then add others")
-    linear = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))]
-    absent = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in linear)]
-    if absent:  # (peft's own error lists every target, found or not)
-        raise ValueError(f"lora_targets: this model has no {absent[0]} layer to adapt (e.g. its values are its keys: "
-                         "no v_proj)")
+    check_lora_targets(model, targets)
     # (peft annotates lora_alpha as an int, but scales by lora_alpha / r and takes any number: the stub is too narrow)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)  # type: ignore[arg-type]
     # peft's dense LoRA layer only calls its base layer and reads in/out_features, which a QuantizedLinear has.
@@ -412,6 +408,17 @@ def lora_weights(module: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
     return a.weight, b.weight
 
 
+def check_lora_targets(model: nn.Module, targets: Sequence[str]) -> None:
+    """Refuse a LoRA target (a module name or its end) that names no linear layer of `model` (peft's own error lists
+    every target, found or not). The names are the same before and after quantization, so a Trainer checks them
+    before it changes the model."""
+    linear = [name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))]
+    absent = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in linear)]
+    if absent:
+        raise ValueError(f"lora_targets: this model has no {absent[0]} layer to adapt (e.g. its values are its keys: "
+                         "no v_proj)")
+
+
 def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_TARGETS) -> None:
     """Refuse a LoRA rank above any adapted layer's full rank, min(in_features, out_features): B @ A of a larger rank
     is no more than a full-rank update there, and its adapters only cost memory (peft builds them without a check:
@@ -422,7 +429,7 @@ def check_lora_rank(model: nn.Module, rank: int, targets: Sequence[str] = LORA_T
              if isinstance(module, (nn.Linear, QuantizedLinear)) and any(name == t or name.endswith(f".{t}")
                                                                           for t in targets)}
     if not sizes:
-        return  # (add_lora names the target that is absent)
+        return  # (check_lora_targets names the target that is absent)
     name = max(sizes, key=sizes.__getitem__)
     if rank > sizes[name]:
         layer = model.get_submodule(name)
@@ -1163,6 +1170,8 @@ class Trainer:
         # Every refusal before anything changes the LM (its noise token, token_healing, dropout): a Trainer refused
         # for a LoRA rank must not leave the model decoding with another noise.
         if cfg.lora_rank:  # a rank far too large is a silent OOM where the adapters are built
+            # (a target the model lacks was refused by add_lora, after the noise was set and the model quantized)
+            check_lora_targets(lm.model, lora_modules(cfg.lora_targets))
             check_lora_rank(lm.model, cfg.lora_rank, lora_modules(cfg.lora_targets))
         _check_data_fits(lm, cfg, source, heldout, data)
         if self.rank == 0:  # (once a run, after its refusals: under torchrun each process would say it)

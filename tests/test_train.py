@@ -108,6 +108,23 @@ def test_a_trainer_leaves_the_model_in_eval_mode_and_a_refused_one_leaves_the_lm
     assert lm.generation_config == before
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_trainer_refused_for_a_lora_target_the_model_lacks_leaves_the_lm_as_it_was(tmp_path, quantize):
+    """The check of --lora-targets ran in add_lora, after the Trainer had set the run's noise (dropping the model's
+    noise token) and quantized the model in place: refused, it left the caller's LM decoding otherwise."""
+    c = blockpress.ModelConfig.tiny(vocab_size=32, canvas_length=8)
+    # one full-attention layer: its values are its keys, so the model has no v_proj
+    c = replace(c, text=replace(c.text, num_hidden_layers=1, layer_types=["full_attention"], per_layer_config=None))
+    lm = blockpress.random_model(c, seed=0)
+    lm.generation_config["noise_token_id"] = 7
+    before = dict(lm.generation_config)
+    with pytest.raises(ValueError, match="^lora_targets: this model has no v_proj layer to adapt"):
+        Trainer(lm, ExampleSource(EXAMPLES, 0), TrainConfig(steps=1, batch_size=4, lora_rank=2, lora_targets="v_proj",
+                                                            quantize=quantize), tmp_path / "r", progress=False)
+    assert lm.generation_config == before
+    assert lm.quantization is None
+
+
 def test_overfit_until_greedy_reproduces(tmp_path):
     lm, result = run(tmp_path, 300)
     assert result.losses[-1] < 0.25 * result.losses[0]
