@@ -532,6 +532,9 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
                 for side, weight in zip("AB", lora_weights(module)):
                     # a copy each: safetensors refuses tensors that share memory
                     tensors[f"base_model.model.{target}.lora_{side}.weight"] = weight.detach().float().cpu().clone()
+    if not tensors:  # (an adapter of no tensors, written over a run's real one, loads as its base alone)
+        raise ValueError("save_adapter: the model holds no LoRA adapters to save (add_lora's; merge_lora folds them "
+                         "into the weights)")
     # A base from the Hugging Face cache at another commit than main's (base_name: "owner/name@commit") is written as
     # peft writes one: the repo id, and the commit as `revision` (AutoPeftModel loads the base from both).
     revision = None
@@ -1225,6 +1228,9 @@ class Trainer:
         self.data_start = (0, 0)
         self.minutes = 0.0  # training time of the run so far, resumed parts included: max_minutes is the whole run's
         self.saved_step: int | None = None  # the step of the run's last save in `out` (None: none yet)
+        # (step, steps) where a LoRA run's final save merged its adapters into lm.model (None: not merged): the
+        # optimizer holds adapters the model no longer has, so a later save() or train() is refused (_check_not_merged)
+        self.merged_at: tuple[int, int] | None = None
         self.staged_state: Path | None = None  # where the last save staged trainer_state.pt (None: no save yet)
         # Train mode is each step's alone (train_step): a Trainer made and never run (a refused resume, train() refused
         # under inference mode) must not leave the model dropping attention in every generation after.
@@ -1324,6 +1330,7 @@ class Trainer:
     def train_step(self, prepared: tuple[Batch, Noise] | None = None, time_fraction: float = 0.0) -> dict[str, Any]:
         """One optimizer step on the batch of `self.step` (`prepared`: that batch, built ahead by a worker), in train
         mode, the model in eval mode after it (see __init__)."""
+        self._check_not_merged("train_step")
         self.model.train()
         try:
             return self._train_step(prepared, time_fraction)
@@ -1412,9 +1419,13 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------------------
     def save(self, final: bool = False) -> None:
         """The run in `out_dir`, resumable while steps remain; a LoRA run's adapter folder each time. `final`: the run
-        ends here, so a LoRA run also writes its merged checkpoint (an interrupted one only saves, to be resumed)."""
+        ends here, so a LoRA run also writes its merged checkpoint (an interrupted one only saves, to be resumed), and
+        the Trainer is done: a later save() or train() is refused."""
+        self._check_not_merged("save")
         if self.rank != 0:  # rank 0 writes the run's saves: the others say what `out` keeps as it does
             self.saved_step = self.step
+            if final and self.cfg.lora_rank and self.cfg.quantize is None:  # (refused as rank 0, which merged)
+                self.merged_at = (self.step, self.cfg.steps)
             return
         # An update that overflowed (finite loss, weights grown to inf) is met by the next step's loss check; the last
         # step has none, so the weights are checked here (one sync, per save), never saved over the run's last save.
@@ -1443,6 +1454,19 @@ class Trainer:
             failed.errno = exc.errno
             raise failed from None
         self.saved_step = self.step
+
+    def _check_not_merged(self, what: str) -> None:
+        """Refuse `what` after a LoRA run merged its adapters (its final save): a save() deleted the merged checkpoint
+        and wrote an empty adapter over the run's, and a train() logged losses while it changed no weight."""
+        if self.merged_at is None:
+            return
+        step, steps = self.merged_at
+        # (a run its clock stopped kept its adapters in trainer_state.pt to be resumed; a finished one did not)
+        on = ("resume it with a new Trainer (Trainer.resume; blockpress train --resume)" if step < steps else
+              f"fine-tune the merged checkpoint with a new Trainer (blockpress train --model {self.out})")
+        raise RuntimeError(f"Trainer.{what}: this LoRA run has ended: its final save merged its adapters into "
+                           f"lm.model at step {step}, in {self.out} (the adapters apart in {self.out / ADAPTER_DIR}); "
+                           f"to train on, {on}")
 
     def _kept(self) -> str:
         """What `out` holds of the run where a save is not made (it failed, or training diverged): the last save,
@@ -1477,6 +1501,7 @@ class Trainer:
                 # checkpoint with them merged in too (over a quantized one, merged into its codes they would be
                 # rounded away)
                 self.lm.model = merge_lora(self.model, self.merged_dtype)
+                self.merged_at = (self.step, self.cfg.steps)  # (set at once: the save below may fail, the merge is done)
                 self.lm.save(self.out, dtype=self.merged_dtype, files=files)
                 done = "lora" not in state
             elif (self.out / "config.json").is_file():
@@ -1500,6 +1525,7 @@ class Trainer:
         """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""
         from .checkpoint import load_model
 
+        self._check_not_merged("resume")  # (the saved adapters would load into no layer, without a word)
         state = read_trainer_state(check_resumable(self.out))
         check_continues(self.out, state, self.cfg)
         if self.cfg.lora_rank and self.lm.path is not None:
@@ -1605,6 +1631,7 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         cfg = self.cfg
+        self._check_not_merged("train")
         # (grad turned off by the caller is turned back on where the run needs it; inference mode cannot be)
         if torch.is_inference_mode_enabled():
             raise RuntimeError("Trainer.train: called under torch.inference_mode(), where no gradient can be "

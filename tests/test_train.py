@@ -125,6 +125,43 @@ def test_a_trainer_refused_for_a_lora_target_the_model_lacks_leaves_the_lm_as_it
     assert lm.quantization is None
 
 
+def test_a_lora_trainer_that_merged_its_adapters_refuses_to_save_or_train_again_and_keeps_its_files(tmp_path):
+    """After a LoRA run's train() (its final save merges the adapters into lm.model), trainer.save() deleted the
+    merged checkpoint and wrote an adapter of no tensors over the run's, and a second train() (its steps raised)
+    logged losses while it changed no weight: the optimizer held the adapters the merge had taken out."""
+    pytest.importorskip("peft")
+    from blockpress.train import save_adapter
+
+    out = tmp_path / "out"
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=2, batch_size=4, lora_rank=2), out,
+                      progress=False)
+    trainer.train()
+
+    def files():
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    kept = files()
+    assert Path("model.safetensors") in kept and Path("adapter/adapter_model.safetensors") in kept
+    finished = (r"this LoRA run has ended: its final save merged its adapters into lm.model at step 2, .*; to train "
+                r"on, fine-tune the merged checkpoint with a new Trainer \(blockpress train --model ")
+    with pytest.raises(RuntimeError, match=rf"^Trainer\.save: {finished}"):
+        trainer.save()
+    trainer.cfg.steps = 4  # (to continue the run)
+    with pytest.raises(RuntimeError, match=rf"^Trainer\.train: {finished}"):
+        trainer.train()
+    # save_adapter over a model without adapters: refused, not an adapter of no tensors
+    with pytest.raises(ValueError, match=r"^save_adapter: the model holds no LoRA adapters to save"):
+        save_adapter(trainer.lm.model, out / "adapter", 2, 8, None)
+    assert files() == kept
+    # a run its clock stopped is merged too, its adapters kept to resume: the hint says so
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=4, batch_size=4, lora_rank=2,
+                      max_minutes=1e-9), tmp_path / "clock", progress=False)
+    assert trainer.train().stopped == "max_minutes"
+    with pytest.raises(RuntimeError, match=r"^Trainer\.train: this LoRA run has ended: .* at step 0, .*; to train on, "
+                                           r"resume it with a new Trainer \(Trainer.resume"):
+        trainer.train()
+
+
 def test_overfit_until_greedy_reproduces(tmp_path):
     lm, result = run(tmp_path, 300)
     assert result.losses[-1] < 0.25 * result.losses[0]
