@@ -453,6 +453,7 @@ def merge_lora(model: _Model, dtype: torch.dtype = torch.float32) -> _Model:
             raise ValueError(f"merge_lora: the adapters sit on a quantized base ({name}: {quantized.scheme}); folded "
                              "into its codes the update would be rounded away. Keep them unmerged, or merge them into "
                              "the unquantized base (blockpress.load(base, adapter=...))")
+    merged = False
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
@@ -460,6 +461,11 @@ def merge_lora(model: _Model, dtype: torch.dtype = torch.float32) -> _Model:
             module.merge()
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             setattr(parent, name.rsplit(".", 1)[1], module.get_base_layer())
+            merged = True
+    if merged and isinstance(model, DiffusionGemma):
+        # the weights' values changed in place: caches filled before are stale, and the LM must not take them for
+        # the checkpoint's own any more (a save in the stored dtype, quantized_from naming the unmerged folder)
+        model.weights_changed()
     model.to(dtype)  # layer scalars follow the weights; the RoPE frequencies stay float32 (DiffusionGemma._apply)
     for p in model.parameters():
         p.requires_grad = True

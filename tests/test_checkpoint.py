@@ -1475,8 +1475,19 @@ def test_what_a_load_said_of_the_weights_ends_when_they_change_around_the_lm(ref
             lm.model.embed_tokens.weight[3, 0] += 1
         lm.model.weights_changed()
 
+    def merged(lm):  # adapters folded in by hand (what lm.save's refusal of unmerged ones asks for)
+        from blockpress.train import add_lora, merge_lora
+
+        add_lora(lm.model, 2, 4.0)
+        with torch.no_grad():
+            for name, p in lm.model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.01)
+        merge_lora(lm.model)
+
     assert quantized_from(lambda lm: None) is not None  # codes made from the stored values
     assert quantized_from(edited) is None
+    assert quantized_from(merged) is None  # (merge_lora changed the values unsaid: the unmerged folder was named)
     assert quantized_from(lambda lm: lm.model.half().float()) is None
     emptied = load_quiet(tmp_path / "m", dtype="float32")
     emptied.model.to_empty(device="cpu")  # (uninitialised memory, of the same dtype and device: not a move)
