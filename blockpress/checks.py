@@ -36,8 +36,14 @@ def check_flag(name: str, value: Any, none: bool = False) -> bool | None:
 
 
 def is_finite_number(value: Any) -> bool:
-    """A real, finite number (numpy's included): not a string from a JSON file, not a bool, not inf or NaN."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A real, finite number (numpy's included): not a string from a JSON file, not a bool, not inf or NaN, nor an
+    integer past a float's range (10**400 from a JSON file: math.isfinite raised a bare OverflowError)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_int(value: Any) -> bool:

@@ -39,14 +39,19 @@ def expand_user(path: str | Path, name: str) -> Path:
 
 def output_folder(path: Any, name: str) -> Path:
     """A folder path to write into, given as argument `name`: a str or Path, not empty ("" would be the current
-    folder), expanded as expand_user expands it (its refusals too), and not under a file (making it said only
-    "[Errno 20] Not a directory")."""
+    folder), expanded as expand_user expands it (its refusals too), neither a file nor under one (making it said only
+    "[Errno 20] Not a directory"), nor a link to nothing (mkdir said a bare "File exists")."""
     if not isinstance(path, (str, Path)) or not str(path).strip():
         raise ValueError(f"{name}: expected a folder path, got {path!r}")
     folder = expand_user(path, name)
     above = next((p for p in folder.parents if p.exists()), None)  # the nearest part of it that is there
     if above is not None and not above.is_dir():
         raise ValueError(f"{name}: {str(folder)!r} is under {str(above)!r}, which is a file, not a folder")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{name}: {str(folder)!r} is a file; give a folder")
+    if folder.is_symlink() and not folder.exists():
+        raise ValueError(f"{name}: {str(folder)!r} is a link to {os.readlink(folder)!r}, which does not exist; "
+                         "create that folder, or give another path")
     return folder
 
 
@@ -412,11 +417,12 @@ def _copied(path: Path, tag: str) -> Path:
 
 def _drop_backups(undo: list[tuple[Path, Path | None, bool]]) -> None:
     """Delete the backups of a commit that is whole (or stopped): dead bytes, as large as the files they kept."""
-    for _, backup, was_folder in undo:
-        if backup is not None and was_folder:  # a folder moved aside, holding only backups
-            for inside in backup.iterdir():
-                inside.unlink()
-            backup.rmdir()
+    # last first: a folder moved aside holds only backups, those of its own folders too (a/b removed, then a), so
+    # the outermost goes whole and the ones inside it are gone already
+    for _, backup, was_folder in reversed(undo):
+        if backup is not None and was_folder:
+            if backup.exists():
+                shutil.rmtree(backup)
         elif backup is not None:
             backup.unlink(missing_ok=True)  # (gone where its folder was moved aside)
 

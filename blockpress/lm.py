@@ -2223,11 +2223,6 @@ class LM:
         # as load reads one: else "~/out" makes a folder named ~ in the current one, and "" writes into this one
         path = output_folder(path, "save")
         self._check_runnable()  # a meta-device model has no weights to write (it would fail half-way)
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"save: {str(path)!r} is a file; give a folder")
-        if path.is_symlink() and not path.exists():  # mkdir would fail with a bare "File exists"
-            raise ValueError(f"save: {str(path)!r} is a link to {os.readlink(path)!r}, which does not exist; create "
-                             "that folder, or give another path")
         # numpy scalars (values a user set) as plain numbers, before any file is written: JSON refuses them
         gen = {k: v.item() if hasattr(v, "item") and getattr(v, "ndim", None) == 0 else v
                for k, v in self.generation_config.items()}

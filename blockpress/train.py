@@ -525,6 +525,9 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     too, so the adapter over its base generates as the run's merged checkpoint does."""
     # as lm.save's: else "~/a" makes a folder named ~, and a NUL byte fails as Python's bare 'embedded null byte'
     path = output_folder(path, "save_adapter")
+    if not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):  # (what apply_adapter refuses)
+        raise ValueError(f"save_adapter: rank={rank!r}, alpha={alpha!r}; expected positive numbers (the adapters' r "
+                         "and lora_alpha, as add_lora took them)")
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file

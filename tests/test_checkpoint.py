@@ -2086,6 +2086,22 @@ def test_a_save_whose_commit_fails_part_way_is_undone(tmp_path, monkeypatch):
     assert not (tmp_path / "new").exists()  # (a partial new folder was left)
 
 
+def test_a_commit_that_removes_nested_folders_leaves_no_backup(tmp_path):
+    """A folder removed with a folder inside it that the same commit removes: the inner one's backup went aside with
+    the outer one, and dropping the backups after the commit raised FileNotFoundError, leaving the outer backup."""
+    from blockpress.files import StagedFiles
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f.txt").write_text("x")
+    (tmp_path / "a" / "g.txt").write_text("y")
+    staged = StagedFiles()
+    for path in ("a/b/f.txt", "a/b", "a/g.txt", "a"):
+        staged.remove(tmp_path / path)
+    with staged:
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_commit_that_cannot_be_undone_says_the_folder_is_incomplete_and_keeps_the_old_file(tmp_path, monkeypatch):
     """When the move that failed is followed by a failure to put a replaced file back, the error says the folder is
     incomplete, names the new file and the backup of the old one, and the backup is kept (the old bytes are there)."""

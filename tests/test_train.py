@@ -125,6 +125,28 @@ def test_a_trainer_refused_for_a_lora_target_the_model_lacks_leaves_the_lm_as_it
     assert lm.quantization is None
 
 
+def test_save_adapter_refuses_what_lm_save_refuses_and_what_its_loader_would(tmp_path):
+    """save_adapter (what lm.save's refusal of unmerged adapters points to) skipped lm.save's path checks: a file
+    gave "Not a directory", a link to nothing a bare "File exists"; and it wrote r=0 or lora_alpha=NaN (not JSON),
+    which blockpress.load(base, adapter=...) then refused."""
+    pytest.importorskip("peft")
+    from blockpress.train import add_lora, save_adapter
+
+    model = add_lora(tiny_lm().model, rank=2, alpha=4)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=r"^save_adapter: '.*afile' is a file; give a folder$"):
+        save_adapter(model, tmp_path / "afile", 2, 4, None)
+    with pytest.raises(ValueError, match=r"^save_adapter: '.*link' is a link to '.*gone', which does not exist"):
+        save_adapter(model, tmp_path / "link", 2, 4, None)
+    for rank, alpha in ((0, 4), (2, float("nan")), (2, -1.0), (True, 4)):
+        with pytest.raises(ValueError, match=r"^save_adapter: rank=.*, alpha=.*; expected positive numbers"):
+            save_adapter(model, tmp_path / "out", rank, alpha, None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "gone").exists()
+    save_adapter(model, tmp_path / "out", 2, 4, None)
+    assert (tmp_path / "out" / "adapter_config.json").is_file()
+
+
 def test_a_lora_trainer_that_merged_its_adapters_refuses_to_save_or_train_again_and_keeps_its_files(tmp_path):
     """After a LoRA run's train() (its final save merges the adapters into lm.model), trainer.save() deleted the
     merged checkpoint and wrote an adapter of no tensors over the run's, and a second train() (its steps raised)

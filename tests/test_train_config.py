@@ -73,3 +73,16 @@ def test_numpy_integers_are_taken_as_python_ints():
     json.dumps(asdict(cfg))
     with pytest.raises(ValueError, match="steps: expected an integer, got np.True_"):  # not a bool for a number
         TrainConfig(steps=np.True_)
+
+
+def test_an_integer_past_a_floats_range_is_refused_by_name_not_overflowerror():
+    """math.isfinite(10**400) raises OverflowError: a settings file with a 400-digit lora_alpha ended in a bare
+    traceback, from TrainConfig as from SamplerConfig's top_p and the penalties (is_finite_number under them all)."""
+    from blockpress.sampling import SamplerConfig
+
+    for field in ("heldout", "lora_alpha"):
+        with pytest.raises(ValueError, match=rf"^{field}: expected a finite number"):
+            TrainConfig(**{field: 10**400})
+    for field in ("top_p", "presence_penalty", "t_max"):
+        with pytest.raises(ValueError, match=rf"^{field}: "):
+            SamplerConfig(**{field: 10**400})
