@@ -769,6 +769,20 @@ def test_command_line_words_that_add_up_to_a_puzzle_are_one():
     assert join_grid_rows(["-", *rows]) == ["-", "\n".join(rows)]
 
 
+def test_a_board_copied_as_words_with_its_box_lines_is_one_puzzle():
+    """`blockpress sudoku -- $(cat board.txt)` of a board as format_board prints it: each '|' word and each
+    '------+-------+------' word ended the run of cells and stood as a puzzle of its own, so the 81 cells became 101
+    "puzzles" ("puzzle 1: puzzle has 1 cells, expected 81"). They draw the grid, as parse_puzzle and --file read them."""
+    a, b = generate(36, "hard").puzzle, generate(37, "easy").puzzle
+    words = format_board(a).split()
+    assert "|" in words and "------+-------+------" in words
+    assert [parse_puzzle(p) for p in join_grid_rows(words)] == [a]
+    # a board's rows as words ('53.|.7.|...'), and a puzzle after it: still two
+    rows = [line.replace(" ", "") for line in format_board(b).splitlines()]
+    assert [parse_puzzle(p) for p in join_grid_rows([*rows, a])] == [b, a]
+    # a word of its own is no run: a lone '|' is still refused as a puzzle of no cells
+    assert join_grid_rows(["|", a]) == ["|", a]
+
 def test_a_kaggle_csv_of_quizzes_and_solutions_is_read_with_its_solutions():
     """Kaggle's "1 million sudoku" (header quizzes,solutions; 0 for empty) was refused: "line 2: illegal character
     ','" (its header line skipped as a title)."""

@@ -367,8 +367,9 @@ def join_grid_rows(texts: list[str]) -> list[str]:
     """Puzzles typed as command-line words: each word is a puzzle, except that words in a row that each hold a
     grid row or less (1-9 cells) are one puzzle once their cells add up to 81: a grid's 9 rows (`530070000
     600195000 ...`), its 27 boxes' rows (`530 070 000 ...`) or its 81 cells one a word (`5 3 0 0 7 ...`, a grid
-    copied with its spaces). A run that does not reach 81 is left as it is (9 words joined), for parse_puzzle to say
-    how many cells each holds."""
+    copied with its spaces). Inside a run, words that only draw the grid ('|', '------+-------+------': a board as
+    format_board prints it) are skipped. A run that does not reach 81 is left as it is (9 words joined), for
+    parse_puzzle to say how many cells each holds."""
     out: list[str] = []
     run: list[str] = []
     cells = 0
@@ -384,6 +385,10 @@ def join_grid_rows(texts: list[str]) -> list[str]:
         # '-' alone is standard input (the CLI's word for it), not a row of one empty cell
         row = text != "-" and all(ch in _DIGITS or ch in _EMPTY or ch.isspace() or ch in _SEPARATORS for ch in text)
         n = _count_cells(text) if row else 0
+        if row and n == 0 and run:
+            # '|' between a grid's boxes, '------+-------+------' between its bands (format_board's words): they draw
+            # the grid, as parse_puzzle and a file read them, and do not end its run of cells
+            continue
         if 1 <= n <= 9:
             if cells + n > 81:  # past a whole puzzle: the run so far was one, short of a cell or more
                 close()
