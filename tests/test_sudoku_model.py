@@ -138,6 +138,21 @@ def test_a_model_that_is_not_a_sudoku_model_is_refused(capsys):
         sudoku_model.solve_ar(blockpress.random_model(blockpress.ModelConfig.tiny()), [puzzle])
 
 
+def test_a_model_whose_canvas_is_not_one_board_is_refused():
+    """A model with the sudoku vocabulary and a canvas of 8 passed check_sudoku_model (vocabulary only): rules=True
+    failed inside torch ("einsum(): subscript j has size 8"), ensemble=2 on logits shapes, and a plain call ran over 11
+    canvases of 8. Refused before any work, naming the canvas_length."""
+    cfg = blockpress.ModelConfig.tiny(vocab_size=16, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    lm = blockpress.random_model(cfg, seed=0)
+    assert lm.config.canvas_length == 8
+    puzzle = generate(1, "easy").puzzle
+    message = "model: not a sudoku model: its canvas_length is 8, a sudoku model's is 81"
+    with pytest.raises(ValueError, match=message):
+        sudoku_model.check_sudoku_model(lm)
+    for kwargs in ({"rules": True}, {"ensemble": 2}, {}):
+        with pytest.raises(ValueError, match=message):
+            sudoku_model.solve(lm, [puzzle], **kwargs)
+
 def test_a_puzzle_file_not_utf8_is_named_at_its_byte_and_utf16_is_said(tmp_path, capsys, monkeypatch):
     """--file read with utf-8-sig named a bad byte 3 bytes early after a byte-order mark ("byte 10" for the 13th), and
     a UTF-16 --file or stdin was "byte 0xff" alone, where --input and --data say it is UTF-16 and how to save it."""

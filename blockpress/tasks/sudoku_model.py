@@ -24,6 +24,7 @@ from ..checks import check_flag, is_int, warn_user
 from ..generate import Commit, Done, Draft
 from ..lm import check_seed
 from .sudoku import (
+    CANVAS_LEN,
     VOCAB,
     NotUnique,
     Symmetry,
@@ -125,13 +126,20 @@ def _template(puzzle: str) -> list[int]:
 
 
 def check_sudoku_model(lm: Any) -> None:
-    """A sudoku model reads and writes the task's token ids (VOCAB); any other model would print noise as a board."""
+    """A sudoku model reads and writes the task's token ids (VOCAB) on a canvas of one board (CANVAS_LEN cells); any
+    other model would print noise as a board."""
     vocab = lm.config.text.vocab_size
     if vocab != VOCAB.vocab_size:
         raise ValueError(f"model: not a sudoku model: its vocabulary has {vocab} tokens, a sudoku model's has "
                          f"{VOCAB.vocab_size} (digits 0-9 as ids {VOCAB.digit_base}-{VOCAB.digit_base + 9}); "
                          "use blockpress-sudoku or a model trained with scripts/train_sudoku.py in a clone of the blockpress "
                          "repository")
+    # its canvas is one board's 81 cells: the rules and the ensemble's views are laid out on that grid (einsum's
+    # "subscript j has size 8" from rules_constraint before, and a plain call ran over 11 canvases of 8)
+    canvas = lm.config.canvas_length
+    if canvas != CANVAS_LEN:
+        raise ValueError(f"model: not a sudoku model: its canvas_length is {canvas}, a sudoku model's is {CANVAS_LEN} "
+                         "(one board's cells); use blockpress-sudoku or a model trained with scripts/train_sudoku.py")
 
 
 # Search nodes check_puzzle may spend on one puzzle (about 5,000 a second): a puzzle it cannot settle within them
