@@ -241,6 +241,14 @@ def test_check_puzzle_does_not_claim_no_solution_when_its_budget_runs_out() -> N
     assert check_puzzle(WIKI_PUZZLE, max_nodes=50) == WIKI_PUZZLE  # settled by filling singles, no search
 
 
+@pytest.mark.parametrize("max_nodes", ["100", -3, 0, 2.5, True])
+def test_check_puzzle_refuses_a_max_nodes_that_is_no_count(max_nodes) -> None:
+    """'100' failed as a TypeError naming no argument, and -3 or 0 reported every puzzle, a trivial one too, as
+    Undecided 'within -3 search nodes'; count_solutions' limit beside it was checked already."""
+    with pytest.raises(ValueError, match=f"max_nodes: expected an integer >= 1 or None, got {re.escape(repr(max_nodes))}"):
+        check_puzzle(WIKI_PUZZLE, max_nodes=max_nodes)
+    assert check_puzzle(WIKI_PUZZLE, max_nodes=1) == check_puzzle(WIKI_PUZZLE, max_nodes=None) == WIKI_PUZZLE
+
 def test_shared_last_candidate_has_no_empty_candidate_set() -> None:
     # Guards the construction above: it must be unsolvable without any cell being blocked outright.
     p = SHARED_LAST_CANDIDATE

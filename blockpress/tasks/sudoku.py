@@ -737,6 +737,9 @@ def check_puzzle(puzzle: str, require_unique: bool = False, max_nodes: int | Non
     """
     if not isinstance(require_unique, bool):  # ('no' is truthy: uniqueness would be required)
         raise ValueError(f"require_unique: expected True or False, got {require_unique!r}")
+    # ('100' failed as a TypeError naming nothing, and 0 or -3 reported every puzzle, a trivial one too, Undecided)
+    if max_nodes is not None and (not _is_count(max_nodes) or max_nodes < 1):
+        raise ValueError(f"max_nodes: expected an integer >= 1 or None, got {max_nodes!r}")
     p = parse_puzzle(puzzle)
     conflicts = _find_conflicts(p)
     if conflicts:
