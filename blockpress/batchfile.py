@@ -167,7 +167,7 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:  # (the first line's byte counted in the file, its mark too, as training's)
             raise ValueError(f"{where}: not UTF-8 ({undecodable_byte(exc, mark if number == 1 else 0)})"
-                             f"{utf16_note(data[:2])}") from None
+                             f"{utf16_note(data[:2]) or _utf16_unmarked_note(raw)}") from None
         if not text.strip():
             continue
         try:
@@ -215,11 +215,17 @@ def _one_document(name: str, data: bytes) -> ValueError | None:
 
 def _utf16_unmarked_note(raw: bytes) -> str:
     """utf16_note for a line of UTF-16 without a byte-order mark (iconv -t UTF-16LE, .NET's Encoding.Unicode): "" but
-    for a line whose every other byte is NUL, which ASCII text in UTF-16 is and no JSON line is (JSON writes a NUL
-    as \\u0000). It decodes as UTF-8, NULs and all, so the line was refused as 'not JSON' with no word of why."""
-    if b"\x00" not in raw or (raw[1::2].strip(b"\x00") and raw[0::2].strip(b"\x00")):
+    for a line whose NULs fall on one parity and make a third of it or more, as the high bytes of UTF-16's Latin text
+    do (a JSON line holds none: it writes a NUL as \\u0000). Its ASCII decodes as UTF-8, NULs and all ('not JSON'
+    with no word of why), and its other text as bytes that are no UTF-8. A line of NULs alone (what a crash leaves at
+    a file's end) is no UTF-16."""
+    text = raw.rstrip(b"\r\x00")
+    if not text.strip(b"\x00"):
         return ""
-    return "; it is UTF-16 (every other byte is NUL, as in UTF-16 without a byte-order mark): save it as UTF-8"
+    even, odd = text[0::2].count(0), text[1::2].count(0)
+    if max(even, odd) * 3 < len(text) or min(even, odd) * 5 > max(even, odd):
+        return ""
+    return "; it is UTF-16 (its NULs are every other byte, as in UTF-16 without a byte-order mark): save it as UTF-8"
 
 
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:

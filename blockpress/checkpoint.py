@@ -861,7 +861,7 @@ class ModelPlan:
         if local in self.coded:  # a weight's largest magnitude is its scale's times its largest code's
             if not local.endswith(SCALE_SUFFIX):
                 return
-            top = INT8_MAX if self.quantize == "int8" else 8  # (int4's codes run -8..7)
+            top = INT8_MAX if self.quantize == "int8" else 7  # (int4's scale is absmax / 7: its codes run -7..7)
             local, tensor = local.removesuffix(SCALE_SUFFIX), tensor.float() * top
         check_float16_range([(local_to_hf(local), tensor)], f"nothing was loaded from {self.path}")
 
@@ -1070,6 +1070,17 @@ def return_freed_heap(device: torch.device) -> None:
 WEIGHTS_FILE = re.compile(r"model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json")
 
 
+def _indexed_shards(path: Path) -> set[str]:
+    """The file names the folder's model.safetensors.index.json maps tensors to, where it reads (none otherwise):
+    shards named otherwise than WEIGHTS_FILE ('model-00001-of-000163.safetensors', a hub repo's) are the old
+    layout's files too."""
+    try:
+        weight_map = parse_json((path / "model.safetensors.index.json").read_text(encoding="utf-8-sig"))["weight_map"]
+        return {f for f in weight_map.values() if isinstance(f, str) and "/" not in f and "\\" not in f}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # (no index, or not one: nothing it names)
+        return set()
+
+
 def save_model(
     model: DiffusionGemma,
     path: str | Path,
@@ -1140,8 +1151,9 @@ def save_model(
         names.append("model.safetensors.index.json")
     # the other layout's files of an earlier save, and nothing else: a glob's model*.safetensors* also took a
     # user's model.safetensors.bak or model.fp16.safetensors kept beside the checkpoint
+    indexed = _indexed_shards(path)
     stale = [old for old in path.glob("model*.safetensors*")
-             if old.name not in names and WEIGHTS_FILE.fullmatch(old.name)]
+             if old.name not in names and (WEIGHTS_FILE.fullmatch(old.name) or old.name in indexed)]
     with staging(files) as staged:
         staged.make_folder(path)  # (one this save made is removed again if it fails)
         staged.remove_leftovers(path, "model*.safetensors*")  # of an earlier save killed part-way, in another layout

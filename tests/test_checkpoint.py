@@ -87,6 +87,16 @@ def test_a_save_in_the_other_layout_removes_the_old_weights_files_and_no_file_of
     assert all((folder / name).read_bytes() == b"the user's" for name in mine)
     save_model(lm.model, folder, max_shard_bytes=20_000)  # and back
     assert sorted(p.name for p in folder.glob("model*")) == sorted([*mine, *shards])
+    # shards named otherwise (a hub repo's 'model-00001-of-000163.safetensors'): the index names them, so they go too
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    renamed = {old: old.replace("-of-0", "-of-00") for old in set(index["weight_map"].values())}
+    for old, new in renamed.items():
+        (folder / old).rename(folder / new)
+    index["weight_map"] = {k: renamed[v] for k, v in index["weight_map"].items()}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_quiet(folder).model is not None  # (a folder that loads)
+    save_model(lm.model, folder)
+    assert sorted(p.name for p in folder.glob("model*")) == sorted([*mine, "model.safetensors"])
 
 
 def test_shards_of_two_saves_are_refused_by_name(lm, tmp_path, monkeypatch):
@@ -2436,11 +2446,13 @@ def test_a_float16_load_quantized_refuses_a_weight_its_matmuls_would_rebuild_as_
         with pytest.raises(ValueError, match=f"^dtype: {name} holds a value of magnitude "):
             load_quiet(tmp_path / scheme, dtype="float16")
     with torch.no_grad():
-        lm.model.layers[1].mlp.down_proj.weight[2, 3] = 6e4
+        lm.model.layers[1].mlp.down_proj.weight[2, 3] = 6e4  # (int4's codes run -7..7: 8 x its scale would not fit)
     lm.model.weights_changed()
-    lm.quantized_copy("int8").save(tmp_path / "fits")
-    fits = load_quiet(tmp_path / "fits", dtype="float16")
-    assert torch.isfinite(fits.logits(torch.tensor([[2, 5, 7]]), torch.full((1, fits.config.canvas_length), 3))).all()
+    for scheme in ("int8", "int4"):
+        lm.quantized_copy(scheme).save(tmp_path / f"fits-{scheme}")
+        fits = load_quiet(tmp_path / f"fits-{scheme}", dtype="float16")
+        canvas = torch.full((1, fits.config.canvas_length), 3)
+        assert torch.isfinite(fits.logits(torch.tensor([[2, 5, 7]]), canvas)).all()
 
 
 @hypothesis.settings(max_examples=40, deadline=None)

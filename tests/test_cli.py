@@ -4772,14 +4772,20 @@ def test_input_in_utf16_without_a_byte_order_mark_is_said_to_be_utf16():
     from blockpress.batchfile import read_rows
 
     for codec in ("utf-16-le", "utf-16-be"):
-        for text in ('{"prompt": "def f(x):"}\n', '{"prompt": "a"}\r\n{"prompt": "b"}\r\n'):
+        # (text not ASCII too: caf\u00e9 is no UTF-8 there, 5 \u20ac and \u4e50 fill the NUL of their high byte)
+        for text in ('{"prompt": "def f(x):"}\n', '{"prompt": "a"}\r\n{"prompt": "b"}\r\n', '{"prompt": "caf\u00e9"}\n',
+                     '{"prompt": "5 \u20ac"}\r\n', '{"prompt": "\u4e50"}\r\n{"prompt": "b"}\r\n'):
             with pytest.raises(ValueError) as err:
                 read_rows("in.jsonl", text.encode(codec))
-            assert str(err.value).startswith("in.jsonl:1: not JSON (") and str(err.value).endswith(
-                "; it is UTF-16 (every other byte is NUL, as in UTF-16 without a byte-order mark): save it as UTF-8")
+            assert str(err.value).startswith("in.jsonl:1: not ") and str(err.value).endswith(
+                "; it is UTF-16 (its NULs are every other byte, as in UTF-16 without a byte-order mark): save it as "
+                "UTF-8"), (codec, text, str(err.value))
     with pytest.raises(ValueError) as err:
         read_rows("in.jsonl", b'{"prompt": "a\x00b"}\n')  # a raw NUL in a string, the file UTF-8
     assert str(err.value) == "in.jsonl:1: not JSON (Invalid control character at, column 14)"
+    with pytest.raises(ValueError) as err:  # NULs alone at the end (what a crash leaves): not UTF-16
+        read_rows("in.jsonl", b'{"prompt": "a"}\n' + b"\x00" * 64 + b"\n")
+    assert str(err.value) == "in.jsonl:2: not JSON (Expecting value, column 1)"
 
 
 @pytest.mark.parametrize("kind_name", ["GENERATE", "INFILL"])
