@@ -1854,7 +1854,8 @@ class LM:
         num_return_sequences, stop_strings) have the reference generate's meaning, here, in `stream` and in
         `generate_ar` (`_from_transformers`); do_sample and repetition_penalty are refused, naming the nearest setting.
         num_return_sequences' batch (the prompt's rows x n) is refused past 2**31 - 1 rows, or where the device's
-        free memory is known, when even one canvas a row (generate_ar: one token) of KV cache would not fit in it.
+        free memory is known, when even one canvas a row of KV cache (generate_ar: its whole cache, the prompt +
+        max_new_tokens + 1 a row, and a float32 row of logits) would not fit in it.
 
         Returns a GenerationOutput: sequences (prompt as encoded + new tokens), new_tokens, num_new_tokens (up to
         and including EOS), texts, forward_passes and steps_per_canvas per row, tokens_per_forward, the encode
