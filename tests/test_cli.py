@@ -1177,6 +1177,37 @@ def test_bench_interrupted_before_a_row_says_so(monkeypatch, capsys):
     assert captured.out == "" and captured.err.strip().splitlines()[-1] == "bench: interrupted after 0 rows"
 
 
+@pytest.mark.parametrize("with_out", [False, True])
+def test_bench_out_of_memory_at_a_later_batch_prints_the_rows_measured(tmp_path, monkeypatch, capsys, with_out):
+    """The memory pre-check is a floor: batch 4000 of the tiny preset passed it and then ran out of memory (a real
+    address-space limit). Exit 1 with nothing on stdout, the batch-1 row lost, and the hint said "the rows measured
+    so far are in --out" to a run given no --out. Now they are on stdout, marked partial, and said where."""
+    import blockpress.bench as bench
+
+    real_row = bench._bench_row
+
+    def out_of_memory_at_batch_2(lm, ref, variants, b, s, ar):
+        if b == 2:  # the CPU allocator's error, as torch raises it
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 4096000000 bytes. Error code 12 (Cannot allocate memory)")
+        return real_row(lm, ref, variants, b, s, ar)
+
+    monkeypatch.setattr(bench, "_bench_row", out_of_memory_at_batch_2)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--preset", "tiny", "--batch-sizes", "1", "2", "--new-tokens", "8", "--steps", "1",
+                 "--repeats", "1", "--no-reference", "--threads", "1", *(["--out", str(out)] if with_out else [])]) == 1
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["partial"] is True and "interrupted" not in data and [r["batch"] for r in data["rows"]] == [1]
+    said, error = captured.err.strip().splitlines()[-2:]
+    assert said == ("bench: stopped by an error after 1 row (their JSON on stdout"
+                    + (f" and in {out}" if with_out else "") + ', marked "partial")')
+    assert error.startswith("blockpress bench: error: the device ran out of memory (")
+    assert error.endswith("; smaller --batch-sizes or --new-tokens take less") and "--out" not in error
+    if with_out:
+        assert json.loads(out.read_text()) == data
+
+
 def test_peak_memory_on_cpu_sees_what_a_run_allocates():
     from blockpress.bench import PeakMemory
 
@@ -3890,6 +3921,8 @@ def test_bench_out_on_a_full_disk_keeps_the_rows_and_names_the_file(tmp_path, mo
     assert data["partial"] is True and [r["batch"] for r in data["rows"]] == [1, 2]
     assert captured.err.strip().splitlines()[-1] == (f"blockpress bench: error: --out {out}: cannot write it (No space "
                                                      "left on device)")
+    # (not "and in b.json": it holds the first row alone)
+    assert 'bench: stopped by an error after 2 rows (their JSON on stdout, marked "partial")' in captured.err
     assert [p.name for p in tmp_path.iterdir()] == ["b.json"]  # the first row's, whole; no .b.json.partial
     assert [r["batch"] for r in json.loads(out.read_text())["rows"]] == [1]
 

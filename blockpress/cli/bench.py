@@ -50,9 +50,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # run_command names the extra that has it
         raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
 
+    out_rows = 0  # the rows the --out file holds: the last row's too, unless its write failed (a full disk)
+
     def write(result: dict[str, Any], done: bool) -> None:
         """--out and --plot as the run stands: after each row too, so a sweep cut short (a timeout, a failure at a
         larger batch) keeps the rows it measured, its JSON marked "partial"."""
+        nonlocal out_rows
         if args.out:  # written beside it, then moved into place: a kill while it writes leaves the last one whole
             out = Path(args.out)
             # under a name of this write's own: two runs with one --out took each other's file from under them
@@ -62,6 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 remove_killed_writes(out.parent, out.name, ".partial")
                 written.write_text(json.dumps(result if done else {**result, "partial": True}, indent=2) + "\n")
                 os.replace(written, out)
+                out_rows = len(result.get("rows", []))
             except OSError as exc:  # a full disk: the half-written file must not lie beside it, and the
                 # error ("[Errno 28] No space left on device") names no file
                 try:
@@ -84,9 +88,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     try:
         result = run_bench(s, on_row=on_row)
-    except OSError:  # --out could not be written (a full disk): the rows measured still go to stdout, as on a Ctrl-C
-        if measured.get("rows"):
+    except Exception:  # an error that ends the run: --out could not be written (a full disk), a later batch ran out
+        # of memory (the pre-check is only a floor), a variant failed at a larger batch. The rows measured before it
+        # are still measurements: they go to stdout, as on a Ctrl-C (without --out they were lost), and the error is
+        # raised on, to be said (run_command) or shown as the traceback of a bug, with the run's non-zero status.
+        rows = len(measured.get("rows", []))
+        if rows:
             print(json.dumps({**measured, "partial": True}, indent=2))
+            print(f"bench: stopped by an error after {rows} row{'s' if rows != 1 else ''} (their JSON on stdout"
+                  f"{' and in ' + str(args.out) if args.out and out_rows == rows else ''}, marked \"partial\")",
+                  file=sys.stderr)
         raise
     except KeyboardInterrupt as exc:
         # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too, not in --out

@@ -219,7 +219,8 @@ OOM_HINTS = {
     "sudoku": "a smaller --batch-size (puzzles at once), a smaller --ensemble (each view is a row of the batch), or "
               "--quantize int8 / fp8 take less",
     "infill": "smaller holes, a smaller --prefill-chunk, or --quantize int8 / fp8 take less",
-    "bench": "smaller --batch-sizes or --new-tokens take less (the rows measured so far are in --out)",
+    # (the rows measured before it: cmd_bench says where, on stdout and in --out when one was given)
+    "bench": "smaller --batch-sizes or --new-tokens take less",
     "train": "a smaller --micro-batch-size takes less (gradient accumulation keeps --batch-size); so does "
              "--max-canvases",
 }
