@@ -1027,6 +1027,33 @@ def test_serve_load_runs_each_level_once_in_ascending_order(monkeypatch, capsys)
     assert pools == [1, 2] and list(json.loads(capsys.readouterr().out)["levels"]) == ["1", "2"]
 
 
+def test_serve_load_queues_the_largest_level_and_keeps_the_levels_measured_when_refused(monkeypatch, capsys):
+    """--levels 100 300 --requests 300: the server's queue was a fixed 256, so level 300 got its 429 "the request
+    queue is full" and the run ended with exit 1 and nothing on stdout, level 100's figures lost. The queue is now
+    sized for the largest level; and a level the server refuses all the same (here a queue cut to 1 under the
+    script, a stand-in for 300 real clients) still prints the levels measured before it, marked partial."""
+    pytest.importorskip("openai")
+    module = benchmark_module("serve_load")
+    asked = []
+    real_create_app = module.create_app
+
+    def queue_of_one(lm, name, *, max_queue, max_batch):
+        asked.append(max_queue)
+        return real_create_app(lm, name, max_queue=1, max_batch=max_batch)
+
+    monkeypatch.setattr(module, "create_app", queue_of_one)
+    # one in a batch, one waiting: of 4 clients at once, the others are refused
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--model", "random-tiny", "--levels", "1", "300",
+                                      "--requests", "4", "--max-tokens", "4", "--max-batch", "1"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    captured = capsys.readouterr()
+    assert asked == [300] and done.value.code == 1
+    assert "error: the server refused a request (HTTP 429: " in captured.err
+    result = json.loads(captured.out)
+    assert result["partial"] is True and list(result["levels"]) == ["1"] and result["levels"]["1"]["requests"] == 4
+
+
 @settings(max_examples=50, deadline=None)
 @given(values=st.lists(st.floats(0, 100), min_size=1, max_size=40))
 def test_serve_load_p95_is_never_below_the_median(values):
