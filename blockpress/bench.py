@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import math
 import os
 import re
 import sys
@@ -156,18 +157,26 @@ class BenchSettings:
                              f"of {limit} tokens (max_position_embeddings)")
 
     def long_canvas(self) -> str | None:
-        """What run_bench says when a canvas (the preset's, or one swept) is longer than the new tokens: a canvas
-        denoises all its positions, kept or not. That is what a model of that canvas pays for short replies, so
-        it is timed, but the comparison with AR, which makes only what it keeps, needs saying. None otherwise."""
+        """What run_bench says when the new tokens end partway through a canvas (the preset's, or one swept): a
+        canvas denoises all its positions, kept or not. That is what a model of that canvas pays for such replies,
+        so it is timed, but the comparison with AR, which makes only what it keeps, needs saying. None when every
+        canvas length divides the new tokens."""
         canvases = self.canvas_lengths or [self.model_config().canvas_length]
-        if max(canvases) <= self.new_tokens:
+        # a partly used last canvas, not only a canvas longer than the new tokens: 20 in 16-token canvases denoise 32
+        dropped = {c: canvas_positions(self.new_tokens, c) - self.new_tokens for c in canvases}
+        if not any(dropped.values()):
             return None
         what = (f"canvas lengths {self.canvas_lengths} (--canvas-lengths)" if self.canvas_lengths
                 else f"the {self.preset} preset's {canvases[0]}-token canvas")
+        counts = ", ".join(f"{d} of the {self.new_tokens + d} denoised at canvas {c}" for c, d in dropped.items() if d)
+        # whole canvases of every length swept: a multiple of each (their lcm), the first at or above the new tokens
+        common = math.lcm(*canvases)
+        whole = -(-self.new_tokens // common) * common
         return (f"{self.new_tokens} new token{'s' if self.new_tokens != 1 else ''} (--new-tokens) with {what}: "
                 "a canvas denoises all its positions, kept or not, so the diffusion figures include positions that "
-                "are dropped (AR's do not); --new-tokens "
-                f"{max(canvases)} or --canvas-lengths of at most {self.new_tokens} times only what is kept")
+                f"are dropped ({counts}; AR's do not); to time only what is kept: --new-tokens {whole} (a multiple "
+                f"of {'every canvas length' if len(canvases) > 1 else 'the canvas length'}) or --canvas-lengths that "
+                f"divide {self.new_tokens}")
 
 
 class _MallInfo2(ctypes.Structure):

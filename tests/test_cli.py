@@ -2626,7 +2626,7 @@ def test_bench_warns_of_a_canvas_longer_than_the_new_tokens(canvas_lengths, what
 
     note = BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=canvas_lengths).long_canvas()
     assert note.startswith(f"8 new tokens (--new-tokens) with {what}: ")
-    assert f"--new-tokens {max(canvas_lengths or [16])} or --canvas-lengths of at most 8" in note
+    assert f"--new-tokens {max(canvas_lengths or [16])} (a multiple of " in note
     assert BenchSettings(preset="tiny", new_tokens=16).long_canvas() is None  # the canvas fits
     assert BenchSettings(preset="tiny", new_tokens=8, canvas_lengths=[8, 2]).long_canvas() is None
     assert BenchSettings(preset="tiny", new_tokens=1).long_canvas().startswith("1 new token (--new-tokens) with")
@@ -2634,6 +2634,24 @@ def test_bench_warns_of_a_canvas_longer_than_the_new_tokens(canvas_lengths, what
     sweep = ["--canvas-lengths", *map(str, canvas_lengths)] if canvas_lengths else []
     assert main(["bench", "--preset", "tiny", "--new-tokens", "8", "--cuda-graphs", *sweep]) == 2
     assert capsys.readouterr().err.splitlines()[0] == f"bench: {note}"
+
+
+def test_bench_notes_a_partly_used_last_canvas_and_advice_that_keeps_every_position():
+    """Only a canvas longer than the new tokens was noted: 20 new tokens in 16-token canvases denoise 32 positions
+    and drop 12 without a word. And the note's advice, "--canvas-lengths of at most 20", still dropped 4 at canvas 8
+    (and then said nothing), as "--new-tokens 32" still dropped 4 at canvas 12 of a sweep of 12 and 32."""
+    from blockpress.bench import BenchSettings
+
+    def note(new_tokens, canvases):
+        return BenchSettings(preset="tiny", new_tokens=new_tokens, canvas_lengths=canvases).long_canvas()
+
+    assert "dropped (12 of the 32 denoised at canvas 16; AR's do not)" in note(20, [16])
+    swept = note(20, [8, 32])
+    assert "(4 of the 24 denoised at canvas 8, 12 of the 32 denoised at canvas 32;" in swept
+    assert swept.endswith("--new-tokens 32 (a multiple of every canvas length) or --canvas-lengths that divide 20")
+    assert note(32, [8, 32]) is None and note(20, [4, 5, 10, 20]) is None  # the advice followed: nothing dropped
+    assert "(4 of the 36 denoised at canvas 12;" in note(32, [12, 32]) and "--new-tokens 96 (" in note(32, [12, 32])
+    assert note(96, [12, 32]) is None
 
 
 def test_bench_top_level_canvas_is_every_canvas_swept():
