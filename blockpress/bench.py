@@ -851,18 +851,25 @@ def figure(result: dict[str, Any]) -> Any:
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
-    """`figure(result)` written to `path`, in the format its suffix names (PLOT_FORMATS). Written beside it first
-    and then moved into place, so a run killed while it draws leaves the previous plot whole."""
+    """`figure(result)` written to `path`, in the format its suffix names (PLOT_FORMATS; a ValueError for a path
+    ending otherwise, or not at all). Written beside it first and then moved into place, so a run killed while it
+    draws leaves the previous plot whole."""
+    path = Path(path)
+    # checked here too, not only by `blockpress bench --plot`: a path without a suffix failed in matplotlib with
+    # "Format 'partial' is not supported", the staging name's own ending taken for the format
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in PLOT_FORMATS:
+        raise ValueError(f"path: expected a file ending in one of {', '.join('.' + f for f in PLOT_FORMATS)}, "
+                         f"got {str(path)!r}")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
     fig = figure(result)
-    # the same suffix: it picks the format; and a name of this plot's own, as StagedFiles' are (files.new_tag)
+    # a name of this plot's own, as StagedFiles' are (files.new_tag); the format given, not read from that name
     tag = new_tag()
     drawn = path.with_name(f".{path.stem}.{tag}.partial{path.suffix}")
     try:
         remove_killed_writes(path.parent, path.stem, f".partial{path.suffix}")
-        fig.savefig(drawn, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
+        fig.savefig(drawn, format=fmt, dpi=120, bbox_inches="tight")  # "tight": the legend beside the axes is kept
         os.replace(drawn, path)
     finally:
         plt.close(fig)

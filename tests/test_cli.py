@@ -2686,6 +2686,24 @@ def test_bench_plot_ticks_the_batch_sizes_and_keeps_the_legend_off_the_lines():
     plt.close(fig)
 
 
+def test_bench_plot_refuses_a_path_without_a_plot_suffix_by_name(tmp_path):
+    """plot(result, "bench_plot") failed in matplotlib with "Format 'partial' is not supported": the staging name's
+    own ".partial" was taken for the format, and the path and the formats taken went unnamed."""
+    pytest.importorskip("matplotlib")
+    from blockpress.bench import plot
+
+    result = {"rows": [{"batch": 1, "canvas": 16, "blockpress": {"tok_s": 10.0}}], "params": 1e5,
+              "machine": {"threads": 1},
+              "settings": {"preset": "tiny", "dtype": "float32", "new_tokens": 4, "steps": 1, "device": "cpu"}}
+    for name in ("bench_plot", "bench.txt"):
+        with pytest.raises(ValueError, match=r"^path: expected a file ending in one of \.png, \.svg, .*, got '.*"
+                                             + name + "'$"):
+            plot(result, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+    plot(result, tmp_path / "bench.SVG")  # the suffix's format, whatever its case
+    assert (tmp_path / "bench.SVG").read_text().startswith("<?xml") and len(list(tmp_path.iterdir())) == 1
+
+
 def test_bench_help_says_the_plot_format_follows_the_suffix(capsys):
     """--plot said "write a PNG" while .svg, .pdf, .jpg, .webp were written too."""
     from blockpress.bench import PLOT_FORMATS
