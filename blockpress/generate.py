@@ -556,8 +556,8 @@ def read_token_ids(ids: Any, name: str, also: str = "") -> torch.Tensor | list[l
     if isinstance(ids, (list, tuple)) and ids:
         first = ids[0]
         # (a 0-d tensor or array is an id, not a row: list(t) of a 1-D tensor gives them)
-        nested = not is_int(first) and (isinstance(first, (list, tuple, torch.Tensor)) or hasattr(first, "__array__")) \
-            and getattr(first, "ndim", 1) != 0
+        nested = (not is_int(first) and getattr(first, "ndim", 1) != 0
+                  and (isinstance(first, (list, tuple, torch.Tensor)) or hasattr(first, "__array__")))
         rows = [_id_row(r, name) for r in ids] if nested else [_id_row(ids, name)]
         if any(not r for r in rows):
             raise ValueError(f"{name}: every row needs at least one token id")
@@ -650,7 +650,8 @@ def escape_template(text: str, before_hole: bool = False) -> str:
     return text + "\\" * (len(text) - len(text.rstrip("\\"))) if before_hole else text
 
 
-def parse_text_template(template: str, tokenizer: Any, hole_length: int, max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
+def parse_text_template(template: str, tokenizer: Any, hole_length: int,
+                        max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
     """One text template's ids and hole spans. A backslash before a marker keeps it as text: each pair of
     backslashes right before a marker stands for one, and an odd one left over makes the marker literal
     (`\\<|hole|>` is the text "<|hole|>", `\\\\<|hole|>` a backslash and then a hole); other backslashes are text.
@@ -708,8 +709,9 @@ def parse_text_template(template: str, tokenizer: Any, hole_length: int, max_len
 
 def _parse_text_row(template: str, r: int, rows: int, tokenizer: Any, hole_length: int,
                     max_length: int | None) -> tuple[list[int], list[tuple[int, int]]]:
-    """`parse_text_template` of row `r` of a batch of `rows` text templates: its errors name the row when there are several
-    ("template: empty text" or a typo's message alone would leave the user to find which of the batch it is)."""
+    """`parse_text_template` of row `r` of a batch of `rows` text templates: its errors name the row when there are
+    several ("template: empty text" or a typo's message alone would leave the user to find which of the batch it
+    is)."""
     try:
         return parse_text_template(template, tokenizer, hole_length, max_length)
     except ValueError as exc:
