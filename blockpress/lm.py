@@ -1403,11 +1403,6 @@ class LM:
             # a checkpoint's own top_k / top_p, in the defaults, are no call's)
             for name, idle in (("draw_temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
                 value = sampler_options.get(name)
-                if value is None and isinstance(sampler, SamplerConfig) and name != "draw_temperature":
-                    # a caller's own config's filter is the call's (SamplerConfig refuses only its draw_temperature:
-                    # a checkpoint's may keep top_k); one it took over from the checkpoint's defaults is not
-                    value = getattr(sampler, name)
-                    value = None if value == getattr(self.sampler_defaults, name) else value
                 given = per_row.get(name, (self._call_filters.get(name) if value is None else value,))
                 if all(v is None or v == idle for v in given):
                     continue

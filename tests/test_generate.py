@@ -1074,25 +1074,6 @@ def test_unknown_option_rejected(lm):
         lm.generate_ar([3, 4], draw_temperature=0.5)
 
 
-def test_a_greedy_sampler_configs_own_filters_are_refused_and_the_checkpoints_are_not():
-    """sampler=SamplerConfig(sampler="greedy", top_k=5) was taken and its filter ignored, where the keyword top_k=5
-    with sampler="greedy" is refused; a config built on the checkpoint's defaults keeps their filters unrefused
-    (they are no call's)."""
-    from blockpress.sampling import SamplerConfig
-
-    tiny = blockpress.random_model(blockpress.ModelConfig.tiny(), seed=0)
-    kw = dict(max_new_tokens=4, max_denoising_steps=2)
-    for own in (dict(top_k=5), dict(top_p=0.1)):
-        name = next(iter(own))
-        with pytest.raises(ValueError, match=f"{name}: sampler='greedy' takes the most likely candidates"):
-            tiny.generate([3, 4], sampler=SamplerConfig(sampler="greedy", **own), **kw)
-    tiny.generation_config.update(top_k=7)  # a checkpoint that samples with top_k by default
-    greedy = tiny.sampler_defaults.with_(sampler="greedy")
-    assert greedy.top_k == 7
-    assert torch.equal(tiny.generate([3, 4], sampler=greedy, **kw).sequences,
-                       tiny.generate([3, 4], sampler="greedy", **kw).sequences)
-
-
 def test_a_row_dropped_mid_canvas_accepts_none_in_later_drafts():
     """Once half the rows stopped, the batch dropped them (skip_stopped_rows), and every later Draft of the canvas
     repeated a dropped row's count from the step it stopped at: a stopped row accepts none, as it does kept."""
