@@ -778,6 +778,11 @@ def parse_template(template: Any, tokenizer: Any, batch: int, hole_length: int,
             kinds = [set(map(type, row)) for row in given]
         except TypeError:
             raise ValueError(f"template: expected {expected}, got {type(template).__name__}") from None
+        if any(issubclass(k, (torch.Tensor, np.ndarray)) for k in set().union(*kinds)):
+            # 0-d tensors or arrays (list(t) of a 1-D tensor gives them): the ids they hold, as a prompt's are read
+            given = [[v.item() if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim == 0 else v for v in row]
+                     for row in given]
+            kinds = [set(map(type, row)) for row in given]
         rows = [[-1 if v is None else v for v in row] if type(None) in k else list(row) for row, k in zip(given, kinds)]
         if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in set().union(*kinds) - {type(None)}):
             odd = next((v for row in rows for v in row

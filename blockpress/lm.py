@@ -1542,6 +1542,8 @@ class LM:
             stop = args.get("stop")
             if isinstance(stop, (list, tuple)) and stop and all(isinstance(r, (list, tuple)) for r in stop):
                 args["stop"] = [r for r in stop for _ in range(int(n))]  # one list of stop strings per row
+            if "template" in args:  # (an array of texts is a batch of them: read so before its rows repeat)
+                args["template"] = _template_texts(args["template"])
             if _template_batch(args.get("template")):  # one template per row, not one for every row
                 args["template"] = _repeat_rows(args["template"], int(n), "template")
             seed = check_seed(args.get("seed"), "seed")
@@ -1966,7 +1968,7 @@ class LM:
         `ids` add to what the cache holds is encoded (each row keeps the longest common prefix of its tokens; a reply
         that re-renders to other tokens costs re-encoding from the first difference, and drops the cache's marks past
         it), so the reply is the one the conversation gets without a cache. The cache records the tokens it holds; one extended since by generate or
-        stream is refused (truncating it, to a mark say, is fine). A turn that fails or is interrupted leaves it
+        stream is refused (truncating it since to a mark taken before is fine). A turn that fails or is interrupted leaves it
         holding that common prefix. out.extra["reused_prompt_tokens"]: each row's tokens that the cache held, so
         not encoded this turn (out.sequences' prompt is the rest, the part encoded). `kwargs`: generate's."""
         copies = _chat_copies(kwargs, cache)
@@ -2030,8 +2032,9 @@ class LM:
                 held = [[] for _ in rows]
             if held is None:
                 raise ValueError("cache: lm.chat continues a cache whose tokens it knows, one that a chat(..., "
-                                 "return_cache=True) returned (truncating it since is fine); this one was extended by "
-                                 "generate or stream since: continue it with generate on the ids past what it holds")
+                                 "return_cache=True) returned (truncating it since to a mark taken before is fine); "
+                                 "this one was extended by generate or stream since: continue it with generate on "
+                                 "the ids past what it holds")
             for i, (row, had) in enumerate(zip(rows, held)):  # one token at least is encoded: decoding starts there
                 while common[i] < min(len(had), len(row) - 1) and had[common[i]] == row[common[i]]:
                     common[i] += 1

@@ -622,6 +622,14 @@ def test_a_list_of_0d_tensors_is_one_row_of_ids(lm):
     for odd, shown in ((torch.tensor(3.5), "3.5"), (torch.tensor(True), "True")):  # read as the number it holds
         with pytest.raises(ValueError, match=f"prompt: expected integer token ids, got {shown}"):
             lm.generate([odd, torch.tensor(4)], **kw)
+    # an id template alike (it was "expected integer token ids (-1 or None for holes), got tensor(7)")
+    kw = dict(max_new_tokens=4, max_denoising_steps=2, seed=0)
+    want = lm.infill([7, -1, -1, 8], **kw).sequences
+    ids = torch.tensor([7, -1, -1, 8])
+    assert torch.equal(lm.infill(list(ids), **kw).sequences, want)
+    assert torch.equal(lm.infill([list(ids)], **kw).sequences, want)
+    with pytest.raises(ValueError, match="template: expected integer token ids .*, got 7.5"):
+        lm.infill([torch.tensor(7.5), -1, 8], **kw)
 
 
 def test_a_numpy_array_of_strings_is_texts():
@@ -2569,6 +2577,11 @@ def test_a_numpy_array_of_text_templates_is_a_batch_of_texts():
     assert got.texts == lm.generate(["a", "b"], template=texts, seeds=[0, 1], max_denoising_steps=1).texts
     with pytest.raises(ValueError, match="template: a 2-D array of strings"):
         lm.infill(np.array([texts]))
+    # repeated for num_return_sequences as a list is (read as one template for every row, it was "2 text templates
+    # for a batch of 4 prompts")
+    kw = dict(num_return_sequences=2, seed=3, max_denoising_steps=1)
+    got = lm.generate(["a", "b"], template=np.array(texts), **kw)
+    assert got.texts == lm.generate(["a", "b"], template=texts, **kw).texts
 
 
 def test_a_template_sets_the_length():
