@@ -723,34 +723,6 @@ def test_a_dashed_row_with_no_givens_is_a_row_where_no_border_goes(row):
     assert [parse_puzzle(p) for p in split_puzzle_file(f"{boxed}\n|---|---|---|\n{boxed}\n")] == [a, a]
 
 
-def test_a_framed_grid_with_an_empty_first_row_is_refused_not_read_as_another_puzzle():
-    """'|---|---|---|' frame and band lines over '|53-|-7-|---|' rows, the first row empty: the empty row was read as a
-    second top border and the band border under row 3 as a row, so rows 1-3 came out rotated, another puzzle with one
-    solution that the CLI solved without a word. Both readings are whole puzzles; the readers refuse the grid, naming
-    the line, and read it once that row is written with '.'."""
-    p = "000000000000378052002000640070012005000000006009480000001820000700000080506004000"
-    line = "|---|---|---|"
-
-    def drawn(empty: str) -> str:
-        rows = ["|" + "|".join(p[r * 9 + c : r * 9 + c + 3].replace("0", empty) for c in (0, 3, 6)) + "|"
-                for r in range(9)]
-        return "\n".join([line, *rows[:3], line, *rows[3:6], line, *rows[6:], line])
-
-    message = r"line 2 \('\|---\|---\|---\|'\) was read as a border, but read as a row with no givens it makes"
-    with pytest.raises(ValueError, match="puzzle " + message):
-        parse_puzzle(drawn("-"))
-    with pytest.raises(ValueError, match="f " + message):
-        split_puzzle_file(f"{drawn('-')}\n", "f")
-    with pytest.raises(ValueError, match="f line 17 .* was read as a border"):  # the second grid of a file
-        split_puzzle_file(f"{drawn('.')}\n\nGrid 2\n{drawn('-')}\n", "f")
-    assert parse_puzzle(drawn(".")) == p
-    assert [parse_puzzle(x) for x in split_puzzle_file(f"{drawn('.')}\n{drawn('.')}\n")] == [p, p]
-    # without a frame, the band lines alone: the empty first row read as a border took the band border's place too
-    bands = "\n".join(row.strip("|") for row in drawn("-").splitlines()[1:-1])
-    assert bands.startswith("---|---|---\n---|378|-52\n")
-    with pytest.raises(ValueError, match="puzzle line 1 .* was read as a border, but read as a row"):
-        parse_puzzle(bands)
-
 def test_command_line_words_that_add_up_to_a_puzzle_are_one():
     """A grid copied with its spaces, `blockpress sudoku 5 3 0 0 7 0 ...` (81 words, one a cell), was 9 puzzles of
     9 cells ("puzzle 1: puzzle has 9 cells, expected 81"), and its boxes' rows (`530 070 000 ...`, 27 words) 3 of

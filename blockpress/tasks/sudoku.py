@@ -10,11 +10,10 @@ dashes: ``------+-------+------``), so the output of ``format_board`` parses bac
 other line a ``-`` is an empty cell (``- - - | - - - | - - -`` is a row with no givens). A line of nine dashes and
 no ``+`` in runs of three (``---|---|---``) is told from a border by its place: after a grid's first row, a row with
 no givens inside a band of three rows or right after a border line, where no border goes; a border elsewhere (above
-a grid's first row: write that row with ``.``, and a grid left short of its rows says so). Where such a line read
-the other way would make another whole puzzle of the grid (an empty first row under a ``|---|---|---|`` frame, read
-as the frame, rotated rows 1-3), the grid is refused, naming the line. Nine adjacent dashes always read as a
-border. ``split_puzzle_file`` reads a file of such puzzles, one a line or one grid of 9 lines at a time (bordered
-or not, with header lines such as "Grid 01" between them), or a CSV with a header line (Kaggle's "1 million sudoku": ``quizzes,solutions``),
+a grid's first row: write that row with ``.``, and a grid left short of its rows says so). Nine adjacent dashes
+always read as a border. ``split_puzzle_file`` reads a file of
+such puzzles, one a line or one grid of 9 lines at a time (bordered or not, with header lines such as
+"Grid 01" between them), or a CSV with a header line (Kaggle's "1 million sudoku": ``quizzes,solutions``),
 which ``read_puzzle_csv`` reads with its solutions. Rows, columns and boxes are numbered 1-9 in error
 messages (boxes row-major), and a cell is written ``r<row>c<col>``, also 1-based.
 
@@ -253,11 +252,6 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
     # The first row-shaped line read as a border (a grid's top or band edge): a grid's rows coming up short name it.
     dashes: tuple[int, str] | None = None
     after_border = False  # the last line of cells or border was a border
-    # The border lines between the last puzzle (or header) and the open grid's first row, and the open grid's lines
-    # (rows and borders), as (line number, text): where a row-shaped one read as a row makes another whole puzzle of
-    # the grid, it is refused (_other_reading).
-    above: list[tuple[int, str]] = []
-    drawn: list[tuple[int, str]] = []
 
     def unfinished(what: str) -> ValueError:
         cells = sum(r[2] for r in rows)
@@ -277,7 +271,6 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             # inside one, it would hide the rows missing before it.
             if rows:
                 raise unfinished(f"line {n} ({stripped!r}) starts another puzzle")
-            above = []
             cells = _count_cells(stripped)
             if cells > _HEADER_MAX_CELLS:
                 raise ValueError(f"{name} line {n}: starts with a word, as a header line does, but holds {cells} "
@@ -307,7 +300,6 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             raise ValueError(f"{name} line {label[0]}: a grid row after a label ({label[1]!r}), which skipping as a "
                              "header would lose, over the grid's next row; write the grid's rows without labels (a "
                              "label on a line of its own, or after '#')")
-        raw = line  # as drawn, for _other_reading's other reading
         if cells == 0 and rows and (len(rows) % 3 or after_border) and _row_shaped(line):
             # inside a band of an open grid no border goes, nor right after one: '53-|-7-|---' rows make a row with
             # no givens '---|---|---', which read as a border would take the next grid's first row in its place (or end
@@ -315,12 +307,6 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
             # next one's top ('|---|---|---|' over '|53-|-7-|---|' rows) come in pairs
             line, cells = _as_row(line), 9
         after_border = cells == 0
-        if rows:
-            drawn.append((n, raw))
-        elif cells == 0:
-            above.append((n, raw))
-        elif cells > 9:
-            above = []  # a puzzle on one line: the borders above it are none of the next grid's
         if cells == 0:  # a border line of a drawn grid ('+-------+---'): it neither opens nor closes a puzzle
             if dashes is None and _row_shaped(line):
                 dashes = (n, line)
@@ -333,8 +319,6 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                                  "9-line grid)")
             puzzles.append(line)
             continue
-        if not rows:
-            drawn = [(n, raw)]
         rows.append((n, line, cells))
         if len(rows) == 9:
             total = sum(r[2] for r in rows)
@@ -342,13 +326,8 @@ def split_puzzle_file(text: str, name: str = "file") -> list[str]:
                 short = ", ".join(f"line {r[0]} has {r[2]}" for r in rows if r[2] != 9)
                 raise ValueError(f"{name} {where(rows[0][0], n)}: {total} cells where a 9-line grid has 81, 9 a "
                                  f"line ({short}){_dashes_hint(dashes)}")
-            # read as parse_puzzle reads it, with the row-shaped borders just above it, for a second reading
-            lines = [drawn_line for _, drawn_line in above + drawn]
-            other = _other_reading(lines, *_read_cells(lines, name)[:2])
-            if other is not None:
-                raise ValueError(f"{name} line {(above + drawn)[other][0]} ({lines[other].strip()!r}) {_OTHER_READING}")
             puzzles.append("\n".join(r[1] for r in rows))
-            rows, above = [], []
+            rows = []
     if rows:
         raise unfinished("the file ends there")
     return puzzles
@@ -415,40 +394,16 @@ def parse_puzzle(text: str, name: str = "puzzle") -> str:
     """
     if not isinstance(text, str):
         raise TypeError(f"{name} must be a str, got {type(text).__name__}")
-    lines = text.splitlines(keepends=True)
-    cells, dropped, dashes = _read_cells(lines, name)
-    if len(cells) != 81:
-        hint = _dashes_hint(dashes) if len(cells) < 81 and len(cells) % 9 == 0 else ""
-        raise ValueError(f"{name} has {len(cells)} cells, expected 81{hint}")
-    other = _other_reading(lines, cells, dropped)
-    if other is not None:
-        raise ValueError(f"{name} line {other + 1} ({lines[other].strip()!r}) {_OTHER_READING}")
-    return "".join(cells)
-
-
-# Why a grid is refused that a row-shaped line read as a row would make another whole puzzle (_other_reading)
-_OTHER_READING = ("was read as a border, but read as a row with no givens it makes the grid another whole puzzle (a "
-                  "line of nine dashes tells the two apart only by its place); write a row with no givens as "
-                  "'...|...|...' or '000000000'")
-
-
-def _read_cells(lines: list[str], name: str) -> tuple[list[str], list[int], tuple[int, str] | None]:
-    """parse_puzzle's reading of a text's lines (with their ends): its cells ('0' = empty; any count), the indexes of
-    the row-shaped lines it read as borders (_other_reading tries them as rows), and the first of them (1-based
-    number, text), named if cells are missing."""
     cells: list[str] = []
     start = 0  # where the line begins in text, for the position of an illegal character
     grid_rows = 0  # lines of 9 cells so far, while every line of cells has held 9 (a grid's rows)
     dashes: tuple[int, str] | None = None  # the first row-shaped line read as a border, named if cells are missing
-    dropped: list[int] = []  # the row-shaped lines read as borders
     after_border = False  # the last line that was not blank drew a border
-    for i, line in enumerate(lines):
+    for n, line in enumerate(text.splitlines(keepends=True), start=1):
         if grid_rows > 0 and (grid_rows % 3 or after_border) and _row_shaped(line):
             line = _as_row(line)  # inside a band, or right after a border: a row with no givens (split_puzzle_file)
-        elif _row_shaped(line):
-            if dashes is None:
-                dashes = (i + 1, line)
-            dropped.append(i)
+        elif dashes is None and _row_shaped(line):
+            dashes = (n, line)
         if line.strip():
             after_border = _is_border(line)
         if not _is_border(line):
@@ -465,20 +420,10 @@ def _read_cells(lines: list[str], name: str) -> tuple[list[str], list[int], tupl
             if held:
                 grid_rows = grid_rows + 1 if held == 9 and grid_rows >= 0 else -1  # -1: not a grid's rows
         start += len(line)
-    return cells, dropped, dashes
-
-
-def _other_reading(lines: list[str], cells: list[str], dropped: list[int]) -> int | None:
-    """The index of a row-shaped line of `lines` read as a border (`dropped`) that, read as a row with no givens
-    instead, still gives a whole puzzle, but not the 81 `cells` read; None where there is none. The place rule
-    (_row_shaped) can read a drawing two ways: '|---|---|---|' over an empty first row '|---|---|---|' and '|-7-|...'
-    rows reads the empty row as a second top border, then the band border under row 3 as a row inside the band, and
-    rows 1-3 come out rotated, a puzzle as valid as the one drawn. Such a grid is refused, never read as the other."""
-    for i in dropped:
-        alt = _read_cells([_as_row(line) if j == i else line for j, line in enumerate(lines)], "")[0]
-        if len(alt) == 81 and alt != cells:
-            return i
-    return None
+    if len(cells) != 81:
+        hint = _dashes_hint(dashes) if len(cells) < 81 and len(cells) % 9 == 0 else ""
+        raise ValueError(f"{name} has {len(cells)} cells, expected 81{hint}")
+    return "".join(cells)
 
 
 def format_board(grid: str) -> str:
