@@ -528,6 +528,7 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     if not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):  # (what apply_adapter refuses)
         raise ValueError(f"save_adapter: rank={rank!r}, alpha={alpha!r}; expected positive numbers (the adapters' r "
                          "and lora_alpha, as add_lora took them)")
+    rank, alpha = int(rank), float(alpha)  # (numpy's: the config is JSON)
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
     from safetensors.torch import save_file
@@ -544,6 +545,9 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     if not tensors:  # (an adapter of no tensors, written over a run's real one, loads as its base alone)
         raise ValueError("save_adapter: the model holds no LoRA adapters to save (add_lora's; merge_lora folds them "
                          "into the weights)")
+    held = next(t.shape[0] for name, t in tensors.items() if name.endswith("lora_A.weight"))
+    if held != rank:  # (written, the folder would load nowhere: its r against its tensors' shapes)
+        raise ValueError(f"save_adapter: rank={rank}, but the model's adapters are of rank {held}")
     # A base from the Hugging Face cache at another commit than main's (base_name: "owner/name@commit") is written as
     # peft writes one: the repo id, and the commit as `revision` (AutoPeftModel loads the base from both).
     revision = None
@@ -1240,6 +1244,7 @@ class Trainer:
         # (step, steps) where a LoRA run's final save merged its adapters into lm.model (None: not merged): the
         # optimizer holds adapters the model no longer has, so a later save() or train() is refused (_check_not_merged)
         self.merged_at: tuple[int, int] | None = None
+        self.merge_saved = False  # that save was made whole (else the merged model is in lm.model alone)
         self.staged_state: Path | None = None  # where the last save staged trainer_state.pt (None: no save yet)
         # Train mode is each step's alone (train_step): a Trainer made and never run (a refused resume, train() refused
         # under inference mode) must not leave the model dropping attention in every generation after.
@@ -1434,7 +1439,7 @@ class Trainer:
         if self.rank != 0:  # rank 0 writes the run's saves: the others say what `out` keeps as it does
             self.saved_step = self.step
             if final and self.cfg.lora_rank and self.cfg.quantize is None:  # (refused as rank 0, which merged)
-                self.merged_at = (self.step, self.cfg.steps)
+                self.merged_at, self.merge_saved = (self.step, self.cfg.steps), True
             return
         # An update that overflowed (finite loss, weights grown to inf) is met by the next step's loss check; the last
         # step has none, so the weights are checked here (one sync, per save), never saved over the run's last save.
@@ -1470,8 +1475,14 @@ class Trainer:
         if self.merged_at is None:
             return
         step, steps = self.merged_at
-        # (a run its clock stopped kept its adapters in trainer_state.pt to be resumed; a finished one did not)
-        on = ("resume it with a new Trainer (Trainer.resume; blockpress train --resume)" if step < steps else
+        if not self.merge_saved:  # (the save failed after the merge: the adapters are in lm.model alone)
+            raise RuntimeError(f"Trainer.{what}: this LoRA run's final save merged its adapters into lm.model at step "
+                               f"{step}, then failed, so {self.out} holds none of the merge: save the merged model "
+                               f"with trainer.lm.save({str(self.out)!r})")
+        # (a run its clock stopped kept its adapters in trainer_state.pt to be resumed; a finished one did not). This
+        # lm.model holds them merged: a resume over it would add them a second time
+        on = (f"resume it from {self.out} with a new Trainer over the base loaded again (blockpress train --resume)"
+              if step < steps else
               f"fine-tune the merged checkpoint with a new Trainer (blockpress train --model {self.out})")
         raise RuntimeError(f"Trainer.{what}: this LoRA run has ended: its final save merged its adapters into "
                            f"lm.model at step {step}, in {self.out} (the adapters apart in {self.out / ADAPTER_DIR}); "
@@ -1529,6 +1540,7 @@ class Trainer:
             files.write(self.out / TRAINER_STATE_FILE, lambda file: torch.save(state, file))
             if done:
                 files.remove(self.out / LORA_BASE_FILE)
+        self.merge_saved = self.merged_at is not None  # (the files above are in place)
 
     def resume(self) -> None:
         """Continue from `out_dir`: weights from the checkpoint folder, optimizer state and step from trainer_state.pt."""

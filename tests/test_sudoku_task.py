@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -248,6 +249,10 @@ def test_check_puzzle_refuses_a_max_nodes_that_is_no_count(max_nodes) -> None:
     with pytest.raises(ValueError, match=f"max_nodes: expected an integer >= 1 or None, got {re.escape(repr(max_nodes))}"):
         check_puzzle(WIKI_PUZZLE, max_nodes=max_nodes)
     assert check_puzzle(WIKI_PUZZLE, max_nodes=1) == check_puzzle(WIKI_PUZZLE, max_nodes=None) == WIKI_PUZZLE
+    # numpy's integers are counts (they were, before the check came; its message then said "expected an integer")
+    assert check_puzzle(WIKI_PUZZLE, max_nodes=np.int64(100_000)) == WIKI_PUZZLE
+    assert count_solutions(WIKI_PUZZLE, np.int64(2)) == 1
+
 
 def test_shared_last_candidate_has_no_empty_candidate_set() -> None:
     # Guards the construction above: it must be unsolvable without any cell being blocked outright.

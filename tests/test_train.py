@@ -9,6 +9,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,9 +143,11 @@ def test_save_adapter_refuses_what_lm_save_refuses_and_what_its_loader_would(tmp
     for rank, alpha in ((0, 4), (2, float("nan")), (2, -1.0), (True, 4)):
         with pytest.raises(ValueError, match=r"^save_adapter: rank=.*, alpha=.*; expected positive numbers"):
             save_adapter(model, tmp_path / "out", rank, alpha, None)
+    with pytest.raises(ValueError, match=r"^save_adapter: rank=4, but the model's adapters are of rank 2$"):
+        save_adapter(model, tmp_path / "out", 4, 8, None)
     assert not (tmp_path / "out").exists() and not (tmp_path / "gone").exists()
-    save_adapter(model, tmp_path / "out", 2, 4, None)
-    assert (tmp_path / "out" / "adapter_config.json").is_file()
+    save_adapter(model, tmp_path / "out", np.int64(2), np.float32(4), None)  # (numpy's numbers: JSON all the same)
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 2
 
 
 def test_a_lora_trainer_that_merged_its_adapters_refuses_to_save_or_train_again_and_keeps_its_files(tmp_path):
@@ -180,8 +183,24 @@ def test_a_lora_trainer_that_merged_its_adapters_refuses_to_save_or_train_again_
                       max_minutes=1e-9), tmp_path / "clock", progress=False)
     assert trainer.train().stopped == "max_minutes"
     with pytest.raises(RuntimeError, match=r"^Trainer\.train: this LoRA run has ended: .* at step 0, .*; to train on, "
-                                           r"resume it with a new Trainer \(Trainer.resume"):
+                                           r"resume it from .* with a new Trainer over the base loaded again"):
         trainer.train()
+    # a final save that failed after its merge: the message says the merged model is in lm.model alone
+    trainer = Trainer(tiny_lm(), ExampleSource(EXAMPLES, 0), TrainConfig(steps=2, batch_size=4, lora_rank=2),
+                      tmp_path / "full", progress=False)
+    real_save = trainer.lm.save
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trainer.lm.save = full_disk
+    with pytest.raises(OSError):
+        trainer.train()
+    trainer.lm.save = real_save
+    with pytest.raises(RuntimeError, match=r"^Trainer\.save: this LoRA run's final save merged its adapters into "
+                                           r"lm\.model at step 2, then failed, .*: save the merged model with "
+                                           r"trainer\.lm\.save\("):
+        trainer.save(final=True)
 
 
 def test_overfit_until_greedy_reproduces(tmp_path):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import numbers
 import random
 import re
 from collections.abc import Iterable
@@ -638,7 +639,7 @@ def count_solutions(puzzle: str, limit: int = 2) -> int:
     """
     if not _is_count(limit) or limit < 1:
         raise ValueError(f"limit: expected an integer >= 1, got {limit!r}")
-    return _count(parse_puzzle(puzzle), limit)
+    return _count(parse_puzzle(puzzle), int(limit))
 
 
 def solve(puzzle: str) -> str | None:
@@ -685,6 +686,7 @@ def check_puzzle(puzzle: str, require_unique: bool = False, max_nodes: int | Non
     # ('100' failed as a TypeError naming nothing, and 0 or -3 reported every puzzle, a trivial one too, Undecided)
     if max_nodes is not None and (not _is_count(max_nodes) or max_nodes < 1):
         raise ValueError(f"max_nodes: expected an integer >= 1 or None, got {max_nodes!r}")
+    max_nodes = None if max_nodes is None else int(max_nodes)
     p = parse_puzzle(puzzle)
     conflicts = _find_conflicts(p)
     if conflicts:
@@ -784,8 +786,9 @@ def _check_difficulty(difficulty: str) -> None:
 
 
 def _is_count(value: object) -> bool:
-    """An int that is no bool (True is 1 to Python, and made one puzzle where a count was meant)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer that is no bool (True is 1 to Python, and made one puzzle where a count was meant); numpy's too
+    (np.int64 from an array's arithmetic), which callers keep as int(value)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_seed(seed: object) -> None:
