@@ -341,6 +341,29 @@ def test_resume_keeps_the_runs_own_settings(tmp_path, capsys):
     assert "warning: --resume: the run's saved settings, except steps 2 -> 4" in capsys.readouterr().err
 
 
+def test_a_run_whose_out_is_named_as_a_shipped_model_resumes_from_its_folder(tmp_path, capsys, monkeypatch):
+    """`--out blockpress-code` (a folder of that name in the current one): --resume loaded the shipped model of that
+    name as the run's checkpoint, and was refused as another model (or went on from the shipped weights)."""
+    monkeypatch.chdir(tmp_path)
+    data = write_data(tmp_path / "d.jsonl")
+    args = train_args(data, "blockpress-code", steps=2)
+    assert main(args) == 0
+    resume = [a for a in train_args(data, "blockpress-code", steps=3) if a not in ("--config", "tiny")] + ["--resume"]
+    assert main(resume) == 0, capsys.readouterr().err
+    assert "shipped" not in capsys.readouterr().err
+    assert len(losses(tmp_path / "blockpress-code")) == 3
+
+
+def test_train_in_an_emulated_half_precision_says_so(tmp_path, monkeypatch, capsys):
+    """generate --dtype bfloat16 on a CPU without bf16 matmuls notes they run emulated, many times slower; train,
+    which runs them far longer (forward and backward), said nothing."""
+    from blockpress import checkpoint
+
+    monkeypatch.setattr(checkpoint, "cpu_computes_natively", lambda dtype: False)
+    assert main(train_args(write_data(tmp_path / "d.jsonl"), tmp_path / "o", steps=1) + ["--dtype", "bfloat16"]) == 0
+    assert "note: --dtype bfloat16: this CPU has no native bf16 matmuls" in capsys.readouterr().err
+
+
 def test_resume_keeps_the_runs_held_out_split(tmp_path, capsys):
     """--heldout was not saved with the run: --resume without it held out the default 0.02 instead, trained on
     another set of examples and reported an eval loss over examples the run had trained on."""
@@ -354,6 +377,11 @@ def test_resume_keeps_the_runs_held_out_split(tmp_path, capsys):
     resume = resume[: resume.index("--heldout")] + resume[resume.index("--heldout") + 2 :] + ["--resume"]
     assert main(resume + ["--heldout", "0.25"]) == 2  # another split is refused, the run left as it was
     assert "--heldout: the run in" in capsys.readouterr().err
+    # a held-out file added is another split too: said of --heldout-data (it blamed "--heldout/--heldout-data: give
+    # one of them", with one given)
+    held = write_data(tmp_path / "h.jsonl", n=4)
+    assert main(resume + ["--heldout-data", str(held)]) == 2
+    assert "error: --heldout-data: the run in" in capsys.readouterr().err
     assert main(resume) == 0
     assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
 

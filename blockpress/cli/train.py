@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blockpress.cli.common import RANDOM_PREFIX, load_model, preset_config
+from blockpress.cli.common import RANDOM_PREFIX, emulated_dtype_note, load_model, preset_config
 from blockpress.cli.output import print_warning
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ def _run(args: argparse.Namespace, out: Path) -> int:
     lora_shape = _check_lora_resume(args, settings)
     args.model = _model_to_train(args, out)
     _check_model_flags(args, settings)
+    if (slow := emulated_dtype_note(settings.cfg.dtype, args.device)) is not None:  # (as generate's load says it)
+        print(slow, file=sys.stderr, flush=True)
     if args.model:
         lm, cfg = _load_checkpoint(args, settings, lora_shape)
     else:
@@ -224,7 +226,9 @@ def _model_to_train(args: argparse.Namespace, out: Path) -> str | None:
             raise ValueError(f"--resume: the base model this LoRA run adapts, {model} (recorded in "
                              f"{out / LORA_BASE_FILE}), is gone; give it where it is now with --model")
         return model
-    return args.out  # the run's own last checkpoint; Trainer.resume restores the rest
+    # the run's own last checkpoint; Trainer.resume restores the rest. As a path: a folder named as a shipped model
+    # ("--out blockpress-code") would be that model, not this folder
+    return str(Path(args.out).absolute())
 
 
 def _check_model_flags(args: argparse.Namespace, settings: Settings) -> None:
@@ -239,6 +243,13 @@ def _check_model_flags(args: argparse.Namespace, settings: Settings) -> None:
         # another split would score examples the run already trained on as held out (or train on held-out ones)
         raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout']} of its examples; a resumed "
                          "run keeps its split (leave --heldout out, or start a new run)")
+    if args.resume and bool(saved.get("heldout_data")) != bool(raw.get("heldout_data")) and "heldout_data" in raw:
+        # a held-out file added to (or dropped from) a run that split --data its own way: another split too, which
+        # was refused as "--heldout/--heldout-data: give one of them" with one given
+        kept = (f"holds out {saved['heldout_data']}" if saved.get("heldout_data") else
+                f"holds out {saved.get('heldout', 0)} of --data's examples")
+        raise ValueError(f"--heldout-data: the run in {args.out} {kept}; a resumed run keeps its split (leave "
+                         "--heldout-data out, or start a new run)")
     # (--heldout-data is recorded whole, below: the same file typed relative again is no change)
     changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v
                and not (k == "heldout_data" and v and saved[k] and Path(v).resolve() == Path(saved[k]).resolve())}
