@@ -125,6 +125,11 @@ def _template(puzzle: str) -> list[int]:
     return [-1 if ch == "0" else VOCAB.digit_id(ch) for ch in puzzle]
 
 
+# (scripts/ is in the source repository, not in the wheel: said where to find it)
+_USE_A_SUDOKU_MODEL = ("use blockpress-sudoku or a model trained with scripts/train_sudoku.py in a clone of the "
+                       "blockpress repository")
+
+
 def check_sudoku_model(lm: Any) -> None:
     """A sudoku model reads and writes the task's token ids (VOCAB) on a canvas of one board (CANVAS_LEN cells); any
     other model would print noise as a board."""
@@ -132,14 +137,13 @@ def check_sudoku_model(lm: Any) -> None:
     if vocab != VOCAB.vocab_size:
         raise ValueError(f"model: not a sudoku model: its vocabulary has {vocab} tokens, a sudoku model's has "
                          f"{VOCAB.vocab_size} (digits 0-9 as ids {VOCAB.digit_base}-{VOCAB.digit_base + 9}); "
-                         "use blockpress-sudoku or a model trained with scripts/train_sudoku.py in a clone of the blockpress "
-                         "repository")
+                         f"{_USE_A_SUDOKU_MODEL}")
     # its canvas is one board's 81 cells: the rules and the ensemble's views are laid out on that grid (einsum's
     # "subscript j has size 8" from rules_constraint before, and a plain call ran over 11 canvases of 8)
     canvas = lm.config.canvas_length
     if canvas != CANVAS_LEN:
         raise ValueError(f"model: not a sudoku model: its canvas_length is {canvas}, a sudoku model's is {CANVAS_LEN} "
-                         "(one board's cells); use blockpress-sudoku or a model trained with scripts/train_sudoku.py")
+                         f"(one board's cells); {_USE_A_SUDOKU_MODEL}")
 
 
 # Search nodes check_puzzle may spend on one puzzle (about 5,000 a second): a puzzle it cannot settle within them
