@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 
+import httpx
 import openai
 from benchmark_args import Formatter, checkpoint_or_random, fail, positive_int
 
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a shipped name, a folder or random-<preset>")
     ap.add_argument("--levels", type=positive_int, nargs="+", default=[1, 8, 32],
                     help="concurrent clients, one run each (in ascending order, each once; the server queues up "
-                         "to the largest, none refused)")
+                         "to the largest, none refused; the clients share this process: about 2 file descriptors "
+                         "each, see ulimit -n)")
     ap.add_argument("--requests", type=positive_int, default=32, help="requests per level")
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="completion tokens per request")
     ap.add_argument("--max-batch", type=positive_int, default=32, help="the server's largest batch")
@@ -49,7 +51,11 @@ def main() -> None:
     # refused with the server's 429 partway through, a limit no flag named
     base, server = start_in_background(create_app(lm, "m", max_queue=max(256, *args.levels),
                                                   max_batch=args.max_batch))
-    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+    # a connection for every client of the largest level: httpx's default pool holds 1,000, so a level above it ran
+    # 1,000 requests at once under its own name
+    most = max(args.levels)
+    http = openai.DefaultHttpxClient(limits=httpx.Limits(max_connections=most, max_keepalive_connections=most))
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600, http_client=http)
     prompts = ["def parse_header(line):", "class LRUCache:", "def is_prime(n):", "import os\n\ndef walk(path):"]
 
     def one(i: int) -> tuple[float, int]:

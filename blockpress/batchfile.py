@@ -215,17 +215,23 @@ def _one_document(name: str, data: bytes) -> ValueError | None:
 
 def _utf16_unmarked_note(raw: bytes) -> str:
     """utf16_note for a line of UTF-16 without a byte-order mark (iconv -t UTF-16LE, .NET's Encoding.Unicode): "" but
-    for a line whose NULs fall on one parity and make a third of it or more, as the high bytes of UTF-16's Latin text
-    do (a JSON line holds none: it writes a NUL as \\u0000). Its ASCII decodes as UTF-8, NULs and all ('not JSON'
-    with no word of why), and its other text as bytes that are no UTF-8. A line of NULs alone (what a crash leaves at
-    a file's end) is no UTF-16."""
-    text = raw.rstrip(b"\r\x00")
-    if not text.strip(b"\x00"):
+    for a line that, read as UTF-16 (little- or big-endian), is a JSON object. Read as UTF-8 its ASCII decodes, NULs
+    and all ('not JSON' with no word of why), and its other text is bytes that are no UTF-8. (Split at b"\\n", a
+    little-endian line after the first starts with the NUL of the newline before it, a big-endian one ends with the
+    NUL of its own: an odd length is cut by a byte at one end or the other.)"""
+    if b"\x00" not in raw:
         return ""
-    even, odd = text[0::2].count(0), text[1::2].count(0)
-    if max(even, odd) * 3 < len(text) or min(even, odd) * 5 > max(even, odd):
-        return ""
-    return "; it is UTF-16 (its NULs are every other byte, as in UTF-16 without a byte-order mark): save it as UTF-8"
+    for cut in (raw, raw[1:], raw[:-1]):
+        for codec in ("utf-16-le", "utf-16-be"):
+            if len(cut) % 2:
+                continue
+            try:
+                obj = json.loads(cut.decode(codec).strip())
+            except (UnicodeDecodeError, ValueError):
+                continue
+            if isinstance(obj, dict):
+                return "; it is UTF-16 (read so, without a byte-order mark, it is a JSON object): save it as UTF-8"
+    return ""
 
 
 def _row(obj: dict[str, Any], number: int, where: str, kind: LineKind) -> Row:

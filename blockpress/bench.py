@@ -169,13 +169,17 @@ class BenchSettings:
         what = (f"canvas lengths {self.canvas_lengths} (--canvas-lengths)" if self.canvas_lengths
                 else f"the {self.preset} preset's {canvases[0]}-token canvas")
         counts = ", ".join(f"{d} of the {self.new_tokens + d} denoised at canvas {c}" for c, d in dropped.items() if d)
-        # whole canvases of every length swept: a multiple of each (their lcm), the first at or above the new tokens
+        # whole canvases of every length swept: a multiple of each (their lcm), the first at or above the new tokens;
+        # advised only where it is a run of about this size that the context holds (7, 11, 13 and 256: 256,256)
         common = math.lcm(*canvases)
         whole = -(-self.new_tokens // common) * common
+        fits = (whole <= 4 * self.new_tokens
+                and self.prompt_length + whole <= self.model_config().text.max_position_embeddings)
+        multiple = (f"--new-tokens {whole} (a multiple of "
+                    f"{'every canvas length' if len(canvases) > 1 else 'the canvas length'}) or " if fits else "")
         return (f"{self.new_tokens} new token{'s' if self.new_tokens != 1 else ''} (--new-tokens) with {what}: "
                 "a canvas denoises all its positions, kept or not, so the diffusion figures include positions that "
-                f"are dropped ({counts}; AR's do not); to time only what is kept: --new-tokens {whole} (a multiple "
-                f"of {'every canvas length' if len(canvases) > 1 else 'the canvas length'}) or --canvas-lengths that "
+                f"are dropped ({counts}; AR's do not); to time only what is kept: {multiple}--canvas-lengths that "
                 f"divide {self.new_tokens}")
 
 

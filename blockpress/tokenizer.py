@@ -625,7 +625,8 @@ class Tokenizer:
 
     def decode_batch(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
         check_flag("skip_special_tokens", skip_special_tokens)  # before the first row: an empty batch too
-        if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable):  # (5, None: a bare TypeError)
+        # (5, None, a 0-d tensor or array: a bare TypeError, "iteration over a 0-d tensor")
+        if isinstance(batch, (str, bytes)) or not isinstance(batch, Iterable) or getattr(batch, "ndim", 1) == 0:
             raise ValueError(f"batch: expected a list of rows of token ids, got {type(batch).__name__} {batch!r:.40}")
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in batch]
 

@@ -2652,6 +2652,10 @@ def test_bench_notes_a_partly_used_last_canvas_and_advice_that_keeps_every_posit
     assert note(32, [8, 32]) is None and note(20, [4, 5, 10, 20]) is None  # the advice followed: nothing dropped
     assert "(4 of the 36 denoised at canvas 12;" in note(32, [12, 32]) and "--new-tokens 96 (" in note(32, [12, 32])
     assert note(96, [12, 32]) is None
+    # a multiple of every length far past the run (7, 11, 13, 256: 256,256, past the context) is not advised
+    far = note(20, [7, 11, 13, 256])
+    assert "--new-tokens" not in far.split("to time only what is kept:")[1] and far.endswith(
+        "to time only what is kept: --canvas-lengths that divide 20")
 
 
 def test_bench_top_level_canvas_is_every_canvas_swept():
@@ -4843,12 +4847,13 @@ def test_input_in_utf16_without_a_byte_order_mark_is_said_to_be_utf16():
     for codec in ("utf-16-le", "utf-16-be"):
         # (text not ASCII too: caf\u00e9 is no UTF-8 there, 5 \u20ac and \u4e50 fill the NUL of their high byte)
         for text in ('{"prompt": "def f(x):"}\n', '{"prompt": "a"}\r\n{"prompt": "b"}\r\n', '{"prompt": "caf\u00e9"}\n',
-                     '{"prompt": "5 \u20ac"}\r\n', '{"prompt": "\u4e50"}\r\n{"prompt": "b"}\r\n'):
+                     '{"prompt": "5 \u20ac"}\r\n', '{"prompt": "\u4e50"}\r\n{"prompt": "b"}\r\n',
+                     '{"prompt": "\u30bd\u30fc\u30c8\u95a2\u6570\u3092\u66f8\u3044\u3066"}\n'):  # (few NULs)
             with pytest.raises(ValueError) as err:
                 read_rows("in.jsonl", text.encode(codec))
             assert str(err.value).startswith("in.jsonl:1: not ") and str(err.value).endswith(
-                "; it is UTF-16 (its NULs are every other byte, as in UTF-16 without a byte-order mark): save it as "
-                "UTF-8"), (codec, text, str(err.value))
+                "; it is UTF-16 (read so, without a byte-order mark, it is a JSON object): save it as UTF-8"), (
+                codec, text, str(err.value))
     with pytest.raises(ValueError) as err:
         read_rows("in.jsonl", b'{"prompt": "a\x00b"}\n')  # a raw NUL in a string, the file UTF-8
     assert str(err.value) == "in.jsonl:1: not JSON (Invalid control character at, column 14)"

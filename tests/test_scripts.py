@@ -1042,13 +1042,21 @@ def test_serve_load_queues_the_largest_level_and_keeps_the_levels_measured_when_
         return real_create_app(lm, name, max_queue=1, max_batch=max_batch)
 
     monkeypatch.setattr(module, "create_app", queue_of_one)
+    pools = []  # the client's connection pool: httpx's default of 1,000 ran a level past it at 1,000 at once
+    real_client = module.openai.DefaultHttpxClient
+
+    def client(**kwargs):
+        pools.append(kwargs["limits"].max_connections)
+        return real_client(**kwargs)
+
+    monkeypatch.setattr(module.openai, "DefaultHttpxClient", client)
     # one in a batch, one waiting: of 4 clients at once, the others are refused
-    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--model", "random-tiny", "--levels", "1", "300",
+    monkeypatch.setattr(sys, "argv", ["serve_load.py", "--model", "random-tiny", "--levels", "1", "1500",
                                       "--requests", "4", "--max-tokens", "4", "--max-batch", "1"])
     with pytest.raises(SystemExit) as done:
         module.main()
     captured = capsys.readouterr()
-    assert asked == [300] and done.value.code == 1
+    assert asked == [1500] and pools == [1500] and done.value.code == 1
     assert "error: the server refused a request (HTTP 429: " in captured.err
     result = json.loads(captured.out)
     assert result["partial"] is True and list(result["levels"]) == ["1"] and result["levels"]["1"]["requests"] == 4

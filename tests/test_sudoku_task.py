@@ -252,6 +252,7 @@ def test_check_puzzle_refuses_a_max_nodes_that_is_no_count(max_nodes) -> None:
     # numpy's integers are counts (they were, before the check came; its message then said "expected an integer")
     assert check_puzzle(WIKI_PUZZLE, max_nodes=np.int64(100_000)) == WIKI_PUZZLE
     assert count_solutions(WIKI_PUZZLE, np.int64(2)) == 1
+    assert generate_many(np.int64(1), np.int64(3)) == generate_many(1, 3)  # (the seed: "expected an integer")
 
 
 def test_shared_last_candidate_has_no_empty_candidate_set() -> None:

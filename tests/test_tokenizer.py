@@ -1609,6 +1609,7 @@ def test_an_id_far_past_the_vocabulary_is_refused_at_once_keeping_nothing(tok: T
     (lambda t: t.decode_batch([[5], 6]), r"^ids: expected a sequence of token ids, got a single int 6"),
     (lambda t: t.decode_batch(5), r"^batch: expected a list of rows of token ids, got int 5"),
     (lambda t: t.decode_batch(None), r"^batch: expected a list of rows of token ids, got NoneType None"),
+    (lambda t: t.decode_batch(np.array(5)), r"^batch: expected a list of rows of token ids, got ndarray"),
     (lambda t: t.decode(__import__("torch").tensor([5, 6], device="meta")), r"^ids: a tensor on the meta device"),
 ])
 def test_token_lookups_name_a_bad_argument(tok: Tokenizer, call: Any, message: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from blockpress.cli.common import RANDOM_PREFIX, check_file_path
+from blockpress.cli.output import OutputError
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -94,10 +95,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # raised on, to be said (run_command) or shown as the traceback of a bug, with the run's non-zero status.
         rows = len(measured.get("rows", []))
         if rows:
-            print(json.dumps({**measured, "partial": True}, indent=2))
-            print(f"bench: stopped by an error after {rows} row{'s' if rows != 1 else ''} (their JSON on stdout"
-                  f"{' and in ' + str(args.out) if args.out and out_rows == rows else ''}, marked \"partial\")",
-                  file=sys.stderr)
+            try:  # (stdout gone or full: the run's own error is still the one said)
+                print(json.dumps({**measured, "partial": True}, indent=2))
+                print(f"bench: stopped by an error after {rows} row{'s' if rows != 1 else ''} (their JSON on stdout"
+                      f"{' and in ' + str(args.out) if args.out and out_rows == rows else ''}, marked \"partial\")",
+                      file=sys.stderr)
+            except (BrokenPipeError, OutputError, OSError):
+                pass
         raise
     except KeyboardInterrupt as exc:
         # The rows measured are the run's result, as a cut-short generate --json's text is: on stdout too, not in --out

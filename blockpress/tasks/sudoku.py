@@ -44,6 +44,7 @@ import random
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "CANVAS_LEN",
@@ -791,11 +792,12 @@ def _is_count(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_seed(seed: object) -> None:
+def _check_seed(seed: Any) -> int:
     # random.Random seeds from abs() of an int (seed -1 gives seed 1's puzzle) and takes str, float and bool (True
     # gives seed 1's) as well, so anything else would quietly be another seed's puzzle, or a puzzle no int names.
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+    if not _is_count(seed) or seed < 0:  # (numpy's integers are integers: random.Random takes the int they hold)
         raise ValueError(f"seed: expected an integer >= 0, got {seed!r}")
+    return int(seed)
 
 
 def _derive_seed(*parts: object) -> int:
@@ -835,7 +837,7 @@ def generate(seed: int, difficulty: str = "medium") -> Puzzle:
     If removal gets stuck above the band (only plausible for 'hard'), the attempt is redone with a seed
     derived from (seed, difficulty, attempt), so the result is still a pure function of the arguments.
     """
-    _check_seed(seed)
+    seed = _check_seed(seed)
     _check_difficulty(difficulty)
     low, high = _TARGETS[difficulty]
     for attempt in range(_MAX_ATTEMPTS):
@@ -855,7 +857,7 @@ def generate_many(n: int, seed: int, difficulty: str = "medium") -> list[Puzzle]
     """
     if not _is_count(n) or n < 0:  # (True would make one puzzle; 2.5 and '2' fail as TypeErrors from range and <)
         raise ValueError(f"n: expected an integer >= 0, got {n!r}")
-    _check_seed(seed)
+    seed = _check_seed(seed)
     _check_difficulty(difficulty)
     return [generate(_derive_seed("many", seed, k), difficulty) for k in range(n)]
 
