@@ -1208,6 +1208,27 @@ def test_bench_out_of_memory_at_a_later_batch_prints_the_rows_measured(tmp_path,
         assert json.loads(out.read_text()) == data
 
 
+def test_bench_says_its_own_error_when_stdout_cannot_take_the_rows_measured():
+    """The partial rows printed before the error is raised on: with stdout full (or its reader gone) that print's
+    own error replaced the run's, so "cannot write to standard output" was said, never the out-of-memory."""
+    code = ("import sys, blockpress.bench as bench\n"
+            "real = bench._bench_row\n"
+            "def row(lm, ref, variants, b, s, ar):\n"
+            "    if b == 2:\n"
+            "        raise RuntimeError('[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can\\'t allocate '\n"
+            "                           'memory: you tried to allocate 4096000000 bytes. Error code 12')\n"
+            "    return real(lm, ref, variants, b, s, ar)\n"
+            "bench._bench_row = row\n"
+            "from blockpress.cli import main\n"
+            "sys.exit(main(['bench', '--preset', 'tiny', '--batch-sizes', '1', '2', '--new-tokens', '8', '--steps',"
+            " '1', '--repeats', '1', '--no-reference', '--threads', '1']))\n")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-c", code], stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 1, done.stderr
+    assert "error: the device ran out of memory (" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
 def test_peak_memory_on_cpu_sees_what_a_run_allocates():
     from blockpress.bench import PeakMemory
 
