@@ -167,14 +167,14 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:  # (the first line's byte counted in the file, its mark too, as training's)
             raise ValueError(f"{where}: not UTF-8 ({undecodable_byte(exc, mark if number == 1 else 0)})"
-                             f"{utf16_note(data[:2]) or _utf16_unmarked_note(raw)}") from None
+                             f"{utf16_note(data[:2]) or _utf16_unmarked_note(data)}") from None
         if not text.strip():
             continue
         try:
             obj = parse_json(text, object_pairs_hook=one_value_a_key, parse_constant=refuse_non_json_numbers,
                              parse_float=finite_float)
         except json.JSONDecodeError as exc:
-            note = _utf16_unmarked_note(raw)
+            note = _utf16_unmarked_note(data)
             if note:  # (before cr_alone_error: UTF-16's CRLF, "\r\0\n\0", leaves a CR inside the line it splits)
                 raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno}){note}") from None
             raise (_one_document(name, data) or cr_alone_error(where, raw)
@@ -213,20 +213,20 @@ def _one_document(name: str, data: bytes) -> ValueError | None:
                       f"({jq} writes them so)")
 
 
-def _utf16_unmarked_note(raw: bytes) -> str:
-    """utf16_note for a line of UTF-16 without a byte-order mark (iconv -t UTF-16LE, .NET's Encoding.Unicode): "" but
-    for a line that, read as UTF-16 (little- or big-endian), is a JSON object. Read as UTF-8 its ASCII decodes, NULs
-    and all ('not JSON' with no word of why), and its other text is bytes that are no UTF-8. (Split at b"\\n", a
-    little-endian line after the first starts with the NUL of the newline before it, a big-endian one ends with the
-    NUL of its own: an odd length is cut by a byte at one end or the other.)"""
-    if b"\x00" not in raw:
+def _utf16_unmarked_note(data: bytes) -> str:
+    """utf16_note for a file of UTF-16 without a byte-order mark (iconv -t UTF-16LE, .NET's Encoding.Unicode): "" but
+    for one whose first line, the file read as UTF-16 (little- or big-endian), is a JSON object. Read as UTF-8 its
+    ASCII decodes, NULs and all ('not JSON' with no word of why), and its other text is bytes that are no UTF-8.
+    The whole file, not the line read_rows split: a character with a 0x0A byte (\u4e0a, \u040a) is cut in two by
+    the split at b"\\n"."""
+    if b"\x00" not in data:
         return ""
-    for cut in (raw, raw[1:], raw[:-1]):
+    for cut in (data, data[1:]):
+        cut = cut[: len(cut) // 2 * 2]
         for codec in ("utf-16-le", "utf-16-be"):
-            if len(cut) % 2:
-                continue
             try:
-                obj = json.loads(cut.decode(codec).strip())
+                first = next((line for line in cut.decode(codec).splitlines() if line.strip()), "")
+                obj = json.loads(first)
             except (UnicodeDecodeError, ValueError):
                 continue
             if isinstance(obj, dict):

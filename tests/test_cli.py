@@ -4871,7 +4871,8 @@ def test_input_in_utf16_without_a_byte_order_mark_is_said_to_be_utf16():
         # (text not ASCII too: caf\u00e9 is no UTF-8 there, 5 \u20ac and \u4e50 fill the NUL of their high byte)
         for text in ('{"prompt": "def f(x):"}\n', '{"prompt": "a"}\r\n{"prompt": "b"}\r\n', '{"prompt": "caf\u00e9"}\n',
                      '{"prompt": "5 \u20ac"}\r\n', '{"prompt": "\u4e50"}\r\n{"prompt": "b"}\r\n',
-                     '{"prompt": "\u30bd\u30fc\u30c8\u95a2\u6570\u3092\u66f8\u3044\u3066"}\n'):  # (few NULs)
+                     '{"prompt": "\u30bd\u30fc\u30c8\u95a2\u6570\u3092\u66f8\u3044\u3066"}\n',  # (few NULs)
+                     '{"prompt": "\u4e0a\u040a"}\n'):  # (a 0x0A byte inside a character: the split at b"\n" cut it)
             with pytest.raises(ValueError) as err:
                 read_rows("in.jsonl", text.encode(codec))
             assert str(err.value).startswith("in.jsonl:1: not ") and str(err.value).endswith(

@@ -383,6 +383,21 @@ def test_resume_keeps_the_runs_held_out_split(tmp_path, capsys):
     assert main(resume + ["--heldout-data", str(held)]) == 2
     assert "error: --heldout-data: the run in" in capsys.readouterr().err
     assert main(resume) == 0
+    # a run that held out none of --data may evaluate on a file (no split changes); one holding out a file keeps it
+    nothing = train_args(data, tmp_path / "none", steps=2)  # (--heldout 0)
+    assert main(nothing) == 0
+    again = [a for a in train_args(data, tmp_path / "none", steps=3) if a not in ("--config", "tiny")]
+    again = again[: again.index("--heldout")] + again[again.index("--heldout") + 2 :] + ["--resume"]
+    assert main(again + ["--heldout-data", str(held)]) == 0, capsys.readouterr().err
+    filed = train_args(data, tmp_path / "filed", steps=2)
+    filed[filed.index("--heldout") : filed.index("--heldout") + 2] = ["--heldout-data", str(held)]
+    assert main(filed) == 0
+    capsys.readouterr()
+    back = [a for a in filed if a not in ("--config", "tiny")] + ["--resume", "--heldout", "0.25"]
+    back[back.index("--steps") + 1] = "3"
+    assert main(back) == 2
+    err = capsys.readouterr().err
+    assert f"error: --heldout: the run in {tmp_path / 'filed'} holds out {held}" in err and "warning" not in err
     assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "whole"), rel=1e-5)
 
 

@@ -243,13 +243,19 @@ def _check_model_flags(args: argparse.Namespace, settings: Settings) -> None:
         # another split would score examples the run already trained on as held out (or train on held-out ones)
         raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout']} of its examples; a resumed "
                          "run keeps its split (leave --heldout out, or start a new run)")
-    if args.resume and bool(saved.get("heldout_data")) != bool(raw.get("heldout_data")) and "heldout_data" in raw:
+    if (args.resume and bool(saved.get("heldout_data")) != bool(raw.get("heldout_data")) and "heldout_data" in raw
+            and saved.get("heldout") != 0):
         # a held-out file added to (or dropped from) a run that split --data its own way: another split too, which
-        # was refused as "--heldout/--heldout-data: give one of them" with one given
+        # was refused as "--heldout/--heldout-data: give one of them" with one given (a run that held out none of
+        # --data keeps training on all of it: a file to evaluate on changes no split)
         kept = (f"holds out {saved['heldout_data']}" if saved.get("heldout_data") else
                 f"holds out {saved.get('heldout', 0)} of --data's examples")
         raise ValueError(f"--heldout-data: the run in {args.out} {kept}; a resumed run keeps its split (leave "
                          "--heldout-data out, or start a new run)")
+    if args.resume and saved.get("heldout_data") and raw.get("heldout") not in (None, 0):
+        # the mirror: a fraction of --data held out of a run that holds out a file
+        raise ValueError(f"--heldout: the run in {args.out} holds out {saved['heldout_data']}; a resumed run keeps "
+                         "its split (leave --heldout out, or start a new run)")
     # (--heldout-data is recorded whole, below: the same file typed relative again is no change)
     changed = {k: (saved[k], v) for k, v in raw.items() if k in saved and saved[k] != v
                and not (k == "heldout_data" and v and saved[k] and Path(v).resolve() == Path(saved[k]).resolve())}
