@@ -449,8 +449,19 @@ def left_out(path: str | Path) -> str | None:
 
 TRAIN_CONFIG_FILE = "train_config.json"  # a training run's settings, beside its trainer_state.pt (train.py)
 TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: written last, the save's commit marker
-RUN_FILES = (TRAIN_CONFIG_FILE, TRAINER_STATE_FILE)  # what marks a training run's folder
 METRICS_FILE = "metrics.jsonl"  # a run's log (train.py), a row a line: all a run that stopped before its first save left
+
+
+def _is_run_config(path: Path) -> bool:
+    """Whether `path` is a training run's train_config.json (TrainConfig's settings: steps, batch_size and lr among
+    them), not a file of another tool that bears the name: its folder, data and all, was left out unsaid."""
+    if path.name != TRAIN_CONFIG_FILE:
+        return False
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"steps", "batch_size", "lr"} <= saved.keys()
 
 
 def _is_run_log(path: Path) -> bool:
@@ -477,13 +488,14 @@ def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     a project folder's .venv put its site-packages into the training text (91% of the tokens of a one-file project),
     and a .ipynb_checkpoints folder a second copy of each file. `hidden`: those left out, instead.
 
-    A training run's folder below `folder` (one holding RUN_FILES, or the log of a run that stopped before its first
-    save) is left out too, its files being the run's, not data: `train --data . --out run` read run/metrics.jsonl as
-    data when it was resumed (or run again after a divergence at step 2), and every later run on the same folder
-    failed on it."""
+    A training run's folder below `folder` (one holding a trainer_state.pt or TrainConfig's train_config.json, or the
+    log of a run that stopped before its first save) is left out too, its files being the run's, not data: `train
+    --data . --out run` read run/metrics.jsonl as data when it was resumed (or run again after a divergence at step
+    2), and every later run on the same folder failed on it."""
     found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
     paths = sorted(folder.rglob("*"))
-    runs = {p.parent for p in paths if (p.name in RUN_FILES or _is_run_log(p)) and p.parent != folder}
+    runs = {p.parent for p in paths if (p.name == TRAINER_STATE_FILE or _is_run_config(p) or _is_run_log(p))
+            and p.parent != folder}
     for file in paths:
         if file.is_file() and file.suffix.lower() in found and not runs.intersection(file.parents) and \
                 hidden == any(part.startswith(".") for part in file.relative_to(folder).parts):
@@ -694,9 +706,11 @@ def is_raw_text(path: str | Path) -> bool:
         return Path(path).is_dir() or Path(path).suffix.lower() in TEXT_SUFFIXES
     if not files[0].is_file():  # a folder named x.jsonl is a mistake load_jsonl names
         return False
-    first = next(jsonl_objects(files[0]), (None, None))[1]
-    return isinstance(first, dict) and "text" in first and not {"prompt", "response", "messages",
-                                                                 "prompt_ids", "response_ids"} & set(first)
+    # the first record of the first file holding one (an empty first file decided nothing), by the fields that hold
+    # a value: a dataframe's export writes {"text": ..., "prompt": null, "response": null}
+    first = next((obj for f in files if f.is_file() for _, obj in jsonl_objects(f)), None)
+    given = {k for k, v in first.items() if v is not None} if isinstance(first, dict) else set()
+    return "text" in given and not {"prompt", "response", "messages", "prompt_ids", "response_ids"} & given
 
 
 def is_examples(path: str | Path) -> bool:

@@ -771,12 +771,38 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
     if marker in ("empty log", "cut log"):  # a divergence before the first row logged (--log-every 10), or a kill
         (data / "run" / "metrics.jsonl").write_text("" if marker == "empty log" else '{"step": 1, "lo')
     elif marker is not None:  # None: a run that stopped before its first save (a divergence) left its log alone
-        (data / "run" / marker).write_text("{}")
+        (data / "run" / marker).write_text(json.dumps({"steps": 2, "batch_size": 4, "lr": 3e-4}))
     assert jsonl_files(data) == [data / "train.jsonl"] and len(load_jsonl(data, tok)) == 1
     (data / "train.jsonl").unlink()
     (data / "main.py").write_text("def main():\n    return 1\n")
     assert load_text(data, tok).arrays[0].tolist() == tok.encode("def main():\n    return 1\n") + [tok.eos_id]
     assert jsonl_files(data / "run") == [data / "run" / "adapter" / "notes.jsonl", data / "run" / "metrics.jsonl"]
+
+
+def test_data_beside_another_tools_train_config_json_is_still_data(tmp_path, tok):
+    """Any file named train_config.json marked its folder as a training run's and left it out, unsaid: a dataset
+    whose math/ part carried another tool's config trained on 10 of its 100 examples. Only TrainConfig's marks it."""
+    data = tmp_path / "dd"
+    (data / "math").mkdir(parents=True)
+    (data / "code.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    (data / "math" / "math.jsonl").write_text(json.dumps({"prompt": "1+1", "response": "2"}) + "\n")
+    (data / "math" / "train_config.json").write_text(json.dumps({"epochs": 3, "model": "other"}))
+    assert len(load_jsonl(data, tok)) == 2
+
+
+def test_running_text_is_told_by_the_fields_that_hold_values_in_the_first_record_there_is(tmp_path):
+    """{"text": ..., "prompt": null, "response": null} (a dataframe's export) was taken for examples and refused
+    ("field 'prompt' must be a string"); a folder whose first file is empty was decided by nothing, and read as
+    examples too."""
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "x = 1", "prompt": None, "response": None}) + "\n")
+    assert is_raw_text(tmp_path / "t.jsonl")
+    corpus = tmp_path / "corp"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("")
+    (corpus / "b.jsonl").write_text(json.dumps({"text": "y = 2"}) + "\n")
+    assert is_raw_text(corpus)
+    (tmp_path / "ex.jsonl").write_text(json.dumps({"text": "z", "prompt": "a", "response": "b"}) + "\n")
+    assert not is_raw_text(tmp_path / "ex.jsonl")  # (fields of examples that hold values: examples)
 
 
 def test_data_named_metrics_jsonl_is_still_data(tmp_path, tok):
