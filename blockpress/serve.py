@@ -1232,7 +1232,10 @@ class Engine:
             return self._running()
 
     def _running(self) -> int:
-        return sum(not j.cancelled.is_set() for batch in self.batches for j in batch.jobs)  # (the lock held)
+        # (the lock held) nor the rows already answered: one of n choices that ended stays in its batch until its
+        # request's last choice ends (it is released with the request), but computes nothing and holds no place
+        return sum(not (j.cancelled.is_set() or answered) for batch in self.batches
+                   for j, answered in zip(batch.jobs, batch.answered))
 
     def _drop_cancelled(self) -> None:
         self.waiting = [j for j in self.waiting if not j.cancelled.is_set()]

@@ -2540,6 +2540,24 @@ def test_an_app_mounted_in_a_host_app_closes_its_engine_when_the_host_goes():
     assert not thread.is_alive() and model() is None
 
 
+def test_an_answered_choice_of_n_gives_its_batch_place_to_a_waiting_request():
+    """A choice of an n>1 request that ended stays in its batch until the request's last choice ends (it is released
+    with the request), and was counted as running: a waiting request did not start, though serving.md says an ended
+    row's place goes to one (/health and /metrics counted it too). An answered row holds no place."""
+    import threading
+    from types import SimpleNamespace
+
+    app = create_app(load_model("random-tiny", None, "cpu"), MODEL, max_batch=2, prefix_cache_bytes=0)
+    engine = app.state.engine
+    jobs = [SimpleNamespace(cancelled=threading.Event()) for _ in range(3)]
+    jobs[2].cancelled.set()  # a client that left
+    engine.batches = [SimpleNamespace(jobs=jobs, answered=[True, False, False])]
+    try:
+        assert engine.running() == 1
+    finally:
+        engine.batches = []
+
+
 def test_latency_histogram_is_cumulative():
     from blockpress.serve import Metrics
 
