@@ -180,8 +180,7 @@ def read_rows(name: str, data: bytes, kind: LineKind = GENERATE) -> list[Row]:
             raise (_one_document(name, data) or cr_alone_error(where, raw)
                    or ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})")) from None
         except KeyTwice as exc:  # json.loads keeps the last value: the first prompt (or id, ...) would be silently lost
-            raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep only "
-                             "the last); give it once") from None
+            raise exc.said_at(where) from None
         except NotJSONNumber as exc:  # Python writes it back as it came, and no JSON reader takes the output then
             raise ValueError(f"{where}: {exc.args[0]}; write null or a string instead") from None
         if not isinstance(obj, dict):

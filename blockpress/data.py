@@ -386,8 +386,7 @@ def jsonl_objects(path: Path) -> Iterator[tuple[str, Any]]:
                 # a file of CR-alone line ends is one line, refused as "Extra data": said why, as --input says it
                 raise cr_alone_error(where, raw) or ValueError(f"{where}: not valid JSON ({exc.msg})") from None
             except KeyTwice as exc:  # json.loads keeps the last value: the first response would be silently lost
-                raise ValueError(f"{where}: {json.dumps(exc.args[0])} is given twice in one object (JSON would keep "
-                                 "only the last); give it once") from None
+                raise exc.said_at(where) from None
             yield where, obj
 
 

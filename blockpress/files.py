@@ -505,6 +505,11 @@ class JSONTooDeep(json.JSONDecodeError):
 class KeyTwice(ValueError):
     """A JSON object that gives a key twice (args[0]: the key), which json.loads would read as its last value."""
 
+    def said_at(self, where: str) -> ValueError:
+        """The error for a line (`where`: FILE:LINE) that gives the key twice: the first value would be lost."""
+        return ValueError(f"{where}: {json.dumps(self.args[0])} is given twice in one object (JSON would keep only the "
+                          "last); give it once")
+
 
 def one_value_a_key(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json's object_pairs_hook for JSON whose repeated keys are damage, not an edit (an --input line, a

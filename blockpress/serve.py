@@ -35,9 +35,9 @@ OpenAI's presence_penalty and frequency_penalty apply to the new tokens (see Sam
 
 Infilling rides on the constrained canvas (/v1/completions): OpenAI's `suffix` (one not empty) makes the answer
 exactly `max_tokens` tokens that lead into the suffix (a canvas hole has a fixed length; a text prompt's trailing space
-joins the hole, as a text template's does; a hole marker in the suffix is its text, as escape_template keeps it), less what its first stop string cuts (`stop` is cut from the fill once it is
-written; a template takes none); the extra field `template`
-takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
+joins the hole, as a text template's does; a hole marker in the suffix is its text, as escape_template keeps it),
+less what its first stop string cuts (`stop` is cut from the fill once it is written; a template takes none); the
+extra field `template` takes text with <|hole|> / <|hole:N|> markers after the prompt and answers with the whole filled text. Canvas
 requests batch with each other whatever their lengths (each row writes its own canvas), not with plain ones. In the
 usage a canvas's fixed tokens (the template's text, the suffix) are prompt tokens, its holes the completion tokens.
 

@@ -511,6 +511,12 @@ def shape_differences(recorded: dict[str, Any], model: DiffusionGemma, this: str
             if name in own and own[name] != value]
 
 
+def _lora_scale_given(rank: Any, alpha: Any) -> bool:
+    """Whether an adapter's r and lora_alpha are what LoRA scales by (alpha / r): a positive integer and a positive
+    finite number."""
+    return is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0
+
+
 def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: float, base: str | None, *,
                  quantize: str | None = None, files: StagedFiles | None = None,
                  generation: dict[str, Any] | None = None) -> None:
@@ -525,7 +531,7 @@ def save_adapter(model: DiffusionGemma, path: str | Path, rank: int, alpha: floa
     too, so the adapter over its base generates as the run's merged checkpoint does."""
     # as lm.save's: else "~/a" makes a folder named ~, and a NUL byte fails as Python's bare 'embedded null byte'
     path = output_folder(path, "save_adapter")
-    if not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):  # (what apply_adapter refuses)
+    if not _lora_scale_given(rank, alpha):  # (what apply_adapter refuses)
         raise ValueError(f"save_adapter: rank={rank!r}, alpha={alpha!r}; expected positive numbers (the adapters' r "
                          "and lora_alpha, as add_lora took them)")
     rank, alpha = int(rank), float(alpha)  # (numpy's: the config is JSON)
@@ -793,7 +799,7 @@ def apply_adapter(model: DiffusionGemma, path: str | Path) -> DiffusionGemma:
         raise refuse(", ".join(f"{key}={cfg[key]!r}" for key in variants) + ": blockpress applies plain LoRA only "
                      "(W + lora_alpha / r * B @ A)")
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
-    if rank is None or alpha is None or not (is_int(rank) and rank > 0 and is_finite_number(alpha) and alpha > 0):
+    if rank is None or alpha is None or not _lora_scale_given(rank, alpha):  # (None: for the type checker too)
         raise refuse(f"r={rank!r}, lora_alpha={alpha!r} in {ADAPTER_FILES[0]}; expected positive numbers")
     linear = {name for name, module in model.named_modules() if isinstance(module, (nn.Linear, QuantizedLinear))}
     stored = MappedSafetensors(path / ADAPTER_FILES[1])
