@@ -430,13 +430,18 @@ def jsonl_files(path: str | Path) -> list[Path]:
 def left_out(path: str | Path) -> str | None:
     """A note of what a data folder leaves out, or None when it leaves nothing out: a folder of JSONL its .md
     files (a README.md or dataset card beside the data, as datasets are shipped, is not training text), and any
-    folder its hidden files (_folder_files). Raises
+    folder its hidden files and training runs' folders (_folder_files). Raises
     jsonl_files' errors: a folder or glob of JSONL and other files."""
     jsonl = jsonl_files(path)
     cards = _folder_files(Path(path))[".md"] if jsonl and Path(path).is_dir() else []
     hidden = hidden_data_files(path)
+    folder = Path(path)
+    runs = sorted(_run_folders(folder, sorted(folder.rglob("*")))) if folder.is_dir() and not is_glob(path) else []
     notes = [f"leaves out {_some(cards, path)} (a .md file beside .jsonl files is taken for a dataset card, not "
              "data)"] if cards else []
+    if runs:
+        notes.append(f"leaves out {len(runs)} training run folder{'s' if len(runs) > 1 else ''} ({_some(runs, path)}: "
+                     "one holding a trainer_state.pt, a blockpress train_config.json or a run's metrics.jsonl log)")
     if hidden:
         notes.append(f"leaves out {len(hidden)} hidden file{'s' if len(hidden) > 1 else ''}, named or inside a "
                      f"folder named with a leading '.' ({_some(hidden, path)}): a .venv or .git is no training "
@@ -451,16 +456,21 @@ TRAINER_STATE_FILE = "trainer_state.pt"  # a run's step, optimizer state, ...: w
 METRICS_FILE = "metrics.jsonl"  # a run's log (train.py), a row a line: all a run that stopped before its first save left
 
 
+# TrainConfig settings every blockpress version has saved: steps, batch_size and lr alone are every tool's (a
+# t5 run's train_config.json beside a user's data had its folder left out as a run of ours)
+_RUN_CONFIG_KEYS = frozenset({"steps", "batch_size", "lr", "aux_ar_weight", "self_conditioning_prob", "t_eps"})
+
+
 def _is_run_config(path: Path) -> bool:
-    """Whether `path` is a training run's train_config.json (TrainConfig's settings: steps, batch_size and lr among
-    them), not a file of another tool that bears the name: its folder, data and all, was left out unsaid."""
+    """Whether `path` is a training run's train_config.json (TrainConfig's settings: _RUN_CONFIG_KEYS among them),
+    not a file of another tool that bears the name: its folder, data and all, was left out unsaid."""
     if path.name != TRAIN_CONFIG_FILE:
         return False
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(saved, dict) and {"steps", "batch_size", "lr"} <= saved.keys()
+    return isinstance(saved, dict) and _RUN_CONFIG_KEYS <= saved.keys()
 
 
 def _is_run_log(path: Path) -> bool:
@@ -481,6 +491,12 @@ def _is_run_log(path: Path) -> bool:
     return isinstance(row, dict) and "step" in row and ("loss" in row or "stopped" in row)
 
 
+def _run_folders(folder: Path, paths: list[Path]) -> set[Path]:
+    """The training runs' folders below `folder` among its `paths` (_folder_files says why they are no data)."""
+    return {p.parent for p in paths if (p.name == TRAINER_STATE_FILE or _is_run_config(p) or _is_run_log(p))
+            and p.parent != folder}
+
+
 def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     """A data folder's files of each suffix that data is read from (.jsonl and TEXT_SUFFIXES), searched recursively,
     each list sorted. Hidden files and folders (a name starting with ".") are left out, as git and ls leave them:
@@ -493,8 +509,7 @@ def _folder_files(folder: Path, hidden: bool = False) -> dict[str, list[Path]]:
     2), and every later run on the same folder failed on it."""
     found: dict[str, list[Path]] = {suffix: [] for suffix in (".jsonl", *TEXT_SUFFIXES)}
     paths = sorted(folder.rglob("*"))
-    runs = {p.parent for p in paths if (p.name == TRAINER_STATE_FILE or _is_run_config(p) or _is_run_log(p))
-            and p.parent != folder}
+    runs = _run_folders(folder, paths)
     for file in paths:
         if file.is_file() and file.suffix.lower() in found and not runs.intersection(file.parents) and \
                 hidden == any(part.startswith(".") for part in file.relative_to(folder).parts):

@@ -1,6 +1,7 @@
 """Data: JSONL formats, canvas layout, token shards, the corpus script."""
 
 import copy
+import dataclasses
 import itertools
 import json
 import re
@@ -20,6 +21,7 @@ from blockpress.data import (
     TokenShards,
     is_raw_text,
     jsonl_files,
+    left_out,
     load_jsonl,
     load_text,
     make_batch,
@@ -29,6 +31,7 @@ from blockpress.data import (
     write_shard,
 )
 from blockpress.tokenizer import train_bpe_tokenizer
+from blockpress.train_config import TrainConfig
 
 ROOT = Path(__file__).parent.parent
 
@@ -693,7 +696,7 @@ def test_paths_with_glob_characters_that_exist_are_read_as_they_are(tmp_path, to
 def test_a_glob_of_jsonl_and_other_files_is_refused_by_name(tmp_path):
     """'dir/*' catching .jsonl files and a README.md was read as token shards: "README.md: cannot read its sidecar
     README.md.json ...; shards come from write_shard", when the fix is 'dir/*.jsonl'."""
-    from blockpress.data import is_examples, is_raw_text, jsonl_files, left_out
+    from blockpress.data import is_examples, is_raw_text, jsonl_files
 
     for name in ("one.jsonl", "two.jsonl", "README.md"):
         (tmp_path / name).write_text(json.dumps({"prompt_ids": [2], "response_ids": [3]}) + "\n")
@@ -708,7 +711,7 @@ def test_a_folder_of_jsonl_leaves_its_dataset_card_out(tmp_path, tok):
     """A README.md beside the .jsonl files made the whole folder raw text: it trained on the README alone, silently
     (or failed with "no shard holds a 77-token window"). Raw text beside JSONL was read the same way, the JSONL
     never: now which of the two is meant is asked."""
-    from blockpress.data import is_examples, is_raw_text, jsonl_files, left_out
+    from blockpress.data import is_examples, is_raw_text, jsonl_files
 
     folder = tmp_path / "data"
     (folder / "docs").mkdir(parents=True)
@@ -770,24 +773,30 @@ def test_a_data_folder_leaves_a_training_runs_folder_in_it_out(tmp_path, tok, ma
     (data / "run" / "adapter" / "notes.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # a folder inside a run
     if marker in ("empty log", "cut log"):  # a divergence before the first row logged (--log-every 10), or a kill
         (data / "run" / "metrics.jsonl").write_text("" if marker == "empty log" else '{"step": 1, "lo')
+    elif marker == "train_config.json":  # as a save writes it
+        (data / "run" / marker).write_text(json.dumps(dataclasses.asdict(TrainConfig(steps=2))))
     elif marker is not None:  # None: a run that stopped before its first save (a divergence) left its log alone
-        (data / "run" / marker).write_text(json.dumps({"steps": 2, "batch_size": 4, "lr": 3e-4}))
+        (data / "run" / marker).write_bytes(b"")
     assert jsonl_files(data) == [data / "train.jsonl"] and len(load_jsonl(data, tok)) == 1
+    assert "leaves out 1 training run folder (run: " in left_out(data)  # said, not only done
     (data / "train.jsonl").unlink()
     (data / "main.py").write_text("def main():\n    return 1\n")
     assert load_text(data, tok).arrays[0].tolist() == tok.encode("def main():\n    return 1\n") + [tok.eos_id]
     assert jsonl_files(data / "run") == [data / "run" / "adapter" / "notes.jsonl", data / "run" / "metrics.jsonl"]
 
 
-def test_data_beside_another_tools_train_config_json_is_still_data(tmp_path, tok):
+@pytest.mark.parametrize("other", [{"epochs": 3, "model": "other"},
+                                   {"model": "t5-small", "lr": 1e-4, "batch_size": 32, "steps": 5000}])
+def test_data_beside_another_tools_train_config_json_is_still_data(tmp_path, tok, other):
     """Any file named train_config.json marked its folder as a training run's and left it out, unsaid: a dataset
-    whose math/ part carried another tool's config trained on 10 of its 100 examples. Only TrainConfig's marks it."""
+    whose math/ part carried another tool's config trained on 10 of its 100 examples; so did one with steps,
+    batch_size and lr, as most tools' configs have. Only TrainConfig's marks it."""
     data = tmp_path / "dd"
     (data / "math").mkdir(parents=True)
     (data / "code.jsonl").write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     (data / "math" / "math.jsonl").write_text(json.dumps({"prompt": "1+1", "response": "2"}) + "\n")
-    (data / "math" / "train_config.json").write_text(json.dumps({"epochs": 3, "model": "other"}))
-    assert len(load_jsonl(data, tok)) == 2
+    (data / "math" / "train_config.json").write_text(json.dumps(other))
+    assert len(load_jsonl(data, tok)) == 2 and left_out(data) is None
 
 
 def test_running_text_is_told_by_the_fields_that_hold_values_in_the_first_record_there_is(tmp_path):
