@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -89,8 +88,8 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 def _is_number(value: object) -> TypeGuard[int | float]:
     """A finite JSON number: JSON's Infinity made softcapping's logits NaN, and an infinite eps or rope theta zeroed
-    or unrotated what they scale."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    or unrotated what they scale; nor an integer past a float's range (is_finite_number)."""
+    return isinstance(value, (int, float)) and is_finite_number(value)
 
 
 # torch's sizes are 64-bit: a larger JSON integer (Python reads any) would load and then fail deep in torch with

@@ -828,6 +828,9 @@ def _hand_written(raw, **fields):
         (lambda c: c["text_config"].update(vocab_size=2**63), r"vocab_size: expected a positive integer of at most "
                                                                r"9223372036854775807 \(torch's sizes are 64-bit\)"),
         (lambda c: c["text_config"].update(max_position_embeddings=10**400), "max_position_embeddings: .*64-bit"),
+        # a float field given an integer past a float's range: a bare OverflowError from math.isfinite, naming nothing
+        (lambda c: c["text_config"].update(rms_norm_eps=10**400), "rms_norm_eps: expected a positive finite number"),
+        (lambda c: c["text_config"].update(initializer_range=10**400), "initializer_range: expected a finite number"),
         (lambda c: c["text_config"].update(num_experts=2**64), "num_experts: .*64-bit"),
         (lambda c: c.update(canvas_length=2**70), "^canvas_length: .*64-bit"),
         (lambda c: c["text_config"].update(per_layer_config={"1": {"head_dim": 2**64}, "3": {"head_dim": 2**64}}),
