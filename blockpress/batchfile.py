@@ -225,7 +225,7 @@ def _utf16_unmarked_note(data: bytes) -> str:
         for codec in ("utf-16-le", "utf-16-be"):
             try:
                 first = next((line for line in cut.decode(codec).splitlines() if line.strip()), "")
-                obj = json.loads(first)
+                obj = parse_json(first)
             except (UnicodeDecodeError, ValueError):
                 continue
             if isinstance(obj, dict):

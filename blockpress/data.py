@@ -467,7 +467,7 @@ def _is_run_config(path: Path) -> bool:
     if path.name != TRAIN_CONFIG_FILE:
         return False
     try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
+        saved = parse_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return isinstance(saved, dict) and _RUN_CONFIG_KEYS <= saved.keys()
@@ -485,7 +485,7 @@ def _is_run_log(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     try:
-        row = json.loads(first)
+        row = parse_json(first)
     except ValueError:
         return True
     return isinstance(row, dict) and "step" in row and ("loss" in row or "stopped" in row)

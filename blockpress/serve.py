@@ -106,7 +106,7 @@ from starlette.routing import Match
 
 from .checks import allocation_failed, check_positive_int, check_text, is_int, weak_members
 from .config import SamplerName
-from .files import undecodable_byte
+from .files import parse_json, undecodable_byte
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs  # (typing's own from 3.13; only read by type checkers here)
@@ -346,7 +346,7 @@ class FunctionCall(_Body):
             raise PydanticCustomError("string_type", "expected the arguments as JSON text (a string, as OpenAI "
                                       "writes them), got {got}", {"got": type(text).__name__})
         try:
-            value = json.loads(text)
+            value = parse_json(text)  # JSON nested past the recursion limit: refused here, not a 500
         except json.JSONDecodeError:
             value = None
         if not isinstance(value, dict):
@@ -1643,7 +1643,7 @@ def openai_calls(found: Any, ids: Sequence[str] = ()) -> list[dict] | None:
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):  # a template's raw text (allow_non_json): a call only if it is an object
             try:
-                arguments_value = json.loads(arguments)
+                arguments_value = parse_json(arguments)
             except json.JSONDecodeError:
                 arguments_value = None
         else:

@@ -4494,7 +4494,9 @@ def test_chat_template_kwargs_reach_the_template_of_chat_and_generate_chat(tmp_p
     assert generated("--chat-template-kwargs", '{"enable_thinking": true}') == generated() + marker
     for flags, words in ((['{"messages": 1}'], "'messages' is set by the chat rendering itself"),
                          (["[1]"], "expected an object of template variables"),
-                         (["{nope"], "expected a JSON object such as")):
+                         (["{nope"], "expected a JSON object such as"),
+                         # nested past the recursion limit: a RecursionError's traceback
+                         (["[" * 5000 + "]" * 5000], "expected a JSON object such as")):
         with pytest.raises(SystemExit) as exit_:
             main(["chat", "--model", str(tmp_path / "m"), "--chat-template-kwargs", *flags])
         assert exit_.value.code == 2

@@ -3216,6 +3216,9 @@ def with_call(**change):
     ({"messages": with_call(arguments="Paris")}, "messages[2].tool_calls[0].function.arguments",
      "expected a JSON object as text, got 'Paris'"),
     ({"messages": with_call(arguments="[1]")}, "messages[2].tool_calls[0].function.arguments", "JSON object"),
+    # nested past Python's recursion limit: a RecursionError answered 500
+    ({"messages": with_call(arguments="[" * 5000 + "]" * 5000)}, "messages[2].tool_calls[0].function.arguments",
+     "JSON object"),
     ({"messages": with_call(id=None)}, "messages[2].tool_calls[0].id", "required"),
     ({"messages": with_call(name=None)}, "messages[2].tool_calls[0].function.name", "required"),
     ({"messages": with_call(type="code")}, "messages[2].tool_calls[0].type", "'function'"),

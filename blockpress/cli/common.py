@@ -303,10 +303,11 @@ def add_sampling_args(p: argparse.ArgumentParser, lengths: bool = True, stop: bo
 def template_kwargs_arg(text: str) -> dict[str, Any]:
     """--chat-template-kwargs' JSON object of chat-template variables, checked as a server request's are (names,
     reserved ones): refused while the arguments are parsed, before a model loads."""
+    from blockpress.files import parse_json
     from blockpress.tokenizer import template_variables
 
     try:
-        value = json.loads(text)
+        value = parse_json(text)  # nested past the recursion limit: this error, not a traceback
     except json.JSONDecodeError as exc:
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"enable_thinking\": true}}' ({exc})") \
             from None
