@@ -18,6 +18,7 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from .checks import utf8_problem
 from .stopping import STOP_SIGNALS, interrupts_deferred
 
 
@@ -599,9 +600,33 @@ def cr_alone_error(where: str, raw: bytes) -> ValueError | None:
 
 def utf16_note_of_text(text: str) -> str:
     """utf16_note of text read from standard input, whose bytes that are not UTF-8 arrive as surrogates
-    (surrogateescape): UTF-16's byte-order mark is "\\udcff\\udcfe" (or "\\udcfe\\udcff") there."""
-    return utf16_note(text[:2].encode("utf-8", "surrogateescape")) if text[:2] in ("\udcff\udcfe", "\udcfe\udcff") \
-        else ""
+    (surrogateescape): UTF-16's byte-order mark is "\\udcff\\udcfe" (or "\\udcfe\\udcff") there. Without the mark
+    (iconv -t UTF-16LE, .NET's Encoding.Unicode), mostly-ASCII UTF-16 is valid UTF-8, a NUL beside each letter: said
+    so where NULs are a quarter of the text or more and its bytes read as UTF-16 hold none."""
+    if text[:2] in ("\udcff\udcfe", "\udcfe\udcff"):
+        return utf16_note(text[:2].encode("utf-8", "surrogateescape"))
+    if not text or text.count("\x00") * 4 < len(text):
+        return ""
+    data = text.encode("utf-8", "surrogateescape")
+    for cut in (data, data[1:]):  # a big-endian line read after its first byte's line break: one byte off
+        cut = cut[: len(cut) // 2 * 2]
+        for codec in ("utf-16-le", "utf-16-be"):
+            try:
+                if "\x00" not in cut.decode(codec):
+                    return ("; it is UTF-16 without a byte-order mark (a NUL beside each letter, as iconv -t UTF-16LE "
+                            "and .NET's Encoding.Unicode write text): save it as UTF-8")
+            except UnicodeDecodeError:
+                continue
+    return ""
+
+
+def utf16_text_error(text: str, what: str) -> ValueError | None:
+    """The error for text read from standard input that is UTF-16 (utf16_note_of_text), None for any other."""
+    note = utf16_note_of_text(text)
+    if not note:
+        return None
+    problem = utf8_problem(text)
+    return ValueError(f"{what}: " + (f"not valid UTF-8 ({problem})" if problem else "holds NUL characters") + note)
 
 
 def undecodable_byte(exc: UnicodeDecodeError, skipped: int = 0) -> str:

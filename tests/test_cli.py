@@ -246,16 +246,28 @@ def test_piped_prompt_is_read_as_utf8_whatever_the_locale(capsys, monkeypatch):
     assert "prompt: not valid UTF-8 (byte 0xfc at character 6)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["generate", "infill"])
-def test_utf16_piped_in_is_said_to_be_utf16(capsys, monkeypatch, command):
+@pytest.mark.parametrize("command", ["generate", "infill", "chat"])
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-le", "utf-16-be"])
+def test_utf16_piped_in_is_said_to_be_utf16(capsys, monkeypatch, command, codec):
     """Windows PowerShell 5's `|` and `>` write UTF-16: piped into `generate -` or `infill -` it was refused as "not
-    valid UTF-8 (byte 0xff at character 0)" alone, where --input and --data say it is UTF-16 and how to save it."""
-    stream = io.TextIOWrapper(io.BytesIO("def add(a, b):\n".encode("utf-16")), encoding="utf-8")
+    valid UTF-8 (byte 0xff at character 0)" alone, where --input and --data say it is UTF-16 and how to save it.
+    Without a byte-order mark (iconv -t UTF-16LE) its ASCII is valid UTF-8, NULs between the letters: generate and
+    chat sent the model that, exit 0, and infill said the template "has no holes"."""
+    stream = io.TextIOWrapper(io.BytesIO("def add(a, b):\n<|hole|>\n".encode(codec)), encoding="utf-8")
     monkeypatch.setattr(sys, "stdin", stream)
-    assert main([command, "-", "--model", "random-tiny", "--steps", "2"]) == 2
-    key = "prompt" if command == "generate" else "template"
-    assert f"error: {key}: not valid UTF-8 (byte 0xff at character 0); it is UTF-16 (it starts with a UTF-16 " \
-           "byte-order mark" in capsys.readouterr().err
+    assert main([command, *["-"] * (command != "chat"), "--model", "random-tiny", "--steps", "2"]) == 2
+    key = {"generate": "prompt", "infill": "template", "chat": "standard input"}[command]
+    said = ("not valid UTF-8 (byte 0xff at character 0); it is UTF-16 (it starts with a UTF-16 byte-order mark"
+            if codec == "utf-16" else "holds NUL characters; it is UTF-16 without a byte-order mark")
+    assert f"error: {key}: {said}" in capsys.readouterr().err
+
+
+def test_a_prompt_with_a_nul_here_and_there_is_no_utf16():
+    from blockpress.files import utf16_text_error
+
+    assert utf16_text_error("abc\x00def\x00ghi", "prompt") is None  # NULs fewer than a quarter
+    assert utf16_text_error("\x00\x00\x00\x00", "prompt") is None  # NULs read as UTF-16 too
+    assert "UTF-16" in str(utf16_text_error("ab".encode("utf-16-le").decode(), "prompt"))
 
 
 @pytest.mark.parametrize("command", ["generate", "infill"])

@@ -169,6 +169,12 @@ def test_a_puzzle_file_not_utf8_is_named_at_its_byte_and_utf16_is_said(tmp_path,
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(utf16.encode("utf-16")), encoding="utf-8"))
     assert main(["sudoku", "-"]) == 2
     assert f"stdin line 1: not valid UTF-8 (byte 0xff at character 0){said}" in capsys.readouterr().err
+    # without a byte-order mark (iconv -t UTF-16LE): valid UTF-8, and was "illegal character '\x00'"
+    (tmp_path / "u16le.txt").write_bytes(utf16.encode("utf-16-le"))
+    for args, codec in ((["--file", str(tmp_path / "u16le.txt")], "utf-16-le"), (["-"], "utf-16-be")):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(utf16.encode(codec)), encoding="utf-8"))
+        assert main(["sudoku", *args]) == 2
+        assert "holds NUL characters; it is UTF-16 without a byte-order mark" in capsys.readouterr().err
 
 
 def test_an_unreadable_puzzle_file_is_a_clear_error(tmp_path, capsys, monkeypatch):

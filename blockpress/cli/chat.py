@@ -25,7 +25,7 @@ from blockpress.cli.common import (
     stats_line,
 )
 from blockpress.cli.output import out_of_memory_message, release_device_memory
-from blockpress.files import parse_json, utf16_note_of_text
+from blockpress.files import parse_json, utf16_text_error
 from blockpress.stopping import Stopped, fresh_line, stop_status, stop_word
 
 # A line of this alone opens a message of several lines, and the next one sends it (a code model's chat is sent
@@ -307,8 +307,8 @@ class ChatSession:
         # UTF-16 piped in (Windows PowerShell 5's |, `type` of a Notepad "Unicode" file) ends the chat, as `generate -`
         # refuses it: past the mark's line its lines are valid UTF-8, NULs between the letters, and the per-message
         # check (to_send) would drop the first line alone and send the model the rest as garbage
-        if first_read and not self.interactive and (note := utf16_note_of_text(line)):
-            raise ValueError(f"standard input: not valid UTF-8 ({utf8_problem(line)}){note}")
+        if first_read and not self.interactive and (error := utf16_text_error(line, "standard input")):
+            raise error
         if "\n" in line and any(part.rstrip("\r").rstrip() == BLOCK for part in line.split("\n")):
             line, *rest = line.split("\n")
             self.pending.extend(part.removesuffix("\r") for part in rest)

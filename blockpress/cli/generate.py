@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from blockpress.checks import check_text, utf8_problem
+from blockpress.checks import check_text
 from blockpress.cli.chat import ReplyReader, check_chat_template, system_turn
 from blockpress.cli.common import (
     check_draw_filters,
@@ -28,7 +28,7 @@ from blockpress.cli.common import (
     typed_flag,
 )
 from blockpress.cli.output import print_warning
-from blockpress.files import utf16_note_of_text
+from blockpress.files import utf16_text_error
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 FILE_BATCH_SIZE = 8  # --input's rows a call when --batch-size is not given
@@ -80,8 +80,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_chat_template(lm, args, "--chat (drop it to continue the prompt as plain text)")
     if args.prompt == "-":  # as infill's template
         args.prompt = sys.stdin.read()
-        if note := utf16_note_of_text(args.prompt):  # (UTF-16 piped in: said so, as --input's is)
-            raise ValueError(f"prompt: not valid UTF-8 ({utf8_problem(args.prompt)}){note}")
+        if error := utf16_text_error(args.prompt, "prompt"):  # (UTF-16 piped in: said so, as --input's is)
+            raise error
         check_text(args.prompt, "prompt")
     live = live_terminal(sys.stdout) and not args.no_live and not args.json
     prompt: Any = args.prompt

@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Any
 
-from blockpress.checks import check_text, utf8_problem
+from blockpress.checks import check_text
 from blockpress.cli.common import (
     RANDOM_PREFIX,
     as_flags,
@@ -33,7 +33,7 @@ from blockpress.cli.generate import (
     run_settings,
 )
 from blockpress.cli.output import print_warning
-from blockpress.files import utf16_note_of_text
+from blockpress.files import utf16_text_error
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -87,8 +87,8 @@ def cmd_infill(args: argparse.Namespace) -> int:
     if file:
         return infill_file(args)
     text = args.template if args.template != "-" else sys.stdin.read()
-    if args.template == "-" and (note := utf16_note_of_text(text)):  # (UTF-16 piped in: said so, as --input's is)
-        raise ValueError(f"template: not valid UTF-8 ({utf8_problem(text)}){note}")
+    if args.template == "-" and (error := utf16_text_error(text, "template")):  # (UTF-16 piped in: said so, as
+        raise error  # --input's is)
     for flag, value in (("--prefix", args.prefix), ("template", text)):
         check_text(value, flag)  # bytes that were not UTF-8 arrive as surrogates: it names the byte, as chat does
     check_template(text, args.hole_length, model_context(args))

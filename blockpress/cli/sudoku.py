@@ -13,7 +13,7 @@ from typing import Any
 from blockpress.checks import check_text, utf8_problem
 from blockpress.cli.common import load_announced
 from blockpress.cli.output import print_warning
-from blockpress.files import text_of_file, undecodable_byte, utf16_note, utf16_note_of_text
+from blockpress.files import text_of_file, undecodable_byte, utf16_note, utf16_note_of_text, utf16_text_error
 from blockpress.stopping import fresh_line, stop_status, stop_word
 
 
@@ -41,6 +41,8 @@ def cmd_sudoku(args: argparse.Namespace) -> int:
         for n, line in enumerate(text.splitlines(), start=1):
             if (problem := utf8_problem(line)) is not None:  # (UTF-16 piped in: said so, as a --file of it is)
                 raise ValueError(f"{name} line {n}: not valid UTF-8 ({problem}){utf16_note_of_text(line)}")
+        if error := utf16_text_error(text, name):  # UTF-16 without a byte-order mark: valid UTF-8, NULs and all
+            raise error
         pairs = read_puzzle_csv(text, name) if is_puzzle_csv(text) else [(p, None) for p in split_puzzle_file(text, name)]
         puzzles.extend(p for p, _ in pairs)
         expected.extend(s for _, s in pairs)
