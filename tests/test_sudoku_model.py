@@ -12,7 +12,7 @@ import torch
 import blockpress
 from blockpress.cli import main
 from blockpress.tasks import sudoku_model
-from blockpress.tasks.sudoku import generate, verify
+from blockpress.tasks.sudoku import format_board, generate, verify
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 from train_sudoku import sudoku_config  # noqa: E402
@@ -583,8 +583,14 @@ def test_cli_reads_dashed_puzzles_and_points_one_that_starts_with_a_dash_past_ar
     assert json.loads(capsys.readouterr().out)["puzzle"] == p
     with pytest.raises(SystemExit):  # argparse's error, before anything loads
         main(["sudoku", dashed, "--model", str(path)])
-    assert "a puzzle that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- PUZZLE)" in capsys.readouterr().err
-
+    said = "a puzzle or border word that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- PUZZLE...)"
+    assert said in capsys.readouterr().err
+    board = format_board(p).split()  # a board as blockpress prints it, typed as words: its borders start with '-'
+    with pytest.raises(SystemExit):
+        main(["sudoku", "--model", str(path), *board])
+    assert said in capsys.readouterr().err
+    main(["sudoku", "--model", str(path), "--json", "--steps", "1", "--", *board])
+    assert json.loads(capsys.readouterr().out)["puzzle"] == p
 
 def test_the_docs_give_the_shipped_sudoku_models_size_on_disk():
     """README, RESULTS.md and quantization.md said 4.4 MB for a safetensors file of 4,349,296 bytes (what

@@ -61,12 +61,14 @@ class CommandParser(Parser):
     def parse_known_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> tuple[Any, list[str]]:
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
-            # a puzzle whose first cell is empty ('-') reads to argparse as a flag it does not know
+            # a puzzle whose first cell is empty ('-'), or a grid's border word ('------+-------+------', as
+            # format_board prints a board), reads to argparse as a flag it does not know
             cells = set("0123456789.-_*|+")
             dashed = self.prog.endswith(" sudoku") and any(e.startswith("-") and len(e) > 9 and set(e) <= cells
                                                             for e in extras)
             self.error(f"unrecognized arguments: {' '.join(extras)}"
-                       + ("; a puzzle that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- PUZZLE)"
+                       + ("; a puzzle or border word that starts with '-' goes after -- (blockpress sudoku [FLAGS] -- "
+                          "PUZZLE...)"
                           if dashed else ""))
         return namespace, extras
 
@@ -287,8 +289,9 @@ def add_train_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
 def add_sudoku_command(sub: argparse._SubParsersAction[CommandParser]) -> None:
     """`blockpress sudoku`'s flags."""
     p = sub.add_parser("sudoku", formatter_class=DefaultsFormatter, help="solve sudoku puzzles with a block-diffusion model",
-                       description="Solve PUZZLE(s): 81 characters each, 0 . - _ or * for an empty cell (a puzzle "
-                                   "that starts with - goes after --). The givens are "
+                       description="Solve PUZZLE(s): 81 characters each, 0 . - _ or * for an empty cell (words "
+                                   "that start with -, a puzzle's or a border's, go after --, which ends the flags: "
+                                   "blockpress sudoku -- $(cat board.txt)). The givens are "
                                    "fixed positions of the canvas; the model alone fills the rest (no rules, no "
                                    "search), unless --rules. Default model: blockpress-sudoku. Exit status: 0 "
                                    "when every answer is a valid solution, 1 when any is not, 2 for bad input.")
