@@ -1,5 +1,6 @@
 """The decoding loop's mechanics on tiny random models."""
 
+import argparse
 import copy
 import json
 import os
@@ -1838,6 +1839,12 @@ def test_cuda_graphs_need_a_torch_with_a_grouped_gemm(lm, monkeypatch):
     with pytest.raises(ValueError, match=r"cuda_graphs: torch .* has no grouped GEMM \(torch._grouped_mm, from torch "
                                          r"2.8 on\), so the experts run one GEMM each"):
         lm.cuda_graphs()
+    # the CLI's flag before the model loads (minutes for the 26B), as docs/cli.md says it is
+    from blockpress.cli.common import check_cuda_graphs
+
+    args = argparse.Namespace(cuda_graphs=True, device="cuda", dtype="bfloat16", model="random-tiny")
+    with pytest.raises(ValueError, match=r"--cuda-graphs: torch .* has no grouped GEMM \(torch._grouped_mm, from "):
+        check_cuda_graphs(args)
 
 
 @pytest.mark.parametrize("dtype, scheme, reads", [("float16", None, 1), ("float32", "int8", 1), ("float32", None, 0)])

@@ -215,6 +215,11 @@ def check_cuda_graphs(args: argparse.Namespace) -> None:
     why = _graphs_refusal(device, dtype)
     if why is not None:
         raise ValueError(f"--cuda-graphs: {why}; run with --device cuda --dtype bfloat16, or without --cuda-graphs")
+    from blockpress import lm
+
+    if lm.GROUPED_MM is None:  # as lm.cuda_graphs() refuses it, after the load
+        raise ValueError(f"--cuda-graphs: torch {torch.__version__} has no grouped GEMM (torch._grouped_mm, from torch "
+                         "2.8 on), which the experts need in a graph; use a newer torch, or run without --cuda-graphs")
 
 
 DEVICE_HELP = "torch device: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:N or mps"
