@@ -390,7 +390,7 @@ def run_bench(s: BenchSettings, on_row: Callable[[dict[str, Any]], None] | None 
         lm = random_model(cfg, seed=0, dtype=s.dtype, device=s.device)
         ref = _reference(lm) if s.reference else None
         out["reference_available"] = ref is not None
-        variants = {name: _variant(name, lm, cfg, s) for name in names}
+        variants = {name: _variant(name, lm) for name in names}
         # AR has no canvas: it is timed with the first canvas alone (each canvas re-timed it, warm-up, repeats and
         # memory run, for the same figures), and the later canvases' rows compare with that row's.
         ar = s.ar and canvas == canvases[0]
@@ -470,7 +470,7 @@ def _note(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def _variant(name: str, lm: LM, cfg: ModelConfig, s: BenchSettings) -> LM:
+def _variant(name: str, lm: LM) -> LM:
     """A variant as its own LM beside the eager one, so the eager engines can take turns with it: compiled or
     graphed steps over the same weights, or a quantized twin of them built beside them (quantize.quantized_copy: a
     second random model quantized after it peaked at twice the weights)."""

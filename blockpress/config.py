@@ -171,7 +171,7 @@ def _fill_partial_rotary_factor(text: TextConfig, factor: Any) -> bool:
     entries = {kind: text.rope_parameters[kind] for kind in dict.fromkeys(text.layer_types or ())}
     if all(entry.get("rope_type", "default") == "default" for entry in entries.values()):
         return False
-    if isinstance(factor, bool) or not (_is_number(factor) and 0 <= factor <= 1):
+    if not (_is_number(factor) and 0 <= factor <= 1):
         raise ConfigError(f"text_config.partial_rotary_factor: expected a fraction in [0, 1], got {factor!r}")
     for kind, entry in entries.items():
         rope_type = entry.get("rope_type", "default")
